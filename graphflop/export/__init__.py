@@ -1,0 +1,1 @@
+"""Exporters: tables, JSON and CSV (report), Graphviz, ONNX. They read annotations only."""

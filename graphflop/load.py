@@ -1,0 +1,238 @@
+"""Model specs → ``nn.Module`` and example inputs.
+
+A spec is one of:
+
+* ``path/to/file.py`` — the one ``nn.Module`` subclass defined in that file;
+* ``path/to/file.py:Name`` — ``Name`` in that file: an ``nn.Module`` subclass, a factory function
+  returning a module, or a module instance;
+* ``package.module:attr`` — the same, imported from an installed package.
+
+Example inputs come from the file's ``example_inputs()`` function, or from explicit shapes
+(``--input-shape 8,3,224,224``). ``batch`` rescales the first dimension of every input. Inputs
+are FakeTensors: shapes and dtypes only, no memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "int64": torch.int64,
+    "long": torch.int64,
+    "int32": torch.int32,
+}
+
+
+class SpecError(ValueError):
+    """A model spec, input shape or dtype that cannot be used; the message says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to trace.
+
+    Attributes:
+        name: display name (``file.py:Name``).
+        model: the module (in train mode unless asked otherwise).
+        example_inputs: tuple of real tensors (small, from ``example_inputs()``) or None.
+    """
+
+    name: str
+    model: nn.Module
+    example_inputs: tuple[torch.Tensor, ...] | None
+
+
+def _import_file(path: Path):
+    if not path.exists():
+        raise SpecError(
+            f"model file not found: {path} (give a path to a .py file, optionally with :Name)"
+        )
+    mod_name = f"graphflop_user_{path.stem}_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise SpecError(f"cannot import {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    sys.path.insert(0, str(path.parent.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's file failed: say which and why
+        sys.modules.pop(mod_name, None)
+        raise SpecError(f"importing {path} failed: {type(e).__name__}: {e}") from e
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def _split_spec(spec: str) -> tuple[str, str | None]:
+    if spec.endswith(".py") or ":" not in spec:
+        return spec, None
+    target, _, name = spec.rpartition(":")
+    return target, name or None
+
+
+def _module_classes(module) -> list[type]:
+    return [
+        obj
+        for obj in vars(module).values()
+        if inspect.isclass(obj) and issubclass(obj, nn.Module) and obj.__module__ == module.__name__
+    ]
+
+
+def _instantiate(obj: Any, where: str, ctor_kwargs: dict, meta: bool) -> nn.Module:
+    try:
+        if isinstance(obj, nn.Module):
+            return obj
+        if callable(obj):
+            if meta:  # parameters on the meta device: shapes only, no memory, no init time
+                with torch.device("meta"):
+                    model = obj(**ctor_kwargs)
+            else:
+                model = obj(**ctor_kwargs)
+        else:
+            raise SpecError(f"{where} is neither an nn.Module class, a factory nor a module")
+    except SpecError:
+        raise
+    except TypeError as e:
+        raise SpecError(f"cannot construct {where}: {e}") from e
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"{where} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def load(spec: str, *, ctor_kwargs: dict | None = None, meta: bool = False) -> LoadedModel:
+    """Load the model named by ``spec`` (see the module docstring).
+
+    Args:
+        ctor_kwargs: keyword arguments for the class or factory.
+        meta: construct the model on PyTorch's meta device (no parameter memory; for analysis).
+
+    Raises:
+        SpecError: missing file, unknown name, ambiguous file, import failure.
+    """
+    ctor_kwargs = ctor_kwargs or {}
+    target, name = _split_spec(spec)
+    if target.endswith(".py") or "/" in target or Path(target).suffix == ".py":
+        module = _import_file(Path(target))
+        label = Path(target).name
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise SpecError(
+                f"cannot import module {target!r}: {e} (give path/to/file.py or "
+                "package.module:attr)"
+            ) from e
+        label = target
+    if name is None:
+        classes = _module_classes(module)
+        if not classes:
+            raise SpecError(f"{label} defines no nn.Module subclass; name one with {spec}:Name")
+        if len(classes) > 1:
+            names = ", ".join(c.__name__ for c in classes)
+            raise SpecError(
+                f"{label} defines several nn.Module subclasses ({names}); pick one with {spec}:Name"
+            )
+        obj, name = classes[0], classes[0].__name__
+    else:
+        if not hasattr(module, name):
+            avail = ", ".join(c.__name__ for c in _module_classes(module)) or "none"
+            raise SpecError(f"{label} has no attribute {name!r} (nn.Module classes there: {avail})")
+        obj = getattr(module, name)
+    model = _instantiate(obj, f"{label}:{name}", ctor_kwargs, meta)
+    example = None
+    fn = getattr(module, "example_inputs", None)
+    if callable(fn):
+        example = fn()
+        if isinstance(example, torch.Tensor):
+            example = (example,)
+        example = tuple(example)
+    return LoadedModel(f"{label}:{name}", model, example)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"8,3,224,224"`` → ``(8, 3, 224, 224)``.
+
+    Raises:
+        SpecError: on anything but comma-separated positive integers.
+    """
+    parts = [p.strip() for p in text.replace("x", ",").split(",")]
+    try:
+        dims = tuple(int(p) for p in parts)
+    except ValueError:
+        raise SpecError(
+            f"bad input shape {text!r}: write comma-separated positive integers, e.g. 8,3,224,224"
+        ) from None
+    if not dims or any(d <= 0 for d in dims):
+        raise SpecError(f"bad input shape {text!r}: every dimension must be a positive integer")
+    return dims
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    try:
+        return DTYPES[text.lower()]
+    except KeyError:
+        raise SpecError(f"unknown dtype {text!r}; one of {', '.join(sorted(DTYPES))}") from None
+
+
+def make_inputs(
+    loaded: LoadedModel,
+    *,
+    shapes: list[tuple[int, ...]] | None = None,
+    dtype: torch.dtype | None = None,
+    batch: int | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Example inputs without memory (meta tensors) with the requested shapes, dtype and batch.
+
+    ``device`` defaults to the model's parameter device (``meta`` for a model loaded with
+    ``meta=True``); inputs for a real model are FakeTensors.
+
+    Raises:
+        SpecError: when no shapes are given and the file has no ``example_inputs()``, or on a
+            bad batch size.
+    """
+    if shapes:
+        specs = [(s, dtype or torch.float32) for s in shapes]
+    elif loaded.example_inputs is not None:
+        specs = [
+            (tuple(t.shape), dtype if dtype and t.is_floating_point() else t.dtype)
+            for t in loaded.example_inputs
+        ]
+    else:
+        raise SpecError(
+            f"{loaded.name}: no example_inputs() in its file; give "
+            "--input-shape N,C,H,W (once per input)"
+        )
+    if batch is not None:
+        if batch <= 0:
+            raise SpecError(f"bad batch size {batch}: must be a positive integer")
+        specs = [((batch,) + tuple(s[1:]) if s else s, d) for s, d in specs]
+    if device is None:
+        p = next(iter(loaded.model.parameters()), None)
+        device = p.device if p is not None else torch.device("cpu")
+    if torch.device(device).type == "meta":
+        return tuple(torch.empty(s, dtype=d, device="meta") for s, d in specs)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return tuple(torch.empty(s, dtype=d, device=device) for s, d in specs)

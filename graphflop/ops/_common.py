@@ -1,0 +1,72 @@
+"""Shared pieces of the rule files: element counts and the common cost shapes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphflop.meta import NodeCost
+
+
+def numel(t: Any) -> int:
+    """Number of elements of a (fake) tensor; 0 for anything else."""
+    return int(math.prod(t.shape)) if isinstance(t, torch.Tensor) else 0
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def per_output(k: int = 1, transcendental: bool = False):
+    """Cost: ``k`` FLOPs per element of the (first) output."""
+
+    def cost(out, *args, **kwargs) -> NodeCost:
+        n = numel(first_tensor(out))
+        return NodeCost(flops=k * n, transcendentals=n if transcendental else 0)
+
+    return cost
+
+
+def per_input(k: int = 1, plus_per_output: int = 0):
+    """Cost: ``k`` FLOPs per element of the first input (+ some per output element)."""
+
+    def cost(out, x, *args, **kwargs) -> NodeCost:
+        return NodeCost(flops=k * numel(x) + plus_per_output * numel(first_tensor(out)))
+
+    return cost
+
+
+def free(out, *args, **kwargs) -> NodeCost:
+    """Cost of views, copies, creation and integer bookkeeping: 0 FLOPs."""
+    return NodeCost()
+
+
+def norm_dims(dims: Sequence[int] | int | None, ndim: int) -> list[int]:
+    """Reduction dims as sorted non-negative ints; ``None``/``[]`` means all dims."""
+    if dims is None:
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    if len(dims) == 0:
+        return list(range(ndim))
+    return sorted(d % max(ndim, 1) for d in dims)
+
+
+def shape(v: Any) -> tuple[int, ...]:
+    """Shape of a graph value (fx node with ``val``, ghost, or tensor)."""
+    if isinstance(v, torch.fx.Node):
+        return tuple(v.meta["val"].shape)
+    if getattr(v, "is_ghost", False):
+        return tuple(v.val.shape)
+    return tuple(v.shape)
+
+
+def dtype(v: Any) -> torch.dtype:
+    if isinstance(v, torch.fx.Node):
+        return v.meta["val"].dtype
+    if getattr(v, "is_ghost", False):
+        return v.val.dtype
+    return v.dtype

@@ -1,0 +1,379 @@
+"""Unary and binary elementwise ops: 1 FLOP per output element (FLOPS.md), transcendentals
+tallied separately; comparisons and sign have zero derivative.
+
+JVP rules write the tangent as ``tangent * coefficient``, where the coefficient is a primal-only
+value (``coef`` node), so every tangent node is linear in the tangents and transposes with the
+rules of ``mul``/``div``/``where``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphflop.ops._common import per_output, shape
+from graphflop.ops.registry import def_jvp, def_transpose, def_zero, register
+
+aten = torch.ops.aten
+
+F = "elementwise"
+_one = per_output(1)
+_trans = per_output(1, transcendental=True)
+
+for _op in (
+    aten.add.Tensor,
+    aten.add.Scalar,
+    aten.sub.Tensor,
+    aten.sub.Scalar,
+    aten.rsub.Scalar,
+    aten.rsub.Tensor,
+    aten.mul.Tensor,
+    aten.mul.Scalar,
+    aten.div.Tensor,
+    aten.div.Scalar,
+    aten.neg.default,
+    aten.relu.default,
+    aten.abs.default,
+    aten.where.self,
+    aten.where.ScalarOther,
+    aten.where.ScalarSelf,
+    aten.maximum.default,
+    aten.minimum.default,
+    aten.clamp.default,
+    aten.clamp_min.default,
+    aten.clamp_max.default,
+    aten.sign.default,
+    aten.reciprocal.default,
+    aten.eq.Scalar,
+    aten.eq.Tensor,
+    aten.ne.Scalar,
+    aten.ne.Tensor,
+    aten.gt.Scalar,
+    aten.gt.Tensor,
+    aten.ge.Scalar,
+    aten.ge.Tensor,
+    aten.lt.Scalar,
+    aten.lt.Tensor,
+    aten.le.Scalar,
+    aten.le.Tensor,
+    aten.logical_not.default,
+    aten.logical_and.default,
+    aten.bitwise_not.default,
+):
+    register(_op, F, _one)
+
+for _op in (
+    aten.exp.default,
+    aten.log.default,
+    aten.tanh.default,
+    aten.sigmoid.default,
+    aten.sqrt.default,
+    aten.rsqrt.default,
+    aten.pow.Tensor_Scalar,
+    aten.pow.Tensor_Tensor,
+    aten.pow.Scalar,
+    aten.erf.default,
+    aten.sin.default,
+    aten.cos.default,
+    aten.log1p.default,
+    aten.expm1.default,
+):
+    register(_op, F, _trans)
+
+for _op in (
+    aten.eq.Scalar,
+    aten.eq.Tensor,
+    aten.ne.Scalar,
+    aten.ne.Tensor,
+    aten.gt.Scalar,
+    aten.gt.Tensor,
+    aten.ge.Scalar,
+    aten.ge.Tensor,
+    aten.lt.Scalar,
+    aten.lt.Tensor,
+    aten.le.Scalar,
+    aten.le.Tensor,
+    aten.sign.default,
+    aten.logical_not.default,
+    aten.logical_and.default,
+    aten.bitwise_not.default,
+):
+    def_zero(_op)
+
+
+def _is_tensor(a) -> bool:
+    return isinstance(a, torch.fx.Node) or getattr(a, "is_ghost", False)
+
+
+def _fit(b, t, out):
+    """Broadcast a tangent up to the output's shape when the op broadcast its input."""
+    if t is not None and shape(t) != shape(out):
+        return b.call(aten.expand.default, t, list(shape(out)))
+    return t
+
+
+# --- add / sub: linear in both arguments ------------------------------------------------------
+
+
+@def_jvp(aten.add.Tensor)
+def _jvp_add(b, out, args, tangents, kwargs):
+    alpha = kwargs.get("alpha", 1)
+    ty = tangents[1] if len(tangents) > 1 else None
+    if ty is not None and alpha != 1:
+        ty = b.call(aten.mul.Tensor, ty, alpha)
+    return _fit(b, b.add(tangents[0], ty), out)
+
+
+@def_jvp(aten.sub.Tensor)
+def _jvp_sub(b, out, args, tangents, kwargs):
+    alpha = kwargs.get("alpha", 1)
+    tx, ty = tangents[0], tangents[1] if len(tangents) > 1 else None
+    if ty is not None and alpha != 1:
+        ty = b.call(aten.mul.Tensor, ty, alpha)
+    if ty is None:
+        return _fit(b, tx, out)
+    if tx is None:
+        return _fit(b, b.call(aten.neg.default, ty), out)
+    return b.sub(tx, ty)
+
+
+def _transpose_add_sub(sign: int):
+    def rule(b, ct, args, kwargs, linear):
+        alpha = kwargs.get("alpha", 1)
+        cts = [None] * len(args)
+        if linear[0]:
+            cts[0] = b.sum_to(ct, shape(args[0]))
+        if len(args) > 1 and linear[1]:
+            c = ct
+            if sign * alpha != 1:
+                c = b.call(aten.mul.Tensor, ct, sign * alpha)
+            cts[1] = b.sum_to(c, shape(args[1]))
+        return cts
+
+    return rule
+
+
+def_transpose(aten.add.Tensor)(_transpose_add_sub(1))
+def_transpose(aten.sub.Tensor)(_transpose_add_sub(-1))
+
+
+@def_jvp(aten.add.Scalar)
+def _jvp_add_scalar(b, out, args, tangents, kwargs):
+    return tangents[0]
+
+
+def_jvp(aten.sub.Scalar)(_jvp_add_scalar)
+
+
+@def_jvp(aten.rsub.Scalar)
+def _jvp_rsub_scalar(b, out, args, tangents, kwargs):
+    # other - alpha * x
+    t = b.call(aten.neg.default, tangents[0])
+    alpha = kwargs.get("alpha", 1)
+    return t if alpha == 1 else b.call(aten.mul.Tensor, t, alpha)
+
+
+# --- mul / div ----------------------------------------------------------------------------------
+
+
+@def_jvp(aten.mul.Tensor)
+def _jvp_mul(b, out, args, tangents, kwargs):
+    x, y = args
+    tx, ty = tangents
+    t1 = b.call(aten.mul.Tensor, tx, y) if tx is not None else None
+    t2 = b.call(aten.mul.Tensor, x, ty) if ty is not None else None
+    return _fit(b, b.add(t1, t2), out)
+
+
+@def_transpose(aten.mul.Tensor)
+def _transpose_mul(b, ct, args, kwargs, linear):
+    cts = [None, None]
+    for i in (0, 1):
+        if linear[i]:
+            other = args[1 - i]
+            cts[i] = b.sum_to(b.call(aten.mul.Tensor, ct, other), shape(args[i]))
+    return cts
+
+
+@def_jvp(aten.mul.Scalar)
+def _jvp_mul_scalar(b, out, args, tangents, kwargs):
+    return b.call(aten.mul.Scalar, tangents[0], args[1])
+
+
+@def_transpose(aten.mul.Scalar)
+def _transpose_mul_scalar(b, ct, args, kwargs, linear):
+    return [b.call(aten.mul.Scalar, ct, args[1]), None]
+
+
+@def_jvp(aten.div.Tensor)
+def _jvp_div(b, out, args, tangents, kwargs):
+    x, y = args
+    tx, ty = tangents
+    t1 = b.call(aten.div.Tensor, tx, y) if tx is not None else None
+    t2 = None
+    if ty is not None:  # d(x/y) = dx/y - dy * (out / y)
+        coef = b.call(aten.div.Tensor, out, y)
+        t2 = b.call(aten.mul.Tensor, ty, coef)
+    if t2 is None:
+        return _fit(b, t1, out)
+    if t1 is None:
+        return _fit(b, b.call(aten.neg.default, t2), out)
+    return b.sub(t1, t2)
+
+
+@def_transpose(aten.div.Tensor)
+def _transpose_div(b, ct, args, kwargs, linear):
+    if linear[1]:
+        raise ValueError("div is not linear in its divisor")
+    return [b.sum_to(b.call(aten.div.Tensor, ct, args[1]), shape(args[0])), None]
+
+
+@def_jvp(aten.div.Scalar)
+def _jvp_div_scalar(b, out, args, tangents, kwargs):
+    return b.call(aten.div.Scalar, tangents[0], args[1])
+
+
+@def_transpose(aten.div.Scalar)
+def _transpose_div_scalar(b, ct, args, kwargs, linear):
+    return [b.call(aten.div.Scalar, ct, args[1]), None]
+
+
+@def_jvp(aten.neg.default)
+def _jvp_neg(b, out, args, tangents, kwargs):
+    return b.call(aten.neg.default, tangents[0])
+
+
+@def_transpose(aten.neg.default)
+def _transpose_neg(b, ct, args, kwargs, linear):
+    return [b.call(aten.neg.default, ct)]
+
+
+# --- unary nonlinear ops: tangent * coefficient -------------------------------------------------
+
+
+def _scale(b, t, coef):
+    return b.call(aten.mul.Tensor, t, coef)
+
+
+@def_jvp(aten.relu.default)
+def _jvp_relu(b, out, args, tangents, kwargs):
+    return _scale(b, tangents[0], b.call(aten.gt.Scalar, out, 0))
+
+
+@def_jvp(aten.exp.default)
+def _jvp_exp(b, out, args, tangents, kwargs):
+    return _scale(b, tangents[0], out)
+
+
+@def_jvp(aten.log.default)
+def _jvp_log(b, out, args, tangents, kwargs):
+    return b.call(aten.div.Tensor, tangents[0], args[0])
+
+
+@def_jvp(aten.sqrt.default)
+def _jvp_sqrt(b, out, args, tangents, kwargs):
+    return b.call(aten.div.Tensor, tangents[0], b.call(aten.mul.Tensor, out, 2.0))
+
+
+@def_jvp(aten.rsqrt.default)
+def _jvp_rsqrt(b, out, args, tangents, kwargs):
+    # d x^{-1/2} = -1/2 x^{-3/2} = -1/2 out^3
+    cube = b.call(aten.pow.Tensor_Scalar, out, 3)
+    return _scale(b, tangents[0], b.call(aten.mul.Tensor, cube, -0.5))
+
+
+@def_jvp(aten.tanh.default)
+def _jvp_tanh(b, out, args, tangents, kwargs):
+    sq = b.call(aten.mul.Tensor, out, out)
+    return _scale(b, tangents[0], b.call(aten.rsub.Scalar, sq, 1))
+
+
+@def_jvp(aten.sigmoid.default)
+def _jvp_sigmoid(b, out, args, tangents, kwargs):
+    one_minus = b.call(aten.rsub.Scalar, out, 1)
+    return _scale(b, tangents[0], b.call(aten.mul.Tensor, out, one_minus))
+
+
+@def_jvp(aten.pow.Tensor_Scalar)
+def _jvp_pow_scalar(b, out, args, tangents, kwargs):
+    x, n = args
+    if n == 0:
+        return None
+    if n == 2:
+        coef = b.call(aten.mul.Tensor, x, 2.0)
+    elif n == 1:
+        return tangents[0]
+    else:
+        coef = b.call(aten.mul.Tensor, b.call(aten.pow.Tensor_Scalar, x, n - 1), n)
+    return _scale(b, tangents[0], coef)
+
+
+@def_jvp(aten.abs.default)
+def _jvp_abs(b, out, args, tangents, kwargs):
+    return _scale(b, tangents[0], b.call(aten.sign.default, args[0]))
+
+
+@def_jvp(aten.reciprocal.default)
+def _jvp_reciprocal(b, out, args, tangents, kwargs):
+    coef = b.call(aten.neg.default, b.call(aten.mul.Tensor, out, out))
+    return _scale(b, tangents[0], coef)
+
+
+@def_jvp(aten.erf.default)
+def _jvp_erf(b, out, args, tangents, kwargs):
+    # d erf(x) = 2/sqrt(pi) exp(-x^2)
+    x = args[0]
+    e = b.call(aten.exp.default, b.call(aten.neg.default, b.call(aten.mul.Tensor, x, x)))
+    return _scale(b, tangents[0], b.call(aten.mul.Tensor, e, 1.1283791670955126))
+
+
+# --- where: linear in the two branches ----------------------------------------------------------
+
+
+@def_jvp(aten.where.self)
+def _jvp_where(b, out, args, tangents, kwargs):
+    c = args[0]
+    ta, tb = tangents[1], tangents[2]
+    if ta is None and tb is None:
+        return None
+    if tb is None:
+        r = b.call(aten.where.ScalarOther, c, ta, 0.0)
+    elif ta is None:
+        r = b.call(aten.where.ScalarSelf, c, 0.0, tb)
+    else:
+        r = b.call(aten.where.self, c, ta, tb)
+    return _fit(b, r, out)
+
+
+@def_transpose(aten.where.self)
+def _transpose_where(b, ct, args, kwargs, linear):
+    c = args[0]
+    cts = [None, None, None]
+    if linear[1]:
+        cts[1] = b.sum_to(b.call(aten.where.ScalarOther, c, ct, 0.0), shape(args[1]))
+    if linear[2]:
+        cts[2] = b.sum_to(b.call(aten.where.ScalarSelf, c, 0.0, ct), shape(args[2]))
+    return cts
+
+
+@def_jvp(aten.where.ScalarOther)
+def _jvp_where_so(b, out, args, tangents, kwargs):
+    if tangents[1] is None:
+        return None
+    return _fit(b, b.call(aten.where.ScalarOther, args[0], tangents[1], 0.0), out)
+
+
+@def_transpose(aten.where.ScalarOther)
+def _transpose_where_so(b, ct, args, kwargs, linear):
+    return [None, b.sum_to(b.call(aten.where.ScalarOther, args[0], ct, 0.0), shape(args[1])), None]
+
+
+@def_jvp(aten.where.ScalarSelf)
+def _jvp_where_ss(b, out, args, tangents, kwargs):
+    if tangents[2] is None:
+        return None
+    return _fit(b, b.call(aten.where.ScalarSelf, args[0], 0.0, tangents[2]), out)
+
+
+@def_transpose(aten.where.ScalarSelf)
+def _transpose_where_ss(b, ct, args, kwargs, linear):
+    return [None, None, b.sum_to(b.call(aten.where.ScalarSelf, args[0], 0.0, ct), shape(args[2]))]

@@ -1,0 +1,80 @@
+"""Matrix products: ``mm``, ``bmm``, ``addmm``. 2 FLOPs per multiply-add, all in ``mm_flops``;
+``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (FLOPS.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from graphflop.meta import NodeCost
+from graphflop.ops._common import shape
+from graphflop.ops.registry import def_bilinear, def_jvp, register, update
+
+aten = torch.ops.aten
+F = "linalg"
+
+
+def mm_flops(m: int, k: int, n: int, batch: int = 1) -> int:
+    """FLOPs of a (batched) matrix product (M×K)·(K×N): 2·B·M·K·N."""
+    return 2 * batch * m * k * n
+
+
+def _mm_cost(out, a, b, *args, **kwargs) -> NodeCost:
+    f = mm_flops(a.shape[0], a.shape[1], b.shape[1])
+    return NodeCost(flops=f, mm_flops=f)
+
+
+def _bmm_cost(out, a, b, *args, **kwargs) -> NodeCost:
+    f = mm_flops(a.shape[1], a.shape[2], b.shape[2], a.shape[0])
+    return NodeCost(flops=f, mm_flops=f)
+
+
+def _addmm_cost(out, bias, a, b, *args, **kwargs) -> NodeCost:
+    f = mm_flops(a.shape[0], a.shape[1], b.shape[1])
+    return NodeCost(flops=f + out.shape[0] * out.shape[1], mm_flops=f)
+
+
+register(aten.mm.default, F, _mm_cost)
+register(aten.bmm.default, F, _bmm_cost)
+register(aten.addmm.default, F, _addmm_cost)
+
+
+def _transpose_mm(b, ct, args, kwargs, linear):
+    x, y = args
+    cts = [None, None]
+    if linear[0]:  # ct_x = ct · yᵀ
+        cts[0] = b.call(aten.mm.default, ct, b.call(aten.permute.default, y, [1, 0]))
+    if linear[1]:  # ct_y = xᵀ · ct
+        cts[1] = b.call(aten.mm.default, b.call(aten.permute.default, x, [1, 0]), ct)
+    return cts
+
+
+def _transpose_bmm(b, ct, args, kwargs, linear):
+    x, y = args
+    cts = [None, None]
+    if linear[0]:
+        cts[0] = b.call(aten.bmm.default, ct, b.call(aten.permute.default, y, [0, 2, 1]))
+    if linear[1]:
+        cts[1] = b.call(aten.bmm.default, b.call(aten.permute.default, x, [0, 2, 1]), ct)
+    return cts
+
+
+def_bilinear(aten.mm.default, _transpose_mm)
+def_bilinear(aten.bmm.default, _transpose_bmm)
+
+
+@def_jvp(aten.addmm.default)
+def _jvp_addmm(b, out, args, tangents, kwargs):
+    """d(bias + x·W) = dbias + dx·W + x·dW."""
+    if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+        raise NotImplementedError("addmm with beta/alpha != 1 has no JVP rule yet")
+    bias, x, w = args
+    tb, tx, tw = tangents
+    t1 = b.call(aten.mm.default, tx, w) if tx is not None else None
+    t2 = b.call(aten.mm.default, x, tw) if tw is not None else None
+    t = b.add(b.add(t1, t2), tb)
+    if t is not None and shape(t) != shape(out):
+        t = b.call(aten.expand.default, t, list(shape(out)))
+    return t
+
+
+update(aten.addmm.default)

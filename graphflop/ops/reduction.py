@@ -1,0 +1,136 @@
+"""Reductions: sum, mean, amax/amin, var_mean. 1 FLOP per input element; mean adds 1 per output
+element (FLOPS.md). ``var_mean`` is counted as a mean plus a variance: 2 per input element and 2
+per output element (the two divides).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from graphflop.meta import NodeCost
+from graphflop.ops._common import norm_dims, numel, per_input, shape
+from graphflop.ops.registry import def_jvp, def_transpose, register
+
+aten = torch.ops.aten
+F = "reduction"
+
+register(aten.sum.dim_IntList, F, per_input(1))
+register(aten.sum.default, F, per_input(1))
+register(aten.mean.dim, F, per_input(1, plus_per_output=1))
+register(aten.mean.default, F, per_input(1, plus_per_output=1))
+register(aten.amax.default, F, per_input(1))
+register(aten.amin.default, F, per_input(1))
+register(aten.cumsum.default, F, per_input(1))
+
+
+def _var_mean_cost(out, x, *args, **kwargs) -> NodeCost:
+    return NodeCost(flops=2 * numel(x) + 2 * numel(out[0]))
+
+
+register(aten.var_mean.correction, F, _var_mean_cost)
+register(aten.var.correction, F, per_input(1, plus_per_output=1))
+
+
+def _reduce_args(x_shape, args, kwargs, dims_pos=1):
+    dims = args[dims_pos] if len(args) > dims_pos else kwargs.get("dim")
+    keepdim = args[dims_pos + 1] if len(args) > dims_pos + 1 else kwargs.get("keepdim", False)
+    return norm_dims(dims, len(x_shape)), bool(keepdim)
+
+
+def expand_back(b, ct, x_shape, dims, keepdim):
+    """Cotangent of a reduction: unsqueeze the reduced dims (unless kept) and expand."""
+    if not keepdim:
+        for d in dims:
+            ct = b.call(aten.unsqueeze.default, ct, d)
+    return b.call(aten.expand.default, ct, list(x_shape))
+
+
+def _count(x_shape, dims) -> int:
+    return int(math.prod(x_shape[d] for d in dims)) if x_shape else 1
+
+
+@def_jvp(aten.sum.dim_IntList)
+def _jvp_sum(b, out, args, tangents, kwargs):
+    return b.call(aten.sum.dim_IntList, tangents[0], *args[1:], **kwargs)
+
+
+@def_transpose(aten.sum.dim_IntList)
+def _transpose_sum(b, ct, args, kwargs, linear):
+    xs = shape(args[0])
+    dims, keepdim = _reduce_args(xs, args, kwargs)
+    return [expand_back(b, ct, xs, dims, keepdim)] + [None] * (len(args) - 1)
+
+
+@def_jvp(aten.sum.default)
+def _jvp_sum_all(b, out, args, tangents, kwargs):
+    return b.call(aten.sum.default, tangents[0], **kwargs)
+
+
+@def_transpose(aten.sum.default)
+def _transpose_sum_all(b, ct, args, kwargs, linear):
+    xs = shape(args[0])
+    return [expand_back(b, ct, xs, list(range(len(xs))), False)]
+
+
+@def_jvp(aten.mean.dim)
+def _jvp_mean(b, out, args, tangents, kwargs):
+    return b.call(aten.mean.dim, tangents[0], *args[1:], **kwargs)
+
+
+@def_transpose(aten.mean.dim)
+def _transpose_mean(b, ct, args, kwargs, linear):
+    xs = shape(args[0])
+    dims, keepdim = _reduce_args(xs, args, kwargs)
+    scaled = b.call(aten.div.Tensor, ct, _count(xs, dims))
+    return [expand_back(b, scaled, xs, dims, keepdim)] + [None] * (len(args) - 1)
+
+
+@def_jvp(aten.mean.default)
+def _jvp_mean_all(b, out, args, tangents, kwargs):
+    return b.call(aten.mean.default, tangents[0], **kwargs)
+
+
+@def_transpose(aten.mean.default)
+def _transpose_mean_all(b, ct, args, kwargs, linear):
+    xs = shape(args[0])
+    scaled = b.call(aten.div.Tensor, ct, _count(xs, list(range(len(xs)))))
+    return [expand_back(b, scaled, xs, list(range(len(xs))), False)]
+
+
+def _jvp_extremum(b, out, args, tangents, kwargs):
+    """d amax(x) = sum(dx * m) / sum(m), m = (x == amax(x)) (ties share the derivative)."""
+    x = args[0]
+    xs = shape(x)
+    dims, keepdim = _reduce_args(xs, args, kwargs)
+    kept = out if keepdim else expand_back(b, out, xs, dims, False)
+    mask = b.call(aten.eq.Tensor, x, kept)
+    count = b.call(aten.sum.dim_IntList, mask, dims, True)
+    coef = b.call(aten.div.Tensor, mask, count)
+    t = b.call(aten.mul.Tensor, tangents[0], coef)
+    return b.call(aten.sum.dim_IntList, t, dims, keepdim)
+
+
+def_jvp(aten.amax.default)(_jvp_extremum)
+def_jvp(aten.amin.default)(_jvp_extremum)
+
+
+@def_jvp(aten.var_mean.correction)
+def _jvp_var_mean(b, out, args, tangents, kwargs):
+    """mean' = mean(dx); var' = sum(dx * 2 (x - mean) / (n - correction))."""
+    x = args[0]
+    xs = shape(x)
+    dims = norm_dims(args[1] if len(args) > 1 else kwargs.get("dim"), len(xs))
+    keepdim = bool(kwargs.get("keepdim", False))
+    correction = kwargs.get("correction", 1)
+    correction = 1 if correction is None else correction
+    n = _count(xs, dims)
+    tx = tangents[0]
+    mean = b.getitem(out, 1)
+    mean_k = mean if keepdim else expand_back(b, mean, xs, dims, False)
+    centred = b.call(aten.sub.Tensor, x, mean_k)
+    coef = b.call(aten.mul.Tensor, centred, 2.0 / max(n - correction, 1))
+    t_var = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, tx, coef), dims, keepdim)
+    t_mean = b.call(aten.mean.dim, tx, dims, keepdim)
+    return (t_var, t_mean)

@@ -1,0 +1,243 @@
+"""Views, copies and index ops: 0 FLOPs. Views move no bytes; copies read and write their bytes
+(FLOPS.md). All are linear; their transposes are other shape ops (``scatter_add`` for
+``gather``)."""
+
+from __future__ import annotations
+
+import torch
+
+from graphflop.meta import NodeCost
+from graphflop.ops._common import free, norm_dims, numel, shape
+from graphflop.ops.registry import def_jvp, def_linear, def_transpose, def_zero, register
+
+aten = torch.ops.aten
+F = "shape"
+
+VIEWS = (
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.permute.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.expand.default,
+    aten.alias.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.t.default,
+    aten.transpose.int,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
+    aten.detach.default,
+    aten.lift_fresh_copy.default,
+)
+COPIES = (
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.cat.default,
+    aten.constant_pad_nd.default,
+    aten.slice_scatter.default,
+    aten.select_scatter.default,
+    aten.copy.default,
+    aten.stack.default,
+    aten.index_select.default,
+    aten.gather.default,
+    aten.repeat.default,
+)
+for _op in VIEWS:
+    register(_op, F, free, bytes="view")
+for _op in COPIES:
+    register(_op, F, free, bytes="copy")
+
+
+def _per_src(out, self, dim, index, src, *args, **kwargs) -> NodeCost:
+    return NodeCost(flops=numel(src))
+
+
+register(aten.scatter_add.default, F, _per_src)
+register(
+    aten.index_add.default,
+    F,
+    lambda out, self, dim, index, src, *a, **k: NodeCost(flops=numel(src)),
+)
+def_zero(aten.detach.default)
+def_zero(aten.lift_fresh_copy.default)
+
+
+def _reshape_back(b, ct, args, kwargs, linear):
+    return [b.call(aten.reshape.default, ct, list(shape(args[0])))] + [None] * (len(args) - 1)
+
+
+for _op in (
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+):
+    def_linear(_op, _reshape_back)
+
+
+def _transpose_permute(b, ct, args, kwargs, linear):
+    perm = [d % len(args[1]) for d in args[1]]
+    inverse = [perm.index(i) for i in range(len(perm))]
+    return [b.call(aten.permute.default, ct, inverse), None]
+
+
+def_linear(aten.permute.default, _transpose_permute)
+
+
+def _transpose_t(b, ct, args, kwargs, linear):
+    return [b.call(aten.t.default, ct)]
+
+
+def_linear(aten.t.default, _transpose_t)
+
+
+def _transpose_transpose(b, ct, args, kwargs, linear):
+    return [b.call(aten.transpose.int, ct, args[1], args[2]), None, None]
+
+
+def_linear(aten.transpose.int, _transpose_transpose)
+
+
+def _transpose_unsqueeze(b, ct, args, kwargs, linear):
+    d = args[1] % (len(shape(args[0])) + 1)
+    return [b.call(aten.squeeze.dims, ct, [d]), None]
+
+
+def_linear(aten.unsqueeze.default, _transpose_unsqueeze)
+
+
+def _transpose_expand(b, ct, args, kwargs, linear):
+    return [b.sum_to(ct, shape(args[0])), None]
+
+
+def_linear(aten.expand.default, _transpose_expand)
+
+
+def _transpose_identity(b, ct, args, kwargs, linear):
+    return [ct] + [None] * (len(args) - 1)
+
+
+def_linear(aten.alias.default, _transpose_identity)
+def_linear(aten.clone.default, _transpose_identity)
+
+
+@def_jvp(aten._to_copy.default)
+def _jvp_to_copy(b, out, args, tangents, kwargs):
+    if not out.meta["val"].dtype.is_floating_point:
+        return None
+    return b.call(aten._to_copy.default, tangents[0], **kwargs)
+
+
+@def_transpose(aten._to_copy.default)
+def _transpose_to_copy(b, ct, args, kwargs, linear):
+    src = args[0].meta["val"] if isinstance(args[0], torch.fx.Node) else args[0].val
+    return [b.call(aten._to_copy.default, ct, dtype=src.dtype)]
+
+
+def _transpose_slice(b, ct, args, kwargs, linear):
+    x = args[0]
+    dim = args[1] if len(args) > 1 else 0
+    start = args[2] if len(args) > 2 else None
+    end = args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    zeros = b.zeros(shape(x), x)
+    return [b.call(aten.slice_scatter.default, zeros, ct, dim, start, end, step)] + [None] * (
+        len(args) - 1
+    )
+
+
+def_linear(aten.slice.Tensor, _transpose_slice)
+
+
+def _transpose_select(b, ct, args, kwargs, linear):
+    x, dim, index = args
+    zeros = b.zeros(shape(x), x)
+    return [b.call(aten.select_scatter.default, zeros, ct, dim, index), None, None]
+
+
+def_linear(aten.select.int, _transpose_select)
+
+
+def _transpose_pad(b, ct, args, kwargs, linear):
+    pad = list(args[1])
+    return [b.call(aten.constant_pad_nd.default, ct, [-p for p in pad]), None, None]
+
+
+@def_jvp(aten.constant_pad_nd.default)
+def _jvp_pad(b, out, args, tangents, kwargs):
+    return b.call(aten.constant_pad_nd.default, tangents[0], args[1], 0.0)
+
+
+def_transpose(aten.constant_pad_nd.default)(_transpose_pad)
+
+
+@def_jvp(aten.cat.default)
+def _jvp_cat(b, out, args, tangents, kwargs):
+    ts = tangents[0]
+    if all(t is None for t in ts):
+        return None
+    parts = [b.zeros(shape(a), a) if t is None else t for a, t in zip(args[0], ts)]
+    return b.call(aten.cat.default, parts, *args[1:], **kwargs)
+
+
+@def_transpose(aten.cat.default)
+def _transpose_cat(b, ct, args, kwargs, linear):
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    dim = dim % len(shape(args[0][0]))
+    cts, offset = [], 0
+    for a, is_lin in zip(args[0], linear[0]):
+        size = shape(a)[dim]
+        cts.append(b.call(aten.slice.Tensor, ct, dim, offset, offset + size) if is_lin else None)
+        offset += size
+    return [cts] + [None] * (len(args) - 1)
+
+
+@def_jvp(aten.gather.default)
+def _jvp_gather(b, out, args, tangents, kwargs):
+    return b.call(aten.gather.default, tangents[0], *args[1:], **kwargs)
+
+
+@def_transpose(aten.gather.default)
+def _transpose_gather(b, ct, args, kwargs, linear):
+    x, dim, index = args[0], args[1], args[2]
+    zeros = b.zeros(shape(x), x)
+    return [b.call(aten.scatter_add.default, zeros, dim, index, ct), None, None]
+
+
+@def_jvp(aten.scatter_add.default)
+def _jvp_scatter_add(b, out, args, tangents, kwargs):
+    base, dim, index, src = args
+    ts, tsrc = tangents[0], tangents[3]
+    if ts is None and tsrc is None:
+        return None
+    ts = b.zeros(shape(base), base) if ts is None else ts
+    tsrc = b.zeros(shape(src), src) if tsrc is None else tsrc
+    return b.call(aten.scatter_add.default, ts, dim, index, tsrc)
+
+
+@def_transpose(aten.scatter_add.default)
+def _transpose_scatter_add(b, ct, args, kwargs, linear):
+    _, dim, index, _ = args
+    cts = [None, None, None, None]
+    if linear[0]:
+        cts[0] = ct
+    if linear[3]:
+        cts[3] = b.call(aten.gather.default, ct, dim, index)
+    return cts
+
+
+def reduced_dims(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Dims of ``src`` to sum so it broadcasts back to ``dst``: (leading dims, kept dims)."""
+    lead = len(src) - len(dst)
+    kept = [i + lead for i, d in enumerate(dst) if d == 1 and src[i + lead] != 1]
+    return list(range(lead)), kept
+
+
+__all__ = ["reduced_dims", "norm_dims"]

@@ -1,0 +1,1 @@
+"""graphflop's passes: JVP, VJP (transpose), optimizer update, FLOPs, memory."""

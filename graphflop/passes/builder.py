@@ -1,0 +1,209 @@
+"""Emitting nodes from derivative rules: the ``b`` that JVP and transpose rules call.
+
+A builder appends ``call_function`` nodes to an fx graph, computing each node's ``val`` by running
+the op on FakeTensors (no real memory) and tagging it with ``gf_kind``, ``gf_role``,
+``gf_source``, ``gf_module`` and ``gf_param_derived``.
+
+Work that is not needed is not emitted but recorded as a :class:`~graphflop.meta.Ghost`: a call
+whose tensor arguments include a :class:`GhostValue` and no real tangent produces a ghost. Ghosts
+stand for symbolic zeros that would have been non-zero had the value required a gradient (the
+model input's tangent, the first layer's input cotangent), so the work saved can be reported.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+from torch.utils._pytree import tree_flatten, tree_map
+
+from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost
+from graphflop.ops.shape import reduced_dims
+from graphflop.passes.flops import op_cost, value_of
+
+aten = torch.ops.aten
+_ghost_ids = itertools.count()
+
+
+class GhostValue:
+    """A value that was not computed; ``val`` is its FakeTensor, ``record`` its Ghost."""
+
+    is_ghost = True
+
+    def __init__(
+        self,
+        val: Any,
+        op: Any = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        record: Ghost | None = None,
+        param_derived: bool = False,
+    ):
+        self.val = val
+        self.op = op
+        self.args = args
+        self.kwargs = kwargs or {}
+        self.record = record
+        self.param_derived = param_derived
+        self.name = record.name if record else f"ghost_{next(_ghost_ids)}"
+        self.meta = {"val": val, PARAM_DERIVED: param_derived}
+
+
+def is_ghost(a: Any) -> bool:
+    return getattr(a, "is_ghost", False)
+
+
+class Builder:
+    """Base builder: emission, fake propagation, ghosts and the tangent algebra helpers."""
+
+    #: node kind of values that carry the linear (differentiated) data in this graph
+    active_kind = "tangent"
+
+    def __init__(self, graph: Graph, fake_mode, ghosts: list[Ghost]):
+        self.graph = graph
+        self.fake_mode = fake_mode
+        self.ghosts = ghosts
+        self.log: list[Any] = []  # emitted active nodes and ghosts, in order
+        self.source = ""
+        self.module = ""
+        self.role = "forward"
+        self.param_derived = False
+        self.force_ghost = False
+        #: real node -> ghosts that a tangent sum dropped into it (their cotangent is its own)
+        self.ghost_links: dict[Node, list[GhostValue]] = {}
+
+    # -- hooks -------------------------------------------------------------------------------
+    def import_arg(self, a: Any) -> Any:
+        return a
+
+    def kind_for(self, args_flat: list[Any]) -> str:
+        active = any(
+            isinstance(a, Node) and a.meta.get(KIND) == self.active_kind for a in args_flat
+        )
+        return self.active_kind if active else "coef"
+
+    def role_for(self, kind: str, args_flat: list[Any]) -> str:
+        return self.role
+
+    # -- emission ----------------------------------------------------------------------------
+    def _fake(self, op, args, kwargs):
+        vals = tree_map(value_of, args)
+        kvals = tree_map(value_of, kwargs)
+        with self.fake_mode:
+            return op(*vals, **kvals)
+
+    def call(self, op: Any, *args: Any, **kwargs: Any) -> Any:
+        """Emit ``op(*args, **kwargs)``; returns the new node, or a GhostValue."""
+        args = tree_map(self.import_arg, args, is_leaf=is_ghost)
+        kwargs = tree_map(self.import_arg, kwargs, is_leaf=is_ghost)
+        flat, _ = tree_flatten((args, kwargs), is_leaf=is_ghost)
+        ghosts = [a for a in flat if is_ghost(a)]
+        active = [a for a in flat if isinstance(a, Node) and a.meta.get(KIND) == self.active_kind]
+        if (ghosts and not active) or self.force_ghost:
+            return self._ghost(op, args, kwargs, flat)
+        if ghosts:  # a real tangent beside a ghost: the ghost is a zero here
+            args = tree_map(
+                lambda a: self.zeros_like(a) if is_ghost(a) else a, args, is_leaf=is_ghost
+            )
+            kwargs = tree_map(
+                lambda a: self.zeros_like(a) if is_ghost(a) else a, kwargs, is_leaf=is_ghost
+            )
+            flat, _ = tree_flatten((args, kwargs))
+        out = self._fake(op, args, kwargs)
+        node = self.graph.call_function(op, tuple(args), dict(kwargs))
+        node.meta["val"] = out
+        kind = self.kind_for(flat)
+        node.meta[KIND] = kind
+        node.meta[ROLE] = self.role_for(kind, flat)
+        node.meta[SOURCE] = self.source
+        node.meta[MODULE] = self.module
+        node.meta[PARAM_DERIVED] = _param_derived(flat)
+        if kind == self.active_kind:
+            self.log.append(node)
+        return node
+
+    def _ghost(self, op, args, kwargs, flat) -> GhostValue:
+        out = self._fake(op, args, kwargs)
+        name = f"ghost_{next(_ghost_ids)}"
+        cost = op_cost(op, args, kwargs, out)
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
+        inputs = tuple(a.name for a in flat if isinstance(a, Node) or is_ghost(a))
+        role = self.role_for(self.active_kind, flat)
+        rec = Ghost(name, _op_str(op), shape, self.source, self.module, role, cost, inputs)
+        self.ghosts.append(rec)
+        g = GhostValue(out, op, args, kwargs, rec, _param_derived(flat))
+        self.log.append(g)
+        return g
+
+    def getitem(self, multi: Node, i: int) -> Node:
+        """Element ``i`` of a multi-output primal node (reusing an existing ``getitem``)."""
+        for u in multi.users:
+            if u.target is operator.getitem and u.args[1] == i:
+                return self.import_arg(u)
+        with self.graph.inserting_after(multi):
+            node = self.graph.call_function(operator.getitem, (multi, i))
+        node.meta.update({k: v for k, v in multi.meta.items() if k != "val"})
+        node.meta["val"] = multi.meta["val"][i]
+        return self.import_arg(node)
+
+    # -- tangent algebra ---------------------------------------------------------------------
+    def add(self, x: Any, y: Any) -> Any:
+        """Sum of two tangents where ``None`` is a symbolic zero and a ghost adds nothing."""
+        if x is None or (is_ghost(x) and not is_ghost(y) and y is not None):
+            return self._link(y, x)
+        if y is None or (is_ghost(y) and not is_ghost(x)):
+            return self._link(x, y)
+        return self.call(aten.add.Tensor, x, y)
+
+    def _link(self, real: Any, ghost: Any) -> Any:
+        if is_ghost(ghost) and isinstance(real, Node):
+            self.ghost_links.setdefault(real, []).append(ghost)
+        return real
+
+    def sub(self, x: Any, y: Any) -> Any:
+        if y is None:
+            return x
+        if x is None or (is_ghost(x) and not is_ghost(y)):
+            return self._link(self.call(aten.neg.default, y), x)
+        if is_ghost(y) and not is_ghost(x):
+            return self._link(x, y)
+        return self.call(aten.sub.Tensor, x, y)
+
+    def sum_to(self, x: Any, target: tuple[int, ...]) -> Any:
+        """Sum ``x`` over the dims along which a value of shape ``target`` was broadcast."""
+        src = tuple(value_of(x).shape)
+        target = tuple(target)
+        if src == target:
+            return x
+        lead, kept = reduced_dims(src, target)
+        dims = lead + kept
+        if dims:
+            x = self.call(aten.sum.dim_IntList, x, dims, True)
+        if tuple(value_of(x).shape) != target:
+            x = self.call(aten.view.default, x, list(target))
+        return x
+
+    def full(self, shape: list[int], value: float, like: Any) -> Any:
+        v = value_of(like)
+        return self.call(aten.full.default, list(shape), value, dtype=v.dtype, device=v.device)
+
+    def zeros(self, shape, like: Any) -> Any:
+        return self.full(list(shape), 0.0, like)
+
+    def zeros_like(self, a: Any) -> Any:
+        return self.zeros(tuple(value_of(a).shape), a)
+
+
+def _param_derived(flat: list[Any]) -> bool:
+    """A value computed from parameters (and constants) only: its cotangent is a weight
+    gradient."""
+    return all(a.meta.get(PARAM_DERIVED, False) for a in flat if isinstance(a, Node) or is_ghost(a))
+
+
+def _op_str(op: Any) -> str:
+    from graphflop.ops import op_name
+
+    return op_name(op)

@@ -1,0 +1,83 @@
+"""FLOP and byte pass: writes ``gf_cost`` (:class:`~graphflop.meta.NodeCost`) on every node.
+
+Reads ``val`` (output FakeTensors) and the rule table. Placeholders, outputs and ``getitem``
+cost nothing; every ``call_function`` node must have a rule, else
+:class:`~graphflop.ops.MissingRuleError` names the op, the node and the rule file.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.utils._pytree import tree_flatten, tree_map
+
+from graphflop.meta import COST, ZERO_COST, NodeCost
+from graphflop.ops import lookup
+
+
+def tensor_bytes(v: Any) -> int:
+    """Bytes of every tensor in ``v`` (a tensor, or a nested tuple/list): numel × element size."""
+    flat, _ = tree_flatten(v)
+    return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
+
+
+def value_of(a: Any) -> Any:
+    """The FakeTensor behind a graph value (fx node or ghost); constants pass through."""
+    if isinstance(a, Node):
+        return a.meta.get("val")
+    if getattr(a, "is_ghost", False):
+        return a.val
+    return a
+
+
+def op_cost(op: Any, args: tuple, kwargs: dict, out: Any, node: str | None = None) -> NodeCost:
+    """Cost of calling ``op`` on ``args``/``kwargs`` (graph values or tensors) giving ``out``.
+
+    FLOPs come from the op's rule; bytes from its byte policy (``view``: none; otherwise the tensor
+    inputs read and the outputs written).
+
+    Raises:
+        MissingRuleError: when ``op`` has no rule.
+    """
+    if op is operator.getitem:
+        return ZERO_COST
+    rule = lookup(op, node=node)
+    a = tree_map(value_of, args)
+    k = tree_map(value_of, kwargs)
+    o = value_of(out)
+    c = rule.cost(o, *a, **k)
+    if rule.bytes == "view":
+        return NodeCost(c.flops, c.mm_flops, c.transcendentals, c.random_elements, 0, 0)
+    return NodeCost(
+        c.flops,
+        c.mm_flops,
+        c.transcendentals,
+        c.random_elements,
+        tensor_bytes((a, k)),
+        tensor_bytes(o),
+    )
+
+
+def annotate_flops(gm: GraphModule) -> GraphModule:
+    """Write ``gf_cost`` on every node of ``gm`` (in place) and return it.
+
+    Raises:
+        MissingRuleError: for a ``call_function`` node whose op has no rule.
+    """
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta[COST] = op_cost(n.target, n.args, n.kwargs, n, node=n.format_node())
+        else:
+            n.meta[COST] = ZERO_COST
+    return gm
+
+
+def total_cost(nodes) -> NodeCost:
+    """Sum of ``gf_cost`` over nodes (missing costs count as zero)."""
+    t = ZERO_COST
+    for n in nodes:
+        t = t + n.meta.get(COST, ZERO_COST)
+    return t

@@ -1,0 +1,203 @@
+"""Memory pass: live-tensor peaks over a topological schedule, and the memory summary.
+
+A tensor is live from the node that writes it to its last reader (FLOPS.md, Memory). Views share
+their base's storage (the op's byte policy says which ops are views), so a storage is freed after
+the last reader of any of its views. Parameters (and, for training, gradients and optimizer
+state) are always live and are added as a baseline rather than scheduled.
+
+Reads ``val``, ``gf_residual``/``gf_source`` (backward residuals alias forward values) and the
+rule table's byte policies. Writes nothing on nodes; returns :class:`MemoryReport`.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+from torch.fx import GraphModule, Node
+
+from graphflop.meta import SIGNATURE, SOURCE
+from graphflop.ops import has_rule, lookup
+from graphflop.passes.flops import tensor_bytes
+
+
+@dataclass
+class _Step:
+    key: str
+    nbytes: int
+    alias_of: str | None
+    reads: list[str]
+
+
+class Schedule:
+    """Steps of one or more graphs run one after another, with cross-graph aliases."""
+
+    def __init__(self) -> None:
+        self.steps: list[_Step] = []
+        self.keep: set[str] = set()
+
+    def add_graph(
+        self,
+        gm: GraphModule,
+        prefix: str,
+        *,
+        baseline: set[str],
+        external: dict[str, str] | None = None,
+        free_outputs: bool = False,
+        keep_outputs: bool = False,
+    ) -> None:
+        """Append ``gm``'s nodes.
+
+        Args:
+            prefix: key prefix for this graph's nodes.
+            baseline: placeholder names that are always live (not scheduled).
+            external: placeholder name -> key of an earlier graph's value it stands for.
+            free_outputs: the graph's outputs are written into baseline buffers (count 0).
+            keep_outputs: the graph's outputs stay live to the end of the schedule.
+        """
+        external = external or {}
+        keys: dict[Node, str | None] = {}
+        outputs = set()
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        for a in out_node.all_input_nodes:
+            outputs.add(a)
+        for n in gm.graph.nodes:
+            if n.op == "output":
+                reads = [keys[a] for a in n.all_input_nodes if keys.get(a)]
+                self.steps.append(_Step(f"{prefix}:__output__", 0, None, reads))
+                if keep_outputs:
+                    self.keep.update(reads)
+                continue
+            if n.op == "placeholder":
+                if n.name in baseline:
+                    keys[n] = None
+                    continue
+                if n.name in external:
+                    keys[n] = external[n.name]
+                    continue
+            key = f"{prefix}:{n.name}"
+            keys[n] = key
+            reads = [keys[a] for a in n.all_input_nodes if keys.get(a)]
+            alias = None
+            if n.op == "call_function" and (
+                n.target is operator.getitem
+                or (has_rule(n.target) and lookup(n.target).bytes == "view")
+            ):
+                alias = next((keys[a] for a in n.all_input_nodes if keys.get(a)), None)
+            nbytes = 0 if (free_outputs and n in outputs) else tensor_bytes(n.meta.get("val"))
+            self.steps.append(_Step(key, nbytes, alias, reads))
+
+    def peak(self) -> tuple[int, str]:
+        """(largest sum of live storage bytes, the step where it occurs)."""
+        storage: dict[str, str] = {}
+        size: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for i, s in enumerate(self.steps):
+            if s.alias_of is not None and s.alias_of in storage:
+                storage[s.key] = storage[s.alias_of]
+            else:
+                storage[s.key] = s.key
+                size[s.key] = s.nbytes
+            last[storage[s.key]] = max(last.get(storage[s.key], i), i)
+            for r in s.reads:
+                if r in storage:
+                    last[storage[r]] = max(last.get(storage[r], i), i)
+        end = len(self.steps)
+        for k in self.keep:
+            if k in storage:
+                last[storage[k]] = end
+        frees: dict[int, list[str]] = {}
+        for st, i in last.items():
+            frees.setdefault(i, []).append(st)
+        live, peak, where = 0, 0, ""
+        for i, s in enumerate(self.steps):
+            if storage[s.key] == s.key:
+                live += size[s.key]
+            if live > peak:
+                peak, where = live, s.key
+            for st in frees.get(i, []):
+                live -= size.get(st, 0)
+        return peak, where
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Memory of one training/analysis configuration, in bytes.
+
+    Attributes:
+        params_bytes: all parameters.
+        grads_bytes: one gradient per parameter.
+        optimizer_state_bytes: momentum (1× params) or Adam/AdamW moments (2× params).
+        saved_for_backward_bytes: forward values (activations and inputs, not parameters) the
+            backward graph reads, counted once per storage.
+        forward_peak_bytes: peak of a forward (inference) run, parameters included.
+        train_peak_bytes: peak over forward, backward, update with parameters, gradients and
+            optimizer state always live.
+        jvp_peak_bytes: peak of the JVP graph with parameters and their tangents always live.
+    """
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int
+    saved_for_backward_bytes: int | None
+    forward_peak_bytes: int
+    train_peak_bytes: int | None
+    jvp_peak_bytes: int | None
+
+
+def forward_schedule(forward: GraphModule) -> Schedule:
+    sig = forward.meta[SIGNATURE]
+    s = Schedule()
+    s.add_graph(forward, "f", baseline={p for p, _ in sig.params}, keep_outputs=True)
+    return s
+
+
+def train_schedule(
+    forward: GraphModule, backward: GraphModule, update: GraphModule | None
+) -> Schedule:
+    sig = forward.meta[SIGNATURE]
+    params = {p for p, _ in sig.params}
+    s = Schedule()
+    s.add_graph(forward, "f", baseline=params)
+    ext = {}
+    base_b = set()
+    for n in backward.graph.nodes:
+        if n.op == "placeholder" and n.meta.get("gf_residual") is not None:
+            src = n.meta.get(SOURCE, n.name)
+            if src in params:
+                base_b.add(n.name)
+            else:
+                ext[n.name] = f"f:{src}"
+    s.add_graph(backward, "b", baseline=base_b, external=ext, free_outputs=True)
+    if update is not None:
+        base_u = {n.name for n in update.graph.nodes if n.op == "placeholder"}
+        s.add_graph(update, "u", baseline=base_u, free_outputs=True)
+    return s
+
+
+def jvp_schedule(jvp: GraphModule) -> Schedule:
+    sig = jvp.meta[SIGNATURE]
+    info = jvp.meta["gf_jvp"]
+    base = {p for p, _ in sig.params} | {t for t, _ in info.tangent_inputs}
+    s = Schedule()
+    s.add_graph(jvp, "j", baseline=base, keep_outputs=True)
+    return s
+
+
+def saved_for_backward_bytes(forward: GraphModule, backward: GraphModule) -> int:
+    """Bytes of the non-parameter forward values the backward graph reads, once per storage."""
+    sched = forward_schedule(forward)
+    storage: dict[str, str] = {}
+    size: dict[str, int] = {}
+    for st in sched.steps:
+        storage[st.key] = storage.get(st.alias_of, st.key) if st.alias_of else st.key
+        if storage[st.key] == st.key:
+            size[st.key] = st.nbytes
+    seen = set()
+    for n in backward.graph.nodes:
+        kind = n.meta.get("gf_residual")
+        if n.op == "placeholder" and kind not in (None, "param", "buffer"):
+            k = storage.get(f"f:{n.meta.get(SOURCE, n.name)}")
+            if k is not None:
+                seen.add(k)
+    return sum(size[k] for k in seen)

@@ -1,0 +1,198 @@
+"""The optimizer update as graph nodes: SGD, SGD with momentum, Adam, AdamW.
+
+``build_update(params, optimizer)`` returns a GraphModule taking, in order, the parameters, their
+gradients, the optimizer state tensors and the scalar hyper-parameter inputs (``lr``, and
+``step`` for Adam/AdamW), and returning the new parameters then the new state. Every update op is
+elementwise over the parameter, so its FLOPs per parameter element are (FLOPS.md):
+
+========  ==========================================================  =====
+SGD       ``w - lr·g``                                                 2
+momentum  ``b = μ·b + g; w - lr·b`` (PyTorch's SGD algorithm)           4
+Adam      ``m = β1·m + (1-β1)·g`` (3), ``v = β2·v + (1-β2)·g·g`` (4),    18
+          ``m̂ = m / (1 - β1^t)`` (3), ``v̂ = v / (1 - β2^t)`` (3),
+          ``w - lr·m̂ / (√v̂ + ε)`` (5) — Kingma & Ba (2015), Algorithm 1,
+          counted as seed A, Appendix B: the bias corrections are
+          evaluated per element, as the formula is written
+AdamW     Adam + decoupled weight decay ``w - lr·λ·w`` (2)               20
+========  ==========================================================  =====
+
+The counts do not depend on the batch size: gradients arrive already summed over the batch.
+
+Writes ``gf_kind="update"``, ``gf_role="update"``, ``gf_source``/``gf_param`` (the parameter's
+placeholder/qualified name) and ``gf_module`` (the parameter's module path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Graph, GraphModule, Node
+
+from graphflop.meta import KIND, MODULE, PARAM, PARAM_DERIVED, ROLE, SOURCE
+from graphflop.passes.builder import Builder
+
+aten = torch.ops.aten
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+#: FLOPs per parameter element of each update (FLOPS.md)
+FLOPS_PER_ELEMENT = {"sgd": 2, "momentum": 4, "adam": 18, "adamw": 20}
+#: optimizer-state tensors kept per parameter
+STATE_KINDS = {
+    "sgd": (),
+    "momentum": ("momentum",),
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+}
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Hyper-parameters (PyTorch's defaults). ``lr`` is a graph input, the rest constants."""
+
+    name: str = "sgd"
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UpdateInfo:
+    """Placeholder and output layout of an update graph."""
+
+    optimizer: str
+    params: tuple[str, ...]  # qualified names, in order
+    state_names: tuple[str, ...]  # state placeholder names, in order
+    scalars: tuple[str, ...]  # "lr" (and "step")
+
+
+class _UpdateBuilder(Builder):
+    active_kind = "update"
+
+    def kind_for(self, args_flat):
+        return "update"
+
+
+def build_update(
+    params: list[tuple[str, torch.Tensor]],
+    optimizer: str | OptimizerConfig = "sgd",
+    *,
+    fake_mode: FakeTensorMode | None = None,
+    modules: dict[str, str] | None = None,
+) -> GraphModule:
+    """Build the update graph for ``params`` ((qualified name, tensor or FakeTensor) pairs).
+
+    Raises:
+        ValueError: for an unknown optimizer.
+    """
+    cfg = optimizer if isinstance(optimizer, OptimizerConfig) else OptimizerConfig(optimizer)
+    if cfg.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.name!r}; one of {', '.join(OPTIMIZERS)}")
+    fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
+    modules = modules or {}
+    g = Graph()
+    b = _UpdateBuilder(g, fake_mode, [])
+    b.role = "update"
+
+    def ph(name, val, qual=None, module=""):
+        n = g.placeholder(name)
+        n.meta.update(
+            {
+                "val": _fake(fake_mode, val),
+                KIND: "primal",
+                ROLE: "update",
+                SOURCE: name,
+                MODULE: module,
+                PARAM_DERIVED: True,
+            }
+        )
+        if qual:
+            n.meta[PARAM] = qual
+        return n
+
+    safe = [q.replace(".", "_") for q, _ in params]
+    w = [ph(s, t, q, modules.get(q, _parent(q))) for s, (q, t) in zip(safe, params)]
+    gr = [ph(f"grad_{s}", t, q, modules.get(q, _parent(q))) for s, (q, t) in zip(safe, params)]
+    state = [
+        [ph(f"{kind}_{s}", t, q, modules.get(q, _parent(q))) for s, (q, t) in zip(safe, params)]
+        for kind in STATE_KINDS[cfg.name]
+    ]
+    with fake_mode:
+        scalar = torch.empty((), dtype=torch.float32)
+    lr = ph("lr", scalar)
+    step = ph("step", scalar) if cfg.name in ("adam", "adamw") else None
+    lr_wd = b.call(aten.mul.Tensor, lr, cfg.weight_decay) if cfg.name == "adamw" else None
+
+    new_w, new_state = [], [[] for _ in state]
+    for i, (q, _) in enumerate(params):
+        b.source, b.module = w[i].name, w[i].meta[MODULE]
+        wi, gi = w[i], gr[i]
+        if cfg.name == "sgd":
+            nw = b.call(aten.sub.Tensor, wi, b.call(aten.mul.Tensor, gi, lr))
+        elif cfg.name == "momentum":
+            buf = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, state[0][i], cfg.momentum), gi)
+            new_state[0].append(buf)
+            nw = b.call(aten.sub.Tensor, wi, b.call(aten.mul.Tensor, buf, lr))
+        else:
+            nw, m, v = _adam(b, cfg, wi, gi, state[0][i], state[1][i], lr, step, lr_wd)
+            new_state[0].append(m)
+            new_state[1].append(v)
+        for n in (nw,):
+            n.meta[PARAM] = q
+        new_w.append(nw)
+    g.output(tuple(new_w + [n for s in new_state for n in s]))
+    gm = GraphModule(torch.nn.Module(), g)
+    gm.meta["gf_update"] = UpdateInfo(
+        cfg.name,
+        tuple(q for q, _ in params),
+        tuple(n.name for s in state for n in s),
+        ("lr", "step") if step is not None else ("lr",),
+    )
+    return gm
+
+
+def _adam(b, cfg, w, g, m, v, lr, step, lr_wd):
+    b1, b2 = cfg.betas
+    shape = list(w.meta["val"].shape)
+    # first moment: 3 FLOPs per element
+    m = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, m, b1), b.call(aten.mul.Tensor, g, 1 - b1))
+    # second moment: 4
+    gg = b.call(aten.mul.Tensor, g, g)
+    v = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, v, b2), b.call(aten.mul.Tensor, gg, 1 - b2))
+    # bias corrections, per element as written: 3 + 3
+    t = b.call(aten.expand.default, step, shape)
+    m_hat = b.call(aten.div.Tensor, m, b.call(aten.rsub.Scalar, b.call(aten.pow.Scalar, b1, t), 1))
+    v_hat = b.call(aten.div.Tensor, v, b.call(aten.rsub.Scalar, b.call(aten.pow.Scalar, b2, t), 1))
+    # update: 5
+    denom = b.call(aten.add.Tensor, b.call(aten.sqrt.default, v_hat), cfg.eps)
+    upd = b.call(aten.mul.Tensor, b.call(aten.div.Tensor, m_hat, denom), lr)
+    if cfg.name == "adamw":  # decoupled weight decay: 2
+        w = b.call(aten.sub.Tensor, w, b.call(aten.mul.Tensor, w, lr_wd))
+    return b.call(aten.sub.Tensor, w, upd), m, v
+
+
+def _parent(q: str) -> str:
+    return q.rpartition(".")[0]
+
+
+def _fake(mode, t):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor):
+        return t
+    with mode:
+        return torch.empty(tuple(t.shape), dtype=t.dtype)
+
+
+def update_param_count(gm: GraphModule) -> int:
+    """Parameter elements an update graph updates."""
+    info: UpdateInfo = gm.meta["gf_update"]
+    names = {q.replace(".", "_") for q in info.params}
+    return sum(
+        n.meta["val"].numel() for n in gm.graph.nodes if n.op == "placeholder" and n.name in names
+    )
+
+
+__all__ = ["build_update", "OptimizerConfig", "OPTIMIZERS", "FLOPS_PER_ELEMENT", "Node"]

@@ -1,0 +1,283 @@
+"""Reverse mode = linearize + transpose (the JAX design).
+
+``build_vjp(forward)`` linearizes the forward graph with :func:`~graphflop.passes.jvp.build_jvp`
+(tangents on the parameters, and on the inputs when their gradients are asked for), then walks
+the tangent nodes in reverse order and applies each op's transpose rule, emitting an explicit
+backward ``fx.GraphModule``:
+
+* placeholders: the residuals it reads (forward values; parameters too, marked as such), then
+  the loss cotangent ``ct_loss``;
+* outputs: one gradient per parameter (then per input, when asked).
+
+Coefficients that derivative rules compute from primals (ReLU's mask, ``1 - tanh²``) are
+recomputed in the backward graph from the residuals, so the forward graph stays the model's own
+forward. Cotangents flowing into several uses are summed (role ``grad_accum``). Cotangents
+nothing needs are never emitted: the tangents they would transpose are ghosts, and transposing a
+ghost records what the pruned backward work would have cost (``gm.meta["gf_ghosts"]``, role
+``grad_input`` for the first layer's missing input gradient).
+
+Writes on backward nodes: ``gf_kind="cotangent"`` (``coef`` for recomputed coefficients),
+``gf_role`` (``grad_input``, ``grad_weight``, ``grad_accum``, ``loss``), ``gf_source``,
+``gf_module``; on residual placeholders ``gf_kind="primal"`` and ``gf_residual`` (``param``,
+``buffer``, ``input``, ``target`` or ``activation``); ``gm.meta["gf_vjp"]`` (:class:`VjpInfo`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import Graph, GraphModule, Node
+
+from graphflop.meta import (
+    GHOSTS,
+    KIND,
+    MODULE,
+    PARAM,
+    PARAM_DERIVED,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+    Signature,
+)
+from graphflop.ops import lookup
+from graphflop.passes.builder import Builder, GhostValue, is_ghost
+from graphflop.passes.jvp import build_jvp
+
+RESIDUAL = "gf_residual"
+
+
+@dataclass(frozen=True)
+class VjpInfo:
+    """Where things are in a backward graph.
+
+    Attributes:
+        residuals: (placeholder name, forward node name, kind) triples, kind one of ``param``,
+            ``buffer``, ``input``, ``target``, ``activation``.
+        cotangent_input: name of the loss-cotangent placeholder.
+        grads: (output position, parameter qualified name) pairs.
+        input_grads: (output position, input placeholder name) pairs.
+    """
+
+    residuals: tuple[tuple[str, str, str], ...]
+    cotangent_input: str
+    grads: tuple[tuple[int, str], ...]
+    input_grads: tuple[tuple[int, str], ...]
+
+
+class TransposeBuilder(Builder):
+    """Emits into the backward graph; imports linearized-graph values it reads as residual
+    placeholders (primals) or recomputed copies (coefficients)."""
+
+    active_kind = "cotangent"
+
+    def __init__(self, graph: Graph, fake_mode, ghosts, sig: Signature, lin: GraphModule):
+        super().__init__(graph, fake_mode, ghosts)
+        self.sig = sig
+        self.imported: dict[Node, Node] = {}
+        self.residual_order: list[tuple[str, str, str]] = []
+        self._last_placeholder: Node | None = None
+        self._kinds = {p: "param" for p, _ in sig.params}
+        self._kinds.update({b_: "buffer" for b_, _ in sig.buffers})
+        self._kinds.update({i: "input" for i in sig.inputs})
+        self._kinds.update({t: "target" for t in sig.targets})
+
+    def placeholder(self, name: str, meta: dict) -> Node:
+        if self._last_placeholder is None:
+            first = next(iter(self.graph.nodes), None)
+            ctx = self.graph.inserting_before(first) if first is not None else None
+        else:
+            ctx = self.graph.inserting_after(self._last_placeholder)
+        if ctx is None:
+            node = self.graph.placeholder(name)
+        else:
+            with ctx:
+                node = self.graph.placeholder(name)
+        node.meta.update(meta)
+        self._last_placeholder = node
+        return node
+
+    def import_arg(self, a: Any) -> Any:
+        if not isinstance(a, Node) or a.graph is self.graph:
+            return a
+        if a in self.imported:
+            return self.imported[a]
+        kind = a.meta.get(KIND)
+        if kind == "primal":
+            src = a.meta.get(SOURCE, a.name)
+            rkind = self._kinds.get(src, "activation")
+            meta = {k: v for k, v in a.meta.items() if k.startswith("gf_") or k == "val"}
+            meta[RESIDUAL] = rkind
+            ph = self.placeholder(src, meta)
+            self.residual_order.append((ph.name, src, rkind))
+            self.imported[a] = ph
+            return ph
+        if kind == "coef":
+            args = tuple(self._import_tree(x) for x in a.args)
+            kwargs = {k: self._import_tree(v) for k, v in a.kwargs.items()}
+            node = self.graph.call_function(a.target, args, kwargs)
+            node.meta.update({k: v for k, v in a.meta.items() if k.startswith("gf_")})
+            node.meta["val"] = a.meta["val"]
+            node.meta[KIND] = "coef"
+            node.meta[ROLE] = self.role if self.role != "grad_accum" else "grad_input"
+            self.imported[a] = node
+            return node
+        raise ValueError(f"backward graph cannot read {a.format_node()} (kind {kind})")
+
+    def _import_tree(self, x):
+        if isinstance(x, (list, tuple)):
+            return type(x)(self._import_tree(y) for y in x)
+        return self.import_arg(x)
+
+    def kind_for(self, args_flat):
+        return (
+            "cotangent"
+            if any(isinstance(a, Node) and a.meta.get(KIND) == "cotangent" for a in args_flat)
+            else "coef"
+        )
+
+
+def _is_linear(a: Any) -> bool:
+    if is_ghost(a):
+        return True
+    return isinstance(a, Node) and a.meta.get(KIND) == "tangent"
+
+
+def build_vjp(forward: GraphModule, *, input_grads: bool = False) -> GraphModule:
+    """Build the backward graph of a traced forward graph (see the module docstring).
+
+    Args:
+        forward: a graph from :func:`graphflop.trace.trace` with a loss.
+        input_grads: also return the cotangents of the model's inputs.
+
+    Returns:
+        The backward GraphModule; ``gm.meta["gf_linearized"]`` holds the JVP graph it was
+        transposed from.
+
+    Raises:
+        MissingRuleError: for a tangent op with no transpose rule.
+        ValueError: when the forward graph has no loss.
+    """
+    sig: Signature = forward.meta[SIGNATURE]
+    if sig.loss is None:
+        raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
+    lin = build_jvp(forward, "all" if input_grads else "params")
+    info = lin.meta["gf_jvp"]
+    out_node = next(n for n in lin.graph.nodes if n.op == "output")
+    loss_tangent = out_node.args[0][info.primal_outputs]
+
+    g = Graph()
+    ghosts: list = []
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in lin.graph.nodes if "val" in n.meta])
+    b = TransposeBuilder(g, fake_mode, ghosts, sig, lin)
+    loss_node = next(n for n in forward.graph.nodes if n.name == sig.loss)
+    ct_loss = b.placeholder(
+        "ct_loss",
+        {
+            "val": loss_node.meta["val"],
+            KIND: "cotangent",
+            ROLE: "loss",
+            SOURCE: sig.loss,
+            MODULE: "loss",
+        },
+    )
+    ct: dict[Any, Any] = {}
+
+    def key(v):
+        return id(v) if is_ghost(v) else v
+
+    ct[key(loss_tangent)] = ct_loss
+    log = lin.meta["gf_jvp_log"]
+    links = lin.meta.get("gf_ghost_links", {})
+    for entry in reversed(log):
+        c = ct.pop(key(entry), None)
+        if c is None:
+            continue
+        for gh in links.get(entry, []) if not is_ghost(entry) else []:
+            # a tangent sum skipped this ghost term: it would have received the same cotangent
+            ct.setdefault(key(gh), b.as_ghost(c))
+        ghost = is_ghost(entry)
+        op, args, kwargs = (
+            (entry.op, entry.args, entry.kwargs)
+            if ghost
+            else (entry.target, entry.args, entry.kwargs)
+        )
+        rule = lookup(op, need=("transpose",), node=entry.name)
+        b.source = entry.record.source if ghost else entry.meta.get(SOURCE, "")
+        b.module = entry.record.module if ghost else entry.meta.get(MODULE, "")
+        linear = [_linear_mask(a) for a in args]
+        for i, lin_i in enumerate(linear):
+            for j, target in _targets(args[i], lin_i):
+                one_hot = [False if not isinstance(x, list) else [False] * len(x) for x in linear]
+                if j is None:
+                    one_hot[i] = True
+                else:
+                    one_hot[i][j] = True
+                target_pd = target.meta.get(PARAM_DERIVED, False)
+                b.role = (
+                    "loss" if b.module == "loss" else ("grad_weight" if target_pd else "grad_input")
+                )
+                b.param_derived = target_pd
+                b.force_ghost = ghost or is_ghost(target)
+                cin = b.as_ghost(c) if b.force_ghost else c
+                cts = rule.transpose(b, cin, args, kwargs, one_hot)
+                out = cts[i] if j is None else cts[i][j]
+                if out is None:
+                    continue
+                prev = ct.get(key(target))
+                if prev is not None:
+                    b.role = "grad_accum"
+                    out = b.call(torch.ops.aten.add.Tensor, prev, out)
+                ct[key(target)] = out
+                b.force_ghost = False
+
+    outputs, grads, in_grads = [], [], []
+    for t_name, p_name in info.tangent_inputs:
+        t_node = next(n for n in lin.graph.nodes if n.name == t_name)
+        g_val = ct.get(t_node)
+        if g_val is None or is_ghost(g_val):
+            b.source, b.module, b.role, b.force_ghost = p_name, "", "grad_weight", False
+            g_val = b.zeros_like(t_node)
+        if PARAM in t_node.meta:
+            grads.append((len(outputs), t_node.meta[PARAM]))
+            g_val.meta.setdefault(PARAM, t_node.meta[PARAM])
+        else:
+            in_grads.append((len(outputs), p_name))
+        outputs.append(g_val)
+    g.output(tuple(outputs))
+    g.eliminate_dead_code()
+    gm = GraphModule(torch.nn.Module(), g)
+    gm.meta[SIGNATURE] = sig
+    gm.meta[GHOSTS] = ghosts
+    gm.meta["gf_linearized"] = lin
+    gm.meta["gf_vjp"] = VjpInfo(
+        tuple(r for r in b.residual_order if r[0] in {n.name for n in g.nodes}),
+        ct_loss.name,
+        tuple(grads),
+        tuple(in_grads),
+    )
+    return gm
+
+
+def _linear_mask(a: Any) -> Any:
+    if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+        return [_is_linear(x) for x in a]
+    return _is_linear(a)
+
+
+def _targets(arg: Any, lin: Any):
+    """(index within a list argument or None, linear value) pairs of one argument."""
+    if isinstance(lin, list):
+        return [(j, x) for j, (x, is_lin) in enumerate(zip(arg, lin)) if is_lin]
+    return [(None, arg)] if lin else []
+
+
+def _as_ghost(self: Builder, v: Any) -> Any:
+    if v is None or is_ghost(v):
+        return v
+    return GhostValue(v.meta["val"], param_derived=v.meta.get(PARAM_DERIVED, False))
+
+
+Builder.as_ghost = _as_ghost  # type: ignore[attr-defined]

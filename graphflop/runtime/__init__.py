@@ -1,0 +1,1 @@
+"""Running graphflop's graphs on real tensors: numerics checks and timing."""

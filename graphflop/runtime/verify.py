@@ -1,0 +1,241 @@
+"""Run graphflop's generated graphs on real random tensors and compare them with PyTorch.
+
+``verify_gradients`` checks every parameter gradient of the backward graph against
+``torch.func.grad`` of the same loss; ``verify_jvp`` checks the JVP graph's loss tangent against
+``torch.func.jvp``. Relative error is ``‖a − b‖ / max(‖b‖, tiny)`` per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import GraphModule, Interpreter
+
+from graphflop.meta import SIGNATURE, Signature
+
+
+@dataclass(frozen=True)
+class Check:
+    """Result of one comparison: the worst relative error and where it occurred."""
+
+    name: str
+    worst_rel_error: float
+    where: str
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.worst_rel_error <= self.tolerance
+
+
+class _Recorder(Interpreter):
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        self.values[n.name] = out
+        return out
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / max(float(b.norm()), 1e-30))
+
+
+def real_arguments(
+    forward: GraphModule, model: nn.Module, *, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Real tensors for every placeholder of a traced forward graph: the model's parameters and
+    buffers (in the graph's dtypes), random inputs, and random valid targets."""
+    sig: Signature = forward.meta[SIGNATURE]
+    gen = torch.Generator().manual_seed(seed)
+    values: dict[str, torch.Tensor] = {}
+    phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
+    for name, qual in sig.params:
+        values[name] = model.get_parameter(qual).detach().clone().to(phs[name].meta["val"].dtype)
+    for name, qual in sig.buffers:
+        values[name] = model.get_buffer(qual).detach().clone().to(phs[name].meta["val"].dtype)
+    out_val = (
+        next(n for n in forward.graph.nodes if n.name == (sig.outputs or (None,))[0]).meta["val"]
+        if sig.outputs
+        else None
+    )
+    for name in sig.inputs + sig.targets:
+        v = phs[name].meta["val"]
+        if v.is_floating_point():
+            values[name] = torch.randn(tuple(v.shape), generator=gen, dtype=v.dtype)
+        else:
+            high = out_val.shape[-1] if (name in sig.targets and out_val is not None) else 2
+            values[name] = torch.randint(0, high, tuple(v.shape), generator=gen, dtype=v.dtype)
+    return values
+
+
+def run_forward(forward: GraphModule, values: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Run the forward graph; returns every node's value by name."""
+    order = [n.name for n in forward.graph.nodes if n.op == "placeholder"]
+    rec = _Recorder(forward)
+    rec.run(*[values[n] for n in order])
+    return rec.values
+
+
+def run_backward(backward: GraphModule, fwd_values: dict[str, Any]) -> tuple:
+    """Run the backward graph on the forward's recorded values with a loss cotangent of 1."""
+    info = backward.meta["gf_vjp"]
+    args = []
+    for n in backward.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        if n.name == info.cotangent_input:
+            v = fwd_values[backward.meta[SIGNATURE].loss]
+            args.append(torch.ones_like(v))
+        else:
+            args.append(fwd_values[n.meta.get("gf_source", n.name)])
+    return backward(*args)
+
+
+def reference_loss_fn(forward: GraphModule, model: nn.Module, values: dict[str, torch.Tensor]):
+    """``f(params) -> loss`` for torch.func, using the model itself (not graphflop's graphs)."""
+    sig: Signature = forward.meta[SIGNATURE]
+    loss_kind = forward.meta.get("gf_loss_kind", "sum")
+    buffers = {q: values[n].clone() for n, q in sig.buffers}
+    inputs = [values[n] for n in sig.inputs]
+    targets = [values[n] for n in sig.targets]
+
+    def f(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = torch.func.functional_call(
+            model, {**params, **{k: v.clone() for k, v in buffers.items()}}, tuple(inputs)
+        )
+        first = (
+            out if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_flatten(out)[0][0]
+        )
+        if loss_kind == "cross_entropy":
+            return F.cross_entropy(first, targets[0])
+        if loss_kind == "mse":
+            return F.mse_loss(first, targets[0])
+        return first.sum()
+
+    return f
+
+
+def verify_gradients(
+    forward: GraphModule,
+    backward: GraphModule,
+    model: nn.Module,
+    *,
+    tolerance: float = 1e-4,
+    seed: int = 0,
+) -> Check:
+    """Compare every parameter gradient of ``backward`` with ``torch.func.grad`` of the same
+    loss on the same random inputs, in the dtype the graphs were traced in."""
+    values = real_arguments(forward, model, seed=seed)
+    fv = run_forward(forward, values)
+    grads = run_backward(backward, fv)
+    sig: Signature = forward.meta[SIGNATURE]
+    params = {q: values[n] for n, q in sig.params}
+    model = _cast(model, next(iter(params.values())).dtype if params else None)
+    ref = torch.func.grad(reference_loss_fn(forward, model, values))(params)
+    worst, where = 0.0, ""
+    for pos, qual in backward.meta["gf_vjp"].grads:
+        e = rel_error(grads[pos], ref[qual])
+        if e >= worst:
+            worst, where = e, qual
+    return Check("gradients vs torch.func.grad", worst, where, tolerance)
+
+
+def _cast(model: nn.Module, dtype):
+    if dtype is None:
+        return model
+    import copy
+
+    return copy.deepcopy(model).to(dtype)
+
+
+def run_jvp(
+    jvp: GraphModule, values: dict[str, torch.Tensor], tangents: dict[str, torch.Tensor]
+) -> tuple:
+    """Run a JVP graph: primal placeholders from ``values``, tangent placeholders from
+    ``tangents`` (keyed by the primal placeholder's name)."""
+    info = jvp.meta["gf_jvp"]
+    t_of = {t: p for t, p in info.tangent_inputs}
+    args = []
+    for n in jvp.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        args.append(tangents[t_of[n.name]] if n.name in t_of else values[n.name])
+    return jvp(*args)
+
+
+def verify_jvp(
+    forward: GraphModule,
+    jvp: GraphModule,
+    model: nn.Module,
+    *,
+    tolerance: float = 1e-4,
+    seed: int = 0,
+) -> Check:
+    """Compare the JVP graph's loss tangent with ``torch.func.jvp`` along a random direction."""
+    values = real_arguments(forward, model, seed=seed)
+    sig: Signature = forward.meta[SIGNATURE]
+    info = jvp.meta["gf_jvp"]
+    gen = torch.Generator().manual_seed(seed + 1)
+    tangents = {
+        p: torch.randn(values[p].shape, generator=gen, dtype=values[p].dtype)
+        for _, p in info.tangent_inputs
+    }
+    outs = run_jvp(jvp, values, tangents)
+    got = outs[info.primal_outputs]
+    params = {q: values[n] for n, q in sig.params}
+    model = _cast(model, next(iter(params.values())).dtype if params else None)
+    qual_of = dict(sig.params)
+    input_names = list(sig.inputs)
+
+    def f(p, xs):
+        vals = dict(values)
+        vals.update({n: xs[i] for i, n in enumerate(input_names)})
+        return reference_loss_fn(forward, model, vals)(p)
+
+    xs = tuple(values[n] for n in input_names)
+    p_t = {q: tangents.get(n, torch.zeros_like(values[n])) for n, q in sig.params}
+    x_t = tuple(tangents.get(n, torch.zeros_like(values[n])) for n in input_names)
+    _, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))
+    del qual_of
+    return Check("JVP loss tangent vs torch.func.jvp", rel_error(got, ref), "loss", tolerance)
+
+
+def verify_analysis(
+    loaded, inputs, analysis, *, dtype: str = "float64", tolerance: float = 1e-4
+) -> list[Check]:
+    """Re-trace ``loaded.model`` in ``dtype`` and check the backward and JVP graphs built the
+    same way as ``analysis``'s against torch.func. Returns one :class:`Check` per comparison."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphflop.passes.jvp import build_jvp
+    from graphflop.passes.vjp import build_vjp
+    from graphflop.trace import trace
+
+    dt = torch.float64 if dtype == "float64" else torch.float32
+    model = copy.deepcopy(loaded.model).to(dt)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        xs = tuple(
+            torch.empty(
+                tuple(t.shape), dtype=dt if t.is_floating_point() else t.dtype, device="cpu"
+            )
+            for t in inputs
+        )
+    fwd = trace(model, xs, loss=analysis.forward.meta.get("gf_loss_kind", "auto"))
+    checks = []
+    if analysis.backward is not None:
+        checks.append(verify_gradients(fwd, build_vjp(fwd), model, tolerance=tolerance))
+    if analysis.jvp is not None:
+        tangents = analysis.summary["totals"]["jvp"]["tangents"]
+        checks.append(verify_jvp(fwd, build_jvp(fwd, tangents), model, tolerance=tolerance))
+    return checks

@@ -1,0 +1,268 @@
+"""Model → forward graph of core ATen ops on FakeTensors, with the loss at its end.
+
+``torch.export`` (non-strict, so Python control flow on shapes traces) turns the model and a loss
+into a graph whose placeholders are the parameters, buffers, inputs and loss targets; PyTorch's
+core-ATen decomposition table, extended to batch norm and the softmax/NLL losses, breaks
+composite ops into the parts FLOPS.md counts. Tracing runs on FakeTensors: no activation memory.
+
+Writes on each node: ``val`` (PyTorch), ``gf_kind="primal"``, ``gf_role`` (``forward`` or
+``loss``), ``gf_source``, ``gf_module`` (the ``nn.Module`` path), ``gf_param_derived``; on
+parameter placeholders ``gf_param``. Writes ``gm.meta["gf_signature"]``.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule
+from torch.utils._pytree import tree_flatten
+
+from graphflop.meta import KIND, MODULE, PARAM, PARAM_DERIVED, ROLE, SIGNATURE, SOURCE, Signature
+
+aten = torch.ops.aten
+LOSSES = ("cross_entropy", "mse", "sum", "none")
+
+
+class TraceError(RuntimeError):
+    """The model could not be traced; the message says why."""
+
+
+def decomposition_table() -> dict:
+    """PyTorch's core-ATen decompositions plus batch norm, softmax and NLL loss, so that
+    normalisation and losses are counted as the sum of their parts (FLOPS.md)."""
+    table = core_aten_decompositions()
+    table.update(
+        get_decompositions(
+            [
+                aten._native_batch_norm_legit_functional,
+                aten._native_batch_norm_legit_no_training,
+                aten._native_batch_norm_legit.no_stats,
+                aten.native_layer_norm,
+                aten.native_group_norm,
+                aten._log_softmax,
+                aten._softmax,
+                aten.nll_loss_forward,
+                aten.mse_loss,
+                aten.hardtanh,
+                aten.gelu,
+                aten.silu,
+                aten._adaptive_avg_pool2d,
+            ]
+        )
+    )
+    return table
+
+
+class Objective(nn.Module):
+    """The model followed by its loss: ``forward(*inputs, *targets) -> (loss, *outputs)``."""
+
+    def __init__(self, model: nn.Module, loss: str):
+        super().__init__()
+        self.model = model
+        self.loss = loss
+
+    def forward(self, *args: torch.Tensor):
+        n_targets = 1 if self.loss in ("cross_entropy", "mse") else 0
+        inputs = args[: len(args) - n_targets]
+        out = self.model(*inputs)
+        flat, _ = tree_flatten(out)
+        first = flat[0]
+        if self.loss == "cross_entropy":
+            loss = F.cross_entropy(first, args[-1])
+        elif self.loss == "mse":
+            loss = F.mse_loss(first, args[-1])
+        elif self.loss == "sum":
+            loss = first.sum()
+        else:
+            return tuple(flat)
+        return (loss, *flat)
+
+
+def default_loss(out: Any) -> str:
+    """Cross-entropy for ``(N, C)`` floating logits, ``sum`` otherwise."""
+    flat, _ = tree_flatten(out)
+    first = flat[0] if flat else None
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and first.is_floating_point():
+        return "cross_entropy"
+    return "sum"
+
+
+def make_targets(loss: str, out: torch.Tensor, fake_mode: FakeTensorMode) -> tuple:
+    with fake_mode:
+        if loss == "cross_entropy":
+            return (torch.zeros(out.shape[0], dtype=torch.long, device=out.device),)
+        if loss == "mse":
+            return (torch.empty(out.shape, dtype=out.dtype, device=out.device),)
+    return ()
+
+
+def _module_path(node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    if path == "":
+        return "loss"
+    if path == "model":
+        return ""
+    return path[len("model.") :] if path.startswith("model.") else path
+
+
+def trace(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    loss: str = "auto",
+    fake_mode: FakeTensorMode | None = None,
+) -> GraphModule:
+    """Trace ``model`` on ``inputs`` (FakeTensors or real tensors) followed by ``loss``.
+
+    Args:
+        model: the module; its mode (train/eval) is used as is.
+        inputs: one tensor per positional input.
+        loss: ``cross_entropy`` (against integer targets), ``mse``, ``sum``, ``none`` or
+            ``auto`` (cross-entropy for (N, C) logits, else sum).
+
+    Returns:
+        An ``fx.GraphModule`` of core ATen ops. Its placeholders are the parameters, buffers,
+        inputs and targets (see ``gm.meta["gf_signature"]``); its outputs are the buffer updates,
+        then the loss, then the model's outputs.
+
+    Raises:
+        TraceError: when ``torch.export`` cannot trace the model (the cause is chained).
+    """
+    if loss not in LOSSES + ("auto",):
+        raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
+    fake_mode = fake_mode or detect_fake_mode(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = tuple(fake_mode.from_tensor(t) if not _is_fake(t) else t for t in inputs)
+    try:
+        with fake_mode:
+            out = model(*inputs)
+    except Exception as e:
+        raise TraceError(
+            f"running the model on the example inputs failed: {type(e).__name__}: {_first_line(e)}"
+        ) from e
+    if loss == "auto":
+        loss = default_loss(out)
+    flat_out, _ = tree_flatten(out)
+    targets = make_targets(loss, flat_out[0], fake_mode)
+    wrapper = Objective(model, loss)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(wrapper, inputs + targets, strict=False)
+            ep = ep.run_decompositions(decomposition_table())
+    except Exception as e:
+        raise TraceError(
+            f"torch.export could not trace the model: {type(e).__name__}: {_first_line(e)}"
+        ) from e
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    params, buffers, user_inputs = [], [], []
+    for spec in sig.input_specs:
+        kind = spec.kind.name
+        name = spec.arg.name
+        if kind == "PARAMETER":
+            params.append((name, spec.target.removeprefix("model.")))
+        elif kind == "BUFFER":
+            buffers.append((name, spec.target.removeprefix("model.")))
+        elif kind == "USER_INPUT":
+            user_inputs.append(name)
+        else:
+            raise TraceError(f"unsupported graph input kind {kind} for {name}")
+    n_inputs = len(inputs)
+    model_inputs, target_names = user_inputs[:n_inputs], user_inputs[n_inputs:]
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    out_args = list(out_node.args[0])
+    buffer_updates, user_outs = [], []
+    for spec, a in zip(sig.output_specs, out_args):
+        if spec.kind.name == "BUFFER_MUTATION":
+            buffer_updates.append((a.name, spec.target.removeprefix("model.")))
+        elif spec.kind.name == "USER_OUTPUT":
+            user_outs.append(a)
+        else:
+            raise TraceError(f"unsupported graph output kind {spec.kind.name}")
+    loss_name = user_outs[0].name if loss != "none" else None
+    model_outs = user_outs[1:] if loss != "none" else user_outs
+    signature = Signature(
+        params=tuple(params),
+        buffers=tuple(buffers),
+        inputs=tuple(model_inputs),
+        targets=tuple(target_names),
+        loss=loss_name,
+        outputs=tuple(n.name for n in model_outs if hasattr(n, "name")),
+        buffer_updates=tuple(buffer_updates),
+    )
+    gm.meta[SIGNATURE] = signature
+    gm.meta["gf_loss_kind"] = loss
+    _complete_getitems(gm)
+    _tag_nodes(gm, signature)
+    return gm
+
+
+def _complete_getitems(gm: GraphModule) -> None:
+    """Give every output of a multi-output op a ``getitem`` node, so derivative rules can read
+    any of them (max pooling's indices) as an ordinary forward value."""
+    for n in list(gm.graph.nodes):
+        val = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(val, (tuple, list)):
+            continue
+        have = {u.args[1] for u in n.users if u.target is operator.getitem}
+        last = n
+        for i, v in enumerate(val):
+            if i in have or not isinstance(v, torch.Tensor):
+                continue
+            with gm.graph.inserting_after(last):
+                g = gm.graph.call_function(operator.getitem, (n, i))
+            g.meta.update({k: v_ for k, v_ in n.meta.items() if k != "val"})
+            g.meta["val"] = v
+            last = g
+    gm.recompile()
+
+
+def _tag_nodes(gm: GraphModule, sig: Signature) -> None:
+    param_names = dict(sig.params)
+    constants = set(param_names) | {n for n, _ in sig.buffers}
+    for n in gm.graph.nodes:
+        n.meta[KIND] = "primal"
+        n.meta[SOURCE] = n.name
+        if n.op == "placeholder":
+            n.meta[MODULE] = ""
+            n.meta[ROLE] = "forward"
+            n.meta[PARAM_DERIVED] = n.name in constants
+            if n.name in param_names:
+                n.meta[PARAM] = param_names[n.name]
+            continue
+        path = _module_path(n)
+        n.meta[MODULE] = path
+        n.meta[ROLE] = "loss" if path == "loss" else "forward"
+        if n.op == "call_function":
+            deps = [a for a in n.all_input_nodes if _has_float(a.meta.get("val"))]
+            n.meta[PARAM_DERIVED] = all(a.meta.get(PARAM_DERIVED, False) for a in deps)
+        else:
+            n.meta[PARAM_DERIVED] = False
+
+
+def _has_float(v: Any) -> bool:
+    if isinstance(v, (tuple, list)):
+        return any(_has_float(x) for x in v)
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
