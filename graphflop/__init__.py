@@ -9,6 +9,7 @@ Public API (each takes and returns ``torch.fx.GraphModule``s or an :class:`Analy
 """
 
 from graphflop import ops  # noqa: F401  (fills the rule table)
+from graphflop.ops.registry import register as register_rule
 from graphflop.passes.flops import annotate_flops
 from graphflop.passes.jvp import build_jvp
 from graphflop.passes.optimizer import build_update

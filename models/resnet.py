@@ -23,8 +23,6 @@ torchvision naming so state dicts line up.
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 from torch import nn
 

@@ -69,7 +69,7 @@ def annotate_flops(gm: GraphModule) -> GraphModule:
     """
     for n in gm.graph.nodes:
         if n.op == "call_function":
-            n.meta[COST] = op_cost(n.target, n.args, n.kwargs, n, node=n.format_node())
+            n.meta[COST] = op_cost(n.target, n.args, n.kwargs, n, node=n.name)
         else:
             n.meta[COST] = ZERO_COST
     return gm

@@ -185,7 +185,7 @@ def build_jvp(
         flat_t = [t for t in _flatten(arg_t) if t is not None]
         if not flat_t:
             continue
-        rule = lookup(n.target, need=("jvp",), node=n.format_node())
+        rule = lookup(n.target, need=("jvp",), node=n.name)
         if rule.zero_derivative:
             continue
         b.source, b.module = n.name, n.meta.get(MODULE, "")

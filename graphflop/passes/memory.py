@@ -83,7 +83,11 @@ class Schedule:
                 n.target is operator.getitem
                 or (has_rule(n.target) and lookup(n.target).bytes == "view")
             ):
-                alias = next((keys[a] for a in n.all_input_nodes if keys.get(a)), None)
+                base = n.all_input_nodes[0] if n.all_input_nodes else None
+                if base is not None and keys.get(base) is None:
+                    keys[n] = None  # a view of an always-live tensor
+                    continue
+                alias = keys[base] if base is not None else None
             nbytes = 0 if (free_outputs and n in outputs) else tensor_bytes(n.meta.get("val"))
             self.steps.append(_Step(key, nbytes, alias, reads))
 
@@ -164,8 +168,8 @@ def train_schedule(
     for n in backward.graph.nodes:
         if n.op == "placeholder" and n.meta.get("gf_residual") is not None:
             src = n.meta.get(SOURCE, n.name)
-            if src in params:
-                base_b.add(n.name)
+            if src in params or n.meta.get("gf_residual") == "param_derived":
+                base_b.add(n.name)  # parameters and views of them are always live
             else:
                 ext[n.name] = f"f:{src}"
     s.add_graph(backward, "b", baseline=base_b, external=ext, free_outputs=True)
@@ -196,7 +200,7 @@ def saved_for_backward_bytes(forward: GraphModule, backward: GraphModule) -> int
     seen = set()
     for n in backward.graph.nodes:
         kind = n.meta.get("gf_residual")
-        if n.op == "placeholder" and kind not in (None, "param", "buffer"):
+        if n.op == "placeholder" and kind not in (None, "param", "buffer", "param_derived"):
             k = storage.get(f"f:{n.meta.get(SOURCE, n.name)}")
             if k is not None:
                 seen.add(k)

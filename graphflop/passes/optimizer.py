@@ -113,14 +113,15 @@ def build_update(
         return n
 
     safe = [q.replace(".", "_") for q, _ in params]
-    w = [ph(s, t, q, modules.get(q, _parent(q))) for s, (q, t) in zip(safe, params)]
+    w = [ph(f"param_{s}", t, q, modules.get(q, _parent(q))) for s, (q, t) in zip(safe, params)]
     gr = [ph(f"grad_{s}", t, q, modules.get(q, _parent(q))) for s, (q, t) in zip(safe, params)]
     state = [
         [ph(f"{kind}_{s}", t, q, modules.get(q, _parent(q))) for s, (q, t) in zip(safe, params)]
         for kind in STATE_KINDS[cfg.name]
     ]
+    device = params[0][1].device if params else torch.device("cpu")
     with fake_mode:
-        scalar = torch.empty((), dtype=torch.float32)
+        scalar = torch.empty((), dtype=torch.float32, device=device)
     lr = ph("lr", scalar)
     step = ph("step", scalar) if cfg.name in ("adam", "adamw") else None
     lr_wd = b.call(aten.mul.Tensor, lr, cfg.weight_decay) if cfg.name == "adamw" else None
@@ -183,13 +184,13 @@ def _fake(mode, t):
     if isinstance(t, FakeTensor):
         return t
     with mode:
-        return torch.empty(tuple(t.shape), dtype=t.dtype)
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
 
 
 def update_param_count(gm: GraphModule) -> int:
     """Parameter elements an update graph updates."""
     info: UpdateInfo = gm.meta["gf_update"]
-    names = {q.replace(".", "_") for q in info.params}
+    names = {"param_" + q.replace(".", "_") for q in info.params}
     return sum(
         n.meta["val"].numel() for n in gm.graph.nodes if n.op == "placeholder" and n.name in names
     )

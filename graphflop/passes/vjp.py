@@ -107,7 +107,9 @@ class TransposeBuilder(Builder):
         kind = a.meta.get(KIND)
         if kind == "primal":
             src = a.meta.get(SOURCE, a.name)
-            rkind = self._kinds.get(src, "activation")
+            rkind = self._kinds.get(src) or (
+                "param_derived" if a.meta.get(PARAM_DERIVED) else "activation"
+            )
             meta = {k: v for k, v in a.meta.items() if k.startswith("gf_") or k == "val"}
             meta[RESIDUAL] = rkind
             ph = self.placeholder(src, meta)

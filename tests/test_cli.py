@@ -1,0 +1,106 @@
+"""The command line: output, JSON, and one-line errors with exit code 2 for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import spec
+
+from graphflop.cli import main
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "graphflop.cli", *args], capture_output=True,
+                          text=True, cwd=cwd)
+
+
+def test_inspect_json(tmp_path):
+    out = tmp_path / "out.json"
+    assert main(["inspect", spec("logreg.py"), "--batch", "32", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    # logistic regression 784→10 at batch 32: 2·32·784·10 multiply-add FLOPs
+    assert d["totals"]["forward"]["mm_flops"] == 2 * 32 * 784 * 10
+    assert d["inputs"] == [{"name": d["inputs"][0]["name"], "shape": [32, 1, 28, 28],
+                            "dtype": "float32"}]
+    for key in ("params_bytes", "forward_peak_bytes", "saved_for_backward_bytes",
+                "train_peak_bytes", "jvp_peak_bytes", "grads_bytes", "optimizer_state_bytes"):
+        assert key in d["memory"]
+    assert {"name", "forward_flops", "params"} <= set(d["layers"][0])
+    assert d["params"] == 784 * 10 + 10
+
+
+def test_input_shape_and_ctor_args(capsys):
+    assert main(["inspect", spec("mlp.py"), "--input-shape", "4,1,28,28", "--format", "json",
+                 "--no-jvp"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["inputs"][0]["shape"] == [4, 1, 28, 28]
+    assert main(["inspect", spec("deeper_convnet.py"), "--arg", "middle_layers=2",
+                 "--format", "json", "--no-jvp", "--no-backward"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert any(L["name"] == "middle" for L in d["layers"])
+
+
+def test_verify_passes():
+    r = run_cli("inspect", spec("onenet.py"), "--verify")
+    assert r.returncode == 0, r.stderr
+    assert "ok" in r.stderr and "FAILED" not in r.stderr
+
+
+TWO_MODULES = """
+import torch
+class A(torch.nn.Module):
+    def forward(self, x): return x
+class B(torch.nn.Module):
+    def forward(self, x): return x * 2
+"""
+
+UNTRACEABLE = """
+import torch
+class Bad(torch.nn.Module):
+    def forward(self, x):
+        return x.nonzero().sum() * undefined_name
+def example_inputs(): return (torch.randn(2, 3),)
+"""
+
+NO_RULE = """
+import torch
+class Odd(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3))
+    def forward(self, x):
+        return torch.special.i0(x * self.w)
+def example_inputs(): return (torch.randn(2, 3),)
+"""
+
+
+@pytest.mark.parametrize("case", ["missing", "unknown_name", "two_modules", "bad_shape",
+                                  "untraceable", "no_rule", "bad_dtype", "bad_arg"])
+def test_bad_input_one_line_exit_2(tmp_path, case):
+    (tmp_path / "two.py").write_text(TWO_MODULES)
+    (tmp_path / "bad.py").write_text(UNTRACEABLE)
+    (tmp_path / "odd.py").write_text(NO_RULE)
+    args = {
+        "missing": [str(tmp_path / "nope.py")],
+        "unknown_name": [spec("convnet.py") + ":Nope"],
+        "two_modules": [str(tmp_path / "two.py")],
+        "bad_shape": [spec("convnet.py"), "--input-shape", "1,3,x,224"],
+        "untraceable": [str(tmp_path / "bad.py")],
+        "no_rule": [str(tmp_path / "odd.py")],
+        "bad_dtype": [spec("convnet.py"), "--dtype", "float7"],
+        "bad_arg": [spec("deeper_convnet.py"), "--arg", "middle_layers"],
+    }[case]
+    out = tmp_path / "out.json"
+    r = run_cli("inspect", *args, "--json", str(out))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("graphflop: error:"), r.stderr
+    assert not out.exists()
+    assert list(tmp_path.glob(".out.json*")) == []
+    if case == "no_rule":
+        assert "aten.i0.default" in lines[0] and "node i0" in lines[0] and "graphflop/ops/" in lines[0]
+    if case == "two_modules":
+        assert "A, B" in lines[0]

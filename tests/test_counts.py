@@ -1,0 +1,144 @@
+"""Hand-worked FLOP counts: per layer for seed A's networks, single ops, grouped convolutions,
+optimizer updates and memory."""
+
+from __future__ import annotations
+
+import torch
+from conftest import analysis, layer
+from torch import nn
+
+from graphflop.passes.flops import annotate_flops
+from graphflop.passes.pipeline import analyze
+from graphflop.trace import trace
+
+
+def test_linearnet_per_layer_batch_4():
+    B = 4
+    s = analysis("linearnet.py", B).to_dict()
+    fc1, fc2, fc3 = layer(s, "fc1"), layer(s, "fc2"), layer(s, "fc3")
+    assert fc1["forward_mm_flops"] == 2 * 150528 * 4096 * B  # 2·in·out·batch
+    assert fc1["forward_flops"] == 2 * 150528 * 4096 * B + 4096 * B  # + bias adds
+    assert fc2["forward_flops"] == 2 * 4096 * 128 * B + 128 * B
+    assert fc3["forward_flops"] == 2 * 128 * 10 * B + 10 * B
+    assert layer(s, "relu1")["forward_flops"] == 4096 * B
+    # first layer: weight gradient (2·in·out·B) + bias gradient (out·B sums); no input gradient
+    assert fc1["grad_weight_flops"] == 2 * 150528 * 4096 * B + 4096 * B
+    assert fc1["grad_input_flops"] == 0
+    assert fc1["pruned_flops"] == 2 * 150528 * 4096 * B  # the input gradient it did not compute
+    # later layers: weight gradient and input gradient, each 2·in·out·B
+    assert fc2["grad_weight_flops"] == 2 * 4096 * 128 * B + 128 * B
+    assert fc2["grad_input_flops"] == 2 * 4096 * 128 * B
+    assert fc1["update_flops"] == 2 * (150528 * 4096 + 4096)  # SGD: 2 per parameter
+    assert abs(fc1["ratio_no_update"] - 1.0) < 1e-3  # 1:1
+    assert abs(fc2["ratio_no_update"] - 2.0) < 1e-2  # 2:1
+
+
+def test_onenet_per_layer_batch_1():
+    s = analysis("onenet.py", 1).to_dict()
+    fc1, fc2, fc3 = layer(s, "fc1"), layer(s, "fc2"), layer(s, "fc3")
+    assert fc1["forward_flops"] == 2 * 1 * 4096 + 4096  # 12,288
+    assert fc2["forward_flops"] == 2 * 4096 * 128 + 128  # 1,048,704
+    assert fc3["forward_flops"] == 2 * 128 * 10 + 10  # 2,570
+    assert fc2["grad_input_flops"] == 2 * 4096 * 128
+    assert fc2["update_flops"] == 2 * (4096 * 128 + 128)
+    # at batch 1 the update is as large as a forward product: later layers reach 3:1
+    assert abs(fc2["ratio"] - 3.0) < 0.01
+
+
+def test_convnet_per_layer_batch_1():
+    s = analysis("convnet.py", 1).to_dict()
+    c1, c2 = layer(s, "conv1"), layer(s, "conv2")
+    # conv1: 3→32, k7 s2 p3, 224→112: 2·N·Cout·Hout·Wout·Cin·k² + bias N·Cout·Hout·Wout
+    assert c1["forward_mm_flops"] == 2 * 32 * 112 * 112 * 3 * 49  # 118,013,952
+    assert c1["forward_flops"] == 2 * 32 * 112 * 112 * 3 * 49 + 32 * 112 * 112
+    assert layer(s, "pool1")["forward_flops"] == (9 - 1) * 32 * 56 * 56  # (k²−1) per output
+    # conv2: 32→64, k7 s2 p3, 56→28
+    assert c2["forward_mm_flops"] == 2 * 64 * 28 * 28 * 32 * 49  # 157,351,936
+    assert layer(s, "avgpool")["forward_flops"] == 64 * 14 * 14 + 64  # mean: in + out
+    assert layer(s, "fc")["forward_flops"] == 2 * 64 * 10 + 10
+    # backward: conv1 has only its weight (and bias) gradient, conv2 both
+    assert c1["grad_weight_flops"] == 2 * 32 * 112 * 112 * 3 * 49 + 32 * 112 * 112
+    assert c1["grad_input_flops"] == 0
+    assert c1["pruned_flops"] == 2 * 32 * 112 * 112 * 3 * 49
+    assert c2["grad_input_flops"] == 2 * 64 * 28 * 28 * 32 * 49
+    assert abs(c1["ratio_no_update"] - 1.0) < 1e-3 and abs(c2["ratio_no_update"] - 2.0) < 1e-3
+
+
+class _One(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs):
+        return self.fn(*xs)
+
+
+def _forward_flops(fn, *shapes):
+    xs = tuple(torch.randn(s) for s in shapes)
+    gm = annotate_flops(trace(_One(fn), xs, loss="none"))
+    return sum(n.meta["gf_cost"].flops for n in gm.graph.nodes), gm
+
+
+def test_elementwise_counts():
+    for fn in (torch.add, torch.sub, torch.mul, torch.div, torch.pow, torch.maximum):
+        flops, _ = _forward_flops(fn, (2, 3), (2, 3))
+        assert flops == 6, fn  # one per output element
+    flops, _ = _forward_flops(lambda a, b: a + b, (4, 3), (3,))  # broadcast: 12 outputs
+    assert flops == 12
+    flops, gm = _forward_flops(torch.exp, (5, 7))
+    assert flops == 35
+    assert sum(n.meta["gf_cost"].transcendentals for n in gm.graph.nodes) == 35
+    flops, _ = _forward_flops(torch.relu, (2, 8))
+    assert flops == 16
+
+
+def test_reduction_counts():
+    assert _forward_flops(lambda x: x.sum(1), (4, 6))[0] == 24  # 1 per input element
+    assert _forward_flops(lambda x: x.mean(1), (4, 6))[0] == 24 + 4  # + 1 per output (divide)
+    assert _forward_flops(lambda x: x.amax(0), (4, 6))[0] == 24
+    # var_mean: a mean and a variance, 2 per input element + 2 per output element
+    assert _forward_flops(lambda x: torch.var_mean(x, 1), (4, 6))[0] == 2 * 24 + 2 * 4
+    # views cost nothing and move no bytes
+    flops, gm = _forward_flops(lambda x: x.view(6, 4).permute(1, 0), (4, 6))
+    assert flops == 0
+    assert all(n.meta["gf_cost"].bytes_read == 0 for n in gm.graph.nodes)
+
+
+def test_grouped_conv_backward_keeps_the_group_factor():
+    conv = nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False)
+    x = torch.randn(4, 16, 16, 16, requires_grad=True)
+    a = analyze(_One(conv), (x,), loss="sum", jvp=False)
+    t = a.to_dict()["totals"]
+    # forward: 2·N·Cout·H·W·(Cin/G)·k² = 2·4·16·16·16·1·9 = 294,912
+    assert t["forward"]["mm_flops"] == 294_912
+    # backward with the input gradient asked for: input + weight gradient, each = forward
+    from graphflop.passes.flops import annotate_flops as af
+    from graphflop.passes.vjp import build_vjp
+
+    b = af(build_vjp(a.forward, input_grads=True))
+    assert sum(n.meta["gf_cost"].mm_flops for n in b.graph.nodes) == 589_824
+    # FlopCounterMode in torch 2.13 counts the weight gradient without the 1/G factor
+    from torch.utils.flop_counter import FlopCounterMode
+
+    y = conv(x)
+    with FlopCounterMode(display=False) as fc:
+        y.sum().backward()
+    assert fc.get_total_flops() == 5_013_504  # = 294,912 + 16 · 294,912
+
+
+def test_update_flops_per_optimizer_do_not_depend_on_batch():
+    for opt, per in (("sgd", 2), ("momentum", 4), ("adam", 18), ("adamw", 20)):
+        u1 = analysis("mlp.py", 1, optimizer=opt).to_dict()
+        u2 = analysis("mlp.py", 64, optimizer=opt).to_dict()
+        n = u1["params"]
+        assert u1["totals"]["update"]["flops"] == per * n + (1 if opt == "adamw" else 0), opt
+        assert u1["totals"]["update"]["flops"] == u2["totals"]["update"]["flops"]
+
+
+def test_saved_for_backward_of_a_bias_free_linear_stack():
+    B = 8
+    stack = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 16, bias=False),
+                          nn.Linear(16, 4, bias=False))
+    a = analyze(stack, (torch.randn(B, 32),), loss="sum", jvp=False)
+    # the weight gradients read the layer inputs: x (B·32), h1 (B·64), h2 (B·16), fp32
+    assert a.to_dict()["memory"]["saved_for_backward_bytes"] == 4 * B * (32 + 64 + 16)
