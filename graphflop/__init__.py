@@ -11,6 +11,7 @@ Public API (each takes and returns ``torch.fx.GraphModule``s or an :class:`Analy
 from graphflop import ops  # noqa: F401  (fills the rule table)
 from graphflop.ops.registry import register as register_rule
 from graphflop.passes.flops import annotate_flops
+from graphflop.passes.forward_gradient import build_forward_gradient_step
 from graphflop.passes.jvp import build_jvp
 from graphflop.passes.optimizer import build_update
 from graphflop.passes.pipeline import Analysis, analyze
@@ -25,5 +26,7 @@ __all__ = [
     "build_jvp",
     "build_update",
     "build_vjp",
+    "register_rule",
     "trace",
+    "build_forward_gradient_step",
 ]

@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="which values carry tangents in the JVP graph (default params: weight "
         "perturbation, as in forward gradients)",
     )
+    p.add_argument("--directions", type=int, default=1, metavar="K",
+                   help="directions averaged per forward-gradient step (default 1)")
+    p.add_argument("--direction", default="normal", choices=["normal", "rademacher"],
+                   help="distribution of forward-gradient directions (default normal)")
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
     p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")

@@ -17,6 +17,7 @@ from torch.fx import GraphModule
 
 from graphflop.meta import COST, GHOSTS, KIND, MODULE, ROLE, SIGNATURE, ZERO_COST, NodeCost
 from graphflop.passes.flops import annotate_flops, tensor_bytes
+from graphflop.passes.forward_gradient import build_forward_gradient_step
 from graphflop.passes.jvp import build_jvp
 from graphflop.passes.memory import (
     forward_schedule,
@@ -24,7 +25,7 @@ from graphflop.passes.memory import (
     saved_for_backward_bytes,
     train_schedule,
 )
-from graphflop.passes.optimizer import FLOPS_PER_ELEMENT, STATE_KINDS, build_update
+from graphflop.passes.optimizer import STATE_KINDS, build_update
 from graphflop.passes.vjp import build_vjp
 from graphflop.trace import trace
 
@@ -49,6 +50,7 @@ class Analysis:
     backward: GraphModule | None = None
     jvp: GraphModule | None = None
     update: GraphModule | None = None
+    forward_gradient: GraphModule | None = None
     summary: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,6 +65,8 @@ def analyze(
     loss: str = "auto",
     optimizer: str = "sgd",
     tangents: str = "params",
+    directions: int = 1,
+    distribution: str = "normal",
     backward: bool = True,
     jvp: bool = True,
     progress: Callable[[str], None] | None = None,
@@ -75,6 +79,8 @@ def analyze(
         loss: see :func:`graphflop.trace.trace`.
         optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw``.
         tangents: which values carry tangents in the JVP graph (``params``, ``inputs``, ``all``).
+        directions, distribution: of the forward-gradient step (see
+            :func:`~graphflop.passes.forward_gradient.build_forward_gradient_step`).
         backward, jvp: build those graphs.
         progress: called with a short message before each stage.
 
@@ -105,6 +111,10 @@ def analyze(
     if jvp:
         say("building the JVP graph")
         a.jvp = annotate_flops(build_jvp(fwd, tangents))
+        if has_loss:
+            say("building the forward-gradient step")
+            a.forward_gradient = annotate_flops(build_forward_gradient_step(
+                fwd, optimizer, directions=directions, distribution=distribution))
     say("summarising")
     a.summary = summarize(a, optimizer=optimizer, tangents=tangents)
     return a
@@ -277,19 +287,24 @@ def summarize(a: Analysis, *, optimizer: str, tangents: str) -> dict[str, Any]:
             "skipped_flops": skipped,
             "tangents": tangents,
         }
-        direction_flops = params  # g = d · v, one multiply per parameter element
-        upd = totals.get("update", {}).get("flops", FLOPS_PER_ELEMENT[optimizer] * params)
-        fg = fwd_total.flops + jtot.flops + direction_flops + upd
-        totals["forward_gradient_step"] = {
-            "flops": fg,
-            "primal_flops": fwd_total.flops,
-            "tangent_flops": jtot.flops,
-            "direction_flops": direction_flops,
-            "update_flops": upd,
-            "random_elements": params,
-        }
+        if a.forward_gradient is not None:
+            fnodes_fg = [n for n in a.forward_gradient.graph.nodes if n.op == "call_function"]
+            fgc = _sum(fnodes_fg)
+            info = a.forward_gradient.meta["gf_forward_gradient"]
+            by = {}
+            for n in fnodes_fg:
+                k = n.meta.get(ROLE, "forward")
+                by[k] = by.get(k, 0) + n.meta[COST].flops
+            totals["forward_gradient_step"] = {
+                **_cost_dict(fgc), "directions": info.directions,
+                "distribution": info.distribution,
+                "primal_flops": by.get("forward", 0) + by.get("loss", 0),
+                "tangent_flops": by.get("tangent_from_input", 0)
+                + by.get("tangent_from_param", 0),
+                "direction_flops": by.get("direction", 0), "update_flops": by.get("update", 0),
+            }
+            ratios["forward_gradient_step_forward"] = _ratio(fgc.flops, fwd_total.flops)
         ratios["jvp_forward"] = _ratio(jtot.flops, fwd_total.flops)
-        ratios["forward_gradient_step_forward"] = _ratio(fg, fwd_total.flops)
         jpeak, _ = jvp_schedule(a.jvp).peak()
         n_tan = sum(
             tensor_bytes(n.meta["val"])

@@ -1,0 +1,188 @@
+"""The forward-gradient step (Baydin et al. 2022, "Gradients without Backpropagation",
+arXiv 2202.08587) as one explicit graph.
+
+For each of ``K`` directions: sample ``v`` with one entry per parameter element (Gaussian, or
+Rademacher ±1), run the JVP with ``v`` as the parameter tangents to get the scalar directional
+derivative ``d = ∇L·v``; the gradient estimate is ``g = (1/K) Σ d·v``, an unbiased estimate of
+``∇L`` for directions with identity covariance. The optimizer update is then applied to ``g``.
+Primal (and coefficient) nodes are shared by the ``K`` directions: only tangent work repeats.
+
+Outputs, in order: the loss, the new parameters, the new optimizer state, then the ``K``
+directional derivatives. Writes ``gf_role="direction"`` on the sampling and ``g = d·v`` nodes and
+``gm.meta["gf_forward_gradient"]`` (:class:`ForwardGradientInfo`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import Graph, GraphModule, Node
+
+from graphflop.meta import KIND, MODULE, ROLE, SIGNATURE, SOURCE, Signature
+from graphflop.passes.builder import Builder
+from graphflop.passes.jvp import build_jvp
+from graphflop.passes.optimizer import OptimizerConfig, build_update
+
+aten = torch.ops.aten
+DISTRIBUTIONS = ("normal", "rademacher")
+
+
+@dataclass(frozen=True)
+class ForwardGradientInfo:
+    """Layout of a forward-gradient step graph.
+
+    Attributes:
+        inputs: placeholder names in order (primal placeholders, then optimizer state, then the
+            ``lr``/``step`` scalars, then the directions when ``direction_inputs``).
+        params: parameter qualified names, in output order.
+        state: optimizer-state placeholder names, in output order.
+        directions: number of directions ``K``.
+        distribution: ``normal`` or ``rademacher``.
+        direction_inputs: directions are graph inputs (``v{k}_<param>``) rather than sampled.
+    """
+
+    inputs: tuple[str, ...]
+    params: tuple[str, ...]
+    state: tuple[str, ...]
+    directions: int
+    distribution: str
+    direction_inputs: bool
+
+
+class _StepBuilder(Builder):
+    active_kind = "update"
+
+    def kind_for(self, args_flat):
+        return "direction"
+
+
+def build_forward_gradient_step(
+    forward: GraphModule,
+    optimizer: str | OptimizerConfig = "sgd",
+    *,
+    directions: int = 1,
+    distribution: str = "normal",
+    direction_inputs: bool = False,
+) -> GraphModule:
+    """Build the forward-gradient step graph of a traced forward graph (see module docstring).
+
+    Args:
+        forward: a graph from :func:`graphflop.trace.trace` with a loss.
+        optimizer: the update applied to the estimate (``sgd``, ``momentum``, ``adam``,
+            ``adamw``).
+        directions: ``K`` ≥ 1 directions averaged in one step.
+        distribution: ``normal`` (N(0, I)) or ``rademacher`` (±1, drawn as the sign of a normal
+            sample).
+        direction_inputs: take the directions as inputs instead of sampling them (for export
+            and for reproducible runs).
+
+    Raises:
+        ValueError: bad ``directions`` or ``distribution``, or a forward graph without a loss.
+    """
+    if directions < 1:
+        raise ValueError(f"directions must be at least 1, got {directions}")
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"unknown distribution {distribution!r}; one of {DISTRIBUTIONS}")
+    sig: Signature = forward.meta[SIGNATURE]
+    if sig.loss is None:
+        raise ValueError("the forward graph has no loss")
+    jvp = build_jvp(forward, "params")
+    info = jvp.meta["gf_jvp"]
+    g = Graph()
+    fake_mode = detect_fake_mode([n.meta["val"] for n in forward.graph.nodes if "val" in n.meta])
+    b = _StepBuilder(g, fake_mode, [])
+    b.role = "direction"
+
+    jvp_nodes = list(jvp.graph.nodes)
+    tangent_of = {t: p for t, p in info.tangent_inputs}
+    env: dict[Node, Node] = {}
+    for n in jvp_nodes:
+        if n.op == "placeholder" and n.name not in tangent_of:
+            env[n] = g.node_copy(n)
+    phs = {n.name: env[n] for n in jvp_nodes if n in env}
+    upd = build_update([(q, phs[p].meta["val"]) for p, q in sig.params], optimizer,
+                       fake_mode=fake_mode)
+    state_phs = {}
+    for n in upd.graph.nodes:
+        if n.op == "placeholder" and not n.name.startswith(("param_", "grad_")):
+            state_phs[n.name] = g.node_copy(n)
+    dir_inputs: dict[tuple[int, str], Node] = {}
+    if direction_inputs:
+        for k in range(directions):
+            for _, p in info.tangent_inputs:
+                ph = g.placeholder(f"v{k}_{p}")
+                ph.meta.update({"val": phs[p].meta["val"], KIND: "direction", ROLE: "direction",
+                                SOURCE: p, MODULE: ""})
+                dir_inputs[(k, p)] = ph
+
+    out_node = next(n for n in jvp_nodes if n.op == "output")
+    loss_t_pos = info.primal_outputs
+    primal_outs = out_node.args[0][: info.primal_outputs]
+    ds, vs = [], []
+    for k in range(directions):
+        v = {}
+        for t, p in info.tangent_inputs:
+            b.source, b.module = p, phs[p].meta.get(MODULE, "")
+            if direction_inputs:
+                v[t] = dir_inputs[(k, p)]
+            else:
+                val = phs[p].meta["val"]
+                r = b.call(aten.randn.default, list(val.shape), dtype=val.dtype,
+                           device=val.device)
+                v[t] = b.call(aten.sign.default, r) if distribution == "rademacher" else r
+        local = dict(env)
+        local.update({n: v[n.name] for n in jvp_nodes if n.name in v})
+        for n in jvp_nodes:
+            if n.op in ("placeholder", "output") or (k > 0 and n in env):
+                continue
+            if k > 0 and n.meta.get(KIND) != "tangent":
+                local[n] = env[n]  # primal and coefficient nodes are shared by all directions
+                continue
+            local[n] = g.node_copy(n, local.__getitem__)
+            if k == 0 and n.meta.get(KIND) != "tangent":
+                env[n] = local[n]
+        ds.append(local[out_node.args[0][loss_t_pos]])
+        vs.append(v)
+    # g = (1/K) Σ_k d_k · v_k
+    b.role = "direction"
+    grads = {}
+    for t, p in info.tangent_inputs:
+        b.source = p
+        acc = None
+        for d, v in zip(ds, vs):
+            term = b.call(aten.mul.Tensor, v[t], d)
+            acc = term if acc is None else b.call(aten.add.Tensor, acc, term)
+        if directions > 1:
+            acc = b.call(aten.div.Tensor, acc, float(directions))
+        grads[p] = acc
+    # the update, inlined with the estimate as the gradient
+    uenv: dict[Node, Node] = {}
+    name_to_p = {"param_" + q.replace(".", "_"): p for p, q in sig.params}
+    name_to_g = {"grad_" + q.replace(".", "_"): p for p, q in sig.params}
+    u_out = None
+    for n in upd.graph.nodes:
+        if n.op == "placeholder":
+            if n.name in name_to_p:
+                uenv[n] = phs[name_to_p[n.name]]
+            elif n.name in name_to_g:
+                uenv[n] = grads[name_to_g[n.name]]
+            else:
+                uenv[n] = state_phs[n.name]
+        elif n.op == "output":
+            u_out = n
+        else:
+            uenv[n] = g.node_copy(n, lambda x: uenv[x])
+    new_state = [uenv[a] for a in u_out.args[0]]
+    loss = next(env[o] for o in primal_outs
+                if isinstance(o, Node) and o.meta.get(SOURCE) == sig.loss)
+    g.output(tuple([loss] + new_state + ds))
+    gm = GraphModule(torch.nn.Module(), g)
+    gm.meta[SIGNATURE] = sig
+    gm.meta["gf_forward_gradient"] = ForwardGradientInfo(
+        tuple(n.name for n in g.nodes if n.op == "placeholder"),
+        tuple(q for _, q in sig.params), tuple(state_phs), directions, distribution,
+        direction_inputs)
+    gm.meta["gf_update"] = upd.meta["gf_update"]
+    return gm
