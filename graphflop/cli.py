@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the --verify run (default float64; float32 uses a 1e-4 "
         "tolerance too, and ill-conditioned models may exceed it)",
     )
+    p.add_argument("--verify-samples", type=int, default=100, metavar="M",
+                   help="forward-gradient steps (float32) averaged by the --verify unbiasedness "
+                        "check, whose 4-sigma tolerance is 4*sqrt(2/M) (0 skips it; default 100)")
     p.add_argument("--max-layers", type=int, default=60, help="rows shown in the table")
     return parser
 
@@ -199,7 +202,8 @@ def _inspect(args, err: Console) -> int:
         with err.status("verifying against torch.func", spinner="dots"):
             real = load(args.spec, ctor_kwargs=_ctor_kwargs(args.arg))  # real weights
             real.model.train(not args.eval)
-            checks = verify_analysis(real, inputs, analysis, dtype=args.verify_dtype)
+            checks = verify_analysis(real, inputs, analysis, dtype=args.verify_dtype,
+                                     forward_gradient_samples=args.verify_samples)
         summary["verify"] = [
             {
                 "check": c.name,

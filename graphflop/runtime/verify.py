@@ -209,7 +209,8 @@ def verify_jvp(
 
 
 def verify_analysis(
-    loaded, inputs, analysis, *, dtype: str = "float64", tolerance: float = 1e-4
+    loaded, inputs, analysis, *, dtype: str = "float64", tolerance: float = 1e-4,
+    forward_gradient_samples: int = 0,
 ) -> list[Check]:
     """Re-trace ``loaded.model`` in ``dtype`` and check the backward and JVP graphs built the
     same way as ``analysis``'s against torch.func. Returns one :class:`Check` per comparison."""
@@ -238,4 +239,50 @@ def verify_analysis(
     if analysis.jvp is not None:
         tangents = analysis.summary["totals"]["jvp"]["tangents"]
         checks.append(verify_jvp(fwd, build_jvp(fwd, tangents), model, tolerance=tolerance))
+        if forward_gradient_samples and fwd.meta[SIGNATURE].loss is not None:
+            # a statistical check needs no float64: run it on a float32 trace, faster
+            model32 = copy.deepcopy(loaded.model).float()
+            with mode:
+                xs32 = tuple(torch.empty(tuple(t.shape), device="cpu", dtype=torch.float32
+                                         if t.is_floating_point() else t.dtype) for t in inputs)
+            fwd32 = trace(model32, xs32, loss=analysis.forward.meta.get("gf_loss_kind", "auto"))
+            checks.append(verify_forward_gradient(fwd32, model32,
+                                                  samples=forward_gradient_samples))
     return checks
+
+
+def verify_forward_gradient(forward: GraphModule, model: nn.Module, *, samples: int = 128,
+                            seed: int = 0) -> Check:
+    """Statistical check that the forward-gradient step estimates the gradient without bias.
+
+    Runs the step graph (SGD, lr = 1, directions sampled inside the graph) ``samples`` times, so
+    each run's ``w − w_new`` is one estimate ``g = (∇L·v) v``, and compares their mean ``ḡ`` with
+    the backward graph's gradient ``∇L`` along ``u = ∇L/‖∇L‖``. For Gaussian ``v``,
+    ``u·g = ‖∇L‖ (u·v)²``, so ``u·ḡ / ‖∇L‖`` is a mean of ``samples`` χ²₁ draws: mean 1, standard
+    deviation √(2/samples), whatever the parameter count. The check passes when it lies within
+    4 standard deviations of 1; ``worst_rel_error`` reports ``|u·ḡ/‖∇L‖ − 1|`` and the tolerance
+    the 4σ bound.
+    """
+    from graphflop.passes.forward_gradient import build_forward_gradient_step
+    from graphflop.passes.vjp import build_vjp
+
+    values = real_arguments(forward, model, seed=seed)
+    sig: Signature = forward.meta[SIGNATURE]
+    grads = run_backward(build_vjp(forward), run_forward(forward, values))
+    true = torch.cat([g.flatten() for g in grads])
+    step = build_forward_gradient_step(forward, "sgd")
+    info = step.meta["gf_forward_gradient"]
+    w = torch.cat([values[p].flatten() for p, _ in sig.params])
+    args = [torch.tensor(1.0, dtype=torch.float32) if n == "lr" else values[n]
+            for n in info.inputs]
+    torch.manual_seed(seed)
+    total = torch.zeros_like(true)
+    for _ in range(samples):
+        out = step(*args)
+        new_w = torch.cat([t.flatten() for t in out[1:1 + len(sig.params)]])
+        total += w - new_w
+    est = total / samples
+    norm = float(true.norm())
+    proj = float(est @ true) / max(norm * norm, 1e-300)
+    return Check(f"forward-gradient mean along ∇L over {samples} directions", abs(proj - 1.0),
+                 "u·ḡ/‖∇L‖", 4 * (2.0 / samples) ** 0.5)
