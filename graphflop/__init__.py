@@ -1,32 +1,52 @@
 """graphflop: FLOP- and memory-annotated forward, backward and JVP graphs of PyTorch models.
 
-Public API (each takes and returns ``torch.fx.GraphModule``s or an :class:`Analysis`):
+Public API (see ``docs/api.md``). Graph passes take and return ``torch.fx.GraphModule``s and
+check their prerequisites (:mod:`graphflop.passes.manager`); node annotations are documented in
+:mod:`graphflop.meta`.
 
-* :func:`analyze` — trace a model and build, annotate and summarise every graph;
-* :func:`trace` — model → forward graph of core ATen ops on fake tensors (with its loss);
-* :func:`build_vjp`, :func:`build_jvp`, :func:`build_update` — the backward, JVP and update graphs;
-* :func:`annotate_flops` — FLOP and byte annotations on every node.
+* :func:`trace`, :func:`from_exported` — a model, or a ``torch.export`` program, → forward graph
+  of core ATen ops on fake tensors (with its loss);
+* :func:`build_vjp`, :func:`build_jvp`, :func:`add_optimizer_update`,
+  :func:`build_forward_gradient_step` — the backward, JVP, update and forward-gradient graphs;
+* :func:`annotate_flops`, :func:`annotate_memory` — FLOP/byte and peak-memory annotations;
+* :func:`analyze` — all of the above with a summary (:class:`Analysis`);
+* :func:`register_rule` — cost/JVP/transpose rules for your own ops;
+* :func:`compile_backend` — a ``torch.compile`` backend that reports every compiled graph.
 """
 
 from graphflop import ops  # noqa: F401  (fills the rule table)
-from graphflop.ops.registry import register as register_rule
-from graphflop.passes.flops import annotate_flops
+from graphflop.api import (
+    add_optimizer_update,
+    annotate_flops,
+    annotate_memory,
+    build_jvp,
+    build_vjp,
+    register_rule,
+)
+from graphflop.compile import CompileReport, compile_backend
+from graphflop.ops.registry import MissingRuleError
 from graphflop.passes.forward_gradient import build_forward_gradient_step
-from graphflop.passes.jvp import build_jvp
-from graphflop.passes.optimizer import build_update
+from graphflop.passes.manager import PassManager, PassOrderError
 from graphflop.passes.pipeline import Analysis, analyze
-from graphflop.passes.vjp import build_vjp
-from graphflop.trace import trace
+from graphflop.trace import TraceError, from_exported, trace
 
 __version__ = "0.1.0"
 __all__ = [
     "Analysis",
+    "CompileReport",
+    "MissingRuleError",
+    "PassManager",
+    "PassOrderError",
+    "TraceError",
+    "add_optimizer_update",
     "analyze",
     "annotate_flops",
+    "annotate_memory",
+    "build_forward_gradient_step",
     "build_jvp",
-    "build_update",
     "build_vjp",
+    "compile_backend",
+    "from_exported",
     "register_rule",
     "trace",
-    "build_forward_gradient_step",
 ]

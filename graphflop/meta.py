@@ -131,3 +131,21 @@ class Ghost:
     role: str
     cost: NodeCost
     inputs: tuple[str, ...] = ()
+
+
+def fake_mode_of(values) -> object | None:
+    """The FakeTensorMode of the first FakeTensor among ``values`` (nested tuples allowed).
+
+    Unlike ``torch._guards.detect_fake_mode`` this ignores any ambient tracing context (inside a
+    ``torch.compile`` backend that would be Dynamo's mode, with symbolic shapes).
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    stack = list(values)
+    while stack:
+        v = stack.pop(0)
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+        if isinstance(v, (tuple, list)):
+            stack.extend(v)
+    return None

@@ -20,15 +20,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._decomp import core_aten_decompositions, get_decompositions
-from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 from torch.utils._pytree import tree_flatten
 
-from graphflop.meta import KIND, MODULE, PARAM, PARAM_DERIVED, ROLE, SIGNATURE, SOURCE, Signature
+from graphflop.meta import (
+    KIND,
+    MODULE,
+    PARAM,
+    PARAM_DERIVED,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+    Signature,
+    fake_mode_of,
+)
 
 aten = torch.ops.aten
-LOSSES = ("cross_entropy", "mse", "sum", "none")
+LOSSES = ("cross_entropy", "mse", "sum", "output", "none")
 
 
 class TraceError(RuntimeError):
@@ -81,6 +90,8 @@ class Objective(nn.Module):
             loss = F.mse_loss(first, args[-1])
         elif self.loss == "sum":
             loss = first.sum()
+        elif self.loss == "output":  # the model computes its own scalar loss
+            loss = first
         else:
             return tuple(flat)
         return (loss, *flat)
@@ -104,11 +115,13 @@ def make_targets(loss: str, out: torch.Tensor, fake_mode: FakeTensorMode) -> tup
     return ()
 
 
-def _module_path(node) -> str:
+def _module_path(node, wrapped: bool = True) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
+    if not wrapped:
+        return path
     if path == "":
         return "loss"
     if path == "model":
@@ -128,8 +141,9 @@ def trace(
     Args:
         model: the module; its mode (train/eval) is used as is.
         inputs: one tensor per positional input.
-        loss: ``cross_entropy`` (against integer targets), ``mse``, ``sum``, ``none`` or
-            ``auto`` (cross-entropy for (N, C) logits, else sum).
+        loss: ``cross_entropy`` (against integer targets), ``mse``, ``sum``, ``output`` (the
+            model's first output is already the scalar loss), ``none`` or ``auto``
+            (cross-entropy for (N, C) logits, else sum).
 
     Returns:
         An ``fx.GraphModule`` of core ATen ops. Its placeholders are the parameters, buffers,
@@ -141,7 +155,7 @@ def trace(
     """
     if loss not in LOSSES + ("auto",):
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
-    fake_mode = fake_mode or detect_fake_mode(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = fake_mode or fake_mode_of(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     inputs = tuple(fake_mode.from_tensor(t) if not _is_fake(t) else t for t in inputs)
     try:
         with fake_mode:
@@ -164,6 +178,43 @@ def trace(
         raise TraceError(
             f"torch.export could not trace the model: {type(e).__name__}: {_first_line(e)}"
         ) from e
+    return _to_graph(ep, n_inputs=len(inputs), loss_index=None if loss == "none" else 0,
+                     loss_kind=loss, wrapped=True)
+
+
+def from_exported(
+    ep: torch.export.ExportedProgram, *, loss_output: int | None = 0, loss_kind: str = "output"
+) -> GraphModule:
+    """A graphflop forward graph from a user's ``torch.export`` program.
+
+    The program is decomposed to the same core-ATen set as :func:`trace` and its placeholders
+    classified (parameters, buffers, inputs). ``loss_output`` names the user output that is the
+    scalar loss the backward starts from (``None``: no loss; only forward and JVP graphs then).
+
+    Raises:
+        TraceError: when the program cannot be decomposed or the loss output is not a scalar.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = ep.run_decompositions(decomposition_table())
+    except Exception as e:
+        raise TraceError(f"decomposing the exported program failed: {_first_line(e)}") from e
+    n_user = sum(1 for s_ in ep.graph_signature.input_specs if s_.kind.name == "USER_INPUT")
+    gm = _to_graph(ep, n_inputs=n_user, loss_index=loss_output, loss_kind=loss_kind,
+                   wrapped=False)
+    sig = gm.meta[SIGNATURE]
+    if sig.loss is not None:
+        val = next(n for n in gm.graph.nodes if n.name == sig.loss).meta["val"]
+        if val.numel() != 1:
+            raise TraceError(f"output {loss_output} is not a scalar loss (shape "
+                             f"{tuple(val.shape)}); pass loss_output=None or the loss's index")
+    return gm
+
+
+def _to_graph(ep, *, n_inputs: int, loss_index: int | None, loss_kind: str,
+              wrapped: bool) -> GraphModule:
+    prefix = "model." if wrapped else ""
     gm = ep.graph_module
     sig = ep.graph_signature
     params, buffers, user_inputs = [], [], []
@@ -171,27 +222,26 @@ def trace(
         kind = spec.kind.name
         name = spec.arg.name
         if kind == "PARAMETER":
-            params.append((name, spec.target.removeprefix("model.")))
+            params.append((name, spec.target.removeprefix(prefix)))
         elif kind == "BUFFER":
-            buffers.append((name, spec.target.removeprefix("model.")))
+            buffers.append((name, spec.target.removeprefix(prefix)))
         elif kind == "USER_INPUT":
             user_inputs.append(name)
         else:
             raise TraceError(f"unsupported graph input kind {kind} for {name}")
-    n_inputs = len(inputs)
     model_inputs, target_names = user_inputs[:n_inputs], user_inputs[n_inputs:]
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     out_args = list(out_node.args[0])
     buffer_updates, user_outs = [], []
     for spec, a in zip(sig.output_specs, out_args):
         if spec.kind.name == "BUFFER_MUTATION":
-            buffer_updates.append((a.name, spec.target.removeprefix("model.")))
+            buffer_updates.append((a.name, spec.target.removeprefix(prefix)))
         elif spec.kind.name == "USER_OUTPUT":
             user_outs.append(a)
         else:
             raise TraceError(f"unsupported graph output kind {spec.kind.name}")
-    loss_name = user_outs[0].name if loss != "none" else None
-    model_outs = user_outs[1:] if loss != "none" else user_outs
+    loss_name = user_outs[loss_index].name if loss_index is not None else None
+    model_outs = [o for i, o in enumerate(user_outs) if i != loss_index]
     signature = Signature(
         params=tuple(params),
         buffers=tuple(buffers),
@@ -202,9 +252,10 @@ def trace(
         buffer_updates=tuple(buffer_updates),
     )
     gm.meta[SIGNATURE] = signature
-    gm.meta["gf_loss_kind"] = loss
+    gm.meta["gf_loss_kind"] = loss_kind
+    gm.meta["gf_facts"] = {"traced"}
     _complete_getitems(gm)
-    _tag_nodes(gm, signature)
+    _tag_nodes(gm, signature, wrapped)
     return gm
 
 
@@ -228,7 +279,7 @@ def _complete_getitems(gm: GraphModule) -> None:
     gm.recompile()
 
 
-def _tag_nodes(gm: GraphModule, sig: Signature) -> None:
+def _tag_nodes(gm: GraphModule, sig: Signature, wrapped: bool = True) -> None:
     param_names = dict(sig.params)
     constants = set(param_names) | {n for n, _ in sig.buffers}
     for n in gm.graph.nodes:
@@ -241,7 +292,7 @@ def _tag_nodes(gm: GraphModule, sig: Signature) -> None:
             if n.name in param_names:
                 n.meta[PARAM] = param_names[n.name]
             continue
-        path = _module_path(n)
+        path = _module_path(n, wrapped)
         n.meta[MODULE] = path
         n.meta[ROLE] = "loss" if path == "loss" else "forward"
         if n.op == "call_function":

@@ -48,6 +48,7 @@ FAMILIES = (
     "attention",
     "embedding",
     "creation",
+    "custom",
 )
 
 
@@ -170,8 +171,8 @@ def lookup(op: Any, *, need: tuple[str, ...] = ("cost",), node: str | None = Non
         MissingRuleError: naming the op, the node and the rule file it belongs in.
     """
     rule = _TABLE.get(op)
-    if rule is None:
-        raise MissingRuleError(op, need, node)
+    if rule is None:  # nothing registered: every kind of rule is missing
+        raise MissingRuleError(op, ("cost", "jvp", "transpose"), node)
     missing = tuple(
         k
         for k in need

@@ -17,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.meta import KIND, MODULE, ROLE, SIGNATURE, SOURCE, Signature
+from graphflop.meta import KIND, MODULE, ROLE, SIGNATURE, SOURCE, Signature, fake_mode_of
 from graphflop.passes.builder import Builder
 from graphflop.passes.jvp import build_jvp
 from graphflop.passes.optimizer import OptimizerConfig, build_update
@@ -91,7 +90,7 @@ def build_forward_gradient_step(
     jvp = build_jvp(forward, "params")
     info = jvp.meta["gf_jvp"]
     g = Graph()
-    fake_mode = detect_fake_mode([n.meta["val"] for n in forward.graph.nodes if "val" in n.meta])
+    fake_mode = fake_mode_of([n.meta["val"] for n in forward.graph.nodes if "val" in n.meta])
     b = _StepBuilder(g, fake_mode, [])
     b.role = "direction"
 

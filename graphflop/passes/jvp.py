@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.meta import (
@@ -36,6 +35,7 @@ from graphflop.meta import (
     SIGNATURE,
     SOURCE,
     Signature,
+    fake_mode_of,
 )
 from graphflop.ops import lookup
 from graphflop.passes.builder import Builder, GhostValue, is_ghost
@@ -132,7 +132,7 @@ def build_jvp(
     env: dict[Node, Node] = {}
     tan: dict[Node, Any] = {}
     ghosts: list = []
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in fgraph.nodes if "val" in n.meta])
+    fake_mode = fake_mode_of([n.meta.get("val") for n in fgraph.nodes if "val" in n.meta])
     b = JvpBuilder(g, fake_mode, ghosts)
 
     placeholders = [n for n in fgraph.nodes if n.op == "placeholder"]

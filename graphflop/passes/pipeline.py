@@ -121,9 +121,9 @@ def analyze(
 
 
 def _fake_mode(gm):
-    from torch._guards import detect_fake_mode
+    from graphflop.meta import fake_mode_of
 
-    return detect_fake_mode([n.meta["val"] for n in gm.graph.nodes if "val" in n.meta])
+    return fake_mode_of([n.meta["val"] for n in gm.graph.nodes if "val" in n.meta])
 
 
 def _cost_dict(c: NodeCost) -> dict[str, int]:

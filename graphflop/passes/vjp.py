@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.meta import (
@@ -41,6 +40,7 @@ from graphflop.meta import (
     SIGNATURE,
     SOURCE,
     Signature,
+    fake_mode_of,
 )
 from graphflop.ops import lookup
 from graphflop.passes.builder import Builder, GhostValue, is_ghost
@@ -172,7 +172,7 @@ def build_vjp(forward: GraphModule, *, input_grads: bool = False) -> GraphModule
 
     g = Graph()
     ghosts: list = []
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in lin.graph.nodes if "val" in n.meta])
+    fake_mode = fake_mode_of([n.meta.get("val") for n in lin.graph.nodes if "val" in n.meta])
     b = TransposeBuilder(g, fake_mode, ghosts, sig, lin)
     loss_node = next(n for n in forward.graph.nodes if n.name == sig.loss)
     ct_loss = b.placeholder(
