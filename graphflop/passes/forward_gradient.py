@@ -181,7 +181,8 @@ def build_forward_gradient_step(
     gm.meta[SIGNATURE] = sig
     gm.meta["gf_forward_gradient"] = ForwardGradientInfo(
         tuple(n.name for n in g.nodes if n.op == "placeholder"),
-        tuple(q for _, q in sig.params), tuple(state_phs), directions, distribution,
+        tuple(q for _, q in sig.params), tuple(n for n in state_phs if n not in ("lr", "step")),
+        directions, distribution,
         direction_inputs)
     gm.meta["gf_update"] = upd.meta["gf_update"]
     return gm

@@ -66,6 +66,7 @@ class UpdateInfo:
     params: tuple[str, ...]  # qualified names, in order
     state_names: tuple[str, ...]  # state placeholder names, in order
     scalars: tuple[str, ...]  # "lr" (and "step")
+    state_labels: tuple[str, ...] = ()  # readable state names ("momentum.fc.weight"), in order
 
 
 class _UpdateBuilder(Builder):
@@ -148,8 +149,9 @@ def build_update(
     gm.meta["gf_update"] = UpdateInfo(
         cfg.name,
         tuple(q for q, _ in params),
-        tuple(n.name for s in state for n in s),
+        tuple(n.name for st in state for n in st),
         ("lr", "step") if step is not None else ("lr",),
+        tuple(f"{kind}.{q}" for kind in STATE_KINDS[cfg.name] for q, _ in params),
     )
     return gm
 

@@ -1,0 +1,283 @@
+"""ONNX export of graphflop's graphs, with readable names and a manifest back to the graph.
+
+Each graph (forward, backward, train step, forward-gradient step) is exported with PyTorch's
+ONNX exporter (``torch.onnx.export(..., dynamo=True)``, onnxscript's ATen library) from meta
+tensors, so no weights are needed: parameters are graph inputs. Inputs and outputs are renamed
+to parameter qualified names (``conv1.weight``, ``new.conv1.weight``, ``grad.conv1.weight``) and
+checked with ``onnx.checker``. ``manifest.json`` maps every ONNX node to the exporter's fx node
+and, by aligning the two op sequences, to the graphflop node, module path, role and FLOPs.
+
+Files are written into a temporary folder first and moved into place only when every graph
+exported, so a failure leaves no partial ``.onnx`` file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from graphflop.meta import COST, KIND, MODULE, ROLE, SIGNATURE, ZERO_COST
+from graphflop.ops import op_name
+
+
+class OnnxExportError(RuntimeError):
+    """A graph could not be exported; the message names the op and node."""
+
+
+@dataclass
+class ExportedGraph:
+    """One exported graph: its ONNX model, input and output names, and node manifest."""
+
+    name: str
+    model: Any  # onnx.ModelProto
+    inputs: list[str]
+    outputs: list[str]
+    manifest: list[dict[str, Any]]
+
+
+def _registry():
+    try:
+        from torch.onnx._internal.exporter import _registration
+
+        return _registration.ONNXRegistry.from_torchlib()
+    except Exception:  # private API moved: rely on the exporter's own error
+        return None
+
+
+def unexportable_node(gm: GraphModule) -> Node | None:
+    """The first node whose op (or any overload of it) has no function in the ONNX exporter's
+    registry, or None."""
+    import operator
+
+    reg = _registry()
+    if reg is None:
+        return None
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        packet = getattr(n.target, "overloadpacket", None)
+        siblings = [getattr(packet, o) for o in packet.overloads()] if packet else []
+        if not reg.is_registered(n.target) and not any(reg.is_registered(o) for o in siblings):
+            return n
+    return None
+
+
+def _meta_args(gm: GraphModule) -> tuple[torch.Tensor, ...]:
+    """Example arguments without memory: meta tensors, or FakeTensors on the graph's device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    vals = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    if all(v.device.type == "meta" for v in vals):
+        return tuple(torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") for v in vals)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return tuple(torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device) for v in vals)
+
+
+def _align(ours: list[Node], theirs: list[Node]) -> dict[str, Node]:
+    """Map the exporter's fx nodes to ours by walking both op sequences in order: a node of
+    theirs matches the next node of ours with the same op; nodes the exporter added (its own
+    decompositions) map to the last matched node."""
+    mapping: dict[str, Node] = {}
+    i, last = 0, None
+    for t in theirs:
+        j = i
+        while j < len(ours) and ours[j].target != t.target and j - i < 8:
+            j += 1
+        if j < len(ours) and ours[j].target == t.target:
+            last, i = ours[j], j + 1
+        if last is not None:
+            mapping[t.name] = last
+    return mapping
+
+
+def export_graph(gm: GraphModule, name: str, input_names: list[str],
+                 output_names: list[str]) -> ExportedGraph:
+    """Export one graph to ONNX with the given input and output names.
+
+    Raises:
+        OnnxExportError: an op the exporter cannot handle (named with its node), or any
+            exporter failure (with its first line).
+    """
+    import onnx
+
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prog = torch.onnx.export(gm, _meta_args(gm), dynamo=True, verbose=False,
+                                     optimize=False)
+    except Exception as e:
+        bad = unexportable_node(gm)
+        if bad is not None:
+            raise OnnxExportError(
+                f"the ONNX exporter has no function for {op_name(bad.target)} (node {bad.name} "
+                f"of the {name} graph, module {bad.meta.get(MODULE) or '(model)'})") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OnnxExportError(f"exporting the {name} graph to ONNX failed: {first}") from e
+    model = prog.model_proto
+    old_in = [i.name for i in model.graph.input]
+    old_out = [o.name for o in model.graph.output]
+    if len(old_in) != len(input_names) or len(old_out) != len(output_names):
+        raise OnnxExportError(f"{name}: the exporter changed the number of inputs/outputs")
+    _rename(model, dict(zip(old_in, input_names)) | dict(zip(old_out, output_names)))
+    onnx.checker.check_model(model)
+    ours = [n for n in gm.graph.nodes if n.op == "call_function"]
+    theirs = [n for n in prog.exported_program.graph.nodes if n.op == "call_function"]
+    mapping = _align(ours, theirs)
+    manifest = []
+    for node in model.graph.node:
+        props = {p.key: p.value for p in node.metadata_props}
+        fx_name = None
+        scopes = props.get("pkg.torch.onnx.name_scopes")
+        if scopes:
+            try:
+                fx_name = json.loads(scopes.replace("'", '"'))[-1]
+            except (ValueError, IndexError):
+                fx_name = None
+        ours_node = mapping.get(fx_name) if fx_name else None
+        cost = ours_node.meta.get(COST, ZERO_COST) if ours_node is not None else ZERO_COST
+        manifest.append({
+            "onnx_node": node.name, "op_type": node.op_type, "exported_fx_node": fx_name,
+            "graphflop_node": ours_node.name if ours_node is not None else None,
+            "module": ours_node.meta.get(MODULE) if ours_node is not None else None,
+            "role": ours_node.meta.get(ROLE) if ours_node is not None else None,
+            "kind": ours_node.meta.get(KIND) if ours_node is not None else None,
+            "flops": cost.flops, "bytes": cost.bytes_read + cost.bytes_written,
+        })
+    return ExportedGraph(name, model, input_names, output_names, manifest)
+
+
+def _rename(model, names: dict[str, str]) -> None:
+    for v in list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info):
+        if v.name in names:
+            v.name = names[v.name]
+    for node in model.graph.node:
+        for i, x in enumerate(node.input):
+            if x in names:
+                node.input[i] = names[x]
+        for i, x in enumerate(node.output):
+            if x in names:
+                node.output[i] = names[x]
+
+
+def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
+    """Readable input and output names for one of graphflop's graphs."""
+    sig = gm.meta[SIGNATURE]
+    qual = dict(sig.params)
+    buf = dict(sig.buffers)
+    inputs_ = {n: f"input_{i}" for i, n in enumerate(sig.inputs)}
+    upd = gm.meta.get("gf_update")
+    state_label = dict(zip(upd.state_names, upd.state_labels)) if upd is not None else {}
+    targets = {n: f"target_{i}" if len(sig.targets) > 1 else "target"
+               for i, n in enumerate(sig.targets)}
+
+    def in_name(n: Node) -> str:
+        if n.name in qual:
+            return qual[n.name]
+        if n.name in buf:
+            return buf[n.name]
+        if n.name in inputs_:
+            return inputs_[n.name]
+        if n.name in targets:
+            return targets[n.name]
+        if n.name in state_label:
+            return state_label[n.name]
+        return n.name
+
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ins = [in_name(n) for n in phs]
+    outs: list
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    n_out = len(out_node.args[0])
+    if kind == "forward":
+        bufs = [f"new.{q}" for _, q in sig.buffer_updates]
+        outs = bufs + ["loss"] + [f"output_{i}" for i in range(n_out - len(bufs) - 1)]
+    elif kind == "backward":
+        info = gm.meta["gf_vjp"]
+        outs = [None] * n_out
+        for pos, q in info.grads:
+            outs[pos] = f"grad.{q}"
+        for pos, name in info.input_grads:
+            outs[pos] = f"grad.{inputs_.get(name, name)}"
+        ins = [("ct_loss" if n.name == info.cotangent_input else
+                f"saved.{in_name(n) if n.meta.get('gf_residual') != 'activation' else n.name}")
+               for n in phs]
+    elif kind == "train_step":
+        info = gm.meta["gf_train_step"]
+        outs = (["loss"] + [f"new.{q}" for q in info.params]
+                + [f"new.{state_label[s]}" for s in info.state]
+                + [f"new.{q}" for q in info.buffer_updates])
+    else:  # forward_gradient_step
+        info = gm.meta["gf_forward_gradient"]
+        outs = (["loss"] + [f"new.{q}" for q in info.params]
+                + [f"new.{state_label[s]}" for s in info.state]
+                + [f"directional_derivative_{k}" for k in range(info.directions)])
+        ins = [f"direction.{qual.get(n.name[len(n.name.split('_', 1)[0]) + 1:], n.name)}"
+               if n.meta.get(KIND) == "direction" else in_name(n) for n in phs]
+    return _unique(ins), _unique(outs)
+
+
+def _unique(names: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        if n in seen:
+            seen[n] += 1
+            n = f"{n}_{seen[n]}"
+        else:
+            seen[n] = 0
+        out.append(n)
+    return out
+
+
+def export_all(analysis, out_dir: str | Path, *, graphs: tuple[str, ...] = (
+        "forward", "backward", "train_step", "forward_gradient_step")) -> dict[str, Any]:
+    """Export ``analysis``'s graphs into ``out_dir`` (created) with ``manifest.json``.
+
+    Returns the manifest. Raises :class:`OnnxExportError`; on failure nothing is written.
+    """
+    import onnx
+
+    from graphflop.passes.flops import annotate_flops
+    from graphflop.passes.forward_gradient import build_forward_gradient_step
+    from graphflop.passes.train_step import build_train_step
+
+    gms: dict[str, GraphModule] = {"forward": analysis.forward}
+    if analysis.backward is not None:
+        gms["backward"] = analysis.backward
+        gms["train_step"] = annotate_flops(build_train_step(analysis.forward, analysis.backward,
+                                                            analysis.update))
+    if analysis.jvp is not None and "forward_gradient_step" in graphs:
+        opt = analysis.summary.get("optimizer") or "sgd"
+        gms["forward_gradient_step"] = annotate_flops(build_forward_gradient_step(
+            analysis.forward, opt, direction_inputs=True))
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".graphflop-export-", dir=out_dir.parent))
+    manifest: dict[str, Any] = {"model": analysis.name, "graphs": {}}
+    try:
+        for kind in graphs:
+            if kind not in gms:
+                continue
+            ins, outs = graph_io_names(kind, gms[kind])
+            ex = export_graph(gms[kind], kind, ins, outs)
+            onnx.save(ex.model, tmp / f"{kind}.onnx")
+            manifest["graphs"][kind] = {"file": f"{kind}.onnx", "inputs": ex.inputs,
+                                        "outputs": ex.outputs, "nodes": ex.manifest}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for f in tmp.iterdir():
+            os.replace(f, out_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest

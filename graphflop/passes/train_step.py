@@ -1,0 +1,94 @@
+"""The whole backprop training step as one graph: forward, backward, update.
+
+``build_train_step(forward, backward, update)`` inlines the three graphs: the backward graph's
+residual placeholders become the forward values they stand for, its loss cotangent a constant 1,
+and the update reads the parameter gradients the backward produces. Placeholders: the forward's
+(parameters, buffers, inputs, targets), then the optimizer state, then ``lr`` (and ``step``).
+Outputs: the loss, the new parameters, the new optimizer state, then the buffer updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from graphflop.meta import KIND, MODULE, ROLE, SIGNATURE, SOURCE, Signature
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class TrainStepInfo:
+    """Layout of a train-step graph: placeholder names in order, and what the outputs are."""
+
+    inputs: tuple[str, ...]
+    params: tuple[str, ...]  # qualified names, in new-parameter output order
+    state: tuple[str, ...]
+    buffer_updates: tuple[str, ...]  # qualified names of the trailing buffer outputs
+
+
+def build_train_step(forward: GraphModule, backward: GraphModule,
+                     update: GraphModule) -> GraphModule:
+    """Inline ``forward``, ``backward`` and ``update`` into one graph (see module docstring)."""
+    sig: Signature = forward.meta[SIGNATURE]
+    g = Graph()
+    fenv: dict[Node, Node] = {}
+    by_name: dict[str, Node] = {}
+    f_out = None
+    for n in forward.graph.nodes:
+        if n.op == "output":
+            f_out = n
+            continue
+        fenv[n] = g.node_copy(n, lambda x: fenv[x])
+        by_name[n.name] = fenv[n]
+    state_phs = {}
+    for n in update.graph.nodes:
+        if n.op == "placeholder" and not n.name.startswith(("param_", "grad_")):
+            state_phs[n.name] = g.node_copy(n)
+    loss = by_name[sig.loss]
+    benv: dict[Node, Node] = {}
+    b_out = None
+    for n in backward.graph.nodes:
+        if n.op == "placeholder":
+            if n.name == backward.meta["gf_vjp"].cotangent_input:
+                one = g.call_function(aten.ones_like.default, (loss,))
+                one.meta.update({"val": loss.meta["val"], KIND: "cotangent", ROLE: "loss",
+                                 SOURCE: sig.loss, MODULE: "loss"})
+                benv[n] = one
+            else:
+                benv[n] = by_name[n.meta.get(SOURCE, n.name)]
+        elif n.op == "output":
+            b_out = n
+        else:
+            benv[n] = g.node_copy(n, lambda x: benv[x])
+    grads = {}
+    for pos, qual in backward.meta["gf_vjp"].grads:
+        grads[qual] = benv[b_out.args[0][pos]]
+    p_name = {q: p for p, q in sig.params}
+    uenv: dict[Node, Node] = {}
+    u_out = None
+    for n in update.graph.nodes:
+        if n.op == "placeholder":
+            if n.name.startswith("param_"):
+                uenv[n] = by_name[p_name[n.meta["gf_param"]]]
+            elif n.name.startswith("grad_"):
+                uenv[n] = grads[n.meta["gf_param"]]
+            else:
+                uenv[n] = state_phs[n.name]
+        elif n.op == "output":
+            u_out = n
+        else:
+            uenv[n] = g.node_copy(n, lambda x: uenv[x])
+    buffers = [fenv[a] for a in f_out.args[0] if isinstance(a, Node) and
+               a.name in {b for b, _ in sig.buffer_updates}]
+    g.output(tuple([loss] + [uenv[a] for a in u_out.args[0]] + buffers))
+    gm = GraphModule(torch.nn.Module(), g)
+    gm.meta[SIGNATURE] = sig
+    info = update.meta["gf_update"]
+    gm.meta["gf_update"] = update.meta["gf_update"]
+    gm.meta["gf_train_step"] = TrainStepInfo(
+        tuple(n.name for n in g.nodes if n.op == "placeholder"), info.params,
+        tuple(n for n in state_phs if n not in ("lr", "step")), tuple(q for _, q in sig.buffer_updates))
+    return gm

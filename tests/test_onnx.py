@@ -1,0 +1,162 @@
+"""ONNX export: every graph exports with standard ops only, runs in ONNX Runtime with the same
+numbers as in PyTorch, and the train step equals one torch.optim step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import spec
+
+from graphflop.export.onnx import OnnxExportError, export_all
+from graphflop.load import load, make_inputs
+from graphflop.passes.forward_gradient import build_forward_gradient_step
+from graphflop.passes.pipeline import analyze
+from graphflop.passes.train_step import build_train_step
+from graphflop.runtime.onnxrt import run, session
+from graphflop.runtime.verify import real_arguments, rel_error, run_forward
+
+CPU = "CPUExecutionProvider"
+ZOO = [("convnet.py", 2), ("onenet.py", 4), ("deeper_convnet.py", 1), ("logreg.py", 8),
+       ("mlp.py", 8), ("cnn.py", 2), ("resnet.py:resnet18", 2), ("resnet.py:resnet50", 1),
+       ("linearnet.py", 2)]
+STANDARD_DOMAINS = {"", "ai.onnx"}
+
+
+def _setup(name, batch, optimizer="sgd", ctor=None):
+    real = load(spec(name), ctor_kwargs=ctor or {})
+    real.model.train()
+    a = analyze(real.model, make_inputs(real, batch=batch), optimizer=optimizer)
+    return real, a
+
+
+@pytest.mark.parametrize("name,batch", ZOO, ids=[z[0] for z in ZOO])
+def test_export_runs_and_matches_pytorch(tmp_path, name, batch):
+    ctor = {"in_features": 3 * 16 * 16} if name == "linearnet.py" else None
+    real, a = _setup(name, batch, ctor=ctor) if not ctor else (None, None)
+    if ctor:  # the seed's LinearNet has 617 M parameters: same architecture, 16×16 inputs
+        real = load(spec(name), ctor_kwargs=ctor)
+        a = analyze(real.model, make_inputs(real, shapes=[(batch, 3, 16, 16)]))
+    manifest = export_all(a, tmp_path)
+    import onnx
+
+    for kind, g in manifest["graphs"].items():
+        model = onnx.load(tmp_path / g["file"])
+        onnx.checker.check_model(model)
+        for node in model.graph.node:
+            assert node.domain in STANDARD_DOMAINS, (kind, node.op_type, node.domain)
+            assert not node.op_type.lower().endswith("backward"), (kind, node.op_type)
+        assert len(g["nodes"]) == len(model.graph.node)
+    values = real_arguments(a.forward, real.model)
+    fv = run_forward(a.forward, values)
+    # forward
+    g = manifest["graphs"]["forward"]
+    sess = session(tmp_path / "forward.onnx", CPU)
+    names = [n.name for n in a.forward.graph.nodes if n.op == "placeholder"]
+    feeds = dict(zip(g["inputs"], [values[n] for n in names]))
+    out = run(sess, feeds)
+    loss_pos = g["outputs"].index("loss")
+    assert rel_error(torch.from_numpy(out[loss_pos]), fv[a.forward.meta["gf_signature"].loss]
+                     ) < 1e-4
+    # backward: residuals from the PyTorch forward run
+    g = manifest["graphs"]["backward"]
+    sess = session(tmp_path / "backward.onnx", CPU)
+    bnames = [n for n in a.backward.graph.nodes if n.op == "placeholder"]
+    feeds = {}
+    for onnx_name, n in zip(g["inputs"], bnames):
+        feeds[onnx_name] = (torch.ones(()) if onnx_name == "ct_loss"
+                            else fv[n.meta.get("gf_source", n.name)])
+    got = run(sess, feeds)
+    ref = a.backward(*[feeds[k] for k in g["inputs"]])
+    for x, y in zip(got, ref):
+        assert rel_error(torch.from_numpy(x), y) < 1e-4
+
+
+def _step_feeds(graph_inputs, info_inputs, values, state, lr):
+    feeds = []
+    for n in info_inputs:
+        if n == "lr":
+            feeds.append(torch.tensor(lr))
+        elif n == "step":
+            feeds.append(torch.tensor(1.0))
+        elif n in state:
+            feeds.append(state[n])
+        else:
+            feeds.append(values[n])
+    return dict(zip(graph_inputs, feeds))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "adamw"])
+def test_train_step_equals_one_torch_optim_step(tmp_path, optimizer):
+    real, a = _setup("cnn.py", 4, optimizer)
+    manifest = export_all(a, tmp_path, graphs=("train_step",))
+    g = manifest["graphs"]["train_step"]
+    ts = build_train_step(a.forward, a.backward, a.update)
+    info = ts.meta["gf_train_step"]
+    values = real_arguments(a.forward, real.model)
+    sig = a.forward.meta["gf_signature"]
+    state = {n: torch.zeros_like(values[next(p for p, q in sig.params if q == lab.split(".", 1)[
+        1])]) for n, lab in zip(a.update.meta["gf_update"].state_names,
+                                a.update.meta["gf_update"].state_labels)}
+    lr = 0.05
+    feeds = _step_feeds(g["inputs"], info.inputs, values, state, lr)
+    out = run(session(tmp_path / "train_step.onnx", CPU), feeds)
+    # reference: the same model, loss and data, one torch.optim step
+    model = copy.deepcopy(real.model)
+    opt = {"sgd": lambda p: torch.optim.SGD(p, lr=lr),
+           "momentum": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
+           "adam": lambda p: torch.optim.Adam(p, lr=lr),
+           "adamw": lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.01)}[optimizer](
+        model.parameters())
+    x = values[sig.inputs[0]]
+    t = values[sig.targets[0]]
+    loss = torch.nn.functional.cross_entropy(model(x), t)
+    loss.backward()
+    opt.step()
+    assert rel_error(torch.from_numpy(out[0]), loss.detach()) < 1e-5
+    for i, q in enumerate(info.params):
+        assert rel_error(torch.from_numpy(out[1 + i]), model.get_parameter(q).detach()) < 1e-4, q
+
+
+def test_forward_gradient_step_onnx_matches_pytorch(tmp_path):
+    real, a = _setup("mlp.py", 8)
+    manifest = export_all(a, tmp_path, graphs=("forward_gradient_step",))
+    g = manifest["graphs"]["forward_gradient_step"]
+    step = build_forward_gradient_step(a.forward, "sgd", direction_inputs=True)
+    values = real_arguments(a.forward, real.model)
+    args = []
+    for n in step.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        args.append(torch.tensor(0.1) if n.name == "lr" else torch.randn(
+            n.meta["val"].shape) if n.name.startswith("v0_") else values[n.name])
+    ref = step(*args)
+    got = run(session(tmp_path / "forward_gradient_step.onnx", CPU), dict(zip(g["inputs"], args)))
+    assert len(got) == len(ref)
+    for x, y in zip(got, ref):
+        assert rel_error(torch.from_numpy(x), y) < 1e-4
+
+
+def test_unexportable_op_is_named_and_no_file_is_left(tmp_path):
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            return torch.ops.aten.i0.default(x * self.w)
+
+    from graphflop.ops._common import per_output
+    from graphflop.ops.registry import _TABLE, register
+
+    register(torch.ops.aten.i0.default, "elementwise", per_output(1))
+    try:
+        a = analyze(Odd(), (torch.randn(2, 3),), loss="sum", backward=False, jvp=False)
+        out = tmp_path / "out"
+        with pytest.raises(OnnxExportError, match=r"aten\.i0\.default \(node i0"):
+            export_all(a, out, graphs=("forward",))
+        assert not out.exists()
+        assert [p.name for p in tmp_path.iterdir()] == []
+    finally:
+        _TABLE.pop(torch.ops.aten.i0.default, None)
