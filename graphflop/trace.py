@@ -52,8 +52,7 @@ def decomposition_table() -> dict:
         get_decompositions(
             [
                 aten._native_batch_norm_legit_functional,
-                aten._native_batch_norm_legit_no_training,
-                aten._native_batch_norm_legit.no_stats,
+                        aten._native_batch_norm_legit.no_stats,
                 aten.native_layer_norm,
                 aten.native_group_norm,
                 aten._log_softmax,

@@ -354,12 +354,10 @@ NORM_LOSS = [
                  "aten.unsqueeze.default")),
     OpCase("batchnorm2d_eval",
            _ro(lambda: randomized(nn.BatchNorm2d(3)).eval(), (4, 3, 2, 2)), ((4, 3, 2, 2),),
-           flops=None, aten=("aten.rsqrt.default",),
-           xfail={_ALL: "graphflop.trace: decomposition_table() decomposes "
-                        "_native_batch_norm_legit_no_training into the mutating "
-                        "aten._native_batch_norm_legit.default, and run_decompositions fails "
-                        "('aot_autograd expected to have an entirely functional graph'): "
-                        "TraceError for any BatchNorm in eval mode"}),
+           # one op: per element − mean, × rsqrt, × weight, + bias: 4*48; per channel + eps
+           # and rsqrt: 2*3; readout 48
+           flops=4 * 48 + 2 * 3 + 48,
+           aten=("aten._native_batch_norm_legit_no_training.default",)),
     OpCase("layernorm", _ro(lambda: randomized(nn.LayerNorm(4)), (2, 3, 4)), (X,),
            # var_mean 2*24 + 2*6 = 60; +eps 6; rsqrt 6; sub 24; mul 24; *weight 24; +bias 24;
            # readout 24

@@ -6,6 +6,7 @@ from graphflop.ops import (  # noqa: F401  (imported for their registrations)
     creation,
     elementwise,
     linalg,
+    norm,
     pool,
     reduction,
     shape,
