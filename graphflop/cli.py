@@ -128,6 +128,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward-gradient steps (float32) averaged by the --verify unbiasedness "
                         "check, whose 4-sigma tolerance is 4*sqrt(2/M) (0 skips it; default 100)")
     p.add_argument("--max-layers", type=int, default=60, help="rows shown in the table")
+    p = sub.add_parser(
+        "export", help="write forward, backward, train-step and forward-gradient-step ONNX models",
+        description="Export SPEC's graphs to ONNX (parameters are inputs; no weights are "
+                    "stored), checked with onnx.checker, plus manifest.json mapping every ONNX "
+                    "node to the graphflop node, module and role it came from.",
+    )
+    _add_model_args(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam", "adamw"])
+
+    p = sub.add_parser(
+        "bench", help="time forward, train step and forward-gradient step (Rf, Rb)",
+        description="Time the forward pass, the backprop train step and the forward-gradient "
+                    "step on ONNX Runtime (graphflop's exported graphs) and/or in eager PyTorch "
+                    "(autograd, torch.func.jvp); report Rf, Rb, Rf/Rb and achieved FLOP/s.",
+    )
+    _add_model_args(p)
+    p.add_argument("--runtime", default="both", choices=["onnxruntime", "torch", "both"])
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="default: CUDA when ONNX Runtime's CUDA provider or torch CUDA works")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam", "adamw"])
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs per phase (default 3)")
+    p.add_argument("--repeat", type=int, default=20, help="timed runs per phase (default 20)")
+    p.add_argument("--rotate", type=int, default=3,
+                   help="distinct input sets cycled through (default 3)")
+    p.add_argument("--profile", action="store_true",
+                   help="ONNX Runtime per-node times mapped to graphflop nodes and modules")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return parser
 
 
@@ -135,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     err = Console(stderr=True)
+    from graphflop.export.onnx import OnnxExportError
     from graphflop.load import SpecError
     from graphflop.ops import MissingRuleError
     from graphflop.trace import TraceError
@@ -142,7 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             return _inspect(args, err)
-    except (SpecError, TraceError, MissingRuleError) as e:
+        if args.command == "export":
+            return _export(args, err)
+        if args.command == "bench":
+            return _bench(args, err)
+    except (SpecError, TraceError, MissingRuleError, OnnxExportError) as e:
         print(f"graphflop: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -235,3 +268,100 @@ def _inspect(args, err: Console) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def _export(args, err: Console) -> int:
+    from graphflop.export.onnx import export_all
+    from graphflop.passes.pipeline import analyze
+
+    loaded, inputs, _ = _load(args)
+    with err.status("analysing", spinner="dots") as status:
+        analysis = analyze(loaded.model, inputs, name=loaded.name, loss=args.loss,
+                           optimizer=args.optimizer, progress=lambda m: status.update(m))
+        status.update("exporting to ONNX")
+        manifest = export_all(analysis, args.out)
+    for kind, g in manifest["graphs"].items():
+        print(f"{args.out}/{g['file']}: {len(g['nodes'])} nodes, {len(g['inputs'])} inputs, "
+              f"{len(g['outputs'])} outputs")
+    print(f"{args.out}/manifest.json")
+    return 0
+
+
+def _bench(args, err: Console) -> int:
+    import torch
+
+    from graphflop.export.report import human, to_json, write_atomic
+    from graphflop.load import load
+    from graphflop.passes.pipeline import analyze
+    from graphflop.runtime.bench import PHASES, bench_onnxruntime, bench_torch
+    from graphflop.runtime.onnxrt import pick_provider
+
+    loaded, inputs, _ = _load(args)
+    real = load(args.spec, ctor_kwargs=_ctor_kwargs(args.arg))
+    real.model.train(not args.eval)
+    if args.dtype:
+        from graphflop.load import parse_dtype
+
+        real.model.to(parse_dtype(args.dtype))
+    provider = pick_provider(args.device)
+    device = args.device or ("cuda" if provider == "CUDAExecutionProvider"
+                             or torch.cuda.is_available() else "cpu")
+    with err.status("analysing", spinner="dots") as status:
+        analysis = analyze(loaded.model, inputs, name=loaded.name, loss=args.loss,
+                           optimizer=args.optimizer, progress=lambda m: status.update(m))
+    flops = {"forward": analysis.summary["totals"]["forward"]["flops"],
+             "train_step": analysis.summary["totals"]["train_step"]["flops"],
+             "forward_gradient_step": analysis.summary["totals"]["forward_gradient_step"][
+                 "flops"]}
+    results: dict = {"model": loaded.name, "device": device, "flops": flops,
+                     "method": f"{args.warmup} warm-up runs, then {args.repeat} timed runs "
+                               f"over {args.rotate} rotating input sets; median and quartiles",
+                     "runtimes": {}}
+    kw = dict(warmup=args.warmup, repeat=args.repeat, rotate=args.rotate)
+    if args.runtime in ("onnxruntime", "both"):
+        with err.status(f"timing on ONNX Runtime ({provider})", spinner="dots"):
+            t, prof = bench_onnxruntime(analysis, real.model, provider=provider,
+                                        profile=args.profile, **kw)
+        results["runtimes"]["onnxruntime"] = {"provider": provider, **_timing_doc(t, flops),
+                                              **({"profile": prof} if prof else {})}
+    if args.runtime in ("torch", "both"):
+        with err.status(f"timing eager PyTorch ({device})", spinner="dots"):
+            t = bench_torch(analysis, real.model, device=device, optimizer=args.optimizer, **kw)
+        results["runtimes"]["torch"] = {"device": device, **_timing_doc(t, flops)}
+    if args.json:
+        write_atomic(args.json, to_json(results))
+    from rich.table import Table
+
+    table = Table(title=f"{loaded.name} — median wall time per step ({device})")
+    for col in ("runtime", *PHASES, "Rf", "Rb", "Rf/Rb"):
+        table.add_column(col, justify="right" if col != "runtime" else "left")
+    for rt, doc in results["runtimes"].items():
+        label = f"{rt} ({doc.get('provider', doc.get('device'))})"
+        cells = [f"{doc['phases'][p]['median_s'] * 1e3:.2f} ms\n"
+                 f"{human(doc['phases'][p]['flops_per_s'], 'FLOP/s')}" if p in doc["phases"]
+                 else "–" for p in PHASES]
+        r = doc["ratios"]
+        cells += [f"{r[k]:.2f}" if r[k] is not None else "–" for k in ("Rf", "Rb",
+                                                                         "Rf_over_Rb")]
+        table.add_row(label, *cells)
+    _stdout_console().print(table)
+    prof = results["runtimes"].get("onnxruntime", {}).get("profile")
+    if prof:
+        for kind, p in prof.items():
+            t2 = Table(title=f"ONNX Runtime profile: {kind}, most expensive nodes")
+            for col in ("node", "op", "module", "role", "time", "FLOPs", "bytes"):
+                t2.add_column(col)
+            for n in p["top_nodes"][:10]:
+                t2.add_row(n["onnx_node"], str(n["op_type"]), str(n["module"]), str(n["role"]),
+                           f"{n['seconds'] * 1e3:.3f} ms", human(n["flops"]), human(n["bytes"],
+                                                                                  "B"))
+            _stdout_console().print(t2)
+    return 0
+
+
+def _timing_doc(t: dict, flops: dict) -> dict:
+    from graphflop.runtime.bench import ratios
+
+    return {"phases": {k: {**v.to_dict(), "flops_per_s": flops[k] / v.median_s if v.median_s
+                           else None} for k, v in t.items()},
+            "ratios": ratios(t)}

@@ -160,3 +160,30 @@ def test_unexportable_op_is_named_and_no_file_is_left(tmp_path):
         assert [p.name for p in tmp_path.iterdir()] == []
     finally:
         _TABLE.pop(torch.ops.aten.i0.default, None)
+
+
+def test_cli_export_and_bench(tmp_path):
+    import json
+
+    from graphflop.cli import main
+
+    out = tmp_path / "onnx"
+    assert main(["export", spec("logreg.py"), "--batch", "4", "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["backward.onnx", "forward.onnx", "forward_gradient_step.onnx",
+                     "manifest.json", "train_step.onnx"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["graphs"]["train_step"]["inputs"][:2] == ["fc.weight", "fc.bias"]
+    assert "new.fc.weight" in m["graphs"]["train_step"]["outputs"]
+    res = tmp_path / "bench.json"
+    assert main(["bench", spec("logreg.py"), "--batch", "4", "--runtime", "both", "--device",
+                 "cpu", "--warmup", "1", "--repeat", "3", "--profile", "--json",
+                 str(res)]) == 0
+    d = json.loads(res.read_text())
+    for rt in ("onnxruntime", "torch"):
+        r = d["runtimes"][rt]["ratios"]
+        assert r["Rf"] > 0 and r["Rb"] > 0
+        assert set(d["runtimes"][rt]["phases"]) == {"forward", "train_step",
+                                                    "forward_gradient_step"}
+    prof = d["runtimes"]["onnxruntime"]["profile"]["train_step"]
+    assert prof["top_nodes"] and any(n["graphflop_node"] for n in prof["top_nodes"])

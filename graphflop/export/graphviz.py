@@ -99,7 +99,8 @@ FONT = "Helvetica,Arial,sans-serif"
 COLORMAP = "viridis"
 #: boxes above which module level lays out each parent's children in one row
 ROW_LAYOUT_MIN_BOXES = 40
-#: render timeout for ``dot``, seconds
+#: render timeouts for ``dot``, seconds: the aligned layout, then the plain one
+DOT_FIRST_TRY_S = 20
 DOT_TIMEOUT_S = 120
 
 
@@ -139,8 +140,9 @@ def render(
             ops in each graph) as one node per graph.
 
     Returns:
-        The DOT source that was rendered (a layout that Graphviz 2.43's ``newrank`` ranker
-        rejects is retried with ``newrank=false``).
+        The DOT source that was rendered. ``train``/``all`` at op level first try a layout
+        aligning each forward node with its backward and tangent nodes (Graphviz's ``newrank``);
+        when ``dot`` rejects it or takes over 20 s, the unaligned layout is drawn.
 
     Raises:
         RenderError: unknown ``graph``/``level``/suffix, a graph the analysis did not build,
@@ -168,13 +170,20 @@ def render(
         level = "op" if count_op_nodes(analysis, graph) <= max_op_nodes else "module"
     profile = _normalise_profile(profile)
     if level == "op":
-        dg = _OpPicture(analysis, graph, profile, collapse_loss).build()
+        combined = graph in ("train", "all")
+
+        def variant(aligned: bool) -> str:
+            return _OpPicture(analysis, graph, profile, collapse_loss).build(aligned).source
+
+        # forward and backward aligned rank by rank needs Graphviz's newrank ranker, which
+        # 2.43 sometimes rejects ("trouble in init_rank") or routes badly: then draw unaligned
+        variants = [lambda: variant(True), lambda: variant(False)] if combined else \
+            [lambda: variant(False)]
     else:
-        dg = _ModulePicture(analysis, graph, profile).build()
-    src = dg.source
-    if path is not None:
-        src = _write(src, Path(path), fmt)
-    return src
+        variants = [lambda: _ModulePicture(analysis, graph, profile).build().source]
+    if path is None:
+        return variants[0]()
+    return _write(variants, Path(path), fmt)
 
 
 def count_op_nodes(analysis: Any, graph: str) -> int:
@@ -219,22 +228,25 @@ def load_profile(data: Any) -> dict[str, float]:
 # -- writing ---------------------------------------------------------------------------------
 
 
-def _write(src: str, path: Path, fmt: str) -> str:
-    """Write ``src`` (rendered to ``fmt``) to ``path``; return the source that was rendered."""
+def _write(variants: list, path: Path, fmt: str) -> str:
+    """Render the first of ``variants`` (callables returning DOT sources) that ``dot`` accepts
+    to ``fmt`` and write it to ``path``; return its source."""
+    src = variants[0]()
     if fmt == "dot":
         data = src.encode()
     else:
         if shutil.which("dot") is None:
             raise RenderError(NO_DOT)
-        proc = _run_dot(src, fmt)
-        if proc.returncode != 0 and "newrank=true" in src:
-            # Graphviz 2.43's newrank ranker fails ("trouble in init_rank") on some cluster
-            # layouts; the classic ranker draws the same picture, less well aligned.
-            src = src.replace("newrank=true", "newrank=false")
-            proc = _run_dot(src, fmt)
-        if proc.returncode != 0 or not proc.stdout:
-            err = proc.stderr.decode(errors="replace").strip().splitlines()
-            raise RenderError(f"dot failed: {err[0] if err else f'exit {proc.returncode}'}")
+        for i, make in enumerate(variants):
+            src = src if i == 0 else make()
+            last = i == len(variants) - 1
+            proc = _run_dot(src, fmt, DOT_TIMEOUT_S if last else DOT_FIRST_TRY_S, last)
+            if proc is not None and proc.returncode == 0 and proc.stdout:
+                break
+        if proc is None or proc.returncode != 0 or not proc.stdout:
+            err = proc.stderr.decode(errors="replace").strip().splitlines() if proc else []
+            msg = next((e for e in err if "rror" in e), err[0] if err else "no output")
+            raise RenderError(f"dot failed: {msg.strip()}")
         data = proc.stdout
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -254,15 +266,19 @@ def _write(src: str, path: Path, fmt: str) -> str:
     return src
 
 
-def _run_dot(src: str, fmt: str) -> subprocess.CompletedProcess:
+def _run_dot(src: str, fmt: str, timeout_s: float, last: bool
+             ) -> subprocess.CompletedProcess | None:
+    """Run ``dot``; None when it timed out and another variant is left to try."""
     cmd = ["dot", f"-T{fmt}"] + (["-Gdpi=96"] if fmt == "png" else [])
     try:
-        return subprocess.run(cmd, input=src.encode(), capture_output=True,
-                              timeout=DOT_TIMEOUT_S, check=False)
+        return subprocess.run(cmd, input=src.encode(), capture_output=True, timeout=timeout_s,
+                              check=False)
     except FileNotFoundError:
         raise RenderError(NO_DOT) from None
     except subprocess.TimeoutExpired:
-        raise RenderError(f"dot took more than {DOT_TIMEOUT_S} s: try level='module'") from None
+        if last:
+            raise RenderError(f"dot took more than {timeout_s:g} s: try level='module'") from None
+        return None
 
 
 # -- shared helpers --------------------------------------------------------------------------
@@ -463,7 +479,6 @@ class _Canvas:
         self.cluster_label: dict[str, str] = {}
         self.phase_label: dict[str, str] = {}
         self.rows: set[str] = set()  # module paths whose direct nodes go in one rank
-        self.same_rank: list[tuple[str, ...]] = []
 
     def node(self, module: str, nid: str, phase: str = "", **attrs: str) -> str:
         self.nodes[(phase, module)].append((nid, attrs))
@@ -472,11 +487,11 @@ class _Canvas:
     def edge(self, a: str, b: str, **attrs: str) -> None:
         self.edges.append((a, b, attrs))
 
-    def build(self, title: str, legend: str | None, rankdir: str = "TB") -> graphviz.Digraph:
+    def build(self, title: str, legend: str | None, newrank: bool = False) -> graphviz.Digraph:
         g = graphviz.Digraph(
             "graphflop",
             graph_attr={
-                "rankdir": rankdir, "newrank": "true", "label": title, "labelloc": "t", "labeljust": "l",
+                "rankdir": "TB", "newrank": "true" if newrank else "false", "label": title, "labelloc": "t", "labeljust": "l",
                 "fontname": FONT, "fontsize": "16", "nodesep": "0.18", "ranksep": "0.28",
                 "compound": "true", "bgcolor": "white",
                 "outputorder": "edgesfirst",
@@ -496,11 +511,6 @@ class _Canvas:
                 pc.attr(label=self.phase_label.get(phase, phase), style="dashed", color="#777777",
                         fontname=FONT, fontsize="14", labeljust="l", margin="10")
                 self._emit_phase(pc, phase)
-        for group in self.same_rank:
-            with g.subgraph() as s:
-                s.attr(rank="same")
-                for nid in group:
-                    s.node(nid)
         seen = set()
         for a, b, attrs in self.edges:
             k = (a, b, tuple(sorted(attrs.items())))
@@ -924,7 +934,7 @@ class _OpPicture:
                         style="rounded,filled,bold")
 
     # assembling ------------------------------------------------------------------------------
-    def build(self) -> graphviz.Digraph:
+    def build(self, aligned: bool = False) -> graphviz.Digraph:
         g = self.graph
         if g in ("forward", "train", "all"):
             self.forward()
@@ -937,7 +947,7 @@ class _OpPicture:
         if g == "all":
             self.jvp(share_primal=True)
         scale = _FlopScale([a["cost"].flops for a in self.pending.values()])
-        if self.phase:
+        if self.phase and aligned:
             self._align()
         for nid, a in self.pending.items():
             self._node(a["key"], a["module"], nid, **self._op_attrs(nid, a, scale))
@@ -965,12 +975,12 @@ class _OpPicture:
         roles = [r for r in ROLE_COLOURS if r in self.roles]
         legend = _legend_label(scale, "FLOPs per node", roles,
                                _legend_extras(self.ghost_words, self.has_residuals, True))
-        return self.cv.build(_title(self.a, self.graph, "op"), legend)
+        return self.cv.build(_title(self.a, self.graph, "op"), legend, newrank=aligned)
 
     def _align(self) -> None:
         """Pull each forward op onto the rank of the largest backward (and tangent) node derived
-        from it, so each module's backward sits beside its forward. (Invisible ``minlen=0``
-        edges: Graphviz 2.43 rejects ``rank=same`` across these clusters.)"""
+        from it, so each module's backward sits beside its forward (invisible ``minlen=0``
+        edges, which Graphviz's ``newrank`` ranker honours across clusters)."""
         best: dict[tuple[str, str], tuple[int, str]] = {}
         for nid, a in self.pending.items():
             if a["key"] not in ("b", "j") or not a["source"]:
