@@ -280,7 +280,7 @@ def _export(args, err: Console) -> int:
                            optimizer=args.optimizer, progress=lambda m: status.update(m))
         status.update("exporting to ONNX")
         manifest = export_all(analysis, args.out)
-    for kind, g in manifest["graphs"].items():
+    for g in manifest["graphs"].values():
         print(f"{args.out}/{g['file']}: {len(g['nodes'])} nodes, {len(g['inputs'])} inputs, "
               f"{len(g['outputs'])} outputs")
     print(f"{args.out}/manifest.json")
