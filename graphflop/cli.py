@@ -156,6 +156,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="ONNX Runtime per-node times mapped to graphflop nodes and modules")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+
+    p = sub.add_parser(
+        "sweep", help="backward/forward ratio across batch sizes or depths",
+        description="The backward/forward FLOP ratio (with and without the update) per batch "
+                    "size or per depth, as a table, CSV and PNG plot.",
+    )
+    _add_model_args(p)
+    p.add_argument("--batches", "--batch-sizes", dest="batches", metavar="1,2,4,...",
+                   help="comma-separated batch sizes")
+    p.add_argument("--depth", metavar="0,10,100",
+                   help="comma-separated depths (for models whose constructor takes one)")
+    p.add_argument("--depth-arg", metavar="NAME",
+                   help="the constructor argument that sets the depth (default: found by name)")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam", "adamw"])
+    p.add_argument("--csv", metavar="PATH", help="write the table as CSV")
+    p.add_argument("--plot", metavar="PATH", help="write a plot (.png, .svg, .pdf)")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     return parser
 
 
@@ -175,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _export(args, err)
         if args.command == "bench":
             return _bench(args, err)
+        if args.command == "sweep":
+            return _sweep(args, err)
     except (SpecError, TraceError, MissingRuleError, OnnxExportError) as e:
         print(f"graphflop: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
@@ -365,3 +384,59 @@ def _timing_doc(t: dict, flops: dict) -> dict:
     return {"phases": {k: {**v.to_dict(), "flops_per_s": flops[k] / v.median_s if v.median_s
                            else None} for k, v in t.items()},
             "ratios": ratios(t)}
+
+
+def _int_list(text: str | None, what: str) -> list[int]:
+    from graphflop.load import SpecError
+
+    if not text:
+        return []
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecError(f"bad {what} list {text!r}: write comma-separated integers, e.g. "
+                        "1,2,4,8") from None
+    if any(v < 0 for v in values) or (what == "batch" and any(v == 0 for v in values)):
+        raise SpecError(f"bad {what} list {text!r}: values must be positive")
+    return values
+
+
+def _sweep(args, err: Console) -> int:
+    import csv
+    import io
+    import json
+
+    from graphflop.export.report import human, write_atomic
+    from graphflop.load import SpecError
+    from graphflop.sweep import plot, sweep
+
+    batches = _int_list(args.batches, "batch")
+    depths = _int_list(args.depth, "depth")
+    if not batches and not depths:
+        raise SpecError("give --batches 1,2,4,... or --depth 0,10,100")
+    with err.status("sweeping", spinner="dots") as status:
+        rows = sweep(args.spec, batches=batches, depths=depths, depth_name=args.depth_arg,
+                     optimizer=args.optimizer, ctor_kwargs=_ctor_kwargs(args.arg),
+                     batch=args.batch, progress=lambda m: status.update(f"sweeping: {m}"))
+    from rich.table import Table
+
+    kind = "batch" if batches else "depth"
+    table = Table(title=f"{args.spec}: backward/forward FLOP ratio ({args.optimizer})")
+    for col in (kind, "forward", "backward", "update", "(bwd+upd)/fwd", "bwd/fwd"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r.get(kind, r.get("depth"))), human(r["forward_flops"]),
+                      human(r["backward_flops"]), human(r["update_flops"]),
+                      f"{r['ratio']:.3f}", f"{r['ratio_no_update']:.3f}")
+    _stdout_console().print(table)
+    if args.csv:
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+        write_atomic(args.csv, buf.getvalue())
+    if args.json:
+        write_atomic(args.json, json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot, title=f"{args.spec.split('/')[-1]} ({args.optimizer})")
+    return 0

@@ -46,3 +46,27 @@ def test_adam_hardly_moves_the_ratio_at_large_batch():
     sgd = ratio("convnet.py", 256)
     adam = ratio("convnet.py", 256, optimizer="adam")
     assert 0 < adam - sgd < 0.01
+
+
+def test_sweep_batches_and_depths(tmp_path):
+    import csv
+    import json
+
+    from conftest import spec
+
+    from graphflop.cli import main
+
+    out = tmp_path / "s.json"
+    assert main(["sweep", spec("linearnet.py"), "--batches", "1,64,1024", "--json", str(out),
+                 "--csv", str(tmp_path / "s.csv"), "--plot", str(tmp_path / "s.png")]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["batch"] for r in rows] == [1, 64, 1024]
+    assert rows[0]["ratio"] > rows[1]["ratio"] > rows[2]["ratio"]
+    # the update does not depend on the batch: 2 FLOPs per parameter (SGD)
+    assert {r["update_flops"] for r in rows} == {2 * rows[0]["params"]}
+    assert len(list(csv.DictReader((tmp_path / "s.csv").open()))) == 3
+    assert (tmp_path / "s.png").stat().st_size > 1000
+    assert main(["sweep", spec("deeper_convnet.py"), "--depth", "0,3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["depth"] for r in rows] == [0, 3] and rows[0]["ratio"] < rows[1]["ratio"]
+    assert main(["sweep", spec("convnet.py"), "--depth", "1,2"]) == 2  # no depth argument

@@ -115,7 +115,7 @@ def export_graph(gm: GraphModule, name: str, input_names: list[str],
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             prog = torch.onnx.export(gm, _meta_args(gm), dynamo=True, verbose=False,
-                                     optimize=False)
+                                     optimize=True)
     except Exception as e:
         bad = unexportable_node(gm)
         if bad is not None:

@@ -1,0 +1,102 @@
+"""Backward/forward ratios across batch sizes or depths (seed A's sweeps), from the graphs.
+
+Each point traces the model afresh at that batch size or depth (on the meta device: no memory)
+and records the ratio with and without the update, the forward and backward FLOPs and the
+update's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from graphflop.load import load, make_inputs
+from graphflop.passes.pipeline import analyze
+
+DEPTH_ARGS = ("middle_layers", "depth", "num_layers", "n_layers", "layers")
+
+
+def depth_arg(spec: str) -> str:
+    """The constructor argument of ``spec`` that sets its depth.
+
+    Raises:
+        ValueError: when the constructor has none of :data:`DEPTH_ARGS`.
+    """
+    from graphflop.load import SpecError
+
+    loaded = load(spec, meta=True)
+    target = type(loaded.model).__init__
+    params = inspect.signature(target).parameters
+    for name in DEPTH_ARGS:
+        if name in params:
+            return name
+    raise SpecError(f"{loaded.name}'s constructor takes no depth argument (one of "
+                    f"{', '.join(DEPTH_ARGS)}); give --depth-arg NAME")
+
+
+def sweep(
+    spec: str,
+    *,
+    batches: Sequence[int] | None = None,
+    depths: Sequence[int] | None = None,
+    depth_name: str | None = None,
+    optimizer: str = "sgd",
+    ctor_kwargs: dict | None = None,
+    batch: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per batch size (``batches``) or per depth (``depths``).
+
+    Row keys: ``batch`` or ``depth``, ``forward_flops``, ``backward_flops``, ``update_flops``,
+    ``ratio`` ((backward + update)/forward), ``ratio_no_update``, ``params``.
+    """
+    say = progress or (lambda m: None)
+    rows = []
+    points = [("batch", b) for b in batches or []]
+    if depths:
+        depth_name = depth_name or depth_arg(spec)
+        points += [("depth", d) for d in depths]
+    for kind, value in points:
+        kwargs = dict(ctor_kwargs or {})
+        if kind == "depth":
+            kwargs[depth_name] = value
+        say(f"{kind} {value}")
+        loaded = load(spec, ctor_kwargs=kwargs, meta=True)
+        loaded.model.train()
+        inputs = make_inputs(loaded, batch=value if kind == "batch" else batch)
+        s = analyze(loaded.model, inputs, name=loaded.name, optimizer=optimizer,
+                    jvp=False).to_dict()
+        t = s["totals"]
+        rows.append({
+            kind: value, "forward_flops": t["forward"]["flops"],
+            "backward_flops": t["backward"]["flops"], "update_flops": t["update"]["flops"],
+            "ratio": s["ratios"]["backward_forward"],
+            "ratio_no_update": s["ratios"]["backward_forward_no_update"], "params": s["params"],
+        })
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: str, *, title: str) -> None:
+    """Ratio vs batch size or depth (log x axis), with and without the update, as PNG/SVG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kind = "batch" if "batch" in rows[0] else "depth"
+    xs = [r[kind] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot(xs, [r["ratio"] for r in rows], "o-", label="(backward + update) / forward")
+    ax.plot(xs, [r["ratio_no_update"] for r in rows], "s--", label="backward / forward")
+    for y in (1, 2, 3):
+        ax.axhline(y, color="grey", lw=0.6, ls=":")
+    if min(xs) > 0 and max(xs) / max(min(xs), 1) > 10:
+        ax.set_xscale("log", base=2 if kind == "batch" else 10)
+    ax.set_xlabel("batch size" if kind == "batch" else "depth")
+    ax.set_ylabel("FLOP ratio")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
