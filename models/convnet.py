@@ -8,7 +8,8 @@ Conv2d(3 -> 32, 7x7, stride 2, pad 3) -> ReLU -> MaxPool(3, stride 2, pad 1)
    [112x112 -> 56x56]
 Conv2d(32 -> 64, 7x7, stride 2, pad 3) -> ReLU -> MaxPool(3, stride 2, pad 1)
    [28x28 -> 14x14]
-AdaptiveAvgPool2d(1) -> flatten -> Linear(64 -> 10). Parameters: 105,802.
+AdaptiveAvgPool2d(1) -> flatten -> Linear(64 -> 10). Convolutions without bias, as in the
+seed's code. Parameters: 105,706.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ class ConvNet(nn.Module):
 
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 32, kernel_size=7, stride=2, padding=3)
+        self.conv1 = nn.Conv2d(3, 32, kernel_size=7, stride=2, padding=3, bias=False)
         self.relu1 = nn.ReLU()
         self.pool1 = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        self.conv2 = nn.Conv2d(32, 64, kernel_size=7, stride=2, padding=3)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=7, stride=2, padding=3, bias=False)
         self.relu2 = nn.ReLU()
         self.pool2 = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
         self.avgpool = nn.AdaptiveAvgPool2d(1)

@@ -48,16 +48,17 @@ def test_onenet_per_layer_batch_1():
 def test_convnet_per_layer_batch_1():
     s = analysis("convnet.py", 1).to_dict()
     c1, c2 = layer(s, "conv1"), layer(s, "conv2")
-    # conv1: 3→32, k7 s2 p3, 224→112: 2·N·Cout·Hout·Wout·Cin·k² + bias N·Cout·Hout·Wout
+    # conv1: 3→32, k7 s2 p3, 224→112, no bias (seed's code): 2·N·Cout·Hout·Wout·Cin·k²
     assert c1["forward_mm_flops"] == 2 * 32 * 112 * 112 * 3 * 49  # 118,013,952
-    assert c1["forward_flops"] == 2 * 32 * 112 * 112 * 3 * 49 + 32 * 112 * 112
+    assert c1["forward_flops"] == 2 * 32 * 112 * 112 * 3 * 49
     assert layer(s, "pool1")["forward_flops"] == (9 - 1) * 32 * 56 * 56  # (k²−1) per output
     # conv2: 32→64, k7 s2 p3, 56→28
     assert c2["forward_mm_flops"] == 2 * 64 * 28 * 28 * 32 * 49  # 157,351,936
     assert layer(s, "avgpool")["forward_flops"] == 64 * 14 * 14 + 64  # mean: in + out
     assert layer(s, "fc")["forward_flops"] == 2 * 64 * 10 + 10
-    # backward: conv1 has only its weight (and bias) gradient, conv2 both
-    assert c1["grad_weight_flops"] == 2 * 32 * 112 * 112 * 3 * 49 + 32 * 112 * 112
+    assert s["params"] == 3 * 32 * 49 + 32 * 64 * 49 + 64 * 10 + 10  # 105,706
+    # backward: conv1 has only its weight gradient, conv2 both
+    assert c1["grad_weight_flops"] == 2 * 32 * 112 * 112 * 3 * 49
     assert c1["grad_input_flops"] == 0
     assert c1["pruned_flops"] == 2 * 32 * 112 * 112 * 3 * 49
     assert c2["grad_input_flops"] == 2 * 64 * 28 * 28 * 32 * 49
