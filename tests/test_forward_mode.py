@@ -42,11 +42,13 @@ def test_jvp_peak_of_a_linear_stack_hand_worked():
     B = 16
     stack = nn.Sequential(nn.Linear(8, 32, bias=False), nn.Linear(32, 4, bias=False))
     a = analyze(stack, (torch.randn(B, 8),), loss="sum", backward=False)
-    # always live: W1, W2 and their tangents: 2·4·(8·32 + 32·4) = 3,072 bytes.
-    # Schedule: x (B·8) → h=x·W1ᵀ (B·32) → th=x·dW1ᵀ (B·32) → y=h·W2ᵀ (B·4) → dh·W2ᵀ (B·4),
-    # h·dW2ᵀ (B·4), their sum (B·4)... The largest live set is at y=h·W2ᵀ... worked below:
-    # at th·W2ᵀ: live x? no (last read by th), h (read later by h·dW2ᵀ), th, y, t1 → the peak
-    # is h + th + y + t1 = B·(32 + 32 + 4 + 4)·4 bytes.
+    # Always live: W1, W2 and their tangents: 2 · 4 B · (8·32 + 32·4) = 3,072 bytes.
+    # Schedule (tangents of the weights only, the input's is zero):
+    #   h = x·W1ᵀ (B·32), dh = x·dW1ᵀ (B·32)   — x dies here
+    #   y = h·W2ᵀ (B·4), t1 = dh·W2ᵀ (B·4)     — dh dies
+    #   t2 = h·dW2ᵀ (B·4)                       — h dies after this read
+    # Live while computing t2: h, y, t1, t2 = B·(32 + 4 + 4 + 4); while computing t1: h, dh, y,
+    # t1 = B·(32 + 32 + 4 + 4), the peak (the sum, the loss and their tangents are smaller).
     m = a.to_dict()["memory"]
     assert m["jvp_peak_bytes"] == 3072 + 4 * B * (32 + 32 + 4 + 4)
 
