@@ -45,6 +45,7 @@ from graphflop.meta import (
 from graphflop.ops import lookup
 from graphflop.passes.builder import Builder, GhostValue, is_ghost
 from graphflop.passes.jvp import build_jvp
+from graphflop.passes.simplify import fold_transposed_matmuls
 
 RESIDUAL = "gf_residual"
 
@@ -250,7 +251,7 @@ def build_vjp(forward: GraphModule, *, input_grads: bool = False) -> GraphModule
         outputs.append(g_val)
     g.output(tuple(outputs))
     g.eliminate_dead_code()
-    gm = GraphModule(torch.nn.Module(), g)
+    gm = fold_transposed_matmuls(GraphModule(torch.nn.Module(), g))
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = ghosts
     gm.meta["gf_linearized"] = lin

@@ -195,6 +195,9 @@ def _node_times(trace_file: str, nodes: list[dict], runs: int) -> dict[str, Any]
         if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
             continue
         name = e["name"][: -len("_kernel_time")]
+        if name.startswith("fused "):  # "fused node_addmm/GemmTransposeFusion/": first node
+            name = name[len("fused "):].split("/", 1)[0]
+        name = name.split("/", 1)[0]
         node_s[name] = node_s.get(name, 0.0) + e.get("dur", 0) * 1e-6 / runs
     top = sorted(node_s.items(), key=lambda kv: -kv[1])[:15]
     modules: dict[str, float] = {}
