@@ -115,8 +115,11 @@ def test_train_step_equals_one_torch_optim_step(tmp_path, optimizer):
     loss.backward()
     opt.step()
     assert rel_error(torch.from_numpy(out[0]), loss.detach()) < 1e-5
+    # Adam's first step is lr·g/(|g| + ε): where |g| is near ε it amplifies float32 rounding
+    # differences between the two gradient computations, hence a looser bound there
+    tol = 1e-3 if optimizer in ("adam", "adamw") else 1e-4
     for i, q in enumerate(info.params):
-        assert rel_error(torch.from_numpy(out[1 + i]), model.get_parameter(q).detach()) < 1e-4, q
+        assert rel_error(torch.from_numpy(out[1 + i]), model.get_parameter(q).detach()) < tol, q
 
 
 def test_forward_gradient_step_onnx_matches_pytorch(tmp_path):
