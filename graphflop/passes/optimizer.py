@@ -121,8 +121,9 @@ def build_update(
         for kind in STATE_KINDS[cfg.name]
     ]
     device = params[0][1].device if params else torch.device("cpu")
-    with fake_mode:
-        scalar = torch.empty((), dtype=torch.float32, device=device)
+    dtype = params[0][1].dtype if params else torch.float32
+    with fake_mode:  # lr and step in the parameters' dtype: no mixed-precision update
+        scalar = torch.empty((), dtype=dtype, device=device)
     lr = ph("lr", scalar)
     step = ph("step", scalar) if cfg.name in ("adam", "adamw") else None
     lr_wd = b.call(aten.mul.Tensor, lr, cfg.weight_decay) if cfg.name == "adamw" else None
@@ -166,8 +167,15 @@ def _adam(b, cfg, w, g, m, v, lr, step, lr_wd):
     v = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, v, b2), b.call(aten.mul.Tensor, gg, 1 - b2))
     # bias corrections, per element as written: 3 + 3
     t = b.call(aten.expand.default, step, shape)
-    m_hat = b.call(aten.div.Tensor, m, b.call(aten.rsub.Scalar, b.call(aten.pow.Scalar, b1, t), 1))
-    v_hat = b.call(aten.div.Tensor, v, b.call(aten.rsub.Scalar, b.call(aten.pow.Scalar, b2, t), 1))
+    # β as a 0-d tensor in the parameters' dtype: a bare Python float would be exported to ONNX
+    # as a float32 constant, and 1 − 0.999ᵗ in float32 loses four digits
+    val = w.meta["val"]
+    beta1, beta2 = (b.call(aten.full.default, [], beta, dtype=val.dtype, device=val.device)
+                    for beta in (b1, b2))
+    m_hat = b.call(aten.div.Tensor, m,
+                   b.call(aten.rsub.Scalar, b.call(aten.pow.Tensor_Tensor, beta1, t), 1))
+    v_hat = b.call(aten.div.Tensor, v,
+                   b.call(aten.rsub.Scalar, b.call(aten.pow.Tensor_Tensor, beta2, t), 1))
     # update: 5
     denom = b.call(aten.add.Tensor, b.call(aten.sqrt.default, v_hat), cfg.eps)
     upd = b.call(aten.mul.Tensor, b.call(aten.div.Tensor, m_hat, denom), lr)
