@@ -11,6 +11,7 @@ check their prerequisites (:mod:`graphflop.passes.manager`); node annotations ar
 * :func:`annotate_flops`, :func:`annotate_memory` — FLOP/byte and peak-memory annotations;
 * :func:`analyze` — all of the above with a summary (:class:`Analysis`);
 * :func:`register_rule` — cost/JVP/transpose rules for your own ops;
+* :func:`render` — Graphviz pictures; :func:`export_onnx` — ONNX models and a manifest;
 * :func:`compile_backend` — a ``torch.compile`` backend that reports every compiled graph.
 """
 
@@ -24,6 +25,8 @@ from graphflop.api import (
     register_rule,
 )
 from graphflop.compile import CompileReport, compile_backend
+from graphflop.export.graphviz import render
+from graphflop.export.onnx import export_all as export_onnx
 from graphflop.ops.registry import MissingRuleError
 from graphflop.passes.forward_gradient import build_forward_gradient_step
 from graphflop.passes.manager import PassManager, PassOrderError
@@ -48,5 +51,7 @@ __all__ = [
     "compile_backend",
     "from_exported",
     "register_rule",
+    "render",
+    "export_onnx",
     "trace",
 ]

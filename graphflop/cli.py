@@ -158,6 +158,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
     p = sub.add_parser(
+        "render", help="draw the forward, backward, JVP or train graph with Graphviz",
+        description="Render SPEC's graphs with FLOPs, bytes, roles, pruned work (ghosts) and "
+                    "residual edges drawn on them. The format follows the output suffix (.svg, "
+                    ".png, .pdf, or .dot for the Graphviz source).",
+    )
+    _add_model_args(p)
+    p.add_argument("-o", "--output", required=True, metavar="PATH",
+                   help="output file: .svg, .png, .pdf or .dot")
+    p.add_argument("--graph", default="train",
+                   choices=["forward", "backward", "jvp", "train", "all"],
+                   help="which graphs to draw (default train: forward, backward and update)")
+    p.add_argument("--level", default="auto", choices=["auto", "op", "module"],
+                   help="one node per op, or one box per module (auto: op level up to a few "
+                        "hundred nodes)")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam", "adamw"])
+    p.add_argument("--profile-json", metavar="PATH",
+                   help="measured times per module: the JSON of graphflop bench --profile --json")
+
+    from graphflop.train.cli import add_parser as add_train_parser
+
+    add_train_parser(sub)
+
+    p = sub.add_parser(
         "sweep", help="backward/forward ratio across batch sizes or depths",
         description="The backward/forward FLOP ratio (with and without the update) per batch "
                     "size or per depth, as a table, CSV and PNG plot.",
@@ -180,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     err = Console(stderr=True)
+    from graphflop.export.graphviz import RenderError
     from graphflop.export.onnx import OnnxExportError
     from graphflop.load import SpecError
     from graphflop.ops import MissingRuleError
@@ -194,7 +218,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args, err)
         if args.command == "sweep":
             return _sweep(args, err)
-    except (SpecError, TraceError, MissingRuleError, OnnxExportError) as e:
+        if args.command == "render":
+            return _render(args, err)
+        if args.command == "train":
+            from graphflop.train.cli import run as run_train
+
+            return run_train(args, err)
+    except (SpecError, TraceError, MissingRuleError, OnnxExportError, RenderError) as e:
         print(f"graphflop: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -439,4 +469,27 @@ def _sweep(args, err: Console) -> int:
         write_atomic(args.json, json.dumps(rows, indent=1))
     if args.plot:
         plot(rows, args.plot, title=f"{args.spec.split('/')[-1]} ({args.optimizer})")
+    return 0
+
+
+def _render(args, err: Console) -> int:
+    import json
+    from pathlib import Path
+
+    from graphflop.export.graphviz import RenderError, render
+    from graphflop.passes.pipeline import analyze
+
+    profile = None
+    if args.profile_json:
+        try:
+            profile = json.loads(Path(args.profile_json).read_text())
+        except (OSError, ValueError) as e:
+            raise RenderError(f"cannot read --profile-json {args.profile_json}: {e}") from e
+    loaded, inputs, _ = _load(args)
+    with err.status("analysing", spinner="dots") as status:
+        a = analyze(loaded.model, inputs, name=loaded.name, loss=args.loss,
+                    optimizer=args.optimizer, progress=lambda m: status.update(m))
+        status.update("rendering")
+        render(a, args.output, graph=args.graph, level=args.level, profile=profile)
+    print(args.output)
     return 0

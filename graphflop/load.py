@@ -5,7 +5,14 @@ A spec is one of:
 * ``path/to/file.py`` — the one ``nn.Module`` subclass defined in that file;
 * ``path/to/file.py:Name`` — ``Name`` in that file: an ``nn.Module`` subclass, a factory function
   returning a module, or a module instance;
-* ``package.module:attr`` — the same, imported from an installed package.
+* ``package.module:attr`` — the same, imported from an installed package;
+* ``torchvision:NAME`` — ``torchvision.models``' builder ``NAME`` (``torchvision:resnet50``),
+  untrained (``weights=None``), with a (1, 3, 224, 224) example input (299 for Inception v3);
+* ``timm:NAME`` — ``timm.create_model(NAME, pretrained=False)`` (``timm:vit_base_patch16_224``),
+  with a (1, *input_size) example input from the model's pretrained config.
+
+The last two need those libraries installed; without them the spec fails with a
+:class:`SpecError` saying so. Constructor arguments (``--arg``) go to the builder.
 
 Example inputs come from the file's ``example_inputs()`` function, or from explicit shapes
 (``--input-shape 8,3,224,224``). ``batch`` rescales the first dimension of every input. Inputs
@@ -132,6 +139,9 @@ def load(spec: str, *, ctor_kwargs: dict | None = None, meta: bool = False) -> L
         SpecError: missing file, unknown name, ambiguous file, import failure.
     """
     ctor_kwargs = ctor_kwargs or {}
+    library, _, lib_name = spec.partition(":")
+    if library in LIBRARIES and not spec.endswith(".py"):
+        return _load_library_model(library, lib_name, ctor_kwargs, meta)
     target, name = _split_spec(spec)
     if target.endswith(".py") or "/" in target or Path(target).suffix == ".py":
         module = _import_file(Path(target))
@@ -169,6 +179,100 @@ def load(spec: str, *, ctor_kwargs: dict | None = None, meta: bool = False) -> L
             example = (example,)
         example = tuple(example)
     return LoadedModel(f"{label}:{name}", model, example)
+
+
+#: spec prefixes that name a model of an installed model library
+LIBRARIES = ("torchvision", "timm")
+
+
+def _import_library(library: str):
+    """Import ``torchvision`` or ``timm``, or raise a SpecError saying how to get it."""
+    try:
+        return importlib.import_module(library)
+    except ImportError as e:
+        raise SpecError(
+            f"{library}:NAME needs the {library} package, which is not installed "
+            f"(pip install {library}): {e}"
+        ) from e
+    except RuntimeError as e:
+        if "torchvision::" not in str(e):
+            raise SpecError(f"importing {library} failed: {type(e).__name__}: {e}") from e
+        # a torchvision build whose compiled ops cannot load against this torch (for example
+        # the CUDA wheel beside a CPU-only torch): its import then registers fake kernels for
+        # operators that were never defined. Define their schemas (with no kernel: calling them
+        # still fails) so that the pure-PyTorch models import.
+        _define_torchvision_schemas()
+        for mod in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[mod]
+        try:
+            return importlib.import_module(library)
+        except Exception as e2:
+            raise SpecError(f"importing {library} failed: {type(e2).__name__}: {e2}") from e2
+
+
+_TORCHVISION_SCHEMAS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
+_torchvision_lib = None
+
+
+def _define_torchvision_schemas() -> None:
+    global _torchvision_lib
+    if _torchvision_lib is not None:
+        return
+    lib = torch.library.Library("torchvision", "FRAGMENT")
+    for schema in _TORCHVISION_SCHEMAS:
+        name = schema.split("(")[0]
+        if not torch._C._dispatch_has_kernel(f"torchvision::{name}") and not hasattr(
+            torch.ops.torchvision, name
+        ):
+            lib.define(schema)
+    _torchvision_lib = lib
+
+
+def _library_builder(library: str, name: str, module):
+    """The callable that builds ``name``, and its default example input shape."""
+    import difflib
+
+    if library == "torchvision":
+        models = module.models
+        names = sorted(models.list_models()) if hasattr(models, "list_models") else []
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise SpecError(f"torchvision has no model {name!r}{hint}")
+        builder = models.get_model_builder(name)
+        size = 299 if name.startswith("inception") else 224
+
+        def build(**kw):
+            kw.setdefault("weights", None)  # untrained: nothing is downloaded
+            return builder(**kw)
+
+        return build, (1, 3, size, size)
+    if not module.is_model(name):
+        close = difflib.get_close_matches(name, module.list_models(), n=5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise SpecError(f"timm has no model {name!r}{hint}")
+    cfg = module.models.get_pretrained_cfg(name) if hasattr(module.models, "get_pretrained_cfg") \
+        else None
+    input_size = tuple(getattr(cfg, "input_size", None) or (3, 224, 224))
+
+    def build(**kw):
+        kw.setdefault("pretrained", False)  # nothing is downloaded
+        return module.create_model(name, **kw)
+
+    return build, (1, *input_size)
+
+
+def _load_library_model(library: str, name: str, ctor_kwargs: dict, meta: bool) -> LoadedModel:
+    if not name:
+        raise SpecError(f"give a model name: {library}:NAME, e.g. "
+                        f"{'torchvision:resnet50' if library == 'torchvision' else 'timm:vit_base_patch16_224'}")
+    module = _import_library(library)
+    build, shape = _library_builder(library, name, module)
+    model = _instantiate(build, f"{library}:{name}", ctor_kwargs, meta)
+    return LoadedModel(f"{library}:{name}", model, (torch.zeros(shape),))
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -214,7 +318,13 @@ def make_inputs(
             bad batch size.
     """
     if shapes:
-        specs = [(s, dtype or torch.float32) for s in shapes]
+        # an input the model's example_inputs() gives as integers (token ids) stays integer
+        ex = loaded.example_inputs or ()
+        specs = [
+            (s, ex[i].dtype if i < len(ex) and not ex[i].is_floating_point()
+             else dtype or torch.float32)
+            for i, s in enumerate(shapes)
+        ]
     elif loaded.example_inputs is not None:
         specs = [
             (tuple(t.shape), dtype if dtype and t.is_floating_point() else t.dtype)

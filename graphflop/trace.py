@@ -45,16 +45,26 @@ class TraceError(RuntimeError):
 
 
 def decomposition_table() -> dict:
-    """PyTorch's core-ATen decompositions plus batch norm, softmax and NLL loss, so that
-    normalisation and losses are counted as the sum of their parts (FLOPS.md)."""
+    """PyTorch's core-ATen decompositions, extended so that composite ops are counted as the sum
+    of their parts (FLOPS.md) and every part has a rule:
+
+    * batch norm, layer norm, softmax, the NLL and MSE losses, hardtanh, GELU, SiLU, ELU,
+      dropout, vector norms and adaptive average pooling: PyTorch's own decompositions;
+    * nearest and (bi/tri)linear upsampling: PyTorch's decompositions into index ops and
+      elementwise arithmetic;
+    * group norm: :func:`_group_norm` (views and ``var_mean``; PyTorch's decomposition goes
+      through ``as_strided``, which has no rule);
+    * ``mv`` and ``dot``: matrix products (:func:`_mv`, :func:`_dot`), so that they are counted
+      in ``mm_flops`` like every other product (PyTorch's decompositions make them a multiply and a
+      sum).
+    """
     table = core_aten_decompositions()
     table.update(
         get_decompositions(
             [
                 aten._native_batch_norm_legit_functional,
-                        aten._native_batch_norm_legit.no_stats,
+                aten._native_batch_norm_legit.no_stats,
                 aten.native_layer_norm,
-                aten.native_group_norm,
                 aten._log_softmax,
                 aten._softmax,
                 aten.nll_loss_forward,
@@ -62,11 +72,50 @@ def decomposition_table() -> dict:
                 aten.hardtanh,
                 aten.gelu,
                 aten.silu,
+                aten.elu,
+                aten.native_dropout,
+                aten.linalg_vector_norm,
                 aten._adaptive_avg_pool2d,
+                aten.upsample_nearest1d,
+                aten.upsample_nearest2d,
+                aten.upsample_nearest3d,
+                aten.upsample_linear1d,
+                aten.upsample_bilinear2d,
+                aten.upsample_trilinear3d,
             ]
         )
     )
+    table[aten.native_group_norm.default] = _group_norm
+    table[aten.mv.default] = _mv
+    table[aten.dot.default] = _dot
     return table
+
+
+def _group_norm(x, weight, bias, n: int, c: int, hxw: int, groups: int, eps: float):
+    """``native_group_norm`` as views, ``var_mean`` and elementwise ops: returns
+    ``(out, mean, rstd)`` with mean and rstd of shape (N, groups), as PyTorch does."""
+    shape = list(x.shape)
+    xg = x.reshape(n, groups, -1)
+    var, mean = aten.var_mean.correction(xg, [2], correction=0, keepdim=True)
+    rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
+    out = aten.mul.Tensor(aten.sub.Tensor(xg, mean), rstd).reshape(shape)
+    chan = [1, c] + [1] * (len(shape) - 2)
+    if weight is not None:
+        out = aten.mul.Tensor(out, aten.view.default(weight, chan))
+    if bias is not None:
+        out = aten.add.Tensor(out, aten.view.default(bias, chan))
+    return out, aten.view.default(mean, [n, groups]), aten.view.default(rstd, [n, groups])
+
+
+def _mv(a, v):
+    """(M×K)·(K) as an (M×K)·(K×1) matrix product."""
+    return aten.squeeze.dims(aten.mm.default(a, aten.unsqueeze.default(v, 1)), [1])
+
+
+def _dot(a, v):
+    """(K)·(K) as a (1×K)·(K×1) matrix product."""
+    prod = aten.mm.default(aten.unsqueeze.default(a, 0), aten.unsqueeze.default(v, 1))
+    return aten.squeeze.dims(prod, [0, 1])
 
 
 class Objective(nn.Module):
@@ -217,6 +266,7 @@ def _to_graph(ep, *, n_inputs: int, loss_index: int | None, loss_kind: str,
     gm = ep.graph_module
     sig = ep.graph_signature
     params, buffers, user_inputs = [], [], []
+    constants: dict[str, torch.Tensor] = {}
     for spec in sig.input_specs:
         kind = spec.kind.name
         name = spec.arg.name
@@ -226,6 +276,9 @@ def _to_graph(ep, *, n_inputs: int, loss_index: int | None, loss_kind: str,
             buffers.append((name, spec.target.removeprefix(prefix)))
         elif kind == "USER_INPUT":
             user_inputs.append(name)
+        elif kind == "CONSTANT_TENSOR":  # torch.tensor(...) made in forward: a fixed buffer
+            buffers.append((name, spec.target.removeprefix(prefix)))
+            constants[name] = ep.constants[spec.target]
         else:
             raise TraceError(f"unsupported graph input kind {kind} for {name}")
     model_inputs, target_names = user_inputs[:n_inputs], user_inputs[n_inputs:]
@@ -251,6 +304,7 @@ def _to_graph(ep, *, n_inputs: int, loss_index: int | None, loss_kind: str,
         buffer_updates=tuple(buffer_updates),
     )
     gm.meta[SIGNATURE] = signature
+    gm.meta["gf_constants"] = constants
     gm.meta["gf_loss_kind"] = loss_kind
     gm.meta["gf_facts"] = {"traced"}
     _complete_getitems(gm)

@@ -17,29 +17,36 @@ Drawing choices (op level)
     * Node fill: FLOPs on matplotlib's perceptually uniform ``viridis`` scale, log10, from the
       smallest to the largest non-zero count in the picture; nodes with no FLOPs (views) are
       white. The header strip and the border carry the node's role colour (:data:`ROLE_COLOURS`,
-      the Okabe–Ito colour-blind-safe palette plus wine and olive from Paul Tol's).
-    * Clusters: one per ``nn.Module`` path, nested along the path. A module's backward, update
-      and tangent nodes sit in the same cluster as its forward nodes, so each derived node is
-      drawn beside the forward node it came from (its tooltip names that node).
-    * ``train``/``all``: forward flows down; backward edges are drawn reversed (``dir=back``) so
-      the backward also ranks from the first layer at the top to the loss at the bottom and each
-      module's backward lines up with its forward. Update nodes hang below the gradient they read.
+      the Okabe–Ito colour-blind-safe palette plus wine and olive from Paul Tol's). Each label:
+      op name, output shape, FLOPs and bytes moved (read + written).
+    * Clusters: one per ``nn.Module`` path, nested along the path.
+    * ``train``/``all``: one column per graph (forward, backward with the update, JVP
+      tangents), each with its own module clusters. Backward edges are drawn reversed
+      (``dir=back``), so the backward also runs from the first layer at the top to the loss at
+      the bottom, and each forward op is pulled onto the rank of the largest backward (and
+      tangent) node derived from it: a module's backward sits beside its forward (each node's
+      tooltip names its forward source). Update nodes hang below the gradient they read.
     * Residuals: an edge (wine, width growing with size) from the forward value to each backward
-      node reading it, labelled with its bytes on the first such edge; these are the bytes a
-      forward-mode (JVP) step does not keep. Parameters read by the backward are thin grey edges.
-    * Parameters, inputs and targets are small nodes (grey, rounded); scalar hyper-parameters
+      node reading it, labelled "saved <bytes>" on the first such edge: the memory a
+      forward-mode (JVP) step does not keep. Parameters read by the backward are dotted grey.
+    * Parameters, inputs and targets are small grey rounded nodes; scalar hyper-parameters
       (``lr``, ``step``) are omitted. Data edges are labelled with the bytes of the tensor they
       carry when it is at least 1/16 of the largest one drawn.
-    * Ghosts (work not emitted): dashed grey nodes, "pruned: <FLOPs>" in the backward (e.g. the
-      first layer's input gradient), "skipped: <FLOPs>" in the JVP (zero-tangent work), with
-      dashed edges to what they would have read and, in the JVP, to the tangent sum they were
+    * The loss (about twenty scalar-sized ops per graph for a cross-entropy) is one node per
+      graph unless ``collapse_loss=False``.
+    * Ghosts (work not emitted): dashed grey nodes, "pruned: <FLOPs>" in the backward (the first
+      layer's input gradient), "skipped: <FLOPs>" in the JVP (zero-tangent work), with dashed
+      edges from what they would have read and, in the JVP, to the tangent sum they were
       dropped from.
-    * A legend node lists the FLOP scale and the role colours present.
+    * A legend node lists the FLOP scale, the role colours present, ghosts and residuals.
+    * Graphviz 2.43 rejects some cluster layouts ("trouble in init_rank"); :func:`render` then
+      falls back to simpler layouts (see its Returns).
 
 Drawing choices (module level)
     One box per module path (its own ops only; a parent path with ops of its own, e.g. a residual
-    block's ``add``, gets a box "own ops"), nested in clusters along the path; edges follow the
-    forward data flow between modules. With more than 40 boxes, the boxes directly inside one
+    block's ``add``, gets a box named after them), nested in clusters along the path, filled by
+    FLOPs (viridis, log) and listing forward, backward (input/weight), update and JVP FLOPs,
+    ratios, bytes saved for backward and measured time; edges follow the forward data flow. With more than 40 boxes, the boxes directly inside one
     parent cluster are laid out in one row (so ResNet-50 is one row per bottleneck block). Pruned
     and skipped work are dashed ghost boxes beside their module.
 
@@ -99,9 +106,13 @@ FONT = "Helvetica,Arial,sans-serif"
 COLORMAP = "viridis"
 #: boxes above which module level lays out each parent's children in one row
 ROW_LAYOUT_MIN_BOXES = 40
-#: render timeouts for ``dot``, seconds: the aligned layout, then the plain one
+#: attributes of an edge between the forward and the backward/update/tangent nodes: its head
+#: ranks level with or below its tail, with no pull. (``constraint=false`` would say "no
+#: ranking at all", but Graphviz 2.43 fails on it inside clusters: "trouble in init_rank".)
+LOOSE = {"minlen": "0", "weight": "0"}
+#: render timeouts for ``dot``, seconds: each layout but the last (then the next is tried), the last
 DOT_FIRST_TRY_S = 20
-DOT_TIMEOUT_S = 120
+DOT_TIMEOUT_S = 90
 
 
 class RenderError(ValueError):
@@ -117,7 +128,7 @@ def render(
     *,
     graph: str = "train",
     level: str = "auto",
-    profile: Mapping[str, float] | None = None,
+    profile: Mapping[str, Any] | None = None,
     max_op_nodes: int = 400,
     collapse_loss: bool = True,
 ) -> str:
@@ -134,15 +145,18 @@ def render(
         level: ``op``, ``module`` or ``auto`` (``op`` when the chosen graphs have at most
             ``max_op_nodes`` call nodes).
         profile: measured seconds per module path (``""`` or ``"(model)"`` for the model's own
-            ops), shown in module boxes and op-level cluster labels.
+            ops), shown in module boxes and op-level cluster labels; or the JSON of
+            ``graphflop bench --profile --json`` (see :func:`load_profile`).
         max_op_nodes: the ``auto`` threshold.
         collapse_loss: at op level, draw the loss's ops (a cross-entropy is about twenty tiny
             ops in each graph) as one node per graph.
 
     Returns:
-        The DOT source that was rendered. ``train``/``all`` at op level first try a layout
-        aligning each forward node with its backward and tangent nodes (Graphviz's ``newrank``);
-        when ``dot`` rejects it or takes over 20 s, the unaligned layout is drawn.
+        The DOT source that was rendered (without ``path``: the first layout below).
+        ``train``/``all`` at op level first try a layout aligning each forward node with its
+        backward and tangent nodes (Graphviz's ``newrank``); when ``dot`` rejects a layout or
+        takes over 20 s, the next is tried: unaligned with the classic ranker, with newrank,
+        then without module clusters (the module path moves into each label).
 
     Raises:
         RenderError: unknown ``graph``/``level``/suffix, a graph the analysis did not build,
@@ -161,26 +175,41 @@ def render(
                 f"cannot tell the format of {os.fspath(path)!r}: use a .svg, .png, .pdf or .dot "
                 "suffix"
             )
-    needed = {"backward": ("backward",), "train": ("backward", "update"), "jvp": ("jvp",),
-              "all": ("backward", "update", "jvp")}.get(graph, ())
+    needed = {
+        "backward": ("backward",),
+        "train": ("backward", "update"),
+        "jvp": ("jvp",),
+        "all": ("backward", "update", "jvp"),
+    }.get(graph, ())
     missing = [k for k in needed if getattr(analysis, k, None) is None]
     if missing:
         raise RenderError(f"the analysis has no {' or '.join(missing)} graph to draw")
     if level == "auto":
         level = "op" if count_op_nodes(analysis, graph) <= max_op_nodes else "module"
-    profile = _normalise_profile(profile)
+    profile = _normalise_profile(profile, graph)
     if level == "op":
         combined = graph in ("train", "all")
 
-        def variant(aligned: bool) -> str:
-            return _OpPicture(analysis, graph, profile, collapse_loss).build(aligned).source
+        def variant(aligned: bool, newrank: bool = False, clusters: bool = True) -> str:
+            pic = _OpPicture(analysis, graph, profile, collapse_loss)
+            return pic.build(aligned, clusters, newrank=newrank or aligned).source
 
-        # forward and backward aligned rank by rank needs Graphviz's newrank ranker, which
-        # 2.43 sometimes rejects ("trouble in init_rank") or routes badly: then draw unaligned
-        variants = [lambda: variant(True), lambda: variant(False)] if combined else \
-            [lambda: variant(False)]
+        # Graphviz 2.43 rejects some cluster layouts ("trouble in init_rank") with one ranker
+        # and not the other; aligning forward and backward rank by rank needs newrank. So:
+        # aligned (train/all), then unaligned with the classic ranker, with newrank, and last
+        # without module clusters (the module path moves into each label).
+        variants = [lambda: variant(True)] if combined else []
+        variants += [
+            lambda: variant(False),
+            lambda: variant(False, newrank=True),
+            lambda: variant(False, clusters=False),
+        ]
     else:
-        variants = [lambda: _ModulePicture(analysis, graph, profile).build().source]
+        variants = [
+            lambda: _ModulePicture(analysis, graph, profile).build().source,
+            lambda: _ModulePicture(analysis, graph, profile).build(newrank=True).source,
+            lambda: _ModulePicture(analysis, graph, profile).build(False).source,
+        ]
     if path is None:
         return variants[0]()
     return _write(variants, Path(path), fmt)
@@ -188,9 +217,13 @@ def render(
 
 def count_op_nodes(analysis: Any, graph: str) -> int:
     """Number of ``call_function`` nodes in the graphs ``graph`` draws (the ``auto`` measure)."""
-    keys = {"forward": ("forward",), "backward": ("backward",), "jvp": ("jvp",),
-            "train": ("forward", "backward", "update"),
-            "all": ("forward", "backward", "update", "jvp")}[graph]
+    keys = {
+        "forward": ("forward",),
+        "backward": ("backward",),
+        "jvp": ("jvp",),
+        "train": ("forward", "backward", "update"),
+        "all": ("forward", "backward", "update", "jvp"),
+    }[graph]
     total = 0
     for k in keys:
         gm = getattr(analysis, k, None)
@@ -199,29 +232,50 @@ def count_op_nodes(analysis: Any, graph: str) -> int:
     return total
 
 
-def load_profile(data: Any) -> dict[str, float]:
-    """A ``{module path: seconds}`` dict from a bench profile's JSON content.
+#: the bench phase whose per-module profile each picture shows
+PROFILE_PHASE = {
+    "forward": "forward",
+    "backward": "train_step",
+    "train": "train_step",
+    "all": "train_step",
+    "jvp": "forward_gradient_step",
+}
 
-    Accepts ``{path: seconds}``, ``{"modules": {path: seconds}}`` or
-    ``{"layers": [{"name": path, "median_s"|"seconds"|"time_s": seconds}, ...]}``.
+
+def load_profile(data: Any, graph: str = "train") -> dict[str, float]:
+    """A ``{module path: seconds}`` dict from a profile's JSON content.
+
+    Accepts ``{path: seconds}``; ``{"modules": {path: seconds}}``; the output of
+    ``graphflop bench --profile --json`` (``runtimes.onnxruntime.profile.<phase>.modules``, the
+    phase picked by ``graph``: ``forward``, else ``train_step``, ``forward_gradient_step`` for
+    ``jvp``) or its ``profile`` part; or ``{"layers": [{"name": path, "median_s": s}, ...]}``.
 
     Raises:
         RenderError: for anything else.
     """
-    if isinstance(data, Mapping) and "layers" in data and isinstance(data["layers"], list):
-        out = {}
-        for row in data["layers"]:
-            t = next((row[k] for k in ("median_s", "seconds", "time_s") if k in row), None)
-            if isinstance(row, Mapping) and "name" in row and t is not None:
-                out[str(row["name"])] = float(t)
-        return out
-    if isinstance(data, Mapping) and isinstance(data.get("modules"), Mapping):
-        data = data["modules"]
-    if isinstance(data, Mapping) and all(isinstance(v, (int, float)) for v in data.values()):
-        return {str(k): float(v) for k, v in data.items()}
+    if isinstance(data, Mapping):
+        runtimes = data.get("runtimes")
+        if isinstance(runtimes, Mapping):
+            data = (runtimes.get("onnxruntime") or {}).get("profile") or {}
+        phases = {k: v for k, v in data.items() if isinstance(v, Mapping) and "modules" in v}
+        if phases:
+            want = PROFILE_PHASE.get(graph, "train_step")
+            data = phases.get(want) or next(iter(phases.values()))
+        if isinstance(data.get("layers"), list):
+            out = {}
+            for row in data["layers"]:
+                if not isinstance(row, Mapping) or "name" not in row:
+                    continue
+                t = next((row[k] for k in ("median_s", "seconds", "time_s") if k in row), None)
+                if isinstance(t, (int, float)):
+                    out[str(row["name"])] = float(t)
+            return out
+        if isinstance(data.get("modules"), Mapping):
+            data = data["modules"]
+        if all(isinstance(v, (int, float)) for v in data.values()):
+            return {str(k): float(v) for k, v in data.items()}
     raise RenderError(
-        "a profile is {module path: seconds}, {'modules': {...}} or {'layers': [{'name', "
-        "'median_s'}]}"
+        "a profile is {module path: seconds} or `graphflop bench --profile --json` output"
     )
 
 
@@ -266,28 +320,30 @@ def _write(variants: list, path: Path, fmt: str) -> str:
     return src
 
 
-def _run_dot(src: str, fmt: str, timeout_s: float, last: bool
-             ) -> subprocess.CompletedProcess | None:
-    """Run ``dot``; None when it timed out and another variant is left to try."""
+def _run_dot(
+    src: str, fmt: str, timeout_s: float, last: bool
+) -> subprocess.CompletedProcess | None:
+    """Run ``dot``; None when it timed out and ``last`` is false (another layout to try)."""
     cmd = ["dot", f"-T{fmt}"] + (["-Gdpi=96"] if fmt == "png" else [])
     try:
-        return subprocess.run(cmd, input=src.encode(), capture_output=True, timeout=timeout_s,
-                              check=False)
+        return subprocess.run(
+            cmd, input=src.encode(), capture_output=True, timeout=timeout_s, check=False
+        )
     except FileNotFoundError:
         raise RenderError(NO_DOT) from None
     except subprocess.TimeoutExpired:
         if last:
-            raise RenderError(f"dot took more than {timeout_s:g} s: try level='module'") from None
+            raise RenderError(f"dot took more than {timeout_s:g} s: try the module level") from None
         return None
 
 
 # -- shared helpers --------------------------------------------------------------------------
 
 
-def _normalise_profile(profile: Mapping[str, float] | None) -> dict[str, float]:
+def _normalise_profile(profile: Mapping[str, Any] | None, graph: str) -> dict[str, float]:
     if not profile:
         return {}
-    prof = load_profile(profile)
+    prof = load_profile(profile, graph)
     if "(model)" in prof and "" not in prof:
         prof[""] = prof["(model)"]
     return prof
@@ -372,16 +428,18 @@ class _FlopScale:
 
 
 def _legend_label(scale: _FlopScale, what: str, roles: list[str], extras: list[str]) -> str:
-    rows = [f'<TR><TD COLSPAN="{max(2, len(scale.ticks()))}"><B>legend</B></TD></TR>',
-            f'<TR><TD COLSPAN="{max(2, len(scale.ticks()))}" ALIGN="LEFT">'
-            f"fill: {_esc(what)} (log scale, {COLORMAP})</TD></TR>"]
     ticks = scale.ticks()
+    span = max(2, len(ticks))
+    rows = [
+        f'<TR><TD COLSPAN="{span}"><B>legend</B></TD></TR>',
+        f'<TR><TD COLSPAN="{span}" ALIGN="LEFT">'
+        f"fill: {_esc(what)} (log scale, {COLORMAP}; white: none)</TD></TR>",
+    ]
     cells = "".join(
         f'<TD BGCOLOR="{c}"><FONT COLOR="{_text_on(c)}" POINT-SIZE="9">{_esc(human(v))}</FONT></TD>'
         for c, v in ticks
     )
     rows.append(f"<TR>{cells}</TR>")
-    span = max(2, len(ticks))
     for r in roles:
         c = ROLE_COLOURS.get(r, "#000000")
         rows.append(
@@ -399,11 +457,15 @@ def _legend_label(scale: _FlopScale, what: str, roles: list[str], extras: list[s
 def _legend_extras(ghost_words: list[str], residuals: bool, params: bool) -> list[str]:
     out = []
     for w in ghost_words:
-        out.append(f'<FONT COLOR="{GHOST_COLOUR}">dashed grey: {_esc(w)} work (not emitted) '
-                   "with the FLOPs it saved</FONT>")
+        out.append(
+            f'<FONT COLOR="{GHOST_COLOUR}">dashed grey: {_esc(w)} work (not emitted) '
+            "with the FLOPs it saved</FONT>"
+        )
     if residuals:
-        out.append(f'<FONT COLOR="{RESIDUAL_COLOUR}"><B>wine edge</B>: residual saved for '
-                   "backward, with bytes (what forward mode does not keep)</FONT>")
+        out.append(
+            f'<FONT COLOR="{RESIDUAL_COLOUR}"><B>wine edge</B>: residual saved for '
+            "backward, with bytes (what forward mode does not keep)</FONT>"
+        )
     if params:
         out.append(f'<FONT COLOR="{PARAM_COLOUR}">grey rounded: parameter / input</FONT>')
     return out
@@ -422,7 +484,8 @@ def _module_types(gm) -> dict[str, str]:
         except (IndexError, TypeError):
             continue
         out[path] = (typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))).rsplit(
-            ".", 1)[-1]
+            ".", 1
+        )[-1]
     return out
 
 
@@ -448,8 +511,10 @@ def _title(analysis: Any, graph: str, level: str) -> str:
     line = [f"forward {human(f)} FLOPs"] if f is not None else []
     if graph in ("backward", "train", "all") and "backward" in t:
         b = t["backward"]
-        line.append(f"backward {human(b['flops'])} (input {human(b['grad_input_flops'])}, "
-                    f"weight {human(b['grad_weight_flops'])}, pruned {human(b['pruned_flops'])})")
+        line.append(
+            f"backward {human(b['flops'])} (input {human(b['grad_input_flops'])}, "
+            f"weight {human(b['grad_weight_flops'])}, pruned {human(b['pruned_flops'])})"
+        )
         if graph != "backward" and "update" in t:
             line.append(f"update {human(t['update']['flops'])} ({t['update']['optimizer']})")
         if r.get("backward_forward") is not None:
@@ -458,8 +523,10 @@ def _title(analysis: Any, graph: str, level: str) -> str:
             line.append(f"saved for backward {human_bytes(m['saved_for_backward_bytes'])}")
     if graph in ("jvp", "all") and "jvp" in t:
         j = t["jvp"]
-        line.append(f"JVP tangent {human(j['flops'])} (skipped {human(j['skipped_flops'])}, "
-                    f"tangents on {j['tangents']})")
+        line.append(
+            f"JVP tangent {human(j['flops'])} (skipped {human(j['skipped_flops'])}, "
+            f"tangents on {j['tangents']})"
+        )
         if r.get("jvp_forward") is not None:
             line.append(f"jvp/fwd {r['jvp_forward']:.2f}")
     parts.append(" · ".join(line))
@@ -487,29 +554,51 @@ class _Canvas:
     def edge(self, a: str, b: str, **attrs: str) -> None:
         self.edges.append((a, b, attrs))
 
-    def build(self, title: str, legend: str | None, newrank: bool = False) -> graphviz.Digraph:
+    def build(
+        self, title: str, legend: str | None, newrank: bool = False, clusters: bool = True
+    ) -> graphviz.Digraph:
         g = graphviz.Digraph(
             "graphflop",
             graph_attr={
-                "rankdir": "TB", "newrank": "true" if newrank else "false", "label": title, "labelloc": "t", "labeljust": "l",
-                "fontname": FONT, "fontsize": "16", "nodesep": "0.18", "ranksep": "0.28",
-                "compound": "true", "bgcolor": "white",
+                "rankdir": "TB",
+                "label": title,
+                "labelloc": "t",
+                "labeljust": "l",
+                "fontname": FONT,
+                "fontsize": "16",
+                "nodesep": "0.18",
+                "ranksep": "0.28",
+                "bgcolor": "white",
                 "outputorder": "edgesfirst",
             },
             node_attr={"fontname": FONT, "fontsize": "10", "shape": "plain"},
-            edge_attr={"fontname": FONT, "fontsize": "8", "arrowsize": "0.6",
-                       "color": "#555555"},
+            edge_attr={"fontname": FONT, "fontsize": "8", "arrowsize": "0.6", "color": "#555555"},
         )
+        if newrank:  # Graphviz 2.43 reads any value, even "false", as on: set it only when on
+            g.attr(newrank="true")
         if legend is not None:
             g.node("legend", label=legend, id="legend", shape="plain")
-        phases = list(dict.fromkeys(ph for ph, _ in self.nodes))
+        if not clusters:
+            for own in self.nodes.values():
+                for nid, attrs in own:
+                    g.node(nid, **attrs)
+            phases = []
+        else:
+            phases = list(dict.fromkeys(ph for ph, _ in self.nodes))
         for phase in phases:
             if phase == "":
                 self._emit_phase(g, phase)
                 continue
             with g.subgraph(name=f"cluster_phase_{phase}") as pc:
-                pc.attr(label=self.phase_label.get(phase, phase), style="dashed", color="#777777",
-                        fontname=FONT, fontsize="14", labeljust="l", margin="10")
+                pc.attr(
+                    label=self.phase_label.get(phase, phase),
+                    style="dashed",
+                    color="#777777",
+                    fontname=FONT,
+                    fontsize="14",
+                    labeljust="l",
+                    margin="10",
+                )
                 self._emit_phase(pc, phase)
         seen = set()
         for a, b, attrs in self.edges:
@@ -545,9 +634,16 @@ class _Canvas:
         for child in sorted(tree.get(path, ()), key=self._order_key):
             name = f"cluster_{_id(phase)}_{_id(child)}" if phase else f"cluster_{_id(child)}"
             with g.subgraph(name=name) as c:
-                c.attr(label=self.cluster_label.get(child, child), style="rounded,filled",
-                       fillcolor=CLUSTER_FILL, color="#B0B0B0", fontname=FONT, fontsize="11",
-                       labeljust="l", margin="6")
+                c.attr(
+                    label=self.cluster_label.get(child, child),
+                    style="rounded,filled",
+                    fillcolor=CLUSTER_FILL,
+                    color="#B0B0B0",
+                    fontname=FONT,
+                    fontsize="11",
+                    labeljust="l",
+                    margin="6",
+                )
                 self._emit(c, phase, child, tree)
 
     def _order_key(self, path: str) -> tuple[int, str]:
@@ -576,16 +672,19 @@ class _OpPicture:
         self.types: dict[str, str] = {}
         self.reversed_backward = graph in ("train", "all")
         combined = graph in ("train", "all")
-        self.phase = {"f": "forward", "b": "backward", "u": "backward", "j": "tangent"} \
-            if combined else {}
+        self.phase = (
+            {"f": "forward", "b": "backward", "u": "backward", "j": "tangent"} if combined else {}
+        )
         self.cv.phase_label = {
             "forward": "forward (model and loss)",
             "backward": "backward, drawn upward (each module beside its forward), and update",
-            "update": "optimizer update",
             "tangent": "JVP tangents (forward mode)",
         }
 
     def _node(self, key: str, module: str, nid: str, **attrs: str) -> str:
+        if key == "u" and self.phase:
+            module = ""  # outside module clusters: a cluster stretched below a module's
+            # gradients would push the next module's backward sideways
         return self.cv.node(module, nid, phase=self.phase.get(key, ""), **attrs)
 
     # nodes -----------------------------------------------------------------------------------
@@ -598,9 +697,14 @@ class _OpPicture:
         self.roles.add(role)
         nid = f"{key}_{n.name}"
         self.pending[nid] = {
-            "key": key, "module": module, "source": n.meta.get(SOURCE),
-            "op": _op_short(n.target), "role": role, "shape": _shape_of(n.meta.get("val")),
-            "cost": cost, "tooltip": self._tooltip(n, role, cost),
+            "key": key,
+            "module": module,
+            "source": n.meta.get(SOURCE),
+            "op": _op_short(n.target),
+            "role": role,
+            "shape": _shape_of(n.meta.get("val")),
+            "cost": cost,
+            "tooltip": self._tooltip(n, role, cost),
         }
         self.ids[(key, n.name)] = nid
         return nid
@@ -612,38 +716,71 @@ class _OpPicture:
         if nid not in self.pending:
             kind = (self.a.summary or {}).get("loss") or "loss"
             op, shown = {
-                "f": (f"loss: {kind}", "loss"), "b": (f"∂ loss: {kind}", "loss"),
+                "f": (f"loss: {kind}", "loss"),
+                "b": (f"∂ loss: {kind}", "loss"),
                 "j": (f"loss: {kind}", "loss"),
             }[key]
             if tangent:
                 op, shown = f"tangent of loss: {kind}", "tangent_from_input"
-            self.pending[nid] = {"key": key, "module": "loss", "source": None, "op": op,
-                                 "role": shown, "ops": 0, "cost": ZERO_COST, "tooltip": ""}
+            self.pending[nid] = {
+                "key": key,
+                "module": "loss",
+                "source": None,
+                "op": op,
+                "role": shown,
+                "ops": 0,
+                "cost": ZERO_COST,
+                "tooltip": "",
+            }
             self.roles.add(shown)
         a = self.pending[nid]
         a["ops"] += 1
         a["cost"] = a["cost"] + cost
         a["shape"] = f"{a['ops']} ops (drawn as one node)"
-        a["tooltip"] = (f"{a['ops']} loss ops, {a['cost'].flops} FLOPs, "
-                        f"{a['cost'].bytes_read + a['cost'].bytes_written} bytes")
+        a["tooltip"] = (
+            f"{a['ops']} loss ops, {a['cost'].flops} FLOPs, "
+            f"{a['cost'].bytes_read + a['cost'].bytes_written} bytes"
+        )
         self.ids[(key, n.name)] = nid
         return nid
 
     def _tooltip(self, n, role: str, cost) -> str:
-        return (f"{n.name} = {n.format_node()}\nrole {role}, kind {n.meta.get(KIND)}, "
-                f"from {n.meta.get(SOURCE)} in {n.meta.get(MODULE) or '(model)'}\n"
-                f"{cost.flops} FLOPs ({cost.mm_flops} mm), read {cost.bytes_read} B, "
-                f"written {cost.bytes_written} B")
+        return (
+            f"{n.name} = {n.format_node()}\nrole {role}, kind {n.meta.get(KIND)}, "
+            f"from {n.meta.get(SOURCE)} in {n.meta.get(MODULE) or '(model)'}\n"
+            f"{cost.flops} FLOPs ({cost.mm_flops} mm), read {cost.bytes_read} B, "
+            f"written {cost.bytes_written} B"
+        )
 
-    def small_node(self, key: str, n, module: str, text: str, colour: str = PARAM_COLOUR,
-                   style: str = "rounded,filled", fill: str = "#FFFFFF",
-                   shape: str = "box") -> str:
+    def small_node(
+        self,
+        key: str,
+        n,
+        module: str,
+        text: str,
+        colour: str = PARAM_COLOUR,
+        style: str = "rounded,filled",
+        fill: str = "#FFFFFF",
+        shape: str = "box",
+    ) -> str:
         nid = f"{key}_{n.name}"
         v = n.meta.get("val")
         label = f"{text}\n{_shape_of(v)} · {human_bytes(_bytes_of(v))}"
-        self._node(key, module, nid, label=label, shape=shape, style=style, color=colour,
-                     fillcolor=fill, fontcolor="#333333", fontsize="8", margin="0.04,0.02",
-                     height="0.2", id=nid)
+        self._node(
+            key,
+            module,
+            nid,
+            label=label,
+            shape=shape,
+            style=style,
+            color=colour,
+            fillcolor=fill,
+            fontcolor="#333333",
+            fontsize="8",
+            margin="0.04,0.02",
+            height="0.2",
+            id=nid,
+        )
         self.ids[(key, n.name)] = nid
         return nid
 
@@ -651,20 +788,36 @@ class _OpPicture:
         nid = f"{key}_{g.name}"
         saved = f"{human(g.cost.flops)} FLOPs" if g.cost.flops else "0 FLOPs (view)"
         shape = "×".join(map(str, g.shape)) or "scalar"
-        label = (f'<<FONT COLOR="{GHOST_COLOUR}"><B>{_esc(word)}: {_esc(saved)}</B><BR/>'
-                 f"{_esc(_op_short(g.op))} → {_esc(shape)}<BR/>"
-                 f"<I>{_esc(g.role)} of {_esc(g.source)}</I></FONT>>")
-        self._node(key, g.module, nid, label=label, shape="box", style="dashed,rounded,filled",
-                     fillcolor="#FFFFFF", penwidth="1.6", fontsize="11", color=GHOST_COLOUR,
-                     fontcolor=GHOST_COLOUR, margin="0.08,0.04", id=nid,
-                     tooltip=f"{g.name}: {g.op} not emitted ({g.role}, {g.cost.flops} FLOPs, "
-                             f"{g.cost.bytes_read + g.cost.bytes_written} bytes)")
+        label = (
+            f'<<FONT COLOR="{GHOST_COLOUR}"><B>{_esc(word)}: {_esc(saved)}</B><BR/>'
+            f"{_esc(_op_short(g.op))} → {_esc(shape)}<BR/>"
+            f"<I>{_esc(g.role)} of {_esc(g.source)}</I></FONT>>"
+        )
+        self._node(
+            key,
+            g.module,
+            nid,
+            label=label,
+            shape="box",
+            style="dashed,rounded,filled",
+            **{"class": f"ghost role-{g.role}"},
+            fillcolor="#FFFFFF",
+            penwidth="1.6",
+            fontsize="11",
+            color=GHOST_COLOUR,
+            fontcolor=GHOST_COLOUR,
+            margin="0.08,0.04",
+            id=nid,
+            tooltip=f"{g.name}: {g.op} not emitted ({g.role}, {g.cost.flops} FLOPs, "
+            f"{g.cost.bytes_read + g.cost.bytes_written} bytes)",
+        )
         self.ids[(key, g.name)] = nid
         return nid
 
     # edges -----------------------------------------------------------------------------------
-    def data_edge(self, src: str, dst: str, nbytes: int, backward: bool = False,
-                  **attrs: str) -> None:
+    def data_edge(
+        self, src: str, dst: str, nbytes: int, backward: bool = False, **attrs: str
+    ) -> None:
         if backward and self.reversed_backward:
             attrs = {"dir": "back", **attrs}
             src, dst = dst, src
@@ -673,30 +826,42 @@ class _OpPicture:
     def residual_edge(self, src: str, dst: str, kind: str, nbytes: int, first: bool) -> None:
         """A backward node reading a forward value; ``first``: the first reader of it."""
         light = kind in ("param", "buffer", "param_derived")
-        r = self.residuals.setdefault((src, dst), {"light": light, "bytes": 0, "label": False})
+        r = self.residuals.setdefault(
+            (src, dst), {"light": light, "bytes": 0, "size": 0, "label": False}
+        )
         r["light"] = r["light"] and light
-        if first and not light:
-            r["bytes"] += nbytes
-            r["label"] = True
+        if not light:
+            r["size"] += nbytes  # what this edge carries
+            if first:  # each residual's bytes are printed once, on its first reader
+                r["bytes"] += nbytes
+                r["label"] = True
 
     def _emit_residuals(self) -> None:
         for (src, dst), r in self.residuals.items():
             if src == dst:
                 continue
             if r["light"]:
-                attrs = {"color": PARAM_COLOUR, "penwidth": "0.6", "style": "dotted",
-                         "arrowhead": "none"}
+                attrs = {
+                    "color": PARAM_COLOUR,
+                    "penwidth": "0.6",
+                    "style": "dotted",
+                    "arrowhead": "none",
+                }
             else:
                 self.has_residuals = True
-                nbytes = r["bytes"]
-                width = 1.0 + 0.3 * max(0.0, math.log2(max(nbytes, 1) / 4096))
-                attrs = {"color": RESIDUAL_COLOUR, "penwidth": f"{min(width, 3.5):.2f}",
-                         "fontcolor": RESIDUAL_COLOUR, "class": "residual",
-                         "tooltip": f"residual: {nbytes} bytes saved for backward"}
+                size = r["size"]
+                width = 1.0 + 0.3 * max(0.0, math.log2(max(size, 1) / 4096))
+                attrs = {
+                    "color": RESIDUAL_COLOUR,
+                    "penwidth": f"{min(width, 3.5):.2f}",
+                    "fontcolor": RESIDUAL_COLOUR,
+                    "class": "residual",
+                    "tooltip": f"residual: {size} bytes saved for backward",
+                }
                 if r["label"]:
-                    attrs["label"] = f"saved {human_bytes(nbytes)}"
+                    attrs["label"] = f"saved {human_bytes(r['bytes'])}"
             if self.reversed_backward:
-                attrs["constraint"] = "false"
+                attrs.update(LOOSE)
             self.cv.edge(src, dst, **attrs)
 
     # graphs ----------------------------------------------------------------------------------
@@ -719,11 +884,11 @@ class _OpPicture:
                     q = buffers[n.name]
                     self.small_node(key, n, q.rpartition(".")[0], f"buffer {q}")
                 elif n.name in targets:
-                    self.small_node(key, n, "loss", f"target {n.name}", shape="ellipse",
-                                    style="filled")
+                    self.small_node(
+                        key, n, "loss", f"target {n.name}", shape="ellipse", style="filled"
+                    )
                 elif n.name in inputs or _numel(n.meta.get("val")) > 1:
-                    self.small_node(key, n, "", f"input {n.name}", shape="ellipse",
-                                    style="filled")
+                    self.small_node(key, n, "", f"input {n.name}", shape="ellipse", style="filled")
             elif n.op == "call_function":
                 self.op_node(key, n)
         for n in gm.graph.nodes:
@@ -731,8 +896,11 @@ class _OpPicture:
                 continue
             for u in n.all_input_nodes:
                 if (key, u.name) in self.ids:
-                    self.data_edge(self.ids[(key, u.name)], self.ids[(key, n.name)],
-                                   _bytes_of(u.meta.get("val")))
+                    self.data_edge(
+                        self.ids[(key, u.name)],
+                        self.ids[(key, n.name)],
+                        _bytes_of(u.meta.get("val")),
+                    )
 
     def backward(self, key: str = "b") -> None:
         gm = self.a.backward
@@ -746,11 +914,13 @@ class _OpPicture:
             src = n.meta.get(SOURCE, n.name)
             nbytes = _bytes_of(n.meta.get("val"))
             if kind is None:  # the loss cotangent
-                nid = self.small_node(key, n, "loss", "∂loss = 1 (seed)",
-                                      colour=ROLE_COLOURS["loss"])
+                nid = self.small_node(
+                    key, n, "loss", "∂loss = 1 (seed)", colour=ROLE_COLOURS["loss"]
+                )
                 if train and sig is not None and sig.loss and ("f", sig.loss) in self.ids:
-                    self.cv.edge(self.ids[("f", sig.loss)], nid, color=ROLE_COLOURS["loss"],
-                                 penwidth="1.5")
+                    self.cv.edge(
+                        self.ids[("f", sig.loss)], nid, color=ROLE_COLOURS["loss"], penwidth="1.5"
+                    )
                 continue
             if train and ("f", src) in self.ids:
                 residual[n.name] = (self.ids[("f", src)], kind, nbytes)
@@ -761,8 +931,14 @@ class _OpPicture:
                 text = f"param {n.meta[PARAM]}"
                 rid = self.small_node(key, n, module, text)
             else:
-                rid = self.small_node(key, n, module, f"saved {src}", colour=RESIDUAL_COLOUR,
-                                      style="rounded,filled,bold")
+                rid = self.small_node(
+                    key,
+                    n,
+                    module,
+                    f"saved {src}",
+                    colour=RESIDUAL_COLOUR,
+                    style="rounded,filled,bold",
+                )
             residual[n.name] = (rid, kind, nbytes)
             self.ids.pop((key, n.name))
         for n in gm.graph.nodes:
@@ -779,8 +955,9 @@ class _OpPicture:
                     self.residual_edge(rid, me, kind, nbytes, u.name not in labelled)
                     labelled.add(u.name)
                 elif (key, u.name) in self.ids:
-                    self.data_edge(self.ids[(key, u.name)], me, _bytes_of(u.meta.get("val")),
-                                   backward=True)
+                    self.data_edge(
+                        self.ids[(key, u.name)], me, _bytes_of(u.meta.get("val")), backward=True
+                    )
         self.ghosts(key, gm, "pruned", residual)
 
     def ghosts(self, key: str, gm, word: str, residual: dict | None = None) -> None:
@@ -802,7 +979,7 @@ class _OpPicture:
                     rid = residual[name][0]
                     attrs = dict(dashed)
                     if self.reversed_backward and backward:
-                        attrs["constraint"] = "false"
+                        attrs.update(LOOSE)
                     self.cv.edge(rid, me, **attrs)
                 elif name in names or (key, name) in self.ids:
                     self.data_edge(self.ids[(key, name)], me, 0, backward=backward, **dashed)
@@ -813,16 +990,31 @@ class _OpPicture:
                 else:  # an unrecorded ghost in the JVP: a tangent that is zero
                     if name not in zero_ids:
                         zid = f"{key}_{name}"
-                        self._node(key, g.module, zid, label="0 (tangent not chosen)",
-                                     shape="box", style="dashed,rounded", color=GHOST_COLOUR,
-                                     fontcolor=GHOST_COLOUR, fontsize="8", id=zid,
-                                     margin="0.04,0.02")
+                        self._node(
+                            key,
+                            g.module,
+                            zid,
+                            label="0 (tangent not chosen)",
+                            shape="box",
+                            style="dashed,rounded",
+                            color=GHOST_COLOUR,
+                            fontcolor=GHOST_COLOUR,
+                            fontsize="8",
+                            id=zid,
+                            margin="0.04,0.02",
+                        )
                         zero_ids[name] = zid
                     self.cv.edge(zero_ids[name], me, **dashed)
             if g.source and (self.graph in ("train", "all")) and ("f", g.source) in self.ids:
                 # in the combined pictures: link the ghost to the forward node it came from
-                self.cv.edge(self.ids[("f", g.source)], me, style="dotted", color=GHOST_COLOUR,
-                             constraint="false", arrowhead="none")
+                self.cv.edge(
+                    self.ids[("f", g.source)],
+                    me,
+                    style="dotted",
+                    color=GHOST_COLOUR,
+                    arrowhead="none",
+                    **LOOSE,
+                )
         links = gm.meta.get("gf_ghost_links") or {}
         for real, gs in links.items():
             rname = getattr(real, "name", None)
@@ -831,8 +1023,13 @@ class _OpPicture:
             for gv in gs:
                 gname = getattr(gv, "name", None)
                 if (key, gname) in self.ids:
-                    self.cv.edge(self.ids[(key, gname)], self.ids[(key, rname)],
-                                 label="dropped from sum", fontcolor=GHOST_COLOUR, **dashed)
+                    self.cv.edge(
+                        self.ids[(key, gname)],
+                        self.ids[(key, rname)],
+                        label="dropped from sum",
+                        fontcolor=GHOST_COLOUR,
+                        **dashed,
+                    )
 
     def update(self, key: str = "u") -> None:
         gm = self.a.update
@@ -858,8 +1055,9 @@ class _OpPicture:
                 continue
             if n.name in states:
                 state = n.name.removesuffix("_" + _id(q))
-                nid = self.small_node(key, n, q.rpartition(".")[0], f"{state} of {q}",
-                                      colour=ROLE_COLOURS["update"])
+                nid = self.small_node(
+                    key, n, q.rpartition(".")[0], f"{state} of {q}", colour=ROLE_COLOURS["update"]
+                )
                 src[n.name] = (nid, "state")
             elif i < n_params and fparams.get(q):
                 src[n.name] = (fparams[q], "param")
@@ -879,11 +1077,16 @@ class _OpPicture:
                 if u.name in src:
                     sid, kind = src[u.name]
                     if kind == "param":
-                        self.cv.edge(sid, me, color=PARAM_COLOUR, style="dotted",
-                                     penwidth="0.6", constraint="false")
+                        self.cv.edge(
+                            sid, me, color=PARAM_COLOUR, style="dotted", penwidth="0.6", **LOOSE
+                        )
                     else:
-                        self.data_edge(sid, me, _bytes_of(u.meta.get("val")),
-                                       color=ROLE_COLOURS["update"] if kind == "grad" else "")
+                        self.data_edge(
+                            sid,
+                            me,
+                            _bytes_of(u.meta.get("val")),
+                            color=ROLE_COLOURS["update"] if kind == "grad" else "",
+                        )
                 elif (key, u.name) in self.ids:
                     self.data_edge(self.ids[(key, u.name)], me, _bytes_of(u.meta.get("val")))
 
@@ -915,8 +1118,9 @@ class _OpPicture:
                     continue
                 sid = self.ids[(key, u.name)]
                 if sid.startswith("f_"):  # a primal read: the forward value itself
-                    self.cv.edge(sid, me, color=PARAM_COLOUR, style="dotted", penwidth="0.6",
-                                 constraint="false")
+                    self.cv.edge(
+                        sid, me, color=PARAM_COLOUR, style="dotted", penwidth="0.6", **LOOSE
+                    )
                 else:
                     self.data_edge(sid, me, _bytes_of(u.meta.get("val")))
         self.ghosts(key, gm, "skipped")
@@ -930,11 +1134,20 @@ class _OpPicture:
         self.roles.add(role)
         q = n.meta.get(PARAM)
         c = ROLE_COLOURS.get(role, "#000000")
-        self.small_node(key, n, self._ph_module(n), f"tangent of {q or n.name}", colour=c,
-                        style="rounded,filled,bold")
+        self.small_node(
+            key,
+            n,
+            self._ph_module(n),
+            f"tangent of {q or n.name}",
+            colour=c,
+            style="rounded,filled,bold",
+        )
 
     # assembling ------------------------------------------------------------------------------
-    def build(self, aligned: bool = False) -> graphviz.Digraph:
+    def build(
+        self, aligned: bool = False, clusters: bool = True, newrank: bool = False
+    ) -> graphviz.Digraph:
+        self.clusters = clusters
         g = self.graph
         if g in ("forward", "train", "all"):
             self.forward()
@@ -973,9 +1186,15 @@ class _OpPicture:
                 label += f" · {_time(self.profile[path])}"
             self.cv.cluster_label[path] = label
         roles = [r for r in ROLE_COLOURS if r in self.roles]
-        legend = _legend_label(scale, "FLOPs per node", roles,
-                               _legend_extras(self.ghost_words, self.has_residuals, True))
-        return self.cv.build(_title(self.a, self.graph, "op"), legend, newrank=aligned)
+        legend = _legend_label(
+            scale,
+            "FLOPs per node",
+            roles,
+            _legend_extras(self.ghost_words, self.has_residuals, True),
+        )
+        return self.cv.build(
+            _title(self.a, self.graph, "op"), legend, newrank=newrank, clusters=clusters
+        )
 
     def _align(self) -> None:
         """Pull each forward op onto the rank of the largest backward (and tangent) node derived
@@ -1003,18 +1222,30 @@ class _OpPicture:
         rc = ROLE_COLOURS.get(a["role"], "#000000")
         fill = scale.colour(cost.flops)
         fc = _text_on(fill)
-        rows = [f'<TR><TD BGCOLOR="{rc}"><FONT COLOR="{_text_on(rc)}"><B>{_esc(a["op"])}'
-                f"</B></FONT></TD></TR>",
-                f'<TR><TD><FONT COLOR="{fc}" POINT-SIZE="9">{_esc(a["shape"])}</FONT></TD></TR>']
+        where = "" if self.clusters or not a["module"] else f" · {a['module']}"
+        rows = [
+            f'<TR><TD BGCOLOR="{rc}"><FONT COLOR="{_text_on(rc)}"><B>{_esc(a["op"])}'
+            f"</B>{_esc(where)}</FONT></TD></TR>",
+            f'<TR><TD><FONT COLOR="{fc}" POINT-SIZE="9">{_esc(a["shape"])}</FONT></TD></TR>',
+        ]
         if cost.flops or cost.bytes_written:
             fl = f"{human(cost.flops)} FLOPs" if cost.flops else "0 FLOPs"
-            rows.append(f'<TR><TD><FONT COLOR="{fc}" POINT-SIZE="9">{_esc(fl)} · '
-                        f"{_esc(human_bytes(cost.bytes_read + cost.bytes_written))}"
-                        "</FONT></TD></TR>")
-        label = (f'<<TABLE BORDER="2" CELLBORDER="0" CELLSPACING="0" CELLPADDING="2" '
-                 f'COLOR="{rc}" BGCOLOR="{fill}">{"".join(rows)}</TABLE>>')
-        return {"label": label, "shape": "plain", "id": nid, "tooltip": a["tooltip"],
-                "class": f"role-{a['role']}"}
+            rows.append(
+                f'<TR><TD><FONT COLOR="{fc}" POINT-SIZE="9">{_esc(fl)} · '
+                f"{_esc(human_bytes(cost.bytes_read + cost.bytes_written))}"
+                "</FONT></TD></TR>"
+            )
+        label = (
+            f'<<TABLE BORDER="2" CELLBORDER="0" CELLSPACING="0" CELLPADDING="2" '
+            f'COLOR="{rc}" BGCOLOR="{fill}">{"".join(rows)}</TABLE>>'
+        )
+        return {
+            "label": label,
+            "shape": "plain",
+            "id": nid,
+            "tooltip": a["tooltip"],
+            "class": f"role-{a['role']}",
+        }
 
 
 def _prefixes(path: str) -> list[str]:
@@ -1068,12 +1299,17 @@ class _ModulePicture:
         return total + (L.get("jvp_flops", 0) if self.graph == "all" else 0)
 
     def _what(self) -> str:
-        return {"forward": "forward FLOPs", "backward": "backward FLOPs",
-                "jvp": "primal + tangent FLOPs", "train": "forward + backward + update FLOPs",
-                "all": "forward + backward + update + JVP FLOPs"}[self.graph]
+        return {
+            "forward": "forward FLOPs",
+            "backward": "backward FLOPs",
+            "jvp": "primal + tangent FLOPs",
+            "train": "forward + backward + update FLOPs",
+            "all": "forward + backward + update + JVP FLOPs",
+        }[self.graph]
 
-    def build(self) -> graphviz.Digraph:
+    def build(self, clusters: bool = True, newrank: bool = False) -> graphviz.Digraph:
         a = self.a
+        self.clusters = clusters
         layers = self._layers()
         fwd = a.forward
         types = _module_types(fwd)
@@ -1099,13 +1335,17 @@ class _ModulePicture:
         own_ops = self._own_ops(parents)
         for m in order:
             L = layers.get(m, {"forward_flops": 0})
-            self.cv.node(cl_of[m], nid[m], **self._box(m, L, types, saved.get(m, 0), scale,
-                                                       own_ops.get(m)))
+            self.cv.node(
+                cl_of[m], nid[m], **self._box(m, L, types, saved.get(m, 0), scale, own_ops.get(m))
+            )
             if row_layout and cl_of[m]:
                 self.cv.rows.add(cl_of[m])
         # ghosts: pruned (backward) and skipped (JVP) work per module
         words = []
-        for gm, word, show in ((a.backward, "pruned", self.show_b), (a.jvp, "skipped", self.show_j)):
+        for gm, word, show in (
+            (a.backward, "pruned", self.show_b),
+            (a.jvp, "skipped", self.show_j),
+        ):
             if gm is None or not show:
                 continue
             per: dict[tuple[str, str], int] = defaultdict(int)
@@ -1118,9 +1358,18 @@ class _ModulePicture:
                     words.append(word)
                 gid = f"ghost_{word}_{_id(m) or 'model'}_{role}"
                 cl = cl_of[m]
-                self.cv.node(cl, gid, id=gid, shape="box", style="dashed,rounded",
-                             color=GHOST_COLOUR, fontcolor=GHOST_COLOUR, fontsize="9",
-                             label=f"{word}: {human(flops)} FLOPs\n{role} of {m or '(model)'}")
+                self.cv.node(
+                    cl,
+                    gid,
+                    id=gid,
+                    shape="box",
+                    style="dashed,rounded",
+                    **{"class": f"ghost role-{role}"},
+                    color=GHOST_COLOUR,
+                    fontcolor=GHOST_COLOUR,
+                    fontsize="9",
+                    label=f"{word}: {human(flops)} FLOPs\n{role} of {m or '(model)'}",
+                )
                 self.cv.edge(nid[m], gid, style="dashed", color=GHOST_COLOUR, arrowhead="none")
         # inputs and forward data flow between modules
         sig = fwd.meta.get(SIGNATURE)
@@ -1130,9 +1379,17 @@ class _ModulePicture:
             if n.op == "placeholder" and n.name in inputs:
                 iid = f"in_{_id(n.name)}"
                 v = n.meta.get("val")
-                self.cv.node("", iid, label=f"input {n.name}\n{_shape_of(v)} · "
-                             f"{human_bytes(_bytes_of(v))}", shape="ellipse", style="filled",
-                             fillcolor="#FFFFFF", color=PARAM_COLOUR, fontsize="9", id=iid)
+                self.cv.node(
+                    "",
+                    iid,
+                    label=f"input {n.name}\n{_shape_of(v)} · {human_bytes(_bytes_of(v))}",
+                    shape="ellipse",
+                    style="filled",
+                    fillcolor="#FFFFFF",
+                    color=PARAM_COLOUR,
+                    fontsize="9",
+                    id=iid,
+                )
                 mod_of[n.name] = iid
             elif n.op == "call_function":
                 mod_of[n.name] = nid[n.meta.get(MODULE, "")]
@@ -1174,11 +1431,21 @@ class _ModulePicture:
         if self.show_j:
             roles += ["tangent_from_input", "tangent_from_param"]
         extras = _legend_extras(words, False, False)
-        extras.append("box rows: FLOPs per phase, (bwd+upd)/fwd, bytes saved for backward"
-                      + (", measured time" if self.profile else ""))
+        rows = ["FLOPs per phase"]
+        if self.show_b:
+            rows += [
+                "(bwd+upd)/fwd" if self.show_u else "bwd/fwd",
+                "bytes saved for backward (wine)",
+            ]
+        if self.show_j:
+            rows.append("jvp/fwd")
+        if self.profile:
+            rows.append("measured time")
+        extras.append("box rows: " + ", ".join(rows))
         legend = _legend_label(scale, self._what(), roles, extras)
-        dg = self.cv.build(_title(a, self.graph, "module"), legend)
-        return dg
+        return self.cv.build(
+            _title(a, self.graph, "module"), legend, newrank=newrank, clusters=clusters
+        )
 
     def _saved_bytes(self) -> dict[str, int]:
         """Module → bytes of its forward values (activations, inputs) the backward reads."""
@@ -1200,28 +1467,44 @@ class _ModulePicture:
                 name = _op_short(n.target)
                 if name not in ops[m] and name not in ("getitem", "view", "reshape"):
                     ops[m].append(name)
-        return {m: ", ".join(v[:3]) + (", …" if len(v) > 3 else "") or "own ops"
-                for m, v in ops.items()} | {m: "own ops" for m in parents if m not in ops}
+        return {
+            m: ", ".join(v[:3]) + (", …" if len(v) > 3 else "") or "own ops" for m, v in ops.items()
+        } | {m: "own ops" for m in parents if m not in ops}
 
-    def _box(self, m: str, L: dict[str, Any], types: dict[str, str], saved: int,
-             scale: _FlopScale, own_ops: str | None) -> dict[str, str]:
+    def _box(
+        self,
+        m: str,
+        L: dict[str, Any],
+        types: dict[str, str],
+        saved: int,
+        scale: _FlopScale,
+        own_ops: str | None,
+    ) -> dict[str, str]:
         flops = self._box_flops(L)
         fill = scale.colour(flops)
         fc = _text_on(fill)
         short = m.rpartition(".")[2] if m not in ("", "loss") else (m or "(model)")
+        if not self.clusters:
+            short = m or "(model)"
         if own_ops:
             short = f"{m} ({own_ops})"
         typ = types.get(m, "") if m not in ("", "loss") and not own_ops else ""
-        head = f"<B>{_esc(short)}</B>" + (f" <FONT POINT-SIZE=\"8\">{_esc(typ)}</FONT>"
-                                          if typ else "")
+        head = f"<B>{_esc(short)}</B>" + (
+            f' <FONT POINT-SIZE="8">{_esc(typ)}</FONT>' if typ else ""
+        )
         cells: list[tuple[str | None, str, str]] = []  # (swatch colour, key, value)
         cells.append((ROLE_COLOURS["forward"], "fwd", human(L.get("forward_flops", 0))))
         if self.show_b:
-            cells.append((ROLE_COLOURS["grad_input"], "bwd∂x", human(L.get("grad_input_flops", 0)
-                                                                    + L.get("grad_accum_flops",
-                                                                            0))))
-            cells.append((ROLE_COLOURS["grad_weight"], "bwd∂W",
-                          human(L.get("grad_weight_flops", 0))))
+            cells.append(
+                (
+                    ROLE_COLOURS["grad_input"],
+                    "bwd∂x",
+                    human(L.get("grad_input_flops", 0) + L.get("grad_accum_flops", 0)),
+                )
+            )
+            cells.append(
+                (ROLE_COLOURS["grad_weight"], "bwd∂W", human(L.get("grad_weight_flops", 0)))
+            )
         if self.show_u:
             cells.append((ROLE_COLOURS["update"], "upd", human(L.get("update_flops", 0))))
         if self.show_b:
@@ -1240,17 +1523,26 @@ class _ModulePicture:
         for i in range(0, len(cells), 2):
             tds = []
             for sw, k, v in cells[i : i + 2]:
-                swatch = (f'<TD BGCOLOR="{sw}" WIDTH="4" FIXEDSIZE="FALSE"></TD>' if sw
-                          else "<TD WIDTH=\"4\"></TD>")
-                tds.append(f'{swatch}<TD ALIGN="LEFT"><FONT POINT-SIZE="8">{_esc(k)}</FONT></TD>'
-                           f'<TD ALIGN="RIGHT">{_esc(v)}</TD>')
+                swatch = (
+                    f'<TD BGCOLOR="{sw}" WIDTH="4" FIXEDSIZE="FALSE"></TD>'
+                    if sw
+                    else '<TD WIDTH="4"></TD>'
+                )
+                tds.append(
+                    f'{swatch}<TD ALIGN="LEFT"><FONT POINT-SIZE="8">{_esc(k)}</FONT></TD>'
+                    f'<TD ALIGN="RIGHT">{_esc(v)}</TD>'
+                )
             if len(tds) == 1:
                 tds.append('<TD COLSPAN="3"></TD>')
             rows.append(f"<TR>{''.join(tds)}</TR>")
-        label = ('<<TABLE BORDER="1" CELLBORDER="0" CELLSPACING="0" CELLPADDING="1" '
-                 f'COLOR="#444444" BGCOLOR="#FFFFFF">{"".join(rows)}</TABLE>>')
-        tip = (f"{m or '(model)'}: forward {L.get('forward_flops', 0)} FLOPs, backward "
-               f"{L.get('backward_flops', 0)}, update {L.get('update_flops', 0)}, jvp "
-               f"{L.get('jvp_flops', 0)}, saved {saved} B")
+        label = (
+            '<<TABLE BORDER="1" CELLBORDER="0" CELLSPACING="0" CELLPADDING="1" '
+            f'COLOR="#444444" BGCOLOR="#FFFFFF">{"".join(rows)}</TABLE>>'
+        )
+        tip = (
+            f"{m or '(model)'}: forward {L.get('forward_flops', 0)} FLOPs, backward "
+            f"{L.get('backward_flops', 0)}, update {L.get('update_flops', 0)}, jvp "
+            f"{L.get('jvp_flops', 0)}, saved {saved} B"
+        )
         nid = f"m_{_id(m) or 'model'}"
         return {"label": label, "shape": "plain", "id": nid, "tooltip": tip}

@@ -114,8 +114,10 @@ def export_graph(gm: GraphModule, name: str, input_names: list[str],
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            # optimize=False: the exporter's rewriter folds Adam's "+ 1e-8" away (0/0 = NaN
+            # where a gradient is exactly 0); ONNX Runtime optimises the graph itself anyway
             prog = torch.onnx.export(gm, _meta_args(gm), dynamo=True, verbose=False,
-                                     optimize=True)
+                                     optimize=False)
     except Exception as e:
         bad = unexportable_node(gm)
         if bad is not None:
@@ -201,7 +203,8 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
     n_out = len(out_node.args[0])
     if kind == "forward":
         bufs = [f"new.{q}" for _, q in sig.buffer_updates]
-        outs = bufs + ["loss"] + [f"output_{i}" for i in range(n_out - len(bufs) - 1)]
+        loss = ["loss"] if sig.loss is not None else []
+        outs = bufs + loss + [f"output_{i}" for i in range(n_out - len(bufs) - len(loss))]
     elif kind == "backward":
         info = gm.meta["gf_vjp"]
         outs = [None] * n_out
@@ -222,9 +225,16 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
         outs = (["loss"] + [f"new.{q}" for q in info.params]
                 + [f"new.{state_label[s]}" for s in info.state]
                 + [f"directional_derivative_{k}" for k in range(info.directions)])
-        ins = [f"direction.{qual.get(n.name[len(n.name.split('_', 1)[0]) + 1:], n.name)}"
-               if n.meta.get(KIND) == "direction" else in_name(n) for n in phs]
+        ins = [_direction_name(n.name, qual) if n.meta.get(KIND) == "direction" else in_name(n)
+               for n in phs]
     return _unique(ins), _unique(outs)
+
+
+def _direction_name(placeholder: str, qual: dict[str, str]) -> str:
+    """``v0_<param placeholder>`` → ``direction.<param>``; ``v3_…`` → ``direction3.<param>``."""
+    k, _, p = placeholder.partition("_")
+    k = int(k[1:])
+    return f"direction{k if k else ''}.{qual.get(p, p)}"
 
 
 def _unique(names: list[str]) -> list[str]:
@@ -241,8 +251,12 @@ def _unique(names: list[str]) -> list[str]:
 
 
 def export_all(analysis, out_dir: str | Path, *, graphs: tuple[str, ...] = (
-        "forward", "backward", "train_step", "forward_gradient_step")) -> dict[str, Any]:
+        "forward", "backward", "train_step", "forward_gradient_step"), directions: int = 1,
+        distribution: str = "normal") -> dict[str, Any]:
     """Export ``analysis``'s graphs into ``out_dir`` (created) with ``manifest.json``.
+
+    The forward-gradient step takes its ``directions`` as inputs (``direction.<param>``, and
+    ``direction<k>.<param>`` for k ≥ 1).
 
     Returns the manifest. Raises :class:`OnnxExportError`; on failure nothing is written.
     """
@@ -260,7 +274,8 @@ def export_all(analysis, out_dir: str | Path, *, graphs: tuple[str, ...] = (
     if analysis.jvp is not None and "forward_gradient_step" in graphs:
         opt = analysis.summary.get("optimizer") or "sgd"
         gms["forward_gradient_step"] = annotate_flops(build_forward_gradient_step(
-            analysis.forward, opt, direction_inputs=True))
+            analysis.forward, opt, directions=directions, distribution=distribution,
+            direction_inputs=True))
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".graphflop-export-", dir=out_dir.parent))

@@ -5,6 +5,7 @@ from graphflop.ops import (  # noqa: F401  (imported for their registrations)
     conv,
     creation,
     elementwise,
+    embedding,
     linalg,
     norm,
     pool,

@@ -5,7 +5,9 @@ Cost (FLOPS.md): a convolution N×Cin×S → N×Cout×O with kernel k and G grou
 2·N·Cin·∏S·(Cout/G)·∏k. The JVP is bilinear in input and weight, linear in the bias. The
 transposes are convolutions again, so backward graphs export to ONNX: the input cotangent is a
 transposed convolution, the weight cotangent a grouped convolution with batch and channels
-swapped (its cost keeps the 1/G factor).
+swapped (its cost keeps the 1/G factor). For a transposed convolution the roles swap: its input
+cotangent is a convolution with the same weight, its weight cotangent the weight gradient of that
+convolution; both cost what the forward costs.
 """
 
 from __future__ import annotations
@@ -144,14 +146,24 @@ def _weight_grad(b, x, ct, w_shape, stride, padding, dilation, groups):
 @def_transpose(aten.convolution.default)
 def _transpose_conv(b, ct, args, kwargs, linear):
     x, w, bias, stride, padding, dilation, transposed, output_padding, groups = _conv_args(args)
-    if transposed:
-        raise NotImplementedError(
-            "transpose rule for transposed convolutions: add it in graphflop/ops/conv.py"
-        )
     if linear[2]:
         raise ValueError("convolution tangents carry the bias as a separate add")
     cts = [None] * 9
     xs, ws, cs = shape(x), shape(w), shape(ct)
+    if transposed:
+        # y = conv_transpose(x, W) is the input-gradient map of conv(·, W), so
+        # <ct, y> = <conv(ct, W), x>: the input cotangent is that convolution (its output has
+        # x's spatial size because output_padding < stride), the weight cotangent the weight
+        # gradient of a convolution with input ct and output-gradient x (the crop in
+        # _weight_grad drops the output_padding rows no input position reaches).
+        if linear[0]:
+            cts[0] = b.call(
+                aten.convolution.default, ct, w, None, stride, padding, dilation, False,
+                [0] * len(stride), groups,
+            )
+        if linear[1]:
+            cts[1] = _weight_grad(b, ct, x, ws, stride, padding, dilation, groups)
+        return cts
     if linear[0]:
         op = _output_padding(xs[2:], cs[2:], ws[2:], stride, padding, dilation)
         cts[0] = b.call(

@@ -377,3 +377,106 @@ def _jvp_where_ss(b, out, args, tangents, kwargs):
 @def_transpose(aten.where.ScalarSelf)
 def _transpose_where_ss(b, ct, args, kwargs, linear):
     return [None, None, b.sum_to(b.call(aten.where.ScalarSelf, args[0], 0.0, ct), shape(args[2]))]
+
+
+# --- leaky ReLU, clamp, pow with tensor exponents, integer helpers ------------------------------
+
+register(aten.leaky_relu.default, F, _one)
+
+
+@def_jvp(aten.leaky_relu.default)
+def _jvp_leaky_relu(b, out, args, tangents, kwargs):
+    """d leaky_relu(x) = dx · (1 if x > 0 else slope); the coefficient is
+    ``(x > 0)·(1 − slope) + slope``."""
+    slope = args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01)
+    mask = b.call(aten.gt.Scalar, args[0], 0)
+    coef = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, mask, 1.0 - slope), slope)
+    return _scale(b, tangents[0], coef)
+
+
+def _clamp_bounds(args, kwargs):
+    lo = args[1] if len(args) > 1 else kwargs.get("min")
+    hi = args[2] if len(args) > 2 else kwargs.get("max")
+    return lo, hi
+
+
+def _clamp_tangent(b, t, x, lo, hi):
+    """dx where lo ≤ x ≤ hi, 0 outside (PyTorch's convention at the bounds)."""
+    mask = None
+    if lo is not None:
+        mask = b.call(aten.ge.Scalar, x, lo)
+    if hi is not None:
+        upper = b.call(aten.le.Scalar, x, hi)
+        mask = upper if mask is None else b.call(aten.logical_and.default, mask, upper)
+    return t if mask is None else _scale(b, t, mask)
+
+
+@def_jvp(aten.clamp.default)
+def _jvp_clamp(b, out, args, tangents, kwargs):
+    lo, hi = _clamp_bounds(args, kwargs)
+    return _clamp_tangent(b, tangents[0], args[0], lo, hi)
+
+
+@def_jvp(aten.pow.Tensor_Tensor)
+def _jvp_pow_tensor(b, out, args, tangents, kwargs):
+    """d(xʸ) = dx · y·x^(y−1) + dy · xʸ·log x."""
+    x, y = args
+    tx, ty = tangents
+    t1 = t2 = None
+    if tx is not None:
+        coef = b.call(aten.mul.Tensor, y, b.call(aten.pow.Tensor_Tensor, x,
+                                                 b.call(aten.sub.Tensor, y, 1)))
+        t1 = b.call(aten.mul.Tensor, tx, coef)
+    if ty is not None:
+        t2 = b.call(aten.mul.Tensor, ty, b.call(aten.mul.Tensor, out,
+                                                b.call(aten.log.default, x)))
+    return _fit(b, b.add(t1, t2), out)
+
+
+@def_jvp(aten.pow.Scalar)
+def _jvp_pow_scalar_base(b, out, args, tangents, kwargs):
+    """d(sˣ) = dx · sˣ·log s."""
+    import math
+
+    return _scale(b, tangents[1], b.call(aten.mul.Tensor, out, math.log(args[0])))
+
+
+# integer bookkeeping in decompositions (torch.roll, adaptive pooling): 1 FLOP per element
+for _op in (aten.fmod.Scalar, aten.remainder.Scalar, aten.div.Tensor_mode, aten.floor.default,
+            aten.ceil.default, aten.round.default, aten.trunc.default, aten.logical_or.default,
+            aten.bitwise_and.Tensor, aten.bitwise_or.Tensor):
+    register(_op, F, _one)
+# rounding is piecewise constant; fmod/remainder by a constant shift their argument
+for _op in (aten.floor.default, aten.ceil.default, aten.round.default,
+            aten.trunc.default, aten.logical_or.default, aten.bitwise_and.Tensor,
+            aten.bitwise_or.Tensor):
+    def_zero(_op)
+
+
+def _jvp_shift(b, out, args, tangents, kwargs):
+    """``fmod(x, c)`` and ``remainder(x, c)`` for a constant ``c`` are ``x`` minus a piecewise
+    constant: the tangent passes through."""
+    return tangents[0]
+
+
+def_jvp(aten.fmod.Scalar)(_jvp_shift)
+def_jvp(aten.remainder.Scalar)(_jvp_shift)
+
+
+@def_jvp(aten.div.Tensor_mode)
+def _jvp_div_mode(b, out, args, tangents, kwargs):
+    """Floor and truncating division are piecewise constant (zero tangent); without a rounding
+    mode it is ``div``."""
+    if kwargs.get("rounding_mode", args[2] if len(args) > 2 else None) is not None:
+        return None
+    return _jvp_div(b, out, args[:2], tangents[:2], {})
+
+
+@def_jvp(aten.log1p.default)
+def _jvp_log1p(b, out, args, tangents, kwargs):
+    return b.call(aten.div.Tensor, tangents[0], b.call(aten.add.Tensor, args[0], 1))
+
+
+@def_jvp(aten.expm1.default)
+def _jvp_expm1(b, out, args, tangents, kwargs):
+    return _scale(b, tangents[0], b.call(aten.add.Tensor, out, 1))

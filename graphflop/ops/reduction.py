@@ -1,6 +1,8 @@
-"""Reductions: sum, mean, amax/amin, var_mean. 1 FLOP per input element; mean adds 1 per output
-element (FLOPS.md). ``var_mean`` is counted as a mean plus a variance: 2 per input element and 2
-per output element (the two divides).
+"""Reductions: sum, mean, amax/amin, max/min along a dim, argmax/argmin, any/all, var,
+var_mean, cumsum. 1 FLOP per input element; mean adds 1 per output element (FLOPS.md).
+``var_mean`` is counted as a mean plus a variance: 2 per input element and 2 per output element
+(the two divides). ``cumsum`` is 1 per input element; its transpose is a reversed cumsum (flip,
+cumsum, flip).
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ import math
 import torch
 
 from graphflop.meta import NodeCost
+from graphflop.ops._common import dtype as dtype_of
 from graphflop.ops._common import norm_dims, numel, per_input, shape
-from graphflop.ops.registry import def_jvp, def_transpose, register
+from graphflop.ops.registry import def_jvp, def_transpose, def_zero, register
 
 aten = torch.ops.aten
 F = "reduction"
@@ -134,3 +137,66 @@ def _jvp_var_mean(b, out, args, tangents, kwargs):
     t_var = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, tx, coef), dims, keepdim)
     t_mean = b.call(aten.mean.dim, tx, dims, keepdim)
     return (t_var, t_mean)
+
+
+@def_jvp(aten.var.correction)
+def _jvp_var(b, out, args, tangents, kwargs):
+    """var' = sum(dx · 2 (x − mean) / (n − correction)) over the reduced dims."""
+    x = args[0]
+    xs = shape(x)
+    dims = norm_dims(args[1] if len(args) > 1 else kwargs.get("dim"), len(xs))
+    keepdim = bool(kwargs.get("keepdim", False))
+    correction = kwargs.get("correction", 1)
+    correction = 1 if correction is None else correction
+    n = _count(xs, dims)
+    mean = b.call(aten.mean.dim, x, dims, True)
+    coef = b.call(aten.mul.Tensor, b.call(aten.sub.Tensor, x, mean), 2.0 / max(n - correction, 1))
+    return b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, tangents[0], coef), dims, keepdim)
+
+
+# --- max/min along a dim (values and indices), argmax/argmin, any/all ---------------------------
+
+for _op in (aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default,
+            aten.any.dim, aten.any.dims, aten.any.default, aten.all.dim, aten.all.default):
+    register(_op, F, per_input(1))
+for _op in (aten.argmax.default, aten.argmin.default, aten.any.dim, aten.any.dims,
+            aten.any.default, aten.all.dim, aten.all.default):
+    def_zero(_op)
+
+
+def _jvp_max_min_dim(b, out, args, tangents, kwargs):
+    """The tangent of the values is the input tangent gathered at the returned indices (the
+    first extremum, as PyTorch's derivative); gather transposes to scatter_add."""
+    x = args[0]
+    dim = (args[1] if len(args) > 1 else kwargs["dim"]) % max(len(shape(x)), 1)
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    idx = b.getitem(out, 1)
+    if not keepdim:
+        idx = b.call(aten.unsqueeze.default, idx, dim)
+    t = b.call(aten.gather.default, tangents[0], dim, idx)
+    if not keepdim:
+        t = b.call(aten.squeeze.dims, t, [dim])
+    return (t, None)
+
+
+def_jvp(aten.max.dim)(_jvp_max_min_dim)
+def_jvp(aten.min.dim)(_jvp_max_min_dim)
+
+
+# --- cumulative sum: linear; its transpose is a reversed cumulative sum --------------------------
+
+
+@def_jvp(aten.cumsum.default)
+def _jvp_cumsum(b, out, args, tangents, kwargs):
+    return b.call(aten.cumsum.default, tangents[0], *args[1:], **kwargs)
+
+
+@def_transpose(aten.cumsum.default)
+def _transpose_cumsum(b, ct, args, kwargs, linear):
+    """x̄ᵢ = Σ_{j ≥ i} ct_j: flip, cumsum, flip back along the dim."""
+    dim = args[1] if len(args) > 1 else kwargs["dim"]
+    rev = b.call(aten.flip.default, ct, [dim])
+    out = b.call(aten.flip.default, b.call(aten.cumsum.default, rev, dim), [dim])
+    if dtype_of(out) != dtype_of(args[0]):
+        out = b.call(aten._to_copy.default, out, dtype=dtype_of(args[0]))
+    return [out] + [None] * (len(args) - 1)

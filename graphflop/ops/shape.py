@@ -241,3 +241,127 @@ def reduced_dims(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[list[int],
 
 
 __all__ = ["reduced_dims", "norm_dims"]
+
+
+# --- metadata checks, multi-output views, flips, index ops ------------------------------------
+
+# x.to(dtype) leaves a metadata assertion beside _to_copy: no output, nothing computed
+register(aten._assert_tensor_metadata.default, F, free, bytes="view")
+def_zero(aten._assert_tensor_metadata.default)
+
+
+def _split_tangents(b, t, dim: int, sizes: list[int]):
+    """The tangent of each piece of a split: slices of the input tangent (slice transposes to
+    ``slice_scatter``), so a multi-output view needs no transpose rule of its own."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(b.call(aten.slice.Tensor, t, dim, start, start + size))
+        start += size
+    return tuple(out)
+
+
+@def_jvp(aten.split_with_sizes.default)
+def _jvp_split_with_sizes(b, out, args, tangents, kwargs):
+    x, sizes = args[0], list(args[1])
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % len(shape(x))
+    return _split_tangents(b, tangents[0], dim, sizes)
+
+
+register(aten.flip.default, F, free, bytes="copy")
+
+
+def _transpose_flip(b, ct, args, kwargs, linear):
+    return [b.call(aten.flip.default, ct, list(args[1])), None]
+
+
+def_linear(aten.flip.default, _transpose_flip)
+
+
+@def_jvp(aten.index_select.default)
+def _jvp_index_select(b, out, args, tangents, kwargs):
+    return b.call(aten.index_select.default, tangents[0], *args[1:])
+
+
+@def_transpose(aten.index_select.default)
+def _transpose_index_select(b, ct, args, kwargs, linear):
+    """``index_select``'s transpose adds each selected slice back: ``index_add`` (1 FLOP per
+    added element, FLOPS.md)."""
+    x, dim, index = args
+    zeros = b.zeros(shape(x), x)
+    return [b.call(aten.index_add.default, zeros, dim, index, ct), None, None]
+
+
+# advanced indexing x[i, :, j] (upsampling, reflection padding, adaptive pooling decompose to it;
+# the core-ATen decompositions turn _unsafe_index into index, so only index has derivatives)
+for _op in (aten.index.Tensor, aten._unsafe_index.Tensor):
+    register(_op, F, free, bytes="copy")
+
+
+def _index_put_cost(out, x, indices, values, accumulate=False, *args, **kwargs) -> NodeCost:
+    """``index_put``: a copy, or with ``accumulate`` 1 FLOP per added element (FLOPS.md)."""
+    return NodeCost(flops=numel(values) if accumulate else 0)
+
+
+register(aten.index_put.default, F, _index_put_cost, bytes="copy")
+register(aten._unsafe_index_put.default, F, _index_put_cost, bytes="copy")
+
+
+def _transpose_index(b, ct, args, kwargs, linear):
+    """``x[indices]`` transposes to adding the cotangent back at the indices: ``index_put`` with
+    ``accumulate=True`` into zeros (repeated indices add up)."""
+    x, indices = args[0], args[1]
+    zeros = b.zeros(shape(x), x)
+    return [b.call(aten.index_put.default, zeros, list(indices), ct, True), None]
+
+
+def_linear(aten.index.Tensor, _transpose_index)
+
+
+def _index_put_args(args, kwargs):
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    return args[0], list(args[1]), args[2], bool(accumulate)
+
+
+@def_jvp(aten.index_put.default)
+def _jvp_index_put(b, out, args, tangents, kwargs):
+    """Linear in ``self`` and ``values`` jointly: the op applied to their tangents."""
+    x, indices, values, accumulate = _index_put_args(args, kwargs)
+    tx, tv = tangents[0], tangents[2]
+    if tx is None and tv is None:
+        return None
+    tx = b.zeros(shape(x), x) if tx is None else tx
+    tv = b.zeros(shape(values), values) if tv is None else tv
+    return b.call(aten.index_put.default, tx, indices, tv, accumulate)
+
+
+@def_transpose(aten.index_put.default)
+def _transpose_index_put(b, ct, args, kwargs, linear):
+    """``out = index_put(x, i, v, accumulate)``: ``x̄ = ct`` (with ``accumulate``) or ``ct`` with
+    the overwritten positions zeroed; ``v̄ = ct[i]`` (exact for unique indices, as PyTorch's
+    own derivative)."""
+    x, indices, values, accumulate = _index_put_args(args, kwargs)
+    cts = [None] * len(args)
+    if linear[0]:
+        cts[0] = ct if accumulate else b.call(
+            aten.index_put.default, ct, indices, b.zeros(shape(values), values), False)
+    if linear[2]:
+        g = b.call(aten.index.Tensor, ct, indices)
+        cts[2] = b.sum_to(g, shape(values))
+    return cts
+
+
+def _transpose_repeat(b, ct, args, kwargs, linear):
+    """``repeat`` tiles ``x`` ``r_i`` times along each dim: view the cotangent as
+    (r₀, s₀, r₁, s₁, …) and sum over the tile dims."""
+    x, reps = args[0], list(args[1])
+    xs = list(shape(x))
+    padded = [1] * (len(reps) - len(xs)) + xs
+    inter = []
+    for r, n in zip(reps, padded):
+        inter += [r, n]
+    g = b.call(aten.view.default, ct, inter)
+    g = b.call(aten.sum.dim_IntList, g, list(range(0, 2 * len(reps), 2)))
+    return [b.call(aten.view.default, g, xs), None]
+
+
+def_linear(aten.repeat.default, _transpose_repeat)

@@ -1,0 +1,303 @@
+"""``graphflop train``: data sets and the IDX reader, graphflop's step graphs against plain
+PyTorch, forward-gradient training and its variance, ONNX Runtime, and the command line."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import spec
+
+from graphflop.train.cli import main
+from graphflop.train.data import (
+    IMAGES_MAGIC,
+    LABELS_MAGIC,
+    DataError,
+    load_dataset,
+    load_mnist,
+    read_idx,
+    write_idx,
+)
+from graphflop.train.loop import TrainError, build_model, estimator_variance, train
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The suite runs two workers on two cores: one thread each avoids oversubscription."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def _losses(result) -> np.ndarray:
+    return np.array([r["train_loss"] for r in result.history if r["train_loss"] is not None])
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+
+def test_digits_split_and_standardisation(digits):
+    assert digits.x_train.shape == (1437, 1, 8, 8) and digits.x_val.shape == (360, 1, 8, 8)
+    assert digits.x_train.dtype == torch.float32 and digits.y_train.dtype == torch.int64
+    assert abs(float(digits.x_train.mean())) < 1e-5
+    assert abs(float(digits.x_train.std()) - 1) < 1e-3
+    assert set(digits.y_val.tolist()) == set(range(10))
+    again = load_dataset("digits")
+    assert torch.equal(again.x_val, digits.x_val) and torch.equal(again.y_train, digits.y_train)
+
+
+def _mnist_dir(tmp_path, n_train=120, n_val=40, size=10, gz=(True, False, False, True)):
+    rng = np.random.default_rng(0)
+    names = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+             "t10k-labels-idx1-ubyte"]
+    arrays = [rng.integers(0, 256, (n_train, size, size)), rng.integers(0, 10, n_train),
+              rng.integers(0, 256, (n_val, size, size)), rng.integers(0, 10, n_val)]
+    for name, arr, z in zip(names, arrays, gz):
+        write_idx(tmp_path / (name + (".gz" if z else "")), arr)
+    return arrays
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_idx_roundtrip(tmp_path, compress):
+    imgs = np.arange(3 * 4 * 5, dtype=np.uint8).reshape(3, 4, 5)
+    p = write_idx(tmp_path / ("x.gz" if compress else "x"), imgs)
+    assert (p.read_bytes()[:2] == b"\x1f\x8b") == compress
+    assert np.array_equal(read_idx(p, IMAGES_MAGIC), imgs)
+    labels = np.array([1, 2, 3], dtype=np.uint8)
+    assert np.array_equal(read_idx(write_idx(tmp_path / "y", labels), LABELS_MAGIC), labels)
+
+
+def test_load_mnist_reads_gzip_and_plain_files(tmp_path):
+    tr_x, tr_y, va_x, va_y = _mnist_dir(tmp_path)
+    d = load_mnist(tmp_path)
+    assert d.x_train.shape == (120, 1, 10, 10) and d.x_val.shape == (40, 1, 10, 10)
+    assert np.array_equal(d.y_train.numpy(), tr_y) and np.array_equal(d.y_val.numpy(), va_y)
+    expect = (tr_x / 255.0 - (tr_x / 255.0).mean()) / (tr_x / 255.0).std()
+    assert np.allclose(d.x_train[:, 0].numpy(), expect, atol=1e-5)
+
+
+def _expect_error(path, magic, *words):
+    with pytest.raises(DataError) as e:
+        read_idx(path, magic)
+    msg = str(e.value)
+    assert str(path) in msg, msg
+    for w in words:
+        assert w in msg, msg
+    return msg
+
+
+def test_idx_rejects_bad_files(tmp_path):
+    good = write_idx(tmp_path / "good", np.zeros((4, 5, 5), np.uint8)).read_bytes()
+    (tmp_path / "short_data").write_bytes(good[:-7])
+    _expect_error(tmp_path / "short_data", IMAGES_MAGIC, "truncated", "4×5×5 = 100")
+    (tmp_path / "short_header").write_bytes(good[:9])
+    _expect_error(tmp_path / "short_header", IMAGES_MAGIC, "truncated", "16-byte header")
+    (tmp_path / "tiny").write_bytes(good[:2])
+    _expect_error(tmp_path / "tiny", IMAGES_MAGIC, "truncated")
+    (tmp_path / "long").write_bytes(good + b"\0\0")
+    _expect_error(tmp_path / "long", IMAGES_MAGIC, "2 unexpected bytes")
+    # a labels file where images are expected, and a non-IDX file
+    lab = write_idx(tmp_path / "labels", np.zeros(4, np.uint8))
+    _expect_error(lab, IMAGES_MAGIC, "wrong magic number 0x00000801", "expected 0x00000803")
+    (tmp_path / "text").write_bytes(b"hello world, not idx")
+    _expect_error(tmp_path / "text", LABELS_MAGIC, "wrong magic number")
+    # a truncated gzip stream
+    (tmp_path / "cut.gz").write_bytes(gzip.compress(good)[:-10])
+    _expect_error(tmp_path / "cut.gz", IMAGES_MAGIC, "gzip")
+
+
+def test_load_mnist_rejects_mismatched_and_missing_files(tmp_path):
+    _mnist_dir(tmp_path)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.zeros(39, np.uint8))
+    with pytest.raises(DataError, match=r"has 40 images but .*t10k-labels-idx1-ubyte.gz has 39 "
+                                        r"labels"):
+        load_mnist(tmp_path)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.full(40, 12, np.uint8))
+    with pytest.raises(DataError, match="label 12 out of range"):
+        load_mnist(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DataError, match="no t10k-labels-idx1-ubyte or t10k-labels-idx1-ubyte.gz"):
+        load_mnist(tmp_path)
+    with pytest.raises(DataError, match="needs --data-dir"):
+        load_dataset("mnist")
+
+
+def test_train_on_mnist_files_sizes_the_model_from_the_data(tmp_path):
+    _mnist_dir(tmp_path, size=10)
+    r = train(spec("logreg.py"), method="backprop", dataset="mnist", data_dir=tmp_path, batch=16,
+              steps=6, eval_every=3)
+    assert r.summary["ctor_kwargs"] == {"in_features": 100}
+    assert r.summary["image_shape"] == [1, 10, 10] and r.summary["val_size"] == 40
+    assert np.isfinite(r.summary["final_val_loss"])
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+
+def test_same_seed_same_initial_weights(digits):
+    a, _, kw = build_model(spec("cnn.py"), digits, seed=3)
+    b, _, _ = build_model(spec("cnn.py"), digits, seed=3)
+    c, _, _ = build_model(spec("cnn.py"), digits, seed=4)
+    assert kw == {"in_channels": 1, "image_size": 8}
+    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q), n
+        assert not torch.equal(p, r), n
+
+
+def test_constructor_without_size_arguments_is_a_clear_error(tmp_path, digits):
+    f = tmp_path / "fixed.py"
+    f.write_text("import torch\nclass Fixed(torch.nn.Module):\n    def __init__(self):\n"
+                 "        super().__init__()\n        self.fc = torch.nn.Linear(784, 10)\n"
+                 "    def forward(self, x):\n        return self.fc(x.flatten(1))\n")
+    with pytest.raises(TrainError, match=r"cannot size .*fixed.py for digits images \(1×8×8\): "
+                                         r"its constructor takes none of in_features="):
+        build_model(str(f), digits)
+    g = tmp_path / "wrong.py"
+    g.write_text("import torch\nclass Wrong(torch.nn.Module):\n"
+                 "    def __init__(self, in_features=784):\n        super().__init__()\n"
+                 "        self.fc = torch.nn.Linear(in_features, 3)\n"
+                 "    def forward(self, x):\n        return self.fc(x.flatten(1))\n")
+    with pytest.raises(TrainError, match=r"returns \(2, 3\) for 2 images; training needs"):
+        build_model(str(g), digits)
+
+
+# --- backprop: graphflop's train step against torch.optim ----------------------------------------
+
+
+@pytest.mark.parametrize("name,optimizer", [
+    ("logreg.py", "sgd"), ("logreg.py", "adam"), ("logreg.py", "adamw"), ("mlp.py", "sgd"),
+    ("mlp.py", "momentum")])
+def test_backprop_matches_torch_step_for_step(digits, name, optimizer):
+    kw = dict(data=digits, optimizer=optimizer, steps=50, eval_every=0, lr_decay=0.7, seed=1)
+    ours = train(spec(name), method="backprop", **kw)
+    ref = train(spec(name), method="torch", **kw)
+    a, b = _losses(ours), _losses(ref)
+    assert len(a) == len(b) == 50
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    assert a[-1] < 0.8 * a[0]
+
+
+def test_all_methods_see_the_same_first_batch_and_weights(digits):
+    first = [_losses(train(spec("mlp.py"), method=m, data=digits, steps=1, eval_every=0,
+                           seed=5))[0] for m in ("torch", "backprop", "fgd")]
+    assert first[0] == pytest.approx(first[1], rel=1e-6) == pytest.approx(first[2], rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mlp.py", "cnn.py"])
+def test_backprop_reaches_95_percent_on_digits(digits, name):
+    r = train(spec(name), method="backprop", data=digits, epochs=5, eval_every=55)
+    s = r.summary
+    assert (s["optimizer"], s["lr"], s["steps"]) == ("momentum", 0.05, 110)
+    assert s["final_val_accuracy"] >= 0.95, s
+    assert s["final_val_loss"] < 0.25
+
+
+# --- forward gradients ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,lr,decay,bound", [("logreg.py", 1e-3, 1.0, 0.6),
+                                                 ("mlp.py", 2e-4, 0.85, 0.9)])
+def test_fgd_trains(digits, name, lr, decay, bound):
+    r = train(spec(name), method="fgd", data=digits, optimizer="momentum", lr=lr,
+              lr_decay=decay, epochs=10, eval_every=110)
+    s = r.summary
+    assert not s["diverged"]
+    assert s["final_val_loss"] < bound * s["initial_val_loss"], s
+    assert s["final_val_accuracy"] > 0.3
+
+
+def test_more_directions_reduce_the_estimator_variance(digits):
+    v = estimator_variance(spec("logreg.py"), data=digits, directions=(1, 8), samples=300)
+    # Gaussian directions: E‖ĝ − ∇L‖² = (n + 1)‖∇L‖² / K
+    assert 5.5 < v["ratio"] < 11.5, v
+    for k in (1, 8):
+        assert v["relative_variance"][k] == pytest.approx(v["theory_relative"][k], rel=0.3)
+        # unbiased: the mean of the samples is within 4 standard errors of the gradient
+        assert v["bias_rel"][k] < 4 * (v["theory_relative"][k] / 300) ** 0.5
+
+
+# --- ONNX Runtime --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method,name,directions,eval_every", [
+    ("backprop", "mlp.py", 1, 0), ("fgd", "logreg.py", 2, 2)])
+def test_onnxruntime_matches_the_pytorch_executed_graph(digits, tmp_path, method, name,
+                                                        directions, eval_every):
+    kw = dict(method=method, data=digits, optimizer="momentum", steps=4, eval_every=eval_every,
+              directions=directions, lr=0.05 if method == "backprop" else 1e-3,
+              ctor_kwargs={"hidden": 32} if name == "mlp.py" else None)
+    ort = train(spec(name), runtime="onnxruntime", out=tmp_path, **kw)
+    pt = train(spec(name), runtime="torch", **kw)
+    np.testing.assert_allclose(_losses(ort), _losses(pt), rtol=1e-4)
+    if eval_every:  # validation ran on ONNX Runtime too
+        assert ort.summary["final_val_loss"] == pytest.approx(pt.summary["final_val_loss"],
+                                                              rel=1e-4)
+    assert ort.summary["provider"] == "CPUExecutionProvider"
+    kind = "train_step" if method == "backprop" else "forward_gradient_step"
+    assert (tmp_path / "onnx" / f"{kind}.onnx").is_file()
+
+
+def test_onnxruntime_adam_update_with_zero_gradients():
+    # the ONNX exporter's optimize=True rewriter drops Adam's "+ eps" (1e-8 ≈ 0), giving 0/0 = NaN
+    # wherever a gradient is exactly 0 (dead ReLU units): graphflop exports with optimize=False
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphflop.export.onnx import export_graph
+    from graphflop.passes.optimizer import build_update
+    from graphflop.runtime.onnxrt import run, session
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        w = torch.empty(4)
+    gm = build_update([("w", w)], "adam", fake_mode=mode)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = dict(zip(names, [torch.tensor([0.5, 0.2, 0.1, 0.3]), torch.tensor([0.0, 1.0, 0.0, -1.0]),
+                            torch.zeros(4), torch.zeros(4), torch.tensor(1e-3), torch.tensor(1.0)]))
+    expect = gm(*vals.values())[0]
+    ex = export_graph(gm, "update", names, ["new_w", "exp_avg", "exp_avg_sq"])
+    got = torch.from_numpy(run(session(ex.model, "CPUExecutionProvider"), vals)[0])
+    torch.testing.assert_close(got, expect)
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def test_cli_writes_csv_plot_and_summary(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main([spec("logreg.py"), "--method", "fgd", "--optimizer", "sgd", "--lr", "1e-2",
+               "--steps", "30", "--eval-every", "10", "--directions", "2", "--quiet",
+               "--lr-decay", "0.9", "--out", str(out)])
+    assert rc == 0
+    assert "validation loss" in capsys.readouterr().out
+    rows = list(csv.DictReader(open(out / "train.csv")))
+    assert list(rows[0]) == ["step", "wall_s", "train_loss", "val_loss", "val_accuracy"]
+    assert len(rows) == 31 and rows[0]["train_loss"] == "" and rows[0]["val_loss"] != ""
+    assert [r["step"] for r in rows if r["val_loss"]] == ["0", "10", "20", "30"]
+    walls = [float(r["wall_s"]) for r in rows]
+    assert walls == sorted(walls)
+    assert (out / "train.png").read_bytes()[:4] == b"\x89PNG"
+    s = json.loads((out / "summary.json").read_text())
+    assert s["method"] == "fgd" and s["directions"] == 2 and s["runtime"] == "torch"
+    assert s["optimizer"] == "sgd" and s["lr"] == 1e-2 and s["steps"] == 30
+    assert s["final_val_loss"] < s["initial_val_loss"]
+    assert s["seconds_per_step"] > 0 and 0 <= s["final_val_accuracy"] <= 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dataset", "mnist", "--data-dir", "/nonexistent"], "/nonexistent: not a folder"),
+    (["--method", "torch", "--runtime", "onnxruntime"], "--method torch is PyTorch autograd"),
+    (["--batch", "5000"], "--batch 5000 is larger than the 1437 training images"),
+])
+def test_cli_errors_are_one_line(capsys, argv, message):
+    assert main([spec("logreg.py"), "--quiet", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("graphflop: error: ") and message in err and "\n" not in err
