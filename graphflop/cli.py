@@ -315,8 +315,6 @@ def _inspect(args, err: Console) -> int:
     return rc
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
 
 
 def _export(args, err: Console) -> int:
@@ -493,3 +491,7 @@ def _render(args, err: Console) -> int:
         render(a, args.output, graph=args.graph, level=args.level, profile=profile)
     print(args.output)
     return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
