@@ -21,6 +21,7 @@ are FakeTensors: shapes and dtypes only, no memory.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -271,8 +272,39 @@ def _load_library_model(library: str, name: str, ctor_kwargs: dict, meta: bool) 
                         f"{'torchvision:resnet50' if library == 'torchvision' else 'timm:vit_base_patch16_224'}")
     module = _import_library(library)
     build, shape = _library_builder(library, name, module)
-    model = _instantiate(build, f"{library}:{name}", ctor_kwargs, meta)
+    try:
+        model = _instantiate(build, f"{library}:{name}", ctor_kwargs, meta)
+    except NotImplementedError:
+        if not meta:
+            raise
+        # the constructor computes with tensors (torchvision's RegNet widths): build on the
+        # CPU, moving each parameter and buffer to the meta device as it is registered
+        with _parameters_on_meta():
+            model = _instantiate(build, f"{library}:{name}", ctor_kwargs, False)
     return LoadedModel(f"{library}:{name}", model, (torch.zeros(shape),))
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Register every new parameter and buffer on the meta device (their initialisation then
+    runs on meta tensors: no memory, no time), leaving other tensor computations on the CPU."""
+    register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
+
+    def on_meta_parameter(self, name, param):
+        register_parameter(self, name, param)
+        if param is not None and not param.is_meta:
+            self._parameters[name] = nn.Parameter(param.to("meta"), param.requires_grad)
+
+    def on_meta_buffer(self, name, tensor, persistent=True):
+        register_buffer(self, name, tensor, persistent)
+        if tensor is not None and not tensor.is_meta:
+            self._buffers[name] = tensor.to("meta")
+
+    nn.Module.register_parameter, nn.Module.register_buffer = on_meta_parameter, on_meta_buffer
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter, nn.Module.register_buffer = register_parameter, register_buffer
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

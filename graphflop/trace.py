@@ -12,6 +12,7 @@ parameter placeholders ``gf_param``. Writes ``gm.meta["gf_signature"]``.
 
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from typing import Any
@@ -54,6 +55,12 @@ def decomposition_table() -> dict:
       elementwise arithmetic;
     * group norm: :func:`_group_norm` (views and ``var_mean``; PyTorch's decomposition goes
       through ``as_strided``, which has no rule);
+    * adaptive average pooling to a size dividing the input: a mean or ``avg_pool2d``
+      (:func:`_adaptive_avg_pool2d`; PyTorch's restrides a channels-last result with
+      ``as_strided``); uneven windows use PyTorch's decomposition;
+    * scaled dot-product attention: :func:`_sdpa`, the math form with one scaling, the causal
+      mask or ``attn_mask``, a softmax and the two products (PyTorch's scales q and k, and
+      builds a guard for fully masked rows even where no mask can make one);
     * ``mv`` and ``dot``: matrix products (:func:`_mv`, :func:`_dot`), so that they are counted
       in ``mm_flops`` like every other product (PyTorch's decompositions make them a multiply and a
       sum).
@@ -75,7 +82,6 @@ def decomposition_table() -> dict:
                 aten.elu,
                 aten.native_dropout,
                 aten.linalg_vector_norm,
-                aten._adaptive_avg_pool2d,
                 aten.upsample_nearest1d,
                 aten.upsample_nearest2d,
                 aten.upsample_nearest3d,
@@ -86,6 +92,11 @@ def decomposition_table() -> dict:
         )
     )
     table[aten.native_group_norm.default] = _group_norm
+    table[aten._adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
+    table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
+    global _SDPA_FALLBACK
+    _SDPA_FALLBACK = table.get(aten.scaled_dot_product_attention.default)
+    table[aten.scaled_dot_product_attention.default] = _sdpa
     table[aten.mv.default] = _mv
     table[aten.dot.default] = _dot
     return table
@@ -105,6 +116,60 @@ def _group_norm(x, weight, bias, n: int, c: int, hxw: int, groups: int, eps: flo
     if bias is not None:
         out = aten.add.Tensor(out, aten.view.default(bias, chan))
     return out, aten.view.default(mean, [n, groups]), aten.view.default(rstd, [n, groups])
+
+
+def _adaptive_avg_pool2d(x, output_size):
+    """``_adaptive_avg_pool2d``: a mean over H, W for a 1×1 output, an ``avg_pool2d`` with
+    kernel = stride = input/output when the output divides the input, else PyTorch's
+    decomposition (index arithmetic for uneven windows)."""
+    from torch._decomp import decomposition_table as torch_table
+
+    h, w = x.shape[-2], x.shape[-1]
+    oh, ow = output_size
+    if oh == 1 and ow == 1:
+        return aten.mean.dim(x, [-2, -1], True)
+    if h % oh == 0 and w % ow == 0:
+        k = [h // oh, w // ow]
+        return aten.avg_pool2d.default(x, k, k)
+    return torch_table[aten._adaptive_avg_pool2d.default](x, output_size)
+
+
+_SDPA_FALLBACK = None
+
+
+def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):
+    """``scaled_dot_product_attention`` in its math form: ``softmax(q·kᵀ·scale + mask)·v``.
+
+    The two batched products are counted in ``mm_flops`` whatever the mask (FLOPS.md: the dense
+    kernel computes the full matrix); the causal mask is a ``where`` over the scores built from
+    two ``arange``; a given ``attn_mask`` is added (float) or applied with ``where`` (bool), and
+    rows it masks entirely give zeros, as PyTorch's kernels do. Grouped-query attention goes
+    to PyTorch's decomposition.
+    """
+    if enable_gqa and q.shape[-3] != k.shape[-3]:
+        return _SDPA_FALLBACK(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                              enable_gqa=enable_gqa)
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))
+    neg_inf = float("-inf")
+    if is_causal:
+        rows = torch.arange(L, device=q.device).unsqueeze(1)
+        cols = torch.arange(S, device=q.device).unsqueeze(0)
+        scores = torch.where(rows >= cols, scores, neg_inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = torch.where(attn_mask, scores, neg_inf)
+        else:
+            scores = scores + attn_mask
+    weights = torch.softmax(scores, dim=-1)
+    if attn_mask is not None:  # a row the mask hides entirely: zeros, not NaN
+        live = torch.any(scores != neg_inf, dim=-1, keepdim=True)
+        weights = torch.where(live, weights, 0.0)
+    if dropout_p > 0.0:
+        weights = aten.native_dropout.default(weights, dropout_p, True)[0]
+    return torch.matmul(weights, v)
 
 
 def _mv(a, v):

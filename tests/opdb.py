@@ -721,40 +721,39 @@ def _mha(need_weights: bool) -> nn.Module:
 KV5 = (1, 2, 5, 3)  # (batch, heads, S, E)
 SDPA = F.scaled_dot_product_attention
 ATTENTION = [
-    # scores (1,2,4,5): 40 elements. q and k scaled by sqrt(1/sqrt(E)): 24 + 30 = 54;
-    # bmm 2*2*4*3*5 = 240 twice: 480; softmax: amax, sub, exp, sum, div: 5*40 = 200; the guard
-    # for fully masked rows: eq 40, logical_not 40 + 8, any 40, where 40 = 168; readout 24
+    # graphflop's decomposition (trace.py's _sdpa): scores (1,2,4,5): 40 elements. q scaled:
+    # 24; bmm 2*2*4*3*5 = 240 twice: 480; softmax: amax, sub, exp, sum, div: 5*40 = 200;
+    # readout 24
     OpCase("sdpa", _fn(_math_sdpa(lambda s, q, k, v: SDPA(q, k, v) * s.r), buffers={"r": Q4}),
            (Q4, KV5, KV5),
-           flops=54 + 480 + 200 + 168 + 24, aten=("aten.bmm.default", "aten.any.dim")),
-    # scores (1,2,4,4): 32. scaling 24 + 24; the 4x4 causal mask: sub, le, logical_and, where
-    # 4*16; bmm 2*2*4*3*4 = 192 twice: 384; + mask 32; softmax 5*32 = 160; guard eq 32,
-    # logical_not 32 + 8, any 32, where 32 = 136; readout 24
+           flops=24 + 480 + 200 + 24, aten=("aten.bmm.default", "aten.amax.default")),
+    # scores (1,2,4,4): 32. q scaled 24; the 4x4 causal mask rows >= cols: 16, where 32;
+    # bmm 2*2*4*3*4 = 192 twice: 384; softmax 5*32 = 160; readout 24
     OpCase("sdpa_causal",
            _fn(_math_sdpa(lambda s, q, k, v: SDPA(q, k, v, is_causal=True) * s.r),
                buffers={"r": Q4}), (Q4, Q4, Q4),
-           flops=48 + 64 + 384 + 32 + 160 + 136 + 24,
-           aten=("aten.bmm.default", "aten.logical_and.default")),
+           flops=24 + 16 + 32 + 384 + 160 + 24,
+           aten=("aten.bmm.default", "aten.ge.Tensor", "aten.where.self")),
+    # as sdpa (728), + the mask add (40), + the guard for rows the mask hides entirely: scores
+    # != -inf 40, any 40, where 40
     OpCase("sdpa_float_mask",
            _fn(_math_sdpa(lambda s, q, k, v: SDPA(q, k, v, attn_mask=s.m) * s.r),
                {"m": (4, 5)}, {"r": Q4}), (Q4, KV5, KV5),
-           flops=926 + 40,  # as sdpa, + the mask add (40)
-           aten=("aten.bmm.default", "aten.add.Tensor")),
+           flops=728 + 40 + 120, aten=("aten.bmm.default", "aten.add.Tensor", "aten.any.dim")),
+    # as sdpa (728), + m > 0 (20), the mask applied with where (40), the guard (120)
     OpCase("sdpa_bool_mask",
            _fn(_math_sdpa(lambda s, q, k, v: SDPA(q, k, v, attn_mask=s.m > 0) * s.r),
                buffers={"m": (4, 5), "r": Q4}), (Q4, KV5, KV5),
-           # as sdpa (926), + m > 0 (20), the bool mask to a float bias: where (20), add (40)
-           flops=926 + 20 + 20 + 40, aten=("aten.bmm.default", "aten.where.self")),
+           flops=728 + 20 + 40 + 120, aten=("aten.bmm.default", "aten.where.self")),
     # E=8, 2 heads of 4, L=5: in-projection addmm (5x8)(8x24): 1920 + 120 bias; out-projection
     # (5x8)(8x8): 640 + 40; q scaling 40; bmm 2*2*5*4*5 = 400 twice; softmax on 50: 250;
     # readout 40
     OpCase("multihead_attention", _ro(lambda: _mha(need_weights=True), (1, 5, 8)),
            ((1, 5, 8),), flops=2040 + 680 + 40 + 800 + 250 + 40,
            aten=("aten.addmm.default", "aten.bmm.default")),
-    # as multihead_attention through SDPA: q and k scaled (80); the masked-row guard on 50
-    # scores: eq 50, logical_not 60, any 50, where 50
+    # through SDPA (graphflop's decomposition): the same parts as multihead_attention
     OpCase("multihead_attention_sdpa", _ro(lambda: _mha(need_weights=False), (1, 5, 8)),
-           ((1, 5, 8),), flops=2720 + 80 + 800 + 250 + 210 + 40,
+           ((1, 5, 8),), flops=2040 + 680 + 40 + 800 + 250 + 40,
            aten=("aten.addmm.default", "aten.bmm.default")),
 ]
 

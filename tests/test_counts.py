@@ -143,3 +143,25 @@ def test_saved_for_backward_of_a_bias_free_linear_stack():
     a = analyze(stack, (torch.randn(B, 32),), loss="sum", jvp=False)
     # the weight gradients read the layer inputs: x (B·32), h1 (B·64), h2 (B·16), fp32
     assert a.to_dict()["memory"]["saved_for_backward_bytes"] == 4 * B * (32 + 64 + 16)
+
+
+def test_nonlinearity_before_the_first_parameter():
+    # tanh(x)·W: x needs no gradient, so tanh's backward is pruned, and its coefficient
+    # (1 − tanh²) must not be mistaken for a tangent while transposing
+    from graphflop.passes.vjp import build_vjp
+    from graphflop.runtime.verify import verify_gradients
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 2, dtype=torch.float64))
+
+        def forward(self, x):
+            return torch.tanh(x) @ self.w
+
+    m = M()
+    fwd = trace(m, (torch.randn(4, 3, dtype=torch.float64),), loss="sum")
+    bwd = annotate_flops(build_vjp(fwd))
+    assert verify_gradients(fwd, bwd, m, tolerance=1e-12).ok
+    # pruned: the input gradient of the product, 2·4·2·3 = 48, and tanh's multiply, 4·3 = 12
+    assert sorted(g.cost.flops for g in bwd.meta["gf_ghosts"]) == [0, 12, 48]

@@ -70,3 +70,11 @@ def dtype(v: Any) -> torch.dtype:
     if getattr(v, "is_ghost", False):
         return v.val.dtype
     return v.dtype
+
+
+def device(v: Any) -> torch.device:
+    if isinstance(v, torch.fx.Node):
+        return v.meta["val"].device
+    if getattr(v, "is_ghost", False):
+        return v.val.device
+    return v.device

@@ -25,6 +25,8 @@ for _op in (
     aten.arange.default,
     aten.arange.start,
     aten.empty_like.default,
+    aten.empty_permuted.default,
+    aten.empty_strided.default,
 ):
     register(_op, F, free)
     def_zero(_op)

@@ -1,5 +1,7 @@
 """Unary and binary elementwise ops: 1 FLOP per output element (FLOPS.md), transcendentals
-tallied separately; comparisons and sign have zero derivative.
+tallied separately; comparisons, sign, rounding and integer bookkeeping (floor division, logical
+and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element, like ReLU);
+GELU, SiLU, ELU, softplus, hardswish and mish decompose into the ops here.
 
 JVP rules write the tangent as ``tangent * coefficient``, where the coefficient is a primal-only
 value (``coef`` node), so every tangent node is linear in the tangents and transposes with the
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from graphflop.ops._common import per_output, shape
+from graphflop.ops._common import dtype, per_output, shape
 from graphflop.ops.registry import def_jvp, def_transpose, def_zero, register
 
 aten = torch.ops.aten
@@ -389,7 +391,8 @@ def _jvp_leaky_relu(b, out, args, tangents, kwargs):
     """d leaky_relu(x) = dx · (1 if x > 0 else slope); the coefficient is
     ``(x > 0)·(1 − slope) + slope``."""
     slope = args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01)
-    mask = b.call(aten.gt.Scalar, args[0], 0)
+    mask = b.call(aten._to_copy.default, b.call(aten.gt.Scalar, args[0], 0),
+                  dtype=dtype(args[0]))
     coef = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, mask, 1.0 - slope), slope)
     return _scale(b, tangents[0], coef)
 

@@ -1,7 +1,9 @@
 """Pooling. Max pooling costs (∏k − 1) comparisons per output element, average pooling ∏k
 (adds and one divide) per output element (FLOPS.md). Max pooling's tangent gathers the input
 tangent at the saved indices, so its transpose is a scatter-add of those indices; average
-pooling is linear and transposes to a depthwise transposed convolution with a constant kernel.
+pooling (2-D and 3-D; 1-D decomposes to 2-D) is linear and transposes to a depthwise transposed
+convolution with a constant kernel, dividing by each window's own divisor first where PyTorch's
+differs between windows (``ceil_mode``, ``count_include_pad=False``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import numel, shape
+from graphflop.ops._common import device, dtype, numel, shape
 from graphflop.ops.registry import def_jvp, def_linear, register
 
 aten = torch.ops.aten
@@ -79,16 +81,14 @@ def _pool_args(args, nd):
 
 
 def _transpose_avg_pool(nd):
-    op = {2: aten.avg_pool2d.default, 3: aten.avg_pool3d.default}[nd]
-
     def rule(b, ct, args, kwargs, linear):
         """Average pooling is ``y = (1/d) · Σ_window x``; its transpose spreads ``ct/d`` over each
         window: a depthwise transposed convolution with a kernel of ones (the divisor folded into
         the kernel when it is the constant ∏k). Each window's divisor ``d`` is PyTorch's: the
-        override, or the count of (padded, when ``count_include_pad``) input positions it covers,
-        computed by sum-pooling ones. The transposed convolution runs unpadded over the whole
-        padded extent; a ``constant_pad_nd`` crops the padding (and pads the trailing positions
-        no window reads with zeros)."""
+        override, or the count of (padded, when ``count_include_pad``) input positions it covers
+        (:func:`_window_counts`). The transposed convolution runs unpadded over the whole padded
+        extent; a ``constant_pad_nd`` crops the padding (and pads the trailing positions no
+        window reads with zeros)."""
         x = args[0]
         xs, cs = shape(x), shape(ct)
         k, stride, padding, ceil_mode, count_include_pad, divisor = _pool_args(args, nd)
@@ -100,19 +100,8 @@ def _transpose_avg_pool(nd):
             scale = 1.0 / (divisor if divisor is not None else math.prod(k))
             z = ct
         else:
-            lead = [1] * (len(xs) - nd)
-            ones = b.full(lead + sp_in, 1.0, x)
-            if count_include_pad:  # the padding counts, positions past it do not
-                pad = []
-                for p in reversed(padding):
-                    pad += [p, p]
-                ones = b.call(aten.constant_pad_nd.default, ones, pad, 1.0)
-                d = b.call(op, ones, k, stride, [0] * nd, ceil_mode, True, 1)
-                for i, o in enumerate(cs[len(cs) - nd:]):  # ceil_mode may add a window here
-                    if shape(d)[len(lead) + i] != o:
-                        d = b.call(aten.slice.Tensor, d, len(lead) + i, 0, o)
-            else:
-                d = b.call(op, ones, k, stride, padding, ceil_mode, True, 1)
+            d = _window_counts(b, x, xs, list(cs[len(cs) - nd:]), k, stride, padding,
+                               count_include_pad)
             z = b.call(aten.div.Tensor, ct, d)
             scale = 1.0
         z = b.call(aten.view.default, z, [1, c] + list(cs[len(cs) - nd:]))
@@ -128,6 +117,30 @@ def _transpose_avg_pool(nd):
         return [gx] + [None] * (len(args) - 1)
 
     return rule
+
+
+def _window_counts(b, x, xs, out_sp, k, stride, padding, count_include_pad):
+    """PyTorch's average-pooling divisor of every window, as a product of per-dim counts:
+    window ``o`` spans ``[o·s − p, o·s − p + k)``, clipped to ``[−p, n + p)`` when the padding
+    counts and to ``[0, n)`` when it does not (ATen's ``avg_pool2d`` kernel). Built from
+    ``arange`` and elementwise ops, which every runtime has (ONNX's AveragePool has no divisor
+    override)."""
+    nd = len(out_sp)
+    d = None
+    for i, (o, kk, s_, p, n) in enumerate(zip(out_sp, k, stride, padding, xs[len(xs) - nd:])):
+        start = b.call(aten.sub.Tensor, b.call(aten.mul.Tensor, b.call(
+            aten.arange.start_step, 0, o, 1, dtype=dtype(x), device=device(x)), s_), p)
+        end = b.call(aten.add.Tensor, start, kk)
+        if count_include_pad:
+            cnt = b.call(aten.sub.Tensor, b.call(aten.clamp_max.default, end, n + p), start)
+        else:
+            cnt = b.call(aten.sub.Tensor, b.call(aten.clamp_max.default, end, n),
+                         b.call(aten.clamp_min.default, start, 0))
+        view = [1] * len(xs)
+        view[len(xs) - nd + i] = o
+        cnt = b.call(aten.view.default, cnt, view)
+        d = cnt if d is None else b.call(aten.mul.Tensor, d, cnt)
+    return d
 
 
 register(aten.avg_pool3d.default, F, _avg_pool_cost(3))

@@ -1,6 +1,10 @@
 """Views, copies and index ops: 0 FLOPs. Views move no bytes; copies read and write their bytes
-(FLOPS.md). All are linear; their transposes are other shape ops (``scatter_add`` for
-``gather``)."""
+(FLOPS.md). All are linear; their transposes are other shape ops: ``scatter_add`` for
+``gather``, ``index_add`` for ``index_select``, ``index_put(accumulate=True)`` for advanced
+indexing (``index``: upsampling, reflection and replication padding, uneven adaptive pooling
+decompose to it), ``slice`` of the tangent for the pieces of ``split_with_sizes`` (``chunk``,
+``split``), a flip for ``flip``, a sum over the tiles for ``repeat``. ``index_put`` and
+``index_add`` with accumulation cost 1 FLOP per added element."""
 
 from __future__ import annotations
 

@@ -41,8 +41,10 @@ class GhostValue:
         kwargs: dict | None = None,
         record: Ghost | None = None,
         param_derived: bool = False,
+        kind: str = "tangent",
     ):
         self.val = val
+        self.kind = kind  # "tangent" (linear in the tangents) or "coef" (primal-only)
         self.op = op
         self.args = args
         self.kwargs = kwargs or {}
@@ -134,7 +136,10 @@ class Builder:
         role = self.role_for(self.active_kind, flat)
         rec = Ghost(name, _op_str(op), shape, self.source, self.module, role, cost, inputs)
         self.ghosts.append(rec)
-        g = GhostValue(out, op, args, kwargs, rec, _param_derived(flat))
+        active = any((isinstance(a, Node) and a.meta.get(KIND) == self.active_kind)
+                     or (is_ghost(a) and a.kind == self.active_kind) for a in flat)
+        kind = self.active_kind if active else "coef"
+        g = GhostValue(out, op, args, kwargs, rec, _param_derived(flat), kind)
         self.log.append(g)
         return g
 

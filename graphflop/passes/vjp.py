@@ -143,8 +143,8 @@ class TransposeBuilder(Builder):
 
 
 def _is_linear(a: Any) -> bool:
-    if is_ghost(a):
-        return True
+    if is_ghost(a):  # a skipped tangent is linear; a skipped coefficient is not
+        return a.kind == "tangent"
     return isinstance(a, Node) and a.meta.get(KIND) == "tangent"
 
 
@@ -280,7 +280,8 @@ def _targets(arg: Any, lin: Any):
 def _as_ghost(self: Builder, v: Any) -> Any:
     if v is None or is_ghost(v):
         return v
-    return GhostValue(v.meta["val"], param_derived=v.meta.get(PARAM_DERIVED, False))
+    kind = "cotangent" if v.meta.get(KIND) == "cotangent" else "coef"
+    return GhostValue(v.meta["val"], param_derived=v.meta.get(PARAM_DERIVED, False), kind=kind)
 
 
 Builder.as_ghost = _as_ghost  # type: ignore[attr-defined]

@@ -1,0 +1,170 @@
+"""Op coverage report: every op in graphflop's rule table, its rules, and the checks it passes.
+
+Runs every case of the op database (``tests/opdb.py``) through the generic checks of
+``tests/test_ops.py`` (the same functions pytest runs: forward FLOPs against the hand-worked
+count and FlopCounterMode, JVP against ``torch.func.jvp`` and finite differences, VJP against
+``torch.func.grad``, the dot-product test) and, unless ``--no-onnx``, the ONNX round trip of
+``tests/test_ops_onnx.py`` (the backward graph on ONNX Runtime against PyTorch). An op's check
+passes when every case whose graphs hold the op passes it; a check a case documents as a known
+gap (a strict xfail) is shown as such.
+
+Writes ``docs/op_coverage.md``:
+
+    python tools/op_coverage.py [--no-onnx] [--out docs/op_coverage.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import operator
+import sys
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+CHECKS = ("flops", "jvp", "fd", "vjp", "dot", "onnx")
+TITLES = {"flops": "FLOPs", "jvp": "JVP vs torch.func", "fd": "JVP vs finite differences",
+          "vjp": "VJP vs torch.func", "dot": "dot-product test", "onnx": "ONNX round trip"}
+
+
+def _outcome(fn, *args) -> str:
+    try:
+        fn(*args)
+        return "pass"
+    except Exception as e:  # noqa: BLE001  (any failure is a failed check)
+        return f"fail: {type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+
+
+def run_cases(onnx: bool) -> tuple[dict, dict, dict]:
+    """Per case: {check: outcome}; per case: ops by role (cost / jvp / transpose)."""
+    import test_ops as T
+
+    onnx_test = None
+    if onnx:
+        import test_ops_onnx
+
+        onnx_test = test_ops_onnx.test_backward_graph_round_trips_through_onnx
+    checks = {
+        "flops": T.test_forward_flops,
+        "jvp": T.test_jvp_matches_torch_func,
+        "fd": T.test_jvp_matches_finite_differences,
+        "vjp": T.test_vjp_matches_torch_func,
+        "dot": T.test_dot_product,
+    }
+    results: dict[str, dict[str, str]] = {}
+    used: dict[str, dict[str, set]] = {}
+    expected: dict[str, dict[str, str]] = {}
+    for case in T.OP_DB:
+        res = {k: _outcome(fn, case.name) for k, fn in checks.items()}
+        if onnx_test is not None:
+            res["onnx"] = _outcome(onnx_test, case.name)
+        results[case.name] = res
+        expected[case.name] = {k: case.xfail.get(k) or case.xfail.get("*") for k in CHECKS}
+        ops = {"cost": set(), "jvp": set(), "transpose": set()}
+        try:
+            graphs = T.all_graphs(case.name)
+            ops["cost"] = T.graph_ops(*graphs)
+            ops["jvp"] = T.graph_ops(T.traced(case.name).fwd)
+            lin = graphs[2].meta["gf_linearized"]
+            ops["transpose"] = {T.op_name(n.target) for n in lin.graph.nodes
+                                if n.op == "call_function" and n.target is not operator.getitem
+                                and n.meta.get(T.KIND) == "tangent"}
+        except Exception:  # noqa: BLE001  (a case that does not build: its forward ops only)
+            try:
+                ops["cost"] = T.graph_ops(T.traced(case.name).fwd)
+            except Exception:  # noqa: BLE001
+                pass
+        used[case.name] = ops
+    return results, used, expected
+
+
+def _cell(outcomes: list[tuple[str, str | None]]) -> str:
+    if not outcomes:
+        return "–"
+    fails = [o for o, xf in outcomes if o != "pass" and not xf]
+    xfails = [o for o, xf in outcomes if o != "pass" and xf]
+    passes = sum(1 for o, _ in outcomes if o == "pass")
+    if fails:
+        return f"**FAIL** ({len(fails)}/{len(outcomes)})"
+    if xfails:
+        return f"pass {passes}/{len(outcomes)}, known gap {len(xfails)}"
+    return f"pass ({passes})"
+
+
+def render(results, used, expected, seconds: float, onnx: bool) -> str:
+    from graphflop.ops import all_rules, op_name
+
+    rules = {op_name(op): r for op, r in all_rules().items()}
+    cases_of: dict[str, list[str]] = defaultdict(list)
+    for case, ops in used.items():
+        for o in ops["cost"]:
+            cases_of[o].append(case)
+    checks = CHECKS if onnx else CHECKS[:-1]
+    lines = [
+        "# Op coverage",
+        "",
+        "Written by `tools/op_coverage.py`. Every ATen op overload in graphflop's rule table "
+        "(`graphflop/ops/`), its rules, and the op-database checks (`tests/opdb.py`) passed by "
+        "the cases whose graphs (forward, JVP, backward, linearized) hold it. A cell counts the "
+        "cases that ran the check; *known gap* is a check a case documents as failing (a "
+        "strict xfail, with its reason in `tests/opdb.py`); – means no case holds the op.",
+        "",
+        "Checks: " + "; ".join(f"**{c}**: {TITLES[c]}" for c in checks) + ". "
+        "FLOPs compares the forward count with the hand-worked value and the matrix FLOPs with "
+        "FlopCounterMode. JVP rules run when their op is in a forward graph, transpose rules "
+        "when their op is a tangent node of a linearized graph.",
+        "",
+        f"{len(rules)} ops with rules, {len(results)} op-database cases; checks took "
+        f"{seconds:.0f} s.",
+        "",
+    ]
+    by_family: dict[str, list[str]] = defaultdict(list)
+    for name, r in rules.items():
+        by_family[r.family].append(name)
+    for family in sorted(by_family):
+        lines += [f"## {family}", "",
+                  "| op | bytes | JVP | transpose | cases | " + " | ".join(checks) + " |",
+                  "|---|---|---|---|---:|" + "---|" * len(checks)]
+        for name in sorted(by_family[family]):
+            r = rules[name]
+            jvp = "zero" if r.zero_derivative else ("yes" if r.jvp else "–")
+            tr = "yes" if r.transpose else "–"
+            cs = cases_of.get(name, [])
+            cells = [_cell([(results[c][k], expected[c].get(k)) for c in cs if k in results[c]])
+                     for k in checks]
+            lines.append(f"| `{name}` | {r.bytes} | {jvp} | {tr} | {len(cs)} | "
+                         + " | ".join(cells) + " |")
+        lines.append("")
+    failing = [(c, k, o) for c, res in results.items() for k, o in res.items()
+               if o != "pass" and not expected[c].get(k)]
+    lines += ["## Failing checks", ""]
+    lines += [f"- `{c}` {k}: {o}" for c, k, o in failing] or ["None."]
+    gaps = [(c, k, expected[c][k]) for c, res in results.items() for k, o in res.items()
+            if expected[c].get(k)]
+    lines += ["", "## Known gaps (strict xfails in the op database)", ""]
+    lines += [f"- `{c}` {k}: {why}" for c, k, why in gaps] or ["None."]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(ROOT / "docs" / "op_coverage.md"))
+    p.add_argument("--no-onnx", action="store_true", help="skip the ONNX round trips (faster)")
+    args = p.parse_args(argv)
+    warnings.simplefilter("ignore")
+    t = time.perf_counter()
+    results, used, expected = run_cases(not args.no_onnx)
+    text = render(results, used, expected, time.perf_counter() - t, not args.no_onnx)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
