@@ -22,7 +22,7 @@ from torch.fx import Graph, GraphModule, Node
 from graphflop.meta import KIND, MODULE, ROLE, SIGNATURE, SOURCE, Signature, fake_mode_of
 from graphflop.passes.builder import Builder
 from graphflop.passes.jvp import build_jvp
-from graphflop.passes.optimizer import OptimizerConfig, build_update
+from graphflop.passes.optimizer import OptimizerConfig, build_update, inline_update
 
 aten = torch.ops.aten
 DISTRIBUTIONS = ("normal", "rademacher")
@@ -157,23 +157,9 @@ def build_forward_gradient_step(
             acc = b.call(aten.div.Tensor, acc, float(directions))
         grads[p] = acc
     # the update, inlined with the estimate as the gradient
-    uenv: dict[Node, Node] = {}
-    name_to_p = {"param_" + q.replace(".", "_"): p for p, q in sig.params}
-    name_to_g = {"grad_" + q.replace(".", "_"): p for p, q in sig.params}
-    u_out = None
-    for n in upd.graph.nodes:
-        if n.op == "placeholder":
-            if n.name in name_to_p:
-                uenv[n] = phs[name_to_p[n.name]]
-            elif n.name in name_to_g:
-                uenv[n] = grads[name_to_g[n.name]]
-            else:
-                uenv[n] = state_phs[n.name]
-        elif n.op == "output":
-            u_out = n
-        else:
-            uenv[n] = g.node_copy(n, lambda x: uenv[x])
-    new_state = [uenv[a] for a in u_out.args[0]]
+    qual = dict(sig.params)
+    new_state = inline_update(g, upd, {qual[p]: phs[p] for p in qual},
+                              {qual[p]: grads[p] for p in qual}, state_phs)
     loss = next(env[o] for o in primal_outs
                 if isinstance(o, Node) and o.meta.get(SOURCE) == sig.loss)
     g.output(tuple([loss] + new_state + ds))

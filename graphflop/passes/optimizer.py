@@ -184,6 +184,30 @@ def _adam(b, cfg, w, g, m, v, lr, step, lr_wd):
     return b.call(aten.sub.Tensor, w, upd), m, v
 
 
+def inline_update(g, update: GraphModule, params: dict, grads: dict, state: dict) -> list:
+    """Copy ``update``'s nodes into graph ``g``; returns the nodes of its outputs (new
+    parameters, then new state).
+
+    ``params`` and ``grads`` map a parameter's qualified name to the node holding it in ``g``;
+    ``state`` maps the update's other placeholder names (state, ``lr``, ``step``) to nodes of ``g``.
+    """
+    env: dict = {}
+    out = None
+    for n in update.graph.nodes:
+        if n.op == "placeholder":
+            if n.name.startswith("param_"):
+                env[n] = params[n.meta[PARAM]]
+            elif n.name.startswith("grad_"):
+                env[n] = grads[n.meta[PARAM]]
+            else:
+                env[n] = state[n.name]
+        elif n.op == "output":
+            out = n
+        else:
+            env[n] = g.node_copy(n, env.__getitem__)
+    return [env[a] for a in out.args[0]]
+
+
 def _parent(q: str) -> str:
     return q.rpartition(".")[0]
 

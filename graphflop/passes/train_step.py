@@ -15,6 +15,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.meta import KIND, MODULE, ROLE, SIGNATURE, SOURCE, Signature
+from graphflop.passes.optimizer import inline_update
 
 aten = torch.ops.aten
 
@@ -67,23 +68,10 @@ def build_train_step(forward: GraphModule, backward: GraphModule,
     for pos, qual in backward.meta["gf_vjp"].grads:
         grads[qual] = benv[b_out.args[0][pos]]
     p_name = {q: p for p, q in sig.params}
-    uenv: dict[Node, Node] = {}
-    u_out = None
-    for n in update.graph.nodes:
-        if n.op == "placeholder":
-            if n.name.startswith("param_"):
-                uenv[n] = by_name[p_name[n.meta["gf_param"]]]
-            elif n.name.startswith("grad_"):
-                uenv[n] = grads[n.meta["gf_param"]]
-            else:
-                uenv[n] = state_phs[n.name]
-        elif n.op == "output":
-            u_out = n
-        else:
-            uenv[n] = g.node_copy(n, lambda x: uenv[x])
+    new = inline_update(g, update, {q: by_name[p_name[q]] for q in p_name}, grads, state_phs)
     buffers = [fenv[a] for a in f_out.args[0] if isinstance(a, Node) and
                a.name in {b for b, _ in sig.buffer_updates}]
-    g.output(tuple([loss] + [uenv[a] for a in u_out.args[0]] + buffers))
+    g.output(tuple([loss] + new + buffers))
     gm = GraphModule(torch.nn.Module(), g)
     gm.meta[SIGNATURE] = sig
     info = update.meta["gf_update"]
