@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 KIND = "gf_kind"
 ROLE = "gf_role"
 SOURCE = "gf_source"
@@ -149,3 +151,15 @@ def fake_mode_of(values) -> object | None:
         if isinstance(v, (tuple, list)):
             stack.extend(v)
     return None
+
+
+def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule whose Python code is generated when first needed (called, or ``.code``
+    read), not when it is made: code generation costs about 0.2 s per 5,000 nodes and most
+    graphs the passes build are only analysed (PyTorch's ``_LazyGraphModule``; a plain
+    GraphModule where that is missing)."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - older or newer PyTorch without it
+        return torch.fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)

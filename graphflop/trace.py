@@ -12,8 +12,10 @@ parameter placeholders ``gf_param``. Writes ``gm.meta["gf_signature"]``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
+import re
 import warnings
 from typing import Any
 
@@ -23,6 +25,8 @@ from torch import nn
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from graphflop.meta import (
@@ -35,6 +39,7 @@ from graphflop.meta import (
     SOURCE,
     Signature,
     fake_mode_of,
+    graph_module,
 )
 
 aten = torch.ops.aten
@@ -91,15 +96,94 @@ def decomposition_table() -> dict:
             ]
         )
     )
+    # lean versions of PyTorch's decompositions (the same ops, without the reference
+    # implementations' type-promotion wrappers: tracing GPT-2 XL spends half its time in those)
+    for op, lean in ((aten._softmax.default, _softmax), (aten._log_softmax.default, _log_softmax),
+                     (aten.native_layer_norm.default, _layer_norm), (aten.gelu.default, _gelu)):
+        _FALLBACKS[op] = table[op]
+        table[op] = _lean(lean, table[op])
     table[aten.native_group_norm.default] = _group_norm
+    table[aten.native_batch_norm.default] = _batch_norm
+    table[aten._native_batch_norm_legit.default] = _batch_norm
     table[aten._adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
     table[aten.adaptive_avg_pool2d.default] = _adaptive_avg_pool2d
     global _SDPA_FALLBACK
     _SDPA_FALLBACK = table.get(aten.scaled_dot_product_attention.default)
     table[aten.scaled_dot_product_attention.default] = _sdpa
     table[aten.mv.default] = _mv
+    # in-place view ops that composite kernels apply to fresh temporaries (matmul's
+    # vector-matrix case squeezes its product in place) reach the tracer unfunctionalised
+    table[aten.squeeze_.dim] = aten.squeeze.dim
+    table[aten.squeeze_.dims] = aten.squeeze.dims
+    table[aten.squeeze_.default] = aten.squeeze.default
+    table[aten.unsqueeze_.default] = aten.unsqueeze.default
+    table[aten.transpose_.default] = aten.transpose.int
+    table[aten.t_.default] = aten.t.default
     table[aten.dot.default] = _dot
     return table
+
+
+_FULL = (torch.float32, torch.float64)
+#: PyTorch's decompositions of the ops that have lean versions here
+_FALLBACKS: dict = {}
+
+
+def _lean(fn, fallback):
+    """``fn`` for float32/float64 inputs, PyTorch's decomposition ``fallback`` otherwise (it
+    computes half-precision inputs in float32)."""
+
+    def op(x, *args, **kwargs):
+        if x.dtype in _FULL:
+            return fn(x, *args, **kwargs)
+        return fallback(x, *args, **kwargs)
+
+    op.__name__ = fn.__name__
+    op.__doc__ = fn.__doc__
+    return op
+
+
+def _softmax(x, dim: int, half_to_float: bool):
+    """``exp(x - max) / Σ exp(x - max)`` along ``dim``."""
+    if half_to_float:
+        return _FALLBACKS[aten._softmax.default](x, dim, half_to_float)
+    e = aten.exp.default(aten.sub.Tensor(x, aten.amax.default(x, [dim], True)))
+    return aten.div.Tensor(e, aten.sum.dim_IntList(e, [dim], True))
+
+
+def _log_softmax(x, dim: int, half_to_float: bool):
+    """``(x - max) - log Σ exp(x - max)`` along ``dim``."""
+    if half_to_float:
+        return _FALLBACKS[aten._log_softmax.default](x, dim, half_to_float)
+    shifted = aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
+    total = aten.sum.dim_IntList(aten.exp.default(shifted), [dim], True)
+    return aten.sub.Tensor(shifted, aten.log.default(total))
+
+
+def _layer_norm(x, normalized_shape, weight, bias, eps: float):
+    """``(x - mean)·rsqrt(var + eps)·weight + bias`` over the trailing ``normalized_shape``
+    dims; returns ``(out, mean, rstd)`` with mean and rstd kept as reduced dims."""
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    var, mean = aten.var_mean.correction(x, dims, correction=0, keepdim=True)
+    rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
+    out = aten.mul.Tensor(aten.sub.Tensor(x, mean), rstd)
+    if weight is not None:
+        out = aten.mul.Tensor(out, weight)
+    if bias is not None:
+        out = aten.add.Tensor(out, bias)
+    return out, mean, rstd
+
+
+def _gelu(x, approximate: str = "none"):
+    """``x/2·(1 + erf(x/√2))``, or with ``approximate="tanh"``
+    ``x/2·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``."""
+    if approximate == "tanh":
+        inner = aten.mul.Tensor(aten.mul.Tensor(aten.mul.Tensor(x, x), x), 0.044715)
+        inner = aten.mul.Tensor(aten.add.Tensor(x, inner), math.sqrt(2 / math.pi))
+        half = aten.mul.Tensor(x, 0.5)
+        return aten.mul.Tensor(half, aten.add.Tensor(aten.tanh.default(inner), 1))
+    half = aten.mul.Tensor(x, 0.5)
+    return aten.mul.Tensor(half, aten.add.Tensor(aten.erf.default(
+        aten.mul.Tensor(x, math.sqrt(0.5))), 1))
 
 
 def _group_norm(x, weight, bias, n: int, c: int, hxw: int, groups: int, eps: float):
@@ -116,6 +200,24 @@ def _group_norm(x, weight, bias, n: int, c: int, hxw: int, groups: int, eps: flo
     if bias is not None:
         out = aten.add.Tensor(out, aten.view.default(bias, chan))
     return out, aten.view.default(mean, [n, groups]), aten.view.default(rstd, [n, groups])
+
+
+def _batch_norm(x, weight, bias, running_mean, running_var, training: bool, momentum: float,
+                eps: float):
+    """``native_batch_norm`` with its running-statistics update made visible: the functional
+    form, then ``copy_`` of the new statistics into the buffers (which tracing turns into buffer
+    updates). Functionalisation cannot see this update: the op's schema does not mark the
+    running statistics as written."""
+    if not training:
+        return aten._native_batch_norm_legit_no_training.default(
+            x, weight, bias, running_mean, running_var, momentum, eps)
+    if running_mean is None:
+        return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, momentum, eps)
+    out, mean, rstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
+        x, weight, bias, running_mean, running_var, True, momentum, eps)
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
+    return out, mean, rstd
 
 
 def _adaptive_avg_pool2d(x, output_size):
@@ -219,8 +321,11 @@ def default_loss(out: Any) -> str:
     return "sum"
 
 
-def make_targets(loss: str, out: torch.Tensor, fake_mode: FakeTensorMode) -> tuple:
-    with fake_mode:
+def make_targets(loss: str, out: torch.Tensor, fake_mode: FakeTensorMode,
+                 inside: bool = False) -> tuple:
+    """Loss targets for ``out``: class indices (cross-entropy) or a tensor like ``out`` (MSE).
+    ``inside``: already under ``fake_mode`` (while tracing)."""
+    with contextlib.nullcontext() if inside else fake_mode:
         if loss == "cross_entropy":
             return (torch.zeros(out.shape[0], dtype=torch.long, device=out.device),)
         if loss == "mse":
@@ -270,29 +375,258 @@ def trace(
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
     fake_mode = fake_mode or fake_mode_of(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     inputs = tuple(fake_mode.from_tensor(t) if not _is_fake(t) else t for t in inputs)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    flat_state = [fake_mode.from_tensor(t) if not _is_fake(t) else t
+                  for t in [*params.values(), *buffers.values()]]
+    n_p, n_b = len(params), len(buffers)
+    chosen: dict[str, Any] = {}
+
+    def objective(*flat):
+        state = (dict(zip(params, flat[:n_p])), dict(zip(buffers, flat[n_p:n_p + n_b])))
+        with _ModuleScopes(model) as scopes:
+            out = torch.func.functional_call(model, state, tuple(flat[n_p + n_b:]))
+            scopes.leave_model()
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            if not outs:
+                raise TraceError("the model returned no tensor")
+            kind = default_loss(out) if loss == "auto" else loss
+            chosen["loss"] = kind
+            if kind == "none":
+                return tuple(outs)
+            # the targets are made here, in the graph, and become placeholders afterwards
+            targets = make_targets(kind, outs[0], fake_mode, inside=True)
+            chosen["targets"] = [scopes.mark(t) for t in targets]
+            first = outs[0]
+            if kind == "cross_entropy":
+                value = F.cross_entropy(first, targets[0])
+            elif kind == "mse":
+                value = F.mse_loss(first, targets[0])
+            elif kind == "sum":
+                value = first.sum()
+            else:  # "output": the model computes its own scalar loss
+                value = first
+            return (value, *outs)
+
     try:
-        with fake_mode:
-            out = model(*inputs)
-    except Exception as e:
-        raise TraceError(
-            f"running the model on the example inputs failed: {type(e).__name__}: {_first_line(e)}"
-        ) from e
-    if loss == "auto":
-        loss = default_loss(out)
-    flat_out, _ = tree_flatten(out)
-    targets = make_targets(loss, flat_out[0], fake_mode)
-    wrapper = Objective(model, loss)
-    try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _CompositeOps(), fake_mode:
             warnings.simplefilter("ignore")
-            ep = torch.export.export(wrapper, inputs + targets, strict=False)
-            ep = ep.run_decompositions(decomposition_table())
+            gm = make_fx(torch.func.functionalize(objective),
+                         decomposition_table=decomposition_table(),
+                         _allow_fake_constant=True)(*flat_state, *inputs)
+    except TraceError:
+        raise
     except Exception as e:
         raise TraceError(
-            f"torch.export could not trace the model: {type(e).__name__}: {_first_line(e)}"
+            f"tracing the model on the example inputs failed: {type(e).__name__}: "
+            f"{_first_line(e)}"
         ) from e
-    return _to_graph(ep, n_inputs=len(inputs), loss_index=None if loss == "none" else 0,
-                     loss_kind=loss, wrapped=True)
+    return _from_make_fx(gm, params=list(params), buffers=list(buffers), n_inputs=len(inputs),
+                         loss_kind=chosen["loss"], target_nodes=chosen.get("targets", []))
+
+
+def _dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
+    """``F.dropout`` whose training mode is ``native_dropout`` on every device."""
+    if training and 0 < p < 1 and not inplace:
+        return aten.native_dropout.default(input, p, True)[0]
+    return _F_DROPOUT(input, p, training, inplace)
+
+
+_F_DROPOUT = F.dropout
+_F_SDPA = F.scaled_dot_product_attention
+
+
+class _CompositeOps(TorchFunctionMode):
+    """Routes composite ops that :func:`trace` must see whole to graphflop's decompositions.
+
+    ``torch.func.functionalize`` (which :func:`trace` uses) lets composite ops decompose in
+    C++ before the tracer sees them, skipping the decomposition table:
+
+    * scaled dot-product attention would become the CPU kernel's math form (PyTorch scales q and
+      k and guards fully masked rows); it goes to :func:`_sdpa`;
+    * training-mode dropout would become ``bernoulli_`` and a division on CPU and meta tensors;
+      it goes to ``native_dropout``, as ``torch.export`` and CUDA have it.
+
+    So a model counts the same on every device. Calls made directly are caught by this mode;
+    calls from inside other ``torch.nn.functional`` functions (multi-head attention), which run
+    with the mode switched off, by pointing ``torch.nn.functional``'s names at the same
+    functions while the mode is on.
+    """
+
+    def __enter__(self):
+        F.scaled_dot_product_attention, F.dropout = _sdpa, _dropout
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention, F.dropout = _F_SDPA, _F_DROPOUT
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _F_SDPA:
+            return _sdpa(*args, **kwargs)
+        if func is _F_DROPOUT:
+            return _dropout(*args, **kwargs)
+        if func is torch.dropout:
+            return _dropout(*args, **{"training" if k == "train" else k: v
+                                      for k, v in kwargs.items()})
+        return func(*args, **kwargs)
+
+
+class _ModuleScopes:
+    """Records, while ``make_fx`` traces, which module call each new graph node comes from.
+
+    Global forward hooks keep a stack of the module paths being run; at every hook the nodes
+    added since the last one are given the stack as PyTorch's ``nn_module_stack`` (paths
+    prefixed ``model.``, the loss at the root ``""``), the format ``torch.export`` writes.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.paths = {}
+        for name, m in model.named_modules(remove_duplicate=False):
+            self.paths.setdefault(id(m), ("model." + name) if name else "model")
+        self.stack = [("", "graphflop.trace.Objective"), ("model", _qualname(model))]
+        self.graph = None
+        self.cursor = None
+
+    def __enter__(self):
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        mode = get_proxy_mode()
+        self.graph = mode.tracer.graph if mode is not None else None
+        self.cursor = self._last()
+        self.handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
+            torch.nn.modules.module.register_module_forward_hook(self._leave, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc):
+        self._flush()
+        for h in self.handles:
+            h.remove()
+        return False
+
+    def _last(self):
+        if self.graph is None:
+            return None
+        return next(iter(reversed(self.graph.nodes)), None)
+
+    def _flush(self) -> None:
+        if self.graph is None:
+            return
+        n = self.cursor.next if self.cursor is not None else next(iter(self.graph.nodes), None)
+        stack = {path: (path, cls) for path, cls in self.stack if path is not None}
+        while n is not None and n.op != "root":
+            n.meta.setdefault("nn_module_stack", stack)
+            n = n.next
+        self.cursor = self._last()
+
+    def _enter(self, module, args):
+        self._flush()
+        path = self.paths.get(id(module))
+        if path != "model":  # the model itself is already on the stack
+            self.stack.append((path, _qualname(module)))
+
+    def _leave(self, module, args, out):
+        if self.paths.get(id(module)) == "model":
+            return
+        self._flush()
+        self.stack.pop()
+
+    def leave_model(self) -> None:
+        self._flush()
+        self.stack = self.stack[:1]
+
+    def mark(self, t: torch.Tensor):
+        """The graph node that made ``t`` (the last one added)."""
+        self._flush()
+        return self.cursor
+
+
+def _qualname(m: nn.Module) -> str:
+    return f"{type(m).__module__}.{type(m).__qualname__}"
+
+
+def _from_make_fx(gm: GraphModule, *, params: list[str], buffers: list[str], n_inputs: int,
+                  loss_kind: str, target_nodes: list) -> GraphModule:
+    """``make_fx``'s graph in graphflop's form: placeholders named and classified as
+    ``torch.export`` does (``p_model_*``, ``b_model_*``, ``args_i``; constants made in forward
+    become fixed buffers), the target nodes made inside the trace turned into placeholders, the
+    functionalised buffer writes (``copy_`` into a placeholder) turned into outputs."""
+    old = gm.graph
+    phs = [n for n in old.nodes if n.op == "placeholder"]
+    n_p, n_b = len(params), len(buffers)
+    out_node = next(n for n in reversed(old.nodes) if n.op == "output")
+    writes: dict = {}
+    order = {n: i for i, n in enumerate(old.nodes)}
+    for n in list(old.nodes):
+        if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in phs:
+            i = phs.index(n.args[0])
+            if not n_p <= i < n_p + n_b:
+                what = params[i] if i < n_p else f"input {i - n_p - n_b}"
+                raise TraceError(f"the model writes in place into {what}; only buffers may be "
+                                 "updated in forward")
+            ph, value = n.args
+            later = [u for u in ph.users if order[u] > order[n]]
+            for u in later:  # reads after the write see the new value
+                u.replace_input_with(ph, value)
+            writes[buffers[i - n_p]] = value
+            n.replace_all_uses_with(value)
+            old.erase_node(n)
+    g = torch.fx.Graph()
+    env: dict = {}
+    sig_params, sig_buffers, model_inputs, target_names = [], [], [], []
+    constants: dict[str, torch.Tensor] = {}
+
+    def placeholder(name: str, src):
+        ph = g.placeholder(name)
+        ph.meta.update(src.meta)
+        ph.meta.pop("nn_module_stack", None)
+        return ph
+
+    for i, n in enumerate(phs):
+        if i < n_p:
+            env[n] = placeholder("p_model_" + _ident(params[i]), n)
+            sig_params.append((env[n].name, params[i]))
+        elif i < n_p + n_b:
+            env[n] = placeholder("b_model_" + _ident(buffers[i - n_p]), n)
+            sig_buffers.append((env[n].name, buffers[i - n_p]))
+    for n in old.nodes:
+        if n.op == "get_attr":  # torch.tensor(...) made in forward: a fixed buffer
+            env[n] = placeholder("c_" + _ident(n.target), n)
+            sig_buffers.append((env[n].name, n.target))
+            constants[env[n].name] = getattr(gm, n.target)
+    for i, n in enumerate(phs[n_p + n_b:]):
+        env[n] = placeholder(f"args_{i}", n)
+        model_inputs.append(env[n].name)
+    for j, n in enumerate(target_nodes):
+        env[n] = placeholder(f"args_{n_inputs + j}", n)
+        target_names.append(env[n].name)
+    for n in old.nodes:
+        if n in env or n.op in ("placeholder", "get_attr", "output"):
+            continue
+        env[n] = g.node_copy(n, lambda a: env[a])
+    results = [env[a] for a in out_node.args[0]]
+    updates = [(env[v].name, b) for b, v in writes.items()]
+    g.output(tuple([env[writes[b]] for b in writes] + results))
+    g.eliminate_dead_code()
+    new = graph_module(torch.nn.Module(), g)
+    has_loss = loss_kind != "none"
+    signature = Signature(
+        params=tuple(sig_params),
+        buffers=tuple(sig_buffers),
+        inputs=tuple(model_inputs),
+        targets=tuple(target_names),
+        loss=results[0].name if has_loss else None,
+        outputs=tuple(r.name for r in results[1 if has_loss else 0:]),
+        buffer_updates=tuple(updates),
+    )
+    return _finish(new, signature, constants, loss_kind, wrapped=True)
+
+
+def _ident(name: str) -> str:
+    return re.sub(r"[^0-9a-zA-Z_]", "_", name).lower()
 
 
 def from_exported(
@@ -368,6 +702,11 @@ def _to_graph(ep, *, n_inputs: int, loss_index: int | None, loss_kind: str,
         outputs=tuple(n.name for n in model_outs if hasattr(n, "name")),
         buffer_updates=tuple(buffer_updates),
     )
+    return _finish(gm, signature, constants, loss_kind, wrapped)
+
+
+def _finish(gm: GraphModule, signature: Signature, constants: dict, loss_kind: str,
+            wrapped: bool) -> GraphModule:
     gm.meta[SIGNATURE] = signature
     gm.meta["gf_constants"] = constants
     gm.meta["gf_loss_kind"] = loss_kind

@@ -494,7 +494,7 @@ SHAPE = [
     OpCase("to_float64",
            _fn(lambda s, x: x.to(torch.float64) * s.w, {"w": W}), ((X, torch.float32),),
            flops=24,  # the cast is a copy: 0 FLOPs; mul 24
-           aten=("aten._to_copy.default", "aten._assert_tensor_metadata.default")),
+           aten=("aten._to_copy.default",)),
 ]
 
 # ---------------------------------------------------------------------------------------------

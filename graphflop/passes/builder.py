@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import itertools
 import operator
+import weakref
 from typing import Any
 
 import torch
 from torch.fx import Graph, Node
-from torch.utils._pytree import tree_flatten, tree_map
 
 from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost
 from graphflop.ops.shape import reduced_dims
+from graphflop.passes._tree import leaves, tree_map
 from graphflop.passes.flops import op_cost, value_of
 
 aten = torch.ops.aten
@@ -92,28 +93,36 @@ class Builder:
 
     # -- emission ----------------------------------------------------------------------------
     def _fake(self, op, args, kwargs):
+        """The op's output as FakeTensors, from the shape cache when the same op has been run
+        on arguments of the same shapes, strides and dtypes (a transformer's 48 blocks emit
+        the same calls 48 times)."""
         vals = tree_map(value_of, args)
         kvals = tree_map(value_of, kwargs)
+        cache = _SHAPE_CACHE.setdefault(self.fake_mode, {})
+        key = _shape_key(op, vals, kvals)
+        if key is not None:
+            hit = cache.get(key)
+            if hit is not None:
+                return hit
         with self.fake_mode:
-            return op(*vals, **kvals)
+            out = op(*vals, **kvals)
+        if key is not None:
+            cache[key] = out
+        return out
 
     def call(self, op: Any, *args: Any, **kwargs: Any) -> Any:
         """Emit ``op(*args, **kwargs)``; returns the new node, or a GhostValue."""
-        args = tree_map(self.import_arg, args, is_leaf=is_ghost)
-        kwargs = tree_map(self.import_arg, kwargs, is_leaf=is_ghost)
-        flat, _ = tree_flatten((args, kwargs), is_leaf=is_ghost)
+        args = tree_map(self.import_arg, args)
+        kwargs = tree_map(self.import_arg, kwargs)
+        flat = list(leaves((args, kwargs)))
         ghosts = [a for a in flat if is_ghost(a)]
         active = [a for a in flat if isinstance(a, Node) and a.meta.get(KIND) == self.active_kind]
         if (ghosts and not active) or self.force_ghost:
             return self._ghost(op, args, kwargs, flat)
         if ghosts:  # a real tangent beside a ghost: the ghost is a zero here
-            args = tree_map(
-                lambda a: self.zeros_like(a) if is_ghost(a) else a, args, is_leaf=is_ghost
-            )
-            kwargs = tree_map(
-                lambda a: self.zeros_like(a) if is_ghost(a) else a, kwargs, is_leaf=is_ghost
-            )
-            flat, _ = tree_flatten((args, kwargs))
+            args = tree_map(lambda a: self.zeros_like(a) if is_ghost(a) else a, args)
+            kwargs = tree_map(lambda a: self.zeros_like(a) if is_ghost(a) else a, kwargs)
+            flat = list(leaves((args, kwargs)))
         out = self._fake(op, args, kwargs)
         node = self.graph.call_function(op, tuple(args), dict(kwargs))
         node.meta["val"] = out
@@ -200,6 +209,38 @@ class Builder:
 
     def zeros_like(self, a: Any) -> Any:
         return self.zeros(tuple(value_of(a).shape), a)
+
+
+#: fake mode -> {(op, argument metadata) -> FakeTensor output(s)}
+_SHAPE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shape_key(op: Any, args: tuple, kwargs: dict) -> Any:
+    """A hashable key of an op call by its arguments' metadata, or None (do not cache).
+
+    Only ops whose output metadata is a function of the inputs' metadata are cached: views and
+    computations, not ops reading tensor values (``nonzero``, ``item``)."""
+    if op in _UNCACHED:
+        return None
+    try:
+        key = (op, _meta_key(args), _meta_key(tuple(sorted(kwargs.items()))))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _meta_key(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        if getattr(a, "constant", None) is not None:  # a value-carrying fake: not cacheable
+            raise TypeError("constant")
+        return ("T", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device)
+    if isinstance(a, (list, tuple)):
+        return tuple(_meta_key(x) for x in a)
+    return a
+
+
+_UNCACHED = {aten.nonzero.default, aten._local_scalar_dense.default}
 
 
 def _param_derived(flat: list[Any]) -> bool:

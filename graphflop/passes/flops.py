@@ -12,16 +12,15 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.utils._pytree import tree_flatten, tree_map
 
 from graphflop.meta import COST, ZERO_COST, NodeCost
 from graphflop.ops import lookup
+from graphflop.passes._tree import leaves, tree_map
 
 
 def tensor_bytes(v: Any) -> int:
     """Bytes of every tensor in ``v`` (a tensor, or a nested tuple/list): numel × element size."""
-    flat, _ = tree_flatten(v)
-    return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in leaves(v) if isinstance(t, torch.Tensor))
 
 
 def value_of(a: Any) -> Any:

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.meta import KIND, MODULE, ROLE, SIGNATURE, SOURCE, Signature, fake_mode_of
+from graphflop.meta import (
+    KIND,
+    MODULE,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+    Signature,
+    fake_mode_of,
+    graph_module,
+)
 from graphflop.passes.builder import Builder
 from graphflop.passes.jvp import build_jvp
 from graphflop.passes.optimizer import OptimizerConfig, build_update, inline_update
@@ -64,6 +73,7 @@ def build_forward_gradient_step(
     directions: int = 1,
     distribution: str = "normal",
     direction_inputs: bool = False,
+    jvp: GraphModule | None = None,
 ) -> GraphModule:
     """Build the forward-gradient step graph of a traced forward graph (see module docstring).
 
@@ -76,6 +86,7 @@ def build_forward_gradient_step(
             sample).
         direction_inputs: take the directions as inputs instead of sampling them (for export
             and for reproducible runs).
+        jvp: ``build_jvp(forward, "params")`` when already built; built here otherwise.
 
     Raises:
         ValueError: bad ``directions`` or ``distribution``, or a forward graph without a loss.
@@ -87,7 +98,8 @@ def build_forward_gradient_step(
     sig: Signature = forward.meta[SIGNATURE]
     if sig.loss is None:
         raise ValueError("the forward graph has no loss")
-    jvp = build_jvp(forward, "params")
+    if jvp is None:
+        jvp = build_jvp(forward, "params")
     info = jvp.meta["gf_jvp"]
     g = Graph()
     fake_mode = fake_mode_of([n.meta["val"] for n in forward.graph.nodes if "val" in n.meta])
@@ -163,7 +175,7 @@ def build_forward_gradient_step(
     loss = next(env[o] for o in primal_outs
                 if isinstance(o, Node) and o.meta.get(SOURCE) == sig.loss)
     g.output(tuple([loss] + new_state + ds))
-    gm = GraphModule(torch.nn.Module(), g)
+    gm = graph_module(torch.nn.Module(), g)
     gm.meta[SIGNATURE] = sig
     gm.meta["gf_forward_gradient"] = ForwardGradientInfo(
         tuple(n.name for n in g.nodes if n.op == "placeholder"),

@@ -36,6 +36,7 @@ from graphflop.meta import (
     SOURCE,
     Signature,
     fake_mode_of,
+    graph_module,
 )
 from graphflop.ops import lookup
 from graphflop.passes.builder import Builder, GhostValue, is_ghost
@@ -213,7 +214,7 @@ def build_jvp(
             t = b.zeros_like(env[d])
         tangent_outs.append(t)
     g.output(tuple(primal_outs + tangent_outs))
-    gm = GraphModule(forward, g)
+    gm = graph_module(forward, g)
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = ghosts
     gm.meta["gf_jvp"] = JvpInfo(

@@ -30,7 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.meta import KIND, MODULE, PARAM, PARAM_DERIVED, ROLE, SOURCE
+from graphflop.meta import KIND, MODULE, PARAM, PARAM_DERIVED, ROLE, SOURCE, graph_module
 from graphflop.passes.builder import Builder
 
 aten = torch.ops.aten
@@ -146,7 +146,7 @@ def build_update(
             n.meta[PARAM] = q
         new_w.append(nw)
     g.output(tuple(new_w + [n for s in new_state for n in s]))
-    gm = GraphModule(torch.nn.Module(), g)
+    gm = graph_module(torch.nn.Module(), g)
     gm.meta["gf_update"] = UpdateInfo(
         cfg.name,
         tuple(q for q, _ in params),

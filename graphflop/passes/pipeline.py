@@ -94,9 +94,15 @@ def analyze(
     sig = fwd.meta[SIGNATURE]
     a = Analysis(name or type(model).__name__, fwd)
     has_loss = sig.loss is not None
+    lin = None  # the JVP graph with parameter tangents: transposed, and the forward gradient's
+    if jvp:
+        say("building the JVP graph")
+        a.jvp = annotate_flops(build_jvp(fwd, tangents))
+        if tangents == "params":
+            lin = a.jvp
     if backward and has_loss:
         say("building the backward graph")
-        a.backward = annotate_flops(build_vjp(fwd))
+        a.backward = annotate_flops(build_vjp(fwd, linearized=lin))
         say("building the optimizer update")
         phs = {n.name: n for n in fwd.graph.nodes if n.op == "placeholder"}
         modules = {q: q.rpartition(".")[0] for _, q in sig.params}
@@ -108,13 +114,11 @@ def analyze(
                 modules=modules,
             )
         )
-    if jvp:
-        say("building the JVP graph")
-        a.jvp = annotate_flops(build_jvp(fwd, tangents))
-        if has_loss:
-            say("building the forward-gradient step")
-            a.forward_gradient = annotate_flops(build_forward_gradient_step(
-                fwd, optimizer, directions=directions, distribution=distribution))
+        lin = lin or a.backward.meta["gf_linearized"]
+    if jvp and has_loss:
+        say("building the forward-gradient step")
+        a.forward_gradient = annotate_flops(build_forward_gradient_step(
+            fwd, optimizer, directions=directions, distribution=distribution, jvp=lin))
     say("summarising")
     a.summary = summarize(a, optimizer=optimizer, tangents=tangents)
     return a

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.meta import KIND, MODULE, ROLE, SIGNATURE, SOURCE, Signature
+from graphflop.meta import KIND, MODULE, ROLE, SIGNATURE, SOURCE, Signature, graph_module
 from graphflop.passes.optimizer import inline_update
 
 aten = torch.ops.aten
@@ -72,7 +72,7 @@ def build_train_step(forward: GraphModule, backward: GraphModule,
     buffers = [fenv[a] for a in f_out.args[0] if isinstance(a, Node) and
                a.name in {b for b, _ in sig.buffer_updates}]
     g.output(tuple([loss] + new + buffers))
-    gm = GraphModule(torch.nn.Module(), g)
+    gm = graph_module(torch.nn.Module(), g)
     gm.meta[SIGNATURE] = sig
     info = update.meta["gf_update"]
     gm.meta["gf_update"] = update.meta["gf_update"]

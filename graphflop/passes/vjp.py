@@ -41,6 +41,7 @@ from graphflop.meta import (
     SOURCE,
     Signature,
     fake_mode_of,
+    graph_module,
 )
 from graphflop.ops import lookup
 from graphflop.passes.builder import Builder, GhostValue, is_ghost
@@ -148,12 +149,15 @@ def _is_linear(a: Any) -> bool:
     return isinstance(a, Node) and a.meta.get(KIND) == "tangent"
 
 
-def build_vjp(forward: GraphModule, *, input_grads: bool = False) -> GraphModule:
+def build_vjp(forward: GraphModule, *, input_grads: bool = False,
+              linearized: GraphModule | None = None) -> GraphModule:
     """Build the backward graph of a traced forward graph (see the module docstring).
 
     Args:
         forward: a graph from :func:`graphflop.trace.trace` with a loss.
         input_grads: also return the cotangents of the model's inputs.
+        linearized: the JVP graph of ``forward`` to transpose, when already built (tangents on
+            the parameters, and on the inputs too for ``input_grads``); built here otherwise.
 
     Returns:
         The backward GraphModule; ``gm.meta["gf_linearized"]`` holds the JVP graph it was
@@ -166,7 +170,8 @@ def build_vjp(forward: GraphModule, *, input_grads: bool = False) -> GraphModule
     sig: Signature = forward.meta[SIGNATURE]
     if sig.loss is None:
         raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
-    lin = build_jvp(forward, "all" if input_grads else "params")
+    lin = linearized if linearized is not None else build_jvp(
+        forward, "all" if input_grads else "params")
     info = lin.meta["gf_jvp"]
     out_node = next(n for n in lin.graph.nodes if n.op == "output")
     loss_tangent = out_node.args[0][info.primal_outputs]
@@ -251,12 +256,13 @@ def build_vjp(forward: GraphModule, *, input_grads: bool = False) -> GraphModule
         outputs.append(g_val)
     g.output(tuple(outputs))
     g.eliminate_dead_code()
-    gm = fold_transposed_matmuls(GraphModule(torch.nn.Module(), g))
+    gm = fold_transposed_matmuls(graph_module(torch.nn.Module(), g))
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = ghosts
     gm.meta["gf_linearized"] = lin
+    kept = {n.name for n in g.nodes}
     gm.meta["gf_vjp"] = VjpInfo(
-        tuple(r for r in b.residual_order if r[0] in {n.name for n in g.nodes}),
+        tuple(r for r in b.residual_order if r[0] in kept),
         ct_loss.name,
         tuple(grads),
         tuple(in_grads),
