@@ -1,9 +1,13 @@
 """Model → forward graph of core ATen ops on FakeTensors, with the loss at its end.
 
-``torch.export`` (non-strict, so Python control flow on shapes traces) turns the model and a loss
-into a graph whose placeholders are the parameters, buffers, inputs and loss targets; PyTorch's
+``make_fx`` over ``torch.func.functionalize`` (Python control flow on shapes traces; in-place
+ops become functional, buffer writes become outputs) turns the model and a loss into a graph
+whose placeholders are the parameters, buffers, inputs and loss targets, in one pass: PyTorch's
 core-ATen decomposition table, extended to batch norm and the softmax/NLL losses, breaks
-composite ops into the parts FLOPS.md counts. Tracing runs on FakeTensors: no activation memory.
+composite ops into the parts FLOPS.md counts as they are traced. Module paths come from forward
+hooks (:class:`_ModuleScopes`); identical repeated modules are traced once
+(:mod:`graphflop.repeats`). Tracing runs on FakeTensors: no activation memory.
+:func:`from_exported` takes a ``torch.export`` program instead.
 
 Writes on each node: ``val`` (PyTorch), ``gf_kind="primal"``, ``gf_role`` (``forward`` or
 ``loss``), ``gf_source``, ``gf_module`` (the ``nn.Module`` path), ``gf_param_derived``; on
@@ -29,6 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from graphflop import repeats
 from graphflop.meta import (
     KIND,
     MODULE,
@@ -353,6 +358,7 @@ def trace(
     *,
     loss: str = "auto",
     fake_mode: FakeTensorMode | None = None,
+    reuse: bool = True,
 ) -> GraphModule:
     """Trace ``model`` on ``inputs`` (FakeTensors or real tensors) followed by ``loss``.
 
@@ -362,6 +368,9 @@ def trace(
         loss: ``cross_entropy`` (against integer targets), ``mse``, ``sum``, ``output`` (the
             model's first output is already the scalar loss), ``none`` or ``auto``
             (cross-entropy for (N, C) logits, else sum).
+        fake_mode: the FakeTensorMode to trace in (default: the inputs', else a new one).
+        reuse: trace each set of identical repeated modules (a transformer's blocks) once
+            and copy the graph (:mod:`graphflop.repeats`); the graph is the same either way.
 
     Returns:
         An ``fx.GraphModule`` of core ATen ops. Its placeholders are the parameters, buffers,
@@ -369,12 +378,28 @@ def trace(
         then the loss, then the model's outputs.
 
     Raises:
-        TraceError: when ``torch.export`` cannot trace the model (the cause is chained).
+        TraceError: when the model cannot be traced (the cause is chained).
     """
     if loss not in LOSSES + ("auto",):
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
     fake_mode = fake_mode or fake_mode_of(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     inputs = tuple(fake_mode.from_tensor(t) if not _is_fake(t) else t for t in inputs)
+    excluded: set[int] = set()
+    while True:
+        outline = repeats.plan(model, excluded) if reuse else {}
+        try:
+            return _trace_once(model, inputs, loss, fake_mode, outline)
+        except Exception as e:
+            cause = _find(e, repeats.NotOutlinable)
+            if cause is None or not outline:
+                raise
+            if cause.structure < 0:  # not a structure's fault: trace without outlining
+                reuse = False
+            excluded.add(cause.structure)
+
+
+def _trace_once(model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTensorMode,
+                outline: dict) -> GraphModule:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     flat_state = [fake_mode.from_tensor(t) if not _is_fake(t) else t
@@ -408,21 +433,57 @@ def trace(
                 value = first
             return (value, *outs)
 
+    table = decomposition_table()
+    outliner = repeats.Outliner(outline)
     try:
         with warnings.catch_warnings(), _CompositeOps(), fake_mode:
             warnings.simplefilter("ignore")
-            gm = make_fx(torch.func.functionalize(objective),
-                         decomposition_table=decomposition_table(),
-                         _allow_fake_constant=True)(*flat_state, *inputs)
+            with outliner:
+                gm = make_fx(torch.func.functionalize(objective), decomposition_table=table,
+                             _allow_fake_constant=True)(*flat_state, *inputs)
+            templates = {}
+            for key, call in enumerate(outliner.calls):
+                templates[key] = _trace_template(outliner, key, call, table, fake_mode)
     except TraceError:
         raise
     except Exception as e:
+        if _find(e, repeats.NotOutlinable) is not None:
+            raise
         raise TraceError(
             f"tracing the model on the example inputs failed: {type(e).__name__}: "
             f"{_first_line(e)}"
         ) from e
+    repeats.inline(gm.graph, templates)
     return _from_make_fx(gm, params=list(params), buffers=list(buffers), n_inputs=len(inputs),
                          loss_kind=chosen["loss"], target_nodes=chosen.get("targets", []))
+
+
+def _trace_template(outliner, key: int, call, table, fake_mode) -> torch.fx.Graph:
+    """The graph of one outlined module call, module paths relative to :data:`repeats.MARK`."""
+    fn = outliner.template_fn(key)
+
+    def scoped(*tensors):
+        with _ModuleScopes(call.module, prefix=repeats.MARK,
+                           base=[(repeats.MARK, _qualname(call.module))]):
+            return fn(*tensors)
+
+    gm = make_fx(torch.func.functionalize(scoped), decomposition_table=table)(
+        *outliner.example_tensors(key, fake_mode))
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" or (n.op == "call_function" and n.target is aten.copy_.default):
+            raise repeats.NotOutlinable(call.structure, "makes constants or writes in place")
+    return gm.graph
+
+
+def _find(e: BaseException | None, kind: type) -> Any:
+    """``e`` or the first exception of ``kind`` in its cause/context chain."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
@@ -481,11 +542,13 @@ class _ModuleScopes:
     prefixed ``model.``, the loss at the root ``""``), the format ``torch.export`` writes.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, prefix: str = "model", base: list | None = None):
+        self.prefix = prefix
         self.paths = {}
         for name, m in model.named_modules(remove_duplicate=False):
-            self.paths.setdefault(id(m), ("model." + name) if name else "model")
-        self.stack = [("", "graphflop.trace.Objective"), ("model", _qualname(model))]
+            self.paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
+        self.stack = list(base) if base is not None else [
+            ("", "graphflop.trace.Objective"), (prefix, _qualname(model))]
         self.graph = None
         self.cursor = None
 
@@ -525,11 +588,11 @@ class _ModuleScopes:
     def _enter(self, module, args):
         self._flush()
         path = self.paths.get(id(module))
-        if path != "model":  # the model itself is already on the stack
+        if path != self.prefix:  # the root itself is already on the stack
             self.stack.append((path, _qualname(module)))
 
     def _leave(self, module, args, out):
-        if self.paths.get(id(module)) == "model":
+        if self.paths.get(id(module)) == self.prefix:
             return
         self._flush()
         self.stack.pop()

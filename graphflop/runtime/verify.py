@@ -59,8 +59,11 @@ def real_arguments(
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
     for name, qual in sig.params:
         values[name] = model.get_parameter(qual).detach().clone().to(phs[name].meta["val"].dtype)
+    constants = forward.meta.get("gf_constants", {})
     for name, qual in sig.buffers:
-        values[name] = model.get_buffer(qual).detach().clone().to(phs[name].meta["val"].dtype)
+        # a tensor made in forward (torch.tensor(...)) is a constant of the graph
+        value = constants[name] if name in constants else model.get_buffer(qual)
+        values[name] = value.detach().clone().to(phs[name].meta["val"].dtype)
     out_val = (
         next(n for n in forward.graph.nodes if n.name == (sig.outputs or (None,))[0]).meta["val"]
         if sig.outputs
@@ -192,8 +195,8 @@ def verify_jvp(
     got = outs[info.primal_outputs]
     params = {q: values[n] for n, q in sig.params}
     model = _cast(model, next(iter(params.values())).dtype if params else None)
-    qual_of = dict(sig.params)
-    input_names = list(sig.inputs)
+    # only floating inputs are differentiable (token ids stay fixed)
+    input_names = [n for n in sig.inputs if values[n].is_floating_point()]
 
     def f(p, xs):
         vals = dict(values)
@@ -204,7 +207,6 @@ def verify_jvp(
     p_t = {q: tangents.get(n, torch.zeros_like(values[n])) for n, q in sig.params}
     x_t = tuple(tangents.get(n, torch.zeros_like(values[n])) for n in input_names)
     _, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))
-    del qual_of
     return Check("JVP loss tangent vs torch.func.jvp", rel_error(got, ref), "loss", tolerance)
 
 

@@ -1,0 +1,301 @@
+"""Repeated modules traced once: a transformer's 48 blocks are one trace and 47 copies.
+
+Tracing costs about a millisecond per ATen op whatever the tensor sizes, so a deep model's
+trace is dominated by re-tracing identical blocks. :func:`plan` picks the *outermost* modules
+whose structure is shared by at least one other module: the same class, parameter and buffer
+names, shapes and dtypes, and the same non-tensor attributes, for the module and every
+submodule (so a block that reads a per-layer attribute such as a layer index is never merged
+with another). While :func:`graphflop.trace.trace` runs, each such module's ``forward`` is
+replaced by :class:`Outliner`'s stub, which emits one opaque ``graphflop::repeat`` node; the op's
+fake kernel runs the real ``forward`` on FakeTensors, without tracing, to produce the outputs.
+Afterwards each distinct call (module structure and argument metadata) is traced once as a
+graph of its own (:meth:`Outliner.templates`) and :func:`inline` replaces every
+``graphflop::repeat`` node with a copy of its template, the call's arguments standing for the
+template's placeholders and the call site's module path prefixed to the template's.
+
+The result is the graph full tracing gives, node for node (tests/test_repeats.py). A module
+whose ``forward`` writes into a tensor (batch norm's running statistics in training mode)
+cannot be a copy: the fake run sees a version counter move and raises :class:`NotOutlinable`,
+and tracing starts again without outlining that structure. So does a module that makes
+constant tensors in ``forward`` or has hooks of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import Graph, Node
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+#: template module paths start with this marker, replaced by the call site's path on inlining
+MARK = "@"
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+@torch.library.custom_op("graphflop::repeat", mutates_args=())
+def repeat(tensors: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+    """An outlined module call (inputs, then the module's parameters and buffers); exists only
+    while graphflop traces, and is replaced by the module's graph afterwards."""
+    raise RuntimeError("graphflop::repeat runs only inside graphflop's tracing")
+
+
+@repeat.register_fake
+def _repeat_fake(tensors, key):
+    return _ACTIVE[-1].fake_call(key, tensors)
+
+
+_ACTIVE: list[Outliner] = []
+
+
+class NotOutlinable(Exception):
+    """A module structure that cannot be traced once for all its instances."""
+
+    def __init__(self, structure: int, why: str):
+        super().__init__(why)
+        self.structure = structure
+
+
+def _attr_key(v: Any) -> Any:
+    """A hashable stand-in for a module attribute: the value for plain data, the object's
+    identity otherwise (a shared config object is the same; per-instance tensors are not)."""
+    if v is None or isinstance(v, (bool, int, float, str, complex, torch.dtype, torch.device)):
+        return ("v", type(v), v)
+    if isinstance(v, (tuple, list)):
+        return ("s", type(v), tuple(_attr_key(x) for x in v))
+    return ("id", id(v))
+
+
+def structure(m: nn.Module) -> tuple | None:
+    """What makes two modules compute the same function of (inputs, parameters, buffers):
+    classes, modes, attributes, parameter and buffer metadata of ``m`` and its submodules.
+    None when ``m`` cannot be outlined (it, or a submodule, has hooks of its own)."""
+    items: list = []
+    for name, sub in m.named_modules():
+        if any(getattr(sub, h) for h in ("_forward_hooks", "_forward_pre_hooks",
+                                          "_backward_hooks", "_backward_pre_hooks")):
+            return None
+        attrs = tuple(sorted((k, _attr_key(v)) for k, v in vars(sub).items()
+                             if k not in _MODULE_INTERNALS))
+        items.append((name, type(sub), sub.training, attrs))
+    for name, p in m.named_parameters():
+        items.append(("p", name, tuple(p.shape), p.dtype, p.requires_grad))
+    for name, b in m.named_buffers():
+        items.append(("b", name, tuple(b.shape), b.dtype))
+    return tuple(items)
+
+
+def plan(model: nn.Module, exclude: set[int] = frozenset(), min_modules: int = 3) -> dict:
+    """The modules to outline: ``{module: structure id}`` for the outermost modules (not the
+    root) with at least ``min_modules`` modules in them whose structure another module shares.
+    Structure ids in ``exclude`` are left out."""
+    named = [(n, m) for n, m in model.named_modules() if n]
+    ids: dict[tuple, int] = {}
+    sid_of: dict[str, int] = {}
+    count: dict[int, int] = {}
+    for name, m in named:
+        if sum(1 for _ in m.modules()) < min_modules:
+            continue
+        s = structure(m)
+        if s is None:
+            continue
+        sid = ids.setdefault(s, len(ids))
+        sid_of[name] = sid
+        count[sid] = count.get(sid, 0) + 1
+    chosen: dict[nn.Module, int] = {}
+    chosen_paths: list[str] = []
+    for name, m in named:
+        sid = sid_of.get(name)
+        if sid is None or count[sid] < 2 or sid in exclude:
+            continue
+        if any(name.startswith(p + ".") for p in chosen_paths):
+            continue
+        chosen[m] = sid
+        chosen_paths.append(name)
+    return chosen
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+@dataclass
+class Call:
+    """One distinct outlined call: the module (its first instance), how to rebuild the
+    arguments, and the outputs' metadata and structure (filled by the first fake run)."""
+
+    module: nn.Module
+    structure: int
+    spec: Any
+    leaves: list  # non-tensor argument leaves (None where a tensor goes)
+    n_inputs: int
+    input_meta: list
+    state_meta: list
+    out_spec: Any = None
+    out_leaves: list = field(default_factory=list)
+    out_meta: list = field(default_factory=list)
+
+
+class Outliner:
+    """Installs the stubs while tracing; holds the distinct calls seen.
+
+    Use as a context manager around the trace of the whole model; then :meth:`templates`
+    traces each distinct call once and :func:`inline` expands the graph.
+    """
+
+    def __init__(self, modules: dict[nn.Module, int]):
+        self.modules = modules
+        self.calls: list[Call] = []
+        self.keys: dict[Any, int] = {}
+        self._saved: list = []
+        self.bypass = False
+
+    def __enter__(self):
+        for m in self.modules:
+            self._saved.append((m, m.__dict__.get("forward")))
+            m.forward = self._stub(m)
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        for m, old in self._saved:
+            if old is None:
+                del m.forward
+            else:
+                m.forward = old
+        self._saved.clear()
+        return False
+
+    def _stub(self, m: nn.Module):
+        original = type(m).forward.__get__(m)
+
+        def forward(*args, **kwargs):
+            if self.bypass:
+                return original(*args, **kwargs)
+            leaves, spec = tree_flatten((args, kwargs))
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            others = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+            state = [*dict(m.named_parameters()).values(), *dict(m.named_buffers()).values()]
+            try:
+                key = (self.modules[m], spec, tuple(_attr_key(x) for x in others),
+                       tuple(_meta(t) for t in tensors), tuple(_meta(t) for t in state),
+                       torch.is_grad_enabled())
+                hash(key)
+            except TypeError:
+                return original(*args, **kwargs)
+            if key not in self.keys:
+                self.keys[key] = len(self.calls)
+                self.calls.append(Call(m, self.modules[m], spec, others, len(tensors),
+                                       [_meta(t) for t in tensors], [_meta(t) for t in state]))
+            call = self.calls[self.keys[key]]
+            outs = repeat([*tensors, *state], self.keys[key])
+            it = iter(outs)
+            flat = [next(it) if x is None else x for x in call.out_leaves]
+            return tree_unflatten(flat, call.out_spec)
+
+        return forward
+
+    def _rebuild(self, call: Call, tensors: list) -> tuple[tuple, dict, dict]:
+        it = iter(tensors[: call.n_inputs])
+        leaves = [next(it) if x is None else x for x in call.leaves]
+        args, kwargs = tree_unflatten(leaves, call.spec)
+        names = [*dict(call.module.named_parameters()), *dict(call.module.named_buffers())]
+        return args, kwargs, dict(zip(names, tensors[call.n_inputs:]))
+
+    def fake_call(self, key: int, tensors: list) -> list:
+        """The outputs of call ``key`` as fresh FakeTensors; the first time, by running the
+        module's real forward on them (raising :class:`NotOutlinable` if it writes in place)."""
+        call = self.calls[key]
+        if call.out_spec is None:
+            args, kwargs, state = self._rebuild(call, tensors)
+            versions = [t._version for t in tensors]
+            with self._bypass():
+                out = torch.func.functional_call(call.module, state, args, kwargs)
+            if [t._version for t in tensors] != versions:
+                raise NotOutlinable(call.structure, "writes into a tensor in forward")
+            leaves, call.out_spec = tree_flatten(out)
+            call.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+            call.out_meta = [_meta(x) for x in leaves if isinstance(x, torch.Tensor)]
+        return [torch.empty_strided(s, st, dtype=dt, device=dev)
+                for s, st, dt, dev in call.out_meta]
+
+    @contextlib.contextmanager
+    def _bypass(self):
+        prev, self.bypass = self.bypass, True
+        try:
+            yield
+        finally:
+            self.bypass = prev
+
+    def template_fn(self, key: int):
+        """``fn(*tensors) -> list of output tensors`` running call ``key``'s module for real."""
+        call = self.calls[key]
+
+        def fn(*tensors):
+            args, kwargs, state = self._rebuild(call, list(tensors))
+            with self._bypass():
+                out = torch.func.functional_call(call.module, state, args, kwargs)
+            return [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+
+        return fn
+
+    def example_tensors(self, key: int, fake_mode) -> list:
+        call = self.calls[key]
+        with fake_mode:
+            return [torch.empty_strided(s, st, dtype=dt, device=dev)
+                    for s, st, dt, dev in (*call.input_meta, *call.state_meta)]
+
+
+def inline(graph: Graph, templates: dict[int, Graph]) -> int:
+    """Replace every ``graphflop::repeat`` node of ``graph`` by a copy of its template graph;
+    returns the number of nodes copied.
+
+    The template's placeholders stand for the call's tensors; its module paths, which start
+    with :data:`MARK`, get the call site's path instead.
+
+    Raises:
+        NotOutlinable: a template made constants (``get_attr``) or wrote into its inputs.
+    """
+    copied = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.graphflop.repeat.default:
+            continue
+        tensors, key = node.args
+        tpl = templates[key]
+        site = node.meta.get("nn_module_stack") or {}
+        site_path = list(site.values())[-1][0] if site else ""
+        env: dict[Node, Any] = {}
+        phs = [n for n in tpl.nodes if n.op == "placeholder"]
+        env.update(zip(phs, tensors))
+        out_args: list = []
+        with graph.inserting_before(node):
+            for tn in tpl.nodes:
+                if tn.op == "placeholder":
+                    continue
+                if tn.op == "output":
+                    out_args = list(tn.args[0])
+                    continue
+                new = graph.node_copy(tn, lambda a: env[a])
+                stack = dict(site)
+                for path, cls in (tn.meta.get("nn_module_stack") or {}).values():
+                    if path != MARK:
+                        full = site_path + path[len(MARK):]
+                        stack[full] = (full, cls)
+                new.meta["nn_module_stack"] = stack
+                env[tn] = new
+                copied += 1
+        outs = [env[a] if isinstance(a, Node) else a for a in out_args]
+        for user in list(node.users):
+            if user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                graph.erase_node(user)
+        if node.users:
+            raise NotOutlinable(-1, "an outlined call's result list is used whole")
+        graph.erase_node(node)
+    return copied

@@ -1,0 +1,122 @@
+"""Repeated modules traced once (graphflop.repeats): the graph equals full tracing's, node for
+node, and computes the same values; modules that cannot be copies are traced in full."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from graphflop import repeats
+from graphflop.meta import MODULE, SIGNATURE
+from graphflop.passes.flops import annotate_flops, total_cost
+from graphflop.trace import trace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpt2(**kwargs):
+    spec = importlib.util.spec_from_file_location("gpt2_for_repeats", ROOT / "models" / "gpt2.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.GPT2("small", n_layer=3, n_head=2, n_embd=8, vocab_size=11, n_positions=6,
+                    **kwargs)
+
+
+def _ops(gm):
+    return [(n.op, str(n.target), n.meta.get(MODULE)) for n in gm.graph.nodes]
+
+
+def _run(gm, params: dict, buffers: dict, *args):
+    """Run a traced graph on real values: parameters and buffers by qualified name."""
+    sig = gm.meta[SIGNATURE]
+    state = {**params, **buffers}
+    values = [state[q] for _, q in sig.params] + [state[q] for _, q in sig.buffers]
+    return gm(*values, *args)
+
+
+def _same_graph(model, x, **kw):
+    full = trace(model, (x,), reuse=False, **kw)
+    once = trace(model, (x,), **kw)
+    assert _ops(once) == _ops(full)
+    assert once.meta[SIGNATURE].buffer_updates == full.meta[SIGNATURE].buffer_updates
+    return full, once
+
+
+def test_plan_outlines_the_outermost_repeated_blocks():
+    model = _gpt2()
+    chosen = repeats.plan(model)
+    names = {m: n for n, m in model.named_modules()}
+    # the three blocks (not their inner Linear/LayerNorm, which also repeat)
+    assert sorted(names[m] for m in chosen) == ["h.0", "h.1", "h.2"]
+    assert len(set(chosen.values())) == 1
+
+
+def test_gpt2_graph_and_values_equal_full_tracing():
+    torch.manual_seed(0)
+    model = _gpt2().double().train()
+    idx = torch.randint(0, 11, (2, 6))
+    full, once = _same_graph(model, idx)
+    targets = torch.randint(0, 11, (12,))
+    params = dict(model.named_parameters())
+    got = _run(once, params, {}, idx, targets)
+    want = _run(full, params, {}, idx, targets)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # and both equal eager PyTorch: cross-entropy of the logits
+    logits = model(idx)
+    torch.testing.assert_close(got[0], nn.functional.cross_entropy(logits, targets))
+    assert total_cost(annotate_flops(once).graph.nodes) == total_cost(
+        annotate_flops(full).graph.nodes)
+
+
+class _Block(nn.Module):
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.act = nn.ReLU()
+        self.scale = scale
+
+    def forward(self, x):
+        return x + self.scale * self.act(self.bn(self.fc(x)))
+
+
+def test_blocks_that_update_buffers_are_traced_in_full():
+    """Training-mode batch norm writes its running statistics: such blocks are not copies
+    (the first fake run sees the write and tracing starts again without outlining)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block(), _Block()).train()
+    x = torch.randn(5, 4)
+    full, once = _same_graph(model, x, loss="sum")
+    assert len(once.meta[SIGNATURE].buffer_updates) == 9  # mean, var, count × 3
+    # in eval mode nothing is written: the blocks are outlined and the graph is the same
+    model.eval()
+    assert repeats.plan(model)
+    _same_graph(model, x, loss="sum")
+
+
+def test_blocks_differing_in_an_attribute_are_not_merged():
+    """A per-block attribute (here a residual scale) makes the blocks different functions:
+    each is traced, and the values equal eager PyTorch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(1.0), _Block(0.5), _Block(1.0), _Block(0.5)).eval().double()
+    chosen = repeats.plan(model)
+    assert len(set(chosen.values())) == 2  # blocks 0 and 2 share one trace, 1 and 3 another
+    x = torch.randn(5, 4, dtype=torch.float64)
+    full, once = _same_graph(model, x, loss="none")
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    got = _run(once, params, buffers, x)
+    torch.testing.assert_close(got[0], model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_no_stub_is_left_behind(reuse):
+    """The stubs that replace forward while tracing are removed afterwards."""
+    model = _gpt2()
+    trace(model, (torch.randint(0, 11, (1, 6)),), reuse=reuse)
+    assert all("forward" not in vars(m) for m in model.modules())
