@@ -281,7 +281,7 @@ def inline(graph: Graph, templates: dict[int, Graph]) -> int:
                 if tn.op == "output":
                     out_args = list(tn.args[0])
                     continue
-                new = graph.node_copy(tn, lambda a: env[a])
+                new = graph.node_copy(tn, env.__getitem__)
                 stack = dict(site)
                 for path, cls in (tn.meta.get("nn_module_stack") or {}).values():
                     if path != MARK:

@@ -816,16 +816,12 @@ def _tag_nodes(gm: GraphModule, sig: Signature, wrapped: bool = True) -> None:
         n.meta[MODULE] = path
         n.meta[ROLE] = "loss" if path == "loss" else "forward"
         if n.op == "call_function":
-            deps = [a for a in n.all_input_nodes if _has_float(a.meta.get("val"))]
-            n.meta[PARAM_DERIVED] = all(a.meta.get(PARAM_DERIVED, False) for a in deps)
+            # computed from parameters, buffers and constants only (an embedding lookup at the
+            # model's token ids is not; one at arange positions is)
+            n.meta[PARAM_DERIVED] = all(a.meta.get(PARAM_DERIVED, False)
+                                        for a in n.all_input_nodes)
         else:
             n.meta[PARAM_DERIVED] = False
-
-
-def _has_float(v: Any) -> bool:
-    if isinstance(v, (tuple, list)):
-        return any(_has_float(x) for x in v)
-    return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
 def _is_fake(t: Any) -> bool:

@@ -373,6 +373,22 @@ def test_tiny_gpt2_verifies_with_token_inputs():
     assert rel_error(got, ref) < 1e-9
 
 
+def test_token_embedding_is_data_the_position_embedding_is_not():
+    """Parameter-derived means computed from parameters and constants only: the lookup at the
+    token ids depends on the data (its cotangent is an activation gradient and it is saved for
+    nothing), the lookup at arange positions does not."""
+    from conftest import spec
+
+    from graphflop.load import load, make_inputs
+    from graphflop.meta import PARAM_DERIVED
+
+    loaded = load(spec("gpt2.py:GPT2"), ctor_kwargs=TINY_GPT2, meta=True)
+    fwd = trace(loaded.model.train(), make_inputs(loaded, shapes=[(2, 16)]))
+    lookups = {n.args[0].name: n.meta[PARAM_DERIVED] for n in fwd.graph.nodes
+               if n.target is torch.ops.aten.embedding.default}
+    assert lookups == {"p_model_wte_weight": False, "p_model_wpe_weight": True}
+
+
 def test_cli_verify_gpt2():
     """``inspect --verify`` on a GPT-2: the JVP check holds the integer token ids fixed (only
     floating inputs get tangents in torch.func.jvp)."""
@@ -476,6 +492,24 @@ def test_constants_made_in_forward_trace_as_buffers():
     # addmm 2·2·3·3 + 6; mul 6; add 6 (index_select: 0)
     assert a.summary["totals"]["forward"]["flops"] - 6 == 36 + 6 + 6 + 6
     assert a.summary["totals"]["backward"]["mm_flops"] == 2 * 2 * 3 * 3
+
+
+def test_parameter_names_that_are_not_identifiers():
+    """Module names with '-' and capitals (torchvision's RegNet, Inception) reach every graph:
+    the update, train-step and forward-gradient graphs match parameters by qualified name."""
+    from graphflop.passes.optimizer import update_param_count
+    from graphflop.passes.train_step import build_train_step
+
+    model = nn.Module()
+    model.add_module("block-1", nn.Linear(3, 4))
+    model.add_module("Head", nn.Linear(4, 2))
+    model.forward = lambda x: model.Head(torch.relu(getattr(model, "block-1")(x)))
+    a = analyze(model, (torch.randn(5, 3),), optimizer="adam")
+    assert update_param_count(a.update) == 3 * 4 + 4 + 4 * 2 + 2
+    step = build_train_step(a.forward, a.backward, a.update)
+    assert len(step.meta["gf_train_step"].params) == 4
+    assert {q for q in a.forward_gradient.meta["gf_forward_gradient"].params} == {
+        "block-1.weight", "block-1.bias", "Head.weight", "Head.bias"}
 
 
 def test_library_model_whose_constructor_computes_with_tensors_loads_on_meta():

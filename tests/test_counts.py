@@ -105,6 +105,18 @@ def test_reduction_counts():
     assert all(n.meta["gf_cost"].bytes_read == 0 for n in gm.graph.nodes)
 
 
+def test_lookups_read_the_rows_they_gather():
+    """FLOPS.md: an embedding lookup reads the gathered rows and the indices, not the table."""
+    from graphflop.passes.pipeline import analyze
+
+    a = analyze(nn.Embedding(1000, 16), (torch.zeros(2, 3, dtype=torch.long),), loss="sum")
+    lookup = next(n for n in a.forward.graph.nodes
+                  if n.target is torch.ops.aten.embedding.default)
+    cost = lookup.meta["gf_cost"]
+    # rows: 2·3·16 float32 = 384 bytes; indices: 2·3 int64 = 48 bytes (the table is 64,000)
+    assert (cost.flops, cost.bytes_read, cost.bytes_written) == (0, 384 + 48, 384)
+
+
 def test_grouped_conv_backward_keeps_the_group_factor():
     conv = nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False)
     x = torch.randn(4, 16, 16, 16, requires_grad=True)

@@ -4,7 +4,6 @@ node, and computes the same values; modules that cannot be copies are traced in 
 from __future__ import annotations
 
 import importlib.util
-from collections import Counter
 from pathlib import Path
 
 import pytest

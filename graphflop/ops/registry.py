@@ -33,8 +33,10 @@ from torch._ops import OpOverload
 from graphflop.meta import NodeCost
 
 #: How an op moves memory: ``compute`` reads its tensor inputs and writes its outputs, ``view``
-#: moves nothing (it aliases its input), ``copy`` reads and writes but costs no FLOPs.
-BYTE_POLICIES = ("compute", "view", "copy")
+#: moves nothing (it aliases its input), ``copy`` reads and writes but costs no FLOPs,
+#: ``gather`` (lookups: embedding, index_select, gather, advanced indexing) reads only the rows
+#: it gathers (its output's bytes) and the index tensors, not the whole source.
+BYTE_POLICIES = ("compute", "view", "copy", "gather")
 
 FAMILIES = (
     "linalg",

@@ -47,14 +47,16 @@ COPIES = (
     aten.select_scatter.default,
     aten.copy.default,
     aten.stack.default,
-    aten.index_select.default,
-    aten.gather.default,
     aten.repeat.default,
 )
+#: lookups read the rows they gather (and the indices), not the whole source (FLOPS.md)
+GATHERS = (aten.index_select.default, aten.gather.default)
 for _op in VIEWS:
     register(_op, F, free, bytes="view")
 for _op in COPIES:
     register(_op, F, free, bytes="copy")
+for _op in GATHERS:
+    register(_op, F, free, bytes="gather")
 
 
 def _per_src(out, self, dim, index, src, *args, **kwargs) -> NodeCost:
@@ -298,7 +300,7 @@ def _transpose_index_select(b, ct, args, kwargs, linear):
 # advanced indexing x[i, :, j] (upsampling, reflection padding, adaptive pooling decompose to it;
 # the core-ATen decompositions turn _unsafe_index into index, so only index has derivatives)
 for _op in (aten.index.Tensor, aten._unsafe_index.Tensor):
-    register(_op, F, free, bytes="copy")
+    register(_op, F, free, bytes="gather")
 
 
 def _index_put_cost(out, x, indices, values, accumulate=False, *args, **kwargs) -> NodeCost:

@@ -50,6 +50,9 @@ def op_cost(op: Any, args: tuple, kwargs: dict, out: Any, node: str | None = Non
     c = rule.cost(o, *a, **k)
     if rule.bytes == "view":
         return NodeCost(c.flops, c.mm_flops, c.transcendentals, c.random_elements, 0, 0)
+    if rule.bytes == "gather":  # the rows gathered (as many as written) and the indices
+        return NodeCost(c.flops, c.mm_flops, c.transcendentals, c.random_elements,
+                        tensor_bytes(o) + tensor_bytes((a[1:], k)), tensor_bytes(o))
     return NodeCost(
         c.flops,
         c.mm_flops,

@@ -31,7 +31,7 @@ from graphflop.meta import (
 )
 from graphflop.passes.builder import Builder
 from graphflop.passes.jvp import build_jvp
-from graphflop.passes.optimizer import OptimizerConfig, build_update, inline_update
+from graphflop.passes.optimizer import SLOT, OptimizerConfig, build_update, inline_update
 
 aten = torch.ops.aten
 DISTRIBUTIONS = ("normal", "rademacher")
@@ -117,7 +117,7 @@ def build_forward_gradient_step(
                        fake_mode=fake_mode)
     state_phs = {}
     for n in upd.graph.nodes:
-        if n.op == "placeholder" and not n.name.startswith(("param_", "grad_")):
+        if n.op == "placeholder" and n.meta[SLOT] not in ("param", "grad"):
             state_phs[n.name] = g.node_copy(n)
     dir_inputs: dict[tuple[int, str], Node] = {}
     if direction_inputs:

@@ -19,11 +19,13 @@ AdamW     Adam + decoupled weight decay ``w - lr·λ·w`` (2)               20
 The counts do not depend on the batch size: gradients arrive already summed over the batch.
 
 Writes ``gf_kind="update"``, ``gf_role="update"``, ``gf_source``/``gf_param`` (the parameter's
-placeholder/qualified name) and ``gf_module`` (the parameter's module path).
+placeholder/qualified name) and ``gf_module`` (the parameter's module path); on placeholders
+``gf_slot`` (:data:`SLOT`: what the input holds).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +38,9 @@ from graphflop.passes.builder import Builder
 aten = torch.ops.aten
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 #: FLOPs per parameter element of each update (FLOPS.md)
+#: node.meta key on update placeholders: ``param``, ``grad``, a state kind, ``lr`` or ``step``
+SLOT = "gf_slot"
+
 FLOPS_PER_ELEMENT = {"sgd": 2, "momentum": 4, "adam": 18, "adamw": 20}
 #: optimizer-state tensors kept per parameter
 STATE_KINDS = {
@@ -97,7 +102,7 @@ def build_update(
     b = _UpdateBuilder(g, fake_mode, [])
     b.role = "update"
 
-    def ph(name, val, qual=None, module=""):
+    def ph(name, val, qual=None, module="", slot=None):
         n = g.placeholder(name)
         n.meta.update(
             {
@@ -111,15 +116,19 @@ def build_update(
         )
         if qual:
             n.meta[PARAM] = qual
+        n.meta[SLOT] = slot or name
         return n
 
-    safe = [q.replace(".", "_") for q, _ in params]
-    w = [ph(f"param_{s}", t, q, modules.get(q, _parent(q))) for s, (q, t) in zip(safe, params)]
-    gr = [ph(f"grad_{s}", t, q, modules.get(q, _parent(q))) for s, (q, t) in zip(safe, params)]
-    state = [
-        [ph(f"{kind}_{s}", t, q, modules.get(q, _parent(q))) for s, (q, t) in zip(safe, params)]
-        for kind in STATE_KINDS[cfg.name]
-    ]
+    # names are identifiers whatever the parameter's (torchvision's RegNet has '-' in them);
+    # nothing looks a placeholder up by name: its slot and gf_param say what it holds
+    safe = [re.sub(r"\W", "_", q) for q, _ in params]
+
+    def slots(kind):
+        return [ph(f"{kind}_{s}", t, q, modules.get(q, _parent(q)), kind)
+                for s, (q, t) in zip(safe, params)]
+
+    w, gr = slots("param"), slots("grad")
+    state = [slots(kind) for kind in STATE_KINDS[cfg.name]]
     device = params[0][1].device if params else torch.device("cpu")
     dtype = params[0][1].dtype if params else torch.float32
     with fake_mode:  # lr and step in the parameters' dtype: no mixed-precision update
@@ -195,9 +204,9 @@ def inline_update(g, update: GraphModule, params: dict, grads: dict, state: dict
     out = None
     for n in update.graph.nodes:
         if n.op == "placeholder":
-            if n.name.startswith("param_"):
+            if n.meta[SLOT] == "param":
                 env[n] = params[n.meta[PARAM]]
-            elif n.name.startswith("grad_"):
+            elif n.meta[SLOT] == "grad":
                 env[n] = grads[n.meta[PARAM]]
             else:
                 env[n] = state[n.name]
@@ -223,11 +232,8 @@ def _fake(mode, t):
 
 def update_param_count(gm: GraphModule) -> int:
     """Parameter elements an update graph updates."""
-    info: UpdateInfo = gm.meta["gf_update"]
-    names = {"param_" + q.replace(".", "_") for q in info.params}
-    return sum(
-        n.meta["val"].numel() for n in gm.graph.nodes if n.op == "placeholder" and n.name in names
-    )
+    return sum(n.meta["val"].numel() for n in gm.graph.nodes
+               if n.op == "placeholder" and n.meta.get(SLOT) == "param")
 
 
 __all__ = ["build_update", "OptimizerConfig", "OPTIMIZERS", "FLOPS_PER_ELEMENT", "Node"]

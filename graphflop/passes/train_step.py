@@ -15,7 +15,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.meta import KIND, MODULE, ROLE, SIGNATURE, SOURCE, Signature, graph_module
-from graphflop.passes.optimizer import inline_update
+from graphflop.passes.optimizer import SLOT, inline_update
 
 aten = torch.ops.aten
 
@@ -46,7 +46,7 @@ def build_train_step(forward: GraphModule, backward: GraphModule,
         by_name[n.name] = fenv[n]
     state_phs = {}
     for n in update.graph.nodes:
-        if n.op == "placeholder" and not n.name.startswith(("param_", "grad_")):
+        if n.op == "placeholder" and n.meta[SLOT] not in ("param", "grad"):
             state_phs[n.name] = g.node_copy(n)
     loss = by_name[sig.loss]
     benv: dict[Node, Node] = {}
