@@ -15,6 +15,11 @@ from rich.console import Console
 
 EXIT_USAGE = 2
 EXIT_VERIFY_FAILED = 1
+#: --verify's forward-gradient check: default steps, the FLOP budget they may spend (about half
+#: a minute on two CPU cores) and the fewest steps worth a statistical check
+VERIFY_SAMPLES = 100
+VERIFY_FLOPS = 2e12
+MIN_VERIFY_SAMPLES = 16
 
 
 def _ctor_kwargs(items: Sequence[str]) -> dict:
@@ -124,9 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the --verify run (default float64; float32 uses a 1e-4 "
         "tolerance too, and ill-conditioned models may exceed it)",
     )
-    p.add_argument("--verify-samples", type=int, default=100, metavar="M",
+    p.add_argument("--verify-samples", type=int, default=None, metavar="M",
                    help="forward-gradient steps (float32) averaged by the --verify unbiasedness "
-                        "check, whose 4-sigma tolerance is 4*sqrt(2/M) (0 skips it; default 100)")
+                        "check, whose 4-sigma tolerance is 4*sqrt(2/M); 0 skips it. Default: "
+                        f"{VERIFY_SAMPLES}, or as many as fit in {VERIFY_FLOPS:.0e} FLOPs, and "
+                        f"none when fewer than {MIN_VERIFY_SAMPLES} fit (a large model)")
     p.add_argument("--max-layers", type=int, default=60, help="rows shown in the table")
     p = sub.add_parser(
         "export", help="write forward, backward, train-step and forward-gradient-step ONNX models",
@@ -281,11 +288,14 @@ def _inspect(args, err: Console) -> int:
         from graphflop.load import load
         from graphflop.runtime.verify import verify_analysis
 
+        samples, why = _verify_samples(args.verify_samples, summary)
+        if why:
+            err.print(f"verify: {why}")
         with err.status("verifying against torch.func", spinner="dots"):
             real = load(args.spec, ctor_kwargs=_ctor_kwargs(args.arg))  # real weights
             real.model.train(not args.eval)
             checks = verify_analysis(real, inputs, analysis, dtype=args.verify_dtype,
-                                     forward_gradient_samples=args.verify_samples)
+                                     forward_gradient_samples=samples)
         summary["verify"] = [
             {
                 "check": c.name,
@@ -296,6 +306,8 @@ def _inspect(args, err: Console) -> int:
             }
             for c in checks
         ]
+        if why:
+            summary["verify_note"] = why
         for c in checks:
             mark = "[green]ok[/green]" if c.ok else "[red]FAILED[/red]"
             err.print(
@@ -315,6 +327,22 @@ def _inspect(args, err: Console) -> int:
     return rc
 
 
+
+
+def _verify_samples(requested: int | None, summary: dict) -> tuple[int, str]:
+    """Forward-gradient steps for --verify's unbiasedness check, and a note when the default
+    was cut down or skipped because one step costs too much to repeat on this machine."""
+    if requested is not None:
+        return requested, ""
+    step = summary["totals"].get("forward_gradient_step", {}).get("flops", 0)
+    fit = int(VERIFY_FLOPS // step) if step else VERIFY_SAMPLES
+    if fit >= VERIFY_SAMPLES:
+        return VERIFY_SAMPLES, ""
+    if fit >= MIN_VERIFY_SAMPLES:
+        return fit, (f"forward-gradient check over {fit} steps, not {VERIFY_SAMPLES}: one step "
+                     f"is {step / 1e9:,.1f} GFLOPs (--verify-samples M sets the number)")
+    return 0, (f"forward-gradient check skipped: one step is {step / 1e9:,.1f} GFLOPs, too many "
+               f"to repeat {MIN_VERIFY_SAMPLES}+ times (--verify-samples M runs it anyway)")
 
 
 def _export(args, err: Console) -> int:

@@ -49,6 +49,22 @@ def test_verify_passes():
     assert "ok" in r.stderr and "FAILED" not in r.stderr
 
 
+def test_verify_samples_follow_the_step_cost():
+    """The forward-gradient check's default: 100 steps when they fit in VERIFY_FLOPS, fewer
+    when only some do, none below MIN_VERIFY_SAMPLES; an explicit count always wins."""
+    from graphflop.cli import VERIFY_FLOPS, _verify_samples
+
+    def summary(flops):
+        return {"totals": {"forward_gradient_step": {"flops": flops}}}
+
+    assert _verify_samples(None, summary(VERIFY_FLOPS / 1000)) == (100, "")
+    n, why = _verify_samples(None, summary(VERIFY_FLOPS / 20))
+    assert n == 20 and "20 steps" in why
+    n, why = _verify_samples(None, summary(VERIFY_FLOPS / 10))
+    assert n == 0 and "skipped" in why
+    assert _verify_samples(7, summary(VERIFY_FLOPS)) == (7, "")
+
+
 TWO_MODULES = """
 import torch
 class A(torch.nn.Module):

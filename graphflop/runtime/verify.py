@@ -33,13 +33,17 @@ class Check:
 
 
 class _Recorder(Interpreter):
-    def __init__(self, gm):
+    """Runs a graph, keeping the values of the nodes named in ``keep`` (every node: None)."""
+
+    def __init__(self, gm, keep=None):
         super().__init__(gm)
+        self.keep = keep
         self.values: dict[str, Any] = {}
 
     def run_node(self, n):
         out = super().run_node(n)
-        self.values[n.name] = out
+        if self.keep is None or n.name in self.keep:
+            self.values[n.name] = out
         return out
 
 
@@ -79,12 +83,22 @@ def real_arguments(
     return values
 
 
-def run_forward(forward: GraphModule, values: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Run the forward graph; returns every node's value by name."""
+def run_forward(forward: GraphModule, values: dict[str, torch.Tensor],
+                keep=None) -> dict[str, Any]:
+    """Run the forward graph; returns the values by node name of every node, or of the nodes
+    named in ``keep`` (``backward_reads(backward)``: what a backward graph needs, so that a
+    large model's activations are freed as the run goes)."""
     order = [n.name for n in forward.graph.nodes if n.op == "placeholder"]
-    rec = _Recorder(forward)
+    rec = _Recorder(forward, keep)
     rec.run(*[values[n] for n in order])
     return rec.values
+
+
+def backward_reads(backward: GraphModule) -> set[str]:
+    """Names of the forward nodes :func:`run_backward` reads: the residuals and the loss."""
+    names = {n.meta.get("gf_source", n.name) for n in backward.graph.nodes
+             if n.op == "placeholder"}
+    return names | {backward.meta[SIGNATURE].loss}
 
 
 def run_backward(backward: GraphModule, fwd_values: dict[str, Any]) -> tuple:
@@ -137,8 +151,7 @@ def verify_gradients(
     """Compare every parameter gradient of ``backward`` with ``torch.func.grad`` of the same
     loss on the same random inputs, in the dtype the graphs were traced in."""
     values = real_arguments(forward, model, seed=seed)
-    fv = run_forward(forward, values)
-    grads = run_backward(backward, fv)
+    grads = run_backward(backward, run_forward(forward, values, backward_reads(backward)))
     sig: Signature = forward.meta[SIGNATURE]
     params = {q: values[n] for n, q in sig.params}
     model = _cast(model, next(iter(params.values())).dtype if params else None)
@@ -270,7 +283,8 @@ def verify_forward_gradient(forward: GraphModule, model: nn.Module, *, samples: 
 
     values = real_arguments(forward, model, seed=seed)
     sig: Signature = forward.meta[SIGNATURE]
-    grads = run_backward(build_vjp(forward), run_forward(forward, values))
+    backward = build_vjp(forward)
+    grads = run_backward(backward, run_forward(forward, values, backward_reads(backward)))
     true = torch.cat([g.flatten() for g in grads])
     step = build_forward_gradient_step(forward, "sgd")
     info = step.meta["gf_forward_gradient"]
