@@ -119,3 +119,27 @@ def test_no_stub_is_left_behind(reuse):
     model = _gpt2()
     trace(model, (torch.randint(0, 11, (1, 6)),), reuse=reuse)
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+class _ScaledBlock(nn.Module):
+    """Makes a constant tensor in forward: its template would hold a get_attr."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return self.act(self.fc(x)) * torch.tensor([1.0, 2.0, 3.0])
+
+
+def test_blocks_that_make_constants_are_traced_in_full():
+    model = nn.Sequential(_ScaledBlock(), _ScaledBlock()).double()
+    assert len(repeats.plan(model)) == 2  # outlined at first, then traced in full
+    x = torch.randn(4, 3, dtype=torch.float64)
+    full, once = _same_graph(model, x, loss="none")
+    consts = once.meta["gf_constants"]
+    assert len(consts) == 2
+    params = dict(model.named_parameters())
+    got = _run(once, params, {q: consts[n] for n, q in once.meta[SIGNATURE].buffers}, x)
+    torch.testing.assert_close(got[0], model(x), rtol=0, atol=0)

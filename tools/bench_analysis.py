@@ -165,6 +165,12 @@ def report(spec: str, batch: int | None, gf: dict, fc: dict) -> str:
         f"| time ratio, analysis only | {ratio:.1f}x | 1x |",
         f"| time ratio, with model construction | {ratio_all:.1f}x | 1x |",
         "",
+        "graphflop traces in one `make_fx` pass with the decompositions applied as it goes, "
+        "traces each set of identical repeated modules (the transformer blocks) once and copies "
+        "the graph (`graphflop/repeats.py`), builds the JVP graph once for the JVP report, the "
+        "backward (its transpose) and the forward-gradient step, and reuses the fake-tensor "
+        "shapes of repeated calls while building.",
+        "",
         "graphflop's analysis by stage:",
         "",
         "| stage | seconds |",
