@@ -121,6 +121,10 @@ def _run_child(kind: str, spec: str, batch: int | None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _runs(r: dict) -> str:
+    return ", ".join(f"{t:.2f}" for t in r["runs_s"])
+
+
 def _versions() -> dict:
     import torch
 
@@ -138,6 +142,11 @@ def _agreement(ours: int, theirs: int) -> str:
             "kernels, and drops grouped convolutions' 1/G in weight gradients).")
 
 
+def _median(runs: list[dict], key: str) -> dict:
+    """The run whose ``key`` is the median (the lower middle one for an even count)."""
+    return dict(sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2])
+
+
 def report(spec: str, batch: int | None, gf: dict, fc: dict) -> str:
     ratio = gf["analysis_s"] / fc["forward_backward_s"]
     ratio_all = (gf["load_s"] + gf["analysis_s"]) / (fc["build_s"] + fc["forward_backward_s"])
@@ -148,8 +157,9 @@ def report(spec: str, batch: int | None, gf: dict, fc: dict) -> str:
         "",
         f"Written by `tools/bench_analysis.py {spec}{f' --batch {batch}' if batch else ''}`: "
         "graphflop's analysis against PyTorch's `FlopCounterMode` run under `FakeTensorMode` "
-        "(forward, loss and backward), each in its own process. Neither allocates parameter or "
-        "activation memory.",
+        "(forward, loss and backward), each in its own process, alternately, "
+        f"{len(gf['runs_s'])} times each; the figures are the median runs'. Neither allocates "
+        "parameter or activation memory.",
         "",
         f"- model: `{spec}`, {gf['params']:,} parameters; inputs {shape}; loss {gf['loss']}",
         f"- machine: {v['machine']}; Python {v['python']}, torch {v['torch']}",
@@ -162,7 +172,10 @@ def report(spec: str, batch: int | None, gf: dict, fc: dict) -> str:
         f"| analysis (graphflop: every graph; FlopCounterMode: forward + backward) | "
         f"{gf['analysis_s']:.2f} s | {fc['forward_backward_s']:.2f} s |",
         f"| peak RSS of the process | {gf['peak_rss_mb']:.0f} MB | {fc['peak_rss_mb']:.0f} MB |",
+        f"| analysis, every run (s) | {_runs(gf)} | {_runs(fc)} |",
         f"| time ratio, analysis only | {ratio:.1f}x | 1x |",
+        f"| time ratio, slowest graphflop run over fastest FlopCounterMode run | "
+        f"{max(gf['runs_s']) / min(fc['runs_s']):.1f}x | |",
         f"| time ratio, with model construction | {ratio_all:.1f}x | 1x |",
         "",
         "graphflop traces in one `make_fx` pass with the decompositions applied as it goes, "
@@ -205,6 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "docs" / "analysis_scale.md"))
     p.add_argument("--json", default=None, help="also write the raw figures as JSON")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of each, alternating; the report gives the medians (default 3)")
     p.add_argument("--child", choices=["graphflop", "flop_counter"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -214,8 +229,15 @@ def main(argv=None) -> int:
         fn = child_graphflop if args.child == "graphflop" else child_flop_counter
         print(json.dumps(fn(args.spec, args.batch)))
         return 0
-    fc = _run_child("flop_counter", args.spec, args.batch)
-    gf = _run_child("graphflop", args.spec, args.batch)
+    fcs, gfs = [], []
+    for i in range(args.repeat):  # alternate, so that machine noise hits both alike
+        print(f"run {i + 1}/{args.repeat}", file=sys.stderr, flush=True)
+        fcs.append(_run_child("flop_counter", args.spec, args.batch))
+        gfs.append(_run_child("graphflop", args.spec, args.batch))
+    fc = _median(fcs, "forward_backward_s")
+    gf = _median(gfs, "analysis_s")
+    gf["runs_s"] = sorted(g["analysis_s"] for g in gfs)
+    fc["runs_s"] = sorted(f["forward_backward_s"] for f in fcs)
     text = report(args.spec, args.batch, gf, fc)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

@@ -34,3 +34,19 @@ def leaves(x: Any) -> Iterator[Any]:
             yield from leaves(y)
     else:
         yield x
+
+
+def meta_key(a: Any) -> Any:
+    """A hashable key of ``a`` by metadata: a tensor by shape, strides, offset, dtype and
+    device; containers by their items; anything else as itself (``TypeError`` on hashing
+    when it is not hashable). A FakeTensor that carries a constant value raises
+    ``TypeError``: its consumers may read the value."""
+    if isinstance(a, torch.Tensor):
+        if getattr(a, "constant", None) is not None:
+            raise TypeError("a value-carrying FakeTensor")
+        return ("T", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device)
+    if isinstance(a, (list, tuple)):
+        return tuple(meta_key(x) for x in a)
+    if isinstance(a, dict):
+        return tuple((k, meta_key(v)) for k, v in sorted(a.items()))
+    return a

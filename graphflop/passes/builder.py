@@ -22,7 +22,7 @@ from torch.fx import Graph, Node
 
 from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost
 from graphflop.ops.shape import reduced_dims
-from graphflop.passes._tree import leaves, tree_map
+from graphflop.passes._tree import leaves, meta_key, tree_map
 from graphflop.passes.flops import op_cost, value_of
 
 aten = torch.ops.aten
@@ -223,21 +223,11 @@ def _shape_key(op: Any, args: tuple, kwargs: dict) -> Any:
     if op in _UNCACHED:
         return None
     try:
-        key = (op, _meta_key(args), _meta_key(tuple(sorted(kwargs.items()))))
+        key = (op, meta_key(args), meta_key(tuple(sorted(kwargs.items()))))
         hash(key)
     except TypeError:
         return None
     return key
-
-
-def _meta_key(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        if getattr(a, "constant", None) is not None:  # a value-carrying fake: not cacheable
-            raise TypeError("constant")
-        return ("T", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device)
-    if isinstance(a, (list, tuple)):
-        return tuple(_meta_key(x) for x in a)
-    return a
 
 
 _UNCACHED = {aten.nonzero.default, aten._local_scalar_dense.default}

@@ -15,11 +15,13 @@ from torch.fx import GraphModule, Node
 
 from graphflop.meta import COST, ZERO_COST, NodeCost
 from graphflop.ops import lookup
-from graphflop.passes._tree import leaves, tree_map
+from graphflop.passes._tree import leaves, meta_key, tree_map
 
 
 def tensor_bytes(v: Any) -> int:
     """Bytes of every tensor in ``v`` (a tensor, or a nested tuple/list): numel × element size."""
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
     return sum(t.numel() * t.element_size() for t in leaves(v) if isinstance(t, torch.Tensor))
 
 
@@ -47,6 +49,26 @@ def op_cost(op: Any, args: tuple, kwargs: dict, out: Any, node: str | None = Non
     a = tree_map(value_of, args)
     k = tree_map(value_of, kwargs)
     o = value_of(out)
+    try:  # costs are functions of metadata: repeated blocks hit the cache
+        key = (rule, meta_key(a), meta_key(k), meta_key(o))
+        hit = _COSTS.get(key)
+    except TypeError:
+        key = hit = None
+    if hit is not None:
+        return hit
+    cost = _cost(rule, a, k, o)
+    if key is not None:
+        if len(_COSTS) > 100_000:
+            _COSTS.clear()
+        _COSTS[key] = cost
+    return cost
+
+
+#: (rule, argument metadata) -> NodeCost
+_COSTS: dict = {}
+
+
+def _cost(rule, a: tuple, k: dict, o: Any) -> NodeCost:
     c = rule.cost(o, *a, **k)
     if rule.bytes == "view":
         return NodeCost(c.flops, c.mm_flops, c.transcendentals, c.random_elements, 0, 0)
