@@ -14,10 +14,11 @@ graph of its own (:meth:`Outliner.templates`) and :func:`inline` replaces every
 template's placeholders and the call site's module path prefixed to the template's.
 
 The result is the graph full tracing gives, node for node (tests/test_repeats.py). A module
-whose ``forward`` writes into a tensor (batch norm's running statistics in training mode)
-cannot be a copy: the fake run sees a version counter move and raises :class:`NotOutlinable`,
-and tracing starts again without outlining that structure. So does a module that makes
-constant tensors in ``forward`` or has hooks of its own.
+whose ``forward`` writes into a tensor cannot be a copy: batch norm in training mode (which
+writes its running statistics) is never outlined, and for any other the fake run sees a version
+counter move and raises :class:`NotOutlinable`, and tracing starts again without outlining
+that structure. So does a module that makes constant tensors in ``forward``. A module with
+hooks of its own is never outlined.
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ def structure(m: nn.Module) -> tuple | None:
     return tuple(items)
 
 
+def _writes_buffers(m: nn.Module) -> bool:
+    """Whether ``m`` holds a module known to write its buffers in forward: batch norm (and
+    instance norm) tracking running statistics in training mode. Others are found by the
+    version-counter check, at the cost of tracing again."""
+    return any(isinstance(sub, nn.modules.batchnorm._NormBase) and sub.training
+               and sub.track_running_stats for sub in m.modules())
+
+
 def plan(model: nn.Module, exclude: set[int] = frozenset(), min_modules: int = 3) -> dict:
     """The modules to outline: ``{module: structure id}`` for the outermost modules (not the
     root) with at least ``min_modules`` modules in them whose structure another module shares.
@@ -99,7 +108,7 @@ def plan(model: nn.Module, exclude: set[int] = frozenset(), min_modules: int = 3
     sid_of: dict[str, int] = {}
     count: dict[int, int] = {}
     for name, m in named:
-        if sum(1 for _ in m.modules()) < min_modules:
+        if sum(1 for _ in m.modules()) < min_modules or _writes_buffers(m):
             continue
         s = structure(m)
         if s is None:
@@ -121,7 +130,17 @@ def plan(model: nn.Module, exclude: set[int] = frozenset(), min_modules: int = 3
 
 
 def _meta(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.stride(), t.dtype, t.device)
+    """What a module's trace may depend on besides values: shape, strides, dtype, device, and
+    whether the tensor requires grad (``matmul`` folds a strided input into one ``mm`` only
+    then)."""
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _like(meta: tuple) -> torch.Tensor:
+    """A fresh tensor with ``meta`` (under the caller's fake mode)."""
+    shape, stride, dtype, device, requires_grad = meta
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device,
+                               requires_grad=requires_grad and dtype.is_floating_point)
 
 
 @dataclass
@@ -150,6 +169,12 @@ class Outliner:
 
     def __init__(self, modules: dict[nn.Module, int]):
         self.modules = modules
+        # whether each parameter requires grad, read before tracing: inside it the module's
+        # parameters are functional wrappers that do not say, while PyTorch's kernels see the
+        # traced parameters' flag (matmul folds a strided input into one mm for a weight that
+        # requires grad)
+        self.trainable = {m: [p.requires_grad for p in dict(m.named_parameters()).values()]
+                          for m in modules}
         self.calls: list[Call] = []
         self.keys: dict[Any, int] = {}
         self._saved: list = []
@@ -181,10 +206,13 @@ class Outliner:
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
             others = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-            state = [*dict(m.named_parameters()).values(), *dict(m.named_buffers()).values()]
+            params = list(dict(m.named_parameters()).values())
+            state = [*params, *dict(m.named_buffers()).values()]
+            state_meta = [_meta(t)[:4] + (rg,) for t, rg in zip(params, self.trainable[m])]
+            state_meta += [_meta(t) for t in state[len(params):]]
             try:
                 key = (self.modules[m], spec, tuple(_attr_key(x) for x in others),
-                       tuple(_meta(t) for t in tensors), tuple(_meta(t) for t in state),
+                       tuple(_meta(t) for t in tensors), tuple(state_meta),
                        torch.is_grad_enabled())
                 hash(key)
             except TypeError:
@@ -192,7 +220,7 @@ class Outliner:
             if key not in self.keys:
                 self.keys[key] = len(self.calls)
                 self.calls.append(Call(m, self.modules[m], spec, others, len(tensors),
-                                       [_meta(t) for t in tensors], [_meta(t) for t in state]))
+                                       [_meta(t) for t in tensors], state_meta))
             call = self.calls[self.keys[key]]
             outs = repeat([*tensors, *state], self.keys[key])
             it = iter(outs)
@@ -213,17 +241,20 @@ class Outliner:
         module's real forward on them (raising :class:`NotOutlinable` if it writes in place)."""
         call = self.calls[key]
         if call.out_spec is None:
+            # fresh tensors like the call's (the op's own arguments do not require grad), run
+            # with grad enabled as the trace is
+            tensors = [_like(m) for m in (*call.input_meta, *call.state_meta)]
             args, kwargs, state = self._rebuild(call, tensors)
             versions = [t._version for t in tensors]
-            with self._bypass():
+            with self._bypass(), torch.enable_grad():
                 out = torch.func.functional_call(call.module, state, args, kwargs)
             if [t._version for t in tensors] != versions:
                 raise NotOutlinable(call.structure, "writes into a tensor in forward")
             leaves, call.out_spec = tree_flatten(out)
             call.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
             call.out_meta = [_meta(x) for x in leaves if isinstance(x, torch.Tensor)]
-        return [torch.empty_strided(s, st, dtype=dt, device=dev)
-                for s, st, dt, dev in call.out_meta]
+        with torch.no_grad():
+            return [_like(m[:4] + (False,)) for m in call.out_meta]
 
     @contextlib.contextmanager
     def _bypass(self):
@@ -248,8 +279,7 @@ class Outliner:
     def example_tensors(self, key: int, fake_mode) -> list:
         call = self.calls[key]
         with fake_mode:
-            return [torch.empty_strided(s, st, dtype=dt, device=dev)
-                    for s, st, dt, dev in (*call.input_meta, *call.state_meta)]
+            return [_like(m) for m in (*call.input_meta, *call.state_meta)]
 
 
 def inline(graph: Graph, templates: dict[int, Graph]) -> int:

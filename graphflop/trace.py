@@ -124,6 +124,7 @@ def decomposition_table() -> dict:
     table[aten.unsqueeze_.default] = aten.unsqueeze.default
     table[aten.transpose_.default] = aten.transpose.int
     table[aten.t_.default] = aten.t.default
+    table[aten.as_strided_.default] = _restride
     table[aten.dot.default] = _dot
     return table
 
@@ -279,6 +280,15 @@ def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     return torch.matmul(weights, v)
 
 
+def _restride(x, size, stride, storage_offset=None):
+    """``as_strided_`` that only changes strides (adaptive average pooling to 1×1 restrides its
+    fresh result to channels-last): the same values, so the tensor itself; any other use is
+    traced as is (and has no rule)."""
+    if list(x.shape) == list(size) and not storage_offset:
+        return x
+    return NotImplemented
+
+
 def _mv(a, v):
     """(M×K)·(K) as an (M×K)·(K×1) matrix product."""
     return aten.squeeze.dims(aten.mm.default(a, aten.unsqueeze.default(v, 1)), [1])
@@ -393,9 +403,10 @@ def trace(
             cause = _find(e, repeats.NotOutlinable)
             if cause is None or not outline:
                 raise
-            if cause.structure < 0:  # not a structure's fault: trace without outlining
-                reuse = False
             excluded.add(cause.structure)
+            # a structure's own fault: leave it out; past two retries (or a fault of no
+            # structure), trace everything in full rather than start again once more
+            reuse = cause.structure >= 0 and len(excluded) <= 2
 
 
 def _trace_once(model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTensorMode,

@@ -427,6 +427,12 @@ POOL = [
                {"r": (2, 3, 1, 1)}), ((2, 3, 4, 4),),
            flops=96 + (96 + 6) + 6,  # mul 96; mean over H,W: 96 + 6; readout 6
            aten=("aten.mean.dim",)),
+    OpCase("adaptive_avgpool1_channels_last",  # PyTorch restrides the mean with as_strided_
+           _fn(lambda s, x: F.adaptive_avg_pool2d(
+               (x * s.w).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), 1) * s.r,
+               {"w": (4, 4)}, {"r": (2, 3, 1, 1)}), ((2, 3, 4, 4),),
+           flops=96 + (96 + 6) + 6,  # mul 96; mean over H,W: 96 + 6; readout 6
+           aten=("aten.mean.dim",)),
     OpCase("adaptive_avgpool2",
            _fn(lambda s, x: F.adaptive_avg_pool2d(x * s.w, 2) * s.r, {"w": (4, 4)},
                {"r": (2, 3, 2, 2)}), ((2, 3, 4, 4),),

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from graphflop import repeats
-from graphflop.meta import MODULE, SIGNATURE
+from graphflop.meta import MODULE, PARAM_DERIVED, SIGNATURE
 from graphflop.passes.flops import annotate_flops, total_cost
 from graphflop.trace import trace
 
@@ -27,7 +27,23 @@ def _gpt2(**kwargs):
 
 
 def _ops(gm):
-    return [(n.op, str(n.target), n.meta.get(MODULE)) for n in gm.graph.nodes]
+    """Every node by op, arguments (nodes by position), output shape and strides, module path
+    and parameter-derivedness: what the passes read."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return ("node", pos[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(b) for b in a)
+        return a
+
+    def val(v):
+        return (tuple(v.shape), v.stride()) if isinstance(v, torch.Tensor) else None
+
+    return [(n.op, str(n.target), arg(n.args), arg(tuple(sorted(n.kwargs.items()))),
+             val(n.meta.get("val")), n.meta.get(MODULE), n.meta.get(PARAM_DERIVED))
+            for n in gm.graph.nodes]
 
 
 def _run(gm, params: dict, buffers: dict, *args):
@@ -84,14 +100,32 @@ class _Block(nn.Module):
         return x + self.scale * self.act(self.bn(self.fc(x)))
 
 
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.act(self.fc(x))
+
+
 def test_blocks_that_update_buffers_are_traced_in_full():
-    """Training-mode batch norm writes its running statistics: such blocks are not copies
-    (the first fake run sees the write and tracing starts again without outlining)."""
+    """Training-mode batch norm writes its running statistics: such blocks are never
+    outlined. Another in-place write is seen by the first fake run (a version counter moves)
+    and tracing starts again without outlining that structure."""
     torch.manual_seed(0)
     model = nn.Sequential(_Block(), _Block(), _Block()).train()
+    assert repeats.plan(model) == {}
     x = torch.randn(5, 4)
     full, once = _same_graph(model, x, loss="sum")
     assert len(once.meta[SIGNATURE].buffer_updates) == 9  # mean, var, count × 3
+    counting = nn.Sequential(_Counting(), _Counting())
+    assert len(repeats.plan(counting)) == 2
+    full, once = _same_graph(counting, x, loss="sum")
+    assert [q for _, q in once.meta[SIGNATURE].buffer_updates] == ["0.calls", "1.calls"]
     # in eval mode nothing is written: the blocks are outlined and the graph is the same
     model.eval()
     assert repeats.plan(model)
@@ -143,3 +177,32 @@ def test_blocks_that_make_constants_are_traced_in_full():
     params = dict(model.named_parameters())
     got = _run(once, params, {q: consts[n] for n, q in once.meta[SIGNATURE].buffers}, x)
     torch.testing.assert_close(got[0], model(x), rtol=0, atol=0)
+
+
+class _AttentionBlock(nn.Module):
+    """Batch-first attention: the projections see a transposed (strided) input, for which
+    PyTorch's matmul makes one mm only when the weight requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.ln(x)
+        y, _ = self.attn(y, y, y, need_weights=False)
+        return x + self.fc(y)
+
+
+def test_attention_blocks_trace_as_in_full():
+    """Templates are traced with the parameters' requires_grad flags (inside the trace the
+    parameters are wrappers without them): the kernels' choices match full tracing's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_AttentionBlock(), _AttentionBlock(), _AttentionBlock()).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    full, once = _same_graph(model.train(), x, loss="sum")
+    assert any(n.target is torch.ops.aten.mm.default for n in once.graph.nodes)
+    params = dict(model.named_parameters())
+    torch.testing.assert_close(_run(once, params, {}, x)[0], model(x).sum(), rtol=1e-12,
+                               atol=1e-12)

@@ -20,6 +20,24 @@ aten = torch.ops.aten
 F = "elementwise"
 _one = per_output(1)
 _trans = per_output(1, transcendental=True)
+#: comparisons and logical ops: 1 FLOP per output element, a zero derivative (with sign)
+_PIECEWISE_CONSTANT = (
+    aten.eq.Scalar,
+    aten.eq.Tensor,
+    aten.ne.Scalar,
+    aten.ne.Tensor,
+    aten.gt.Scalar,
+    aten.gt.Tensor,
+    aten.ge.Scalar,
+    aten.ge.Tensor,
+    aten.lt.Scalar,
+    aten.lt.Tensor,
+    aten.le.Scalar,
+    aten.le.Tensor,
+    aten.logical_not.default,
+    aten.logical_and.default,
+    aten.bitwise_not.default,
+)
 
 for _op in (
     aten.add.Tensor,
@@ -45,21 +63,7 @@ for _op in (
     aten.clamp_max.default,
     aten.sign.default,
     aten.reciprocal.default,
-    aten.eq.Scalar,
-    aten.eq.Tensor,
-    aten.ne.Scalar,
-    aten.ne.Tensor,
-    aten.gt.Scalar,
-    aten.gt.Tensor,
-    aten.ge.Scalar,
-    aten.ge.Tensor,
-    aten.lt.Scalar,
-    aten.lt.Tensor,
-    aten.le.Scalar,
-    aten.le.Tensor,
-    aten.logical_not.default,
-    aten.logical_and.default,
-    aten.bitwise_not.default,
+    *_PIECEWISE_CONSTANT,
 ):
     register(_op, F, _one)
 
@@ -81,24 +85,7 @@ for _op in (
 ):
     register(_op, F, _trans)
 
-for _op in (
-    aten.eq.Scalar,
-    aten.eq.Tensor,
-    aten.ne.Scalar,
-    aten.ne.Tensor,
-    aten.gt.Scalar,
-    aten.gt.Tensor,
-    aten.ge.Scalar,
-    aten.ge.Tensor,
-    aten.lt.Scalar,
-    aten.lt.Tensor,
-    aten.le.Scalar,
-    aten.le.Tensor,
-    aten.sign.default,
-    aten.logical_not.default,
-    aten.logical_and.default,
-    aten.bitwise_not.default,
-):
+for _op in (*_PIECEWISE_CONSTANT, aten.sign.default):
     def_zero(_op)
 
 

@@ -82,12 +82,16 @@ def _jvp_mean(b, out, args, tangents, kwargs):
     return b.call(aten.mean.dim, tangents[0], *args[1:], **kwargs)
 
 
+def _mean_back(b, ct, xs, dims, keepdim):
+    """A mean's transpose: the cotangent divided by the count, broadcast back over ``dims``."""
+    return expand_back(b, b.call(aten.div.Tensor, ct, _count(xs, dims)), xs, dims, keepdim)
+
+
 @def_transpose(aten.mean.dim)
 def _transpose_mean(b, ct, args, kwargs, linear):
     xs = shape(args[0])
     dims, keepdim = _reduce_args(xs, args, kwargs)
-    scaled = b.call(aten.div.Tensor, ct, _count(xs, dims))
-    return [expand_back(b, scaled, xs, dims, keepdim)] + [None] * (len(args) - 1)
+    return [_mean_back(b, ct, xs, dims, keepdim)] + [None] * (len(args) - 1)
 
 
 @def_jvp(aten.mean.default)
@@ -98,8 +102,7 @@ def _jvp_mean_all(b, out, args, tangents, kwargs):
 @def_transpose(aten.mean.default)
 def _transpose_mean_all(b, ct, args, kwargs, linear):
     xs = shape(args[0])
-    scaled = b.call(aten.div.Tensor, ct, _count(xs, list(range(len(xs)))))
-    return [expand_back(b, scaled, xs, list(range(len(xs))), False)]
+    return [_mean_back(b, ct, xs, list(range(len(xs))), False)]
 
 
 def _jvp_extremum(b, out, args, tangents, kwargs):
