@@ -129,6 +129,34 @@ def plan(model: nn.Module, exclude: set[int] = frozenset(), min_modules: int = 3
     return chosen
 
 
+#: stands for a tensor among an outlined call's argument and output leaves (None is a leaf too)
+_TENSOR = object()
+
+
+def _plain(x: Any) -> bool:
+    """An argument that cannot carry anything out of the call: a tensor, a number, a string,
+    None, a dtype or device, or a tuple of those (a list, dict or other object might be
+    written into, and a copy would not write it)."""
+    if x is None or isinstance(x, (torch.Tensor, bool, int, float, str, complex, torch.dtype,
+                                   torch.device)):
+        return True
+    return type(x) is tuple and all(_plain(y) for y in x)
+
+
+def _autocast() -> bool:
+    try:
+        return bool(torch._C._is_any_autocast_enabled())
+    except AttributeError:  # pragma: no cover - older PyTorch
+        return torch.is_autocast_enabled()
+
+
+def _attrs(m: nn.Module) -> dict:
+    """The non-tensor state of ``m`` and its submodules, by identity (what a forward could
+    set for its caller to read)."""
+    return {(name, k): id(v) for name, sub in m.named_modules()
+            for k, v in vars(sub).items() if k not in _MODULE_INTERNALS}
+
+
 def _meta(t: torch.Tensor) -> tuple:
     """What a module's trace may depend on besides values: shape, strides, dtype, device, and
     whether the tensor requires grad (``matmul`` folds a strided input into one ``mm`` only
@@ -151,10 +179,12 @@ class Call:
     module: nn.Module
     structure: int
     spec: Any
-    leaves: list  # non-tensor argument leaves (None where a tensor goes)
+    leaves: list  # non-tensor argument leaves (_TENSOR where a tensor goes)
     n_inputs: int
     input_meta: list
     state_meta: list
+    grad_enabled: bool
+    shape: tuple  # the module's structure() when first called
     out_spec: Any = None
     out_leaves: list = field(default_factory=list)
     out_meta: list = field(default_factory=list)
@@ -175,20 +205,29 @@ class Outliner:
         # requires grad)
         self.trainable = {m: [p.requires_grad for p in dict(m.named_parameters()).values()]
                           for m in modules}
+        self.structures = {m: structure(m) for m in modules}
         self.calls: list[Call] = []
         self.keys: dict[Any, int] = {}
         self._saved: list = []
+        self._handles: list = []
+        self.entered: dict[int, int] = {}  # modules inside their __call__ (hooks ran)
         self.bypass = False
 
     def __enter__(self):
         for m in self.modules:
             self._saved.append((m, m.__dict__.get("forward")))
             m.forward = self._stub(m)
+        self._handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._pre),
+            torch.nn.modules.module.register_module_forward_hook(self._post, always_call=True),
+        ]
         _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc):
         _ACTIVE.remove(self)
+        for h in self._handles:
+            h.remove()
         for m, old in self._saved:
             if old is None:
                 del m.forward
@@ -197,15 +236,29 @@ class Outliner:
         self._saved.clear()
         return False
 
+    def _pre(self, module, args):
+        if module in self.modules:
+            self.entered[id(module)] = self.entered.get(id(module), 0) + 1
+
+    def _post(self, module, args, out):
+        if module in self.modules:
+            self.entered[id(module)] -= 1
+
     def _stub(self, m: nn.Module):
         original = type(m).forward.__get__(m)
 
         def forward(*args, **kwargs):
-            if self.bypass:
+            # traced for real: inside the template trace or the fake run; forward called
+            # directly (no hooks: no module path for it); under autocast (the template would
+            # be traced without it); arguments that could carry results out; a module whose
+            # attributes changed since planning
+            if (self.bypass or not self.entered.get(id(m)) or _autocast()
+                    or not all(_plain(a) for a in (*args, *kwargs.values()))
+                    or structure(m) != self.structures[m]):
                 return original(*args, **kwargs)
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-            others = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+            others = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
             params = list(dict(m.named_parameters()).values())
             state = [*params, *dict(m.named_buffers()).values()]
             state_meta = [_meta(t)[:4] + (rg,) for t, rg in zip(params, self.trainable[m])]
@@ -220,18 +273,19 @@ class Outliner:
             if key not in self.keys:
                 self.keys[key] = len(self.calls)
                 self.calls.append(Call(m, self.modules[m], spec, others, len(tensors),
-                                       [_meta(t) for t in tensors], state_meta))
+                                       [_meta(t) for t in tensors], state_meta,
+                                       torch.is_grad_enabled(), self.structures[m]))
             call = self.calls[self.keys[key]]
             outs = repeat([*tensors, *state], self.keys[key])
             it = iter(outs)
-            flat = [next(it) if x is None else x for x in call.out_leaves]
+            flat = [next(it) if x is _TENSOR else x for x in call.out_leaves]
             return tree_unflatten(flat, call.out_spec)
 
         return forward
 
     def _rebuild(self, call: Call, tensors: list) -> tuple[tuple, dict, dict]:
         it = iter(tensors[: call.n_inputs])
-        leaves = [next(it) if x is None else x for x in call.leaves]
+        leaves = [next(it) if x is _TENSOR else x for x in call.leaves]
         args, kwargs = tree_unflatten(leaves, call.spec)
         names = [*dict(call.module.named_parameters()), *dict(call.module.named_buffers())]
         return args, kwargs, dict(zip(names, tensors[call.n_inputs:]))
@@ -242,17 +296,24 @@ class Outliner:
         call = self.calls[key]
         if call.out_spec is None:
             # fresh tensors like the call's (the op's own arguments do not require grad), run
-            # with grad enabled as the trace is
+            # in the call's grad mode
             tensors = [_like(m) for m in (*call.input_meta, *call.state_meta)]
             args, kwargs, state = self._rebuild(call, tensors)
             versions = [t._version for t in tensors]
-            with self._bypass(), torch.enable_grad():
+            attrs = _attrs(call.module)
+            with self._bypass(), torch.set_grad_enabled(call.grad_enabled):
                 out = torch.func.functional_call(call.module, state, args, kwargs)
             if [t._version for t in tensors] != versions:
                 raise NotOutlinable(call.structure, "writes into a tensor in forward")
+            if _attrs(call.module) != attrs:
+                raise NotOutlinable(call.structure, "sets attributes in forward")
             leaves, call.out_spec = tree_flatten(out)
-            call.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-            call.out_meta = [_meta(x) for x in leaves if isinstance(x, torch.Tensor)]
+            outs = [x for x in leaves if isinstance(x, torch.Tensor)]
+            storages = {t.untyped_storage()._cdata for t in tensors}
+            if any(o.untyped_storage()._cdata in storages for o in outs):
+                raise NotOutlinable(call.structure, "returns an input or a view of one")
+            call.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+            call.out_meta = [_meta(x) for x in outs]
         with torch.no_grad():
             return [_like(m[:4] + (False,)) for m in call.out_meta]
 
@@ -269,8 +330,10 @@ class Outliner:
         call = self.calls[key]
 
         def fn(*tensors):
+            if structure(call.module) != call.shape:  # changed after the call: not that call
+                raise NotOutlinable(call.structure, "attributes changed after the call")
             args, kwargs, state = self._rebuild(call, list(tensors))
-            with self._bypass():
+            with self._bypass(), torch.set_grad_enabled(call.grad_enabled):
                 out = torch.func.functional_call(call.module, state, args, kwargs)
             return [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
 
@@ -282,16 +345,22 @@ class Outliner:
             return [_like(m) for m in (*call.input_meta, *call.state_meta)]
 
 
-def inline(graph: Graph, templates: dict[int, Graph]) -> int:
+def inline(graph: Graph, templates: dict[int, Graph], model: nn.Module,
+           prefix: str = "model") -> int:
     """Replace every ``graphflop::repeat`` node of ``graph`` by a copy of its template graph;
     returns the number of nodes copied.
 
-    The template's placeholders stand for the call's tensors; its module paths, which start
-    with :data:`MARK`, get the call site's path instead.
+    The template's placeholders stand for the call's tensors. Its module paths, which start
+    with :data:`MARK`, name submodules of the called module: each becomes that submodule's
+    path in ``model`` (the first one, as full tracing writes it, for a module reachable by
+    several), under ``prefix``.
 
     Raises:
-        NotOutlinable: a template made constants (``get_attr``) or wrote into its inputs.
+        NotOutlinable: an outlined call's result list is used whole.
     """
+    paths: dict[int, str] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
     copied = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.graphflop.repeat.default:
@@ -315,7 +384,7 @@ def inline(graph: Graph, templates: dict[int, Graph]) -> int:
                 stack = dict(site)
                 for path, cls in (tn.meta.get("nn_module_stack") or {}).values():
                     if path != MARK:
-                        full = site_path + path[len(MARK):]
+                        full = _site_path(model, prefix, site_path, path[len(MARK) + 1:], paths)
                         stack[full] = (full, cls)
                 new.meta["nn_module_stack"] = stack
                 env[tn] = new
@@ -329,3 +398,12 @@ def inline(graph: Graph, templates: dict[int, Graph]) -> int:
             raise NotOutlinable(-1, "an outlined call's result list is used whole")
         graph.erase_node(node)
     return copied
+
+
+def _site_path(model: nn.Module, prefix: str, site: str, rel: str, paths: dict) -> str:
+    """The path in ``model`` of submodule ``rel`` of the module called at ``site``."""
+    try:
+        called = model.get_submodule(site[len(prefix) + 1:]) if site != prefix else model
+        return paths.get(id(called.get_submodule(rel)), f"{site}.{rel}")
+    except AttributeError:
+        return f"{site}.{rel}"

@@ -394,6 +394,39 @@ def trace(
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
     fake_mode = fake_mode or fake_mode_of(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     inputs = tuple(fake_mode.from_tensor(t) if not _is_fake(t) else t for t in inputs)
+    with _state_kept(model), _quiet_fake_tensor_log():
+        return _trace(model, inputs, loss, fake_mode, reuse)
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module):
+    """Puts every module's parameters and buffers back afterwards: ``functional_call`` leaves
+    a module reachable by two paths holding the traced tensors (a PyTorch bug)."""
+    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, params, buffers in saved:
+            m._parameters.update(params)
+            m._buffers.update(buffers)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """FakeTensorMode logs a traceback before re-raising a kernel's error (a shape mismatch in
+    the model); the error itself becomes graphflop's one-line TraceError."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _trace(model, inputs, loss, fake_mode, reuse) -> GraphModule:
     excluded: set[int] = set()
     while True:
         outline = repeats.plan(model, excluded) if reuse else {}
@@ -425,7 +458,9 @@ def _trace_once(model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTenso
             scopes.leave_model()
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             if not outs:
-                raise TraceError("the model returned no tensor")
+                raise TraceError(
+                    f"no tensor in the model's output (a {type(out).__name__}): return a "
+                    "tensor, or a tuple, list or dict of tensors")
             kind = default_loss(out) if loss == "auto" else loss
             chosen["loss"] = kind
             if kind == "none":
@@ -464,7 +499,7 @@ def _trace_once(model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTenso
             f"tracing the model on the example inputs failed: {type(e).__name__}: "
             f"{_first_line(e)}"
         ) from e
-    repeats.inline(gm.graph, templates)
+    repeats.inline(gm.graph, templates, model)
     return _from_make_fx(gm, params=list(params), buffers=list(buffers), n_inputs=len(inputs),
                          loss_kind=chosen["loss"], target_nodes=chosen.get("targets", []))
 
@@ -483,6 +518,12 @@ def _trace_template(outliner, key: int, call, table, fake_mode) -> torch.fx.Grap
     for n in gm.graph.nodes:
         if n.op == "get_attr" or (n.op == "call_function" and n.target is aten.copy_.default):
             raise repeats.NotOutlinable(call.structure, "makes constants or writes in place")
+    # the trace continued from the outputs' metadata as PyTorch's kernels give it; the
+    # decomposed graph must give the same, or the rest of the trace could differ
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    got = [(tuple(a.meta["val"].shape), a.meta["val"].stride()) for a in out.args[0]]
+    if got != [m[:2] for m in call.out_meta]:
+        raise repeats.NotOutlinable(call.structure, "its graph's outputs are strided otherwise")
     return gm.graph
 
 

@@ -206,3 +206,128 @@ def test_attention_blocks_trace_as_in_full():
     params = dict(model.named_parameters())
     torch.testing.assert_close(_run(once, params, {}, x)[0], model(x).sum(), rtol=1e-12,
                                atol=1e-12)
+
+
+# --- calls that must not become copies (found by trying to break outlining) -------------------
+
+D = 8
+
+
+class _Blk(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.n = nn.Linear(D, D), nn.Linear(D, D), nn.LayerNorm(D)
+
+    def forward(self, x):
+        return x + self.b(torch.nn.functional.gelu(self.a(self.n(x))))
+
+
+class _NoneArgs(_Blk):  # None among the arguments and the outputs
+    def forward(self, x, mask=None):
+        return super().forward(x), None
+
+
+class _GradMode(_Blk):  # computes otherwise without grad
+    def forward(self, x):
+        y = super().forward(x)
+        return y * 2 if torch.is_grad_enabled() else y
+
+
+class _Scaled(_Blk):  # reads an attribute its parent sets before each call
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class _Appends(_Blk):  # writes into a list argument
+    def forward(self, x, store):
+        y = super().forward(x)
+        store.append(y.mean())
+        return y
+
+
+class _Stashes(_Blk):  # sets an attribute its parent reads
+    def forward(self, x):
+        y = super().forward(x)
+        self.last = y.mean()
+        return y
+
+
+class _PassesThrough(_Blk):  # returns its input, which the caller writes into
+    def forward(self, x):
+        return super().forward(x), x
+
+
+class _Blocks(nn.Module):
+    def __init__(self, kind, how):
+        super().__init__()
+        self.blocks = nn.ModuleList([kind() for _ in range(3)])
+        self.how = how
+        for b in self.blocks:
+            b.scale = 1.0
+
+    def forward(self, x):
+        store = []
+        for i, b in enumerate(self.blocks):
+            if self.how == "none":
+                x = b(x, None)[0]
+            elif self.how == "no_grad":
+                with torch.no_grad():
+                    x = b(x)
+            elif self.how == "autocast":
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    x = b(x).float()
+            elif self.how == "scale":
+                b.scale = 0.5 ** i
+                x = b(x)
+            elif self.how == "append":
+                x = b(x, store)
+            elif self.how == "alias":  # the write into skip reaches x
+                x = x * 1
+                y, skip = b(x)
+                skip.mul_(2)
+                x = y + x
+            elif self.how == "direct":
+                x = b.forward(x)
+            else:
+                x = b(x)
+        if self.how == "append":
+            x = x + sum(store)
+        if self.how == "stash":
+            x = x + sum(b.last for b in self.blocks)
+        return x
+
+
+@pytest.mark.parametrize("kind,how", [
+    (_NoneArgs, "none"), (_GradMode, "no_grad"), (_Blk, "autocast"), (_Scaled, "scale"),
+    (_Appends, "append"), (_Stashes, "stash"), (_PassesThrough, "alias"), (_Blk, "direct"),
+])
+def test_calls_that_cannot_be_copies_trace_as_in_full(kind, how):
+    """None arguments, a grad mode or autocast around the call, attributes set by the parent or
+    by the block, list arguments written into, outputs aliasing inputs, forward called
+    directly: the graph still equals full tracing's and computes what eager PyTorch does."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _Blocks(kind, how)
+    x = torch.randn(2, 5, D)
+    full, once = (trace(copy.deepcopy(model), (x,), loss="none", reuse=r) for r in (False, True))
+    assert _ops(once) == _ops(full)
+    with torch.no_grad():
+        want = model(x)
+    got = _run(once, dict(model.named_parameters()), {}, x)[0]
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_submodules_keep_their_first_path_and_stay_parameters():
+    """A submodule shared by the blocks is named by its first path, as full tracing names it;
+    a module reachable twice keeps its Parameters after tracing (functional_call does not put
+    them back)."""
+    shared = nn.Linear(D, D)
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(D), shared, nn.ReLU()) for _ in range(3)])
+    x = torch.randn(2, D)
+    full, once = _same_graph(model, x, loss="none")
+    assert {n.meta[MODULE] for n in once.graph.nodes if "addmm" in str(n.target)} == {"0.1"}
+    twice = nn.Sequential(shared, nn.ReLU(), shared)
+    for _ in range(2):
+        trace(twice, (x,), loss="none")
+        assert isinstance(twice[0].weight, nn.Parameter)
