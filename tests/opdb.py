@@ -149,6 +149,16 @@ def _ro(factory, out_shape):
     return lambda: Readout(factory(), out_shape)
 
 
+def _scale_slice(h):
+    h[:, :2] *= 2
+    return h
+
+
+def _set_row(h, v):
+    h[:, 1] = v
+    return h
+
+
 aten = torch.ops.aten
 X = (2, 3, 4)  # the elementwise cases' input: 24 elements
 W = (3, 4)  # their weight, broadcast over the batch
@@ -813,6 +823,16 @@ SHAPE_MORE = [
         aten=("aten.split_with_sizes.default", "aten.cat.default")),
     OpCase("unbind", _fn(lambda s, x: (x * s.w).unbind(1)[2] * s.r, {"w": W}, {"r": (2, 4)}),
            (X,), flops=24 + 8, aten=("aten.slice.Tensor", "aten.squeeze.dims")),
+    # in-place writes into views of an intermediate, functionalised
+    OpCase("setitem_slice_scale", _fn(lambda s, x: _scale_slice(x * s.w) * s.r, {"w": W},
+                                      {"r": X}), (X,),
+           # mul 24; slice (2,2,4) *2: 16; readout 24
+           flops=24 + 16 + 24, aten=("aten.slice_scatter.default",)),
+    OpCase("setitem_select_src", _fn(lambda s, x: _set_row(x * s.w, s.v) * s.r,
+                                     {"w": W, "v": (4,)}, {"r": X}), (X,),
+           # mul 24; h[:, 1] = v: a copy of v broadcast (0 FLOPs), then core ATen's
+           # select_scatter: arange == 1 (3) and a where (24); readout 24
+           flops=24 + 3 + 24 + 24, aten=("aten.copy.default", "aten.where.self")),
     OpCase("flip", _fn(lambda s, x: (x * s.w).flip(1, 2) * s.r, {"w": W}, {"r": X}), (X,),
            flops=24 + 24, aten=("aten.flip.default",)),
     OpCase("roll", _fn(lambda s, x: (x * s.w).roll(1, 2) * s.r, {"w": W}, {"r": X}), (X,),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import free, norm_dims, numel, shape
+from graphflop.ops._common import dtype, free, norm_dims, numel, shape
 from graphflop.ops.registry import def_jvp, def_linear, def_transpose, def_zero, register
 
 aten = torch.ops.aten
@@ -169,6 +169,45 @@ def _transpose_select(b, ct, args, kwargs, linear):
 
 
 def_linear(aten.select.int, _transpose_select)
+
+
+def _slice_args(args):
+    dim = args[2] if len(args) > 2 else 0
+    start = args[3] if len(args) > 3 else None
+    end = args[4] if len(args) > 4 else None
+    step = args[5] if len(args) > 5 else 1
+    return dim, start, end, step
+
+
+def _transpose_slice_scatter(b, ct, args, kwargs, linear):
+    """``slice_scatter(x, src, ...)`` (an in-place write into a slice, functionalised) is linear
+    in ``(x, src)`` jointly: ``x``'s cotangent is ``ct`` with the slice zeroed, ``src``'s the
+    slice of ``ct``."""
+    src = args[1]
+    dim, start, end, step = _slice_args(args)
+    ct_x = (b.call(aten.slice_scatter.default, ct, b.zeros(shape(src), src), dim, start, end,
+                   step) if linear[0] else None)
+    ct_src = b.call(aten.slice.Tensor, ct, dim, start, end, step) if linear[1] else None
+    return [ct_x, ct_src] + [None] * (len(args) - 2)
+
+
+def_linear(aten.slice_scatter.default, _transpose_slice_scatter)
+
+
+def _transpose_copy(b, ct, args, kwargs, linear):
+    """``copy(x, src)`` is ``src`` broadcast into ``x``'s shape and dtype (``x[...] = src``,
+    functionalised): ``x``'s values do not reach the output (a zero cotangent), ``src``'s
+    cotangent is ``ct`` summed back to its shape, in its dtype."""
+    src = args[1]
+    if not linear[1]:
+        return [None] * len(args)
+    g = b.sum_to(ct, shape(src))
+    if dtype(g) != dtype(src):
+        g = b.call(aten._to_copy.default, g, dtype=dtype(src))
+    return [None, g] + [None] * (len(args) - 2)
+
+
+def_linear(aten.copy.default, _transpose_copy)
 
 
 def _transpose_pad(b, ct, args, kwargs, linear):
