@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import struct
-import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -139,14 +138,12 @@ def test_module_level_renders_to_svg(tmp_path, model, graph):
 
 
 @needs_dot
-def test_resnet50_module_level_png_under_20s(tmp_path):
-    a = analysis("resnet.py:resnet50")  # analysed once, outside the timed render
+def test_resnet50_module_level_png(tmp_path):
+    """(Its time is a benchmark's business: tools/render_docs.py prints each render's.)"""
+    a = analysis("resnet.py:resnet50")
     assert count_op_nodes(a, "train") > 400  # so "auto" picks the module level
     out = tmp_path / "resnet50.png"
-    t0 = time.perf_counter()
     src = render(a, out)  # graph="train", level="auto"
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 20, f"{elapsed:.1f} s"
     head = out.read_bytes()[:24]
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", head[16:24])
