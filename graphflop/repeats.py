@@ -76,19 +76,30 @@ def structure(m: nn.Module) -> tuple | None:
     """What makes two modules compute the same function of (inputs, parameters, buffers):
     classes, modes, attributes, parameter and buffer metadata of ``m`` and its submodules.
     None when ``m`` cannot be outlined (it, or a submodule, has hooks of its own)."""
+    items = _modules_state(m)
+    if items is None:
+        return None
+    for name, p in m.named_parameters():
+        items.append(("p", name, tuple(p.shape), p.dtype, p.requires_grad))
+    for name, b in m.named_buffers():
+        items.append(("b", name, tuple(b.shape), b.dtype))
+    return tuple(items)
+
+
+def _modules_state(m: nn.Module) -> list | None:
+    """Classes, modes and attributes of ``m`` and its submodules (the part of
+    :func:`structure` that a forward could change; parameters are swapped while tracing). The
+    tracing stub graphflop installs as ``forward`` is not an attribute of the module's."""
     items: list = []
     for name, sub in m.named_modules():
         if any(getattr(sub, h) for h in ("_forward_hooks", "_forward_pre_hooks",
                                           "_backward_hooks", "_backward_pre_hooks")):
             return None
         attrs = tuple(sorted((k, _attr_key(v)) for k, v in vars(sub).items()
-                             if k not in _MODULE_INTERNALS))
+                             if k not in _MODULE_INTERNALS
+                             and not getattr(v, "_gf_stub", False)))
         items.append((name, type(sub), sub.training, attrs))
-    for name, p in m.named_parameters():
-        items.append(("p", name, tuple(p.shape), p.dtype, p.requires_grad))
-    for name, b in m.named_buffers():
-        items.append(("b", name, tuple(b.shape), b.dtype))
-    return tuple(items)
+    return items
 
 
 def _writes_buffers(m: nn.Module) -> bool:
@@ -184,7 +195,7 @@ class Call:
     input_meta: list
     state_meta: list
     grad_enabled: bool
-    shape: tuple  # the module's structure() when first called
+    shape: list  # the module's classes, modes and attributes when first called
     out_spec: Any = None
     out_leaves: list = field(default_factory=list)
     out_meta: list = field(default_factory=list)
@@ -206,6 +217,7 @@ class Outliner:
         self.trainable = {m: [p.requires_grad for p in dict(m.named_parameters()).values()]
                           for m in modules}
         self.structures = {m: structure(m) for m in modules}
+        self.states = {m: _modules_state(m) for m in modules}
         self.calls: list[Call] = []
         self.keys: dict[Any, int] = {}
         self._saved: list = []
@@ -254,7 +266,7 @@ class Outliner:
             # attributes changed since planning
             if (self.bypass or not self.entered.get(id(m)) or _autocast()
                     or not all(_plain(a) for a in (*args, *kwargs.values()))
-                    or structure(m) != self.structures[m]):
+                    or _modules_state(m) != self.states[m]):
                 return original(*args, **kwargs)
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -274,13 +286,14 @@ class Outliner:
                 self.keys[key] = len(self.calls)
                 self.calls.append(Call(m, self.modules[m], spec, others, len(tensors),
                                        [_meta(t) for t in tensors], state_meta,
-                                       torch.is_grad_enabled(), self.structures[m]))
+                                       torch.is_grad_enabled(), self.states[m]))
             call = self.calls[self.keys[key]]
             outs = repeat([*tensors, *state], self.keys[key])
             it = iter(outs)
             flat = [next(it) if x is _TENSOR else x for x in call.out_leaves]
             return tree_unflatten(flat, call.out_spec)
 
+        forward._gf_stub = True
         return forward
 
     def _rebuild(self, call: Call, tensors: list) -> tuple[tuple, dict, dict]:
@@ -330,7 +343,7 @@ class Outliner:
         call = self.calls[key]
 
         def fn(*tensors):
-            if structure(call.module) != call.shape:  # changed after the call: not that call
+            if _modules_state(call.module) != call.shape:  # changed after the call
                 raise NotOutlinable(call.structure, "attributes changed after the call")
             args, kwargs, state = self._rebuild(call, list(tensors))
             with self._bypass(), torch.set_grad_enabled(call.grad_enabled):
@@ -348,7 +361,7 @@ class Outliner:
 def inline(graph: Graph, templates: dict[int, Graph], model: nn.Module,
            prefix: str = "model") -> int:
     """Replace every ``graphflop::repeat`` node of ``graph`` by a copy of its template graph;
-    returns the number of nodes copied.
+    returns the number of calls replaced.
 
     The template's placeholders stand for the call's tensors. Its module paths, which start
     with :data:`MARK`, name submodules of the called module: each becomes that submodule's
@@ -365,6 +378,7 @@ def inline(graph: Graph, templates: dict[int, Graph], model: nn.Module,
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.graphflop.repeat.default:
             continue
+        copied += 1
         tensors, key = node.args
         tpl = templates[key]
         site = node.meta.get("nn_module_stack") or {}
@@ -388,7 +402,6 @@ def inline(graph: Graph, templates: dict[int, Graph], model: nn.Module,
                         stack[full] = (full, cls)
                 new.meta["nn_module_stack"] = stack
                 env[tn] = new
-                copied += 1
         outs = [env[a] if isinstance(a, Node) else a for a in out_args]
         for user in list(node.users):
             if user.target is operator.getitem:

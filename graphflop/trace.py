@@ -499,9 +499,11 @@ def _trace_once(model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTenso
             f"tracing the model on the example inputs failed: {type(e).__name__}: "
             f"{_first_line(e)}"
         ) from e
-    repeats.inline(gm.graph, templates, model)
-    return _from_make_fx(gm, params=list(params), buffers=list(buffers), n_inputs=len(inputs),
-                         loss_kind=chosen["loss"], target_nodes=chosen.get("targets", []))
+    copies = repeats.inline(gm.graph, templates, model)
+    out = _from_make_fx(gm, params=list(params), buffers=list(buffers), n_inputs=len(inputs),
+                        loss_kind=chosen["loss"], target_nodes=chosen.get("targets", []))
+    out.meta["gf_outlined"] = {"calls": copies, "traced_once": len(templates)}
+    return out
 
 
 def _trace_template(outliner, key: int, call, table, fake_mode) -> torch.fx.Graph:

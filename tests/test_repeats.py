@@ -76,6 +76,8 @@ def test_gpt2_graph_and_values_equal_full_tracing():
     model = _gpt2().double().train()
     idx = torch.randint(0, 11, (2, 6))
     full, once = _same_graph(model, idx)
+    assert once.meta["gf_outlined"] == {"calls": 3, "traced_once": 1}  # copies were made
+    assert full.meta["gf_outlined"] == {"calls": 0, "traced_once": 0}
     targets = torch.randint(0, 11, (12,))
     params = dict(model.named_parameters())
     got = _run(once, params, {}, idx, targets)
@@ -125,11 +127,13 @@ def test_blocks_that_update_buffers_are_traced_in_full():
     counting = nn.Sequential(_Counting(), _Counting())
     assert len(repeats.plan(counting)) == 2
     full, once = _same_graph(counting, x, loss="sum")
+    assert once.meta["gf_outlined"]["calls"] == 0  # traced again in full
     assert [q for _, q in once.meta[SIGNATURE].buffer_updates] == ["0.calls", "1.calls"]
     # in eval mode nothing is written: the blocks are outlined and the graph is the same
+    assert once.meta["gf_outlined"]["calls"] == 0
     model.eval()
     assert repeats.plan(model)
-    _same_graph(model, x, loss="sum")
+    assert _same_graph(model, x, loss="sum")[1].meta["gf_outlined"]["calls"] == 3
 
 
 def test_blocks_differing_in_an_attribute_are_not_merged():
@@ -141,6 +145,7 @@ def test_blocks_differing_in_an_attribute_are_not_merged():
     assert len(set(chosen.values())) == 2  # blocks 0 and 2 share one trace, 1 and 3 another
     x = torch.randn(5, 4, dtype=torch.float64)
     full, once = _same_graph(model, x, loss="none")
+    assert once.meta["gf_outlined"] == {"calls": 4, "traced_once": 2}
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     got = _run(once, params, buffers, x)
@@ -202,6 +207,7 @@ def test_attention_blocks_trace_as_in_full():
     model = nn.Sequential(_AttentionBlock(), _AttentionBlock(), _AttentionBlock()).double()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     full, once = _same_graph(model.train(), x, loss="sum")
+    assert once.meta["gf_outlined"] == {"calls": 3, "traced_once": 1}
     assert any(n.target is torch.ops.aten.mm.default for n in once.graph.nodes)
     params = dict(model.named_parameters())
     torch.testing.assert_close(_run(once, params, {}, x)[0], model(x).sum(), rtol=1e-12,
@@ -297,11 +303,13 @@ class _Blocks(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("kind,how", [
-    (_NoneArgs, "none"), (_GradMode, "no_grad"), (_Blk, "autocast"), (_Scaled, "scale"),
-    (_Appends, "append"), (_Stashes, "stash"), (_PassesThrough, "alias"), (_Blk, "direct"),
+@pytest.mark.parametrize("kind,how,copies", [
+    (_NoneArgs, "none", 3), (_GradMode, "no_grad", 3),  # copies, in the call's grad mode
+    (_Blk, "autocast", 0), (_Scaled, "scale", 1),  # block 0 keeps its planned attribute
+    (_Appends, "append", 0), (_Stashes, "stash", 0), (_PassesThrough, "alias", 0),
+    (_Blk, "direct", 0),
 ])
-def test_calls_that_cannot_be_copies_trace_as_in_full(kind, how):
+def test_calls_that_cannot_be_copies_trace_as_in_full(kind, how, copies):
     """None arguments, a grad mode or autocast around the call, attributes set by the parent or
     by the block, list arguments written into, outputs aliasing inputs, forward called
     directly: the graph still equals full tracing's and computes what eager PyTorch does."""
@@ -311,6 +319,7 @@ def test_calls_that_cannot_be_copies_trace_as_in_full(kind, how):
     model = _Blocks(kind, how)
     x = torch.randn(2, 5, D)
     full, once = (trace(copy.deepcopy(model), (x,), loss="none", reuse=r) for r in (False, True))
+    assert once.meta["gf_outlined"]["calls"] == copies
     assert _ops(once) == _ops(full)
     with torch.no_grad():
         want = model(x)
@@ -326,6 +335,7 @@ def test_shared_submodules_keep_their_first_path_and_stay_parameters():
     model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(D), shared, nn.ReLU()) for _ in range(3)])
     x = torch.randn(2, D)
     full, once = _same_graph(model, x, loss="none")
+    assert once.meta["gf_outlined"]["calls"] == 3
     assert {n.meta[MODULE] for n in once.graph.nodes if "addmm" in str(n.target)} == {"0.1"}
     twice = nn.Sequential(shared, nn.ReLU(), shared)
     for _ in range(2):
