@@ -607,9 +607,12 @@ class _ModuleScopes:
         self.cursor = None
 
     def __enter__(self):
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+        try:
+            from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-        mode = get_proxy_mode()
+            mode = get_proxy_mode()
+        except ImportError:  # pragma: no cover - a PyTorch without it: no module paths
+            mode = None
         self.graph = mode.tracer.graph if mode is not None else None
         self.cursor = self._last()
         self.handles = [
