@@ -295,6 +295,7 @@ def _inspect(args, err: Console) -> int:
         samples, why = _verify_samples(args.verify_samples, summary)
         if why:
             err.print(f"verify: {why}")
+            summary["verify_note"] = why
         with err.status("verifying against torch.func", spinner="dots"):
             real = load(args.spec, ctor_kwargs=_ctor_kwargs(args.arg))  # real weights
             real.model.train(not args.eval)
@@ -310,8 +311,6 @@ def _inspect(args, err: Console) -> int:
             }
             for c in checks
         ]
-        if why:
-            summary["verify_note"] = why
         for c in checks:
             mark = "[green]ok[/green]" if c.ok else "[red]FAILED[/red]"
             err.print(

@@ -195,7 +195,7 @@ class Call:
     input_meta: list
     state_meta: list
     grad_enabled: bool
-    shape: list  # the module's classes, modes and attributes when first called
+    state: list  # the module's classes, modes and attributes when first called
     out_spec: Any = None
     out_leaves: list = field(default_factory=list)
     out_meta: list = field(default_factory=list)
@@ -216,7 +216,6 @@ class Outliner:
         # requires grad)
         self.trainable = {m: [p.requires_grad for p in dict(m.named_parameters()).values()]
                           for m in modules}
-        self.structures = {m: structure(m) for m in modules}
         self.states = {m: _modules_state(m) for m in modules}
         self.calls: list[Call] = []
         self.keys: dict[Any, int] = {}
@@ -343,7 +342,7 @@ class Outliner:
         call = self.calls[key]
 
         def fn(*tensors):
-            if _modules_state(call.module) != call.shape:  # changed after the call
+            if _modules_state(call.module) != call.state:  # changed after the call
                 raise NotOutlinable(call.structure, "attributes changed after the call")
             args, kwargs, state = self._rebuild(call, list(tensors))
             with self._bypass(), torch.set_grad_enabled(call.grad_enabled):

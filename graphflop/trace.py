@@ -300,31 +300,17 @@ def _dot(a, v):
     return aten.squeeze.dims(prod, [0, 1])
 
 
-class Objective(nn.Module):
-    """The model followed by its loss: ``forward(*inputs, *targets) -> (loss, *outputs)``."""
-
-    def __init__(self, model: nn.Module, loss: str):
-        super().__init__()
-        self.model = model
-        self.loss = loss
-
-    def forward(self, *args: torch.Tensor):
-        n_targets = 1 if self.loss in ("cross_entropy", "mse") else 0
-        inputs = args[: len(args) - n_targets]
-        out = self.model(*inputs)
-        flat, _ = tree_flatten(out)
-        first = flat[0]
-        if self.loss == "cross_entropy":
-            loss = F.cross_entropy(first, args[-1])
-        elif self.loss == "mse":
-            loss = F.mse_loss(first, args[-1])
-        elif self.loss == "sum":
-            loss = first.sum()
-        elif self.loss == "output":  # the model computes its own scalar loss
-            loss = first
-        else:
-            return tuple(flat)
-        return (loss, *flat)
+def loss_value(kind: str, first: torch.Tensor, targets: tuple = ()) -> torch.Tensor:
+    """The scalar loss of kind ``kind`` (one of :data:`LOSSES` but ``none``) of the model's
+    first output: cross-entropy or MSE against ``targets[0]``, the sum, or the output itself
+    (``output``: the model computes its own loss)."""
+    if kind == "cross_entropy":
+        return F.cross_entropy(first, targets[0])
+    if kind == "mse":
+        return F.mse_loss(first, targets[0])
+    if kind == "sum":
+        return first.sum()
+    return first
 
 
 def default_loss(out: Any) -> str:
@@ -468,16 +454,7 @@ def _trace_once(model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTenso
             # the targets are made here, in the graph, and become placeholders afterwards
             targets = make_targets(kind, outs[0], fake_mode, inside=True)
             chosen["targets"] = [scopes.mark(t) for t in targets]
-            first = outs[0]
-            if kind == "cross_entropy":
-                value = F.cross_entropy(first, targets[0])
-            elif kind == "mse":
-                value = F.mse_loss(first, targets[0])
-            elif kind == "sum":
-                value = first.sum()
-            else:  # "output": the model computes its own scalar loss
-                value = first
-            return (value, *outs)
+            return (loss_value(kind, outs[0], targets), *outs)
 
     table = decomposition_table()
     outliner = repeats.Outliner(outline)
@@ -601,6 +578,8 @@ class _ModuleScopes:
         self.paths = {}
         for name, m in model.named_modules(remove_duplicate=False):
             self.paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
+        # the root scope holds the loss ("Objective" in renders, as the model-plus-loss wrapper
+        # torch.export traced was called)
         self.stack = list(base) if base is not None else [
             ("", "graphflop.trace.Objective"), (prefix, _qualname(model))]
         self.graph = None

@@ -122,16 +122,21 @@ def_jvp(aten.amax.default)(_jvp_extremum)
 def_jvp(aten.amin.default)(_jvp_extremum)
 
 
+def _var_args(args, kwargs):
+    """``var``/``var_mean``'s input shape, reduced dims, keepdim, element count per output and
+    correction (1 when unset, as PyTorch)."""
+    xs = shape(args[0])
+    dims = norm_dims(args[1] if len(args) > 1 else kwargs.get("dim"), len(xs))
+    correction = kwargs.get("correction", 1)
+    return (xs, dims, bool(kwargs.get("keepdim", False)), _count(xs, dims),
+            1 if correction is None else correction)
+
+
 @def_jvp(aten.var_mean.correction)
 def _jvp_var_mean(b, out, args, tangents, kwargs):
     """mean' = mean(dx); var' = sum(dx * 2 (x - mean) / (n - correction))."""
     x = args[0]
-    xs = shape(x)
-    dims = norm_dims(args[1] if len(args) > 1 else kwargs.get("dim"), len(xs))
-    keepdim = bool(kwargs.get("keepdim", False))
-    correction = kwargs.get("correction", 1)
-    correction = 1 if correction is None else correction
-    n = _count(xs, dims)
+    xs, dims, keepdim, n, correction = _var_args(args, kwargs)
     tx = tangents[0]
     mean = b.getitem(out, 1)
     mean_k = mean if keepdim else expand_back(b, mean, xs, dims, False)
@@ -146,12 +151,7 @@ def _jvp_var_mean(b, out, args, tangents, kwargs):
 def _jvp_var(b, out, args, tangents, kwargs):
     """var' = sum(dx · 2 (x − mean) / (n − correction)) over the reduced dims."""
     x = args[0]
-    xs = shape(x)
-    dims = norm_dims(args[1] if len(args) > 1 else kwargs.get("dim"), len(xs))
-    keepdim = bool(kwargs.get("keepdim", False))
-    correction = kwargs.get("correction", 1)
-    correction = 1 if correction is None else correction
-    n = _count(xs, dims)
+    xs, dims, keepdim, n, correction = _var_args(args, kwargs)
     mean = b.call(aten.mean.dim, x, dims, True)
     coef = b.call(aten.mul.Tensor, b.call(aten.sub.Tensor, x, mean), 2.0 / max(n - correction, 1))
     return b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, tangents[0], coef), dims, keepdim)

@@ -20,7 +20,7 @@ def tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
     if t is dict:
         return {k: tree_map(fn, v) for k, v in x.items()}
     if isinstance(x, (tuple, list)) and not isinstance(x, torch.Size):
-        return type(x)(tree_map(fn, y) for y in x)  # fx's immutable_list, named tuples aside
+        return type(x)(tree_map(fn, y) for y in x)  # fx's immutable_list
     return fn(x)
 
 

@@ -223,7 +223,7 @@ def _shape_key(op: Any, args: tuple, kwargs: dict) -> Any:
     if op in _UNCACHED:
         return None
     try:
-        key = (op, meta_key(args), meta_key(tuple(sorted(kwargs.items()))))
+        key = (op, meta_key(args), meta_key(kwargs))
         hash(key)
     except TypeError:
         return None

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Interpreter
 
 from graphflop.meta import SIGNATURE, Signature
+from graphflop.trace import loss_value
 
 
 @dataclass(frozen=True)
@@ -131,11 +131,8 @@ def reference_loss_fn(forward: GraphModule, model: nn.Module, values: dict[str, 
         first = (
             out if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_flatten(out)[0][0]
         )
-        if loss_kind == "cross_entropy":
-            return F.cross_entropy(first, targets[0])
-        if loss_kind == "mse":
-            return F.mse_loss(first, targets[0])
-        return first.sum()
+        return loss_value(loss_kind if loss_kind in ("cross_entropy", "mse") else "sum", first,
+                          targets)
 
     return f
 
