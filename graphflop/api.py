@@ -27,8 +27,9 @@ annotate_flops = Pass("annotate_flops", _flops.annotate_flops, ensures=("flops",
 def _add_update(forward: GraphModule, optimizer: str = "sgd") -> GraphModule:
     sig = forward.meta[SIGNATURE]
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
-    return _optimizer.build_update([(q, phs[p].meta["val"]) for p, q in sig.params], optimizer,
-                                   fake_mode=_fake(forward))
+    return _optimizer.build_update(
+        [(q, phs[p].meta["val"]) for p, q in sig.params], optimizer, fake_mode=_fake(forward)
+    )
 
 
 def _fake(gm):
@@ -38,8 +39,9 @@ def _fake(gm):
 
 
 #: ``add_optimizer_update(forward, optimizer)`` → the update graph for ``forward``'s parameters
-add_optimizer_update = Pass("add_optimizer_update", _add_update, requires=("traced",),
-                            ensures=("update",))
+add_optimizer_update = Pass(
+    "add_optimizer_update", _add_update, requires=("traced",), ensures=("update",)
+)
 
 
 def _annotate_memory(gm: GraphModule) -> GraphModule:
@@ -78,5 +80,12 @@ def register_rule(
     return registry.register(op, family, cost, bytes=bytes, jvp=jvp, transpose=transpose)
 
 
-__all__ = ["add_optimizer_update", "annotate_flops", "annotate_memory", "build_jvp",
-           "build_vjp", "check", "register_rule"]
+__all__ = [
+    "add_optimizer_update",
+    "annotate_flops",
+    "annotate_memory",
+    "build_jvp",
+    "build_vjp",
+    "check",
+    "register_rule",
+]

@@ -102,10 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="which values carry tangents in the JVP graph (default params: weight "
         "perturbation, as in forward gradients)",
     )
-    p.add_argument("--directions", type=int, default=1, metavar="K",
-                   help="directions averaged per forward-gradient step (default 1)")
-    p.add_argument("--direction", default="normal", choices=["normal", "rademacher"],
-                   help="distribution of forward-gradient directions (default normal)")
+    p.add_argument(
+        "--directions",
+        type=int,
+        default=1,
+        metavar="K",
+        help="directions averaged per forward-gradient step (default 1)",
+    )
+    p.add_argument(
+        "--direction",
+        default="normal",
+        choices=["normal", "rademacher"],
+        help="distribution of forward-gradient directions (default normal)",
+    )
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
     p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
@@ -132,77 +141,123 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the --verify run (default float64; float32 uses a 1e-4 "
         "tolerance too, and ill-conditioned models may exceed it)",
     )
-    p.add_argument("--verify-samples", type=int, default=None, metavar="M",
-                   help="forward-gradient steps (float32) averaged by the --verify unbiasedness "
-                        "check, whose 4-sigma tolerance is 4*sqrt(2/M); 0 skips it. Default: "
-                        f"{VERIFY_SAMPLES}, or as many as fit in {VERIFY_FLOPS:.0e} FLOPs, and "
-                        f"none when fewer than {MIN_VERIFY_SAMPLES} fit (a large model)")
-    p.add_argument("--max-layers", type=int, default=60,
-                   help="rows shown in the table (default 60; --json and --csv have them all)")
+    p.add_argument(
+        "--verify-samples",
+        type=int,
+        default=None,
+        metavar="M",
+        help="forward-gradient steps (float32) averaged by the --verify unbiasedness "
+        "check, whose 4-sigma tolerance is 4*sqrt(2/M); 0 skips it. Default: "
+        f"{VERIFY_SAMPLES}, or as many as fit in {VERIFY_FLOPS:.0e} FLOPs, and "
+        f"none when fewer than {MIN_VERIFY_SAMPLES} fit (a large model)",
+    )
+    p.add_argument(
+        "--max-layers",
+        type=int,
+        default=60,
+        help="rows shown in the table (default 60; --json and --csv have them all)",
+    )
     p = sub.add_parser(
-        "export", help="write forward, backward, train-step and forward-gradient-step ONNX models",
+        "export",
+        help="write forward, backward, train-step and forward-gradient-step ONNX models",
         description="Export SPEC's graphs to ONNX (parameters are inputs; no weights are "
-                    "stored), checked with onnx.checker, plus manifest.json mapping every ONNX "
-                    "node to the graphflop node, module and role it came from.",
+        "stored), checked with onnx.checker, plus manifest.json mapping every ONNX "
+        "node to the graphflop node, module and role it came from.",
     )
     _add_model_args(p)
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam", "adamw"])
 
     p = sub.add_parser(
-        "bench", help="time forward, train step and forward-gradient step (Rf, Rb)",
+        "bench",
+        help="time forward, train step and forward-gradient step (Rf, Rb)",
         description="Time the forward pass, the backprop train step and the forward-gradient "
-                    "step on ONNX Runtime (graphflop's exported graphs) and/or in eager PyTorch "
-                    "(autograd, torch.func.jvp); report Rf, Rb, Rf/Rb and achieved FLOP/s.",
+        "step on ONNX Runtime (graphflop's exported graphs) and/or in eager PyTorch "
+        "(autograd, torch.func.jvp); report Rf, Rb, Rf/Rb and achieved FLOP/s.",
     )
     _add_model_args(p)
     p.add_argument("--runtime", default="both", choices=["onnxruntime", "torch", "both"])
-    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
-                   help="default: CUDA when ONNX Runtime's CUDA provider or torch CUDA works")
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=["cpu", "cuda"],
+        help="default: CUDA when ONNX Runtime's CUDA provider or torch CUDA works",
+    )
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam", "adamw"])
     p.add_argument("--warmup", type=int, default=3, help="untimed runs per phase (default 3)")
     p.add_argument("--repeat", type=int, default=20, help="timed runs per phase (default 20)")
-    p.add_argument("--rotate", type=int, default=3,
-                   help="distinct input sets cycled through (default 3)")
-    p.add_argument("--profile", action="store_true",
-                   help="ONNX Runtime per-node times mapped to graphflop nodes and modules")
+    p.add_argument(
+        "--rotate", type=int, default=3, help="distinct input sets cycled through (default 3)"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="ONNX Runtime per-node times mapped to graphflop nodes and modules",
+    )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
     p = sub.add_parser(
-        "render", help="draw the forward, backward, JVP or train graph with Graphviz",
+        "render",
+        help="draw the forward, backward, JVP or train graph with Graphviz",
         description="Render SPEC's graphs with FLOPs, bytes, roles, pruned work (ghosts) and "
-                    "residual edges drawn on them. The format follows the output suffix (.svg, "
-                    ".png, .pdf, or .dot for the Graphviz source).",
+        "residual edges drawn on them. The format follows the output suffix (.svg, "
+        ".png, .pdf, or .dot for the Graphviz source).",
     )
     _add_model_args(p)
-    p.add_argument("-o", "--output", required=True, metavar="PATH",
-                   help="output file: .svg, .png, .pdf or .dot")
-    p.add_argument("--graph", default="train",
-                   choices=["forward", "backward", "jvp", "train", "all"],
-                   help="which graphs to draw (default train: forward, backward and update)")
-    p.add_argument("--level", default="auto", choices=["auto", "op", "module"],
-                   help="one node per op, or one box per module (auto: op level up to a few "
-                        "hundred nodes)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="PATH",
+        help="output file: .svg, .png, .pdf or .dot",
+    )
+    p.add_argument(
+        "--graph",
+        default="train",
+        choices=["forward", "backward", "jvp", "train", "all"],
+        help="which graphs to draw (default train: forward, backward and update)",
+    )
+    p.add_argument(
+        "--level",
+        default="auto",
+        choices=["auto", "op", "module"],
+        help="one node per op, or one box per module (auto: op level up to a few hundred nodes)",
+    )
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam", "adamw"])
-    p.add_argument("--profile-json", metavar="PATH",
-                   help="measured times per module: the JSON of graphflop bench --profile --json")
+    p.add_argument(
+        "--profile-json",
+        metavar="PATH",
+        help="measured times per module: the JSON of graphflop bench --profile --json",
+    )
 
     from graphflop.train.cli import add_parser as add_train_parser
 
     add_train_parser(sub)
 
     p = sub.add_parser(
-        "sweep", help="backward/forward ratio across batch sizes or depths",
+        "sweep",
+        help="backward/forward ratio across batch sizes or depths",
         description="The backward/forward FLOP ratio (with and without the update) per batch "
-                    "size or per depth, as a table, CSV and PNG plot.",
+        "size or per depth, as a table, CSV and PNG plot.",
     )
     _add_model_args(p)
-    p.add_argument("--batches", "--batch-sizes", dest="batches", metavar="1,2,4,...",
-                   help="comma-separated batch sizes")
-    p.add_argument("--depth", metavar="0,10,100",
-                   help="comma-separated depths (for models whose constructor takes one)")
-    p.add_argument("--depth-arg", metavar="NAME",
-                   help="the constructor argument that sets the depth (default: found by name)")
+    p.add_argument(
+        "--batches",
+        "--batch-sizes",
+        dest="batches",
+        metavar="1,2,4,...",
+        help="comma-separated batch sizes",
+    )
+    p.add_argument(
+        "--depth",
+        metavar="0,10,100",
+        help="comma-separated depths (for models whose constructor takes one)",
+    )
+    p.add_argument(
+        "--depth-arg",
+        metavar="NAME",
+        help="the constructor argument that sets the depth (default: found by name)",
+    )
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "momentum", "adam", "adamw"])
     p.add_argument("--csv", metavar="PATH", help="write the table as CSV")
     p.add_argument("--plot", metavar="PATH", help="write a plot (.png, .svg, .pdf)")
@@ -299,8 +354,9 @@ def _inspect(args, err: Console) -> int:
         with err.status("verifying against torch.func", spinner="dots"):
             real = load(args.spec, ctor_kwargs=_ctor_kwargs(args.arg))  # real weights
             real.model.train(not args.eval)
-            checks = verify_analysis(real, inputs, analysis, dtype=args.verify_dtype,
-                                     forward_gradient_samples=samples)
+            checks = verify_analysis(
+                real, inputs, analysis, dtype=args.verify_dtype, forward_gradient_samples=samples
+            )
         summary["verify"] = [
             {
                 "check": c.name,
@@ -330,8 +386,6 @@ def _inspect(args, err: Console) -> int:
     return rc
 
 
-
-
 def _verify_samples(requested: int | None, summary: dict) -> tuple[int, str]:
     """Forward-gradient steps for --verify's unbiasedness check, and a note when the default
     was cut down or skipped because one step costs too much to repeat on this machine."""
@@ -342,10 +396,14 @@ def _verify_samples(requested: int | None, summary: dict) -> tuple[int, str]:
     if fit >= VERIFY_SAMPLES:
         return VERIFY_SAMPLES, ""
     if fit >= MIN_VERIFY_SAMPLES:
-        return fit, (f"forward-gradient check over {fit} steps, not {VERIFY_SAMPLES}: one step "
-                     f"is {step / 1e9:,.1f} GFLOPs (--verify-samples M sets the number)")
-    return 0, (f"forward-gradient check skipped: one step is {step / 1e9:,.1f} GFLOPs, too many "
-               f"to repeat {MIN_VERIFY_SAMPLES}+ times (--verify-samples M runs it anyway)")
+        return fit, (
+            f"forward-gradient check over {fit} steps, not {VERIFY_SAMPLES}: one step "
+            f"is {step / 1e9:,.1f} GFLOPs (--verify-samples M sets the number)"
+        )
+    return 0, (
+        f"forward-gradient check skipped: one step is {step / 1e9:,.1f} GFLOPs, too many "
+        f"to repeat {MIN_VERIFY_SAMPLES}+ times (--verify-samples M runs it anyway)"
+    )
 
 
 def _export(args, err: Console) -> int:
@@ -354,13 +412,21 @@ def _export(args, err: Console) -> int:
 
     loaded, inputs, _ = _load(args)
     with err.status("analysing", spinner="dots") as status:
-        analysis = analyze(loaded.model, inputs, name=loaded.name, loss=args.loss,
-                           optimizer=args.optimizer, progress=lambda m: status.update(m))
+        analysis = analyze(
+            loaded.model,
+            inputs,
+            name=loaded.name,
+            loss=args.loss,
+            optimizer=args.optimizer,
+            progress=lambda m: status.update(m),
+        )
         status.update("exporting to ONNX")
         manifest = export_all(analysis, args.out)
     for g in manifest["graphs"].values():
-        print(f"{args.out}/{g['file']}: {len(g['nodes'])} nodes, {len(g['inputs'])} inputs, "
-              f"{len(g['outputs'])} outputs")
+        print(
+            f"{args.out}/{g['file']}: {len(g['nodes'])} nodes, {len(g['inputs'])} inputs, "
+            f"{len(g['outputs'])} outputs"
+        )
     print(f"{args.out}/manifest.json")
     return 0
 
@@ -382,26 +448,42 @@ def _bench(args, err: Console) -> int:
 
         real.model.to(parse_dtype(args.dtype))
     provider = pick_provider(args.device)
-    device = args.device or ("cuda" if provider == "CUDAExecutionProvider"
-                             or torch.cuda.is_available() else "cpu")
+    device = args.device or (
+        "cuda" if provider == "CUDAExecutionProvider" or torch.cuda.is_available() else "cpu"
+    )
     with err.status("analysing", spinner="dots") as status:
-        analysis = analyze(loaded.model, inputs, name=loaded.name, loss=args.loss,
-                           optimizer=args.optimizer, progress=lambda m: status.update(m))
-    flops = {"forward": analysis.summary["totals"]["forward"]["flops"],
-             "train_step": analysis.summary["totals"]["train_step"]["flops"],
-             "forward_gradient_step": analysis.summary["totals"]["forward_gradient_step"][
-                 "flops"]}
-    results: dict = {"model": loaded.name, "device": device, "flops": flops,
-                     "method": f"{args.warmup} warm-up runs, then {args.repeat} timed runs "
-                               f"over {args.rotate} rotating input sets; median and quartiles",
-                     "runtimes": {}}
+        analysis = analyze(
+            loaded.model,
+            inputs,
+            name=loaded.name,
+            loss=args.loss,
+            optimizer=args.optimizer,
+            progress=lambda m: status.update(m),
+        )
+    flops = {
+        "forward": analysis.summary["totals"]["forward"]["flops"],
+        "train_step": analysis.summary["totals"]["train_step"]["flops"],
+        "forward_gradient_step": analysis.summary["totals"]["forward_gradient_step"]["flops"],
+    }
+    results: dict = {
+        "model": loaded.name,
+        "device": device,
+        "flops": flops,
+        "method": f"{args.warmup} warm-up runs, then {args.repeat} timed runs "
+        f"over {args.rotate} rotating input sets; median and quartiles",
+        "runtimes": {},
+    }
     kw = dict(warmup=args.warmup, repeat=args.repeat, rotate=args.rotate)
     if args.runtime in ("onnxruntime", "both"):
         with err.status(f"timing on ONNX Runtime ({provider})", spinner="dots"):
-            t, prof = bench_onnxruntime(analysis, real.model, provider=provider,
-                                        profile=args.profile, **kw)
-        results["runtimes"]["onnxruntime"] = {"provider": provider, **_timing_doc(t, flops),
-                                              **({"profile": prof} if prof else {})}
+            t, prof = bench_onnxruntime(
+                analysis, real.model, provider=provider, profile=args.profile, **kw
+            )
+        results["runtimes"]["onnxruntime"] = {
+            "provider": provider,
+            **_timing_doc(t, flops),
+            **({"profile": prof} if prof else {}),
+        }
     if args.runtime in ("torch", "both"):
         with err.status(f"timing eager PyTorch ({device})", spinner="dots"):
             t = bench_torch(analysis, real.model, device=device, optimizer=args.optimizer, **kw)
@@ -415,12 +497,15 @@ def _bench(args, err: Console) -> int:
         table.add_column(col, justify="right" if col != "runtime" else "left")
     for rt, doc in results["runtimes"].items():
         label = f"{rt} ({doc.get('provider', doc.get('device'))})"
-        cells = [f"{doc['phases'][p]['median_s'] * 1e3:.2f} ms\n"
-                 f"{human(doc['phases'][p]['flops_per_s'], 'FLOP/s')}" if p in doc["phases"]
-                 else "–" for p in PHASES]
+        cells = [
+            f"{doc['phases'][p]['median_s'] * 1e3:.2f} ms\n"
+            f"{human(doc['phases'][p]['flops_per_s'], 'FLOP/s')}"
+            if p in doc["phases"]
+            else "–"
+            for p in PHASES
+        ]
         r = doc["ratios"]
-        cells += [f"{r[k]:.2f}" if r[k] is not None else "–" for k in ("Rf", "Rb",
-                                                                         "Rf_over_Rb")]
+        cells += [f"{r[k]:.2f}" if r[k] is not None else "–" for k in ("Rf", "Rb", "Rf_over_Rb")]
         table.add_row(label, *cells)
     _stdout_console().print(table)
     prof = results["runtimes"].get("onnxruntime", {}).get("profile")
@@ -430,9 +515,15 @@ def _bench(args, err: Console) -> int:
             for col in ("node", "op", "module", "role", "time", "FLOPs", "bytes"):
                 t2.add_column(col)
             for n in p["top_nodes"][:10]:
-                t2.add_row(n["onnx_node"], str(n["op_type"]), str(n["module"]), str(n["role"]),
-                           f"{n['seconds'] * 1e3:.3f} ms", human(n["flops"]), human(n["bytes"],
-                                                                                  "B"))
+                t2.add_row(
+                    n["onnx_node"],
+                    str(n["op_type"]),
+                    str(n["module"]),
+                    str(n["role"]),
+                    f"{n['seconds'] * 1e3:.3f} ms",
+                    human(n["flops"]),
+                    human(n["bytes"], "B"),
+                )
             _stdout_console().print(t2)
     return 0
 
@@ -440,9 +531,13 @@ def _bench(args, err: Console) -> int:
 def _timing_doc(t: dict, flops: dict) -> dict:
     from graphflop.runtime.bench import ratios
 
-    return {"phases": {k: {**v.to_dict(), "flops_per_s": flops[k] / v.median_s if v.median_s
-                           else None} for k, v in t.items()},
-            "ratios": ratios(t)}
+    return {
+        "phases": {
+            k: {**v.to_dict(), "flops_per_s": flops[k] / v.median_s if v.median_s else None}
+            for k, v in t.items()
+        },
+        "ratios": ratios(t),
+    }
 
 
 def _int_list(text: str | None, what: str) -> list[int]:
@@ -453,8 +548,9 @@ def _int_list(text: str | None, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SpecError(f"bad {what} list {text!r}: write comma-separated integers, e.g. "
-                        "1,2,4,8") from None
+        raise SpecError(
+            f"bad {what} list {text!r}: write comma-separated integers, e.g. 1,2,4,8"
+        ) from None
     if any(v < 0 for v in values) or (what == "batch" and any(v == 0 for v in values)):
         raise SpecError(f"bad {what} list {text!r}: values must be positive")
     return values
@@ -474,9 +570,16 @@ def _sweep(args, err: Console) -> int:
     if not batches and not depths:
         raise SpecError("give --batches 1,2,4,... or --depth 0,10,100")
     with err.status("sweeping", spinner="dots") as status:
-        rows = sweep(args.spec, batches=batches, depths=depths, depth_name=args.depth_arg,
-                     optimizer=args.optimizer, ctor_kwargs=_ctor_kwargs(args.arg),
-                     batch=args.batch, progress=lambda m: status.update(f"sweeping: {m}"))
+        rows = sweep(
+            args.spec,
+            batches=batches,
+            depths=depths,
+            depth_name=args.depth_arg,
+            optimizer=args.optimizer,
+            ctor_kwargs=_ctor_kwargs(args.arg),
+            batch=args.batch,
+            progress=lambda m: status.update(f"sweeping: {m}"),
+        )
     from rich.table import Table
 
     kind = "batch" if batches else "depth"
@@ -484,9 +587,14 @@ def _sweep(args, err: Console) -> int:
     for col in (kind, "forward", "backward", "update", "(bwd+upd)/fwd", "bwd/fwd"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r.get(kind, r.get("depth"))), human(r["forward_flops"]),
-                      human(r["backward_flops"]), human(r["update_flops"]),
-                      f"{r['ratio']:.3f}", f"{r['ratio_no_update']:.3f}")
+        table.add_row(
+            str(r.get(kind, r.get("depth"))),
+            human(r["forward_flops"]),
+            human(r["backward_flops"]),
+            human(r["update_flops"]),
+            f"{r['ratio']:.3f}",
+            f"{r['ratio_no_update']:.3f}",
+        )
     _stdout_console().print(table)
     if args.csv:
         buf = io.StringIO()
@@ -516,8 +624,14 @@ def _render(args, err: Console) -> int:
             raise RenderError(f"cannot read --profile-json {args.profile_json}: {e}") from e
     loaded, inputs, _ = _load(args)
     with err.status("analysing", spinner="dots") as status:
-        a = analyze(loaded.model, inputs, name=loaded.name, loss=args.loss,
-                    optimizer=args.optimizer, progress=lambda m: status.update(m))
+        a = analyze(
+            loaded.model,
+            inputs,
+            name=loaded.name,
+            loss=args.loss,
+            optimizer=args.optimizer,
+            progress=lambda m: status.update(m),
+        )
         status.update("rendering")
         render(a, args.output, graph=args.graph, level=args.level, profile=profile)
     print(args.output)

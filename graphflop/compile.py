@@ -66,7 +66,9 @@ class _Lifted(nn.Module):
         self.grad_mask = grad_mask
         self.lifted = nn.ParameterList(
             nn.Parameter(torch.empty(tuple(t.shape), dtype=t.dtype, device="meta"))
-            for t, g in zip(example_inputs, grad_mask) if g)
+            for t, g in zip(example_inputs, grad_mask)
+            if g
+        )
 
     def forward(self, *rest: torch.Tensor):
         it_p, it_r = iter(self.lifted), iter(rest)
@@ -86,8 +88,9 @@ def _sum_cost(nodes, skip_role: str | None):
     return flops, mm
 
 
-def compile_backend(report: CompileReport | None = None, *, optimizer: str = "sgd"
-                    ) -> Callable[..., Callable]:
+def compile_backend(
+    report: CompileReport | None = None, *, optimizer: str = "sgd"
+) -> Callable[..., Callable]:
     """A ``torch.compile`` backend recording per-graph FLOPs and memory into ``report``.
 
     Usage: ``torch.compile(model, backend=graphflop.compile_backend(report=r))``.
@@ -102,15 +105,19 @@ def compile_backend(report: CompileReport | None = None, *, optimizer: str = "sg
             raise TypeError("graphflop.compile_backend supports tensor graph inputs only")
         grad_mask = [bool(t.requires_grad) for t in example_inputs]
         lifted = _Lifted(gm, example_inputs, grad_mask)
-        rest = tuple(torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-                     for t, g in zip(example_inputs, grad_mask) if not g)
+        rest = tuple(
+            torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+            for t, g in zip(example_inputs, grad_mask)
+            if not g
+        )
         with torch.device("meta"):
             out = lifted(*rest)
         first = out[0]
         scalar = first.numel() == 1 and first.is_floating_point()
         loss = "output" if scalar else "sum"
-        a = analyze(lifted, rest, loss=loss, optimizer=optimizer, jvp=False,
-                    backward=any(grad_mask))
+        a = analyze(
+            lifted, rest, loss=loss, optimizer=optimizer, jvp=False, backward=any(grad_mask)
+        )
         skip = None if scalar else "loss"
         ff, fm = _sum_cost(a.forward.graph.nodes, skip)
         bf, bm = _sum_cost(a.backward.graph.nodes, skip) if a.backward is not None else (0, 0)

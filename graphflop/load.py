@@ -255,8 +255,11 @@ def _library_builder(library: str, name: str, module):
         close = difflib.get_close_matches(name, module.list_models(), n=5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise SpecError(f"timm has no model {name!r}{hint}")
-    cfg = module.models.get_pretrained_cfg(name) if hasattr(module.models, "get_pretrained_cfg") \
+    cfg = (
+        module.models.get_pretrained_cfg(name)
+        if hasattr(module.models, "get_pretrained_cfg")
         else None
+    )
     input_size = tuple(getattr(cfg, "input_size", None) or (3, 224, 224))
 
     def build(**kw):
@@ -268,8 +271,10 @@ def _library_builder(library: str, name: str, module):
 
 def _load_library_model(library: str, name: str, ctor_kwargs: dict, meta: bool) -> LoadedModel:
     if not name:
-        raise SpecError(f"give a model name: {library}:NAME, e.g. "
-                        f"{'torchvision:resnet50' if library == 'torchvision' else 'timm:vit_base_patch16_224'}")
+        raise SpecError(
+            f"give a model name: {library}:NAME, e.g. "
+            f"{'torchvision:resnet50' if library == 'torchvision' else 'timm:vit_base_patch16_224'}"
+        )
     module = _import_library(library)
     build, shape = _library_builder(library, name, module)
     try:
@@ -304,7 +309,10 @@ def _parameters_on_meta():
     try:
         yield
     finally:
-        nn.Module.register_parameter, nn.Module.register_buffer = register_parameter, register_buffer
+        nn.Module.register_parameter, nn.Module.register_buffer = (
+            register_parameter,
+            register_buffer,
+        )
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -353,8 +361,12 @@ def make_inputs(
         # an input the model's example_inputs() gives as integers (token ids) stays integer
         ex = loaded.example_inputs or ()
         specs = [
-            (s, ex[i].dtype if i < len(ex) and not ex[i].is_floating_point()
-             else dtype or torch.float32)
+            (
+                s,
+                ex[i].dtype
+                if i < len(ex) and not ex[i].is_floating_point()
+                else dtype or torch.float32,
+            )
             for i, s in enumerate(shapes)
         ]
     elif loaded.example_inputs is not None:

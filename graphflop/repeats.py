@@ -92,12 +92,23 @@ def _modules_state(m: nn.Module) -> list | None:
     tracing stub graphflop installs as ``forward`` is not an attribute of the module's."""
     items: list = []
     for name, sub in m.named_modules():
-        if any(getattr(sub, h) for h in ("_forward_hooks", "_forward_pre_hooks",
-                                          "_backward_hooks", "_backward_pre_hooks")):
+        if any(
+            getattr(sub, h)
+            for h in (
+                "_forward_hooks",
+                "_forward_pre_hooks",
+                "_backward_hooks",
+                "_backward_pre_hooks",
+            )
+        ):
             return None
-        attrs = tuple(sorted((k, _attr_key(v)) for k, v in vars(sub).items()
-                             if k not in _MODULE_INTERNALS
-                             and not getattr(v, "_gf_stub", False)))
+        attrs = tuple(
+            sorted(
+                (k, _attr_key(v))
+                for k, v in vars(sub).items()
+                if k not in _MODULE_INTERNALS and not getattr(v, "_gf_stub", False)
+            )
+        )
         items.append((name, type(sub), sub.training, attrs))
     return items
 
@@ -106,8 +117,10 @@ def _writes_buffers(m: nn.Module) -> bool:
     """Whether ``m`` holds a module known to write its buffers in forward: batch norm (and
     instance norm) tracking running statistics in training mode. Others are found by the
     version-counter check, at the cost of tracing again."""
-    return any(isinstance(sub, nn.modules.batchnorm._NormBase) and sub.training
-               and sub.track_running_stats for sub in m.modules())
+    return any(
+        isinstance(sub, nn.modules.batchnorm._NormBase) and sub.training and sub.track_running_stats
+        for sub in m.modules()
+    )
 
 
 def plan(model: nn.Module, exclude: set[int] = frozenset(), min_modules: int = 3) -> dict:
@@ -148,8 +161,9 @@ def _plain(x: Any) -> bool:
     """An argument that cannot carry anything out of the call: a tensor, a number, a string,
     None, a dtype or device, or a tuple of those (a list, dict or other object might be
     written into, and a copy would not write it)."""
-    if x is None or isinstance(x, (torch.Tensor, bool, int, float, str, complex, torch.dtype,
-                                   torch.device)):
+    if x is None or isinstance(
+        x, (torch.Tensor, bool, int, float, str, complex, torch.dtype, torch.device)
+    ):
         return True
     return type(x) is tuple and all(_plain(y) for y in x)
 
@@ -164,8 +178,12 @@ def _autocast() -> bool:
 def _attrs(m: nn.Module) -> dict:
     """The non-tensor state of ``m`` and its submodules, by identity (what a forward could
     set for its caller to read)."""
-    return {(name, k): id(v) for name, sub in m.named_modules()
-            for k, v in vars(sub).items() if k not in _MODULE_INTERNALS}
+    return {
+        (name, k): id(v)
+        for name, sub in m.named_modules()
+        for k, v in vars(sub).items()
+        if k not in _MODULE_INTERNALS
+    }
 
 
 def _meta(t: torch.Tensor) -> tuple:
@@ -178,8 +196,13 @@ def _meta(t: torch.Tensor) -> tuple:
 def _like(meta: tuple) -> torch.Tensor:
     """A fresh tensor with ``meta`` (under the caller's fake mode)."""
     shape, stride, dtype, device, requires_grad = meta
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device,
-                               requires_grad=requires_grad and dtype.is_floating_point)
+    return torch.empty_strided(
+        shape,
+        stride,
+        dtype=dtype,
+        device=device,
+        requires_grad=requires_grad and dtype.is_floating_point,
+    )
 
 
 @dataclass
@@ -214,8 +237,9 @@ class Outliner:
         # parameters are functional wrappers that do not say, while PyTorch's kernels see the
         # traced parameters' flag (matmul folds a strided input into one mm for a weight that
         # requires grad)
-        self.trainable = {m: [p.requires_grad for p in dict(m.named_parameters()).values()]
-                          for m in modules}
+        self.trainable = {
+            m: [p.requires_grad for p in dict(m.named_parameters()).values()] for m in modules
+        }
         self.states = {m: _modules_state(m) for m in modules}
         self.calls: list[Call] = []
         self.keys: dict[Any, int] = {}
@@ -263,9 +287,13 @@ class Outliner:
             # directly (no hooks: no module path for it); under autocast (the template would
             # be traced without it); arguments that could carry results out; a module whose
             # attributes changed since planning
-            if (self.bypass or not self.entered.get(id(m)) or _autocast()
-                    or not all(_plain(a) for a in (*args, *kwargs.values()))
-                    or _modules_state(m) != self.states[m]):
+            if (
+                self.bypass
+                or not self.entered.get(id(m))
+                or _autocast()
+                or not all(_plain(a) for a in (*args, *kwargs.values()))
+                or _modules_state(m) != self.states[m]
+            ):
                 return original(*args, **kwargs)
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -273,19 +301,34 @@ class Outliner:
             params = list(dict(m.named_parameters()).values())
             state = [*params, *dict(m.named_buffers()).values()]
             state_meta = [_meta(t)[:4] + (rg,) for t, rg in zip(params, self.trainable[m])]
-            state_meta += [_meta(t) for t in state[len(params):]]
+            state_meta += [_meta(t) for t in state[len(params) :]]
             try:
-                key = (self.modules[m], spec, tuple(_attr_key(x) for x in others),
-                       tuple(_meta(t) for t in tensors), tuple(state_meta),
-                       torch.is_grad_enabled())
+                key = (
+                    self.modules[m],
+                    spec,
+                    tuple(_attr_key(x) for x in others),
+                    tuple(_meta(t) for t in tensors),
+                    tuple(state_meta),
+                    torch.is_grad_enabled(),
+                )
                 hash(key)
             except TypeError:
                 return original(*args, **kwargs)
             if key not in self.keys:
                 self.keys[key] = len(self.calls)
-                self.calls.append(Call(m, self.modules[m], spec, others, len(tensors),
-                                       [_meta(t) for t in tensors], state_meta,
-                                       torch.is_grad_enabled(), self.states[m]))
+                self.calls.append(
+                    Call(
+                        m,
+                        self.modules[m],
+                        spec,
+                        others,
+                        len(tensors),
+                        [_meta(t) for t in tensors],
+                        state_meta,
+                        torch.is_grad_enabled(),
+                        self.states[m],
+                    )
+                )
             call = self.calls[self.keys[key]]
             outs = repeat([*tensors, *state], self.keys[key])
             it = iter(outs)
@@ -300,7 +343,7 @@ class Outliner:
         leaves = [next(it) if x is _TENSOR else x for x in call.leaves]
         args, kwargs = tree_unflatten(leaves, call.spec)
         names = [*dict(call.module.named_parameters()), *dict(call.module.named_buffers())]
-        return args, kwargs, dict(zip(names, tensors[call.n_inputs:]))
+        return args, kwargs, dict(zip(names, tensors[call.n_inputs :]))
 
     def fake_call(self, key: int, tensors: list) -> list:
         """The outputs of call ``key`` as fresh FakeTensors; the first time, by running the
@@ -357,8 +400,9 @@ class Outliner:
             return [_like(m) for m in (*call.input_meta, *call.state_meta)]
 
 
-def inline(graph: Graph, templates: dict[int, Graph], model: nn.Module,
-           prefix: str = "model") -> int:
+def inline(
+    graph: Graph, templates: dict[int, Graph], model: nn.Module, prefix: str = "model"
+) -> int:
     """Replace every ``graphflop::repeat`` node of ``graph`` by a copy of its template graph;
     returns the number of calls replaced.
 
@@ -397,7 +441,7 @@ def inline(graph: Graph, templates: dict[int, Graph], model: nn.Module,
                 stack = dict(site)
                 for path, cls in (tn.meta.get("nn_module_stack") or {}).values():
                     if path != MARK:
-                        full = _site_path(model, prefix, site_path, path[len(MARK) + 1:], paths)
+                        full = _site_path(model, prefix, site_path, path[len(MARK) + 1 :], paths)
                         stack[full] = (full, cls)
                 new.meta["nn_module_stack"] = stack
                 env[tn] = new
@@ -415,7 +459,7 @@ def inline(graph: Graph, templates: dict[int, Graph], model: nn.Module,
 def _site_path(model: nn.Module, prefix: str, site: str, rel: str, paths: dict) -> str:
     """The path in ``model`` of submodule ``rel`` of the module called at ``site``."""
     try:
-        called = model.get_submodule(site[len(prefix) + 1:]) if site != prefix else model
+        called = model.get_submodule(site[len(prefix) + 1 :]) if site != prefix else model
         return paths.get(id(called.get_submodule(rel)), f"{site}.{rel}")
     except AttributeError:
         return f"{site}.{rel}"

@@ -31,8 +31,10 @@ def depth_arg(spec: str) -> str:
     for name in DEPTH_ARGS:
         if name in params:
             return name
-    raise SpecError(f"{loaded.name}'s constructor takes no depth argument (one of "
-                    f"{', '.join(DEPTH_ARGS)}); give --depth-arg NAME")
+    raise SpecError(
+        f"{loaded.name}'s constructor takes no depth argument (one of "
+        f"{', '.join(DEPTH_ARGS)}); give --depth-arg NAME"
+    )
 
 
 def sweep(
@@ -65,15 +67,21 @@ def sweep(
         loaded = load(spec, ctor_kwargs=kwargs, meta=True)
         loaded.model.train()
         inputs = make_inputs(loaded, batch=value if kind == "batch" else batch)
-        s = analyze(loaded.model, inputs, name=loaded.name, optimizer=optimizer,
-                    jvp=False).to_dict()
+        s = analyze(
+            loaded.model, inputs, name=loaded.name, optimizer=optimizer, jvp=False
+        ).to_dict()
         t = s["totals"]
-        rows.append({
-            kind: value, "forward_flops": t["forward"]["flops"],
-            "backward_flops": t["backward"]["flops"], "update_flops": t["update"]["flops"],
-            "ratio": s["ratios"]["backward_forward"],
-            "ratio_no_update": s["ratios"]["backward_forward_no_update"], "params": s["params"],
-        })
+        rows.append(
+            {
+                kind: value,
+                "forward_flops": t["forward"]["flops"],
+                "backward_flops": t["backward"]["flops"],
+                "update_flops": t["update"]["flops"],
+                "ratio": s["ratios"]["backward_forward"],
+                "ratio_no_update": s["ratios"]["backward_forward_no_update"],
+                "params": s["params"],
+            }
+        )
     return rows
 
 

@@ -103,8 +103,12 @@ def decomposition_table() -> dict:
     )
     # lean versions of PyTorch's decompositions (the same ops, without the reference
     # implementations' type-promotion wrappers: tracing GPT-2 XL spends half its time in those)
-    for op, lean in ((aten._softmax.default, _softmax), (aten._log_softmax.default, _log_softmax),
-                     (aten.native_layer_norm.default, _layer_norm), (aten.gelu.default, _gelu)):
+    for op, lean in (
+        (aten._softmax.default, _softmax),
+        (aten._log_softmax.default, _log_softmax),
+        (aten.native_layer_norm.default, _layer_norm),
+        (aten.gelu.default, _gelu),
+    ):
         _FALLBACKS[op] = table[op]
         table[op] = _lean(lean, table[op])
     table[aten.native_group_norm.default] = _group_norm
@@ -188,8 +192,9 @@ def _gelu(x, approximate: str = "none"):
         half = aten.mul.Tensor(x, 0.5)
         return aten.mul.Tensor(half, aten.add.Tensor(aten.tanh.default(inner), 1))
     half = aten.mul.Tensor(x, 0.5)
-    return aten.mul.Tensor(half, aten.add.Tensor(aten.erf.default(
-        aten.mul.Tensor(x, math.sqrt(0.5))), 1))
+    return aten.mul.Tensor(
+        half, aten.add.Tensor(aten.erf.default(aten.mul.Tensor(x, math.sqrt(0.5))), 1)
+    )
 
 
 def _group_norm(x, weight, bias, n: int, c: int, hxw: int, groups: int, eps: float):
@@ -208,19 +213,22 @@ def _group_norm(x, weight, bias, n: int, c: int, hxw: int, groups: int, eps: flo
     return out, aten.view.default(mean, [n, groups]), aten.view.default(rstd, [n, groups])
 
 
-def _batch_norm(x, weight, bias, running_mean, running_var, training: bool, momentum: float,
-                eps: float):
+def _batch_norm(
+    x, weight, bias, running_mean, running_var, training: bool, momentum: float, eps: float
+):
     """``native_batch_norm`` with its running-statistics update made visible: the functional
     form, then ``copy_`` of the new statistics into the buffers (which tracing turns into buffer
     updates). Functionalisation cannot see this update: the op's schema does not mark the
     running statistics as written."""
     if not training:
         return aten._native_batch_norm_legit_no_training.default(
-            x, weight, bias, running_mean, running_var, momentum, eps)
+            x, weight, bias, running_mean, running_var, momentum, eps
+        )
     if running_mean is None:
         return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, momentum, eps)
     out, mean, rstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
-        x, weight, bias, running_mean, running_var, True, momentum, eps)
+        x, weight, bias, running_mean, running_var, True, momentum, eps
+    )
     running_mean.copy_(new_mean)
     running_var.copy_(new_var)
     return out, mean, rstd
@@ -245,8 +253,7 @@ def _adaptive_avg_pool2d(x, output_size):
 _SDPA_FALLBACK = None
 
 
-def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-          enable_gqa=False):
+def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``scaled_dot_product_attention`` in its math form: ``softmax(q·kᵀ·scale + mask)·v``.
 
     The two batched products are counted in ``mm_flops`` whatever the mask (FLOPS.md: the dense
@@ -256,8 +263,9 @@ def _sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
     to PyTorch's decomposition.
     """
     if enable_gqa and q.shape[-3] != k.shape[-3]:
-        return _SDPA_FALLBACK(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                              enable_gqa=enable_gqa)
+        return _SDPA_FALLBACK(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     scores = torch.matmul(q * scale, k.transpose(-2, -1))
@@ -322,8 +330,9 @@ def default_loss(out: Any) -> str:
     return "sum"
 
 
-def make_targets(loss: str, out: torch.Tensor, fake_mode: FakeTensorMode,
-                 inside: bool = False) -> tuple:
+def make_targets(
+    loss: str, out: torch.Tensor, fake_mode: FakeTensorMode, inside: bool = False
+) -> tuple:
     """Loss targets for ``out``: class indices (cross-entropy) or a tensor like ``out`` (MSE).
     ``inside``: already under ``fake_mode`` (while tracing)."""
     with contextlib.nullcontext() if inside else fake_mode:
@@ -428,25 +437,29 @@ def _trace(model, inputs, loss, fake_mode, reuse) -> GraphModule:
             reuse = cause.structure >= 0 and len(excluded) <= 2
 
 
-def _trace_once(model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTensorMode,
-                outline: dict) -> GraphModule:
+def _trace_once(
+    model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTensorMode, outline: dict
+) -> GraphModule:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    flat_state = [fake_mode.from_tensor(t) if not _is_fake(t) else t
-                  for t in [*params.values(), *buffers.values()]]
+    flat_state = [
+        fake_mode.from_tensor(t) if not _is_fake(t) else t
+        for t in [*params.values(), *buffers.values()]
+    ]
     n_p, n_b = len(params), len(buffers)
     chosen: dict[str, Any] = {}
 
     def objective(*flat):
-        state = (dict(zip(params, flat[:n_p])), dict(zip(buffers, flat[n_p:n_p + n_b])))
+        state = (dict(zip(params, flat[:n_p])), dict(zip(buffers, flat[n_p : n_p + n_b])))
         with _ModuleScopes(model) as scopes:
-            out = torch.func.functional_call(model, state, tuple(flat[n_p + n_b:]))
+            out = torch.func.functional_call(model, state, tuple(flat[n_p + n_b :]))
             scopes.leave_model()
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             if not outs:
                 raise TraceError(
                     f"no tensor in the model's output (a {type(out).__name__}): return a "
-                    "tensor, or a tuple, list or dict of tensors")
+                    "tensor, or a tuple, list or dict of tensors"
+                )
             kind = default_loss(out) if loss == "auto" else loss
             chosen["loss"] = kind
             if kind == "none":
@@ -462,8 +475,11 @@ def _trace_once(model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTenso
         with warnings.catch_warnings(), _CompositeOps(), fake_mode:
             warnings.simplefilter("ignore")
             with outliner:
-                gm = make_fx(torch.func.functionalize(objective), decomposition_table=table,
-                             _allow_fake_constant=True)(*flat_state, *inputs)
+                gm = make_fx(
+                    torch.func.functionalize(objective),
+                    decomposition_table=table,
+                    _allow_fake_constant=True,
+                )(*flat_state, *inputs)
             templates = {}
             for key, call in enumerate(outliner.calls):
                 templates[key] = _trace_template(outliner, key, call, table, fake_mode)
@@ -473,12 +489,17 @@ def _trace_once(model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTenso
         if _find(e, repeats.NotOutlinable) is not None:
             raise
         raise TraceError(
-            f"tracing the model on the example inputs failed: {type(e).__name__}: "
-            f"{_first_line(e)}"
+            f"tracing the model on the example inputs failed: {type(e).__name__}: {_first_line(e)}"
         ) from e
     copies = repeats.inline(gm.graph, templates, model)
-    out = _from_make_fx(gm, params=list(params), buffers=list(buffers), n_inputs=len(inputs),
-                        loss_kind=chosen["loss"], target_nodes=chosen.get("targets", []))
+    out = _from_make_fx(
+        gm,
+        params=list(params),
+        buffers=list(buffers),
+        n_inputs=len(inputs),
+        loss_kind=chosen["loss"],
+        target_nodes=chosen.get("targets", []),
+    )
     out.meta["gf_outlined"] = {"calls": copies, "traced_once": len(templates)}
     return out
 
@@ -488,12 +509,14 @@ def _trace_template(outliner, key: int, call, table, fake_mode) -> torch.fx.Grap
     fn = outliner.template_fn(key)
 
     def scoped(*tensors):
-        with _ModuleScopes(call.module, prefix=repeats.MARK,
-                           base=[(repeats.MARK, _qualname(call.module))]):
+        with _ModuleScopes(
+            call.module, prefix=repeats.MARK, base=[(repeats.MARK, _qualname(call.module))]
+        ):
             return fn(*tensors)
 
     gm = make_fx(torch.func.functionalize(scoped), decomposition_table=table)(
-        *outliner.example_tensors(key, fake_mode))
+        *outliner.example_tensors(key, fake_mode)
+    )
     for n in gm.graph.nodes:
         if n.op == "get_attr" or (n.op == "call_function" and n.target is aten.copy_.default):
             raise repeats.NotOutlinable(call.structure, "makes constants or writes in place")
@@ -560,8 +583,9 @@ class _CompositeOps(TorchFunctionMode):
         if func is _F_DROPOUT:
             return _dropout(*args, **kwargs)
         if func is torch.dropout:
-            return _dropout(*args, **{"training" if k == "train" else k: v
-                                      for k, v in kwargs.items()})
+            return _dropout(
+                *args, **{"training" if k == "train" else k: v for k, v in kwargs.items()}
+            )
         return func(*args, **kwargs)
 
 
@@ -580,8 +604,11 @@ class _ModuleScopes:
             self.paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
         # the root scope holds the loss ("Objective" in renders, as the model-plus-loss wrapper
         # torch.export traced was called)
-        self.stack = list(base) if base is not None else [
-            ("", "graphflop.trace.Objective"), (prefix, _qualname(model))]
+        self.stack = (
+            list(base)
+            if base is not None
+            else [("", "graphflop.trace.Objective"), (prefix, _qualname(model))]
+        )
         self.graph = None
         self.cursor = None
 
@@ -647,8 +674,15 @@ def _qualname(m: nn.Module) -> str:
     return f"{type(m).__module__}.{type(m).__qualname__}"
 
 
-def _from_make_fx(gm: GraphModule, *, params: list[str], buffers: list[str], n_inputs: int,
-                  loss_kind: str, target_nodes: list) -> GraphModule:
+def _from_make_fx(
+    gm: GraphModule,
+    *,
+    params: list[str],
+    buffers: list[str],
+    n_inputs: int,
+    loss_kind: str,
+    target_nodes: list,
+) -> GraphModule:
     """``make_fx``'s graph in graphflop's form: placeholders named and classified as
     ``torch.export`` does (``p_model_*``, ``b_model_*``, ``args_i``; constants made in forward
     become fixed buffers), the target nodes made inside the trace turned into placeholders, the
@@ -664,8 +698,9 @@ def _from_make_fx(gm: GraphModule, *, params: list[str], buffers: list[str], n_i
             i = phs.index(n.args[0])
             if not n_p <= i < n_p + n_b:
                 what = params[i] if i < n_p else f"input {i - n_p - n_b}"
-                raise TraceError(f"the model writes in place into {what}; only buffers may be "
-                                 "updated in forward")
+                raise TraceError(
+                    f"the model writes in place into {what}; only buffers may be updated in forward"
+                )
             ph, value = n.args
             later = [u for u in ph.users if order[u] > order[n]]
             for u in later:  # reads after the write see the new value
@@ -696,7 +731,7 @@ def _from_make_fx(gm: GraphModule, *, params: list[str], buffers: list[str], n_i
             env[n] = placeholder("c_" + _ident(n.target), n)
             sig_buffers.append((env[n].name, n.target))
             constants[env[n].name] = getattr(gm, n.target)
-    for i, n in enumerate(phs[n_p + n_b:]):
+    for i, n in enumerate(phs[n_p + n_b :]):
         env[n] = placeholder(f"args_{i}", n)
         model_inputs.append(env[n].name)
     for j, n in enumerate(target_nodes):
@@ -718,7 +753,7 @@ def _from_make_fx(gm: GraphModule, *, params: list[str], buffers: list[str], n_i
         inputs=tuple(model_inputs),
         targets=tuple(target_names),
         loss=results[0].name if has_loss else None,
-        outputs=tuple(r.name for r in results[1 if has_loss else 0:]),
+        outputs=tuple(r.name for r in results[1 if has_loss else 0 :]),
         buffer_updates=tuple(updates),
     )
     return _finish(new, signature, constants, loss_kind, wrapped=True)
@@ -747,19 +782,21 @@ def from_exported(
     except Exception as e:
         raise TraceError(f"decomposing the exported program failed: {_first_line(e)}") from e
     n_user = sum(1 for s_ in ep.graph_signature.input_specs if s_.kind.name == "USER_INPUT")
-    gm = _to_graph(ep, n_inputs=n_user, loss_index=loss_output, loss_kind=loss_kind,
-                   wrapped=False)
+    gm = _to_graph(ep, n_inputs=n_user, loss_index=loss_output, loss_kind=loss_kind, wrapped=False)
     sig = gm.meta[SIGNATURE]
     if sig.loss is not None:
         val = next(n for n in gm.graph.nodes if n.name == sig.loss).meta["val"]
         if val.numel() != 1:
-            raise TraceError(f"output {loss_output} is not a scalar loss (shape "
-                             f"{tuple(val.shape)}); pass loss_output=None or the loss's index")
+            raise TraceError(
+                f"output {loss_output} is not a scalar loss (shape "
+                f"{tuple(val.shape)}); pass loss_output=None or the loss's index"
+            )
     return gm
 
 
-def _to_graph(ep, *, n_inputs: int, loss_index: int | None, loss_kind: str,
-              wrapped: bool) -> GraphModule:
+def _to_graph(
+    ep, *, n_inputs: int, loss_index: int | None, loss_kind: str, wrapped: bool
+) -> GraphModule:
     prefix = "model." if wrapped else ""
     gm = ep.graph_module
     sig = ep.graph_signature
@@ -804,8 +841,9 @@ def _to_graph(ep, *, n_inputs: int, loss_index: int | None, loss_kind: str,
     return _finish(gm, signature, constants, loss_kind, wrapped)
 
 
-def _finish(gm: GraphModule, signature: Signature, constants: dict, loss_kind: str,
-            wrapped: bool) -> GraphModule:
+def _finish(
+    gm: GraphModule, signature: Signature, constants: dict, loss_kind: str, wrapped: bool
+) -> GraphModule:
     gm.meta[SIGNATURE] = signature
     gm.meta["gf_constants"] = constants
     gm.meta["gf_loss_kind"] = loss_kind
@@ -854,8 +892,7 @@ def _tag_nodes(gm: GraphModule, sig: Signature, wrapped: bool = True) -> None:
         if n.op == "call_function":
             # computed from parameters, buffers and constants only (an embedding lookup at the
             # model's token ids is not; one at arange positions is)
-            n.meta[PARAM_DERIVED] = all(a.meta.get(PARAM_DERIVED, False)
-                                        for a in n.all_input_nodes)
+            n.meta[PARAM_DERIVED] = all(a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes)
         else:
             n.meta[PARAM_DERIVED] = False
 

@@ -21,8 +21,13 @@ def spec(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def analysis(name: str, batch: int | None = None, optimizer: str = "sgd",
-             ctor: tuple = (), loss: str = "auto"):
+def analysis(
+    name: str,
+    batch: int | None = None,
+    optimizer: str = "sgd",
+    ctor: tuple = (),
+    loss: str = "auto",
+):
     """Analysis of a model in ``models/`` on the meta device (cached: tests only read it)."""
     loaded = load(spec(name), ctor_kwargs=dict(ctor), meta=True)
     loaded.model.train()

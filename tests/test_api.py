@@ -32,8 +32,9 @@ def test_out_of_order_names_the_prerequisite():
 
 def test_pass_manager_runs_in_order():
     fwd = graphflop.trace(nn.Linear(3, 2), (torch.randn(4, 3),), loss="sum")
-    pm = graphflop.PassManager([graphflop.build_vjp, graphflop.annotate_flops,
-                                graphflop.annotate_memory])
+    pm = graphflop.PassManager(
+        [graphflop.build_vjp, graphflop.annotate_flops, graphflop.annotate_memory]
+    )
     b = pm(fwd)
     assert {"traced", "vjp", "flops", "memory"} <= b.meta["gf_facts"]
     # backward of sum(x·Wᵀ + b): dW = 1ᵀ·x (2·4·3·2 = 48 mm FLOPs), db = sum over batch
@@ -73,9 +74,9 @@ def test_custom_op_without_rule_names_op_and_kinds():
     assert "gftest.scale.default" in str(e.value) and "cost/jvp/transpose" in str(e.value)
     # a cost rule alone: counting works, differentiating names the missing kind
     graphflop.register_rule(SCALE_OP, cost=lambda out, x, w: NodeCost(flops=out.numel()))
-    fwd = graphflop.annotate_flops(graphflop.trace(Scaled(), (torch.randn(3, 5,
-                                                                      dtype=torch.float64),),
-                                                   loss="sum"))
+    fwd = graphflop.annotate_flops(
+        graphflop.trace(Scaled(), (torch.randn(3, 5, dtype=torch.float64),), loss="sum")
+    )
     assert sum(n.meta["gf_cost"].flops for n in fwd.graph.nodes) == 15 + 15
     with pytest.raises(graphflop.MissingRuleError, match="no jvp rule for gftest.scale"):
         graphflop.build_vjp(fwd)
@@ -86,8 +87,10 @@ def test_custom_op_with_rules_is_counted_and_differentiated():
     def jvp(b, out, args, tangents, kwargs):
         x, w = args
         tx, tw = tangents
-        return b.add(b.call(SCALE_OP, tx, w) if tx is not None else None,
-                     b.call(SCALE_OP, x, tw) if tw is not None else None)
+        return b.add(
+            b.call(SCALE_OP, tx, w) if tx is not None else None,
+            b.call(SCALE_OP, x, tw) if tw is not None else None,
+        )
 
     def transpose(b, ct, args, kwargs, linear):
         x, w = args
@@ -98,8 +101,9 @@ def test_custom_op_with_rules_is_counted_and_differentiated():
             cts[1] = b.sum_to(b.call(SCALE_OP, ct, x), tuple(w.meta["val"].shape))
         return cts
 
-    graphflop.register_rule(SCALE_OP, cost=lambda out, x, w: NodeCost(flops=out.numel()),
-                            jvp=jvp, transpose=transpose)
+    graphflop.register_rule(
+        SCALE_OP, cost=lambda out, x, w: NodeCost(flops=out.numel()), jvp=jvp, transpose=transpose
+    )
     from graphflop.runtime.verify import (
         real_arguments,
         run_backward,
@@ -114,6 +118,7 @@ def test_custom_op_with_rules_is_counted_and_differentiated():
     values = real_arguments(fwd, model)
     xv = values[fwd.meta["gf_signature"].inputs[0]]
     (gw,) = run_backward(bwd, run_forward(fwd, values))
+
     # the same function written with a plain multiply, differentiated by torch.func
     def f(w):
         return (xv * w).sum()
@@ -127,8 +132,9 @@ def test_custom_op_with_rules_is_counted_and_differentiated():
     got = run_jvp(jvp, values, tangents)[info.primal_outputs]
     (pw,) = [p for p, _ in fwd.meta["gf_signature"].params]
     (px,) = fwd.meta["gf_signature"].inputs
-    _, ref = torch.func.jvp(lambda w, x_: (x_ * w).sum(), (values[pw], xv),
-                            (tangents[pw], tangents[px]))
+    _, ref = torch.func.jvp(
+        lambda w, x_: (x_ * w).sum(), (values[pw], xv), (tangents[pw], tangents[px])
+    )
     assert torch.allclose(got, ref, rtol=1e-12)
     from graphflop.ops import registry
 
@@ -149,8 +155,9 @@ def test_compile_backend_matches_inspect_and_eager(name, batch):
     x = torch.randn(batch, *({"convnet.py": (3, 224, 224), "mlp.py": (1, 28, 28)}[name]))
     t = torch.randint(0, 10, (batch,))
     report = graphflop.CompileReport()
-    compiled = torch.compile(lambda x, t: F.cross_entropy(model(x), t),
-                             backend=graphflop.compile_backend(report=report))
+    compiled = torch.compile(
+        lambda x, t: F.cross_entropy(model(x), t), backend=graphflop.compile_backend(report=report)
+    )
     loss_c = compiled(x, t)
     grads_c = torch.autograd.grad(loss_c, list(model.parameters()))
     torch._dynamo.reset()

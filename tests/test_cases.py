@@ -69,8 +69,9 @@ class Counts:
     n_grads: int
 
 
-def counts(build, shapes, *, input_grads: bool = False, tangents: str = "params",
-           dtypes=None) -> Counts:
+def counts(
+    build, shapes, *, input_grads: bool = False, tangents: str = "params", dtypes=None
+) -> Counts:
     """Trace ``build()`` on the meta device on inputs of ``shapes`` and count every graph."""
     with torch.device("meta"):
         model = build()
@@ -89,8 +90,14 @@ def counts(build, shapes, *, input_grads: bool = False, tangents: str = "params"
     jvp = annotate_flops(build_jvp(fwd, tangents))
     tnodes = [n for n in jvp.graph.nodes if n.meta.get(KIND) == "tangent"]
     info = bwd.meta["gf_vjp"]
-    return Counts(fcost.mm_flops, fcost.flops, total_cost(bwd.graph.nodes).mm_flops, by_role,
-                  total_cost(tnodes).mm_flops, len(info.grads) + len(info.input_grads))
+    return Counts(
+        fcost.mm_flops,
+        fcost.flops,
+        total_cost(bwd.graph.nodes).mm_flops,
+        by_role,
+        total_cost(tnodes).mm_flops,
+        len(info.grads) + len(info.input_grads),
+    )
 
 
 # --- 1-6: transposed convolutions ------------------------------------------------------------
@@ -111,19 +118,27 @@ def test_case1_conv_transpose_weight_gradient_only():
     assert c.jvp_mm == f  # conv(x, W_dot): one product (x carries no tangent)
 
 
-@pytest.mark.parametrize("build,shape,mm,bias", [
-    # case 2: 2·1·32·(1·1)·1·9 = 576; out (1, 1, 3, 3)
-    (lambda: nn.ConvTranspose2d(32, 1, 3), (1, 32, 1, 1), 576, 9),
-    # case 3: 2·1·3·(2·2)·1·4 = 96; out (1, 1, 4, 4): 16
-    (lambda: nn.ConvTranspose2d(3, 1, 2, stride=2), (1, 3, 2, 2), 96, 16),
-    # case 4: 2·2·4·64·(4/4)·9 = 9,216; out (2, 4, 16, 16): 2,048
-    (lambda: nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1, output_padding=1, groups=4),
-     (2, 4, 8, 8), 9_216, 2_048),
-    # case 5: 2·2·6·64·(6/3)·4 = 12,288; out (2, 6, 16, 16): 3,072
-    (lambda: nn.ConvTranspose2d(6, 6, 2, stride=2, groups=3), (2, 6, 8, 8), 12_288, 3_072),
-    # case 6: 2·2·4·64·6·16 = 98,304; out (2, 6, 16, 16): 3,072
-    (lambda: nn.ConvTranspose2d(4, 6, 4, stride=2, padding=1), (2, 4, 8, 8), 98_304, 3_072),
-], ids=["case2", "case3", "case4", "case5", "case6"])
+@pytest.mark.parametrize(
+    "build,shape,mm,bias",
+    [
+        # case 2: 2·1·32·(1·1)·1·9 = 576; out (1, 1, 3, 3)
+        (lambda: nn.ConvTranspose2d(32, 1, 3), (1, 32, 1, 1), 576, 9),
+        # case 3: 2·1·3·(2·2)·1·4 = 96; out (1, 1, 4, 4): 16
+        (lambda: nn.ConvTranspose2d(3, 1, 2, stride=2), (1, 3, 2, 2), 96, 16),
+        # case 4: 2·2·4·64·(4/4)·9 = 9,216; out (2, 4, 16, 16): 2,048
+        (
+            lambda: nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1, output_padding=1, groups=4),
+            (2, 4, 8, 8),
+            9_216,
+            2_048,
+        ),
+        # case 5: 2·2·6·64·(6/3)·4 = 12,288; out (2, 6, 16, 16): 3,072
+        (lambda: nn.ConvTranspose2d(6, 6, 2, stride=2, groups=3), (2, 6, 8, 8), 12_288, 3_072),
+        # case 6: 2·2·4·64·6·16 = 98,304; out (2, 6, 16, 16): 3,072
+        (lambda: nn.ConvTranspose2d(4, 6, 4, stride=2, padding=1), (2, 4, 8, 8), 98_304, 3_072),
+    ],
+    ids=["case2", "case3", "case4", "case5", "case6"],
+)
 def test_cases2to6_conv_transpose(build, shape, mm, bias):
     c = counts(build, [shape], input_grads=True, tangents="all")
     assert c.forward_mm == mm
@@ -139,9 +154,12 @@ def test_cases2to6_conv_transpose(build, shape, mm, bias):
 def test_case7_multihead_attention():
     """nn.MultiheadAttention(100, 1), q = k = v (1, 1000, 100): in-projection 2·1000·100·300
     = 60 M; scores 2·1000·1000·100 = 200 M; weights·v 200 M; out-projection 20 M: 480 M."""
-    c = counts(lambda: Fn(lambda s, x: s.mha(x, x, x)[0],
-                          mha=nn.MultiheadAttention(100, 1, batch_first=True)),
-               [(1, 1000, 100)])
+    c = counts(
+        lambda: Fn(
+            lambda s, x: s.mha(x, x, x)[0], mha=nn.MultiheadAttention(100, 1, batch_first=True)
+        ),
+        [(1, 1000, 100)],
+    )
     assert c.forward_mm == 60_000_000 + 2 * 200_000_000 + 20_000_000 == 480_000_000
     # backward: in-projection weight gradient 60 M (no input gradient); both operands of both
     # attention products 4·200 M; out-projection input and weight gradients 2·20 M
@@ -155,8 +173,12 @@ def test_case8_sdpa(causal):
     """F.scaled_dot_product_attention on (1, 8, 1024, 64) q, k, v: 2·8·1024·1024·64 for the
     scores and again for weights·v = 2,147,483,648, causal or not (the dense kernel computes
     the full matrix; FLOPS.md)."""
-    c = counts(lambda: Fn(lambda s, q, k, v: F.scaled_dot_product_attention(
-        q, k, v, is_causal=causal)), [(1, 8, 1024, 64)] * 3, input_grads=True, tangents="all")
+    c = counts(
+        lambda: Fn(lambda s, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)),
+        [(1, 8, 1024, 64)] * 3,
+        input_grads=True,
+        tangents="all",
+    )
     f = 2 * 8 * 1024 * 1024 * 64 * 2
     assert f == 2_147_483_648
     assert c.forward_mm == f
@@ -197,9 +219,13 @@ def test_case11_shared_linear_accumulates_one_gradient():
     """One Linear(100, 100) on three (1, 100) slices of a (1, 300) input: 3·2·100·100 = 60,000
     and 3·100 bias adds; the backward computes three weight-gradient products (60,000) and adds
     them into one gradient (2 adds of 100·100, 2 of 100 for the bias)."""
-    c = counts(lambda: Fn(lambda s, x: torch.cat([s.fc(x[:, i * 100:(i + 1) * 100])
-                                                  for i in range(3)], 1),
-                          fc=nn.Linear(100, 100)), [(1, 300)])
+    c = counts(
+        lambda: Fn(
+            lambda s, x: torch.cat([s.fc(x[:, i * 100 : (i + 1) * 100]) for i in range(3)], 1),
+            fc=nn.Linear(100, 100),
+        ),
+        [(1, 300)],
+    )
     assert c.forward_mm == 60_000
     assert c.forward_flops == 60_000 + 300
     assert c.backward_mm == 60_000
@@ -220,14 +246,19 @@ def test_case13_depthwise_conv_with_input_grad():
     """Conv2d(64, 64, 3, padding=1, groups=64) on (1, 64, 56, 56) requiring grad:
     2·1·64·(56·56)·(64/64)·9 = 3,612,672 forward; input and weight gradients the same each:
     7,225,344 (FlopCounterMode: 3,612,672 + 64x the weight gradient)."""
-    c = counts(lambda: nn.Conv2d(64, 64, 3, padding=1, groups=64), [(1, 64, 56, 56)],
-               input_grads=True, tangents="all")
+    c = counts(
+        lambda: nn.Conv2d(64, 64, 3, padding=1, groups=64),
+        [(1, 64, 56, 56)],
+        input_grads=True,
+        tangents="all",
+    )
     assert c.forward_mm == 3_612_672
     assert c.backward_mm == 7_225_344
     assert c.jvp_mm == 7_225_344
 
 
 # --- every case passes --verify's checks, in small ----------------------------------------------
+
 
 def _math_sdpa(q, k, v, **kwargs):
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -240,31 +271,63 @@ SMALL = {
     "case1": (lambda: nn.ConvTranspose2d(4, 6, 2, stride=2), [(2, 4, 3, 5)], False),
     "case2": (lambda: nn.ConvTranspose2d(32, 1, 3), [(1, 32, 1, 1)], True),
     "case3": (lambda: nn.ConvTranspose2d(3, 1, 2, stride=2), [(1, 3, 2, 2)], True),
-    "case4": (lambda: nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1, output_padding=1,
-                                         groups=4), [(2, 4, 8, 8)], True),
+    "case4": (
+        lambda: nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1, output_padding=1, groups=4),
+        [(2, 4, 8, 8)],
+        True,
+    ),
     "case5": (lambda: nn.ConvTranspose2d(6, 6, 2, stride=2, groups=3), [(2, 6, 8, 8)], True),
     "case6": (lambda: nn.ConvTranspose2d(4, 6, 4, stride=2, padding=1), [(2, 4, 8, 8)], True),
-    "case7": (lambda: Fn(lambda s, x: s.mha(x, x, x)[0],
-                         mha=nn.MultiheadAttention(10, 1, batch_first=True)), [(1, 7, 10)], True),
+    "case7": (
+        lambda: Fn(
+            lambda s, x: s.mha(x, x, x)[0], mha=nn.MultiheadAttention(10, 1, batch_first=True)
+        ),
+        [(1, 7, 10)],
+        True,
+    ),
     # (q · a: a parameter before the attention, so that --verify's parameter-only backward
     # graph has a tangent to transpose; the input-gradient check below covers q, k, v. The
     # math backend: PyTorch's CPU flash kernel has no forward-mode derivative for the
     # torch.func.jvp reference; graphflop traces the same math form either way)
-    "case8": (lambda: Fn(lambda s, q, k, v: _math_sdpa(q * s.a, k, v),
-                         a=torch.randn(1, 2, 6, 4)), [(1, 2, 6, 4)] * 3, True),
-    "case8_causal": (lambda: Fn(lambda s, q, k, v: _math_sdpa(q * s.a, k, v, is_causal=True),
-                                a=torch.randn(1, 2, 6, 4)), [(1, 2, 6, 4)] * 3, True),
-    "case9_mv": (lambda: Fn(lambda s, x: (x @ s.w) * s.r, w=torch.randn(5),
-                            r=torch.randn(4)), [(4, 5)], True),
-    "case9_broadcast": (lambda: Fn(lambda s, x: x @ s.w, w=torch.randn(3, 5, 2)), [(4, 5)],
-                        True),
+    "case8": (
+        lambda: Fn(lambda s, q, k, v: _math_sdpa(q * s.a, k, v), a=torch.randn(1, 2, 6, 4)),
+        [(1, 2, 6, 4)] * 3,
+        True,
+    ),
+    "case8_causal": (
+        lambda: Fn(
+            lambda s, q, k, v: _math_sdpa(q * s.a, k, v, is_causal=True), a=torch.randn(1, 2, 6, 4)
+        ),
+        [(1, 2, 6, 4)] * 3,
+        True,
+    ),
+    "case9_mv": (
+        lambda: Fn(lambda s, x: (x @ s.w) * s.r, w=torch.randn(5), r=torch.randn(4)),
+        [(4, 5)],
+        True,
+    ),
+    "case9_broadcast": (lambda: Fn(lambda s, x: x @ s.w, w=torch.randn(3, 5, 2)), [(4, 5)], True),
     "case10": (lambda: nn.Conv1d(6, 6, 3, padding=1), [(1, 6, 8)], True),
-    "case11": (lambda: Fn(lambda s, x: torch.cat([s.fc(x[:, i * 4:(i + 1) * 4])
-                                                  for i in range(3)], 1) * s.r,
-                          fc=nn.Linear(4, 4), r=torch.randn(1, 12)), [(1, 12)], True),
-    "case12": (lambda: Fn(lambda s, a, b: (lambda a, b: (a + b) * (a - b) / (b * b + 1)
-                                          + (a * a + 1) ** b)(a * s.p, b * s.q),
-                          p=torch.randn(2, 3), q=torch.randn(2, 3)), [(2, 3), (2, 3)], True),
+    "case11": (
+        lambda: Fn(
+            lambda s, x: torch.cat([s.fc(x[:, i * 4 : (i + 1) * 4]) for i in range(3)], 1) * s.r,
+            fc=nn.Linear(4, 4),
+            r=torch.randn(1, 12),
+        ),
+        [(1, 12)],
+        True,
+    ),
+    "case12": (
+        lambda: Fn(
+            lambda s, a, b: (lambda a, b: (a + b) * (a - b) / (b * b + 1) + (a * a + 1) ** b)(
+                a * s.p, b * s.q
+            ),
+            p=torch.randn(2, 3),
+            q=torch.randn(2, 3),
+        ),
+        [(2, 3), (2, 3)],
+        True,
+    ),
     "case13": (lambda: nn.Conv2d(8, 8, 3, padding=1, groups=8), [(1, 8, 6, 6)], True),
 }
 
@@ -309,10 +372,15 @@ def _gpt2(name: str, **ctor):
     return load(spec(f"gpt2.py:{name}"), ctor_kwargs=ctor, meta=True)
 
 
-@pytest.mark.parametrize("size,params", [("gpt2_small", 124_439_808),
-                                         ("gpt2_medium", 354_823_168),
-                                         ("gpt2_large", 774_030_080),
-                                         ("gpt2_xl", 1_557_611_200)])
+@pytest.mark.parametrize(
+    "size,params",
+    [
+        ("gpt2_small", 124_439_808),
+        ("gpt2_medium", 354_823_168),
+        ("gpt2_large", 774_030_080),
+        ("gpt2_xl", 1_557_611_200),
+    ],
+)
 def test_gpt2_parameter_counts(size, params):
     """Token and position embeddings, per block 12·d² + 13·d, final LayerNorm 2·d; the head is
     tied to the token embedding (counted once). small: 38,597,376 + 786,432 + 12·7,087,872 +
@@ -363,13 +431,16 @@ def test_tiny_gpt2_verifies_with_token_inputs():
     values = real_arguments(fwd, model, seed=0)
     info = jvp.meta["gf_jvp"]
     gen = torch.Generator().manual_seed(1)
-    tangents = {p: torch.randn(values[p].shape, generator=gen, dtype=values[p].dtype)
-                for _, p in info.tangent_inputs}
+    tangents = {
+        p: torch.randn(values[p].shape, generator=gen, dtype=values[p].dtype)
+        for _, p in info.tangent_inputs
+    }
     got = run_jvp(jvp, values, tangents)[info.primal_outputs]
     sig = fwd.meta[SIGNATURE]
     params = {q: values[n] for n, q in sig.params}
-    _, ref = torch.func.jvp(reference_loss_fn(fwd, model, values), (params,),
-                            ({q: tangents[n] for n, q in sig.params},))
+    _, ref = torch.func.jvp(
+        reference_loss_fn(fwd, model, values), (params,), ({q: tangents[n] for n, q in sig.params},)
+    )
     assert rel_error(got, ref) < 1e-9
 
 
@@ -384,8 +455,11 @@ def test_token_embedding_is_data_the_position_embedding_is_not():
 
     loaded = load(spec("gpt2.py:GPT2"), ctor_kwargs=TINY_GPT2, meta=True)
     fwd = trace(loaded.model.train(), make_inputs(loaded, shapes=[(2, 16)]))
-    lookups = {n.args[0].name: n.meta[PARAM_DERIVED] for n in fwd.graph.nodes
-               if n.target is torch.ops.aten.embedding.default}
+    lookups = {
+        n.args[0].name: n.meta[PARAM_DERIVED]
+        for n in fwd.graph.nodes
+        if n.target is torch.ops.aten.embedding.default
+    }
     assert lookups == {"p_model_wte_weight": False, "p_model_wpe_weight": True}
 
 
@@ -397,8 +471,23 @@ def test_cli_verify_gpt2():
     from graphflop.cli import main
 
     args = [f"--arg={k}={v}" for k, v in TINY_GPT2.items()]
-    assert main(["inspect", spec("gpt2.py:GPT2"), *args, "--input-shape", "1,16", "--verify",
-                 "--verify-samples", "0", "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                spec("gpt2.py:GPT2"),
+                *args,
+                "--input-shape",
+                "1,16",
+                "--verify",
+                "--verify-samples",
+                "0",
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
 
 
 # --- model libraries ------------------------------------------------------------------------------
@@ -426,8 +515,7 @@ def test_torchvision_resnet50_matches_models_resnet50():
     totals = []
     for loaded in (ours, theirs):
         a = analyze(loaded.model.train(), make_inputs(loaded), name=loaded.name)
-        totals.append({k: a.summary["totals"][k] for k in ("forward", "backward", "update",
-                                                           "jvp")})
+        totals.append({k: a.summary["totals"][k] for k in ("forward", "backward", "update", "jvp")})
         totals[-1]["params"] = a.summary["params"]
     assert totals[0] == totals[1]
     assert totals[0]["params"] == 25_557_032
@@ -509,7 +597,11 @@ def test_parameter_names_that_are_not_identifiers():
     step = build_train_step(a.forward, a.backward, a.update)
     assert len(step.meta["gf_train_step"].params) == 4
     assert {q for q in a.forward_gradient.meta["gf_forward_gradient"].params} == {
-        "block-1.weight", "block-1.bias", "Head.weight", "Head.bias"}
+        "block-1.weight",
+        "block-1.bias",
+        "Head.weight",
+        "Head.bias",
+    }
 
 
 def test_library_model_whose_constructor_computes_with_tensors_loads_on_meta():

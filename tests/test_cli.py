@@ -13,8 +13,9 @@ from graphflop.cli import main
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "graphflop.cli", *args], capture_output=True,
-                          text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "graphflop.cli", *args], capture_output=True, text=True, cwd=cwd
+    )
 
 
 def test_inspect_json(tmp_path):
@@ -23,22 +24,55 @@ def test_inspect_json(tmp_path):
     d = json.loads(out.read_text())
     # logistic regression 784→10 at batch 32: 2·32·784·10 multiply-add FLOPs
     assert d["totals"]["forward"]["mm_flops"] == 2 * 32 * 784 * 10
-    assert d["inputs"] == [{"name": d["inputs"][0]["name"], "shape": [32, 1, 28, 28],
-                            "dtype": "float32"}]
-    for key in ("params_bytes", "forward_peak_bytes", "saved_for_backward_bytes",
-                "train_peak_bytes", "jvp_peak_bytes", "grads_bytes", "optimizer_state_bytes"):
+    assert d["inputs"] == [
+        {"name": d["inputs"][0]["name"], "shape": [32, 1, 28, 28], "dtype": "float32"}
+    ]
+    for key in (
+        "params_bytes",
+        "forward_peak_bytes",
+        "saved_for_backward_bytes",
+        "train_peak_bytes",
+        "jvp_peak_bytes",
+        "grads_bytes",
+        "optimizer_state_bytes",
+    ):
         assert key in d["memory"]
     assert {"name", "forward_flops", "params"} <= set(d["layers"][0])
     assert d["params"] == 784 * 10 + 10
 
 
 def test_input_shape_and_ctor_args(capsys):
-    assert main(["inspect", spec("mlp.py"), "--input-shape", "4,1,28,28", "--format", "json",
-                 "--no-jvp"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                spec("mlp.py"),
+                "--input-shape",
+                "4,1,28,28",
+                "--format",
+                "json",
+                "--no-jvp",
+            ]
+        )
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
     assert d["inputs"][0]["shape"] == [4, 1, 28, 28]
-    assert main(["inspect", spec("deeper_convnet.py"), "--arg", "middle_layers=2",
-                 "--format", "json", "--no-jvp", "--no-backward"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                spec("deeper_convnet.py"),
+                "--arg",
+                "middle_layers=2",
+                "--format",
+                "json",
+                "--no-jvp",
+                "--no-backward",
+            ]
+        )
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
     assert any(L["name"] == "middle" for L in d["layers"])
 
@@ -93,8 +127,19 @@ def example_inputs(): return (torch.randn(2, 3),)
 """
 
 
-@pytest.mark.parametrize("case", ["missing", "unknown_name", "two_modules", "bad_shape",
-                                  "untraceable", "no_rule", "bad_dtype", "bad_arg"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "unknown_name",
+        "two_modules",
+        "bad_shape",
+        "untraceable",
+        "no_rule",
+        "bad_dtype",
+        "bad_arg",
+    ],
+)
 def test_bad_input_one_line_exit_2(tmp_path, case):
     (tmp_path / "two.py").write_text(TWO_MODULES)
     (tmp_path / "bad.py").write_text(UNTRACEABLE)
@@ -117,6 +162,8 @@ def test_bad_input_one_line_exit_2(tmp_path, case):
     assert not out.exists()
     assert list(tmp_path.glob(".out.json*")) == []
     if case == "no_rule":
-        assert "aten.i0.default" in lines[0] and "node i0" in lines[0] and "graphflop/ops/" in lines[0]
+        assert (
+            "aten.i0.default" in lines[0] and "node i0" in lines[0] and "graphflop/ops/" in lines[0]
+        )
     if case == "two_modules":
         assert "A, B" in lines[0]

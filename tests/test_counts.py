@@ -110,8 +110,7 @@ def test_lookups_read_the_rows_they_gather():
     from graphflop.passes.pipeline import analyze
 
     a = analyze(nn.Embedding(1000, 16), (torch.zeros(2, 3, dtype=torch.long),), loss="sum")
-    lookup = next(n for n in a.forward.graph.nodes
-                  if n.target is torch.ops.aten.embedding.default)
+    lookup = next(n for n in a.forward.graph.nodes if n.target is torch.ops.aten.embedding.default)
     cost = lookup.meta["gf_cost"]
     # rows: 2·3·16 float32 = 384 bytes; indices: 2·3 int64 = 48 bytes (the table is 64,000)
     assert (cost.flops, cost.bytes_read, cost.bytes_written) == (0, 384 + 48, 384)
@@ -150,8 +149,9 @@ def test_update_flops_per_optimizer_do_not_depend_on_batch():
 
 def test_saved_for_backward_of_a_bias_free_linear_stack():
     B = 8
-    stack = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 16, bias=False),
-                          nn.Linear(16, 4, bias=False))
+    stack = nn.Sequential(
+        nn.Linear(32, 64, bias=False), nn.Linear(64, 16, bias=False), nn.Linear(16, 4, bias=False)
+    )
     a = analyze(stack, (torch.randn(B, 32),), loss="sum", jvp=False)
     # the weight gradients read the layer inputs: x (B·32), h1 (B·64), h2 (B·16), fp32
     assert a.to_dict()["memory"]["saved_for_backward_bytes"] == 4 * B * (32 + 64 + 16)

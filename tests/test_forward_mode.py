@@ -70,8 +70,9 @@ def test_forward_gradient_step_flops_and_directions():
         if x.meta.get("gf_kind") in kinds:
             kinds[x.meta["gf_kind"]] += x.meta["gf_cost"].flops
     assert kinds["tangent"] + kinds["coef"] == s["jvp"]["flops"]
-    assert f4 == (s["forward"]["flops"] + kinds["coef"] + 4 * kinds["tangent"]
-                  + (4 + 3 + 1) * n + 2 * n)
+    assert f4 == (
+        s["forward"]["flops"] + kinds["coef"] + 4 * kinds["tangent"] + (4 + 3 + 1) * n + 2 * n
+    )
 
 
 def _small_problem():
@@ -94,8 +95,10 @@ def test_forward_gradient_is_unbiased():
     gen = torch.Generator().manual_seed(1)
     total = torch.zeros(n, dtype=torch.float64)
     for _ in range(M):
-        v = {p: torch.randn(values[p].shape, generator=gen, dtype=torch.float64)
-             for _, p in info.tangent_inputs}
+        v = {
+            p: torch.randn(values[p].shape, generator=gen, dtype=torch.float64)
+            for _, p in info.tangent_inputs
+        }
         d = run_jvp(jvp, values, v)[info.primal_outputs]
         total += d * torch.cat([v[p].flatten() for p, _ in sig.params])
     est = total / M
@@ -104,8 +107,9 @@ def test_forward_gradient_is_unbiased():
     bound = 3 * (n + 1) * float(true.pow(2).sum()) / M
     assert err2 < bound, (err2, bound)
     # and the estimator is not trivially close: one direction alone is far off
-    assert float((d * torch.cat([v[p].flatten() for p, _ in sig.params]) - true).pow(2).sum()
-                 ) > err2
+    assert (
+        float((d * torch.cat([v[p].flatten() for p, _ in sig.params]) - true).pow(2).sum()) > err2
+    )
 
 
 def test_forward_gradient_step_runs_sgd_on_the_estimate():
@@ -114,8 +118,7 @@ def test_forward_gradient_step_runs_sgd_on_the_estimate():
     step = build_forward_gradient_step(fwd, "sgd", direction_inputs=True)
     info = step.meta["gf_forward_gradient"]
     gen = torch.Generator().manual_seed(2)
-    v = {p: torch.randn(values[p].shape, generator=gen, dtype=torch.float64)
-         for p, _ in sig.params}
+    v = {p: torch.randn(values[p].shape, generator=gen, dtype=torch.float64) for p, _ in sig.params}
     args = []
     for name in info.inputs:
         if name == "lr":
@@ -128,7 +131,9 @@ def test_forward_gradient_step_runs_sgd_on_the_estimate():
     d = out[-1]
     ref_d = torch.func.jvp(
         lambda p: torch.func.functional_call(model, p, (values[sig.inputs[0]],)).sum(),
-        ({q: values[p] for p, q in sig.params},), ({q: v[p] for p, q in sig.params},))[1]
+        ({q: values[p] for p, q in sig.params},),
+        ({q: v[p] for p, q in sig.params},),
+    )[1]
     assert torch.allclose(d, ref_d, rtol=1e-10)
     for i, (p, _) in enumerate(sig.params):
         assert torch.allclose(out[1 + i], values[p] - 0.1 * d * v[p], rtol=1e-10)

@@ -44,8 +44,11 @@ def _diff(want, got, path="$"):
         for i, (w, g) in enumerate(zip(want, got)):
             yield from _diff(w, g, f"{path}[{i}]")
     elif isinstance(want, float) or isinstance(got, float):
-        if not (isinstance(got, (int, float)) and isinstance(want, (int, float))
-                and math.isclose(want, got, rel_tol=1e-12, abs_tol=0.0)):
+        if not (
+            isinstance(got, (int, float))
+            and isinstance(want, (int, float))
+            and math.isclose(want, got, rel_tol=1e-12, abs_tol=0.0)
+        ):
             yield f"{path}: {want!r} != {got!r}"
     elif type(want) is not type(got) or want != got:
         yield f"{path}: {want!r} != {got!r}"

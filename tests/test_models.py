@@ -13,8 +13,14 @@ from graphflop.runtime.verify import verify_analysis
 
 # (spec, batch): small batches keep FlopCounterMode's fake run quick; ResNet-50 at batch 2
 ZOO = [
-    ("linearnet.py", 2), ("onenet.py", 8), ("convnet.py", 2), ("deeper_convnet.py", 1),
-    ("logreg.py", 16), ("mlp.py", 16), ("cnn.py", 4), ("resnet.py:resnet18", 2),
+    ("linearnet.py", 2),
+    ("onenet.py", 8),
+    ("convnet.py", 2),
+    ("deeper_convnet.py", 1),
+    ("logreg.py", 16),
+    ("mlp.py", 16),
+    ("cnn.py", 4),
+    ("resnet.py:resnet18", 2),
     ("resnet.py:resnet50", 2),
 ]
 
@@ -30,9 +36,11 @@ def flop_counter_totals(name: str, batch: int) -> tuple[int, int]:
         with FlopCounterMode(display=False) as fc:
             out = model(*xs)
         fwd = fc.get_total_flops()
-        loss = (torch.nn.functional.cross_entropy(out, torch.zeros(out.shape[0],
-                                                                    dtype=torch.long))
-                if out.dim() == 2 else out.sum())
+        loss = (
+            torch.nn.functional.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long))
+            if out.dim() == 2
+            else out.sum()
+        )
         with FlopCounterMode(display=False) as fc:
             torch.autograd.grad(loss, [p for p in model.parameters()])
         bwd = fc.get_total_flops()
@@ -50,8 +58,13 @@ def test_mm_flops_equal_flop_counter_mode(name, batch):
 
 
 VERIFY = [
-    ("convnet.py", 2, ()), ("onenet.py", 4, ()), ("deeper_convnet.py", 2, (("middle_layers", 3),)),
-    ("logreg.py", 8, ()), ("mlp.py", 8, ()), ("cnn.py", 2, ()), ("resnet.py:resnet50", 2, ()),
+    ("convnet.py", 2, ()),
+    ("onenet.py", 4, ()),
+    ("deeper_convnet.py", 2, (("middle_layers", 3),)),
+    ("logreg.py", 8, ()),
+    ("mlp.py", 8, ()),
+    ("cnn.py", 2, ()),
+    ("resnet.py:resnet50", 2, ()),
 ]
 
 
@@ -60,10 +73,13 @@ def test_gradients_and_tangents_match_torch_func(name, batch, ctor):
     a = analysis(name, batch, ctor=ctor)
     real = load(spec(name), ctor_kwargs=dict(ctor))
     real.model.train()
-    checks = verify_analysis(real, make_inputs(real, batch=batch), a, dtype="float64",
-                             tolerance=1e-9)
-    assert [c.name for c in checks] == ["gradients vs torch.func.grad",
-                                        "JVP loss tangent vs torch.func.jvp"]
+    checks = verify_analysis(
+        real, make_inputs(real, batch=batch), a, dtype="float64", tolerance=1e-9
+    )
+    assert [c.name for c in checks] == [
+        "gradients vs torch.func.grad",
+        "JVP loss tangent vs torch.func.jvp",
+    ]
     for c in checks:
         assert c.worst_rel_error < 1e-9, c
 

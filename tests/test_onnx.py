@@ -19,8 +19,16 @@ from graphflop.runtime.verify import real_arguments, rel_error, run_forward
 
 CPU = "CPUExecutionProvider"
 # every model file (ResNet-50 standing for resnet.py; DeeperConvNet with 3 middle layers)
-ZOO = [("convnet.py", 2), ("onenet.py", 4), ("deeper_convnet.py", 1), ("logreg.py", 8),
-       ("mlp.py", 8), ("cnn.py", 2), ("resnet.py:resnet50", 1), ("linearnet.py", 2)]
+ZOO = [
+    ("convnet.py", 2),
+    ("onenet.py", 4),
+    ("deeper_convnet.py", 1),
+    ("logreg.py", 8),
+    ("mlp.py", 8),
+    ("cnn.py", 2),
+    ("resnet.py:resnet50", 1),
+    ("linearnet.py", 2),
+]
 STANDARD_DOMAINS = {"", "ai.onnx"}
 
 
@@ -62,16 +70,18 @@ def test_export_runs_and_matches_pytorch(tmp_path, name, batch):
     feeds = dict(zip(g["inputs"], [values[n] for n in names]))
     out = run(sess, feeds)
     loss_pos = g["outputs"].index("loss")
-    assert rel_error(torch.from_numpy(out[loss_pos]), fv[a.forward.meta["gf_signature"].loss]
-                     ) < 1e-4
+    assert (
+        rel_error(torch.from_numpy(out[loss_pos]), fv[a.forward.meta["gf_signature"].loss]) < 1e-4
+    )
     # backward: residuals from the PyTorch forward run
     g = manifest["graphs"]["backward"]
     sess = session(tmp_path / "backward.onnx", CPU)
     bnames = [n for n in a.backward.graph.nodes if n.op == "placeholder"]
     feeds = {}
     for onnx_name, n in zip(g["inputs"], bnames):
-        feeds[onnx_name] = (torch.ones(()) if onnx_name == "ct_loss"
-                            else fv[n.meta.get("gf_source", n.name)])
+        feeds[onnx_name] = (
+            torch.ones(()) if onnx_name == "ct_loss" else fv[n.meta.get("gf_source", n.name)]
+        )
     got = run(sess, feeds)
     ref = a.backward(*[feeds[k] for k in g["inputs"]])
     for x, y in zip(got, ref):
@@ -105,18 +115,21 @@ def test_train_step_equals_one_torch_optim_step(tmp_path, optimizer):
     sig = a.forward.meta["gf_signature"]
     upd = a.update.meta["gf_update"]
     by_qual = {q: values[p] for p, q in sig.params}
-    state = {n: torch.zeros_like(by_qual[lab.split(".", 1)[1]])
-             for n, lab in zip(upd.state_names, upd.state_labels)}
+    state = {
+        n: torch.zeros_like(by_qual[lab.split(".", 1)[1]])
+        for n, lab in zip(upd.state_names, upd.state_labels)
+    }
     lr = 0.05
     feeds = _step_feeds(g["inputs"], info.inputs, values, state, lr, torch.float32)
     out = run(session(tmp_path / "train_step.onnx", CPU), feeds)
     # reference: the same model, loss and data, one torch.optim step
     model = copy.deepcopy(real.model)
-    opt = {"sgd": lambda p: torch.optim.SGD(p, lr=lr),
-           "momentum": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
-           "adam": lambda p: torch.optim.Adam(p, lr=lr),
-           "adamw": lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.01)}[optimizer](
-        model.parameters())
+    opt = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=lr),
+        "momentum": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
+        "adam": lambda p: torch.optim.Adam(p, lr=lr),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.01),
+    }[optimizer](model.parameters())
     x = values[sig.inputs[0]]
     t = values[sig.targets[0]]
     loss = torch.nn.functional.cross_entropy(model(x), t)
@@ -137,8 +150,13 @@ def test_forward_gradient_step_onnx_matches_pytorch(tmp_path):
     for n in step.graph.nodes:
         if n.op != "placeholder":
             continue
-        args.append(torch.tensor(0.1) if n.name == "lr" else torch.randn(
-            n.meta["val"].shape) if n.name.startswith("v0_") else values[n.name])
+        args.append(
+            torch.tensor(0.1)
+            if n.name == "lr"
+            else torch.randn(n.meta["val"].shape)
+            if n.name.startswith("v0_")
+            else values[n.name]
+        )
     ref = step(*args)
     got = run(session(tmp_path / "forward_gradient_step.onnx", CPU), dict(zip(g["inputs"], args)))
     assert len(got) == len(ref)
@@ -178,20 +196,47 @@ def test_cli_export_and_bench(tmp_path):
     out = tmp_path / "onnx"
     assert main(["export", spec("logreg.py"), "--batch", "4", "--out", str(out)]) == 0
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["backward.onnx", "forward.onnx", "forward_gradient_step.onnx",
-                     "manifest.json", "train_step.onnx"]
+    assert names == [
+        "backward.onnx",
+        "forward.onnx",
+        "forward_gradient_step.onnx",
+        "manifest.json",
+        "train_step.onnx",
+    ]
     m = json.loads((out / "manifest.json").read_text())
     assert m["graphs"]["train_step"]["inputs"][:2] == ["fc.weight", "fc.bias"]
     assert "new.fc.weight" in m["graphs"]["train_step"]["outputs"]
     res = tmp_path / "bench.json"
-    assert main(["bench", spec("logreg.py"), "--batch", "4", "--runtime", "both", "--device",
-                 "cpu", "--warmup", "1", "--repeat", "3", "--profile", "--json",
-                 str(res)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                spec("logreg.py"),
+                "--batch",
+                "4",
+                "--runtime",
+                "both",
+                "--device",
+                "cpu",
+                "--warmup",
+                "1",
+                "--repeat",
+                "3",
+                "--profile",
+                "--json",
+                str(res),
+            ]
+        )
+        == 0
+    )
     d = json.loads(res.read_text())
     for rt in ("onnxruntime", "torch"):
         r = d["runtimes"][rt]["ratios"]
         assert r["Rf"] > 0 and r["Rb"] > 0
-        assert set(d["runtimes"][rt]["phases"]) == {"forward", "train_step",
-                                                    "forward_gradient_step"}
+        assert set(d["runtimes"][rt]["phases"]) == {
+            "forward",
+            "train_step",
+            "forward_gradient_step",
+        }
     prof = d["runtimes"]["onnxruntime"]["profile"]["train_step"]
     assert prof["top_nodes"] and any(n["graphflop_node"] for n in prof["top_nodes"])

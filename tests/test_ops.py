@@ -43,8 +43,12 @@ from graphflop.trace import trace
 RTOL = 1e-9  # float64 comparisons with torch.func and the dot-product test
 FD_EPS = 1e-6
 FD_RTOL = 1e-5
-MATRIX_OPS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default",
-              "aten.convolution.default"}
+MATRIX_OPS = {
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.convolution.default",
+}
 
 #: Derivative rules no case runs, with the kinds (``jvp``/``transpose``) not run and why.
 #: A JVP rule runs when its op is in a traced forward graph; a transpose rule when its op is a
@@ -79,8 +83,10 @@ class BuildError(RuntimeError):
 
     def __init__(self, what: str, e: BaseException):
         tb = traceback.extract_tb(e.__traceback__)
-        where = next((f"{f.filename}:{f.lineno}" for f in reversed(tb)
-                      if "/graphflop/" in f.filename), tb[-1].filename if tb else "?")
+        where = next(
+            (f"{f.filename}:{f.lineno}" for f in reversed(tb) if "/graphflop/" in f.filename),
+            tb[-1].filename if tb else "?",
+        )
         first = (str(e).strip().splitlines() or [""])[0]
         super().__init__(f"{what} failed: {type(e).__name__}: {first} (at {where})")
         self.original = e
@@ -172,7 +178,8 @@ def reference_loss(tr: Traced):
 def leaves(tr: Traced) -> list[str]:
     """Placeholders that carry tangents: parameters and floating-point inputs."""
     return [n for n, _ in tr.sig.params] + [
-        n for n in tr.sig.inputs if tr.values[n].is_floating_point()]
+        n for n in tr.sig.inputs if tr.values[n].is_floating_point()
+    ]
 
 
 def direction(tr: Traced, seed: int, *, float64_only: bool = False) -> dict[str, torch.Tensor]:
@@ -221,8 +228,12 @@ def gradients(tr: Traced, bwd: GraphModule, grads: tuple) -> dict[str, torch.Ten
 
 
 def graph_ops(*graphs: GraphModule) -> set[str]:
-    return {op_name(n.target) for g in graphs for n in g.graph.nodes
-            if n.op == "call_function" and n.target is not operator.getitem}
+    return {
+        op_name(n.target)
+        for g in graphs
+        for n in g.graph.nodes
+        if n.op == "call_function" and n.target is not operator.getitem
+    }
 
 
 def all_graphs(name: str) -> list[GraphModule]:
@@ -250,9 +261,17 @@ def test_forward_flops(name):
     assert cost.mm_flops == counter.get_total_flops()
 
 
-@pytest.mark.parametrize("name", cases_for("mm_ratio", [
-    c for c in OP_DB  # (avg_pool2d's transpose is a convolution: backward-only matrix FLOPs)
-    if MATRIX_OPS & set(c.aten) and "aten.avg_pool2d.default" not in c.aten]))
+@pytest.mark.parametrize(
+    "name",
+    cases_for(
+        "mm_ratio",
+        [
+            c
+            for c in OP_DB  # (avg_pool2d's transpose is a convolution: backward-only matrix FLOPs)
+            if MATRIX_OPS & set(c.aten) and "aten.avg_pool2d.default" not in c.aten
+        ],
+    ),
+)
 def test_matrix_flops_of_jvp_and_backward(name):
     """Every product is bilinear in a parameter and an activation/input, both carrying
     tangents: the JVP graph runs the primal product and two tangent products (3×); the backward
@@ -335,8 +354,13 @@ def test_dot_product(name):
 @pytest.mark.parametrize("name", cases_for("rules"))
 def test_every_op_has_a_rule(name):
     for g in all_graphs(name):
-        missing = {op_name(n.target) for n in g.graph.nodes if n.op == "call_function"
-                   and n.target is not operator.getitem and not has_rule(n.target)}
+        missing = {
+            op_name(n.target)
+            for n in g.graph.nodes
+            if n.op == "call_function"
+            and n.target is not operator.getitem
+            and not has_rule(n.target)
+        }
         assert not missing
         annotate_flops(g)  # every cost rule accepts the nodes graphflop emits
 
@@ -344,9 +368,15 @@ def test_every_op_has_a_rule(name):
 @pytest.mark.parametrize("name", cases_for("no_backward"))
 def test_generated_graphs_use_forward_ops(name):
     for g in all_graphs(name)[1:]:
-        backward_ops = {op_name(n.target) for n in g.graph.nodes if n.op == "call_function"
-                        and (getattr(n.target, "_opname", "").endswith("_backward")
-                             or op_name(n.target).endswith("_backward"))}
+        backward_ops = {
+            op_name(n.target)
+            for n in g.graph.nodes
+            if n.op == "call_function"
+            and (
+                getattr(n.target, "_opname", "").endswith("_backward")
+                or op_name(n.target).endswith("_backward")
+            )
+        }
         assert not backward_ops
 
 
@@ -369,8 +399,11 @@ def test_every_derivative_rule_is_exercised():
             lin = vjp_graph(case.name).meta["gf_linearized"]
         except Exception:  # noqa: BLE001  (cases with documented bugs)
             continue
-        ran["transpose"] |= {op_name(n.target) for n in lin.graph.nodes
-                             if n.op == "call_function" and n.meta.get(KIND) == "tangent"}
+        ran["transpose"] |= {
+            op_name(n.target)
+            for n in lin.graph.nodes
+            if n.op == "call_function" and n.meta.get(KIND) == "tangent"
+        }
     for kind in ("jvp", "transpose"):
         rules = {op_name(op) for op, r in all_rules().items() if getattr(r, kind) is not None}
         allowed = {op for op, kinds in NOT_IN_ZOO.items() if kind in kinds}

@@ -24,16 +24,47 @@ from graphflop.trace import trace
 pytestmark = pytest.mark.filterwarnings("ignore")
 CASES = {c.name: c for c in OP_DB}
 #: greedy cover of the ops in every case's backward graph (input gradients included)
-COVER = ["lenet", "avgpool2d_exclude_pad", "multihead_attention_sdpa", "relu6", "cumsum",
-         "index_put_overwrite", "pow_tensor_tensor", "split_uneven", "tanh", "pow3", "abs",
-         "scatter_add", "to_float64", "erf", "aten_scalar_overloads", "var", "roll",
-         "batchnorm2d_eval"]
+COVER = [
+    "lenet",
+    "avgpool2d_exclude_pad",
+    "multihead_attention_sdpa",
+    "relu6",
+    "cumsum",
+    "index_put_overwrite",
+    "pow_tensor_tensor",
+    "split_uneven",
+    "tanh",
+    "pow3",
+    "abs",
+    "scatter_add",
+    "to_float64",
+    "erf",
+    "aten_scalar_overloads",
+    "var",
+    "roll",
+    "batchnorm2d_eval",
+]
 #: one case per newer rule family
-FAMILIES = ["conv_transpose2d_depthwise_outpad", "conv_transpose3d", "conv_transpose1d_outpad",
-            "embedding", "index_tensor", "index_put_accumulate", "upsample_bilinear",
-            "upsample_nearest", "pad_reflect", "sdpa_causal", "sdpa_bool_mask", "groupnorm",
-            "layernorm", "gelu_tanh", "max_dim", "avgpool2d_ceil_pad", "matmul_dot",
-            "einsum_heads"]
+FAMILIES = [
+    "conv_transpose2d_depthwise_outpad",
+    "conv_transpose3d",
+    "conv_transpose1d_outpad",
+    "embedding",
+    "index_tensor",
+    "index_put_accumulate",
+    "upsample_bilinear",
+    "upsample_nearest",
+    "pad_reflect",
+    "sdpa_causal",
+    "sdpa_bool_mask",
+    "groupnorm",
+    "layernorm",
+    "gelu_tanh",
+    "max_dim",
+    "avgpool2d_ceil_pad",
+    "matmul_dot",
+    "einsum_heads",
+]
 SELECTED = COVER + [n for n in FAMILIES if n not in COVER]
 
 
@@ -51,9 +82,13 @@ def test_backward_graph_round_trips_through_onnx(name):
     fv = run_forward(fwd, values)
     info = bwd.meta["gf_vjp"]
     loss = fv[fwd.meta[SIGNATURE].loss]
-    args = [torch.ones_like(loss) if n.name == info.cotangent_input
-            else fv[n.meta.get("gf_source", n.name)]
-            for n in bwd.graph.nodes if n.op == "placeholder"]
+    args = [
+        torch.ones_like(loss)
+        if n.name == info.cotangent_input
+        else fv[n.meta.get("gf_source", n.name)]
+        for n in bwd.graph.nodes
+        if n.op == "placeholder"
+    ]
     ref = bwd(*args)
     got = run(session(exported.model, "CPUExecutionProvider"), dict(zip(in_names, args)))
     assert len(got) == len(ref) == len(out_names)

@@ -22,8 +22,7 @@ def _gpt2(**kwargs):
     spec = importlib.util.spec_from_file_location("gpt2_for_repeats", ROOT / "models" / "gpt2.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.GPT2("small", n_layer=3, n_head=2, n_embd=8, vocab_size=11, n_positions=6,
-                    **kwargs)
+    return mod.GPT2("small", n_layer=3, n_head=2, n_embd=8, vocab_size=11, n_positions=6, **kwargs)
 
 
 def _ops(gm):
@@ -41,9 +40,18 @@ def _ops(gm):
     def val(v):
         return (tuple(v.shape), v.stride()) if isinstance(v, torch.Tensor) else None
 
-    return [(n.op, str(n.target), arg(n.args), arg(tuple(sorted(n.kwargs.items()))),
-             val(n.meta.get("val")), n.meta.get(MODULE), n.meta.get(PARAM_DERIVED))
-            for n in gm.graph.nodes]
+    return [
+        (
+            n.op,
+            str(n.target),
+            arg(n.args),
+            arg(tuple(sorted(n.kwargs.items()))),
+            val(n.meta.get("val")),
+            n.meta.get(MODULE),
+            n.meta.get(PARAM_DERIVED),
+        )
+        for n in gm.graph.nodes
+    ]
 
 
 def _run(gm, params: dict, buffers: dict, *args):
@@ -87,7 +95,8 @@ def test_gpt2_graph_and_values_equal_full_tracing():
     logits = model(idx)
     torch.testing.assert_close(got[0], nn.functional.cross_entropy(logits, targets))
     assert total_cost(annotate_flops(once).graph.nodes) == total_cost(
-        annotate_flops(full).graph.nodes)
+        annotate_flops(full).graph.nodes
+    )
 
 
 class _Block(nn.Module):
@@ -210,8 +219,7 @@ def test_attention_blocks_trace_as_in_full():
     assert once.meta["gf_outlined"] == {"calls": 3, "traced_once": 1}
     assert any(n.target is torch.ops.aten.mm.default for n in once.graph.nodes)
     params = dict(model.named_parameters())
-    torch.testing.assert_close(_run(once, params, {}, x)[0], model(x).sum(), rtol=1e-12,
-                               atol=1e-12)
+    torch.testing.assert_close(_run(once, params, {}, x)[0], model(x).sum(), rtol=1e-12, atol=1e-12)
 
 
 # --- calls that must not become copies (found by trying to break outlining) -------------------
@@ -283,7 +291,7 @@ class _Blocks(nn.Module):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     x = b(x).float()
             elif self.how == "scale":
-                b.scale = 0.5 ** i
+                b.scale = 0.5**i
                 x = b(x)
             elif self.how == "append":
                 x = b(x, store)
@@ -303,12 +311,19 @@ class _Blocks(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("kind,how,copies", [
-    (_NoneArgs, "none", 3), (_GradMode, "no_grad", 3),  # copies, in the call's grad mode
-    (_Blk, "autocast", 0), (_Scaled, "scale", 1),  # block 0 keeps its planned attribute
-    (_Appends, "append", 0), (_Stashes, "stash", 0), (_PassesThrough, "alias", 0),
-    (_Blk, "direct", 0),
-])
+@pytest.mark.parametrize(
+    "kind,how,copies",
+    [
+        (_NoneArgs, "none", 3),
+        (_GradMode, "no_grad", 3),  # copies, in the call's grad mode
+        (_Blk, "autocast", 0),
+        (_Scaled, "scale", 1),  # block 0 keeps its planned attribute
+        (_Appends, "append", 0),
+        (_Stashes, "stash", 0),
+        (_PassesThrough, "alias", 0),
+        (_Blk, "direct", 0),
+    ],
+)
 def test_calls_that_cannot_be_copies_trace_as_in_full(kind, how, copies):
     """None arguments, a grad mode or autocast around the call, attributes set by the parent or
     by the block, list arguments written into, outputs aliasing inputs, forward called

@@ -57,8 +57,23 @@ def test_sweep_batches_and_depths(tmp_path):
     from graphflop.cli import main
 
     out = tmp_path / "s.json"
-    assert main(["sweep", spec("linearnet.py"), "--batches", "1,64,1024", "--json", str(out),
-                 "--csv", str(tmp_path / "s.csv"), "--plot", str(tmp_path / "s.png")]) == 0
+    assert (
+        main(
+            [
+                "sweep",
+                spec("linearnet.py"),
+                "--batches",
+                "1,64,1024",
+                "--json",
+                str(out),
+                "--csv",
+                str(tmp_path / "s.csv"),
+                "--plot",
+                str(tmp_path / "s.png"),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())
     assert [r["batch"] for r in rows] == [1, 64, 1024]
     assert rows[0]["ratio"] > rows[1]["ratio"] > rows[2]["ratio"]

@@ -58,10 +58,18 @@ def test_digits_split_and_standardisation(digits):
 
 def _mnist_dir(tmp_path, n_train=120, n_val=40, size=10, gz=(True, False, False, True)):
     rng = np.random.default_rng(0)
-    names = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-             "t10k-labels-idx1-ubyte"]
-    arrays = [rng.integers(0, 256, (n_train, size, size)), rng.integers(0, 10, n_train),
-              rng.integers(0, 256, (n_val, size, size)), rng.integers(0, 10, n_val)]
+    names = [
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ]
+    arrays = [
+        rng.integers(0, 256, (n_train, size, size)),
+        rng.integers(0, 10, n_train),
+        rng.integers(0, 256, (n_val, size, size)),
+        rng.integers(0, 10, n_val),
+    ]
     for name, arr, z in zip(names, arrays, gz):
         write_idx(tmp_path / (name + (".gz" if z else "")), arr)
     return arrays
@@ -119,8 +127,11 @@ def test_idx_rejects_bad_files(tmp_path):
 def test_load_mnist_rejects_mismatched_and_missing_files(tmp_path):
     _mnist_dir(tmp_path)
     write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.zeros(39, np.uint8))
-    with pytest.raises(DataError, match=r"has 40 images but .*t10k-labels-idx1-ubyte.gz has 39 "
-                                        r"labels"):
+    with pytest.raises(
+        DataError,
+        match=r"has 40 images but .*t10k-labels-idx1-ubyte.gz has 39 "
+        r"labels",
+    ):
         load_mnist(tmp_path)
     write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.full(40, 12, np.uint8))
     with pytest.raises(DataError, match="label 12 out of range"):
@@ -134,8 +145,15 @@ def test_load_mnist_rejects_mismatched_and_missing_files(tmp_path):
 
 def test_train_on_mnist_files_sizes_the_model_from_the_data(tmp_path):
     _mnist_dir(tmp_path, size=10)
-    r = train(spec("logreg.py"), method="backprop", dataset="mnist", data_dir=tmp_path, batch=16,
-              steps=6, eval_every=3)
+    r = train(
+        spec("logreg.py"),
+        method="backprop",
+        dataset="mnist",
+        data_dir=tmp_path,
+        batch=16,
+        steps=6,
+        eval_every=3,
+    )
     assert r.summary["ctor_kwargs"] == {"in_features": 100}
     assert r.summary["image_shape"] == [1, 10, 10] and r.summary["val_size"] == 40
     assert np.isfinite(r.summary["final_val_loss"])
@@ -156,17 +174,24 @@ def test_same_seed_same_initial_weights(digits):
 
 def test_constructor_without_size_arguments_is_a_clear_error(tmp_path, digits):
     f = tmp_path / "fixed.py"
-    f.write_text("import torch\nclass Fixed(torch.nn.Module):\n    def __init__(self):\n"
-                 "        super().__init__()\n        self.fc = torch.nn.Linear(784, 10)\n"
-                 "    def forward(self, x):\n        return self.fc(x.flatten(1))\n")
-    with pytest.raises(TrainError, match=r"cannot size .*fixed.py for digits images \(1×8×8\): "
-                                         r"its constructor takes none of in_features="):
+    f.write_text(
+        "import torch\nclass Fixed(torch.nn.Module):\n    def __init__(self):\n"
+        "        super().__init__()\n        self.fc = torch.nn.Linear(784, 10)\n"
+        "    def forward(self, x):\n        return self.fc(x.flatten(1))\n"
+    )
+    with pytest.raises(
+        TrainError,
+        match=r"cannot size .*fixed.py for digits images \(1×8×8\): "
+        r"its constructor takes none of in_features=",
+    ):
         build_model(str(f), digits)
     g = tmp_path / "wrong.py"
-    g.write_text("import torch\nclass Wrong(torch.nn.Module):\n"
-                 "    def __init__(self, in_features=784):\n        super().__init__()\n"
-                 "        self.fc = torch.nn.Linear(in_features, 3)\n"
-                 "    def forward(self, x):\n        return self.fc(x.flatten(1))\n")
+    g.write_text(
+        "import torch\nclass Wrong(torch.nn.Module):\n"
+        "    def __init__(self, in_features=784):\n        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(in_features, 3)\n"
+        "    def forward(self, x):\n        return self.fc(x.flatten(1))\n"
+    )
     with pytest.raises(TrainError, match=r"returns \(2, 3\) for 2 images; training needs"):
         build_model(str(g), digits)
 
@@ -174,9 +199,16 @@ def test_constructor_without_size_arguments_is_a_clear_error(tmp_path, digits):
 # --- backprop: graphflop's train step against torch.optim ----------------------------------------
 
 
-@pytest.mark.parametrize("name,optimizer", [
-    ("logreg.py", "sgd"), ("logreg.py", "adam"), ("logreg.py", "adamw"), ("mlp.py", "sgd"),
-    ("mlp.py", "momentum")])
+@pytest.mark.parametrize(
+    "name,optimizer",
+    [
+        ("logreg.py", "sgd"),
+        ("logreg.py", "adam"),
+        ("logreg.py", "adamw"),
+        ("mlp.py", "sgd"),
+        ("mlp.py", "momentum"),
+    ],
+)
 def test_backprop_matches_torch_step_for_step(digits, name, optimizer):
     kw = dict(data=digits, optimizer=optimizer, steps=50, eval_every=0, lr_decay=0.7, seed=1)
     ours = train(spec(name), method="backprop", **kw)
@@ -188,8 +220,10 @@ def test_backprop_matches_torch_step_for_step(digits, name, optimizer):
 
 
 def test_all_methods_see_the_same_first_batch_and_weights(digits):
-    first = [_losses(train(spec("mlp.py"), method=m, data=digits, steps=1, eval_every=0,
-                           seed=5))[0] for m in ("torch", "backprop", "fgd")]
+    first = [
+        _losses(train(spec("mlp.py"), method=m, data=digits, steps=1, eval_every=0, seed=5))[0]
+        for m in ("torch", "backprop", "fgd")
+    ]
     assert first[0] == pytest.approx(first[1], rel=1e-6) == pytest.approx(first[2], rel=1e-6)
 
 
@@ -205,11 +239,20 @@ def test_backprop_reaches_95_percent_on_digits(digits, name):
 # --- forward gradients ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,lr,decay,bound", [("logreg.py", 1e-3, 1.0, 0.6),
-                                                 ("mlp.py", 2e-4, 0.85, 0.9)])
+@pytest.mark.parametrize(
+    "name,lr,decay,bound", [("logreg.py", 1e-3, 1.0, 0.6), ("mlp.py", 2e-4, 0.85, 0.9)]
+)
 def test_fgd_trains(digits, name, lr, decay, bound):
-    r = train(spec(name), method="fgd", data=digits, optimizer="momentum", lr=lr,
-              lr_decay=decay, epochs=10, eval_every=110)
+    r = train(
+        spec(name),
+        method="fgd",
+        data=digits,
+        optimizer="momentum",
+        lr=lr,
+        lr_decay=decay,
+        epochs=10,
+        eval_every=110,
+    )
     s = r.summary
     assert not s["diverged"]
     assert s["final_val_loss"] < bound * s["initial_val_loss"], s
@@ -229,19 +272,29 @@ def test_more_directions_reduce_the_estimator_variance(digits):
 # --- ONNX Runtime --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method,name,directions,eval_every", [
-    ("backprop", "mlp.py", 1, 0), ("fgd", "logreg.py", 2, 2)])
-def test_onnxruntime_matches_the_pytorch_executed_graph(digits, tmp_path, method, name,
-                                                        directions, eval_every):
-    kw = dict(method=method, data=digits, optimizer="momentum", steps=4, eval_every=eval_every,
-              directions=directions, lr=0.05 if method == "backprop" else 1e-3,
-              ctor_kwargs={"hidden": 32} if name == "mlp.py" else None)
+@pytest.mark.parametrize(
+    "method,name,directions,eval_every", [("backprop", "mlp.py", 1, 0), ("fgd", "logreg.py", 2, 2)]
+)
+def test_onnxruntime_matches_the_pytorch_executed_graph(
+    digits, tmp_path, method, name, directions, eval_every
+):
+    kw = dict(
+        method=method,
+        data=digits,
+        optimizer="momentum",
+        steps=4,
+        eval_every=eval_every,
+        directions=directions,
+        lr=0.05 if method == "backprop" else 1e-3,
+        ctor_kwargs={"hidden": 32} if name == "mlp.py" else None,
+    )
     ort = train(spec(name), runtime="onnxruntime", out=tmp_path, **kw)
     pt = train(spec(name), runtime="torch", **kw)
     np.testing.assert_allclose(_losses(ort), _losses(pt), rtol=1e-4)
     if eval_every:  # validation ran on ONNX Runtime too
-        assert ort.summary["final_val_loss"] == pytest.approx(pt.summary["final_val_loss"],
-                                                              rel=1e-4)
+        assert ort.summary["final_val_loss"] == pytest.approx(
+            pt.summary["final_val_loss"], rel=1e-4
+        )
     assert ort.summary["provider"] == "CPUExecutionProvider"
     kind = "train_step" if method == "backprop" else "forward_gradient_step"
     assert (tmp_path / "onnx" / f"{kind}.onnx").is_file()
@@ -260,8 +313,19 @@ def test_onnxruntime_adam_update_with_zero_gradients():
         w = torch.empty(4)
     gm = build_update([("w", w)], "adam", fake_mode=mode)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    vals = dict(zip(names, [torch.tensor([0.5, 0.2, 0.1, 0.3]), torch.tensor([0.0, 1.0, 0.0, -1.0]),
-                            torch.zeros(4), torch.zeros(4), torch.tensor(1e-3), torch.tensor(1.0)]))
+    vals = dict(
+        zip(
+            names,
+            [
+                torch.tensor([0.5, 0.2, 0.1, 0.3]),
+                torch.tensor([0.0, 1.0, 0.0, -1.0]),
+                torch.zeros(4),
+                torch.zeros(4),
+                torch.tensor(1e-3),
+                torch.tensor(1.0),
+            ],
+        )
+    )
     expect = gm(*vals.values())[0]
     ex = export_graph(gm, "update", names, ["new_w", "exp_avg", "exp_avg_sq"])
     got = torch.from_numpy(run(session(ex.model, "CPUExecutionProvider"), vals)[0])
@@ -273,9 +337,28 @@ def test_onnxruntime_adam_update_with_zero_gradients():
 
 def test_cli_writes_csv_plot_and_summary(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main([spec("logreg.py"), "--method", "fgd", "--optimizer", "sgd", "--lr", "1e-2",
-               "--steps", "30", "--eval-every", "10", "--directions", "2", "--quiet",
-               "--lr-decay", "0.9", "--out", str(out)])
+    rc = main(
+        [
+            spec("logreg.py"),
+            "--method",
+            "fgd",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "1e-2",
+            "--steps",
+            "30",
+            "--eval-every",
+            "10",
+            "--directions",
+            "2",
+            "--quiet",
+            "--lr-decay",
+            "0.9",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert "validation loss" in capsys.readouterr().out
     rows = list(csv.DictReader(open(out / "train.csv")))
@@ -292,11 +375,14 @@ def test_cli_writes_csv_plot_and_summary(tmp_path, capsys):
     assert s["seconds_per_step"] > 0 and 0 <= s["final_val_accuracy"] <= 1
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--dataset", "mnist", "--data-dir", "/nonexistent"], "/nonexistent: not a folder"),
-    (["--method", "torch", "--runtime", "onnxruntime"], "--method torch is PyTorch autograd"),
-    (["--batch", "5000"], "--batch 5000 is larger than the 1437 training images"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--dataset", "mnist", "--data-dir", "/nonexistent"], "/nonexistent: not a folder"),
+        (["--method", "torch", "--runtime", "onnxruntime"], "--method torch is PyTorch autograd"),
+        (["--batch", "5000"], "--batch 5000 is larger than the 1437 training images"),
+    ],
+)
 def test_cli_errors_are_one_line(capsys, argv, message):
     assert main([spec("logreg.py"), "--quiet", *argv]) == 2
     err = capsys.readouterr().err.strip()

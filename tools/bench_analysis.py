@@ -50,19 +50,31 @@ def child_graphflop(spec: str, batch: int | None) -> dict:
     t_load = time.perf_counter() - t1
     marks: list[tuple[str, float]] = []
     t2 = time.perf_counter()
-    a = analyze(loaded.model, inputs, name=loaded.name,
-                progress=lambda msg: marks.append((msg, time.perf_counter())))
+    a = analyze(
+        loaded.model,
+        inputs,
+        name=loaded.name,
+        progress=lambda msg: marks.append((msg, time.perf_counter())),
+    )
     t_end = time.perf_counter()
     stages = {}
     for (msg, t), nxt in zip(marks, marks[1:] + [("", t_end)]):
         stages[msg] = nxt[1] - t
     tot = a.summary["totals"]
     return {
-        "import_s": t_import, "load_s": t_load, "analysis_s": t_end - t2, "stages_s": stages,
-        "peak_rss_mb": _peak_rss_mb(), "params": a.summary["params"],
-        "inputs": a.summary["inputs"], "loss": a.summary["loss"],
-        "nodes": {"forward": len(a.forward.graph.nodes), "backward": len(a.backward.graph.nodes),
-                  "jvp": len(a.jvp.graph.nodes)},
+        "import_s": t_import,
+        "load_s": t_load,
+        "analysis_s": t_end - t2,
+        "stages_s": stages,
+        "peak_rss_mb": _peak_rss_mb(),
+        "params": a.summary["params"],
+        "inputs": a.summary["inputs"],
+        "loss": a.summary["loss"],
+        "nodes": {
+            "forward": len(a.forward.graph.nodes),
+            "backward": len(a.backward.graph.nodes),
+            "jvp": len(a.jvp.graph.nodes),
+        },
         "flops": {k: tot[k]["flops"] for k in ("forward", "backward", "update", "jvp")},
         "mm_flops": {k: tot[k]["mm_flops"] for k in ("forward", "backward", "jvp")},
     }
@@ -88,8 +100,11 @@ def child_flop_counter(spec: str, batch: int | None) -> dict:
         inputs = []
         for x in loaded.example_inputs:
             shape = ((batch,) + tuple(x.shape[1:])) if batch else tuple(x.shape)
-            inputs.append(torch.empty(shape, dtype=x.dtype) if x.is_floating_point()
-                          else torch.zeros(shape, dtype=x.dtype))
+            inputs.append(
+                torch.empty(shape, dtype=x.dtype)
+                if x.is_floating_point()
+                else torch.zeros(shape, dtype=x.dtype)
+            )
     t_build = time.perf_counter() - t1
     with mode, FlopCounterMode(display=False) as counter:
         t2 = time.perf_counter()
@@ -104,9 +119,14 @@ def child_flop_counter(spec: str, batch: int | None) -> dict:
         loss.backward()
         t4 = time.perf_counter()
     return {
-        "import_s": t_import, "build_s": t_build, "forward_s": t3 - t2,
-        "backward_s": t4 - t3, "forward_backward_s": t4 - t2,
-        "total_flops": counter.get_total_flops(), "peak_rss_mb": _peak_rss_mb(), "loss": kind,
+        "import_s": t_import,
+        "build_s": t_build,
+        "forward_s": t3 - t2,
+        "backward_s": t4 - t3,
+        "forward_backward_s": t4 - t2,
+        "total_flops": counter.get_total_flops(),
+        "peak_rss_mb": _peak_rss_mb(),
+        "loss": kind,
     }
 
 
@@ -128,18 +148,25 @@ def _runs(r: dict) -> str:
 def _versions() -> dict:
     import torch
 
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+    }
 
 
 def _agreement(ours: int, theirs: int) -> str:
     if ours == theirs:
-        return ("FlopCounterMode counts matrix products only; its total equals graphflop's "
-                "forward + backward matrix FLOPs for this model.")
-    return (f"FlopCounterMode counts matrix products only; its total differs from graphflop's "
-            f"forward + backward matrix FLOPs by {theirs - ours:+,} (it has no formula for "
-            "some kernels, e.g. scaled dot-product attention's fused CPU and fake-tensor "
-            "kernels, and drops grouped convolutions' 1/G in weight gradients).")
+        return (
+            "FlopCounterMode counts matrix products only; its total equals graphflop's "
+            "forward + backward matrix FLOPs for this model."
+        )
+    return (
+        f"FlopCounterMode counts matrix products only; its total differs from graphflop's "
+        f"forward + backward matrix FLOPs by {theirs - ours:+,} (it has no formula for "
+        "some kernels, e.g. scaled dot-product attention's fused CPU and fake-tensor "
+        "kernels, and drops grouped convolutions' 1/G in weight gradients)."
+    )
 
 
 def _median(runs: list[dict], key: str) -> dict:
@@ -218,8 +245,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", default=str(ROOT / "docs" / "analysis_scale.md"))
     p.add_argument("--json", default=None, help="also write the raw figures as JSON")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="runs of each, alternating; the report gives the medians (default 3)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="runs of each, alternating; the report gives the medians (default 3)",
+    )
     p.add_argument("--child", choices=["graphflop", "flop_counter"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

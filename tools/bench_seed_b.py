@@ -35,21 +35,43 @@ def main() -> int:
     results = {}
     for model in PAPER:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            cmd = [sys.executable, "-m", "graphflop.cli", "bench", str(ROOT / "models" / model),
-                   "--runtime", "both", "--device", args.device, "--repeat", str(args.repeat),
-                   "--json", f.name]
+            cmd = [
+                sys.executable,
+                "-m",
+                "graphflop.cli",
+                "bench",
+                str(ROOT / "models" / model),
+                "--runtime",
+                "both",
+                "--device",
+                args.device,
+                "--repeat",
+                str(args.repeat),
+                "--json",
+                f.name,
+            ]
             print("+", " ".join(cmd[2:]), flush=True)
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             results[model] = json.loads(Path(f.name).read_text())
-    meta = {"machine": platform.processor() or platform.machine(), "python": sys.version.split()[0],
-            "device": args.device, "repeat": args.repeat}
-    (out / f"seed_b_{args.device}.json").write_text(json.dumps({"meta": meta, "results": results},
-                                                              indent=1))
-    lines = [f"# Seed B runtime ratios on {args.device.upper()} (`tools/bench_seed_b.py`)", "",
-             f"Method: {next(iter(results.values()))['method']}; batch 64; float32. "
-             "Rf = forward-gradient step / forward, Rb = backprop train step / forward (SGD).", "",
-             "| model | runtime | forward ms | train step ms | fwd-grad step ms | Rf | Rb | Rf/Rb "
-             "| paper Rf | paper Rb | paper Rf/Rb |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "python": sys.version.split()[0],
+        "device": args.device,
+        "repeat": args.repeat,
+    }
+    (out / f"seed_b_{args.device}.json").write_text(
+        json.dumps({"meta": meta, "results": results}, indent=1)
+    )
+    lines = [
+        f"# Seed B runtime ratios on {args.device.upper()} (`tools/bench_seed_b.py`)",
+        "",
+        f"Method: {next(iter(results.values()))['method']}; batch 64; float32. "
+        "Rf = forward-gradient step / forward, Rb = backprop train step / forward (SGD).",
+        "",
+        "| model | runtime | forward ms | train step ms | fwd-grad step ms | Rf | Rb | Rf/Rb "
+        "| paper Rf | paper Rb | paper Rf/Rb |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for model, res in results.items():
         p = PAPER[model]
         for rt, doc in res["runtimes"].items():
@@ -59,7 +81,8 @@ def main() -> int:
                 f"{ph['forward']['median_s'] * 1e3:.2f} | {ph['train_step']['median_s'] * 1e3:.2f} "
                 f"| {ph['forward_gradient_step']['median_s'] * 1e3:.2f} | {r['Rf']:.2f} | "
                 f"{r['Rb']:.2f} | {r['Rf_over_Rb']:.2f} | {p['Rf']} | {p['Rb']} | "
-                f"{p['Rf'] / p['Rb']:.3f} |")
+                f"{p['Rf'] / p['Rb']:.3f} |"
+            )
     (out / f"seed_b_{args.device}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -27,8 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 CHECKS = ("flops", "jvp", "fd", "vjp", "dot", "onnx")
-TITLES = {"flops": "FLOPs", "jvp": "JVP vs torch.func", "fd": "JVP vs finite differences",
-          "vjp": "VJP vs torch.func", "dot": "dot-product test", "onnx": "ONNX round trip"}
+TITLES = {
+    "flops": "FLOPs",
+    "jvp": "JVP vs torch.func",
+    "fd": "JVP vs finite differences",
+    "vjp": "VJP vs torch.func",
+    "dot": "dot-product test",
+    "onnx": "ONNX round trip",
+}
 
 
 def _outcome(fn, *args) -> str:
@@ -70,9 +76,13 @@ def run_cases(onnx: bool) -> tuple[dict, dict, dict]:
             ops["cost"] = T.graph_ops(*graphs)
             ops["jvp"] = T.graph_ops(T.traced(case.name).fwd)
             lin = graphs[2].meta["gf_linearized"]
-            ops["transpose"] = {T.op_name(n.target) for n in lin.graph.nodes
-                                if n.op == "call_function" and n.target is not operator.getitem
-                                and n.meta.get(T.KIND) == "tangent"}
+            ops["transpose"] = {
+                T.op_name(n.target)
+                for n in lin.graph.nodes
+                if n.op == "call_function"
+                and n.target is not operator.getitem
+                and n.meta.get(T.KIND) == "tangent"
+            }
         except Exception:  # noqa: BLE001  (a case that does not build: its forward ops only)
             try:
                 ops["cost"] = T.graph_ops(T.traced(case.name).fwd)
@@ -126,25 +136,39 @@ def render(results, used, expected, seconds: float, onnx: bool) -> str:
     for name, r in rules.items():
         by_family[r.family].append(name)
     for family in sorted(by_family):
-        lines += [f"## {family}", "",
-                  "| op | bytes | JVP | transpose | cases | " + " | ".join(checks) + " |",
-                  "|---|---|---|---|---:|" + "---|" * len(checks)]
+        lines += [
+            f"## {family}",
+            "",
+            "| op | bytes | JVP | transpose | cases | " + " | ".join(checks) + " |",
+            "|---|---|---|---|---:|" + "---|" * len(checks),
+        ]
         for name in sorted(by_family[family]):
             r = rules[name]
             jvp = "zero" if r.zero_derivative else ("yes" if r.jvp else "–")
             tr = "yes" if r.transpose else "–"
             cs = cases_of.get(name, [])
-            cells = [_cell([(results[c][k], expected[c].get(k)) for c in cs if k in results[c]])
-                     for k in checks]
-            lines.append(f"| `{name}` | {r.bytes} | {jvp} | {tr} | {len(cs)} | "
-                         + " | ".join(cells) + " |")
+            cells = [
+                _cell([(results[c][k], expected[c].get(k)) for c in cs if k in results[c]])
+                for k in checks
+            ]
+            lines.append(
+                f"| `{name}` | {r.bytes} | {jvp} | {tr} | {len(cs)} | " + " | ".join(cells) + " |"
+            )
         lines.append("")
-    failing = [(c, k, o) for c, res in results.items() for k, o in res.items()
-               if o != "pass" and not expected[c].get(k)]
+    failing = [
+        (c, k, o)
+        for c, res in results.items()
+        for k, o in res.items()
+        if o != "pass" and not expected[c].get(k)
+    ]
     lines += ["## Failing checks", ""]
     lines += [f"- `{c}` {k}: {o}" for c, k, o in failing] or ["None."]
-    gaps = [(c, k, expected[c][k]) for c, res in results.items() for k, o in res.items()
-            if expected[c].get(k)]
+    gaps = [
+        (c, k, expected[c][k])
+        for c, res in results.items()
+        for k, o in res.items()
+        if expected[c].get(k)
+    ]
     lines += ["", "## Known gaps (strict xfails in the op database)", ""]
     lines += [f"- `{c}` {k}: {why}" for c, k, why in gaps] or ["None."]
     lines.append("")

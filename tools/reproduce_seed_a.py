@@ -37,8 +37,9 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 def _analysis(spec: str, batch: int, optimizer: str = "sgd", **ctor):
     loaded = load(str(ROOT / "models" / spec), ctor_kwargs=ctor, meta=True)
     loaded.model.train()
-    return analyze(loaded.model, make_inputs(loaded, batch=batch), optimizer=optimizer,
-                   jvp=False).to_dict()
+    return analyze(
+        loaded.model, make_inputs(loaded, batch=batch), optimizer=optimizer, jvp=False
+    ).to_dict()
 
 
 def main() -> int:
@@ -49,8 +50,11 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    batches = [1, 4, 16, 64, 256] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512,
-                                                     1024, 2048, 4096]
+    batches = (
+        [1, 4, 16, 64, 256]
+        if args.quick
+        else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    )
     results: dict = {}
 
     def log(msg):
@@ -67,55 +71,91 @@ def main() -> int:
     # 2. ratio vs depth
     depths = [0, 1, 5, 20, 100] if args.quick else [0, 1, 2, 5, 10, 20, 50, 100]
     log("depth sweep deeper_convnet.py")
-    rows = sweep(str(ROOT / "models" / "deeper_convnet.py"), depths=depths,
-                 depth_name="middle_layers")
+    rows = sweep(
+        str(ROOT / "models" / "deeper_convnet.py"), depths=depths, depth_name="middle_layers"
+    )
     _write_csv(out / "depth_deeper_convnet.csv", rows)
-    plot(rows, str(out / "depth_deeper_convnet.png"),
-         title="DeeperConvNet: ratio vs middle layers (batch 1, SGD)")
+    plot(
+        rows,
+        str(out / "depth_deeper_convnet.png"),
+        title="DeeperConvNet: ratio vs middle layers (batch 1, SGD)",
+    )
     results["depth_deeper_convnet"] = rows
     # 3. ResNets
-    resnets = ["resnet18", "resnet50"] if args.quick else ["resnet18", "resnet34", "resnet50",
-                                                           "resnet101", "resnet152"]
+    resnets = (
+        ["resnet18", "resnet50"]
+        if args.quick
+        else ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
+    )
     rbatches = [1, 16] if args.quick else [1, 16, 256]
     rrows = []
     for arch in resnets:
         for b in rbatches:
             log(f"{arch} batch {b}")
             s = _analysis(f"resnet.py:{arch}", b)
-            rrows.append({"arch": arch, "batch": b, "forward_flops": s["totals"]["forward"][
-                "flops"], "backward_flops": s["totals"]["backward"]["flops"],
-                "update_flops": s["totals"]["update"]["flops"],
-                "ratio": s["ratios"]["backward_forward"],
-                "ratio_no_update": s["ratios"]["backward_forward_no_update"]})
+            rrows.append(
+                {
+                    "arch": arch,
+                    "batch": b,
+                    "forward_flops": s["totals"]["forward"]["flops"],
+                    "backward_flops": s["totals"]["backward"]["flops"],
+                    "update_flops": s["totals"]["update"]["flops"],
+                    "ratio": s["ratios"]["backward_forward"],
+                    "ratio_no_update": s["ratios"]["backward_forward_no_update"],
+                }
+            )
     _write_csv(out / "resnets.csv", rrows)
     _bar(rrows, out / "resnets.png")
     results["resnets"] = rrows
     # 4. SGD vs Adam
     orows = []
-    for spec, b in (("linearnet.py", 1), ("linearnet.py", 1024), ("onenet.py", 1),
-                    ("onenet.py", 1024), ("convnet.py", 1), ("convnet.py", 256)):
+    for spec, b in (
+        ("linearnet.py", 1),
+        ("linearnet.py", 1024),
+        ("onenet.py", 1),
+        ("onenet.py", 1024),
+        ("convnet.py", 1),
+        ("convnet.py", 256),
+    ):
         for opt in ("sgd", "momentum", "adam", "adamw"):
             log(f"{spec} batch {b} {opt}")
             s = _analysis(spec, b, opt)
-            orows.append({"model": spec.removesuffix(".py"), "batch": b, "optimizer": opt,
-                          "update_flops_per_param": s["totals"]["update"]["flops_per_param"],
-                          "ratio": s["ratios"]["backward_forward"]})
+            orows.append(
+                {
+                    "model": spec.removesuffix(".py"),
+                    "batch": b,
+                    "optimizer": opt,
+                    "update_flops_per_param": s["totals"]["update"]["flops_per_param"],
+                    "ratio": s["ratios"]["backward_forward"],
+                }
+            )
     _write_csv(out / "optimizers.csv", orows)
     results["optimizers"] = orows
     # 5. per layer
     lrows = []
-    for spec, b in (("linearnet.py", 1), ("linearnet.py", 1024), ("convnet.py", 64),
-                    ("onenet.py", 1)):
+    for spec, b in (
+        ("linearnet.py", 1),
+        ("linearnet.py", 1024),
+        ("convnet.py", 64),
+        ("onenet.py", 1),
+    ):
         s = _analysis(spec, b)
         for L in s["layers"]:
             if L["params"]:
-                lrows.append({"model": spec.removesuffix(".py"), "batch": b, "layer": L["name"],
-                              "forward_flops": L["forward_flops"],
-                              "grad_input_flops": L["grad_input_flops"],
-                              "grad_weight_flops": L["grad_weight_flops"],
-                              "pruned_flops": L["pruned_flops"],
-                              "update_flops": L["update_flops"],
-                              "ratio_no_update": L["ratio_no_update"], "ratio": L["ratio"]})
+                lrows.append(
+                    {
+                        "model": spec.removesuffix(".py"),
+                        "batch": b,
+                        "layer": L["name"],
+                        "forward_flops": L["forward_flops"],
+                        "grad_input_flops": L["grad_input_flops"],
+                        "grad_weight_flops": L["grad_weight_flops"],
+                        "pruned_flops": L["pruned_flops"],
+                        "update_flops": L["update_flops"],
+                        "ratio_no_update": L["ratio_no_update"],
+                        "ratio": L["ratio"],
+                    }
+                )
     _write_csv(out / "per_layer.csv", lrows)
     results["per_layer"] = lrows
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -170,8 +210,7 @@ def _report(r: dict) -> str:
         "",
         "## Ratio vs batch size (`batch_*.png`, `batch_*.csv`)",
         "",
-        "| network | seed's claim | graphflop, batch "
-        f"{lin[2]} → {lin[3]} |",
+        f"| network | seed's claim | graphflop, batch {lin[2]} → {lin[3]} |",
         "|---|---|---|",
         f"| LinearNet | falls toward 1:1 as batch grows | {_fmt(lin[0])} → {_fmt(lin[1])} |",
         f"| OneNet | 3:1 at batch 1, → 2:1 | {_fmt(one[0])} → {_fmt(one[1])} |",
@@ -211,10 +250,21 @@ def _report(r: dict) -> str:
         "",
         "| network | batch | SGD | momentum | Adam | AdamW |",
         "|---|---|---|---|---|---|",
-        *[f"| {m} | {b} | " + " | ".join(_fmt(opt[(m, b, o)]["ratio"]) for o in (
-            "sgd", "momentum", "adam", "adamw")) + " |"
-          for m, b in (("linearnet", 1), ("linearnet", 1024), ("onenet", 1), ("onenet", 1024),
-                       ("convnet", 1), ("convnet", 256))],
+        *[
+            f"| {m} | {b} | "
+            + " | ".join(
+                _fmt(opt[(m, b, o)]["ratio"]) for o in ("sgd", "momentum", "adam", "adamw")
+            )
+            + " |"
+            for m, b in (
+                ("linearnet", 1),
+                ("linearnet", 1024),
+                ("onenet", 1),
+                ("onenet", 1024),
+                ("convnet", 1),
+                ("convnet", 256),
+            )
+        ],
         "",
         "Update FLOPs per parameter: SGD 2, momentum 4, Adam 18, AdamW 20 (18 + decoupled "
         "weight decay). Seed (Appendix B): only the update changes, in proportion to the "
@@ -226,9 +276,11 @@ def _report(r: dict) -> str:
         "",
         "| LinearNet, batch 1024 | forward | input grad | weight grad | pruned | bwd/fwd |",
         "|---|---|---|---|---|---|",
-        *[f"| {x['layer']} | {x['forward_flops']:,} | {x['grad_input_flops']:,} | "
-          f"{x['grad_weight_flops']:,} | {x['pruned_flops']:,} | {_fmt(x['ratio_no_update'])} |"
-          for x in pl],
+        *[
+            f"| {x['layer']} | {x['forward_flops']:,} | {x['grad_input_flops']:,} | "
+            f"{x['grad_weight_flops']:,} | {x['pruned_flops']:,} | {_fmt(x['ratio_no_update'])} |"
+            for x in pl
+        ],
         "",
         "The first layer computes no input gradient (its input is data): the work it would have "
         "cost is recorded as pruned. Later layers compute both the weight gradient and the input "

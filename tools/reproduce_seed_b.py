@@ -31,8 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PAPER = {"logreg.py": {"Rf": 2.435, "Rb": 4.389}, "mlp.py": {"Rf": 2.468, "Rb": 4.165},
-         "cnn.py": {"Rf": 1.434, "Rb": 2.211}}
+PAPER = {
+    "logreg.py": {"Rf": 2.435, "Rb": 4.389},
+    "mlp.py": {"Rf": 2.468, "Rb": 4.165},
+    "cnn.py": {"Rf": 1.434, "Rb": 2.211},
+}
 
 
 def log(t0, msg):
@@ -41,8 +44,22 @@ def log(t0, msg):
 
 def bench(spec: str, repeat: int, extra=()) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        cmd = [sys.executable, "-m", "graphflop.cli", "bench", spec, "--device", "cpu",
-               "--repeat", str(repeat), "--warmup", "2", "--json", f.name, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "graphflop.cli",
+            "bench",
+            spec,
+            "--device",
+            "cpu",
+            "--repeat",
+            str(repeat),
+            "--warmup",
+            "2",
+            "--json",
+            f.name,
+            *extra,
+        ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(f.name).read_text())
 
@@ -56,11 +73,15 @@ def flop_ratios(spec: str, **ctor) -> dict:
     s = analyze(loaded.model, make_inputs(loaded)).to_dict()
     t, m = s["totals"], s["memory"]
     f = t["forward"]["flops"]
-    return {"Rf_flops": t["forward_gradient_step"]["flops"] / f,
-            "Rb_flops": t["train_step"]["flops"] / f, "params": s["params"],
-            "train_peak_bytes": m["train_peak_bytes"], "jvp_peak_bytes": m["jvp_peak_bytes"],
-            "saved_for_backward_bytes": m["saved_for_backward_bytes"],
-            "params_bytes": m["params_bytes"]}
+    return {
+        "Rf_flops": t["forward_gradient_step"]["flops"] / f,
+        "Rb_flops": t["train_step"]["flops"] / f,
+        "params": s["params"],
+        "train_peak_bytes": m["train_peak_bytes"],
+        "jvp_peak_bytes": m["jvp_peak_bytes"],
+        "saved_for_backward_bytes": m["saved_for_backward_bytes"],
+        "params_bytes": m["params_bytes"],
+    }
 
 
 def main() -> int:
@@ -82,11 +103,21 @@ def main() -> int:
         b = bench(spec, 5 if q else 30, ["--runtime", "both"])
         fr = flop_ratios(spec)
         for rt, doc in b["runtimes"].items():
-            rows.append({"model": model, "runtime": f"{rt} ({doc.get('provider', 'cpu')})",
-                         **{f"{k}_ms": doc["phases"][k]["median_s"] * 1e3
-                            for k in ("forward", "train_step", "forward_gradient_step")},
-                         **doc["ratios"], "Rf_flops": fr["Rf_flops"], "Rb_flops": fr["Rb_flops"],
-                         "paper_Rf": PAPER[model]["Rf"], "paper_Rb": PAPER[model]["Rb"]})
+            rows.append(
+                {
+                    "model": model,
+                    "runtime": f"{rt} ({doc.get('provider', 'cpu')})",
+                    **{
+                        f"{k}_ms": doc["phases"][k]["median_s"] * 1e3
+                        for k in ("forward", "train_step", "forward_gradient_step")
+                    },
+                    **doc["ratios"],
+                    "Rf_flops": fr["Rf_flops"],
+                    "Rb_flops": fr["Rb_flops"],
+                    "paper_Rf": PAPER[model]["Rf"],
+                    "paper_Rb": PAPER[model]["Rb"],
+                }
+            )
         res.setdefault("memory", []).append({"model": model, **fr})
     res["runtime_ratios"] = rows
 
@@ -97,8 +128,13 @@ def main() -> int:
         log(t0, f"MLP depth {d}")
         spec = str(ROOT / "models" / "mlp.py")
         fr = flop_ratios(spec, depth=d)
-        row = {"depth": d, "params": fr["params"], "Rf_flops": fr["Rf_flops"],
-               "Rb_flops": fr["Rb_flops"], "Rf_over_Rb_flops": fr["Rf_flops"] / fr["Rb_flops"]}
+        row = {
+            "depth": d,
+            "params": fr["params"],
+            "Rf_flops": fr["Rf_flops"],
+            "Rb_flops": fr["Rb_flops"],
+            "Rf_over_Rb_flops": fr["Rf_flops"] / fr["Rb_flops"],
+        }
         if d <= (5 if q else 50):
             b = bench(spec, 3 if q else 8, ["--runtime", "onnxruntime", "--arg", f"depth={d}"])
             r = b["runtimes"]["onnxruntime"]["ratios"]
@@ -120,18 +156,29 @@ def main() -> int:
             best = None
             for lr in grid[:2] if q else grid:
                 log(t0, f"train {model} {method} lr {lr}")
-                r = train(spec, method=method, data=data, optimizer="sgd", lr=lr, steps=steps,
-                          eval_every=max(steps // 20, 1), seed=0, threads=1)
+                r = train(
+                    spec,
+                    method=method,
+                    data=data,
+                    optimizer="sgd",
+                    lr=lr,
+                    steps=steps,
+                    eval_every=max(steps // 20, 1),
+                    seed=0,
+                    threads=1,
+                )
                 v = r.summary["final_val_loss"]
                 if v == v and (best is None or v < best[0]):  # NaN never wins
                     best = (v, lr, r)
             train_res[(model, method)] = best
     curves = {}
     for (model, method), (v, lr, r) in train_res.items():
-        curves[f"{model}:{method}"] = {"lr": lr, "final_val_loss": v,
-                                       "final_val_accuracy": r.summary["final_val_accuracy"],
-                                       "history": [h for h in r.history
-                                                   if h.get("val_loss") is not None]}
+        curves[f"{model}:{method}"] = {
+            "lr": lr,
+            "final_val_loss": v,
+            "final_val_accuracy": r.summary["final_val_accuracy"],
+            "history": [h for h in r.history if h.get("val_loss") is not None],
+        }
     res["training"] = curves
     res["tf_tb"] = {}
     for model in ("logreg.py", "mlp.py"):
@@ -143,7 +190,9 @@ def main() -> int:
         # and what FGD reached in the wall time backprop used
         f_at = [h for h in f["history"] if h["wall_s"] <= b["history"][-1]["wall_s"]]
         res["tf_tb"][model] = {
-            "target_val_loss": target, "backprop_s": t_b, "fgd_s": hit,
+            "target_val_loss": target,
+            "backprop_s": t_b,
+            "fgd_s": hit,
             "Tf_over_Tb": hit / t_b if hit else None,
             "fgd_val_acc_in_backprop_time": f_at[-1]["val_accuracy"] if f_at else None,
             "backprop_val_acc": b["final_val_accuracy"],
@@ -153,11 +202,14 @@ def main() -> int:
     # 4. variance vs K
     log(t0, "estimator variance")
     ks = (1, 2, 4, 8, 16)
-    var = estimator_variance(str(ROOT / "models" / "logreg.py"), directions=ks,
-                             samples=200 if q else 1000, data=data)
-    res["variance"] = {"params": var["params"], "relative_variance": {
-        str(k): v for k, v in var["relative_variance"].items()},
-        "theory_relative": {str(k): v for k, v in var["theory_relative"].items()}}
+    var = estimator_variance(
+        str(ROOT / "models" / "logreg.py"), directions=ks, samples=200 if q else 1000, data=data
+    )
+    res["variance"] = {
+        "params": var["params"],
+        "relative_variance": {str(k): v for k, v in var["relative_variance"].items()},
+        "theory_relative": {str(k): v for k, v in var["theory_relative"].items()},
+    }
     _plot_variance(var, out / "variance.png")
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     (out / "README.md").write_text(_report(res, steps))
@@ -177,10 +229,12 @@ def _plot_training(curves, path):
             c = curves[f"{model}:{method}"]
             h = c["history"]
             label = f"{method} (lr {c['lr']:g})"
-            axes[row][0].plot([x["wall_s"] for x in h], [x["val_loss"] for x in h], style,
-                              label=label)
-            axes[row][1].plot([x["step"] for x in h], [x["val_loss"] for x in h], style,
-                              label=label)
+            axes[row][0].plot(
+                [x["wall_s"] for x in h], [x["val_loss"] for x in h], style, label=label
+            )
+            axes[row][1].plot(
+                [x["step"] for x in h], [x["val_loss"] for x in h], style, label=label
+            )
         axes[row][0].set_title(f"{model}: validation loss vs wall time (s)")
         axes[row][1].set_title(f"{model}: validation loss vs steps")
         for ax in axes[row]:
@@ -232,10 +286,13 @@ def _report(r, steps) -> str:
         "| model | runtime | fwd ms | train ms | fwd-grad ms | Rf | Rb | Rf/Rb | Rf FLOPs | Rb FLOPs "
         "| paper Rf | paper Rb | paper Rf/Rb |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *[f"| {x['model']} | {x['runtime']} | {x['forward_ms']:.2f} | {x['train_step_ms']:.2f} | "
-          f"{x['forward_gradient_step_ms']:.2f} | {_f(x['Rf'])} | {_f(x['Rb'])} | "
-          f"{_f(x['Rf_over_Rb'])} | {_f(x['Rf_flops'])} | {_f(x['Rb_flops'])} | {x['paper_Rf']} | "
-          f"{x['paper_Rb']} | {x['paper_Rf'] / x['paper_Rb']:.2f} |" for x in rr],
+        *[
+            f"| {x['model']} | {x['runtime']} | {x['forward_ms']:.2f} | {x['train_step_ms']:.2f} | "
+            f"{x['forward_gradient_step_ms']:.2f} | {_f(x['Rf'])} | {_f(x['Rb'])} | "
+            f"{_f(x['Rf_over_Rb'])} | {_f(x['Rf_flops'])} | {_f(x['Rb_flops'])} | {x['paper_Rf']} | "
+            f"{x['paper_Rb']} | {x['paper_Rf'] / x['paper_Rb']:.2f} |"
+            for x in rr
+        ],
         "",
         "In FLOPs the two steps cost the same (Rf ≈ Rb): a weight-perturbed JVP through a layer "
         "does the same two products backprop does (one for the first layer). What forward mode "
@@ -250,9 +307,12 @@ def _report(r, steps) -> str:
         "| hidden layers | params | Rf FLOPs | Rb FLOPs | Rf/Rb FLOPs | Rf time (ORT) | Rb time "
         "(ORT) | Rf/Rb time (ORT) |",
         "|---|---|---|---|---|---|---|---|",
-        *[f"| {x['depth']} | {x['params']:,} | {_f(x['Rf_flops'])} | {_f(x['Rb_flops'])} | "
-          f"{_f(x['Rf_over_Rb_flops'], 3)} | {_f(x.get('Rf_time'))} | {_f(x.get('Rb_time'))} | "
-          f"{_f(x.get('Rf_over_Rb_time'))} |" for x in r["depth"]],
+        *[
+            f"| {x['depth']} | {x['params']:,} | {_f(x['Rf_flops'])} | {_f(x['Rb_flops'])} | "
+            f"{_f(x['Rf_over_Rb_flops'], 3)} | {_f(x.get('Rf_time'))} | {_f(x.get('Rb_time'))} | "
+            f"{_f(x.get('Rf_over_Rb_time'))} |"
+            for x in r["depth"]
+        ],
         "",
         "Paper: Rf/Rb under 0.6 up to 10 layers, just over 0.8 at 100. In FLOPs graphflop finds "
         "Rf/Rb ≈ 1 at every depth; the measured ratio shows what the runtime makes of it.",
@@ -264,16 +324,21 @@ def _report(r, steps) -> str:
         "",
         "| model | method | lr | final val loss | final val acc |",
         "|---|---|---|---|---|",
-        *[f"| {k.split(':')[0]} | {k.split(':')[1]} | {v['lr']:g} | {v['final_val_loss']:.3f} | "
-          f"{v['final_val_accuracy']:.3f} |" for k, v in r["training"].items()],
+        *[
+            f"| {k.split(':')[0]} | {k.split(':')[1]} | {v['lr']:g} | {v['final_val_loss']:.3f} | "
+            f"{v['final_val_accuracy']:.3f} |"
+            for k, v in r["training"].items()
+        ],
         "",
         "| model | backprop's final val loss | backprop time | FGD time to reach it | Tf/Tb | "
         "FGD val acc in backprop's time | backprop val acc |",
         "|---|---|---|---|---|---|---|",
-        *[f"| {m} | {v['target_val_loss']:.3f} | {v['backprop_s']:.2f} s | "
-          f"{_seconds(v['fgd_s'])} | {_f(v['Tf_over_Tb'])} | "
-          f"{_f(v['fgd_val_acc_in_backprop_time'], 3)} | {_f(v['backprop_val_acc'], 3)} |"
-          for m, v in r["tf_tb"].items()],
+        *[
+            f"| {m} | {v['target_val_loss']:.3f} | {v['backprop_s']:.2f} s | "
+            f"{_seconds(v['fgd_s'])} | {_f(v['Tf_over_Tb'])} | "
+            f"{_f(v['fgd_val_acc_in_backprop_time'], 3)} | {_f(v['backprop_val_acc'], 3)} |"
+            for m, v in r["tf_tb"].items()
+        ],
         "",
         "Paper: forward gradients reached a given loss sooner (Tf/Tb = 0.211 for the MLP in one "
         "setting). Here, with separately tuned learning rates, backprop wins clearly: the "
@@ -284,18 +349,23 @@ def _report(r, steps) -> str:
         "",
         "| K | " + " | ".join(r["variance"]["relative_variance"]) + " |",
         "|---|" + "---|" * len(r["variance"]["relative_variance"]),
-        "| E‖ĝ−∇L‖²/‖∇L‖² | " + " | ".join(f"{v:.1f}" for v in r["variance"][
-            "relative_variance"].values()) + " |",
-        "| theory (n+1)/K | " + " | ".join(f"{v:.1f}" for v in r["variance"][
-            "theory_relative"].values()) + " |",
+        "| E‖ĝ−∇L‖²/‖∇L‖² | "
+        + " | ".join(f"{v:.1f}" for v in r["variance"]["relative_variance"].values())
+        + " |",
+        "| theory (n+1)/K | "
+        + " | ".join(f"{v:.1f}" for v in r["variance"]["theory_relative"].values())
+        + " |",
         "",
         "## Memory (graphflop's liveness counts, batch 64, float32)",
         "",
         "| model | params | saved for backward | train-step peak | JVP peak |",
         "|---|---|---|---|---|",
-        *[f"| {x['model']} | {x['params_bytes'] / 2**20:.2f} MiB | "
-          f"{x['saved_for_backward_bytes'] / 2**20:.2f} MiB | {x['train_peak_bytes'] / 2**20:.2f} MiB "
-          f"| {x['jvp_peak_bytes'] / 2**20:.2f} MiB |" for x in r["memory"]],
+        *[
+            f"| {x['model']} | {x['params_bytes'] / 2**20:.2f} MiB | "
+            f"{x['saved_for_backward_bytes'] / 2**20:.2f} MiB | {x['train_peak_bytes'] / 2**20:.2f} MiB "
+            f"| {x['jvp_peak_bytes'] / 2**20:.2f} MiB |"
+            for x in r["memory"]
+        ],
         "",
         "The train-step peak holds parameters, gradients and the saved activations; the JVP "
         "peak holds parameters, their tangents (the direction) and only the live activations. "

@@ -15,9 +15,24 @@ import sys
 import time
 import warnings
 
-DEFAULT = ["resnet18", "mobilenet_v3_small", "efficientnet_b0", "regnet_y_400mf",
-           "convnext_tiny", "vit_b_16", "swin_t", "maxvit_t", "inception_v3", "densenet121",
-           "squeezenet1_0", "shufflenet_v2_x0_5", "mnasnet0_5", "googlenet", "alexnet", "vgg11"]
+DEFAULT = [
+    "resnet18",
+    "mobilenet_v3_small",
+    "efficientnet_b0",
+    "regnet_y_400mf",
+    "convnext_tiny",
+    "vit_b_16",
+    "swin_t",
+    "maxvit_t",
+    "inception_v3",
+    "densenet121",
+    "squeezenet1_0",
+    "shufflenet_v2_x0_5",
+    "mnasnet0_5",
+    "googlenet",
+    "alexnet",
+    "vgg11",
+]
 
 
 def main(argv=None) -> int:
@@ -31,7 +46,9 @@ def main(argv=None) -> int:
     from graphflop.passes.pipeline import analyze
 
     failed = 0
-    print("| model | analysis s | forward FLOPs | (backward+update)/forward |\n|---|---:|---:|---:|")
+    print(
+        "| model | analysis s | forward FLOPs | (backward+update)/forward |\n|---|---:|---:|---:|"
+    )
     for name in args.names:
         t = time.perf_counter()
         try:
@@ -43,8 +60,11 @@ def main(argv=None) -> int:
             print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | |")
             continue
         s = a.summary
-        print(f"| {name} | {time.perf_counter() - t:.1f} | {s['totals']['forward']['flops']:,} "
-              f"| {s['ratios']['backward_forward']:.3f} |", flush=True)
+        print(
+            f"| {name} | {time.perf_counter() - t:.1f} | {s['totals']['forward']['flops']:,} "
+            f"| {s['ratios']['backward_forward']:.3f} |",
+            flush=True,
+        )
     return 1 if failed else 0
 
 

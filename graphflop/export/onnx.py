@@ -100,8 +100,9 @@ def _align(ours: list[Node], theirs: list[Node]) -> dict[str, Node]:
     return mapping
 
 
-def export_graph(gm: GraphModule, name: str, input_names: list[str],
-                 output_names: list[str]) -> ExportedGraph:
+def export_graph(
+    gm: GraphModule, name: str, input_names: list[str], output_names: list[str]
+) -> ExportedGraph:
     """Export one graph to ONNX with the given input and output names.
 
     Raises:
@@ -116,14 +117,14 @@ def export_graph(gm: GraphModule, name: str, input_names: list[str],
             warnings.simplefilter("ignore")
             # optimize=False: the exporter's rewriter folds Adam's "+ 1e-8" away (0/0 = NaN
             # where a gradient is exactly 0); ONNX Runtime optimises the graph itself anyway
-            prog = torch.onnx.export(gm, _meta_args(gm), dynamo=True, verbose=False,
-                                     optimize=False)
+            prog = torch.onnx.export(gm, _meta_args(gm), dynamo=True, verbose=False, optimize=False)
     except Exception as e:
         bad = unexportable_node(gm)
         if bad is not None:
             raise OnnxExportError(
                 f"the ONNX exporter has no function for {op_name(bad.target)} (node {bad.name} "
-                f"of the {name} graph, module {bad.meta.get(MODULE) or '(model)'})") from e
+                f"of the {name} graph, module {bad.meta.get(MODULE) or '(model)'})"
+            ) from e
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise OnnxExportError(f"exporting the {name} graph to ONNX failed: {first}") from e
     model = prog.model_proto
@@ -148,14 +149,19 @@ def export_graph(gm: GraphModule, name: str, input_names: list[str],
                 fx_name = None
         ours_node = mapping.get(fx_name) if fx_name else None
         cost = ours_node.meta.get(COST, ZERO_COST) if ours_node is not None else ZERO_COST
-        manifest.append({
-            "onnx_node": node.name, "op_type": node.op_type, "exported_fx_node": fx_name,
-            "graphflop_node": ours_node.name if ours_node is not None else None,
-            "module": ours_node.meta.get(MODULE) if ours_node is not None else None,
-            "role": ours_node.meta.get(ROLE) if ours_node is not None else None,
-            "kind": ours_node.meta.get(KIND) if ours_node is not None else None,
-            "flops": cost.flops, "bytes": cost.bytes_read + cost.bytes_written,
-        })
+        manifest.append(
+            {
+                "onnx_node": node.name,
+                "op_type": node.op_type,
+                "exported_fx_node": fx_name,
+                "graphflop_node": ours_node.name if ours_node is not None else None,
+                "module": ours_node.meta.get(MODULE) if ours_node is not None else None,
+                "role": ours_node.meta.get(ROLE) if ours_node is not None else None,
+                "kind": ours_node.meta.get(KIND) if ours_node is not None else None,
+                "flops": cost.flops,
+                "bytes": cost.bytes_read + cost.bytes_written,
+            }
+        )
     return ExportedGraph(name, model, input_names, output_names, manifest)
 
 
@@ -180,8 +186,9 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
     inputs_ = {n: f"input_{i}" for i, n in enumerate(sig.inputs)}
     upd = gm.meta.get("gf_update")
     state_label = dict(zip(upd.state_names, upd.state_labels)) if upd is not None else {}
-    targets = {n: f"target_{i}" if len(sig.targets) > 1 else "target"
-               for i, n in enumerate(sig.targets)}
+    targets = {
+        n: f"target_{i}" if len(sig.targets) > 1 else "target" for i, n in enumerate(sig.targets)
+    }
 
     def in_name(n: Node) -> str:
         if n.name in qual:
@@ -212,21 +219,34 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
             outs[pos] = f"grad.{q}"
         for pos, name in info.input_grads:
             outs[pos] = f"grad.{inputs_.get(name, name)}"
-        ins = [("ct_loss" if n.name == info.cotangent_input else
-                f"saved.{in_name(n) if n.meta.get('gf_residual') != 'activation' else n.name}")
-               for n in phs]
+        ins = [
+            (
+                "ct_loss"
+                if n.name == info.cotangent_input
+                else f"saved.{in_name(n) if n.meta.get('gf_residual') != 'activation' else n.name}"
+            )
+            for n in phs
+        ]
     elif kind == "train_step":
         info = gm.meta["gf_train_step"]
-        outs = (["loss"] + [f"new.{q}" for q in info.params]
-                + [f"new.{state_label[s]}" for s in info.state]
-                + [f"new.{q}" for q in info.buffer_updates])
+        outs = (
+            ["loss"]
+            + [f"new.{q}" for q in info.params]
+            + [f"new.{state_label[s]}" for s in info.state]
+            + [f"new.{q}" for q in info.buffer_updates]
+        )
     else:  # forward_gradient_step
         info = gm.meta["gf_forward_gradient"]
-        outs = (["loss"] + [f"new.{q}" for q in info.params]
-                + [f"new.{state_label[s]}" for s in info.state]
-                + [f"directional_derivative_{k}" for k in range(info.directions)])
-        ins = [_direction_name(n.name, qual) if n.meta.get(KIND) == "direction" else in_name(n)
-               for n in phs]
+        outs = (
+            ["loss"]
+            + [f"new.{q}" for q in info.params]
+            + [f"new.{state_label[s]}" for s in info.state]
+            + [f"directional_derivative_{k}" for k in range(info.directions)]
+        )
+        ins = [
+            _direction_name(n.name, qual) if n.meta.get(KIND) == "direction" else in_name(n)
+            for n in phs
+        ]
     return _unique(ins), _unique(outs)
 
 
@@ -250,9 +270,14 @@ def _unique(names: list[str]) -> list[str]:
     return out
 
 
-def export_all(analysis, out_dir: str | Path, *, graphs: tuple[str, ...] = (
-        "forward", "backward", "train_step", "forward_gradient_step"), directions: int = 1,
-        distribution: str = "normal") -> dict[str, Any]:
+def export_all(
+    analysis,
+    out_dir: str | Path,
+    *,
+    graphs: tuple[str, ...] = ("forward", "backward", "train_step", "forward_gradient_step"),
+    directions: int = 1,
+    distribution: str = "normal",
+) -> dict[str, Any]:
     """Export ``analysis``'s graphs into ``out_dir`` (created) with ``manifest.json``.
 
     The forward-gradient step takes its ``directions`` as inputs (``direction.<param>``, and
@@ -269,13 +294,20 @@ def export_all(analysis, out_dir: str | Path, *, graphs: tuple[str, ...] = (
     gms: dict[str, GraphModule] = {"forward": analysis.forward}
     if analysis.backward is not None:
         gms["backward"] = analysis.backward
-        gms["train_step"] = annotate_flops(build_train_step(analysis.forward, analysis.backward,
-                                                            analysis.update))
+        gms["train_step"] = annotate_flops(
+            build_train_step(analysis.forward, analysis.backward, analysis.update)
+        )
     if analysis.jvp is not None and "forward_gradient_step" in graphs:
         opt = analysis.summary.get("optimizer") or "sgd"
-        gms["forward_gradient_step"] = annotate_flops(build_forward_gradient_step(
-            analysis.forward, opt, directions=directions, distribution=distribution,
-            direction_inputs=True))
+        gms["forward_gradient_step"] = annotate_flops(
+            build_forward_gradient_step(
+                analysis.forward,
+                opt,
+                directions=directions,
+                distribution=distribution,
+                direction_inputs=True,
+            )
+        )
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".graphflop-export-", dir=out_dir.parent))
@@ -287,8 +319,12 @@ def export_all(analysis, out_dir: str | Path, *, graphs: tuple[str, ...] = (
             ins, outs = graph_io_names(kind, gms[kind])
             ex = export_graph(gms[kind], kind, ins, outs)
             onnx.save(ex.model, tmp / f"{kind}.onnx")
-            manifest["graphs"][kind] = {"file": f"{kind}.onnx", "inputs": ex.inputs,
-                                        "outputs": ex.outputs, "nodes": ex.manifest}
+            manifest["graphs"][kind] = {
+                "file": f"{kind}.onnx",
+                "inputs": ex.inputs,
+                "outputs": ex.outputs,
+                "nodes": ex.manifest,
+            }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         out_dir.mkdir(parents=True, exist_ok=True)
         for f in tmp.iterdir():

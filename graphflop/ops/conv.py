@@ -158,8 +158,16 @@ def _transpose_conv(b, ct, args, kwargs, linear):
         # _weight_grad drops the output_padding rows no input position reaches).
         if linear[0]:
             cts[0] = b.call(
-                aten.convolution.default, ct, w, None, stride, padding, dilation, False,
-                [0] * len(stride), groups,
+                aten.convolution.default,
+                ct,
+                w,
+                None,
+                stride,
+                padding,
+                dilation,
+                False,
+                [0] * len(stride),
+                groups,
             )
         if linear[1]:
             cts[1] = _weight_grad(b, ct, x, ws, stride, padding, dilation, groups)

@@ -378,8 +378,7 @@ def _jvp_leaky_relu(b, out, args, tangents, kwargs):
     """d leaky_relu(x) = dx · (1 if x > 0 else slope); the coefficient is
     ``(x > 0)·(1 − slope) + slope``."""
     slope = args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01)
-    mask = b.call(aten._to_copy.default, b.call(aten.gt.Scalar, args[0], 0),
-                  dtype=dtype(args[0]))
+    mask = b.call(aten._to_copy.default, b.call(aten.gt.Scalar, args[0], 0), dtype=dtype(args[0]))
     coef = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, mask, 1.0 - slope), slope)
     return _scale(b, tangents[0], coef)
 
@@ -414,12 +413,12 @@ def _jvp_pow_tensor(b, out, args, tangents, kwargs):
     tx, ty = tangents
     t1 = t2 = None
     if tx is not None:
-        coef = b.call(aten.mul.Tensor, y, b.call(aten.pow.Tensor_Tensor, x,
-                                                 b.call(aten.sub.Tensor, y, 1)))
+        coef = b.call(
+            aten.mul.Tensor, y, b.call(aten.pow.Tensor_Tensor, x, b.call(aten.sub.Tensor, y, 1))
+        )
         t1 = b.call(aten.mul.Tensor, tx, coef)
     if ty is not None:
-        t2 = b.call(aten.mul.Tensor, ty, b.call(aten.mul.Tensor, out,
-                                                b.call(aten.log.default, x)))
+        t2 = b.call(aten.mul.Tensor, ty, b.call(aten.mul.Tensor, out, b.call(aten.log.default, x)))
     return _fit(b, b.add(t1, t2), out)
 
 
@@ -432,14 +431,29 @@ def _jvp_pow_scalar_base(b, out, args, tangents, kwargs):
 
 
 # integer bookkeeping in decompositions (torch.roll, adaptive pooling): 1 FLOP per element
-for _op in (aten.fmod.Scalar, aten.remainder.Scalar, aten.div.Tensor_mode, aten.floor.default,
-            aten.ceil.default, aten.round.default, aten.trunc.default, aten.logical_or.default,
-            aten.bitwise_and.Tensor, aten.bitwise_or.Tensor):
+for _op in (
+    aten.fmod.Scalar,
+    aten.remainder.Scalar,
+    aten.div.Tensor_mode,
+    aten.floor.default,
+    aten.ceil.default,
+    aten.round.default,
+    aten.trunc.default,
+    aten.logical_or.default,
+    aten.bitwise_and.Tensor,
+    aten.bitwise_or.Tensor,
+):
     register(_op, F, _one)
 # rounding is piecewise constant; fmod/remainder by a constant shift their argument
-for _op in (aten.floor.default, aten.ceil.default, aten.round.default,
-            aten.trunc.default, aten.logical_or.default, aten.bitwise_and.Tensor,
-            aten.bitwise_or.Tensor):
+for _op in (
+    aten.floor.default,
+    aten.ceil.default,
+    aten.round.default,
+    aten.trunc.default,
+    aten.logical_or.default,
+    aten.bitwise_and.Tensor,
+    aten.bitwise_or.Tensor,
+):
     def_zero(_op)
 
 

@@ -39,8 +39,11 @@ def _jvp_bn_eval(b, out, args, tangents, kwargs):
         scale = inv if weight is None else b.call(aten.mul.Tensor, inv, weight)
         t = b.call(aten.mul.Tensor, tx, b.call(aten.view.default, scale, view))
     if tw is not None:
-        xhat = b.call(aten.mul.Tensor, b.call(aten.sub.Tensor, x, b.call(
-            aten.view.default, mean, view)), b.call(aten.view.default, inv, view))
+        xhat = b.call(
+            aten.mul.Tensor,
+            b.call(aten.sub.Tensor, x, b.call(aten.view.default, mean, view)),
+            b.call(aten.view.default, inv, view),
+        )
         t = b.add(t, b.call(aten.mul.Tensor, xhat, b.call(aten.view.default, tw, view)))
     if tb is not None:
         t = b.add(t, b.call(aten.view.default, tb, view))

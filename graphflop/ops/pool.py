@@ -93,21 +93,26 @@ def _transpose_avg_pool(nd):
         xs, cs = shape(x), shape(ct)
         k, stride, padding, ceil_mode, count_include_pad, divisor = _pool_args(args, nd)
         c = math.prod(xs[: len(xs) - nd])  # channels (and batch), pooled independently
-        sp_in = list(xs[len(xs) - nd:])
-        constant = divisor is not None or (
-            count_include_pad and not ceil_mode) or (not any(padding) and not ceil_mode)
+        sp_in = list(xs[len(xs) - nd :])
+        constant = (
+            divisor is not None
+            or (count_include_pad and not ceil_mode)
+            or (not any(padding) and not ceil_mode)
+        )
         if constant:
             scale = 1.0 / (divisor if divisor is not None else math.prod(k))
             z = ct
         else:
-            d = _window_counts(b, x, xs, list(cs[len(cs) - nd:]), k, stride, padding,
-                               count_include_pad)
+            d = _window_counts(
+                b, x, xs, list(cs[len(cs) - nd :]), k, stride, padding, count_include_pad
+            )
             z = b.call(aten.div.Tensor, ct, d)
             scale = 1.0
-        z = b.call(aten.view.default, z, [1, c] + list(cs[len(cs) - nd:]))
+        z = b.call(aten.view.default, z, [1, c] + list(cs[len(cs) - nd :]))
         weight = b.full([c, 1] + k, scale, x)
-        full = b.call(aten.convolution.default, z, weight, None, stride, [0] * nd, [1] * nd,
-                      True, [0] * nd, c)
+        full = b.call(
+            aten.convolution.default, z, weight, None, stride, [0] * nd, [1] * nd, True, [0] * nd, c
+        )
         crop = []
         for p, n, f in reversed(list(zip(padding, sp_in, shape(full)[2:]))):
             crop += [-p, p + n - f]
@@ -127,15 +132,25 @@ def _window_counts(b, x, xs, out_sp, k, stride, padding, count_include_pad):
     override)."""
     nd = len(out_sp)
     d = None
-    for i, (o, kk, s_, p, n) in enumerate(zip(out_sp, k, stride, padding, xs[len(xs) - nd:])):
-        start = b.call(aten.sub.Tensor, b.call(aten.mul.Tensor, b.call(
-            aten.arange.start_step, 0, o, 1, dtype=dtype(x), device=device(x)), s_), p)
+    for i, (o, kk, s_, p, n) in enumerate(zip(out_sp, k, stride, padding, xs[len(xs) - nd :])):
+        start = b.call(
+            aten.sub.Tensor,
+            b.call(
+                aten.mul.Tensor,
+                b.call(aten.arange.start_step, 0, o, 1, dtype=dtype(x), device=device(x)),
+                s_,
+            ),
+            p,
+        )
         end = b.call(aten.add.Tensor, start, kk)
         if count_include_pad:
             cnt = b.call(aten.sub.Tensor, b.call(aten.clamp_max.default, end, n + p), start)
         else:
-            cnt = b.call(aten.sub.Tensor, b.call(aten.clamp_max.default, end, n),
-                         b.call(aten.clamp_min.default, start, 0))
+            cnt = b.call(
+                aten.sub.Tensor,
+                b.call(aten.clamp_max.default, end, n),
+                b.call(aten.clamp_min.default, start, 0),
+            )
         view = [1] * len(xs)
         view[len(xs) - nd + i] = o
         cnt = b.call(aten.view.default, cnt, view)

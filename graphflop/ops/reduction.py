@@ -128,8 +128,13 @@ def _var_args(args, kwargs):
     xs = shape(args[0])
     dims = norm_dims(args[1] if len(args) > 1 else kwargs.get("dim"), len(xs))
     correction = kwargs.get("correction", 1)
-    return (xs, dims, bool(kwargs.get("keepdim", False)), _count(xs, dims),
-            1 if correction is None else correction)
+    return (
+        xs,
+        dims,
+        bool(kwargs.get("keepdim", False)),
+        _count(xs, dims),
+        1 if correction is None else correction,
+    )
 
 
 @def_jvp(aten.var_mean.correction)
@@ -159,11 +164,27 @@ def _jvp_var(b, out, args, tangents, kwargs):
 
 # --- max/min along a dim (values and indices), argmax/argmin, any/all ---------------------------
 
-for _op in (aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default,
-            aten.any.dim, aten.any.dims, aten.any.default, aten.all.dim, aten.all.default):
+for _op in (
+    aten.max.dim,
+    aten.min.dim,
+    aten.argmax.default,
+    aten.argmin.default,
+    aten.any.dim,
+    aten.any.dims,
+    aten.any.default,
+    aten.all.dim,
+    aten.all.default,
+):
     register(_op, F, per_input(1))
-for _op in (aten.argmax.default, aten.argmin.default, aten.any.dim, aten.any.dims,
-            aten.any.default, aten.all.dim, aten.all.default):
+for _op in (
+    aten.argmax.default,
+    aten.argmin.default,
+    aten.any.dim,
+    aten.any.dims,
+    aten.any.default,
+    aten.all.dim,
+    aten.all.default,
+):
     def_zero(_op)
 
 

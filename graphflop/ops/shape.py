@@ -185,8 +185,11 @@ def _transpose_slice_scatter(b, ct, args, kwargs, linear):
     slice of ``ct``."""
     src = args[1]
     dim, start, end, step = _slice_args(args)
-    ct_x = (b.call(aten.slice_scatter.default, ct, b.zeros(shape(src), src), dim, start, end,
-                   step) if linear[0] else None)
+    ct_x = (
+        b.call(aten.slice_scatter.default, ct, b.zeros(shape(src), src), dim, start, end, step)
+        if linear[0]
+        else None
+    )
     ct_src = b.call(aten.slice.Tensor, ct, dim, start, end, step) if linear[1] else None
     return [ct_x, ct_src] + [None] * (len(args) - 2)
 
@@ -387,8 +390,11 @@ def _transpose_index_put(b, ct, args, kwargs, linear):
     x, indices, values, accumulate = _index_put_args(args, kwargs)
     cts = [None] * len(args)
     if linear[0]:
-        cts[0] = ct if accumulate else b.call(
-            aten.index_put.default, ct, indices, b.zeros(shape(values), values), False)
+        cts[0] = (
+            ct
+            if accumulate
+            else b.call(aten.index_put.default, ct, indices, b.zeros(shape(values), values), False)
+        )
     if linear[2]:
         g = b.call(aten.index.Tensor, ct, indices)
         cts[2] = b.sum_to(g, shape(values))

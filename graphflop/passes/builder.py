@@ -145,8 +145,11 @@ class Builder:
         role = self.role_for(self.active_kind, flat)
         rec = Ghost(name, _op_str(op), shape, self.source, self.module, role, cost, inputs)
         self.ghosts.append(rec)
-        active = any((isinstance(a, Node) and a.meta.get(KIND) == self.active_kind)
-                     or (is_ghost(a) and a.kind == self.active_kind) for a in flat)
+        active = any(
+            (isinstance(a, Node) and a.meta.get(KIND) == self.active_kind)
+            or (is_ghost(a) and a.kind == self.active_kind)
+            for a in flat
+        )
         kind = self.active_kind if active else "coef"
         g = GhostValue(out, op, args, kwargs, rec, _param_derived(flat), kind)
         self.log.append(g)

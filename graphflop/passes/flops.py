@@ -73,8 +73,14 @@ def _cost(rule, a: tuple, k: dict, o: Any) -> NodeCost:
     if rule.bytes == "view":
         return NodeCost(c.flops, c.mm_flops, c.transcendentals, c.random_elements, 0, 0)
     if rule.bytes == "gather":  # the rows gathered (as many as written) and the indices
-        return NodeCost(c.flops, c.mm_flops, c.transcendentals, c.random_elements,
-                        tensor_bytes(o) + tensor_bytes((a[1:], k)), tensor_bytes(o))
+        return NodeCost(
+            c.flops,
+            c.mm_flops,
+            c.transcendentals,
+            c.random_elements,
+            tensor_bytes(o) + tensor_bytes((a[1:], k)),
+            tensor_bytes(o),
+        )
     return NodeCost(
         c.flops,
         c.mm_flops,

@@ -113,8 +113,9 @@ def build_forward_gradient_step(
         if n.op == "placeholder" and n.name not in tangent_of:
             env[n] = g.node_copy(n)
     phs = {n.name: env[n] for n in jvp_nodes if n in env}
-    upd = build_update([(q, phs[p].meta["val"]) for p, q in sig.params], optimizer,
-                       fake_mode=fake_mode)
+    upd = build_update(
+        [(q, phs[p].meta["val"]) for p, q in sig.params], optimizer, fake_mode=fake_mode
+    )
     state_phs = {}
     for n in upd.graph.nodes:
         if n.op == "placeholder" and n.meta[SLOT] not in ("param", "grad"):
@@ -124,8 +125,15 @@ def build_forward_gradient_step(
         for k in range(directions):
             for _, p in info.tangent_inputs:
                 ph = g.placeholder(f"v{k}_{p}")
-                ph.meta.update({"val": phs[p].meta["val"], KIND: "direction", ROLE: "direction",
-                                SOURCE: p, MODULE: ""})
+                ph.meta.update(
+                    {
+                        "val": phs[p].meta["val"],
+                        KIND: "direction",
+                        ROLE: "direction",
+                        SOURCE: p,
+                        MODULE: "",
+                    }
+                )
                 dir_inputs[(k, p)] = ph
 
     out_node = next(n for n in jvp_nodes if n.op == "output")
@@ -140,8 +148,7 @@ def build_forward_gradient_step(
                 v[t] = dir_inputs[(k, p)]
             else:
                 val = phs[p].meta["val"]
-                r = b.call(aten.randn.default, list(val.shape), dtype=val.dtype,
-                           device=val.device)
+                r = b.call(aten.randn.default, list(val.shape), dtype=val.dtype, device=val.device)
                 v[t] = b.call(aten.sign.default, r) if distribution == "rademacher" else r
         local = dict(env)
         local.update({n: v[n.name] for n in jvp_nodes if n.name in v})
@@ -170,17 +177,22 @@ def build_forward_gradient_step(
         grads[p] = acc
     # the update, inlined with the estimate as the gradient
     qual = dict(sig.params)
-    new_state = inline_update(g, upd, {qual[p]: phs[p] for p in qual},
-                              {qual[p]: grads[p] for p in qual}, state_phs)
-    loss = next(env[o] for o in primal_outs
-                if isinstance(o, Node) and o.meta.get(SOURCE) == sig.loss)
+    new_state = inline_update(
+        g, upd, {qual[p]: phs[p] for p in qual}, {qual[p]: grads[p] for p in qual}, state_phs
+    )
+    loss = next(
+        env[o] for o in primal_outs if isinstance(o, Node) and o.meta.get(SOURCE) == sig.loss
+    )
     g.output(tuple([loss] + new_state + ds))
     gm = graph_module(torch.nn.Module(), g)
     gm.meta[SIGNATURE] = sig
     gm.meta["gf_forward_gradient"] = ForwardGradientInfo(
         tuple(n.name for n in g.nodes if n.op == "placeholder"),
-        tuple(q for _, q in sig.params), tuple(n for n in state_phs if n not in ("lr", "step")),
-        directions, distribution,
-        direction_inputs)
+        tuple(q for _, q in sig.params),
+        tuple(n for n in state_phs if n not in ("lr", "step")),
+        directions,
+        distribution,
+        direction_inputs,
+    )
     gm.meta["gf_update"] = upd.meta["gf_update"]
     return gm

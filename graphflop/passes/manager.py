@@ -68,7 +68,8 @@ def check(gm: GraphModule, requires: Sequence[str], name: str) -> None:
         if fact not in have:
             raise PassOrderError(
                 f"{name} requires '{fact}', which this graph lacks: run "
-                f"{PROVIDERS.get(fact, fact)} first")
+                f"{PROVIDERS.get(fact, fact)} first"
+            )
 
 
 class PassManager:

@@ -124,8 +124,10 @@ def build_update(
     safe = [re.sub(r"\W", "_", q) for q, _ in params]
 
     def slots(kind):
-        return [ph(f"{kind}_{s}", t, q, modules.get(q, _parent(q)), kind)
-                for s, (q, t) in zip(safe, params)]
+        return [
+            ph(f"{kind}_{s}", t, q, modules.get(q, _parent(q)), kind)
+            for s, (q, t) in zip(safe, params)
+        ]
 
     w, gr = slots("param"), slots("grad")
     state = [slots(kind) for kind in STATE_KINDS[cfg.name]]
@@ -179,12 +181,15 @@ def _adam(b, cfg, w, g, m, v, lr, step, lr_wd):
     # β as a 0-d tensor in the parameters' dtype: a bare Python float would be exported to ONNX
     # as a float32 constant, and 1 − 0.999ᵗ in float32 loses four digits
     val = w.meta["val"]
-    beta1, beta2 = (b.call(aten.full.default, [], beta, dtype=val.dtype, device=val.device)
-                    for beta in (b1, b2))
-    m_hat = b.call(aten.div.Tensor, m,
-                   b.call(aten.rsub.Scalar, b.call(aten.pow.Tensor_Tensor, beta1, t), 1))
-    v_hat = b.call(aten.div.Tensor, v,
-                   b.call(aten.rsub.Scalar, b.call(aten.pow.Tensor_Tensor, beta2, t), 1))
+    beta1, beta2 = (
+        b.call(aten.full.default, [], beta, dtype=val.dtype, device=val.device) for beta in (b1, b2)
+    )
+    m_hat = b.call(
+        aten.div.Tensor, m, b.call(aten.rsub.Scalar, b.call(aten.pow.Tensor_Tensor, beta1, t), 1)
+    )
+    v_hat = b.call(
+        aten.div.Tensor, v, b.call(aten.rsub.Scalar, b.call(aten.pow.Tensor_Tensor, beta2, t), 1)
+    )
     # update: 5
     denom = b.call(aten.add.Tensor, b.call(aten.sqrt.default, v_hat), cfg.eps)
     upd = b.call(aten.mul.Tensor, b.call(aten.div.Tensor, m_hat, denom), lr)
@@ -232,8 +237,11 @@ def _fake(mode, t):
 
 def update_param_count(gm: GraphModule) -> int:
     """Parameter elements an update graph updates."""
-    return sum(n.meta["val"].numel() for n in gm.graph.nodes
-               if n.op == "placeholder" and n.meta.get(SLOT) == "param")
+    return sum(
+        n.meta["val"].numel()
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and n.meta.get(SLOT) == "param"
+    )
 
 
 __all__ = ["build_update", "OptimizerConfig", "OPTIMIZERS", "FLOPS_PER_ELEMENT", "Node"]

@@ -117,8 +117,11 @@ def analyze(
         lin = lin or a.backward.meta["gf_linearized"]
     if jvp and has_loss:
         say("building the forward-gradient step")
-        a.forward_gradient = annotate_flops(build_forward_gradient_step(
-            fwd, optimizer, directions=directions, distribution=distribution, jvp=lin))
+        a.forward_gradient = annotate_flops(
+            build_forward_gradient_step(
+                fwd, optimizer, directions=directions, distribution=distribution, jvp=lin
+            )
+        )
     say("summarising")
     a.summary = summarize(a, optimizer=optimizer, tangents=tangents)
     return a
@@ -300,12 +303,13 @@ def summarize(a: Analysis, *, optimizer: str, tangents: str) -> dict[str, Any]:
                 k = n.meta.get(ROLE, "forward")
                 by[k] = by.get(k, 0) + n.meta[COST].flops
             totals["forward_gradient_step"] = {
-                **_cost_dict(fgc), "directions": info.directions,
+                **_cost_dict(fgc),
+                "directions": info.directions,
                 "distribution": info.distribution,
                 "primal_flops": by.get("forward", 0) + by.get("loss", 0),
-                "tangent_flops": by.get("tangent_from_input", 0)
-                + by.get("tangent_from_param", 0),
-                "direction_flops": by.get("direction", 0), "update_flops": by.get("update", 0),
+                "tangent_flops": by.get("tangent_from_input", 0) + by.get("tangent_from_param", 0),
+                "direction_flops": by.get("direction", 0),
+                "update_flops": by.get("update", 0),
             }
             ratios["forward_gradient_step_forward"] = _ratio(fgc.flops, fwd_total.flops)
         ratios["jvp_forward"] = _ratio(jtot.flops, fwd_total.flops)

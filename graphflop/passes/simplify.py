@@ -25,8 +25,12 @@ def fold_transposed_matmuls(gm: GraphModule) -> GraphModule:
         if n.op != "call_function" or n.target is not aten.permute.default:
             continue
         src = n.args[0]
-        if (not isinstance(src, torch.fx.Node) or src.target is not aten.mm.default
-                or len(src.users) != 1 or list(n.args[1]) != [1, 0]):
+        if (
+            not isinstance(src, torch.fx.Node)
+            or src.target is not aten.mm.default
+            or len(src.users) != 1
+            or list(n.args[1]) != [1, 0]
+        ):
             continue
         a, b = src.args
         with g.inserting_before(n):

@@ -30,8 +30,9 @@ class TrainStepInfo:
     buffer_updates: tuple[str, ...]  # qualified names of the trailing buffer outputs
 
 
-def build_train_step(forward: GraphModule, backward: GraphModule,
-                     update: GraphModule) -> GraphModule:
+def build_train_step(
+    forward: GraphModule, backward: GraphModule, update: GraphModule
+) -> GraphModule:
     """Inline ``forward``, ``backward`` and ``update`` into one graph (see module docstring)."""
     sig: Signature = forward.meta[SIGNATURE]
     g = Graph()
@@ -55,8 +56,15 @@ def build_train_step(forward: GraphModule, backward: GraphModule,
         if n.op == "placeholder":
             if n.name == backward.meta["gf_vjp"].cotangent_input:
                 one = g.call_function(aten.ones_like.default, (loss,))
-                one.meta.update({"val": loss.meta["val"], KIND: "cotangent", ROLE: "loss",
-                                 SOURCE: sig.loss, MODULE: "loss"})
+                one.meta.update(
+                    {
+                        "val": loss.meta["val"],
+                        KIND: "cotangent",
+                        ROLE: "loss",
+                        SOURCE: sig.loss,
+                        MODULE: "loss",
+                    }
+                )
                 benv[n] = one
             else:
                 benv[n] = by_name[n.meta.get(SOURCE, n.name)]
@@ -69,14 +77,20 @@ def build_train_step(forward: GraphModule, backward: GraphModule,
         grads[qual] = benv[b_out.args[0][pos]]
     p_name = {q: p for p, q in sig.params}
     new = inline_update(g, update, {q: by_name[p_name[q]] for q in p_name}, grads, state_phs)
-    buffers = [fenv[a] for a in f_out.args[0] if isinstance(a, Node) and
-               a.name in {b for b, _ in sig.buffer_updates}]
+    buffers = [
+        fenv[a]
+        for a in f_out.args[0]
+        if isinstance(a, Node) and a.name in {b for b, _ in sig.buffer_updates}
+    ]
     g.output(tuple([loss] + new + buffers))
     gm = graph_module(torch.nn.Module(), g)
     gm.meta[SIGNATURE] = sig
     info = update.meta["gf_update"]
     gm.meta["gf_update"] = update.meta["gf_update"]
     gm.meta["gf_train_step"] = TrainStepInfo(
-        tuple(n.name for n in g.nodes if n.op == "placeholder"), info.params,
-        tuple(n for n in state_phs if n not in ("lr", "step")), tuple(q for _, q in sig.buffer_updates))
+        tuple(n.name for n in g.nodes if n.op == "placeholder"),
+        info.params,
+        tuple(n for n in state_phs if n not in ("lr", "step")),
+        tuple(q for _, q in sig.buffer_updates),
+    )
     return gm

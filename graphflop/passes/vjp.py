@@ -149,8 +149,9 @@ def _is_linear(a: Any) -> bool:
     return isinstance(a, Node) and a.meta.get(KIND) == "tangent"
 
 
-def build_vjp(forward: GraphModule, *, input_grads: bool = False,
-              linearized: GraphModule | None = None) -> GraphModule:
+def build_vjp(
+    forward: GraphModule, *, input_grads: bool = False, linearized: GraphModule | None = None
+) -> GraphModule:
     """Build the backward graph of a traced forward graph (see the module docstring).
 
     Args:
@@ -170,8 +171,11 @@ def build_vjp(forward: GraphModule, *, input_grads: bool = False,
     sig: Signature = forward.meta[SIGNATURE]
     if sig.loss is None:
         raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
-    lin = linearized if linearized is not None else build_jvp(
-        forward, "all" if input_grads else "params")
+    lin = (
+        linearized
+        if linearized is not None
+        else build_jvp(forward, "all" if input_grads else "params")
+    )
     info = lin.meta["gf_jvp"]
     out_node = next(n for n in lin.graph.nodes if n.op == "output")
     loss_tangent = out_node.args[0][info.primal_outputs]

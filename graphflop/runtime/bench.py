@@ -37,12 +37,12 @@ class Timing:
     runs: int
 
     def to_dict(self) -> dict[str, float]:
-        return {"median_s": self.median_s, "q1_s": self.q1_s, "q3_s": self.q3_s,
-                "runs": self.runs}
+        return {"median_s": self.median_s, "q1_s": self.q1_s, "q3_s": self.q3_s, "runs": self.runs}
 
 
-def time_fn(fn: Callable[[int], Any], *, warmup: int, repeat: int, sync: Callable[[], None]
-            ) -> Timing:
+def time_fn(
+    fn: Callable[[int], Any], *, warmup: int, repeat: int, sync: Callable[[], None]
+) -> Timing:
     """Time ``fn(i)`` (``i`` selects the input set) ``repeat`` times after ``warmup`` runs."""
     for i in range(warmup):
         fn(i)
@@ -75,8 +75,17 @@ def _input_sets(forward, model, rotate: int, device) -> list[dict[str, torch.Ten
     return sets
 
 
-def bench_torch(analysis, model: torch.nn.Module, *, device: str, warmup: int, repeat: int,
-                rotate: int, lr: float = 1e-3, optimizer: str = "sgd") -> dict[str, Timing]:
+def bench_torch(
+    analysis,
+    model: torch.nn.Module,
+    *,
+    device: str,
+    warmup: int,
+    repeat: int,
+    rotate: int,
+    lr: float = 1e-3,
+    optimizer: str = "sgd",
+) -> dict[str, Timing]:
     """Eager PyTorch: ``model(x)`` under no_grad; loss.backward() + ``torch.optim`` step;
     ``torch.func.jvp`` with a Gaussian direction, ``g = d·v`` and an SGD update."""
     fwd = analysis.forward
@@ -87,10 +96,12 @@ def bench_torch(analysis, model: torch.nn.Module, *, device: str, warmup: int, r
     xs = [[s[n] for n in sig.inputs] for s in sets]
     ts = [s[sig.targets[0]] if sig.targets else None for s in sets]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    opt = {"sgd": lambda p: torch.optim.SGD(p, lr=lr),
-           "momentum": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
-           "adam": lambda p: torch.optim.Adam(p, lr=lr),
-           "adamw": lambda p: torch.optim.AdamW(p, lr=lr)}[optimizer](model.parameters())
+    opt = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=lr),
+        "momentum": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
+        "adam": lambda p: torch.optim.Adam(p, lr=lr),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=lr),
+    }[optimizer](model.parameters())
 
     def forward(i):
         with torch.no_grad():
@@ -116,14 +127,25 @@ def bench_torch(analysis, model: torch.nn.Module, *, device: str, warmup: int, r
             for k, p in params.items():
                 p.sub_(lr * d * v[k])
 
-    return {"forward": time_fn(forward, warmup=warmup, repeat=repeat, sync=sync),
-            "train_step": time_fn(train_step, warmup=warmup, repeat=repeat, sync=sync),
-            "forward_gradient_step": time_fn(fg_step, warmup=warmup, repeat=repeat, sync=sync)}
+    return {
+        "forward": time_fn(forward, warmup=warmup, repeat=repeat, sync=sync),
+        "train_step": time_fn(train_step, warmup=warmup, repeat=repeat, sync=sync),
+        "forward_gradient_step": time_fn(fg_step, warmup=warmup, repeat=repeat, sync=sync),
+    }
 
 
-def bench_onnxruntime(analysis, model: torch.nn.Module, *, provider: str, warmup: int,
-                      repeat: int, rotate: int, lr: float = 1e-3, profile: bool = False,
-                      export_dir: str | Path | None = None) -> tuple[dict[str, Timing], dict]:
+def bench_onnxruntime(
+    analysis,
+    model: torch.nn.Module,
+    *,
+    provider: str,
+    warmup: int,
+    repeat: int,
+    rotate: int,
+    lr: float = 1e-3,
+    profile: bool = False,
+    export_dir: str | Path | None = None,
+) -> tuple[dict[str, Timing], dict]:
     """graphflop's exported forward, train-step and forward-gradient-step graphs on ONNX
     Runtime. Returns the timings and, with ``profile``, per-node times mapped through the
     manifest."""
@@ -174,11 +196,16 @@ def bench_onnxruntime(analysis, model: torch.nn.Module, *, provider: str, warmup
             continue
         sess = session(root / f"{kind}.onnx", provider, profile=profile)
         feeds = [feeds_for(kind, i) for i in range(rotate)]
-        timings[kind] = time_fn(lambda i, s=sess, f=feeds: s.run(None, f[i % rotate]),
-                                warmup=warmup, repeat=repeat, sync=lambda: None)
+        timings[kind] = time_fn(
+            lambda i, s=sess, f=feeds: s.run(None, f[i % rotate]),
+            warmup=warmup,
+            repeat=repeat,
+            sync=lambda: None,
+        )
         if profile:
-            prof[kind] = _node_times(sess.end_profiling(), manifest["graphs"][kind]["nodes"],
-                                     repeat + warmup)
+            prof[kind] = _node_times(
+                sess.end_profiling(), manifest["graphs"][kind]["nodes"], repeat + warmup
+            )
         del sess
     if tmp is not None:
         tmp.cleanup()
@@ -196,7 +223,7 @@ def _node_times(trace_file: str, nodes: list[dict], runs: int) -> dict[str, Any]
             continue
         name = e["name"][: -len("_kernel_time")]
         if name.startswith("fused "):  # "fused node_addmm/GemmTransposeFusion/": first node
-            name = name[len("fused "):].split("/", 1)[0]
+            name = name[len("fused ") :].split("/", 1)[0]
         name = name.split("/", 1)[0]
         node_s[name] = node_s.get(name, 0.0) + e.get("dur", 0) * 1e-6 / runs
     top = sorted(node_s.items(), key=lambda kv: -kv[1])[:15]
@@ -205,9 +232,17 @@ def _node_times(trace_file: str, nodes: list[dict], runs: int) -> dict[str, Any]
         m = (by_node.get(name) or {}).get("module") or "(model)"
         modules[m] = modules.get(m, 0.0) + s
     return {
-        "top_nodes": [{"onnx_node": n, "seconds": s, **{k: (by_node.get(n) or {}).get(k) for k in
-                       ("op_type", "graphflop_node", "module", "role", "flops", "bytes")}}
-                      for n, s in top],
+        "top_nodes": [
+            {
+                "onnx_node": n,
+                "seconds": s,
+                **{
+                    k: (by_node.get(n) or {}).get(k)
+                    for k in ("op_type", "graphflop_node", "module", "role", "flops", "bytes")
+                },
+            }
+            for n, s in top
+        ],
         "modules": dict(sorted(modules.items(), key=lambda kv: -kv[1])),
     }
 

@@ -37,8 +37,10 @@ def pick_provider(device: str | None = None) -> str:
     if works:
         return "CUDAExecutionProvider"
     if device == "cuda":
-        raise RuntimeError("ONNX Runtime's CUDA execution provider does not work here (no GPU, "
-                           "or CUDA/cuDNN libraries missing); use --device cpu")
+        raise RuntimeError(
+            "ONNX Runtime's CUDA execution provider does not work here (no GPU, "
+            "or CUDA/cuDNN libraries missing); use --device cpu"
+        )
     return "CPUExecutionProvider"
 
 
@@ -70,14 +72,18 @@ def session(model: Any, provider: str, *, profile: bool = False, threads: int | 
         model = model.SerializeToString()
     elif not isinstance(model, (bytes, str)):
         model = str(model)
-    providers = [provider] if provider == "CPUExecutionProvider" else [provider,
-                                                                      "CPUExecutionProvider"]
+    providers = (
+        [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
+    )
     return ort.InferenceSession(model, sess_options=opts, providers=providers)
 
 
 def run(sess, feeds: dict[str, Any]) -> list[np.ndarray]:
     """Run with torch tensors or arrays as feeds (only the inputs the model declares)."""
     names = {i.name for i in sess.get_inputs()}
-    arrays = {k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v))
-              for k, v in feeds.items() if k in names}
+    arrays = {
+        k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v))
+        for k, v in feeds.items()
+        if k in names
+    }
     return sess.run(None, arrays)

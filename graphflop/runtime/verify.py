@@ -83,8 +83,7 @@ def real_arguments(
     return values
 
 
-def run_forward(forward: GraphModule, values: dict[str, torch.Tensor],
-                keep=None) -> dict[str, Any]:
+def run_forward(forward: GraphModule, values: dict[str, torch.Tensor], keep=None) -> dict[str, Any]:
     """Run the forward graph; returns the values by node name of every node, or of the nodes
     named in ``keep`` (``backward_reads(backward)``: what a backward graph needs, so that a
     large model's activations are freed as the run goes)."""
@@ -96,8 +95,7 @@ def run_forward(forward: GraphModule, values: dict[str, torch.Tensor],
 
 def backward_reads(backward: GraphModule) -> set[str]:
     """Names of the forward nodes :func:`run_backward` reads: the residuals and the loss."""
-    names = {n.meta.get("gf_source", n.name) for n in backward.graph.nodes
-             if n.op == "placeholder"}
+    names = {n.meta.get("gf_source", n.name) for n in backward.graph.nodes if n.op == "placeholder"}
     return names | {backward.meta[SIGNATURE].loss}
 
 
@@ -131,8 +129,9 @@ def reference_loss_fn(forward: GraphModule, model: nn.Module, values: dict[str, 
         first = (
             out if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_flatten(out)[0][0]
         )
-        return loss_value(loss_kind if loss_kind in ("cross_entropy", "mse") else "sum", first,
-                          targets)
+        return loss_value(
+            loss_kind if loss_kind in ("cross_entropy", "mse") else "sum", first, targets
+        )
 
     return f
 
@@ -221,7 +220,12 @@ def verify_jvp(
 
 
 def verify_analysis(
-    loaded, inputs, analysis, *, dtype: str = "float64", tolerance: float = 1e-4,
+    loaded,
+    inputs,
+    analysis,
+    *,
+    dtype: str = "float64",
+    tolerance: float = 1e-4,
     forward_gradient_samples: int = 0,
 ) -> list[Check]:
     """Re-trace ``loaded.model`` in ``dtype`` and check the backward and JVP graphs built the
@@ -255,16 +259,22 @@ def verify_analysis(
             # a statistical check needs no float64: run it on a float32 trace, faster
             model32 = copy.deepcopy(loaded.model).float()
             with mode:
-                xs32 = tuple(torch.empty(tuple(t.shape), device="cpu", dtype=torch.float32
-                                         if t.is_floating_point() else t.dtype) for t in inputs)
+                xs32 = tuple(
+                    torch.empty(
+                        tuple(t.shape),
+                        device="cpu",
+                        dtype=torch.float32 if t.is_floating_point() else t.dtype,
+                    )
+                    for t in inputs
+                )
             fwd32 = trace(model32, xs32, loss=analysis.forward.meta.get("gf_loss_kind", "auto"))
-            checks.append(verify_forward_gradient(fwd32, model32,
-                                                  samples=forward_gradient_samples))
+            checks.append(verify_forward_gradient(fwd32, model32, samples=forward_gradient_samples))
     return checks
 
 
-def verify_forward_gradient(forward: GraphModule, model: nn.Module, *, samples: int = 128,
-                            seed: int = 0) -> Check:
+def verify_forward_gradient(
+    forward: GraphModule, model: nn.Module, *, samples: int = 128, seed: int = 0
+) -> Check:
     """Statistical check that the forward-gradient step estimates the gradient without bias.
 
     Runs the step graph (SGD, lr = 1, directions sampled inside the graph) ``samples`` times, so
@@ -281,24 +291,31 @@ def verify_forward_gradient(forward: GraphModule, model: nn.Module, *, samples: 
     values = real_arguments(forward, model, seed=seed)
     sig: Signature = forward.meta[SIGNATURE]
     if not sig.params:
-        return Check(f"forward-gradient mean along ∇L over {samples} directions", 0.0,
-                     "no parameters: nothing to estimate", 4 * (2.0 / samples) ** 0.5)
+        return Check(
+            f"forward-gradient mean along ∇L over {samples} directions",
+            0.0,
+            "no parameters: nothing to estimate",
+            4 * (2.0 / samples) ** 0.5,
+        )
     backward = build_vjp(forward)
     grads = run_backward(backward, run_forward(forward, values, backward_reads(backward)))
     true = torch.cat([g.flatten() for g in grads])
     step = build_forward_gradient_step(forward, "sgd")
     info = step.meta["gf_forward_gradient"]
     w = torch.cat([values[p].flatten() for p, _ in sig.params])
-    args = [torch.tensor(1.0, dtype=torch.float32) if n == "lr" else values[n]
-            for n in info.inputs]
+    args = [torch.tensor(1.0, dtype=torch.float32) if n == "lr" else values[n] for n in info.inputs]
     torch.manual_seed(seed)
     total = torch.zeros_like(true)
     for _ in range(samples):
         out = step(*args)
-        new_w = torch.cat([t.flatten() for t in out[1:1 + len(sig.params)]])
+        new_w = torch.cat([t.flatten() for t in out[1 : 1 + len(sig.params)]])
         total += w - new_w
     est = total / samples
     norm = float(true.norm())
     proj = float(est @ true) / max(norm * norm, 1e-300)
-    return Check(f"forward-gradient mean along ∇L over {samples} directions", abs(proj - 1.0),
-                 "u·ḡ/‖∇L‖", 4 * (2.0 / samples) ** 0.5)
+    return Check(
+        f"forward-gradient mean along ∇L over {samples} directions",
+        abs(proj - 1.0),
+        "u·ḡ/‖∇L‖",
+        4 * (2.0 / samples) ** 0.5,
+    )

@@ -7,5 +7,13 @@ See :func:`graphflop.train.loop.train`; data sets in :mod:`graphflop.train.data`
 from graphflop.train.data import DataError, Dataset, load_dataset, read_idx
 from graphflop.train.loop import TrainError, TrainResult, estimator_variance, train
 
-__all__ = ["DataError", "Dataset", "TrainError", "TrainResult", "estimator_variance",
-           "load_dataset", "read_idx", "train"]
+__all__ = [
+    "DataError",
+    "Dataset",
+    "TrainError",
+    "TrainResult",
+    "estimator_variance",
+    "load_dataset",
+    "read_idx",
+    "train",
+]

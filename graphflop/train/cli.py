@@ -22,61 +22,134 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``train`` options (on an existing parser)."""
     from graphflop.train.loop import DEFAULT_EPOCHS, DEFAULT_LR, DEFAULT_OPTIMIZER, METHODS
 
-    p.add_argument("spec", help="model: path/to/file.py[:Name] or package.module:attr; built with "
-                                "in_features= (or in_channels=/image_size=) for the data set")
-    p.add_argument("--method", default="backprop", choices=METHODS,
-                   help="fgd: graphflop's forward-gradient step graph; backprop: graphflop's "
-                        "train-step graph; torch: plain autograd + torch.optim (default backprop)")
-    p.add_argument("--runtime", default="torch", choices=["torch", "onnxruntime"],
-                   help="run the step graph in PyTorch (default) or export it once to ONNX and "
-                        "run it on ONNX Runtime (not for --method torch)")
-    p.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=list(OPTIMIZERS),
-                   help=f"update rule, PyTorch's algorithms (default {DEFAULT_OPTIMIZER})")
+    p.add_argument(
+        "spec",
+        help="model: path/to/file.py[:Name] or package.module:attr; built with "
+        "in_features= (or in_channels=/image_size=) for the data set",
+    )
+    p.add_argument(
+        "--method",
+        default="backprop",
+        choices=METHODS,
+        help="fgd: graphflop's forward-gradient step graph; backprop: graphflop's "
+        "train-step graph; torch: plain autograd + torch.optim (default backprop)",
+    )
+    p.add_argument(
+        "--runtime",
+        default="torch",
+        choices=["torch", "onnxruntime"],
+        help="run the step graph in PyTorch (default) or export it once to ONNX and "
+        "run it on ONNX Runtime (not for --method torch)",
+    )
+    p.add_argument(
+        "--optimizer",
+        default=DEFAULT_OPTIMIZER,
+        choices=list(OPTIMIZERS),
+        help=f"update rule, PyTorch's algorithms (default {DEFAULT_OPTIMIZER})",
+    )
     defaults = ", ".join(f"{m} {o} {v:g}" for (m, o), v in DEFAULT_LR.items())
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"learning rate (default per method and optimizer: {defaults})")
-    p.add_argument("--lr-decay", type=float, default=1.0, metavar="F",
-                   help="multiply the learning rate by F after every epoch (default 1: constant)")
-    p.add_argument("--batch", type=int, default=64, help="batch size (default 64; the "
-                                                         "incomplete last batch is dropped)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"learning rate (default per method and optimizer: {defaults})",
+    )
+    p.add_argument(
+        "--lr-decay",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="multiply the learning rate by F after every epoch (default 1: constant)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=64,
+        help="batch size (default 64; the incomplete last batch is dropped)",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--steps", type=int, default=None, help="training steps")
-    g.add_argument("--epochs", type=float, default=None,
-                   help=f"training epochs (default {DEFAULT_EPOCHS})")
-    p.add_argument("--directions", type=int, default=1, metavar="K",
-                   help="forward-gradient directions averaged per step (fgd; default 1)")
-    p.add_argument("--distribution", default="normal", choices=["normal", "rademacher"],
-                   help="law of the forward-gradient directions (default normal)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="initial weights, batch order and directions (default 0)")
-    p.add_argument("--dataset", default="digits", choices=["digits", "mnist"],
-                   help="digits: scikit-learn's 8×8 digits, bundled (default); mnist: the IDX "
-                        "files in --data-dir")
-    p.add_argument("--data-dir", default=None, metavar="DIR",
-                   help="folder with train-images-idx3-ubyte, train-labels-idx1-ubyte, "
-                        "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (each optionally .gz)")
-    p.add_argument("--eval-every", type=int, default=None, metavar="N",
-                   help="validate every N steps (default: once per epoch; 0: never)")
-    p.add_argument("--arg", action="append", metavar="NAME=VALUE",
-                   help="extra constructor argument for the model (repeatable), e.g. hidden=256")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="ONNX Runtime execution provider (default cpu); PyTorch runs on the CPU")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for PyTorch and ONNX Runtime (default: PyTorch's)")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="write DIR/train.csv, DIR/train.png, DIR/summary.json (and DIR/onnx/ "
-                        "with --runtime onnxruntime)")
+    g.add_argument(
+        "--epochs", type=float, default=None, help=f"training epochs (default {DEFAULT_EPOCHS})"
+    )
+    p.add_argument(
+        "--directions",
+        type=int,
+        default=1,
+        metavar="K",
+        help="forward-gradient directions averaged per step (fgd; default 1)",
+    )
+    p.add_argument(
+        "--distribution",
+        default="normal",
+        choices=["normal", "rademacher"],
+        help="law of the forward-gradient directions (default normal)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="initial weights, batch order and directions (default 0)",
+    )
+    p.add_argument(
+        "--dataset",
+        default="digits",
+        choices=["digits", "mnist"],
+        help="digits: scikit-learn's 8×8 digits, bundled (default); mnist: the IDX "
+        "files in --data-dir",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="folder with train-images-idx3-ubyte, train-labels-idx1-ubyte, "
+        "t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (each optionally .gz)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="validate every N steps (default: once per epoch; 0: never)",
+    )
+    p.add_argument(
+        "--arg",
+        action="append",
+        metavar="NAME=VALUE",
+        help="extra constructor argument for the model (repeatable), e.g. hidden=256",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="ONNX Runtime execution provider (default cpu); PyTorch runs on the CPU",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for PyTorch and ONNX Runtime (default: PyTorch's)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="write DIR/train.csv, DIR/train.png, DIR/summary.json (and DIR/onnx/ "
+        "with --runtime onnxruntime)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``train`` sub-command to ``graphflop``'s sub-parsers."""
     p = sub.add_parser(
-        "train", help="train with graphflop's step graphs (fgd, backprop) or plain PyTorch",
+        "train",
+        help="train with graphflop's step graphs (fgd, backprop) or plain PyTorch",
         description="Train SPEC on digits (bundled) or MNIST with graphflop's forward-gradient "
-                    "step (--method fgd) or train step (--method backprop), executed in PyTorch "
-                    "or on ONNX Runtime, or with plain PyTorch autograd (--method torch). "
-                    "Writes a per-step CSV, a loss plot and a JSON summary with --out.")
+        "step (--method fgd) or train step (--method backprop), executed in PyTorch "
+        "or on ONNX Runtime, or with plain PyTorch autograd (--method torch). "
+        "Writes a per-step CSV, a loss plot and a JSON summary with --out.",
+    )
     add_arguments(p)
     return p
 
@@ -111,23 +184,39 @@ def run(args: argparse.Namespace, err=None) -> int:
     try:
         with _Progress(err, args) as bar:
             result = train(
-                args.spec, method=args.method, runtime=args.runtime, dataset=args.dataset,
-                data_dir=args.data_dir, optimizer=args.optimizer, lr=args.lr,
-                lr_decay=args.lr_decay, batch=args.batch, steps=args.steps, epochs=args.epochs,
-                directions=args.directions, distribution=args.distribution, seed=args.seed,
-                eval_every=args.eval_every, ctor_kwargs=_ctor_kwargs(args.arg),
-                device=args.device, threads=args.threads, out=args.out, callback=bar.update)
-    except (DataError, TrainError, SpecError, TraceError, MissingRuleError,
-            OnnxExportError) as e:
+                args.spec,
+                method=args.method,
+                runtime=args.runtime,
+                dataset=args.dataset,
+                data_dir=args.data_dir,
+                optimizer=args.optimizer,
+                lr=args.lr,
+                lr_decay=args.lr_decay,
+                batch=args.batch,
+                steps=args.steps,
+                epochs=args.epochs,
+                directions=args.directions,
+                distribution=args.distribution,
+                seed=args.seed,
+                eval_every=args.eval_every,
+                ctor_kwargs=_ctor_kwargs(args.arg),
+                device=args.device,
+                threads=args.threads,
+                out=args.out,
+                callback=bar.update,
+            )
+    except (DataError, TrainError, SpecError, TraceError, MissingRuleError, OnnxExportError) as e:
         text = str(e.args[0]) if e.args else str(e)
         print(f"graphflop: error: {' '.join(text.split())}", file=sys.stderr)
         return EXIT_USAGE
     s = result.summary
     acc, loss = s["final_val_accuracy"], s["final_val_loss"]
-    line = (f"{s['model']} {s['method']}"
-            + (f" ({s['runtime']})" if s["method"] != "torch" else "")
-            + f", {s['optimizer']} lr {s['lr']:g}: {s['steps']} steps ({s['epochs']:.1f} epochs) "
-            f"in {s['train_wall_s']:.1f} s ({s['steps_per_s']:.1f} steps/s)")
+    line = (
+        f"{s['model']} {s['method']}"
+        + (f" ({s['runtime']})" if s["method"] != "torch" else "")
+        + f", {s['optimizer']} lr {s['lr']:g}: {s['steps']} steps ({s['epochs']:.1f} epochs) "
+        f"in {s['train_wall_s']:.1f} s ({s['steps_per_s']:.1f} steps/s)"
+    )
     if acc is not None:
         line += f"; validation loss {loss:.4f}, accuracy {acc:.2%}"
     if s["diverged"]:
@@ -157,10 +246,16 @@ class _Progress:
             )
 
             self.progress = Progress(
-                TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("val acc {task.fields[acc]}"),
-                TextColumn("{task.fields[rate]} steps/s"), TimeElapsedColumn(),
-                console=self.console, transient=False)
+                TextColumn("[bold]training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("val acc {task.fields[acc]}"),
+                TextColumn("{task.fields[rate]} steps/s"),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=False,
+            )
             self.progress.__enter__()
         return self
 
@@ -168,15 +263,20 @@ class _Progress:
         if self.progress is None:
             return
         if self.task is None:
-            self.task = self.progress.add_task("train", total=info["total_steps"], loss="–",
-                                               acc="–", rate="–")
+            self.task = self.progress.add_task(
+                "train", total=info["total_steps"], loss="–", acc="–", rate="–"
+            )
         if row["val_accuracy"] is not None:
             self.acc = f"{row['val_accuracy']:.1%}"
         loss = row["train_loss"]
         rate = row["step"] / row["wall_s"] if row["wall_s"] else None
-        self.progress.update(self.task, completed=row["step"],
-                             loss=f"{loss:.4f}" if loss is not None else "–", acc=self.acc,
-                             rate=f"{rate:.1f}" if rate else "–")
+        self.progress.update(
+            self.task,
+            completed=row["step"],
+            loss=f"{loss:.4f}" if loss is not None else "–",
+            acc=self.acc,
+            rate=f"{rate:.1f}" if rate else "–",
+        )
 
     def __exit__(self, *exc):
         if self.progress is not None:
@@ -186,8 +286,9 @@ class _Progress:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m graphflop.train.cli SPEC [options]`` (the same as ``graphflop train``)."""
-    parser = argparse.ArgumentParser(prog="graphflop train",
-                                     description="Train SPEC with graphflop's step graphs.")
+    parser = argparse.ArgumentParser(
+        prog="graphflop train", description="Train SPEC with graphflop's step graphs."
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -69,12 +69,15 @@ class Dataset:
 
     def describe(self) -> str:
         c, h, w = self.image_shape
-        return (f"{self.name}: {len(self.y_train)} training / {len(self.y_val)} validation "
-                f"images, {c}×{h}×{w}")
+        return (
+            f"{self.name}: {len(self.y_train)} training / {len(self.y_val)} validation "
+            f"images, {c}×{h}×{w}"
+        )
 
 
-def _standardise(name: str, x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray,
-                 y_val: np.ndarray) -> Dataset:
+def _standardise(
+    name: str, x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_val: np.ndarray
+) -> Dataset:
     """``x_*`` already scaled to [0, 1], shaped (N, H, W)."""
     mean = float(x_train.mean(dtype=np.float64))
     std = float(x_train.std(dtype=np.float64)) or 1.0
@@ -83,8 +86,15 @@ def _standardise(name: str, x_train: np.ndarray, y_train: np.ndarray, x_val: np.
         x = ((x.astype(np.float64) - mean) / std).astype(np.float32)
         return torch.from_numpy(np.ascontiguousarray(x[:, None, :, :]))
 
-    return Dataset(name, prep(x_train), torch.from_numpy(y_train.astype(np.int64)),
-                   prep(x_val), torch.from_numpy(y_val.astype(np.int64)), mean, std)
+    return Dataset(
+        name,
+        prep(x_train),
+        torch.from_numpy(y_train.astype(np.int64)),
+        prep(x_val),
+        torch.from_numpy(y_val.astype(np.int64)),
+        mean,
+        std,
+    )
 
 
 def load_digits(val_fraction: float = 0.2) -> Dataset:
@@ -133,27 +143,35 @@ def read_idx(path: str | Path, magic: int) -> np.ndarray:
     data = _read_bytes(path)
     kind = {IMAGES_MAGIC: "images", LABELS_MAGIC: "labels"}.get(magic, "IDX")
     if len(data) < 4:
-        raise DataError(f"{path}: truncated: {len(data)} bytes, shorter than the 4-byte IDX "
-                        "magic number")
+        raise DataError(
+            f"{path}: truncated: {len(data)} bytes, shorter than the 4-byte IDX magic number"
+        )
     found = int.from_bytes(data[:4], "big")
     if found != magic:
-        raise DataError(f"{path}: wrong magic number 0x{found:08x}, expected 0x{magic:08x} "
-                        f"(IDX {kind} file of unsigned bytes); is this the right file?")
+        raise DataError(
+            f"{path}: wrong magic number 0x{found:08x}, expected 0x{magic:08x} "
+            f"(IDX {kind} file of unsigned bytes); is this the right file?"
+        )
     ndim = data[3]
     header = 4 + 4 * ndim
     if len(data) < header:
-        raise DataError(f"{path}: truncated: {len(data)} bytes, shorter than its {header}-byte "
-                        "header")
-    dims = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+        raise DataError(
+            f"{path}: truncated: {len(data)} bytes, shorter than its {header}-byte header"
+        )
+    dims = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     need = math.prod(dims)
     have = len(data) - header
     shape = "×".join(str(d) for d in dims)
     if have < need:
-        raise DataError(f"{path}: truncated: the header declares {shape} = {need} bytes of data "
-                        f"but the file holds {have}")
+        raise DataError(
+            f"{path}: truncated: the header declares {shape} = {need} bytes of data "
+            f"but the file holds {have}"
+        )
     if have > need:
-        raise DataError(f"{path}: {have - need} unexpected bytes after the {shape} data the "
-                        "header declares (corrupt file?)")
+        raise DataError(
+            f"{path}: {have - need} unexpected bytes after the {shape} data the "
+            "header declares (corrupt file?)"
+        )
     return np.frombuffer(data, dtype=np.uint8, count=need, offset=header).reshape(dims)
 
 
@@ -162,8 +180,10 @@ def _find(data_dir: Path, base: str) -> Path:
         p = data_dir / name
         if p.is_file():
             return p
-    raise DataError(f"{data_dir}: no {base} or {base}.gz (the MNIST folder needs "
-                    f"{', '.join(MNIST_FILES.values())}, each optionally .gz)")
+    raise DataError(
+        f"{data_dir}: no {base} or {base}.gz (the MNIST folder needs "
+        f"{', '.join(MNIST_FILES.values())}, each optionally .gz)"
+    )
 
 
 def _read_pair(images: Path, labels: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -191,8 +211,10 @@ def load_mnist(data_dir: str | Path) -> Dataset:
     x_tr, y_tr = _read_pair(f["train_images"], f["train_labels"])
     x_va, y_va = _read_pair(f["val_images"], f["val_labels"])
     if x_tr.shape[1:] != x_va.shape[1:]:
-        raise DataError(f"{f['val_images']}: images are {x_va.shape[1]}×{x_va.shape[2]} but "
-                        f"{f['train_images']} has {x_tr.shape[1]}×{x_tr.shape[2]}")
+        raise DataError(
+            f"{f['val_images']}: images are {x_va.shape[1]}×{x_va.shape[2]} but "
+            f"{f['train_images']} has {x_tr.shape[1]}×{x_tr.shape[2]}"
+        )
     return _standardise("mnist", x_tr / 255.0, y_tr, x_va / 255.0, y_va)
 
 
@@ -201,7 +223,8 @@ def write_idx(path: str | Path, array: np.ndarray, *, compress: bool | None = No
     path = Path(path)
     array = np.ascontiguousarray(array, dtype=np.uint8)
     header = bytes([0, 0, 0x08, array.ndim]) + b"".join(
-        int(d).to_bytes(4, "big") for d in array.shape)
+        int(d).to_bytes(4, "big") for d in array.shape
+    )
     data = header + array.tobytes()
     if compress or (compress is None and path.suffix == ".gz"):
         data = gzip.compress(data)
@@ -219,7 +242,9 @@ def load_dataset(name: str = "digits", data_dir: str | Path | None = None) -> Da
         return load_digits()
     if name == "mnist":
         if data_dir is None:
-            raise DataError("--dataset mnist needs --data-dir DIR with the four MNIST IDX files "
-                            f"({', '.join(MNIST_FILES.values())}, each optionally .gz)")
+            raise DataError(
+                "--dataset mnist needs --data-dir DIR with the four MNIST IDX files "
+                f"({', '.join(MNIST_FILES.values())}, each optionally .gz)"
+            )
         return load_mnist(data_dir)
     raise DataError(f"unknown data set {name!r}; one of {', '.join(DATASETS)}")

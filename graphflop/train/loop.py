@@ -58,10 +58,14 @@ CSV_COLUMNS = ("step", "wall_s", "train_loss", "val_loss", "val_accuracy")
 #: (tuned on digits: backprop with momentum reaches ≥ 95 % validation accuracy with the MLP and
 #: the CNN in 4-5 epochs; forward gradients need ~500× smaller steps with these models.)
 DEFAULT_LR = {
-    ("backprop", "sgd"): 0.1, ("backprop", "momentum"): 0.05,
-    ("backprop", "adam"): 1e-3, ("backprop", "adamw"): 1e-3,
-    ("fgd", "sgd"): 1e-3, ("fgd", "momentum"): 1e-4,
-    ("fgd", "adam"): 1e-4, ("fgd", "adamw"): 1e-4,
+    ("backprop", "sgd"): 0.1,
+    ("backprop", "momentum"): 0.05,
+    ("backprop", "adam"): 1e-3,
+    ("backprop", "adamw"): 1e-3,
+    ("fgd", "sgd"): 1e-3,
+    ("fgd", "momentum"): 1e-4,
+    ("fgd", "adam"): 1e-4,
+    ("fgd", "adamw"): 1e-4,
 }
 DEFAULT_OPTIMIZER = "momentum"
 DEFAULT_EPOCHS = 10
@@ -93,12 +97,16 @@ class TrainResult:
 
 def _size_kwargs(image_shape: tuple[int, int, int]) -> list[dict[str, int]]:
     c, h, w = image_shape
-    return [{"in_features": c * h * w}, {"in_channels": c, "image_size": h},
-            {"image_size": h}]
+    return [{"in_features": c * h * w}, {"in_channels": c, "image_size": h}, {"image_size": h}]
 
 
-def build_model(spec_or_model: str | nn.Module | Callable[..., nn.Module], data: Dataset, *,
-                seed: int = 0, ctor_kwargs: dict | None = None) -> tuple[nn.Module, str, dict]:
+def build_model(
+    spec_or_model: str | nn.Module | Callable[..., nn.Module],
+    data: Dataset,
+    *,
+    seed: int = 0,
+    ctor_kwargs: dict | None = None,
+) -> tuple[nn.Module, str, dict]:
     """Construct the model for ``data``'s image size, right after ``torch.manual_seed(seed)``.
 
     A spec or a class/factory is called with the size keywords its constructor takes, tried in
@@ -120,11 +128,13 @@ def build_model(spec_or_model: str | nn.Module | Callable[..., nn.Module], data:
         model, name, used = copy.deepcopy(spec_or_model), type(spec_or_model).__name__, {}
     else:
         if isinstance(spec_or_model, str):
+
             def make(kw, meta):
                 return load(spec_or_model, ctor_kwargs=kw, meta=meta)
 
             label = spec_or_model
         else:
+
             def make(kw, meta):
                 try:
                     if meta:
@@ -154,7 +164,8 @@ def build_model(spec_or_model: str | nn.Module | Callable[..., nn.Module], data:
             raise TrainError(
                 f"cannot size {label} for {data.name} images ({c}×{h}×{w}): its constructor "
                 f"takes none of in_features=, in_channels=/image_size=, image_size= "
-                f"({'; '.join(errors)}); add one of them to its __init__")
+                f"({'; '.join(errors)}); add one of them to its __init__"
+            )
         torch.manual_seed(seed)
         loaded = make(used, False)
         model, name = loaded.model, loaded.name
@@ -171,13 +182,15 @@ def _check_model(model: nn.Module, data: Dataset, name: str) -> None:
             out = probe(x)
     except Exception as e:
         c, h, w = data.image_shape
-        raise TrainError(f"{name} fails on a batch of {data.name} images ({c}×{h}×{w}): "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                         ) from e
+        raise TrainError(
+            f"{name} fails on a batch of {data.name} images ({c}×{h}×{w}): "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, data.num_classes):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise TrainError(f"{name} returns {shape} for 2 images; training needs (N, "
-                         f"{data.num_classes}) logits")
+        raise TrainError(
+            f"{name} returns {shape} for 2 images; training needs (N, {data.num_classes}) logits"
+        )
 
 
 # --- graphs --------------------------------------------------------------------------------------
@@ -198,8 +211,14 @@ def trace_forward(model: nn.Module, batch: int, image_shape, *, train_mode: bool
     return trace(m, _fake_batch(batch, image_shape), loss="cross_entropy")
 
 
-def build_step_graph(forward: GraphModule, method: str, optimizer: str | OptimizerConfig, *,
-                     directions: int = 1, distribution: str = "normal") -> GraphModule:
+def build_step_graph(
+    forward: GraphModule,
+    method: str,
+    optimizer: str | OptimizerConfig,
+    *,
+    directions: int = 1,
+    distribution: str = "normal",
+) -> GraphModule:
     """The train-step graph (``backprop``) or the forward-gradient step graph with direction
     inputs (``fgd``) of a traced forward graph, FLOP-annotated."""
     from graphflop.meta import fake_mode_of
@@ -210,14 +229,24 @@ def build_step_graph(forward: GraphModule, method: str, optimizer: str | Optimiz
     from graphflop.passes.vjp import build_vjp
 
     if method == "fgd":
-        return annotate_flops(build_forward_gradient_step(
-            forward, optimizer, directions=directions, distribution=distribution,
-            direction_inputs=True))
+        return annotate_flops(
+            build_forward_gradient_step(
+                forward,
+                optimizer,
+                directions=directions,
+                distribution=distribution,
+                direction_inputs=True,
+            )
+        )
     sig: Signature = forward.meta[SIGNATURE]
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
     fake = fake_mode_of([n.meta["val"] for n in forward.graph.nodes if "val" in n.meta])
-    update = build_update([(q, phs[p].meta["val"]) for p, q in sig.params], optimizer,
-                          fake_mode=fake, modules={q: q.rpartition(".")[0] for _, q in sig.params})
+    update = build_update(
+        [(q, phs[p].meta["val"]) for p, q in sig.params],
+        optimizer,
+        fake_mode=fake,
+        modules={q: q.rpartition(".")[0] for _, q in sig.params},
+    )
     return annotate_flops(build_train_step(forward, build_vjp(forward), update))
 
 
@@ -270,22 +299,31 @@ def _output_index(gm: GraphModule, name: str) -> int:
 
 def _ce_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
     logits = logits.float()
-    return (float(F.cross_entropy(logits, y, reduction="sum")),
-            int((logits.argmax(1) == y).sum()))
+    return (float(F.cross_entropy(logits, y, reduction="sum")), int((logits.argmax(1) == y).sum()))
 
 
 class _GraphEvaluator:
     """Validation with the eval-mode forward graph, in chunks of ``batch`` (last one padded)."""
 
-    def __init__(self, model, data: Dataset, batch: int, runtime: str, provider: str | None,
-                 save_to: Path | None):
+    def __init__(
+        self,
+        model,
+        data: Dataset,
+        batch: int,
+        runtime: str,
+        provider: str | None,
+        save_to: Path | None,
+    ):
         self.batch = min(batch, len(data.y_val))
         self.gm = trace_forward(model, self.batch, data.image_shape, train_mode=False)
         sig: Signature = self.gm.meta[SIGNATURE]
         self.sig = sig
         self.logits_at = _output_index(self.gm, sig.outputs[0])
-        self.run = (_OrtRunner(self.gm, "forward", provider, save_to) if runtime == "onnxruntime"
-                    else _FxRunner(self.gm))
+        self.run = (
+            _OrtRunner(self.gm, "forward", provider, save_to)
+            if runtime == "onnxruntime"
+            else _FxRunner(self.gm)
+        )
         self.x, self.y = data.x_val, data.y_val
 
     def __call__(self, by_qual: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -294,7 +332,7 @@ class _GraphEvaluator:
         total, correct = 0.0, 0
         n = len(self.y)
         for start in range(0, n, b):
-            x, y = self.x[start:start + b], self.y[start:start + b]
+            x, y = self.x[start : start + b], self.y[start : start + b]
             m = len(y)
             if m < b:  # pad the last chunk; only its first m logits are read
                 x = torch.cat([x, x.new_zeros((b - m, *x.shape[1:]))])
@@ -313,20 +351,36 @@ class _GraphEvaluator:
 class _GraphStepper:
     """Runs graphflop's train-step or forward-gradient-step graph, feeding its outputs back."""
 
-    def __init__(self, model: nn.Module, method: str, optimizer: str, batch: int, data: Dataset,
-                 *, directions: int, distribution: str, seed: int, runtime: str,
-                 provider: str | None, save_to: Path | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        method: str,
+        optimizer: str,
+        batch: int,
+        data: Dataset,
+        *,
+        directions: int,
+        distribution: str,
+        seed: int,
+        runtime: str,
+        provider: str | None,
+        save_to: Path | None,
+    ):
         fwd = trace_forward(model, batch, data.image_shape, train_mode=True)
-        self.gm = build_step_graph(fwd, method, optimizer, directions=directions,
-                                   distribution=distribution)
+        self.gm = build_step_graph(
+            fwd, method, optimizer, directions=directions, distribution=distribution
+        )
         self.flops_per_step = _graph_flops(self.gm)
         sig: Signature = self.gm.meta[SIGNATURE]
         self.sig = sig
         kind = "forward_gradient_step" if method == "fgd" else "train_step"
         info = self.gm.meta["gf_forward_gradient" if method == "fgd" else "gf_train_step"]
         self.method = method
-        self.run = (_OrtRunner(self.gm, kind, provider, save_to) if runtime == "onnxruntime"
-                    else _FxRunner(self.gm))
+        self.run = (
+            _OrtRunner(self.gm, kind, provider, save_to)
+            if runtime == "onnxruntime"
+            else _FxRunner(self.gm)
+        )
         self.provider = getattr(self.run, "provider", None)
         phs = {n.name: n for n in self.gm.graph.nodes if n.op == "placeholder"}
         qual_to_ph = {q: p for p, q in sig.params}
@@ -343,8 +397,11 @@ class _GraphStepper:
         self.new_param_ph = [qual_to_ph[q] for q in info.params]
         self.new_state_ph = list(info.state)
         if method == "fgd":
-            self.dirs = [(n.name, tuple(n.meta["val"].shape)) for n in phs.values()
-                         if n.meta.get(KIND) == "direction"]
+            self.dirs = [
+                (n.name, tuple(n.meta["val"].shape))
+                for n in phs.values()
+                if n.meta.get(KIND) == "direction"
+            ]
             self.gen = torch.Generator().manual_seed(seed + 0x5EED)
             self.rademacher = distribution == "rademacher"
             self.tail = []
@@ -377,8 +434,9 @@ class _GraphStepper:
         return {q: self.values[p] for p, q in self.sig.params + self.sig.buffers}
 
 
-def torch_optimizer(name: str, params, lr: float,
-                    cfg: OptimizerConfig | None = None) -> torch.optim.Optimizer:
+def torch_optimizer(
+    name: str, params, lr: float, cfg: OptimizerConfig | None = None
+) -> torch.optim.Optimizer:
     """``torch.optim`` with the constants graphflop's update graphs use."""
     cfg = cfg or OptimizerConfig(name)
     if name == "sgd":
@@ -388,8 +446,9 @@ def torch_optimizer(name: str, params, lr: float,
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, betas=cfg.betas, eps=cfg.eps)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=cfg.betas, eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(
+            params, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
     raise TrainError(f"unknown optimizer {name!r}; one of {', '.join(OPTIMIZERS)}")
 
 
@@ -399,8 +458,11 @@ class _TorchStepper:
     def __init__(self, model: nn.Module, optimizer: str, lr: float, lr_decay: float):
         self.model = model
         self.opt = torch_optimizer(optimizer, model.parameters(), lr)
-        self.sched = (torch.optim.lr_scheduler.ExponentialLR(self.opt, gamma=lr_decay)
-                      if lr_decay != 1.0 else None)
+        self.sched = (
+            torch.optim.lr_scheduler.ExponentialLR(self.opt, gamma=lr_decay)
+            if lr_decay != 1.0
+            else None
+        )
 
     def step(self, x, y, lr, t) -> float:
         self.opt.zero_grad(set_to_none=True)
@@ -414,8 +476,10 @@ class _TorchStepper:
             self.sched.step()
 
     def state_by_qual(self) -> dict[str, torch.Tensor]:
-        return {**{q: p.detach() for q, p in self.model.named_parameters()},
-                **{q: b for q, b in self.model.named_buffers()}}
+        return {
+            **{q: p.detach() for q, p in self.model.named_parameters()},
+            **{q: b for q, b in self.model.named_buffers()},
+        }
 
 
 class _TorchEvaluator:
@@ -428,8 +492,9 @@ class _TorchEvaluator:
         total, correct = 0.0, 0
         with torch.no_grad():
             for s in range(0, len(self.y), self.batch):
-                lsum, c = _ce_and_correct(self.model(self.x[s:s + self.batch]),
-                                          self.y[s:s + self.batch])
+                lsum, c = _ce_and_correct(
+                    self.model(self.x[s : s + self.batch]), self.y[s : s + self.batch]
+                )
                 total += lsum
                 correct += c
         self.model.train(was)
@@ -503,14 +568,20 @@ def train(
     if runtime not in RUNTIMES:
         raise TrainError(f"unknown runtime {runtime!r}; one of {', '.join(RUNTIMES)}")
     if method == "torch" and runtime != "torch":
-        raise TrainError("--method torch is PyTorch autograd; --runtime onnxruntime runs "
-                         "graphflop's graphs (--method backprop or fgd)")
+        raise TrainError(
+            "--method torch is PyTorch autograd; --runtime onnxruntime runs "
+            "graphflop's graphs (--method backprop or fgd)"
+        )
     if optimizer not in OPTIMIZERS:
         raise TrainError(f"unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZERS)}")
     if steps is not None and epochs is not None:
         raise TrainError("give --steps or --epochs, not both")
-    if batch < 1 or directions < 1 or (steps is not None and steps < 1) or (
-            epochs is not None and epochs <= 0):
+    if (
+        batch < 1
+        or directions < 1
+        or (steps is not None and steps < 1)
+        or (epochs is not None and epochs <= 0)
+    ):
         raise TrainError("--batch, --directions, --steps and --epochs must be positive")
     if lr is not None and not lr > 0 or not lr_decay > 0:
         raise TrainError("--lr and --lr-decay must be positive")
@@ -536,8 +607,9 @@ def train(
         total = steps if steps is not None else max(1, round((epochs or DEFAULT_EPOCHS) * spe))
         eval_every = spe if eval_every is None else eval_every
 
-        model, name, used_kwargs = build_model(spec_or_model, data, seed=seed,
-                                               ctor_kwargs=ctor_kwargs)
+        model, name, used_kwargs = build_model(
+            spec_or_model, data, seed=seed, ctor_kwargs=ctor_kwargs
+        )
         n_params = sum(p.numel() for p in model.parameters())
         provider = None
         if runtime == "onnxruntime":
@@ -553,11 +625,24 @@ def train(
             evaluator = _TorchEvaluator(model, data, eval_batch) if eval_every else None
             flops_per_step = None
         else:
-            stepper = _GraphStepper(model, method, optimizer, batch, data, directions=directions,
-                                    distribution=distribution, seed=seed, runtime=runtime,
-                                    provider=provider, save_to=save_onnx)
-            evaluator = (_GraphEvaluator(model, data, eval_batch, runtime, provider, save_onnx)
-                         if eval_every else None)
+            stepper = _GraphStepper(
+                model,
+                method,
+                optimizer,
+                batch,
+                data,
+                directions=directions,
+                distribution=distribution,
+                seed=seed,
+                runtime=runtime,
+                provider=provider,
+                save_to=save_onnx,
+            )
+            evaluator = (
+                _GraphEvaluator(model, data, eval_batch, runtime, provider, save_onnx)
+                if eval_every
+                else None
+            )
             flops_per_step = stepper.flops_per_step
             provider = stepper.provider or provider
         setup_s = time.perf_counter() - setup_t0
@@ -593,14 +678,19 @@ def train(
             t0 = time.perf_counter()
             if i == 0:
                 perm = torch.randperm(n_train, generator=gen)
-            idx = perm[i * batch:(i + 1) * batch]
-            loss = stepper.step(x_all[idx], y_all[idx], lr * lr_decay ** epoch, t)
+            idx = perm[i * batch : (i + 1) * batch]
+            loss = stepper.step(x_all[idx], y_all[idx], lr * lr_decay**epoch, t)
             if i == spe - 1:
                 stepper.end_epoch()
             wall += time.perf_counter() - t0
             diverged = not math.isfinite(loss)
-            row = {"step": t, "wall_s": wall, "train_loss": loss, "val_loss": None,
-                   "val_accuracy": None}
+            row = {
+                "step": t,
+                "wall_s": wall,
+                "train_loss": loss,
+                "val_loss": None,
+                "val_accuracy": None,
+            }
             if eval_every and (t % eval_every == 0 or t == total or diverged):
                 row["val_loss"], row["val_accuracy"] = evaluate()
             log(row)
@@ -609,13 +699,26 @@ def train(
         evals = [r for r in history if r["val_loss"] is not None]
         c, h, w = data.image_shape
         summary = {
-            "model": name, "method": method, "runtime": runtime if method != "torch" else "torch",
-            "provider": provider, "optimizer": optimizer, "lr": lr, "lr_decay": lr_decay,
-            "batch": batch, "steps": t, "epochs": t / spe, "steps_per_epoch": spe,
+            "model": name,
+            "method": method,
+            "runtime": runtime if method != "torch" else "torch",
+            "provider": provider,
+            "optimizer": optimizer,
+            "lr": lr,
+            "lr_decay": lr_decay,
+            "batch": batch,
+            "steps": t,
+            "epochs": t / spe,
+            "steps_per_epoch": spe,
             "directions": directions if method == "fgd" else None,
-            "distribution": distribution if method == "fgd" else None, "seed": seed,
-            "dataset": data.name, "train_size": n_train, "val_size": len(data.y_val),
-            "image_shape": [c, h, w], "ctor_kwargs": used_kwargs, "params": n_params,
+            "distribution": distribution if method == "fgd" else None,
+            "seed": seed,
+            "dataset": data.name,
+            "train_size": n_train,
+            "val_size": len(data.y_val),
+            "image_shape": [c, h, w],
+            "ctor_kwargs": used_kwargs,
+            "params": n_params,
             "initial_val_loss": evals[0]["val_loss"] if evals else None,
             "initial_val_accuracy": evals[0]["val_accuracy"] if evals else None,
             "final_val_loss": evals[-1]["val_loss"] if len(evals) > 1 else None,
@@ -623,13 +726,17 @@ def train(
             "best_val_accuracy": max((r["val_accuracy"] for r in evals[1:]), default=None),
             "final_train_loss": history[-1]["train_loss"],
             "diverged": diverged,
-            "train_wall_s": wall, "seconds_per_step": wall / t if t else None,
+            "train_wall_s": wall,
+            "seconds_per_step": wall / t if t else None,
             "steps_per_s": t / wall if wall else None,
-            "setup_s": setup_s, "eval_s": eval_s, "flops_per_step": flops_per_step,
+            "setup_s": setup_s,
+            "eval_s": eval_s,
+            "flops_per_step": flops_per_step,
             "torch_threads": torch.get_num_threads(),
         }
-        result = TrainResult(history, summary, {q: v.detach().clone() for q, v in
-                                                stepper.state_by_qual().items()})
+        result = TrainResult(
+            history, summary, {q: v.detach().clone() for q, v in stepper.state_by_qual().items()}
+        )
         if out is not None:
             write_outputs(result, out)
         return result
@@ -660,8 +767,12 @@ def write_csv(history: list[dict[str, Any]], path: str | Path) -> None:
             w = csv.writer(f)
             w.writerow(CSV_COLUMNS)
             for r in history:
-                w.writerow(["" if r[c] is None else (f"{r[c]:.6g}" if isinstance(r[c], float)
-                                                    else r[c]) for c in CSV_COLUMNS])
+                w.writerow(
+                    [
+                        "" if r[c] is None else (f"{r[c]:.6g}" if isinstance(r[c], float) else r[c])
+                        for c in CSV_COLUMNS
+                    ]
+                )
 
     _atomic_write(path, write)
 
@@ -675,14 +786,25 @@ def plot(history: list[dict[str, Any]], path: str | Path, title: str = "") -> No
     va = [r for r in history if r["val_loss"] is not None]
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
-    for ax, key, label in zip(fig.subplots(1, 2), ("wall_s", "step"),
-                              ("training wall time (s)", "step")):
+    for ax, key, label in zip(
+        fig.subplots(1, 2), ("wall_s", "step"), ("training wall time (s)", "step")
+    ):
         if tr:
-            ax.plot([r[key] for r in tr], [r["train_loss"] for r in tr], lw=0.8, alpha=0.6,
-                    label="train loss (batch)")
+            ax.plot(
+                [r[key] for r in tr],
+                [r["train_loss"] for r in tr],
+                lw=0.8,
+                alpha=0.6,
+                label="train loss (batch)",
+            )
         if va:
-            ax.plot([r[key] for r in va], [r["val_loss"] for r in va], "o-", ms=3,
-                    label="validation loss")
+            ax.plot(
+                [r[key] for r in va],
+                [r["val_loss"] for r in va],
+                "o-",
+                ms=3,
+                label="validation loss",
+            )
         ax.set_xlabel(label)
         ax.set_ylabel("cross-entropy")
         ax.set_yscale("log")
@@ -702,10 +824,13 @@ def write_outputs(result: TrainResult, out: str | Path) -> dict[str, Path]:
     files = {"csv": out / "train.csv", "png": out / "train.png", "summary": out / "summary.json"}
     write_csv(result.history, files["csv"])
     acc = s.get("final_val_accuracy")
-    title = (f"{s['model']} on {s['dataset']}: {s['method']}"
-             f"{' (' + s['runtime'] + ')' if s['method'] != 'torch' else ''}, {s['optimizer']} "
-             f"lr {s['lr']:g}" + (f", K={s['directions']}" if s["method"] == "fgd" else "")
-             + (f" — val acc {acc:.1%}" if acc is not None else ""))
+    title = (
+        f"{s['model']} on {s['dataset']}: {s['method']}"
+        f"{' (' + s['runtime'] + ')' if s['method'] != 'torch' else ''}, {s['optimizer']} "
+        f"lr {s['lr']:g}"
+        + (f", K={s['directions']}" if s["method"] == "fgd" else "")
+        + (f" — val acc {acc:.1%}" if acc is not None else "")
+    )
     plot(result.history, files["png"], title)
     _atomic_write(files["summary"], lambda p: p.write_text(json.dumps(s, indent=1) + "\n"))
     return files
@@ -756,10 +881,16 @@ def estimator_variance(
     gsq = float(true_flat @ true_flat)
     fwd = trace_forward(model, batch, data.image_shape, train_mode=True)
     sig: Signature = fwd.meta[SIGNATURE]
-    out: dict[str, Any] = {"params": int(true_flat.numel()), "grad_norm_sq": gsq,
-                           "variance": {}, "relative_variance": {}, "bias_rel": {},
-                           "theory_relative": {}, "samples": samples,
-                           "distribution": distribution}
+    out: dict[str, Any] = {
+        "params": int(true_flat.numel()),
+        "grad_norm_sq": gsq,
+        "variance": {},
+        "relative_variance": {},
+        "bias_rel": {},
+        "theory_relative": {},
+        "samples": samples,
+        "distribution": distribution,
+    }
     dgen = torch.Generator().manual_seed(seed + 1)
     for k in directions:
         gm = build_step_graph(fwd, "fgd", "sgd", directions=k, distribution=distribution)
@@ -793,8 +924,9 @@ def estimator_variance(
         out["relative_variance"][k] = var / gsq
         out["bias_rel"][k] = float((mean - true_flat).norm()) / math.sqrt(gsq)
         n_par = out["params"]
-        out["theory_relative"][k] = ((n_par + 1) / k if distribution == "normal"
-                                     else (n_par - 1) / k)  # Rademacher: E‖(g·v)v−g‖² = (n−1)…
+        out["theory_relative"][k] = (
+            (n_par + 1) / k if distribution == "normal" else (n_par - 1) / k
+        )  # Rademacher: E‖(g·v)v−g‖² = (n−1)…
     ks = sorted(directions)
     out["ratio"] = out["variance"][ks[0]] / out["variance"][ks[-1]]
     return out
