@@ -16,6 +16,7 @@ check their prerequisites (:mod:`graphflop.passes.manager`); node annotations ar
 """
 
 from graphflop import ops  # noqa: F401  (fills the rule table)
+from graphflop.analysis import Analysis, analyze
 from graphflop.api import (
     add_optimizer_update,
     annotate_flops,
@@ -27,11 +28,10 @@ from graphflop.api import (
 from graphflop.compile import CompileReport, compile_backend
 from graphflop.export.graphviz import render
 from graphflop.export.onnx import export_all as export_onnx
+from graphflop.frontend.trace import TraceError, from_exported, trace
 from graphflop.ops.registry import MissingRuleError
 from graphflop.passes.forward_gradient import build_forward_gradient_step
 from graphflop.passes.manager import PassManager, PassOrderError
-from graphflop.passes.pipeline import Analysis, analyze
-from graphflop.trace import TraceError, from_exported, trace
 
 __version__ = "0.1.0"
 __all__ = [

@@ -10,13 +10,13 @@ from typing import Any
 
 from torch.fx import GraphModule
 
-from graphflop.meta import SIGNATURE
+from graphflop.ad import jvp as _jvp
+from graphflop.ad import vjp as _vjp
+from graphflop.meta import JVP, MEMORY, SIGNATURE, VJP, MemoryInfo
 from graphflop.ops import registry
 from graphflop.passes import flops as _flops
-from graphflop.passes import jvp as _jvp
 from graphflop.passes import memory as _memory
 from graphflop.passes import optimizer as _optimizer
-from graphflop.passes import vjp as _vjp
 from graphflop.passes.manager import Pass, check
 
 build_vjp = Pass("build_vjp", _vjp.build_vjp, requires=("traced",), ensures=("vjp",))
@@ -45,17 +45,17 @@ add_optimizer_update = Pass(
 
 
 def _annotate_memory(gm: GraphModule) -> GraphModule:
-    """Write ``gm.meta["gf_memory"] = {"peak_bytes": ...}``: the live-tensor peak of ``gm`` on
+    """Write ``gm.meta[MEMORY]``, a :class:`~graphflop.meta.MemoryInfo`: the live-tensor peak of ``gm`` on
     its own (parameters excluded for traced forward graphs)."""
-    if "gf_jvp" in gm.meta:
+    if JVP in gm.meta:
         sched = _memory.jvp_schedule(gm)
-    elif SIGNATURE in gm.meta and "gf_vjp" not in gm.meta:
+    elif SIGNATURE in gm.meta and VJP not in gm.meta:
         sched = _memory.forward_schedule(gm)
     else:
         sched = _memory.Schedule()
         sched.add_graph(gm, "g", baseline=set(), keep_outputs=True)
     peak, where = sched.peak()
-    gm.meta["gf_memory"] = {"peak_bytes": peak, "peak_at": where.split(":", 1)[-1]}
+    gm.meta[MEMORY] = MemoryInfo(peak_bytes=peak, peak_at=where.split(":", 1)[-1])
     return gm
 
 

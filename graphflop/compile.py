@@ -95,7 +95,7 @@ def compile_backend(
 
     Usage: ``torch.compile(model, backend=graphflop.compile_backend(report=r))``.
     """
-    from graphflop.passes.pipeline import analyze
+    from graphflop.analysis import analyze
 
     report = report if report is not None else CompileReport()
 

@@ -1,26 +1,51 @@
-"""The ``node.meta`` keys graphflop reads and writes, and their frozen dataclass values.
+"""Every ``node.meta`` and ``gm.meta`` key graphflop reads and writes, and their frozen values.
 
 Every analysis result lives on the graph (ARCHITECTURE.md, principle 1). Passes write the keys
-below; exporters and reports only read them, with ``.get()``, and tolerate absence.
+below; exporters and reports only read them, with ``.get()``, and tolerate absence. This module is
+the only place a ``gf_`` key is spelled (``tests/test_meta.py`` enforces it): everything else uses
+the constants.
 
-Node keys
-    ``val``          (PyTorch's own) the output as a FakeTensor, or a tuple of them.
-    ``gf_kind``      ``"primal"`` (a value of the forward computation), ``"coef"`` (a primal-only
-                     value a derivative rule needs, e.g. ReLU's mask), ``"tangent"`` (linear in the
-                     tangent inputs), ``"cotangent"`` (a backward value) or ``"update"``.
-    ``gf_role``      what the node is for, see :data:`ROLES`.
-    ``gf_source``    name of the forward node this node was derived from (itself for forward nodes).
-    ``gf_module``    ``nn.Module`` path of that forward node (``""`` for the model's own forward).
-    ``gf_cost``      :class:`NodeCost` written by :mod:`graphflop.passes.flops`.
-    ``gf_param``     on parameter placeholders and gradient outputs: the parameter's qualified name.
-    ``gf_param_derived``  on forward nodes: True when every floating input is a parameter or
-                     derived from parameters only (``permute(W)``), so its cotangent is a weight
-                     gradient.
+Node keys (``node.meta``)
+    ``val``              (PyTorch's own) the output as a FakeTensor, or a tuple of them.
+    :data:`KIND`         ``"primal"`` (a value of the forward computation), ``"coef"`` (a
+                         primal-only value a derivative rule needs, e.g. ReLU's mask),
+                         ``"tangent"`` (linear in the tangent inputs), ``"cotangent"`` (a backward
+                         value) or ``"update"``.
+    :data:`ROLE`         what the node is for, one of :data:`ROLES`.
+    :data:`SOURCE`       name of the forward node this node was derived from (itself for forward
+                         nodes).
+    :data:`MODULE`       ``nn.Module`` path of that forward node (``""`` for the model's own
+                         forward).
+    :data:`COST`         :class:`NodeCost`, written by :mod:`graphflop.passes.flops`.
+    :data:`PARAM`        on parameter placeholders and gradient outputs: the parameter's qualified
+                         name.
+    :data:`PARAM_DERIVED` on forward nodes: True when every floating input is a parameter or
+                         derived from parameters only (``permute(W)``), so its cotangent is a
+                         weight gradient.
+    :data:`RESIDUAL`     on backward placeholders that hold forward values: ``param``, ``buffer``,
+                         ``input``, ``target``, ``activation`` or ``param_derived``.
+    :data:`SLOT`         on update-graph placeholders: what the input holds (``param``, ``grad``,
+                         a state kind, ``lr``, ``step``).
 
 Graph keys (``gm.meta``)
-    ``gf_signature`` :class:`Signature` of a traced forward graph.
-    ``gf_ghosts``    list of :class:`Ghost`: work that was not emitted (symbolic zeros, pruned
-                     cotangents), with what it would have cost.
+    :data:`SIGNATURE`    :class:`Signature` of a traced forward graph.
+    :data:`LOSS_KIND`    the loss the forward graph ends in (``cross_entropy``, ``mse``, ``sum``,
+                         ``output``, ``none``).
+    :data:`CONSTANTS`    name → real tensor for ``get_attr`` constants made while tracing.
+    :data:`OUTLINED`     :class:`OutlineInfo`: how many repeated module calls were copies.
+    :data:`GHOSTS`       list of :class:`Ghost`: work that was not emitted (symbolic zeros, pruned
+                         cotangents), with what it would have cost.
+    :data:`JVP`          :class:`JvpInfo` of a JVP graph.
+    :data:`JVP_LOG`      the JVP builder's record (primal node, rule inputs, emitted tangents) that
+                         the transpose pass replays in reverse.
+    :data:`GHOST_LINKS`  ghost name → the tangent nodes it would have fed (JVP graphs).
+    :data:`VJP`          :class:`VjpInfo` of a backward graph.
+    :data:`LINEARIZED`   on a backward graph: the JVP graph it is the transpose of.
+    :data:`UPDATE`       :class:`UpdateInfo` of an update graph (and of graphs that inline one).
+    :data:`TRAIN_STEP`   :class:`TrainStepInfo` of a train-step graph.
+    :data:`FORWARD_GRADIENT` :class:`ForwardGradientInfo` of a forward-gradient step graph.
+    :data:`MEMORY`       :class:`MemoryInfo`, written by ``annotate_memory``.
+    :data:`FACTS`        the set of pass facts a graph has (``traced``, ``flops``, ...).
 """
 
 from __future__ import annotations
@@ -29,6 +54,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+PREFIX = "gf_"
+
+# node keys
 KIND = "gf_kind"
 ROLE = "gf_role"
 SOURCE = "gf_source"
@@ -36,8 +64,51 @@ MODULE = "gf_module"
 COST = "gf_cost"
 PARAM = "gf_param"
 PARAM_DERIVED = "gf_param_derived"
+RESIDUAL = "gf_residual"
+SLOT = "gf_slot"
+
+# graph keys
 SIGNATURE = "gf_signature"
+LOSS_KIND = "gf_loss_kind"
+CONSTANTS = "gf_constants"
+OUTLINED = "gf_outlined"
 GHOSTS = "gf_ghosts"
+JVP = "gf_jvp"
+JVP_LOG = "gf_jvp_log"
+GHOST_LINKS = "gf_ghost_links"
+VJP = "gf_vjp"
+LINEARIZED = "gf_linearized"
+UPDATE = "gf_update"
+TRAIN_STEP = "gf_train_step"
+FORWARD_GRADIENT = "gf_forward_gradient"
+MEMORY = "gf_memory"
+FACTS = "gf_facts"
+
+#: every node key and graph key above
+NODE_KEYS = (KIND, ROLE, SOURCE, MODULE, COST, PARAM, PARAM_DERIVED, RESIDUAL, SLOT)
+GRAPH_KEYS = (
+    SIGNATURE,
+    LOSS_KIND,
+    CONSTANTS,
+    OUTLINED,
+    GHOSTS,
+    JVP,
+    JVP_LOG,
+    GHOST_LINKS,
+    VJP,
+    LINEARIZED,
+    UPDATE,
+    TRAIN_STEP,
+    FORWARD_GRADIENT,
+    MEMORY,
+    FACTS,
+)
+
+
+def graphflop_meta(meta: dict) -> dict:
+    """The graphflop keys of a ``node.meta`` dict (what a copied node inherits)."""
+    return {k: v for k, v in meta.items() if k.startswith(PREFIX)}
+
 
 #: Roles a node can carry (FLOPS.md, "Backward, update and forward-mode attribution").
 ROLES = (
@@ -133,6 +204,108 @@ class Ghost:
     role: str
     cost: NodeCost
     inputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class JvpInfo:
+    """Where things are in a JVP graph.
+
+    Attributes:
+        tangent_inputs: (tangent placeholder name, primal placeholder name) pairs, in order.
+        primal_outputs: number of leading outputs that are the forward's outputs.
+        tangent_outputs: names of the forward nodes whose tangents follow, in order.
+    """
+
+    tangent_inputs: tuple[tuple[str, str], ...]
+    primal_outputs: int
+    tangent_outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class VjpInfo:
+    """Where things are in a backward graph.
+
+    Attributes:
+        residuals: (placeholder name, forward node name, kind) triples, kind one of ``param``,
+            ``buffer``, ``input``, ``target``, ``activation``.
+        cotangent_input: name of the loss-cotangent placeholder.
+        grads: (output position, parameter qualified name) pairs.
+        input_grads: (output position, input placeholder name) pairs.
+    """
+
+    residuals: tuple[tuple[str, str, str], ...]
+    cotangent_input: str
+    grads: tuple[tuple[int, str], ...]
+    input_grads: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True)
+class UpdateInfo:
+    """Placeholder and output layout of an update graph."""
+
+    optimizer: str
+    params: tuple[str, ...]  # qualified names, in order
+    state_names: tuple[str, ...]  # state placeholder names, in order
+    scalars: tuple[str, ...]  # "lr" (and "step")
+    state_labels: tuple[str, ...] = ()  # readable state names ("momentum.fc.weight"), in order
+
+
+@dataclass(frozen=True)
+class TrainStepInfo:
+    """Layout of a train-step graph: placeholder names in order, and what the outputs are."""
+
+    inputs: tuple[str, ...]
+    params: tuple[str, ...]  # qualified names, in new-parameter output order
+    state: tuple[str, ...]
+    buffer_updates: tuple[str, ...]  # qualified names of the trailing buffer outputs
+
+
+@dataclass(frozen=True)
+class ForwardGradientInfo:
+    """Layout of a forward-gradient step graph.
+
+    Attributes:
+        inputs: placeholder names in order (primal placeholders, then optimizer state, then the
+            ``lr``/``step`` scalars, then the directions when ``direction_inputs``).
+        params: parameter qualified names, in output order.
+        state: optimizer-state placeholder names, in output order.
+        directions: number of directions ``K``.
+        distribution: ``normal`` or ``rademacher``.
+        direction_inputs: directions are graph inputs (``v{k}_<param>``) rather than sampled.
+    """
+
+    inputs: tuple[str, ...]
+    params: tuple[str, ...]
+    state: tuple[str, ...]
+    directions: int
+    distribution: str
+    direction_inputs: bool
+
+
+@dataclass(frozen=True)
+class OutlineInfo:
+    """How tracing used outlining of repeated modules.
+
+    Attributes:
+        calls: module calls whose graphs were copies of a template.
+        traced_once: templates traced (each once).
+    """
+
+    calls: int = 0
+    traced_once: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Live-tensor peak of one graph on its own, in its node order.
+
+    Attributes:
+        peak_bytes: the peak, in bytes.
+        peak_at: the node at which it occurs.
+    """
+
+    peak_bytes: int
+    peak_at: str
 
 
 def fake_mode_of(values) -> object | None:

@@ -11,8 +11,8 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from graphflop.analysis import analyze
 from graphflop.load import load, make_inputs
-from graphflop.passes.pipeline import analyze
 
 DEPTH_ARGS = ("middle_layers", "depth", "num_layers", "n_layers", "layers")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from graphflop.analysis import analyze
 from graphflop.load import load, make_inputs
-from graphflop.passes.pipeline import analyze
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"

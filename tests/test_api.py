@@ -11,7 +11,7 @@ from conftest import ROOT, analysis
 from torch import nn
 
 import graphflop
-from graphflop.meta import NodeCost
+from graphflop.meta import COST, FACTS, JVP, SIGNATURE, NodeCost
 
 
 def test_docs_examples_run():
@@ -36,9 +36,9 @@ def test_pass_manager_runs_in_order():
         [graphflop.build_vjp, graphflop.annotate_flops, graphflop.annotate_memory]
     )
     b = pm(fwd)
-    assert {"traced", "vjp", "flops", "memory"} <= b.meta["gf_facts"]
+    assert {"traced", "vjp", "flops", "memory"} <= b.meta[FACTS]
     # backward of sum(x·Wᵀ + b): dW = 1ᵀ·x (2·4·3·2 = 48 mm FLOPs), db = sum over batch
-    assert sum(n.meta["gf_cost"].mm_flops for n in b.graph.nodes) == 2 * 4 * 3 * 2
+    assert sum(n.meta[COST].mm_flops for n in b.graph.nodes) == 2 * 4 * 3 * 2
 
 
 def _custom_op():
@@ -77,7 +77,7 @@ def test_custom_op_without_rule_names_op_and_kinds():
     fwd = graphflop.annotate_flops(
         graphflop.trace(Scaled(), (torch.randn(3, 5, dtype=torch.float64),), loss="sum")
     )
-    assert sum(n.meta["gf_cost"].flops for n in fwd.graph.nodes) == 15 + 15
+    assert sum(n.meta[COST].flops for n in fwd.graph.nodes) == 15 + 15
     with pytest.raises(graphflop.MissingRuleError, match="no jvp rule for gftest.scale"):
         graphflop.build_vjp(fwd)
     registry._TABLE.pop(SCALE_OP, None)
@@ -116,7 +116,7 @@ def test_custom_op_with_rules_is_counted_and_differentiated():
     fwd = graphflop.annotate_flops(graphflop.trace(model, (x,), loss="sum"))
     bwd = graphflop.annotate_flops(graphflop.build_vjp(fwd))
     values = real_arguments(fwd, model)
-    xv = values[fwd.meta["gf_signature"].inputs[0]]
+    xv = values[fwd.meta[SIGNATURE].inputs[0]]
     (gw,) = run_backward(bwd, run_forward(fwd, values))
 
     # the same function written with a plain multiply, differentiated by torch.func
@@ -125,13 +125,13 @@ def test_custom_op_with_rules_is_counted_and_differentiated():
 
     assert torch.allclose(gw, torch.func.grad(f)(model.w.detach()), rtol=1e-12)
     # backward: the transpose w.r.t. w is the op (15) then a sum over the batch (15)
-    assert sum(n.meta["gf_cost"].flops for n in bwd.graph.nodes) == 15 + 15
+    assert sum(n.meta[COST].flops for n in bwd.graph.nodes) == 15 + 15
     jvp = graphflop.build_jvp(fwd, "all")
-    info = jvp.meta["gf_jvp"]
+    info = jvp.meta[JVP]
     tangents = {p: torch.randn_like(values[p]) for _, p in info.tangent_inputs}
     got = run_jvp(jvp, values, tangents)[info.primal_outputs]
-    (pw,) = [p for p, _ in fwd.meta["gf_signature"].params]
-    (px,) = fwd.meta["gf_signature"].inputs
+    (pw,) = [p for p, _ in fwd.meta[SIGNATURE].params]
+    (px,) = fwd.meta[SIGNATURE].inputs
     _, ref = torch.func.jvp(
         lambda w, x_: (x_ * w).sum(), (values[pw], xv), (tangents[pw], tangents[px])
     )

@@ -25,12 +25,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphflop.ad.jvp import build_jvp
+from graphflop.ad.vjp import build_vjp
+from graphflop.analysis import analyze
+from graphflop.frontend.trace import trace
 from graphflop.load import LoadedModel
-from graphflop.meta import KIND, ROLE, SIGNATURE
+from graphflop.meta import (
+    CONSTANTS,
+    COST,
+    FORWARD_GRADIENT,
+    JVP,
+    KIND,
+    LOSS_KIND,
+    ROLE,
+    SIGNATURE,
+    TRAIN_STEP,
+    VJP,
+)
 from graphflop.passes.flops import annotate_flops, total_cost
-from graphflop.passes.jvp import build_jvp
-from graphflop.passes.pipeline import analyze
-from graphflop.passes.vjp import build_vjp
 from graphflop.runtime.verify import (
     real_arguments,
     rel_error,
@@ -38,7 +50,6 @@ from graphflop.runtime.verify import (
     run_forward,
     verify_analysis,
 )
-from graphflop.trace import trace
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -86,10 +97,10 @@ def counts(
     for n in bwd.graph.nodes:
         if n.op == "call_function":
             role = n.meta.get(ROLE, "")
-            by_role[role] = by_role.get(role, 0) + n.meta["gf_cost"].flops
+            by_role[role] = by_role.get(role, 0) + n.meta[COST].flops
     jvp = annotate_flops(build_jvp(fwd, tangents))
     tnodes = [n for n in jvp.graph.nodes if n.meta.get(KIND) == "tangent"]
-    info = bwd.meta["gf_vjp"]
+    info = bwd.meta[VJP]
     return Counts(
         fcost.mm_flops,
         fcost.flops,
@@ -357,7 +368,7 @@ def test_case_passes_verify(name):
             return torch.func.functional_call(copy.deepcopy(model), params, xs_).sum()
 
         ref = torch.func.grad(f)(xs)
-        for pos, n in bwd.meta["gf_vjp"].input_grads:
+        for pos, n in bwd.meta[VJP].input_grads:
             assert rel_error(grads[pos], ref[sig.inputs.index(n)]) < 1e-9, n
 
 
@@ -414,8 +425,8 @@ def test_tiny_gpt2_verifies_with_token_inputs():
     with the integer token ids held fixed (see test_cli_verify_gpt2)."""
     from conftest import spec
 
+    from graphflop.ad.jvp import build_jvp
     from graphflop.load import load, make_inputs
-    from graphflop.passes.jvp import build_jvp
     from graphflop.runtime.verify import reference_loss_fn, run_jvp, verify_gradients
 
     meta = load(spec("gpt2.py:GPT2"), ctor_kwargs=TINY_GPT2, meta=True)
@@ -424,12 +435,12 @@ def test_tiny_gpt2_verifies_with_token_inputs():
     torch.manual_seed(0)
     model = load(spec("gpt2.py:GPT2"), ctor_kwargs=TINY_GPT2).model.double().train()
     fwd = trace(model, (torch.randint(0, 101, (2, 16)),))
-    assert fwd.meta["gf_loss_kind"] == "cross_entropy"
+    assert fwd.meta[LOSS_KIND] == "cross_entropy"
     check = verify_gradients(fwd, build_vjp(fwd), model)
     assert check.ok, check
     jvp = build_jvp(fwd, "params")
     values = real_arguments(fwd, model, seed=0)
-    info = jvp.meta["gf_jvp"]
+    info = jvp.meta[JVP]
     gen = torch.Generator().manual_seed(1)
     tangents = {
         p: torch.randn(values[p].shape, generator=gen, dtype=values[p].dtype)
@@ -562,7 +573,7 @@ def test_dropout_train_counts_its_mask():
 
 def test_constants_made_in_forward_trace_as_buffers():
     """torch.tensor(...) inside forward is a lifted constant: traced as a fixed buffer (its
-    value in gm.meta["gf_constants"]), so analysis works."""
+    value in gm.meta[CONSTANTS]), so analysis works."""
 
     class WithConstants(nn.Module):
         def __init__(self):
@@ -575,7 +586,7 @@ def test_constants_made_in_forward_trace_as_buffers():
 
     a = analyze(WithConstants(), (torch.randn(2, 3),), loss="sum")
     sig = a.forward.meta[SIGNATURE]
-    consts = a.forward.meta["gf_constants"]
+    consts = a.forward.meta[CONSTANTS]
     assert set(consts) <= {n for n, _ in sig.buffers} and len(consts) == 2
     # addmm 2·2·3·3 + 6; mul 6; add 6 (index_select: 0)
     assert a.summary["totals"]["forward"]["flops"] - 6 == 36 + 6 + 6 + 6
@@ -595,8 +606,8 @@ def test_parameter_names_that_are_not_identifiers():
     a = analyze(model, (torch.randn(5, 3),), optimizer="adam")
     assert update_param_count(a.update) == 3 * 4 + 4 + 4 * 2 + 2
     step = build_train_step(a.forward, a.backward, a.update)
-    assert len(step.meta["gf_train_step"].params) == 4
-    assert {q for q in a.forward_gradient.meta["gf_forward_gradient"].params} == {
+    assert len(step.meta[TRAIN_STEP].params) == 4
+    assert {q for q in a.forward_gradient.meta[FORWARD_GRADIENT].params} == {
         "block-1.weight",
         "block-1.bias",
         "Head.weight",

@@ -7,9 +7,10 @@ import torch
 from conftest import analysis, layer
 from torch import nn
 
+from graphflop.analysis import analyze
+from graphflop.frontend.trace import trace
+from graphflop.meta import COST, GHOSTS
 from graphflop.passes.flops import annotate_flops
-from graphflop.passes.pipeline import analyze
-from graphflop.trace import trace
 
 
 def test_linearnet_per_layer_batch_4():
@@ -77,7 +78,7 @@ class _One(nn.Module):
 def _forward_flops(fn, *shapes):
     xs = tuple(torch.randn(s) for s in shapes)
     gm = annotate_flops(trace(_One(fn), xs, loss="none"))
-    return sum(n.meta["gf_cost"].flops for n in gm.graph.nodes), gm
+    return sum(n.meta[COST].flops for n in gm.graph.nodes), gm
 
 
 def test_elementwise_counts():
@@ -88,7 +89,7 @@ def test_elementwise_counts():
     assert flops == 12
     flops, gm = _forward_flops(torch.exp, (5, 7))
     assert flops == 35
-    assert sum(n.meta["gf_cost"].transcendentals for n in gm.graph.nodes) == 35
+    assert sum(n.meta[COST].transcendentals for n in gm.graph.nodes) == 35
     flops, _ = _forward_flops(torch.relu, (2, 8))
     assert flops == 16
 
@@ -102,16 +103,16 @@ def test_reduction_counts():
     # views cost nothing and move no bytes
     flops, gm = _forward_flops(lambda x: x.view(6, 4).permute(1, 0), (4, 6))
     assert flops == 0
-    assert all(n.meta["gf_cost"].bytes_read == 0 for n in gm.graph.nodes)
+    assert all(n.meta[COST].bytes_read == 0 for n in gm.graph.nodes)
 
 
 def test_lookups_read_the_rows_they_gather():
     """FLOPS.md: an embedding lookup reads the gathered rows and the indices, not the table."""
-    from graphflop.passes.pipeline import analyze
+    from graphflop.analysis import analyze
 
     a = analyze(nn.Embedding(1000, 16), (torch.zeros(2, 3, dtype=torch.long),), loss="sum")
     lookup = next(n for n in a.forward.graph.nodes if n.target is torch.ops.aten.embedding.default)
-    cost = lookup.meta["gf_cost"]
+    cost = lookup.meta[COST]
     # rows: 2·3·16 float32 = 384 bytes; indices: 2·3 int64 = 48 bytes (the table is 64,000)
     assert (cost.flops, cost.bytes_read, cost.bytes_written) == (0, 384 + 48, 384)
 
@@ -124,11 +125,11 @@ def test_grouped_conv_backward_keeps_the_group_factor():
     # forward: 2·N·Cout·H·W·(Cin/G)·k² = 2·4·16·16·16·1·9 = 294,912
     assert t["forward"]["mm_flops"] == 294_912
     # backward with the input gradient asked for: input + weight gradient, each = forward
+    from graphflop.ad.vjp import build_vjp
     from graphflop.passes.flops import annotate_flops as af
-    from graphflop.passes.vjp import build_vjp
 
     b = af(build_vjp(a.forward, input_grads=True))
-    assert sum(n.meta["gf_cost"].mm_flops for n in b.graph.nodes) == 589_824
+    assert sum(n.meta[COST].mm_flops for n in b.graph.nodes) == 589_824
     # FlopCounterMode in torch 2.13 counts the weight gradient without the 1/G factor
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -160,7 +161,7 @@ def test_saved_for_backward_of_a_bias_free_linear_stack():
 def test_nonlinearity_before_the_first_parameter():
     # tanh(x)·W: x needs no gradient, so tanh's backward is pruned, and its coefficient
     # (1 − tanh²) must not be mistaken for a tangent while transposing
-    from graphflop.passes.vjp import build_vjp
+    from graphflop.ad.vjp import build_vjp
     from graphflop.runtime.verify import verify_gradients
 
     class M(nn.Module):
@@ -176,4 +177,4 @@ def test_nonlinearity_before_the_first_parameter():
     bwd = annotate_flops(build_vjp(fwd))
     assert verify_gradients(fwd, bwd, m, tolerance=1e-12).ok
     # pruned: the input gradient of the product, 2·4·2·3 = 48, and tanh's multiply, 4·3 = 12
-    assert sorted(g.cost.flops for g in bwd.meta["gf_ghosts"]) == [0, 12, 48]
+    assert sorted(g.cost.flops for g in bwd.meta[GHOSTS]) == [0, 12, 48]

@@ -6,13 +6,14 @@ import torch
 from conftest import analysis, layer
 from torch import nn
 
+from graphflop.ad.jvp import build_jvp
+from graphflop.ad.vjp import build_vjp
+from graphflop.analysis import analyze
+from graphflop.frontend.trace import trace
+from graphflop.meta import COST, FORWARD_GRADIENT, JVP, KIND, SIGNATURE
 from graphflop.passes.flops import annotate_flops
 from graphflop.passes.forward_gradient import build_forward_gradient_step
-from graphflop.passes.jvp import build_jvp
-from graphflop.passes.pipeline import analyze
-from graphflop.passes.vjp import build_vjp
 from graphflop.runtime.verify import real_arguments, run_backward, run_forward, run_jvp
-from graphflop.trace import trace
 
 
 def test_mlp_jvp_flops_hand_worked():
@@ -62,13 +63,13 @@ def test_forward_gradient_step_flops_and_directions():
     assert fg["flops"] == s["forward"]["flops"] + s["jvp"]["flops"] + n + 2 * n
     assert fg["random_elements"] == n
     k4 = annotate_flops(build_forward_gradient_step(a.forward, directions=4))
-    f4 = sum(x.meta["gf_cost"].flops for x in k4.graph.nodes)
+    f4 = sum(x.meta[COST].flops for x in k4.graph.nodes)
     # K directions share the primal and the coefficients (ReLU masks, ...): only the tangent
     # nodes repeat; g takes K multiplies, K−1 adds and one divide per parameter element
     kinds = {"tangent": 0, "coef": 0}
     for x in a.jvp.graph.nodes:
-        if x.meta.get("gf_kind") in kinds:
-            kinds[x.meta["gf_kind"]] += x.meta["gf_cost"].flops
+        if x.meta.get(KIND) in kinds:
+            kinds[x.meta[KIND]] += x.meta[COST].flops
     assert kinds["tangent"] + kinds["coef"] == s["jvp"]["flops"]
     assert f4 == (
         s["forward"]["flops"] + kinds["coef"] + 4 * kinds["tangent"] + (4 + 3 + 1) * n + 2 * n
@@ -85,12 +86,12 @@ def _small_problem():
 
 def test_forward_gradient_is_unbiased():
     model, fwd, values = _small_problem()
-    sig = fwd.meta["gf_signature"]
+    sig = fwd.meta[SIGNATURE]
     grads = run_backward(build_vjp(fwd), run_forward(fwd, values))
     true = torch.cat([g.flatten() for g in grads])
     n = true.numel()  # 53 parameters
     jvp = build_jvp(fwd, "params")
-    info = jvp.meta["gf_jvp"]
+    info = jvp.meta[JVP]
     M = 4000
     gen = torch.Generator().manual_seed(1)
     total = torch.zeros(n, dtype=torch.float64)
@@ -114,9 +115,9 @@ def test_forward_gradient_is_unbiased():
 
 def test_forward_gradient_step_runs_sgd_on_the_estimate():
     model, fwd, values = _small_problem()
-    sig = fwd.meta["gf_signature"]
+    sig = fwd.meta[SIGNATURE]
     step = build_forward_gradient_step(fwd, "sgd", direction_inputs=True)
-    info = step.meta["gf_forward_gradient"]
+    info = step.meta[FORWARD_GRADIENT]
     gen = torch.Generator().manual_seed(2)
     v = {p: torch.randn(values[p].shape, generator=gen, dtype=torch.float64) for p, _ in sig.params}
     args = []

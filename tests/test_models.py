@@ -87,7 +87,7 @@ def test_gradients_and_tangents_match_torch_func(name, batch, ctor):
 def test_linearnet_gradients_at_reduced_width():
     # the seed's LinearNet has 617 M parameters: check the same architecture at 3·16·16 inputs
     real = load(spec("linearnet.py"), ctor_kwargs={"in_features": 3 * 16 * 16})
-    from graphflop.passes.pipeline import analyze
+    from graphflop.analysis import analyze
 
     shapes = [(4, 3, 16, 16)]
     a = analyze(real.model, make_inputs(real, shapes=shapes))

@@ -9,10 +9,11 @@ import pytest
 import torch
 from conftest import spec
 
+from graphflop.analysis import analyze
 from graphflop.export.onnx import OnnxExportError, export_all
 from graphflop.load import load, make_inputs
+from graphflop.meta import SIGNATURE, SOURCE, TRAIN_STEP, UPDATE
 from graphflop.passes.forward_gradient import build_forward_gradient_step
-from graphflop.passes.pipeline import analyze
 from graphflop.passes.train_step import build_train_step
 from graphflop.runtime.onnxrt import run, session
 from graphflop.runtime.verify import real_arguments, rel_error, run_forward
@@ -70,9 +71,7 @@ def test_export_runs_and_matches_pytorch(tmp_path, name, batch):
     feeds = dict(zip(g["inputs"], [values[n] for n in names]))
     out = run(sess, feeds)
     loss_pos = g["outputs"].index("loss")
-    assert (
-        rel_error(torch.from_numpy(out[loss_pos]), fv[a.forward.meta["gf_signature"].loss]) < 1e-4
-    )
+    assert rel_error(torch.from_numpy(out[loss_pos]), fv[a.forward.meta[SIGNATURE].loss]) < 1e-4
     # backward: residuals from the PyTorch forward run
     g = manifest["graphs"]["backward"]
     sess = session(tmp_path / "backward.onnx", CPU)
@@ -80,7 +79,7 @@ def test_export_runs_and_matches_pytorch(tmp_path, name, batch):
     feeds = {}
     for onnx_name, n in zip(g["inputs"], bnames):
         feeds[onnx_name] = (
-            torch.ones(()) if onnx_name == "ct_loss" else fv[n.meta.get("gf_source", n.name)]
+            torch.ones(()) if onnx_name == "ct_loss" else fv[n.meta.get(SOURCE, n.name)]
         )
     got = run(sess, feeds)
     ref = a.backward(*[feeds[k] for k in g["inputs"]])
@@ -110,10 +109,10 @@ def test_train_step_equals_one_torch_optim_step(tmp_path, optimizer):
     manifest = export_all(a, tmp_path, graphs=("train_step",))
     g = manifest["graphs"]["train_step"]
     ts = build_train_step(a.forward, a.backward, a.update)
-    info = ts.meta["gf_train_step"]
+    info = ts.meta[TRAIN_STEP]
     values = real_arguments(a.forward, real.model)
-    sig = a.forward.meta["gf_signature"]
-    upd = a.update.meta["gf_update"]
+    sig = a.forward.meta[SIGNATURE]
+    upd = a.update.meta[UPDATE]
     by_qual = {q: values[p] for p, q in sig.params}
     state = {
         n: torch.zeros_like(by_qual[lab.split(".", 1)[1]])

@@ -1,4 +1,4 @@
-"""Generic checks over the op database (``tests/opdb.py``), all in float64.
+"""Generic checks over the op database (``graphflop/testing/opdb.py``), all in float64.
 
 Each case is traced once with ``loss="sum"`` (so the scalar loss is ``model(*inputs).sum()``),
 and its JVP graph (tangents on parameters and inputs) and backward graph (parameter and input
@@ -28,17 +28,17 @@ from typing import Any
 
 import pytest
 import torch
-from opdb import OP_DB, OpCase, build_module, make_inputs
 from torch.fx import GraphModule
 from torch.utils.flop_counter import FlopCounterMode
 
-from graphflop.meta import KIND, ROLE, SIGNATURE, Signature
+from graphflop.ad.jvp import build_jvp
+from graphflop.ad.vjp import build_vjp
+from graphflop.frontend.trace import trace
+from graphflop.meta import JVP, KIND, LINEARIZED, ROLE, SIGNATURE, SOURCE, VJP, Signature
 from graphflop.ops import all_rules, has_rule, op_name
 from graphflop.passes.flops import annotate_flops, total_cost
-from graphflop.passes.jvp import build_jvp
-from graphflop.passes.vjp import build_vjp
 from graphflop.runtime.verify import real_arguments, rel_error, run_backward, run_forward, run_jvp
-from graphflop.trace import trace
+from graphflop.testing.opdb import OP_DB, OpCase, build_module, make_inputs
 
 RTOL = 1e-9  # float64 comparisons with torch.func and the dot-product test
 FD_EPS = 1e-6
@@ -196,7 +196,7 @@ def direction(tr: Traced, seed: int, *, float64_only: bool = False) -> dict[str,
 def loss_tangent(name: str, tangents: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(primal loss, loss tangent) from graphflop's JVP graph."""
     tr, jvp = traced(name), jvp_graph(name)
-    info = jvp.meta["gf_jvp"]
+    info = jvp.meta[JVP]
     assert {p for _, p in info.tangent_inputs} == set(leaves(tr)), "a leaf carries no tangent"
     outs = run_jvp(jvp, tr.values, tangents)
     assert info.tangent_outputs[0] == tr.sig.loss
@@ -205,7 +205,7 @@ def loss_tangent(name: str, tangents: dict[str, torch.Tensor]) -> tuple[torch.Te
 
 def run_backward_with(bwd: GraphModule, fwd_values: dict[str, Any], ct: float) -> tuple:
     """Like ``run_backward`` but with loss cotangent ``ct`` instead of 1."""
-    info = bwd.meta["gf_vjp"]
+    info = bwd.meta[VJP]
     args = []
     for n in bwd.graph.nodes:
         if n.op != "placeholder":
@@ -213,13 +213,13 @@ def run_backward_with(bwd: GraphModule, fwd_values: dict[str, Any], ct: float) -
         if n.name == info.cotangent_input:
             args.append(torch.full_like(fwd_values[bwd.meta[SIGNATURE].loss], ct))
         else:
-            args.append(fwd_values[n.meta.get("gf_source", n.name)])
+            args.append(fwd_values[n.meta.get(SOURCE, n.name)])
     return bwd(*args)
 
 
 def gradients(tr: Traced, bwd: GraphModule, grads: tuple) -> dict[str, torch.Tensor]:
     """Backward outputs keyed by forward placeholder name; checks there is one per leaf."""
-    info = bwd.meta["gf_vjp"]
+    info = bwd.meta[VJP]
     name_of = {q: n for n, q in tr.sig.params}
     out = {name_of[q]: grads[pos] for pos, q in info.grads}
     out.update({n: grads[pos] for pos, n in info.input_grads})
@@ -238,7 +238,7 @@ def graph_ops(*graphs: GraphModule) -> set[str]:
 
 def all_graphs(name: str) -> list[GraphModule]:
     bwd = vjp_graph(name)
-    return [traced(name).fwd, jvp_graph(name), bwd, bwd.meta["gf_linearized"]]
+    return [traced(name).fwd, jvp_graph(name), bwd, bwd.meta[LINEARIZED]]
 
 
 def close(a: float, b: float, rtol: float) -> bool:
@@ -396,7 +396,7 @@ def test_every_derivative_rule_is_exercised():
     for case in OP_DB:
         try:
             ran["jvp"] |= graph_ops(traced(case.name).fwd)
-            lin = vjp_graph(case.name).meta["gf_linearized"]
+            lin = vjp_graph(case.name).meta[LINEARIZED]
         except Exception:  # noqa: BLE001  (cases with documented bugs)
             continue
         ran["transpose"] |= {

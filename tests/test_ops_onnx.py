@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from opdb import OP_DB, make_inputs
 
+from graphflop.ad.vjp import build_vjp
 from graphflop.export.onnx import export_graph, graph_io_names
-from graphflop.meta import SIGNATURE
-from graphflop.passes.vjp import build_vjp
+from graphflop.frontend.trace import trace
+from graphflop.meta import SIGNATURE, SOURCE, VJP
 from graphflop.runtime.onnxrt import run, session
 from graphflop.runtime.verify import real_arguments, rel_error, run_forward
-from graphflop.trace import trace
+from graphflop.testing.opdb import OP_DB, make_inputs
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 CASES = {c.name: c for c in OP_DB}
@@ -80,12 +80,10 @@ def test_backward_graph_round_trips_through_onnx(name):
     exported = export_graph(bwd, "backward", in_names, out_names)
     values = real_arguments(fwd, model, seed=1)  # seed 1: inputs unlike the seed-0 buffers
     fv = run_forward(fwd, values)
-    info = bwd.meta["gf_vjp"]
+    info = bwd.meta[VJP]
     loss = fv[fwd.meta[SIGNATURE].loss]
     args = [
-        torch.ones_like(loss)
-        if n.name == info.cotangent_input
-        else fv[n.meta.get("gf_source", n.name)]
+        torch.ones_like(loss) if n.name == info.cotangent_input else fv[n.meta.get(SOURCE, n.name)]
         for n in bwd.graph.nodes
         if n.op == "placeholder"
     ]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import spec
 
-from graphflop.train.cli import main
+from graphflop.cli.train import main
 from graphflop.train.data import (
     IMAGES_MAGIC,
     LABELS_MAGIC,

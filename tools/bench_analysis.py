@@ -39,8 +39,8 @@ def child_graphflop(spec: str, batch: int | None) -> dict:
     t0 = time.perf_counter()
     import torch  # noqa: F401  (import time is reported separately)
 
+    from graphflop.analysis import analyze
     from graphflop.load import load, make_inputs
-    from graphflop.passes.pipeline import analyze
 
     t_import = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -88,8 +88,8 @@ def child_flop_counter(spec: str, batch: int | None) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
+    from graphflop.frontend.trace import default_loss
     from graphflop.load import load
-    from graphflop.trace import default_loss
 
     t_import = time.perf_counter() - t0
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -207,7 +207,7 @@ def report(spec: str, batch: int | None, gf: dict, fc: dict) -> str:
         "",
         "graphflop traces in one `make_fx` pass with the decompositions applied as it goes, "
         "traces each set of identical repeated modules (the transformer blocks) once and copies "
-        "the graph (`graphflop/repeats.py`), builds the JVP graph once for the JVP report, the "
+        "the graph (`graphflop/frontend/outline.py`), builds the JVP graph once for the JVP report, the "
         "backward (its transpose) and the forward-gradient step, and reuses the fake-tensor "
         "shapes of repeated calls while building.",
         "",

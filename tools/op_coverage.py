@@ -1,6 +1,6 @@
 """Op coverage report: every op in graphflop's rule table, its rules, and the checks it passes.
 
-Runs every case of the op database (``tests/opdb.py``) through the generic checks of
+Runs every case of the op database (``graphflop/testing/opdb.py``) through the generic checks of
 ``tests/test_ops.py`` (the same functions pytest runs: forward FLOPs against the hand-worked
 count and FlopCounterMode, JVP against ``torch.func.jvp`` and finite differences, VJP against
 ``torch.func.grad``, the dot-product test) and, unless ``--no-onnx``, the ONNX round trip of
@@ -22,6 +22,8 @@ import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
+
+from graphflop.meta import LINEARIZED
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -75,7 +77,7 @@ def run_cases(onnx: bool) -> tuple[dict, dict, dict]:
             graphs = T.all_graphs(case.name)
             ops["cost"] = T.graph_ops(*graphs)
             ops["jvp"] = T.graph_ops(T.traced(case.name).fwd)
-            lin = graphs[2].meta["gf_linearized"]
+            lin = graphs[2].meta[LINEARIZED]
             ops["transpose"] = {
                 T.op_name(n.target)
                 for n in lin.graph.nodes
@@ -118,10 +120,10 @@ def render(results, used, expected, seconds: float, onnx: bool) -> str:
         "# Op coverage",
         "",
         "Written by `tools/op_coverage.py`. Every ATen op overload in graphflop's rule table "
-        "(`graphflop/ops/`), its rules, and the op-database checks (`tests/opdb.py`) passed by "
+        "(`graphflop/ops/`), its rules, and the op-database checks (`graphflop/testing/opdb.py`) passed by "
         "the cases whose graphs (forward, JVP, backward, linearized) hold it. A cell counts the "
         "cases that ran the check; *known gap* is a check a case documents as failing (a "
-        "strict xfail, with its reason in `tests/opdb.py`); – means no case holds the op.",
+        "strict xfail, with its reason in `graphflop/testing/opdb.py`); – means no case holds the op.",
         "",
         "Checks: " + "; ".join(f"**{c}**: {TITLES[c]}" for c in checks) + ". "
         "FLOPs compares the forward count with the hand-worked value and the matrix FLOPs with "

@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from graphflop.analysis import analyze  # noqa: E402
 from graphflop.export.graphviz import render  # noqa: E402
 from graphflop.load import load, make_inputs  # noqa: E402
-from graphflop.passes.pipeline import analyze  # noqa: E402
 
 #: (output stem, model spec under models/, graph, level, formats)
 PICTURES = (

@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from graphflop.analysis import analyze  # noqa: E402
 from graphflop.load import load, make_inputs  # noqa: E402
-from graphflop.passes.pipeline import analyze  # noqa: E402
 from graphflop.sweep import plot, sweep  # noqa: E402
 
 

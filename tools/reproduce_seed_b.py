@@ -65,8 +65,8 @@ def bench(spec: str, repeat: int, extra=()) -> dict:
 
 
 def flop_ratios(spec: str, **ctor) -> dict:
+    from graphflop.analysis import analyze
     from graphflop.load import load, make_inputs
-    from graphflop.passes.pipeline import analyze
 
     loaded = load(spec, ctor_kwargs=ctor, meta=True)
     loaded.model.train()

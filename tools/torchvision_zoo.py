@@ -42,8 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--eval", action="store_true", help="analyse in eval mode (default: train)")
     args = p.parse_args(argv)
     warnings.simplefilter("ignore")
+    from graphflop.analysis import analyze
     from graphflop.load import load, make_inputs
-    from graphflop.passes.pipeline import analyze
 
     failed = 0
     print(

@@ -50,10 +50,10 @@ Drawing choices (module level)
     parent cluster are laid out in one row (so ResNet-50 is one row per bottleneck block). Pruned
     and skipped work are dashed ghost boxes beside their module.
 
-Reads (never writes): ``val``, ``gf_kind``, ``gf_role``, ``gf_source``, ``gf_module``,
-``gf_cost``, ``gf_param``, ``gf_residual``, PyTorch's ``nn_module_stack`` (module class names,
-optional); ``gm.meta`` keys ``gf_signature``, ``gf_ghosts``, ``gf_ghost_links``, ``gf_vjp``,
-``gf_update``; ``analysis.summary``.
+Reads (never writes): ``val``, ``KIND``, ``ROLE``, ``SOURCE``, ``MODULE``,
+``COST``, ``PARAM``, ``RESIDUAL``, PyTorch's ``nn_module_stack`` (module class names,
+optional); ``gm.meta`` keys ``SIGNATURE``, ``GHOSTS``, ``GHOST_LINKS``, ``VJP``,
+``UPDATE``; ``analysis.summary``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,20 @@ import graphviz
 import torch
 
 from graphflop.export.report import human, human_bytes
-from graphflop.meta import COST, GHOSTS, KIND, MODULE, PARAM, ROLE, SIGNATURE, SOURCE, ZERO_COST
+from graphflop.meta import (
+    COST,
+    GHOST_LINKS,
+    GHOSTS,
+    KIND,
+    MODULE,
+    PARAM,
+    RESIDUAL,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+    UPDATE,
+    ZERO_COST,
+)
 
 GRAPHS = ("forward", "backward", "jvp", "train", "all")
 LEVELS = ("auto", "op", "module")
@@ -135,7 +148,7 @@ def render(
     """Draw ``analysis``'s graphs with Graphviz; return the DOT source, and write ``path``.
 
     Args:
-        analysis: an :class:`~graphflop.passes.pipeline.Analysis` (only its annotations and
+        analysis: an :class:`~graphflop.analysis.Analysis` (only its annotations and
             summary are read).
         path: output file; its suffix picks the format: ``.svg``, ``.png``, ``.pdf``, or
             ``.dot``/``.gv`` for the source. Written atomically (a temporary file in the same
@@ -910,7 +923,7 @@ class _OpPicture:
         for n in gm.graph.nodes:
             if n.op != "placeholder":
                 continue
-            kind = n.meta.get("gf_residual")
+            kind = n.meta.get(RESIDUAL)
             src = n.meta.get(SOURCE, n.name)
             nbytes = _bytes_of(n.meta.get("val"))
             if kind is None:  # the loss cotangent
@@ -1015,7 +1028,7 @@ class _OpPicture:
                     arrowhead="none",
                     **LOOSE,
                 )
-        links = gm.meta.get("gf_ghost_links") or {}
+        links = gm.meta.get(GHOST_LINKS) or {}
         for real, gs in links.items():
             rname = getattr(real, "name", None)
             if rname is None or (key, rname) not in self.ids or rname not in nodes:
@@ -1033,7 +1046,7 @@ class _OpPicture:
 
     def update(self, key: str = "u") -> None:
         gm = self.a.update
-        info = gm.meta.get("gf_update")
+        info = gm.meta.get(UPDATE)
         grads_of: dict[str, str] = {}
         if self.a.backward is not None:
             out = next(n for n in self.a.backward.graph.nodes if n.op == "output")
@@ -1453,7 +1466,7 @@ class _ModulePicture:
         if self.a.backward is None:
             return out
         for n in self.a.backward.graph.nodes:
-            kind = n.meta.get("gf_residual")
+            kind = n.meta.get(RESIDUAL)
             if n.op == "placeholder" and kind not in (None, "param", "buffer", "param_derived"):
                 out[n.meta.get(MODULE, "")] += _bytes_of(n.meta.get("val"))
         return out

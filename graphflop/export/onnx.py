@@ -26,7 +26,19 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from graphflop.meta import COST, KIND, MODULE, ROLE, SIGNATURE, ZERO_COST
+from graphflop.meta import (
+    COST,
+    FORWARD_GRADIENT,
+    KIND,
+    MODULE,
+    RESIDUAL,
+    ROLE,
+    SIGNATURE,
+    TRAIN_STEP,
+    UPDATE,
+    VJP,
+    ZERO_COST,
+)
 from graphflop.ops import op_name
 
 
@@ -184,7 +196,7 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
     qual = dict(sig.params)
     buf = dict(sig.buffers)
     inputs_ = {n: f"input_{i}" for i, n in enumerate(sig.inputs)}
-    upd = gm.meta.get("gf_update")
+    upd = gm.meta.get(UPDATE)
     state_label = dict(zip(upd.state_names, upd.state_labels)) if upd is not None else {}
     targets = {
         n: f"target_{i}" if len(sig.targets) > 1 else "target" for i, n in enumerate(sig.targets)
@@ -213,7 +225,7 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
         loss = ["loss"] if sig.loss is not None else []
         outs = bufs + loss + [f"output_{i}" for i in range(n_out - len(bufs) - len(loss))]
     elif kind == "backward":
-        info = gm.meta["gf_vjp"]
+        info = gm.meta[VJP]
         outs = [None] * n_out
         for pos, q in info.grads:
             outs[pos] = f"grad.{q}"
@@ -223,12 +235,12 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
             (
                 "ct_loss"
                 if n.name == info.cotangent_input
-                else f"saved.{in_name(n) if n.meta.get('gf_residual') != 'activation' else n.name}"
+                else f"saved.{in_name(n) if n.meta.get(RESIDUAL) != 'activation' else n.name}"
             )
             for n in phs
         ]
     elif kind == "train_step":
-        info = gm.meta["gf_train_step"]
+        info = gm.meta[TRAIN_STEP]
         outs = (
             ["loss"]
             + [f"new.{q}" for q in info.params]
@@ -236,7 +248,7 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
             + [f"new.{q}" for q in info.buffer_updates]
         )
     else:  # forward_gradient_step
-        info = gm.meta["gf_forward_gradient"]
+        info = gm.meta[FORWARD_GRADIENT]
         outs = (
             ["loss"]
             + [f"new.{q}" for q in info.params]

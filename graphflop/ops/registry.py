@@ -4,7 +4,7 @@ Each rule holds the op's cost (a pure function of shapes), how it moves bytes, a
 is differentiable, its JVP rule and, for ops linear in some inputs, its transpose rule. Every pass
 (FLOPs, memory, JVP, VJP, export) reads this table and nothing else (ARCHITECTURE.md, principle 2).
 
-Rule signatures (``b`` is a builder from :mod:`graphflop.passes.builder`):
+Rule signatures (``b`` is a builder from :mod:`graphflop.ad.builder`):
 
 ``cost(out, *args, **kwargs) -> NodeCost``
     ``args``/``kwargs`` as in the call, with FakeTensors where the graph had nodes; ``out`` the

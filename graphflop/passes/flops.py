@@ -1,4 +1,4 @@
-"""FLOP and byte pass: writes ``gf_cost`` (:class:`~graphflop.meta.NodeCost`) on every node.
+"""FLOP and byte pass: writes ``COST`` (:class:`~graphflop.meta.NodeCost`) on every node.
 
 Reads ``val`` (output FakeTensors) and the rule table. Placeholders, outputs and ``getitem``
 cost nothing; every ``call_function`` node must have a rule, else
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from graphflop.ad._tree import leaves, meta_key, tree_map
 from graphflop.meta import COST, ZERO_COST, NodeCost
 from graphflop.ops import lookup
-from graphflop.passes._tree import leaves, meta_key, tree_map
 
 
 def tensor_bytes(v: Any) -> int:
@@ -92,7 +92,7 @@ def _cost(rule, a: tuple, k: dict, o: Any) -> NodeCost:
 
 
 def annotate_flops(gm: GraphModule) -> GraphModule:
-    """Write ``gf_cost`` on every node of ``gm`` (in place) and return it.
+    """Write ``COST`` on every node of ``gm`` (in place) and return it.
 
     Raises:
         MissingRuleError: for a ``call_function`` node whose op has no rule.
@@ -106,7 +106,7 @@ def annotate_flops(gm: GraphModule) -> GraphModule:
 
 
 def total_cost(nodes) -> NodeCost:
-    """Sum of ``gf_cost`` over nodes (missing costs count as zero)."""
+    """Sum of ``COST`` over nodes (missing costs count as zero)."""
     t = ZERO_COST
     for n in nodes:
         t = t + n.meta.get(COST, ZERO_COST)

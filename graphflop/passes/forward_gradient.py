@@ -8,55 +8,35 @@ derivative ``d = ∇L·v``; the gradient estimate is ``g = (1/K) Σ d·v``, an u
 Primal (and coefficient) nodes are shared by the ``K`` directions: only tangent work repeats.
 
 Outputs, in order: the loss, the new parameters, the new optimizer state, then the ``K``
-directional derivatives. Writes ``gf_role="direction"`` on the sampling and ``g = d·v`` nodes and
-``gm.meta["gf_forward_gradient"]`` (:class:`ForwardGradientInfo`).
+directional derivatives. Writes ``ROLE="direction"`` on the sampling and ``g = d·v`` nodes and
+``gm.meta[FORWARD_GRADIENT]`` (:class:`ForwardGradientInfo`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from graphflop.ad.builder import Builder
+from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
+    FORWARD_GRADIENT,
+    JVP,
     KIND,
     MODULE,
     ROLE,
     SIGNATURE,
     SOURCE,
+    UPDATE,
+    ForwardGradientInfo,
     Signature,
     fake_mode_of,
     graph_module,
 )
-from graphflop.passes.builder import Builder
-from graphflop.passes.jvp import build_jvp
 from graphflop.passes.optimizer import SLOT, OptimizerConfig, build_update, inline_update
 
 aten = torch.ops.aten
 DISTRIBUTIONS = ("normal", "rademacher")
-
-
-@dataclass(frozen=True)
-class ForwardGradientInfo:
-    """Layout of a forward-gradient step graph.
-
-    Attributes:
-        inputs: placeholder names in order (primal placeholders, then optimizer state, then the
-            ``lr``/``step`` scalars, then the directions when ``direction_inputs``).
-        params: parameter qualified names, in output order.
-        state: optimizer-state placeholder names, in output order.
-        directions: number of directions ``K``.
-        distribution: ``normal`` or ``rademacher``.
-        direction_inputs: directions are graph inputs (``v{k}_<param>``) rather than sampled.
-    """
-
-    inputs: tuple[str, ...]
-    params: tuple[str, ...]
-    state: tuple[str, ...]
-    directions: int
-    distribution: str
-    direction_inputs: bool
 
 
 class _StepBuilder(Builder):
@@ -78,7 +58,7 @@ def build_forward_gradient_step(
     """Build the forward-gradient step graph of a traced forward graph (see module docstring).
 
     Args:
-        forward: a graph from :func:`graphflop.trace.trace` with a loss.
+        forward: a graph from :func:`graphflop.frontend.trace.trace` with a loss.
         optimizer: the update applied to the estimate (``sgd``, ``momentum``, ``adam``,
             ``adamw``).
         directions: ``K`` ≥ 1 directions averaged in one step.
@@ -100,7 +80,7 @@ def build_forward_gradient_step(
         raise ValueError("the forward graph has no loss")
     if jvp is None:
         jvp = build_jvp(forward, "params")
-    info = jvp.meta["gf_jvp"]
+    info = jvp.meta[JVP]
     g = Graph()
     fake_mode = fake_mode_of([n.meta["val"] for n in forward.graph.nodes if "val" in n.meta])
     b = _StepBuilder(g, fake_mode, [])
@@ -186,7 +166,7 @@ def build_forward_gradient_step(
     g.output(tuple([loss] + new_state + ds))
     gm = graph_module(torch.nn.Module(), g)
     gm.meta[SIGNATURE] = sig
-    gm.meta["gf_forward_gradient"] = ForwardGradientInfo(
+    gm.meta[FORWARD_GRADIENT] = ForwardGradientInfo(
         tuple(n.name for n in g.nodes if n.op == "placeholder"),
         tuple(q for _, q in sig.params),
         tuple(n for n in state_phs if n not in ("lr", "step")),
@@ -194,5 +174,5 @@ def build_forward_gradient_step(
         distribution,
         direction_inputs,
     )
-    gm.meta["gf_update"] = upd.meta["gf_update"]
+    gm.meta[UPDATE] = upd.meta[UPDATE]
     return gm

@@ -1,6 +1,6 @@
 """A small pass manager: passes declare the facts they require and ensure.
 
-Facts are names recorded in ``gm.meta["gf_facts"]`` by the pass that established them
+Facts are names recorded in ``gm.meta[FACTS]`` by the pass that established them
 (``traced``, ``flops``, ``memory``, ``jvp``, ``vjp``, ``update``). Running a pass whose
 prerequisite is missing raises :class:`PassOrderError` naming the pass, the missing fact and the
 pass that provides it, instead of failing deep inside with a ``KeyError``.
@@ -14,7 +14,9 @@ from typing import Any
 
 from torch.fx import GraphModule
 
-FACTS = "gf_facts"
+from graphflop.meta import FACTS
+
+FACTS = FACTS
 
 #: which public pass establishes each fact
 PROVIDERS = {

@@ -5,7 +5,7 @@ their base's storage (the op's byte policy says which ops are views), so a stora
 the last reader of any of its views. Parameters (and, for training, gradients and optimizer
 state) are always live and are added as a baseline rather than scheduled.
 
-Reads ``val``, ``gf_residual``/``gf_source`` (backward residuals alias forward values) and the
+Reads ``val``, ``RESIDUAL``/``SOURCE`` (backward residuals alias forward values) and the
 rule table's byte policies. Writes nothing on nodes; returns :class:`MemoryReport`.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule, Node
 
-from graphflop.meta import SIGNATURE, SOURCE
+from graphflop.meta import JVP, RESIDUAL, SIGNATURE, SOURCE
 from graphflop.ops import has_rule, lookup
 from graphflop.passes.flops import tensor_bytes
 
@@ -166,9 +166,9 @@ def train_schedule(
     ext = {}
     base_b = set()
     for n in backward.graph.nodes:
-        if n.op == "placeholder" and n.meta.get("gf_residual") is not None:
+        if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
             src = n.meta.get(SOURCE, n.name)
-            if src in params or n.meta.get("gf_residual") == "param_derived":
+            if src in params or n.meta.get(RESIDUAL) == "param_derived":
                 base_b.add(n.name)  # parameters and views of them are always live
             else:
                 ext[n.name] = f"f:{src}"
@@ -181,7 +181,7 @@ def train_schedule(
 
 def jvp_schedule(jvp: GraphModule) -> Schedule:
     sig = jvp.meta[SIGNATURE]
-    info = jvp.meta["gf_jvp"]
+    info = jvp.meta[JVP]
     base = {p for p, _ in sig.params} | {t for t, _ in info.tangent_inputs}
     s = Schedule()
     s.add_graph(jvp, "j", baseline=base, keep_outputs=True)
@@ -199,7 +199,7 @@ def saved_for_backward_bytes(forward: GraphModule, backward: GraphModule) -> int
             size[st.key] = st.nbytes
     seen = set()
     for n in backward.graph.nodes:
-        kind = n.meta.get("gf_residual")
+        kind = n.meta.get(RESIDUAL)
         if n.op == "placeholder" and kind not in (None, "param", "buffer", "param_derived"):
             k = storage.get(f"f:{n.meta.get(SOURCE, n.name)}")
             if k is not None:

@@ -18,9 +18,9 @@ AdamW     Adam + decoupled weight decay ``w - lr·λ·w`` (2)               20
 
 The counts do not depend on the batch size: gradients arrive already summed over the batch.
 
-Writes ``gf_kind="update"``, ``gf_role="update"``, ``gf_source``/``gf_param`` (the parameter's
-placeholder/qualified name) and ``gf_module`` (the parameter's module path); on placeholders
-``gf_slot`` (:data:`SLOT`: what the input holds).
+Writes ``KIND="update"``, ``ROLE="update"``, ``SOURCE``/``PARAM`` (the parameter's
+placeholder/qualified name) and ``MODULE`` (the parameter's module path); on placeholders
+``SLOT`` (:data:`SLOT`: what the input holds).
 """
 
 from __future__ import annotations
@@ -32,14 +32,25 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.meta import KIND, MODULE, PARAM, PARAM_DERIVED, ROLE, SOURCE, graph_module
-from graphflop.passes.builder import Builder
+from graphflop.ad.builder import Builder
+from graphflop.meta import (
+    KIND,
+    MODULE,
+    PARAM,
+    PARAM_DERIVED,
+    ROLE,
+    SLOT,
+    SOURCE,
+    UPDATE,
+    UpdateInfo,
+    graph_module,
+)
 
 aten = torch.ops.aten
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 #: FLOPs per parameter element of each update (FLOPS.md)
 #: node.meta key on update placeholders: ``param``, ``grad``, a state kind, ``lr`` or ``step``
-SLOT = "gf_slot"
+SLOT = SLOT
 
 FLOPS_PER_ELEMENT = {"sgd": 2, "momentum": 4, "adam": 18, "adamw": 20}
 #: optimizer-state tensors kept per parameter
@@ -61,17 +72,6 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     extra: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class UpdateInfo:
-    """Placeholder and output layout of an update graph."""
-
-    optimizer: str
-    params: tuple[str, ...]  # qualified names, in order
-    state_names: tuple[str, ...]  # state placeholder names, in order
-    scalars: tuple[str, ...]  # "lr" (and "step")
-    state_labels: tuple[str, ...] = ()  # readable state names ("momentum.fc.weight"), in order
 
 
 class _UpdateBuilder(Builder):
@@ -120,7 +120,7 @@ def build_update(
         return n
 
     # names are identifiers whatever the parameter's (torchvision's RegNet has '-' in them);
-    # nothing looks a placeholder up by name: its slot and gf_param say what it holds
+    # nothing looks a placeholder up by name: its SLOT and PARAM say what it holds
     safe = [re.sub(r"\W", "_", q) for q, _ in params]
 
     def slots(kind):
@@ -158,7 +158,7 @@ def build_update(
         new_w.append(nw)
     g.output(tuple(new_w + [n for s in new_state for n in s]))
     gm = graph_module(torch.nn.Module(), g)
-    gm.meta["gf_update"] = UpdateInfo(
+    gm.meta[UPDATE] = UpdateInfo(
         cfg.name,
         tuple(q for q, _ in params),
         tuple(n.name for st in state for n in st),

@@ -6,13 +6,15 @@ pattern (the weight gradient is computed as ``xᵀ·δ`` and then transposed to 
 layout); after the rewrite the permutes are on the operands, which runtimes fold into the
 matrix product instead of copying the result (ONNX Runtime: ``MatMul`` with transposed inputs).
 
-Reads and writes ``val`` and the ``gf_*`` provenance keys (copied from the node replaced).
+Reads and writes ``val`` and the graphflop provenance keys (:mod:`graphflop.meta`) (copied from the node replaced).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.fx import GraphModule
+
+from graphflop.meta import graphflop_meta
 
 aten = torch.ops.aten
 
@@ -38,11 +40,11 @@ def fold_transposed_matmuls(gm: GraphModule) -> GraphModule:
             at = g.call_function(aten.permute.default, (a, [1, 0]))
             mm = g.call_function(aten.mm.default, (bt, at))
         for new, like in ((bt, src), (at, src), (mm, n)):
-            new.meta.update({k: v for k, v in like.meta.items() if k.startswith("gf_")})
+            new.meta.update(graphflop_meta(like.meta))
         bt.meta["val"] = b.meta["val"].transpose(0, 1) if "val" in b.meta else None
         at.meta["val"] = a.meta["val"].transpose(0, 1) if "val" in a.meta else None
         mm.meta["val"] = n.meta["val"]
-        mm.meta.update({k: v for k, v in src.meta.items() if k.startswith("gf_")})
+        mm.meta.update(graphflop_meta(src.meta))
         n.replace_all_uses_with(mm)
         g.erase_node(n)
         g.erase_node(src)

@@ -9,25 +9,25 @@ Outputs: the loss, the new parameters, the new optimizer state, then the buffer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.meta import KIND, MODULE, ROLE, SIGNATURE, SOURCE, Signature, graph_module
+from graphflop.meta import (
+    KIND,
+    MODULE,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+    TRAIN_STEP,
+    UPDATE,
+    VJP,
+    Signature,
+    TrainStepInfo,
+    graph_module,
+)
 from graphflop.passes.optimizer import SLOT, inline_update
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class TrainStepInfo:
-    """Layout of a train-step graph: placeholder names in order, and what the outputs are."""
-
-    inputs: tuple[str, ...]
-    params: tuple[str, ...]  # qualified names, in new-parameter output order
-    state: tuple[str, ...]
-    buffer_updates: tuple[str, ...]  # qualified names of the trailing buffer outputs
 
 
 def build_train_step(
@@ -54,7 +54,7 @@ def build_train_step(
     b_out = None
     for n in backward.graph.nodes:
         if n.op == "placeholder":
-            if n.name == backward.meta["gf_vjp"].cotangent_input:
+            if n.name == backward.meta[VJP].cotangent_input:
                 one = g.call_function(aten.ones_like.default, (loss,))
                 one.meta.update(
                     {
@@ -73,7 +73,7 @@ def build_train_step(
         else:
             benv[n] = g.node_copy(n, lambda x: benv[x])
     grads = {}
-    for pos, qual in backward.meta["gf_vjp"].grads:
+    for pos, qual in backward.meta[VJP].grads:
         grads[qual] = benv[b_out.args[0][pos]]
     p_name = {q: p for p, q in sig.params}
     new = inline_update(g, update, {q: by_name[p_name[q]] for q in p_name}, grads, state_phs)
@@ -85,9 +85,9 @@ def build_train_step(
     g.output(tuple([loss] + new + buffers))
     gm = graph_module(torch.nn.Module(), g)
     gm.meta[SIGNATURE] = sig
-    info = update.meta["gf_update"]
-    gm.meta["gf_update"] = update.meta["gf_update"]
-    gm.meta["gf_train_step"] = TrainStepInfo(
+    info = update.meta[UPDATE]
+    gm.meta[UPDATE] = update.meta[UPDATE]
+    gm.meta[TRAIN_STEP] = TrainStepInfo(
         tuple(n.name for n in g.nodes if n.op == "placeholder"),
         info.params,
         tuple(n for n in state_phs if n not in ("lr", "step")),

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from graphflop.meta import SIGNATURE
+from graphflop.meta import LOSS_KIND, SIGNATURE, UPDATE
 
 PHASES = ("forward", "train_step", "forward_gradient_step")
 
@@ -90,7 +90,7 @@ def bench_torch(
     ``torch.func.jvp`` with a Gaussian direction, ``g = d·v`` and an SGD update."""
     fwd = analysis.forward
     sig = fwd.meta[SIGNATURE]
-    kind = fwd.meta.get("gf_loss_kind", "sum")
+    kind = fwd.meta.get(LOSS_KIND, "sum")
     model = model.to(device)
     sets = _input_sets(fwd, model, rotate, device)
     xs = [[s[n] for n in sig.inputs] for s in sets]
@@ -162,7 +162,7 @@ def bench_onnxruntime(
     root = Path(export_dir) / "onnx"
     sets = _input_sets(fwd, model, rotate, "cpu")
     qual = dict(sig.params)
-    upd = analysis.update.meta["gf_update"] if analysis.update is not None else None
+    upd = analysis.update.meta[UPDATE] if analysis.update is not None else None
     state_labels = set(upd.state_labels) if upd else set()
 
     def feeds_for(kind: str, i: int) -> dict[str, Any]:

@@ -14,8 +14,17 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Interpreter
 
-from graphflop.meta import SIGNATURE, Signature
-from graphflop.trace import loss_value
+from graphflop.frontend.trace import loss_value
+from graphflop.meta import (
+    CONSTANTS,
+    FORWARD_GRADIENT,
+    JVP,
+    LOSS_KIND,
+    SIGNATURE,
+    SOURCE,
+    VJP,
+    Signature,
+)
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ def real_arguments(
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
     for name, qual in sig.params:
         values[name] = model.get_parameter(qual).detach().clone().to(phs[name].meta["val"].dtype)
-    constants = forward.meta.get("gf_constants", {})
+    constants = forward.meta.get(CONSTANTS, {})
     for name, qual in sig.buffers:
         # a tensor made in forward (torch.tensor(...)) is a constant of the graph
         value = constants[name] if name in constants else model.get_buffer(qual)
@@ -95,13 +104,13 @@ def run_forward(forward: GraphModule, values: dict[str, torch.Tensor], keep=None
 
 def backward_reads(backward: GraphModule) -> set[str]:
     """Names of the forward nodes :func:`run_backward` reads: the residuals and the loss."""
-    names = {n.meta.get("gf_source", n.name) for n in backward.graph.nodes if n.op == "placeholder"}
+    names = {n.meta.get(SOURCE, n.name) for n in backward.graph.nodes if n.op == "placeholder"}
     return names | {backward.meta[SIGNATURE].loss}
 
 
 def run_backward(backward: GraphModule, fwd_values: dict[str, Any]) -> tuple:
     """Run the backward graph on the forward's recorded values with a loss cotangent of 1."""
-    info = backward.meta["gf_vjp"]
+    info = backward.meta[VJP]
     args = []
     for n in backward.graph.nodes:
         if n.op != "placeholder":
@@ -110,14 +119,14 @@ def run_backward(backward: GraphModule, fwd_values: dict[str, Any]) -> tuple:
             v = fwd_values[backward.meta[SIGNATURE].loss]
             args.append(torch.ones_like(v))
         else:
-            args.append(fwd_values[n.meta.get("gf_source", n.name)])
+            args.append(fwd_values[n.meta.get(SOURCE, n.name)])
     return backward(*args)
 
 
 def reference_loss_fn(forward: GraphModule, model: nn.Module, values: dict[str, torch.Tensor]):
     """``f(params) -> loss`` for torch.func, using the model itself (not graphflop's graphs)."""
     sig: Signature = forward.meta[SIGNATURE]
-    loss_kind = forward.meta.get("gf_loss_kind", "sum")
+    loss_kind = forward.meta.get(LOSS_KIND, "sum")
     buffers = {q: values[n].clone() for n, q in sig.buffers}
     inputs = [values[n] for n in sig.inputs]
     targets = [values[n] for n in sig.targets]
@@ -153,7 +162,7 @@ def verify_gradients(
     model = _cast(model, next(iter(params.values())).dtype if params else None)
     ref = torch.func.grad(reference_loss_fn(forward, model, values))(params)
     worst, where = 0.0, ""
-    for pos, qual in backward.meta["gf_vjp"].grads:
+    for pos, qual in backward.meta[VJP].grads:
         e = rel_error(grads[pos], ref[qual])
         if e >= worst:
             worst, where = e, qual
@@ -173,7 +182,7 @@ def run_jvp(
 ) -> tuple:
     """Run a JVP graph: primal placeholders from ``values``, tangent placeholders from
     ``tangents`` (keyed by the primal placeholder's name)."""
-    info = jvp.meta["gf_jvp"]
+    info = jvp.meta[JVP]
     t_of = {t: p for t, p in info.tangent_inputs}
     args = []
     for n in jvp.graph.nodes:
@@ -194,7 +203,7 @@ def verify_jvp(
     """Compare the JVP graph's loss tangent with ``torch.func.jvp`` along a random direction."""
     values = real_arguments(forward, model, seed=seed)
     sig: Signature = forward.meta[SIGNATURE]
-    info = jvp.meta["gf_jvp"]
+    info = jvp.meta[JVP]
     gen = torch.Generator().manual_seed(seed + 1)
     tangents = {
         p: torch.randn(values[p].shape, generator=gen, dtype=values[p].dtype)
@@ -234,9 +243,9 @@ def verify_analysis(
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphflop.passes.jvp import build_jvp
-    from graphflop.passes.vjp import build_vjp
-    from graphflop.trace import trace
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.frontend.trace import trace
 
     dt = torch.float64 if dtype == "float64" else torch.float32
     model = copy.deepcopy(loaded.model).to(dt)
@@ -248,7 +257,7 @@ def verify_analysis(
             )
             for t in inputs
         )
-    fwd = trace(model, xs, loss=analysis.forward.meta.get("gf_loss_kind", "auto"))
+    fwd = trace(model, xs, loss=analysis.forward.meta.get(LOSS_KIND, "auto"))
     checks = []
     if analysis.backward is not None:
         checks.append(verify_gradients(fwd, build_vjp(fwd), model, tolerance=tolerance))
@@ -267,7 +276,7 @@ def verify_analysis(
                     )
                     for t in inputs
                 )
-            fwd32 = trace(model32, xs32, loss=analysis.forward.meta.get("gf_loss_kind", "auto"))
+            fwd32 = trace(model32, xs32, loss=analysis.forward.meta.get(LOSS_KIND, "auto"))
             checks.append(verify_forward_gradient(fwd32, model32, samples=forward_gradient_samples))
     return checks
 
@@ -285,8 +294,8 @@ def verify_forward_gradient(
     4 standard deviations of 1; ``worst_rel_error`` reports ``|u·ḡ/‖∇L‖ − 1|`` and the tolerance
     the 4σ bound.
     """
+    from graphflop.ad.vjp import build_vjp
     from graphflop.passes.forward_gradient import build_forward_gradient_step
-    from graphflop.passes.vjp import build_vjp
 
     values = real_arguments(forward, model, seed=seed)
     sig: Signature = forward.meta[SIGNATURE]
@@ -301,7 +310,7 @@ def verify_forward_gradient(
     grads = run_backward(backward, run_forward(forward, values, backward_reads(backward)))
     true = torch.cat([g.flatten() for g in grads])
     step = build_forward_gradient_step(forward, "sgd")
-    info = step.meta["gf_forward_gradient"]
+    info = step.meta[FORWARD_GRADIENT]
     w = torch.cat([values[p].flatten() for p, _ in sig.params])
     args = [torch.tensor(1.0, dtype=torch.float32) if n == "lr" else values[n] for n in info.inputs]
     torch.manual_seed(seed)

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule
 
-from graphflop.meta import KIND, SIGNATURE, Signature
+from graphflop.meta import FORWARD_GRADIENT, KIND, SIGNATURE, TRAIN_STEP, Signature
 from graphflop.passes.optimizer import OPTIMIZERS, OptimizerConfig
 from graphflop.train.data import Dataset, load_dataset
 
@@ -205,7 +205,7 @@ def _fake_batch(batch: int, image_shape) -> tuple[torch.Tensor, ...]:
 
 def trace_forward(model: nn.Module, batch: int, image_shape, *, train_mode: bool) -> GraphModule:
     """The forward graph (model + cross-entropy) for ``batch`` images, traced on fake tensors."""
-    from graphflop.trace import trace
+    from graphflop.frontend.trace import trace
 
     m = copy.deepcopy(model).train(train_mode)
     return trace(m, _fake_batch(batch, image_shape), loss="cross_entropy")
@@ -221,12 +221,12 @@ def build_step_graph(
 ) -> GraphModule:
     """The train-step graph (``backprop``) or the forward-gradient step graph with direction
     inputs (``fgd``) of a traced forward graph, FLOP-annotated."""
+    from graphflop.ad.vjp import build_vjp
     from graphflop.meta import fake_mode_of
     from graphflop.passes.flops import annotate_flops
     from graphflop.passes.forward_gradient import build_forward_gradient_step
     from graphflop.passes.optimizer import build_update
     from graphflop.passes.train_step import build_train_step
-    from graphflop.passes.vjp import build_vjp
 
     if method == "fgd":
         return annotate_flops(
@@ -374,7 +374,7 @@ class _GraphStepper:
         sig: Signature = self.gm.meta[SIGNATURE]
         self.sig = sig
         kind = "forward_gradient_step" if method == "fgd" else "train_step"
-        info = self.gm.meta["gf_forward_gradient" if method == "fgd" else "gf_train_step"]
+        info = self.gm.meta[FORWARD_GRADIENT if method == "fgd" else TRAIN_STEP]
         self.method = method
         self.run = (
             _OrtRunner(self.gm, kind, provider, save_to)

@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measured times per module: the JSON of graphflop bench --profile --json",
     )
 
-    from graphflop.train.cli import add_parser as add_train_parser
+    from graphflop.cli.train import add_parser as add_train_parser
 
     add_train_parser(sub)
 
@@ -271,9 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True)
     from graphflop.export.graphviz import RenderError
     from graphflop.export.onnx import OnnxExportError
+    from graphflop.frontend.trace import TraceError
     from graphflop.load import SpecError
     from graphflop.ops import MissingRuleError
-    from graphflop.trace import TraceError
 
     try:
         if args.command == "inspect":
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "render":
             return _render(args, err)
         if args.command == "train":
-            from graphflop.train.cli import run as run_train
+            from graphflop.cli.train import run as run_train
 
             return run_train(args, err)
     except (SpecError, TraceError, MissingRuleError, OnnxExportError, RenderError) as e:
@@ -325,8 +325,8 @@ def _load(args):
 
 
 def _inspect(args, err: Console) -> int:
+    from graphflop.analysis import analyze
     from graphflop.export.report import layers_csv, print_report, to_json, write_atomic
-    from graphflop.passes.pipeline import analyze
 
     loaded, inputs, torch = _load(args)
     with err.status("analysing", spinner="dots") as status:
@@ -407,8 +407,8 @@ def _verify_samples(requested: int | None, summary: dict) -> tuple[int, str]:
 
 
 def _export(args, err: Console) -> int:
+    from graphflop.analysis import analyze
     from graphflop.export.onnx import export_all
-    from graphflop.passes.pipeline import analyze
 
     loaded, inputs, _ = _load(args)
     with err.status("analysing", spinner="dots") as status:
@@ -434,9 +434,9 @@ def _export(args, err: Console) -> int:
 def _bench(args, err: Console) -> int:
     import torch
 
+    from graphflop.analysis import analyze
     from graphflop.export.report import human, to_json, write_atomic
     from graphflop.load import load
-    from graphflop.passes.pipeline import analyze
     from graphflop.runtime.bench import PHASES, bench_onnxruntime, bench_torch
     from graphflop.runtime.onnxrt import pick_provider
 
@@ -613,8 +613,8 @@ def _render(args, err: Console) -> int:
     import json
     from pathlib import Path
 
+    from graphflop.analysis import analyze
     from graphflop.export.graphviz import RenderError, render
-    from graphflop.passes.pipeline import analyze
 
     profile = None
     if args.profile_json:

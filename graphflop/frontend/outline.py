@@ -5,7 +5,7 @@ trace is dominated by re-tracing identical blocks. :func:`plan` picks the *outer
 whose structure is shared by at least one other module: the same class, parameter and buffer
 names, shapes and dtypes, and the same non-tensor attributes, for the module and every
 submodule (so a block that reads a per-layer attribute such as a layer index is never merged
-with another). While :func:`graphflop.trace.trace` runs, each such module's ``forward`` is
+with another). While :func:`graphflop.frontend.trace.trace` runs, each such module's ``forward`` is
 replaced by :class:`Outliner`'s stub, which emits one opaque ``graphflop::repeat`` node; the op's
 fake kernel runs the real ``forward`` on FakeTensors, without tracing, to produce the outputs.
 Afterwards each distinct call (module structure and argument metadata) is traced once as a
@@ -106,7 +106,7 @@ def _modules_state(m: nn.Module) -> list | None:
             sorted(
                 (k, _attr_key(v))
                 for k, v in vars(sub).items()
-                if k not in _MODULE_INTERNALS and not getattr(v, "_gf_stub", False)
+                if k not in _MODULE_INTERNALS and not getattr(v, "_graphflop_stub", False)
             )
         )
         items.append((name, type(sub), sub.training, attrs))
@@ -335,7 +335,7 @@ class Outliner:
             flat = [next(it) if x is _TENSOR else x for x in call.out_leaves]
             return tree_unflatten(flat, call.out_spec)
 
-        forward._gf_stub = True
+        forward._graphflop_stub = True
         return forward
 
     def _rebuild(self, call: Call, tensors: list) -> tuple[tuple, dict, dict]:

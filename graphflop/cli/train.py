@@ -1,9 +1,9 @@
 """``graphflop train``: the command-line front end of :func:`graphflop.train.loop.train`.
 
-Wire it into ``graphflop/cli.py`` with :func:`add_parser` (adds the ``train`` sub-command) and
+Wire it into ``graphflop/cli/__init__.py`` with :func:`add_parser` (adds the ``train`` sub-command) and
 :func:`run` (``if args.command == "train": return run(args, err)``). :func:`run` reports the
 errors a user can fix (bad data, options, spec, untraceable model) as one line on stderr and
-returns 2 itself. ``python -m graphflop.train.cli SPEC ...`` works on its own too.
+returns 2 itself. ``python -m graphflop.cli.train SPEC ...`` works on its own too.
 """
 
 from __future__ import annotations
@@ -174,9 +174,9 @@ def run(args: argparse.Namespace, err=None) -> int:
     from rich.console import Console
 
     from graphflop.export.onnx import OnnxExportError
+    from graphflop.frontend.trace import TraceError
     from graphflop.load import SpecError
     from graphflop.ops import MissingRuleError
-    from graphflop.trace import TraceError
     from graphflop.train.data import DataError
     from graphflop.train.loop import TrainError, train
 
@@ -285,7 +285,7 @@ class _Progress:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m graphflop.train.cli SPEC [options]`` (the same as ``graphflop train``)."""
+    """``python -m graphflop.cli.train SPEC [options]`` (the same as ``graphflop train``)."""
     parser = argparse.ArgumentParser(
         prog="graphflop train", description="Train SPEC with graphflop's step graphs."
     )

@@ -1,6 +1,6 @@
 """Reverse mode = linearize + transpose (the JAX design).
 
-``build_vjp(forward)`` linearizes the forward graph with :func:`~graphflop.passes.jvp.build_jvp`
+``build_vjp(forward)`` linearizes the forward graph with :func:`~graphflop.ad.jvp.build_jvp`
 (tangents on the parameters, and on the inputs when their gradients are asked for), then walks
 the tangent nodes in reverse order and applies each op's transpose rule, emitting an explicit
 backward ``fx.GraphModule``:
@@ -13,60 +13,49 @@ Coefficients that derivative rules compute from primals (ReLU's mask, ``1 - tanh
 recomputed in the backward graph from the residuals, so the forward graph stays the model's own
 forward. Cotangents flowing into several uses are summed (role ``grad_accum``). Cotangents
 nothing needs are never emitted: the tangents they would transpose are ghosts, and transposing a
-ghost records what the pruned backward work would have cost (``gm.meta["gf_ghosts"]``, role
+ghost records what the pruned backward work would have cost (``gm.meta[GHOSTS]``, role
 ``grad_input`` for the first layer's missing input gradient).
 
-Writes on backward nodes: ``gf_kind="cotangent"`` (``coef`` for recomputed coefficients),
-``gf_role`` (``grad_input``, ``grad_weight``, ``grad_accum``, ``loss``), ``gf_source``,
-``gf_module``; on residual placeholders ``gf_kind="primal"`` and ``gf_residual`` (``param``,
-``buffer``, ``input``, ``target`` or ``activation``); ``gm.meta["gf_vjp"]`` (:class:`VjpInfo`).
+Writes on backward nodes: ``KIND="cotangent"`` (``coef`` for recomputed coefficients),
+``ROLE`` (``grad_input``, ``grad_weight``, ``grad_accum``, ``loss``), ``SOURCE``,
+``MODULE``; on residual placeholders ``KIND="primal"`` and ``RESIDUAL`` (``param``,
+``buffer``, ``input``, ``target`` or ``activation``); ``gm.meta[VJP]`` (:class:`VjpInfo`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from graphflop.ad.builder import Builder, GhostValue, is_ghost
+from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
+    GHOST_LINKS,
     GHOSTS,
+    JVP,
+    JVP_LOG,
     KIND,
+    LINEARIZED,
     MODULE,
     PARAM,
     PARAM_DERIVED,
+    RESIDUAL,
     ROLE,
     SIGNATURE,
     SOURCE,
+    VJP,
     Signature,
+    VjpInfo,
     fake_mode_of,
     graph_module,
+    graphflop_meta,
 )
 from graphflop.ops import lookup
-from graphflop.passes.builder import Builder, GhostValue, is_ghost
-from graphflop.passes.jvp import build_jvp
 from graphflop.passes.simplify import fold_transposed_matmuls
 
-RESIDUAL = "gf_residual"
-
-
-@dataclass(frozen=True)
-class VjpInfo:
-    """Where things are in a backward graph.
-
-    Attributes:
-        residuals: (placeholder name, forward node name, kind) triples, kind one of ``param``,
-            ``buffer``, ``input``, ``target``, ``activation``.
-        cotangent_input: name of the loss-cotangent placeholder.
-        grads: (output position, parameter qualified name) pairs.
-        input_grads: (output position, input placeholder name) pairs.
-    """
-
-    residuals: tuple[tuple[str, str, str], ...]
-    cotangent_input: str
-    grads: tuple[tuple[int, str], ...]
-    input_grads: tuple[tuple[int, str], ...]
+RESIDUAL = RESIDUAL
 
 
 class TransposeBuilder(Builder):
@@ -112,7 +101,11 @@ class TransposeBuilder(Builder):
             rkind = self._kinds.get(src) or (
                 "param_derived" if a.meta.get(PARAM_DERIVED) else "activation"
             )
-            meta = {k: v for k, v in a.meta.items() if k.startswith("gf_") or k == "val"}
+            meta = (
+                {**graphflop_meta(a.meta), "val": a.meta["val"]}
+                if "val" in a.meta
+                else graphflop_meta(a.meta)
+            )
             meta[RESIDUAL] = rkind
             ph = self.placeholder(src, meta)
             self.residual_order.append((ph.name, src, rkind))
@@ -122,7 +115,7 @@ class TransposeBuilder(Builder):
             args = tuple(self._import_tree(x) for x in a.args)
             kwargs = {k: self._import_tree(v) for k, v in a.kwargs.items()}
             node = self.graph.call_function(a.target, args, kwargs)
-            node.meta.update({k: v for k, v in a.meta.items() if k.startswith("gf_")})
+            node.meta.update(graphflop_meta(a.meta))
             node.meta["val"] = a.meta["val"]
             node.meta[KIND] = "coef"
             node.meta[ROLE] = self.role if self.role != "grad_accum" else "grad_input"
@@ -155,13 +148,13 @@ def build_vjp(
     """Build the backward graph of a traced forward graph (see the module docstring).
 
     Args:
-        forward: a graph from :func:`graphflop.trace.trace` with a loss.
+        forward: a graph from :func:`graphflop.frontend.trace.trace` with a loss.
         input_grads: also return the cotangents of the model's inputs.
         linearized: the JVP graph of ``forward`` to transpose, when already built (tangents on
             the parameters, and on the inputs too for ``input_grads``); built here otherwise.
 
     Returns:
-        The backward GraphModule; ``gm.meta["gf_linearized"]`` holds the JVP graph it was
+        The backward GraphModule; ``gm.meta[LINEARIZED]`` holds the JVP graph it was
         transposed from.
 
     Raises:
@@ -176,7 +169,7 @@ def build_vjp(
         if linearized is not None
         else build_jvp(forward, "all" if input_grads else "params")
     )
-    info = lin.meta["gf_jvp"]
+    info = lin.meta[JVP]
     out_node = next(n for n in lin.graph.nodes if n.op == "output")
     loss_tangent = out_node.args[0][info.primal_outputs]
 
@@ -201,8 +194,8 @@ def build_vjp(
         return id(v) if is_ghost(v) else v
 
     ct[key(loss_tangent)] = ct_loss
-    log = lin.meta["gf_jvp_log"]
-    links = lin.meta.get("gf_ghost_links", {})
+    log = lin.meta[JVP_LOG]
+    links = lin.meta.get(GHOST_LINKS, {})
     for entry in reversed(log):
         c = ct.pop(key(entry), None)
         if c is None:
@@ -263,9 +256,9 @@ def build_vjp(
     gm = fold_transposed_matmuls(graph_module(torch.nn.Module(), g))
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = ghosts
-    gm.meta["gf_linearized"] = lin
+    gm.meta[LINEARIZED] = lin
     kept = {n.name for n in g.nodes}
-    gm.meta["gf_vjp"] = VjpInfo(
+    gm.meta[VJP] = VjpInfo(
         tuple(r for r in b.residual_order if r[0] in kept),
         ct_loss.name,
         tuple(grads),

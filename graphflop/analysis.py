@@ -15,10 +15,24 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from graphflop.meta import COST, GHOSTS, KIND, MODULE, ROLE, SIGNATURE, ZERO_COST, NodeCost
+from graphflop.ad.jvp import build_jvp
+from graphflop.ad.vjp import build_vjp
+from graphflop.frontend.trace import trace
+from graphflop.meta import (
+    COST,
+    FORWARD_GRADIENT,
+    GHOSTS,
+    KIND,
+    LINEARIZED,
+    LOSS_KIND,
+    MODULE,
+    ROLE,
+    SIGNATURE,
+    ZERO_COST,
+    NodeCost,
+)
 from graphflop.passes.flops import annotate_flops, tensor_bytes
 from graphflop.passes.forward_gradient import build_forward_gradient_step
-from graphflop.passes.jvp import build_jvp
 from graphflop.passes.memory import (
     forward_schedule,
     jvp_schedule,
@@ -26,8 +40,6 @@ from graphflop.passes.memory import (
     train_schedule,
 )
 from graphflop.passes.optimizer import STATE_KINDS, build_update
-from graphflop.passes.vjp import build_vjp
-from graphflop.trace import trace
 
 SCHEMA_VERSION = 1
 
@@ -76,7 +88,7 @@ def analyze(
     Args:
         model: the module (used in its current train/eval mode).
         example_inputs: one tensor per input (FakeTensors are fine: nothing is allocated).
-        loss: see :func:`graphflop.trace.trace`.
+        loss: see :func:`graphflop.frontend.trace.trace`.
         optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw``.
         tangents: which values carry tangents in the JVP graph (``params``, ``inputs``, ``all``).
         directions, distribution: of the forward-gradient step (see
@@ -114,7 +126,7 @@ def analyze(
                 modules=modules,
             )
         )
-        lin = lin or a.backward.meta["gf_linearized"]
+        lin = lin or a.backward.meta[LINEARIZED]
     if jvp and has_loss:
         say("building the forward-gradient step")
         a.forward_gradient = annotate_flops(
@@ -297,7 +309,7 @@ def summarize(a: Analysis, *, optimizer: str, tangents: str) -> dict[str, Any]:
         if a.forward_gradient is not None:
             fnodes_fg = [n for n in a.forward_gradient.graph.nodes if n.op == "call_function"]
             fgc = _sum(fnodes_fg)
-            info = a.forward_gradient.meta["gf_forward_gradient"]
+            info = a.forward_gradient.meta[FORWARD_GRADIENT]
             by = {}
             for n in fnodes_fg:
                 k = n.meta.get(ROLE, "forward")
@@ -345,7 +357,7 @@ def summarize(a: Analysis, *, optimizer: str, tangents: str) -> dict[str, Any]:
         "model": a.name,
         "inputs": inputs,
         "params": params,
-        "loss": fwd.meta.get("gf_loss_kind"),
+        "loss": fwd.meta.get(LOSS_KIND),
         "optimizer": optimizer if a.backward is not None else None,
         "totals": totals,
         "ratios": ratios,

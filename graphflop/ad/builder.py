@@ -1,8 +1,8 @@
 """Emitting nodes from derivative rules: the ``b`` that JVP and transpose rules call.
 
 A builder appends ``call_function`` nodes to an fx graph, computing each node's ``val`` by running
-the op on FakeTensors (no real memory) and tagging it with ``gf_kind``, ``gf_role``,
-``gf_source``, ``gf_module`` and ``gf_param_derived``.
+the op on FakeTensors (no real memory) and tagging it with ``KIND``, ``ROLE``,
+``SOURCE``, ``MODULE`` and ``PARAM_DERIVED``.
 
 Work that is not needed is not emitted but recorded as a :class:`~graphflop.meta.Ghost`: a call
 whose tensor arguments include a :class:`GhostValue` and no real tangent produces a ghost. Ghosts
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
+from graphflop.ad._tree import leaves, meta_key, tree_map
 from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost
 from graphflop.ops.shape import reduced_dims
-from graphflop.passes._tree import leaves, meta_key, tree_map
 from graphflop.passes.flops import op_cost, value_of
 
 aten = torch.ops.aten

@@ -4,59 +4,48 @@
 its loss (and, optionally, model outputs) given tangents for the parameters and/or the inputs.
 Primal and tangent nodes are interleaved in forward order, so no residual is kept. Every tangent
 node is linear in the tangent inputs (rules put the nonlinear part into ``coef`` nodes), which
-is what lets :mod:`graphflop.passes.vjp` transpose it.
+is what lets :mod:`graphflop.ad.vjp` transpose it.
 
 Symbolic zeros: a tangent known to be zero is ``None`` and no work is emitted for it. A tangent
 that is zero only because the value was not chosen to carry one (the model input under weight
-perturbation) is a ghost: the work it would have caused is recorded in ``gm.meta["gf_ghosts"]``.
+perturbation) is a ghost: the work it would have caused is recorded in ``gm.meta[GHOSTS]``.
 
-Reads ``val``, ``gf_*`` keys written by :mod:`graphflop.trace`, the rule table. Writes
-``gf_kind``, ``gf_role`` (``tangent_from_input``/``tangent_from_param``), ``gf_source``,
-``gf_module``, ``gf_param_derived`` on new nodes; ``gm.meta["gf_ghosts"]``,
-``gm.meta["gf_signature"]``, ``gm.meta["gf_jvp"]`` (:class:`JvpInfo`).
+Reads ``val``, graphflop keys (:mod:`graphflop.meta`) written by :mod:`graphflop.frontend.trace`, the rule table. Writes
+``KIND``, ``ROLE`` (``tangent_from_input``/``tangent_from_param``), ``SOURCE``,
+``MODULE``, ``PARAM_DERIVED`` on new nodes; ``gm.meta[GHOSTS]``,
+``gm.meta[SIGNATURE]``, ``gm.meta[JVP]`` (:class:`JvpInfo`).
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from graphflop.ad.builder import Builder, GhostValue, is_ghost
 from graphflop.meta import (
+    GHOST_LINKS,
     GHOSTS,
+    JVP,
+    JVP_LOG,
     KIND,
+    LOSS_KIND,
     MODULE,
     PARAM,
     PARAM_DERIVED,
     ROLE,
     SIGNATURE,
     SOURCE,
+    JvpInfo,
     Signature,
     fake_mode_of,
     graph_module,
 )
 from graphflop.ops import lookup
-from graphflop.passes.builder import Builder, GhostValue, is_ghost
 
 TANGENT_CHOICES = ("params", "inputs", "all")
-
-
-@dataclass(frozen=True)
-class JvpInfo:
-    """Where things are in a JVP graph.
-
-    Attributes:
-        tangent_inputs: (tangent placeholder name, primal placeholder name) pairs, in order.
-        primal_outputs: number of leading outputs that are the forward's outputs.
-        tangent_outputs: names of the forward nodes whose tangents follow, in order.
-    """
-
-    tangent_inputs: tuple[tuple[str, str], ...]
-    primal_outputs: int
-    tangent_outputs: tuple[str, ...]
 
 
 class JvpBuilder(Builder):
@@ -99,7 +88,7 @@ def build_jvp(
     """Build the JVP graph of a traced forward graph.
 
     Args:
-        forward: a graph from :func:`graphflop.trace.trace`.
+        forward: a graph from :func:`graphflop.frontend.trace.trace`.
         tangents: which placeholders carry tangents: ``params`` (weight perturbation, the
             forward gradient of Baydin et al. 2022), ``inputs`` or ``all``.
         wrt_outputs: ``loss`` (the tangent of the scalar loss: the directional derivative) or
@@ -217,12 +206,10 @@ def build_jvp(
     gm = graph_module(forward, g)
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = ghosts
-    gm.meta["gf_jvp"] = JvpInfo(
-        tuple(tangent_inputs), len(primal_outs), tuple(d.name for d in diff_out)
-    )
-    gm.meta["gf_jvp_log"] = b.log
-    gm.meta["gf_ghost_links"] = b.ghost_links
-    gm.meta["gf_loss_kind"] = forward.meta.get("gf_loss_kind")
+    gm.meta[JVP] = JvpInfo(tuple(tangent_inputs), len(primal_outs), tuple(d.name for d in diff_out))
+    gm.meta[JVP_LOG] = b.log
+    gm.meta[GHOST_LINKS] = b.ghost_links
+    gm.meta[LOSS_KIND] = forward.meta.get(LOSS_KIND)
     return gm
 
 

@@ -6,12 +6,12 @@ whose placeholders are the parameters, buffers, inputs and loss targets, in one 
 core-ATen decomposition table, extended to batch norm and the softmax/NLL losses, breaks
 composite ops into the parts FLOPS.md counts as they are traced. Module paths come from forward
 hooks (:class:`_ModuleScopes`); identical repeated modules are traced once
-(:mod:`graphflop.repeats`). Tracing runs on FakeTensors: no activation memory.
+(:mod:`graphflop.frontend.outline`). Tracing runs on FakeTensors: no activation memory.
 :func:`from_exported` takes a ``torch.export`` program instead.
 
-Writes on each node: ``val`` (PyTorch), ``gf_kind="primal"``, ``gf_role`` (``forward`` or
-``loss``), ``gf_source``, ``gf_module`` (the ``nn.Module`` path), ``gf_param_derived``; on
-parameter placeholders ``gf_param``. Writes ``gm.meta["gf_signature"]``.
+Writes on each node: ``val`` (PyTorch), ``KIND="primal"``, ``ROLE`` (``forward`` or
+``loss``), ``SOURCE``, ``MODULE`` (the ``nn.Module`` path), ``PARAM_DERIVED``; on
+parameter placeholders ``PARAM``. Writes ``gm.meta[SIGNATURE]``.
 """
 
 from __future__ import annotations
@@ -33,15 +33,20 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from graphflop import repeats
+from graphflop.frontend import outline as repeats
 from graphflop.meta import (
+    CONSTANTS,
+    FACTS,
     KIND,
+    LOSS_KIND,
     MODULE,
+    OUTLINED,
     PARAM,
     PARAM_DERIVED,
     ROLE,
     SIGNATURE,
     SOURCE,
+    OutlineInfo,
     Signature,
     fake_mode_of,
     graph_module,
@@ -375,11 +380,11 @@ def trace(
             (cross-entropy for (N, C) logits, else sum).
         fake_mode: the FakeTensorMode to trace in (default: the inputs', else a new one).
         reuse: trace each set of identical repeated modules (a transformer's blocks) once
-            and copy the graph (:mod:`graphflop.repeats`); the graph is the same either way.
+            and copy the graph (:mod:`graphflop.frontend.outline`); the graph is the same either way.
 
     Returns:
         An ``fx.GraphModule`` of core ATen ops. Its placeholders are the parameters, buffers,
-        inputs and targets (see ``gm.meta["gf_signature"]``); its outputs are the buffer updates,
+        inputs and targets (see ``gm.meta[SIGNATURE]``); its outputs are the buffer updates,
         then the loss, then the model's outputs.
 
     Raises:
@@ -500,7 +505,7 @@ def _trace_once(
         loss_kind=chosen["loss"],
         target_nodes=chosen.get("targets", []),
     )
-    out.meta["gf_outlined"] = {"calls": copies, "traced_once": len(templates)}
+    out.meta[OUTLINED] = OutlineInfo(calls=copies, traced_once=len(templates))
     return out
 
 
@@ -845,9 +850,9 @@ def _finish(
     gm: GraphModule, signature: Signature, constants: dict, loss_kind: str, wrapped: bool
 ) -> GraphModule:
     gm.meta[SIGNATURE] = signature
-    gm.meta["gf_constants"] = constants
-    gm.meta["gf_loss_kind"] = loss_kind
-    gm.meta["gf_facts"] = {"traced"}
+    gm.meta[CONSTANTS] = constants
+    gm.meta[LOSS_KIND] = loss_kind
+    gm.meta[FACTS] = {"traced"}
     _complete_getitems(gm)
     _tag_nodes(gm, signature, wrapped)
     return gm

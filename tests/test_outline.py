@@ -1,4 +1,4 @@
-"""Repeated modules traced once (graphflop.repeats): the graph equals full tracing's, node for
+"""Repeated modules traced once (graphflop.frontend.outline): the graph equals full tracing's, node for
 node, and computes the same values; modules that cannot be copies are traced in full."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from graphflop import repeats
-from graphflop.meta import MODULE, PARAM_DERIVED, SIGNATURE
+from graphflop.frontend import outline as repeats
+from graphflop.frontend.trace import trace
+from graphflop.meta import CONSTANTS, MODULE, OUTLINED, PARAM_DERIVED, SIGNATURE, OutlineInfo
 from graphflop.passes.flops import annotate_flops, total_cost
-from graphflop.trace import trace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,8 +84,8 @@ def test_gpt2_graph_and_values_equal_full_tracing():
     model = _gpt2().double().train()
     idx = torch.randint(0, 11, (2, 6))
     full, once = _same_graph(model, idx)
-    assert once.meta["gf_outlined"] == {"calls": 3, "traced_once": 1}  # copies were made
-    assert full.meta["gf_outlined"] == {"calls": 0, "traced_once": 0}
+    assert once.meta[OUTLINED] == OutlineInfo(calls=3, traced_once=1)  # copies were made
+    assert full.meta[OUTLINED] == OutlineInfo(calls=0, traced_once=0)
     targets = torch.randint(0, 11, (12,))
     params = dict(model.named_parameters())
     got = _run(once, params, {}, idx, targets)
@@ -136,13 +136,13 @@ def test_blocks_that_update_buffers_are_traced_in_full():
     counting = nn.Sequential(_Counting(), _Counting())
     assert len(repeats.plan(counting)) == 2
     full, once = _same_graph(counting, x, loss="sum")
-    assert once.meta["gf_outlined"]["calls"] == 0  # traced again in full
+    assert once.meta[OUTLINED].calls == 0  # traced again in full
     assert [q for _, q in once.meta[SIGNATURE].buffer_updates] == ["0.calls", "1.calls"]
     # in eval mode nothing is written: the blocks are outlined and the graph is the same
-    assert once.meta["gf_outlined"]["calls"] == 0
+    assert once.meta[OUTLINED].calls == 0
     model.eval()
     assert repeats.plan(model)
-    assert _same_graph(model, x, loss="sum")[1].meta["gf_outlined"]["calls"] == 3
+    assert _same_graph(model, x, loss="sum")[1].meta[OUTLINED].calls == 3
 
 
 def test_blocks_differing_in_an_attribute_are_not_merged():
@@ -154,7 +154,7 @@ def test_blocks_differing_in_an_attribute_are_not_merged():
     assert len(set(chosen.values())) == 2  # blocks 0 and 2 share one trace, 1 and 3 another
     x = torch.randn(5, 4, dtype=torch.float64)
     full, once = _same_graph(model, x, loss="none")
-    assert once.meta["gf_outlined"] == {"calls": 4, "traced_once": 2}
+    assert once.meta[OUTLINED] == OutlineInfo(calls=4, traced_once=2)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     got = _run(once, params, buffers, x)
@@ -186,7 +186,7 @@ def test_blocks_that_make_constants_are_traced_in_full():
     assert len(repeats.plan(model)) == 2  # outlined at first, then traced in full
     x = torch.randn(4, 3, dtype=torch.float64)
     full, once = _same_graph(model, x, loss="none")
-    consts = once.meta["gf_constants"]
+    consts = once.meta[CONSTANTS]
     assert len(consts) == 2
     params = dict(model.named_parameters())
     got = _run(once, params, {q: consts[n] for n, q in once.meta[SIGNATURE].buffers}, x)
@@ -216,7 +216,7 @@ def test_attention_blocks_trace_as_in_full():
     model = nn.Sequential(_AttentionBlock(), _AttentionBlock(), _AttentionBlock()).double()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     full, once = _same_graph(model.train(), x, loss="sum")
-    assert once.meta["gf_outlined"] == {"calls": 3, "traced_once": 1}
+    assert once.meta[OUTLINED] == OutlineInfo(calls=3, traced_once=1)
     assert any(n.target is torch.ops.aten.mm.default for n in once.graph.nodes)
     params = dict(model.named_parameters())
     torch.testing.assert_close(_run(once, params, {}, x)[0], model(x).sum(), rtol=1e-12, atol=1e-12)
@@ -334,7 +334,7 @@ def test_calls_that_cannot_be_copies_trace_as_in_full(kind, how, copies):
     model = _Blocks(kind, how)
     x = torch.randn(2, 5, D)
     full, once = (trace(copy.deepcopy(model), (x,), loss="none", reuse=r) for r in (False, True))
-    assert once.meta["gf_outlined"]["calls"] == copies
+    assert once.meta[OUTLINED].calls == copies
     assert _ops(once) == _ops(full)
     with torch.no_grad():
         want = model(x)
@@ -350,7 +350,7 @@ def test_shared_submodules_keep_their_first_path_and_stay_parameters():
     model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(D), shared, nn.ReLU()) for _ in range(3)])
     x = torch.randn(2, D)
     full, once = _same_graph(model, x, loss="none")
-    assert once.meta["gf_outlined"]["calls"] == 3
+    assert once.meta[OUTLINED].calls == 3
     assert {n.meta[MODULE] for n in once.graph.nodes if "addmm" in str(n.target)} == {"0.1"}
     twice = nn.Sequential(shared, nn.ReLU(), shared)
     for _ in range(2):

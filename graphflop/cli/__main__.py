@@ -1,0 +1,7 @@
+"""``python -m graphflop.cli``: the command line."""
+
+import sys
+
+from graphflop.cli import main
+
+sys.exit(main())

@@ -1,0 +1,3 @@
+"""Model → core-ATen ``torch.fx`` graph on fake tensors: tracing (:mod:`.trace`), module scopes,
+outlining of repeated blocks (:mod:`.outline`) and the ``torch.export`` form (:func:`from_exported`).
+"""

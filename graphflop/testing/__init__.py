@@ -1,0 +1,1 @@
+"""Test support importable by tests and tools: the op database (:mod:`.opdb`)."""
