@@ -326,6 +326,11 @@ def fake_mode_of(values) -> object | None:
     return None
 
 
+def graph_fake_mode(gm: torch.fx.GraphModule) -> object | None:
+    """The FakeTensorMode of ``gm``'s node values (see :func:`fake_mode_of`)."""
+    return fake_mode_of([n.meta["val"] for n in gm.graph.nodes if "val" in n.meta])
+
+
 def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
     """A GraphModule whose Python code is generated when first needed (called, or ``.code``
     read), not when it is made: code generation costs about 0.2 s per 5,000 nodes and most
