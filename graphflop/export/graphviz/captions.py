@@ -1,0 +1,99 @@
+"""Text shared by both levels: the title (from the summary's totals), the legend, times."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphflop.export.graphviz import facts
+from graphflop.export.graphviz.palette import (
+    COLORMAP,
+    GHOST_COLOUR,
+    PARAM_COLOUR,
+    RESIDUAL_COLOUR,
+    FlopScale,
+    role_colour,
+)
+from graphflop.export.graphviz.scene import Legend, LegendItem
+from graphflop.export.report import human, human_bytes
+
+
+def time_text(s: float | None) -> str:
+    """Seconds as ``1.23 s`` / ``4.56 ms`` / ``789 µs`` (``–`` for None)."""
+    if s is None:
+        return "–"
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def legend(scale: FlopScale, what: str, roles: list[str], items: list[LegendItem]) -> Legend:
+    """The legend: ``what`` the fill measures on ``scale``, the ``roles`` drawn, ``items``."""
+    return Legend(
+        what=what,
+        colormap=COLORMAP,
+        ticks=tuple((c, human(v)) for c, v in scale.ticks()),
+        roles=tuple((r, role_colour(r)) for r in roles),
+        items=tuple(items),
+    )
+
+
+def legend_items(ghost_words: list[str], residuals: bool, params: bool) -> list[LegendItem]:
+    """Legend lines for the ghosts (``pruned``, ``skipped``), residual edges and parameters."""
+    out = [
+        LegendItem(f"dashed grey: {w} work (not emitted) with the FLOPs it saved", GHOST_COLOUR)
+        for w in ghost_words
+    ]
+    if residuals:
+        out.append(
+            LegendItem(
+                ": residual saved for backward, with bytes (what forward mode does not keep)",
+                RESIDUAL_COLOUR,
+                lead="wine edge",
+            )
+        )
+    if params:
+        out.append(LegendItem("grey rounded: parameter / input", PARAM_COLOUR))
+    return out
+
+
+def title(analysis: Any, graph: str, level: str) -> str:
+    """Two lines: model, input shapes, picture; then the totals of the phases drawn."""
+    s = facts.summary(analysis)
+    t = s.get("totals", {})
+    name = s.get("model") or getattr(analysis, "name", "model")
+    inputs = ", ".join("×".join(map(str, i["shape"])) for i in s.get("inputs", []))
+    f = t.get("forward", {}).get("flops")
+    line = [f"forward {human(f)} FLOPs"] if f is not None else []
+    if graph in ("backward", "train", "all") and "backward" in t:
+        line += _backward_totals(s, graph)
+    if graph in ("jvp", "all") and "jvp" in t:
+        j = t["jvp"]
+        line.append(
+            f"JVP tangent {human(j['flops'])} (skipped {human(j['skipped_flops'])}, "
+            f"tangents on {j['tangents']})"
+        )
+        r = s.get("ratios", {})
+        if r.get("jvp_forward") is not None:
+            line.append(f"jvp/fwd {r['jvp_forward']:.2f}")
+    head = f"{name}  [{inputs}]  — {graph} graph, {level} level"
+    return "\n".join([head, " · ".join(line)])
+
+
+def _backward_totals(s: dict[str, Any], graph: str) -> list[str]:
+    t = s.get("totals", {})
+    r = s.get("ratios", {})
+    m = s.get("memory", {})
+    b = t["backward"]
+    line = [
+        f"backward {human(b['flops'])} (input {human(b['grad_input_flops'])}, "
+        f"weight {human(b['grad_weight_flops'])}, pruned {human(b['pruned_flops'])})"
+    ]
+    if graph != "backward" and "update" in t:
+        line.append(f"update {human(t['update']['flops'])} ({t['update']['optimizer']})")
+    if r.get("backward_forward") is not None:
+        line.append(f"(bwd+upd)/fwd {r['backward_forward']:.2f}")
+    if m.get("saved_for_backward_bytes") is not None:
+        line.append(f"saved for backward {human_bytes(m['saved_for_backward_bytes'])}")
+    return line

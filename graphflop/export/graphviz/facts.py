@@ -1,0 +1,221 @@
+"""Analysis facts the pictures need that the analysis does not report (yet).
+
+Everything here is read from the graphs' node annotations (``val``, ``MODULE``, ``SOURCE``,
+``KIND``, ``RESIDUAL``, ``PARAM``, ``GHOSTS``, PyTorch's ``nn_module_stack``) or from
+``analysis.summary`` (only through :func:`summary`). Nothing is written. These are the
+computations a typed analysis report should take over; the builders then read that report instead:
+
+* :func:`summary` / :func:`layer_rows` / :func:`loss_kind`: the summary dict (one accessor);
+* :func:`picture_flops`, :func:`grad_input_flops`: per-layer FLOP sums for one picture;
+* :func:`saved_bytes`: bytes of forward values the backward reads, per module;
+* :func:`ghost_flops`: pruned / skipped FLOPs per (module, role);
+* :func:`forward_modules`, :func:`own_ops`, :func:`forward_reads`: modules in forward order,
+  a parent module's own op names, the forward data flow between modules;
+* :func:`module_types`: module class names;
+* :func:`incoming_cotangent`: the cotangent that reached a forward node's backward;
+* :func:`param_gradients`: each parameter's gradient node in the backward's output;
+* :func:`shape_of`, :func:`bytes_of`, :func:`numel`, :func:`op_short`: per-value readers;
+* :func:`count_call_nodes`: call nodes in some graphs (the ``auto`` level's measure).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from graphflop.meta import GHOSTS, KIND, MODULE, PARAM, RESIDUAL, SIGNATURE, SOURCE
+
+#: residual kinds that are not forward values (a parameter or buffer, or derived from one)
+PARAM_RESIDUALS = ("param", "buffer", "param_derived")
+
+
+# -- the summary: one accessor ---------------------------------------------------------------
+
+
+def summary(analysis: Any) -> dict[str, Any]:
+    """``analysis.summary`` (``{}`` when absent): the only read of the summary dict."""
+    return analysis.summary or {}
+
+
+def layer_rows(analysis: Any) -> dict[str, dict[str, Any]]:
+    """Module path → its layer row of the summary (``""`` for ``(model)``)."""
+    out = {}
+    for row in summary(analysis).get("layers", []):
+        out["" if row["name"] == "(model)" else row["name"]] = row
+    return out
+
+
+def loss_kind(analysis: Any) -> str:
+    """The loss's name (``cross_entropy``, ...), or ``loss``."""
+    return summary(analysis).get("loss") or "loss"
+
+
+def picture_flops(row: dict[str, Any], graph: str) -> int:
+    """A layer row's FLOPs in the phases picture ``graph`` draws (the module box's fill)."""
+    f = row.get("forward_flops", 0)
+    if graph == "forward":
+        return f
+    if graph == "backward":
+        return row.get("backward_flops", 0)
+    if graph == "jvp":
+        return f + row.get("jvp_flops", 0)
+    total = f + row.get("backward_flops", 0) + row.get("update_flops", 0)
+    return total + (row.get("jvp_flops", 0) if graph == "all" else 0)
+
+
+def grad_input_flops(row: dict[str, Any]) -> int:
+    """A layer row's input-gradient FLOPs, gradient accumulation included."""
+    return row.get("grad_input_flops", 0) + row.get("grad_accum_flops", 0)
+
+
+# -- per value -------------------------------------------------------------------------------
+
+
+def shape_of(v: Any) -> str:
+    """``2×3`` for a tensor ``val`` ("scalar" for 0-d, "–" for none, joined for tuples)."""
+    if isinstance(v, torch.Tensor):
+        return "×".join(map(str, v.shape)) if v.dim() else "scalar"
+    if isinstance(v, (tuple, list)):
+        return ", ".join(shape_of(x) for x in v if isinstance(x, torch.Tensor)) or "–"
+    return "–"
+
+
+def bytes_of(v: Any) -> int:
+    """Bytes of a tensor ``val`` (summed over tuples; 0 for anything else)."""
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, (tuple, list)):
+        return sum(bytes_of(x) for x in v)
+    return 0
+
+
+def numel(v: Any) -> int:
+    """Elements of a tensor ``val`` (0 for anything else)."""
+    return v.numel() if isinstance(v, torch.Tensor) else 0
+
+
+def op_short(target: Any) -> str:
+    """``aten.convolution.default`` → ``convolution``; ``operator.getitem`` → ``getitem``."""
+    if isinstance(target, str):
+        parts = target.split(".")
+        return parts[1] if len(parts) >= 3 and parts[0] == "aten" else parts[-1]
+    name = getattr(target, "__name__", None) or str(target)
+    return name.split(".")[0]
+
+
+# -- per graph -------------------------------------------------------------------------------
+
+
+def count_call_nodes(analysis: Any, keys: tuple[str, ...]) -> int:
+    """``call_function`` nodes in the analysis's graphs named ``keys`` (absent graphs: 0)."""
+    total = 0
+    for k in keys:
+        gm = getattr(analysis, k, None)
+        if gm is not None:
+            total += sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    return total
+
+
+def module_types(gm: Any) -> dict[str, str]:
+    """Module path → class name, from PyTorch's ``nn_module_stack`` (absent → no entry)."""
+    out: dict[str, str] = {}
+    for n in gm.graph.nodes:
+        path = n.meta.get(MODULE)
+        stack = n.meta.get("nn_module_stack")
+        if path is None or path in out or not stack:
+            continue
+        try:
+            typ = list(stack.values())[-1][1]
+        except (IndexError, TypeError):
+            continue
+        name = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+        out[path] = name.rsplit(".", 1)[-1]
+    return out
+
+
+def incoming_cotangent(gm: Any, source: str) -> str | None:
+    """Name of the cotangent that reached ``source``'s backward nodes from outside them."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.meta.get(SOURCE) != source:
+            continue
+        for u in n.all_input_nodes:
+            if u.meta.get(SOURCE) != source and u.meta.get(KIND) == "cotangent":
+                return u.name
+    return None
+
+
+def ghost_flops(gm: Any) -> dict[tuple[str, str], int]:
+    """(module path, role) → FLOPs of the graph's ghosts (work not emitted), in record order."""
+    per: dict[tuple[str, str], int] = defaultdict(int)
+    for g in gm.meta.get(GHOSTS, []):
+        per[(g.module, g.role)] += g.cost.flops
+    return per
+
+
+def saved_bytes(analysis: Any) -> dict[str, int]:
+    """Module → bytes of its forward values (activations, inputs) the backward reads."""
+    out: dict[str, int] = defaultdict(int)
+    if analysis.backward is None:
+        return out
+    for n in analysis.backward.graph.nodes:
+        kind = n.meta.get(RESIDUAL)
+        if n.op == "placeholder" and kind is not None and kind not in PARAM_RESIDUALS:
+            out[n.meta.get(MODULE, "")] += bytes_of(n.meta.get("val"))
+    return out
+
+
+def param_gradients(analysis: Any) -> dict[str, str]:
+    """Parameter qualified name → the backward output node holding its gradient."""
+    if analysis.backward is None:
+        return {}
+    out = next(n for n in analysis.backward.graph.nodes if n.op == "output")
+    return {v.meta[PARAM]: v.name for v in out.args[0] if hasattr(v, "meta") and v.meta.get(PARAM)}
+
+
+def forward_modules(analysis: Any) -> list[str]:
+    """Module paths with call nodes in the forward graph, in forward order."""
+    order: dict[str, None] = {}
+    for n in analysis.forward.graph.nodes:
+        if n.op == "call_function":
+            order.setdefault(n.meta.get(MODULE, ""), None)
+    return list(order)
+
+
+def own_ops(analysis: Any, parents: set[str]) -> dict[str, list[str]]:
+    """Parent module → the distinct op names of its own forward ops (views left out)."""
+    ops: dict[str, list[str]] = defaultdict(list)
+    for n in analysis.forward.graph.nodes:
+        m = n.meta.get(MODULE, "")
+        if n.op == "call_function" and m in parents:
+            name = op_short(n.target)
+            if name not in ops[m] and name not in ("getitem", "view", "reshape"):
+                ops[m].append(name)
+    return dict(ops)
+
+
+def model_inputs(gm: Any) -> set[str]:
+    """Names of the model-input placeholders (the signature's ``inputs``)."""
+    sig = gm.meta.get(SIGNATURE)
+    return set(sig.inputs) if sig else set()
+
+
+def forward_reads(analysis: Any) -> Iterator[tuple[tuple[str, str], str, int]]:
+    """Each read of a model input or a call node's value by a forward call node:
+    (``("input", name)`` or ``("module", path)`` of the value, reading module, value bytes)."""
+    fwd = analysis.forward
+    inputs = model_inputs(fwd)
+    where: dict[str, tuple[str, str]] = {}
+    for n in fwd.graph.nodes:
+        if n.op == "placeholder" and n.name in inputs:
+            where[n.name] = ("input", n.name)
+        elif n.op == "call_function":
+            where[n.name] = ("module", n.meta.get(MODULE, ""))
+    for n in fwd.graph.nodes:
+        if n.op != "call_function":
+            continue
+        for u in n.all_input_nodes:
+            if u.name in where:
+                yield where[u.name], n.meta.get(MODULE, ""), bytes_of(u.meta.get("val"))

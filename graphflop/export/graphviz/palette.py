@@ -1,0 +1,66 @@
+"""Colours of the pictures: the role palette and the FLOP fill scale (no Graphviz here).
+
+Role colours: the Okabe & Ito (2008) colour-blind-safe palette, plus wine and olive from Paul
+Tol's. FLOP fills: matplotlib's perceptually uniform ``viridis``, on a log10 scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: role → colour: Okabe & Ito (2008) colour-blind-safe palette, plus wine and olive (Tol).
+ROLE_COLOURS = {
+    "forward": "#000000",
+    "loss": "#999933",
+    "grad_input": "#D55E00",
+    "grad_weight": "#E69F00",
+    "grad_accum": "#CC79A7",
+    "update": "#009E73",
+    "tangent_from_input": "#56B4E9",
+    "tangent_from_param": "#0072B2",
+    "direction": "#F0E442",
+}
+RESIDUAL_COLOUR = "#882255"
+GHOST_COLOUR = "#8C8C8C"
+PARAM_COLOUR = "#7F7F7F"
+#: a box with no FLOPs, and the background of every label
+WHITE = "#FFFFFF"
+COLORMAP = "viridis"
+
+
+def role_colour(role: str) -> str:
+    """The colour of ``role`` (black for a role outside :data:`ROLE_COLOURS`)."""
+    return ROLE_COLOURS.get(role, "#000000")
+
+
+class FlopScale:
+    """log10(FLOPs) → viridis hex colour, over [lo, hi] FLOPs (the non-zero values given)."""
+
+    def __init__(self, values: list[int]):
+        from matplotlib import colormaps
+        from matplotlib.colors import to_hex
+
+        self._cmap = colormaps[COLORMAP]
+        self._hex = to_hex
+        nz = [v for v in values if v > 0]
+        self.lo = min(nz) if nz else 1
+        self.hi = max(nz) if nz else 1
+
+    def t(self, flops: int) -> float:
+        """Position of ``flops`` on the scale, 0 (lo) to 1 (hi), clamped."""
+        a, b = math.log10(self.lo), math.log10(self.hi)
+        return 1.0 if b <= a else min(1.0, max(0.0, (math.log10(flops) - a) / (b - a)))
+
+    def colour(self, flops: int) -> str:
+        """Fill colour for ``flops`` (white for none)."""
+        if flops <= 0:
+            return WHITE
+        return self._hex(self._cmap(self.t(flops))).upper()
+
+    def ticks(self, n: int = 6) -> list[tuple[str, int]]:
+        """``n`` evenly spaced (log) stops: (colour, FLOPs)."""
+        if self.hi <= self.lo:
+            return [(self.colour(self.hi), self.hi)]
+        a, b = math.log10(self.lo), math.log10(self.hi)
+        stops = [10 ** (a + (b - a) * i / (n - 1)) for i in range(n)]
+        return [(self.colour(int(round(s))), int(round(s))) for s in stops]
