@@ -1,4 +1,5 @@
-"""Graphviz renders: every graph kind through the real ``dot`` to SVG, checked in the SVG text.
+"""Graphviz renders: every graph kind through the real ``dot`` to SVG, checked in the SVG text;
+the "what to draw" scenes checked without Graphviz.
 
 What the pictures must show (the render issue): the first layer's pruned input gradient as a
 ghost node with its FLOPs, backward and tangent nodes in their role colours, residual edges from
@@ -7,13 +8,16 @@ forward values to the backward nodes reading them with their bytes, and a legend
 
 from __future__ import annotations
 
+import re
 import shutil
 import struct
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 from conftest import analysis
 
+import graphflop.export.graphviz as gv
 from graphflop.export.graphviz import (
     GRAPHS,
     NO_DOT,
@@ -22,6 +26,10 @@ from graphflop.export.graphviz import (
     count_op_nodes,
     render,
 )
+from graphflop.export.graphviz.draw import card_html, legend_html, stat_card_html
+from graphflop.export.graphviz.module_level import module_scene
+from graphflop.export.graphviz.op_level import op_scene
+from graphflop.export.graphviz.scene import Card, Legend, LegendItem, Stat, StatCard
 from graphflop.export.report import human, human_bytes
 from graphflop.meta import GHOSTS
 
@@ -227,3 +235,64 @@ def test_render_only_reads():
         render(a, graph=graph, level="op")
         render(a, graph=graph, level="module")
     assert snapshot() == before
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m[0])
+def test_op_scene_without_graphviz(model):
+    """The "what to draw" layer alone: the train picture as boxes and edges, no ``dot``."""
+    name, batch = model
+    a = analysis(name, batch)
+    scene = op_scene(a, "train", {}, collapse_loss=True)
+    boxes = {b.id: b for b in scene.boxes}
+    assert len(boxes) == len(scene.boxes)  # ids are unique
+    assert all(e.src in boxes and e.dst in boxes for e in scene.edges)
+    module, flops, shown = FIRST_LAYER[model]
+    g = _first_layer_ghost(a, "backward", module)
+    ghost = boxes[f"b_{g.name}"]
+    assert (ghost.kind, ghost.role, ghost.module, ghost.phase) == (
+        "ghost",
+        "grad_input",
+        module,
+        "backward",
+    )
+    assert ghost.label.headline == f"pruned: {shown} FLOPs"
+    # the first ReLU's output: one residual edge per backward reader, its bytes printed once
+    saved = f"saved {human_bytes(FIRST_RELU_BYTES[model])}"
+    assert saved in {e.label for e in scene.edges if e.style == "residual"}
+    assert {b.phase for b in scene.boxes} == {"forward", "backward"}
+    assert [p.name for p in scene.phases] == ["forward", "backward"]
+    assert scene.legend is not None and ("update", ROLE_COLOURS["update"]) in scene.legend.roles
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m[0])
+def test_module_scene_without_graphviz(model):
+    name, batch = model
+    a = analysis(name, batch)
+    module, flops, shown = FIRST_LAYER[model]
+    scene = module_scene(a, "all", {module: 0.00123})
+    boxes = {b.id: b for b in scene.boxes}
+    layer = next(L for L in a.summary["layers"] if L["name"] == module)
+    stats = {s.key: s.value for s in boxes["m_" + module.replace(".", "_")].label.stats}
+    assert stats["fwd"] == human(layer["forward_flops"]) and stats["time"] == "1.23 ms"
+    relu = boxes["m_" + FIRST_RELU[model].replace(".", "_")].label.stats
+    assert Stat("#882255", "saved", human_bytes(FIRST_RELU_BYTES[model])) in relu
+    notes = {b.label for b in scene.boxes if b.kind == "ghost_note"}
+    assert f"pruned: {shown} FLOPs\ngrad_input of {module}" in notes
+    assert f"skipped: {shown} FLOPs\ntangent_from_input of {module}" in notes
+
+
+def test_only_draw_imports_graphviz():
+    pkg = Path(gv.__file__).parent
+    pattern = re.compile(r"^\s*(import graphviz|from graphviz )", re.M)
+    users = sorted(p.name for p in pkg.glob("*.py") if pattern.search(p.read_text()))
+    assert users == ["draw.py"]
+
+
+def test_labels_escape_text():
+    card = card_html(Card("a<b", " · x&y", "#000000", "#FFFFFF", ('"q"',)))
+    assert "<B>a&lt;b</B> · x&amp;y" in card and "&quot;q&quot;" in card
+    stats = stat_card_html(StatCard("m<", "T>", "#000000", (Stat(None, "k&", "v<"),)))
+    assert "m&lt;" in stats and "T&gt;" in stats and "k&amp;" in stats and "v&lt;" in stats
+    assert '<TD COLSPAN="3"></TD>' in stats  # an odd stat fills its row
+    legend = legend_html(Legend("x<y", "viridis", (), (), (LegendItem("a&b", "#123456", "<"),)))
+    assert "fill: x&lt;y" in legend and '<FONT COLOR="#123456"><B>&lt;</B>a&amp;b</FONT>' in legend
