@@ -7,7 +7,8 @@ whose tensor arguments are ghosts (and no real tangent) into another ghost and r
 :class:`~graphflop.meta.Ghost` of the work saved, so it can be reported.
 
 :func:`is_ghost` is the one check for a ghost; nothing else should test for the type.
-:class:`GhostLinks` is the frozen value of ``gm.meta[GHOST_LINKS]`` on a JVP graph.
+:class:`~graphflop.meta.GhostLinks` (the frozen value of ``gm.meta[GHOST_LINKS]`` on a JVP graph)
+is re-exported here.
 
 Writes no meta key itself; a ghost's ``meta`` mapping mirrors the two keys rules read from graph
 values (``val`` and ``PARAM_DERIVED``).
@@ -16,13 +17,12 @@ values (``val`` and ``PARAM_DERIVED``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.fx import Node
+from graphflop.meta import PARAM_DERIVED, Ghost, GhostLinks
 
-from graphflop.meta import PARAM_DERIVED, Ghost
+__all__ = ["GHOST_KINDS", "GhostLinks", "GhostValue", "ghost_ids", "is_ghost"]
 
 #: numbering of ghosts (``ghost_<n>``), shared by every builder in the process
 ghost_ids = itertools.count()
@@ -76,37 +76,3 @@ class GhostValue:
 def is_ghost(a: Any) -> bool:
     """True when ``a`` is a :class:`GhostValue` (the one ghost check)."""
     return isinstance(a, GhostValue)
-
-
-@dataclass(frozen=True)
-class GhostLinks:
-    """Real tangent node → the ghosts a tangent sum dropped into it (``gm.meta[GHOST_LINKS]``).
-
-    A sum ``real + ghost`` is emitted as ``real``; in the transpose the ghost would receive the
-    same cotangent as ``real``, which is how the pruned work it stands for is recorded.
-
-    Attributes:
-        links: (real node, ghosts) pairs, in the order the first ghost was dropped.
-    """
-
-    links: tuple[tuple[Node, tuple[GhostValue, ...]], ...] = ()
-    _index: dict = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_index", dict(self.links))
-
-    @classmethod
-    def of(cls, links: dict[Node, list[GhostValue]]) -> GhostLinks:
-        """Frozen copy of a builder's ``{node: [ghost, ...]}`` record."""
-        return cls(tuple((n, tuple(gs)) for n, gs in links.items()))
-
-    def items(self) -> Iterator[tuple[Node, tuple[GhostValue, ...]]]:
-        """The (real node, ghosts) pairs, as ``dict.items`` gives them."""
-        return iter(self.links)
-
-    def get(self, node: Any, default: tuple[GhostValue, ...] = ()) -> tuple[GhostValue, ...]:
-        """The ghosts dropped into ``node`` (``default`` when none)."""
-        return self._index.get(node, default)
-
-    def __bool__(self) -> bool:
-        return bool(self.links)

@@ -15,7 +15,7 @@ Writes ``KIND``, ``ROLE`` (``tangent_from_input``/``tangent_from_param``), ``SOU
 ``PARAM_DERIVED`` on new nodes (through the builder's rule context); ``gm.meta[GHOSTS]`` (list of
 :class:`~graphflop.meta.Ghost`), ``gm.meta[SIGNATURE]``, ``gm.meta[JVP]`` (:class:`JvpInfo`),
 ``gm.meta[JVP_LOG]`` (tuple of the tangent nodes and ghosts emitted, in order: what the transpose
-replays in reverse), ``gm.meta[GHOST_LINKS]`` (:class:`~graphflop.ad.ghost.GhostLinks`),
+replays in reverse), ``gm.meta[GHOST_LINKS]`` (:class:`~graphflop.meta.GhostLinks`),
 ``gm.meta[LOSS_KIND]``.
 """
 
@@ -29,7 +29,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.builder import Builder
-from graphflop.ad.ghost import GhostLinks, GhostValue, is_ghost
+from graphflop.ad.ghost import GhostValue, is_ghost
 from graphflop.meta import (
     GHOST_LINKS,
     GHOSTS,
@@ -44,6 +44,7 @@ from graphflop.meta import (
     SIGNATURE,
     SOURCE,
     Ghost,
+    GhostLinks,
     JvpInfo,
     Signature,
     fake_mode_of,
@@ -133,8 +134,8 @@ def build_jvp(
 
     lin = _Linearizer(forward)
     tangent_inputs = lin.placeholders(carry, ghostly=(params | inputs) - carry, params=params)
-    out_node = lin.propagate(_needed(forward.graph, diff_out))
-    primal_outs = [lin.env[o] if isinstance(o, Node) else o for o in out_node.args[0]]
+    outs = lin.propagate(_needed(forward.graph, diff_out))
+    primal_outs = [lin.env[o] if isinstance(o, Node) else o for o in outs]
     tangent_outs = [lin.output_tangent(d) for d in diff_out]
     lin.graph.output(tuple(primal_outs + tangent_outs))
 
@@ -196,9 +197,9 @@ class _Linearizer:
                 self.tan[n] = GhostValue(n.meta["val"], param_derived=n.name in params)
         return tangent_inputs
 
-    def propagate(self, needed: set[Node]) -> Node:
+    def propagate(self, needed: set[Node]) -> tuple[Any, ...]:
         """Copy every forward node and emit the tangents of those in ``needed``, in forward
-        order. Returns the forward's output node."""
+        order. Returns the forward's outputs (the output node's values)."""
         out_node = None
         for n in self.forward.graph.nodes:
             if n.op == "placeholder":
@@ -213,9 +214,10 @@ class _Linearizer:
                     self.env[u] = self._copy(u)
             if n in needed:
                 self._tangent(n)
-        if out_node is None:
-            raise ValueError("the forward graph has no output node")
-        return out_node
+        outs = out_node.args[0] if out_node is not None else None
+        if not isinstance(outs, (tuple, list)):
+            raise ValueError("the forward graph has no output node returning a tuple")
+        return tuple(outs)
 
     def _tangent(self, n: Node) -> None:
         """Emit the tangent of forward node ``n`` with its JVP rule (nothing for a symbolic

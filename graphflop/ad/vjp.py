@@ -30,7 +30,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.builder import Builder
-from graphflop.ad.ghost import GhostLinks, GhostValue, is_ghost
+from graphflop.ad.ghost import GhostValue, is_ghost
 from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
     GHOST_LINKS,
@@ -47,6 +47,7 @@ from graphflop.meta import (
     SIGNATURE,
     SOURCE,
     VJP,
+    GhostLinks,
     Signature,
     VjpInfo,
     fake_mode_of,
@@ -115,7 +116,9 @@ class TransposeBuilder(Builder):
         if kind == "coef":
             args = tuple(self._import_tree(x) for x in a.args)
             kwargs = {k: self._import_tree(v) for k, v in a.kwargs.items()}
-            node = self.graph.call_function(a.target, args, kwargs)
+            target = a.target
+            assert callable(target), a.format_node()  # coefficients are call_function nodes
+            node = self.graph.call_function(target, args, kwargs)
             node.meta.update(graphflop_meta(a.meta))
             node.meta["val"] = a.meta["val"]
             node.meta[KIND] = "coef"
