@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from graphflop.meta import PARAM_DERIVED, Ghost, GhostLinks
 
@@ -73,6 +73,6 @@ class GhostValue:
         object.__setattr__(self, "meta", meta)
 
 
-def is_ghost(a: Any) -> bool:
+def is_ghost(a: Any) -> TypeGuard[GhostValue]:
     """True when ``a`` is a :class:`GhostValue` (the one ghost check)."""
     return isinstance(a, GhostValue)

@@ -256,11 +256,14 @@ def _key(v: Any) -> Any:
 def _transpose(b: TransposeBuilder, entry: Node | GhostValue, c: Any, ct: dict[Any, Any]) -> None:
     """Apply ``entry``'s transpose rule to its cotangent ``c``, once per linear argument, adding
     each argument's cotangent into ``ct`` (role ``grad_accum`` where one is already there)."""
-    ghost = is_ghost(entry)
-    if isinstance(entry, GhostValue):
-        op, source, module = entry.op, entry.record.source, entry.record.module  # type: ignore[union-attr]
-    else:
+    if isinstance(entry, Node):
         op, source, module = entry.target, entry.meta.get(SOURCE, ""), entry.meta.get(MODULE, "")
+        ghost = False
+    elif entry.record is not None:  # a ghost: the transpose of work that was not emitted
+        op, source, module = entry.op, entry.record.source, entry.record.module
+        ghost = True
+    else:
+        raise ValueError(f"{entry.name} in the JVP log has no Ghost record")
     args, kwargs = entry.args, entry.kwargs
     rule = lookup(op, need=("transpose",), node=entry.name)
     transpose = rule.transpose
