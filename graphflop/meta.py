@@ -36,9 +36,11 @@ Graph keys (``gm.meta``)
     :data:`GHOSTS`       list of :class:`Ghost`: work that was not emitted (symbolic zeros, pruned
                          cotangents), with what it would have cost.
     :data:`JVP`          :class:`JvpInfo` of a JVP graph.
-    :data:`JVP_LOG`      the JVP builder's record (primal node, rule inputs, emitted tangents) that
-                         the transpose pass replays in reverse.
-    :data:`GHOST_LINKS`  ghost name → the tangent nodes it would have fed (JVP graphs).
+    :data:`JVP_LOG`      tuple of the tangent nodes and ghosts (``graphflop.ad.ghost.GhostValue``)
+                         the JVP builder emitted, in order; the transpose pass replays it in
+                         reverse.
+    :data:`GHOST_LINKS`  :class:`GhostLinks`: real tangent node → the ghosts a tangent sum dropped
+                         into it (JVP graphs).
     :data:`VJP`          :class:`VjpInfo` of a backward graph.
     :data:`LINEARIZED`   on a backward graph: the JVP graph it is the transpose of.
     :data:`UPDATE`       :class:`UpdateInfo` of an update graph (and of graphs that inline one).
@@ -50,7 +52,9 @@ Graph keys (``gm.meta``)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -280,6 +284,41 @@ class ForwardGradientInfo:
     directions: int
     distribution: str
     direction_inputs: bool
+
+
+@dataclass(frozen=True)
+class GhostLinks:
+    """Real tangent node → the ghosts a tangent sum dropped into it (``gm.meta[GHOST_LINKS]``).
+
+    A sum ``real + ghost`` is emitted as ``real``; in the transpose the ghost would receive the
+    same cotangent as ``real``, which is how the pruned work it stands for is recorded.
+
+    Attributes:
+        links: (real node, ghosts) pairs, in the order the first ghost was dropped into each;
+            the ghosts are ``graphflop.ad.ghost.GhostValue``.
+    """
+
+    links: tuple[tuple[torch.fx.Node, tuple[Any, ...]], ...] = ()
+    _index: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", dict(self.links))
+
+    @classmethod
+    def of(cls, links: dict[torch.fx.Node, list[Any]]) -> GhostLinks:
+        """Frozen copy of a builder's ``{node: [ghost, ...]}`` record."""
+        return cls(tuple((n, tuple(gs)) for n, gs in links.items()))
+
+    def items(self) -> Iterator[tuple[torch.fx.Node, tuple[Any, ...]]]:
+        """The (real node, ghosts) pairs, as ``dict.items`` gives them."""
+        return iter(self.links)
+
+    def get(self, node: Any, default: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+        """The ghosts dropped into ``node`` (``default`` when none)."""
+        return self._index.get(node, default)
+
+    def __bool__(self) -> bool:
+        return bool(self.links)
 
 
 @dataclass(frozen=True)

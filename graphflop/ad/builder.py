@@ -1,98 +1,167 @@
 """Emitting nodes from derivative rules: the ``b`` that JVP and transpose rules call.
 
 A builder appends ``call_function`` nodes to an fx graph, computing each node's ``val`` by running
-the op on FakeTensors (no real memory) and tagging it with ``KIND``, ``ROLE``,
-``SOURCE``, ``MODULE`` and ``PARAM_DERIVED``.
+the op on FakeTensors (no real memory) and tagging it with ``KIND``, ``ROLE``, ``SOURCE``,
+``MODULE`` and ``PARAM_DERIVED``. Provenance comes from the builder's :class:`RuleContext`, set for
+the rules of one forward node with :meth:`Builder.context`::
+
+    with b.context(source=n.name, module=n.meta[MODULE]):
+        t = rule.jvp(b, out, args, tangents, kwargs)
 
 Work that is not needed is not emitted but recorded as a :class:`~graphflop.meta.Ghost`: a call
-whose tensor arguments include a :class:`GhostValue` and no real tangent produces a ghost. Ghosts
-stand for symbolic zeros that would have been non-zero had the value required a gradient (the
-model input's tangent, the first layer's input cotangent), so the work saved can be reported.
+whose tensor arguments include a :class:`~graphflop.ad.ghost.GhostValue` and no real tangent (or
+any call made in a context with ``ghost=True``) produces a ghost. Ghosts stand for symbolic zeros
+that would have been non-zero had the value required a gradient (the model input's tangent, the
+first layer's input cotangent), so the work saved can be reported.
+
+Writes on every emitted node: ``val``, ``KIND``, ``ROLE``, ``SOURCE``, ``MODULE``,
+``PARAM_DERIVED``. Reads ``KIND`` and ``PARAM_DERIVED`` of the arguments.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import operator
 import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.fx import Graph, Node
 
 from graphflop.ad._tree import leaves, meta_key, tree_map
+from graphflop.ad.ghost import GhostValue, ghost_ids, is_ghost
 from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost
 from graphflop.ops.shape import reduced_dims
 from graphflop.passes.flops import op_cost, value_of
 
+__all__ = ["Builder", "GhostValue", "RuleContext", "is_ghost"]
+
 aten = torch.ops.aten
-_ghost_ids = itertools.count()
 
 
-class GhostValue:
-    """A value that was not computed; ``val`` is its FakeTensor, ``record`` its Ghost."""
+@dataclass(frozen=True)
+class RuleContext:
+    """What the nodes a rule emits are tagged with.
 
-    is_ghost = True
+    Attributes:
+        source: ``SOURCE`` of emitted nodes: the forward node the rule is for.
+        module: ``MODULE`` of emitted nodes: that node's ``nn.Module`` path.
+        role: ``ROLE`` of emitted nodes (builders may refine it, see :meth:`Builder.role_for`).
+        param_derived: the forward node is computed from parameters only (JVP builders give its
+            coefficients the role ``tangent_from_param``).
+        ghost: emit nothing: every call returns a ghost (work that is pruned).
+    """
 
-    def __init__(
-        self,
-        val: Any,
-        op: Any = None,
-        args: tuple = (),
-        kwargs: dict | None = None,
-        record: Ghost | None = None,
-        param_derived: bool = False,
-        kind: str = "tangent",
-    ):
-        self.val = val
-        self.kind = kind  # "tangent" (linear in the tangents) or "coef" (primal-only)
-        self.op = op
-        self.args = args
-        self.kwargs = kwargs or {}
-        self.record = record
-        self.param_derived = param_derived
-        self.name = record.name if record else f"ghost_{next(_ghost_ids)}"
-        self.meta = {"val": val, PARAM_DERIVED: param_derived}
-
-
-def is_ghost(a: Any) -> bool:
-    return getattr(a, "is_ghost", False)
+    source: str = ""
+    module: str = ""
+    role: str = "forward"
+    param_derived: bool = False
+    ghost: bool = False
 
 
 class Builder:
-    """Base builder: emission, fake propagation, ghosts and the tangent algebra helpers."""
+    """Base builder: emission, fake propagation, ghosts and the tangent algebra helpers.
+
+    Attributes:
+        graph: the fx graph nodes are appended to.
+        fake_mode: the FakeTensorMode values are computed in.
+        ghosts: the list every :class:`~graphflop.meta.Ghost` record is appended to.
+        ctx: the current :class:`RuleContext` (set with :meth:`context`).
+        log: emitted active nodes and ghosts, in order (the JVP graph's ``JVP_LOG``).
+        ghost_links: real node → ghosts that a tangent sum dropped into it (their cotangent is
+            its own; the JVP graph's ``GHOST_LINKS``).
+    """
 
     #: node kind of values that carry the linear (differentiated) data in this graph
     active_kind = "tangent"
 
-    def __init__(self, graph: Graph, fake_mode, ghosts: list[Ghost]):
+    def __init__(self, graph: Graph, fake_mode: Any, ghosts: list[Ghost]):
         self.graph = graph
         self.fake_mode = fake_mode
         self.ghosts = ghosts
-        self.log: list[Any] = []  # emitted active nodes and ghosts, in order
-        self.source = ""
-        self.module = ""
-        self.role = "forward"
-        self.param_derived = False
-        self.force_ghost = False
-        #: real node -> ghosts that a tangent sum dropped into it (their cotangent is its own)
+        self.ctx = RuleContext()
+        self.log: list[Node | GhostValue] = []
         self.ghost_links: dict[Node, list[GhostValue]] = {}
+
+    # -- rule context ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def context(self, **changes: Any) -> Iterator[RuleContext]:
+        """Within the block, emit with the current context updated by ``changes`` (fields of
+        :class:`RuleContext`); the previous context is restored on leaving.
+
+        Raises:
+            TypeError: for a name that is not a field of :class:`RuleContext`.
+        """
+        saved = self.ctx
+        self.ctx = replace(saved, **changes)
+        try:
+            yield self.ctx
+        finally:
+            self.ctx = saved
+
+    # Attribute access to the context's fields, for callers that set them one by one (the
+    # update and forward-gradient passes). Setting one replaces the context.
+    @property
+    def source(self) -> str:
+        return self.ctx.source
+
+    @source.setter
+    def source(self, value: str) -> None:
+        self.ctx = replace(self.ctx, source=value)
+
+    @property
+    def module(self) -> str:
+        return self.ctx.module
+
+    @module.setter
+    def module(self, value: str) -> None:
+        self.ctx = replace(self.ctx, module=value)
+
+    @property
+    def role(self) -> str:
+        return self.ctx.role
+
+    @role.setter
+    def role(self, value: str) -> None:
+        self.ctx = replace(self.ctx, role=value)
+
+    @property
+    def param_derived(self) -> bool:
+        return self.ctx.param_derived
+
+    @param_derived.setter
+    def param_derived(self, value: bool) -> None:
+        self.ctx = replace(self.ctx, param_derived=value)
+
+    @property
+    def force_ghost(self) -> bool:
+        return self.ctx.ghost
+
+    @force_ghost.setter
+    def force_ghost(self, value: bool) -> None:
+        self.ctx = replace(self.ctx, ghost=value)
 
     # -- hooks -------------------------------------------------------------------------------
     def import_arg(self, a: Any) -> Any:
+        """The value to use in this graph for argument ``a`` (builders over another graph's
+        values import them here)."""
         return a
 
     def kind_for(self, args_flat: list[Any]) -> str:
+        """``KIND`` of a node made from ``args_flat``: active when any argument is."""
         active = any(
             isinstance(a, Node) and a.meta.get(KIND) == self.active_kind for a in args_flat
         )
         return self.active_kind if active else "coef"
 
     def role_for(self, kind: str, args_flat: list[Any]) -> str:
-        return self.role
+        """``ROLE`` of a node of ``kind`` made from ``args_flat``: the context's role."""
+        return self.ctx.role
 
     # -- emission ----------------------------------------------------------------------------
-    def _fake(self, op, args, kwargs):
+    def _fake(self, op: Any, args: Any, kwargs: Any) -> Any:
         """The op's output as FakeTensors, from the shape cache when the same op has been run
         on arguments of the same shapes, strides and dtypes (a transformer's 48 blocks emit
         the same calls 48 times)."""
@@ -117,7 +186,7 @@ class Builder:
         flat = list(leaves((args, kwargs)))
         ghosts = [a for a in flat if is_ghost(a)]
         active = [a for a in flat if isinstance(a, Node) and a.meta.get(KIND) == self.active_kind]
-        if (ghosts and not active) or self.force_ghost:
+        if (ghosts and not active) or self.ctx.ghost:
             return self._ghost(op, args, kwargs, flat)
         if ghosts:  # a real tangent beside a ghost: the ghost is a zero here
             args = tree_map(lambda a: self.zeros_like(a) if is_ghost(a) else a, args)
@@ -129,21 +198,22 @@ class Builder:
         kind = self.kind_for(flat)
         node.meta[KIND] = kind
         node.meta[ROLE] = self.role_for(kind, flat)
-        node.meta[SOURCE] = self.source
-        node.meta[MODULE] = self.module
+        node.meta[SOURCE] = self.ctx.source
+        node.meta[MODULE] = self.ctx.module
         node.meta[PARAM_DERIVED] = _param_derived(flat)
         if kind == self.active_kind:
             self.log.append(node)
         return node
 
-    def _ghost(self, op, args, kwargs, flat) -> GhostValue:
+    def _ghost(self, op: Any, args: Any, kwargs: Any, flat: list[Any]) -> GhostValue:
         out = self._fake(op, args, kwargs)
-        name = f"ghost_{next(_ghost_ids)}"
+        name = f"ghost_{next(ghost_ids)}"
         cost = op_cost(op, args, kwargs, out)
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
         inputs = tuple(a.name for a in flat if isinstance(a, Node) or is_ghost(a))
         role = self.role_for(self.active_kind, flat)
-        rec = Ghost(name, _op_str(op), shape, self.source, self.module, role, cost, inputs)
+        ctx = self.ctx
+        rec = Ghost(name, _op_str(op), shape, ctx.source, ctx.module, role, cost, inputs)
         self.ghosts.append(rec)
         active = any(
             (isinstance(a, Node) and a.meta.get(KIND) == self.active_kind)
@@ -181,6 +251,7 @@ class Builder:
         return real
 
     def sub(self, x: Any, y: Any) -> Any:
+        """Difference of two tangents (``None`` a symbolic zero, a ghost subtracts nothing)."""
         if y is None:
             return x
         if x is None or (is_ghost(x) and not is_ghost(y)):
@@ -203,14 +274,25 @@ class Builder:
             x = self.call(aten.view.default, x, list(target))
         return x
 
+    def as_ghost(self, v: Any) -> Any:
+        """A ghost standing for ``v`` (a node), of kind ``cotangent`` when ``v`` is a cotangent
+        and ``coef`` otherwise; ``None`` and ghosts are returned as they are."""
+        if v is None or is_ghost(v):
+            return v
+        kind = "cotangent" if v.meta.get(KIND) == "cotangent" else "coef"
+        return GhostValue(v.meta["val"], param_derived=v.meta.get(PARAM_DERIVED, False), kind=kind)
+
     def full(self, shape: list[int], value: float, like: Any) -> Any:
+        """``aten.full`` of ``shape`` filled with ``value``, in ``like``'s dtype and device."""
         v = value_of(like)
         return self.call(aten.full.default, list(shape), value, dtype=v.dtype, device=v.device)
 
-    def zeros(self, shape, like: Any) -> Any:
+    def zeros(self, shape: Any, like: Any) -> Any:
+        """Zeros of ``shape`` in ``like``'s dtype and device."""
         return self.full(list(shape), 0.0, like)
 
     def zeros_like(self, a: Any) -> Any:
+        """Zeros of ``a``'s shape, dtype and device."""
         return self.zeros(tuple(value_of(a).shape), a)
 
 

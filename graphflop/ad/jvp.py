@@ -10,21 +10,26 @@ Symbolic zeros: a tangent known to be zero is ``None`` and no work is emitted fo
 that is zero only because the value was not chosen to carry one (the model input under weight
 perturbation) is a ghost: the work it would have caused is recorded in ``gm.meta[GHOSTS]``.
 
-Reads ``val``, graphflop keys (:mod:`graphflop.meta`) written by :mod:`graphflop.frontend.trace`, the rule table. Writes
-``KIND``, ``ROLE`` (``tangent_from_input``/``tangent_from_param``), ``SOURCE``,
-``MODULE``, ``PARAM_DERIVED`` on new nodes; ``gm.meta[GHOSTS]``,
-``gm.meta[SIGNATURE]``, ``gm.meta[JVP]`` (:class:`JvpInfo`).
+Reads ``val`` and the graphflop keys :mod:`graphflop.frontend.trace` writes, and the rule table.
+Writes ``KIND``, ``ROLE`` (``tangent_from_input``/``tangent_from_param``), ``SOURCE``, ``MODULE``,
+``PARAM_DERIVED`` on new nodes (through the builder's rule context); ``gm.meta[GHOSTS]`` (list of
+:class:`~graphflop.meta.Ghost`), ``gm.meta[SIGNATURE]``, ``gm.meta[JVP]`` (:class:`JvpInfo`),
+``gm.meta[JVP_LOG]`` (tuple of the tangent nodes and ghosts emitted, in order: what the transpose
+replays in reverse), ``gm.meta[GHOST_LINKS]`` (:class:`~graphflop.meta.GhostLinks`),
+``gm.meta[LOSS_KIND]``.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import Builder, GhostValue, is_ghost
+from graphflop.ad.builder import Builder
+from graphflop.ad.ghost import GhostValue, is_ghost
 from graphflop.meta import (
     GHOST_LINKS,
     GHOSTS,
@@ -38,6 +43,8 @@ from graphflop.meta import (
     ROLE,
     SIGNATURE,
     SOURCE,
+    Ghost,
+    GhostLinks,
     JvpInfo,
     Signature,
     fake_mode_of,
@@ -49,11 +56,15 @@ TANGENT_CHOICES = ("params", "inputs", "all")
 
 
 class JvpBuilder(Builder):
+    """Emits into the JVP graph; roles ``tangent_from_param``/``tangent_from_input``."""
+
     active_kind = "tangent"
 
-    def role_for(self, kind, args_flat):
+    def role_for(self, kind: str, args_flat: list[Any]) -> str:
+        """``tangent_from_param`` for tangent work whose tangent inputs all come from parameters
+        (and for coefficients of a parameter-only forward node), else ``tangent_from_input``."""
         if kind != "tangent":
-            return "tangent_from_param" if self.param_derived else "tangent_from_input"
+            return "tangent_from_param" if self.ctx.param_derived else "tangent_from_input"
         lin = [
             a
             for a in args_flat
@@ -69,7 +80,8 @@ def _is_float(v: Any) -> bool:
 
 
 def _needed(graph: Graph, outputs: list[Node]) -> set[Node]:
-    seen, stack = set(), list(outputs)
+    seen: set[Node] = set()
+    stack = list(outputs)
     while stack:
         n = stack.pop()
         if n in seen:
@@ -77,6 +89,16 @@ def _needed(graph: Graph, outputs: list[Node]) -> set[Node]:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return seen
+
+
+def _differentiated(forward: GraphModule, sig: Signature, wrt_outputs: str) -> list[Node]:
+    """The forward nodes whose tangents the JVP graph returns: the loss (and the model's
+    outputs for ``wrt_outputs="outputs"``, or when there is no loss), floating ones only."""
+    nodes = {n.name: n for n in forward.graph.nodes}
+    diff_names = [sig.loss] if sig.loss else []
+    if wrt_outputs == "outputs" or not diff_names:
+        diff_names += [o for o in sig.outputs if o not in diff_names]
+    return [nodes[n] for n in diff_names if _is_float(nodes[n].meta.get("val"))]
 
 
 def build_jvp(
@@ -105,112 +127,143 @@ def build_jvp(
     if tangents not in TANGENT_CHOICES:
         raise ValueError(f"unknown tangents choice {tangents!r}; one of {TANGENT_CHOICES}")
     sig: Signature = forward.meta[SIGNATURE]
-    fgraph = forward.graph
-    nodes = {n.name: n for n in fgraph.nodes}
-    diff_names = [sig.loss] if sig.loss else []
-    if wrt_outputs == "outputs" or not diff_names:
-        diff_names += [o for o in sig.outputs if o not in diff_names]
-    diff_out = [nodes[n] for n in diff_names if _is_float(nodes[n].meta.get("val"))]
-    needed = _needed(fgraph, diff_out)
-
+    diff_out = _differentiated(forward, sig, wrt_outputs)
     params = {p for p, _ in sig.params}
     inputs = set(sig.inputs)
     carry = params if tangents == "params" else inputs if tangents == "inputs" else params | inputs
-    ghostly = (params | inputs) - carry
 
-    g = Graph()
-    env: dict[Node, Node] = {}
-    tan: dict[Node, Any] = {}
-    ghosts: list = []
-    fake_mode = fake_mode_of([n.meta.get("val") for n in fgraph.nodes if "val" in n.meta])
-    b = JvpBuilder(g, fake_mode, ghosts)
+    lin = _Linearizer(forward)
+    tangent_inputs = lin.placeholders(carry, ghostly=(params | inputs) - carry, params=params)
+    outs = lin.propagate(_needed(forward.graph, diff_out))
+    primal_outs = [lin.env[o] if isinstance(o, Node) else o for o in outs]
+    tangent_outs = [lin.output_tangent(d) for d in diff_out]
+    lin.graph.output(tuple(primal_outs + tangent_outs))
 
-    placeholders = [n for n in fgraph.nodes if n.op == "placeholder"]
-    for n in placeholders:
-        env[n] = g.node_copy(n, lambda x: env[x])
-    tangent_inputs = []
-    for n in placeholders:
-        if n.name in carry and _is_float(n.meta["val"]):
-            t = g.placeholder(f"t_{n.name}")
-            t.meta.update(
-                {
-                    "val": n.meta["val"],
-                    KIND: "tangent",
-                    SOURCE: n.name,
-                    MODULE: "",
-                    PARAM_DERIVED: n.name in params,
-                    ROLE: "tangent_from_param" if n.name in params else "tangent_from_input",
-                }
-            )
-            if PARAM in n.meta:
-                t.meta[PARAM] = n.meta[PARAM]
-            tan[n] = t
-            tangent_inputs.append((t.name, n.name))
-        elif n.name in ghostly and _is_float(n.meta["val"]):
-            tan[n] = GhostValue(n.meta["val"], param_derived=n.name in params)
+    gm = graph_module(forward, lin.graph)
+    gm.meta[SIGNATURE] = sig
+    gm.meta[GHOSTS] = lin.ghosts
+    gm.meta[JVP] = JvpInfo(tuple(tangent_inputs), len(primal_outs), tuple(d.name for d in diff_out))
+    gm.meta[JVP_LOG] = tuple(lin.b.log)
+    gm.meta[GHOST_LINKS] = GhostLinks.of(lin.b.ghost_links)
+    gm.meta[LOSS_KIND] = forward.meta.get(LOSS_KIND)
+    return gm
 
-    out_node = None
-    for n in fgraph.nodes:
-        if n.op == "placeholder":
-            continue
-        if n.op == "output":
-            out_node = n
-            continue
-        if n not in env:
-            env[n] = g.node_copy(n, lambda x: env[x])
-        new = env[n]
-        for u in n.users:  # copy getitems at once, so rules can read every output
-            if u.target is operator.getitem and u not in env:
-                env[u] = g.node_copy(u, lambda x: env[x])
-        if n not in needed:
-            continue
+
+class _Linearizer:
+    """The JVP graph as it is built: primal copies (``env``) and tangents (``tan``) of the
+    forward's nodes, interleaved in forward order."""
+
+    def __init__(self, forward: GraphModule):
+        self.forward = forward
+        self.graph = Graph()
+        self.env: dict[Node, Node] = {}
+        self.tan: dict[Node, Any] = {}
+        self.ghosts: list[Ghost] = []
+        fake_mode = fake_mode_of(
+            [n.meta.get("val") for n in forward.graph.nodes if "val" in n.meta]
+        )
+        self.b = JvpBuilder(self.graph, fake_mode, self.ghosts)
+
+    def _copy(self, n: Node) -> Node:
+        return self.graph.node_copy(n, self.env.__getitem__)
+
+    def placeholders(self, carry: set[str], ghostly: set[str], params: set[str]) -> list:
+        """Copy the forward's placeholders, then add a tangent placeholder per floating one in
+        ``carry``; those in ``ghostly`` get a ghost tangent. Returns the (tangent placeholder,
+        primal placeholder) name pairs."""
+        placeholders = [n for n in self.forward.graph.nodes if n.op == "placeholder"]
+        for n in placeholders:
+            self.env[n] = self._copy(n)
+        tangent_inputs = []
+        for n in placeholders:
+            if n.name in carry and _is_float(n.meta["val"]):
+                t = self.graph.placeholder(f"t_{n.name}")
+                role = "tangent_from_param" if n.name in params else "tangent_from_input"
+                t.meta.update(
+                    {
+                        "val": n.meta["val"],
+                        KIND: "tangent",
+                        SOURCE: n.name,
+                        MODULE: "",
+                        PARAM_DERIVED: n.name in params,
+                        ROLE: role,
+                    }
+                )
+                if PARAM in n.meta:
+                    t.meta[PARAM] = n.meta[PARAM]
+                self.tan[n] = t
+                tangent_inputs.append((t.name, n.name))
+            elif n.name in ghostly and _is_float(n.meta["val"]):
+                self.tan[n] = GhostValue(n.meta["val"], param_derived=n.name in params)
+        return tangent_inputs
+
+    def propagate(self, needed: set[Node]) -> tuple[Any, ...]:
+        """Copy every forward node and emit the tangents of those in ``needed``, in forward
+        order. Returns the forward's outputs (the output node's values)."""
+        out_node = None
+        for n in self.forward.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                out_node = n
+                continue
+            if n not in self.env:
+                self.env[n] = self._copy(n)
+            for u in n.users:  # copy getitems at once, so rules can read every output
+                if u.target is operator.getitem and u not in self.env:
+                    self.env[u] = self._copy(u)
+            if n in needed:
+                self._tangent(n)
+        outs = out_node.args[0] if out_node is not None else None
+        if not isinstance(outs, (tuple, list)):
+            raise ValueError("the forward graph has no output node returning a tuple")
+        return tuple(outs)
+
+    def _tangent(self, n: Node) -> None:
+        """Emit the tangent of forward node ``n`` with its JVP rule (nothing for a symbolic
+        zero; ghosts where every input tangent is one)."""
         if n.target is operator.getitem:
-            parent = tan.get(n.args[0])
+            parent = self.tan.get(n.args[0])  # type: ignore[arg-type]
             if isinstance(parent, (tuple, list)):
-                t = parent[n.args[1]]
+                t = parent[n.args[1]]  # type: ignore[index]
                 if t is not None and _is_float(n.meta.get("val")):
-                    tan[n] = t
-            continue
-        arg_t = [_tangent_of(a, tan) for a in n.args]
+                    self.tan[n] = t
+            return
+        arg_t = [_tangent_of(a, self.tan) for a in n.args]
         flat_t = [t for t in _flatten(arg_t) if t is not None]
         if not flat_t:
-            continue
+            return
         rule = lookup(n.target, need=("jvp",), node=n.name)
-        if rule.zero_derivative:
-            continue
-        b.source, b.module = n.name, n.meta.get(MODULE, "")
-        b.param_derived = n.meta.get(PARAM_DERIVED, False)
-        b.force_ghost = all(is_ghost(t) for t in flat_t)
-        args = tuple(_map(a, env) for a in n.args)
-        kwargs = {k: _map(v, env) for k, v in n.kwargs.items()}
-        try:
-            t = rule.jvp(b, new, args, arg_t, kwargs)
-        finally:
-            b.force_ghost = False
+        if rule.zero_derivative or rule.jvp is None:
+            return
+        args = tuple(_map(a, self.env) for a in n.args)
+        kwargs = {k: _map(v, self.env) for k, v in n.kwargs.items()}
+        with self.b.context(
+            source=n.name,
+            module=n.meta.get(MODULE, ""),
+            param_derived=n.meta.get(PARAM_DERIVED, False),
+            ghost=all(is_ghost(t) for t in flat_t),
+        ):
+            t = rule.jvp(self.b, self.env[n], args, arg_t, kwargs)
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor) and not val.is_floating_point():
             t = None
         if t is not None:
-            tan[n] = t
+            self.tan[n] = t
 
-    outs = list(out_node.args[0])
-    primal_outs = [env[o] if isinstance(o, Node) else o for o in outs]
-    tangent_outs = []
-    for d in diff_out:
-        t = tan.get(d)
+    def output_tangent(self, d: Node) -> Any:
+        """The tangent of differentiated output ``d``: zeros where it is a symbolic zero or a
+        ghost (the graph returns a tensor for each)."""
+        t = self.tan.get(d)
         if t is None or is_ghost(t):
-            b.source, b.module, b.force_ghost = d.name, d.meta.get(MODULE, ""), False
-            t = b.zeros_like(env[d])
-        tangent_outs.append(t)
-    g.output(tuple(primal_outs + tangent_outs))
-    gm = graph_module(forward, g)
-    gm.meta[SIGNATURE] = sig
-    gm.meta[GHOSTS] = ghosts
-    gm.meta[JVP] = JvpInfo(tuple(tangent_inputs), len(primal_outs), tuple(d.name for d in diff_out))
-    gm.meta[JVP_LOG] = b.log
-    gm.meta[GHOST_LINKS] = b.ghost_links
-    gm.meta[LOSS_KIND] = forward.meta.get(LOSS_KIND)
-    return gm
+            with self.b.context(
+                source=d.name,
+                module=d.meta.get(MODULE, ""),
+                param_derived=d.meta.get(PARAM_DERIVED, False),
+                ghost=False,
+            ):
+                t = self.b.zeros_like(self.env[d])
+        return t
 
 
 def _tangent_of(a: Any, tan: dict) -> Any:
@@ -222,7 +275,7 @@ def _tangent_of(a: Any, tan: dict) -> Any:
     return None
 
 
-def _flatten(ts):
+def _flatten(ts: list[Any]) -> Iterator[Any]:
     for t in ts:
         if isinstance(t, list):
             yield from _flatten(t)

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import Builder, GhostValue, is_ghost
+from graphflop.ad.builder import Builder
+from graphflop.ad.ghost import GhostValue, is_ghost
 from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
     GHOST_LINKS,
@@ -46,6 +47,7 @@ from graphflop.meta import (
     SIGNATURE,
     SOURCE,
     VJP,
+    GhostLinks,
     Signature,
     VjpInfo,
     fake_mode_of,
@@ -114,11 +116,14 @@ class TransposeBuilder(Builder):
         if kind == "coef":
             args = tuple(self._import_tree(x) for x in a.args)
             kwargs = {k: self._import_tree(v) for k, v in a.kwargs.items()}
-            node = self.graph.call_function(a.target, args, kwargs)
+            target = a.target
+            assert callable(target), a.format_node()  # coefficients are call_function nodes
+            node = self.graph.call_function(target, args, kwargs)
             node.meta.update(graphflop_meta(a.meta))
             node.meta["val"] = a.meta["val"]
             node.meta[KIND] = "coef"
-            node.meta[ROLE] = self.role if self.role != "grad_accum" else "grad_input"
+            role = self.ctx.role
+            node.meta[ROLE] = role if role != "grad_accum" else "grad_input"
             self.imported[a] = node
             return node
         raise ValueError(f"backward graph cannot read {a.format_node()} (kind {kind})")
@@ -188,63 +193,26 @@ def build_vjp(
             MODULE: "loss",
         },
     )
-    ct: dict[Any, Any] = {}
-
-    def key(v):
-        return id(v) if is_ghost(v) else v
-
-    ct[key(loss_tangent)] = ct_loss
-    log = lin.meta[JVP_LOG]
-    links = lin.meta.get(GHOST_LINKS, {})
-    for entry in reversed(log):
-        c = ct.pop(key(entry), None)
+    ct: dict[Any, Any] = {_key(loss_tangent): ct_loss}
+    links = lin.meta.get(GHOST_LINKS) or GhostLinks()
+    for entry in reversed(lin.meta[JVP_LOG]):
+        c = ct.pop(_key(entry), None)
         if c is None:
             continue
-        for gh in links.get(entry, []) if not is_ghost(entry) else []:
+        for gh in links.get(entry) if not is_ghost(entry) else ():
             # a tangent sum skipped this ghost term: it would have received the same cotangent
-            ct.setdefault(key(gh), b.as_ghost(c))
-        ghost = is_ghost(entry)
-        op, args, kwargs = (
-            (entry.op, entry.args, entry.kwargs)
-            if ghost
-            else (entry.target, entry.args, entry.kwargs)
-        )
-        rule = lookup(op, need=("transpose",), node=entry.name)
-        b.source = entry.record.source if ghost else entry.meta.get(SOURCE, "")
-        b.module = entry.record.module if ghost else entry.meta.get(MODULE, "")
-        linear = [_linear_mask(a) for a in args]
-        for i, lin_i in enumerate(linear):
-            for j, target in _targets(args[i], lin_i):
-                one_hot = [False if not isinstance(x, list) else [False] * len(x) for x in linear]
-                if j is None:
-                    one_hot[i] = True
-                else:
-                    one_hot[i][j] = True
-                target_pd = target.meta.get(PARAM_DERIVED, False)
-                b.role = (
-                    "loss" if b.module == "loss" else ("grad_weight" if target_pd else "grad_input")
-                )
-                b.param_derived = target_pd
-                b.force_ghost = ghost or is_ghost(target)
-                cin = b.as_ghost(c) if b.force_ghost else c
-                cts = rule.transpose(b, cin, args, kwargs, one_hot)
-                out = cts[i] if j is None else cts[i][j]
-                if out is None:
-                    continue
-                prev = ct.get(key(target))
-                if prev is not None:
-                    b.role = "grad_accum"
-                    out = b.call(torch.ops.aten.add.Tensor, prev, out)
-                ct[key(target)] = out
-                b.force_ghost = False
+            ct.setdefault(_key(gh), b.as_ghost(c))
+        _transpose(b, entry, c, ct)
 
-    outputs, grads, in_grads = [], [], []
+    outputs: list[Node] = []
+    grads: list[tuple[int, str]] = []
+    in_grads: list[tuple[int, str]] = []
     for t_name, p_name in info.tangent_inputs:
         t_node = next(n for n in lin.graph.nodes if n.name == t_name)
         g_val = ct.get(t_node)
         if g_val is None or is_ghost(g_val):
-            b.source, b.module, b.role, b.force_ghost = p_name, "", "grad_weight", False
-            g_val = b.zeros_like(t_node)
+            with b.context(source=p_name, module="", role="grad_weight", ghost=False):
+                g_val = b.zeros_like(t_node)
         if PARAM in t_node.meta:
             grads.append((len(outputs), t_node.meta[PARAM]))
             g_val.meta.setdefault(PARAM, t_node.meta[PARAM])
@@ -280,11 +248,49 @@ def _targets(arg: Any, lin: Any):
     return [(None, arg)] if lin else []
 
 
-def _as_ghost(self: Builder, v: Any) -> Any:
-    if v is None or is_ghost(v):
-        return v
-    kind = "cotangent" if v.meta.get(KIND) == "cotangent" else "coef"
-    return GhostValue(v.meta["val"], param_derived=v.meta.get(PARAM_DERIVED, False), kind=kind)
+def _key(v: Any) -> Any:
+    """Cotangents are keyed by node, or by identity for ghosts."""
+    return id(v) if is_ghost(v) else v
 
 
-Builder.as_ghost = _as_ghost  # type: ignore[attr-defined]
+def _transpose(b: TransposeBuilder, entry: Node | GhostValue, c: Any, ct: dict[Any, Any]) -> None:
+    """Apply ``entry``'s transpose rule to its cotangent ``c``, once per linear argument, adding
+    each argument's cotangent into ``ct`` (role ``grad_accum`` where one is already there)."""
+    if isinstance(entry, Node):
+        op, source, module = entry.target, entry.meta.get(SOURCE, ""), entry.meta.get(MODULE, "")
+        ghost = False
+    elif entry.record is not None:  # a ghost: the transpose of work that was not emitted
+        op, source, module = entry.op, entry.record.source, entry.record.module
+        ghost = True
+    else:
+        raise ValueError(f"{entry.name} in the JVP log has no Ghost record")
+    args, kwargs = entry.args, entry.kwargs
+    rule = lookup(op, need=("transpose",), node=entry.name)
+    transpose = rule.transpose
+    assert transpose is not None  # lookup checked it
+    linear = [_linear_mask(a) for a in args]
+    for i, lin_i in enumerate(linear):
+        for j, target in _targets(args[i], lin_i):
+            one_hot: list[Any] = [
+                False if not isinstance(x, list) else [False] * len(x) for x in linear
+            ]
+            if j is None:
+                one_hot[i] = True
+            else:
+                one_hot[i][j] = True
+            target_pd = target.meta.get(PARAM_DERIVED, False)
+            role = "loss" if module == "loss" else ("grad_weight" if target_pd else "grad_input")
+            forced = ghost or is_ghost(target)
+            with b.context(
+                source=source, module=module, role=role, param_derived=target_pd, ghost=forced
+            ):
+                cin = b.as_ghost(c) if forced else c
+                cts = transpose(b, cin, args, kwargs, one_hot)
+                out = cts[i] if j is None else cts[i][j]
+                if out is None:
+                    continue
+                prev = ct.get(_key(target))
+                if prev is not None:
+                    with b.context(role="grad_accum"):
+                        out = b.call(torch.ops.aten.add.Tensor, prev, out)
+                ct[_key(target)] = out

@@ -1,12 +1,19 @@
 """The rule table (``registry``) and one rule file per op family; importing this package fills
-the table."""
+the table and the decomposition table (:func:`decomposition_table`).
+
+To add an op, write in its family's file its cost (:func:`register`), its JVP and transpose
+(:func:`def_jvp`, :func:`def_linear`, ...), or, for a composite op, its decomposition
+(:func:`register_decomposition`); ``graphflop.testing.opdb`` then checks it everywhere.
+"""
 
 from graphflop.ops import (  # noqa: F401  (imported for their registrations)
+    attention,
     conv,
     creation,
     elementwise,
     embedding,
     linalg,
+    loss,
     norm,
     pool,
     reduction,
@@ -16,6 +23,7 @@ from graphflop.ops.registry import (
     MissingRuleError,
     OpRule,
     all_rules,
+    decomposition_table,
     def_bilinear,
     def_jvp,
     def_linear,
@@ -25,12 +33,15 @@ from graphflop.ops.registry import (
     lookup,
     op_name,
     register,
+    register_decomposition,
+    use_torch_decomposition,
 )
 
 __all__ = [
     "MissingRuleError",
     "OpRule",
     "all_rules",
+    "decomposition_table",
     "def_bilinear",
     "def_jvp",
     "def_linear",
@@ -40,4 +51,6 @@ __all__ = [
     "lookup",
     "op_name",
     "register",
+    "register_decomposition",
+    "use_torch_decomposition",
 ]

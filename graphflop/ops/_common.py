@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
+from graphflop.ad.ghost import is_ghost
 from graphflop.meta import NodeCost
+
+#: dtypes the lean decompositions handle; others use PyTorch's (which computes half precision
+#: in float32)
+FULL_PRECISION = (torch.float32, torch.float64)
 
 
 def numel(t: Any) -> int:
@@ -59,7 +64,7 @@ def shape(v: Any) -> tuple[int, ...]:
     """Shape of a graph value (fx node with ``val``, ghost, or tensor)."""
     if isinstance(v, torch.fx.Node):
         return tuple(v.meta["val"].shape)
-    if getattr(v, "is_ghost", False):
+    if is_ghost(v):
         return tuple(v.val.shape)
     return tuple(v.shape)
 
@@ -67,7 +72,7 @@ def shape(v: Any) -> tuple[int, ...]:
 def dtype(v: Any) -> torch.dtype:
     if isinstance(v, torch.fx.Node):
         return v.meta["val"].dtype
-    if getattr(v, "is_ghost", False):
+    if is_ghost(v):
         return v.val.dtype
     return v.dtype
 
@@ -75,6 +80,6 @@ def dtype(v: Any) -> torch.dtype:
 def device(v: Any) -> torch.device:
     if isinstance(v, torch.fx.Node):
         return v.meta["val"].device
-    if getattr(v, "is_ghost", False):
+    if is_ghost(v):
         return v.val.device
     return v.device

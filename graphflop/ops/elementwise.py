@@ -1,7 +1,8 @@
 """Unary and binary elementwise ops: 1 FLOP per output element (FLOPS.md), transcendentals
 tallied separately; comparisons, sign, rounding and integer bookkeeping (floor division, logical
 and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element, like ReLU);
-GELU, SiLU, ELU, softplus, hardswish and mish decompose into the ops here.
+GELU, SiLU, ELU, hardtanh, dropout, softplus, hardswish and mish decompose into the ops here (the
+decompositions graphflop chooses are at the end of this file).
 
 JVP rules write the tangent as ``tangent * coefficient``, where the coefficient is a primal-only
 value (``coef`` node), so every tangent node is linear in the tangents and transposes with the
@@ -10,10 +11,19 @@ rules of ``mul``/``div``/``where``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from graphflop.ops._common import dtype, per_output, shape
-from graphflop.ops.registry import def_jvp, def_transpose, def_zero, register
+from graphflop.ops._common import FULL_PRECISION, dtype, per_output, shape
+from graphflop.ops.registry import (
+    def_jvp,
+    def_transpose,
+    def_zero,
+    register,
+    register_decomposition,
+    use_torch_decomposition,
+)
 
 aten = torch.ops.aten
 
@@ -87,10 +97,6 @@ for _op in (
 
 for _op in (*_PIECEWISE_CONSTANT, aten.sign.default):
     def_zero(_op)
-
-
-def _is_tensor(a) -> bool:
-    return isinstance(a, torch.fx.Node) or getattr(a, "is_ghost", False)
 
 
 def _fit(b, t, out):
@@ -425,8 +431,6 @@ def _jvp_pow_tensor(b, out, args, tangents, kwargs):
 @def_jvp(aten.pow.Scalar)
 def _jvp_pow_scalar_base(b, out, args, tangents, kwargs):
     """d(sˣ) = dx · sˣ·log s."""
-    import math
-
     return _scale(b, tangents[1], b.call(aten.mul.Tensor, out, math.log(args[0])))
 
 
@@ -484,3 +488,23 @@ def _jvp_log1p(b, out, args, tangents, kwargs):
 @def_jvp(aten.expm1.default)
 def _jvp_expm1(b, out, args, tangents, kwargs):
     return _scale(b, tangents[0], b.call(aten.add.Tensor, out, 1))
+
+
+# --- decompositions ----------------------------------------------------------------------------
+# hardtanh, SiLU, ELU and training-mode dropout as PyTorch decomposes them
+use_torch_decomposition(aten.hardtanh, aten.gelu, aten.silu, aten.elu, aten.native_dropout)
+
+
+@register_decomposition(aten.gelu.default, dtypes=FULL_PRECISION)
+def _gelu(x, approximate: str = "none"):
+    """``x/2·(1 + erf(x/√2))``, or with ``approximate="tanh"``
+    ``x/2·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``."""
+    if approximate == "tanh":
+        inner = aten.mul.Tensor(aten.mul.Tensor(aten.mul.Tensor(x, x), x), 0.044715)
+        inner = aten.mul.Tensor(aten.add.Tensor(x, inner), math.sqrt(2 / math.pi))
+        half = aten.mul.Tensor(x, 0.5)
+        return aten.mul.Tensor(half, aten.add.Tensor(aten.tanh.default(inner), 1))
+    half = aten.mul.Tensor(x, 0.5)
+    return aten.mul.Tensor(
+        half, aten.add.Tensor(aten.erf.default(aten.mul.Tensor(x, math.sqrt(0.5))), 1)
+    )

@@ -1,5 +1,6 @@
 """Matrix products: ``mm``, ``bmm``, ``addmm``. 2 FLOPs per multiply-add, all in ``mm_flops``;
-``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (FLOPS.md)."""
+``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (FLOPS.md). ``mv`` and ``dot`` are
+traced as ``mm`` (decompositions at the end)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import torch
 
 from graphflop.meta import NodeCost
 from graphflop.ops._common import shape
-from graphflop.ops.registry import def_bilinear, def_jvp, register, update
+from graphflop.ops.registry import (
+    def_bilinear,
+    def_jvp,
+    register,
+    register_decomposition,
+    update,
+)
 
 aten = torch.ops.aten
 F = "linalg"
@@ -78,3 +85,21 @@ def _jvp_addmm(b, out, args, tangents, kwargs):
 
 
 update(aten.addmm.default)
+
+
+# --- decompositions ----------------------------------------------------------------------------
+# matrix-vector and vector-vector products as matrix products, so that they are counted in
+# ``mm_flops`` like every other product (PyTorch's decompositions make them a multiply and a sum)
+
+
+@register_decomposition(aten.mv.default)
+def _mv(a, v):
+    """(M×K)·(K) as an (M×K)·(K×1) matrix product."""
+    return aten.squeeze.dims(aten.mm.default(a, aten.unsqueeze.default(v, 1)), [1])
+
+
+@register_decomposition(aten.dot.default)
+def _dot(a, v):
+    """(K)·(K) as a (1×K)·(K×1) matrix product."""
+    prod = aten.mm.default(aten.unsqueeze.default(a, 0), aten.unsqueeze.default(v, 1))
+    return aten.squeeze.dims(prod, [0, 1])

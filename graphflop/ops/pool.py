@@ -3,7 +3,8 @@
 tangent at the saved indices, so its transpose is a scatter-add of those indices; average
 pooling (2-D and 3-D; 1-D decomposes to 2-D) is linear and transposes to a depthwise transposed
 convolution with a constant kernel, dividing by each window's own divisor first where PyTorch's
-differs between windows (``ceil_mode``, ``count_include_pad=False``).
+differs between windows (``ceil_mode``, ``count_include_pad=False``). Adaptive average pooling
+is traced as a mean or an ``avg_pool2d`` where it can be (decomposition at the end).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import torch
 
 from graphflop.meta import NodeCost
 from graphflop.ops._common import device, dtype, numel, shape
-from graphflop.ops.registry import def_jvp, def_linear, register
+from graphflop.ops.registry import (
+    def_jvp,
+    def_linear,
+    register,
+    register_decomposition,
+    torch_decomposition,
+)
 
 aten = torch.ops.aten
 F = "pool"
@@ -161,3 +168,22 @@ def _window_counts(b, x, xs, out_sp, k, stride, padding, count_include_pad):
 register(aten.avg_pool3d.default, F, _avg_pool_cost(3))
 def_linear(aten.avg_pool2d.default, _transpose_avg_pool(2))
 def_linear(aten.avg_pool3d.default, _transpose_avg_pool(3))
+
+
+# --- decompositions ----------------------------------------------------------------------------
+
+
+@register_decomposition(aten._adaptive_avg_pool2d.default, aten.adaptive_avg_pool2d.default)
+def _adaptive_avg_pool2d(x, output_size):
+    """``_adaptive_avg_pool2d``: a mean over H, W for a 1×1 output, an ``avg_pool2d`` with
+    kernel = stride = input/output when the output divides the input, else PyTorch's
+    decomposition (index arithmetic for uneven windows; PyTorch's restrides a channels-last
+    result with ``as_strided``, which has no rule)."""
+    h, w = x.shape[-2], x.shape[-1]
+    oh, ow = output_size
+    if oh == 1 and ow == 1:
+        return aten.mean.dim(x, [-2, -1], True)
+    if h % oh == 0 and w % ow == 0:
+        k = [h // oh, w // ow]
+        return aten.avg_pool2d.default(x, k, k)
+    return torch_decomposition(aten._adaptive_avg_pool2d.default)(x, output_size)

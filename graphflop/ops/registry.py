@@ -19,17 +19,23 @@ Rule signatures (``b`` is a builder from :mod:`graphflop.ad.builder`):
 
 Registration helpers in the style of JAX's ``ad.py``: :func:`def_jvp`, :func:`def_linear`
 (the JVP is the op itself applied to the tangents), :func:`def_bilinear` and :func:`def_zero`.
+
+Ops without rules of their own are traced as their parts: :func:`register_decomposition` gives an
+op graphflop's decomposition, :func:`use_torch_decomposition` PyTorch's, and
+:func:`decomposition_table` assembles the table tracing uses from both, over PyTorch's core-ATen
+set. So an op's cost, JVP, transpose and decomposition all sit in its family's file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch._ops import OpOverload
 
+from graphflop.ad.ghost import is_ghost
 from graphflop.meta import NodeCost
 
 #: How an op moves memory: ``compute`` reads its tensor inputs and writes its outputs, ``view``
@@ -81,6 +87,12 @@ class MissingRuleError(LookupError):
 
 
 _TABLE: dict[Any, OpRule] = {}
+#: op overload -> graphflop's decomposition (see :func:`register_decomposition`)
+_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
+#: ops (overloads or packets) traced with PyTorch's own decomposition
+_TORCH_DECOMPOSED: list[Any] = []
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
 def op_name(op: Any) -> str:
@@ -187,6 +199,7 @@ def lookup(op: Any, *, need: tuple[str, ...] = ("cost",), node: str | None = Non
 
 
 def has_rule(op: Any) -> bool:
+    """True when ``op`` has a rule (of any kind)."""
     return op in _TABLE
 
 
@@ -260,4 +273,70 @@ def def_zero(op: Any) -> None:
 
 def is_tensor_arg(a: Any) -> bool:
     """True for graph values standing for tensors (fx nodes and ghosts)."""
-    return isinstance(a, torch.fx.Node) or getattr(a, "is_ghost", False)
+    return isinstance(a, torch.fx.Node) or is_ghost(a)
+
+
+# --- decompositions ----------------------------------------------------------------------------
+
+
+def register_decomposition(
+    *ops: Any, dtypes: Sequence[torch.dtype] | None = None
+) -> Callable[[_Fn], _Fn]:
+    """Decorator: trace each of ``ops`` (overloads) as the decorated function, which takes the
+    op's arguments and returns its outputs computed with other ATen ops (each with a rule).
+
+    ``dtypes``: use it only when the first argument has one of these dtypes; otherwise PyTorch's
+    own decomposition of the op (a lean float32/float64 version of a decomposition whose
+    reference implementation also handles reduced precision). Returns the function unchanged.
+    A plain op overload may be given as the function (an in-place view traced as its
+    functional form).
+    """
+
+    def deco(fn: _Fn) -> _Fn:
+        for op in ops:
+            _DECOMPOSITIONS[op] = fn if dtypes is None else _by_dtype(op, fn, tuple(dtypes))
+        return fn
+
+    return deco
+
+
+def use_torch_decomposition(*ops: Any) -> None:
+    """Trace ``ops`` (overloads or overload packets) with PyTorch's own decompositions
+    (``torch._decomp``), where PyTorch's core-ATen set keeps them whole."""
+    _TORCH_DECOMPOSED.extend(ops)
+
+
+def torch_decomposition(op: Any) -> Callable[..., Any] | None:
+    """PyTorch's decomposition of the overload ``op``, or ``None`` when it has none."""
+    from torch._decomp import decomposition_table as torch_table
+
+    return torch_table.get(op)
+
+
+def decomposition_table() -> dict[Any, Callable[..., Any]]:
+    """The decomposition table tracing uses (a new dict): PyTorch's core-ATen decompositions,
+    PyTorch's own for the ops given to :func:`use_torch_decomposition`, and graphflop's
+    (:func:`register_decomposition`) over both. Import :mod:`graphflop.ops` first: the rule
+    files register them."""
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    table: dict[Any, Callable[..., Any]] = dict(core_aten_decompositions())
+    table.update(get_decompositions(_TORCH_DECOMPOSED))
+    table.update(_DECOMPOSITIONS)
+    return table
+
+
+def _by_dtype(op: Any, fn: Callable[..., Any], dtypes: tuple[torch.dtype, ...]) -> Callable:
+    """``fn`` for a first argument of one of ``dtypes``, PyTorch's decomposition otherwise."""
+    fallback = torch_decomposition(op)
+    if fallback is None:
+        raise ValueError(f"{op_name(op)} has no PyTorch decomposition to fall back to")
+
+    def decomposed(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if x.dtype in dtypes:
+            return fn(x, *args, **kwargs)
+        return fallback(x, *args, **kwargs)
+
+    decomposed.__name__ = getattr(fn, "__name__", "decomposed")
+    decomposed.__doc__ = fn.__doc__
+    return decomposed

@@ -4,7 +4,8 @@
 indexing (``index``: upsampling, reflection and replication padding, uneven adaptive pooling
 decompose to it), ``slice`` of the tangent for the pieces of ``split_with_sizes`` (``chunk``,
 ``split``), a flip for ``flip``, a sum over the tiles for ``repeat``. ``index_put`` and
-``index_add`` with accumulation cost 1 FLOP per added element."""
+``index_add`` with accumulation cost 1 FLOP per added element. In-place views on temporaries and
+upsampling are traced as functional views and index ops (decompositions at the end)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import torch
 
 from graphflop.meta import NodeCost
 from graphflop.ops._common import dtype, free, norm_dims, numel, shape
-from graphflop.ops.registry import def_jvp, def_linear, def_transpose, def_zero, register
+from graphflop.ops.registry import (
+    def_jvp,
+    def_linear,
+    def_transpose,
+    def_zero,
+    register,
+    register_decomposition,
+    use_torch_decomposition,
+)
 
 aten = torch.ops.aten
 F = "shape"
@@ -416,3 +425,39 @@ def _transpose_repeat(b, ct, args, kwargs, linear):
 
 
 def_linear(aten.repeat.default, _transpose_repeat)
+
+
+# --- decompositions ----------------------------------------------------------------------------
+# nearest and (bi/tri)linear upsampling: PyTorch's decompositions into index ops and elementwise
+# arithmetic
+use_torch_decomposition(
+    aten.upsample_nearest1d,
+    aten.upsample_nearest2d,
+    aten.upsample_nearest3d,
+    aten.upsample_linear1d,
+    aten.upsample_bilinear2d,
+    aten.upsample_trilinear3d,
+)
+
+# in-place view ops that composite kernels apply to fresh temporaries (matmul's vector-matrix
+# case squeezes its product in place) reach the tracer unfunctionalised: trace them as the
+# functional view
+for _inplace, _functional in (
+    (aten.squeeze_.dim, aten.squeeze.dim),
+    (aten.squeeze_.dims, aten.squeeze.dims),
+    (aten.squeeze_.default, aten.squeeze.default),
+    (aten.unsqueeze_.default, aten.unsqueeze.default),
+    (aten.transpose_.default, aten.transpose.int),
+    (aten.t_.default, aten.t.default),
+):
+    register_decomposition(_inplace)(_functional)
+
+
+@register_decomposition(aten.as_strided_.default)
+def _restride(x, size, stride, storage_offset=None):
+    """``as_strided_`` that only changes strides (adaptive average pooling to 1×1 restrides its
+    fresh result to channels-last): the same values, so the tensor itself; any other use is
+    traced as is (and has no rule)."""
+    if list(x.shape) == list(size) and not storage_offset:
+        return x
+    return NotImplemented

@@ -1,0 +1,276 @@
+"""graphflop's form of a traced forward graph, from ``make_fx``'s graph or a ``torch.export``
+program.
+
+Placeholders are named and classified as ``torch.export`` does (``p_model_*`` parameters,
+``b_model_*`` buffers, ``args_i`` inputs and loss targets; constants made in forward become fixed
+buffers), buffer writes become outputs, every output of a multi-output op gets a ``getitem`` node,
+and every node is tagged.
+
+Writes on each node: ``KIND="primal"``, ``ROLE`` (``forward`` or ``loss``), ``SOURCE``,
+``MODULE`` (the ``nn.Module`` path, from ``nn_module_stack``), ``PARAM_DERIVED``; on parameter
+placeholders ``PARAM``; on new ``getitem`` nodes ``val``. Writes ``gm.meta[SIGNATURE]``,
+``gm.meta[CONSTANTS]``, ``gm.meta[LOSS_KIND]`` and ``gm.meta[FACTS] = {"traced"}``.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+import torch
+from torch.fx import GraphModule
+
+from graphflop.frontend.errors import TraceError, first_line
+from graphflop.frontend.scopes import module_path
+from graphflop.io import sanitize_name
+from graphflop.meta import (
+    CONSTANTS,
+    FACTS,
+    KIND,
+    LOSS_KIND,
+    MODULE,
+    PARAM,
+    PARAM_DERIVED,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+    Signature,
+    graph_module,
+)
+from graphflop.ops import decomposition_table
+
+aten = torch.ops.aten
+
+
+def from_exported(
+    ep: torch.export.ExportedProgram, *, loss_output: int | None = 0, loss_kind: str = "output"
+) -> GraphModule:
+    """A graphflop forward graph from a user's ``torch.export`` program.
+
+    The program is decomposed to the same core-ATen set as :func:`trace` and its placeholders
+    classified (parameters, buffers, inputs). ``loss_output`` names the user output that is the
+    scalar loss the backward starts from (``None``: no loss; only forward and JVP graphs then).
+
+    Raises:
+        TraceError: when the program cannot be decomposed or the loss output is not a scalar.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = ep.run_decompositions(decomposition_table())
+    except Exception as e:
+        raise TraceError(f"decomposing the exported program failed: {first_line(e)}") from e
+    n_user = sum(1 for s_ in ep.graph_signature.input_specs if s_.kind.name == "USER_INPUT")
+    gm = _to_graph(ep, n_inputs=n_user, loss_index=loss_output, loss_kind=loss_kind, wrapped=False)
+    sig = gm.meta[SIGNATURE]
+    if sig.loss is not None:
+        val = next(n for n in gm.graph.nodes if n.name == sig.loss).meta["val"]
+        if val.numel() != 1:
+            raise TraceError(
+                f"output {loss_output} is not a scalar loss (shape "
+                f"{tuple(val.shape)}); pass loss_output=None or the loss's index"
+            )
+    return gm
+
+
+def _to_graph(
+    ep: torch.export.ExportedProgram,
+    *,
+    n_inputs: int,
+    loss_index: int | None,
+    loss_kind: str,
+    wrapped: bool,
+) -> GraphModule:
+    """An exported program's graph in graphflop's form: placeholders classified from the
+    program's signature (the first ``n_inputs`` user inputs are the model's, the rest loss
+    targets), user output ``loss_index`` the loss."""
+    prefix = "model." if wrapped else ""
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    params, buffers, user_inputs = [], [], []
+    constants: dict[str, torch.Tensor] = {}
+    for spec in sig.input_specs:
+        kind = spec.kind.name
+        name = spec.arg.name
+        if kind == "PARAMETER":
+            params.append((name, spec.target.removeprefix(prefix)))
+        elif kind == "BUFFER":
+            buffers.append((name, spec.target.removeprefix(prefix)))
+        elif kind == "USER_INPUT":
+            user_inputs.append(name)
+        elif kind == "CONSTANT_TENSOR":  # torch.tensor(...) made in forward: a fixed buffer
+            buffers.append((name, spec.target.removeprefix(prefix)))
+            constants[name] = ep.constants[spec.target]
+        else:
+            raise TraceError(f"unsupported graph input kind {kind} for {name}")
+    model_inputs, target_names = user_inputs[:n_inputs], user_inputs[n_inputs:]
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    out_args = list(out_node.args[0])
+    buffer_updates, user_outs = [], []
+    for spec, a in zip(sig.output_specs, out_args):
+        if spec.kind.name == "BUFFER_MUTATION":
+            buffer_updates.append((a.name, spec.target.removeprefix(prefix)))
+        elif spec.kind.name == "USER_OUTPUT":
+            user_outs.append(a)
+        else:
+            raise TraceError(f"unsupported graph output kind {spec.kind.name}")
+    loss_name = user_outs[loss_index].name if loss_index is not None else None
+    model_outs = [o for i, o in enumerate(user_outs) if i != loss_index]
+    signature = Signature(
+        params=tuple(params),
+        buffers=tuple(buffers),
+        inputs=tuple(model_inputs),
+        targets=tuple(target_names),
+        loss=loss_name,
+        outputs=tuple(n.name for n in model_outs if hasattr(n, "name")),
+        buffer_updates=tuple(buffer_updates),
+    )
+    return _finish(gm, signature, constants, loss_kind, wrapped)
+
+
+def _finish(
+    gm: GraphModule, signature: Signature, constants: dict, loss_kind: str, wrapped: bool
+) -> GraphModule:
+    """Write the graph keys, complete the ``getitem`` nodes and tag every node."""
+    gm.meta[SIGNATURE] = signature
+    gm.meta[CONSTANTS] = constants
+    gm.meta[LOSS_KIND] = loss_kind
+    gm.meta[FACTS] = {"traced"}
+    _complete_getitems(gm)
+    _tag_nodes(gm, signature, wrapped)
+    return gm
+
+
+def _complete_getitems(gm: GraphModule) -> None:
+    """Give every output of a multi-output op a ``getitem`` node, so derivative rules can read
+    any of them (max pooling's indices) as an ordinary forward value."""
+    for n in list(gm.graph.nodes):
+        val = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(val, (tuple, list)):
+            continue
+        have = {u.args[1] for u in n.users if u.target is operator.getitem}
+        last = n
+        for i, v in enumerate(val):
+            if i in have or not isinstance(v, torch.Tensor):
+                continue
+            with gm.graph.inserting_after(last):
+                g = gm.graph.call_function(operator.getitem, (n, i))
+            g.meta.update({k: v_ for k, v_ in n.meta.items() if k != "val"})
+            g.meta["val"] = v
+            last = g
+    gm.recompile()
+
+
+def _tag_nodes(gm: GraphModule, sig: Signature, wrapped: bool = True) -> None:
+    """Write ``KIND``, ``SOURCE``, ``MODULE``, ``ROLE``, ``PARAM_DERIVED`` (and ``PARAM``) on
+    every node."""
+    param_names = dict(sig.params)
+    constants = set(param_names) | {n for n, _ in sig.buffers}
+    for n in gm.graph.nodes:
+        n.meta[KIND] = "primal"
+        n.meta[SOURCE] = n.name
+        if n.op == "placeholder":
+            n.meta[MODULE] = ""
+            n.meta[ROLE] = "forward"
+            n.meta[PARAM_DERIVED] = n.name in constants
+            if n.name in param_names:
+                n.meta[PARAM] = param_names[n.name]
+            continue
+        path = module_path(n, wrapped)
+        n.meta[MODULE] = path
+        n.meta[ROLE] = "loss" if path == "loss" else "forward"
+        if n.op == "call_function":
+            # computed from parameters, buffers and constants only (an embedding lookup at the
+            # model's token ids is not; one at arange positions is)
+            n.meta[PARAM_DERIVED] = all(a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes)
+        else:
+            n.meta[PARAM_DERIVED] = False
+
+
+def from_make_fx(
+    gm: GraphModule,
+    *,
+    params: list[str],
+    buffers: list[str],
+    n_inputs: int,
+    loss_kind: str,
+    target_nodes: list,
+) -> GraphModule:
+    """``make_fx``'s graph in graphflop's form: placeholders named and classified as
+    ``torch.export`` does (``p_model_*``, ``b_model_*``, ``args_i``; constants made in forward
+    become fixed buffers), the target nodes made inside the trace turned into placeholders, the
+    functionalised buffer writes (``copy_`` into a placeholder) turned into outputs."""
+    old = gm.graph
+    phs = [n for n in old.nodes if n.op == "placeholder"]
+    n_p, n_b = len(params), len(buffers)
+    out_node = next(n for n in reversed(old.nodes) if n.op == "output")
+    writes: dict = {}
+    order = {n: i for i, n in enumerate(old.nodes)}
+    for n in list(old.nodes):
+        if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in phs:
+            i = phs.index(n.args[0])
+            if not n_p <= i < n_p + n_b:
+                what = params[i] if i < n_p else f"input {i - n_p - n_b}"
+                raise TraceError(
+                    f"the model writes in place into {what}; only buffers may be updated in forward"
+                )
+            ph, value = n.args
+            later = [u for u in ph.users if order[u] > order[n]]
+            for u in later:  # reads after the write see the new value
+                u.replace_input_with(ph, value)
+            writes[buffers[i - n_p]] = value
+            n.replace_all_uses_with(value)
+            old.erase_node(n)
+    g = torch.fx.Graph()
+    env: dict = {}
+    sig_params, sig_buffers, model_inputs, target_names = [], [], [], []
+    constants: dict[str, torch.Tensor] = {}
+
+    def placeholder(name: str, src):
+        ph = g.placeholder(name)
+        ph.meta.update(src.meta)
+        ph.meta.pop("nn_module_stack", None)
+        return ph
+
+    for i, n in enumerate(phs):
+        if i < n_p:
+            env[n] = placeholder("p_model_" + _ident(params[i]), n)
+            sig_params.append((env[n].name, params[i]))
+        elif i < n_p + n_b:
+            env[n] = placeholder("b_model_" + _ident(buffers[i - n_p]), n)
+            sig_buffers.append((env[n].name, buffers[i - n_p]))
+    for n in old.nodes:
+        if n.op == "get_attr":  # torch.tensor(...) made in forward: a fixed buffer
+            env[n] = placeholder("c_" + _ident(n.target), n)
+            sig_buffers.append((env[n].name, n.target))
+            constants[env[n].name] = getattr(gm, n.target)
+    for i, n in enumerate(phs[n_p + n_b :]):
+        env[n] = placeholder(f"args_{i}", n)
+        model_inputs.append(env[n].name)
+    for j, n in enumerate(target_nodes):
+        env[n] = placeholder(f"args_{n_inputs + j}", n)
+        target_names.append(env[n].name)
+    for n in old.nodes:
+        if n in env or n.op in ("placeholder", "get_attr", "output"):
+            continue
+        env[n] = g.node_copy(n, lambda a: env[a])
+    results = [env[a] for a in out_node.args[0]]
+    updates = [(env[v].name, b) for b, v in writes.items()]
+    g.output(tuple([env[writes[b]] for b in writes] + results))
+    g.eliminate_dead_code()
+    new = graph_module(torch.nn.Module(), g)
+    has_loss = loss_kind != "none"
+    signature = Signature(
+        params=tuple(sig_params),
+        buffers=tuple(sig_buffers),
+        inputs=tuple(model_inputs),
+        targets=tuple(target_names),
+        loss=results[0].name if has_loss else None,
+        outputs=tuple(r.name for r in results[1 if has_loss else 0 :]),
+        buffer_updates=tuple(updates),
+    )
+    return _finish(new, signature, constants, loss_kind, wrapped=True)
+
+
+def _ident(name: str) -> str:
+    return sanitize_name(name).lower()

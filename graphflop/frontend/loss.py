@@ -1,0 +1,55 @@
+"""The losses a traced graph can end in, and the one place their values are computed.
+
+:func:`loss_value` is used both while tracing (:func:`graphflop.frontend.trace.trace`) and by
+``--verify``'s eager reference, so the two always compute the same loss. Writes no meta key
+(tracing records the chosen kind in ``gm.meta[LOSS_KIND]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten
+
+#: the loss kinds :func:`graphflop.frontend.trace.trace` accepts (besides ``auto``)
+LOSSES = ("cross_entropy", "mse", "sum", "output", "none")
+
+
+def loss_value(kind: str, first: torch.Tensor, targets: tuple = ()) -> torch.Tensor:
+    """The scalar loss of kind ``kind`` (one of :data:`LOSSES` but ``none``) of the model's
+    first output: cross-entropy or MSE against ``targets[0]``, the sum, or the output itself
+    (``output``: the model computes its own loss)."""
+    if kind == "cross_entropy":
+        return F.cross_entropy(first, targets[0])
+    if kind == "mse":
+        return F.mse_loss(first, targets[0])
+    if kind == "sum":
+        return first.sum()
+    return first
+
+
+def default_loss(out: Any) -> str:
+    """Cross-entropy for ``(N, C)`` floating logits, ``sum`` otherwise."""
+    flat, _ = tree_flatten(out)
+    first = flat[0] if flat else None
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and first.is_floating_point():
+        return "cross_entropy"
+    return "sum"
+
+
+def make_targets(
+    loss: str, out: torch.Tensor, fake_mode: FakeTensorMode, inside: bool = False
+) -> tuple:
+    """Loss targets for ``out``: class indices of shape (N,) (cross-entropy) or a tensor like
+    ``out`` (MSE); ``()`` for the other kinds. ``inside``: already under ``fake_mode`` (while
+    tracing)."""
+    with contextlib.nullcontext() if inside else fake_mode:
+        if loss == "cross_entropy":
+            return (torch.zeros(out.shape[0], dtype=torch.long, device=out.device),)
+        if loss == "mse":
+            return (torch.empty(out.shape, dtype=out.dtype, device=out.device),)
+    return ()

@@ -1,0 +1,66 @@
+"""Attention: no rules of its own. Scaled dot-product attention is traced in its math form by
+:func:`sdpa`, so its two batched products are counted in ``mm_flops`` and its softmax, mask and
+scaling as elementwise work (FLOPS.md: the dense kernel computes the full score matrix).
+
+:func:`sdpa` is also what :mod:`graphflop.frontend.composite` routes
+``F.scaled_dot_product_attention`` to while tracing, so every device counts the same.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from graphflop.ops.registry import register_decomposition, torch_decomposition
+
+aten = torch.ops.aten
+
+
+@register_decomposition(aten.scaled_dot_product_attention.default)
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Any:
+    """``scaled_dot_product_attention`` in its math form: ``softmax(q·kᵀ·scale + mask)·v``.
+
+    Shapes as PyTorch's: q (…, L, E), k (…, S, E), v (…, S, Ev) → (…, L, Ev). The causal mask
+    is a ``where`` over the scores built from two ``arange``; a given ``attn_mask`` is added
+    (float) or applied with ``where`` (bool), and rows it masks entirely give zeros, as
+    PyTorch's kernels do. One scaling of q (PyTorch's decomposition scales q and k, and builds a
+    guard for fully masked rows even where no mask can make one). Grouped-query attention goes
+    to PyTorch's decomposition.
+    """
+    if enable_gqa and q.shape[-3] != k.shape[-3]:
+        fallback = torch_decomposition(aten.scaled_dot_product_attention.default)
+        assert fallback is not None  # PyTorch decomposes sdpa
+        return fallback(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))
+    neg_inf = float("-inf")
+    if is_causal:
+        rows = torch.arange(L, device=q.device).unsqueeze(1)
+        cols = torch.arange(S, device=q.device).unsqueeze(0)
+        scores = torch.where(rows >= cols, scores, neg_inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = torch.where(attn_mask, scores, neg_inf)
+        else:
+            scores = scores + attn_mask
+    weights = torch.softmax(scores, dim=-1)
+    if attn_mask is not None:  # a row the mask hides entirely: zeros, not NaN
+        live = torch.any(scores != neg_inf, dim=-1, keepdim=True)
+        weights = torch.where(live, weights, 0.0)
+    if dropout_p > 0.0:
+        weights = aten.native_dropout.default(weights, dropout_p, True)[0]
+    return torch.matmul(weights, v)
