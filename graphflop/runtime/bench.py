@@ -18,12 +18,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphflop.frontend.trace import loss_value
 from graphflop.meta import LOSS_KIND, SIGNATURE, UPDATE
+
+if TYPE_CHECKING:
+    from graphflop.analysis import Analysis
 
 PHASES = ("forward", "train_step", "forward_gradient_step")
 
@@ -69,7 +72,7 @@ def _input_sets(forward, model, rotate: int, device) -> list[dict[str, torch.Ten
 
 
 def bench_torch(
-    analysis,
+    analysis: Analysis,
     model: torch.nn.Module,
     *,
     device: str,
@@ -166,7 +169,7 @@ def _onnx_feeds(names: list[str], by_label, state_labels: set[str], lr: float) -
 
 
 def bench_onnxruntime(
-    analysis,
+    analysis: Analysis,
     model: torch.nn.Module,
     *,
     provider: str,
@@ -269,7 +272,7 @@ def ratios(t: dict[str, Timing]) -> dict[str, float | None]:
     return {"Rf": rf, "Rb": rb, "Rf_over_Rb": rf / rb if rf and rb else None}
 
 
-def phase_flops(analysis) -> dict[str, int]:
+def phase_flops(analysis: Analysis) -> dict[str, int]:
     """graphflop's FLOPs of each of :data:`PHASES`, from ``analysis``'s summary totals.
 
     Raises:

@@ -15,15 +15,20 @@ Every graph returned is FLOP-annotated (``COST``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch.fx import GraphModule
 
 from graphflop.export.onnx import GRAPH_KINDS
 from graphflop.passes.optimizer import OptimizerConfig
 
+if TYPE_CHECKING:
+    from graphflop.analysis import Analysis
+
 __all__ = ["GRAPH_KINDS", "forward_gradient_graph", "step_graphs", "train_step_graph"]
 
 
-def train_step_graph(analysis) -> GraphModule | None:
+def train_step_graph(analysis: Analysis) -> GraphModule | None:
     """Forward, backward and update of ``analysis`` as one graph, or None without a backward.
 
     Placeholders: the forward's, the optimizer state, ``lr`` (and ``step``); outputs: the loss,
@@ -69,7 +74,7 @@ def forward_gradient_graph(
 
 
 def step_graphs(
-    analysis,
+    analysis: Analysis,
     *,
     kinds: tuple[str, ...] = GRAPH_KINDS,
     directions: int = 1,

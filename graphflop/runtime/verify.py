@@ -104,6 +104,7 @@ class _Recorder(Interpreter):
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``‖a − b‖ / max(‖b‖, 1e-30)`` in float64 (any matching shapes; dimensionless)."""
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / max(float(b.norm()), 1e-30))
 
