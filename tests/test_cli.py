@@ -86,17 +86,15 @@ def test_verify_passes():
 def test_verify_samples_follow_the_step_cost():
     """The forward-gradient check's default: 100 steps when they fit in VERIFY_FLOPS, fewer
     when only some do, none below MIN_VERIFY_SAMPLES; an explicit count always wins."""
-    from graphflop.cli import VERIFY_FLOPS, _verify_samples
+    from graphflop.runtime.verify import VERIFY_FLOPS, forward_gradient_samples
 
-    def summary(flops):
-        return {"totals": {"forward_gradient_step": {"flops": flops}}}
-
-    assert _verify_samples(None, summary(VERIFY_FLOPS / 1000)) == (100, "")
-    n, why = _verify_samples(None, summary(VERIFY_FLOPS / 20))
+    assert forward_gradient_samples(None, VERIFY_FLOPS / 1000) == (100, "")
+    n, why = forward_gradient_samples(None, VERIFY_FLOPS / 20)
     assert n == 20 and "20 steps" in why
-    n, why = _verify_samples(None, summary(VERIFY_FLOPS / 10))
+    n, why = forward_gradient_samples(None, VERIFY_FLOPS / 10)
     assert n == 0 and "skipped" in why
-    assert _verify_samples(7, summary(VERIFY_FLOPS)) == (7, "")
+    assert forward_gradient_samples(7, VERIFY_FLOPS) == (7, "")
+    assert forward_gradient_samples(None, 0) == (100, "")  # cost unknown: the default
 
 
 TWO_MODULES = """
@@ -167,3 +165,27 @@ def test_bad_input_one_line_exit_2(tmp_path, case):
         )
     if case == "two_modules":
         assert "A, B" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "command,args,message",
+    [
+        ("export", ["nope.py", "--out", "{tmp}/onnx"], "model file not found"),
+        ("bench", [spec("logreg.py"), "--repeat", "0", "--json", "{tmp}/out.json"], "--repeat"),
+        (
+            "render",
+            [spec("logreg.py"), "-o", "{tmp}/out.svg", "--profile-json", "{tmp}/none.json"],
+            "cannot read --profile-json",
+        ),
+        ("sweep", [spec("logreg.py"), "--batches", "1,x", "--json", "{tmp}/out.json"], "bad batch"),
+        ("train", [spec("logreg.py"), "--batch", "0", "--out", "{tmp}/run"], "must be positive"),
+        ("inspect", [spec("logreg.py"), "--directions", "0"], "bad --directions 0"),
+    ],
+)
+def test_every_subcommand_reports_bad_input_in_one_line(tmp_path, command, args, message):
+    r = run_cli(command, *[a.format(tmp=tmp_path) for a in args], cwd=tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("graphflop: error:"), r.stderr
+    assert message in lines[0]
+    assert r.stdout == "" and list(tmp_path.iterdir()) == []

@@ -13,8 +13,7 @@ from graphflop.analysis import analyze
 from graphflop.export.onnx import OnnxExportError, export_all
 from graphflop.load import load, make_inputs
 from graphflop.meta import SIGNATURE, SOURCE, TRAIN_STEP, UPDATE
-from graphflop.passes.forward_gradient import build_forward_gradient_step
-from graphflop.passes.train_step import build_train_step
+from graphflop.runtime.graphs import forward_gradient_graph, step_graphs, train_step_graph
 from graphflop.runtime.onnxrt import run, session
 from graphflop.runtime.verify import real_arguments, rel_error, run_forward
 
@@ -52,7 +51,7 @@ def test_export_runs_and_matches_pytorch(tmp_path, name, batch):
     elif ctor:  # the seed's LinearNet has 617 M parameters: same architecture, 16×16 inputs
         real = load(spec(name), ctor_kwargs=ctor)
         a = analyze(real.model, make_inputs(real, shapes=[(batch, 3, 16, 16)]))
-    manifest = export_all(a, tmp_path)
+    manifest = export_all(step_graphs(a), tmp_path, name=name)
     import onnx
 
     for kind, g in manifest["graphs"].items():
@@ -106,9 +105,9 @@ def test_train_step_equals_one_torch_optim_step(tmp_path, optimizer):
     real = load(spec("mlp.py"), ctor_kwargs={"in_features": 64, "hidden": 32})
     real.model.train()
     a = analyze(real.model, make_inputs(real, shapes=[(8, 1, 8, 8)]), optimizer=optimizer)
-    manifest = export_all(a, tmp_path, graphs=("train_step",))
+    ts = train_step_graph(a)
+    manifest = export_all({"train_step": ts}, tmp_path)
     g = manifest["graphs"]["train_step"]
-    ts = build_train_step(a.forward, a.backward, a.update)
     info = ts.meta[TRAIN_STEP]
     values = real_arguments(a.forward, real.model)
     sig = a.forward.meta[SIGNATURE]
@@ -141,9 +140,10 @@ def test_train_step_equals_one_torch_optim_step(tmp_path, optimizer):
 
 def test_forward_gradient_step_onnx_matches_pytorch(tmp_path):
     real, a = _setup("mlp.py", 8)
-    manifest = export_all(a, tmp_path, graphs=("forward_gradient_step",))
+    step = forward_gradient_graph(a.forward, "sgd")
+    manifest = export_all({"forward_gradient_step": step}, tmp_path, name="mlp")
+    assert manifest["model"] == "mlp" and list(manifest["graphs"]) == ["forward_gradient_step"]
     g = manifest["graphs"]["forward_gradient_step"]
-    step = build_forward_gradient_step(a.forward, "sgd", direction_inputs=True)
     values = real_arguments(a.forward, real.model)
     args = []
     for n in step.graph.nodes:
@@ -180,7 +180,7 @@ def test_unexportable_op_is_named_and_no_file_is_left(tmp_path):
         a = analyze(Odd(), (torch.randn(2, 3),), loss="sum", backward=False, jvp=False)
         out = tmp_path / "out"
         with pytest.raises(OnnxExportError, match=r"aten\.i0\.default \(node i0"):
-            export_all(a, out, graphs=("forward",))
+            export_all(a, out, graphs=("forward",))  # an Analysis: the graphs it holds
         assert not out.exists()
         assert [p.name for p in tmp_path.iterdir()] == []
     finally:
@@ -229,13 +229,18 @@ def test_cli_export_and_bench(tmp_path):
         == 0
     )
     d = json.loads(res.read_text())
+    # logistic regression 784→10 at batch 4: forward 2·4·784·10 multiply-add FLOPs plus bias
+    # and loss; the FLOP counts are graphflop's, the same for both runtimes
+    assert d["flops"]["forward"] > 2 * 4 * 784 * 10
     for rt in ("onnxruntime", "torch"):
-        r = d["runtimes"][rt]["ratios"]
-        assert r["Rf"] > 0 and r["Rb"] > 0
-        assert set(d["runtimes"][rt]["phases"]) == {
-            "forward",
-            "train_step",
-            "forward_gradient_step",
-        }
+        ph, r = d["runtimes"][rt]["phases"], d["runtimes"][rt]["ratios"]
+        assert set(ph) == {"forward", "train_step", "forward_gradient_step"}
+        for k, v in ph.items():
+            assert v["runs"] == 3 and v["q1_s"] <= v["median_s"] <= v["q3_s"]
+            assert v["flops_per_s"] == d["flops"][k] / v["median_s"]
+        fwd = ph["forward"]["median_s"]
+        assert r["Rf"] == ph["forward_gradient_step"]["median_s"] / fwd
+        assert r["Rb"] == ph["train_step"]["median_s"] / fwd
+        assert r["Rf_over_Rb"] == r["Rf"] / r["Rb"]
     prof = d["runtimes"]["onnxruntime"]["profile"]["train_step"]
     assert prof["top_nodes"] and any(n["graphflop_node"] for n in prof["top_nodes"])

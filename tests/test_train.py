@@ -13,6 +13,7 @@ import torch
 from conftest import spec
 
 from graphflop.cli.train import main
+from graphflop.train.config import TrainConfig, TrainError
 from graphflop.train.data import (
     IMAGES_MAGIC,
     LABELS_MAGIC,
@@ -22,7 +23,9 @@ from graphflop.train.data import (
     read_idx,
     write_idx,
 )
-from graphflop.train.loop import TrainError, build_model, estimator_variance, train
+from graphflop.train.loop import train
+from graphflop.train.model import build_model
+from graphflop.train.variance import estimator_variance
 
 
 @pytest.fixture(autouse=True)
@@ -147,12 +150,10 @@ def test_train_on_mnist_files_sizes_the_model_from_the_data(tmp_path):
     _mnist_dir(tmp_path, size=10)
     r = train(
         spec("logreg.py"),
-        method="backprop",
-        dataset="mnist",
-        data_dir=tmp_path,
-        batch=16,
-        steps=6,
-        eval_every=3,
+        None,
+        TrainConfig(
+            method="backprop", dataset="mnist", data_dir=tmp_path, batch=16, steps=6, eval_every=3
+        ),
     )
     assert r.summary["ctor_kwargs"] == {"in_features": 100}
     assert r.summary["image_shape"] == [1, 10, 10] and r.summary["val_size"] == 40
@@ -210,9 +211,9 @@ def test_constructor_without_size_arguments_is_a_clear_error(tmp_path, digits):
     ],
 )
 def test_backprop_matches_torch_step_for_step(digits, name, optimizer):
-    kw = dict(data=digits, optimizer=optimizer, steps=50, eval_every=0, lr_decay=0.7, seed=1)
-    ours = train(spec(name), method="backprop", **kw)
-    ref = train(spec(name), method="torch", **kw)
+    kw = dict(optimizer=optimizer, steps=50, eval_every=0, lr_decay=0.7, seed=1)
+    ours = train(spec(name), digits, TrainConfig(method="backprop", **kw))
+    ref = train(spec(name), digits, TrainConfig(method="torch", **kw))
     a, b = _losses(ours), _losses(ref)
     assert len(a) == len(b) == 50
     np.testing.assert_allclose(a, b, rtol=1e-5)
@@ -221,7 +222,9 @@ def test_backprop_matches_torch_step_for_step(digits, name, optimizer):
 
 def test_all_methods_see_the_same_first_batch_and_weights(digits):
     first = [
-        _losses(train(spec("mlp.py"), method=m, data=digits, steps=1, eval_every=0, seed=5))[0]
+        _losses(
+            train(spec("mlp.py"), digits, TrainConfig(method=m, steps=1, eval_every=0, seed=5))
+        )[0]
         for m in ("torch", "backprop", "fgd")
     ]
     assert first[0] == pytest.approx(first[1], rel=1e-6) == pytest.approx(first[2], rel=1e-6)
@@ -229,7 +232,7 @@ def test_all_methods_see_the_same_first_batch_and_weights(digits):
 
 @pytest.mark.parametrize("name", ["mlp.py", "cnn.py"])
 def test_backprop_reaches_95_percent_on_digits(digits, name):
-    r = train(spec(name), method="backprop", data=digits, epochs=5, eval_every=55)
+    r = train(spec(name), digits, TrainConfig(method="backprop", epochs=5, eval_every=55))
     s = r.summary
     assert (s["optimizer"], s["lr"], s["steps"]) == ("momentum", 0.05, 110)
     assert s["final_val_accuracy"] >= 0.95, s
@@ -245,13 +248,10 @@ def test_backprop_reaches_95_percent_on_digits(digits, name):
 def test_fgd_trains(digits, name, lr, decay, bound):
     r = train(
         spec(name),
-        method="fgd",
-        data=digits,
-        optimizer="momentum",
-        lr=lr,
-        lr_decay=decay,
-        epochs=10,
-        eval_every=110,
+        digits,
+        TrainConfig(
+            method="fgd", optimizer="momentum", lr=lr, lr_decay=decay, epochs=10, eval_every=110
+        ),
     )
     s = r.summary
     assert not s["diverged"]
@@ -280,7 +280,6 @@ def test_onnxruntime_matches_the_pytorch_executed_graph(
 ):
     kw = dict(
         method=method,
-        data=digits,
         optimizer="momentum",
         steps=4,
         eval_every=eval_every,
@@ -288,8 +287,8 @@ def test_onnxruntime_matches_the_pytorch_executed_graph(
         lr=0.05 if method == "backprop" else 1e-3,
         ctor_kwargs={"hidden": 32} if name == "mlp.py" else None,
     )
-    ort = train(spec(name), runtime="onnxruntime", out=tmp_path, **kw)
-    pt = train(spec(name), runtime="torch", **kw)
+    ort = train(spec(name), digits, TrainConfig(runtime="onnxruntime", **kw), out=tmp_path)
+    pt = train(spec(name), digits, TrainConfig(runtime="torch", **kw))
     np.testing.assert_allclose(_losses(ort), _losses(pt), rtol=1e-4)
     if eval_every:  # validation ran on ONNX Runtime too
         assert ort.summary["final_val_loss"] == pytest.approx(
@@ -387,3 +386,51 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     assert main([spec("logreg.py"), "--quiet", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("graphflop: error: ") and message in err and "\n" not in err
+
+
+# --- the settings --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(method="torch", runtime="onnxruntime"), "--method torch is PyTorch autograd"),
+        (dict(method="sgd"), "unknown method 'sgd'; one of fgd, backprop, torch"),
+        (dict(optimizer="lion"), "unknown optimizer 'lion'"),
+        (dict(steps=3, epochs=1.0), "give --steps or --epochs, not both"),
+        (dict(directions=0), "must be positive"),
+        (dict(lr=-1.0), "--lr and --lr-decay must be positive"),
+        (dict(eval_every=-1), "--eval-every must be 0"),
+        (dict(distribution="uniform"), "unknown distribution 'uniform'"),
+        (dict(threads=0), "--threads must be positive"),
+        (dict(device="tpu"), "unknown device 'tpu'"),
+    ],
+)
+def test_config_is_checked_when_made(kw, message):
+    with pytest.raises(TrainError, match=message):
+        TrainConfig(**kw)
+
+
+def test_config_defaults():
+    c = TrainConfig()
+    # backprop with momentum: lr 0.05 (DEFAULT_LR); 10 epochs of 22 steps
+    assert (c.method, c.optimizer, c.learning_rate) == ("backprop", "momentum", 0.05)
+    assert TrainConfig(method="fgd", optimizer="sgd").learning_rate == 1e-3
+    assert TrainConfig(lr=0.2).learning_rate == 0.2
+    assert c.total_steps(22) == 220 and TrainConfig(steps=7).total_steps(22) == 7
+    assert TrainConfig(epochs=0.01).total_steps(22) == 1
+    assert TrainConfig(ctor_kwargs=None).ctor_kwargs == {}
+
+
+def test_torch_optimizer_takes_the_update_graphs_constants():
+    from graphflop.passes.optimizer import OptimizerConfig
+    from graphflop.runtime.optim import torch_optimizer
+
+    w = [torch.nn.Parameter(torch.zeros(2))]
+    assert torch_optimizer("momentum", w, 0.1).param_groups[0]["momentum"] == 0.9
+    cfg = OptimizerConfig("momentum", momentum=0.5)
+    assert torch_optimizer("momentum", w, 0.1, cfg).param_groups[0]["momentum"] == 0.5
+    g = torch_optimizer("adamw", w, 0.1).param_groups[0]
+    assert (g["betas"], g["eps"], g["weight_decay"]) == ((0.9, 0.999), 1e-8, 0.01)
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        torch_optimizer("lion", w, 0.1)

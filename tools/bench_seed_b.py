@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from graphflop.io import atomic_write
+
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = {  # Baydin et al. 2022, reported on MNIST in PyTorch (their forward-mode implementation)
     "logreg.py": {"Rf": 2.435, "Rb": 4.389},
@@ -59,8 +61,8 @@ def main() -> int:
         "device": args.device,
         "repeat": args.repeat,
     }
-    (out / f"seed_b_{args.device}.json").write_text(
-        json.dumps({"meta": meta, "results": results}, indent=1)
+    atomic_write(
+        out / f"seed_b_{args.device}.json", json.dumps({"meta": meta, "results": results}, indent=1)
     )
     lines = [
         f"# Seed B runtime ratios on {args.device.upper()} (`tools/bench_seed_b.py`)",
@@ -83,7 +85,7 @@ def main() -> int:
                 f"{r['Rb']:.2f} | {r['Rf_over_Rb']:.2f} | {p['Rf']} | {p['Rb']} | "
                 f"{p['Rf'] / p['Rb']:.3f} |"
             )
-    (out / f"seed_b_{args.device}.md").write_text("\n".join(lines) + "\n")
+    atomic_write(out / f"seed_b_{args.device}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

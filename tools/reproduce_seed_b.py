@@ -143,6 +143,7 @@ def main() -> int:
     res["depth"] = drows
 
     # 3. training: tuned learning rates, then FGD vs backprop
+    from graphflop.train.config import TrainConfig
     from graphflop.train.data import load_digits
     from graphflop.train.loop import estimator_variance, train
 
@@ -158,14 +159,16 @@ def main() -> int:
                 log(t0, f"train {model} {method} lr {lr}")
                 r = train(
                     spec,
-                    method=method,
-                    data=data,
-                    optimizer="sgd",
-                    lr=lr,
-                    steps=steps,
-                    eval_every=max(steps // 20, 1),
-                    seed=0,
-                    threads=1,
+                    data,
+                    TrainConfig(
+                        method=method,
+                        optimizer="sgd",
+                        lr=lr,
+                        steps=steps,
+                        eval_every=max(steps // 20, 1),
+                        seed=0,
+                        threads=1,
+                    ),
                 )
                 v = r.summary["final_val_loss"]
                 if v == v and (best is None or v < best[0]):  # NaN never wins

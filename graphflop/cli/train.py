@@ -1,26 +1,27 @@
 """``graphflop train``: the command-line front end of :func:`graphflop.train.loop.train`.
 
-Wire it into ``graphflop/cli/__init__.py`` with :func:`add_parser` (adds the ``train`` sub-command) and
-:func:`run` (``if args.command == "train": return run(args, err)``). :func:`run` reports the
-errors a user can fix (bad data, options, spec, untraceable model) as one line on stderr and
-returns 2 itself. ``python -m graphflop.cli.train SPEC ...`` works on its own too.
+:func:`add_parser` adds the ``train`` subcommand, :func:`run` runs it: the options become a
+:class:`~graphflop.train.config.TrainConfig` (checked there), and errors a user can fix (bad
+data, options, spec, untraceable model) are one line on stderr and exit status 2
+(:func:`graphflop.cli.common.run_command`). ``python -m graphflop.cli.train SPEC ...`` works on
+its own too.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from collections.abc import Sequence
 
-from graphflop.passes.optimizer import OPTIMIZERS
+from rich.console import Console
 
-EXIT_USAGE = 2
+from graphflop.cli.common import parse_ctor_kwargs, run_command
+from graphflop.passes.optimizer import OPTIMIZERS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``train`` options (on an existing parser)."""
-    from graphflop.train.loop import DEFAULT_EPOCHS, DEFAULT_LR, DEFAULT_OPTIMIZER, METHODS
+    from graphflop.train.config import DEFAULT_EPOCHS, DEFAULT_LR, DEFAULT_OPTIMIZER, METHODS
 
     p.add_argument(
         "spec",
@@ -154,62 +155,54 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _ctor_kwargs(items: Sequence[str] | None) -> dict:
-    from graphflop.train.loop import TrainError
+def config_from_args(args: argparse.Namespace):
+    """The :class:`~graphflop.train.config.TrainConfig` of parsed ``train`` options.
 
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise TrainError(f"bad --arg {item!r}: write NAME=VALUE, e.g. hidden=256")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
+    Raises:
+        TrainError: an option out of range; SpecError: a bad ``--arg``.
+    """
+    from graphflop.train.config import TrainConfig
+
+    return TrainConfig(
+        method=args.method,
+        runtime=args.runtime,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        lr_decay=args.lr_decay,
+        batch=args.batch,
+        steps=args.steps,
+        epochs=args.epochs,
+        directions=args.directions,
+        distribution=args.distribution,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        ctor_kwargs=parse_ctor_kwargs(args.arg, example="hidden=256"),
+        device=args.device,
+        threads=args.threads,
+    )
 
 
-def run(args: argparse.Namespace, err=None) -> int:
-    """Run ``graphflop train`` for parsed ``args``; returns the exit status."""
-    from rich.console import Console
+def run(args: argparse.Namespace, err: Console | None = None) -> int:
+    """Run ``graphflop train`` for parsed ``args``; returns the exit status (2 and one stderr
+    line for an error the user can fix)."""
+    return run_command(_train, args, err)
 
-    from graphflop.export.onnx import OnnxExportError
-    from graphflop.frontend.trace import TraceError
-    from graphflop.load import SpecError
-    from graphflop.ops import MissingRuleError
-    from graphflop.train.data import DataError
-    from graphflop.train.loop import TrainError, train
 
-    err = err or Console(stderr=True)
-    try:
-        with _Progress(err, args) as bar:
-            result = train(
-                args.spec,
-                method=args.method,
-                runtime=args.runtime,
-                dataset=args.dataset,
-                data_dir=args.data_dir,
-                optimizer=args.optimizer,
-                lr=args.lr,
-                lr_decay=args.lr_decay,
-                batch=args.batch,
-                steps=args.steps,
-                epochs=args.epochs,
-                directions=args.directions,
-                distribution=args.distribution,
-                seed=args.seed,
-                eval_every=args.eval_every,
-                ctor_kwargs=_ctor_kwargs(args.arg),
-                device=args.device,
-                threads=args.threads,
-                out=args.out,
-                callback=bar.update,
-            )
-    except (DataError, TrainError, SpecError, TraceError, MissingRuleError, OnnxExportError) as e:
-        text = str(e.args[0]) if e.args else str(e)
-        print(f"graphflop: error: {' '.join(text.split())}", file=sys.stderr)
-        return EXIT_USAGE
-    s = result.summary
+def _train(args: argparse.Namespace, err: Console) -> int:
+    from graphflop.train.loop import train
+
+    config = config_from_args(args)
+    with _Progress(err, args) as bar:
+        result = train(args.spec, None, config, out=args.out, progress=bar.update)
+    print(_result_line(result.summary))
+    if args.out:
+        print(f"{args.out}/train.csv, {args.out}/train.png, {args.out}/summary.json")
+    return 0
+
+
+def _result_line(s: dict) -> str:
     acc, loss = s["final_val_accuracy"], s["final_val_loss"]
     line = (
         f"{s['model']} {s['method']}"
@@ -221,10 +214,7 @@ def run(args: argparse.Namespace, err=None) -> int:
         line += f"; validation loss {loss:.4f}, accuracy {acc:.2%}"
     if s["diverged"]:
         line += "; stopped: the loss is not finite (lower --lr)"
-    print(line)
-    if args.out:
-        print(f"{args.out}/train.csv, {args.out}/train.png, {args.out}/summary.json")
-    return 0
+    return line
 
 
 class _Progress:

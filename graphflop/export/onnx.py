@@ -7,8 +7,10 @@ to parameter qualified names (``conv1.weight``, ``new.conv1.weight``, ``grad.con
 checked with ``onnx.checker``. ``manifest.json`` maps every ONNX node to the exporter's fx node
 and, by aligning the two op sequences, to the graphflop node, module path, role and FLOPs.
 
-Files are written into a temporary folder first and moved into place only when every graph
-exported, so a failure leaves no partial ``.onnx`` file.
+The exporter only converts the graphs it is given (:func:`export_all`); the step graphs come from
+the analysis (:func:`graphflop.runtime.graphs.step_graphs`). Files are written into a temporary
+folder first and moved into place only when every graph exported, so a failure leaves no partial
+``.onnx`` file.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,9 @@ from graphflop.meta import (
     ZERO_COST,
 )
 from graphflop.ops import op_name
+
+#: the graphs graphflop exports, in this order
+GRAPH_KINDS = ("forward", "backward", "train_step", "forward_gradient_step")
 
 
 class OnnxExportError(RuntimeError):
@@ -283,50 +289,45 @@ def _unique(names: list[str]) -> list[str]:
 
 
 def export_all(
-    analysis,
+    source: Mapping[str, GraphModule] | Any,
     out_dir: str | Path,
     *,
-    graphs: tuple[str, ...] = ("forward", "backward", "train_step", "forward_gradient_step"),
-    directions: int = 1,
-    distribution: str = "normal",
+    graphs: tuple[str, ...] = GRAPH_KINDS,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    """Export ``analysis``'s graphs into ``out_dir`` (created) with ``manifest.json``.
+    """Export the given graphs into ``out_dir`` (created) with ``manifest.json``.
 
-    The forward-gradient step takes its ``directions`` as inputs (``direction.<param>``, and
-    ``direction<k>.<param>`` for k ≥ 1).
+    The exporter converts; it builds no graph. ``source`` is either
 
-    Returns the manifest. Raises :class:`OnnxExportError`; on failure nothing is written.
+    * a mapping ``kind → GraphModule`` (``forward``, ``backward``, ``train_step``,
+      ``forward_gradient_step``; :func:`graphflop.runtime.graphs.step_graphs` gives the ones
+      ``graphflop export`` writes, the forward-gradient step with ``direction.<param>`` (and
+      ``direction<k>.<param>`` for k ≥ 1) inputs), or
+    * an :class:`~graphflop.analysis.Analysis`: the graphs it holds (``forward``, ``backward``,
+      ``train_step`` when it has one, and ``forward_gradient`` as ``forward_gradient_step``).
+
+    Args:
+        graphs: the kinds to write, in this order (kinds ``source`` lacks are skipped).
+        name: the model name in the manifest (default: the analysis's name, else ``model``).
+
+    Returns:
+        The manifest: ``{"model": name, "graphs": {kind: {"file", "inputs", "outputs",
+        "nodes"}}}``.
+
+    Raises:
+        OnnxExportError: a graph the exporter cannot convert; nothing is written then.
     """
     import onnx
 
-    from graphflop.passes.flops import annotate_flops
-    from graphflop.passes.forward_gradient import build_forward_gradient_step
-    from graphflop.passes.train_step import build_train_step
-
-    gms: dict[str, GraphModule] = {"forward": analysis.forward}
-    if analysis.backward is not None:
-        gms["backward"] = analysis.backward
-        gms["train_step"] = annotate_flops(
-            build_train_step(analysis.forward, analysis.backward, analysis.update)
-        )
-    if analysis.jvp is not None and "forward_gradient_step" in graphs:
-        opt = analysis.summary.get("optimizer") or "sgd"
-        gms["forward_gradient_step"] = annotate_flops(
-            build_forward_gradient_step(
-                analysis.forward,
-                opt,
-                directions=directions,
-                distribution=distribution,
-                direction_inputs=True,
-            )
-        )
+    gms = dict(source) if isinstance(source, Mapping) else _analysis_graphs(source)
+    model_name = name or getattr(source, "name", None) or "model"
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".graphflop-export-", dir=out_dir.parent))
-    manifest: dict[str, Any] = {"model": analysis.name, "graphs": {}}
+    manifest: dict[str, Any] = {"model": model_name, "graphs": {}}
     try:
         for kind in graphs:
-            if kind not in gms:
+            if gms.get(kind) is None:
                 continue
             ins, outs = graph_io_names(kind, gms[kind])
             ex = export_graph(gms[kind], kind, ins, outs)
@@ -344,3 +345,13 @@ def export_all(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _analysis_graphs(analysis) -> dict[str, GraphModule | None]:
+    """The graphs an Analysis holds, by export kind (read only; nothing is built)."""
+    return {
+        "forward": analysis.forward,
+        "backward": analysis.backward,
+        "train_step": getattr(analysis, "train_step", None),
+        "forward_gradient_step": getattr(analysis, "forward_gradient", None),
+    }

@@ -10,6 +10,7 @@ definitions); achieved FLOP/s use graphflop's own FLOP counts of the same phase.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import tempfile
@@ -17,12 +18,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
+from graphflop.frontend.trace import loss_value
 from graphflop.meta import LOSS_KIND, SIGNATURE, UPDATE
+
+if TYPE_CHECKING:
+    from graphflop.analysis import Analysis
 
 PHASES = ("forward", "train_step", "forward_gradient_step")
 
@@ -57,14 +61,6 @@ def time_fn(
     return Timing(statistics.median(times), q[0], q[2], len(times))
 
 
-def _loss(kind: str, out: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
-    if kind == "cross_entropy":
-        return F.cross_entropy(out, target)
-    if kind == "mse":
-        return F.mse_loss(out, target)
-    return out.sum()
-
-
 def _input_sets(forward, model, rotate: int, device) -> list[dict[str, torch.Tensor]]:
     from graphflop.runtime.verify import real_arguments
 
@@ -76,7 +72,7 @@ def _input_sets(forward, model, rotate: int, device) -> list[dict[str, torch.Ten
 
 
 def bench_torch(
-    analysis,
+    analysis: Analysis,
     model: torch.nn.Module,
     *,
     device: str,
@@ -87,21 +83,24 @@ def bench_torch(
     optimizer: str = "sgd",
 ) -> dict[str, Timing]:
     """Eager PyTorch: ``model(x)`` under no_grad; loss.backward() + ``torch.optim`` step;
-    ``torch.func.jvp`` with a Gaussian direction, ``g = d·v`` and an SGD update."""
+    ``torch.func.jvp`` with a Gaussian direction, ``g = d·v`` and an SGD update.
+
+    The loss is the analysis's (cross-entropy or MSE against random valid targets, else the
+    sum of the first output); the optimizer is :func:`~graphflop.runtime.optim.torch_optimizer`
+    with graphflop's constants. Returns the :class:`Timing` of each of :data:`PHASES`.
+    """
+    from graphflop.runtime.optim import torch_optimizer
+
     fwd = analysis.forward
     sig = fwd.meta[SIGNATURE]
     kind = fwd.meta.get(LOSS_KIND, "sum")
+    kind = kind if kind in ("cross_entropy", "mse") else "sum"
     model = model.to(device)
     sets = _input_sets(fwd, model, rotate, device)
     xs = [[s[n] for n in sig.inputs] for s in sets]
-    ts = [s[sig.targets[0]] if sig.targets else None for s in sets]
+    ts = [tuple(s[n] for n in sig.targets[:1]) for s in sets]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    opt = {
-        "sgd": lambda p: torch.optim.SGD(p, lr=lr),
-        "momentum": lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
-        "adam": lambda p: torch.optim.Adam(p, lr=lr),
-        "adamw": lambda p: torch.optim.AdamW(p, lr=lr),
-    }[optimizer](model.parameters())
+    opt = torch_optimizer(optimizer, model.parameters(), lr)
 
     def forward(i):
         with torch.no_grad():
@@ -109,7 +108,7 @@ def bench_torch(
 
     def train_step(i):
         opt.zero_grad(set_to_none=True)
-        _loss(kind, model(*xs[i % rotate]), ts[i % rotate]).backward()
+        loss_value(kind, model(*xs[i % rotate]), ts[i % rotate]).backward()
         opt.step()
 
     params = {k: p.detach() for k, p in model.named_parameters()}
@@ -119,7 +118,7 @@ def bench_torch(
         x, t = xs[i % rotate], ts[i % rotate]
 
         def f(p):
-            return _loss(kind, torch.func.functional_call(model, (p, buffers), tuple(x)), t)
+            return loss_value(kind, torch.func.functional_call(model, (p, buffers), tuple(x)), t)
 
         v = {k: torch.randn_like(p) for k, p in params.items()}
         _, d = torch.func.jvp(f, (params,), (v,))
@@ -134,8 +133,43 @@ def bench_torch(
     }
 
 
+def _labelled(values: dict[str, torch.Tensor], sig) -> dict[str, torch.Tensor]:
+    """One input set by the exported graphs' input names: parameter and buffer qualified
+    names, ``input_<j>``, ``target`` (``target_<j>``), and the placeholder names."""
+    qual = dict(sig.params)
+    out = {qual.get(n, n): v for n, v in values.items()}
+    for j, n in enumerate(sig.inputs):
+        out[f"input_{j}"] = values[n]
+    for j, n in enumerate(sig.targets):
+        out["target" if len(sig.targets) == 1 else f"target_{j}"] = values[n]
+    for n, q in sig.buffers:
+        out.setdefault(q, values[n])
+    return out
+
+
+def _feed(name: str, by_label, state_labels: set[str], lr: float) -> torch.Tensor | None:
+    """The value fed to the exported input ``name``: the input set's, ``lr``, Adam's first
+    ``step``, zero optimizer state, or a Gaussian direction (None: unknown input)."""
+    if name in by_label:
+        return by_label[name]
+    if name == "lr":
+        return torch.tensor(lr)
+    if name == "step":
+        return torch.tensor(1.0)
+    if name in state_labels:
+        return torch.zeros_like(by_label[name.split(".", 1)[1]])
+    if name.startswith("direction"):
+        return torch.randn_like(by_label[name.split(".", 1)[1]])
+    return None
+
+
+def _onnx_feeds(names: list[str], by_label, state_labels: set[str], lr: float) -> dict[str, Any]:
+    feeds = {n: _feed(n, by_label, state_labels, lr) for n in names}
+    return {k: v.numpy() for k, v in feeds.items() if v is not None}
+
+
 def bench_onnxruntime(
-    analysis,
+    analysis: Analysis,
     model: torch.nn.Module,
     *,
     provider: str,
@@ -146,69 +180,50 @@ def bench_onnxruntime(
     profile: bool = False,
     export_dir: str | Path | None = None,
 ) -> tuple[dict[str, Timing], dict]:
-    """graphflop's exported forward, train-step and forward-gradient-step graphs on ONNX
-    Runtime. Returns the timings and, with ``profile``, per-node times mapped through the
-    manifest."""
+    """graphflop's forward, train-step and forward-gradient-step graphs
+    (:func:`graphflop.runtime.graphs.step_graphs`), exported to ONNX and run on ONNX Runtime
+    with ``provider``.
+
+    Args:
+        analysis: the model's analysis; ``model``: the same model with real weights.
+        warmup, repeat, rotate: see :func:`time_fn` and the module docstring.
+        lr: the learning rate fed to the step graphs.
+        profile: also record ONNX Runtime's per-node profile.
+        export_dir: keep the ONNX files in ``export_dir/onnx`` (default: a temporary folder).
+
+    Returns:
+        The :class:`Timing` of each phase, and with ``profile`` per-node and per-module times
+        mapped through the export manifest (see :func:`_node_times`), else ``{}``.
+
+    Raises:
+        OnnxExportError: a graph cannot be exported.
+    """
     from graphflop.export.onnx import export_all
+    from graphflop.runtime.graphs import step_graphs
     from graphflop.runtime.onnxrt import session
 
-    fwd = analysis.forward
-    sig = fwd.meta[SIGNATURE]
-    tmp = None
-    if export_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="graphflop-bench-")
-        export_dir = tmp.name
-    manifest = export_all(analysis, Path(export_dir) / "onnx")
-    root = Path(export_dir) / "onnx"
-    sets = _input_sets(fwd, model, rotate, "cpu")
-    qual = dict(sig.params)
-    upd = analysis.update.meta[UPDATE] if analysis.update is not None else None
-    state_labels = set(upd.state_labels) if upd else set()
-
-    def feeds_for(kind: str, i: int) -> dict[str, Any]:
-        s = sets[i % rotate]
-        by_label = {qual.get(n, n): v for n, v in s.items()}
-        for j, n in enumerate(sig.inputs):
-            by_label[f"input_{j}"] = s[n]
-        for j, n in enumerate(sig.targets):
-            by_label["target" if len(sig.targets) == 1 else f"target_{j}"] = s[n]
-        out = {}
-        for name in manifest["graphs"][kind]["inputs"]:
-            if name in by_label:
-                out[name] = by_label[name]
-            elif name == "lr":
-                out[name] = torch.tensor(lr)
-            elif name == "step":
-                out[name] = torch.tensor(1.0)
-            elif name in state_labels:
-                out[name] = torch.zeros_like(by_label[name.split(".", 1)[1]])
-            elif name.startswith("direction."):
-                out[name] = torch.randn_like(by_label[name.split(".", 1)[1]])
-            else:
-                for b_name, q in sig.buffers:
-                    if name == q:
-                        out[name] = s[b_name]
-        return {k: v.numpy() for k, v in out.items()}
-
-    timings, prof = {}, {}
-    for kind in PHASES:
-        if kind not in manifest["graphs"]:
-            continue
-        sess = session(root / f"{kind}.onnx", provider, profile=profile)
-        feeds = [feeds_for(kind, i) for i in range(rotate)]
-        timings[kind] = time_fn(
-            lambda i, s=sess, f=feeds: s.run(None, f[i % rotate]),
-            warmup=warmup,
-            repeat=repeat,
-            sync=lambda: None,
-        )
-        if profile:
-            prof[kind] = _node_times(
-                sess.end_profiling(), manifest["graphs"][kind]["nodes"], repeat + warmup
+    sig = analysis.forward.meta[SIGNATURE]
+    with contextlib.ExitStack() as stack:
+        if export_dir is None:
+            export_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="graphflop-bench-"))
+        root = Path(export_dir) / "onnx"
+        manifest = export_all(step_graphs(analysis, kinds=PHASES), root, name=analysis.name)
+        labelled = [_labelled(s, sig) for s in _input_sets(analysis.forward, model, rotate, "cpu")]
+        upd = analysis.update.meta[UPDATE] if analysis.update is not None else None
+        state_labels = set(upd.state_labels) if upd else set()
+        timings, prof = {}, {}
+        for kind, g in manifest["graphs"].items():
+            sess = session(root / g["file"], provider, profile=profile)
+            feeds = [_onnx_feeds(g["inputs"], b, state_labels, lr) for b in labelled]
+            timings[kind] = time_fn(
+                lambda i, s=sess, f=feeds: s.run(None, f[i % rotate]),
+                warmup=warmup,
+                repeat=repeat,
+                sync=lambda: None,
             )
-        del sess
-    if tmp is not None:
-        tmp.cleanup()
+            if profile:
+                prof[kind] = _node_times(sess.end_profiling(), g["nodes"], repeat + warmup)
+            del sess
     return timings, prof
 
 
@@ -255,3 +270,60 @@ def ratios(t: dict[str, Timing]) -> dict[str, float | None]:
     rf = t["forward_gradient_step"].median_s / f.median_s if "forward_gradient_step" in t else None
     rb = t["train_step"].median_s / f.median_s if "train_step" in t else None
     return {"Rf": rf, "Rb": rb, "Rf_over_Rb": rf / rb if rf and rb else None}
+
+
+def phase_flops(analysis: Analysis) -> dict[str, int]:
+    """graphflop's FLOPs of each of :data:`PHASES`, from ``analysis``'s summary totals.
+
+    Raises:
+        KeyError: the analysis has no backward or no forward-gradient step.
+    """
+    totals = analysis.summary["totals"]
+    return {k: totals[k]["flops"] for k in PHASES}
+
+
+def timing_report(t: dict[str, Timing], flops: dict[str, int]) -> dict[str, Any]:
+    """The JSON form of one runtime's timings (``bench --json``'s ``runtimes.<name>``).
+
+    Returns:
+        ``{"phases": {phase: {median_s, q1_s, q3_s, runs, flops_per_s}}, "ratios": {Rf, Rb,
+        Rf_over_Rb}}``; ``flops_per_s`` is the phase's FLOPs (``flops``) over its median
+        wall time (None for a zero time).
+    """
+    return {
+        "phases": {
+            k: {**v.to_dict(), "flops_per_s": flops[k] / v.median_s if v.median_s else None}
+            for k, v in t.items()
+        },
+        "ratios": ratios(t),
+    }
+
+
+def method_note(*, warmup: int, repeat: int, rotate: int) -> str:
+    """One line saying how the phases were timed (``bench --json``'s ``method``)."""
+    return (
+        f"{warmup} warm-up runs, then {repeat} timed runs "
+        f"over {rotate} rotating input sets; median and quartiles"
+    )
+
+
+def pick_devices(device: str | None) -> tuple[str, str]:
+    """The ONNX Runtime execution provider and the PyTorch device for ``device``.
+
+    Args:
+        device: ``cpu``, ``cuda`` or None (CUDA when ONNX Runtime's CUDA provider or PyTorch's
+            CUDA works, else the CPU).
+
+    Returns:
+        ``(provider, torch_device)``.
+
+    Raises:
+        DeviceError: ``device="cuda"`` and ONNX Runtime's CUDA provider does not work.
+    """
+    from graphflop.runtime.onnxrt import pick_provider
+
+    provider = pick_provider(device)
+    torch_device = device or (
+        "cuda" if provider == "CUDAExecutionProvider" or torch.cuda.is_available() else "cpu"
+    )
+    return provider, torch_device

@@ -13,13 +13,17 @@ from typing import Any
 import numpy as np
 
 
+class DeviceError(RuntimeError):
+    """The execution provider asked for does not work here; the message says what to use."""
+
+
 @functools.lru_cache(maxsize=4)
 def pick_provider(device: str | None = None) -> str:
     """``CUDAExecutionProvider`` when asked for (``device="cuda"``) or by default and usable,
     else ``CPUExecutionProvider``.
 
     Raises:
-        RuntimeError: when ``device="cuda"`` is asked for and the CUDA provider does not work.
+        DeviceError: when ``device="cuda"`` is asked for and the CUDA provider does not work.
     """
     import onnxruntime as ort
 
@@ -37,7 +41,7 @@ def pick_provider(device: str | None = None) -> str:
     if works:
         return "CUDAExecutionProvider"
     if device == "cuda":
-        raise RuntimeError(
+        raise DeviceError(
             "ONNX Runtime's CUDA execution provider does not work here (no GPU, "
             "or CUDA/cuDNN libraries missing); use --device cpu"
         )

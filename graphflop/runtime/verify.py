@@ -3,6 +3,8 @@
 ``verify_gradients`` checks every parameter gradient of the backward graph against
 ``torch.func.grad`` of the same loss; ``verify_jvp`` checks the JVP graph's loss tangent against
 ``torch.func.jvp``. Relative error is ``‖a − b‖ / max(‖b‖, tiny)`` per tensor.
+:func:`forward_gradient_samples` decides how many steps the forward-gradient unbiasedness check
+(:func:`verify_forward_gradient`) may afford.
 """
 
 from __future__ import annotations
@@ -26,6 +28,41 @@ from graphflop.meta import (
     Signature,
 )
 
+#: the forward-gradient check's default number of steps, the FLOPs they may spend together
+#: (about half a minute on two CPU cores) and the fewest steps worth a statistical check
+VERIFY_SAMPLES = 100
+VERIFY_FLOPS = 2e12
+MIN_VERIFY_SAMPLES = 16
+
+
+def forward_gradient_samples(requested: int | None, step_flops: float) -> tuple[int, str]:
+    """Steps for the forward-gradient unbiasedness check, and why the default was cut.
+
+    Args:
+        requested: the number asked for (``--verify-samples``); it always wins. None: the
+            default, :data:`VERIFY_SAMPLES` steps, or as many as fit in :data:`VERIFY_FLOPS`,
+            or none when fewer than :data:`MIN_VERIFY_SAMPLES` fit.
+        step_flops: FLOPs of one forward-gradient step (0: unknown, the default applies).
+
+    Returns:
+        ``(steps, note)``: ``note`` is empty unless the default was cut down or skipped, when it
+        says why in one line (0 steps: skip the check).
+    """
+    if requested is not None:
+        return requested, ""
+    fit = int(VERIFY_FLOPS // step_flops) if step_flops else VERIFY_SAMPLES
+    if fit >= VERIFY_SAMPLES:
+        return VERIFY_SAMPLES, ""
+    if fit >= MIN_VERIFY_SAMPLES:
+        return fit, (
+            f"forward-gradient check over {fit} steps, not {VERIFY_SAMPLES}: one step "
+            f"is {step_flops / 1e9:,.1f} GFLOPs (--verify-samples M sets the number)"
+        )
+    return 0, (
+        f"forward-gradient check skipped: one step is {step_flops / 1e9:,.1f} GFLOPs, too many "
+        f"to repeat {MIN_VERIFY_SAMPLES}+ times (--verify-samples M runs it anyway)"
+    )
+
 
 @dataclass(frozen=True)
 class Check:
@@ -39,6 +76,16 @@ class Check:
     @property
     def ok(self) -> bool:
         return self.worst_rel_error <= self.tolerance
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``inspect --json``'s ``verify`` entries)."""
+        return {
+            "check": self.name,
+            "worst_rel_error": self.worst_rel_error,
+            "where": self.where,
+            "tolerance": self.tolerance,
+            "ok": self.ok,
+        }
 
 
 class _Recorder(Interpreter):
@@ -57,6 +104,7 @@ class _Recorder(Interpreter):
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``‖a − b‖ / max(‖b‖, 1e-30)`` in float64 (any matching shapes; dimensionless)."""
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / max(float(b.norm()), 1e-30))
 

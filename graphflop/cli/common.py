@@ -1,0 +1,190 @@
+"""What every ``graphflop`` subcommand shares: the model arguments, loading the model they name,
+the constructor-argument parser, the stdout console, and the one error path.
+
+The error path (:func:`run_command`): an error the user can fix (bad spec, shape, dtype, data or
+option, untraceable model, op without a rule, unexportable op, unusable device) prints one line,
+``graphflop: error: ...``, to stderr and exits with status 2, with no traceback. Output files are
+written atomically (:func:`graphflop.io.atomic_write`) and only after the work succeeded, so an
+error leaves no partial output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+
+EXIT_USAGE = 2
+EXIT_VERIFY_FAILED = 1
+EXIT_INTERRUPTED = 130
+OPTIMIZER_CHOICES = ["sgd", "momentum", "adam", "adamw"]
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exception types that are the user's to fix (reported in one line, exit 2)."""
+    from graphflop.export.graphviz import RenderError
+    from graphflop.export.onnx import OnnxExportError
+    from graphflop.frontend.trace import TraceError
+    from graphflop.load import SpecError
+    from graphflop.ops import MissingRuleError
+    from graphflop.runtime.onnxrt import DeviceError
+    from graphflop.train.config import TrainError
+    from graphflop.train.data import DataError
+
+    return (
+        SpecError,
+        TraceError,
+        MissingRuleError,
+        OnnxExportError,
+        RenderError,
+        DataError,
+        TrainError,
+        DeviceError,
+    )
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message (its first argument) on one line."""
+    text = str(e.args[0]) if getattr(e, "args", None) else str(e)
+    return " ".join(text.split())
+
+
+def run_command(
+    command: Callable[[argparse.Namespace, Console], int],
+    args: argparse.Namespace,
+    err: Console | None = None,
+) -> int:
+    """Run one subcommand and return its exit status; a user error is one stderr line and 2,
+    Ctrl-C one line and 130."""
+    err = err or Console(stderr=True)
+    try:
+        return command(args, err)
+    except user_errors() as e:
+        print(f"graphflop: error: {one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("graphflop: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def parse_ctor_kwargs(items: Sequence[str] | None, example: str = "middle_layers=10") -> dict:
+    """``--arg NAME=VALUE`` items → constructor keywords; a VALUE that is a Python literal
+    (``10``, ``0.5``, ``True``, ``(3, 4)``) is parsed, anything else stays a string.
+
+    Raises:
+        SpecError: an item without ``=`` or without a name (the message shows ``example``).
+    """
+    from graphflop.load import SpecError
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpecError(f"bad --arg {item!r}: write NAME=VALUE, e.g. {example}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model arguments of ``inspect``, ``export``, ``bench``, ``render`` and ``sweep``."""
+    p.add_argument("spec", help="model: path/to/file.py[:Name] or package.module:attr")
+    p.add_argument(
+        "--input-shape",
+        action="append",
+        metavar="N,C,H,W",
+        help="shape of one input (repeat once per input); default: the file's example_inputs()",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="dtype of floating inputs and parameters "
+        "(float32, float64, float16, bfloat16); default float32",
+    )
+    p.add_argument(
+        "--batch", type=int, default=None, help="rescale the first dimension of every input to N"
+    )
+    p.add_argument(
+        "--arg",
+        action="append",
+        metavar="NAME=VALUE",
+        help="constructor argument for the model (repeatable), e.g. middle_layers=10",
+    )
+    p.add_argument(
+        "--eval",
+        action="store_true",
+        help="trace in eval mode (batch norm uses running statistics)",
+    )
+    p.add_argument(
+        "--loss",
+        default="auto",
+        choices=["auto", "cross_entropy", "mse", "sum"],
+        help="loss the backward starts from (default: cross-entropy against random "
+        "integer targets for (N, C) logits, sum otherwise)",
+    )
+
+
+def load_model(args: argparse.Namespace):
+    """The model named by the model arguments, on the meta device, and its example inputs.
+
+    Returns:
+        ``(LoadedModel, inputs)``: the model in ``--dtype`` and train mode (eval with
+        ``--eval``); one FakeTensor or meta tensor per input.
+
+    Raises:
+        SpecError: see :func:`graphflop.load.load` and :func:`graphflop.load.make_inputs`.
+    """
+    from graphflop.load import load, make_inputs, parse_dtype, parse_shape
+
+    shapes = [parse_shape(s) for s in args.input_shape] if args.input_shape else None
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+    loaded = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), meta=True)
+    if dtype is not None and dtype.is_floating_point:
+        loaded.model.to(dtype)
+    loaded.model.train(not args.eval)
+    inputs = make_inputs(loaded, shapes=shapes, dtype=dtype, batch=args.batch)
+    return loaded, inputs
+
+
+def load_real_model(args: argparse.Namespace, *, dtype: bool = False):
+    """The model named by ``args`` with real (randomly initialised) weights, in train mode
+    (eval with ``--eval``), and in ``--dtype`` when ``dtype`` is set.
+
+    Raises:
+        SpecError: see :func:`graphflop.load.load`.
+    """
+    from graphflop.load import load, parse_dtype
+
+    real = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg))
+    real.model.train(not args.eval)
+    if dtype and args.dtype:
+        real.model.to(parse_dtype(args.dtype))
+    return real
+
+
+def analyze_model(args: argparse.Namespace, loaded, inputs, status, **options):
+    """:func:`graphflop.analysis.analyze` of a loaded model with the ``--loss`` and
+    ``--optimizer`` arguments (and ``options``), reporting its stages on ``status`` (a rich
+    status spinner)."""
+    from graphflop.analysis import analyze
+
+    return analyze(
+        loaded.model,
+        inputs,
+        name=loaded.name,
+        loss=args.loss,
+        optimizer=args.optimizer,
+        progress=lambda m: status.update(m),
+        **options,
+    )
+
+
+def stdout_console() -> Console:
+    """Rich console for stdout; wide when stdout is not a terminal so tables don't wrap."""
+    return Console() if sys.stdout.isatty() else Console(width=180)

@@ -1,0 +1,44 @@
+"""``graphflop export``: the forward, backward, train-step and forward-gradient-step graphs as
+ONNX models with ``manifest.json``."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from graphflop.cli.common import OPTIMIZER_CHOICES, add_model_args, analyze_model, load_model
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``export`` subcommand to ``graphflop``'s subparsers."""
+    p = sub.add_parser(
+        "export",
+        help="write forward, backward, train-step and forward-gradient-step ONNX models",
+        description="Export SPEC's graphs to ONNX (parameters are inputs; no weights are "
+        "stored), checked with onnx.checker, plus manifest.json mapping every ONNX "
+        "node to the graphflop node, module and role it came from.",
+    )
+    add_model_args(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES)
+    return p
+
+
+def run(args: argparse.Namespace, err: Console) -> int:
+    """Analyse, export the step graphs into ``--out`` and list the files written."""
+    from graphflop.export.onnx import export_all
+    from graphflop.runtime.graphs import step_graphs
+
+    loaded, inputs = load_model(args)
+    with err.status("analysing", spinner="dots") as status:
+        analysis = analyze_model(args, loaded, inputs, status)
+        status.update("exporting to ONNX")
+        manifest = export_all(step_graphs(analysis), args.out, name=analysis.name)
+    for g in manifest["graphs"].values():
+        print(
+            f"{args.out}/{g['file']}: {len(g['nodes'])} nodes, {len(g['inputs'])} inputs, "
+            f"{len(g['outputs'])} outputs"
+        )
+    print(f"{args.out}/manifest.json")
+    return 0

@@ -1,0 +1,159 @@
+"""``graphflop inspect``: per-layer FLOPs, ratios and memory of one analysis, and ``--verify``."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from graphflop.cli.common import (
+    EXIT_VERIFY_FAILED,
+    OPTIMIZER_CHOICES,
+    add_model_args,
+    analyze_model,
+    load_model,
+    load_real_model,
+    stdout_console,
+)
+from graphflop.runtime.verify import MIN_VERIFY_SAMPLES, VERIFY_FLOPS, VERIFY_SAMPLES
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``inspect`` subcommand to ``graphflop``'s subparsers."""
+    p = sub.add_parser(
+        "inspect",
+        help="per-layer FLOPs, backward/forward and JVP/forward ratios, memory",
+        description="Trace SPEC, build the backward, update and JVP graphs, and print a "
+        "per-layer table of FLOPs (1 multiply-add = 2 FLOPs), ratios and memory.",
+    )
+    add_model_args(p)
+    p.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=OPTIMIZER_CHOICES,
+        help="optimizer whose update is counted (default sgd)",
+    )
+    p.add_argument(
+        "--tangents",
+        default="params",
+        choices=["params", "inputs", "all"],
+        help="which values carry tangents in the JVP graph (default params: weight "
+        "perturbation, as in forward gradients)",
+    )
+    p.add_argument(
+        "--directions",
+        type=int,
+        default=1,
+        metavar="K",
+        help="directions averaged per forward-gradient step (default 1)",
+    )
+    p.add_argument(
+        "--direction",
+        default="normal",
+        choices=["normal", "rademacher"],
+        help="distribution of forward-gradient directions (default normal)",
+    )
+    p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
+    p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
+    p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
+    p.add_argument("--csv", metavar="PATH", help="write the per-layer table as CSV to PATH")
+    p.add_argument(
+        "--format",
+        choices=["table", "json"],
+        default="table",
+        help="stdout format (json: the same document as --json)",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="build the model with real weights in --verify-dtype (float64: about 15 GB and 2 "
+        "minutes for GPT-2 small at 1024 tokens), run the generated backward and JVP graphs on "
+        "random tensors and compare gradients and tangents with torch.func, and check that the "
+        "forward-gradient step is unbiased (see --verify-samples); exit 1 if an error exceeds "
+        "its tolerance. The verify lines go to stderr",
+    )
+    p.add_argument(
+        "--verify-dtype",
+        default="float64",
+        choices=["float32", "float64"],
+        help="dtype of the --verify run (default float64; float32 uses a 1e-4 "
+        "tolerance too, and ill-conditioned models may exceed it)",
+    )
+    p.add_argument(
+        "--verify-samples",
+        type=int,
+        default=None,
+        metavar="M",
+        help="forward-gradient steps (float32) averaged by the --verify unbiasedness "
+        "check, whose 4-sigma tolerance is 4*sqrt(2/M); 0 skips it. Default: "
+        f"{VERIFY_SAMPLES}, or as many as fit in {VERIFY_FLOPS:.0e} FLOPs, and "
+        f"none when fewer than {MIN_VERIFY_SAMPLES} fit (a large model)",
+    )
+    p.add_argument(
+        "--max-layers",
+        type=int,
+        default=60,
+        help="rows shown in the table (default 60; --json and --csv have them all)",
+    )
+    return p
+
+
+def run(args: argparse.Namespace, err: Console) -> int:
+    """Analyse, optionally verify, then print and write the report; returns the exit status
+    (1 when a --verify check fails)."""
+    from graphflop.export.report import layers_csv, print_report, to_json
+    from graphflop.io import atomic_write
+
+    if args.directions < 1:
+        from graphflop.load import SpecError
+
+        raise SpecError(f"bad --directions {args.directions}: must be at least 1")
+    loaded, inputs = load_model(args)
+    with err.status("analysing", spinner="dots") as status:
+        analysis = analyze_model(
+            args,
+            loaded,
+            inputs,
+            status,
+            tangents=args.tangents,
+            directions=args.directions,
+            distribution=args.direction,
+            backward=not args.no_backward,
+            jvp=not args.no_jvp,
+        )
+    summary = analysis.to_dict()
+    rc = _verify(args, err, inputs, analysis, summary) if args.verify else 0
+    if args.json:
+        atomic_write(args.json, to_json(summary))
+    if args.csv:
+        atomic_write(args.csv, layers_csv(summary))
+    if args.format == "json":
+        print(to_json(summary))
+    else:
+        print_report(summary, stdout_console(), max_layers=args.max_layers)
+    return rc
+
+
+def _verify(args: argparse.Namespace, err: Console, inputs, analysis, summary: dict) -> int:
+    """``--verify``: run the checks, print one line each to stderr and add them (and the
+    note on the forward-gradient check's budget) to ``summary``."""
+    from graphflop.runtime.verify import forward_gradient_samples, verify_analysis
+
+    step_flops = summary["totals"].get("forward_gradient_step", {}).get("flops", 0)
+    samples, why = forward_gradient_samples(args.verify_samples, step_flops)
+    if why:
+        err.print(f"verify: {why}")
+        summary["verify_note"] = why
+    with err.status("verifying against torch.func", spinner="dots"):
+        real = load_real_model(args)  # real weights
+        checks = verify_analysis(
+            real, inputs, analysis, dtype=args.verify_dtype, forward_gradient_samples=samples
+        )
+    summary["verify"] = [c.to_dict() for c in checks]
+    for c in checks:
+        mark = "[green]ok[/green]" if c.ok else "[red]FAILED[/red]"
+        err.print(
+            f"verify: {c.name}: worst relative error {c.worst_rel_error:.2e} "
+            f"({c.where}), tolerance {c.tolerance:.0e}: {mark}"
+        )
+    return 0 if all(c.ok for c in checks) else EXIT_VERIFY_FAILED

@@ -1,0 +1,75 @@
+"""``graphflop render``: the forward, backward, JVP or train graph drawn with Graphviz."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from graphflop.cli.common import OPTIMIZER_CHOICES, add_model_args, analyze_model, load_model
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``render`` subcommand to ``graphflop``'s subparsers."""
+    p = sub.add_parser(
+        "render",
+        help="draw the forward, backward, JVP or train graph with Graphviz",
+        description="Render SPEC's graphs with FLOPs, bytes, roles, pruned work (ghosts) and "
+        "residual edges drawn on them. The format follows the output suffix (.svg, "
+        ".png, .pdf, or .dot for the Graphviz source).",
+    )
+    add_model_args(p)
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="PATH",
+        help="output file: .svg, .png, .pdf or .dot",
+    )
+    p.add_argument(
+        "--graph",
+        default="train",
+        choices=["forward", "backward", "jvp", "train", "all"],
+        help="which graphs to draw (default train: forward, backward and update)",
+    )
+    p.add_argument(
+        "--level",
+        default="auto",
+        choices=["auto", "op", "module"],
+        help="one node per op, or one box per module (auto: op level up to a few hundred nodes)",
+    )
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES)
+    p.add_argument(
+        "--profile-json",
+        metavar="PATH",
+        help="measured times per module: the JSON of graphflop bench --profile --json",
+    )
+    return p
+
+
+def _read_profile(path: str | None) -> dict | None:
+    import json
+    from pathlib import Path
+
+    from graphflop.export.graphviz import RenderError
+
+    if not path:
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise RenderError(f"cannot read --profile-json {path}: {e}") from e
+
+
+def run(args: argparse.Namespace, err: Console) -> int:
+    """Analyse and render into ``--output``; prints the path written."""
+    from graphflop.export.graphviz import render
+
+    profile = _read_profile(args.profile_json)
+    loaded, inputs = load_model(args)
+    with err.status("analysing", spinner="dots") as status:
+        analysis = analyze_model(args, loaded, inputs, status)
+        status.update("rendering")
+        render(analysis, args.output, graph=args.graph, level=args.level, profile=profile)
+    print(args.output)
+    return 0

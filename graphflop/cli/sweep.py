@@ -1,0 +1,133 @@
+"""``graphflop sweep``: the backward/forward FLOP ratio across batch sizes or depths."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from graphflop.cli.common import (
+    OPTIMIZER_CHOICES,
+    add_model_args,
+    parse_ctor_kwargs,
+    stdout_console,
+)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``sweep`` subcommand to ``graphflop``'s subparsers."""
+    p = sub.add_parser(
+        "sweep",
+        help="backward/forward ratio across batch sizes or depths",
+        description="The backward/forward FLOP ratio (with and without the update) per batch "
+        "size or per depth, as a table, CSV and PNG plot.",
+    )
+    add_model_args(p)
+    p.add_argument(
+        "--batches",
+        "--batch-sizes",
+        dest="batches",
+        metavar="1,2,4,...",
+        help="comma-separated batch sizes",
+    )
+    p.add_argument(
+        "--depth",
+        metavar="0,10,100",
+        help="comma-separated depths (for models whose constructor takes one)",
+    )
+    p.add_argument(
+        "--depth-arg",
+        metavar="NAME",
+        help="the constructor argument that sets the depth (default: found by name)",
+    )
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES)
+    p.add_argument("--csv", metavar="PATH", help="write the table as CSV")
+    p.add_argument("--plot", metavar="PATH", help="write a plot (.png, .svg, .pdf)")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    return p
+
+
+def int_list(text: str | None, what: str) -> list[int]:
+    """``"1,2,4"`` → ``[1, 2, 4]`` (empty for no text).
+
+    Raises:
+        SpecError: anything but comma-separated integers, a negative value, or a zero batch.
+    """
+    from graphflop.load import SpecError
+
+    if not text:
+        return []
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecError(
+            f"bad {what} list {text!r}: write comma-separated integers, e.g. 1,2,4,8"
+        ) from None
+    if any(v < 0 for v in values) or (what == "batch" and any(v == 0 for v in values)):
+        raise SpecError(f"bad {what} list {text!r}: values must be positive")
+    return values
+
+
+def run(args: argparse.Namespace, err: Console) -> int:
+    """Sweep, print the table and write ``--csv``, ``--json`` and ``--plot``."""
+    from graphflop.load import SpecError
+    from graphflop.sweep import sweep
+
+    batches = int_list(args.batches, "batch")
+    depths = int_list(args.depth, "depth")
+    if not batches and not depths:
+        raise SpecError("give --batches 1,2,4,... or --depth 0,10,100")
+    with err.status("sweeping", spinner="dots") as status:
+        rows = sweep(
+            args.spec,
+            batches=batches,
+            depths=depths,
+            depth_name=args.depth_arg,
+            optimizer=args.optimizer,
+            ctor_kwargs=parse_ctor_kwargs(args.arg),
+            batch=args.batch,
+            progress=lambda m: status.update(f"sweeping: {m}"),
+        )
+    _print_table(args, rows, "batch" if batches else "depth")
+    _write(args, rows)
+    return 0
+
+
+def _print_table(args: argparse.Namespace, rows: list[dict], kind: str) -> None:
+    from rich.table import Table
+
+    from graphflop.export.report import human
+
+    table = Table(title=f"{args.spec}: backward/forward FLOP ratio ({args.optimizer})")
+    for col in (kind, "forward", "backward", "update", "(bwd+upd)/fwd", "bwd/fwd"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.get(kind, r.get("depth"))),
+            human(r["forward_flops"]),
+            human(r["backward_flops"]),
+            human(r["update_flops"]),
+            f"{r['ratio']:.3f}",
+            f"{r['ratio_no_update']:.3f}",
+        )
+    stdout_console().print(table)
+
+
+def _write(args: argparse.Namespace, rows: list[dict]) -> None:
+    import csv
+    import io
+    import json
+
+    from graphflop.io import atomic_write
+    from graphflop.sweep import plot
+
+    if args.csv:
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+        atomic_write(args.csv, buf.getvalue())
+    if args.json:
+        atomic_write(args.json, json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot, title=f"{args.spec.split('/')[-1]} ({args.optimizer})")

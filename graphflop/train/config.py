@@ -1,0 +1,150 @@
+"""What a training run is asked to do: :class:`TrainConfig`, checked once when it is made.
+
+The default learning rates were tuned on digits: backprop with momentum reaches ≥ 95 %
+validation accuracy with the MLP and the CNN in 4-5 epochs; forward gradients need ~500× smaller
+steps with these models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from graphflop.passes.optimizer import OPTIMIZERS
+
+METHODS = ("fgd", "backprop", "torch")
+RUNTIMES = ("torch", "onnxruntime")
+DISTRIBUTIONS = ("normal", "rademacher")
+DEVICES = ("cpu", "cuda")
+#: default learning rates: (method family, optimizer) → lr. Backprop and torch share theirs.
+DEFAULT_LR = {
+    ("backprop", "sgd"): 0.1,
+    ("backprop", "momentum"): 0.05,
+    ("backprop", "adam"): 1e-3,
+    ("backprop", "adamw"): 1e-3,
+    ("fgd", "sgd"): 1e-3,
+    ("fgd", "momentum"): 1e-4,
+    ("fgd", "adam"): 1e-4,
+    ("fgd", "adamw"): 1e-4,
+}
+DEFAULT_OPTIMIZER = "momentum"
+DEFAULT_EPOCHS = 10
+
+
+class TrainError(ValueError):
+    """Options or a model that cannot be trained; the message says what to change."""
+
+
+def default_lr(method: str, optimizer: str) -> float:
+    """The learning rate used when none is given (tuned on digits)."""
+    return DEFAULT_LR[("fgd" if method == "fgd" else "backprop", optimizer)]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The settings of one training run (see :func:`graphflop.train.loop.train`).
+
+    Attributes:
+        method: ``backprop`` (graphflop's train-step graph), ``fgd`` (its forward-gradient step
+            graph) or ``torch`` (autograd and ``torch.optim``).
+        runtime: where a step graph runs: ``torch`` (the GraphModule is called) or
+            ``onnxruntime``; ``method="torch"`` runs in PyTorch only.
+        optimizer: ``sgd``, ``momentum``, ``adam``, ``adamw`` (PyTorch's algorithms).
+        lr: learning rate; None: :func:`default_lr` (see :meth:`learning_rate`).
+        lr_decay: factor applied to the learning rate after every epoch.
+        batch: training batch size (incomplete batches are dropped).
+        steps, epochs: length of training (at most one; default :data:`DEFAULT_EPOCHS` epochs).
+        directions, distribution: forward-gradient directions per step and their law.
+        seed: model initialisation, batch order and directions.
+        eval_every: validate every N steps (None: once per epoch) and at the end; 0: never
+            (not even at step 0 or at the end, and no eval graph is built).
+        eval_batch: validation chunk size.
+        dataset, data_dir: ``digits`` or ``mnist`` (with its folder), used when no data set is
+            passed to ``train``.
+        ctor_kwargs: extra constructor keywords for the model.
+        device: ONNX Runtime execution provider (``cpu`` or ``cuda``); PyTorch runs on the CPU.
+        threads: ``torch.set_num_threads`` (and ONNX Runtime's intra-op threads) for the run,
+            restored afterwards; None leaves PyTorch's setting.
+
+    Raises:
+        TrainError: on construction, for any value out of range or a combination that cannot
+            run (``method="torch"`` with ``runtime="onnxruntime"``, both steps and epochs).
+    """
+
+    method: str = "backprop"
+    runtime: str = "torch"
+    optimizer: str = DEFAULT_OPTIMIZER
+    lr: float | None = None
+    lr_decay: float = 1.0
+    batch: int = 64
+    steps: int | None = None
+    epochs: float | None = None
+    directions: int = 1
+    distribution: str = "normal"
+    seed: int = 0
+    eval_every: int | None = None
+    eval_batch: int = 500
+    dataset: str = "digits"
+    data_dir: str | Path | None = None
+    ctor_kwargs: dict[str, Any] | None = field(default_factory=dict)
+    device: str = "cpu"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ctor_kwargs is None:
+            object.__setattr__(self, "ctor_kwargs", {})
+        _check_names(self)
+        _check_numbers(self)
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr``, or the default for the method and optimizer."""
+        return default_lr(self.method, self.optimizer) if self.lr is None else float(self.lr)
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """Training steps: ``steps``, else ``epochs`` (default 10) × ``steps_per_epoch``
+        rounded, at least 1."""
+        if self.steps is not None:
+            return self.steps
+        return max(1, round((self.epochs or DEFAULT_EPOCHS) * steps_per_epoch))
+
+
+def _one_of(value: Any, choices: tuple[str, ...], what: str) -> None:
+    if value not in choices:
+        raise TrainError(f"unknown {what} {value!r}; one of {', '.join(choices)}")
+
+
+def _check_names(c: TrainConfig) -> None:
+    _one_of(c.method, METHODS, "method")
+    _one_of(c.runtime, RUNTIMES, "runtime")
+    if c.method == "torch" and c.runtime != "torch":
+        raise TrainError(
+            "--method torch is PyTorch autograd; --runtime onnxruntime runs "
+            "graphflop's graphs (--method backprop or fgd)"
+        )
+    _one_of(c.optimizer, OPTIMIZERS, "optimizer")
+    if c.distribution not in DISTRIBUTIONS:
+        raise TrainError(f"unknown distribution {c.distribution!r}; normal or rademacher")
+    if c.device not in DEVICES:
+        raise TrainError(f"unknown device {c.device!r}; cpu or cuda")
+
+
+def _check_numbers(c: TrainConfig) -> None:
+    if c.steps is not None and c.epochs is not None:
+        raise TrainError("give --steps or --epochs, not both")
+    if (
+        c.batch < 1
+        or c.directions < 1
+        or (c.steps is not None and c.steps < 1)
+        or (c.epochs is not None and c.epochs <= 0)
+    ):
+        raise TrainError("--batch, --directions, --steps and --epochs must be positive")
+    if c.lr is not None and not c.lr > 0 or not c.lr_decay > 0:
+        raise TrainError("--lr and --lr-decay must be positive")
+    if c.eval_every is not None and c.eval_every < 0:
+        raise TrainError("--eval-every must be 0 (never) or positive")
+    if c.eval_batch < 1:
+        raise TrainError("the validation chunk size must be positive")
+    if c.threads is not None and c.threads < 1:
+        raise TrainError("--threads must be positive")

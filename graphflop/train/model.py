@@ -1,0 +1,179 @@
+"""The model a training run trains, and the graphs it runs.
+
+:func:`build_model` constructs the model for a data set's image size right after
+``torch.manual_seed(seed)``, so every method starts from the same weights. :func:`step_graph`
+returns graphflop's train-step graph (read from :func:`graphflop.analysis.analyze`'s analysis)
+or forward-gradient step graph (directions as inputs, :mod:`graphflop.runtime.graphs`) for one
+batch size; :func:`trace_forward` the forward graph with its cross-entropy loss.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from graphflop.meta import COST
+from graphflop.train.config import TrainError
+from graphflop.train.data import Dataset
+
+
+def _size_kwargs(image_shape: tuple[int, int, int]) -> list[dict[str, int]]:
+    c, h, w = image_shape
+    return [{"in_features": c * h * w}, {"in_channels": c, "image_size": h}, {"image_size": h}]
+
+
+def _maker(spec_or_model: str | Callable[..., nn.Module]):
+    """``(make(kwargs, meta) -> object with .model and .name, label)`` for a spec or a
+    class/factory."""
+    from graphflop.load import SpecError, load
+
+    if isinstance(spec_or_model, str):
+        return (lambda kw, meta: load(spec_or_model, ctor_kwargs=kw, meta=meta)), spec_or_model
+    label = getattr(spec_or_model, "__name__", repr(spec_or_model))
+
+    def make(kw, meta):
+        try:
+            if meta:
+                with torch.device("meta"):
+                    m = spec_or_model(**kw)
+            else:
+                m = spec_or_model(**kw)
+        except TypeError as e:
+            raise SpecError(f"cannot construct {label}: {e}") from e
+        return type("Loaded", (), {"model": m, "name": label})
+
+    return make, label
+
+
+def _size_for(make, label: str, data: Dataset, user: dict) -> dict:
+    """The first of the size keyword sets (plus ``user``'s) the constructor accepts."""
+    from graphflop.load import SpecError
+
+    errors = []
+    for cand in _size_kwargs(data.image_shape):
+        kw = {**cand, **user}
+        try:
+            make(kw, True)  # meta device: no memory, no RNG use
+        except SpecError as e:
+            if "unexpected keyword argument" not in str(e):
+                raise
+            errors.append(str(e).split(": ", 1)[-1])
+            continue
+        return kw
+    c, h, w = data.image_shape
+    raise TrainError(
+        f"cannot size {label} for {data.name} images ({c}×{h}×{w}): its constructor "
+        f"takes none of in_features=, in_channels=/image_size=, image_size= "
+        f"({'; '.join(errors)}); add one of them to its __init__"
+    )
+
+
+def build_model(
+    spec_or_model: str | nn.Module | Callable[..., nn.Module],
+    data: Dataset,
+    *,
+    seed: int = 0,
+    ctor_kwargs: dict | None = None,
+) -> tuple[nn.Module, str, dict]:
+    """Construct the model for ``data``'s image size, right after ``torch.manual_seed(seed)``.
+
+    A spec or a class/factory is called with the size keywords its constructor takes, tried in
+    order: ``in_features=C·H·W`` (logreg, MLP), ``in_channels=C, image_size=H`` (CNN),
+    ``image_size=H``; ``ctor_kwargs`` are added (and win). A module instance is deep-copied as is.
+
+    Returns:
+        (model in train mode, display name, the constructor keywords used).
+
+    Raises:
+        TrainError: the constructor takes none of the size keywords, or the model does not map
+            a batch of these images to ``(N, num_classes)`` logits.
+        SpecError: the spec cannot be loaded.
+    """
+    if isinstance(spec_or_model, nn.Module):
+        model, name, used = copy.deepcopy(spec_or_model), type(spec_or_model).__name__, {}
+    else:
+        make, label = _maker(spec_or_model)
+        used = _size_for(make, label, data, dict(ctor_kwargs or {}))
+        torch.manual_seed(seed)
+        loaded = make(used, False)
+        model, name = loaded.model, loaded.name
+    model.train()
+    _check_model(model, data, name)
+    return model, name, used
+
+
+def _check_model(model: nn.Module, data: Dataset, name: str) -> None:
+    probe = copy.deepcopy(model).eval()
+    x = data.x_train[:2]
+    try:
+        with torch.no_grad():
+            out = probe(x)
+    except Exception as e:
+        c, h, w = data.image_shape
+        raise TrainError(
+            f"{name} fails on a batch of {data.name} images ({c}×{h}×{w}): "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, data.num_classes):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TrainError(
+            f"{name} returns {shape} for 2 images; training needs (N, {data.num_classes}) logits"
+        )
+
+
+def _fake_batch(batch: int, image_shape) -> tuple[torch.Tensor, ...]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return (torch.empty((batch, *image_shape), dtype=torch.float32),)
+
+
+def trace_forward(model: nn.Module, batch: int, image_shape, *, train_mode: bool) -> GraphModule:
+    """The forward graph (model + cross-entropy) for ``batch`` images of ``image_shape``
+    (C, H, W), traced on fake tensors in train or eval mode."""
+    from graphflop.frontend.trace import trace
+
+    m = copy.deepcopy(model).train(train_mode)
+    return trace(m, _fake_batch(batch, image_shape), loss="cross_entropy")
+
+
+def step_graph(
+    model: nn.Module,
+    method: str,
+    optimizer: str,
+    batch: int,
+    image_shape,
+    *,
+    directions: int = 1,
+    distribution: str = "normal",
+) -> GraphModule:
+    """The FLOP-annotated step graph that ``method`` runs for ``batch`` images.
+
+    ``backprop``: the train step (forward, backward, update) of the model's analysis (traced in
+    train mode with cross-entropy; :func:`graphflop.runtime.graphs.train_step_graph`).
+    ``fgd``: the forward-gradient step with ``directions`` direction inputs
+    (:func:`graphflop.runtime.graphs.forward_gradient_graph`).
+    """
+    from graphflop.runtime.graphs import forward_gradient_graph, train_step_graph
+
+    if method == "fgd":
+        fwd = trace_forward(model, batch, image_shape, train_mode=True)
+        return forward_gradient_graph(
+            fwd, optimizer, directions=directions, distribution=distribution
+        )
+    from graphflop.analysis import analyze
+
+    m = copy.deepcopy(model).train(True)
+    analysis = analyze(
+        m, _fake_batch(batch, image_shape), loss="cross_entropy", optimizer=optimizer, jvp=False
+    )
+    return train_step_graph(analysis)
+
+
+def graph_flops(gm: GraphModule) -> int:
+    """FLOPs of one run of a FLOP-annotated graph (the sum of its nodes' ``COST``)."""
+    return sum(n.meta[COST].flops for n in gm.graph.nodes if COST in n.meta)
