@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -107,6 +108,10 @@ def test_report_round_trips_the_schema():
     ]  # fmt: skip
     with pytest.raises(ValueError, match="schema_version"):
         Report.from_dict({**d, "schema_version": 2})
+    # the pinned inspect --json documents read back into a Report and write out unchanged
+    for path in sorted((ROOT / "tests" / "golden").glob("*.json")):
+        doc = json.loads(path.read_text())
+        assert json.dumps(Report.from_dict(doc).to_dict()) == json.dumps(doc), path.name
 
 
 def test_analysis_builds_the_update_once_and_the_train_step_on_request():
