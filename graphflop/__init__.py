@@ -1,15 +1,17 @@
 """graphflop: FLOP- and memory-annotated forward, backward and JVP graphs of PyTorch models.
 
 Public API (see ``docs/api.md``). Graph passes take and return ``torch.fx.GraphModule``s and
-check their prerequisites (:mod:`graphflop.passes.manager`); node annotations are documented in
-:mod:`graphflop.meta`.
+check their prerequisites; each is also a torch.fx ``PassBase`` (:class:`BuildVjp`, ...) for
+torch.fx's :class:`PassManager` (:mod:`graphflop.passes.infra`). Node annotations are
+documented in :mod:`graphflop.meta`.
 
 * :func:`trace`, :func:`from_exported` — a model, or a ``torch.export`` program, → forward graph
   of core ATen ops on fake tensors (with its loss);
 * :func:`build_vjp`, :func:`build_jvp`, :func:`add_optimizer_update`,
   :func:`build_forward_gradient_step` — the backward, JVP, update and forward-gradient graphs;
 * :func:`annotate_flops`, :func:`annotate_memory` — FLOP/byte and peak-memory annotations;
-* :func:`analyze` — all of the above with a summary (:class:`Analysis`);
+* :func:`build_train_step` — forward, backward and update as one graph;
+* :func:`analyze` — all of the above with a typed :class:`Report` (:class:`Analysis`);
 * :func:`register_rule` — cost/JVP/transpose rules for your own ops;
 * :func:`render` — Graphviz pictures; :func:`export_onnx` — ONNX models and a manifest;
 * :func:`compile_backend` — a ``torch.compile`` backend that reports every compiled graph.
@@ -18,10 +20,19 @@ check their prerequisites (:mod:`graphflop.passes.manager`); node annotations ar
 from graphflop import ops  # noqa: F401  (fills the rule table)
 from graphflop.analysis import Analysis, analyze
 from graphflop.api import (
+    AddOptimizerUpdate,
+    AnnotateFlops,
+    AnnotateMemory,
+    BuildForwardGradientStep,
+    BuildJvp,
+    BuildTrainStep,
+    BuildVjp,
     add_optimizer_update,
     annotate_flops,
     annotate_memory,
+    build_forward_gradient_step,
     build_jvp,
+    build_train_step,
     build_vjp,
     register_rule,
 )
@@ -30,12 +41,19 @@ from graphflop.export.graphviz import render
 from graphflop.export.onnx import export_all as export_onnx
 from graphflop.frontend.trace import TraceError, from_exported, trace
 from graphflop.ops.registry import MissingRuleError
-from graphflop.passes.forward_gradient import build_forward_gradient_step
-from graphflop.passes.manager import PassManager, PassOrderError
+from graphflop.passes.infra import PassManager, PassOrderError
+from graphflop.report import Report
 
 __version__ = "0.1.0"
 __all__ = [
+    "AddOptimizerUpdate",
     "Analysis",
+    "AnnotateFlops",
+    "AnnotateMemory",
+    "BuildForwardGradientStep",
+    "BuildJvp",
+    "BuildTrainStep",
+    "BuildVjp",
     "CompileReport",
     "MissingRuleError",
     "PassManager",
@@ -52,6 +70,8 @@ __all__ = [
     "from_exported",
     "register_rule",
     "render",
+    "Report",
+    "build_train_step",
     "export_onnx",
     "trace",
 ]

@@ -1,6 +1,11 @@
-"""The public pass API: each function takes and returns ``torch.fx.GraphModule``s and declares
-what it requires of its input (see :mod:`graphflop.passes.manager`). The node annotations they
-read and write are documented in one place, :mod:`graphflop.meta`.
+"""The public pass API: functions that take and return ``torch.fx.GraphModule``s.
+
+Each function runs one graphflop pass (a ``torch.fx.passes.infra.pass_base.PassBase``, see
+:mod:`graphflop.passes.infra`): it checks what the pass requires of its input (raising
+:class:`~graphflop.passes.infra.PassOrderError` naming the missing fact and the pass that
+provides it), runs it, and records the facts the result has in ``gm.meta[FACTS]``. The pass
+classes themselves run in torch.fx's ``PassManager``. The node annotations they read and write
+are documented in one place, :mod:`graphflop.meta`.
 """
 
 from __future__ import annotations
@@ -10,56 +15,110 @@ from typing import Any
 
 from torch.fx import GraphModule
 
-from graphflop.ad import jvp as _jvp
-from graphflop.ad import vjp as _vjp
-from graphflop.meta import JVP, MEMORY, SIGNATURE, VJP, MemoryInfo
 from graphflop.ops import registry
-from graphflop.passes import flops as _flops
-from graphflop.passes import memory as _memory
-from graphflop.passes import optimizer as _optimizer
-from graphflop.passes.manager import Pass, check
-
-build_vjp = Pass("build_vjp", _vjp.build_vjp, requires=("traced",), ensures=("vjp",))
-build_jvp = Pass("build_jvp", _jvp.build_jvp, requires=("traced",), ensures=("jvp",))
-annotate_flops = Pass("annotate_flops", _flops.annotate_flops, ensures=("flops",))
-
-
-def _add_update(forward: GraphModule, optimizer: str = "sgd") -> GraphModule:
-    sig = forward.meta[SIGNATURE]
-    phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
-    return _optimizer.build_update(
-        [(q, phs[p].meta["val"]) for p, q in sig.params], optimizer, fake_mode=_fake(forward)
-    )
+from graphflop.passes.autodiff import BuildJvp, BuildVjp
+from graphflop.passes.flops import AnnotateFlops
+from graphflop.passes.forward_gradient import BuildForwardGradientStep
+from graphflop.passes.infra import PassManager, PassOrderError, check
+from graphflop.passes.memory import AnnotateMemory
+from graphflop.passes.optimizer import AddOptimizerUpdate, OptimizerConfig
+from graphflop.passes.train_step import BuildTrainStep
 
 
-def _fake(gm):
-    from graphflop.meta import fake_mode_of
+def build_vjp(
+    forward: GraphModule, *, input_grads: bool = False, linearized: GraphModule | None = None
+) -> GraphModule:
+    """The backward graph of a traced forward graph with a loss (:class:`BuildVjp`).
 
-    return fake_mode_of([n.meta["val"] for n in gm.graph.nodes if "val" in n.meta])
-
-
-#: ``add_optimizer_update(forward, optimizer)`` → the update graph for ``forward``'s parameters
-add_optimizer_update = Pass(
-    "add_optimizer_update", _add_update, requires=("traced",), ensures=("update",)
-)
-
-
-def _annotate_memory(gm: GraphModule) -> GraphModule:
-    """Write ``gm.meta[MEMORY]``, a :class:`~graphflop.meta.MemoryInfo`: the live-tensor peak of ``gm`` on
-    its own (parameters excluded for traced forward graphs)."""
-    if JVP in gm.meta:
-        sched = _memory.jvp_schedule(gm)
-    elif SIGNATURE in gm.meta and VJP not in gm.meta:
-        sched = _memory.forward_schedule(gm)
-    else:
-        sched = _memory.Schedule()
-        sched.add_graph(gm, "g", baseline=set(), keep_outputs=True)
-    peak, where = sched.peak()
-    gm.meta[MEMORY] = MemoryInfo(peak_bytes=peak, peak_at=where.split(":", 1)[-1])
-    return gm
+    Raises:
+        PassOrderError: ``forward`` is not ``traced``.
+        MissingRuleError, ValueError: see :func:`graphflop.ad.vjp.build_vjp`.
+    """
+    return BuildVjp(input_grads=input_grads, linearized=linearized).apply(forward)
 
 
-annotate_memory = Pass("annotate_memory", _annotate_memory, ensures=("memory",))
+def build_jvp(
+    forward: GraphModule, tangents: str = "params", *, wrt_outputs: str = "loss"
+) -> GraphModule:
+    """The JVP graph of a traced forward graph (:class:`BuildJvp`).
+
+    Raises:
+        PassOrderError: ``forward`` is not ``traced``.
+        MissingRuleError, ValueError: see :func:`graphflop.ad.jvp.build_jvp`.
+    """
+    return BuildJvp(tangents, wrt_outputs=wrt_outputs).apply(forward)
+
+
+def add_optimizer_update(
+    forward: GraphModule, optimizer: str | OptimizerConfig = "sgd"
+) -> GraphModule:
+    """The update graph for ``forward``'s parameters (:class:`AddOptimizerUpdate`).
+
+    Raises:
+        PassOrderError: ``forward`` is not ``traced``.
+        ValueError: an unknown optimizer.
+    """
+    return AddOptimizerUpdate(optimizer).apply(forward)
+
+
+def build_forward_gradient_step(
+    forward: GraphModule,
+    optimizer: str | OptimizerConfig = "sgd",
+    *,
+    directions: int = 1,
+    distribution: str = "normal",
+    direction_inputs: bool = False,
+    jvp: GraphModule | None = None,
+    update: GraphModule | None = None,
+) -> GraphModule:
+    """The forward-gradient step graph (:class:`BuildForwardGradientStep`; the options are
+    those of :func:`graphflop.passes.forward_gradient.build_forward_gradient_step`).
+
+    Raises:
+        PassOrderError: ``forward`` is not ``traced``.
+        ValueError: see :func:`graphflop.passes.forward_gradient.build_forward_gradient_step`.
+    """
+    return BuildForwardGradientStep(
+        optimizer,
+        directions=directions,
+        distribution=distribution,
+        direction_inputs=direction_inputs,
+        jvp=jvp,
+        update=update,
+    ).apply(forward)
+
+
+def build_train_step(
+    forward: GraphModule, backward: GraphModule, update: GraphModule
+) -> GraphModule:
+    """Forward, backward and update inlined into one graph (:class:`BuildTrainStep`).
+
+    Raises:
+        PassOrderError: ``forward`` is not ``traced``, ``backward`` has no ``vjp`` or
+            ``update`` no ``update``.
+    """
+    return BuildTrainStep(backward, update).apply(forward)
+
+
+def annotate_flops(gm: GraphModule) -> GraphModule:
+    """Write ``COST`` on every node of ``gm``, in place, and return it (:class:`AnnotateFlops`).
+
+    Raises:
+        PassOrderError: a node lacks ``val`` (not a traced graph).
+        MissingRuleError: a ``call_function`` node whose op has no rule.
+    """
+    return AnnotateFlops().apply(gm)
+
+
+def annotate_memory(gm: GraphModule) -> GraphModule:
+    """Write ``gm.meta[MEMORY]`` (:class:`~graphflop.meta.MemoryInfo`: the live-tensor peak of
+    ``gm`` on its own, in bytes; parameters excluded for traced forward graphs), in place, and
+    return ``gm`` (:class:`AnnotateMemory`).
+
+    Raises:
+        PassOrderError: a node lacks ``val``.
+    """
+    return AnnotateMemory().apply(gm)
 
 
 def register_rule(
@@ -81,10 +140,21 @@ def register_rule(
 
 
 __all__ = [
+    "AddOptimizerUpdate",
+    "AnnotateFlops",
+    "AnnotateMemory",
+    "BuildForwardGradientStep",
+    "BuildJvp",
+    "BuildTrainStep",
+    "BuildVjp",
+    "PassManager",
+    "PassOrderError",
     "add_optimizer_update",
     "annotate_flops",
     "annotate_memory",
+    "build_forward_gradient_step",
     "build_jvp",
+    "build_train_step",
     "build_vjp",
     "check",
     "register_rule",

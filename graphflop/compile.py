@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from graphflop.meta import COST, ROLE, ZERO_COST
+from graphflop.report import Report
 
 
 @dataclass
@@ -31,7 +32,7 @@ class GraphReport:
         forward_flops, forward_mm_flops: the graph's own forward work.
         backward_flops, backward_mm_flops: its backward graph (gradients of every input that
             requires one), without the seed of a loss graphflop added.
-        summary: the full ``graphflop inspect`` document for this graph.
+        report: the full ``graphflop inspect`` report for this graph.
     """
 
     index: int
@@ -39,7 +40,12 @@ class GraphReport:
     forward_mm_flops: int
     backward_flops: int
     backward_mm_flops: int
-    summary: dict[str, Any]
+    report: Report
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """Compatibility path: ``report.to_dict()``, the ``graphflop inspect --json`` document."""
+        return self.report.to_dict()
 
 
 @dataclass
@@ -121,7 +127,7 @@ def compile_backend(
         skip = None if scalar else "loss"
         ff, fm = _sum_cost(a.forward.graph.nodes, skip)
         bf, bm = _sum_cost(a.backward.graph.nodes, skip) if a.backward is not None else (0, 0)
-        report.graphs.append(GraphReport(len(report.graphs), ff, fm, bf, bm, a.to_dict()))
+        report.graphs.append(GraphReport(len(report.graphs), ff, fm, bf, bm, a.report))
         return gm.forward
 
     backend.report = report  # type: ignore[attr-defined]

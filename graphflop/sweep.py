@@ -67,19 +67,17 @@ def sweep(
         loaded = load(spec, ctor_kwargs=kwargs, meta=True)
         loaded.model.train()
         inputs = make_inputs(loaded, batch=value if kind == "batch" else batch)
-        s = analyze(
-            loaded.model, inputs, name=loaded.name, optimizer=optimizer, jvp=False
-        ).to_dict()
-        t = s["totals"]
+        r = analyze(loaded.model, inputs, name=loaded.name, optimizer=optimizer, jvp=False).report
+        t = r.totals
         rows.append(
             {
                 kind: value,
-                "forward_flops": t["forward"]["flops"],
-                "backward_flops": t["backward"]["flops"],
-                "update_flops": t["update"]["flops"],
-                "ratio": s["ratios"]["backward_forward"],
-                "ratio_no_update": s["ratios"]["backward_forward_no_update"],
-                "params": s["params"],
+                "forward_flops": t.forward.flops,
+                "backward_flops": t.backward.flops,
+                "update_flops": t.update.flops,
+                "ratio": r.ratios.backward_forward,
+                "ratio_no_update": r.ratios.backward_forward_no_update,
+                "params": r.params,
             }
         )
     return rows

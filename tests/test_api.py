@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -33,12 +34,104 @@ def test_out_of_order_names_the_prerequisite():
 def test_pass_manager_runs_in_order():
     fwd = graphflop.trace(nn.Linear(3, 2), (torch.randn(4, 3),), loss="sum")
     pm = graphflop.PassManager(
-        [graphflop.build_vjp, graphflop.annotate_flops, graphflop.annotate_memory]
+        [graphflop.BuildVjp(), graphflop.AnnotateFlops(), graphflop.AnnotateMemory()]
     )
-    b = pm(fwd)
+    assert isinstance(pm, torch.fx.passes.infra.pass_manager.PassManager)
+    b = pm(fwd).graph_module
     assert {"traced", "vjp", "flops", "memory"} <= b.meta[FACTS]
     # backward of sum(x·Wᵀ + b): dW = 1ᵀ·x (2·4·3·2 = 48 mm FLOPs), db = sum over batch
     assert sum(n.meta[COST].mm_flops for n in b.graph.nodes) == 2 * 4 * 3 * 2
+
+
+def _passes(fwd):
+    """Each graphflop pass, with the options it needs for ``fwd``."""
+    from graphflop.passes.optimizer import build_update_for
+
+    bwd, upd = graphflop.build_vjp(fwd), graphflop.add_optimizer_update(fwd)
+    return [
+        (graphflop.AnnotateFlops(), "val"),
+        (graphflop.AnnotateMemory(), "val"),
+        (graphflop.BuildJvp(), "traced"),
+        (graphflop.BuildVjp(), "traced"),
+        (graphflop.AddOptimizerUpdate("adam"), "traced"),
+        (graphflop.BuildForwardGradientStep(update=build_update_for(fwd)), "traced"),
+        (graphflop.BuildTrainStep(bwd, upd), "traced"),
+    ]
+
+
+@pytest.mark.parametrize("i", range(7))
+def test_each_pass_names_its_missing_prerequisite(i):
+    from torch.fx.passes.infra.pass_base import PassBase
+
+    fwd = graphflop.trace(nn.Linear(3, 2), (torch.randn(4, 3),), loss="sum")
+    pass_, fact = _passes(fwd)[i]
+    assert isinstance(pass_, PassBase)
+    # a graph without the prerequisite: symbolic_trace gives no facts and no fake values
+    bare = torch.fx.symbolic_trace(nn.Linear(3, 2))
+    with pytest.raises(graphflop.PassOrderError, match=f"{pass_.name} requires '{fact}'.* first"):
+        pass_(bare)
+    # with it, the pass runs and its output has the facts it promised
+    out = pass_(fwd).graph_module
+    assert set(pass_.provided) <= out.meta[FACTS]
+
+
+def test_train_step_names_a_missing_backward():
+    fwd = graphflop.trace(nn.Linear(3, 2), (torch.randn(4, 3),), loss="sum")
+    upd = graphflop.add_optimizer_update(fwd)
+    with pytest.raises(graphflop.PassOrderError, match="backward graph requires 'vjp'.*build_vjp"):
+        graphflop.build_train_step(fwd, upd, upd)
+
+
+def test_analyze_reraises_the_pass_error_not_the_managers():
+    # torch.fx's PassManager wraps errors in a bare Exception: analyze re-raises the pass's own
+    with pytest.raises(ValueError, match="unknown optimizer") as e:
+        graphflop.analyze(nn.Linear(3, 2), (torch.randn(4, 3),), loss="sum", optimizer="lion")
+    assert any("AddOptimizerUpdate" in note for note in e.value.__notes__)
+
+
+def test_report_round_trips_the_schema():
+    from graphflop.report import Report
+
+    for kw in ({}, {"jvp": False}, {"backward": False}, {"optimizer": "adam"}):
+        a = graphflop.analyze(nn.Sequential(nn.Linear(3, 4), nn.Tanh()), (torch.randn(2, 3),), **kw)
+        d = a.to_dict()
+        assert a.summary == d and isinstance(a.report, Report)
+        back = Report.from_dict(d)
+        assert back == a.report and list(back.to_dict()) == list(d)
+        assert back.to_dict() == d  # every key, in order, at every level
+        assert ("backward" in d["totals"]) == a.report.has_backward
+        assert ("jvp_forward" in d["ratios"]) == a.report.has_jvp
+        assert ("ratio" in d["layers"][0]) == a.report.has_backward
+    assert list(d) == [
+        "schema_version", "model", "inputs", "params", "loss", "optimizer",
+        "totals", "ratios", "memory", "layers",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="schema_version"):
+        Report.from_dict({**d, "schema_version": 2})
+    # the pinned inspect --json documents read back into a Report and write out unchanged
+    for path in sorted((ROOT / "tests" / "golden").glob("*.json")):
+        doc = json.loads(path.read_text())
+        assert json.dumps(Report.from_dict(doc).to_dict()) == json.dumps(doc), path.name
+
+
+def test_analysis_builds_the_update_once_and_the_train_step_on_request():
+    from graphflop.meta import UPDATE
+    from graphflop.passes import optimizer
+
+    calls = []
+    real = optimizer.build_update
+    optimizer.build_update = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        a = graphflop.analyze(nn.Linear(3, 2), (torch.randn(4, 3),), loss="sum")
+    finally:
+        optimizer.build_update = real
+    assert len(calls) == 1
+    assert a.forward_gradient.meta[UPDATE] == a.update.meta[UPDATE]
+    ts = a.train_step
+    assert ts is a.train_step  # built once, on first access
+    assert sum(n.meta[COST].flops for n in ts.graph.nodes if n.op == "call_function") == (
+        a.report.totals.train_step.flops
+    )
 
 
 def _custom_op():

@@ -60,23 +60,33 @@ def child_graphflop(spec: str, batch: int | None) -> dict:
     stages = {}
     for (msg, t), nxt in zip(marks, marks[1:] + [("", t_end)]):
         stages[msg] = nxt[1] - t
-    tot = a.summary["totals"]
+    r = a.report
+    t = r.totals
     return {
         "import_s": t_import,
         "load_s": t_load,
         "analysis_s": t_end - t2,
         "stages_s": stages,
         "peak_rss_mb": _peak_rss_mb(),
-        "params": a.summary["params"],
-        "inputs": a.summary["inputs"],
-        "loss": a.summary["loss"],
+        "params": r.params,
+        "inputs": [i.to_dict() for i in r.inputs],
+        "loss": r.loss,
         "nodes": {
             "forward": len(a.forward.graph.nodes),
             "backward": len(a.backward.graph.nodes),
             "jvp": len(a.jvp.graph.nodes),
         },
-        "flops": {k: tot[k]["flops"] for k in ("forward", "backward", "update", "jvp")},
-        "mm_flops": {k: tot[k]["mm_flops"] for k in ("forward", "backward", "jvp")},
+        "flops": {
+            "forward": t.forward.flops,
+            "backward": t.backward.flops,
+            "update": t.update.flops,
+            "jvp": t.jvp.flops,
+        },
+        "mm_flops": {
+            "forward": t.forward.mm_flops,
+            "backward": t.backward.mm_flops,
+            "jvp": t.jvp.mm_flops,
+        },
     }
 
 

@@ -39,7 +39,7 @@ def _analysis(spec: str, batch: int, optimizer: str = "sgd", **ctor):
     loaded.model.train()
     return analyze(
         loaded.model, make_inputs(loaded, batch=batch), optimizer=optimizer, jvp=False
-    ).to_dict()
+    ).report
 
 
 def main() -> int:
@@ -97,11 +97,11 @@ def main() -> int:
                 {
                     "arch": arch,
                     "batch": b,
-                    "forward_flops": s["totals"]["forward"]["flops"],
-                    "backward_flops": s["totals"]["backward"]["flops"],
-                    "update_flops": s["totals"]["update"]["flops"],
-                    "ratio": s["ratios"]["backward_forward"],
-                    "ratio_no_update": s["ratios"]["backward_forward_no_update"],
+                    "forward_flops": s.totals.forward.flops,
+                    "backward_flops": s.totals.backward.flops,
+                    "update_flops": s.totals.update.flops,
+                    "ratio": s.ratios.backward_forward,
+                    "ratio_no_update": s.ratios.backward_forward_no_update,
                 }
             )
     _write_csv(out / "resnets.csv", rrows)
@@ -125,8 +125,8 @@ def main() -> int:
                     "model": spec.removesuffix(".py"),
                     "batch": b,
                     "optimizer": opt,
-                    "update_flops_per_param": s["totals"]["update"]["flops_per_param"],
-                    "ratio": s["ratios"]["backward_forward"],
+                    "update_flops_per_param": s.totals.update.flops_per_param,
+                    "ratio": s.ratios.backward_forward,
                 }
             )
     _write_csv(out / "optimizers.csv", orows)
@@ -140,20 +140,20 @@ def main() -> int:
         ("onenet.py", 1),
     ):
         s = _analysis(spec, b)
-        for L in s["layers"]:
-            if L["params"]:
+        for L in s.layers:
+            if L.params:
                 lrows.append(
                     {
                         "model": spec.removesuffix(".py"),
                         "batch": b,
-                        "layer": L["name"],
-                        "forward_flops": L["forward_flops"],
-                        "grad_input_flops": L["grad_input_flops"],
-                        "grad_weight_flops": L["grad_weight_flops"],
-                        "pruned_flops": L["pruned_flops"],
-                        "update_flops": L["update_flops"],
-                        "ratio_no_update": L["ratio_no_update"],
-                        "ratio": L["ratio"],
+                        "layer": L.name,
+                        "forward_flops": L.forward_flops,
+                        "grad_input_flops": L.grad_input_flops,
+                        "grad_weight_flops": L.grad_weight_flops,
+                        "pruned_flops": L.pruned_flops,
+                        "update_flops": L.update_flops,
+                        "ratio_no_update": L.ratio_no_update,
+                        "ratio": L.ratio,
                     }
                 )
     _write_csv(out / "per_layer.csv", lrows)

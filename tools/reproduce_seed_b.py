@@ -70,17 +70,17 @@ def flop_ratios(spec: str, **ctor) -> dict:
 
     loaded = load(spec, ctor_kwargs=ctor, meta=True)
     loaded.model.train()
-    s = analyze(loaded.model, make_inputs(loaded)).to_dict()
-    t, m = s["totals"], s["memory"]
-    f = t["forward"]["flops"]
+    r = analyze(loaded.model, make_inputs(loaded)).report
+    t, m = r.totals, r.memory
+    f = t.forward.flops
     return {
-        "Rf_flops": t["forward_gradient_step"]["flops"] / f,
-        "Rb_flops": t["train_step"]["flops"] / f,
-        "params": s["params"],
-        "train_peak_bytes": m["train_peak_bytes"],
-        "jvp_peak_bytes": m["jvp_peak_bytes"],
-        "saved_for_backward_bytes": m["saved_for_backward_bytes"],
-        "params_bytes": m["params_bytes"],
+        "Rf_flops": t.forward_gradient_step.flops / f,
+        "Rb_flops": t.train_step.flops / f,
+        "params": r.params,
+        "train_peak_bytes": m.train_peak_bytes,
+        "jvp_peak_bytes": m.jvp_peak_bytes,
+        "saved_for_backward_bytes": m.saved_for_backward_bytes,
+        "params_bytes": m.params_bytes,
     }
 
 

@@ -59,10 +59,10 @@ def main(argv=None) -> int:
             failed += 1
             print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | |")
             continue
-        s = a.summary
+        r = a.report
         print(
-            f"| {name} | {time.perf_counter() - t:.1f} | {s['totals']['forward']['flops']:,} "
-            f"| {s['ratios']['backward_forward']:.3f} |",
+            f"| {name} | {time.perf_counter() - t:.1f} | {r.totals.forward.flops:,} "
+            f"| {r.ratios.backward_forward:.3f} |",
             flush=True,
         )
     return 1 if failed else 0

@@ -1,16 +1,22 @@
-"""Tables (rich), JSON and CSV from an analysis summary. Reads the summary only."""
+"""Tables (rich), JSON and CSV from an analysis report (:class:`~graphflop.report.Report`).
+
+Reads the report only. The functions also take the report's JSON document (``Report.to_dict()``,
+possibly with extra top-level keys), which they read back with ``Report.from_dict``.
+"""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from graphflop.io import atomic_write
+from graphflop.report import LayerRow, Report
 
 
 def human(n: float | int | None, unit: str = "") -> str:
@@ -25,6 +31,7 @@ def human(n: float | int | None, unit: str = "") -> str:
 
 
 def human_bytes(n: int | None) -> str:
+    """1536 → '1.5 KiB' (binary prefixes); None → '–'."""
     if n is None:
         return "–"
     n = float(n)
@@ -38,172 +45,163 @@ def _r(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
+def _as_report(report: Report | dict[str, Any]) -> Report:
+    return report if isinstance(report, Report) else Report.from_dict(report)
+
+
 def print_report(
-    summary: dict[str, Any], console: Console | None = None, max_layers: int = 60
+    report: Report | dict[str, Any], console: Console | None = None, max_layers: int = 60
 ) -> None:
-    """Per-layer table, then totals, ratios and memory."""
+    """Per-layer table (the ``max_layers`` layers with the most forward + backward FLOPs when
+    there are more), then totals, ratios and memory."""
     console = console or Console()
-    t = summary["totals"]
-    has_b = "backward" in t
-    has_j = "jvp" in t
+    r = _as_report(report)
+    console.print(_layer_table(r, max_layers))
+    hidden = len(r.layers) - min(len(r.layers), max_layers)
+    if hidden > 0:
+        console.print(f"[dim]{hidden} smaller layers not shown (--json has all)[/dim]")
+    console.print(_totals_table(r))
+    for line in _summary_lines(r):
+        console.print(line)
+
+
+def _layer_table(r: Report, max_layers: int) -> Table:
     table = Table(
-        title=f"{summary['model']} — per layer (FLOPs: 1 multiply-add = 2)",
+        title=f"{r.model} — per layer (FLOPs: 1 multiply-add = 2)",
         show_lines=False,
         header_style="bold",
     )
-    table.add_column("layer")
-    table.add_column("params", justify="right")
-    table.add_column("output", justify="right")
-    table.add_column("fwd FLOPs", justify="right")
-    table.add_column("share", justify="right")
-    if has_b:
+    for col in ("layer", "params", "output", "fwd FLOPs", "share"):
+        table.add_column(col, justify="left" if col == "layer" else "right")
+    if r.has_backward:
         table.add_column("bwd in", justify="right")
         table.add_column("bwd weight", justify="right")
         table.add_column("pruned", justify="right", style="dim")
         table.add_column("update", justify="right")
         table.add_column("(bwd+upd)/fwd", justify="right", style="bold")
-    if has_j:
+    if r.has_jvp:
         table.add_column("jvp", justify="right")
         table.add_column("jvp/fwd", justify="right", style="bold")
-    rows = summary["layers"]
-    shown = (
-        rows
-        if len(rows) <= max_layers
-        else sorted(rows, key=lambda r: -(r["forward_flops"] + r.get("backward_flops", 0)))[
-            :max_layers
+    shown = _shown_layers(r.layers, max_layers)
+    for L in r.layers:
+        if id(L) in shown and (L.params or L.forward_flops or L.backward_flops or L.jvp_flops):
+            table.add_row(*_layer_cells(r, L))
+    return table
+
+
+def _shown_layers(rows: tuple[LayerRow, ...], max_layers: int) -> set[int]:
+    """ids of the rows shown: all of them, or the ``max_layers`` with the most work."""
+    if len(rows) <= max_layers:
+        return {id(L) for L in rows}
+    ranked = sorted(rows, key=lambda L: -(L.forward_flops + L.backward_flops))
+    return {id(L) for L in ranked[:max_layers]}
+
+
+def _layer_cells(r: Report, L: LayerRow) -> list[str]:
+    cells = [
+        L.name,
+        human(L.params) if L.params else "",
+        "×".join(map(str, L.output_shape or ())),
+        human(L.forward_flops),
+        f"{100 * L.share:.1f}%",
+    ]
+    if r.has_backward:
+        cells += [
+            human(L.grad_input_flops),
+            human(L.grad_weight_flops),
+            human(L.pruned_flops) if L.pruned_flops else "",
+            human(L.update_flops) if L.update_flops else "",
+            _r(L.ratio),
         ]
-    )
-    for L in rows:
-        if L not in shown or not (
-            L["params"] or L["forward_flops"] or L.get("backward_flops") or L.get("jvp_flops")
-        ):
-            continue
-        cells = [
-            L["name"],
-            human(L["params"]) if L["params"] else "",
-            "×".join(map(str, L["output_shape"] or [])),
-            human(L["forward_flops"]),
-            f"{100 * L['share']:.1f}%",
-        ]
-        if has_b:
-            cells += [
-                human(L["grad_input_flops"]),
-                human(L["grad_weight_flops"]),
-                human(L["pruned_flops"]) if L["pruned_flops"] else "",
-                human(L["update_flops"]) if L["update_flops"] else "",
-                _r(L.get("ratio")),
-            ]
-        if has_j:
-            cells += [human(L["jvp_flops"]), _r(L.get("jvp_ratio"))]
-        table.add_row(*cells)
-    console.print(table)
-    if len(rows) > len(shown):
-        console.print(
-            f"[dim]{len(rows) - len(shown)} smaller layers not shown (--json has all)[/dim]"
-        )
+    if r.has_jvp:
+        cells += [human(L.jvp_flops), _r(L.jvp_ratio)]
+    return cells
+
+
+def _totals_table(r: Report) -> Table:
+    t = r.totals
     tot = Table(title="totals", header_style="bold")
     for col in ("phase", "FLOPs", "mm FLOPs", "bytes read", "bytes written", "notes"):
-        tot.add_column(col, justify="right" if col != "notes" and col != "phase" else "left")
-    f = t["forward"]
-    tot.add_row(
-        "forward",
-        human(f["flops"]),
-        human(f["mm_flops"]),
-        human_bytes(f["bytes_read"]),
-        human_bytes(f["bytes_written"]),
-        f"loss: {human(t['loss']['flops'])}",
-    )
-    if has_b:
-        b = t["backward"]
+        tot.add_column(col, justify="left" if col in ("phase", "notes") else "right")
+
+    def row(phase, c, notes, mm=None):
+        mm = human(c.mm_flops) if mm is None else mm
         tot.add_row(
+            phase,
+            human(c.flops),
+            mm,
+            human_bytes(c.bytes_read),
+            human_bytes(c.bytes_written),
+            notes,
+        )
+
+    row("forward", t.forward, f"loss: {human(t.loss.flops)}")
+    if t.backward is not None:
+        b, u = t.backward, t.update
+        row(
             "backward",
-            human(b["flops"]),
-            human(b["mm_flops"]),
-            human_bytes(b["bytes_read"]),
-            human_bytes(b["bytes_written"]),
-            f"input grads {human(b['grad_input_flops'])}, weight grads "
-            f"{human(b['grad_weight_flops'])}, pruned {human(b['pruned_flops'])}",
+            b,
+            f"input grads {human(b.grad_input_flops)}, weight grads "
+            f"{human(b.grad_weight_flops)}, pruned {human(b.pruned_flops)}",
         )
-        u = t["update"]
-        tot.add_row(
-            f"update ({u['optimizer']})",
-            human(u["flops"]),
-            "0",
-            human_bytes(u["bytes_read"]),
-            human_bytes(u["bytes_written"]),
-            f"{_r(u['flops_per_param'])} FLOPs per parameter",
-        )
-    if has_j:
-        j = t["jvp"]
-        tot.add_row(
-            f"jvp (tangents: {j['tangents']})",
-            human(j["flops"]),
-            human(j["mm_flops"]),
-            human_bytes(j["bytes_read"]),
-            human_bytes(j["bytes_written"]),
-            f"skipped (zero tangents) {human(j['skipped_flops'])}",
-        )
+        row(f"update ({u.optimizer})", u, f"{_r(u.flops_per_param)} FLOPs per parameter", "0")
+    if t.jvp is not None:
+        j = t.jvp
+        row(f"jvp (tangents: {j.tangents})", j, f"skipped (zero tangents) {human(j.skipped_flops)}")
+        fg = t.forward_gradient_step
         tot.add_row(
             "forward-gradient step",
-            human(t["forward_gradient_step"]["flops"]),
+            human(fg.flops if fg is not None else None),
             "",
             "",
             "",
             "primal + tangent + g=d·v + update",
         )
-    console.print(tot)
-    r = summary["ratios"]
-    m = summary["memory"]
-    lines = [f"parameters: {summary['params']:,}   loss: {summary['loss']}"]
-    if has_b:
-        lines.append(
-            f"backward/forward: [bold]{_r(r['backward_forward'])}[/bold] with update, "
-            f"{_r(r['backward_forward_no_update'])} without; train step/forward "
-            f"{_r(r['train_step_forward'])}"
-        )
-    if has_j:
-        lines.append(
-            f"jvp/forward: [bold]{_r(r['jvp_forward'])}[/bold]; forward-gradient "
-            f"step/forward {_r(r['forward_gradient_step_forward'])}"
-        )
+    return tot
+
+
+def _summary_lines(r: Report) -> list[str]:
+    q, m = r.ratios, r.memory
+    lines = [f"parameters: {r.params:,}   loss: {r.loss}"]
     mem = [
-        f"params {human_bytes(m['params_bytes'])}",
-        f"forward peak {human_bytes(m['forward_peak_bytes'])}",
+        f"params {human_bytes(m.params_bytes)}",
+        f"forward peak {human_bytes(m.forward_peak_bytes)}",
     ]
-    if has_b:
+    if r.has_backward:
+        lines.append(
+            f"backward/forward: [bold]{_r(q.backward_forward)}[/bold] with update, "
+            f"{_r(q.backward_forward_no_update)} without; train step/forward "
+            f"{_r(q.train_step_forward)}"
+        )
         mem += [
-            f"saved for backward {human_bytes(m['saved_for_backward_bytes'])}",
-            f"train peak {human_bytes(m['train_peak_bytes'])}",
+            f"saved for backward {human_bytes(m.saved_for_backward_bytes)}",
+            f"train peak {human_bytes(m.train_peak_bytes)}",
         ]
-    if has_j:
-        mem.append(f"jvp peak {human_bytes(m['jvp_peak_bytes'])}")
+    if r.has_jvp:
+        lines.append(
+            f"jvp/forward: [bold]{_r(q.jvp_forward)}[/bold]; forward-gradient "
+            f"step/forward {_r(q.forward_gradient_step_forward)}"
+        )
+        mem.append(f"jvp peak {human_bytes(m.jvp_peak_bytes)}")
     lines.append("memory: " + ", ".join(mem))
-    for line in lines:
-        console.print(line)
+    return lines
 
 
 def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file, so a failure leaves no partial file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``text`` to ``path`` atomically (:func:`graphflop.io.atomic_write`): a failure
+    leaves the old file or none, never a partial one."""
+    atomic_write(path, text)
 
 
-def to_json(summary: dict[str, Any]) -> str:
-    return json.dumps(summary, indent=2)
+def to_json(report: Report | dict[str, Any]) -> str:
+    """The JSON document (indented); a dict is written as it is, extra keys included."""
+    return json.dumps(report.to_dict() if isinstance(report, Report) else report, indent=2)
 
 
-def layers_csv(summary: dict[str, Any]) -> str:
-    import io
-
-    rows = summary["layers"]
+def layers_csv(report: Report | dict[str, Any]) -> str:
+    """The per-layer rows as CSV: the JSON row keys as columns, ``output_shape`` last as
+    ``AxBxC``."""
+    rows = _as_report(report).layer_dicts()
     buf = io.StringIO()
     cols = [k for k in rows[0] if k != "output_shape"] + ["output_shape"] if rows else []
     w = csv.DictWriter(buf, fieldnames=cols)

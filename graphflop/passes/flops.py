@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.ad._tree import leaves, meta_key, tree_map
 from graphflop.meta import COST, ZERO_COST, NodeCost
 from graphflop.ops import lookup
+from graphflop.passes.infra import GraphPass
 
 
 def tensor_bytes(v: Any) -> int:
@@ -103,6 +105,20 @@ def annotate_flops(gm: GraphModule) -> GraphModule:
         else:
             n.meta[COST] = ZERO_COST
     return gm
+
+
+class AnnotateFlops(GraphPass):
+    """:func:`annotate_flops` as a pass: requires ``val``, provides ``flops``.
+
+    Raises ``MissingRuleError`` for an op without a rule.
+    """
+
+    name = "annotate_flops"
+    required = ("val",)
+    provided = ("flops",)
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        return PassResult(annotate_flops(graph_module), False)
 
 
 def total_cost(nodes) -> NodeCost:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.ad.builder import Builder
 from graphflop.ad.jvp import build_jvp
@@ -29,11 +30,13 @@ from graphflop.meta import (
     SOURCE,
     UPDATE,
     ForwardGradientInfo,
+    JvpInfo,
     Signature,
-    fake_mode_of,
+    graph_fake_mode,
     graph_module,
 )
-from graphflop.passes.optimizer import SLOT, OptimizerConfig, build_update, inline_update
+from graphflop.passes.infra import GraphPass
+from graphflop.passes.optimizer import SLOT, OptimizerConfig, build_update_for, inline_update
 
 aten = torch.ops.aten
 DISTRIBUTIONS = ("normal", "rademacher")
@@ -54,6 +57,7 @@ def build_forward_gradient_step(
     distribution: str = "normal",
     direction_inputs: bool = False,
     jvp: GraphModule | None = None,
+    update: GraphModule | None = None,
 ) -> GraphModule:
     """Build the forward-gradient step graph of a traced forward graph (see module docstring).
 
@@ -67,99 +71,47 @@ def build_forward_gradient_step(
         direction_inputs: take the directions as inputs instead of sampling them (for export
             and for reproducible runs).
         jvp: ``build_jvp(forward, "params")`` when already built; built here otherwise.
+        update: ``build_update_for(forward, optimizer)`` when already built; built here
+            otherwise.
 
     Raises:
-        ValueError: bad ``directions`` or ``distribution``, or a forward graph without a loss.
+        ValueError: bad ``directions`` or ``distribution``, a forward graph without a loss, or
+            an ``update`` graph for another optimizer.
     """
-    if directions < 1:
-        raise ValueError(f"directions must be at least 1, got {directions}")
-    if distribution not in DISTRIBUTIONS:
-        raise ValueError(f"unknown distribution {distribution!r}; one of {DISTRIBUTIONS}")
-    sig: Signature = forward.meta[SIGNATURE]
-    if sig.loss is None:
-        raise ValueError("the forward graph has no loss")
-    if jvp is None:
-        jvp = build_jvp(forward, "params")
-    info = jvp.meta[JVP]
+    sig = _check(forward, optimizer, directions, distribution, update)
+    jvp = jvp if jvp is not None else build_jvp(forward, "params")
+    fake_mode = graph_fake_mode(forward)
+    upd = (
+        update if update is not None else build_update_for(forward, optimizer, fake_mode=fake_mode)
+    )
+    info: JvpInfo = jvp.meta[JVP]
     g = Graph()
-    fake_mode = fake_mode_of([n.meta["val"] for n in forward.graph.nodes if "val" in n.meta])
     b = _StepBuilder(g, fake_mode, [])
     b.role = "direction"
-
-    jvp_nodes = list(jvp.graph.nodes)
     tangent_of = {t: p for t, p in info.tangent_inputs}
-    env: dict[Node, Node] = {}
-    for n in jvp_nodes:
-        if n.op == "placeholder" and n.name not in tangent_of:
-            env[n] = g.node_copy(n)
-    phs = {n.name: env[n] for n in jvp_nodes if n in env}
-    upd = build_update(
-        [(q, phs[p].meta["val"]) for p, q in sig.params], optimizer, fake_mode=fake_mode
-    )
-    state_phs = {}
-    for n in upd.graph.nodes:
-        if n.op == "placeholder" and n.meta[SLOT] not in ("param", "grad"):
-            state_phs[n.name] = g.node_copy(n)
-    dir_inputs: dict[tuple[int, str], Node] = {}
-    if direction_inputs:
-        for k in range(directions):
-            for _, p in info.tangent_inputs:
-                ph = g.placeholder(f"v{k}_{p}")
-                ph.meta.update(
-                    {
-                        "val": phs[p].meta["val"],
-                        KIND: "direction",
-                        ROLE: "direction",
-                        SOURCE: p,
-                        MODULE: "",
-                    }
-                )
-                dir_inputs[(k, p)] = ph
-
-    out_node = next(n for n in jvp_nodes if n.op == "output")
-    loss_t_pos = info.primal_outputs
-    primal_outs = out_node.args[0][: info.primal_outputs]
+    env = {
+        n: g.node_copy(n)
+        for n in jvp.graph.nodes
+        if n.op == "placeholder" and n.name not in tangent_of
+    }
+    phs = {n.name: c for n, c in env.items()}
+    state_phs = {
+        n.name: g.node_copy(n)
+        for n in upd.graph.nodes
+        if n.op == "placeholder" and n.meta[SLOT] not in ("param", "grad")
+    }
+    given = _direction_placeholders(g, info, phs, directions) if direction_inputs else None
     ds, vs = [], []
     for k in range(directions):
-        v = {}
-        for t, p in info.tangent_inputs:
-            b.source, b.module = p, phs[p].meta.get(MODULE, "")
-            if direction_inputs:
-                v[t] = dir_inputs[(k, p)]
-            else:
-                val = phs[p].meta["val"]
-                r = b.call(aten.randn.default, list(val.shape), dtype=val.dtype, device=val.device)
-                v[t] = b.call(aten.sign.default, r) if distribution == "rademacher" else r
-        local = dict(env)
-        local.update({n: v[n.name] for n in jvp_nodes if n.name in v})
-        for n in jvp_nodes:
-            if n.op in ("placeholder", "output") or (k > 0 and n in env):
-                continue
-            if k > 0 and n.meta.get(KIND) != "tangent":
-                local[n] = env[n]  # primal and coefficient nodes are shared by all directions
-                continue
-            local[n] = g.node_copy(n, local.__getitem__)
-            if k == 0 and n.meta.get(KIND) != "tangent":
-                env[n] = local[n]
-        ds.append(local[out_node.args[0][loss_t_pos]])
+        v = _direction(b, info, phs, k, given, distribution)
+        ds.append(_copy_tangents(g, jvp, info, env, v, first=k == 0))
         vs.append(v)
-    # g = (1/K) Σ_k d_k · v_k
-    b.role = "direction"
-    grads = {}
-    for t, p in info.tangent_inputs:
-        b.source = p
-        acc = None
-        for d, v in zip(ds, vs):
-            term = b.call(aten.mul.Tensor, v[t], d)
-            acc = term if acc is None else b.call(aten.add.Tensor, acc, term)
-        if directions > 1:
-            acc = b.call(aten.div.Tensor, acc, float(directions))
-        grads[p] = acc
-    # the update, inlined with the estimate as the gradient
+    grads = _estimate(b, info, ds, vs)
     qual = dict(sig.params)
     new_state = inline_update(
         g, upd, {qual[p]: phs[p] for p in qual}, {qual[p]: grads[p] for p in qual}, state_phs
     )
+    primal_outs = _output(jvp).args[0][: info.primal_outputs]
     loss = next(
         env[o] for o in primal_outs if isinstance(o, Node) and o.meta.get(SOURCE) == sig.loss
     )
@@ -176,3 +128,144 @@ def build_forward_gradient_step(
     )
     gm.meta[UPDATE] = upd.meta[UPDATE]
     return gm
+
+
+def _check(
+    forward: GraphModule,
+    optimizer: str | OptimizerConfig,
+    directions: int,
+    distribution: str,
+    update: GraphModule | None,
+) -> Signature:
+    if directions < 1:
+        raise ValueError(f"directions must be at least 1, got {directions}")
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"unknown distribution {distribution!r}; one of {DISTRIBUTIONS}")
+    sig: Signature = forward.meta[SIGNATURE]
+    if sig.loss is None:
+        raise ValueError("the forward graph has no loss")
+    name = optimizer.name if isinstance(optimizer, OptimizerConfig) else optimizer
+    if update is not None and update.meta[UPDATE].optimizer != name:
+        raise ValueError(f"the update graph is {update.meta[UPDATE].optimizer}'s, not {name}'s")
+    return sig
+
+
+def _output(gm: GraphModule) -> Node:
+    return next(n for n in gm.graph.nodes if n.op == "output")
+
+
+def _direction_placeholders(
+    g: Graph, info: JvpInfo, phs: dict[str, Node], directions: int
+) -> dict[tuple[int, str], Node]:
+    """Placeholders ``v{k}_<param>`` for the directions, when they are inputs."""
+    out: dict[tuple[int, str], Node] = {}
+    for k in range(directions):
+        for _, p in info.tangent_inputs:
+            ph = g.placeholder(f"v{k}_{p}")
+            ph.meta.update(
+                {
+                    "val": phs[p].meta["val"],
+                    KIND: "direction",
+                    ROLE: "direction",
+                    SOURCE: p,
+                    MODULE: "",
+                }
+            )
+            out[(k, p)] = ph
+    return out
+
+
+def _direction(
+    b: Builder,
+    info: JvpInfo,
+    phs: dict[str, Node],
+    k: int,
+    given: dict[tuple[int, str], Node] | None,
+    distribution: str,
+) -> dict[str, Node]:
+    """Direction ``k``: tangent placeholder name → the node holding its value (given or
+    sampled)."""
+    v = {}
+    for t, p in info.tangent_inputs:
+        b.source, b.module = p, phs[p].meta.get(MODULE, "")
+        if given is not None:
+            v[t] = given[(k, p)]
+            continue
+        val = phs[p].meta["val"]
+        r = b.call(aten.randn.default, list(val.shape), dtype=val.dtype, device=val.device)
+        v[t] = b.call(aten.sign.default, r) if distribution == "rademacher" else r
+    return v
+
+
+def _copy_tangents(
+    g: Graph, jvp: GraphModule, info: JvpInfo, env: dict[Node, Node], v: dict, *, first: bool
+) -> Node:
+    """Copy the JVP graph's nodes for one direction ``v``; returns the loss tangent ``d``.
+
+    Primal and coefficient nodes are copied with the first direction (into ``env``) and shared
+    by the others: only tangent work repeats.
+    """
+    local = dict(env)
+    local.update({n: v[n.name] for n in jvp.graph.nodes if n.name in v})
+    for n in jvp.graph.nodes:
+        if n.op in ("placeholder", "output") or (not first and n in env):
+            continue
+        if not first and n.meta.get(KIND) != "tangent":
+            local[n] = env[n]
+            continue
+        local[n] = g.node_copy(n, local.__getitem__)
+        if first and n.meta.get(KIND) != "tangent":
+            env[n] = local[n]
+    return local[_output(jvp).args[0][info.primal_outputs]]
+
+
+def _estimate(b: Builder, info: JvpInfo, ds: list[Node], vs: list[dict]) -> dict[str, Node]:
+    """``g = (1/K) Σ_k d_k · v_k`` per parameter placeholder name."""
+    b.role = "direction"
+    grads = {}
+    for t, p in info.tangent_inputs:
+        b.source = p
+        acc = None
+        for d, v in zip(ds, vs):
+            term = b.call(aten.mul.Tensor, v[t], d)
+            acc = term if acc is None else b.call(aten.add.Tensor, acc, term)
+        if len(ds) > 1:
+            acc = b.call(aten.div.Tensor, acc, float(len(ds)))
+        grads[p] = acc
+    return grads
+
+
+class BuildForwardGradientStep(GraphPass):
+    """Forward graph → its forward-gradient step graph (:func:`build_forward_gradient_step`;
+    the constructor takes that function's options).
+
+    Requires ``traced``; provides ``forward_gradient``. Raises ``ValueError`` (see the
+    function).
+    """
+
+    name = "build_forward_gradient_step"
+    required = ("traced",)
+    provided = ("forward_gradient",)
+
+    def __init__(
+        self,
+        optimizer: str | OptimizerConfig = "sgd",
+        *,
+        directions: int = 1,
+        distribution: str = "normal",
+        direction_inputs: bool = False,
+        jvp: GraphModule | None = None,
+        update: GraphModule | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.options = {
+            "directions": directions,
+            "distribution": distribution,
+            "direction_inputs": direction_inputs,
+            "jvp": jvp,
+            "update": update,
+        }
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        gm = build_forward_gradient_step(graph_module, self.optimizer, **self.options)
+        return PassResult(gm, True)

@@ -6,7 +6,8 @@ the last reader of any of its views. Parameters (and, for training, gradients an
 state) are always live and are added as a baseline rather than scheduled.
 
 Reads ``val``, ``RESIDUAL``/``SOURCE`` (backward residuals alias forward values) and the
-rule table's byte policies. Writes nothing on nodes; returns :class:`MemoryReport`.
+rule table's byte policies. Writes nothing on nodes; :func:`annotate_memory` (the pass
+:class:`AnnotateMemory`) writes ``gm.meta[MEMORY]``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import operator
 from dataclasses import dataclass
 
 from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
 
-from graphflop.meta import JVP, RESIDUAL, SIGNATURE, SOURCE
+from graphflop.meta import JVP, MEMORY, RESIDUAL, SIGNATURE, SOURCE, VJP, MemoryInfo
 from graphflop.ops import has_rule, lookup
 from graphflop.passes.flops import tensor_bytes
+from graphflop.passes.infra import GraphPass
 
 
 @dataclass
@@ -205,3 +208,30 @@ def saved_for_backward_bytes(forward: GraphModule, backward: GraphModule) -> int
             if k is not None:
                 seen.add(k)
     return sum(size[k] for k in seen)
+
+
+def annotate_memory(gm: GraphModule) -> GraphModule:
+    """Write ``gm.meta[MEMORY]``, a :class:`~graphflop.meta.MemoryInfo`: the live-tensor peak of
+    ``gm`` on its own in bytes (parameters excluded for traced forward and JVP graphs), in
+    place; returns ``gm``."""
+    if JVP in gm.meta:
+        sched = jvp_schedule(gm)
+    elif SIGNATURE in gm.meta and VJP not in gm.meta:
+        sched = forward_schedule(gm)
+    else:
+        sched = Schedule()
+        sched.add_graph(gm, "g", baseline=set(), keep_outputs=True)
+    peak, where = sched.peak()
+    gm.meta[MEMORY] = MemoryInfo(peak_bytes=peak, peak_at=where.split(":", 1)[-1])
+    return gm
+
+
+class AnnotateMemory(GraphPass):
+    """:func:`annotate_memory` as a pass: requires ``val``, provides ``memory``."""
+
+    name = "annotate_memory"
+    required = ("val",)
+    provided = ("memory",)
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        return PassResult(annotate_memory(graph_module), False)

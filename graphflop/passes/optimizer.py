@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.ad.builder import Builder
 from graphflop.meta import (
@@ -39,12 +40,15 @@ from graphflop.meta import (
     PARAM,
     PARAM_DERIVED,
     ROLE,
+    SIGNATURE,
     SLOT,
     SOURCE,
     UPDATE,
     UpdateInfo,
+    graph_fake_mode,
     graph_module,
 )
+from graphflop.passes.infra import GraphPass
 
 aten = torch.ops.aten
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -168,6 +172,59 @@ def build_update(
     return gm
 
 
+def build_update_for(
+    forward: GraphModule,
+    optimizer: str | OptimizerConfig = "sgd",
+    *,
+    fake_mode: FakeTensorMode | None = None,
+) -> GraphModule:
+    """The update graph for the parameters of a traced forward graph.
+
+    Each parameter's update nodes carry ``MODULE`` = the parameter's module path (its qualified
+    name up to the last dot). Built on ``fake_mode``, by default the forward graph's own.
+
+    Args:
+        forward: a graph from :func:`graphflop.frontend.trace.trace`.
+        optimizer: a name from :data:`OPTIMIZERS` or an :class:`OptimizerConfig`.
+
+    Raises:
+        ValueError: for an unknown optimizer.
+    """
+    sig = forward.meta[SIGNATURE]
+    phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
+    return build_update(
+        [(q, phs[p].meta["val"]) for p, q in sig.params],
+        optimizer,
+        fake_mode=fake_mode or graph_fake_mode(forward),
+        modules={q: _parent(q) for _, q in sig.params},
+    )
+
+
+class AddOptimizerUpdate(GraphPass):
+    """Forward graph → the update graph for its parameters (:func:`build_update_for`).
+
+    Args:
+        optimizer: a name from :data:`OPTIMIZERS` or an :class:`OptimizerConfig`.
+        fake_mode: the FakeTensorMode to build on (default: the forward graph's).
+
+    Requires ``traced``; provides ``update``. Raises ``ValueError`` for an unknown optimizer.
+    """
+
+    name = "add_optimizer_update"
+    required = ("traced",)
+    provided = ("update",)
+
+    def __init__(
+        self, optimizer: str | OptimizerConfig = "sgd", *, fake_mode: FakeTensorMode | None = None
+    ) -> None:
+        self.optimizer = optimizer
+        self.fake_mode = fake_mode
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        gm = build_update_for(graph_module, self.optimizer, fake_mode=self.fake_mode)
+        return PassResult(gm, True)
+
+
 def _adam(b, cfg, w, g, m, v, lr, step, lr_wd):
     b1, b2 = cfg.betas
     shape = list(w.meta["val"].shape)
@@ -244,4 +301,12 @@ def update_param_count(gm: GraphModule) -> int:
     )
 
 
-__all__ = ["build_update", "OptimizerConfig", "OPTIMIZERS", "FLOPS_PER_ELEMENT", "Node"]
+__all__ = [
+    "AddOptimizerUpdate",
+    "build_update",
+    "build_update_for",
+    "OptimizerConfig",
+    "OPTIMIZERS",
+    "FLOPS_PER_ELEMENT",
+    "Node",
+]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.meta import (
     KIND,
@@ -25,6 +26,7 @@ from graphflop.meta import (
     TrainStepInfo,
     graph_module,
 )
+from graphflop.passes.infra import GraphPass, check
 from graphflop.passes.optimizer import SLOT, inline_update
 
 aten = torch.ops.aten
@@ -94,3 +96,31 @@ def build_train_step(
         tuple(q for _, q in sig.buffer_updates),
     )
     return gm
+
+
+class BuildTrainStep(GraphPass):
+    """Forward graph → the train-step graph (:func:`build_train_step`).
+
+    Args:
+        backward: the forward's backward graph (from ``build_vjp``).
+        update: the update graph for its parameters (from ``add_optimizer_update``).
+
+    Requires ``traced`` of the forward graph, ``vjp`` of ``backward`` and ``update`` of
+    ``update``; provides ``train_step``.
+    """
+
+    name = "build_train_step"
+    required = ("traced",)
+    provided = ("train_step",)
+
+    def __init__(self, backward: GraphModule, update: GraphModule) -> None:
+        self.backward = backward
+        self.update = update
+
+    def requires(self, graph_module: GraphModule) -> None:
+        super().requires(graph_module)
+        check(self.backward, ("vjp",), f"{self.name}'s backward graph")
+        check(self.update, ("update",), f"{self.name}'s update graph")
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        return PassResult(build_train_step(graph_module, self.backward, self.update), True)

@@ -1,0 +1,63 @@
+"""The JVP and VJP builders (:mod:`graphflop.ad`) as torch.fx passes.
+
+:class:`BuildJvp` and :class:`BuildVjp` take a traced forward graph and return a new graph: the
+JVP graph (``gm.meta[JVP]``) or the backward graph (``gm.meta[VJP]``). Their options are the
+builders' keyword arguments.
+"""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule
+from torch.fx.passes.infra.pass_base import PassResult
+
+from graphflop.ad import jvp as _jvp
+from graphflop.ad import vjp as _vjp
+from graphflop.passes.infra import GraphPass
+
+
+class BuildJvp(GraphPass):
+    """Forward graph → its JVP graph (:func:`graphflop.ad.jvp.build_jvp`).
+
+    Args:
+        tangents: which placeholders carry tangents: ``params``, ``inputs`` or ``all``.
+        wrt_outputs: ``loss`` or ``outputs`` (tangents of the model's outputs too).
+
+    Requires ``traced``; provides ``jvp``. Raises ``MissingRuleError``, ``ValueError`` (see the
+    builder).
+    """
+
+    name = "build_jvp"
+    required = ("traced",)
+    provided = ("jvp",)
+
+    def __init__(self, tangents: str = "params", *, wrt_outputs: str = "loss") -> None:
+        self.tangents = tangents
+        self.wrt_outputs = wrt_outputs
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        gm = _jvp.build_jvp(graph_module, self.tangents, wrt_outputs=self.wrt_outputs)
+        return PassResult(gm, True)
+
+
+class BuildVjp(GraphPass):
+    """Forward graph (with a loss) → its backward graph (:func:`graphflop.ad.vjp.build_vjp`).
+
+    Args:
+        input_grads: also return the cotangents of the model's inputs.
+        linearized: the forward's JVP graph to transpose, when already built.
+
+    Requires ``traced``; provides ``vjp``. Raises ``MissingRuleError``, ``ValueError`` (no
+    loss).
+    """
+
+    name = "build_vjp"
+    required = ("traced",)
+    provided = ("vjp",)
+
+    def __init__(self, *, input_grads: bool = False, linearized: GraphModule | None = None) -> None:
+        self.input_grads = input_grads
+        self.linearized = linearized
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        gm = _vjp.build_vjp(graph_module, input_grads=self.input_grads, linearized=self.linearized)
+        return PassResult(gm, True)

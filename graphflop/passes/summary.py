@@ -1,0 +1,340 @@
+"""Summary pass: roll the node annotations of an analysis's graphs up into a typed
+:class:`~graphflop.report.Report` (totals, ratios, memory, per-layer rows).
+
+Reads ``COST``, ``ROLE``, ``KIND`` and ``MODULE`` on nodes; ``SIGNATURE``, ``LOSS_KIND``,
+``GHOSTS`` and ``FORWARD_GRADIENT`` on graphs; memory peaks come from
+:mod:`graphflop.passes.memory`'s schedules. Writes nothing. The graphs must have been through
+``annotate_flops``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+
+from graphflop.meta import (
+    COST,
+    FORWARD_GRADIENT,
+    GHOSTS,
+    KIND,
+    LOSS_KIND,
+    MODULE,
+    ROLE,
+    SIGNATURE,
+    NodeCost,
+)
+from graphflop.passes.flops import tensor_bytes, total_cost
+from graphflop.passes.memory import (
+    forward_schedule,
+    jvp_schedule,
+    saved_for_backward_bytes,
+    train_schedule,
+)
+from graphflop.passes.optimizer import STATE_KINDS
+from graphflop.report import (
+    BackwardTotals,
+    CostTotals,
+    ForwardGradientTotals,
+    InputSpec,
+    JvpTotals,
+    LayerRow,
+    Memory,
+    Ratios,
+    Report,
+    Totals,
+    TrainStepTotals,
+    UpdateTotals,
+)
+
+#: per-layer counters, in LayerRow's field order (output_shape and output_bytes apart)
+_COUNTERS = (
+    "params",
+    "forward_flops",
+    "forward_mm_flops",
+    "backward_flops",
+    "backward_mm_flops",
+    "grad_input_flops",
+    "grad_weight_flops",
+    "grad_accum_flops",
+    "pruned_flops",
+    "update_flops",
+    "jvp_flops",
+    "jvp_mm_flops",
+    "tangent_from_input_flops",
+    "tangent_from_param_flops",
+    "jvp_skipped_flops",
+)
+
+
+@dataclass(frozen=True)
+class Graphs:
+    """The annotated graphs of one analysis (``None`` for those not built)."""
+
+    forward: GraphModule
+    backward: GraphModule | None = None
+    update: GraphModule | None = None
+    jvp: GraphModule | None = None
+    forward_gradient: GraphModule | None = None
+
+
+class _Layers:
+    """Per-module counters, in the order modules first appear."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict] = {}
+
+    def __getitem__(self, path: str) -> dict:
+        if path not in self.rows:
+            self.rows[path] = {
+                "output_shape": None,
+                "output_bytes": 0,
+                **dict.fromkeys(_COUNTERS, 0),
+            }
+        return self.rows[path]
+
+    def add(self, node: Node, key: str, value: int) -> None:
+        self[node.meta.get(MODULE, "")][key] += value
+
+    def freeze(self, forward_flops: int, *, backward: bool, jvp: bool) -> tuple[LayerRow, ...]:
+        out = []
+        for path, c in self.rows.items():
+            f = c["forward_flops"]
+            ratios = {}
+            if backward:
+                ratios["ratio"] = _ratio(c["backward_flops"] + c["update_flops"], f)
+                ratios["ratio_no_update"] = _ratio(c["backward_flops"], f)
+            if jvp:
+                ratios["jvp_ratio"] = _ratio(c["jvp_flops"], f)
+            shape = c["output_shape"]
+            out.append(
+                LayerRow(
+                    name=path if path else "(model)",
+                    **{k: c[k] for k in _COUNTERS},
+                    output_shape=tuple(shape) if shape is not None else None,
+                    output_bytes=c["output_bytes"],
+                    **ratios,
+                    share=_ratio(f, forward_flops) or 0.0,
+                )
+            )
+        return tuple(out)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _ops(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _by_role(nodes: list[Node], default: str) -> dict[str, int]:
+    by: dict[str, int] = {}
+    for n in nodes:
+        role = n.meta.get(ROLE, default)
+        by[role] = by.get(role, 0) + n.meta[COST].flops
+    return by
+
+
+def _placeholders(gm: GraphModule) -> dict[str, Node]:
+    return {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+
+
+def _forward(fwd: GraphModule, layers: _Layers) -> tuple[NodeCost, NodeCost]:
+    """Forward and loss totals; fills the layers' forward FLOPs, outputs and parameters."""
+    sig = fwd.meta[SIGNATURE]
+    phs = _placeholders(fwd)
+    nodes = _ops(fwd)
+    for n in nodes:
+        c = n.meta[COST]
+        L = layers[n.meta.get(MODULE, "")]
+        L["forward_flops"] += c.flops
+        L["forward_mm_flops"] += c.mm_flops
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            L["output_shape"] = list(v.shape)
+            L["output_bytes"] = tensor_bytes(v)
+    for p, q in sig.params:
+        val = phs[p].meta["val"]
+        layers[phs[p].meta.get(MODULE) or q.rpartition(".")[0]]["params"] += val.numel()
+    return total_cost(nodes), total_cost(n for n in nodes if n.meta.get(ROLE) == "loss")
+
+
+def _backward(bwd: GraphModule, layers: _Layers) -> BackwardTotals:
+    nodes = _ops(bwd)
+    for n in nodes:
+        c = n.meta[COST]
+        role = n.meta.get(ROLE, "grad_input")
+        layers.add(n, "backward_flops", c.flops)
+        layers.add(n, "backward_mm_flops", c.mm_flops)
+        if role in ("grad_input", "grad_weight", "grad_accum"):
+            layers.add(n, f"{role}_flops", c.flops)
+    pruned = 0
+    for g in bwd.meta.get(GHOSTS, []):
+        pruned += g.cost.flops
+        layers[g.module]["pruned_flops"] += g.cost.flops
+    by = _by_role(nodes, "grad_input")
+    return BackwardTotals(
+        **CostTotals.cost_fields(total_cost(nodes)),
+        grad_input_flops=by.get("grad_input", 0),
+        grad_weight_flops=by.get("grad_weight", 0),
+        grad_accum_flops=by.get("grad_accum", 0),
+        loss_flops=by.get("loss", 0),
+        pruned_flops=pruned,
+    )
+
+
+def _update(upd: GraphModule, layers: _Layers, optimizer: str, params: int) -> UpdateTotals:
+    nodes = _ops(upd)
+    for n in nodes:
+        layers.add(n, "update_flops", n.meta[COST].flops)
+    total = total_cost(nodes)
+    return UpdateTotals(
+        **CostTotals.cost_fields(total),
+        optimizer=optimizer,
+        flops_per_param=_ratio(total.flops, params),
+    )
+
+
+def _jvp(jvp: GraphModule, layers: _Layers, tangents: str) -> JvpTotals:
+    nodes = [n for n in _ops(jvp) if n.meta.get(KIND) in ("tangent", "coef")]
+    for n in nodes:
+        c = n.meta[COST]
+        role = n.meta.get(ROLE, "tangent_from_input")
+        layers.add(n, "jvp_flops", c.flops)
+        layers.add(n, "jvp_mm_flops", c.mm_flops)
+        if role in ("tangent_from_input", "tangent_from_param"):
+            layers.add(n, f"{role}_flops", c.flops)
+    skipped = 0
+    for g in jvp.meta.get(GHOSTS, []):
+        skipped += g.cost.flops
+        layers[g.module]["jvp_skipped_flops"] += g.cost.flops
+    by = _by_role(nodes, "tangent_from_input")
+    return JvpTotals(
+        **CostTotals.cost_fields(total_cost(nodes)),
+        tangent_from_input_flops=by.get("tangent_from_input", 0),
+        tangent_from_param_flops=by.get("tangent_from_param", 0),
+        skipped_flops=skipped,
+        tangents=tangents,
+    )
+
+
+def _forward_gradient(fg: GraphModule) -> ForwardGradientTotals:
+    nodes = _ops(fg)
+    info = fg.meta[FORWARD_GRADIENT]
+    by = _by_role(nodes, "forward")
+    return ForwardGradientTotals(
+        **CostTotals.cost_fields(total_cost(nodes)),
+        directions=info.directions,
+        distribution=info.distribution,
+        primal_flops=by.get("forward", 0) + by.get("loss", 0),
+        tangent_flops=by.get("tangent_from_input", 0) + by.get("tangent_from_param", 0),
+        direction_flops=by.get("direction", 0),
+        update_flops=by.get("update", 0),
+    )
+
+
+def _memory(g: Graphs, params_bytes: int, optimizer: str) -> Memory:
+    fpeak, _ = forward_schedule(g.forward).peak()
+    mem: dict[str, int] = {"forward_peak_bytes": params_bytes + fpeak}
+    if g.backward is not None:
+        n_state = len(STATE_KINDS[optimizer])
+        tpeak, _ = train_schedule(g.forward, g.backward, g.update).peak()
+        mem.update(
+            grads_bytes=params_bytes,
+            optimizer_state_bytes=n_state * params_bytes,
+            saved_for_backward_bytes=saved_for_backward_bytes(g.forward, g.backward),
+            train_peak_bytes=params_bytes * (2 + n_state) + tpeak,
+        )
+    if g.jvp is not None:
+        jpeak, _ = jvp_schedule(g.jvp).peak()
+        n_tan = sum(
+            tensor_bytes(n.meta["val"])
+            for n in g.jvp.graph.nodes
+            if n.op == "placeholder" and n.meta.get(KIND) == "tangent"
+        )
+        mem["jvp_peak_bytes"] = params_bytes + n_tan + jpeak
+    return Memory(params_bytes=params_bytes, **mem)
+
+
+def _ratios(t: Totals) -> Ratios:
+    f = t.forward
+    r: dict[str, float | None] = {}
+    if t.backward is not None:
+        b, u = t.backward, t.update
+        r.update(
+            backward_forward=_ratio(b.flops + u.flops, f.flops),
+            backward_forward_no_update=_ratio(b.flops, f.flops),
+            backward_forward_mm=_ratio(b.mm_flops, f.mm_flops),
+            train_step_forward=_ratio(t.train_step.flops, f.flops),
+        )
+    if t.forward_gradient_step is not None:
+        r["forward_gradient_step_forward"] = _ratio(t.forward_gradient_step.flops, f.flops)
+    if t.jvp is not None:
+        r["jvp_forward"] = _ratio(t.jvp.flops, f.flops)
+    return Ratios(**r)
+
+
+def _inputs(fwd: GraphModule) -> tuple[InputSpec, ...]:
+    phs = _placeholders(fwd)
+    return tuple(
+        InputSpec(
+            n,
+            tuple(phs[n].meta["val"].shape),
+            str(phs[n].meta["val"].dtype).removeprefix("torch."),
+        )
+        for n in fwd.meta[SIGNATURE].inputs
+    )
+
+
+def _totals(g: Graphs, layers: _Layers, optimizer: str, tangents: str, params: int) -> Totals:
+    fwd_total, loss_total = _forward(g.forward, layers)
+    t: dict = {"forward": CostTotals.of(fwd_total), "loss": CostTotals.of(loss_total)}
+    if g.backward is not None:
+        b = t["backward"] = _backward(g.backward, layers)
+        u = t["update"] = _update(g.update, layers, optimizer, params)
+        t["train_step"] = TrainStepTotals(
+            flops=fwd_total.flops + b.flops + u.flops, mm_flops=fwd_total.mm_flops + b.mm_flops
+        )
+    if g.jvp is not None:
+        t["jvp"] = _jvp(g.jvp, layers, tangents)
+        if g.forward_gradient is not None:
+            t["forward_gradient_step"] = _forward_gradient(g.forward_gradient)
+    return Totals(**t)
+
+
+def summarize(graphs: Graphs, *, name: str, optimizer: str, tangents: str) -> Report:
+    """Roll the node annotations of ``graphs`` up into a :class:`~graphflop.report.Report`.
+
+    Args:
+        graphs: the flop-annotated graphs; ``update`` is required when ``backward`` is given,
+            and ``forward_gradient`` is reported only with ``jvp``.
+        name: the model's name.
+        optimizer: the update's optimizer (for the state bytes and the report).
+        tangents: which values carry tangents in the JVP graph (for the report).
+
+    Raises:
+        KeyError: a graph lacks ``COST`` (run ``annotate_flops``) or the forward graph lacks
+            ``SIGNATURE``.
+    """
+    fwd = graphs.forward
+    sig = fwd.meta[SIGNATURE]
+    phs = _placeholders(fwd)
+    params = sum(phs[p].meta["val"].numel() for p, _ in sig.params)
+    params_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.params)
+    layers = _Layers()
+    totals = _totals(graphs, layers, optimizer, tangents, params)
+    return Report(
+        model=name,
+        inputs=_inputs(fwd),
+        params=params,
+        loss=fwd.meta.get(LOSS_KIND),
+        optimizer=optimizer if graphs.backward is not None else None,
+        totals=totals,
+        ratios=_ratios(totals),
+        memory=_memory(graphs, params_bytes, optimizer),
+        layers=layers.freeze(
+            totals.forward.flops, backward=totals.backward is not None, jvp=totals.jvp is not None
+        ),
+    )

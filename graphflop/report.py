@@ -1,0 +1,433 @@
+"""The typed analysis report: totals, ratios, memory and per-layer rows, as frozen dataclasses.
+
+:func:`graphflop.passes.summary.summarize` computes a :class:`Report` from node annotations;
+:meth:`Report.to_dict` writes the JSON document of ``graphflop inspect --json`` (schema version
+:data:`SCHEMA_VERSION`: the keys, their order and their values are part of the schema) and
+:meth:`Report.from_dict` reads one back. FLOPs count one multiply-add as 2; bytes are bytes.
+
+A phase that was not built (no backward graph, no JVP graph) has ``None`` totals and its keys
+are absent from the JSON document; a ratio whose denominator is zero is ``None`` (``null``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from graphflop.meta import NodeCost
+
+SCHEMA_VERSION = 1
+
+
+def _fields_dict(obj: Any) -> dict[str, Any]:
+    """The dataclass's fields in declaration order, shallow."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def _pick(cls: type, d: dict[str, Any]) -> dict[str, Any]:
+    return {f.name: d[f.name] for f in fields(cls)}
+
+
+@dataclass(frozen=True)
+class CostTotals:
+    """Summed :class:`~graphflop.meta.NodeCost` of a set of nodes.
+
+    Attributes:
+        flops: FLOPs (one multiply-add = 2).
+        mm_flops: the part of ``flops`` done by matrix-class ops.
+        transcendentals: elements of exp/log/tanh/sqrt/... (also in ``flops``).
+        random_elements: random numbers drawn.
+        bytes_read, bytes_written: tensor bytes the nodes read and write.
+    """
+
+    flops: int = 0
+    mm_flops: int = 0
+    transcendentals: int = 0
+    random_elements: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    @staticmethod
+    def cost_fields(c: NodeCost) -> dict[str, int]:
+        """The six cost fields of ``c``, as keyword arguments for any ``CostTotals`` subclass."""
+        return {
+            "flops": c.flops,
+            "mm_flops": c.mm_flops,
+            "transcendentals": c.transcendentals,
+            "random_elements": c.random_elements,
+            "bytes_read": c.bytes_read,
+            "bytes_written": c.bytes_written,
+        }
+
+    @classmethod
+    def of(cls, c: NodeCost) -> CostTotals:
+        """The totals of a summed cost."""
+        return cls(**CostTotals.cost_fields(c))
+
+    def to_dict(self) -> dict[str, Any]:
+        return _fields_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        return cls(**_pick(cls, d))
+
+
+@dataclass(frozen=True)
+class BackwardTotals(CostTotals):
+    """The backward graph's totals, and its FLOPs by role.
+
+    Attributes:
+        grad_input_flops, grad_weight_flops, grad_accum_flops, loss_flops: FLOPs of the nodes
+            with that role.
+        pruned_flops: FLOPs of the cotangents not emitted (the graph's ghosts).
+    """
+
+    grad_input_flops: int = 0
+    grad_weight_flops: int = 0
+    grad_accum_flops: int = 0
+    loss_flops: int = 0
+    pruned_flops: int = 0
+
+
+@dataclass(frozen=True)
+class UpdateTotals(CostTotals):
+    """The optimizer update's totals.
+
+    Attributes:
+        optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw``.
+        flops_per_param: update FLOPs per parameter element (None without parameters).
+    """
+
+    optimizer: str = "sgd"
+    flops_per_param: float | None = None
+
+
+@dataclass(frozen=True)
+class TrainStepTotals:
+    """Forward + backward + update FLOPs (``mm_flops``: forward + backward)."""
+
+    flops: int = 0
+    mm_flops: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return _fields_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainStepTotals:
+        return cls(**_pick(cls, d))
+
+
+@dataclass(frozen=True)
+class JvpTotals(CostTotals):
+    """The JVP graph's tangent and coefficient work.
+
+    Attributes:
+        tangent_from_input_flops, tangent_from_param_flops: FLOPs by role.
+        skipped_flops: FLOPs of tangents not emitted (symbolic zeros).
+        tangents: which values carry tangents (``params``, ``inputs``, ``all``).
+    """
+
+    tangent_from_input_flops: int = 0
+    tangent_from_param_flops: int = 0
+    skipped_flops: int = 0
+    tangents: str = "params"
+
+
+@dataclass(frozen=True)
+class ForwardGradientTotals(CostTotals):
+    """The forward-gradient step's totals.
+
+    Attributes:
+        directions: number of directions ``K``.
+        distribution: ``normal`` or ``rademacher``.
+        primal_flops: forward and loss work.
+        tangent_flops: tangent work (all ``K`` directions).
+        direction_flops: sampling the directions and forming ``g = d·v``.
+        update_flops: the optimizer update.
+    """
+
+    directions: int = 1
+    distribution: str = "normal"
+    primal_flops: int = 0
+    tangent_flops: int = 0
+    direction_flops: int = 0
+    update_flops: int = 0
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Totals per phase; ``None`` for a phase that was not built."""
+
+    forward: CostTotals
+    loss: CostTotals
+    backward: BackwardTotals | None = None
+    update: UpdateTotals | None = None
+    train_step: TrainStepTotals | None = None
+    jvp: JvpTotals | None = None
+    forward_gradient_step: ForwardGradientTotals | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v.to_dict() for k, v in _fields_dict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Totals:
+        types = {
+            "forward": CostTotals,
+            "loss": CostTotals,
+            "backward": BackwardTotals,
+            "update": UpdateTotals,
+            "train_step": TrainStepTotals,
+            "jvp": JvpTotals,
+            "forward_gradient_step": ForwardGradientTotals,
+        }
+        return cls(**{k: t.from_dict(d[k]) for k, t in types.items() if k in d})
+
+
+@dataclass(frozen=True)
+class Ratios:
+    """FLOP ratios; each is None when its phase was not built or its denominator is zero.
+
+    Attributes:
+        backward_forward: (backward + update) / forward.
+        backward_forward_no_update: backward / forward.
+        backward_forward_mm: backward mm FLOPs / forward mm FLOPs.
+        train_step_forward: train step / forward.
+        forward_gradient_step_forward: forward-gradient step / forward.
+        jvp_forward: JVP / forward.
+    """
+
+    backward_forward: float | None = None
+    backward_forward_no_update: float | None = None
+    backward_forward_mm: float | None = None
+    train_step_forward: float | None = None
+    forward_gradient_step_forward: float | None = None
+    jvp_forward: float | None = None
+
+    def to_dict(self, totals: Totals) -> dict[str, Any]:
+        """The ratios of the phases ``totals`` has, in schema order."""
+        return {
+            k: v
+            for k, v in _fields_dict(self).items()
+            if getattr(totals, _RATIO_PHASE[k]) is not None
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Ratios:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+#: ratio -> the phase whose totals must exist for the JSON document to carry it
+_RATIO_PHASE = {
+    "backward_forward": "backward",
+    "backward_forward_no_update": "backward",
+    "backward_forward_mm": "backward",
+    "train_step_forward": "backward",
+    "forward_gradient_step_forward": "forward_gradient_step",
+    "jvp_forward": "jvp",
+}
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Memory in bytes (FLOPS.md, Memory); ``None`` for a phase that was not built.
+
+    Attributes:
+        params_bytes: the parameters.
+        forward_peak_bytes: parameters + the forward's live-tensor peak.
+        grads_bytes: the gradients (as many bytes as the parameters).
+        optimizer_state_bytes: the optimizer state.
+        saved_for_backward_bytes: forward values the backward reads.
+        train_peak_bytes: parameters, gradients and state + the train step's live peak.
+        jvp_peak_bytes: parameters and their tangents + the JVP graph's live peak.
+    """
+
+    params_bytes: int
+    forward_peak_bytes: int
+    grads_bytes: int | None = None
+    optimizer_state_bytes: int | None = None
+    saved_for_backward_bytes: int | None = None
+    train_peak_bytes: int | None = None
+    jvp_peak_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in _fields_dict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Memory:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """FLOPs and parameters of one module (``name`` ``(model)`` for the model's own forward).
+
+    FLOP fields of a phase that was not built are 0; its ratios are None. ``ratio`` is
+    (backward + update) / forward, ``ratio_no_update`` backward / forward, ``jvp_ratio``
+    JVP / forward, ``share`` this layer's part of the forward FLOPs.
+    """
+
+    name: str
+    params: int = 0
+    forward_flops: int = 0
+    forward_mm_flops: int = 0
+    output_shape: tuple[int, ...] | None = None
+    output_bytes: int = 0
+    backward_flops: int = 0
+    backward_mm_flops: int = 0
+    grad_input_flops: int = 0
+    grad_weight_flops: int = 0
+    grad_accum_flops: int = 0
+    pruned_flops: int = 0
+    update_flops: int = 0
+    jvp_flops: int = 0
+    jvp_mm_flops: int = 0
+    tangent_from_input_flops: int = 0
+    tangent_from_param_flops: int = 0
+    jvp_skipped_flops: int = 0
+    ratio: float | None = None
+    ratio_no_update: float | None = None
+    jvp_ratio: float | None = None
+    share: float = 0.0
+
+    def to_dict(self, *, backward: bool = True, jvp: bool = True) -> dict[str, Any]:
+        """The row's JSON object; the ratios of a phase that was not built are left out."""
+        d = _fields_dict(self)
+        d["output_shape"] = list(self.output_shape) if self.output_shape is not None else None
+        if not backward:
+            del d["ratio"], d["ratio_no_update"]
+        if not jvp:
+            del d["jvp_ratio"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayerRow:
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        if kw.get("output_shape") is not None:
+            kw["output_shape"] = tuple(kw["output_shape"])
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input: placeholder name, shape and dtype (``float32``, ``int64``, ...)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> InputSpec:
+        return cls(d["name"], tuple(d["shape"]), d["dtype"])
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything ``graphflop inspect`` reports about one model.
+
+    Attributes:
+        model: the model's name.
+        inputs: the model's tensor inputs.
+        params: parameter elements.
+        loss: the loss the forward graph ends in (``cross_entropy``, ``mse``, ``sum``, ...).
+        optimizer: the update's optimizer, None without a backward graph.
+        totals, ratios, memory: see their classes.
+        layers: one row per module, in the order modules first appear in the graphs.
+        schema_version: :data:`SCHEMA_VERSION`.
+    """
+
+    model: str
+    inputs: tuple[InputSpec, ...]
+    params: int
+    loss: str | None
+    optimizer: str | None
+    totals: Totals
+    ratios: Ratios
+    memory: Memory
+    layers: tuple[LayerRow, ...]
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def has_backward(self) -> bool:
+        """Whether the backward (and update) graphs were built."""
+        return self.totals.backward is not None
+
+    @property
+    def has_jvp(self) -> bool:
+        """Whether the JVP graph was built."""
+        return self.totals.jvp is not None
+
+    def layer(self, name: str) -> LayerRow:
+        """The row of the module ``name`` (``(model)`` for the model's own forward).
+
+        Raises:
+            KeyError: no such row.
+        """
+        for row in self.layers:
+            if row.name == name:
+                return row
+        raise KeyError(name)
+
+    def layer_dicts(self) -> list[dict[str, Any]]:
+        """The rows as JSON objects (``layers`` of :meth:`to_dict`)."""
+        return [L.to_dict(backward=self.has_backward, jvp=self.has_jvp) for L in self.layers]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document of ``graphflop inspect --json`` (schema version 1): keys in schema
+        order, lists for shapes, ``None`` for undefined ratios."""
+        return {
+            "schema_version": self.schema_version,
+            "model": self.model,
+            "inputs": [i.to_dict() for i in self.inputs],
+            "params": self.params,
+            "loss": self.loss,
+            "optimizer": self.optimizer,
+            "totals": self.totals.to_dict(),
+            "ratios": self.ratios.to_dict(self.totals),
+            "memory": self.memory.to_dict(),
+            "layers": self.layer_dicts(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Report:
+        """Read a document written by :meth:`to_dict` (other top-level keys are ignored).
+
+        Raises:
+            KeyError: a required key is missing.
+            ValueError: an unsupported ``schema_version``.
+        """
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(
+                f"unsupported schema_version {d.get('schema_version')!r}; "
+                f"this graphflop reads {SCHEMA_VERSION}"
+            )
+        return cls(
+            model=d["model"],
+            inputs=tuple(InputSpec.from_dict(i) for i in d["inputs"]),
+            params=d["params"],
+            loss=d["loss"],
+            optimizer=d["optimizer"],
+            totals=Totals.from_dict(d["totals"]),
+            ratios=Ratios.from_dict(d["ratios"]),
+            memory=Memory.from_dict(d["memory"]),
+            layers=tuple(LayerRow.from_dict(L) for L in d["layers"]),
+        )
+
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BackwardTotals",
+    "CostTotals",
+    "ForwardGradientTotals",
+    "InputSpec",
+    "JvpTotals",
+    "LayerRow",
+    "Memory",
+    "Ratios",
+    "Report",
+    "TrainStepTotals",
+    "Totals",
+    "UpdateTotals",
+]
