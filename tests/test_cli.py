@@ -77,6 +77,7 @@ def test_input_shape_and_ctor_args(capsys):
     assert any(L["name"] == "middle" for L in d["layers"])
 
 
+@pytest.mark.slow
 def test_verify_passes():
     r = run_cli("inspect", spec("onenet.py"), "--verify")
     assert r.returncode == 0, r.stderr

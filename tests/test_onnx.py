@@ -187,6 +187,7 @@ def test_unexportable_op_is_named_and_no_file_is_left(tmp_path):
         _TABLE.pop(torch.ops.aten.i0.default, None)
 
 
+@pytest.mark.slow
 def test_cli_export_and_bench(tmp_path):
     import json
 

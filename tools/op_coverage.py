@@ -1,10 +1,10 @@
 """Op coverage report: every op in graphflop's rule table, its rules, and the checks it passes.
 
 Runs every case of the op database (``graphflop/testing/opdb.py``) through the generic checks of
-``tests/test_ops.py`` (the same functions pytest runs: forward FLOPs against the hand-worked
-count and FlopCounterMode, JVP against ``torch.func.jvp`` and finite differences, VJP against
-``torch.func.grad``, the dot-product test) and, unless ``--no-onnx``, the ONNX round trip of
-``tests/test_ops_onnx.py`` (the backward graph on ONNX Runtime against PyTorch). An op's check
+``graphflop/testing/checks.py`` (the same functions ``tests/test_ops.py`` runs: forward FLOPs
+against the hand-worked count and FlopCounterMode, JVP against ``torch.func.jvp`` and finite
+differences, VJP against ``torch.func.grad``, the dot-product test) and, unless ``--no-onnx``, the
+ONNX round trip (the backward graph on ONNX Runtime against PyTorch). An op's check
 passes when every case whose graphs hold the op passes it; a check a case documents as a known
 gap (a strict xfail) is shown as such.
 
@@ -16,17 +16,16 @@ Writes ``docs/op_coverage.md``:
 from __future__ import annotations
 
 import argparse
-import operator
 import sys
 import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
 
-from graphflop.meta import LINEARIZED
+from graphflop.testing import checks as C
+from graphflop.testing.opdb import OP_DB
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 
 CHECKS = ("flops", "jvp", "fd", "vjp", "dot", "onnx")
 TITLES = {
@@ -47,50 +46,34 @@ def _outcome(fn, *args) -> str:
         return f"fail: {type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
 
 
+def _ops_by_role(name: str) -> dict[str, set]:
+    """The ops of a case's graphs: all of them (cost), the forward's (JVP rules run), the
+    linearized graph's tangent nodes (transpose rules run); a case that does not build: its
+    forward ops only."""
+    ops: dict[str, set] = {"cost": set(), "jvp": set(), "transpose": set()}
+    try:
+        ops["cost"] = C.graph_ops(*C.all_graphs(name))
+        ops["jvp"] = C.graph_ops(C.traced(name).fwd)
+        ops["transpose"] = C.tangent_ops(name)
+    except Exception:  # noqa: BLE001  (a case that does not build: its forward ops only)
+        try:
+            ops["cost"] = C.graph_ops(C.traced(name).fwd)
+        except Exception:  # noqa: BLE001
+            pass
+    return ops
+
+
 def run_cases(onnx: bool) -> tuple[dict, dict, dict]:
-    """Per case: {check: outcome}; per case: ops by role (cost / jvp / transpose)."""
-    import test_ops as T
-
-    onnx_test = None
-    if onnx:
-        import test_ops_onnx
-
-        onnx_test = test_ops_onnx.test_backward_graph_round_trips_through_onnx
-    checks = {
-        "flops": T.test_forward_flops,
-        "jvp": T.test_jvp_matches_torch_func,
-        "fd": T.test_jvp_matches_finite_differences,
-        "vjp": T.test_vjp_matches_torch_func,
-        "dot": T.test_dot_product,
-    }
+    """Per case: {check: outcome}; per case: ops by role (cost / jvp / transpose); per case:
+    {check: documented reason for failing, or None}."""
+    names = CHECKS if onnx else CHECKS[:-1]
     results: dict[str, dict[str, str]] = {}
     used: dict[str, dict[str, set]] = {}
-    expected: dict[str, dict[str, str]] = {}
-    for case in T.OP_DB:
-        res = {k: _outcome(fn, case.name) for k, fn in checks.items()}
-        if onnx_test is not None:
-            res["onnx"] = _outcome(onnx_test, case.name)
-        results[case.name] = res
-        expected[case.name] = {k: case.xfail.get(k) or case.xfail.get("*") for k in CHECKS}
-        ops = {"cost": set(), "jvp": set(), "transpose": set()}
-        try:
-            graphs = T.all_graphs(case.name)
-            ops["cost"] = T.graph_ops(*graphs)
-            ops["jvp"] = T.graph_ops(T.traced(case.name).fwd)
-            lin = graphs[2].meta[LINEARIZED]
-            ops["transpose"] = {
-                T.op_name(n.target)
-                for n in lin.graph.nodes
-                if n.op == "call_function"
-                and n.target is not operator.getitem
-                and n.meta.get(T.KIND) == "tangent"
-            }
-        except Exception:  # noqa: BLE001  (a case that does not build: its forward ops only)
-            try:
-                ops["cost"] = T.graph_ops(T.traced(case.name).fwd)
-            except Exception:  # noqa: BLE001
-                pass
-        used[case.name] = ops
+    expected: dict[str, dict[str, str | None]] = {}
+    for case in OP_DB:
+        results[case.name] = {k: _outcome(C.CHECKS[k], case.name) for k in names}
+        expected[case.name] = {k: C.expected_failure(case, k) for k in CHECKS}
+        used[case.name] = _ops_by_role(case.name)
     return results, used, expected
 
 

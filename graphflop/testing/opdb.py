@@ -3,8 +3,8 @@
 In the style of PyTorch's OpInfo (STYLE.md): each entry is a tiny ``nn.Module`` whose forward
 exercises mainly one core-ATen op, with example input shapes, the forward FLOPs worked out by
 hand from FLOPS.md (arithmetic in the comment; the model's own forward only, the traced ``sum``
-loss excluded) and the ATen ops it is meant to exercise. ``tests/test_ops.py`` runs every entry
-through the same checks (FLOPs, JVP vs ``torch.func.jvp`` and finite differences, VJP vs
+loss excluded) and the ATen ops it is meant to exercise. :mod:`graphflop.testing.checks` runs
+every entry through the same checks (FLOPs, JVP vs ``torch.func.jvp`` and finite differences, VJP vs
 ``torch.func.grad``, the dot-product test, rule coverage).
 
 Conventions:
@@ -17,9 +17,9 @@ Conventions:
   is zero), the module multiplies its output by a fixed random ``readout`` buffer ``r``.
 * Inputs are ``randn``; ops that need positive arguments (log, sqrt, ...) make them positive
   inside the module (``exp(x) + 1``, ``x*x + w`` with positive ``w``).
-* ``xfail`` maps a check name of ``tests/test_ops.py`` (one of :data:`CHECKS`, or ``*`` for
-  all) to the reason: a graphflop bug or missing rule, documented precisely. The tests mark those
-  checks ``xfail(strict=True)``.
+* ``xfail`` maps a check name of :mod:`graphflop.testing.checks` (one of :data:`CHECKS`, or
+  ``*`` for all) to the reason: a graphflop bug or missing rule, documented precisely.
+  ``tests/test_ops.py`` marks those checks ``xfail(strict=True)``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch import nn
 #: one example input: a shape (float64 ``randn``) or a (shape, dtype) pair
 InputSpec = tuple[int, ...] | tuple[tuple[int, ...], torch.dtype]
 
-#: the per-case checks of tests/test_ops.py (keys of ``OpCase.xfail``)
+#: the per-case checks of graphflop.testing.checks (keys of ``OpCase.xfail``)
 CHECKS = ("flops", "jvp", "fd", "vjp", "dot", "rules", "no_backward", "mm_ratio", "aten")
 #: the checks that need the JVP and backward graphs
 GRAPH_CHECKS = tuple(c for c in CHECKS if c != "flops")
