@@ -1,4 +1,4 @@
-"""The op database (``graphflop/testing/opdb.py``) through the generic checks of
+"""The op database (``graphflop/testing/opdb/``) through the generic checks of
 ``graphflop/testing/checks.py``, all in float64, one test per (check, case).
 
 Per case: ``flops`` (hand-worked forward FLOPs, FlopCounterMode's matrix FLOPs), ``mm_ratio``

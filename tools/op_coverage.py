@@ -1,6 +1,6 @@
 """Op coverage report: every op in graphflop's rule table, its rules, and the checks it passes.
 
-Runs every case of the op database (``graphflop/testing/opdb.py``) through the generic checks of
+Runs every case of the op database (``graphflop/testing/opdb/``) through the generic checks of
 ``graphflop/testing/checks.py`` (the same functions ``tests/test_ops.py`` runs: forward FLOPs
 against the hand-worked count and FlopCounterMode, JVP against ``torch.func.jvp`` and finite
 differences, VJP against ``torch.func.grad``, the dot-product test) and, unless ``--no-onnx``, the
@@ -103,10 +103,10 @@ def render(results, used, expected, seconds: float, onnx: bool) -> str:
         "# Op coverage",
         "",
         "Written by `tools/op_coverage.py`. Every ATen op overload in graphflop's rule table "
-        "(`graphflop/ops/`), its rules, and the op-database checks (`graphflop/testing/opdb.py`) passed by "
+        "(`graphflop/ops/`), its rules, and the op-database checks (`graphflop/testing/opdb/`) passed by "
         "the cases whose graphs (forward, JVP, backward, linearized) hold it. A cell counts the "
         "cases that ran the check; *known gap* is a check a case documents as failing (a "
-        "strict xfail, with its reason in `graphflop/testing/opdb.py`); – means no case holds the op.",
+        "strict xfail, with its reason in `graphflop/testing/opdb/`); – means no case holds the op.",
         "",
         "Checks: " + "; ".join(f"**{c}**: {TITLES[c]}" for c in checks) + ". "
         "FLOPs compares the forward count with the hand-worked value and the matrix FLOPs with "

@@ -1,0 +1,316 @@
+"""Op-database cases: unary and binary elementwise ops and activations. FLOPs worked out by hand in each comment (FLOPS.md)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphflop.testing.opdb.core import Fn, OpCase, W, X, aten, module_of, pos
+
+# ---------------------------------------------------------------------------------------------
+# unary elementwise ops on x * w (x (2,3,4), w (3,4)): mul 24 + op 24 unless noted
+# ---------------------------------------------------------------------------------------------
+UNARY = [
+    OpCase(
+        "relu",
+        module_of(lambda s, x: torch.relu(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.relu.default",),
+    ),
+    OpCase(
+        "exp",
+        module_of(lambda s, x: torch.exp(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.exp.default",),
+    ),
+    OpCase(
+        "log",
+        module_of(lambda s, x: torch.log(torch.exp(x * s.w) + 1), {"w": W}),
+        (X,),
+        flops=24 * 4,  # mul, exp, add, log
+        aten=("aten.log.default",),
+    ),
+    OpCase(
+        "tanh",
+        module_of(lambda s, x: torch.tanh(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.tanh.default", "aten.rsub.Scalar"),
+    ),
+    OpCase(
+        "sigmoid",
+        module_of(lambda s, x: torch.sigmoid(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.sigmoid.default",),
+    ),
+    OpCase(
+        "sqrt",
+        module_of(lambda s, x: torch.sqrt(x * x + s.w), {"w": pos(*W)}),
+        (X,),
+        flops=24 * 3,  # mul, add, sqrt
+        aten=("aten.sqrt.default",),
+    ),
+    OpCase(
+        "rsqrt",
+        module_of(lambda s, x: torch.rsqrt(x * x + s.w), {"w": pos(*W)}),
+        (X,),
+        flops=24 * 3,
+        aten=("aten.rsqrt.default",),
+    ),
+    OpCase(
+        "pow2",
+        module_of(lambda s, x: (x * s.w) ** 2, {"w": W}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.pow.Tensor_Scalar",),
+    ),
+    OpCase(
+        "pow3",
+        module_of(lambda s, x: (x * s.w) ** 3, {"w": W}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.pow.Tensor_Scalar",),
+    ),
+    OpCase(
+        "abs",
+        module_of(lambda s, x: torch.abs(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.abs.default",),
+    ),
+    OpCase(
+        "neg",
+        module_of(lambda s, x: -(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.neg.default",),
+    ),
+    OpCase(
+        "reciprocal",
+        module_of(lambda s, x: (x * x + s.w).reciprocal(), {"w": pos(*W)}),
+        (X,),
+        flops=24 * 3,
+        aten=("aten.reciprocal.default",),
+    ),
+    OpCase(
+        "erf",
+        module_of(lambda s, x: torch.erf(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.erf.default",),
+    ),
+    OpCase(
+        "gelu",
+        module_of(lambda s, x: F.gelu(x * s.w), {"w": W}),
+        (X,),
+        flops=24 * 6,  # mul; 0.5*x, x/sqrt(2), erf, +1, product
+        aten=("aten.erf.default",),
+    ),
+    OpCase(
+        "silu",
+        module_of(lambda s, x: F.silu(x * s.w), {"w": W}),
+        (X,),
+        flops=24 * 3,  # mul; sigmoid, product
+        aten=("aten.sigmoid.default",),
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------
+# binary elementwise ops with broadcasting and scalars: 1 FLOP per output element
+# ---------------------------------------------------------------------------------------------
+BINARY = [
+    OpCase(
+        "add_broadcast",
+        module_of(lambda s, x: x + s.w, {"w": (3, 1)}),
+        (X,),
+        flops=24,
+        aten=("aten.add.Tensor", "aten.expand.default"),
+    ),
+    OpCase(
+        "add_alpha",
+        module_of(lambda s, x: torch.add(x, s.w, alpha=2.0), {"w": (3, 1)}),
+        (X,),
+        flops=24,
+        aten=("aten.add.Tensor",),
+    ),
+    OpCase(
+        "sub_broadcast",
+        module_of(lambda s, x: x - s.w, {"w": (3, 1)}),
+        (X,),
+        flops=24,
+        aten=("aten.sub.Tensor",),
+    ),
+    OpCase(
+        "sub_broadcast_lhs",
+        module_of(lambda s, x: s.w - x, {"w": (3, 1)}),
+        (X,),
+        flops=24,
+        aten=("aten.sub.Tensor",),
+    ),
+    OpCase(
+        "mul_broadcast",
+        module_of(lambda s, x: x * s.w, {"w": (3, 1)}),
+        (X,),
+        flops=24,
+        aten=("aten.mul.Tensor",),
+    ),
+    OpCase(
+        "mul_broadcast_both",
+        module_of(lambda s, x, y: x * y * s.w, {"w": (1, 4)}),
+        ((2, 1, 4), (3, 1)),
+        flops=24 + 24,  # (2,1,4) * (3,1) -> (2,3,4): 24; * w (1,4): 24
+        aten=("aten.mul.Tensor",),
+    ),
+    OpCase(
+        "div_broadcast",
+        module_of(lambda s, x: x / s.w, {"w": pos(3, 1)}),
+        (X,),
+        flops=24,
+        aten=("aten.div.Tensor",),
+    ),
+    OpCase(
+        "div_by_input",
+        module_of(lambda s, x: s.w / (x * x + 1), {"w": W}),
+        (X,),
+        flops=24 * 3,  # mul, add, div
+        aten=("aten.div.Tensor",),
+    ),
+    OpCase(
+        "scalar_arith",
+        module_of(lambda s, x: 1.0 - ((x * s.w) * 2.5 + 1.5) / 4.0, {"w": W}),
+        (X,),
+        flops=24 * 5,  # mul, *2.5, +1.5, /4, 1-
+        aten=("aten.mul.Tensor", "aten.add.Tensor", "aten.div.Tensor", "aten.sub.Tensor"),
+    ),
+    OpCase(
+        "reuse",
+        module_of(lambda s, x: (lambda y: y * y + y)(x * s.w), {"w": W}),
+        (X,),
+        flops=24 * 3,  # y = x*w used three times: mul, mul, add
+        aten=("aten.mul.Tensor", "aten.add.Tensor"),
+    ),
+    # the Scalar overloads survive tracing only when called explicitly (x + 1 is add.Tensor)
+    OpCase(
+        "aten_scalar_overloads",
+        module_of(
+            lambda s, x: aten.div.Scalar(
+                aten.mul.Scalar(aten.sub.Scalar(aten.add.Scalar(x * s.w, 1.5), 0.5), 2.0), 4.0
+            ),
+            {"w": W},
+        ),
+        (X,),
+        flops=24 * 5,  # mul, add, sub, mul, div
+        aten=("aten.add.Scalar", "aten.sub.Scalar", "aten.mul.Scalar", "aten.div.Scalar"),
+    ),
+    OpCase(
+        "where",
+        module_of(lambda s, x, y: torch.where(x > 0, x * s.w, y), {"w": W}),
+        (X, (4,)),
+        flops=24 * 3,  # gt, mul, where (y broadcast from (4,))
+        aten=(
+            "aten.where.self",
+            "aten.gt.Scalar",
+            "aten.where.ScalarOther",
+            "aten.where.ScalarSelf",
+        ),
+    ),
+    OpCase(
+        "where_scalar_other",
+        module_of(lambda s, x: torch.where(x > 0, x * s.w, 0.0), {"w": W}),
+        (X,),
+        flops=24 * 3,
+        aten=("aten.where.self", "aten.where.ScalarOther"),
+    ),
+    OpCase(
+        "where_scalar_self",
+        module_of(lambda s, x: torch.where(x > 0, 0.0, x * s.w), {"w": W}),
+        (X,),
+        flops=24 * 3,
+        aten=("aten.where.self", "aten.where.ScalarSelf"),
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------
+# activations, pow with tensor exponents
+# ---------------------------------------------------------------------------------------------
+UNARY_MORE = [
+    OpCase(
+        "gelu_tanh",
+        module_of(lambda s, x: F.gelu(x * s.w, approximate="tanh"), {"w": W}),
+        (X,),
+        # mul; x*x*x (2 mul), *0.044715, +x, *sqrt(2/pi), tanh, +1, *0.5x (2 mul): 9 ops
+        flops=24 + 24 * 9,
+        aten=("aten.tanh.default",),
+    ),
+    OpCase(
+        "softplus",
+        module_of(lambda s, x: F.softplus(x * s.w), {"w": W}),
+        (X,),
+        # mul; exp, log1p, > threshold, where (beta = 1: no scaling): 4
+        flops=24 + 24 * 4,
+        aten=("aten.log1p.default", "aten.exp.default"),
+    ),
+    OpCase(
+        "elu",
+        module_of(lambda s, x: F.elu(x * s.w), {"w": W}),
+        (X,),
+        # mul; > 0, * input_scale, expm1, * alpha, * scale, where: 6
+        flops=24 + 24 * 6,
+        aten=("aten.expm1.default", "aten.where.self"),
+    ),
+    OpCase(
+        "hardswish",
+        module_of(lambda s, x: F.hardswish(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24 * 5,  # mul; +3, clamp (min 0), clamp (max 6), * x, / 6
+        aten=("aten.clamp.default",),
+    ),
+    OpCase(
+        "mish",
+        module_of(lambda s, x: F.mish(x * s.w), {"w": W}),
+        (X,),
+        # mul; softplus (exp, log1p, >20, where), tanh, *x: 6
+        flops=24 + 24 * 6,
+        aten=("aten.tanh.default", "aten.log1p.default"),
+    ),
+    OpCase(
+        "clamp_min_max",
+        module_of(
+            lambda s, x: torch.clamp_min(x * s.w, -0.5) + torch.clamp_max(x * s.w, 0.5), {"w": W}
+        ),
+        (X,),
+        flops=24 * 5,  # two mul, clamp_min, clamp_max, add
+        aten=("aten.clamp.default", "aten.ge.Scalar", "aten.le.Scalar"),
+    ),
+    OpCase(
+        "pow_tensor_tensor",
+        module_of(lambda s, x: (x * x + s.a) ** (x * s.w), {"a": pos(*W), "w": W}),
+        (X,),
+        flops=24 * 4,  # mul, add, mul, pow
+        aten=("aten.pow.Tensor_Tensor", "aten.log.default"),
+    ),
+    OpCase(
+        "pow_scalar_base",
+        module_of(lambda s, x: 2.0 ** (x * s.w), {"w": W}),
+        (X,),
+        flops=24 * 2,  # mul, pow
+        aten=("aten.pow.Scalar",),
+    ),
+    OpCase(
+        "remainder",
+        module_of(lambda s, x: (x * s.w) % 1.5 + torch.fmod(x * s.w, 0.7), {"w": W}),
+        (X,),
+        flops=24 * 5,  # two mul, remainder, fmod, add
+        aten=("aten.remainder.Scalar", "aten.fmod.Scalar"),
+    ),
+    OpCase(
+        "dropout_eval",
+        lambda: Fn(lambda s, x: F.dropout(x * s.w, 0.5, s.training), {"w": W}).eval(),
+        (X,),
+        flops=24,  # eval mode: dropout is the identity (mul 24)
+        aten=("aten.mul.Tensor",),
+    ),
+]

@@ -1,0 +1,230 @@
+"""Op-database cases: matrix products, matmul/einsum/baddbmm and attention. FLOPs worked out by hand in each comment (FLOPS.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphflop.testing.opdb.core import Fn, OpCase, X, module_of, randomized, readout_of
+
+# ---------------------------------------------------------------------------------------------
+# matrix products
+# ---------------------------------------------------------------------------------------------
+LINALG = [
+    OpCase(
+        "linear_nobias",
+        lambda: nn.Linear(4, 3, bias=False),
+        ((2, 4),),
+        flops=2 * 2 * 4 * 3,  # mm (2x4)(4x3): 48
+        aten=("aten.mm.default", "aten.permute.default"),
+    ),
+    OpCase(
+        "linear",
+        lambda: nn.Linear(4, 3),
+        ((2, 4),),
+        flops=2 * 2 * 4 * 3 + 2 * 3,  # addmm: 48 matrix + 6 bias adds = 54
+        aten=("aten.addmm.default",),
+    ),
+    OpCase(
+        "bmm",
+        module_of(lambda s, x: torch.bmm(x, s.w), {"w": (2, 4, 3)}),
+        ((2, 3, 4),),
+        flops=2 * 2 * 3 * 4 * 3,  # bmm 2x(3x4)(4x3): 144
+        aten=("aten.bmm.default",),
+    ),
+    OpCase(
+        "attention",
+        module_of(
+            lambda s, x: (
+                torch.softmax((x @ s.wq) @ (x @ s.wk).transpose(-2, -1) / 2.0, -1) @ (x @ s.wv)
+            ),
+            {"wq": (4, 4), "wk": (4, 4), "wv": (4, 4)},
+        ),
+        ((2, 3, 4),),
+        # 3 projections mm (6x4)(4x4): 3*192 = 576; scores bmm 2x(3x4)(4x3): 144; /2: 18;
+        # softmax on 18 elements: amax 18 + sub 18 + exp 18 + sum 18 + div 18 = 90;
+        # bmm 2x(3x3)(3x4): 144 -> 576 + 144 + 18 + 90 + 144 = 972
+        flops=576 + 144 + 18 + 90 + 144,
+        aten=("aten.mm.default", "aten.bmm.default", "aten.expand.default", "aten.amax.default"),
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------
+# matmul with broadcasting and 1-D operands, einsum, baddbmm
+# ---------------------------------------------------------------------------------------------
+_MV_FLOPS = (
+    "FlopCounterMode counts 0 for {} (it has no formula for aten.{}); graphflop "
+    "decomposes it to mm and counts {}: tests/test_cases.py checks it"
+)
+
+LINALG_MORE = [
+    OpCase(
+        "matmul_broadcast",
+        module_of(lambda s, x: x @ s.w, {"w": (2, 4, 5)}),
+        ((3, 4),),
+        flops=2 * 2 * 3 * 4 * 5,  # (3,4) broadcast against (2,4,5): bmm 2x(3x4)(4x5): 240
+        aten=("aten.bmm.default", "aten.expand.default"),
+    ),
+    OpCase(
+        "matmul_4d_2d",
+        module_of(lambda s, x: x @ s.w, {"w": (5, 6)}),
+        ((2, 3, 4, 5),),
+        flops=2 * 24 * 5 * 6,  # folded to mm (24x5)(5x6): 1440
+        aten=("aten.mm.default", "aten.view.default"),
+    ),
+    OpCase(
+        "matmul_vector_matrix",
+        module_of(lambda s, x: (x @ s.w) * s.r, {"w": (4, 5)}, {"r": (5,)}),
+        ((4,),),
+        flops=2 * 4 * 5 + 5,  # (1x4)(4x5): 40; readout 5
+        aten=("aten.mm.default",),
+    ),
+    OpCase(
+        "matmul_matrix_vector",
+        module_of(lambda s, x: (s.w @ x) * s.r, {"w": (3, 4)}, {"r": (3,)}),
+        ((4,),),
+        flops=2 * 3 * 4 + 3,  # mv -> mm (3x4)(4x1): 24; readout 3
+        aten=("aten.mm.default", "aten.squeeze.dims"),
+        xfail={"flops": _MV_FLOPS.format("torch.mv", "mv", "2*M*K")},
+    ),
+    OpCase(
+        "matmul_dot",
+        module_of(lambda s, x: x @ s.w, {"w": (5,)}),
+        ((5,),),
+        flops=2 * 5,  # dot -> mm (1x5)(5x1): 10
+        aten=("aten.mm.default",),
+        xfail={"flops": _MV_FLOPS.format("torch.dot", "dot", "2*K")},
+    ),
+    OpCase(
+        "einsum_bmm",
+        module_of(lambda s, x: torch.einsum("bij,bjk->bik", x, s.w), {"w": (2, 4, 5)}),
+        (X,),
+        flops=2 * 2 * 3 * 4 * 5,  # bmm 2x(3x4)(4x5): 240
+        aten=("aten.bmm.default",),
+    ),
+    OpCase(
+        "einsum_heads",
+        module_of(
+            lambda s, q: torch.einsum("bhqd,bhkd->bhqk", q, s.k) * s.r,
+            {"k": (1, 2, 5, 4)},
+            {"r": (1, 2, 3, 5)},
+        ),
+        ((1, 2, 3, 4),),
+        flops=2 * 2 * 3 * 4 * 5 + 30,  # bmm 2x(3x4)(4x5): 240; readout 30
+        aten=("aten.bmm.default", "aten.permute.default"),
+    ),
+    OpCase(
+        "baddbmm",
+        module_of(
+            lambda s, x: torch.baddbmm(s.b, x, s.w, beta=0.5, alpha=2.0),
+            {"b": (3, 5), "w": (2, 4, 5)},
+        ),
+        (X,),
+        # bmm 240; alpha*: 30; beta*b: 15; add 30
+        flops=240 + 30 + 15 + 30,
+        aten=("aten.bmm.default",),
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------
+# attention: scaled dot-product attention decomposes to PyTorch's math form (two bmm, a softmax,
+# masks as where/add); nn.MultiheadAttention to addmm/bmm. The modules run SDPA under the math
+# backend: the CPU flash kernel PyTorch picks otherwise has no forward-mode derivative (so
+# torch.func.jvp, the reference, fails) and FlopCounterMode counts 0 FLOPs for it. graphflop's
+# trace is the same either way; tests/test_cases.py checks the counts at full size.
+# ---------------------------------------------------------------------------------------------
+
+
+def _math_sdpa(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` run with scaled dot-product attention restricted to the math backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(*args):
+        with sdpa_kernel(SDPBackend.MATH):
+            return fn(*args)
+
+    return run
+
+
+Q4 = (1, 2, 4, 3)  # (batch, heads, L, E)
+
+
+def _mha(need_weights: bool) -> nn.Module:
+    """Self-attention with nn.MultiheadAttention(8, 2), random in- and out-projection biases."""
+    m = Fn(_math_sdpa(lambda s, x: s.mha(x, x, x, need_weights=need_weights)[0]))
+    m.mha = randomized(nn.MultiheadAttention(8, 2, batch_first=True))
+    return m
+
+
+KV5 = (1, 2, 5, 3)  # (batch, heads, S, E)
+
+SDPA = F.scaled_dot_product_attention
+
+ATTENTION = [
+    # graphflop's decomposition (trace.py's _sdpa): scores (1,2,4,5): 40 elements. q scaled:
+    # 24; bmm 2*2*4*3*5 = 240 twice: 480; softmax: amax, sub, exp, sum, div: 5*40 = 200;
+    # readout 24
+    OpCase(
+        "sdpa",
+        module_of(_math_sdpa(lambda s, q, k, v: SDPA(q, k, v) * s.r), buffers={"r": Q4}),
+        (Q4, KV5, KV5),
+        flops=24 + 480 + 200 + 24,
+        aten=("aten.bmm.default", "aten.amax.default"),
+    ),
+    # scores (1,2,4,4): 32. q scaled 24; the 4x4 causal mask rows >= cols: 16, where 32;
+    # bmm 2*2*4*3*4 = 192 twice: 384; softmax 5*32 = 160; readout 24
+    OpCase(
+        "sdpa_causal",
+        module_of(
+            _math_sdpa(lambda s, q, k, v: SDPA(q, k, v, is_causal=True) * s.r), buffers={"r": Q4}
+        ),
+        (Q4, Q4, Q4),
+        flops=24 + 16 + 32 + 384 + 160 + 24,
+        aten=("aten.bmm.default", "aten.ge.Tensor", "aten.where.self"),
+    ),
+    # as sdpa (728), + the mask add (40), + the guard for rows the mask hides entirely: scores
+    # != -inf 40, any 40, where 40
+    OpCase(
+        "sdpa_float_mask",
+        module_of(
+            _math_sdpa(lambda s, q, k, v: SDPA(q, k, v, attn_mask=s.m) * s.r),
+            {"m": (4, 5)},
+            {"r": Q4},
+        ),
+        (Q4, KV5, KV5),
+        flops=728 + 40 + 120,
+        aten=("aten.bmm.default", "aten.add.Tensor", "aten.any.dim"),
+    ),
+    # as sdpa (728), + m > 0 (20), the mask applied with where (40), the guard (120)
+    OpCase(
+        "sdpa_bool_mask",
+        module_of(
+            _math_sdpa(lambda s, q, k, v: SDPA(q, k, v, attn_mask=s.m > 0) * s.r),
+            buffers={"m": (4, 5), "r": Q4},
+        ),
+        (Q4, KV5, KV5),
+        flops=728 + 20 + 40 + 120,
+        aten=("aten.bmm.default", "aten.where.self"),
+    ),
+    # E=8, 2 heads of 4, L=5: in-projection addmm (5x8)(8x24): 1920 + 120 bias; out-projection
+    # (5x8)(8x8): 640 + 40; q scaling 40; bmm 2*2*5*4*5 = 400 twice; softmax on 50: 250;
+    # readout 40
+    OpCase(
+        "multihead_attention",
+        readout_of(lambda: _mha(need_weights=True), (1, 5, 8)),
+        ((1, 5, 8),),
+        flops=2040 + 680 + 40 + 800 + 250 + 40,
+        aten=("aten.addmm.default", "aten.bmm.default"),
+    ),
+    # through SDPA (graphflop's decomposition): the same parts as multihead_attention
+    OpCase(
+        "multihead_attention_sdpa",
+        readout_of(lambda: _mha(need_weights=False), (1, 5, 8)),
+        ((1, 5, 8),),
+        flops=2040 + 680 + 40 + 800 + 250 + 40,
+        aten=("aten.addmm.default", "aten.bmm.default"),
+    ),
+]

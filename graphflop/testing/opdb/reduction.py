@@ -1,0 +1,271 @@
+"""Op-database cases: reductions, normalisation and losses. FLOPs worked out by hand in each comment (FLOPS.md)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphflop.testing.opdb.core import OpCase, W, X, index, module_of, randomized, readout_of
+
+# ---------------------------------------------------------------------------------------------
+# reductions (with a readout r of the output's shape): 1 per input element, mean +1 per output
+# ---------------------------------------------------------------------------------------------
+REDUCTION = [
+    OpCase(
+        "sum_dim",
+        module_of(lambda s, x: (x * s.w).sum(1) * s.r, {"w": W}, {"r": (2, 4)}),
+        (X,),
+        flops=24 + 24 + 8,
+        aten=("aten.sum.dim_IntList",),
+    ),
+    OpCase(
+        "sum_keepdim",
+        module_of(
+            lambda s, x: (x * s.w).sum((0, 2), keepdim=True) * s.r, {"w": W}, {"r": (1, 3, 1)}
+        ),
+        (X,),
+        flops=24 + 24 + 3,
+        aten=("aten.sum.dim_IntList",),
+    ),
+    OpCase(
+        "mean_dim",
+        module_of(lambda s, x: (x * s.w).mean(-1) * s.r, {"w": W}, {"r": (2, 3)}),
+        (X,),
+        flops=24 + (24 + 6) + 6,
+        aten=("aten.mean.dim",),
+    ),
+    OpCase(
+        "mean_keepdim",
+        module_of(
+            lambda s, x: (x * s.w).mean((0, 2), keepdim=True) * s.r, {"w": W}, {"r": (1, 3, 1)}
+        ),
+        (X,),
+        flops=24 + (24 + 3) + 3,
+        aten=("aten.mean.dim",),
+    ),
+    OpCase(
+        "mean_all",
+        module_of(lambda s, x: (x * s.w).mean(), {"w": W}),
+        (X,),
+        flops=24 + (24 + 1),
+        aten=("aten.mean.default",),
+    ),
+    OpCase(
+        "amax",
+        module_of(lambda s, x: (x * s.w).amax(1) * s.r, {"w": W}, {"r": (2, 4)}),
+        (X,),
+        flops=24 + 24 + 8,
+        aten=("aten.amax.default",),
+    ),
+    OpCase(
+        "amin",
+        module_of(lambda s, x: (x * s.w).amin(-1) * s.r, {"w": W}, {"r": (2, 3)}),
+        (X,),
+        flops=24 + 24 + 6,
+        aten=("aten.amin.default",),
+    ),
+    OpCase(
+        "var_mean",
+        module_of(
+            lambda s, x: (lambda vm: vm[0] * s.r + vm[1])(torch.var_mean(x * s.w, 1)),
+            {"w": W},
+            {"r": (2, 4)},
+        ),
+        (X,),
+        flops=24 + (2 * 24 + 2 * 8) + 8 + 8,  # mul; var_mean; *r; +mean -> 104
+        aten=("aten.var_mean.correction",),
+    ),
+    OpCase(
+        "var_mean_keepdim_c0",
+        module_of(
+            lambda s, x: (lambda vm: vm[0] * s.r + vm[1])(
+                torch.var_mean(x * s.w, (0, 2), correction=0, keepdim=True)
+            ),
+            {"w": W},
+            {"r": (1, 3, 1)},
+        ),
+        (X,),
+        flops=24 + (2 * 24 + 2 * 3) + 3 + 3,  # 84
+        aten=("aten.var_mean.correction",),
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------
+# normalisation and losses (decomposed; counted as the sum of their parts)
+# ---------------------------------------------------------------------------------------------
+NORM_LOSS = [
+    OpCase(
+        "batchnorm2d_train",
+        readout_of(lambda: randomized(nn.BatchNorm2d(3)), (4, 3, 2, 2)),
+        ((4, 3, 2, 2),),
+        # num_batches_tracked += 1: 1; var_mean over 48 elements, 3 outputs: 2*48 + 2*3 = 102;
+        # +eps 3, rsqrt 3; x - mean 48, * rstd 48; running_mean: *0.1, *0.9, + : 9;
+        # running_var: *n/(n-1), *0.1, *0.9, + : 12; *weight 48, +bias 48; readout 48
+        flops=1 + 102 + 3 + 3 + 48 + 48 + 9 + 12 + 48 + 48 + 48,
+        aten=(
+            "aten.var_mean.correction",
+            "aten.rsqrt.default",
+            "aten.squeeze.dims",
+            "aten.unsqueeze.default",
+        ),
+    ),
+    OpCase(
+        "batchnorm2d_eval",
+        readout_of(lambda: randomized(nn.BatchNorm2d(3)).eval(), (4, 3, 2, 2)),
+        ((4, 3, 2, 2),),
+        # one op: per element − mean, × rsqrt, × weight, + bias: 4*48; per channel + eps
+        # and rsqrt: 2*3; readout 48
+        flops=4 * 48 + 2 * 3 + 48,
+        aten=("aten._native_batch_norm_legit_no_training.default",),
+    ),
+    OpCase(
+        "layernorm",
+        readout_of(lambda: randomized(nn.LayerNorm(4)), (2, 3, 4)),
+        (X,),
+        # var_mean 2*24 + 2*6 = 60; +eps 6; rsqrt 6; sub 24; mul 24; *weight 24; +bias 24;
+        # readout 24
+        flops=60 + 6 + 6 + 24 * 4 + 24,
+        aten=("aten.var_mean.correction", "aten.rsqrt.default"),
+    ),
+    OpCase(
+        "groupnorm",
+        readout_of(lambda: randomized(nn.GroupNorm(2, 4)), (2, 4, 2, 2)),
+        ((2, 4, 2, 2),),
+        # 32 elements in 4 groups of 8: var_mean 2*32 + 2*4 = 72; +eps 4, rsqrt 4; sub 32,
+        # mul 32; *weight 32, +bias 32; readout 32
+        flops=72 + 4 + 4 + 32 * 4 + 32,
+        aten=("aten.var_mean.correction", "aten.rsqrt.default", "aten.view.default"),
+    ),
+    OpCase(
+        "log_softmax",
+        module_of(lambda s, x: F.log_softmax(x * s.w, -1), {"w": W}),
+        (X,),
+        # mul 24; amax 24, sub 24, exp 24, sum 24, log 6, sub 24
+        flops=24 + 24 * 5 + 6,
+        aten=("aten.amax.default", "aten.exp.default", "aten.log.default"),
+    ),
+    OpCase(
+        "softmax",
+        module_of(lambda s, x: F.softmax(x * s.w, -1) * s.r, {"w": W}, {"r": X}),
+        (X,),
+        # mul 24; amax 24, sub 24, exp 24, sum 24, div 24; readout 24
+        flops=24 + 24 * 5 + 24,
+        aten=("aten.amax.default", "aten.exp.default", "aten.div.Tensor"),
+    ),
+    OpCase(
+        "cross_entropy",
+        module_of(
+            lambda s, x: F.cross_entropy(F.linear(x, s.w, s.b), s.target),
+            {"w": (5, 4), "b": (5,)},
+            {"target": index(5, 3)},
+        ),
+        ((3, 4),),
+        # addmm (3x4)(4x5): 120 + 15 bias; log_softmax on (3,5): amax 15, sub 15, exp 15,
+        # sum 15, log 3, sub 15 = 78; nll_loss (mean): ne 3, where 3, neg 3, ne 3, where 3,
+        # ne 3, sum 3, sum 3, div 1 = 25 (gather, _to_copy: 0)
+        flops=135 + 78 + 25,
+        aten=(
+            "aten.addmm.default",
+            "aten.gather.default",
+            "aten.scatter_add.default",
+            "aten.log.default",
+            "aten.where.self",
+            "aten._to_copy.default",
+        ),
+    ),
+    OpCase(
+        "mse_loss",
+        module_of(lambda s, x: F.mse_loss(x * s.w, s.y), {"w": W}, {"y": X}),
+        (X,),
+        flops=24 + 24 + 24 + (24 + 1),  # mul; sub; pow 2; mean
+        aten=("aten.pow.Tensor_Scalar", "aten.mean.default"),
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------
+# more reductions
+# ---------------------------------------------------------------------------------------------
+REDUCTION_MORE = [
+    OpCase(
+        "std",
+        module_of(
+            lambda s, x: torch.std(x * s.w, (0, 2), keepdim=True) * s.r, {"w": W}, {"r": (1, 3, 1)}
+        ),
+        (X,),
+        flops=24 + (24 + 3) + 3 + 3,  # mul; var (1 per input, divide per output); sqrt; r
+        aten=("aten.var.correction", "aten.sqrt.default"),
+    ),
+    OpCase(
+        "min_dim_keepdim",
+        module_of(
+            lambda s, x: (x * s.w).min(-1, keepdim=True).values * s.r, {"w": W}, {"r": (2, 3, 1)}
+        ),
+        (X,),
+        flops=24 + 24 + 6,
+        aten=("aten.min.dim",),
+    ),
+    OpCase(
+        "argmax",
+        module_of(
+            lambda s, x: (x * s.w) * s.r * (x * s.w).argmax(1, keepdim=True), {"w": W}, {"r": X}
+        ),
+        (X,),
+        flops=24 + 24 + 24 + 24 + 24,  # two mul; readout; argmax 1 per input; mul
+        aten=("aten.argmax.default",),
+    ),
+    OpCase(
+        "cumsum",
+        module_of(lambda s, x: (x * s.w).cumsum(1) * s.r, {"w": W}, {"r": X}),
+        (X,),
+        flops=24 + 24 + 24,
+        aten=("aten.cumsum.default", "aten.flip.default"),
+    ),
+    OpCase(
+        "vector_norm",
+        module_of(
+            lambda s, x: torch.linalg.vector_norm(x * s.w, dim=-1) * s.r, {"w": W}, {"r": (2, 3)}
+        ),
+        (X,),
+        # mul 24; x ** 2: 24; sum 24; ** 0.5: 6; readout 6
+        flops=24 + 24 + 24 + 6 + 6,
+        aten=("aten.sum.dim_IntList", "aten.pow.Tensor_Scalar"),
+    ),
+]
+
+NORM_MORE = [
+    OpCase(
+        "layernorm_no_affine",
+        readout_of(lambda: nn.LayerNorm(4, elementwise_affine=False), (2, 3, 4)),
+        (X,),
+        flops=60 + 6 + 6 + 24 * 2 + 24,  # var_mean 60; +eps, rsqrt; sub, mul; readout
+        aten=("aten.var_mean.correction",),
+    ),
+    OpCase(
+        "batchnorm1d_train",
+        readout_of(lambda: randomized(nn.BatchNorm1d(3)), (4, 3)),
+        ((4, 3),),
+        # as batchnorm2d_train on 12 elements, 3 channels: 1 + (2*12 + 2*3) + 3 + 3 + 12 + 12
+        # + 9 + 12 + 12 + 12; readout 12
+        flops=1 + 30 + 3 + 3 + 12 + 12 + 9 + 12 + 12 + 12 + 12,
+        aten=("aten.var_mean.correction",),
+    ),
+    OpCase(
+        "instancenorm2d",
+        readout_of(lambda: randomized(nn.InstanceNorm2d(3, affine=True)), (2, 3, 2, 2)),
+        ((2, 3, 2, 2),),
+        # batch norm over (1, 6, 2, 2) (repeat: 0): var_mean 2*24 + 2*6 = 60; +eps 6, rsqrt 6;
+        # sub 24, mul 24; *weight 24, +bias 24; readout 24
+        flops=60 + 6 + 6 + 24 * 4 + 24,
+        aten=("aten.var_mean.correction",),
+    ),
+    OpCase(
+        "groupnorm_1d",
+        readout_of(lambda: randomized(nn.GroupNorm(3, 6)), (2, 6, 5)),
+        ((2, 6, 5),),
+        # 60 elements in 6 groups of 10: var_mean 2*60 + 2*6 = 132; +eps 6, rsqrt 6; sub 60,
+        # mul 60; *weight 60, +bias 60; readout 60
+        flops=132 + 6 + 6 + 60 * 4 + 60,
+        aten=("aten.var_mean.correction",),
+    ),
+]

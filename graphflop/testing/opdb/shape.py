@@ -1,0 +1,326 @@
+"""Op-database cases: views, copies and index ops. FLOPs worked out by hand in each comment (FLOPS.md)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphflop.testing.opdb.core import OpCase, W, X, index, module_of, scale_slice, set_row
+
+# ---------------------------------------------------------------------------------------------
+# views, copies, index ops: 0 FLOPs; mul 24 before (x * w) and the readout after
+# ---------------------------------------------------------------------------------------------
+SHAPE = [
+    OpCase(
+        "flatten",
+        module_of(lambda s, x: (x * s.w).flatten(1) * s.r, {"w": W}, {"r": (2, 12)}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.view.default", "aten.reshape.default"),
+    ),
+    OpCase(
+        "view",
+        module_of(lambda s, x: (x * s.w).view(6, 4) * s.r, {"w": W}, {"r": (6, 4)}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.view.default",),
+    ),
+    OpCase(
+        "permute",
+        module_of(lambda s, x: (x * s.w).permute(2, 0, 1) * s.r, {"w": W}, {"r": (4, 2, 3)}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.permute.default",),
+    ),
+    OpCase(
+        "transpose",
+        module_of(lambda s, x: (x * s.w).transpose(0, 2) * s.r, {"w": W}, {"r": (4, 3, 2)}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.permute.default",),
+    ),
+    OpCase(
+        "reshape_noncontig",
+        module_of(
+            lambda s, x: (x * s.w).transpose(1, 2).reshape(2, 12) * s.r, {"w": W}, {"r": (2, 12)}
+        ),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.clone.default", "aten.view.default"),
+    ),
+    OpCase(
+        "unsqueeze",
+        module_of(lambda s, x: (x * s.w).unsqueeze(1) * s.r, {"w": W}, {"r": (2, 1, 3, 4)}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.unsqueeze.default", "aten.squeeze.dims"),
+    ),
+    OpCase(
+        "squeeze",
+        module_of(lambda s, x: (x * s.w).squeeze(1) * s.r, {"w": (1, 4)}, {"r": (2, 4)}),
+        ((2, 1, 4),),
+        flops=8 + 8,
+        aten=("aten.squeeze.dims",),
+    ),
+    OpCase(
+        "expand",
+        module_of(lambda s, x: x.expand(2, 3, 4) * s.w, {"w": W}),
+        ((2, 1, 4),),
+        flops=24,
+        aten=("aten.expand.default", "aten.sum.dim_IntList"),
+    ),
+    OpCase(
+        "slice",
+        module_of(lambda s, x: (x * s.w)[:, 1:3] * s.r, {"w": W}, {"r": (2, 2, 4)}),
+        (X,),
+        flops=24 + 16,
+        aten=("aten.slice.Tensor", "aten.slice_scatter.default"),
+    ),
+    OpCase(
+        "slice_step_neg",
+        module_of(lambda s, x: (x * s.w)[..., ::2][:, -2:] * s.r, {"w": W}, {"r": (2, 2, 2)}),
+        (X,),
+        flops=24 + 8,
+        aten=("aten.slice.Tensor",),
+    ),
+    OpCase(
+        "select",
+        module_of(lambda s, x: (x * s.w)[:, 1] * s.r, {"w": W}, {"r": (2, 4)}),
+        (X,),
+        flops=24 + 8,
+        aten=("aten.select.int", "aten.select_scatter.default"),
+    ),
+    OpCase(
+        "alias",
+        module_of(lambda s, x: (x * s.w)[...] * s.r, {"w": W}, {"r": X}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.alias.default",),
+    ),
+    OpCase(
+        "cat",
+        module_of(lambda s, x, y: torch.cat([x * s.w, y], 1) * s.r, {"w": W}, {"r": (2, 5, 4)}),
+        (X, (2, 2, 4)),
+        flops=24 + 40,
+        aten=("aten.cat.default", "aten.slice.Tensor"),
+    ),
+    OpCase(
+        "cat_param",
+        module_of(lambda s, x: torch.cat([s.b, x, s.b], 0) * s.r, {"b": (1, 4)}, {"r": (5, 4)}),
+        ((3, 4),),
+        flops=20,
+        aten=("aten.cat.default",),
+    ),
+    OpCase(
+        "gather",
+        module_of(
+            lambda s, x: torch.gather(x * s.w, 2, s.idx) * s.r,
+            {"w": W},
+            {"idx": index(4, 2, 3, 5), "r": (2, 3, 5)},
+        ),
+        (X,),
+        flops=24 + 30,  # gather: 0 FLOPs (FLOPS.md); readout 30
+        aten=("aten.gather.default", "aten.scatter_add.default"),
+    ),
+    OpCase(
+        "scatter_add",
+        module_of(
+            lambda s, x: s.base.scatter_add(2, s.idx, x * s.w) * s.r,
+            {"base": X, "w": (3, 3)},
+            {"idx": index(4, 2, 3, 3), "r": X},
+        ),
+        ((2, 3, 3),),
+        flops=18 + 18 + 24,  # mul 18; scatter_add: 1 per added element (18); readout 24
+        aten=("aten.scatter_add.default", "aten.gather.default"),
+    ),
+    OpCase(
+        "pad",
+        module_of(lambda s, x: F.pad(x * s.w, (1, 2)) * s.r, {"w": W}, {"r": (2, 3, 7)}),
+        (X,),
+        flops=24 + 42,
+        aten=("aten.constant_pad_nd.default",),
+    ),
+    OpCase(
+        "pad_2d",
+        module_of(lambda s, x: F.pad(x * s.w, (0, 1, 2, 0)) * s.r, {"w": W}, {"r": (2, 5, 5)}),
+        (X,),
+        flops=24 + 50,
+        aten=("aten.constant_pad_nd.default",),
+    ),
+    OpCase(
+        "to_float64",
+        module_of(lambda s, x: x.to(torch.float64) * s.w, {"w": W}),
+        ((X, torch.float32),),
+        flops=24,  # the cast is a copy: 0 FLOPs; mul 24
+        aten=("aten._to_copy.default",),
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------
+# small real-model patterns
+# ---------------------------------------------------------------------------------------------
+
+# ---------------------------------------------------------------------------------------------
+# more views and index ops (mul 24 before, readout after)
+# ---------------------------------------------------------------------------------------------
+SHAPE_MORE = [
+    OpCase(
+        "split_uneven",
+        module_of(
+            lambda s, x: (lambda p: torch.cat([p[1], p[0]], -1))((x * s.w).split(3, -1)) * s.r,
+            {"w": W},
+            {"r": X},
+        ),
+        (X,),
+        flops=24 + 24,  # mul; readout (split and cat: 0 FLOPs)
+        aten=("aten.split_with_sizes.default", "aten.cat.default"),
+    ),
+    OpCase(
+        "unbind",
+        module_of(lambda s, x: (x * s.w).unbind(1)[2] * s.r, {"w": W}, {"r": (2, 4)}),
+        (X,),
+        flops=24 + 8,
+        aten=("aten.slice.Tensor", "aten.squeeze.dims"),
+    ),
+    # in-place writes into views of an intermediate, functionalised
+    OpCase(
+        "setitem_slice_scale",
+        module_of(lambda s, x: scale_slice(x * s.w) * s.r, {"w": W}, {"r": X}),
+        (X,),
+        # mul 24; slice (2,2,4) *2: 16; readout 24
+        flops=24 + 16 + 24,
+        aten=("aten.slice_scatter.default",),
+    ),
+    OpCase(
+        "setitem_select_src",
+        module_of(lambda s, x: set_row(x * s.w, s.v) * s.r, {"w": W, "v": (4,)}, {"r": X}),
+        (X,),
+        # mul 24; h[:, 1] = v: a copy of v broadcast (0 FLOPs), then core ATen's
+        # select_scatter: arange == 1 (3) and a where (24); readout 24
+        flops=24 + 3 + 24 + 24,
+        aten=("aten.copy.default", "aten.where.self"),
+    ),
+    OpCase(
+        "flip",
+        module_of(lambda s, x: (x * s.w).flip(1, 2) * s.r, {"w": W}, {"r": X}),
+        (X,),
+        flops=24 + 24,
+        aten=("aten.flip.default",),
+    ),
+    OpCase(
+        "roll",
+        module_of(lambda s, x: (x * s.w).roll(1, 2) * s.r, {"w": W}, {"r": X}),
+        (X,),
+        # mul 24; index arithmetic on arange(4): add 4, fmod 4; readout 24
+        flops=24 + 8 + 24,
+        aten=("aten.index_select.default", "aten.fmod.Scalar", "aten.index_add.default"),
+    ),
+    OpCase(
+        "index_select",
+        module_of(
+            lambda s, x: (x * s.w).index_select(2, s.idx) * s.r,
+            {"w": W},
+            {"idx": lambda: torch.tensor([3, 0, 3]), "r": (2, 3, 3)},
+        ),
+        (X,),
+        flops=24 + 18,
+        aten=("aten.index_select.default", "aten.index_add.default"),
+    ),
+    OpCase(
+        "index_tensor",
+        module_of(
+            lambda s, x: (x * s.w)[:, s.idx] * s.r,
+            {"w": W},
+            {"idx": lambda: torch.tensor([[2, 0], [2, 1]]), "r": (2, 2, 2, 4)},
+        ),
+        (X,),
+        flops=24 + 32,
+        aten=("aten.index.Tensor", "aten.index_put.default"),
+    ),
+    OpCase(
+        "index_put_accumulate",
+        module_of(
+            lambda s, x: (x * s.w).index_put((s.idx,), s.v, accumulate=True) * s.r,
+            {"w": W, "v": (3, 3, 4)},
+            {"idx": lambda: torch.tensor([1, 0, 1]), "r": X},
+        ),
+        (X,),
+        flops=24 + 36 + 24,  # mul; 36 added elements; readout
+        aten=("aten.index_put.default", "aten.index.Tensor"),
+    ),
+    OpCase(
+        "index_put_overwrite",
+        module_of(
+            lambda s, x: (x * s.w).index_put((s.i, s.j), s.v) * s.r,
+            {"w": W, "v": (2, 4)},
+            {"i": lambda: torch.tensor([0, 1]), "j": lambda: torch.tensor([2, 0]), "r": X},
+        ),
+        (X,),
+        flops=24 + 24,  # mul; the copy costs 0; readout
+        aten=("aten.index_put.default",),
+    ),
+    OpCase(
+        "upsample_nearest",
+        module_of(
+            lambda s, x: F.interpolate(x * s.w, scale_factor=2) * s.r,
+            {"w": (3, 3)},
+            {"r": (1, 2, 6, 6)},
+        ),
+        ((1, 2, 3, 3),),
+        # mul 18; source indices of the 6 output rows and 6 columns: a mul and an add each
+        # (24); gather 0; readout 72
+        flops=18 + 24 + 72,
+        aten=("aten.index.Tensor",),
+    ),
+    OpCase(
+        "upsample_bilinear",
+        module_of(
+            lambda s, x: F.interpolate(x * s.w, size=(5, 4), mode="bilinear") * s.r,
+            {"w": (3, 3)},
+            {"r": (1, 2, 5, 4)},
+        ),
+        ((1, 2, 3, 3),),
+        # sum of the parts (PyTorch's decomposition): mul 187, add 138, sub 138, clamp 27
+        flops=187 + 138 + 138 + 27,
+        aten=("aten.index.Tensor", "aten.clamp.default"),
+    ),
+    OpCase(
+        "upsample_bilinear_align_corners",
+        module_of(
+            lambda s, x: (
+                F.interpolate(x * s.w, scale_factor=2, mode="bilinear", align_corners=True) * s.r
+            ),
+            {"w": (3, 3)},
+            {"r": (1, 2, 6, 6)},
+        ),
+        ((1, 2, 3, 3),),
+        # sum of the parts: mul 318, add 228, sub 228, clamp 36
+        flops=318 + 228 + 228 + 36,
+        aten=("aten.index.Tensor",),
+    ),
+    OpCase(
+        "pad_reflect",
+        module_of(
+            lambda s, x: F.pad(x * s.w, (1, 2, 2, 1), mode="reflect") * s.r,
+            {"w": (3, 4)},
+            {"r": (1, 2, 6, 7)},
+        ),
+        ((1, 2, 3, 4),),
+        # mul 24; reflected indices for 6 rows and 7 columns (13 positions), two abs and two
+        # sub each: abs 26, sub 26; gather 0; readout 84
+        flops=24 + 26 + 26 + 84,
+        aten=("aten.index.Tensor",),
+    ),
+    OpCase(
+        "pad_replicate",
+        module_of(
+            lambda s, x: F.pad(x * s.w, (1, 2, 0, 1), mode="replicate") * s.r,
+            {"w": (3, 4)},
+            {"r": (1, 2, 4, 7)},
+        ),
+        ((1, 2, 3, 4),),
+        # mul 24; clamped indices on 4 rows and 7 columns: 11; gather 0; readout 56
+        flops=24 + 11 + 56,
+        aten=("aten.index.Tensor", "aten.clamp.default"),
+    ),
+]
