@@ -69,12 +69,6 @@ class Analysis:
         """The ``graphflop inspect --json`` document (schema version 1)."""
         return self.report.to_dict()
 
-    @property
-    def summary(self) -> dict[str, Any]:
-        """Compatibility path: :meth:`to_dict`, for front ends not yet reading
-        :attr:`report`. New code should read the typed report."""
-        return self.to_dict()
-
 
 def analyze(
     model: nn.Module,

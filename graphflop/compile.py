@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -41,11 +40,6 @@ class GraphReport:
     backward_flops: int
     backward_mm_flops: int
     report: Report
-
-    @property
-    def summary(self) -> dict[str, Any]:
-        """Compatibility path: ``report.to_dict()``, the ``graphflop inspect --json`` document."""
-        return self.report.to_dict()
 
 
 @dataclass

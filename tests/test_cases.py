@@ -412,8 +412,8 @@ def test_gpt2_small_forward_matrix_flops():
     t, d, v = 1024, 768, 50257
     expected = 12 * (24 * t * d * d + 4 * t * t * d) + 2 * t * d * v
     assert expected == 291_648_307_200
-    assert a.summary["totals"]["forward"]["mm_flops"] == expected
-    assert a.summary["loss"] == "cross_entropy"  # (N·T, V) logits: the language-model loss
+    assert a.report.totals.forward.mm_flops == expected
+    assert a.report.loss == "cross_entropy"  # (N·T, V) logits: the language-model loss
 
 
 TINY_GPT2 = {"n_layer": 2, "n_head": 4, "n_embd": 32, "vocab_size": 101, "n_positions": 16}
@@ -526,10 +526,10 @@ def test_torchvision_resnet50_matches_models_resnet50():
     totals = []
     for loaded in (ours, theirs):
         a = analyze(loaded.model.train(), make_inputs(loaded), name=loaded.name)
-        totals.append({k: a.summary["totals"][k] for k in ("forward", "backward", "update", "jvp")})
-        totals[-1]["params"] = a.summary["params"]
+        t = a.report.totals
+        totals.append((t.forward, t.backward, t.update, t.jvp, a.report.params))
     assert totals[0] == totals[1]
-    assert totals[0]["params"] == 25_557_032
+    assert totals[0][-1] == 25_557_032
 
 
 def test_timm_vit_loads():
@@ -566,9 +566,9 @@ def test_dropout_train_counts_its_mask():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
     a = analyze(model.train(), (torch.empty(2, 4, device="meta"),), loss="sum")
-    fwd = a.summary["totals"]["forward"]
-    assert fwd["random_elements"] == 8
-    assert fwd["flops"] == (2 * 2 * 4 * 4 + 8) + 3 * 8 + 8  # addmm; dropout; sum loss
+    fwd = a.report.totals.forward
+    assert fwd.random_elements == 8
+    assert fwd.flops == (2 * 2 * 4 * 4 + 8) + 3 * 8 + 8  # addmm; dropout; sum loss
 
 
 def test_constants_made_in_forward_trace_as_buffers():
@@ -589,8 +589,9 @@ def test_constants_made_in_forward_trace_as_buffers():
     consts = a.forward.meta[CONSTANTS]
     assert set(consts) <= {n for n, _ in sig.buffers} and len(consts) == 2
     # addmm 2·2·3·3 + 6; mul 6; add 6 (index_select: 0)
-    assert a.summary["totals"]["forward"]["flops"] - 6 == 36 + 6 + 6 + 6
-    assert a.summary["totals"]["backward"]["mm_flops"] == 2 * 2 * 3 * 3
+    assert a.report.totals.forward.flops - 6 == 36 + 6 + 6 + 6
+    backward = a.report.totals.backward
+    assert backward is not None and backward.mm_flops == 2 * 2 * 3 * 3
 
 
 def test_parameter_names_that_are_not_identifiers():

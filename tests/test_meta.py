@@ -48,6 +48,7 @@ def test_values_are_frozen():
         meta.NodeCost,
         meta.Signature,
         meta.Ghost,
+        meta.GhostLinks,
         meta.JvpInfo,
         meta.VjpInfo,
         meta.UpdateInfo,

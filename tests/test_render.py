@@ -131,8 +131,7 @@ def test_module_level_renders_to_svg(tmp_path, model, graph):
     nodes = {g.get("id"): g for g in _by_class(root, "node")}
     module, flops, shown = FIRST_LAYER[model]
     box = _text(nodes["m_" + module.replace(".", "_")])
-    layer = next(L for L in a.summary["layers"] if L["name"] == module)
-    assert human(layer["forward_flops"]) in box
+    assert human(a.report.layer(module).forward_flops) in box
     assert "log scale" in _text(nodes["legend"])
     ghosts = {_text(g) for g in _by_class(root, "ghost")}
     if graph in ("backward", "train", "all"):
@@ -158,10 +157,10 @@ def test_resnet50_module_level_png(tmp_path):
     # one row per bottleneck block: a tall, narrow picture whose text stays readable at 96 dpi
     assert 800 < width < 4000 and height < 12000, (width, height)
     assert "m_layer4_2_conv3" in src and "b_convolution" not in src  # module boxes, no op nodes
-    conv1 = next(L for L in a.summary["layers"] if L["name"] == "conv1")
+    conv1 = a.report.layer("conv1")
     # conv1's input gradient: 2 · 64·112·112 · 3·7·7 = 236,027,904 FLOPs, pruned
-    assert conv1["pruned_flops"] == 2 * 64 * 112 * 112 * 3 * 49
-    assert f"pruned: {human(conv1['pruned_flops'])} FLOPs" in src
+    assert conv1.pruned_flops == 2 * 64 * 112 * 112 * 3 * 49
+    assert f"pruned: {human(conv1.pruned_flops)} FLOPs" in src
 
 
 def test_dot_source_works_without_graphviz(tmp_path, monkeypatch):
@@ -271,9 +270,9 @@ def test_module_scene_without_graphviz(model):
     module, flops, shown = FIRST_LAYER[model]
     scene = module_scene(a, "all", {module: 0.00123})
     boxes = {b.id: b for b in scene.boxes}
-    layer = next(L for L in a.summary["layers"] if L["name"] == module)
+    layer = a.report.layer(module)
     stats = {s.key: s.value for s in boxes["m_" + module.replace(".", "_")].label.stats}
-    assert stats["fwd"] == human(layer["forward_flops"]) and stats["time"] == "1.23 ms"
+    assert stats["fwd"] == human(layer.forward_flops) and stats["time"] == "1.23 ms"
     relu = boxes["m_" + FIRST_RELU[model].replace(".", "_")].label.stats
     assert Stat("#882255", "saved", human_bytes(FIRST_RELU_BYTES[model])) in relu
     notes = {b.label for b in scene.boxes if b.kind == "ghost_note"}

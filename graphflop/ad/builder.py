@@ -101,48 +101,6 @@ class Builder:
         finally:
             self.ctx = saved
 
-    # Attribute access to the context's fields, for callers that set them one by one (the
-    # update and forward-gradient passes). Setting one replaces the context.
-    @property
-    def source(self) -> str:
-        return self.ctx.source
-
-    @source.setter
-    def source(self, value: str) -> None:
-        self.ctx = replace(self.ctx, source=value)
-
-    @property
-    def module(self) -> str:
-        return self.ctx.module
-
-    @module.setter
-    def module(self, value: str) -> None:
-        self.ctx = replace(self.ctx, module=value)
-
-    @property
-    def role(self) -> str:
-        return self.ctx.role
-
-    @role.setter
-    def role(self, value: str) -> None:
-        self.ctx = replace(self.ctx, role=value)
-
-    @property
-    def param_derived(self) -> bool:
-        return self.ctx.param_derived
-
-    @param_derived.setter
-    def param_derived(self, value: bool) -> None:
-        self.ctx = replace(self.ctx, param_derived=value)
-
-    @property
-    def force_ghost(self) -> bool:
-        return self.ctx.ghost
-
-    @force_ghost.setter
-    def force_ghost(self, value: bool) -> None:
-        self.ctx = replace(self.ctx, ghost=value)
-
     # -- hooks -------------------------------------------------------------------------------
     def import_arg(self, a: Any) -> Any:
         """The value to use in this graph for argument ``a`` (builders over another graph's

@@ -61,9 +61,6 @@ class GhostValue:
     name: str = field(init=False)
     meta: dict = field(init=False, repr=False)
 
-    #: kept for code that still tests ``getattr(a, "is_ghost", False)``; use :func:`is_ghost`
-    is_ghost = True
-
     def __post_init__(self) -> None:
         name = self.record.name if self.record else f"ghost_{next(ghost_ids)}"
         if self.kwargs is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -16,6 +17,9 @@ from graphflop.cli.common import (
     stdout_console,
 )
 from graphflop.runtime.verify import MIN_VERIFY_SAMPLES, VERIFY_FLOPS, VERIFY_SAMPLES
+
+if TYPE_CHECKING:
+    from graphflop.analysis import Analysis
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -121,35 +125,38 @@ def run(args: argparse.Namespace, err: Console) -> int:
             backward=not args.no_backward,
             jvp=not args.no_jvp,
         )
-    summary = analysis.to_dict()
-    rc = _verify(args, err, inputs, analysis, summary) if args.verify else 0
+    report = analysis.report
+    extra: dict[str, Any] = {}  # --verify's results, after the report's keys in the JSON
+    rc = _verify(args, err, inputs, analysis, extra) if args.verify else 0
     if args.json:
-        atomic_write(args.json, to_json(summary))
+        atomic_write(args.json, to_json(report, extra))
     if args.csv:
-        atomic_write(args.csv, layers_csv(summary))
+        atomic_write(args.csv, layers_csv(report))
     if args.format == "json":
-        print(to_json(summary))
+        print(to_json(report, extra))
     else:
-        print_report(summary, stdout_console(), max_layers=args.max_layers)
+        print_report(report, stdout_console(), max_layers=args.max_layers)
     return rc
 
 
-def _verify(args: argparse.Namespace, err: Console, inputs, analysis, summary: dict) -> int:
-    """``--verify``: run the checks, print one line each to stderr and add them (and the
-    note on the forward-gradient check's budget) to ``summary``."""
+def _verify(
+    args: argparse.Namespace, err: Console, inputs, analysis: Analysis, extra: dict[str, Any]
+) -> int:
+    """``--verify``: run the checks, print one line each to stderr and add them (``verify``,
+    and ``verify_note`` on the forward-gradient check's budget) to ``extra``."""
     from graphflop.runtime.verify import forward_gradient_samples, verify_analysis
 
-    step_flops = summary["totals"].get("forward_gradient_step", {}).get("flops", 0)
-    samples, why = forward_gradient_samples(args.verify_samples, step_flops)
+    fg = analysis.report.totals.forward_gradient_step
+    samples, why = forward_gradient_samples(args.verify_samples, fg.flops if fg is not None else 0)
     if why:
         err.print(f"verify: {why}")
-        summary["verify_note"] = why
+        extra["verify_note"] = why
     with err.status("verifying against torch.func", spinner="dots"):
         real = load_real_model(args)  # real weights
         checks = verify_analysis(
             real, inputs, analysis, dtype=args.verify_dtype, forward_gradient_samples=samples
         )
-    summary["verify"] = [c.to_dict() for c in checks]
+    extra["verify"] = [c.to_dict() for c in checks]
     for c in checks:
         mark = "[green]ok[/green]" if c.ok else "[red]FAILED[/red]"
         err.print(

@@ -1,7 +1,6 @@
 """Tables (rich), JSON and CSV from an analysis report (:class:`~graphflop.report.Report`).
 
-Reads the report only. The functions also take the report's JSON document (``Report.to_dict()``,
-possibly with extra top-level keys), which they read back with ``Report.from_dict``.
+Reads the typed report only; the JSON document is :meth:`Report.to_dict` (schema version 1).
 """
 
 from __future__ import annotations
@@ -9,13 +8,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from graphflop.io import atomic_write
 from graphflop.report import LayerRow, Report
 
 
@@ -45,17 +42,10 @@ def _r(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
-def _as_report(report: Report | dict[str, Any]) -> Report:
-    return report if isinstance(report, Report) else Report.from_dict(report)
-
-
-def print_report(
-    report: Report | dict[str, Any], console: Console | None = None, max_layers: int = 60
-) -> None:
+def print_report(r: Report, console: Console | None = None, max_layers: int = 60) -> None:
     """Per-layer table (the ``max_layers`` layers with the most forward + backward FLOPs when
     there are more), then totals, ratios and memory."""
     console = console or Console()
-    r = _as_report(report)
     console.print(_layer_table(r, max_layers))
     hidden = len(r.layers) - min(len(r.layers), max_layers)
     if hidden > 0:
@@ -187,21 +177,16 @@ def _summary_lines(r: Report) -> list[str]:
     return lines
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (:func:`graphflop.io.atomic_write`): a failure
-    leaves the old file or none, never a partial one."""
-    atomic_write(path, text)
+def to_json(report: Report, extra: dict[str, Any] | None = None) -> str:
+    """The JSON document :meth:`Report.to_dict` (indented), followed by the top-level keys of
+    ``extra`` (e.g. ``verify``), which must be JSON-ready."""
+    return json.dumps({**report.to_dict(), **(extra or {})}, indent=2)
 
 
-def to_json(report: Report | dict[str, Any]) -> str:
-    """The JSON document (indented); a dict is written as it is, extra keys included."""
-    return json.dumps(report.to_dict() if isinstance(report, Report) else report, indent=2)
-
-
-def layers_csv(report: Report | dict[str, Any]) -> str:
+def layers_csv(report: Report) -> str:
     """The per-layer rows as CSV: the JSON row keys as columns, ``output_shape`` last as
     ``AxBxC``."""
-    rows = _as_report(report).layer_dicts()
+    rows = report.layer_dicts()
     buf = io.StringIO()
     cols = [k for k in rows[0] if k != "output_shape"] + ["output_shape"] if rows else []
     w = csv.DictWriter(buf, fieldnames=cols)

@@ -15,6 +15,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.ad._tree import leaves, meta_key, tree_map
+from graphflop.ad.ghost import is_ghost
 from graphflop.meta import COST, ZERO_COST, NodeCost
 from graphflop.ops import lookup
 from graphflop.passes.infra import GraphPass
@@ -31,7 +32,7 @@ def value_of(a: Any) -> Any:
     """The FakeTensor behind a graph value (fx node or ghost); constants pass through."""
     if isinstance(a, Node):
         return a.meta.get("val")
-    if getattr(a, "is_ghost", False):
+    if is_ghost(a):
         return a.val
     return a
 

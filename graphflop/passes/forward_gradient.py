@@ -87,7 +87,6 @@ def build_forward_gradient_step(
     info: JvpInfo = jvp.meta[JVP]
     g = Graph()
     b = _StepBuilder(g, fake_mode, [])
-    b.role = "direction"
     tangent_of = {t: p for t, p in info.tangent_inputs}
     env = {
         n: g.node_copy(n)
@@ -102,11 +101,12 @@ def build_forward_gradient_step(
     }
     given = _direction_placeholders(g, info, phs, directions) if direction_inputs else None
     ds, vs = [], []
-    for k in range(directions):
-        v = _direction(b, info, phs, k, given, distribution)
-        ds.append(_copy_tangents(g, jvp, info, env, v, first=k == 0))
-        vs.append(v)
-    grads = _estimate(b, info, ds, vs)
+    with b.context(role="direction"):
+        for k in range(directions):
+            v = _direction(b, info, phs, k, given, distribution)
+            ds.append(_copy_tangents(g, jvp, info, env, v, first=k == 0))
+            vs.append(v)
+        grads = _estimate(b, info, ds, vs)
     qual = dict(sig.params)
     new_state = inline_update(
         g, upd, {qual[p]: phs[p] for p in qual}, {qual[p]: grads[p] for p in qual}, state_phs
@@ -187,13 +187,13 @@ def _direction(
     sampled)."""
     v = {}
     for t, p in info.tangent_inputs:
-        b.source, b.module = p, phs[p].meta.get(MODULE, "")
         if given is not None:
             v[t] = given[(k, p)]
             continue
         val = phs[p].meta["val"]
-        r = b.call(aten.randn.default, list(val.shape), dtype=val.dtype, device=val.device)
-        v[t] = b.call(aten.sign.default, r) if distribution == "rademacher" else r
+        with b.context(source=p, module=phs[p].meta.get(MODULE, "")):
+            r = b.call(aten.randn.default, list(val.shape), dtype=val.dtype, device=val.device)
+            v[t] = b.call(aten.sign.default, r) if distribution == "rademacher" else r
     return v
 
 
@@ -221,16 +221,15 @@ def _copy_tangents(
 
 def _estimate(b: Builder, info: JvpInfo, ds: list[Node], vs: list[dict]) -> dict[str, Node]:
     """``g = (1/K) Σ_k d_k · v_k`` per parameter placeholder name."""
-    b.role = "direction"
     grads = {}
     for t, p in info.tangent_inputs:
-        b.source = p
-        acc = None
-        for d, v in zip(ds, vs):
-            term = b.call(aten.mul.Tensor, v[t], d)
-            acc = term if acc is None else b.call(aten.add.Tensor, acc, term)
-        if len(ds) > 1:
-            acc = b.call(aten.div.Tensor, acc, float(len(ds)))
+        with b.context(role="direction", source=p):
+            acc = None
+            for d, v in zip(ds, vs):
+                term = b.call(aten.mul.Tensor, v[t], d)
+                acc = term if acc is None else b.call(aten.add.Tensor, acc, term)
+            if len(ds) > 1:
+                acc = b.call(aten.div.Tensor, acc, float(len(ds)))
         grads[p] = acc
     return grads
 

@@ -104,7 +104,6 @@ def build_update(
     modules = modules or {}
     g = Graph()
     b = _UpdateBuilder(g, fake_mode, [])
-    b.role = "update"
 
     def ph(name, val, qual=None, module="", slot=None):
         n = g.placeholder(name)
@@ -141,25 +140,17 @@ def build_update(
         scalar = torch.empty((), dtype=dtype, device=device)
     lr = ph("lr", scalar)
     step = ph("step", scalar) if cfg.name in ("adam", "adamw") else None
-    lr_wd = b.call(aten.mul.Tensor, lr, cfg.weight_decay) if cfg.name == "adamw" else None
-
-    new_w, new_state = [], [[] for _ in state]
-    for i, (q, _) in enumerate(params):
-        b.source, b.module = w[i].name, w[i].meta[MODULE]
-        wi, gi = w[i], gr[i]
-        if cfg.name == "sgd":
-            nw = b.call(aten.sub.Tensor, wi, b.call(aten.mul.Tensor, gi, lr))
-        elif cfg.name == "momentum":
-            buf = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, state[0][i], cfg.momentum), gi)
-            new_state[0].append(buf)
-            nw = b.call(aten.sub.Tensor, wi, b.call(aten.mul.Tensor, buf, lr))
-        else:
-            nw, m, v = _adam(b, cfg, wi, gi, state[0][i], state[1][i], lr, step, lr_wd)
-            new_state[0].append(m)
-            new_state[1].append(v)
-        for n in (nw,):
-            n.meta[PARAM] = q
-        new_w.append(nw)
+    new_w: list[Node] = []
+    new_state: list[list[Node]] = [[] for _ in state]
+    with b.context(role="update"):
+        lr_wd = b.call(aten.mul.Tensor, lr, cfg.weight_decay) if cfg.name == "adamw" else None
+        for i, (q, _) in enumerate(params):
+            with b.context(source=w[i].name, module=w[i].meta[MODULE]):
+                nw, new = _param_update(b, cfg, w[i], gr[i], [s[i] for s in state], lr, step, lr_wd)
+            nw.meta[PARAM] = q
+            new_w.append(nw)
+            for acc, n in zip(new_state, new):
+                acc.append(n)
     g.output(tuple(new_w + [n for s in new_state for n in s]))
     gm = graph_module(torch.nn.Module(), g)
     gm.meta[UPDATE] = UpdateInfo(
@@ -170,6 +161,27 @@ def build_update(
         tuple(f"{kind}.{q}" for kind in STATE_KINDS[cfg.name] for q, _ in params),
     )
     return gm
+
+
+def _param_update(
+    b: Builder,
+    cfg: OptimizerConfig,
+    w: Node,
+    g: Node,
+    state: list[Node],
+    lr: Node,
+    step: Node | None,
+    lr_wd: Node | None,
+) -> tuple[Node, list[Node]]:
+    """One parameter's update: its new value and its new optimizer state (one node per
+    ``STATE_KINDS`` entry), emitted in ``b``'s current context."""
+    if cfg.name == "sgd":
+        return b.call(aten.sub.Tensor, w, b.call(aten.mul.Tensor, g, lr)), []
+    if cfg.name == "momentum":
+        buf = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, state[0], cfg.momentum), g)
+        return b.call(aten.sub.Tensor, w, b.call(aten.mul.Tensor, buf, lr)), [buf]
+    nw, m, v = _adam(b, cfg, w, g, state[0], state[1], lr, step, lr_wd)
+    return nw, [m, v]
 
 
 def build_update_for(

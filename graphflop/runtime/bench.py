@@ -273,13 +273,19 @@ def ratios(t: dict[str, Timing]) -> dict[str, float | None]:
 
 
 def phase_flops(analysis: Analysis) -> dict[str, int]:
-    """graphflop's FLOPs of each of :data:`PHASES`, from ``analysis``'s summary totals.
+    """graphflop's FLOPs of each of :data:`PHASES`, from ``analysis``'s report totals.
 
     Raises:
-        KeyError: the analysis has no backward or no forward-gradient step.
+        KeyError: the analysis has no backward or no forward-gradient step (the phase's name).
     """
-    totals = analysis.summary["totals"]
-    return {k: totals[k]["flops"] for k in PHASES}
+    totals = analysis.report.totals
+    out: dict[str, int] = {}
+    for k in PHASES:
+        phase = getattr(totals, k)
+        if phase is None:
+            raise KeyError(k)
+        out[k] = phase.flops
+    return out
 
 
 def timing_report(t: dict[str, Timing], flops: dict[str, int]) -> dict[str, Any]:

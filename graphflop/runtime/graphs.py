@@ -4,8 +4,8 @@ This is the one place outside ``passes/`` that assembles them, so the exporter
 (:mod:`graphflop.export.onnx`), ``graphflop bench`` and ``graphflop train`` convert and run the
 same graphs and build none themselves:
 
-* ``train_step`` — the analysis's own when it has one, else forward, backward and update inlined
-  by :func:`~graphflop.passes.train_step.build_train_step`;
+* ``train_step`` — the analysis's own (:attr:`~graphflop.analysis.Analysis.train_step`: forward,
+  backward and update inlined, built once on first use);
 * ``forward_gradient_step`` — with its directions as inputs (``direction_inputs=True``: ONNX
   Runtime and the training loop feed them, so both runtimes take the same steps); the
   analysis's ``forward_gradient`` graph samples them inside instead.
@@ -29,20 +29,14 @@ __all__ = ["GRAPH_KINDS", "forward_gradient_graph", "step_graphs", "train_step_g
 
 
 def train_step_graph(analysis: Analysis) -> GraphModule | None:
-    """Forward, backward and update of ``analysis`` as one graph, or None without a backward.
+    """Forward, backward and update of ``analysis`` as one graph (its
+    :attr:`~graphflop.analysis.Analysis.train_step`, built on first use), or None without a
+    backward.
 
     Placeholders: the forward's, the optimizer state, ``lr`` (and ``step``); outputs: the loss,
     the new parameters, the new state, the buffer updates (``TRAIN_STEP`` info).
     """
-    own = getattr(analysis, "train_step", None)
-    if own is not None:
-        return own
-    if analysis.backward is None or analysis.update is None:
-        return None
-    from graphflop.passes.flops import annotate_flops
-    from graphflop.passes.train_step import build_train_step
-
-    return annotate_flops(build_train_step(analysis.forward, analysis.backward, analysis.update))
+    return analysis.train_step
 
 
 def forward_gradient_graph(
@@ -51,12 +45,17 @@ def forward_gradient_graph(
     *,
     directions: int = 1,
     distribution: str = "normal",
+    update: GraphModule | None = None,
 ) -> GraphModule:
     """The forward-gradient step of a traced ``forward`` (with a loss) taking its ``directions``
     as inputs (placeholders ``v<k>_<param>``, ``KIND="direction"``), FLOP-annotated.
 
+    ``update`` is the optimizer's update graph of ``forward`` when already built (an
+    :attr:`~graphflop.analysis.Analysis.update`); it is built here otherwise.
+
     Raises:
-        ValueError: bad ``directions`` or ``distribution``, or no loss (see
+        ValueError: bad ``directions`` or ``distribution``, no loss, or an ``update`` graph of
+            another optimizer (see
             :func:`~graphflop.passes.forward_gradient.build_forward_gradient_step`).
     """
     from graphflop.passes.flops import annotate_flops
@@ -69,6 +68,7 @@ def forward_gradient_graph(
             directions=directions,
             distribution=distribution,
             direction_inputs=True,
+            update=update,
         )
     )
 
@@ -96,8 +96,11 @@ def step_graphs(
             if ts is not None:
                 out["train_step"] = ts
     if analysis.jvp is not None and "forward_gradient_step" in kinds:
-        optimizer = analysis.summary.get("optimizer") or "sgd"
         out["forward_gradient_step"] = forward_gradient_graph(
-            analysis.forward, optimizer, directions=directions, distribution=distribution
+            analysis.forward,
+            analysis.report.optimizer or "sgd",
+            directions=directions,
+            distribution=distribution,
+            update=analysis.update,
         )
     return out

@@ -310,7 +310,8 @@ def verify_analysis(
     if analysis.backward is not None:
         checks.append(verify_gradients(fwd, build_vjp(fwd), model, tolerance=tolerance))
     if analysis.jvp is not None:
-        tangents = analysis.summary["totals"]["jvp"]["tangents"]
+        jvp_totals = analysis.report.totals.jvp
+        tangents = jvp_totals.tangents if jvp_totals is not None else "params"
         checks.append(verify_jvp(fwd, build_jvp(fwd, tangents), model, tolerance=tolerance))
         if forward_gradient_samples and fwd.meta[SIGNATURE].loss is not None:
             # a statistical check needs no float64: run it on a float32 trace, faster

@@ -54,15 +54,15 @@ Package layout ("what to draw", then "how to draw"):
     * :mod:`.scene` — a Graphviz-free model of a picture: boxes, edges, clusters, legend;
     * :mod:`.op_level` (with :mod:`.op_parts`) and :mod:`.module_level` — build a scene from an
       analysis, one per level; :mod:`.captions` — title and legend text; :mod:`.palette` —
-      colours; :mod:`.facts` — analysis facts read from node annotations and the summary that
-      the analysis does not report yet;
+      colours; :mod:`.facts` — analysis facts read from node annotations and the typed report
+      (``analysis.report``);
     * :mod:`.draw` — the only user of the ``graphviz`` library: a scene as a ``Digraph``, with
       its HTML-like labels; :mod:`.output` — runs ``dot`` and writes the file atomically.
 
 Reads (never writes): ``val``, ``KIND``, ``ROLE``, ``SOURCE``, ``MODULE``,
 ``COST``, ``PARAM``, ``RESIDUAL``, PyTorch's ``nn_module_stack`` (module class names,
 optional); ``gm.meta`` keys ``SIGNATURE``, ``GHOSTS``, ``GHOST_LINKS``, ``UPDATE``;
-``analysis.summary``.
+``analysis.report``.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def render(
 
     Args:
         analysis: an :class:`~graphflop.analysis.Analysis` (only its annotations and
-            summary are read).
+            typed report are read).
         path: output file; its suffix picks the format: ``.svg``, ``.png``, ``.pdf``, or
             ``.dot``/``.gv`` for the source. Written atomically (a temporary file in the same
             folder, then :func:`os.replace`); nothing is left behind on failure.

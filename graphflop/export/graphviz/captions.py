@@ -1,4 +1,4 @@
-"""Text shared by both levels: the title (from the summary's totals), the legend, times."""
+"""Text shared by both levels: the title (from the report's totals), the legend, times."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from graphflop.export.graphviz.palette import (
 )
 from graphflop.export.graphviz.scene import Legend, LegendItem
 from graphflop.export.report import human, human_bytes
+from graphflop.report import BackwardTotals, Report
 
 
 def time_text(s: float | None) -> str:
@@ -60,40 +61,36 @@ def legend_items(ghost_words: list[str], residuals: bool, params: bool) -> list[
 
 def title(analysis: Any, graph: str, level: str) -> str:
     """Two lines: model, input shapes, picture; then the totals of the phases drawn."""
-    s = facts.summary(analysis)
-    t = s.get("totals", {})
-    name = s.get("model") or getattr(analysis, "name", "model")
-    inputs = ", ".join("×".join(map(str, i["shape"])) for i in s.get("inputs", []))
-    f = t.get("forward", {}).get("flops")
-    line = [f"forward {human(f)} FLOPs"] if f is not None else []
-    if graph in ("backward", "train", "all") and "backward" in t:
-        line += _backward_totals(s, graph)
-    if graph in ("jvp", "all") and "jvp" in t:
-        j = t["jvp"]
+    r = facts.report(analysis)
+    t = r.totals
+    name = r.model or getattr(analysis, "name", "model")
+    inputs = ", ".join("×".join(map(str, i.shape)) for i in r.inputs)
+    line = [f"forward {human(t.forward.flops)} FLOPs"]
+    if graph in ("backward", "train", "all") and t.backward is not None:
+        line += _backward_totals(r, t.backward, graph)
+    if graph in ("jvp", "all") and t.jvp is not None:
+        j = t.jvp
         line.append(
-            f"JVP tangent {human(j['flops'])} (skipped {human(j['skipped_flops'])}, "
-            f"tangents on {j['tangents']})"
+            f"JVP tangent {human(j.flops)} (skipped {human(j.skipped_flops)}, "
+            f"tangents on {j.tangents})"
         )
-        r = s.get("ratios", {})
-        if r.get("jvp_forward") is not None:
-            line.append(f"jvp/fwd {r['jvp_forward']:.2f}")
+        if r.ratios.jvp_forward is not None:
+            line.append(f"jvp/fwd {r.ratios.jvp_forward:.2f}")
     head = f"{name}  [{inputs}]  — {graph} graph, {level} level"
     return "\n".join([head, " · ".join(line)])
 
 
-def _backward_totals(s: dict[str, Any], graph: str) -> list[str]:
-    t = s.get("totals", {})
-    r = s.get("ratios", {})
-    m = s.get("memory", {})
-    b = t["backward"]
+def _backward_totals(r: Report, b: BackwardTotals, graph: str) -> list[str]:
     line = [
-        f"backward {human(b['flops'])} (input {human(b['grad_input_flops'])}, "
-        f"weight {human(b['grad_weight_flops'])}, pruned {human(b['pruned_flops'])})"
+        f"backward {human(b.flops)} (input {human(b.grad_input_flops)}, "
+        f"weight {human(b.grad_weight_flops)}, pruned {human(b.pruned_flops)})"
     ]
-    if graph != "backward" and "update" in t:
-        line.append(f"update {human(t['update']['flops'])} ({t['update']['optimizer']})")
-    if r.get("backward_forward") is not None:
-        line.append(f"(bwd+upd)/fwd {r['backward_forward']:.2f}")
-    if m.get("saved_for_backward_bytes") is not None:
-        line.append(f"saved for backward {human_bytes(m['saved_for_backward_bytes'])}")
+    u = r.totals.update
+    if graph != "backward" and u is not None:
+        line.append(f"update {human(u.flops)} ({u.optimizer})")
+    if r.ratios.backward_forward is not None:
+        line.append(f"(bwd+upd)/fwd {r.ratios.backward_forward:.2f}")
+    saved = r.memory.saved_for_backward_bytes
+    if saved is not None:
+        line.append(f"saved for backward {human_bytes(saved)}")
     return line

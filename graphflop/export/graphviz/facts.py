@@ -1,11 +1,11 @@
 """Analysis facts the pictures need that the analysis does not report (yet).
 
 Everything here is read from the graphs' node annotations (``val``, ``MODULE``, ``SOURCE``,
-``KIND``, ``RESIDUAL``, ``PARAM``, ``GHOSTS``, PyTorch's ``nn_module_stack``) or from
-``analysis.summary`` (only through :func:`summary`). Nothing is written. These are the
-computations a typed analysis report should take over; the builders then read that report instead:
+``KIND``, ``RESIDUAL``, ``PARAM``, ``GHOSTS``, PyTorch's ``nn_module_stack``) or from the
+typed report ``analysis.report`` (only through :func:`report`). Nothing is written. The
+annotation readers are the computations the typed report could take over:
 
-* :func:`summary` / :func:`layer_rows` / :func:`loss_kind`: the summary dict (one accessor);
+* :func:`report` / :func:`layer_rows` / :func:`loss_kind`: the report (one accessor);
 * :func:`picture_flops`, :func:`grad_input_flops`: per-layer FLOP sums for one picture;
 * :func:`saved_bytes`: bytes of forward values the backward reads, per module;
 * :func:`ghost_flops`: pruned / skipped FLOPs per (module, role);
@@ -27,48 +27,46 @@ from typing import Any
 import torch
 
 from graphflop.meta import GHOSTS, KIND, MODULE, PARAM, RESIDUAL, SIGNATURE, SOURCE
+from graphflop.report import LayerRow, Report
 
 #: residual kinds that are not forward values (a parameter or buffer, or derived from one)
 PARAM_RESIDUALS = ("param", "buffer", "param_derived")
 
 
-# -- the summary: one accessor ---------------------------------------------------------------
+# -- the report: one accessor ---------------------------------------------------------------
 
 
-def summary(analysis: Any) -> dict[str, Any]:
-    """``analysis.summary`` (``{}`` when absent): the only read of the summary dict."""
-    return analysis.summary or {}
+def report(analysis: Any) -> Report:
+    """``analysis.report``, the typed :class:`~graphflop.report.Report`: the only read of it."""
+    return analysis.report
 
 
-def layer_rows(analysis: Any) -> dict[str, dict[str, Any]]:
-    """Module path → its layer row of the summary (``""`` for ``(model)``)."""
-    out = {}
-    for row in summary(analysis).get("layers", []):
-        out["" if row["name"] == "(model)" else row["name"]] = row
-    return out
+def layer_rows(analysis: Any) -> dict[str, LayerRow]:
+    """Module path → its layer row of the report (``""`` for ``(model)``)."""
+    return {"" if row.name == "(model)" else row.name: row for row in report(analysis).layers}
 
 
 def loss_kind(analysis: Any) -> str:
     """The loss's name (``cross_entropy``, ...), or ``loss``."""
-    return summary(analysis).get("loss") or "loss"
+    return report(analysis).loss or "loss"
 
 
-def picture_flops(row: dict[str, Any], graph: str) -> int:
+def picture_flops(row: LayerRow, graph: str) -> int:
     """A layer row's FLOPs in the phases picture ``graph`` draws (the module box's fill)."""
-    f = row.get("forward_flops", 0)
+    f = row.forward_flops
     if graph == "forward":
         return f
     if graph == "backward":
-        return row.get("backward_flops", 0)
+        return row.backward_flops
     if graph == "jvp":
-        return f + row.get("jvp_flops", 0)
-    total = f + row.get("backward_flops", 0) + row.get("update_flops", 0)
-    return total + (row.get("jvp_flops", 0) if graph == "all" else 0)
+        return f + row.jvp_flops
+    total = f + row.backward_flops + row.update_flops
+    return total + (row.jvp_flops if graph == "all" else 0)
 
 
-def grad_input_flops(row: dict[str, Any]) -> int:
+def grad_input_flops(row: LayerRow) -> int:
     """A layer row's input-gradient FLOPs, gradient accumulation included."""
-    return row.get("grad_input_flops", 0) + row.get("grad_accum_flops", 0)
+    return row.grad_input_flops + row.grad_accum_flops
 
 
 # -- per value -------------------------------------------------------------------------------

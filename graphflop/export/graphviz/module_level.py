@@ -6,7 +6,7 @@ path; edges follow the forward data flow; pruned and skipped work are dashed box
 module. With more than :data:`ROW_LAYOUT_MIN_BOXES` boxes, the boxes directly inside one parent
 cluster are laid out in one row.
 
-Reads: the summary's layer rows (:func:`.facts.layer_rows`) and, through :mod:`.facts`,
+Reads: the report's layer rows (:func:`.facts.layer_rows`) and, through :mod:`.facts`,
 ``val``, ``MODULE``, ``RESIDUAL``, ``GHOSTS``, ``SIGNATURE`` and ``nn_module_stack``.
 """
 
@@ -20,6 +20,7 @@ from graphflop.export.graphviz.scene import Box, Canvas, Edge, LegendItem, Scene
 from graphflop.export.report import human, human_bytes
 from graphflop.io import sanitize_name
 from graphflop.meta import SIGNATURE
+from graphflop.report import LayerRow
 
 #: boxes above which module level lays out each parent's children in one row
 ROW_LAYOUT_MIN_BOXES = 40
@@ -75,7 +76,7 @@ class _ModuleScene:
         # parameters or FLOPs
         self.order = facts.forward_modules(a)
         for m, row in self.layers.items():
-            if m not in self.order and (row.get("params") or self._flops(row)):
+            if m not in self.order and (row.params or self._flops(row)):
                 self.order.append(m)
         # modules with ops of their own and child modules (a residual block's ``add``)
         self.parents = {p for m in self.order for p in _prefixes(m) if p in self.order}
@@ -83,7 +84,7 @@ class _ModuleScene:
         self.cluster_of[""] = self.cluster_of["loss"] = ""
         self.ids = {m: box_id(m) for m in self.order}
 
-    def _flops(self, row: dict[str, Any]) -> int:
+    def _flops(self, row: LayerRow) -> int:
         return facts.picture_flops(row, self.graph)
 
     def build(self) -> Scene:
@@ -138,7 +139,7 @@ class _ModuleScene:
         own = self._own_ops()
         row_layout = len(self.order) > ROW_LAYOUT_MIN_BOXES
         for m in self.order:
-            row = self.layers.get(m, {"forward_flops": 0})
+            row = self.layers.get(m) or LayerRow(m or "(model)")
             box = self._box(m, row, types, saved.get(m, 0), scale, own.get(m))
             self.cv.add(box)
             if row_layout and self.cluster_of[m]:
@@ -155,7 +156,7 @@ class _ModuleScene:
     def _box(
         self,
         m: str,
-        row: dict[str, Any],
+        row: LayerRow,
         types: dict[str, str],
         saved: int,
         scale: FlopScale,
@@ -170,33 +171,31 @@ class _ModuleScene:
         fill = scale.colour(self._flops(row))
         label = StatCard(short, typ, fill, tuple(self._stats(m, row, saved)))
         tip = (
-            f"{m or '(model)'}: forward {row.get('forward_flops', 0)} FLOPs, backward "
-            f"{row.get('backward_flops', 0)}, update {row.get('update_flops', 0)}, jvp "
-            f"{row.get('jvp_flops', 0)}, saved {saved} B"
+            f"{m or '(model)'}: forward {row.forward_flops} FLOPs, backward "
+            f"{row.backward_flops}, update {row.update_flops}, jvp "
+            f"{row.jvp_flops}, saved {saved} B"
         )
         return Box(self.ids[m], "module", label, module=self.cluster_of[m], tooltip=tip)
 
-    def _stats(self, m: str, row: dict[str, Any], saved: int) -> list[Stat]:
-        stats = [Stat(ROLE_COLOURS["forward"], "fwd", human(row.get("forward_flops", 0)))]
+    def _stats(self, m: str, row: LayerRow, saved: int) -> list[Stat]:
+        stats = [Stat(ROLE_COLOURS["forward"], "fwd", human(row.forward_flops))]
         if self.show_b:
             stats.append(
                 Stat(ROLE_COLOURS["grad_input"], "bwd∂x", human(facts.grad_input_flops(row)))
             )
-            stats.append(
-                Stat(ROLE_COLOURS["grad_weight"], "bwd∂W", human(row.get("grad_weight_flops", 0)))
-            )
+            stats.append(Stat(ROLE_COLOURS["grad_weight"], "bwd∂W", human(row.grad_weight_flops)))
         if self.show_u:
-            stats.append(Stat(ROLE_COLOURS["update"], "upd", human(row.get("update_flops", 0))))
+            stats.append(Stat(ROLE_COLOURS["update"], "upd", human(row.update_flops)))
         if self.show_b:
-            r = row.get("ratio") if self.show_u else row.get("ratio_no_update")
+            r = row.ratio if self.show_u else row.ratio_no_update
             stats.append(Stat(None, "ratio", _ratio(r)))
             stats.append(Stat(RESIDUAL_COLOUR, "saved", human_bytes(saved)))
         if self.show_j:
-            jvp = human(row.get("jvp_flops", 0))
+            jvp = human(row.jvp_flops)
             stats.append(Stat(ROLE_COLOURS["tangent_from_param"], "jvp", jvp))
-            stats.append(Stat(None, "jvp/fwd", _ratio(row.get("jvp_ratio"))))
+            stats.append(Stat(None, "jvp/fwd", _ratio(row.jvp_ratio)))
         if self.graph == "forward":
-            stats.append(Stat(None, "share", f"{100 * row.get('share', 0):.1f}%"))
+            stats.append(Stat(None, "share", f"{100 * row.share:.1f}%"))
         if self.profile:
             stats.append(Stat(None, "time", captions.time_text(self.profile.get(m))))
         return stats
