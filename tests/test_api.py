@@ -159,9 +159,13 @@ class Scaled(nn.Module):
 
 
 def test_custom_op_without_rule_names_op_and_kinds():
-    from graphflop.ops import registry
+    from graphflop.testing import restored_rules, without_rule
 
-    registry._TABLE.pop(SCALE_OP, None)
+    with without_rule(SCALE_OP), restored_rules():
+        _custom_op_without_rule()
+
+
+def _custom_op_without_rule():
     with pytest.raises(graphflop.MissingRuleError) as e:
         graphflop.analyze(Scaled(), (torch.randn(3, 5, dtype=torch.float64),), loss="sum")
     assert "gftest.scale.default" in str(e.value) and "cost/jvp/transpose" in str(e.value)
@@ -173,10 +177,16 @@ def test_custom_op_without_rule_names_op_and_kinds():
     assert sum(n.meta[COST].flops for n in fwd.graph.nodes) == 15 + 15
     with pytest.raises(graphflop.MissingRuleError, match="no jvp rule for gftest.scale"):
         graphflop.build_vjp(fwd)
-    registry._TABLE.pop(SCALE_OP, None)
 
 
 def test_custom_op_with_rules_is_counted_and_differentiated():
+    from graphflop.testing import restored_rules
+
+    with restored_rules():
+        _custom_op_with_rules()
+
+
+def _custom_op_with_rules():
     def jvp(b, out, args, tangents, kwargs):
         x, w = args
         tx, tw = tangents
@@ -229,9 +239,6 @@ def test_custom_op_with_rules_is_counted_and_differentiated():
         lambda w, x_: (x_ * w).sum(), (values[pw], xv), (tangents[pw], tangents[px])
     )
     assert torch.allclose(got, ref, rtol=1e-12)
-    from graphflop.ops import registry
-
-    registry._TABLE.pop(SCALE_OP, None)
 
 
 @pytest.mark.parametrize("name,batch", [("convnet.py", 2), ("mlp.py", 8)])
