@@ -34,6 +34,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from graphflop.frontend.errors import first_line
+from graphflop.frontend.inputs import bind_call, split_example
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -81,6 +84,8 @@ def _import_file(path: Path):
     if spec is None or spec.loader is None:
         raise SpecError(f"cannot import {path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
+    if any(lib in path.read_text(errors="replace") for lib in _IMPORT_TORCHVISION):
+        _preload_torchvision()
     sys.modules[mod_name] = module
     sys.path.insert(0, str(path.parent.resolve()))
     try:
@@ -91,6 +96,26 @@ def _import_file(path: Path):
     finally:
         sys.path.pop(0)
     return module
+
+
+#: libraries that import torchvision when it is installed
+_IMPORT_TORCHVISION = ("torchvision", "transformers", "timm")
+
+
+def _preload_torchvision() -> None:
+    """Import an installed torchvision the way ``torchvision:`` specs do (defining the operator
+    schemas a CUDA build's compiled ops fail to register next to a CPU-only torch), so that
+    files and libraries that import it (transformers, timm) work."""
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
+        return
+    with contextlib.suppress(SpecError):
+        _import_library("torchvision")
+
+
+def _torchvision_broken(e: BaseException) -> bool:
+    """Whether ``e`` is a torchvision build's compiled ops failing to load against this torch
+    (PyPI's CUDA wheel beside a CPU-only torch: 'operator torchvision::nms does not exist')."""
+    return "torchvision::" in str(e)
 
 
 def _split_spec(spec: str) -> tuple[str, str | None]:
@@ -106,6 +131,54 @@ def _module_classes(module) -> list[type]:
         for obj in vars(module).values()
         if inspect.isclass(obj) and issubclass(obj, nn.Module) and obj.__module__ == module.__name__
     ]
+
+
+def _names_used(obj: Any) -> set[str]:
+    """Global names a class's methods (and nested code: comprehensions, closures) and its bases
+    refer to."""
+    names: set[str] = {b.__name__ for b in getattr(obj, "__bases__", ())}
+    stack = []
+    for v in vars(obj).values():
+        f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+        if isinstance(f, property):
+            stack += [g.__code__ for g in (f.fget, f.fset) if g is not None]
+        elif hasattr(f, "__code__"):
+            stack.append(f.__code__)
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        stack += [c for c in code.co_consts if inspect.iscode(c)]
+    return names
+
+
+def _root_class(module: Any, label: str, spec: str) -> type:
+    """The file's one ``nn.Module`` class no other class of the file uses (by name in its
+    methods, or as a base): the root of the composition.
+
+    Raises:
+        SpecError: no class, or several roots (listed with the file's factory functions).
+    """
+    classes = list(dict.fromkeys(_module_classes(module)))
+    if not classes:
+        raise SpecError(f"{label} defines no nn.Module subclass; name one with {spec}:Name")
+    used = set().union(*(_names_used(c) - {c.__name__} for c in classes))
+    roots = [c for c in classes if c.__name__ not in used]
+    if len(roots) == 1:
+        return roots[0]
+    names = ", ".join(c.__name__ for c in roots or classes)
+    factories = [
+        n
+        for n, f in vars(module).items()
+        if inspect.isfunction(f)
+        and f.__module__ == module.__name__
+        and n != "example_inputs"
+        and not n.startswith("_")
+    ]
+    extra = f"; factory functions: {', '.join(factories)}" if factories else ""
+    raise SpecError(
+        f"{label} defines several top-level nn.Module classes ({names}){extra}; "
+        f"pick one with {spec}:Name"
+    )
 
 
 def _instantiate(obj: Any, where: str, ctor_kwargs: dict, meta: bool) -> nn.Module:
@@ -124,6 +197,10 @@ def _instantiate(obj: Any, where: str, ctor_kwargs: dict, meta: bool) -> nn.Modu
         raise
     except TypeError as e:
         raise SpecError(f"cannot construct {where}: {e}") from e
+    except NotImplementedError:
+        raise
+    except Exception as e:  # the constructor failed: one line saying which and why
+        raise SpecError(f"constructing {where} failed: {type(e).__name__}: {first_line(e)}") from e
     if not isinstance(model, nn.Module):
         raise SpecError(f"{where} returned {type(model).__name__}, not an nn.Module")
     return model
@@ -157,15 +234,8 @@ def load(spec: str, *, ctor_kwargs: dict | None = None, meta: bool = False) -> L
             ) from e
         label = target
     if name is None:
-        classes = _module_classes(module)
-        if not classes:
-            raise SpecError(f"{label} defines no nn.Module subclass; name one with {spec}:Name")
-        if len(classes) > 1:
-            names = ", ".join(c.__name__ for c in classes)
-            raise SpecError(
-                f"{label} defines several nn.Module subclasses ({names}); pick one with {spec}:Name"
-            )
-        obj, name = classes[0], classes[0].__name__
+        obj = _root_class(module, label, spec)
+        name = obj.__name__
     else:
         if not hasattr(module, name):
             avail = ", ".join(c.__name__ for c in _module_classes(module)) or "none"
@@ -175,10 +245,11 @@ def load(spec: str, *, ctor_kwargs: dict | None = None, meta: bool = False) -> L
     example = None
     fn = getattr(module, "example_inputs", None)
     if callable(fn):
-        example = fn()
-        if isinstance(example, torch.Tensor):
-            example = (example,)
-        example = tuple(example)
+        try:
+            args, kwargs = split_example(fn())
+        except TypeError as e:
+            raise SpecError(f"{label}: {e}") from None
+        example = bind_call(model, args, kwargs)
     return LoadedModel(f"{label}:{name}", model, example)
 
 
@@ -196,7 +267,7 @@ def _import_library(library: str):
             f"(pip install {library}): {e}"
         ) from e
     except RuntimeError as e:
-        if "torchvision::" not in str(e):
+        if not _torchvision_broken(e):
             raise SpecError(f"importing {library} failed: {type(e).__name__}: {e}") from e
         # a torchvision build whose compiled ops cannot load against this torch (for example
         # the CUDA wheel beside a CPU-only torch): its import then registers fake kernels for

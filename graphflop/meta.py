@@ -174,6 +174,8 @@ class Signature:
         loss: name of the node holding the scalar loss, or None when no loss was traced.
         outputs: names of the model's output nodes.
         buffer_updates: (node name, buffer qualified name) pairs for mutated buffers.
+        frozen: placeholder names of the parameters that do not train (``requires_grad=False``):
+            no gradient, no update, no optimizer state; they stay in ``params``.
     """
 
     params: tuple[tuple[str, str], ...]
@@ -183,6 +185,11 @@ class Signature:
     loss: str | None
     outputs: tuple[str, ...]
     buffer_updates: tuple[tuple[str, str], ...] = field(default=())
+    frozen: tuple[str, ...] = field(default=())
+
+    def trainable(self) -> tuple[tuple[str, str], ...]:
+        """The (placeholder name, qualified name) pairs of ``params`` not in ``frozen``."""
+        return tuple(p for p in self.params if p[0] not in self.frozen)
 
 
 @dataclass(frozen=True)

@@ -336,6 +336,10 @@ class Report:
         totals, ratios, memory: see their classes.
         layers: one row per module, in the order modules first appear in the graphs.
         schema_version: :data:`SCHEMA_VERSION`.
+        trainable_params: parameter elements that train (None when read from a document
+            written before the key existed).
+        frozen_params: parameter elements with ``requires_grad=False``: no gradient, update or
+            optimizer state (``params = trainable_params + frozen_params``).
     """
 
     model: str
@@ -348,6 +352,9 @@ class Report:
     memory: Memory
     layers: tuple[LayerRow, ...]
     schema_version: int = SCHEMA_VERSION
+    # trainable and frozen parameter counts
+    trainable_params: int | None = None
+    frozen_params: int | None = None
 
     @property
     def has_backward(self) -> bool:
@@ -382,6 +389,9 @@ class Report:
             "model": self.model,
             "inputs": [i.to_dict() for i in self.inputs],
             "params": self.params,
+            # trainable and frozen parameter counts
+            "trainable_params": self.trainable_params,
+            "frozen_params": self.frozen_params,
             "loss": self.loss,
             "optimizer": self.optimizer,
             "totals": self.totals.to_dict(),
@@ -413,6 +423,9 @@ class Report:
             ratios=Ratios.from_dict(d["ratios"]),
             memory=Memory.from_dict(d["memory"]),
             layers=tuple(LayerRow.from_dict(L) for L in d["layers"]),
+            # trainable and frozen parameter counts
+            trainable_params=d.get("trainable_params"),
+            frozen_params=d.get("frozen_params"),
         )
 
 

@@ -128,7 +128,7 @@ def build_jvp(
         raise ValueError(f"unknown tangents choice {tangents!r}; one of {TANGENT_CHOICES}")
     sig: Signature = forward.meta[SIGNATURE]
     diff_out = _differentiated(forward, sig, wrt_outputs)
-    params = {p for p, _ in sig.params}
+    params = {p for p, _ in sig.trainable()}  # frozen parameters carry no tangent
     inputs = set(sig.inputs)
     carry = params if tangents == "params" else inputs if tangents == "inputs" else params | inputs
 

@@ -153,6 +153,10 @@ def _totals_table(r: Report) -> Table:
 def _summary_lines(r: Report) -> list[str]:
     q, m = r.ratios, r.memory
     lines = [f"parameters: {r.params:,}   loss: {r.loss}"]
+    if r.frozen_params:  # trainable/frozen line
+        lines[0] = (
+            f"parameters: {r.params:,} ({r.trainable_params:,} trainable, {r.frozen_params:,} frozen)   loss: {r.loss}"
+        )
     mem = [
         f"params {human_bytes(m.params_bytes)}",
         f"forward peak {human_bytes(m.forward_peak_bytes)}",

@@ -16,7 +16,7 @@ the graph in the form :mod:`graphflop.frontend.export_form` writes.
 Writes (through :func:`~graphflop.frontend.export_form.from_make_fx`) on each node: ``val``
 (PyTorch), ``KIND="primal"``, ``ROLE`` (``forward`` or ``loss``), ``SOURCE``, ``MODULE`` (the
 ``nn.Module`` path), ``PARAM_DERIVED``; on parameter placeholders ``PARAM``. Writes
-``gm.meta[SIGNATURE]``, ``CONSTANTS``, ``LOSS_KIND``, ``FACTS`` and ``OUTLINED``
+``gm.meta[SIGNATURE]`` (its ``frozen``: the parameters with ``requires_grad=False``), ``CONSTANTS``, ``LOSS_KIND``, ``FACTS`` and ``OUTLINED``
 (:class:`~graphflop.meta.OutlineInfo`).
 
 Every name other modules import from here stays importable here: :func:`trace`,
@@ -27,6 +27,7 @@ Every name other modules import from here stays importable here: :func:`trace`,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator
@@ -43,9 +44,11 @@ from graphflop.frontend import outline as repeats
 from graphflop.frontend.composite import CompositeOps
 from graphflop.frontend.errors import TraceError, find_cause, first_line
 from graphflop.frontend.export_form import from_exported, from_make_fx
+from graphflop.frontend.inputs import bind_call
+from graphflop.frontend.libraries import data_dependent_hint, traced_by_libraries
 from graphflop.frontend.loss import LOSSES, default_loss, loss_value, make_targets
 from graphflop.frontend.scopes import ModuleScopes, qualname
-from graphflop.meta import OUTLINED, OutlineInfo, fake_mode_of
+from graphflop.meta import OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of
 from graphflop.ops import decomposition_table
 
 __all__ = [
@@ -69,6 +72,7 @@ def trace(
     loss: str = "auto",
     fake_mode: FakeTensorMode | None = None,
     reuse: bool = True,
+    kwargs: dict[str, Any] | None = None,
 ) -> GraphModule:
     """Trace ``model`` on ``inputs`` (FakeTensors or real tensors) followed by ``loss``.
 
@@ -81,6 +85,9 @@ def trace(
         fake_mode: the FakeTensorMode to trace in (default: the inputs', else a new one).
         reuse: trace each set of identical repeated modules (a transformer's blocks) once
             and copy the graph (:mod:`graphflop.frontend.outline`); the graph is the same either way.
+        kwargs: keyword arguments of the model call. Tensors among ``inputs`` and ``kwargs``
+            become the graph's inputs (positional ones first); other values are constants
+            (:mod:`graphflop.frontend.inputs`).
 
     Returns:
         An ``fx.GraphModule`` of core ATen ops. Its placeholders are the parameters, buffers,
@@ -92,10 +99,25 @@ def trace(
     """
     if loss not in LOSSES + ("auto",):
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
-    fake_mode = fake_mode or fake_mode_of(inputs) or FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = tuple(fake_mode.from_tensor(t) if not _is_fake(t) else t for t in inputs)
-    with _state_kept(model), _quiet_fake_tensor_log():
-        return _trace(model, inputs, loss, fake_mode, reuse)
+    with _bound(model, tuple(inputs), kwargs or {}) as tensors:
+        fake_mode = fake_mode or fake_mode_of(tensors) or FakeTensorMode(allow_non_fake_inputs=True)
+        tensors = tuple(fake_mode.from_tensor(t) if not _is_fake(t) else t for t in tensors)
+        with _state_kept(model), _quiet_fake_tensor_log(), traced_by_libraries():
+            return _trace(model, tensors, loss, fake_mode, reuse)
+
+
+@contextlib.contextmanager
+def _bound(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple]:
+    """The model called on tensors only while tracing: bound to ``args``/``kwargs`` when they
+    hold keyword or non-tensor arguments, and given its own class back afterwards."""
+    if not kwargs and all(isinstance(t, torch.Tensor) for t in args):
+        yield args
+        return
+    cls = type(model)
+    try:
+        yield bind_call(model, args, kwargs)
+    finally:
+        model.__class__ = cls
 
 
 @contextlib.contextmanager
@@ -195,8 +217,11 @@ def _trace_once(
     except Exception as e:
         if find_cause(e, repeats.NotOutlinable) is not None:
             raise
+        hint = data_dependent_hint(e)
         raise TraceError(
-            f"tracing the model on the example inputs failed: {type(e).__name__}: {first_line(e)}"
+            hint
+            or f"tracing the model on the example inputs failed: {type(e).__name__}: "
+            f"{first_line(e)}"
         ) from e
     copies = repeats.inline(gm.graph, templates, model)
     out = from_make_fx(
@@ -208,6 +233,9 @@ def _trace_once(
         target_nodes=chosen.get("targets", []),
     )
     out.meta[OUTLINED] = OutlineInfo(calls=copies, traced_once=len(templates))
+    sig = out.meta[SIGNATURE]
+    frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
+    out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
 
 

@@ -107,7 +107,7 @@ def build_forward_gradient_step(
             ds.append(_copy_tangents(g, jvp, info, env, v, first=k == 0))
             vs.append(v)
         grads = _estimate(b, info, ds, vs)
-    qual = dict(sig.params)
+    qual = dict(sig.trainable())
     new_state = inline_update(
         g, upd, {qual[p]: phs[p] for p in qual}, {qual[p]: grads[p] for p in qual}, state_phs
     )
@@ -120,7 +120,7 @@ def build_forward_gradient_step(
     gm.meta[SIGNATURE] = sig
     gm.meta[FORWARD_GRADIENT] = ForwardGradientInfo(
         tuple(n.name for n in g.nodes if n.op == "placeholder"),
-        tuple(q for _, q in sig.params),
+        tuple(q for _, q in sig.trainable()),
         tuple(n for n in state_phs if n not in ("lr", "step")),
         directions,
         distribution,

@@ -190,7 +190,8 @@ def build_update_for(
     *,
     fake_mode: FakeTensorMode | None = None,
 ) -> GraphModule:
-    """The update graph for the parameters of a traced forward graph.
+    """The update graph for the trainable parameters of a traced forward graph (frozen ones,
+    ``Signature.frozen``, get no update and no state).
 
     Each parameter's update nodes carry ``MODULE`` = the parameter's module path (its qualified
     name up to the last dot). Built on ``fake_mode``, by default the forward graph's own.
@@ -204,11 +205,12 @@ def build_update_for(
     """
     sig = forward.meta[SIGNATURE]
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
+    trainable = sig.trainable()  # frozen parameters are not updated
     return build_update(
-        [(q, phs[p].meta["val"]) for p, q in sig.params],
+        [(q, phs[p].meta["val"]) for p, q in trainable],
         optimizer,
         fake_mode=fake_mode or graph_fake_mode(forward),
-        modules={q: _parent(q) for _, q in sig.params},
+        modules={q: _parent(q) for _, q in trainable},
     )
 
 

@@ -235,17 +235,18 @@ def _forward_gradient(fg: GraphModule) -> ForwardGradientTotals:
     )
 
 
-def _memory(g: Graphs, params_bytes: int, optimizer: str) -> Memory:
+def _memory(g: Graphs, params_bytes: int, optimizer: str, trainable_bytes: int) -> Memory:
+    """Gradients and optimizer state only for the trainable parameters (``trainable_bytes``)."""
     fpeak, _ = forward_schedule(g.forward).peak()
     mem: dict[str, int] = {"forward_peak_bytes": params_bytes + fpeak}
     if g.backward is not None:
         n_state = len(STATE_KINDS[optimizer])
         tpeak, _ = train_schedule(g.forward, g.backward, g.update).peak()
         mem.update(
-            grads_bytes=params_bytes,
-            optimizer_state_bytes=n_state * params_bytes,
+            grads_bytes=trainable_bytes,
+            optimizer_state_bytes=n_state * trainable_bytes,
             saved_for_backward_bytes=saved_for_backward_bytes(g.forward, g.backward),
-            train_peak_bytes=params_bytes * (2 + n_state) + tpeak,
+            train_peak_bytes=params_bytes + trainable_bytes * (1 + n_state) + tpeak,
         )
     if g.jvp is not None:
         jpeak, _ = jvp_schedule(g.jvp).peak()
@@ -323,8 +324,11 @@ def summarize(graphs: Graphs, *, name: str, optimizer: str, tangents: str) -> Re
     phs = _placeholders(fwd)
     params = sum(phs[p].meta["val"].numel() for p, _ in sig.params)
     params_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.params)
+    # frozen parameters (requires_grad=False): no gradient, update or optimizer state
+    trainable = sum(phs[p].meta["val"].numel() for p, _ in sig.trainable())
+    trainable_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable())
     layers = _Layers()
-    totals = _totals(graphs, layers, optimizer, tangents, params)
+    totals = _totals(graphs, layers, optimizer, tangents, trainable)
     return Report(
         model=name,
         inputs=_inputs(fwd),
@@ -333,8 +337,11 @@ def summarize(graphs: Graphs, *, name: str, optimizer: str, tangents: str) -> Re
         optimizer=optimizer if graphs.backward is not None else None,
         totals=totals,
         ratios=_ratios(totals),
-        memory=_memory(graphs, params_bytes, optimizer),
+        memory=_memory(graphs, params_bytes, optimizer, trainable_bytes),
         layers=layers.freeze(
             totals.forward.flops, backward=totals.backward is not None, jvp=totals.jvp is not None
         ),
+        # trainable and frozen parameter counts
+        trainable_params=trainable,
+        frozen_params=params - trainable,
     )

@@ -348,7 +348,7 @@ def verify_forward_gradient(
 
     values = real_arguments(forward, model, seed=seed)
     sig: Signature = forward.meta[SIGNATURE]
-    if not sig.params:
+    if not sig.trainable():
         return Check(
             f"forward-gradient mean along ∇L over {samples} directions",
             0.0,
@@ -360,13 +360,13 @@ def verify_forward_gradient(
     true = torch.cat([g.flatten() for g in grads])
     step = build_forward_gradient_step(forward, "sgd")
     info = step.meta[FORWARD_GRADIENT]
-    w = torch.cat([values[p].flatten() for p, _ in sig.params])
+    w = torch.cat([values[p].flatten() for p, _ in sig.trainable()])
     args = [torch.tensor(1.0, dtype=torch.float32) if n == "lr" else values[n] for n in info.inputs]
     torch.manual_seed(seed)
     total = torch.zeros_like(true)
     for _ in range(samples):
         out = step(*args)
-        new_w = torch.cat([t.flatten() for t in out[1 : 1 + len(sig.params)]])
+        new_w = torch.cat([t.flatten() for t in out[1 : 1 + len(sig.trainable())]])
         total += w - new_w
     est = total / samples
     norm = float(true.norm())

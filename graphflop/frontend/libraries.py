@@ -1,0 +1,79 @@
+"""Tracing that model libraries recognise as tracing, and one-line errors for what cannot be
+traced.
+
+Libraries ask "am I being compiled or traced?" before running Python checks that read tensor
+values (transformers' ``is_tracing()``/``is_torchdynamo_compiling()``, which read
+``torch.compiler.is_compiling()``; the same flag ``torch.export``'s non-strict mode sets). While
+:func:`traced_by_libraries` is on, that flag is set, so they take their traceable path (attention
+masks built from shapes, no ``.item()`` checks); leaving restores it: no global change remains.
+
+Writes no meta key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+
+@contextlib.contextmanager
+def traced_by_libraries() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is True inside, as it was before afterwards."""
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
+#: error types (by name) raised when Python control flow reads a traced tensor's value
+DATA_DEPENDENT = (
+    "DataDependentOutputException",
+    "GuardOnDataDependentSymNode",
+    "DynamicOutputShapeException",
+    "UnsupportedOperatorException",
+)
+
+_OWN = str(Path(__file__).resolve().parents[1])
+_TORCH = str(Path(torch.__file__).resolve().parent)
+
+
+def model_source_line(e: BaseException) -> str | None:
+    """``file:line: code`` of the innermost frame of ``e``'s traceback outside PyTorch and
+    graphflop (the model's own line), or None."""
+    frames = traceback.extract_tb(e.__traceback__)
+    for fr in reversed(frames):
+        path = str(Path(fr.filename).resolve())
+        if path.startswith((_OWN, _TORCH)) or "<" in fr.filename:
+            continue
+        code = (fr.line or linecache.getline(fr.filename, fr.lineno or 0)).strip()
+        return f"{Path(fr.filename).name}:{fr.lineno}: {code}"
+    return None
+
+
+def data_dependent_hint(e: BaseException) -> str | None:
+    """The one-line explanation for a trace that failed on data-dependent control flow (an
+    ``if`` on a tensor's value, ``.item()``, ``nonzero``), naming the model's line; None for
+    other failures."""
+    chain, seen = [], set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        chain.append(cur)
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    hit = next((c for c in chain if type(c).__name__ in DATA_DEPENDENT[:3]), None)
+    if hit is None:
+        return None
+    where = next((w for w in (model_source_line(c) for c in chain) if w), None)
+    at = f" at {where}" if where else ""
+    return (
+        f"the model's Python code reads a tensor's value{at} ({type(hit).__name__}); graphflop "
+        "traces shapes, not values: make the branch depend on shapes, guard it with "
+        "torch.compiler.is_compiling(), or pass the value as a constant argument"
+    )
