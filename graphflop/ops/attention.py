@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from graphflop.ops.registry import register_decomposition, torch_decomposition
+from graphflop.ops.registry import register_decomposition
 
 aten = torch.ops.aten
 
@@ -35,15 +35,15 @@ def sdpa(
     is a ``where`` over the scores built from two ``arange``; a given ``attn_mask`` is added
     (float) or applied with ``where`` (bool), and rows it masks entirely give zeros, as
     PyTorch's kernels do. One scaling of q (PyTorch's decomposition scales q and k, and builds a
-    guard for fully masked rows even where no mask can make one). Grouped-query attention goes
-    to PyTorch's decomposition.
+    guard for fully masked rows even where no mask can make one). Grouped-query attention
+    (``enable_gqa``, k/v with Hk heads dividing q's Hq) repeats each k/v head Hq/Hk times.
     """
     if enable_gqa and q.shape[-3] != k.shape[-3]:
-        fallback = torch_decomposition(aten.scaled_dot_product_attention.default)
-        assert fallback is not None  # PyTorch decomposes sdpa
-        return fallback(
-            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
+        # grouped-query attention: each k/v head serves Hq / Hk consecutive q heads (PyTorch's
+        # math kernel repeats them the same way); copies, no FLOPs
+        groups = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(groups, dim=-3)
+        v = v.repeat_interleave(groups, dim=-3)
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     scores = torch.matmul(q * scale, k.transpose(-2, -1))

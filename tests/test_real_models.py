@@ -1,0 +1,296 @@
+"""Models as users have them: files with several classes, keyword inputs, frozen parameters,
+library checks for tracing, data-dependent control flow, grouped-query attention."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ROOT, analysis, spec
+from torch import nn
+
+from graphflop.analysis import analyze
+from graphflop.frontend.trace import TraceError, trace
+from graphflop.load import SpecError, load, make_inputs
+from graphflop.meta import SIGNATURE
+
+
+def _write(tmp_path, body: str, name: str = "m.py"):
+    p = tmp_path / name
+    p.write_text("import torch\nfrom torch import nn\n" + textwrap.dedent(body))
+    return p
+
+
+BLOCK_NET = """
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+
+
+class Net(nn.Module):
+    def __init__(self, depth=2):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(depth)])
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x, scale=1.0, mask=None):
+        for b in self.blocks:
+            x = b(x)
+        if mask is not None:
+            x = x * mask
+        return self.head(x) * scale
+"""
+
+
+def test_root_of_the_composition_is_picked(tmp_path):
+    # Block is used inside Net.__init__ (in a comprehension): Net is the only root
+    p = _write(tmp_path, BLOCK_NET + "\ndef example_inputs():\n    return (torch.zeros(2, 4),)\n")
+    loaded = load(str(p), meta=True)
+    assert loaded.name == "m.py:Net"
+    assert type(loaded.model).__name__ == "Net"
+
+
+def test_several_roots_is_one_line_listing_roots_and_factories(tmp_path):
+    p = _write(
+        tmp_path,
+        """
+        class A(nn.Module):
+            pass
+
+        class B(nn.Module):
+            pass
+
+        def make_a():
+            return A()
+        """,
+    )
+    with pytest.raises(SpecError) as e:
+        load(str(p), meta=True)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "(A, B)" in msg and "factory functions: make_a" in msg
+
+
+def test_subclass_base_is_not_a_root(tmp_path):
+    p = _write(
+        tmp_path,
+        """
+        class Base(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(2, 2)
+
+        class Net(Base):
+            def forward(self, x):
+                return self.fc(x)
+        """,
+    )
+    assert load(str(p), meta=True).name == "m.py:Net"
+
+
+@pytest.mark.parametrize(
+    "example",
+    [
+        "{'x': torch.zeros(2, 4), 'mask': torch.ones(2, 4), 'scale': 2.0}",
+        "((torch.zeros(2, 4),), {'mask': torch.ones(2, 4), 'scale': 2.0})",
+        "[torch.zeros(2, 4), 2.0, torch.ones(2, 4)]",
+    ],
+    ids=["kwargs", "args_kwargs", "args_with_float"],
+)
+def test_example_inputs_with_kwargs_and_non_tensors(tmp_path, example):
+    p = _write(tmp_path, BLOCK_NET + f"\ndef example_inputs():\n    return {example}\n")
+    loaded = load(str(p), meta=True)
+    inputs = make_inputs(loaded, batch=5)
+    assert [tuple(t.shape) for t in inputs] == [(5, 4), (5, 4)]  # x and mask; 2.0 is constant
+    a = analyze(loaded.model, inputs, name="m")
+    r = a.report
+    # forward mm FLOPs: two Linear(4,4) and one Linear(4,3) at batch 5:
+    # 2·5·4·4·2 + 2·5·4·3 = 320 + 120 = 440
+    assert r.totals.forward.mm_flops == 440
+    # the scale (2.0) is a constant and mask a graph input: one mul by mask (20), one by 2.0 (15)
+    assert len(a.forward.meta[SIGNATURE].inputs) == 2
+    # parameter names are the model's own (the binding renames nothing)
+    assert [q for _, q in a.forward.meta[SIGNATURE].params][0] == "blocks.0.fc.weight"
+
+
+def test_trace_takes_keyword_arguments():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x, *, bias=None, double=False):
+            y = self.fc(x)
+            return (y + bias) * (2 if double else 1)
+
+    m = M()
+    gm = trace(m, (torch.zeros(4, 3),), kwargs={"bias": torch.zeros(4, 2), "double": True})
+    assert len(gm.meta[SIGNATURE].inputs) == 2
+    assert type(m) is M  # the model's own class back after tracing
+
+
+def test_example_inputs_of_a_bad_kind_is_a_spec_error(tmp_path):
+    p = _write(tmp_path, BLOCK_NET + "\ndef example_inputs():\n    return 3\n")
+    with pytest.raises(SpecError, match="example_inputs\\(\\) returned a int"):
+        load(str(p), meta=True)
+
+
+# --- frozen parameters -----------------------------------------------------------------
+
+
+def test_frozen_linear_has_no_weight_gradient_update_or_grad_bytes():
+    # Linear(6 -> 5) frozen, then Linear(5 -> 3) trainable, batch 4, loss sum
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+        x = torch.empty(4, 6)
+    model[0].requires_grad_(False)
+    a = analyze(model, (x,), name="frozen", loss="sum", optimizer="adam")
+    r = a.report
+    first, second = r.layer("0"), r.layer("1")
+    assert first.grad_weight_flops == 0 and first.update_flops == 0
+    # nothing upstream of layer 0 trains: its input gradient is not computed either
+    assert first.grad_input_flops == 0
+    # layer 1's weight gradient: 2·4·3·5 = 120 (mm) + bias 4·3 = 12 summed over the batch
+    assert second.grad_weight_flops == 120 + 12
+    # ... but layer 1's input gradient (to layer 0's output) is not needed: nothing above trains
+    assert second.grad_input_flops == 0
+    assert (r.params, r.trainable_params, r.frozen_params) == (6 * 5 + 5 + 5 * 3 + 3, 18, 35)
+    # Adam: 18 FLOPs per trainable element (FLOPS.md), 18·18 = 324
+    assert r.totals.update.flops == 18 * 18
+    assert r.memory.grads_bytes == 18 * 4
+    assert r.memory.optimizer_state_bytes == 2 * 18 * 4
+    assert r.memory.params_bytes == 53 * 4
+    d = a.to_dict()
+    assert (d["trainable_params"], d["frozen_params"]) == (18, 35)
+
+
+def test_input_gradient_flows_through_a_frozen_layer_below_a_trainable_one():
+    # trainable Linear(6 -> 5), frozen Linear(5 -> 3): the frozen layer's input gradient
+    # (2·4·3·5 = 120) is needed for the first layer's weight gradient; its weight gradient not
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+        x = torch.empty(4, 6)
+    model[1].requires_grad_(False)
+    r = analyze(model, (x,), name="frozen_top", loss="sum").report
+    assert r.layer("1").grad_weight_flops == 0
+    assert r.layer("1").grad_input_flops == 120
+    # layer 0: 2·4·5·6 = 240 (mm) + bias 4·5 = 20
+    assert r.layer("0").grad_weight_flops == 240 + 20
+
+
+def test_lora_backward_update_and_gradient_bytes_by_hand():
+    """models/lora.py at batch 8: x (8, 64) -> fc1 (64 -> 256, rank 4) -> ReLU
+    -> fc2 (256 -> 10, rank 4); the bases frozen.
+
+    Weight gradients (2·N·out·in per weight, N = 8):
+      fc1.down 2·8·4·64 = 4,096; fc1.up 2·8·256·4 = 16,384; fc2.down 2·8·4·256 = 16,384;
+      fc2.up 2·8·10·4 = 640; total 37,504; the bases 0 (unfrozen they would add
+      2·8·256·64 + 8·256 = 264,192 and 2·8·10·256 + 8·10 = 41,040).
+    Input gradients: fc2.base 2·8·10·256 = 40,960 (flows: fc1's adapters train below it);
+      fc1.base 0 (the model input needs none).
+    Trainable elements 4·64 + 256·4 + 4·256 + 10·4 = 2,344; frozen 64·256 + 256 + 256·10 + 10
+      = 19,210. Adam: 18 FLOPs per trainable element = 42,192; gradients 2,344·4 = 9,376 bytes;
+      Adam state 2·9,376 = 18,752 bytes.
+    """
+    r = analysis("lora.py", 8, "adam").report
+    grad_w = {n: r.layer(n).grad_weight_flops for n in ("fc1.down", "fc1.up", "fc2.down", "fc2.up")}
+    assert grad_w == {"fc1.down": 4096, "fc1.up": 16384, "fc2.down": 16384, "fc2.up": 640}
+    assert r.totals.backward.grad_weight_flops == 37504
+    assert r.layer("fc1.base").grad_weight_flops == r.layer("fc2.base").grad_weight_flops == 0
+    assert r.layer("fc2.base").grad_input_flops == 40960
+    assert r.layer("fc1.base").grad_input_flops == 0
+    assert (r.trainable_params, r.frozen_params) == (2344, 19210)
+    assert r.totals.update.flops == 42192
+    assert r.memory.grads_bytes == 9376 and r.memory.optimizer_state_bytes == 18752
+    full = analysis("lora.py", 8, "adam", (("frozen", False),)).report
+    assert full.totals.backward.grad_weight_flops == 37504 + 264192 + 41040
+    assert full.frozen_params == 0
+
+
+def test_lora_verifies_against_torch_func():
+    from graphflop.runtime.verify import verify_analysis
+
+    loaded = load(spec("lora.py"))
+    inputs = make_inputs(loaded, batch=2)
+    a = analyze(loaded.model, inputs, name="lora")
+    checks = verify_analysis(loaded, inputs, a, forward_gradient_samples=50)
+    assert all(c.ok for c in checks), checks
+
+
+# --- tracing as libraries see it --------------------------------------------------------
+
+
+def test_libraries_see_tracing_and_the_flag_is_restored():
+    seen = []
+
+    class M(nn.Module):
+        def forward(self, x):
+            seen.append(torch.compiler.is_compiling())
+            return x * 2
+
+    trace(M(), (torch.zeros(2, 2),), loss="sum")
+    assert seen and all(seen)
+    assert torch.compiler.is_compiling() is False
+
+
+def test_data_dependent_control_flow_is_one_line_with_the_source_line(tmp_path):
+    p = _write(
+        tmp_path,
+        """
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x):
+                if x.sum() > 0:
+                    return self.fc(x)
+                return x
+
+        def example_inputs():
+            return (torch.zeros(2, 4),)
+        """,
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "graphflop.cli", "inspect", str(p)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "m.py:10: if x.sum() > 0:" in r.stderr
+    assert "reads a tensor's value" in r.stderr
+
+
+def test_grouped_query_attention_counts_the_math_form():
+    # q (1, 4 heads, 6, 8), k and v (1, 2 heads, 6, 8), enable_gqa: each k/v head serves two
+    # q heads. Scores 2·(4·6·6·8) = 2,304 and weights·v another 2,304 mm FLOPs.
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    a = analyze(M(), (q, k, v), name="gqa", loss="sum")
+    assert a.report.totals.forward.mm_flops == 2 * 2304
+    gm = trace(M(), (q, k, v), loss="none")
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    got = gm(q, k, v)[-1]
+    torch.testing.assert_close(got, ref)
+
+
+def test_trace_failure_still_raises_trace_error():
+    class M(nn.Module):
+        def forward(self, x):
+            return x @ torch.zeros(3, 3)
+
+    with pytest.raises(TraceError):
+        trace(M(), (torch.zeros(2, 2),))
