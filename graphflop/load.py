@@ -66,12 +66,17 @@ class LoadedModel:
     Attributes:
         name: display name (``file.py:Name``).
         model: the module (in train mode unless asked otherwise).
-        example_inputs: tuple of real tensors (small, from ``example_inputs()``) or None.
+        example_inputs: tuple of real tensors (small, from ``example_inputs()``) or None: the
+            tensor arguments of the call, when ``example_inputs()`` gives keyword or
+            non-tensor arguments too (the model is then bound to them,
+            :mod:`graphflop.frontend.inputs`).
+        notes: what loading changed that the user should know (one line each).
     """
 
     name: str
     model: nn.Module
     example_inputs: tuple[torch.Tensor, ...] | None
+    notes: tuple[str, ...] = ()
 
 
 def _import_file(path: Path):
@@ -206,18 +211,26 @@ def _instantiate(obj: Any, where: str, ctor_kwargs: dict, meta: bool) -> nn.Modu
     return model
 
 
-def load(spec: str, *, ctor_kwargs: dict | None = None, meta: bool = False) -> LoadedModel:
+def load(
+    spec: str, *, ctor_kwargs: dict | None = None, meta: bool = False, seq: int | None = None
+) -> LoadedModel:
     """Load the model named by ``spec`` (see the module docstring).
 
     Args:
-        ctor_kwargs: keyword arguments for the class or factory.
+        ctor_kwargs: keyword arguments for the class or factory (``hf:`` specs: config fields).
         meta: construct the model on PyTorch's meta device (no parameter memory; for analysis).
+        seq: sequence length of an ``hf:`` model's default token inputs (default 128).
 
     Raises:
         SpecError: missing file, unknown name, ambiguous file, import failure.
     """
     ctor_kwargs = ctor_kwargs or {}
     library, _, lib_name = spec.partition(":")
+    if library == "hf":
+        from graphflop.hf import load_hf
+
+        _preload_torchvision()
+        return load_hf(lib_name, ctor_kwargs, meta=meta, seq=seq)
     if library in LIBRARIES and not spec.endswith(".py"):
         return _load_library_model(library, lib_name, ctor_kwargs, meta)
     target, name = _split_spec(spec)
@@ -250,7 +263,8 @@ def load(spec: str, *, ctor_kwargs: dict | None = None, meta: bool = False) -> L
         except TypeError as e:
             raise SpecError(f"{label}: {e}") from None
         example = bind_call(model, args, kwargs)
-    return LoadedModel(f"{label}:{name}", model, example)
+    notes = _onto_meta(model) if meta else ()
+    return LoadedModel(f"{label}:{name}", model, example, notes)
 
 
 #: spec prefixes that name a model of an installed model library
@@ -317,8 +331,11 @@ def _library_builder(library: str, name: str, module):
         builder = models.get_model_builder(name)
         size = 299 if name.startswith("inception") else 224
 
+        weight_args = [p for p in inspect.signature(builder).parameters if p.startswith("weights")]
+
         def build(**kw):
-            kw.setdefault("weights", None)  # untrained: nothing is downloaded
+            for p in weight_args:  # untrained, backbone too: nothing is downloaded
+                kw.setdefault(p, None)
             return builder(**kw)
 
         return build, (1, 3, size, size)
@@ -357,7 +374,33 @@ def _load_library_model(library: str, name: str, ctor_kwargs: dict, meta: bool) 
         # CPU, moving each parameter and buffer to the meta device as it is registered
         with _parameters_on_meta():
             model = _instantiate(build, f"{library}:{name}", ctor_kwargs, False)
-    return LoadedModel(f"{library}:{name}", model, (torch.zeros(shape),))
+    notes = _onto_meta(model) if meta else ()
+    return LoadedModel(f"{library}:{name}", model, (torch.zeros(shape),), notes)
+
+
+def _onto_meta(model: nn.Module) -> tuple[str, ...]:
+    """Move parameters and buffers a constructor made off the meta device (``torch.Tensor(n)``
+    ignores the default device) onto it; one note naming them."""
+    moved = []
+    for path, m in model.named_modules():
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(m, kind)
+            for k, t in table.items():
+                if t is None or t.is_meta:
+                    continue
+                table[k] = (
+                    nn.Parameter(t.to("meta"), t.requires_grad)
+                    if isinstance(t, nn.Parameter)
+                    else t.to("meta")
+                )
+                moved.append(f"{path}.{k}" if path else k)
+    if not moved:
+        return ()
+    shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
+    return (
+        f"{len(moved)} parameter(s)/buffer(s) were built off the meta device ({shown}); "
+        "moved onto it",
+    )
 
 
 @contextlib.contextmanager

@@ -294,3 +294,121 @@ def test_trace_failure_still_raises_trace_error():
 
     with pytest.raises(TraceError):
         trace(M(), (torch.zeros(2, 2),))
+
+
+# --- hf: specs ----------------------------------------------------------------------------
+
+SMALL_LLAMA = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # grouped-query attention
+    "vocab_size": 100,
+}
+
+
+def _hf_analysis(name: str, args: dict, seq: int, **kw):
+    loaded = load(f"hf:{name}", ctor_kwargs=args, meta=True, seq=seq)
+    loaded.model.train(not kw.pop("eval", False))
+    inputs = make_inputs(loaded)
+    return loaded, inputs, analyze(loaded.model, inputs, name=loaded.name, **kw)
+
+
+def test_hf_llama_equals_the_same_model_built_in_a_file(tmp_path):
+    pytest.importorskip("transformers")
+    p = _write(
+        tmp_path,
+        f"""
+        import transformers
+
+        def llama():
+            cfg = transformers.AutoConfig.for_model("llama", use_cache=False, **{SMALL_LLAMA!r})
+            return transformers.AutoModelForCausalLM.from_config(cfg)
+
+        def example_inputs():
+            return (torch.zeros(1, 32, dtype=torch.long),)
+        """,
+    )
+    _, _, a = _hf_analysis("llama", SMALL_LLAMA, 32)
+    loaded = load(f"{p}:llama", meta=True)
+    b = analyze(loaded.model, make_inputs(loaded), name="file")
+    da, db = a.to_dict(), b.to_dict()
+    da.pop("model"), db.pop("model")
+    assert da == db
+    # forward mm FLOPs by hand, per layer at S = 32, d = 64, kv width 32, ffn 128:
+    # q, o 2·32·64·64 each; k, v 2·32·64·32 each; scores and weights·v 2·(4·32·32·16) each;
+    # gate, up, down 2·32·64·128 each; the LM head 2·32·64·100
+    layer = 2 * (2 * 32 * 64 * 64) + 2 * (2 * 32 * 64 * 32) + 2 * (2 * 4 * 32 * 32 * 16)
+    layer += 3 * (2 * 32 * 64 * 128)
+    assert da["totals"]["forward"]["mm_flops"] == 2 * layer + 2 * 32 * 64 * 100
+
+
+@pytest.mark.parametrize(
+    "name,args,eval_",
+    [
+        ("llama", SMALL_LLAMA, False),
+        # BERT in eval mode: training-mode dropout draws different masks than the reference
+        (
+            "bert",
+            {
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "vocab_size": 100,
+            },
+            True,
+        ),
+    ],
+    ids=["llama", "bert"],
+)
+def test_hf_verify_passes_with_default_attention(name, args, eval_):
+    pytest.importorskip("transformers")
+    from graphflop.runtime.verify import verify_analysis
+
+    real = load(f"hf:{name}", ctor_kwargs=args, seq=8)
+    real.model.train(not eval_)
+    assert real.model.config._attn_implementation == "sdpa"
+    inputs = make_inputs(real)
+    a = analyze(real.model, inputs, name=name)
+    checks = verify_analysis(real, inputs, a, forward_gradient_samples=10)
+    assert all(c.ok for c in checks), checks
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "graphflop.cli", "inspect", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def test_hf_bad_specs_are_one_line_exit_2(tmp_path):
+    pytest.importorskip("transformers")
+    r = _cli("hf:lama")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "no model type 'lama'" in r.stderr and "llama" in r.stderr
+    r = _cli(f"hf:{tmp_path}")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "no config.json" in r.stderr
+
+
+def test_hf_without_transformers_is_a_spec_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
+    with pytest.raises(SpecError, match=r"pip install 'graphflop\[hf\]'"):
+        load("hf:llama", meta=True)
+
+
+def test_hf_folder_with_config_json(tmp_path):
+    pytest.importorskip("transformers")
+    import transformers
+
+    transformers.AutoConfig.for_model(
+        "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=50
+    ).save_pretrained(tmp_path)
+    loaded = load(f"hf:{tmp_path}", ctor_kwargs={"n_positions": 64}, meta=True, seq=16)
+    assert type(loaded.model).__name__ == "GPT2LMHeadModel"  # a decoder: the causal-LM head
+    assert loaded.model.config.n_positions == 64
+    assert [tuple(t.shape) for t in make_inputs(loaded)] == [(1, 16)]

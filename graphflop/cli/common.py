@@ -94,7 +94,11 @@ def parse_ctor_kwargs(items: Sequence[str] | None, example: str = "middle_layers
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model arguments of ``inspect``, ``export``, ``bench``, ``render`` and ``sweep``."""
-    p.add_argument("spec", help="model: path/to/file.py[:Name] or package.module:attr")
+    p.add_argument(
+        "spec",
+        help="model: path/to/file.py[:Name], package.module:attr, torchvision:NAME, timm:NAME, "
+        "hf:MODEL_TYPE (transformers config, e.g. hf:llama) or hf:PATH (folder with config.json)",
+    )
     p.add_argument(
         "--input-shape",
         action="append",
@@ -115,6 +119,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="NAME=VALUE",
         help="constructor argument for the model (repeatable), e.g. middle_layers=10",
+    )
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="sequence length of an hf: model's token inputs (default 128)",
     )
     p.add_argument(
         "--eval",
@@ -144,7 +154,14 @@ def load_model(args: argparse.Namespace):
 
     shapes = [parse_shape(s) for s in args.input_shape] if args.input_shape else None
     dtype = parse_dtype(args.dtype) if args.dtype else None
-    loaded = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), meta=True)
+    loaded = load(
+        args.spec,
+        ctor_kwargs=parse_ctor_kwargs(args.arg),
+        meta=True,
+        seq=getattr(args, "seq", None),
+    )
+    for note in loaded.notes:
+        print(f"note: {note}", file=sys.stderr)
     if dtype is not None and dtype.is_floating_point:
         loaded.model.to(dtype)
     loaded.model.train(not args.eval)
@@ -161,7 +178,7 @@ def load_real_model(args: argparse.Namespace, *, dtype: bool = False):
     """
     from graphflop.load import load, parse_dtype
 
-    real = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg))
+    real = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), seq=getattr(args, "seq", None))
     real.model.train(not args.eval)
     if dtype and args.dtype:
         real.model.to(parse_dtype(args.dtype))

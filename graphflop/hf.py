@@ -1,0 +1,148 @@
+"""``hf:`` model specs: HuggingFace ``transformers`` models built from a configuration only.
+
+* ``hf:MODEL_TYPE`` (``hf:llama``, ``hf:bert``, ``hf:gpt2``): the configuration
+  ``transformers.AutoConfig.for_model(MODEL_TYPE, **args)``, whose defaults are the library's
+  (Llama's are Llama-2-7B's shapes);
+* ``hf:PATH``: a folder holding a ``config.json`` (read locally, never from the hub).
+
+``--arg key=value`` sets configuration fields (``num_hidden_layers=2``). Decoder-only models
+(those with a causal-LM class and no masked-LM class: GPT-2, Llama, Mistral, Qwen2, ...) get
+their causal-LM head; every other model is the base model. No weights are loaded and nothing
+is downloaded; with ``meta=True`` the parameters are on the meta device. ``use_cache`` is off
+(training). The default inputs are ``batch=1`` and ``seq`` (default 128) wide: ``input_ids``
+(zeros), plus ``decoder_input_ids`` for encoder-decoder models, or ``pixel_values``
+(1, channels, image_size, image_size) for vision models, ``input_values`` (1, 16000·seq/128
+samples) for speech models and ``input_features`` (1, mel bins, 2·max_source_positions) for
+Whisper-like models, as each model's ``forward`` takes them.
+
+Needs ``pip install graphflop[hf]`` (``transformers``); without it an ``hf:`` spec is a
+:class:`~graphflop.load.SpecError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+#: default sequence length of the token inputs
+DEFAULT_SEQ = 128
+
+
+def _transformers():
+    from graphflop.load import SpecError
+
+    try:
+        import transformers
+    except ImportError as e:
+        raise SpecError(
+            f"hf: specs need the transformers package, which is not installed "
+            f"(pip install 'graphflop[hf]' or pip install transformers): {e}"
+        ) from e
+    return transformers
+
+
+def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None):
+    """The ``hf:`` model ``name`` (see the module docstring) as a
+    :class:`~graphflop.load.LoadedModel` with its default inputs bound.
+
+    Raises:
+        SpecError: transformers missing, an unknown model type, a folder without
+            ``config.json``, a configuration field that does not fit, a bad ``seq``.
+    """
+    from graphflop.frontend.inputs import bind_call
+    from graphflop.load import LoadedModel, SpecError, _onto_meta
+
+    if not name:
+        raise SpecError("give a model type or a config folder: hf:llama, hf:path/to/folder")
+    seq = DEFAULT_SEQ if seq is None else seq
+    if seq <= 0:
+        raise SpecError(f"bad sequence length {seq}: must be a positive integer")
+    tf = _transformers()
+    config = _config(tf, name, args)
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    cls = _model_class(tf, config)
+    try:
+        if meta:
+            with torch.device("meta"):
+                model = cls.from_config(config)
+        else:
+            model = cls.from_config(config)
+    except Exception as e:
+        raise SpecError(f"building hf:{name} failed: {type(e).__name__}: {_first(e)}") from e
+    kwargs = default_inputs(model, config, seq)
+    example = bind_call(model, (), kwargs)
+    notes = _onto_meta(model) if meta else ()
+    return LoadedModel(f"hf:{name}", model, example, notes)
+
+
+def _first(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _config(tf: Any, name: str, args: dict) -> Any:
+    from graphflop.load import SpecError
+
+    path = Path(name)
+    if path.is_dir() or "/" in name or name.startswith("."):
+        if not (path / "config.json").is_file():
+            raise SpecError(
+                f"hf:{name}: no config.json in {path} (give a folder holding a transformers "
+                "config.json, or a model type such as hf:llama)"
+            )
+        try:
+            config = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:
+            raise SpecError(f"hf:{name}: reading config.json failed: {_first(e)}") from e
+        for k, v in args.items():
+            setattr(config, k, v)
+        return config
+    types = list(tf.CONFIG_MAPPING.keys())
+    if name not in types:
+        close = difflib.get_close_matches(name, types, n=5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise SpecError(f"transformers has no model type {name!r}{hint}")
+    try:
+        return tf.AutoConfig.for_model(name, **args)
+    except Exception as e:
+        raise SpecError(f"hf:{name}: bad configuration {args}: {_first(e)}") from e
+
+
+def _model_class(tf: Any, config: Any) -> Any:
+    """The causal-LM class for a decoder-only model, the base model class otherwise."""
+    from transformers.models.auto import modeling_auto as ma
+
+    ctype = type(config)
+    decoder = (
+        ctype in ma.MODEL_FOR_CAUSAL_LM_MAPPING
+        and ctype not in ma.MODEL_FOR_MASKED_LM_MAPPING
+        and not getattr(config, "is_encoder_decoder", False)
+    )
+    return tf.AutoModelForCausalLM if decoder else tf.AutoModel
+
+
+def default_inputs(model: nn.Module, config: Any, seq: int) -> dict[str, torch.Tensor]:
+    """Keyword inputs of batch 1 for ``model``'s ``forward`` (see the module docstring)."""
+    params = inspect.signature(model.forward).parameters
+    sub = getattr(config, "vision_config", None) or config
+    out: dict[str, torch.Tensor] = {}
+    if "input_ids" in params:
+        out["input_ids"] = torch.zeros(1, seq, dtype=torch.long)
+    if "pixel_values" in params:
+        size = getattr(sub, "image_size", 224)
+        size = size if isinstance(size, int) else size[0]
+        out["pixel_values"] = torch.zeros(1, getattr(sub, "num_channels", 3), size, size)
+    if "input_features" in params:
+        frames = 2 * getattr(config, "max_source_positions", 1500)
+        out["input_features"] = torch.zeros(1, getattr(config, "num_mel_bins", 80), frames)
+    if "input_values" in params:
+        out["input_values"] = torch.zeros(1, 16000 * seq // DEFAULT_SEQ)
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        out["decoder_input_ids"] = torch.zeros(1, seq, dtype=torch.long)
+    return out
