@@ -103,8 +103,8 @@ def test_report_round_trips_the_schema():
         assert ("jvp_forward" in d["ratios"]) == a.report.has_jvp
         assert ("ratio" in d["layers"][0]) == a.report.has_backward
     assert list(d) == [
-        "schema_version", "model", "inputs", "params", "loss", "optimizer",
-        "totals", "ratios", "memory", "layers",
+        "schema_version", "model", "inputs", "params", "trainable_params", "frozen_params",
+        "loss", "optimizer", "totals", "ratios", "memory", "layers",
     ]  # fmt: skip
     with pytest.raises(ValueError, match="schema_version"):
         Report.from_dict({**d, "schema_version": 2})
