@@ -30,10 +30,13 @@ from graphflop.ops.registry import (
     def_transpose,
     def_zero,
     has_rule,
+    is_strict,
     lookup,
+    missing_kinds,
     op_name,
     register,
     register_decomposition,
+    strict_rules,
     use_torch_decomposition,
 )
 
@@ -48,9 +51,12 @@ __all__ = [
     "def_transpose",
     "def_zero",
     "has_rule",
+    "is_strict",
     "lookup",
+    "missing_kinds",
     "op_name",
     "register",
     "register_decomposition",
+    "strict_rules",
     "use_torch_decomposition",
 ]
