@@ -16,6 +16,7 @@ from graphflop.ops import (  # noqa: F401  (imported for their registrations)
     loss,
     norm,
     pool,
+    recurrent,
     reduction,
     shape,
 )
