@@ -166,3 +166,44 @@ def test_verify_says_which_checks_a_gap_stops(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert "gfpartial.twice.default" in doc["verify_note"]
     assert all("gradient" not in c["check"] or "forward" in c["check"] for c in doc["verify"])
+
+
+ZOO = [
+    "linearnet.py",
+    "onenet.py",
+    "convnet.py",
+    "deeper_convnet.py",
+    "logreg.py",
+    "mlp.py",
+    "cnn.py",
+    "resnet.py:resnet18",
+    "gpt2.py:gpt2_small",
+]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_op_rows_sum_to_the_totals_for_every_model(name):
+    from conftest import analysis
+
+    r = analysis(name, batch=2 if name.startswith("gpt2") else None)
+    for phase in ("forward", "backward", "update", "jvp", "forward_gradient_step"):
+        rows = [o for o in r.report.ops if o.phase == phase]
+        t = getattr(r.report.totals, phase)
+        for key in ("flops", "mm_flops", "bytes_read", "bytes_written"):
+            assert sum(getattr(o, key) for o in rows) == getattr(t, key), (phase, key)
+        assert t.complete and t.macs == t.mm_flops // 2
+    assert not r.report.uncounted
+
+
+def test_depth_rolls_resnet_blocks_up():
+    from conftest import analysis
+
+    r = analysis("resnet.py:resnet18").report
+    rows = r.layers_at_depth(2)
+    names = [L.name for L in rows]
+    # conv1, bn1, relu, maxpool, 8 blocks (layer1.0 … layer4.1), avgpool, fc, loss
+    assert [n for n in names if n.startswith("layer")] == [
+        f"layer{i}.{j}" for i in range(1, 5) for j in range(2)
+    ]
+    assert sum(L.forward_flops for L in rows) == r.totals.forward.flops
+    assert sum(L.backward_flops for L in rows) == sum(L.backward_flops for L in r.layers)

@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -85,9 +86,10 @@ class MissingRuleError(LookupError):
         self.op, self.kinds, self.node = op, kinds, node
         where = f" (node {node})" if node else ""
         fam = guess_family(op)
+        new = "" if (Path(__file__).parent / f"{fam}.py").exists() else "a new "
         super().__init__(
             f"no {'/'.join(kinds)} rule for {op_name(op)}{where}: add one in "
-            f"graphflop/ops/{fam}.py, or register it with graphflop.register_rule"
+            f"{new}graphflop/ops/{fam}.py, or register it with graphflop.register_rule"
         )
 
 
