@@ -104,7 +104,7 @@ def test_report_round_trips_the_schema():
         assert ("ratio" in d["layers"][0]) == a.report.has_backward
     assert list(d) == [
         "schema_version", "model", "inputs", "params", "loss", "optimizer",
-        "totals", "ratios", "memory", "layers",
+        "totals", "ratios", "memory", "layers", "uncounted", "ops",
     ]  # fmt: skip
     with pytest.raises(ValueError, match="schema_version"):
         Report.from_dict({**d, "schema_version": 2})
