@@ -207,3 +207,27 @@ def test_depth_rolls_resnet_blocks_up():
     ]
     assert sum(L.forward_flops for L in rows) == r.totals.forward.flops
     assert sum(L.backward_flops for L in rows) == sum(L.backward_flops for L in r.layers)
+
+
+def test_warning_is_one_unwrapped_line_in_a_narrow_terminal(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "custom.py"
+    path.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
+        "from test_partial import CustomNet, example_inputs  # noqa: F401\n"
+    )
+    env = {**os.environ, "COLUMNS": "40"}
+    r = subprocess.run(
+        [sys.executable, "-m", "graphflop.cli", "inspect", f"{path}:CustomNet", "--no-jvp"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("warning: gfpartial.twice.default"), lines

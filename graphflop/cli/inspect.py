@@ -159,7 +159,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
         )
     report = analysis.report
     for line in warning_lines(report):
-        err.print(line, markup=False, highlight=False)
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
     extra: dict[str, Any] = {}  # --verify's results, after the report's keys in the JSON
     rc = _verify(args, err, inputs, analysis, extra) if args.verify else 0
     if args.json:
