@@ -48,6 +48,9 @@ Graph keys (``gm.meta``)
     :data:`FORWARD_GRADIENT` :class:`ForwardGradientInfo` of a forward-gradient step graph.
     :data:`MEMORY`       :class:`MemoryInfo`, written by ``annotate_memory``.
     :data:`FACTS`        the set of pass facts a graph has (``traced``, ``flops``, ...).
+    :data:`GAPS`         tuple of :class:`Gap`: where a JVP or backward graph was cut because an
+                         op lacks a rule (partial results; ``graphflop.ops.strict_rules`` raises
+                         instead).
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ TRAIN_STEP = "gf_train_step"
 FORWARD_GRADIENT = "gf_forward_gradient"
 MEMORY = "gf_memory"
 FACTS = "gf_facts"
+GAPS = "gf_gaps"
 
 #: every node key and graph key above
 NODE_KEYS = (KIND, ROLE, SOURCE, MODULE, COST, PARAM, PARAM_DERIVED, RESIDUAL, SLOT)
@@ -106,6 +110,7 @@ GRAPH_KEYS = (
     FORWARD_GRADIENT,
     MEMORY,
     FACTS,
+    GAPS,
 )
 
 
@@ -387,3 +392,20 @@ def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.Graph
     except ImportError:  # pragma: no cover - older or newer PyTorch without it
         return torch.fx.GraphModule(root, graph)
     return _LazyGraphModule(root, graph)
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A node where a JVP or backward graph was cut for want of a rule (:data:`GAPS`).
+
+    Attributes:
+        op: the op's ``aten.x.overload`` name.
+        node: the forward node (``SOURCE``) whose tangent or cotangent was not built.
+        module: that node's ``nn.Module`` path.
+        kind: the missing kind of rule: ``jvp`` or ``transpose``.
+    """
+
+    op: str
+    node: str
+    module: str
+    kind: str

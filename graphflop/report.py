@@ -38,6 +38,9 @@ class CostTotals:
         transcendentals: elements of exp/log/tanh/sqrt/... (also in ``flops``).
         random_elements: random numbers drawn.
         bytes_read, bytes_written: tensor bytes the nodes read and write.
+        macs: multiply-adds of the matrix-class ops, ``mm_flops / 2`` (FLOPS.md, Units).
+        complete: False when an op of the phase has no rule: its work is counted as 0 and
+            what depends on it in a JVP or backward graph is not built (``Report.uncounted``).
     """
 
     flops: int = 0
@@ -46,6 +49,9 @@ class CostTotals:
     random_elements: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    # issue 15: MACs and partial results (serialised after the phase's own fields)
+    macs: int = 0
+    complete: bool = True
 
     @staticmethod
     def cost_fields(c: NodeCost) -> dict[str, int]:
@@ -57,19 +63,32 @@ class CostTotals:
             "random_elements": c.random_elements,
             "bytes_read": c.bytes_read,
             "bytes_written": c.bytes_written,
+            "macs": c.mm_flops // 2,
         }
 
     @classmethod
-    def of(cls, c: NodeCost) -> CostTotals:
-        """The totals of a summed cost."""
-        return cls(**CostTotals.cost_fields(c))
+    def of(cls, c: NodeCost, **more: Any) -> CostTotals:
+        """The totals of a summed cost (``more``: the subclass's own fields, ``complete``)."""
+        return cls(**CostTotals.cost_fields(c), **more)
 
     def to_dict(self) -> dict[str, Any]:
-        return _fields_dict(self)
+        d = _fields_dict(self)
+        for k in _LATE_KEYS:  # keys added after schema v1's first release go last
+            d[k] = d.pop(k)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]):
-        return cls(**_pick(cls, d))
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+#: CostTotals keys written after each phase's own keys, in this order
+_LATE_KEYS = ("macs", "complete")
+
+
+@dataclass(frozen=True)
+class ForwardTotals(CostTotals):
+    """The forward graph's totals."""
 
 
 @dataclass(frozen=True)
@@ -104,17 +123,20 @@ class UpdateTotals(CostTotals):
 
 @dataclass(frozen=True)
 class TrainStepTotals:
-    """Forward + backward + update FLOPs (``mm_flops``: forward + backward)."""
+    """Forward + backward + update FLOPs (``mm_flops``: forward + backward; ``macs`` =
+    ``mm_flops / 2``; ``complete``: every phase of the step is)."""
 
     flops: int = 0
     mm_flops: int = 0
+    macs: int = 0
+    complete: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return _fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainStepTotals:
-        return cls(**_pick(cls, d))
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 @dataclass(frozen=True)
@@ -158,7 +180,7 @@ class ForwardGradientTotals(CostTotals):
 class Totals:
     """Totals per phase; ``None`` for a phase that was not built."""
 
-    forward: CostTotals
+    forward: ForwardTotals
     loss: CostTotals
     backward: BackwardTotals | None = None
     update: UpdateTotals | None = None
@@ -172,7 +194,7 @@ class Totals:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Totals:
         types = {
-            "forward": CostTotals,
+            "forward": ForwardTotals,
             "loss": CostTotals,
             "backward": BackwardTotals,
             "update": UpdateTotals,
@@ -324,6 +346,72 @@ class InputSpec:
 
 
 @dataclass(frozen=True)
+class Uncounted:
+    """An op the analysis could not count or differentiate (partial results, issue 15).
+
+    Attributes:
+        op: ``aten.x.overload`` (or the custom op's) name.
+        count: forward nodes calling it.
+        nodes: those nodes' names.
+        modules: their ``nn.Module`` paths, each once.
+        missing: the kinds of rule it lacks that the analysis needed, of ``cost``, ``jvp``,
+            ``transpose``: with no cost rule its nodes count 0; with no JVP or transpose rule the
+            JVP or backward stops at its nodes (what depends on them is not built).
+    """
+
+    op: str
+    count: int
+    nodes: tuple[str, ...]
+    modules: tuple[str, ...]
+    missing: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "count": self.count,
+            "nodes": list(self.nodes),
+            "modules": list(self.modules),
+            "missing": list(self.missing),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Uncounted:
+        return cls(d["op"], d["count"], tuple(d["nodes"]), tuple(d["modules"]), tuple(d["missing"]))
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """The nodes of one op in one phase, summed (``inspect --by op``).
+
+    Attributes:
+        op: ``aten.x.overload`` name.
+        phase: ``forward``, ``backward``, ``update``, ``jvp`` or ``forward_gradient_step``;
+            a phase's rows sum to its totals.
+        count: nodes.
+        flops, mm_flops, bytes_read, bytes_written: as in :class:`CostTotals`.
+    """
+
+    op: str
+    phase: str
+    count: int
+    flops: int
+    mm_flops: int
+    bytes_read: int
+    bytes_written: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return _fields_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OpRow:
+        return cls(**_pick(cls, d))
+
+
+#: the phases :class:`OpRow` covers, in report order
+OP_PHASES = ("forward", "backward", "update", "jvp", "forward_gradient_step")
+
+
+@dataclass(frozen=True)
 class Report:
     """Everything ``graphflop inspect`` reports about one model.
 
@@ -340,6 +428,8 @@ class Report:
             written before the key existed).
         frozen_params: parameter elements with ``requires_grad=False``: no gradient, update or
             optimizer state (``params = trainable_params + frozen_params``).
+        uncounted: ops without the rules the analysis needed (empty when complete).
+        ops: per-phase, per-op rows (:class:`OpRow`).
     """
 
     model: str
@@ -355,6 +445,9 @@ class Report:
     # trainable and frozen parameter counts
     trainable_params: int | None = None
     frozen_params: int | None = None
+    # issue 15: partial results and the per-op breakdown
+    uncounted: tuple[Uncounted, ...] = ()
+    ops: tuple[OpRow, ...] = ()
 
     @property
     def has_backward(self) -> bool:
@@ -377,6 +470,26 @@ class Report:
                 return row
         raise KeyError(name)
 
+    def layers_at_depth(self, depth: int) -> tuple[LayerRow, ...]:
+        """The rows rolled up to module paths of at most ``depth`` dotted parts (``1``: the
+        model's children), summing counters and recomputing ratios and shares; rows already
+        shallower stay as they are; a group's output is its last row's (the
+        block's output).
+
+        Raises:
+            ValueError: ``depth`` below 1.
+        """
+        if depth < 1:
+            raise ValueError(f"bad depth {depth}: must be at least 1")
+        groups: dict[str, list[LayerRow]] = {}
+        for row in self.layers:
+            key = row.name if row.name == "(model)" else ".".join(row.name.split(".")[:depth])
+            groups.setdefault(key, []).append(row)
+        total = self.totals.forward.flops
+        return tuple(
+            _rolled(k, rows, total, self.has_backward, self.has_jvp) for k, rows in groups.items()
+        )
+
     def layer_dicts(self) -> list[dict[str, Any]]:
         """The rows as JSON objects (``layers`` of :meth:`to_dict`)."""
         return [L.to_dict(backward=self.has_backward, jvp=self.has_jvp) for L in self.layers]
@@ -398,6 +511,8 @@ class Report:
             "ratios": self.ratios.to_dict(self.totals),
             "memory": self.memory.to_dict(),
             "layers": self.layer_dicts(),
+            "uncounted": [u.to_dict() for u in self.uncounted],
+            "ops": [o.to_dict() for o in self.ops],
         }
 
     @classmethod
@@ -426,7 +541,43 @@ class Report:
             # trainable and frozen parameter counts
             trainable_params=d.get("trainable_params"),
             frozen_params=d.get("frozen_params"),
+            uncounted=tuple(Uncounted.from_dict(u) for u in d.get("uncounted", ())),
+            ops=tuple(OpRow.from_dict(o) for o in d.get("ops", ())),
         )
+
+
+def _rolled(
+    name: str, rows: list[LayerRow], forward_flops: int, has_bwd: bool, has_jvp: bool
+) -> LayerRow:
+    """One row summing ``rows`` (their ratios recomputed from the sums)."""
+    if len(rows) == 1 and rows[0].name == name:
+        return rows[0]
+    skip = {
+        "name",
+        "output_shape",
+        "output_bytes",
+        "ratio",
+        "ratio_no_update",
+        "jvp_ratio",
+        "share",
+    }
+    sums = {
+        f.name: sum(getattr(r, f.name) for r in rows)
+        for f in fields(LayerRow)
+        if f.name not in skip
+    }
+    last = rows[-1]
+    f = sums["forward_flops"]
+    return LayerRow(
+        name=name,
+        **sums,
+        output_shape=last.output_shape,
+        output_bytes=last.output_bytes,
+        ratio=(sums["backward_flops"] + sums["update_flops"]) / f if has_bwd and f else None,
+        ratio_no_update=sums["backward_flops"] / f if has_bwd and f else None,
+        jvp_ratio=sums["jvp_flops"] / f if has_jvp and f else None,
+        share=f / forward_flops if forward_flops else 0.0,
+    )
 
 
 __all__ = [
@@ -436,11 +587,14 @@ __all__ = [
     "ForwardGradientTotals",
     "InputSpec",
     "JvpTotals",
+    "ForwardTotals",
     "LayerRow",
     "Memory",
+    "OpRow",
     "Ratios",
     "Report",
     "TrainStepTotals",
     "Totals",
+    "Uncounted",
     "UpdateTotals",
 ]

@@ -149,7 +149,7 @@ def test_bad_input_one_line_exit_2(tmp_path, case):
         "two_modules": [str(tmp_path / "two.py")],
         "bad_shape": [spec("convnet.py"), "--input-shape", "1,3,x,224"],
         "untraceable": [str(tmp_path / "bad.py")],
-        "no_rule": [str(tmp_path / "odd.py")],
+        "no_rule": [str(tmp_path / "odd.py"), "--strict"],  # partial results otherwise
         "bad_dtype": [spec("convnet.py"), "--dtype", "float7"],
         "bad_arg": [spec("deeper_convnet.py"), "--arg", "middle_layers"],
     }[case]

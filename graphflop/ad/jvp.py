@@ -16,7 +16,9 @@ Writes ``KIND``, ``ROLE`` (``tangent_from_input``/``tangent_from_param``), ``SOU
 :class:`~graphflop.meta.Ghost`), ``gm.meta[SIGNATURE]``, ``gm.meta[JVP]`` (:class:`JvpInfo`),
 ``gm.meta[JVP_LOG]`` (tuple of the tangent nodes and ghosts emitted, in order: what the transpose
 replays in reverse), ``gm.meta[GHOST_LINKS]`` (:class:`~graphflop.meta.GhostLinks`),
-``gm.meta[LOSS_KIND]``.
+``gm.meta[LOSS_KIND]``, ``gm.meta[GAPS]`` (:class:`~graphflop.meta.Gap`: forward nodes whose op
+has no JVP rule; their tangent is cut to a symbolic zero, so the work that depends on it is not
+built, unless :func:`graphflop.ops.strict_rules` makes that an error).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.fx import Graph, GraphModule, Node
 from graphflop.ad.builder import Builder
 from graphflop.ad.ghost import GhostValue, is_ghost
 from graphflop.meta import (
+    GAPS,
     GHOST_LINKS,
     GHOSTS,
     JVP,
@@ -43,6 +46,7 @@ from graphflop.meta import (
     ROLE,
     SIGNATURE,
     SOURCE,
+    Gap,
     Ghost,
     GhostLinks,
     JvpInfo,
@@ -50,7 +54,7 @@ from graphflop.meta import (
     fake_mode_of,
     graph_module,
 )
-from graphflop.ops import lookup
+from graphflop.ops import MissingRuleError, is_strict, lookup, op_name
 
 TANGENT_CHOICES = ("params", "inputs", "all")
 
@@ -121,7 +125,9 @@ def build_jvp(
         placeholder (same shape), returning the forward's outputs followed by the tangents.
 
     Raises:
-        MissingRuleError: for an op on the differentiated path with no JVP rule.
+        MissingRuleError: for an op on the differentiated path with no JVP rule, inside
+            :func:`graphflop.ops.strict_rules` (otherwise the tangent is cut there and the
+            node listed in ``gm.meta[GAPS]``).
         ValueError: for an unknown ``tangents`` choice.
     """
     if tangents not in TANGENT_CHOICES:
@@ -146,6 +152,7 @@ def build_jvp(
     gm.meta[JVP_LOG] = tuple(lin.b.log)
     gm.meta[GHOST_LINKS] = GhostLinks.of(lin.b.ghost_links)
     gm.meta[LOSS_KIND] = forward.meta.get(LOSS_KIND)
+    gm.meta[GAPS] = tuple(lin.gaps)
     return gm
 
 
@@ -159,6 +166,7 @@ class _Linearizer:
         self.env: dict[Node, Node] = {}
         self.tan: dict[Node, Any] = {}
         self.ghosts: list[Ghost] = []
+        self.gaps: list[Gap] = []
         fake_mode = fake_mode_of(
             [n.meta.get("val") for n in forward.graph.nodes if "val" in n.meta]
         )
@@ -233,7 +241,13 @@ class _Linearizer:
         flat_t = [t for t in _flatten(arg_t) if t is not None]
         if not flat_t:
             return
-        rule = lookup(n.target, need=("jvp",), node=n.name)
+        try:
+            rule = lookup(n.target, need=("jvp",), node=n.name)
+        except MissingRuleError:
+            if is_strict():
+                raise
+            self.gaps.append(Gap(op_name(n.target), n.name, n.meta.get(MODULE, ""), "jvp"))
+            return  # the tangent is cut here: what depends on it is not built
         if rule.zero_derivative or rule.jvp is None:
             return
         args = tuple(_map(a, self.env) for a in n.args)

@@ -33,6 +33,7 @@ from graphflop.ad.builder import Builder
 from graphflop.ad.ghost import GhostValue, is_ghost
 from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
+    GAPS,
     GHOST_LINKS,
     GHOSTS,
     JVP,
@@ -47,6 +48,7 @@ from graphflop.meta import (
     SIGNATURE,
     SOURCE,
     VJP,
+    Gap,
     GhostLinks,
     Signature,
     VjpInfo,
@@ -54,7 +56,7 @@ from graphflop.meta import (
     graph_module,
     graphflop_meta,
 )
-from graphflop.ops import lookup
+from graphflop.ops import MissingRuleError, is_strict, lookup, op_name
 from graphflop.passes.simplify import fold_transposed_matmuls
 
 RESIDUAL = RESIDUAL
@@ -163,7 +165,9 @@ def build_vjp(
         transposed from.
 
     Raises:
-        MissingRuleError: for a tangent op with no transpose rule.
+        MissingRuleError: for a tangent op with no transpose rule, inside
+            :func:`graphflop.ops.strict_rules` (otherwise the cotangent stops there and the node
+            is listed in ``gm.meta[GAPS]``, with the linearization's own gaps).
         ValueError: when the forward graph has no loss.
     """
     sig: Signature = forward.meta[SIGNATURE]
@@ -194,6 +198,7 @@ def build_vjp(
         },
     )
     ct: dict[Any, Any] = {_key(loss_tangent): ct_loss}
+    gaps: list[Gap] = list(lin.meta.get(GAPS, ()))  # the linearization's cuts cut this too
     links = lin.meta.get(GHOST_LINKS) or GhostLinks()
     for entry in reversed(lin.meta[JVP_LOG]):
         c = ct.pop(_key(entry), None)
@@ -202,7 +207,12 @@ def build_vjp(
         for gh in links.get(entry) if not is_ghost(entry) else ():
             # a tangent sum skipped this ghost term: it would have received the same cotangent
             ct.setdefault(_key(gh), b.as_ghost(c))
-        _transpose(b, entry, c, ct)
+        try:
+            _transpose(b, entry, c, ct)
+        except MissingRuleError:  # partial results: the cotangent stops here
+            if is_strict():
+                raise
+            gaps.append(_gap(entry))
 
     outputs: list[Node] = []
     grads: list[tuple[int, str]] = []
@@ -225,6 +235,7 @@ def build_vjp(
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = ghosts
     gm.meta[LINEARIZED] = lin
+    gm.meta[GAPS] = tuple(gaps)
     kept = {n.name for n in g.nodes}
     gm.meta[VJP] = VjpInfo(
         tuple(r for r in b.residual_order if r[0] in kept),
@@ -233,6 +244,15 @@ def build_vjp(
         tuple(in_grads),
     )
     return gm
+
+
+def _gap(entry: Any) -> Gap:
+    """The :class:`Gap` of a JVP-log entry whose op has no transpose rule."""
+    if isinstance(entry, Node):
+        op, src, mod = entry.target, entry.meta.get(SOURCE, ""), entry.meta.get(MODULE, "")
+    else:
+        op, src, mod = entry.op, entry.record.source, entry.record.module
+    return Gap(op_name(op), src, mod, "transpose")
 
 
 def _linear_mask(a: Any) -> Any:

@@ -93,6 +93,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
         f"{VERIFY_SAMPLES}, or as many as fit in {VERIFY_FLOPS:.0e} FLOPs, and "
         f"none when fewer than {MIN_VERIFY_SAMPLES} fit (a large model)",
     )
+    p.add_argument(  # issue 15: partial results, per-op tables, MACs
+        "--strict",
+        action="store_true",
+        help="an op without a rule is an error (exit 2, one line) instead of being counted as "
+        "0 FLOPs, listed in 'uncounted' and cutting the JVP/backward at its nodes",
+    )
+    p.add_argument(
+        "--by",
+        choices=["layer", "op"],
+        default="layer",
+        help="table rows: per module (default) or per op, one table per phase",
+    )
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        metavar="N",
+        help="roll the per-module rows up to paths of at most N dotted parts (1: the model's "
+        "children)",
+    )
+    p.add_argument(
+        "--units",
+        choices=["flops", "macs"],
+        default="flops",
+        help="table figures in FLOPs (default; 1 multiply-add = 2) or MACs (multiply-adds of "
+        "matrix-class ops = mm FLOPs / 2)",
+    )
     p.add_argument(
         "--max-layers",
         type=int,
@@ -105,15 +132,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, err: Console) -> int:
     """Analyse, optionally verify, then print and write the report; returns the exit status
     (1 when a --verify check fails)."""
-    from graphflop.export.report import layers_csv, print_report, to_json
+    from graphflop.export.report import layers_csv, print_report, to_json, warning_lines
     from graphflop.io import atomic_write
+    from graphflop.ops import strict_rules
 
     if args.directions < 1:
         from graphflop.load import SpecError
 
         raise SpecError(f"bad --directions {args.directions}: must be at least 1")
+    if args.depth is not None and args.depth < 1:
+        from graphflop.load import SpecError
+
+        raise SpecError(f"bad --depth {args.depth}: must be at least 1")
     loaded, inputs = load_model(args)
-    with err.status("analysing", spinner="dots") as status:
+    with err.status("analysing", spinner="dots") as status, strict_rules(args.strict):
         analysis = analyze_model(
             args,
             loaded,
@@ -126,6 +158,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
             jvp=not args.no_jvp,
         )
     report = analysis.report
+    for line in warning_lines(report):
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
     extra: dict[str, Any] = {}  # --verify's results, after the report's keys in the JSON
     rc = _verify(args, err, inputs, analysis, extra) if args.verify else 0
     if args.json:
@@ -135,7 +169,14 @@ def run(args: argparse.Namespace, err: Console) -> int:
     if args.format == "json":
         print(to_json(report, extra))
     else:
-        print_report(report, stdout_console(), max_layers=args.max_layers)
+        print_report(
+            report,
+            stdout_console(),
+            max_layers=args.max_layers,
+            by=args.by,
+            depth=args.depth,
+            units=args.units,
+        )
     return rc
 
 
@@ -144,13 +185,15 @@ def _verify(
 ) -> int:
     """``--verify``: run the checks, print one line each to stderr and add them (``verify``,
     and ``verify_note`` on the forward-gradient check's budget) to ``extra``."""
-    from graphflop.runtime.verify import forward_gradient_samples, verify_analysis
+    from graphflop.runtime.verify import forward_gradient_samples, gap_notes, verify_analysis
 
     fg = analysis.report.totals.forward_gradient_step
     samples, why = forward_gradient_samples(args.verify_samples, fg.flops if fg is not None else 0)
-    if why:
-        err.print(f"verify: {why}")
-        extra["verify_note"] = why
+    notes = ([why] if why else []) + gap_notes(analysis.report)  # issue 15: checks a gap stops
+    for note in notes:
+        err.print(f"verify: {note}", markup=False)
+    if notes:
+        extra["verify_note"] = "; ".join(notes)
     with err.status("verifying against torch.func", spinner="dots"):
         real = load_real_model(args)  # real weights
         checks = verify_analysis(

@@ -1,6 +1,8 @@
 """Tables (rich), JSON and CSV from an analysis report (:class:`~graphflop.report.Report`).
 
 Reads the typed report only; the JSON document is :meth:`Report.to_dict` (schema version 1).
+Tables count FLOPs (1 multiply-add = 2) or, with ``units="macs"``, the multiply-adds of the
+matrix-class ops (``mm_flops / 2``); :func:`warning_lines` gives one line per uncounted op.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from graphflop.report import LayerRow, Report
+from graphflop.report import OP_PHASES, LayerRow, OpRow, Report
+
+UNITS = ("flops", "macs")
 
 
 def human(n: float | int | None, unit: str = "") -> str:
@@ -42,20 +46,45 @@ def _r(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
-def print_report(r: Report, console: Console | None = None, max_layers: int = 60) -> None:
+def print_report(
+    r: Report,
+    console: Console | None = None,
+    max_layers: int = 60,
+    *,
+    by: str = "layer",
+    depth: int | None = None,
+    units: str = "flops",
+) -> None:
     """Per-layer table (the ``max_layers`` layers with the most forward + backward FLOPs when
-    there are more), then totals, ratios and memory."""
+    there are more; rolled up to ``depth`` dotted path parts when given), or with
+    ``by="op"`` one table of ops per phase, then totals, ratios and memory. ``units``:
+    ``flops`` or ``macs`` (multiply-adds of matrix-class ops, ``mm_flops / 2``).
+
+    Raises:
+        ValueError: an unknown ``by`` or ``units``, or ``depth`` below 1.
+    """
+    if by not in ("layer", "op") or units not in UNITS:
+        raise ValueError(f"bad by={by!r} or units={units!r}: by layer|op, units flops|macs")
     console = console or Console()
-    console.print(_layer_table(r, max_layers))
-    hidden = len(r.layers) - min(len(r.layers), max_layers)
-    if hidden > 0:
-        console.print(f"[dim]{hidden} smaller layers not shown (--json has all)[/dim]")
-    console.print(_totals_table(r))
+    if by == "op":
+        for phase in OP_PHASES:
+            rows = [o for o in r.ops if o.phase == phase]
+            if rows:
+                console.print(_op_table(r, phase, rows, units))
+    else:
+        layers = r.layers_at_depth(depth) if depth is not None else r.layers
+        console.print(_layer_table(r, layers, max_layers, units))
+        hidden = len(layers) - min(len(layers), max_layers)
+        if hidden > 0:
+            console.print(f"[dim]{hidden} smaller layers not shown (--json has all)[/dim]")
+    console.print(_totals_table(r, units))
     for line in _summary_lines(r):
         console.print(line)
 
 
-def _layer_table(r: Report, max_layers: int) -> Table:
+def _layer_table(r: Report, layers: tuple[LayerRow, ...], max_layers: int, units: str) -> Table:
+    if units == "macs":
+        return _layer_macs_table(r, layers, max_layers)
     table = Table(
         title=f"{r.model} — per layer (FLOPs: 1 multiply-add = 2)",
         show_lines=False,
@@ -72,11 +101,81 @@ def _layer_table(r: Report, max_layers: int) -> Table:
     if r.has_jvp:
         table.add_column("jvp", justify="right")
         table.add_column("jvp/fwd", justify="right", style="bold")
-    shown = _shown_layers(r.layers, max_layers)
-    for L in r.layers:
+    shown = _shown_layers(layers, max_layers)
+    for L in layers:
         if id(L) in shown and (L.params or L.forward_flops or L.backward_flops or L.jvp_flops):
             table.add_row(*_layer_cells(r, L))
     return table
+
+
+def _layer_macs_table(r: Report, layers: tuple[LayerRow, ...], max_layers: int) -> Table:
+    """The per-layer table in MACs: multiply-adds of the matrix-class ops (``mm_flops / 2``)."""
+    table = Table(
+        title=f"{r.model} — per layer (MACs: multiply-adds of matrix-class ops)",
+        header_style="bold",
+    )
+    cols = ["layer", "params", "output", "fwd MACs"]
+    cols += ["bwd MACs"] if r.has_backward else []
+    cols += ["jvp MACs"] if r.has_jvp else []
+    for col in cols:
+        table.add_column(col, justify="left" if col == "layer" else "right")
+    shown = _shown_layers(layers, max_layers)
+    for L in layers:
+        if id(L) not in shown or not (L.params or L.forward_mm_flops or L.backward_mm_flops):
+            continue
+        cells = [
+            L.name,
+            human(L.params) if L.params else "",
+            "×".join(map(str, L.output_shape or ())),
+        ]
+        cells.append(human(L.forward_mm_flops // 2))
+        cells += [human(L.backward_mm_flops // 2)] if r.has_backward else []
+        cells += [human(L.jvp_mm_flops // 2)] if r.has_jvp else []
+        table.add_row(*cells)
+    return table
+
+
+def _op_table(r: Report, phase: str, rows: list[OpRow], units: str) -> Table:
+    """One phase's ops, most work first: count, FLOPs (or MACs), matrix FLOPs, bytes, share."""
+    total = sum(o.flops for o in rows)
+    macs = units == "macs"
+    table = Table(title=f"{r.model} — {phase} by op", header_style="bold")
+    cols = ["op", "count", "MACs" if macs else "FLOPs"]
+    cols += [] if macs else ["mm FLOPs"]
+    cols += ["bytes read", "bytes written", "share"]
+    for col in cols:
+        table.add_column(col, justify="left" if col == "op" else "right")
+    for o in sorted(rows, key=lambda o: (-o.flops, -o.bytes_written, o.op)):
+        work = [human(o.mm_flops // 2)] if macs else [human(o.flops), human(o.mm_flops)]
+        share = f"{100 * o.flops / total:.1f}%" if total else "–"
+        table.add_row(
+            o.op,
+            str(o.count),
+            *work,
+            human_bytes(o.bytes_read),
+            human_bytes(o.bytes_written),
+            share,
+        )
+    return table
+
+
+def warning_lines(r: Report) -> list[str]:
+    """One line per op the analysis could not count or differentiate (``Report.uncounted``)."""
+    lines = []
+    for u in r.uncounted:
+        where = ", ".join(m or "(model)" for m in u.modules[:3])
+        where += ", …" if len(u.modules) > 3 else ""
+        effects = []
+        if "cost" in u.missing:
+            effects.append("counted as 0 FLOPs")
+        if "jvp" in u.missing or "transpose" in u.missing:
+            effects.append("the JVP/backward stops at its nodes")
+        lines.append(
+            f"warning: {u.op} has no {'/'.join(u.missing)} rule ({u.count} node"
+            f"{'s' if u.count != 1 else ''} in {where}): {'; '.join(effects)}; "
+            "these phases are incomplete (--strict makes this an error)"
+        )
+    return lines
 
 
 def _shown_layers(rows: tuple[LayerRow, ...], max_layers: int) -> set[int]:
@@ -108,14 +207,16 @@ def _layer_cells(r: Report, L: LayerRow) -> list[str]:
     return cells
 
 
-def _totals_table(r: Report) -> Table:
+def _totals_table(r: Report, units: str = "flops") -> Table:
     t = r.totals
     tot = Table(title="totals", header_style="bold")
-    for col in ("phase", "FLOPs", "mm FLOPs", "bytes read", "bytes written", "notes"):
+    mm_col = "MACs" if units == "macs" else "mm FLOPs"
+    for col in ("phase", "FLOPs", mm_col, "bytes read", "bytes written", "notes"):
         tot.add_column(col, justify="left" if col in ("phase", "notes") else "right")
 
     def row(phase, c, notes, mm=None):
-        mm = human(c.mm_flops) if mm is None else mm
+        mm = human(c.macs if units == "macs" else c.mm_flops) if mm is None else mm
+        notes += "" if c.complete else " [yellow](incomplete)[/yellow]"
         tot.add_row(
             phase,
             human(c.flops),

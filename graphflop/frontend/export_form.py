@@ -38,6 +38,7 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.ops import decomposition_table
+from graphflop.ops.recurrent import functionalize_inplace
 
 aten = torch.ops.aten
 
@@ -257,6 +258,7 @@ def from_make_fx(
     results = [env[a] for a in out_node.args[0]]
     updates = [(env[v].name, b) for b, v in writes.items()]
     g.output(tuple([env[writes[b]] for b in writes] + results))
+    functionalize_inplace(g)  # in-place ops left on temporaries (recurrent layers)
     g.eliminate_dead_code()
     new = graph_module(torch.nn.Module(), g)
     has_loss = loss_kind != "none"

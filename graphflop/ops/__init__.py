@@ -16,6 +16,7 @@ from graphflop.ops import (  # noqa: F401  (imported for their registrations)
     loss,
     norm,
     pool,
+    recurrent,
     reduction,
     shape,
 )
@@ -30,10 +31,13 @@ from graphflop.ops.registry import (
     def_transpose,
     def_zero,
     has_rule,
+    is_strict,
     lookup,
+    missing_kinds,
     op_name,
     register,
     register_decomposition,
+    strict_rules,
     use_torch_decomposition,
 )
 
@@ -48,9 +52,12 @@ __all__ = [
     "def_transpose",
     "def_zero",
     "has_rule",
+    "is_strict",
     "lookup",
+    "missing_kinds",
     "op_name",
     "register",
     "register_decomposition",
+    "strict_rules",
     "use_torch_decomposition",
 ]

@@ -28,8 +28,11 @@ set. So an op's cost, JVP, transpose and decomposition all sit in its family's f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -56,6 +59,9 @@ FAMILIES = (
     "attention",
     "embedding",
     "creation",
+    "sorting",
+    "spectral",
+    "recurrent",
     "custom",
 )
 
@@ -80,9 +86,10 @@ class MissingRuleError(LookupError):
         self.op, self.kinds, self.node = op, kinds, node
         where = f" (node {node})" if node else ""
         fam = guess_family(op)
+        new = "" if (Path(__file__).parent / f"{fam}.py").exists() else "a new "
         super().__init__(
             f"no {'/'.join(kinds)} rule for {op_name(op)}{where}: add one in "
-            f"graphflop/ops/{fam}.py, or register it with graphflop.register_rule"
+            f"{new}graphflop/ops/{fam}.py, or register it with graphflop.register_rule"
         )
 
 
@@ -102,49 +109,93 @@ def op_name(op: Any) -> str:
     return getattr(op, "__name__", repr(op))
 
 
+#: (name fragments, rule file) in the order :func:`guess_family` tries them
+_FAMILY_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("conv",), "conv"),
+    (("fft",), "spectral"),
+    (("sort", "topk", "kthvalue"), "sorting"),
+    (("lstm", "gru", "rnn"), "recurrent"),
+    (("embedding",), "embedding"),
+    (("svd", "solve", "linalg", "cholesky", "qr", "eig", "inverse", "det"), "linalg"),
+    (("mm", "matmul", "dot", "einsum", "linear"), "linalg"),
+    (("attention",), "attention"),
+    (("pool",), "pool"),
+    (("norm",), "norm"),
+    (("loss", "nll", "softmax"), "loss"),
+    (("sum", "mean", "amax", "amin", "var", "prod", "max", "min", "cum", "std"), "reduction"),
+    (
+        (
+            "view",
+            "permute",
+            "reshape",
+            "squeeze",
+            "expand",
+            "cat",
+            "slice",
+            "select",
+            "clone",
+            "transpose",
+            "alias",
+            "split",
+            "stack",
+            "pad",
+            "gather",
+            "scatter",
+            "index",
+        ),
+        "shape",
+    ),
+    (("full", "zeros", "ones", "empty", "arange", "rand", "scalar_tensor"), "creation"),
+)
+
+
 def guess_family(op: Any) -> str:
-    """The rule file an op most likely belongs in, for error messages."""
-    name = op_name(op)
-    table = [
-        (("conv",), "conv"),
-        (("mm", "matmul", "dot", "einsum", "linear", "baddbmm"), "linalg"),
-        (("attention",), "attention"),
-        (("pool",), "pool"),
-        (("norm",), "norm"),
-        (("loss", "nll", "softmax"), "loss"),
-        (("embedding",), "embedding"),
-        (
-            ("sum", "mean", "amax", "amin", "var", "prod", "max", "min", "cumsum", "std"),
-            "reduction",
-        ),
-        (
-            (
-                "view",
-                "permute",
-                "reshape",
-                "squeeze",
-                "expand",
-                "cat",
-                "slice",
-                "select",
-                "clone",
-                "transpose",
-                "alias",
-                "split",
-                "stack",
-                "pad",
-                "gather",
-                "scatter",
-                "index",
-            ),
-            "shape",
-        ),
-        (("full", "zeros", "ones", "empty", "arange", "rand", "scalar_tensor"), "creation"),
-    ]
-    for keys, fam in table:
-        if any(k in name for k in keys):
+    """The rule file (``graphflop/ops/<name>.py``) an op most likely belongs in, for error
+    messages: sorting ops in ``sorting``, the FFT family in ``spectral``, recurrent layers in
+    ``recurrent``, decompositions and solvers in ``linalg``, in-place ops with their functional
+    form; ``elementwise`` when nothing else fits."""
+    name = op_name(op).split(".")
+    base = name[1] if len(name) > 1 else name[0]
+    if base.endswith("_") and not base.startswith("_"):
+        base = base[:-1]
+    for keys, fam in _FAMILY_HINTS:
+        if any(k in base for k in keys):
             return fam
     return "elementwise"
+
+
+#: whether a missing rule raises (``--strict``) or is reported as a gap (the default)
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("graphflop_strict", default=False)
+
+
+@contextlib.contextmanager
+def strict_rules(strict: bool = True) -> Iterator[None]:
+    """Within the block, an op without a rule raises :class:`MissingRuleError` (``strict``) or
+    is counted as 0 FLOPs and cuts the JVP/backward at its node (partial results, the
+    default outside the block)."""
+    token = _STRICT.set(strict)
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
+
+
+def is_strict() -> bool:
+    """True inside :func:`strict_rules`: a missing rule is an error, not a gap."""
+    return _STRICT.get()
+
+
+def missing_kinds(op: Any) -> tuple[str, ...]:
+    """The kinds of rule ``op`` lacks: ``cost`` (no rule at all), ``jvp``, ``transpose``."""
+    rule = _TABLE.get(op)
+    if rule is None:
+        return ("cost", "jvp", "transpose")
+    out = []
+    if rule.jvp is None and not rule.zero_derivative:
+        out.append("jvp")
+    if rule.transpose is None:
+        out.append("transpose")
+    return tuple(out)
 
 
 def register(

@@ -1,8 +1,9 @@
 """FLOP and byte pass: writes ``COST`` (:class:`~graphflop.meta.NodeCost`) on every node.
 
 Reads ``val`` (output FakeTensors) and the rule table. Placeholders, outputs and ``getitem``
-cost nothing; every ``call_function`` node must have a rule, else
-:class:`~graphflop.ops.MissingRuleError` names the op, the node and the rule file.
+cost nothing. A ``call_function`` node whose op has no rule costs 0 (the summary lists it as
+uncounted); inside :func:`graphflop.ops.strict_rules` it raises
+:class:`~graphflop.ops.MissingRuleError` naming the op, the node and the rule file.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from graphflop.ad._tree import leaves, meta_key, tree_map
 from graphflop.ad.ghost import is_ghost
 from graphflop.meta import COST, ZERO_COST, NodeCost
-from graphflop.ops import lookup
+from graphflop.ops import MissingRuleError, is_strict, lookup
 from graphflop.passes.infra import GraphPass
 
 
@@ -43,12 +44,19 @@ def op_cost(op: Any, args: tuple, kwargs: dict, out: Any, node: str | None = Non
     FLOPs come from the op's rule; bytes from its byte policy (``view``: none; otherwise the tensor
     inputs read and the outputs written).
 
+    An op without a rule costs :data:`~graphflop.meta.ZERO_COST` (partial results).
+
     Raises:
-        MissingRuleError: when ``op`` has no rule.
+        MissingRuleError: when ``op`` has no rule, inside :func:`graphflop.ops.strict_rules`.
     """
     if op is operator.getitem:
         return ZERO_COST
-    rule = lookup(op, node=node)
+    try:
+        rule = lookup(op, node=node)
+    except MissingRuleError:
+        if is_strict():
+            raise
+        return ZERO_COST
     a = tree_map(value_of, args)
     k = tree_map(value_of, kwargs)
     o = value_of(out)
@@ -98,7 +106,8 @@ def annotate_flops(gm: GraphModule) -> GraphModule:
     """Write ``COST`` on every node of ``gm`` (in place) and return it.
 
     Raises:
-        MissingRuleError: for a ``call_function`` node whose op has no rule.
+        MissingRuleError: for a ``call_function`` node whose op has no rule, inside
+            :func:`graphflop.ops.strict_rules` (else such a node costs 0).
     """
     for n in gm.graph.nodes:
         if n.op == "call_function":
@@ -111,7 +120,8 @@ def annotate_flops(gm: GraphModule) -> GraphModule:
 class AnnotateFlops(GraphPass):
     """:func:`annotate_flops` as a pass: requires ``val``, provides ``flops``.
 
-    Raises ``MissingRuleError`` for an op without a rule.
+    Raises ``MissingRuleError`` for an op without a rule inside
+    :func:`graphflop.ops.strict_rules`.
     """
 
     name = "annotate_flops"

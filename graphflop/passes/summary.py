@@ -1,14 +1,16 @@
 """Summary pass: roll the node annotations of an analysis's graphs up into a typed
 :class:`~graphflop.report.Report` (totals, ratios, memory, per-layer rows).
 
-Reads ``COST``, ``ROLE``, ``KIND`` and ``MODULE`` on nodes; ``SIGNATURE``, ``LOSS_KIND``,
-``GHOSTS`` and ``FORWARD_GRADIENT`` on graphs; memory peaks come from
+Reads ``COST``, ``ROLE``, ``KIND``, ``MODULE`` and ``SOURCE`` on nodes; ``SIGNATURE``,
+``LOSS_KIND``, ``GHOSTS``, ``GAPS`` and ``FORWARD_GRADIENT`` on graphs, and the rule table (an
+op without a rule is uncounted); memory peaks come from
 :mod:`graphflop.passes.memory`'s schedules. Writes nothing. The graphs must have been through
 ``annotate_flops``.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -17,14 +19,17 @@ from torch.fx import GraphModule, Node
 from graphflop.meta import (
     COST,
     FORWARD_GRADIENT,
+    GAPS,
     GHOSTS,
     KIND,
     LOSS_KIND,
     MODULE,
     ROLE,
     SIGNATURE,
+    SOURCE,
     NodeCost,
 )
+from graphflop.ops import has_rule, op_name
 from graphflop.passes.flops import tensor_bytes, total_cost
 from graphflop.passes.memory import (
     forward_schedule,
@@ -37,14 +42,17 @@ from graphflop.report import (
     BackwardTotals,
     CostTotals,
     ForwardGradientTotals,
+    ForwardTotals,
     InputSpec,
     JvpTotals,
     LayerRow,
     Memory,
+    OpRow,
     Ratios,
     Report,
     Totals,
     TrainStepTotals,
+    Uncounted,
     UpdateTotals,
 )
 
@@ -177,6 +185,7 @@ def _backward(bwd: GraphModule, layers: _Layers) -> BackwardTotals:
     by = _by_role(nodes, "grad_input")
     return BackwardTotals(
         **CostTotals.cost_fields(total_cost(nodes)),
+        complete=_complete(bwd, nodes),
         grad_input_flops=by.get("grad_input", 0),
         grad_weight_flops=by.get("grad_weight", 0),
         grad_accum_flops=by.get("grad_accum", 0),
@@ -213,6 +222,7 @@ def _jvp(jvp: GraphModule, layers: _Layers, tangents: str) -> JvpTotals:
     by = _by_role(nodes, "tangent_from_input")
     return JvpTotals(
         **CostTotals.cost_fields(total_cost(nodes)),
+        complete=_complete(jvp, nodes),
         tangent_from_input_flops=by.get("tangent_from_input", 0),
         tangent_from_param_flops=by.get("tangent_from_param", 0),
         skipped_flops=skipped,
@@ -220,12 +230,13 @@ def _jvp(jvp: GraphModule, layers: _Layers, tangents: str) -> JvpTotals:
     )
 
 
-def _forward_gradient(fg: GraphModule) -> ForwardGradientTotals:
+def _forward_gradient(fg: GraphModule, jvp_complete: bool) -> ForwardGradientTotals:
     nodes = _ops(fg)
     info = fg.meta[FORWARD_GRADIENT]
     by = _by_role(nodes, "forward")
     return ForwardGradientTotals(
         **CostTotals.cost_fields(total_cost(nodes)),
+        complete=jvp_complete and _complete(fg, nodes),
         directions=info.directions,
         distribution=info.distribution,
         primal_flops=by.get("forward", 0) + by.get("loss", 0),
@@ -291,18 +302,102 @@ def _inputs(fwd: GraphModule) -> tuple[InputSpec, ...]:
 
 def _totals(g: Graphs, layers: _Layers, optimizer: str, tangents: str, params: int) -> Totals:
     fwd_total, loss_total = _forward(g.forward, layers)
-    t: dict = {"forward": CostTotals.of(fwd_total), "loss": CostTotals.of(loss_total)}
+    fwd_nodes = _ops(g.forward)
+    loss_nodes = [n for n in fwd_nodes if n.meta.get(ROLE) == "loss"]
+    t: dict = {
+        "forward": ForwardTotals.of(fwd_total, complete=_complete(g.forward, fwd_nodes)),
+        "loss": CostTotals.of(loss_total, complete=_complete(g.forward, loss_nodes)),
+    }
     if g.backward is not None:
         b = t["backward"] = _backward(g.backward, layers)
         u = t["update"] = _update(g.update, layers, optimizer, params)
+        mm = fwd_total.mm_flops + b.mm_flops
         t["train_step"] = TrainStepTotals(
-            flops=fwd_total.flops + b.flops + u.flops, mm_flops=fwd_total.mm_flops + b.mm_flops
+            flops=fwd_total.flops + b.flops + u.flops,
+            mm_flops=mm,
+            macs=mm // 2,
+            complete=t["forward"].complete and b.complete and u.complete,
         )
     if g.jvp is not None:
-        t["jvp"] = _jvp(g.jvp, layers, tangents)
+        j = t["jvp"] = _jvp(g.jvp, layers, tangents)
         if g.forward_gradient is not None:
-            t["forward_gradient_step"] = _forward_gradient(g.forward_gradient)
+            t["forward_gradient_step"] = _forward_gradient(g.forward_gradient, j.complete)
     return Totals(**t)
+
+
+def _rule_less(nodes: list[Node]) -> list[Node]:
+    """The nodes whose op has no rule (counted as 0 FLOPs)."""
+    return [n for n in nodes if n.target is not operator.getitem and not has_rule(n.target)]
+
+
+def _complete(gm: GraphModule, nodes: list[Node]) -> bool:
+    """Every node of ``nodes`` counted and the graph not cut for want of a rule."""
+    return not gm.meta.get(GAPS) and not _rule_less(nodes)
+
+
+_KINDS = ("cost", "jvp", "transpose")
+
+
+def _uncounted(g: Graphs) -> tuple[Uncounted, ...]:
+    """Ops lacking a rule some graph needed: forward nodes without a cost rule, nodes that
+    derivative rules emitted without one, and the JVP and backward graphs' cuts (``GAPS``),
+    grouped by op in the order first met."""
+    by: dict[str, tuple[dict[str, None], dict[str, None], set[str]]] = {}
+
+    def add(op: str, node: str, module: str, kind: str) -> None:
+        nodes, modules, kinds = by.setdefault(op, ({}, {}, set()))
+        nodes[node] = None
+        modules[module] = None
+        kinds.add(kind)
+
+    for gm in (g.forward, g.jvp, g.backward, g.update, g.forward_gradient):
+        if gm is None:
+            continue
+        for n in _rule_less(_ops(gm)):
+            add(op_name(n.target), n.meta.get(SOURCE) or n.name, n.meta.get(MODULE, ""), "cost")
+        for gap in gm.meta.get(GAPS, ()):
+            add(gap.op, gap.node, gap.module, gap.kind)
+    return tuple(
+        Uncounted(
+            op,
+            len(nodes),
+            tuple(nodes),
+            tuple(modules),
+            tuple(k for k in _KINDS if k in kinds),
+        )
+        for op, (nodes, modules, kinds) in by.items()
+    )
+
+
+def _op_rows(g: Graphs) -> tuple[OpRow, ...]:
+    """Per phase, the nodes of each op summed, in the order ops first appear; the nodes are
+    those each phase's totals sum (the JVP graph's tangent and coefficient nodes)."""
+    phases = {
+        "forward": g.forward,
+        "backward": g.backward,
+        "update": g.update,
+        "jvp": g.jvp,
+        "forward_gradient_step": g.forward_gradient if g.jvp is not None else None,
+    }
+    rows: list[OpRow] = []
+    for phase, gm in phases.items():
+        if gm is None or (phase == "update" and g.backward is None):
+            continue
+        nodes = _ops(gm)
+        if phase == "jvp":
+            nodes = [n for n in nodes if n.meta.get(KIND) in ("tangent", "coef")]
+        by: dict[str, tuple[int, NodeCost]] = {}
+        for n in nodes:
+            if n.target is operator.getitem:
+                continue
+            name = op_name(n.target)
+            count, cost = by.get(name, (0, NodeCost()))
+            by[name] = (count + 1, cost + n.meta[COST])
+        rows += [
+            OpRow(op, phase, k, c.flops, c.mm_flops, c.bytes_read, c.bytes_written)
+            for op, (k, c) in by.items()
+        ]
+    return tuple(rows)
 
 
 def summarize(graphs: Graphs, *, name: str, optimizer: str, tangents: str) -> Report:
@@ -344,4 +439,6 @@ def summarize(graphs: Graphs, *, name: str, optimizer: str, tangents: str) -> Re
         # trainable and frozen parameter counts
         trainable_params=trainable,
         frozen_params=params - trainable,
+        uncounted=_uncounted(graphs),
+        ops=_op_rows(graphs),
     )

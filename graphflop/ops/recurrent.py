@@ -1,0 +1,192 @@
+"""Recurrent layers (LSTM, GRU, RNN and their cells): no rules of their own, they are traced as
+their parts, so every time step's matrix products are counted (``mm_flops``), the first step's
+hidden product included, as PyTorch computes it, and the gates elementwise (FLOPS.md).
+
+Two things make that possible:
+
+* PyTorch's C++ decomposition of the recurrent layers runs inside ``torch.func.functionalize``
+  but leaves some in-place ops on fresh temporaries in the graph (``gates.add_(...)``,
+  ``sigmoid_``, ``tanh_``, ``mul_``). Tracing rewrites each into its functional twin
+  (:func:`functionalize_inplace`, exact when nothing reads the overwritten value or another
+  alias of it afterwards); one it cannot rewrite keeps its twin's rule (:data:`INPLACE_TWINS`:
+  the same cost, a JVP that emits the functional op on tangents).
+* On CPU float32 tensors PyTorch routes an LSTM layer to ``aten.mkldnn_rnn_layer``, one fused
+  kernel; graphflop decomposes it (:func:`mkldnn_rnn_layer`) into the same per-step products
+  and gates as on every other device and dtype, so an LSTM counts the same everywhere.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from graphflop.ops import elementwise  # noqa: F401  (the functional rules must exist first)
+from graphflop.ops.registry import all_rules, register, register_decomposition
+
+aten = torch.ops.aten
+
+#: in-place op -> its functional twin, for the in-place ops recurrent decompositions leave
+INPLACE_TWINS: dict[Any, Any] = {
+    aten.add_.Tensor: aten.add.Tensor,
+    aten.sub_.Tensor: aten.sub.Tensor,
+    aten.mul_.Tensor: aten.mul.Tensor,
+    aten.sigmoid_.default: aten.sigmoid.default,
+    aten.tanh_.default: aten.tanh.default,
+    aten.relu_.default: aten.relu.default,
+}
+
+
+def functional_form(op: Any) -> Any:
+    """The functional twin of an in-place op in :data:`INPLACE_TWINS`, else ``op``."""
+    return INPLACE_TWINS.get(op, op)
+
+
+#: ops whose output aliases their first argument (for :func:`functionalize_inplace`)
+_VIEWS = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.squeeze.dims,
+    aten.squeeze.dim,
+    aten.squeeze.default,
+    aten.unsqueeze.default,
+    aten.permute.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.expand.default,
+    aten.alias.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
+    aten.chunk.default,
+}
+
+
+#: views whose getitems are disjoint pieces of their input
+_SPLITS = {
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
+    aten.chunk.default,
+}
+
+
+def _is_view(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and (n.target in _VIEWS or n.target is operator.getitem)
+
+
+def _chain(x: torch.fx.Node) -> list[torch.fx.Node]:
+    """``x`` and the values it is a view of, innermost first."""
+    chain = [x]
+    while _is_view(chain[-1]) and isinstance(chain[-1].args[0], torch.fx.Node):
+        chain.append(chain[-1].args[0])
+    return chain
+
+
+def _overlapping(x: torch.fx.Node) -> set[torch.fx.Node]:
+    """Every value sharing memory with ``x`` (other than ``x``): what it views and the other
+    views of those, leaving out the disjoint pieces of a split."""
+    chain = _chain(x)
+    out: set[torch.fx.Node] = set(chain[1:])
+    stack = [u for u in x.users if _is_view(u)]
+    for a, inner in zip(chain[1:], chain):
+        if a.target in _SPLITS:
+            continue  # the other pieces of a split are disjoint from ``inner``
+        stack += [u for u in a.users if _is_view(u) and u is not inner]
+    while stack:
+        n = stack.pop()
+        if n not in out:
+            out.add(n)
+            stack += [u for u in n.users if _is_view(u)]
+    return out
+
+
+def functionalize_inplace(graph: torch.fx.Graph) -> int:
+    """Rewrite ``y = op_(x, ...)`` into ``y = op(x, ...)`` wherever that is exact: no alias of
+    ``x`` other than ``x`` itself is read after the node, and later readers of ``x`` are
+    pointed at ``y``. Returns the number of nodes rewritten; the others keep their in-place
+    op (and :data:`INPLACE_TWINS`' rules)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target not in INPLACE_TWINS or not n.args:
+            continue
+        x = n.args[0]
+        if not isinstance(x, torch.fx.Node):
+            continue
+        aliases = _overlapping(x)
+        if any(order[u] > order[n] and not _is_view(u) for a in aliases for u in a.users):
+            continue  # another alias of x is read after the write: keep it in place
+        n.target = INPLACE_TWINS[n.target]
+        for u in [u for u in x.users if order[u] > order[n]]:
+            u.replace_input_with(x, n)
+        done += 1
+    return done
+
+
+def _register_twins() -> None:
+    rules = all_rules()
+    for inplace, functional in INPLACE_TWINS.items():
+        r = rules[functional]
+        register(
+            inplace,
+            r.family,
+            r.cost,
+            bytes=r.bytes,
+            jvp=r.jvp,
+            transpose=r.transpose,
+            zero_derivative=r.zero_derivative,
+        )
+
+
+_register_twins()
+
+
+@register_decomposition(aten.mkldnn_rnn_layer.default)
+def mkldnn_rnn_layer(
+    inp: torch.Tensor,
+    w_ih: torch.Tensor,
+    w_hh: torch.Tensor,
+    b_ih: torch.Tensor,
+    b_hh: torch.Tensor,
+    hx: torch.Tensor,
+    cx: torch.Tensor,
+    reverse: bool,
+    batch_sizes: list[int],
+    mode: int,
+    hidden_size: int,
+    num_layers: int,
+    has_biases: bool,
+    bidirectional: bool,
+    batch_first: bool,
+    train: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One LSTM layer over ``inp`` (T, B, I) from ``hx``, ``cx`` ((1,) B, H), as PyTorch's
+    generic LSTM computes it per step t: ``gates = x_t·W_ihᵀ + b_ih + h·W_hhᵀ + b_hh``
+    (4H wide: input, forget, cell, output), ``c = σ(f)·c + σ(i)·tanh(g)``,
+    ``h = σ(o)·tanh(c)``. Returns ``(y (T, B, H), hy, cy, workspace)``; the workspace is
+    empty (nothing reads it)."""
+    if mode != 2 or batch_sizes:  # PyTorch uses the kernel for dense LSTMs only
+        raise NotImplementedError("mkldnn_rnn_layer: only dense LSTM layers are decomposed")
+    # the caller has already laid the input out as (T, B, I) and splits layers and
+    # directions: num_layers, bidirectional and batch_first describe the whole module
+    h, c = hx.reshape(hx.shape[-2:]), cx.reshape(cx.shape[-2:])
+    w_ih_t, w_hh_t = w_ih.t(), w_hh.t()
+    steps = range(inp.shape[0] - 1, -1, -1) if reverse else range(inp.shape[0])
+    outs: list[torch.Tensor] = []
+    for t in steps:
+        if has_biases:
+            gates = torch.addmm(b_ih, inp[t], w_ih_t) + torch.addmm(b_hh, h, w_hh_t)
+        else:
+            gates = torch.mm(inp[t], w_ih_t) + torch.mm(h, w_hh_t)
+        i, f, g, o = gates.chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        outs.append(h)
+    if reverse:
+        outs.reverse()
+    y = torch.stack(outs, 0)
+    return y, h.reshape(hx.shape), c.reshape(cx.shape), inp.new_empty((0,))

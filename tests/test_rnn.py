@@ -1,0 +1,153 @@
+"""Recurrent layers and EmbeddingBag (issue 15): exact hand counts, the same on every device and
+dtype, FlopCounterMode's matrix FLOPs, and gradients/tangents against torch.func."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import graphflop
+from graphflop.runtime.verify import verify_analysis
+
+B, T, H, VOCAB, EMB, TAGS = 4, 12, 48, 50, 16, 10
+
+
+class LstmTagger(nn.Module):
+    """Embedding (50×16) → 2-layer LSTM (hidden 48, batch first) → Linear(48, 10) per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, EMB)
+        self.lstm = nn.LSTM(EMB, H, num_layers=2, batch_first=True)
+        self.head = nn.Linear(H, TAGS)
+
+    def forward(self, tokens):
+        y, _ = self.lstm(self.emb(tokens))
+        return self.head(y)
+
+
+class GruTagger(nn.Module):
+    """Embedding (50×16) → 1-layer GRU (hidden 48, batch first) → Linear(48, 10) per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, EMB)
+        self.gru = nn.GRU(EMB, H, batch_first=True)
+        self.head = nn.Linear(H, TAGS)
+
+    def forward(self, tokens):
+        y, _ = self.gru(self.emb(tokens))
+        return self.head(y)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, T))
+
+
+# Per LSTM time step and layer (B = 4, H = 48, input width I), as PyTorch computes it:
+#   x_t·W_ihᵀ + b_ih   addmm: 2·B·I·4H matrix + B·4H bias
+#   h·W_hhᵀ + b_hh     addmm: 2·B·H·4H matrix + B·4H bias (step 1 too: h0 = 0 is multiplied)
+#   gates sum          B·4H
+#   σ(i), σ(f), σ(o), tanh(g)         4·B·H
+#   c = f·c + i·g      3·B·H;  tanh(c) B·H;  h = o·tanh(c) B·H
+# elementwise per step: 3·B·4H + 9·B·H = 21·B·H = 21·4·48 = 4,032
+# matrix per step: layer 1 (I = 16): 2·4·16·192 + 2·4·48·192 = 24,576 + 73,728 = 98,304
+#                  layer 2 (I = 48): 2·4·48·192 + 2·4·48·192 = 147,456
+LSTM_MM = T * (98_304 + 147_456)  # 2,949,120
+LSTM_EW = 2 * T * 4_032  # 96,768
+# head: 48 tokens · (2·48·10 = 960 matrix + 10 bias) = 46,080 + 480; embedding lookups: 0
+HEAD_MM, HEAD_BIAS = 46_080, 480
+LSTM_FORWARD = LSTM_MM + LSTM_EW + HEAD_MM + HEAD_BIAS  # 3,092,448 (model, no loss)
+
+# Per GRU time step (one layer, I = 16):
+#   two addmms: 2·B·16·3H + 2·B·48·3H = 18,432 + 55,296 = 73,728 matrix, 2·B·3H = 1,152 bias
+#   r = σ(i_r + h_r), z = σ(i_z + h_z): 2·(B·H + B·H) = 768
+#   n = tanh(i_n + r·h_n): 3·B·H = 576
+#   h' = n + z·(h − n): 3·B·H = 576
+# elementwise per step: 1,152 + 768 + 576 + 576 = 3,072 (= 16·B·H)
+GRU_MM = T * 73_728  # 884,736
+GRU_EW = T * 3_072  # 36,864
+GRU_FORWARD = GRU_MM + GRU_EW + HEAD_MM + HEAD_BIAS  # 968,160
+
+
+def _model_flops(a) -> tuple[int, int]:
+    rows = [L for L in a.report.layers if L.name != "loss"]
+    return sum(L.forward_flops for L in rows), sum(L.forward_mm_flops for L in rows)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_lstm_tagger_counts_by_hand(device):
+    with torch.device(device):
+        model = LstmTagger()
+    a = graphflop.analyze(model, (tokens().to(device),), backward=False, jvp=False)
+    assert _model_flops(a) == (LSTM_FORWARD, LSTM_MM + HEAD_MM)
+    assert a.report.layer("lstm").forward_mm_flops == LSTM_MM
+    assert a.report.totals.forward.complete and not a.report.uncounted
+
+
+def test_gru_tagger_counts_by_hand():
+    a = graphflop.analyze(GruTagger(), (tokens(),), backward=False, jvp=False)
+    assert _model_flops(a) == (GRU_FORWARD, GRU_MM + HEAD_MM)
+
+
+@pytest.mark.parametrize("cls", [LstmTagger, GruTagger])
+def test_matrix_flops_equal_flop_counter_mode(cls):
+    # float64: PyTorch's CPU float32 LSTM is one mkldnn kernel FlopCounterMode does not count
+    model, x = cls().double(), tokens()
+    with FlopCounterMode(display=False) as fc:
+        model(x)
+    a = graphflop.analyze(model, (x,), backward=False, jvp=False)
+    assert _model_flops(a)[1] == fc.get_total_flops()
+
+
+CELLS = {
+    "lstm_cell": lambda: nn.LSTMCell(16, 8),
+    "gru_cell": lambda: nn.GRUCell(16, 8),
+    "rnn_cell": lambda: nn.RNNCell(16, 8),
+    "rnn_relu_bidirectional": lambda: nn.RNN(
+        16, 8, nonlinearity="relu", bidirectional=True, batch_first=True
+    ),
+}
+
+
+class Wrap(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        y = self.m(x)
+        return (y[0] if isinstance(y, tuple) else y).tanh()
+
+
+@pytest.mark.parametrize("name", sorted(CELLS))
+def test_cells_verify_against_torch_func(name):
+    model = Wrap(CELLS[name]()).double()
+    x = torch.randn(3, 5, 16, dtype=torch.float64) if "rnn_relu" in name else torch.randn(3, 16)
+    a = graphflop.analyze(model, (x,), loss="sum")
+    assert a.report.totals.backward.complete and a.report.totals.jvp.complete
+
+    class Loaded:
+        pass
+
+    loaded = Loaded()
+    loaded.model = model
+    checks = verify_analysis(loaded, (x,), a)
+    assert checks and all(c.ok for c in checks), [(c.name, c.worst_rel_error) for c in checks]
+
+
+@pytest.mark.parametrize("cls", [LstmTagger, GruTagger])
+def test_taggers_verify_against_torch_func(cls):
+    model = cls()
+    x = tokens()
+    a = graphflop.analyze(model, (x,))
+
+    class Loaded:
+        pass
+
+    loaded = Loaded()
+    loaded.model = model
+    checks = verify_analysis(loaded, (x,), a)
+    assert checks and all(c.ok for c in checks), [(c.name, c.worst_rel_error) for c in checks]
