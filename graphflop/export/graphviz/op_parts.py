@@ -280,7 +280,13 @@ class OpParts:
         for a in self.pending.values():
             if a.key == "f":
                 ops[a.module].append(a.op)
-        return {m: n for m, v in ops.items() if (n := composite_name(v, self.types.get(m, "")))}
+        names = {m: composite_name(v, self.types.get(m, "")) for m, v in ops.items()}
+        return {
+            m: n
+            for m, n in names.items()
+            # a block's own residual adds do not name the block
+            if n and not (n == "residual add" and any(p.startswith(m + ".") for p in ops))
+        }
 
     def _keep_only(self, root: str) -> None:
         """Drop the boxes outside module ``root``; an edge crossing its border keeps a small

@@ -3,7 +3,7 @@
 The page is self-contained (no network): the SVG is embedded as markup, so its tooltips work,
 and a small script searches every box's id, text and tooltip. Typing in the box highlights the
 matching boxes (the others fade) and Enter scrolls to the next one; ``#q=attn`` in the address
-runs a search on load. The number of matches is shown and kept in the body's ``data-matches``
+runs a search on load (highlighting only, the page stays at its top). The number of matches is shown and kept in the body's ``data-matches``
 attribute (what a headless browser test reads back).
 """
 
@@ -14,10 +14,10 @@ import re
 
 _STYLE = """
 body { margin: 0; font: 14px Helvetica, Arial, sans-serif; }
-header { position: sticky; top: 0; background: #fff; padding: 8px 12px;
+header { position: fixed; top: 0; left: 0; right: 0; background: #fff; padding: 8px 12px;
          border-bottom: 1px solid #ccc; display: flex; gap: 8px; align-items: center; z-index: 1; }
 header input { width: 22em; font-size: 14px; padding: 3px 6px; }
-#picture { padding: 8px; }
+#picture { padding: 52px 8px 8px 8px; }
 #picture svg { transform-origin: 0 0; }
 svg g.node.dim, svg g.cluster.dim { opacity: 0.25; }
 svg g.node.hit > polygon, svg g.node.hit > path, svg g.node.hit > ellipse
@@ -68,7 +68,7 @@ _SCRIPT = """
   document.getElementById('zout').onclick = () => zoom(0.8);
   document.getElementById('z1').onclick = () => zoom(0);
   const m = /[#&]q=([^&]*)/.exec(location.hash);
-  if (m) { box.value = decodeURIComponent(m[1]); search(box.value); next(); }
+  if (m) { box.value = decodeURIComponent(m[1]); search(box.value); }
   else { document.body.dataset.matches = '0'; }
 })();
 """
