@@ -8,16 +8,20 @@ forward values to the backward nodes reading them with their bytes, and a legend
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 import shutil
 import struct
+import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from conftest import analysis
+from conftest import ROOT, analysis
 
 import graphflop.export.graphviz as gv
+from graphflop.analysis import analyze
 from graphflop.export.graphviz import (
     GRAPHS,
     NO_DOT,
@@ -31,7 +35,8 @@ from graphflop.export.graphviz.module_level import module_scene
 from graphflop.export.graphviz.op_level import op_scene
 from graphflop.export.graphviz.scene import Card, Legend, LegendItem, Stat, StatCard
 from graphflop.export.report import human, human_bytes
-from graphflop.meta import GHOSTS
+from graphflop.load import load, make_inputs
+from graphflop.meta import GHOSTS, MODULE
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` not installed")
 SVG = "{http://www.w3.org/2000/svg}"
@@ -156,7 +161,9 @@ def test_resnet50_module_level_png(tmp_path):
     width, height = struct.unpack(">II", head[16:24])
     # one row per bottleneck block: a tall, narrow picture whose text stays readable at 96 dpi
     assert 800 < width < 4000 and height < 12000, (width, height)
-    assert "m_layer4_2_conv3" in src and "b_convolution" not in src  # module boxes, no op nodes
+    # module boxes, no op nodes; layer4.2 is identical to layer4.1: drawn once, as "×2"
+    assert "m_layer4_1_conv3" in src and "m_layer4_2_conv3" not in src
+    assert "b_convolution" not in src and "<B>×2</B>" in src
     conv1 = a.report.layer("conv1")
     # conv1's input gradient: 2 · 64·112·112 · 3·7·7 = 236,027,904 FLOPs, pruned
     assert conv1.pruned_flops == 2 * 64 * 112 * 112 * 3 * 49
@@ -296,3 +303,214 @@ def test_labels_escape_text():
     assert '<TD COLSPAN="3"></TD>' in stats  # an odd stat fills its row
     legend = legend_html(Legend("x<y", "viridis", (), (), (LegendItem("a&b", "#123456", "<"),)))
     assert "fill: x&lt;y" in legend and '<FONT COLOR="#123456"><B>&lt;</B>a&amp;b</FONT>' in legend
+
+
+# -- transformers: repeated blocks folded, composite names, one module at op level ----------
+
+
+@functools.lru_cache(maxsize=4)
+def _lm(spec: str, ctor: tuple = (), t: int = 128):
+    """GPT-2 (token ids (1, t), int64) or another model with its example inputs, on meta."""
+    import torch
+
+    loaded = load(str(ROOT / "models" / spec), ctor_kwargs=dict(ctor), meta=True)
+    loaded.model.train()
+    kw = {"shapes": [(1, t)], "dtype": torch.int64} if "gpt2" in spec else {}
+    return analyze(loaded.model, make_inputs(loaded, **kw), name=spec)
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + ".")
+
+
+def test_gpt2_small_blocks_fold_into_one_box_x12():
+    a = _lm("gpt2.py:gpt2_small")
+    scene = module_scene(a, "train", {})
+    (fold,) = scene.folds()
+    assert fold.count == 12 and fold.members == tuple(f"h.{i}" for i in range(12))
+    # the other eleven blocks are not drawn
+    assert not [b for b in scene.boxes if b.id.startswith("m_h_") and not b.id.startswith("m_h_0")]
+    rows = a.report.layers
+    per = sum(r.forward_flops for r in rows if _under(r.name, "h.0"))
+    total = sum(r.forward_flops for r in rows if re.fullmatch(r"h\.\d+(\..*)?", r.name))
+    # matrix products of one block, T = 128, d = 768: four linears 2·T·d·(3d + d + 4d + 4d)
+    # = 1,811,939,328, two attention bmm 2 · (2·12·128·128·64) = 50,331,648
+    mm = sum(r.forward_mm_flops for r in rows if _under(r.name, "h.0"))
+    assert mm == 2 * 128 * 768 * 12 * 768 + 2 * 2 * 12 * 128 * 128 * 64 == 1_862_270_976
+    fwd = fold.row("fwd")
+    assert (fwd.per_block, fwd.total) == (per, total) and total == 12 * per
+    for key in ("bwd∂x", "bwd∂W", "upd", "jvp", "saved"):
+        assert fold.row(key).total == 12 * fold.row(key).per_block, key
+    # the boxes drawn inside the fold add up to one block
+    inside = [b for b in scene.boxes if b.kind == "module" and b.id.startswith("m_h_0")]
+    shown = {b.label.title for b in inside}
+    assert {"ln_1", "ln_2", "attention", "c_attn", "c_fc", "gelu", "residual add"} <= shown
+    assert sum(_flops(b.label.stats[0].value) for b in inside) == pytest.approx(per, rel=0.01)
+
+
+def _flops(text: str) -> float:
+    num, _, unit = text.partition(" ")
+    return float(num) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[unit]
+
+
+@needs_dot
+@pytest.mark.parametrize("spec", ["gpt2.py:gpt2_small", "vit.py:vit_b_16"])
+def test_transformer_module_png_fits_4000px(tmp_path, spec):
+    a = _lm(spec)
+    out = tmp_path / "m.png"
+    src = render(a, out, level="module")
+    width, height = struct.unpack(">II", out.read_bytes()[16:24])
+    assert max(width, height) <= 4000, (width, height)
+    assert src.count("<B>×12</B>") == 1  # the twelve blocks drawn once
+
+
+def test_composite_names():
+    from graphflop.export.graphviz.composite import composite_name
+
+    # the ATen ops GPT-2's modules trace to (see models/gpt2.py)
+    ln = ["var_mean", "getitem", "getitem", "add", "rsqrt", "sub", "mul", "mul", "add"]
+    gelu = ["mul", "mul", "mul", "add", "mul", "mul", "tanh", "add", "mul"]
+    attn = ["split_with_sizes", "view", "permute", "mul", "expand", "bmm", "ge", "where"]
+    attn += ["amax", "sub", "exp", "sum", "div", "expand", "view", "bmm", "clone", "view"]
+    ce = ["amax", "sub", "exp", "sum", "log", "sub", "ne", "where", "gather", "neg", "div"]
+    assert composite_name(ln) == "layer norm" and composite_name(gelu) == "GELU"
+    assert composite_name(attn) == "attention" and composite_name(ce) == "cross-entropy"
+    assert composite_name(["add", "add"]) == "residual add"
+    assert composite_name(["permute", "view", "addmm", "view"]) == "linear"
+    assert composite_name(ln, "BatchNorm2d") == "batch norm"
+    assert composite_name(["convolution"]) is None
+    assert composite_name(["exp", "sum", "div"]) == "softmax"
+
+
+def test_one_module_at_op_level():
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    scene = op_scene(a, "train", {}, True, module="h.1")
+    op_boxes = [b for b in scene.boxes if b.kind == "op"]
+    assert op_boxes and all(b.module.startswith("h.1") or b.module == "" for b in op_boxes)
+    fwd = {b.id for b in op_boxes if b.id.startswith("f_")}
+    names = {n.name for n in a.forward.graph.nodes if str(n.meta.get(MODULE, "")).startswith("h.1")}
+    assert fwd == {f"f_{n}" for n in names}  # every forward op of h.1, nothing else
+    # edges crossing the border end in boxes naming the module outside
+    border = {b.label.split("\n")[0] for b in scene.boxes if b.id.startswith("x_")}
+    assert "from h.0" in border and "to ln_f" in border
+    assert "h.1.attn · CausalSelfAttention · attention" in {c.label for c in scene.clusters()}
+    with pytest.raises(RenderError, match="no module 'h.9'"):
+        render(a, graph="train", module="h.9")
+
+
+# Machado, Oliveira & Fernandes (2009), severity 1.0, applied to linear RGB
+CVD = {
+    "protanopia": ((0.152286, 1.052583, -0.204868), (0.114503, 0.786281, 0.099216),
+                   (-0.003882, -0.048116, 1.051998)),
+    "deuteranopia": ((0.367322, 0.860646, -0.227968), (0.280085, 0.672501, 0.047413),
+                     (-0.011820, 0.042940, 0.968881)),
+    "tritanopia": ((1.255528, -0.076749, -0.178779), (-0.078411, 0.930809, 0.147602),
+                   (0.004733, 0.691367, 0.303900)),
+}  # fmt: skip
+
+
+def _lab(hex_colour: str, matrix=None) -> tuple[float, float, float]:
+    """CIELAB (D65) of a colour, after a colour-vision-deficiency matrix."""
+    srgb = [int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in srgb]
+    if matrix:
+        lin = [min(1.0, max(0.0, sum(m * c for m, c in zip(row, lin)))) for row in matrix]
+    xyz = [
+        sum(m * c for m, c in zip(row, lin))
+        for row in ((0.4124, 0.3576, 0.1805), (0.2126, 0.7152, 0.0722), (0.0193, 0.1192, 0.9505))
+    ]
+    f = [
+        t ** (1 / 3) if t > (6 / 29) ** 3 else t / (3 * (6 / 29) ** 2) + 4 / 29
+        for t in (xyz[0] / 0.95047, xyz[1], xyz[2] / 1.08883)
+    ]
+    return 116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])
+
+
+def _worst_pair(colours: dict[str, str]) -> tuple[float, str]:
+    """The smallest CIE76 difference between two colours, over normal vision and the three
+    simulated dichromacies, and where it occurs."""
+    worst = (1e9, "")
+    names = list(colours)
+    for kind, matrix in [("normal", None), *CVD.items()]:
+        labs = {n: _lab(colours[n], matrix) for n in names}
+        for i, x in enumerate(names):
+            for y in names[i + 1 :]:
+                d = math.dist(labs[x], labs[y])
+                worst = min(worst, (d, f"{x}/{y} ({kind})"))
+    return worst
+
+
+def _hue_gap(colours: dict[str, str]) -> tuple[float, str]:
+    """The smallest CIELAB hue-angle gap (degrees, normal vision) between two chromatic
+    colours."""
+    hue = {}
+    for n, c in colours.items():
+        _, a_, b_ = _lab(c)
+        if math.hypot(a_, b_) > 10:  # black and greys have no hue
+            hue[n] = math.degrees(math.atan2(b_, a_)) % 360
+    names = list(hue)
+    gaps = [
+        (min(abs(hue[x] - hue[y]), 360 - abs(hue[x] - hue[y])), f"{x}/{y}")
+        for i, x in enumerate(names)
+        for y in names[i + 1 :]
+    ]
+    return min(gaps)
+
+
+def test_role_colours_differ_in_hue_and_under_colour_blindness():
+    from graphflop.export.graphviz.palette import RESIDUAL_COLOUR
+
+    colours = dict(ROLE_COLOURS) | {"residual": RESIDUAL_COLOUR}
+    d, where = _worst_pair(colours)
+    assert d >= 15, where  # CIE76: about 2.3 is just noticeable; 15 is plainly different
+    gap, where = _hue_gap(ROLE_COLOURS)
+    assert gap >= 25, where
+    # the checks can fail: the previous palette's two gradients were two oranges
+    old = {"grad_input": "#D55E00", "grad_weight": "#E69F00"}
+    assert _hue_gap(old)[0] < 25
+    # and its two tangents two blues
+    assert _hue_gap({"t_in": "#56B4E9", "t_param": "#0072B2"})[0] < 25
+
+
+def test_legend_explains_edges():
+    a = analysis("convnet.py", 1)
+    scene = op_scene(a, "train", {}, True)
+    text = " ".join(i.text for i in scene.legend.items)
+    assert "residual" in text and "data flow" in text and "parameter read by the backward" in text
+
+
+chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@needs_dot
+@pytest.mark.skipif(chromium is None, reason="chromium not installed")
+def test_html_page_searches_in_headless_chromium(tmp_path):
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    out = tmp_path / "model.html"
+    render(a, out, level="module")
+    root_svg = out.read_text()
+    # what the page's search should find: node groups whose id, text or tooltip holds "attn"
+    svg = ET.fromstring(root_svg[root_svg.index("<svg") : root_svg.index("</svg>") + 6])
+    want = 0
+    for g in _by_class(svg, "node"):
+        tips = " ".join(v for el in g.iter() for k, v in el.attrib.items() if k.endswith("title"))
+        blob = " ".join([g.get("id") or "", "".join(g.itertext()), tips]).lower()
+        want += "attn" in blob
+    assert want >= 3
+    cmd = [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+    ]  # fmt: skip
+    url = out.as_uri() + "#q=attn"
+    dom = subprocess.run(
+        [*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert f'data-matches="{want}"' in dom
+    assert dom.count('class="node hit') + dom.count('class="node current hit') >= 1
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [*cmd, f"--screenshot={shot}", "--window-size=1200,900", url],
+        capture_output=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -16,7 +16,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="draw the forward, backward, JVP or train graph with Graphviz",
         description="Render SPEC's graphs with FLOPs, bytes, roles, pruned work (ghosts) and "
         "residual edges drawn on them. The format follows the output suffix (.svg, "
-        ".png, .pdf, or .dot for the Graphviz source).",
+        ".png, .pdf, .html, or .dot for the Graphviz source).",
     )
     add_model_args(p)
     p.add_argument(
@@ -24,7 +24,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--output",
         required=True,
         metavar="PATH",
-        help="output file: .svg, .png, .pdf or .dot",
+        help="output file: .svg (with tooltips), .png, .pdf, .html (the SVG with a search "
+        "box) or .dot",
     )
     p.add_argument(
         "--graph",
@@ -36,7 +37,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--level",
         default="auto",
         choices=["auto", "op", "module"],
-        help="one node per op, or one box per module (auto: op level up to a few hundred nodes)",
+        help="one node per op, or one box per module, repeated identical blocks drawn once "
+        "(auto: op level up to a few hundred nodes, or with --module)",
+    )
+    p.add_argument(
+        "--module",
+        metavar="PATH",
+        help="draw only this module (e.g. h.0 or layer3.1), at op level unless --level module",
     )
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES)
     p.add_argument(
@@ -70,6 +77,13 @@ def run(args: argparse.Namespace, err: Console) -> int:
     with err.status("analysing", spinner="dots") as status:
         analysis = analyze_model(args, loaded, inputs, status)
         status.update("rendering")
-        render(analysis, args.output, graph=args.graph, level=args.level, profile=profile)
+        render(
+            analysis,
+            args.output,
+            graph=args.graph,
+            level=args.level,
+            profile=profile,
+            module=args.module,
+        )
     print(args.output)
     return 0

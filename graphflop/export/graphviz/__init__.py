@@ -16,8 +16,8 @@ measured time. ``level="auto"`` picks ``op`` up to ``max_op_nodes`` call nodes, 
 Drawing choices (op level)
     * Node fill: FLOPs on matplotlib's perceptually uniform ``viridis`` scale, log10, from the
       smallest to the largest non-zero count in the picture; nodes with no FLOPs (views) are
-      white. The header strip and the border carry the node's role colour (:data:`ROLE_COLOURS`,
-      the Okabe–Ito colour-blind-safe palette plus wine and olive from Paul Tol's). Each label:
+      white. The header strip and the border carry the node's role colour (:data:`ROLE_COLOURS`:
+      roles differ in hue and stay apart under simulated colour blindness, see :mod:`.palette`). Each label:
       op name, output shape, FLOPs and bytes moved (read + written).
     * Clusters: one per ``nn.Module`` path, nested along the path.
     * ``train``/``all``: one column per graph (forward, backward with the update, JVP
@@ -43,21 +43,33 @@ Drawing choices (op level)
       falls back to simpler layouts (see its Returns).
 
 Drawing choices (module level)
-    One box per module path (its own ops only; a parent path with ops of its own, e.g. a residual
-    block's ``add``, gets a box named after them), nested in clusters along the path, filled by
-    FLOPs (viridis, log) and listing forward, backward (input/weight), update and JVP FLOPs,
-    ratios, bytes saved for backward and measured time; edges follow the forward data flow. With more than 40 boxes, the boxes directly inside one
-    parent cluster are laid out in one row (so ResNet-50 is one row per bottleneck block). Pruned
-    and skipped work are dashed ghost boxes beside their module.
+    One box per stretch of a module's own ops (a module whose ops resume after another's, e.g.
+    a block's two residual ``add``, gets one box per stretch, so a deep chain reads top to
+    bottom), named by the module and by what its ops compute where they are a known composite
+    (attention, layer norm, GELU, cross-entropy: :mod:`.composite`), nested in clusters along
+    the path, filled by FLOPs (viridis, log) and listing forward, input-gradient,
+    weight-gradient, update and JVP FLOPs, ratios, bytes saved for backward and measured time;
+    edges follow the forward data flow. Repeated identical modules (a transformer's blocks:
+    :mod:`.structure`) are drawn once, in a cluster marked "×N" whose label tables per-block and
+    total figures. With more than 40 boxes, the boxes directly inside one parent cluster are
+    laid out in one row (ResNet-50: one row per bottleneck block). Pruned and skipped work are
+    dashed ghost boxes beside their module.
+
+Output
+    SVG boxes and edges carry tooltips (node name, op, shapes, FLOPs, bytes, module and the
+    forward node it derives from); ``.html`` embeds the SVG in a page with a search box
+    (:mod:`.page`). ``module=`` draws one module's subtree (at op level by default).
 
 Package layout ("what to draw", then "how to draw"):
     * :mod:`.scene` — a Graphviz-free model of a picture: boxes, edges, clusters, legend;
-    * :mod:`.op_level` (with :mod:`.op_parts`) and :mod:`.module_level` — build a scene from an
-      analysis, one per level; :mod:`.captions` — title and legend text; :mod:`.palette` —
+    * :mod:`.op_level` (with :mod:`.op_parts`) and :mod:`.module_level` (with
+      :mod:`.structure`: boxes and repeated modules) — build a scene from an analysis, one per
+      level; :mod:`.composite` — names of groups of ATen ops; :mod:`.captions` — title and legend text; :mod:`.palette` —
       colours; :mod:`.facts` — analysis facts read from node annotations and the typed report
       (``analysis.report``);
     * :mod:`.draw` — the only user of the ``graphviz`` library: a scene as a ``Digraph``, with
-      its HTML-like labels; :mod:`.output` — runs ``dot`` and writes the file atomically.
+      its HTML-like labels; :mod:`.output` — runs ``dot`` and writes the file atomically;
+      :mod:`.page` — the HTML page around an SVG.
 
 Reads (never writes): ``val``, ``KIND``, ``ROLE``, ``SOURCE``, ``MODULE``,
 ``COST``, ``PARAM``, ``RESIDUAL``, PyTorch's ``nn_module_stack`` (module class names,
@@ -76,7 +88,7 @@ from graphflop.export.graphviz import facts
 from graphflop.export.graphviz.draw import to_digraph
 from graphflop.export.graphviz.errors import NO_DOT, RenderError
 from graphflop.export.graphviz.module_level import module_scene
-from graphflop.export.graphviz.op_level import op_scene
+from graphflop.export.graphviz.op_level import check_module, op_scene
 from graphflop.export.graphviz.output import write
 from graphflop.export.graphviz.palette import ROLE_COLOURS
 from graphflop.export.graphviz.profile import PROFILE_PHASE, load_profile, normalise_profile
@@ -97,7 +109,15 @@ __all__ = [
 GRAPHS = ("forward", "backward", "jvp", "train", "all")
 LEVELS = ("auto", "op", "module")
 #: output suffix → Graphviz output format ("dot" = the source itself)
-FORMATS = {".svg": "svg", ".png": "png", ".pdf": "pdf", ".dot": "dot", ".gv": "dot"}
+FORMATS = {
+    ".svg": "svg",
+    ".png": "png",
+    ".pdf": "pdf",
+    ".html": "html",
+    ".htm": "html",
+    ".dot": "dot",
+    ".gv": "dot",
+}
 #: graph → the analysis graphs it needs besides the forward
 NEEDS = {
     "backward": ("backward",),
@@ -124,14 +144,17 @@ def render(
     profile: Mapping[str, Any] | None = None,
     max_op_nodes: int = 400,
     collapse_loss: bool = True,
+    module: str | None = None,
 ) -> str:
     """Draw ``analysis``'s graphs with Graphviz; return the DOT source, and write ``path``.
 
     Args:
         analysis: an :class:`~graphflop.analysis.Analysis` (only its annotations and
             typed report are read).
-        path: output file; its suffix picks the format: ``.svg``, ``.png``, ``.pdf``, or
-            ``.dot``/``.gv`` for the source. Written atomically (a temporary file in the same
+        path: output file; its suffix picks the format: ``.svg`` (every box and edge with a
+            tooltip: node name, op, shapes, FLOPs, bytes, module, provenance), ``.png``,
+            ``.pdf``, ``.html`` (a page embedding the SVG, with a search box; see
+            :mod:`.page`), or ``.dot``/``.gv`` for the source. Written atomically (a temporary file in the same
             folder, then :func:`os.replace`); nothing is left behind on failure.
         graph: ``forward``, ``backward``, ``jvp``, ``train`` (forward + backward + update) or
             ``all`` (``train`` + the JVP's tangent nodes).
@@ -143,6 +166,8 @@ def render(
         max_op_nodes: the ``auto`` threshold.
         collapse_loss: at op level, draw the loss's ops (a cross-entropy is about twenty tiny
             ops in each graph) as one node per graph.
+        module: draw one module's subtree only (``"h.0"``, ``"layer3.1"``); ``auto`` then means
+            ``op``. Edges crossing its border end in small boxes naming the module outside.
 
     Returns:
         The DOT source that was rendered (without ``path``: the first layout below).
@@ -152,7 +177,8 @@ def render(
         then without module clusters (the module path moves into each label).
 
     Raises:
-        RenderError: unknown ``graph``/``level``/suffix, a graph the analysis did not build,
+        RenderError: unknown ``graph``/``level``/suffix/``module``, a graph the analysis did
+            not build,
             ``dot`` missing for a non-``.dot`` format (one line saying how to install it), or
             ``dot`` failing.
     """
@@ -165,15 +191,18 @@ def render(
         fmt = FORMATS.get(Path(path).suffix.lower())
         if fmt is None:
             raise RenderError(
-                f"cannot tell the format of {os.fspath(path)!r}: use a .svg, .png, .pdf or .dot "
-                "suffix"
+                f"cannot tell the format of {os.fspath(path)!r}: use a .svg, .png, .pdf, .html "
+                "or .dot suffix"
             )
     missing = [k for k in NEEDS.get(graph, ()) if getattr(analysis, k, None) is None]
     if missing:
         raise RenderError(f"the analysis has no {' or '.join(missing)} graph to draw")
+    check_module(analysis, module)
     if level == "auto":
-        level = "op" if count_op_nodes(analysis, graph) <= max_op_nodes else "module"
-    variants = _variants(analysis, graph, level, normalise_profile(profile, graph), collapse_loss)
+        small = module is not None or count_op_nodes(analysis, graph) <= max_op_nodes
+        level = "op" if small else "module"
+    prof = normalise_profile(profile, graph)
+    variants = _variants(analysis, graph, level, prof, collapse_loss, module)
     if path is None:
         return variants[0]()
     return write(variants, Path(path), fmt)
@@ -185,7 +214,12 @@ def count_op_nodes(analysis: Any, graph: str) -> int:
 
 
 def _variants(
-    analysis: Any, graph: str, level: str, profile: dict[str, float], collapse_loss: bool
+    analysis: Any,
+    graph: str,
+    level: str,
+    profile: dict[str, float],
+    collapse_loss: bool,
+    module: str | None = None,
 ) -> list[Callable[[], str]]:
     """The layouts to try, in order, each a callable returning its DOT source.
 
@@ -198,7 +232,7 @@ def _variants(
     if level == "op":
 
         def op(aligned: bool, newrank: bool = False, clusters: bool = True) -> str:
-            scene = op_scene(analysis, graph, profile, collapse_loss, aligned, clusters)
+            scene = op_scene(analysis, graph, profile, collapse_loss, aligned, clusters, module)
             return to_digraph(scene, newrank=newrank or aligned).source
 
         first = [lambda: op(True)] if graph in ("train", "all") else []
@@ -208,7 +242,8 @@ def _variants(
             lambda: op(False, clusters=False),
         ]
 
-    def module(newrank: bool = False, clusters: bool = True) -> str:
-        return to_digraph(module_scene(analysis, graph, profile, clusters), newrank=newrank).source
+    def boxes(newrank: bool = False, clusters: bool = True) -> str:
+        scene = module_scene(analysis, graph, profile, clusters, module)
+        return to_digraph(scene, newrank=newrank).source
 
-    return [lambda: module(), lambda: module(newrank=True), lambda: module(clusters=False)]
+    return [lambda: boxes(), lambda: boxes(newrank=True), lambda: boxes(clusters=False)]

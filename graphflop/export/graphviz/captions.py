@@ -49,13 +49,39 @@ def legend_items(ghost_words: list[str], residuals: bool, params: bool) -> list[
     if residuals:
         out.append(
             LegendItem(
-                ": residual saved for backward, with bytes (what forward mode does not keep)",
+                ": labelled with the bytes saved for backward (what forward mode does not keep)",
                 RESIDUAL_COLOUR,
                 lead="wine edge",
             )
         )
     if params:
         out.append(LegendItem("grey rounded: parameter / input", PARAM_COLOUR))
+    return out
+
+
+#: edge style → (sample stroke, colour, what it means); the sample imitates the drawn line
+EDGE_MEANINGS = {
+    "data": ("━━", "#555555", "data flow, width growing with the bytes carried (labelled)"),
+    "residual": ("━━", RESIDUAL_COLOUR, "residual: a forward value the backward reads"),
+    "param_residual": ("┈┈", PARAM_COLOUR, "parameter read by the backward"),
+    "read": ("┈┈", PARAM_COLOUR, "value read by an update or tangent node"),
+    "seed": ("━━", "#000000", "loss → its gradient seed ∂loss = 1"),
+    "ghost_input": ("╌╌", GHOST_COLOUR, "what pruned / skipped work would have read"),
+    "ghost_source": ("┈┈", GHOST_COLOUR, "pruned work → the forward node it belongs to"),
+    "dropped": ("╌╌", GHOST_COLOUR, "skipped tangent → the sum it was dropped from"),
+    "ghost_link": ("╌╌", GHOST_COLOUR, "module → its pruned / skipped work"),
+}
+
+
+def edge_items(styles: set[str], module_level: bool = False) -> list[LegendItem]:
+    """Legend lines for the edge ``styles`` drawn (invisible layout edges have none)."""
+    out = []
+    for style, (stroke, colour, text) in EDGE_MEANINGS.items():
+        if style not in styles:
+            continue
+        if module_level and style == "data":
+            text = "forward data flow between modules, width growing with the bytes carried"
+        out.append(LegendItem(f" {text}", colour, lead=stroke))
     return out
 
 

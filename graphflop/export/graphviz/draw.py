@@ -18,15 +18,19 @@ from graphflop.export.graphviz.scene import (
     Card,
     Cluster,
     Edge,
+    Fold,
     GhostCard,
     Legend,
     Scene,
     StatCard,
 )
+from graphflop.export.report import human, human_bytes
 from graphflop.io import sanitize_name
 
 FONT = "Helvetica,Arial,sans-serif"
 CLUSTER_FILL = "#F4F4F4"
+#: the fill of a cluster standing for repeated modules
+FOLD_FILL = "#E8EEF6"
 #: attributes of a "loose" edge (between the forward and the backward/update/tangent nodes): its
 #: head ranks level with or below its tail, with no pull. (``constraint=false`` would say "no
 #: ranking at all", but Graphviz 2.43 fails on it inside clusters: "trouble in init_rank".)
@@ -168,6 +172,16 @@ def _emit(g: graphviz.Digraph, phase: str, cl: Cluster) -> None:
                 labeljust="l",
                 margin="6",
             )
+            if child.fold is not None:
+                c.attr(
+                    label=fold_html(child.fold),
+                    fillcolor=FOLD_FILL,
+                    color="#333333",
+                    penwidth="2.5",
+                    id=f"fold_{path}",
+                    tooltip=f"{child.fold.count} identical modules drawn once: "
+                    + ", ".join(child.fold.members),
+                )
             _emit(c, phase, child)
 
 
@@ -205,6 +219,7 @@ def edge_attrs(e: Edge) -> dict[str, str]:
         attrs.update(LOOSE)
     if e.free:
         attrs["constraint"] = "false"
+
     return attrs
 
 
@@ -280,6 +295,36 @@ def stat_card_html(c: StatCard) -> str:
             tds.append('<TD COLSPAN="3"></TD>')
         rows.append(f"<TR>{''.join(tds)}</TR>")
     return _table(rows, 1, 0, 1, "#444444", WHITE)
+
+
+def _count(v: int, unit: str) -> str:
+    return human_bytes(v) if unit == "B" else human(v)
+
+
+def fold_html(f: Fold) -> str:
+    """A fold's cluster label: "× N", the members and class, then per-block and total figures."""
+    first, last = f.members[0], f.members[-1]
+    kind = f" {esc(f.kind)}" if f.kind else ""
+    rows = [
+        f'<TR><TD COLSPAN="4" ALIGN="LEFT"><FONT POINT-SIZE="20"><B>×{f.count}</B></FONT>'
+        f"  <B>{esc(first)} … {esc(last)}</B>{kind}</TD></TR>",
+        f'<TR><TD></TD><TD></TD><TD ALIGN="RIGHT"><I>{esc(f.per_block)}</I></TD>'
+        f'<TD ALIGN="RIGHT"><I>×{f.count} total</I></TD></TR>',
+    ]
+    for r in f.rows:
+        swatch = f'<TD BGCOLOR="{r.swatch}" WIDTH="6"></TD>' if r.swatch else "<TD></TD>"
+        rows.append(
+            f'<TR>{swatch}<TD ALIGN="LEFT">{esc(r.key)}</TD>'
+            f'<TD ALIGN="RIGHT">{esc(_count(r.per_block, r.unit))}</TD>'
+            f'<TD ALIGN="RIGHT"><B>{esc(_count(r.total, r.unit))}</B></TD></TR>'
+        )
+    if f.ratios:
+        text = " · ".join(f"{k} {v}" for k, v in f.ratios)
+        rows.append(f'<TR><TD COLSPAN="4" ALIGN="LEFT">{esc(text)}</TD></TR>')
+    return (
+        '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="1">'
+        f"{''.join(rows)}</TABLE>>"
+    )
 
 
 def ghost_html(c: GhostCard) -> str:

@@ -8,6 +8,8 @@ annotation readers are the computations the typed report could take over:
 * :func:`report` / :func:`layer_rows` / :func:`loss_kind`: the report (one accessor);
 * :func:`picture_flops`, :func:`grad_input_flops`: per-layer FLOP sums for one picture;
 * :func:`saved_bytes`: bytes of forward values the backward reads, per module;
+* :func:`node_costs`: per forward node, the FLOPs of its backward and tangent nodes and the
+  bytes the backward keeps of it (for boxes that hold part of a module's ops);
 * :func:`ghost_flops`: pruned / skipped FLOPs per (module, role);
 * :func:`forward_modules`, :func:`own_ops`, :func:`forward_reads`: modules in forward order,
   a parent module's own op names, the forward data flow between modules;
@@ -26,7 +28,18 @@ from typing import Any
 
 import torch
 
-from graphflop.meta import GHOSTS, KIND, MODULE, PARAM, RESIDUAL, SIGNATURE, SOURCE
+from graphflop.meta import (
+    COST,
+    GHOSTS,
+    KIND,
+    MODULE,
+    PARAM,
+    RESIDUAL,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+    ZERO_COST,
+)
 from graphflop.report import LayerRow, Report
 
 #: residual kinds that are not forward values (a parameter or buffer, or derived from one)
@@ -162,6 +175,42 @@ def saved_bytes(analysis: Any) -> dict[str, int]:
         kind = n.meta.get(RESIDUAL)
         if n.op == "placeholder" and kind is not None and kind not in PARAM_RESIDUALS:
             out[n.meta.get(MODULE, "")] += bytes_of(n.meta.get("val"))
+    return out
+
+
+#: role → the column of :func:`node_costs` its FLOPs count in
+NODE_COST_COLUMN = {
+    "grad_input": "grad_input",
+    "grad_accum": "grad_input",
+    "grad_weight": "grad_weight",
+    "tangent_from_input": "jvp",
+    "tangent_from_param": "jvp",
+}
+
+
+def node_costs(analysis: Any) -> dict[str, dict[str, int]]:
+    """Forward call node name → ``forward`` FLOPs, ``grad_input`` (accumulation included),
+    ``grad_weight`` and ``jvp`` FLOPs of the backward and JVP nodes derived from it (``SOURCE``)
+    in the same module, and ``saved`` bytes of it the backward reads (absent keys: 0)."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    module: dict[str, str] = {}
+    for n in analysis.forward.graph.nodes:
+        if n.op == "call_function":
+            module[n.name] = n.meta.get(MODULE, "")
+            out[n.name]["forward"] += n.meta.get(COST, ZERO_COST).flops
+    for gm in (analysis.backward, analysis.jvp):
+        if gm is None:
+            continue
+        for n in gm.graph.nodes:
+            src = n.meta.get(SOURCE)
+            if src not in module or n.meta.get(MODULE, "") != module[src]:
+                continue
+            if n.op == "call_function":
+                col = NODE_COST_COLUMN.get(n.meta.get(ROLE))
+                if col is not None:
+                    out[src][col] += n.meta.get(COST, ZERO_COST).flops
+            elif gm is analysis.backward and n.meta.get(RESIDUAL) not in (None, *PARAM_RESIDUALS):
+                out[src]["saved"] += bytes_of(n.meta.get("val"))
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from graphflop.export.graphviz import facts
+from graphflop.export.graphviz.errors import RenderError
 from graphflop.export.graphviz.op_parts import OpParts
 from graphflop.export.graphviz.palette import RESIDUAL_COLOUR, ROLE_COLOURS
 from graphflop.export.graphviz.scene import Edge, Scene
@@ -51,6 +52,7 @@ def op_scene(
     collapse_loss: bool,
     aligned: bool = False,
     clusters: bool = True,
+    module: str | None = None,
 ) -> Scene:
     """The op-level picture ``graph`` of analysis ``a``.
 
@@ -62,8 +64,29 @@ def op_scene(
         aligned: (``train``/``all``) invisible edges pulling each forward op level with the
             largest backward and tangent node derived from it.
         clusters: module clusters; without, the module path goes into each op's label.
+        module: draw only the nodes of this module path's subtree (``h.0``, ``layer3.1``);
+            an edge crossing its border ends in a small box naming the module outside.
+
+    Raises:
+        RenderError: ``module`` has no ops in the forward graph.
     """
-    return _OpScene(a, graph, profile, collapse_loss).build(aligned, clusters)
+    check_module(a, module)
+    s = _OpScene(a, graph, profile, collapse_loss)
+    s.root = module
+    return s.build(aligned, clusters)
+
+
+def check_module(a: Any, module: str | None) -> None:
+    """Raise :class:`RenderError` unless ``module`` (when given) has forward ops."""
+    if module is None:
+        return
+    paths = facts.forward_modules(a)
+    if not any(p == module or p.startswith(module + ".") for p in paths):
+        tops = list(dict.fromkeys(p.split(".")[0] for p in paths if p and p != "loss"))
+        raise RenderError(
+            f"no module {module!r} with ops in the forward graph: "
+            f"top-level modules are {', '.join(tops[:12])}"
+        )
 
 
 class _OpScene(OpParts):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from graphflop.export.graphviz import captions, facts
+from graphflop.export.graphviz.composite import composite_name, says_the_same
 from graphflop.export.graphviz.palette import (
     PARAM_COLOUR,
     ROLE_COLOURS,
@@ -81,8 +82,11 @@ class OpParts:
         self.reversed_backward = self.combined
         self.phase = PHASES if self.combined else {}
         self.cv.phase_label = dict(PHASE_LABELS)
+        self.root: str | None = None  # draw only this module's subtree
+        self.home: dict[str, str] = {}  # box id → its module path
 
     def _add(self, key: str, module: str, box: Box) -> str:
+        self.home[box.id] = module
         if key == "u" and self.phase:
             module = ""  # outside module clusters: a cluster stretched below a module's
             # gradients would push the next module's backward sideways
@@ -135,11 +139,17 @@ class OpParts:
         return nid
 
     def _tooltip(self, n, role: str, cost) -> str:
+        """Name, op, shapes, FLOPs, bytes, module and provenance of call node ``n``."""
+        v = n.meta.get("val")
+        ins = ", ".join(facts.shape_of(u.meta.get("val")) for u in n.all_input_nodes) or "–"
         return (
-            f"{n.name} = {n.format_node()}\nrole {role}, kind {n.meta.get(KIND)}, "
-            f"from {n.meta.get(SOURCE)} in {n.meta.get(MODULE) or '(model)'}\n"
-            f"{cost.flops} FLOPs ({cost.mm_flops} mm), read {cost.bytes_read} B, "
-            f"written {cost.bytes_written} B"
+            f"{n.name}: {n.target}\n"
+            f"output {facts.shape_of(v)} {str(getattr(v, 'dtype', '')).replace('torch.', '')}"
+            f"; inputs {ins}\n"
+            f"{cost.flops} FLOPs ({cost.mm_flops} in matrix products), read {cost.bytes_read} B,"
+            f" written {cost.bytes_written} B\n"
+            f"module {n.meta.get(MODULE) or '(model)'} · role {role} · kind {n.meta.get(KIND)}"
+            f" · from forward node {n.meta.get(SOURCE) or n.name}"
         )
 
     def small_node(
@@ -264,6 +274,53 @@ class OpParts:
             )
 
     # assembling ------------------------------------------------------------------------------
+    def _composite_names(self) -> dict[str, str]:
+        """Module path → what its forward ops compute together (attention, layer norm, ...)."""
+        ops: dict[str, list[str]] = defaultdict(list)
+        for a in self.pending.values():
+            if a.key == "f":
+                ops[a.module].append(a.op)
+        names = {m: composite_name(v, self.types.get(m, "")) for m, v in ops.items()}
+        return {
+            m: n
+            for m, n in names.items()
+            # a block's own residual adds do not name the block
+            if n and not (n == "residual add" and any(p.startswith(m + ".") for p in ops))
+        }
+
+    def _keep_only(self, root: str) -> None:
+        """Drop the boxes outside module ``root``; an edge crossing its border keeps a small
+        box naming the module at the other end ("from h.0.ln_1", "to h.1")."""
+        keep = {b.id for own in self.cv.groups.values() for b in own}
+        keep = {i for i in keep if _under(self.home.get(i, ""), root)}
+        phases = list(dict.fromkeys(ph for ph, _ in self.cv.groups))
+        phase_of = {b.id: b.phase for own in self.cv.groups.values() for b in own}
+        for k in list(self.cv.groups):
+            self.cv.groups[k] = [b for b in self.cv.groups[k] if b.id in keep]
+            if not self.cv.groups[k]:
+                del self.cv.groups[k]
+        edges, outside = [], {}
+        for e in self.cv.edges:
+            if e.src in keep and e.dst in keep:
+                edges.append(e)
+                continue
+            if e.style in ("align", "order", "ghost_link", "ghost_source") or (
+                e.src not in keep and e.dst not in keep
+            ):
+                continue
+            inner, outer = (e.dst, e.src) if e.dst in keep else (e.src, e.dst)
+            word = "from" if (outer == e.src) != e.reverse else "to"
+            bid = f"x_{word}_{outer}"
+            if bid not in outside:
+                module = self.home.get(outer, "") or "(model)"
+                text = f"{word} {module}" + (f"\n{human_bytes(e.bytes)}" if e.bytes else "")
+                outside[bid] = Box(bid, "value", text, phase=phase_of.get(inner, ""))
+                self.cv.groups[(phase_of.get(inner, ""), "")].append(outside[bid])
+            edges.append(replace(e, **({"src": bid} if outer == e.src else {"dst": bid})))
+        self.cv.edges = edges
+        order = sorted(self.cv.groups.items(), key=lambda kv: phases.index(kv[0][0]))
+        self.cv.groups = defaultdict(list, order)
+
     def _op_box(self, nid: str, a: _Op, scale: FlopScale) -> Box:
         cost = a.cost
         lines = [a.shape]
@@ -298,21 +355,34 @@ class OpParts:
     def assemble(self, aligned: bool) -> Scene:
         """The scene of everything gathered: op boxes filled on one FLOP scale, residual and
         data edges, cluster labels (class name, measured time), title and legend."""
-        scale = FlopScale([a.cost.flops for a in self.pending.values()])
+        self.home.update({nid: a.module for nid, a in self.pending.items()})
+        kept = {nid: a for nid, a in self.pending.items() if _under(a.module, self.root)}
+        scale = FlopScale([a.cost.flops for a in kept.values()])
         if self.phase and aligned:
             self._align()
-        for nid, a in self.pending.items():
+        for nid, a in kept.items():
             self._add(a.key, a.module, self._op_box(nid, a, scale))
         self._emit_residuals()
         self._emit_data_edges()
+        if self.root is not None:
+            self._keep_only(self.root)
+        names = self._composite_names()
         for path in self.cv.paths():
             label = path
             if path in self.types and path not in ("", "loss"):
                 label = f"{path} · {self.types[path]}"
+            if names.get(path) and not says_the_same(names[path], self.types.get(path, "")):
+                label += f" · {names[path]}"
             if path in self.profile:
                 label += f" · {captions.time_text(self.profile[path])}"
             self.cv.cluster_label[path] = label
         roles = [r for r in ROLE_COLOURS if r in self.roles]
         items = captions.legend_items(self.ghost_words, self.has_residuals, True)
+        items += captions.edge_items({e.style for e in self.cv.edges})
         legend = captions.legend(scale, "FLOPs per node", roles, items)
         return self.cv.scene(captions.title(self.a, self.graph, "op"), legend, self.clusters)
+
+
+def _under(path: str, root: str | None) -> bool:
+    """``path`` is ``root`` or inside it (any path when ``root`` is None)."""
+    return root is None or path == root or path.startswith(root + ".")

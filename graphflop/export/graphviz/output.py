@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from graphflop.export.graphviz.errors import NO_DOT, RenderError
+from graphflop.export.graphviz.page import page
 from graphflop.io import atomic_write
 
 #: render timeouts for ``dot``, seconds: each layout but the last (then the next is tried), the last
@@ -17,8 +18,8 @@ DOT_TIMEOUT_S = 90
 
 def write(variants: Sequence[Callable[[], str]], path: Path, fmt: str) -> str:
     """Render the first of ``variants`` (callables returning DOT sources) that ``dot`` accepts
-    to ``fmt`` (``"dot"``: the first source itself) and write it to ``path`` atomically; return
-    its source.
+    to ``fmt`` (``"dot"``: the first source itself; ``"html"``: the SVG in a page with a search
+    box, :func:`.page.page`) and write it to ``path`` atomically; return its source.
 
     Raises:
         RenderError: ``dot`` missing, failing or timing out on the last variant; ``path``
@@ -27,6 +28,9 @@ def write(variants: Sequence[Callable[[], str]], path: Path, fmt: str) -> str:
     src = variants[0]()
     if fmt == "dot":
         data = src.encode()
+    elif fmt == "html":
+        src, svg = _render(variants, src, "svg")
+        data = page(svg, path.stem)
     else:
         src, data = _render(variants, src, fmt)
     try:

@@ -1,24 +1,31 @@
 """Colours of the pictures: the role palette and the FLOP fill scale (no Graphviz here).
 
-Role colours: the Okabe & Ito (2008) colour-blind-safe palette, plus wine and olive from Paul
-Tol's. FLOP fills: matplotlib's perceptually uniform ``viridis``, on a log10 scale.
+Role colours: black for the forward and eight colours from Paul Tol's colour-blind-safe schemes
+("muted", "vibrant" and "light", https://personal.sron.nl/~pault/), chosen so that every two
+roles differ in hue (at least 25 degrees of CIELAB hue angle apart for normal vision: the
+backward's input and weight gradients are orange and raspberry, the JVP's two tangents teal
+and indigo) and stay apart (CIE76 colour difference of at least 15) for normal vision and as
+simulated for protanopia, deuteranopia and tritanopia with the matrices of G. M. Machado,
+M. M. Oliveira and L. A. F. Fernandes, "A Physiologically-based Model for Simulation of Color
+Vision Deficiency", IEEE TVCG 15(6), 2009 (severity 1). tests/test_render.py checks both.
+FLOP fills: matplotlib's perceptually uniform ``viridis``, on a log10 scale.
 """
 
 from __future__ import annotations
 
 import math
 
-#: role → colour: Okabe & Ito (2008) colour-blind-safe palette, plus wine and olive (Tol).
+#: role → colour (see the module docstring for how they were chosen)
 ROLE_COLOURS = {
     "forward": "#000000",
-    "loss": "#999933",
-    "grad_input": "#D55E00",
-    "grad_weight": "#E69F00",
-    "grad_accum": "#CC79A7",
-    "update": "#009E73",
-    "tangent_from_input": "#56B4E9",
-    "tangent_from_param": "#0072B2",
-    "direction": "#F0E442",
+    "loss": "#DDCC77",  # sand
+    "grad_input": "#EE7733",  # orange
+    "grad_weight": "#EE3377",  # raspberry
+    "grad_accum": "#AA4499",  # purple
+    "update": "#117733",  # green
+    "tangent_from_input": "#44AA99",  # teal
+    "tangent_from_param": "#332288",  # indigo
+    "direction": "#99DDFF",  # pale blue
 }
 RESIDUAL_COLOUR = "#882255"
 GHOST_COLOUR = "#8C8C8C"

@@ -99,6 +99,40 @@ class Legend:
     items: tuple[LegendItem, ...]
 
 
+@dataclass(frozen=True)
+class FoldRow:
+    """One row of a :class:`Fold`'s table: a figure per block and for all blocks together."""
+
+    swatch: str | None
+    key: str
+    per_block: int
+    total: int
+    unit: str = "FLOPs"  # or "B" (bytes)
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Repeated identical modules drawn once: ``members`` (module paths, in call order; the
+    first is drawn), their class ``kind``, per-block and total figures, ratios (text)."""
+
+    members: tuple[str, ...]
+    kind: str
+    rows: tuple[FoldRow, ...]
+    ratios: tuple[tuple[str, str], ...] = ()
+    per_block: str = "per block"  # or "first" when members differ (in saved bytes only)
+
+    @property
+    def count(self) -> int:
+        return len(self.members)
+
+    def row(self, key: str) -> FoldRow:
+        """The row named ``key`` (``fwd``, ``bwd∂x``, ...); KeyError when absent."""
+        for r in self.rows:
+            if r.key == key:
+                return r
+        raise KeyError(key)
+
+
 Label = str | Card | StatCard | GhostCard
 
 
@@ -146,6 +180,7 @@ class Cluster:
     boxes: tuple[Box, ...]
     children: tuple[Cluster, ...]
     row: bool = False
+    fold: Fold | None = None  # repeated modules drawn once: the label is their table
 
 
 @dataclass(frozen=True)
@@ -168,6 +203,24 @@ class Scene:
     phases: tuple[Phase, ...]
     clustered: bool
 
+    def clusters(self) -> list[Cluster]:
+        """Every module cluster, depth first (the phases' top levels left out)."""
+        out: list[Cluster] = []
+
+        def walk(c: Cluster) -> None:
+            out.append(c)
+            for k in c.children:
+                walk(k)
+
+        for ph in self.phases:
+            for c in ph.top.children:
+                walk(c)
+        return out
+
+    def folds(self) -> list[Fold]:
+        """The folds (repeated modules drawn once), in drawing order."""
+        return [c.fold for c in self.clusters() if c.fold is not None]
+
 
 class Canvas:
     """Boxes collected per (phase, module path) and edges; frozen into a :class:`Scene`."""
@@ -178,6 +231,7 @@ class Canvas:
         self.cluster_label: dict[str, str] = {}
         self.phase_label: dict[str, str] = {}
         self.rows: set[str] = set()  # module paths whose own boxes go in one rank
+        self.folds: dict[str, Fold] = {}  # module path → the repeats it stands for
 
     def add(self, box: Box) -> str:
         """Add ``box``; return its id."""
@@ -222,6 +276,7 @@ class Canvas:
                 own,
                 tuple(cluster(c) for c in kids),
                 row=path in self.rows and len(own) > 1,
+                fold=self.folds.get(path),
             )
 
         return cluster("")
