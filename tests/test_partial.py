@@ -260,3 +260,14 @@ def test_dead_code_is_reported_as_unused_flops():
     g = graphflop.analyze(no_pooler, (torch.randn(2, 5, 16),), loss="sum", jvp=False)
     assert g.report.to_dict()["totals"]["forward"]["flops"] == f["flops"]
     assert g.report.to_dict()["totals"]["forward"]["unused_flops"] == 0
+
+
+def test_embedding_bag_sum_counts_by_hand():
+    bag = nn.EmbeddingBag(10, 4, mode="sum")
+    x, off = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2])
+    a = graphflop.analyze(bag, (x, off), loss="none", backward=False, jvp=False)
+    d = a.report.to_dict()
+    # 6 indices, 2 bags, dim 4: bag marks index_add of B − 1 = 1 one; cumsum over n + 1 = 7;
+    # rows summed into bags 6·4 = 24 adds; the lookup is free: 1 + 7 + 24 = 32
+    assert d["totals"]["forward"]["flops"] == 1 + 7 + 24
+    assert d["uncounted"] == []
