@@ -51,6 +51,8 @@ Graph keys (``gm.meta``)
     :data:`GAPS`         tuple of :class:`Gap`: where a JVP or backward graph was cut because an
                          op lacks a rule (partial results; ``graphflop.ops.strict_rules`` raises
                          instead).
+    :data:`UNUSED`       on a forward graph: the :class:`NodeCost` of the work dead-code
+                         elimination removed (nothing the model returns depends on it).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ FORWARD_GRADIENT = "gf_forward_gradient"
 MEMORY = "gf_memory"
 FACTS = "gf_facts"
 GAPS = "gf_gaps"
+UNUSED = "gf_unused"
 
 #: every node key and graph key above
 NODE_KEYS = (KIND, ROLE, SOURCE, MODULE, COST, PARAM, PARAM_DERIVED, RESIDUAL, SLOT)
@@ -111,6 +114,7 @@ GRAPH_KEYS = (
     MEMORY,
     FACTS,
     GAPS,
+    UNUSED,
 )
 
 

@@ -88,7 +88,15 @@ _LATE_KEYS = ("macs", "complete")
 
 @dataclass(frozen=True)
 class ForwardTotals(CostTotals):
-    """The forward graph's totals."""
+    """The forward graph's totals.
+
+    Attributes:
+        unused_flops: FLOPs of the work the model's code does but nothing it returns (or the
+            loss) depends on, removed by dead-code elimination and not in ``flops`` (a
+            pooler whose output is not returned).
+    """
+
+    unused_flops: int = 0
 
 
 @dataclass(frozen=True)

@@ -231,3 +231,43 @@ def test_warning_is_one_unwrapped_line_in_a_narrow_terminal(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("warning: gfpartial.twice.default"), lines
+
+
+class _PoolerNotReturned(nn.Module):
+    """A BERT-like encoder layer and a pooler (first token → Linear → tanh) whose output the
+    model does not return: dead code, removed before counting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(16, 16)
+        self.pool = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)
+        torch.tanh(self.pool(h[:, 0]))  # the pooler: computed by the code, returned by nothing
+        return h
+
+
+def test_dead_code_is_reported_as_unused_flops():
+    a = graphflop.analyze(_PoolerNotReturned(), (torch.randn(2, 5, 16),), loss="sum", jvp=False)
+    f = a.report.to_dict()["totals"]["forward"]
+    # pooler on (2, 16): addmm 2·2·16·16 = 1,024 matrix + 2·16 = 32 bias adds; tanh 32: 1,088
+    assert f["unused_flops"] == 1024 + 32 + 32
+    # the encoder alone is counted: 2·10·16·16 = 5,120 matrix FLOPs (10 = 2·5 tokens)
+    assert f["mm_flops"] == 5120
+    no_pooler = _PoolerNotReturned()
+    no_pooler.forward = lambda x: no_pooler.enc(x)  # type: ignore[method-assign]
+    g = graphflop.analyze(no_pooler, (torch.randn(2, 5, 16),), loss="sum", jvp=False)
+    assert g.report.to_dict()["totals"]["forward"]["flops"] == f["flops"]
+    assert g.report.to_dict()["totals"]["forward"]["unused_flops"] == 0
+
+
+def test_embedding_bag_sum_counts_by_hand():
+    bag = nn.EmbeddingBag(10, 4, mode="sum")
+    x, off = torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([0, 2])
+    a = graphflop.analyze(bag, (x, off), loss="none", backward=False, jvp=False)
+    d = a.report.to_dict()
+    # 6 indices, 2 bags, dim 4: bag marks index_add of B − 1 = 1 one; cumsum over n + 1 = 7;
+    # rows summed into bags 6·4 = 24 adds; the lookup is free: 1 + 7 + 24 = 32
+    assert d["totals"]["forward"]["flops"] == 1 + 7 + 24
+    assert d["uncounted"] == []

@@ -34,10 +34,12 @@ from graphflop.meta import (
     ROLE,
     SIGNATURE,
     SOURCE,
+    UNUSED,
+    NodeCost,
     Signature,
     graph_module,
 )
-from graphflop.ops import decomposition_table
+from graphflop.ops import MissingRuleError, decomposition_table
 from graphflop.ops.recurrent import functionalize_inplace
 
 aten = torch.ops.aten
@@ -259,8 +261,9 @@ def from_make_fx(
     updates = [(env[v].name, b) for b, v in writes.items()]
     g.output(tuple([env[writes[b]] for b in writes] + results))
     functionalize_inplace(g)  # in-place ops left on temporaries (recurrent layers)
-    g.eliminate_dead_code()
+    unused = _eliminate_dead_code(g)
     new = graph_module(torch.nn.Module(), g)
+    new.meta[UNUSED] = unused
     has_loss = loss_kind != "none"
     signature = Signature(
         params=tuple(sig_params),
@@ -272,6 +275,27 @@ def from_make_fx(
         buffer_updates=tuple(updates),
     )
     return _finish(new, signature, constants, loss_kind, wrapped=True)
+
+
+def _eliminate_dead_code(g: torch.fx.Graph) -> NodeCost:
+    """``g.eliminate_dead_code()``, returning the summed cost of the ops it removed (reported as
+    ``totals.forward.unused_flops``, never silently dropped; an op without a rule counts 0)."""
+    from graphflop.ad._tree import tree_map
+    from graphflop.passes.flops import op_cost, value_of
+
+    ops = [n for n in g.nodes if n.op == "call_function"]
+    calls = {n: (n.target, tree_map(value_of, n.args), tree_map(value_of, n.kwargs)) for n in ops}
+    outs = {n: n.meta.get("val") for n in ops}
+    g.eliminate_dead_code()
+    alive = set(g.nodes)
+    total = NodeCost()
+    for n, (op, args, kwargs) in calls.items():
+        if n not in alive:
+            try:
+                total = total + op_cost(op, args, kwargs, outs[n])
+            except MissingRuleError:  # --strict: a dead op without a rule is not an error
+                pass
+    return total
 
 
 def _ident(name: str) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from graphflop.ops._common import free, shape
-from graphflop.ops.registry import def_jvp, def_transpose, register
+from graphflop.ops.registry import def_jvp, def_transpose, register, register_decomposition
 
 aten = torch.ops.aten
 F = "embedding"
@@ -55,3 +55,60 @@ def _transpose_embedding(b, ct, args, kwargs, linear):
     zeros = b.zeros(shape(weight), weight)
     g = b.call(aten.index_put.default, zeros, [indices], ct, True)
     return [g] + [None] * (len(args) - 1)
+
+
+# --- EmbeddingBag --------------------------------------------------------------------------------
+
+
+@register_decomposition(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def _embedding_bag(
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq=False,
+    mode=0,
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=-1,
+):
+    """``_embedding_bag`` (sum and mean; 1-D ``indices`` with ``offsets``, as
+    ``F.embedding_bag`` passes them) as ops with rules: the rows looked up (``embedding``, 0
+    FLOPs), scaled by ``per_sample_weights`` (1 per element), padding rows masked (1 per
+    element), then summed into their bags with ``index_add`` (1 per added element); ``mean``
+    divides by each bag's count (``index_add`` of the n row flags, a ``clamp_min`` and a divide
+    per bag element). Each index's bag comes from the offsets: ``index_add`` of ones at
+    ``offsets[1:]`` (B − 1 adds, integers) and a ``cumsum`` (n + 1). Returns PyTorch's four
+    outputs (offset2bag, bag sizes and max indices as PyTorch's CPU kernel fills them for
+    sum/mean). ``max`` mode and ``scale_grad_by_freq`` are not decomposed (traced whole, no
+    rule: reported as uncounted)."""
+    if mode not in (0, 1) or scale_grad_by_freq or indices.dim() != 1:
+        return NotImplemented
+    n, d = indices.shape[0], weight.shape[1]
+    nb = offsets.shape[0] - (1 if include_last_offset else 0)
+    marks = aten.zeros.default([n + 1], dtype=torch.int64, device=indices.device)
+    ones = aten.ones.default([nb - 1], dtype=torch.int64, device=indices.device)
+    marks = aten.index_add.default(marks, 0, aten.slice.Tensor(offsets, 0, 1, nb), ones)
+    bag = aten.slice.Tensor(aten.cumsum.default(marks, 0), 0, 0, n)
+    rows = aten.embedding.default(weight, indices)
+    if per_sample_weights is not None:
+        rows = aten.mul.Tensor(rows, aten.unsqueeze.default(per_sample_weights, 1))
+    keep = None
+    if padding_idx is not None and padding_idx >= 0:
+        keep = aten._to_copy.default(aten.ne.Scalar(indices, padding_idx), dtype=weight.dtype)
+        rows = aten.mul.Tensor(rows, aten.unsqueeze.default(keep, 1))
+    zeros = aten.zeros.default([nb, d], dtype=weight.dtype, device=weight.device)
+    out = aten.index_add.default(zeros, 0, bag, rows)
+    counts = aten.index_add.default(
+        aten.zeros.default([nb], dtype=weight.dtype, device=weight.device),
+        0,
+        bag,
+        keep
+        if keep is not None
+        else aten.ones.default([n], dtype=weight.dtype, device=weight.device),
+    )
+    if mode == 1:
+        out = aten.div.Tensor(out, aten.unsqueeze.default(aten.clamp_min.default(counts, 1), 1))
+    sizes = aten._to_copy.default(counts, dtype=torch.int64)
+    max_idx = aten.zeros.default([nb], dtype=torch.int64, device=indices.device)
+    return out, bag, sizes, max_idx

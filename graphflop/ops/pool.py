@@ -1,9 +1,12 @@
 """Pooling. Max pooling costs (∏k − 1) comparisons per output element, average pooling ∏k
 (adds and one divide) per output element (FLOPS.md). Max pooling's tangent gathers the input
 tangent at the saved indices, so its transpose is a scatter-add of those indices; average
-pooling (2-D and 3-D; 1-D decomposes to 2-D) is linear and transposes to a depthwise transposed
-convolution with a constant kernel, dividing by each window's own divisor first where PyTorch's
-differs between windows (``ceil_mode``, ``count_include_pad=False``). Adaptive average pooling
+pooling (2-D and 3-D; 1-D decomposes to 2-D) is linear: its 2-D transpose copies each scaled
+output gradient over its window and sums them back with ``col2im`` (pooling-class FLOPs, never
+matrix FLOPs; 3-D still a depthwise transposed convolution), dividing by each window's own
+divisor first where PyTorch's differs between windows (``ceil_mode``,
+``count_include_pad=False``). ``col2im`` and ``im2col`` (``fold``/``unfold``) are linear and
+transpose to each other. Adaptive average pooling
 is traced as a mean or an ``avg_pool2d`` where it can be (decomposition at the end).
 """
 
@@ -90,17 +93,22 @@ def _pool_args(args, nd):
 def _transpose_avg_pool(nd):
     def rule(b, ct, args, kwargs, linear):
         """Average pooling is ``y = (1/d) · Σ_window x``; its transpose spreads ``ct/d`` over each
-        window: a depthwise transposed convolution with a kernel of ones (the divisor folded into
-        the kernel when it is the constant ∏k). Each window's divisor ``d`` is PyTorch's: the
-        override, or the count of (padded, when ``count_include_pad``) input positions it covers
-        (:func:`_window_counts`). The transposed convolution runs unpadded over the whole padded
-        extent; a ``constant_pad_nd`` crops the padding (and pads the trailing positions no
-        window reads with zeros)."""
+        window. Each window's divisor ``d`` is PyTorch's: the override, or the count of (padded,
+        when ``count_include_pad``) input positions it covers (:func:`_window_counts`).
+
+        2-D: scale ``ct`` by ``1/d`` (1 FLOP per output-gradient element), copy each value to its
+        window's ∏k positions (expand, a copy) and sum the overlapping windows back into place
+        with ``col2im`` (1 add per value it places, FLOPS.md's scatter convention): ∏k + 1 FLOPs
+        per output-gradient element, none of them matrix FLOPs, as PyTorch's own
+        ``avg_pool2d_backward`` (which ONNX cannot export) spends them. 3-D: a depthwise
+        transposed convolution with a kernel of ones (``col2im`` is 2-D only). Both run
+        unpadded over the whole padded extent; a ``constant_pad_nd`` crops the padding (and pads
+        the trailing positions no window reads with zeros)."""
         x = args[0]
         xs, cs = shape(x), shape(ct)
         k, stride, padding, ceil_mode, count_include_pad, divisor = _pool_args(args, nd)
         c = math.prod(xs[: len(xs) - nd])  # channels (and batch), pooled independently
-        sp_in = list(xs[len(xs) - nd :])
+        sp_in, sp_out = list(xs[len(xs) - nd :]), list(cs[len(cs) - nd :])
         constant = (
             divisor is not None
             or (count_include_pad and not ceil_mode)
@@ -108,20 +116,30 @@ def _transpose_avg_pool(nd):
         )
         if constant:
             scale = 1.0 / (divisor if divisor is not None else math.prod(k))
-            z = ct
+            z = ct if nd != 2 else b.call(aten.mul.Tensor, ct, scale)
         else:
-            d = _window_counts(
-                b, x, xs, list(cs[len(cs) - nd :]), k, stride, padding, count_include_pad
+            d = _window_counts(b, x, xs, sp_out, k, stride, padding, count_include_pad)
+            z, scale = b.call(aten.div.Tensor, ct, d), 1.0
+        extent = [(o - 1) * s_ + kk for o, s_, kk in zip(sp_out, stride, k)]
+        if nd == 2:
+            full = _spread_2d(b, z, c, k, stride, sp_out, extent)
+        else:
+            z = b.call(aten.view.default, z, [1, c] + sp_out)
+            weight = b.full([c, 1] + k, scale, x)
+            full = b.call(
+                aten.convolution.default,
+                z,
+                weight,
+                None,
+                stride,
+                [0] * nd,
+                [1] * nd,
+                True,
+                [0] * nd,
+                c,
             )
-            z = b.call(aten.div.Tensor, ct, d)
-            scale = 1.0
-        z = b.call(aten.view.default, z, [1, c] + list(cs[len(cs) - nd :]))
-        weight = b.full([c, 1] + k, scale, x)
-        full = b.call(
-            aten.convolution.default, z, weight, None, stride, [0] * nd, [1] * nd, True, [0] * nd, c
-        )
         crop = []
-        for p, n, f in reversed(list(zip(padding, sp_in, shape(full)[2:]))):
+        for p, n, f in reversed(list(zip(padding, sp_in, extent))):
             crop += [-p, p + n - f]
         if any(crop):
             full = b.call(aten.constant_pad_nd.default, full, crop, 0.0)
@@ -129,6 +147,18 @@ def _transpose_avg_pool(nd):
         return [gx] + [None] * (len(args) - 1)
 
     return rule
+
+
+def _spread_2d(b, z, c, k, stride, sp_out, extent):
+    """Every value of ``z`` (``c`` planes of ``sp_out``) added over its ``k`` window in a
+    ``[1, c, *extent]`` tensor, windows ``stride`` apart: ``col2im`` of the values copied ∏k
+    times (its column layout is ``[1, c·∏k, L]``, channel-major)."""
+    kk, L = math.prod(k), math.prod(sp_out)
+    cols = b.call(aten.view.default, z, [1, c, 1, L])
+    cols = b.call(aten.expand.default, cols, [1, c, kk, L])
+    cols = b.call(aten.clone.default, cols)
+    cols = b.call(aten.view.default, cols, [1, c * kk, L])
+    return b.call(aten.col2im.default, cols, extent, k, [1, 1], [0, 0], stride)
 
 
 def _window_counts(b, x, xs, out_sp, k, stride, padding, count_include_pad):
@@ -187,3 +217,40 @@ def _adaptive_avg_pool2d(x, output_size):
         k = [h // oh, w // ow]
         return aten.avg_pool2d.default(x, k, k)
     return torch_decomposition(aten._adaptive_avg_pool2d.default)(x, output_size)
+
+
+# --- fold / unfold (col2im / im2col) -----------------------------------------------------------
+
+
+def _col2im_cost(out, cols, *args, **kwargs):
+    """``col2im`` adds every column value into its place: 1 FLOP per input element (FLOPS.md's
+    scatter convention, as ``scatter_add`` and ``index_add``)."""
+    return NodeCost(flops=numel(cols))
+
+
+def _im2col_cost(out, *args, **kwargs):
+    """``im2col`` copies windows: 0 FLOPs."""
+    return NodeCost(flops=0)
+
+
+def _transpose_col2im(b, ct, args, kwargs, linear):
+    """``col2im``'s transpose gathers each window back into columns: ``im2col``."""
+    _, _, kernel, dilation, padding, stride = args[:6]
+    return [b.call(aten.im2col.default, ct, kernel, dilation, padding, stride)] + [None] * (
+        len(args) - 1
+    )
+
+
+def _transpose_im2col(b, ct, args, kwargs, linear):
+    """``im2col``'s transpose sums the columns back over their windows: ``col2im``."""
+    x, kernel, dilation, padding, stride = args[:5]
+    out_size = list(shape(x)[-2:])
+    return [b.call(aten.col2im.default, ct, out_size, kernel, dilation, padding, stride)] + [
+        None
+    ] * (len(args) - 1)
+
+
+register(aten.col2im.default, F, _col2im_cost)
+register(aten.im2col.default, F, _im2col_cost, bytes="copy")
+def_linear(aten.col2im.default, _transpose_col2im)
+def_linear(aten.im2col.default, _transpose_im2col)

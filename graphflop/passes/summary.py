@@ -27,6 +27,7 @@ from graphflop.meta import (
     ROLE,
     SIGNATURE,
     SOURCE,
+    UNUSED,
     NodeCost,
 )
 from graphflop.ops import has_rule, op_name
@@ -305,7 +306,11 @@ def _totals(g: Graphs, layers: _Layers, optimizer: str, tangents: str, params: i
     fwd_nodes = _ops(g.forward)
     loss_nodes = [n for n in fwd_nodes if n.meta.get(ROLE) == "loss"]
     t: dict = {
-        "forward": ForwardTotals.of(fwd_total, complete=_complete(g.forward, fwd_nodes)),
+        "forward": ForwardTotals.of(
+            fwd_total,
+            complete=_complete(g.forward, fwd_nodes),
+            unused_flops=g.forward.meta.get(UNUSED, NodeCost()).flops,
+        ),
         "loss": CostTotals.of(loss_total, complete=_complete(g.forward, loss_nodes)),
     }
     if g.backward is not None:

@@ -45,7 +45,7 @@ POOL = [
         module_of(lambda s, x: F.avg_pool2d(x * s.w, 2) * s.r, {"w": (4, 4)}, {"r": (2, 2, 2, 2)}),
         ((2, 2, 4, 4),),
         flops=64 + 4 * 16 + 16,  # mul 64; 4 per output element; readout 16
-        aten=("aten.avg_pool2d.default", "aten.convolution.default"),
+        aten=("aten.avg_pool2d.default", "aten.col2im.default"),
     ),
     OpCase(
         "avgpool2d_k3s2p1",
@@ -118,7 +118,7 @@ POOL_MORE = [
         ),
         ((1, 2, 4, 4),),
         flops=32 + 9 * 18 + 18,  # mul 32; 9 per output element; readout 18
-        aten=("aten.avg_pool2d.default", "aten.div.Tensor", "aten.full.default"),
+        aten=("aten.avg_pool2d.default", "aten.div.Tensor", "aten.col2im.default"),
     ),
     OpCase(
         "avgpool2d_divisor",
