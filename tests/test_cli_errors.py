@@ -222,12 +222,22 @@ def test_files_get_the_umask_mode(work, capsys):
         rc, _, err = cli(
             capsys, "inspect", spec("logreg.py"), "--json", "new/x.json", "--csv", "x.csv"
         )
+        assert rc == 0, err
+        train = ["train", spec("logreg.py"), "--runtime", "onnxruntime", "--steps", "1"]
+        rc, _, err = cli(capsys, *train, "--eval-every", "0", "--quiet", "--out", "run")
+        assert rc == 0, err
     finally:
         os.umask(old)
-    assert rc == 0, err
-    assert stat.S_IMODE((work / "out/new/x.json").stat().st_mode) == 0o640  # 0o666 & ~0o027
-    assert stat.S_IMODE((work / "out/x.csv").stat().st_mode) == 0o640
-    assert stat.S_IMODE((work / "out/new").stat().st_mode) == 0o750  # 0o777 & ~0o027
+    files = [work / "out/new/x.json", work / "out/x.csv", *(work / "out/run").rglob("*")]
+    assert {p.relative_to(work / "out").as_posix() for p in files} >= {
+        "run/train.csv",
+        "run/train.png",
+        "run/summary.json",
+        "run/onnx/train_step.onnx",
+    }
+    for p in files:  # files 0o666 & ~0o027, folders 0o777 & ~0o027
+        assert stat.S_IMODE(p.stat().st_mode) == (0o750 if p.is_dir() else 0o640), p
+    assert stat.S_IMODE((work / "out/new").stat().st_mode) == 0o750
 
 
 def test_atomic_write_leaves_nothing_when_the_writer_fails(tmp_path):
@@ -479,3 +489,17 @@ def test_compile_backend_counts_symbolic_shapes_at_their_hints():
         # at batch N: 2·N·4·3 + 3N bias + 3N relu + 2·N·3·2 + 2N bias = 44·N FLOPs
         assert g.forward_flops == 44 * hint
     torch._dynamo.reset()
+
+
+def test_failed_onnx_export_leaves_no_folder(tmp_path, monkeypatch):
+    import graphflop.export.onnx as onnx_export
+
+    def fail(*a, **k):
+        raise onnx_export.OnnxExportError("no ONNX function for aten.odd.default")
+
+    monkeypatch.setattr(onnx_export, "export_graph", fail)
+    monkeypatch.setattr(onnx_export, "graph_io_names", lambda kind, gm: ([], []))
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(onnx_export.OnnxExportError):
+        onnx_export.export_all({"forward": gm}, tmp_path / "a/b/onnx")
+    assert list(tmp_path.iterdir()) == []  # neither the staging folder nor a/b
