@@ -129,14 +129,26 @@ def register_rule(
     transpose: Callable[..., Any] | None = None,
     family: str = "custom",
     bytes: str = "compute",
+    override: bool = False,
 ) -> registry.OpRule:
     """Add cost, JVP and transpose rules for an op (a custom op's ``OpOverload``, e.g.
     ``torch.ops.mylib.scale.default``). Signatures are those of :mod:`graphflop.ops.registry`.
 
+    An op that already has a rule (a built-in one, or one registered before) is refused unless
+    ``override=True``; then ``cost``, ``family`` and ``bytes`` replace the old rule's, and
+    ``jvp`` and ``transpose`` too when given, while the old JVP and transpose rules are kept
+    when not (so a cost-only override keeps the built-in derivatives).
+
     A pass that needs a kind of rule the op lacks raises ``MissingRuleError`` naming the op and
     the missing kinds (``jvp``, ``transpose``).
+
+    Raises:
+        ValueError: ``op`` already has a rule and ``override`` is false; an unknown ``family``
+            or ``bytes`` policy.
     """
-    return registry.register(op, family, cost, bytes=bytes, jvp=jvp, transpose=transpose)
+    return registry.register_user(
+        op, family, cost, override=override, bytes=bytes, jvp=jvp, transpose=transpose
+    )
 
 
 __all__ = [

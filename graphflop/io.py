@@ -24,9 +24,11 @@ def atomic_write(path: str | Path, write: Callable[[Path], None] | str | bytes) 
     """Write ``path`` through a temporary file in the same folder, then rename it into place.
 
     Args:
-        path: the file to write; its folder is created when missing.
+        path: the file to write; its folder is created when missing (and removed again when
+            the write fails).
         write: the text or bytes to write, or a function that writes a given temporary path
-            (e.g. ``lambda p: fig.savefig(p, format="png")``).
+            (e.g. ``lambda p: fig.savefig(p, format="png")``); the temporary name ends in
+            ``path``'s suffix.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -35,8 +37,12 @@ def atomic_write(path: str | Path, write: Callable[[Path], None] | str | bytes) 
         OSError: the folder cannot be created or written; nothing is left behind.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    created = make_parents(path)
+    # the temporary name ends in path's suffix too, so a writer that picks its format from the
+    # name (matplotlib's savefig) writes the right one
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp{path.suffix}"
+    )
     try:
         if callable(write):
             os.close(fd)
@@ -48,8 +54,59 @@ def atomic_write(path: str | Path, write: Callable[[Path], None] | str | bytes) 
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        remove_empty(created)
         raise
     return path
+
+
+def make_parents(path: str | Path) -> list[Path]:
+    """Create the missing folders above ``path``; returns them, outermost first (for
+    :func:`remove_empty` to undo on a failure).
+
+    Raises:
+        OSError: a folder cannot be created (those made so far are removed again).
+    """
+    missing = [p for p in Path(path).absolute().parents if not p.exists()][::-1]
+    try:
+        for p in missing:
+            p.mkdir()
+    except BaseException:
+        remove_empty(missing)
+        raise
+    return missing
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (innermost last in the list) that exist and are empty."""
+    for p in reversed(folders):
+        try:
+            p.rmdir()
+        except OSError:
+            pass
+
+
+def unwritable(path: str | Path, *, folder: bool = False) -> str | None:
+    """Why ``path`` cannot be written as a file (or, with ``folder``, created or written into
+    as a folder), or None when it can; checked without creating anything.
+
+    A file must not be an existing folder; a folder must not be an existing file; the nearest
+    existing folder must be a folder and writable (``os.access``, so as root any folder is).
+    """
+    p = Path(path)
+    if p.is_dir():
+        if not folder:
+            return "it is an existing folder: give a file name"
+        return None if os.access(p, os.W_OK | os.X_OK) else "no permission to write into it"
+    if p.exists() and folder:
+        return "it is an existing file: give a folder name"
+    base = p.absolute().parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        return f"{base} is a file, not a folder"
+    if not os.access(base, os.W_OK | os.X_OK):
+        return f"no permission to write in {base}"
+    return None
 
 
 def sanitize_name(name: str) -> str:

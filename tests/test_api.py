@@ -309,3 +309,42 @@ def test_graph_break_gives_two_graphs_whose_sums_match():
     assert report.forward_flops == ref["forward"]["flops"] - 4 * 8
     assert report.backward_flops == ref["backward"]["flops"] - ref["backward"]["loss_flops"]
     assert torch.equal(out_c, whole(x))
+
+
+def test_register_rule_refuses_an_op_that_has_a_rule_unless_override():
+    from graphflop.ops import registry
+    from graphflop.testing import restored_rules
+
+    op = torch.ops.aten.relu.default
+    builtin = registry.lookup(op, need=("cost", "jvp"))
+    with restored_rules():
+        with pytest.raises(ValueError, match="aten.relu.default already has a rule.*override=True"):
+            graphflop.register_rule(op, cost=lambda out, x: NodeCost(flops=7))
+        assert registry.lookup(op) is builtin  # untouched
+        new = graphflop.register_rule(op, cost=lambda out, x: NodeCost(flops=7), override=True)
+        # a cost-only override keeps the built-in JVP and transpose rules
+        assert new.jvp is builtin.jvp and new.transpose is builtin.transpose
+        assert new.zero_derivative == builtin.zero_derivative
+        assert new.cost(None, None).flops == 7
+        # the same op traced: the new cost counts, the built-in JVP still differentiates
+        m = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+        fwd = graphflop.annotate_flops(graphflop.trace(m, (torch.randn(2, 3),), loss="sum"))
+        relu = next(n for n in fwd.graph.nodes if n.target is op)
+        assert relu.meta[COST].flops == 7
+        graphflop.build_vjp(fwd)
+        # an override that gives a JVP replaces that one only
+        jvp = builtin.jvp
+        again = graphflop.register_rule(
+            op, cost=builtin.cost, jvp=lambda *a: jvp(*a), override=True
+        )
+        assert again.jvp is not builtin.jvp and again.transpose is builtin.transpose
+    assert registry.lookup(op) is builtin
+
+
+def test_register_rule_twice_for_a_custom_op():
+    from graphflop.testing import restored_rules, without_rule
+
+    with without_rule(SCALE_OP), restored_rules():
+        graphflop.register_rule(SCALE_OP, cost=lambda out, x, w: NodeCost(flops=1))
+        with pytest.raises(ValueError, match="gftest.scale.default already has a rule"):
+            graphflop.register_rule(SCALE_OP, cost=lambda out, x, w: NodeCost(flops=2))

@@ -434,3 +434,66 @@ def test_torch_optimizer_takes_the_update_graphs_constants():
     assert (g["betas"], g["eps"], g["weight_decay"]) == ((0.9, 0.999), 1e-8, 0.01)
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
         torch_optimizer("lion", w, 0.1)
+
+
+# --- interruptions and output folders (issue 20) -------------------------------------------------
+
+
+def _staged(tmp_root) -> set[str]:
+    return {p.name for p in tmp_root.glob("graphflop-train-onnx-*")}
+
+
+def test_ctrl_c_during_onnxruntime_training_leaves_no_onnx_file(digits, tmp_path):
+    """The ONNX graphs are staged in a temporary folder and moved into ``out/onnx`` only with the
+    other outputs at the end: Ctrl-C after the first step leaves ``out`` without them and the
+    staging folder removed; a run that ends has them."""
+    import tempfile
+    from pathlib import Path
+
+    tmp_root = Path(tempfile.gettempdir())
+    before = _staged(tmp_root)
+    steps = []
+
+    def interrupt(row, info):
+        steps.append(row["step"])
+        if row["step"] == 1:
+            raise KeyboardInterrupt
+
+    config = TrainConfig(runtime="onnxruntime", method="fgd", steps=3, eval_every=0)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(spec("logreg.py"), digits, config, out=out, progress=interrupt)
+    assert steps == [0, 1]  # the graphs were exported and a step ran
+    assert not (out / "onnx").exists() and not out.exists()
+    assert _staged(tmp_root) == before
+    train(spec("logreg.py"), digits, config, out=out)
+    assert sorted(p.name for p in (out / "onnx").iterdir()) == ["forward_gradient_step.onnx"]
+    assert _staged(tmp_root) == before
+
+
+def test_cli_ctrl_c_is_exit_130_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import graphflop.train.loop as loop
+
+    real_run = loop._run
+
+    def interrupted(run, c, progress):
+        real_run(run, c, progress)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "_run", interrupted)
+    out = tmp_path / "run"
+    argv = [spec("logreg.py"), "--runtime", "onnxruntime", "--steps", "1", "--quiet"]
+    assert main([*argv, "--out", str(out), "--eval-every", "0"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["graphflop: interrupted"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_is_checked_before_training(tmp_path, digits, monkeypatch):
+    import graphflop.train.loop as loop
+
+    monkeypatch.setattr(loop, "_setup", lambda *a: pytest.fail("training started"))
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file", tmp_path / "file" / "run"):
+        with pytest.raises(TrainError, match="cannot write --out"):
+            train(spec("logreg.py"), digits, TrainConfig(steps=1), out=out)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]

@@ -3,7 +3,9 @@
 One module per subcommand (``inspect``, ``export``, ``bench``, ``render``, ``train``, ``sweep``),
 each with ``add_parser(subparsers)`` and ``run(args, err) -> exit status``; what they share is in
 :mod:`graphflop.cli.common`. Errors the user can fix (bad spec, bad shape, untraceable model, op
-without a rule) print one line to stderr and exit with status 2, leaving no partial output file.
+without a rule, an output path that cannot be written) print one line to stderr and exit with
+status 2, leaving no partial output file; an unexpected error (a bug) prints one line and exits
+with status 1 (``--debug``, on every subcommand, adds the traceback).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from graphflop.cli.common import EXIT_USAGE, EXIT_VERIFY_FAILED, run_command
+from graphflop.cli.common import EXIT_USAGE, EXIT_VERIFY_FAILED, add_debug_arg, run_command
 
 __all__ = ["COMMANDS", "EXIT_USAGE", "EXIT_VERIFY_FAILED", "build_parser", "main"]
 
@@ -37,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        _command(name).add_parser(sub)
+        add_debug_arg(_command(name).add_parser(sub))
     return parser
 
 

@@ -11,6 +11,8 @@ from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
     analyze_model,
+    check_output_file,
+    forward_only_options,
     load_model,
     load_real_model,
     stdout_console,
@@ -50,10 +52,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
+    """The option checks made before any work (ranges, the output path)."""
     from graphflop.load import SpecError
 
     if args.repeat < 1 or args.rotate < 1 or args.warmup < 0:
         raise SpecError("--repeat and --rotate must be positive, --warmup not negative")
+    check_output_file(args.json, "--json")
 
 
 def run(args: argparse.Namespace, err: Console) -> int:
@@ -61,21 +65,30 @@ def run(args: argparse.Namespace, err: Console) -> int:
     import json
 
     from graphflop.io import atomic_write
+    from graphflop.load import parse_dtype
     from graphflop.runtime.bench import (
         bench_onnxruntime,
         bench_torch,
+        check_memory,
+        low_precision_on_cpu,
         method_note,
         phase_flops,
         pick_devices,
         timing_report,
+        trainable,
     )
 
     _check(args)
     loaded, inputs = load_model(args)
-    real = load_real_model(args, dtype=True)
+    forward_only_options(args, loaded, inputs, err, why="bench (it times the train step)")
+    trainable(loaded.model)
     provider, device = pick_devices(args.device)
+    if args.runtime != "torch":
+        low_precision_on_cpu(parse_dtype(args.dtype) if args.dtype else None, provider)
     with err.status("analysing", spinner="dots") as status:
         analysis = analyze_model(args, loaded, inputs, status)
+    check_memory(analysis, args.rotate, device)  # before any tensor of the batch size exists
+    real = load_real_model(args, dtype=True)
     flops = phase_flops(analysis)
     results: dict = {
         "model": loaded.name,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from rich.console import Console
 
 EXIT_USAGE = 2
 EXIT_VERIFY_FAILED = 1
+EXIT_INTERNAL = 1
 EXIT_INTERRUPTED = 130
 OPTIMIZER_CHOICES = ["sgd", "momentum", "adam", "adamw"]
 
@@ -31,6 +33,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from graphflop.frontend.trace import TraceError
     from graphflop.load import SpecError
     from graphflop.ops import MissingRuleError
+    from graphflop.runtime.bench import BenchError
     from graphflop.runtime.onnxrt import DeviceError
     from graphflop.train.config import TrainError
     from graphflop.train.data import DataError
@@ -44,6 +47,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         DataError,
         TrainError,
         DeviceError,
+        BenchError,
     )
 
 
@@ -58,17 +62,58 @@ def run_command(
     args: argparse.Namespace,
     err: Console | None = None,
 ) -> int:
-    """Run one subcommand and return its exit status; a user error is one stderr line and 2,
-    Ctrl-C one line and 130."""
+    """Run one subcommand and return its exit status.
+
+    A user error (:func:`user_errors`, or an ``OSError`` naming a file: a path that cannot be
+    read or written) is one stderr line and status 2; Ctrl-C one line and 130; any other
+    exception (a bug) one line and status 1, with the traceback too under ``--debug``.
+    """
     err = err or Console(stderr=True)
+    debug = bool(getattr(args, "debug", False))
     try:
         return command(args, err)
     except user_errors() as e:
+        _debug_traceback(debug)
         print(f"graphflop: error: {one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        _debug_traceback(debug)
+        if e.filename is None:
+            print(f"graphflop: error: {one_line(e)}", file=sys.stderr)
+            return EXIT_USAGE
+        print(
+            f"graphflop: error: cannot use {e.filename}: {e.strerror or e}; "
+            "choose another path or fix its permissions",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("graphflop: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:
+        _debug_traceback(debug)
+        print(
+            f"graphflop: internal error: {type(e).__name__}: {one_line(e)} (a bug in graphflop; "
+            "rerun with --debug for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+def _debug_traceback(debug: bool) -> None:
+    if debug:
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+
+
+def add_debug_arg(p: argparse.ArgumentParser) -> None:
+    """``--debug``: print the traceback of an error as well (every subcommand has it)."""
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="on an error, print the Python traceback too (to report a bug)",
+    )
 
 
 def parse_ctor_kwargs(items: Sequence[str] | None, example: str = "middle_layers=10") -> dict:
@@ -162,6 +207,7 @@ def load_model(args: argparse.Namespace):
     )
     for note in loaded.notes:
         print(f"note: {note}", file=sys.stderr)
+    check_dtype(args, loaded, shapes)
     if dtype is not None and dtype.is_floating_point:
         loaded.model.to(dtype)
     loaded.model.train(not args.eval)
@@ -205,3 +251,110 @@ def analyze_model(args: argparse.Namespace, loaded, inputs, status, **options):
 def stdout_console() -> Console:
     """Rich console for stdout; wide when stdout is not a terminal so tables don't wrap."""
     return Console() if sys.stdout.isatty() else Console(width=180)
+
+
+# --- checks made before any work -----------------------------------------------------------
+
+
+def check_output_file(path: str | None, option: str, suffixes: Sequence[str] | None = None) -> None:
+    """Check, before any work, that ``path`` (the value of ``option``) can be written as a file
+    (:func:`graphflop.io.unwritable`) with one of ``suffixes`` (lower case, with the dot) when
+    given. Nothing is created.
+
+    Raises:
+        SpecError: the message names the option, the path and what to change.
+    """
+    from graphflop.io import unwritable
+    from graphflop.load import SpecError
+
+    if not path:
+        return
+    if suffixes is not None and os.path.splitext(path)[1].lower() not in suffixes:
+        raise SpecError(f"{option} {path}: unsupported suffix; use one of {', '.join(suffixes)}")
+    why = unwritable(path)
+    if why:
+        raise SpecError(f"cannot write {option} {path}: {why}")
+
+
+def check_output_dir(path: str | None, option: str) -> None:
+    """Check, before any work, that the folder ``path`` (the value of ``option``) can be
+    created or written into (:func:`graphflop.io.unwritable`). Nothing is created.
+
+    Raises:
+        SpecError: the message names the option, the path and what to change.
+    """
+    from graphflop.io import unwritable
+    from graphflop.load import SpecError
+
+    why = unwritable(path, folder=True) if path else None
+    if why:
+        raise SpecError(f"cannot write {option} {path}: {why}")
+
+
+def check_dtype(args: argparse.Namespace, loaded, shapes=None) -> None:
+    """Reject a ``--dtype`` that is not floating point for a model with floating-point inputs
+    (``--dtype`` sets the dtype of floating inputs and parameters; an integer one is for
+    models that take integers, e.g. token ids).
+
+    Raises:
+        SpecError: naming the dtype and the floating-point choices.
+    """
+    from graphflop.load import SpecError, make_inputs, parse_dtype
+
+    dtype = parse_dtype(args.dtype) if getattr(args, "dtype", None) else None
+    if dtype is None or dtype.is_floating_point:
+        return
+    default = make_inputs(loaded, shapes=shapes, batch=getattr(args, "batch", None))
+    if any(t.is_floating_point() for t in default):
+        raise SpecError(
+            f"--dtype {args.dtype} is not a floating-point dtype, and the model takes "
+            "floating-point inputs: use float32, float64, float16 or bfloat16"
+        )
+
+
+def float_output(model, inputs) -> bool:
+    """Whether ``model``'s output (run on the meta ``inputs``) has a floating-point tensor, i.e.
+    something to differentiate. True when the model cannot run on meta tensors (the trace then
+    reports why)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    try:
+        with torch.no_grad():
+            out = model(*inputs)
+    except Exception:
+        return True
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return not leaves or any(t.is_floating_point() or t.is_complex() for t in leaves)
+
+
+NO_FLOAT_OUTPUT = (
+    "the model's output has no floating-point tensor to differentiate (e.g. it ends in argmax)"
+)
+
+
+def forward_only_options(
+    args: argparse.Namespace, loaded, inputs, err: Console, *, why: str | None = None
+) -> dict[str, bool]:
+    """``{}`` for a model whose output can be differentiated, else the analysis options for the
+    forward only (``backward=False, jvp=False``) after a note on ``err``.
+
+    Args:
+        why: the option that asks for the backward explicitly (e.g. ``--loss mse``), if any:
+            then an integer-only output is an error instead.
+
+    Raises:
+        SpecError: an integer-only output and ``why`` (or an explicit ``--loss``) given.
+    """
+    from graphflop.load import SpecError
+
+    if float_output(loaded.model, inputs):
+        return {}
+    loss = getattr(args, "loss", "auto")
+    why = why or (f"--loss {loss}" if loss != "auto" else None)
+    if why:
+        raise SpecError(
+            f"{why} needs a backward, but {NO_FLOAT_OUTPUT}: return the logits or scores instead"
+        )
+    err.print(f"note: {NO_FLOAT_OUTPUT}; analysing the forward only", soft_wrap=True)
+    return {"backward": False, "jvp": False}

@@ -7,7 +7,14 @@ import argparse
 
 from rich.console import Console
 
-from graphflop.cli.common import OPTIMIZER_CHOICES, add_model_args, analyze_model, load_model
+from graphflop.cli.common import (
+    OPTIMIZER_CHOICES,
+    add_model_args,
+    analyze_model,
+    check_output_dir,
+    forward_only_options,
+    load_model,
+)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -30,9 +37,11 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from graphflop.export.onnx import export_all
     from graphflop.runtime.graphs import step_graphs
 
+    check_output_dir(args.out, "--out")
     loaded, inputs = load_model(args)
+    only = forward_only_options(args, loaded, inputs, err)
     with err.status("analysing", spinner="dots") as status:
-        analysis = analyze_model(args, loaded, inputs, status)
+        analysis = analyze_model(args, loaded, inputs, status, **only)
         status.update("exporting to ONNX")
         manifest = export_all(step_graphs(analysis), args.out, name=analysis.name)
     for g in manifest["graphs"].values():

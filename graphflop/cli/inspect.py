@@ -12,6 +12,8 @@ from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
     analyze_model,
+    check_output_file,
+    forward_only_options,
     load_model,
     load_real_model,
     stdout_console,
@@ -136,15 +138,9 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from graphflop.io import atomic_write
     from graphflop.ops import strict_rules
 
-    if args.directions < 1:
-        from graphflop.load import SpecError
-
-        raise SpecError(f"bad --directions {args.directions}: must be at least 1")
-    if args.depth is not None and args.depth < 1:
-        from graphflop.load import SpecError
-
-        raise SpecError(f"bad --depth {args.depth}: must be at least 1")
+    _check(args)
     loaded, inputs = load_model(args)
+    only = forward_only_options(args, loaded, inputs, err, why="--verify" if args.verify else None)
     with err.status("analysing", spinner="dots") as status, strict_rules(args.strict):
         analysis = analyze_model(
             args,
@@ -154,8 +150,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
             tangents=args.tangents,
             directions=args.directions,
             distribution=args.direction,
-            backward=not args.no_backward,
-            jvp=not args.no_jvp,
+            backward=not args.no_backward and only.get("backward", True),
+            jvp=not args.no_jvp and only.get("jvp", True),
         )
     report = analysis.report
     for line in warning_lines(report):
@@ -178,6 +174,24 @@ def run(args: argparse.Namespace, err: Console) -> int:
             units=args.units,
         )
     return rc
+
+
+def _check(args: argparse.Namespace) -> None:
+    """The option checks made before any work (ranges, output paths)."""
+    from graphflop.load import SpecError
+
+    if args.directions < 1:
+        raise SpecError(f"bad --directions {args.directions}: must be at least 1")
+    if args.verify_samples is not None and args.verify_samples < 0:
+        raise SpecError(
+            f"bad --verify-samples {args.verify_samples}: give 0 (skip the check) or more"
+        )
+    if args.max_layers < 0:
+        raise SpecError(f"bad --max-layers {args.max_layers}: give 0 or more")
+    if args.depth is not None and args.depth < 1:
+        raise SpecError(f"bad --depth {args.depth}: must be at least 1")
+    check_output_file(args.json, "--json")
+    check_output_file(args.csv, "--csv")
 
 
 def _verify(

@@ -6,7 +6,14 @@ import argparse
 
 from rich.console import Console
 
-from graphflop.cli.common import OPTIMIZER_CHOICES, add_model_args, analyze_model, load_model
+from graphflop.cli.common import (
+    OPTIMIZER_CHOICES,
+    add_model_args,
+    analyze_model,
+    check_output_file,
+    forward_only_options,
+    load_model,
+)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -29,9 +36,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--graph",
-        default="train",
+        default=None,
         choices=["forward", "backward", "jvp", "train", "all"],
-        help="which graphs to draw (default train: forward, backward and update)",
+        help="which graphs to draw (default train: forward, backward and update; forward for "
+        "a model whose output has no floating-point tensor)",
     )
     p.add_argument(
         "--level",
@@ -70,17 +78,23 @@ def _read_profile(path: str | None) -> dict | None:
 
 def run(args: argparse.Namespace, err: Console) -> int:
     """Analyse and render into ``--output``; prints the path written."""
-    from graphflop.export.graphviz import render
+    from graphflop.export.graphviz import FORMATS, render
 
+    check_output_file(args.output, "--output", sorted(FORMATS))
     profile = _read_profile(args.profile_json)
     loaded, inputs = load_model(args)
+    explicit = args.graph not in (None, "forward")
+    only = forward_only_options(
+        args, loaded, inputs, err, why=f"--graph {args.graph}" if explicit else None
+    )
+    graph = "forward" if only else (args.graph or "train")
     with err.status("analysing", spinner="dots") as status:
-        analysis = analyze_model(args, loaded, inputs, status)
+        analysis = analyze_model(args, loaded, inputs, status, **only)
         status.update("rendering")
         render(
             analysis,
             args.output,
-            graph=args.graph,
+            graph=graph,
             level=args.level,
             profile=profile,
             module=args.module,

@@ -9,9 +9,14 @@ from rich.console import Console
 from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
+    check_output_file,
+    forward_only_options,
     parse_ctor_kwargs,
     stdout_console,
 )
+
+#: the ``--plot`` suffixes (matplotlib's formats the help names)
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -42,7 +47,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES)
     p.add_argument("--csv", metavar="PATH", help="write the table as CSV")
-    p.add_argument("--plot", metavar="PATH", help="write a plot (.png, .svg, .pdf)")
+    p.add_argument("--plot", metavar="PATH", help="write a plot (.png, .svg or .pdf)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     return p
 
@@ -77,6 +82,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
     depths = int_list(args.depth, "depth")
     if not batches and not depths:
         raise SpecError("give --batches 1,2,4,... or --depth 0,10,100")
+    _check(args, batches)
+    _check_differentiable(args, err)
     with err.status("sweeping", spinner="dots") as status:
         rows = sweep(
             args.spec,
@@ -91,6 +98,45 @@ def run(args: argparse.Namespace, err: Console) -> int:
     _print_table(args, rows, "batch" if batches else "depth")
     _write(args, rows)
     return 0
+
+
+#: model options ``sweep`` does not take (each point is traced from the file's
+#: ``example_inputs()`` in train mode with the default loss), with what to do instead
+_UNSUPPORTED = {
+    "input_shape": "--input-shape (sweep rescales the file's example_inputs(); set --batches)",
+    "dtype": "--dtype (the FLOP ratios do not depend on it; use inspect --dtype for bytes)",
+    "eval": "--eval (sweep traces in train mode; use inspect --eval)",
+}
+
+
+def _check(args: argparse.Namespace, batches: list[int]) -> None:
+    """Reject the model options sweep cannot honour, and bad output paths, before any work."""
+    from graphflop.load import SpecError
+
+    for key, text in _UNSUPPORTED.items():
+        if getattr(args, key, None):
+            raise SpecError(f"sweep does not take {text}")
+    if args.loss != "auto":
+        raise SpecError(
+            f"sweep does not take --loss {args.loss} (it uses the default loss); "
+            "use inspect --loss for one point"
+        )
+    if args.batch is not None and batches:
+        raise SpecError("--batch and --batches contradict each other: give the sizes in --batches")
+    if args.batch is not None and args.batch < 1:
+        raise SpecError(f"bad --batch {args.batch}: must be positive")
+    check_output_file(args.csv, "--csv")
+    check_output_file(args.json, "--json")
+    check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
+
+
+def _check_differentiable(args: argparse.Namespace, err: Console) -> None:
+    """An integer-only output has no backward, so no backward/forward ratio: exit 2."""
+    from graphflop.load import load, make_inputs
+
+    loaded = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), meta=True)
+    loaded.model.train()
+    forward_only_options(args, loaded, make_inputs(loaded), err, why="sweep")
 
 
 def _print_table(args: argparse.Namespace, rows: list[dict], kind: str) -> None:
@@ -121,6 +167,9 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> None:
     from graphflop.io import atomic_write
     from graphflop.sweep import plot
 
+    if args.plot:  # first: the writer most likely to fail
+        title = f"{args.spec.split('/')[-1]} ({args.optimizer})"
+        atomic_write(args.plot, lambda p: plot(rows, str(p), title=title))
     if args.csv:
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=list(rows[0]))
@@ -129,5 +178,3 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> None:
         atomic_write(args.csv, buf.getvalue())
     if args.json:
         atomic_write(args.json, json.dumps(rows, indent=1))
-    if args.plot:
-        plot(rows, args.plot, title=f"{args.spec.split('/')[-1]} ({args.optimizer})")

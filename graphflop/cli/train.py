@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from graphflop.cli.common import parse_ctor_kwargs, run_command
+from graphflop.cli.common import add_debug_arg, parse_ctor_kwargs, run_command
 from graphflop.passes.optimizer import OPTIMIZERS
 
 
@@ -280,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="graphflop train", description="Train SPEC with graphflop's step graphs."
     )
     add_arguments(parser)
+    add_debug_arg(parser)
     return run(parser.parse_args(argv))
 
 

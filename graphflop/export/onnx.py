@@ -321,10 +321,13 @@ def export_all(
 
     gms = dict(source) if isinstance(source, Mapping) else _analysis_graphs(source)
     model_name = name or getattr(source, "name", None) or "model"
+    from graphflop.io import make_parents, remove_empty
+
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    created = make_parents(out_dir)  # removed again when the export fails
     tmp = Path(tempfile.mkdtemp(prefix=".graphflop-export-", dir=out_dir.parent))
     manifest: dict[str, Any] = {"model": model_name, "graphs": {}}
+    done = False
     try:
         for kind in graphs:
             if gms.get(kind) is None:
@@ -342,8 +345,11 @@ def export_all(
         out_dir.mkdir(parents=True, exist_ok=True)
         for f in tmp.iterdir():
             os.replace(f, out_dir / f.name)
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            remove_empty(created)
     return manifest
 
 

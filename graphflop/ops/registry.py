@@ -222,6 +222,34 @@ def register(
     return rule
 
 
+def register_user(
+    op: Any,
+    family: str,
+    cost: Callable[..., NodeCost],
+    *,
+    override: bool = False,
+    **rules: Any,
+) -> OpRule:
+    """:func:`register` for a user's rule (``graphflop.register_rule``): an op that already has a
+    rule is refused unless ``override``; with ``override`` the given fields replace the old
+    rule's and the others (``None`` ones: ``jvp``, ``transpose``) are kept.
+
+    Raises:
+        ValueError: ``op`` has a rule and ``override`` is false; an unknown family or policy.
+    """
+    old = _TABLE.get(op)
+    if old is None:
+        return register(op, family, cost, **rules)
+    if not override:
+        raise ValueError(
+            f"{op_name(op)} already has a rule (family {old.family}); pass override=True to "
+            "replace its cost (its other rules are kept unless given)"
+        )
+    kept = {k: v for k, v in rules.items() if v is not None}
+    merged = {"jvp": old.jvp, "transpose": old.transpose, "zero_derivative": old.zero_derivative}
+    return register(op, family, cost, **{**merged, **kept})
+
+
 def update(op: Any, **changes: Any) -> OpRule:
     """Replace some fields of an existing rule (used by the JVP/transpose helpers)."""
     rule = replace(_TABLE[op], **changes)

@@ -87,8 +87,18 @@ def _has_costs(gm: GraphModule) -> bool:
     return all(COST in n.meta for n in gm.graph.nodes)
 
 
+#: graph-level facts of a graph derived from a forward graph (a JVP, backward, update,
+#: forward-gradient step or train step graph is not itself a forward graph to build from)
+DERIVED = ("train_step", "forward_gradient", "vjp", "jvp", "update")  # most specific first
+
+
+def derived_kind(gm: GraphModule) -> str | None:
+    """The kind of derived graph ``gm`` is (one of :data:`DERIVED`), or None."""
+    return next((f for f in DERIVED if GRAPH_EVIDENCE[f] in gm.meta), None)
+
+
 def _traced(gm: GraphModule) -> bool:
-    return "traced" in recorded(gm) and SIGNATURE in gm.meta
+    return "traced" in recorded(gm) and SIGNATURE in gm.meta and derived_kind(gm) is None
 
 
 #: facts checked on the graph itself rather than by a meta key
@@ -126,6 +136,11 @@ def check(gm: GraphModule, requires: Sequence[str], name: str) -> None:
     ``build_vjp requires 'traced', which this graph lacks: run trace (or from_exported) first``.
     """
     for fact in requires:
+        if fact == "traced" and derived_kind(gm) is not None:
+            raise PassOrderError(
+                f"{name} requires 'traced', a forward graph, but this is a {derived_kind(gm)} "
+                "graph derived from one: pass the forward graph from trace (or from_exported)"
+            )
         if not has_fact(gm, fact):
             raise PassOrderError(
                 f"{name} requires '{fact}', which this graph lacks: run "

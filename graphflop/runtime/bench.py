@@ -31,6 +31,86 @@ if TYPE_CHECKING:
 PHASES = ("forward", "train_step", "forward_gradient_step")
 
 
+class BenchError(ValueError):
+    """A benchmark that cannot run as asked (no trainable parameters, more memory than there
+    is); the message says what to change."""
+
+
+def available_memory(device: str = "cpu") -> int | None:
+    """Bytes available for new allocations on ``device``: ``MemAvailable`` of
+    ``/proc/meminfo`` (else ``os.sysconf``'s available pages) for the CPU, free memory for
+    CUDA; None when unknown."""
+    import os
+
+    if device == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info()[0])
+        except Exception:
+            return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def bench_memory_bytes(analysis: Analysis, rotate: int) -> int:
+    """Estimated peak bytes of one runtime's benchmark: the largest phase peak of the
+    analysis's memory report (forward, train step, JVP; parameters, gradients and optimizer
+    state included) plus ``rotate`` input sets, each a copy of the inputs, targets and
+    parameters (:func:`_input_sets`)."""
+    m = analysis.report.memory
+    peak = max(
+        v for v in (m.forward_peak_bytes, m.train_peak_bytes, m.jvp_peak_bytes) if v is not None
+    )
+    sig = analysis.forward.meta[SIGNATURE]
+    wanted = set(sig.inputs) | set(sig.targets)
+    data = sum(
+        n.meta["val"].numel() * n.meta["val"].element_size()
+        for n in analysis.forward.graph.nodes
+        if n.op == "placeholder" and n.name in wanted and "val" in n.meta
+    )
+    return peak + rotate * (data + m.params_bytes)
+
+
+def check_memory(analysis: Analysis, rotate: int, device: str) -> None:
+    """Refuse, before anything is allocated, a benchmark whose estimated memory
+    (:func:`bench_memory_bytes`) exceeds what ``device`` has available.
+
+    Raises:
+        BenchError: with both figures in bytes and what to change.
+    """
+    need = bench_memory_bytes(analysis, rotate)
+    have = available_memory(device)
+    if have is not None and need > have:
+        raise BenchError(
+            f"the benchmark needs about {need:,} bytes ({need / 2**30:,.1f} GiB: the largest "
+            f"phase peak plus {rotate} input sets), more than the {have:,} bytes "
+            f"({have / 2**30:,.1f} GiB) available on {device}; lower --batch or --rotate"
+        )
+
+
+def trainable(model: torch.nn.Module) -> None:
+    """Refuse to time a train step of a model without trainable parameters.
+
+    Raises:
+        BenchError: no parameters, or all of them frozen.
+    """
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        what = "has no parameters" if not params else f"has all {len(params)} parameters frozen"
+        raise BenchError(
+            f"the model {what}: bench times a train step and a forward-gradient step, which "
+            "update trainable parameters; use graphflop inspect --no-backward for its forward"
+        )
+
+
 @dataclass
 class Timing:
     """Wall-clock statistics of one phase, in seconds."""
@@ -108,17 +188,18 @@ def bench_torch(
 
     def train_step(i):
         opt.zero_grad(set_to_none=True)
-        loss_value(kind, model(*xs[i % rotate]), ts[i % rotate]).backward()
+        loss_value(kind, first_output(model(*xs[i % rotate])), ts[i % rotate]).backward()
         opt.step()
 
-    params = {k: p.detach() for k, p in model.named_parameters()}
+    params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
     buffers = dict(model.named_buffers())
 
     def fg_step(i):
         x, t = xs[i % rotate], ts[i % rotate]
 
         def f(p):
-            return loss_value(kind, torch.func.functional_call(model, (p, buffers), tuple(x)), t)
+            out = torch.func.functional_call(model, (p, buffers), tuple(x))
+            return loss_value(kind, first_output(out), t)
 
         v = {k: torch.randn_like(p) for k, p in params.items()}
         _, d = torch.func.jvp(f, (params,), (v,))
@@ -131,6 +212,14 @@ def bench_torch(
         "train_step": time_fn(train_step, warmup=warmup, repeat=repeat, sync=sync),
         "forward_gradient_step": time_fn(fg_step, warmup=warmup, repeat=repeat, sync=sync),
     }
+
+
+def first_output(out: Any) -> torch.Tensor:
+    """The first tensor of a model's output (a tensor, or a tuple, list or dict of them, in
+    ``torch.utils._pytree`` order: the output the traced loss starts from)."""
+    from torch.utils._pytree import tree_leaves
+
+    return next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 def _labelled(values: dict[str, torch.Tensor], sig) -> dict[str, torch.Tensor]:
@@ -166,6 +255,62 @@ def _feed(name: str, by_label, state_labels: set[str], lr: float) -> torch.Tenso
 def _onnx_feeds(names: list[str], by_label, state_labels: set[str], lr: float) -> dict[str, Any]:
     feeds = {n: _feed(n, by_label, state_labels, lr) for n in names}
     return {k: v.numpy() for k, v in feeds.items() if v is not None}
+
+
+#: ONNX Runtime's input type names → numpy dtypes, for the feeds made in float32
+_ORT_TYPES = {
+    "tensor(float16)": "float16",
+    "tensor(float)": "float32",
+    "tensor(double)": "float64",
+}
+
+
+def _as_declared(sess, feeds: dict[str, Any]) -> dict[str, Any]:
+    """``feeds`` with floating arrays cast to the type each session input declares (the
+    learning rate and Adam's step are made in float32 whatever the model's ``--dtype``)."""
+    declared = {i.name: _ORT_TYPES.get(i.type) for i in sess.get_inputs()}
+    return {
+        k: v.astype(declared[k]) if declared.get(k) and v.dtype.kind == "f" else v
+        for k, v in feeds.items()
+    }
+
+
+def _nop() -> None:
+    pass
+
+
+def _ort_call(kind: str, provider: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, with ONNX Runtime's "no kernel for this type" errors as :class:`BenchError`.
+
+    ONNX Runtime's CPU provider lacks float16/bfloat16 kernels for ops the step graphs use
+    (``Neg``, ``ScatterElements`` with ``add``): the message then says what to use instead.
+    """
+    try:
+        return fn()
+    except Exception as e:
+        text = " ".join(str(e).split())
+        if type(e).__name__ == "NotImplemented" or "not supported" in text:
+            raise BenchError(
+                f"ONNX Runtime ({provider}) cannot run the {kind} graph: {text[:300]}; "
+                "use --runtime torch, or --dtype float32"
+            ) from e
+        raise
+
+
+def low_precision_on_cpu(dtype: torch.dtype | None, provider: str) -> None:
+    """Refuse float16/bfloat16 on ONNX Runtime's CPU provider before any work: it has no
+    kernels of those types for ops every step graph uses (``Neg``; ``ScatterElements`` with
+    ``add`` in float16).
+
+    Raises:
+        BenchError: naming the dtype and what to use instead.
+    """
+    if dtype in (torch.float16, torch.bfloat16) and provider == "CPUExecutionProvider":
+        raise BenchError(
+            f"ONNX Runtime's CPU provider has no {str(dtype).removeprefix('torch.')} kernels "
+            "for ops of the step graphs (Neg, ScatterElements add): use --runtime torch, "
+            "--device cuda, or --dtype float32"
+        )
 
 
 def bench_onnxruntime(
@@ -213,13 +358,18 @@ def bench_onnxruntime(
         state_labels = set(upd.state_labels) if upd else set()
         timings, prof = {}, {}
         for kind, g in manifest["graphs"].items():
-            sess = session(root / g["file"], provider, profile=profile)
-            feeds = [_onnx_feeds(g["inputs"], b, state_labels, lr) for b in labelled]
-            timings[kind] = time_fn(
-                lambda i, s=sess, f=feeds: s.run(None, f[i % rotate]),
-                warmup=warmup,
-                repeat=repeat,
-                sync=lambda: None,
+            sess = _ort_call(
+                kind, provider, lambda f=g["file"]: session(root / f, provider, profile=profile)
+            )
+            feeds = [
+                _as_declared(sess, _onnx_feeds(g["inputs"], b, state_labels, lr)) for b in labelled
+            ]
+            timings[kind] = _ort_call(
+                kind,
+                provider,
+                lambda s=sess, f=feeds: time_fn(
+                    lambda i: s.run(None, f[i % rotate]), warmup=warmup, repeat=repeat, sync=_nop
+                ),
             )
             if profile:
                 prof[kind] = _node_times(sess.end_profiling(), g["nodes"], repeat + warmup)

@@ -7,6 +7,7 @@ steps with these models.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,11 +138,13 @@ def _check_numbers(c: TrainConfig) -> None:
         c.batch < 1
         or c.directions < 1
         or (c.steps is not None and c.steps < 1)
-        or (c.epochs is not None and c.epochs <= 0)
+        or (c.epochs is not None and not 0 < c.epochs < math.inf)
     ):
-        raise TrainError("--batch, --directions, --steps and --epochs must be positive")
-    if c.lr is not None and not c.lr > 0 or not c.lr_decay > 0:
-        raise TrainError("--lr and --lr-decay must be positive")
+        raise TrainError(
+            "--batch, --directions, --steps and --epochs must be positive (and finite)"
+        )
+    if c.lr is not None and not 0 < c.lr < math.inf or not 0 < c.lr_decay < math.inf:
+        raise TrainError("--lr and --lr-decay must be positive and finite")
     if c.eval_every is not None and c.eval_every < 0:
         raise TrainError("--eval-every must be 0 (never) or positive")
     if c.eval_batch < 1:

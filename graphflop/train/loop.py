@@ -36,6 +36,8 @@ the files from :mod:`graphflop.train.outputs`.
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -135,17 +137,49 @@ def train(
         TrainError, DataError, SpecError, TraceError, OnnxExportError.
     """
     config = config or TrainConfig()
+    check_out(out)
     old_threads = torch.get_num_threads()
     if config.threads:
         torch.set_num_threads(config.threads)
+    # the ONNX graphs go to a temporary folder, moved to out/onnx with the other outputs at the
+    # end: an error or Ctrl-C during training leaves nothing in out
+    staging = (
+        Path(tempfile.mkdtemp(prefix="graphflop-train-onnx-"))
+        if out is not None and config.runtime == "onnxruntime" and config.method != "torch"
+        else None
+    )
     try:
-        run = _setup(spec_or_model, data, config, out)
+        run = _setup(spec_or_model, data, config, staging)
         result = _run(run, config, progress)
         if out is not None:
             write_outputs(result, out)
+            if staging is not None:
+                _publish(staging, Path(out) / "onnx")
         return result
     finally:
         torch.set_num_threads(old_threads)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_out(out: str | Path | None) -> None:
+    """Check that the output folder ``out`` can be created or written into, before training.
+
+    Raises:
+        TrainError: ``out`` is an existing file, or its folder is not writable.
+    """
+    from graphflop.io import unwritable
+
+    why = unwritable(out, folder=True) if out is not None else None
+    if why:
+        raise TrainError(f"cannot write --out {out}: {why}; choose another folder")
+
+
+def _publish(staging: Path, dest: Path) -> None:
+    """Move the files of ``staging`` into ``dest`` (created), each by one rename or copy."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(staging.iterdir()):
+        shutil.move(str(f), dest / f.name)
 
 
 @dataclass
@@ -166,7 +200,7 @@ class _Run:
     setup_s: float
 
 
-def _setup(spec_or_model, data: Dataset | None, c: TrainConfig, out) -> _Run:
+def _setup(spec_or_model, data: Dataset | None, c: TrainConfig, save_onnx: Path | None) -> _Run:
     t0 = time.perf_counter()
     data = data if data is not None else load_dataset(c.dataset, c.data_dir)
     n_train = len(data.y_train)
@@ -175,8 +209,8 @@ def _setup(spec_or_model, data: Dataset | None, c: TrainConfig, out) -> _Run:
     spe = n_train // c.batch
     eval_every = spe if c.eval_every is None else c.eval_every
     model, name, used = build_model(spec_or_model, data, seed=c.seed, ctor_kwargs=c.ctor_kwargs)
+    _check_trainable(model, name)
     provider = _provider(c)
-    save_onnx = Path(out) / "onnx" if out is not None and provider else None
     if c.method == "torch":
         stepper, flops = TorchStepper(model, c.optimizer, c.learning_rate, c.lr_decay), None
         evaluator = TorchEvaluator(model, data, c.eval_batch) if eval_every else None
@@ -209,6 +243,17 @@ def _setup(spec_or_model, data: Dataset | None, c: TrainConfig, out) -> _Run:
         eval_every,
         time.perf_counter() - t0,
     )
+
+
+def _check_trainable(model: nn.Module, name: str) -> None:
+    """Raise :class:`TrainError` for a model with no parameter to train."""
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        what = "no parameters" if not params else f"all {len(params)} parameters frozen"
+        raise TrainError(
+            f"{name} has {what}: there is nothing to train; give it a trainable parameter "
+            "(requires_grad=True)"
+        )
 
 
 def _provider(c: TrainConfig) -> str | None:

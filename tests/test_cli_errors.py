@@ -1,0 +1,507 @@
+"""Bad input, adversarially (issue 20): every case is one stderr line and exit 2 (1 for a bug,
+with ``--debug`` for the traceback), checked before any work, and leaves no file behind; plus
+the library's own refusals (``register_rule`` without ``override``, passes out of order on
+derived graphs) and the ``torch.compile`` backend on symbolic shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+import torch
+from conftest import spec
+
+from graphflop.cli import main
+
+INT_OUTPUT = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+    def forward(self, x):
+        return self.fc(x).argmax(-1)
+def example_inputs(): return (torch.randn(2, 4),)
+"""
+
+TUPLE_OUTPUT = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+    def forward(self, x):
+        y = self.fc(x)
+        return {"a": y, "b": y * 2} if DICT else (y, y * 2)
+def example_inputs(): return (torch.randn(2, 4),)
+"""
+
+NO_PARAMS = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self, in_features=4):
+        super().__init__()
+        self.n = in_features
+    def forward(self, x):
+        return x.flatten(1)[:, :10] * 2
+def example_inputs(): return (torch.randn(2, 4),)
+"""
+
+FROZEN = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self, in_features=4):
+        super().__init__()
+        self.fc = torch.nn.Linear(in_features, 10)
+        self.fc.requires_grad_(False)
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+def example_inputs(): return (torch.randn(2, 4),)
+"""
+
+MODELS = {
+    "int.py": INT_OUTPUT,
+    "tuple.py": "DICT = False\n" + TUPLE_OUTPUT,
+    "dict.py": "DICT = True\n" + TUPLE_OUTPUT,
+    "noparam.py": NO_PARAMS,
+    "frozen.py": FROZEN,
+}
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    """A folder with the test models in ``models/`` and an empty ``out/`` (the cwd)."""
+    (tmp_path / "models").mkdir()
+    for name, text in MODELS.items():
+        (tmp_path / "models" / name).write_text(text)
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.chdir(out)
+    return tmp_path
+
+
+def cli(capsys, *argv):
+    """Run ``graphflop`` in-process; returns ``(exit status, stdout, stderr lines)``."""
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out, [line for line in cap.err.splitlines() if line.strip()]
+
+
+def one_error(capsys, *argv, code=2, message=""):
+    """Run and assert: exit ``code``, one stderr line naming ``message``, no traceback."""
+    rc, out, err = cli(capsys, *argv)
+    assert rc == code, (rc, out, err)
+    assert len(err) == 1, err
+    assert err[0].startswith("graphflop: "), err
+    assert "Traceback" not in err[0]
+    assert message in err[0], err[0]
+    return err[0]
+
+
+def nothing_left(path):
+    left = [p for p in path.rglob("*")]
+    assert left == [], left
+
+
+# --- integer-only model output -------------------------------------------------------------
+
+
+def test_integer_output_inspect_analyses_the_forward_with_a_note(work, capsys):
+    rc, out, err = cli(capsys, "inspect", work / "models/int.py", "--format", "json")
+    assert rc == 0, err
+    assert err == [
+        "note: the model's output has no floating-point tensor to differentiate (e.g. it ends "
+        "in argmax); analysing the forward only"
+    ]
+    d = json.loads(out)
+    # Linear(4 → 3) at batch 2: 2·2·4·3 = 48 matmul FLOPs; no backward, update or JVP phase
+    assert d["totals"]["forward"]["mm_flops"] == 2 * 2 * 4 * 3
+    assert set(d["totals"]) == {"forward", "loss"}
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["inspect", "models/int.py", "--loss", "sum"], "--loss sum needs a backward"),
+        (["render", "models/int.py", "-o", "out/g.dot", "--graph", "backward"], "--graph backward"),
+        (["sweep", "models/int.py", "--batches", "1,2"], "sweep needs a backward"),
+        (["bench", "models/int.py", "--runtime", "torch"], "bench (it times the train step)"),
+    ],
+)
+def test_integer_output_where_a_backward_is_asked_for(work, capsys, argv, message):
+    argv = [str(work / a) if a.startswith(("models/", "out/")) else a for a in argv]
+    line = one_error(capsys, *argv, message=message)
+    assert "no floating-point tensor" in line
+    nothing_left(work / "out")
+
+
+def test_integer_output_render_and_export_the_forward(work, capsys):
+    rc, out, err = cli(capsys, "render", work / "models/int.py", "-o", "g.dot")
+    assert rc == 0 and (work / "out/g.dot").read_text().startswith("digraph"), err
+    rc, out, err = cli(capsys, "export", work / "models/int.py", "--out", "onnx")
+    assert rc == 0, err
+    assert sorted(p.name for p in (work / "out/onnx").iterdir()) == [
+        "forward.onnx",
+        "manifest.json",
+    ]
+
+
+# --- output paths --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["inspect", "{logreg}", "--json", "adir"], "is an existing folder"),
+        (["inspect", "{logreg}", "--csv", "afile/x.csv"], "is a file, not a folder"),
+        (["bench", "{logreg}", "--json", "adir"], "is an existing folder"),
+        (["export", "{logreg}", "--out", "afile"], "is an existing file"),
+        (["export", "{logreg}", "--out", "afile/onnx"], "is a file, not a folder"),
+        (["render", "{logreg}", "-o", "adir"], "unsupported suffix"),
+        (["render", "{logreg}", "-o", "g.xyz"], "unsupported suffix"),
+        (["render", "{logreg}", "-o", "afile/g.svg"], "is a file, not a folder"),
+        (["train", "{logreg}", "--out", "afile", "--steps", "1"], "is an existing file"),
+        (["sweep", "{logreg}", "--batches", "1", "--csv", "s.csv", "--plot", "x.xyz"], "--plot"),
+        (["sweep", "{logreg}", "--batches", "1", "--json", "adir"], "is an existing folder"),
+    ],
+)
+def test_bad_output_paths_are_refused_before_any_work(work, capsys, monkeypatch, argv, message):
+    import graphflop.analysis
+    import graphflop.sweep  # binds analyze at import: import it before the patch, not during
+    import graphflop.train.loop
+
+    def no_work(*a, **k):
+        raise AssertionError("work started before the output path was checked")
+
+    monkeypatch.setattr(graphflop.analysis, "analyze", no_work)
+    monkeypatch.setattr(graphflop.sweep, "analyze", no_work)
+    monkeypatch.setattr(graphflop.train.loop, "_setup", no_work)
+    (work / "out/adir").mkdir()
+    (work / "out/afile").write_text("keep")
+    one_error(capsys, *[a.format(logreg=spec("logreg.py")) for a in argv], message=message)
+    assert sorted(p.name for p in (work / "out").iterdir()) == ["adir", "afile"]
+    assert list((work / "out/adir").iterdir()) == []
+
+
+def test_unwritable_folder_is_refused(work, capsys, monkeypatch):
+    """A folder without write permission (simulated: the tests may run as root, who may write
+    anywhere)."""
+    real_access = os.access
+    ro = work / "out/ro"
+    ro.mkdir()
+    monkeypatch.setattr(
+        os, "access", lambda p, m: False if str(p) == str(ro) else real_access(p, m)
+    )
+    for argv in (
+        ["inspect", spec("logreg.py"), "--json", ro / "x.json"],
+        ["export", spec("logreg.py"), "--out", ro / "onnx"],
+        ["train", spec("logreg.py"), "--out", ro / "run", "--steps", "1"],
+        ["train", spec("logreg.py"), "--out", ro, "--steps", "1"],
+    ):
+        one_error(capsys, *argv, message="no permission")
+    assert list(ro.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a read-only folder")
+def test_read_only_folder_for_real(work, capsys):
+    ro = work / "out/ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        one_error(capsys, "inspect", spec("logreg.py"), "--json", ro / "x.json", message="ro")
+    finally:
+        ro.chmod(0o755)
+
+
+def test_files_get_the_umask_mode(work, capsys):
+    old = os.umask(0o027)
+    try:
+        rc, _, err = cli(
+            capsys, "inspect", spec("logreg.py"), "--json", "new/x.json", "--csv", "x.csv"
+        )
+        assert rc == 0, err
+        train = ["train", spec("logreg.py"), "--runtime", "onnxruntime", "--steps", "1"]
+        rc, _, err = cli(capsys, *train, "--eval-every", "0", "--quiet", "--out", "run")
+        assert rc == 0, err
+    finally:
+        os.umask(old)
+    files = [work / "out/new/x.json", work / "out/x.csv", *(work / "out/run").rglob("*")]
+    assert {p.relative_to(work / "out").as_posix() for p in files} >= {
+        "run/train.csv",
+        "run/train.png",
+        "run/summary.json",
+        "run/onnx/train_step.onnx",
+    }
+    for p in files:  # files 0o666 & ~0o027, folders 0o777 & ~0o027
+        assert stat.S_IMODE(p.stat().st_mode) == (0o750 if p.is_dir() else 0o640), p
+    assert stat.S_IMODE((work / "out/new").stat().st_mode) == 0o750
+
+
+def test_atomic_write_leaves_nothing_when_the_writer_fails(tmp_path):
+    from graphflop.io import atomic_write
+
+    def fail(p):
+        p.write_text("half")
+        raise RuntimeError("writer failed")
+
+    with pytest.raises(RuntimeError):
+        atomic_write(tmp_path / "a/b/x.png", fail)
+    assert list(tmp_path.iterdir()) == []  # no temporary file, no folder made for it
+
+
+# --- sweep ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--input-shape", "2,1,28,28"], "--input-shape"),
+        (["--dtype", "float64"], "--dtype"),
+        (["--eval"], "--eval"),
+        (["--loss", "mse"], "--loss mse"),
+        (["--batch", "8"], "--batch and --batches"),
+    ],
+)
+def test_sweep_refuses_options_it_cannot_honour(work, capsys, extra, message):
+    one_error(
+        capsys,
+        "sweep",
+        spec("logreg.py"),
+        "--batches",
+        "1,2",
+        "--csv",
+        "s.csv",
+        *extra,
+        message=message,
+    )
+    nothing_left(work / "out")
+
+
+def test_sweep_honours_batch_for_depth_sweeps(work, capsys):
+    rc, out, err = cli(
+        capsys, "sweep", spec("mlp.py"), "--depth", "1", "--batch", "3", "--json", "s.json"
+    )
+    assert rc == 0, err
+    (row,) = json.loads((work / "out/s.json").read_text())
+    # MLP depth 1 at batch 3: 784→1024→10: 2·3·(784·1024 + 1024·10) mm FLOPs, + bias/relu/loss
+    assert row["forward_flops"] > 2 * 3 * (784 * 1024 + 1024 * 10)
+    assert row["forward_flops"] < 2 * 3 * (784 * 1024 + 1024 * 10) + 3 * 2000 + 500
+
+
+# --- bench ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--repeat", "0"], "--repeat"),
+        (["--rotate", "0"], "--rotate"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--dtype", "fp16", "--runtime", "onnxruntime", "--device", "cpu"], "float16 kernels"),
+        (["--dtype", "int64"], "not a floating-point dtype"),
+    ],
+)
+def test_bench_bad_options(work, capsys, argv, message):
+    one_error(capsys, "bench", spec("logreg.py"), "--json", "b.json", *argv, message=message)
+    nothing_left(work / "out")
+
+
+@pytest.mark.parametrize("model", ["noparam.py", "frozen.py"])
+def test_bench_without_trainable_parameters(work, capsys, model):
+    one_error(capsys, "bench", work / "models" / model, message="bench times a train step")
+
+
+def test_bench_huge_batch_refused_with_the_estimate(work, capsys):
+    """logreg at batch 10⁹: the three input sets alone are 3 × 10⁹ × 784 × 4 bytes ≈ 9.4 TB."""
+    line = one_error(
+        capsys, "bench", spec("logreg.py"), "--batch", "1000000000", "--json", "b.json"
+    )
+    need = int(line.split("needs about ")[1].split(" bytes")[0].replace(",", ""))
+    assert need > 3 * 10**9 * 784 * 4
+    assert "available" in line and "lower --batch" in line
+    nothing_left(work / "out")
+
+
+def test_bench_memory_estimate_is_the_peak_plus_the_input_sets():
+    from conftest import analysis
+
+    from graphflop.runtime.bench import bench_memory_bytes
+
+    a = analysis("logreg.py", 4)
+    m = a.report.memory
+    # inputs (4, 1, 28, 28) float32 + int64 targets (4,), plus the 7,850 float32 parameters
+    one_set = 4 * 784 * 4 + 4 * 8 + m.params_bytes
+    peak = max(m.forward_peak_bytes, m.train_peak_bytes, m.jvp_peak_bytes)
+    assert bench_memory_bytes(a, 3) == peak + 3 * one_set
+
+
+@pytest.mark.parametrize("model", ["tuple.py", "dict.py"])
+def test_bench_tuple_and_dict_outputs(work, capsys, model):
+    rc, out, err = cli(
+        capsys,
+        "bench",
+        work / "models" / model,
+        "--runtime",
+        "torch",
+        "--repeat",
+        "1",
+        "--warmup",
+        "0",
+        "--rotate",
+        "1",
+        "--json",
+        "b.json",
+    )
+    assert rc == 0, err
+    doc = json.loads((work / "out/b.json").read_text())
+    assert set(doc["runtimes"]["torch"]["phases"]) == {
+        "forward",
+        "train_step",
+        "forward_gradient_step",
+    }
+
+
+# --- train and inspect options ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--epochs", "nan"], "--epochs must be positive"),
+        (["--epochs", "inf"], "--epochs must be positive"),
+        (["--lr", "inf"], "--lr and --lr-decay"),
+        (["--steps", "0"], "must be positive"),
+    ],
+)
+def test_train_bad_numbers(work, capsys, argv, message):
+    one_error(capsys, "train", spec("logreg.py"), "--out", "run", *argv, message=message)
+    nothing_left(work / "out")
+
+
+@pytest.mark.parametrize("model", ["noparam.py", "frozen.py"])
+@pytest.mark.parametrize("method", ["torch", "backprop"])
+def test_train_without_trainable_parameters(work, capsys, model, method):
+    one_error(
+        capsys,
+        "train",
+        work / "models" / model,
+        "--method",
+        method,
+        "--steps",
+        "1",
+        "--out",
+        "run",
+        message="nothing to train",
+    )
+    nothing_left(work / "out")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--verify-samples", "-1", "--verify"], "bad --verify-samples -1"),
+        (["--dtype", "int64"], "--dtype int64 is not a floating-point dtype"),
+        (["--max-layers", "-1"], "--max-layers"),
+    ],
+)
+def test_inspect_bad_options(work, capsys, argv, message):
+    one_error(capsys, "inspect", spec("logreg.py"), "--json", "x.json", *argv, message=message)
+    nothing_left(work / "out")
+
+
+# --- the error path itself -----------------------------------------------------------------
+
+
+def test_unexpected_error_is_one_line_exit_1_and_debug_prints_the_traceback(
+    work, capsys, monkeypatch
+):
+    import graphflop.cli.inspect
+
+    def boom(args):
+        raise RuntimeError("something graphflop did not expect")
+
+    monkeypatch.setattr(graphflop.cli.inspect, "load_model", boom)
+    line = one_error(capsys, "inspect", spec("logreg.py"), code=1, message="internal error")
+    assert "RuntimeError: something graphflop did not expect" in line and "--debug" in line
+    rc, _, err = cli(capsys, "inspect", spec("logreg.py"), "--debug")
+    assert rc == 1 and err[0].startswith("Traceback") and "boom" in "\n".join(err)
+
+
+@pytest.mark.parametrize("command", ["inspect", "export", "bench", "render", "train", "sweep"])
+def test_every_subcommand_has_debug(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "--debug" in capsys.readouterr().out
+
+
+# --- the library ---------------------------------------------------------------------------
+
+
+def test_passes_out_of_order_on_derived_graphs_raise_pass_order_error():
+    import graphflop
+    from graphflop import api
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    fwd = api.annotate_flops(graphflop.trace(m, (torch.randn(2, 4),), loss="sum"))
+    bwd, upd = api.build_vjp(fwd), api.add_optimizer_update(fwd)
+    derived = {
+        "jvp": api.build_jvp(fwd),
+        "vjp": bwd,
+        "update": upd,
+        "forward_gradient": api.build_forward_gradient_step(fwd),
+        "train_step": api.build_train_step(fwd, bwd, upd),
+    }
+    passes = {
+        "build_vjp": api.build_vjp,
+        "build_jvp": api.build_jvp,
+        "add_optimizer_update": api.add_optimizer_update,
+        "build_forward_gradient_step": api.build_forward_gradient_step,
+        "build_train_step": lambda g: api.build_train_step(g, bwd, upd),
+    }
+    for kind, g in derived.items():
+        for name, run in passes.items():
+            match = f"{name} requires 'traced', a forward graph, but this is a {kind} graph"
+            with pytest.raises(graphflop.PassOrderError, match=match):
+                run(g)
+        # annotating a derived graph is in order
+        assert api.annotate_memory(api.annotate_flops(g)) is g
+
+
+def test_compile_backend_counts_symbolic_shapes_at_their_hints():
+    from graphflop.compile import CompileReport, compile_backend
+
+    torch._dynamo.reset()
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    for dynamic in (True, None):  # dynamic from the start; PyTorch's recompile at batch 5
+        torch._dynamo.reset()
+        r = CompileReport()
+        f = torch.compile(m, backend=compile_backend(r), dynamic=dynamic)
+        for b in (2, 5, 7):
+            x = torch.randn(b, 4)
+            assert torch.equal(f(x), m(x))
+        assert r.skipped == []
+        g = r.graphs[-1]
+        hint = int(g.note.rsplit("=", 1)[1])
+        assert g.note.startswith("symbolic sizes counted at their hints: s")
+        # at batch N: 2·N·4·3 + 3N bias + 3N relu + 2·N·3·2 + 2N bias = 44·N FLOPs
+        assert g.forward_flops == 44 * hint
+    torch._dynamo.reset()
+
+
+def test_failed_onnx_export_leaves_no_folder(tmp_path, monkeypatch):
+    import graphflop.export.onnx as onnx_export
+
+    def fail(*a, **k):
+        raise onnx_export.OnnxExportError("no ONNX function for aten.odd.default")
+
+    monkeypatch.setattr(onnx_export, "export_graph", fail)
+    monkeypatch.setattr(onnx_export, "graph_io_names", lambda kind, gm: ([], []))
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(onnx_export.OnnxExportError):
+        onnx_export.export_all({"forward": gm}, tmp_path / "a/b/onnx")
+    assert list(tmp_path.iterdir()) == []  # neither the staging folder nor a/b
