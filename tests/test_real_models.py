@@ -256,6 +256,34 @@ def test_jvp_check_of_an_embedding_with_padding_idx():
     assert float(ref) != 0.0
 
 
+class _TopK(nn.Module):
+    """Mixture-of-experts routing in miniature: the top-2 of 8 router scores, weighted."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(4, 8, bias=False)
+
+    def forward(self, x):
+        vals, idx = torch.topk(self.router(x).softmax(-1), 2, dim=-1)
+        return vals * idx.to(vals.dtype)
+
+
+def test_topk_cost_and_jvp():
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.meta import COST
+    from graphflop.runtime.verify import verify_gradients, verify_jvp
+
+    model = _TopK().double()
+    fwd = trace(model, (torch.randn(3, 4, dtype=torch.float64),), loss="sum")
+    a = analyze(model, (torch.randn(3, 4, dtype=torch.float64),), loss="sum")
+    node = next(n for n in a.forward.graph.nodes if n.target is torch.ops.aten.topk.default)
+    # FLOPS.md: N·⌈log2 k⌉ per row of N: 3 rows of 8, k = 2 -> 3·8·1
+    assert node.meta[COST].flops == 24
+    assert verify_jvp(fwd, build_jvp(fwd), model).ok
+    assert verify_gradients(fwd, build_vjp(fwd), model).ok
+
+
 # --- tracing as libraries see it --------------------------------------------------------
 
 
