@@ -16,7 +16,7 @@ from torch import nn
 from graphflop.analysis import analyze
 from graphflop.frontend.trace import TraceError, trace
 from graphflop.load import SpecError, load, make_inputs
-from graphflop.meta import SIGNATURE
+from graphflop.meta import JVP, SIGNATURE
 
 
 def _write(tmp_path, body: str, name: str = "m.py"):
@@ -223,6 +223,65 @@ def test_lora_verifies_against_torch_func():
     a = analyze(loaded.model, inputs, name="lora")
     checks = verify_analysis(loaded, inputs, a, forward_gradient_samples=50)
     assert all(c.ok for c in checks), checks
+
+
+def test_jvp_check_of_an_embedding_with_padding_idx():
+    # BERT's word embeddings have padding_idx=0 and the check's token ids are 0 or 1: PyTorch
+    # gives the padding row no gradient and graphflop's JVP (the VJP's transpose) none either,
+    # while torch.func.jvp differentiates it; the check's directions are zero on that row
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.runtime.verify import (
+        padding_rows,
+        real_arguments,
+        reference_loss_fn,
+        run_jvp,
+        verify_jvp,
+    )
+
+    model = nn.Sequential(nn.Embedding(5, 3, padding_idx=0), nn.Linear(3, 2)).double()
+    fwd = trace(model, (torch.tensor([[0, 1, 0, 1]]),), loss="mse")
+    jvp = build_jvp(fwd)
+    assert padding_rows(fwd) == {"p_model_0_weight": [0]}
+    assert verify_jvp(fwd, jvp, model).ok
+    # along a direction on the padding row alone, graphflop's tangent is exactly zero and
+    # torch.func.jvp's is not: the unmasked check failed (relative error ~0.1 on BERT)
+    values = real_arguments(fwd, model)
+    t = {p: torch.zeros_like(values[p]) for _, p in jvp.meta[JVP].tangent_inputs}
+    t["p_model_0_weight"][0] = 1.0
+    got = run_jvp(jvp, values, t)[jvp.meta[JVP].primal_outputs]
+    assert float(got) == 0.0
+    params = {q: values[n] for n, q in fwd.meta[SIGNATURE].params}
+    p_t = {q: t.get(n, torch.zeros_like(values[n])) for n, q in fwd.meta[SIGNATURE].params}
+    _, ref = torch.func.jvp(reference_loss_fn(fwd, model, values), (params,), (p_t,))
+    assert float(ref) != 0.0
+
+
+class _TopK(nn.Module):
+    """Mixture-of-experts routing in miniature: the top-2 of 8 router scores, weighted."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(4, 8, bias=False)
+
+    def forward(self, x):
+        vals, idx = torch.topk(self.router(x).softmax(-1), 2, dim=-1)
+        return vals * idx.to(vals.dtype)
+
+
+def test_topk_cost_and_jvp():
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.meta import COST
+    from graphflop.runtime.verify import verify_gradients, verify_jvp
+
+    model = _TopK().double()
+    fwd = trace(model, (torch.randn(3, 4, dtype=torch.float64),), loss="sum")
+    a = analyze(model, (torch.randn(3, 4, dtype=torch.float64),), loss="sum")
+    node = next(n for n in a.forward.graph.nodes if n.target is torch.ops.aten.topk.default)
+    # FLOPS.md: N·⌈log2 k⌉ per row of N: 3 rows of 8, k = 2 -> 3·8·1
+    assert node.meta[COST].flops == 24
+    assert verify_jvp(fwd, build_jvp(fwd), model).ok
+    assert verify_gradients(fwd, build_vjp(fwd), model).ok
 
 
 # --- tracing as libraries see it --------------------------------------------------------

@@ -207,6 +207,22 @@ def_jvp(aten.max.dim)(_jvp_max_min_dim)
 def_jvp(aten.min.dim)(_jvp_max_min_dim)
 
 
+def _topk_cost(out, x, k, *args, **kwargs) -> NodeCost:
+    """FLOPS.md: N·⌈log2 k⌉ comparisons per row of N, over every row: numel·⌈log2 k⌉."""
+    return NodeCost(flops=numel(x) * math.ceil(math.log2(max(k, 1))))
+
+
+register(aten.topk.default, F, _topk_cost)
+
+
+@def_jvp(aten.topk.default)
+def _jvp_topk(b, out, args, tangents, kwargs):
+    """The values' tangent is the input tangent gathered at the returned indices (MoE routing)."""
+    x = args[0]
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", -1)) % max(len(shape(x)), 1)
+    return (b.call(aten.gather.default, tangents[0], dim, b.getitem(out, 1)), None)
+
+
 # --- cumulative sum: linear; its transpose is a reversed cumulative sum --------------------------
 
 
