@@ -443,14 +443,16 @@ def _staged(tmp_root) -> set[str]:
     return {p.name for p in tmp_root.glob("graphflop-train-onnx-*")}
 
 
-def test_ctrl_c_during_onnxruntime_training_leaves_no_onnx_file(digits, tmp_path):
+def test_ctrl_c_during_onnxruntime_training_leaves_no_onnx_file(digits, tmp_path, monkeypatch):
     """The ONNX graphs are staged in a temporary folder and moved into ``out/onnx`` only with the
     other outputs at the end: Ctrl-C after the first step leaves ``out`` without them and the
     staging folder removed; a run that ends has them."""
     import tempfile
-    from pathlib import Path
 
-    tmp_root = Path(tempfile.gettempdir())
+    # a temporary folder of this test's own: other test processes stage their runs meanwhile
+    tmp_root = tmp_path / "tmp"
+    tmp_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_root))
     before = _staged(tmp_root)
     steps = []
 

@@ -80,6 +80,18 @@ NOT_IN_ZOO: dict[str, tuple[str, ...]] = {
     "aten.where.ScalarSelf": ("jvp",),  # torch.where(c, 0.0, x) traces to where.self
     "aten.rsub.Scalar": ("jvp",),  # 1 - x traces to sub.Tensor; tanh/sigmoid JVPs emit it as a
     # primal-only coefficient
+    # avg_pool2d's transpose emits col2im (its adjoint is im2col): only backward graphs hold them
+    "aten.col2im.default": _DECOMPOSED,
+    "aten.im2col.default": _DECOMPOSED,  # F.unfold traces to index ops, not im2col
+    # in-place ops left on temporaries are rewritten to their functional twins while tracing
+    # (ops/recurrent.py functionalize_inplace); the twin's rule is the fallback for one that
+    # cannot be rewritten, so no case runs it
+    "aten.add_.Tensor": _DECOMPOSED,
+    "aten.sub_.Tensor": _DECOMPOSED,
+    "aten.mul_.Tensor": _DECOMPOSED,
+    "aten.relu_.default": ("jvp",),
+    "aten.sigmoid_.default": ("jvp",),
+    "aten.tanh_.default": ("jvp",),
 }
 
 #: the op database by case name

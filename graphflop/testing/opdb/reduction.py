@@ -12,6 +12,17 @@ from graphflop.testing.opdb.core import OpCase, W, X, index, module_of, randomiz
 # reductions (with a readout r of the output's shape): 1 per input element, mean +1 per output
 # ---------------------------------------------------------------------------------------------
 REDUCTION = [
+    # topk of the last dimension (k = 2 of 4): mul 24, topk numel·⌈log2 k⌉ = 24·1 (FLOPS.md's
+    # comparison count), readout 3·2·2 = 12
+    OpCase(
+        "topk",
+        module_of(
+            lambda s, x: torch.topk(x * s.w, 2, dim=-1).values * s.r, {"w": W}, {"r": (2, 3, 2)}
+        ),
+        (X,),
+        flops=24 + 24 + 12,
+        aten=("aten.topk.default",),
+    ),
     OpCase(
         "sum_dim",
         module_of(lambda s, x: (x * s.w).sum(1) * s.r, {"w": W}, {"r": (2, 4)}),
