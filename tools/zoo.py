@@ -370,9 +370,11 @@ FINDINGS = [
     "(`if not skip_the_layer`), data-dependent: analysed in eval mode.",
     "- CLIP at 128 tokens: its text model allows at most 77 positions: 77 tokens.",
     "- Every remaining difference from FlopCounterMode is explained: its grouped-convolution "
-    "weight gradient is G× too high (FLOPS.md), and graphflop's backward of an average pool "
-    "with `ceil_mode`/`count_include_pad=False` is a transposed convolution counted in its "
-    "matrix FLOPs, while the forward pool is not.",
+    "weight gradient is G× too high (FLOPS.md). The first run also found graphflop's backward "
+    "of a 2-D average pool with `ceil_mode`/`count_include_pad=False` counted as a transposed "
+    "convolution in its matrix FLOPs while the forward pool is not; it is pooling now "
+    "(`col2im`, docs/flops_conventions.md) and those five models were run again. A 3-D "
+    "average pool's backward is still a transposed convolution.",
 ]
 
 
