@@ -172,17 +172,8 @@ def _forward(fwd: GraphModule, layers: _Layers) -> tuple[NodeCost, NodeCost]:
 
 def _backward(bwd: GraphModule, layers: _Layers) -> BackwardTotals:
     nodes = _ops(bwd)
-    for n in nodes:
-        c = n.meta[COST]
-        role = n.meta.get(ROLE, "grad_input")
-        layers.add(n, "backward_flops", c.flops)
-        layers.add(n, "backward_mm_flops", c.mm_flops)
-        if role in ("grad_input", "grad_weight", "grad_accum"):
-            layers.add(n, f"{role}_flops", c.flops)
-    pruned = 0
-    for g in bwd.meta.get(GHOSTS, []):
-        pruned += g.cost.flops
-        layers[g.module]["pruned_flops"] += g.cost.flops
+    _add_phase(nodes, layers, "backward", "grad_input", ("grad_input", "grad_weight", "grad_accum"))
+    pruned = _ghost_flops(bwd, layers, "pruned_flops")
     by = _by_role(nodes, "grad_input")
     return BackwardTotals(
         **CostTotals.cost_fields(total_cost(nodes)),
@@ -193,6 +184,29 @@ def _backward(bwd: GraphModule, layers: _Layers) -> BackwardTotals:
         loss_flops=by.get("loss", 0),
         pruned_flops=pruned,
     )
+
+
+def _add_phase(
+    nodes: list[Node], layers: _Layers, phase: str, default_role: str, roles: tuple[str, ...]
+) -> None:
+    """Add each node's FLOPs to its layer's ``<phase>_flops``/``<phase>_mm_flops`` and, for the
+    roles in ``roles``, to ``<role>_flops`` (a node without a role counts as ``default_role``)."""
+    for n in nodes:
+        c = n.meta[COST]
+        role = n.meta.get(ROLE, default_role)
+        layers.add(n, f"{phase}_flops", c.flops)
+        layers.add(n, f"{phase}_mm_flops", c.mm_flops)
+        if role in roles:
+            layers.add(n, f"{role}_flops", c.flops)
+
+
+def _ghost_flops(gm: GraphModule, layers: _Layers, key: str) -> int:
+    """The FLOPs of ``gm``'s ghosts (work not emitted), also added to each layer's ``key``."""
+    total = 0
+    for g in gm.meta.get(GHOSTS, []):
+        total += g.cost.flops
+        layers[g.module][key] += g.cost.flops
+    return total
 
 
 def _update(upd: GraphModule, layers: _Layers, optimizer: str, params: int) -> UpdateTotals:
@@ -209,17 +223,10 @@ def _update(upd: GraphModule, layers: _Layers, optimizer: str, params: int) -> U
 
 def _jvp(jvp: GraphModule, layers: _Layers, tangents: str) -> JvpTotals:
     nodes = [n for n in _ops(jvp) if n.meta.get(KIND) in ("tangent", "coef")]
-    for n in nodes:
-        c = n.meta[COST]
-        role = n.meta.get(ROLE, "tangent_from_input")
-        layers.add(n, "jvp_flops", c.flops)
-        layers.add(n, "jvp_mm_flops", c.mm_flops)
-        if role in ("tangent_from_input", "tangent_from_param"):
-            layers.add(n, f"{role}_flops", c.flops)
-    skipped = 0
-    for g in jvp.meta.get(GHOSTS, []):
-        skipped += g.cost.flops
-        layers[g.module]["jvp_skipped_flops"] += g.cost.flops
+    _add_phase(
+        nodes, layers, "jvp", "tangent_from_input", ("tangent_from_input", "tangent_from_param")
+    )
+    skipped = _ghost_flops(jvp, layers, "jvp_skipped_flops")
     by = _by_role(nodes, "tangent_from_input")
     return JvpTotals(
         **CostTotals.cost_fields(total_cost(nodes)),
