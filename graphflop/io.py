@@ -40,9 +40,13 @@ def atomic_write(path: str | Path, write: Callable[[Path], None] | str | bytes) 
     created = make_parents(path)
     # the temporary name ends in path's suffix too, so a writer that picks its format from the
     # name (matplotlib's savefig) writes the right one
-    fd, tmp = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp{path.suffix}"
-    )
+    try:
+        fd, tmp = tempfile.mkstemp(
+            dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp{path.suffix}"
+        )
+    except OSError as e:  # name the file asked for, not the temporary one
+        remove_empty(created)
+        raise OSError(e.errno, e.strerror, str(path)) from None
     try:
         if callable(write):
             os.close(fd)

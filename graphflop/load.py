@@ -179,10 +179,24 @@ def _root_class(module: Any, label: str, spec: str) -> type:
         and n != "example_inputs"
         and not n.startswith("_")
     ]
+    ready = [n for n in factories if _needs_no_arguments(vars(module)[n])]
     extra = f"; factory functions: {', '.join(factories)}" if factories else ""
+    hint = f" (built with no arguments: {', '.join(ready)})" if ready else ""
     raise SpecError(
         f"{label} defines several top-level nn.Module classes ({names}){extra}; "
-        f"pick one with {spec}:Name"
+        f"pick one with {spec}:Name{hint}"
+    )
+
+
+def _needs_no_arguments(f: Any) -> bool:
+    """True when ``f()`` can be called: every parameter has a default (or is ``*args``)."""
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):
+        return False
+    return all(
+        p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        for p in sig.parameters.values()
     )
 
 

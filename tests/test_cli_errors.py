@@ -372,8 +372,8 @@ def test_bench_tuple_and_dict_outputs(work, capsys, model):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--epochs", "nan"], "--epochs must be positive"),
-        (["--epochs", "inf"], "--epochs must be positive"),
+        (["--epochs", "nan"], "bad --epochs nan: must be positive"),
+        (["--epochs", "inf"], "bad --epochs inf: must be positive"),
         (["--lr", "inf"], "--lr and --lr-decay"),
         (["--steps", "0"], "must be positive"),
     ],

@@ -29,14 +29,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "(autograd, torch.func.jvp); report Rf, Rb, Rf/Rb and achieved FLOP/s.",
     )
     add_model_args(p)
-    p.add_argument("--runtime", default="both", choices=["onnxruntime", "torch", "both"])
+    p.add_argument(
+        "--runtime",
+        default="both",
+        choices=["onnxruntime", "torch", "both"],
+        help="where to time the steps: ONNX Runtime, eager PyTorch, or both (default both)",
+    )
     p.add_argument(
         "--device",
         default=None,
         choices=["cpu", "cuda"],
         help="default: CUDA when ONNX Runtime's CUDA provider or torch CUDA works",
     )
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES)
+    p.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=OPTIMIZER_CHOICES,
+        help="optimizer whose update graph is built (default sgd)",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed runs per phase (default 3)")
     p.add_argument("--repeat", type=int, default=20, help="timed runs per phase (default 20)")
     p.add_argument(

@@ -28,7 +28,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     add_model_args(p)
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES)
+    p.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=OPTIMIZER_CHOICES,
+        help="optimizer whose update graph is built (default sgd)",
+    )
     return p
 
 

@@ -53,7 +53,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         metavar="PATH",
         help="draw only this module (e.g. h.0 or layer3.1), at op level unless --level module",
     )
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES)
+    p.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=OPTIMIZER_CHOICES,
+        help="optimizer whose update graph is built (default sgd)",
+    )
     p.add_argument(
         "--profile-json",
         metavar="PATH",

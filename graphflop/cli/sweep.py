@@ -45,7 +45,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         metavar="NAME",
         help="the constructor argument that sets the depth (default: found by name)",
     )
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES)
+    p.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=OPTIMIZER_CHOICES,
+        help="optimizer whose update graph is built (default sgd)",
+    )
     p.add_argument("--csv", metavar="PATH", help="write the table as CSV")
     p.add_argument("--plot", metavar="PATH", help="write a plot (.png, .svg or .pdf)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")

@@ -134,15 +134,14 @@ def _check_names(c: TrainConfig) -> None:
 def _check_numbers(c: TrainConfig) -> None:
     if c.steps is not None and c.epochs is not None:
         raise TrainError("give --steps or --epochs, not both")
-    if (
-        c.batch < 1
-        or c.directions < 1
-        or (c.steps is not None and c.steps < 1)
-        or (c.epochs is not None and not 0 < c.epochs < math.inf)
+    for option, value in (
+        ("--batch", c.batch),
+        ("--directions", c.directions),
+        ("--steps", c.steps),
+        ("--epochs", c.epochs),
     ):
-        raise TrainError(
-            "--batch, --directions, --steps and --epochs must be positive (and finite)"
-        )
+        if value is not None and not 0 < value < math.inf:
+            raise TrainError(f"bad {option} {value}: must be positive (and finite)")
     if c.lr is not None and not 0 < c.lr < math.inf or not 0 < c.lr_decay < math.inf:
         raise TrainError("--lr and --lr-decay must be positive and finite")
     if c.eval_every is not None and c.eval_every < 0:
