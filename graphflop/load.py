@@ -79,6 +79,15 @@ class LoadedModel:
     notes: tuple[str, ...] = ()
 
 
+def untrainable(model: nn.Module) -> str | None:
+    """Why ``model`` has nothing to train (``"no parameters"`` or ``"all N parameters
+    frozen"``), or None when some parameter has ``requires_grad``."""
+    params = list(model.parameters())
+    if any(p.requires_grad for p in params):
+        return None
+    return "no parameters" if not params else f"all {len(params)} parameters frozen"
+
+
 def _import_file(path: Path):
     if not path.exists():
         raise SpecError(

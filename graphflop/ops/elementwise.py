@@ -434,11 +434,10 @@ def _jvp_pow_scalar_base(b, out, args, tangents, kwargs):
     return _scale(b, tangents[1], b.call(aten.mul.Tensor, out, math.log(args[0])))
 
 
-# integer bookkeeping in decompositions (torch.roll, adaptive pooling): 1 FLOP per element
-for _op in (
-    aten.fmod.Scalar,
-    aten.remainder.Scalar,
-    aten.div.Tensor_mode,
+# integer bookkeeping in decompositions (torch.roll, adaptive pooling): 1 FLOP per element;
+# rounding is piecewise constant (zero derivative); fmod/remainder by a constant shift their
+# argument (their JVP rules are elsewhere)
+_PIECEWISE_CONSTANT = (
     aten.floor.default,
     aten.ceil.default,
     aten.round.default,
@@ -446,18 +445,10 @@ for _op in (
     aten.logical_or.default,
     aten.bitwise_and.Tensor,
     aten.bitwise_or.Tensor,
-):
+)
+for _op in (aten.fmod.Scalar, aten.remainder.Scalar, aten.div.Tensor_mode, *_PIECEWISE_CONSTANT):
     register(_op, F, _one)
-# rounding is piecewise constant; fmod/remainder by a constant shift their argument
-for _op in (
-    aten.floor.default,
-    aten.ceil.default,
-    aten.round.default,
-    aten.trunc.default,
-    aten.logical_or.default,
-    aten.bitwise_and.Tensor,
-    aten.bitwise_or.Tensor,
-):
+for _op in _PIECEWISE_CONSTANT:
     def_zero(_op)
 
 

@@ -164,9 +164,8 @@ def _jvp_var(b, out, args, tangents, kwargs):
 
 # --- max/min along a dim (values and indices), argmax/argmin, any/all ---------------------------
 
-for _op in (
-    aten.max.dim,
-    aten.min.dim,
+#: integer results: their derivative is zero
+_INTEGER_VALUED = (
     aten.argmax.default,
     aten.argmin.default,
     aten.any.dim,
@@ -174,17 +173,10 @@ for _op in (
     aten.any.default,
     aten.all.dim,
     aten.all.default,
-):
+)
+for _op in (aten.max.dim, aten.min.dim, *_INTEGER_VALUED):
     register(_op, F, per_input(1))
-for _op in (
-    aten.argmax.default,
-    aten.argmin.default,
-    aten.any.dim,
-    aten.any.dims,
-    aten.any.default,
-    aten.all.dim,
-    aten.all.default,
-):
+for _op in _INTEGER_VALUED:
     def_zero(_op)
 
 

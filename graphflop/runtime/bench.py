@@ -102,11 +102,12 @@ def trainable(model: torch.nn.Module) -> None:
     Raises:
         BenchError: no parameters, or all of them frozen.
     """
-    params = list(model.parameters())
-    if not any(p.requires_grad for p in params):
-        what = "has no parameters" if not params else f"has all {len(params)} parameters frozen"
+    from graphflop.load import untrainable
+
+    why = untrainable(model)
+    if why is not None:
         raise BenchError(
-            f"the model {what}: bench times a train step and a forward-gradient step, which "
+            f"the model has {why}: bench times a train step and a forward-gradient step, which "
             "update trainable parameters; use graphflop inspect --no-backward for its forward"
         )
 

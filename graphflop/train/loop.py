@@ -247,11 +247,12 @@ def _setup(spec_or_model, data: Dataset | None, c: TrainConfig, save_onnx: Path 
 
 def _check_trainable(model: nn.Module, name: str) -> None:
     """Raise :class:`TrainError` for a model with no parameter to train."""
-    params = list(model.parameters())
-    if not any(p.requires_grad for p in params):
-        what = "no parameters" if not params else f"all {len(params)} parameters frozen"
+    from graphflop.load import untrainable
+
+    why = untrainable(model)
+    if why is not None:
         raise TrainError(
-            f"{name} has {what}: there is nothing to train; give it a trainable parameter "
+            f"{name} has {why}: there is nothing to train; give it a trainable parameter "
             "(requires_grad=True)"
         )
 
