@@ -156,8 +156,9 @@ def backward_reads(backward: GraphModule) -> set[str]:
     return names | {backward.meta[SIGNATURE].loss}
 
 
-def run_backward(backward: GraphModule, fwd_values: dict[str, Any]) -> tuple:
-    """Run the backward graph on the forward's recorded values with a loss cotangent of 1."""
+def run_backward(backward: GraphModule, fwd_values: dict[str, Any], ct: float = 1.0) -> tuple:
+    """Run the backward graph on the forward's recorded values with loss cotangent ``ct``
+    (default 1: the gradients)."""
     info = backward.meta[VJP]
     args = []
     for n in backward.graph.nodes:
@@ -165,7 +166,7 @@ def run_backward(backward: GraphModule, fwd_values: dict[str, Any]) -> tuple:
             continue
         if n.name == info.cotangent_input:
             v = fwd_values[backward.meta[SIGNATURE].loss]
-            args.append(torch.ones_like(v))
+            args.append(torch.full_like(v, ct))
         else:
             args.append(fwd_values[n.meta.get(SOURCE, n.name)])
     return backward(*args)
