@@ -1,0 +1,192 @@
+"""Measured memory of real eager PyTorch runs: what graphflop's memory figures are checked against.
+
+Three measurements of one model at one batch, on real tensors (CPU here; any device PyTorch's
+profiler reports allocations for):
+
+* :func:`measure_saved` — the bytes autograd saves for backward, from
+  ``torch.autograd.graph.saved_tensors_hooks``: every packed tensor's storage counted once
+  (deduplicated by storage pointer), storages of parameters and buffers left out, inputs and
+  targets counted.
+* :func:`measure_train_peak` — the peak of one training step (forward, loss, ``backward()``,
+  ``optimizer.step()``, gradients set to ``None`` beforehand as ``zero_grad()`` does by default),
+  from the profiler's allocator events (``torch.profiler.profile(profile_memory=True)``: each
+  ``[memory]`` event is one allocation (+bytes) or free (−bytes); the running sum's maximum is the
+  peak above what was live when profiling began). The figure returned adds the bytes live at the
+  start: parameters, buffers, inputs, targets and optimizer state.
+* :func:`measure_jvp_peak` — the peak of ``torch.func.jvp`` of the loss with respect to the
+  parameters (tangents like the parameters), measured the same way, plus parameters, buffers,
+  inputs, targets and tangents.
+
+All figures in bytes. The loss is graphflop's own (:func:`graphflop.frontend.loss.loss_value`), so
+the eager run computes what the analysed graph computes. The optimizer is the one torch.optim
+factory the runtime uses (:func:`graphflop.runtime.optim.torch_optimizer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from graphflop.frontend.loss import default_loss, loss_value
+
+__all__ = [
+    "Measured",
+    "measure",
+    "measure_jvp_peak",
+    "measure_saved",
+    "measure_train_peak",
+]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Measured eager figures, bytes. ``loss``: the loss kind used."""
+
+    loss: str
+    saved_for_backward_bytes: int
+    train_peak_bytes: int
+    jvp_peak_bytes: int | None
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _state_ptrs(model: nn.Module) -> set[int]:
+    return {_storage(t)[0] for t in [*model.parameters(), *model.buffers()]}
+
+
+def _loss_fn(model: nn.Module, inputs: tuple, loss: str) -> tuple[str, Callable[[], torch.Tensor]]:
+    """(loss kind, a function computing the scalar loss of ``model(*inputs)``), with targets as
+    graphflop makes them (zeros for cross-entropy, zeros like the output for MSE)."""
+    with torch.no_grad():
+        out = model(*inputs)
+    first = out if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_flatten(out)[0][0]
+    kind = default_loss(out) if loss == "auto" else loss
+    if kind == "cross_entropy":
+        targets: tuple = (torch.zeros(first.shape[0], dtype=torch.long, device=first.device),)
+    elif kind == "mse":
+        targets = (torch.zeros_like(first),)
+    else:
+        targets = ()
+    del out, first
+
+    def run() -> torch.Tensor:
+        o = model(*inputs)
+        f = o if isinstance(o, torch.Tensor) else torch.utils._pytree.tree_flatten(o)[0][0]
+        return loss_value(kind, f, targets)
+
+    run.targets = targets  # type: ignore[attr-defined]
+    return kind, run
+
+
+def measure_saved(model: nn.Module, inputs: tuple, loss: str = "auto") -> int:
+    """Bytes autograd saves for backward in one forward of ``model`` plus the loss: the union of
+    the storages of every tensor packed by ``saved_tensors_hooks``, parameters and buffers
+    excluded, inputs included."""
+    _, run = _loss_fn(model, inputs, loss)
+    state = _state_ptrs(model)
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = _storage(t)
+        if ptr not in state and nbytes:
+            seen[ptr] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lossv = run()
+    del lossv
+    return sum(seen.values())
+
+
+def _profiled_peak(fn: Callable[[], None]) -> int:
+    """Largest running sum of the allocator's ``[memory]`` events while ``fn`` runs, bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # the raw events: FunctionEvent folds allocations made inside an op into that op
+    raw = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    events = sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def _bytes(ts) -> int:
+    seen: dict[int, int] = {}
+    for t in ts:
+        ptr, nbytes = _storage(t)
+        seen[ptr] = nbytes
+    return sum(seen.values())
+
+
+def measure_train_peak(
+    model: nn.Module, inputs: tuple, loss: str = "auto", optimizer: str = "sgd"
+) -> int:
+    """Peak bytes of one eager training step (see the module docstring). A first step runs
+    unprofiled so optimizer state exists, as in every step but the first."""
+    from graphflop.runtime.optim import torch_optimizer
+
+    _, run = _loss_fn(model, inputs, loss)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch_optimizer(optimizer, params, lr=1e-6)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        run().backward()
+        opt.step()
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    base = _bytes(
+        [*model.parameters(), *model.buffers(), *inputs, *run.targets, *state]  # type: ignore[attr-defined]
+    )
+    return base + _profiled_peak(step)
+
+
+def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int:
+    """Peak bytes of ``torch.func.jvp`` of the loss in the parameters (tangents: normal, like
+    the parameters), parameters, buffers, inputs, targets and tangents included."""
+    _, run = _loss_fn(model, inputs, loss)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    primals = tuple(dict(model.named_parameters())[n].detach() for n in names)
+    tangents = tuple(torch.randn_like(p) for p in primals)
+    targets = run.targets  # type: ignore[attr-defined]
+    kind = default_loss(model(*inputs)) if loss == "auto" else loss
+
+    buffers = dict(model.named_buffers())
+
+    def f(*ps):
+        # copies made inside the transform: a training step updates running statistics
+        state = {**{n: b.clone() for n, b in buffers.items()}, **dict(zip(names, ps))}
+        o = torch.func.functional_call(model, state, inputs)
+        first = o if isinstance(o, torch.Tensor) else torch.utils._pytree.tree_flatten(o)[0][0]
+        return loss_value(kind, first, targets)
+
+    def go() -> None:
+        torch.func.jvp(f, primals, tangents)
+
+    base = _bytes([*model.parameters(), *buffers.values(), *inputs, *targets, *tangents])
+    return base + _profiled_peak(go)
+
+
+def measure(
+    model: nn.Module, inputs: tuple, loss: str = "auto", optimizer: str = "sgd", jvp: bool = True
+) -> Measured:
+    """All three measurements (the model in its current train/eval mode)."""
+    kind, _ = _loss_fn(model, inputs, loss)
+    return Measured(
+        loss=kind,
+        saved_for_backward_bytes=measure_saved(model, inputs, kind),
+        train_peak_bytes=measure_train_peak(model, inputs, kind, optimizer),
+        jvp_peak_bytes=measure_jvp_peak(model, inputs, kind) if jvp else None,
+    )

@@ -1,0 +1,40 @@
+"""The eager measurement harness (graphflop.runtime.memory_probe) against bytes worked out by
+hand from ATen's derivative formulas (derivatives.yaml)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from graphflop.runtime.memory_probe import measure_jvp_peak, measure_saved, measure_train_peak
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def test_saved_bytes_of_an_mlp_by_hand() -> None:
+    # addmm saves its input x (4·20 fp32 = 320 B) and weight.t() (a parameter view: excluded);
+    # relu saves its output (4·32·4 = 512 B), the second addmm the same storage; cross-entropy
+    # = log_softmax (saves its output, 4·10·4 = 160 B) + nll_loss (target 4 int64 = 32 B,
+    # total_weight a 0-d fp32 = 4 B): 320 + 512 + 160 + 32 + 4 = 1028
+    assert measure_saved(_mlp(), (torch.randn(4, 20),), "cross_entropy") == 1028
+
+
+def test_sum_loss_saves_nothing_of_its_own() -> None:
+    # Linear on (3, 5): saves x (60 B); sum saves only sizes
+    torch.manual_seed(0)
+    assert measure_saved(nn.Linear(5, 2), (torch.randn(3, 5),), "sum") == 60
+
+
+def test_peaks_include_the_live_state() -> None:
+    m, x = _mlp(), torch.randn(4, 20)
+    params = sum(p.numel() * 4 for p in m.parameters())  # 4008 B
+    # gradients appear as backward makes them (set to None before the step): the peak holds
+    # the parameters and the saved tensors at the end of the forward, and the parameters and
+    # all gradients after the backward
+    peak = measure_train_peak(m, (x,), "cross_entropy")
+    assert peak >= params + 1028 and peak >= 2 * params
+    # the JVP holds the parameters and their tangents
+    assert measure_jvp_peak(m, (x,), "cross_entropy") >= 2 * params
