@@ -83,6 +83,8 @@ def analyze(
     backward: bool = True,
     jvp: bool = True,
     progress: Callable[[str], None] | None = None,
+    memory_model: str = "eager",
+    device: str = "cpu",
 ) -> Analysis:
     """Trace ``model`` and build, annotate and summarise its graphs.
 
@@ -96,10 +98,17 @@ def analyze(
             :func:`~graphflop.passes.forward_gradient.build_forward_gradient_step`).
         backward, jvp: build those graphs.
         progress: called with a short message before each stage.
+        memory_model: ``eager`` (default: what eager PyTorch autograd saves and allocates on
+            ``device``, ``cpu`` or ``cuda``) or ``graph`` (graphflop's own graphs in their node
+            order); see :mod:`graphflop.passes.eager_memory`.
 
     Raises:
         TraceError, MissingRuleError, ValueError: see the passes.
     """
+    if memory_model not in ("eager", "graph") or device not in ("cpu", "cuda"):
+        raise ValueError(
+            f"unknown memory model {memory_model!r} on {device!r}: eager or graph, on cpu or cuda"
+        )
     say = progress or (lambda msg: None)
     say("tracing")
     fwd = run_passes(trace(model, example_inputs, loss=loss), [AnnotateFlops()])
@@ -124,7 +133,14 @@ def analyze(
         g = replace(g, forward_gradient=run_passes(fwd, [step, AnnotateFlops()]))
     say("summarising")
     name = name or type(model).__name__
-    report = summarize(g, name=name, optimizer=optimizer, tangents=tangents)
+    report = summarize(
+        g,
+        name=name,
+        optimizer=optimizer,
+        tangents=tangents,
+        memory_model=memory_model,
+        device=device,
+    )
     return Analysis(
         name, fwd, report, g.backward, g.jvp, g.update, forward_gradient=g.forward_gradient
     )

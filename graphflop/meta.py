@@ -26,6 +26,8 @@ Node keys (``node.meta``)
                          ``input``, ``target``, ``activation`` or ``param_derived``.
     :data:`SLOT`         on update-graph placeholders: what the input holds (``param``, ``grad``,
                          a state kind, ``lr``, ``step``).
+    :data:`COMPOSITE`    on forward nodes a composite op was decomposed into while tracing:
+                         :class:`CompositeTag` (which op, which of its outputs, which inputs).
 
 Graph keys (``gm.meta``)
     :data:`SIGNATURE`    :class:`Signature` of a traced forward graph.
@@ -75,6 +77,7 @@ PARAM = "gf_param"
 PARAM_DERIVED = "gf_param_derived"
 RESIDUAL = "gf_residual"
 SLOT = "gf_slot"
+COMPOSITE = "gf_composite"
 
 # graph keys
 SIGNATURE = "gf_signature"
@@ -96,7 +99,7 @@ GAPS = "gf_gaps"
 UNUSED = "gf_unused"
 
 #: every node key and graph key above
-NODE_KEYS = (KIND, ROLE, SOURCE, MODULE, COST, PARAM, PARAM_DERIVED, RESIDUAL, SLOT)
+NODE_KEYS = (KIND, ROLE, SOURCE, MODULE, COST, PARAM, PARAM_DERIVED, RESIDUAL, SLOT, COMPOSITE)
 GRAPH_KEYS = (
     SIGNATURE,
     LOSS_KIND,
@@ -348,6 +351,24 @@ class OutlineInfo:
 
     calls: int = 0
     traced_once: int = 0
+
+
+@dataclass(frozen=True)
+class CompositeTag:
+    """One node of a composite op's decomposition (:mod:`graphflop.frontend.composite`).
+
+    Attributes:
+        op: the composite op's overload name (``aten.native_layer_norm.default``).
+        region: the decomposition's number in its trace; the copies of an outlined call share
+            it, so one occurrence is a connected set of nodes with the same number.
+        output: which of the op's outputs this node is (None: an inner node).
+        inputs: ``(i, k)`` pairs: this node's ``all_input_nodes[i]`` is the op's input ``k``.
+    """
+
+    op: str
+    region: int
+    output: int | None
+    inputs: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)

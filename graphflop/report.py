@@ -269,6 +269,11 @@ class Memory:
         saved_for_backward_bytes: forward values the backward reads.
         train_peak_bytes: parameters, gradients and state + the train step's live peak.
         jvp_peak_bytes: parameters and their tangents + the JVP graph's live peak.
+        memory_model: ``eager`` (what eager PyTorch autograd saves and allocates on
+            ``device``) or ``graph`` (graphflop's own graphs in their node order); None in
+            reports written before issue 16 (``graph``).
+        device: the device the eager model describes (``cpu`` or ``cuda``).
+        describes: figure name -> the execution that figure describes, in words.
     """
 
     params_bytes: int
@@ -278,6 +283,9 @@ class Memory:
     saved_for_backward_bytes: int | None = None
     train_peak_bytes: int | None = None
     jvp_peak_bytes: int | None = None
+    memory_model: str | None = None
+    device: str | None = None
+    describes: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in _fields_dict(self).items() if v is not None}

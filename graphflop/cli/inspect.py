@@ -59,6 +59,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
         choices=["normal", "rademacher"],
         help="distribution of forward-gradient directions (default normal)",
     )
+    p.add_argument(
+        "--memory-model",
+        default="eager",
+        choices=["eager", "graph"],
+        help="what the memory figures describe: eager (default) what eager PyTorch autograd "
+        "saves and allocates on --memory-device; graph: graphflop's own graphs in their order",
+    )
+    p.add_argument(
+        "--memory-device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="device of the eager memory model (dropout masks, optimizer temporaries)",
+    )
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
     p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
@@ -152,6 +165,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
             distribution=args.direction,
             backward=not args.no_backward and only.get("backward", True),
             jvp=not args.no_jvp and only.get("jvp", True),
+            memory_model=args.memory_model,
+            device=args.memory_device,
         )
     report = analysis.report
     for line in warning_lines(report):

@@ -41,7 +41,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten
 
 from graphflop.frontend import outline as repeats
-from graphflop.frontend.composite import CompositeOps
+from graphflop.frontend.composite import CompositeOps, tagged_decompositions
 from graphflop.frontend.errors import TraceError, find_cause, first_line
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.inputs import bind_call
@@ -198,7 +198,7 @@ def _trace_once(
             chosen["targets"] = [scopes.mark(t) for t in targets]
             return (loss_value(kind, outs[0], targets), *outs)
 
-    table = decomposition_table()
+    table = tagged_decompositions(decomposition_table())
     outliner = repeats.Outliner(outline)
     try:
         with warnings.catch_warnings(), CompositeOps(), fake_mode:

@@ -45,54 +45,76 @@ class Schedule:
         prefix: str,
         *,
         baseline: set[str],
-        external: dict[str, str] | None = None,
+        external: dict[str, str | list[str]] | None = None,
         free_outputs: bool = False,
         keep_outputs: bool = False,
+        eager: bool = False,
+        sizes: dict[str, int] | None = None,
     ) -> None:
         """Append ``gm``'s nodes.
 
         Args:
             prefix: key prefix for this graph's nodes.
             baseline: placeholder names that are always live (not scheduled).
-            external: placeholder name -> key of an earlier graph's value it stands for.
+            external: placeholder name -> key of an earlier graph's value it stands for, or
+                the keys of the values that stand for it together (every reader reads all).
             free_outputs: the graph's outputs are written into baseline buffers (count 0).
             keep_outputs: the graph's outputs stay live to the end of the schedule.
+            eager: storages as eager PyTorch allocates them: each output of a multi-output op
+                (``getitem``) is a storage of its own; the tuple itself holds nothing.
+            sizes: node name -> bytes, replacing the size of that node's value.
         """
         external = external or {}
-        keys: dict[Node, str | None] = {}
+        sizes = sizes or {}
+        keys: dict[Node, list[str]] = {}
         outputs = set()
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         for a in out_node.all_input_nodes:
             outputs.add(a)
+
+        def reads_of(n: Node) -> list[str]:
+            return [k for a in n.all_input_nodes for k in keys.get(a, [])]
+
         for n in gm.graph.nodes:
             if n.op == "output":
-                reads = [keys[a] for a in n.all_input_nodes if keys.get(a)]
+                reads = reads_of(n)
                 self.steps.append(_Step(f"{prefix}:__output__", 0, None, reads))
                 if keep_outputs:
                     self.keep.update(reads)
                 continue
             if n.op == "placeholder":
                 if n.name in baseline:
-                    keys[n] = None
+                    keys[n] = []
                     continue
                 if n.name in external:
-                    keys[n] = external[n.name]
+                    ext = external[n.name]
+                    keys[n] = [ext] if isinstance(ext, str) else list(ext)
                     continue
             key = f"{prefix}:{n.name}"
-            keys[n] = key
-            reads = [keys[a] for a in n.all_input_nodes if keys.get(a)]
+            keys[n] = [key]
+            reads = reads_of(n)
             alias = None
+            val = n.meta.get("val")
             if n.op == "call_function" and (
-                n.target is operator.getitem
+                (n.target is operator.getitem and not eager)
                 or (has_rule(n.target) and lookup(n.target).bytes == "view")
             ):
                 base = n.all_input_nodes[0] if n.all_input_nodes else None
-                if base is not None and keys.get(base) is None:
-                    keys[n] = None  # a view of an always-live tensor
+                if base is not None and not keys.get(base):
+                    keys[n] = []  # a view of an always-live tensor
                     continue
-                alias = keys[base] if base is not None else None
-            nbytes = 0 if (free_outputs and n in outputs) else tensor_bytes(n.meta.get("val"))
+                alias = keys[base][0] if base is not None else None
+            if free_outputs and n in outputs:
+                nbytes = 0
+            elif eager and isinstance(val, (tuple, list)):
+                nbytes = 0
+            else:
+                nbytes = sizes.get(n.name, tensor_bytes(val))
             self.steps.append(_Step(key, nbytes, alias, reads))
+
+    def add_transient(self, key: str, nbytes: int) -> None:
+        """A storage of ``nbytes`` allocated and freed at one step (a kernel's temporaries)."""
+        self.steps.append(_Step(key, nbytes, None, []))
 
     def peak(self) -> tuple[int, str]:
         """(largest sum of live storage bytes, the step where it occurs)."""

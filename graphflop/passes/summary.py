@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -31,6 +32,7 @@ from graphflop.meta import (
     NodeCost,
 )
 from graphflop.ops import has_rule, op_name
+from graphflop.passes.eager_memory import DESCRIBES, eager_saved_bytes, eager_train_schedule
 from graphflop.passes.flops import tensor_bytes, total_cost
 from graphflop.passes.memory import (
     forward_schedule,
@@ -254,18 +256,28 @@ def _forward_gradient(fg: GraphModule, jvp_complete: bool) -> ForwardGradientTot
     )
 
 
-def _memory(g: Graphs, params_bytes: int, optimizer: str, trainable_bytes: int) -> Memory:
-    """Gradients and optimizer state only for the trainable parameters (``trainable_bytes``)."""
+def _memory(
+    g: Graphs, params_bytes: int, optimizer: str, trainable_bytes: int, model: str, device: str
+) -> Memory:
+    """Gradients and optimizer state only for the trainable parameters (``trainable_bytes``);
+    ``model``: ``eager`` or ``graph`` (:mod:`graphflop.passes.eager_memory`)."""
     fpeak, _ = forward_schedule(g.forward).peak()
-    mem: dict[str, int] = {"forward_peak_bytes": params_bytes + fpeak}
+    mem: dict[str, Any] = {"forward_peak_bytes": params_bytes + fpeak}
     if g.backward is not None:
         n_state = len(STATE_KINDS[optimizer])
-        tpeak, _ = train_schedule(g.forward, g.backward, g.update).peak()
+        if model == "eager":  # gradients are scheduled: they appear as the backward makes them
+            tpeak, _ = eager_train_schedule(g.forward, g.backward, optimizer, device).peak()
+            train_peak = params_bytes + trainable_bytes * n_state + tpeak
+            saved = eager_saved_bytes(g.forward, g.backward, device)
+        else:
+            tpeak, _ = train_schedule(g.forward, g.backward, g.update).peak()
+            train_peak = params_bytes + trainable_bytes * (1 + n_state) + tpeak
+            saved = saved_for_backward_bytes(g.forward, g.backward)
         mem.update(
             grads_bytes=trainable_bytes,
             optimizer_state_bytes=n_state * trainable_bytes,
-            saved_for_backward_bytes=saved_for_backward_bytes(g.forward, g.backward),
-            train_peak_bytes=params_bytes + trainable_bytes * (1 + n_state) + tpeak,
+            saved_for_backward_bytes=saved,
+            train_peak_bytes=train_peak,
         )
     if g.jvp is not None:
         jpeak, _ = jvp_schedule(g.jvp).peak()
@@ -275,7 +287,10 @@ def _memory(g: Graphs, params_bytes: int, optimizer: str, trainable_bytes: int) 
             if n.op == "placeholder" and n.meta.get(KIND) == "tangent"
         )
         mem["jvp_peak_bytes"] = params_bytes + n_tan + jpeak
-    return Memory(params_bytes=params_bytes, **mem)
+    describes = {k: v.format(device=device) for k, v in DESCRIBES[model].items() if k in mem}
+    return Memory(
+        params_bytes=params_bytes, memory_model=model, device=device, describes=describes, **mem
+    )
 
 
 def _ratios(t: Totals) -> Ratios:
@@ -412,7 +427,15 @@ def _op_rows(g: Graphs) -> tuple[OpRow, ...]:
     return tuple(rows)
 
 
-def summarize(graphs: Graphs, *, name: str, optimizer: str, tangents: str) -> Report:
+def summarize(
+    graphs: Graphs,
+    *,
+    name: str,
+    optimizer: str,
+    tangents: str,
+    memory_model: str = "eager",
+    device: str = "cpu",
+) -> Report:
     """Roll the node annotations of ``graphs`` up into a :class:`~graphflop.report.Report`.
 
     Args:
@@ -421,6 +444,8 @@ def summarize(graphs: Graphs, *, name: str, optimizer: str, tangents: str) -> Re
         name: the model's name.
         optimizer: the update's optimizer (for the state bytes and the report).
         tangents: which values carry tangents in the JVP graph (for the report).
+        memory_model, device: the execution the memory figures describe (``eager`` on
+            ``cpu``/``cuda``, or ``graph``: :mod:`graphflop.passes.eager_memory`).
 
     Raises:
         KeyError: a graph lacks ``COST`` (run ``annotate_flops``) or the forward graph lacks
@@ -444,7 +469,7 @@ def summarize(graphs: Graphs, *, name: str, optimizer: str, tangents: str) -> Re
         optimizer=optimizer if graphs.backward is not None else None,
         totals=totals,
         ratios=_ratios(totals),
-        memory=_memory(graphs, params_bytes, optimizer, trainable_bytes),
+        memory=_memory(graphs, params_bytes, optimizer, trainable_bytes, memory_model, device),
         layers=layers.freeze(
             totals.forward.flops, backward=totals.backward is not None, jvp=totals.jvp is not None
         ),

@@ -1,0 +1,225 @@
+"""The eager memory model: what PyTorch autograd saves and allocates for a training step.
+
+graphflop's forward graph has the composite ops (batch/layer/group norm, softmax, log-softmax,
+GELU, dropout, the losses) decomposed into their parts, and its backward reads whichever parts
+its rules need: batch norm's ``x - mean`` and ``x̂``, softmax's ``exp`` and sum, dropout's bool
+mask. Eager autograd runs each composite op as one kernel and saves what ATen's derivative
+formula needs (:data:`graphflop.frontend.composite.EAGER_SAVES`): the input plus mean and inverse
+std, the output, a float mask on CPU. This module keeps graphflop's graphs and swaps, for each
+decomposed composite op, the residuals its backward reads from inside the decomposition for the
+values eager autograd saves for that op (the nodes are found by the
+:data:`~graphflop.meta.COMPOSITE` tags tracing writes). Max pooling (not decomposed) saves its
+input and indices, as two storages. So composite ops are not kept whole with rules of their own
+(the FLOP counts and the backward graph stay as they are); the memory figures are those of the
+eager run.
+
+The eager train step (:func:`eager_train_schedule`): the forward, each multi-output op's outputs
+as separate storages; the backward with the eager residuals; gradients allocated as the backward
+produces them and kept (``zero_grad(set_to_none=True)``, PyTorch's default); the update in place,
+with the temporaries ``torch.optim`` makes (:func:`optimizer_temporaries`). Reads
+``val``, ``COMPOSITE``, ``RESIDUAL``, ``SOURCE``; writes nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+
+from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU
+from graphflop.meta import COMPOSITE, RESIDUAL, SIGNATURE, SOURCE, CompositeTag
+from graphflop.passes.flops import tensor_bytes
+from graphflop.passes.memory import Schedule
+
+aten = torch.ops.aten
+
+_MAX_POOLS = (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+_NOT_ACTIVATIONS = (None, "param", "buffer", "param_derived")
+
+#: the execution each memory figure describes, by memory model (``Report.memory.describes``)
+DESCRIBES = {
+    "eager": {
+        "saved_for_backward_bytes": "tensors eager PyTorch autograd saves for backward (ATen "
+        "derivative formulas), once per storage; parameters and buffers excluded",
+        "train_peak_bytes": "eager training step on {device}: forward, backward with gradients "
+        "allocated as produced (zero_grad(set_to_none=True)), in-place torch.optim update",
+        "forward_peak_bytes": "graphflop's forward graph in its own node order",
+        "jvp_peak_bytes": "graphflop's JVP graph in its own node order",
+    },
+    "graph": {
+        "saved_for_backward_bytes": "forward values graphflop's backward graph reads",
+        "train_peak_bytes": "graphflop's forward, backward and update graphs in their own node "
+        "order, gradients and optimizer state always live",
+        "forward_peak_bytes": "graphflop's forward graph in its own node order",
+        "jvp_peak_bytes": "graphflop's JVP graph in its own node order",
+    },
+}
+
+
+@dataclass(frozen=True)
+class EagerResiduals:
+    """Attributes:
+    remap: backward placeholder name -> the forward node names eager autograd keeps instead.
+    sizes: forward node name -> bytes where eager's tensor differs (CPU dropout's float mask).
+    """
+
+    remap: dict[str, list[str]]
+    sizes: dict[str, int]
+
+
+def _regions(forward: GraphModule) -> list[list[Node]]:
+    """Each decomposed composite op's nodes: nodes with one region number, connected."""
+    parent: dict[Node, Node] = {}
+
+    def find(n: Node) -> Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    tags: dict[Node, CompositeTag] = {
+        n: n.meta[COMPOSITE] for n in forward.graph.nodes if COMPOSITE in n.meta
+    }
+    for n in tags:
+        parent[n] = n
+    for n, t in tags.items():
+        for a in n.all_input_nodes:
+            if a in tags and tags[a].region == t.region:
+                parent[find(a)] = find(n)
+    groups: dict[Node, list[Node]] = {}
+    for n in tags:
+        groups.setdefault(find(n), []).append(n)
+    return list(groups.values())
+
+
+def _saved_by(region: list[Node]) -> tuple[list[Node], Node | None, Node | None]:
+    """(the nodes eager autograd saves for this op, its output 0, its mask output 1)."""
+    tags = {n: n.meta[COMPOSITE] for n in region}
+    op = tags[region[0]].op
+    ins, outs = EAGER_SAVES[op]
+    saved: list[Node] = []
+    for k in outs:
+        found = [n for n in region if tags[n].output == k]
+        saved.extend(found[:1])
+    for k in ins:
+        for n in region:
+            hit = [n.all_input_nodes[i] for i, kk in tags[n].inputs if kk == k]
+            if hit:
+                saved.append(hit[0])
+                break
+    out0 = next((n for n in region if tags[n].output == 0), None)
+    mask = next((n for n in region if tags[n].output == 1), None)
+    return saved, out0, mask
+
+
+def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) -> EagerResiduals:
+    """What eager autograd keeps in place of the residuals graphflop's backward reads.
+
+    Args:
+        device: ``cpu`` or ``cuda`` (dropout's mask: the input's dtype on CPU, bool on CUDA).
+    """
+    saves: dict[str, list[str]] = {}  # forward node of a composite op -> what the op saves
+    sizes: dict[str, int] = {}
+    for region in _regions(forward):
+        saved, out0, mask = _saved_by(region)
+        for n in region:
+            saves[n.name] = [m.name for m in saved]
+        op = region[0].meta[COMPOSITE].op
+        if device == "cpu" and op in FLOAT_MASK_ON_CPU and out0 is not None and mask is not None:
+            itemsize = out0.meta["val"].element_size()
+            sizes[mask.name] = mask.meta["val"].numel() * itemsize
+    for n in forward.graph.nodes:  # max pooling: input and indices, two storages
+        if n.op == "call_function" and n.target in _MAX_POOLS:
+            idx = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
+            keep = [n.all_input_nodes[0].name] + [u.name for u in idx]
+            for name in [n.name] + [u.name for u in n.users]:
+                saves[name] = keep
+    # a residual read by the backward of a composite op's parts stands for what that op saves
+    # (the backward nodes' SOURCE names the forward node whose rule made them)
+    remap = {}
+    for p in backward.graph.nodes:
+        if p.op != "placeholder" or p.meta.get(RESIDUAL) in _NOT_ACTIVATIONS:
+            continue
+        src = p.meta.get(SOURCE, p.name)
+        stand: list[str] = []
+        for u in p.users:
+            for name in saves.get(u.meta.get(SOURCE, ""), [src]):
+                if name not in stand:
+                    stand.append(name)
+        if stand != [src]:  # (a residual nothing reads stands for nothing)
+            remap[p.name] = stand
+    return EagerResiduals(remap, sizes)
+
+
+def _residual_sources(
+    forward: GraphModule, backward: GraphModule, eager: EagerResiduals
+) -> dict[str, list[str]]:
+    """Backward activation placeholder -> the forward node names it stands for, eagerly."""
+    return {
+        p.name: eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)])
+        for p in backward.graph.nodes
+        if p.op == "placeholder" and p.meta.get(RESIDUAL) not in _NOT_ACTIVATIONS
+    }
+
+
+def eager_saved_bytes(forward: GraphModule, backward: GraphModule, device: str = "cpu") -> int:
+    """Bytes eager autograd saves for backward: the eager residuals, once per storage,
+    parameters and buffers excluded (inputs and targets included)."""
+    eager = eager_residuals(forward, backward, device)
+    sig = forward.meta[SIGNATURE]
+    state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
+    sched = Schedule()
+    sched.add_graph(forward, "f", baseline=state, eager=True, sizes=eager.sizes)
+    storage: dict[str, str] = {}
+    size: dict[str, int] = {}
+    for st in sched.steps:
+        storage[st.key] = storage.get(st.alias_of, st.key) if st.alias_of else st.key
+        if storage[st.key] == st.key:
+            size[st.key] = st.nbytes
+    seen = set()
+    for names in _residual_sources(forward, backward, eager).values():
+        for name in names:
+            k = storage.get(f"f:{name}")
+            if k is not None:
+                seen.add(k)
+    return sum(size[k] for k in seen)
+
+
+def optimizer_temporaries(optimizer: str, param_bytes: list[int], device: str) -> int:
+    """Peak bytes of the temporaries ``torch.optim``'s update makes beyond parameters,
+    gradients and state (torch/optim/adam.py, sgd.py). On CPU the single-tensor loop runs
+    (foreach is the default only for CUDA tensors): Adam/AdamW's ``exp_avg_sq.sqrt() / bc``
+    holds two tensors of one parameter's size; SGD and momentum update in place. On CUDA the
+    foreach kernels: Adam/AdamW's ``_foreach_sqrt`` makes one tensor per parameter; SGD and
+    momentum in place."""
+    if optimizer not in ("adam", "adamw") or not param_bytes:
+        return 0
+    return 2 * max(param_bytes) if device == "cpu" else sum(param_bytes)
+
+
+def eager_train_schedule(
+    forward: GraphModule, backward: GraphModule, optimizer: str, device: str = "cpu"
+) -> Schedule:
+    """The eager training step's live storages (see the module docstring); parameters and
+    optimizer state are the baseline, not scheduled; gradients are scheduled."""
+    eager = eager_residuals(forward, backward, device)
+    sig = forward.meta[SIGNATURE]
+    params = {p for p, _ in sig.params}
+    s = Schedule()
+    s.add_graph(forward, "f", baseline=params, eager=True, sizes=eager.sizes)
+    ext: dict[str, str | list[str]] = {}
+    base_b = set()
+    for n in backward.graph.nodes:
+        if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
+            src = n.meta.get(SOURCE, n.name)
+            if src in params or n.meta.get(RESIDUAL) == "param_derived":
+                base_b.add(n.name)
+            else:
+                ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]
+    s.add_graph(backward, "b", baseline=base_b, external=ext, keep_outputs=True, eager=True)
+    phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
+    sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
+    s.add_transient("u:optimizer", optimizer_temporaries(optimizer, sizes, device))
+    return s

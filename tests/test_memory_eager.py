@@ -1,0 +1,76 @@
+"""The eager memory model (graphflop.passes.eager_memory): saved-for-backward bytes equal, to
+the byte, what eager autograd saves (measured with saved_tensors_hooks, deduplicated by storage,
+parameters and buffers excluded, inputs included: graphflop.runtime.memory_probe)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from graphflop.analysis import analyze
+from graphflop.runtime.memory_probe import measure_saved
+
+
+class _ConvBlock(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Conv2d(3, 8, 3),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(8 * 7 * 7, 10),
+        )
+
+
+class _NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(nn.functional.gelu(self.fc(self.ln(x))), -1)
+
+
+CASES = {
+    # x 320 + relu 512 + log_softmax out 160 + target 32 + total_weight 4 = 1028 B
+    "mlp": (lambda: nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 10)), (4, 20), 1028),
+    # x 6144; conv out 2·8·14·14·4 = 12544 (batch norm's input) + mean, rstd 32 + 32; relu out
+    # 12544; CPU dropout's float mask 12544; dropout out 12544 (max-pool's input) + indices
+    # 2·8·7·7·8 = 6272; flatten view of the pooled values 3136; log_softmax 80, target 16,
+    # total_weight 4: 65892 B
+    "conv_bn_relu_dropout_maxpool": (_ConvBlock, (2, 3, 16, 16), 65892),
+    # x 640 + layer-norm mean, rstd 40 + 40; its output (the Linear's input) 640; GELU's input
+    # 640; softmax's output 640; sum loss nothing: 2640 B
+    "layernorm_gelu_softmax": (_NormBlock, (2, 5, 16), 2640),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_saved_bytes_equal_eager_autograd(case: str) -> None:
+    build, shape, by_hand = CASES[case]
+    torch.manual_seed(0)
+    model, x = build(), torch.randn(*shape)
+    measured = measure_saved(model, (x,))
+    a = analyze(model, (x,), jvp=False)
+    assert measured == by_hand
+    assert a.report.memory.saved_for_backward_bytes == measured
+    assert a.report.memory.memory_model == "eager"
+
+
+def test_graph_model_counts_graphflops_own_residuals() -> None:
+    # graphflop's decomposed layer norm, GELU and softmax keep more than eager autograd
+    torch.manual_seed(0)
+    model, x = _NormBlock(), torch.randn(2, 5, 16)
+    graph = analyze(model, (x,), jvp=False, memory_model="graph").report.memory
+    assert graph.memory_model == "graph"
+    assert graph.saved_for_backward_bytes > 2640
+    assert set(graph.describes or {}) >= {"saved_for_backward_bytes", "train_peak_bytes"}
+
+
+def test_unknown_memory_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="memory model"):
+        analyze(nn.Linear(2, 2), (torch.randn(1, 2),), memory_model="compiled")
