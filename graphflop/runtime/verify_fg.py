@@ -59,8 +59,8 @@ def verify_forward_gradient(
         fwd_values = run_forward(forward, values, backward_reads(backward))
     grads = run_backward(backward, fwd_values)
     true = torch.cat([g.flatten() for g in grads]).double()
-    k = _directions_per_step(forward, samples)
-    steps = -(-samples // k)
+    steps = -(-samples // _directions_per_step(forward, samples))
+    k = -(-samples // steps)  # the directions spread evenly: M = steps · K ≥ samples
     m = steps * k
     step = build_forward_gradient_step(forward, "sgd", directions=k, direction_inputs=True)
     info = step.meta[FORWARD_GRADIENT]
