@@ -295,6 +295,9 @@ class ForwardGradientInfo:
         directions: number of directions ``K``.
         distribution: ``normal`` or ``rademacher``.
         direction_inputs: directions are graph inputs (``v{k}_<param>``) rather than sampled.
+        tangent_pass: how the ``K`` tangent passes were built: ``one tangent pass`` (K = 1),
+            ``one batched tangent pass`` (tangents with a leading K dimension; ``; K copies
+            of <ops>`` names ops copied per direction), or ``copies: <why>``.
     """
 
     inputs: tuple[str, ...]
@@ -303,6 +306,7 @@ class ForwardGradientInfo:
     directions: int
     distribution: str
     direction_inputs: bool
+    tangent_pass: str = "one tangent pass"
 
 
 @dataclass(frozen=True)

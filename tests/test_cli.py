@@ -81,7 +81,7 @@ def test_input_shape_and_ctor_args(capsys):
 def test_verify_passes():
     r = run_cli("inspect", spec("onenet.py"), "--verify")
     assert r.returncode == 0, r.stderr
-    assert "ok" in r.stderr and "FAILED" not in r.stderr
+    assert "3 of 3 checks passed" in r.stderr and "FAILED" not in r.stderr
 
 
 def test_verify_samples_follow_the_step_cost():

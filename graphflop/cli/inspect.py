@@ -103,8 +103,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="M",
-        help="forward-gradient steps (float32) averaged by the --verify unbiasedness "
-        "check, whose 4-sigma tolerance is 4*sqrt(2/M); 0 skips it. Default: "
+        help="Gaussian directions (float32, batched several per step) averaged by the "
+        "--verify unbiasedness check, a two-sided chi-squared test with M degrees of freedom "
+        "and a 1e-6 false-alarm rate; 0 skips it. Default: "
         f"{VERIFY_SAMPLES}, or as many as fit in {VERIFY_FLOPS:.0e} FLOPs, and "
         f"none when fewer than {MIN_VERIFY_SAMPLES} fit (a large model)",
     )
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             device=args.memory_device,
         )
     report = analysis.report
-    for line in warning_lines(report):
+    for line in warning_lines(report) + _tangent_pass_notes(analysis):
         err.print(line, markup=False, highlight=False, soft_wrap=True)
     extra: dict[str, Any] = {}  # --verify's results, after the report's keys in the JSON
     rc = _verify(args, err, inputs, analysis, extra) if args.verify else 0
@@ -189,6 +190,18 @@ def run(args: argparse.Namespace, err: Console) -> int:
             units=args.units,
         )
     return rc
+
+
+def _tangent_pass_notes(analysis: Analysis) -> list[str]:
+    """A note when ``--directions K`` could not build one batched tangent pass (K copies of
+    the whole tangent graph, or of some ops)."""
+    from graphflop.meta import FORWARD_GRADIENT
+
+    fg = analysis.forward_gradient
+    info = fg.meta.get(FORWARD_GRADIENT) if fg is not None else None
+    if info is None or info.directions == 1 or info.tangent_pass == "one batched tangent pass":
+        return []
+    return [f"note: forward-gradient step with {info.directions} directions: {info.tangent_pass}"]
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -229,10 +242,9 @@ def _verify(
             real, inputs, analysis, dtype=args.verify_dtype, forward_gradient_samples=samples
         )
     extra["verify"] = [c.to_dict() for c in checks]
-    for c in checks:
-        mark = "[green]ok[/green]" if c.ok else "[red]FAILED[/red]"
-        err.print(
-            f"verify: {c.name}: worst relative error {c.worst_rel_error:.2e} "
-            f"({c.where}), tolerance {c.tolerance:.0e}: {mark}"
-        )
+    for c in checks:  # one line each, never wrapped (soft_wrap), no markup
+        err.print(f"verify: {c.line()}", markup=False, highlight=False, soft_wrap=True)
+    passed = sum(c.ok for c in checks)
+    summary = f"verify: {passed} of {len(checks)} checks passed"
+    err.print(summary, markup=False, highlight=False, soft_wrap=True)
     return 0 if all(c.ok for c in checks) else EXIT_VERIFY_FAILED

@@ -6,6 +6,8 @@ Rademacher ±1), run the JVP with ``v`` as the parameter tangents to get the sca
 derivative ``d = ∇L·v``; the gradient estimate is ``g = (1/K) Σ d·v``, an unbiased estimate of
 ``∇L`` for directions with identity covariance. The optimizer update is then applied to ``g``.
 Primal (and coefficient) nodes are shared by the ``K`` directions: only tangent work repeats.
+For ``K`` > 1 the tangent work is one pass on tangents with a leading ``K`` dimension (each
+op batched as ``torch.func.vmap`` batches it), or ``K`` copies where that is not possible.
 
 Outputs, in order: the loss, the new parameters, the new optimizer state, then the ``K``
 directional derivatives. Writes ``ROLE="direction"`` on the sampling and ``g = d·v`` nodes and
@@ -14,9 +16,15 @@ directional derivatives. Writes ``ROLE="direction"`` on the sampling and ``g = d
 
 from __future__ import annotations
 
+import operator
+import warnings
+from typing import Any
+
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.pass_base import PassResult
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from graphflop.ad.builder import Builder
 from graphflop.ad.jvp import build_jvp
@@ -58,6 +66,7 @@ def build_forward_gradient_step(
     direction_inputs: bool = False,
     jvp: GraphModule | None = None,
     update: GraphModule | None = None,
+    batched: bool = True,
 ) -> GraphModule:
     """Build the forward-gradient step graph of a traced forward graph (see module docstring).
 
@@ -73,6 +82,11 @@ def build_forward_gradient_step(
         jvp: ``build_jvp(forward, "params")`` when already built; built here otherwise.
         update: ``build_update_for(forward, optimizer)`` when already built; built here
             otherwise.
+        batched: for ``K`` > 1, one tangent pass on tangents with a leading ``K`` dimension
+            (as ``torch.func.vmap`` batches them; same FLOPs as ``K`` copies, fewer nodes)
+            instead of ``K`` copies of the tangent nodes. An op the batching cannot handle is
+            copied per direction, and if the batched pass fails as a whole the graph falls back
+            to ``K`` copies; ``ForwardGradientInfo.tangent_pass`` says which.
 
     Raises:
         ValueError: bad ``directions`` or ``distribution``, a forward graph without a loss, or
@@ -85,27 +99,23 @@ def build_forward_gradient_step(
         update if update is not None else build_update_for(forward, optimizer, fake_mode=fake_mode)
     )
     info: JvpInfo = jvp.meta[JVP]
-    g = Graph()
-    b = _StepBuilder(g, fake_mode, [])
-    tangent_of = {t: p for t, p in info.tangent_inputs}
-    env = {
-        n: g.node_copy(n)
-        for n in jvp.graph.nodes
-        if n.op == "placeholder" and n.name not in tangent_of
-    }
-    phs = {n.name: c for n, c in env.items()}
-    state_phs = {
-        n.name: g.node_copy(n)
-        for n in upd.graph.nodes
-        if n.op == "placeholder" and n.meta[SLOT] not in ("param", "grad")
-    }
-    given = _direction_placeholders(g, info, phs, directions) if direction_inputs else None
-    ds, vs = [], []
+    how = "one tangent pass" if directions == 1 else "copies: asked for (batched=False)"
+    st = _Start(jvp, upd, info, fake_mode, directions, direction_inputs)
+    ds: list[Node] = []
+    vs: list[dict] = []
+    if directions > 1 and batched:
+        try:
+            ds, vs, how = _batched_pass(st, jvp, info, distribution, directions)
+        except Exception as e:  # noqa: BLE001 - any op vmap cannot trace: K copies instead
+            st = _Start(jvp, upd, info, fake_mode, directions, direction_inputs)
+            how = f"copies: the batched pass failed ({type(e).__name__}: {_first_line(e)})"
+    g, b, env, phs, state_phs = st.g, st.b, st.env, st.phs, st.state_phs
     with b.context(role="direction"):
-        for k in range(directions):
-            v = _direction(b, info, phs, k, given, distribution)
-            ds.append(_copy_tangents(g, jvp, info, env, v, first=k == 0))
-            vs.append(v)
+        if not ds:
+            for k in range(directions):
+                v = _direction(b, info, phs, k, st.given, distribution)
+                ds.append(_copy_tangents(g, jvp, info, env, v, first=k == 0))
+                vs.append(v)
         grads = _estimate(b, info, ds, vs)
     qual = dict(sig.trainable())
     new_state = inline_update(
@@ -125,9 +135,212 @@ def build_forward_gradient_step(
         directions,
         distribution,
         direction_inputs,
+        how,
     )
     gm.meta[UPDATE] = upd.meta[UPDATE]
     return gm
+
+
+class _Start:
+    """The step graph's beginning: the JVP graph's primal placeholders (``env``, ``phs``), the
+    optimizer-state placeholders and, with ``direction_inputs``, the direction placeholders."""
+
+    def __init__(
+        self,
+        jvp: GraphModule,
+        upd: GraphModule,
+        info: JvpInfo,
+        fake_mode,
+        directions: int,
+        direction_inputs: bool,
+    ) -> None:
+        self.g = g = Graph()
+        self.fake_mode = fake_mode
+        self.b = _StepBuilder(g, fake_mode, [])
+        tangent_of = {t for t, _ in info.tangent_inputs}
+        self.env: dict[Node, Node] = {
+            n: g.node_copy(n)
+            for n in jvp.graph.nodes
+            if n.op == "placeholder" and n.name not in tangent_of
+        }
+        self.phs = {n.name: c for n, c in self.env.items()}
+        self.state_phs = {
+            n.name: g.node_copy(n)
+            for n in upd.graph.nodes
+            if n.op == "placeholder" and n.meta[SLOT] not in ("param", "grad")
+        }
+        self.given = (
+            _direction_placeholders(g, info, self.phs, directions) if direction_inputs else None
+        )
+
+
+def _first_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200]
+
+
+def _batched_pass(
+    st: _Start, jvp: GraphModule, info: JvpInfo, distribution: str, k: int
+) -> tuple[list[Node], list[dict], str]:
+    """The ``K`` directions as one tensor per parameter with a leading ``K`` dimension, pushed
+    through the JVP graph's tangent nodes once (:class:`_Batcher`); returns the ``K`` loss
+    tangents, the ``K`` directions (views of the batched ones) and how the pass was built."""
+    b = st.b
+    stacked: dict[str, Node] = {}
+    with b.context(role="direction"):
+        for t, p in info.tangent_inputs:
+            val = st.phs[p].meta["val"]
+            with b.context(source=p, module=st.phs[p].meta.get(MODULE, "")):
+                if st.given is not None:
+                    stacked[t] = b.call(aten.stack.default, [st.given[(i, p)] for i in range(k)])
+                    continue
+                r = b.call(aten.randn.default, [k, *val.shape], dtype=val.dtype, device=val.device)
+                stacked[t] = b.call(aten.sign.default, r) if distribution == "rademacher" else r
+    batcher = _Batcher(st.g, st.fake_mode, k)
+    d = batcher.run(jvp, info, st.env, stacked)
+    with b.context(role="direction"):
+        ds = (
+            [b.call(aten.select.int, d, 0, i) for i in range(k)]
+            if d in batcher.batched
+            else [d] * k
+        )
+        vs = [
+            {
+                t: st.given[(i, p)] if st.given is not None else b.call(aten.select.int, v, 0, i)
+                for (t, p), v in zip(info.tangent_inputs, stacked.values())
+            }
+            for i in range(k)
+        ]
+    copied = sorted(batcher.copied)
+    how = "one batched tangent pass" + (f"; K copies of {', '.join(copied)}" if copied else "")
+    return ds, vs, how
+
+
+class _Batcher:
+    """Copies a JVP graph's nodes into ``g`` with the tangents carrying a leading ``K``
+    dimension: primal and coefficient nodes once, each tangent node with a batched argument
+    replaced by the graph ``make_fx`` records for ``torch.func.vmap`` of its op (PyTorch's
+    batching rules; e.g. ``mm`` of a batched left factor becomes ``view, mm, view``), in
+    graphflop's decomposition table. An op vmap cannot batch, or whose batched form uses an
+    op without a graphflop rule, is traced as ``K`` copies on ``select``-ed slices and
+    ``stack``-ed (listed in ``copied``). Traces are cached by op, constants and argument
+    shapes (a transformer's blocks repeat the same calls)."""
+
+    def __init__(self, g: Graph, fake_mode, k: int) -> None:
+        from graphflop.ops import decomposition_table
+
+        self.g, self.fake_mode, self.k = g, fake_mode, k
+        self.table = decomposition_table()
+        self.batched: set[Node] = set()
+        self.copied: set[str] = set()
+        self.cache: dict[Any, Graph] = {}
+
+    def run(
+        self, jvp: GraphModule, info: JvpInfo, env: dict[Node, Node], stacked: dict[str, Node]
+    ) -> Node:
+        """Copy ``jvp``'s nodes (primal ones into ``env``, shared); returns the loss tangent."""
+        local: dict[Node, Any] = dict(env)
+        for n in jvp.graph.nodes:
+            if n.op == "placeholder":
+                if n.name in stacked:
+                    local[n] = stacked[n.name]
+                    self.batched.add(stacked[n.name])
+                continue
+            if n.op == "output":
+                continue
+            if n.meta.get(KIND) != "tangent":
+                local[n] = env[n] = self.g.node_copy(n, local.__getitem__)
+                continue
+            local[n] = self._node(n, local)
+        out = local[_output(jvp).args[0][info.primal_outputs]]
+        if not isinstance(out, Node):
+            raise ValueError("the loss tangent is not one node")
+        return out
+
+    def _node(self, n: Node, local: dict[Node, Any]) -> Any:
+        if n.target is operator.getitem and isinstance(local[n.args[0]], tuple):
+            return local[n.args[0]][n.args[1]]
+        leaves, spec = tree_flatten((n.args, n.kwargs))
+        pos = [i for i, a in enumerate(leaves) if isinstance(a, Node)]
+        ins = [local[leaves[i]] for i in pos]
+        if not any(isinstance(x, Node) and x in self.batched for x in ins):
+            return self.g.node_copy(n, local.__getitem__)
+        if n.op != "call_function" or not all(isinstance(x, Node) for x in ins):
+            raise ValueError(f"cannot batch node {n.name} ({n.op} {n.target})")
+        dims = tuple(0 if x in self.batched else None for x in ins)
+        key = (
+            n.target,
+            str(spec),
+            repr([a for i, a in enumerate(leaves) if i not in pos]),
+            tuple(
+                (tuple(v.shape), v.dtype, tuple(v.stride()), d)
+                for v, d in zip((x.meta["val"] for x in ins), dims)
+            ),
+        )
+        if key not in self.cache:
+            self.cache[key] = self._trace(n, leaves, spec, pos, ins, dims)
+        return self._inline(self.cache[key], n, ins)
+
+    def _trace(self, n: Node, leaves, spec, pos, ins, dims) -> Graph:
+        def f(*ts):
+            ls = list(leaves)
+            for i, t in zip(pos, ts):
+                ls[i] = t
+            args, kwargs = tree_unflatten(ls, spec)
+            return n.target(*args, **kwargs)
+
+        def copies(*ts):
+            outs = [
+                f(*(t.select(0, i) if d == 0 else t for t, d in zip(ts, dims)))
+                for i in range(self.k)
+            ]
+            return tree_map(lambda *xs: torch.stack(xs), *outs)
+
+        vals = [x.meta["val"] for x in ins]
+        with self.fake_mode, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+            try:
+                gm = make_fx(torch.func.vmap(f, in_dims=dims), decomposition_table=self.table)(
+                    *vals
+                )
+            finally:
+                torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+            slow = any("batching rule" in str(w.message) for w in caught)
+            if slow or not _traceable(gm.graph):
+                self.copied.add(str(n.target))
+                gm = make_fx(copies, decomposition_table=self.table)(*vals)
+        gm.graph.eliminate_dead_code()
+        if not _traceable(gm.graph):
+            raise ValueError(f"{n.target} traced to ops without rules")
+        return gm.graph
+
+    def _inline(self, sub: Graph, n: Node, ins: list[Node]) -> Any:
+        """Copy ``sub``'s nodes into the step graph on ``ins``, with ``n``'s annotations."""
+        m: dict[Node, Node] = {}
+        phs = [s for s in sub.nodes if s.op == "placeholder"]
+        m.update(zip(phs, ins))
+        ann = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
+        out: Any = None
+        for s in sub.nodes:
+            if s.op == "output":
+                out = tree_map(lambda a: m[a] if isinstance(a, Node) else a, s.args[0])
+            elif s.op != "placeholder":
+                c = self.g.node_copy(s, m.__getitem__)
+                c.meta = {**ann, "val": s.meta["val"]}
+                m[s] = c
+        outs = tree_flatten(out)[0]
+        self.batched.update(o for o in outs if isinstance(o, Node))
+        return tuple(out) if isinstance(out, list) else out
+
+
+def _traceable(graph: Graph) -> bool:
+    """Every node is a placeholder, the output, or a call of an op with a graphflop rule."""
+    from graphflop.ops import has_rule
+
+    return all(
+        s.op in ("placeholder", "output") or (s.op == "call_function" and has_rule(s.target))
+        for s in graph.nodes
+    )
 
 
 def _check(
@@ -255,6 +468,7 @@ class BuildForwardGradientStep(GraphPass):
         direction_inputs: bool = False,
         jvp: GraphModule | None = None,
         update: GraphModule | None = None,
+        batched: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.options = {
@@ -263,6 +477,7 @@ class BuildForwardGradientStep(GraphPass):
             "direction_inputs": direction_inputs,
             "jvp": jvp,
             "update": update,
+            "batched": batched,
         }
 
     def call(self, graph_module: GraphModule) -> PassResult:

@@ -2,24 +2,36 @@
 
 ``verify_gradients`` checks every parameter gradient of the backward graph against
 ``torch.func.grad`` of the same loss; ``verify_jvp`` checks the JVP graph's loss tangent against
-``torch.func.jvp``. Relative error is ``‖a − b‖ / max(‖b‖, tiny)`` per tensor.
-:func:`forward_gradient_samples` decides how many steps the forward-gradient unbiasedness check
-(:func:`verify_forward_gradient`) may afford.
+``torch.func.jvp``. Errors are normwise relative per tensor, ``‖a − b‖ / max(‖b‖, floor)``, with
+an absolute floor for gradients that are zero in exact arithmetic (:func:`gradient_floor`).
+:func:`forward_gradient_samples` decides how many directions the forward-gradient unbiasedness
+check (:func:`graphflop.runtime.verify_fg.verify_forward_gradient`, batched over directions)
+may afford.
+
+The reference and graphflop's graphs see the same random numbers: both run from the same
+generator seed, and the reference's training-mode dropout is PyTorch's ``native_dropout``
+decomposition, the form graphflop traces (:func:`reference_mode`). The reference runs with
+PyTorch's math attention kernel and without ``nn.MultiheadAttention``'s fast path (the fused
+kernels have no forward-mode derivative on CPU). Integer inputs are drawn over their real index
+range (the rows of the embedding tables they index, padding rows included).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Interpreter
 
 from graphflop.frontend.trace import loss_value
 from graphflop.meta import (
     CONSTANTS,
-    FORWARD_GRADIENT,
     JVP,
     LOSS_KIND,
     SIGNATURE,
@@ -66,25 +78,54 @@ def forward_gradient_samples(requested: int | None, step_flops: float) -> tuple[
 
 @dataclass(frozen=True)
 class Check:
-    """Result of one comparison: the worst relative error and where it occurred."""
+    """Result of one comparison: the worst relative error and where it occurred.
+
+    Attributes:
+        name: what was compared with what.
+        worst_rel_error: the largest error (dimensionless; NaN when the check could not run).
+        where: the tensor it occurred at, or why the check could not run.
+        tolerance: the largest error that passes.
+        measure: what ``worst_rel_error`` measures, in words.
+        dtype: the dtype the compared graphs ran in.
+    """
 
     name: str
     worst_rel_error: float
     where: str
     tolerance: float
+    measure: str = "normwise relative error"
+    dtype: str = ""
 
     @property
     def ok(self) -> bool:
-        return self.worst_rel_error <= self.tolerance
+        return bool(self.worst_rel_error <= self.tolerance)
+
+    @property
+    def ran(self) -> bool:
+        return not math.isnan(self.worst_rel_error)
+
+    def line(self) -> str:
+        """One line saying in words what was checked and whether it passed."""
+        if not self.ran:
+            return f"{self.name}: NOT RUN ({self.where})"
+        verdict = "passed" if self.ok else "FAILED"
+        name = f"{self.name} in {self.dtype}" if self.dtype else self.name
+        return (
+            f"{name}: {verdict}: {self.measure} {self.worst_rel_error:.1e} "
+            f"(tolerance {self.tolerance:.1e}; {self.where})"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``inspect --json``'s ``verify`` entries)."""
         return {
             "check": self.name,
-            "worst_rel_error": self.worst_rel_error,
+            "worst_rel_error": self.worst_rel_error if self.ran else None,
             "where": self.where,
             "tolerance": self.tolerance,
             "ok": self.ok,
+            "ran": self.ran,
+            "measure": self.measure,
+            "dtype": self.dtype,
         }
 
 
@@ -109,11 +150,64 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / max(float(b.norm()), 1e-30))
 
 
+#: an absolute error below FLOOR_ULPS · eps · ‖∇L‖ always passes (rounding of a sum of up to
+#: about 10⁶ terms is √N·eps relative to their scale; a gradient that is zero in exact
+#: arithmetic — a Linear bias before BatchNorm — is such rounding noise)
+FLOOR_ULPS = 1024
+
+
+def gradient_floor(dtype: torch.dtype, grad_norm: float, tolerance: float) -> float:
+    """The denominator floor of the normwise relative error: ``FLOOR_ULPS · eps · ‖∇L‖ /
+    tolerance``, so that ``‖a − b‖ ≤ max(tolerance · ‖b‖, FLOOR_ULPS · eps · ‖∇L‖)`` passes.
+
+    Args:
+        dtype: the dtype the graphs ran in (its machine epsilon ``eps``).
+        grad_norm: ``‖∇L‖``, the norm of the whole reference gradient.
+        tolerance: the check's tolerance.
+    """
+    return FLOOR_ULPS * torch.finfo(dtype).eps * grad_norm / tolerance
+
+
+def index_ranges(forward: GraphModule) -> dict[str, tuple[int, list[int]]]:
+    """Integer input placeholder → (exclusive upper bound, padding rows) for inputs that index
+    embedding tables (directly or through views): the smallest table's row count, and the
+    tables' ``padding_idx`` values."""
+    views = {
+        torch.ops.aten.view.default,
+        torch.ops.aten._unsafe_view.default,
+        torch.ops.aten.reshape.default,
+        torch.ops.aten.expand.default,
+        torch.ops.aten.clone.default,
+        torch.ops.aten.permute.default,
+        torch.ops.aten.unsqueeze.default,
+        torch.ops.aten.squeeze.dims,
+        torch.ops.aten.slice.Tensor,
+        torch.ops.aten.select.int,
+    }
+    out: dict[str, tuple[int, list[int]]] = {}
+    for n in forward.graph.nodes:
+        if n.op != "call_function" or n.target is not torch.ops.aten.embedding.default:
+            continue
+        src = n.args[1]
+        while isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target in views:
+            src = src.args[0]
+        if not isinstance(src, torch.fx.Node) or src.op != "placeholder":
+            continue
+        rows = int(n.args[0].meta["val"].shape[0])
+        pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
+        high, pads = out.get(src.name, (rows, []))
+        out[src.name] = (min(high, rows), pads + ([int(pad)] if pad >= 0 else []))
+    return out
+
+
 def real_arguments(
     forward: GraphModule, model: nn.Module, *, seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """Real tensors for every placeholder of a traced forward graph: the model's parameters and
-    buffers (in the graph's dtypes), random inputs, and random valid targets."""
+    buffers (in the graph's dtypes), random inputs, and random valid targets. Integer inputs
+    that index embedding tables are drawn over the tables' rows (:func:`index_ranges`), with
+    each ``padding_idx`` written at the first positions so that padding is exercised; other
+    integer inputs from {0, 1}."""
     sig: Signature = forward.meta[SIGNATURE]
     gen = torch.Generator().manual_seed(seed)
     values: dict[str, torch.Tensor] = {}
@@ -130,13 +224,21 @@ def real_arguments(
         if sig.outputs
         else None
     )
+    ranges = index_ranges(forward)
     for name in sig.inputs + sig.targets:
         v = phs[name].meta["val"]
         if v.is_floating_point():
             values[name] = torch.randn(tuple(v.shape), generator=gen, dtype=v.dtype)
-        else:
-            high = out_val.shape[-1] if (name in sig.targets and out_val is not None) else 2
-            values[name] = torch.randint(0, high, tuple(v.shape), generator=gen, dtype=v.dtype)
+            continue
+        high, pads = ranges.get(name, (2, []))
+        if name in sig.targets and out_val is not None:
+            high = out_val.shape[-1]
+        x = torch.randint(0, high, tuple(v.shape), generator=gen, dtype=v.dtype)
+        flat = x.view(-1)
+        for i, pad in enumerate(p for p in pads if p < high):
+            if i < flat.numel():
+                flat[i] = pad
+        values[name] = x
     return values
 
 
@@ -172,17 +274,64 @@ def run_backward(backward: GraphModule, fwd_values: dict[str, Any], ct: float = 
     return backward(*args)
 
 
+#: the generator seed graphflop's graphs and the reference both run from (same dropout masks)
+RNG_SEED = 1234
+
+_F_DROPOUT = F.dropout
+
+
+def _native_dropout(
+    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> torch.Tensor:
+    """``F.dropout`` whose training mode is PyTorch's decomposition of ``native_dropout``, the
+    form graphflop traces (PyTorch's CPU kernel draws its mask with ``bernoulli_`` instead, a
+    different use of the generator)."""
+    if training and 0 < p < 1 and not inplace:
+        from torch._decomp import decomposition_table
+
+        return decomposition_table[torch.ops.aten.native_dropout.default](input, p, True)[0]
+    return _F_DROPOUT(input, p, training, inplace)
+
+
+@contextlib.contextmanager
+def seeded(seed: int = RNG_SEED) -> Iterator[None]:
+    """Run the block from generator state ``seed`` (CPU), restoring the generator after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+@contextlib.contextmanager
+def reference_mode(seed: int = RNG_SEED) -> Iterator[None]:
+    """How the eager reference runs: from generator state ``seed``, training-mode dropout as
+    :func:`_native_dropout` (``torch.nn.functional.dropout`` pointed at it while the block
+    runs: ``nn.Dropout`` and multi-head attention call it by that name), attention in
+    PyTorch's math kernel and ``nn.MultiheadAttention``/``TransformerEncoder`` without their
+    fast path (the fused CPU kernels have no forward-mode derivative)."""
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    F.dropout = _native_dropout
+    try:
+        with seeded(seed), torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            yield
+    finally:
+        F.dropout = _F_DROPOUT
+        torch.backends.mha.set_fastpath_enabled(fast)
+
+
 def reference_loss_fn(forward: GraphModule, model: nn.Module, values: dict[str, torch.Tensor]):
-    """``f(params) -> loss`` for torch.func, using the model itself (not graphflop's graphs)."""
+    """``f(params) -> loss`` for torch.func, using the model itself (not graphflop's graphs),
+    in :func:`reference_mode` (the same random numbers as graphflop's graphs run
+    :func:`seeded`)."""
     sig: Signature = forward.meta[SIGNATURE]
     loss_kind = forward.meta.get(LOSS_KIND, "sum")
+    seed = RNG_SEED
     buffers = {q: values[n].clone() for n, q in sig.buffers}
     inputs = [values[n] for n in sig.inputs]
     targets = [values[n] for n in sig.targets]
 
     def f(params: dict[str, torch.Tensor]) -> torch.Tensor:
-        # attention in its math kernel: the fused CPU kernels have no forward-mode derivative
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        with reference_mode(seed):
             out = torch.func.functional_call(
                 model, {**params, **{k: v.clone() for k, v in buffers.items()}}, tuple(inputs)
             )
@@ -205,24 +354,41 @@ def verify_gradients(
     seed: int = 0,
 ) -> Check:
     """Compare every parameter gradient of ``backward`` with ``torch.func.grad`` of the same
-    loss on the same random inputs, in the dtype the graphs were traced in."""
+    loss on the same random inputs (and dropout masks), in the dtype the graphs were traced in.
+
+    The error per parameter is ``‖a − b‖ / max(‖b‖, gradient_floor(dtype, ‖∇L‖, tolerance))``
+    (normwise relative, with an absolute floor for gradients that are zero in exact
+    arithmetic); the worst one is reported.
+    """
     values = real_arguments(forward, model, seed=seed)
-    grads = run_backward(backward, run_forward(forward, values, backward_reads(backward)))
+    with seeded():
+        fwd_values = run_forward(forward, values, backward_reads(backward))
+    grads = run_backward(backward, fwd_values)
     sig: Signature = forward.meta[SIGNATURE]
     params = {q: values[n] for n, q in sig.params}
-    model = _cast(model, next(iter(params.values())).dtype if params else None)
+    dtype = next(iter(params.values())).dtype if params else torch.float64
+    model = _cast(model, dtype if params else None)
     ref = torch.func.grad(reference_loss_fn(forward, model, values))(params)
-    worst, where = 0.0, ""
-    # a gradient that is zero in exact arithmetic (an attention key's bias: softmax ignores a
-    # shift along its row) is rounding noise on both sides: measured against the largest one
-    floor = 1e-10 * max((float(g.detach().double().norm()) for g in ref.values()), default=0.0)
+    total = math.sqrt(sum(float(g.detach().double().pow(2).sum()) for g in ref.values()))
+    floor = max(gradient_floor(dtype, total, tolerance), 1e-300)
+    worst, where = 0.0, "no parameters"
     for pos, qual in backward.meta[VJP].grads:
-        e = float((grads[pos].detach().double() - ref[qual].detach().double()).norm()) / max(
-            float(ref[qual].detach().double().norm()), floor, 1e-30
-        )
+        a, b = grads[pos].detach().double(), ref[qual].detach().double()
+        e = float((a - b).norm()) / max(float(b.norm()), floor)
         if e >= worst:
-            worst, where = e, qual
-    return Check("gradients vs torch.func.grad", worst, where, tolerance)
+            worst, where = e, f"at {qual}"
+    return Check(
+        "gradients vs torch.func.grad",
+        worst,
+        where,
+        tolerance,
+        f"worst normwise relative error (floor {FLOOR_ULPS}·eps·‖∇L‖)",
+        _dtype_name(dtype),
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _cast(model: nn.Module, dtype):
@@ -288,7 +454,8 @@ def verify_jvp(
     for p, rows in padding_rows(forward).items():
         if p in tangents:
             tangents[p][rows] = 0
-    outs = run_jvp(jvp, values, tangents)
+    with seeded():
+        outs = run_jvp(jvp, values, tangents)
     got = outs[info.primal_outputs]
     params = {q: values[n] for n, q in sig.params}
     model = _cast(model, next(iter(params.values())).dtype if params else None)
@@ -304,7 +471,14 @@ def verify_jvp(
     p_t = {q: tangents.get(n, torch.zeros_like(values[n])) for n, q in sig.params}
     x_t = tuple(tangents.get(n, torch.zeros_like(values[n])) for n in input_names)
     _, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))
-    return Check("JVP loss tangent vs torch.func.jvp", rel_error(got, ref), "loss", tolerance)
+    return Check(
+        "JVP loss tangent vs torch.func.jvp",
+        rel_error(got, ref),
+        "the scalar loss tangent",
+        tolerance,
+        "relative error",
+        _dtype_name(got.dtype),
+    )
 
 
 def gap_notes(report) -> list[str]:
@@ -335,96 +509,82 @@ def verify_analysis(
     """Re-trace ``loaded.model`` in ``dtype`` and check the backward and JVP graphs built the
     same way as ``analysis``'s against torch.func. Returns one :class:`Check` per comparison;
     the checks of phases that an op without a rule left incomplete are not run
-    (:func:`gap_notes` says which)."""
+    (:func:`gap_notes` says which). A check that raises (a reference PyTorch cannot
+    differentiate, say) is returned as not run (NaN error, not ok), with the error's first
+    line as ``where``: nothing is raised."""
     import copy
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from graphflop.ad.jvp import build_jvp
     from graphflop.ad.vjp import build_vjp
-    from graphflop.frontend.trace import trace
 
+    loss = analysis.forward.meta.get(LOSS_KIND, "auto")
     dt = torch.float64 if dtype == "float64" else torch.float32
     model = copy.deepcopy(loaded.model).to(dt)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        xs = tuple(
-            torch.empty(
-                tuple(t.shape), dtype=dt if t.is_floating_point() else t.dtype, device="cpu"
-            )
-            for t in inputs
-        )
-    fwd = trace(model, xs, loss=analysis.forward.meta.get(LOSS_KIND, "auto"))
-    checks = []
+    checks: list[Check] = []
+    fwd = _run(checks, "trace in " + dtype, tolerance, lambda: _trace_in(model, inputs, dt, loss))
+    if fwd is None:
+        return checks
     t = analysis.report.totals
     bwd_ok = t.backward is None or t.backward.complete
     if analysis.backward is not None and bwd_ok:
-        checks.append(verify_gradients(fwd, build_vjp(fwd), model, tolerance=tolerance))
+        name = "gradients vs torch.func.grad"
+        _run(
+            checks,
+            name,
+            tolerance,
+            lambda: verify_gradients(fwd, build_vjp(fwd), model, tolerance=tolerance),
+        )
     if analysis.jvp is not None and t.jvp.complete:
-        jvp_totals = analysis.report.totals.jvp
-        tangents = jvp_totals.tangents if jvp_totals is not None else "params"
-        checks.append(verify_jvp(fwd, build_jvp(fwd, tangents), model, tolerance=tolerance))
+        tangents = t.jvp.tangents
+        name = "JVP loss tangent vs torch.func.jvp"
+        _run(
+            checks,
+            name,
+            tolerance,
+            lambda: verify_jvp(fwd, build_jvp(fwd, tangents), model, tolerance=tolerance),
+        )
         if forward_gradient_samples and fwd.meta[SIGNATURE].loss is not None and bwd_ok:
             # a statistical check needs no float64: run it on a float32 trace, faster
             model32 = copy.deepcopy(loaded.model).float()
-            with mode:
-                xs32 = tuple(
-                    torch.empty(
-                        tuple(t.shape),
-                        device="cpu",
-                        dtype=torch.float32 if t.is_floating_point() else t.dtype,
-                    )
-                    for t in inputs
-                )
-            fwd32 = trace(model32, xs32, loss=analysis.forward.meta.get(LOSS_KIND, "auto"))
-            checks.append(verify_forward_gradient(fwd32, model32, samples=forward_gradient_samples))
+            name = f"forward-gradient estimate unbiased over {forward_gradient_samples} directions"
+            from graphflop.runtime.verify_fg import FG_ALPHA, verify_forward_gradient
+
+            _run(
+                checks,
+                name,
+                FG_ALPHA,
+                lambda: verify_forward_gradient(
+                    _trace_in(model32, inputs, torch.float32, loss),
+                    model32,
+                    samples=forward_gradient_samples,
+                ),
+            )
     return checks
 
 
-def verify_forward_gradient(
-    forward: GraphModule, model: nn.Module, *, samples: int = 128, seed: int = 0
-) -> Check:
-    """Statistical check that the forward-gradient step estimates the gradient without bias.
+def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModule:
+    """``model`` traced on inputs shaped like ``inputs``, floating ones in ``dt``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    Runs the step graph (SGD, lr = 1, directions sampled inside the graph) ``samples`` times, so
-    each run's ``w − w_new`` is one estimate ``g = (∇L·v) v``, and compares their mean ``ḡ`` with
-    the backward graph's gradient ``∇L`` along ``u = ∇L/‖∇L‖``. For Gaussian ``v``,
-    ``u·g = ‖∇L‖ (u·v)²``, so ``u·ḡ / ‖∇L‖`` is a mean of ``samples`` χ²₁ draws: mean 1, standard
-    deviation √(2/samples), whatever the parameter count. The check passes when it lies within
-    4 standard deviations of 1; ``worst_rel_error`` reports ``|u·ḡ/‖∇L‖ − 1|`` and the tolerance
-    the 4σ bound.
-    """
-    from graphflop.ad.vjp import build_vjp
-    from graphflop.passes.forward_gradient import build_forward_gradient_step
+    from graphflop.frontend.trace import trace
 
-    values = real_arguments(forward, model, seed=seed)
-    sig: Signature = forward.meta[SIGNATURE]
-    if not sig.trainable():
-        return Check(
-            f"forward-gradient mean along ∇L over {samples} directions",
-            0.0,
-            "no parameters: nothing to estimate",
-            4 * (2.0 / samples) ** 0.5,
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        xs = tuple(
+            torch.empty(tuple(t.shape), dtype=dt if t.is_floating_point() else t.dtype)
+            for t in inputs
         )
-    backward = build_vjp(forward)
-    grads = run_backward(backward, run_forward(forward, values, backward_reads(backward)))
-    true = torch.cat([g.flatten() for g in grads])
-    step = build_forward_gradient_step(forward, "sgd")
-    info = step.meta[FORWARD_GRADIENT]
-    w = torch.cat([values[p].flatten() for p, _ in sig.trainable()])
-    args = [torch.tensor(1.0, dtype=torch.float32) if n == "lr" else values[n] for n in info.inputs]
-    torch.manual_seed(seed)
-    total = torch.zeros_like(true)
-    for _ in range(samples):
-        out = step(*args)
-        new_w = torch.cat([t.flatten() for t in out[1 : 1 + len(sig.trainable())]])
-        total += w - new_w
-    est = total / samples
-    norm = float(true.norm())
-    proj = float(est @ true) / max(norm * norm, 1e-300)
-    return Check(
-        f"forward-gradient mean along ∇L over {samples} directions",
-        abs(proj - 1.0),
-        "u·ḡ/‖∇L‖",
-        4 * (2.0 / samples) ** 0.5,
-    )
+    return trace(model, xs, loss=loss)
+
+
+def _run(checks: list[Check], name: str, tolerance: float, fn) -> Any:
+    """``fn()``; a :class:`Check` it returns is appended to ``checks``. An exception becomes a
+    not-run check named ``name`` (returns None)."""
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - reported as a check that did not run
+        msg = " ".join(str(e).split())[:160]
+        checks.append(Check(name, math.nan, f"{type(e).__name__}: {msg}", tolerance))
+        return None
+    if isinstance(out, Check):
+        checks.append(out)
+    return out

@@ -1,0 +1,250 @@
+"""Every ``graphflop inspect`` flag reaches the analysis: the CLI's ``--format json`` document
+equals the API's (``graphflop.analyze(...).report.to_dict()`` built with the same settings), and
+for the flags that change the analysis it differs from the default document (so an ignored flag
+fails). The cases are parametrized over the flags of the parser itself: a new flag without a
+case here fails ``test_every_inspect_flag_has_a_case``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphflop.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = str(ROOT / "models" / "mlp.py")
+BASE = ["--arg", "hidden=32"]  # a small MLP: 784 -> 32 -> 32 -> 10 (other models: hidden=32)
+
+
+def _inspect_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["inspect"]
+
+
+def _flags() -> list[str]:
+    """The dest of every optional argument of ``inspect`` (help excluded)."""
+    return sorted(
+        a.dest
+        for a in _inspect_parser()._actions
+        if a.option_strings and not isinstance(a, argparse._HelpAction)
+    )
+
+
+def api_doc(
+    spec: str = MLP,
+    *,
+    ctor: dict | None = None,
+    shapes=None,
+    dtype=None,
+    batch=None,
+    eval_mode=False,
+    **options,
+) -> dict:
+    """The API's document for the same settings as a CLI run."""
+    from graphflop import analyze
+    from graphflop.load import load, make_inputs
+
+    loaded = load(spec, ctor_kwargs={"hidden": 32, **(ctor or {})}, meta=True)
+    if dtype is not None:
+        loaded.model.to(dtype)
+    loaded.model.train(not eval_mode)
+    inputs = make_inputs(loaded, shapes=shapes, dtype=dtype, batch=batch)
+    return analyze(loaded.model, inputs, name=loaded.name, **options).report.to_dict()
+
+
+def cli_doc(capsys, *flags: str, spec: str = MLP) -> tuple[int, dict, str, str]:
+    rc = main(["inspect", spec, *BASE, *flags, "--format", "json"])
+    out, err = capsys.readouterr()
+    return rc, json.loads(out) if out.strip().startswith("{") else {}, out, err
+
+
+# dest -> (CLI flags, API options, whether the document must differ from the default)
+ANALYSIS_CASES = {
+    "optimizer": (["--optimizer", "adam"], {"optimizer": "adam"}),
+    "tangents": (["--tangents", "inputs"], {"tangents": "inputs"}),
+    "directions": (["--directions", "4"], {"directions": 4}),
+    "direction": (["--direction", "rademacher"], {"distribution": "rademacher"}),
+    "no_backward": (["--no-backward"], {"backward": False}),
+    "no_jvp": (["--no-jvp"], {"jvp": False}),
+    "input_shape": (["--input-shape", "8,1,28,28"], {"shapes": [(8, 1, 28, 28)]}),
+    "dtype": (["--dtype", "float64"], {"dtype": torch.float64}),
+    "batch": (["--batch", "16"], {"batch": 16}),
+    "arg": (["--arg", "depth=3"], {"ctor": {"depth": 3}}),
+    "loss": (["--loss", "mse"], {"loss": "mse"}),
+}
+# flags that change only the table, files or messages: the document is the default one
+PRESENTATION_CASES = {
+    "by": ["--by", "op"],
+    "depth": ["--depth", "1"],
+    "units": ["--units", "macs"],
+    "max_layers": ["--max-layers", "3"],
+    "format": [],  # every case uses --format json; the table form is checked below
+    "debug": ["--debug"],
+}
+SPECIAL = {"json", "csv", "verify", "verify_dtype", "verify_samples", "strict", "seq", "eval"}
+
+
+@pytest.fixture(scope="module")
+def default_doc() -> dict:
+    return api_doc()
+
+
+def test_every_inspect_flag_has_a_case():
+    cases = set(ANALYSIS_CASES) | set(PRESENTATION_CASES) | SPECIAL
+    assert set(_flags()) == cases, "add a case for each new inspect flag"
+
+
+@pytest.mark.parametrize("dest", _flags())
+def test_flag_reaches_the_analysis(dest, capsys, tmp_path, default_doc, monkeypatch):
+    if dest in ANALYSIS_CASES:
+        flags, options = ANALYSIS_CASES[dest]
+        rc, doc, _, _ = cli_doc(capsys, *flags)
+        assert rc == 0
+        expected = api_doc(**options)
+        assert doc == expected
+        assert doc != default_doc, f"--{dest} changed nothing"
+    elif dest in PRESENTATION_CASES:
+        rc, doc, _, _ = cli_doc(capsys, *PRESENTATION_CASES[dest])
+        assert rc == 0 and doc == default_doc
+    else:
+        globals()[f"_case_{dest}"](capsys, tmp_path, default_doc, monkeypatch)
+
+
+def test_directions_4_on_the_mlp_reports_k_4_and_the_step_grows(capsys, default_doc):
+    """Acceptance: ``inspect models/mlp.py --directions 4`` reports K = 4 and the forward-
+    gradient step grows by 3 more tangent passes and the estimate's extra work (the primal,
+    the coefficients and the update are shared)."""
+    rc, doc, _, err = cli_doc(capsys, "--directions", "4")
+    fg, fg1 = doc["totals"]["forward_gradient_step"], default_doc["totals"]["forward_gradient_step"]
+    assert rc == 0 and fg["directions"] == 4 and fg1["directions"] == 1
+    n = doc["params"]  # 784·32 + 32 + 32·32 + 32 + 32·10 + 10 = 26,506
+    assert n == 26_506
+    # the tangent figure holds the coefficients, computed once whatever K: the two ReLU masks
+    # (2 · 64·32 = 4,096) and the cross-entropy's softmax coefficients (eq, sum, div over the
+    # 64×10 logits: 3 · 640 = 1,920), 6,016 FLOPs; the rest repeats per direction
+    coef = 2 * 64 * 32 + 3 * 64 * 10
+    per_direction = fg1["tangent_flops"] - coef
+    assert fg["tangent_flops"] == coef + 4 * per_direction
+    # g = (1/4) Σ d_k v_k: 4 multiplies + 3 adds + 1 divide per parameter instead of 1
+    # multiply; 4n random numbers instead of n
+    assert fg1["direction_flops"] == n and fg["direction_flops"] == (4 + 3 + 1) * n
+    assert fg["flops"] == fg1["flops"] + 3 * per_direction + 7 * n
+    assert fg["random_elements"] == 4 * n
+    assert "note: forward-gradient" not in err  # one batched tangent pass: no fallback note
+
+
+def _case_json(capsys, tmp_path, default_doc, monkeypatch):
+    path = tmp_path / "out.json"
+    rc = main(["inspect", MLP, *BASE, "--json", str(path)])
+    capsys.readouterr()
+    assert rc == 0 and json.loads(path.read_text()) == default_doc
+
+
+def _case_csv(capsys, tmp_path, default_doc, monkeypatch):
+    path = tmp_path / "out.csv"
+    rc = main(["inspect", MLP, *BASE, "--csv", str(path)])
+    capsys.readouterr()
+    rows = path.read_text().splitlines()
+    # one row per layer of the document, plus the header
+    assert rc == 0 and len(rows) == 1 + len(default_doc["layers"])
+
+
+def _verify_doc(capsys, *flags):
+    rc, doc, _, err = cli_doc(capsys, "--verify", *flags)
+    return rc, doc, err
+
+
+def _case_verify(capsys, tmp_path, default_doc, monkeypatch):
+    rc, doc, _ = _verify_doc(capsys, "--verify-samples", "0")
+    assert rc == 0
+    assert {k: v for k, v in doc.items() if k not in ("verify", "verify_note")} == default_doc
+    assert [(c["check"], c["dtype"]) for c in doc["verify"]] == [
+        ("gradients vs torch.func.grad", "float64"),
+        ("JVP loss tangent vs torch.func.jvp", "float64"),
+    ]
+
+
+def _case_verify_dtype(capsys, tmp_path, default_doc, monkeypatch):
+    rc, doc, _ = _verify_doc(capsys, "--verify-samples", "0", "--verify-dtype", "float32")
+    assert rc == 0 and [c["dtype"] for c in doc["verify"]] == ["float32", "float32"]
+
+
+def _case_verify_samples(capsys, tmp_path, default_doc, monkeypatch):
+    rc, doc, _ = _verify_doc(capsys, "--verify-samples", "24")
+    assert rc == 0
+    assert doc["verify"][-1]["check"] == "forward-gradient estimate unbiased over 24 directions"
+
+
+def _case_strict(capsys, tmp_path, default_doc, monkeypatch):
+    # without --strict, an op without a rule (Bessel J0) is counted as 0 and listed; with it,
+    # the run stops with one line and exit 2
+    path = tmp_path / "bessel.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self, hidden=4):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(3, hidden)\n\n"
+        "    def forward(self, x):\n"
+        "        return torch.special.bessel_j0(self.fc(x))\n\n"
+        "def example_inputs():\n"
+        "    return (torch.randn(2, 3),)\n"
+    )
+    rc, doc, _, _ = cli_doc(capsys, spec=f"{path}:M")
+    assert rc == 0 and [u["op"] for u in doc["uncounted"]] == ["aten.special_bessel_j0.default"]
+    rc, _, out, err = cli_doc(capsys, "--strict", spec=f"{path}:M")
+    assert rc == 2 and out == "" and "special_bessel_j0" in err and len(err.splitlines()) == 1
+
+
+def _case_eval(capsys, tmp_path, default_doc, monkeypatch):
+    # a model where eval mode matters: batch norm on running statistics (no batch mean or
+    # variance computed), so the forward FLOPs drop
+    path = tmp_path / "bn.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self, hidden=4):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(3, hidden)\n"
+        "        self.bn = nn.BatchNorm1d(hidden)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.bn(self.fc(x))\n\n"
+        "def example_inputs():\n"
+        "    return (torch.randn(8, 3),)\n"
+    )
+    spec = f"{path}:M"
+    rc, doc, _, _ = cli_doc(capsys, "--eval", spec=spec)
+    assert rc == 0 and doc == api_doc(spec, eval_mode=True) != api_doc(spec)
+
+
+def _case_seq(capsys, tmp_path, default_doc, monkeypatch):
+    # --seq sizes an hf: model's token inputs (transformers is not installed here): it must
+    # reach graphflop.load.load
+    import graphflop.load
+
+    seen = {}
+    real = graphflop.load.load
+
+    def spy(spec, **kw):
+        seen.update(kw)
+        return real(spec, **kw)
+
+    monkeypatch.setattr(graphflop.load, "load", spy)
+    rc, doc, _, _ = cli_doc(capsys, "--seq", "64")
+    assert rc == 0 and seen["seq"] == 64 and doc == default_doc
+
+
+def test_table_flags_change_the_table(capsys):
+    """--by, --depth, --units and --max-layers reach the table (stdout without --format)."""
+
+    def table(*flags):
+        assert main(["inspect", MLP, *BASE, *flags]) == 0
+        return capsys.readouterr().out
+
+    default = table()
+    for flags in (["--by", "op"], ["--depth", "1"], ["--units", "macs"], ["--max-layers", "1"]):
+        assert table(*flags) != default, flags
