@@ -75,6 +75,7 @@ ANALYSIS_CASES = {
     "batch": (["--batch", "16"], {"batch": 16}),
     "arg": (["--arg", "depth=3"], {"ctor": {"depth": 3}}),
     "loss": (["--loss", "mse"], {"loss": "mse"}),
+    "memory_model": (["--memory-model", "graph"], {"memory_model": "graph"}),
 }
 # flags that change only the table, files or messages: the document is the default one
 PRESENTATION_CASES = {
@@ -85,7 +86,17 @@ PRESENTATION_CASES = {
     "format": [],  # every case uses --format json; the table form is checked below
     "debug": ["--debug"],
 }
-SPECIAL = {"json", "csv", "verify", "verify_dtype", "verify_samples", "strict", "seq", "eval"}
+SPECIAL = {
+    "memory_device",
+    "json",
+    "csv",
+    "verify",
+    "verify_dtype",
+    "verify_samples",
+    "strict",
+    "seq",
+    "eval",
+}
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +259,13 @@ def test_table_flags_change_the_table(capsys):
     default = table()
     for flags in (["--by", "op"], ["--depth", "1"], ["--units", "macs"], ["--max-layers", "1"]):
         assert table(*flags) != default, flags
+
+
+def _case_memory_device(capsys, tmp_path, default_doc, monkeypatch):
+    """Adam's update temporaries differ by device (CPU: the single-tensor path, 2 x the largest
+    parameter; CUDA: the foreach path, every parameter), so with --optimizer adam the document
+    for cuda must equal the API's for cuda and differ from the one for cpu."""
+    rc, doc, _, _ = cli_doc(capsys, "--optimizer", "adam", "--memory-device", "cuda")
+    assert rc == 0
+    assert doc == api_doc(optimizer="adam", device="cuda")
+    assert doc != api_doc(optimizer="adam", device="cpu")
