@@ -188,12 +188,18 @@ class GraphStepper:
 
 class TorchStepper:
     """The baseline: autograd and ``torch.optim`` (graphflop's optimizer constants), with
-    ``ExponentialLR(gamma=lr_decay)`` stepped per epoch."""
+    ``ExponentialLR(gamma=lr_decay)`` stepped per epoch; ``ddp``: the model wrapped in
+    ``DistributedDataParallel`` (an initialised process group)."""
 
-    def __init__(self, model: nn.Module, optimizer: str, lr: float, lr_decay: float):
+    def __init__(
+        self, model: nn.Module, optimizer: str, lr: float, lr_decay: float, *, ddp: bool = False
+    ):
         from graphflop.runtime.optim import torch_optimizer
 
         self.model = model
+        # in a distributed run the forward goes through DistributedDataParallel, which
+        # averages the gradients over the ranks during backward
+        self.forward: nn.Module = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
         self.opt = torch_optimizer(optimizer, model.parameters(), lr)
         self.sched = (
             torch.optim.lr_scheduler.ExponentialLR(self.opt, gamma=lr_decay)
@@ -204,7 +210,7 @@ class TorchStepper:
     def step(self, x, y, lr, t) -> float:
         """One ``loss.backward(); opt.step()`` on ``(x, y)``; returns the loss before it."""
         self.opt.zero_grad(set_to_none=True)
-        loss = loss_value("cross_entropy", self.model(x), (y,))
+        loss = loss_value("cross_entropy", self.forward(x), (y,))
         loss.backward()
         self.opt.step()
         return float(loss.detach())
