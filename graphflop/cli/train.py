@@ -87,6 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="law of the forward-gradient directions (default normal)",
     )
     p.add_argument(
+        "--orthogonal",
+        action="store_true",
+        help="make a step's K directions orthogonal (Gaussian frame scaled to √n; fgd)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -174,6 +179,7 @@ def config_from_args(args: argparse.Namespace):
         epochs=args.epochs,
         directions=args.directions,
         distribution=args.distribution,
+        orthogonal=args.orthogonal,
         seed=args.seed,
         eval_every=args.eval_every,
         dataset=args.dataset,

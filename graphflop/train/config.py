@@ -57,6 +57,8 @@ class TrainConfig:
         batch: training batch size (incomplete batches are dropped).
         steps, epochs: length of training (at most one; default :data:`DEFAULT_EPOCHS` epochs).
         directions, distribution: forward-gradient directions per step and their law.
+        orthogonal: the ``K`` directions of a step orthogonal (Gaussian, scaled to ``√n``;
+            :func:`graphflop.train.runners.draw_directions`).
         seed: model initialisation, batch order and directions.
         eval_every: validate every N steps (None: once per epoch) and at the end; 0: never
             (not even at step 0 or at the end, and no eval graph is built).
@@ -83,6 +85,7 @@ class TrainConfig:
     epochs: float | None = None
     directions: int = 1
     distribution: str = "normal"
+    orthogonal: bool = False
     seed: int = 0
     eval_every: int | None = None
     eval_batch: int = 500
@@ -127,6 +130,8 @@ def _check_names(c: TrainConfig) -> None:
     _one_of(c.optimizer, OPTIMIZERS, "optimizer")
     if c.distribution not in DISTRIBUTIONS:
         raise TrainError(f"unknown distribution {c.distribution!r}; normal or rademacher")
+    if c.orthogonal and c.distribution != "normal":
+        raise TrainError("--orthogonal directions are drawn Gaussian; use --distribution normal")
     if c.device not in DEVICES:
         raise TrainError(f"unknown device {c.device!r}; cpu or cuda")
 

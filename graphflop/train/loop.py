@@ -243,6 +243,12 @@ def _setup(
     validate = bool(eval_every) and ranks.leader
     model, name, used = build_model(spec_or_model, data, seed=c.seed, ctor_kwargs=c.ctor_kwargs)
     _check_trainable(model, name)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if c.method == "fgd" and c.orthogonal and c.directions > n_params:
+        raise TrainError(
+            f"--orthogonal needs --directions at most the {n_params} parameters "
+            f"(got {c.directions})"
+        )
     provider = _provider(c)
     local_batch = c.batch // ranks.world
     if c.method == "torch":
@@ -266,7 +272,12 @@ def _setup(
         run = make_runner(gm, kind, provider, save_onnx)
         # each rank draws its own directions
         stepper = GraphStepper(
-            gm, run, model, seed=c.seed + 0x10000 * ranks.rank, distribution=c.distribution
+            gm,
+            run,
+            model,
+            seed=c.seed + 0x10000 * ranks.rank,
+            distribution=c.distribution,
+            orthogonal=c.orthogonal,
         )
         evaluator = _graph_evaluator(model, data, c, provider, save_onnx) if validate else None
         flops, provider = graph_flops(gm), run.provider or provider
@@ -401,6 +412,7 @@ def _summary(
         "steps_per_epoch": run.steps_per_epoch,
         "directions": c.directions if fgd else None,
         "distribution": c.distribution if fgd else None,
+        "orthogonal": c.orthogonal if fgd else None,
         "seed": c.seed,
         "dataset": run.data.name,
         "train_size": len(run.data.y_train),
