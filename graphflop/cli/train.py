@@ -92,6 +92,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="make a step's K directions orthogonal (Gaussian frame scaled to √n; fgd)",
     )
     p.add_argument(
+        "--perturb",
+        default="weights",
+        choices=["weights", "activations"],
+        help="fgd: perturb the weights (Baydin et al. 2022; graphflop's step graph, default) or "
+        "the layer outputs, each layer's weight gradient formed locally (Ren et al. 2023; "
+        "PyTorch torch.func)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -180,6 +188,7 @@ def config_from_args(args: argparse.Namespace):
         directions=args.directions,
         distribution=args.distribution,
         orthogonal=args.orthogonal,
+        perturb=args.perturb,
         seed=args.seed,
         eval_every=args.eval_every,
         dataset=args.dataset,

@@ -251,7 +251,20 @@ def _setup(
         )
     provider = _provider(c)
     local_batch = c.batch // ranks.world
-    if c.method == "torch":
+    if c.perturb == "activations":
+        from graphflop.train.activity import ActivityStepper
+
+        stepper = ActivityStepper(
+            model,
+            c.optimizer,
+            c.learning_rate,
+            c.lr_decay,
+            directions=c.directions,
+            seed=c.seed + 0x10000 * ranks.rank,
+        )
+        evaluator = TorchEvaluator(model, data, c.eval_batch) if validate else None
+        flops = None
+    elif c.method == "torch":
         stepper = TorchStepper(
             model, c.optimizer, c.learning_rate, c.lr_decay, ddp=ranks.distributed
         )
@@ -282,7 +295,8 @@ def _setup(
         evaluator = _graph_evaluator(model, data, c, provider, save_onnx) if validate else None
         flops, provider = graph_flops(gm), run.provider or provider
     if ranks.distributed:
-        buffers = [] if c.method == "torch" else [q for _, q in stepper.sig.buffers]
+        graph = isinstance(stepper, GraphStepper)
+        buffers = [q for _, q in stepper.sig.buffers] if graph else []
         stepper = DistributedStepper(stepper, ranks, buffers)
     return _Run(
         data,
@@ -413,6 +427,7 @@ def _summary(
         "directions": c.directions if fgd else None,
         "distribution": c.distribution if fgd else None,
         "orthogonal": c.orthogonal if fgd else None,
+        "perturb": c.perturb if fgd else None,
         "seed": c.seed,
         "dataset": run.data.name,
         "train_size": len(run.data.y_train),
