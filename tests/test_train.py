@@ -499,3 +499,37 @@ def test_out_is_checked_before_training(tmp_path, digits, monkeypatch):
         with pytest.raises(TrainError, match="cannot write --out"):
             train(spec("logreg.py"), digits, TrainConfig(steps=1), out=out)
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+class _BiasOnly(torch.nn.Module):
+    """Logits ``x·W + b`` with ``W`` a fixed buffer: 10 trainable parameters."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        self.register_buffer("w", torch.randn(64, 10, generator=gen) * 0.3)
+        self.b = torch.nn.Parameter(torch.zeros(10))
+
+    def forward(self, x):
+        return x.flatten(1) @ self.w + self.b
+
+
+def test_orthogonal_directions_against_theory(digits):
+    m = _BiasOnly()
+    orth = estimator_variance(m, data=digits, directions=(5, 10), samples=400, orthogonal=True)
+    gauss = estimator_variance(m, data=digits, directions=(5,), samples=400)
+    assert orth["params"] == 10
+    # K = n orthonormal directions scaled to √n: ĝ = (n/K)·Q Qᵀ ∇L = ∇L exactly
+    assert orth["relative_variance"][10] < 1e-8
+    # K = 5 of n = 10: orthogonal n/K − 1 = 1, independent Gaussian (n + 1)/K = 2.2
+    assert orth["theory_relative"][5] == 1.0 and gauss["theory_relative"][5] == 2.2
+    assert orth["relative_variance"][5] == pytest.approx(1.0, rel=0.25)
+    assert gauss["relative_variance"][5] == pytest.approx(2.2, rel=0.25)
+
+
+def test_orthogonal_needs_normal_and_at_most_n_directions(digits):
+    with pytest.raises(TrainError, match="--orthogonal directions are drawn Gaussian"):
+        TrainConfig(orthogonal=True, distribution="rademacher")
+    c = TrainConfig(method="fgd", orthogonal=True, directions=11, steps=1, eval_every=0)
+    with pytest.raises(TrainError, match="at most the 10 parameters"):
+        train(_BiasOnly(), digits, c)

@@ -87,6 +87,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="law of the forward-gradient directions (default normal)",
     )
     p.add_argument(
+        "--orthogonal",
+        action="store_true",
+        help="make a step's K directions orthogonal (Gaussian frame scaled to √n; fgd)",
+    )
+    p.add_argument(
+        "--perturb",
+        default="weights",
+        choices=["weights", "activations"],
+        help="fgd: perturb the weights (Baydin et al. 2022; graphflop's step graph, default) or "
+        "the layer outputs, each layer's weight gradient formed locally (Ren et al. 2023; "
+        "PyTorch torch.func)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -174,6 +187,8 @@ def config_from_args(args: argparse.Namespace):
         epochs=args.epochs,
         directions=args.directions,
         distribution=args.distribution,
+        orthogonal=args.orthogonal,
+        perturb=args.perturb,
         seed=args.seed,
         eval_every=args.eval_every,
         dataset=args.dataset,
@@ -191,11 +206,15 @@ def run(args: argparse.Namespace, err: Console | None = None) -> int:
 
 
 def _train(args: argparse.Namespace, err: Console) -> int:
+    from graphflop.train.distributed import env_ranks
     from graphflop.train.loop import train
 
     config = config_from_args(args)
-    with _Progress(err, args) as bar:
+    leader = env_ranks().leader  # under torchrun, rank 0 alone reports and writes
+    with _Progress(err, args, quiet=not leader) as bar:
         result = train(args.spec, None, config, out=args.out, progress=bar.update)
+    if not leader:
+        return 0
     print(_result_line(result.summary))
     if args.out:
         print(f"{args.out}/train.csv, {args.out}/train.png, {args.out}/summary.json")
@@ -208,7 +227,8 @@ def _result_line(s: dict) -> str:
         f"{s['model']} {s['method']}"
         + (f" ({s['runtime']})" if s["method"] != "torch" else "")
         + f", {s['optimizer']} lr {s['lr']:g}: {s['steps']} steps ({s['epochs']:.1f} epochs) "
-        f"in {s['train_wall_s']:.1f} s ({s['steps_per_s']:.1f} steps/s)"
+        + (f"on {s['world_size']} processes " if s.get("world_size", 1) > 1 else "")
+        + f"in {s['train_wall_s']:.1f} s ({s['steps_per_s']:.1f} steps/s)"
     )
     if acc is not None:
         line += f"; validation loss {loss:.4f}, accuracy {acc:.2%}"
@@ -220,8 +240,8 @@ def _result_line(s: dict) -> str:
 class _Progress:
     """A rich progress bar showing loss, accuracy and steps/s (nothing with --quiet)."""
 
-    def __init__(self, console, args):
-        self.console, self.quiet = console, args.quiet
+    def __init__(self, console, args, *, quiet: bool = False):
+        self.console, self.quiet = console, args.quiet or quiet
         self.progress = self.task = None
         self.acc = "–"
 

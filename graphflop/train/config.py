@@ -17,6 +17,7 @@ from graphflop.passes.optimizer import OPTIMIZERS
 METHODS = ("fgd", "backprop", "torch")
 RUNTIMES = ("torch", "onnxruntime")
 DISTRIBUTIONS = ("normal", "rademacher")
+PERTURB = ("weights", "activations")
 DEVICES = ("cpu", "cuda")
 #: default learning rates: (method family, optimizer) → lr. Backprop and torch share theirs.
 DEFAULT_LR = {
@@ -57,6 +58,11 @@ class TrainConfig:
         batch: training batch size (incomplete batches are dropped).
         steps, epochs: length of training (at most one; default :data:`DEFAULT_EPOCHS` epochs).
         directions, distribution: forward-gradient directions per step and their law.
+        orthogonal: the ``K`` directions of a step orthogonal (Gaussian, scaled to ``√n``;
+            :func:`graphflop.train.runners.draw_directions`).
+        perturb: ``weights`` (Baydin et al.: tangents on the parameters, graphflop's step
+            graph) or ``activations`` (Ren et al. 2023: tangents on layer outputs, weight
+            gradients formed locally; :mod:`graphflop.train.activity`, PyTorch only).
         seed: model initialisation, batch order and directions.
         eval_every: validate every N steps (None: once per epoch) and at the end; 0: never
             (not even at step 0 or at the end, and no eval graph is built).
@@ -83,6 +89,8 @@ class TrainConfig:
     epochs: float | None = None
     directions: int = 1
     distribution: str = "normal"
+    orthogonal: bool = False
+    perturb: str = "weights"
     seed: int = 0
     eval_every: int | None = None
     eval_batch: int = 500
@@ -127,6 +135,17 @@ def _check_names(c: TrainConfig) -> None:
     _one_of(c.optimizer, OPTIMIZERS, "optimizer")
     if c.distribution not in DISTRIBUTIONS:
         raise TrainError(f"unknown distribution {c.distribution!r}; normal or rademacher")
+    _one_of(c.perturb, PERTURB, "perturbation")
+    if c.perturb == "activations" and (
+        c.method != "fgd" or c.runtime != "torch" or c.orthogonal or c.distribution != "normal"
+    ):
+        raise TrainError(
+            "--perturb activations is forward-gradient training in PyTorch with independent "
+            "Gaussian tangents: use it with --method fgd, without --runtime onnxruntime, "
+            "--orthogonal or --distribution rademacher"
+        )
+    if c.orthogonal and c.distribution != "normal":
+        raise TrainError("--orthogonal directions are drawn Gaussian; use --distribution normal")
     if c.device not in DEVICES:
         raise TrainError(f"unknown device {c.device!r}; cpu or cuda")
 

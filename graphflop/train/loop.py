@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphflop.train import distributed
 from graphflop.train.config import (
     DEFAULT_EPOCHS,
     DEFAULT_LR,
@@ -58,6 +59,7 @@ from graphflop.train.config import (
     default_lr,
 )
 from graphflop.train.data import Dataset, load_dataset
+from graphflop.train.distributed import DistributedStepper, Ranks, env_ranks
 from graphflop.train.model import build_model, graph_flops, step_graph, trace_forward
 from graphflop.train.outputs import CSV_COLUMNS, plot, write_csv, write_outputs
 from graphflop.train.runners import (
@@ -137,6 +139,10 @@ def train(
         TrainError, DataError, SpecError, TraceError, OnnxExportError.
     """
     config = config or TrainConfig()
+    ranks = env_ranks()
+    _check_ranks(config, ranks)
+    if not ranks.leader:
+        out = None  # rank 0 alone writes
     check_out(out)
     old_threads = torch.get_num_threads()
     if config.threads:
@@ -148,8 +154,9 @@ def train(
         if out is not None and config.runtime == "onnxruntime" and config.method != "torch"
         else None
     )
+    created = distributed.init(ranks)
     try:
-        run = _setup(spec_or_model, data, config, staging)
+        run = _setup(spec_or_model, data, config, staging, ranks)
         result = _run(run, config, progress)
         if out is not None:
             write_outputs(result, out)
@@ -158,8 +165,25 @@ def train(
         return result
     finally:
         torch.set_num_threads(old_threads)
+        distributed.finish(created)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _check_ranks(c: TrainConfig, ranks: Ranks) -> None:
+    """Raise :class:`TrainError` for a distributed run that cannot be split evenly."""
+    if not ranks.distributed:
+        return
+    if c.runtime != "torch":
+        raise TrainError(
+            "a distributed run (torchrun) executes the step graphs in PyTorch; "
+            "drop --runtime onnxruntime"
+        )
+    if c.batch % ranks.world:
+        raise TrainError(
+            f"--batch {c.batch} does not split evenly over {ranks.world} processes; "
+            f"give a multiple of {ranks.world}"
+        )
 
 
 def check_out(out: str | Path | None) -> None:
@@ -198,37 +222,82 @@ class _Run:
     total_steps: int
     eval_every: int
     setup_s: float
+    ranks: Ranks = field(default_factory=Ranks)
 
 
-def _setup(spec_or_model, data: Dataset | None, c: TrainConfig, save_onnx: Path | None) -> _Run:
+def _setup(
+    spec_or_model,
+    data: Dataset | None,
+    c: TrainConfig,
+    save_onnx: Path | None,
+    ranks: Ranks | None = None,
+) -> _Run:
     t0 = time.perf_counter()
+    ranks = ranks or Ranks()
     data = data if data is not None else load_dataset(c.dataset, c.data_dir)
     n_train = len(data.y_train)
     if n_train < c.batch:
         raise TrainError(f"--batch {c.batch} is larger than the {n_train} training images")
     spe = n_train // c.batch
     eval_every = spe if c.eval_every is None else c.eval_every
+    validate = bool(eval_every) and ranks.leader
     model, name, used = build_model(spec_or_model, data, seed=c.seed, ctor_kwargs=c.ctor_kwargs)
     _check_trainable(model, name)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if c.method == "fgd" and c.orthogonal and c.directions > n_params:
+        raise TrainError(
+            f"--orthogonal needs --directions at most the {n_params} parameters "
+            f"(got {c.directions})"
+        )
     provider = _provider(c)
-    if c.method == "torch":
-        stepper, flops = TorchStepper(model, c.optimizer, c.learning_rate, c.lr_decay), None
-        evaluator = TorchEvaluator(model, data, c.eval_batch) if eval_every else None
+    local_batch = c.batch // ranks.world
+    if c.perturb == "activations":
+        from graphflop.train.activity import ActivityStepper
+
+        stepper = ActivityStepper(
+            model,
+            c.optimizer,
+            c.learning_rate,
+            c.lr_decay,
+            directions=c.directions,
+            seed=c.seed + 0x10000 * ranks.rank,
+        )
+        evaluator = TorchEvaluator(model, data, c.eval_batch) if validate else None
+        flops = None
+    elif c.method == "torch":
+        stepper = TorchStepper(
+            model, c.optimizer, c.learning_rate, c.lr_decay, ddp=ranks.distributed
+        )
+        evaluator = TorchEvaluator(model, data, c.eval_batch) if validate else None
+        flops = None
     else:
         gm = step_graph(
             model,
             c.method,
             c.optimizer,
-            c.batch,
+            local_batch,
             data.image_shape,
             directions=c.directions,
             distribution=c.distribution,
+            gradient_mean=ranks.distributed,
         )
         kind = "forward_gradient_step" if c.method == "fgd" else "train_step"
         run = make_runner(gm, kind, provider, save_onnx)
-        stepper = GraphStepper(gm, run, model, seed=c.seed, distribution=c.distribution)
-        evaluator = _graph_evaluator(model, data, c, provider, save_onnx) if eval_every else None
+        # each rank draws its own directions
+        stepper = GraphStepper(
+            gm,
+            run,
+            model,
+            seed=c.seed + 0x10000 * ranks.rank,
+            distribution=c.distribution,
+            orthogonal=c.orthogonal,
+        )
+        evaluator = _graph_evaluator(model, data, c, provider, save_onnx) if validate else None
         flops, provider = graph_flops(gm), run.provider or provider
+    if ranks.distributed:
+        graph = isinstance(stepper, GraphStepper)
+        buffers = [q for _, q in stepper.sig.buffers] if graph else []
+        stepper = DistributedStepper(stepper, ranks, buffers)
     return _Run(
         data,
         name,
@@ -240,8 +309,9 @@ def _setup(spec_or_model, data: Dataset | None, c: TrainConfig, save_onnx: Path 
         provider,
         spe,
         c.total_steps(spe),
-        eval_every,
+        eval_every if ranks.leader else 0,
         time.perf_counter() - t0,
+        ranks,
     )
 
 
@@ -356,6 +426,8 @@ def _summary(
         "steps_per_epoch": run.steps_per_epoch,
         "directions": c.directions if fgd else None,
         "distribution": c.distribution if fgd else None,
+        "orthogonal": c.orthogonal if fgd else None,
+        "perturb": c.perturb if fgd else None,
         "seed": c.seed,
         "dataset": run.data.name,
         "train_size": len(run.data.y_train),
@@ -377,4 +449,5 @@ def _summary(
         "eval_s": log.eval_s,
         "flops_per_step": run.flops_per_step,
         "torch_threads": torch.get_num_threads(),
+        "world_size": run.ranks.world,
     }

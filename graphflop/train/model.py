@@ -150,6 +150,7 @@ def step_graph(
     *,
     directions: int = 1,
     distribution: str = "normal",
+    gradient_mean: bool = False,
 ) -> GraphModule:
     """The FLOP-annotated step graph that ``method`` runs for ``batch`` images.
 
@@ -157,13 +158,20 @@ def step_graph(
     train mode with cross-entropy; :func:`graphflop.runtime.graphs.train_step_graph`).
     ``fgd``: the forward-gradient step with ``directions`` direction inputs
     (:func:`graphflop.runtime.graphs.forward_gradient_graph`).
+    ``gradient_mean``: the update's gradient inputs are first averaged over the ranks of a
+    distributed run (:func:`graphflop.train.distributed.with_gradient_mean`).
     """
+    from graphflop.passes.optimizer import build_update_for
     from graphflop.runtime.graphs import forward_gradient_graph, train_step_graph
+    from graphflop.train.distributed import with_gradient_mean
 
     if method == "fgd":
         fwd = trace_forward(model, batch, image_shape, train_mode=True)
+        update = None
+        if gradient_mean:
+            update = with_gradient_mean(build_update_for(fwd, optimizer))
         return forward_gradient_graph(
-            fwd, optimizer, directions=directions, distribution=distribution
+            fwd, optimizer, directions=directions, distribution=distribution, update=update
         )
     from graphflop.analysis import analyze
 
@@ -171,7 +179,17 @@ def step_graph(
     analysis = analyze(
         m, _fake_batch(batch, image_shape), loss="cross_entropy", optimizer=optimizer, jvp=False
     )
-    return train_step_graph(analysis)
+    if not gradient_mean:
+        return train_step_graph(analysis)
+    from graphflop.passes.flops import AnnotateFlops
+    from graphflop.passes.infra import run_passes
+    from graphflop.passes.train_step import BuildTrainStep
+
+    assert analysis.backward is not None and analysis.update is not None
+    update = with_gradient_mean(analysis.update)
+    return run_passes(
+        analysis.forward, [BuildTrainStep(analysis.backward, update), AnnotateFlops()]
+    )
 
 
 def graph_flops(gm: GraphModule) -> int:

@@ -22,12 +22,12 @@ CSV_COLUMNS = ("step", "wall_s", "train_loss", "val_loss", "val_accuracy")
 def _cell(value: Any) -> Any:
     if value is None:
         return ""
-    return f"{value:.6g}" if isinstance(value, float) else value
+    return f"{value:.8g}" if isinstance(value, float) else value
 
 
 def write_csv(history: list[dict[str, Any]], path: str | Path) -> None:
     """``train.csv``: one row per step (:data:`CSV_COLUMNS`); validation columns empty between
-    evaluations, floats with 6 significant digits."""
+    evaluations, floats with 8 significant digits."""
     buf = io.StringIO(newline="")
     w = csv.writer(buf)
     w.writerow(CSV_COLUMNS)

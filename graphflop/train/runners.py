@@ -8,6 +8,7 @@ validation loss (mean cross-entropy) and accuracy for the current parameters.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -113,12 +114,61 @@ def _input_batch(gm: GraphModule) -> int:
     return next(n for n in gm.graph.nodes if n.name == first).meta["val"].shape[0]
 
 
+def direction_index(name: str) -> int:
+    """``k`` of a direction placeholder ``v<k>_<param>``."""
+    return int(name[1:].split("_", 1)[0])
+
+
+def draw_directions(
+    dirs: list[tuple[str, tuple[int, ...]]],
+    gen: torch.Generator,
+    *,
+    distribution: str = "normal",
+    orthogonal: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Values for the direction placeholders ``dirs`` (``(name, shape)``, names
+    ``v<k>_<param>``) of one forward-gradient step.
+
+    Independent directions: each entry N(0, 1), or its sign (Rademacher). ``orthogonal``: the
+    ``K`` directions, each the concatenation of its per-parameter pieces (``n`` elements in
+    all), are the columns of ``√n·Q`` with ``Q`` the orthonormal factor of the QR decomposition
+    of an ``n × K`` Gaussian matrix, a uniformly random orthonormal ``K``-frame; so
+    ``E[v vᵀ] = I`` (the estimate stays unbiased) and ``E‖ĝ − ∇L‖² = (n/K − 1)‖∇L‖²`` instead of
+    ``(n + 1)‖∇L‖²/K`` for independent Gaussian directions.
+
+    Raises:
+        ValueError: ``orthogonal`` with ``K > n`` directions.
+    """
+    if not orthogonal:
+        out = {}
+        for name, shape in dirs:
+            d = torch.randn(shape, generator=gen)
+            out[name] = d.sign() if distribution == "rademacher" else d
+        return out
+    by_k: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, shape in dirs:
+        by_k.setdefault(direction_index(name), []).append((name, shape))
+    ks = sorted(by_k)
+    sizes = [math.prod(shape) for _, shape in by_k[ks[0]]]
+    n = sum(sizes)
+    if len(ks) > n:
+        raise ValueError(f"{len(ks)} orthogonal directions need at least as many parameters ({n})")
+    q, _ = torch.linalg.qr(torch.randn(n, len(ks), generator=gen, dtype=torch.float64))
+    q = (q * math.sqrt(n)).float()
+    out = {}
+    for j, k in enumerate(ks):
+        for (name, shape), piece in zip(by_k[k], q[:, j].split(sizes)):
+            out[name] = piece.reshape(shape)
+    return out
+
+
 class GraphStepper:
     """Runs graphflop's train-step or forward-gradient-step graph, feeding its outputs (new
     parameters, optimizer state, buffers) back as the next step's inputs.
 
     Parameters start as ``model``'s (float32), optimizer state as zeros; a forward-gradient
-    step's directions are drawn from a generator seeded with ``seed + 0x5EED``.
+    step's directions are drawn from a generator seeded with ``seed + 0x5EED``
+    (:func:`draw_directions`; ``orthogonal``: the step's ``K`` directions orthogonal).
     """
 
     def __init__(
@@ -129,6 +179,7 @@ class GraphStepper:
         *,
         seed: int = 0,
         distribution: str = "normal",
+        orthogonal: bool = False,
     ):
         self.gm, self.run = gm, run
         sig: Signature = gm.meta[SIGNATURE]
@@ -156,7 +207,7 @@ class GraphStepper:
             if n.meta.get(KIND) == "direction"
         ]
         self.gen = torch.Generator().manual_seed(seed + 0x5EED)
-        self.rademacher = distribution == "rademacher"
+        self.distribution, self.orthogonal = distribution, orthogonal
 
     def step(self, x: torch.Tensor, y: torch.Tensor, lr: float, t: int) -> float:
         """One step on batch ``(x, y)`` with learning rate ``lr`` (step ``t``, from 1);
@@ -167,9 +218,12 @@ class GraphStepper:
         v["lr"] = torch.tensor(lr, dtype=torch.float32)
         if self.has_step:
             v["step"] = torch.tensor(float(t), dtype=torch.float32)
-        for name, shape in self.dirs:
-            d = torch.randn(shape, generator=self.gen)
-            v[name] = d.sign() if self.rademacher else d
+        if self.dirs:
+            v.update(
+                draw_directions(
+                    self.dirs, self.gen, distribution=self.distribution, orthogonal=self.orthogonal
+                )
+            )
         outs = self.run(v)
         i = 1
         for names in (self.new_param_ph, self.new_state_ph, self.tail):
@@ -188,12 +242,18 @@ class GraphStepper:
 
 class TorchStepper:
     """The baseline: autograd and ``torch.optim`` (graphflop's optimizer constants), with
-    ``ExponentialLR(gamma=lr_decay)`` stepped per epoch."""
+    ``ExponentialLR(gamma=lr_decay)`` stepped per epoch; ``ddp``: the model wrapped in
+    ``DistributedDataParallel`` (an initialised process group)."""
 
-    def __init__(self, model: nn.Module, optimizer: str, lr: float, lr_decay: float):
+    def __init__(
+        self, model: nn.Module, optimizer: str, lr: float, lr_decay: float, *, ddp: bool = False
+    ):
         from graphflop.runtime.optim import torch_optimizer
 
         self.model = model
+        # in a distributed run the forward goes through DistributedDataParallel, which
+        # averages the gradients over the ranks during backward
+        self.forward: nn.Module = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
         self.opt = torch_optimizer(optimizer, model.parameters(), lr)
         self.sched = (
             torch.optim.lr_scheduler.ExponentialLR(self.opt, gamma=lr_decay)
@@ -204,7 +264,7 @@ class TorchStepper:
     def step(self, x, y, lr, t) -> float:
         """One ``loss.backward(); opt.step()`` on ``(x, y)``; returns the loss before it."""
         self.opt.zero_grad(set_to_none=True)
-        loss = loss_value("cross_entropy", self.model(x), (y,))
+        loss = loss_value("cross_entropy", self.forward(x), (y,))
         loss.backward()
         self.opt.step()
         return float(loss.detach())

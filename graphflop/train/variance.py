@@ -15,7 +15,21 @@ from graphflop.meta import KIND, SIGNATURE, Signature
 from graphflop.runtime.graphs import forward_gradient_graph
 from graphflop.train.data import Dataset, load_dataset
 from graphflop.train.model import build_model, trace_forward
-from graphflop.train.runners import FxRunner
+from graphflop.train.runners import FxRunner, direction_index, draw_directions
+
+
+def theory_relative(n: int, k: int, distribution: str = "normal", orthogonal: bool = False):
+    """``E‖ĝ − ∇L‖² / ‖∇L‖²`` of the ``K``-direction estimate ``ĝ = (1/K) Σ (∇L·v_k) v_k``
+    with ``n`` parameters.
+
+    Independent Gaussian ``v``: ``E‖(g·v)v‖² = (n + 2)‖g‖²`` (Isserlis), so one direction's
+    error is ``(n + 1)‖g‖²`` and ``K`` averaged ones ``(n + 1)/K``. Rademacher: ``(n − 1)/K``
+    (``v_i² = 1``). Orthogonal ``v_k = √n·q_k`` (a random orthonormal frame): ``ĝ = (n/K) Q Qᵀ g``
+    with ``E‖Qᵀg‖² = (K/n)‖g‖²``, so ``n/K − 1``, which is 0 at ``K = n``.
+    """
+    if orthogonal:
+        return n / k - 1
+    return (n + 1) / k if distribution == "normal" else (n - 1) / k
 
 
 def estimator_variance(
@@ -27,6 +41,7 @@ def estimator_variance(
     data: Dataset | None = None,
     batch: int = 64,
     distribution: str = "normal",
+    orthogonal: bool = False,
     seed: int = 0,
     ctor_kwargs: dict | None = None,
 ) -> dict[str, Any]:
@@ -35,14 +50,16 @@ def estimator_variance(
     At the seed's initial parameters and one fixed batch, runs graphflop's forward-gradient step
     graph (``K`` directions as inputs) ``samples`` times per ``K`` and forms the estimate
     ``ĝ = (1/K) Σ d_k v_k`` from the directional derivatives it outputs; the true gradient is
-    ``torch.func.grad`` of the model's own loss. For Gaussian directions
-    ``E‖ĝ − ∇L‖² = (n + 1)‖∇L‖² / K`` (``n`` parameters), so it falls as ``1/K``.
+    ``torch.func.grad`` of the model's own loss. Directions are drawn by
+    :func:`~graphflop.train.runners.draw_directions` (``orthogonal``: one orthonormal frame
+    per sample); the theory is :func:`theory_relative`.
 
     Returns:
         ``{"params": n, "grad_norm_sq": ‖∇L‖², "variance": {K: E‖ĝ−∇L‖²},
         "relative_variance": {K: variance / ‖∇L‖²}, "bias_rel": {K: ‖mean ĝ − ∇L‖/‖∇L‖},
-        "theory_relative": {K: (n+1)/K}}`` (Gaussian theory), plus ``ratio`` = variance at
-        the smallest K / at the largest.
+        "theory_relative": {K: theory}}``, plus ``ratio`` = variance at the smallest K / at
+        the largest. The second moment follows: ``E‖ĝ‖²/‖∇L‖² = 1 + relative variance``
+        (``n + 2`` for one Gaussian direction).
     """
     data = data if data is not None else load_dataset(dataset)
     model, _, _ = build_model(spec_or_model, data, seed=seed, ctor_kwargs=ctor_kwargs)
@@ -71,6 +88,7 @@ def estimator_variance(
         "theory_relative": {},
         "samples": samples,
         "distribution": distribution,
+        "orthogonal": orthogonal,
     }
     dgen = torch.Generator().manual_seed(seed + 1)
     for k in directions:
@@ -87,14 +105,15 @@ def estimator_variance(
                 values[n.name] = torch.zeros(tuple(n.meta["val"].shape))
         qual = dict(sig.params)
         err_sum, mean = 0.0, torch.zeros_like(true_flat)
+        dirs = [(n.name, tuple(n.meta["val"].shape)) for n in dir_phs]
         for _ in range(samples):
-            for n in dir_phs:
-                d = torch.randn(tuple(n.meta["val"].shape), generator=dgen)
-                values[n.name] = d.sign() if distribution == "rademacher" else d
+            values.update(
+                draw_directions(dirs, dgen, distribution=distribution, orthogonal=orthogonal)
+            )
             ds = run(values)[-k:]
             est = {q: torch.zeros_like(params[q]) for q in params}
             for n in dir_phs:
-                kk = int(n.name[1:].split("_", 1)[0])
+                kk = direction_index(n.name)
                 q = qual[n.name.split("_", 1)[1]]
                 est[q] += ds[kk] * values[n.name] / k
             flat = torch.cat([est[q].reshape(-1) for q in params]).double()
@@ -104,10 +123,7 @@ def estimator_variance(
         out["variance"][k] = var
         out["relative_variance"][k] = var / gsq
         out["bias_rel"][k] = float((mean - true_flat).norm()) / math.sqrt(gsq)
-        n_par = out["params"]
-        out["theory_relative"][k] = (
-            (n_par + 1) / k if distribution == "normal" else (n_par - 1) / k
-        )  # Rademacher: E‖(g·v)v−g‖² = (n−1)…
+        out["theory_relative"][k] = theory_relative(out["params"], k, distribution, orthogonal)
     ks = sorted(directions)
     out["ratio"] = out["variance"][ks[0]] / out["variance"][ks[-1]]
     return out
