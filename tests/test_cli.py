@@ -85,13 +85,13 @@ def test_verify_passes():
 
 
 def test_verify_samples_follow_the_step_cost():
-    """The forward-gradient check's default: 100 steps when they fit in VERIFY_FLOPS, fewer
+    """The forward-gradient check's default: 100 directions when they fit in VERIFY_FLOPS, fewer
     when only some do, none below MIN_VERIFY_SAMPLES; an explicit count always wins."""
     from graphflop.runtime.verify import VERIFY_FLOPS, forward_gradient_samples
 
     assert forward_gradient_samples(None, VERIFY_FLOPS / 1000) == (100, "")
     n, why = forward_gradient_samples(None, VERIFY_FLOPS / 20)
-    assert n == 20 and "20 steps" in why
+    assert n == 20 and "20 directions" in why
     n, why = forward_gradient_samples(None, VERIFY_FLOPS / 10)
     assert n == 0 and "skipped" in why
     assert forward_gradient_samples(7, VERIFY_FLOPS) == (7, "")

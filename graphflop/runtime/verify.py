@@ -48,17 +48,17 @@ MIN_VERIFY_SAMPLES = 16
 
 
 def forward_gradient_samples(requested: int | None, step_flops: float) -> tuple[int, str]:
-    """Steps for the forward-gradient unbiasedness check, and why the default was cut.
+    """Directions for the forward-gradient unbiasedness check, and why the default was cut.
 
     Args:
         requested: the number asked for (``--verify-samples``); it always wins. None: the
-            default, :data:`VERIFY_SAMPLES` steps, or as many as fit in :data:`VERIFY_FLOPS`,
+            default, :data:`VERIFY_SAMPLES` directions, or as many as fit in :data:`VERIFY_FLOPS`,
             or none when fewer than :data:`MIN_VERIFY_SAMPLES` fit.
         step_flops: FLOPs of one forward-gradient step (0: unknown, the default applies).
 
     Returns:
-        ``(steps, note)``: ``note`` is empty unless the default was cut down or skipped, when it
-        says why in one line (0 steps: skip the check).
+        ``(directions, note)``: ``note`` is empty unless the default was cut down or skipped,
+        when it says why in one line (0: skip the check).
     """
     if requested is not None:
         return requested, ""
@@ -67,12 +67,12 @@ def forward_gradient_samples(requested: int | None, step_flops: float) -> tuple[
         return VERIFY_SAMPLES, ""
     if fit >= MIN_VERIFY_SAMPLES:
         return fit, (
-            f"forward-gradient check over {fit} steps, not {VERIFY_SAMPLES}: one step "
-            f"is {step_flops / 1e9:,.1f} GFLOPs (--verify-samples M sets the number)"
+            f"forward-gradient check over {fit} directions, not {VERIFY_SAMPLES}: one "
+            f"direction costs a step of {step_flops / 1e9:,.1f} GFLOPs (--verify-samples M sets the number)"
         )
     return 0, (
-        f"forward-gradient check skipped: one step is {step_flops / 1e9:,.1f} GFLOPs, too many "
-        f"to repeat {MIN_VERIFY_SAMPLES}+ times (--verify-samples M runs it anyway)"
+        f"forward-gradient check skipped: one direction costs a step of "
+        f"{step_flops / 1e9:,.1f} GFLOPs, too many to repeat {MIN_VERIFY_SAMPLES}+ times (--verify-samples M runs it anyway)"
     )
 
 
