@@ -36,15 +36,39 @@ from graphflop.api import (
     build_vjp,
     register_rule,
 )
-from graphflop.compile import CompileReport, compile_backend
-from graphflop.export.graphviz import render
-from graphflop.export.onnx import export_all as export_onnx
 from graphflop.frontend.trace import TraceError, from_exported, trace
 from graphflop.ops.registry import MissingRuleError
 from graphflop.passes.infra import PassManager, PassOrderError
 from graphflop.report import Report
 
 __version__ = "0.1.0"
+
+#: names whose modules load on first use (issue 19: ``import graphflop`` loads neither
+#: graphviz, onnx nor torch.compile's machinery): name -> (module, attribute)
+_LAZY = {
+    "render": ("graphflop.export.graphviz", "render"),
+    "export_onnx": ("graphflop.export.onnx", "export_all"),
+    "compile_backend": ("graphflop.compile", "compile_backend"),
+    "CompileReport": ("graphflop.compile", "CompileReport"),
+}
+
+
+def __getattr__(name: str):
+    """Load :data:`_LAZY`'s names on first access (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'graphflop' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
     "AddOptimizerUpdate",
     "Analysis",

@@ -1,17 +1,24 @@
-"""Analysis time and peak memory: graphflop against FlopCounterMode under FakeTensorMode.
+"""Analysis time: graphflop's stages against FlopCounterMode on the same meta model and inputs.
 
-Both run on the same model spec, each in its own child process (so that each peak RSS is its
-own), one after the other in one invocation:
+For each model (one child process per model, so that one model's caches and memory do not
+help or hurt the next), the child loads the model on the meta device, makes meta inputs, runs
+everything once to warm up (imports, decomposition tables; not counted), then ``--repeat``
+rounds, each running, one after the other (alternating, so that machine noise hits all alike):
 
-* graphflop: load the model on the meta device, then ``analyze`` (trace; backward, update, JVP
-  and forward-gradient graphs; FLOPs and memory annotations; summary), timed per stage;
-* FlopCounterMode: build the model under ``FakeTensorMode`` (no memory), run forward, the loss
-  graphflop uses, and ``backward()`` under ``FlopCounterMode``, timed.
+* FlopCounterMode, forward only (the model's forward on the meta inputs);
+* FlopCounterMode, forward + loss + ``backward()`` (the loss graphflop's ``auto`` picks);
+* ``graphflop.analyze`` in full (trace; JVP, backward, optimizer update and forward-gradient
+  graphs; FLOPs and memory annotations; summary), timed per stage;
+* ``graphflop.analyze(backward=False, jvp=False)``: the forward only.
 
-Writes a Markdown report (default ``docs/analysis_scale.md``) with the figures, the machine and
-the software versions, and prints the same table.
+The figures are medians over the rounds. ``--zoo`` runs the model list :data:`ZOO`;
+``--depth`` adds the linearity series (GPT-2 small with 12 to 96 blocks, ResNet-18 to -152);
+the report goes to ``--out`` (default ``docs/analysis_scale.md``). ``--profile OUT.txt`` runs
+one model's full analysis under pyinstrument (the dev extra) instead.
 
-    python tools/bench_analysis.py models/gpt2.py:gpt2_xl --batch 8
+    python tools/bench_analysis.py --zoo --depth --repeat 3
+    python tools/bench_analysis.py --only resnet50_b8 --repeat 5 --out /tmp/r.md
+    python tools/bench_analysis.py --profile /tmp/prof.txt --only gpt2_small_4x512
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -27,263 +35,391 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+#: name -> (spec, constructor keyword arguments, input shapes or None, batch or None)
+ZOO: dict[str, tuple[str, dict, list[tuple[int, ...]] | None, int | None]] = {
+    "mlp": ("models/mlp.py", {}, None, None),
+    "cnn": ("models/cnn.py", {}, None, None),
+    "convnet": ("models/convnet.py", {}, None, None),
+    "deeper_convnet": ("models/deeper_convnet.py", {}, None, None),
+    "lora": ("models/lora.py", {}, None, None),
+    "resnet18_b8": ("models/resnet.py:resnet18", {}, None, 8),
+    "resnet50_b8": ("models/resnet.py:resnet50", {}, None, 8),
+    "vit_b_16": ("models/vit.py:vit_b_16", {}, None, None),
+    "gpt2_small_4x512": ("models/gpt2.py:gpt2_small", {}, [(4, 512)], None),
+}
+#: GPT-2 XL at batch 8 (its full 1024 context): reported on its own
+XL = {"gpt2_xl_b8": ("models/gpt2.py:gpt2_xl", {}, None, 8)}
+#: the linearity series: GPT-2 small's width with more blocks, and the ResNets
+DEPTH = {
+    **{
+        f"gpt2_{n}_blocks": ("models/gpt2.py:gpt2_small", {"n_layer": n}, [(1, 256)], None)
+        for n in (12, 24, 48, 96)
+    },
+    **{f"resnet{n}": (f"models/resnet.py:resnet{n}", {}, None, 1) for n in (18, 34, 50, 101, 152)},
+}
+#: the clock: the process's CPU time (``--wall``: wall-clock time). On a shared machine the
+#: wall-clock time of a single-threaded run includes the time other processes had the CPU.
+CLOCK = time.process_time
+STAGES = {
+    "tracing": "trace",
+    "building the JVP graph": "JVP",
+    "building the backward graph": "VJP",
+    "building the optimizer update": "update",
+    "building the forward-gradient step": "forward-gradient step",
+    "summarising": "summary",
+}
 
-def _peak_rss_mb() -> float:
-    import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+# --- child: one model ------------------------------------------------------------------------
 
 
-def child_graphflop(spec: str, batch: int | None) -> dict:
-    """Load on the meta device and analyse; returns seconds per stage, totals and peak RSS."""
-    t0 = time.perf_counter()
-    import torch  # noqa: F401  (import time is reported separately)
-
-    from graphflop.analysis import analyze
+def _setup(spec: str, kwargs: dict, shapes, batch):
     from graphflop.load import load, make_inputs
 
-    t_import = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    loaded = load(spec, meta=True)
+    loaded = load(spec, ctor_kwargs=kwargs, meta=True)
     loaded.model.train()
-    inputs = make_inputs(loaded, batch=batch)
-    t_load = time.perf_counter() - t1
-    marks: list[tuple[str, float]] = []
-    t2 = time.perf_counter()
-    a = analyze(
-        loaded.model,
-        inputs,
-        name=loaded.name,
-        progress=lambda msg: marks.append((msg, time.perf_counter())),
-    )
-    t_end = time.perf_counter()
-    stages = {}
-    for (msg, t), nxt in zip(marks, marks[1:] + [("", t_end)]):
-        stages[msg] = nxt[1] - t
-    r = a.report
-    t = r.totals
-    return {
-        "import_s": t_import,
-        "load_s": t_load,
-        "analysis_s": t_end - t2,
-        "stages_s": stages,
-        "peak_rss_mb": _peak_rss_mb(),
-        "params": r.params,
-        "inputs": [i.to_dict() for i in r.inputs],
-        "loss": r.loss,
-        "nodes": {
-            "forward": len(a.forward.graph.nodes),
-            "backward": len(a.backward.graph.nodes),
-            "jvp": len(a.jvp.graph.nodes),
-        },
-        "flops": {
-            "forward": t.forward.flops,
-            "backward": t.backward.flops,
-            "update": t.update.flops,
-            "jvp": t.jvp.flops,
-        },
-        "mm_flops": {
-            "forward": t.forward.mm_flops,
-            "backward": t.backward.mm_flops,
-            "jvp": t.jvp.mm_flops,
-        },
-    }
+    return loaded, make_inputs(loaded, shapes=shapes, batch=batch)
 
 
-def child_flop_counter(spec: str, batch: int | None) -> dict:
-    """FlopCounterMode over forward + loss + backward of the model built under FakeTensorMode."""
-    t0 = time.perf_counter()
+def _flop_counter(model, inputs, backward: bool) -> tuple[float, int]:
+    """Seconds and total FLOPs of FlopCounterMode over forward (+ loss + backward)."""
     import torch
     import torch.nn.functional as F
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     from graphflop.frontend.trace import default_loss
-    from graphflop.load import load
 
-    t_import = time.perf_counter() - t0
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    t1 = time.perf_counter()
-    with mode:
-        loaded = load(spec)  # parameters are FakeTensors: no memory
-        model = loaded.model.train()
-        inputs = []
-        for x in loaded.example_inputs:
-            shape = ((batch,) + tuple(x.shape[1:])) if batch else tuple(x.shape)
-            inputs.append(
-                torch.empty(shape, dtype=x.dtype)
-                if x.is_floating_point()
-                else torch.zeros(shape, dtype=x.dtype)
-            )
-    t_build = time.perf_counter() - t1
-    with mode, FlopCounterMode(display=False) as counter:
-        t2 = time.perf_counter()
+    t0 = CLOCK()
+    with FlopCounterMode(display=False) as counter:
         out = model(*inputs)
-        kind = default_loss(out)
-        first = out if isinstance(out, torch.Tensor) else out[0]
-        if kind == "cross_entropy":
-            loss = F.cross_entropy(first, torch.zeros(first.shape[0], dtype=torch.long))
-        else:
-            loss = first.sum()
-        t3 = time.perf_counter()
-        loss.backward()
-        t4 = time.perf_counter()
+        if backward:
+            first = out if isinstance(out, torch.Tensor) else out[0]
+            if default_loss(out) == "cross_entropy":
+                target = torch.zeros(first.shape[0], dtype=torch.long, device=first.device)
+                loss = F.cross_entropy(first, target)
+            else:
+                loss = first.sum()
+            loss.backward()
+    dt = CLOCK() - t0
+    for p in model.parameters():
+        p.grad = None
+    return dt, counter.get_total_flops()
+
+
+def _graphflop(model, inputs, full: bool) -> tuple[float, dict[str, float], object]:
+    """Seconds, seconds per stage and the analysis of ``graphflop.analyze``."""
+    import graphflop.passes.summary as summary
+    from graphflop.analysis import analyze
+
+    marks: list[tuple[str, float]] = []
+    memory_s = [0.0]
+    inner = summary._memory
+
+    def timed_memory(*a, **k):  # the memory schedules run inside the summary
+        t = CLOCK()
+        try:
+            return inner(*a, **k)
+        finally:
+            memory_s[0] += CLOCK() - t
+
+    summary._memory = timed_memory
+    try:
+        t0 = CLOCK()
+        a = analyze(
+            model,
+            inputs,
+            backward=full,
+            jvp=full,
+            progress=lambda m: marks.append((m, CLOCK())),
+        )
+        t1 = CLOCK()
+    finally:
+        summary._memory = inner
+    stages = {}
+    for (msg, t), nxt in zip(marks, marks[1:] + [("", t1)]):
+        stages[STAGES.get(msg, msg)] = nxt[1] - t
+    if "summary" in stages:
+        stages["summary"] -= memory_s[0]
+        stages["memory"] = memory_s[0]
+    return t1 - t0, stages, a
+
+
+def child(name: str, spec: str, kwargs: dict, shapes, batch, repeat: int) -> dict:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import torch
+
+    torch.set_num_threads(1)  # meta tensors: nothing to compute; CPU time is one thread's
+    loaded, inputs = _setup(spec, kwargs, shapes, batch)
+    model = loaded.model
+    # warm-up (not counted): first-call imports and tables on both sides
+    t0 = time.perf_counter()
+    _flop_counter(model, inputs, True)
+    _, _, a = _graphflop(model, inputs, True)
+    warm = time.perf_counter() - t0
+    runs: dict[str, list[float]] = {"fc_fwd": [], "fc_fwd_bwd": [], "ours_full": [], "ours_fwd": []}
+    stage_runs: dict[str, list[float]] = {}
+    fc_flops = 0
+    for _ in range(repeat):
+        runs["fc_fwd"].append(_flop_counter(model, inputs, False)[0])
+        dt, fc_flops = _flop_counter(model, inputs, True)
+        runs["fc_fwd_bwd"].append(dt)
+        dt, stages, a = _graphflop(model, inputs, True)
+        runs["ours_full"].append(dt)
+        for k, v in stages.items():
+            stage_runs.setdefault(k, []).append(v)
+        runs["ours_fwd"].append(_graphflop(model, inputs, False)[0])
+    t = a.report.totals
     return {
-        "import_s": t_import,
-        "build_s": t_build,
-        "forward_s": t3 - t2,
-        "backward_s": t4 - t3,
-        "forward_backward_s": t4 - t2,
-        "total_flops": counter.get_total_flops(),
-        "peak_rss_mb": _peak_rss_mb(),
-        "loss": kind,
+        "name": name,
+        "spec": spec,
+        "kwargs": kwargs,
+        "inputs": [tuple(x.shape) for x in inputs],
+        "params": a.report.params,
+        "warmup_s": warm,
+        "runs_s": runs,
+        "median_s": {k: statistics.median(v) for k, v in runs.items()},
+        "stages_s": {k: statistics.median(v) for k, v in stage_runs.items()},
+        "nodes": {
+            "forward": len(a.forward.graph.nodes),
+            "backward": len(a.backward.graph.nodes) if a.backward is not None else 0,
+            "jvp": len(a.jvp.graph.nodes) if a.jvp is not None else 0,
+            "forward_gradient": len(a.forward_gradient.graph.nodes)
+            if a.forward_gradient is not None
+            else 0,
+        },
+        "mm_flops": t.forward.mm_flops + t.backward.mm_flops,
+        "fc_flops": fc_flops,
     }
 
 
-def _run_child(kind: str, spec: str, batch: int | None) -> dict:
-    cmd = [sys.executable, __file__, "--child", kind, spec]
-    if batch:
-        cmd += ["--batch", str(batch)]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+def profile(spec: str, kwargs: dict, shapes, batch, out: str) -> None:
+    """The full analysis (after a warm-up) under pyinstrument, as text in ``out``."""
+    from pyinstrument import Profiler
+
+    loaded, inputs = _setup(spec, kwargs, shapes, batch)
+    _graphflop(loaded.model, inputs, True)
+    prof = Profiler(interval=0.001)
+    prof.start()
+    _graphflop(loaded.model, inputs, True)
+    prof.stop()
+    Path(out).write_text(prof.output_text(unicode=False, show_all=False))
+
+
+# --- parent: one child per model, then the report --------------------------------------------
+
+
+def _run_child(name: str, entry, repeat: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", json.dumps([name, *entry, repeat])]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if proc.returncode != 0:
-        raise SystemExit(f"{kind} run failed:\n{proc.stderr[-3000:]}")
+        return {"name": name, "error": proc.stderr.strip().splitlines()[-1:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _runs(r: dict) -> str:
-    return ", ".join(f"{t:.2f}" for t in r["runs_s"])
+def _ratio(r: dict, ours: str, theirs: str) -> float:
+    return r["median_s"][ours] / r["median_s"][theirs]
 
 
-def _versions() -> dict:
+def _table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| model | nodes fwd / bwd / JVP | FC fwd | FC fwd+bwd | graphflop fwd | graphflop full"
+        " | full / FC fwd+bwd | fwd / FC fwd |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {' '.join(r['error'])} | | | | | | |")
+            continue
+        m, n = r["median_s"], r["nodes"]
+        lines.append(
+            f"| {r['name']} | {n['forward']:,} / {n['backward']:,} / {n['jvp']:,} | "
+            f"{m['fc_fwd']:.3f} | {m['fc_fwd_bwd']:.3f} | {m['ours_fwd']:.3f} | "
+            f"{m['ours_full']:.3f} | {_ratio(r, 'ours_full', 'fc_fwd_bwd'):.2f}x | "
+            f"{_ratio(r, 'ours_fwd', 'fc_fwd'):.2f}x |"
+        )
+    ok = [r for r in rows if "error" not in r]
+    if len(ok) > 1:
+        full = statistics.median(_ratio(r, "ours_full", "fc_fwd_bwd") for r in ok)
+        fwd = statistics.median(_ratio(r, "ours_fwd", "fc_fwd") for r in ok)
+        lines.append(f"| **median** | | | | | | **{full:.2f}x** | **{fwd:.2f}x** |")
+    return lines
+
+
+def _stage_table(rows: list[dict]) -> list[str]:
+    names = ["trace", "JVP", "VJP", "update", "forward-gradient step", "memory", "summary"]
+    lines = ["| model | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for r in rows:
+        if "error" not in r:
+            s = r["stages_s"]
+            lines.append(
+                f"| {r['name']} | " + " | ".join(f"{s.get(k, 0):.3f}" for k in names) + " |"
+            )
+    return lines
+
+
+def _depth_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| model | forward nodes | all nodes built | graphflop full (s) | µs per node "
+        "| FC fwd+bwd (s) | full / FC |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {' '.join(r['error'])} | | | | | |")
+            continue
+        total = sum(r["nodes"].values())
+        full = r["median_s"]["ours_full"]
+        lines.append(
+            f"| {r['name']} | {r['nodes']['forward']:,} | {total:,} | {full:.3f} | "
+            f"{1e6 * full / total:.0f} | {r['median_s']['fc_fwd_bwd']:.3f} | "
+            f"{_ratio(r, 'ours_full', 'fc_fwd_bwd'):.2f}x |"
+        )
+    return lines
+
+
+#: where the time goes: read off ``--profile`` (pyinstrument) and cProfile with CPU time, on
+#: the commits of issue 19 (update when the code changes)
+PROFILE_NOTES = """## Where the time goes (profiles, issue 19)
+
+Profiled with pyinstrument (`--profile`) and cProfile on CPU time, after a warm-up run:
+
+- **Tracing dominates convolutional networks.** `make_fx` costs about 1 ms of CPU per traced
+  ATen op whatever the tensor sizes (proxy creation, fake-tensor dispatch, PyTorch's own
+  `Graph.create_node` checks). For ResNet-50 in training mode, batch norm is over half of the
+  trace: graphflop's decomposition calls PyTorch's `native_batch_norm_helper`, about 15 traced
+  ops per batch norm, and train-mode batch norm writes its running statistics, so blocks that
+  hold one are never outlined (`graphflop/frontend/outline.py`): all 16 bottlenecks are traced.
+  FlopCounterMode runs the same ops eagerly on meta tensors, without proxies or fake tensors.
+- **Transformers are outlined**, so their trace is short; the JVP and backward builders then
+  cost about 150 µs per emitted node: a quarter in `torch.fx.Graph.create_node` (a pytree walk
+  over the arguments looking for SymInts), a quarter in graphflop's argument maps and metadata
+  keys (`graphflop/ad/_tree.py`), the rest in the rules; fake-tensor propagation is mostly
+  served by the builders' shape cache.
+- **Fixed costs**: PyTorch's core-ATen decomposition table took 0.1-0.3 s of CPU to build on
+  every trace (now built once per process, `graphflop/ops/registry.py`), and Python's cyclic
+  garbage collector about 15% of an analysis (now off while `analyze` runs). For tiny models
+  (the MLP) these fixed costs are most of the analysis.
+- **The CLI**: `import torch` and `torch._dynamo` (which `FakeTensorMode` and `make_fx` import
+  themselves) are most of `graphflop inspect`'s time; graphviz and rich's report renderer were
+  imported by `import graphflop` and are now loaded on first use (`tests/test_imports.py`).
+"""
+
+
+def report(zoo: list[dict], xl: list[dict], depth: list[dict], repeat: int) -> str:
     import torch
 
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-    }
-
-
-def _agreement(ours: int, theirs: int) -> str:
-    if ours == theirs:
-        return (
-            "FlopCounterMode counts matrix products only; its total equals graphflop's "
-            "forward + backward matrix FLOPs for this model."
-        )
-    return (
-        f"FlopCounterMode counts matrix products only; its total differs from graphflop's "
-        f"forward + backward matrix FLOPs by {theirs - ours:+,} (it has no formula for "
-        "some kernels, e.g. scaled dot-product attention's fused CPU and fake-tensor "
-        "kernels, and drops grouped convolutions' 1/G in weight gradients)."
+    clock = (
+        "wall-clock seconds"
+        if CLOCK is time.perf_counter
+        else "CPU seconds of the process (`time.process_time`; both sides run on one thread, "
+        "and on this shared machine wall-clock time also counts the time other processes "
+        "held the CPU, about 2-3x more here)"
     )
-
-
-def _median(runs: list[dict], key: str) -> dict:
-    """The run whose ``key`` is the median (the lower middle one for an even count)."""
-    return dict(sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2])
-
-
-def report(spec: str, batch: int | None, gf: dict, fc: dict) -> str:
-    ratio = gf["analysis_s"] / fc["forward_backward_s"]
-    ratio_all = (gf["load_s"] + gf["analysis_s"]) / (fc["build_s"] + fc["forward_backward_s"])
-    v = _versions()
-    shape = ", ".join(f"{i['name']} {tuple(i['shape'])} {i['dtype']}" for i in gf["inputs"])
     lines = [
-        "# Analysis time and memory at scale",
+        "# Analysis time at scale",
         "",
-        f"Written by `tools/bench_analysis.py {spec}{f' --batch {batch}' if batch else ''}`: "
-        "graphflop's analysis against PyTorch's `FlopCounterMode` run under `FakeTensorMode` "
-        "(forward, loss and backward), each in its own process, alternately, "
-        f"{len(gf['runs_s'])} times each; the figures are the median runs'. Neither allocates "
-        "parameter or activation memory.",
+        "Written by `tools/bench_analysis.py` (issue 19). Per model, one child process loads "
+        "the model on the meta device, warms up, then runs alternately, "
+        f"{repeat} times each: PyTorch's `FlopCounterMode` over the forward (FC fwd) and over "
+        "forward + loss + `backward()` (FC fwd+bwd) on the meta model and inputs, "
+        "`graphflop.analyze` in full (trace; JVP, backward, SGD update and forward-gradient "
+        "graphs; FLOP and memory annotations; summary) and `analyze(backward=False, jvp=False)` "
+        f"(graphflop fwd). Times are {clock}, medians. The machine is shared (2 cores, several "
+        "processes), so single figures are noisy: ratios within about ±20% are not "
+        "significant.",
         "",
-        f"- model: `{spec}`, {gf['params']:,} parameters; inputs {shape}; loss {gf['loss']}",
-        f"- machine: {v['machine']}; Python {v['python']}, torch {v['torch']}",
-        f"- graph sizes (nodes): forward {gf['nodes']['forward']:,}, backward "
-        f"{gf['nodes']['backward']:,}, JVP {gf['nodes']['jvp']:,}",
-        "",
-        "| | graphflop | FlopCounterMode + FakeTensorMode |",
-        "|---|---:|---:|",
-        f"| model construction (meta / fake) | {gf['load_s']:.2f} s | {fc['build_s']:.2f} s |",
-        f"| analysis (graphflop: every graph; FlopCounterMode: forward + backward) | "
-        f"{gf['analysis_s']:.2f} s | {fc['forward_backward_s']:.2f} s |",
-        f"| peak RSS of the process | {gf['peak_rss_mb']:.0f} MB | {fc['peak_rss_mb']:.0f} MB |",
-        f"| analysis, every run (s) | {_runs(gf)} | {_runs(fc)} |",
-        f"| time ratio, analysis only | {ratio:.1f}x | 1x |",
-        f"| time ratio, slowest graphflop run over fastest FlopCounterMode run | "
-        f"{max(gf['runs_s']) / min(fc['runs_s']):.1f}x | |",
-        f"| time ratio, with model construction | {ratio_all:.1f}x | 1x |",
-        "",
-        "graphflop traces in one `make_fx` pass with the decompositions applied as it goes, "
-        "traces each set of identical repeated modules (the transformer blocks) once and copies "
-        "the graph (`graphflop/frontend/outline.py`), builds the JVP graph once for the JVP report, the "
-        "backward (its transpose) and the forward-gradient step, and reuses the fake-tensor "
-        "shapes of repeated calls while building.",
-        "",
-        "graphflop's analysis by stage:",
-        "",
-        "| stage | seconds |",
-        "|---|---:|",
-    ]
-    lines += [f"| {k} | {s:.2f} |" for k, s in gf["stages_s"].items()]
-    lines += [
-        "",
-        "What each counts (FLOPs, 2 per multiply-add):",
-        "",
-        "| | graphflop | FlopCounterMode |",
-        "|---|---:|---:|",
-        f"| forward (all ops) | {gf['flops']['forward']:,} | |",
-        f"| forward, matrix ops | {gf['mm_flops']['forward']:,} | |",
-        f"| backward (all ops) | {gf['flops']['backward']:,} | |",
-        f"| backward, matrix ops | {gf['mm_flops']['backward']:,} | |",
-        f"| forward + backward, matrix ops | "
-        f"{gf['mm_flops']['forward'] + gf['mm_flops']['backward']:,} | "
-        f"{fc['total_flops']:,} |",
-        f"| optimizer update (SGD) | {gf['flops']['update']:,} | |",
-        f"| JVP tangent (all ops) | {gf['flops']['jvp']:,} | |",
-        "",
-        _agreement(gf["mm_flops"]["forward"] + gf["mm_flops"]["backward"], fc["total_flops"]),
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs; Python "
+        f"{platform.python_version()}, torch {torch.__version__}",
         "",
     ]
+    if zoo or xl:
+        lines += ["## Against FlopCounterMode", "", *_table(zoo + xl), ""]
+        lines += ["## graphflop's full analysis by stage (seconds)", "", *_stage_table(zoo + xl)]
+        lines += [""]
+    if depth:
+        lines += [
+            "## Linearity: analysis time against depth",
+            "",
+            "GPT-2 small's width (768, 12 heads) at 1×256 tokens with 12 to 96 blocks, and the "
+            "ResNets at batch 1. 'All nodes built' counts the forward, backward, JVP and "
+            "forward-gradient graphs' nodes.",
+            "",
+            *_depth_table(depth),
+            "",
+        ]
+    lines += [PROFILE_NOTES]
     return "\n".join(lines)
+
+
+def _select(args) -> tuple[dict, dict, dict]:
+    zoo = dict(ZOO) if args.zoo else {}
+    xl = dict(XL) if args.xl else {}
+    depth = dict(DEPTH) if args.depth else {}
+    if args.only:
+        every = {**ZOO, **XL, **DEPTH}
+        unknown = [n for n in args.only if n not in every]
+        if unknown:
+            raise SystemExit(f"unknown model {unknown[0]}; one of {', '.join(every)}")
+        zoo = {n: every[n] for n in args.only if n in ZOO or n in XL}
+        depth = {n: every[n] for n in args.only if n in DEPTH}
+    return zoo, xl, depth
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("spec", nargs="?", default="models/gpt2.py:gpt2_xl")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--zoo", action="store_true", help="the model list ZOO")
+    p.add_argument("--xl", action="store_true", help="GPT-2 XL at batch 8")
+    p.add_argument("--depth", action="store_true", help="the linearity series")
+    p.add_argument("--only", nargs="+", help="these models (names from ZOO, XL or DEPTH)")
+    p.add_argument("--repeat", type=int, default=3, help="rounds per model (default 3)")
     p.add_argument("--out", default=str(ROOT / "docs" / "analysis_scale.md"))
     p.add_argument("--json", default=None, help="also write the raw figures as JSON")
+    p.add_argument("--profile", default=None, help="profile the first model into this file")
     p.add_argument(
-        "--repeat",
-        type=int,
-        default=3,
-        help="runs of each, alternating; the report gives the medians (default 3)",
+        "--render",
+        nargs="+",
+        metavar="JSON",
+        help="write the report from the --json files of earlier runs (merged) instead of running",
     )
-    p.add_argument("--child", choices=["graphflop", "flop_counter"], help=argparse.SUPPRESS)
+    p.add_argument("--wall", action="store_true", help="time with the wall clock, not CPU time")
+    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    global CLOCK
+    if args.wall or os.environ.get("GRAPHFLOP_BENCH_WALL"):
+        CLOCK = time.perf_counter
+        os.environ["GRAPHFLOP_BENCH_WALL"] = "1"
     if args.child:
-        import warnings
-
-        warnings.simplefilter("ignore")
-        fn = child_graphflop if args.child == "graphflop" else child_flop_counter
-        print(json.dumps(fn(args.spec, args.batch)))
+        name, spec, kwargs, shapes, batch, repeat = json.loads(args.child)
+        shapes = [tuple(s) for s in shapes] if shapes else None
+        print(json.dumps(child(name, spec, kwargs, shapes, batch, repeat)))
         return 0
-    fcs, gfs = [], []
-    for i in range(args.repeat):  # alternate, so that machine noise hits both alike
-        print(f"run {i + 1}/{args.repeat}", file=sys.stderr, flush=True)
-        fcs.append(_run_child("flop_counter", args.spec, args.batch))
-        gfs.append(_run_child("graphflop", args.spec, args.batch))
-    fc = _median(fcs, "forward_backward_s")
-    gf = _median(gfs, "analysis_s")
-    gf["runs_s"] = sorted(g["analysis_s"] for g in gfs)
-    fc["runs_s"] = sorted(f["forward_backward_s"] for f in fcs)
-    text = report(args.spec, args.batch, gf, fc)
+    if args.render:
+        results: dict[str, list[dict]] = {"zoo": [], "xl": [], "depth": []}
+        for path in args.render:
+            for part, rows in json.loads(Path(path).read_text()).items():
+                results[part] += rows
+        Path(args.out).write_text(
+            report(results["zoo"], results["xl"], results["depth"], args.repeat)
+        )
+        return 0
+    zoo, xl, depth = _select(args)
+    if args.profile:
+        spec, kwargs, shapes, batch = next(iter({**zoo, **xl, **depth}.values()))
+        profile(spec, kwargs, shapes, batch, args.profile)
+        return 0
+    results = {"zoo": [], "xl": [], "depth": []}
+    for part, models in (("zoo", zoo), ("xl", xl), ("depth", depth)):
+        for name, entry in models.items():
+            print(f"{name} ...", file=sys.stderr, flush=True)
+            results[part].append(_run_child(name, entry, args.repeat))
+    text = report(results["zoo"], results["xl"], results["depth"], args.repeat)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"graphflop": gf, "flop_counter": fc}, indent=1))
+        Path(args.json).write_text(json.dumps(results, indent=1))
     print(text)
     return 0
 

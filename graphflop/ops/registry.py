@@ -399,10 +399,19 @@ def decomposition_table() -> dict[Any, Callable[..., Any]]:
     files register them."""
     from torch._decomp import core_aten_decompositions, get_decompositions
 
-    table: dict[Any, Callable[..., Any]] = dict(core_aten_decompositions())
-    table.update(get_decompositions(_TORCH_DECOMPOSED))
+    key = tuple(_TORCH_DECOMPOSED)
+    if _TORCH_TABLE.get("key") != key:  # PyTorch's part costs ~0.1-0.3 s to build: once
+        base = dict(core_aten_decompositions())
+        base.update(get_decompositions(_TORCH_DECOMPOSED))
+        _TORCH_TABLE.update(key=key, table=base)
+    table: dict[Any, Callable[..., Any]] = dict(_TORCH_TABLE["table"])
     table.update(_DECOMPOSITIONS)
     return table
+
+
+#: PyTorch's part of :func:`decomposition_table`, for the ``use_torch_decomposition`` list
+#: it was built with
+_TORCH_TABLE: dict[str, Any] = {}
 
 
 def _by_dtype(op: Any, fn: Callable[..., Any], dtypes: tuple[torch.dtype, ...]) -> Callable:
