@@ -12,7 +12,7 @@ from conftest import spec
 from graphflop.analysis import analyze
 from graphflop.export.onnx import OnnxExportError, export_all
 from graphflop.load import load, make_inputs
-from graphflop.meta import COST, SIGNATURE, SOURCE, TRAIN_STEP, UPDATE
+from graphflop.meta import COST, ROLE, SIGNATURE, SOURCE, TRAIN_STEP, UPDATE
 from graphflop.runtime.graphs import forward_gradient_graph, step_graphs, train_step_graph
 from graphflop.runtime.onnxrt import run, session
 from graphflop.runtime.verify import real_arguments, rel_error, run_forward
@@ -161,6 +161,33 @@ def test_forward_outputs_the_residuals_and_chains_into_backward(tmp_path):
     for q in qual:
         step = (fwd_in[q] - torch.from_numpy(ts_out[f"new.{q}"])) / lr
         assert rel_error(torch.from_numpy(grads[f"grad.{q}"]), step) < 1e-4, q
+
+
+def test_weight_gradient_convolutions_as_matrix_products(tmp_path):
+    """The CNN's four weight-gradient convolutions as per-position matrix products: the same
+    FLOPs (graphflop's train-step total), the same numbers as the original graph in PyTorch and
+    on ONNX Runtime, and the manifest still sums to the total."""
+    from graphflop.runtime.bench import _step_feeds as bench_feeds
+    from graphflop.runtime.graphs import conv_weight_grads_as_mm, on_device
+
+    real, a = _setup("cnn.py", 2)
+    ts = train_step_graph(a)
+    new, count = conv_weight_grads_as_mm(ts)
+    assert count == 4  # conv1…conv4's dW; the input gradients (transposed) stay convolutions
+    convs = [n for n in new.graph.nodes if n.target is torch.ops.aten.convolution.default]
+    assert all(n.meta.get(ROLE) != "grad_weight" for n in convs) and len(convs) == 4 + 3
+    assert _graph_flops(new) == _graph_flops(ts) == a.report.totals.train_step.flops
+    args = bench_feeds({"train_step": ts}, a, real.model, 1, 0.1)["train_step"][0]
+    with torch.no_grad():
+        ref, got = on_device(ts, "cpu")(*args), on_device(new, "cpu")(*args)
+    for x, y in zip(got, ref):
+        assert rel_error(x, y) < 1e-5
+    manifest = export_all({"train_step": new}, tmp_path)
+    g = manifest["graphs"]["train_step"]
+    assert sum(e["flops"] for e in g["nodes"]) == _graph_flops(ts)
+    out = run(session(tmp_path / "train_step.onnx", CPU), dict(zip(g["inputs"], args)))
+    for x, y in zip(out, ref):
+        assert rel_error(torch.from_numpy(x), y) < 1e-4
 
 
 def _step_feeds(graph_inputs, info_inputs, values, state, lr, dtype=torch.float64):

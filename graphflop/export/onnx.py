@@ -5,7 +5,10 @@ ONNX exporter (``torch.onnx.export(..., dynamo=True)``, onnxscript's ATen librar
 tensors, so no weights are needed: parameters are graph inputs. Inputs and outputs are renamed
 to parameter qualified names (``conv1.weight``, ``new.conv1.weight``, ``grad.conv1.weight``) and
 checked with ``onnx.checker``. ``manifest.json`` maps every ONNX node to the exporter's fx node
-and, by aligning the two op sequences, to the graphflop node, module path, role and FLOPs.
+and, through the exporter's provenance (``from_node``; else by aligning the two op sequences),
+to the graphflop node, module path and role. Each graphflop node's FLOPs and bytes are given to
+its ONNX nodes once (:func:`attribute_flops`: ``flops``/``bytes``; the whole node's are
+``node_flops``/``node_bytes``), so a graph's manifest sums to graphflop's total for it.
 
 The exporter only converts the graphs it is given (:func:`export_all`); the step graphs come from
 the analysis (:func:`graphflop.runtime.graphs.step_graphs`). Files are written into a temporary

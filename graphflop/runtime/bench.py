@@ -6,7 +6,9 @@
 * ``graph_torch`` — graphflop's own forward, train-step and forward-gradient-step graphs (the
   fx GraphModules) run eagerly in PyTorch on real tensors;
 * ``onnxruntime`` — the same graphs exported to ONNX (:mod:`graphflop.export.onnx`) and run on
-  ONNX Runtime.
+  ONNX Runtime, the train step's weight-gradient convolutions written as matrix products
+  (:func:`graphflop.runtime.graphs.conv_weight_grads_as_mm`: same FLOPs; see
+  :data:`ORT_REWRITE`).
 
 On every runtime the forward-gradient step samples its direction inside the timed call
 (``sampling_in_step``): eagerly with ``torch.randn_like``; in graphflop's graph with its
@@ -54,6 +56,12 @@ if TYPE_CHECKING:
 PHASES = ("forward", "train_step", "forward_gradient_step")
 #: the runtimes ``graphflop bench`` times, in the order reported
 RUNTIMES = ("torch", "graph_torch", "onnxruntime")
+#: what the onnxruntime runtime changes in graphflop's graphs before exporting them
+ORT_REWRITE = (
+    "the train step's weight-gradient convolutions, where it has any (kernel as large as the "
+    "feature map, k×k output), as one matrix product per output position: the same FLOPs; ONNX Runtime's CPU "
+    "Conv runs that shape several times slower than a forward convolution"
+)
 #: how each runtime draws the forward-gradient step's direction, inside the timed step
 SAMPLING = {
     "torch": "torch.randn_like per parameter inside the timed step",
@@ -384,6 +392,7 @@ def bench_onnxruntime(
     lr: float = 1e-3,
     profile: bool = False,
     export_dir: str | Path | None = None,
+    wgrad_mm: bool = True,
 ) -> tuple[dict[str, Timing], dict]:
     """graphflop's forward, train-step and forward-gradient-step graphs
     (:func:`graphflop.runtime.graphs.step_graphs` with ``sampling=True``: the step draws its
@@ -399,6 +408,9 @@ def bench_onnxruntime(
         export_dir: keep the ONNX files in ``export_dir/onnx`` and, with ``profile``, ONNX
             Runtime's profile files in ``export_dir/profile`` (default: a temporary folder,
             removed afterwards; nothing is written into the current directory).
+        wgrad_mm: the train step's weight-gradient convolutions as matrix products
+            (:func:`graphflop.runtime.graphs.conv_weight_grads_as_mm`: same FLOPs; ONNX
+            Runtime's CPU ``Conv`` is slow on their feature-map-sized kernels).
 
     Returns:
         The :class:`Timing` of each phase, and with ``profile`` per-node and per-module times
@@ -417,7 +429,7 @@ def bench_onnxruntime(
         if export_dir is None:
             export_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="graphflop-bench-"))
         root = Path(export_dir) / "onnx"
-        graphs = step_graphs(analysis, kinds=PHASES, sampling=True)
+        graphs = step_graphs(analysis, kinds=PHASES, sampling=True, wgrad_mm=wgrad_mm)
         manifest = export_all(graphs, root, name=analysis.name)
         feeds = _step_feeds(graphs, analysis, model, rotate, lr)
         prof_dir = Path(export_dir) / "profile"
@@ -522,6 +534,8 @@ def timing_report(
     }
     if runtime in SAMPLING:
         out |= {"sampling_in_step": True, "sampling": SAMPLING[runtime]}
+    if runtime == "onnxruntime":
+        out["graph_rewrite"] = ORT_REWRITE
     return out
 
 
