@@ -214,7 +214,6 @@ def conv_weight_grads_as_mm(gm: GraphModule) -> tuple[GraphModule, int]:
     """
     import copy
 
-    from graphflop.meta import COST
     from graphflop.passes.flops import annotate_flops
 
     g = copy.deepcopy(gm.graph)
@@ -226,11 +225,8 @@ def conv_weight_grads_as_mm(gm: GraphModule) -> tuple[GraphModule, int]:
             count += 1
     out = GraphModule(gm, g)
     out.meta.update(gm.meta)
-    if count:
+    if count:  # the copied nodes keep their COST; the new ones need theirs
         annotate_flops(out)
-    else:
-        for a, b in zip(gm.graph.nodes, out.graph.nodes):
-            b.meta[COST] = a.meta.get(COST)
     return out, count
 
 

@@ -123,8 +123,9 @@ def as_declared(sess, feeds: dict[str, Any]) -> dict[str, Any]:
 
 
 def profile_times(trace_file: str, nodes: list[dict], runs: int, *, keep: bool) -> dict[str, Any]:
-    """Per-node and per-module kernel time from an ONNX Runtime profile (mean per run, s);
-    the profile file is removed unless ``keep``."""
+    """Per-node and per-module kernel time from an ONNX Runtime profile (mean per run, s), with
+    each node's manifest FLOPs (its share, counted once) and achieved FLOP/s; the profile file
+    is removed unless ``keep``. A kernel ORT fused from several nodes is named by its first."""
     events = json.loads(Path(trace_file).read_text())
     if not keep:
         Path(trace_file).unlink(missing_ok=True)
@@ -152,6 +153,7 @@ def profile_times(trace_file: str, nodes: list[dict], runs: int, *, keep: bool) 
                     k: (by_node.get(n) or {}).get(k)
                     for k in ("op_type", "graphflop_node", "module", "role", "flops", "bytes")
                 },
+                "flops_per_s": ((by_node.get(n) or {}).get("flops") or 0) / s if s else None,
             }
             for n, s in top
         ],
