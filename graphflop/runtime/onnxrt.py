@@ -141,9 +141,12 @@ def profile_times(trace_file: str, nodes: list[dict], runs: int, *, keep: bool) 
         node_s[name] = node_s.get(name, 0.0) + e.get("dur", 0) * 1e-6 / runs
     top = sorted(node_s.items(), key=lambda kv: -kv[1])[:15]
     modules: dict[str, float] = {}
+    op_types: dict[str, float] = {}
     for name, s in node_s.items():
         m = (by_node.get(name) or {}).get("module") or "(model)"
         modules[m] = modules.get(m, 0.0) + s
+        op = (by_node.get(name) or {}).get("op_type") or "(ORT's own)"
+        op_types[op] = op_types.get(op, 0.0) + s
     return {
         "top_nodes": [
             {
@@ -158,4 +161,5 @@ def profile_times(trace_file: str, nodes: list[dict], runs: int, *, keep: bool) 
             for n, s in top
         ],
         "modules": dict(sorted(modules.items(), key=lambda kv: -kv[1])),
+        "op_types": dict(sorted(op_types.items(), key=lambda kv: -kv[1])),
     }
