@@ -12,7 +12,7 @@ from conftest import spec
 from graphflop.analysis import analyze
 from graphflop.export.onnx import OnnxExportError, export_all
 from graphflop.load import load, make_inputs
-from graphflop.meta import SIGNATURE, SOURCE, TRAIN_STEP, UPDATE
+from graphflop.meta import COST, ROLE, SIGNATURE, SOURCE, TRAIN_STEP, UPDATE
 from graphflop.runtime.graphs import forward_gradient_graph, step_graphs, train_step_graph
 from graphflop.runtime.onnxrt import run, session
 from graphflop.runtime.verify import real_arguments, rel_error, run_forward
@@ -61,6 +61,7 @@ def test_export_runs_and_matches_pytorch(tmp_path, name, batch):
             assert node.domain in STANDARD_DOMAINS, (kind, node.op_type, node.domain)
             assert not node.op_type.lower().endswith("backward"), (kind, node.op_type)
         assert len(g["nodes"]) == len(model.graph.node)
+    _check_manifest_flops(a, manifest)
     values = real_arguments(a.forward, real.model)
     fv = run_forward(a.forward, values)
     # forward
@@ -83,6 +84,109 @@ def test_export_runs_and_matches_pytorch(tmp_path, name, batch):
     got = run(sess, feeds)
     ref = a.backward(*[feeds[k] for k in g["inputs"]])
     for x, y in zip(got, ref):
+        assert rel_error(torch.from_numpy(x), y) < 1e-4
+
+
+def _graph_flops(gm) -> int:
+    return sum(n.meta[COST].flops for n in gm.graph.nodes if COST in n.meta)
+
+
+def _check_manifest_flops(a, manifest):
+    """Each ONNX node carries its share of graphflop's FLOPs once: the manifest sums to the
+    graph's FLOPs and to the report's totals; a node mapped to no graphflop node has none."""
+    t = a.report.totals
+    totals = {
+        "forward": t.forward.flops,  # the loss included
+        "backward": t.backward.flops,
+        "train_step": t.train_step.flops,
+        "forward_gradient_step": t.forward_gradient_step.flops,
+    }
+    graphs = step_graphs(a)
+    for kind, g in manifest["graphs"].items():
+        got = sum(e["flops"] for e in g["nodes"])
+        assert got == _graph_flops(graphs[kind]) == totals[kind], kind
+        assert sum(e["bytes"] for e in g["nodes"]) <= sum(e["node_bytes"] for e in g["nodes"])
+        assert all(e["flops"] == 0 for e in g["nodes"] if e["graphflop_node"] is None), kind
+
+
+def test_manifest_flops_once_on_the_matrix_products(tmp_path):
+    """The MLP (784→1024→1024→10, batch 8): its matrix products' FLOPs sit on the ONNX
+    MatMul/Gemm nodes, once, and nowhere else (a ReLU mask's Greater no longer carries a
+    product's FLOPs)."""
+    real, a = _setup("mlp.py", 8)
+    manifest = export_all(step_graphs(a, kinds=("forward", "backward")), tmp_path)
+    mm = {"MatMul", "Gemm"}
+    # forward: 2·B·(784·1024 + 1024·1024 + 1024·10) = 16·1,861,632 for the products, and
+    # B·(1024 + 1024 + 10) for the biases the addmm nodes (ONNX Gemm) add
+    products = 2 * 8 * (784 * 1024 + 1024 * 1024 + 1024 * 10)
+    fwd = products + 8 * (1024 + 1024 + 10)
+    # backward: every weight gradient (the forward's products again) plus the input gradients
+    # of the 2nd and 3rd layers, 2·B·(1024·1024 + 1024·10); none for the first layer's input
+    bwd = products + 2 * 8 * (1024 * 1024 + 1024 * 10)
+    for kind, want in (("forward", fwd), ("backward", bwd)):
+        nodes = manifest["graphs"][kind]["nodes"]
+        assert sum(e["flops"] for e in nodes if e["op_type"] in mm) == want, kind
+        biggest_other = max(e["flops"] for e in nodes if e["op_type"] not in mm)
+        assert biggest_other <= 5 * 8 * 1024, kind  # elementwise work: a few FLOPs per value
+
+
+def test_forward_outputs_the_residuals_and_chains_into_backward(tmp_path):
+    """forward.onnx with residuals, then backward.onnx on ONNX Runtime: the loss and the
+    gradients of the train step (SGD: new = p − lr·grad) of the same graphs."""
+    real, a = _setup("cnn.py", 2)
+    graphs = step_graphs(a, kinds=("forward", "backward", "train_step"), residuals=True)
+    manifest = export_all(graphs, tmp_path)
+    plain = export_all(step_graphs(a, kinds=("forward",)), tmp_path / "plain")
+    assert not [o for o in plain["graphs"]["forward"]["outputs"] if o.startswith("saved.")]
+    gf, gb, gt = (manifest["graphs"][k] for k in ("forward", "backward", "train_step"))
+    values = real_arguments(a.forward, real.model)
+    phs = [n.name for n in a.forward.graph.nodes if n.op == "placeholder"]
+    fwd_in = dict(zip(gf["inputs"], [values[n] for n in phs]))
+    fwd_out = dict(zip(gf["outputs"], run(session(tmp_path / "forward.onnx", CPU), fwd_in)))
+    feeds = {}
+    for name in gb["inputs"]:
+        if name == "ct_loss":
+            feeds[name] = torch.ones(())
+        elif name in fwd_out:
+            feeds[name] = torch.from_numpy(fwd_out[name])
+        else:
+            feeds[name] = fwd_in[name.removeprefix("saved.")]
+    grads = dict(zip(gb["outputs"], run(session(tmp_path / "backward.onnx", CPU), feeds)))
+    lr = 0.5
+    ts_in = {**fwd_in, "lr": torch.tensor(lr)}
+    ts_out = dict(zip(gt["outputs"], run(session(tmp_path / "train_step.onnx", CPU), ts_in)))
+    assert rel_error(torch.from_numpy(fwd_out["loss"]), torch.from_numpy(ts_out["loss"])) < 1e-6
+    qual = [q for _, q in a.forward.meta[SIGNATURE].params]
+    assert {f"grad.{q}" for q in qual} <= set(grads)
+    for q in qual:
+        step = (fwd_in[q] - torch.from_numpy(ts_out[f"new.{q}"])) / lr
+        assert rel_error(torch.from_numpy(grads[f"grad.{q}"]), step) < 1e-4, q
+
+
+def test_weight_gradient_convolutions_as_matrix_products(tmp_path):
+    """The CNN's four weight-gradient convolutions as per-position matrix products: the same
+    FLOPs (graphflop's train-step total), the same numbers as the original graph in PyTorch and
+    on ONNX Runtime, and the manifest still sums to the total."""
+    from graphflop.runtime.bench import _step_feeds as bench_feeds
+    from graphflop.runtime.graphs import conv_weight_grads_as_mm, on_device
+
+    real, a = _setup("cnn.py", 2)
+    ts = train_step_graph(a)
+    new, count = conv_weight_grads_as_mm(ts)
+    assert count == 4  # conv1…conv4's dW; the input gradients (transposed) stay convolutions
+    convs = [n for n in new.graph.nodes if n.target is torch.ops.aten.convolution.default]
+    assert all(n.meta.get(ROLE) != "grad_weight" for n in convs) and len(convs) == 4 + 3
+    assert _graph_flops(new) == _graph_flops(ts) == a.report.totals.train_step.flops
+    args = bench_feeds({"train_step": ts}, a, real.model, 1, 0.1)["train_step"][0]
+    with torch.no_grad():
+        ref, got = on_device(ts, "cpu")(*args), on_device(new, "cpu")(*args)
+    for x, y in zip(got, ref):
+        assert rel_error(x, y) < 1e-5
+    manifest = export_all({"train_step": new}, tmp_path)
+    g = manifest["graphs"]["train_step"]
+    assert sum(e["flops"] for e in g["nodes"]) == _graph_flops(ts)
+    out = run(session(tmp_path / "train_step.onnx", CPU), dict(zip(g["inputs"], args)))
+    for x, y in zip(out, ref):
         assert rel_error(torch.from_numpy(x), y) < 1e-4
 
 

@@ -1,5 +1,6 @@
-"""``graphflop bench``: forward, train step and forward-gradient step timed on ONNX Runtime and
-in eager PyTorch (:mod:`graphflop.runtime.bench`), with Rf, Rb and achieved FLOP/s."""
+"""``graphflop bench``: forward, train step and forward-gradient step timed in eager PyTorch,
+as graphflop's graphs run in PyTorch and on ONNX Runtime (:mod:`graphflop.runtime.bench`), with
+Rf, Rb, their quartiles and achieved FLOP/s."""
 
 from __future__ import annotations
 
@@ -25,15 +26,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "bench",
         help="time forward, train step and forward-gradient step (Rf, Rb)",
         description="Time the forward pass, the backprop train step and the forward-gradient "
-        "step on ONNX Runtime (graphflop's exported graphs) and/or in eager PyTorch "
-        "(autograd, torch.func.jvp); report Rf, Rb, Rf/Rb and achieved FLOP/s.",
+        "step (direction sampled inside the step) in eager PyTorch (autograd, torch.func.jvp), "
+        "as graphflop's own graphs run in PyTorch (graph_torch) and on ONNX Runtime; rounds "
+        "alternate between the phases; report medians and quartiles, Rf, Rb, Rf/Rb and "
+        "achieved FLOP/s, and warn when a phase's quartiles span more than 20%% of its median.",
     )
     add_model_args(p)
     p.add_argument(
         "--runtime",
-        default="both",
-        choices=["onnxruntime", "torch", "both"],
-        help="where to time the steps: ONNX Runtime, eager PyTorch, or both (default both)",
+        default="all",
+        choices=["all", "torch", "graph_torch", "onnxruntime", "both"],
+        help="where to time the steps: eager PyTorch (torch), graphflop's graphs in PyTorch "
+        "(graph_torch), graphflop's graphs on ONNX Runtime (onnxruntime), both = onnxruntime "
+        "and torch, all = the three (default all)",
     )
     p.add_argument(
         "--device",
@@ -48,14 +53,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="optimizer whose update graph is built (default sgd)",
     )
     p.add_argument("--warmup", type=int, default=3, help="untimed runs per phase (default 3)")
-    p.add_argument("--repeat", type=int, default=20, help="timed runs per phase (default 20)")
+    p.add_argument(
+        "--repeat", type=int, default=20, help="timed rounds, one run per phase each (default 20)"
+    )
     p.add_argument(
         "--rotate", type=int, default=3, help="distinct input sets cycled through (default 3)"
     )
     p.add_argument(
         "--profile",
         action="store_true",
-        help="ONNX Runtime per-node times mapped to graphflop nodes and modules",
+        help="ONNX Runtime per-node times mapped to graphflop nodes and modules (ONNX "
+        "Runtime's profile files are kept under --out DIR/profile when --out is given)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="keep the ONNX files (DIR/onnx) and ONNX Runtime's profiles (DIR/profile)",
     )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p
@@ -68,6 +81,10 @@ def _check(args: argparse.Namespace) -> None:
     if args.repeat < 1 or args.rotate < 1 or args.warmup < 0:
         raise SpecError("--repeat and --rotate must be positive, --warmup not negative")
     check_output_file(args.json, "--json")
+    if args.out is not None:
+        from graphflop.cli.common import check_output_dir
+
+        check_output_dir(args.out, "--out")
 
 
 def run(args: argparse.Namespace, err: Console) -> int:
@@ -77,14 +94,11 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from graphflop.io import atomic_write
     from graphflop.load import parse_dtype
     from graphflop.runtime.bench import (
-        bench_onnxruntime,
-        bench_torch,
         check_memory,
         low_precision_on_cpu,
         method_note,
         phase_flops,
         pick_devices,
-        timing_report,
         trainable,
     )
 
@@ -107,21 +121,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
         "method": method_note(warmup=args.warmup, repeat=args.repeat, rotate=args.rotate),
         "runtimes": {},
     }
-    kw = dict(warmup=args.warmup, repeat=args.repeat, rotate=args.rotate)
-    if args.runtime in ("onnxruntime", "both"):
-        with err.status(f"timing on ONNX Runtime ({provider})", spinner="dots"):
-            t, prof = bench_onnxruntime(
-                analysis, real.model, provider=provider, profile=args.profile, **kw
-            )
-        results["runtimes"]["onnxruntime"] = {
-            "provider": provider,
-            **timing_report(t, flops),
-            **({"profile": prof} if prof else {}),
-        }
-    if args.runtime in ("torch", "both"):
-        with err.status(f"timing eager PyTorch ({device})", spinner="dots"):
-            t = bench_torch(analysis, real.model, device=device, optimizer=args.optimizer, **kw)
-        results["runtimes"]["torch"] = {"device": device, **timing_report(t, flops)}
+    results["runtimes"] = _time_runtimes(args, analysis, real.model, provider, device, flops, err)
     if args.json:
         atomic_write(args.json, json.dumps(results, indent=2))
     _print_times(results)
@@ -129,28 +129,102 @@ def run(args: argparse.Namespace, err: Console) -> int:
     return 0
 
 
+#: --runtime → the runtimes timed, in the order reported
+_CHOSEN = {
+    "all": ("torch", "graph_torch", "onnxruntime"),
+    "both": ("torch", "onnxruntime"),
+    "torch": ("torch",),
+    "graph_torch": ("graph_torch",),
+    "onnxruntime": ("onnxruntime",),
+}
+
+
+def _time_runtimes(args, analysis, model, provider: str, device: str, flops, err) -> dict:
+    """Time the runtimes ``--runtime`` names; their ``runtimes`` JSON; noisy phases warned."""
+    from graphflop.runtime.bench import (
+        bench_graph_torch,
+        bench_onnxruntime,
+        bench_torch,
+        timing_report,
+    )
+    from graphflop.runtime.timing import noisy_phases
+
+    kw = dict(warmup=args.warmup, repeat=args.repeat, rotate=args.rotate)
+    out: dict = {}
+    timings = {}
+    for rt in _CHOSEN[args.runtime]:
+        where = provider if rt == "onnxruntime" else device
+        with err.status(f"timing {rt} ({where})", spinner="dots"):
+            if rt == "onnxruntime":
+                t, prof = bench_onnxruntime(
+                    analysis,
+                    model,
+                    provider=provider,
+                    profile=args.profile,
+                    export_dir=args.out,
+                    **kw,
+                )
+                out[rt] = {"provider": provider, **timing_report(t, flops, rt)}
+                if prof:
+                    out[rt]["profile"] = prof
+            elif rt == "graph_torch":
+                t = bench_graph_torch(analysis, model, device=device, **kw)
+                out[rt] = {"device": device, **timing_report(t, flops, rt)}
+            else:
+                t = bench_torch(analysis, model, device=device, optimizer=args.optimizer, **kw)
+                out[rt] = {"device": device, **timing_report(t, flops, rt)}
+                skipped = (
+                    analysis.report.totals.jvp.skipped_flops if analysis.report.totals.jvp else 0
+                )
+                if skipped:
+                    out[rt]["jvp_note"] = (
+                        "torch.func.jvp also multiplies the model input's zero tangent in the "
+                        f"first layer: {skipped:,} FLOPs graphflop skips (jvp.skipped_flops)"
+                    )
+        timings[rt] = t
+    for line in noisy_phases(timings):
+        err.print(f"warning: {line}", soft_wrap=True)
+    return out
+
+
 def _print_times(results: dict) -> None:
+    """The table: per runtime and phase the median (quartiles) and FLOP/s; Rf, Rb and Rf/Rb
+    as ratios of medians with the quartiles of the per-round ratios."""
     from rich.table import Table
 
     from graphflop.export.report import human
     from graphflop.runtime.bench import PHASES
 
-    table = Table(title=f"{results['model']} — median wall time per step ({results['device']})")
+    table = Table(
+        title=f"{results['model']} — median (quartiles) wall time per step ({results['device']})"
+    )
     for col in ("runtime", *PHASES, "Rf", "Rb", "Rf/Rb"):
         table.add_column(col, justify="right" if col != "runtime" else "left")
     for rt, doc in results["runtimes"].items():
         label = f"{rt} ({doc.get('provider', doc.get('device'))})"
-        cells = [
-            f"{doc['phases'][p]['median_s'] * 1e3:.2f} ms\n"
-            f"{human(doc['phases'][p]['flops_per_s'], 'FLOP/s')}"
-            if p in doc["phases"]
-            else "–"
-            for p in PHASES
-        ]
-        r = doc["ratios"]
-        cells += [f"{r[k]:.2f}" if r[k] is not None else "–" for k in ("Rf", "Rb", "Rf_over_Rb")]
+        cells = [_phase_cell(doc["phases"].get(p), human) for p in PHASES]
+        r, rr = doc["ratios"], doc.get("round_ratios", {})
+        cells += [_ratio_cell(r[k], rr.get(k)) for k in ("Rf", "Rb", "Rf_over_Rb")]
         table.add_row(label, *cells)
     stdout_console().print(table)
+
+
+def _phase_cell(ph: dict | None, human) -> str:
+    if ph is None:
+        return "–"
+    return (
+        f"{ph['median_s'] * 1e3:.3g} ms{' (noisy)' if ph.get('noisy') else ''}\n"
+        f"({ph['q1_s'] * 1e3:.3g}–{ph['q3_s'] * 1e3:.3g})\n"
+        f"{human(ph['flops_per_s'], 'FLOP/s')}"
+    )
+
+
+def _ratio_cell(value: float | None, spread: dict | None) -> str:
+    if value is None:
+        return "–"
+    if not spread:
+        return f"{value:.2f}"
+    return f"{value:.2f}\n({spread['q1']:.2f}–{spread['q3']:.2f})"
 
 
 def _print_profile(prof: dict | None) -> None:

@@ -34,6 +34,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         choices=OPTIMIZER_CHOICES,
         help="optimizer whose update graph is built (default sgd)",
     )
+    p.add_argument(
+        "--residuals",
+        action="store_true",
+        help="forward.onnx also outputs the values backward.onnx reads (saved.<node>), so "
+        "forward then backward on ONNX Runtime give the train step's gradients",
+    )
     return p
 
 
@@ -48,7 +54,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
     with err.status("analysing", spinner="dots") as status:
         analysis = analyze_model(args, loaded, inputs, status, **only)
         status.update("exporting to ONNX")
-        manifest = export_all(step_graphs(analysis), args.out, name=analysis.name)
+        graphs = step_graphs(analysis, residuals=args.residuals)
+        manifest = export_all(graphs, args.out, name=analysis.name)
     for g in manifest["graphs"].values():
         print(
             f"{args.out}/{g['file']}: {len(g['nodes'])} nodes, {len(g['inputs'])} inputs, "

@@ -5,7 +5,10 @@ ONNX exporter (``torch.onnx.export(..., dynamo=True)``, onnxscript's ATen librar
 tensors, so no weights are needed: parameters are graph inputs. Inputs and outputs are renamed
 to parameter qualified names (``conv1.weight``, ``new.conv1.weight``, ``grad.conv1.weight``) and
 checked with ``onnx.checker``. ``manifest.json`` maps every ONNX node to the exporter's fx node
-and, by aligning the two op sequences, to the graphflop node, module path, role and FLOPs.
+and, through the exporter's provenance (``from_node``; else by aligning the two op sequences),
+to the graphflop node, module path and role. Each graphflop node's FLOPs and bytes are given to
+its ONNX nodes once (:func:`attribute_flops`: ``flops``/``bytes``; the whole node's are
+``node_flops``/``node_bytes``), so a graph's manifest sums to graphflop's total for it.
 
 The exporter only converts the graphs it is given (:func:`export_all`); the step graphs come from
 the analysis (:func:`graphflop.runtime.graphs.step_graphs`). Files are written into a temporary
@@ -102,12 +105,24 @@ def _meta_args(gm: GraphModule) -> tuple[torch.Tensor, ...]:
 
 
 def _align(ours: list[Node], theirs: list[Node]) -> dict[str, Node]:
-    """Map the exporter's fx nodes to ours by walking both op sequences in order: a node of
-    theirs matches the next node of ours with the same op; nodes the exporter added (its own
-    decompositions) map to the last matched node."""
+    """Map the exporter's fx nodes to ours.
+
+    The exporter re-traces our GraphModule and records, in each node's ``from_node`` meta, the
+    node it came from: that provenance is used where present (a node the exporter decomposed
+    maps to the node of ours it came from). Otherwise both op sequences are walked in order: a
+    node of theirs matches the next node of ours with the same op; nodes the exporter added
+    map to the last matched node.
+    """
+    by_name = {n.name: n for n in ours}
+    index = {n.name: k for k, n in enumerate(ours)}
     mapping: dict[str, Node] = {}
     i, last = 0, None
     for t in theirs:
+        src = _provenance(t)
+        if src in by_name:
+            mapping[t.name] = last = by_name[src]
+            i = max(i, index[src] + 1)
+            continue
         j = i
         while j < len(ours) and ours[j].target != t.target and j - i < 8:
             j += 1
@@ -116,6 +131,114 @@ def _align(ours: list[Node], theirs: list[Node]) -> dict[str, Node]:
         if last is not None:
             mapping[t.name] = last
     return mapping
+
+
+def _provenance(node: Node) -> str | None:
+    """The name of the node of the exported GraphModule that ``node`` (of the exporter's
+    re-trace) came from: the root of its ``from_node`` chain, or None."""
+    chain = node.meta.get("from_node")
+    if not chain:
+        return None
+    src = chain[-1]
+    while getattr(src, "from_node", None):
+        src = src.from_node[-1]
+    return getattr(src, "name", None)
+
+
+#: ONNX ops that move, reshape or make values: a graphflop node's FLOPs go to its other ONNX
+#: nodes when it has any
+_DATA_OPS = frozenset(
+    {
+        "Constant",
+        "ConstantOfShape",
+        "Cast",
+        "CastLike",
+        "Reshape",
+        "Concat",
+        "Shape",
+        "Unsqueeze",
+        "Squeeze",
+        "Expand",
+        "Transpose",
+        "Identity",
+        "Slice",
+        "Gather",
+        "Size",
+        "Flatten",
+    }
+)
+
+
+def attribute_flops(
+    entries: list[dict[str, Any]], ours: list[Node], targets: dict[str, Any]
+) -> None:
+    """Give each graphflop node's FLOPs (and bytes) to its ONNX nodes once, in place (``flops``,
+    ``bytes``; ``node_flops``/``node_bytes`` keep the whole graphflop node's).
+
+    ``entries`` are the manifest rows (``exported_fx_node``, ``graphflop_node``, ``op_type``);
+    ``targets`` maps an exported fx node name to its op. A graphflop node's FLOPs are shared
+    (integer split, the remainder to the first) by the ONNX nodes made from the exporter's node
+    of the same op (e.g. ``Gemm`` for ``addmm``; ``Greater`` made for a ReLU's mask from a
+    decomposition gets none), data-movement ops (:data:`_DATA_OPS`) only when nothing else
+    came from it; a graphflop node with FLOPs but no ONNX node of its own (the exporter fused it
+    into a neighbour) gives them to the ONNX nodes of the graphflop node before it. ONNX nodes
+    mapped to no graphflop node get none. So the manifest's FLOPs sum to the graph's.
+    """
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for e in entries:
+        e["flops"] = e["bytes"] = 0
+        if e["graphflop_node"] is not None:
+            groups.setdefault(e["graphflop_node"], []).append(e)
+    carry, carried_from = (0, 0), []
+    last: list[dict[str, Any]] | None = None
+    for node in ours:
+        cost = node.meta.get(COST, ZERO_COST)
+        work = (cost.flops, cost.bytes_read + cost.bytes_written)
+        group = groups.get(node.name)
+        if not group:
+            if any(work) and last is not None:
+                _share(last, work, [node.name])
+            elif any(work):
+                carry = (carry[0] + work[0], carry[1] + work[1])
+                carried_from.append(node.name)
+            continue
+        last = _primary(group, node, targets)
+        _share(last, (work[0] + carry[0], work[1] + carry[1]), carried_from)
+        carry, carried_from = (0, 0), []
+
+
+def _primary(group: list[dict[str, Any]], node: Node, targets: dict[str, Any]) -> list[dict]:
+    """The ONNX nodes of ``group`` that carry ``node``'s FLOPs (see :func:`attribute_flops`)."""
+    packet = getattr(node.target, "overloadpacket", node.target)
+
+    def same_op(e: dict[str, Any]) -> bool:
+        t = targets.get(e["exported_fx_node"])
+        return getattr(t, "overloadpacket", t) == packet
+
+    for pick in (
+        lambda e: same_op(e) and e["op_type"] not in _DATA_OPS,
+        lambda e: e["op_type"] not in _DATA_OPS,
+        same_op,
+    ):
+        chosen = [e for e in group if pick(e)]
+        if chosen:
+            return chosen
+    return group[:1]
+
+
+def _share(rows: list[dict[str, Any]], work: tuple[int, int], absorbed: list[str]) -> None:
+    """Split ``work`` (FLOPs, bytes) over ``rows`` (integer parts, the remainder to the
+    first)."""
+    if not any(work) and not absorbed:
+        return
+    (fpart, frest), (bpart, brest) = divmod(work[0], len(rows)), divmod(work[1], len(rows))
+    for k, r in enumerate(rows):
+        r["flops"] += fpart + (frest if k == 0 else 0)
+        r["bytes"] += bpart + (brest if k == 0 else 0)
+        if len(rows) > 1:
+            r["flops_shared_by"] = len(rows)
+        if absorbed:
+            r.setdefault("flops_of", []).extend(absorbed)
 
 
 def export_graph(
@@ -155,6 +278,7 @@ def export_graph(
     ours = [n for n in gm.graph.nodes if n.op == "call_function"]
     theirs = [n for n in prog.exported_program.graph.nodes if n.op == "call_function"]
     mapping = _align(ours, theirs)
+    targets = {n.name: n.target for n in theirs}
     manifest = []
     for node in model.graph.node:
         props = {p.key: p.value for p in node.metadata_props}
@@ -176,10 +300,13 @@ def export_graph(
                 "module": ours_node.meta.get(MODULE) if ours_node is not None else None,
                 "role": ours_node.meta.get(ROLE) if ours_node is not None else None,
                 "kind": ours_node.meta.get(KIND) if ours_node is not None else None,
-                "flops": cost.flops,
-                "bytes": cost.bytes_read + cost.bytes_written,
+                "flops": 0,
+                "bytes": 0,
+                "node_flops": cost.flops,
+                "node_bytes": cost.bytes_read + cost.bytes_written,
             }
         )
+    attribute_flops(manifest, ours, targets)
     return ExportedGraph(name, model, input_names, output_names, manifest)
 
 
@@ -229,7 +356,11 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
     if kind == "forward":
         bufs = [f"new.{q}" for _, q in sig.buffer_updates]
         loss = ["loss"] if sig.loss is not None else []
-        outs = bufs + loss + [f"output_{i}" for i in range(n_out - len(bufs) - len(loss))]
+        n_model = min(len(sig.outputs), n_out - len(bufs) - len(loss))
+        # outputs past the model's: the residuals a backward graph reads
+        # (graphflop.runtime.graphs.forward_with_residuals), named as backward.onnx's inputs
+        saved = [f"saved.{a.name}" for a in out_node.args[0][len(bufs) + len(loss) + n_model :]]
+        outs = bufs + loss + [f"output_{i}" for i in range(n_model)] + saved
     elif kind == "backward":
         info = gm.meta[VJP]
         outs = [None] * n_out

@@ -1,22 +1,35 @@
-"""Timing forward, backprop train step and forward-gradient step, on ONNX Runtime (graphflop's
-exported graphs) and in eager PyTorch (autograd and ``torch.func.jvp``, as a user writes them).
+"""Timing forward, backprop train step and forward-gradient step on three runtimes:
 
-Method: for each phase, ``warmup`` untimed runs, then ``repeat`` timed runs cycling through
-``rotate`` different input sets (so caches don't flatter); the median and the spread
-(interquartile range) of wall time are reported. CUDA work is synchronised before each clock
-read. ``Rf`` = forward-gradient step / forward, ``Rb`` = train step / forward (seed B's
-definitions); achieved FLOP/s use graphflop's own FLOP counts of the same phase.
+* ``torch`` — eager PyTorch as a user writes it: ``model(x)`` under ``no_grad``;
+  ``loss.backward()`` and a ``torch.optim`` step; ``torch.func.jvp`` with a Gaussian direction
+  drawn by ``torch.randn_like`` inside the step, ``g = d·v`` and an SGD update;
+* ``graph_torch`` — graphflop's own forward, train-step and forward-gradient-step graphs (the
+  fx GraphModules) run eagerly in PyTorch on real tensors;
+* ``onnxruntime`` — the same graphs exported to ONNX (:mod:`graphflop.export.onnx`) and run on
+  ONNX Runtime, the train step's weight-gradient convolutions written as matrix products
+  (:func:`graphflop.runtime.graphs.conv_weight_grads_as_mm`: same FLOPs; see
+  :data:`ORT_REWRITE`).
+
+On every runtime the forward-gradient step samples its direction inside the timed call
+(``sampling_in_step``): eagerly with ``torch.randn_like``; in graphflop's graph with its
+``aten.randn`` nodes, which export as ONNX ``RandomNormalLike`` nodes, so ONNX Runtime draws
+them inside its run. The graph runtimes return the new parameters (no copy back); eager
+PyTorch updates them in place.
+
+Method: ``warmup`` untimed rounds, then ``repeat`` timed rounds; each round runs every phase
+once (alternating, :func:`graphflop.runtime.timing.time_phases`), cycling through ``rotate``
+input sets (so caches don't flatter). Each phase reports the median and quartiles of wall time;
+a phase whose interquartile range exceeds 20% of its median is flagged ``noisy``. CUDA work is
+synchronised before each clock read. ``Rf`` = forward-gradient step / forward, ``Rb`` = train
+step / forward (seed B's definitions); achieved FLOP/s use graphflop's own FLOP counts of the
+same phase.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,11 +37,37 @@ import torch
 
 from graphflop.frontend.trace import loss_value
 from graphflop.meta import LOSS_KIND, SIGNATURE, UPDATE
+from graphflop.runtime.timing import Timing, time_fn, time_phases
+
+__all__ = [
+    "PHASES",
+    "RUNTIMES",
+    "BenchError",
+    "Timing",
+    "bench_graph_torch",
+    "bench_onnxruntime",
+    "bench_torch",
+    "time_fn",
+]
 
 if TYPE_CHECKING:
     from graphflop.analysis import Analysis
 
 PHASES = ("forward", "train_step", "forward_gradient_step")
+#: the runtimes ``graphflop bench`` times, in the order reported
+RUNTIMES = ("torch", "graph_torch", "onnxruntime")
+#: what the onnxruntime runtime changes in graphflop's graphs before exporting them
+ORT_REWRITE = (
+    "the train step's weight-gradient convolutions, where it has any (kernel as large as the "
+    "feature map, k×k output), as one matrix product per output position: the same FLOPs; ONNX Runtime's CPU "
+    "Conv runs that shape several times slower than a forward convolution"
+)
+#: how each runtime draws the forward-gradient step's direction, inside the timed step
+SAMPLING = {
+    "torch": "torch.randn_like per parameter inside the timed step",
+    "graph_torch": "the aten.randn nodes of graphflop's forward-gradient graph",
+    "onnxruntime": "the exported graph's RandomNormalLike nodes, inside the timed run",
+}
 
 
 class BenchError(ValueError):
@@ -112,36 +151,6 @@ def trainable(model: torch.nn.Module) -> None:
         )
 
 
-@dataclass
-class Timing:
-    """Wall-clock statistics of one phase, in seconds."""
-
-    median_s: float
-    q1_s: float
-    q3_s: float
-    runs: int
-
-    def to_dict(self) -> dict[str, float]:
-        return {"median_s": self.median_s, "q1_s": self.q1_s, "q3_s": self.q3_s, "runs": self.runs}
-
-
-def time_fn(
-    fn: Callable[[int], Any], *, warmup: int, repeat: int, sync: Callable[[], None]
-) -> Timing:
-    """Time ``fn(i)`` (``i`` selects the input set) ``repeat`` times after ``warmup`` runs."""
-    for i in range(warmup):
-        fn(i)
-    sync()
-    times = []
-    for i in range(repeat):
-        t0 = time.perf_counter()
-        fn(i)
-        sync()
-        times.append(time.perf_counter() - t0)
-    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    return Timing(statistics.median(times), q[0], q[2], len(times))
-
-
 def _input_sets(forward, model, rotate: int, device) -> list[dict[str, torch.Tensor]]:
     from graphflop.runtime.verify import real_arguments
 
@@ -164,11 +173,18 @@ def bench_torch(
     optimizer: str = "sgd",
 ) -> dict[str, Timing]:
     """Eager PyTorch: ``model(x)`` under no_grad; loss.backward() + ``torch.optim`` step;
-    ``torch.func.jvp`` with a Gaussian direction, ``g = d·v`` and an SGD update.
+    ``torch.func.jvp`` with a Gaussian direction drawn inside the step, ``g = d·v`` and an SGD
+    update (phases alternate, :func:`~graphflop.runtime.timing.time_phases`).
 
     The loss is the analysis's (cross-entropy or MSE against random valid targets, else the
     sum of the first output); the optimizer is :func:`~graphflop.runtime.optim.torch_optimizer`
-    with graphflop's constants. Returns the :class:`Timing` of each of :data:`PHASES`.
+    with graphflop's constants. Floating-point buffers (BatchNorm running statistics) enter
+    ``torch.func.jvp`` as primals with zero tangents, so their in-place updates happen on the
+    jvp's own inputs (``torch.func`` refuses to mutate captured tensors with dual values);
+    integer ones (``num_batches_tracked``) are cloned inside and copied back. ``torch.func.jvp`` applies PyTorch's
+    forward-AD formulas, which also multiply the model input's zero tangent in the first layer:
+    work graphflop skips (its report's ``jvp.skipped_flops``). Returns the :class:`Timing` of
+    each of :data:`PHASES`.
     """
     from graphflop.runtime.optim import torch_optimizer
 
@@ -180,7 +196,7 @@ def bench_torch(
     sets = _input_sets(fwd, model, rotate, device)
     xs = [[s[n] for n in sig.inputs] for s in sets]
     ts = [tuple(s[n] for n in sig.targets[:1]) for s in sets]
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if device == "cuda" else _nop
     opt = torch_optimizer(optimizer, model.parameters(), lr)
 
     def forward(i):
@@ -193,26 +209,32 @@ def bench_torch(
         opt.step()
 
     params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
-    buffers = dict(model.named_buffers())
+    buffers = {k: b for k, b in model.named_buffers() if b.is_floating_point()}
+    counters = {k: b for k, b in model.named_buffers() if not b.is_floating_point()}
+    zero_buffers = {k: torch.zeros_like(b) for k, b in buffers.items()}
 
     def fg_step(i):
         x, t = xs[i % rotate], ts[i % rotate]
 
-        def f(p):
-            out = torch.func.functional_call(model, (p, buffers), tuple(x))
-            return loss_value(kind, first_output(out), t)
+        def f(p, b):
+            c = {k: n.clone() for k, n in counters.items()}  # made inside: may be mutated
+            out = torch.func.functional_call(model, (p, b, c), tuple(x))
+            return loss_value(kind, first_output(out), t), c
 
         v = {k: torch.randn_like(p) for k, p in params.items()}
-        _, d = torch.func.jvp(f, (params,), (v,))
+        _, d, c = torch.func.jvp(f, (params, buffers), (v, zero_buffers), has_aux=True)
         with torch.no_grad():
+            for k, n in c.items():
+                counters[k].copy_(n)
             for k, p in params.items():
                 p.sub_(lr * d * v[k])
 
-    return {
-        "forward": time_fn(forward, warmup=warmup, repeat=repeat, sync=sync),
-        "train_step": time_fn(train_step, warmup=warmup, repeat=repeat, sync=sync),
-        "forward_gradient_step": time_fn(fg_step, warmup=warmup, repeat=repeat, sync=sync),
-    }
+    return time_phases(
+        {"forward": forward, "train_step": train_step, "forward_gradient_step": fg_step},
+        warmup=warmup,
+        repeat=repeat,
+        sync=sync,
+    )
 
 
 def first_output(out: Any) -> torch.Tensor:
@@ -253,29 +275,6 @@ def _feed(name: str, by_label, state_labels: set[str], lr: float) -> torch.Tenso
     return None
 
 
-def _onnx_feeds(names: list[str], by_label, state_labels: set[str], lr: float) -> dict[str, Any]:
-    feeds = {n: _feed(n, by_label, state_labels, lr) for n in names}
-    return {k: v.numpy() for k, v in feeds.items() if v is not None}
-
-
-#: ONNX Runtime's input type names → numpy dtypes, for the feeds made in float32
-_ORT_TYPES = {
-    "tensor(float16)": "float16",
-    "tensor(float)": "float32",
-    "tensor(double)": "float64",
-}
-
-
-def _as_declared(sess, feeds: dict[str, Any]) -> dict[str, Any]:
-    """``feeds`` with floating arrays cast to the type each session input declares (the
-    learning rate and Adam's step are made in float32 whatever the model's ``--dtype``)."""
-    declared = {i.name: _ORT_TYPES.get(i.type) for i in sess.get_inputs()}
-    return {
-        k: v.astype(declared[k]) if declared.get(k) and v.dtype.kind == "f" else v
-        for k, v in feeds.items()
-    }
-
-
 def _nop() -> None:
     pass
 
@@ -314,6 +313,74 @@ def low_precision_on_cpu(dtype: torch.dtype | None, provider: str) -> None:
         )
 
 
+def _step_feeds(
+    graphs: dict[str, Any], analysis: Analysis, model: torch.nn.Module, rotate: int, lr: float
+) -> dict[str, list[list[torch.Tensor]]]:
+    """For each graph (by kind), ``rotate`` argument lists in placeholder order, labelled as the
+    exported inputs are (:func:`graphflop.export.onnx.graph_io_names`, :func:`_feed`).
+
+    Raises:
+        BenchError: a graph input with no known value.
+    """
+    from graphflop.export.onnx import graph_io_names
+
+    sig = analysis.forward.meta[SIGNATURE]
+    labelled = [_labelled(s, sig) for s in _input_sets(analysis.forward, model, rotate, "cpu")]
+    upd = analysis.update.meta[UPDATE] if analysis.update is not None else None
+    state_labels = set(upd.state_labels) if upd else set()
+    out: dict[str, list[list[torch.Tensor]]] = {}
+    for kind, gm in graphs.items():
+        names = graph_io_names(kind, gm)[0]
+        out[kind] = []
+        for by_label in labelled:
+            args = [_feed(n, by_label, state_labels, lr) for n in names]
+            missing = [n for n, a in zip(names, args) if a is None]
+            if missing:
+                raise BenchError(f"no value for the {kind} graph's input {missing[0]!r}")
+            out[kind].append([a for a in args if a is not None])
+    return out
+
+
+def bench_graph_torch(
+    analysis: Analysis,
+    model: torch.nn.Module,
+    *,
+    device: str,
+    warmup: int,
+    repeat: int,
+    rotate: int,
+    lr: float = 1e-3,
+) -> dict[str, Timing]:
+    """graphflop's forward, train-step and forward-gradient-step graphs
+    (:func:`graphflop.runtime.graphs.step_graphs` with ``sampling=True``) run as fx
+    GraphModules on real tensors on ``device`` under ``torch.no_grad`` (phases alternate).
+
+    The same graphs and feeds as :func:`bench_onnxruntime`; the forward-gradient step samples
+    its direction with its own ``aten.randn`` nodes. Returns the :class:`Timing` of each of
+    :data:`PHASES`.
+    """
+    from graphflop.runtime.graphs import on_device, step_graphs
+
+    graphs = step_graphs(analysis, kinds=PHASES, sampling=True)
+    feeds = _step_feeds(graphs, analysis, model, rotate, lr)
+    feeds = {k: [[a.to(device) for a in args] for args in v] for k, v in feeds.items()}
+    graphs = {k: on_device(gm, device) for k, gm in graphs.items()}
+    sync = torch.cuda.synchronize if device == "cuda" else _nop
+
+    def runner(kind: str) -> Callable[[int], Any]:
+        gm, args = graphs[kind], feeds[kind]
+
+        def fn(i: int) -> Any:
+            with torch.no_grad():
+                return gm(*args[i % rotate])
+
+        return fn
+
+    return time_phases(
+        {k: runner(k) for k in PHASES if k in graphs}, warmup=warmup, repeat=repeat, sync=sync
+    )
+
+
 def bench_onnxruntime(
     analysis: Analysis,
     model: torch.nn.Module,
@@ -325,92 +392,83 @@ def bench_onnxruntime(
     lr: float = 1e-3,
     profile: bool = False,
     export_dir: str | Path | None = None,
+    wgrad_mm: bool = True,
 ) -> tuple[dict[str, Timing], dict]:
     """graphflop's forward, train-step and forward-gradient-step graphs
-    (:func:`graphflop.runtime.graphs.step_graphs`), exported to ONNX and run on ONNX Runtime
-    with ``provider``.
+    (:func:`graphflop.runtime.graphs.step_graphs` with ``sampling=True``: the step draws its
+    direction inside, ONNX ``RandomNormalLike``), exported to ONNX and run on ONNX Runtime with
+    ``provider`` (phases alternate).
 
     Args:
         analysis: the model's analysis; ``model``: the same model with real weights.
-        warmup, repeat, rotate: see :func:`time_fn` and the module docstring.
+        warmup, repeat, rotate: see :func:`~graphflop.runtime.timing.time_phases` and the
+            module docstring.
         lr: the learning rate fed to the step graphs.
         profile: also record ONNX Runtime's per-node profile.
-        export_dir: keep the ONNX files in ``export_dir/onnx`` (default: a temporary folder).
+        export_dir: keep the ONNX files in ``export_dir/onnx`` and, with ``profile``, ONNX
+            Runtime's profile files in ``export_dir/profile`` (default: a temporary folder,
+            removed afterwards; nothing is written into the current directory).
+        wgrad_mm: the train step's weight-gradient convolutions as matrix products
+            (:func:`graphflop.runtime.graphs.conv_weight_grads_as_mm`: same FLOPs; ONNX
+            Runtime's CPU ``Conv`` is slow on their feature-map-sized kernels).
 
     Returns:
         The :class:`Timing` of each phase, and with ``profile`` per-node and per-module times
-        mapped through the export manifest (see :func:`_node_times`), else ``{}``.
+        mapped through the export manifest (see :func:`graphflop.runtime.onnxrt.profile_times`), else ``{}``.
 
     Raises:
         OnnxExportError: a graph cannot be exported.
+        BenchError: ONNX Runtime has no kernel for an op of the graphs at this dtype.
     """
     from graphflop.export.onnx import export_all
     from graphflop.runtime.graphs import step_graphs
-    from graphflop.runtime.onnxrt import session
+    from graphflop.runtime.onnxrt import as_declared, profile_times, session
 
-    sig = analysis.forward.meta[SIGNATURE]
     with contextlib.ExitStack() as stack:
+        keep = export_dir is not None
         if export_dir is None:
             export_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="graphflop-bench-"))
         root = Path(export_dir) / "onnx"
-        manifest = export_all(step_graphs(analysis, kinds=PHASES), root, name=analysis.name)
-        labelled = [_labelled(s, sig) for s in _input_sets(analysis.forward, model, rotate, "cpu")]
-        upd = analysis.update.meta[UPDATE] if analysis.update is not None else None
-        state_labels = set(upd.state_labels) if upd else set()
-        timings, prof = {}, {}
+        graphs = step_graphs(analysis, kinds=PHASES, sampling=True, wgrad_mm=wgrad_mm)
+        manifest = export_all(graphs, root, name=analysis.name)
+        feeds = _step_feeds(graphs, analysis, model, rotate, lr)
+        prof_dir = Path(export_dir) / "profile"
+        if profile:
+            prof_dir.mkdir(parents=True, exist_ok=True)
+        sessions, arrays = {}, {}
         for kind, g in manifest["graphs"].items():
-            sess = _ort_call(
-                kind, provider, lambda f=g["file"]: session(root / f, provider, profile=profile)
-            )
-            feeds = [
-                _as_declared(sess, _onnx_feeds(g["inputs"], b, state_labels, lr)) for b in labelled
-            ]
-            timings[kind] = _ort_call(
+            sessions[kind] = sess = _ort_call(
                 kind,
                 provider,
-                lambda s=sess, f=feeds: time_fn(
-                    lambda i: s.run(None, f[i % rotate]), warmup=warmup, repeat=repeat, sync=_nop
+                lambda f=g["file"], k=kind: session(
+                    root / f, provider, profile=str(prof_dir / k) if profile else False
                 ),
             )
-            if profile:
-                prof[kind] = _node_times(sess.end_profiling(), g["nodes"], repeat + warmup)
-            del sess
+            arrays[kind] = [
+                as_declared(sess, {n: a.numpy() for n, a in zip(g["inputs"], args)})
+                for args in feeds[kind]
+            ]
+
+        def runner(kind: str) -> Callable[[int], Any]:
+            sess, f = sessions[kind], arrays[kind]
+            return lambda i: sess.run(None, f[i % rotate])
+
+        timings = _ort_call(
+            "step",
+            provider,
+            lambda: time_phases(
+                {k: runner(k) for k in sessions}, warmup=warmup, repeat=repeat, sync=_nop
+            ),
+        )
+        prof = {}
+        if profile:
+            for kind, sess in sessions.items():
+                trace = sess.end_profiling()
+                prof[kind] = profile_times(
+                    trace, manifest["graphs"][kind]["nodes"], repeat + warmup, keep=keep
+                )
+        sessions.clear()
     return timings, prof
-
-
-def _node_times(trace_file: str, nodes: list[dict], runs: int) -> dict[str, Any]:
-    """Per-node and per-module kernel time from an ONNX Runtime profile (mean per run, s)."""
-    events = json.loads(Path(trace_file).read_text())
-    Path(trace_file).unlink(missing_ok=True)
-    by_node = {n["onnx_node"]: n for n in nodes}
-    node_s: dict[str, float] = {}
-    for e in events:
-        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
-            continue
-        name = e["name"][: -len("_kernel_time")]
-        if name.startswith("fused "):  # "fused node_addmm/GemmTransposeFusion/": first node
-            name = name[len("fused ") :].split("/", 1)[0]
-        name = name.split("/", 1)[0]
-        node_s[name] = node_s.get(name, 0.0) + e.get("dur", 0) * 1e-6 / runs
-    top = sorted(node_s.items(), key=lambda kv: -kv[1])[:15]
-    modules: dict[str, float] = {}
-    for name, s in node_s.items():
-        m = (by_node.get(name) or {}).get("module") or "(model)"
-        modules[m] = modules.get(m, 0.0) + s
-    return {
-        "top_nodes": [
-            {
-                "onnx_node": n,
-                "seconds": s,
-                **{
-                    k: (by_node.get(n) or {}).get(k)
-                    for k in ("op_type", "graphflop_node", "module", "role", "flops", "bytes")
-                },
-            }
-            for n, s in top
-        ],
-        "modules": dict(sorted(modules.items(), key=lambda kv: -kv[1])),
-    }
 
 
 def ratios(t: dict[str, Timing]) -> dict[str, float | None]:
@@ -439,28 +497,54 @@ def phase_flops(analysis: Analysis) -> dict[str, int]:
     return out
 
 
-def timing_report(t: dict[str, Timing], flops: dict[str, int]) -> dict[str, Any]:
+def round_ratios(t: dict[str, Timing]) -> dict[str, dict[str, float] | None]:
+    """Median and quartiles of Rf, Rb and Rf/Rb taken round by round (the phases alternate:
+    round ``i``'s forward, train step and forward-gradient step ran back to back)."""
+    from graphflop.runtime.timing import round_ratio
+
+    f, tr, fg = (t.get(k) for k in PHASES)
+    pairs = {"Rf": (fg, f), "Rb": (tr, f), "Rf_over_Rb": (fg, tr)}
+    out: dict[str, dict[str, float] | None] = {}
+    for name, (num, den) in pairs.items():
+        r = round_ratio(num, den) if num is not None and den is not None else None
+        out[name] = {"median": r.median_s, "q1": r.q1_s, "q3": r.q3_s} if r else None
+    return out
+
+
+def timing_report(
+    t: dict[str, Timing], flops: dict[str, int], runtime: str | None = None
+) -> dict[str, Any]:
     """The JSON form of one runtime's timings (``bench --json``'s ``runtimes.<name>``).
 
     Returns:
-        ``{"phases": {phase: {median_s, q1_s, q3_s, runs, flops_per_s}}, "ratios": {Rf, Rb,
-        Rf_over_Rb}}``; ``flops_per_s`` is the phase's FLOPs (``flops``) over its median
-        wall time (None for a zero time).
+        ``{"phases": {phase: {median_s, q1_s, q3_s, runs, iqr_over_median, noisy,
+        flops_per_s}}, "ratios": {Rf, Rb, Rf_over_Rb}, "round_ratios": {Rf: {median, q1, q3},
+        …}}``, and for a runtime of :data:`SAMPLING` ``sampling_in_step: true`` and
+        ``sampling`` (how the direction is drawn). ``flops_per_s`` is the phase's FLOPs
+        (``flops``) over its median wall time (None for a zero time); ``ratios`` are ratios of
+        medians, ``round_ratios`` the statistics of the per-round ratios.
     """
-    return {
+    out: dict[str, Any] = {
         "phases": {
             k: {**v.to_dict(), "flops_per_s": flops[k] / v.median_s if v.median_s else None}
             for k, v in t.items()
         },
         "ratios": ratios(t),
+        "round_ratios": round_ratios(t),
     }
+    if runtime in SAMPLING:
+        out |= {"sampling_in_step": True, "sampling": SAMPLING[runtime]}
+    if runtime == "onnxruntime":
+        out["graph_rewrite"] = ORT_REWRITE
+    return out
 
 
 def method_note(*, warmup: int, repeat: int, rotate: int) -> str:
     """One line saying how the phases were timed (``bench --json``'s ``method``)."""
     return (
-        f"{warmup} warm-up runs, then {repeat} timed runs "
-        f"over {rotate} rotating input sets; median and quartiles"
+        f"{warmup} warm-up rounds, then {repeat} timed rounds, each running every phase once "
+        f"(alternating), over {rotate} rotating input sets; median and quartiles; a phase "
+        "whose quartiles span more than 20% of its median is flagged noisy"
     )
 
 

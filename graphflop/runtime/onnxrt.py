@@ -8,6 +8,8 @@ really placed the session there.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,14 +61,23 @@ def _tiny_model() -> bytes:
     return m.SerializeToString()
 
 
-def session(model: Any, provider: str, *, profile: bool = False, threads: int | None = None):
-    """An ``InferenceSession`` for an ONNX model (path, bytes or ModelProto)."""
+def session(model: Any, provider: str, *, profile: bool | str = False, threads: int | None = None):
+    """An ``InferenceSession`` for an ONNX model (path, bytes or ModelProto).
+
+    Args:
+        profile: record ONNX Runtime's profile; a string is the profile file's path prefix
+            (ONNX Runtime appends a timestamp and ``.json``), else ONNX Runtime's default
+            (``onnxruntime_profile_`` in the current directory).
+        threads: intra-op threads (default: ONNX Runtime's, one per core).
+    """
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     if profile:
         opts.enable_profiling = True
+        if isinstance(profile, str):
+            opts.profile_file_prefix = profile
     if threads:
         opts.intra_op_num_threads = threads
     # don't let idle pool threads spin between runs: they would steal the CPU from whatever is
@@ -91,3 +102,64 @@ def run(sess, feeds: dict[str, Any]) -> list[np.ndarray]:
         if k in names
     }
     return sess.run(None, arrays)
+
+
+#: ONNX Runtime's input type names → numpy dtypes, for the feeds made in float32
+_ORT_TYPES = {
+    "tensor(float16)": "float16",
+    "tensor(float)": "float32",
+    "tensor(double)": "float64",
+}
+
+
+def as_declared(sess, feeds: dict[str, Any]) -> dict[str, Any]:
+    """``feeds`` with floating arrays cast to the type each session input declares (the
+    learning rate and Adam's step are made in float32 whatever the model's ``--dtype``)."""
+    declared = {i.name: _ORT_TYPES.get(i.type) for i in sess.get_inputs()}
+    return {
+        k: v.astype(declared[k]) if declared.get(k) and v.dtype.kind == "f" else v
+        for k, v in feeds.items()
+    }
+
+
+def profile_times(trace_file: str, nodes: list[dict], runs: int, *, keep: bool) -> dict[str, Any]:
+    """Per-node and per-module kernel time from an ONNX Runtime profile (mean per run, s), with
+    each node's manifest FLOPs (its share, counted once) and achieved FLOP/s; the profile file
+    is removed unless ``keep``. A kernel ORT fused from several nodes is named by its first."""
+    events = json.loads(Path(trace_file).read_text())
+    if not keep:
+        Path(trace_file).unlink(missing_ok=True)
+    by_node = {n["onnx_node"]: n for n in nodes}
+    node_s: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") != "Node" or not e.get("name", "").endswith("_kernel_time"):
+            continue
+        name = e["name"][: -len("_kernel_time")]
+        if name.startswith("fused "):  # "fused node_addmm/GemmTransposeFusion/": first node
+            name = name[len("fused ") :].split("/", 1)[0]
+        name = name.split("/", 1)[0]
+        node_s[name] = node_s.get(name, 0.0) + e.get("dur", 0) * 1e-6 / runs
+    top = sorted(node_s.items(), key=lambda kv: -kv[1])[:15]
+    modules: dict[str, float] = {}
+    op_types: dict[str, float] = {}
+    for name, s in node_s.items():
+        m = (by_node.get(name) or {}).get("module") or "(model)"
+        modules[m] = modules.get(m, 0.0) + s
+        op = (by_node.get(name) or {}).get("op_type") or "(ORT's own)"
+        op_types[op] = op_types.get(op, 0.0) + s
+    return {
+        "top_nodes": [
+            {
+                "onnx_node": n,
+                "seconds": s,
+                **{
+                    k: (by_node.get(n) or {}).get(k)
+                    for k in ("op_type", "graphflop_node", "module", "role", "flops", "bytes")
+                },
+                "flops_per_s": ((by_node.get(n) or {}).get("flops") or 0) / s if s else None,
+            }
+            for n, s in top
+        ],
+        "modules": dict(sorted(modules.items(), key=lambda kv: -kv[1])),
+        "op_types": dict(sorted(op_types.items(), key=lambda kv: -kv[1])),
+    }

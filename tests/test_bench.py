@@ -1,0 +1,134 @@
+"""graphflop bench: the bookkeeping of the timing (alternating rounds, quartiles, the noisy
+flag), the three runtimes on a BatchNorm model, direction sampling inside the step, and where
+--profile writes. No timing is asserted: the machine is shared."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+from conftest import spec
+from torch import nn
+
+from graphflop.analysis import analyze
+from graphflop.load import load, make_inputs
+from graphflop.runtime import timing
+from graphflop.runtime.bench import (
+    PHASES,
+    SAMPLING,
+    bench_graph_torch,
+    bench_onnxruntime,
+    bench_torch,
+    timing_report,
+)
+from graphflop.runtime.timing import Timing, summarize, time_phases
+
+
+def test_rounds_alternate_and_quartiles_are_the_runs(monkeypatch):
+    calls = []
+    clock = iter(range(1000))  # each perf_counter read advances one tick
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
+    fns = {k: (lambda i, k=k: calls.append((k, i))) for k in ("a", "b", "c")}
+    t = time_phases(fns, warmup=1, repeat=3, sync=lambda: None)
+    # one warm-up round, then three timed rounds, each running a, b, c once in order
+    warm = [("a", 0), ("b", 0), ("c", 0)]
+    assert calls == warm + [(k, i) for i in (0, 1, 2) for k in ("a", "b", "c")]
+    for k in fns:  # every run read the clock twice, consecutive ticks: 1 s each
+        assert t[k].times == (1.0, 1.0, 1.0) and t[k].median_s == 1.0 and t[k].runs == 3
+
+
+def test_spread_flags_a_noisy_phase():
+    # statistics.quantiles([1, 2, 3, 4, 5], n=4) (exclusive method) = [1.5, 3, 4.5]
+    t = summarize([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert (t.median_s, t.q1_s, t.q3_s) == (3.0, 1.5, 4.5)
+    assert t.spread == pytest.approx(3.0 / 3.0) and t.noisy
+    quiet = summarize([1.0, 1.01, 1.02, 0.99, 1.0])  # quartiles 0.995–1.015: 2% of 1.0
+    assert quiet.spread == pytest.approx(0.02) and not quiet.noisy
+    lines = timing.noisy_phases({"onnxruntime": {"forward": t, "train_step": quiet}})
+    assert len(lines) == 1 and "onnxruntime forward" in lines[0] and "100%" in lines[0]
+
+
+def test_round_ratios_are_per_round():
+    f = Timing(1.0, 1.0, 1.0, 3, (1.0, 2.0, 4.0))
+    tr = Timing(2.0, 2.0, 2.0, 3, (2.0, 6.0, 4.0))  # per-round Rb: 2, 3, 1
+    fg = Timing(3.0, 3.0, 3.0, 3, (3.0, 2.0, 4.0))  # per-round Rf: 3, 1, 1
+    doc = timing_report(
+        {"forward": f, "train_step": tr, "forward_gradient_step": fg},
+        {k: 1 for k in PHASES},
+        "onnxruntime",
+    )
+    assert doc["round_ratios"]["Rb"]["median"] == statistics.median([2.0, 3.0, 1.0])
+    assert doc["round_ratios"]["Rf"]["median"] == 1.0
+    assert doc["ratios"]["Rf"] == 3.0 and doc["ratios"]["Rb"] == 2.0  # ratios of medians
+    assert doc["sampling_in_step"] is True and doc["sampling"] == SAMPLING["onnxruntime"]
+
+
+class LinearBatchNorm(nn.Module):
+    """Linear → BatchNorm1d → ReLU → Linear: running statistics change in every train step."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 5)
+        self.bn = nn.BatchNorm1d(5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+def test_batchnorm_model_benches_on_every_runtime(tmp_path):
+    model = LinearBatchNorm().train()
+    x = torch.randn(4, 6)
+    a = analyze(model, (x,))
+    kw = dict(warmup=1, repeat=2, rotate=2)
+    before = model.bn.running_mean.clone()
+    t = {
+        "torch": bench_torch(a, model, device="cpu", **kw),
+        "graph_torch": bench_graph_torch(a, model, device="cpu", **kw),
+        "onnxruntime": bench_onnxruntime(a, model, provider="CPUExecutionProvider", **kw)[0],
+    }
+    for rt, phases in t.items():
+        assert set(phases) == set(PHASES), rt
+        assert all(p.runs == 2 and p.q1_s <= p.median_s <= p.q3_s for p in phases.values()), rt
+    # the eager steps updated the running statistics (train step and torch.func.jvp alike)
+    assert not torch.equal(model.bn.running_mean, before)
+
+
+def test_graph_torch_samples_a_new_direction_each_step():
+    """The forward-gradient graph graph_torch runs draws its direction inside: two calls on
+    the same inputs give different directional derivatives (the last output)."""
+    from graphflop.export.onnx import graph_io_names
+    from graphflop.runtime.bench import _step_feeds
+    from graphflop.runtime.graphs import on_device, step_graphs
+
+    real = load(spec("logreg.py"))
+    a = analyze(real.model, make_inputs(real, batch=4))
+    graphs = step_graphs(a, kinds=("forward_gradient_step",), sampling=True)
+    ins = graph_io_names("forward_gradient_step", graphs["forward_gradient_step"])[0]
+    assert not [n for n in ins if n.startswith("direction")]  # no direction is fed
+    args = _step_feeds(graphs, a, real.model, 1, 0.1)["forward_gradient_step"][0]
+    gm = on_device(graphs["forward_gradient_step"], "cpu")
+    with torch.no_grad():
+        d1, d2 = gm(*args)[-1], gm(*args)[-1]
+    assert torch.isfinite(d1) and not torch.equal(d1, d2)
+
+
+@pytest.mark.slow
+def test_cli_bench_all_runtimes_and_profile_under_out(tmp_path, monkeypatch):
+    from graphflop.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    out, res = tmp_path / "run", tmp_path / "bench.json"
+    argv = ["bench", spec("logreg.py"), "--batch", "4", "--device", "cpu", "--warmup", "0"]
+    argv += ["--repeat", "2", "--profile", "--out", str(out), "--json", str(res)]
+    assert main(argv) == 0
+    d = json.loads(res.read_text())
+    assert list(d["runtimes"]) == ["torch", "graph_torch", "onnxruntime"]
+    for doc in d["runtimes"].values():
+        assert doc["sampling_in_step"] is True
+        assert set(doc["round_ratios"]) == {"Rf", "Rb", "Rf_over_Rb"}
+    kinds = sorted(p.name.split("_2")[0] for p in (out / "profile").iterdir())
+    assert kinds == ["forward", "forward_gradient_step", "train_step"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "run"]  # cwd: nothing
