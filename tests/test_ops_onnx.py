@@ -57,6 +57,11 @@ FAMILIES = [
     "avgpool2d_ceil_pad",
     "matmul_dot",
     "einsum_heads",
+    "sort",
+    "kthvalue",
+    "cumprod",
+    "embedding_bag_max",
+    "embedding_bag_per_sample_weights",
 ]
 SELECTED = COVER + [n for n in FAMILIES if n not in COVER]
 

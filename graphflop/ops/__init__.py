@@ -19,6 +19,7 @@ from graphflop.ops import (  # noqa: F401  (imported for their registrations)
     recurrent,
     reduction,
     shape,
+    sorting,
 )
 from graphflop.ops.registry import (
     MissingRuleError,
