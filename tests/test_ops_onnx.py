@@ -62,6 +62,7 @@ FAMILIES = [
     "cumprod",
     "embedding_bag_max",
     "embedding_bag_per_sample_weights",
+    "avgpool3d_overlap_exclude_pad",
 ]
 SELECTED = COVER + [n for n in FAMILIES if n not in COVER]
 
