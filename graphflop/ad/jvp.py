@@ -80,7 +80,8 @@ class JvpBuilder(Builder):
 
 
 def _is_float(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and v.is_floating_point()
+    """Whether ``v`` carries a tangent: a floating-point or complex tensor."""
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
 
 def _needed(graph: Graph, outputs: list[Node]) -> set[Node]:
@@ -260,7 +261,7 @@ class _Linearizer:
         ):
             t = rule.jvp(self.b, self.env[n], args, arg_t, kwargs)
         val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+        if isinstance(val, torch.Tensor) and not _is_float(val):
             t = None
         if t is not None:
             self.tan[n] = t

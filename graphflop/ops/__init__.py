@@ -20,6 +20,7 @@ from graphflop.ops import (  # noqa: F401  (imported for their registrations)
     reduction,
     shape,
     sorting,
+    spectral,
 )
 from graphflop.ops.registry import (
     MissingRuleError,

@@ -22,7 +22,8 @@ Conventions:
   ``tests/test_ops.py`` marks those checks ``xfail(strict=True)``.
 
 Layout: :mod:`.core` holds :class:`OpCase` and the helpers; one module per op family holds
-its cases (``linalg``, ``conv``, ``elementwise``, ``reduction``, ``pool``, ``shape``, ``sorting``, ``models``),
+its cases (``linalg``, ``conv``, ``elementwise``, ``reduction``, ``pool``, ``shape``, ``sorting``, ``spectral``, ``embedding``,
+``models``),
 mirroring ``graphflop/ops/``. A new op's case goes into its family's module.
 """
 
@@ -53,6 +54,7 @@ from graphflop.testing.opdb.pool import POOL, POOL_MORE
 from graphflop.testing.opdb.reduction import NORM_LOSS, NORM_MORE, REDUCTION, REDUCTION_MORE
 from graphflop.testing.opdb.shape import SHAPE, SHAPE_MORE
 from graphflop.testing.opdb.sorting import SORTING
+from graphflop.testing.opdb.spectral import SPECTRAL
 
 OP_DB: list[OpCase] = (
     LINALG
@@ -75,6 +77,7 @@ OP_DB: list[OpCase] = (
     + NORM_MORE
     + SORTING
     + EMBEDDING_BAG
+    + SPECTRAL
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
@@ -105,6 +108,7 @@ __all__ = [
     "SHAPE",
     "SHAPE_MORE",
     "SORTING",
+    "SPECTRAL",
     "UNARY",
     "UNARY_MORE",
     "W",
