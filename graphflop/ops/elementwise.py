@@ -48,6 +48,8 @@ _PIECEWISE_CONSTANT = (
     aten.logical_not.default,
     aten.logical_and.default,
     aten.bitwise_not.default,
+    aten.isnan.default,  # nan_to_num traces to isnan, where and comparisons
+    aten.isinf.default,
 )
 
 for _op in (
