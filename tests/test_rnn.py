@@ -233,3 +233,26 @@ def test_cli_verify_passes(name, tmp_path, capsys):
     assert any("gradient" in n for n in names) and any("JVP" in n for n in names), names
     assert all(c["ok"] for c in doc["verify"]), doc["verify"]
     assert not doc["uncounted"]
+
+
+def test_scale_grad_by_freq_bag_is_counted_and_reported():
+    """sum mode with scale_grad_by_freq is traced whole: n·d = 20·16 = 320 adds; PyTorch's
+    gradient is then not the derivative, so there is no JVP rule: the backward is cut there
+    and the op listed (partial results), with --strict's error naming embedding.py."""
+
+    class Freq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(VOCAB, EMB, mode="sum", scale_grad_by_freq=True)
+
+        def forward(self, tokens):
+            return self.bag(tokens)
+
+    a = graphflop.analyze(Freq(), (bag_tokens(),), loss="sum")
+    assert a.report.layer("bag").forward_flops == 320
+    (gap,) = a.report.uncounted
+    assert (gap.op, gap.missing) == ("aten._embedding_bag.default", ("jvp",))
+    assert not a.report.totals.backward.complete
+    with pytest.raises(graphflop.MissingRuleError, match="graphflop/ops/embedding.py"):
+        with graphflop.ops.strict_rules():
+            graphflop.analyze(Freq(), (bag_tokens(),), loss="sum")

@@ -244,22 +244,23 @@ class _Linearizer:
             return
         try:
             rule = lookup(n.target, need=("jvp",), node=n.name)
+            if rule.zero_derivative or rule.jvp is None:
+                return
+            args = tuple(_map(a, self.env) for a in n.args)
+            kwargs = {k: _map(v, self.env) for k, v in n.kwargs.items()}
+            with self.b.context(
+                source=n.name,
+                module=n.meta.get(MODULE, ""),
+                param_derived=n.meta.get(PARAM_DERIVED, False),
+                ghost=all(is_ghost(t) for t in flat_t),
+            ):
+                # a rule may also refuse some arguments (MissingRuleError) before emitting
+                t = rule.jvp(self.b, self.env[n], args, arg_t, kwargs)
         except MissingRuleError:
             if is_strict():
                 raise
             self.gaps.append(Gap(op_name(n.target), n.name, n.meta.get(MODULE, ""), "jvp"))
             return  # the tangent is cut here: what depends on it is not built
-        if rule.zero_derivative or rule.jvp is None:
-            return
-        args = tuple(_map(a, self.env) for a in n.args)
-        kwargs = {k: _map(v, self.env) for k, v in n.kwargs.items()}
-        with self.b.context(
-            source=n.name,
-            module=n.meta.get(MODULE, ""),
-            param_derived=n.meta.get(PARAM_DERIVED, False),
-            ghost=all(is_ghost(t) for t in flat_t),
-        ):
-            t = rule.jvp(self.b, self.env[n], args, arg_t, kwargs)
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor) and not _is_float(val):
             t = None

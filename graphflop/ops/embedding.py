@@ -14,7 +14,13 @@ import torch
 
 from graphflop.meta import NodeCost
 from graphflop.ops._common import free, numel, shape
-from graphflop.ops.registry import def_jvp, def_transpose, register, register_decomposition
+from graphflop.ops.registry import (
+    MissingRuleError,
+    def_jvp,
+    def_transpose,
+    register,
+    register_decomposition,
+)
 
 aten = torch.ops.aten
 F = "embedding"
@@ -162,14 +168,12 @@ def _jvp_bag(b, out, args, tangents, kwargs):
     PyTorch's gradient is then not the derivative (it is divided by each index's frequency).
 
     Raises:
-        NotImplementedError: a mode other than max (``scale_grad_by_freq`` sum/mean).
+        MissingRuleError: a mode other than max (``scale_grad_by_freq`` sum/mean): the
+            JVP is cut there and the op reported, as for an op without a JVP rule.
     """
     a = _bag_args(args, kwargs)
     if a["mode"] != 2:
-        raise NotImplementedError(
-            "EmbeddingBag with scale_grad_by_freq=True has no derivative rule (its gradient is "
-            "scaled by each index's frequency): add it in graphflop/ops/embedding.py"
-        )
+        raise MissingRuleError(aten._embedding_bag.default, ("jvp",))
     if tangents[0] is None:
         return None
     t = b.call(aten.gather.default, tangents[0], 0, b.getitem(out, 3))
