@@ -63,6 +63,7 @@ FAMILIES = [
     "embedding_bag_max",
     "embedding_bag_per_sample_weights",
     "avgpool3d_overlap_exclude_pad",
+    "fft2_imag",
 ]
 SELECTED = COVER + [n for n in FAMILIES if n not in COVER]
 
