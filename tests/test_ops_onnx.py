@@ -57,6 +57,13 @@ FAMILIES = [
     "avgpool2d_ceil_pad",
     "matmul_dot",
     "einsum_heads",
+    "sort",
+    "kthvalue",
+    "cumprod",
+    "embedding_bag_max",
+    "embedding_bag_per_sample_weights",
+    "avgpool3d_overlap_exclude_pad",
+    "fft2_imag",
 ]
 SELECTED = COVER + [n for n in FAMILIES if n not in COVER]
 

@@ -149,6 +149,14 @@ def test_strict_rules_raises_in_the_library():
         (aten.mkldnn_rnn_layer.default, "recurrent"),
         (aten.convolution.default, "conv"),
         (aten._embedding_bag.default, "embedding"),
+        (aten._embedding_bag_forward_only.default, "embedding"),
+        (aten.sort.stable, "sorting"),
+        (aten._fft_c2r.default, "spectral"),
+        (aten.view_as_complex.default, "spectral"),
+        (aten.conj_physical.default, "spectral"),
+        (aten.cumprod.default, "reduction"),
+        (aten._grouped_mm.default, "linalg"),
+        (aten.avg_pool3d.default, "pool"),
     ],
 )
 def test_missing_rule_error_names_the_right_file(op, family):

@@ -76,3 +76,37 @@ def test_avg_pool_backward_counts_as_pooling():
     ops = {(r["op"], r["phase"]): r["flops"] for r in a.report.to_dict()["ops"]}
     assert ops[("aten.col2im.default", "backward")] == 9 * 32
     assert ops[("aten.avg_pool2d.default", "forward")] == 9 * 32
+
+
+class Pool3d(nn.Module):
+    """conv3d (2 → 4, 1x1x1) → avg_pool3d ``kernel`` / ``stride`` → linear head."""
+
+    def __init__(self, kernel, stride, padding=0) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 1, bias=False)
+        self.kernel, self.stride, self.padding = kernel, stride, padding
+        self.fc = nn.Linear(4 * 8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.avg_pool3d(self.conv(x), self.kernel, self.stride, self.padding)
+        return self.fc(h.flatten(1))
+
+
+def test_avg_pool3d_backward_counts_as_pooling():
+    """avg_pool3d 2x2x2 s2 on (1, 4, 4, 4, 4) (a conv3d's output): 32 outputs. Its transpose:
+    scale 32; spread over (D, H) with W folded into the planes, col2im of 32·2·2 = 128; over
+    W with (D, H) folded in: planes c·eD·eH = 4·4·4 = 64, each with oW = 2 values copied kW = 2
+    times: col2im of 256; 32 + 128 + 256 = 416 = 32·(1 + 4 + 8), no matrix FLOPs. Backward
+    matrix FLOPs: fc 2·(2·32·3) = 384 and the conv's weight gradient 2·4·2·64 = 1,024 (its
+    input gradient pruned) = FlopCounterMode's."""
+    torch.manual_seed(0)
+    model, x = Pool3d(2, 2), torch.randn(1, 2, 4, 4, 4)
+    a = analyze(model, (x,), jvp=False)
+    d = a.report.to_dict()
+    ops = {(r["op"], r["phase"]): r["flops"] for r in d["ops"]}
+    assert ops[("aten.col2im.default", "backward")] == 128 + 256
+    assert ops[("aten.avg_pool3d.default", "forward")] == 8 * 32
+    assert d["totals"]["backward"]["mm_flops"] == 384 + 1_024
+    assert (d["totals"]["forward"]["mm_flops"], d["totals"]["backward"]["mm_flops"]) == (
+        _flop_counter(model, x)
+    )

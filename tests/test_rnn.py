@@ -151,3 +151,108 @@ def test_taggers_verify_against_torch_func(cls):
     loaded.model = model
     checks = verify_analysis(loaded, (x,), a)
     assert checks and all(c.ok for c in checks), [(c.name, c.worst_rel_error) for c in checks]
+
+
+# --- EmbeddingBag ---------------------------------------------------------------------------
+
+BAGS, BAG_LEN = 4, 5  # 2-D tokens (4, 5): n = 20 indices into 4 bags of 5
+
+
+class BagClassifier(nn.Module):
+    """EmbeddingBag (50×16, 2-D tokens: one bag per row) → Linear(16, 10) per bag."""
+
+    def __init__(self, mode: str = "mean"):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(VOCAB, EMB, mode=mode)
+        self.head = nn.Linear(EMB, TAGS)
+
+    def forward(self, tokens):
+        return self.head(self.bag(tokens))
+
+
+class MaxBagClassifier(BagClassifier):
+    def __init__(self):
+        super().__init__("max")
+
+
+def bag_tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BAGS, BAG_LEN))
+
+
+# mean (n = 20 indices, d = 16, B = 4 bags), traced as its parts (graphflop/ops/embedding.py):
+#   bag ids: index_add of B − 1 = 3 ones + cumsum of n + 1 = 21          24
+#   rows looked up (embedding) 0; summed into bags: index_add n·d = 320    320
+#   bag counts: index_add of n = 20 ones; clamp_min B = 4; divide B·d = 64  88
+# head: addmm 2·4·16·10 = 1,280 matrix + 4·10 = 40 bias                  1,320
+BAG_MEAN_FORWARD = 24 + 320 + 88 + 1_280 + 40  # 1,752
+# max: traced whole, 1 comparison per looked-up element n·d = 320; head 1,320
+BAG_MAX_FORWARD = 320 + 1_280 + 40  # 1,640
+BAG_MM = 1_280
+
+
+@pytest.mark.parametrize(
+    ("cls", "flops"), [(BagClassifier, BAG_MEAN_FORWARD), (MaxBagClassifier, BAG_MAX_FORWARD)]
+)
+def test_embedding_bag_counts_by_hand(cls, flops):
+    a = graphflop.analyze(cls(), (bag_tokens(),), backward=False, jvp=False)
+    assert _model_flops(a) == (flops, BAG_MM)
+    assert a.report.totals.forward.complete and not a.report.uncounted
+
+
+# --- the CLI's --verify on each tagger --------------------------------------------------------
+
+CLI_MODELS = {
+    "LstmTagger": "tokens",
+    "GruTagger": "tokens",
+    "BagClassifier": "bag_tokens",
+    "MaxBagClassifier": "bag_tokens",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLI_MODELS))
+def test_cli_verify_passes(name, tmp_path, capsys):
+    """``inspect --verify`` (float64: gradients vs torch.func.grad, the JVP vs torch.func.jvp or,
+    for EmbeddingBag, which has no forward-mode formula in PyTorch, vs <gradient, direction>)."""
+    import json
+
+    from graphflop.cli import main
+
+    path = tmp_path / "model.py"
+    path.write_text(
+        f"from test_rnn import {name}, {CLI_MODELS[name]}\n\n\n"
+        f"def example_inputs():\n    return ({CLI_MODELS[name]}(),)\n"
+    )
+    out = tmp_path / "out.json"
+    rc = main(
+        ["inspect", f"{path}:{name}", "--verify", "--verify-samples", "0", "--json", str(out)]
+    )
+    err = capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    assert rc == 0, err
+    names = {c["check"] for c in doc["verify"]}
+    assert any("gradient" in n for n in names) and any("JVP" in n for n in names), names
+    assert all(c["ok"] for c in doc["verify"]), doc["verify"]
+    assert not doc["uncounted"]
+
+
+def test_scale_grad_by_freq_bag_is_counted_and_reported():
+    """sum mode with scale_grad_by_freq is traced whole: n·d = 20·16 = 320 adds; PyTorch's
+    gradient is then not the derivative, so there is no JVP rule: the backward is cut there
+    and the op listed (partial results), with --strict's error naming embedding.py."""
+
+    class Freq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(VOCAB, EMB, mode="sum", scale_grad_by_freq=True)
+
+        def forward(self, tokens):
+            return self.bag(tokens)
+
+    a = graphflop.analyze(Freq(), (bag_tokens(),), loss="sum")
+    assert a.report.layer("bag").forward_flops == 320
+    (gap,) = a.report.uncounted
+    assert (gap.op, gap.missing) == ("aten._embedding_bag.default", ("jvp",))
+    assert not a.report.totals.backward.complete
+    with pytest.raises(graphflop.MissingRuleError, match="graphflop/ops/embedding.py"):
+        with graphflop.ops.strict_rules():
+            graphflop.analyze(Freq(), (bag_tokens(),), loss="sum")

@@ -80,7 +80,8 @@ class JvpBuilder(Builder):
 
 
 def _is_float(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and v.is_floating_point()
+    """Whether ``v`` carries a tangent: a floating-point or complex tensor."""
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
 
 def _needed(graph: Graph, outputs: list[Node]) -> set[Node]:
@@ -243,24 +244,25 @@ class _Linearizer:
             return
         try:
             rule = lookup(n.target, need=("jvp",), node=n.name)
+            if rule.zero_derivative or rule.jvp is None:
+                return
+            args = tuple(_map(a, self.env) for a in n.args)
+            kwargs = {k: _map(v, self.env) for k, v in n.kwargs.items()}
+            with self.b.context(
+                source=n.name,
+                module=n.meta.get(MODULE, ""),
+                param_derived=n.meta.get(PARAM_DERIVED, False),
+                ghost=all(is_ghost(t) for t in flat_t),
+            ):
+                # a rule may also refuse some arguments (MissingRuleError) before emitting
+                t = rule.jvp(self.b, self.env[n], args, arg_t, kwargs)
         except MissingRuleError:
             if is_strict():
                 raise
             self.gaps.append(Gap(op_name(n.target), n.name, n.meta.get(MODULE, ""), "jvp"))
             return  # the tangent is cut here: what depends on it is not built
-        if rule.zero_derivative or rule.jvp is None:
-            return
-        args = tuple(_map(a, self.env) for a in n.args)
-        kwargs = {k: _map(v, self.env) for k, v in n.kwargs.items()}
-        with self.b.context(
-            source=n.name,
-            module=n.meta.get(MODULE, ""),
-            param_derived=n.meta.get(PARAM_DERIVED, False),
-            ghost=all(is_ghost(t) for t in flat_t),
-        ):
-            t = rule.jvp(self.b, self.env[n], args, arg_t, kwargs)
         val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+        if isinstance(val, torch.Tensor) and not _is_float(val):
             t = None
         if t is not None:
             self.tan[n] = t

@@ -19,6 +19,8 @@ from graphflop.ops import (  # noqa: F401  (imported for their registrations)
     recurrent,
     reduction,
     shape,
+    sorting,
+    spectral,
 )
 from graphflop.ops.registry import (
     MissingRuleError,

@@ -20,6 +20,7 @@ from graphflop.ops.registry import (
     def_jvp,
     def_transpose,
     def_zero,
+    is_tensor_arg,
     register,
     register_decomposition,
     use_torch_decomposition,
@@ -47,6 +48,8 @@ _PIECEWISE_CONSTANT = (
     aten.logical_not.default,
     aten.logical_and.default,
     aten.bitwise_not.default,
+    aten.isnan.default,  # nan_to_num traces to isnan, where and comparisons
+    aten.isinf.default,
 )
 
 for _op in (
@@ -179,13 +182,32 @@ def _jvp_mul(b, out, args, tangents, kwargs):
     return _fit(b, b.add(t1, t2), out)
 
 
+def _is_complex(v) -> bool:
+    return is_tensor_arg(v) and dtype(v).is_complex
+
+
+def _complex_adjoint(b, g, like):
+    """Over complex numbers the transpose (the real adjoint, PyTorch's gradient convention) of
+    ``t ↦ t·c`` is ``ct ↦ ct·conj(c)`` (:func:`_conj_if_complex` conjugates ``c``), and a real
+    argument's cotangent is the real part: ``g`` (``ct·conj(c)`` or ``ct/conj(c)``) is kept
+    whole for a complex ``like``, its real part for a real one."""
+    if dtype(g).is_complex and not dtype(like).is_complex:
+        g = b.call(aten.select.int, b.call(aten.view_as_real.default, g), -1, 0)
+    return g
+
+
+def _conj_if_complex(b, v):
+    return b.call(aten.conj_physical.default, v) if _is_complex(v) else v
+
+
 @def_transpose(aten.mul.Tensor)
 def _transpose_mul(b, ct, args, kwargs, linear):
     cts = [None, None]
     for i in (0, 1):
         if linear[i]:
-            other = args[1 - i]
-            cts[i] = b.sum_to(b.call(aten.mul.Tensor, ct, other), shape(args[i]))
+            other = _conj_if_complex(b, args[1 - i])
+            g = _complex_adjoint(b, b.call(aten.mul.Tensor, ct, other), args[i])
+            cts[i] = b.sum_to(g, shape(args[i]))
     return cts
 
 
@@ -219,7 +241,9 @@ def _jvp_div(b, out, args, tangents, kwargs):
 def _transpose_div(b, ct, args, kwargs, linear):
     if linear[1]:
         raise ValueError("div is not linear in its divisor")
-    return [b.sum_to(b.call(aten.div.Tensor, ct, args[1]), shape(args[0])), None]
+    y = _conj_if_complex(b, args[1])
+    g = _complex_adjoint(b, b.call(aten.div.Tensor, ct, y), args[0])
+    return [b.sum_to(g, shape(args[0])), None]
 
 
 @def_jvp(aten.div.Scalar)
@@ -304,6 +328,15 @@ def _jvp_pow_scalar(b, out, args, tangents, kwargs):
 
 @def_jvp(aten.abs.default)
 def _jvp_abs(b, out, args, tangents, kwargs):
+    """Real x: sign(x)·dx. Complex z: d|z| = Re(conj(z)·dz)/|z| = (Re z·Re dz + Im z·Im dz)/|z|,
+    with ``view_as_real`` pairs (linear in dz: a product with a primal, a sum, a divide)."""
+    if dtype(args[0]).is_complex:
+        pairs = b.call(
+            aten.mul.Tensor,
+            b.call(aten.view_as_real.default, tangents[0]),
+            b.call(aten.view_as_real.default, args[0]),
+        )
+        return b.call(aten.div.Tensor, b.call(aten.sum.dim_IntList, pairs, [-1]), out)
     return _scale(b, tangents[0], b.call(aten.sign.default, args[0]))
 
 

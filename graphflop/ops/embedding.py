@@ -12,8 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from graphflop.ops._common import free, shape
-from graphflop.ops.registry import def_jvp, def_transpose, register, register_decomposition
+from graphflop.meta import NodeCost
+from graphflop.ops._common import free, numel, shape
+from graphflop.ops.registry import (
+    MissingRuleError,
+    def_jvp,
+    def_transpose,
+    register,
+    register_decomposition,
+)
 
 aten = torch.ops.aten
 F = "embedding"
@@ -80,8 +87,8 @@ def _embedding_bag(
     per bag element). Each index's bag comes from the offsets: ``index_add`` of ones at
     ``offsets[1:]`` (B − 1 adds, integers) and a ``cumsum`` (n + 1). Returns PyTorch's four
     outputs (offset2bag, bag sizes and max indices as PyTorch's CPU kernel fills them for
-    sum/mean). ``max`` mode and ``scale_grad_by_freq`` are not decomposed (traced whole, no
-    rule: reported as uncounted)."""
+    sum/mean). ``max`` mode and ``scale_grad_by_freq`` are not decomposed: they are traced whole
+    (see :func:`_bag_cost` and :func:`_jvp_bag`)."""
     if mode not in (0, 1) or scale_grad_by_freq or indices.dim() != 1:
         return NotImplemented
     n, d = indices.shape[0], weight.shape[1]
@@ -112,3 +119,69 @@ def _embedding_bag(
     sizes = aten._to_copy.default(counts, dtype=torch.int64)
     max_idx = aten.zeros.default([nb], dtype=torch.int64, device=indices.device)
     return out, bag, sizes, max_idx
+
+
+_BAG_OPS = (aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+
+
+def _bag_args(args, kwargs) -> dict:
+    names = (
+        "weight",
+        "indices",
+        "offsets",
+        "scale_grad_by_freq",
+        "mode",
+        "sparse",
+        "per_sample_weights",
+        "include_last_offset",
+        "padding_idx",
+    )
+    defaults = (None, None, None, False, 0, False, None, False, -1)
+    got = dict(zip(names, defaults))
+    got.update(zip(names, args))
+    got.update(kwargs)
+    return got
+
+
+def _bag_cost(out, *args, **kwargs) -> NodeCost:
+    """``_embedding_bag`` traced whole (max mode; sum/mean with ``scale_grad_by_freq``), with
+    ``n = numel(indices)`` looked-up rows of width ``d`` into ``B`` bags: max 1 comparison per
+    looked-up element (``n·d``, as ``amax``); sum 1 add per looked-up element (``n·d``, as
+    ``index_add``), mean also 1 divide per output element (``B·d``); per-sample weights 1
+    multiply per looked-up element (``n·d``)."""
+    a = _bag_args(args, kwargs)
+    n, d = numel(a["indices"]), shape(a["weight"])[1]
+    flops = n * d
+    if a["mode"] == 1:
+        flops += numel(out[0])
+    if a["per_sample_weights"] is not None:
+        flops += n * d
+    return NodeCost(flops=flops)
+
+
+def _jvp_bag(b, out, args, tangents, kwargs):
+    """Max mode: each output element is the table element at ``max_indices`` (the op's fourth
+    output), so its tangent is the table tangent gathered there (``gather`` along dim 0, 0
+    FLOPs), zeroed for empty bags (bag size 0: PyTorch returns 0 there and index 0), 1 FLOP per
+    output element; ``gather``'s transpose (``scatter_add``) gives the backward. Ties take the
+    first maximum, as PyTorch's kernels. Sum/mean with ``scale_grad_by_freq`` have no rule:
+    PyTorch's gradient is then not the derivative (it is divided by each index's frequency).
+
+    Raises:
+        MissingRuleError: a mode other than max (``scale_grad_by_freq`` sum/mean): the
+            JVP is cut there and the op reported, as for an op without a JVP rule.
+    """
+    a = _bag_args(args, kwargs)
+    if a["mode"] != 2:
+        raise MissingRuleError(aten._embedding_bag.default, ("jvp",))
+    if tangents[0] is None:
+        return None
+    t = b.call(aten.gather.default, tangents[0], 0, b.getitem(out, 3))
+    nonempty = b.call(aten.gt.Scalar, b.getitem(out, 2), 0)
+    t = b.call(aten.mul.Tensor, t, b.call(aten.unsqueeze.default, nonempty, 1))
+    return (t, None, None, None)
+
+
+for _op in _BAG_OPS:
+    register(_op, F, _bag_cost)
+    def_jvp(_op)(_jvp_bag)

@@ -1,4 +1,4 @@
-"""Matrix products: ``mm``, ``bmm``, ``addmm``. 2 FLOPs per multiply-add, all in ``mm_flops``;
+"""Matrix products: ``mm``, ``bmm``, ``addmm``, ``_grouped_mm`` (cost only). 2 FLOPs per multiply-add, all in ``mm_flops``;
 ``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (FLOPS.md). ``mv`` and ``dot`` are
 traced as ``mm`` (decompositions at the end)."""
 
@@ -40,9 +40,25 @@ def _addmm_cost(out, bias, a, b, *args, **kwargs) -> NodeCost:
     return NodeCost(flops=f + out.shape[0] * out.shape[1], mm_flops=f)
 
 
+def _grouped_mm_cost(out, a, b, offs=None, bias=None, *args, **kwargs) -> NodeCost:
+    """``_grouped_mm(a, b, offs, bias)``, G groups of products (mixture-of-experts layers):
+    2·M·K·N per group, summed. 3-D × 3-D ``(G, M, K)·(G, K, N)``, 2-D × 3-D (``offs`` splits
+    a's M_total rows), 3-D × 2-D (``offs`` splits b's N_total columns): every output element
+    takes K = ``a.shape[-1]`` multiply-adds, 2·numel(out)·K. 2-D × 2-D (``offs`` splits the
+    shared K_total): 2·M·K_total·N. A bias adds 1 per output element, outside ``mm_flops``.
+    Cost only: no JVP or transpose rule (PyTorch's CPU kernel takes no float64, so the op
+    database cannot check one), so a model using it is reported with the backward cut there."""
+    if a.dim() == 2 and b.dim() == 2:
+        f = mm_flops(a.shape[0], a.shape[1], b.shape[1])
+    else:
+        f = 2 * out.numel() * a.shape[-1]
+    return NodeCost(flops=f + (out.numel() if bias is not None else 0), mm_flops=f)
+
+
 register(aten.mm.default, F, _mm_cost)
 register(aten.bmm.default, F, _bmm_cost)
 register(aten.addmm.default, F, _addmm_cost)
+register(aten._grouped_mm.default, F, _grouped_mm_cost)
 
 
 def _transpose_mm(b, ct, args, kwargs, linear):

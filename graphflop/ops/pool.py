@@ -1,9 +1,9 @@
 """Pooling. Max pooling costs (∏k − 1) comparisons per output element, average pooling ∏k
 (adds and one divide) per output element (FLOPS.md). Max pooling's tangent gathers the input
 tangent at the saved indices, so its transpose is a scatter-add of those indices; average
-pooling (2-D and 3-D; 1-D decomposes to 2-D) is linear: its 2-D transpose copies each scaled
+pooling (2-D and 3-D; 1-D decomposes to 2-D) is linear: its transpose copies each scaled
 output gradient over its window and sums them back with ``col2im`` (pooling-class FLOPs, never
-matrix FLOPs; 3-D still a depthwise transposed convolution), dividing by each window's own
+matrix FLOPs; 3-D as two ``col2im`` over pairs of dims), dividing by each window's own
 divisor first where PyTorch's differs between windows (``ceil_mode``,
 ``count_include_pad=False``). ``col2im`` and ``im2col`` (``fold``/``unfold``) are linear and
 transpose to each other. Adaptive average pooling
@@ -100,8 +100,11 @@ def _transpose_avg_pool(nd):
         window's ∏k positions (expand, a copy) and sum the overlapping windows back into place
         with ``col2im`` (1 add per value it places, FLOPS.md's scatter convention): ∏k + 1 FLOPs
         per output-gradient element, none of them matrix FLOPs, as PyTorch's own
-        ``avg_pool2d_backward`` (which ONNX cannot export) spends them. 3-D: a depthwise
-        transposed convolution with a kernel of ones (``col2im`` is 2-D only). Both run
+        ``avg_pool2d_backward`` (which ONNX cannot export) spends them. 3-D (``col2im`` is 2-D
+        only): the same scale, then the window spread one pair of dims at a time
+        (:func:`_spread_3d`): 1 + kD·kH FLOPs per output-gradient element plus kW per element
+        of the (D, H)-spread planes (c·eD·eH·oW·kW; for windows that tile the input, k = s and
+        no padding: 1 + kD·kH + ∏k per output-gradient element), no matrix FLOPs. Both run
         unpadded over the whole padded extent; a ``constant_pad_nd`` crops the padding (and pads
         the trailing positions no window reads with zeros)."""
         x = args[0]
@@ -116,7 +119,7 @@ def _transpose_avg_pool(nd):
         )
         if constant:
             scale = 1.0 / (divisor if divisor is not None else math.prod(k))
-            z = ct if nd != 2 else b.call(aten.mul.Tensor, ct, scale)
+            z = b.call(aten.mul.Tensor, ct, scale)
         else:
             d = _window_counts(b, x, xs, sp_out, k, stride, padding, count_include_pad)
             z, scale = b.call(aten.div.Tensor, ct, d), 1.0
@@ -124,20 +127,7 @@ def _transpose_avg_pool(nd):
         if nd == 2:
             full = _spread_2d(b, z, c, k, stride, sp_out, extent)
         else:
-            z = b.call(aten.view.default, z, [1, c] + sp_out)
-            weight = b.full([c, 1] + k, scale, x)
-            full = b.call(
-                aten.convolution.default,
-                z,
-                weight,
-                None,
-                stride,
-                [0] * nd,
-                [1] * nd,
-                True,
-                [0] * nd,
-                c,
-            )
+            full = _spread_3d(b, z, c, k, stride, sp_out, extent)
         crop = []
         for p, n, f in reversed(list(zip(padding, sp_in, extent))):
             crop += [-p, p + n - f]
@@ -159,6 +149,21 @@ def _spread_2d(b, z, c, k, stride, sp_out, extent):
     cols = b.call(aten.clone.default, cols)
     cols = b.call(aten.view.default, cols, [1, c * kk, L])
     return b.call(aten.col2im.default, cols, extent, k, [1, 1], [0, 0], stride)
+
+
+def _spread_3d(b, z, c, k, stride, sp_out, extent):
+    """:func:`_spread_2d` in 3-D, one pair of dims at a time (a box window is separable): over
+    (D, H) with W folded into the planes (``col2im`` of N·kD·kH values, N = ``z``'s element
+    count), then over W with (D, H) folded in (``col2im`` of c·eD·eH·oW·kW values, ``e`` the
+    extent). Returns ``[1, c, *extent]``."""
+    (od, oh, ow), (ed, eh, ew) = sp_out, extent
+    z = b.call(aten.permute.default, b.call(aten.view.default, z, [c, od, oh, ow]), [0, 3, 1, 2])
+    z = b.call(aten.reshape.default, z, [c * ow, od, oh])
+    dh = _spread_2d(b, z, c * ow, k[:2], stride[:2], [od, oh], [ed, eh])  # [1, c·oW, eD, eH]
+    dh = b.call(aten.permute.default, b.call(aten.view.default, dh, [c, ow, ed, eh]), [0, 2, 3, 1])
+    dh = b.call(aten.reshape.default, dh, [c * ed * eh, ow, 1])
+    full = _spread_2d(b, dh, c * ed * eh, [k[2], 1], [stride[2], 1], [ow, 1], [ew, 1])
+    return b.call(aten.view.default, full, [1, c, ed, eh, ew])
 
 
 def _window_counts(b, x, xs, out_sp, k, stride, padding, count_include_pad):

@@ -1,8 +1,9 @@
 """Reductions: sum, mean, amax/amin, max/min along a dim, argmax/argmin, any/all, var,
-var_mean, cumsum. 1 FLOP per input element; mean adds 1 per output element (FLOPS.md).
+var_mean, cumsum, cumprod. 1 FLOP per input element; mean adds 1 per output element (FLOPS.md).
 ``var_mean`` is counted as a mean plus a variance: 2 per input element and 2 per output element
-(the two divides). ``cumsum`` is 1 per input element; its transpose is a reversed cumsum (flip,
-cumsum, flip).
+(the two divides). ``cumsum`` and ``cumprod`` are 1 per input element; cumsum's transpose is a
+reversed cumsum (flip, cumsum, flip); cumprod's tangent is ``out · cumsum(dx / x)``. Sorting and
+selection (topk, sort, kthvalue) are in :mod:`graphflop.ops.sorting`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ register(aten.mean.default, F, per_input(1, plus_per_output=1))
 register(aten.amax.default, F, per_input(1))
 register(aten.amin.default, F, per_input(1))
 register(aten.cumsum.default, F, per_input(1))
+register(aten.cumprod.default, F, per_input(1))
 
 
 def _var_mean_cost(out, x, *args, **kwargs) -> NodeCost:
@@ -199,22 +201,6 @@ def_jvp(aten.max.dim)(_jvp_max_min_dim)
 def_jvp(aten.min.dim)(_jvp_max_min_dim)
 
 
-def _topk_cost(out, x, k, *args, **kwargs) -> NodeCost:
-    """FLOPS.md: N·⌈log2 k⌉ comparisons per row of N, over every row: numel·⌈log2 k⌉."""
-    return NodeCost(flops=numel(x) * math.ceil(math.log2(max(k, 1))))
-
-
-register(aten.topk.default, F, _topk_cost)
-
-
-@def_jvp(aten.topk.default)
-def _jvp_topk(b, out, args, tangents, kwargs):
-    """The values' tangent is the input tangent gathered at the returned indices (MoE routing)."""
-    x = args[0]
-    dim = (args[2] if len(args) > 2 else kwargs.get("dim", -1)) % max(len(shape(x)), 1)
-    return (b.call(aten.gather.default, tangents[0], dim, b.getitem(out, 1)), None)
-
-
 # --- cumulative sum: linear; its transpose is a reversed cumulative sum --------------------------
 
 
@@ -232,3 +218,17 @@ def _transpose_cumsum(b, ct, args, kwargs, linear):
     if dtype_of(out) != dtype_of(args[0]):
         out = b.call(aten._to_copy.default, out, dtype=dtype_of(args[0]))
     return [out] + [None] * (len(args) - 1)
+
+
+# --- cumulative product: 1 multiply per element; its tangent is out · cumsum(dx / x) -----------
+
+
+@def_jvp(aten.cumprod.default)
+def _jvp_cumprod(b, out, args, tangents, kwargs):
+    """d cumprod(x)ᵢ = Σ_{j ≤ i} (∏_{k ≤ i, k ≠ j} x_k) dx_j = cumprod(x)ᵢ · Σ_{j ≤ i} dx_j / x_j
+    (PyTorch's ``cumprod_jvp`` for inputs without zeros; at an exact zero of ``x`` this gives
+    nan/inf, where PyTorch takes a slower exact path). Linear in the tangent: divide, cumsum,
+    multiply, each with its transpose."""
+    x, dim = args[0], args[1] if len(args) > 1 else kwargs["dim"]
+    ratio = b.call(aten.div.Tensor, tangents[0], x)
+    return b.call(aten.mul.Tensor, b.call(aten.cumsum.default, ratio, dim), out)

@@ -112,7 +112,7 @@ def op_name(op: Any) -> str:
 #: (name fragments, rule file) in the order :func:`guess_family` tries them
 _FAMILY_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("conv",), "conv"),
-    (("fft",), "spectral"),
+    (("fft", "view_as_real", "view_as_complex", "conj", "complex"), "spectral"),
     (("sort", "topk", "kthvalue"), "sorting"),
     (("lstm", "gru", "rnn"), "recurrent"),
     (("embedding",), "embedding"),

@@ -145,14 +145,21 @@ def_linear(aten.clone.default, _transpose_identity)
 
 @def_jvp(aten._to_copy.default)
 def _jvp_to_copy(b, out, args, tangents, kwargs):
-    if not out.meta["val"].dtype.is_floating_point:
+    val = out.meta["val"]
+    if not (val.dtype.is_floating_point or val.dtype.is_complex):
         return None
     return b.call(aten._to_copy.default, tangents[0], **kwargs)
 
 
 @def_transpose(aten._to_copy.default)
 def _transpose_to_copy(b, ct, args, kwargs, linear):
+    """The cast back to the source's dtype; a real source's cotangent is the real part of a
+    complex one (``view_as_real`` and ``select``: the transpose of ``x ↦ x + 0i``)."""
     src = args[0].meta["val"] if isinstance(args[0], torch.fx.Node) else args[0].val
+    if dtype(ct).is_complex and not src.dtype.is_complex:
+        ct = b.call(aten.select.int, b.call(aten.view_as_real.default, ct), -1, 0)
+        if dtype(ct) == src.dtype:
+            return [ct]
     return [b.call(aten._to_copy.default, ct, dtype=src.dtype)]
 
 

@@ -89,6 +89,11 @@ NOT_IN_ZOO: dict[str, tuple[str, ...]] = {
     "aten.add_.Tensor": _DECOMPOSED,
     "aten.sub_.Tensor": _DECOMPOSED,
     "aten.mul_.Tensor": _DECOMPOSED,
+    # a complex product's transpose conjugates its coefficient with conj_physical (a primal
+    # coefficient, never a tangent); torch.conj_physical traces to _conj_physical
+    "aten.conj_physical.default": ("jvp", "transpose"),
+    # the kernel F.embedding_bag picks when no gradient is needed: traced models need one
+    "aten._embedding_bag_forward_only.default": ("jvp",),
     "aten.relu_.default": ("jvp",),
     "aten.sigmoid_.default": ("jvp",),
     "aten.tanh_.default": ("jvp",),

@@ -22,7 +22,8 @@ Conventions:
   ``tests/test_ops.py`` marks those checks ``xfail(strict=True)``.
 
 Layout: :mod:`.core` holds :class:`OpCase` and the helpers; one module per op family holds
-its cases (``linalg``, ``conv``, ``elementwise``, ``reduction``, ``pool``, ``shape``, ``models``),
+its cases (``linalg``, ``conv``, ``elementwise``, ``reduction``, ``pool``, ``shape``, ``sorting``, ``spectral``, ``embedding``,
+``models``),
 mirroring ``graphflop/ops/``. A new op's case goes into its family's module.
 """
 
@@ -46,11 +47,14 @@ from graphflop.testing.opdb.core import (
     randomized,
 )
 from graphflop.testing.opdb.elementwise import BINARY, UNARY, UNARY_MORE
+from graphflop.testing.opdb.embedding import EMBEDDING_BAG
 from graphflop.testing.opdb.linalg import ATTENTION, LINALG, LINALG_MORE
 from graphflop.testing.opdb.models import GAPS, MODELS
 from graphflop.testing.opdb.pool import POOL, POOL_MORE
 from graphflop.testing.opdb.reduction import NORM_LOSS, NORM_MORE, REDUCTION, REDUCTION_MORE
 from graphflop.testing.opdb.shape import SHAPE, SHAPE_MORE
+from graphflop.testing.opdb.sorting import SORTING
+from graphflop.testing.opdb.spectral import SPECTRAL
 
 OP_DB: list[OpCase] = (
     LINALG
@@ -71,6 +75,9 @@ OP_DB: list[OpCase] = (
     + REDUCTION_MORE
     + POOL_MORE
     + NORM_MORE
+    + SORTING
+    + EMBEDDING_BAG
+    + SPECTRAL
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
@@ -81,6 +88,7 @@ __all__ = [
     "CHECKS",
     "CONV",
     "CONV_MORE",
+    "EMBEDDING_BAG",
     "Fn",
     "GAPS",
     "GRAPH_CHECKS",
@@ -99,6 +107,8 @@ __all__ = [
     "Readout",
     "SHAPE",
     "SHAPE_MORE",
+    "SORTING",
+    "SPECTRAL",
     "UNARY",
     "UNARY_MORE",
     "W",

@@ -313,4 +313,13 @@ UNARY_MORE = [
         flops=24,  # eval mode: dropout is the identity (mul 24)
         aten=("aten.mul.Tensor",),
     ),
+    OpCase(
+        "nan_to_num",
+        module_of(lambda s, x: torch.nan_to_num(x * s.w) * s.r, {"w": W}, {"r": X}),
+        (X,),
+        # mul 24; traced as isnan, where (nan), eq, where (+inf), eq, where (−inf): 6·24 = 144;
+        # readout 24
+        flops=24 + 6 * 24 + 24,
+        aten=("aten.isnan.default", "aten.where.self", "aten.eq.Scalar"),
+    ),
 ]

@@ -145,7 +145,34 @@ POOL_MORE = [
         ),
         ((1, 2, 4, 4, 4),),
         flops=128 + 8 * 16 + 16,
-        aten=("aten.avg_pool3d.default",),
+        aten=("aten.avg_pool3d.default", "aten.col2im.default"),
+    ),
+    OpCase(
+        "avgpool3d_overlap_exclude_pad",
+        module_of(
+            lambda s, x: (
+                F.avg_pool3d(x * s.w, (3, 2, 3), (2, 1, 2), (1, 0, 1), count_include_pad=False)
+                * s.r
+            ),
+            {"w": (5, 4, 5)},
+            {"r": (1, 2, 3, 3, 3)},
+        ),
+        ((1, 2, 5, 4, 5),),
+        # mul 200; output D (5 + 2 − 3)/2 + 1 = 3, H 3, W 3: 54 outputs, 18 each: 972; readout 54
+        flops=200 + 18 * 54 + 54,
+        aten=("aten.avg_pool3d.default", "aten.col2im.default", "aten.arange.start_step"),
+    ),
+    OpCase(
+        "avgpool3d_ceil",
+        module_of(
+            lambda s, x: F.avg_pool3d(x * s.w, 2, 2, ceil_mode=True) * s.r,
+            {"w": (5, 4, 5)},
+            {"r": (1, 2, 3, 2, 3)},
+        ),
+        ((1, 2, 5, 4, 5),),
+        # mul 200; output D ⌈3/2⌉ + 1 = 3, H 2, W 3: 36 outputs, 8 each: 288; readout 36
+        flops=200 + 8 * 36 + 36,
+        aten=("aten.avg_pool3d.default", "aten.col2im.default"),
     ),
     OpCase(
         "maxpool1d",

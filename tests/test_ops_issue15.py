@@ -1,0 +1,47 @@
+"""Rules of issue 15 checked outside the op database: ``aten._grouped_mm`` (cost only: PyTorch's
+CPU kernel takes no float64, so the database's float64 checks cannot run it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphflop
+
+
+class Grouped(nn.Module):
+    """``torch._grouped_mm(x, w, offs)``: 2-D × 3-D with row offsets, or 3-D × 3-D."""
+
+    def __init__(self, three_d: bool):
+        super().__init__()
+        self.three_d = three_d
+        self.w = nn.Parameter(torch.randn(2, 16, 8))
+        self.register_buffer("offs", torch.tensor([2, 6], dtype=torch.int32))
+
+    def forward(self, x):
+        if self.three_d:
+            return torch._grouped_mm(x, self.w)
+        return torch._grouped_mm(x, self.w, self.offs)
+
+
+@pytest.mark.parametrize(
+    ("three_d", "x_shape", "flops"),
+    [
+        # 2-D × 3-D: 6 rows split 2 + 4 over 2 experts of 16×8: 2·(2 + 4)·16·8 = 1,536
+        (False, (6, 16), 2 * 6 * 16 * 8),
+        # 3-D × 3-D: 2 groups of (5×16)·(16×8): 2·2·5·16·8 = 2,560
+        (True, (2, 5, 16), 2 * 2 * 5 * 16 * 8),
+    ],
+)
+def test_grouped_mm_cost_by_hand(three_d, x_shape, flops):
+    with torch.device("meta"):  # the meta kernel takes bfloat16 only
+        model = Grouped(three_d).to(torch.bfloat16)
+    x = torch.empty(x_shape, device="meta", dtype=torch.bfloat16)
+    a = graphflop.analyze(model, (x,), loss="sum", jvp=False)
+    fwd = [r for r in a.report.ops if r.phase == "forward" and r.op == "aten._grouped_mm.default"]
+    assert [(r.flops, r.mm_flops) for r in fwd] == [(flops, flops)]
+    # no derivative rules: the backward is cut there and says so
+    (gap,) = a.report.uncounted
+    assert gap.op == "aten._grouped_mm.default" and "cost" not in gap.missing
+    assert not a.report.totals.backward.complete
