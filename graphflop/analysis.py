@@ -20,8 +20,9 @@ from torch import nn
 from torch.fx import GraphModule
 
 from graphflop.frontend.trace import trace
-from graphflop.meta import LINEARIZED, SIGNATURE
+from graphflop.meta import LINEARIZED, LOSS_KIND, SIGNATURE
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
+from graphflop.passes.compiled_memory import compiled_report_memory
 from graphflop.passes.flops import AnnotateFlops
 from graphflop.passes.forward_gradient import BuildForwardGradientStep
 from graphflop.passes.infra import run_passes
@@ -102,14 +103,17 @@ def analyze(
         progress: called with a short message before each stage.
         memory_model: ``eager`` (default: what eager PyTorch autograd saves and allocates on
             ``device``, ``cpu`` or ``cuda``) or ``graph`` (graphflop's own graphs in their node
-            order); see :mod:`graphflop.passes.eager_memory`.
+            order); see :mod:`graphflop.passes.eager_memory`; or ``compiled`` (what
+            ``torch.compile``'s AOTAutograd min-cut partition saves and recomputes:
+            :mod:`graphflop.passes.compiled_memory`).
 
     Raises:
         TraceError, MissingRuleError, ValueError: see the passes.
     """
-    if memory_model not in ("eager", "graph") or device not in ("cpu", "cuda"):
+    if memory_model not in ("eager", "graph", "compiled") or device not in ("cpu", "cuda"):
         raise ValueError(
-            f"unknown memory model {memory_model!r} on {device!r}: eager or graph, on cpu or cuda"
+            f"unknown memory model {memory_model!r} on {device!r}: eager, graph or compiled, "
+            "on cpu or cuda"
         )
     with _no_gc():
         return _analyze(
@@ -187,9 +191,15 @@ def _analyze(
         name=name,
         optimizer=optimizer,
         tangents=tangents,
-        memory_model=memory_model,
+        memory_model="eager" if memory_model == "compiled" else memory_model,
         device=device,
     )
+    if memory_model == "compiled":
+        say("partitioning the joint graph as torch.compile does")
+        mem = compiled_report_memory(
+            report.memory, model, example_inputs, fwd.meta.get(LOSS_KIND, "none"), optimizer, device
+        )
+        report = replace(report, memory=mem)
     return Analysis(
         name, fwd, report, g.backward, g.jvp, g.update, forward_gradient=g.forward_gradient
     )

@@ -274,6 +274,9 @@ class Memory:
             reports written before issue 16 (``graph``).
         device: the device the eager model describes (``cpu`` or ``cuda``).
         describes: figure name -> the execution that figure describes, in words.
+        compiled: under ``memory_model`` ``compiled``, both AOTAutograd partitions (saved
+            bytes, recomputed nodes and their FLOPs, peaks:
+            :meth:`graphflop.passes.compiled_memory.CompiledMemory.to_dict`).
     """
 
     params_bytes: int
@@ -286,6 +289,7 @@ class Memory:
     memory_model: str | None = None
     device: str | None = None
     describes: dict[str, str] | None = None
+    compiled: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in _fields_dict(self).items() if v is not None}

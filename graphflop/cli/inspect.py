@@ -62,9 +62,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--memory-model",
         default="eager",
-        choices=["eager", "graph"],
+        choices=["eager", "graph", "compiled"],
         help="what the memory figures describe: eager (default) what eager PyTorch autograd "
-        "saves and allocates on --memory-device; graph: graphflop's own graphs in their order",
+        "saves and allocates on --memory-device; graph: graphflop's own graphs in their order; "
+        "compiled: what torch.compile's AOTAutograd min-cut partition saves, and the FLOPs it "
+        "recomputes (inductor not run)",
     )
     p.add_argument(
         "--memory-device",

@@ -1,0 +1,414 @@
+"""The compiled memory model: what ``torch.compile``'s AOTAutograd partitioner saves for backward.
+
+``torch.compile`` traces the forward and the backward of a model into one joint graph
+(AOTAutograd) and cuts it in two: the forward graph returns, beside its outputs, the values the
+backward graph reads (the saved tensors), and a value that is cheap to recompute from other saved
+values may be recomputed in the backward instead of saved. The cut is
+``torch._functorch.partitioners.min_cut_rematerialization_partition`` (a min-cut over the joint
+graph; its recomputation is extra work no FLOP counter reports); ``default_partition`` saves every
+forward value the backward reads and recomputes nothing.
+
+:func:`compiled_memory` builds the joint graph of the model plus graphflop's loss exactly as the
+``aot_eager_decomp_partition`` backend of ``torch.compile`` does (Inductor's decomposition table,
+the min-cut partitioner with ``compiler="inductor"``, nothing compiled), on FakeTensors (no
+memory is allocated, no kernel runs), runs both partitioners on it and reports for each
+(:class:`Partition`): the saved bytes, the forward nodes recomputed in the backward and their
+FLOPs under graphflop's cost rules (:func:`graphflop.passes.flops.op_cost`), and the peak of the
+compiled forward followed by the compiled backward. Inductor itself is not run: its fusion and
+buffer reuse would change the peak, not what is saved.
+
+Conventions (those of :func:`graphflop.runtime.memory_probe.measure_saved`): saved bytes count each
+storage once (views and ``_unsafe_view`` share their base's storage), leave out parameters and
+buffers and count inputs and targets.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from graphflop.ops import has_rule
+from graphflop.passes.flops import op_cost
+from graphflop.report import Memory
+
+__all__ = [
+    "DESCRIBES",
+    "EXECUTION",
+    "CompiledMemory",
+    "Partition",
+    "compiled_memory",
+    "compiled_report_memory",
+]
+
+#: the execution the compiled figures describe
+EXECUTION = "torch.compile AOTAutograd min-cut partition, inductor not run"
+
+_ALIASING_EXTRA = {torch.ops.aten._unsafe_view.default}  # returns a view, schema says not
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One partitioner's cut of the joint graph.
+
+    Attributes:
+        partitioner: ``min_cut`` or ``default``.
+        saved: names of the forward graph's outputs the backward reads, parameters and buffers
+            (and views of them) left out, in the forward graph's output order.
+        saved_bytes: their bytes, once per storage, bytes.
+        recomputed: names of the backward graph's nodes that recompute forward nodes.
+        recompute_flops: FLOPs of those nodes under graphflop's rules.
+        uncounted_ops: the recomputed ops without a rule in graphflop's table (counted 0).
+        peak_bytes: largest sum of live storages while the forward graph then the backward
+            graph run in node order, each storage freed after its last reader, gradients kept
+            to the end; parameters, buffers, inputs and targets not included.
+    """
+
+    partitioner: str
+    saved: tuple[str, ...]
+    saved_bytes: int
+    recomputed: tuple[str, ...]
+    recompute_flops: int
+    uncounted_ops: tuple[str, ...]
+    peak_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "saved_for_backward_bytes": self.saved_bytes,
+            "saved_tensors": len(self.saved),
+            "recomputed_nodes": len(self.recomputed),
+            "recompute_flops": self.recompute_flops,
+            "uncounted_ops": list(self.uncounted_ops),
+            "forward_backward_peak_bytes": self.peak_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class CompiledMemory:
+    """Both partitions of one model's joint graph.
+
+    Attributes:
+        min_cut: ``min_cut_rematerialization_partition``'s (what ``torch.compile`` runs).
+        default: ``default_partition``'s (save what the backward reads, recompute nothing).
+        state_bytes: parameters and buffers, bytes.
+        input_bytes: inputs and loss targets, bytes.
+    """
+
+    min_cut: Partition
+    default: Partition
+    state_bytes: int
+    input_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "execution": EXECUTION,
+            "min_cut": self.min_cut.to_dict(),
+            "default": self.default.to_dict(),
+        }
+
+
+def _fake_like(t: torch.Tensor, grad: bool = False) -> torch.Tensor:
+    """A CPU tensor with ``t``'s shape, strides and dtype (call under a FakeTensorMode)."""
+    out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+    return out.requires_grad_(grad)
+
+
+def _joint(
+    model: nn.Module, example_inputs: tuple, loss: str, targets: Callable[[torch.Tensor], tuple]
+) -> tuple[GraphModule, list, int, int]:
+    """(the joint graph, its inputs, the number of forward outputs, the number of parameter
+    and buffer inputs), recorded from AOTAutograd under a fresh FakeTensorMode."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch.aot_autograd import aot_function
+    from torch._inductor.compile_fx import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    from graphflop.frontend.loss import loss_value
+
+    rec: dict[str, Any] = {}
+
+    def record(joint: GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any):
+        from torch._functorch.partitioners import default_partition
+
+        rec.update(joint=copy.deepcopy(joint), inputs=joint_inputs, n=num_fwd_outputs)
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
+
+    def nop(gm: GraphModule, _inputs: Any) -> GraphModule:
+        return gm
+
+    mode = FakeTensorMode()
+    with mode:
+        params = {k: _fake_like(p, p.requires_grad) for k, p in model.named_parameters()}
+        buffers = {k: _fake_like(b) for k, b in model.named_buffers()}
+        inputs = tuple(_fake_like(t) for t in example_inputs)
+        with torch.no_grad():
+            probe = functional_call(model, {**params, **buffers}, inputs)
+        first = torch.utils._pytree.tree_flatten(probe)[0][0]
+        tgt = targets(first)
+
+        def f(params: dict, buffers: dict, inputs: tuple, tgt: tuple) -> torch.Tensor:
+            out = functional_call(model, {**params, **buffers}, inputs)
+            return loss_value(loss, torch.utils._pytree.tree_flatten(out)[0][0], tgt)
+
+        n_state = len(params) + len(buffers)
+        g = aot_function(
+            f,
+            fw_compiler=nop,
+            bw_compiler=nop,
+            partition_fn=record,
+            decompositions=select_decomp_table(),
+            num_params_buffers=n_state,
+        )
+        with functorch_config.patch(unlift_effect_tokens=True):
+            g(params, buffers, inputs, tgt)
+    return rec["joint"], rec["inputs"], rec["n"], n_state
+
+
+def _root(n: Node) -> Node:
+    """The node whose storage ``n`` lives in (``n`` itself unless a view)."""
+    while n.op == "call_function" and n.all_input_nodes:
+        t = n.target
+        schema = getattr(t, "_schema", None)
+        if not (
+            t in _ALIASING_EXTRA
+            or (schema is not None and schema.returns and schema.returns[0].alias_info is not None)
+        ):
+            break
+        if schema is not None and schema.returns[0].alias_info.is_write:  # in-place: not a view
+            break
+        n = n.all_input_nodes[0]
+    return n
+
+
+def _nbytes(v: Any) -> int:
+    if not isinstance(v, torch.Tensor):
+        return 0
+    try:
+        return int(v.untyped_storage().nbytes())
+    except (NotImplementedError, RuntimeError):
+        return v.numel() * v.element_size()
+
+
+def _forward_nodes(joint: GraphModule) -> set[str]:
+    """Names of the joint graph's nodes that do not depend on a tangent."""
+    back: set[Node] = set()
+    for n in joint.graph.nodes:
+        if (n.op == "placeholder" and "tangents" in n.name) or any(
+            a in back for a in n.all_input_nodes
+        ):
+            back.add(n)
+    return {n.name for n in joint.graph.nodes if n not in back and n.op != "output"}
+
+
+_Step = tuple[str, int, "str | None", list[str]]  # (key, bytes, the key it aliases, reads)
+
+
+def _steps(gm: GraphModule, prefix: str, ext: dict[str, str | None], key_of: dict) -> tuple:
+    """(the steps of ``gm``'s nodes, the keys its output reads). ``ext``: backward placeholder
+    -> the forward key it stands for (None: always live); forward placeholders always live."""
+    steps: list[_Step] = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            key_of[n] = ext.get(n.name, f"{prefix}:{n.name}" if prefix == "b" else None)
+            if prefix == "b" and n.name not in ext:  # a tangent
+                steps.append((f"b:{n.name}", _nbytes(n.meta.get("val")), None, []))
+            continue
+        reads = [k for a in n.all_input_nodes if (k := key_of.get(a)) is not None]
+        if n.op == "output":
+            return steps, reads
+        root = _root(n)
+        key = f"{prefix}:{n.name}"
+        if root is not n:  # a view: lives in its base's storage
+            key_of[n] = key_of.get(root)
+            if key_of[n] is not None:
+                steps.append((key, 0, key_of[n], reads))
+            continue
+        key_of[n] = key
+        steps.append((key, _nbytes(n.meta.get("val")), None, reads))
+    return steps, []
+
+
+def _live_peak(steps: list[_Step], keep: set[str]) -> int:
+    """Largest sum of live storages: each from its step to its last reader (``keep``: to the
+    end)."""
+    storage: dict[str, str] = {}
+    size: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, (key, nb, alias, reads) in enumerate(steps):
+        storage[key] = storage.get(alias, key) if alias else key
+        if storage[key] == key:
+            size[key] = nb
+        for k in [key, *reads]:
+            if k in storage:
+                last[storage[k]] = i
+    for k in keep:
+        if k in storage:
+            last[storage[k]] = len(steps)
+    frees: dict[int, list[str]] = {}
+    for st, i in last.items():
+        frees.setdefault(i, []).append(st)
+    live = peak = 0
+    for i, (key, *_rest) in enumerate(steps):
+        if storage[key] == key:
+            live += size[key]
+        peak = max(peak, live)
+        live -= sum(size.get(st, 0) for st in frees.get(i, []))
+    return peak
+
+
+def _peak(fw: GraphModule, bw: GraphModule, n_saved_start: int, state: set[str]) -> int:
+    """The forward then the backward in node order; a storage lives from its writer to its
+    last reader; the forward's non-saved outputs and the backward's outputs live to the end;
+    placeholders of the forward (parameters, buffers, inputs) are not counted."""
+    key_of: dict[Node, str | None] = {}
+    fsteps, fw_out = _steps(fw, "f", {}, key_of)
+    fw_nodes = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+    saved_keys = {n.name: key_of.get(n) for n in fw_nodes[n_saved_start:] if isinstance(n, Node)}
+    keep = set(fw_out) - {k for k in saved_keys.values() if k}
+    bw_ph = [n.name for n in bw.graph.nodes if n.op == "placeholder"]
+    ext = {p: saved_keys.get(p) for p in bw_ph if p in saved_keys or p in state}
+    bsteps, bw_out = _steps(bw, "b", ext, key_of)
+    return _live_peak(fsteps + bsteps, keep | set(bw_out))
+
+
+def _partition(
+    name: str, fw: GraphModule, bw: GraphModule, n_fwd_outputs: int, n_state: int, joint_fwd: set
+) -> Partition:
+    phs = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    state = {n.name for n in phs[:n_state]}
+    out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+    bw_reads = {n.name for n in bw.graph.nodes if n.op == "placeholder"}
+    # the forward returns (mutated inputs' new values, outputs, saved values...): the first
+    # n_fwd_outputs are the joint graph's forward outputs
+    saved_nodes = [n for n in out[n_fwd_outputs:] if isinstance(n, Node) and n.name in bw_reads]
+    storages: dict[str, int] = {}
+    saved = []
+    for n in saved_nodes:
+        r = _root(n)
+        if r.op == "placeholder" and r.name in state:
+            continue
+        saved.append(n.name)
+        storages[r.name] = _nbytes(r.meta.get("val"))
+    # a forward node in both graphs runs twice; one only in the backward (a value only the
+    # backward needs, moved there) runs once, as it would in the forward
+    in_fw = {n.name for n in fw.graph.nodes}
+    recomputed, flops, uncounted = [], 0, []
+    for n in bw.graph.nodes:
+        if n.op == "call_function" and n.name in joint_fwd and n.name in in_fw:
+            recomputed.append(n.name)
+            if n.target is not operator.getitem and not has_rule(n.target):
+                uncounted.append(str(n.target))
+            flops += op_cost(n.target, n.args, n.kwargs, n, node=n.name).flops
+    return Partition(
+        partitioner=name,
+        saved=tuple(saved),
+        saved_bytes=sum(storages.values()),
+        recomputed=tuple(recomputed),
+        recompute_flops=flops,
+        uncounted_ops=tuple(sorted(set(uncounted))),
+        peak_bytes=_peak(fw, bw, n_fwd_outputs, state),
+    )
+
+
+def _targets(loss: str) -> Callable[[torch.Tensor], tuple]:
+    """graphflop's loss targets for a first output (zeros: class 0, or zeros like it)."""
+
+    def make(first: torch.Tensor) -> tuple:
+        if loss == "cross_entropy":
+            return (torch.zeros(first.shape[0], dtype=torch.long),)
+        if loss == "mse":
+            return (torch.zeros_like(first),)
+        return ()
+
+    return make
+
+
+def compiled_memory(model: nn.Module, example_inputs: tuple, loss: str) -> CompiledMemory:
+    """What ``torch.compile``'s AOTAutograd partitioner saves for ``model`` plus its loss.
+
+    Args:
+        model: the module, in its current train/eval mode (real, fake or meta parameters: only
+            shapes and dtypes are read).
+        example_inputs: one tensor per input (only shapes, strides and dtypes are read).
+        loss: graphflop's loss kind (``cross_entropy``, ``mse``, ``sum``, ``output``), with
+            graphflop's targets (zeros).
+
+    Returns:
+        :class:`CompiledMemory`, bytes and FLOPs (1 multiply-add = 2 FLOPs).
+
+    Raises:
+        RuntimeError: AOTAutograd cannot trace the model (its message).
+    """
+    from torch._functorch.partitioners import (
+        default_partition,
+        min_cut_rematerialization_partition,
+    )
+
+    joint, joint_inputs, n_out, n_state = _joint(model, example_inputs, loss, _targets(loss))
+    joint_fwd = _forward_nodes(joint)
+    cuts = {
+        "min_cut": functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        "default": default_partition,
+    }
+    parts = {}
+    for name, cut in cuts.items():
+        fw, bw = cut(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=n_out)
+        parts[name] = _partition(name, fw, bw, n_out, n_state, joint_fwd)
+    phs = [n for n in joint.graph.nodes if n.op == "placeholder" and "tangents" not in n.name]
+    sizes = [_nbytes(n.meta.get("val")) for n in phs]
+    return CompiledMemory(
+        parts["min_cut"], parts["default"], sum(sizes[:n_state]), sum(sizes[n_state:])
+    )
+
+
+#: the execution each memory figure describes under ``--memory-model compiled``
+DESCRIBES = {
+    "saved_for_backward_bytes": "tensors the forward graph of torch.compile's AOTAutograd "
+    "min-cut partition (Inductor decompositions, as backend aot_eager_decomp_partition) saves "
+    "for the backward, once per storage; parameters and buffers excluded; inductor not run",
+    "train_peak_bytes": "parameters, buffers, inputs and optimizer state, plus the peak of the "
+    "compiled forward then the compiled backward in node order (gradients kept), or of the "
+    "in-place torch.optim update on {device}; inductor not run",
+    "forward_peak_bytes": "graphflop's forward graph in its own node order",
+    "jvp_peak_bytes": "graphflop's JVP graph in its own node order",
+}
+
+
+def compiled_report_memory(
+    mem: Memory, model: nn.Module, example_inputs: tuple, loss: str, optimizer: str, device: str
+) -> Memory:
+    """``mem`` (a report's memory, with its gradient and optimizer-state bytes) with the
+    saved-for-backward and train-step figures of the compiled model and its details
+    (``compiled``: :meth:`CompiledMemory.to_dict`); unchanged figures but the naming when
+    no backward was built.
+
+    Raises:
+        RuntimeError: AOTAutograd cannot trace the model.
+    """
+    from graphflop.passes.eager_memory import optimizer_temporaries
+
+    describes = {k: v.format(device=device) for k, v in DESCRIBES.items()}
+    if mem.saved_for_backward_bytes is None or loss == "none":
+        keep = {k: v for k, v in describes.items() if getattr(mem, k) is not None}
+        return replace(mem, memory_model="compiled", device=device, describes=keep)
+    cm = compiled_memory(model, example_inputs, loss)
+    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    update = sum(sizes) + optimizer_temporaries(optimizer, sizes, device)
+    base = cm.state_bytes + cm.input_bytes + (mem.optimizer_state_bytes or 0)
+    return replace(
+        mem,
+        saved_for_backward_bytes=cm.min_cut.saved_bytes,
+        train_peak_bytes=base + max(cm.min_cut.peak_bytes, update),
+        memory_model="compiled",
+        device=device,
+        describes={k: v for k, v in describes.items() if getattr(mem, k) is not None},
+        compiled=cm.to_dict(),
+    )
