@@ -5,16 +5,18 @@ For each model at its batch: the measured eager saved-for-backward bytes, train-
 (``torch.distributed._tools.mem_tracker``, over the same step), and graphflop's figures in its
 eager model (the default) and its graph model, with ratios graphflop / measured.
 
-Usage: ``python tools/bench_memory.py [--out docs/memory.md] [--only NAME ...]``. Runs real
+Usage: ``python tools/bench_memory.py [--out docs/memory.md] [--only NAME ...] [--cache FILE]``. Runs real
 steps on CPU (about two minutes for all models on one core); writes the file atomically.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -22,7 +24,7 @@ from torch import nn
 from graphflop.analysis import analyze
 from graphflop.io import atomic_write
 from graphflop.load import load
-from graphflop.runtime.memory_probe import measure
+from graphflop.runtime.memory_probe import Measured, measure
 
 
 @dataclass
@@ -76,6 +78,25 @@ def _gpt2(seq: int) -> Callable[[], tuple[nn.Module, tuple]]:
     return build
 
 
+def _llama() -> tuple[nn.Module, tuple]:
+    from transformers import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(
+        vocab_size=8000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    return LlamaModel(cfg), (torch.randint(0, cfg.vocab_size, (2, 256)),)
+
+
+def _vit(batch: int) -> Callable[[], tuple[nn.Module, tuple]]:
+    return _torchvision("vit_b_16", batch)
+
+
 CASES = [
     Case("MLP b64", _models_file("models/mlp.py", 64)),
     Case("CNN b64", _models_file("models/cnn.py", 64)),
@@ -84,6 +105,10 @@ CASES = [
     Case("ResNet-18 b8", _torchvision("resnet18", 8)),
     Case("MobileNetV2 b8", _torchvision("mobilenet_v2", 8)),
     Case("GPT-2 small T=128", _gpt2(128)),
+    Case("GPT-2 small T=512", _gpt2(512)),
+    Case("ResNet-50 b4", _torchvision("resnet50", 4)),
+    Case("ViT-B/16 b1", _vit(1)),
+    Case("Llama (4 layers, d=256, GQA) b2 T=256", _llama),
 ]
 
 
@@ -115,12 +140,16 @@ def memtracker_peak(model: nn.Module, inputs: tuple, loss: str) -> int:
     return max(d["Total"] for d in snap.values())
 
 
-def row(case: Case) -> dict:
+def row(case: Case, cache: dict) -> dict:
     torch.manual_seed(0)
     model, inputs = case.build()
     model.train()
-    got = measure(model, inputs)
-    mt = memtracker_peak(model, inputs, got.loss)
+    if case.name in cache:  # measured figures of an earlier run (--cache)
+        got, mt = Measured(**cache[case.name]["measured"]), cache[case.name]["memtracker"]
+    else:
+        got = measure(model, inputs)
+        mt = memtracker_peak(model, inputs, got.loss)
+        cache[case.name] = {"measured": asdict(got), "memtracker": mt}
     eager = analyze(model, inputs, loss=got.loss).report.memory
     graph = analyze(model, inputs, loss=got.loss, jvp=False, memory_model="graph").report.memory
     return {
@@ -219,14 +248,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/memory.md")
     ap.add_argument("--only", nargs="*", help="case names to run (substring match)")
+    ap.add_argument(
+        "--cache",
+        help="JSON file of measured figures: read if it exists (those models are not re-run), "
+        "written with every model measured",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    cache: dict = {}
+    if args.cache and os.path.exists(args.cache):
+        with open(args.cache) as f:
+            cache = json.load(f)
     rows = []
     for case in CASES:
         if args.only and not any(o.lower() in case.name.lower() for o in args.only):
             continue
         print(case.name, file=sys.stderr, flush=True)
-        rows.append(row(case))
+        rows.append(row(case, cache))
+        if args.cache:
+            atomic_write(args.cache, json.dumps(cache, indent=1))
     atomic_write(args.out, markdown(rows))
     print(markdown(rows))
     return 0

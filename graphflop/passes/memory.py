@@ -30,6 +30,7 @@ class _Step:
     nbytes: int
     alias_of: str | None
     reads: list[str]
+    extra: int = 0  # a kernel's temporaries: allocated and freed within this step
 
 
 class Schedule:
@@ -38,6 +39,7 @@ class Schedule:
     def __init__(self) -> None:
         self.steps: list[_Step] = []
         self.keep: set[str] = set()
+        self.ties: list[list[str]] = []  # keys whose storages are freed together
 
     def add_graph(
         self,
@@ -50,6 +52,8 @@ class Schedule:
         keep_outputs: bool = False,
         eager: bool = False,
         sizes: dict[str, int] | None = None,
+        extra: dict[str, int] | None = None,
+        also_reads: dict[str, list[str]] | None = None,
     ) -> None:
         """Append ``gm``'s nodes.
 
@@ -63,9 +67,16 @@ class Schedule:
             eager: storages as eager PyTorch allocates them: each output of a multi-output op
                 (``getitem``) is a storage of its own; the tuple itself holds nothing.
             sizes: node name -> bytes, replacing the size of that node's value.
+            extra: node name -> bytes of temporaries its kernel holds while it runs (live
+                together with its inputs and outputs, freed when it returns).
+            also_reads: node name -> names of earlier nodes of this graph that stay live until
+                it has run (a kernel that holds them though the graph's edges do not say so).
         """
         external = external or {}
         sizes = sizes or {}
+        extra = extra or {}
+        also_reads = also_reads or {}
+        by_name = {n.name: n for n in gm.graph.nodes}
         keys: dict[Node, list[str]] = {}
         outputs = set()
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -92,7 +103,9 @@ class Schedule:
                     continue
             key = f"{prefix}:{n.name}"
             keys[n] = [key]
-            reads = reads_of(n)
+            reads = reads_of(n) + [
+                k for m in also_reads.get(n.name, []) for k in keys.get(by_name[m], [])
+            ]
             alias = None
             val = n.meta.get("val")
             if n.op == "call_function" and (
@@ -110,7 +123,7 @@ class Schedule:
                 nbytes = 0
             else:
                 nbytes = sizes.get(n.name, tensor_bytes(val))
-            self.steps.append(_Step(key, nbytes, alias, reads))
+            self.steps.append(_Step(key, nbytes, alias, reads, extra.get(n.name, 0)))
 
     def add_transient(self, key: str, nbytes: int) -> None:
         """A storage of ``nbytes`` allocated and freed at one step (a kernel's temporaries)."""
@@ -135,6 +148,11 @@ class Schedule:
         for k in self.keep:
             if k in storage:
                 last[storage[k]] = end
+        for group in self.ties:
+            sts = {storage[k] for k in group if k in storage}
+            t = max((last[st] for st in sts), default=0)
+            for st in sts:
+                last[st] = t
         frees: dict[int, list[str]] = {}
         for st, i in last.items():
             frees.setdefault(i, []).append(st)
@@ -142,8 +160,8 @@ class Schedule:
         for i, s in enumerate(self.steps):
             if storage[s.key] == s.key:
                 live += size[s.key]
-            if live > peak:
-                peak, where = live, s.key
+            if live + s.extra > peak:
+                peak, where = live + s.extra, s.key
             for st in frees.get(i, []):
                 live -= size.get(st, 0)
         return peak, where

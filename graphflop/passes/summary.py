@@ -32,7 +32,12 @@ from graphflop.meta import (
     NodeCost,
 )
 from graphflop.ops import has_rule, op_name
-from graphflop.passes.eager_memory import DESCRIBES, eager_saved_bytes, eager_train_schedule
+from graphflop.passes.eager_memory import (
+    DESCRIBES,
+    eager_jvp_schedule,
+    eager_saved_bytes,
+    eager_train_schedule,
+)
 from graphflop.passes.flops import tensor_bytes, total_cost
 from graphflop.passes.memory import (
     forward_schedule,
@@ -280,7 +285,8 @@ def _memory(
             train_peak_bytes=train_peak,
         )
     if g.jvp is not None:
-        jpeak, _ = jvp_schedule(g.jvp).peak()
+        jsched = eager_jvp_schedule(g.jvp, device) if model == "eager" else jvp_schedule(g.jvp)
+        jpeak, _ = jsched.peak()
         n_tan = sum(
             tensor_bytes(n.meta["val"])
             for n in g.jvp.graph.nodes
