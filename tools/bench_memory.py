@@ -23,7 +23,7 @@ from torch import nn
 
 from graphflop.analysis import analyze
 from graphflop.io import atomic_write
-from graphflop.load import load
+from graphflop.load import _preload_torchvision, load
 from graphflop.runtime.memory_probe import Measured, measure
 
 
@@ -70,6 +70,7 @@ def _dropout_bn() -> tuple[nn.Module, tuple]:
 
 def _gpt2(seq: int) -> Callable[[], tuple[nn.Module, tuple]]:
     def build():
+        _preload_torchvision()
         from transformers import GPT2Config, GPT2Model
 
         cfg = GPT2Config(attn_implementation="sdpa")
@@ -79,6 +80,7 @@ def _gpt2(seq: int) -> Callable[[], tuple[nn.Module, tuple]]:
 
 
 def _llama() -> tuple[nn.Module, tuple]:
+    _preload_torchvision()
     from transformers import LlamaConfig, LlamaModel
 
     cfg = LlamaConfig(

@@ -326,6 +326,32 @@ def dual_pairs(jvp: GraphModule) -> dict[str, list[str]]:
     return pairs
 
 
+_SCATTERS = (
+    aten.index_put.default,
+    aten.index_add.default,
+    aten.scatter_add.default,
+    aten.scatter.src,
+    aten.slice_scatter.default,
+    aten.select_scatter.default,
+)
+_FRESH = (aten.full.default, aten.zeros.default, aten.zeros_like.default, aten.full_like.default)
+
+
+def scatters_in_place(backward: GraphModule) -> set[str]:
+    """Backward nodes that scatter into a fresh zeros tensor nothing else reads: eager
+    backward kernels (``embedding_dense_backward``, ``index_add_``, ``select_backward``,
+    ``slice_backward``, max pooling's) fill one zeroed gradient in place, where graphflop's
+    graph makes the zeros and an out-of-place result."""
+    out = set()
+    for n in backward.graph.nodes:
+        if n.op != "call_function" or n.target not in _SCATTERS:
+            continue
+        base = n.args[0]
+        if isinstance(base, Node) and base.target in _FRESH and len(base.users) == 1:
+            out.add(n.name)
+    return out
+
+
 def optimizer_temporaries(optimizer: str, param_bytes: list[int], device: str) -> int:
     """Peak bytes of the temporaries ``torch.optim``'s update makes beyond parameters,
     gradients and state (torch/optim/adam.py, sgd.py). On CPU the single-tensor loop runs
@@ -359,7 +385,14 @@ def eager_train_schedule(
             else:
                 ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]
     s.add_graph(
-        backward, "b", baseline=base_b, external=ext, keep_outputs=True, eager=True, extra=bwd_tmp
+        backward,
+        "b",
+        baseline=base_b,
+        external=ext,
+        keep_outputs=True,
+        eager=True,
+        extra=bwd_tmp,
+        inplace=scatters_in_place(backward),
     )
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
     sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]

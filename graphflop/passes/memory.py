@@ -54,6 +54,7 @@ class Schedule:
         sizes: dict[str, int] | None = None,
         extra: dict[str, int] | None = None,
         also_reads: dict[str, list[str]] | None = None,
+        inplace: set[str] | None = None,
     ) -> None:
         """Append ``gm``'s nodes.
 
@@ -71,11 +72,14 @@ class Schedule:
                 together with its inputs and outputs, freed when it returns).
             also_reads: node name -> names of earlier nodes of this graph that stay live until
                 it has run (a kernel that holds them though the graph's edges do not say so).
+            inplace: names of nodes whose output is written into their first argument's
+                storage (an eager kernel updating a buffer it made).
         """
         external = external or {}
         sizes = sizes or {}
         extra = extra or {}
         also_reads = also_reads or {}
+        inplace = inplace or set()
         by_name = {n.name: n for n in gm.graph.nodes}
         keys: dict[Node, list[str]] = {}
         outputs = set()
@@ -111,6 +115,7 @@ class Schedule:
             if n.op == "call_function" and (
                 (n.target is operator.getitem and not eager)
                 or (has_rule(n.target) and lookup(n.target).bytes == "view")
+                or n.name in inplace
             ):
                 base = n.all_input_nodes[0] if n.all_input_nodes else None
                 if base is not None and not keys.get(base):

@@ -153,9 +153,11 @@ def measure_train_peak(
     return base + _profiled_peak(step)
 
 
-def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int:
+def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int | None:
     """Peak bytes of ``torch.func.jvp`` of the loss in the parameters (tangents: normal, like
-    the parameters), parameters, buffers, inputs, targets and tangents included."""
+    the parameters), parameters, buffers, inputs, targets and tangents included; None where
+    forward-mode AD cannot run the model (an op without a forward derivative, such as CPU
+    flash attention, which PyTorch picks for longer sequences)."""
     _, run = _loss_fn(model, inputs, loss)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     primals = tuple(dict(model.named_parameters())[n].detach() for n in names)
@@ -176,7 +178,10 @@ def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int
         torch.func.jvp(f, primals, tangents)
 
     base = _bytes([*model.parameters(), *buffers.values(), *inputs, *targets, *tangents])
-    return base + _profiled_peak(go)
+    try:
+        return base + _profiled_peak(go)
+    except NotImplementedError:  # "Trying to use forward AD with ... not implemented yet"
+        return None
 
 
 def measure(
