@@ -301,7 +301,9 @@ class LayerRow:
 
     FLOP fields of a phase that was not built are 0; its ratios are None. ``ratio`` is
     (backward + update) / forward, ``ratio_no_update`` backward / forward, ``jvp_ratio``
-    JVP / forward, ``share`` this layer's part of the forward FLOPs.
+    JVP / forward, ``share`` this layer's part of the forward FLOPs. ``saved_bytes``: the
+    bytes saved for backward whose storages this module's forward allocated (in the report's
+    memory model; the inputs under ``(model)``), 0 without a backward.
     """
 
     name: str
@@ -322,6 +324,7 @@ class LayerRow:
     tangent_from_input_flops: int = 0
     tangent_from_param_flops: int = 0
     jvp_skipped_flops: int = 0
+    saved_bytes: int = 0
     ratio: float | None = None
     ratio_no_update: float | None = None
     jvp_ratio: float | None = None

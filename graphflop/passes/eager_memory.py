@@ -171,6 +171,14 @@ def _residual_sources(
 def eager_saved_bytes(forward: GraphModule, backward: GraphModule, device: str = "cpu") -> int:
     """Bytes eager autograd saves for backward: the eager residuals, once per storage,
     parameters and buffers excluded (inputs and targets included)."""
+    return sum(eager_saved_storages(forward, backward, device).values())
+
+
+def eager_saved_storages(
+    forward: GraphModule, backward: GraphModule, device: str = "cpu"
+) -> dict[str, int]:
+    """The storages :func:`eager_saved_bytes` counts: forward node name of the storage's
+    owner (the node that allocated it) -> bytes."""
     eager = eager_residuals(forward, backward, device)
     sig = forward.meta[SIGNATURE]
     state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
@@ -188,7 +196,7 @@ def eager_saved_bytes(forward: GraphModule, backward: GraphModule, device: str =
             k = storage.get(f"f:{name}")
             if k is not None:
                 seen.add(k)
-    return sum(size[k] for k in seen)
+    return {k.split(":", 1)[1]: size[k] for k in seen}
 
 
 def _is_plain_conv(n: Node) -> bool:

@@ -238,6 +238,11 @@ def jvp_schedule(jvp: GraphModule) -> Schedule:
 
 def saved_for_backward_bytes(forward: GraphModule, backward: GraphModule) -> int:
     """Bytes of the non-parameter forward values the backward graph reads, once per storage."""
+    return sum(saved_storages(forward, backward).values())
+
+
+def saved_storages(forward: GraphModule, backward: GraphModule) -> dict[str, int]:
+    """The storages :func:`saved_for_backward_bytes` counts: owner node name -> bytes."""
     sched = forward_schedule(forward)
     storage: dict[str, str] = {}
     size: dict[str, int] = {}
@@ -252,7 +257,7 @@ def saved_for_backward_bytes(forward: GraphModule, backward: GraphModule) -> int
             k = storage.get(f"f:{n.meta.get(SOURCE, n.name)}")
             if k is not None:
                 seen.add(k)
-    return sum(size[k] for k in seen)
+    return {k.split(":", 1)[1]: size[k] for k in seen}
 
 
 def annotate_memory(gm: GraphModule) -> GraphModule:

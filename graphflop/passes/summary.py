@@ -36,6 +36,7 @@ from graphflop.passes.eager_memory import (
     DESCRIBES,
     eager_jvp_schedule,
     eager_saved_bytes,
+    eager_saved_storages,
     eager_train_schedule,
 )
 from graphflop.passes.flops import tensor_bytes, total_cost
@@ -43,6 +44,7 @@ from graphflop.passes.memory import (
     forward_schedule,
     jvp_schedule,
     saved_for_backward_bytes,
+    saved_storages,
     train_schedule,
 )
 from graphflop.passes.optimizer import STATE_KINDS
@@ -66,6 +68,7 @@ from graphflop.report import (
 
 #: per-layer counters, in LayerRow's field order (output_shape and output_bytes apart)
 _COUNTERS = (
+    "saved_bytes",
     "params",
     "forward_flops",
     "forward_mm_flops",
@@ -299,6 +302,19 @@ def _memory(
     )
 
 
+def _saved_by_layer(g: Graphs, layers: _Layers, model: str, device: str) -> None:
+    """Each layer's ``saved_bytes``: the saved storages its forward nodes allocated."""
+    if g.backward is None:
+        return
+    if model == "eager":
+        owners = eager_saved_storages(g.forward, g.backward, device)
+    else:
+        owners = saved_storages(g.forward, g.backward)
+    nodes = {n.name: n for n in g.forward.graph.nodes}
+    for name, nbytes in owners.items():
+        layers[nodes[name].meta.get(MODULE, "")]["saved_bytes"] += nbytes
+
+
 def _ratios(t: Totals) -> Ratios:
     f = t.forward
     r: dict[str, float | None] = {}
@@ -467,6 +483,7 @@ def summarize(
     trainable_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable())
     layers = _Layers()
     totals = _totals(graphs, layers, optimizer, tangents, trainable)
+    _saved_by_layer(graphs, layers, memory_model, device)
     return Report(
         model=name,
         inputs=_inputs(fwd),
