@@ -85,6 +85,7 @@ def analyze(
     progress: Callable[[str], None] | None = None,
     memory_model: str = "eager",
     device: str = "cpu",
+    keep_grads: bool = False,
 ) -> Analysis:
     """Trace ``model`` and build, annotate and summarise its graphs.
 
@@ -101,6 +102,7 @@ def analyze(
         memory_model: ``eager`` (default: what eager PyTorch autograd saves and allocates on
             ``device``, ``cpu`` or ``cuda``) or ``graph`` (graphflop's own graphs in their node
             order); see :mod:`graphflop.passes.eager_memory`.
+        keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``).
 
     Raises:
         TraceError, MissingRuleError, ValueError: see the passes.
@@ -140,6 +142,7 @@ def analyze(
         tangents=tangents,
         memory_model=memory_model,
         device=device,
+        keep_grads=keep_grads,
     )
     return Analysis(
         name, fwd, report, g.backward, g.jvp, g.update, forward_gradient=g.forward_gradient

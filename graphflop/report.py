@@ -274,6 +274,8 @@ class Memory:
             reports written before issue 16 (``graph``).
         device: the device the eager model describes (``cpu`` or ``cuda``).
         describes: figure name -> the execution that figure describes, in words.
+        keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``: live from
+            the start, the backward accumulating into them) rather than set to None.
     """
 
     params_bytes: int
@@ -286,6 +288,7 @@ class Memory:
     memory_model: str | None = None
     device: str | None = None
     describes: dict[str, str] | None = None
+    keep_grads: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in _fields_dict(self).items() if v is not None}

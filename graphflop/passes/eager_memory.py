@@ -373,14 +373,24 @@ def optimizer_temporaries(optimizer: str, param_bytes: list[int], device: str) -
 
 
 def eager_train_schedule(
-    forward: GraphModule, backward: GraphModule, optimizer: str, device: str = "cpu"
+    forward: GraphModule,
+    backward: GraphModule,
+    optimizer: str,
+    device: str = "cpu",
+    keep_grads: bool = False,
 ) -> Schedule:
     """The eager training step's live storages (see the module docstring); parameters and
-    optimizer state are the baseline, not scheduled; gradients are scheduled."""
+    optimizer state are the baseline, not scheduled; gradients are scheduled, or, with
+    ``keep_grads`` (``zero_grad(set_to_none=False)``), are baseline buffers the backward
+    accumulates into: each gradient the backward makes lives only while it is added."""
     eager = eager_residuals(forward, backward, device)
     sig = forward.meta[SIGNATURE]
     params = {p for p, _ in sig.params}
     fwd_tmp, bwd_tmp = kernel_temporaries(forward, backward, device)
+    if keep_grads:  # AccumulateGrad adds each new gradient into .grad in place and frees it
+        out = next(n for n in backward.graph.nodes if n.op == "output")
+        for a in out.all_input_nodes:
+            bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
     s = Schedule()
     s.add_graph(forward, "f", baseline=params, eager=True, sizes=eager.sizes, extra=fwd_tmp)
     ext: dict[str, str | list[str]] = {}
@@ -397,7 +407,8 @@ def eager_train_schedule(
         "b",
         baseline=base_b,
         external=ext,
-        keep_outputs=True,
+        keep_outputs=not keep_grads,
+        free_outputs=keep_grads,
         eager=True,
         extra=bwd_tmp,
         inplace=scatters_in_place(backward),
