@@ -88,6 +88,7 @@ def analyze(
     progress: Callable[[str], None] | None = None,
     memory_model: str = "eager",
     device: str = "cpu",
+    keep_grads: bool = False,
 ) -> Analysis:
     """Trace ``model`` and build, annotate and summarise its graphs.
 
@@ -106,6 +107,7 @@ def analyze(
             order); see :mod:`graphflop.passes.eager_memory`; or ``compiled`` (what
             ``torch.compile``'s AOTAutograd min-cut partition saves and recomputes:
             :mod:`graphflop.passes.compiled_memory`).
+        keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``).
 
     Raises:
         TraceError, MissingRuleError, ValueError: see the passes.
@@ -129,6 +131,7 @@ def analyze(
             jvp=jvp,
             memory_model=memory_model,
             device=device,
+            keep_grads=keep_grads,
             say=progress or (lambda msg: None),
         )
 
@@ -161,6 +164,7 @@ def _analyze(
     jvp: bool,
     memory_model: str,
     device: str,
+    keep_grads: bool,
     say: Callable[[str], None],
 ) -> Analysis:
     say("tracing")
@@ -193,6 +197,7 @@ def _analyze(
         tangents=tangents,
         memory_model="eager" if memory_model == "compiled" else memory_model,
         device=device,
+        keep_grads=keep_grads,
     )
     if memory_model == "compiled":
         say("partitioning the joint graph as torch.compile does")

@@ -274,6 +274,8 @@ class Memory:
             reports written before issue 16 (``graph``).
         device: the device the eager model describes (``cpu`` or ``cuda``).
         describes: figure name -> the execution that figure describes, in words.
+        keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``: live from
+            the start, the backward accumulating into them) rather than set to None.
         compiled: under ``memory_model`` ``compiled``, both AOTAutograd partitions (saved
             bytes, recomputed nodes and their FLOPs, peaks:
             :meth:`graphflop.passes.compiled_memory.CompiledMemory.to_dict`).
@@ -289,6 +291,7 @@ class Memory:
     memory_model: str | None = None
     device: str | None = None
     describes: dict[str, str] | None = None
+    keep_grads: bool | None = None
     compiled: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -305,7 +308,9 @@ class LayerRow:
 
     FLOP fields of a phase that was not built are 0; its ratios are None. ``ratio`` is
     (backward + update) / forward, ``ratio_no_update`` backward / forward, ``jvp_ratio``
-    JVP / forward, ``share`` this layer's part of the forward FLOPs.
+    JVP / forward, ``share`` this layer's part of the forward FLOPs. ``saved_bytes``: the
+    bytes saved for backward whose storages this module's forward allocated (in the report's
+    memory model; the inputs under ``(model)``), 0 without a backward.
     """
 
     name: str
@@ -326,6 +331,7 @@ class LayerRow:
     tangent_from_input_flops: int = 0
     tangent_from_param_flops: int = 0
     jvp_skipped_flops: int = 0
+    saved_bytes: int = 0
     ratio: float | None = None
     ratio_no_update: float | None = None
     jvp_ratio: float | None = None

@@ -76,6 +76,7 @@ ANALYSIS_CASES = {
     "arg": (["--arg", "depth=3"], {"ctor": {"depth": 3}}),
     "loss": (["--loss", "mse"], {"loss": "mse"}),
     "memory_model": (["--memory-model", "graph"], {"memory_model": "graph"}),
+    "keep_grads": (["--keep-grads"], {"keep_grads": True}),
 }
 # flags that change only the table, files or messages: the document is the default one
 PRESENTATION_CASES = {

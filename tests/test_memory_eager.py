@@ -74,3 +74,23 @@ def test_graph_model_counts_graphflops_own_residuals() -> None:
 def test_unknown_memory_model_is_refused() -> None:
     with pytest.raises(ValueError, match="memory model"):
         analyze(nn.Linear(2, 2), (torch.randn(1, 2),), memory_model="compiled")
+
+
+def test_saved_bytes_per_layer_add_up_and_name_the_allocating_module() -> None:
+    torch.manual_seed(0)
+    model, x = _ConvBlock(), torch.randn(2, 3, 16, 16)
+    r = analyze(model, (x,), jvp=False).report
+    rows = {L.name: L.saved_bytes for L in r.layers}
+    assert sum(rows.values()) == r.memory.saved_for_backward_bytes == 65892
+    # (by hand, as in CASES) conv out 2·8·14·14·4 = 12544 (batch norm's input); batch norm's
+    # mean and rstd 32 + 32; relu's output 12544; dropout's float mask and output 2 · 12544;
+    # max pooling's indices 2·8·7·7·8 = 6272 and its values 3136 (saved through Flatten's view,
+    # allocated by the pool); the input 6144 and the int64 targets 16 under (model); the loss's
+    # log-softmax 80 and total weight 4
+    assert rows["0"] == 12544
+    assert rows["1"] == 64
+    assert rows["2"] == 12544
+    assert rows["3"] == 25088
+    assert rows["4"] == 6272 + 3136
+    assert rows["(model)"] == 6144 + 16
+    assert r.to_dict()["layers"][0]["saved_bytes"] >= 0

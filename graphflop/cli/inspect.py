@@ -74,6 +74,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         choices=["cpu", "cuda"],
         help="device of the eager memory model (dropout masks, optimizer temporaries)",
     )
+    p.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="gradients kept between steps (zero_grad(set_to_none=False)): live from the start",
+    )
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
     p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
@@ -170,6 +175,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             jvp=not args.no_jvp and only.get("jvp", True),
             memory_model=args.memory_model,
             device=args.memory_device,
+            keep_grads=args.keep_grads,
         )
     report = analysis.report
     for line in warning_lines(report) + _tangent_pass_notes(analysis):

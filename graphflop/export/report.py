@@ -98,6 +98,7 @@ def _layer_table(r: Report, layers: tuple[LayerRow, ...], max_layers: int, units
         table.add_column("pruned", justify="right", style="dim")
         table.add_column("update", justify="right")
         table.add_column("(bwd+upd)/fwd", justify="right", style="bold")
+        table.add_column("saved", justify="right")
     if r.has_jvp:
         table.add_column("jvp", justify="right")
         table.add_column("jvp/fwd", justify="right", style="bold")
@@ -201,6 +202,7 @@ def _layer_cells(r: Report, L: LayerRow) -> list[str]:
             human(L.pruned_flops) if L.pruned_flops else "",
             human(L.update_flops) if L.update_flops else "",
             _r(L.ratio),
+            human_bytes(L.saved_bytes) if L.saved_bytes else "",
         ]
     if r.has_jvp:
         cells += [human(L.jvp_flops), _r(L.jvp_ratio)]

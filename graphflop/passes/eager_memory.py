@@ -16,8 +16,10 @@ eager run.
 The eager train step (:func:`eager_train_schedule`): the forward, each multi-output op's outputs
 as separate storages; the backward with the eager residuals; gradients allocated as the backward
 produces them and kept (``zero_grad(set_to_none=True)``, PyTorch's default); the update in place,
-with the temporaries ``torch.optim`` makes (:func:`optimizer_temporaries`). Reads
-``val``, ``COMPOSITE``, ``RESIDUAL``, ``SOURCE``; writes nothing.
+with the temporaries ``torch.optim`` makes (:func:`optimizer_temporaries`); kernels' own
+temporaries on CPU (:func:`kernel_temporaries`). The eager JVP (:func:`eager_jvp_schedule`):
+``torch.func.jvp``, primal and tangent as one dual tensor. Reads ``val``, ``COMPOSITE``,
+``RESIDUAL``, ``SOURCE``, ``KIND``; writes nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU
-from graphflop.meta import COMPOSITE, RESIDUAL, SIGNATURE, SOURCE, CompositeTag
+from graphflop.meta import COMPOSITE, JVP, KIND, RESIDUAL, SIGNATURE, SOURCE, CompositeTag
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Schedule
 
@@ -46,7 +48,9 @@ DESCRIBES = {
         "train_peak_bytes": "eager training step on {device}: forward, backward with gradients "
         "allocated as produced (zero_grad(set_to_none=True)), in-place torch.optim update",
         "forward_peak_bytes": "graphflop's forward graph in its own node order",
-        "jvp_peak_bytes": "graphflop's JVP graph in its own node order",
+        "jvp_peak_bytes": "torch.func.jvp on {device} (eager forward-mode AD): each op's primal "
+        "and tangent computed together and freed together as one dual tensor, with the kernels' "
+        "temporaries (oneDNN convolution, batch_norm_jvp)",
     },
     "graph": {
         "saved_for_backward_bytes": "forward values graphflop's backward graph reads",
@@ -167,6 +171,14 @@ def _residual_sources(
 def eager_saved_bytes(forward: GraphModule, backward: GraphModule, device: str = "cpu") -> int:
     """Bytes eager autograd saves for backward: the eager residuals, once per storage,
     parameters and buffers excluded (inputs and targets included)."""
+    return sum(eager_saved_storages(forward, backward, device).values())
+
+
+def eager_saved_storages(
+    forward: GraphModule, backward: GraphModule, device: str = "cpu"
+) -> dict[str, int]:
+    """The storages :func:`eager_saved_bytes` counts: forward node name of the storage's
+    owner (the node that allocated it) -> bytes."""
     eager = eager_residuals(forward, backward, device)
     sig = forward.meta[SIGNATURE]
     state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
@@ -184,7 +196,168 @@ def eager_saved_bytes(forward: GraphModule, backward: GraphModule, device: str =
             k = storage.get(f"f:{name}")
             if k is not None:
                 seen.add(k)
-    return sum(size[k] for k in seen)
+    return {k.split(":", 1)[1]: size[k] for k in seen}
+
+
+def _is_plain_conv(n: Node) -> bool:
+    """An ungrouped, non-transposed ``aten.convolution`` (the oneDNN path on CPU)."""
+    return (
+        n.op == "call_function"
+        and n.target is aten.convolution.default
+        and not n.args[6]
+        and n.args[8] == 1
+    )
+
+
+def kernel_temporaries(
+    forward: GraphModule, backward: GraphModule | None, device: str
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes of the temporaries eager kernels hold while they run: (forward node name -> bytes,
+    backward node name -> bytes).
+
+    On CPU, PyTorch runs an ungrouped float convolution with oneDNN
+    (``aten::mkldnn_convolution``), which computes into a buffer of its own layout and copies
+    into the output: one output-sized temporary. Its backward
+    (``aten::convolution_backward``) reorders the input and the output gradient for the weight
+    gradient: one temporary of each, live together with the input gradient. (Measured with the
+    profiler's allocator events on PyTorch 2.13 CPU, ``tools/bench_memory.py``.) Other ops and
+    CUDA (cuDNN workspaces are not modelled): none.
+    """
+    fwd: dict[str, int] = {}
+    bwd: dict[str, int] = {}
+    if device != "cpu":
+        return fwd, bwd
+    convs = {n.name: n for n in forward.graph.nodes if _is_plain_conv(n)}
+    for name, n in convs.items():
+        fwd[name] = tensor_bytes(n.meta["val"])
+    if backward is None:
+        return fwd, bwd
+    last: dict[str, str] = {}  # forward conv -> its last backward convolution (weight grad)
+    for n in backward.graph.nodes:
+        src = n.meta.get(SOURCE)
+        if n.op == "call_function" and n.target is aten.convolution.default and src in convs:
+            last[src] = n.name
+    for src, name in last.items():
+        c = convs[src]
+        bwd[name] = tensor_bytes(c.args[0].meta["val"]) + tensor_bytes(c.meta["val"])
+    return fwd, bwd
+
+
+def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
+    """``torch.func.jvp`` run eagerly: graphflop's JVP graph in its order (each op's primal and
+    tangent computed together, as forward-mode AD does, each freed when nothing reads it), the
+    outputs of multi-output ops as separate storages, with the kernels' temporaries
+    (:func:`kernel_temporaries`). A value and its tangent are one dual tensor in eager
+    forward-mode AD: both are freed when the later of them is last read
+    (:func:`dual_pairs`). Parameters and tangents are the baseline."""
+    sig = jvp.meta[SIGNATURE]
+    info = jvp.meta[JVP]
+    base = {p for p, _ in sig.params} | {t for t, _ in info.tangent_inputs}
+    tmp, _ = kernel_temporaries(jvp, None, device)
+    pairs = dual_pairs(jvp)
+    sizes, norm_tmp, reads = _norm_jvp(jvp, pairs)
+    s = Schedule()
+    s.add_graph(
+        jvp,
+        "j",
+        baseline=base,
+        keep_outputs=True,
+        eager=True,
+        sizes=sizes,
+        extra=tmp | norm_tmp,
+        also_reads=reads,
+    )
+    names = {n.name for n in jvp.graph.nodes}
+    for primal, tangents in pairs.items():
+        if primal in names:
+            s.ties.append([f"j:{primal}"] + [f"j:{t}" for t in tangents])
+    return s
+
+
+_BATCH_NORMS = frozenset(k for k in EAGER_SAVES if "batch_norm" in k)
+
+#: input-sized temporaries ``batch_norm_jvp`` (ATen FunctionsManual.cpp, training mode) holds at
+#: once besides its result: ``input - mean`` and the products and sums of the tangent formula
+#: (profiler allocator events, PyTorch 2.13 CPU: the tangent result plus four more)
+BATCH_NORM_JVP_TEMPORARIES = 4
+
+
+def _norm_jvp(
+    jvp: GraphModule, pairs: dict[str, list[str]]
+) -> tuple[dict[str, int], dict[str, int], dict[str, list[str]]]:
+    """Eager batch norm in a JVP graph: one kernel for the primal (the decomposition's inner
+    nodes hold nothing) and ATen's ``batch_norm_jvp`` for the tangent (its inner tangent nodes
+    hold nothing; its temporaries are charged to the tangent result, which is also where the
+    input and its tangent may be freed). Returns (sizes, extra, also_reads) for
+    :meth:`Schedule.add_graph`."""
+    sizes: dict[str, int] = {}
+    extra: dict[str, int] = {}
+    reads: dict[str, list[str]] = {}
+    for region in _regions(jvp):
+        tags = {n: n.meta[COMPOSITE] for n in region}
+        if tags[region[0]].op not in _BATCH_NORMS:
+            continue
+        names = {n.name for n in region}
+        x = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
+        out0 = [n.name for n in region if tags[n].output == 0]
+        keep = {t for o in out0 for t in pairs.get(o, [])}
+        for n in region:
+            if tags[n].output is None:
+                sizes[n.name] = 0
+        inner_t = [
+            n
+            for n in jvp.graph.nodes
+            if n.meta.get(KIND) == "tangent"
+            and n.meta.get(SOURCE) in names
+            and n.op != "placeholder"
+        ]
+        for n in inner_t:
+            if n.name not in keep:
+                sizes[n.name] = 0
+        result = [n for n in inner_t if n.name in keep]
+        if x is not None and result:
+            extra[result[-1].name] = BATCH_NORM_JVP_TEMPORARIES * tensor_bytes(x.meta["val"])
+            reads[result[-1].name] = [x.name] + pairs.get(x.name, [])
+    return sizes, extra, reads
+
+
+def dual_pairs(jvp: GraphModule) -> dict[str, list[str]]:
+    """Forward node name -> the JVP graph's nodes holding its tangent: the tangent nodes its
+    rule made (``SOURCE``) that something outside the rule reads (or the graph returns)."""
+    pairs: dict[str, list[str]] = {}
+    for n in jvp.graph.nodes:
+        if n.meta.get(KIND) != "tangent" or n.op == "placeholder":
+            continue
+        src = n.meta.get(SOURCE)
+        if any(u.op == "output" or u.meta.get(SOURCE) != src for u in n.users):
+            pairs.setdefault(src, []).append(n.name)
+    return pairs
+
+
+_SCATTERS = (
+    aten.index_put.default,
+    aten.index_add.default,
+    aten.scatter_add.default,
+    aten.scatter.src,
+    aten.slice_scatter.default,
+    aten.select_scatter.default,
+)
+_FRESH = (aten.full.default, aten.zeros.default, aten.zeros_like.default, aten.full_like.default)
+
+
+def scatters_in_place(backward: GraphModule) -> set[str]:
+    """Backward nodes that scatter into a fresh zeros tensor nothing else reads: eager
+    backward kernels (``embedding_dense_backward``, ``index_add_``, ``select_backward``,
+    ``slice_backward``, max pooling's) fill one zeroed gradient in place, where graphflop's
+    graph makes the zeros and an out-of-place result."""
+    out = set()
+    for n in backward.graph.nodes:
+        if n.op != "call_function" or n.target not in _SCATTERS:
+            continue
+        base = n.args[0]
+        if isinstance(base, Node) and base.target in _FRESH and len(base.users) == 1:
+            out.add(n.name)
+    return out
 
 
 def optimizer_temporaries(optimizer: str, param_bytes: list[int], device: str) -> int:
@@ -200,15 +373,26 @@ def optimizer_temporaries(optimizer: str, param_bytes: list[int], device: str) -
 
 
 def eager_train_schedule(
-    forward: GraphModule, backward: GraphModule, optimizer: str, device: str = "cpu"
+    forward: GraphModule,
+    backward: GraphModule,
+    optimizer: str,
+    device: str = "cpu",
+    keep_grads: bool = False,
 ) -> Schedule:
     """The eager training step's live storages (see the module docstring); parameters and
-    optimizer state are the baseline, not scheduled; gradients are scheduled."""
+    optimizer state are the baseline, not scheduled; gradients are scheduled, or, with
+    ``keep_grads`` (``zero_grad(set_to_none=False)``), are baseline buffers the backward
+    accumulates into: each gradient the backward makes lives only while it is added."""
     eager = eager_residuals(forward, backward, device)
     sig = forward.meta[SIGNATURE]
     params = {p for p, _ in sig.params}
+    fwd_tmp, bwd_tmp = kernel_temporaries(forward, backward, device)
+    if keep_grads:  # AccumulateGrad adds each new gradient into .grad in place and frees it
+        out = next(n for n in backward.graph.nodes if n.op == "output")
+        for a in out.all_input_nodes:
+            bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
     s = Schedule()
-    s.add_graph(forward, "f", baseline=params, eager=True, sizes=eager.sizes)
+    s.add_graph(forward, "f", baseline=params, eager=True, sizes=eager.sizes, extra=fwd_tmp)
     ext: dict[str, str | list[str]] = {}
     base_b = set()
     for n in backward.graph.nodes:
@@ -218,7 +402,17 @@ def eager_train_schedule(
                 base_b.add(n.name)
             else:
                 ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]
-    s.add_graph(backward, "b", baseline=base_b, external=ext, keep_outputs=True, eager=True)
+    s.add_graph(
+        backward,
+        "b",
+        baseline=base_b,
+        external=ext,
+        keep_outputs=not keep_grads,
+        free_outputs=keep_grads,
+        eager=True,
+        extra=bwd_tmp,
+        inplace=scatters_in_place(backward),
+    )
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
     sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
     s.add_transient("u:optimizer", optimizer_temporaries(optimizer, sizes, device))

@@ -30,6 +30,7 @@ class _Step:
     nbytes: int
     alias_of: str | None
     reads: list[str]
+    extra: int = 0  # a kernel's temporaries: allocated and freed within this step
 
 
 class Schedule:
@@ -38,6 +39,7 @@ class Schedule:
     def __init__(self) -> None:
         self.steps: list[_Step] = []
         self.keep: set[str] = set()
+        self.ties: list[list[str]] = []  # keys whose storages are freed together
 
     def add_graph(
         self,
@@ -50,6 +52,9 @@ class Schedule:
         keep_outputs: bool = False,
         eager: bool = False,
         sizes: dict[str, int] | None = None,
+        extra: dict[str, int] | None = None,
+        also_reads: dict[str, list[str]] | None = None,
+        inplace: set[str] | None = None,
     ) -> None:
         """Append ``gm``'s nodes.
 
@@ -63,9 +68,19 @@ class Schedule:
             eager: storages as eager PyTorch allocates them: each output of a multi-output op
                 (``getitem``) is a storage of its own; the tuple itself holds nothing.
             sizes: node name -> bytes, replacing the size of that node's value.
+            extra: node name -> bytes of temporaries its kernel holds while it runs (live
+                together with its inputs and outputs, freed when it returns).
+            also_reads: node name -> names of earlier nodes of this graph that stay live until
+                it has run (a kernel that holds them though the graph's edges do not say so).
+            inplace: names of nodes whose output is written into their first argument's
+                storage (an eager kernel updating a buffer it made).
         """
         external = external or {}
         sizes = sizes or {}
+        extra = extra or {}
+        also_reads = also_reads or {}
+        inplace = inplace or set()
+        by_name = {n.name: n for n in gm.graph.nodes}
         keys: dict[Node, list[str]] = {}
         outputs = set()
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -92,12 +107,15 @@ class Schedule:
                     continue
             key = f"{prefix}:{n.name}"
             keys[n] = [key]
-            reads = reads_of(n)
+            reads = reads_of(n) + [
+                k for m in also_reads.get(n.name, []) for k in keys.get(by_name[m], [])
+            ]
             alias = None
             val = n.meta.get("val")
             if n.op == "call_function" and (
                 (n.target is operator.getitem and not eager)
                 or (has_rule(n.target) and lookup(n.target).bytes == "view")
+                or n.name in inplace
             ):
                 base = n.all_input_nodes[0] if n.all_input_nodes else None
                 if base is not None and not keys.get(base):
@@ -110,7 +128,7 @@ class Schedule:
                 nbytes = 0
             else:
                 nbytes = sizes.get(n.name, tensor_bytes(val))
-            self.steps.append(_Step(key, nbytes, alias, reads))
+            self.steps.append(_Step(key, nbytes, alias, reads, extra.get(n.name, 0)))
 
     def add_transient(self, key: str, nbytes: int) -> None:
         """A storage of ``nbytes`` allocated and freed at one step (a kernel's temporaries)."""
@@ -135,6 +153,11 @@ class Schedule:
         for k in self.keep:
             if k in storage:
                 last[storage[k]] = end
+        for group in self.ties:
+            sts = {storage[k] for k in group if k in storage}
+            t = max((last[st] for st in sts), default=0)
+            for st in sts:
+                last[st] = t
         frees: dict[int, list[str]] = {}
         for st, i in last.items():
             frees.setdefault(i, []).append(st)
@@ -142,8 +165,8 @@ class Schedule:
         for i, s in enumerate(self.steps):
             if storage[s.key] == s.key:
                 live += size[s.key]
-            if live > peak:
-                peak, where = live, s.key
+            if live + s.extra > peak:
+                peak, where = live + s.extra, s.key
             for st in frees.get(i, []):
                 live -= size.get(st, 0)
         return peak, where
@@ -215,6 +238,11 @@ def jvp_schedule(jvp: GraphModule) -> Schedule:
 
 def saved_for_backward_bytes(forward: GraphModule, backward: GraphModule) -> int:
     """Bytes of the non-parameter forward values the backward graph reads, once per storage."""
+    return sum(saved_storages(forward, backward).values())
+
+
+def saved_storages(forward: GraphModule, backward: GraphModule) -> dict[str, int]:
+    """The storages :func:`saved_for_backward_bytes` counts: owner node name -> bytes."""
     sched = forward_schedule(forward)
     storage: dict[str, str] = {}
     size: dict[str, int] = {}
@@ -229,7 +257,7 @@ def saved_for_backward_bytes(forward: GraphModule, backward: GraphModule) -> int
             k = storage.get(f"f:{n.meta.get(SOURCE, n.name)}")
             if k is not None:
                 seen.add(k)
-    return sum(size[k] for k in seen)
+    return {k.split(":", 1)[1]: size[k] for k in seen}
 
 
 def annotate_memory(gm: GraphModule) -> GraphModule:

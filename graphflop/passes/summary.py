@@ -32,12 +32,19 @@ from graphflop.meta import (
     NodeCost,
 )
 from graphflop.ops import has_rule, op_name
-from graphflop.passes.eager_memory import DESCRIBES, eager_saved_bytes, eager_train_schedule
+from graphflop.passes.eager_memory import (
+    DESCRIBES,
+    eager_jvp_schedule,
+    eager_saved_bytes,
+    eager_saved_storages,
+    eager_train_schedule,
+)
 from graphflop.passes.flops import tensor_bytes, total_cost
 from graphflop.passes.memory import (
     forward_schedule,
     jvp_schedule,
     saved_for_backward_bytes,
+    saved_storages,
     train_schedule,
 )
 from graphflop.passes.optimizer import STATE_KINDS
@@ -61,6 +68,7 @@ from graphflop.report import (
 
 #: per-layer counters, in LayerRow's field order (output_shape and output_bytes apart)
 _COUNTERS = (
+    "saved_bytes",
     "params",
     "forward_flops",
     "forward_mm_flops",
@@ -257,7 +265,13 @@ def _forward_gradient(fg: GraphModule, jvp_complete: bool) -> ForwardGradientTot
 
 
 def _memory(
-    g: Graphs, params_bytes: int, optimizer: str, trainable_bytes: int, model: str, device: str
+    g: Graphs,
+    params_bytes: int,
+    optimizer: str,
+    trainable_bytes: int,
+    model: str,
+    device: str,
+    keep_grads: bool = False,
 ) -> Memory:
     """Gradients and optimizer state only for the trainable parameters (``trainable_bytes``);
     ``model``: ``eager`` or ``graph`` (:mod:`graphflop.passes.eager_memory`)."""
@@ -266,8 +280,9 @@ def _memory(
     if g.backward is not None:
         n_state = len(STATE_KINDS[optimizer])
         if model == "eager":  # gradients are scheduled: they appear as the backward makes them
-            tpeak, _ = eager_train_schedule(g.forward, g.backward, optimizer, device).peak()
-            train_peak = params_bytes + trainable_bytes * n_state + tpeak
+            sched = eager_train_schedule(g.forward, g.backward, optimizer, device, keep_grads)
+            tpeak, _ = sched.peak()
+            train_peak = params_bytes + trainable_bytes * (n_state + keep_grads) + tpeak
             saved = eager_saved_bytes(g.forward, g.backward, device)
         else:
             tpeak, _ = train_schedule(g.forward, g.backward, g.update).peak()
@@ -280,7 +295,8 @@ def _memory(
             train_peak_bytes=train_peak,
         )
     if g.jvp is not None:
-        jpeak, _ = jvp_schedule(g.jvp).peak()
+        jsched = eager_jvp_schedule(g.jvp, device) if model == "eager" else jvp_schedule(g.jvp)
+        jpeak, _ = jsched.peak()
         n_tan = sum(
             tensor_bytes(n.meta["val"])
             for n in g.jvp.graph.nodes
@@ -288,9 +304,32 @@ def _memory(
         )
         mem["jvp_peak_bytes"] = params_bytes + n_tan + jpeak
     describes = {k: v.format(device=device) for k, v in DESCRIBES[model].items() if k in mem}
+    if keep_grads and "train_peak_bytes" in describes:
+        describes["train_peak_bytes"] = describes["train_peak_bytes"].replace(
+            "allocated as produced (zero_grad(set_to_none=True))",
+            "live from the start, accumulated into (zero_grad(set_to_none=False))",
+        )
     return Memory(
-        params_bytes=params_bytes, memory_model=model, device=device, describes=describes, **mem
+        params_bytes=params_bytes,
+        memory_model=model,
+        device=device,
+        describes=describes,
+        keep_grads=keep_grads,
+        **mem,
     )
+
+
+def _saved_by_layer(g: Graphs, layers: _Layers, model: str, device: str) -> None:
+    """Each layer's ``saved_bytes``: the saved storages its forward nodes allocated."""
+    if g.backward is None:
+        return
+    if model == "eager":
+        owners = eager_saved_storages(g.forward, g.backward, device)
+    else:
+        owners = saved_storages(g.forward, g.backward)
+    nodes = {n.name: n for n in g.forward.graph.nodes}
+    for name, nbytes in owners.items():
+        layers[nodes[name].meta.get(MODULE, "")]["saved_bytes"] += nbytes
 
 
 def _ratios(t: Totals) -> Ratios:
@@ -435,6 +474,7 @@ def summarize(
     tangents: str,
     memory_model: str = "eager",
     device: str = "cpu",
+    keep_grads: bool = False,
 ) -> Report:
     """Roll the node annotations of ``graphs`` up into a :class:`~graphflop.report.Report`.
 
@@ -446,6 +486,7 @@ def summarize(
         tangents: which values carry tangents in the JVP graph (for the report).
         memory_model, device: the execution the memory figures describe (``eager`` on
             ``cpu``/``cuda``, or ``graph``: :mod:`graphflop.passes.eager_memory`).
+        keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``).
 
     Raises:
         KeyError: a graph lacks ``COST`` (run ``annotate_flops``) or the forward graph lacks
@@ -461,6 +502,7 @@ def summarize(
     trainable_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable())
     layers = _Layers()
     totals = _totals(graphs, layers, optimizer, tangents, trainable)
+    _saved_by_layer(graphs, layers, memory_model, device)
     return Report(
         model=name,
         inputs=_inputs(fwd),
@@ -469,7 +511,9 @@ def summarize(
         optimizer=optimizer if graphs.backward is not None else None,
         totals=totals,
         ratios=_ratios(totals),
-        memory=_memory(graphs, params_bytes, optimizer, trainable_bytes, memory_model, device),
+        memory=_memory(
+            graphs, params_bytes, optimizer, trainable_bytes, memory_model, device, keep_grads
+        ),
         layers=layers.freeze(
             totals.forward.flops, backward=totals.backward is not None, jvp=totals.jvp is not None
         ),

@@ -129,10 +129,15 @@ def _bytes(ts) -> int:
 
 
 def measure_train_peak(
-    model: nn.Module, inputs: tuple, loss: str = "auto", optimizer: str = "sgd"
+    model: nn.Module,
+    inputs: tuple,
+    loss: str = "auto",
+    optimizer: str = "sgd",
+    keep_grads: bool = False,
 ) -> int:
     """Peak bytes of one eager training step (see the module docstring). A first step runs
-    unprofiled so optimizer state exists, as in every step but the first."""
+    unprofiled so optimizer state exists, as in every step but the first. ``keep_grads``:
+    ``zero_grad(set_to_none=False)``, the gradients live from the start (counted in it)."""
     from graphflop.runtime.optim import torch_optimizer
 
     _, run = _loss_fn(model, inputs, loss)
@@ -140,22 +145,25 @@ def measure_train_peak(
     opt = torch_optimizer(optimizer, params, lr=1e-6)
 
     def step() -> None:
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not keep_grads)
         run().backward()
         opt.step()
 
     step()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=not keep_grads)
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    grads = [p.grad for p in params if p.grad is not None]
     base = _bytes(
-        [*model.parameters(), *model.buffers(), *inputs, *run.targets, *state]  # type: ignore[attr-defined]
+        [*model.parameters(), *model.buffers(), *inputs, *run.targets, *state, *grads]  # type: ignore[attr-defined]
     )
     return base + _profiled_peak(step)
 
 
-def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int:
+def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int | None:
     """Peak bytes of ``torch.func.jvp`` of the loss in the parameters (tangents: normal, like
-    the parameters), parameters, buffers, inputs, targets and tangents included."""
+    the parameters), parameters, buffers, inputs, targets and tangents included; None where
+    forward-mode AD cannot run the model (an op without a forward derivative, such as CPU
+    flash attention, which PyTorch picks for attention without dropout)."""
     _, run = _loss_fn(model, inputs, loss)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     primals = tuple(dict(model.named_parameters())[n].detach() for n in names)
@@ -176,7 +184,10 @@ def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int
         torch.func.jvp(f, primals, tangents)
 
     base = _bytes([*model.parameters(), *buffers.values(), *inputs, *targets, *tangents])
-    return base + _profiled_peak(go)
+    try:
+        return base + _profiled_peak(go)
+    except NotImplementedError:  # "Trying to use forward AD with ... not implemented yet"
+        return None
 
 
 def measure(
