@@ -1,6 +1,6 @@
 """Weight-gradient convolutions as matrix products: a graph rewrite that changes no FLOP count
-but spares ONNX Runtime's CPU provider its slow skinny-GEMM ``Conv`` (``bench``'s and
-``export``'s ``wgrad_mm`` option, through :func:`graphflop.runtime.graphs.step_graphs`).
+but spares ONNX Runtime's CPU provider its slow skinny-GEMM ``Conv`` (``bench``'s ONNX Runtime
+train step, through :func:`graphflop.runtime.graphs.step_graphs` with ``wgrad_mm=True``).
 
 ``conv_weight_grads_as_mm``: every weight-gradient-shaped 2-D ``aten.convolution`` becomes one
 ``mm`` per output position on a shifted window of the (padded) input, with the same multiply-adds.
