@@ -174,6 +174,10 @@ class ForwardGradientTotals(CostTotals):
         tangent_flops: tangent work (all ``K`` directions).
         direction_flops: sampling the directions and forming ``g = d·v``.
         update_flops: the optimizer update.
+        tangent_pass: how the ``K`` tangent passes were built
+            (:attr:`graphflop.meta.ForwardGradientInfo.tangent_pass`): ``one tangent pass``
+            (K = 1), ``one batched tangent pass`` (tangents with a leading K dimension;
+            ``; K copies of <ops>`` names ops copied per direction) or ``copies: <why>``.
     """
 
     directions: int = 1
@@ -182,6 +186,7 @@ class ForwardGradientTotals(CostTotals):
     tangent_flops: int = 0
     direction_flops: int = 0
     update_flops: int = 0
+    tangent_pass: str = "one tangent pass"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from graphflop.ops.registry import (
     def_zero,
     register,
     register_decomposition,
+    update,
     use_torch_decomposition,
 )
 
@@ -95,6 +96,33 @@ for _op in (
     aten.squeeze.default,
 ):
     def_linear(_op, _reshape_back)
+
+
+def _val(v) -> torch.Tensor:
+    return v.meta["val"] if isinstance(v, torch.fx.Node) else v.val
+
+
+def _jvp_strict_view(op):
+    """JVP of ``view``/``_unsafe_view``: the same view of the tangent. A tangent laid out unlike
+    its primal (a residual sum of a transposed attention output, ``batch_first`` attention) may
+    not be viewable as the primal was, so unless it has the primal's strides or is contiguous it
+    is first copied contiguous (an explicit ``clone``, whose bytes the cost model counts), as
+    ``reshape`` would copy it."""
+
+    def jvp(b, out, args, tangents, kwargs):
+        t = tangents[0]
+        if t is None:
+            return None
+        tv = _val(t)
+        if tv.stride() != _val(args[0]).stride() and not tv.is_contiguous():
+            t = b.call(aten.clone.default, t, memory_format=torch.contiguous_format)
+        return b.call(op, t, *args[1:], **kwargs)
+
+    return jvp
+
+
+for _op in (aten.view.default, aten._unsafe_view.default):
+    update(_op, jvp=_jvp_strict_view(_op))
 
 
 def _transpose_permute(b, ct, args, kwargs, linear):

@@ -261,6 +261,7 @@ def _forward_gradient(fg: GraphModule, jvp_complete: bool) -> ForwardGradientTot
         tangent_flops=by.get("tangent_from_input", 0) + by.get("tangent_from_param", 0),
         direction_flops=by.get("direction", 0),
         update_flops=by.get("update", 0),
+        tangent_pass=info.tangent_pass,
     )
 
 

@@ -7,7 +7,7 @@
   fx GraphModules) run eagerly in PyTorch on real tensors;
 * ``onnxruntime`` — the same graphs exported to ONNX (:mod:`graphflop.export.onnx`) and run on
   ONNX Runtime, the train step's weight-gradient convolutions written as matrix products
-  (:func:`graphflop.runtime.graphs.conv_weight_grads_as_mm`: same FLOPs; see
+  (:func:`graphflop.passes.conv_wgrad.conv_weight_grads_as_mm`: same FLOPs; see
   :data:`ORT_REWRITE`).
 
 On every runtime the forward-gradient step samples its direction inside the timed call
@@ -409,7 +409,7 @@ def bench_onnxruntime(
             Runtime's profile files in ``export_dir/profile`` (default: a temporary folder,
             removed afterwards; nothing is written into the current directory).
         wgrad_mm: the train step's weight-gradient convolutions as matrix products
-            (:func:`graphflop.runtime.graphs.conv_weight_grads_as_mm`: same FLOPs; ONNX
+            (:func:`graphflop.passes.conv_wgrad.conv_weight_grads_as_mm`: same FLOPs; ONNX
             Runtime's CPU ``Conv`` is slow on their feature-map-sized kernels).
 
     Returns:
