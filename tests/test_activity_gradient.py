@@ -96,3 +96,37 @@ def test_a_parameter_outside_linear_and_conv_is_refused():
     fwd = trace(model, (torch.randn(3, 4),))
     with pytest.raises(ValueError, match="Linear and Conv"):
         build_activity_gradient_step(fwd)
+
+
+def test_a_shared_layer_adds_its_uses_gradients():
+    # the same Linear applied twice: its weight gradient is the sum over both uses, each formed
+    # locally from its own output's estimate; checked against the reverse-mode estimate for the
+    # same tangents: d_b = Σ_l g_{l,b}·u_{l,b} with g_l = ∂L/∂z_l, ĝ_l = d u_l per use
+    torch.manual_seed(0)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(torch.tanh(self.fc(x)))
+
+    model = Twice()
+    x = torch.randn(3, 4)
+    fwd = trace(model, (x,), loss="sum")
+    step = build_activity_gradient_step(fwd, direction_inputs=True)
+    u = [torch.randn(3, 4), torch.randn(3, 4)]
+    names = step.meta[FORWARD_GRADIENT].inputs
+    values = {"lr": torch.tensor(1.0), "u0_0": u[0], "u0_1": u[1]}
+    values[fwd.meta[SIGNATURE].inputs[0]] = x
+    values.update({p: model.get_parameter(q).detach() for p, q in fwd.meta[SIGNATURE].params})
+    out = step(*[values[n] for n in names])
+    z1 = model.fc(x).detach().requires_grad_()
+    h = torch.tanh(z1)
+    z2 = model.fc(h)
+    (g1, g2) = torch.autograd.grad(z2.sum(), (z1, z2))
+    d = (g1 * u[0]).sum(1, keepdim=True) + (g2 * u[1]).sum(1, keepdim=True)
+    e1, e2 = d * u[0], d * u[1]
+    want_w = e1.T @ x + e2.T @ h.detach()
+    torch.testing.assert_close(model.fc.weight.detach() - out[1], want_w, rtol=1e-4, atol=1e-5)

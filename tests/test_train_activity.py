@@ -175,3 +175,18 @@ def test_local_losses_training_lowers_the_loss(digits):
 def test_local_losses_need_activity_perturbation():
     with pytest.raises(TrainError, match="--local-losses is an option of --perturb activations"):
         TrainConfig(method="fgd", local_losses=True)
+
+
+def test_a_layer_applied_twice_is_refused(digits):
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 64)
+            self.out = torch.nn.Linear(64, 10)
+
+        def forward(self, x):
+            return self.out(self.fc(torch.tanh(self.fc(x.flatten(1)))))
+
+    ap = ActivityPerturbation(Twice(), torch.Generator())
+    with pytest.raises(TrainError, match="fc is applied more than once"):
+        ap.estimate(digits.x_train[:8], digits.y_train[:8])

@@ -57,6 +57,7 @@ from graphflop.passes.optimizer import SLOT, OptimizerConfig, build_update_for, 
 
 aten = torch.ops.aten
 _VIEWS = {aten.permute.default, aten.t.default, aten.view.default, aten.reshape.default}
+_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _REDUCE = {aten.sum.dim_IntList, aten.sum.default, aten.mean.default, aten.mean.dim}
 #: meta key (not a graphflop annotation: private to this pass) marking a layer's nodes
 _TAG = "activity_layer"
@@ -118,7 +119,6 @@ def _param_of(a: Any, trainable: set[str]) -> str | None:
 def _find_layers(forward: GraphModule, sig: Signature) -> list[_Layer]:
     trainable = {p for p, _ in sig.trainable()}
     nodes = list(forward.graph.nodes)
-    last = {n.meta.get(MODULE, ""): n.name for n in nodes}  # a module's last node: its output
     layers, owned = [], set()
     for n in nodes:
         if n.op != "call_function":
@@ -138,7 +138,7 @@ def _find_layers(forward: GraphModule, sig: Signature) -> list[_Layer]:
             continue
         if w is None or not n.meta.get(MODULE):
             continue
-        layers.append(_Layer(n.name, last[n.meta[MODULE]], x.name, w, b))
+        layers.append(_Layer(n.name, _layer_output(n).name, x.name, w, b))
         owned |= {w, b}
     stray = [q for p, q in sig.trainable() if p not in owned]
     if stray:
@@ -147,6 +147,18 @@ def _find_layers(forward: GraphModule, sig: Signature) -> list[_Layer]:
             f"parameter {stray[0]} belongs to another op"
         )
     return layers
+
+
+def _layer_output(op: Node) -> Node:
+    """The layer's output: ``op`` followed through its sole users that are views of the same
+    module (back to the input's leading dimensions); one use of a shared layer at a time."""
+    z = op
+    while len(z.users) == 1:
+        (u,) = z.users
+        if u.target not in _THROUGH or u.meta.get(MODULE) != op.meta.get(MODULE):
+            break
+        z = u
+    return z
 
 
 def _fake_val(fake_mode, target, args, kwargs):
@@ -382,7 +394,9 @@ def _local_grads(b, layers: list[_Layer], tagged, ds, us) -> dict[str, Node]:
             if len(ds) > 1:
                 est = b.call(aten.div.Tensor, est, float(len(ds)))
         with b.context(role="grad_weight", source=op.name, module=mod):
-            grads.update(_layer_grads(b, lay, op, x, est))
+            for p, gp in _layer_grads(b, lay, op, x, est).items():
+                # a layer applied more than once (weight sharing): its uses' gradients add up
+                grads[p] = gp if p not in grads else b.call(aten.add.Tensor, grads[p], gp)
     return grads
 
 

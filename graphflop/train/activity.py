@@ -138,6 +138,11 @@ class ActivityPerturbation:
         def hook(module, args, output):
             if not self._active:  # validation and other calls: untouched
                 return output
+            if q in self._inputs:
+                raise TrainError(
+                    f"--perturb activations: layer {q} is applied more than once per forward "
+                    "(weight sharing); its uses need perturbations of their own"
+                )
             self._inputs[q] = args[0]
             self._shapes[q] = tuple(output.shape)
             e = self._eps.get(q)
@@ -160,7 +165,7 @@ class ActivityPerturbation:
         names = [q for q, _ in self.layers]
         if not self._shapes or next(iter(self._shapes.values()))[0] != len(x):
             with torch.no_grad():  # output shapes, once per batch size
-                self._block_out = []
+                self._inputs, self._block_out = {}, []
                 out = self.model(x)
                 if self.local_losses and not self.heads:
                     self._make_heads(out.shape[-1])
