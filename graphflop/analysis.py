@@ -21,6 +21,7 @@ from torch.fx import GraphModule
 
 from graphflop.frontend.trace import trace
 from graphflop.meta import LINEARIZED, LOSS_KIND, SIGNATURE
+from graphflop.passes.activity_gradient import BuildActivityGradientStep, NotPerturbable
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
 from graphflop.passes.compiled_memory import compiled_report_memory
 from graphflop.passes.flops import AnnotateFlops
@@ -45,6 +46,9 @@ class Analysis:
         jvp: JVP graph, or None.
         update: optimizer update graph (built with the backward graph), or None.
         forward_gradient: forward-gradient step graph, or None.
+        activity_gradient: activity-perturbed step graph
+            (:mod:`graphflop.passes.activity_gradient`), or None when not built or the model
+            has parameters outside Linear/Conv layers.
         report: the typed report (:class:`~graphflop.report.Report`).
     """
 
@@ -55,6 +59,7 @@ class Analysis:
     jvp: GraphModule | None = None
     update: GraphModule | None = None
     forward_gradient: GraphModule | None = None
+    activity_gradient: GraphModule | None = None
     _train_step: GraphModule | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -188,6 +193,7 @@ def _analyze(
             optimizer, directions=directions, distribution=distribution, jvp=lin, update=g.update
         )
         g = replace(g, forward_gradient=run_passes(fwd, [step, AnnotateFlops()]))
+        g = replace(g, activity_gradient=_activity(fwd, optimizer, directions, g.update))
     say("summarising")
     name = name or type(model).__name__
     report = summarize(
@@ -206,5 +212,24 @@ def _analyze(
         )
         report = replace(report, memory=mem)
     return Analysis(
-        name, fwd, report, g.backward, g.jvp, g.update, forward_gradient=g.forward_gradient
+        name,
+        fwd,
+        report,
+        g.backward,
+        g.jvp,
+        g.update,
+        forward_gradient=g.forward_gradient,
+        activity_gradient=g.activity_gradient,
     )
+
+
+def _activity(
+    fwd: GraphModule, optimizer: str, directions: int, update: GraphModule | None
+) -> GraphModule | None:
+    """The activity-perturbed step, or None where the model does not allow it (a parameter
+    outside Linear/Conv layers, a loss without per-example terms)."""
+    step = BuildActivityGradientStep(optimizer, directions=directions, update=update)
+    try:
+        return run_passes(fwd, [step, AnnotateFlops()])
+    except NotPerturbable:  # an optional section: absent where the model does not allow it
+        return None

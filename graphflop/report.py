@@ -190,6 +190,33 @@ class ForwardGradientTotals(CostTotals):
 
 
 @dataclass(frozen=True)
+class ActivityGradientTotals(CostTotals):
+    """The activity-perturbed forward-gradient step's totals
+    (:mod:`graphflop.passes.activity_gradient`; Ren et al. 2023).
+
+    Attributes:
+        directions: number of tangent draws ``K``.
+        primal_flops: forward and loss work (the per-example loss terms included).
+        tangent_flops: the forward-mode pass (all ``K`` draws).
+        direction_flops: forming the activity-gradient estimates ``d_b·u``.
+        grad_weight_flops: the layers' local gradients (``ĝᵀ·x``, bias sums).
+        update_flops: the optimizer update.
+        peak_bytes: peak live bytes of the step graph in its node order, placeholders held.
+        weight_perturbation_peak_bytes: the same for the weight-perturbed step (None when
+            that step was not built).
+    """
+
+    directions: int = 1
+    primal_flops: int = 0
+    tangent_flops: int = 0
+    direction_flops: int = 0
+    grad_weight_flops: int = 0
+    update_flops: int = 0
+    peak_bytes: int = 0
+    weight_perturbation_peak_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class Totals:
     """Totals per phase; ``None`` for a phase that was not built."""
 
@@ -200,6 +227,7 @@ class Totals:
     train_step: TrainStepTotals | None = None
     jvp: JvpTotals | None = None
     forward_gradient_step: ForwardGradientTotals | None = None
+    activity_gradient_step: ActivityGradientTotals | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v.to_dict() for k, v in _fields_dict(self).items() if v is not None}
@@ -214,6 +242,7 @@ class Totals:
             "train_step": TrainStepTotals,
             "jvp": JvpTotals,
             "forward_gradient_step": ForwardGradientTotals,
+            "activity_gradient_step": ActivityGradientTotals,
         }
         return cls(**{k: t.from_dict(d[k]) for k, t in types.items() if k in d})
 

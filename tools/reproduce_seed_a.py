@@ -187,6 +187,65 @@ def _fmt(x: float) -> str:
     return f"{x:.3f}"
 
 
+def _span(xs: list[float]) -> str:
+    lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _resnet_note(sh: list[dict] | None) -> str:
+    """Why ResNets sit under 2:1, from ``resnet_shares`` (``tools/seed_a_resnet_shares.py``)."""
+    if not sh:
+        return (
+            "because the stem convolution computes no input gradient (1:1); at batch 1 the "
+            "update adds 2 FLOPs per parameter (run `python tools/seed_a_resnet_shares.py` for "
+            "the stem's share)."
+        )
+
+    def pct(key: str) -> str:
+        lo, hi = min(x[key] for x in sh), max(x[key] for x in sh)
+        return f"{100 * lo:.1f}–{100 * hi:.1f} %"
+
+    first, last = sh[0], sh[-1]
+    return (
+        f"because the stem convolution computes no input gradient (1:1): it does "
+        f"{pct('stem_share')} of the forward FLOPs ({100 * first['stem_share']:.1f} % in "
+        f"{first['arch']}, {100 * last['stem_share']:.1f} % in {last['arch']}, which is why the "
+        f"deeper networks sit closer to 2), while batch norm, ReLU and the loss, at "
+        f"{_span([x['bn_relu_loss_ratio'] for x in sh])}:1, carry {pct('bn_relu_loss_share')} "
+        "(`resnet_shares.csv`, batch 1); at batch 1 the update adds 2 FLOPs per parameter."
+    )
+
+
+def _per_param(row: dict) -> float:
+    return row["forward_flops"] / row["params"]
+
+
+def _onenet_note(r: dict) -> str:
+    """Why OneNet sits under 2:1, from ``batch_onenet`` and ``per_layer`` (batch 1)."""
+    b1 = r["batch_onenet"][0]
+    short = 2 * b1["forward_flops"] - b1["backward_flops"]
+    pl = {x["layer"]: x for x in r["per_layer"] if x["model"] == "onenet" and x["batch"] == 1}
+    by = {
+        k: 2 * x["forward_flops"] - x["grad_input_flops"] - x["grad_weight_flops"]
+        for k, x in pl.items()
+    }
+    rest = short - sum(by.values())
+    return (
+        f"OneNet tends to slightly under 2 ({_fmt(b1['ratio_no_update'])} without the update at "
+        f"every batch), not exactly 2, because of its first layer: at batch 1 the backward "
+        f"(`batch_onenet.csv`: {b1['backward_flops']:,}) is {short:,} FLOPs short of twice the "
+        f"forward ({b1['forward_flops']:,}), and `fc1` (1→4096: weight product and bias add, "
+        f"backward = weight gradient + bias gradient, no input gradient, 1:1) accounts for "
+        f"{by.get('fc1', 0):,} of them ({100 * by.get('fc1', 0) / short:.1f} %, "
+        f"`per_layer.csv`: 2 × forward − input grad − weight grad). The later layers' bias "
+        f"gradients (also 1:1) account for {by.get('fc2', 0):,} (`fc2`) and "
+        f"{by.get('fc3', 0):,} (`fc3`); the remaining {rest:,} are the ReLUs and the loss "
+        "together. The ReLUs are not the cause: their backward is a mask and a multiply, 2 FLOPs "
+        "per element against 1 forward, 2:1 (`python -m graphflop.cli inspect models/onenet.py "
+        "--batch 1`, per-layer rows)."
+    )
+
+
 def _report(r: dict) -> str:
     def first_last(key):
         rows = r[key]
@@ -218,10 +277,10 @@ def _report(r: dict) -> str:
         "",
         "Agreement: all three behave as the seed says. The update costs 2 FLOPs per parameter "
         "whatever the batch, so it dominates LinearNet and OneNet at batch 1 and vanishes at "
-        "large batches; ConvNet's convolutions do thousands of FLOPs per parameter per image, so its "
-        "update never matters. OneNet tends to slightly under 2 (≈1.99), not exactly 2: its first layer "
-        "(1→4096, 1:1) still carries about 1% of the FLOPs, and its ReLUs cost 2 FLOPs backward "
-        "per element (mask and multiply) for 1 forward.",
+        "large batches; ConvNet's convolutions do thousands of FLOPs per parameter per image "
+        f"({_per_param(r['batch_convnet'][0]):,.0f} forward FLOPs per parameter at batch 1, "
+        "`batch_convnet.csv`), so its "
+        "update never matters. " + _onenet_note(r),
         "",
         "## Ratio vs depth (`depth_deeper_convnet.*`)",
         "",
@@ -242,9 +301,7 @@ def _report(r: dict) -> str:
         "",
         f"Seed: near 2:1, with deviations it attributes to the profiler missing some ops. "
         f"graphflop counts every node and finds {_fmt(rmin)}–{_fmt(rmax)}: slightly under 2 "
-        "because the stem convolution (3–7% of the forward FLOPs) computes no input gradient "
-        "(1:1), while batch norm, ReLU and the loss, which cost a bit more than 2:1, carry under "
-        "2% of the FLOPs; at batch 1 the update adds 2 FLOPs per parameter.",
+        + _resnet_note(r.get("resnet_shares")),
         "",
         "## Optimizers (`optimizers.csv`)",
         "",

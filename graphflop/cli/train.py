@@ -100,6 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "PyTorch torch.func)",
     )
     p.add_argument(
+        "--local-losses",
+        action="store_true",
+        help="with --perturb activations: each block's activity gradient from its own local "
+        "linear-classifier loss (Ren et al. 2023)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -189,6 +195,7 @@ def config_from_args(args: argparse.Namespace):
         distribution=args.distribution,
         orthogonal=args.orthogonal,
         perturb=args.perturb,
+        local_losses=args.local_losses,
         seed=args.seed,
         eval_every=args.eval_every,
         dataset=args.dataset,

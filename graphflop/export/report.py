@@ -250,6 +250,17 @@ def _totals_table(r: Report, units: str = "flops") -> Table:
             "",
             "primal + tangent + g=d·v + update",
         )
+        a = t.activity_gradient_step
+        if a is not None:
+            wp = a.weight_perturbation_peak_bytes
+            row(
+                "activity-gradient step",
+                a,
+                f"random {human(a.random_elements)}"
+                + (f" (weights: {human(fg.random_elements)})" if fg is not None else "")
+                + f", peak {human_bytes(a.peak_bytes)}"
+                + (f" (weights: {human_bytes(wp)})" if wp is not None else ""),
+            )
     return tot
 
 

@@ -49,6 +49,7 @@ from graphflop.passes.memory import (
 )
 from graphflop.passes.optimizer import STATE_KINDS
 from graphflop.report import (
+    ActivityGradientTotals,
     BackwardTotals,
     CostTotals,
     ForwardGradientTotals,
@@ -96,6 +97,7 @@ class Graphs:
     update: GraphModule | None = None
     jvp: GraphModule | None = None
     forward_gradient: GraphModule | None = None
+    activity_gradient: GraphModule | None = None
 
 
 class _Layers:
@@ -265,6 +267,28 @@ def _forward_gradient(fg: GraphModule, jvp_complete: bool) -> ForwardGradientTot
     )
 
 
+def _activity_gradient(g: Graphs, jvp_complete: bool) -> ActivityGradientTotals:
+    from graphflop.passes.activity_gradient import step_peak_bytes
+
+    ag = g.activity_gradient
+    nodes = _ops(ag)
+    by = _by_role(nodes, "forward")
+    return ActivityGradientTotals(
+        **CostTotals.cost_fields(total_cost(nodes)),
+        complete=jvp_complete and _complete(ag, nodes),
+        directions=ag.meta[FORWARD_GRADIENT].directions,
+        primal_flops=by.get("forward", 0) + by.get("loss", 0),
+        tangent_flops=by.get("tangent_from_input", 0) + by.get("tangent_from_param", 0),
+        direction_flops=by.get("direction", 0),
+        grad_weight_flops=by.get("grad_weight", 0),
+        update_flops=by.get("update", 0),
+        peak_bytes=step_peak_bytes(ag),
+        weight_perturbation_peak_bytes=(
+            step_peak_bytes(g.forward_gradient) if g.forward_gradient is not None else None
+        ),
+    )
+
+
 def _memory(
     g: Graphs,
     params_bytes: int,
@@ -389,6 +413,8 @@ def _totals(g: Graphs, layers: _Layers, optimizer: str, tangents: str, params: i
         j = t["jvp"] = _jvp(g.jvp, layers, tangents)
         if g.forward_gradient is not None:
             t["forward_gradient_step"] = _forward_gradient(g.forward_gradient, j.complete)
+        if g.activity_gradient is not None:
+            t["activity_gradient_step"] = _activity_gradient(g, j.complete)
     return Totals(**t)
 
 

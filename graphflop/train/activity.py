@@ -16,6 +16,15 @@ backward pass through the network. Each example's estimate carries the noise of 
 reduction comes from. This per-example separation assumes the examples of a batch do not
 interact (no batch normalisation in training mode).
 
+Local losses (``local_losses=True``, ``--local-losses``; Ren et al. 2023, section 4): each
+perturbed layer and what follows it up to the next perturbed layer is a block; the next layer
+reads the block's output detached (a stop-gradient), and a linear classifier head on the
+flattened output (``nn.Linear(features, classes)``, created on the first batch) gives the block
+its own per-example cross-entropy. Layer ``l``'s activity gradient is then estimated from its
+block's loss alone, ``d_{l,b} = ∇_{z_{l,b}}L_l · u_{l,b}`` (the last block's loss is the model's
+loss); the heads are trained with their exact gradients (one linear layer each, from the
+block's detached output: no backward pass through the network).
+
 ``K`` directions average ``K`` such estimates. The update is ``torch.optim``'s (graphflop's
 constants, :func:`graphflop.runtime.optim.torch_optimizer`) with the estimate as ``.grad``. This
 runs in PyTorch (torch.func), not as a graphflop step graph. Models: every trainable parameter
@@ -94,20 +103,46 @@ class ActivityPerturbation:
     perturbation to its output; they are inert outside :meth:`estimate`.
     """
 
-    def __init__(self, model: nn.Module, gen: torch.Generator):
+    def __init__(
+        self,
+        model: nn.Module,
+        gen: torch.Generator,
+        *,
+        local_losses: bool = False,
+        head_seed: int = 0,
+    ):
         self.model, self.gen = model, gen
         self.layers = perturbed_layers(model)
+        self.local_losses, self.head_seed = local_losses, head_seed
+        #: the local classifier heads, one per block but the last (built on the first batch)
+        self.heads: list[nn.Linear] = []
         self._eps: dict[str, torch.Tensor] = {}
         self._inputs: dict[str, torch.Tensor] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._block_out: list[torch.Tensor] = []
         self._active = False
-        for q, m in self.layers:
+        for i, (q, m) in enumerate(self.layers):
             m.register_forward_hook(self._hook(q))
+            if i > 0:
+                m.register_forward_pre_hook(self._cut)
+
+    def _cut(self, module, args):
+        """Local losses: keep the block output (with its tangent) for the block's head and
+        pass it on detached, so that no tangent crosses into the next block."""
+        if not (self._active and self.local_losses):
+            return None
+        self._block_out.append(args[0])
+        return (args[0].detach(), *args[1:])
 
     def _hook(self, q: str):
         def hook(module, args, output):
             if not self._active:  # validation and other calls: untouched
                 return output
+            if q in self._inputs:
+                raise TrainError(
+                    f"--perturb activations: layer {q} is applied more than once per forward "
+                    "(weight sharing); its uses need perturbations of their own"
+                )
             self._inputs[q] = args[0]
             self._shapes[q] = tuple(output.shape)
             e = self._eps.get(q)
@@ -130,7 +165,10 @@ class ActivityPerturbation:
         names = [q for q, _ in self.layers]
         if not self._shapes or next(iter(self._shapes.values()))[0] != len(x):
             with torch.no_grad():  # output shapes, once per batch size
-                self.model(x)
+                self._inputs, self._block_out = {}, []
+                out = self.model(x)
+                if self.local_losses and not self.heads:
+                    self._make_heads(out.shape[-1])
         est = {q: torch.zeros(self._shapes[q]) for q in names}
         loss, inputs = 0.0, {}
         for _ in range(directions):
@@ -138,18 +176,51 @@ class ActivityPerturbation:
 
             def f(*eps):
                 self._eps = dict(zip(names, eps))
-                self._inputs = {}
+                self._inputs, self._block_out = {}, []
                 # per-example terms of the mean cross-entropy: example b's term depends only
                 # on example b's activations, so its tangent is ∇_{z_b}L · u_b alone
                 out = F.cross_entropy(self.model(x), y, reduction="none") / len(y)
-                return out, dict(self._inputs)
+                if self.local_losses:  # one row per block: its own loss, the model's last
+                    out = torch.stack([*self._local(y), out])
+                return out, (dict(self._inputs), list(self._block_out))
 
             zeros = tuple(torch.zeros_like(u) for u in us)
-            value, d, inputs = torch.func.jvp(f, zeros, us, has_aux=True)
-            loss = float(value.sum())
-            for q, u in zip(names, us):
-                est[q] += d.reshape(-1, *[1] * (u.dim() - 1)) * u / directions
+            value, d, (inputs, blocks) = torch.func.jvp(f, zeros, us, has_aux=True)
+            loss = float(value[-1].sum()) if self.local_losses else float(value.sum())
+            for i, (q, u) in enumerate(zip(names, us)):
+                di = d[i] if self.local_losses else d
+                est[q] += di.reshape(-1, *[1] * (u.dim() - 1)) * u / directions
+        self._block_out = [h.detach() for h in blocks]
         return loss, est, {q: t.detach() for q, t in inputs.items()}
+
+    def _make_heads(self, classes: int) -> None:
+        gen = torch.Generator().manual_seed(self.head_seed + 0x4EAD)
+        for h in self._block_out:
+            head = nn.Linear(h[0].numel(), classes)
+            with torch.no_grad():  # nn.Linear's default initialisation, from our generator
+                bound = 1.0 / h[0].numel() ** 0.5
+                head.weight.uniform_(-bound, bound, generator=gen)
+                head.bias.uniform_(-bound, bound, generator=gen)
+            self.heads.append(head)
+
+    def _local(self, y: torch.Tensor) -> list[torch.Tensor]:
+        """Each block's per-example local loss terms (cross-entropy of its head / batch)."""
+        return [
+            F.cross_entropy(head(h.flatten(1)), y, reduction="none") / len(y)
+            for head, h in zip(self.heads, self._block_out)
+        ]
+
+    def head_grads(self, y: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+        """The heads' exact gradients of their local losses on the last estimate's block
+        outputs (detached: one linear layer each)."""
+        out: dict[nn.Parameter, torch.Tensor] = {}
+        with torch.enable_grad():
+            for head, h in zip(self.heads, self._block_out):
+                loss = F.cross_entropy(head(h.flatten(1)), y)
+                out.update(
+                    zip(head.parameters(), torch.autograd.grad(loss, list(head.parameters())))
+                )
+        return out
 
     def estimate(
         self, x: torch.Tensor, y: torch.Tensor, directions: int = 1
@@ -157,7 +228,10 @@ class ActivityPerturbation:
         """``(loss, {parameter: estimated gradient})`` for the batch ``(x, y)``."""
         with torch.no_grad():
             loss, act, inputs = self.activity_estimate(x, y, directions)
-            return loss, local_weight_grads(self.layers, inputs, act)
+            grads = local_weight_grads(self.layers, inputs, act)
+        if self.local_losses:
+            grads.update(self.head_grads(y))
+        return loss, grads
 
 
 class ActivityStepper:
@@ -174,24 +248,42 @@ class ActivityStepper:
         *,
         directions: int = 1,
         seed: int = 0,
+        local_losses: bool = False,
+        head_seed: int = 0,
     ):
+        self.model, self.directions = model, directions
+        self.perturb = ActivityPerturbation(
+            model,
+            torch.Generator().manual_seed(seed + 0x5EED),
+            local_losses=local_losses,
+            head_seed=head_seed,
+        )
+        self.optimizer, self.lr, self.lr_decay = optimizer, lr, lr_decay
+        self.opt: torch.optim.Optimizer | None = None
+        self.sched: Any = None
+
+    def _params(self) -> list[nn.Parameter]:
+        heads = [p for h in self.perturb.heads for p in h.parameters()]
+        return [*self.model.parameters(), *heads]
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        """``torch.optim``'s optimizer over the model's parameters and the local heads' (the
+        heads exist after the first batch's shapes are known)."""
         from graphflop.runtime.optim import torch_optimizer
 
-        self.model, self.directions = model, directions
-        self.perturb = ActivityPerturbation(model, torch.Generator().manual_seed(seed + 0x5EED))
-        self.opt = torch_optimizer(optimizer, model.parameters(), lr)
-        self.sched = (
-            torch.optim.lr_scheduler.ExponentialLR(self.opt, gamma=lr_decay)
-            if lr_decay != 1.0
-            else None
-        )
+        opt = torch_optimizer(self.optimizer, self._params(), self.lr)
+        if self.lr_decay != 1.0:
+            self.sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=self.lr_decay)
+        return opt
 
     def step(self, x, y, lr, t) -> float:
         """One estimate and update on ``(x, y)``; returns the loss before it."""
         from graphflop.train.distributed import mean_over_ranks
 
         loss, grads = self.perturb.estimate(x, y, self.directions)
-        for p in self.model.parameters():
+        if self.opt is None:
+            self.opt = self._make_optimizer()
+        for p in self._params():
             p.grad = mean_over_ranks(grads[p]) if p.requires_grad and p in grads else None
         self.opt.step()
         return loss

@@ -63,6 +63,8 @@ class TrainConfig:
         perturb: ``weights`` (Baydin et al.: tangents on the parameters, graphflop's step
             graph) or ``activations`` (Ren et al. 2023: tangents on layer outputs, weight
             gradients formed locally; :mod:`graphflop.train.activity`, PyTorch only).
+        local_losses: with ``perturb="activations"``, each block's activity gradient from its
+            own local classifier loss (Ren et al. 2023; :mod:`graphflop.train.activity`).
         seed: model initialisation, batch order and directions.
         eval_every: validate every N steps (None: once per epoch) and at the end; 0: never
             (not even at step 0 or at the end, and no eval graph is built).
@@ -91,6 +93,7 @@ class TrainConfig:
     distribution: str = "normal"
     orthogonal: bool = False
     perturb: str = "weights"
+    local_losses: bool = False
     seed: int = 0
     eval_every: int | None = None
     eval_batch: int = 500
@@ -144,6 +147,8 @@ def _check_names(c: TrainConfig) -> None:
             "Gaussian tangents: use it with --method fgd, without --runtime onnxruntime, "
             "--orthogonal or --distribution rademacher"
         )
+    if c.local_losses and c.perturb != "activations":
+        raise TrainError("--local-losses is an option of --perturb activations (with --method fgd)")
     if c.orthogonal and c.distribution != "normal":
         raise TrainError("--orthogonal directions are drawn Gaussian; use --distribution normal")
     if c.device not in DEVICES:

@@ -261,6 +261,8 @@ def _setup(
             c.lr_decay,
             directions=c.directions,
             seed=c.seed + 0x10000 * ranks.rank,
+            local_losses=c.local_losses,
+            head_seed=c.seed,
         )
         evaluator = TorchEvaluator(model, data, c.eval_batch) if validate else None
         flops = None
@@ -428,6 +430,7 @@ def _summary(
         "distribution": c.distribution if fgd else None,
         "orthogonal": c.orthogonal if fgd else None,
         "perturb": c.perturb if fgd else None,
+        "local_losses": c.local_losses if fgd else None,
         "seed": c.seed,
         "dataset": run.data.name,
         "train_size": len(run.data.y_train),
