@@ -73,7 +73,7 @@ def test_graph_model_counts_graphflops_own_residuals() -> None:
 
 def test_unknown_memory_model_is_refused() -> None:
     with pytest.raises(ValueError, match="memory model"):
-        analyze(nn.Linear(2, 2), (torch.randn(1, 2),), memory_model="compiled")
+        analyze(nn.Linear(2, 2), (torch.randn(1, 2),), memory_model="xla")
 
 
 def test_saved_bytes_per_layer_add_up_and_name_the_allocating_module() -> None:
