@@ -123,23 +123,33 @@ class _Counting(nn.Module):
         return self.act(self.fc(x))
 
 
-def test_blocks_that_update_buffers_are_traced_in_full():
-    """Training-mode batch norm writes its running statistics: such blocks are never
-    outlined. Another in-place write is seen by the first fake run (a version counter moves)
-    and tracing starts again without outlining that structure."""
+def test_batch_norm_blocks_map_their_running_statistics_through_the_template():
+    """Training-mode batch norm writes its running statistics: such blocks are outlined, the
+    writes mapped through the template (the running mean and variance where the block runs,
+    the batch count at the end), and the graph and its buffer updates are full tracing's.
+    Another in-place write is seen in the template's trace and tracing starts again without
+    outlining that structure."""
     torch.manual_seed(0)
     model = nn.Sequential(_Block(), _Block(), _Block()).train()
-    assert repeats.plan(model) == {}
+    assert len(repeats.plan(model)) == 3
     x = torch.randn(5, 4)
     full, once = _same_graph(model, x, loss="sum")
+    assert once.meta[OUTLINED] == OutlineInfo(calls=3, traced_once=1)
     assert len(once.meta[SIGNATURE].buffer_updates) == 9  # mean, var, count × 3
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    got = _run(once, params, buffers, x)
+    expected = [*(state[q] for _, q in once.meta[SIGNATURE].buffer_updates)]
+    model(x)  # eager: updates the running statistics in place
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
     counting = nn.Sequential(_Counting(), _Counting())
     assert len(repeats.plan(counting)) == 2
     full, once = _same_graph(counting, x, loss="sum")
     assert once.meta[OUTLINED].calls == 0  # traced again in full
     assert [q for _, q in once.meta[SIGNATURE].buffer_updates] == ["0.calls", "1.calls"]
     # in eval mode nothing is written: the blocks are outlined and the graph is the same
-    assert once.meta[OUTLINED].calls == 0
     model.eval()
     assert repeats.plan(model)
     assert _same_graph(model, x, loss="sum")[1].meta[OUTLINED].calls == 3

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 def tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
@@ -41,12 +42,26 @@ def meta_key(a: Any) -> Any:
     device; containers by their items; anything else as itself (``TypeError`` on hashing
     when it is not hashable). A FakeTensor that carries a constant value raises
     ``TypeError``: its consumers may read the value."""
+    if type(a) is FakeTensor:  # memoised on the tensor: graphs share their FakeTensors
+        key = a.__dict__.get(_KEY)
+        if key is None:
+            key = a.__dict__[_KEY] = _tensor_key(a)
+        return key
     if isinstance(a, torch.Tensor):
-        if getattr(a, "constant", None) is not None:
-            raise TypeError("a value-carrying FakeTensor")
-        return ("T", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device)
+        return _tensor_key(a)
     if isinstance(a, (list, tuple)):
         return tuple(meta_key(x) for x in a)
     if isinstance(a, dict):
         return tuple((k, meta_key(v)) for k, v in sorted(a.items()))
     return a
+
+
+def _tensor_key(a: torch.Tensor) -> tuple:
+    if getattr(a, "constant", None) is not None:
+        raise TypeError("a value-carrying FakeTensor")
+    return ("T", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device)
+
+
+#: where a FakeTensor's :func:`meta_key` is kept (a graph value's metadata does not change:
+#: graph values are never resized in place)
+_KEY = "_graphflop_meta_key"

@@ -13,11 +13,13 @@ graph of its own (:meth:`Outliner.templates`) and :func:`inline` replaces every
 ``graphflop::repeat`` node with a copy of its template, the call's arguments standing for the
 template's placeholders and the call site's module path prefixed to the template's.
 
-The result is the graph full tracing gives, node for node (tests/test_repeats.py). A module
-whose ``forward`` writes into a tensor cannot be a copy: batch norm in training mode (which
-writes its running statistics) is never outlined, and for any other the fake run sees a version
-counter move and raises :class:`NotOutlinable`, and tracing starts again without outlining
-that structure. So does a module that makes constant tensors in ``forward``. A module with
+The result is the graph full tracing gives, node for node (tests/test_outline.py). Batch norm
+in training mode writes its running statistics: the template keeps the running mean and
+variance's ``copy_`` where the module runs, and the batch count comes out of the call as an
+extra output that the stub writes back (:func:`_written_buffers`). A module whose ``forward``
+writes into any other tensor cannot be a copy: the template's trace (or the fake run) sees the
+write and raises :class:`NotOutlinable`, and tracing starts again without outlining that
+structure. So does a module that makes constant tensors in ``forward``. A module with
 hooks of its own is never outlined.
 """
 
@@ -113,14 +115,26 @@ def _modules_state(m: nn.Module) -> list | None:
     return items
 
 
-def _writes_buffers(m: nn.Module) -> bool:
-    """Whether ``m`` holds a module known to write its buffers in forward: batch norm (and
-    instance norm) tracking running statistics in training mode. Others are found by the
-    version-counter check, at the cost of tracing again."""
-    return any(
-        isinstance(sub, nn.modules.batchnorm._NormBase) and sub.training and sub.track_running_stats
-        for sub in m.modules()
-    )
+def _written_buffers(m: nn.Module, n_params: int) -> tuple[list[int], list[int]]:
+    """The buffers ``m``'s forward is known to write, as indices into its parameters then
+    buffers: the running statistics of batch (and instance) norm in training mode. Returns
+    ``(direct, functional)``: the running mean and variance, which graphflop's batch-norm
+    decomposition writes with ``copy_`` below functionalisation (the trace holds the
+    ``copy_`` where the module runs), and the batch count, which the module's ``forward``
+    increments (functionalisation writes it back at the end of the trace). The fake run
+    cannot see these writes (``native_batch_norm``'s schema does not mark them, and version
+    counters do not move inside a fake kernel); the template's trace checks the list
+    (:func:`graphflop.frontend.trace._trace_template`)."""
+    direct, functional = [], []
+    for k, (name, _) in enumerate(m.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        sub = m.get_submodule(owner) if owner else m
+        if isinstance(sub, nn.modules.batchnorm._NormBase) and sub.training:
+            if sub.track_running_stats and leaf in ("running_mean", "running_var"):
+                direct.append(n_params + k)
+            elif sub.track_running_stats and leaf == "num_batches_tracked":
+                functional.append(n_params + k)
+    return direct, functional
 
 
 def plan(model: nn.Module, exclude: set[int] = frozenset(), min_modules: int = 3) -> dict:
@@ -132,7 +146,7 @@ def plan(model: nn.Module, exclude: set[int] = frozenset(), min_modules: int = 3
     sid_of: dict[str, int] = {}
     count: dict[int, int] = {}
     for name, m in named:
-        if sum(1 for _ in m.modules()) < min_modules or _writes_buffers(m):
+        if sum(1 for _ in m.modules()) < min_modules:
             continue
         s = structure(m)
         if s is None:
@@ -219,9 +233,14 @@ class Call:
     state_meta: list
     grad_enabled: bool
     state: list  # the module's classes, modes and attributes when first called
+    n_params: int = 0
     out_spec: Any = None
     out_leaves: list = field(default_factory=list)
-    out_meta: list = field(default_factory=list)
+    out_meta: list = field(default_factory=list)  # the outputs', then the written buffers'
+    # buffers written (indices in the state list): in the template's graph, and through the
+    # call's extra outputs
+    direct: list = field(default_factory=list)
+    written: list = field(default_factory=list)
 
 
 class Outliner:
@@ -327,11 +346,17 @@ class Outliner:
                         state_meta,
                         torch.is_grad_enabled(),
                         self.states[m],
+                        len(params),
                     )
                 )
             call = self.calls[self.keys[key]]
             outs = repeat([*tensors, *state], self.keys[key])
-            it = iter(outs)
+            # the buffers the module writes (running statistics): their new values come out
+            # after the outputs and are written here, as the module's forward writes them
+            n = len(outs) - len(call.written)
+            for i, new in zip(call.written, outs[n:]):
+                state[i].copy_(new)
+            it = iter(outs[:n])
             flat = [next(it) if x is _TENSOR else x for x in call.out_leaves]
             return tree_unflatten(flat, call.out_spec)
 
@@ -358,7 +383,11 @@ class Outliner:
             attrs = _attrs(call.module)
             with self._bypass(), torch.set_grad_enabled(call.grad_enabled):
                 out = torch.func.functional_call(call.module, state, args, kwargs)
-            if [t._version for t in tensors] != versions:
+            call.direct, call.written = _written_buffers(call.module, call.n_params)
+            skip = {call.n_inputs + i for i in (*call.direct, *call.written)}
+            if any(
+                t._version != v for k, (t, v) in enumerate(zip(tensors, versions)) if k not in skip
+            ):
                 raise NotOutlinable(call.structure, "writes into a tensor in forward")
             if _attrs(call.module) != attrs:
                 raise NotOutlinable(call.structure, "sets attributes in forward")
@@ -369,6 +398,7 @@ class Outliner:
                 raise NotOutlinable(call.structure, "returns an input or a view of one")
             call.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
             call.out_meta = [_meta(x) for x in outs]
+            call.out_meta += [_meta(tensors[call.n_inputs + i]) for i in call.written]
         with torch.no_grad():
             return [_like(m[:4] + (False,)) for m in call.out_meta]
 
@@ -390,7 +420,8 @@ class Outliner:
             args, kwargs, state = self._rebuild(call, list(tensors))
             with self._bypass(), torch.set_grad_enabled(call.grad_enabled):
                 out = torch.func.functional_call(call.module, state, args, kwargs)
-            return [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            return outs + [tensors[call.n_inputs + i] for i in call.written]
 
         return fn
 
@@ -437,6 +468,11 @@ def inline(
                 if tn.op == "output":
                     out_args = list(tn.args[0])
                     continue
+                if (
+                    tn.target is torch.ops.aten.copy_.default
+                    and env[tn.args[0]].op != "placeholder"
+                ):
+                    raise NotOutlinable(-1, "writes a buffer written before")
                 new = graph.node_copy(tn, env.__getitem__)
                 stack = dict(site)
                 for path, cls in (tn.meta.get("nn_module_stack") or {}).values():
@@ -448,12 +484,37 @@ def inline(
         outs = [env[a] if isinstance(a, Node) else a for a in out_args]
         for user in list(node.users):
             if user.target is operator.getitem:
+                _drop_buffer_copies(graph, user)
                 user.replace_all_uses_with(outs[user.args[1]])
                 graph.erase_node(user)
         if node.users:
             raise NotOutlinable(-1, "an outlined call's result list is used whole")
         graph.erase_node(node)
     return copied
+
+
+def _same_layout(a: Node, b: Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (
+        isinstance(va, torch.Tensor)
+        and isinstance(vb, torch.Tensor)
+        and (va.shape, va.stride(), va.dtype) == (vb.shape, vb.stride(), vb.dtype)
+    )
+
+
+def _drop_buffer_copies(graph: Graph, out: Node) -> None:
+    """Remove the functional ``copy`` nodes the stub's buffer writes left (a buffer written
+    with the new value ``out`` of the same layout is that value): full tracing has none."""
+    for user in list(out.users):
+        if (
+            user.target is torch.ops.aten.copy.default
+            and len(user.args) == 2
+            and user.args[1] is out
+            and isinstance(user.args[0], Node)
+            and _same_layout(user, out)
+        ):
+            user.replace_all_uses_with(out)
+            graph.erase_node(user)
 
 
 def _site_path(model: nn.Module, prefix: str, site: str, rel: str, paths: dict) -> str:

@@ -254,9 +254,21 @@ def _trace_template(
     gm = make_fx(torch.func.functionalize(scoped), decomposition_table=table)(
         *outliner.example_tensors(key, fake_mode)
     )
-    for n in gm.graph.nodes:
-        if n.op == "get_attr" or (n.op == "call_function" and n.target is aten.copy_.default):
-            raise repeats.NotOutlinable(call.structure, "makes constants or writes in place")
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    written = {phs[call.n_inputs + i] for i in call.written}
+    direct = {phs[call.n_inputs + i] for i in call.direct}
+    copies = [n for n in gm.graph.nodes if n.target is aten.copy_.default]
+    targets = [n.args[0] for n in copies]
+    if (
+        any(n.op == "get_attr" for n in gm.graph.nodes)
+        or len(set(targets)) != len(targets)
+        or set(targets) != written | direct
+    ):
+        raise repeats.NotOutlinable(call.structure, "makes constants or writes in place")
+    for n in copies:  # the functionalised writes: their new values are outputs already
+        if n.args[0] in written:
+            n.replace_all_uses_with(n.args[1])
+            gm.graph.erase_node(n)
     # the trace continued from the outputs' metadata as PyTorch's kernels give it; the
     # decomposed graph must give the same, or the rest of the trace could differ
     out = next(n for n in gm.graph.nodes if n.op == "output")
