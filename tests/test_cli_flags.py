@@ -76,6 +76,8 @@ ANALYSIS_CASES = {
     "arg": (["--arg", "depth=3"], {"ctor": {"depth": 3}}),
     "loss": (["--loss", "mse"], {"loss": "mse"}),
     "memory_model": (["--memory-model", "graph"], {"memory_model": "graph"}),
+    "checkpoint": (["--checkpoint", "layers.*"], {"checkpoint": "layers.*"}),
+    "amp": (["--amp", "bf16"], {"amp": "bf16"}),
 }
 # flags that change only the table, files or messages: the document is the default one
 PRESENTATION_CASES = {
