@@ -247,3 +247,37 @@ def test_bad_checkpoint_pattern_is_one_line(capsys):
     assert main(["inspect", "models/mlp.py", "--arg", "hidden=32", "--checkpoint", "x*"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "matches no module" in err and "layers.fc1" in err
+
+
+def test_amp_dtype_rules_differ_by_device():
+    """Layer norm and softmax are on CUDA autocast's float32 list, not on CPU's: under fp16 on
+    CUDA their outputs are float32 and layer norm saves a float32 copy of its half input; on
+    CPU they run in half. The Linear's output is half on both; the norm's statistics float32.
+    (Rules only: no GPU measurement here.)"""
+    from graphflop.meta import COMPOSITE
+    from graphflop.passes.amp import amp_dtypes
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Softmax(-1))
+    a = _analysis(model.train(), (torch.randn(4, 8),), loss="sum")
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        dts = amp_dtypes(a.forward, torch.float16, dev)
+        for n in a.forward.graph.nodes:
+            tag = n.meta.get(COMPOSITE)
+            if n.target is torch.ops.aten.addmm.default:
+                assert dts[n.name] == torch.float16
+            if tag is not None and tag.output is not None and "loss" not in n.name:
+                outs[dev, tag.op.split(".")[1], tag.output] = dts[n.name]
+    assert outs["cpu", "native_layer_norm", 0] == torch.float16
+    assert outs["cuda", "native_layer_norm", 0] == torch.float32
+    assert outs["cpu", "_softmax", 0] == torch.float16
+    assert outs["cuda", "_softmax", 0] == torch.float32
+    assert outs["cpu", "native_layer_norm", 2] == torch.float32
+    cpu = _analysis(model, (torch.randn(4, 8),), loss="sum", amp="fp16").report.memory.amp
+    cuda = _analysis(
+        model, (torch.randn(4, 8),), loss="sum", amp="fp16", device="cuda"
+    ).report.memory.amp
+    # CUDA: layer norm saves a float32 copy of the half Linear output (4·8·4 = 128) where CPU
+    # saves the half output itself (4·8·2 = 64); softmax saves its output, float32 (128) on
+    # CUDA, half (64) on CPU
+    assert cuda["saved_for_backward_bytes"] - cpu["saved_for_backward_bytes"] == 64 + 64

@@ -101,6 +101,7 @@ def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str
         device: ``cpu`` or ``cuda`` (their float32 op lists differ).
     """
     out: dict[str, torch.dtype] = {}
+    first: dict[int, torch.dtype] = {}  # composite op's region -> its input 0's dtype
     for n in forward.graph.nodes:
         dt = _dtype(n)
         if dt is None:
@@ -109,12 +110,18 @@ def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str
             out[n.name] = dt
             continue
         tag = n.meta.get(COMPOSITE)
+        for i, k in tag.inputs if tag is not None else ():
+            a = n.all_input_nodes[i]
+            if k == 0 and a.name in out:
+                first.setdefault(tag.region, out[a.name])
         if _is_lower(n):
             out[n.name] = half
         elif tag is not None and _fp32_region(tag.op, device, n.meta.get(MODULE)):
             out[n.name] = torch.float32
         elif tag is not None and tag.op in _STATS and tag.output in (1, 2):
             out[n.name] = torch.float32
+        elif tag is not None and tag.op in _STATS and tag.output == 0 and tag.region in first:
+            out[n.name] = first[tag.region]  # a norm's output has its input's dtype
         else:
             ins = [out[a.name] for a in n.all_input_nodes if a.name in out]
             fl = [d for d in ins if d.is_floating_point]
