@@ -160,7 +160,8 @@ def _what_ifs(
     if checkpoint is not None:
         from graphflop.passes.checkpoint import checkpoint_memory
 
-        ck = checkpoint_memory(g.forward, g.backward, checkpoint, device)
+        state = mem.params_bytes + (mem.optimizer_state_bytes or 0)
+        ck = checkpoint_memory(g.forward, g.backward, checkpoint, device, optimizer, state)
         mem = replace(mem, checkpoint=ck.to_dict())
     if amp is not None:
         from graphflop.passes.amp import amp_memory

@@ -20,6 +20,12 @@ eager memory model's saved set (:mod:`graphflop.passes.eager_memory`):
   reads a residual (parameters included: their packing counts for early stop), that node's
   whole composite op included; its FLOPs are those nodes' :data:`~graphflop.meta.COST` FLOPs.
 
+With an optimizer, the train peak is estimated: the eager train schedule in which dropped
+residuals are freed after their last forward reader and made again just before the first
+backward node reading any of its region's dropped residuals (the region's inputs live until
+then), plus the CPU generator state each call keeps; the recompute's other temporaries are
+left out.
+
 Bytes follow the eager model's conventions (once per storage, parameters and buffers excluded,
 inputs and targets included). A module called several times forms one region (its calls are not
 told apart). Reads ``val``, ``MODULE``, ``COST``, ``COMPOSITE``, ``RESIDUAL``, ``SOURCE``,
@@ -33,6 +39,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.meta import COMPOSITE, COST, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
@@ -92,6 +99,8 @@ class CheckpointMemory:
     input_bytes: of ``saved_bytes``, the checkpointed modules' inputs (once per storage).
     recompute_flops: FLOPs of the forward nodes rerun in the backward, all modules.
     per_module: module path -> (recompute FLOPs, recomputed nodes).
+    train_peak_bytes: estimated train-step peak with checkpointing, parameters, gradients
+        and optimizer state included; None when not computed.
     """
 
     pattern: str
@@ -101,6 +110,7 @@ class CheckpointMemory:
     input_bytes: int
     recompute_flops: int
     per_module: dict[str, tuple[int, int]]
+    train_peak_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,6 +122,7 @@ class CheckpointMemory:
             "eager_saved_for_backward_bytes": self.eager_saved_bytes,
             "checkpoint_input_bytes": self.input_bytes,
             "recompute_flops": self.recompute_flops,
+            **({"train_peak_bytes": self.train_peak_bytes} if self.train_peak_bytes else {}),
             "per_module": [
                 {"module": m, "recompute_flops": f, "recomputed_nodes": k}
                 for m, (f, k) in self.per_module.items()
@@ -171,11 +182,50 @@ def _recompute(nodes: list[Node], savers: set[str]) -> list[Node]:
     return nodes[: last + 1]
 
 
+@dataclass
+class _Cut:
+    """Which storages stay saved and which a region recomputes."""
+
+    kept: set[str]
+    full: set[str]
+    savers: set[str]
+    dropped: dict[str, tuple[str, list[str]]]  # placeholder -> (region, storage keys)
+
+
+def _cut(
+    backward: GraphModule, eager, storage: dict[str, str], region: dict[Node, str], fnodes
+) -> _Cut:
+    cut = _Cut(set(), set(), set(), {})
+    for p in backward.graph.nodes:
+        kind = p.meta.get(RESIDUAL)
+        if p.op != "placeholder" or kind is None:
+            continue
+        users = [u.meta.get(SOURCE, "") for u in p.users]
+        cut.savers.update(users)
+        if kind in ("param", "buffer", "param_derived"):
+            continue
+        stand = eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)])
+        keys = [storage[s] for s in stand if s in storage]
+        cut.full.update(keys)
+        if any(fnodes.get(s) not in region for s in users):
+            cut.kept.update(keys)
+        elif users:
+            cut.dropped[p.name] = (region[fnodes[users[0]]], keys)
+    return cut
+
+
 def checkpoint_memory(
-    forward: GraphModule, backward: GraphModule, pattern: str, device: str = "cpu"
+    forward: GraphModule,
+    backward: GraphModule,
+    pattern: str,
+    device: str = "cpu",
+    optimizer: str | None = None,
+    state_bytes: int = 0,
 ) -> CheckpointMemory:
-    """Saved bytes and recompute FLOPs with the matching modules checkpointed (module
-    docstring). ``device``: of the eager model (dropout mask dtype).
+    """Saved bytes, recompute FLOPs and (with ``optimizer``) the train peak with the matching
+    modules checkpointed (module docstring). ``device``: of the eager model (dropout mask
+    dtype, optimizer temporaries); ``state_bytes``: parameters and optimizer state, added to
+    the peak.
 
     Raises:
         CheckpointPatternError: a bad pattern, or no module path of the forward graph
@@ -194,41 +244,80 @@ def checkpoint_memory(
     storage, size = _storages(forward, eager.sizes)
     sig = forward.meta[SIGNATURE]
     state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
-    fnodes = {n.name: n for n in forward.graph.nodes}
-    kept: set[str] = set()
-    full: set[str] = set()
-    savers: set[str] = set()  # forward nodes whose backward reads a residual
-    for p in backward.graph.nodes:
-        kind = p.meta.get(RESIDUAL)
-        if p.op != "placeholder" or kind is None:
-            continue
-        users = [u.meta.get(SOURCE, "") for u in p.users]
-        savers.update(users)
-        if kind in ("param", "buffer", "param_derived"):
-            continue
-        stand = eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)])
-        keys = {storage[s] for s in stand if s in storage}
-        full |= keys
-        if any(fnodes.get(s) not in region for s in users):
-            kept |= keys
-    inputs: set[str] = set()
+    cut = _cut(backward, eager, storage, region, {n.name: n for n in forward.graph.nodes})
+    inputs: dict[str, set[str]] = {}
     by_region: dict[str, list[Node]] = {}
     for n, r in region.items():
         by_region.setdefault(r, []).append(n)
         for a in n.all_input_nodes:
             if region.get(a) != r and not _is_state(a, state) and a.name in storage:
-                inputs.add(storage[a.name])
+                inputs.setdefault(r, set()).add(storage[a.name])
     per_module = {}
     for r, nodes in by_region.items():
-        rerun = _recompute(nodes, savers)
+        rerun = _recompute(nodes, cut.savers)
         per_module[r] = (sum(getattr(n.meta.get(COST), "flops", 0) for n in rerun), len(rerun))
-    saved = kept | inputs
+    all_inputs = set().union(*inputs.values()) if inputs else set()
+    peak = None
+    if optimizer is not None:
+        sched = _train_schedule(forward, backward, eager, storage, size, cut, inputs)
+        from graphflop.passes.eager_memory import optimizer_temporaries
+        from graphflop.passes.flops import tensor_bytes
+
+        phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
+        psizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
+        sched.add_transient("u:optimizer", optimizer_temporaries(optimizer, psizes, device))
+        # each call keeps the CPU generator's state (preserve_rng_state=True) to the backward
+        rng = torch.get_rng_state().numel() * len(by_region)
+        peak = state_bytes + rng + sched.peak()[0]
     return CheckpointMemory(
         pattern=pattern,
         modules=tuple(by_region),
-        saved_bytes=sum(size[k] for k in saved),
-        eager_saved_bytes=sum(size[k] for k in full),
-        input_bytes=sum(size[k] for k in inputs),
+        saved_bytes=sum(size[k] for k in cut.kept | all_inputs),
+        eager_saved_bytes=sum(size[k] for k in cut.full),
+        input_bytes=sum(size[k] for k in all_inputs),
         recompute_flops=sum(f for f, _ in per_module.values()),
         per_module=per_module,
+        train_peak_bytes=peak,
     )
+
+
+def _train_schedule(forward, backward, eager, storage, size, cut: _Cut, inputs) -> Schedule:
+    """The eager train schedule with checkpointing: residuals a region drops are freed in
+    the forward after their last forward reader, and made again (``r:`` storages) just
+    before the first backward node that reads any of that region's dropped residuals, the
+    region's inputs kept live until then. The recompute's other temporaries are left out."""
+    from graphflop.passes.memory import _Step
+
+    sig = forward.meta[SIGNATURE]
+    params = {p for p, _ in sig.params}
+    s = Schedule()
+    s.add_graph(forward, "f", baseline=params, eager=True, sizes=eager.sizes)
+    ext: dict[str, str | list[str]] = {}
+    base_b = set()
+    for n in backward.graph.nodes:
+        if n.op != "placeholder" or n.meta.get(RESIDUAL) is None:
+            continue
+        src = n.meta.get(SOURCE, n.name)
+        if src in params or n.meta.get(RESIDUAL) == "param_derived":
+            base_b.add(n.name)
+        elif n.name in cut.dropped:
+            r, keys = cut.dropped[n.name]
+            ext[n.name] = [f"r:{r}:{k}" for k in keys]
+        else:
+            stand = eager.remap.get(n.name, [src])
+            ext[n.name] = [storage.get(x, f"f:{x}") for x in stand]
+    s.add_graph(backward, "b", baseline=base_b, external=ext, keep_outputs=True, eager=True)
+    new: dict[str, tuple[str, int]] = {}  # r: key -> (region, bytes)
+    for r, keys in cut.dropped.values():
+        for k in keys:
+            new[f"r:{r}:{k}"] = (r, size[k])
+    first: dict[str, int] = {}
+    for i, st in enumerate(s.steps):
+        for k in st.reads:
+            if k in new:
+                first.setdefault(new[k][0], i)
+    for r, i in sorted(first.items(), key=lambda kv: -kv[1]):
+        keep = sorted(inputs.get(r, ()))
+        for k in [k for k, (rr, _) in new.items() if rr == r]:
+            s.steps.insert(i, _Step(k, new[k][1], None, list(keep)))
+    return s
