@@ -94,6 +94,8 @@ def analyze(
     memory_model: str = "eager",
     device: str = "cpu",
     keep_grads: bool = False,
+    checkpoint: str | None = None,
+    amp: str | None = None,
 ) -> Analysis:
     """Trace ``model`` and build, annotate and summarise its graphs.
 
@@ -113,6 +115,12 @@ def analyze(
             ``torch.compile``'s AOTAutograd min-cut partition saves and recomputes:
             :mod:`graphflop.passes.compiled_memory`).
         keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``).
+        checkpoint: what-if ``torch.utils.checkpoint(use_reentrant=False)`` around the modules
+            whose path matches this glob (``re:`` prefix: a regular expression): saved bytes
+            and recompute FLOPs in ``report.memory.checkpoint``
+            (:mod:`graphflop.passes.checkpoint`); needs the backward graph.
+        amp: what-if autocast to ``bf16`` or ``fp16`` on ``device``: saved bytes and train
+            peak in ``report.memory.amp`` (:mod:`graphflop.passes.amp`).
 
     Raises:
         TraceError, MissingRuleError, ValueError: see the passes.
@@ -122,6 +130,8 @@ def analyze(
             f"unknown memory model {memory_model!r} on {device!r}: eager, graph or compiled, "
             "on cpu or cuda"
         )
+    if amp not in (None, "bf16", "fp16"):
+        raise ValueError(f"unknown amp dtype {amp!r}: bf16 or fp16")
     with _no_gc():
         return _analyze(
             model,
@@ -137,8 +147,37 @@ def analyze(
             memory_model=memory_model,
             device=device,
             keep_grads=keep_grads,
+            what_if={"checkpoint": checkpoint, "amp": amp},
             say=progress or (lambda msg: None),
         )
+
+
+def _what_ifs(
+    report: Report,
+    g: Graphs,
+    device: str,
+    optimizer: str,
+    checkpoint: str | None,
+    amp: str | None,
+) -> Report:
+    """``report`` with the checkpointing and autocast what-ifs added to its memory section
+    (each needs the backward graph; none without it)."""
+    if g.backward is None:
+        return report
+    mem = report.memory
+    if checkpoint is not None:
+        from graphflop.passes.checkpoint import checkpoint_memory
+
+        state = mem.params_bytes + (mem.optimizer_state_bytes or 0)
+        ck = checkpoint_memory(g.forward, g.backward, checkpoint, device, optimizer, state)
+        mem = replace(mem, checkpoint=ck.to_dict())
+    if amp is not None:
+        from graphflop.passes.amp import amp_memory
+
+        state = mem.params_bytes + (mem.optimizer_state_bytes or 0)
+        am = amp_memory(g.forward, g.backward, amp, device, optimizer, state)
+        mem = replace(mem, amp=am.to_dict())
+    return replace(report, memory=mem)
 
 
 @contextlib.contextmanager
@@ -170,6 +209,7 @@ def _analyze(
     memory_model: str,
     device: str,
     keep_grads: bool,
+    what_if: dict[str, str | None],
     say: Callable[[str], None],
 ) -> Analysis:
     say("tracing")
@@ -211,6 +251,7 @@ def _analyze(
             report.memory, model, example_inputs, fwd.meta.get(LOSS_KIND, "none"), optimizer, device
         )
         report = replace(report, memory=mem)
+    report = _what_ifs(report, g, device, optimizer, **what_if)
     return Analysis(
         name,
         fwd,

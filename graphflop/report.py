@@ -313,6 +313,10 @@ class Memory:
         compiled: under ``memory_model`` ``compiled``, both AOTAutograd partitions (saved
             bytes, recomputed nodes and their FLOPs, peaks:
             :meth:`graphflop.passes.compiled_memory.CompiledMemory.to_dict`).
+        checkpoint: with ``checkpoint=PATTERN``, the checkpointing what-if (saved bytes,
+            recompute FLOPs: :meth:`graphflop.passes.checkpoint.CheckpointMemory.to_dict`).
+        amp: with ``amp=bf16|fp16``, the autocast what-if (saved bytes, train peak:
+            :meth:`graphflop.passes.amp.AmpMemory.to_dict`).
     """
 
     params_bytes: int
@@ -327,6 +331,8 @@ class Memory:
     describes: dict[str, str] | None = None
     keep_grads: bool | None = None
     compiled: dict[str, Any] | None = None
+    checkpoint: dict[str, Any] | None = None
+    amp: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in _fields_dict(self).items() if v is not None}

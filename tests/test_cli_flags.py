@@ -77,6 +77,8 @@ ANALYSIS_CASES = {
     "loss": (["--loss", "mse"], {"loss": "mse"}),
     "memory_model": (["--memory-model", "graph"], {"memory_model": "graph"}),
     "keep_grads": (["--keep-grads"], {"keep_grads": True}),
+    "checkpoint": (["--checkpoint", "layers.*"], {"checkpoint": "layers.*"}),
+    "amp": (["--amp", "bf16"], {"amp": "bf16"}),
 }
 # flags that change only the table, files or messages: the document is the default one
 PRESENTATION_CASES = {

@@ -33,6 +33,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from graphflop.frontend.trace import TraceError
     from graphflop.load import SpecError
     from graphflop.ops import MissingRuleError
+    from graphflop.passes.checkpoint import CheckpointPatternError
     from graphflop.runtime.bench import BenchError
     from graphflop.runtime.onnxrt import DeviceError
     from graphflop.train.config import TrainError
@@ -48,6 +49,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         TrainError,
         DeviceError,
         BenchError,
+        CheckpointPatternError,
     )
 
 

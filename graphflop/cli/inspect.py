@@ -79,6 +79,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
         action="store_true",
         help="gradients kept between steps (zero_grad(set_to_none=False)): live from the start",
     )
+    p.add_argument(
+        "--checkpoint",
+        metavar="PATTERN",
+        help="what-if: activation checkpointing (torch.utils.checkpoint, use_reentrant=False) of "
+        "the modules whose path matches PATTERN, a shell glob (h.*) or, prefixed with re:, a "
+        "regular expression: saved bytes and recompute FLOPs in memory.checkpoint",
+    )
+    p.add_argument(
+        "--amp",
+        choices=["bf16", "fp16"],
+        help="what-if: autocast to this dtype on --memory-device: saved bytes and train peak "
+        "in memory.amp (FLOPs unchanged)",
+    )
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
     p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
@@ -176,6 +189,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
             memory_model=args.memory_model,
             device=args.memory_device,
             keep_grads=args.keep_grads,
+            checkpoint=args.checkpoint,
+            amp=args.amp,
         )
     report = analysis.report
     for line in warning_lines(report) + _tangent_pass_notes(analysis):
@@ -228,6 +243,10 @@ def _check(args: argparse.Namespace) -> None:
         raise SpecError(f"bad --depth {args.depth}: must be at least 1")
     check_output_file(args.json, "--json")
     check_output_file(args.csv, "--csv")
+    if args.checkpoint is not None:  # a malformed pattern: one line, exit 2, before any work
+        from graphflop.passes.checkpoint import module_matcher
+
+        module_matcher(args.checkpoint)
 
 
 def _verify(

@@ -1,0 +1,410 @@
+"""What-if: the training step under autocast (``torch.autocast(device, dtype=bf16|fp16)``).
+
+Autocast changes dtypes, not work: every op runs on the same elements, so graphflop's FLOP counts
+are unchanged (its FLOPs do not depend on the dtype); only bytes change. The rules modelled
+(PyTorch's autocast op lists, ``aten/src/ATen/autocast_mode.cpp``):
+
+* matrix ops (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``convolution``: what ``linear``,
+  ``matmul`` and ``conv*d`` reach) run in the half dtype; each floating input not already in it
+  is cast first, a new storage. A parameter's cast is cached for the whole autocast region (one
+  copy however often it is used); an activation's is made per op. What the op saves for
+  backward is the cast copy, so the half copies of weights count as saved (they are not
+  parameters' storages);
+* ops run in float32 (the inputs cast up): the losses on both devices; on CUDA also softmax,
+  log-softmax, layer and group norm (the CPU list has no softmax or norm: they run in the input's
+  dtype there);
+* every other op runs in the promoted dtype of its floating inputs (a half activation plus a
+  float32 residual stream is float32); batch/layer/group norm keep their mean and inverse std in
+  float32; dropout's CPU mask has the input's dtype;
+* parameters, gradients (the casts' backward returns float32) and optimizer state stay float32
+  (``torch.amp`` keeps master weights).
+
+:func:`amp_memory` applies these rules to graphflop's forward graph on top of the eager memory
+model's saved set (:mod:`graphflop.passes.eager_memory`): saved bytes once per storage,
+parameters and buffers excluded, inputs and targets included. The train peak is the eager train
+schedule with each forward value at its autocast size, the saved casts as storages made at their
+op and kept to the backward, and each backward value scaled by the dtype of the forward op whose
+rule made it (gradients of half activations are half; parameter gradients float32); an estimate
+(the backward's dtypes are not traced). Reads ``val``, ``COMPOSITE``, ``RESIDUAL``, ``SOURCE``,
+``PARAM_DERIVED``; writes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from graphflop.frontend.composite import EAGER_SAVES
+from graphflop.meta import COMPOSITE, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
+from graphflop.passes.eager_memory import eager_residuals
+from graphflop.passes.memory import Schedule
+
+__all__ = ["HALF", "AmpMemory", "amp_dtypes", "amp_memory"]
+
+#: ``--amp`` name -> dtype
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+_LOWER = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution"})
+_LOSSES = frozenset(
+    {"aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default", "aten.mse_loss.default"}
+)
+_FP32_CUDA = frozenset(
+    {
+        "aten._softmax.default",
+        "aten._log_softmax.default",
+        "aten.native_layer_norm.default",
+        "aten.native_group_norm.default",
+    }
+)
+_STATS = frozenset(
+    {
+        "aten.native_batch_norm.default",
+        "aten._native_batch_norm_legit_functional.default",
+        "aten._native_batch_norm_legit.default",
+        "aten._native_batch_norm_legit.no_stats",
+        "aten.native_layer_norm.default",
+        "aten.native_group_norm.default",
+    }
+)
+
+
+def _opname(n: Node) -> str:
+    return getattr(getattr(n.target, "_overloadpacket", None), "__name__", "")
+
+
+def _is_lower(n: Node) -> bool:
+    return n.op == "call_function" and _opname(n) in _LOWER
+
+
+def _dtype(n: Node) -> torch.dtype | None:
+    v = n.meta.get("val")
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def _fp32_region(op: str, device: str, module: str | None = None) -> bool:
+    """Whether a composite op runs in float32: the losses (``F.cross_entropy`` is one op
+    under autocast, its log-softmax included: ``module`` ``loss``), and on CUDA softmax,
+    log-softmax and the norms."""
+    if op in _LOSSES or (device == "cuda" and op in _FP32_CUDA):
+        return True
+    return module == "loss" and op == "aten._log_softmax.default"
+
+
+def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str, torch.dtype]:
+    """Forward node name -> the dtype of its value under autocast (tensor values only).
+
+    Args:
+        half: ``torch.bfloat16`` or ``torch.float16``.
+        device: ``cpu`` or ``cuda`` (their float32 op lists differ).
+    """
+    out: dict[str, torch.dtype] = {}
+    first: dict[int, torch.dtype] = {}  # composite op's region -> its input 0's dtype
+    for n in forward.graph.nodes:
+        dt = _dtype(n)
+        if dt is None:
+            continue
+        if n.op != "call_function" or not dt.is_floating_point:
+            out[n.name] = dt
+            continue
+        tag = n.meta.get(COMPOSITE)
+        for i, k in tag.inputs if tag is not None else ():
+            a = n.all_input_nodes[i]
+            if k == 0 and a.name in out:
+                first.setdefault(tag.region, out[a.name])
+        if _is_lower(n):
+            out[n.name] = half
+        elif tag is not None and _fp32_region(tag.op, device, n.meta.get(MODULE)):
+            out[n.name] = torch.float32
+        elif tag is not None and tag.op in _STATS and tag.output in (1, 2):
+            out[n.name] = torch.float32
+        elif tag is not None and tag.op in _STATS and tag.output == 0 and tag.region in first:
+            out[n.name] = first[tag.region]  # a norm's output has its input's dtype
+        else:
+            ins = [out[a.name] for a in n.all_input_nodes if a.name in out]
+            fl = [d for d in ins if d.is_floating_point]
+            if fl and _opname(n) != "_to_copy":
+                r = fl[0]
+                for d in fl[1:]:
+                    r = torch.promote_types(r, d)
+                out[n.name] = r
+            else:
+                out[n.name] = dt
+    return out
+
+
+def _bytes(n: Node, dt: torch.dtype) -> int:
+    v = n.meta["val"]
+    return v.numel() * dt.itemsize
+
+
+@dataclass(frozen=True)
+class AmpMemory:
+    """Attributes:
+    dtype: ``bf16`` or ``fp16``.
+    device: ``cpu`` or ``cuda``.
+    saved_bytes: bytes saved for backward under autocast (once per storage).
+    cast_bytes: of ``saved_bytes``, the cast copies (half weights and activations, float32
+        inputs of float32 ops).
+    eager_saved_bytes: the eager model's saved bytes without autocast.
+    train_peak_bytes: estimated train-step peak under autocast, parameters, gradients and
+        optimizer state (float32) included; None when not computed.
+    """
+
+    dtype: str
+    device: str
+    saved_bytes: int
+    cast_bytes: int
+    eager_saved_bytes: int
+    train_peak_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "execution": f"eager step under torch.autocast({self.device!r}, "
+            f"dtype={HALF[self.dtype]}), float32 master weights and optimizer state",
+            "dtype": self.dtype,
+            "saved_for_backward_bytes": self.saved_bytes,
+            "saved_cast_bytes": self.cast_bytes,
+            "eager_saved_for_backward_bytes": self.eager_saved_bytes,
+            "flops_unchanged": True,
+        }
+        if self.train_peak_bytes is not None:
+            d["train_peak_bytes"] = self.train_peak_bytes
+        return d
+
+
+def _storages(forward: GraphModule, sizes: dict[str, int]) -> tuple[dict[str, str], dict]:
+    sig = forward.meta[SIGNATURE]
+    state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
+    sched = Schedule()
+    sched.add_graph(forward, "f", baseline=state, eager=True, sizes=sizes)
+    storage: dict[str, str] = {}
+    size: dict[str, int] = {}
+    for st in sched.steps:
+        storage[st.key] = storage.get(st.alias_of, st.key) if st.alias_of else st.key
+        if storage[st.key] == st.key:
+            size[st.key] = st.nbytes
+    return {k.split(":", 1)[1]: v for k, v in storage.items()}, size
+
+
+def _param_base(n: Node) -> Node:
+    """The parameter placeholder a parameter-derived view comes from."""
+    while n.op != "placeholder" and n.all_input_nodes:
+        n = n.all_input_nodes[0]
+    return n
+
+
+class _Saved:
+    """The storages saved under autocast: key -> bytes, which keys are casts, and what each
+    backward residual placeholder stands for (forward schedule keys ``f:NAME`` or cast keys;
+    a cast key names the lower op it is made for, after ``@``)."""
+
+    def __init__(self, storage: dict[str, str], size: dict[str, int]) -> None:
+        self.storage, self.size = storage, size
+        self.keys: dict[str, int] = {}
+        self.casts: dict[str, int] = {}
+        self.stand: dict[str, list[str]] = {}
+        self.at: dict[str, str] = {}  # cast key -> forward node it is made before
+
+    def value(self, p: str, name: str) -> None:
+        self.stand.setdefault(p, []).append(f"f:{name}")
+        k = self.storage.get(name)
+        if k is not None:
+            self.keys[k] = self.size[k]
+
+    def cast(self, p: str | None, key: str, nbytes: int, at: str) -> None:
+        if p is not None:
+            self.stand.setdefault(p, []).append(key)
+        self.keys[key] = self.casts[key] = nbytes
+        self.at.setdefault(key, at)
+
+
+def _region_inputs_cast(forward: GraphModule, dts, device: str) -> dict[str, int]:
+    """Saved input of a float32-run composite op -> bytes of its float32 copy, where the
+    input is not float32."""
+    out = {}
+    for n in forward.graph.nodes:
+        tag = n.meta.get(COMPOSITE)
+        if tag is None or not _fp32_region(tag.op, device, n.meta.get(MODULE)):
+            continue
+        ins = EAGER_SAVES.get(tag.op, ((), ()))[0]
+        for i, k in tag.inputs:
+            a = n.all_input_nodes[i]
+            if k in ins and a.meta.get(COMPOSITE) is None and dts.get(a.name) != torch.float32:
+                d = dts.get(a.name)
+                if d is not None and d.is_floating_point:
+                    out[a.name] = _bytes(a, torch.float32)
+    return out
+
+
+class _Amp:
+    """The autocast rules applied to one forward/backward pair."""
+
+    def __init__(self, forward: GraphModule, backward: GraphModule, amp: str, device: str):
+        self.forward, self.backward, self.half = forward, backward, HALF[amp]
+        self.dts = amp_dtypes(forward, self.half, device)
+        self.eager = eager_residuals(forward, backward, device)
+        self.fnodes = {n.name: n for n in forward.graph.nodes}
+        fn, dts = self.fnodes, self.dts
+        self.sizes = {k: _bytes(fn[k], d) for k, d in dts.items() if fn[k].op == "call_function"}
+        for k, v in self.eager.sizes.items():  # CPU dropout's mask: the input's dtype
+            if k in dts:
+                self.sizes[k] = v * dts[k].itemsize // 4
+        self.up = _region_inputs_cast(forward, dts, device)
+        self.saved = _Saved(*_storages(forward, self.sizes))
+        self.plain: set[str] = set()
+        self.savers: set[Node] = set()
+        base_storage, self.base_size = _storages(forward, self.eager.sizes)
+        for p in backward.graph.nodes:
+            if p.op == "placeholder" and p.meta.get(RESIDUAL) is not None:
+                self._placeholder(p, base_storage)
+        for u in self.savers:  # convolution_backward's node saves its weight even when the
+            w = u.all_input_nodes[1] if _opname(u) == "convolution" else None
+            if w is not None and dts.get(w.name) != self.half:  # input needs no gradient
+                self.saved.cast(None, f"w:{_param_base(w).name}", _bytes(w, self.half), u.name)
+
+    def _placeholder(self, p: Node, base_storage: dict[str, str]) -> None:
+        src = self.fnodes.get(p.meta.get(SOURCE, p.name))
+        users = {f for u in p.users if (f := self.fnodes.get(u.meta.get(SOURCE, "")))}
+        self.savers |= users
+        state = p.meta.get(RESIDUAL) in ("param", "buffer", "param_derived")
+        if not state:
+            for s in self.eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)]):
+                if s in base_storage:
+                    self.plain.add(base_storage[s])
+        if p.name in self.eager.remap:
+            for s in self.eager.remap[p.name]:
+                if s in self.up:
+                    self.saved.cast(p.name, f"up:{s}", self.up[s], s)
+                else:
+                    self.saved.value(p.name, s)
+            return
+        if src is None:
+            return
+        for u in users:
+            if _is_lower(u) and self.dts.get(src.name) not in (self.half, None):
+                nbytes = _bytes(src, self.half)
+                if state or src.meta.get(PARAM_DERIVED):
+                    self.saved.cast(p.name, f"w:{_param_base(src).name}", nbytes, u.name)
+                else:
+                    self.saved.cast(p.name, f"x:{src.name}@{u.name}", nbytes, u.name)
+            elif not state:
+                self.saved.value(p.name, src.name)
+
+    def train_schedule(self, optimizer: str, device: str) -> Schedule:
+        """The eager train schedule at autocast sizes, casts included (module docstring)."""
+        from graphflop.passes.eager_memory import optimizer_temporaries
+        from graphflop.passes.flops import tensor_bytes
+
+        sig = self.forward.meta[SIGNATURE]
+        params = {p for p, _ in sig.params}
+        s = Schedule()
+        s.add_graph(self.forward, "f", baseline=params, eager=True, sizes=self.sizes)
+        self._insert_casts(s)
+        ext: dict[str, str | list[str]] = {}
+        base_b = set()
+        for n in self.backward.graph.nodes:
+            if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
+                if n.name in self.saved.stand:
+                    ext[n.name] = self.saved.stand[n.name]
+                else:
+                    base_b.add(n.name)  # parameters, and what nothing reads
+        s.add_graph(
+            self.backward,
+            "b",
+            baseline=base_b,
+            external=ext,
+            keep_outputs=True,
+            eager=True,
+            sizes=self._backward_sizes(),
+        )
+        self._grad_copies(s)
+        phs = {n.name: n for n in self.forward.graph.nodes if n.op == "placeholder"}
+        sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
+        s.add_transient("u:optimizer", optimizer_temporaries(optimizer, sizes, device))
+        return s
+
+    def _insert_casts(self, s: Schedule) -> None:
+        """Saved casts made just before their op; the other casts of a lower op's inputs
+        made before it and freed after it; parameters' casts cached to the forward's end."""
+        from graphflop.passes.memory import _Step
+
+        made = dict(self.saved.at)
+        extra: dict[str, int] = dict(self.saved.casts)
+        for n in self.forward.graph.nodes:
+            if not _is_lower(n):
+                continue
+            for a in n.all_input_nodes:
+                d = self.dts.get(a.name)
+                if d is None or not d.is_floating_point or d == self.half:
+                    continue
+                param = a.op == "placeholder" or a.meta.get(PARAM_DERIVED)
+                key = f"w:{_param_base(a).name}" if param else f"x:{a.name}@{n.name}"
+                if key not in extra:
+                    extra[key] = _bytes(a, self.half)
+                    made[key] = n.name
+        index = {st.key: i for i, st in enumerate(s.steps)}
+        end = s.steps[index["f:__output__"]]
+        for key, at in sorted(made.items(), key=lambda kv: -index[f"f:{kv[1]}"]):
+            i = index[f"f:{at}"]
+            s.steps[i].reads.append(key)
+            if key.startswith("w:"):
+                end.reads.append(key)
+            s.steps.insert(i, _Step(key, extra[key], None, []))
+
+    def _grad_copies(self, s: Schedule) -> None:
+        """A gradient a half op made (a view of its half result in graphflop's backward) is
+        a float32 copy of its own in eager (the weight cast's backward)."""
+        out_node = next(n for n in self.backward.graph.nodes if n.op == "output")
+        for st in s.steps:
+            n = next((g for g in out_node.all_input_nodes if f"b:{g.name}" == st.key), None)
+            d = self.dts.get(n.meta.get(SOURCE) or "") if n is not None else None
+            if n is not None and d is not None and d.itemsize < 4 and st.alias_of is not None:
+                st.alias_of, st.nbytes = None, _bytes(n, torch.float32)
+
+    def _backward_sizes(self) -> dict[str, int]:
+        """Backward node -> bytes at the dtype of the forward op whose rule made it (half
+        for the backward of a half op); gradient outputs float32."""
+        out_node = next(n for n in self.backward.graph.nodes if n.op == "output")
+        grads = set(out_node.all_input_nodes)
+        sizes = {}
+        for n in self.backward.graph.nodes:
+            v, src = n.meta.get("val"), n.meta.get(SOURCE)
+            if n.op != "call_function" or n in grads or not isinstance(v, torch.Tensor):
+                continue
+            d = self.dts.get(src or "")
+            if v.dtype == torch.float32 and d is not None and d.itemsize < 4:
+                sizes[n.name] = v.numel() * d.itemsize
+        return sizes
+
+
+def amp_memory(
+    forward: GraphModule,
+    backward: GraphModule,
+    amp: str,
+    device: str = "cpu",
+    optimizer: str | None = None,
+    state_bytes: int = 0,
+) -> AmpMemory:
+    """Saved-for-backward bytes and the train peak under autocast (module docstring).
+
+    Args:
+        amp: ``bf16`` or ``fp16``.
+        device: ``cpu`` or ``cuda``.
+        optimizer: the optimizer of the train step (its temporaries); None: no train peak.
+        state_bytes: parameters and optimizer state, bytes (float32), added to the peak.
+    """
+    a = _Amp(forward, backward, amp, device)
+    peak = None
+    if optimizer is not None:
+        peak = state_bytes + a.train_schedule(optimizer, device).peak()[0]
+    return AmpMemory(
+        dtype=amp,
+        device=device,
+        saved_bytes=sum(a.saved.keys.values()),
+        cast_bytes=sum(a.saved.casts.values()),
+        eager_saved_bytes=sum(a.base_size[k] for k in a.plain),
+        train_peak_bytes=peak,
+    )

@@ -1,0 +1,323 @@
+"""What-if: activation checkpointing of the modules whose path matches a pattern.
+
+``torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False)`` runs the module's
+forward under saved-tensor hooks that keep nothing: the tensors its ops would save are dropped,
+the module's inputs are kept (the recompute closure holds them), and the backward reruns the
+module's forward the first time one of its saved tensors is needed, stopping as soon as every
+tensor the first run saved has been recomputed (``set_checkpoint_early_stop(True)``, the
+default), so ops after the module's last saving op are not rerun.
+
+:func:`checkpoint_memory` computes that from graphflop's annotated forward graph, on top of the
+eager memory model's saved set (:mod:`graphflop.passes.eager_memory`):
+
+* a checkpointed region is every forward node whose :data:`~graphflop.meta.MODULE` path is a
+  matching path or lies under one (the outermost matching path names the region);
+* a residual stays saved when at least one backward op that reads it was made by the rule of a
+  forward node outside every region; residuals read only by the backward of region nodes are
+  dropped; each region's inputs (values made outside it and read inside it, parameters, buffers
+  and values derived from parameters only left out) are saved;
+* a region's recompute is its forward nodes in graph order up to its last node whose backward
+  reads a residual (parameters included: their packing counts for early stop), that node's
+  whole composite op included; its FLOPs are those nodes' :data:`~graphflop.meta.COST` FLOPs.
+
+With an optimizer, the train peak is estimated: the eager train schedule in which dropped
+residuals are freed after their last forward reader and made again just before the first
+backward node reading any of its region's dropped residuals (the region's inputs live until
+then), plus the CPU generator state each call keeps; the recompute's other temporaries are
+left out.
+
+Bytes follow the eager model's conventions (once per storage, parameters and buffers excluded,
+inputs and targets included). A module called several times forms one region (its calls are not
+told apart). Reads ``val``, ``MODULE``, ``COST``, ``COMPOSITE``, ``RESIDUAL``, ``SOURCE``,
+``PARAM_DERIVED``; writes nothing.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from graphflop.meta import COMPOSITE, COST, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
+from graphflop.passes.eager_memory import eager_residuals
+from graphflop.passes.memory import Schedule
+
+__all__ = [
+    "EXECUTION",
+    "CheckpointMemory",
+    "CheckpointPatternError",
+    "checkpoint_memory",
+    "module_matcher",
+]
+
+
+class CheckpointPatternError(ValueError):
+    """A ``--checkpoint`` pattern that is malformed or matches no module."""
+
+
+#: the execution the checkpoint figures describe
+EXECUTION = (
+    "eager step with torch.utils.checkpoint(use_reentrant=False) around each matching module: "
+    "its inputs saved, its internal activations recomputed in the backward (early stop)"
+)
+
+
+def module_matcher(pattern: str):
+    """A predicate on module paths (``layers.fc1``): ``pattern`` is a shell glob matched
+    against the whole path (``fnmatch.fnmatchcase``: ``h.*`` matches ``h.0`` and ``h.0.mlp``),
+    or, prefixed with ``re:``, a Python regular expression that must match the whole path.
+
+    Raises:
+        CheckpointPatternError: an empty pattern or a bad regular expression.
+    """
+    if not pattern or pattern == "re:":
+        raise CheckpointPatternError(
+            "empty --checkpoint pattern: give a module path glob such as 'h.*'"
+        )
+    if pattern.startswith("re:"):
+        try:
+            rx = re.compile(pattern[3:])
+        except re.error as e:
+            raise CheckpointPatternError(
+                f"bad --checkpoint regular expression {pattern[3:]!r}: {e}"
+            ) from None
+        return lambda path: rx.fullmatch(path) is not None
+    return lambda path: fnmatch.fnmatchcase(path, pattern)
+
+
+@dataclass(frozen=True)
+class CheckpointMemory:
+    """Attributes:
+    pattern: the pattern as given.
+    modules: the checkpointed module paths (outermost matches), in forward order.
+    saved_bytes: bytes saved for backward with checkpointing (once per storage).
+    eager_saved_bytes: the eager model's saved bytes without checkpointing.
+    input_bytes: of ``saved_bytes``, the checkpointed modules' inputs (once per storage).
+    recompute_flops: FLOPs of the forward nodes rerun in the backward, all modules.
+    per_module: module path -> (recompute FLOPs, recomputed nodes).
+    train_peak_bytes: estimated train-step peak with checkpointing, parameters, gradients
+        and optimizer state included; None when not computed.
+    """
+
+    pattern: str
+    modules: tuple[str, ...]
+    saved_bytes: int
+    eager_saved_bytes: int
+    input_bytes: int
+    recompute_flops: int
+    per_module: dict[str, tuple[int, int]]
+    train_peak_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "execution": EXECUTION,
+            "pattern": self.pattern,
+            "pattern_syntax": "regex" if self.pattern.startswith("re:") else "glob",
+            "modules": list(self.modules),
+            "saved_for_backward_bytes": self.saved_bytes,
+            "eager_saved_for_backward_bytes": self.eager_saved_bytes,
+            "checkpoint_input_bytes": self.input_bytes,
+            "recompute_flops": self.recompute_flops,
+            **({"train_peak_bytes": self.train_peak_bytes} if self.train_peak_bytes else {}),
+            "per_module": [
+                {"module": m, "recompute_flops": f, "recomputed_nodes": k}
+                for m, (f, k) in self.per_module.items()
+            ],
+        }
+
+
+def _regions(forward: GraphModule, match) -> dict[Node, str]:
+    """Forward node -> the outermost matching module path it lies in (call nodes only)."""
+    out: dict[Node, str] = {}
+    for n in forward.graph.nodes:
+        path = n.meta.get(MODULE) if n.op == "call_function" else None
+        if not path:
+            continue
+        parts = path.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if match(prefix):
+                out[n] = prefix
+                break
+    return out
+
+
+def _storages(forward: GraphModule, sizes: dict[str, int]) -> tuple[dict[str, str], dict]:
+    """(forward node name -> storage key, storage key -> bytes) as the eager model counts them;
+    parameters and buffers have no key."""
+    sig = forward.meta[SIGNATURE]
+    state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
+    sched = Schedule()
+    sched.add_graph(forward, "f", baseline=state, eager=True, sizes=sizes)
+    storage: dict[str, str] = {}
+    size: dict[str, int] = {}
+    for st in sched.steps:
+        storage[st.key] = storage.get(st.alias_of, st.key) if st.alias_of else st.key
+        if storage[st.key] == st.key:
+            size[st.key] = st.nbytes
+    return {k.split(":", 1)[1]: v for k, v in storage.items()}, size
+
+
+def _is_state(n: Node, state: set[str]) -> bool:
+    return n.name in state or bool(n.meta.get(PARAM_DERIVED))
+
+
+def _recompute(nodes: list[Node], savers: set[str]) -> list[Node]:
+    """The region's nodes rerun before early stop: up to the last saver, its composite op
+    whole."""
+    last = max((i for i, n in enumerate(nodes) if n.name in savers), default=-1)
+    if last < 0:
+        return []
+    tag = nodes[last].meta.get(COMPOSITE)
+    while (
+        tag is not None
+        and last + 1 < len(nodes)
+        and getattr(nodes[last + 1].meta.get(COMPOSITE), "region", None) == tag.region
+    ):
+        last += 1
+    return nodes[: last + 1]
+
+
+@dataclass
+class _Cut:
+    """Which storages stay saved and which a region recomputes."""
+
+    kept: set[str]
+    full: set[str]
+    savers: set[str]
+    dropped: dict[str, tuple[str, list[str]]]  # placeholder -> (region, storage keys)
+
+
+def _cut(
+    backward: GraphModule, eager, storage: dict[str, str], region: dict[Node, str], fnodes
+) -> _Cut:
+    cut = _Cut(set(), set(), set(), {})
+    for p in backward.graph.nodes:
+        kind = p.meta.get(RESIDUAL)
+        if p.op != "placeholder" or kind is None:
+            continue
+        users = [u.meta.get(SOURCE, "") for u in p.users]
+        cut.savers.update(users)
+        if kind in ("param", "buffer", "param_derived"):
+            continue
+        stand = eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)])
+        keys = [storage[s] for s in stand if s in storage]
+        cut.full.update(keys)
+        if any(fnodes.get(s) not in region for s in users):
+            cut.kept.update(keys)
+        elif users:
+            cut.dropped[p.name] = (region[fnodes[users[0]]], keys)
+    return cut
+
+
+def checkpoint_memory(
+    forward: GraphModule,
+    backward: GraphModule,
+    pattern: str,
+    device: str = "cpu",
+    optimizer: str | None = None,
+    state_bytes: int = 0,
+) -> CheckpointMemory:
+    """Saved bytes, recompute FLOPs and (with ``optimizer``) the train peak with the matching
+    modules checkpointed (module docstring). ``device``: of the eager model (dropout mask
+    dtype, optimizer temporaries); ``state_bytes``: parameters and optimizer state, added to
+    the peak.
+
+    Raises:
+        CheckpointPatternError: a bad pattern, or no module path of the forward graph
+            matches it.
+    """
+    match = module_matcher(pattern)
+    region = _regions(forward, match)
+    if not region:
+        paths = sorted({p for n in forward.graph.nodes if (p := n.meta.get(MODULE))})
+        raise CheckpointPatternError(
+            f"--checkpoint {pattern!r} matches no module; module paths: "
+            + ", ".join(paths[:12])
+            + (" ..." if len(paths) > 12 else "")
+        )
+    eager = eager_residuals(forward, backward, device)
+    storage, size = _storages(forward, eager.sizes)
+    sig = forward.meta[SIGNATURE]
+    state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
+    cut = _cut(backward, eager, storage, region, {n.name: n for n in forward.graph.nodes})
+    inputs: dict[str, set[str]] = {}
+    by_region: dict[str, list[Node]] = {}
+    for n, r in region.items():
+        by_region.setdefault(r, []).append(n)
+        for a in n.all_input_nodes:
+            if region.get(a) != r and not _is_state(a, state) and a.name in storage:
+                inputs.setdefault(r, set()).add(storage[a.name])
+    per_module = {}
+    for r, nodes in by_region.items():
+        rerun = _recompute(nodes, cut.savers)
+        per_module[r] = (sum(getattr(n.meta.get(COST), "flops", 0) for n in rerun), len(rerun))
+    all_inputs = set().union(*inputs.values()) if inputs else set()
+    peak = None
+    if optimizer is not None:
+        sched = _train_schedule(forward, backward, eager, storage, size, cut, inputs)
+        from graphflop.passes.eager_memory import optimizer_temporaries
+        from graphflop.passes.flops import tensor_bytes
+
+        phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
+        psizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
+        sched.add_transient("u:optimizer", optimizer_temporaries(optimizer, psizes, device))
+        # each call keeps the CPU generator's state (preserve_rng_state=True) to the backward
+        rng = torch.get_rng_state().numel() * len(by_region)
+        peak = state_bytes + rng + sched.peak()[0]
+    return CheckpointMemory(
+        pattern=pattern,
+        modules=tuple(by_region),
+        saved_bytes=sum(size[k] for k in cut.kept | all_inputs),
+        eager_saved_bytes=sum(size[k] for k in cut.full),
+        input_bytes=sum(size[k] for k in all_inputs),
+        recompute_flops=sum(f for f, _ in per_module.values()),
+        per_module=per_module,
+        train_peak_bytes=peak,
+    )
+
+
+def _train_schedule(forward, backward, eager, storage, size, cut: _Cut, inputs) -> Schedule:
+    """The eager train schedule with checkpointing: residuals a region drops are freed in
+    the forward after their last forward reader, and made again (``r:`` storages) just
+    before the first backward node that reads any of that region's dropped residuals, the
+    region's inputs kept live until then. The recompute's other temporaries are left out."""
+    from graphflop.passes.memory import _Step
+
+    sig = forward.meta[SIGNATURE]
+    params = {p for p, _ in sig.params}
+    s = Schedule()
+    s.add_graph(forward, "f", baseline=params, eager=True, sizes=eager.sizes)
+    ext: dict[str, str | list[str]] = {}
+    base_b = set()
+    for n in backward.graph.nodes:
+        if n.op != "placeholder" or n.meta.get(RESIDUAL) is None:
+            continue
+        src = n.meta.get(SOURCE, n.name)
+        if src in params or n.meta.get(RESIDUAL) == "param_derived":
+            base_b.add(n.name)
+        elif n.name in cut.dropped:
+            r, keys = cut.dropped[n.name]
+            ext[n.name] = [f"r:{r}:{k}" for k in keys]
+        else:
+            stand = eager.remap.get(n.name, [src])
+            ext[n.name] = [storage.get(x, f"f:{x}") for x in stand]
+    s.add_graph(backward, "b", baseline=base_b, external=ext, keep_outputs=True, eager=True)
+    new: dict[str, tuple[str, int]] = {}  # r: key -> (region, bytes)
+    for r, keys in cut.dropped.values():
+        for k in keys:
+            new[f"r:{r}:{k}"] = (r, size[k])
+    first: dict[str, int] = {}
+    for i, st in enumerate(s.steps):
+        for k in st.reads:
+            if k in new:
+                first.setdefault(new[k][0], i)
+    for r, i in sorted(first.items(), key=lambda kv: -kv[1]):
+        keep = sorted(inputs.get(r, ()))
+        for k in [k for k, (rr, _) in new.items() if rr == r]:
+            s.steps.insert(i, _Step(k, new[k][1], None, list(keep)))
+    return s

@@ -1,0 +1,298 @@
+"""What-if memory models (issue 16 item 5): activation checkpointing and autocast, against
+measurements of real eager runs (``saved_tensors_hooks``, as
+:func:`graphflop.runtime.memory_probe.measure_saved` counts: once per storage, parameters and
+buffers excluded, inputs and targets included)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.utils.checkpoint as tuc
+from torch import nn
+
+from graphflop.passes.checkpoint import module_matcher
+from graphflop.runtime.memory_probe import _loss_fn
+
+
+@contextlib.contextmanager
+def checkpointed(model: nn.Module, pattern: str, keep=lambda t: t):
+    """``model`` with the modules matching ``pattern`` (outermost matches) run through
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``; ``keep`` sees each tensor
+    argument of a checkpointed call."""
+    match = module_matcher(pattern)
+    done: list[str] = []
+    for path, mod in model.named_modules():
+        if not path or any(path.startswith(d + ".") for d in done) or not match(path):
+            continue
+        done.append(path)
+
+        def wrapped(*args, _fwd=mod.forward, **kw):
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    keep(a)
+            return tuc.checkpoint(_fwd, *args, use_reentrant=False, **kw)
+
+        mod.forward = wrapped
+    try:
+        yield model
+    finally:
+        for path, mod in model.named_modules():
+            if path in done:
+                del mod.forward
+
+
+def measure_saved_checkpointed(model: nn.Module, inputs: tuple, pattern: str) -> tuple[int, int]:
+    """(bytes saved with the matching modules wrapped in ``torch.utils.checkpoint``
+    (``use_reentrant=False``), bytes saved without): packed tensors' storages outside the
+    checkpointed modules plus the storages of the checkpointed calls' tensor arguments, which
+    the recompute closure keeps; parameters and buffers excluded."""
+    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    _, run = _loss_fn(model, inputs, "auto")
+
+    def saved(wrap: bool) -> int:
+        seen: dict[int, int] = {}
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            s = t.untyped_storage()
+            if s.data_ptr() not in state and s.nbytes():
+                seen[s.data_ptr()] = s.nbytes()
+            return t
+
+        ctx = checkpointed(model, pattern, keep) if wrap else contextlib.nullcontext()
+        with ctx, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = run()
+        del loss
+        return sum(seen.values())
+
+    return saved(True), saved(False)
+
+
+def measure_saved_autocast(model: nn.Module, inputs: tuple, dtype: torch.dtype) -> int:
+    """Bytes saved for backward by a forward and loss under ``torch.autocast("cpu", dtype)``
+    (the loss inside the autocast region, as a training loop writes it), counted as
+    :func:`graphflop.runtime.memory_probe.measure_saved` does."""
+    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    _, run = _loss_fn(model, inputs, "auto")
+    seen: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in state and s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with (
+        torch.autocast("cpu", dtype=dtype),
+        torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t),
+    ):
+        loss = run()
+    del loss
+    return sum(seen.values())
+
+
+def measure_train_peak_autocast(
+    model: nn.Module, inputs: tuple, dtype: torch.dtype, optimizer: str = "sgd"
+) -> int:
+    """Peak bytes of one training step with the forward and loss under
+    ``torch.autocast("cpu", dtype)`` and ``backward()``, ``optimizer.step()`` outside it, as
+    :func:`graphflop.runtime.memory_probe.measure_train_peak` measures (the profiler's
+    allocator events after a warm-up step, plus parameters, buffers, inputs, targets and
+    optimizer state)."""
+    from graphflop.runtime.memory_probe import _bytes, _profiled_peak
+    from graphflop.runtime.optim import torch_optimizer
+
+    _, run = _loss_fn(model, inputs, "auto")
+    opt = torch_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], lr=1e-6)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = run()
+        loss.backward()
+        opt.step()
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    live = [*model.parameters(), *model.buffers(), *inputs, *run.targets, *state]  # type: ignore[attr-defined]
+    return _bytes(live) + _profiled_peak(step)
+
+
+# --- the tests ------------------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    """block = Linear(16, 32), ReLU, Linear(32, 16); head = Linear(16, 4); input (8, 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def _analysis(model: nn.Module, inputs: tuple, **options):
+    from graphflop import analyze
+
+    return analyze(model, inputs, jvp=False, **options)
+
+
+def _net() -> tuple[nn.Module, tuple]:
+    torch.manual_seed(0)
+    return Net().train(), (torch.randn(8, 16),)
+
+
+def test_checkpoint_small_net_exact():
+    """Eager fp32 saves x (8·16·4 = 512), the ReLU output (8·32·4 = 1024, read by ReLU's and
+    block.2's backward), block.2's output (8·16·4 = 512, head's input), log-softmax's output
+    (8·4·4 = 128), the targets (8·8 = 64) and NLL's total weight (4): 2244. Checkpointing
+    ``block`` drops the ReLU output and keeps the block's input x: 512 + 512 + 128 + 64 + 4 =
+    1220. Recompute: the whole block (its last op, block.2's addmm, saves): 2·8·16·32 + 8·32
+    (addmm with bias) + 8·32 (ReLU) + 2·8·32·16 + 8·16 = 8192 + 256 + 256 + 8192 + 128 =
+    17024."""
+    model, x = _net()
+    ck = _analysis(model, x, checkpoint="block").report.memory.checkpoint
+    assert ck["eager_saved_for_backward_bytes"] == 2244
+    assert ck["saved_for_backward_bytes"] == 1220
+    assert ck["checkpoint_input_bytes"] == 512
+    assert ck["recompute_flops"] == 17024
+    assert ck["modules"] == ["block"] and ck["pattern_syntax"] == "glob"
+    assert measure_saved_checkpointed(model, x, "block") == (1220, 2244)
+
+
+def test_checkpoint_early_stop_and_regex():
+    """``re:block\\.[01]``: block.0 (Linear) and block.1 (ReLU) are checkpointed separately.
+    block.0's region reruns its addmm (2·8·16·32 + 8·32 = 8448); block.1's its ReLU (8·32 =
+    256). Saved: x (block.0's input, 512), block.0's output (block.1's input, 8·32·4 = 1024),
+    the ReLU output (read by block.2's backward, outside: 1024), block.2's output 512, loss
+    196: 3268."""
+    model, x = _net()
+    ck = _analysis(model, x, checkpoint=r"re:block\.[01]").report.memory.checkpoint
+    assert ck["modules"] == ["block.0", "block.1"] and ck["pattern_syntax"] == "regex"
+    per = {m["module"]: m["recompute_flops"] for m in ck["per_module"]}
+    assert per == {"block.0": 8448, "block.1": 256}
+    assert ck["saved_for_backward_bytes"] == 3268
+    assert measure_saved_checkpointed(model, x, r"re:block\.[01]")[0] == 3268
+
+
+def test_checkpoint_matches_measurement_mlp_and_gpt2_blocks():
+    """MLP (every layer checkpointed: saved bytes grow, ReLU inputs become checkpoint inputs)
+    and a 2-block GPT-2 (each block checkpointed) against torch.utils.checkpoint runs. The
+    GPT-2 figure differs from the measurement by the position ids (T int64s, ``arange`` in
+    the forward), which the eager model does not count with or without checkpointing."""
+    import sys
+
+    sys.path.insert(0, "models")
+    from gpt2 import GPT2
+    from mlp import MLP
+
+    torch.manual_seed(0)
+    mlp, x = MLP(hidden=32).train(), (torch.randn(16, 1, 28, 28),)
+    ck = _analysis(mlp, x, checkpoint="layers.*").report.memory.checkpoint
+    meas, base = measure_saved_checkpointed(mlp, x, "layers.*")
+    assert (ck["saved_for_backward_bytes"], ck["eager_saved_for_backward_bytes"]) == (meas, base)
+    assert meas > base
+    gpt = GPT2(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=16).train()
+    x = (torch.randint(0, 100, (2, 16)),)
+    ck = _analysis(gpt, x, checkpoint="h.*").report.memory.checkpoint
+    meas, base = measure_saved_checkpointed(gpt, x, "h.*")
+    assert ck["modules"] == ["h.0", "h.1"]
+    assert meas - ck["saved_for_backward_bytes"] == 16 * 8
+    assert base - ck["eager_saved_for_backward_bytes"] == 16 * 8
+    assert meas < base / 2
+    # the train peak with checkpointing (an estimate: the recompute's temporaries and
+    # checkpoint's bookkeeping beyond the RNG state are left out) against a measured step
+    from graphflop.runtime.memory_probe import measure_train_peak
+
+    with checkpointed(gpt, "h.*"):
+        peak = measure_train_peak(gpt, x, "auto", "sgd")
+    assert 0.8 < ck["train_peak_bytes"] / peak < 1.2, (ck["train_peak_bytes"], peak)
+
+
+def test_amp_small_net_exact():
+    """bf16 on CPU: block.0's addmm saves its input's bf16 copy (8·16·2 = 256; x needs no
+    gradient, so its weight's copy is not saved); the ReLU output is bf16 (8·32·2 = 512);
+    block.2 saves its weight's bf16 copy (16·32·2 = 1024) and the ReLU output; head saves
+    block.2's bf16 output (8·16·2 = 256) and its weight's copy (4·16·2 = 128); the loss runs
+    in float32 (cross_entropy is on CPU autocast's float32 list): log-softmax output 128,
+    targets 64, total weight 4. 256 + 512 + 1024 + 256 + 128 + 128 + 64 + 4 = 2372, of
+    which casts 256 + 1024 + 128 = 1408."""
+    model, x = _net()
+    amp = _analysis(model, x, amp="bf16").report.memory.amp
+    assert amp["saved_for_backward_bytes"] == 2372
+    assert amp["saved_cast_bytes"] == 1408
+    assert amp["eager_saved_for_backward_bytes"] == 2244
+    assert measure_saved_autocast(model, x, torch.bfloat16) == 2372
+
+
+def test_amp_matches_measurement_mlp_and_cnn():
+    """MLP and the CNN (conv weights' bf16 copies saved even for conv1, whose input needs no
+    gradient: convolution_backward's node saves both) against torch.autocast('cpu') runs."""
+    import sys
+
+    sys.path.insert(0, "models")
+    from cnn import CNN
+    from mlp import MLP
+
+    torch.manual_seed(0)
+    for model, x in (
+        (MLP(hidden=32), (torch.randn(16, 1, 28, 28),)),
+        (CNN(), (torch.randn(2, 1, 28, 28),)),
+    ):
+        a = _analysis(model.train(), x, amp="bf16")
+        assert a.report.memory.amp["saved_for_backward_bytes"] == measure_saved_autocast(
+            model, x, torch.bfloat16
+        )
+
+
+def test_amp_leaves_flops_and_default_report_alone():
+    model, x = _net()
+    plain = _analysis(model, x).report.to_dict()
+    amp = _analysis(model, x, amp="fp16").report.to_dict()
+    assert amp["memory"].pop("amp")["dtype"] == "fp16"
+    assert amp == plain
+
+
+def test_bad_checkpoint_pattern_is_one_line(capsys):
+    from graphflop.cli import main
+
+    assert main(["inspect", "models/mlp.py", "--arg", "hidden=32", "--checkpoint", "x*"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "matches no module" in err and "layers.fc1" in err
+
+
+def test_amp_dtype_rules_differ_by_device():
+    """Layer norm and softmax are on CUDA autocast's float32 list, not on CPU's: under fp16 on
+    CUDA their outputs are float32 and layer norm saves a float32 copy of its half input; on
+    CPU they run in half. The Linear's output is half on both; the norm's statistics float32.
+    (Rules only: no GPU measurement here.)"""
+    from graphflop.meta import COMPOSITE
+    from graphflop.passes.amp import amp_dtypes
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Softmax(-1))
+    a = _analysis(model.train(), (torch.randn(4, 8),), loss="sum")
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        dts = amp_dtypes(a.forward, torch.float16, dev)
+        for n in a.forward.graph.nodes:
+            tag = n.meta.get(COMPOSITE)
+            if n.target is torch.ops.aten.addmm.default:
+                assert dts[n.name] == torch.float16
+            if tag is not None and tag.output is not None and "loss" not in n.name:
+                outs[dev, tag.op.split(".")[1], tag.output] = dts[n.name]
+    assert outs["cpu", "native_layer_norm", 0] == torch.float16
+    assert outs["cuda", "native_layer_norm", 0] == torch.float32
+    assert outs["cpu", "_softmax", 0] == torch.float16
+    assert outs["cuda", "_softmax", 0] == torch.float32
+    assert outs["cpu", "native_layer_norm", 2] == torch.float32
+    cpu = _analysis(model, (torch.randn(4, 8),), loss="sum", amp="fp16").report.memory.amp
+    cuda = _analysis(
+        model, (torch.randn(4, 8),), loss="sum", amp="fp16", device="cuda"
+    ).report.memory.amp
+    # CUDA: layer norm saves a float32 copy of the half Linear output (4·8·4 = 128) where CPU
+    # saves the half output itself (4·8·2 = 64); softmax saves its output, float32 (128) on
+    # CUDA, half (64) on CPU
+    assert cuda["saved_for_backward_bytes"] - cpu["saved_for_backward_bytes"] == 64 + 64
