@@ -156,15 +156,17 @@ def _time_runtimes(args, analysis, model, provider: str, device: str, flops, err
         where = provider if rt == "onnxruntime" else device
         with err.status(f"timing {rt} ({where})", spinner="dots"):
             if rt == "onnxruntime":
+                peaks: dict = {}
                 t, prof = bench_onnxruntime(
                     analysis,
                     model,
                     provider=provider,
                     profile=args.profile,
                     export_dir=args.out,
+                    peaks=peaks,
                     **kw,
                 )
-                out[rt] = {"provider": provider, **timing_report(t, flops, rt)}
+                out[rt] = {"provider": provider, **timing_report(t, flops, rt, peaks)}
                 if prof:
                     out[rt]["profile"] = prof
             elif rt == "graph_torch":
