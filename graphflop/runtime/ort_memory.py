@@ -13,7 +13,8 @@ node's inputs, so each value's last reader is known.
 
 Model (the rule of :class:`graphflop.passes.memory.Schedule`): a node's outputs are live from
 the node to their last reader; graph outputs stay live to the end of the run; feeds and
-initializers were allocated before the run and are not counted; ``Reshape``, ``Squeeze``,
+initializers were allocated before the run and are not counted; outputs no node reads (a
+``MaxPool``'s unused values or indices) stay allocated to the end too; ``Reshape``, ``Squeeze``,
 ``Unsqueeze``, ``Flatten`` and ``Identity`` outputs share their input's buffer (ONNX Runtime's
 CPU kernels alias them). Kernel scratch (im2col buffers, packed matrices) and ONNX Runtime's
 in-place buffer reuse are not modelled.
@@ -131,7 +132,10 @@ def live_peak(
             reads = []  # one read per node is enough to extend the inputs' lives
         if not outs or not any(outs):
             s.steps.append(_Step(f"n:{name}", 0, None, reads))
-    s.keep.update(f"v:{o}" for o in outputs if o in made)
+    read = {i for _, _, ins, _ in nodes for i in ins}
+    # ONNX Runtime frees a value after its last reader; one no node reads (MaxPool's unused
+    # indices) stays allocated to the end of the run, as the graph's outputs do
+    s.keep.update(f"v:{o}" for o in made if o in outputs or o not in read)
     peak, where = s.peak()
     at = where.split(":", 1)[-1]
     owner = {o: n for n, _, _, outs in nodes for o in outs}
