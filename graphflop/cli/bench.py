@@ -156,15 +156,17 @@ def _time_runtimes(args, analysis, model, provider: str, device: str, flops, err
         where = provider if rt == "onnxruntime" else device
         with err.status(f"timing {rt} ({where})", spinner="dots"):
             if rt == "onnxruntime":
+                peaks: dict = {}
                 t, prof = bench_onnxruntime(
                     analysis,
                     model,
                     provider=provider,
                     profile=args.profile,
                     export_dir=args.out,
+                    peaks=peaks,
                     **kw,
                 )
-                out[rt] = {"provider": provider, **timing_report(t, flops, rt)}
+                out[rt] = {"provider": provider, **timing_report(t, flops, rt, peaks)}
                 if prof:
                     out[rt]["profile"] = prof
             elif rt == "graph_torch":
@@ -188,7 +190,8 @@ def _time_runtimes(args, analysis, model, provider: str, device: str, flops, err
 
 
 def _print_times(results: dict) -> None:
-    """The table: per runtime and phase the median (quartiles) and FLOP/s; Rf, Rb and Rf/Rb
+    """The table: per runtime and phase the median (quartiles) and FLOP/s (ONNX Runtime: its
+    measured peak and, in parentheses, graphflop's for the order it ran); Rf, Rb and Rf/Rb
     as ratios of medians with the quartiles of the per-round ratios."""
     from rich.table import Table
 
@@ -212,10 +215,13 @@ def _print_times(results: dict) -> None:
 def _phase_cell(ph: dict | None, human) -> str:
     if ph is None:
         return "–"
+    peak = ""
+    if ph.get("peak_bytes") is not None:  # ONNX Runtime's measured peak, graphflop's for its order
+        peak = f"\npeak {human(ph['peak_bytes'], 'B')} ({human(ph['predicted_peak_bytes'], 'B')})"
     return (
         f"{ph['median_s'] * 1e3:.3g} ms{' (noisy)' if ph.get('noisy') else ''}\n"
         f"({ph['q1_s'] * 1e3:.3g}–{ph['q3_s'] * 1e3:.3g})\n"
-        f"{human(ph['flops_per_s'], 'FLOP/s')}"
+        f"{human(ph['flops_per_s'], 'FLOP/s')}{peak}"
     )
 
 

@@ -393,6 +393,7 @@ def bench_onnxruntime(
     profile: bool = False,
     export_dir: str | Path | None = None,
     wgrad_mm: bool = True,
+    peaks: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Timing], dict]:
     """graphflop's forward, train-step and forward-gradient-step graphs
     (:func:`graphflop.runtime.graphs.step_graphs` with ``sampling=True``: the step draws its
@@ -411,6 +412,10 @@ def bench_onnxruntime(
         wgrad_mm: the train step's weight-gradient convolutions as matrix products
             (:func:`graphflop.passes.conv_wgrad.conv_weight_grads_as_mm`: same FLOPs; ONNX
             Runtime's CPU ``Conv`` is slow on their feature-map-sized kernels).
+        peaks: a dict to fill, on the CPU provider, with each phase's
+            :class:`~graphflop.runtime.ort_memory.OrtPeak` (measured ONNX Runtime peak and
+            graphflop's figure for the order ONNX Runtime ran; one extra untimed run per
+            phase on the first input set, in a session of its own).
 
     Returns:
         The :class:`Timing` of each phase, and with ``profile`` per-node and per-module times
@@ -460,6 +465,13 @@ def bench_onnxruntime(
                 {k: runner(k) for k in sessions}, warmup=warmup, repeat=repeat, sync=_nop
             ),
         )
+        if peaks is not None and provider == "CPUExecutionProvider":
+            import onnx
+
+            from graphflop.runtime.ort_memory import measure
+
+            for kind, g in manifest["graphs"].items():
+                peaks[kind] = measure(onnx.load(str(root / g["file"])), arrays[kind][0])
         prof = {}
         if profile:
             for kind, sess in sessions.items():
@@ -511,8 +523,23 @@ def round_ratios(t: dict[str, Timing]) -> dict[str, dict[str, float] | None]:
     return out
 
 
+#: how ``bench`` measures and predicts the ONNX Runtime peaks it reports
+ORT_MEMORY_METHOD = (
+    "one untimed run per phase in a session with the same optimization level and execution "
+    "order, memory patterns off: peak_bytes is the largest sum of tensor bytes ONNX Runtime's "
+    "CPU arena holds after a kernel (profile counters, above what was held before the run; "
+    "feeds and initializers excluded), arena_peak_bytes the arena's chunk peak (with its "
+    "unsplit remainders); predicted_peak_bytes is graphflop's live-bytes peak over the node "
+    "order ONNX Runtime ran (its profile) on its optimized graph, own_order_peak_bytes the "
+    "same over the exported graph in graphflop's node order (docs/memory_ort.md)"
+)
+
+
 def timing_report(
-    t: dict[str, Timing], flops: dict[str, int], runtime: str | None = None
+    t: dict[str, Timing],
+    flops: dict[str, int],
+    runtime: str | None = None,
+    peaks: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON form of one runtime's timings (``bench --json``'s ``runtimes.<name>``).
 
@@ -522,7 +549,10 @@ def timing_report(
         …}}``, and for a runtime of :data:`SAMPLING` ``sampling_in_step: true`` and
         ``sampling`` (how the direction is drawn). ``flops_per_s`` is the phase's FLOPs
         (``flops``) over its median wall time (None for a zero time); ``ratios`` are ratios of
-        medians, ``round_ratios`` the statistics of the per-round ratios.
+        medians, ``round_ratios`` the statistics of the per-round ratios. With ``peaks``
+        (phase → :class:`~graphflop.runtime.ort_memory.OrtPeak`, from
+        :func:`bench_onnxruntime`) each phase also has the peak's fields (``peak_bytes``
+        measured, ``predicted_peak_bytes``, …, bytes) and the report ``memory_method``.
     """
     out: dict[str, Any] = {
         "phases": {
@@ -536,6 +566,11 @@ def timing_report(
         out |= {"sampling_in_step": True, "sampling": SAMPLING[runtime]}
     if runtime == "onnxruntime":
         out["graph_rewrite"] = ORT_REWRITE
+    if peaks:
+        for k, p in peaks.items():
+            if k in out["phases"]:
+                out["phases"][k] |= p.to_dict()
+        out["memory_method"] = ORT_MEMORY_METHOD
     return out
 
 

@@ -61,7 +61,23 @@ def _tiny_model() -> bytes:
     return m.SerializeToString()
 
 
-def session(model: Any, provider: str, *, profile: bool | str = False, threads: int | None = None):
+#: the execution order of every session graphflop makes (``SessionOptions.execution_order``):
+#: ONNX Runtime's default, a topological order of the optimized graph that differs from the
+#: exported file's; :mod:`graphflop.runtime.ort_memory` computes graphflop's peak over it
+EXECUTION_ORDER = "DEFAULT"
+
+
+def session(
+    model: Any,
+    provider: str,
+    *,
+    profile: bool | str = False,
+    threads: int | None = None,
+    order: str = EXECUTION_ORDER,
+    mem_pattern: bool = True,
+    mem_reuse: bool = True,
+    optimized_model: str | None = None,
+):
     """An ``InferenceSession`` for an ONNX model (path, bytes or ModelProto).
 
     Args:
@@ -69,6 +85,10 @@ def session(model: Any, provider: str, *, profile: bool | str = False, threads: 
             (ONNX Runtime appends a timestamp and ``.json``), else ONNX Runtime's default
             (``onnxruntime_profile_`` in the current directory).
         threads: intra-op threads (default: ONNX Runtime's, one per core).
+        order: ``SessionOptions.execution_order`` by name (``DEFAULT``, ``PRIORITY_BASED``).
+        mem_pattern: ONNX Runtime's memory patterns (one pre-planned block from the second
+            run on); off for memory measurements (:mod:`graphflop.runtime.ort_memory`).
+        optimized_model: save ONNX Runtime's optimized graph to this path.
     """
     import onnxruntime as ort
 
@@ -80,6 +100,11 @@ def session(model: Any, provider: str, *, profile: bool | str = False, threads: 
             opts.profile_file_prefix = profile
     if threads:
         opts.intra_op_num_threads = threads
+    opts.execution_order = getattr(ort.ExecutionOrder, order)
+    opts.enable_mem_pattern = mem_pattern
+    opts.enable_mem_reuse = mem_reuse
+    if optimized_model:
+        opts.optimized_model_filepath = optimized_model
     # don't let idle pool threads spin between runs: they would steal the CPU from whatever is
     # timed next (the PyTorch side of a comparison)
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
