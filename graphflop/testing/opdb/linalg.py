@@ -228,3 +228,46 @@ ATTENTION = [
         aten=("aten.addmm.default", "aten.bmm.default"),
     ),
 ]
+
+# ---------------------------------------------------------------------------------------------
+# issue 15's audit: einsum paths (outer and bilinear products as broadcast multiplies, a
+# contraction over two axes needing permutes, a three-operand bilinear form), addbmm
+# ---------------------------------------------------------------------------------------------
+EINSUM_MORE = [
+    OpCase(
+        "einsum_outer",
+        module_of(lambda s, x: torch.einsum("i,j->ij", x, s.w) * s.r, {"w": (4,)}, {"r": (3, 4)}),
+        ((3,),),
+        flops=12 + 12,  # broadcast mul (3,1)*(1,4): 12; readout 12
+        aten=("aten.mul.Tensor", "aten.unsqueeze.default"),
+    ),
+    OpCase(
+        "einsum_batched_outer",
+        module_of(
+            lambda s, x: torch.einsum("bi,bj->bij", x, s.w) * s.r, {"w": (2, 4)}, {"r": (2, 3, 4)}
+        ),
+        ((2, 3),),
+        flops=24 + 24,  # broadcast mul to (2,3,4): 24; readout 24
+        aten=("aten.mul.Tensor", "aten.unsqueeze.default"),
+    ),
+    OpCase(
+        "einsum_two_axes",
+        module_of(
+            lambda s, x: torch.einsum("ijk,kjl->li", x, s.w) * s.r, {"w": (4, 3, 5)}, {"r": (5, 2)}
+        ),
+        (X,),
+        # j and k contracted: one product (2×12)·(12×5) as bmm: 2·2·12·5 = 240; readout 10
+        flops=240 + 10,
+        aten=("aten.bmm.default", "aten.permute.default"),
+    ),
+    OpCase(
+        "einsum_bilinear_form",
+        module_of(
+            lambda s, x, y: torch.einsum("bi,ij,bj->b", x, s.w, y) * s.r, {"w": (3, 4)}, {"r": (2,)}
+        ),
+        ((2, 3), (2, 4)),
+        # x·W: bmm 2·2·3·4 = 48; then per b (1×4)·(4×1): bmm 2·2·4 = 16; readout 2
+        flops=48 + 16 + 2,
+        aten=("aten.bmm.default",),
+    ),
+]

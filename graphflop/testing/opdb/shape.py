@@ -324,3 +324,32 @@ SHAPE_MORE = [
         aten=("aten.index.Tensor", "aten.clamp.default"),
     ),
 ]
+
+# ---------------------------------------------------------------------------------------------
+# issue 15's audit: index_add and index_copy (both traced as index_put)
+# ---------------------------------------------------------------------------------------------
+INDEX_MORE = [
+    OpCase(
+        "index_add_alpha",
+        module_of(
+            lambda s, x: (x * s.w).index_add(1, s.idx, s.v, alpha=2.0) * s.r,
+            {"w": W, "v": (2, 3, 4)},
+            {"idx": lambda: torch.tensor([2, 0, 2]), "r": X},
+        ),
+        (X,),
+        # mul 24; alpha·v 24; index_put(accumulate) adds 24 elements (row 2 twice); readout 24
+        flops=24 + 24 + 24 + 24,
+        aten=("aten.index_put.default",),
+    ),
+    OpCase(
+        "index_copy",
+        module_of(
+            lambda s, x: (x * s.w).index_copy(1, s.idx, s.v) * s.r,
+            {"w": W, "v": (2, 2, 4)},
+            {"idx": lambda: torch.tensor([2, 0]), "r": X},
+        ),
+        (X,),
+        flops=24 + 24,  # mul; the copy costs 0; readout
+        aten=("aten.index_put.default",),
+    ),
+]
