@@ -46,9 +46,9 @@ from graphflop.testing.opdb.core import (
     pos,
     randomized,
 )
-from graphflop.testing.opdb.elementwise import BINARY, MASK_CLAMP, UNARY, UNARY_MORE
+from graphflop.testing.opdb.elementwise import BINARY, CLAMP_TENSOR, MASK_CLAMP, UNARY, UNARY_MORE
 from graphflop.testing.opdb.embedding import EMBEDDING_BAG
-from graphflop.testing.opdb.linalg import ATTENTION, EINSUM_MORE, LINALG, LINALG_MORE
+from graphflop.testing.opdb.linalg import ATTENTION, EINSUM_MORE, LINALG, LINALG_MORE, SOLVE_ADDBMM
 from graphflop.testing.opdb.models import GAPS, MODELS
 from graphflop.testing.opdb.pool import POOL, POOL_MORE
 from graphflop.testing.opdb.reduction import (
@@ -58,7 +58,7 @@ from graphflop.testing.opdb.reduction import (
     REDUCTION_MORE,
     VECTOR_NORM_MORE,
 )
-from graphflop.testing.opdb.shape import INDEX_MORE, SHAPE, SHAPE_MORE
+from graphflop.testing.opdb.shape import INDEX_MORE, SCATTER, SHAPE, SHAPE_MORE
 from graphflop.testing.opdb.sorting import SORTING
 from graphflop.testing.opdb.spectral import SPECTRAL
 
@@ -88,6 +88,9 @@ OP_DB: list[OpCase] = (
     + INDEX_MORE
     + VECTOR_NORM_MORE
     + EINSUM_MORE
+    + SCATTER
+    + CLAMP_TENSOR
+    + SOLVE_ADDBMM
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
@@ -96,6 +99,7 @@ __all__ = [
     "ATTENTION",
     "BINARY",
     "CHECKS",
+    "CLAMP_TENSOR",
     "CONV",
     "CONV_MORE",
     "EINSUM_MORE",
@@ -118,8 +122,10 @@ __all__ = [
     "REDUCTION",
     "REDUCTION_MORE",
     "Readout",
+    "SCATTER",
     "SHAPE",
     "SHAPE_MORE",
+    "SOLVE_ADDBMM",
     "SORTING",
     "SPECTRAL",
     "UNARY",

@@ -364,3 +364,18 @@ MASK_CLAMP = [
         aten=("aten.clamp.default",),
     ),
 ]
+
+CLAMP_TENSOR = [
+    OpCase(
+        "clamp_tensor_bounds",
+        module_of(
+            lambda s, x: torch.clamp(x * s.w, s.lo, s.lo + s.gap) * s.r,
+            {"w": W, "lo": (4,), "gap": pos(3, 1)},
+            {"r": X},
+        ),
+        (X,),
+        # mul 24; lo + gap broadcast to (3,4): 12; clamp 1 per output element 24; readout 24
+        flops=24 + 12 + 24 + 24,
+        aten=("aten.clamp.Tensor", "aten.lt.Tensor", "aten.gt.Tensor"),
+    ),
+]
