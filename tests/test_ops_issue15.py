@@ -64,3 +64,24 @@ def test_addbmm_counts_one_product_by_hand():
     a = graphflop.analyze(AddBmm(), (torch.randn(2, 3, 4),), loss="none", jvp=False)
     fwd = a.report.totals.forward
     assert (fwd.flops, fwd.mm_flops) == (240 + 15 + 15 + 15, 240)
+
+
+def test_linalg_solve_analyses_end_to_end():
+    """torch.linalg.solve through analyze (its error-check node left out of the trace): A 4×4
+    (a parameter + 6·I), B (4, 3): add 16; LU ⌊2·4³/3⌋ = 42; substitutions 2·4²·3 = 96. Every
+    phase complete, no gap; the backward's solves reuse the LU (linalg_lu_solve)."""
+
+    class Solve(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, rhs):
+            return torch.linalg.solve(self.a + 6.0 * torch.eye(4), rhs)
+
+    a = graphflop.analyze(Solve(), (torch.randn(4, 3),), loss="sum")
+    r = a.report
+    solve = [x for x in r.ops if x.phase == "forward" and x.op == "aten._linalg_solve_ex.default"]
+    assert [(x.flops, x.mm_flops) for x in solve] == [(42 + 96, 0)]
+    assert not r.uncounted
+    assert r.totals.forward.complete and r.totals.backward.complete and r.totals.jvp.complete

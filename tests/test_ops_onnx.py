@@ -66,6 +66,7 @@ FAMILIES = [
     "fft2_imag",
     "scatter_src",
     "scatter_reduce_mean_exclude_self",
+    "scatter_reduce_amax",
     "clamp_tensor_bounds",
     "addbmm",
 ]

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import free, numel, shape
+from graphflop.ops._common import numel, shape
 from graphflop.ops.registry import (
+    MissingRuleError,
     def_bilinear,
     def_jvp,
     def_transpose,
-    def_zero,
     register,
     register_decomposition,
     update,
@@ -168,8 +168,14 @@ def _lu_solve_cost(out, lu, pivots, rhs, *args, **kwargs) -> NodeCost:
 
 register(aten._linalg_solve_ex.default, F, _solve_cost)
 register(aten.linalg_lu_solve.default, F, _lu_solve_cost)
-register(aten._linalg_check_errors.default, F, free)
-def_zero(aten._linalg_check_errors.default)
+
+
+@register_decomposition(aten._linalg_check_errors.default)
+def _no_error_check(info, api_name, *, is_matrix):
+    """The error check after a solve (it reads ``info``, returns nothing) is left out of the
+    trace: its node would carry no value, and tracing runs on fake tensors, with no values to
+    check."""
+    return None
 
 
 def _matmul(b, x, y):
@@ -181,26 +187,29 @@ def _matmul(b, x, y):
 def _jvp_solve(b, out, args, tangents, kwargs):
     """X = A⁻¹B: dX = A⁻¹(dB − dA·X) (PyTorch's ``linalg_solve_jvp``), solved with the
     primal's LU factors (``linalg_lu_solve``, no second factorisation). The LU, pivots and
-    info outputs get no tangent (``torch.linalg.solve`` returns X only). Matrix right-hand
-    sides, ``left=True``, A and B of the same rank 2 or 3."""
+    info outputs get no tangent (``torch.linalg.solve`` returns X only). ``left=True``, A 2-D
+    or 3-D, B of A's rank (matrix right-hand sides) or one less (a vector); other forms refuse
+    (``MissingRuleError``: the JVP and backward are cut there and the gap reported)."""
     a, rhs = args[0], args[1]
     ta, tb = tangents[0], tangents[1]
-    left = kwargs.get("left", args[2] if len(args) > 2 else True)
-    if not left or len(shape(a)) != len(shape(rhs)) or len(shape(a)) not in (2, 3):
-        raise NotImplementedError(
-            "linalg.solve's JVP covers matrix right-hand sides of A's rank (2 or 3), left=True"
-        )
+    left = args[2] if len(args) > 2 else kwargs.get("left", True)
+    ra, rb = len(shape(a)), len(shape(rhs))
+    if not left or ra not in (2, 3) or rb not in (ra, ra - 1):
+        raise MissingRuleError(aten._linalg_solve_ex.default, ("jvp",))
+    vector = rb == ra - 1
     x = b.getitem(out, 0)
+    if vector:  # solve for one column: (…, n) -> (…, n, 1)
+        x = b.call(aten.unsqueeze.default, x, -1)
+        tb = None if tb is None else b.call(aten.unsqueeze.default, tb, -1)
     r = tb
     if ta is not None:
-        r = (
-            b.sub(r, _matmul(b, ta, x))
-            if r is not None
-            else b.call(aten.neg.default, _matmul(b, ta, x))
-        )
+        prod = _matmul(b, ta, x)
+        r = b.sub(r, prod) if r is not None else b.call(aten.neg.default, prod)
     if r is None:
         return (None, None, None, None)
     dx = b.call(aten.linalg_lu_solve.default, b.getitem(out, 1), b.getitem(out, 2), r)
+    if vector:
+        dx = b.call(aten.squeeze.dims, dx, [-1])
     return (dx, None, None, None)
 
 

@@ -13,8 +13,11 @@ divides by the count of the elements reduced into each position (a ``scatter_add
 clamped to at least 1 where nothing is reduced, as PyTorch keeps those positions), so its FLOPs
 are the parts': numel(src) adds, numel(src) count adds, numel(out) clamps and numel(out)
 divides. ``"amax"``/``"amin"``/``"prod"`` keep the op whole: one comparison or multiply per
-source element (numel(src) FLOPs), no JVP or transpose rule (a model using them is analysed
-with its JVP and backward cut there, and the gap reported).
+source element (numel(src) FLOPs). ``amax``/``amin`` with ``include_self=True`` have PyTorch's
+JVP (``scatter_reduce_jvp``: the tangents of the elements equal to the result, averaged over
+ties), built from ``eq``, ``scatter_add``, multiplies and a divide, whose transposes give the
+backward; ``prod`` and ``include_self=False`` refuse (a model using them is analysed with its
+JVP and backward cut there, and the gap reported).
 """
 
 from __future__ import annotations
@@ -22,8 +25,14 @@ from __future__ import annotations
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import free, numel, shape
-from graphflop.ops.registry import def_jvp, def_transpose, register, register_decomposition
+from graphflop.ops._common import dtype, free, numel, shape
+from graphflop.ops.registry import (
+    MissingRuleError,
+    def_jvp,
+    def_transpose,
+    register,
+    register_decomposition,
+)
 
 aten = torch.ops.aten
 F = "shape"  # the family: listed with gather and scatter_add in docs/op_coverage.md
@@ -92,3 +101,24 @@ def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
     start = aten.full_like.default(x, 1.0 if include_self else 0.0)
     count = aten.scatter_add.default(start, dim, index, aten.full_like.default(src, 1.0))
     return aten.div.Tensor(total, aten.clamp.default(count, 1.0))
+
+
+@def_jvp(aten.scatter_reduce.two)
+def _jvp_scatter_reduce(b, out, args, tangents, kwargs):
+    """amax/amin, include_self: (Σ of the tangents of self and src elements equal to the
+    result) / (their count), per output position."""
+    x, dim, index, src, reduce = args[:5]
+    include_self = args[5] if len(args) > 5 else kwargs.get("include_self", True)
+    if reduce not in ("amax", "amin") or not include_self:
+        raise MissingRuleError(aten.scatter_reduce.two, ("jvp",))
+    tx, tsrc = tangents[0], tangents[3]
+    if tx is None and tsrc is None:
+        return None
+    dt = dtype(x)
+    mx = b.call(aten._to_copy.default, b.call(aten.eq.Tensor, x, out), dtype=dt)
+    value = b.call(aten.gather.default, out, dim, index)
+    msrc = b.call(aten._to_copy.default, b.call(aten.eq.Tensor, src, value), dtype=dt)
+    count = b.call(aten.scatter_add.default, mx, dim, index, msrc)
+    tx = b.zeros(shape(x), x) if tx is None else b.call(aten.mul.Tensor, tx, mx)
+    tsrc = b.zeros(shape(src), src) if tsrc is None else b.call(aten.mul.Tensor, tsrc, msrc)
+    return b.call(aten.div.Tensor, b.call(aten.scatter_add.default, tx, dim, index, tsrc), count)

@@ -320,4 +320,16 @@ SOLVE_ADDBMM = [
         aten=("aten._linalg_solve_ex.default", "aten.linalg_lu_solve.default"),
         xfail={"onnx": _NO_ONNX_SOLVE},
     ),
+    OpCase(
+        "linalg_solve_vector",
+        module_of(
+            lambda s, a, rhs: torch.linalg.solve(a + s.d, rhs) * s.r,
+            buffers={"d": lambda: 6.0 * torch.eye(4), "r": (4,)},
+        ),
+        ((4, 4), (4,)),
+        # add 16; LU ⌊2·4³/3⌋ = 42, substitutions 2·4²·1 = 32; readout 4
+        flops=16 + 42 + 32 + 4,
+        aten=("aten._linalg_solve_ex.default", "aten.linalg_lu_solve.default"),
+        xfail={"onnx": _NO_ONNX_SOLVE},
+    ),
 ]

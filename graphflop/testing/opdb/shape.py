@@ -417,4 +417,15 @@ SCATTER = [
         flops=24 + 36 + 36 + 24 + 24 + 24,
         aten=("aten.scatter_add.default", "aten.scatter.value", "aten.div.Tensor"),
     ),
+    OpCase(
+        "scatter_reduce_amax",
+        module_of(
+            lambda s, x: torch.scatter_reduce(x * s.w, 2, s.idx, s.v, "amax") * s.r,
+            {"w": W, "v": (2, 3, 6)},
+            {"idx": _reduce_index, "r": X},
+        ),
+        (X,),
+        flops=24 + 36 + 24,  # mul; one comparison per source element; readout
+        aten=("aten.scatter_reduce.two", "aten.scatter_add.default", "aten.eq.Tensor"),
+    ),
 ]
