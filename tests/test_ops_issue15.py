@@ -45,3 +45,43 @@ def test_grouped_mm_cost_by_hand(three_d, x_shape, flops):
     (gap,) = a.report.uncounted
     assert gap.op == "aten._grouped_mm.default" and "cost" not in gap.missing
     assert not a.report.totals.backward.complete
+
+
+def test_addbmm_counts_one_product_by_hand():
+    """FlopCounterMode counts 0 for torch.addbmm (no formula), so the op database's FLOPs check
+    of the ``addbmm`` case is an xfail; the hand figure is checked here. x (2,3,4), w (2,4,5):
+    one (3×8)·(8×5) product 2·3·8·5 = 240 (all matrix FLOPs); alpha· 15, beta·b 15, add 15."""
+
+    class AddBmm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = nn.Parameter(torch.randn(3, 5))
+            self.w = nn.Parameter(torch.randn(2, 4, 5))
+
+        def forward(self, x):
+            return torch.addbmm(self.b, x, self.w, beta=0.5, alpha=2.0)
+
+    a = graphflop.analyze(AddBmm(), (torch.randn(2, 3, 4),), loss="none", jvp=False)
+    fwd = a.report.totals.forward
+    assert (fwd.flops, fwd.mm_flops) == (240 + 15 + 15 + 15, 240)
+
+
+def test_linalg_solve_analyses_end_to_end():
+    """torch.linalg.solve through analyze (its error-check node left out of the trace): A 4×4
+    (a parameter + 6·I), B (4, 3): add 16; LU ⌊2·4³/3⌋ = 42; substitutions 2·4²·3 = 96. Every
+    phase complete, no gap; the backward's solves reuse the LU (linalg_lu_solve)."""
+
+    class Solve(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, rhs):
+            return torch.linalg.solve(self.a + 6.0 * torch.eye(4), rhs)
+
+    a = graphflop.analyze(Solve(), (torch.randn(4, 3),), loss="sum")
+    r = a.report
+    solve = [x for x in r.ops if x.phase == "forward" and x.op == "aten._linalg_solve_ex.default"]
+    assert [(x.flops, x.mm_flops) for x in solve] == [(42 + 96, 0)]
+    assert not r.uncounted
+    assert r.totals.forward.complete and r.totals.backward.complete and r.totals.jvp.complete

@@ -64,6 +64,11 @@ FAMILIES = [
     "embedding_bag_per_sample_weights",
     "avgpool3d_overlap_exclude_pad",
     "fft2_imag",
+    "scatter_src",
+    "scatter_reduce_mean_exclude_self",
+    "scatter_reduce_amax",
+    "clamp_tensor_bounds",
+    "addbmm",
 ]
 SELECTED = COVER + [n for n in FAMILIES if n not in COVER]
 

@@ -18,6 +18,7 @@ from graphflop.ops import (  # noqa: F401  (imported for their registrations)
     pool,
     recurrent,
     reduction,
+    scatter,
     shape,
     sorting,
     spectral,

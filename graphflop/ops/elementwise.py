@@ -445,6 +445,36 @@ def _jvp_clamp(b, out, args, tangents, kwargs):
     return _clamp_tangent(b, tangents[0], args[0], lo, hi)
 
 
+register(aten.clamp.Tensor, F, _one)
+
+
+@def_jvp(aten.clamp.Tensor)
+def _jvp_clamp_tensor(b, out, args, tangents, kwargs):
+    """``clamp(x, lo, hi)`` with tensor bounds (either may be None): dx where lo ≤ x ≤ hi,
+    dlo where x < lo, dhi where x > hi (PyTorch's ``clamp_jvp``; bounds with lo > hi, where
+    PyTorch returns hi, are not special-cased)."""
+    x = args[0]
+    lo, hi = _clamp_bounds(args, kwargs)
+    tx, tlo, thi = (list(tangents) + [None, None])[:3]
+    parts = []
+    if tx is not None:
+        mask = None
+        if lo is not None:
+            mask = b.call(aten.ge.Tensor, x, lo)
+        if hi is not None:
+            upper = b.call(aten.le.Tensor, x, hi)
+            mask = upper if mask is None else b.call(aten.logical_and.default, mask, upper)
+        parts.append(tx if mask is None else _scale(b, tx, mask))
+    if tlo is not None:
+        parts.append(_scale(b, tlo, b.call(aten.lt.Tensor, x, lo)))
+    if thi is not None:
+        parts.append(_scale(b, thi, b.call(aten.gt.Tensor, x, hi)))
+    t = None
+    for p in parts:
+        t = b.add(t, p)
+    return _fit(b, t, out)
+
+
 @def_jvp(aten.pow.Tensor_Tensor)
 def _jvp_pow_tensor(b, out, args, tangents, kwargs):
     """d(xʸ) = dx · y·x^(y−1) + dy · xʸ·log x."""

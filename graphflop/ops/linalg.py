@@ -1,16 +1,20 @@
 """Matrix products: ``mm``, ``bmm``, ``addmm``, ``_grouped_mm`` (cost only). 2 FLOPs per multiply-add, all in ``mm_flops``;
 ``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (FLOPS.md). ``mv`` and ``dot`` are
-traced as ``mm`` (decompositions at the end)."""
+traced as ``mm``, ``addbmm`` as one ``mm`` over the batch folded into K (decompositions at the
+end). Linear solves: ``_linalg_solve_ex`` (``torch.linalg.solve``) and ``linalg_lu_solve``, by
+the LU convention of docs/flops_conventions.md, outside ``mm_flops``."""
 
 from __future__ import annotations
 
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import shape
+from graphflop.ops._common import numel, shape
 from graphflop.ops.registry import (
+    MissingRuleError,
     def_bilinear,
     def_jvp,
+    def_transpose,
     register,
     register_decomposition,
     update,
@@ -119,3 +123,101 @@ def _dot(a, v):
     """(K)·(K) as a (1×K)·(K×1) matrix product."""
     prod = aten.mm.default(aten.unsqueeze.default(a, 0), aten.unsqueeze.default(v, 1))
     return aten.squeeze.dims(prod, [0, 1])
+
+
+@register_decomposition(aten.addbmm.default)
+def _addbmm(bias, x, y, *, beta=1, alpha=1):
+    """``beta·bias + alpha·Σ_b x[b]·y[b]`` for x (B×M×K), y (B×K×N): the sum over the batch is
+    part of the contraction, one (M×B·K)·(B·K×N) product (2·B·M·K·N, PyTorch accumulates the
+    batch in place the same way); the scalings and the add 1 FLOP per element, as ``baddbmm``."""
+    bsz, m, k = x.shape
+    n = y.shape[2]
+    a = aten.reshape.default(aten.permute.default(x, [1, 0, 2]), [m, bsz * k])
+    prod = aten.mm.default(a, aten.reshape.default(y, [bsz * k, n]))
+    if alpha != 1:
+        prod = aten.mul.Tensor(prod, alpha)
+    if beta == 0:
+        return prod
+    if beta != 1:
+        bias = aten.mul.Tensor(bias, beta)
+    return aten.add.Tensor(bias, prod)
+
+
+# --- linear solves -------------------------------------------------------------------------------
+
+
+def solve_flops(n: int, k: int, batch: int = 1) -> int:
+    """FLOPs of solving A·X = B, A (n×n), B (n×k), ``batch`` times: an LU factorisation,
+    ⌊2·n³/3⌋, and a forward and a back substitution per right-hand side, 2·n²·k (Golub & Van
+    Loan, *Matrix Computations*, 4th ed., §3.1-3.2; docs/flops_conventions.md)."""
+    return batch * (2 * n**3 // 3 + 2 * n * n * k)
+
+
+def _solve_cost(out, a, rhs, *args, **kwargs) -> NodeCost:
+    """``_linalg_solve_ex(A, B, left=True)``: one LU per matrix of A's batch, the substitutions
+    for every column of the result (``left=False`` solves for rows: the same count)."""
+    n = a.shape[-1]
+    lu = numel(a) // (n * n) * (2 * n**3 // 3)
+    return NodeCost(flops=lu + 2 * n * numel(out[0]))
+
+
+def _lu_solve_cost(out, lu, pivots, rhs, *args, **kwargs) -> NodeCost:
+    """``linalg_lu_solve(LU, pivots, B)``: the substitutions only, 2·n² per column."""
+    return NodeCost(flops=2 * lu.shape[-1] * numel(out))
+
+
+register(aten._linalg_solve_ex.default, F, _solve_cost)
+register(aten.linalg_lu_solve.default, F, _lu_solve_cost)
+
+
+@register_decomposition(aten._linalg_check_errors.default)
+def _no_error_check(info, api_name, *, is_matrix):
+    """The error check after a solve (it reads ``info``, returns nothing) is left out of the
+    trace: its node would carry no value, and tracing runs on fake tensors, with no values to
+    check."""
+    return None
+
+
+def _matmul(b, x, y):
+    """x·y for 2-D or equally batched 3-D operands."""
+    return b.call(aten.mm.default if len(shape(x)) == 2 else aten.bmm.default, x, y)
+
+
+@def_jvp(aten._linalg_solve_ex.default)
+def _jvp_solve(b, out, args, tangents, kwargs):
+    """X = A⁻¹B: dX = A⁻¹(dB − dA·X) (PyTorch's ``linalg_solve_jvp``), solved with the
+    primal's LU factors (``linalg_lu_solve``, no second factorisation). The LU, pivots and
+    info outputs get no tangent (``torch.linalg.solve`` returns X only). ``left=True``, A 2-D
+    or 3-D, B of A's rank (matrix right-hand sides) or one less (a vector); other forms refuse
+    (``MissingRuleError``: the JVP and backward are cut there and the gap reported)."""
+    a, rhs = args[0], args[1]
+    ta, tb = tangents[0], tangents[1]
+    left = args[2] if len(args) > 2 else kwargs.get("left", True)
+    ra, rb = len(shape(a)), len(shape(rhs))
+    if not left or ra not in (2, 3) or rb not in (ra, ra - 1):
+        raise MissingRuleError(aten._linalg_solve_ex.default, ("jvp",))
+    vector = rb == ra - 1
+    x = b.getitem(out, 0)
+    if vector:  # solve for one column: (…, n) -> (…, n, 1)
+        x = b.call(aten.unsqueeze.default, x, -1)
+        tb = None if tb is None else b.call(aten.unsqueeze.default, tb, -1)
+    r = tb
+    if ta is not None:
+        prod = _matmul(b, ta, x)
+        r = b.sub(r, prod) if r is not None else b.call(aten.neg.default, prod)
+    if r is None:
+        return (None, None, None, None)
+    dx = b.call(aten.linalg_lu_solve.default, b.getitem(out, 1), b.getitem(out, 2), r)
+    if vector:
+        dx = b.call(aten.squeeze.dims, dx, [-1])
+    return (dx, None, None, None)
+
+
+@def_transpose(aten.linalg_lu_solve.default)
+def _transpose_lu_solve(b, ct, args, kwargs, linear):
+    """Linear in B: B̄ = A⁻ᵀ·ct, the adjoint solve with the same factors."""
+    lu, pivots = args[0], args[1]
+    adjoint = kwargs.get("adjoint", False)
+    rest = [None] * (len(args) - 2)
+    ct_b = b.call(aten.linalg_lu_solve.default, lu, pivots, ct, adjoint=not adjoint)
+    return [None, None, ct_b] + rest[1:]

@@ -46,13 +46,19 @@ from graphflop.testing.opdb.core import (
     pos,
     randomized,
 )
-from graphflop.testing.opdb.elementwise import BINARY, UNARY, UNARY_MORE
+from graphflop.testing.opdb.elementwise import BINARY, CLAMP_TENSOR, MASK_CLAMP, UNARY, UNARY_MORE
 from graphflop.testing.opdb.embedding import EMBEDDING_BAG
-from graphflop.testing.opdb.linalg import ATTENTION, LINALG, LINALG_MORE
+from graphflop.testing.opdb.linalg import ATTENTION, EINSUM_MORE, LINALG, LINALG_MORE, SOLVE_ADDBMM
 from graphflop.testing.opdb.models import GAPS, MODELS
 from graphflop.testing.opdb.pool import POOL, POOL_MORE
-from graphflop.testing.opdb.reduction import NORM_LOSS, NORM_MORE, REDUCTION, REDUCTION_MORE
-from graphflop.testing.opdb.shape import SHAPE, SHAPE_MORE
+from graphflop.testing.opdb.reduction import (
+    NORM_LOSS,
+    NORM_MORE,
+    REDUCTION,
+    REDUCTION_MORE,
+    VECTOR_NORM_MORE,
+)
+from graphflop.testing.opdb.shape import INDEX_MORE, SCATTER, SHAPE, SHAPE_MORE
 from graphflop.testing.opdb.sorting import SORTING
 from graphflop.testing.opdb.spectral import SPECTRAL
 
@@ -78,6 +84,13 @@ OP_DB: list[OpCase] = (
     + SORTING
     + EMBEDDING_BAG
     + SPECTRAL
+    + MASK_CLAMP
+    + INDEX_MORE
+    + VECTOR_NORM_MORE
+    + EINSUM_MORE
+    + SCATTER
+    + CLAMP_TENSOR
+    + SOLVE_ADDBMM
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
@@ -86,15 +99,19 @@ __all__ = [
     "ATTENTION",
     "BINARY",
     "CHECKS",
+    "CLAMP_TENSOR",
     "CONV",
     "CONV_MORE",
+    "EINSUM_MORE",
     "EMBEDDING_BAG",
     "Fn",
     "GAPS",
     "GRAPH_CHECKS",
+    "INDEX_MORE",
     "InputSpec",
     "LINALG",
     "LINALG_MORE",
+    "MASK_CLAMP",
     "MODELS",
     "NORM_LOSS",
     "NORM_MORE",
@@ -105,12 +122,15 @@ __all__ = [
     "REDUCTION",
     "REDUCTION_MORE",
     "Readout",
+    "SCATTER",
     "SHAPE",
     "SHAPE_MORE",
+    "SOLVE_ADDBMM",
     "SORTING",
     "SPECTRAL",
     "UNARY",
     "UNARY_MORE",
+    "VECTOR_NORM_MORE",
     "W",
     "X",
     "aten",

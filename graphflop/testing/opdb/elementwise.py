@@ -323,3 +323,59 @@ UNARY_MORE = [
         aten=("aten.isnan.default", "aten.where.self", "aten.eq.Scalar"),
     ),
 ]
+
+# ---------------------------------------------------------------------------------------------
+# issue 15's audit: masked_fill (traced as where), clamp with both bounds, hardtanh (a clamp),
+# clamp with tensor bounds
+# ---------------------------------------------------------------------------------------------
+MASK_CLAMP = [
+    OpCase(
+        "masked_fill_scalar",
+        module_of(
+            lambda s, x: (x * s.w).masked_fill(s.m > 0, -1.0) * s.r, {"w": W}, {"m": X, "r": X}
+        ),
+        (X,),
+        flops=24 * 4,  # mul; m > 0; where (the fill value a 0-FLOP scalar_tensor); readout
+        aten=("aten.where.self", "aten.scalar_tensor.default", "aten.gt.Scalar"),
+    ),
+    OpCase(
+        "masked_fill_tensor",
+        module_of(
+            lambda s, x: (x * s.w).masked_fill(s.m > 0, s.v) * s.r,
+            {"w": W, "v": ()},
+            {"m": X, "r": X},
+        ),
+        (X,),
+        flops=24 * 4,  # mul; m > 0; where (v broadcast); readout
+        aten=("aten.where.self",),
+    ),
+    OpCase(
+        "clamp_both",
+        module_of(lambda s, x: torch.clamp(x * s.w, -0.5, 0.5) * s.r, {"w": W}, {"r": X}),
+        (X,),
+        flops=24 * 3,  # mul; clamp 1 per element; readout
+        aten=("aten.clamp.default", "aten.logical_and.default"),
+    ),
+    OpCase(
+        "hardtanh",
+        module_of(lambda s, x: F.hardtanh(x * s.w, -0.5, 0.7) * s.r, {"w": W}, {"r": X}),
+        (X,),
+        flops=24 * 3,  # mul; hardtanh traced as clamp, 1 per element; readout
+        aten=("aten.clamp.default",),
+    ),
+]
+
+CLAMP_TENSOR = [
+    OpCase(
+        "clamp_tensor_bounds",
+        module_of(
+            lambda s, x: torch.clamp(x * s.w, s.lo, s.lo + s.gap) * s.r,
+            {"w": W, "lo": (4,), "gap": pos(3, 1)},
+            {"r": X},
+        ),
+        (X,),
+        # mul 24; lo + gap broadcast to (3,4): 12; clamp 1 per output element 24; readout 24
+        flops=24 + 12 + 24 + 24,
+        aten=("aten.clamp.Tensor", "aten.lt.Tensor", "aten.gt.Tensor"),
+    ),
+]

@@ -228,3 +228,108 @@ ATTENTION = [
         aten=("aten.addmm.default", "aten.bmm.default"),
     ),
 ]
+
+# ---------------------------------------------------------------------------------------------
+# issue 15's audit: einsum paths (outer and bilinear products as broadcast multiplies, a
+# contraction over two axes needing permutes, a three-operand bilinear form), addbmm
+# ---------------------------------------------------------------------------------------------
+EINSUM_MORE = [
+    OpCase(
+        "einsum_outer",
+        module_of(lambda s, x: torch.einsum("i,j->ij", x, s.w) * s.r, {"w": (4,)}, {"r": (3, 4)}),
+        ((3,),),
+        flops=12 + 12,  # broadcast mul (3,1)*(1,4): 12; readout 12
+        aten=("aten.mul.Tensor", "aten.unsqueeze.default"),
+    ),
+    OpCase(
+        "einsum_batched_outer",
+        module_of(
+            lambda s, x: torch.einsum("bi,bj->bij", x, s.w) * s.r, {"w": (2, 4)}, {"r": (2, 3, 4)}
+        ),
+        ((2, 3),),
+        flops=24 + 24,  # broadcast mul to (2,3,4): 24; readout 24
+        aten=("aten.mul.Tensor", "aten.unsqueeze.default"),
+    ),
+    OpCase(
+        "einsum_two_axes",
+        module_of(
+            lambda s, x: torch.einsum("ijk,kjl->li", x, s.w) * s.r, {"w": (4, 3, 5)}, {"r": (5, 2)}
+        ),
+        (X,),
+        # j and k contracted: one product (2×12)·(12×5) as bmm: 2·2·12·5 = 240; readout 10
+        flops=240 + 10,
+        aten=("aten.bmm.default", "aten.permute.default"),
+    ),
+    OpCase(
+        "einsum_bilinear_form",
+        module_of(
+            lambda s, x, y: torch.einsum("bi,ij,bj->b", x, s.w, y) * s.r, {"w": (3, 4)}, {"r": (2,)}
+        ),
+        ((2, 3), (2, 4)),
+        # x·W: bmm 2·2·3·4 = 48; then per b (1×4)·(4×1): bmm 2·2·4 = 16; readout 2
+        flops=48 + 16 + 2,
+        aten=("aten.bmm.default",),
+    ),
+]
+
+_NO_ADDBMM_FORMULA = (
+    "FlopCounterMode counts 0 for torch.addbmm (it has no formula for aten.addbmm); graphflop "
+    "decomposes it to one mm and counts 2*B*M*K*N: tests/test_ops_issue15.py checks it"
+)
+
+_NO_ONNX_SOLVE = (
+    "ONNX has no linear solve: the exporter has no function for aten.linalg_lu_solve (the "
+    "JVP's and backward's solves with the forward's LU factors)"
+)
+
+SOLVE_ADDBMM = [
+    OpCase(
+        "addbmm",
+        module_of(
+            lambda s, x: torch.addbmm(s.b, x, s.w, beta=0.5, alpha=2.0) * s.r,
+            {"b": (3, 5), "w": (2, 4, 5)},
+            {"r": (3, 5)},
+        ),
+        (X,),
+        # mm (3×8)(8×5): 2·3·8·5 = 240; alpha·: 15; beta·b: 15; add 15; readout 15
+        flops=240 + 15 + 15 + 15 + 15,
+        aten=("aten.mm.default", "aten.permute.default"),
+        xfail={"flops": _NO_ADDBMM_FORMULA},
+    ),
+    OpCase(
+        "linalg_solve",
+        module_of(
+            lambda s, a, rhs: torch.linalg.solve(a + s.d, rhs) * s.r,
+            buffers={"d": lambda: 6.0 * torch.eye(4), "r": (4, 3)},
+        ),
+        ((4, 4), (4, 3)),
+        # add 16; LU ⌊2·4³/3⌋ = 42, substitutions 2·4²·3 = 96; readout 12
+        flops=16 + 42 + 96 + 12,
+        aten=("aten._linalg_solve_ex.default", "aten.linalg_lu_solve.default"),
+        xfail={"onnx": _NO_ONNX_SOLVE},
+    ),
+    OpCase(
+        "linalg_solve_batched",
+        module_of(
+            lambda s, a, rhs: torch.linalg.solve(a + s.d, rhs) * s.r,
+            buffers={"d": lambda: 6.0 * torch.eye(3), "r": (2, 3, 2)},
+        ),
+        ((2, 3, 3), (2, 3, 2)),
+        # add 18; LU 2·⌊2·3³/3⌋ = 36, substitutions 2·(2·3²·2) = 72; readout 12
+        flops=18 + 36 + 72 + 12,
+        aten=("aten._linalg_solve_ex.default", "aten.linalg_lu_solve.default"),
+        xfail={"onnx": _NO_ONNX_SOLVE},
+    ),
+    OpCase(
+        "linalg_solve_vector",
+        module_of(
+            lambda s, a, rhs: torch.linalg.solve(a + s.d, rhs) * s.r,
+            buffers={"d": lambda: 6.0 * torch.eye(4), "r": (4,)},
+        ),
+        ((4, 4), (4,)),
+        # add 16; LU ⌊2·4³/3⌋ = 42, substitutions 2·4²·1 = 32; readout 4
+        flops=16 + 42 + 32 + 4,
+        aten=("aten._linalg_solve_ex.default", "aten.linalg_lu_solve.default"),
+        xfail={"onnx": _NO_ONNX_SOLVE},
+    ),
+]

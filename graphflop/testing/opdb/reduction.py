@@ -280,3 +280,43 @@ NORM_MORE = [
         aten=("aten.var_mean.correction",),
     ),
 ]
+
+# ---------------------------------------------------------------------------------------------
+# issue 15's audit: vector norms of order 1, inf, and 2 over a tuple of dims
+# ---------------------------------------------------------------------------------------------
+VECTOR_NORM_MORE = [
+    OpCase(
+        "vector_norm_ord1",
+        module_of(
+            lambda s, x: torch.linalg.vector_norm(x * s.w, 1, dim=-1) * s.r,
+            {"w": W},
+            {"r": (2, 3)},
+        ),
+        (X,),
+        # mul 24; abs 24; ** 1: 24; sum 24; ** 1: 6; readout 6
+        flops=24 + 24 + 24 + 24 + 6 + 6,
+        aten=("aten.abs.default", "aten.sum.dim_IntList"),
+    ),
+    OpCase(
+        "vector_norm_inf",
+        module_of(
+            lambda s, x: torch.linalg.vector_norm(x * s.w, float("inf"), dim=-1) * s.r,
+            {"w": W},
+            {"r": (2, 3)},
+        ),
+        (X,),
+        flops=24 + 24 + 24 + 6,  # mul; abs; amax 1 per input; readout
+        aten=("aten.abs.default", "aten.amax.default"),
+    ),
+    OpCase(
+        "vector_norm_dims",
+        module_of(
+            lambda s, x: torch.linalg.vector_norm(x * s.w, 2, dim=(0, 2)) * s.r,
+            {"w": W},
+            {"r": (3,)},
+        ),
+        (X,),
+        flops=24 + 24 + 24 + 3 + 3,  # mul; x ** 2; sum; ** 0.5 on 3; readout
+        aten=("aten.pow.Tensor_Scalar", "aten.sum.dim_IntList"),
+    ),
+]

@@ -324,3 +324,108 @@ SHAPE_MORE = [
         aten=("aten.index.Tensor", "aten.clamp.default"),
     ),
 ]
+
+# ---------------------------------------------------------------------------------------------
+# issue 15's audit: index_add and index_copy (both traced as index_put)
+# ---------------------------------------------------------------------------------------------
+INDEX_MORE = [
+    OpCase(
+        "index_add_alpha",
+        module_of(
+            lambda s, x: (x * s.w).index_add(1, s.idx, s.v, alpha=2.0) * s.r,
+            {"w": W, "v": (2, 3, 4)},
+            {"idx": lambda: torch.tensor([2, 0, 2]), "r": X},
+        ),
+        (X,),
+        # mul 24; alpha·v 24; index_put(accumulate) adds 24 elements (row 2 twice); readout 24
+        flops=24 + 24 + 24 + 24,
+        aten=("aten.index_put.default",),
+    ),
+    OpCase(
+        "index_copy",
+        module_of(
+            lambda s, x: (x * s.w).index_copy(1, s.idx, s.v) * s.r,
+            {"w": W, "v": (2, 2, 4)},
+            {"idx": lambda: torch.tensor([2, 0]), "r": X},
+        ),
+        (X,),
+        flops=24 + 24,  # mul; the copy costs 0; readout
+        aten=("aten.index_put.default",),
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------
+# issue 15's audit: scatter.src, scatter.value, scatter_reduce (graphflop/ops/scatter.py);
+# indices unique along the scattered dim (repeated writes are unspecified in PyTorch)
+# ---------------------------------------------------------------------------------------------
+
+
+def _perm_index() -> torch.Tensor:
+    return torch.tensor([[[0, 2, 3, 1]], [[3, 1, 0, 2]]]).expand(2, 3, 4).clone()[:, :, :2]
+
+
+def _reduce_index() -> torch.Tensor:
+    return torch.tensor([[[0, 2, 0, 1, 2, 0]]]).expand(2, 3, 6).clone()
+
+
+SCATTER = [
+    OpCase(
+        "scatter_src",
+        module_of(
+            lambda s, x: torch.scatter(x * s.w, 2, s.idx, s.v) * s.r,
+            {"w": W, "v": (2, 3, 2)},
+            {"idx": _perm_index, "r": X},
+        ),
+        (X,),
+        flops=24 + 24,  # mul; the scatter copies (0); readout
+        aten=("aten.scatter.src", "aten.scatter.value", "aten.gather.default"),
+    ),
+    OpCase(
+        "scatter_value",
+        module_of(
+            lambda s, x: torch.scatter(x * s.w, 2, s.idx, 1.5) * s.r,
+            {"w": W},
+            {"idx": _perm_index, "r": X},
+        ),
+        (X,),
+        flops=24 + 24,  # mul; the scatter copies (0); readout
+        aten=("aten.scatter.value",),
+    ),
+    OpCase(
+        "scatter_reduce_sum",
+        module_of(
+            lambda s, x: torch.scatter_reduce(x * s.w, 2, s.idx, s.v, "sum") * s.r,
+            {"w": W, "v": (2, 3, 6)},
+            {"idx": _reduce_index, "r": X},
+        ),
+        (X,),
+        flops=24 + 36 + 24,  # mul; scatter_add of 36 source elements; readout
+        aten=("aten.scatter_add.default",),
+    ),
+    OpCase(
+        "scatter_reduce_mean_exclude_self",
+        module_of(
+            lambda s, x: (
+                torch.scatter_reduce(x * s.w, 2, s.idx, s.v, "mean", include_self=False) * s.r
+            ),
+            {"w": W, "v": (2, 3, 6)},
+            {"idx": _reduce_index, "r": X},
+        ),
+        (X,),
+        # mul 24; hit positions zeroed (0); sums 36; counts: 36 adds of ones; clamp 24; div 24;
+        # readout 24
+        flops=24 + 36 + 36 + 24 + 24 + 24,
+        aten=("aten.scatter_add.default", "aten.scatter.value", "aten.div.Tensor"),
+    ),
+    OpCase(
+        "scatter_reduce_amax",
+        module_of(
+            lambda s, x: torch.scatter_reduce(x * s.w, 2, s.idx, s.v, "amax") * s.r,
+            {"w": W, "v": (2, 3, 6)},
+            {"idx": _reduce_index, "r": X},
+        ),
+        (X,),
+        flops=24 + 36 + 24,  # mul; one comparison per source element; readout
+        aten=("aten.scatter_reduce.two", "aten.scatter_add.default", "aten.eq.Tensor"),
+    ),
+]
