@@ -111,6 +111,7 @@ def build_activity_gradient_step(
         update if update is not None else build_update_for(forward, optimizer, fake_mode=fake_mode)
     )
     layers = _find_layers(forward, sig)
+    _check_batch_leading(forward, sig, layers)
     pf = _perturbed_forward(forward, sig, layers, fake_mode)
     jvp = build_jvp(pf, "params")
     return _step(forward, sig, jvp, upd, layers, fake_mode, directions, direction_inputs)
@@ -212,6 +213,20 @@ def _perturbed_forward(
     pf.meta.update(forward.meta)
     pf.meta[SIGNATURE] = new_sig
     return pf
+
+
+def _check_batch_leading(forward: GraphModule, sig: Signature, layers: list[_Layer]) -> None:
+    """Per-example activity gradients need every perturbed layer's output to lead with the batch
+    (a layer applied to flattened rows, e.g. attention's in-projection on (B·T, d), does not)."""
+    batch = _batch(forward, sig)
+    nodes = {n.name: n for n in forward.graph.nodes}
+    for layer in layers:
+        shape = nodes[layer.out].meta["val"].shape
+        if not shape or shape[0] != batch:
+            raise NotPerturbable(
+                f"activity perturbation: layer {layer.op}'s output {tuple(shape)} does not "
+                f"lead with the batch ({batch})"
+            )
 
 
 def _batch(forward: GraphModule, sig: Signature) -> int:
