@@ -85,6 +85,7 @@ def test_saved_bytes_equal_a_compiled_run() -> None:
     assert cm.min_cut.saved_bytes == _measured_compiled_saved(model, (x,), "cross_entropy", t)
 
 
+@pytest.mark.slow  # a subprocess CLI run: 10 s
 def test_analyze_and_cli_name_the_execution(tmp_path) -> None:
     torch.manual_seed(0)
     model = _Chain()

@@ -71,8 +71,10 @@ def _feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize(
     "model,x",
-    [(MLP(), torch.randn(64, 32)), (CNN(), torch.randn(16, 3, 8, 8))],
-    ids=["mlp", "cnn"],
+    [
+        pytest.param(MLP(), torch.randn(64, 32), id="mlp"),
+        pytest.param(CNN(), torch.randn(16, 3, 8, 8), id="cnn", marks=pytest.mark.slow),
+    ],
 )
 def test_predicted_peak_of_ort_order_within_10_percent(tmp_path, model, x):
     a = analyze(model, (x,), loss="cross_entropy")

@@ -19,6 +19,9 @@ from graphflop.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# each test launches torchrun with two processes (20-30 s): run in CI with -m slow
+pytestmark = pytest.mark.slow
+
 
 def _torchrun(tmp_path: Path, argv: list[str]) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
