@@ -78,6 +78,7 @@ class LinearBatchNorm(nn.Module):
         return self.out(torch.relu(self.bn(self.fc(x))))
 
 
+@pytest.mark.slow  # 10 s
 def test_batchnorm_model_benches_on_every_runtime(tmp_path):
     model = LinearBatchNorm().train()
     x = torch.randn(4, 6)

@@ -515,6 +515,7 @@ def _library(spec_: str):
         raise
 
 
+@pytest.mark.slow  # 10 s
 def test_torchvision_resnet50_matches_models_resnet50():
     from conftest import spec
 

@@ -39,7 +39,17 @@ def _setup(name, batch, optimizer="sgd", ctor=None):
     return real, a
 
 
-@pytest.mark.parametrize("name,batch", ZOO, ids=[z[0] for z in ZOO])
+#: exported in the default suite; the others run with -m slow (CI) to keep it under budget
+_DEFAULT_EXPORTS = {"convnet.py", "mlp.py", "cnn.py", "linearnet.py"}
+
+
+@pytest.mark.parametrize(
+    "name,batch",
+    [
+        pytest.param(n, b, id=n, marks=() if n in _DEFAULT_EXPORTS else pytest.mark.slow)
+        for n, b in ZOO
+    ],
+)
 def test_export_runs_and_matches_pytorch(tmp_path, name, batch):
     ctor = {"in_features": 3 * 16 * 16} if name == "linearnet.py" else None
     if name == "deeper_convnet.py":
@@ -130,6 +140,7 @@ def test_manifest_flops_once_on_the_matrix_products(tmp_path):
         assert biggest_other <= 5 * 8 * 1024, kind  # elementwise work: a few FLOPs per value
 
 
+@pytest.mark.slow  # 15 s
 def test_forward_outputs_the_residuals_and_chains_into_backward(tmp_path):
     """forward.onnx with residuals, then backward.onnx on ONNX Runtime: the loss and the
     gradients of the train step (SGD: new = p − lr·grad) of the same graphs."""
@@ -163,6 +174,7 @@ def test_forward_outputs_the_residuals_and_chains_into_backward(tmp_path):
         assert rel_error(torch.from_numpy(grads[f"grad.{q}"]), step) < 1e-4, q
 
 
+@pytest.mark.slow  # 13 s
 def test_weight_gradient_convolutions_as_matrix_products(tmp_path):
     """The CNN's four weight-gradient convolutions as per-position matrix products: the same
     FLOPs (graphflop's train-step total), the same numbers as the original graph in PyTorch and

@@ -444,6 +444,7 @@ def _cli(*args):
     )
 
 
+@pytest.mark.slow  # 19 s
 def test_hf_bad_specs_are_one_line_exit_2(tmp_path):
     pytest.importorskip("transformers")
     r = _cli("hf:lama")
