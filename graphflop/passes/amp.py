@@ -40,7 +40,7 @@ from torch.fx import GraphModule, Node
 from graphflop.frontend.composite import EAGER_SAVES
 from graphflop.meta import COMPOSITE, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
 from graphflop.passes.eager_memory import eager_residuals
-from graphflop.passes.memory import Schedule
+from graphflop.passes.memory import Schedule, forward_storages
 
 __all__ = ["HALF", "AmpMemory", "amp_dtypes", "amp_memory"]
 
@@ -175,20 +175,6 @@ class AmpMemory:
         return d
 
 
-def _storages(forward: GraphModule, sizes: dict[str, int]) -> tuple[dict[str, str], dict]:
-    sig = forward.meta[SIGNATURE]
-    state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
-    sched = Schedule()
-    sched.add_graph(forward, "f", baseline=state, eager=True, sizes=sizes)
-    storage: dict[str, str] = {}
-    size: dict[str, int] = {}
-    for st in sched.steps:
-        storage[st.key] = storage.get(st.alias_of, st.key) if st.alias_of else st.key
-        if storage[st.key] == st.key:
-            size[st.key] = st.nbytes
-    return {k.split(":", 1)[1]: v for k, v in storage.items()}, size
-
-
 def _param_base(n: Node) -> Node:
     """The parameter placeholder a parameter-derived view comes from."""
     while n.op != "placeholder" and n.all_input_nodes:
@@ -253,10 +239,10 @@ class _Amp:
             if k in dts:
                 self.sizes[k] = v * dts[k].itemsize // 4
         self.up = _region_inputs_cast(forward, dts, device)
-        self.saved = _Saved(*_storages(forward, self.sizes))
+        self.saved = _Saved(*forward_storages(forward, self.sizes))
         self.plain: set[str] = set()
         self.savers: set[Node] = set()
-        base_storage, self.base_size = _storages(forward, self.eager.sizes)
+        base_storage, self.base_size = forward_storages(forward, self.eager.sizes)
         for p in backward.graph.nodes:
             if p.op == "placeholder" and p.meta.get(RESIDUAL) is not None:
                 self._placeholder(p, base_storage)

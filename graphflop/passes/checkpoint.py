@@ -44,7 +44,7 @@ from torch.fx import GraphModule, Node
 
 from graphflop.meta import COMPOSITE, COST, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
 from graphflop.passes.eager_memory import eager_residuals
-from graphflop.passes.memory import Schedule
+from graphflop.passes.memory import Schedule, forward_storages
 
 __all__ = [
     "EXECUTION",
@@ -146,22 +146,6 @@ def _regions(forward: GraphModule, match) -> dict[Node, str]:
     return out
 
 
-def _storages(forward: GraphModule, sizes: dict[str, int]) -> tuple[dict[str, str], dict]:
-    """(forward node name -> storage key, storage key -> bytes) as the eager model counts them;
-    parameters and buffers have no key."""
-    sig = forward.meta[SIGNATURE]
-    state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
-    sched = Schedule()
-    sched.add_graph(forward, "f", baseline=state, eager=True, sizes=sizes)
-    storage: dict[str, str] = {}
-    size: dict[str, int] = {}
-    for st in sched.steps:
-        storage[st.key] = storage.get(st.alias_of, st.key) if st.alias_of else st.key
-        if storage[st.key] == st.key:
-            size[st.key] = st.nbytes
-    return {k.split(":", 1)[1]: v for k, v in storage.items()}, size
-
-
 def _is_state(n: Node, state: set[str]) -> bool:
     return n.name in state or bool(n.meta.get(PARAM_DERIVED))
 
@@ -241,7 +225,7 @@ def checkpoint_memory(
             + (" ..." if len(paths) > 12 else "")
         )
     eager = eager_residuals(forward, backward, device)
-    storage, size = _storages(forward, eager.sizes)
+    storage, size = forward_storages(forward, eager.sizes)
     sig = forward.meta[SIGNATURE]
     state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
     cut = _cut(backward, eager, storage, region, {n.name: n for n in forward.graph.nodes})

@@ -241,6 +241,26 @@ def saved_for_backward_bytes(forward: GraphModule, backward: GraphModule) -> int
     return sum(saved_storages(forward, backward).values())
 
 
+def forward_storages(
+    forward: GraphModule, sizes: dict[str, int]
+) -> tuple[dict[str, str], dict[str, int]]:
+    """(forward node name -> storage key, storage key -> bytes) as the eager schedule counts
+    them (views share their base's key; ``sizes`` overrides node bytes as in
+    :meth:`Schedule.add_graph`); parameters and buffers have no key. Used by the
+    checkpoint and autocast what-ifs."""
+    sig = forward.meta[SIGNATURE]
+    state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
+    sched = Schedule()
+    sched.add_graph(forward, "f", baseline=state, eager=True, sizes=sizes)
+    storage: dict[str, str] = {}
+    size: dict[str, int] = {}
+    for st in sched.steps:
+        storage[st.key] = storage.get(st.alias_of, st.key) if st.alias_of else st.key
+        if storage[st.key] == st.key:
+            size[st.key] = st.nbytes
+    return {k.split(":", 1)[1]: v for k, v in storage.items()}, size
+
+
 def saved_storages(forward: GraphModule, backward: GraphModule) -> dict[str, int]:
     """The storages :func:`saved_for_backward_bytes` counts: owner node name -> bytes."""
     sched = forward_schedule(forward)
