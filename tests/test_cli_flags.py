@@ -93,6 +93,7 @@ SPECIAL = {
     "memory_device",
     "json",
     "csv",
+    "plot_memory",
     "verify",
     "verify_dtype",
     "verify_samples",
@@ -165,6 +166,14 @@ def _case_csv(capsys, tmp_path, default_doc, monkeypatch):
     rows = path.read_text().splitlines()
     # one row per layer of the document, plus the header
     assert rc == 0 and len(rows) == 1 + len(default_doc["layers"])
+
+
+def _case_plot_memory(capsys, tmp_path, default_doc, monkeypatch):
+    # a file-only flag: the picture is written and the document is the default one
+    path = tmp_path / "memory.png"
+    rc, doc, _, _ = cli_doc(capsys, "--plot-memory", str(path))
+    assert rc == 0 and doc == default_doc
+    assert path.read_bytes().startswith(b"\x89PNG")
 
 
 def _verify_doc(capsys, *flags):

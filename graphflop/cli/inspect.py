@@ -97,6 +97,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
     p.add_argument("--csv", metavar="PATH", help="write the per-layer table as CSV to PATH")
     p.add_argument(
+        "--plot-memory",
+        metavar="FILE",
+        help="draw live bytes (MiB) against step over the training step (forward, backward, "
+        "update; the forward alone without a backward) and the JVP, in the memory model of "
+        "this run (--memory-model eager or graph, --memory-device, --keep-grads; --checkpoint "
+        "and --amp peaks as dashed lines), each peak marked with the largest tensors live at "
+        "it; the curve's maximum is the reported train/jvp peak. FILE ends in .png, .svg or "
+        ".pdf",
+    )
+    p.add_argument(
         "--format",
         choices=["table", "json"],
         default="table",
@@ -201,6 +211,10 @@ def run(args: argparse.Namespace, err: Console) -> int:
         atomic_write(args.json, to_json(report, extra))
     if args.csv:
         atomic_write(args.csv, layers_csv(report))
+    if args.plot_memory:
+        from graphflop.export.memory_plot import plot_memory
+
+        plot_memory(analysis, args.plot_memory)
     if args.format == "json":
         print(to_json(report, extra))
     else:
@@ -243,6 +257,16 @@ def _check(args: argparse.Namespace) -> None:
         raise SpecError(f"bad --depth {args.depth}: must be at least 1")
     check_output_file(args.json, "--json")
     check_output_file(args.csv, "--csv")
+    if args.plot_memory:
+        from graphflop.export.memory_plot import PLOT_SUFFIXES
+
+        check_output_file(args.plot_memory, "--plot-memory", PLOT_SUFFIXES)
+        if args.memory_model == "compiled":
+            raise SpecError(
+                "--plot-memory draws the eager or graph memory model; --memory-model compiled "
+                "takes its train peak from torch.compile's partitioned graphs, which are not "
+                "kept: drop one of the two options"
+            )
     if args.checkpoint is not None:  # a malformed pattern: one line, exit 2, before any work
         from graphflop.passes.checkpoint import module_matcher
 

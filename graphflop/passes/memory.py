@@ -134,8 +134,9 @@ class Schedule:
         """A storage of ``nbytes`` allocated and freed at one step (a kernel's temporaries)."""
         self.steps.append(_Step(key, nbytes, None, []))
 
-    def peak(self) -> tuple[int, str]:
-        """(largest sum of live storage bytes, the step where it occurs)."""
+    def _lifetimes(self) -> tuple[dict[str, str], dict[str, int], dict[str, int]]:
+        """(step key -> the key of the storage it lives in, storage key -> bytes, storage key ->
+        index of the last step it is live at), with ``keep`` and ``ties`` applied."""
         storage: dict[str, str] = {}
         size: dict[str, int] = {}
         last: dict[str, int] = {}
@@ -158,18 +159,52 @@ class Schedule:
             t = max((last[st] for st in sts), default=0)
             for st in sts:
                 last[st] = t
+        return storage, size, last
+
+    def timeline(self) -> list[int]:
+        """Bytes live at each step, one entry per step in order: the storages allocated at or
+        before it and read at or after it (those ``keep`` holds to the end), plus the step's
+        own kernel temporaries. A storage is counted from the step that writes it through its
+        last reader (freed after that step runs). :meth:`peak` is the largest entry."""
+        storage, size, last = self._lifetimes()
         frees: dict[int, list[str]] = {}
         for st, i in last.items():
             frees.setdefault(i, []).append(st)
-        live, peak, where = 0, 0, ""
+        live = 0
+        out: list[int] = []
         for i, s in enumerate(self.steps):
             if storage[s.key] == s.key:
                 live += size[s.key]
-            if live + s.extra > peak:
-                peak, where = live + s.extra, s.key
+            out.append(live + s.extra)
             for st in frees.get(i, []):
                 live -= size.get(st, 0)
-        return peak, where
+        return out
+
+    def live_at(self, index: int) -> dict[str, int]:
+        """The storages live at step ``index`` (as :meth:`timeline` counts them): the key of
+        the step that allocated each -> its bytes (zero-byte storages left out). The step's
+        kernel temporaries are not storages: ``steps[index].extra``.
+
+        Raises:
+            IndexError: ``index`` is not a step of this schedule.
+        """
+        if not -len(self.steps) <= index < len(self.steps):
+            raise IndexError(f"step {index} of a schedule of {len(self.steps)} steps")
+        index %= len(self.steps)
+        storage, size, last = self._lifetimes()
+        first: dict[str, int] = {}
+        for i, s in enumerate(self.steps):
+            first.setdefault(storage[s.key], i)
+        return {st: nb for st, nb in size.items() if nb and first[st] <= index <= last.get(st, -1)}
+
+    def peak(self) -> tuple[int, str]:
+        """(largest sum of live storage bytes, the step where it first occurs; ``(0, "")``
+        for a schedule that holds nothing)."""
+        tl = self.timeline()
+        peak = max(tl, default=0)
+        if peak <= 0:
+            return 0, ""
+        return peak, self.steps[tl.index(peak)].key
 
 
 @dataclass(frozen=True)
