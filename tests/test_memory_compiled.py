@@ -114,3 +114,15 @@ def test_analyze_and_cli_name_the_execution(tmp_path) -> None:
     assert doc["memory_model"] == "compiled"
     assert doc["compiled"]["execution"] == EXECUTION
     assert doc["compiled"]["min_cut"]["saved_for_backward_bytes"] == 256
+
+
+def test_compiled_jvp_figure_names_the_eager_jvp() -> None:
+    """The JVP is not compiled: under ``--memory-model compiled`` its peak is the eager
+    model's (torch.func.jvp), and its description must say so, not 'graphflop's JVP graph'."""
+    torch.manual_seed(0)
+    x = (torch.randn(4, 8),)
+    compiled = analyze(_Chain(), x, loss="sum", memory_model="compiled").report.memory
+    eager = analyze(_Chain(), x, loss="sum", memory_model="eager").report.memory
+    assert compiled.jvp_peak_bytes == eager.jvp_peak_bytes
+    assert compiled.describes["jvp_peak_bytes"] == eager.describes["jvp_peak_bytes"]
+    assert compiled.describes["jvp_peak_bytes"].startswith("torch.func.jvp on cpu")

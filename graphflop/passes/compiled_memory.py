@@ -36,6 +36,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from graphflop.ops import has_rule
+from graphflop.passes.eager_memory import DESCRIBES as EAGER_DESCRIBES
 from graphflop.passes.flops import op_cost
 from graphflop.report import Memory
 
@@ -378,7 +379,8 @@ DESCRIBES = {
     "compiled forward then the compiled backward in node order (gradients kept), or of the "
     "in-place torch.optim update on {device}; inductor not run",
     "forward_peak_bytes": "graphflop's forward graph in its own node order",
-    "jvp_peak_bytes": "graphflop's JVP graph in its own node order",
+    # the JVP is not compiled: its figure is the eager model's (torch.func.jvp)
+    "jvp_peak_bytes": EAGER_DESCRIBES["eager"]["jvp_peak_bytes"],
 }
 
 
