@@ -9,7 +9,9 @@ std, the output, a float mask on CPU. This module keeps graphflop's graphs and s
 decomposed composite op, the residuals its backward reads from inside the decomposition for the
 values eager autograd saves for that op (the nodes are found by the
 :data:`~graphflop.meta.COMPOSITE` tags tracing writes). Max pooling (not decomposed) saves its
-input and indices, as two storages. So composite ops are not kept whole with rules of their own
+input and indices, as two storages. Attention PyTorch runs with its fused kernel saves q, k,
+v, its output, the mask and a logsumexp, and makes no scores or probabilities in forward or
+backward (:mod:`graphflop.passes.eager_attention`). So composite ops are not kept whole with rules of their own
 (the FLOP counts and the backward graph stay as they are); the memory figures are those of the
 eager run.
 
@@ -25,13 +27,14 @@ temporaries on CPU (:func:`kernel_temporaries`). The eager JVP (:func:`eager_jvp
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
 
-from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU
+from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU, FUSED_SDPA
 from graphflop.meta import COMPOSITE, JVP, KIND, RESIDUAL, SIGNATURE, SOURCE, CompositeTag
+from graphflop.passes.eager_attention import FusedAttention
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Schedule
 
@@ -48,9 +51,10 @@ DESCRIBES = {
         "train_peak_bytes": "eager training step on {device}: forward, backward with gradients "
         "allocated as produced (zero_grad(set_to_none=True)), in-place torch.optim update",
         "forward_peak_bytes": "graphflop's forward graph in its own node order",
-        "jvp_peak_bytes": "torch.func.jvp on {device} (eager forward-mode AD): each op's primal "
-        "and tangent computed together and freed together as one dual tensor, with the kernels' "
-        "temporaries (oneDNN convolution, batch_norm_jvp)",
+        "jvp_peak_bytes": "torch.func.jvp on {device} (eager forward-mode AD, attention on its "
+        "math path: sdpa_kernel(SDPBackend.MATH)): each op's primal and tangent computed "
+        "together and freed together as one dual tensor, with the kernels' temporaries (oneDNN "
+        "convolution, batch_norm_jvp)",
     },
     "graph": {
         "saved_for_backward_bytes": "forward values graphflop's backward graph reads",
@@ -66,11 +70,22 @@ DESCRIBES = {
 class EagerResiduals:
     """Attributes:
     remap: backward placeholder name -> the forward node names eager autograd keeps instead.
-    sizes: forward node name -> bytes where eager's tensor differs (CPU dropout's float mask).
+    sizes: forward node name -> bytes where eager's tensor differs (CPU dropout's float mask;
+        fused attention's inner nodes, 0, and its logsumexp and converted mask).
+    backward_sizes: backward node name -> bytes where eager's differs (fused attention's
+        backward: 0 but for the gradients it returns).
+    extra: forward node name -> bytes of a fused kernel's temporaries (fused attention).
+    backward_extra: the same for backward nodes.
+    backward_reads: backward node name -> the backward nodes a fused kernel keeps live until
+        that node has run (:meth:`Schedule.add_graph`'s ``also_reads``).
     """
 
     remap: dict[str, list[str]]
     sizes: dict[str, int]
+    backward_sizes: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, int] = field(default_factory=dict)
+    backward_extra: dict[str, int] = field(default_factory=dict)
+    backward_reads: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _regions(forward: GraphModule) -> list[list[Node]]:
@@ -126,14 +141,23 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     """
     saves: dict[str, list[str]] = {}  # forward node of a composite op -> what the op saves
     sizes: dict[str, int] = {}
+    attention = FusedAttention(device)
     for region in _regions(forward):
-        saved, out0, mask = _saved_by(region)
+        op = region[0].meta[COMPOSITE].op
+        if op == FUSED_SDPA:
+            saved = attention.forward(region)
+            if saved is None:  # the math path on this device: graphflop's residuals
+                continue
+        else:
+            saved, out0, mask = _saved_by(region)
+            float_mask = device == "cpu" and op in FLOAT_MASK_ON_CPU
+            if float_mask and out0 is not None and mask is not None:
+                itemsize = out0.meta["val"].element_size()
+                sizes[mask.name] = mask.meta["val"].numel() * itemsize
         for n in region:
             saves[n.name] = [m.name for m in saved]
-        op = region[0].meta[COMPOSITE].op
-        if device == "cpu" and op in FLOAT_MASK_ON_CPU and out0 is not None and mask is not None:
-            itemsize = out0.meta["val"].element_size()
-            sizes[mask.name] = mask.meta["val"].numel() * itemsize
+    sizes |= attention.sizes
+    attention.backward(backward)
     for n in forward.graph.nodes:  # max pooling: input and indices, two storages
         if n.op == "call_function" and n.target in _MAX_POOLS:
             idx = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
@@ -154,7 +178,10 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
                     stand.append(name)
         if stand != [src]:  # (a residual nothing reads stands for nothing)
             remap[p.name] = stand
-    return EagerResiduals(remap, sizes)
+    a = attention
+    return EagerResiduals(
+        remap, sizes, a.backward_sizes, a.extra, a.backward_extra, a.backward_reads
+    )
 
 
 def _residual_sources(
@@ -392,6 +419,9 @@ def eager_train_schedule(
         for a in out.all_input_nodes:
             bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
     s = Schedule()
+    for k, v in eager.backward_extra.items():
+        bwd_tmp[k] = bwd_tmp.get(k, 0) + v
+    fwd_tmp |= eager.extra
     s.add_graph(forward, "f", baseline=params, eager=True, sizes=eager.sizes, extra=fwd_tmp)
     ext: dict[str, str | list[str]] = {}
     base_b = set()
@@ -410,7 +440,9 @@ def eager_train_schedule(
         keep_outputs=not keep_grads,
         free_outputs=keep_grads,
         eager=True,
+        sizes=eager.backward_sizes,
         extra=bwd_tmp,
+        also_reads=eager.backward_reads,
         inplace=scatters_in_place(backward),
     )
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
