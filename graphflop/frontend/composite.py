@@ -253,4 +253,5 @@ def _tag(name: str, region: int, new: list, args: tuple, result: Any, tracer: An
             node = base if node.target in _SAME_BYTES_VIEWS and base in inner else None
     for n in new:
         reads = tuple((i, inputs[a]) for i, a in enumerate(n.all_input_nodes) if a in inputs)
-        n.meta[COMPOSITE] = CompositeTag(name, region, outputs.get(n), reads)
+        inner = n.meta.get(COMPOSITE)
+        n.meta[COMPOSITE] = CompositeTag(name, region, outputs.get(n), reads, inner)

@@ -88,8 +88,16 @@ class EagerResiduals:
     backward_reads: dict[str, list[str]] = field(default_factory=dict)
 
 
-def _regions(forward: GraphModule) -> list[list[Node]]:
-    """Each decomposed composite op's nodes: nodes with one region number, connected."""
+def _tag_of(n: Node, inner: bool) -> CompositeTag:
+    tag: CompositeTag = n.meta[COMPOSITE]
+    if inner and tag.op == FUSED_SDPA and tag.inner is not None:
+        return tag.inner
+    return tag
+
+
+def _regions(forward: GraphModule, inner: bool = False) -> list[list[Node]]:
+    """Each decomposed composite op's nodes: nodes with one region number, connected.
+    ``inner``: fused attention's nodes as the composite ops it decomposes into (softmax)."""
     parent: dict[Node, Node] = {}
 
     def find(n: Node) -> Node:
@@ -99,7 +107,7 @@ def _regions(forward: GraphModule) -> list[list[Node]]:
         return n
 
     tags: dict[Node, CompositeTag] = {
-        n: n.meta[COMPOSITE] for n in forward.graph.nodes if COMPOSITE in n.meta
+        n: _tag_of(n, inner) for n in forward.graph.nodes if COMPOSITE in n.meta
     }
     for n in tags:
         parent[n] = n
@@ -281,8 +289,10 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     info = jvp.meta[JVP]
     base = {p for p, _ in sig.params} | {t for t, _ in info.tangent_inputs}
     tmp, _ = kernel_temporaries(jvp, None, device)
+    for name, nbytes in _zero_tangent_convs(jvp, device).items():
+        tmp[name] = tmp.get(name, 0) + nbytes
     pairs = dual_pairs(jvp)
-    sizes, norm_tmp, reads = _norm_jvp(jvp, pairs)
+    sizes, norm_tmp, reads = _norm_jvp(jvp, pairs, device)
     s = Schedule()
     s.add_graph(
         jvp,
@@ -301,28 +311,56 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     return s
 
 
-_BATCH_NORMS = frozenset(k for k in EAGER_SAVES if "batch_norm" in k)
+def _zero_tangent_convs(jvp: GraphModule, device: str) -> dict[str, int]:
+    """Tangent convolutions of a convolution whose input has no tangent (the first layer):
+    eager forward-mode AD (``convolution_jvp``) still computes ``conv(input_t, weight)`` with
+    the input's tangent materialised as zeros, so one input-sized and one output-sized
+    tensor (besides the kernel's temporary) are live with the weight-tangent convolution's
+    result (profiler allocator events, PyTorch 2.13 CPU). Node name -> bytes."""
+    if device != "cpu":
+        return {}
+    by_source: dict[str, list[Node]] = {}
+    for n in jvp.graph.nodes:
+        if n.meta.get(KIND) == "tangent" and _is_plain_conv(n):
+            by_source.setdefault(n.meta.get(SOURCE, ""), []).append(n)
+    out = {}
+    for convs in by_source.values():
+        n = convs[0]
+        x = n.args[0]
+        if len(convs) == 1 and isinstance(x, Node) and x.meta.get(KIND) != "tangent":
+            out[n.name] = tensor_bytes(x.meta["val"]) + tensor_bytes(n.meta["val"])
+    return out
 
-#: input-sized temporaries ``batch_norm_jvp`` (ATen FunctionsManual.cpp, training mode) holds at
-#: once besides its result: ``input - mean`` and the products and sums of the tangent formula
-#: (profiler allocator events, PyTorch 2.13 CPU: the tangent result plus four more)
-BATCH_NORM_JVP_TEMPORARIES = 4
+
+#: input-sized temporaries eager forward-mode AD holds at once besides a composite op's tangent
+#: result (profiler allocator events, PyTorch 2.13 CPU): ``batch_norm_jvp`` (ATen
+#: FunctionsManual.cpp, training mode) ``input - mean`` and the products and sums of its formula,
+#: four; softmax (functorch's decomposition for its JVP: ``x - max``, ``exp`` and their
+#: products), two, one of them freed before the result is made; dropout on CPU (its float mask
+#: :data:`FLOAT_MASK_ON_CPU`, and one product), one
+JVP_TEMPORARIES = {
+    **{k: 4 for k in EAGER_SAVES if "batch_norm" in k},
+    "aten._softmax.default": 1,
+    "aten.native_dropout.default": 1,
+}
 
 
 def _norm_jvp(
-    jvp: GraphModule, pairs: dict[str, list[str]]
+    jvp: GraphModule, pairs: dict[str, list[str]], device: str
 ) -> tuple[dict[str, int], dict[str, int], dict[str, list[str]]]:
-    """Eager batch norm in a JVP graph: one kernel for the primal (the decomposition's inner
-    nodes hold nothing) and ATen's ``batch_norm_jvp`` for the tangent (its inner tangent nodes
-    hold nothing; its temporaries are charged to the tangent result, which is also where the
-    input and its tangent may be freed). Returns (sizes, extra, also_reads) for
+    """Eager batch norm and softmax (also inside attention, which forward-mode AD runs on its
+    math path) in a JVP graph: one kernel for the primal (the decomposition's inner nodes hold
+    nothing) and one formula for the tangent (its inner tangent nodes hold nothing; its
+    temporaries, :data:`JVP_TEMPORARIES`, are charged to the tangent result, which is also
+    where the input and its tangent may be freed). Returns (sizes, extra, also_reads) for
     :meth:`Schedule.add_graph`."""
     sizes: dict[str, int] = {}
     extra: dict[str, int] = {}
     reads: dict[str, list[str]] = {}
-    for region in _regions(jvp):
-        tags = {n: n.meta[COMPOSITE] for n in region}
-        if tags[region[0]].op not in _BATCH_NORMS:
+    for region in _regions(jvp, inner=True):
+        tags = {n: _tag_of(n, True) for n in region}
+        count = JVP_TEMPORARIES.get(tags[region[0]].op)
+        if count is None:
             continue
         names = {n.name for n in region}
         x = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
@@ -331,6 +369,8 @@ def _norm_jvp(
         for n in region:
             if tags[n].output is None:
                 sizes[n.name] = 0
+            elif tags[n].output == 1 and device == "cpu" and tags[n].op in FLOAT_MASK_ON_CPU:
+                sizes[n.name] = n.meta["val"].numel() * x.meta["val"].element_size()  # type: ignore[union-attr]
         inner_t = [
             n
             for n in jvp.graph.nodes
@@ -343,8 +383,9 @@ def _norm_jvp(
                 sizes[n.name] = 0
         result = [n for n in inner_t if n.name in keep]
         if x is not None and result:
-            extra[result[-1].name] = BATCH_NORM_JVP_TEMPORARIES * tensor_bytes(x.meta["val"])
-            reads[result[-1].name] = [x.name] + pairs.get(x.name, [])
+            extra[result[-1].name] = count * tensor_bytes(x.meta["val"])
+            others = [n.name for n in region if tags[n].output not in (None, 0)]  # dropout's mask
+            reads[result[-1].name] = [x.name] + pairs.get(x.name, []) + others
     return sizes, extra, reads
 
 
