@@ -367,12 +367,15 @@ class CompositeTag:
             it, so one occurrence is a connected set of nodes with the same number.
         output: which of the op's outputs this node is (None: an inner node).
         inputs: ``(i, k)`` pairs: this node's ``all_input_nodes[i]`` is the op's input ``k``.
+        inner: the tag the node had as part of a composite op the outer one decomposed into
+            (the softmax inside attention), or None.
     """
 
     op: str
     region: int
     output: int | None
     inputs: tuple[tuple[int, int], ...]
+    inner: CompositeTag | None = None
 
 
 @dataclass(frozen=True)

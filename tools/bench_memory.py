@@ -191,7 +191,10 @@ def markdown(rows: list[dict]) -> str:
         "events (`[memory]`, +alloc/−free) gives the peak above the start, to which the bytes "
         "live at the start (parameters, buffers, inputs, targets, optimizer state) are added.",
         "* **JVP peak (measured)**: `torch.func.jvp` of the loss in the parameters, the same "
-        "profiler method, plus parameters, buffers, inputs, targets and tangents.",
+        "profiler method, plus parameters, buffers, inputs, targets and tangents. Attention runs "
+        "its math path (`torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`): the fused CPU "
+        "kernel has no forward derivative, and the math path is the execution graphflop's JVP "
+        "graph describes.",
         "* **MemTracker**: `torch.distributed._tools.mem_tracker.MemTracker` over the same "
         "step (its peak, all reference types).",
         "* **graphflop eager**: `inspect --memory-model eager` (the default): residuals as ATen's "
@@ -202,15 +205,33 @@ def markdown(rows: list[dict]) -> str:
         "profiler events: an ungrouped convolution (oneDNN) holds one output-sized buffer, its "
         "backward an input- and an output-gradient-sized reorder; backward scatters into fresh "
         "zeros (embedding, max pooling, index/slice backward) run in place.",
+        "* Attention without dropout (and with the flash backend enabled, dense 4-D q, k, v, a "
+        "2-D or 4-D mask) runs PyTorch's fused CPU kernel "
+        "(`_scaled_dot_product_flash_attention_for_cpu`; the rule is `use_flash_attention_cpp` "
+        "in `sdp_utils_cpp.cpp`, checked against the kernel PyTorch picks in "
+        "`tests/test_memory_sdpa.py`): graphflop eager counts what it saves (q, k, v, its "
+        "output, the mask, a bool mask converted to float, and a float32 logsumexp of "
+        "B·H·L), no scores or probabilities in forward or backward, its output in q's memory "
+        "order (a `transpose(1, 2).contiguous()` of it is then a view), and its CPU block "
+        "buffers and gradient copy (`graphflop/passes/eager_attention.py`). Attention with "
+        "dropout > 0 (GPT-2 here) runs the math path, as graphflop's graph counts it. On CUDA "
+        "the flash and memory-efficient kernels are assumed to save the same (the efficient "
+        "kernel's logsumexp padded to 32 rows), unmeasured.",
         "* graphflop's eager **JVP** figure models `torch.func.jvp`: graphflop's JVP graph in its "
-        "order with each value and its tangent freed together (one dual tensor), batch norm's "
-        "`batch_norm_jvp` temporaries (four input-sized besides its result) and the convolution "
-        "temporaries. `–`: forward-mode AD cannot run the model (CPU flash attention, used by "
-        "attention without dropout, has no forward derivative).",
-        "* Not modelled yet: attention without dropout runs PyTorch's fused CPU kernel, which "
-        "saves q, k, v, output and logsumexp instead of the attention weights graphflop's math "
-        "form keeps (ViT-B/16 and the Llama over 5% on saved bytes; the Llama's train peak over "
-        "10%). GPT-2 (attention dropout 0.1) runs the math path, as graphflop counts it.",
+        "order with each value and its tangent freed together (one dual tensor), the "
+        "temporaries of eager tangent formulas (batch norm's `batch_norm_jvp` four input-sized, "
+        "softmax's one and dropout's one besides the result with its float mask), the "
+        "convolution temporaries, and the first convolution's materialised zero input tangent "
+        "(`convolution_jvp` convolves it: one input- and one output-sized tensor).",
+        "* Not modelled: Hugging Face models keep a KV cache (`DynamicCache`, `use_cache=True` "
+        "by default, also in training) that holds a copy of each layer's k and v until the "
+        "model returns; in `torch.func.jvp` their tangents too. graphflop's trace keeps tensor "
+        "outputs only, so the cache's copies are dead code to it: the JVP ratios of GPT-2 "
+        "and the Llama below 1 (GPT-2 small T=512: up to 12 layers × k, v × primal, tangent "
+        "× 1.5 MiB = 72 MiB, by count; the Llama: 3.0 MiB, its JVP measured with "
+        "`use_cache=False`, 56.16 MiB, ratio 0.888). The rest of the Llama's gap is inside "
+        "attention's eager math kernel, which the profiler shows holding about 5 MiB more "
+        "at its softmax than graphflop's math-form JVP graph: not modelled.",
         "",
         "## Saved for backward",
         "",

@@ -4,7 +4,8 @@ same functions: a process-wide patch, undone on leaving), and the tags that say 
 composite op was decomposed into (:func:`tagged_decompositions`).
 
 Writes :data:`~graphflop.meta.COMPOSITE` on the nodes of the decompositions of the ops in
-:data:`EAGER_SAVES`.
+:data:`EAGER_SAVES`, and on the nodes of an attention call PyTorch would run with its fused CPU
+kernel (:data:`FUSED_SDPA`, :func:`fused_on_cpu`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class CompositeOps(TorchFunctionMode):
     """
 
     def __enter__(self) -> CompositeOps:
-        F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+        F.scaled_dot_product_attention, F.dropout = attention, dropout
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
@@ -64,7 +65,7 @@ class CompositeOps(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is _F_SDPA:
-            return sdpa(*args, **kwargs)
+            return attention(*args, **kwargs)
         if func is _F_DROPOUT:
             return dropout(*args, **kwargs)
         if func is torch.dropout:
@@ -106,6 +107,82 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
 
 #: composite ops whose saved mask is, on CPU, a tensor of the input's dtype (output 0's)
 FLOAT_MASK_ON_CPU = frozenset({"aten.native_dropout.default"})
+
+
+#: the op an attention call's nodes are tagged with when PyTorch would run it with its fused
+#: CPU kernel (:func:`fused_on_cpu`): inputs q, k, v and the mask (3) as ``sdpa``'s arguments,
+#: output 0 the attention output. The kernel saves q, k, v, its output, the float mask and a
+#: logsumexp of q's leading three dimensions (tools/autograd/derivatives.yaml); it never makes
+#: the scores or the probabilities (graphflop.passes.eager_memory)
+FUSED_SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+
+_FLASH_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _mask_fits(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The fused CPU kernel's mask shapes: 2-D (L or 1, S or 1) or 4-D (B or 1, H or 1, L or 1,
+    S or 1)."""
+    if mask.dim() not in (2, 4) or mask.shape[-2] not in (q.shape[2], 1):
+        return False
+    if mask.shape[-1] not in (k.shape[2], 1):
+        return False
+    return mask.dim() == 2 or (
+        mask.shape[0] in (q.shape[0], 1) and mask.shape[1] in (q.shape[1], 1)
+    )
+
+
+def fused_on_cpu(
+    q: Any,
+    k: Any,
+    v: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> bool:
+    """Whether ``F.scaled_dot_product_attention`` on CPU runs the fused kernel
+    (``_scaled_dot_product_flash_attention_for_cpu``) rather than the math path: PyTorch 2.13's
+    ``use_flash_attention_cpp`` (aten/src/ATen/native/transformers/sdp_utils_cpp.cpp) — the
+    flash backend enabled (``torch.nn.attention.sdpa_kernel``), dense (not nested) 4-D q, k, v
+    of one batch size, equal head counts (or, with ``enable_gqa``, k and v with equal head
+    counts dividing q's), ``dropout_p == 0``, equal last dimensions, nonzero sequence lengths,
+    last-dimension stride 1, one dtype among float32, float64, bfloat16, float16, and a mask
+    (if any) of a shape :func:`_mask_fits` accepts. A mask that requires grad also sends the
+    call to the math path; tracing cannot see ``requires_grad`` (masks are taken not to)."""
+    del is_causal, scale
+    if not torch.backends.cuda.flash_sdp_enabled() or dropout_p > 0.0:
+        return False
+    ts = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) and not t.is_nested and t.dim() == 4 for t in ts):
+        return False
+    if len({t.dtype for t in ts}) != 1 or q.dtype not in _FLASH_CPU_DTYPES:
+        return False
+    if q.shape[0] != k.shape[0] or q.shape[0] != v.shape[0]:
+        return False
+    heads_ok = q.shape[1] == k.shape[1] == v.shape[1] or (
+        enable_gqa and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
+    )
+    if not heads_ok or not q.shape[-1] == k.shape[-1] == v.shape[-1]:
+        return False
+    if 0 in (q.shape[2], k.shape[2]) or any(t.stride(-1) != 1 for t in ts):
+        return False
+    return attn_mask is None or _mask_fits(attn_mask, q, k)
+
+
+_ATTENTION_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_attention_regions = itertools.count(-1, -1)  # negative: never a decomposition's number
+
+
+def attention(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+    """``F.scaled_dot_product_attention`` while tracing: graphflop's math form
+    (:func:`graphflop.ops.attention.sdpa`, the same graph on every path), its nodes tagged
+    :data:`FUSED_SDPA` when PyTorch on CPU would run the fused kernel (:func:`fused_on_cpu`)."""
+    named = dict(zip(_ATTENTION_ARGS, args)) | kwargs
+    if not fused_on_cpu(q, k, v, **named):
+        return sdpa(q, k, v, *args, **kwargs)
+    mask = named.pop("attn_mask", None)
+    return _tagging(FUSED_SDPA, sdpa, _attention_regions)(q, k, v, mask, **named)
 
 
 _SAME_BYTES_VIEWS = frozenset(
@@ -152,6 +229,8 @@ def _tagging(name: str, fn: Callable[..., Any], counter: Iterator[int]) -> Calla
 def _node_of(t: Any, tracer: Any) -> Any:
     if not isinstance(t, torch.Tensor):
         return None
+    if torch._is_functional_tensor(t):  # seen above functionalization (:func:`attention`)
+        t = torch._from_functional_tensor(t)
     slot = get_proxy_slot(t, tracer, None)
     return getattr(getattr(slot, "proxy", None), "node", None)
 
@@ -174,4 +253,5 @@ def _tag(name: str, region: int, new: list, args: tuple, result: Any, tracer: An
             node = base if node.target in _SAME_BYTES_VIEWS and base in inner else None
     for n in new:
         reads = tuple((i, inputs[a]) for i, a in enumerate(n.all_input_nodes) if a in inputs)
-        n.meta[COMPOSITE] = CompositeTag(name, region, outputs.get(n), reads)
+        inner = n.meta.get(COMPOSITE)
+        n.meta[COMPOSITE] = CompositeTag(name, region, outputs.get(n), reads, inner)

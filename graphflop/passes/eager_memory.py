@@ -9,7 +9,9 @@ std, the output, a float mask on CPU. This module keeps graphflop's graphs and s
 decomposed composite op, the residuals its backward reads from inside the decomposition for the
 values eager autograd saves for that op (the nodes are found by the
 :data:`~graphflop.meta.COMPOSITE` tags tracing writes). Max pooling (not decomposed) saves its
-input and indices, as two storages. So composite ops are not kept whole with rules of their own
+input and indices, as two storages. Attention PyTorch runs with its fused kernel saves q, k,
+v, its output, the mask and a logsumexp, and makes no scores or probabilities in forward or
+backward (:mod:`graphflop.passes.eager_attention`). So composite ops are not kept whole with rules of their own
 (the FLOP counts and the backward graph stay as they are); the memory figures are those of the
 eager run.
 
@@ -25,13 +27,14 @@ temporaries on CPU (:func:`kernel_temporaries`). The eager JVP (:func:`eager_jvp
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
 
-from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU
+from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU, FUSED_SDPA
 from graphflop.meta import COMPOSITE, JVP, KIND, RESIDUAL, SIGNATURE, SOURCE, CompositeTag
+from graphflop.passes.eager_attention import FusedAttention
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Schedule
 
@@ -48,9 +51,10 @@ DESCRIBES = {
         "train_peak_bytes": "eager training step on {device}: forward, backward with gradients "
         "allocated as produced (zero_grad(set_to_none=True)), in-place torch.optim update",
         "forward_peak_bytes": "graphflop's forward graph in its own node order",
-        "jvp_peak_bytes": "torch.func.jvp on {device} (eager forward-mode AD): each op's primal "
-        "and tangent computed together and freed together as one dual tensor, with the kernels' "
-        "temporaries (oneDNN convolution, batch_norm_jvp)",
+        "jvp_peak_bytes": "torch.func.jvp on {device} (eager forward-mode AD, attention on its "
+        "math path: sdpa_kernel(SDPBackend.MATH)): each op's primal and tangent computed "
+        "together and freed together as one dual tensor, with the kernels' temporaries (oneDNN "
+        "convolution, batch_norm_jvp)",
     },
     "graph": {
         "saved_for_backward_bytes": "forward values graphflop's backward graph reads",
@@ -66,15 +70,34 @@ DESCRIBES = {
 class EagerResiduals:
     """Attributes:
     remap: backward placeholder name -> the forward node names eager autograd keeps instead.
-    sizes: forward node name -> bytes where eager's tensor differs (CPU dropout's float mask).
+    sizes: forward node name -> bytes where eager's tensor differs (CPU dropout's float mask;
+        fused attention's inner nodes, 0, and its logsumexp and converted mask).
+    backward_sizes: backward node name -> bytes where eager's differs (fused attention's
+        backward: 0 but for the gradients it returns).
+    extra: forward node name -> bytes of a fused kernel's temporaries (fused attention).
+    backward_extra: the same for backward nodes.
+    backward_reads: backward node name -> the backward nodes a fused kernel keeps live until
+        that node has run (:meth:`Schedule.add_graph`'s ``also_reads``).
     """
 
     remap: dict[str, list[str]]
     sizes: dict[str, int]
+    backward_sizes: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, int] = field(default_factory=dict)
+    backward_extra: dict[str, int] = field(default_factory=dict)
+    backward_reads: dict[str, list[str]] = field(default_factory=dict)
 
 
-def _regions(forward: GraphModule) -> list[list[Node]]:
-    """Each decomposed composite op's nodes: nodes with one region number, connected."""
+def _tag_of(n: Node, inner: bool) -> CompositeTag:
+    tag: CompositeTag = n.meta[COMPOSITE]
+    if inner and tag.op == FUSED_SDPA and tag.inner is not None:
+        return tag.inner
+    return tag
+
+
+def _regions(forward: GraphModule, inner: bool = False) -> list[list[Node]]:
+    """Each decomposed composite op's nodes: nodes with one region number, connected.
+    ``inner``: fused attention's nodes as the composite ops it decomposes into (softmax)."""
     parent: dict[Node, Node] = {}
 
     def find(n: Node) -> Node:
@@ -84,7 +107,7 @@ def _regions(forward: GraphModule) -> list[list[Node]]:
         return n
 
     tags: dict[Node, CompositeTag] = {
-        n: n.meta[COMPOSITE] for n in forward.graph.nodes if COMPOSITE in n.meta
+        n: _tag_of(n, inner) for n in forward.graph.nodes if COMPOSITE in n.meta
     }
     for n in tags:
         parent[n] = n
@@ -126,14 +149,23 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     """
     saves: dict[str, list[str]] = {}  # forward node of a composite op -> what the op saves
     sizes: dict[str, int] = {}
+    attention = FusedAttention(device)
     for region in _regions(forward):
-        saved, out0, mask = _saved_by(region)
+        op = region[0].meta[COMPOSITE].op
+        if op == FUSED_SDPA:
+            saved = attention.forward(region)
+            if saved is None:  # the math path on this device: graphflop's residuals
+                continue
+        else:
+            saved, out0, mask = _saved_by(region)
+            float_mask = device == "cpu" and op in FLOAT_MASK_ON_CPU
+            if float_mask and out0 is not None and mask is not None:
+                itemsize = out0.meta["val"].element_size()
+                sizes[mask.name] = mask.meta["val"].numel() * itemsize
         for n in region:
             saves[n.name] = [m.name for m in saved]
-        op = region[0].meta[COMPOSITE].op
-        if device == "cpu" and op in FLOAT_MASK_ON_CPU and out0 is not None and mask is not None:
-            itemsize = out0.meta["val"].element_size()
-            sizes[mask.name] = mask.meta["val"].numel() * itemsize
+    sizes |= attention.sizes
+    attention.backward(backward)
     for n in forward.graph.nodes:  # max pooling: input and indices, two storages
         if n.op == "call_function" and n.target in _MAX_POOLS:
             idx = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
@@ -154,7 +186,10 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
                     stand.append(name)
         if stand != [src]:  # (a residual nothing reads stands for nothing)
             remap[p.name] = stand
-    return EagerResiduals(remap, sizes)
+    a = attention
+    return EagerResiduals(
+        remap, sizes, a.backward_sizes, a.extra, a.backward_extra, a.backward_reads
+    )
 
 
 def _residual_sources(
@@ -254,8 +289,10 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     info = jvp.meta[JVP]
     base = {p for p, _ in sig.params} | {t for t, _ in info.tangent_inputs}
     tmp, _ = kernel_temporaries(jvp, None, device)
+    for name, nbytes in _zero_tangent_convs(jvp, device).items():
+        tmp[name] = tmp.get(name, 0) + nbytes
     pairs = dual_pairs(jvp)
-    sizes, norm_tmp, reads = _norm_jvp(jvp, pairs)
+    sizes, norm_tmp, reads = _norm_jvp(jvp, pairs, device)
     s = Schedule()
     s.add_graph(
         jvp,
@@ -274,28 +311,56 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     return s
 
 
-_BATCH_NORMS = frozenset(k for k in EAGER_SAVES if "batch_norm" in k)
+def _zero_tangent_convs(jvp: GraphModule, device: str) -> dict[str, int]:
+    """Tangent convolutions of a convolution whose input has no tangent (the first layer):
+    eager forward-mode AD (``convolution_jvp``) still computes ``conv(input_t, weight)`` with
+    the input's tangent materialised as zeros, so one input-sized and one output-sized
+    tensor (besides the kernel's temporary) are live with the weight-tangent convolution's
+    result (profiler allocator events, PyTorch 2.13 CPU). Node name -> bytes."""
+    if device != "cpu":
+        return {}
+    by_source: dict[str, list[Node]] = {}
+    for n in jvp.graph.nodes:
+        if n.meta.get(KIND) == "tangent" and _is_plain_conv(n):
+            by_source.setdefault(n.meta.get(SOURCE, ""), []).append(n)
+    out = {}
+    for convs in by_source.values():
+        n = convs[0]
+        x = n.args[0]
+        if len(convs) == 1 and isinstance(x, Node) and x.meta.get(KIND) != "tangent":
+            out[n.name] = tensor_bytes(x.meta["val"]) + tensor_bytes(n.meta["val"])
+    return out
 
-#: input-sized temporaries ``batch_norm_jvp`` (ATen FunctionsManual.cpp, training mode) holds at
-#: once besides its result: ``input - mean`` and the products and sums of the tangent formula
-#: (profiler allocator events, PyTorch 2.13 CPU: the tangent result plus four more)
-BATCH_NORM_JVP_TEMPORARIES = 4
+
+#: input-sized temporaries eager forward-mode AD holds at once besides a composite op's tangent
+#: result (profiler allocator events, PyTorch 2.13 CPU): ``batch_norm_jvp`` (ATen
+#: FunctionsManual.cpp, training mode) ``input - mean`` and the products and sums of its formula,
+#: four; softmax (functorch's decomposition for its JVP: ``x - max``, ``exp`` and their
+#: products), two, one of them freed before the result is made; dropout on CPU (its float mask
+#: :data:`FLOAT_MASK_ON_CPU`, and one product), one
+JVP_TEMPORARIES = {
+    **{k: 4 for k in EAGER_SAVES if "batch_norm" in k},
+    "aten._softmax.default": 1,
+    "aten.native_dropout.default": 1,
+}
 
 
 def _norm_jvp(
-    jvp: GraphModule, pairs: dict[str, list[str]]
+    jvp: GraphModule, pairs: dict[str, list[str]], device: str
 ) -> tuple[dict[str, int], dict[str, int], dict[str, list[str]]]:
-    """Eager batch norm in a JVP graph: one kernel for the primal (the decomposition's inner
-    nodes hold nothing) and ATen's ``batch_norm_jvp`` for the tangent (its inner tangent nodes
-    hold nothing; its temporaries are charged to the tangent result, which is also where the
-    input and its tangent may be freed). Returns (sizes, extra, also_reads) for
+    """Eager batch norm and softmax (also inside attention, which forward-mode AD runs on its
+    math path) in a JVP graph: one kernel for the primal (the decomposition's inner nodes hold
+    nothing) and one formula for the tangent (its inner tangent nodes hold nothing; its
+    temporaries, :data:`JVP_TEMPORARIES`, are charged to the tangent result, which is also
+    where the input and its tangent may be freed). Returns (sizes, extra, also_reads) for
     :meth:`Schedule.add_graph`."""
     sizes: dict[str, int] = {}
     extra: dict[str, int] = {}
     reads: dict[str, list[str]] = {}
-    for region in _regions(jvp):
-        tags = {n: n.meta[COMPOSITE] for n in region}
-        if tags[region[0]].op not in _BATCH_NORMS:
+    for region in _regions(jvp, inner=True):
+        tags = {n: _tag_of(n, True) for n in region}
+        count = JVP_TEMPORARIES.get(tags[region[0]].op)
+        if count is None:
             continue
         names = {n.name for n in region}
         x = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
@@ -304,6 +369,8 @@ def _norm_jvp(
         for n in region:
             if tags[n].output is None:
                 sizes[n.name] = 0
+            elif tags[n].output == 1 and device == "cpu" and tags[n].op in FLOAT_MASK_ON_CPU:
+                sizes[n.name] = n.meta["val"].numel() * x.meta["val"].element_size()  # type: ignore[union-attr]
         inner_t = [
             n
             for n in jvp.graph.nodes
@@ -316,8 +383,9 @@ def _norm_jvp(
                 sizes[n.name] = 0
         result = [n for n in inner_t if n.name in keep]
         if x is not None and result:
-            extra[result[-1].name] = BATCH_NORM_JVP_TEMPORARIES * tensor_bytes(x.meta["val"])
-            reads[result[-1].name] = [x.name] + pairs.get(x.name, [])
+            extra[result[-1].name] = count * tensor_bytes(x.meta["val"])
+            others = [n.name for n in region if tags[n].output not in (None, 0)]  # dropout's mask
+            reads[result[-1].name] = [x.name] + pairs.get(x.name, []) + others
     return sizes, extra, reads
 
 
@@ -392,6 +460,9 @@ def eager_train_schedule(
         for a in out.all_input_nodes:
             bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
     s = Schedule()
+    for k, v in eager.backward_extra.items():
+        bwd_tmp[k] = bwd_tmp.get(k, 0) + v
+    fwd_tmp |= eager.extra
     s.add_graph(forward, "f", baseline=params, eager=True, sizes=eager.sizes, extra=fwd_tmp)
     ext: dict[str, str | list[str]] = {}
     base_b = set()
@@ -410,7 +481,9 @@ def eager_train_schedule(
         keep_outputs=not keep_grads,
         free_outputs=keep_grads,
         eager=True,
+        sizes=eager.backward_sizes,
         extra=bwd_tmp,
+        also_reads=eager.backward_reads,
         inplace=scatters_in_place(backward),
     )
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}

@@ -15,7 +15,9 @@ profiler reports allocations for):
   start: parameters, buffers, inputs, targets and optimizer state.
 * :func:`measure_jvp_peak` — the peak of ``torch.func.jvp`` of the loss with respect to the
   parameters (tangents like the parameters), measured the same way, plus parameters, buffers,
-  inputs, targets and tangents.
+  inputs, targets and tangents; attention runs its math form
+  (``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``: the fused CPU kernel has no forward
+  derivative).
 
 All figures in bytes. The loss is graphflop's own (:func:`graphflop.frontend.loss.loss_value`), so
 the eager run computes what the analysed graph computes. The optimizer is the one torch.optim
@@ -161,9 +163,11 @@ def measure_train_peak(
 
 def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int | None:
     """Peak bytes of ``torch.func.jvp`` of the loss in the parameters (tangents: normal, like
-    the parameters), parameters, buffers, inputs, targets and tangents included; None where
-    forward-mode AD cannot run the model (an op without a forward derivative, such as CPU
-    flash attention, which PyTorch picks for attention without dropout)."""
+    the parameters), parameters, buffers, inputs, targets and tangents included, with
+    scaled dot-product attention on its math path (``sdpa_kernel(SDPBackend.MATH)``; the
+    fused CPU kernel PyTorch picks for attention without dropout has no forward derivative);
+    None where forward-mode AD cannot run the model (another op without a forward
+    derivative)."""
     _, run = _loss_fn(model, inputs, loss)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     primals = tuple(dict(model.named_parameters())[n].detach() for n in names)
@@ -181,7 +185,10 @@ def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int
         return loss_value(kind, first, targets)
 
     def go() -> None:
-        torch.func.jvp(f, primals, tangents)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            torch.func.jvp(f, primals, tangents)
 
     base = _bytes([*model.parameters(), *buffers.values(), *inputs, *targets, *tangents])
     try:

@@ -1,0 +1,191 @@
+"""Fused scaled dot-product attention in the eager memory model
+(:mod:`graphflop.passes.eager_memory`): what PyTorch's fused kernel saves, allocates and frees
+for the attention calls tracing tagged :data:`~graphflop.frontend.composite.FUSED_SDPA`
+(:func:`~graphflop.frontend.composite.fused_on_cpu`). Reads ``val``, ``COMPOSITE``,
+``SOURCE``; writes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from graphflop.meta import COMPOSITE, SOURCE
+from graphflop.ops import has_rule, lookup
+from graphflop.passes.flops import tensor_bytes
+
+aten = torch.ops.aten
+
+
+def _is_view(n: Node) -> bool:
+    return n.op == "call_function" and has_rule(n.target) and lookup(n.target).bytes == "view"
+
+
+def _split(n: int, long: int, mid: int | None) -> int:
+    """The CPU flash kernel's block length over a sequence of ``n``: queries in blocks of 256
+    from 768 on (``long``), 64 from 192 on (``mid``), else 32; keys (``mid`` None) in blocks
+    of 512; never longer than the sequence (its buffer sizes in the profiler's allocator
+    events, PyTorch 2.13 CPU, at lengths 5 to 1024)."""
+    if mid is None:
+        return min(n, 512)
+    return min(n, 256 if n >= long else 64 if n >= mid else 32)
+
+
+def _back_through(chain: list[tuple[Node, torch.Tensor]], grad: torch.Tensor) -> torch.Tensor:
+    """A gradient (a meta tensor) taken back through views as autograd does: permutes
+    inverted, reshapes (copying where no view can do it)."""
+    for u, before in reversed(chain):
+        if u.target is aten.permute.default:
+            dims = list(u.args[1])  # type: ignore[arg-type]
+            grad = grad.permute([dims.index(d) for d in range(len(dims))])
+        elif u.target is aten.transpose.int:
+            grad = grad.transpose(u.args[1], u.args[2])  # type: ignore[arg-type]
+        else:
+            grad = grad.reshape(before.shape)
+    return grad
+
+
+def _dense_strides(v: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a dense tensor of ``v``'s shape in ``v``'s memory order (``empty_like``)."""
+    out = [0] * v.dim()
+    step = 1
+    for d in sorted(range(v.dim()), key=lambda d: (v.stride(d), -d)):
+        out[d] = step
+        step *= v.shape[d]
+    return tuple(out)
+
+
+_STRIDED_VIEWS = (
+    aten.permute.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.transpose.int,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+)
+
+
+class FusedAttention:
+    """Eager memory of the attention calls tagged :data:`FUSED_SDPA` (PyTorch's fused kernel
+    on CPU; on CUDA the flash or memory-efficient kernel, assumed, not measured).
+
+    Forward: the kernel saves q, k, v, its output, the mask (a bool mask converted to a float
+    mask of q's dtype: a new storage) and a logsumexp of shape q.shape[:3] in float32 (float64
+    for float64 q; tools/autograd/derivatives.yaml); it never makes the scores, the
+    probabilities or graphflop's scaled q, GQA copies and causal index tensors, so the
+    decomposition's inner nodes hold nothing, and two of them carry the logsumexp and the
+    converted mask. On CUDA the memory-efficient kernel (float32, or a mask) pads the
+    logsumexp's rows to a multiple of 32, flash (half precision, no mask) does not; float64
+    runs the math path there (no swap). Backward: the nodes the region's rules made hold
+    nothing but the gradients leaving the region (dq, dk, dv). CPU temporaries (profiler
+    allocator events, PyTorch 2.13, one thread): forward, one thread's block buffers
+    ``(qs·ks + 2·qs + qs·E)`` accumulate-dtype elements; backward, ``2·qs·ks`` elements
+    (qs, ks: :func:`_split`) and a copy of the output's gradient unless it arrives in
+    (B, L, H, E) order (:meth:`_free_copies`). bfloat16's packing buffers are left out.
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.sizes: dict[str, int] = {}
+        self.extra: dict[str, int] = {}
+        self.backward_sizes: dict[str, int] = {}
+        self.backward_extra: dict[str, int] = {}
+        self.backward_reads: dict[str, list[str]] = {}
+        self._regions: list[tuple[set[str], int]] = []  # (node names, backward temporaries)
+
+    def forward(self, region: list[Node]) -> list[Node] | None:
+        """The nodes standing for what the kernel saves (None: the math path runs)."""
+        tags = {n: n.meta[COMPOSITE] for n in region}
+        ins: dict[int, Node] = {}
+        for n in region:
+            for i, k in tags[n].inputs:
+                ins.setdefault(k, n.all_input_nodes[i])
+        outs = [n for n in region if tags[n].output == 0]
+        inner = [n for n in region if tags[n].output is None and n.op == "call_function"]
+        for n in region:  # a constant mask is lifted into the graph inside the call
+            if n.op != "call_function":
+                ins.setdefault(3, n)
+        spare = [
+            n for n in inner if not _is_view(n) and isinstance(n.meta.get("val"), torch.Tensor)
+        ]
+        mask = ins.get(3)
+        bool_mask = mask is not None and mask.meta["val"].dtype == torch.bool
+        if not outs or any(k not in ins for k in (0, 1, 2)) or len(spare) < 1 + bool_mask:
+            return None
+        qv, kv = ins[0].meta["val"], ins[1].meta["val"]
+        if self.device != "cpu" and qv.dtype == torch.float64:
+            return None
+        b, h, rows, e = qv.shape
+        acc = 8 if qv.dtype == torch.float64 else 4
+        if self.device != "cpu" and (qv.dtype == torch.float32 or mask is not None):
+            rows = -(-rows // 32) * 32
+        self.sizes |= {n.name: 0 for n in inner}
+        self.sizes[spare[0].name] = b * h * rows * acc
+        saved = [ins[0], ins[1], ins[2], outs[-1], spare[0]]
+        if bool_mask:
+            self.sizes[spare[1].name] = mask.meta["val"].numel() * qv.element_size()  # type: ignore[union-attr]
+            saved.append(spare[1])
+        elif mask is not None:
+            saved.append(mask)
+        tmp = 0
+        if self.device == "cpu":
+            copied = self._free_copies(outs[-1], _dense_strides(qv))
+            qs, ks = _split(qv.shape[2], 768, 192), _split(kv.shape[2], 0, None)
+            self.extra[outs[-1].name] = (qs * ks + 2 * qs + qs * e) * acc
+            tmp = tensor_bytes(outs[-1].meta["val"]) * copied + 2 * qs * ks * acc
+        self._regions.append(({n.name for n in region}, tmp))
+        return saved
+
+    def _free_copies(self, out: Node, strides: tuple[int, ...]) -> bool:
+        """The CPU kernel's output has q's memory order (``strides``), not graphflop's
+        row-major one: a copy of a permutation of it that is contiguous in that order (q from
+        ``view(B, L, H, E).transpose(1, 2)``, the output's ``transpose(1, 2).contiguous()``;
+        multi-head attention's sequence-first q and ``permute(2, 0, 1, 3)``) is a view in
+        eager. Returns whether the output's gradient reaches the backward kernel in another
+        order than (B, L, H, E) (it then copies it): the gradient of the first copy found
+        (row-major) taken back through the views, or, with none, row-major."""
+        v = out.meta["val"]
+        first = torch.empty_strided(v.shape, strides, dtype=v.dtype, device="meta")
+        todo: list[tuple[Node, torch.Tensor, list[tuple[Node, torch.Tensor]]]] = [(out, first, [])]
+        grad: torch.Tensor | None = None
+        while todo:
+            n, t, chain = todo.pop()
+            for u in n.users:
+                if u.target in _STRIDED_VIEWS:
+                    try:
+                        todo.append((u, u.target(t, *u.args[1:]), [*chain, (u, t)]))  # type: ignore[operator]
+                    except RuntimeError:  # a view eager would have to copy for
+                        continue
+                elif u.target is aten.clone.default:
+                    if t.is_contiguous():
+                        self.sizes[u.name] = 0
+                    if grad is None:
+                        grad = _back_through(chain, torch.empty(t.shape, device="meta"))
+        if grad is None:
+            grad = torch.empty(v.shape, device="meta")
+        return not grad.transpose(1, 2).is_contiguous()
+
+    def backward(self, backward: GraphModule) -> None:
+        """Sizes and temporaries of the backward nodes the fused regions' rules made."""
+        for names, tmp in self._regions:
+            nodes = [
+                n
+                for n in backward.graph.nodes
+                if n.op == "call_function" and n.meta.get(SOURCE) in names
+            ]
+            inside = set(nodes)
+            leaving = [n for n in nodes if any(u not in inside for u in n.users)]
+            keep: set[Node] = set()
+            for n in leaving:  # a gradient and the storage it is a view of
+                m: Node | None = n
+                while m in inside and m not in keep:
+                    keep.add(m)
+                    m = m.all_input_nodes[0] if _is_view(m) and m.all_input_nodes else None
+            self.backward_sizes |= {n.name: 0 for n in nodes if n not in keep}
+            if not nodes:
+                continue
+            # one kernel: what it reads and the gradients it makes live together at its end
+            outer = {a.name for n in nodes for a in n.all_input_nodes if a not in inside}
+            self.backward_reads[nodes[-1].name] = sorted(outer) + [n.name for n in leaving]
+            if tmp:
+                self.backward_extra[nodes[-1].name] = tmp
