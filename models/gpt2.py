@@ -39,7 +39,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 VOCAB_SIZE = 50257
 CONTEXT = 1024
@@ -71,13 +70,10 @@ class CausalSelfAttention(nn.Module):
         shape = (n, t, self.n_head, d // self.n_head)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
-        if x.device.type == "cpu":
-            # PyTorch's CPU flash kernel has no forward-mode derivative (torch.func.jvp, which
-            # --verify compares with, fails on it); the math kernel is what graphflop traces
-            with sdpa_kernel(SDPBackend.MATH):
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        # without dropout, eager CPU runs PyTorch's fused kernel (graphflop's eager memory model
+        # counts what it saves); forward-mode AD needs the math kernel, which graphflop's own
+        # torch.func.jvp runs select (torch.nn.attention.sdpa_kernel(SDPBackend.MATH))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(n, t, d)
         return self.resid_dropout(self.c_proj(y))
 

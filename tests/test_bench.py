@@ -97,6 +97,32 @@ def test_batchnorm_model_benches_on_every_runtime(tmp_path):
     assert not torch.equal(model.bn.running_mean, before)
 
 
+class _Attention(nn.Module):
+    """Attention without dropout: eager CPU runs PyTorch's fused kernel, which has no
+    forward-mode derivative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum(1)
+
+
+def test_torch_runtime_runs_forward_mode_through_fused_attention():
+    """bench's eager forward-gradient step (torch.func.jvp) runs attention on the math kernel:
+    on the fused CPU kernel torch.func.jvp raises (checked first, so the test can fail)."""
+    model = _Attention()
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(Exception, match="forward AD|not implemented"):
+        f = lambda p: torch.func.functional_call(model, p, (x,)).sum()  # noqa: E731
+        params = dict(model.named_parameters())
+        torch.func.jvp(f, (params,), ({k: torch.ones_like(v) for k, v in params.items()},))
+    phases = bench_torch(analyze(model, (x,)), model, device="cpu", warmup=1, repeat=2, rotate=2)
+    assert phases["forward_gradient_step"].runs == 2
+
+
 def test_graph_torch_samples_a_new_direction_each_step():
     """The forward-gradient graph graph_torch runs draws its direction inside: two calls on
     the same inputs give different directional derivatives (the last output)."""

@@ -37,6 +37,7 @@ import torch
 
 from graphflop.frontend.trace import loss_value
 from graphflop.meta import LOSS_KIND, SIGNATURE, UPDATE
+from graphflop.runtime.attention import math_attention
 from graphflop.runtime.timing import Timing, time_fn, time_phases
 
 __all__ = [
@@ -222,7 +223,8 @@ def bench_torch(
             return loss_value(kind, first_output(out), t), c
 
         v = {k: torch.randn_like(p) for k, p in params.items()}
-        _, d, c = torch.func.jvp(f, (params, buffers), (v, zero_buffers), has_aux=True)
+        with math_attention():  # the fused CPU attention kernel has no forward derivative
+            _, d, c = torch.func.jvp(f, (params, buffers), (v, zero_buffers), has_aux=True)
         with torch.no_grad():
             for k, n in c.items():
                 counters[k].copy_(n)

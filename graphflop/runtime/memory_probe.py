@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from graphflop.frontend.loss import default_loss, loss_value
+from graphflop.runtime.attention import math_attention
 
 __all__ = [
     "Measured",
@@ -185,9 +186,7 @@ def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int
         return loss_value(kind, first, targets)
 
     def go() -> None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.MATH):
+        with math_attention():
             torch.func.jvp(f, primals, tangents)
 
     base = _bytes([*model.parameters(), *buffers.values(), *inputs, *targets, *tangents])

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphflop.runtime.attention import math_attention
 from graphflop.train.config import TrainError
 
 LAYERS = (nn.Linear, nn.Conv2d)
@@ -185,7 +186,8 @@ class ActivityPerturbation:
                 return out, (dict(self._inputs), list(self._block_out))
 
             zeros = tuple(torch.zeros_like(u) for u in us)
-            value, d, (inputs, blocks) = torch.func.jvp(f, zeros, us, has_aux=True)
+            with math_attention():  # the fused CPU attention kernel has no forward derivative
+                value, d, (inputs, blocks) = torch.func.jvp(f, zeros, us, has_aux=True)
             loss = float(value[-1].sum()) if self.local_losses else float(value.sum())
             for i, (q, u) in enumerate(zip(names, us)):
                 di = d[i] if self.local_losses else d
