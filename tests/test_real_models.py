@@ -472,3 +472,50 @@ def test_hf_folder_with_config_json(tmp_path):
     assert type(loaded.model).__name__ == "GPT2LMHeadModel"  # a decoder: the causal-LM head
     assert loaded.model.config.n_positions == 64
     assert [tuple(t.shape) for t in make_inputs(loaded)] == [(1, 16)]
+
+
+@pytest.mark.parametrize("positions", ["default", "packed"])
+def test_hf_causal_mask_is_traced_as_eager_runs_it(positions):
+    """transformers builds no attention mask eagerly (``is_causal=True``, the fused CPU kernel,
+    nothing saved for a mask) when positions run 0…T−1; tracing must not make one where eager
+    does not (it used to: the packed-sequence check cannot read traced values). With positions
+    given as an input (packed sequences) the mask stays."""
+    pytest.importorskip("transformers")
+    from graphflop.frontend import composite
+
+    load("hf:llama", ctor_kwargs=SMALL_LLAMA, meta=True, seq=16)  # transformers importable
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        "llama", use_cache=False, attn_implementation="sdpa", **SMALL_LLAMA
+    )
+    model = transformers.AutoModel.from_config(cfg).train()
+    ids = torch.randint(0, 100, (2, 16))
+    kwargs = {} if positions == "default" else {"position_ids": torch.arange(16).repeat(2, 1)}
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids, *pos):
+            return self.m(ids, **({"position_ids": pos[0]} if pos else {})).last_hidden_state
+
+    masks = []
+    real = composite.sdpa
+
+    def spy(q, k, v, attn_mask=None, *args, **kw):
+        masks.append(attn_mask)
+        return real(q, k, v, attn_mask, *args, **kw)
+
+    inputs = (ids, *kwargs.values())
+    try:
+        composite.sdpa = spy
+        analyze(Wrapped(), inputs, loss="sum")
+    finally:
+        composite.sdpa = real
+    assert masks
+    if positions == "default":
+        assert all(m is None for m in masks)
+    else:
+        assert all(m is not None for m in masks)

@@ -73,7 +73,7 @@ def _gpt2(seq: int) -> Callable[[], tuple[nn.Module, tuple]]:
         _preload_torchvision()
         from transformers import GPT2Config, GPT2Model
 
-        cfg = GPT2Config(attn_implementation="sdpa")
+        cfg = GPT2Config(attn_implementation="sdpa", use_cache=False)
         return GPT2Model(cfg), (torch.randint(0, cfg.vocab_size, (1, seq)),)
 
     return build
@@ -91,6 +91,7 @@ def _llama() -> tuple[nn.Module, tuple]:
         num_attention_heads=4,
         num_key_value_heads=2,
         attn_implementation="sdpa",
+        use_cache=False,
     )
     return LlamaModel(cfg), (torch.randint(0, cfg.vocab_size, (2, 256)),)
 

@@ -14,22 +14,79 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
 @contextlib.contextmanager
 def traced_by_libraries() -> Iterator[None]:
-    """``torch.compiler.is_compiling()`` is True inside, as it was before afterwards."""
+    """``torch.compiler.is_compiling()`` is True inside, as it was before afterwards; and
+    transformers' packed-sequence check answered from the trace (:func:`_packed_from_shapes`)."""
     old = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
+    hf = sys.modules.get("transformers.masking_utils")
+    find = getattr(hf, "find_packed_sequence_indices", None)
+    if find is not None:
+        hf.find_packed_sequence_indices = _packed_from_shapes(find)  # type: ignore[union-attr]
     try:
         yield
     finally:
         torch.compiler._is_compiling_flag = old
+        if find is not None:
+            hf.find_packed_sequence_indices = find  # type: ignore[union-attr]
+
+
+def _packed_from_shapes(find: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """transformers' ``find_packed_sequence_indices(position_ids)`` (masking_utils), which
+    eagerly returns None when every row's positions run 0, 1, 2, … (one sequence per row), but
+    while tracing cannot read the values and returns the packed-sequence ids, making the
+    attention mask a tensor where eager attention runs ``is_causal=True`` with no mask (fused
+    kernels, no mask saved). Positions the trace computed from shapes alone (transformers'
+    default, ``cache_position = arange(…)``; no graph input among their ancestors) are such
+    runs: then None, as eagerly. Positions from the model's inputs (packed training): the
+    original."""
+
+    def packed(position_ids: Any) -> Any:
+        node = _traced_node(position_ids)
+        if node is not None and not _reads_inputs(node):
+            return None
+        return find(position_ids)
+
+    return packed
+
+
+def _traced_node(t: Any) -> Any:
+    """The graph node ``make_fx`` records for tensor ``t`` (unwrapping functionalization), or
+    None when nothing is being traced."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None or not isinstance(t, torch.Tensor):
+        return None
+    while torch._is_functional_tensor(t):
+        t = torch._from_functional_tensor(t)
+    slot = get_proxy_slot(t, mode.tracer, None)
+    return getattr(getattr(slot, "proxy", None), "node", None)
+
+
+def _reads_inputs(node: Any) -> bool:
+    """Whether a placeholder (a model input, parameter or buffer) is among ``node``'s
+    ancestors."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 #: error types (by name) raised when Python control flow reads a traced tensor's value
