@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from graphflop.frontend import nodynamo
 from graphflop.frontend.trace import trace
 from graphflop.meta import LINEARIZED, LOSS_KIND, SIGNATURE
 from graphflop.passes.activity_gradient import BuildActivityGradientStep, NotPerturbable
@@ -133,22 +134,25 @@ def analyze(
     if amp not in (None, "bf16", "fp16"):
         raise ValueError(f"unknown amp dtype {amp!r}: bf16 or fp16")
     with _no_gc():
-        return _analyze(
-            model,
-            example_inputs,
-            name=name,
-            loss=loss,
-            optimizer=optimizer,
-            tangents=tangents,
-            directions=directions,
-            distribution=distribution,
-            backward=backward,
-            jvp=jvp,
-            memory_model=memory_model,
-            device=device,
-            keep_grads=keep_grads,
-            what_if={"checkpoint": checkpoint, "amp": amp},
-            say=progress or (lambda msg: None),
+        return nodynamo.run(
+            lambda: _analyze(
+                model,
+                example_inputs,
+                name=name,
+                loss=loss,
+                optimizer=optimizer,
+                tangents=tangents,
+                directions=directions,
+                distribution=distribution,
+                backward=backward,
+                jvp=jvp,
+                memory_model=memory_model,
+                device=device,
+                keep_grads=keep_grads,
+                what_if={"checkpoint": checkpoint, "amp": amp},
+                say=progress or (lambda msg: None),
+            ),
+            light=memory_model != "compiled",
         )
 
 
