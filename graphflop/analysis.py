@@ -123,6 +123,10 @@ def analyze(
         amp: what-if autocast to ``bf16`` or ``fp16`` on ``device``: saved bytes and train
             peak in ``report.memory.amp`` (:mod:`graphflop.passes.amp`).
 
+    While it runs, and only when the process has never imported ``torch._dynamo``, light
+    stand-ins take Dynamo's place (:mod:`graphflop.frontend.nodynamo`: its import costs about 2 s
+    of CPU; nothing here compiles); ``memory_model="compiled"`` uses the real Dynamo.
+
     Raises:
         TraceError, MissingRuleError, ValueError: see the passes.
     """
