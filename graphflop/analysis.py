@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from graphflop.frontend import nodynamo
 from graphflop.frontend.trace import trace
 from graphflop.meta import LINEARIZED, LOSS_KIND, SIGNATURE
 from graphflop.passes.activity_gradient import BuildActivityGradientStep, NotPerturbable
@@ -122,6 +123,10 @@ def analyze(
         amp: what-if autocast to ``bf16`` or ``fp16`` on ``device``: saved bytes and train
             peak in ``report.memory.amp`` (:mod:`graphflop.passes.amp`).
 
+    While it runs, and only when the process has never imported ``torch._dynamo``, light
+    stand-ins take Dynamo's place (:mod:`graphflop.frontend.nodynamo`: its import costs about 2 s
+    of CPU; nothing here compiles); ``memory_model="compiled"`` uses the real Dynamo.
+
     Raises:
         TraceError, MissingRuleError, ValueError: see the passes.
     """
@@ -133,22 +138,25 @@ def analyze(
     if amp not in (None, "bf16", "fp16"):
         raise ValueError(f"unknown amp dtype {amp!r}: bf16 or fp16")
     with _no_gc():
-        return _analyze(
-            model,
-            example_inputs,
-            name=name,
-            loss=loss,
-            optimizer=optimizer,
-            tangents=tangents,
-            directions=directions,
-            distribution=distribution,
-            backward=backward,
-            jvp=jvp,
-            memory_model=memory_model,
-            device=device,
-            keep_grads=keep_grads,
-            what_if={"checkpoint": checkpoint, "amp": amp},
-            say=progress or (lambda msg: None),
+        return nodynamo.run(
+            lambda: _analyze(
+                model,
+                example_inputs,
+                name=name,
+                loss=loss,
+                optimizer=optimizer,
+                tangents=tangents,
+                directions=directions,
+                distribution=distribution,
+                backward=backward,
+                jvp=jvp,
+                memory_model=memory_model,
+                device=device,
+                keep_grads=keep_grads,
+                what_if={"checkpoint": checkpoint, "amp": amp},
+                say=progress or (lambda msg: None),
+            ),
+            light=memory_model != "compiled",
         )
 
 

@@ -288,23 +288,28 @@ Profiled with pyinstrument (`--profile`) and cProfile on CPU time, after a warm-
 
 - **Tracing dominates convolutional networks.** `make_fx` costs about 1 ms of CPU per traced
   ATen op whatever the tensor sizes (proxy creation, fake-tensor dispatch, PyTorch's own
-  `Graph.create_node` checks). For ResNet-50 in training mode, batch norm is over half of the
-  trace: graphflop's decomposition calls PyTorch's `native_batch_norm_helper`, about 15 traced
-  ops per batch norm, and train-mode batch norm writes its running statistics, so blocks that
-  hold one are never outlined (`graphflop/frontend/outline.py`): all 16 bottlenecks are traced.
-  FlopCounterMode runs the same ops eagerly on meta tensors, without proxies or fake tensors.
+  `Graph.create_node` checks). For ResNet-50 in training mode, batch norm is still about 40% of
+  the trace (PyTorch's `_native_batch_norm_legit_functional` decomposition, about 20 traced ops
+  per call, also in the outlined templates) although blocks that hold a training-mode batch norm
+  are outlined since round 2 (`graphflop/frontend/outline.py`). The next lever: trace one batch
+  norm per argument signature and copy its nodes (`Graph.node_copy` costs tens of µs per node,
+  `make_fx` about 1 ms per op). FlopCounterMode runs the same ops eagerly on meta tensors,
+  without proxies or fake tensors.
 - **Transformers are outlined**, so their trace is short; the JVP and backward builders then
   cost about 150 µs per emitted node: a quarter in `torch.fx.Graph.create_node` (a pytree walk
-  over the arguments looking for SymInts), a quarter in graphflop's argument maps and metadata
-  keys (`graphflop/ad/_tree.py`), the rest in the rules; fake-tensor propagation is mostly
-  served by the builders' shape cache.
-- **Fixed costs**: PyTorch's core-ATen decomposition table took 0.1-0.3 s of CPU to build on
-  every trace (now built once per process, `graphflop/ops/registry.py`), and Python's cyclic
-  garbage collector about 15% of an analysis (now off while `analyze` runs). For tiny models
+  over the arguments looking for SymInts: 47 µs per node against 31-35 µs when the arguments are
+  set after creation), a quarter in graphflop's argument maps and metadata keys
+  (`graphflop/ad/_tree.py`, cheaper since round 3), the rest in the rules; fake-tensor
+  propagation is mostly served by the builders' shape cache. The next lever: build a repeated
+  block's JVP and backward once and copy them, as tracing does.
+- **Fixed costs**: PyTorch's core-ATen decomposition table (built once per process, and since
+  round 3 without `torch.export`'s table class, `graphflop/ops/registry.py`), and Python's cyclic
+  garbage collector (off while `analyze` runs: it cost about 15% of an analysis). For tiny models
   (the MLP) these fixed costs are most of the analysis.
-- **The CLI**: `import torch` and `torch._dynamo` (which `FakeTensorMode` and `make_fx` import
-  themselves) are most of `graphflop inspect`'s time; graphviz and rich's report renderer were
-  imported by `import graphflop` and are now loaded on first use (`tests/test_imports.py`).
+- **The CLI**: `import torch` (2.0-2.5 s of CPU) is most of `graphflop inspect`'s time, then the
+  first import of sympy and `torch.distributed.tensor` (about 1 s, imported by PyTorch's C++
+  dispatcher). Dynamo is no longer imported (`graphflop/frontend/nodynamo.py`); graphviz and rich's report
+  renderer are loaded on first use (`tests/test_imports.py`).
 """
 
 

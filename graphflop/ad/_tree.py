@@ -6,35 +6,51 @@ the passes call these once or more per emitted node, so they stay small and plai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import Node
 
 
 def tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
     """``x`` with ``fn`` applied to every leaf (anything but a tuple, list or dict)."""
     t = type(x)
-    if t is tuple or t is list:
-        return t(tree_map(fn, y) for y in x)
+    if t is tuple:
+        return tuple([tree_map(fn, y) for y in x])
+    if t is list:
+        return [tree_map(fn, y) for y in x]
     if t is dict:
         return {k: tree_map(fn, v) for k, v in x.items()}
+    if t in _LEAF_TYPES:
+        return fn(x)
     if isinstance(x, (tuple, list)) and not isinstance(x, torch.Size):
-        return type(x)(tree_map(fn, y) for y in x)  # fx's immutable_list
+        return type(x)([tree_map(fn, y) for y in x])  # fx's immutable_list
     return fn(x)
 
 
-def leaves(x: Any) -> Iterator[Any]:
+def leaves(x: Any) -> list[Any]:
     """Every leaf of ``x``, depth first."""
-    if isinstance(x, (tuple, list)) and not isinstance(x, torch.Size):
+    out: list[Any] = []
+    _leaves(x, out)
+    return out
+
+
+def _leaves(x: Any, out: list[Any]) -> None:
+    t = type(x)
+    if t in _LEAF_TYPES:
+        out.append(x)
+    elif (
+        t is tuple or t is list or (isinstance(x, (tuple, list)) and not isinstance(x, torch.Size))
+    ):
         for y in x:
-            yield from leaves(y)
+            _leaves(y, out)
     elif isinstance(x, dict):
         for y in x.values():
-            yield from leaves(y)
+            _leaves(y, out)
     else:
-        yield x
+        out.append(x)
 
 
 def meta_key(a: Any) -> Any:
@@ -42,18 +58,26 @@ def meta_key(a: Any) -> Any:
     device; containers by their items; anything else as itself (``TypeError`` on hashing
     when it is not hashable). A FakeTensor that carries a constant value raises
     ``TypeError``: its consumers may read the value."""
-    if type(a) is FakeTensor:  # memoised on the tensor: graphs share their FakeTensors
+    t = type(a)
+    if t is FakeTensor:  # memoised on the tensor: graphs share their FakeTensors
         key = a.__dict__.get(_KEY)
         if key is None:
             key = a.__dict__[_KEY] = _tensor_key(a)
         return key
+    if t in _LEAF_TYPES:
+        return a
     if isinstance(a, torch.Tensor):
         return _tensor_key(a)
     if isinstance(a, (list, tuple)):
-        return tuple(meta_key(x) for x in a)
+        return tuple([meta_key(x) for x in a])
     if isinstance(a, dict):
-        return tuple((k, meta_key(v)) for k, v in sorted(a.items()))
+        return tuple([(k, meta_key(v)) for k, v in sorted(a.items())])
     return a
+
+
+#: types that are leaves for :func:`tree_map`, :func:`leaves` and :func:`meta_key` (checked by
+#: exact type first: most arguments are one of these)
+_LEAF_TYPES = frozenset({int, float, bool, str, type(None), Node, torch.dtype, torch.device})
 
 
 def _tensor_key(a: torch.Tensor) -> tuple:

@@ -317,13 +317,19 @@ def check_dtype(args: argparse.Namespace, loaded, shapes=None) -> None:
 def float_output(model, inputs) -> bool:
     """Whether ``model``'s output (run on the meta ``inputs``) has a floating-point tensor, i.e.
     something to differentiate. True when the model cannot run on meta tensors (the trace then
-    reports why)."""
+    reports why). The forward runs without importing Dynamo
+    (:mod:`graphflop.frontend.nodynamo`): on meta tensors it costs little, the import 2 s."""
     import torch
     from torch.utils._pytree import tree_leaves
 
-    try:
+    from graphflop.frontend import nodynamo
+
+    def forward():
         with torch.no_grad():
-            out = model(*inputs)
+            return model(*inputs)
+
+    try:
+        out = nodynamo.run(forward)
     except Exception:
         return True
     leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]

@@ -397,11 +397,11 @@ def decomposition_table() -> dict[Any, Callable[..., Any]]:
     PyTorch's own for the ops given to :func:`use_torch_decomposition`, and graphflop's
     (:func:`register_decomposition`) over both. Import :mod:`graphflop.ops` first: the rule
     files register them."""
-    from torch._decomp import core_aten_decompositions, get_decompositions
+    from torch._decomp import get_decompositions
 
     key = tuple(_TORCH_DECOMPOSED)
-    if _TORCH_TABLE.get("key") != key:  # PyTorch's part costs ~0.1-0.3 s to build: once
-        base = dict(core_aten_decompositions())
+    if _TORCH_TABLE.get("key") != key:  # PyTorch's part: built once per process
+        base = core_aten_table()
         base.update(get_decompositions(_TORCH_DECOMPOSED))
         _TORCH_TABLE.update(key=key, table=base)
     table: dict[Any, Callable[..., Any]] = dict(_TORCH_TABLE["table"])
@@ -412,6 +412,57 @@ def decomposition_table() -> dict[Any, Callable[..., Any]]:
 #: PyTorch's part of :func:`decomposition_table`, for the ``use_torch_decomposition`` list
 #: it was built with
 _TORCH_TABLE: dict[str, Any] = {}
+
+
+def core_aten_table() -> dict[Any, Callable[..., Any]]:
+    """PyTorch's core-ATen decomposition table, ``dict(torch._decomp.core_aten_decompositions())``
+    (the same keys, and the same functions or the same CompositeImplicitAutograd kernels), built
+    without walking every op of every namespace.
+
+    ``torch.export``'s table holds PyTorch's post-autograd decompositions plus, for each
+    CompositeImplicitAutograd (CIA) op that export would preserve and that is not among them
+    (nor in export's preserved list, for ATen ops), its CIA kernel. Export finds the CIA ops by
+    creating and checking all ~2,600 overloads of every namespace (0.2-0.3 s of CPU); a CIA op is
+    either registered with the C++ dispatcher (listed by
+    ``torch._C._dispatch_get_registrations_for_dispatch_key``) or has a Python CIA kernel, which
+    only an overload object that already exists can have, so only those are checked here.
+    ``tests/test_imports.py`` compares the two tables.
+    """
+    from torch._decomp import _core_aten_decompositions_post_autograd
+    from torch._export.utils import _get_decomp_for_cia, _is_preservable_cia_op
+    from torch.export.decomp_utils import PRESERVED_ATEN_CIA_OPS
+
+    table: dict[Any, Callable[..., Any]] = dict(_core_aten_decompositions_post_autograd())
+    cia = [op for op in _cia_candidates() if _is_preservable_cia_op(op)]
+    # ATen's first (export builds them at construction), then the other namespaces'
+    for aten_first in (True, False):
+        for op in cia:
+            if (op.namespace == "aten") != aten_first or op in table:
+                continue
+            if not aten_first or op not in PRESERVED_ATEN_CIA_OPS:
+                table[op] = _get_decomp_for_cia(op)
+    return table
+
+
+def _cia_candidates() -> list[Any]:
+    """Overloads that may have a CompositeImplicitAutograd kernel: those registered in C++, then
+    the existing overloads with a Python one (the C++ ones created first, as export does)."""
+    found: dict[Any, None] = {}
+    for name in torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"):
+        namespace, _, rest = name.partition("::")
+        op, _, overload = rest.partition(".")
+        found[getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")] = None
+    cia = torch._C.DispatchKey.CompositeImplicitAutograd
+    for namespace in list(torch.ops):
+        ns = getattr(torch.ops, namespace)
+        if not isinstance(ns, torch._ops._OpNamespace):
+            continue
+        for packet_name in list(ns):
+            packet = getattr(ns, packet_name)
+            for overload in list(vars(packet).values()):
+                if isinstance(overload, OpOverload) and cia in overload.py_kernels:
+                    found[overload] = None
+    return list(found)
 
 
 def _by_dtype(op: Any, fn: Callable[..., Any], dtypes: tuple[torch.dtype, ...]) -> Callable:

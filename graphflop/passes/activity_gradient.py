@@ -244,6 +244,16 @@ def _ancestors(n: Node) -> set[Node]:
     return seen
 
 
+def _descendants(g: Graph, sources: set[Node]) -> set[Node]:
+    """``sources`` and every node computed from one of them (one sweep in graph order, which
+    is topological)."""
+    out = set(sources)
+    for n in g.nodes:
+        if n not in out and any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
 def _per_example_loss(g: Graph, sig: Signature, fake_mode, batch: int) -> Node:
     """Copy the loss's reduction chain with its batch dimension kept: the last node on the
     loss's path that has the batch as its leading dimension is ``P``; each full ``sum``/
@@ -253,7 +263,8 @@ def _per_example_loss(g: Graph, sig: Signature, fake_mode, batch: int) -> Node:
     loss = nodes[sig.loss]
     up = _ancestors(loss)
     outs = set().union(*(_ancestors(nodes[o]) for o in sig.outputs)) if sig.outputs else set()
-    from_out = [n for n in g.nodes if n in up and (n in outs or outs & _ancestors(n))]
+    after_outs = _descendants(g, outs)
+    from_out = [n for n in g.nodes if n in up and n in after_outs]
     cands = [
         n
         for n in from_out
@@ -264,7 +275,8 @@ def _per_example_loss(g: Graph, sig: Signature, fake_mode, batch: int) -> Node:
     if not cands:
         raise NotPerturbable("activity perturbation: the loss has no per-example terms")
     p = cands[-1]
-    chain = [n for n in g.nodes if n in up and p in _ancestors(n) and n is not p]
+    after_p = _descendants(g, {p})
+    chain = [n for n in g.nodes if n in up and n in after_p and n is not p]
     env: dict[Node, Node] = {p: p}
     out_node = next(n for n in g.nodes if n.op == "output")
     ann = {k: v for k, v in p.meta.items() if k not in ("val", _TAG)}
