@@ -38,12 +38,17 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch
 from torch._guards import GuardSource, Source
 
 _T = TypeVar("_T")
 
 #: set to ``1`` to always use the real Dynamo (to compare, or should a stand-in misbehave)
 ENV_OFF = "GRAPHFLOP_REAL_DYNAMO"
+
+#: the PyTorch releases whose Dynamo imports the stand-ins were written against (and tested
+#: with); any other release uses the real package: the names PyTorch reads from it change
+TESTED_TORCH = ("2.13.",)
 
 _NAME = "torch._dynamo"
 _INDUCTOR = "torch._inductor"
@@ -56,7 +61,11 @@ def run(fn: Callable[[], _T], *, light: bool = True) -> _T:
     AOTAutograd's partition)."""
     if not light:
         importlib.import_module(_NAME)
-    if _NAME in sys.modules or os.environ.get(ENV_OFF) == "1":
+    if (
+        _NAME in sys.modules
+        or os.environ.get(ENV_OFF) == "1"
+        or not torch.__version__.startswith(TESTED_TORCH)
+    ):
         return fn()
     try:
         with _standins():
