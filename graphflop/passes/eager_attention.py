@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from graphflop.frontend.composite import FUSED_SDPA
 from graphflop.meta import COMPOSITE, SOURCE
 from graphflop.ops import has_rule, lookup
 from graphflop.passes.flops import tensor_bytes
@@ -189,3 +190,70 @@ class FusedAttention:
             self.backward_reads[nodes[-1].name] = sorted(outer) + [n.name for n in leaving]
             if tmp:
                 self.backward_extra[nodes[-1].name] = tmp
+
+
+def math_attention_jvp_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Peak bytes PyTorch's math attention kernel (``_scaled_dot_product_attention_math``)
+    holds under eager forward-mode AD beyond its inputs and their tangents, for q
+    [B, H, L, E], k [B, Hk, S, E], v [B, Hk, S, Ev] (meta tensors): the scaled q and k and
+    their tangents (the kernel scales both by √scale), GQA's expanded copies of k and v and
+    their tangents when Hk < H, and the larger of the product phase (scores, their tangent
+    and the two products it is summed from: four score-sized tensors, the scaled k alive) and
+    the softmax phase (scores and tangent, the probabilities and two temporaries of
+    ``_safe_softmax``'s tangent formula: five; the scaled k freed). Profiler allocator events,
+    PyTorch 2.13 CPU, one thread. Masks (at most L·S elements, against B·H·L·S for a score)
+    are left out."""
+    it = q.element_size()
+    b, h, rows, e = q.shape
+    cols = k.shape[2]
+    qb = b * h * rows * e * it
+    kb = b * h * cols * e * it
+    vb = b * h * cols * v.shape[-1] * it
+    sb = b * h * rows * cols * it
+    gqa = 2 * (kb + vb) if k.shape[1] < h else 0
+    return gqa + 2 * qb + max(2 * kb + 4 * sb, 5 * sb)
+
+
+def attention_jvp(
+    jvp: GraphModule, regions: list[list[Node]], pairs: dict[str, list[str]]
+) -> tuple[dict[str, int], dict[str, int], dict[str, list[str]]]:
+    """Attention tagged :data:`FUSED_SDPA` in a JVP graph. Forward-mode AD cannot run the
+    fused kernel; eager ``torch.func.jvp`` runs the math kernel
+    (:func:`graphflop.runtime.attention.math_attention`), as one op: the decomposition's inner
+    nodes and inner tangent nodes hold nothing, and the kernel's own peak
+    (:func:`math_attention_jvp_bytes`, less the output and its tangent, which the schedule
+    holds) is charged to the output's tangent, where q, k, v and their tangents are read.
+    ``regions``: the graph's composite regions; ``pairs``: :func:`dual_pairs`. Returns
+    (sizes, extra, also_reads) for :meth:`Schedule.add_graph`."""
+    sizes: dict[str, int] = {}
+    extra: dict[str, int] = {}
+    reads: dict[str, list[str]] = {}
+    for region in regions:
+        tags = {n: n.meta[COMPOSITE] for n in region}
+        if tags[region[0]].op != FUSED_SDPA:
+            continue
+        ins: dict[int, Node] = {}
+        for n in region:
+            for i, kk in tags[n].inputs:
+                ins.setdefault(kk, n.all_input_nodes[i])
+        names = {n.name for n in region}
+        out = [n.name for n in region if tags[n].output == 0]
+        keep = set(out) | {t for o in out for t in pairs.get(o, [])}
+        inner_t = [
+            n
+            for n in jvp.graph.nodes
+            if n.meta.get(SOURCE) in names and n.op != "placeholder" and n.name not in names
+        ]
+        for n in [*region, *inner_t]:
+            if n.name not in keep:
+                sizes[n.name] = 0
+        result = [n for n in inner_t if n.name in keep]
+        if not result or any(kk not in ins for kk in (0, 1, 2)):
+            continue
+        q, k, v = (ins[kk].meta["val"] for kk in (0, 1, 2))
+        held = sum(tensor_bytes(n.meta["val"]) for n in jvp.graph.nodes if n.name in keep)
+        extra[result[-1].name] = max(0, math_attention_jvp_bytes(q, k, v) - held)
+        reads[result[-1].name] = [
+            x for kk in (0, 1, 2) for x in [ins[kk].name, *pairs.get(ins[kk].name, [])]
+        ]
+    return sizes, extra, reads

@@ -34,7 +34,7 @@ from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU, FUSED_SDPA
 from graphflop.meta import COMPOSITE, JVP, KIND, RESIDUAL, SIGNATURE, SOURCE, CompositeTag
-from graphflop.passes.eager_attention import FusedAttention
+from graphflop.passes.eager_attention import FusedAttention, attention_jvp
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Schedule
 
@@ -293,6 +293,10 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
         tmp[name] = tmp.get(name, 0) + nbytes
     pairs = dual_pairs(jvp)
     sizes, norm_tmp, reads = _norm_jvp(jvp, pairs, device)
+    a_sizes, a_tmp, a_reads = attention_jvp(jvp, _regions(jvp), pairs)
+    sizes |= a_sizes
+    norm_tmp |= a_tmp
+    reads |= a_reads
     s = Schedule()
     s.add_graph(
         jvp,
@@ -360,7 +364,7 @@ def _norm_jvp(
     for region in _regions(jvp, inner=True):
         tags = {n: _tag_of(n, True) for n in region}
         count = JVP_TEMPORARIES.get(tags[region[0]].op)
-        if count is None:
+        if count is None or region[0].meta[COMPOSITE].op == FUSED_SDPA:  # attention_jvp's
             continue
         names = {n.name for n in region}
         x = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
