@@ -73,7 +73,7 @@ def _gpt2(seq: int) -> Callable[[], tuple[nn.Module, tuple]]:
         _preload_torchvision()
         from transformers import GPT2Config, GPT2Model
 
-        cfg = GPT2Config(attn_implementation="sdpa", use_cache=False)
+        cfg = GPT2Config(attn_implementation="sdpa")
         return GPT2Model(cfg), (torch.randint(0, cfg.vocab_size, (1, seq)),)
 
     return build
@@ -224,15 +224,25 @@ def markdown(rows: list[dict]) -> str:
         "softmax's one and dropout's one besides the result with its float mask), the "
         "convolution temporaries, and the first convolution's materialised zero input tangent "
         "(`convolution_jvp` convolves it: one input- and one output-sized tensor).",
-        "* Not modelled: Hugging Face models keep a KV cache (`DynamicCache`, `use_cache=True` "
-        "by default, also in training) that holds a copy of each layer's k and v until the "
-        "model returns; in `torch.func.jvp` their tangents too. graphflop's trace keeps tensor "
-        "outputs only, so the cache's copies are dead code to it: the JVP ratios of GPT-2 "
-        "and the Llama below 1 (GPT-2 small T=512: up to 12 layers × k, v × primal, tangent "
-        "× 1.5 MiB = 72 MiB, by count; the Llama: 3.0 MiB, its JVP measured with "
-        "`use_cache=False`, 56.16 MiB, ratio 0.888). The rest of the Llama's gap is inside "
-        "attention's eager math kernel, which the profiler shows holding about 5 MiB more "
-        "at its softmax than graphflop's math-form JVP graph: not modelled.",
+        "* The Llama is built with `use_cache=False`, as graphflop's `hf:` loader builds every "
+        "Hugging Face model; tracing then sees the mask eager attention runs (none: "
+        "`is_causal=True`), because graphflop answers transformers' packed-sequence check from "
+        "the trace (`graphflop/frontend/libraries.py`). GPT-2 keeps transformers' default "
+        "`use_cache=True`.",
+        "* Not modelled: (1) the KV cache (`DynamicCache`, `use_cache=True`) holds a copy of "
+        "each layer's k and v until the model returns, in `torch.func.jvp` with their tangents; "
+        "graphflop's trace keeps tensor outputs only, so the cache is dead code to it (GPT-2 "
+        "small T=512's JVP ratio 0.92: up to 12 layers × k, v × primal, tangent × 1.5 MiB = "
+        "72 MiB, by count). (2) Attention on PyTorch's math path (dropout > 0) with strided k "
+        "and v (views of one projection's output: HF GPT-2 with `use_cache=False`, where no "
+        "cache concatenates them) saves contiguous copies of k and v for its products, "
+        "2·T·d·4 bytes per layer that graphflop does not count: measured GPT-2 small with "
+        "`use_cache=False` saved 171.78 MiB against graphflop's 162.78 (0.948) at T=128 and "
+        "1011.11 against 975.10 (0.964) at T=512 (differences 12 × 0.75 MiB and 12 × 3 MiB). "
+        "(3) Inside the math attention kernel under forward-mode AD, graphflop charges its "
+        "peak by formula (`math_attention_jvp_bytes`: scaled q and k, GQA copies, four or "
+        "five score-sized tensors); masks and the order of its temporaries are left out "
+        "(isolated attention: 0.91–0.93 of the measured JVP peak).",
         "",
         "## Saved for backward",
         "",
@@ -276,7 +286,35 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['name']} | {_mib(m.jvp_peak_bytes)} | {_mib(e.jvp_peak_bytes)} | "
             f"{_r(e.jvp_peak_bytes, m.jvp_peak_bytes)} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _ort_section()) + "\n"
+
+
+def _ort_section(path: str = "docs/memory_ort.md") -> list[str]:
+    """The ONNX Runtime peaks of ``path`` (written by ``tools/bench_ort_memory.py``: ORT's
+    arena counters from its profile against graphflop's figure over ORT's own node order),
+    as a short table; nothing when the file is absent."""
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) >= 6 and cells[1] in ("forward", "train_step", "forward_gradient_step"):
+                rows.append(f"| {cells[0]} | {cells[1]} | {cells[2]} | {cells[4]} | {cells[5]} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "## ONNX Runtime peaks",
+        "",
+        f"From `{path}` (`python tools/bench_ort_memory.py`: the exported graphs run by `graphflop "
+        "bench` on ORT's CPU provider, peak from ORT's arena counters in its profile; graphflop's "
+        "figure is its live-bytes rule over the node order ORT runs). Bytes.",
+        "",
+        "| model | phase | ORT measured | graphflop, ORT order | ratio |",
+        "|---|---|--:|--:|--:|",
+        *rows,
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
