@@ -296,3 +296,27 @@ def test_amp_dtype_rules_differ_by_device():
     # saves the half output itself (4·8·2 = 64); softmax saves its output, float32 (128) on
     # CUDA, half (64) on CPU
     assert cuda["saved_for_backward_bytes"] - cpu["saved_for_backward_bytes"] == 64 + 64
+
+
+class _Attention(nn.Module):
+    """q, k, v from one projection, PyTorch's fused CPU attention (no dropout), a projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, 32)).mean(1)
+
+
+def test_amp_with_fused_attention_matches_measurement():
+    """bf16 autocast over the fused CPU attention kernel: it saves bf16 q, k, v and output and
+    a float32 logsumexp (B·H·L·4 = 2·4·16·4 = 512 bytes, not lowered), against a
+    torch.autocast('cpu') run."""
+    torch.manual_seed(0)
+    model, x = _Attention().train(), (torch.randn(2, 16, 32),)
+    amp = _analysis(model, x, amp="bf16").report.memory.amp
+    assert amp["saved_for_backward_bytes"] == measure_saved_autocast(model, x, torch.bfloat16)

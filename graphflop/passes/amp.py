@@ -235,8 +235,10 @@ class _Amp:
         self.fnodes = {n.name: n for n in forward.graph.nodes}
         fn, dts = self.fnodes, self.dts
         self.sizes = {k: _bytes(fn[k], d) for k, d in dts.items() if fn[k].op == "call_function"}
-        for k, v in self.eager.sizes.items():  # CPU dropout's mask: the input's dtype
-            if k in dts:
+        for k, v in self.eager.sizes.items():  # CPU dropout's mask: the input's dtype;
+            if k in self.eager.accumulate:  # fused attention's logsumexp stays float32
+                self.sizes[k] = v
+            elif k in dts:
                 self.sizes[k] = v * dts[k].itemsize // 4
         self.up = _region_inputs_cast(forward, dts, device)
         self.saved = _Saved(*forward_storages(forward, self.sizes))
@@ -287,7 +289,9 @@ class _Amp:
         sig = self.forward.meta[SIGNATURE]
         params = {p for p, _ in sig.params}
         s = Schedule()
-        s.add_graph(self.forward, "f", baseline=params, eager=True, sizes=self.sizes)
+        s.add_graph(
+            self.forward, "f", baseline=params, eager=True, sizes=self.sizes, extra=self.eager.extra
+        )
         self._insert_casts(s)
         ext: dict[str, str | list[str]] = {}
         base_b = set()
@@ -304,7 +308,9 @@ class _Amp:
             external=ext,
             keep_outputs=True,
             eager=True,
-            sizes=self._backward_sizes(),
+            sizes=self._backward_sizes() | self.eager.backward_sizes,  # fused attention's
+            extra=self.eager.backward_extra,
+            also_reads=self.eager.backward_reads,
         )
         self._grad_copies(s)
         phs = {n.name: n for n in self.forward.graph.nodes if n.op == "placeholder"}

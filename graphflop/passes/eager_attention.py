@@ -93,6 +93,7 @@ class FusedAttention:
         self.backward_extra: dict[str, int] = {}
         self.backward_reads: dict[str, list[str]] = {}
         self._regions: list[tuple[set[str], int]] = []  # (node names, backward temporaries)
+        self.accumulate: set[str] = set()  # the logsumexp nodes (float32 under autocast too)
 
     def forward(self, region: list[Node]) -> list[Node] | None:
         """The nodes standing for what the kernel saves (None: the math path runs)."""
@@ -122,6 +123,7 @@ class FusedAttention:
             rows = -(-rows // 32) * 32
         self.sizes |= {n.name: 0 for n in inner}
         self.sizes[spare[0].name] = b * h * rows * acc
+        self.accumulate.add(spare[0].name)
         saved = [ins[0], ins[1], ins[2], outs[-1], spare[0]]
         if bool_mask:
             self.sizes[spare[1].name] = mask.meta["val"].numel() * qv.element_size()  # type: ignore[union-attr]

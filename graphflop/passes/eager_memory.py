@@ -78,6 +78,8 @@ class EagerResiduals:
     backward_extra: the same for backward nodes.
     backward_reads: backward node name -> the backward nodes a fused kernel keeps live until
         that node has run (:meth:`Schedule.add_graph`'s ``also_reads``).
+    accumulate: forward node names whose ``sizes`` are in an accumulate dtype that autocast
+        does not lower (fused attention's float32 logsumexp).
     """
 
     remap: dict[str, list[str]]
@@ -86,6 +88,7 @@ class EagerResiduals:
     extra: dict[str, int] = field(default_factory=dict)
     backward_extra: dict[str, int] = field(default_factory=dict)
     backward_reads: dict[str, list[str]] = field(default_factory=dict)
+    accumulate: frozenset[str] = frozenset()
 
 
 def _tag_of(n: Node, inner: bool) -> CompositeTag:
@@ -188,7 +191,13 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
             remap[p.name] = stand
     a = attention
     return EagerResiduals(
-        remap, sizes, a.backward_sizes, a.extra, a.backward_extra, a.backward_reads
+        remap,
+        sizes,
+        a.backward_sizes,
+        a.extra,
+        a.backward_extra,
+        a.backward_reads,
+        frozenset(a.accumulate),
     )
 
 
