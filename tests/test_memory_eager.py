@@ -35,6 +35,15 @@ class _NormBlock(nn.Module):
         return torch.softmax(nn.functional.gelu(self.fc(self.ln(x))), -1)
 
 
+class _NanToNum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nan_to_num(self.fc(x) / x, posinf=1.0).sum(-1)
+
+
 CASES = {
     # x 320 + relu 512 + log_softmax out 160 + target 32 + total_weight 4 = 1028 B
     "mlp": (lambda: nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 10)), (4, 20), 1028),
@@ -46,6 +55,11 @@ CASES = {
     # x 640 + layer-norm mean, rstd 40 + 40; its output (the Linear's input) 640; GELU's input
     # 640; softmax's output 640; sum loss nothing: 2640 B
     "layernorm_gelu_softmax": (_NormBlock, (2, 5, 16), 2640),
+    # x 640 (the Linear's input, and the divisor the quotient's gradient needs; fc's output is
+    # not saved: x needs no gradient); nan_to_num its input (grad · isfinite(input)), the
+    # quotient 640; log_softmax 40, target 16, total_weight 4: 1340 B (the decomposition's
+    # isnan/eq masks are not saved eagerly)
+    "nan_to_num": (_NanToNum, (2, 5, 16), 1340),
 }
 
 

@@ -83,7 +83,7 @@ class CompositeOps(TorchFunctionMode):
 #: softmax and log-softmax their output; GELU, SiLU, Hardswish, ELU, Softplus their input; dropout
 #: its mask (bool on CUDA; a float tensor of the input's dtype on CPU, where ``F.dropout``
 #: multiplies by a scaled Bernoulli tensor: see :data:`FLOAT_MASK_ON_CPU`); NLL its input, target
-#: and total weight; MSE its input and target.
+#: and total weight; MSE its input and target; nan_to_num its input (``grad · isfinite(x)``).
 EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "aten.native_batch_norm.default": ((0,), (1, 2)),
     "aten._native_batch_norm_legit_functional.default": ((0,), (1, 2)),
@@ -103,6 +103,7 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "aten.nll_loss_forward.default": ((0, 1), (1,)),
     "aten.nll_loss2d_forward.default": ((0, 1), (1,)),
     "aten.mse_loss.default": ((0, 1), ()),
+    "aten.nan_to_num.default": ((0,), ()),
 }
 
 #: composite ops whose saved mask is, on CPU, a tensor of the input's dtype (output 0's)
