@@ -242,7 +242,12 @@ def markdown(rows: list[dict]) -> str:
         "(3) Inside the math attention kernel under forward-mode AD, graphflop charges its "
         "peak by formula (`math_attention_jvp_bytes`: scaled q and k, GQA copies, four or "
         "five score-sized tensors); masks and the order of its temporaries are left out "
-        "(isolated attention: 0.91–0.93 of the measured JVP peak).",
+        "(isolated attention: 0.91–0.93 of the measured JVP peak). (4) LSTM layers in float32 "
+        "on CPU run oneDNN's fused kernel (`mkldnn_rnn_layer`), which saves a workspace "
+        "(a uint8 buffer: 114,688 B for one layer at T=12, B=4, H=32) whose size graphflop "
+        "does not model: a 2-layer LSTM measured 0.474 saved and 0.454 train peak "
+        "(graphflop / measured); in float64 (no oneDNN) 0.988 and 0.919. The fused kernel has "
+        "no forward derivative either: `torch.func.jvp` cannot run it in float32.",
         "",
         "## Saved for backward",
         "",
