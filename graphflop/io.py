@@ -3,6 +3,8 @@
 Every output file graphflop writes (JSON, CSV, pictures, ONNX manifests, training logs) goes
 through :func:`atomic_write`, so a failure or Ctrl-C leaves either the old file or none, never a
 partial one, and the file gets the mode the umask allows (``0o666 & ~umask``), as ``open`` would.
+Inside :func:`atomic_group` the writes of one command are all or nothing: every file is written
+to its temporary name first, and renamed into place only when all of them were written.
 """
 
 from __future__ import annotations
@@ -10,8 +12,13 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+#: the writes of the open :func:`atomic_group`: (temporary file, target, folders it created);
+#: None outside a group
+_group: list[tuple[Path, Path, list[Path]]] | None = None
 
 
 def _umask() -> int:
@@ -32,6 +39,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], None] | str | bytes) 
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
+
+    Inside :func:`atomic_group`, the temporary file is renamed into place when the group ends.
 
     Raises:
         OSError: the folder cannot be created or written; nothing is left behind.
@@ -55,12 +64,53 @@ def atomic_write(path: str | Path, write: Callable[[Path], None] | str | bytes) 
             with os.fdopen(fd, "wb" if isinstance(write, bytes) else "w") as f:
                 f.write(write)
         os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
+        if _group is None:
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         remove_empty(created)
         raise
+    if _group is not None:
+        _group.append((Path(tmp), path, created))
     return path
+
+
+@contextmanager
+def atomic_group() -> Iterator[None]:
+    """All or nothing for the :func:`atomic_write` calls made inside: each writes its temporary
+    file as usual; when the block ends without an exception all of them are renamed into place,
+    and when it raises (a write failed, Ctrl-C) all of them are removed, with the folders they
+    created, so a command that fails half-way through its outputs leaves none of them. A group
+    inside a group joins the outer one.
+
+    Raises:
+        OSError: a rename failed (the files not yet renamed are removed; those renamed before
+            stay: a rename within one folder fails only when the folder changed meanwhile).
+    """
+    global _group
+    if _group is not None:  # nested: the outer group commits
+        yield
+        return
+    _group = pending = []
+    try:
+        yield
+    except BaseException:
+        _group = None
+        _discard(pending)
+        raise
+    _group = None
+    for i, (tmp, path, _) in enumerate(pending):
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _discard(pending[i:])
+            raise
+
+
+def _discard(pending: list[tuple[Path, Path, list[Path]]]) -> None:
+    for tmp, _, created in reversed(pending):
+        tmp.unlink(missing_ok=True)
+        remove_empty(created)
 
 
 def make_parents(path: str | Path) -> list[Path]:

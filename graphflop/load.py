@@ -104,6 +104,9 @@ def _import_file(path: Path):
     sys.path.insert(0, str(path.parent.resolve()))
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:  # sys.exit() at import: not graphflop's exit status
+        sys.modules.pop(mod_name, None)
+        raise SpecError(_exited(f"model file {path}", "importing it", e)) from None
     except Exception as e:  # the user's file failed: say which and why
         sys.modules.pop(mod_name, None)
         raise SpecError(f"importing {path} failed: {type(e).__name__}: {e}") from e
@@ -197,6 +200,14 @@ def _root_class(module: Any, label: str, spec: str) -> type:
     )
 
 
+def _exited(what: str, doing: str, e: SystemExit) -> str:
+    """The message for a model's code calling ``sys.exit`` (or raising ``SystemExit``)."""
+    return (
+        f"{what} exited while loading (SystemExit({e.code!r}) while {doing}): remove the "
+        "sys.exit call, or put it under if __name__ == '__main__':"
+    )
+
+
 def _needs_no_arguments(f: Any) -> bool:
     """True when ``f()`` can be called: every parameter has a default (or is ``*args``)."""
     try:
@@ -227,6 +238,8 @@ def _instantiate(obj: Any, where: str, ctor_kwargs: dict, meta: bool) -> nn.Modu
         raise SpecError(f"cannot construct {where}: {e}") from e
     except NotImplementedError:
         raise
+    except SystemExit as e:
+        raise SpecError(_exited(f"model {where}", "constructing it", e)) from None
     except Exception as e:  # the constructor failed: one line saying which and why
         raise SpecError(f"constructing {where} failed: {type(e).__name__}: {first_line(e)}") from e
     if not isinstance(model, nn.Module):
@@ -268,6 +281,8 @@ def load(
                 f"cannot import module {target!r}: {e} (give path/to/file.py or "
                 "package.module:attr)"
             ) from e
+        except SystemExit as e:
+            raise SpecError(_exited(f"module {target}", "importing it", e)) from None
         label = target
     if name is None:
         obj = _root_class(module, label, spec)
@@ -281,13 +296,32 @@ def load(
     example = None
     fn = getattr(module, "example_inputs", None)
     if callable(fn):
-        try:
-            args, kwargs = split_example(fn())
-        except TypeError as e:
-            raise SpecError(f"{label}: {e}") from None
+        args, kwargs = _call_example_inputs(fn, label)
         example = bind_call(model, args, kwargs)
     notes = _onto_meta(model) if meta else ()
     return LoadedModel(f"{label}:{name}", model, example, notes)
+
+
+def _call_example_inputs(fn: Any, label: str) -> tuple[tuple, dict]:
+    """``fn()``, the file's ``example_inputs``, split into positional and keyword inputs.
+
+    Raises:
+        SpecError: ``fn`` raised or exited (the user's code), or returned something that is not
+            inputs.
+    """
+    try:
+        value = fn()
+    except SystemExit as e:
+        raise SpecError(_exited(f"model file {label}", "calling example_inputs()", e)) from None
+    except Exception as e:
+        raise SpecError(
+            f"{label}: example_inputs() raised {type(e).__name__}: {first_line(e)}; fix that "
+            "function in the model file"
+        ) from e
+    try:
+        return split_example(value)
+    except TypeError as e:
+        raise SpecError(f"{label}: {e}") from None
 
 
 #: spec prefixes that name a model of an installed model library

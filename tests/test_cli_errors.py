@@ -162,7 +162,7 @@ def test_integer_output_render_and_export_the_forward(work, capsys):
         (["bench", "{logreg}", "--json", "adir"], "is an existing folder"),
         (["export", "{logreg}", "--out", "afile"], "is an existing file"),
         (["export", "{logreg}", "--out", "afile/onnx"], "is a file, not a folder"),
-        (["render", "{logreg}", "-o", "adir"], "unsupported suffix"),
+        (["render", "{logreg}", "-o", "adir"], "is an existing folder"),
         (["render", "{logreg}", "-o", "g.xyz"], "unsupported suffix"),
         (["render", "{logreg}", "-o", "afile/g.svg"], "is a file, not a folder"),
         (["train", "{logreg}", "--out", "afile", "--steps", "1"], "is an existing file"),
@@ -505,3 +505,236 @@ def test_failed_onnx_export_leaves_no_folder(tmp_path, monkeypatch):
     with pytest.raises(onnx_export.OnnxExportError):
         onnx_export.export_all({"forward": gm}, tmp_path / "a/b/onnx")
     assert list(tmp_path.iterdir()) == []  # neither the staging folder nor a/b
+
+
+# --- a tester's findings (bad input in the CLI) ----------------------------------------------
+
+EXAMPLE_RAISES = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+    def forward(self, x):
+        return self.fc(x)
+def example_inputs(): return {}["no inputs"]
+"""
+
+EXITS = """
+import sys
+import torch
+if WHERE == "import":
+    sys.exit(0)
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        if WHERE == "init":
+            raise SystemExit(3)
+        self.fc = torch.nn.Linear(4, 3)
+    def forward(self, x):
+        return self.fc(x)
+def example_inputs():
+    if WHERE == "example":
+        sys.exit()
+    return (torch.randn(2, 4),)
+"""
+
+
+def _no_work(monkeypatch):
+    """Make any analysis fail the test: the refusal must come before the work."""
+    import graphflop.analysis
+    import graphflop.sweep
+
+    def no_work(*a, **k):
+        raise AssertionError("work started before the options were checked")
+
+    monkeypatch.setattr(graphflop.analysis, "analyze", no_work)
+    monkeypatch.setattr(graphflop.sweep, "analyze", no_work)
+
+
+@pytest.mark.parametrize("option", ["--plot-memory", "--json", "--csv"])
+def test_empty_output_path_is_refused(work, capsys, monkeypatch, option):
+    """Finding 1: ``--plot-memory ""`` drew nothing and exited 0."""
+    _no_work(monkeypatch)
+    one_error(capsys, "inspect", spec("logreg.py"), option, "", message=f"{option} needs a file")
+    nothing_left(work / "out")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["inspect", "{logreg}", "--plot-memory", "a.png", "--json", "a.png"], "--json and --plot"),
+        (["inspect", "{logreg}", "--csv", "./a.json", "--json", "a.json"], "--json and --csv"),
+        (["inspect", "{logreg}", "--csv", "sub/../a.svg", "--plot-memory", "a.svg"], "--csv"),
+        (["sweep", "{logreg}", "--batches", "1", "--csv", "s.csv", "--json", "s.csv"], "--csv"),
+    ],
+)
+def test_two_outputs_to_one_path_are_refused_before_any_work(
+    work, capsys, monkeypatch, argv, message
+):
+    """Finding 2: the PNG replaced the JSON written to the same path, exit 0."""
+    _no_work(monkeypatch)
+    line = one_error(capsys, *[a.format(logreg=spec("logreg.py")) for a in argv], message=message)
+    assert "give each output its own file" in line
+    nothing_left(work / "out")
+
+
+def test_a_failed_write_leaves_no_output_file(work, capsys, monkeypatch):
+    """Finding 3: the JSON and CSV were left behind when the plot's write failed after them
+    (``/sys/x.png`` as root). The plot's writer is made to fail the way that write does."""
+    import matplotlib.figure
+
+    def denied(self, path, **kw):
+        raise OSError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", denied)
+    argv = ["--json", "ok.json", "--csv", "ok.csv", "--plot-memory", "sub/x.png", "--no-jvp"]
+    one_error(capsys, "inspect", spec("logreg.py"), *argv, message="Permission denied")
+    nothing_left(work / "out")
+
+
+def test_atomic_group_writes_all_files_or_none(tmp_path):
+    from graphflop.io import atomic_group, atomic_write
+
+    with pytest.raises(OSError), atomic_group():
+        atomic_write(tmp_path / "a.json", "{}")
+        atomic_write(tmp_path / "new/b.csv", "x\n")
+        assert not (tmp_path / "a.json").exists()  # nothing is in place before the group ends
+        raise OSError(28, "No space left on device", str(tmp_path / "c.png"))
+    assert list(tmp_path.iterdir()) == []
+    with atomic_group():
+        atomic_write(tmp_path / "a.json", "{}")
+        with atomic_group():  # a nested group joins the outer one
+            atomic_write(tmp_path / "b.csv", "x\n")
+        # only the temporary files (.a.json.XXXX.tmp.json, .b.csv.XXXX.tmp.csv) exist yet
+        assert sorted(p.name.split(".")[1] for p in tmp_path.iterdir()) == ["a", "b"]
+        assert not (tmp_path / "a.json").exists() and not (tmp_path / "b.csv").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.csv"]
+    assert (tmp_path / "b.csv").read_text() == "x\n"
+
+
+def test_example_inputs_that_raise_are_the_users_error(work, capsys):
+    """Finding 4: exit 1, 'internal error ... a bug in graphflop'."""
+    (work / "models/exraise.py").write_text(EXAMPLE_RAISES)
+    line = one_error(
+        capsys, "inspect", work / "models/exraise.py", "--json", "x.json", message="exraise.py"
+    )
+    assert "example_inputs() raised KeyError: 'no inputs'" in line
+    assert "internal error" not in line
+    nothing_left(work / "out")
+
+
+@pytest.mark.parametrize(
+    "where,doing",
+    [
+        ("import", "importing it"),
+        ("init", "constructing it"),
+        ("example", "calling example_inputs()"),
+    ],
+)
+def test_model_file_that_exits_is_one_line(work, capsys, where, doing):
+    """Finding 5: sys.exit(0) at import (or SystemExit in the constructor) ended graphflop with
+    exit 0 and no output."""
+    path = work / f"models/exits_{where}.py"
+    path.write_text(f"WHERE = {where!r}\n" + EXITS)
+    line = one_error(capsys, "inspect", path, "--json", "x.json", message="exited while loading")
+    assert doing in line and "SystemExit(" in line
+    nothing_left(work / "out")
+
+
+BACKWARD_OPTIONS = [["--checkpoint", "fc*"], ["--amp", "bf16"], ["--keep-grads"]]
+
+
+@pytest.mark.parametrize("option", BACKWARD_OPTIONS, ids=lambda o: o[0])
+def test_backward_options_with_no_backward_are_refused(work, capsys, monkeypatch, option):
+    """Finding 6: silently ignored (exit 0; the JSON even said keep_grads: true)."""
+    _no_work(monkeypatch)
+    line = one_error(
+        capsys,
+        "inspect",
+        spec("logreg.py"),
+        "--no-backward",
+        *option,
+        "--json",
+        "x.json",
+        message=f"{' '.join(option)} needs a backward",
+    )
+    assert "--no-backward" in line
+    nothing_left(work / "out")
+
+
+@pytest.mark.parametrize("option", BACKWARD_OPTIONS, ids=lambda o: o[0])
+def test_backward_options_on_an_integer_output_are_refused(work, capsys, option):
+    """Finding 6, forward-only analysis of a model whose output is integer-only."""
+    line = one_error(
+        capsys,
+        "inspect",
+        work / "models/int.py",
+        *option,
+        "--json",
+        "x.json",
+        message=f"{' '.join(option)} needs a backward",
+    )
+    assert "no floating-point tensor" in line
+    nothing_left(work / "out")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--memory-model", "graph", "--amp", "bf16"], "--amp bf16 is a what-if on the eager"),
+        (["--memory-model", "compiled", "--amp", "fp16"], "not on --memory-model compiled"),
+        (["--memory-model", "graph", "--checkpoint", "fc*"], "--checkpoint fc* is a what-if"),
+        (["--memory-model", "graph", "--memory-device", "cuda"], "does not depend on the device"),
+        (["--memory-model", "graph", "--memory-device", "cpu"], "drop --memory-device"),
+    ],
+)
+def test_memory_options_the_memory_model_does_not_have(work, capsys, monkeypatch, argv, message):
+    """Finding 7: --amp/--checkpoint are eager what-ifs (graphflop.passes.amp, .checkpoint),
+    drawn against the graph model's figures; the graph model has no device."""
+    _no_work(monkeypatch)
+    one_error(capsys, "inspect", spec("logreg.py"), *argv, "--json", "x.json", message=message)
+    nothing_left(work / "out")
+
+
+@pytest.mark.parametrize(
+    "argv,prog,message",
+    [
+        (["inspect", "m.py", "--amp", "int8"], "graphflop inspect", "argument --amp: invalid"),
+        (["render", "m.py"], "graphflop render", "the following arguments are required: -o"),
+        (["train", "m.py", "--steps", "x"], "graphflop train", "argument --steps: invalid int"),
+        (["sweep", "m.py", "--nope"], "graphflop", "unrecognized arguments: --nope"),
+        (["frobnicate"], "graphflop", "argument command: invalid choice: 'frobnicate'"),
+    ],
+)
+def test_argparse_errors_are_one_line(capsys, argv, prog, message):
+    """Finding 8: argparse printed the whole usage (17 lines for inspect) before the error."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    assert cap.err.count("\n") == 1 and "usage:" not in cap.err, cap.err
+    assert cap.err.startswith(f"{prog}: error: {message}"), cap.err
+    assert cap.err.rstrip().endswith(f"see {prog} --help"), cap.err
+
+
+def test_train_module_argparse_errors_are_one_line(capsys):
+    from graphflop.cli.train import main as train_main
+
+    with pytest.raises(SystemExit) as e:
+        train_main(["m.py", "--steps", "x"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("graphflop train: error")
+
+
+def test_folder_as_plot_file_says_it_is_a_folder(work, capsys, monkeypatch):
+    """Finding 9: 'unsupported suffix' for an existing folder."""
+    _no_work(monkeypatch)
+    (work / "out/adir.png").mkdir()
+    for name in ("adir.png", "."):
+        line = one_error(
+            capsys, "inspect", spec("logreg.py"), "--plot-memory", name, message="existing folder"
+        )
+        assert "suffix" not in line
+    assert [p.name for p in (work / "out").iterdir()] == ["adir.png"]

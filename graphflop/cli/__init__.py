@@ -5,7 +5,8 @@ each with ``add_parser(subparsers)`` and ``run(args, err) -> exit status``; what
 :mod:`graphflop.cli.common`. Errors the user can fix (bad spec, bad shape, untraceable model, op
 without a rule, an output path that cannot be written) print one line to stderr and exit with
 status 2, leaving no partial output file; an unexpected error (a bug) prints one line and exits
-with status 1 (``--debug``, on every subcommand, adds the traceback).
+with status 1 (``--debug``, on every subcommand, adds the traceback). A malformed command line is
+one line too (:class:`graphflop.cli.common.OneLineParser`, status 2), not argparse's usage.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from graphflop.cli.common import EXIT_USAGE, EXIT_VERIFY_FAILED, add_debug_arg, run_command
+from graphflop.cli.common import (
+    EXIT_USAGE,
+    EXIT_VERIFY_FAILED,
+    OneLineParser,
+    add_debug_arg,
+    run_command,
+)
 
 __all__ = ["COMMANDS", "EXIT_USAGE", "EXIT_VERIFY_FAILED", "build_parser", "main"]
 
@@ -31,7 +38,7 @@ def _command(name: str) -> ModuleType:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``graphflop`` argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="graphflop",
         description="Trace a PyTorch model into a core-ATen graph, build its backward and JVP "
         "graphs from one table of per-op rules, and report FLOPs and memory per "

@@ -4,8 +4,9 @@ the constructor-argument parser, the stdout console, and the one error path.
 The error path (:func:`run_command`): an error the user can fix (bad spec, shape, dtype, data or
 option, untraceable model, op without a rule, unexportable op, unusable device) prints one line,
 ``graphflop: error: ...``, to stderr and exits with status 2, with no traceback. Output files are
-written atomically (:func:`graphflop.io.atomic_write`) and only after the work succeeded, so an
-error leaves no partial output.
+written atomically (:func:`graphflop.io.atomic_write`), only after the work succeeded, and a
+command's files all together (:func:`graphflop.io.atomic_group`), so an error leaves no partial
+output.
 """
 
 from __future__ import annotations
@@ -107,6 +108,15 @@ def _debug_traceback(debug: bool) -> None:
         import traceback
 
         traceback.print_exc(file=sys.stderr)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``PROG: error: MESSAGE; see PROG --help``,
+    and exit status 2 (argparse prints the whole usage first); its subparsers are one too."""
+
+    def error(self, message: str):  # type: ignore[override]
+        text = " ".join(message.split())
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {text}; see {self.prog} --help\n")
 
 
 def add_debug_arg(p: argparse.ArgumentParser) -> None:
@@ -269,13 +279,38 @@ def check_output_file(path: str | None, option: str, suffixes: Sequence[str] | N
     from graphflop.io import unwritable
     from graphflop.load import SpecError
 
-    if not path:
+    if path is None:
         return
+    if not path.strip():
+        raise SpecError(f"{option} needs a file name, not an empty string: give a path")
+    if os.path.isdir(path):
+        raise SpecError(f"cannot write {option} {path}: it is an existing folder: give a file name")
     if suffixes is not None and os.path.splitext(path)[1].lower() not in suffixes:
         raise SpecError(f"{option} {path}: unsupported suffix; use one of {', '.join(suffixes)}")
     why = unwritable(path)
     if why:
         raise SpecError(f"cannot write {option} {path}: {why}")
+
+
+def check_distinct_outputs(outputs: dict[str, str | None]) -> None:
+    """Refuse, before any work, two output options (``{option: path}``) naming one file (the
+    later write would replace the earlier one).
+
+    Raises:
+        SpecError: naming both options and the path.
+    """
+    from graphflop.load import SpecError
+
+    seen: dict[str, str] = {}
+    for option, path in outputs.items():
+        if not path:
+            continue
+        key = os.path.normcase(os.path.realpath(path))
+        if key in seen:
+            raise SpecError(
+                f"{seen[key]} and {option} both name {path}: give each output its own file"
+            )
+        seen[key] = option
 
 
 def check_output_dir(path: str | None, option: str) -> None:

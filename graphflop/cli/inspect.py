@@ -12,6 +12,7 @@ from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
     analyze_model,
+    check_distinct_outputs,
     check_output_file,
     forward_only_options,
     load_model,
@@ -70,9 +71,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--memory-device",
-        default="cpu",
+        default=None,
         choices=["cpu", "cuda"],
-        help="device of the eager memory model (dropout masks, optimizer temporaries)",
+        help="device of the eager (and compiled) memory model: dropout masks, optimizer "
+        "temporaries (default cpu; the graph model does not depend on it)",
     )
     p.add_argument(
         "--keep-grads",
@@ -101,8 +103,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         metavar="FILE",
         help="draw live bytes (MiB) against step over the training step (forward, backward, "
         "update; the forward alone without a backward) and the JVP, in the memory model of "
-        "this run (--memory-model eager or graph, --memory-device, --keep-grads; --checkpoint "
-        "and --amp peaks as dashed lines), each peak marked with the largest tensors live at "
+        "this run (--memory-model eager or graph, --memory-device, --keep-grads; with eager, "
+        "--checkpoint and --amp peaks as dashed lines), each peak marked with the largest tensors live at "
         "it; the curve's maximum is the reported train/jvp peak. FILE ends in .png, .svg or "
         ".pdf",
     )
@@ -179,12 +181,12 @@ def run(args: argparse.Namespace, err: Console) -> int:
     """Analyse, optionally verify, then print and write the report; returns the exit status
     (1 when a --verify check fails)."""
     from graphflop.export.report import layers_csv, print_report, to_json, warning_lines
-    from graphflop.io import atomic_write
+    from graphflop.io import atomic_group, atomic_write
     from graphflop.ops import strict_rules
 
     _check(args)
     loaded, inputs = load_model(args)
-    only = forward_only_options(args, loaded, inputs, err, why="--verify" if args.verify else None)
+    only = forward_only_options(args, loaded, inputs, err, why=_backward_option(args))
     with err.status("analysing", spinner="dots") as status, strict_rules(args.strict):
         analysis = analyze_model(
             args,
@@ -197,7 +199,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             backward=not args.no_backward and only.get("backward", True),
             jvp=not args.no_jvp and only.get("jvp", True),
             memory_model=args.memory_model,
-            device=args.memory_device,
+            device=args.memory_device or "cpu",
             keep_grads=args.keep_grads,
             checkpoint=args.checkpoint,
             amp=args.amp,
@@ -207,14 +209,15 @@ def run(args: argparse.Namespace, err: Console) -> int:
         err.print(line, markup=False, highlight=False, soft_wrap=True)
     extra: dict[str, Any] = {}  # --verify's results, after the report's keys in the JSON
     rc = _verify(args, err, inputs, analysis, extra) if args.verify else 0
-    if args.json:
-        atomic_write(args.json, to_json(report, extra))
-    if args.csv:
-        atomic_write(args.csv, layers_csv(report))
-    if args.plot_memory:
-        from graphflop.export.memory_plot import plot_memory
+    with atomic_group():  # all the files or none of them
+        if args.json:
+            atomic_write(args.json, to_json(report, extra))
+        if args.csv:
+            atomic_write(args.csv, layers_csv(report))
+        if args.plot_memory:
+            from graphflop.export.memory_plot import plot_memory
 
-        plot_memory(analysis, args.plot_memory)
+            plot_memory(analysis, args.plot_memory)
     if args.format == "json":
         print(to_json(report, extra))
     else:
@@ -255,9 +258,10 @@ def _check(args: argparse.Namespace) -> None:
         raise SpecError(f"bad --max-layers {args.max_layers}: give 0 or more")
     if args.depth is not None and args.depth < 1:
         raise SpecError(f"bad --depth {args.depth}: must be at least 1")
+    _check_memory_options(args)
     check_output_file(args.json, "--json")
     check_output_file(args.csv, "--csv")
-    if args.plot_memory:
+    if args.plot_memory is not None:
         from graphflop.export.memory_plot import PLOT_SUFFIXES
 
         check_output_file(args.plot_memory, "--plot-memory", PLOT_SUFFIXES)
@@ -271,6 +275,53 @@ def _check(args: argparse.Namespace) -> None:
         from graphflop.passes.checkpoint import module_matcher
 
         module_matcher(args.checkpoint)
+    check_distinct_outputs(
+        {"--json": args.json, "--csv": args.csv, "--plot-memory": args.plot_memory}
+    )
+
+
+def _backward_options(args: argparse.Namespace) -> list[str]:
+    """The options given that need the backward graph (what they describe is the training
+    step's: saved tensors, gradients)."""
+    return [
+        option
+        for option, given in (
+            (f"--checkpoint {args.checkpoint}", args.checkpoint is not None),
+            (f"--amp {args.amp}", args.amp is not None),
+            ("--keep-grads", args.keep_grads),
+        )
+        if given
+    ]
+
+
+def _backward_option(args: argparse.Namespace) -> str | None:
+    """The first option given that asks for the backward (None when none does)."""
+    asked = (["--verify"] if args.verify else []) + _backward_options(args)
+    return asked[0] if asked else None
+
+
+def _check_memory_options(args: argparse.Namespace) -> None:
+    """Refuse memory options this run would ignore or mislabel: a backward what-if without the
+    backward, the eager what-ifs (--checkpoint, --amp) on another memory model, and a device
+    for the graph model (which has none)."""
+    from graphflop.load import SpecError
+
+    need = _backward_options(args)
+    if need and args.no_backward:
+        raise SpecError(
+            f"{need[0]} needs a backward, and --no-backward skips it: drop one of the two options"
+        )
+    what_ifs = [o for o in need if not o.startswith("--keep-grads")]
+    if what_ifs and args.memory_model != "eager":
+        raise SpecError(
+            f"{what_ifs[0]} is a what-if on the eager memory model, not on --memory-model "
+            f"{args.memory_model}: drop one of the two options (or use --memory-model eager)"
+        )
+    if args.memory_device is not None and args.memory_model == "graph":
+        raise SpecError(
+            f"--memory-device {args.memory_device}: the graph memory model does not depend on "
+            "the device: drop --memory-device (or use --memory-model eager or compiled)"
+        )
 
 
 def _verify(

@@ -9,6 +9,7 @@ from rich.console import Console
 from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
+    check_distinct_outputs,
     check_output_file,
     forward_only_options,
     parse_ctor_kwargs,
@@ -133,6 +134,7 @@ def _check(args: argparse.Namespace, batches: list[int]) -> None:
     check_output_file(args.csv, "--csv")
     check_output_file(args.json, "--json")
     check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
+    check_distinct_outputs({"--csv": args.csv, "--json": args.json, "--plot": args.plot})
 
 
 def _check_differentiable(args: argparse.Namespace, err: Console) -> None:
@@ -169,17 +171,18 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> None:
     import io
     import json
 
-    from graphflop.io import atomic_write
+    from graphflop.io import atomic_group, atomic_write
     from graphflop.sweep import plot
 
-    if args.plot:  # first: the writer most likely to fail
-        title = f"{args.spec.split('/')[-1]} ({args.optimizer})"
-        atomic_write(args.plot, lambda p: plot(rows, str(p), title=title))
-    if args.csv:
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-        atomic_write(args.csv, buf.getvalue())
-    if args.json:
-        atomic_write(args.json, json.dumps(rows, indent=1))
+    with atomic_group():  # all the files or none of them
+        if args.plot:
+            title = f"{args.spec.split('/')[-1]} ({args.optimizer})"
+            atomic_write(args.plot, lambda p: plot(rows, str(p), title=title))
+        if args.csv:
+            buf = io.StringIO()
+            w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+            atomic_write(args.csv, buf.getvalue())
+        if args.json:
+            atomic_write(args.json, json.dumps(rows, indent=1))

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from graphflop.cli.common import add_debug_arg, parse_ctor_kwargs, run_command
+from graphflop.cli.common import OneLineParser, add_debug_arg, parse_ctor_kwargs, run_command
 from graphflop.passes.optimizer import OPTIMIZERS
 
 
@@ -303,7 +303,7 @@ class _Progress:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m graphflop.cli.train SPEC [options]`` (the same as ``graphflop train``)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="graphflop train", description="Train SPEC with graphflop's step graphs."
     )
     add_arguments(parser)
