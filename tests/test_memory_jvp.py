@@ -120,3 +120,16 @@ def test_attention_jvp_within_ten_percent(kw) -> None:
     got = analyze(model, (x,), loss="sum").report.memory.jvp_peak_bytes
     measured = measure_jvp_peak(model, (x,), "sum")
     assert abs(got / measured - 1) < 0.10, (got, measured)
+
+
+def test_group_norm_and_silu_tangent_temporaries() -> None:
+    # torch.func.jvp holds four input-sized temporaries in group norm's tangent formula besides
+    # its result, five in SiLU's (JVP_TEMPORARIES; profiler allocator events), and a linear
+    # layer's tangent products and sums live together (_formula_reads); before: 0.82 of the
+    # measured peak. Tolerance 3%: the formulas' per-group statistics are not modelled
+    from test_memory_eager import _gn_silu
+
+    model, x = _gn_silu()
+    got = analyze(model, (x,)).report.memory.jvp_peak_bytes
+    measured = measure_jvp_peak(model, (x,))
+    assert abs(got / measured - 1) < 0.03, (got, measured)

@@ -34,7 +34,7 @@ from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU, FUSED_SDPA
 from graphflop.meta import COMPOSITE, JVP, KIND, RESIDUAL, SIGNATURE, SOURCE, CompositeTag
-from graphflop.passes.eager_attention import FusedAttention, attention_jvp
+from graphflop.passes.eager_attention import FusedAttention, _is_view, attention_jvp
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Schedule
 
@@ -153,8 +153,11 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     saves: dict[str, list[str]] = {}  # forward node of a composite op -> what the op saves
     sizes: dict[str, int] = {}
     attention = FusedAttention(device)
+    kernels: list[tuple[set[str], int]] = []  # composite ops whose backward is one kernel
     for region in _regions(forward):
         op = region[0].meta[COMPOSITE].op
+        if op in EAGER_SAVES:
+            kernels.append(({n.name for n in region}, _backward_temporaries(region)))
         if op == FUSED_SDPA:
             saved = attention.forward(region)
             if saved is None:  # the math path on this device: graphflop's residuals
@@ -169,12 +172,8 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
             saves[n.name] = [m.name for m in saved]
     sizes |= attention.sizes
     attention.backward(backward)
-    for n in forward.graph.nodes:  # max pooling: input and indices, two storages
-        if n.op == "call_function" and n.target in _MAX_POOLS:
-            idx = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
-            keep = [n.all_input_nodes[0].name] + [u.name for u in idx]
-            for name in [n.name] + [u.name for u in n.users]:
-                saves[name] = keep
+    b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels)
+    saves |= _max_pool_saves(forward)
     # a residual read by the backward of a composite op's parts stands for what that op saves
     # (the backward nodes' SOURCE names the forward node whose rule made them)
     remap = {}
@@ -193,12 +192,82 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     return EagerResiduals(
         remap,
         sizes,
-        a.backward_sizes,
+        b_sizes | a.backward_sizes,
         a.extra,
-        a.backward_extra,
-        a.backward_reads,
+        b_extra | a.backward_extra,
+        b_reads | a.backward_reads,
         frozenset(a.accumulate),
     )
+
+
+#: bytes per input element of the temporaries a composite op's eager backward makes besides the
+#: gradients it returns, where it makes any (profiler allocator events, PyTorch 2.13 CPU):
+#: nan_to_num's ``grad * isfinite(x)`` holds isfinite's bool result and its conversion to the
+#: gradient's dtype while the product is made (1 + itemsize; isfinite's own ``abs(x)`` and two
+#: bool comparisons, freed before, hold less)
+BACKWARD_TEMPORARIES = {"aten.nan_to_num.default": 1}
+
+
+def _backward_temporaries(region: list[Node]) -> int:
+    """Bytes of :data:`BACKWARD_TEMPORARIES` for one composite op's region (0 for most)."""
+    tags = {n: n.meta[COMPOSITE] for n in region}
+    per = BACKWARD_TEMPORARIES.get(tags[region[0]].op)
+    x = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
+    if per is None or x is None:
+        return 0
+    val = x.meta["val"]
+    return val.numel() * (per + val.element_size())
+
+
+def one_kernel_backward(
+    backward: GraphModule, regions: list[tuple[set[str], int]]
+) -> tuple[dict[str, int], dict[str, list[str]], dict[str, int]]:
+    """The backward of each composite op in ``regions`` (the names of a region's forward
+    nodes, the bytes of its backward's temporaries) as one eager kernel, as autograd runs it
+    (``silu_backward``, ``gelu_backward``, ``native_group_norm_backward``,
+    ``native_layer_norm_backward``, ``_softmax_backward_data``, ...; tools/autograd/
+    derivatives.yaml): the backward nodes its forward nodes' rules made (``SOURCE``) hold
+    nothing but the gradients that leave them (and the storages those are views of), where
+    graphflop's backward of the decomposition makes input-sized temporaries live together
+    (SiLU's ``sigmoid``, ``1 - sigmoid`` and two products); what the kernel reads and the
+    gradients it makes are live together at its last node, with its temporaries. Returns
+    (sizes, also_reads, extra) for :meth:`Schedule.add_graph`."""
+    owner = {name: i for i, (names, _) in enumerate(regions) for name in names}
+    groups: dict[int, list[Node]] = {}
+    for n in backward.graph.nodes:
+        i = owner.get(n.meta.get(SOURCE, "")) if n.op == "call_function" else None
+        if i is not None:
+            groups.setdefault(i, []).append(n)
+    sizes: dict[str, int] = {}
+    reads: dict[str, list[str]] = {}
+    extra: dict[str, int] = {}
+    for i, nodes in groups.items():
+        inside = set(nodes)
+        leaving = [n for n in nodes if any(u not in inside for u in n.users)]
+        keep: set[Node] = set()
+        for n in leaving:  # a gradient and the storage it is a view of
+            m: Node | None = n
+            while m in inside and m not in keep:
+                keep.add(m)
+                m = m.all_input_nodes[0] if _is_view(m) and m.all_input_nodes else None
+        sizes |= {n.name: 0 for n in nodes if n not in keep}
+        outer = {a.name for n in nodes for a in n.all_input_nodes if a not in inside}
+        reads[nodes[-1].name] = sorted(outer) + [n.name for n in leaving]
+        if regions[i][1]:
+            extra[nodes[-1].name] = regions[i][1]
+    return sizes, reads, extra
+
+
+def _max_pool_saves(forward: GraphModule) -> dict[str, list[str]]:
+    """Max pooling's nodes -> what eager saves for it: its input and indices, two storages."""
+    saves: dict[str, list[str]] = {}
+    for n in forward.graph.nodes:
+        if n.op == "call_function" and n.target in _MAX_POOLS:
+            idx = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
+            keep = [n.all_input_nodes[0].name] + [u.name for u in idx]
+            for name in [n.name] + [u.name for u in n.users]:
+                saves[name] = keep
+    return saves
 
 
 def _residual_sources(
@@ -306,6 +375,8 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     sizes |= a_sizes
     norm_tmp |= a_tmp
     reads |= a_reads
+    for name, held in _formula_reads(jvp, sizes).items():
+        reads[name] = reads.get(name, []) + held
     s = Schedule()
     s.add_graph(
         jvp,
@@ -322,6 +393,22 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
         if primal in names:
             s.ties.append([f"j:{primal}"] + [f"j:{t}" for t in tangents])
     return s
+
+
+def _formula_reads(jvp: GraphModule, sizes: dict[str, int]) -> dict[str, list[str]]:
+    """One op's tangent formula in eager forward-mode AD is one C++ expression
+    (tools/autograd/derivatives.yaml ``result:``; addmm's ``self_t + mat1_t.mm(mat2_p) +
+    mat1_p.mm(mat2_t)``): its partial results are freed when the expression ends, so a
+    linear layer's two products and two sums are live together with its output (profiler
+    allocator events, PyTorch 2.13 CPU), where graphflop's graph frees each when read. Node
+    name -> the tangent nodes of the same rule (``SOURCE``) it keeps live: the rule's last
+    tangent node holds the others. Nodes ``sizes`` makes 0 (composite ops modelled as one
+    kernel) are left out."""
+    groups: dict[str, list[str]] = {}
+    for n in jvp.graph.nodes:
+        if n.meta.get(KIND) == "tangent" and n.op == "call_function" and sizes.get(n.name) != 0:
+            groups.setdefault(n.meta.get(SOURCE, ""), []).append(n.name)
+    return {names[-1]: names[:-1] for names in groups.values() if len(names) > 1}
 
 
 def _zero_tangent_convs(jvp: GraphModule, device: str) -> dict[str, int]:
@@ -350,11 +437,16 @@ def _zero_tangent_convs(jvp: GraphModule, device: str) -> dict[str, int]:
 #: FunctionsManual.cpp, training mode) ``input - mean`` and the products and sums of its formula,
 #: four; softmax (functorch's decomposition for its JVP: ``x - max``, ``exp`` and their
 #: products), two, one of them freed before the result is made; dropout on CPU (its float mask
-#: :data:`FLOAT_MASK_ON_CPU`, and one product), one
+#: :data:`FLOAT_MASK_ON_CPU`, and one product), one; layer and group norm (``layer_norm_jvp``,
+#: ``group_norm_jvp``), four, as batch norm; SiLU (its tangent as ``sigmoid``, a cast and the
+#: products and sum of ``silu_backward``'s formula), five
 JVP_TEMPORARIES = {
     **{k: 4 for k in EAGER_SAVES if "batch_norm" in k},
     "aten._softmax.default": 1,
     "aten.native_dropout.default": 1,
+    "aten.native_layer_norm.default": 4,
+    "aten.native_group_norm.default": 4,
+    "aten.silu.default": 5,
 }
 
 
