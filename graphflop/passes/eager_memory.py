@@ -11,9 +11,11 @@ values eager autograd saves for that op (the nodes are found by the
 :data:`~graphflop.meta.COMPOSITE` tags tracing writes). Max pooling (not decomposed) saves its
 input and indices, as two storages. Attention PyTorch runs with its fused kernel saves q, k,
 v, its output, the mask and a logsumexp, and makes no scores or probabilities in forward or
-backward (:mod:`graphflop.passes.eager_attention`). So composite ops are not kept whole with rules of their own
-(the FLOP counts and the backward graph stay as they are); the memory figures are those of the
-eager run.
+backward (:mod:`graphflop.passes.eager_attention`). Each composite op's forward and backward
+(and each convolution's backward) run as the one kernel eager runs: the decomposition's inner
+nodes hold nothing (:func:`one_kernel_backward`). So composite ops are not kept whole with rules
+of their own (the FLOP counts and the backward graph stay as they are); the memory figures are
+those of the eager run.
 
 The eager train step (:func:`eager_train_schedule`): the forward, each multi-output op's outputs
 as separate storages; the backward with the eager residuals; gradients allocated as the backward
@@ -34,7 +36,15 @@ from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU, FUSED_SDPA
 from graphflop.meta import COMPOSITE, JVP, KIND, RESIDUAL, SIGNATURE, SOURCE, CompositeTag
-from graphflop.passes.eager_attention import FusedAttention, _is_view, attention_jvp
+from graphflop.passes.eager_attention import FusedAttention, attention_jvp
+from graphflop.passes.eager_kernels import (
+    TANGENT_FORMULA,
+    backward_temporaries,
+    formula_reads,
+    one_kernel_backward,
+    one_kernel_forward,
+    zero_tangent_mms,
+)
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Schedule
 
@@ -80,6 +90,8 @@ class EagerResiduals:
         that node has run (:meth:`Schedule.add_graph`'s ``also_reads``).
     accumulate: forward node names whose ``sizes`` are in an accumulate dtype that autocast
         does not lower (fused attention's float32 logsumexp).
+    reads: forward node name -> the forward nodes a composite op's kernel keeps live until
+        that node has run (:func:`one_kernel_forward`).
     """
 
     remap: dict[str, list[str]]
@@ -89,6 +101,7 @@ class EagerResiduals:
     backward_extra: dict[str, int] = field(default_factory=dict)
     backward_reads: dict[str, list[str]] = field(default_factory=dict)
     accumulate: frozenset[str] = frozenset()
+    reads: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _tag_of(n: Node, inner: bool) -> CompositeTag:
@@ -154,16 +167,20 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     sizes: dict[str, int] = {}
     attention = FusedAttention(device)
     kernels: list[tuple[set[str], int]] = []  # composite ops whose backward is one kernel
+    reads: dict[str, list[str]] = {}
     for region in _regions(forward):
         op = region[0].meta[COMPOSITE].op
         if op in EAGER_SAVES:
-            kernels.append(({n.name for n in region}, _backward_temporaries(region)))
+            kernels.append(({n.name for n in region}, backward_temporaries(region)))
         if op == FUSED_SDPA:
             saved = attention.forward(region)
             if saved is None:  # the math path on this device: graphflop's residuals
                 continue
         else:
             saved, out0, mask = _saved_by(region)
+            f_sizes, f_reads = one_kernel_forward(region)
+            sizes |= f_sizes
+            reads |= f_reads
             float_mask = device == "cpu" and op in FLOAT_MASK_ON_CPU
             if float_mask and out0 is not None and mask is not None:
                 itemsize = out0.meta["val"].element_size()
@@ -172,8 +189,10 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
             saves[n.name] = [m.name for m in saved]
     sizes |= attention.sizes
     attention.backward(backward)
-    b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels)
     saves |= _max_pool_saves(forward)
+    # convolution_backward: one kernel, grad input, weight and bias from the same reads
+    kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
+    b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels)
     # a residual read by the backward of a composite op's parts stands for what that op saves
     # (the backward nodes' SOURCE names the forward node whose rule made them)
     remap = {}
@@ -197,65 +216,8 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
         b_extra | a.backward_extra,
         b_reads | a.backward_reads,
         frozenset(a.accumulate),
+        reads,
     )
-
-
-#: bytes per input element of the temporaries a composite op's eager backward makes besides the
-#: gradients it returns, where it makes any (profiler allocator events, PyTorch 2.13 CPU):
-#: nan_to_num's ``grad * isfinite(x)`` holds isfinite's bool result and its conversion to the
-#: gradient's dtype while the product is made (1 + itemsize; isfinite's own ``abs(x)`` and two
-#: bool comparisons, freed before, hold less)
-BACKWARD_TEMPORARIES = {"aten.nan_to_num.default": 1}
-
-
-def _backward_temporaries(region: list[Node]) -> int:
-    """Bytes of :data:`BACKWARD_TEMPORARIES` for one composite op's region (0 for most)."""
-    tags = {n: n.meta[COMPOSITE] for n in region}
-    per = BACKWARD_TEMPORARIES.get(tags[region[0]].op)
-    x = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
-    if per is None or x is None:
-        return 0
-    val = x.meta["val"]
-    return val.numel() * (per + val.element_size())
-
-
-def one_kernel_backward(
-    backward: GraphModule, regions: list[tuple[set[str], int]]
-) -> tuple[dict[str, int], dict[str, list[str]], dict[str, int]]:
-    """The backward of each composite op in ``regions`` (the names of a region's forward
-    nodes, the bytes of its backward's temporaries) as one eager kernel, as autograd runs it
-    (``silu_backward``, ``gelu_backward``, ``native_group_norm_backward``,
-    ``native_layer_norm_backward``, ``_softmax_backward_data``, ...; tools/autograd/
-    derivatives.yaml): the backward nodes its forward nodes' rules made (``SOURCE``) hold
-    nothing but the gradients that leave them (and the storages those are views of), where
-    graphflop's backward of the decomposition makes input-sized temporaries live together
-    (SiLU's ``sigmoid``, ``1 - sigmoid`` and two products); what the kernel reads and the
-    gradients it makes are live together at its last node, with its temporaries. Returns
-    (sizes, also_reads, extra) for :meth:`Schedule.add_graph`."""
-    owner = {name: i for i, (names, _) in enumerate(regions) for name in names}
-    groups: dict[int, list[Node]] = {}
-    for n in backward.graph.nodes:
-        i = owner.get(n.meta.get(SOURCE, "")) if n.op == "call_function" else None
-        if i is not None:
-            groups.setdefault(i, []).append(n)
-    sizes: dict[str, int] = {}
-    reads: dict[str, list[str]] = {}
-    extra: dict[str, int] = {}
-    for i, nodes in groups.items():
-        inside = set(nodes)
-        leaving = [n for n in nodes if any(u not in inside for u in n.users)]
-        keep: set[Node] = set()
-        for n in leaving:  # a gradient and the storage it is a view of
-            m: Node | None = n
-            while m in inside and m not in keep:
-                keep.add(m)
-                m = m.all_input_nodes[0] if _is_view(m) and m.all_input_nodes else None
-        sizes |= {n.name: 0 for n in nodes if n not in keep}
-        outer = {a.name for n in nodes for a in n.all_input_nodes if a not in inside}
-        reads[nodes[-1].name] = sorted(outer) + [n.name for n in leaving]
-        if regions[i][1]:
-            extra[nodes[-1].name] = regions[i][1]
-    return sizes, reads, extra
 
 
 def _max_pool_saves(forward: GraphModule) -> dict[str, list[str]]:
@@ -313,13 +275,9 @@ def eager_saved_storages(
 
 
 def _is_plain_conv(n: Node) -> bool:
-    """An ungrouped, non-transposed ``aten.convolution`` (the oneDNN path on CPU)."""
-    return (
-        n.op == "call_function"
-        and n.target is aten.convolution.default
-        and not n.args[6]
-        and n.args[8] == 1
-    )
+    """A non-transposed ``aten.convolution``, grouped or not (the oneDNN path on CPU: grouped
+    and depthwise convolutions allocate as ungrouped ones do, profiler allocator events)."""
+    return n.op == "call_function" and n.target is aten.convolution.default and not n.args[6]
 
 
 def kernel_temporaries(
@@ -328,7 +286,7 @@ def kernel_temporaries(
     """Bytes of the temporaries eager kernels hold while they run: (forward node name -> bytes,
     backward node name -> bytes).
 
-    On CPU, PyTorch runs an ungrouped float convolution with oneDNN
+    On CPU, PyTorch runs a float convolution (grouped, depthwise or not) with oneDNN
     (``aten::mkldnn_convolution``), which computes into a buffer of its own layout and copies
     into the output: one output-sized temporary. Its backward
     (``aten::convolution_backward``) reorders the input and the output gradient for the weight
@@ -367,7 +325,7 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     info = jvp.meta[JVP]
     base = {p for p, _ in sig.params} | {t for t, _ in info.tangent_inputs}
     tmp, _ = kernel_temporaries(jvp, None, device)
-    for name, nbytes in _zero_tangent_convs(jvp, device).items():
+    for name, nbytes in (_zero_tangent_convs(jvp, device) | zero_tangent_mms(jvp)).items():
         tmp[name] = tmp.get(name, 0) + nbytes
     pairs = dual_pairs(jvp)
     sizes, norm_tmp, reads = _norm_jvp(jvp, pairs, device)
@@ -375,7 +333,7 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     sizes |= a_sizes
     norm_tmp |= a_tmp
     reads |= a_reads
-    for name, held in _formula_reads(jvp, sizes).items():
+    for name, held in formula_reads(jvp, sizes).items():
         reads[name] = reads.get(name, []) + held
     s = Schedule()
     s.add_graph(
@@ -393,22 +351,6 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
         if primal in names:
             s.ties.append([f"j:{primal}"] + [f"j:{t}" for t in tangents])
     return s
-
-
-def _formula_reads(jvp: GraphModule, sizes: dict[str, int]) -> dict[str, list[str]]:
-    """One op's tangent formula in eager forward-mode AD is one C++ expression
-    (tools/autograd/derivatives.yaml ``result:``; addmm's ``self_t + mat1_t.mm(mat2_p) +
-    mat1_p.mm(mat2_t)``): its partial results are freed when the expression ends, so a
-    linear layer's two products and two sums are live together with its output (profiler
-    allocator events, PyTorch 2.13 CPU), where graphflop's graph frees each when read. Node
-    name -> the tangent nodes of the same rule (``SOURCE``) it keeps live: the rule's last
-    tangent node holds the others. Nodes ``sizes`` makes 0 (composite ops modelled as one
-    kernel) are left out."""
-    groups: dict[str, list[str]] = {}
-    for n in jvp.graph.nodes:
-        if n.meta.get(KIND) == "tangent" and n.op == "call_function" and sizes.get(n.name) != 0:
-            groups.setdefault(n.meta.get(SOURCE, ""), []).append(n.name)
-    return {names[-1]: names[:-1] for names in groups.values() if len(names) > 1}
 
 
 def _zero_tangent_convs(jvp: GraphModule, device: str) -> dict[str, int]:
@@ -439,7 +381,8 @@ def _zero_tangent_convs(jvp: GraphModule, device: str) -> dict[str, int]:
 #: products), two, one of them freed before the result is made; dropout on CPU (its float mask
 #: :data:`FLOAT_MASK_ON_CPU`, and one product), one; layer and group norm (``layer_norm_jvp``,
 #: ``group_norm_jvp``), four, as batch norm; SiLU (its tangent as ``sigmoid``, a cast and the
-#: products and sum of ``silu_backward``'s formula), five
+#: products and sum of ``silu_backward``'s formula), five; GELU (one ``gelu_backward(x_t, x)``
+#: kernel), none
 JVP_TEMPORARIES = {
     **{k: 4 for k in EAGER_SAVES if "batch_norm" in k},
     "aten._softmax.default": 1,
@@ -447,6 +390,7 @@ JVP_TEMPORARIES = {
     "aten.native_layer_norm.default": 4,
     "aten.native_group_norm.default": 4,
     "aten.silu.default": 5,
+    "aten.gelu.default": 0,
 }
 
 
@@ -479,7 +423,7 @@ def _norm_jvp(
         inner_t = [
             n
             for n in jvp.graph.nodes
-            if n.meta.get(KIND) == "tangent"
+            if n.meta.get(KIND) in TANGENT_FORMULA
             and n.meta.get(SOURCE) in names
             and n.op != "placeholder"
         ]
@@ -568,7 +512,15 @@ def eager_train_schedule(
     for k, v in eager.backward_extra.items():
         bwd_tmp[k] = bwd_tmp.get(k, 0) + v
     fwd_tmp |= eager.extra
-    s.add_graph(forward, "f", baseline=params, eager=True, sizes=eager.sizes, extra=fwd_tmp)
+    s.add_graph(
+        forward,
+        "f",
+        baseline=params,
+        eager=True,
+        sizes=eager.sizes,
+        extra=fwd_tmp,
+        also_reads=eager.reads,
+    )
     ext: dict[str, str | list[str]] = {}
     base_b = set()
     for n in backward.graph.nodes:
