@@ -11,9 +11,11 @@ values eager autograd saves for that op (the nodes are found by the
 :data:`~graphflop.meta.COMPOSITE` tags tracing writes). Max pooling (not decomposed) saves its
 input and indices, as two storages. Attention PyTorch runs with its fused kernel saves q, k,
 v, its output, the mask and a logsumexp, and makes no scores or probabilities in forward or
-backward (:mod:`graphflop.passes.eager_attention`). So composite ops are not kept whole with rules of their own
-(the FLOP counts and the backward graph stay as they are); the memory figures are those of the
-eager run.
+backward (:mod:`graphflop.passes.eager_attention`). Each composite op's forward and backward
+(and each convolution's backward) run as the one kernel eager runs: the decomposition's inner
+nodes hold nothing (:func:`one_kernel_backward`). So composite ops are not kept whole with rules
+of their own (the FLOP counts and the backward graph stay as they are); the memory figures are
+those of the eager run.
 
 The eager train step (:func:`eager_train_schedule`): the forward, each multi-output op's outputs
 as separate storages; the backward with the eager residuals; gradients allocated as the backward
@@ -35,6 +37,14 @@ from torch.fx import GraphModule, Node
 from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU, FUSED_SDPA
 from graphflop.meta import COMPOSITE, JVP, KIND, RESIDUAL, SIGNATURE, SOURCE, CompositeTag
 from graphflop.passes.eager_attention import FusedAttention, attention_jvp
+from graphflop.passes.eager_kernels import (
+    TANGENT_FORMULA,
+    backward_temporaries,
+    formula_reads,
+    one_kernel_backward,
+    one_kernel_forward,
+    zero_tangent_mms,
+)
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Schedule
 
@@ -80,6 +90,8 @@ class EagerResiduals:
         that node has run (:meth:`Schedule.add_graph`'s ``also_reads``).
     accumulate: forward node names whose ``sizes`` are in an accumulate dtype that autocast
         does not lower (fused attention's float32 logsumexp).
+    reads: forward node name -> the forward nodes a composite op's kernel keeps live until
+        that node has run (:func:`one_kernel_forward`).
     """
 
     remap: dict[str, list[str]]
@@ -89,6 +101,7 @@ class EagerResiduals:
     backward_extra: dict[str, int] = field(default_factory=dict)
     backward_reads: dict[str, list[str]] = field(default_factory=dict)
     accumulate: frozenset[str] = frozenset()
+    reads: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _tag_of(n: Node, inner: bool) -> CompositeTag:
@@ -153,14 +166,21 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     saves: dict[str, list[str]] = {}  # forward node of a composite op -> what the op saves
     sizes: dict[str, int] = {}
     attention = FusedAttention(device)
+    kernels: list[tuple[set[str], int]] = []  # composite ops whose backward is one kernel
+    reads: dict[str, list[str]] = {}
     for region in _regions(forward):
         op = region[0].meta[COMPOSITE].op
+        if op in EAGER_SAVES:
+            kernels.append(({n.name for n in region}, backward_temporaries(region)))
         if op == FUSED_SDPA:
             saved = attention.forward(region)
             if saved is None:  # the math path on this device: graphflop's residuals
                 continue
         else:
             saved, out0, mask = _saved_by(region)
+            f_sizes, f_reads = one_kernel_forward(region)
+            sizes |= f_sizes
+            reads |= f_reads
             float_mask = device == "cpu" and op in FLOAT_MASK_ON_CPU
             if float_mask and out0 is not None and mask is not None:
                 itemsize = out0.meta["val"].element_size()
@@ -169,12 +189,10 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
             saves[n.name] = [m.name for m in saved]
     sizes |= attention.sizes
     attention.backward(backward)
-    for n in forward.graph.nodes:  # max pooling: input and indices, two storages
-        if n.op == "call_function" and n.target in _MAX_POOLS:
-            idx = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
-            keep = [n.all_input_nodes[0].name] + [u.name for u in idx]
-            for name in [n.name] + [u.name for u in n.users]:
-                saves[name] = keep
+    saves |= _max_pool_saves(forward)
+    # convolution_backward: one kernel, grad input, weight and bias from the same reads
+    kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
+    b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels)
     # a residual read by the backward of a composite op's parts stands for what that op saves
     # (the backward nodes' SOURCE names the forward node whose rule made them)
     remap = {}
@@ -193,12 +211,25 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     return EagerResiduals(
         remap,
         sizes,
-        a.backward_sizes,
+        b_sizes | a.backward_sizes,
         a.extra,
-        a.backward_extra,
-        a.backward_reads,
+        b_extra | a.backward_extra,
+        b_reads | a.backward_reads,
         frozenset(a.accumulate),
+        reads,
     )
+
+
+def _max_pool_saves(forward: GraphModule) -> dict[str, list[str]]:
+    """Max pooling's nodes -> what eager saves for it: its input and indices, two storages."""
+    saves: dict[str, list[str]] = {}
+    for n in forward.graph.nodes:
+        if n.op == "call_function" and n.target in _MAX_POOLS:
+            idx = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
+            keep = [n.all_input_nodes[0].name] + [u.name for u in idx]
+            for name in [n.name] + [u.name for u in n.users]:
+                saves[name] = keep
+    return saves
 
 
 def _residual_sources(
@@ -244,13 +275,9 @@ def eager_saved_storages(
 
 
 def _is_plain_conv(n: Node) -> bool:
-    """An ungrouped, non-transposed ``aten.convolution`` (the oneDNN path on CPU)."""
-    return (
-        n.op == "call_function"
-        and n.target is aten.convolution.default
-        and not n.args[6]
-        and n.args[8] == 1
-    )
+    """A non-transposed ``aten.convolution``, grouped or not (the oneDNN path on CPU: grouped
+    and depthwise convolutions allocate as ungrouped ones do, profiler allocator events)."""
+    return n.op == "call_function" and n.target is aten.convolution.default and not n.args[6]
 
 
 def kernel_temporaries(
@@ -259,7 +286,7 @@ def kernel_temporaries(
     """Bytes of the temporaries eager kernels hold while they run: (forward node name -> bytes,
     backward node name -> bytes).
 
-    On CPU, PyTorch runs an ungrouped float convolution with oneDNN
+    On CPU, PyTorch runs a float convolution (grouped, depthwise or not) with oneDNN
     (``aten::mkldnn_convolution``), which computes into a buffer of its own layout and copies
     into the output: one output-sized temporary. Its backward
     (``aten::convolution_backward``) reorders the input and the output gradient for the weight
@@ -298,7 +325,7 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     info = jvp.meta[JVP]
     base = {p for p, _ in sig.params} | {t for t, _ in info.tangent_inputs}
     tmp, _ = kernel_temporaries(jvp, None, device)
-    for name, nbytes in _zero_tangent_convs(jvp, device).items():
+    for name, nbytes in (_zero_tangent_convs(jvp, device) | zero_tangent_mms(jvp)).items():
         tmp[name] = tmp.get(name, 0) + nbytes
     pairs = dual_pairs(jvp)
     sizes, norm_tmp, reads = _norm_jvp(jvp, pairs, device)
@@ -306,6 +333,8 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     sizes |= a_sizes
     norm_tmp |= a_tmp
     reads |= a_reads
+    for name, held in formula_reads(jvp, sizes).items():
+        reads[name] = reads.get(name, []) + held
     s = Schedule()
     s.add_graph(
         jvp,
@@ -350,11 +379,18 @@ def _zero_tangent_convs(jvp: GraphModule, device: str) -> dict[str, int]:
 #: FunctionsManual.cpp, training mode) ``input - mean`` and the products and sums of its formula,
 #: four; softmax (functorch's decomposition for its JVP: ``x - max``, ``exp`` and their
 #: products), two, one of them freed before the result is made; dropout on CPU (its float mask
-#: :data:`FLOAT_MASK_ON_CPU`, and one product), one
+#: :data:`FLOAT_MASK_ON_CPU`, and one product), one; layer and group norm (``layer_norm_jvp``,
+#: ``group_norm_jvp``), four, as batch norm; SiLU (its tangent as ``sigmoid``, a cast and the
+#: products and sum of ``silu_backward``'s formula), five; GELU (one ``gelu_backward(x_t, x)``
+#: kernel), none
 JVP_TEMPORARIES = {
     **{k: 4 for k in EAGER_SAVES if "batch_norm" in k},
     "aten._softmax.default": 1,
     "aten.native_dropout.default": 1,
+    "aten.native_layer_norm.default": 4,
+    "aten.native_group_norm.default": 4,
+    "aten.silu.default": 5,
+    "aten.gelu.default": 0,
 }
 
 
@@ -387,7 +423,7 @@ def _norm_jvp(
         inner_t = [
             n
             for n in jvp.graph.nodes
-            if n.meta.get(KIND) == "tangent"
+            if n.meta.get(KIND) in TANGENT_FORMULA
             and n.meta.get(SOURCE) in names
             and n.op != "placeholder"
         ]
@@ -476,7 +512,15 @@ def eager_train_schedule(
     for k, v in eager.backward_extra.items():
         bwd_tmp[k] = bwd_tmp.get(k, 0) + v
     fwd_tmp |= eager.extra
-    s.add_graph(forward, "f", baseline=params, eager=True, sizes=eager.sizes, extra=fwd_tmp)
+    s.add_graph(
+        forward,
+        "f",
+        baseline=params,
+        eager=True,
+        sizes=eager.sizes,
+        extra=fwd_tmp,
+        also_reads=eager.reads,
+    )
     ext: dict[str, str | list[str]] = {}
     base_b = set()
     for n in backward.graph.nodes:

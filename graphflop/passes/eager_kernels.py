@@ -1,0 +1,141 @@
+"""Eager kernels as one step in the eager memory model (:mod:`graphflop.passes.eager_memory`):
+a composite op's forward and backward, a convolution's backward and an op's tangent formula
+allocate what the one eager kernel or C++ expression allocates, not what graphflop's
+decomposition of it holds on the way (profiler allocator events, PyTorch 2.13 CPU). Reads
+``val``, ``COMPOSITE``, ``SOURCE``, ``KIND``; writes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from graphflop.meta import COMPOSITE, KIND, SOURCE
+from graphflop.passes.eager_attention import _is_view
+from graphflop.passes.flops import tensor_bytes
+
+aten = torch.ops.aten
+
+
+def one_kernel_forward(region: list[Node]) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """A composite op's forward as the one eager kernel it is (``native_group_norm``,
+    ``gelu``, ...): it allocates its outputs only, so the decomposition's inner nodes (those
+    no output names and nothing outside the op reads) hold nothing, and its inputs stay live
+    until its last output is made. Returns (sizes, also_reads) for
+    :meth:`Schedule.add_graph`."""
+    tags = {n: n.meta[COMPOSITE] for n in region}
+    inside = set(region)
+    inner = [n for n in region if tags[n].output is None and all(u in inside for u in n.users)]
+    outs = [n for n in region if tags[n].output is not None]
+    if not inner or not outs:
+        return {}, {}
+    outer = sorted({a.name for n in region for a in n.all_input_nodes if a not in inside})
+    return {n.name: 0 for n in inner}, {outs[-1].name: outer}
+
+
+#: bytes per input element of the temporaries a composite op's eager backward makes besides the
+#: gradients it returns, where it makes any (profiler allocator events, PyTorch 2.13 CPU):
+#: nan_to_num's ``grad * isfinite(x)`` holds isfinite's bool result and its conversion to the
+#: gradient's dtype while the product is made (1 + itemsize; isfinite's own ``abs(x)`` and two
+#: bool comparisons, freed before, hold less)
+BACKWARD_TEMPORARIES = {"aten.nan_to_num.default": 1}
+
+
+def backward_temporaries(region: list[Node]) -> int:
+    """Bytes of :data:`BACKWARD_TEMPORARIES` for one composite op's region (0 for most)."""
+    tags = {n: n.meta[COMPOSITE] for n in region}
+    per = BACKWARD_TEMPORARIES.get(tags[region[0]].op)
+    x = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
+    if per is None or x is None:
+        return 0
+    val = x.meta["val"]
+    return val.numel() * (per + val.element_size())
+
+
+def one_kernel_backward(
+    backward: GraphModule, regions: list[tuple[set[str], int]]
+) -> tuple[dict[str, int], dict[str, list[str]], dict[str, int]]:
+    """The backward of each composite op in ``regions`` (the names of a region's forward
+    nodes, the bytes of its backward's temporaries) as one eager kernel, as autograd runs it
+    (``silu_backward``, ``gelu_backward``, ``native_group_norm_backward``,
+    ``native_layer_norm_backward``, ``_softmax_backward_data``, ...; tools/autograd/
+    derivatives.yaml): the backward nodes its forward nodes' rules made (``SOURCE``) hold
+    nothing but the gradients that leave them (and the storages those are views of), where
+    graphflop's backward of the decomposition makes input-sized temporaries live together
+    (SiLU's ``sigmoid``, ``1 - sigmoid`` and two products); what the kernel reads and the
+    gradients it makes are live together at its last node, with its temporaries. Returns
+    (sizes, also_reads, extra) for :meth:`Schedule.add_graph`."""
+    owner = {name: i for i, (names, _) in enumerate(regions) for name in names}
+    groups: dict[int, list[Node]] = {}
+    for n in backward.graph.nodes:
+        i = owner.get(n.meta.get(SOURCE, "")) if n.op == "call_function" else None
+        if i is not None:
+            groups.setdefault(i, []).append(n)
+    sizes: dict[str, int] = {}
+    reads: dict[str, list[str]] = {}
+    extra: dict[str, int] = {}
+    for i, nodes in groups.items():
+        inside = set(nodes)
+        leaving = [n for n in nodes if any(u not in inside for u in n.users)]
+        keep: set[Node] = set()
+        for n in leaving:  # a gradient and the storage it is a view of
+            m: Node | None = n
+            while m in inside and m not in keep:
+                keep.add(m)
+                m = m.all_input_nodes[0] if _is_view(m) and m.all_input_nodes else None
+        sizes |= {n.name: 0 for n in nodes if n not in keep}
+        outer = {a.name for n in nodes for a in n.all_input_nodes if a not in inside}
+        reads[nodes[-1].name] = sorted(outer) + [n.name for n in leaving]
+        if regions[i][1]:
+            extra[nodes[-1].name] = regions[i][1]
+    return sizes, reads, extra
+
+
+#: JVP graph node kinds that make up an op's tangent formula: the tangent and the coefficients
+#: computed from primal values for it (``erf``'s ``exp(-x²)``)
+TANGENT_FORMULA = ("tangent", "coef")
+
+
+def formula_reads(jvp: GraphModule, sizes: dict[str, int]) -> dict[str, list[str]]:
+    """One op's tangent formula in eager forward-mode AD is one C++ expression
+    (tools/autograd/derivatives.yaml ``result:``; addmm's ``self_t + mat1_t.mm(mat2_p) +
+    mat1_p.mm(mat2_t)``): its partial results are freed when the expression ends, so a
+    linear layer's two products and two sums are live together with its output (profiler
+    allocator events, PyTorch 2.13 CPU), where graphflop's graph frees each when read. Node
+    name -> the tangent nodes of the same rule (``SOURCE``) it keeps live: the rule's last
+    tangent node holds the others. Nodes ``sizes`` makes 0 (composite ops modelled as one
+    kernel) are left out."""
+    groups: dict[str, list[str]] = {}
+    for n in jvp.graph.nodes:
+        if (
+            n.meta.get(KIND) in TANGENT_FORMULA
+            and n.op == "call_function"
+            and sizes.get(n.name) != 0
+        ):
+            groups.setdefault(n.meta.get(SOURCE, ""), []).append(n.name)
+    return {names[-1]: names[:-1] for names in groups.values() if len(names) > 1}
+
+
+_MATMULS = (aten.addmm.default, aten.mm.default, aten.bmm.default)
+
+
+def zero_tangent_mms(jvp: GraphModule) -> dict[str, int]:
+    """Tangents of a matrix product one of whose operands has no tangent (the first linear
+    layer's input): eager forward-mode AD (``mm``'s ``mat1_t.mm(mat2_p) +
+    mat1_p.mm(mat2_t)``) materialises the missing tangent as zeros and multiplies it too, so
+    its formula holds two more output-sized tensors (that product and the sum with it) than
+    graphflop's one product (profiler allocator events, PyTorch 2.13 CPU: ``addmm``'s
+    primal, two products and two sums live together). The bytes are charged to the rule's
+    last tangent node. Node name -> bytes."""
+    nodes = {n.name: n for n in jvp.graph.nodes}
+    rules: dict[str, list[Node]] = {}
+    for n in jvp.graph.nodes:
+        src = n.meta.get(SOURCE)
+        if n.meta.get(KIND) == "tangent" and n.op == "call_function" and src in nodes:
+            if nodes[src].op == "call_function" and nodes[src].target in _MATMULS:
+                rules.setdefault(src, []).append(n)
+    out = {}
+    for src, tangents in rules.items():
+        if sum(t.target in _MATMULS for t in tangents) == 1:
+            out[tangents[-1].name] = 2 * tensor_bytes(nodes[src].meta["val"])
+    return out
