@@ -203,7 +203,7 @@ def markdown(rows: list[dict]) -> str:
         "(`graphflop/passes/eager_memory.py`). **graph**: `--memory-model graph`, graphflop's "
         "own graphs in their node order (the figures before issue 16).",
         "* graphflop eager also charges the CPU kernels' own temporaries measured with the same "
-        "profiler events: an ungrouped convolution (oneDNN) holds one output-sized buffer, its "
+        "profiler events: a convolution (oneDNN, grouped and depthwise too) holds one output-sized buffer, its "
         "backward an input- and an output-gradient-sized reorder; backward scatters into fresh "
         "zeros (embedding, max pooling, index/slice backward) run in place.",
         "* Attention without dropout (and with the flash backend enabled, dense 4-D q, k, v, a "

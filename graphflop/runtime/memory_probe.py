@@ -109,8 +109,11 @@ def measure_saved(model: nn.Module, inputs: tuple, loss: str = "auto") -> int:
 
 def _profiled_peak(fn: Callable[[], None]) -> int:
     """Largest running sum of the allocator's ``[memory]`` events while ``fn`` runs, bytes."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()  # garbage from earlier work freed inside the window would count as frees
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     # the raw events: FunctionEvent folds allocations made inside an op into that op
