@@ -533,3 +533,20 @@ def test_orthogonal_needs_normal_and_at_most_n_directions(digits):
     c = TrainConfig(method="fgd", orthogonal=True, directions=11, steps=1, eval_every=0)
     with pytest.raises(TrainError, match="at most the 10 parameters"):
         train(_BiasOnly(), digits, c)
+
+
+def test_train_outputs_are_all_written_or_none(tmp_path, monkeypatch):
+    """A write that fails after train.csv (here the plot) leaves no file and no folder."""
+    from graphflop.train import outputs
+    from graphflop.train.loop import TrainResult
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(outputs, "plot", fail)
+    monkeypatch.setattr(outputs, "_title", lambda summary: "")
+    row = {"step": 0, "wall_s": 0.0, "train_loss": None, "val_loss": 1.0, "val_accuracy": 0.5}
+    out = tmp_path / "run" / "a"
+    with pytest.raises(OSError):
+        outputs.write_outputs(TrainResult(history=[row], summary={}), out)
+    assert not (tmp_path / "run").exists()

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from graphflop.io import atomic_write
+from graphflop.io import atomic_group, atomic_write
 
 if TYPE_CHECKING:
     from graphflop.train.loop import TrainResult
@@ -86,15 +86,17 @@ def _title(s: dict[str, Any]) -> str:
 
 
 def write_outputs(result: TrainResult, out: str | Path) -> dict[str, Path]:
-    """Write ``train.csv``, ``train.png`` and ``summary.json`` into ``out`` (created).
+    """Write ``train.csv``, ``train.png`` and ``summary.json`` into ``out`` (created), all three
+    or none (:func:`graphflop.io.atomic_group`: a failed write leaves no file and no folder it
+    made).
 
     Returns:
         Their paths by ``csv``, ``png`` and ``summary``.
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     files = {"csv": out / "train.csv", "png": out / "train.png", "summary": out / "summary.json"}
-    write_csv(result.history, files["csv"])
-    plot(result.history, files["png"], _title(result.summary))
-    atomic_write(files["summary"], json.dumps(result.summary, indent=1) + "\n")
+    with atomic_group():
+        write_csv(result.history, files["csv"])
+        plot(result.history, files["png"], _title(result.summary))
+        atomic_write(files["summary"], json.dumps(result.summary, indent=1) + "\n")
     return files
