@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +99,7 @@ def _import_file(path: Path):
     if spec is None or spec.loader is None:
         raise SpecError(f"cannot import {path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
-    if any(lib in path.read_text(errors="replace") for lib in _IMPORT_TORCHVISION):
+    if _IMPORTS_TORCHVISION.search(path.read_text(errors="replace")):
         _preload_torchvision()
     sys.modules[mod_name] = module
     sys.path.insert(0, str(path.parent.resolve()))
@@ -115,8 +116,11 @@ def _import_file(path: Path):
     return module
 
 
-#: libraries that import torchvision when it is installed
-_IMPORT_TORCHVISION = ("torchvision", "transformers", "timm")
+#: an import statement of a library that imports torchvision when it is installed (a mere
+#: mention, e.g. in a docstring, does not count: importing torchvision costs seconds)
+_IMPORTS_TORCHVISION = re.compile(
+    r"^\s*(?:import|from)\s+(?:torchvision|transformers|timm)\b", re.MULTILINE
+)
 
 
 def _preload_torchvision() -> None:

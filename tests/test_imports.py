@@ -154,3 +154,17 @@ def test_core_aten_table_equals_torch_exports():
 
     assert [op for op in theirs if not same(ours[op], theirs[op])] == []
     assert len(ours) > 900  # PyTorch 2.13: 943 ops
+
+
+def test_torchvision_is_loaded_for_an_import_statement_not_a_mention(tmp_path):
+    """models/resnet.py names torchvision only in its docstring: loading it must not import
+    torchvision (seconds of import, and Dynamo with it); a file that imports it does."""
+    report = "import json, sys\nprint(json.dumps('torchvision' in sys.modules))\n"
+    mention = "from graphflop.load import load\nload('models/resnet.py:resnet18', meta=True)"
+    assert _loaded(mention, report) is False
+    f = tmp_path / "tv.py"
+    f.write_text(
+        "import torch\nif True:  # an indented import counts too\n    import torchvision\n"
+        "class M(torch.nn.Module):\n    def forward(self, x):\n        return x\n"
+    )
+    assert _loaded(f"from graphflop.load import load\nload({str(f)!r})", report) is True
