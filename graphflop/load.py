@@ -230,8 +230,14 @@ def _instantiate(obj: Any, where: str, ctor_kwargs: dict, meta: bool) -> nn.Modu
             return obj
         if callable(obj):
             if meta:  # parameters on the meta device: shapes only, no memory, no init time
-                with torch.device("meta"):
-                    model = obj(**ctor_kwargs)
+                from graphflop.frontend import nodynamo
+
+                def build() -> Any:
+                    with torch.device("meta"):
+                        return obj(**ctor_kwargs)
+
+                # initialisers run torch._refs on meta tensors, which would import Dynamo
+                model = nodynamo.run(build)
             else:
                 model = obj(**ctor_kwargs)
         else:

@@ -162,6 +162,9 @@ def test_torchvision_is_loaded_for_an_import_statement_not_a_mention(tmp_path):
     report = "import json, sys\nprint(json.dumps('torchvision' in sys.modules))\n"
     mention = "from graphflop.load import load\nload('models/resnet.py:resnet18', meta=True)"
     assert _loaded(mention, report) is False
+    # building it on the meta device runs nn.init through torch._refs: still no Dynamo
+    dynamo = "import json, sys\nprint(json.dumps('torch._dynamo' in sys.modules))\n"
+    assert _loaded(mention, dynamo) is False
     f = tmp_path / "tv.py"
     f.write_text(
         "import torch\nif True:  # an indented import counts too\n    import torchvision\n"
