@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+
+import pytest
 import sys
 from pathlib import Path
 
@@ -156,6 +158,7 @@ def test_core_aten_table_equals_torch_exports():
     assert len(ours) > 900  # PyTorch 2.13: 943 ops
 
 
+@pytest.mark.slow  # three fresh interpreters: 13 s
 def test_torchvision_is_loaded_for_an_import_statement_not_a_mention(tmp_path):
     """models/resnet.py names torchvision only in its docstring: loading it must not import
     torchvision (seconds of import, and Dynamo with it); a file that imports it does."""
