@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-
-import pytest
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
