@@ -308,7 +308,7 @@ class _Amp:
             external=ext,
             keep_outputs=True,
             eager=True,
-            sizes=self._backward_sizes() | self.eager.backward_sizes,  # fused attention's
+            sizes=self._backward_sizes() | self.eager.backward_sizes,  # one-kernel backwards
             extra=self.eager.backward_extra,
             also_reads=self.eager.backward_reads,
         )

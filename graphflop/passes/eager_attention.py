@@ -12,14 +12,10 @@ from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import FUSED_SDPA
 from graphflop.meta import COMPOSITE, SOURCE
-from graphflop.ops import has_rule, lookup
+from graphflop.passes.eager_kernels import is_view
 from graphflop.passes.flops import tensor_bytes
 
 aten = torch.ops.aten
-
-
-def _is_view(n: Node) -> bool:
-    return n.op == "call_function" and has_rule(n.target) and lookup(n.target).bytes == "view"
 
 
 def _split(n: int, long: int, mid: int | None) -> int:
@@ -77,8 +73,10 @@ class FusedAttention:
     decomposition's inner nodes hold nothing, and two of them carry the logsumexp and the
     converted mask. On CUDA the memory-efficient kernel (float32, or a mask) pads the
     logsumexp's rows to a multiple of 32, flash (half precision, no mask) does not; float64
-    runs the math path there (no swap). Backward: the nodes the region's rules made hold
-    nothing but the gradients leaving the region (dq, dk, dv). CPU temporaries (profiler
+    runs the math path there (no swap). Backward: one kernel, like a composite op's
+    (:attr:`regions`, for :func:`~graphflop.passes.eager_kernels.one_kernel_backward`): the
+    nodes the region's rules made hold nothing but the gradients leaving it (dq, dk, dv). CPU
+    temporaries (profiler
     allocator events, PyTorch 2.13, one thread): forward, one thread's block buffers
     ``(qs·ks + 2·qs + qs·E)`` accumulate-dtype elements; backward, ``2·qs·ks`` elements
     (qs, ks: :func:`_split`) and a copy of the output's gradient unless it arrives in
@@ -89,10 +87,8 @@ class FusedAttention:
         self.device = device
         self.sizes: dict[str, int] = {}
         self.extra: dict[str, int] = {}
-        self.backward_sizes: dict[str, int] = {}
-        self.backward_extra: dict[str, int] = {}
-        self.backward_reads: dict[str, list[str]] = {}
-        self._regions: list[tuple[set[str], int]] = []  # (node names, backward temporaries)
+        #: (forward node names, backward temporaries' bytes) of each fused region
+        self.regions: list[tuple[set[str], int]] = []
         self.accumulate: set[str] = set()  # the logsumexp nodes (float32 under autocast too)
 
     def forward(self, region: list[Node]) -> list[Node] | None:
@@ -107,9 +103,7 @@ class FusedAttention:
         for n in region:  # a constant mask is lifted into the graph inside the call
             if n.op != "call_function":
                 ins.setdefault(3, n)
-        spare = [
-            n for n in inner if not _is_view(n) and isinstance(n.meta.get("val"), torch.Tensor)
-        ]
+        spare = [n for n in inner if not is_view(n) and isinstance(n.meta.get("val"), torch.Tensor)]
         mask = ins.get(3)
         bool_mask = mask is not None and mask.meta["val"].dtype == torch.bool
         if not outs or any(k not in ins for k in (0, 1, 2)) or len(spare) < 1 + bool_mask:
@@ -136,7 +130,7 @@ class FusedAttention:
             qs, ks = _split(qv.shape[2], 768, 192), _split(kv.shape[2], 0, None)
             self.extra[outs[-1].name] = (qs * ks + 2 * qs + qs * e) * acc
             tmp = tensor_bytes(outs[-1].meta["val"]) * copied + 2 * qs * ks * acc
-        self._regions.append(({n.name for n in region}, tmp))
+        self.regions.append(({n.name for n in region}, tmp))
         return saved
 
     def _free_copies(self, out: Node, strides: tuple[int, ...]) -> bool:
@@ -167,31 +161,6 @@ class FusedAttention:
         if grad is None:
             grad = torch.empty(v.shape, device="meta")
         return not grad.transpose(1, 2).is_contiguous()
-
-    def backward(self, backward: GraphModule) -> None:
-        """Sizes and temporaries of the backward nodes the fused regions' rules made."""
-        for names, tmp in self._regions:
-            nodes = [
-                n
-                for n in backward.graph.nodes
-                if n.op == "call_function" and n.meta.get(SOURCE) in names
-            ]
-            inside = set(nodes)
-            leaving = [n for n in nodes if any(u not in inside for u in n.users)]
-            keep: set[Node] = set()
-            for n in leaving:  # a gradient and the storage it is a view of
-                m: Node | None = n
-                while m in inside and m not in keep:
-                    keep.add(m)
-                    m = m.all_input_nodes[0] if _is_view(m) and m.all_input_nodes else None
-            self.backward_sizes |= {n.name: 0 for n in nodes if n not in keep}
-            if not nodes:
-                continue
-            # one kernel: what it reads and the gradients it makes live together at its end
-            outer = {a.name for n in nodes for a in n.all_input_nodes if a not in inside}
-            self.backward_reads[nodes[-1].name] = sorted(outer) + [n.name for n in leaving]
-            if tmp:
-                self.backward_extra[nodes[-1].name] = tmp
 
 
 def math_attention_jvp_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:

@@ -11,10 +11,15 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.meta import COMPOSITE, KIND, SOURCE
-from graphflop.passes.eager_attention import _is_view
+from graphflop.ops import has_rule, lookup
 from graphflop.passes.flops import tensor_bytes
 
 aten = torch.ops.aten
+
+
+def is_view(n: Node) -> bool:
+    """Whether ``n`` calls an op whose rule says its output is a view of its input."""
+    return n.op == "call_function" and has_rule(n.target) and lookup(n.target).bytes == "view"
 
 
 def one_kernel_forward(region: list[Node]) -> tuple[dict[str, int], dict[str, list[str]]]:
@@ -82,7 +87,7 @@ def one_kernel_backward(
             m: Node | None = n
             while m in inside and m not in keep:
                 keep.add(m)
-                m = m.all_input_nodes[0] if _is_view(m) and m.all_input_nodes else None
+                m = m.all_input_nodes[0] if is_view(m) and m.all_input_nodes else None
         sizes |= {n.name: 0 for n in nodes if n not in keep}
         outer = {a.name for n in nodes for a in n.all_input_nodes if a not in inside}
         reads[nodes[-1].name] = sorted(outer) + [n.name for n in leaving]

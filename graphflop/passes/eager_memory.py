@@ -82,8 +82,9 @@ class EagerResiduals:
     remap: backward placeholder name -> the forward node names eager autograd keeps instead.
     sizes: forward node name -> bytes where eager's tensor differs (CPU dropout's float mask;
         fused attention's inner nodes, 0, and its logsumexp and converted mask).
-    backward_sizes: backward node name -> bytes where eager's differs (fused attention's
-        backward: 0 but for the gradients it returns).
+    backward_sizes: backward node name -> bytes where eager's differs (the backward of a
+        composite op, fused attention or a convolution as one kernel: 0 but for the gradients
+        it returns; :func:`one_kernel_backward`).
     extra: forward node name -> bytes of a fused kernel's temporaries (fused attention).
     backward_extra: the same for backward nodes.
     backward_reads: backward node name -> the backward nodes a fused kernel keeps live until
@@ -188,9 +189,9 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
         for n in region:
             saves[n.name] = [m.name for m in saved]
     sizes |= attention.sizes
-    attention.backward(backward)
     saves |= _max_pool_saves(forward)
-    # convolution_backward: one kernel, grad input, weight and bias from the same reads
+    # fused attention's and convolution_backward's backward: one kernel each too
+    kernels += attention.regions
     kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
     b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels)
     # a residual read by the backward of a composite op's parts stands for what that op saves
@@ -211,10 +212,10 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     return EagerResiduals(
         remap,
         sizes,
-        b_sizes | a.backward_sizes,
+        b_sizes,
         a.extra,
-        b_extra | a.backward_extra,
-        b_reads | a.backward_reads,
+        b_extra,
+        b_reads,
         frozenset(a.accumulate),
         reads,
     )
