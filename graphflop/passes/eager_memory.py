@@ -46,7 +46,7 @@ from graphflop.passes.eager_kernels import (
     zero_tangent_mms,
 )
 from graphflop.passes.flops import tensor_bytes
-from graphflop.passes.memory import Schedule
+from graphflop.passes.memory import Schedule, forward_storages
 
 aten = torch.ops.aten
 
@@ -256,20 +256,11 @@ def eager_saved_storages(
     """The storages :func:`eager_saved_bytes` counts: forward node name of the storage's
     owner (the node that allocated it) -> bytes."""
     eager = eager_residuals(forward, backward, device)
-    sig = forward.meta[SIGNATURE]
-    state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
-    sched = Schedule()
-    sched.add_graph(forward, "f", baseline=state, eager=True, sizes=eager.sizes)
-    storage: dict[str, str] = {}
-    size: dict[str, int] = {}
-    for st in sched.steps:
-        storage[st.key] = storage.get(st.alias_of, st.key) if st.alias_of else st.key
-        if storage[st.key] == st.key:
-            size[st.key] = st.nbytes
+    storage, size = forward_storages(forward, eager.sizes)
     seen = set()
     for names in _residual_sources(forward, backward, eager).values():
         for name in names:
-            k = storage.get(f"f:{name}")
+            k = storage.get(name)
             if k is not None:
                 seen.add(k)
     return {k.split(":", 1)[1]: size[k] for k in seen}

@@ -287,24 +287,24 @@ def forward_storages(
     state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
     sched = Schedule()
     sched.add_graph(forward, "f", baseline=state, eager=True, sizes=sizes)
+    storage, size = _storage_owners(sched)
+    return {k.split(":", 1)[1]: v for k, v in storage.items()}, size
+
+
+def _storage_owners(sched: Schedule) -> tuple[dict[str, str], dict[str, int]]:
+    """(step key -> the key of the step that allocated its storage, owner key -> bytes)."""
     storage: dict[str, str] = {}
     size: dict[str, int] = {}
     for st in sched.steps:
         storage[st.key] = storage.get(st.alias_of, st.key) if st.alias_of else st.key
         if storage[st.key] == st.key:
             size[st.key] = st.nbytes
-    return {k.split(":", 1)[1]: v for k, v in storage.items()}, size
+    return storage, size
 
 
 def saved_storages(forward: GraphModule, backward: GraphModule) -> dict[str, int]:
     """The storages :func:`saved_for_backward_bytes` counts: owner node name -> bytes."""
-    sched = forward_schedule(forward)
-    storage: dict[str, str] = {}
-    size: dict[str, int] = {}
-    for st in sched.steps:
-        storage[st.key] = storage.get(st.alias_of, st.key) if st.alias_of else st.key
-        if storage[st.key] == st.key:
-            size[st.key] = st.nbytes
+    storage, size = _storage_owners(forward_schedule(forward))
     seen = set()
     for n in backward.graph.nodes:
         kind = n.meta.get(RESIDUAL)
