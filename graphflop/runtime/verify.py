@@ -39,6 +39,7 @@ from graphflop.meta import (
     VJP,
     Signature,
 )
+from graphflop.runtime.attention import math_attention
 
 #: the forward-gradient check's default number of steps, the FLOPs they may spend together
 #: (about half a minute on two CPU cores) and the fewest steps worth a statistical check
@@ -312,7 +313,7 @@ def reference_mode(seed: int = RNG_SEED) -> Iterator[None]:
     torch.backends.mha.set_fastpath_enabled(False)
     F.dropout = _native_dropout
     try:
-        with seeded(seed), torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        with seeded(seed), math_attention():
             yield
     finally:
         F.dropout = _F_DROPOUT
