@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from graphflop.analysis import analyze
 from graphflop.load import load, make_inputs
@@ -61,3 +62,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+class ConvBnDropPool(nn.Sequential):
+    """Input [N, 3, 16, 16]: convolution (oneDNN temporaries), batch norm (eager residual swap,
+    batch_norm_jvp temporaries), ReLU, dropout (CPU float mask), max pooling (indices as a
+    storage of their own), Linear to 10 classes. Shared by the memory tests."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Conv2d(3, 8, 3),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(8 * 7 * 7, 10),
+        )

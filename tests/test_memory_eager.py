@@ -6,23 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ConvBnDropPool
 from torch import nn
 
 from graphflop.analysis import analyze
 from graphflop.runtime.memory_probe import measure_saved
-
-
-class _ConvBlock(nn.Sequential):
-    def __init__(self) -> None:
-        super().__init__(
-            nn.Conv2d(3, 8, 3),
-            nn.BatchNorm2d(8),
-            nn.ReLU(),
-            nn.Dropout(0.5),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-            nn.Linear(8 * 7 * 7, 10),
-        )
 
 
 class _NormBlock(nn.Module):
@@ -51,7 +39,7 @@ CASES = {
     # 12544; CPU dropout's float mask 12544; dropout out 12544 (max-pool's input) + indices
     # 2·8·7·7·8 = 6272; flatten view of the pooled values 3136; log_softmax 80, target 16,
     # total_weight 4: 65892 B
-    "conv_bn_relu_dropout_maxpool": (_ConvBlock, (2, 3, 16, 16), 65892),
+    "conv_bn_relu_dropout_maxpool": (ConvBnDropPool, (2, 3, 16, 16), 65892),
     # x 640 + layer-norm mean, rstd 40 + 40; its output (the Linear's input) 640; GELU's input
     # 640; softmax's output 640; sum loss nothing: 2640 B
     "layernorm_gelu_softmax": (_NormBlock, (2, 5, 16), 2640),
@@ -92,7 +80,7 @@ def test_unknown_memory_model_is_refused() -> None:
 
 def test_saved_bytes_per_layer_add_up_and_name_the_allocating_module() -> None:
     torch.manual_seed(0)
-    model, x = _ConvBlock(), torch.randn(2, 3, 16, 16)
+    model, x = ConvBnDropPool(), torch.randn(2, 3, 16, 16)
     r = analyze(model, (x,), jvp=False).report
     rows = {L.name: L.saved_bytes for L in r.layers}
     assert sum(rows.values()) == r.memory.saved_for_backward_bytes == 65892

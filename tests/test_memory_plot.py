@@ -11,6 +11,7 @@ from __future__ import annotations
 import matplotlib
 import pytest
 import torch
+from conftest import ConvBnDropPool
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -22,25 +23,9 @@ from graphflop.passes.memory_timeline import memory_timeline
 matplotlib.use("Agg")
 
 
-class _ConvBnDrop(nn.Sequential):
-    """Batch norm (eager residual swap, batch_norm_jvp temporaries), dropout (CPU float mask),
-    max pooling (indices as a storage of their own), a convolution (oneDNN temporaries)."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            nn.Conv2d(3, 8, 3),
-            nn.BatchNorm2d(8),
-            nn.ReLU(),
-            nn.Dropout(0.5),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-            nn.Linear(8 * 7 * 7, 10),
-        )
-
-
 _MODELS = {
     "mlp": (lambda: nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 10)), (4, 20)),
-    "conv_bn_dropout": (_ConvBnDrop, (2, 3, 16, 16)),
+    "conv_bn_dropout": (ConvBnDropPool, (2, 3, 16, 16)),
 }
 _SETTINGS = {
     "eager": {"memory_model": "eager"},
