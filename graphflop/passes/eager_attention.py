@@ -11,8 +11,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import FUSED_SDPA
-from graphflop.meta import COMPOSITE, SOURCE
-from graphflop.passes.eager_kernels import is_view
+from graphflop.meta import COMPOSITE
+from graphflop.passes.eager_kernels import is_view, nodes_made_by
 from graphflop.passes.flops import tensor_bytes
 
 aten = torch.ops.aten
@@ -199,6 +199,7 @@ def attention_jvp(
     sizes: dict[str, int] = {}
     extra: dict[str, int] = {}
     reads: dict[str, list[str]] = {}
+    made = nodes_made_by(jvp)
     for region in regions:
         tags = {n: n.meta[COMPOSITE] for n in region}
         if tags[region[0]].op != FUSED_SDPA:
@@ -210,11 +211,7 @@ def attention_jvp(
         names = {n.name for n in region}
         out = [n.name for n in region if tags[n].output == 0]
         keep = set(out) | {t for o in out for t in pairs.get(o, [])}
-        inner_t = [
-            n
-            for n in jvp.graph.nodes
-            if n.meta.get(SOURCE) in names and n.op != "placeholder" and n.name not in names
-        ]
+        inner_t = [n for n in made(names) if n.name not in names]
         for n in [*region, *inner_t]:
             if n.name not in keep:
                 sizes[n.name] = 0
@@ -222,7 +219,7 @@ def attention_jvp(
         if not result or any(kk not in ins for kk in (0, 1, 2)):
             continue
         q, k, v = (ins[kk].meta["val"] for kk in (0, 1, 2))
-        held = sum(tensor_bytes(n.meta["val"]) for n in jvp.graph.nodes if n.name in keep)
+        held = sum(tensor_bytes(n.meta["val"]) for n in [*region, *inner_t] if n.name in keep)
         extra[result[-1].name] = max(0, math_attention_jvp_bytes(q, k, v) - held)
         reads[result[-1].name] = [
             x for kk in (0, 1, 2) for x in [ins[kk].name, *pairs.get(ins[kk].name, [])]

@@ -7,6 +7,8 @@ decomposition of it holds on the way (profiler allocator events, PyTorch 2.13 CP
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -20,6 +22,24 @@ aten = torch.ops.aten
 def is_view(n: Node) -> bool:
     """Whether ``n`` calls an op whose rule says its output is a view of its input."""
     return n.op == "call_function" and has_rule(n.target) and lookup(n.target).bytes == "view"
+
+
+def nodes_made_by(gm: GraphModule) -> Callable[[set[str]], list[Node]]:
+    """A lookup, built in one pass over ``gm``: forward node names -> the nodes of ``gm`` their
+    rules made (``SOURCE``), placeholders excluded, in ``gm``'s order. Lets a per-region pass
+    visit each region's nodes instead of the whole graph per region."""
+    position: dict[Node, int] = {}
+    by_source: dict[str, list[Node]] = {}
+    for i, n in enumerate(gm.graph.nodes):
+        position[n] = i
+        src = n.meta.get(SOURCE)
+        if src is not None and n.op != "placeholder":
+            by_source.setdefault(src, []).append(n)
+
+    def made(names: set[str]) -> list[Node]:
+        return sorted((n for s in names for n in by_source.get(s, ())), key=position.__getitem__)
+
+    return made
 
 
 def one_kernel_forward(region: list[Node]) -> tuple[dict[str, int], dict[str, list[str]]]:

@@ -41,6 +41,7 @@ from graphflop.passes.eager_kernels import (
     TANGENT_FORMULA,
     backward_temporaries,
     formula_reads,
+    nodes_made_by,
     one_kernel_backward,
     one_kernel_forward,
     zero_tangent_mms,
@@ -398,6 +399,7 @@ def _norm_jvp(
     sizes: dict[str, int] = {}
     extra: dict[str, int] = {}
     reads: dict[str, list[str]] = {}
+    made = nodes_made_by(jvp)
     for region in _regions(jvp, inner=True):
         tags = {n: _tag_of(n, True) for n in region}
         count = JVP_TEMPORARIES.get(tags[region[0]].op)
@@ -412,13 +414,7 @@ def _norm_jvp(
                 sizes[n.name] = 0
             elif tags[n].output == 1 and device == "cpu" and tags[n].op in FLOAT_MASK_ON_CPU:
                 sizes[n.name] = n.meta["val"].numel() * x.meta["val"].element_size()  # type: ignore[union-attr]
-        inner_t = [
-            n
-            for n in jvp.graph.nodes
-            if n.meta.get(KIND) in TANGENT_FORMULA
-            and n.meta.get(SOURCE) in names
-            and n.op != "placeholder"
-        ]
+        inner_t = [n for n in made(names) if n.meta.get(KIND) in TANGENT_FORMULA]
         for n in inner_t:
             if n.name not in keep:
                 sizes[n.name] = 0
