@@ -273,7 +273,11 @@ def test_more_directions_reduce_the_estimator_variance(digits):
 
 
 @pytest.mark.parametrize(
-    "method,name,directions,eval_every", [("backprop", "mlp.py", 1, 0), ("fgd", "logreg.py", 2, 2)]
+    "method,name,directions,eval_every",
+    [
+        ("backprop", "mlp.py", 1, 0),
+        pytest.param("fgd", "logreg.py", 2, 2, marks=pytest.mark.slow),  # 12 s
+    ],
 )
 def test_onnxruntime_matches_the_pytorch_executed_graph(
     digits, tmp_path, method, name, directions, eval_every
