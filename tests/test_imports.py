@@ -9,6 +9,7 @@ other tests imported) and prints which of the watched modules got loaded.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -168,9 +169,22 @@ def test_torchvision_is_loaded_for_an_import_statement_not_a_mention(tmp_path):
     # building it on the meta device runs nn.init through torch._refs: still no Dynamo
     dynamo = "import json, sys\nprint(json.dumps('torch._dynamo' in sys.modules))\n"
     assert _loaded(mention, dynamo) is False
+    # a file with an import statement (indented, never run, so the file loads without
+    # torchvision installed) makes graphflop preload it; CI has no torchvision, so the check is
+    # that the preload is asked for, and, where torchvision is installed, that it is loaded
     f = tmp_path / "tv.py"
     f.write_text(
-        "import torch\nif True:  # an indented import counts too\n    import torchvision\n"
+        "import torch\nif False:  # an indented import counts too\n    import torchvision\n"
         "class M(torch.nn.Module):\n    def forward(self, x):\n        return x\n"
     )
-    assert _loaded(f"from graphflop.load import load\nload({str(f)!r})", report) is True
+    asked = (
+        "import graphflop.load as L\ncalls = []\nreal = L._preload_torchvision\n"
+        "L._preload_torchvision = lambda: (calls.append(1), real())[1]\n"
+        f"L.load({str(f)!r})\n"
+    )
+    installed = importlib.util.find_spec("torchvision") is not None
+    check = "import json, sys\nprint(json.dumps([bool(calls), 'torchvision' in sys.modules]))\n"
+    assert _loaded(asked, check) == [True, installed]
+    # the mention alone asks for no preload
+    plain = asked.replace(repr(str(f)), repr("models/resnet.py:resnet18") + ", meta=True")
+    assert _loaded(plain, check) == [False, False]
