@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import spec
+from conftest import cli, spec
 
 from graphflop.cli import main
 
@@ -139,7 +139,7 @@ def example_inputs(): return (torch.randn(2, 3),)
         "bad_arg",
     ],
 )
-def test_bad_input_one_line_exit_2(tmp_path, case):
+def test_bad_input_one_line_exit_2(tmp_path, capsys, case):
     (tmp_path / "two.py").write_text(TWO_MODULES)
     (tmp_path / "bad.py").write_text(UNTRACEABLE)
     (tmp_path / "odd.py").write_text(NO_RULE)
@@ -154,10 +154,9 @@ def test_bad_input_one_line_exit_2(tmp_path, case):
         "bad_arg": [spec("deeper_convnet.py"), "--arg", "middle_layers"],
     }[case]
     out = tmp_path / "out.json"
-    r = run_cli("inspect", *args, "--json", str(out))
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("graphflop: error:"), r.stderr
+    rc, stdout, lines = cli(capsys, "inspect", *args, "--json", str(out))
+    assert rc == 2, (stdout, lines)
+    assert len(lines) == 1 and lines[0].startswith("graphflop: error:"), lines
     assert not out.exists()
     assert list(tmp_path.glob(".out.json*")) == []
     if case == "no_rule":
@@ -166,6 +165,18 @@ def test_bad_input_one_line_exit_2(tmp_path, case):
         )
     if case == "two_modules":
         assert "A, B" in lines[0]
+
+
+def test_bad_input_in_a_fresh_process_is_one_line_exit_2(tmp_path):
+    """The same through ``python -m graphflop.cli`` (the cases above run in-process): a model
+    that fails to trace prints one stderr line, no warning or traceback, and writes nothing."""
+    (tmp_path / "bad.py").write_text(UNTRACEABLE)
+    out = tmp_path / "out.json"
+    r = run_cli("inspect", str(tmp_path / "bad.py"), "--json", str(out))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("graphflop: error:"), r.stderr
+    assert not out.exists() and list(tmp_path.glob(".out.json*")) == []
 
 
 @pytest.mark.parametrize(
@@ -183,10 +194,12 @@ def test_bad_input_one_line_exit_2(tmp_path, case):
         ("inspect", [spec("logreg.py"), "--directions", "0"], "bad --directions 0"),
     ],
 )
-def test_every_subcommand_reports_bad_input_in_one_line(tmp_path, command, args, message):
-    r = run_cli(command, *[a.format(tmp=tmp_path) for a in args], cwd=tmp_path)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("graphflop: error:"), r.stderr
+def test_every_subcommand_reports_bad_input_in_one_line(
+    tmp_path, capsys, monkeypatch, command, args, message
+):
+    monkeypatch.chdir(tmp_path)
+    rc, stdout, lines = cli(capsys, command, *[a.format(tmp=tmp_path) for a in args])
+    assert rc == 2, (stdout, lines)
+    assert len(lines) == 1 and lines[0].startswith("graphflop: error:"), lines
     assert message in lines[0]
-    assert r.stdout == "" and list(tmp_path.iterdir()) == []
+    assert stdout == "" and list(tmp_path.iterdir()) == []

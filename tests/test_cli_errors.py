@@ -11,7 +11,7 @@ import stat
 
 import pytest
 import torch
-from conftest import spec
+from conftest import cli, spec
 
 from graphflop.cli import main
 
@@ -80,16 +80,6 @@ def work(tmp_path, monkeypatch):
     out.mkdir()
     monkeypatch.chdir(out)
     return tmp_path
-
-
-def cli(capsys, *argv):
-    """Run ``graphflop`` in-process; returns ``(exit status, stdout, stderr lines)``."""
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        rc = e.code
-    cap = capsys.readouterr()
-    return rc, cap.out, [line for line in cap.err.splitlines() if line.strip()]
 
 
 def one_error(capsys, *argv, code=2, message=""):

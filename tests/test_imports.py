@@ -108,6 +108,7 @@ print(json.dumps(light == real))
 """
 
 
+@pytest.mark.slow  # 12 s: two compilations in fresh interpreters
 def test_torch_compile_works_after_an_analysis_and_the_figures_are_the_same():
     assert _loaded(_ANALYZE_THEN_COMPILE, "") is True
 
@@ -130,6 +131,7 @@ print(json.dumps([mark_static.__module__, "torch._dynamo" in sys.modules]))
 """
 
 
+@pytest.mark.slow  # 9 s: imports the real Dynamo
 def test_a_name_the_standin_lacks_runs_again_with_the_real_dynamo():
     assert _loaded(_RETRY, "") == ["torch._dynamo.decorators", True]
 

@@ -149,6 +149,7 @@ def test_module_level_renders_to_svg(tmp_path, model, graph):
         assert "jvp/fwd" in box
 
 
+@pytest.mark.slow  # 8 s; the GPT-2 and ViT module-level renders stay in the default suite
 @needs_dot
 def test_resnet50_module_level_png(tmp_path):
     """(Its time is a benchmark's business: tools/render_docs.py prints each render's.)"""
