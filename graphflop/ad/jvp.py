@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import Builder
+from graphflop.ad.builder import Builder, copy_node
 from graphflop.ad.ghost import GhostValue, is_ghost
 from graphflop.meta import (
     GAPS,
@@ -174,7 +174,7 @@ class _Linearizer:
         self.b = JvpBuilder(self.graph, fake_mode, self.ghosts)
 
     def _copy(self, n: Node) -> Node:
-        return self.graph.node_copy(n, self.env.__getitem__)
+        return copy_node(self.graph, n, self.env.__getitem__)
 
     def placeholders(self, carry: set[str], ghostly: set[str], params: set[str]) -> list:
         """Copy the forward's placeholders, then add a tangent placeholder per floating one in

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import Builder
+from graphflop.ad.builder import Builder, emit
 from graphflop.ad.ghost import GhostValue, is_ghost
 from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
@@ -120,7 +120,7 @@ class TransposeBuilder(Builder):
             kwargs = {k: self._import_tree(v) for k, v in a.kwargs.items()}
             target = a.target
             assert callable(target), a.format_node()  # coefficients are call_function nodes
-            node = self.graph.call_function(target, args, kwargs)
+            node = emit(self.graph, target, args, kwargs)
             node.meta.update(graphflop_meta(a.meta))
             node.meta["val"] = a.meta["val"]
             node.meta[KIND] = "coef"

@@ -26,7 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from graphflop.ad.builder import Builder
+from graphflop.ad.builder import Builder, copy_node
 from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
     FORWARD_GRADIENT,
@@ -159,13 +159,13 @@ class _Start:
         self.b = _StepBuilder(g, fake_mode, [])
         tangent_of = {t for t, _ in info.tangent_inputs}
         self.env: dict[Node, Node] = {
-            n: g.node_copy(n)
+            n: copy_node(g, n)
             for n in jvp.graph.nodes
             if n.op == "placeholder" and n.name not in tangent_of
         }
         self.phs = {n.name: c for n, c in self.env.items()}
         self.state_phs = {
-            n.name: g.node_copy(n)
+            n.name: copy_node(g, n)
             for n in upd.graph.nodes
             if n.op == "placeholder" and n.meta[SLOT] not in ("param", "grad")
         }
@@ -248,7 +248,7 @@ class _Batcher:
             if n.op == "output":
                 continue
             if n.meta.get(KIND) != "tangent":
-                local[n] = env[n] = self.g.node_copy(n, local.__getitem__)
+                local[n] = env[n] = copy_node(self.g, n, local.__getitem__)
                 continue
             local[n] = self._node(n, local)
         out = local[_output(jvp).args[0][info.primal_outputs]]
@@ -263,7 +263,7 @@ class _Batcher:
         pos = [i for i, a in enumerate(leaves) if isinstance(a, Node)]
         ins = [local[leaves[i]] for i in pos]
         if not any(isinstance(x, Node) and x in self.batched for x in ins):
-            return self.g.node_copy(n, local.__getitem__)
+            return copy_node(self.g, n, local.__getitem__)
         if n.op != "call_function" or not all(isinstance(x, Node) for x in ins):
             raise ValueError(f"cannot batch node {n.name} ({n.op} {n.target})")
         dims = tuple(0 if x in self.batched else None for x in ins)
@@ -325,7 +325,7 @@ class _Batcher:
             if s.op == "output":
                 out = tree_map(lambda a: m[a] if isinstance(a, Node) else a, s.args[0])
             elif s.op != "placeholder":
-                c = self.g.node_copy(s, m.__getitem__)
+                c = copy_node(self.g, s, m.__getitem__)
                 c.meta = {**ann, "val": s.meta["val"]}
                 m[s] = c
         outs = tree_flatten(out)[0]
@@ -426,7 +426,7 @@ def _copy_tangents(
         if not first and n.meta.get(KIND) != "tangent":
             local[n] = env[n]
             continue
-        local[n] = g.node_copy(n, local.__getitem__)
+        local[n] = copy_node(g, n, local.__getitem__)
         if first and n.meta.get(KIND) != "tangent":
             env[n] = local[n]
     return local[_output(jvp).args[0][info.primal_outputs]]

@@ -35,7 +35,6 @@ from graphflop.ops import has_rule, op_name
 from graphflop.passes.eager_memory import (
     DESCRIBES,
     eager_jvp_schedule,
-    eager_saved_bytes,
     eager_saved_storages,
     eager_train_schedule,
 )
@@ -43,7 +42,6 @@ from graphflop.passes.flops import tensor_bytes, total_cost
 from graphflop.passes.memory import (
     forward_schedule,
     jvp_schedule,
-    saved_for_backward_bytes,
     saved_storages,
     train_schedule,
 )
@@ -297,9 +295,11 @@ def _memory(
     model: str,
     device: str,
     keep_grads: bool = False,
+    saved_owners: dict[str, int] | None = None,
 ) -> Memory:
     """Gradients and optimizer state only for the trainable parameters (``trainable_bytes``);
-    ``model``: ``eager`` or ``graph`` (:mod:`graphflop.passes.eager_memory`)."""
+    ``model``: ``eager`` or ``graph`` (:mod:`graphflop.passes.eager_memory`);
+    ``saved_owners``: :func:`_saved_owners` when already computed."""
     fpeak, _ = forward_schedule(g.forward).peak()
     mem: dict[str, Any] = {"forward_peak_bytes": params_bytes + fpeak}
     if g.backward is not None:
@@ -308,11 +308,12 @@ def _memory(
             sched = eager_train_schedule(g.forward, g.backward, optimizer, device, keep_grads)
             tpeak, _ = sched.peak()
             train_peak = params_bytes + trainable_bytes * (n_state + keep_grads) + tpeak
-            saved = eager_saved_bytes(g.forward, g.backward, device)
         else:
             tpeak, _ = train_schedule(g.forward, g.backward, g.update).peak()
             train_peak = params_bytes + trainable_bytes * (1 + n_state) + tpeak
-            saved = saved_for_backward_bytes(g.forward, g.backward)
+        # eager_saved_bytes / saved_for_backward_bytes: the sum over the saved storages
+        owners = saved_owners if saved_owners is not None else _saved_owners(g, model, device)
+        saved = sum(owners.values())
         mem.update(
             grads_bytes=trainable_bytes,
             optimizer_state_bytes=n_state * trainable_bytes,
@@ -344,14 +345,19 @@ def _memory(
     )
 
 
-def _saved_by_layer(g: Graphs, layers: _Layers, model: str, device: str) -> None:
-    """Each layer's ``saved_bytes``: the saved storages its forward nodes allocated."""
+def _saved_owners(g: Graphs, model: str, device: str) -> dict[str, int]:
+    """The storages saved for backward (owner node name -> bytes) under the memory ``model``;
+    empty without a backward graph."""
     if g.backward is None:
-        return
+        return {}
     if model == "eager":
-        owners = eager_saved_storages(g.forward, g.backward, device)
-    else:
-        owners = saved_storages(g.forward, g.backward)
+        return eager_saved_storages(g.forward, g.backward, device)
+    return saved_storages(g.forward, g.backward)
+
+
+def _saved_by_layer(g: Graphs, layers: _Layers, owners: dict[str, int]) -> None:
+    """Each layer's ``saved_bytes``: the saved storages (``owners``) its forward nodes
+    allocated."""
     nodes = {n.name: n for n in g.forward.graph.nodes}
     for name, nbytes in owners.items():
         layers[nodes[name].meta.get(MODULE, "")]["saved_bytes"] += nbytes
@@ -529,7 +535,8 @@ def summarize(
     trainable_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable())
     layers = _Layers()
     totals = _totals(graphs, layers, optimizer, tangents, trainable)
-    _saved_by_layer(graphs, layers, memory_model, device)
+    owners = _saved_owners(graphs, memory_model, device)
+    _saved_by_layer(graphs, layers, owners)
     return Report(
         model=name,
         inputs=_inputs(fwd),
@@ -539,7 +546,14 @@ def summarize(
         totals=totals,
         ratios=_ratios(totals),
         memory=_memory(
-            graphs, params_bytes, optimizer, trainable_bytes, memory_model, device, keep_grads
+            graphs,
+            params_bytes,
+            optimizer,
+            trainable_bytes,
+            memory_model,
+            device,
+            keep_grads,
+            owners,
         ),
         layers=layers.freeze(
             totals.forward.flops, backward=totals.backward is not None, jvp=totals.jvp is not None
