@@ -728,3 +728,38 @@ def test_folder_as_plot_file_says_it_is_a_folder(work, capsys, monkeypatch):
         )
         assert "suffix" not in line
     assert [p.name for p in (work / "out").iterdir()] == ["adir.png"]
+
+
+_NO_PARAMS = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self, frozen=False):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8), requires_grad=False) if frozen else None
+    def forward(self, x):
+        y = torch.relu(x) if self.w is None else torch.relu(x * self.w)
+        return y.sum(-1)
+def example_inputs(): return (torch.randn(4, 8),)
+"""
+
+
+@pytest.mark.parametrize(
+    "extra,warned",
+    [
+        ([], True),
+        (["--arg", "frozen=True"], True),
+        (["--no-backward"], True),  # the JVP's weight tangents are still all zero
+        (["--no-backward", "--no-jvp"], False),
+        (["--no-backward", "--tangents", "inputs"], False),
+    ],
+)
+def test_a_model_without_trainable_parameters_is_one_warning(tmp_path, capsys, extra, warned):
+    """Tester's finding: a parameterless model printed ratios of 0.00 without a word."""
+    (tmp_path / "nop.py").write_text(_NO_PARAMS)
+    rc, out, err = cli(capsys, "inspect", tmp_path / "nop.py", *extra)
+    assert rc == 0 and "forward" in out, err
+    if warned:
+        assert len(err) == 1 and err[0].startswith("warning: the model has no trainable"), err
+        assert ("(8 frozen)" in err[0]) == ("frozen=True" in extra), err
+    else:
+        assert err == []

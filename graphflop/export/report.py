@@ -161,8 +161,18 @@ def _op_table(r: Report, phase: str, rows: list[OpRow], units: str) -> Table:
 
 
 def warning_lines(r: Report) -> list[str]:
-    """One line per op the analysis could not count or differentiate (``Report.uncounted``)."""
+    """One line per op the analysis could not count or differentiate (``Report.uncounted``),
+    and one when the model has no trainable parameter (the training figures are all zero)."""
     lines = []
+    jvp = r.totals.jvp
+    weight_jvp = jvp is not None and jvp.tangents == "params"
+    if r.trainable_params == 0 and (r.totals.backward is not None or weight_jvp):
+        frozen = f" ({r.frozen_params:,} frozen)" if r.frozen_params else ""
+        lines.append(
+            f"warning: the model has no trainable parameters{frozen}: its gradient, update and "
+            "weight-tangent figures are zero; --no-backward --no-jvp reports the forward alone "
+            "(--tangents inputs differentiates with respect to the inputs)"
+        )
     for u in r.uncounted:
         where = ", ".join(m or "(model)" for m in u.modules[:3])
         where += ", …" if len(u.modules) > 3 else ""
