@@ -19,6 +19,9 @@ one model's full analysis under pyinstrument (the dev extra) instead.
     python tools/bench_analysis.py --zoo --depth --repeat 3
     python tools/bench_analysis.py --only resnet50_b8 --repeat 5 --out /tmp/r.md
     python tools/bench_analysis.py --profile /tmp/prof.txt --only gpt2_small_4x512
+    python tools/bench_analysis.py --floor --only resnet50_b8 gpt2_small_4x512 --repeat 5
+
+``--floor`` prints the tracing floor instead (:func:`floor`).
 """
 
 from __future__ import annotations
@@ -207,6 +210,43 @@ def profile(spec: str, kwargs: dict, shapes, batch, out: str) -> None:
     Path(out).write_text(prof.output_text(unicode=False, show_all=False))
 
 
+def floor(spec: str, kwargs: dict, shapes, batch, repeat: int) -> dict[str, float]:
+    """The tracing floor (issue 19, round 4): median seconds of FlopCounterMode over the
+    forward and over forward + backward, graphflop's whole trace, and plain ``make_fx`` of the
+    forward (fake tensors; no decomposition table, functionalization or outlining: the least a
+    make_fx-based tracer does), alternating in this process after one warm-up round."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import graphflop.frontend.nodynamo as nodynamo
+    from graphflop.frontend.trace import trace
+
+    loaded, inputs = _setup(spec, kwargs, shapes, batch)
+    model = loaded.model
+    state = (dict(model.named_parameters()), dict(model.named_buffers()))
+
+    def plain():
+        def f(params, buffers, *x):
+            return torch.func.functional_call(model, (params, buffers), x)
+
+        return make_fx(f, tracing_mode="fake", _allow_fake_constant=True)(*state, *inputs)
+
+    runs = {
+        "FC fwd": lambda: _flop_counter(model, inputs, False),
+        "FC fwd+bwd": lambda: _flop_counter(model, inputs, True),
+        "graphflop trace": lambda: nodynamo.run(lambda: trace(model, inputs)),
+        "plain make_fx fwd": lambda: nodynamo.run(plain),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for r in range(repeat + 1):
+        for k, fn in runs.items():
+            t0 = CLOCK()
+            fn()
+            if r:
+                times[k].append(CLOCK() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 # --- parent: one child per model, then the report --------------------------------------------
 
 
@@ -291,14 +331,14 @@ Profiled with pyinstrument (`--profile`) and cProfile on CPU time, after a warm-
   `Graph.create_node` checks). For ResNet-50 in training mode, batch norm is still about 40% of
   the trace (PyTorch's `_native_batch_norm_legit_functional` decomposition, about 20 traced ops
   per call, also in the outlined templates) although blocks that hold a training-mode batch norm
-  are outlined since round 2 (`graphflop/frontend/outline.py`). The next lever: trace one batch
-  norm per argument signature and copy its nodes (`Graph.node_copy` costs tens of µs per node,
-  `make_fx` about 1 ms per op). FlopCounterMode runs the same ops eagerly on meta tensors,
-  without proxies or fake tensors.
+  are outlined since round 2 (`graphflop/frontend/outline.py`). Outlining each batch norm
+  module on its own was slower (round 4: make_fx's fixed cost per template). FlopCounterMode
+  runs the same ops eagerly on meta tensors, without proxies or fake tensors; plain make_fx of
+  the forward is already 1.9-2.9x FlopCounterMode's forward (`--floor`).
 - **Transformers are outlined**, so their trace is short; the JVP and backward builders then
   cost about 150 µs per emitted node: a quarter in `torch.fx.Graph.create_node` (a pytree walk
-  over the arguments looking for SymInts: 47 µs per node against 31-35 µs when the arguments are
-  set after creation), a quarter in graphflop's argument maps and metadata keys
+  over the arguments looking for SymInts, 47 µs per node against 31-35 µs without it; the
+  builders skip it since round 4), a quarter in graphflop's argument maps and metadata keys
   (`graphflop/ad/_tree.py`, cheaper since round 3), the rest in the rules; fake-tensor
   propagation is mostly served by the builders' shape cache. The next lever: build a repeated
   block's JVP and backward once and copy them, as tracing does.
@@ -384,6 +424,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the raw figures as JSON")
     p.add_argument("--profile", default=None, help="profile the first model into this file")
     p.add_argument(
+        "--floor",
+        action="store_true",
+        help="print, per selected model, FlopCounterMode against graphflop's trace and plain "
+        "make_fx of the forward (the tracing floor; no report written)",
+    )
+    p.add_argument(
         "--render",
         nargs="+",
         metavar="JSON",
@@ -411,6 +457,17 @@ def main(argv=None) -> int:
         )
         return 0
     zoo, xl, depth = _select(args)
+    if args.floor:
+        for name, (spec, kwargs, shapes, batch) in {**zoo, **xl, **depth}.items():
+            med = floor(spec, kwargs, shapes, batch, args.repeat)
+            cells = ", ".join(f"{k} {v:.3f} s" for k, v in med.items())
+            print(
+                f"{name}: {cells}; trace / FC fwd+bwd "
+                f"{med['graphflop trace'] / med['FC fwd+bwd']:.2f}x, plain make_fx / FC fwd "
+                f"{med['plain make_fx fwd'] / med['FC fwd']:.2f}x",
+                flush=True,
+            )
+        return 0
     if args.profile:
         spec, kwargs, shapes, batch = next(iter({**zoo, **xl, **depth}.values()))
         profile(spec, kwargs, shapes, batch, args.profile)
