@@ -37,7 +37,15 @@ from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost
 from graphflop.ops.shape import reduced_dims
 from graphflop.passes.flops import op_cost, value_of
 
-__all__ = ["Builder", "GhostValue", "RuleContext", "copy_node", "emit", "is_ghost"]
+__all__ = [
+    "Builder",
+    "GhostValue",
+    "RuleContext",
+    "copy_node",
+    "emit",
+    "fake_output",
+    "is_ghost",
+]
 
 _FAST_ARGS = hasattr(Node, "_update_args_kwargs")
 
@@ -148,22 +156,8 @@ class Builder:
 
     # -- emission ----------------------------------------------------------------------------
     def _fake(self, op: Any, args: Any, kwargs: Any) -> Any:
-        """The op's output as FakeTensors, from the shape cache when the same op has been run
-        on arguments of the same shapes, strides and dtypes (a transformer's 48 blocks emit
-        the same calls 48 times)."""
-        vals = tree_map(value_of, args)
-        kvals = tree_map(value_of, kwargs)
-        cache = _SHAPE_CACHE.setdefault(self.fake_mode, {})
-        key = _shape_key(op, vals, kvals)
-        if key is not None:
-            hit = cache.get(key)
-            if hit is not None:
-                return hit
-        with self.fake_mode:
-            out = op(*vals, **kvals)
-        if key is not None:
-            cache[key] = out
-        return out
+        """The op's output as FakeTensors (:func:`fake_output` over the arguments' values)."""
+        return fake_output(self.fake_mode, op, tree_map(value_of, args), tree_map(value_of, kwargs))
 
     def call(self, op: Any, *args: Any, **kwargs: Any) -> Any:
         """Emit ``op(*args, **kwargs)``; returns the new node, or a GhostValue."""
@@ -284,6 +278,24 @@ class Builder:
 
 #: fake mode -> {(op, argument metadata) -> FakeTensor output(s)}
 _SHAPE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fake_output(fake_mode: Any, op: Any, vals: Any, kvals: Any) -> Any:
+    """``op(*vals, **kvals)`` on FakeTensors in ``fake_mode``, from the shape cache when the
+    same op has run on arguments of the same shapes, strides and dtypes (a transformer's 48
+    blocks emit the same calls 48 times; a FakeTensor dispatch costs about a millisecond, a
+    view's too)."""
+    cache = _SHAPE_CACHE.setdefault(fake_mode, {})
+    key = _shape_key(op, vals, kvals)
+    if key is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    with fake_mode:
+        out = op(*vals, **kvals)
+    if key is not None:
+        cache[key] = out
+    return out
 
 
 def _shape_key(op: Any, args: tuple, kwargs: dict) -> Any:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-from graphflop.meta import graphflop_meta
+from graphflop.ad.builder import fake_output
+from graphflop.meta import fake_mode_of, graphflop_meta
 
 aten = torch.ops.aten
 
@@ -41,8 +42,8 @@ def fold_transposed_matmuls(gm: GraphModule) -> GraphModule:
             mm = g.call_function(aten.mm.default, (bt, at))
         for new, like in ((bt, src), (at, src), (mm, n)):
             new.meta.update(graphflop_meta(like.meta))
-        bt.meta["val"] = b.meta["val"].transpose(0, 1) if "val" in b.meta else None
-        at.meta["val"] = a.meta["val"].transpose(0, 1) if "val" in a.meta else None
+        bt.meta["val"] = _transposed(b)
+        at.meta["val"] = _transposed(a)
         mm.meta["val"] = n.meta["val"]
         mm.meta.update(graphflop_meta(src.meta))
         n.replace_all_uses_with(mm)
@@ -53,3 +54,15 @@ def fold_transposed_matmuls(gm: GraphModule) -> GraphModule:
         g.lint()
         gm.recompile()
     return gm
+
+
+def _transposed(n: torch.fx.Node) -> torch.Tensor | None:
+    """The value of ``permute(n, [1, 0])``, from the builders' shape cache (a FakeTensor view
+    costs about a millisecond; the folds of a transformer's backward repeat a few shapes)."""
+    val = n.meta.get("val")
+    if val is None:
+        return None
+    mode = fake_mode_of([val])
+    if mode is None:
+        return val.transpose(0, 1)
+    return fake_output(mode, aten.permute.default, (val, [1, 0]), {})
