@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import graphflop
+from graphflop.meta import SIGNATURE
 from graphflop.runtime.verify import verify_analysis
 
 B, T, H, VOCAB, EMB, TAGS = 4, 12, 48, 50, 16, 10
@@ -143,6 +144,43 @@ def test_taggers_verify_against_torch_func(cls):
     model = cls()
     x = tokens()
     a = graphflop.analyze(model, (x,))
+
+    class Loaded:
+        pass
+
+    loaded = Loaded()
+    loaded.model = model
+    checks = verify_analysis(loaded, (x,), a)
+    assert checks and all(c.ok for c in checks), [(c.name, c.worst_rel_error) for c in checks]
+
+
+class LastStep(nn.Module):
+    """A recurrent layer (batch_first or not) whose last time step feeds Linear(12, 3)."""
+
+    def __init__(self, kind: type[nn.Module], batch_first: bool, bidirectional: bool = False):
+        super().__init__()
+        self.batch_first = batch_first
+        self.rnn = kind(8, 12, batch_first=batch_first, bidirectional=bidirectional)
+        self.fc = nn.Linear(12 * (2 if bidirectional else 1), 3)
+
+    def forward(self, x):
+        y = self.rnn(x)[0]
+        return self.fc(y[:, -1] if self.batch_first else y[-1])
+
+
+@pytest.mark.parametrize("kind", [nn.GRU, nn.RNN, nn.LSTM])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_recurrent_output_layout_and_gradients_match_eager(kind, batch_first):
+    """Tester's finding: a GRU or RNN with batch_first=True came out time-first (its C++
+    kernel transposes the result back in place and keeps the tensor, and graphflop traced
+    ``transpose_`` as a functional view whose result nobody used). The traced output shape
+    equals eager's, and verify's gradients and tangents match torch.func."""
+    model = LastStep(kind, batch_first, bidirectional=kind is nn.GRU)
+    x = torch.randn(2, 7, 8) if batch_first else torch.randn(7, 2, 8)
+    a = graphflop.analyze(model, (x,))
+    outs = a.forward.meta[SIGNATURE].outputs
+    nodes = {n.name: n for n in a.forward.graph.nodes}
+    assert tuple(nodes[outs[0]].meta["val"].shape) == tuple(model(x).shape) == (2, 3)
 
     class Loaded:
         pass

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from graphflop.ops import elementwise  # noqa: F401  (the functional rules must exist first)
+from graphflop.ops import elementwise, shape  # noqa: F401  (the functional rules must exist first)
 from graphflop.ops.registry import all_rules, register, register_decomposition
 
 aten = torch.ops.aten
@@ -35,6 +35,17 @@ INPLACE_TWINS: dict[Any, Any] = {
     aten.sigmoid_.default: aten.sigmoid.default,
     aten.tanh_.default: aten.tanh.default,
     aten.relu_.default: aten.relu.default,
+    # in-place view ops that composite C++ kernels apply to their temporaries, below
+    # functionalization (matmul's vector-matrix case squeezes its product in place; a GRU or RNN
+    # with batch_first transposes its output back in place and keeps using the tensor, not the
+    # value the op returns): traced in place, so the fake tensor changes shape as the caller
+    # expects, then rewritten into the functional view like the ops above
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.transpose_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
 }
 
 

@@ -474,19 +474,6 @@ use_torch_decomposition(
     aten.upsample_trilinear3d,
 )
 
-# in-place view ops that composite kernels apply to fresh temporaries (matmul's vector-matrix
-# case squeezes its product in place) reach the tracer unfunctionalised: trace them as the
-# functional view
-for _inplace, _functional in (
-    (aten.squeeze_.dim, aten.squeeze.dim),
-    (aten.squeeze_.dims, aten.squeeze.dims),
-    (aten.squeeze_.default, aten.squeeze.default),
-    (aten.unsqueeze_.default, aten.unsqueeze.default),
-    (aten.transpose_.default, aten.transpose.int),
-    (aten.t_.default, aten.t.default),
-):
-    register_decomposition(_inplace)(_functional)
-
 
 @register_decomposition(aten.as_strided_.default)
 def _restride(x, size, stride, storage_offset=None):
