@@ -159,3 +159,119 @@ def test_cli_bench_all_runtimes_and_profile_under_out(tmp_path, monkeypatch):
     kinds = sorted(p.name.split("_2")[0] for p in (out / "profile").iterdir())
     assert kinds == ["forward", "forward_gradient_step", "train_step"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "run"]  # cwd: nothing
+
+
+class ConvBatchNorm(nn.Module):
+    """Conv2d → BatchNorm2d → ReLU → spatial mean → Linear (the tester's bn.py): a training
+    batch norm traces to ``aten.var_mean.correction``, which the ONNX exporter decomposes, and
+    the conv's weight gradient is rewritten as matrix products for ONNX Runtime."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.c(x))).mean((2, 3)))
+
+
+@pytest.mark.slow  # 15 s
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_onnxruntime_train_step_of_a_conv_batchnorm_model_is_one_sgd_step(tmp_path, mode):
+    """bench's ONNX Runtime train step (weight gradients as matrix products) of a Conv2d +
+    BatchNorm2d model, in train and eval mode: loss, new parameters and (train mode) new running
+    statistics equal one eager ``torch.optim.SGD`` step on the same data and targets."""
+    import copy
+
+    import onnx
+
+    from graphflop.passes.conv_wgrad import conv_weight_grads_as_mm
+    from graphflop.runtime.bench import _step_feeds
+    from graphflop.runtime.graphs import step_graphs
+    from graphflop.runtime.onnxrt import run, session
+    from graphflop.runtime.verify import rel_error
+
+    torch.manual_seed(0)
+    model = getattr(ConvBatchNorm(), mode)()
+    a = analyze(model, (torch.randn(2, 3, 8, 8),))
+    assert a.train_step is not None
+    assert conv_weight_grads_as_mm(a.train_step)[1] == 1  # c.weight's dW: the rewrite is used
+    lr, kw = 0.5, dict(warmup=0, repeat=1, rotate=1)
+    bench_onnxruntime(a, model, provider="CPUExecutionProvider", lr=lr, export_dir=tmp_path, **kw)
+    ts = onnx.load(str(tmp_path / "onnx" / "train_step.onnx"))
+    names = [i.name for i in ts.graph.input]
+    graphs = step_graphs(a, kinds=("train_step",), sampling=True, wgrad_mm=True)
+    feeds = dict(zip(names, _step_feeds(graphs, a, model, 1, lr)["train_step"][0]))
+    out = dict(
+        zip([o.name for o in ts.graph.output], run(session(ts, "CPUExecutionProvider"), feeds))
+    )
+    # reference: the same model, data and targets, one eager SGD step
+    ref = copy.deepcopy(model)
+    loss = nn.functional.cross_entropy(ref(feeds["input_0"]), feeds["target"])
+    loss.backward()
+    torch.optim.SGD(ref.parameters(), lr=lr).step()
+    assert rel_error(torch.from_numpy(out["loss"]), loss.detach()) < 1e-5
+    # the update lr·∇L of every parameter, all in one vector (c.bias's is zero in exact
+    # arithmetic in train mode: batch norm removes a per-channel shift)
+    qual = [q for q, _ in ref.named_parameters()]
+    step = torch.cat([torch.from_numpy(feeds[q].numpy() - out[f"new.{q}"]).flatten() for q in qual])
+    want = torch.cat([(feeds[q] - ref.get_parameter(q).detach()).flatten() for q in qual])
+    assert rel_error(step, want) < 1e-4 and want.norm() > 1e-2
+    if mode == "train":  # the running statistics moved by momentum 0.1 towards the batch's
+        for q in ("bn.running_mean", "bn.running_var"):
+            assert rel_error(torch.from_numpy(out[f"new.{q}"]), ref.get_buffer(q)) < 1e-5, q
+    else:
+        assert not any(o.startswith("new.bn.running") for o in out)
+
+
+def test_exporter_failure_is_one_line_without_colour_or_torch_logs(capfd):
+    """A graph torch.export cannot trace (a view of a transposed copy): the error is the root
+    cause's first line, without the exporter's ANSI colours, and torch's loggers print nothing."""
+    import torch.fx
+
+    from graphflop.export.onnx import OnnxExportError, export_graph
+
+    class Bad(nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.view.default(torch.ops.aten.clone.default(x.t()), [-1])
+
+    gm = torch.fx.symbolic_trace(Bad())
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta["val"] = torch.empty(3, 4, device="meta")
+    capfd.readouterr()
+    with pytest.raises(OnnxExportError) as info:
+        export_graph(gm, "forward", ["x"], ["y"])
+    msg = str(info.value)
+    assert "\n" not in msg and "\x1b" not in msg
+    assert msg.startswith("exporting the forward graph to ONNX failed: torch.export")
+    assert "view" in msg  # the root cause, not the exporter's advice block
+    captured = capfd.readouterr()
+    assert "always_classified" not in captured.err and captured.err == "", captured.err
+
+
+def test_exporter_error_line_strips_colour_and_keeps_the_root_cause():
+    from torch.onnx._internal.exporter._errors import TorchExportError
+
+    from graphflop.export.onnx_errors import exporter_error_line
+
+    root = ValueError("Cannot view a tensor\n\nWhile executing %view")
+    try:
+        raise TorchExportError("Failed. \x1b[96mThis is step 1/3\x1b[0m of it.\n- advice") from root
+    except TorchExportError as e:
+        line = exporter_error_line(e)
+    expected = "torch.export (the exporter's step 1) failed: ValueError: Cannot view a tensor"
+    assert line == expected
+    assert exporter_error_line(RuntimeError("\x1b[1mbold\x1b[0m text\nmore")) == "bold text"
+
+
+def test_var_mean_of_a_training_batch_norm_is_not_blamed_on_the_exporter():
+    """``aten.var_mean.correction`` has no ONNX function of its own, but the exporter
+    decomposes it into ops that have one: no op of the train step is unexportable."""
+    from graphflop.export.onnx_errors import unexportable_node
+
+    a = analyze(ConvBatchNorm().train(), (torch.randn(2, 3, 8, 8),))
+    targets = {n.target for n in a.train_step.graph.nodes}
+    assert torch.ops.aten.var_mean.correction in targets
+    assert unexportable_node(a.train_step) is None

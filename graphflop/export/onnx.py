@@ -19,7 +19,6 @@ folder first and moved into place only when every graph exported, so a failure l
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -32,6 +31,12 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from graphflop.export.onnx_errors import (
+    exporter_error_line,
+    in_chain,
+    quiet_torch_logs,
+    unexportable_node,
+)
 from graphflop.meta import (
     COST,
     FORWARD_GRADIENT,
@@ -64,33 +69,6 @@ class ExportedGraph:
     inputs: list[str]
     outputs: list[str]
     manifest: list[dict[str, Any]]
-
-
-def _registry():
-    try:
-        from torch.onnx._internal.exporter import _registration
-
-        return _registration.ONNXRegistry.from_torchlib()
-    except Exception:  # private API moved: rely on the exporter's own error
-        return None
-
-
-def unexportable_node(gm: GraphModule) -> Node | None:
-    """The first node whose op (or any overload of it) has no function in the ONNX exporter's
-    registry, or None."""
-    import operator
-
-    reg = _registry()
-    if reg is None:
-        return None
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target is operator.getitem:
-            continue
-        packet = getattr(n.target, "overloadpacket", None)
-        siblings = [getattr(packet, o) for o in packet.overloads()] if packet else []
-        if not reg.is_registered(n.target) and not any(reg.is_registered(o) for o in siblings):
-            return n
-    return None
 
 
 def _meta_args(gm: GraphModule) -> tuple[torch.Tensor, ...]:
@@ -252,22 +230,23 @@ def export_graph(
     """
     import onnx
 
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), quiet_torch_logs():
             warnings.simplefilter("ignore")
             # optimize=False: the exporter's rewriter folds Adam's "+ 1e-8" away (0/0 = NaN
             # where a gradient is exactly 0); ONNX Runtime optimises the graph itself anyway
             prog = torch.onnx.export(gm, _meta_args(gm), dynamo=True, verbose=False, optimize=False)
     except Exception as e:
-        bad = unexportable_node(gm)
+        # a failure of torch.export (the exporter's step 1) is none of a missing translation
+        bad = None if in_chain(e, "TorchExportError") else unexportable_node(gm)
         if bad is not None:
             raise OnnxExportError(
                 f"the ONNX exporter has no function for {op_name(bad.target)} (node {bad.name} "
                 f"of the {name} graph, module {bad.meta.get(MODULE) or '(model)'})"
             ) from e
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise OnnxExportError(f"exporting the {name} graph to ONNX failed: {first}") from e
+        raise OnnxExportError(
+            f"exporting the {name} graph to ONNX failed: {exporter_error_line(e)}"
+        ) from e
     model = prog.model_proto
     old_in = [i.name for i in model.graph.input]
     old_out = [o.name for o in model.graph.output]

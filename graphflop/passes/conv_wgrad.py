@@ -90,7 +90,10 @@ def _as_mm(g: torch.fx.Graph, n: torch.fx.Node) -> torch.fx.Node:
         for i in range(oh):
             for j in range(ow):
                 s = add(aten.slice.Tensor, add(aten.slice.Tensor, x, 2, i, i + hk), 3, j, j + wk)
-                s = add(aten.view.default, add(aten.clone.default, s), [b, -1])
+                # contiguous: a window of a permuted input cloned in its own layout (what
+                # torch.export's fake tensors do) cannot be viewed as (B, Cin·Hk·Wk)
+                s = add(aten.clone.default, s, memory_format=torch.contiguous_format)
+                s = add(aten.view.default, s, [b, -1])
                 cols.append(add(aten.unsqueeze.default, add(aten.mm.default, s, wt_t), 2))
         out = add(aten.cat.default, cols, 2)
         return add(aten.view.default, out, [b, cout, oh, ow])
