@@ -153,3 +153,27 @@ def test_train_step_equals_one_torch_optim_step_on_onnx_runtime(tmp_path, optimi
     for i, n in enumerate(info.state):
         if "head2" in n:
             assert torch.equal(torch.from_numpy(out[1 + len(info.params) + i]), fed[n]), n
+
+
+def test_a_gap_in_the_backward_skips_nothing():
+    """An op without a derivative rule (aten.i0 here) stops the cotangent: w's gradient is a
+    zero fill because of the gap, not the model, so it is still updated. SGD over w (3) and
+    v (3): 2·6 = 12 FLOPs."""
+    from graphflop.meta import GAPS
+    from graphflop.ops._common import per_output
+    from graphflop.testing import temporary_rule
+
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3))
+            self.v = nn.Parameter(torch.randn(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten.i0.default(x * self.w) * self.v
+
+    with temporary_rule(torch.ops.aten.i0.default, family="elementwise", cost=per_output(1)):
+        a = analyze(Odd(), (torch.randn(2, 3),), loss="sum", jvp=False)
+    assert a.backward.meta[GAPS]
+    assert gradient_free(a.backward) == frozenset()
+    assert a.report.totals.update.flops == 12
