@@ -28,7 +28,7 @@ from graphflop.passes.compiled_memory import compiled_report_memory
 from graphflop.passes.flops import AnnotateFlops
 from graphflop.passes.forward_gradient import BuildForwardGradientStep
 from graphflop.passes.infra import run_passes
-from graphflop.passes.optimizer import AddOptimizerUpdate
+from graphflop.passes.optimizer import AddOptimizerUpdate, for_every_parameter
 from graphflop.passes.summary import Graphs, summarize
 from graphflop.passes.train_step import BuildTrainStep
 from graphflop.report import SCHEMA_VERSION, Report
@@ -233,15 +233,17 @@ def _analyze(
         say("building the backward graph")
         g = replace(g, backward=run_passes(fwd, [BuildVjp(linearized=lin), AnnotateFlops()]))
         say("building the optimizer update")
-        g = replace(g, update=run_passes(fwd, [AddOptimizerUpdate(optimizer), AnnotateFlops()]))
+        upd = AddOptimizerUpdate(optimizer, backward=g.backward)  # no gradient: no update
+        g = replace(g, update=run_passes(fwd, [upd, AnnotateFlops()]))
         lin = lin if lin is not None else g.backward.meta[LINEARIZED]
     if jvp and has_loss:
         say("building the forward-gradient step")
+        upd = for_every_parameter(g.update)  # a forward gradient updates every parameter
         step = BuildForwardGradientStep(
-            optimizer, directions=directions, distribution=distribution, jvp=lin, update=g.update
+            optimizer, directions=directions, distribution=distribution, jvp=lin, update=upd
         )
         g = replace(g, forward_gradient=run_passes(fwd, [step, AnnotateFlops()]))
-        g = replace(g, activity_gradient=_activity(fwd, optimizer, directions, g.update))
+        g = replace(g, activity_gradient=_activity(fwd, optimizer, directions, upd))
     say("summarising")
     name = name or type(model).__name__
     report = summarize(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from graphflop.cli import main
 from graphflop.meta import SIGNATURE, VJP
@@ -101,6 +102,24 @@ MODELS = {
         def example_inputs():
             return (torch.randn(5, 2, 16),)
         """,
+    "sdpa_dropout": """
+        import torch.nn.functional as F
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.qkv = nn.Linear(16, 48)
+                self.out = nn.Linear(16, 3)
+
+            def forward(self, x):
+                q, k, v = self.qkv(x).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+                p = 0.2 if self.training else 0.0
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                return self.out(y.transpose(1, 2).reshape(2, 5, 16).mean(1))
+
+        def example_inputs():
+            return (torch.randn(2, 5, 16),)
+        """,
 }
 
 
@@ -126,6 +145,7 @@ def _verify(spec: str, capsys, monkeypatch, *extra: str) -> tuple[int, dict, lis
         ("multihead_attention", []),
         ("multihead_attention", ["--eval"]),  # eval: nn.MultiheadAttention's fast path
         ("transformer_encoder", ["--eval"]),
+        ("sdpa_dropout", ["--eval"]),  # eval: the model passes dropout_p=0
     ],
 )
 def test_verify_passes_where_it_used_to_fail(name, extra, tmp_path, capsys, monkeypatch):
@@ -154,6 +174,59 @@ def test_dropout_masks_are_shared_not_hidden(tmp_path, capsys, monkeypatch):
     rc, doc, _ = _verify(spec, capsys, monkeypatch, "--verify-samples", "0")
     grad = doc["verify"][0]
     assert rc == 1 and not grad["ok"] and grad["worst_rel_error"] > 1e-2
+
+
+def test_attention_dropout_in_training_mode_is_not_run_with_the_reason(
+    tmp_path, capsys, monkeypatch
+):
+    """SDPA with dropout_p=0.2 in training mode: the kernel draws its mask from the generator
+    differently from graphflop's native_dropout decomposition, so the gradient and JVP checks
+    say NOT RUN with the reason and the fix (exit 1, as any check not run); the
+    forward-gradient check, graphflop against itself, still runs and passes."""
+    rc, doc, err = _verify(_spec(tmp_path, "sdpa_dropout"), capsys, monkeypatch)
+    assert "Traceback" not in "\n".join(err)
+    grad, jvp, fg = doc["verify"]
+    assert not grad["ran"] and not jvp["ran"] and not grad["ok"]
+    assert grad["worst_rel_error"] is None
+    assert "dropout_p=0.2" in grad["where"] and "--eval" in grad["where"]
+    assert fg["ran"] and fg["ok"]
+    lines = [x for x in err if x.startswith("verify: ")]
+    assert sum("NOT RUN (attention with dropout_p=0.2" in x for x in lines) == 2, err
+    assert lines[-1] == "verify: 1 of 3 checks passed"
+    assert rc == 1
+
+
+def test_attention_dropout_not_run_hides_a_real_mismatch(tmp_path, capsys, monkeypatch):
+    """Without the detection the same model's gradient check FAILS (the masks differ): the
+    NOT RUN above stands for a real disagreement of the references, not a passing check."""
+    import graphflop.runtime.verify_attention as verify_attention
+
+    monkeypatch.setattr(verify_attention, "attention_dropout", lambda forward, model: 0.0)
+    rc, doc, _ = _verify(_spec(tmp_path, "sdpa_dropout"), capsys, monkeypatch, "--no-jvp")
+    grad = doc["verify"][0]
+    assert rc == 1 and grad["ran"] and not grad["ok"] and grad["worst_rel_error"] > 1e-2
+
+
+@pytest.mark.parametrize("need_weights,expected", [(True, 0.0), (False, 0.3)])
+def test_attention_dropout_sees_sdpa_called_inside_multihead_attention(need_weights, expected):
+    """nn.MultiheadAttention applies F.dropout to explicit weights with need_weights=True (the
+    masks verify shares: 0 reported) and calls SDPA with dropout_p from inside
+    torch.nn.functional with need_weights=False (0.3 reported)."""
+    from graphflop.frontend.trace import trace
+    from graphflop.runtime.verify_attention import attention_dropout
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True)
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=need_weights)[0]
+
+    torch.manual_seed(0)
+    model = M().train()
+    fwd = trace(model, (torch.randn(2, 3, 8),), loss="sum")
+    assert attention_dropout(fwd, model) == expected
 
 
 def test_the_bias_before_batchnorm_has_zero_true_gradient_and_passes_on_the_floor():

@@ -18,6 +18,13 @@ AdamW     Adam + decoupled weight decay ``w - lr·λ·w`` (2)               20
 
 The counts do not depend on the batch size: gradients arrive already summed over the batch.
 
+A parameter the backward graph gives no gradient (:func:`gradient_free`: the loss does not
+depend on it, or only through ops without a derivative) gets no update work and no state update:
+``torch.optim``'s SGD and Adam/AdamW skip parameters whose ``.grad`` is None
+(torch/optim/sgd.py, adam.py: ``if p.grad is not None``). Its new value and new state are its
+inputs, passed through as ``aten.alias`` views (no FLOPs, no bytes moved; a graph output may not
+be one of its inputs in ONNX), so the graph keeps one input and one output per parameter.
+
 Writes ``KIND="update"``, ``ROLE="update"``, ``SOURCE``/``PARAM`` (the parameter's
 placeholder/qualified name) and ``MODULE`` (the parameter's module path); on placeholders
 ``SLOT`` (:data:`SLOT`: what the input holds).
@@ -35,6 +42,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.ad.builder import Builder
 from graphflop.meta import (
+    GAPS,
     KIND,
     MODULE,
     PARAM,
@@ -44,6 +52,7 @@ from graphflop.meta import (
     SLOT,
     SOURCE,
     UPDATE,
+    VJP,
     UpdateInfo,
     graph_fake_mode,
     graph_module,
@@ -91,8 +100,13 @@ def build_update(
     *,
     fake_mode: FakeTensorMode | None = None,
     modules: dict[str, str] | None = None,
+    no_gradient: frozenset[str] = frozenset(),
 ) -> GraphModule:
     """Build the update graph for ``params`` ((qualified name, tensor or FakeTensor) pairs).
+
+    ``no_gradient``: qualified names of parameters that get no gradient (:func:`gradient_free`):
+    no update work, their new value and state are views of their inputs (``torch.optim`` skips
+    a parameter whose ``.grad`` is None).
 
     Raises:
         ValueError: for an unknown optimizer.
@@ -143,10 +157,19 @@ def build_update(
     new_w: list[Node] = []
     new_state: list[list[Node]] = [[] for _ in state]
     with b.context(role="update"):
-        lr_wd = b.call(aten.mul.Tensor, lr, cfg.weight_decay) if cfg.name == "adamw" else None
+        decays = cfg.name == "adamw" and any(q not in no_gradient for q, _ in params)
+        lr_wd = b.call(aten.mul.Tensor, lr, cfg.weight_decay) if decays else None
         for i, (q, _) in enumerate(params):
             with b.context(source=w[i].name, module=w[i].meta[MODULE]):
-                nw, new = _param_update(b, cfg, w[i], gr[i], [s[i] for s in state], lr, step, lr_wd)
+                if q in no_gradient:  # torch.optim skips it: passed through (views), no work
+                    nw, new = (
+                        b.call(aten.alias.default, w[i]),
+                        [b.call(aten.alias.default, s[i]) for s in state],
+                    )
+                else:
+                    nw, new = _param_update(
+                        b, cfg, w[i], gr[i], [s[i] for s in state], lr, step, lr_wd
+                    )
             nw.meta[PARAM] = q
             new_w.append(nw)
             for acc, n in zip(new_state, new):
@@ -189,9 +212,12 @@ def build_update_for(
     optimizer: str | OptimizerConfig = "sgd",
     *,
     fake_mode: FakeTensorMode | None = None,
+    backward: GraphModule | None = None,
 ) -> GraphModule:
     """The update graph for the trainable parameters of a traced forward graph (frozen ones,
-    ``Signature.frozen``, get no update and no state).
+    ``Signature.frozen``, get no update and no state). With ``backward`` (the forward's
+    backward graph), the parameters it gives no gradient (:func:`gradient_free`) get no update
+    work either (their state stays an input and output, unchanged).
 
     Each parameter's update nodes carry ``MODULE`` = the parameter's module path (its qualified
     name up to the last dot). Built on ``fake_mode``, by default the forward graph's own.
@@ -211,7 +237,35 @@ def build_update_for(
         optimizer,
         fake_mode=fake_mode or graph_fake_mode(forward),
         modules={q: _parent(q) for _, q in trainable},
+        no_gradient=gradient_free(backward) if backward is not None else frozenset(),
     )
+
+
+def gradient_free(backward: GraphModule) -> frozenset[str]:
+    """Qualified names of the parameters a backward graph gives no gradient: those whose
+    gradient output does not depend on the loss cotangent (a gradient is linear in it, so such
+    an output is a zero fill). That is a parameter the loss does not depend on (a model output
+    after the first, which the loss does not read), or depends on only through ops without a
+    derivative (``detach``, ``argmax``, comparisons): where ``torch.autograd`` leaves ``.grad``
+    None. A parameter with a gradient that happens to be zero (a Linear bias before BatchNorm)
+    is not one. Empty when the backward stops at ops without a transpose rule (``GAPS``): a
+    zero there may be a gap's, not the model's.
+
+    Args:
+        backward: a graph from :func:`graphflop.ad.vjp.build_vjp`.
+    """
+    if backward.meta.get(GAPS):
+        return frozenset()
+    info = backward.meta[VJP]
+    live: set[Node] = set()
+    out: Node | None = None
+    for n in backward.graph.nodes:
+        if n.op == "output":
+            out = n
+        elif n.name == info.cotangent_input or any(a in live for a in n.all_input_nodes):
+            live.add(n)
+    outs = out.args[0] if out is not None else ()
+    return frozenset(q for pos, q in info.grads if outs[pos] not in live)
 
 
 class AddOptimizerUpdate(GraphPass):
@@ -220,6 +274,8 @@ class AddOptimizerUpdate(GraphPass):
     Args:
         optimizer: a name from :data:`OPTIMIZERS` or an :class:`OptimizerConfig`.
         fake_mode: the FakeTensorMode to build on (default: the forward graph's).
+        backward: the forward's backward graph: parameters it gives no gradient get no update
+            work (:func:`gradient_free`). None: every trainable parameter is updated.
 
     Requires ``traced``; provides ``update``. Raises ``ValueError`` for an unknown optimizer.
     """
@@ -229,13 +285,20 @@ class AddOptimizerUpdate(GraphPass):
     provided = ("update",)
 
     def __init__(
-        self, optimizer: str | OptimizerConfig = "sgd", *, fake_mode: FakeTensorMode | None = None
+        self,
+        optimizer: str | OptimizerConfig = "sgd",
+        *,
+        fake_mode: FakeTensorMode | None = None,
+        backward: GraphModule | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.fake_mode = fake_mode
+        self.backward = backward
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        gm = build_update_for(graph_module, self.optimizer, fake_mode=self.fake_mode)
+        gm = build_update_for(
+            graph_module, self.optimizer, fake_mode=self.fake_mode, backward=self.backward
+        )
         return PassResult(gm, True)
 
 
@@ -306,6 +369,25 @@ def _fake(mode, t):
         return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
 
 
+def not_updated(update: GraphModule) -> frozenset[str]:
+    """Qualified names of the parameters an update graph passes through without work (built
+    with ``no_gradient``): their new value is an ``aten.alias`` of their own input."""
+    out = next(n for n in reversed(update.graph.nodes) if n.op == "output")
+    news = out.args[0][: len(update.meta[UPDATE].params)]
+    return frozenset(
+        n.meta[PARAM]
+        for n in news
+        if n.target is aten.alias.default and n.args[0].op == "placeholder"
+    )
+
+
+def for_every_parameter(update: GraphModule | None) -> GraphModule | None:
+    """``update`` when it updates every parameter it holds, else None. A forward-gradient step
+    updates every trainable parameter (its estimate ``(∇L·v) v`` is nonzero even where ``∇L``
+    is zero), so it is given ``update`` only in the first case and builds its own otherwise."""
+    return update if update is not None and not not_updated(update) else None
+
+
 def update_param_count(gm: GraphModule) -> int:
     """Parameter elements an update graph updates."""
     return sum(
@@ -319,6 +401,9 @@ __all__ = [
     "AddOptimizerUpdate",
     "build_update",
     "build_update_for",
+    "for_every_parameter",
+    "gradient_free",
+    "not_updated",
     "OptimizerConfig",
     "OPTIMIZERS",
     "FLOPS_PER_ELEMENT",

@@ -26,7 +26,7 @@ from torch.fx import GraphModule
 
 from graphflop.export.onnx import GRAPH_KINDS
 from graphflop.passes.conv_wgrad import conv_weight_grads_as_mm
-from graphflop.passes.optimizer import OptimizerConfig
+from graphflop.passes.optimizer import OptimizerConfig, for_every_parameter
 
 if TYPE_CHECKING:
     from graphflop.analysis import Analysis
@@ -188,6 +188,6 @@ def step_graphs(
                 analysis.report.optimizer or "sgd",
                 directions=directions,
                 distribution=distribution,
-                update=analysis.update,
+                update=for_every_parameter(analysis.update),
             )
     return out

@@ -12,7 +12,9 @@ The reference and graphflop's graphs see the same random numbers: both run from 
 generator seed, and the reference's training-mode dropout is PyTorch's ``native_dropout``
 decomposition, the form graphflop traces (:func:`reference_mode`). The reference runs with
 PyTorch's math attention kernel and without ``nn.MultiheadAttention``'s fast path (the fused
-kernels have no forward-mode derivative on CPU). Integer inputs are drawn over their real index
+kernels have no forward-mode derivative on CPU). Attention called with dropout is the exception:
+its kernel draws the mask in its own way, so the gradient and JVP comparisons of such a model
+are not run (:func:`graphflop.runtime.verify_attention.attention_dropout`). Integer inputs are drawn over their real index
 range (the rows of the embedding tables they index, padding rows included).
 """
 
@@ -529,7 +531,8 @@ def verify_analysis(
     """Re-trace ``loaded.model`` in ``dtype`` and check the backward and JVP graphs built the
     same way as ``analysis``'s against torch.func. Returns one :class:`Check` per comparison;
     the checks of phases that an op without a rule left incomplete are not run
-    (:func:`gap_notes` says which). A check that raises (a reference PyTorch cannot
+    (:func:`gap_notes` says which), and neither are the gradient and JVP checks of a model whose
+    attention is called with dropout (:func:`graphflop.runtime.verify_attention.attention_dropout`). A check that raises (a reference PyTorch cannot
     differentiate, say) is returned as not run (NaN error, not ok), with the error's first
     line as ``where``: nothing is raised."""
     import copy
@@ -546,13 +549,26 @@ def verify_analysis(
         return checks
     t = analysis.report.totals
     bwd_ok = t.backward is None or t.backward.complete
+    # attention dropout: the reference's masks cannot be graphflop's (attention_dropout)
+    no_ref = ""
+    if analysis.backward is not None or analysis.jvp is not None:
+        from graphflop.runtime import verify_attention
+
+        try:
+            p = verify_attention.attention_dropout(fwd, model)
+        except Exception:  # noqa: BLE001 - the checks' own reference runs report the error
+            p = 0.0
+        no_ref = verify_attention.attention_dropout_note(p) if p else ""
     if analysis.backward is not None and bwd_ok:
         name = "gradients vs torch.func.grad"
         _run(
             checks,
             name,
             tolerance,
-            lambda: verify_gradients(fwd, build_vjp(fwd), model, tolerance=tolerance),
+            lambda: (
+                _not_run(name, no_ref, tolerance)
+                or verify_gradients(fwd, build_vjp(fwd), model, tolerance=tolerance)
+            ),
         )
     if analysis.jvp is not None and t.jvp.complete:
         tangents = t.jvp.tangents
@@ -561,7 +577,10 @@ def verify_analysis(
             checks,
             name,
             tolerance,
-            lambda: verify_jvp(fwd, build_jvp(fwd, tangents), model, tolerance=tolerance),
+            lambda: (
+                _not_run(name, no_ref, tolerance)
+                or verify_jvp(fwd, build_jvp(fwd, tangents), model, tolerance=tolerance)
+            ),
         )
         if forward_gradient_samples and fwd.meta[SIGNATURE].loss is not None and bwd_ok:
             # a statistical check needs no float64: run it on a float32 trace, faster
@@ -580,6 +599,11 @@ def verify_analysis(
                 ),
             )
     return checks
+
+
+def _not_run(name: str, why: str, tolerance: float) -> Check | None:
+    """A not-run :class:`Check` saying ``why``; None when ``why`` is empty (the check runs)."""
+    return Check(name, math.nan, why, tolerance) if why else None
 
 
 def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModule:
