@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -511,7 +512,13 @@ def parse_shape(text: str) -> tuple[int, ...]:
         ) from None
     if not dims or any(d <= 0 for d in dims):
         raise SpecError(f"bad input shape {text!r}: every dimension must be a positive integer")
+    if any(d > MAX_DIM for d in dims):
+        raise SpecError(f"bad input shape {text!r}: a dimension over {MAX_DIM:,} (2^63 - 1)")
     return dims
+
+
+#: the largest tensor dimension PyTorch accepts (a signed 64-bit size)
+MAX_DIM = 2**63 - 1
 
 
 def parse_dtype(text: str) -> torch.dtype:
@@ -561,9 +568,17 @@ def make_inputs(
             "--input-shape N,C,H,W (once per input)"
         )
     if batch is not None:
-        if batch <= 0:
-            raise SpecError(f"bad batch size {batch}: must be a positive integer")
+        if batch <= 0 or batch > MAX_DIM:
+            raise SpecError(
+                f"bad batch size {batch}: must be a positive integer up to {MAX_DIM:,} (2^63 - 1)"
+            )
         specs = [((batch,) + tuple(s[1:]) if s else s, d) for s, d in specs]
+    for s, d in specs:
+        if math.prod(s) * d.itemsize > MAX_DIM:
+            raise SpecError(
+                f"input of shape {','.join(map(str, s))} ({d}) would hold over 2^63 bytes, "
+                "more than PyTorch can address: use a smaller --batch or --input-shape"
+            )
     if device is None:
         p = next(iter(loaded.model.parameters()), None)
         device = p.device if p is not None else torch.device("cpu")

@@ -763,3 +763,41 @@ def test_a_model_without_trainable_parameters_is_one_warning(tmp_path, capsys, e
         assert ("(8 frozen)" in err[0]) == ("frozen=True" in extra), err
     else:
         assert err == []
+
+
+def test_loss_is_computed_from_the_first_floating_point_output(tmp_path, capsys):
+    """Tester's finding: a model returning (argmax, logits) crashed every command (IndexError
+    in the backward builder: the loss was the integer argmax). The loss now starts from the
+    logits: Linear(4, 3) at batch 2 has the cross-entropy backward of a Linear alone, and
+    verify's gradients agree with torch.func on the same loss."""
+    (tmp_path / "intfirst.py").write_text(
+        "import torch\n"
+        "class A(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.fc = torch.nn.Linear(4, 3)\n"
+        "    def forward(self, x):\n"
+        "        y = self.fc(x); return y.argmax(-1), y\n"
+        "def example_inputs(): return (torch.randn(2, 4),)\n"
+    )
+    out = tmp_path / "a.json"
+    rc, _, err = cli(capsys, "inspect", tmp_path / "intfirst.py", "--verify", "--json", out)
+    assert rc == 0, err
+    d = json.loads(out.read_text())
+    assert d["loss"] == "cross_entropy"
+    # weight gradient δᵀ·x: 2·2·3·4 = 48 matrix FLOPs (the input needs no gradient)
+    assert d["totals"]["backward"]["mm_flops"] == 48
+    assert all(c["ok"] for c in d["verify"]), d["verify"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--batch", "99999999999999999999"], "bad batch size"),
+        (["--input-shape", "99999999999999999999,784"], "a dimension over"),
+        (["--batch", str(2**63 - 1)], "over 2^63 bytes"),  # 2^63-1 · 784 · 4 bytes overflows
+    ],
+)
+def test_sizes_past_what_pytorch_addresses_are_one_line(capsys, args, message):
+    """Tester's finding: a 20-digit --batch was an internal error (exit 1) with 2 KB of C++
+    stack text."""
+    one_error(capsys, "inspect", spec("logreg.py"), *args, message=message)

@@ -29,7 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "step (direction sampled inside the step) in eager PyTorch (autograd, torch.func.jvp), "
         "as graphflop's own graphs run in PyTorch (graph_torch) and on ONNX Runtime; rounds "
         "alternate between the phases; report medians and quartiles, Rf, Rb, Rf/Rb and "
-        "achieved FLOP/s, and warn when a phase's quartiles span more than 20%% of its median.",
+        "achieved FLOP/s, and warn when a phase's quartiles span more than 20% of its median.",
     )
     add_model_args(p)
     p.add_argument(

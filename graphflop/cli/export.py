@@ -4,6 +4,7 @@ ONNX models with ``manifest.json``."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
@@ -56,10 +57,11 @@ def run(args: argparse.Namespace, err: Console) -> int:
         status.update("exporting to ONNX")
         graphs = step_graphs(analysis, residuals=args.residuals)
         manifest = export_all(graphs, args.out, name=analysis.name)
+    out = Path(args.out)  # "onnx/" prints onnx/forward.onnx, not onnx//forward.onnx
     for g in manifest["graphs"].values():
         print(
-            f"{args.out}/{g['file']}: {len(g['nodes'])} nodes, {len(g['inputs'])} inputs, "
+            f"{out / g['file']}: {len(g['nodes'])} nodes, {len(g['inputs'])} inputs, "
             f"{len(g['outputs'])} outputs"
         )
-    print(f"{args.out}/manifest.json")
+    print(out / "manifest.json")
     return 0

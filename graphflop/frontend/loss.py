@@ -32,10 +32,19 @@ def loss_value(kind: str, first: torch.Tensor, targets: tuple = ()) -> torch.Ten
     return first
 
 
+def loss_output(out: Any) -> Any:
+    """The output the loss is computed from: the first floating-point (or complex) tensor of
+    a model's output (a tensor, or a tuple, list, dict or namedtuple of them, in
+    ``torch.utils._pytree`` order), else its first tensor (a model may return its predicted
+    classes first, then the logits); None when it holds no tensor."""
+    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    floats = (t for t in tensors if t.is_floating_point() or t.is_complex())
+    return next(floats, tensors[0] if tensors else None)
+
+
 def default_loss(out: Any) -> str:
-    """Cross-entropy for ``(N, C)`` floating logits, ``sum`` otherwise."""
-    flat, _ = tree_flatten(out)
-    first = flat[0] if flat else None
+    """Cross-entropy for ``(N, C)`` floating logits (:func:`loss_output`), ``sum`` otherwise."""
+    first = loss_output(out)
     if isinstance(first, torch.Tensor) and first.dim() == 2 and first.is_floating_point():
         return "cross_entropy"
     return "sum"

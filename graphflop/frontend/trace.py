@@ -46,7 +46,7 @@ from graphflop.frontend.errors import TraceError, find_cause, first_line
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.inputs import bind_call
 from graphflop.frontend.libraries import data_dependent_hint, traced_by_libraries
-from graphflop.frontend.loss import LOSSES, default_loss, loss_value, make_targets
+from graphflop.frontend.loss import LOSSES, default_loss, loss_output, loss_value, make_targets
 from graphflop.frontend.scopes import ModuleScopes, qualname
 from graphflop.meta import OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of
 from graphflop.ops import decomposition_table
@@ -189,14 +189,17 @@ def _trace_once(
                     f"no tensor in the model's output (a {type(out).__name__}): return a "
                     "tensor, or a tuple, list or dict of tensors"
                 )
-            kind = default_loss(out) if loss == "auto" else loss
+            # the loss is computed from the first floating-point output (a model may return
+            # its predicted classes first, then the logits)
+            head = loss_output(outs)
+            kind = default_loss(head) if loss == "auto" else loss
             chosen["loss"] = kind
             if kind == "none":
                 return tuple(outs)
             # the targets are made here, in the graph, and become placeholders afterwards
-            targets = make_targets(kind, outs[0], fake_mode, inside=True)
+            targets = make_targets(kind, head, fake_mode, inside=True)
             chosen["targets"] = [scopes.mark(t) for t in targets]
-            return (loss_value(kind, outs[0], targets), *outs)
+            return (loss_value(kind, head, targets), *outs)
 
     table = tagged_decompositions(decomposition_table())
     outliner = repeats.Outliner(outline)

@@ -132,7 +132,7 @@ def _joint(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
-    from graphflop.frontend.loss import loss_value
+    from graphflop.frontend.loss import loss_output, loss_value
 
     rec: dict[str, Any] = {}
 
@@ -152,12 +152,12 @@ def _joint(
         inputs = tuple(_fake_like(t) for t in example_inputs)
         with torch.no_grad():
             probe = functional_call(model, {**params, **buffers}, inputs)
-        first = torch.utils._pytree.tree_flatten(probe)[0][0]
+        first = loss_output(probe)
         tgt = targets(first)
 
         def f(params: dict, buffers: dict, inputs: tuple, tgt: tuple) -> torch.Tensor:
             out = functional_call(model, {**params, **buffers}, inputs)
-            return loss_value(loss, torch.utils._pytree.tree_flatten(out)[0][0], tgt)
+            return loss_value(loss, loss_output(out), tgt)
 
         n_state = len(params) + len(buffers)
         g = aot_function(

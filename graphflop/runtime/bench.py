@@ -240,11 +240,10 @@ def bench_torch(
 
 
 def first_output(out: Any) -> torch.Tensor:
-    """The first tensor of a model's output (a tensor, or a tuple, list or dict of them, in
-    ``torch.utils._pytree`` order: the output the traced loss starts from)."""
-    from torch.utils._pytree import tree_leaves
+    """The output the traced loss starts from (:func:`graphflop.frontend.loss.loss_output`)."""
+    from graphflop.frontend.loss import loss_output
 
-    return next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    return loss_output(out)
 
 
 def _labelled(values: dict[str, torch.Tensor], sig) -> dict[str, torch.Tensor]:

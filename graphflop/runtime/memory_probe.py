@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphflop.frontend.loss import default_loss, loss_value
+from graphflop.frontend.loss import default_loss, loss_output, loss_value
 from graphflop.runtime.attention import math_attention
 
 __all__ = [
@@ -68,7 +68,7 @@ def _loss_fn(model: nn.Module, inputs: tuple, loss: str) -> tuple[str, Callable[
     graphflop makes them (zeros for cross-entropy, zeros like the output for MSE)."""
     with torch.no_grad():
         out = model(*inputs)
-    first = out if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_flatten(out)[0][0]
+    first = loss_output(out)
     kind = default_loss(out) if loss == "auto" else loss
     if kind == "cross_entropy":
         targets: tuple = (torch.zeros(first.shape[0], dtype=torch.long, device=first.device),)
@@ -80,7 +80,7 @@ def _loss_fn(model: nn.Module, inputs: tuple, loss: str) -> tuple[str, Callable[
 
     def run() -> torch.Tensor:
         o = model(*inputs)
-        f = o if isinstance(o, torch.Tensor) else torch.utils._pytree.tree_flatten(o)[0][0]
+        f = loss_output(o)
         return loss_value(kind, f, targets)
 
     run.targets = targets  # type: ignore[attr-defined]
@@ -185,7 +185,7 @@ def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int
         # copies made inside the transform: a training step updates running statistics
         state = {**{n: b.clone() for n, b in buffers.items()}, **dict(zip(names, ps))}
         o = torch.func.functional_call(model, state, inputs)
-        first = o if isinstance(o, torch.Tensor) else torch.utils._pytree.tree_flatten(o)[0][0]
+        first = loss_output(o)
         return loss_value(kind, first, targets)
 
     def go() -> None:

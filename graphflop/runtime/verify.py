@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Interpreter
 
-from graphflop.frontend.trace import loss_value
+from graphflop.frontend.loss import loss_output, loss_value
 from graphflop.meta import (
     CONSTANTS,
     JVP,
@@ -338,9 +338,7 @@ def reference_loss_fn(forward: GraphModule, model: nn.Module, values: dict[str, 
             out = torch.func.functional_call(
                 model, {**params, **{k: v.clone() for k, v in buffers.items()}}, tuple(inputs)
             )
-        first = (
-            out if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_flatten(out)[0][0]
-        )
+        first = loss_output(out)
         return loss_value(
             loss_kind if loss_kind in ("cross_entropy", "mse") else "sum", first, targets
         )
