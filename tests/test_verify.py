@@ -120,6 +120,34 @@ MODELS = {
         def example_inputs():
             return (torch.randn(2, 5, 16),)
         """,
+    # stop-gradients (a tester's model): PyTorch's core-ATen table turns detach into alias,
+    # through which graphflop differentiated (gradients 3.5x off); the second model's loss
+    # reaches no parameter at all (forward-gradient check: both estimates are 0)
+    "detach": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(6, 4)
+
+            def forward(self, x):
+                y = self.fc(x) * self.fc.weight.detach().sum()
+                return y + (torch.round(y) - y).detach()  # a straight-through estimator
+
+        def example_inputs():
+            return (torch.randn(5, 6),)
+        """,
+    "detach_all": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(6, 4)
+
+            def forward(self, x):
+                return x[:, :4] * 2 + self.fc.weight.detach().sum()
+
+        def example_inputs():
+            return (torch.randn(5, 6),)
+        """,
 }
 
 
@@ -146,6 +174,8 @@ def _verify(spec: str, capsys, monkeypatch, *extra: str) -> tuple[int, dict, lis
         ("multihead_attention", ["--eval"]),  # eval: nn.MultiheadAttention's fast path
         ("transformer_encoder", ["--eval"]),
         ("sdpa_dropout", ["--eval"]),  # eval: the model passes dropout_p=0
+        ("detach", []),
+        ("detach_all", []),
     ],
 )
 def test_verify_passes_where_it_used_to_fail(name, extra, tmp_path, capsys, monkeypatch):

@@ -406,7 +406,20 @@ def decomposition_table() -> dict[Any, Callable[..., Any]]:
         _TORCH_TABLE.update(key=key, table=base)
     table: dict[Any, Callable[..., Any]] = dict(_TORCH_TABLE["table"])
     table.update(_DECOMPOSITIONS)
+    for op in _KEPT:
+        table.pop(op, None)
     return table
+
+
+#: ops PyTorch's core-ATen table decomposes that tracing keeps (:func:`keep_in_graph`)
+_KEPT: set[Any] = set()
+
+
+def keep_in_graph(op: Any) -> None:
+    """Trace ``op`` as itself although PyTorch's core-ATen table decomposes it: ``detach``
+    becomes ``alias`` there, a view through which gradients would flow, so a model's
+    ``.detach()`` (a stop-gradient) would be differentiated through."""
+    _KEPT.add(op)
 
 
 #: PyTorch's part of :func:`decomposition_table`, for the ``use_torch_decomposition`` list

@@ -18,6 +18,7 @@ from graphflop.ops.registry import (
     def_linear,
     def_transpose,
     def_zero,
+    keep_in_graph,
     register,
     register_decomposition,
     update,
@@ -80,6 +81,7 @@ register(
     lambda out, self, dim, index, src, *a, **k: NodeCost(flops=numel(src)),
 )
 def_zero(aten.detach.default)
+keep_in_graph(aten.detach.default)  # a stop-gradient, not the alias core ATen makes of it
 def_zero(aten.lift_fresh_copy.default)
 
 
