@@ -3,6 +3,8 @@ dtype, FlopCounterMode's matrix FLOPs, and gradients/tangents against torch.func
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -113,6 +115,14 @@ CELLS = {
 }
 
 
+def _assert_verifies(model: nn.Module, x: torch.Tensor, a) -> None:
+    """verify's gradient, JVP and forward-gradient checks all pass on ``a`` (graphflop's
+    analysis of ``model`` at ``x``), against torch.func."""
+    loaded = types.SimpleNamespace(model=model)
+    checks = verify_analysis(loaded, (x,), a)
+    assert checks and all(c.ok for c in checks), [(c.name, c.worst_rel_error) for c in checks]
+
+
 class Wrap(nn.Module):
     def __init__(self, m):
         super().__init__()
@@ -129,14 +139,7 @@ def test_cells_verify_against_torch_func(name):
     x = torch.randn(3, 5, 16, dtype=torch.float64) if "rnn_relu" in name else torch.randn(3, 16)
     a = graphflop.analyze(model, (x,), loss="sum")
     assert a.report.totals.backward.complete and a.report.totals.jvp.complete
-
-    class Loaded:
-        pass
-
-    loaded = Loaded()
-    loaded.model = model
-    checks = verify_analysis(loaded, (x,), a)
-    assert checks and all(c.ok for c in checks), [(c.name, c.worst_rel_error) for c in checks]
+    _assert_verifies(model, x, a)
 
 
 @pytest.mark.parametrize("cls", [LstmTagger, GruTagger])
@@ -144,14 +147,7 @@ def test_taggers_verify_against_torch_func(cls):
     model = cls()
     x = tokens()
     a = graphflop.analyze(model, (x,))
-
-    class Loaded:
-        pass
-
-    loaded = Loaded()
-    loaded.model = model
-    checks = verify_analysis(loaded, (x,), a)
-    assert checks and all(c.ok for c in checks), [(c.name, c.worst_rel_error) for c in checks]
+    _assert_verifies(model, x, a)
 
 
 class LastStep(nn.Module):
@@ -181,14 +177,7 @@ def test_recurrent_output_layout_and_gradients_match_eager(kind, batch_first):
     outs = a.forward.meta[SIGNATURE].outputs
     nodes = {n.name: n for n in a.forward.graph.nodes}
     assert tuple(nodes[outs[0]].meta["val"].shape) == tuple(model(x).shape) == (2, 3)
-
-    class Loaded:
-        pass
-
-    loaded = Loaded()
-    loaded.model = model
-    checks = verify_analysis(loaded, (x,), a)
-    assert checks and all(c.ok for c in checks), [(c.name, c.worst_rel_error) for c in checks]
+    _assert_verifies(model, x, a)
 
 
 # --- EmbeddingBag ---------------------------------------------------------------------------
