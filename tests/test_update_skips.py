@@ -66,6 +66,9 @@ def test_a_head_the_loss_does_not_read_gets_no_update(optimizer):
     expected = {"sgd": 424, "momentum": 848, "adam": 3816, "adamw": 4241}[optimizer]
     assert per * WITH_GRADIENT + (optimizer == "adamw") == expected
     assert a.report.totals.update.flops == expected
+    # FLOPs per parameter over the 212 elements updated: 424/212 = 2, 3816/212 = 18,
+    # 4241/212 = 20.005 (was 14.51 for Adam: 3816 over all 263 trainable elements)
+    assert a.report.totals.update.flops_per_param == pytest.approx(expected / WITH_GRADIENT)
     by_layer = {r.name: r for r in a.report.layers}
     assert by_layer["head2"].update_flops == 0
     assert by_layer["head1"].update_flops == per * 68

@@ -219,7 +219,20 @@ def _ghost_flops(gm: GraphModule, layers: _Layers, key: str) -> int:
     return total
 
 
+def _no_grad(g: Graphs) -> int:
+    """Elements of the parameters the backward gives no gradient (no update either, as in
+    ``torch.optim``: :func:`graphflop.passes.optimizer.gradient_free`)."""
+    from graphflop.passes.optimizer import gradient_free
+
+    assert g.backward is not None
+    free = gradient_free(g.backward)
+    phs = _placeholders(g.forward)
+    sig = g.forward.meta[SIGNATURE]
+    return sum(phs[p].meta["val"].numel() for p, q in sig.trainable() if q in free)
+
+
 def _update(upd: GraphModule, layers: _Layers, optimizer: str, params: int) -> UpdateTotals:
+    """Update totals; ``params``: the elements updated (FLOPs per parameter divides by them)."""
     nodes = _ops(upd)
     for n in nodes:
         layers.add(n, "update_flops", n.meta[COST].flops)
@@ -407,7 +420,7 @@ def _totals(g: Graphs, layers: _Layers, optimizer: str, tangents: str, params: i
     }
     if g.backward is not None:
         b = t["backward"] = _backward(g.backward, layers)
-        u = t["update"] = _update(g.update, layers, optimizer, params)
+        u = t["update"] = _update(g.update, layers, optimizer, params - _no_grad(g))
         mm = fwd_total.mm_flops + b.mm_flops
         t["train_step"] = TrainStepTotals(
             flops=fwd_total.flops + b.flops + u.flops,
