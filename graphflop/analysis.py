@@ -20,6 +20,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from graphflop.frontend import nodynamo
+from graphflop.frontend.inputs import split_example
 from graphflop.frontend.trace import trace
 from graphflop.meta import LINEARIZED, LOSS_KIND, SIGNATURE
 from graphflop.passes.activity_gradient import BuildActivityGradientStep, NotPerturbable
@@ -81,7 +82,7 @@ class Analysis:
 
 def analyze(
     model: nn.Module,
-    example_inputs: tuple[torch.Tensor, ...],
+    example_inputs: Any,
     *,
     name: str | None = None,
     loss: str = "auto",
@@ -102,7 +103,10 @@ def analyze(
 
     Args:
         model: the module (used in its current train/eval mode).
-        example_inputs: one tensor per input (FakeTensors are fine: nothing is allocated).
+        example_inputs: what a model file's ``example_inputs()`` may return: a tensor, a tuple
+            of positional inputs, a dict of keyword inputs or ``(args, kwargs)``
+            (:func:`graphflop.frontend.inputs.split_example`); FakeTensors are fine (nothing is
+            allocated).
         loss: see :func:`graphflop.frontend.trace.trace`.
         optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw``.
         tangents: which values carry tangents in the JVP graph (``params``, ``inputs``, ``all``).
@@ -137,11 +141,15 @@ def analyze(
         )
     if amp not in (None, "bf16", "fp16"):
         raise ValueError(f"unknown amp dtype {amp!r}: bf16 or fp16")
+    args, kwargs = split_example(example_inputs)
+    if kwargs and memory_model == "compiled":
+        raise ValueError("memory_model='compiled' takes positional inputs only, not keywords")
     with _no_gc():
         return nodynamo.run(
             lambda: _analyze(
                 model,
-                example_inputs,
+                args,
+                kwargs,
                 name=name,
                 loss=loss,
                 optimizer=optimizer,
@@ -205,6 +213,7 @@ def _no_gc():
 def _analyze(
     model: nn.Module,
     example_inputs: tuple[torch.Tensor, ...],
+    kwargs: dict[str, Any],
     *,
     name: str | None,
     loss: str,
@@ -221,7 +230,9 @@ def _analyze(
     say: Callable[[str], None],
 ) -> Analysis:
     say("tracing")
-    fwd = run_passes(trace(model, example_inputs, loss=loss), [AnnotateFlops()])
+    fwd = run_passes(
+        trace(model, example_inputs, loss=loss, kwargs=kwargs or None), [AnnotateFlops()]
+    )
     has_loss = fwd.meta[SIGNATURE].loss is not None
     g = Graphs(fwd)
     lin = None  # the JVP graph with parameter tangents: transposed, and the forward gradient's

@@ -348,3 +348,24 @@ def test_register_rule_twice_for_a_custom_op():
         graphflop.register_rule(SCALE_OP, cost=lambda out, x, w: NodeCost(flops=1))
         with pytest.raises(ValueError, match="gftest.scale.default already has a rule"):
             graphflop.register_rule(SCALE_OP, cost=lambda out, x, w: NodeCost(flops=2))
+
+
+def test_analyze_takes_every_form_example_inputs_may_return():
+    """Tester's finding: analyze(model, tensor) unpacked the tensor row by row (TypeError:
+    forward() takes 2 positional arguments but 9 were given). A tensor, a tuple, a dict of
+    keyword inputs and (args, kwargs) all mean the same call. Linear(100, 50) at batch 8:
+    2·8·100·50 = 80,000 matrix FLOPs."""
+    import graphflop
+
+    class Lin(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(100, 50)
+
+        def forward(self, x, scale=1.0):
+            return self.fc(x) * scale
+
+    x = torch.randn(8, 100)
+    forms = [x, (x,), {"x": x}, ((x,), {"scale": 2.0})]
+    for form in forms:
+        assert graphflop.analyze(Lin(), form).report.totals.forward.mm_flops == 80_000, form
