@@ -269,10 +269,16 @@ def load(
         seq: sequence length of an ``hf:`` model's default token inputs (default 128).
 
     Raises:
-        SpecError: missing file, unknown name, ambiguous file, import failure.
+        SpecError: missing file, unknown name, ambiguous file, import failure; ``seq`` for a
+            spec other than ``hf:``.
     """
     ctor_kwargs = ctor_kwargs or {}
     library, _, lib_name = spec.partition(":")
+    if seq is not None and library != "hf":
+        raise SpecError(
+            f"--seq {seq} applies to hf: models only; give {spec}'s input shapes with "
+            "--input-shape (or drop --seq)"
+        )
     if library == "hf":
         from graphflop.hf import load_hf
 

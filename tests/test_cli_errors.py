@@ -801,3 +801,16 @@ def test_sizes_past_what_pytorch_addresses_are_one_line(capsys, args, message):
     """Tester's finding: a 20-digit --batch was an internal error (exit 1) with 2 KB of C++
     stack text."""
     one_error(capsys, "inspect", spec("logreg.py"), *args, message=message)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--seq", "16"], "applies to hf: models only"),
+        (["--verify-samples", "5"], "add --verify"),
+    ],
+)
+def test_options_that_would_do_nothing_are_refused(capsys, args, message):
+    """Tester's finding: --seq on a model file and --verify-samples without --verify were
+    accepted and ignored."""
+    one_error(capsys, "inspect", spec("logreg.py"), *args, message=message)

@@ -254,6 +254,11 @@ def _check(args: argparse.Namespace) -> None:
         raise SpecError(
             f"bad --verify-samples {args.verify_samples}: give 0 (skip the check) or more"
         )
+    if args.verify_samples is not None and not args.verify:
+        raise SpecError(
+            f"--verify-samples {args.verify_samples} sets a --verify check: add --verify "
+            "(or drop --verify-samples)"
+        )
     if args.max_layers < 0:
         raise SpecError(f"bad --max-layers {args.max_layers}: give 0 or more")
     if args.depth is not None and args.depth < 1:
