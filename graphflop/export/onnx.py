@@ -32,11 +32,12 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.export.onnx_errors import (
+    EXPORTER_LOGGERS,
     exporter_error_line,
     in_chain,
-    quiet_torch_logs,
     unexportable_node,
 )
+from graphflop.frontend.errors import quiet_loggers
 from graphflop.meta import (
     COST,
     FORWARD_GRADIENT,
@@ -231,7 +232,7 @@ def export_graph(
     import onnx
 
     try:
-        with warnings.catch_warnings(), quiet_torch_logs():
+        with warnings.catch_warnings(), quiet_loggers(*EXPORTER_LOGGERS):
             warnings.simplefilter("ignore")
             # optimize=False: the exporter's rewriter folds Adam's "+ 1e-8" away (0/0 = NaN
             # where a gradient is exactly 0); ONNX Runtime optimises the graph itself anyway

@@ -1,18 +1,21 @@
 """Diagnosing ONNX export failures for :mod:`graphflop.export.onnx`: which node's op the
 exporter cannot translate (:func:`unexportable_node`), one clean line for any other exporter
-failure (:func:`exporter_error_line`), and torch's exporter loggers kept quiet meanwhile
-(:func:`quiet_torch_logs`)."""
+failure (:func:`exporter_error_line`), and the loggers torch's exporter writes through
+(:data:`EXPORTER_LOGGERS`, kept quiet meanwhile)."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
 
 import torch
 from torch.fx import GraphModule, Node
 
-__all__ = ["exporter_error_line", "in_chain", "quiet_torch_logs", "unexportable_node"]
+__all__ = [
+    "EXPORTER_LOGGERS",
+    "exporter_error_line",
+    "in_chain",
+    "unexportable_node",
+]
 
 
 def _registry():
@@ -126,18 +129,4 @@ def in_chain(e: BaseException, type_name: str) -> bool:
 
 #: the loggers the exporter's steps write through; quiet during an export (torch.export logs
 #: "always_classified is unsupported." at ERROR for each attempt that fails)
-_QUIET_LOGGERS = ("torch.export", "torch._export", "torch.onnx")
-
-
-@contextlib.contextmanager
-def quiet_torch_logs():
-    """Raise the exporter's loggers to CRITICAL while exporting (levels restored after)."""
-    loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+EXPORTER_LOGGERS = ("torch.export", "torch._export", "torch.onnx")

@@ -5,6 +5,9 @@ Writes no meta key.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -27,3 +30,18 @@ def find_cause(e: BaseException | None, kind: type) -> Any:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """The loggers ``names`` raised to CRITICAL for the block (levels restored after): PyTorch
+    logs tracebacks or advice before raising errors that graphflop reports in one line."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -42,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from graphflop.frontend import outline as repeats
 from graphflop.frontend.composite import CompositeOps, tagged_decompositions
-from graphflop.frontend.errors import TraceError, find_cause, first_line
+from graphflop.frontend.errors import TraceError, find_cause, first_line, quiet_loggers
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.inputs import bind_call
 from graphflop.frontend.libraries import data_dependent_hint, traced_by_libraries
@@ -102,7 +101,10 @@ def trace(
     with _bound(model, tuple(inputs), kwargs or {}) as tensors:
         fake_mode = fake_mode or fake_mode_of(tensors) or FakeTensorMode(allow_non_fake_inputs=True)
         tensors = tuple(fake_mode.from_tensor(t) if not _is_fake(t) else t for t in tensors)
-        with _state_kept(model), _quiet_fake_tensor_log(), traced_by_libraries():
+        # FakeTensorMode logs a traceback before re-raising a kernel's error (a shape mismatch
+        # in the model); the error itself becomes graphflop's one-line TraceError
+        quiet = quiet_loggers("torch._subclasses.fake_tensor")
+        with _state_kept(model), quiet, traced_by_libraries():
             return _trace(model, tensors, loss, fake_mode, reuse)
 
 
@@ -131,19 +133,6 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
         for m, params, buffers in saved:
             m._parameters.update(params)
             m._buffers.update(buffers)
-
-
-@contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
-    """FakeTensorMode logs a traceback before re-raising a kernel's error (a shape mismatch in
-    the model); the error itself becomes graphflop's one-line TraceError."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def _trace(

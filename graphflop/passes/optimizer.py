@@ -389,11 +389,13 @@ def for_every_parameter(update: GraphModule | None) -> GraphModule | None:
 
 
 def update_param_count(gm: GraphModule) -> int:
-    """Parameter elements an update graph updates."""
+    """Parameter elements an update graph updates (those it passes through without work,
+    :func:`not_updated`, excluded)."""
+    skipped = not_updated(gm)
     return sum(
         n.meta["val"].numel()
         for n in gm.graph.nodes
-        if n.op == "placeholder" and n.meta.get(SLOT) == "param"
+        if n.op == "placeholder" and n.meta.get(SLOT) == "param" and n.meta[PARAM] not in skipped
     )
 
 

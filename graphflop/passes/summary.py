@@ -45,7 +45,7 @@ from graphflop.passes.memory import (
     saved_storages,
     train_schedule,
 )
-from graphflop.passes.optimizer import STATE_KINDS
+from graphflop.passes.optimizer import STATE_KINDS, update_param_count
 from graphflop.report import (
     ActivityGradientTotals,
     BackwardTotals,
@@ -219,20 +219,10 @@ def _ghost_flops(gm: GraphModule, layers: _Layers, key: str) -> int:
     return total
 
 
-def _no_grad(g: Graphs) -> int:
-    """Elements of the parameters the backward gives no gradient (no update either, as in
-    ``torch.optim``: :func:`graphflop.passes.optimizer.gradient_free`)."""
-    from graphflop.passes.optimizer import gradient_free
-
-    assert g.backward is not None
-    free = gradient_free(g.backward)
-    phs = _placeholders(g.forward)
-    sig = g.forward.meta[SIGNATURE]
-    return sum(phs[p].meta["val"].numel() for p, q in sig.trainable() if q in free)
-
-
-def _update(upd: GraphModule, layers: _Layers, optimizer: str, params: int) -> UpdateTotals:
-    """Update totals; ``params``: the elements updated (FLOPs per parameter divides by them)."""
+def _update(upd: GraphModule, layers: _Layers, optimizer: str) -> UpdateTotals:
+    """Update totals; FLOPs per parameter over the elements updated (a parameter without a
+    gradient gets no update: :func:`~graphflop.passes.optimizer.update_param_count`)."""
+    params = update_param_count(upd)
     nodes = _ops(upd)
     for n in nodes:
         layers.add(n, "update_flops", n.meta[COST].flops)
@@ -307,12 +297,12 @@ def _memory(
     trainable_bytes: int,
     model: str,
     device: str,
-    keep_grads: bool = False,
-    saved_owners: dict[str, int] | None = None,
+    keep_grads: bool,
+    saved_owners: dict[str, int],
 ) -> Memory:
     """Gradients and optimizer state only for the trainable parameters (``trainable_bytes``);
     ``model``: ``eager`` or ``graph`` (:mod:`graphflop.passes.eager_memory`);
-    ``saved_owners``: :func:`_saved_owners` when already computed."""
+    ``saved_owners``: :func:`_saved_owners` (the storages saved for backward)."""
     fpeak, _ = forward_schedule(g.forward).peak()
     mem: dict[str, Any] = {"forward_peak_bytes": params_bytes + fpeak}
     if g.backward is not None:
@@ -325,8 +315,7 @@ def _memory(
             tpeak, _ = train_schedule(g.forward, g.backward, g.update).peak()
             train_peak = params_bytes + trainable_bytes * (1 + n_state) + tpeak
         # eager_saved_bytes / saved_for_backward_bytes: the sum over the saved storages
-        owners = saved_owners if saved_owners is not None else _saved_owners(g, model, device)
-        saved = sum(owners.values())
+        saved = sum(saved_owners.values())
         mem.update(
             grads_bytes=trainable_bytes,
             optimizer_state_bytes=n_state * trainable_bytes,
@@ -406,7 +395,7 @@ def _inputs(fwd: GraphModule) -> tuple[InputSpec, ...]:
     )
 
 
-def _totals(g: Graphs, layers: _Layers, optimizer: str, tangents: str, params: int) -> Totals:
+def _totals(g: Graphs, layers: _Layers, optimizer: str, tangents: str) -> Totals:
     fwd_total, loss_total = _forward(g.forward, layers)
     fwd_nodes = _ops(g.forward)
     loss_nodes = [n for n in fwd_nodes if n.meta.get(ROLE) == "loss"]
@@ -420,7 +409,7 @@ def _totals(g: Graphs, layers: _Layers, optimizer: str, tangents: str, params: i
     }
     if g.backward is not None:
         b = t["backward"] = _backward(g.backward, layers)
-        u = t["update"] = _update(g.update, layers, optimizer, params - _no_grad(g))
+        u = t["update"] = _update(g.update, layers, optimizer)
         mm = fwd_total.mm_flops + b.mm_flops
         t["train_step"] = TrainStepTotals(
             flops=fwd_total.flops + b.flops + u.flops,
@@ -547,7 +536,7 @@ def summarize(
     trainable = sum(phs[p].meta["val"].numel() for p, _ in sig.trainable())
     trainable_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable())
     layers = _Layers()
-    totals = _totals(graphs, layers, optimizer, tangents, trainable)
+    totals = _totals(graphs, layers, optimizer, tangents)
     owners = _saved_owners(graphs, memory_model, device)
     _saved_by_layer(graphs, layers, owners)
     return Report(

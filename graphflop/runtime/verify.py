@@ -14,8 +14,9 @@ decomposition, the form graphflop traces (:func:`reference_mode`). The reference
 PyTorch's math attention kernel and without ``nn.MultiheadAttention``'s fast path (the fused
 kernels have no forward-mode derivative on CPU). Attention called with dropout is the exception:
 its kernel draws the mask in its own way, so the gradient and JVP comparisons of such a model
-are not run (:func:`graphflop.runtime.verify_attention.attention_dropout`). Integer inputs are drawn over their real index
-range (the rows of the embedding tables they index, padding rows included).
+are not run (:func:`graphflop.runtime.verify_attention.attention_dropout`). Integer inputs are
+drawn over their real index range (the rows of the embedding tables they index, padding rows
+included).
 """
 
 from __future__ import annotations
@@ -530,9 +531,10 @@ def verify_analysis(
     same way as ``analysis``'s against torch.func. Returns one :class:`Check` per comparison;
     the checks of phases that an op without a rule left incomplete are not run
     (:func:`gap_notes` says which), and neither are the gradient and JVP checks of a model whose
-    attention is called with dropout (:func:`graphflop.runtime.verify_attention.attention_dropout`). A check that raises (a reference PyTorch cannot
-    differentiate, say) is returned as not run (NaN error, not ok), with the error's first
-    line as ``where``: nothing is raised."""
+    attention is called with dropout
+    (:func:`graphflop.runtime.verify_attention.attention_dropout`). A check that raises (a
+    reference PyTorch cannot differentiate, say) is returned as not run (NaN error, not ok),
+    with the error's first line as ``where``: nothing is raised."""
     import copy
 
     from graphflop.ad.jvp import build_jvp
