@@ -130,3 +130,18 @@ def test_a_shared_layer_adds_its_uses_gradients():
     e1, e2 = d * u[0], d * u[1]
     want_w = e1.T @ x + e2.T @ h.detach()
     torch.testing.assert_close(model.fc.weight.detach() - out[1], want_w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("conv", "shape"),
+    [(nn.Conv1d(2, 3, 2), (4, 2, 8)), (nn.Conv3d(2, 3, 1), (4, 2, 4, 4, 4))],
+    ids=["conv1d", "conv3d"],
+)
+def test_a_convolution_other_than_2d_is_refused(conv, shape):
+    # the weight gradient is formed for Conv2d only (as graphflop.train.activity does); a
+    # Conv3d followed by pooling had crashed the whole analysis (permute of a 5-D tensor)
+    model = nn.Sequential(conv, nn.Flatten(), nn.LazyLinear(3))
+    model(torch.randn(*shape))
+    fwd = trace(model, (torch.randn(*shape),), loss="cross_entropy")
+    with pytest.raises(ValueError, match="not 2-D"):
+        build_activity_gradient_step(fwd)

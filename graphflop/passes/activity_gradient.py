@@ -74,7 +74,8 @@ class _Layer:
 
 class NotPerturbable(ValueError):
     """The model's structure does not allow activity perturbation as built here (a parameter
-    outside Linear/Conv layers, a grouped or transposed convolution, no per-example loss)."""
+    outside Linear/Conv2d layers, a grouped, transposed or not 2-D convolution, no per-example
+    loss)."""
 
 
 def build_activity_gradient_step(
@@ -98,8 +99,8 @@ def build_activity_gradient_step(
     Raises:
         ValueError: ``directions`` < 1.
         NotPerturbable: (a ValueError) no loss, a trainable parameter that is not the weight
-            or bias of a Linear/Conv layer, a grouped or transposed convolution, or a loss
-            that is not a sum or mean of per-example terms.
+            or bias of a Linear/Conv layer, a grouped, transposed or not 2-D convolution, or
+            a loss that is not a sum or mean of per-example terms.
     """
     if directions < 1:
         raise ValueError(f"directions must be at least 1, got {directions}")
@@ -140,6 +141,11 @@ def _find_layers(forward: GraphModule, sig: Signature) -> list[_Layer]:
                 raise NotPerturbable(
                     f"activity perturbation: convolution {n.name} is transposed or grouped; "
                     "only plain convolutions form their weight gradient locally here"
+                )
+            if w and n.args[0].meta["val"].dim() != 4:
+                raise NotPerturbable(
+                    f"activity perturbation: convolution {n.name} is not 2-D; only Conv2d "
+                    "layers form their weight gradient locally here"
                 )
         else:
             continue
