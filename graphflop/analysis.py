@@ -20,6 +20,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from graphflop.frontend import nodynamo
+from graphflop.frontend.errors import quiet_loggers
 from graphflop.frontend.inputs import split_example
 from graphflop.frontend.trace import trace
 from graphflop.meta import LINEARIZED, LOSS_KIND, SIGNATURE
@@ -144,7 +145,8 @@ def analyze(
     args, kwargs = split_example(example_inputs)
     if kwargs and memory_model == "compiled":
         raise ValueError("memory_model='compiled' takes positional inputs only, not keywords")
-    with _no_gc():
+    # FakeTensorMode logs a traceback before re-raising a kernel's error; the error is raised
+    with _no_gc(), quiet_loggers("torch._subclasses.fake_tensor"):
         return nodynamo.run(
             lambda: _analyze(
                 model,

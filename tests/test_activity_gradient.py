@@ -145,3 +145,30 @@ def test_a_convolution_other_than_2d_is_refused(conv, shape):
     fwd = trace(model, (torch.randn(*shape),), loss="cross_entropy")
     with pytest.raises(ValueError, match="not 2-D"):
         build_activity_gradient_step(fwd)
+
+
+def test_a_failing_pass_logs_no_traceback(monkeypatch):
+    # FakeTensorMode logs a kernel's traceback before re-raising; analyze raises the error
+    # alone (the CLI turns it into one line)
+    import logging
+
+    import graphflop.passes.activity_gradient as ag
+    from graphflop.analysis import analyze
+
+    def bad(b, lay, op, x, est):
+        return {lay.weight: b.call(torch.ops.aten.permute.default, x, [1, 0, 2, 3])}
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger.addHandler(handler)
+    monkeypatch.setattr(ag, "_layer_grads", bad)
+    try:
+        with pytest.raises(RuntimeError, match="permute"):
+            analyze(
+                nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), (torch.randn(4, 6),)
+            )
+    finally:
+        logger.removeHandler(handler)
+    assert records == []
