@@ -86,6 +86,8 @@ from graphflop.load import load, make_inputs
 
 loaded = load("models/convnet.py", meta=True)
 light = graphflop.analyze(loaded.model, make_inputs(loaded)).to_dict()
+# again: with the config modules the first analysis loaded under the stand-ins
+assert graphflop.analyze(loaded.model, make_inputs(loaded)).to_dict() == light
 assert "torch._dynamo" not in sys.modules
 
 graphs = []
@@ -111,6 +113,26 @@ print(json.dumps(light == real))
 @pytest.mark.slow  # 12 s: two compilations in fresh interpreters
 def test_torch_compile_works_after_an_analysis_and_the_figures_are_the_same():
     assert _loaded(_ANALYZE_THEN_COMPILE, "") is True
+
+
+_CONFIG_ONCE = """
+import json, sys
+from torch._subclasses.fake_tensor import FakeTensorMode
+from graphflop.frontend import nodynamo
+
+def config():
+    FakeTensorMode()  # reads torch._dynamo.config
+    return sys.modules["torch._dynamo.config"]
+
+first, second = nodynamo.run(config), nodynamo.run(config)
+print(json.dumps([first is second, "torch._dynamo.config" in sys.modules]))
+"""
+
+
+def test_the_config_modules_load_once_per_process():
+    # loading a config module parses its source (a third of a small model's analysis): a
+    # second run reuses the first's, and neither stays in sys.modules afterwards
+    assert _loaded(_CONFIG_ONCE, "") == [True, False]
 
 
 _RETRY = """

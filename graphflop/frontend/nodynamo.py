@@ -21,7 +21,9 @@ process (otherwise the real package is used as is); when the function fails with
 it is run again with the real package, so the stand-ins change how long an analysis takes,
 never its result or its errors. Afterwards every ``torch._dynamo`` module loaded meanwhile is
 gone from ``sys.modules``, so a later ``torch.compile`` imports the real package from scratch
-(``tests/test_imports.py`` checks both). Like the other process-wide patches of tracing
+(``tests/test_imports.py`` checks both); the real submodules loaded under the stand-ins (the
+config modules, which parse their own source as they load) are kept aside and put back for the
+next run in the same process. Like the other process-wide patches of tracing
 (:mod:`graphflop.frontend.composite`), not thread-safe: don't call ``torch.compile`` from another
 thread while an analysis runs. ``GRAPHFLOP_REAL_DYNAMO=1`` turns the stand-ins off.
 """
@@ -52,6 +54,10 @@ TESTED_TORCH = ("2.13.",)
 
 _NAME = "torch._dynamo"
 _INDUCTOR = "torch._inductor"
+
+#: real ``torch._dynamo``/``torch._inductor`` submodules loaded under the stand-ins, by name:
+#: put back in place for the next run (never while the real package is imported)
+_LOADED: dict[str, types.ModuleType] = {}
 
 
 def run(fn: Callable[[], _T], *, light: bool = True) -> _T:
@@ -156,11 +162,22 @@ def _standins() -> Iterator[None]:
     for m in (dynamo, inductor):
         if m is not None:
             setattr(torch, m.__name__.split(".")[-1], m)
+    # the real submodules an earlier run loaded under the stand-ins (the config modules, which
+    # parse their own source when loaded: a third of a small model's analysis), back in place
+    for name, mod in _LOADED.items():
+        if ".".join(name.split(".")[:2]) not in placed:  # the real package is loaded
+            continue
+        parent, _, child = name.rpartition(".")
+        if parent in placed:
+            setattr(placed[parent], child, mod)
+        sys.modules.setdefault(name, mod)
     try:
         yield
     finally:
         for name in set(sys.modules) - before | set(placed):
             if name.split(".")[:2] in (["torch", "_dynamo"], ["torch", "_inductor"]):
+                if name not in placed:
+                    _LOADED[name] = sys.modules[name]
                 del sys.modules[name]
         for m in (dynamo, inductor):
             attr = m.__name__.split(".")[-1] if m is not None else ""
