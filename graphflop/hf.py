@@ -100,6 +100,7 @@ def _config(tf: Any, name: str, args: dict) -> Any:
             config = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
         except Exception as e:
             raise SpecError(f"hf:{name}: reading config.json failed: {_first(e)}") from e
+        _check_fields(config, args, name)
         for k, v in args.items():
             setattr(config, k, v)
         return config
@@ -109,9 +110,29 @@ def _config(tf: Any, name: str, args: dict) -> Any:
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise SpecError(f"transformers has no model type {name!r}{hint}")
     try:
+        _check_fields(tf.AutoConfig.for_model(name), args, name)
         return tf.AutoConfig.for_model(name, **args)
+    except SpecError:
+        raise
     except Exception as e:
         raise SpecError(f"hf:{name}: bad configuration {args}: {_first(e)}") from e
+
+
+def _check_fields(config: Any, args: dict, name: str) -> None:
+    """Raises SpecError for a key of ``args`` that is not a field of ``config`` (or one of its
+    aliases): transformers keeps an unknown keyword as an attribute nothing reads, so a typo
+    (``n_layers`` for GPT-2's ``n_layer``) would analyse the default model."""
+    from graphflop.load import SpecError
+
+    for k in args:
+        if hasattr(config, k):
+            continue
+        fields = [*vars(config), *getattr(config, "attribute_map", {})]
+        close = difflib.get_close_matches(k, fields, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise SpecError(
+            f"hf:{name}: the configuration has no field {k!r}{hint} (see {type(config).__name__})"
+        )
 
 
 def _model_class(tf: Any, config: Any) -> Any:

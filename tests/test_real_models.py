@@ -455,6 +455,21 @@ def test_hf_bad_specs_are_one_line_exit_2(tmp_path):
     assert "no config.json" in r.stderr
 
 
+def test_hf_a_config_field_that_does_not_exist_is_refused(tmp_path):
+    """Tester's finding: transformers keeps an unknown keyword as an unread attribute, so
+    --arg n_layers=2 (GPT-2's field is n_layer) analysed the 12-layer default silently."""
+    pytest.importorskip("transformers")
+    with pytest.raises(SpecError, match=r"no field 'n_layers'; did you mean n_layer"):
+        load("hf:gpt2", ctor_kwargs={"n_layers": 2}, meta=True, seq=8)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(SpecError, match=r"no field 'n_layers'"):
+        load(f"hf:{tmp_path}", ctor_kwargs={"n_layers": 2}, meta=True, seq=8)
+    # an alias of a field (num_hidden_layers is GPT-2's n_layer) is a field
+    small = {"num_hidden_layers": 1, "n_embd": 32, "n_head": 2, "vocab_size": 50}
+    loaded = load("hf:gpt2", ctor_kwargs=small, meta=True, seq=8)
+    assert loaded.model.config.n_layer == 1
+
+
 def test_hf_without_transformers_is_a_spec_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
     with pytest.raises(SpecError, match=r"pip install 'graphflop\[hf\]'"):
