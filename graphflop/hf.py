@@ -82,8 +82,12 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
 
 
 def _first(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
+    """``e``'s first line, with the next one where the first only introduces it (ends in
+    ``:``, as huggingface_hub's validation errors do)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def _config(tf: Any, name: str, args: dict) -> Any:

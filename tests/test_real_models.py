@@ -464,6 +464,9 @@ def test_hf_a_config_field_that_does_not_exist_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(SpecError, match=r"no field 'n_layers'"):
         load(f"hf:{tmp_path}", ctor_kwargs={"n_layers": 2}, meta=True, seq=8)
+    # a value the configuration's validator refuses: its reason, not only its heading
+    with pytest.raises(SpecError, match=r"not a multiple of the number of attention heads"):
+        load("hf:llama", ctor_kwargs={"num_attention_heads": 3}, meta=True, seq=8)
     # an alias of a field (num_hidden_layers is GPT-2's n_layer) is a field
     small = {"num_hidden_layers": 1, "n_embd": 32, "n_head": 2, "vocab_size": 50}
     loaded = load("hf:gpt2", ctor_kwargs=small, meta=True, seq=8)
