@@ -272,6 +272,19 @@ def test_sweep_refuses_options_it_cannot_honour(work, capsys, extra, message):
     nothing_left(work / "out")
 
 
+@pytest.mark.parametrize(
+    "batches,message",
+    [
+        ("1,,2", "comma-separated integers"),
+        ("1,2,", "comma-separated integers"),
+        ("1,2,1", "1 is given twice"),
+    ],
+)
+def test_sweep_refuses_an_empty_or_repeated_batch(work, capsys, batches, message):
+    """Tester's finding: an empty item was skipped and a repeated one analysed twice."""
+    one_error(capsys, "sweep", spec("logreg.py"), "--batches", batches, message=message)
+
+
 def test_sweep_honours_batch_for_depth_sweeps(work, capsys):
     rc, out, err = cli(
         capsys, "sweep", spec("mlp.py"), "--depth", "1", "--batch", "3", "--json", "s.json"

@@ -62,20 +62,24 @@ def int_list(text: str | None, what: str) -> list[int]:
     """``"1,2,4"`` → ``[1, 2, 4]`` (empty for no text).
 
     Raises:
-        SpecError: anything but comma-separated integers, a negative value, or a zero batch.
+        SpecError: anything but comma-separated integers (an empty item included), a negative
+            value, a zero batch, or a value given twice.
     """
     from graphflop.load import SpecError
 
     if not text:
         return []
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",")]
     except ValueError:
         raise SpecError(
             f"bad {what} list {text!r}: write comma-separated integers, e.g. 1,2,4,8"
         ) from None
     if any(v < 0 for v in values) or (what == "batch" and any(v == 0 for v in values)):
         raise SpecError(f"bad {what} list {text!r}: values must be positive")
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise SpecError(f"bad {what} list {text!r}: {twice[0]} is given twice; give each once")
     return values
 
 
