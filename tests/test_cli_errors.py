@@ -178,6 +178,18 @@ def test_bad_output_paths_are_refused_before_any_work(work, capsys, monkeypatch,
     assert list((work / "out/adir").iterdir()) == []
 
 
+def test_train_error_before_the_first_step_is_the_only_stderr_line(work, capsys):
+    """Tester's finding: the progress bar, started before the output folder was checked,
+    printed an empty line above the error (the tests' cli() drops empty lines)."""
+    from graphflop.cli import main
+
+    (work / "out/afile").write_text("keep")
+    rc = main(["train", str(spec("logreg.py")), "--out", "afile/run", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("graphflop: error: ") and err.count("\n") == 1, repr(err)
+
+
 def test_unwritable_folder_is_refused(work, capsys, monkeypatch):
     """A folder without write permission (simulated: the tests may run as root, who may write
     anywhere)."""

@@ -253,32 +253,38 @@ class _Progress:
         self.acc = "–"
 
     def __enter__(self):
-        if not self.quiet:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self.progress = Progress(
-                TextColumn("[bold]training"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"),
-                TextColumn("val acc {task.fields[acc]}"),
-                TextColumn("{task.fields[rate]} steps/s"),
-                TimeElapsedColumn(),
-                console=self.console,
-                transient=False,
-            )
-            self.progress.__enter__()
         return self
 
+    def _start(self) -> None:
+        """The bar, shown from the first step on: a run that fails before it (a bad --out)
+        leaves stderr with its one error line only."""
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("val acc {task.fields[acc]}"),
+            TextColumn("{task.fields[rate]} steps/s"),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self.progress.__enter__()
+
     def update(self, row, info):
-        if self.progress is None:
+        if self.quiet:
             return
+        if self.progress is None:
+            self._start()
+        assert self.progress is not None
         if self.task is None:
             self.task = self.progress.add_task(
                 "train", total=info["total_steps"], loss="–", acc="–", rate="–"
