@@ -126,3 +126,14 @@ def test_compiled_jvp_figure_names_the_eager_jvp() -> None:
     assert compiled.jvp_peak_bytes == eager.jvp_peak_bytes
     assert compiled.describes["jvp_peak_bytes"] == eager.describes["jvp_peak_bytes"]
     assert compiled.describes["jvp_peak_bytes"].startswith("torch.func.jvp on cpu")
+
+
+def test_no_deprecation_warning_from_copying_the_joint_graph() -> None:
+    """Tester's finding: ``--memory-model compiled`` printed PyTorch's FutureWarning about
+    ``LeafSpec`` (raised inside ``deepcopy`` of the joint graph's pytree specs)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled_memory(_Chain(), (torch.randn(4, 8),), "sum")
+    assert [str(w.message) for w in caught if "LeafSpec" in str(w.message)] == []

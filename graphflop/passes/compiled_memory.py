@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import operator
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -139,7 +140,10 @@ def _joint(
     def record(joint: GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any):
         from torch._functorch.partitioners import default_partition
 
-        rec.update(joint=copy.deepcopy(joint), inputs=joint_inputs, n=num_fwd_outputs)
+        with warnings.catch_warnings():
+            # copying the graph's pytree specs trips a deprecation inside PyTorch (2.13)
+            warnings.filterwarnings("ignore", r".*LeafSpec.* is deprecated", FutureWarning)
+            rec.update(joint=copy.deepcopy(joint), inputs=joint_inputs, n=num_fwd_outputs)
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
 
     def nop(gm: GraphModule, _inputs: Any) -> GraphModule:
