@@ -140,10 +140,7 @@ def _joint(
     def record(joint: GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any):
         from torch._functorch.partitioners import default_partition
 
-        with warnings.catch_warnings():
-            # copying the graph's pytree specs trips a deprecation inside PyTorch (2.13)
-            warnings.filterwarnings("ignore", r".*LeafSpec.* is deprecated", FutureWarning)
-            rec.update(joint=copy.deepcopy(joint), inputs=joint_inputs, n=num_fwd_outputs)
+        rec.update(joint=_copy(joint), inputs=joint_inputs, n=num_fwd_outputs)
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
 
     def nop(gm: GraphModule, _inputs: Any) -> GraphModule:
@@ -336,6 +333,14 @@ def _targets(loss: str) -> Callable[[torch.Tensor], tuple]:
     return make
 
 
+def _copy(gm: GraphModule) -> GraphModule:
+    """A deep copy of ``gm``, without the FutureWarning PyTorch 2.13 raises while copying the
+    graph's pytree specs (``isinstance(treespec, LeafSpec)`` inside ``deepcopy``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r".*LeafSpec.* is deprecated", FutureWarning)
+        return copy.deepcopy(gm)
+
+
 def compiled_memory(model: nn.Module, example_inputs: tuple, loss: str) -> CompiledMemory:
     """What ``torch.compile``'s AOTAutograd partitioner saves for ``model`` plus its loss.
 
@@ -365,7 +370,7 @@ def compiled_memory(model: nn.Module, example_inputs: tuple, loss: str) -> Compi
     }
     parts = {}
     for name, cut in cuts.items():
-        fw, bw = cut(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=n_out)
+        fw, bw = cut(_copy(joint), joint_inputs, num_fwd_outputs=n_out)
         parts[name] = _partition(name, fw, bw, n_out, n_state, joint_fwd)
     phs = [n for n in joint.graph.nodes if n.op == "placeholder" and "tangents" not in n.name]
     sizes = [_nbytes(n.meta.get("val")) for n in phs]
