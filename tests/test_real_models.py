@@ -330,6 +330,23 @@ def test_data_dependent_control_flow_is_one_line_with_the_source_line(tmp_path):
     assert "reads a tensor's value" in r.stderr
 
 
+def test_packed_sequence_names_the_padded_alternative():
+    """Tester's finding: pack_padded_sequence failed with the generic advice on branches."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(4, 8, batch_first=True)
+
+        def forward(self, x):
+            packed = pack_padded_sequence(x, torch.tensor([5, 3]), batch_first=True)
+            return pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0]
+
+    with pytest.raises(TraceError, match="packed sequence's shapes depend on its lengths"):
+        trace(M(), (torch.randn(2, 5, 4),))
+
+
 def test_grouped_query_attention_counts_the_math_form():
     # q (1, 4 heads, 6, 8), k and v (1, 2 heads, 6, 8), enable_gqa: each k/v head serves two
     # q heads. Scores 2·(4·6·6·8) = 2,304 and weights·v another 2,304 mm FLOPs.

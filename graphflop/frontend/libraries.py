@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -129,8 +130,24 @@ def data_dependent_hint(e: BaseException) -> str | None:
         return None
     where = next((w for w in (model_source_line(c) for c in chain) if w), None)
     at = f" at {where}" if where else ""
+    if _in_packed_sequence(hit):
+        return (
+            f"a packed sequence's shapes depend on its lengths' values{at}; graphflop traces "
+            "shapes, not values: run the RNN on the padded batch (no pack_padded_sequence), "
+            "which does the same work on the padding too"
+        )
     return (
         f"the model's Python code reads a tensor's value{at} ({type(hit).__name__}); graphflop "
         "traces shapes, not values: make the branch depend on shapes, guard it with "
         "torch.compiler.is_compiling(), or pass the value as a constant argument"
     )
+
+
+def _in_packed_sequence(e: BaseException) -> bool:
+    """Whether ``e`` was raised inside ``torch.nn.utils.rnn``'s packing functions."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("nn", "utils", "rnn.py")):
+            return True
+        tb = tb.tb_next
+    return False
