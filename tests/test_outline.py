@@ -171,6 +171,63 @@ def test_blocks_differing_in_an_attribute_are_not_merged():
     torch.testing.assert_close(got[0], model(x), rtol=0, atol=0)
 
 
+class _Indexed(nn.Module):
+    """A block keeping its layer index, as HuggingFace's attention modules do for their KV
+    cache; ``first_special`` makes it branch on the index."""
+
+    def __init__(self, layer_idx: int, first_special: bool = False):
+        super().__init__()
+        self.attn = nn.Linear(4, 4)
+        self.attn.layer_idx = layer_idx
+        self.fc = nn.Linear(4, 4)
+        self.first_special = first_special
+
+    def forward(self, x):
+        h = self.attn(x)
+        if self.first_special and self.attn.layer_idx == 0:
+            h = h * 2
+        return x + torch.tanh(self.fc(h))
+
+
+@pytest.mark.parametrize("first_special", [False, True])
+def test_blocks_differing_only_in_layer_idx(first_special):
+    """Blocks that differ only in ``layer_idx`` share one trace; one whose forward branches on
+    it is caught by a second template trace (from the last block) and traced in full. Either
+    way the graph is full tracing's and the values eager PyTorch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Indexed(i, first_special) for i in range(4)]).double()
+    assert len(set(repeats.plan(model).values())) == 1
+    x = torch.randn(5, 4, dtype=torch.float64)
+    full, once = _same_graph(model, x, loss="none")
+    outlined = OutlineInfo(calls=0, traced_once=0) if first_special else OutlineInfo(4, 1)
+    assert once.meta[OUTLINED] == outlined
+    params = dict(model.named_parameters())
+    torch.testing.assert_close(_run(once, params, {}, x)[0], model(x), rtol=0, atol=0)
+
+
+def test_hf_llama_layers_share_one_trace():
+    """HuggingFace's decoder layers differ in their attention's layer_idx only: one trace for
+    all of them, the graph full tracing's."""
+    pytest.importorskip("transformers")
+    from graphflop.load import load, make_inputs
+
+    small = dict(
+        num_hidden_layers=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    loaded = load("hf:llama", ctor_kwargs=small, meta=True, seq=6)
+    loaded.model.train()
+    inputs = make_inputs(loaded)
+    full = trace(loaded.model, inputs, reuse=False)
+    once = trace(loaded.model, inputs)
+    assert once.meta[OUTLINED] == OutlineInfo(calls=3, traced_once=1)
+    assert _ops(once) == _ops(full)
+
+
 @pytest.mark.parametrize("reuse", [True, False])
 def test_no_stub_is_left_behind(reuse):
     """The stubs that replace forward while tracing are removed afterwards."""

@@ -4,8 +4,10 @@ Tracing costs about a millisecond per ATen op whatever the tensor sizes, so a de
 trace is dominated by re-tracing identical blocks. :func:`plan` picks the *outermost* modules
 whose structure is shared by at least one other module: the same class, parameter and buffer
 names, shapes and dtypes, and the same non-tensor attributes, for the module and every
-submodule (so a block that reads a per-layer attribute such as a layer index is never merged
-with another). While :func:`graphflop.frontend.trace.trace` runs, each such module's ``forward`` is
+submodule (so a block that reads a per-layer attribute such as a residual scale is never merged
+with another). HuggingFace's ``layer_idx`` (:data:`INDEX_ATTRS`), which addresses the KV cache
+only, may differ: such a structure is traced a second time from another copy, and traced in full
+unless both graphs are the same. While :func:`graphflop.frontend.trace.trace` runs, each such module's ``forward`` is
 replaced by :class:`Outliner`'s stub, which emits one opaque ``graphflop::repeat`` node; the op's
 fake kernel runs the real ``forward`` on FakeTensors, without tracing, to produce the outputs.
 Afterwards each distinct call (module structure and argument metadata) is traced once as a
@@ -39,6 +41,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 MARK = "@"
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+#: integer attributes in which copies of one structure may differ: the per-layer index
+#: HuggingFace's attention modules keep to address their KV cache (``past_key_values``), which
+#: graphflop's traces do not use. A structure whose copies differ in one is traced a second time
+#: from the last copy called with another index (:attr:`Call.check`); graphs that differ (a
+#: ``forward`` branching on the index, as ``if self.layer_idx == 0`` would) raise
+#: :class:`NotOutlinable`, and the structure is traced in full.
+INDEX_ATTRS = frozenset({"layer_idx"})
 
 
 @torch.library.custom_op("graphflop::repeat", mutates_args=())
@@ -108,11 +118,61 @@ def _modules_state(m: nn.Module) -> list | None:
             sorted(
                 (k, _attr_key(v))
                 for k, v in vars(sub).items()
-                if k not in _MODULE_INTERNALS and not getattr(v, "_graphflop_stub", False)
+                if k not in _MODULE_INTERNALS
+                and not getattr(v, "_graphflop_stub", False)
+                and not _is_index(k, v)
             )
         )
         items.append((name, type(sub), sub.training, attrs))
     return items
+
+
+def _is_index(k: str, v: Any) -> bool:
+    return k in INDEX_ATTRS and type(v) is int
+
+
+def _indices(m: nn.Module) -> tuple:
+    """The :data:`INDEX_ATTRS` values of ``m`` and its submodules."""
+    return tuple(
+        (name, k, v)
+        for name, sub in m.named_modules()
+        for k, v in vars(sub).items()
+        if _is_index(k, v)
+    )
+
+
+def graph_signature(graph: Graph) -> list:
+    """Every node of ``graph`` by op, target, arguments (nodes by position), output shape and
+    strides and module paths: two graphs with equal signatures compute the same function."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, Node):
+            return ("node", pos[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(b) for b in a)
+        if isinstance(a, dict):
+            return tuple((k, arg(v)) for k, v in a.items())
+        return a
+
+    def val(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return (tuple(v.shape), v.stride(), v.dtype)
+        if isinstance(v, (list, tuple)):
+            return tuple(val(x) for x in v)
+        return None
+
+    return [
+        (
+            n.op,
+            str(n.target),
+            arg(n.args),
+            arg(n.kwargs),
+            val(n.meta.get("val")),
+            tuple(p for p, _ in (n.meta.get("nn_module_stack") or {}).values()),
+        )
+        for n in graph.nodes
+    ]
 
 
 def _written_buffers(m: nn.Module, n_params: int) -> tuple[list[int], list[int]]:
@@ -241,6 +301,8 @@ class Call:
     # call's extra outputs
     direct: list = field(default_factory=list)
     written: list = field(default_factory=list)
+    # the last instance called whose INDEX_ATTRS differ from ``module``'s (None: none did)
+    check: nn.Module | None = None
 
 
 class Outliner:
@@ -350,6 +412,8 @@ class Outliner:
                     )
                 )
             call = self.calls[self.keys[key]]
+            if m is not call.module and _indices(m) != _indices(call.module):
+                call.check = m
             outs = repeat([*tensors, *state], self.keys[key])
             # the buffers the module writes (running statistics): their new values come out
             # after the outputs and are written here, as the module's forward writes them
@@ -410,16 +474,18 @@ class Outliner:
         finally:
             self.bypass = prev
 
-    def template_fn(self, key: int):
-        """``fn(*tensors) -> list of output tensors`` running call ``key``'s module for real."""
+    def template_fn(self, key: int, module: nn.Module | None = None):
+        """``fn(*tensors) -> list of output tensors`` running call ``key``'s module (or
+        ``module``, another instance of its structure) for real."""
         call = self.calls[key]
+        m = call.module if module is None else module
 
         def fn(*tensors):
-            if _modules_state(call.module) != call.state:  # changed after the call
+            if _modules_state(m) != call.state:  # changed after the call
                 raise NotOutlinable(call.structure, "attributes changed after the call")
             args, kwargs, state = self._rebuild(call, list(tensors))
             with self._bypass(), torch.set_grad_enabled(call.grad_enabled):
-                out = torch.func.functional_call(call.module, state, args, kwargs)
+                out = torch.func.functional_call(m, state, args, kwargs)
             outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
             return outs + [tensors[call.n_inputs + i] for i in call.written]
 

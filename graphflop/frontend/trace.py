@@ -204,6 +204,12 @@ def _trace_once(
             templates = {}
             for key, call in enumerate(outliner.calls):
                 templates[key] = _trace_template(outliner, key, call, table, fake_mode)
+                if call.check is not None and repeats.graph_signature(
+                    templates[key]
+                ) != repeats.graph_signature(
+                    _trace_template(outliner, key, call, table, fake_mode, call.check)
+                ):
+                    raise repeats.NotOutlinable(call.structure, "its graph depends on layer_idx")
     except TraceError:
         raise
     except Exception as e:
@@ -232,15 +238,20 @@ def _trace_once(
 
 
 def _trace_template(
-    outliner: repeats.Outliner, key: int, call: Any, table: dict, fake_mode: FakeTensorMode
+    outliner: repeats.Outliner,
+    key: int,
+    call: Any,
+    table: dict,
+    fake_mode: FakeTensorMode,
+    module: nn.Module | None = None,
 ) -> torch.fx.Graph:
-    """The graph of one outlined module call, module paths relative to :data:`repeats.MARK`."""
-    fn = outliner.template_fn(key)
+    """The graph of one outlined module call (made by ``call.module``, or by ``module``, another
+    instance of its structure), module paths relative to :data:`repeats.MARK`."""
+    m = call.module if module is None else module
+    fn = outliner.template_fn(key, m)
 
     def scoped(*tensors):
-        with ModuleScopes(
-            call.module, prefix=repeats.MARK, base=[(repeats.MARK, qualname(call.module))]
-        ):
+        with ModuleScopes(m, prefix=repeats.MARK, base=[(repeats.MARK, qualname(m))]):
             return fn(*tensors)
 
     gm = make_fx(torch.func.functionalize(scoped), decomposition_table=table)(
