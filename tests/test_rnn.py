@@ -283,3 +283,20 @@ def test_scale_grad_by_freq_bag_is_counted_and_reported():
     with pytest.raises(graphflop.MissingRuleError, match="graphflop/ops/embedding.py"):
         with graphflop.ops.strict_rules():
             graphflop.analyze(Freq(), (bag_tokens(),), loss="sum")
+
+
+@pytest.mark.parametrize(
+    "norm", [lambda: nn.RMSNorm(8), lambda: nn.RMSNorm(8, elementwise_affine=False)]
+)
+def test_rms_norm_in_place_add_is_made_functional(norm):
+    """Tester's finding: nn.RMSNorm's C++ kernel adds eps with ``add_`` on a temporary, which
+    stayed in the graph without a rule: the backward stopped there. Any in-place op on a
+    temporary is now rewritten into its functional twin (ops/recurrent.py inplace_twin)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), norm(), nn.Linear(8, 3)).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    a = graphflop.analyze(model, (x,))
+    targets = {str(n.target) for n in a.forward.graph.nodes}
+    assert "aten.add_.Scalar" not in targets and "aten.add.Scalar" in targets
+    assert a.report.uncounted == ()
+    _assert_verifies(model, x, a)

@@ -6,10 +6,12 @@ Two things make that possible:
 
 * PyTorch's C++ decomposition of the recurrent layers runs inside ``torch.func.functionalize``
   but leaves some in-place ops on fresh temporaries in the graph (``gates.add_(...)``,
-  ``sigmoid_``, ``tanh_``, ``mul_``). Tracing rewrites each into its functional twin
-  (:func:`functionalize_inplace`, exact when nothing reads the overwritten value or another
-  alias of it afterwards); one it cannot rewrite keeps its twin's rule (:data:`INPLACE_TWINS`:
-  the same cost, a JVP that emits the functional op on tangents).
+  ``sigmoid_``, ``tanh_``, ``mul_``; other composite kernels do the same, ``rms_norm`` its
+  ``add_``). Tracing rewrites each into its functional twin (:func:`functionalize_inplace`,
+  exact when nothing reads the overwritten value or another alias of it afterwards; any ATen op
+  writing only its first argument has one, :func:`inplace_twin`); one it cannot rewrite keeps
+  its twin's rule where :data:`INPLACE_TWINS` lists it (the same cost, a JVP that emits the
+  functional op on tangents).
 * On CPU float32 tensors PyTorch routes an LSTM layer to ``aten.mkldnn_rnn_layer``, one fused
   kernel; graphflop decomposes it (:func:`mkldnn_rnn_layer`) into the same per-step products
   and gates as on every other device and dtype, so an LSTM counts the same everywhere.
@@ -52,6 +54,40 @@ INPLACE_TWINS: dict[Any, Any] = {
 def functional_form(op: Any) -> Any:
     """The functional twin of an in-place op in :data:`INPLACE_TWINS`, else ``op``."""
     return INPLACE_TWINS.get(op, op)
+
+
+def inplace_twin(op: Any) -> Any:
+    """The functional twin of an in-place ATen op that writes its first argument only: from
+    :data:`INPLACE_TWINS`, else by name (``aten.add_.Scalar`` -> ``aten.add.Scalar``: the ops a
+    C++ composite kernel applies to its temporaries, as ``rms_norm`` does with ``add_``); None
+    for any other op."""
+    twin = INPLACE_TWINS.get(op)
+    if twin is not None or not isinstance(op, torch._ops.OpOverload):
+        return twin
+    packet = op.overloadpacket.__name__
+    if (
+        op.namespace != "aten"
+        or not packet.endswith("_")
+        or packet.startswith("_")
+        or packet in _NOT_TWINNED
+    ):
+        return None
+    args = op._schema.arguments
+    writes = [a for a in args if a.alias_info is not None and a.alias_info.is_write]
+    if len(writes) != 1 or writes[0] is not args[0]:
+        return None
+    functional = getattr(getattr(aten, packet[:-1], None), op._overloadname, None)
+    if not isinstance(functional, torch._ops.OpOverload):
+        return None
+    same = [(a.name, str(a.type)) for a in functional._schema.arguments] == [
+        (a.name, str(a.type)) for a in args
+    ]
+    return functional if same else None  # pow_.Scalar is not pow.Scalar
+
+
+#: in-place ops that are not their functional twin applied to a temporary: buffer writes
+#: (``copy_``, which tracing keeps as the buffer updates) and storage changes
+_NOT_TWINNED = frozenset({"copy_", "set_", "resize_", "resize_as_", "swap_"})
 
 
 #: ops whose output aliases their first argument (for :func:`functionalize_inplace`)
@@ -116,22 +152,24 @@ def _overlapping(x: torch.fx.Node) -> set[torch.fx.Node]:
 
 
 def functionalize_inplace(graph: torch.fx.Graph) -> int:
-    """Rewrite ``y = op_(x, ...)`` into ``y = op(x, ...)`` wherever that is exact: no alias of
+    """Rewrite ``y = op_(x, ...)`` (an op with an :func:`inplace_twin`) into ``y = op(x, ...)``
+    wherever that is exact: no alias of
     ``x`` other than ``x`` itself is read after the node, and later readers of ``x`` are
     pointed at ``y``. Returns the number of nodes rewritten; the others keep their in-place
     op (and :data:`INPLACE_TWINS`' rules)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     done = 0
     for n in list(graph.nodes):
-        if n.op != "call_function" or n.target not in INPLACE_TWINS or not n.args:
-            continue
-        x = n.args[0]
+        twin = inplace_twin(n.target) if n.op == "call_function" and n.args else None
+        x = n.args[0] if twin is not None else None
         if not isinstance(x, torch.fx.Node):
             continue
+        if n.target not in INPLACE_TWINS and x.op == "placeholder":
+            continue  # a write into an input: only a temporary's is a functional op
         aliases = _overlapping(x)
         if any(order[u] > order[n] and not _is_view(u) for a in aliases for u in a.users):
             continue  # another alias of x is read after the write: keep it in place
-        n.target = INPLACE_TWINS[n.target]
+        n.target = twin
         for u in [u for u in x.users if order[u] > order[n]]:
             u.replace_input_with(x, n)
         done += 1
