@@ -839,3 +839,49 @@ def test_options_that_would_do_nothing_are_refused(capsys, args, message):
     """Tester's finding: --seq on a model file and --verify-samples without --verify were
     accepted and ignored."""
     one_error(capsys, "inspect", spec("logreg.py"), *args, message=message)
+
+
+_NO_RULE = '''
+import torch
+from torch import nn
+
+
+@torch.library.custom_op("gftest::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return twice(self.fc(x))
+
+
+def example_inputs():
+    return (torch.randn(2, 4),)
+'''
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "{m}"],
+        ["export", "{m}", "--out", "onnx"],
+        ["render", "{m}", "-o", "g.svg"],
+    ],
+)
+def test_every_command_warns_of_an_op_without_rules(work, capsys, argv):
+    """Tester's finding: export (and bench, render) wrote or timed a backward cut at an op
+    without rules and said nothing; inspect warned. The warning names the op."""
+    path = work / "models/norule.py"
+    path.write_text(_NO_RULE)
+    rc, _, err = cli(capsys, *[a.format(m=path) for a in argv])
+    assert any("gftest.twice" in line and "no cost/jvp rule" in line for line in err), err

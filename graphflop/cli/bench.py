@@ -16,6 +16,7 @@ from graphflop.cli.common import (
     forward_only_options,
     load_model,
     load_real_model,
+    print_warnings,
     stdout_console,
 )
 
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
         low_precision_on_cpu(parse_dtype(args.dtype) if args.dtype else None, provider)
     with err.status("analysing", spinner="dots") as status:
         analysis = analyze_model(args, loaded, inputs, status)
+    print_warnings(err, analysis)  # an incomplete backward is timed as it is
     check_memory(analysis, args.rotate, device)  # before any tensor of the batch size exists
     real = load_real_model(args, dtype=True)
     flops = phase_flops(analysis)

@@ -243,6 +243,15 @@ def load_real_model(args: argparse.Namespace, *, dtype: bool = False):
     return real
 
 
+def print_warnings(err: Console, analysis: Any, extra: Sequence[str] = ()) -> None:
+    """The analysis's warnings (ops it could not count or differentiate, no trainable
+    parameter: :func:`graphflop.export.report.warning_lines`), then ``extra``, on stderr."""
+    from graphflop.export.report import warning_lines
+
+    for line in [*warning_lines(analysis.report), *extra]:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 def analyze_model(args: argparse.Namespace, loaded, inputs, status, **options):
     """:func:`graphflop.analysis.analyze` of a loaded model with the ``--loss`` and
     ``--optimizer`` arguments (and ``options``), reporting its stages on ``status`` (a rich

@@ -15,6 +15,7 @@ from graphflop.cli.common import (
     check_output_dir,
     forward_only_options,
     load_model,
+    print_warnings,
 )
 
 
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     only = forward_only_options(args, loaded, inputs, err)
     with err.status("analysing", spinner="dots") as status:
         analysis = analyze_model(args, loaded, inputs, status, **only)
+        print_warnings(err, analysis)  # an incomplete backward is exported as it is
         status.update("exporting to ONNX")
         graphs = step_graphs(analysis, residuals=args.residuals)
         manifest = export_all(graphs, args.out, name=analysis.name)

@@ -17,6 +17,7 @@ from graphflop.cli.common import (
     forward_only_options,
     load_model,
     load_real_model,
+    print_warnings,
     stdout_console,
 )
 from graphflop.runtime.verify import MIN_VERIFY_SAMPLES, VERIFY_FLOPS, VERIFY_SAMPLES
@@ -180,7 +181,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, err: Console) -> int:
     """Analyse, optionally verify, then print and write the report; returns the exit status
     (1 when a --verify check fails)."""
-    from graphflop.export.report import layers_csv, print_report, to_json, warning_lines
+    from graphflop.export.report import layers_csv, print_report, to_json
     from graphflop.io import atomic_group, atomic_write
     from graphflop.ops import strict_rules
 
@@ -205,8 +206,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             amp=args.amp,
         )
     report = analysis.report
-    for line in warning_lines(report) + _tangent_pass_notes(analysis):
-        err.print(line, markup=False, highlight=False, soft_wrap=True)
+    print_warnings(err, analysis, _tangent_pass_notes(analysis))
     extra: dict[str, Any] = {}  # --verify's results, after the report's keys in the JSON
     rc = _verify(args, err, inputs, analysis, extra) if args.verify else 0
     with atomic_group():  # all the files or none of them

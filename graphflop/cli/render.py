@@ -13,6 +13,7 @@ from graphflop.cli.common import (
     check_output_file,
     forward_only_options,
     load_model,
+    print_warnings,
 )
 
 
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     graph = "forward" if only else (args.graph or "train")
     with err.status("analysing", spinner="dots") as status:
         analysis = analyze_model(args, loaded, inputs, status, **only)
+        print_warnings(err, analysis)
         status.update("rendering")
         render(
             analysis,
