@@ -841,7 +841,7 @@ def test_options_that_would_do_nothing_are_refused(capsys, args, message):
     one_error(capsys, "inspect", spec("logreg.py"), *args, message=message)
 
 
-_NO_RULE = '''
+_NO_RULE = """
 import torch
 from torch import nn
 
@@ -867,7 +867,7 @@ class Net(nn.Module):
 
 def example_inputs():
     return (torch.randn(2, 4),)
-'''
+"""
 
 
 @pytest.mark.parametrize(

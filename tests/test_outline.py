@@ -423,3 +423,23 @@ def test_shared_submodules_keep_their_first_path_and_stay_parameters():
     for _ in range(2):
         trace(twice, (x,), loss="none")
         assert isinstance(twice[0].weight, nn.Parameter)
+
+
+def test_instance_norm_running_statistics_are_buffer_updates():
+    """Tester's finding: instance norm with running statistics writes them through ``alias``
+    in its C++ kernel and into a repeated temporary in batch norm's decomposition: both
+    ``copy_`` stayed in the graph without a rule (a warning; the statistics were not updated).
+    They are now the graph's buffer updates, equal to eager's after one training step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True))
+    x = torch.randn(2, 3, 6, 6)
+    gm = trace(model.train(), (x,), loss="sum")
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    sig = gm.meta[SIGNATURE]
+    assert [q for _, q in sig.buffer_updates] == ["1.running_mean", "1.running_var"]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    got = _run(gm, params, buffers, x)
+    model(x)  # eager: updates the running statistics in place
+    torch.testing.assert_close(got[0], model[1].running_mean)
+    torch.testing.assert_close(got[1], model[1].running_var)

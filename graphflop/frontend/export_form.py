@@ -207,23 +207,7 @@ def from_make_fx(
     phs = [n for n in old.nodes if n.op == "placeholder"]
     n_p, n_b = len(params), len(buffers)
     out_node = next(n for n in reversed(old.nodes) if n.op == "output")
-    writes: dict = {}
-    order = {n: i for i, n in enumerate(old.nodes)}
-    for n in list(old.nodes):
-        if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in phs:
-            i = phs.index(n.args[0])
-            if not n_p <= i < n_p + n_b:
-                what = params[i] if i < n_p else f"input {i - n_p - n_b}"
-                raise TraceError(
-                    f"the model writes in place into {what}; only buffers may be updated in forward"
-                )
-            ph, value = n.args
-            later = [u for u in ph.users if order[u] > order[n]]
-            for u in later:  # reads after the write see the new value
-                u.replace_input_with(ph, value)
-            writes[buffers[i - n_p]] = value
-            n.replace_all_uses_with(value)
-            old.erase_node(n)
+    writes = _buffer_writes(old, phs, params, buffers)
     g = torch.fx.Graph()
     env: dict = {}
     sig_params, sig_buffers, model_inputs, target_names = [], [], [], []
@@ -275,6 +259,42 @@ def from_make_fx(
         buffer_updates=tuple(updates),
     )
     return _finish(new, signature, constants, loss_kind, wrapped=True)
+
+
+def _buffer_writes(old: torch.fx.Graph, phs: list, params: list[str], buffers: list[str]) -> dict:
+    """The functionalised buffer writes of ``old`` (``copy_`` into a placeholder, or into an
+    ``alias`` of one) removed, later reads pointed at the new value: ``{buffer: new value}``.
+
+    Raises:
+        TraceError: a write into a parameter or an input.
+    """
+    n_p, n_b = len(params), len(buffers)
+    writes: dict = {}
+    order = {n: i for i, n in enumerate(old.nodes)}
+    for n in list(old.nodes):
+        if n.op == "call_function" and n.target is aten.copy_.default:
+            # a write through an alias of a placeholder (instance norm's running statistics)
+            # is a write into the placeholder
+            target = n.args[0]
+            while isinstance(target, torch.fx.Node) and target.target is aten.alias.default:
+                target = target.args[0]
+            if target in phs and target is not n.args[0]:
+                n.replace_input_with(n.args[0], target)
+        if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in phs:
+            i = phs.index(n.args[0])
+            if not n_p <= i < n_p + n_b:
+                what = params[i] if i < n_p else f"input {i - n_p - n_b}"
+                raise TraceError(
+                    f"the model writes in place into {what}; only buffers may be updated in forward"
+                )
+            ph, value = n.args
+            later = [u for u in ph.users if order[u] > order[n]]
+            for u in later:  # reads after the write see the new value
+                u.replace_input_with(ph, value)
+            writes[buffers[i - n_p]] = value
+            n.replace_all_uses_with(value)
+            old.erase_node(n)
+    return writes
 
 
 def _eliminate_dead_code(g: torch.fx.Graph) -> NodeCost:

@@ -85,9 +85,10 @@ def inplace_twin(op: Any) -> Any:
     return functional if same else None  # pow_.Scalar is not pow.Scalar
 
 
-#: in-place ops that are not their functional twin applied to a temporary: buffer writes
-#: (``copy_``, which tracing keeps as the buffer updates) and storage changes
-_NOT_TWINNED = frozenset({"copy_", "set_", "resize_", "resize_as_", "swap_"})
+#: in-place ops that are not their functional twin applied to a temporary: storage changes
+#: (``copy_`` is: a write into a buffer is made a buffer update before, and only writes into
+#: temporaries are rewritten)
+_NOT_TWINNED = frozenset({"set_", "resize_", "resize_as_", "swap_"})
 
 
 #: ops whose output aliases their first argument (for :func:`functionalize_inplace`)
