@@ -554,3 +554,36 @@ def test_hf_causal_mask_is_traced_as_eager_runs_it(positions):
         assert all(m is None for m in masks)
     else:
         assert all(m is not None for m in masks)
+
+
+def test_tensors_made_in_forward_without_a_device_meet_a_meta_model(tmp_path):
+    """Tester's finding: the CLI builds models on the meta device, and a tensor the forward
+    makes without ``device=`` (``torch.arange(T)``, a causal mask of ones) is a CPU tensor:
+    tracing failed with a meta/CPU device mismatch. Meta tensors are traced as CPU
+    FakeTensors; the figures equal those of the model built with memory."""
+    p = _write(
+        tmp_path,
+        """
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(10, 8)
+                self.pos = nn.Embedding(6, 8)
+                self.fc = nn.Linear(8, 3)
+
+            def forward(self, idx):
+                h = self.emb(idx) + self.pos(torch.arange(idx.shape[1]))
+                mask = torch.tril(torch.ones(idx.shape[1], idx.shape[1]))
+                return self.fc(mask @ h).mean(1)
+
+        def example_inputs():
+            return (torch.randint(0, 10, (2, 6)),)
+        """,
+    )
+    meta = load(str(p), meta=True)
+    real = load(str(p))
+    a = analyze(meta.model, make_inputs(meta), name="meta").report.totals
+    b = analyze(real.model, make_inputs(real), name="real").report.totals
+    # mask @ h: 2·(2·6·6·8) = 1,152 mm FLOPs; fc: 2·(12·8·3) = 576
+    assert a.forward.mm_flops == b.forward.mm_flops == 1152 + 576
+    assert a.to_dict() == b.to_dict()

@@ -100,7 +100,7 @@ def trace(
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
     with _bound(model, tuple(inputs), kwargs or {}) as tensors:
         fake_mode = fake_mode or fake_mode_of(tensors) or FakeTensorMode(allow_non_fake_inputs=True)
-        tensors = tuple(fake_mode.from_tensor(t) if not _is_fake(t) else t for t in tensors)
+        tensors = tuple(_as_fake(fake_mode, t) for t in tensors)
         # FakeTensorMode logs a traceback before re-raising a kernel's error (a shape mismatch
         # in the model); the error itself becomes graphflop's one-line TraceError
         quiet = quiet_loggers("torch._subclasses.fake_tensor")
@@ -160,10 +160,7 @@ def _trace_once(
 ) -> GraphModule:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    flat_state = [
-        fake_mode.from_tensor(t) if not _is_fake(t) else t
-        for t in [*params.values(), *buffers.values()]
-    ]
+    flat_state = [_as_fake(fake_mode, t) for t in [*params.values(), *buffers.values()]]
     n_p, n_b = len(params), len(buffers)
     chosen: dict[str, Any] = {}
 
@@ -283,3 +280,17 @@ def _trace_template(
 
 def _is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
+
+
+def _as_fake(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a FakeTensor of ``fake_mode``; a meta tensor (a model built without memory)
+    becomes a fake CPU tensor of its shape, strides and dtype, so that tensors the model makes
+    in ``forward`` without ``device=`` (``torch.arange(T)``: CPU ones) meet tensors of their own
+    device, as they do when the model runs."""
+    if _is_fake(t):
+        return t
+    if t.device.type != "meta":
+        return fake_mode.from_tensor(t)
+    with fake_mode:
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return out.requires_grad_(t.requires_grad) if t.dtype.is_floating_point else out

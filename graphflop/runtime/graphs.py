@@ -118,7 +118,8 @@ def forward_with_residuals(forward: GraphModule, backward: GraphModule) -> Graph
 
 def on_device(gm: GraphModule, device: str | torch.device) -> GraphModule:
     """A copy of ``gm`` whose nodes make their tensors on ``device`` where the trace put them
-    on the ``meta`` device (``device=`` arguments of factory ops such as ``aten.full``,
+    on the ``meta`` or CPU device (a model built on the meta device is traced as CPU
+    FakeTensors; ``device=`` arguments of factory ops such as ``aten.full``,
     ``aten.scalar_tensor``, ``aten.randn``), so it runs on real tensors; ``gm`` itself is left
     as it is (graph meta shared)."""
     import copy
@@ -126,7 +127,7 @@ def on_device(gm: GraphModule, device: str | torch.device) -> GraphModule:
     target = torch.device(device)
 
     def swap(a):
-        return target if isinstance(a, torch.device) and a.type == "meta" else a
+        return target if isinstance(a, torch.device) and a.type in ("meta", "cpu") else a
 
     g = copy.deepcopy(gm.graph)
     for n in g.nodes:
