@@ -14,9 +14,10 @@ decomposition, the form graphflop traces (:func:`reference_mode`). The reference
 PyTorch's math attention kernel and without ``nn.MultiheadAttention``'s fast path (the fused
 kernels have no forward-mode derivative on CPU). Attention called with dropout is the exception:
 its kernel draws the mask in its own way, so the gradient and JVP comparisons of such a model
-are not run (:func:`graphflop.runtime.verify_attention.attention_dropout`). Integer inputs are
-drawn over their real index range (the rows of the embedding tables they index, padding rows
-included).
+are not run (:func:`graphflop.runtime.verify_attention.attention_dropout`). Non-floating inputs
+keep the values of the model's example where it gives real ones (a mask, token ids); otherwise
+integer inputs are drawn over their real index range (the rows of the embedding tables they
+index, padding rows included). A NaN or infinity in a compared value fails its check.
 """
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ class Check:
         """The JSON form (``inspect --json``'s ``verify`` entries)."""
         return {
             "check": self.name,
-            "worst_rel_error": self.worst_rel_error if self.ran else None,
+            # JSON has no infinity: a NaN/inf comparison (FAILED, ``where`` says so) is null
+            "worst_rel_error": self.worst_rel_error
+            if math.isfinite(self.worst_rel_error)
+            else None,
             "where": self.where,
             "tolerance": self.tolerance,
             "ok": self.ok,
@@ -152,6 +156,16 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """``‖a − b‖ / max(‖b‖, 1e-30)`` in float64 (any matching shapes; dimensionless)."""
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / max(float(b.norm()), 1e-30))
+
+
+def nonfinite(got: torch.Tensor, ref: torch.Tensor) -> str:
+    """Which of two compared values holds a NaN or an infinity, in words ("" when neither):
+    such a value fails its check whatever the other holds (NaN compares false with every
+    tolerance, so it must never reach the error measure)."""
+    bad = [
+        who for who, t in (("graphflop's", got), ("the reference's", ref)) if not t.isfinite().all()
+    ]
+    return f"NaN or inf in {' and '.join(bad)} value" if bad else ""
 
 
 #: an absolute error below FLOOR_ULPS · eps · ‖∇L‖ always passes (rounding of a sum of up to
@@ -205,13 +219,23 @@ def index_ranges(forward: GraphModule) -> dict[str, tuple[int, list[int]]]:
 
 
 def real_arguments(
-    forward: GraphModule, model: nn.Module, *, seed: int = 0
+    forward: GraphModule,
+    model: nn.Module,
+    *,
+    seed: int = 0,
+    examples: tuple[torch.Tensor, ...] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Real tensors for every placeholder of a traced forward graph: the model's parameters and
-    buffers (in the graph's dtypes), random inputs, and random valid targets. Integer inputs
-    that index embedding tables are drawn over the tables' rows (:func:`index_ranges`), with
-    each ``padding_idx`` written at the first positions so that padding is exercised; other
-    integer inputs from {0, 1}."""
+    buffers (in the graph's dtypes), random inputs, and random valid targets.
+
+    A non-floating input (a bool mask, token ids) keeps the value the model's example gives
+    (``examples``, in the order of ``forward.meta[SIGNATURE].inputs``) when that example is a
+    real tensor (not meta, not fake) of the placeholder's shape and dtype: random values could
+    mean something the model never sees (a key padding mask hiding a whole row, which makes
+    attention NaN). Otherwise integer inputs that index embedding tables are drawn over the
+    tables' rows (:func:`index_ranges`), with each ``padding_idx`` written at the first
+    positions so that padding is exercised; other integer inputs from {0, 1}. Floating inputs
+    are always drawn from N(0, 1)."""
     sig: Signature = forward.meta[SIGNATURE]
     gen = torch.Generator().manual_seed(seed)
     values: dict[str, torch.Tensor] = {}
@@ -229,10 +253,14 @@ def real_arguments(
         else None
     )
     ranges = index_ranges(forward)
+    given = _example_values(sig, phs, examples)
     for name in sig.inputs + sig.targets:
         v = phs[name].meta["val"]
         if v.is_floating_point():
             values[name] = torch.randn(tuple(v.shape), generator=gen, dtype=v.dtype)
+            continue
+        if name in given:
+            values[name] = given[name]
             continue
         high, pads = ranges.get(name, (2, []))
         if name in sig.targets and out_val is not None:
@@ -244,6 +272,23 @@ def real_arguments(
                 flat[i] = pad
         values[name] = x
     return values
+
+
+def _example_values(sig: Signature, phs: dict, examples) -> dict[str, torch.Tensor]:
+    """The example's non-floating inputs that hold real values, by placeholder name (those
+    whose shape and dtype are the placeholder's: ``--batch`` or ``--input-shape`` may have
+    changed the shape, and then the example's values do not fit)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not examples or len(examples) != len(sig.inputs):
+        return {}
+    out = {}
+    for name, t in zip(sig.inputs, examples):
+        v = phs[name].meta["val"]
+        real = isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and not t.is_meta
+        if real and not t.is_floating_point() and t.shape == v.shape and t.dtype == v.dtype:
+            out[name] = t.detach().clone()
+    return out
 
 
 def run_forward(forward: GraphModule, values: dict[str, torch.Tensor], keep=None) -> dict[str, Any]:
@@ -354,15 +399,18 @@ def verify_gradients(
     *,
     tolerance: float = 1e-4,
     seed: int = 0,
+    examples: tuple[torch.Tensor, ...] | None = None,
 ) -> Check:
     """Compare every parameter gradient of ``backward`` with ``torch.func.grad`` of the same
-    loss on the same random inputs (and dropout masks), in the dtype the graphs were traced in.
+    loss on the same random inputs (and dropout masks), in the dtype the graphs were traced in;
+    ``examples``: the model's example inputs (:func:`real_arguments`).
 
     The error per parameter is ``‖a − b‖ / max(‖b‖, gradient_floor(dtype, ‖∇L‖, tolerance))``
     (normwise relative, with an absolute floor for gradients that are zero in exact
-    arithmetic); the worst one is reported.
+    arithmetic); the worst one is reported. A NaN or infinity in either gradient is an
+    infinite error (the check fails, :func:`nonfinite`).
     """
-    values = real_arguments(forward, model, seed=seed)
+    values = real_arguments(forward, model, seed=seed, examples=examples)
     with seeded():
         fwd_values = run_forward(forward, values, backward_reads(backward))
     grads = run_backward(backward, fwd_values)
@@ -372,13 +420,16 @@ def verify_gradients(
     model = _cast(model, dtype if params else None)
     ref = torch.func.grad(reference_loss_fn(forward, model, values))(params)
     total = math.sqrt(sum(float(g.detach().double().pow(2).sum()) for g in ref.values()))
-    floor = max(gradient_floor(dtype, total, tolerance), 1e-300)
+    floor = max(gradient_floor(dtype, total, tolerance), 1e-300) if math.isfinite(total) else 0
     worst, where = 0.0, "no parameters"
     for pos, qual in backward.meta[VJP].grads:
         a, b = grads[pos].detach().double(), ref[qual].detach().double()
-        e = float((a - b).norm()) / max(float(b.norm()), floor)
-        if e >= worst:
-            worst, where = e, f"at {qual}"
+        bad = nonfinite(a, b)
+        e = math.inf if bad else float((a - b).norm()) / max(float(b.norm()), floor, 1e-300)
+        if e > worst or where == "no parameters":
+            worst, where = e, f"{bad} at {qual}" if bad else f"at {qual}"
+        if bad:
+            break
     return Check(
         "gradients vs torch.func.grad",
         worst,
@@ -438,13 +489,14 @@ def verify_jvp(
     *,
     tolerance: float = 1e-4,
     seed: int = 0,
+    examples: tuple[torch.Tensor, ...] | None = None,
 ) -> Check:
     """Compare the JVP graph's loss tangent with ``torch.func.jvp`` along a random direction
     (zero in the :func:`padding_rows` of embedding tables, whose derivative PyTorch defines
     as zero for gradients but not for ``torch.func.jvp``). Where PyTorch has no forward-mode
     formula for an op of the model (``_embedding_bag``), the reference is ``<∇loss, direction>``
     with the gradient from ``torch.func.grad`` (exact: the loss is a scalar)."""
-    values = real_arguments(forward, model, seed=seed)
+    values = real_arguments(forward, model, seed=seed, examples=examples)
     sig: Signature = forward.meta[SIGNATURE]
     info = jvp.meta[JVP]
     gen = torch.Generator().manual_seed(seed + 1)
@@ -484,10 +536,11 @@ def verify_jvp(
         # so its tangent is <gradient, direction>, the gradient from reverse mode
         ref = _tangent_from_gradient(f, params, xs, p_t, x_t)
         what = "torch.func.grad · direction"
+    bad = nonfinite(got, ref)
     return Check(
         f"JVP loss tangent vs {what}",
-        rel_error(got, ref),
-        "the scalar loss tangent",
+        math.inf if bad else rel_error(got, ref),
+        bad or "the scalar loss tangent",
         tolerance,
         "relative error",
         _dtype_name(got.dtype),
@@ -541,6 +594,7 @@ def verify_analysis(
     from graphflop.ad.vjp import build_vjp
 
     loss = analysis.forward.meta.get(LOSS_KIND, "auto")
+    examples = getattr(loaded, "example_inputs", None)  # real values, when the file gives them
     dt = torch.float64 if dtype == "float64" else torch.float32
     model = copy.deepcopy(loaded.model).to(dt)
     checks: list[Check] = []
@@ -555,7 +609,7 @@ def verify_analysis(
         from graphflop.runtime import verify_attention
 
         try:
-            p = verify_attention.attention_dropout(fwd, model)
+            p = verify_attention.attention_dropout(fwd, model, examples)
         except Exception:  # noqa: BLE001 - the checks' own reference runs report the error
             p = 0.0
         no_ref = verify_attention.attention_dropout_note(p) if p else ""
@@ -567,7 +621,9 @@ def verify_analysis(
             tolerance,
             lambda: (
                 _not_run(name, no_ref, tolerance)
-                or verify_gradients(fwd, build_vjp(fwd), model, tolerance=tolerance)
+                or verify_gradients(
+                    fwd, build_vjp(fwd), model, tolerance=tolerance, examples=examples
+                )
             ),
         )
     if analysis.jvp is not None and t.jvp.complete:
@@ -579,7 +635,9 @@ def verify_analysis(
             tolerance,
             lambda: (
                 _not_run(name, no_ref, tolerance)
-                or verify_jvp(fwd, build_jvp(fwd, tangents), model, tolerance=tolerance)
+                or verify_jvp(
+                    fwd, build_jvp(fwd, tangents), model, tolerance=tolerance, examples=examples
+                )
             ),
         )
         if forward_gradient_samples and fwd.meta[SIGNATURE].loss is not None and bwd_ok:
@@ -596,6 +654,7 @@ def verify_analysis(
                     _trace_in(model32, inputs, torch.float32, loss),
                     model32,
                     samples=forward_gradient_samples,
+                    examples=examples,
                 ),
             )
     return checks

@@ -1,0 +1,142 @@
+"""``inspect --verify`` must not report a pass it did not earn: the example's masks and ids are
+kept (random ones can mask whole rows: NaN), a NaN or infinity in a compared value fails its
+check, and a check that did not run counts as not passed (exit 1)."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from graphflop.cli import main
+from graphflop.meta import SIGNATURE
+
+HEADER = "import torch\nfrom torch import nn\nimport torch.nn.functional as F\n\n"
+
+PADMASK = """
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x, pad):  # pad: bool (N, T), True = ignore that key
+            return self.mha(x, x, x, key_padding_mask=pad)[0].mean(1)
+
+    def example_inputs():
+        return (torch.randn(4, 2, 8), torch.tensor([[False, False]] * 3 + [[False, True]]))
+    """
+
+
+def _file(tmp_path: Path, body: str, name: str = "m") -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text(HEADER + textwrap.dedent(body))
+    return f"{path}:M"
+
+
+def _verify(spec: str, capsys, *extra: str) -> tuple[int, dict, list[str]]:
+    rc = main(["inspect", spec, "--verify", "--format", "json", *extra])
+    out, err = capsys.readouterr()
+    return rc, json.loads(out), err.splitlines()
+
+
+class PadMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x, pad):
+        return self.mha(x, x, x, key_padding_mask=pad)[0].mean(1)
+
+
+def _padmask_trace():
+    from graphflop.frontend.trace import trace
+
+    torch.manual_seed(0)
+    model = PadMask().double()
+    pad = torch.tensor([[False, False]] * 3 + [[False, True]])
+    fwd = trace(model, (torch.randn(4, 2, 8, dtype=torch.float64), pad), loss="sum")
+    return model, pad, fwd
+
+
+def test_a_real_mask_of_the_example_is_kept_a_fake_one_is_not():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphflop.runtime.verify import real_arguments
+
+    model, pad, fwd = _padmask_trace()
+    x_name, pad_name = fwd.meta[SIGNATURE].inputs
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    values = real_arguments(fwd, model, examples=(x, pad))
+    assert torch.equal(values[pad_name], pad)
+    assert not torch.equal(values[x_name], x)  # floating inputs stay random draws
+    with FakeTensorMode():
+        fake = torch.zeros(4, 2, dtype=torch.bool)
+    drawn = real_arguments(fwd, model, examples=(x, fake))[pad_name]
+    assert drawn.dtype == torch.bool and drawn.shape == (4, 2)
+    # a meta example or one of another shape (--batch) cannot give values: drawn instead
+    meta = torch.zeros(4, 2, dtype=torch.bool, device="meta")
+    assert torch.equal(real_arguments(fwd, model, examples=(x, meta))[pad_name], drawn)
+    small = torch.zeros(2, 2, dtype=torch.bool)
+    assert torch.equal(real_arguments(fwd, model, examples=(x, small))[pad_name], drawn)
+
+
+def test_gradients_of_the_example_mask_are_compared_and_pass():
+    """With the example's mask (no row fully masked) PyTorch's own gradients are finite and
+    nonzero for every parameter (4 tensors, 288 numbers: in_proj 24×8 = 192 and its bias 24,
+    out_proj 8×8 = 64 and its bias 8), and the check compares them: it names a parameter, not
+    "no parameters"."""
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.runtime.verify import verify_gradients
+
+    model, pad, fwd = _padmask_trace()
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    eager = PadMask().double()
+    eager.load_state_dict(model.state_dict())
+    eager(x, pad).sum().backward()
+    assert all(p.grad.isfinite().all() and p.grad.abs().sum() > 0 for p in eager.parameters())
+    c = verify_gradients(fwd, build_vjp(fwd), model, examples=(x, pad))
+    assert c.ran and c.ok and c.worst_rel_error < 1e-10, c
+    assert c.where.startswith("at mha."), c
+
+
+def test_nan_gradients_fail_the_check_and_name_where():
+    """A mask hiding every key of a row makes attention NaN, in PyTorch's reference and in
+    graphflop's graph alike: the check FAILS (it used to say passed, 0.0e+00, no parameters:
+    NaN compared false with the running worst error)."""
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.runtime.verify import verify_gradients
+
+    model, _, fwd = _padmask_trace()
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    hidden = torch.tensor([[True, True]] + [[False, False]] * 3)  # row 0: every key hidden
+    c = verify_gradients(fwd, build_vjp(fwd), model, examples=(x, hidden))
+    assert c.ran and not c.ok and c.worst_rel_error == math.inf
+    assert "NaN or inf in graphflop's and the reference's value at mha." in c.where, c
+    assert ": FAILED: " in c.line() and "passed" not in c.line()
+    d = c.to_dict()
+    assert d["ran"] and not d["ok"] and d["worst_rel_error"] is None  # JSON has no inf
+    json.dumps(d, allow_nan=False)
+
+
+def test_nan_loss_tangent_fails_the_jvp_check():
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.runtime.verify import verify_jvp
+
+    model, _, fwd = _padmask_trace()
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    hidden = torch.tensor([[True, True]] + [[False, False]] * 3)
+    c = verify_jvp(fwd, build_jvp(fwd, "params"), model, examples=(x, hidden))
+    assert c.ran and not c.ok and "NaN or inf" in c.where, c
+
+
+def test_padmask_model_verifies_from_the_cli(tmp_path, capsys):
+    rc, doc, err = _verify(_file(tmp_path, PADMASK), capsys, "--verify-samples", "16")
+    grad, jvp, fg = doc["verify"]
+    assert grad["ran"] and grad["ok"] and grad["where"].startswith("at mha."), grad
+    assert jvp["ran"] and jvp["ok"] and fg["ran"] and fg["ok"]
+    assert "verify: 3 of 3 checks passed" in err
+    assert rc == 0
