@@ -140,3 +140,66 @@ def test_padmask_model_verifies_from_the_cli(tmp_path, capsys):
     assert jvp["ran"] and jvp["ok"] and fg["ran"] and fg["ok"]
     assert "verify: 3 of 3 checks passed" in err
     assert rc == 0
+
+
+SCALAR_AUX = """
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return (y > 0).sum(), y  # a 0-d integer count first, then the logits
+
+    def example_inputs():
+        return (torch.randn(2, 6),)
+    """
+
+
+def test_targets_come_from_the_first_floating_output_not_a_0d_count(tmp_path, capsys):
+    """The loss (cross-entropy, logits (2, 3)) is computed from the first floating output, so
+    the targets are 2 class indices in [0, 3); the 0-d count first used to raise IndexError
+    in all three checks."""
+    from graphflop.frontend.trace import trace
+    from graphflop.runtime.verify import real_arguments
+
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return (y > 0).sum(), y
+
+    model = M()
+    fwd = trace(model, (torch.randn(2, 6),))
+    (target,) = fwd.meta[SIGNATURE].targets
+    t = real_arguments(fwd, model)[target]
+    assert t.shape == (2,) and int(t.min()) >= 0 and int(t.max()) < 3
+    rc, doc, err = _verify(_file(tmp_path, SCALAR_AUX), capsys, "--verify-samples", "16")
+    assert [c["ok"] and c["ran"] for c in doc["verify"]] == [True, True, True], doc["verify"]
+    assert "verify: 3 of 3 checks passed" in err
+    assert rc == 0
+
+
+def test_debug_prints_the_traceback_of_a_check_that_errored(tmp_path, capsys, monkeypatch):
+    import graphflop.runtime.verify as verify
+
+    def broken(*a, **k):
+        raise ZeroDivisionError("deliberate")
+
+    monkeypatch.setattr(verify, "verify_gradients", broken)
+    spec = _file(tmp_path, SCALAR_AUX)
+    rc, doc, err = _verify(spec, capsys, "--verify-samples", "0")
+    assert rc == 1 and not doc["verify"][0]["ran"]
+    assert "Traceback" not in "\n".join(err)  # without --debug: one line
+    assert "verify: gradients vs torch.func.grad: NOT RUN (ZeroDivisionError: deliberate)" in err
+    rc, doc, err = _verify(spec, capsys, "--verify-samples", "0", "--debug")
+    text = "\n".join(err)
+    assert rc == 1 and "Traceback (most recent call last):" in text
+    assert "in broken" in text and text.count("ZeroDivisionError: deliberate") == 2
+    assert "detail" not in doc["verify"][0]  # not in the JSON

@@ -351,6 +351,8 @@ def _verify(
     extra["verify"] = [c.to_dict() for c in checks]
     for c in checks:  # one line each, never wrapped (soft_wrap), no markup
         err.print(f"verify: {c.line()}", markup=False, highlight=False, soft_wrap=True)
+        if c.detail and getattr(args, "debug", False):  # the error that stopped the check
+            err.print(c.detail.rstrip(), markup=False, highlight=False, soft_wrap=True)
     passed = sum(c.ok for c in checks)
     summary = f"verify: {passed} of {len(checks)} checks passed"
     err.print(summary, markup=False, highlight=False, soft_wrap=True)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -92,6 +93,8 @@ class Check:
         tolerance: the largest error that passes.
         measure: what ``worst_rel_error`` measures, in words.
         dtype: the dtype the compared graphs ran in.
+        detail: the traceback of the error that stopped the check ("" when none), for
+            ``--debug``; not in the JSON.
     """
 
     name: str
@@ -100,6 +103,7 @@ class Check:
     tolerance: float
     measure: str = "normwise relative error"
     dtype: str = ""
+    detail: str = field(default="", compare=False, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -247,11 +251,10 @@ def real_arguments(
         # a tensor made in forward (torch.tensor(...)) is a constant of the graph
         value = constants[name] if name in constants else model.get_buffer(qual)
         values[name] = value.detach().clone().to(phs[name].meta["val"].dtype)
-    out_val = (
-        next(n for n in forward.graph.nodes if n.name == (sig.outputs or (None,))[0]).meta["val"]
-        if sig.outputs
-        else None
-    )
+    nodes = {n.name: n for n in forward.graph.nodes}
+    # the output the loss is computed from (the first floating one), as the loss itself: a
+    # model may return a 0-d count first, then its logits
+    out_val = loss_output([nodes[o].meta.get("val") for o in sig.outputs])
     ranges = index_ranges(forward)
     given = _example_values(sig, phs, examples)
     for name in sig.inputs + sig.targets:
@@ -681,12 +684,13 @@ def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModu
 
 def _run(checks: list[Check], name: str, tolerance: float, fn) -> Any:
     """``fn()``; a :class:`Check` it returns is appended to ``checks``. An exception becomes a
-    not-run check named ``name`` (returns None)."""
+    not-run check named ``name``, its traceback in ``detail`` (returns None)."""
     try:
         out = fn()
     except Exception as e:  # noqa: BLE001 - reported as a check that did not run
         msg = " ".join(str(e).split())[:160]
-        checks.append(Check(name, math.nan, f"{type(e).__name__}: {msg}", tolerance))
+        tb = traceback.format_exc()
+        checks.append(Check(name, math.nan, f"{type(e).__name__}: {msg}", tolerance, detail=tb))
         return None
     if isinstance(out, Check):
         checks.append(out)
