@@ -203,3 +203,59 @@ def test_debug_prints_the_traceback_of_a_check_that_errored(tmp_path, capsys, mo
     assert rc == 1 and "Traceback (most recent call last):" in text
     assert "in broken" in text and text.count("ZeroDivisionError: deliberate") == 2
     assert "detail" not in doc["verify"][0]  # not in the JSON
+
+
+@torch.library.custom_op("gfverifytrust::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    """A custom op graphflop has no rule for: the backward and the JVP stop at it."""
+    return 2 * x
+
+
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class GapNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(twice(torch.relu(self.fc1(x))))
+
+
+def example_inputs():
+    return (torch.randn(3, 8),)
+
+
+def test_checks_a_gap_stops_are_not_run_and_exit_1(tmp_path, capsys):
+    """Every check stopped by an op without a rule: three NOT RUN lines, "0 of 3 checks passed"
+    and exit 1 (it said "0 of 0 checks passed" and exited 0), as for attention dropout."""
+    path = tmp_path / "gap.py"
+    path.write_text("from test_verify_trust import GapNet, example_inputs  # noqa: F401\n")
+    out = tmp_path / "out.json"
+    rc = main(["inspect", f"{path}:GapNet", "--loss", "sum", "--verify", "--json", str(out)])
+    err = capsys.readouterr().err.splitlines()
+    lines = [x for x in err if x.startswith("verify: ")]
+    op = "gfverifytrust.twice.default"
+    assert lines == [
+        f"verify: gradients vs torch.func.grad: NOT RUN (the backward stops at ops without rules ({op}))",
+        f"verify: JVP loss tangent vs torch.func.jvp: NOT RUN (the JVP stops at ops without rules ({op}))",
+        "verify: forward-gradient estimate unbiased over 100 directions: NOT RUN (it needs a complete JVP and backward)",
+        "verify: 0 of 3 checks passed",
+    ], err
+    doc = json.loads(out.read_text())
+    assert [(c["ran"], c["ok"]) for c in doc["verify"]] == [(False, False)] * 3
+    assert op in doc["verify_note"]  # the issue-15 note stays in the JSON
+    assert rc == 1
+
+
+def test_no_check_at_all_is_not_a_pass(tmp_path, capsys, monkeypatch):
+    import graphflop.runtime.verify as verify
+
+    monkeypatch.setattr(verify, "verify_analysis", lambda *a, **k: [])
+    rc, _, err = _verify(_file(tmp_path, SCALAR_AUX), capsys)
+    assert "verify: 0 of 0 checks passed" in err
+    assert rc == 1

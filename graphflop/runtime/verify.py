@@ -558,20 +558,30 @@ def _tangent_from_gradient(f, params, xs, p_t, x_t) -> torch.Tensor:
     return total + sum((d * t).sum() for d, t in zip(gx, x_t))
 
 
-def gap_notes(report) -> list[str]:
-    """One line per ``--verify`` check that cannot run because an op lacks a rule (the phase
-    it checks is incomplete, ``report.uncounted``): the gradient check needs a complete
-    backward, the JVP check a complete JVP, the forward-gradient check both."""
+#: the words :func:`gap_notes` names each check by, keyed as :func:`gap_reasons`
+_GAP_LABELS = {"gradients": "gradient", "jvp": "JVP", "forward_gradient": "forward-gradient"}
+
+
+def gap_reasons(report) -> dict[str, str]:
+    """Why a ``--verify`` check cannot run because an op lacks a rule (the phase it checks is
+    incomplete, ``report.uncounted``), keyed ``gradients``, ``jvp``, ``forward_gradient``
+    (absent: no gap stops it): the gradient check needs a complete backward, the JVP check a
+    complete JVP, the forward-gradient check both."""
     t = report.totals
     ops = ", ".join(u.op for u in report.uncounted if set(u.missing) & {"jvp", "transpose"})
-    notes = []
+    out = {}
     if t.backward is not None and not t.backward.complete:
-        notes.append(f"gradient check not run: the backward stops at ops without rules ({ops})")
+        out["gradients"] = f"the backward stops at ops without rules ({ops})"
     if t.jvp is not None and not t.jvp.complete:
-        notes.append(f"JVP check not run: the JVP stops at ops without rules ({ops})")
+        out["jvp"] = f"the JVP stops at ops without rules ({ops})"
     if t.jvp is not None and not (t.jvp.complete and (t.backward is None or t.backward.complete)):
-        notes.append("forward-gradient check not run: it needs a complete JVP and backward")
-    return notes
+        out["forward_gradient"] = "it needs a complete JVP and backward"
+    return out
+
+
+def gap_notes(report) -> list[str]:
+    """:func:`gap_reasons` as one line each (``verify_note`` in the JSON)."""
+    return [f"{_GAP_LABELS[k]} check not run: {why}" for k, why in gap_reasons(report).items()]
 
 
 def verify_analysis(
@@ -585,9 +595,9 @@ def verify_analysis(
 ) -> list[Check]:
     """Re-trace ``loaded.model`` in ``dtype`` and check the backward and JVP graphs built the
     same way as ``analysis``'s against torch.func. Returns one :class:`Check` per comparison;
-    the checks of phases that an op without a rule left incomplete are not run
-    (:func:`gap_notes` says which), and neither are the gradient and JVP checks of a model whose
-    attention is called with dropout
+    the checks of phases that an op without a rule left incomplete are returned not run (NaN
+    error, not ok, :func:`gap_reasons`' words as ``where``), and so are the gradient and JVP
+    checks of a model whose attention is called with dropout
     (:func:`graphflop.runtime.verify_attention.attention_dropout`). A check that raises (a
     reference PyTorch cannot differentiate, say) is returned as not run (NaN error, not ok),
     with the error's first line as ``where``: nothing is raised."""
@@ -605,62 +615,78 @@ def verify_analysis(
     if fwd is None:
         return checks
     t = analysis.report.totals
-    bwd_ok = t.backward is None or t.backward.complete
+    gaps = gap_reasons(analysis.report)  # checks an op without a rule stops: NOT RUN
     # attention dropout: the reference's masks cannot be graphflop's (attention_dropout)
-    no_ref = ""
-    if analysis.backward is not None or analysis.jvp is not None:
-        from graphflop.runtime import verify_attention
-
-        try:
-            p = verify_attention.attention_dropout(fwd, model, examples)
-        except Exception:  # noqa: BLE001 - the checks' own reference runs report the error
-            p = 0.0
-        no_ref = verify_attention.attention_dropout_note(p) if p else ""
-    if analysis.backward is not None and bwd_ok:
+    no_ref = _attention_dropout_note(analysis, fwd, model, examples)
+    if analysis.backward is not None:
         name = "gradients vs torch.func.grad"
         _run(
             checks,
             name,
             tolerance,
             lambda: (
-                _not_run(name, no_ref, tolerance)
+                _not_run(name, gaps.get("gradients") or no_ref, tolerance)
                 or verify_gradients(
                     fwd, build_vjp(fwd), model, tolerance=tolerance, examples=examples
                 )
             ),
         )
-    if analysis.jvp is not None and t.jvp.complete:
-        tangents = t.jvp.tangents
+    if analysis.jvp is not None:
         name = "JVP loss tangent vs torch.func.jvp"
         _run(
             checks,
             name,
             tolerance,
             lambda: (
-                _not_run(name, no_ref, tolerance)
+                _not_run(name, gaps.get("jvp") or no_ref, tolerance)
                 or verify_jvp(
-                    fwd, build_jvp(fwd, tangents), model, tolerance=tolerance, examples=examples
+                    fwd,
+                    build_jvp(fwd, t.jvp.tangents),
+                    model,
+                    tolerance=tolerance,
+                    examples=examples,
                 )
             ),
         )
-        if forward_gradient_samples and fwd.meta[SIGNATURE].loss is not None and bwd_ok:
-            # a statistical check needs no float64: run it on a float32 trace, faster
-            model32 = copy.deepcopy(loaded.model).float()
-            name = f"forward-gradient estimate unbiased over {forward_gradient_samples} directions"
-            from graphflop.runtime.verify_fg import FG_ALPHA, verify_forward_gradient
+    if (
+        analysis.jvp is not None
+        and forward_gradient_samples
+        and fwd.meta[SIGNATURE].loss is not None
+    ):
+        from graphflop.runtime.verify_fg import FG_ALPHA, verify_forward_gradient
 
-            _run(
-                checks,
-                name,
-                FG_ALPHA,
-                lambda: verify_forward_gradient(
+        name = f"forward-gradient estimate unbiased over {forward_gradient_samples} directions"
+        # a statistical check needs no float64: run it on a float32 trace, faster
+        model32 = copy.deepcopy(loaded.model).float()
+        _run(
+            checks,
+            name,
+            FG_ALPHA,
+            lambda: (
+                _not_run(name, gaps.get("forward_gradient", ""), FG_ALPHA)
+                or verify_forward_gradient(
                     _trace_in(model32, inputs, torch.float32, loss),
                     model32,
                     samples=forward_gradient_samples,
                     examples=examples,
-                ),
-            )
+                )
+            ),
+        )
     return checks
+
+
+def _attention_dropout_note(analysis, fwd: GraphModule, model: nn.Module, examples) -> str:
+    """:func:`graphflop.runtime.verify_attention.attention_dropout_note` when the model's
+    attention runs with dropout ("" when it does not, or when there is no check it stops)."""
+    if analysis.backward is None and analysis.jvp is None:
+        return ""
+    from graphflop.runtime import verify_attention
+
+    try:
+        p = verify_attention.attention_dropout(fwd, model, examples)
+    except Exception:  # noqa: BLE001 - the checks' own reference runs report the error
+        p = 0.0
+    return verify_attention.attention_dropout_note(p) if p else ""
 
 
 def _not_run(name: str, why: str, tolerance: float) -> Check | None:
