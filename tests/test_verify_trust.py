@@ -9,6 +9,7 @@ import math
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -259,3 +260,85 @@ def test_no_check_at_all_is_not_a_pass(tmp_path, capsys, monkeypatch):
     rc, _, err = _verify(_file(tmp_path, SCALAR_AUX), capsys)
     assert "verify: 0 of 0 checks passed" in err
     assert rc == 1
+
+
+class SoftmaxRows(nn.Module):
+    """softmax(x·xᵀ) summed over its rows: identically 1, so the loss is 2·5 = 10 and its
+    tangent along any direction is exactly 0."""
+
+    def forward(self, x):
+        return torch.softmax(x @ x.transpose(-1, -2), -1).sum(-1)
+
+
+def _jvp_check(model, x, **kw):
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.frontend.trace import trace
+    from graphflop.runtime.verify import verify_jvp
+
+    fwd = trace(model, (x,), loss="sum")
+    return verify_jvp(fwd, build_jvp(fwd, "inputs"), model, **kw)
+
+
+def test_a_tangent_zero_in_exact_arithmetic_passes_on_the_floor(monkeypatch):
+    """Both tangents are rounding noise around 0 (|·| < 1e-13 with |L| = 10), 100 %+ apart
+    relative to each other: the plain relative error failed (3.6 in the tester's run); the
+    floor 1024·eps·|L|·‖ẋ‖/‖x‖ (≈ 1024 · 2.2e-16 · 10 · 1 ≈ 2.3e-12 absolute) passes them."""
+    import graphflop.runtime.verify as verify
+
+    seen = {}
+    real_error = getattr(verify, "tangent_error", None)
+
+    def spy(got, ref, floor):
+        seen.update(got=float(got), ref=float(ref), floor=floor)
+        return real_error(got, ref, floor)
+
+    monkeypatch.setattr(verify, "tangent_error", spy, raising=False)
+    c = _jvp_check(SoftmaxRows(), torch.randn(2, 5, 3, dtype=torch.float64))
+    assert c.ran and c.ok, c
+    assert abs(seen["got"]) < 1e-13 and abs(seen["ref"]) < 1e-13
+    assert verify.rel_error(torch.tensor(seen["got"]), torch.tensor(seen["ref"])) > 1e-4
+    # the floor is worked out from real_arguments' x and direction: |L| = 10 exactly
+    # (verify_jvp draws its direction from a generator seeded 1, real_arguments' x from 0)
+    (x,) = verify.real_arguments(*_trace_and_model()).values()
+    v = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    eps = 2.220446049250313e-16
+    assert seen["floor"] == pytest.approx(1024 * eps * 10 * float(v.norm() / x.norm()) / 1e-4)
+
+
+def _trace_and_model():
+    from graphflop.frontend.trace import trace
+
+    model = SoftmaxRows()
+    return trace(model, (torch.randn(2, 5, 3, dtype=torch.float64),), loss="sum"), model
+
+
+def test_a_wrong_tangent_still_fails(monkeypatch):
+    """Graphflop's loss tangent doubled (a JVP rule scaling by 2) fails where the true tangent
+    is not zero (relative error 1), and an error of 1e-6 where it is zero fails too: the floor
+    there is ≈ 2.3e-12 absolute (2.3e-8 as the denominator at tolerance 1e-4)."""
+    import graphflop.runtime.verify as verify
+    from graphflop.meta import JVP
+
+    real_run = verify.run_jvp
+
+    def doubled(jvp, values, tangents):
+        outs = list(real_run(jvp, values, tangents))
+        i = jvp.meta[JVP].primal_outputs
+        outs[i] = 2 * outs[i]
+        return tuple(outs)
+
+    class FirstColumn(nn.Module):  # softmax's first column summed: a tangent far from zero
+        def forward(self, x):
+            return torch.softmax(x @ x.transpose(-1, -2), -1)[..., 0]
+
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    assert _jvp_check(FirstColumn(), x).ok
+    monkeypatch.setattr(verify, "run_jvp", doubled)
+    c = _jvp_check(FirstColumn(), x)
+    assert c.ran and not c.ok and c.worst_rel_error == pytest.approx(1.0, rel=1e-9), c
+    floor = verify.tangent_floor(
+        torch.float64, 10.0, [torch.ones(30, dtype=torch.float64)], [torch.ones(30)], 1e-4
+    )
+    assert floor == pytest.approx(1024 * 2.220446049250313e-16 * 10 / 1e-4)
+    assert verify.tangent_error(torch.tensor(1e-6), torch.tensor(0.0), floor) > 40  # ≈ 44
+    assert verify.tangent_error(torch.tensor(1e-13), torch.tensor(-1e-13), floor) < 1e-4

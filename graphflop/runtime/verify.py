@@ -498,7 +498,10 @@ def verify_jvp(
     (zero in the :func:`padding_rows` of embedding tables, whose derivative PyTorch defines
     as zero for gradients but not for ``torch.func.jvp``). Where PyTorch has no forward-mode
     formula for an op of the model (``_embedding_bag``), the reference is ``<∇loss, direction>``
-    with the gradient from ``torch.func.grad`` (exact: the loss is a scalar)."""
+    with the gradient from ``torch.func.grad`` (exact: the loss is a scalar). The error is
+    relative with an absolute floor scaled to the loss and the direction
+    (:func:`tangent_floor`, :func:`tangent_error`): a tangent that is zero in exact arithmetic
+    passes on rounding noise. A NaN or infinity in either tangent fails the check."""
     values = real_arguments(forward, model, seed=seed, examples=examples)
     sig: Signature = forward.meta[SIGNATURE]
     info = jvp.meta[JVP]
@@ -530,7 +533,7 @@ def verify_jvp(
     p_t = {q: tangents.get(n, torch.zeros_like(values[n])) for n, q in sig.params}
     x_t = tuple(tangents.get(n, torch.zeros_like(values[n])) for n in input_names)
     try:
-        _, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))
+        loss, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))
         what = "torch.func.jvp"
     except (NotImplementedError, RuntimeError) as e:
         if "forward AD" not in str(e):
@@ -538,16 +541,62 @@ def verify_jvp(
         # an op PyTorch has no forward-mode formula for (_embedding_bag): the loss is a scalar,
         # so its tangent is <gradient, direction>, the gradient from reverse mode
         ref = _tangent_from_gradient(f, params, xs, p_t, x_t)
+        with torch.no_grad():
+            loss = f(params, xs)
         what = "torch.func.grad · direction"
     bad = nonfinite(got, ref)
+    floor = tangent_floor(
+        got.dtype, float(loss), [values[p] for p in tangents], list(tangents.values()), tolerance
+    )
     return Check(
         f"JVP loss tangent vs {what}",
-        math.inf if bad else rel_error(got, ref),
+        math.inf if bad else tangent_error(got, ref, floor),
         bad or "the scalar loss tangent",
         tolerance,
-        "relative error",
+        f"relative error (floor {FLOOR_ULPS}·eps·|L|·‖ṗ‖/‖p‖)",
         _dtype_name(got.dtype),
     )
+
+
+def tangent_floor(
+    dtype: torch.dtype,
+    loss: float,
+    primals: list[torch.Tensor],
+    tangents: list[torch.Tensor],
+    tolerance: float,
+) -> float:
+    """The denominator floor of the JVP check's relative error: ``FLOOR_ULPS · eps · |L| ·
+    ‖ṗ‖ / ‖p‖ / tolerance``, so that ``|a − b| ≤ max(tolerance · |b|, FLOOR_ULPS · eps · |L|
+    · ‖ṗ‖/‖p‖)`` passes (:func:`tangent_error`).
+
+    ``‖ṗ‖/‖p‖`` is the size of the direction relative to the point (the norms over every
+    primal that has a tangent, parameters and inputs together, in float64), and ``|L| ·
+    ‖ṗ‖/‖p‖`` the loss tangent that size of relative change gives a loss of size ``|L|``: the
+    scale of the terms the tangent is computed from. A tangent that is zero in exact
+    arithmetic (a softmax's rows summed: identically 1) is rounding noise of a few ``eps`` of
+    that scale, in graphflop's graph and in the reference alike; relative to each other such
+    values differ by 100 % or more. ``FLOOR_ULPS`` (as for gradients, :func:`gradient_floor`)
+    leaves room for sums of up to about 10⁶ terms. 0 when ``‖p‖ = 0`` or ``L = 0``: no scale,
+    the plain relative error.
+
+    Args:
+        dtype: the dtype the graphs ran in (its machine epsilon ``eps``).
+        loss: ``L``, the loss value at the primal point.
+        primals: the primals that have tangents; tangents: theirs, in the same order.
+        tolerance: the check's tolerance.
+    """
+    p = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in primals))
+    v = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tangents))
+    if p == 0 or not math.isfinite(loss * v / p):
+        return 0.0
+    return FLOOR_ULPS * torch.finfo(dtype).eps * abs(loss) * v / p / tolerance
+
+
+def tangent_error(got: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
+    """``|a − b| / max(|b|, floor)`` in float64 (``floor`` from :func:`tangent_floor`;
+    dimensionless)."""
+    a, b = got.detach().double(), ref.detach().double()
+    return float((a - b).norm()) / max(float(b.norm()), floor, 1e-300)
 
 
 def _tangent_from_gradient(f, params, xs, p_t, x_t) -> torch.Tensor:
