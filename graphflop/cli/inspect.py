@@ -335,7 +335,8 @@ def _verify(
 ) -> int:
     """``--verify``: run the checks, print one line each to stderr and add them (``verify``,
     and ``verify_note`` on the forward-gradient check's budget) to ``extra``."""
-    from graphflop.runtime.verify import forward_gradient_samples, gap_notes, verify_analysis
+    from graphflop.runtime.verify import forward_gradient_samples
+    from graphflop.runtime.verify_all import gap_notes, verify_analysis
 
     fg = analysis.report.totals.forward_gradient_step
     samples, why = forward_gradient_samples(args.verify_samples, fg.flops if fg is not None else 0)

@@ -1,8 +1,10 @@
 """Run graphflop's generated graphs on real random tensors and compare them with PyTorch.
 
 ``verify_gradients`` checks every parameter gradient of the backward graph against
-``torch.func.grad`` of the same loss; ``verify_jvp`` checks the JVP graph's loss tangent against
-``torch.func.jvp``. Errors are normwise relative per tensor, ``‖a − b‖ / max(‖b‖, floor)``, with
+``torch.func.grad`` of the same loss; :func:`graphflop.runtime.verify_tangent.verify_jvp` checks
+the JVP graph's loss tangent against ``torch.func.jvp``, and
+:func:`graphflop.runtime.verify_all.verify_analysis` runs all the checks of one analysis (both
+still importable from here). Errors are normwise relative per tensor, ``‖a − b‖ / max(‖b‖, floor)``, with
 an absolute floor for gradients that are zero in exact arithmetic (:func:`gradient_floor`).
 :func:`forward_gradient_samples` decides how many directions the forward-gradient unbiasedness
 check (:func:`graphflop.runtime.verify_fg.verify_forward_gradient`, batched over directions)
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,6 @@ from torch.fx import GraphModule, Interpreter
 from graphflop.frontend.loss import loss_output, loss_value
 from graphflop.meta import (
     CONSTANTS,
-    JVP,
     LOSS_KIND,
     SIGNATURE,
     SOURCE,
@@ -455,318 +455,22 @@ def _cast(model: nn.Module, dtype):
     return copy.deepcopy(model).to(dtype)
 
 
-def run_jvp(
-    jvp: GraphModule, values: dict[str, torch.Tensor], tangents: dict[str, torch.Tensor]
-) -> tuple:
-    """Run a JVP graph: primal placeholders from ``values``, tangent placeholders from
-    ``tangents`` (keyed by the primal placeholder's name)."""
-    info = jvp.meta[JVP]
-    t_of = {t: p for t, p in info.tangent_inputs}
-    args = []
-    for n in jvp.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        args.append(tangents[t_of[n.name]] if n.name in t_of else values[n.name])
-    return jvp(*args)
+#: names that moved to :mod:`graphflop.runtime.verify_tangent` (the JVP check) and
+#: :mod:`graphflop.runtime.verify_all` (all the checks of one analysis), kept importable from here
+_MOVED = {
+    **dict.fromkeys(
+        ("run_jvp", "padding_rows", "verify_jvp", "tangent_floor", "tangent_error"),
+        "verify_tangent",
+    ),
+    **dict.fromkeys(("gap_reasons", "gap_notes", "verify_analysis"), "verify_all"),
+}
 
 
-def padding_rows(forward: GraphModule) -> dict[str, list[int]]:
-    """The ``padding_idx`` rows of embedding tables, by the table's placeholder name: the rows
-    of a parameter read directly by ``aten.embedding`` with ``padding_idx >= 0`` (rows PyTorch
-    never trains)."""
-    rows: dict[str, list[int]] = {}
-    for n in forward.graph.nodes:
-        if n.op != "call_function" or n.target is not torch.ops.aten.embedding.default:
-            continue
-        table = n.args[0]
-        pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
-        if isinstance(table, torch.fx.Node) and table.op == "placeholder" and pad >= 0:
-            rows.setdefault(table.name, []).append(int(pad))
-    return rows
+def __getattr__(name: str) -> Any:
+    """The :data:`_MOVED` names, from their modules (imported on first use: they import this
+    one)."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-
-def verify_jvp(
-    forward: GraphModule,
-    jvp: GraphModule,
-    model: nn.Module,
-    *,
-    tolerance: float = 1e-4,
-    seed: int = 0,
-    examples: tuple[torch.Tensor, ...] | None = None,
-) -> Check:
-    """Compare the JVP graph's loss tangent with ``torch.func.jvp`` along a random direction
-    (zero in the :func:`padding_rows` of embedding tables, whose derivative PyTorch defines
-    as zero for gradients but not for ``torch.func.jvp``). Where PyTorch has no forward-mode
-    formula for an op of the model (``_embedding_bag``), the reference is ``<∇loss, direction>``
-    with the gradient from ``torch.func.grad`` (exact: the loss is a scalar). The error is
-    relative with an absolute floor scaled to the loss and the direction
-    (:func:`tangent_floor`, :func:`tangent_error`): a tangent that is zero in exact arithmetic
-    passes on rounding noise. A NaN or infinity in either tangent fails the check."""
-    values = real_arguments(forward, model, seed=seed, examples=examples)
-    sig: Signature = forward.meta[SIGNATURE]
-    info = jvp.meta[JVP]
-    gen = torch.Generator().manual_seed(seed + 1)
-    tangents = {
-        p: torch.randn(values[p].shape, generator=gen, dtype=values[p].dtype)
-        for _, p in info.tangent_inputs
-    }
-    # PyTorch gives an embedding table's padding_idx row no gradient, and graphflop's JVP keeps
-    # that convention (it stays the VJP's transpose); torch.func.jvp does not. Directions with
-    # those rows zero make the two agree without hiding anything else.
-    for p, rows in padding_rows(forward).items():
-        if p in tangents:
-            tangents[p][rows] = 0
-    with seeded():
-        outs = run_jvp(jvp, values, tangents)
-    got = outs[info.primal_outputs]
-    params = {q: values[n] for n, q in sig.params}
-    model = _cast(model, next(iter(params.values())).dtype if params else None)
-    # only floating inputs are differentiable (token ids stay fixed)
-    input_names = [n for n in sig.inputs if values[n].is_floating_point()]
-
-    def f(p, xs):
-        vals = dict(values)
-        vals.update({n: xs[i] for i, n in enumerate(input_names)})
-        return reference_loss_fn(forward, model, vals)(p)
-
-    xs = tuple(values[n] for n in input_names)
-    p_t = {q: tangents.get(n, torch.zeros_like(values[n])) for n, q in sig.params}
-    x_t = tuple(tangents.get(n, torch.zeros_like(values[n])) for n in input_names)
-    try:
-        loss, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))
-        what = "torch.func.jvp"
-    except (NotImplementedError, RuntimeError) as e:
-        if "forward AD" not in str(e):
-            raise
-        # an op PyTorch has no forward-mode formula for (_embedding_bag): the loss is a scalar,
-        # so its tangent is <gradient, direction>, the gradient from reverse mode
-        ref = _tangent_from_gradient(f, params, xs, p_t, x_t)
-        with torch.no_grad():
-            loss = f(params, xs)
-        what = "torch.func.grad · direction"
-    bad = nonfinite(got, ref)
-    floor = tangent_floor(
-        got.dtype, float(loss), [values[p] for p in tangents], list(tangents.values()), tolerance
-    )
-    return Check(
-        f"JVP loss tangent vs {what}",
-        math.inf if bad else tangent_error(got, ref, floor),
-        bad or "the scalar loss tangent",
-        tolerance,
-        f"relative error (floor {FLOOR_ULPS}·eps·|L|·‖ṗ‖/‖p‖)",
-        _dtype_name(got.dtype),
-    )
-
-
-def tangent_floor(
-    dtype: torch.dtype,
-    loss: float,
-    primals: list[torch.Tensor],
-    tangents: list[torch.Tensor],
-    tolerance: float,
-) -> float:
-    """The denominator floor of the JVP check's relative error: ``FLOOR_ULPS · eps · |L| ·
-    ‖ṗ‖ / ‖p‖ / tolerance``, so that ``|a − b| ≤ max(tolerance · |b|, FLOOR_ULPS · eps · |L|
-    · ‖ṗ‖/‖p‖)`` passes (:func:`tangent_error`).
-
-    ``‖ṗ‖/‖p‖`` is the size of the direction relative to the point (the norms over every
-    primal that has a tangent, parameters and inputs together, in float64), and ``|L| ·
-    ‖ṗ‖/‖p‖`` the loss tangent that size of relative change gives a loss of size ``|L|``: the
-    scale of the terms the tangent is computed from. A tangent that is zero in exact
-    arithmetic (a softmax's rows summed: identically 1) is rounding noise of a few ``eps`` of
-    that scale, in graphflop's graph and in the reference alike; relative to each other such
-    values differ by 100 % or more. ``FLOOR_ULPS`` (as for gradients, :func:`gradient_floor`)
-    leaves room for sums of up to about 10⁶ terms. 0 when ``‖p‖ = 0`` or ``L = 0``: no scale,
-    the plain relative error.
-
-    Args:
-        dtype: the dtype the graphs ran in (its machine epsilon ``eps``).
-        loss: ``L``, the loss value at the primal point.
-        primals: the primals that have tangents; tangents: theirs, in the same order.
-        tolerance: the check's tolerance.
-    """
-    p = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in primals))
-    v = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tangents))
-    if p == 0 or not math.isfinite(loss * v / p):
-        return 0.0
-    return FLOOR_ULPS * torch.finfo(dtype).eps * abs(loss) * v / p / tolerance
-
-
-def tangent_error(got: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
-    """``|a − b| / max(|b|, floor)`` in float64 (``floor`` from :func:`tangent_floor`;
-    dimensionless)."""
-    a, b = got.detach().double(), ref.detach().double()
-    return float((a - b).norm()) / max(float(b.norm()), floor, 1e-300)
-
-
-def _tangent_from_gradient(f, params, xs, p_t, x_t) -> torch.Tensor:
-    """``<∇f, (p_t, x_t)>`` for a scalar ``f(params, xs)`` (floating inputs only), by reverse
-    mode."""
-    gp, gx = torch.func.grad(f, argnums=(0, 1))(params, xs)
-    total = sum((gp[q] * p_t[q]).sum() for q in gp)
-    return total + sum((d * t).sum() for d, t in zip(gx, x_t))
-
-
-#: the words :func:`gap_notes` names each check by, keyed as :func:`gap_reasons`
-_GAP_LABELS = {"gradients": "gradient", "jvp": "JVP", "forward_gradient": "forward-gradient"}
-
-
-def gap_reasons(report) -> dict[str, str]:
-    """Why a ``--verify`` check cannot run because an op lacks a rule (the phase it checks is
-    incomplete, ``report.uncounted``), keyed ``gradients``, ``jvp``, ``forward_gradient``
-    (absent: no gap stops it): the gradient check needs a complete backward, the JVP check a
-    complete JVP, the forward-gradient check both."""
-    t = report.totals
-    ops = ", ".join(u.op for u in report.uncounted if set(u.missing) & {"jvp", "transpose"})
-    out = {}
-    if t.backward is not None and not t.backward.complete:
-        out["gradients"] = f"the backward stops at ops without rules ({ops})"
-    if t.jvp is not None and not t.jvp.complete:
-        out["jvp"] = f"the JVP stops at ops without rules ({ops})"
-    if t.jvp is not None and not (t.jvp.complete and (t.backward is None or t.backward.complete)):
-        out["forward_gradient"] = "it needs a complete JVP and backward"
-    return out
-
-
-def gap_notes(report) -> list[str]:
-    """:func:`gap_reasons` as one line each (``verify_note`` in the JSON)."""
-    return [f"{_GAP_LABELS[k]} check not run: {why}" for k, why in gap_reasons(report).items()]
-
-
-def verify_analysis(
-    loaded,
-    inputs,
-    analysis,
-    *,
-    dtype: str = "float64",
-    tolerance: float = 1e-4,
-    forward_gradient_samples: int = 0,
-) -> list[Check]:
-    """Re-trace ``loaded.model`` in ``dtype`` and check the backward and JVP graphs built the
-    same way as ``analysis``'s against torch.func. Returns one :class:`Check` per comparison;
-    the checks of phases that an op without a rule left incomplete are returned not run (NaN
-    error, not ok, :func:`gap_reasons`' words as ``where``), and so are the gradient and JVP
-    checks of a model whose attention is called with dropout
-    (:func:`graphflop.runtime.verify_attention.attention_dropout`). A check that raises (a
-    reference PyTorch cannot differentiate, say) is returned as not run (NaN error, not ok),
-    with the error's first line as ``where``: nothing is raised."""
-    import copy
-
-    from graphflop.ad.jvp import build_jvp
-    from graphflop.ad.vjp import build_vjp
-
-    loss = analysis.forward.meta.get(LOSS_KIND, "auto")
-    examples = getattr(loaded, "example_inputs", None)  # real values, when the file gives them
-    dt = torch.float64 if dtype == "float64" else torch.float32
-    model = copy.deepcopy(loaded.model).to(dt)
-    checks: list[Check] = []
-    fwd = _run(checks, "trace in " + dtype, tolerance, lambda: _trace_in(model, inputs, dt, loss))
-    if fwd is None:
-        return checks
-    t = analysis.report.totals
-    gaps = gap_reasons(analysis.report)  # checks an op without a rule stops: NOT RUN
-    # attention dropout: the reference's masks cannot be graphflop's (attention_dropout)
-    no_ref = _attention_dropout_note(analysis, fwd, model, examples)
-    if analysis.backward is not None:
-        name = "gradients vs torch.func.grad"
-        _run(
-            checks,
-            name,
-            tolerance,
-            lambda: (
-                _not_run(name, gaps.get("gradients") or no_ref, tolerance)
-                or verify_gradients(
-                    fwd, build_vjp(fwd), model, tolerance=tolerance, examples=examples
-                )
-            ),
-        )
-    if analysis.jvp is not None:
-        name = "JVP loss tangent vs torch.func.jvp"
-        _run(
-            checks,
-            name,
-            tolerance,
-            lambda: (
-                _not_run(name, gaps.get("jvp") or no_ref, tolerance)
-                or verify_jvp(
-                    fwd,
-                    build_jvp(fwd, t.jvp.tangents),
-                    model,
-                    tolerance=tolerance,
-                    examples=examples,
-                )
-            ),
-        )
-    if (
-        analysis.jvp is not None
-        and forward_gradient_samples
-        and fwd.meta[SIGNATURE].loss is not None
-    ):
-        from graphflop.runtime.verify_fg import FG_ALPHA, verify_forward_gradient
-
-        name = f"forward-gradient estimate unbiased over {forward_gradient_samples} directions"
-        # a statistical check needs no float64: run it on a float32 trace, faster
-        model32 = copy.deepcopy(loaded.model).float()
-        _run(
-            checks,
-            name,
-            FG_ALPHA,
-            lambda: (
-                _not_run(name, gaps.get("forward_gradient", ""), FG_ALPHA)
-                or verify_forward_gradient(
-                    _trace_in(model32, inputs, torch.float32, loss),
-                    model32,
-                    samples=forward_gradient_samples,
-                    examples=examples,
-                )
-            ),
-        )
-    return checks
-
-
-def _attention_dropout_note(analysis, fwd: GraphModule, model: nn.Module, examples) -> str:
-    """:func:`graphflop.runtime.verify_attention.attention_dropout_note` when the model's
-    attention runs with dropout ("" when it does not, or when there is no check it stops)."""
-    if analysis.backward is None and analysis.jvp is None:
-        return ""
-    from graphflop.runtime import verify_attention
-
-    try:
-        p = verify_attention.attention_dropout(fwd, model, examples)
-    except Exception:  # noqa: BLE001 - the checks' own reference runs report the error
-        p = 0.0
-    return verify_attention.attention_dropout_note(p) if p else ""
-
-
-def _not_run(name: str, why: str, tolerance: float) -> Check | None:
-    """A not-run :class:`Check` saying ``why``; None when ``why`` is empty (the check runs)."""
-    return Check(name, math.nan, why, tolerance) if why else None
-
-
-def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModule:
-    """``model`` traced on inputs shaped like ``inputs``, floating ones in ``dt``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from graphflop.frontend.trace import trace
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        xs = tuple(
-            torch.empty(tuple(t.shape), dtype=dt if t.is_floating_point() else t.dtype)
-            for t in inputs
-        )
-    return trace(model, xs, loss=loss)
-
-
-def _run(checks: list[Check], name: str, tolerance: float, fn) -> Any:
-    """``fn()``; a :class:`Check` it returns is appended to ``checks``. An exception becomes a
-    not-run check named ``name``, its traceback in ``detail`` (returns None)."""
-    try:
-        out = fn()
-    except Exception as e:  # noqa: BLE001 - reported as a check that did not run
-        msg = " ".join(str(e).split())[:160]
-        tb = traceback.format_exc()
-        checks.append(Check(name, math.nan, f"{type(e).__name__}: {msg}", tolerance, detail=tb))
-        return None
-    if isinstance(out, Check):
-        checks.append(out)
-    return out
+    return getattr(importlib.import_module(f"graphflop.runtime.{_MOVED[name]}"), name)

@@ -4,7 +4,7 @@ PyTorch's scaled dot-product attention kernels draw their dropout mask inside th
 different use of the generator than the ``native_dropout`` decomposition graphflop's graphs hold
 (:mod:`graphflop.frontend.composite`), so for such a model a gradient or JVP comparison with
 ``torch.func`` measures the two masks' difference, not graphflop's derivatives.
-:func:`graphflop.runtime.verify.verify_analysis` reports those checks as not run, with
+:func:`graphflop.runtime.verify_all.verify_analysis` reports those checks as not run, with
 :func:`attention_dropout_note`'s reason.
 """
 
