@@ -169,11 +169,12 @@ def test_verify_says_which_checks_a_gap_stops(tmp_path, capsys):
     out = tmp_path / "out.json"
     rc = main(["inspect", _spec(tmp_path), "--loss", "sum", "--verify", "--json", str(out)])
     err = capsys.readouterr().err
-    assert rc == 0
-    assert "gradient check not run" in err and "JVP check not run" in err
+    assert rc == 1  # a check a gap stops is NOT RUN: not passed
+    assert "gradients vs torch.func.grad: NOT RUN (the backward stops" in err
+    assert "JVP loss tangent vs torch.func.jvp: NOT RUN (the JVP stops" in err
     doc = json.loads(out.read_text())
     assert "gfpartial.twice.default" in doc["verify_note"]
-    assert all("gradient" not in c["check"] or "forward" in c["check"] for c in doc["verify"])
+    assert doc["verify"] and not any(c["ran"] for c in doc["verify"])
 
 
 ZOO = [

@@ -231,7 +231,9 @@ def test_attention_dropout_not_run_hides_a_real_mismatch(tmp_path, capsys, monke
     NOT RUN above stands for a real disagreement of the references, not a passing check."""
     import graphflop.runtime.verify_attention as verify_attention
 
-    monkeypatch.setattr(verify_attention, "attention_dropout", lambda forward, model: 0.0)
+    monkeypatch.setattr(
+        verify_attention, "attention_dropout", lambda forward, model, examples=None: 0.0
+    )
     rc, doc, _ = _verify(_spec(tmp_path, "sdpa_dropout"), capsys, monkeypatch, "--no-jvp")
     grad = doc["verify"][0]
     assert rc == 1 and grad["ran"] and not grad["ok"] and grad["worst_rel_error"] > 1e-2

@@ -1,8 +1,10 @@
 """Run graphflop's generated graphs on real random tensors and compare them with PyTorch.
 
 ``verify_gradients`` checks every parameter gradient of the backward graph against
-``torch.func.grad`` of the same loss; ``verify_jvp`` checks the JVP graph's loss tangent against
-``torch.func.jvp``. Errors are normwise relative per tensor, ``‖a − b‖ / max(‖b‖, floor)``, with
+``torch.func.grad`` of the same loss; :func:`graphflop.runtime.verify_tangent.verify_jvp` checks
+the JVP graph's loss tangent against ``torch.func.jvp``, and
+:func:`graphflop.runtime.verify_all.verify_analysis` runs all the checks of one analysis (both
+still importable from here). Errors are normwise relative per tensor, ``‖a − b‖ / max(‖b‖, floor)``, with
 an absolute floor for gradients that are zero in exact arithmetic (:func:`gradient_floor`).
 :func:`forward_gradient_samples` decides how many directions the forward-gradient unbiasedness
 check (:func:`graphflop.runtime.verify_fg.verify_forward_gradient`, batched over directions)
@@ -14,9 +16,10 @@ decomposition, the form graphflop traces (:func:`reference_mode`). The reference
 PyTorch's math attention kernel and without ``nn.MultiheadAttention``'s fast path (the fused
 kernels have no forward-mode derivative on CPU). Attention called with dropout is the exception:
 its kernel draws the mask in its own way, so the gradient and JVP comparisons of such a model
-are not run (:func:`graphflop.runtime.verify_attention.attention_dropout`). Integer inputs are
-drawn over their real index range (the rows of the embedding tables they index, padding rows
-included).
+are not run (:func:`graphflop.runtime.verify_attention.attention_dropout`). Non-floating inputs
+keep the values of the model's example where it gives real ones (a mask, token ids); otherwise
+integer inputs are drawn over their real index range (the rows of the embedding tables they
+index, padding rows included). A NaN or infinity in a compared value fails its check.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,7 +38,6 @@ from torch.fx import GraphModule, Interpreter
 from graphflop.frontend.loss import loss_output, loss_value
 from graphflop.meta import (
     CONSTANTS,
-    JVP,
     LOSS_KIND,
     SIGNATURE,
     SOURCE,
@@ -91,6 +93,8 @@ class Check:
         tolerance: the largest error that passes.
         measure: what ``worst_rel_error`` measures, in words.
         dtype: the dtype the compared graphs ran in.
+        detail: the traceback of the error that stopped the check ("" when none), for
+            ``--debug``; not in the JSON.
     """
 
     name: str
@@ -99,6 +103,7 @@ class Check:
     tolerance: float
     measure: str = "normwise relative error"
     dtype: str = ""
+    detail: str = field(default="", compare=False, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -123,7 +128,10 @@ class Check:
         """The JSON form (``inspect --json``'s ``verify`` entries)."""
         return {
             "check": self.name,
-            "worst_rel_error": self.worst_rel_error if self.ran else None,
+            # JSON has no infinity: a NaN/inf comparison (FAILED, ``where`` says so) is null
+            "worst_rel_error": self.worst_rel_error
+            if math.isfinite(self.worst_rel_error)
+            else None,
             "where": self.where,
             "tolerance": self.tolerance,
             "ok": self.ok,
@@ -152,6 +160,16 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """``‖a − b‖ / max(‖b‖, 1e-30)`` in float64 (any matching shapes; dimensionless)."""
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / max(float(b.norm()), 1e-30))
+
+
+def nonfinite(got: torch.Tensor, ref: torch.Tensor) -> str:
+    """Which of two compared values holds a NaN or an infinity, in words ("" when neither):
+    such a value fails its check whatever the other holds (NaN compares false with every
+    tolerance, so it must never reach the error measure)."""
+    bad = [
+        who for who, t in (("graphflop's", got), ("the reference's", ref)) if not t.isfinite().all()
+    ]
+    return f"NaN or inf in {' and '.join(bad)} value" if bad else ""
 
 
 #: an absolute error below FLOOR_ULPS · eps · ‖∇L‖ always passes (rounding of a sum of up to
@@ -205,13 +223,23 @@ def index_ranges(forward: GraphModule) -> dict[str, tuple[int, list[int]]]:
 
 
 def real_arguments(
-    forward: GraphModule, model: nn.Module, *, seed: int = 0
+    forward: GraphModule,
+    model: nn.Module,
+    *,
+    seed: int = 0,
+    examples: tuple[torch.Tensor, ...] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Real tensors for every placeholder of a traced forward graph: the model's parameters and
-    buffers (in the graph's dtypes), random inputs, and random valid targets. Integer inputs
-    that index embedding tables are drawn over the tables' rows (:func:`index_ranges`), with
-    each ``padding_idx`` written at the first positions so that padding is exercised; other
-    integer inputs from {0, 1}."""
+    buffers (in the graph's dtypes), random inputs, and random valid targets.
+
+    A non-floating input (a bool mask, token ids) keeps the value the model's example gives
+    (``examples``, in the order of ``forward.meta[SIGNATURE].inputs``) when that example is a
+    real tensor (not meta, not fake) of the placeholder's shape and dtype: random values could
+    mean something the model never sees (a key padding mask hiding a whole row, which makes
+    attention NaN). Otherwise integer inputs that index embedding tables are drawn over the
+    tables' rows (:func:`index_ranges`), with each ``padding_idx`` written at the first
+    positions so that padding is exercised; other integer inputs from {0, 1}. Floating inputs
+    are always drawn from N(0, 1)."""
     sig: Signature = forward.meta[SIGNATURE]
     gen = torch.Generator().manual_seed(seed)
     values: dict[str, torch.Tensor] = {}
@@ -223,16 +251,19 @@ def real_arguments(
         # a tensor made in forward (torch.tensor(...)) is a constant of the graph
         value = constants[name] if name in constants else model.get_buffer(qual)
         values[name] = value.detach().clone().to(phs[name].meta["val"].dtype)
-    out_val = (
-        next(n for n in forward.graph.nodes if n.name == (sig.outputs or (None,))[0]).meta["val"]
-        if sig.outputs
-        else None
-    )
+    nodes = {n.name: n for n in forward.graph.nodes}
+    # the output the loss is computed from (the first floating one), as the loss itself: a
+    # model may return a 0-d count first, then its logits
+    out_val = loss_output([nodes[o].meta.get("val") for o in sig.outputs])
     ranges = index_ranges(forward)
+    given = _example_values(sig, phs, examples)
     for name in sig.inputs + sig.targets:
         v = phs[name].meta["val"]
         if v.is_floating_point():
             values[name] = torch.randn(tuple(v.shape), generator=gen, dtype=v.dtype)
+            continue
+        if name in given:
+            values[name] = given[name]
             continue
         high, pads = ranges.get(name, (2, []))
         if name in sig.targets and out_val is not None:
@@ -244,6 +275,23 @@ def real_arguments(
                 flat[i] = pad
         values[name] = x
     return values
+
+
+def _example_values(sig: Signature, phs: dict, examples) -> dict[str, torch.Tensor]:
+    """The example's non-floating inputs that hold real values, by placeholder name (those
+    whose shape and dtype are the placeholder's: ``--batch`` or ``--input-shape`` may have
+    changed the shape, and then the example's values do not fit)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if not examples or len(examples) != len(sig.inputs):
+        return {}
+    out = {}
+    for name, t in zip(sig.inputs, examples):
+        v = phs[name].meta["val"]
+        real = isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and not t.is_meta
+        if real and not t.is_floating_point() and t.shape == v.shape and t.dtype == v.dtype:
+            out[name] = t.detach().clone()
+    return out
 
 
 def run_forward(forward: GraphModule, values: dict[str, torch.Tensor], keep=None) -> dict[str, Any]:
@@ -354,15 +402,18 @@ def verify_gradients(
     *,
     tolerance: float = 1e-4,
     seed: int = 0,
+    examples: tuple[torch.Tensor, ...] | None = None,
 ) -> Check:
     """Compare every parameter gradient of ``backward`` with ``torch.func.grad`` of the same
-    loss on the same random inputs (and dropout masks), in the dtype the graphs were traced in.
+    loss on the same random inputs (and dropout masks), in the dtype the graphs were traced in;
+    ``examples``: the model's example inputs (:func:`real_arguments`).
 
     The error per parameter is ``‖a − b‖ / max(‖b‖, gradient_floor(dtype, ‖∇L‖, tolerance))``
     (normwise relative, with an absolute floor for gradients that are zero in exact
-    arithmetic); the worst one is reported.
+    arithmetic); the worst one is reported. A NaN or infinity in either gradient is an
+    infinite error (the check fails, :func:`nonfinite`).
     """
-    values = real_arguments(forward, model, seed=seed)
+    values = real_arguments(forward, model, seed=seed, examples=examples)
     with seeded():
         fwd_values = run_forward(forward, values, backward_reads(backward))
     grads = run_backward(backward, fwd_values)
@@ -372,13 +423,16 @@ def verify_gradients(
     model = _cast(model, dtype if params else None)
     ref = torch.func.grad(reference_loss_fn(forward, model, values))(params)
     total = math.sqrt(sum(float(g.detach().double().pow(2).sum()) for g in ref.values()))
-    floor = max(gradient_floor(dtype, total, tolerance), 1e-300)
+    floor = max(gradient_floor(dtype, total, tolerance), 1e-300) if math.isfinite(total) else 0
     worst, where = 0.0, "no parameters"
     for pos, qual in backward.meta[VJP].grads:
         a, b = grads[pos].detach().double(), ref[qual].detach().double()
-        e = float((a - b).norm()) / max(float(b.norm()), floor)
-        if e >= worst:
-            worst, where = e, f"at {qual}"
+        bad = nonfinite(a, b)
+        e = math.inf if bad else float((a - b).norm()) / max(float(b.norm()), floor, 1e-300)
+        if e > worst or where == "no parameters":
+            worst, where = e, f"{bad} at {qual}" if bad else f"at {qual}"
+        if bad:
+            break
     return Check(
         "gradients vs torch.func.grad",
         worst,
@@ -401,234 +455,22 @@ def _cast(model: nn.Module, dtype):
     return copy.deepcopy(model).to(dtype)
 
 
-def run_jvp(
-    jvp: GraphModule, values: dict[str, torch.Tensor], tangents: dict[str, torch.Tensor]
-) -> tuple:
-    """Run a JVP graph: primal placeholders from ``values``, tangent placeholders from
-    ``tangents`` (keyed by the primal placeholder's name)."""
-    info = jvp.meta[JVP]
-    t_of = {t: p for t, p in info.tangent_inputs}
-    args = []
-    for n in jvp.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        args.append(tangents[t_of[n.name]] if n.name in t_of else values[n.name])
-    return jvp(*args)
+#: names that moved to :mod:`graphflop.runtime.verify_tangent` (the JVP check) and
+#: :mod:`graphflop.runtime.verify_all` (all the checks of one analysis), kept importable from here
+_MOVED = {
+    **dict.fromkeys(
+        ("run_jvp", "padding_rows", "verify_jvp", "tangent_floor", "tangent_error"),
+        "verify_tangent",
+    ),
+    **dict.fromkeys(("gap_reasons", "gap_notes", "verify_analysis"), "verify_all"),
+}
 
 
-def padding_rows(forward: GraphModule) -> dict[str, list[int]]:
-    """The ``padding_idx`` rows of embedding tables, by the table's placeholder name: the rows
-    of a parameter read directly by ``aten.embedding`` with ``padding_idx >= 0`` (rows PyTorch
-    never trains)."""
-    rows: dict[str, list[int]] = {}
-    for n in forward.graph.nodes:
-        if n.op != "call_function" or n.target is not torch.ops.aten.embedding.default:
-            continue
-        table = n.args[0]
-        pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
-        if isinstance(table, torch.fx.Node) and table.op == "placeholder" and pad >= 0:
-            rows.setdefault(table.name, []).append(int(pad))
-    return rows
+def __getattr__(name: str) -> Any:
+    """The :data:`_MOVED` names, from their modules (imported on first use: they import this
+    one)."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-
-def verify_jvp(
-    forward: GraphModule,
-    jvp: GraphModule,
-    model: nn.Module,
-    *,
-    tolerance: float = 1e-4,
-    seed: int = 0,
-) -> Check:
-    """Compare the JVP graph's loss tangent with ``torch.func.jvp`` along a random direction
-    (zero in the :func:`padding_rows` of embedding tables, whose derivative PyTorch defines
-    as zero for gradients but not for ``torch.func.jvp``). Where PyTorch has no forward-mode
-    formula for an op of the model (``_embedding_bag``), the reference is ``<∇loss, direction>``
-    with the gradient from ``torch.func.grad`` (exact: the loss is a scalar)."""
-    values = real_arguments(forward, model, seed=seed)
-    sig: Signature = forward.meta[SIGNATURE]
-    info = jvp.meta[JVP]
-    gen = torch.Generator().manual_seed(seed + 1)
-    tangents = {
-        p: torch.randn(values[p].shape, generator=gen, dtype=values[p].dtype)
-        for _, p in info.tangent_inputs
-    }
-    # PyTorch gives an embedding table's padding_idx row no gradient, and graphflop's JVP keeps
-    # that convention (it stays the VJP's transpose); torch.func.jvp does not. Directions with
-    # those rows zero make the two agree without hiding anything else.
-    for p, rows in padding_rows(forward).items():
-        if p in tangents:
-            tangents[p][rows] = 0
-    with seeded():
-        outs = run_jvp(jvp, values, tangents)
-    got = outs[info.primal_outputs]
-    params = {q: values[n] for n, q in sig.params}
-    model = _cast(model, next(iter(params.values())).dtype if params else None)
-    # only floating inputs are differentiable (token ids stay fixed)
-    input_names = [n for n in sig.inputs if values[n].is_floating_point()]
-
-    def f(p, xs):
-        vals = dict(values)
-        vals.update({n: xs[i] for i, n in enumerate(input_names)})
-        return reference_loss_fn(forward, model, vals)(p)
-
-    xs = tuple(values[n] for n in input_names)
-    p_t = {q: tangents.get(n, torch.zeros_like(values[n])) for n, q in sig.params}
-    x_t = tuple(tangents.get(n, torch.zeros_like(values[n])) for n in input_names)
-    try:
-        _, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))
-        what = "torch.func.jvp"
-    except (NotImplementedError, RuntimeError) as e:
-        if "forward AD" not in str(e):
-            raise
-        # an op PyTorch has no forward-mode formula for (_embedding_bag): the loss is a scalar,
-        # so its tangent is <gradient, direction>, the gradient from reverse mode
-        ref = _tangent_from_gradient(f, params, xs, p_t, x_t)
-        what = "torch.func.grad · direction"
-    return Check(
-        f"JVP loss tangent vs {what}",
-        rel_error(got, ref),
-        "the scalar loss tangent",
-        tolerance,
-        "relative error",
-        _dtype_name(got.dtype),
-    )
-
-
-def _tangent_from_gradient(f, params, xs, p_t, x_t) -> torch.Tensor:
-    """``<∇f, (p_t, x_t)>`` for a scalar ``f(params, xs)`` (floating inputs only), by reverse
-    mode."""
-    gp, gx = torch.func.grad(f, argnums=(0, 1))(params, xs)
-    total = sum((gp[q] * p_t[q]).sum() for q in gp)
-    return total + sum((d * t).sum() for d, t in zip(gx, x_t))
-
-
-def gap_notes(report) -> list[str]:
-    """One line per ``--verify`` check that cannot run because an op lacks a rule (the phase
-    it checks is incomplete, ``report.uncounted``): the gradient check needs a complete
-    backward, the JVP check a complete JVP, the forward-gradient check both."""
-    t = report.totals
-    ops = ", ".join(u.op for u in report.uncounted if set(u.missing) & {"jvp", "transpose"})
-    notes = []
-    if t.backward is not None and not t.backward.complete:
-        notes.append(f"gradient check not run: the backward stops at ops without rules ({ops})")
-    if t.jvp is not None and not t.jvp.complete:
-        notes.append(f"JVP check not run: the JVP stops at ops without rules ({ops})")
-    if t.jvp is not None and not (t.jvp.complete and (t.backward is None or t.backward.complete)):
-        notes.append("forward-gradient check not run: it needs a complete JVP and backward")
-    return notes
-
-
-def verify_analysis(
-    loaded,
-    inputs,
-    analysis,
-    *,
-    dtype: str = "float64",
-    tolerance: float = 1e-4,
-    forward_gradient_samples: int = 0,
-) -> list[Check]:
-    """Re-trace ``loaded.model`` in ``dtype`` and check the backward and JVP graphs built the
-    same way as ``analysis``'s against torch.func. Returns one :class:`Check` per comparison;
-    the checks of phases that an op without a rule left incomplete are not run
-    (:func:`gap_notes` says which), and neither are the gradient and JVP checks of a model whose
-    attention is called with dropout
-    (:func:`graphflop.runtime.verify_attention.attention_dropout`). A check that raises (a
-    reference PyTorch cannot differentiate, say) is returned as not run (NaN error, not ok),
-    with the error's first line as ``where``: nothing is raised."""
-    import copy
-
-    from graphflop.ad.jvp import build_jvp
-    from graphflop.ad.vjp import build_vjp
-
-    loss = analysis.forward.meta.get(LOSS_KIND, "auto")
-    dt = torch.float64 if dtype == "float64" else torch.float32
-    model = copy.deepcopy(loaded.model).to(dt)
-    checks: list[Check] = []
-    fwd = _run(checks, "trace in " + dtype, tolerance, lambda: _trace_in(model, inputs, dt, loss))
-    if fwd is None:
-        return checks
-    t = analysis.report.totals
-    bwd_ok = t.backward is None or t.backward.complete
-    # attention dropout: the reference's masks cannot be graphflop's (attention_dropout)
-    no_ref = ""
-    if analysis.backward is not None or analysis.jvp is not None:
-        from graphflop.runtime import verify_attention
-
-        try:
-            p = verify_attention.attention_dropout(fwd, model)
-        except Exception:  # noqa: BLE001 - the checks' own reference runs report the error
-            p = 0.0
-        no_ref = verify_attention.attention_dropout_note(p) if p else ""
-    if analysis.backward is not None and bwd_ok:
-        name = "gradients vs torch.func.grad"
-        _run(
-            checks,
-            name,
-            tolerance,
-            lambda: (
-                _not_run(name, no_ref, tolerance)
-                or verify_gradients(fwd, build_vjp(fwd), model, tolerance=tolerance)
-            ),
-        )
-    if analysis.jvp is not None and t.jvp.complete:
-        tangents = t.jvp.tangents
-        name = "JVP loss tangent vs torch.func.jvp"
-        _run(
-            checks,
-            name,
-            tolerance,
-            lambda: (
-                _not_run(name, no_ref, tolerance)
-                or verify_jvp(fwd, build_jvp(fwd, tangents), model, tolerance=tolerance)
-            ),
-        )
-        if forward_gradient_samples and fwd.meta[SIGNATURE].loss is not None and bwd_ok:
-            # a statistical check needs no float64: run it on a float32 trace, faster
-            model32 = copy.deepcopy(loaded.model).float()
-            name = f"forward-gradient estimate unbiased over {forward_gradient_samples} directions"
-            from graphflop.runtime.verify_fg import FG_ALPHA, verify_forward_gradient
-
-            _run(
-                checks,
-                name,
-                FG_ALPHA,
-                lambda: verify_forward_gradient(
-                    _trace_in(model32, inputs, torch.float32, loss),
-                    model32,
-                    samples=forward_gradient_samples,
-                ),
-            )
-    return checks
-
-
-def _not_run(name: str, why: str, tolerance: float) -> Check | None:
-    """A not-run :class:`Check` saying ``why``; None when ``why`` is empty (the check runs)."""
-    return Check(name, math.nan, why, tolerance) if why else None
-
-
-def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModule:
-    """``model`` traced on inputs shaped like ``inputs``, floating ones in ``dt``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from graphflop.frontend.trace import trace
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        xs = tuple(
-            torch.empty(tuple(t.shape), dtype=dt if t.is_floating_point() else t.dtype)
-            for t in inputs
-        )
-    return trace(model, xs, loss=loss)
-
-
-def _run(checks: list[Check], name: str, tolerance: float, fn) -> Any:
-    """``fn()``; a :class:`Check` it returns is appended to ``checks``. An exception becomes a
-    not-run check named ``name`` (returns None)."""
-    try:
-        out = fn()
-    except Exception as e:  # noqa: BLE001 - reported as a check that did not run
-        msg = " ".join(str(e).split())[:160]
-        checks.append(Check(name, math.nan, f"{type(e).__name__}: {msg}", tolerance))
-        return None
-    if isinstance(out, Check):
-        checks.append(out)
-    return out
+    return getattr(importlib.import_module(f"graphflop.runtime.{_MOVED[name]}"), name)

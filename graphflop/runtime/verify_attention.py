@@ -4,7 +4,7 @@ PyTorch's scaled dot-product attention kernels draw their dropout mask inside th
 different use of the generator than the ``native_dropout`` decomposition graphflop's graphs hold
 (:mod:`graphflop.frontend.composite`), so for such a model a gradient or JVP comparison with
 ``torch.func`` measures the two masks' difference, not graphflop's derivatives.
-:func:`graphflop.runtime.verify.verify_analysis` reports those checks as not run, with
+:func:`graphflop.runtime.verify_all.verify_analysis` reports those checks as not run, with
 :func:`attention_dropout_note`'s reason.
 """
 
@@ -57,7 +57,9 @@ class _AttentionDropoutProbe(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def attention_dropout(forward: GraphModule, model: nn.Module) -> float:
+def attention_dropout(
+    forward: GraphModule, model: nn.Module, examples: tuple[torch.Tensor, ...] | None = None
+) -> float:
     """The largest ``dropout_p`` the reference's forward (:func:`reference_loss_fn`, one run
     without gradients on :func:`real_arguments`) passes to scaled dot-product attention; 0
     when it calls none with dropout (eval mode, ``dropout=0``, or attention that applies
@@ -66,9 +68,10 @@ def attention_dropout(forward: GraphModule, model: nn.Module) -> float:
     PyTorch's attention kernels draw their dropout mask inside the kernel, in a different use
     of the generator than the ``native_dropout`` decomposition graphflop's graph holds, so a
     gradient or JVP comparison of such a model measures the two masks' difference, not
-    graphflop's derivatives (:func:`attention_dropout_note`).
+    graphflop's derivatives (:func:`attention_dropout_note`). ``examples``: the model's
+    example inputs (:func:`real_arguments`).
     """
-    values = real_arguments(forward, model)
+    values = real_arguments(forward, model, examples=examples)
     sig: Signature = forward.meta[SIGNATURE]
     params = {q: values[n] for n, q in sig.params}
     dtype = next(iter(params.values())).dtype if params else None

@@ -3,6 +3,8 @@ is unbiased, its directions batched into a few steps (:func:`verify_forward_grad
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.fx import GraphModule
@@ -12,6 +14,7 @@ from graphflop.runtime.verify import (
     Check,
     _dtype_name,
     backward_reads,
+    nonfinite,
     real_arguments,
     run_backward,
     run_forward,
@@ -26,7 +29,12 @@ FG_BATCH_BYTES = 1 << 30
 
 
 def verify_forward_gradient(
-    forward: GraphModule, model: nn.Module, *, samples: int = 128, seed: int = 0
+    forward: GraphModule,
+    model: nn.Module,
+    *,
+    samples: int = 128,
+    seed: int = 0,
+    examples: tuple[torch.Tensor, ...] | None = None,
 ) -> Check:
     """Statistical check that the forward-gradient step estimates the gradient without bias.
 
@@ -42,7 +50,8 @@ def verify_forward_gradient(
     ``α/2`` and ``1 − α/2``, ``α =`` :data:`FG_ALPHA` (the false-alarm rate). ``worst_rel_error``
     reports ``|u·ḡ/‖∇L‖ − 1|`` and ``tolerance`` the half-width of the acceptance interval on
     that side. The check has power against a wrong scale: with ``M = 100`` a factor outside
-    about [0.55, 1.6] fails.
+    about [0.55, 1.6] fails. A NaN or infinity in the estimate or the gradient fails the check
+    (infinite error). ``examples``: the model's example inputs (:func:`real_arguments`).
     """
     from scipy.stats import chi2
 
@@ -50,7 +59,7 @@ def verify_forward_gradient(
     from graphflop.passes.forward_gradient import build_forward_gradient_step
 
     name = f"forward-gradient estimate unbiased over {samples} directions"
-    values = real_arguments(forward, model, seed=seed)
+    values = real_arguments(forward, model, seed=seed, examples=examples)
     sig: Signature = forward.meta[SIGNATURE]
     if not sig.trainable() or samples < 1:
         return Check(name, 0.0, "no parameters: nothing to estimate", 1.0)
@@ -82,6 +91,9 @@ def verify_forward_gradient(
             out = step(*args)
         new_w = torch.cat([t.flatten() for t in out[1 : 1 + len(trainable)]]).double()
         total += w - new_w
+    bad = nonfinite(total, true)
+    if bad:
+        return Check(name, math.inf, bad, 1e-6)
     norm = float(true.norm())
     if norm == 0.0:  # no parameter reaches the loss (a detached model): the estimate is 0 too
         worst = float(total.abs().max()) / steps

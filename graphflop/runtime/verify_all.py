@@ -1,0 +1,184 @@
+"""All the ``--verify`` checks of one analysis (:func:`verify_analysis`): the gradient check
+(:func:`graphflop.runtime.verify.verify_gradients`), the JVP check
+(:func:`graphflop.runtime.verify_tangent.verify_jvp`) and the forward-gradient check
+(:func:`graphflop.runtime.verify_fg.verify_forward_gradient`), each returned as a
+:class:`~graphflop.runtime.verify.Check`, NOT RUN with the reason where an op without a rule
+(:func:`gap_reasons`), attention dropout or an error stops it."""
+
+from __future__ import annotations
+
+import copy
+import math
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from graphflop.meta import LOSS_KIND, SIGNATURE
+from graphflop.runtime import verify
+from graphflop.runtime.verify import Check
+from graphflop.runtime.verify_tangent import verify_jvp
+
+#: the words :func:`gap_notes` names each check by, keyed as :func:`gap_reasons`
+_GAP_LABELS = {"gradients": "gradient", "jvp": "JVP", "forward_gradient": "forward-gradient"}
+
+
+def gap_reasons(report) -> dict[str, str]:
+    """Why a ``--verify`` check cannot run because an op lacks a rule (the phase it checks is
+    incomplete, ``report.uncounted``), keyed ``gradients``, ``jvp``, ``forward_gradient``
+    (absent: no gap stops it): the gradient check needs a complete backward, the JVP check a
+    complete JVP, the forward-gradient check both."""
+    t = report.totals
+    ops = ", ".join(u.op for u in report.uncounted if set(u.missing) & {"jvp", "transpose"})
+    out = {}
+    if t.backward is not None and not t.backward.complete:
+        out["gradients"] = f"the backward stops at ops without rules ({ops})"
+    if t.jvp is not None and not t.jvp.complete:
+        out["jvp"] = f"the JVP stops at ops without rules ({ops})"
+    if t.jvp is not None and not (t.jvp.complete and (t.backward is None or t.backward.complete)):
+        out["forward_gradient"] = "it needs a complete JVP and backward"
+    return out
+
+
+def gap_notes(report) -> list[str]:
+    """:func:`gap_reasons` as one line each (``verify_note`` in the JSON)."""
+    return [f"{_GAP_LABELS[k]} check not run: {why}" for k, why in gap_reasons(report).items()]
+
+
+def verify_analysis(
+    loaded,
+    inputs,
+    analysis,
+    *,
+    dtype: str = "float64",
+    tolerance: float = 1e-4,
+    forward_gradient_samples: int = 0,
+) -> list[Check]:
+    """Re-trace ``loaded.model`` in ``dtype`` and check the backward and JVP graphs built the
+    same way as ``analysis``'s against torch.func. Returns one :class:`Check` per comparison;
+    the checks of phases that an op without a rule left incomplete are returned not run (NaN
+    error, not ok, :func:`gap_reasons`' words as ``where``), and so are the gradient and JVP
+    checks of a model whose attention is called with dropout
+    (:func:`graphflop.runtime.verify_attention.attention_dropout`). A check that raises (a
+    reference PyTorch cannot differentiate, say) is returned as not run (NaN error, not ok),
+    with the error's first line as ``where``: nothing is raised."""
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.ad.vjp import build_vjp
+
+    loss = analysis.forward.meta.get(LOSS_KIND, "auto")
+    examples = getattr(loaded, "example_inputs", None)  # real values, when the file gives them
+    dt = torch.float64 if dtype == "float64" else torch.float32
+    model = copy.deepcopy(loaded.model).to(dt)
+    checks: list[Check] = []
+    fwd = _run(checks, "trace in " + dtype, tolerance, lambda: _trace_in(model, inputs, dt, loss))
+    if fwd is None:
+        return checks
+    t = analysis.report.totals
+    gaps = gap_reasons(analysis.report)  # checks an op without a rule stops: NOT RUN
+    # attention dropout: the reference's masks cannot be graphflop's (attention_dropout)
+    no_ref = _attention_dropout_note(analysis, fwd, model, examples)
+    if analysis.backward is not None:
+        name = "gradients vs torch.func.grad"
+        _run(
+            checks,
+            name,
+            tolerance,
+            lambda: (
+                _not_run(name, gaps.get("gradients") or no_ref, tolerance)
+                or verify.verify_gradients(
+                    fwd, build_vjp(fwd), model, tolerance=tolerance, examples=examples
+                )
+            ),
+        )
+    if analysis.jvp is not None:
+        name = "JVP loss tangent vs torch.func.jvp"
+        _run(
+            checks,
+            name,
+            tolerance,
+            lambda: (
+                _not_run(name, gaps.get("jvp") or no_ref, tolerance)
+                or verify_jvp(
+                    fwd,
+                    build_jvp(fwd, t.jvp.tangents),
+                    model,
+                    tolerance=tolerance,
+                    examples=examples,
+                )
+            ),
+        )
+    if (
+        analysis.jvp is not None
+        and forward_gradient_samples
+        and fwd.meta[SIGNATURE].loss is not None
+    ):
+        from graphflop.runtime.verify_fg import FG_ALPHA, verify_forward_gradient
+
+        name = f"forward-gradient estimate unbiased over {forward_gradient_samples} directions"
+        # a statistical check needs no float64: run it on a float32 trace, faster
+        model32 = copy.deepcopy(loaded.model).float()
+        _run(
+            checks,
+            name,
+            FG_ALPHA,
+            lambda: (
+                _not_run(name, gaps.get("forward_gradient", ""), FG_ALPHA)
+                or verify_forward_gradient(
+                    _trace_in(model32, inputs, torch.float32, loss),
+                    model32,
+                    samples=forward_gradient_samples,
+                    examples=examples,
+                )
+            ),
+        )
+    return checks
+
+
+def _attention_dropout_note(analysis, fwd: GraphModule, model: nn.Module, examples) -> str:
+    """:func:`graphflop.runtime.verify_attention.attention_dropout_note` when the model's
+    attention runs with dropout ("" when it does not, or when there is no check it stops)."""
+    if analysis.backward is None and analysis.jvp is None:
+        return ""
+    from graphflop.runtime import verify_attention
+
+    try:
+        p = verify_attention.attention_dropout(fwd, model, examples)
+    except Exception:  # noqa: BLE001 - the checks' own reference runs report the error
+        p = 0.0
+    return verify_attention.attention_dropout_note(p) if p else ""
+
+
+def _not_run(name: str, why: str, tolerance: float) -> Check | None:
+    """A not-run :class:`Check` saying ``why``; None when ``why`` is empty (the check runs)."""
+    return Check(name, math.nan, why, tolerance) if why else None
+
+
+def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModule:
+    """``model`` traced on inputs shaped like ``inputs``, floating ones in ``dt``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphflop.frontend.trace import trace
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        xs = tuple(
+            torch.empty(tuple(t.shape), dtype=dt if t.is_floating_point() else t.dtype)
+            for t in inputs
+        )
+    return trace(model, xs, loss=loss)
+
+
+def _run(checks: list[Check], name: str, tolerance: float, fn) -> Any:
+    """``fn()``; a :class:`Check` it returns is appended to ``checks``. An exception becomes a
+    not-run check named ``name``, its traceback in ``detail`` (returns None)."""
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - reported as a check that did not run
+        msg = " ".join(str(e).split())[:160]
+        tb = traceback.format_exc()
+        checks.append(Check(name, math.nan, f"{type(e).__name__}: {msg}", tolerance, detail=tb))
+        return None
+    if isinstance(out, Check):
+        checks.append(out)
+    return out

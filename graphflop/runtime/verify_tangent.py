@@ -1,0 +1,177 @@
+"""The ``--verify`` JVP check: graphflop's JVP graph's loss tangent against
+``torch.func.jvp`` along a random direction (:func:`verify_jvp`), compared with a relative
+error that has an absolute floor scaled to the loss and the direction (:func:`tangent_floor`,
+:func:`tangent_error`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from graphflop.meta import JVP, SIGNATURE, Signature
+from graphflop.runtime import verify
+from graphflop.runtime.verify import (
+    FLOOR_ULPS,
+    Check,
+    _cast,
+    _dtype_name,
+    nonfinite,
+    real_arguments,
+    seeded,
+)
+
+
+def run_jvp(
+    jvp: GraphModule, values: dict[str, torch.Tensor], tangents: dict[str, torch.Tensor]
+) -> tuple:
+    """Run a JVP graph: primal placeholders from ``values``, tangent placeholders from
+    ``tangents`` (keyed by the primal placeholder's name)."""
+    info = jvp.meta[JVP]
+    t_of = {t: p for t, p in info.tangent_inputs}
+    args = []
+    for n in jvp.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        args.append(tangents[t_of[n.name]] if n.name in t_of else values[n.name])
+    return jvp(*args)
+
+
+def padding_rows(forward: GraphModule) -> dict[str, list[int]]:
+    """The ``padding_idx`` rows of embedding tables, by the table's placeholder name: the rows
+    of a parameter read directly by ``aten.embedding`` with ``padding_idx >= 0`` (rows PyTorch
+    never trains)."""
+    rows: dict[str, list[int]] = {}
+    for n in forward.graph.nodes:
+        if n.op != "call_function" or n.target is not torch.ops.aten.embedding.default:
+            continue
+        table = n.args[0]
+        pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
+        if isinstance(table, torch.fx.Node) and table.op == "placeholder" and pad >= 0:
+            rows.setdefault(table.name, []).append(int(pad))
+    return rows
+
+
+def verify_jvp(
+    forward: GraphModule,
+    jvp: GraphModule,
+    model: nn.Module,
+    *,
+    tolerance: float = 1e-4,
+    seed: int = 0,
+    examples: tuple[torch.Tensor, ...] | None = None,
+) -> Check:
+    """Compare the JVP graph's loss tangent with ``torch.func.jvp`` along a random direction
+    (zero in the :func:`padding_rows` of embedding tables, whose derivative PyTorch defines
+    as zero for gradients but not for ``torch.func.jvp``). Where PyTorch has no forward-mode
+    formula for an op of the model (``_embedding_bag``), the reference is ``<∇loss, direction>``
+    with the gradient from ``torch.func.grad`` (exact: the loss is a scalar). The error is
+    relative with an absolute floor scaled to the loss and the direction
+    (:func:`tangent_floor`, :func:`tangent_error`): a tangent that is zero in exact arithmetic
+    passes on rounding noise. A NaN or infinity in either tangent fails the check."""
+    values = real_arguments(forward, model, seed=seed, examples=examples)
+    sig: Signature = forward.meta[SIGNATURE]
+    info = jvp.meta[JVP]
+    gen = torch.Generator().manual_seed(seed + 1)
+    tangents = {
+        p: torch.randn(values[p].shape, generator=gen, dtype=values[p].dtype)
+        for _, p in info.tangent_inputs
+    }
+    # PyTorch gives an embedding table's padding_idx row no gradient, and graphflop's JVP keeps
+    # that convention (it stays the VJP's transpose); torch.func.jvp does not. Directions with
+    # those rows zero make the two agree without hiding anything else.
+    for p, rows in padding_rows(forward).items():
+        if p in tangents:
+            tangents[p][rows] = 0
+    with seeded():
+        outs = run_jvp(jvp, values, tangents)
+    got = outs[info.primal_outputs]
+    params = {q: values[n] for n, q in sig.params}
+    model = _cast(model, next(iter(params.values())).dtype if params else None)
+    # only floating inputs are differentiable (token ids stay fixed)
+    input_names = [n for n in sig.inputs if values[n].is_floating_point()]
+
+    def f(p, xs):
+        vals = dict(values)
+        vals.update({n: xs[i] for i, n in enumerate(input_names)})
+        # through the module: a test may point verify.reference_loss_fn elsewhere
+        return verify.reference_loss_fn(forward, model, vals)(p)
+
+    xs = tuple(values[n] for n in input_names)
+    p_t = {q: tangents.get(n, torch.zeros_like(values[n])) for n, q in sig.params}
+    x_t = tuple(tangents.get(n, torch.zeros_like(values[n])) for n in input_names)
+    try:
+        loss, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))
+        what = "torch.func.jvp"
+    except (NotImplementedError, RuntimeError) as e:
+        if "forward AD" not in str(e):
+            raise
+        # an op PyTorch has no forward-mode formula for (_embedding_bag): the loss is a scalar,
+        # so its tangent is <gradient, direction>, the gradient from reverse mode
+        ref = _tangent_from_gradient(f, params, xs, p_t, x_t)
+        with torch.no_grad():
+            loss = f(params, xs)
+        what = "torch.func.grad · direction"
+    bad = nonfinite(got, ref)
+    floor = tangent_floor(
+        got.dtype, float(loss), [values[p] for p in tangents], list(tangents.values()), tolerance
+    )
+    return Check(
+        f"JVP loss tangent vs {what}",
+        math.inf if bad else tangent_error(got, ref, floor),
+        bad or "the scalar loss tangent",
+        tolerance,
+        f"relative error (floor {FLOOR_ULPS}·eps·|L|·‖ṗ‖/‖p‖)",
+        _dtype_name(got.dtype),
+    )
+
+
+def tangent_floor(
+    dtype: torch.dtype,
+    loss: float,
+    primals: list[torch.Tensor],
+    tangents: list[torch.Tensor],
+    tolerance: float,
+) -> float:
+    """The denominator floor of the JVP check's relative error: ``FLOOR_ULPS · eps · |L| ·
+    ‖ṗ‖ / ‖p‖ / tolerance``, so that ``|a − b| ≤ max(tolerance · |b|, FLOOR_ULPS · eps · |L|
+    · ‖ṗ‖/‖p‖)`` passes (:func:`tangent_error`).
+
+    ``‖ṗ‖/‖p‖`` is the size of the direction relative to the point (the norms over every
+    primal that has a tangent, parameters and inputs together, in float64), and ``|L| ·
+    ‖ṗ‖/‖p‖`` the loss tangent that size of relative change gives a loss of size ``|L|``: the
+    scale of the terms the tangent is computed from. A tangent that is zero in exact
+    arithmetic (a softmax's rows summed: identically 1) is rounding noise of a few ``eps`` of
+    that scale, in graphflop's graph and in the reference alike; relative to each other such
+    values differ by 100 % or more. ``FLOOR_ULPS`` (as for gradients, :func:`gradient_floor`)
+    leaves room for sums of up to about 10⁶ terms. 0 when ``‖p‖ = 0`` or ``L = 0``: no scale,
+    the plain relative error.
+
+    Args:
+        dtype: the dtype the graphs ran in (its machine epsilon ``eps``).
+        loss: ``L``, the loss value at the primal point.
+        primals: the primals that have tangents; tangents: theirs, in the same order.
+        tolerance: the check's tolerance.
+    """
+    p = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in primals))
+    v = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tangents))
+    if p == 0 or not math.isfinite(loss * v / p):
+        return 0.0
+    return FLOOR_ULPS * torch.finfo(dtype).eps * abs(loss) * v / p / tolerance
+
+
+def tangent_error(got: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
+    """``|a − b| / max(|b|, floor)`` in float64 (``floor`` from :func:`tangent_floor`;
+    dimensionless)."""
+    a, b = got.detach().double(), ref.detach().double()
+    return float((a - b).norm()) / max(float(b.norm()), floor, 1e-300)
+
+
+def _tangent_from_gradient(f, params, xs, p_t, x_t) -> torch.Tensor:
+    """``<∇f, (p_t, x_t)>`` for a scalar ``f(params, xs)`` (floating inputs only), by reverse
+    mode."""
+    gp, gx = torch.func.grad(f, argnums=(0, 1))(params, xs)
+    total = sum((gp[q] * p_t[q]).sum() for q in gp)
+    return total + sum((d * t).sum() for d, t in zip(gx, x_t))

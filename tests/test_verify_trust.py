@@ -1,0 +1,345 @@
+"""``inspect --verify`` must not report a pass it did not earn: the example's masks and ids are
+kept (random ones can mask whole rows: NaN), a NaN or infinity in a compared value fails its
+check, and a check that did not run counts as not passed (exit 1)."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from graphflop.cli import main
+from graphflop.meta import SIGNATURE
+
+HEADER = "import torch\nfrom torch import nn\nimport torch.nn.functional as F\n\n"
+
+PADMASK = """
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x, pad):  # pad: bool (N, T), True = ignore that key
+            return self.mha(x, x, x, key_padding_mask=pad)[0].mean(1)
+
+    def example_inputs():
+        return (torch.randn(4, 2, 8), torch.tensor([[False, False]] * 3 + [[False, True]]))
+    """
+
+
+def _file(tmp_path: Path, body: str, name: str = "m") -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text(HEADER + textwrap.dedent(body))
+    return f"{path}:M"
+
+
+def _verify(spec: str, capsys, *extra: str) -> tuple[int, dict, list[str]]:
+    rc = main(["inspect", spec, "--verify", "--format", "json", *extra])
+    out, err = capsys.readouterr()
+    return rc, json.loads(out), err.splitlines()
+
+
+class PadMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x, pad):
+        return self.mha(x, x, x, key_padding_mask=pad)[0].mean(1)
+
+
+def _padmask_trace():
+    from graphflop.frontend.trace import trace
+
+    torch.manual_seed(0)
+    model = PadMask().double()
+    pad = torch.tensor([[False, False]] * 3 + [[False, True]])
+    fwd = trace(model, (torch.randn(4, 2, 8, dtype=torch.float64), pad), loss="sum")
+    return model, pad, fwd
+
+
+def test_a_real_mask_of_the_example_is_kept_a_fake_one_is_not():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphflop.runtime.verify import real_arguments
+
+    model, pad, fwd = _padmask_trace()
+    x_name, pad_name = fwd.meta[SIGNATURE].inputs
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    values = real_arguments(fwd, model, examples=(x, pad))
+    assert torch.equal(values[pad_name], pad)
+    assert not torch.equal(values[x_name], x)  # floating inputs stay random draws
+    with FakeTensorMode():
+        fake = torch.zeros(4, 2, dtype=torch.bool)
+    drawn = real_arguments(fwd, model, examples=(x, fake))[pad_name]
+    assert drawn.dtype == torch.bool and drawn.shape == (4, 2)
+    # a meta example or one of another shape (--batch) cannot give values: drawn instead
+    meta = torch.zeros(4, 2, dtype=torch.bool, device="meta")
+    assert torch.equal(real_arguments(fwd, model, examples=(x, meta))[pad_name], drawn)
+    small = torch.zeros(2, 2, dtype=torch.bool)
+    assert torch.equal(real_arguments(fwd, model, examples=(x, small))[pad_name], drawn)
+
+
+def test_gradients_of_the_example_mask_are_compared_and_pass():
+    """With the example's mask (no row fully masked) PyTorch's own gradients are finite and
+    nonzero for every parameter (4 tensors, 288 numbers: in_proj 24×8 = 192 and its bias 24,
+    out_proj 8×8 = 64 and its bias 8), and the check compares them: it names a parameter, not
+    "no parameters"."""
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.runtime.verify import verify_gradients
+
+    model, pad, fwd = _padmask_trace()
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    eager = PadMask().double()
+    eager.load_state_dict(model.state_dict())
+    eager(x, pad).sum().backward()
+    assert all(p.grad.isfinite().all() and p.grad.abs().sum() > 0 for p in eager.parameters())
+    c = verify_gradients(fwd, build_vjp(fwd), model, examples=(x, pad))
+    assert c.ran and c.ok and c.worst_rel_error < 1e-10, c
+    assert c.where.startswith("at mha."), c
+
+
+def test_nan_gradients_fail_the_check_and_name_where():
+    """A mask hiding every key of a row makes attention NaN, in PyTorch's reference and in
+    graphflop's graph alike: the check FAILS (it used to say passed, 0.0e+00, no parameters:
+    NaN compared false with the running worst error)."""
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.runtime.verify import verify_gradients
+
+    model, _, fwd = _padmask_trace()
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    hidden = torch.tensor([[True, True]] + [[False, False]] * 3)  # row 0: every key hidden
+    c = verify_gradients(fwd, build_vjp(fwd), model, examples=(x, hidden))
+    assert c.ran and not c.ok and c.worst_rel_error == math.inf
+    assert "NaN or inf in graphflop's and the reference's value at mha." in c.where, c
+    assert ": FAILED: " in c.line() and "passed" not in c.line()
+    d = c.to_dict()
+    assert d["ran"] and not d["ok"] and d["worst_rel_error"] is None  # JSON has no inf
+    json.dumps(d, allow_nan=False)
+
+
+def test_nan_loss_tangent_fails_the_jvp_check():
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.runtime.verify import verify_jvp
+
+    model, _, fwd = _padmask_trace()
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    hidden = torch.tensor([[True, True]] + [[False, False]] * 3)
+    c = verify_jvp(fwd, build_jvp(fwd, "params"), model, examples=(x, hidden))
+    assert c.ran and not c.ok and "NaN or inf" in c.where, c
+
+
+def test_padmask_model_verifies_from_the_cli(tmp_path, capsys):
+    rc, doc, err = _verify(_file(tmp_path, PADMASK), capsys, "--verify-samples", "16")
+    grad, jvp, fg = doc["verify"]
+    assert grad["ran"] and grad["ok"] and grad["where"].startswith("at mha."), grad
+    assert jvp["ran"] and jvp["ok"] and fg["ran"] and fg["ok"]
+    assert "verify: 3 of 3 checks passed" in err
+    assert rc == 0
+
+
+SCALAR_AUX = """
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return (y > 0).sum(), y  # a 0-d integer count first, then the logits
+
+    def example_inputs():
+        return (torch.randn(2, 6),)
+    """
+
+
+def test_targets_come_from_the_first_floating_output_not_a_0d_count(tmp_path, capsys):
+    """The loss (cross-entropy, logits (2, 3)) is computed from the first floating output, so
+    the targets are 2 class indices in [0, 3); the 0-d count first used to raise IndexError
+    in all three checks."""
+    from graphflop.frontend.trace import trace
+    from graphflop.runtime.verify import real_arguments
+
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return (y > 0).sum(), y
+
+    model = M()
+    fwd = trace(model, (torch.randn(2, 6),))
+    (target,) = fwd.meta[SIGNATURE].targets
+    t = real_arguments(fwd, model)[target]
+    assert t.shape == (2,) and int(t.min()) >= 0 and int(t.max()) < 3
+    rc, doc, err = _verify(_file(tmp_path, SCALAR_AUX), capsys, "--verify-samples", "16")
+    assert [c["ok"] and c["ran"] for c in doc["verify"]] == [True, True, True], doc["verify"]
+    assert "verify: 3 of 3 checks passed" in err
+    assert rc == 0
+
+
+def test_debug_prints_the_traceback_of_a_check_that_errored(tmp_path, capsys, monkeypatch):
+    import graphflop.runtime.verify as verify
+
+    def broken(*a, **k):
+        raise ZeroDivisionError("deliberate")
+
+    monkeypatch.setattr(verify, "verify_gradients", broken)
+    spec = _file(tmp_path, SCALAR_AUX)
+    rc, doc, err = _verify(spec, capsys, "--verify-samples", "0")
+    assert rc == 1 and not doc["verify"][0]["ran"]
+    assert "Traceback" not in "\n".join(err)  # without --debug: one line
+    assert "verify: gradients vs torch.func.grad: NOT RUN (ZeroDivisionError: deliberate)" in err
+    rc, doc, err = _verify(spec, capsys, "--verify-samples", "0", "--debug")
+    text = "\n".join(err)
+    assert rc == 1 and "Traceback (most recent call last):" in text
+    assert "in broken" in text and text.count("ZeroDivisionError: deliberate") == 2
+    assert "detail" not in doc["verify"][0]  # not in the JSON
+
+
+@torch.library.custom_op("gfverifytrust::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    """A custom op graphflop has no rule for: the backward and the JVP stop at it."""
+    return 2 * x
+
+
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class GapNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(twice(torch.relu(self.fc1(x))))
+
+
+def example_inputs():
+    return (torch.randn(3, 8),)
+
+
+def test_checks_a_gap_stops_are_not_run_and_exit_1(tmp_path, capsys):
+    """Every check stopped by an op without a rule: three NOT RUN lines, "0 of 3 checks passed"
+    and exit 1 (it said "0 of 0 checks passed" and exited 0), as for attention dropout."""
+    path = tmp_path / "gap.py"
+    path.write_text("from test_verify_trust import GapNet, example_inputs  # noqa: F401\n")
+    out = tmp_path / "out.json"
+    rc = main(["inspect", f"{path}:GapNet", "--loss", "sum", "--verify", "--json", str(out)])
+    err = capsys.readouterr().err.splitlines()
+    lines = [x for x in err if x.startswith("verify: ")]
+    op = "gfverifytrust.twice.default"
+    assert lines == [
+        f"verify: gradients vs torch.func.grad: NOT RUN (the backward stops at ops without rules ({op}))",
+        f"verify: JVP loss tangent vs torch.func.jvp: NOT RUN (the JVP stops at ops without rules ({op}))",
+        "verify: forward-gradient estimate unbiased over 100 directions: NOT RUN (it needs a complete JVP and backward)",
+        "verify: 0 of 3 checks passed",
+    ], err
+    doc = json.loads(out.read_text())
+    assert [(c["ran"], c["ok"]) for c in doc["verify"]] == [(False, False)] * 3
+    assert op in doc["verify_note"]  # the issue-15 note stays in the JSON
+    assert rc == 1
+
+
+def test_no_check_at_all_is_not_a_pass(tmp_path, capsys, monkeypatch):
+    import graphflop.runtime.verify_all as verify_all
+
+    monkeypatch.setattr(verify_all, "verify_analysis", lambda *a, **k: [])
+    rc, _, err = _verify(_file(tmp_path, SCALAR_AUX), capsys)
+    assert "verify: 0 of 0 checks passed" in err
+    assert rc == 1
+
+
+class SoftmaxRows(nn.Module):
+    """softmax(x·xᵀ) summed over its rows: identically 1, so the loss is 2·5 = 10 and its
+    tangent along any direction is exactly 0."""
+
+    def forward(self, x):
+        return torch.softmax(x @ x.transpose(-1, -2), -1).sum(-1)
+
+
+def _jvp_check(model, x, **kw):
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.frontend.trace import trace
+    from graphflop.runtime.verify import verify_jvp
+
+    fwd = trace(model, (x,), loss="sum")
+    return verify_jvp(fwd, build_jvp(fwd, "inputs"), model, **kw)
+
+
+def test_a_tangent_zero_in_exact_arithmetic_passes_on_the_floor(monkeypatch):
+    """Both tangents are rounding noise around 0 (|·| < 1e-13 with |L| = 10), 100 %+ apart
+    relative to each other: the plain relative error failed (3.6 in the tester's run); the
+    floor 1024·eps·|L|·‖ẋ‖/‖x‖ (≈ 1024 · 2.2e-16 · 10 · 1 ≈ 2.3e-12 absolute) passes them."""
+    import graphflop.runtime.verify as verify
+    import graphflop.runtime.verify_tangent as verify_tangent
+
+    seen = {}
+    real_error = verify_tangent.tangent_error
+
+    def spy(got, ref, floor):
+        seen.update(got=float(got), ref=float(ref), floor=floor)
+        return real_error(got, ref, floor)
+
+    monkeypatch.setattr(verify_tangent, "tangent_error", spy)
+    c = _jvp_check(SoftmaxRows(), torch.randn(2, 5, 3, dtype=torch.float64))
+    assert c.ran and c.ok, c
+    assert abs(seen["got"]) < 1e-13 and abs(seen["ref"]) < 1e-13
+    assert verify.rel_error(torch.tensor(seen["got"]), torch.tensor(seen["ref"])) > 1e-4
+    # the floor is worked out from real_arguments' x and direction: |L| = 10 exactly
+    # (verify_jvp draws its direction from a generator seeded 1, real_arguments' x from 0)
+    (x,) = verify.real_arguments(*_trace_and_model()).values()
+    v = torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    eps = 2.220446049250313e-16
+    assert seen["floor"] == pytest.approx(1024 * eps * 10 * float(v.norm() / x.norm()) / 1e-4)
+
+
+def _trace_and_model():
+    from graphflop.frontend.trace import trace
+
+    model = SoftmaxRows()
+    return trace(model, (torch.randn(2, 5, 3, dtype=torch.float64),), loss="sum"), model
+
+
+def test_a_wrong_tangent_still_fails(monkeypatch):
+    """Graphflop's loss tangent doubled (a JVP rule scaling by 2) fails where the true tangent
+    is not zero (relative error 1), and an error of 1e-6 where it is zero fails too: the floor
+    there is ≈ 2.3e-12 absolute (2.3e-8 as the denominator at tolerance 1e-4)."""
+    import graphflop.runtime.verify_tangent as verify
+    from graphflop.meta import JVP
+
+    real_run = verify.run_jvp
+
+    def doubled(jvp, values, tangents):
+        outs = list(real_run(jvp, values, tangents))
+        i = jvp.meta[JVP].primal_outputs
+        outs[i] = 2 * outs[i]
+        return tuple(outs)
+
+    class FirstColumn(nn.Module):  # softmax's first column summed: a tangent far from zero
+        def forward(self, x):
+            return torch.softmax(x @ x.transpose(-1, -2), -1)[..., 0]
+
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    assert _jvp_check(FirstColumn(), x).ok
+    monkeypatch.setattr(verify, "run_jvp", doubled)
+    c = _jvp_check(FirstColumn(), x)
+    assert c.ran and not c.ok and c.worst_rel_error == pytest.approx(1.0, rel=1e-9), c
+    floor = verify.tangent_floor(
+        torch.float64, 10.0, [torch.ones(30, dtype=torch.float64)], [torch.ones(30)], 1e-4
+    )
+    assert floor == pytest.approx(1024 * 2.220446049250313e-16 * 10 / 1e-4)
+    assert verify.tangent_error(torch.tensor(1e-6), torch.tensor(0.0), floor) > 40  # ≈ 44
+    assert verify.tangent_error(torch.tensor(1e-13), torch.tensor(-1e-13), floor) < 1e-4
