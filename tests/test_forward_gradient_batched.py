@@ -32,6 +32,38 @@ def _conv_bn():
     return model, trace(model, (torch.randn(2, 2, 4, 4, dtype=torch.float64),))
 
 
+class _TwoBranches(nn.Module):
+    """Two tangents of equal metadata added (a·w1 + a·w2 shapes alike): their nodes share one
+    FakeTensor (the builder's shape cache), which the batched pass once traced as add(b, b)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.w1 = nn.Parameter(torch.randn(4))
+        self.w2 = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = self.conv(x).transpose(1, 3)
+        return (h * self.w1 + (h * 2) * self.w2).flatten(1)[:, :3]
+
+
+def _two_branches():
+    torch.manual_seed(0)
+    model = _TwoBranches().double()
+    return model, trace(model, (torch.randn(2, 2, 4, 4, dtype=torch.float64),))
+
+
+def _bicubic():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.Upsample(scale_factor=2, mode="bicubic"),
+        nn.Flatten(),
+        nn.Linear(4 * 8 * 8, 3),
+    ).double()
+    return model, trace(model, (torch.randn(2, 2, 4, 4, dtype=torch.float64),))
+
+
 def _flops(gm):
     annotate_flops(gm)
     ops = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -83,7 +115,11 @@ def test_the_batched_tangent_pass_does_not_grow_with_k(make):
     assert len(b4.graph.nodes) < len(c4.graph.nodes)
 
 
-@pytest.mark.parametrize("make", [_mlp, _conv_bn], ids=["mlp", "conv_bn"])
+@pytest.mark.parametrize(
+    "make",
+    [_mlp, _conv_bn, _two_branches, _bicubic],
+    ids=["mlp", "conv_bn", "two_branches", "bicubic"],
+)
 def test_batched_step_computes_the_same_values_as_copies(make):
     model, fwd = make()
     values = real_arguments(fwd, model)

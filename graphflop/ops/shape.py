@@ -465,8 +465,8 @@ def_linear(aten.repeat.default, _transpose_repeat)
 
 
 # --- decompositions ----------------------------------------------------------------------------
-# nearest and (bi/tri)linear upsampling: PyTorch's decompositions into index ops and elementwise
-# arithmetic
+# nearest, (bi/tri)linear and bicubic upsampling: PyTorch's decompositions into index ops and
+# elementwise arithmetic
 use_torch_decomposition(
     aten.upsample_nearest1d,
     aten.upsample_nearest2d,
@@ -474,6 +474,7 @@ use_torch_decomposition(
     aten.upsample_linear1d,
     aten.upsample_bilinear2d,
     aten.upsample_trilinear3d,
+    aten.upsample_bicubic2d,
 )
 
 

@@ -295,7 +295,14 @@ class _Batcher:
             ]
             return tree_map(lambda *xs: torch.stack(xs), *outs)
 
-        vals = [x.meta["val"] for x in ins]
+        with self.fake_mode:
+            # a tensor of its own per argument: nodes of equal metadata share one FakeTensor
+            # (builder.fake_output's cache), and make_fx, which tracks tensors by identity,
+            # would read both arguments of add(a, b) from one placeholder
+            vals = [
+                torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                for v in (x.meta["val"] for x in ins)
+            ]
         with self.fake_mode, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch._C._functorch._set_vmap_fallback_warning_enabled(True)
