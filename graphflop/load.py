@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 from graphflop.frontend.errors import first_line
 from graphflop.frontend.inputs import bind_call, split_example
@@ -311,12 +312,54 @@ def load(
         obj = getattr(module, name)
     model = _instantiate(obj, f"{label}:{name}", ctor_kwargs, meta)
     example = None
+    lazy: tuple[str, ...] = ()
     fn = getattr(module, "example_inputs", None)
     if callable(fn):
         args, kwargs = _call_example_inputs(fn, label)
+        lazy = _initialize_lazy(model, args, kwargs, meta, f"{label}:{name}")
         example = bind_call(model, args, kwargs)
-    notes = _onto_meta(model) if meta else ()
+    notes = (_onto_meta(model) if meta else ()) + lazy
     return LoadedModel(f"{label}:{name}", model, example, notes)
+
+
+def _initialize_lazy(model: nn.Module, args: tuple, kwargs: dict, meta: bool, where: str):
+    """Lazy modules (``nn.LazyLinear``...) initialised as PyTorch does, by one forward on the
+    example inputs (on the meta device for a model built there); a lazy parameter or buffer the
+    forward never reaches takes no part in the model and is removed. Returns notes (one line
+    per removed tensor, for the user).
+
+    Raises:
+        SpecError: the forward fails on the example inputs.
+    """
+    from torch.nn.parameter import is_lazy
+
+    if not any(is_lazy(t) for t in (*model.parameters(), *model.buffers())):
+        return ()
+
+    def run() -> None:
+        move = (lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t) if meta else None
+        a, k = (args, kwargs) if move is None else (tree_map(move, args), tree_map(move, kwargs))
+        with torch.no_grad():
+            model(*a, **k)
+
+    from graphflop.frontend import nodynamo
+
+    try:
+        nodynamo.run(run)
+    except Exception as e:
+        raise SpecError(
+            f"{where}: initialising its lazy modules on example_inputs() failed: "
+            f"{type(e).__name__}: {first_line(e)}"
+        ) from e
+    notes = []
+    for mname, m in model.named_modules():
+        for table in (m._parameters, m._buffers):
+            for k, t in list(table.items()):
+                if t is not None and is_lazy(t):
+                    table[k] = None
+                    q = f"{mname}.{k}" if mname else k
+                    notes.append(f"lazy {q} is never used by forward: left out")
+    return tuple(notes)
 
 
 def _call_example_inputs(fn: Any, label: str) -> tuple[tuple, dict]:

@@ -587,3 +587,33 @@ def test_tensors_made_in_forward_without_a_device_meet_a_meta_model(tmp_path):
     # mask @ h: 2·(2·6·6·8) = 1,152 mm FLOPs; fc: 2·(12·8·3) = 576
     assert a.forward.mm_flops == b.forward.mm_flops == 1152 + 576
     assert a.to_dict() == b.to_dict()
+
+
+def test_lazy_modules_are_initialised_and_unused_ones_left_out(tmp_path):
+    """Tester's finding: a used nn.LazyLinear failed verify (uninitialised parameters) and an
+    unused one failed every command with an internal error. Loading runs the forward once on
+    the example inputs, as PyTorch initialises lazy modules; an unused one is left out."""
+    p = _write(
+        tmp_path,
+        """
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.LazyLinear(3)
+                self.spare = nn.LazyLinear(5)  # never called
+
+            def forward(self, x):
+                return self.fc(x)
+
+        def example_inputs():
+            return (torch.randn(2, 4),)
+        """,
+    )
+    for meta in (True, False):
+        loaded = load(str(p), meta=meta)
+        assert [n for n, _ in loaded.model.named_parameters()] == ["fc.weight", "fc.bias"]
+        assert tuple(loaded.model.fc.weight.shape) == (3, 4)
+        assert "lazy spare.weight is never used by forward: left out" in loaded.notes
+        a = analyze(loaded.model, make_inputs(loaded), loss="sum")
+        # fc: 2·(2·4·3) = 48 mm FLOPs
+        assert a.report.totals.forward.mm_flops == 48
