@@ -347,6 +347,14 @@ def test_packed_sequence_names_the_padded_alternative():
         trace(M(), (torch.randn(2, 5, 4),))
 
 
+def test_batch_norm_with_a_cumulative_average_names_its_momentum():
+    """Tester's finding: BatchNorm2d(momentum=None) got the generic advice about the model's
+    own branches; the value is read inside PyTorch's batch norm (1 / num_batches_tracked)."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3, momentum=None)).train()
+    with pytest.raises(TraceError, match="momentum=None .* give momentum a number"):
+        trace(model, (torch.randn(2, 2, 5, 5),))
+
+
 def test_grouped_query_attention_counts_the_math_form():
     # q (1, 4 heads, 6, 8), k and v (1, 2 heads, 6, 8), enable_gqa: each k/v head serves two
     # q heads. Scores 2·(4·6·6·8) = 2,304 and weights·v another 2,304 mm FLOPs.

@@ -130,11 +130,17 @@ def data_dependent_hint(e: BaseException) -> str | None:
         return None
     where = next((w for w in (model_source_line(c) for c in chain) if w), None)
     at = f" at {where}" if where else ""
-    if _in_packed_sequence(hit):
+    if _raised_in(hit, ("nn", "utils", "rnn.py")):
         return (
             f"a packed sequence's shapes depend on its lengths' values{at}; graphflop traces "
             "shapes, not values: run the RNN on the padded batch (no pack_padded_sequence), "
             "which does the same work on the padding too"
+        )
+    if _raised_in(hit, ("nn", "modules", "batchnorm.py")):
+        return (
+            f"batch norm with momentum=None (a cumulative average) reads its batch count's "
+            f"value{at}; graphflop traces shapes, not values: give momentum a number (the "
+            "FLOPs are the same) or analyse in eval mode (--eval)"
         )
     return (
         f"the model's Python code reads a tensor's value{at} ({type(hit).__name__}); graphflop "
@@ -143,11 +149,12 @@ def data_dependent_hint(e: BaseException) -> str | None:
     )
 
 
-def _in_packed_sequence(e: BaseException) -> bool:
-    """Whether ``e`` was raised inside ``torch.nn.utils.rnn``'s packing functions."""
+def _raised_in(e: BaseException, path: tuple[str, ...]) -> bool:
+    """Whether ``e``'s traceback passes through a file whose path ends with ``path``'s parts
+    (``torch.nn.utils.rnn``'s packing functions, ``torch.nn.modules.batchnorm``)."""
     tb = e.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("nn", "utils", "rnn.py")):
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join(*path)):
             return True
         tb = tb.tb_next
     return False
