@@ -128,5 +128,6 @@ def in_chain(e: BaseException, type_name: str) -> bool:
 
 
 #: the loggers the exporter's steps write through; quiet during an export (torch.export logs
-#: "always_classified is unsupported." at ERROR for each attempt that fails)
-EXPORTER_LOGGERS = ("torch.export", "torch._export", "torch.onnx")
+#: "always_classified is unsupported." at ERROR for each attempt that fails; onnx_ir warns of
+#: every empty attribute list, an EmbeddingBag's among them)
+EXPORTER_LOGGERS = ("torch.export", "torch._export", "torch.onnx", "onnx_ir", "onnxscript")
