@@ -10,7 +10,9 @@
 their causal-LM head; every other model is the base model. No weights are loaded and nothing
 is downloaded; with ``meta=True`` the parameters are on the meta device. ``use_cache`` is off
 (training). The default inputs are ``batch=1`` and ``seq`` (default 128) wide: ``input_ids``
-(zeros), plus ``decoder_input_ids`` for encoder-decoder models, or ``pixel_values``
+(token ids drawn from the vocabulary with a fixed seed, never the padding id, so that
+``--verify`` differentiates through real tokens), plus ``decoder_input_ids`` for
+encoder-decoder models, or ``pixel_values``
 (1, channels, image_size, image_size) for vision models, ``input_values`` (1, 16000·seq/128
 samples) for speech models and ``input_features`` (1, mel bins, 2·max_source_positions) for
 Whisper-like models, as each model's ``forward`` takes them.
@@ -158,7 +160,7 @@ def default_inputs(model: nn.Module, config: Any, seq: int) -> dict[str, torch.T
     sub = getattr(config, "vision_config", None) or config
     out: dict[str, torch.Tensor] = {}
     if "input_ids" in params:
-        out["input_ids"] = torch.zeros(1, seq, dtype=torch.long)
+        out["input_ids"] = _token_ids(config, seq, seed=0)
     if "pixel_values" in params:
         size = getattr(sub, "image_size", 224)
         size = size if isinstance(size, int) else size[0]
@@ -169,5 +171,18 @@ def default_inputs(model: nn.Module, config: Any, seq: int) -> dict[str, torch.T
     if "input_values" in params:
         out["input_values"] = torch.zeros(1, 16000 * seq // DEFAULT_SEQ)
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        out["decoder_input_ids"] = torch.zeros(1, seq, dtype=torch.long)
+        out["decoder_input_ids"] = _token_ids(config, seq, seed=1)
     return out
+
+
+def _token_ids(config: Any, seq: int, seed: int) -> torch.Tensor:
+    """(1, seq) token ids drawn uniformly from the vocabulary (a fixed seed), the padding id
+    replaced by the next one: a sequence of padding tokens (a model whose padding id is 0,
+    such as Gemma or BERT, with all-zero ids) has zero embeddings and a gradient of zero, which
+    ``--verify`` would compare with zero."""
+    vocab = int(getattr(config, "vocab_size", 0) or 2)
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(seed))
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int) and vocab > 1:
+        ids = torch.where(ids == pad, (ids + 1) % vocab, ids)
+    return ids

@@ -498,6 +498,29 @@ def test_hf_a_config_field_that_does_not_exist_is_refused(tmp_path):
     assert loaded.model.config.n_layer == 1
 
 
+def test_hf_default_token_ids_are_real_tokens():
+    """Tester's finding: the default input_ids were all 0, Gemma's (and BERT's) padding id, so
+    every embedding was zero and --verify compared a zero gradient with zero ('3 of 3
+    passed'). The ids are drawn from the vocabulary with a fixed seed, never the padding id."""
+    pytest.importorskip("transformers")
+    small = dict(
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=7,
+    )
+    loaded = load("hf:gemma2", ctor_kwargs=small, seq=64)
+    ids = loaded.example_inputs[0]  # the bound call's tensors: input_ids first
+    assert loaded.model.config.pad_token_id == 0
+    assert ids.shape == (1, 64) and int(ids.min()) >= 1 and int(ids.max()) <= 6
+    assert len(set(ids.flatten().tolist())) == 6  # all six non-padding tokens occur
+    again = load("hf:gemma2", ctor_kwargs=small, seq=64).example_inputs[0]
+    torch.testing.assert_close(ids, again)  # the same every time
+
+
 def test_hf_without_transformers_is_a_spec_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
     with pytest.raises(SpecError, match=r"pip install 'graphflop\[hf\]'"):
