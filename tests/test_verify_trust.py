@@ -343,3 +343,45 @@ def test_a_wrong_tangent_still_fails(monkeypatch):
     assert floor == pytest.approx(1024 * 2.220446049250313e-16 * 10 / 1e-4)
     assert verify.tangent_error(torch.tensor(1e-6), torch.tensor(0.0), floor) > 40  # ≈ 44
     assert verify.tangent_error(torch.tensor(1e-13), torch.tensor(-1e-13), floor) < 1e-4
+
+
+class _SpatialMeanOfInstanceNorm(nn.Module):
+    """Instance norm without affine, then the spatial mean: identically 0 in exact arithmetic,
+    so the loss does not depend on the parameters and every gradient is rounding noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.norm = nn.InstanceNorm2d(4)
+
+    def forward(self, x):
+        return self.norm(self.conv(x)).mean((2, 3))
+
+
+def test_a_gradient_of_rounding_noise_passes_and_a_wrong_gradient_still_fails(monkeypatch):
+    """Tester's finding: the gradient check's floor scaled with ‖∇L‖, itself noise here, and
+    compared noise with noise (relative error 2-3: FAILED). The floor's scale is now
+    max(‖∇L‖, |L|/‖p‖); the forward-gradient check compares its estimate with the noise level."""
+    import graphflop.runtime.verify as verify
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.frontend.trace import trace
+    from graphflop.runtime.verify_fg import verify_forward_gradient
+
+    torch.manual_seed(0)
+    model = _SpatialMeanOfInstanceNorm().double()
+    fwd = trace(model, (torch.randn(2, 3, 6, 6, dtype=torch.float64),))
+    bwd = build_vjp(fwd)
+    check = verify.verify_gradients(fwd, bwd, model)
+    assert check.ok, check.line()
+    fg = verify_forward_gradient(fwd, model, samples=20)
+    assert fg.ok and "rounding noise" in fg.where, fg.line()
+    # a real gradient off by 1 % still fails (a Linear head makes the gradient real)
+    model2 = nn.Sequential(_SpatialMeanOfInstanceNorm(), nn.Linear(4, 3)).double()
+    fwd2 = trace(model2, (torch.randn(2, 3, 6, 6, dtype=torch.float64),))
+    bwd2 = build_vjp(fwd2)
+    real_backward = verify.run_backward
+    monkeypatch.setattr(
+        verify, "run_backward", lambda *a, **k: [g * 1.01 for g in real_backward(*a, **k)]
+    )
+    wrong = verify.verify_gradients(fwd2, bwd2, model2)
+    assert not wrong.ok and wrong.worst_rel_error == pytest.approx(0.01, rel=1e-6)

@@ -184,7 +184,8 @@ def gradient_floor(dtype: torch.dtype, grad_norm: float, tolerance: float) -> fl
 
     Args:
         dtype: the dtype the graphs ran in (its machine epsilon ``eps``).
-        grad_norm: ``‖∇L‖``, the norm of the whole reference gradient.
+        grad_norm: the gradient's scale: ``‖∇L‖``, the norm of the whole reference gradient,
+            or ``|L|/‖p‖`` where that is larger (:func:`verify_gradients`).
         tolerance: the check's tolerance.
     """
     return FLOOR_ULPS * torch.finfo(dtype).eps * grad_norm / tolerance
@@ -408,9 +409,12 @@ def verify_gradients(
     loss on the same random inputs (and dropout masks), in the dtype the graphs were traced in;
     ``examples``: the model's example inputs (:func:`real_arguments`).
 
-    The error per parameter is ``‖a − b‖ / max(‖b‖, gradient_floor(dtype, ‖∇L‖, tolerance))``
-    (normwise relative, with an absolute floor for gradients that are zero in exact
-    arithmetic); the worst one is reported. A NaN or infinity in either gradient is an
+    The error per parameter is ``‖a − b‖ / max(‖b‖, gradient_floor(dtype, s, tolerance))``
+    with ``s = max(‖∇L‖, |L|/‖p‖)`` (normwise relative, with an absolute floor for gradients
+    that are zero in exact arithmetic; ``|L|/‖p‖``, the gradient a relative change of the
+    parameters would give a loss of size ``|L|``, for a loss whose whole gradient is rounding
+    noise, as instance norm without affine followed by a spatial mean gives); the worst one is
+    reported. A NaN or infinity in either gradient is an
     infinite error (the check fails, :func:`nonfinite`).
     """
     values = real_arguments(forward, model, seed=seed, examples=examples)
@@ -421,9 +425,10 @@ def verify_gradients(
     params = {q: values[n] for n, q in sig.params}
     dtype = next(iter(params.values())).dtype if params else torch.float64
     model = _cast(model, dtype if params else None)
-    ref = torch.func.grad(reference_loss_fn(forward, model, values))(params)
+    ref, loss = torch.func.grad_and_value(reference_loss_fn(forward, model, values))(params)
     total = math.sqrt(sum(float(g.detach().double().pow(2).sum()) for g in ref.values()))
-    floor = max(gradient_floor(dtype, total, tolerance), 1e-300) if math.isfinite(total) else 0
+    scale = max(total, _loss_scale(float(loss), params.values()))
+    floor = max(gradient_floor(dtype, scale, tolerance), 1e-300) if math.isfinite(scale) else 0
     worst, where = 0.0, "no parameters"
     for pos, qual in backward.meta[VJP].grads:
         a, b = grads[pos].detach().double(), ref[qual].detach().double()
@@ -438,9 +443,15 @@ def verify_gradients(
         worst,
         where,
         tolerance,
-        f"worst normwise relative error (floor {FLOOR_ULPS}·eps·‖∇L‖)",
+        f"worst normwise relative error (floor {FLOOR_ULPS}·eps·max(‖∇L‖, |L|/‖p‖))",
         _dtype_name(dtype),
     )
+
+
+def _loss_scale(loss: float, params: Any) -> float:
+    """``|L| / ‖p‖`` over every parameter (float64), 0 without parameters or a finite loss."""
+    norm = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in params))
+    return abs(loss) / norm if norm > 0 and math.isfinite(loss) else 0.0
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
