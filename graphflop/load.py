@@ -337,8 +337,9 @@ def _initialize_lazy(model: nn.Module, args: tuple, kwargs: dict, meta: bool, wh
         return ()
 
     def run() -> None:
-        move = (lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t) if meta else None
-        a, k = (args, kwargs) if move is None else (tree_map(move, args), tree_map(move, kwargs))
+        a, k = (args, kwargs)
+        if meta:
+            a, k = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (a, k))
         with torch.no_grad():
             model(*a, **k)
 

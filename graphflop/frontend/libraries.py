@@ -152,9 +152,5 @@ def data_dependent_hint(e: BaseException) -> str | None:
 def _raised_in(e: BaseException, path: tuple[str, ...]) -> bool:
     """Whether ``e``'s traceback passes through a file whose path ends with ``path``'s parts
     (``torch.nn.utils.rnn``'s packing functions, ``torch.nn.modules.batchnorm``)."""
-    tb = e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(os.path.join(*path)):
-            return True
-        tb = tb.tb_next
-    return False
+    tail = os.path.join(*path)
+    return any(f.f_code.co_filename.endswith(tail) for f, _ in traceback.walk_tb(e.__traceback__))

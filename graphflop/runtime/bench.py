@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphflop.frontend.trace import loss_value
+from graphflop.frontend.loss import loss_output, loss_value
 from graphflop.meta import LOSS_KIND, SIGNATURE, UPDATE
 from graphflop.runtime.attention import math_attention
 from graphflop.runtime.timing import Timing, time_fn, time_phases
@@ -206,7 +206,7 @@ def bench_torch(
 
     def train_step(i):
         opt.zero_grad(set_to_none=True)
-        loss_value(kind, first_output(model(*xs[i % rotate])), ts[i % rotate]).backward()
+        loss_value(kind, loss_output(model(*xs[i % rotate])), ts[i % rotate]).backward()
         opt.step()
 
     params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
@@ -220,7 +220,7 @@ def bench_torch(
         def f(p, b):
             c = {k: n.clone() for k, n in counters.items()}  # made inside: may be mutated
             out = torch.func.functional_call(model, (p, b, c), tuple(x))
-            return loss_value(kind, first_output(out), t), c
+            return loss_value(kind, loss_output(out), t), c
 
         v = {k: torch.randn_like(p) for k, p in params.items()}
         with math_attention():  # the fused CPU attention kernel has no forward derivative
@@ -237,13 +237,6 @@ def bench_torch(
         repeat=repeat,
         sync=sync,
     )
-
-
-def first_output(out: Any) -> torch.Tensor:
-    """The output the traced loss starts from (:func:`graphflop.frontend.loss.loss_output`)."""
-    from graphflop.frontend.loss import loss_output
-
-    return loss_output(out)
 
 
 def _labelled(values: dict[str, torch.Tensor], sig) -> dict[str, torch.Tensor]:

@@ -191,6 +191,12 @@ def gradient_floor(dtype: torch.dtype, grad_norm: float, tolerance: float) -> fl
     return FLOOR_ULPS * torch.finfo(dtype).eps * grad_norm / tolerance
 
 
+def padding_idx(embedding: torch.fx.Node) -> int:
+    """The ``padding_idx`` of an ``aten.embedding`` node (-1: none)."""
+    n = embedding
+    return int(n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1))
+
+
 def index_ranges(forward: GraphModule) -> dict[str, tuple[int, list[int]]]:
     """Integer input placeholder → (exclusive upper bound, padding rows) for inputs that index
     embedding tables (directly or through views): the smallest table's row count, and the
@@ -217,9 +223,9 @@ def index_ranges(forward: GraphModule) -> dict[str, tuple[int, list[int]]]:
         if not isinstance(src, torch.fx.Node) or src.op != "placeholder":
             continue
         rows = int(n.args[0].meta["val"].shape[0])
-        pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
+        pad = padding_idx(n)
         high, pads = out.get(src.name, (rows, []))
-        out[src.name] = (min(high, rows), pads + ([int(pad)] if pad >= 0 else []))
+        out[src.name] = (min(high, rows), pads + ([pad] if pad >= 0 else []))
     return out
 
 
@@ -426,8 +432,8 @@ def verify_gradients(
     dtype = next(iter(params.values())).dtype if params else torch.float64
     model = _cast(model, dtype if params else None)
     ref, loss = torch.func.grad_and_value(reference_loss_fn(forward, model, values))(params)
-    total = math.sqrt(sum(float(g.detach().double().pow(2).sum()) for g in ref.values()))
-    scale = max(total, _loss_scale(float(loss), params.values()))
+    total = norm64(ref.values())
+    scale = max(total, loss_scale(float(loss), params.values()))
     floor = max(gradient_floor(dtype, scale, tolerance), 1e-300) if math.isfinite(scale) else 0
     worst, where = 0.0, "no parameters"
     for pos, qual in backward.meta[VJP].grads:
@@ -448,9 +454,15 @@ def verify_gradients(
     )
 
 
-def _loss_scale(loss: float, params: Any) -> float:
-    """``|L| / ‖p‖`` over every parameter (float64), 0 without parameters or a finite loss."""
-    norm = math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in params))
+def norm64(tensors: Any) -> float:
+    """The 2-norm of all the elements of ``tensors`` together, in float64."""
+    return math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
+
+
+def loss_scale(loss: float, params: Any) -> float:
+    """``|L| / ‖p‖`` over ``params`` (float64): the size of a gradient a relative change of the
+    parameters gives a loss of size ``|L|``; 0 without parameters or a finite loss."""
+    norm = norm64(params)
     return abs(loss) / norm if norm > 0 and math.isfinite(loss) else 0.0
 
 

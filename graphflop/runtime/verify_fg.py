@@ -14,6 +14,8 @@ from graphflop.runtime.verify import (
     Check,
     _dtype_name,
     backward_reads,
+    gradient_floor,
+    loss_scale,
     nonfinite,
     real_arguments,
     run_backward,
@@ -98,7 +100,9 @@ def verify_forward_gradient(
     if norm == 0.0:  # no parameter reaches the loss (a detached model): the estimate is 0 too
         worst = float(total.abs().max()) / steps
         return Check(name, worst, "‖∇L‖ = 0: the loss does not depend on the parameters", 1e-6)
-    noise = _noise_level(values[trainable[0]].dtype, fwd_values[sig.loss], w)
+    # FLOOR_ULPS·eps·|L|/‖p‖: a gradient made of rounding errors (the gradient check's floor)
+    scale = loss_scale(float(fwd_values[sig.loss]), [values[p] for p in trainable])
+    noise = gradient_floor(values[trainable[0]].dtype, scale, 1.0)
     if norm <= noise:
         # the gradient is rounding noise (a loss constant in exact arithmetic): so is the
         # estimate, and the ratio u·ḡ/‖∇L‖ means nothing. Each direction's term (∇L·v)v has a
@@ -122,16 +126,6 @@ def verify_forward_gradient(
         f"χ²_{m} test (false-alarm rate {FG_ALPHA:.0e}), |u·ḡ/‖∇L‖ − 1| =",
         _dtype_name(values[trainable[0]].dtype),
     )
-
-
-def _noise_level(dtype: torch.dtype, loss: torch.Tensor, w: torch.Tensor) -> float:
-    """``FLOOR_ULPS · eps · |L| / ‖p‖``: the size of a gradient made of rounding errors of a
-    loss of size ``|L|`` at parameters of norm ``‖p‖`` (the gradient check's floor scale)."""
-    from graphflop.runtime.verify import FLOOR_ULPS
-
-    norm = float(w.norm())
-    size = abs(float(loss))
-    return FLOOR_ULPS * torch.finfo(dtype).eps * size / norm if norm > 0 else 0.0
 
 
 def _directions_per_step(forward: GraphModule, samples: int) -> int:

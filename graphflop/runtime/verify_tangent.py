@@ -19,6 +19,8 @@ from graphflop.runtime.verify import (
     _cast,
     _dtype_name,
     nonfinite,
+    norm64,
+    padding_idx,
     real_arguments,
     seeded,
 )
@@ -48,9 +50,9 @@ def padding_rows(forward: GraphModule) -> dict[str, list[int]]:
         if n.op != "call_function" or n.target is not torch.ops.aten.embedding.default:
             continue
         table = n.args[0]
-        pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
+        pad = padding_idx(n)
         if isinstance(table, torch.fx.Node) and table.op == "placeholder" and pad >= 0:
-            rows.setdefault(table.name, []).append(int(pad))
+            rows.setdefault(table.name, []).append(pad)
     return rows
 
 
@@ -155,8 +157,7 @@ def tangent_floor(
         primals: the primals that have tangents; tangents: theirs, in the same order.
         tolerance: the check's tolerance.
     """
-    p = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in primals))
-    v = math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tangents))
+    p, v = norm64(primals), norm64(tangents)
     if p == 0 or not math.isfinite(loss * v / p):
         return 0.0
     return FLOOR_ULPS * torch.finfo(dtype).eps * abs(loss) * v / p / tolerance
