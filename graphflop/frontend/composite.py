@@ -192,12 +192,14 @@ _SAME_BYTES_VIEWS = frozenset(
 )
 
 
-def tagged_decompositions(table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
+def tagged_decompositions(
+    table: dict[Any, Callable[..., Any]], counter: Iterator[int] | None = None
+) -> dict[Any, Callable[..., Any]]:
     """``table`` with the decompositions of the ops in :data:`EAGER_SAVES` wrapped so that the
     nodes each one adds to the graph being traced get a :class:`~graphflop.meta.CompositeTag`
-    (an outer composite op's tags replace those of the ones it decomposes into). The graph is
-    unchanged. Returns a new dict."""
-    counter = itertools.count()
+    (an outer composite op's tags replace those of the ones it decomposes into), numbered from
+    ``counter`` (default: a new one from 0). The graph is unchanged. Returns a new dict."""
+    counter = itertools.count() if counter is None else counter
     out = dict(table)
     for op, fn in table.items():
         name = str(op)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -46,6 +47,7 @@ from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.inputs import bind_call
 from graphflop.frontend.libraries import data_dependent_hint, traced_by_libraries
 from graphflop.frontend.loss import LOSSES, default_loss, loss_output, loss_value, make_targets
+from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
 from graphflop.meta import OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of
 from graphflop.ops import decomposition_table
@@ -187,7 +189,9 @@ def _trace_once(
             chosen["targets"] = [scopes.mark(t) for t in targets]
             return (loss_value(kind, head, targets), *outs)
 
-    table = tagged_decompositions(decomposition_table())
+    regions = itertools.count()
+    replays = Replays(regions)
+    table = replays.wrap(tagged_decompositions(decomposition_table(), regions))
     outliner = repeats.Outliner(outline)
     try:
         with warnings.catch_warnings(), CompositeOps(), fake_mode:

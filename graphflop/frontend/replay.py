@@ -1,0 +1,306 @@
+"""Decompositions traced once per argument signature and replayed (issue 19).
+
+While :func:`~graphflop.frontend.trace.trace` runs, every composite op is decomposed into core
+ATen by running its decomposition under ``make_fx``, which costs about a millisecond per op it
+records (a training-mode batch norm is 22 ops: ResNet-50's 53 of them were half its trace). The
+same op on arguments of the same shapes, strides and dtypes decomposes into the same nodes, so
+:class:`Replays` traces a decomposition once per signature, keeps the nodes it added as a
+:class:`Template`, and on the next call with that signature appends copies of them to the graph
+and hands ``make_fx`` the outputs it would have had: the graph is the one tracing every call
+would give, node for node and in the same order (``tests/test_replay.py`` compares them).
+
+A signature is the op, the arguments' metadata (:func:`~graphflop.ad._tree.meta_key`), which
+arguments are the same graph value, and the grad and autocast modes. A call is traced inline
+(and never replayed) when its decomposition adds anything but ``call_function`` nodes (tensor
+constants), reads a graph value that is not one of its arguments, returns a tensor that is not
+a new node or an argument, returns views (storage offsets, shared storage), or writes into an
+argument other than by a node the replay can name; or when the argument metadata is not
+hashable (a FakeTensor carrying a constant value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.fx import Node, Proxy
+from torch.fx.node import map_aggregate, map_arg
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from graphflop.ad._tree import meta_key
+from graphflop.meta import COMPOSITE, CompositeTag
+
+__all__ = ["Replays", "Template"]
+
+try:  # make_fx's bookkeeping (private; without it every call is traced inline)
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import (
+        disable_proxy_modes_tracing,
+        get_proxy_mode,
+        get_proxy_slot,
+        track_tensor_tree,
+    )
+
+    _AVAILABLE = True
+except ImportError:  # pragma: no cover - a PyTorch that moved them
+    _AVAILABLE = False
+
+#: a reference in a template: ("in", k) the call's k-th tensor argument, ("t", j) its j-th node
+Ref = tuple[str, int]
+_INLINE = object()  # a signature whose calls are traced inline
+#: False: :meth:`Replays.wrap` leaves the table as it is (every call traced inline; the tests
+#: compare both graphs)
+ENABLED = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """The nodes one decomposition call added to the graph, with references in place of nodes.
+
+    Attributes:
+        nodes: ``(target, args, kwargs, meta)`` per node, in graph order; ``args``/``kwargs``
+            hold :data:`Ref` tuples wrapped in :class:`_Ref` where the node read a graph value.
+        outputs: one entry per leaf of the returned value (``tree_flatten``): a :data:`Ref`, or
+            ``("c", value)`` for a non-tensor leaf.
+        spec: the returned value's pytree spec.
+        writes: ``(k, j)``: argument ``k``'s graph value is node ``j`` after the call (an
+            in-place write such as batch norm's ``copy_`` into its running statistics).
+    """
+
+    nodes: tuple[tuple[Any, Any, Any, dict], ...]
+    outputs: tuple[tuple[str, Any], ...]
+    spec: Any
+    writes: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    ref: Ref
+
+
+class Replays:
+    """A decomposition table's entries wrapped to trace each signature once and replay it.
+
+    Args:
+        regions: the counter :func:`~graphflop.frontend.composite.tagged_decompositions` draws
+            composite regions from; a replayed decomposition's tags get fresh numbers from it.
+
+    Attributes:
+        templates: signature -> :class:`Template` (or the inline marker).
+        hits: calls replayed; misses: calls traced inline.
+    """
+
+    def __init__(self, regions: Iterator[int]):
+        self.regions = regions
+        self.templates: dict[Any, Any] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def wrap(self, table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
+        """``table`` with every decomposition wrapped (a new dict; unchanged without
+        ``make_fx``'s private helpers)."""
+        if not (_AVAILABLE and ENABLED):
+            return dict(table)
+        return {op: self._wrapped(op, fn) for op, fn in table.items()}
+
+    def _wrapped(self, op: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def replayed(*args: Any, **kwargs: Any) -> Any:
+            mode = get_proxy_mode()
+            if mode is None:
+                return fn(*args, **kwargs)
+            tracer = mode.tracer
+            flat = tree_flatten((args, kwargs))[0]
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+            nodes = [_node(t, tracer) for t in tensors]
+            key = _signature(op, args, kwargs, nodes)
+            template = self.templates.get(key) if key is not None else _INLINE
+            if template is None:  # first call of this signature: trace it and keep it
+                self.misses += 1
+                graph = tracer.graph
+                last = next(iter(reversed(graph.nodes)), None)
+                out = fn(*args, **kwargs)
+                self.templates[key] = _capture(graph, last, tensors, nodes, out, tracer)
+                return out
+            if template is _INLINE:
+                self.misses += 1
+                return fn(*args, **kwargs)
+            self.hits += 1
+            return self._replay(template, tensors, nodes, tracer)
+
+        replayed.__name__ = getattr(fn, "__name__", "decomposition")
+        replayed.__doc__ = fn.__doc__
+        return replayed
+
+    def _replay(self, t: Template, tensors: list, nodes: list, tracer: Any) -> Any:
+        graph = tracer.graph
+        made: list[Node] = []
+        renumber: dict[int, int] = {}
+
+        def resolve(a: Any) -> Any:
+            if isinstance(a, _Ref):
+                kind, i = a.ref
+                return nodes[i] if kind == "in" else made[i]
+            return a
+
+        for target, args, kwargs, meta in t.nodes:
+            node = graph.create_node(
+                "call_function",
+                target,
+                _map(args, resolve),
+                _map(kwargs, resolve),
+                name=_name(graph, target),
+            )
+            node.meta.update(meta)
+            tag = meta.get(COMPOSITE)
+            if tag is not None:
+                node.meta[COMPOSITE] = self._renumbered(tag, renumber)
+            made.append(node)
+        leaves = []
+        for kind, v in t.outputs:
+            if kind == "in":
+                leaves.append(tensors[v])
+            elif kind == "t":
+                node = made[v]
+                leaves.append(_fresh(node.meta["val"]))
+                track_tensor_tree(leaves[-1], Proxy(node, tracer), constant=None, tracer=tracer)
+            else:
+                leaves.append(v)
+        for k, j in t.writes:
+            track_tensor_tree(tensors[k], Proxy(made[j], tracer), constant=None, tracer=tracer)
+        return tree_unflatten(leaves, t.spec)
+
+    def _renumbered(self, tag: CompositeTag, renumber: dict[int, int]) -> CompositeTag:
+        if tag.region not in renumber:
+            renumber[tag.region] = (
+                next(self.regions) if tag.region >= 0 else next(_REPLAYED_ATTENTION)
+            )
+        inner = self._renumbered(tag.inner, renumber) if tag.inner is not None else None
+        return dataclasses.replace(tag, region=renumber[tag.region], inner=inner)
+
+
+#: fresh numbers for a replayed attention call's regions (negative, as composite's own)
+_REPLAYED_ATTENTION = itertools.count(-(10**9), -1)
+
+
+def _name(graph: torch.fx.Graph, target: Any) -> str | None:
+    """The name ``make_fx`` gives a node of ``target`` (an ATen op by its packet's name), so
+    that a replayed graph's names are the traced graph's (buffer updates name nodes)."""
+    packet = getattr(target, "overloadpacket", None)
+    return graph._target_to_str(packet.__name__) if packet is not None else None
+
+
+def _node(t: torch.Tensor, tracer: Any) -> Node | None:
+    slot = get_proxy_slot(t, tracer, None)
+    return getattr(getattr(slot, "proxy", None), "node", None)
+
+
+def _signature(op: Any, args: Any, kwargs: Any, nodes: list) -> Any:
+    """The key a template is kept under, or None when the call cannot be replayed."""
+    if any(n is None for n in nodes):
+        return None
+    first: dict[Node, int] = {}
+    same = tuple(first.setdefault(n, i) for i, n in enumerate(nodes))
+    try:
+        key = (
+            op,
+            meta_key(args),
+            meta_key(kwargs),
+            same,
+            torch.is_grad_enabled(),
+            torch.is_autocast_enabled("cpu"),
+        )
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _capture(
+    graph: torch.fx.Graph, last: Node | None, tensors: list, nodes: list, out: Any, tracer: Any
+) -> Any:
+    """The :class:`Template` of the nodes added after ``last``, or the inline marker."""
+    new: list[Node] = []
+    n = last.next if last is not None else next(iter(graph.nodes), None)
+    while n is not None and n.op != "root":
+        new.append(n)
+        n = n.next
+    if any(n.op != "call_function" for n in new):
+        return _INLINE
+    index = {n: j for j, n in enumerate(new)}
+    inputs: dict[Node, int] = {}
+    for k, n in enumerate(nodes):
+        inputs.setdefault(n, k)
+    foreign = []
+
+    def ref(a: Node) -> Any:
+        if a in index:
+            return _Ref(("t", index[a]))
+        if a in inputs:
+            return _Ref(("in", inputs[a]))
+        foreign.append(a)
+        return a
+
+    entries = []
+    for n in new:
+        meta = {k: v for k, v in n.meta.items() if k != "nn_module_stack"}
+        entries.append((n.target, map_arg(n.args, ref), map_arg(n.kwargs, ref), meta))
+    leaves, spec = tree_flatten(out)
+    outputs = _outputs(leaves, tensors, index, inputs, tracer)
+    writes = _writes(tensors, nodes, index, tracer)
+    if foreign or outputs is None or writes is None:
+        return _INLINE
+    return Template(tuple(entries), tuple(outputs), spec, tuple(writes))
+
+
+def _outputs(leaves: list, tensors: list, index: dict, inputs: dict, tracer: Any) -> Any:
+    """The template's output references, or None when an output cannot be replayed (a view:
+    replayed outputs are fresh tensors)."""
+    outputs: list[tuple[str, Any]] = []
+    storages = {t.untyped_storage()._cdata for t in tensors}
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            outputs.append(("c", leaf))
+            continue
+        node = _node(leaf, tracer)
+        if node in index:
+            if not isinstance(leaf, FakeTensor) or leaf.storage_offset() != 0:
+                return None
+            storage = leaf.untyped_storage()._cdata
+            if storage in storages:
+                return None  # a view of an argument or of another output
+            storages.add(storage)
+            outputs.append(("t", index[node]))
+        elif node in inputs and any(leaf is t for t in tensors):
+            outputs.append(("in", next(k for k, t in enumerate(tensors) if leaf is t)))
+        else:
+            return None
+    return outputs
+
+
+def _writes(tensors: list, nodes: list, index: dict, tracer: Any) -> Any:
+    """``(k, j)`` for every argument whose graph value is now new node ``j``, or None when one
+    is now a node the call did not add."""
+    writes = []
+    for k, t in enumerate(tensors):
+        now = _node(t, tracer)
+        if now is nodes[k]:
+            continue
+        if now not in index:
+            return None
+        writes.append((k, index[now]))
+    return writes
+
+
+def _map(x: Any, fn: Callable[[Any], Any]) -> Any:
+    return map_aggregate(x, fn)
+
+
+def _fresh(val: FakeTensor) -> FakeTensor:
+    """A new FakeTensor of ``val``'s mode, shape, strides, dtype and device (no storage
+    shared with anything)."""
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    return FakeTensor(val.fake_mode, meta, val.device)
