@@ -13,6 +13,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Node
 
+from graphflop.ad.ghost import GhostValue
+
 
 def tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
     """``x`` with ``fn`` applied to every leaf (anything but a tuple, list or dict)."""
@@ -73,6 +75,24 @@ def meta_key(a: Any) -> Any:
     if isinstance(a, dict):
         return tuple([(k, meta_key(v)) for k, v in sorted(a.items())])
     return a
+
+
+def value_key(a: Any) -> Any:
+    """:func:`meta_key` of ``a`` with every fx node (and ghost) standing for its value: the
+    same as ``meta_key(tree_map(value_of, a))`` without building the mapped copy (the FLOP
+    pass keys every node's cost by it)."""
+    t = type(a)
+    if t is Node:
+        return meta_key(a.meta.get("val"))
+    if t in _LEAF_TYPES:
+        return a
+    if t is tuple or t is list or (isinstance(a, (list, tuple)) and not isinstance(a, torch.Size)):
+        return tuple([value_key(x) for x in a])
+    if t is dict:
+        return tuple([(k, value_key(v)) for k, v in sorted(a.items())])
+    if t is GhostValue:
+        return meta_key(a.val)
+    return meta_key(a)
 
 
 #: types that are leaves for :func:`tree_map`, :func:`leaves` and :func:`meta_key` (checked by

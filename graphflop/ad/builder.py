@@ -31,7 +31,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-from graphflop.ad._tree import leaves, meta_key, tree_map
+from graphflop.ad._tree import leaves, meta_key, tree_map, value_key
 from graphflop.ad.ghost import GhostValue, ghost_ids, is_ghost
 from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost
 from graphflop.ops.shape import reduced_dims
@@ -156,13 +156,24 @@ class Builder:
 
     # -- emission ----------------------------------------------------------------------------
     def _fake(self, op: Any, args: Any, kwargs: Any) -> Any:
-        """The op's output as FakeTensors (:func:`fake_output` over the arguments' values)."""
+        """The op's output as FakeTensors (:func:`fake_output` over the arguments' values; the
+        shape cache looked up first without mapping the arguments to their values)."""
+        if op not in _UNCACHED:
+            try:
+                hit = _SHAPE_CACHE.setdefault(self.fake_mode, {}).get(
+                    (op, value_key(args), value_key(kwargs))
+                )
+            except TypeError:
+                hit = None
+            if hit is not None:
+                return hit
         return fake_output(self.fake_mode, op, tree_map(value_of, args), tree_map(value_of, kwargs))
 
     def call(self, op: Any, *args: Any, **kwargs: Any) -> Any:
         """Emit ``op(*args, **kwargs)``; returns the new node, or a GhostValue."""
-        args = tree_map(self.import_arg, args)
-        kwargs = tree_map(self.import_arg, kwargs)
+        if type(self).import_arg is not Builder.import_arg:
+            args = tree_map(self.import_arg, args)
+            kwargs = tree_map(self.import_arg, kwargs)
         flat = list(leaves((args, kwargs)))
         ghosts = [a for a in flat if is_ghost(a)]
         active = [a for a in flat if isinstance(a, Node) and a.meta.get(KIND) == self.active_kind]

@@ -20,6 +20,7 @@ import warnings
 import torch
 from torch.fx import GraphModule
 
+from graphflop.ad.builder import copy_node
 from graphflop.frontend.errors import TraceError, first_line
 from graphflop.frontend.scopes import module_path
 from graphflop.io import sanitize_name
@@ -240,7 +241,7 @@ def from_make_fx(
     for n in old.nodes:
         if n in env or n.op in ("placeholder", "get_attr", "output"):
             continue
-        env[n] = g.node_copy(n, lambda a: env[a])
+        env[n] = copy_node(g, n, lambda a: env[a])
     results = [env[a] for a in out_node.args[0]]
     updates = [(env[v].name, b) for b, v in writes.items()]
     g.output(tuple([env[writes[b]] for b in writes] + results))

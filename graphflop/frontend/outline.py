@@ -37,6 +37,8 @@ from torch import nn
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from graphflop.ad.builder import copy_node
+
 #: template module paths start with this marker, replaced by the call site's path on inlining
 MARK = "@"
 
@@ -539,7 +541,7 @@ def inline(
                     and env[tn.args[0]].op != "placeholder"
                 ):
                     raise NotOutlinable(-1, "writes a buffer written before")
-                new = graph.node_copy(tn, env.__getitem__)
+                new = copy_node(graph, tn, env.__getitem__)
                 stack = dict(site)
                 for path, cls in (tn.meta.get("nn_module_stack") or {}).values():
                     if path != MARK:

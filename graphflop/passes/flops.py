@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphflop.ad._tree import leaves, meta_key, tree_map
+from graphflop.ad._tree import leaves, tree_map, value_key
 from graphflop.ad.ghost import is_ghost
 from graphflop.meta import COST, ZERO_COST, NodeCost
 from graphflop.ops import MissingRuleError, is_strict, lookup
@@ -57,17 +57,14 @@ def op_cost(op: Any, args: tuple, kwargs: dict, out: Any, node: str | None = Non
         if is_strict():
             raise
         return ZERO_COST
-    a = tree_map(value_of, args)
-    k = tree_map(value_of, kwargs)
-    o = value_of(out)
     try:  # costs are functions of metadata: repeated blocks hit the cache
-        key = (rule, meta_key(a), meta_key(k), meta_key(o))
+        key = (rule, value_key(args), value_key(kwargs), value_key(out))
         hit = _COSTS.get(key)
     except TypeError:
         key = hit = None
     if hit is not None:
         return hit
-    cost = _cost(rule, a, k, o)
+    cost = _cost(rule, tree_map(value_of, args), tree_map(value_of, kwargs), value_of(out))
     if key is not None:
         if len(_COSTS) > 100_000:
             _COSTS.clear()
