@@ -214,7 +214,9 @@ def floor(spec: str, kwargs: dict, shapes, batch, repeat: int) -> dict[str, floa
     """The tracing floor (issue 19, round 4): median seconds of FlopCounterMode over the
     forward and over forward + backward, graphflop's whole trace, and plain ``make_fx`` of the
     forward (fake tensors; no decomposition table, functionalization or outlining: the least a
-    make_fx-based tracer does), alternating in this process after one warm-up round."""
+    make_fx-based tracer does), and a dispatch-mode recorder of the forward (:func:`_record`:
+    the least a tracer of graphflop's own would do), alternating in this process after one
+    warm-up round."""
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -236,6 +238,7 @@ def floor(spec: str, kwargs: dict, shapes, batch, repeat: int) -> dict[str, floa
         "FC fwd+bwd": lambda: _flop_counter(model, inputs, True),
         "graphflop trace": lambda: nodynamo.run(lambda: trace(model, inputs)),
         "plain make_fx fwd": lambda: nodynamo.run(plain),
+        "dispatch recorder fwd": lambda: nodynamo.run(lambda: _record(model, inputs)),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(repeat + 1):
@@ -245,6 +248,93 @@ def floor(spec: str, kwargs: dict, shapes, batch, repeat: int) -> dict[str, floa
             if r:
                 times[k].append(CLOCK() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _record(model, inputs) -> int:  # noqa: C901  (a tracer in one function, on purpose)
+    """The forward recorded by the least tracer that is not ``make_fx`` (issue 19, round 6): a
+    ``TorchDispatchMode`` over FakeTensors that applies graphflop's decomposition table and
+    appends one fx node per ATen op, taking output metadata from a cache keyed by the op and
+    its arguments' metadata. No functionalization, module paths, outlining, constants or
+    dead-code removal: what a tracer of graphflop's own would cost at the least. Returns the
+    number of nodes recorded."""
+    import operator
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+    from torch.fx.node import map_aggregate
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from graphflop.ad._tree import meta_key
+    from graphflop.frontend.trace import _as_fake
+    from graphflop.ops import decomposition_table
+
+    table = decomposition_table()
+
+    def fresh(v):
+        with unset_fake_temporarily():
+            m = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return FakeTensor(v.fake_mode, m, v.device)
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.graph = torch.fx.Graph()
+            self.nodes: dict[int, torch.fx.Node] = {}
+            self.cache: dict = {}
+
+        def node_of(self, t):
+            n = self.nodes.get(id(t))
+            if n is None:
+                n = self.nodes[id(t)] = self.graph.placeholder(f"input_{len(self.nodes)}")
+            return n
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in table:
+                with self:
+                    out = table[func](*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            out = self.output(func, args, kwargs)
+            self.record(func, args, kwargs, out)
+            return out
+
+        def output(self, func, args, kwargs):
+            key = hit = None
+            if not func.is_view and not func._schema.is_mutable:
+                try:
+                    key = (func, meta_key(args), meta_key(kwargs))
+                    hit = self.cache.get(key)
+                except TypeError:
+                    key = None
+            if hit is not None:
+                return type(hit)(map(fresh, hit)) if isinstance(hit, tuple) else fresh(hit)
+            out = func(*args, **kwargs)
+            fakes = out if isinstance(out, tuple) else (out,)
+            if key is not None and all(isinstance(o, FakeTensor) for o in fakes):
+                self.cache[key] = out
+            return out
+
+        def record(self, func, args, kwargs, out):
+            def arg(a):
+                return self.node_of(a) if isinstance(a, torch.Tensor) else a
+
+            node = self.graph.call_function(
+                func, map_aggregate(args, arg), map_aggregate(kwargs, arg)
+            )
+            node.meta["val"] = out
+            many = isinstance(out, (tuple, list))
+            for i, o in enumerate(out if many else [out]):
+                if isinstance(o, torch.Tensor):
+                    item = self.graph.call_function(operator.getitem, (node, i)) if many else node
+                    self.nodes[id(o)] = item
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state = {k: _as_fake(mode, v) for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    xs = tuple(_as_fake(mode, x) for x in inputs)
+    with mode, Recorder() as rec:
+        torch.func.functional_call(model, state, xs)
+    return len(rec.graph.nodes)
 
 
 # --- parent: one child per model, then the report --------------------------------------------
@@ -464,7 +554,8 @@ def main(argv=None) -> int:
             print(
                 f"{name}: {cells}; trace / FC fwd+bwd "
                 f"{med['graphflop trace'] / med['FC fwd+bwd']:.2f}x, plain make_fx / FC fwd "
-                f"{med['plain make_fx fwd'] / med['FC fwd']:.2f}x",
+                f"{med['plain make_fx fwd'] / med['FC fwd']:.2f}x, dispatch recorder / FC fwd "
+                f"{med['dispatch recorder fwd'] / med['FC fwd']:.2f}x",
                 flush=True,
             )
         return 0
