@@ -437,8 +437,8 @@ Profiled with pyinstrument (`--profile`) and cProfile on CPU time, after a warm-
   garbage collector (off while `analyze` runs: it cost about 15% of an analysis). For tiny models
   (the MLP) these fixed costs are most of the analysis.
 - **The CLI**: `import torch` (2.0-2.5 s of CPU) is most of `graphflop inspect`'s time, then the
-  first import of sympy and `torch.distributed.tensor` (about 1 s, imported by PyTorch's C++
-  dispatcher). Dynamo is no longer imported (`graphflop/frontend/nodynamo.py`); graphviz and rich's report
+  first import of sympy (by PyTorch's type promotion, `torch._prims_common.elementwise_dtypes`)
+  and of `torch.distributed.tensor` (by PyTorch's C++ dispatcher), about 0.75 s together. Dynamo is no longer imported (`graphflop/frontend/nodynamo.py`); graphviz and rich's report
   renderer are loaded on first use (`tests/test_imports.py`).
 """
 
