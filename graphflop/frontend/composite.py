@@ -201,11 +201,22 @@ def tagged_decompositions(
     ``counter`` (default: a new one from 0). The graph is unchanged. Returns a new dict."""
     counter = itertools.count() if counter is None else counter
     out = dict(table)
-    for op, fn in table.items():
-        name = str(op)
-        if name in EAGER_SAVES:
-            out[op] = _tagging(name, fn, counter)
+    for op in _eager_saves_ops().intersection(table):
+        out[op] = _tagging(str(op), table[op], counter)
     return out
+
+
+def _eager_saves_ops() -> set[Any]:
+    """The op overloads :data:`EAGER_SAVES` names (resolved once: naming every op of a
+    decomposition table on each trace cost a few milliseconds)."""
+    if not _EAGER_OPS:
+        for name in EAGER_SAVES:
+            _, packet, overload = name.split(".")
+            _EAGER_OPS.add(getattr(getattr(aten, packet), overload))
+    return _EAGER_OPS
+
+
+_EAGER_OPS: set[Any] = set()
 
 
 def _tagging(name: str, fn: Callable[..., Any], counter: Iterator[int]) -> Callable[..., Any]:
