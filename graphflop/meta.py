@@ -391,6 +391,31 @@ class MemoryInfo:
     peak_at: str
 
 
+def fresh_fake(
+    mode: Any,
+    shape: Any,
+    stride: Any,
+    dtype: torch.dtype,
+    device: Any,
+    requires_grad: bool = False,
+) -> torch.Tensor:
+    """A new FakeTensor of FakeTensorMode ``mode`` with this shape, strides, dtype and device,
+    sharing storage with nothing (``requires_grad`` only for floating dtypes).
+
+    Made directly from a meta tensor, outside any mode: an ``empty_strided`` call through the
+    fake mode costs about 8x more (0.40 against 0.05 ms), and tracing makes one per parameter,
+    buffer and outlined call (issue 19)."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        meta = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device="meta")
+        out = FakeTensor(mode, meta, torch.device(device))
+        if requires_grad and dtype.is_floating_point:
+            out.requires_grad_(True)
+    return out
+
+
 def fake_mode_of(values) -> object | None:
     """The FakeTensorMode of the first FakeTensor among ``values`` (nested tuples allowed).
 

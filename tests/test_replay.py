@@ -131,6 +131,32 @@ def test_same_argument_twice_is_not_confused_with_two_arguments(monkeypatch):
     assert on == off
 
 
+def test_scalars_of_another_type_are_another_signature(monkeypatch):
+    """``1``, ``1.0`` and ``True`` are equal in Python, and so are ``0.0`` and ``-0.0``, but
+    ``1 - m`` on an int64 tensor is int64 and ``1.0 - m`` float32 (a tester's finding: the
+    second call replayed the first's template, and an embedding later got float indices)."""
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 4)
+            self.time = nn.Linear(1, 4)
+
+        def forward(self, x, m):
+            t = self.time(torch.arange(float(x.shape[1]))[:, None])  # float32
+            pos = self.emb(torch.arange(x.shape[1]))  # int64 indices
+            a = (1 - m) + torch.floor_divide(m, 2)  # int64
+            b = (1.0 - m) + torch.floor_divide(m, 2.0)  # float32
+            c = F.hardtanh(x, -0.0, 1.0) + F.hardtanh(x, 0.0, 1.0)
+            return x + pos + t + c + (a * b).unsqueeze(-1)
+
+    x, m = torch.randn(2, 8, 4), torch.ones(2, 8, dtype=torch.long)
+    off, on, _ = _both(M(), (x, m), monkeypatch, reuse=False)
+    assert on == off
+    dtypes = [row[4][2] for row in on if row[1] in ("aten.arange.start_step", "aten.sub.Tensor")]
+    assert torch.int64 in dtypes and torch.float32 in dtypes
+
+
 @pytest.mark.parametrize("name", ["resnet.py:resnet18", "gpt2.py:gpt2_small"])
 def test_zoo_graphs_unchanged(name, monkeypatch):
     loaded = load(spec(name), ctor_kwargs={"n_layer": 2} if "gpt2" in name else {}, meta=True)

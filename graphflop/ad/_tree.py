@@ -6,6 +6,7 @@ the passes call these once or more per emitted node, so they stay small and plai
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,8 @@ def _leaves(x: Any, out: list[Any]) -> None:
 
 def meta_key(a: Any) -> Any:
     """A hashable key of ``a`` by metadata: a tensor by shape, strides, offset, dtype and
-    device; containers by their items; anything else as itself (``TypeError`` on hashing
+    device; containers by their items; a float, bool or other non-integer number by its type
+    and exact value (:func:`_scalar_key`); anything else as itself (``TypeError`` on hashing
     when it is not hashable). A FakeTensor that carries a constant value raises
     ``TypeError``: its consumers may read the value."""
     t = type(a)
@@ -66,6 +68,8 @@ def meta_key(a: Any) -> Any:
         if key is None:
             key = a.__dict__[_KEY] = _tensor_key(a)
         return key
+    if t is float or t is bool:
+        return _scalar_key(a)
     if t in _LEAF_TYPES:
         return a
     if isinstance(a, torch.Tensor):
@@ -74,7 +78,16 @@ def meta_key(a: Any) -> Any:
         return tuple([meta_key(x) for x in a])
     if isinstance(a, dict):
         return tuple([(k, meta_key(v)) for k, v in sorted(a.items())])
+    if isinstance(a, numbers.Number) and t is not int:
+        return _scalar_key(a)
     return a
+
+
+def _scalar_key(a: Any) -> tuple:
+    """A non-integer scalar by type and exact value: ``1``, ``1.0`` and ``True`` are equal in
+    Python (one hash), ``0.0`` and ``-0.0`` too, but an op given one or the other can differ
+    (``1 - m`` on an int64 tensor is int64, ``1.0 - m`` float32)."""
+    return (type(a).__name__, repr(a))
 
 
 def value_key(a: Any) -> Any:
@@ -84,6 +97,8 @@ def value_key(a: Any) -> Any:
     t = type(a)
     if t is Node:
         return meta_key(a.meta.get("val"))
+    if t is float or t is bool:
+        return _scalar_key(a)
     if t in _LEAF_TYPES:
         return a
     if t is tuple or t is list or (isinstance(a, (list, tuple)) and not isinstance(a, torch.Size)):

@@ -34,10 +34,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.ad.builder import copy_node
+from graphflop.meta import fake_mode_of, fresh_fake
 
 #: template module paths start with this marker, replaced by the call site's path on inlining
 MARK = "@"
@@ -151,6 +153,8 @@ def graph_signature(graph: Graph) -> list:
     def arg(a: Any) -> Any:
         if isinstance(a, Node):
             return ("node", pos[a])
+        if isinstance(a, (bool, float)):  # 1, 1.0 and True compare equal
+            return (type(a).__name__, repr(a))
         if isinstance(a, (list, tuple)):
             return tuple(arg(b) for b in a)
         if isinstance(a, dict):
@@ -269,16 +273,10 @@ def _meta(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
 
-def _like(meta: tuple) -> torch.Tensor:
-    """A fresh tensor with ``meta`` (under the caller's fake mode)."""
+def _like(mode: Any, meta: tuple) -> torch.Tensor:
+    """A fresh FakeTensor of FakeTensorMode ``mode`` with ``meta``."""
     shape, stride, dtype, device, requires_grad = meta
-    return torch.empty_strided(
-        shape,
-        stride,
-        dtype=dtype,
-        device=device,
-        requires_grad=requires_grad and dtype.is_floating_point,
-    )
+    return fresh_fake(mode, shape, stride, dtype, device, requires_grad)
 
 
 @dataclass
@@ -440,10 +438,11 @@ class Outliner:
         """The outputs of call ``key`` as fresh FakeTensors; the first time, by running the
         module's real forward on them (raising :class:`NotOutlinable` if it writes in place)."""
         call = self.calls[key]
+        mode = fake_mode_of(tensors) or detect_fake_mode()  # the fake kernel's mode
         if call.out_spec is None:
             # fresh tensors like the call's (the op's own arguments do not require grad), run
             # in the call's grad mode
-            tensors = [_like(m) for m in (*call.input_meta, *call.state_meta)]
+            tensors = [_like(mode, m) for m in (*call.input_meta, *call.state_meta)]
             args, kwargs, state = self._rebuild(call, tensors)
             versions = [t._version for t in tensors]
             attrs = _attrs(call.module)
@@ -465,8 +464,7 @@ class Outliner:
             call.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
             call.out_meta = [_meta(x) for x in outs]
             call.out_meta += [_meta(tensors[call.n_inputs + i]) for i in call.written]
-        with torch.no_grad():
-            return [_like(m[:4] + (False,)) for m in call.out_meta]
+        return [_like(mode, m[:4] + (False,)) for m in call.out_meta]
 
     @contextlib.contextmanager
     def _bypass(self):
@@ -495,8 +493,7 @@ class Outliner:
 
     def example_tensors(self, key: int, fake_mode) -> list:
         call = self.calls[key]
-        with fake_mode:
-            return [_like(m) for m in (*call.input_meta, *call.state_meta)]
+        return [_like(fake_mode, m) for m in (*call.input_meta, *call.state_meta)]
 
 
 def inline(

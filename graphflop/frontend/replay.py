@@ -9,8 +9,9 @@ same op on arguments of the same shapes, strides and dtypes decomposes into the 
 and hands ``make_fx`` the outputs it would have had: the graph is the one tracing every call
 would give, node for node and in the same order (``tests/test_replay.py`` compares them).
 
-A signature is the op, the arguments' metadata (:func:`~graphflop.ad._tree.meta_key`), which
-arguments are the same graph value, and the grad and autocast modes. A call is traced inline
+A signature is the op, the arguments' metadata (:func:`~graphflop.ad._tree.meta_key`: tensors
+by shape, strides, dtype and device, scalars by type and exact value), which arguments are the
+same graph value, the grad and autocast modes and the default dtype. A call is traced inline
 (and never replayed) when its decomposition adds anything but ``call_function`` nodes (tensor
 constants), reads a graph value that is not one of its arguments, returns a tensor that is not
 a new node or an argument, returns views (storage offsets, shared storage), or writes into an
@@ -31,18 +32,13 @@ from torch.fx.node import map_aggregate, map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.ad._tree import meta_key
-from graphflop.meta import COMPOSITE, CompositeTag
+from graphflop.meta import COMPOSITE, CompositeTag, fresh_fake
 
 __all__ = ["Replays", "Template"]
 
 try:  # make_fx's bookkeeping (private; without it every call is traced inline)
-    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import (
-        disable_proxy_modes_tracing,
-        get_proxy_mode,
-        get_proxy_slot,
-        track_tensor_tree,
-    )
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, track_tensor_tree
 
     _AVAILABLE = True
 except ImportError:  # pragma: no cover - a PyTorch that moved them
@@ -211,6 +207,7 @@ def _signature(op: Any, args: Any, kwargs: Any, nodes: list) -> Any:
             same,
             torch.is_grad_enabled(),
             torch.is_autocast_enabled("cpu"),
+            torch.get_default_dtype(),
         )
         hash(key)
     except TypeError:
@@ -298,9 +295,6 @@ def _map(x: Any, fn: Callable[[Any], Any]) -> Any:
     return map_aggregate(x, fn)
 
 
-def _fresh(val: FakeTensor) -> FakeTensor:
-    """A new FakeTensor of ``val``'s mode, shape, strides, dtype and device (no storage
-    shared with anything)."""
-    with unset_fake_temporarily(), disable_proxy_modes_tracing():
-        meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-    return FakeTensor(val.fake_mode, meta, val.device)
+def _fresh(val: FakeTensor) -> torch.Tensor:
+    """A new FakeTensor of ``val``'s mode, shape, strides, dtype and device."""
+    return fresh_fake(val.fake_mode, val.shape, val.stride(), val.dtype, val.device)

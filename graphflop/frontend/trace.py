@@ -49,7 +49,7 @@ from graphflop.frontend.libraries import data_dependent_hint, traced_by_librarie
 from graphflop.frontend.loss import LOSSES, default_loss, loss_output, loss_value, make_targets
 from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
-from graphflop.meta import OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of
+from graphflop.meta import OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of, fresh_fake
 from graphflop.ops import decomposition_table
 
 __all__ = [
@@ -295,6 +295,4 @@ def _as_fake(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
         return t
     if t.device.type != "meta":
         return fake_mode.from_tensor(t)
-    with fake_mode:
-        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-    return out.requires_grad_(t.requires_grad) if t.dtype.is_floating_point else out
+    return fresh_fake(fake_mode, t.shape, t.stride(), t.dtype, "cpu", t.requires_grad)

@@ -40,6 +40,7 @@ from graphflop.meta import (
     ForwardGradientInfo,
     JvpInfo,
     Signature,
+    fresh_fake,
     graph_fake_mode,
     graph_module,
 )
@@ -295,14 +296,13 @@ class _Batcher:
             ]
             return tree_map(lambda *xs: torch.stack(xs), *outs)
 
-        with self.fake_mode:
-            # a tensor of its own per argument: nodes of equal metadata share one FakeTensor
-            # (builder.fake_output's cache), and make_fx, which tracks tensors by identity,
-            # would read both arguments of add(a, b) from one placeholder
-            vals = [
-                torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-                for v in (x.meta["val"] for x in ins)
-            ]
+        # a tensor of its own per argument: nodes of equal metadata share one FakeTensor
+        # (builder.fake_output's cache), and make_fx, which tracks tensors by identity,
+        # would read both arguments of add(a, b) from one placeholder
+        vals = [
+            fresh_fake(self.fake_mode, v.shape, v.stride(), v.dtype, v.device)
+            for v in (x.meta["val"] for x in ins)
+        ]
         with self.fake_mode, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch._C._functorch._set_vmap_fallback_warning_enabled(True)
