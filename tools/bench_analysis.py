@@ -418,10 +418,11 @@ Profiled with pyinstrument (`--profile`) and cProfile on CPU time, after a warm-
 
 - **Tracing dominates convolutional networks.** `make_fx` costs about 1 ms of CPU per traced
   ATen op whatever the tensor sizes (proxy creation, fake-tensor dispatch, PyTorch's own
-  `Graph.create_node` checks). For ResNet-50 in training mode, batch norm is still about 40% of
+  `Graph.create_node` checks). For ResNet-50 in training mode, batch norm was about 40% of
   the trace (PyTorch's `_native_batch_norm_legit_functional` decomposition, about 20 traced ops
   per call, also in the outlined templates) although blocks that hold a training-mode batch norm
-  are outlined since round 2 (`graphflop/frontend/outline.py`). Outlining each batch norm
+  are outlined since round 2 (`graphflop/frontend/outline.py`); since round 6 a decomposition is
+  traced once per argument signature and replayed (`graphflop/frontend/replay.py`). Outlining each batch norm
   module on its own was slower (round 4: make_fx's fixed cost per template). FlopCounterMode
   runs the same ops eagerly on meta tensors, without proxies or fake tensors; plain make_fx of
   the forward is already 1.9-2.9x FlopCounterMode's forward (`--floor`).
@@ -430,15 +431,16 @@ Profiled with pyinstrument (`--profile`) and cProfile on CPU time, after a warm-
   over the arguments looking for SymInts, 47 µs per node against 31-35 µs without it; the
   builders skip it since round 4), a quarter in graphflop's argument maps and metadata keys
   (`graphflop/ad/_tree.py`, cheaper since round 3), the rest in the rules; fake-tensor
-  propagation is mostly served by the builders' shape cache. The next lever: build a repeated
-  block's JVP and backward once and copy them, as tracing does.
+  propagation is mostly served by the builders' shape cache. Replaying a block's rule
+  applications instead gave nothing (round 6): node creation is about half of each node's cost.
 - **Fixed costs**: PyTorch's core-ATen decomposition table (built once per process, and since
   round 3 without `torch.export`'s table class, `graphflop/ops/registry.py`), and Python's cyclic
   garbage collector (off while `analyze` runs: it cost about 15% of an analysis). For tiny models
   (the MLP) these fixed costs are most of the analysis.
 - **The CLI**: `import torch` (2.0-2.5 s of CPU) is most of `graphflop inspect`'s time, then the
   first import of sympy (by PyTorch's type promotion, `torch._prims_common.elementwise_dtypes`)
-  and of `torch.distributed.tensor` (by PyTorch's C++ dispatcher), about 0.75 s together. Dynamo is no longer imported (`graphflop/frontend/nodynamo.py`); graphviz and rich's report
+  and of `torch.distributed.tensor` (by PyTorch's C++ dispatcher), about 0.75 s together.
+  Dynamo is no longer imported (`graphflop/frontend/nodynamo.py`); graphviz and rich's report
   renderer are loaded on first use (`tests/test_imports.py`).
 """
 
