@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphflop.frontend.errors import first_line
+
 #: default sequence length of the token inputs
 DEFAULT_SEQ = 128
 
@@ -76,20 +78,13 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
         else:
             model = cls.from_config(config)
     except Exception as e:
-        raise SpecError(f"building hf:{name} failed: {type(e).__name__}: {_first(e)}") from e
+        raise SpecError(
+            f"building hf:{name} failed: {type(e).__name__}: {first_line(e, continued=True)}"
+        ) from e
     kwargs = default_inputs(model, config, seq)
     example = bind_call(model, (), kwargs)
     notes = _onto_meta(model) if meta else ()
     return LoadedModel(f"hf:{name}", model, example, notes)
-
-
-def _first(e: BaseException) -> str:
-    """``e``'s first line, with the next one where the first only introduces it (ends in
-    ``:``, as huggingface_hub's validation errors do)."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    if not lines:
-        return type(e).__name__
-    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def _config(tf: Any, name: str, args: dict) -> Any:
@@ -105,7 +100,9 @@ def _config(tf: Any, name: str, args: dict) -> Any:
         try:
             config = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
         except Exception as e:
-            raise SpecError(f"hf:{name}: reading config.json failed: {_first(e)}") from e
+            raise SpecError(
+                f"hf:{name}: reading config.json failed: {first_line(e, continued=True)}"
+            ) from e
         _check_fields(config, args, name)
         for k, v in args.items():
             setattr(config, k, v)
@@ -121,7 +118,9 @@ def _config(tf: Any, name: str, args: dict) -> Any:
     except SpecError:
         raise
     except Exception as e:
-        raise SpecError(f"hf:{name}: bad configuration {args}: {_first(e)}") from e
+        raise SpecError(
+            f"hf:{name}: bad configuration {args}: {first_line(e, continued=True)}"
+        ) from e
 
 
 def _check_fields(config: Any, args: dict, name: str) -> None:

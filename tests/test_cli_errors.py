@@ -885,3 +885,22 @@ def test_every_command_warns_of_an_op_without_rules(work, capsys, argv):
     path.write_text(_NO_RULE)
     rc, _, err = cli(capsys, *[a.format(m=path) for a in argv])
     assert any("gftest.twice" in line and "no cost/jvp rule" in line for line in err), err
+
+
+def test_first_line_and_exception_chain():
+    """The one-line error helpers every message goes through: the first line (with the next
+    one where the first only introduces it, for HuggingFace's validation errors), and the
+    cause/context chain, walked once even when it loops."""
+    from graphflop.frontend.errors import exception_chain, find_cause, first_line
+
+    e = ValueError("bad config:\n\n  hidden_size must be even\nmore")
+    assert first_line(e) == "bad config:"
+    assert first_line(e, continued=True) == "bad config: hidden_size must be even"
+    assert first_line(RuntimeError("")) == "RuntimeError"
+    inner, outer = KeyError("k"), RuntimeError("x")
+    outer.__cause__ = inner
+    inner.__context__ = outer  # a loop
+    assert exception_chain(outer) == [outer, inner]
+    assert find_cause(outer, KeyError) is inner
+    assert find_cause(outer, (TypeError, KeyError)) is inner
+    assert find_cause(outer, TypeError) is None

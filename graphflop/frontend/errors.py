@@ -15,21 +15,34 @@ class TraceError(RuntimeError):
     """The model could not be traced; the message says why."""
 
 
-def first_line(e: BaseException) -> str:
-    """The first line of ``e``'s message (its type's name when the message is empty)."""
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
+def first_line(e: BaseException, *, continued: bool = False) -> str:
+    """The first line of ``e``'s message (its type's name when the message is empty).
+
+    ``continued``: when that line only introduces the next (ends in ``:``, as
+    huggingface_hub's validation errors do), the next non-blank line is appended."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    if continued and lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
 
 
-def find_cause(e: BaseException | None, kind: type) -> Any:
-    """``e`` or the first exception of ``kind`` in its cause/context chain, else ``None``."""
-    seen = set()
+def exception_chain(e: BaseException | None) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from or while handling (``__cause__``, else
+    ``__context__``), outermost first, each once."""
+    chain: list[BaseException] = []
+    seen: set[int] = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, kind):
-            return e
+        chain.append(e)
         seen.add(id(e))
         e = e.__cause__ or e.__context__
-    return None
+    return chain
+
+
+def find_cause(e: BaseException | None, kind: type | tuple[type, ...]) -> Any:
+    """``e`` or the first exception of ``kind`` in its cause/context chain, else ``None``."""
+    return next((c for c in exception_chain(e) if isinstance(c, kind)), None)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from graphflop.frontend.errors import exception_chain
+
 
 @contextlib.contextmanager
 def traced_by_libraries() -> Iterator[None]:
@@ -119,12 +121,7 @@ def data_dependent_hint(e: BaseException) -> str | None:
     """The one-line explanation for a trace that failed on data-dependent control flow (an
     ``if`` on a tensor's value, ``.item()``, ``nonzero``), naming the model's line; None for
     other failures."""
-    chain, seen = [], set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        chain.append(cur)
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
+    chain = exception_chain(e)
     hit = next((c for c in chain if type(c).__name__ in DATA_DEPENDENT[:3]), None)
     if hit is None:
         return None

@@ -43,6 +43,8 @@ from typing import Any, TypeVar
 import torch
 from torch._guards import GuardSource, Source
 
+from graphflop.frontend.errors import find_cause
+
 _T = TypeVar("_T")
 
 #: set to ``1`` to always use the real Dynamo (to compare, or should a stand-in misbehave)
@@ -85,13 +87,7 @@ def run(fn: Callable[[], _T], *, light: bool = True) -> _T:
 
 def _missing_name(e: BaseException | None) -> bool:
     """Whether an ``AttributeError`` or ``ImportError`` is in ``e``'s chain."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, AttributeError | ImportError):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False
+    return find_cause(e, (AttributeError, ImportError)) is not None
 
 
 class _NotOptimized:
