@@ -131,7 +131,18 @@ class AnnotateFlops(GraphPass):
 
 def total_cost(nodes) -> NodeCost:
     """Sum of ``COST`` over nodes (missing costs count as zero)."""
-    t = ZERO_COST
-    for n in nodes:
-        t = t + n.meta.get(COST, ZERO_COST)
-    return t
+    return sum_costs(n.meta.get(COST, ZERO_COST) for n in nodes)
+
+
+def sum_costs(costs) -> NodeCost:
+    """Sum of an iterable of :class:`~graphflop.meta.NodeCost`, field by field (one NodeCost
+    made, not one per term: the summary sums every node of every graph)."""
+    f = mm = tr = rnd = br = bw = 0
+    for c in costs:
+        f += c.flops
+        mm += c.mm_flops
+        tr += c.transcendentals
+        rnd += c.random_elements
+        br += c.bytes_read
+        bw += c.bytes_written
+    return NodeCost(f, mm, tr, rnd, br, bw)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
@@ -90,6 +91,14 @@ class Schedule:
         def reads_of(n: Node) -> list[str]:
             return [k for a in n.all_input_nodes for k in keys.get(a, [])]
 
+        views: dict[Any, bool] = {}  # op -> its rule's byte policy is "view" (looked up once)
+
+        def is_view(op: Any) -> bool:
+            v = views.get(op)
+            if v is None:
+                v = views[op] = has_rule(op) and lookup(op).bytes == "view"
+            return v
+
         for n in gm.graph.nodes:
             if n.op == "output":
                 reads = reads_of(n)
@@ -114,7 +123,7 @@ class Schedule:
             val = n.meta.get("val")
             if n.op == "call_function" and (
                 (n.target is operator.getitem and not eager)
-                or (has_rule(n.target) and lookup(n.target).bytes == "view")
+                or is_view(n.target)
                 or n.name in inplace
             ):
                 base = n.all_input_nodes[0] if n.all_input_nodes else None

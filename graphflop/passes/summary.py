@@ -38,7 +38,7 @@ from graphflop.passes.eager_memory import (
     eager_saved_storages,
     eager_train_schedule,
 )
-from graphflop.passes.flops import tensor_bytes, total_cost
+from graphflop.passes.flops import sum_costs, tensor_bytes, total_cost
 from graphflop.passes.memory import (
     forward_schedule,
     jvp_schedule,
@@ -487,17 +487,15 @@ def _op_rows(g: Graphs) -> tuple[OpRow, ...]:
         nodes = _ops(gm)
         if phase == "jvp":
             nodes = [n for n in nodes if n.meta.get(KIND) in ("tangent", "coef")]
-        by: dict[str, tuple[int, NodeCost]] = {}
+        by: dict[str, list[NodeCost]] = {}
         for n in nodes:
-            if n.target is operator.getitem:
-                continue
-            name = op_name(n.target)
-            count, cost = by.get(name, (0, NodeCost()))
-            by[name] = (count + 1, cost + n.meta[COST])
-        rows += [
-            OpRow(op, phase, k, c.flops, c.mm_flops, c.bytes_read, c.bytes_written)
-            for op, (k, c) in by.items()
-        ]
+            if n.target is not operator.getitem:
+                by.setdefault(op_name(n.target), []).append(n.meta[COST])
+        for op, costs in by.items():
+            c = sum_costs(costs)
+            rows.append(
+                OpRow(op, phase, len(costs), c.flops, c.mm_flops, c.bytes_read, c.bytes_written)
+            )
     return tuple(rows)
 
 
