@@ -59,7 +59,7 @@ def _leaves(x: Any, out: list[Any]) -> None:
 def meta_key(a: Any) -> Any:
     """A hashable key of ``a`` by metadata: a tensor by shape, strides, offset, dtype and
     device; containers by their items; a float, bool or other non-integer number by its type
-    and exact value (:func:`_scalar_key`); anything else as itself (``TypeError`` on hashing
+    and exact value (:func:`scalar_key`); anything else as itself (``TypeError`` on hashing
     when it is not hashable). A FakeTensor that carries a constant value raises
     ``TypeError``: its consumers may read the value."""
     t = type(a)
@@ -69,7 +69,7 @@ def meta_key(a: Any) -> Any:
             key = a.__dict__[_KEY] = _tensor_key(a)
         return key
     if t is float or t is bool:
-        return _scalar_key(a)
+        return scalar_key(a)
     if t in _LEAF_TYPES:
         return a
     if isinstance(a, torch.Tensor):
@@ -79,11 +79,11 @@ def meta_key(a: Any) -> Any:
     if isinstance(a, dict):
         return tuple([(k, meta_key(v)) for k, v in sorted(a.items())])
     if isinstance(a, numbers.Number) and t is not int:
-        return _scalar_key(a)
+        return scalar_key(a)
     return a
 
 
-def _scalar_key(a: Any) -> tuple:
+def scalar_key(a: Any) -> tuple:
     """A non-integer scalar by type and exact value: ``1``, ``1.0`` and ``True`` are equal in
     Python (one hash), ``0.0`` and ``-0.0`` too, but an op given one or the other can differ
     (``1 - m`` on an int64 tensor is int64, ``1.0 - m`` float32)."""
@@ -98,7 +98,7 @@ def value_key(a: Any) -> Any:
     if t is Node:
         return meta_key(a.meta.get("val"))
     if t is float or t is bool:
-        return _scalar_key(a)
+        return scalar_key(a)
     if t in _LEAF_TYPES:
         return a
     if t is tuple or t is list or (isinstance(a, (list, tuple)) and not isinstance(a, torch.Size)):

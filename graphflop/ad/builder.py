@@ -157,17 +157,13 @@ class Builder:
     # -- emission ----------------------------------------------------------------------------
     def _fake(self, op: Any, args: Any, kwargs: Any) -> Any:
         """The op's output as FakeTensors (:func:`fake_output` over the arguments' values; the
-        shape cache looked up first without mapping the arguments to their values)."""
-        if op not in _UNCACHED:
-            try:
-                hit = _SHAPE_CACHE.setdefault(self.fake_mode, {}).get(
-                    (op, value_key(args), value_key(kwargs))
-                )
-            except TypeError:
-                hit = None
-            if hit is not None:
-                return hit
-        return fake_output(self.fake_mode, op, tree_map(value_of, args), tree_map(value_of, kwargs))
+        shape cache keyed without mapping the arguments to their values, which a hit skips)."""
+        return _cached(
+            self.fake_mode,
+            op,
+            _shape_key(op, args, kwargs, value_key),
+            lambda: (tree_map(value_of, args), tree_map(value_of, kwargs)),
+        )
 
     def call(self, op: Any, *args: Any, **kwargs: Any) -> Any:
         """Emit ``op(*args, **kwargs)``; returns the new node, or a GhostValue."""
@@ -296,12 +292,18 @@ def fake_output(fake_mode: Any, op: Any, vals: Any, kvals: Any) -> Any:
     same op has run on arguments of the same shapes, strides and dtypes (a transformer's 48
     blocks emit the same calls 48 times; a FakeTensor dispatch costs about a millisecond, a
     view's too)."""
+    return _cached(fake_mode, op, _shape_key(op, vals, kvals, meta_key), lambda: (vals, kvals))
+
+
+def _cached(fake_mode: Any, op: Any, key: Any, values: Any) -> Any:
+    """The shape cache's entry for ``key``, else ``op`` run in ``fake_mode`` on ``values()``
+    (``(args, kwargs)`` of FakeTensors), kept under ``key`` unless it is None."""
     cache = _SHAPE_CACHE.setdefault(fake_mode, {})
-    key = _shape_key(op, vals, kvals)
     if key is not None:
         hit = cache.get(key)
         if hit is not None:
             return hit
+    vals, kvals = values()
     with fake_mode:
         out = op(*vals, **kvals)
     if key is not None:
@@ -309,15 +311,17 @@ def fake_output(fake_mode: Any, op: Any, vals: Any, kvals: Any) -> Any:
     return out
 
 
-def _shape_key(op: Any, args: tuple, kwargs: dict) -> Any:
-    """A hashable key of an op call by its arguments' metadata, or None (do not cache).
+def _shape_key(op: Any, args: Any, kwargs: Any, key_of: Any) -> Any:
+    """A hashable key of an op call by its arguments' metadata (``key_of``: :func:`meta_key`
+    for values, :func:`value_key` for graph nodes: equal keys either way), or None (do not
+    cache).
 
     Only ops whose output metadata is a function of the inputs' metadata are cached: views and
     computations, not ops reading tensor values (``nonzero``, ``item``)."""
     if op in _UNCACHED:
         return None
     try:
-        key = (op, meta_key(args), meta_key(kwargs))
+        key = (op, key_of(args), key_of(kwargs))
         hash(key)
     except TypeError:
         return None

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from graphflop.meta import COMPOSITE, CompositeTag
+from graphflop.meta import COMPOSITE, CompositeTag, traced_node
 from graphflop.ops.attention import sdpa
 
 aten = torch.ops.aten
@@ -240,25 +240,16 @@ def _tagging(name: str, fn: Callable[..., Any], counter: Iterator[int]) -> Calla
     return decomposed
 
 
-def _node_of(t: Any, tracer: Any) -> Any:
-    if not isinstance(t, torch.Tensor):
-        return None
-    if torch._is_functional_tensor(t):  # seen above functionalization (:func:`attention`)
-        t = torch._from_functional_tensor(t)
-    slot = get_proxy_slot(t, tracer, None)
-    return getattr(getattr(slot, "proxy", None), "node", None)
-
-
 def _tag(name: str, region: int, new: list, args: tuple, result: Any, tracer: Any) -> None:
     inputs = {}
     for k, a in enumerate(args):
-        node = _node_of(a, tracer)
+        node = traced_node(a, tracer)
         if node is not None:
             inputs.setdefault(node, k)
     outputs: dict = {}
     inner = set(new)
     for k, t in enumerate(tree_flatten(result)[0]):
-        node = _node_of(t, tracer)
+        node = traced_node(t, tracer)
         # an output that is a view of an inner node (batch norm's squeezed mean) names that
         # node too: unused outputs are removed from the graph, their bases stay
         while node is not None:

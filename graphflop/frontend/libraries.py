@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from graphflop.frontend.errors import exception_chain
+from graphflop.meta import traced_node
 
 
 @contextlib.contextmanager
@@ -55,26 +56,12 @@ def _packed_from_shapes(find: Callable[[Any], Any]) -> Callable[[Any], Any]:
     original."""
 
     def packed(position_ids: Any) -> Any:
-        node = _traced_node(position_ids)
+        node = traced_node(position_ids)
         if node is not None and not _reads_inputs(node):
             return None
         return find(position_ids)
 
     return packed
-
-
-def _traced_node(t: Any) -> Any:
-    """The graph node ``make_fx`` records for tensor ``t`` (unwrapping functionalization), or
-    None when nothing is being traced."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
-
-    mode = get_proxy_mode()
-    if mode is None or not isinstance(t, torch.Tensor):
-        return None
-    while torch._is_functional_tensor(t):
-        t = torch._from_functional_tensor(t)
-    slot = get_proxy_slot(t, mode.tracer, None)
-    return getattr(getattr(slot, "proxy", None), "node", None)
 
 
 def _reads_inputs(node: Any) -> bool:

@@ -38,6 +38,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from graphflop.ad._tree import scalar_key
 from graphflop.ad.builder import copy_node
 from graphflop.meta import fake_mode_of, fresh_fake
 
@@ -154,7 +155,7 @@ def graph_signature(graph: Graph) -> list:
         if isinstance(a, Node):
             return ("node", pos[a])
         if isinstance(a, (bool, float)):  # 1, 1.0 and True compare equal
-            return (type(a).__name__, repr(a))
+            return scalar_key(a)
         if isinstance(a, (list, tuple)):
             return tuple(arg(b) for b in a)
         if isinstance(a, dict):

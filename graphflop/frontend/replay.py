@@ -32,13 +32,13 @@ from torch.fx.node import map_aggregate, map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.ad._tree import meta_key
-from graphflop.meta import COMPOSITE, CompositeTag, fresh_fake
+from graphflop.meta import COMPOSITE, CompositeTag, fresh_fake, traced_node
 
 __all__ = ["Replays", "Template"]
 
 try:  # make_fx's bookkeeping (private; without it every call is traced inline)
     from torch._subclasses.fake_tensor import FakeTensor
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, track_tensor_tree
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, track_tensor_tree
 
     _AVAILABLE = True
 except ImportError:  # pragma: no cover - a PyTorch that moved them
@@ -110,7 +110,7 @@ class Replays:
             tracer = mode.tracer
             flat = tree_flatten((args, kwargs))[0]
             tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-            nodes = [_node(t, tracer) for t in tensors]
+            nodes = [traced_node(t, tracer) for t in tensors]
             key = _signature(op, args, kwargs, nodes)
             template = self.templates.get(key) if key is not None else _INLINE
             if template is None:  # first call of this signature: trace it and keep it
@@ -145,8 +145,8 @@ class Replays:
             node = graph.create_node(
                 "call_function",
                 target,
-                _map(args, resolve),
-                _map(kwargs, resolve),
+                map_aggregate(args, resolve),
+                map_aggregate(kwargs, resolve),
                 name=_name(graph, target),
             )
             node.meta.update(meta)
@@ -160,7 +160,10 @@ class Replays:
                 leaves.append(tensors[v])
             elif kind == "t":
                 node = made[v]
-                leaves.append(_fresh(node.meta["val"]))
+                val = node.meta["val"]
+                leaves.append(
+                    fresh_fake(val.fake_mode, val.shape, val.stride(), val.dtype, val.device)
+                )
                 track_tensor_tree(leaves[-1], Proxy(node, tracer), constant=None, tracer=tracer)
             else:
                 leaves.append(v)
@@ -186,11 +189,6 @@ def _name(graph: torch.fx.Graph, target: Any) -> str | None:
     that a replayed graph's names are the traced graph's (buffer updates name nodes)."""
     packet = getattr(target, "overloadpacket", None)
     return graph._target_to_str(packet.__name__) if packet is not None else None
-
-
-def _node(t: torch.Tensor, tracer: Any) -> Node | None:
-    slot = get_proxy_slot(t, tracer, None)
-    return getattr(getattr(slot, "proxy", None), "node", None)
 
 
 def _signature(op: Any, args: Any, kwargs: Any, nodes: list) -> Any:
@@ -245,14 +243,14 @@ def _capture(
         meta = {k: v for k, v in n.meta.items() if k != "nn_module_stack"}
         entries.append((n.target, map_arg(n.args, ref), map_arg(n.kwargs, ref), meta))
     leaves, spec = tree_flatten(out)
-    outputs = _outputs(leaves, tensors, index, inputs, tracer)
+    outputs = _outputs(leaves, tensors, index, tracer)
     writes = _writes(tensors, nodes, index, tracer)
     if foreign or outputs is None or writes is None:
         return _INLINE
     return Template(tuple(entries), tuple(outputs), spec, tuple(writes))
 
 
-def _outputs(leaves: list, tensors: list, index: dict, inputs: dict, tracer: Any) -> Any:
+def _outputs(leaves: list, tensors: list, index: dict, tracer: Any) -> Any:
     """The template's output references, or None when an output cannot be replayed (a view:
     replayed outputs are fresh tensors)."""
     outputs: list[tuple[str, Any]] = []
@@ -261,7 +259,7 @@ def _outputs(leaves: list, tensors: list, index: dict, inputs: dict, tracer: Any
         if not isinstance(leaf, torch.Tensor):
             outputs.append(("c", leaf))
             continue
-        node = _node(leaf, tracer)
+        node = traced_node(leaf, tracer)
         if node in index:
             if not isinstance(leaf, FakeTensor) or leaf.storage_offset() != 0:
                 return None
@@ -270,10 +268,11 @@ def _outputs(leaves: list, tensors: list, index: dict, inputs: dict, tracer: Any
                 return None  # a view of an argument or of another output
             storages.add(storage)
             outputs.append(("t", index[node]))
-        elif node in inputs and any(leaf is t for t in tensors):
-            outputs.append(("in", next(k for k, t in enumerate(tensors) if leaf is t)))
         else:
-            return None
+            k = next((k for k, t in enumerate(tensors) if leaf is t), None)
+            if k is None:
+                return None  # a tensor that is neither a new node nor an argument
+            outputs.append(("in", k))
     return outputs
 
 
@@ -282,19 +281,10 @@ def _writes(tensors: list, nodes: list, index: dict, tracer: Any) -> Any:
     is now a node the call did not add."""
     writes = []
     for k, t in enumerate(tensors):
-        now = _node(t, tracer)
+        now = traced_node(t, tracer)
         if now is nodes[k]:
             continue
         if now not in index:
             return None
         writes.append((k, index[now]))
     return writes
-
-
-def _map(x: Any, fn: Callable[[Any], Any]) -> Any:
-    return map_aggregate(x, fn)
-
-
-def _fresh(val: FakeTensor) -> torch.Tensor:
-    """A new FakeTensor of ``val``'s mode, shape, strides, dtype and device."""
-    return fresh_fake(val.fake_mode, val.shape, val.stride(), val.dtype, val.device)
