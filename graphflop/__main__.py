@@ -1,8 +1,6 @@
 """``python -m graphflop``: the command line (the same as ``python -m graphflop.cli``), so that
 ``torchrun --nproc_per_node N -m graphflop train ...`` runs data-parallel training."""
 
-import sys
+from graphflop.cli import entry
 
-from graphflop.cli import main
-
-sys.exit(main())
+entry()

@@ -203,3 +203,38 @@ def test_every_subcommand_reports_bad_input_in_one_line(
     assert len(lines) == 1 and lines[0].startswith("graphflop: error:"), lines
     assert message in lines[0]
     assert stdout == "" and list(tmp_path.iterdir()) == []
+
+
+_ENTRY = """
+import atexit, sys
+atexit.register(lambda: print("atexit handler ran", file=sys.stderr))
+sys.argv = ["graphflop", *sys.argv[1:]]
+from graphflop.cli import entry
+entry()
+print("not reached: entry() ends the process", file=sys.stderr)
+"""
+
+
+def test_entry_exits_fast_with_status_flushed_output_and_atexit(tmp_path):
+    # the console script ends with os._exit (no interpreter teardown, issue 19): the status,
+    # everything written to the pipes and files, and the atexit handlers must survive it
+    out = tmp_path / "out.json"
+    r = subprocess.run(
+        [sys.executable, "-c", _ENTRY, "inspect", spec("logreg.py"), "--format", "json"]
+        + ["--json", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    # the whole report reached the (block-buffered) pipe and the file: both parse
+    assert json.loads(r.stdout)["params"] == 784 * 10 + 10
+    assert json.loads(out.read_text()) == json.loads(r.stdout)
+    assert "atexit handler ran" in r.stderr
+    assert "not reached" not in r.stderr
+    bad = subprocess.run(
+        [sys.executable, "-c", _ENTRY, "inspect", str(tmp_path / "missing.py")],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.count("graphflop: error:") == 1 and "atexit handler ran" in bad.stderr

@@ -1,7 +1,5 @@
 """``python -m graphflop.cli``: the command line."""
 
-import sys
+from graphflop.cli import entry
 
-from graphflop.cli import main
-
-sys.exit(main())
+entry()

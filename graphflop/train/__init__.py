@@ -3,12 +3,35 @@ forward-gradient step) in PyTorch or on ONNX Runtime, next to plain PyTorch auto
 
 See :func:`graphflop.train.loop.train` and :class:`graphflop.train.config.TrainConfig`; data
 sets in :mod:`graphflop.train.data`.
+
+The names below load their modules on first access (PEP 562), so that importing one submodule
+(the command line reads :mod:`graphflop.train.config`'s defaults to build ``--help``) does not
+load the training loop, the data readers and ONNX Runtime's glue (issue 19).
 """
 
-from graphflop.train.config import TrainConfig, TrainError
-from graphflop.train.data import DataError, Dataset, load_dataset, read_idx
-from graphflop.train.loop import TrainResult, train
-from graphflop.train.variance import estimator_variance
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from graphflop.train.config import TrainConfig, TrainError
+    from graphflop.train.data import DataError, Dataset, load_dataset, read_idx
+    from graphflop.train.loop import TrainResult, train
+    from graphflop.train.variance import estimator_variance
+
+#: public name -> the submodule that defines it
+_WHERE = {
+    "TrainConfig": "config",
+    "TrainError": "config",
+    "DataError": "data",
+    "Dataset": "data",
+    "load_dataset": "data",
+    "read_idx": "data",
+    "TrainResult": "loop",
+    "train": "loop",
+    "estimator_variance": "variance",
+}
 
 __all__ = [
     "DataError",
@@ -21,3 +44,12 @@ __all__ = [
     "read_idx",
     "train",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load :data:`_WHERE`'s names on first access."""
+    if name not in _WHERE:
+        raise AttributeError(f"module 'graphflop.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"graphflop.train.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
