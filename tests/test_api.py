@@ -369,3 +369,29 @@ def test_analyze_takes_every_form_example_inputs_may_return():
     forms = [x, (x,), {"x": x}, ((x,), {"scale": 2.0})]
     for form in forms:
         assert graphflop.analyze(Lin(), form).report.totals.forward.mm_flops == 80_000, form
+
+
+class _Argmax(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x).argmax(-1)
+
+
+def test_analyze_an_integer_only_output_is_forward_only():
+    # the library's side of the CLI's note: nothing to differentiate, so loss "auto" is no
+    # loss and no backward (it was an IndexError in the backward builder)
+    a = graphflop.analyze(_Argmax(), (torch.randn(2, 4),))
+    assert a.backward is None and a.update is None
+    d = a.report.to_dict()
+    assert d["loss"] == "none"
+    # Linear(4 -> 3) at batch 2: 2*2*4*3 = 48 matmul FLOPs
+    assert d["totals"]["forward"]["mm_flops"] == 48
+
+
+@pytest.mark.parametrize("loss", ["sum", "cross_entropy", "mse", "output"])
+def test_an_explicit_loss_of_an_integer_only_output_is_refused(loss):
+    with pytest.raises(graphflop.TraceError, match=f"loss '{loss}' needs a floating-point output"):
+        graphflop.analyze(_Argmax(), (torch.randn(2, 4),), loss=loss)

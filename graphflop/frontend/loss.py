@@ -43,11 +43,20 @@ def loss_output(out: Any) -> Any:
 
 
 def default_loss(out: Any) -> str:
-    """Cross-entropy for ``(N, C)`` floating logits (:func:`loss_output`), ``sum`` otherwise."""
+    """Cross-entropy for ``(N, C)`` floating logits (:func:`loss_output`); ``none`` when the
+    output holds no floating-point or complex tensor (nothing to differentiate, e.g. a model
+    ending in argmax); ``sum`` otherwise."""
     first = loss_output(out)
-    if isinstance(first, torch.Tensor) and first.dim() == 2 and first.is_floating_point():
+    if not differentiable(first):
+        return "none"
+    if first.dim() == 2 and first.is_floating_point():
         return "cross_entropy"
     return "sum"
+
+
+def differentiable(t: Any) -> bool:
+    """Whether ``t`` is a floating-point or complex tensor (one a loss can be taken of)."""
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
 def make_targets(

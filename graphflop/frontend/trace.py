@@ -46,7 +46,14 @@ from graphflop.frontend.errors import TraceError, find_cause, first_line, quiet_
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.inputs import bind_call
 from graphflop.frontend.libraries import data_dependent_hint, traced_by_libraries
-from graphflop.frontend.loss import LOSSES, default_loss, loss_output, loss_value, make_targets
+from graphflop.frontend.loss import (
+    LOSSES,
+    default_loss,
+    differentiable,
+    loss_output,
+    loss_value,
+    make_targets,
+)
 from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
 from graphflop.meta import OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of, fresh_fake
@@ -181,6 +188,12 @@ def _trace_once(
             # its predicted classes first, then the logits)
             head = loss_output(outs)
             kind = default_loss(head) if loss == "auto" else loss
+            if kind != "none" and not differentiable(head):
+                raise TraceError(
+                    f"loss {kind!r} needs a floating-point output to differentiate, but the "
+                    f"model's output has none (a {head.dtype} tensor first): return the logits "
+                    "or scores, or trace with loss='none' (or 'auto') for the forward only"
+                )
             chosen["loss"] = kind
             if kind == "none":
                 return tuple(outs)
