@@ -395,3 +395,9 @@ def test_analyze_an_integer_only_output_is_forward_only():
 def test_an_explicit_loss_of_an_integer_only_output_is_refused(loss):
     with pytest.raises(graphflop.TraceError, match=f"loss '{loss}' needs a floating-point output"):
         graphflop.analyze(_Argmax(), (torch.randn(2, 4),), loss=loss)
+
+
+def test_loss_output_of_a_non_scalar_output_is_refused():
+    # tester's finding: a raw broadcasting RuntimeError escaped from the backward's seed
+    with pytest.raises(graphflop.TraceError, match=r"loss 'output'.*shape \(2, 3\)"):
+        graphflop.analyze(nn.Linear(4, 3), (torch.randn(2, 4),), loss="output")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -206,8 +207,15 @@ def test_every_subcommand_reports_bad_input_in_one_line(
 
 
 _ENTRY = """
-import atexit, sys
-atexit.register(lambda: print("atexit handler ran", file=sys.stderr))
+import atexit, os, sys, threading, time
+# what Python's own exit delivers: output printed by an atexit handler, a non-daemon thread's work
+atexit.register(lambda: print("atexit handler ran"))
+marker = os.environ.get("MARKER")
+if marker:
+    def late():
+        time.sleep(0.5)
+        open(marker, "w").write("done")
+    threading.Thread(target=late).start()
 sys.argv = ["graphflop", *sys.argv[1:]]
 from graphflop.cli import entry
 entry()
@@ -215,26 +223,50 @@ print("not reached: entry() ends the process", file=sys.stderr)
 """
 
 
+def _entry(*argv, marker=None, **kw):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as users run it
+    if marker:
+        env["MARKER"] = str(marker)
+    kw = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kw}
+    return subprocess.run([sys.executable, "-c", _ENTRY, *argv], text=True, env=env, **kw)
+
+
 def test_entry_exits_fast_with_status_flushed_output_and_atexit(tmp_path):
     # the console script ends with os._exit (no interpreter teardown, issue 19): the status,
-    # everything written to the pipes and files, and the atexit handlers must survive it
+    # everything written to the pipes and files, the atexit handlers (and what they print) and
+    # the non-daemon threads must survive it
     out = tmp_path / "out.json"
-    r = subprocess.run(
-        [sys.executable, "-c", _ENTRY, "inspect", spec("logreg.py"), "--format", "json"]
-        + ["--json", str(out)],
-        capture_output=True,
-        text=True,
+    r = _entry(
+        "inspect", spec("logreg.py"), "--format", "json", "--json", str(out), marker=tmp_path / "m"
     )
     assert r.returncode == 0, r.stderr[-2000:]
+    report, _, last = r.stdout.rstrip().rpartition("\n")
+    assert last == "atexit handler ran"
     # the whole report reached the (block-buffered) pipe and the file: both parse
-    assert json.loads(r.stdout)["params"] == 784 * 10 + 10
-    assert json.loads(out.read_text()) == json.loads(r.stdout)
-    assert "atexit handler ran" in r.stderr
+    assert json.loads(report)["params"] == 784 * 10 + 10
+    assert json.loads(out.read_text()) == json.loads(report)
+    assert (tmp_path / "m").read_text() == "done"
     assert "not reached" not in r.stderr
-    bad = subprocess.run(
-        [sys.executable, "-c", _ENTRY, "inspect", str(tmp_path / "missing.py")],
-        capture_output=True,
-        text=True,
-    )
+    bad = _entry("inspect", str(tmp_path / "missing.py"))
     assert bad.returncode == 2
-    assert bad.stderr.count("graphflop: error:") == 1 and "atexit handler ran" in bad.stderr
+    assert bad.stderr.count("graphflop: error:") == 1 and "atexit handler ran" in bad.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_entry_standard_output_on_a_full_disk_is_an_error(tmp_path):
+    with open("/dev/full", "w") as full:
+        r = _entry("inspect", spec("logreg.py"), "--format", "json", stdout=full)
+    assert r.returncode == 2
+    assert "No space left on device" in r.stderr
+
+
+def test_entry_with_standard_error_closed(tmp_path):
+    # started with fd 2 closed, Python's sys.stderr is None: the exit must not trip on it
+    r = subprocess.run(
+        [sys.executable, "-c", _ENTRY, "inspect", spec("logreg.py"), "--format", "json"],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: os.close(2),
+    )
+    assert r.returncode == 0
+    assert json.loads(r.stdout.rstrip().rpartition("\n")[0])["params"] == 7850

@@ -61,8 +61,15 @@ class M(torch.nn.Module):
 def example_inputs(): return (torch.randn(2, 4),)
 """
 
+#: an integer output that the CLI's meta-tensor check cannot run (a CPU constant meets the meta
+#: activations): the check then runs it on fake tensors, as the trace does (tester's finding)
+CONST_INT_OUTPUT = INT_OUTPUT.replace(
+    "self.fc(x).argmax(-1)", "(self.fc(x) + torch.tensor([0.0, 0.1, 0.2])).argmax(-1)"
+)
+
 MODELS = {
     "int.py": INT_OUTPUT,
+    "const_int.py": CONST_INT_OUTPUT,
     "tuple.py": "DICT = False\n" + TUPLE_OUTPUT,
     "dict.py": "DICT = True\n" + TUPLE_OUTPUT,
     "noparam.py": NO_PARAMS,
@@ -112,6 +119,23 @@ def test_integer_output_inspect_analyses_the_forward_with_a_note(work, capsys):
     # Linear(4 → 3) at batch 2: 2·2·4·3 = 48 matmul FLOPs; no backward, update or JVP phase
     assert d["totals"]["forward"]["mm_flops"] == 2 * 2 * 4 * 3
     assert set(d["totals"]) == {"forward", "loss"}
+
+
+def test_integer_output_the_meta_check_cannot_run_is_seen_on_fake_tensors(work, capsys):
+    rc, out, err = cli(capsys, "inspect", work / "models/const_int.py", "--format", "json")
+    assert rc == 0, err
+    assert len(err) == 1 and "analysing the forward only" in err[0]
+    assert set(json.loads(out)["totals"]) == {"forward", "loss"}
+    one_error(capsys, "bench", work / "models/const_int.py", "--runtime", "torch", message="bench")
+
+
+def test_integer_output_found_only_by_the_trace_is_refused(work, capsys, monkeypatch):
+    # where neither check can run the model, the trace's loss 'none' must not pass for a
+    # backward (export, bench and sweep then failed with internal errors)
+    import graphflop.cli.common as common
+
+    monkeypatch.setattr(common, "float_output", lambda model, inputs: True)
+    one_error(capsys, "inspect", work / "models/int.py", message="found while tracing")
 
 
 @pytest.mark.parametrize(

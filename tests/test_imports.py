@@ -216,3 +216,14 @@ def test_torchvision_is_loaded_for_an_import_statement_not_a_mention(tmp_path):
     # the mention alone asks for no preload
     plain = asked.replace(repr(str(f)), repr("models/resnet.py:resnet18") + ", meta=True")
     assert _loaded(plain, check) == [False, False]
+
+
+def test_the_lazy_train_package_offers_its_names_and_submodules():
+    import graphflop.train as train_pkg
+
+    assert set(train_pkg.__all__) <= set(dir(train_pkg))
+    for name in train_pkg.__all__:
+        assert getattr(train_pkg, name).__module__.startswith("graphflop.train.")
+    assert train_pkg.loop.__name__ == "graphflop.train.loop"  # a submodule, as before
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        train_pkg.nope  # noqa: B018

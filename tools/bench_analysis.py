@@ -20,8 +20,10 @@ one model's full analysis under pyinstrument (the dev extra) instead.
     python tools/bench_analysis.py --only resnet50_b8 --repeat 5 --out /tmp/r.md
     python tools/bench_analysis.py --profile /tmp/prof.txt --only gpt2_small_4x512
     python tools/bench_analysis.py --floor --only resnet50_b8 gpt2_small_4x512 --repeat 5
+    python tools/bench_analysis.py --cli --repeat 15
 
-``--floor`` prints the tracing floor instead (:func:`floor`).
+``--floor`` prints the tracing floor instead (:func:`floor`); ``--cli`` the wall-clock time of
+the command line against ``import torch`` (:func:`cli_times`).
 """
 
 from __future__ import annotations
@@ -505,6 +507,36 @@ def _select(args) -> tuple[dict, dict, dict]:
     return zoo, xl, depth
 
 
+#: the command lines ``--cli`` times, alternating: graphflop's command line on the smallest
+#: shipped model, and the interpreter with PyTorch imported (the floor under any command)
+CLI_RUNS = {
+    "graphflop inspect models/mlp.py": ["-m", "graphflop", "inspect", "models/mlp.py"],
+    "python -c 'import torch'": ["-c", "import torch"],
+}
+
+
+def cli_times(repeat: int) -> dict[str, list[float]]:
+    """Wall-clock seconds of each of :data:`CLI_RUNS` (a fresh process each, output
+    discarded), ``repeat`` rounds alternating between them, after one unmeasured round (the
+    file cache)."""
+    import subprocess
+
+    times: dict[str, list[float]] = {k: [] for k in CLI_RUNS}
+    for i in range(repeat + 1):
+        for name, argv in CLI_RUNS.items():
+            t0 = time.perf_counter()
+            subprocess.run(
+                [sys.executable, *argv],
+                cwd=ROOT,
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--zoo", action="store_true", help="the model list ZOO")
@@ -528,6 +560,12 @@ def main(argv=None) -> int:
         help="write the report from the --json files of earlier runs (merged) instead of running",
     )
     p.add_argument("--wall", action="store_true", help="time with the wall clock, not CPU time")
+    p.add_argument(
+        "--cli",
+        action="store_true",
+        help="print the wall-clock time of `graphflop inspect models/mlp.py` against `import "
+        "torch` alone, --repeat fresh processes each, alternating (no report written)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     global CLOCK
@@ -547,6 +585,14 @@ def main(argv=None) -> int:
         Path(args.out).write_text(
             report(results["zoo"], results["xl"], results["depth"], args.repeat)
         )
+        return 0
+    if args.cli:
+        for name, ts in cli_times(args.repeat).items():
+            print(
+                f"{name}: median {statistics.median(ts):.2f} s, min {min(ts):.2f}, "
+                f"max {max(ts):.2f} (wall, {len(ts)} runs)",
+                flush=True,
+            )
         return 0
     zoo, xl, depth = _select(args)
     if args.floor:

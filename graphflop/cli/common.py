@@ -82,7 +82,10 @@ def run_command(
     except OSError as e:
         _debug_traceback(debug)
         if e.filename is None:
-            print(f"graphflop: error: {one_line(e)}", file=sys.stderr)
+            # e.g. standard output on a full disk: OSError(28, ...) whose first argument is the
+            # number, not the message
+            why = e.strerror or one_line(e)
+            print(f"graphflop: error: {why}", file=sys.stderr)
             return EXIT_USAGE
         print(
             f"graphflop: error: cannot use {e.filename}: {e.strerror or e}; "
@@ -257,8 +260,9 @@ def analyze_model(args: argparse.Namespace, loaded, inputs, status, **options):
     ``--optimizer`` arguments (and ``options``), reporting its stages on ``status`` (a rich
     status spinner)."""
     from graphflop.analysis import analyze
+    from graphflop.load import SpecError
 
-    return analyze(
+    analysis = analyze(
         loaded.model,
         inputs,
         name=loaded.name,
@@ -267,6 +271,14 @@ def analyze_model(args: argparse.Namespace, loaded, inputs, status, **options):
         progress=lambda m: status.update(m),
         **options,
     )
+    if options.get("backward", True) and analysis.report.loss == "none":
+        # the trace found nothing to differentiate where :func:`float_output` could not run
+        # the model to see it: refuse rather than report a backward that is not there
+        raise SpecError(
+            f"{NO_FLOAT_OUTPUT}, found while tracing: return the logits or scores to analyse "
+            "the backward"
+        )
+    return analysis
 
 
 def stdout_console() -> Console:
@@ -360,24 +372,48 @@ def check_dtype(args: argparse.Namespace, loaded, shapes=None) -> None:
 
 def float_output(model, inputs) -> bool:
     """Whether ``model``'s output (run on the meta ``inputs``) has a floating-point tensor, i.e.
-    something to differentiate. True when the model cannot run on meta tensors (the trace then
-    reports why). The forward runs without importing Dynamo
-    (:mod:`graphflop.frontend.nodynamo`): on meta tensors it costs little, the import 2 s."""
+    something to differentiate. The forward runs on meta tensors, and where that fails (a
+    tensor made in ``forward`` on the CPU meets a meta one), on fake tensors as the trace runs
+    it; True when neither runs (the trace then reports why). The forward runs without
+    importing Dynamo (:mod:`graphflop.frontend.nodynamo`): on meta tensors it costs little, the
+    import 2 s."""
     import torch
     from torch.utils._pytree import tree_leaves
 
     from graphflop.frontend import nodynamo
+    from graphflop.frontend.loss import differentiable
 
     def forward():
         with torch.no_grad():
             return model(*inputs)
 
-    try:
-        out = nodynamo.run(forward)
-    except Exception:
-        return True
-    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    return not leaves or any(t.is_floating_point() or t.is_complex() for t in leaves)
+    for run in (forward, lambda: _fake_forward(model, inputs)):
+        try:
+            out = nodynamo.run(run)
+        except Exception:
+            continue
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return not leaves or any(differentiable(t) for t in leaves)
+    return True
+
+
+def _fake_forward(model, inputs):
+    """``model(*inputs)`` on FakeTensors made as the trace makes them (a meta parameter or
+    input becomes a fake CPU tensor)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+
+    from graphflop.frontend.trace import as_fake
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t):
+        return as_fake(mode, t) if isinstance(t, torch.Tensor) else t
+
+    state = {k: fake(t) for k, t in [*model.named_parameters(), *model.named_buffers()]}
+    with torch.no_grad(), mode:
+        return torch.func.functional_call(model, state, tree_map(fake, tuple(inputs)))
 
 
 NO_FLOAT_OUTPUT = (

@@ -62,6 +62,7 @@ from graphflop.ops import decomposition_table
 __all__ = [
     "LOSSES",
     "TraceError",
+    "as_fake",
     "decomposition_table",
     "default_loss",
     "from_exported",
@@ -109,7 +110,7 @@ def trace(
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
     with _bound(model, tuple(inputs), kwargs or {}) as tensors:
         fake_mode = fake_mode or fake_mode_of(tensors) or FakeTensorMode(allow_non_fake_inputs=True)
-        tensors = tuple(_as_fake(fake_mode, t) for t in tensors)
+        tensors = tuple(as_fake(fake_mode, t) for t in tensors)
         # FakeTensorMode logs a traceback before re-raising a kernel's error (a shape mismatch
         # in the model); the error itself becomes graphflop's one-line TraceError
         quiet = quiet_loggers("torch._subclasses.fake_tensor")
@@ -169,7 +170,7 @@ def _trace_once(
 ) -> GraphModule:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    flat_state = [_as_fake(fake_mode, t) for t in [*params.values(), *buffers.values()]]
+    flat_state = [as_fake(fake_mode, t) for t in [*params.values(), *buffers.values()]]
     n_p, n_b = len(params), len(buffers)
     chosen: dict[str, Any] = {}
 
@@ -192,7 +193,13 @@ def _trace_once(
                 raise TraceError(
                     f"loss {kind!r} needs a floating-point output to differentiate, but the "
                     f"model's output has none (a {head.dtype} tensor first): return the logits "
-                    "or scores, or trace with loss='none' (or 'auto') for the forward only"
+                    "or scores, or leave the loss to 'auto' to analyse the forward only"
+                )
+            if kind == "output" and head.numel() != 1:
+                raise TraceError(
+                    "loss 'output' takes the model's first floating-point output as the loss, "
+                    f"but it has shape {tuple(head.shape)}: return the scalar loss first, or "
+                    "choose another loss (sum, mse, cross_entropy)"
                 )
             chosen["loss"] = kind
             if kind == "none":
@@ -299,7 +306,7 @@ def _is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _as_fake(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+def as_fake(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     """``t`` as a FakeTensor of ``fake_mode``; a meta tensor (a model built without memory)
     becomes a fake CPU tensor of its shape, strides and dtype, so that tensors the model makes
     in ``forward`` without ``device=`` (``torch.arange(T)``: CPU ones) meet tensors of their own

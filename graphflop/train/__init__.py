@@ -47,9 +47,24 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Load :data:`_WHERE`'s names on first access."""
-    if name not in _WHERE:
-        raise AttributeError(f"module 'graphflop.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"graphflop.train.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+    """Load :data:`_WHERE`'s names, and the submodules (``graphflop.train.loop``), on first
+    access."""
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"graphflop.train.{_WHERE[name]}"), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"graphflop.train.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"graphflop.train.{name}":
+                raise
+    raise AttributeError(f"module 'graphflop.train' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*__all__, *(k for k in globals() if not k.startswith("_"))} - _PLUMBING)
+
+
+#: this module's own imports, not part of what it offers
+_PLUMBING = {"Any", "TYPE_CHECKING", "annotations", "importlib"}
