@@ -17,29 +17,32 @@ documented in :mod:`graphflop.meta`.
 * :func:`compile_backend` — a ``torch.compile`` backend that reports every compiled graph.
 """
 
-from graphflop import ops  # noqa: F401  (fills the rule table)
-from graphflop.analysis import Analysis, analyze
-from graphflop.api import (
-    AddOptimizerUpdate,
-    AnnotateFlops,
-    AnnotateMemory,
-    BuildForwardGradientStep,
-    BuildJvp,
-    BuildTrainStep,
-    BuildVjp,
-    add_optimizer_update,
-    annotate_flops,
-    annotate_memory,
-    build_forward_gradient_step,
-    build_jvp,
-    build_train_step,
-    build_vjp,
-    register_rule,
-)
-from graphflop.frontend.trace import TraceError, from_exported, trace
-from graphflop.ops.registry import MissingRuleError
-from graphflop.passes.infra import PassManager, PassOrderError
-from graphflop.report import Report
+from graphflop._imports import paused_gc
+
+with paused_gc():  # PyTorch's and graphflop's imports: nothing to collect yet
+    from graphflop import ops  # noqa: F401  (fills the rule table)
+    from graphflop.analysis import Analysis, analyze
+    from graphflop.api import (
+        AddOptimizerUpdate,
+        AnnotateFlops,
+        AnnotateMemory,
+        BuildForwardGradientStep,
+        BuildJvp,
+        BuildTrainStep,
+        BuildVjp,
+        add_optimizer_update,
+        annotate_flops,
+        annotate_memory,
+        build_forward_gradient_step,
+        build_jvp,
+        build_train_step,
+        build_vjp,
+        register_rule,
+    )
+    from graphflop.frontend.trace import TraceError, from_exported, trace
+    from graphflop.ops.registry import MissingRuleError
+    from graphflop.passes.infra import PassManager, PassOrderError
+    from graphflop.report import Report
 
 __version__ = "0.1.0"
 
