@@ -17,7 +17,7 @@ documented in :mod:`graphflop.meta`.
 * :func:`compile_backend` — a ``torch.compile`` backend that reports every compiled graph.
 """
 
-from graphflop._imports import paused_gc
+from graphflop._gc import paused_gc
 
 with paused_gc():  # PyTorch's and graphflop's imports: nothing to collect yet
     from graphflop import ops  # noqa: F401  (fills the rule table)

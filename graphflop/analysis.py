@@ -9,8 +9,6 @@ through torch.fx's ``PassManager`` (:func:`graphflop.passes.infra.run_passes`).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -19,6 +17,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from graphflop._gc import paused_gc
 from graphflop.frontend import nodynamo
 from graphflop.frontend.errors import quiet_loggers
 from graphflop.frontend.inputs import split_example
@@ -146,7 +145,7 @@ def analyze(
     if kwargs and memory_model == "compiled":
         raise ValueError("memory_model='compiled' takes positional inputs only, not keywords")
     # FakeTensorMode logs a traceback before re-raising a kernel's error; the error is raised
-    with _no_gc(), quiet_loggers("torch._subclasses.fake_tensor"):
+    with paused_gc(), quiet_loggers("torch._subclasses.fake_tensor"):
         return nodynamo.run(
             lambda: _analyze(
                 model,
@@ -196,20 +195,6 @@ def _what_ifs(
         am = amp_memory(g.forward, g.backward, amp, device, optimizer, state)
         mem = replace(mem, amp=am.to_dict())
     return replace(report, memory=mem)
-
-
-@contextlib.contextmanager
-def _no_gc():
-    """Python's cyclic garbage collector off for the block: the passes make millions of
-    short-lived objects and no cycles worth collecting early, and the collector's passes over
-    the growing graphs cost about 15% of an analysis (issue 19). Restored on leaving."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _analyze(

@@ -23,9 +23,9 @@ import threading
 from collections.abc import Sequence
 from types import ModuleType
 
-from graphflop._imports import paused_gc
+from graphflop._gc import paused_gc
 
-with paused_gc():  # rich's and the library's imports (graphflop/_imports.py)
+with paused_gc():  # rich's and the library's imports (graphflop/_gc.py)
     from graphflop.cli.common import (
         EXIT_USAGE,
         EXIT_VERIFY_FAILED,
@@ -85,7 +85,7 @@ def entry() -> None:
     """
     # the imports' objects (PyTorch's, about a million) live as long as the process: moved out
     # of the collector's generations, no collection scans them again (0.2 s of a small
-    # model's command here; graphflop/_imports.py)
+    # model's command here; graphflop/_gc.py)
     gc.freeze()
     status = main()
     shutdown = getattr(threading, "_shutdown", None)  # CPython's join of non-daemon threads
