@@ -112,7 +112,8 @@ def analyze(
         tangents: which values carry tangents in the JVP graph (``params``, ``inputs``, ``all``).
         directions, distribution: of the forward-gradient step (see
             :func:`~graphflop.passes.forward_gradient.build_forward_gradient_step`).
-        backward, jvp: build those graphs.
+        backward, jvp: build those graphs. With ``loss="auto"``, a model whose output holds
+            no floating-point tensor (it ends in argmax) gets neither: nothing to differentiate.
         progress: called with a short message before each stage.
         memory_model: ``eager`` (default: what eager PyTorch autograd saves and allocates on
             ``device``, ``cpu`` or ``cuda``) or ``graph`` (graphflop's own graphs in their node
@@ -221,6 +222,8 @@ def _analyze(
         trace(model, example_inputs, loss=loss, kwargs=kwargs or None), [AnnotateFlops()]
     )
     has_loss = fwd.meta[SIGNATURE].loss is not None
+    if loss == "auto" and not has_loss:  # the output has nothing to differentiate (argmax)
+        backward = jvp = False
     g = Graphs(fwd)
     lin = None  # the JVP graph with parameter tangents: transposed, and the forward gradient's
     if jvp:

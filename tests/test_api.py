@@ -384,9 +384,10 @@ def test_analyze_an_integer_only_output_is_forward_only():
     # the library's side of the CLI's note: nothing to differentiate, so loss "auto" is no
     # loss and no backward (it was an IndexError in the backward builder)
     a = graphflop.analyze(_Argmax(), (torch.randn(2, 4),))
-    assert a.backward is None and a.update is None
+    assert a.backward is None and a.update is None and a.jvp is None
     d = a.report.to_dict()
     assert d["loss"] == "none"
+    assert set(d["totals"]) == {"forward", "loss"}
     # Linear(4 -> 3) at batch 2: 2*2*4*3 = 48 matmul FLOPs
     assert d["totals"]["forward"]["mm_flops"] == 48
 

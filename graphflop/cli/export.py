@@ -52,9 +52,10 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
     check_output_dir(args.out, "--out")
     loaded, inputs = load_model(args)
-    only = forward_only_options(args, loaded, inputs, err)
+    why = f"--loss {args.loss}" if args.loss != "auto" else None
+    only = forward_only_options(args, loaded, inputs, err, why=why) if why else {}
     with err.status("analysing", spinner="dots") as status:
-        analysis = analyze_model(args, loaded, inputs, status, **only)
+        analysis = analyze_model(args, loaded, inputs, status, err=err, **only)
         print_warnings(err, analysis)  # an incomplete backward is exported as it is
         status.update("exporting to ONNX")
         graphs = step_graphs(analysis, residuals=args.residuals)

@@ -188,13 +188,17 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
     _check(args)
     loaded, inputs = load_model(args)
-    only = forward_only_options(args, loaded, inputs, err, why=_backward_option(args))
+    # a model whose output has nothing to differentiate is found by the trace (a note, and the
+    # forward only); checked before the analysis only where an option needs the backward
+    why = _backward_option(args) or (f"--loss {args.loss}" if args.loss != "auto" else None)
+    only = forward_only_options(args, loaded, inputs, err, why=why) if why else {}
     with err.status("analysing", spinner="dots") as status, strict_rules(args.strict):
         analysis = analyze_model(
             args,
             loaded,
             inputs,
             status,
+            err=err,
             tangents=args.tangents,
             directions=args.directions,
             distribution=args.direction,

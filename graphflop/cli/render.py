@@ -90,12 +90,12 @@ def run(args: argparse.Namespace, err: Console) -> int:
     profile = _read_profile(args.profile_json)
     loaded, inputs = load_model(args)
     explicit = args.graph not in (None, "forward")
-    only = forward_only_options(
-        args, loaded, inputs, err, why=f"--graph {args.graph}" if explicit else None
-    )
-    graph = "forward" if only else (args.graph or "train")
+    why = f"--graph {args.graph}" if explicit else None
+    why = why or (f"--loss {args.loss}" if args.loss != "auto" else None)
+    only = forward_only_options(args, loaded, inputs, err, why=why) if why else {}
     with err.status("analysing", spinner="dots") as status:
-        analysis = analyze_model(args, loaded, inputs, status, **only)
+        analysis = analyze_model(args, loaded, inputs, status, err=err, **only)
+        graph = "forward" if analysis.report.loss == "none" else (args.graph or "train")
         print_warnings(err, analysis)
         status.update("rendering")
         render(
