@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from graphflop.analysis import analyze
-from graphflop.load import load, make_inputs
+from graphflop.load import SpecError, load, make_inputs
 
 DEPTH_ARGS = ("middle_layers", "depth", "num_layers", "n_layers", "layers")
 
@@ -23,8 +23,6 @@ def depth_arg(spec: str) -> str:
     Raises:
         ValueError: when the constructor has none of :data:`DEPTH_ARGS`.
     """
-    from graphflop.load import SpecError
-
     loaded = load(spec, meta=True)
     target = type(loaded.model).__init__
     params = inspect.signature(target).parameters
@@ -52,6 +50,9 @@ def sweep(
 
     Row keys: ``batch`` or ``depth``, ``forward_flops``, ``backward_flops``, ``update_flops``,
     ``ratio`` ((backward + update)/forward), ``ratio_no_update``, ``params``.
+
+    Raises:
+        SpecError: the model's output has nothing to differentiate (no backward to compare).
     """
     say = progress or (lambda m: None)
     rows = []
@@ -68,6 +69,11 @@ def sweep(
         loaded.model.train()
         inputs = make_inputs(loaded, batch=value if kind == "batch" else batch)
         r = analyze(loaded.model, inputs, name=loaded.name, optimizer=optimizer, jvp=False).report
+        if r.loss == "none":  # nothing to differentiate: a sweep compares backward and forward
+            raise SpecError(
+                f"sweep needs a backward, but {spec}'s output has no floating-point tensor to "
+                "differentiate (e.g. it ends in argmax): return the logits or scores instead"
+            )
         t = r.totals
         rows.append(
             {

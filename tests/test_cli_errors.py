@@ -67,8 +67,19 @@ CONST_INT_OUTPUT = INT_OUTPUT.replace(
     "self.fc(x).argmax(-1)", "(self.fc(x) + torch.tensor([0.0, 0.1, 0.2])).argmax(-1)"
 )
 
+#: an integer output that neither check before the analysis can see: the input check a library
+#: makes outside compilation cannot run on meta or fake tensors, and the trace skips it
+#: (tester's finding): the commands that need a backward must still refuse it
+VALIDATING_INT_OUTPUT = INT_OUTPUT.replace(
+    "        return self.fc(x).argmax(-1)",
+    "        if not torch.compiler.is_compiling() and bool((x < -1e9).any()):\n"
+    "            raise ValueError('bad input')\n"
+    "        return self.fc(x).argmax(-1)",
+)
+
 MODELS = {
     "int.py": INT_OUTPUT,
+    "validating_int.py": VALIDATING_INT_OUTPUT,
     "const_int.py": CONST_INT_OUTPUT,
     "tuple.py": "DICT = False\n" + TUPLE_OUTPUT,
     "dict.py": "DICT = True\n" + TUPLE_OUTPUT,
@@ -149,6 +160,31 @@ def test_integer_output_is_found_by_the_trace_without_a_forward_first(work, caps
     assert rc == 0 and len(err) == 1 and "forward only" in err[0], err
     rc, out, err = cli(capsys, "inspect", work / "models/tuple.py", "--format", "json")
     assert rc == 0 and err == [] and "backward" in json.loads(out)["totals"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["inspect", "--keep-grads", "--json", "out/a.json"], "--keep-grads needs a backward"),
+        (["inspect", "--verify", "--json", "out/a.json"], "--verify needs a backward"),
+        (["render", "--graph", "backward", "-o", "out/g.dot"], "--graph backward needs"),
+        (["bench", "--runtime", "torch"], "bench (it times the train step) needs"),
+        (["sweep", "--batches", "1,2"], "sweep needs a backward"),
+    ],
+)
+def test_integer_output_only_the_trace_sees_is_refused_where_a_backward_is_needed(
+    work, capsys, argv, message
+):
+    model = str(work / "models/validating_int.py")
+    argv = [argv[0], model, *(str(work / a) if a.startswith("out/") else a for a in argv[1:])]
+    line = one_error(capsys, *argv, message=message)
+    assert "no floating-point tensor" in line
+    nothing_left(work / "out")
+
+
+def test_no_backward_on_an_integer_output_still_notes_the_dropped_jvp(work, capsys):
+    rc, out, err = cli(capsys, "inspect", work / "models/int.py", "--no-backward")
+    assert rc == 0 and len(err) == 1 and "analysing the forward only" in err[0], err
 
 
 @pytest.mark.parametrize(

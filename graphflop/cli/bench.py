@@ -105,13 +105,14 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
     _check(args)
     loaded, inputs = load_model(args)
-    forward_only_options(args, loaded, inputs, err, why="bench (it times the train step)")
+    why = "bench (it times the train step)"
+    forward_only_options(args, loaded, inputs, err, why=why)
     trainable(loaded.model)
     provider, device = pick_devices(args.device)
     if args.runtime != "torch":
         low_precision_on_cpu(parse_dtype(args.dtype) if args.dtype else None, provider)
     with err.status("analysing", spinner="dots") as status:
-        analysis = analyze_model(args, loaded, inputs, status)
+        analysis = analyze_model(args, loaded, inputs, status, err=err, why=why)
     print_warnings(err, analysis)  # an incomplete backward is timed as it is
     check_memory(analysis, args.rotate, device)  # before any tensor of the batch size exists
     real = load_real_model(args, dtype=True)

@@ -288,7 +288,8 @@ def analyze_model(
         progress=lambda m: status.update(m),
         **options,
     )
-    if options.get("backward", True) and analysis.report.loss == "none":
+    asked = options.get("backward", True) or options.get("jvp", True)
+    if asked and analysis.report.loss == "none":
         # nothing to differentiate (the trace saw an integer output; the analysis is forward
         # only): a note, or, where the command needs the backward, an error
         _forward_only(args, err, why)

@@ -199,6 +199,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             inputs,
             status,
             err=err,
+            why=why,
             tangents=args.tangents,
             directions=args.directions,
             distribution=args.direction,

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     why = why or (f"--loss {args.loss}" if args.loss != "auto" else None)
     only = forward_only_options(args, loaded, inputs, err, why=why) if why else {}
     with err.status("analysing", spinner="dots") as status:
-        analysis = analyze_model(args, loaded, inputs, status, err=err, **only)
+        analysis = analyze_model(args, loaded, inputs, status, err=err, why=why, **only)
         graph = "forward" if analysis.report.loss == "none" else (args.graph or "train")
         print_warnings(err, analysis)
         status.update("rendering")
