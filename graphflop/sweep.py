@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from graphflop.analysis import analyze
+from graphflop.frontend.loss import NO_FLOAT_OUTPUT
 from graphflop.load import SpecError, load, make_inputs
 
 DEPTH_ARGS = ("middle_layers", "depth", "num_layers", "n_layers", "layers")
@@ -71,8 +72,8 @@ def sweep(
         r = analyze(loaded.model, inputs, name=loaded.name, optimizer=optimizer, jvp=False).report
         if r.loss == "none":  # nothing to differentiate: a sweep compares backward and forward
             raise SpecError(
-                f"sweep needs a backward, but {spec}'s output has no floating-point tensor to "
-                "differentiate (e.g. it ends in argmax): return the logits or scores instead"
+                f"sweep needs a backward, but {NO_FLOAT_OUTPUT} ({spec}): return the logits or "
+                "scores instead"
             )
         t = r.totals
         rows.append(

@@ -12,8 +12,8 @@ from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
     analyze_model,
+    check_backward_possible,
     check_output_file,
-    forward_only_options,
     load_model,
     load_real_model,
     print_warnings,
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     _check(args)
     loaded, inputs = load_model(args)
     why = "bench (it times the train step)"
-    forward_only_options(args, loaded, inputs, err, why=why)
+    check_backward_possible(args, loaded, inputs, why=why)
     trainable(loaded.model)
     provider, device = pick_devices(args.device)
     if args.runtime != "torch":

@@ -20,6 +20,8 @@ from typing import Any
 
 from rich.console import Console
 
+from graphflop.frontend.loss import NO_FLOAT_OUTPUT, differentiable
+
 EXIT_USAGE = 2
 EXIT_VERIFY_FAILED = 1
 EXIT_INTERNAL = 1
@@ -270,12 +272,12 @@ def analyze_model(
     status spinner).
 
     A model whose output has nothing to differentiate is analysed forward only, with a note on
-    ``err`` (:func:`forward_only_options` checks the same before the analysis, at the cost of
-    one more forward: 0.8 s for GPT-2 XL at batch 8).
+    ``err`` (:func:`check_backward_possible` refuses it before the analysis where something
+    needs the backward; this catches what that check could not run).
 
     Raises:
-        SpecError: the output has nothing to differentiate and ``why`` (the option or command
-            that needs the backward), or an explicit ``--loss``, is given.
+        SpecError: the output has nothing to differentiate and :func:`backward_reason` names
+            something that needs the backward (``why``, or an explicit ``--loss``).
     """
     from graphflop.analysis import analyze
 
@@ -396,7 +398,6 @@ def float_output(model, inputs) -> bool:
     from torch.utils._pytree import tree_leaves
 
     from graphflop.frontend import nodynamo
-    from graphflop.frontend.loss import differentiable
 
     def forward():
         with torch.no_grad():
@@ -431,18 +432,35 @@ def _fake_forward(model, inputs):
         return torch.func.functional_call(model, state, tree_map(fake, tuple(inputs)))
 
 
-NO_FLOAT_OUTPUT = (
-    "the model's output has no floating-point tensor to differentiate (e.g. it ends in argmax)"
-)
+def backward_reason(args: argparse.Namespace, why: str | None = None) -> str | None:
+    """What in this command needs the backward: ``why`` (an option, or the command itself),
+    else an explicit ``--loss``; None when nothing does."""
+    loss = getattr(args, "loss", "auto")
+    return why or (f"--loss {loss}" if loss != "auto" else None)
+
+
+def check_backward_possible(
+    args: argparse.Namespace, loaded, inputs, *, why: str | None = None
+) -> None:
+    """Before any work, where something needs the backward (:func:`backward_reason`): run the
+    model once (:func:`float_output`) and refuse an output with nothing to differentiate.
+    Nothing runs otherwise: the trace finds such an output, and :func:`analyze_model` notes
+    it (the check costs a forward: 0.8 s for GPT-2 XL at batch 8).
+
+    Raises:
+        SpecError: naming what needs the backward and what to return instead.
+    """
+    why = backward_reason(args, why)
+    if why and not float_output(loaded.model, inputs):
+        _forward_only(args, None, why)
 
 
 def _forward_only(args: argparse.Namespace, err: Console | None, why: str | None) -> None:
-    """The note that a model's output has nothing to differentiate, or the error where ``why``
-    (or an explicit ``--loss``) needs the backward."""
+    """The note that a model's output has nothing to differentiate, or the error where
+    :func:`backward_reason` names something that needs the backward."""
     from graphflop.load import SpecError
 
-    loss = getattr(args, "loss", "auto")
-    why = why or (f"--loss {loss}" if loss != "auto" else None)
+    why = backward_reason(args, why)
     if why:
         raise SpecError(
             f"{why} needs a backward, but {NO_FLOAT_OUTPUT}: return the logits or scores instead"
@@ -450,22 +468,3 @@ def _forward_only(args: argparse.Namespace, err: Console | None, why: str | None
     (err or Console(stderr=True)).print(
         f"note: {NO_FLOAT_OUTPUT}; analysing the forward only", soft_wrap=True
     )
-
-
-def forward_only_options(
-    args: argparse.Namespace, loaded, inputs, err: Console, *, why: str | None = None
-) -> dict[str, bool]:
-    """``{}`` for a model whose output can be differentiated, else the analysis options for the
-    forward only (``backward=False, jvp=False``) after a note on ``err``.
-
-    Args:
-        why: the option that asks for the backward explicitly (e.g. ``--loss mse``), if any:
-            then an integer-only output is an error instead.
-
-    Raises:
-        SpecError: an integer-only output and ``why`` (or an explicit ``--loss``) given.
-    """
-    if float_output(loaded.model, inputs):
-        return {}
-    _forward_only(args, err, why)
-    return {"backward": False, "jvp": False}

@@ -12,8 +12,8 @@ from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
     analyze_model,
+    check_backward_possible,
     check_output_dir,
-    forward_only_options,
     load_model,
     print_warnings,
 )
@@ -52,10 +52,9 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
     check_output_dir(args.out, "--out")
     loaded, inputs = load_model(args)
-    why = f"--loss {args.loss}" if args.loss != "auto" else None
-    only = forward_only_options(args, loaded, inputs, err, why=why) if why else {}
+    check_backward_possible(args, loaded, inputs)
     with err.status("analysing", spinner="dots") as status:
-        analysis = analyze_model(args, loaded, inputs, status, err=err, **only)
+        analysis = analyze_model(args, loaded, inputs, status, err=err)
         print_warnings(err, analysis)  # an incomplete backward is exported as it is
         status.update("exporting to ONNX")
         graphs = step_graphs(analysis, residuals=args.residuals)

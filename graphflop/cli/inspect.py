@@ -12,9 +12,9 @@ from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
     analyze_model,
+    check_backward_possible,
     check_distinct_outputs,
     check_output_file,
-    forward_only_options,
     load_model,
     load_real_model,
     print_warnings,
@@ -188,10 +188,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
     _check(args)
     loaded, inputs = load_model(args)
-    # a model whose output has nothing to differentiate is found by the trace (a note, and the
-    # forward only); checked before the analysis only where an option needs the backward
-    why = _backward_option(args) or (f"--loss {args.loss}" if args.loss != "auto" else None)
-    only = forward_only_options(args, loaded, inputs, err, why=why) if why else {}
+    why = _backward_option(args)
+    check_backward_possible(args, loaded, inputs, why=why)
     with err.status("analysing", spinner="dots") as status, strict_rules(args.strict):
         analysis = analyze_model(
             args,
@@ -203,8 +201,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
             tangents=args.tangents,
             directions=args.directions,
             distribution=args.direction,
-            backward=not args.no_backward and only.get("backward", True),
-            jvp=not args.no_jvp and only.get("jvp", True),
+            backward=not args.no_backward,
+            jvp=not args.no_jvp,
             memory_model=args.memory_model,
             device=args.memory_device or "cpu",
             keep_grads=args.keep_grads,

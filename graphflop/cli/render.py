@@ -10,8 +10,8 @@ from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
     analyze_model,
+    check_backward_possible,
     check_output_file,
-    forward_only_options,
     load_model,
     print_warnings,
 )
@@ -91,10 +91,9 @@ def run(args: argparse.Namespace, err: Console) -> int:
     loaded, inputs = load_model(args)
     explicit = args.graph not in (None, "forward")
     why = f"--graph {args.graph}" if explicit else None
-    why = why or (f"--loss {args.loss}" if args.loss != "auto" else None)
-    only = forward_only_options(args, loaded, inputs, err, why=why) if why else {}
+    check_backward_possible(args, loaded, inputs, why=why)
     with err.status("analysing", spinner="dots") as status:
-        analysis = analyze_model(args, loaded, inputs, status, err=err, why=why, **only)
+        analysis = analyze_model(args, loaded, inputs, status, err=err, why=why)
         graph = "forward" if analysis.report.loss == "none" else (args.graph or "train")
         print_warnings(err, analysis)
         status.update("rendering")

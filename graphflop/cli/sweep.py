@@ -9,9 +9,9 @@ from rich.console import Console
 from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
+    check_backward_possible,
     check_distinct_outputs,
     check_output_file,
-    forward_only_options,
     parse_ctor_kwargs,
     stdout_console,
 )
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     if not batches and not depths:
         raise SpecError("give --batches 1,2,4,... or --depth 0,10,100")
     _check(args, batches)
-    _check_differentiable(args, err)
+    _check_differentiable(args)
     with err.status("sweeping", spinner="dots") as status:
         rows = sweep(
             args.spec,
@@ -141,13 +141,13 @@ def _check(args: argparse.Namespace, batches: list[int]) -> None:
     check_distinct_outputs({"--csv": args.csv, "--json": args.json, "--plot": args.plot})
 
 
-def _check_differentiable(args: argparse.Namespace, err: Console) -> None:
+def _check_differentiable(args: argparse.Namespace) -> None:
     """An integer-only output has no backward, so no backward/forward ratio: exit 2."""
     from graphflop.load import load, make_inputs
 
     loaded = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), meta=True)
     loaded.model.train()
-    forward_only_options(args, loaded, make_inputs(loaded), err, why="sweep")
+    check_backward_possible(args, loaded, make_inputs(loaded), why="sweep")
 
 
 def _print_table(args: argparse.Namespace, rows: list[dict], kind: str) -> None:

@@ -54,6 +54,12 @@ def default_loss(out: Any) -> str:
     return "sum"
 
 
+#: why a model's output gives no loss: the wording every refusal and note shares
+NO_FLOAT_OUTPUT = (
+    "the model's output has no floating-point tensor to differentiate (e.g. it ends in argmax)"
+)
+
+
 def differentiable(t: Any) -> bool:
     """Whether ``t`` is a floating-point or complex tensor (one a loss can be taken of)."""
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())

@@ -46,6 +46,10 @@ __all__ = [
 ]
 
 
+#: this module's own imports, not part of what it offers
+_PLUMBING = {"Any", "TYPE_CHECKING", "annotations", "importlib"}
+
+
 def __getattr__(name: str) -> Any:
     """Load :data:`_WHERE`'s names, and the submodules (``graphflop.train.loop``), on first
     access."""
@@ -64,7 +68,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*__all__, *(k for k in globals() if not k.startswith("_"))} - _PLUMBING)
-
-
-#: this module's own imports, not part of what it offers
-_PLUMBING = {"Any", "TYPE_CHECKING", "annotations", "importlib"}
