@@ -9,6 +9,7 @@ to its temporary name first, and renamed into place only when all of them were w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
@@ -144,13 +145,17 @@ def unwritable(path: str | Path, *, folder: bool = False) -> str | None:
     as a folder), or None when it can; checked without creating anything.
 
     A file must not be an existing folder; a folder must not be an existing file; the nearest
-    existing folder must be a folder and writable (``os.access``, so as root any folder is).
+    existing folder must be a folder that accepts a new file: ``os.access`` first, then, since
+    ``os.access`` grants root every folder (``/proc`` and ``/sys`` included), an empty probe file
+    created there with :func:`tempfile.mkstemp` and removed at once.
     """
     p = Path(path)
     if p.is_dir():
         if not folder:
             return "it is an existing folder: give a file name"
-        return None if os.access(p, os.W_OK | os.X_OK) else "no permission to write into it"
+        if not os.access(p, os.W_OK | os.X_OK):
+            return "no permission to write into it"
+        return _no_new_file(p)
     if p.exists() and folder:
         return "it is an existing file: give a folder name"
     base = p.absolute().parent
@@ -160,6 +165,18 @@ def unwritable(path: str | Path, *, folder: bool = False) -> str | None:
         return f"{base} is a file, not a folder"
     if not os.access(base, os.W_OK | os.X_OK):
         return f"no permission to write in {base}"
+    return _no_new_file(base)
+
+
+def _no_new_file(folder: Path) -> str | None:
+    """Why no file can be created in the existing ``folder`` (by trying), or None."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".graphflop-probe-", dir=folder)
+    except OSError as e:
+        return f"cannot create a file in {folder} ({e.strerror or e})"
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
     return None
 
 

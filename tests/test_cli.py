@@ -260,6 +260,30 @@ def test_entry_standard_output_on_a_full_disk_is_an_error(tmp_path):
     assert "No space left on device" in r.stderr
 
 
+def test_entry_reader_that_closed_the_pipe_is_not_an_error(tmp_path):
+    # `graphflop inspect M | head`: rich's console exits with status 1 (graphflop's internal
+    # error) when the pipe's reader has gone; the table is dropped, the files still written and
+    # the status is the command's
+    out = tmp_path / "out.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    argv = [sys.executable, "-c", _ENTRY, "inspect", spec("logreg.py"), "--json", str(out)]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.close()  # the reader leaves before the first line
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err.decode()[-2000:]
+    assert b"error" not in err, err.decode()
+    assert json.loads(out.read_text())["params"] == 7850
+    # a plain print that meets the closed pipe (unbuffered, so the write itself fails) ends the
+    # command with the status a shell gives a process that SIGPIPE ends, and no message
+    env["PYTHONUNBUFFERED"] = "1"
+    p = subprocess.Popen(
+        [*argv, "--format", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    p.stdout.close()
+    _, err = p.communicate(timeout=300)
+    assert (p.returncode, err) == (141, b"")
+
+
 def test_entry_with_standard_error_closed(tmp_path):
     # started with fd 2 closed, Python's sys.stderr is None: the exit must not trip on it
     r = subprocess.run(

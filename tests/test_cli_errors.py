@@ -192,6 +192,10 @@ def test_no_backward_on_an_integer_output_still_notes_the_dropped_jvp(work, caps
     [
         (["inspect", "models/int.py", "--loss", "sum"], "--loss sum needs a backward"),
         (["render", "models/int.py", "-o", "out/g.dot", "--graph", "backward"], "--graph backward"),
+        (
+            ["render", "models/int.py", "-o", "out/g.dot", "--graph", "jvp"],
+            "--graph jvp needs a JVP",
+        ),
         (["sweep", "models/int.py", "--batches", "1,2"], "sweep needs a backward"),
         (["bench", "models/int.py", "--runtime", "torch"], "bench (it times the train step)"),
     ],
@@ -280,6 +284,24 @@ def test_unwritable_folder_is_refused(work, capsys, monkeypatch):
     ):
         one_error(capsys, *argv, message="no permission")
     assert list(ro.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs procfs")
+def test_folder_that_takes_no_new_file_is_refused_even_as_root(work, capsys, monkeypatch):
+    """Tester's finding: as root, ``os.access`` calls /proc writable, so ``train --out /proc/x``
+    trained first and failed at the end; a probe file now finds it before any work."""
+    import graphflop.train.loop
+
+    def no_work(*a, **k):
+        raise AssertionError("work started before the output path was checked")
+
+    monkeypatch.setattr(graphflop.train.loop, "_setup", no_work)
+    for argv in (
+        ["train", spec("logreg.py"), "--out", "/proc/graphflop-run", "--steps", "1"],
+        ["inspect", spec("logreg.py"), "--json", "/proc/graphflop.json"],
+        ["export", spec("logreg.py"), "--out", "/proc/graphflop-onnx"],
+    ):
+        one_error(capsys, *argv, message="cannot create a file in /proc")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a read-only folder")

@@ -26,6 +26,9 @@ EXIT_USAGE = 2
 EXIT_VERIFY_FAILED = 1
 EXIT_INTERNAL = 1
 EXIT_INTERRUPTED = 130
+#: a reader closed standard output's pipe before the command finished writing to it: the
+#: status a shell gives a process that SIGPIPE ends (128 + 13)
+EXIT_READER_GONE = 141
 OPTIMIZER_CHOICES = ["sgd", "momentum", "adam", "adamw"]
 
 
@@ -81,6 +84,13 @@ def run_command(
         _debug_traceback(debug)
         print(f"graphflop: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError as e:
+        if e.filename is not None:
+            raise
+        # a plain print to standard output after its reader left (``| head``): nothing more
+        # goes there, and the rest of the command is not done
+        drop_stdout()
+        return EXIT_READER_GONE
     except OSError as e:
         _debug_traceback(debug)
         if e.filename is None:
@@ -298,9 +308,30 @@ def analyze_model(
     return analysis
 
 
+def drop_stdout() -> None:
+    """Point standard output (file descriptor 1) at ``/dev/null``: its reader has gone, and
+    later writes, the exit's flush included, must not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+class StdoutConsole(Console):
+    """Rich console for standard output that outlives its reader: when a table meets a closed
+    pipe (``graphflop inspect M | head``) the rest of the output is dropped and the command goes
+    on (its files are still written; the status is the command's). Rich's own console exits
+    with status 1 there, which reads as graphflop's internal-error status."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        drop_stdout()
+
+
 def stdout_console() -> Console:
     """Rich console for stdout; wide when stdout is not a terminal so tables don't wrap."""
-    return Console() if sys.stdout.isatty() else Console(width=180)
+    return StdoutConsole() if sys.stdout.isatty() else StdoutConsole(width=180)
 
 
 # --- checks made before any work -----------------------------------------------------------
@@ -462,8 +493,9 @@ def _forward_only(args: argparse.Namespace, err: Console | None, why: str | None
 
     why = backward_reason(args, why)
     if why:
+        what = "a JVP" if why == "--graph jvp" else "a backward"
         raise SpecError(
-            f"{why} needs a backward, but {NO_FLOAT_OUTPUT}: return the logits or scores instead"
+            f"{why} needs {what}, but {NO_FLOAT_OUTPUT}: return the logits or scores instead"
         )
     (err or Console(stderr=True)).print(
         f"note: {NO_FLOAT_OUTPUT}; analysing the forward only", soft_wrap=True
