@@ -187,6 +187,33 @@ def test_targets_come_from_the_first_floating_output_not_a_0d_count(tmp_path, ca
     assert rc == 0
 
 
+COMPLEX_OUT = """
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.fft.fft(self.fc(x))  # a complex (2, 8) output
+
+    def example_inputs():
+        return (torch.randn(2, 8),)
+    """
+
+
+def test_sum_loss_of_a_complex_output_is_real_and_verifies(tmp_path, capsys):
+    """Noticed in session 9: the sum of a complex output was a complex loss, which has no
+    gradient (torch.func.grad refused it, so --verify's gradient check did not run). It is the
+    sum of the real and imaginary parts: view_as_real 0 FLOPs, then a sum over 2·8·2 = 32
+    elements, 32 FLOPs (FLOPS.md: 1 per input element), reading 32 float32 = 128 bytes."""
+    rc, doc, err = _verify(_file(tmp_path, COMPLEX_OUT), capsys, "--verify-samples", "16")
+    assert doc["loss"] == "sum"
+    assert (doc["totals"]["loss"]["flops"], doc["totals"]["loss"]["bytes_read"]) == (32, 128)
+    assert [c["ok"] and c["ran"] for c in doc["verify"]] == [True, True, True], doc["verify"]
+    assert "verify: 3 of 3 checks passed" in err and "Warning" not in err
+    assert rc == 0
+
+
 def test_debug_prints_the_traceback_of_a_check_that_errored(tmp_path, capsys, monkeypatch):
     import graphflop.runtime.verify as verify
 

@@ -208,7 +208,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "cross_entropy", "mse", "sum"],
         help="loss the backward starts from (default: cross-entropy against random "
-        "integer targets for (N, C) logits, sum otherwise)",
+        "integer targets for (N, C) logits, sum otherwise; the sum of a complex output adds "
+        "its real and imaginary parts)",
     )
 
 

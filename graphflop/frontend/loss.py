@@ -22,13 +22,17 @@ LOSSES = ("cross_entropy", "mse", "sum", "output", "none")
 def loss_value(kind: str, first: torch.Tensor, targets: tuple = ()) -> torch.Tensor:
     """The scalar loss of kind ``kind`` (one of :data:`LOSSES` but ``none``) of the model's
     first output: cross-entropy or MSE against ``targets[0]``, the sum, or the output itself
-    (``output``: the model computes its own loss)."""
+    (``output``: the model computes its own loss).
+
+    The sum of a complex output is the sum of its real and imaginary parts
+    (``view_as_real(first).sum()``): a loss must be a real scalar to have a gradient (PyTorch's
+    ``backward`` refuses a complex one), and this one reaches every part of the output."""
     if kind == "cross_entropy":
         return F.cross_entropy(first, targets[0])
     if kind == "mse":
         return F.mse_loss(first, targets[0])
     if kind == "sum":
-        return first.sum()
+        return torch.view_as_real(first).sum() if first.is_complex() else first.sum()
     return first
 
 
