@@ -69,6 +69,15 @@ def shape(v: Any) -> tuple[int, ...]:
     return tuple(v.shape)
 
 
+def is_contiguous(v: Any) -> bool:
+    """Whether a graph value (fx node with ``val``, ghost, or tensor) is laid out contiguously."""
+    if isinstance(v, torch.fx.Node):
+        return v.meta["val"].is_contiguous()
+    if is_ghost(v):
+        return v.val.is_contiguous()
+    return v.is_contiguous()
+
+
 def dtype(v: Any) -> torch.dtype:
     if isinstance(v, torch.fx.Node):
         return v.meta["val"].dtype

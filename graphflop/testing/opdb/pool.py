@@ -48,6 +48,19 @@ POOL = [
         aten=("aten.avg_pool2d.default", "aten.col2im.default"),
     ),
     OpCase(
+        # the pooled map flattened to tokens and transposed (EfficientFormer): the cotangent
+        # reaching the pool is not contiguous (a tester's timm:efficientformer_l1 failed here)
+        "avgpool2d_tokens",
+        module_of(
+            lambda s, x: F.avg_pool2d(x * s.w, 2).flatten(2).transpose(1, 2) * s.r,
+            {"w": (4, 4)},
+            {"r": (2, 4, 2)},
+        ),
+        ((2, 2, 4, 4),),
+        flops=64 + 4 * 16 + 16,  # mul 64; 4 per output element (16); readout 16
+        aten=("aten.avg_pool2d.default", "aten.col2im.default"),
+    ),
+    OpCase(
         "avgpool2d_k3s2p1",
         module_of(
             lambda s, x: F.avg_pool2d(x * s.w, 3, 2, 1) * s.r, {"w": (5, 5)}, {"r": (2, 2, 3, 3)}
@@ -145,6 +158,17 @@ POOL_MORE = [
         ),
         ((1, 2, 4, 4, 4),),
         flops=128 + 8 * 16 + 16,
+        aten=("aten.avg_pool3d.default", "aten.col2im.default"),
+    ),
+    OpCase(
+        "avgpool3d_tokens",
+        module_of(
+            lambda s, x: F.avg_pool3d(x * s.w, 2).flatten(2).transpose(1, 2) * s.r,
+            {"w": (4, 4, 4)},
+            {"r": (1, 8, 2)},
+        ),
+        ((1, 2, 4, 4, 4),),
+        flops=128 + 8 * 16 + 16,  # mul 128; 8 per output element (16); readout 16
         aten=("aten.avg_pool3d.default", "aten.col2im.default"),
     ),
     OpCase(
