@@ -752,6 +752,48 @@ def test_model_file_that_exits_is_one_line(work, capsys, where, doing):
     nothing_left(work / "out")
 
 
+FORWARD_EXITS = """
+import sys
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self, code=0):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.code = code
+
+    def forward(self, x):
+        sys.exit(self.code)
+
+
+def example_inputs():
+    return (torch.randn(2, 4),)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "--json", "out/x.json"],
+        ["inspect", "--arg", "code=3", "--verify"],
+        ["bench", "--runtime", "torch", "--json", "out/b.json"],
+    ],
+    ids=lambda a: "-".join(a[:2]),
+)
+def test_model_that_exits_in_forward_is_one_line(work, capsys, argv):
+    """Tester's finding 2 (session 10): sys.exit in forward ended graphflop with the model's
+    status (0: a script took it for success) and no message, no output file."""
+    (work / "models/fwdexit.py").write_text(FORWARD_EXITS)
+    argv = [argv[0], f"{work / 'models/fwdexit.py'}:M"] + [
+        str(work / a) if a.startswith("out/") else a for a in argv[1:]
+    ]
+    line = one_error(capsys, *argv, message="the model exited while graphflop ran it")
+    assert "SystemExit(" in line and "sys.exit" in line
+    nothing_left(work / "out")
+
+
 BACKWARD_OPTIONS = [["--checkpoint", "fc*"], ["--amp", "bf16"], ["--keep-grads"]]
 
 

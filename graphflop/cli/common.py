@@ -108,6 +108,17 @@ def run_command(
     except KeyboardInterrupt:
         print("graphflop: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except SystemExit as e:
+        # graphflop's commands return their status; an exit from inside one is the model's
+        # code (sys.exit in forward): it must not end graphflop silently with the model's code
+        _debug_traceback(debug)
+        print(
+            f"graphflop: error: the model exited while graphflop ran it (SystemExit({e.code!r})):"
+            " remove the sys.exit call from its forward, or put it under "
+            "if __name__ == '__main__':",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     except Exception as e:
         _debug_traceback(debug)
         print(
