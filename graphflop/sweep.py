@@ -45,9 +45,11 @@ def sweep(
     optimizer: str = "sgd",
     ctor_kwargs: dict | None = None,
     batch: int | None = None,
+    seq: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per batch size (``batches``) or per depth (``depths``).
+    """One row per batch size (``batches``) or per depth (``depths``); ``seq``: the sequence
+    length of an ``hf:`` model's token inputs (:func:`graphflop.load.load`).
 
     Row keys: ``batch`` or ``depth``, ``forward_flops``, ``backward_flops``, ``update_flops``,
     ``ratio`` ((backward + update)/forward), ``ratio_no_update``, ``params``.
@@ -66,7 +68,7 @@ def sweep(
         if kind == "depth":
             kwargs[depth_name] = value
         say(f"{kind} {value}")
-        loaded = load(spec, ctor_kwargs=kwargs, meta=True)
+        loaded = load(spec, ctor_kwargs=kwargs, meta=True, seq=seq)
         loaded.model.train()
         inputs = make_inputs(loaded, batch=value if kind == "batch" else batch)
         r = analyze(loaded.model, inputs, name=loaded.name, optimizer=optimizer, jvp=False).report

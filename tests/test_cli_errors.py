@@ -362,6 +362,8 @@ def test_atomic_write_leaves_nothing_when_the_writer_fails(tmp_path):
         (["--eval"], "--eval"),
         (["--loss", "mse"], "--loss mse"),
         (["--batch", "8"], "--batch and --batches"),
+        (["--depth", "1,2"], "--batches or --depth, not both"),  # rows were mislabelled
+        (["--seq", "8"], "--seq 8 applies to hf: models only"),
     ],
 )
 def test_sweep_refuses_options_it_cannot_honour(work, capsys, extra, message):

@@ -428,6 +428,20 @@ def test_hf_llama_equals_the_same_model_built_in_a_file(tmp_path):
     assert da["totals"]["forward"]["mm_flops"] == 2 * layer + 2 * 32 * 64 * 100
 
 
+def test_hf_sweep_honours_seq():
+    """Tester's finding 3 (session 10): sweep dropped --seq, so an hf: model was swept at 128
+    tokens whatever was asked. The sweep's forward at 32 tokens is the analysis' at 32 (whose
+    matrix FLOPs the test above counts by hand), not the one at 128."""
+    pytest.importorskip("transformers")
+    from graphflop.sweep import sweep
+
+    (row,) = sweep("hf:llama", batches=[1], ctor_kwargs=SMALL_LLAMA, seq=32)
+    _, _, a = _hf_analysis("llama", SMALL_LLAMA, 32)
+    assert row["forward_flops"] == a.report.totals.forward.flops
+    (default,) = sweep("hf:llama", batches=[1], ctor_kwargs=SMALL_LLAMA)  # 128 tokens
+    assert default["forward_flops"] > 4 * row["forward_flops"]  # 4x the tokens, and attention
+
+
 @pytest.mark.parametrize(
     "name,args,eval_",
     [

@@ -92,6 +92,11 @@ def run(args: argparse.Namespace, err: Console) -> int:
     depths = int_list(args.depth, "depth")
     if not batches and not depths:
         raise SpecError("give --batches 1,2,4,... or --depth 0,10,100")
+    if batches and depths:
+        raise SpecError(
+            "give --batches or --depth, not both (a sweep varies one of them; set the batch of "
+            "a depth sweep with --batch)"
+        )
     _check(args, batches)
     _check_differentiable(args)
     with err.status("sweeping", spinner="dots") as status:
@@ -103,6 +108,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             optimizer=args.optimizer,
             ctor_kwargs=parse_ctor_kwargs(args.arg),
             batch=args.batch,
+            seq=args.seq,
             progress=lambda m: status.update(f"sweeping: {m}"),
         )
     _print_table(args, rows, "batch" if batches else "depth")
@@ -145,7 +151,7 @@ def _check_differentiable(args: argparse.Namespace) -> None:
     """An integer-only output has no backward, so no backward/forward ratio: exit 2."""
     from graphflop.load import load, make_inputs
 
-    loaded = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), meta=True)
+    loaded = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), meta=True, seq=args.seq)
     loaded.model.train()
     check_backward_possible(args, loaded, make_inputs(loaded), why="sweep")
 
