@@ -275,3 +275,68 @@ def test_var_mean_of_a_training_batch_norm_is_not_blamed_on_the_exporter():
     targets = {n.target for n in a.train_step.graph.nodes}
     assert torch.ops.aten.var_mean.correction in targets
     assert unexportable_node(a.train_step) is None
+
+
+class LastStepLSTM(nn.Module):
+    """LSTM (batch first) → Linear on the last step: the tester's lstm_bf.py."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(8, 16, batch_first=True)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
+def test_eager_jvp_through_an_lstm_equals_the_gradient_dot_direction():
+    """Tester's finding 5 (session 10): torch.func.jvp through nn.LSTM on CPU raises ("forward
+    AD with mkldnn_rnn_layer") on oneDNN's fused kernel; under eager_jvp it runs PyTorch's
+    native kernels and gives the directional derivative ∇L·v (autograd's, float64)."""
+    from graphflop.runtime.attention import eager_jvp
+
+    torch.manual_seed(0)
+    m = LastStepLSTM()
+    x = torch.randn(2, 5, 8)
+    params = {k: p.detach() for k, p in m.named_parameters()}
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+
+    def f(p):
+        return torch.func.functional_call(m, p, (x,)).square().sum()
+
+    if torch.backends.mkldnn.is_available():
+        with pytest.raises(NotImplementedError):
+            torch.func.jvp(f, (params,), (v,))
+    with eager_jvp(m, "cpu"):
+        _, d = torch.func.jvp(f, (params,), (v,))
+    m64 = LastStepLSTM().double()
+    m64.load_state_dict(m.state_dict())
+    loss = m64(x.double()).square().sum()
+    grads = torch.autograd.grad(loss, list(m64.parameters()))
+    want = sum((g * v[k].double()).sum() for (k, _), g in zip(m64.named_parameters(), grads))
+    assert torch.isclose(d.double(), want, rtol=1e-4), (float(d), float(want))
+    assert torch._C._get_mkldnn_enabled() == torch.backends.mkldnn.is_available()  # restored
+
+
+def test_cli_bench_torch_runtime_on_an_lstm_notes_the_kernels(tmp_path):
+    from graphflop.cli import main
+
+    path = tmp_path / "lstm.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.rnn = nn.LSTM(8, 16, batch_first=True)\n"
+        "        self.fc = nn.Linear(16, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(self.rnn(x)[0][:, -1])\n"
+        "def example_inputs():\n"
+        "    return (torch.randn(2, 5, 8),)\n"
+    )
+    res = tmp_path / "b.json"
+    argv = ["bench", f"{path}:M", "--runtime", "torch", "--warmup", "0", "--repeat", "1"]
+    assert main([*argv, "--json", str(res)]) == 0  # was an internal error
+    doc = json.loads(res.read_text())["runtimes"]["torch"]
+    assert "native kernels" in doc["rnn_note"]
+    assert set(doc["phases"]) == set(PHASES)

@@ -144,6 +144,7 @@ _CHOSEN = {
 
 def _time_runtimes(args, analysis, model, provider: str, device: str, flops, err) -> dict:
     """Time the runtimes ``--runtime`` names; their ``runtimes`` JSON; noisy phases warned."""
+    from graphflop.runtime.attention import has_fused_rnn
     from graphflop.runtime.bench import (
         bench_graph_torch,
         bench_onnxruntime,
@@ -178,6 +179,14 @@ def _time_runtimes(args, analysis, model, provider: str, device: str, flops, err
             else:
                 t = bench_torch(analysis, model, device=device, optimizer=args.optimizer, **kw)
                 out[rt] = {"device": device, **timing_report(t, flops, rt)}
+                if has_fused_rnn(model):
+                    fused = "cuDNN" if device == "cuda" else "oneDNN"
+                    out[rt]["rnn_note"] = (
+                        f"the forward-gradient step ran the RNN layers on PyTorch's native "
+                        f"kernels ({fused}'s fused kernel has no forward-mode derivative), the "
+                        f"forward and train step on {fused}'s: Rf compares different kernels"
+                    )
+                    err.print(f"warning: torch runtime: {out[rt]['rnn_note']}", soft_wrap=True)
                 skipped = (
                     analysis.report.totals.jvp.skipped_flops if analysis.report.totals.jvp else 0
                 )

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
+
 
 @contextlib.contextmanager
 def math_attention() -> Iterator[None]:
@@ -21,4 +23,38 @@ def math_attention() -> Iterator[None]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def has_fused_rnn(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds an ``nn.RNN``/``LSTM``/``GRU``, which eager PyTorch runs on a
+    fused kernel (oneDNN's on CPU, cuDNN's on CUDA) that has no forward-mode derivative."""
+    return any(isinstance(m, torch.nn.RNNBase) for m in model.modules())
+
+
+@contextlib.contextmanager
+def unfused_rnn(device: str) -> Iterator[None]:
+    """RNN layers on PyTorch's native kernels while the block runs (oneDNN off on CPU, cuDNN
+    off on CUDA): ``torch.func.jvp`` through an LSTM raises ``NotImplementedError`` ("forward
+    AD with mkldnn_rnn_layer") on the fused ones. Every other op of the block loses those
+    libraries too, so callers use it only for models that hold RNN layers
+    (:func:`has_fused_rnn`)."""
+    if device == "cuda":
+        with torch.backends.cudnn.flags(enabled=False):
+            yield
+        return
+    old = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)  # (torch.backends.mkldnn.flags also warns about TF32)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(old)
+
+
+@contextlib.contextmanager
+def eager_jvp(model: torch.nn.Module, device: str) -> Iterator[None]:
+    """Where an eager ``torch.func.jvp`` through ``model`` runs: :func:`math_attention`, and
+    :func:`unfused_rnn` when the model holds RNN layers (:func:`has_fused_rnn`)."""
+    rnn = unfused_rnn(device) if has_fused_rnn(model) else contextlib.nullcontext()
+    with math_attention(), rnn:
         yield

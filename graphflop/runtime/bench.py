@@ -37,7 +37,7 @@ import torch
 
 from graphflop.frontend.loss import loss_output, loss_value
 from graphflop.meta import LOSS_KIND, SIGNATURE, UPDATE
-from graphflop.runtime.attention import math_attention
+from graphflop.runtime.attention import eager_jvp
 from graphflop.runtime.timing import Timing, time_fn, time_phases
 
 __all__ = [
@@ -223,7 +223,7 @@ def bench_torch(
             return loss_value(kind, loss_output(out), t), c
 
         v = {k: torch.randn_like(p) for k, p in params.items()}
-        with math_attention():  # the fused CPU attention kernel has no forward derivative
+        with eager_jvp(model, device):  # fused attention and RNN kernels: no forward AD
             _, d, c = torch.func.jvp(f, (params, buffers), (v, zero_buffers), has_aux=True)
         with torch.no_grad():
             for k, n in c.items():
