@@ -235,6 +235,12 @@ def test_integer_output_render_and_export_the_forward(work, capsys):
         (["train", "{logreg}", "--out", "afile", "--steps", "1"], "is an existing file"),
         (["sweep", "{logreg}", "--batches", "1", "--csv", "s.csv", "--plot", "x.xyz"], "--plot"),
         (["sweep", "{logreg}", "--batches", "1", "--json", "adir"], "is an existing folder"),
+        # tester's findings 6 and 8 (session 10): export/train wrote into the current folder;
+        # bench ran in full, then failed naming a temporary file and left DIR/onnx behind
+        (["export", "{logreg}", "--out", ""], "--out needs a folder name"),
+        (["train", "{logreg}", "--out", "", "--steps", "1"], "--out needs a folder name"),
+        (["bench", "{logreg}", "--out", "run", "--json", "run"], "is where --out run keeps"),
+        (["bench", "{logreg}", "--out", "run", "--json", "run/onnx"], "is where --out run"),
     ],
 )
 def test_bad_output_paths_are_refused_before_any_work(work, capsys, monkeypatch, argv, message):

@@ -83,9 +83,21 @@ def _check(args: argparse.Namespace) -> None:
         raise SpecError("--repeat and --rotate must be positive, --warmup not negative")
     check_output_file(args.json, "--json")
     if args.out is not None:
+        import os
+
         from graphflop.cli.common import check_output_dir
 
         check_output_dir(args.out, "--out")
+        if args.json:
+            # bench writes DIR/onnx and DIR/profile: --json must be none of them (nor DIR)
+            out = os.path.realpath(args.out)
+            js = os.path.realpath(args.json)
+            taken = [out, os.path.join(out, "onnx"), os.path.join(out, "profile")]
+            if js in taken or any(js.startswith(t + os.sep) for t in taken[1:]):
+                raise SpecError(
+                    f"--json {args.json} is where --out {args.out} keeps its folders (DIR, "
+                    "DIR/onnx, DIR/profile): give the JSON another path, e.g. DIR/bench.json"
+                )
 
 
 def run(args: argparse.Namespace, err: Console) -> int:

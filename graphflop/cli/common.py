@@ -404,6 +404,9 @@ def check_output_dir(path: str | None, option: str) -> None:
     from graphflop.io import unwritable
     from graphflop.load import SpecError
 
+    if path is not None and not path.strip():
+        # "" would be the current folder: export's files landed among the user's
+        raise SpecError(f"{option} needs a folder name, not an empty string: give a path")
     why = unwritable(path, folder=True) if path else None
     if why:
         raise SpecError(f"cannot write {option} {path}: {why}")

@@ -194,6 +194,9 @@ def check_out(out: str | Path | None) -> None:
     """
     from graphflop.io import unwritable
 
+    if out is not None and not str(out).strip():
+        # "" would be the current folder: the run's files landed among the user's
+        raise TrainError("--out needs a folder name, not an empty string: give a path")
     why = unwritable(out, folder=True) if out is not None else None
     if why:
         raise TrainError(f"cannot write --out {out}: {why}; choose another folder")
