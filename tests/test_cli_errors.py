@@ -802,6 +802,41 @@ def test_model_that_exits_in_forward_is_one_line(work, capsys, argv):
     nothing_left(work / "out")
 
 
+PRINTS = """
+import torch
+from torch import nn
+
+print("loading the model")
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        print("forward", tuple(x.shape))
+        return self.fc(x)
+
+
+def example_inputs():
+    return (torch.randn(2, 4),)
+"""
+
+
+def test_format_json_stdout_is_the_document_alone_when_the_model_prints(work, capsys):
+    """Tester's finding 9 (session 10): a model's prints came before the JSON on standard
+    output, so `| python -m json.tool` failed; they go to standard error now."""
+    (work / "models/prints.py").write_text(PRINTS)
+    rc, out, err = cli(capsys, "inspect", f"{work / 'models/prints.py'}:M", "--format", "json")
+    assert rc == 0, err
+    assert json.loads(out)["params"] == 4 * 2 + 2
+    assert "loading the model" in err and "forward (2, 4)" in err
+    # the table form leaves the model's prints where they were
+    rc, out, err = cli(capsys, "inspect", f"{work / 'models/prints.py'}:M")
+    assert rc == 0 and "forward (2, 4)" in out
+
+
 BACKWARD_OPTIONS = [["--checkpoint", "fc*"], ["--amp", "bf16"], ["--keep-grads"]]
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -181,8 +183,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, err: Console) -> int:
     """Analyse, optionally verify, then print and write the report; returns the exit status
-    (1 unless every --verify check ran and passed)."""
-    from graphflop.export.report import layers_csv, print_report, to_json
+    (1 unless every --verify check ran and passed).
+
+    With ``--format json`` standard output carries the JSON document alone: what the model's
+    code prints while it is loaded and run goes to standard error instead."""
+    from graphflop.export.report import print_report, to_json
+
+    if args.format == "json":
+        with contextlib.redirect_stdout(sys.stderr):
+            report, extra, rc = _analyse(args, err)
+        print(to_json(report, extra))
+        return rc
+    report, extra, rc = _analyse(args, err)
+    print_report(
+        report,
+        stdout_console(),
+        max_layers=args.max_layers,
+        by=args.by,
+        depth=args.depth,
+        units=args.units,
+    )
+    return rc
+
+
+def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any], int]:
+    """The checks, the analysis, ``--verify`` and the output files: (report, the JSON's extra
+    keys, exit status)."""
+    from graphflop.export.report import layers_csv, to_json
     from graphflop.io import atomic_group, atomic_write
     from graphflop.ops import strict_rules
 
@@ -222,18 +249,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             from graphflop.export.memory_plot import plot_memory
 
             plot_memory(analysis, args.plot_memory)
-    if args.format == "json":
-        print(to_json(report, extra))
-    else:
-        print_report(
-            report,
-            stdout_console(),
-            max_layers=args.max_layers,
-            by=args.by,
-            depth=args.depth,
-            units=args.units,
-        )
-    return rc
+    return report, extra, rc
 
 
 def _tangent_pass_notes(analysis: Analysis) -> list[str]:
