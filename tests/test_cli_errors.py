@@ -837,6 +837,48 @@ def test_format_json_stdout_is_the_document_alone_when_the_model_prints(work, ca
     assert rc == 0 and "forward (2, 4)" in out
 
 
+WARNS = """
+import warnings
+
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        for _ in range(2):  # the same warning twice: one line
+            warnings.warn("this layer is" + chr(10) + "experimental", UserWarning)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def example_inputs():
+    return (torch.randn(2, 4),)
+"""
+
+
+def test_python_warnings_are_one_line_each_and_dropped_on_an_error(work, capsys):
+    """Tester's finding 10 (session 10): PyTorch's and the model's warnings took two stderr
+    lines each (message, then the source line), also before a one-line error."""
+    (work / "models/warns.py").write_text(WARNS)
+    rc, out, err = cli(capsys, "inspect", f"{work / 'models/warns.py'}:M", "--format", "json")
+    assert rc == 0, err
+    (line,) = err
+    assert line.startswith("warning: UserWarning: this layer is experimental (/"), line
+    assert line.endswith("/models/warns.py:12)"), line
+    one_error(
+        capsys,
+        "inspect",
+        f"{work / 'models/warns.py'}:M",
+        "--input-shape",
+        "2,5",
+        message="input",
+    )
+
+
 BACKWARD_OPTIONS = [["--checkpoint", "fc*"], ["--amp", "bf16"], ["--keep-grads"]]
 
 
@@ -1084,3 +1126,27 @@ def test_first_line_and_exception_chain():
     assert find_cause(outer, KeyError) is inner
     assert find_cause(outer, (TypeError, KeyError)) is inner
     assert find_cause(outer, TypeError) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(
+    "runtime,message",
+    [
+        ("graph_torch", "PyTorch has no CUDA device here"),  # named ONNX Runtime's provider
+        ("torch", "PyTorch has no CUDA device here"),
+        ("onnxruntime", "ONNX Runtime's CUDA execution provider does not work here"),
+    ],
+)
+def test_bench_on_cuda_without_cuda_names_what_is_missing(work, capsys, runtime, message):
+    """Tester's finding 11 (session 10)."""
+    line = one_error(
+        capsys,
+        "bench",
+        spec("logreg.py"),
+        "--device",
+        "cuda",
+        "--runtime",
+        runtime,
+        message=message,
+    )
+    assert "use --device cpu" in line

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     why = "bench (it times the train step)"
     check_backward_possible(args, loaded, inputs, why=why)
     trainable(loaded.model)
-    provider, device = pick_devices(args.device)
+    provider, device = pick_devices(args.device, _CHOSEN[args.runtime])
     if args.runtime != "torch":
         low_precision_on_cpu(parse_dtype(args.dtype) if args.dtype else None, provider)
     with err.status("analysing", spinner="dots") as status:

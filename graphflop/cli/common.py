@@ -15,6 +15,7 @@ import argparse
 import ast
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,8 +76,32 @@ def run_command(
     A user error (:func:`user_errors`, or an ``OSError`` naming a file: a path that cannot be
     read or written) is one stderr line and status 2; Ctrl-C one line and 130; any other
     exception (a bug) one line and status 1, with the traceback too under ``--debug``.
+
+    Python warnings raised while the command runs (PyTorch's, the model's) are held back:
+    after a command that ran, each distinct one is one ``warning:`` line on standard error;
+    after an error they are dropped, so the error stays the only line (Python would print
+    each over two lines, the second its source line).
     """
     err = err or Console(stderr=True)
+    with warnings.catch_warnings(record=True) as caught:
+        status = _run(command, args, err)
+    if status in (0, EXIT_VERIFY_FAILED):
+        for line in dict.fromkeys(_warning_line(w) for w in caught):
+            print(line, file=sys.stderr)
+    return status
+
+
+def _warning_line(w: warnings.WarningMessage) -> str:
+    """``warning: Category: message (package/file.py:line)``."""
+    where = w.filename.replace(os.sep, "/").rpartition("site-packages/")[2]
+    return f"warning: {w.category.__name__}: {one_line(w.message)} ({where}:{w.lineno})"
+
+
+def _run(
+    command: Callable[[argparse.Namespace, Console], int],
+    args: argparse.Namespace,
+    err: Console,
+) -> int:
     debug = bool(getattr(args, "debug", False))
     try:
         return command(args, err)

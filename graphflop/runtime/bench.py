@@ -577,21 +577,34 @@ def method_note(*, warmup: int, repeat: int, rotate: int) -> str:
     )
 
 
-def pick_devices(device: str | None) -> tuple[str, str]:
+def pick_devices(
+    device: str | None, runtimes: tuple[str, ...] = ("torch", "graph_torch", "onnxruntime")
+) -> tuple[str, str]:
     """The ONNX Runtime execution provider and the PyTorch device for ``device``.
 
     Args:
         device: ``cpu``, ``cuda`` or None (CUDA when ONNX Runtime's CUDA provider or PyTorch's
             CUDA works, else the CPU).
+        runtimes: the runtimes that will run (``torch``, ``graph_torch``, ``onnxruntime``):
+            ``cuda`` needs ONNX Runtime's CUDA provider for ``onnxruntime`` and PyTorch's CUDA
+            for the other two; without ``onnxruntime`` the provider is the CPU's, unused.
 
     Returns:
         ``(provider, torch_device)``.
 
     Raises:
-        DeviceError: ``device="cuda"`` and ONNX Runtime's CUDA provider does not work.
+        DeviceError: ``device="cuda"`` and what a chosen runtime needs does not work, naming it.
     """
-    from graphflop.runtime.onnxrt import pick_provider
+    from graphflop.runtime.onnxrt import DeviceError, pick_provider
 
+    uses_torch = any(rt != "onnxruntime" for rt in runtimes)
+    if device == "cuda" and uses_torch and not torch.cuda.is_available():
+        raise DeviceError(
+            "PyTorch has no CUDA device here (torch.cuda.is_available() is False: no GPU, or a "
+            "CPU build of torch), which the torch and graph_torch runtimes need; use --device cpu"
+        )
+    if "onnxruntime" not in runtimes:
+        return "CPUExecutionProvider", device or ("cuda" if torch.cuda.is_available() else "cpu")
     provider = pick_provider(device)
     torch_device = device or (
         "cuda" if provider == "CUDAExecutionProvider" or torch.cuda.is_available() else "cpu"
