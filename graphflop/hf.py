@@ -9,7 +9,8 @@
 (those with a causal-LM class and no masked-LM class: GPT-2, Llama, Mistral, Qwen2, ...) get
 their causal-LM head; every other model is the base model. No weights are loaded and nothing
 is downloaded; with ``meta=True`` the parameters are on the meta device. ``use_cache`` is off
-(training). The default inputs are ``batch=1`` and ``seq`` (default 128) wide: ``input_ids``
+(training), and so is ``use_associative_scan`` unless set (Mamba's compiled-only scan: eager
+PyTorch scans step by step). The default inputs are ``batch=1`` and ``seq`` (default 128) wide: ``input_ids``
 (token ids drawn from the vocabulary with a fixed seed, never the padding id, so that
 ``--verify`` differentiates through real tokens), plus ``decoder_input_ids`` for
 encoder-decoder models, or ``pixel_values``
@@ -70,6 +71,11 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
     config = _config(tf, name, args)
     if hasattr(config, "use_cache"):
         config.use_cache = False
+    if getattr(config, "use_associative_scan", False) and "use_associative_scan" not in args:
+        # Mamba-family models scan with torch's associative_scan only under compilation, which
+        # graphflop's trace reports to transformers; eager PyTorch scans step by step, which is
+        # what graphflop describes (and associative_scan's vmap cannot be traced here)
+        config.use_associative_scan = False
     cls = _model_class(tf, config)
     try:
         if meta:
