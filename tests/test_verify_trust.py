@@ -214,6 +214,42 @@ def test_sum_loss_of_a_complex_output_is_real_and_verifies(tmp_path, capsys):
     assert rc == 0
 
 
+DATACLASS_OUT = """
+    from dataclasses import dataclass
+
+
+    @dataclass
+    class Out:
+        count: int
+        logits: torch.Tensor
+
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return Out(7, self.fc(x))
+
+    def example_inputs():
+        return (torch.randn(2, 4),)
+    """
+
+
+def test_a_plain_dataclass_output_is_read_field_by_field(tmp_path, capsys):
+    """Tester's finding (session 10): a @dataclass holding the logits was refused with 'no
+    tensor in the model's output'. Its (2, 3) logits get the cross-entropy loss: 2·3 log-softmax
+    and gather work as for a plain tensor output (the FLOPs equal the tensor model's)."""
+    rc, doc, err = _verify(_file(tmp_path, DATACLASS_OUT), capsys, "--verify-samples", "16")
+    assert doc["loss"] == "cross_entropy" and doc["params"] == 4 * 3 + 3
+    assert [c["ok"] and c["ran"] for c in doc["verify"]] == [True, True, True], doc["verify"]
+    plain = DATACLASS_OUT.replace("return Out(7, self.fc(x))", "return self.fc(x)")
+    _, ref, _ = _verify(_file(tmp_path, plain, "plain"), capsys, "--verify-samples", "16")
+    assert doc["totals"] == ref["totals"]
+    assert rc == 0
+
+
 def test_debug_prints_the_traceback_of_a_check_that_errored(tmp_path, capsys, monkeypatch):
     import graphflop.runtime.verify as verify
 

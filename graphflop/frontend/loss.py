@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
@@ -36,12 +37,25 @@ def loss_value(kind: str, first: torch.Tensor, targets: tuple = ()) -> torch.Ten
     return first
 
 
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output: a tensor, or tuples, lists, dicts and namedtuples of
+    them in ``torch.utils._pytree`` order (transformers' ``ModelOutput`` included), with a
+    plain ``@dataclass`` read field by field, in declaration order."""
+    tensors: list[torch.Tensor] = []
+    for leaf in tree_flatten(out)[0]:
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for f in dataclasses.fields(leaf):
+                tensors += output_tensors(getattr(leaf, f.name))
+    return tensors
+
+
 def loss_output(out: Any) -> Any:
     """The output the loss is computed from: the first floating-point (or complex) tensor of
-    a model's output (a tensor, or a tuple, list, dict or namedtuple of them, in
-    ``torch.utils._pytree`` order), else its first tensor (a model may return its predicted
-    classes first, then the logits); None when it holds no tensor."""
-    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    a model's output (:func:`output_tensors`), else its first tensor (a model may return its
+    predicted classes first, then the logits); None when it holds no tensor."""
+    tensors = output_tensors(out)
     floats = (t for t in tensors if t.is_floating_point() or t.is_complex())
     return next(floats, tensors[0] if tensors else None)
 

@@ -38,7 +38,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_flatten
 
 from graphflop.frontend import outline as repeats
 from graphflop.frontend.composite import CompositeOps, tagged_decompositions
@@ -53,6 +52,7 @@ from graphflop.frontend.loss import (
     loss_output,
     loss_value,
     make_targets,
+    output_tensors,
 )
 from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
@@ -179,11 +179,11 @@ def _trace_once(
         with ModuleScopes(model) as scopes:
             out = torch.func.functional_call(model, state, tuple(flat[n_p + n_b :]))
             scopes.leave_model()
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            outs = output_tensors(out)
             if not outs:
                 raise TraceError(
                     f"no tensor in the model's output (a {type(out).__name__}): return a "
-                    "tensor, or a tuple, list or dict of tensors"
+                    "tensor, or a tuple, list, dict or dataclass of tensors"
                 )
             # the loss is computed from the first floating-point output (a model may return
             # its predicted classes first, then the logits)
