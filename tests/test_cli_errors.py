@@ -1150,3 +1150,30 @@ def test_bench_on_cuda_without_cuda_names_what_is_missing(work, capsys, runtime,
         message=message,
     )
     assert "use --device cpu" in line
+
+
+def test_arg_given_twice_is_refused_and_true_false_are_booleans(work, capsys):
+    """Tester's findings (session 10): a repeated --arg silently kept the last value, and
+    use_associative_scan=false was refused as a string ('expected bool')."""
+    from graphflop.cli.common import parse_ctor_kwargs
+
+    one_error(
+        capsys,
+        "inspect",
+        spec("mlp.py"),
+        "--arg",
+        "hidden=8",
+        "--arg",
+        "hidden=16",
+        message="--arg hidden is given twice",
+    )
+    got = parse_ctor_kwargs(["a=false", "b=TRUE", "c=False", "d=(3, 4)", "e=relu", "f= true"])
+    assert got == {"a": False, "b": True, "c": False, "d": (3, 4), "e": "relu", "f": True}
+
+
+def test_option_value_starting_with_a_dash_gets_a_hint(work, capsys):
+    rc, _, err = cli(capsys, "inspect", spec("mlp.py"), "--input-shape", "-1,784")
+    assert rc == 2 and len(err) == 1, err  # argparse's 'graphflop inspect: error: ...'
+    assert "is written --input-shape=VALUE" in err[0]
+    line = one_error(capsys, "inspect", spec("mlp.py"), "--input-shape=-1,784", message="")
+    assert "every dimension must be a positive integer" in line

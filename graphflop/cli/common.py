@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -167,6 +168,10 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         text = " ".join(message.split())
+        opt = re.match(r"argument (--[\w-]+)(?:/\S+)?: expected one argument$", text)
+        if opt:
+            # argparse reads a value that starts with '-' (--input-shape -1,784) as an option
+            text += f" (give it a value; one that starts with '-' is written {opt[1]}=VALUE)"
         self.exit(EXIT_USAGE, f"{self.prog}: error: {text}; see {self.prog} --help\n")
 
 
@@ -181,10 +186,12 @@ def add_debug_arg(p: argparse.ArgumentParser) -> None:
 
 def parse_ctor_kwargs(items: Sequence[str] | None, example: str = "middle_layers=10") -> dict:
     """``--arg NAME=VALUE`` items → constructor keywords; a VALUE that is a Python literal
-    (``10``, ``0.5``, ``True``, ``(3, 4)``) is parsed, anything else stays a string.
+    (``10``, ``0.5``, ``True``, ``(3, 4)``) is parsed, ``true``/``false`` in any case are the
+    booleans (as JSON and YAML write them), anything else stays a string.
 
     Raises:
-        SpecError: an item without ``=`` or without a name (the message shows ``example``).
+        SpecError: an item without ``=`` or without a name (the message shows ``example``), or
+            a name given twice.
     """
     from graphflop.load import SpecError
 
@@ -193,6 +200,11 @@ def parse_ctor_kwargs(items: Sequence[str] | None, example: str = "middle_layers
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SpecError(f"bad --arg {item!r}: write NAME=VALUE, e.g. {example}")
+        if key in out:
+            raise SpecError(f"--arg {key} is given twice: give each name once")
+        if value.strip().lower() in ("true", "false"):
+            out[key] = value.strip().lower() == "true"
+            continue
         try:
             out[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
