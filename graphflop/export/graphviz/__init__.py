@@ -92,6 +92,7 @@ from graphflop.export.graphviz.op_level import check_module, op_scene
 from graphflop.export.graphviz.output import write
 from graphflop.export.graphviz.palette import ROLE_COLOURS
 from graphflop.export.graphviz.profile import PROFILE_PHASE, load_profile, normalise_profile
+from graphflop.meta import MODULE
 
 __all__ = [
     "FORMATS",
@@ -202,6 +203,14 @@ def render(
         small = module is not None or count_op_nodes(analysis, graph) <= max_op_nodes
         level = "op" if small else "module"
     prof = normalise_profile(profile, graph)
+    if prof:
+        modules = {n.meta.get(MODULE) for n in analysis.forward.graph.nodes} - {None}
+        if not any(path in modules or path == "(model)" for path in prof):
+            shown = ", ".join(repr(p) for p in list(prof)[:3])
+            raise RenderError(
+                f"the profile names no module of this model ({shown}{', ...' if len(prof) > 3 else ''}"
+                "): give the JSON that graphflop bench --profile --json wrote for this model"
+            )
     variants = _variants(analysis, graph, level, prof, collapse_loss, module)
     if path is None:
         return variants[0]()
