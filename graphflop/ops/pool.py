@@ -78,6 +78,37 @@ def_jvp(aten.max_pool2d_with_indices.default)(_jvp_max_pool(2))
 def_jvp(aten.max_pool3d_with_indices.default)(_jvp_max_pool(3))
 
 
+def _adaptive_windows(n_in: int, n_out: int) -> list[int]:
+    """Window lengths of adaptive pooling along one dim: output ``i`` reads
+    ``[⌊i·n_in/n_out⌋, ⌈(i+1)·n_in/n_out⌉)`` (ATen's ``start_index``/``end_index``)."""
+    return [-((-(i + 1) * n_in) // n_out) - (i * n_in) // n_out for i in range(n_out)]
+
+
+def _adaptive_max_pool_cost(nd):
+    def cost(out, x, output_size, *args, **kwargs):
+        """(window size − 1) comparisons per output element (FLOPS.md's max pooling), each
+        window's size from the adaptive bounds, times the leading (batch, channel) planes."""
+        xs = tuple(x.shape)
+        lead = math.prod(xs[: len(xs) - nd])
+        per_dim = [
+            _adaptive_windows(n, o) for n, o in zip(xs[len(xs) - nd :], tuple(out[0].shape)[-nd:])
+        ]
+        total = 1
+        count = 1
+        for w in per_dim:  # Σ over windows of ∏ lengths = ∏ over dims of Σ lengths
+            total *= sum(w)
+            count *= len(w)
+        return NodeCost(flops=lead * (total - count))
+
+    return cost
+
+
+register(aten.adaptive_max_pool2d.default, F, _adaptive_max_pool_cost(2))
+register(aten.adaptive_max_pool3d.default, F, _adaptive_max_pool_cost(3))
+def_jvp(aten.adaptive_max_pool2d.default)(_jvp_max_pool(2))
+def_jvp(aten.adaptive_max_pool3d.default)(_jvp_max_pool(3))
+
+
 def _pool_args(args, nd):
     k = _kernel(args, nd)
     stride = list(args[2]) if len(args) > 2 and args[2] else k

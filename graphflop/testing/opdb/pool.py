@@ -41,6 +41,32 @@ POOL = [
         aten=("aten.max_pool3d_with_indices.default",),
     ),
     OpCase(
+        "adaptive_maxpool2d_uneven",
+        module_of(
+            lambda s, x: F.adaptive_max_pool2d(x * s.w, (2, 3)) * s.r,
+            {"w": (5, 7)},
+            {"r": (2, 3, 2, 3)},
+        ),
+        ((2, 3, 5, 7),),
+        # mul 210; windows H 5→2: [0,3) [2,5), W 7→3: [0,3) [2,5) [4,7): every window 3×3,
+        # 8 comparisons × 6 outputs × 6 planes = 288; readout 36
+        flops=210 + 288 + 36,
+        aten=("aten.adaptive_max_pool2d.default", "aten.gather.default"),
+    ),
+    OpCase(
+        "adaptive_maxpool3d",
+        module_of(
+            lambda s, x: F.adaptive_max_pool3d(x * s.w, (1, 2, 3)) * s.r,
+            {"w": (2, 4, 6)},
+            {"r": (1, 2, 1, 2, 3)},
+        ),
+        ((1, 2, 2, 4, 6),),
+        # mul 96; windows D 2→1 [0,2), H 4→2 [0,2) [2,4), W 6→3 pairs: every window 2·2·2 = 8,
+        # 7 comparisons × 6 outputs × 2 planes = 84; readout 12
+        flops=96 + 84 + 12,
+        aten=("aten.adaptive_max_pool3d.default",),
+    ),
+    OpCase(
         "avgpool2d_k2",
         module_of(lambda s, x: F.avg_pool2d(x * s.w, 2) * s.r, {"w": (4, 4)}, {"r": (2, 2, 2, 2)}),
         ((2, 2, 4, 4),),
