@@ -220,6 +220,32 @@ def test_backprop_matches_torch_step_for_step(digits, name, optimizer):
     assert a[-1] < 0.8 * a[0]
 
 
+def test_a_model_returning_argmax_and_logits_trains_on_the_logits(tmp_path, digits):
+    """Noticed in session 9: train refused (argmax, logits), which inspect's loss reads as the
+    logits. The logits are picked by a forward hook; graphflop's train step matches
+    torch.optim's step for step, and the loss falls as a plain logistic regression's does."""
+    from graphflop.train.model import _logits_of
+
+    g = tmp_path / "amx.py"
+    g.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self, in_features=64):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(in_features, 10)\n"
+        "    def forward(self, x):\n"
+        "        y = self.fc(x.flatten(1))\n"
+        "        return y.argmax(-1), y\n"
+    )
+    model, _, _ = build_model(f"{g}:M", digits)
+    assert _logits_of in model._forward_hooks.values()
+    kw = dict(optimizer="sgd", steps=30, eval_every=0, seed=1)
+    ours = _losses(train(f"{g}:M", digits, TrainConfig(method="backprop", **kw)))
+    ref = _losses(train(f"{g}:M", digits, TrainConfig(method="torch", **kw)))
+    np.testing.assert_allclose(ours, ref, rtol=1e-5)
+    assert ours[-1] < 0.8 * ours[0]
+
+
 def test_all_methods_see_the_same_first_batch_and_weights(digits):
     first = [
         _losses(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,11 +103,30 @@ def build_model(
         loaded = make(used, False)
         model, name = loaded.model, loaded.name
     model.train()
-    _check_model(model, data, name)
+    if _check_model(model, data, name):
+        model.register_forward_hook(_logits_of)
     return model, name, used
 
 
-def _check_model(model: nn.Module, data: Dataset, name: str) -> None:
+def _logits_of(module: nn.Module, args: Any, out: Any) -> Any:
+    """Forward hook: the logits (:func:`~graphflop.frontend.loss.loss_output`, the first
+    floating-point tensor) of a model that returns them among other values, ``(argmax,
+    logits)`` or a dict; the training loop, its runners and the traced step read them alone."""
+    from graphflop.frontend.loss import loss_output
+
+    return loss_output(out)
+
+
+def _check_model(model: nn.Module, data: Dataset, name: str) -> bool:
+    """Check that ``model`` maps 2 images of ``data`` to ``(2, num_classes)`` logits, alone or
+    as the first floating-point tensor of its output; True in the second case (the logits must
+    be picked out: :func:`_logits_of`).
+
+    Raises:
+        TrainError: the model fails on the images, or returns no such logits.
+    """
+    from graphflop.frontend.loss import loss_output
+
     probe = copy.deepcopy(model).eval()
     x = data.x_train[:2]
     try:
@@ -118,11 +138,14 @@ def _check_model(model: nn.Module, data: Dataset, name: str) -> None:
             f"{name} fails on a batch of {data.name} images ({c}×{h}×{w}): "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         ) from e
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, data.num_classes):
+    logits = out if isinstance(out, torch.Tensor) else loss_output(out)
+    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (2, data.num_classes):
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise TrainError(
-            f"{name} returns {shape} for 2 images; training needs (N, {data.num_classes}) logits"
+            f"{name} returns {shape} for 2 images; training needs (N, {data.num_classes}) "
+            "logits (alone, or as the first floating-point tensor of its output)"
         )
+    return logits is not out
 
 
 def _fake_batch(batch: int, image_shape) -> tuple[torch.Tensor, ...]:
