@@ -298,6 +298,12 @@ class ForwardGradientInfo:
         tangent_pass: how the ``K`` tangent passes were built: ``one tangent pass`` (K = 1),
             ``one batched tangent pass`` (tangents with a leading K dimension; ``; K copies
             of <ops>`` names ops copied per direction), or ``copies: <why>``.
+        buffer_updates: qualified names of the buffers the step updates (BatchNorm's running
+            statistics), output after the directional derivatives, in this order.
+
+    Outputs, in order: the loss, the new parameters (``params``), the new optimizer state
+    (``state``), the ``directions`` directional derivatives, the new buffers
+    (``buffer_updates``).
     """
 
     inputs: tuple[str, ...]
@@ -307,6 +313,12 @@ class ForwardGradientInfo:
     distribution: str
     direction_inputs: bool
     tangent_pass: str = "one tangent pass"
+    buffer_updates: tuple[str, ...] = ()
+
+    def derivatives(self, outputs: Any) -> Any:
+        """The ``directions`` directional derivatives among a run's ``outputs``."""
+        start = 1 + len(self.params) + len(self.state)
+        return outputs[start : start + self.directions]
 
 
 @dataclass(frozen=True)

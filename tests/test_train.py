@@ -246,6 +246,33 @@ def test_a_model_returning_argmax_and_logits_trains_on_the_logits(tmp_path, digi
     assert ours[-1] < 0.8 * ours[0]
 
 
+class _ConvBN(torch.nn.Module):
+    """Conv2d → BatchNorm2d → ReLU → Linear, sized for the data set (the tester's bnnet.py)."""
+
+    def __init__(self, in_channels=1, image_size=8):
+        super().__init__()
+        self.c = torch.nn.Conv2d(in_channels, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.fc = torch.nn.Linear(4 * image_size * image_size, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.c(x))).flatten(1))
+
+
+@pytest.mark.parametrize("runtime", ["torch", "onnxruntime"])
+def test_fgd_updates_batch_norm_running_statistics(digits, runtime):
+    """Tester's finding (session 10): the forward-gradient step did not output the running
+    statistics, so after fgd training validation ran on mean 0 / variance 1. With the weights
+    held still (lr 1e-9) every method sees the same batches, so the statistics, and the
+    validation loss computed with them, must equal plain PyTorch's."""
+    kw = dict(steps=10, batch=32, optimizer="sgd", lr=1e-9, eval_every=10, seed=3)
+    ref = train(_ConvBN, digits, TrainConfig(method="torch", **kw)).summary["final_val_loss"]
+    got = train(_ConvBN, digits, TrainConfig(method="fgd", runtime=runtime, **kw))
+    assert got.summary["final_val_loss"] == pytest.approx(ref, rel=1e-5)
+    initial = got.summary["initial_val_loss"]  # the statistics at mean 0 / variance 1
+    assert abs(got.summary["final_val_loss"] - initial) > 1e-3
+
+
 def test_all_methods_see_the_same_first_batch_and_weights(digits):
     first = [
         _losses(

@@ -371,6 +371,7 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
             + [f"new.{q}" for q in info.params]
             + [f"new.{state_label[s]}" for s in info.state]
             + [f"directional_derivative_{k}" for k in range(info.directions)]
+            + [f"new.{q}" for q in info.buffer_updates]
         )
         ins = [
             _direction_name(n.name, qual) if n.meta.get(KIND) == "direction" else in_name(n)

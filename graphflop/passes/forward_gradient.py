@@ -126,7 +126,14 @@ def build_forward_gradient_step(
     loss = next(
         env[o] for o in primal_outs if isinstance(o, Node) and o.meta.get(SOURCE) == sig.loss
     )
-    g.output(tuple([loss] + new_state + ds))
+    # the running statistics a training-mode forward updates, as the train step outputs them
+    updated = dict(sig.buffer_updates)
+    buffers = [
+        (env[o], updated[o.meta.get(SOURCE)])
+        for o in primal_outs
+        if isinstance(o, Node) and o.meta.get(SOURCE) in updated
+    ]
+    g.output(tuple([loss] + new_state + ds + [n for n, _ in buffers]))
     gm = graph_module(torch.nn.Module(), g)
     gm.meta[SIGNATURE] = sig
     gm.meta[FORWARD_GRADIENT] = ForwardGradientInfo(
@@ -137,6 +144,7 @@ def build_forward_gradient_step(
         distribution,
         direction_inputs,
         how,
+        tuple(q for _, q in buffers),
     )
     gm.meta[UPDATE] = upd.meta[UPDATE]
     return gm

@@ -200,7 +200,9 @@ class GraphStepper:
         self.new_param_ph = [qual_to_ph[q] for q in info.params]
         self.new_state_ph = list(info.state)
         buf_to_ph = {q: p for p, q in sig.buffers}
-        self.tail = [] if fgd else [buf_to_ph[q] for q in info.buffer_updates]
+        self.tail = [buf_to_ph[q] for q in info.buffer_updates]
+        # a forward-gradient step outputs its directional derivatives before the buffers
+        self.skip = info.directions if fgd else 0
         self.dirs = [
             (n.name, tuple(n.meta["val"].shape))
             for n in phs.values()
@@ -226,10 +228,12 @@ class GraphStepper:
             )
         outs = self.run(v)
         i = 1
-        for names in (self.new_param_ph, self.new_state_ph, self.tail):
+        for names in (self.new_param_ph, self.new_state_ph):
             for n in names:
                 v[n] = outs[i]
                 i += 1
+        for j, n in enumerate(self.tail):
+            v[n] = outs[i + self.skip + j]
         return float(outs[0])
 
     def end_epoch(self) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from graphflop.frontend.trace import loss_value
-from graphflop.meta import KIND, SIGNATURE, Signature
+from graphflop.meta import FORWARD_GRADIENT, KIND, SIGNATURE, Signature
 from graphflop.runtime.graphs import forward_gradient_graph
 from graphflop.train.data import Dataset, load_dataset
 from graphflop.train.model import build_model, trace_forward
@@ -110,7 +110,7 @@ def estimator_variance(
             values.update(
                 draw_directions(dirs, dgen, distribution=distribution, orthogonal=orthogonal)
             )
-            ds = run(values)[-k:]
+            ds = gm.meta[FORWARD_GRADIENT].derivatives(run(values))
             est = {q: torch.zeros_like(params[q]) for q in params}
             for n in dir_phs:
                 kk = direction_index(n.name)
