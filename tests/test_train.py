@@ -195,6 +195,16 @@ def test_constructor_without_size_arguments_is_a_clear_error(tmp_path, digits):
     )
     with pytest.raises(TrainError, match=r"returns \(2, 3\) for 2 images; training needs"):
         build_model(str(g), digits)
+    # tester's finding (session 10): a constructor without size keywords whose defaults
+    # already fit the images (digits: 1×8×8 → 64 features) was refused
+    h = tmp_path / "fits.py"
+    h.write_text(
+        "import torch\nclass Fits(torch.nn.Module):\n    def __init__(self, width=16):\n"
+        "        super().__init__()\n        self.fc = torch.nn.Linear(64, 10)\n"
+        "    def forward(self, x):\n        return self.fc(x.flatten(1))\n"
+    )
+    model, _, used = build_model(str(h), digits, ctor_kwargs={"width": 8})
+    assert used == {"width": 8} and model.fc.in_features == 64
 
 
 # --- backprop: graphflop's train step against torch.optim ----------------------------------------

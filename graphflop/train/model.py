@@ -65,11 +65,16 @@ def _size_for(make, label: str, data: Dataset, user: dict) -> dict:
             errors.append(str(e).split(": ", 1)[-1])
             continue
         return kw
+    raise TrainError(_unsized(label, data, errors))
+
+
+def _unsized(label: str, data: Dataset, errors: list[str]) -> str:
     c, h, w = data.image_shape
-    raise TrainError(
+    return (
         f"cannot size {label} for {data.name} images ({c}×{h}×{w}): its constructor "
         f"takes none of in_features=, in_channels=/image_size=, image_size= "
-        f"({'; '.join(errors)}); add one of them to its __init__"
+        f"({'; '.join(errors)}), and its defaults do not fit them; add one of them to its "
+        "__init__"
     )
 
 
@@ -84,28 +89,50 @@ def build_model(
 
     A spec or a class/factory is called with the size keywords its constructor takes, tried in
     order: ``in_features=C·H·W`` (logreg, MLP), ``in_channels=C, image_size=H`` (CNN),
-    ``image_size=H``; ``ctor_kwargs`` are added (and win). A module instance is deep-copied as is.
+    ``image_size=H``; ``ctor_kwargs`` are added (and win); a constructor that takes none of
+    them is called with its defaults (and ``ctor_kwargs``), which must then fit the images. A
+    module instance is deep-copied as is.
 
     Returns:
         (model in train mode, display name, the constructor keywords used).
 
     Raises:
-        TrainError: the constructor takes none of the size keywords, or the model does not map
-            a batch of these images to ``(N, num_classes)`` logits.
+        TrainError: the constructor takes none of the size keywords and its defaults do not
+            fit the images, or the model does not map a batch of these images to
+            ``(N, num_classes)`` logits.
         SpecError: the spec cannot be loaded.
     """
     if isinstance(spec_or_model, nn.Module):
         model, name, used = copy.deepcopy(spec_or_model), type(spec_or_model).__name__, {}
     else:
         make, label = _maker(spec_or_model)
-        used = _size_for(make, label, data, dict(ctor_kwargs or {}))
+        user = dict(ctor_kwargs or {})
+        try:
+            used = _size_for(make, label, data, user)
+        except TrainError as unsized:
+            # no size keyword: the constructor's defaults, if they already fit the images
+            torch.manual_seed(seed)
+            model, name = _built(make, user)
+            try:
+                picks = _check_model(model, data, name)
+            except TrainError:
+                raise unsized from None
+            return _finish(model, picks), name, user
         torch.manual_seed(seed)
-        loaded = make(used, False)
-        model, name = loaded.model, loaded.name
+        model, name = _built(make, used)
     model.train()
-    if _check_model(model, data, name):
+    return _finish(model, _check_model(model, data, name)), name, used
+
+
+def _built(make, kwargs: dict) -> tuple[nn.Module, str]:
+    loaded = make(kwargs, False)
+    return loaded.model.train(), loaded.name
+
+
+def _finish(model: nn.Module, picks: bool) -> nn.Module:
+    if picks:
         model.register_forward_hook(_logits_of)
-    return model, name, used
+    return model
 
 
 def _logits_of(module: nn.Module, args: Any, out: Any) -> Any:
