@@ -264,6 +264,32 @@ def test_bad_checkpoint_pattern_is_one_line(capsys):
     assert err.count("\n") == 1 and "matches no module" in err and "layers.fc1" in err
 
 
+def test_the_table_shows_the_what_ifs(capsys):
+    """Tester's finding (session 10): --checkpoint and --amp printed nothing in the table (their
+    figures were in the JSON only). The lines repeat the JSON's numbers."""
+    import json
+
+    from graphflop.cli import main
+    from graphflop.export.report import human, human_bytes
+
+    argv = ["inspect", "models/mlp.py", "--arg", "hidden=32", "--checkpoint", "layers.fc*"]
+    argv += ["--amp", "bf16"]
+    assert main([*argv, "--format", "json"]) == 0
+    mem = json.loads(capsys.readouterr().out)["memory"]
+    ck, amp = mem["checkpoint"], mem["amp"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"checkpoint layers.fc* ({len(ck['modules'])} modules): saved for backward "
+        f"{human_bytes(ck['saved_for_backward_bytes'])}, train peak "
+        f"{human_bytes(ck['train_peak_bytes'])}, recompute {human(ck['recompute_flops'])} FLOPs"
+    ) in out
+    assert (
+        f"amp bf16: saved for backward {human_bytes(amp['saved_for_backward_bytes'])}, train "
+        f"peak {human_bytes(amp['train_peak_bytes'])} (FLOPs unchanged)"
+    ) in out
+
+
 def test_amp_dtype_rules_differ_by_device():
     """Layer norm and softmax are on CUDA autocast's float32 list, not on CPU's: under fp16 on
     CUDA their outputs are float32 and layer norm saves a float32 copy of its half input; on

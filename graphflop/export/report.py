@@ -302,6 +302,20 @@ def _summary_lines(r: Report) -> list[str]:
         )
         mem.append(f"jvp peak {human_bytes(m.jvp_peak_bytes)}")
     lines.append("memory: " + ", ".join(mem))
+    ck, amp = m.checkpoint, m.amp
+    if ck:  # the what-ifs of --checkpoint and --amp (their JSON: memory.checkpoint, .amp)
+        lines.append(
+            f"checkpoint {ck['pattern']} ({len(ck['modules'])} modules): saved for backward "
+            f"{human_bytes(ck['saved_for_backward_bytes'])}, train peak "
+            f"{human_bytes(ck['train_peak_bytes'])}, recompute {human(ck['recompute_flops'])} "
+            "FLOPs"
+        )
+    if amp:
+        lines.append(
+            f"amp {amp['dtype']}: saved for backward {human_bytes(amp['saved_for_backward_bytes'])}"
+            f", train peak {human_bytes(amp['train_peak_bytes'])}"
+            + (" (FLOPs unchanged)" if amp.get("flops_unchanged") else "")
+        )
     return lines
 
 
