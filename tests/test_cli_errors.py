@@ -1177,3 +1177,31 @@ def test_option_value_starting_with_a_dash_gets_a_hint(work, capsys):
     assert "is written --input-shape=VALUE" in err[0]
     line = one_error(capsys, "inspect", spec("mlp.py"), "--input-shape=-1,784", message="")
     assert "every dimension must be a positive integer" in line
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["inspect", "--no-jvp", "--tangents", "inputs"], "--tangents sets the JVP"),
+        (["inspect", "--no-jvp", "--directions", "4"], "--directions sets the JVP"),
+        (["inspect", "--no-jvp", "--direction", "rademacher"], "--direction sets the JVP"),
+        (["inspect", "--memory-model", "graph", "--keep-grads"], "--keep-grads is a what-if"),
+        (["inspect", "--memory-model", "compiled", "--keep-grads"], "--keep-grads is a what-if"),
+        (["inspect", "--by", "op", "--depth", "1"], "--depth shapes the per-layer table"),
+        (["inspect", "--by", "op", "--max-layers", "2"], "--max-layers shapes"),
+        (["train", "--method", "backprop", "--directions", "4"], "--directions sets forward-"),
+        (["train", "--method", "backprop", "--orthogonal"], "--orthogonal sets forward-"),
+        (["train", "--method", "torch", "--distribution", "rademacher"], "--distribution sets"),
+    ],
+)
+def test_options_the_run_would_ignore_are_refused(work, capsys, monkeypatch, argv, message):
+    """Tester's findings (session 10, round 2): each of these ran, ignoring the option (train's
+    summary.json then said directions: null)."""
+    _no_work(monkeypatch)
+    import graphflop.train.loop
+
+    def no_work(*a, **k):
+        raise AssertionError("work started before the options were checked")
+
+    monkeypatch.setattr(graphflop.train.loop, "_setup", no_work)
+    one_error(capsys, argv[0], spec("mlp.py"), *argv[1:], message=message)

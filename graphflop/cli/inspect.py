@@ -283,6 +283,27 @@ def _check(args: argparse.Namespace) -> None:
         raise SpecError(f"bad --max-layers {args.max_layers}: give 0 or more")
     if args.depth is not None and args.depth < 1:
         raise SpecError(f"bad --depth {args.depth}: must be at least 1")
+    if args.by == "op" and (args.depth is not None or args.max_layers != 60):
+        option = "--depth" if args.depth is not None else "--max-layers"
+        raise SpecError(
+            f"{option} shapes the per-layer table, and --by op prints the per-op tables: drop "
+            "one of the two options"
+        )
+    if args.no_jvp:
+        given = [
+            f"--{name.replace('_', '-')}"
+            for name, default in (
+                ("tangents", "params"),
+                ("directions", 1),
+                ("direction", "normal"),
+            )
+            if getattr(args, name) != default
+        ]
+        if given:
+            raise SpecError(
+                f"{given[0]} sets the JVP or the forward-gradient step, and --no-jvp skips "
+                "both: drop one of the two options"
+            )
     _check_memory_options(args)
     check_output_file(args.json, "--json")
     check_output_file(args.csv, "--csv")
@@ -341,6 +362,12 @@ def _check_memory_options(args: argparse.Namespace) -> None:
         raise SpecError(
             f"{what_ifs[0]} is a what-if on the eager memory model, not on --memory-model "
             f"{args.memory_model}: drop one of the two options (or use --memory-model eager)"
+        )
+    if args.keep_grads and args.memory_model != "eager":
+        raise SpecError(
+            f"--keep-grads is a what-if on the eager memory model; --memory-model "
+            f"{args.memory_model} already keeps every gradient to the end of the step: drop "
+            "--keep-grads (or use --memory-model eager)"
         )
     if args.memory_device is not None and args.memory_model == "graph":
         raise SpecError(

@@ -108,6 +108,7 @@ class TrainConfig:
             object.__setattr__(self, "ctor_kwargs", {})
         _check_names(self)
         _check_numbers(self)
+        _check_method_options(self)
 
     @property
     def learning_rate(self) -> float:
@@ -153,6 +154,27 @@ def _check_names(c: TrainConfig) -> None:
         raise TrainError("--orthogonal directions are drawn Gaussian; use --distribution normal")
     if c.device not in DEVICES:
         raise TrainError(f"unknown device {c.device!r}; cpu or cuda")
+
+
+def _check_method_options(c: TrainConfig) -> None:
+    """Refuse forward-gradient options a backprop or torch run would drop (after the other
+    checks, so a malformed value is named as such first)."""
+    if c.method != "fgd":
+        given = [
+            option
+            for option, value, default in (
+                ("--directions", c.directions, 1),
+                ("--distribution", c.distribution, "normal"),
+                ("--orthogonal", c.orthogonal, False),
+                ("--perturb", c.perturb, "weights"),
+            )
+            if value != default
+        ]
+        if given:  # the run would drop it, and summary.json would say so only by a null
+            raise TrainError(
+                f"{given[0]} sets forward-gradient directions, which --method {c.method} does "
+                "not draw: use it with --method fgd (or drop it)"
+            )
 
 
 def _check_numbers(c: TrainConfig) -> None:
