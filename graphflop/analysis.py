@@ -133,7 +133,10 @@ def analyze(
     of CPU; nothing here compiles); ``memory_model="compiled"`` uses the real Dynamo.
 
     Raises:
-        TraceError, MissingRuleError, ValueError: see the passes.
+        TraceError, MissingRuleError, ValueError: see the passes; ValueError also for a
+            what-if (``checkpoint``, ``amp``, ``keep_grads``) with ``backward=False``.
+        TypeError: ``model`` not an ``nn.Module``, ``directions`` not an int, ``progress``
+            not callable.
     """
     if memory_model not in ("eager", "graph", "compiled") or device not in ("cpu", "cuda"):
         raise ValueError(
@@ -142,6 +145,17 @@ def analyze(
         )
     if amp not in (None, "bf16", "fp16"):
         raise ValueError(f"unknown amp dtype {amp!r}: bf16 or fp16")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if not backward and (checkpoint is not None or amp is not None or keep_grads):
+        what = (
+            "checkpoint" if checkpoint is not None else "amp" if amp is not None else "keep_grads"
+        )
+        raise ValueError(f"{what}= is a what-if on the backward, and backward=False skips it")
+    if not isinstance(directions, int) or isinstance(directions, bool):
+        raise TypeError(f"directions must be an int, not {type(directions).__name__}")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be callable (one str argument), not {progress!r}")
     args, kwargs = split_example(example_inputs)
     if kwargs and memory_model == "compiled":
         raise ValueError("memory_model='compiled' takes positional inputs only, not keywords")

@@ -11,6 +11,7 @@ are absent from the JSON document; a ratio whose denominator is zero is ``None``
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -534,7 +535,12 @@ class Report:
         for row in self.layers:
             if row.name == name:
                 return row
-        raise KeyError(name)
+        names = [r.name for r in self.layers]
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"rows: {', '.join(names[:8])}"
+        raise KeyError(
+            f"no layer row {name!r}; {hint}{' ...' if not close and len(names) > 8 else ''}"
+        )
 
     def layers_at_depth(self, depth: int) -> tuple[LayerRow, ...]:
         """The rows rolled up to module paths of at most ``depth`` dotted parts (``1``: the

@@ -402,3 +402,23 @@ def test_loss_output_of_a_non_scalar_output_is_refused():
     # tester's finding: a raw broadcasting RuntimeError escaped from the backward's seed
     with pytest.raises(graphflop.TraceError, match=r"loss 'output'.*shape \(2, 3\)"):
         graphflop.analyze(nn.Linear(4, 3), (torch.randn(2, 4),), loss="output")
+
+
+def test_analyze_refuses_arguments_it_cannot_use():
+    """Tester's findings (session 10, round 2): a what-if with backward=False returned without
+    it; a string model, a float directions and an int progress failed deep inside (bare
+    AttributeError/TypeError mid-run); report.layer of an unknown name was a bare KeyError."""
+    m, x = nn.Linear(4, 2), torch.randn(2, 4)
+    with pytest.raises(ValueError, match="checkpoint= is a what-if on the backward"):
+        graphflop.analyze(m, x, checkpoint="0", backward=False)
+    with pytest.raises(ValueError, match="amp= is a what-if"):
+        graphflop.analyze(m, x, amp="bf16", backward=False)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, not str"):
+        graphflop.analyze("notamodel", x)
+    with pytest.raises(TypeError, match="directions must be an int"):
+        graphflop.analyze(m, x, directions=2.5)
+    with pytest.raises(TypeError, match="progress must be callable"):
+        graphflop.analyze(m, x, progress=5)
+    r = graphflop.analyze(nn.Sequential(nn.Linear(4, 2), nn.ReLU()), x).report
+    with pytest.raises(KeyError, match="no layer row '1x'; did you mean 1"):
+        r.layer("1x")
