@@ -422,3 +422,17 @@ def test_analyze_refuses_arguments_it_cannot_use():
     r = graphflop.analyze(nn.Sequential(nn.Linear(4, 2), nn.ReLU()), x).report
     with pytest.raises(KeyError, match="no layer row '1x'; did you mean 1"):
         r.layer("1x")
+
+
+def test_a_model_pytorch_cannot_run_for_its_dtypes_is_refused():
+    """Tester's finding (session 10, round 2): a float64 model given float32 inputs was
+    analysed (fake tensors' matrix-product kernels do not check dtypes); eager PyTorch raises
+    'mat1 and mat2 must have the same dtype'."""
+    from graphflop.frontend.trace import TraceError
+
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        m(torch.randn(2, 4))  # what eager PyTorch does
+    with pytest.raises(TraceError, match="addmm in 0 multiplies float32 and float64 operands"):
+        graphflop.analyze(m, (torch.randn(2, 4),))
+    assert graphflop.analyze(m, (torch.randn(2, 4, dtype=torch.float64),)).report.params == 67

@@ -56,7 +56,7 @@ from graphflop.frontend.loss import (
 )
 from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
-from graphflop.meta import OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of, fresh_fake
+from graphflop.meta import MODULE, OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of, fresh_fake
 from graphflop.ops import decomposition_table
 
 __all__ = [
@@ -115,7 +115,42 @@ def trace(
         # in the model); the error itself becomes graphflop's one-line TraceError
         quiet = quiet_loggers("torch._subclasses.fake_tensor")
         with _state_kept(model), quiet, traced_by_libraries():
-            return _trace(model, tensors, loss, fake_mode, reuse)
+            gm = _trace(model, tensors, loss, fake_mode, reuse)
+    _check_matmul_dtypes(gm)
+    return gm
+
+
+#: matrix-class ops whose eager kernels refuse operands of two dtypes (their meta kernels, which
+#: fake tensors run, do not check)
+_SAME_DTYPE = {
+    aten.mm.default: (0, 1),
+    aten.addmm.default: (0, 1, 2),
+    aten.bmm.default: (0, 1),
+    aten.convolution.default: (0, 1),
+}
+
+
+def _check_matmul_dtypes(gm: GraphModule) -> None:
+    """Refuse a graph that eager PyTorch could not run: a matrix product or convolution of
+    operands in two dtypes (a float64 model given float32 inputs: ``mat1 and mat2 must have the
+    same dtype``).
+
+    Raises:
+        TraceError: naming the op, the dtypes and the module.
+    """
+    for n in gm.graph.nodes:
+        where = _SAME_DTYPE.get(n.target) if n.op == "call_function" else None
+        if where is None:
+            continue
+        vals = [n.args[i].meta.get("val") for i in where if isinstance(n.args[i], torch.fx.Node)]
+        dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in vals if v is not None})
+        if len(dtypes) > 1:
+            module = n.meta.get(MODULE) or "the model"
+            raise TraceError(
+                f"{n.target.name()} in {module} multiplies {' and '.join(dtypes)} operands, "
+                "which PyTorch refuses (it needs one dtype): give inputs in the parameters' "
+                "dtype (--dtype), or cast one side in the model"
+            )
 
 
 @contextlib.contextmanager
