@@ -181,7 +181,16 @@ def compile_backend(
     Usage: ``torch.compile(model, backend=graphflop.compile_backend(report=r))``. Symbolic
     sizes are counted at their hints (see the module docstring); a graph that cannot be
     analysed runs uncounted with a ``UserWarning`` and a line in ``report.skipped``.
+
+    Raises:
+        TypeError: ``report`` is not a :class:`CompileReport` (checked here, not when
+            ``torch.compile`` first calls the backend).
+        ValueError: an unknown ``optimizer``.
     """
+    if report is not None and not isinstance(report, CompileReport):
+        raise TypeError(f"report must be a graphflop CompileReport, not {type(report).__name__}")
+    if optimizer not in ("sgd", "momentum", "adam", "adamw"):
+        raise ValueError(f"unknown optimizer {optimizer!r}: sgd, momentum, adam or adamw")
     report = report if report is not None else CompileReport()
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:

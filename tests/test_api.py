@@ -436,3 +436,11 @@ def test_a_model_pytorch_cannot_run_for_its_dtypes_is_refused():
     with pytest.raises(TraceError, match="addmm in 0 multiplies float32 and float64 operands"):
         graphflop.analyze(m, (torch.randn(2, 4),))
     assert graphflop.analyze(m, (torch.randn(2, 4, dtype=torch.float64),)).report.params == 67
+
+
+def test_compile_backend_checks_its_arguments_when_made():
+    # tester's finding (session 10, round 2): report=5 was accepted, to fail inside compile
+    with pytest.raises(TypeError, match="report must be a graphflop CompileReport, not int"):
+        graphflop.compile_backend(report=5)
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        graphflop.compile_backend(optimizer="lion")
