@@ -136,7 +136,11 @@ class Wrap(nn.Module):
 @pytest.mark.parametrize("name", sorted(CELLS))
 def test_cells_verify_against_torch_func(name):
     model = Wrap(CELLS[name]()).double()
-    x = torch.randn(3, 5, 16, dtype=torch.float64) if "rnn_relu" in name else torch.randn(3, 16)
+    x = (
+        torch.randn(3, 5, 16, dtype=torch.float64)
+        if "rnn_relu" in name
+        else torch.randn(3, 16, dtype=torch.float64)
+    )
     a = graphflop.analyze(model, (x,), loss="sum")
     assert a.report.totals.backward.complete and a.report.totals.jvp.complete
     _assert_verifies(model, x, a)

@@ -94,6 +94,8 @@ class MissingRuleError(LookupError):
 
 
 _TABLE: dict[Any, OpRule] = {}
+#: ops whose rule a user registered (``graphflop.register_rule``) rather than graphflop
+_USER_OPS: set[Any] = set()
 #: op overload -> graphflop's decomposition (see :func:`register_decomposition`)
 _DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
 #: ops (overloads or packets) traced with PyTorch's own decomposition
@@ -239,6 +241,7 @@ def register_user(
     """
     old = _TABLE.get(op)
     if old is None:
+        _USER_OPS.add(op)
         return register(op, family, cost, **rules)
     if not override:
         raise ValueError(
@@ -282,9 +285,10 @@ def has_rule(op: Any) -> bool:
     return op in _TABLE
 
 
-def all_rules() -> dict[Any, OpRule]:
-    """A copy of the table, for coverage reports."""
-    return dict(_TABLE)
+def all_rules(*, user: bool = True) -> dict[Any, OpRule]:
+    """A copy of the table, for coverage reports; ``user=False``: without the ops only a
+    user's rule covers (``graphflop.register_rule`` of an op graphflop has no rule for)."""
+    return {op: r for op, r in _TABLE.items() if user or op not in _USER_OPS}
 
 
 # --- registration helpers (JAX style) -------------------------------------------------------
