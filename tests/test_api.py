@@ -444,3 +444,18 @@ def test_compile_backend_checks_its_arguments_when_made():
         graphflop.compile_backend(report=5)
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
         graphflop.compile_backend(optimizer="lion")
+
+
+def test_jvp_roles_of_the_first_layer_are_all_parameter_work():
+    """Tester's finding (session 10, round 2): with tangents on the parameters, the first
+    layer's bias-tangent add was counted tangent_from_input, though no input tangent reaches
+    it. Linear(4, 3) → Tanh → Linear(3, 2), batch 2, by hand:
+    layer 0: x·Ẇᵀ 2·2·4·3 = 48 + ḃ 2·3 = 6, all from the parameters: 54, none from the input;
+    layer 2: ẏ₁·W₂ᵀ 2·2·3·2 = 24 from the input, y₁·Ẇ₂ᵀ 24 from the parameters, and the two
+    adds that merge them with ḃ₂ (4 + 4) carry the input tangent: 32 from the input."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    r = graphflop.analyze(m, (torch.randn(2, 4),), loss="sum").report
+    rows = {L.name: (L.tangent_from_input_flops, L.tangent_from_param_flops) for L in r.layers}
+    assert rows["0"] == (0, 54)
+    assert rows["2"] == (32, 24)

@@ -65,8 +65,15 @@ class JvpBuilder(Builder):
     active_kind = "tangent"
 
     def role_for(self, kind: str, args_flat: list[Any]) -> str:
-        """``tangent_from_param`` for tangent work whose tangent inputs all come from parameters
-        (and for coefficients of a parameter-only forward node), else ``tangent_from_input``."""
+        """``tangent_from_input`` for tangent work that a tangent entering the layer (the
+        forward node's module) from outside flows through; ``tangent_from_param`` for work on
+        the layer's parameter tangents alone (FLOPS.md), and for coefficients of a
+        parameter-only forward node.
+
+        A tangent argument enters through the layer's input unless it is computed from
+        parameters only (a parameter's tangent, or a view of it), was emitted in this layer
+        from its parameter tangents alone (role ``tangent_from_param``: the first layer's
+        ``conv(x, Ẇ) + ḃ`` is all parameter work), or is a parameter's tangent placeholder."""
         if kind != "tangent":
             return "tangent_from_param" if self.ctx.param_derived else "tangent_from_input"
         lin = [
@@ -74,9 +81,19 @@ class JvpBuilder(Builder):
             for a in args_flat
             if (isinstance(a, Node) and a.meta.get(KIND) == "tangent") or is_ghost(a)
         ]
-        if lin and all(a.meta.get(PARAM_DERIVED, False) for a in lin):
+        if lin and not any(self._through_input(a) for a in lin):
             return "tangent_from_param"
         return "tangent_from_input"
+
+    def _through_input(self, a: Any) -> bool:
+        """Whether tangent ``a`` carries the layer's input tangent (see :meth:`role_for`)."""
+        if is_ghost(a):
+            return not a.param_derived
+        if a.meta.get(PARAM_DERIVED, False):
+            return False
+        if a.op == "placeholder" or a.meta.get(MODULE) != self.ctx.module:
+            return True
+        return a.meta.get(ROLE) != "tangent_from_param"
 
 
 def _is_float(v: Any) -> bool:
