@@ -160,7 +160,10 @@ def _analyse(
     first = out[0]
     scalar = first.numel() == 1 and first.is_floating_point()
     loss = "output" if scalar else "sum"
-    a = analyze(lifted, rest, loss=loss, optimizer=optimizer, jvp=False, backward=any(grad_mask))
+    # compiled under torch.no_grad() (Dynamo guards on grad mode and compiles again when it
+    # changes): no backward will run, so none is counted
+    backward = any(grad_mask) and torch.is_grad_enabled()
+    a = analyze(lifted, rest, loss=loss, optimizer=optimizer, jvp=False, backward=backward)
     skip = None if scalar else "loss"
     ff, fm = _sum_cost(a.forward.graph.nodes, skip)
     bf, bm = _sum_cost(a.backward.graph.nodes, skip) if a.backward is not None else (0, 0)

@@ -459,3 +459,23 @@ def test_jvp_roles_of_the_first_layer_are_all_parameter_work():
     rows = {L.name: (L.tangent_from_input_flops, L.tangent_from_param_flops) for L in r.layers}
     assert rows["0"] == (0, 54)
     assert rows["2"] == (32, 24)
+
+
+def test_compile_backend_under_no_grad_counts_no_backward():
+    """Tester's finding (session 10, round 2): a graph compiled under torch.no_grad() reported
+    backward FLOPs that never run. Linear(4, 2) on 3 rows: forward 2·3·4·2 = 48 + bias 6 = 54
+    (the output summed: the loss's 5 adds are not the model's); compiled again with gradients
+    on (Dynamo guards on grad mode), the backward is counted: the weight gradient
+    2·3·4·2 = 48 and the bias gradient's column sum 2·3 = 6."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    backend = graphflop.compile_backend()
+    compiled = torch.compile(m, backend=backend)
+    with torch.no_grad():
+        compiled(torch.randn(3, 4))
+    (g,) = backend.report.graphs
+    assert (g.forward_flops, g.backward_flops) == (54, 0)
+    compiled(torch.randn(3, 4))
+    assert [x.backward_flops for x in backend.report.graphs] == [0, 54]
+    torch._dynamo.reset()
