@@ -1205,3 +1205,27 @@ def test_options_the_run_would_ignore_are_refused(work, capsys, monkeypatch, arg
 
     monkeypatch.setattr(graphflop.train.loop, "_setup", no_work)
     one_error(capsys, argv[0], spec("mlp.py"), *argv[1:], message=message)
+
+
+def test_warnings_follow_a_command_that_ran_not_an_internal_error(capsys):
+    """Status 1 is both a failed --verify check (the command ran: its warnings are shown) and
+    an internal error (one line only)."""
+    import argparse
+    import warnings
+
+    from graphflop.cli.common import run_command
+
+    def failed_check(args, err):
+        warnings.warn("noted", UserWarning)
+        return 1
+
+    def bug(args, err):
+        warnings.warn("noted", UserWarning)
+        raise RuntimeError("boom")
+
+    assert run_command(failed_check, argparse.Namespace()) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: UserWarning: noted ("), err
+    assert run_command(bug, argparse.Namespace()) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("graphflop: internal error: RuntimeError: boom")

@@ -84,9 +84,10 @@ def run_command(
     each over two lines, the second its source line).
     """
     err = err or Console(stderr=True)
+    ran = []  # the command returned (its status may still be 1: a failed --verify check)
     with warnings.catch_warnings(record=True) as caught:
-        status = _run(command, args, err)
-    if status in (0, EXIT_VERIFY_FAILED):
+        status = _run(command, args, err, ran)
+    if ran:
         for line in dict.fromkeys(_warning_line(w) for w in caught):
             print(line, file=sys.stderr)
     return status
@@ -102,10 +103,13 @@ def _run(
     command: Callable[[argparse.Namespace, Console], int],
     args: argparse.Namespace,
     err: Console,
+    ran: list,
 ) -> int:
     debug = bool(getattr(args, "debug", False))
     try:
-        return command(args, err)
+        status = command(args, err)
+        ran.append(True)
+        return status
     except user_errors() as e:
         _debug_traceback(debug)
         print(f"graphflop: error: {one_line(e)}", file=sys.stderr)
