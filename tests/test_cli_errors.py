@@ -1216,11 +1216,11 @@ def test_warnings_follow_a_command_that_ran_not_an_internal_error(capsys):
     from graphflop.cli.common import run_command
 
     def failed_check(args, err):
-        warnings.warn("noted", UserWarning)
+        warnings.warn("noted", UserWarning, stacklevel=1)
         return 1
 
     def bug(args, err):
-        warnings.warn("noted", UserWarning)
+        warnings.warn("noted", UserWarning, stacklevel=1)
         raise RuntimeError("boom")
 
     assert run_command(failed_check, argparse.Namespace()) == 1
