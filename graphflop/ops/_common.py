@@ -60,35 +60,24 @@ def norm_dims(dims: Sequence[int] | int | None, ndim: int) -> list[int]:
     return sorted(d % max(ndim, 1) for d in dims)
 
 
+def value(v: Any) -> Any:
+    """The tensor (a FakeTensor in the graphs) behind a graph value: an fx node's ``val``, a
+    ghost's value, or a tensor itself."""
+    if isinstance(v, torch.fx.Node):
+        return v.meta["val"]
+    if is_ghost(v):
+        return v.val
+    return v
+
+
 def shape(v: Any) -> tuple[int, ...]:
     """Shape of a graph value (fx node with ``val``, ghost, or tensor)."""
-    if isinstance(v, torch.fx.Node):
-        return tuple(v.meta["val"].shape)
-    if is_ghost(v):
-        return tuple(v.val.shape)
-    return tuple(v.shape)
-
-
-def is_contiguous(v: Any) -> bool:
-    """Whether a graph value (fx node with ``val``, ghost, or tensor) is laid out contiguously."""
-    if isinstance(v, torch.fx.Node):
-        return v.meta["val"].is_contiguous()
-    if is_ghost(v):
-        return v.val.is_contiguous()
-    return v.is_contiguous()
+    return tuple(value(v).shape)
 
 
 def dtype(v: Any) -> torch.dtype:
-    if isinstance(v, torch.fx.Node):
-        return v.meta["val"].dtype
-    if is_ghost(v):
-        return v.val.dtype
-    return v.dtype
+    return value(v).dtype
 
 
 def device(v: Any) -> torch.device:
-    if isinstance(v, torch.fx.Node):
-        return v.meta["val"].device
-    if is_ghost(v):
-        return v.val.device
-    return v.device
+    return value(v).device

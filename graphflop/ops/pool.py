@@ -17,7 +17,7 @@ import math
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import device, dtype, is_contiguous, numel, shape
+from graphflop.ops._common import device, dtype, numel, shape, value
 from graphflop.ops.registry import (
     def_jvp,
     def_linear,
@@ -154,7 +154,7 @@ def _transpose_avg_pool(nd):
         else:
             d = _window_counts(b, x, xs, sp_out, k, stride, padding, count_include_pad)
             z, scale = b.call(aten.div.Tensor, ct, d), 1.0
-        if not is_contiguous(z):
+        if not value(z).is_contiguous():
             # a cotangent laid out unlike the output (the pooled map flattened to tokens and
             # transposed, as in EfficientFormer) cannot be viewed as windows: copied contiguous
             # first (an explicit clone, whose bytes the cost model counts), as reshape would

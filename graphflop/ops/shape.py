@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import dtype, free, norm_dims, numel, shape
+from graphflop.ops._common import dtype, free, norm_dims, numel, shape, value
 from graphflop.ops.registry import (
     def_jvp,
     def_linear,
@@ -100,10 +100,6 @@ for _op in (
     def_linear(_op, _reshape_back)
 
 
-def _val(v) -> torch.Tensor:
-    return v.meta["val"] if isinstance(v, torch.fx.Node) else v.val
-
-
 def _jvp_strict_view(op):
     """JVP of ``view``/``_unsafe_view``: the same view of the tangent. A tangent laid out unlike
     its primal (a residual sum of a transposed attention output, ``batch_first`` attention) may
@@ -115,8 +111,8 @@ def _jvp_strict_view(op):
         t = tangents[0]
         if t is None:
             return None
-        tv = _val(t)
-        if tv.stride() != _val(args[0]).stride() and not tv.is_contiguous():
+        tv = value(t)
+        if tv.stride() != value(args[0]).stride() and not tv.is_contiguous():
             t = b.call(aten.clone.default, t, memory_format=torch.contiguous_format)
         return b.call(op, t, *args[1:], **kwargs)
 
