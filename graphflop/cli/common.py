@@ -22,7 +22,7 @@ from typing import Any
 
 from rich.console import Console
 
-from graphflop.frontend.loss import NO_FLOAT_OUTPUT, differentiable
+from graphflop.frontend.loss import NO_FLOAT_OUTPUT, differentiable, output_tensors
 
 EXIT_USAGE = 2
 EXIT_VERIFY_FAILED = 1
@@ -482,7 +482,6 @@ def float_output(model, inputs) -> bool:
     importing Dynamo (:mod:`graphflop.frontend.nodynamo`): on meta tensors it costs little, the
     import 2 s."""
     import torch
-    from torch.utils._pytree import tree_leaves
 
     from graphflop.frontend import nodynamo
 
@@ -495,8 +494,8 @@ def float_output(model, inputs) -> bool:
             out = nodynamo.run(run)
         except Exception:
             continue
-        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        return not leaves or any(differentiable(t) for t in leaves)
+        tensors = output_tensors(out)
+        return not tensors or any(map(differentiable, tensors))
     return True
 
 

@@ -56,8 +56,7 @@ def loss_output(out: Any) -> Any:
     a model's output (:func:`output_tensors`), else its first tensor (a model may return its
     predicted classes first, then the logits); None when it holds no tensor."""
     tensors = output_tensors(out)
-    floats = (t for t in tensors if t.is_floating_point() or t.is_complex())
-    return next(floats, tensors[0] if tensors else None)
+    return next(filter(differentiable, tensors), tensors[0] if tensors else None)
 
 
 def default_loss(out: Any) -> str:
