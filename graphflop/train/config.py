@@ -8,7 +8,7 @@ steps with these models.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -160,15 +160,11 @@ def _check_method_options(c: TrainConfig) -> None:
     """Refuse forward-gradient options a backprop or torch run would drop (after the other
     checks, so a malformed value is named as such first)."""
     if c.method != "fgd":
+        default = {f.name: f.default for f in fields(c)}
         given = [
-            option
-            for option, value, default in (
-                ("--directions", c.directions, 1),
-                ("--distribution", c.distribution, "normal"),
-                ("--orthogonal", c.orthogonal, False),
-                ("--perturb", c.perturb, "weights"),
-            )
-            if value != default
+            f"--{name}"
+            for name in ("directions", "distribution", "orthogonal", "perturb")
+            if getattr(c, name) != default[name]
         ]
         if given:  # the run would drop it, and summary.json would say so only by a null
             raise TrainError(

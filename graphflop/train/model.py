@@ -102,37 +102,29 @@ def build_model(
             ``(N, num_classes)`` logits.
         SpecError: the spec cannot be loaded.
     """
+    unsized = None
     if isinstance(spec_or_model, nn.Module):
         model, name, used = copy.deepcopy(spec_or_model), type(spec_or_model).__name__, {}
     else:
         make, label = _maker(spec_or_model)
-        user = dict(ctor_kwargs or {})
+        used = dict(ctor_kwargs or {})
         try:
-            used = _size_for(make, label, data, user)
-        except TrainError as unsized:
-            # no size keyword: the constructor's defaults, if they already fit the images
-            torch.manual_seed(seed)
-            model, name = _built(make, user)
-            try:
-                picks = _check_model(model, data, name)
-            except TrainError:
-                raise unsized from None
-            return _finish(model, picks), name, user
+            used = _size_for(make, label, data, used)
+        except TrainError as e:  # no size keyword: its defaults, if they fit the images
+            unsized = e
         torch.manual_seed(seed)
-        model, name = _built(make, used)
+        loaded = make(used, False)
+        model, name = loaded.model, loaded.name
     model.train()
-    return _finish(model, _check_model(model, data, name)), name, used
-
-
-def _built(make, kwargs: dict) -> tuple[nn.Module, str]:
-    loaded = make(kwargs, False)
-    return loaded.model.train(), loaded.name
-
-
-def _finish(model: nn.Module, picks: bool) -> nn.Module:
+    try:
+        picks = _check_model(model, data, name)
+    except TrainError:
+        if unsized is None:
+            raise
+        raise unsized from None
     if picks:
         model.register_forward_hook(_logits_of)
-    return model
+    return model, name, used
 
 
 def _logits_of(module: nn.Module, args: Any, out: Any) -> Any:
