@@ -192,8 +192,10 @@ def compile_backend(
     """
     if report is not None and not isinstance(report, CompileReport):
         raise TypeError(f"report must be a graphflop CompileReport, not {type(report).__name__}")
-    if optimizer not in ("sgd", "momentum", "adam", "adamw"):
-        raise ValueError(f"unknown optimizer {optimizer!r}: sgd, momentum, adam or adamw")
+    from graphflop.passes.optimizer import OPTIMIZERS
+
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZERS)}")
     report = report if report is not None else CompileReport()
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:

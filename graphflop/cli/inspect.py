@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from graphflop.analysis import Analysis
 
 
+#: defaults of the JVP options (given otherwise with --no-jvp: refused) and of --max-layers
+JVP_DEFAULTS = {"tangents": "params", "directions": 1, "direction": "normal"}
+MAX_LAYERS = 60
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``inspect`` subcommand to ``graphflop``'s subparsers."""
     p = sub.add_parser(
@@ -45,7 +50,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tangents",
-        default="params",
+        default=JVP_DEFAULTS["tangents"],
         choices=["params", "inputs", "all"],
         help="which values carry tangents in the JVP graph (default params: weight "
         "perturbation, as in forward gradients)",
@@ -53,13 +58,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--directions",
         type=int,
-        default=1,
+        default=JVP_DEFAULTS["directions"],
         metavar="K",
         help="directions averaged per forward-gradient step (default 1)",
     )
     p.add_argument(
         "--direction",
-        default="normal",
+        default=JVP_DEFAULTS["direction"],
         choices=["normal", "rademacher"],
         help="distribution of forward-gradient directions (default normal)",
     )
@@ -175,7 +180,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-layers",
         type=int,
-        default=60,
+        default=MAX_LAYERS,
         help="rows shown in the table (default 60; --json and --csv have them all)",
     )
     return p
@@ -283,22 +288,14 @@ def _check(args: argparse.Namespace) -> None:
         raise SpecError(f"bad --max-layers {args.max_layers}: give 0 or more")
     if args.depth is not None and args.depth < 1:
         raise SpecError(f"bad --depth {args.depth}: must be at least 1")
-    if args.by == "op" and (args.depth is not None or args.max_layers != 60):
+    if args.by == "op" and (args.depth is not None or args.max_layers != MAX_LAYERS):
         option = "--depth" if args.depth is not None else "--max-layers"
         raise SpecError(
             f"{option} shapes the per-layer table, and --by op prints the per-op tables: drop "
             "one of the two options"
         )
     if args.no_jvp:
-        given = [
-            f"--{name.replace('_', '-')}"
-            for name, default in (
-                ("tangents", "params"),
-                ("directions", 1),
-                ("direction", "normal"),
-            )
-            if getattr(args, name) != default
-        ]
+        given = [f"--{k}" for k, v in JVP_DEFAULTS.items() if getattr(args, k) != v]
         if given:
             raise SpecError(
                 f"{given[0]} sets the JVP or the forward-gradient step, and --no-jvp skips "
