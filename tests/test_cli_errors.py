@@ -244,16 +244,7 @@ def test_integer_output_render_and_export_the_forward(work, capsys):
     ],
 )
 def test_bad_output_paths_are_refused_before_any_work(work, capsys, monkeypatch, argv, message):
-    import graphflop.analysis
-    import graphflop.sweep  # binds analyze at import: import it before the patch, not during
-    import graphflop.train.loop
-
-    def no_work(*a, **k):
-        raise AssertionError("work started before the output path was checked")
-
-    monkeypatch.setattr(graphflop.analysis, "analyze", no_work)
-    monkeypatch.setattr(graphflop.sweep, "analyze", no_work)
-    monkeypatch.setattr(graphflop.train.loop, "_setup", no_work)
+    _no_work(monkeypatch)
     (work / "out/adir").mkdir()
     (work / "out/afile").write_text("keep")
     one_error(capsys, *[a.format(logreg=spec("logreg.py")) for a in argv], message=message)
@@ -296,12 +287,7 @@ def test_unwritable_folder_is_refused(work, capsys, monkeypatch):
 def test_folder_that_takes_no_new_file_is_refused_even_as_root(work, capsys, monkeypatch):
     """Tester's finding: as root, ``os.access`` calls /proc writable, so ``train --out /proc/x``
     trained first and failed at the end; a probe file now finds it before any work."""
-    import graphflop.train.loop
-
-    def no_work(*a, **k):
-        raise AssertionError("work started before the output path was checked")
-
-    monkeypatch.setattr(graphflop.train.loop, "_setup", no_work)
+    _no_work(monkeypatch)
     for argv in (
         ["train", spec("logreg.py"), "--out", "/proc/graphflop-run", "--steps", "1"],
         ["inspect", spec("logreg.py"), "--json", "/proc/graphflop.json"],
@@ -659,15 +645,17 @@ def example_inputs():
 
 
 def _no_work(monkeypatch):
-    """Make any analysis fail the test: the refusal must come before the work."""
+    """Make any analysis or training fail the test: the refusal must come before the work."""
     import graphflop.analysis
-    import graphflop.sweep
+    import graphflop.sweep  # binds analyze at import: import it before the patch, not during
+    import graphflop.train.loop
 
     def no_work(*a, **k):
-        raise AssertionError("work started before the options were checked")
+        raise AssertionError("work started before the options and paths were checked")
 
     monkeypatch.setattr(graphflop.analysis, "analyze", no_work)
     monkeypatch.setattr(graphflop.sweep, "analyze", no_work)
+    monkeypatch.setattr(graphflop.train.loop, "_setup", no_work)
 
 
 @pytest.mark.parametrize("option", ["--plot-memory", "--json", "--csv"])
@@ -1198,12 +1186,6 @@ def test_options_the_run_would_ignore_are_refused(work, capsys, monkeypatch, arg
     """Tester's findings (session 10, round 2): each of these ran, ignoring the option (train's
     summary.json then said directions: null)."""
     _no_work(monkeypatch)
-    import graphflop.train.loop
-
-    def no_work(*a, **k):
-        raise AssertionError("work started before the options were checked")
-
-    monkeypatch.setattr(graphflop.train.loop, "_setup", no_work)
     one_error(capsys, argv[0], spec("mlp.py"), *argv[1:], message=message)
 
 
