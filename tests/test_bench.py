@@ -293,7 +293,7 @@ def test_eager_jvp_through_an_lstm_equals_the_gradient_dot_direction():
     """Tester's finding 5 (session 10): torch.func.jvp through nn.LSTM on CPU raises ("forward
     AD with mkldnn_rnn_layer") on oneDNN's fused kernel; under eager_jvp it runs PyTorch's
     native kernels and gives the directional derivative ∇L·v (autograd's, float64)."""
-    from graphflop.runtime.attention import eager_jvp
+    from graphflop.runtime.attention import eager_jvp, has_fused_rnn
 
     torch.manual_seed(0)
     m = LastStepLSTM()
@@ -307,7 +307,7 @@ def test_eager_jvp_through_an_lstm_equals_the_gradient_dot_direction():
     if torch.backends.mkldnn.is_available():
         with pytest.raises(NotImplementedError):
             torch.func.jvp(f, (params,), (v,))
-    with eager_jvp(m, "cpu"):
+    with eager_jvp("cpu", has_fused_rnn(m)):
         _, d = torch.func.jvp(f, (params,), (v,))
     m64 = LastStepLSTM().double()
     m64.load_state_dict(m.state_dict())

@@ -52,9 +52,9 @@ def unfused_rnn(device: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def eager_jvp(model: torch.nn.Module, device: str) -> Iterator[None]:
-    """Where an eager ``torch.func.jvp`` through ``model`` runs: :func:`math_attention`, and
-    :func:`unfused_rnn` when the model holds RNN layers (:func:`has_fused_rnn`)."""
-    rnn = unfused_rnn(device) if has_fused_rnn(model) else contextlib.nullcontext()
-    with math_attention(), rnn:
+def eager_jvp(device: str, rnn: bool) -> Iterator[None]:
+    """Where an eager ``torch.func.jvp`` through a model runs: :func:`math_attention`, and
+    :func:`unfused_rnn` when the model holds RNN layers (``rnn``: :func:`has_fused_rnn` of
+    the model, found once by the caller, outside any timed step)."""
+    with math_attention(), unfused_rnn(device) if rnn else contextlib.nullcontext():
         yield

@@ -37,7 +37,7 @@ import torch
 
 from graphflop.frontend.loss import loss_output, loss_value
 from graphflop.meta import LOSS_KIND, SIGNATURE, UPDATE
-from graphflop.runtime.attention import eager_jvp
+from graphflop.runtime.attention import eager_jvp, has_fused_rnn
 from graphflop.runtime.timing import Timing, time_fn, time_phases
 
 __all__ = [
@@ -214,6 +214,8 @@ def bench_torch(
     counters = {k: b for k, b in model.named_buffers() if not b.is_floating_point()}
     zero_buffers = {k: torch.zeros_like(b) for k, b in buffers.items()}
 
+    rnn = has_fused_rnn(model)
+
     def fg_step(i):
         x, t = xs[i % rotate], ts[i % rotate]
 
@@ -223,7 +225,7 @@ def bench_torch(
             return loss_value(kind, loss_output(out), t), c
 
         v = {k: torch.randn_like(p) for k, p in params.items()}
-        with eager_jvp(model, device):  # fused attention and RNN kernels: no forward AD
+        with eager_jvp(device, rnn):  # fused attention and RNN kernels: no forward AD
             _, d, c = torch.func.jvp(f, (params, buffers), (v, zero_buffers), has_aux=True)
         with torch.no_grad():
             for k, n in c.items():
