@@ -267,7 +267,7 @@ def _record(model, inputs) -> int:  # noqa: C901  (a tracer in one function, on 
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from graphflop.ad._tree import meta_key
-    from graphflop.frontend.trace import _as_fake
+    from graphflop.frontend.trace import as_fake
     from graphflop.ops import decomposition_table
 
     table = decomposition_table()
@@ -298,7 +298,8 @@ def _record(model, inputs) -> int:  # noqa: C901  (a tracer in one function, on 
                 if out is not NotImplemented:
                     return out
             out = self.output(func, args, kwargs)
-            self.record(func, args, kwargs, out)
+            if any(isinstance(o, torch.Tensor) for o in (out if isinstance(out, tuple) else [out])):
+                self.record(func, args, kwargs, out)  # not queries (prim.device): no node
             return out
 
         def output(self, func, args, kwargs):
@@ -332,8 +333,8 @@ def _record(model, inputs) -> int:  # noqa: C901  (a tracer in one function, on 
                     self.nodes[id(o)] = item
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    state = {k: _as_fake(mode, v) for k, v in [*model.named_parameters(), *model.named_buffers()]}
-    xs = tuple(_as_fake(mode, x) for x in inputs)
+    state = {k: as_fake(mode, v) for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    xs = tuple(as_fake(mode, x) for x in inputs)
     with mode, Recorder() as rec:
         torch.func.functional_call(model, state, xs)
     return len(rec.graph.nodes)
