@@ -189,6 +189,64 @@ def test_dot_source_works_without_graphviz(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.dot", "g.png", "no-bin"]
 
 
+def test_too_many_op_nodes_refused_before_dot(tmp_path, monkeypatch):
+    """Above ``MAX_DOT_OP_NODES`` an op-level picture is refused at once, naming the count,
+    with no ``dot`` run and no file; the ``.dot`` source is still written, and a module's
+    subtree (``module=``) and the module level are not counted against the whole graph.
+    The limit is lowered to the ConvNet's size here: its train graph has
+    count_op_nodes(a, "train") call nodes."""
+    import graphflop.export.graphviz.output as output
+
+    a = analysis("convnet.py", 1)
+    n = count_op_nodes(a, "train")
+    monkeypatch.setattr(output, "MAX_DOT_OP_NODES", n - 1)
+    ran = []
+    monkeypatch.setattr(output, "run_dot", lambda *args: ran.append(args))
+    with pytest.raises(RenderError) as e:
+        render(a, tmp_path / "g.svg", graph="train", level="op")
+    assert f"{n:,} op nodes are more than dot can lay out" in str(e.value)
+    assert "--level module" in str(e.value) and "\n" not in str(e.value)
+    assert ran == [] and list(tmp_path.iterdir()) == []
+    assert render(a, tmp_path / "g.dot", graph="train", level="op").startswith("digraph")
+    monkeypatch.undo()
+    if shutil.which("dot"):
+        monkeypatch.setattr(output, "MAX_DOT_OP_NODES", n - 1)
+        render(a, tmp_path / "m.svg", graph="train", level="module")
+        render(a, tmp_path / "c.svg", graph="train", module="conv1")
+        assert (tmp_path / "m.svg").exists() and (tmp_path / "c.svg").exists()
+
+
+def test_large_graph_first_layout_gets_the_whole_budget(tmp_path, monkeypatch):
+    """From ``LARGE_OP_NODES`` on, the first layout runs with ``DOT_TIMEOUT_S`` and its timeout
+    ends the render (measured: on GPT-2's train graph the later layouts are the slower ones);
+    below it, each layout but the last gets ``DOT_FIRST_TRY_S`` and a timeout tries the next."""
+    import graphflop.export.graphviz.output as output
+
+    a = analysis("convnet.py", 1)
+    n = count_op_nodes(a, "train")
+    if shutil.which("dot") is None:
+        monkeypatch.setattr(output.shutil, "which", lambda name: "/usr/bin/dot")
+    calls = []
+
+    def timing_out(src, fmt, timeout_s, last):
+        calls.append((timeout_s, last))
+        if last:
+            raise RenderError(f"dot took more than {timeout_s:g} s: try the module level")
+        return None
+
+    monkeypatch.setattr(output, "run_dot", timing_out)
+    monkeypatch.setattr(output, "LARGE_OP_NODES", n)
+    with pytest.raises(RenderError, match="more than 90 s"):
+        render(a, tmp_path / "g.svg", graph="train", level="op")
+    assert calls == [(output.DOT_TIMEOUT_S, True)]
+    calls.clear()
+    monkeypatch.setattr(output, "LARGE_OP_NODES", n + 1)  # small: the ladder of four layouts
+    with pytest.raises(RenderError, match="more than 90 s"):
+        render(a, tmp_path / "g.svg", graph="train", level="op")
+    assert calls == [(output.DOT_FIRST_TRY_S, False)] * 3 + [(output.DOT_TIMEOUT_S, True)]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_arguments():
     a = analysis("convnet.py", 1)
     for kwargs, word in (({"graph": "sideways"}, "graph"), ({"level": "layer"}, "level")):

@@ -47,7 +47,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "op", "module"],
         help="one node per op, or one box per module, repeated identical blocks drawn once "
-        "(auto: op level up to a few hundred nodes, or with --module)",
+        "(auto: op level up to a few hundred nodes, or with --module; a picture at op level "
+        "holds at most 5,000 op nodes, a .dot file any number)",
     )
     p.add_argument(
         "--module",

@@ -175,13 +175,15 @@ def render(
         ``train``/``all`` at op level first try a layout aligning each forward node with its
         backward and tangent nodes (Graphviz's ``newrank``); when ``dot`` rejects a layout or
         takes over 20 s, the next is tried: unaligned with the classic ranker, with newrank,
-        then without module clusters (the module path moves into each label).
+        then without module clusters (the module path moves into each label). From 1,500 op
+        nodes (``output.LARGE_OP_NODES``) the first layout gets 90 s and a timeout ends the
+        render; above 5,000 (``output.MAX_DOT_OP_NODES``) only a ``.dot`` source is written.
 
     Raises:
         RenderError: unknown ``graph``/``level``/suffix/``module``, a graph the analysis did
             not build,
-            ``dot`` missing for a non-``.dot`` format (one line saying how to install it), or
-            ``dot`` failing.
+            ``dot`` missing for a non-``.dot`` format (one line saying how to install it),
+            ``dot`` failing or timing out, more op nodes than ``dot`` can lay out in time.
     """
     if graph not in GRAPHS:
         raise RenderError(f"unknown graph {graph!r}: choose one of {', '.join(GRAPHS)}")
@@ -214,7 +216,8 @@ def render(
     variants = _variants(analysis, graph, level, prof, collapse_loss, module)
     if path is None:
         return variants[0]()
-    return write(variants, Path(path), fmt)
+    whole = level == "op" and module is None  # a module's subtree is counted by its scene
+    return write(variants, Path(path), fmt, count_op_nodes(analysis, graph) if whole else None)
 
 
 def count_op_nodes(analysis: Any, graph: str) -> int:
