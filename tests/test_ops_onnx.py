@@ -5,7 +5,8 @@ gives the numbers the same fx graph gives in PyTorch (float32, relative error 1e
 Exporting costs about a second a graph, so this runs a fixed selection: a set of cases whose
 backward graphs together hold every op any case's backward graph holds (a greedy cover computed
 over the whole database), plus one case per rule family added for transformer and decoder models
-(transposed convolutions, attention, embeddings, index ops, upsampling, padding, normalisation).
+(transposed convolutions, attention, embeddings, index ops, upsampling, grid sampling,
+padding, normalisation).
 ``tools/op_coverage.py`` runs it over every case.
 """
 
@@ -47,6 +48,7 @@ FAMILIES = [
     "index_put_accumulate",
     "upsample_bilinear",
     "upsample_nearest",
+    "grid_sample_bilinear",
     "pad_reflect",
     "sdpa_causal",
     "sdpa_bool_mask",

@@ -508,6 +508,8 @@ _PIECEWISE_CONSTANT = (
     aten.logical_or.default,
     aten.bitwise_and.Tensor,
     aten.bitwise_or.Tensor,
+    aten.bitwise_and.Scalar,  # grid sampling's reflection padding: flips & 1
+    aten.bitwise_or.Scalar,
 )
 for _op in (aten.fmod.Scalar, aten.remainder.Scalar, aten.div.Tensor_mode, *_PIECEWISE_CONSTANT):
     register(_op, F, _one)

@@ -472,6 +472,10 @@ use_torch_decomposition(
     aten.upsample_trilinear3d,
     aten.upsample_bicubic2d,
 )
+# grid sampling (F.grid_sample: spatial transformers, deformable attention, optical flow):
+# PyTorch's decomposition into coordinate arithmetic, gathers and weighted sums, for every
+# mode (bilinear, nearest, bicubic) and padding mode
+use_torch_decomposition(aten.grid_sampler_2d)
 
 
 @register_decomposition(aten.as_strided_.default)

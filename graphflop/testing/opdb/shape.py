@@ -7,6 +7,9 @@ import torch.nn.functional as F
 
 from graphflop.testing.opdb.core import OpCase, W, X, index, module_of, scale_slice, set_row
 
+#: the reference, not graphflop: its JVP is checked against finite differences instead
+_NO_GRID_FWD_AD = "torch.func.jvp: PyTorch has no forward-mode derivative for aten.grid_sampler_2d"
+
 # ---------------------------------------------------------------------------------------------
 # views, copies, index ops: 0 FLOPs; mul 24 before (x * w) and the readout after
 # ---------------------------------------------------------------------------------------------
@@ -297,6 +300,70 @@ SHAPE_MORE = [
         # sum of the parts: mul 318, add 228, sub 228, clamp 36
         flops=318 + 228 + 228 + 36,
         aten=("aten.index.Tensor",),
+    ),
+    OpCase(
+        "grid_sample_bilinear",
+        module_of(
+            lambda s, x: F.grid_sample(x * s.w, s.g, align_corners=False) * s.r,
+            {"w": (4, 4), "g": (1, 3, 3, 2)},
+            {"r": (1, 2, 3, 3)},
+        ),
+        ((1, 2, 4, 4),),
+        # mul 32; PyTorch's decomposition on the grid expanded to E = N·C·oH·oW = 18 elements:
+        # unnormalize x and y (mul, add: 4E), floor (2E), the +1 corners (2E), four weights
+        # (two sub and a mul each: 12E), per corner the bounds test (four comparisons, three
+        # logical_and: 7E), three where (3E) and the weighted gather (mul: E) (11E each, 44E),
+        # the corners summed (3E): 67E = 1,206; readout 18
+        flops=32 + 67 * 18 + 18,
+        aten=("aten.index.Tensor", "aten.floor.default", "aten.logical_and.default"),
+        xfail={"jvp": _NO_GRID_FWD_AD},
+    ),
+    OpCase(
+        "grid_sample_nearest_border",
+        module_of(
+            lambda s, x: (
+                F.grid_sample(
+                    x * s.w, s.g, mode="nearest", padding_mode="border", align_corners=True
+                )
+                * s.r
+            ),
+            {"w": (4, 4), "g": (1, 3, 3, 2)},
+            {"r": (1, 2, 3, 3)},
+        ),
+        ((1, 2, 4, 4),),
+        # mul 32; on E = 18: unnormalize (4E), clamp to the border (2E), round (2E), the bounds
+        # test (7E), three where (3E) and the gather times its weight, a where of 1 (mul: E):
+        # 19E = 342 (the gather itself 0); readout 18. The output is piecewise constant in the
+        # grid: its derivatives reach x only
+        flops=32 + 19 * 18 + 18,
+        aten=("aten.index.Tensor", "aten.round.default", "aten.clamp.default"),
+        xfail={"jvp": _NO_GRID_FWD_AD},
+    ),
+    OpCase(
+        "grid_sample_bicubic_reflection",
+        module_of(
+            lambda s, x: (
+                F.grid_sample(
+                    x * s.w, s.g, mode="bicubic", padding_mode="reflection", align_corners=False
+                )
+                * s.r
+            ),
+            {"w": (4, 4), "g": (1, 3, 3, 2)},
+            {"r": (1, 2, 3, 3)},
+        ),
+        ((1, 2, 4, 4),),
+        # mul 32; PyTorch's decomposition (its CPU path) on E = 18 elements: unnormalize (4E),
+        # floor (2E), the fractions tx, ty (2E); per row offset (four): its y (add) and three
+        # shifted x (sub, add, add), 16E; sixteen bounded reads, each reflecting x and y (sub,
+        # abs, fmod, div, floor, bitwise_and, eq, add, sub, where, then clamp: 11E each) plus
+        # the bounds test (7E), three where (3E) and the gather times its weight (E): 33E,
+        # 528E in all; five cubic interpolations (four along x, one along y), each computing
+        # its weights again (1 - t, t + 1, 2 - t: 3E; the two cubic polynomials on stacked
+        # pairs, 6 and 5 ops on 2E: 22E) and the weighted sum (4 mul, 3 add): 32E, 160E in
+        # all; 712E = 12,816; readout 18
+        flops=32 + 712 * 18 + 18,
+        aten=("aten.bitwise_and.Scalar", "aten.fmod.Scalar", "aten.abs.default"),
+        xfail={"jvp": _NO_GRID_FWD_AD},
     ),
     OpCase(
         "pad_reflect",
