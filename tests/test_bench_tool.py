@@ -65,3 +65,110 @@ def test_floor_times_every_variant(bench):
         "dispatch recorder fwd",
     }
     assert all(t > 0 for t in got.values())
+
+
+# --- the command line: bad input before any work, the report's hand-kept part ---------------
+
+
+@pytest.fixture
+def no_children(bench, monkeypatch):
+    """Fail the test if a model would be run."""
+
+    def run(*a, **k):
+        raise AssertionError("a model was run")
+
+    monkeypatch.setattr(bench, "_run_child", run)
+    monkeypatch.setattr(bench, "floor", run)
+    monkeypatch.setattr(bench, "profile", run)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        ([], "no model selected"),
+        (["--only", "resnet9000"], "unknown model 'resnet9000'"),
+        (["--zoo", "--repeat", "0"], "--repeat 0: give 1 or more"),
+        (["--floor", "--repeat", "-1", "--only", "mlp"], "--repeat -1"),
+        (["--only", "mlp", "--out", "/proc/no/such/r.md"], "cannot write the report"),
+        (["--only", "mlp", "--json", ""], "cannot write the JSON ''"),
+        (["--only", "mlp", "--profile", "/proc/x/p.txt"], "cannot write the profile"),
+        (["--profile", "p.txt"], "no model selected"),
+    ],
+)
+def test_bad_input_one_line_before_any_work(bench, no_children, tmp_path, capsys, argv, words):
+    out = tmp_path / "r.md"
+    argv = argv if "--out" in argv else [*argv, "--out", str(out)]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and err.startswith("bench_analysis: error: ")
+    assert not out.exists()
+
+
+def test_existing_report_without_markers_is_not_overwritten(bench, no_children, tmp_path, capsys):
+    out = tmp_path / "notes.md"
+    out.write_text("# my notes\n")
+    assert bench.main(["--only", "mlp", "--out", str(out)]) == 2
+    assert "no generated part to replace" in capsys.readouterr().err
+    assert out.read_text() == "# my notes\n"
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (None, "cannot read"),
+        ("{not json", "is not JSON"),
+        ("[1, 2]", "is not a report of this tool"),
+        ('{"zoo": [{"name": "x"}], "xl": [], "depth": []}', "is not a report of this tool"),
+    ],
+)
+def test_render_refuses_what_it_cannot_read(bench, tmp_path, capsys, content, words):
+    src = tmp_path / "in.json"
+    if content is not None:
+        src.write_text(content)
+    out = tmp_path / "r.md"
+    assert bench.main(["--render", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_only_overrides_the_groups(bench):
+    import argparse
+
+    def sel(**kw):
+        ns = argparse.Namespace(zoo=False, xl=False, depth=False, only=None, **{})
+        vars(ns).update(kw)
+        return tuple(list(g) for g in bench._select(ns))
+
+    assert sel(xl=True, only=["mlp"]) == (["mlp"], [], [])
+    assert sel(only=["gpt2_xl_b8", "gpt2_xl_b8", "gpt2_12_blocks"]) == (
+        [],
+        ["gpt2_xl_b8"],
+        ["gpt2_12_blocks"],
+    )
+    assert sel(zoo=True, xl=True)[1] == ["gpt2_xl_b8"]
+
+
+def test_report_replaces_only_its_part_and_render_keeps_the_run(
+    bench, tmp_path, capsys, monkeypatch
+):
+    """A real run of the MLP (one round) into a file with hand-written notes around the
+    markers: the notes stay; --render of its JSON writes the same tables, described by the
+    JSON's run (one round, CPU time), whatever --repeat and --wall say now."""
+    monkeypatch.setattr(bench, "CLOCK", bench.CLOCK)  # --wall below sets both; restored after
+    monkeypatch.setenv("GRAPHFLOP_BENCH_WALL", "")
+    out, js = tmp_path / "r.md", tmp_path / "r.json"
+    out.write_text(f"intro by hand\n{bench.BEGIN}\nold\n{bench.END}\n## Round 1 by hand\n")
+    assert bench.main(["--only", "mlp", "--repeat", "1", "--out", str(out), "--json", str(js)]) == 0
+    text = out.read_text()
+    assert text.startswith(f"intro by hand\n{bench.BEGIN}\n# Analysis time at scale")
+    assert text.endswith(f"{bench.END}\n## Round 1 by hand\n") and "\nold\n" not in text
+    assert "1 times each" in text and "| mlp | 39 / " in text
+    data = __import__("json").loads(js.read_text())
+    assert data["run"]["repeat"] == 1 and data["run"]["clock"] == "cpu"
+    again = tmp_path / "again.md"
+    assert bench.main(["--render", str(js), "--out", str(again), "--repeat", "7", "--wall"]) == 0
+    assert (
+        again.read_text().strip()
+        == text[text.index(bench.BEGIN) : text.index(bench.END) + len(bench.END)]
+    )

@@ -13,8 +13,12 @@ rounds, each running, one after the other (alternating, so that machine noise hi
 
 The figures are medians over the rounds. ``--zoo`` runs the model list :data:`ZOO`;
 ``--depth`` adds the linearity series (GPT-2 small with 12 to 96 blocks, ResNet-18 to -152);
-the report goes to ``--out`` (default ``docs/analysis_scale.md``). ``--profile OUT.txt`` runs
-one model's full analysis under pyinstrument (the dev extra) instead.
+the report goes to ``--out`` (default ``docs/analysis_scale.md``): a new file, or the part of
+an existing one between the tool's markers (:data:`BEGIN`, :data:`END`), the rest of it (the
+rounds' notes, by hand) kept. ``--json`` keeps the figures with the run's description (rounds,
+clock, machine, versions), from which ``--render`` writes the report again. ``--profile
+OUT.txt`` runs one model's full analysis under pyinstrument (the dev extra; wall clock)
+instead. Bad input is one line and exit status 2, before any model runs.
 
     python tools/bench_analysis.py --zoo --depth --repeat 3
     python tools/bench_analysis.py --only resnet50_b8 --repeat 5 --out /tmp/r.md
@@ -22,8 +26,9 @@ one model's full analysis under pyinstrument (the dev extra) instead.
     python tools/bench_analysis.py --floor --only resnet50_b8 gpt2_small_4x512 --repeat 5
     python tools/bench_analysis.py --cli --repeat 15
 
-``--floor`` prints the tracing floor instead (:func:`floor`); ``--cli`` the wall-clock time of
-the command line against ``import torch`` (:func:`cli_times`).
+``--floor`` prints the tracing floor instead (:func:`floor`; the models one after another in
+this process, each one's variants alternating); ``--cli`` the wall-clock time of the command
+line against ``import torch`` (:func:`cli_times`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # graphflop from this checkout
+from graphflop.io import atomic_write, unwritable  # noqa: E402  (no torch import)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -413,51 +421,40 @@ def _depth_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-#: where the time goes: read off ``--profile`` (pyinstrument) and cProfile with CPU time, on
-#: the commits of issue 19 (update when the code changes)
-PROFILE_NOTES = """## Where the time goes (profiles, issue 19)
-
-Profiled with pyinstrument (`--profile`) and cProfile on CPU time, after a warm-up run:
-
-- **Tracing dominates convolutional networks.** `make_fx` costs about 1 ms of CPU per traced
-  ATen op whatever the tensor sizes (proxy creation, fake-tensor dispatch, PyTorch's own
-  `Graph.create_node` checks). For ResNet-50 in training mode, batch norm was about 40% of
-  the trace (PyTorch's `_native_batch_norm_legit_functional` decomposition, about 20 traced ops
-  per call, also in the outlined templates) although blocks that hold a training-mode batch norm
-  are outlined since round 2 (`graphflop/frontend/outline.py`); since round 6 a decomposition is
-  traced once per argument signature and replayed (`graphflop/frontend/replay.py`). Outlining each batch norm
-  module on its own was slower (round 4: make_fx's fixed cost per template). FlopCounterMode
-  runs the same ops eagerly on meta tensors, without proxies or fake tensors; plain make_fx of
-  the forward is already 1.9-2.9x FlopCounterMode's forward (`--floor`).
-- **Transformers are outlined**, so their trace is short; the JVP and backward builders then
-  cost about 150 µs per emitted node: a quarter in `torch.fx.Graph.create_node` (a pytree walk
-  over the arguments looking for SymInts, 47 µs per node against 31-35 µs without it; the
-  builders skip it since round 4), a quarter in graphflop's argument maps and metadata keys
-  (`graphflop/ad/_tree.py`, cheaper since round 3), the rest in the rules; fake-tensor
-  propagation is mostly served by the builders' shape cache. Replaying a block's rule
-  applications instead gave nothing (round 6): node creation is about half of each node's cost.
-- **Fixed costs**: PyTorch's core-ATen decomposition table (built once per process, and since
-  round 3 without `torch.export`'s table class, `graphflop/ops/registry.py`), and Python's cyclic
-  garbage collector (off while `analyze` runs: it cost about 15% of an analysis). For tiny models
-  (the MLP) these fixed costs are most of the analysis.
-- **The CLI**: `import torch` (2.0-2.5 s of CPU) is most of `graphflop inspect`'s time, then the
-  first import of sympy (by PyTorch's type promotion, `torch._prims_common.elementwise_dtypes`)
-  and of `torch.distributed.tensor` (by PyTorch's C++ dispatcher), about 0.75 s together.
-  Dynamo is no longer imported (`graphflop/frontend/nodynamo.py`); graphviz and rich's report
-  renderer are loaded on first use (`tests/test_imports.py`).
-"""
+#: the generated part of ``--out``: the rest of the file (the rounds' notes, profiles) is kept
+BEGIN = "<!-- generated by tools/bench_analysis.py: begin (the rest of the file is kept) -->"
+END = "<!-- generated by tools/bench_analysis.py: end -->"
 
 
-def report(zoo: list[dict], xl: list[dict], depth: list[dict], repeat: int) -> str:
+class UsageError(Exception):
+    """Bad input to the tool: one line, exit status 2."""
+
+
+def run_description(repeat: int) -> dict:
+    """What the figures of this run were measured with, stored in ``--json`` for ``--render``."""
     import torch
 
+    return {
+        "repeat": repeat,
+        "clock": "wall" if CLOCK is time.perf_counter else "cpu",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def report(zoo: list[dict], xl: list[dict], depth: list[dict], run: dict) -> str:
+    """The generated part of the report (between :data:`BEGIN` and :data:`END`): what was
+    measured and how (``run``, :func:`run_description`), the FlopCounterMode and stage tables
+    and, with depth rows, the linearity table."""
     clock = (
         "wall-clock seconds"
-        if CLOCK is time.perf_counter
+        if run["clock"] == "wall"
         else "CPU seconds of the process (`time.process_time`; both sides run on one thread, "
         "and on this shared machine wall-clock time also counts the time other processes "
         "held the CPU, about 2-3x more here)"
     )
+    repeat = run["repeat"]
     lines = [
         "# Analysis time at scale",
         "",
@@ -471,8 +468,7 @@ def report(zoo: list[dict], xl: list[dict], depth: list[dict], repeat: int) -> s
         "processes), so single figures are noisy: ratios within about ±20% are not "
         "significant.",
         "",
-        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs; Python "
-        f"{platform.python_version()}, torch {torch.__version__}",
+        f"- machine: {run['machine']}; Python {run['python']}, torch {run['torch']}",
         "",
     ]
     if zoo or xl:
@@ -490,22 +486,99 @@ def report(zoo: list[dict], xl: list[dict], depth: list[dict], repeat: int) -> s
             *_depth_table(depth),
             "",
         ]
-    lines += [PROFILE_NOTES]
-    return "\n".join(lines)
+    return "\n".join([BEGIN, *lines, END])
+
+
+def splice(path: Path, generated: str) -> str:
+    """The text of ``path`` with its generated part replaced by ``generated`` (which holds the
+    markers); ``generated`` alone for a new file.
+
+    Raises:
+        UsageError: ``path`` exists without both markers (it would be overwritten).
+    """
+    if not path.exists():
+        return generated + "\n"
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise UsageError(
+            f"{path} exists and has no generated part to replace (no bench_analysis markers): "
+            "give a new --out file"
+        )
+    head, rest = text.split(BEGIN, 1)
+    return head + generated + rest.split(END, 1)[1]
 
 
 def _select(args) -> tuple[dict, dict, dict]:
-    zoo = dict(ZOO) if args.zoo else {}
-    xl = dict(XL) if args.xl else {}
-    depth = dict(DEPTH) if args.depth else {}
+    """The models to run, as (zoo, xl, depth) groups: ``--only`` names them (and overrides
+    ``--zoo``, ``--xl`` and ``--depth``), each in its own group.
+
+    Raises:
+        UsageError: an unknown name.
+    """
     if args.only:
         every = {**ZOO, **XL, **DEPTH}
         unknown = [n for n in args.only if n not in every]
         if unknown:
-            raise SystemExit(f"unknown model {unknown[0]}; one of {', '.join(every)}")
-        zoo = {n: every[n] for n in args.only if n in ZOO or n in XL}
-        depth = {n: every[n] for n in args.only if n in DEPTH}
-    return zoo, xl, depth
+            raise UsageError(f"unknown model {unknown[0]!r}: give one of {', '.join(every)}")
+        names = dict.fromkeys(args.only)  # in order, once each
+        return tuple({n: group[n] for n in names if n in group} for group in (ZOO, XL, DEPTH))
+    return (
+        dict(ZOO) if args.zoo else {},
+        dict(XL) if args.xl else {},
+        dict(DEPTH) if args.depth else {},
+    )
+
+
+def _read_results(paths: list[str]) -> tuple[dict[str, list[dict]], dict]:
+    """The rows and run description of ``--json`` files, merged (``--render``).
+
+    Raises:
+        UsageError: a file missing or not a report of this tool, or files measured with
+            different clocks.
+    """
+    results: dict[str, list[dict]] = {"zoo": [], "xl": [], "depth": []}
+    runs: list[dict] = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+        except (UnicodeDecodeError, ValueError) as e:
+            raise UsageError(f"{path} is not JSON ({e}): give a file --json wrote") from None
+        ok = isinstance(data, dict) and isinstance(data.get("run"), dict)
+        ok = ok and all(
+            isinstance(data.get(part), list)
+            and all(
+                isinstance(r, dict) and "name" in r and ("median_s" in r or "error" in r)
+                for r in data[part]
+            )
+            for part in results
+        )
+        if not ok:
+            raise UsageError(
+                f"{path} is not a report of this tool (rows under zoo, xl and depth and its "
+                "run description; files written before round 9 have none): run it again with --json"
+            )
+        for part in results:
+            results[part] += data[part]
+        runs.append(data["run"])
+    if len({r.get("clock") for r in runs}) > 1:
+        raise UsageError(
+            "the files were timed with different clocks (CPU and wall): render them apart"
+        )
+    merged = {
+        k: " / ".join(dict.fromkeys(str(r.get(k)) for r in runs))
+        for k in ("repeat", "clock", "machine", "python", "torch")
+    }
+    merged["clock"] = runs[0].get("clock")
+    return results, merged
+
+
+def _check_output(path: str | None, what: str) -> None:
+    if path is not None:
+        why = "an empty name" if path == "" else unwritable(path)
+        if why:
+            raise UsageError(f"cannot write {what} {path!r}: {why}")
 
 
 #: the command lines ``--cli`` times, alternating: graphflop's command line on the smallest
@@ -539,26 +612,45 @@ def cli_times(repeat: int) -> dict[str, list[float]]:
 
 
 def main(argv=None) -> int:
+    """The command line; bad input is one line on standard error and exit status 2, checked
+    before any model runs (nothing is written then)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--zoo", action="store_true", help="the model list ZOO")
     p.add_argument("--xl", action="store_true", help="GPT-2 XL at batch 8")
     p.add_argument("--depth", action="store_true", help="the linearity series")
-    p.add_argument("--only", nargs="+", help="these models (names from ZOO, XL or DEPTH)")
-    p.add_argument("--repeat", type=int, default=3, help="rounds per model (default 3)")
-    p.add_argument("--out", default=str(ROOT / "docs" / "analysis_scale.md"))
-    p.add_argument("--json", default=None, help="also write the raw figures as JSON")
-    p.add_argument("--profile", default=None, help="profile the first model into this file")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        help="these models (names from ZOO, XL or DEPTH), instead of --zoo, --xl and --depth",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="rounds per model (default 3, at least 1)")
+    p.add_argument(
+        "--out",
+        default=str(ROOT / "docs" / "analysis_scale.md"),
+        help="the report (default docs/analysis_scale.md): a new file, or one whose generated "
+        "part (between the tool's markers) is replaced, the rest kept",
+    )
+    p.add_argument("--json", default=None, help="also write the raw figures as JSON (for --render)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="OUT.txt",
+        help="profile the first selected model's full analysis with pyinstrument (wall clock) "
+        "into this file, instead of the report",
+    )
     p.add_argument(
         "--floor",
         action="store_true",
-        help="print, per selected model, FlopCounterMode against graphflop's trace and plain "
-        "make_fx of the forward (the tracing floor; no report written)",
+        help="print, per selected model, FlopCounterMode against graphflop's trace, plain "
+        "make_fx of the forward and a dispatch-mode recorder of the forward (the tracing floor; "
+        "the models run one after another in this process; no report written)",
     )
     p.add_argument(
         "--render",
         nargs="+",
         metavar="JSON",
-        help="write the report from the --json files of earlier runs (merged) instead of running",
+        help="write the report from the --json files of earlier runs (merged), with the run "
+        "description they hold, instead of running",
     )
     p.add_argument("--wall", action="store_true", help="time with the wall clock, not CPU time")
     p.add_argument(
@@ -569,6 +661,14 @@ def main(argv=None) -> int:
     )
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    try:
+        return _main(args)
+    except UsageError as e:
+        print(f"bench_analysis: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     global CLOCK
     if args.wall or os.environ.get("GRAPHFLOP_BENCH_WALL"):
         CLOCK = time.perf_counter
@@ -578,14 +678,13 @@ def main(argv=None) -> int:
         shapes = [tuple(s) for s in shapes] if shapes else None
         print(json.dumps(child(name, spec, kwargs, shapes, batch, repeat)))
         return 0
+    if args.repeat < 1:
+        raise UsageError(f"--repeat {args.repeat}: give 1 or more rounds")
     if args.render:
-        results: dict[str, list[dict]] = {"zoo": [], "xl": [], "depth": []}
-        for path in args.render:
-            for part, rows in json.loads(Path(path).read_text()).items():
-                results[part] += rows
-        Path(args.out).write_text(
-            report(results["zoo"], results["xl"], results["depth"], args.repeat)
-        )
+        _check_output(args.out, "the report")
+        results, run = _read_results(args.render)
+        out = Path(args.out)
+        atomic_write(out, splice(out, report(results["zoo"], results["xl"], results["depth"], run)))
         return 0
     if args.cli:
         for name, ts in cli_times(args.repeat).items():
@@ -596,33 +695,61 @@ def main(argv=None) -> int:
             )
         return 0
     zoo, xl, depth = _select(args)
+    selected = {**zoo, **xl, **depth}
+    if not selected:
+        raise UsageError("no model selected: give --zoo, --xl, --depth or --only NAME ...")
+    if args.floor or args.profile:
+        import torch
+
+        torch.set_num_threads(1)  # as in the children: meta tensors, one thread's CPU time
     if args.floor:
-        for name, (spec, kwargs, shapes, batch) in {**zoo, **xl, **depth}.items():
-            med = floor(spec, kwargs, shapes, batch, args.repeat)
-            cells = ", ".join(f"{k} {v:.3f} s" for k, v in med.items())
-            print(
-                f"{name}: {cells}; trace / FC fwd+bwd "
-                f"{med['graphflop trace'] / med['FC fwd+bwd']:.2f}x, plain make_fx / FC fwd "
-                f"{med['plain make_fx fwd'] / med['FC fwd']:.2f}x, dispatch recorder / FC fwd "
-                f"{med['dispatch recorder fwd'] / med['FC fwd']:.2f}x",
-                flush=True,
-            )
+        _print_floor(selected, args.repeat)
         return 0
     if args.profile:
-        spec, kwargs, shapes, batch = next(iter({**zoo, **xl, **depth}.values()))
+        _check_output(args.profile, "the profile")
+        spec, kwargs, shapes, batch = next(iter(selected.values()))
         profile(spec, kwargs, shapes, batch, args.profile)
         return 0
-    results = {"zoo": [], "xl": [], "depth": []}
+    return _run_report(args, zoo, xl, depth)
+
+
+def _print_floor(selected: dict, repeat: int) -> None:
+    for name, (spec, kwargs, shapes, batch) in selected.items():
+        med = floor(spec, kwargs, shapes, batch, repeat)
+        cells = ", ".join(f"{k} {v:.3f} s" for k, v in med.items())
+        print(
+            f"{name}: {cells}; trace / FC fwd+bwd "
+            f"{med['graphflop trace'] / med['FC fwd+bwd']:.2f}x, plain make_fx / FC fwd "
+            f"{med['plain make_fx fwd'] / med['FC fwd']:.2f}x, dispatch recorder / FC fwd "
+            f"{med['dispatch recorder fwd'] / med['FC fwd']:.2f}x",
+            flush=True,
+        )
+
+
+def _run_report(args: argparse.Namespace, zoo: dict, xl: dict, depth: dict) -> int:
+    """One child per model, then the report (and ``--json``); status 1 when a model failed."""
+    out = Path(args.out)
+    _check_output(args.out, "the report")
+    _check_output(args.json, "the JSON")
+    if out.exists():
+        splice(out, "")  # refuses a file without the markers before the work
+    results: dict[str, list[dict]] = {"zoo": [], "xl": [], "depth": []}
     for part, models in (("zoo", zoo), ("xl", xl), ("depth", depth)):
         for name, entry in models.items():
             print(f"{name} ...", file=sys.stderr, flush=True)
             results[part].append(_run_child(name, entry, args.repeat))
-    text = report(results["zoo"], results["xl"], results["depth"], args.repeat)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    run = run_description(args.repeat)
+    text = report(results["zoo"], results["xl"], results["depth"], run)
+    atomic_write(out, splice(out, text))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        atomic_write(Path(args.json), json.dumps({**results, "run": run}, indent=1))
     print(text)
+    failed = [r["name"] for rows in results.values() for r in rows if "error" in r]
+    if failed:
+        print(
+            f"bench_analysis: {len(failed)} model(s) failed: {', '.join(failed)}", file=sys.stderr
+        )
+        return 1
     return 0
 
 
