@@ -1211,3 +1211,34 @@ def test_warnings_follow_a_command_that_ran_not_an_internal_error(capsys):
     assert run_command(bug, argparse.Namespace()) == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("graphflop: internal error: RuntimeError: boom")
+
+
+# --- a tester's findings (session 11) ---------------------------------------------------------
+
+LOGCUMSUMEXP = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+    def forward(self, x):
+        return torch.logcumsumexp(self.fc(x), 1)
+def example_inputs(): return (torch.randn(4, 16),)
+"""
+
+
+def test_export_refuses_gradients_an_op_without_rules_would_cut(tmp_path, capsys, monkeypatch):
+    """``torch.logcumsumexp`` has no derivative rule: the backward stops at it, so
+    backward.onnx's gradients of ``fc`` would be zeros. export wrote them with status 0; it now
+    refuses, writing nothing, unless --allow-incomplete, which lists the op in manifest.json."""
+    model = tmp_path / "lcse.py"
+    model.write_text(LOGCUMSUMEXP)
+    monkeypatch.chdir(tmp_path)
+    one_error(capsys, "export", model, "--out", "onnx", message="stop at aten.logcumsumexp")
+    assert not (tmp_path / "onnx").exists()
+    rc, out, err = cli(capsys, "export", model, "--out", "onnx", "--allow-incomplete")
+    assert rc == 0, err
+    manifest = json.loads((tmp_path / "onnx" / "manifest.json").read_text())
+    [cut] = manifest["incomplete"]
+    assert cut["op"] == "aten.logcumsumexp.default" and "jvp" in cut["missing"]
+    assert any("logcumsumexp" in line for line in err)  # the warning still shows

@@ -37,6 +37,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="optimizer whose update graph is built (default sgd)",
     )
     p.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="export even when ops without derivative rules cut the backward or JVP short "
+        "(their gradients are then missing or zero): manifest.json lists those ops under "
+        "'incomplete'. Without it such a model is refused",
+    )
+    p.add_argument(
         "--residuals",
         action="store_true",
         help="forward.onnx also outputs the values backward.onnx reads (saved.<node>), so "
@@ -48,6 +55,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, err: Console) -> int:
     """Analyse, export the step graphs into ``--out`` and list the files written."""
     from graphflop.export.onnx import export_all
+    from graphflop.load import SpecError
     from graphflop.runtime.graphs import step_graphs
 
     check_output_dir(args.out, "--out")
@@ -55,10 +63,19 @@ def run(args: argparse.Namespace, err: Console) -> int:
     check_backward_possible(args, loaded, inputs)
     with err.status("analysing", spinner="dots") as status:
         analysis = analyze_model(args, loaded, inputs, status, err=err)
-        print_warnings(err, analysis)  # an incomplete backward is exported as it is
+        cut = [u for u in analysis.report.uncounted if {"jvp", "transpose"} & set(u.missing)]
+        if cut and not args.allow_incomplete:
+            ops = ", ".join(u.op for u in cut)
+            raise SpecError(
+                f"the backward and JVP graphs stop at {ops} (no derivative rule): the exported "
+                "gradients would be missing or zero; give --allow-incomplete to export them "
+                "anyway (listed in manifest.json), or --strict with inspect to find the rule's file"
+            )
+        print_warnings(err, analysis)
         status.update("exporting to ONNX")
         graphs = step_graphs(analysis, residuals=args.residuals)
-        manifest = export_all(graphs, args.out, name=analysis.name)
+        extra = {"incomplete": [u.to_dict() for u in cut]} if cut else None
+        manifest = export_all(graphs, args.out, name=analysis.name, extra=extra)
     out = Path(args.out)  # "onnx/" prints onnx/forward.onnx, not onnx//forward.onnx
     for g in manifest["graphs"].values():
         print(

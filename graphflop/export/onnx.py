@@ -406,6 +406,7 @@ def export_all(
     *,
     graphs: tuple[str, ...] = GRAPH_KINDS,
     name: str | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Export the given graphs into ``out_dir`` (created) with ``manifest.json``.
 
@@ -421,10 +422,12 @@ def export_all(
     Args:
         graphs: the kinds to write, in this order (kinds ``source`` lacks are skipped).
         name: the model name in the manifest (default: the analysis's name, else ``model``).
+        extra: further top-level manifest entries (``graphflop export --allow-incomplete``
+            adds ``incomplete``: the ops whose missing rules cut the derivative graphs short).
 
     Returns:
         The manifest: ``{"model": name, "graphs": {kind: {"file", "inputs", "outputs",
-        "nodes"}}}``.
+        "nodes"}}}`` and ``extra``'s entries.
 
     Raises:
         OnnxExportError: a graph the exporter cannot convert; nothing is written then.
@@ -438,7 +441,7 @@ def export_all(
     out_dir = Path(out_dir)
     created = make_parents(out_dir)  # removed again when the export fails
     tmp = Path(tempfile.mkdtemp(prefix=".graphflop-export-", dir=out_dir.parent))
-    manifest: dict[str, Any] = {"model": model_name, "graphs": {}}
+    manifest: dict[str, Any] = {"model": model_name, "graphs": {}, **(extra or {})}
     done = False
     try:
         for kind in graphs:
