@@ -181,6 +181,7 @@ def _root_class(module: Any, label: str, spec: str) -> type:
     Raises:
         SpecError: no class, or several roots (listed with the file's factory functions).
     """
+    spec = spec[:-1] if spec.endswith(":") else spec  # "file.py:" names no class: "file.py:Name"
     classes = list(dict.fromkeys(_module_classes(module)))
     if not classes:
         raise SpecError(f"{label} defines no nn.Module subclass; name one with {spec}:Name")
@@ -288,6 +289,11 @@ def load(
     if library in LIBRARIES and not spec.endswith(".py"):
         return _load_library_model(library, lib_name, ctor_kwargs, meta)
     target, name = _split_spec(spec)
+    if not target:
+        raise SpecError(
+            f"{spec!r} names no file or module before ':': give path/to/file.py:{name or 'Name'} "
+            f"or package.module:{name or 'attr'}"
+        )
     if target.endswith(".py") or "/" in target or Path(target).suffix == ".py":
         module = _import_file(Path(target))
         label = Path(target).name

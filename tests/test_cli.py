@@ -193,6 +193,14 @@ def test_bad_input_in_a_fresh_process_is_one_line_exit_2(tmp_path):
         ("sweep", [spec("logreg.py"), "--batches", "1,x", "--json", "{tmp}/out.json"], "bad batch"),
         ("train", [spec("logreg.py"), "--batch", "0", "--out", "{tmp}/run"], "must be positive"),
         ("inspect", [spec("logreg.py"), "--directions", "0"], "bad --directions 0"),
+        # tester's findings (session 11): K = 10^8 ran until killed; ":A" was an internal error
+        ("inspect", [spec("logreg.py"), "--directions", "1025"], "give 1 to 1,024"),
+        (
+            "train",
+            [spec("logreg.py"), "--directions", "100000000", "--out", "{tmp}/run"],
+            "give 1 to 1,024",
+        ),
+        ("inspect", [":A"], "names no file or module before ':'"),
     ],
 )
 def test_every_subcommand_reports_bad_input_in_one_line(

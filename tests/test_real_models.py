@@ -77,6 +77,10 @@ def test_several_roots_is_one_line_listing_roots_and_factories(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg
     assert "(A, B)" in msg and "factory functions: make_a" in msg
+    assert f"pick one with {p}:Name" in msg
+    with pytest.raises(SpecError) as e:  # "file.py:" (a tester's): the hint said file.py::Name
+        load(f"{p}:", meta=True)
+    assert f"pick one with {p}:Name" in str(e.value) and "::" not in str(e.value)
 
 
 def test_subclass_base_is_not_a_root(tmp_path):

@@ -448,3 +448,20 @@ def test_a_gradient_of_rounding_noise_passes_and_a_wrong_gradient_still_fails(mo
     )
     wrong = verify.verify_gradients(fwd2, bwd2, model2)
     assert not wrong.ok and wrong.worst_rel_error == pytest.approx(0.01, rel=1e-6)
+
+
+def test_not_run_reason_keeps_the_advice():
+    """A tester's finding: NOT RUN reasons were cut at 160 characters, mid-word, losing the
+    advice graphflop's errors end with. Up to 600 characters now stay whole; beyond, the cut
+    falls between words and says so."""
+    import math
+
+    from graphflop.runtime.verify_all import _run
+
+    advice = "give inputs in the parameters' dtype (--dtype), or cast them in forward"
+    long = "aten::mm multiplies complex128 and float64 operands " * 3 + advice
+    checks: list = []
+    _run(checks, "trace", 1e-4, lambda: (_ for _ in ()).throw(RuntimeError(long)))
+    assert checks[0].where == f"RuntimeError: {long}" and math.isnan(checks[0].worst_rel_error)
+    _run(checks, "trace", 1e-4, lambda: (_ for _ in ()).throw(RuntimeError("word " * 200)))
+    assert checks[1].where.endswith("word …") and len(checks[1].where) < 640

@@ -23,6 +23,7 @@ from graphflop.cli.common import (
     stdout_console,
 )
 from graphflop.runtime.verify import MIN_VERIFY_SAMPLES, VERIFY_FLOPS, VERIFY_SAMPLES
+from graphflop.train.config import MAX_DIRECTIONS
 
 if TYPE_CHECKING:
     from graphflop.analysis import Analysis
@@ -60,7 +61,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         type=int,
         default=JVP_DEFAULTS["directions"],
         metavar="K",
-        help="directions averaged per forward-gradient step (default 1)",
+        help=f"directions averaged per forward-gradient step, 1 to {MAX_DIRECTIONS:,} (default 1)",
     )
     p.add_argument(
         "--direction",
@@ -273,8 +274,11 @@ def _check(args: argparse.Namespace) -> None:
     """The option checks made before any work (ranges, output paths)."""
     from graphflop.load import SpecError
 
-    if args.directions < 1:
-        raise SpecError(f"bad --directions {args.directions}: must be at least 1")
+    if not 1 <= args.directions <= MAX_DIRECTIONS:
+        raise SpecError(
+            f"bad --directions {args.directions}: give 1 to {MAX_DIRECTIONS:,} (the step graph "
+            "holds one JVP per direction)"
+        )
     if args.verify_samples is not None and args.verify_samples < 0:
         raise SpecError(
             f"bad --verify-samples {args.verify_samples}: give 0 (skip the check) or more"

@@ -175,7 +175,9 @@ def _run(checks: list[Check], name: str, tolerance: float, fn) -> Any:
     try:
         out = fn()
     except Exception as e:  # noqa: BLE001 - reported as a check that did not run
-        msg = " ".join(str(e).split())[:160]
+        msg = " ".join(str(e).split())
+        if len(msg) > 600:  # whole sentences up to there: graphflop's errors end in their advice
+            msg = msg[:600].rsplit(" ", 1)[0] + " …"
         tb = traceback.format_exc()
         checks.append(Check(name, math.nan, f"{type(e).__name__}: {msg}", tolerance, detail=tb))
         return None
