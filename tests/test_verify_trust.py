@@ -465,3 +465,44 @@ def test_not_run_reason_keeps_the_advice():
     assert checks[0].where == f"RuntimeError: {long}" and math.isnan(checks[0].worst_rel_error)
     _run(checks, "trace", 1e-4, lambda: (_ for _ in ()).throw(RuntimeError("word " * 200)))
     assert checks[1].where.endswith("word …") and len(checks[1].where) < 640
+
+
+INT8_FROZEN = """
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qw = nn.Parameter(torch.randint(-128, 127, (8, 8), dtype=torch.int8),
+                                   requires_grad=False)
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc(x @ self.qw.float().t())
+
+    def example_inputs():
+        return (torch.randn(2, 8),)
+    """
+
+
+def test_a_frozen_int8_parameter_stays_int8_and_verifies(tmp_path, capsys):
+    """A tester's finding: --verify-dtype float32 cast every parameter with the first one's
+    dtype (int8 here: 'nn.Module.to only accepts floating point or complex dtypes') and handed
+    the int8 weight to torch.func to differentiate. Now only floating (and complex) tensors
+    change dtype, and the frozen int8 weight goes into the reference as a constant."""
+    rc, doc, err = _verify(_file(tmp_path, INT8_FROZEN), capsys, "--verify-dtype", "float32")
+    assert [c["ok"] and c["ran"] for c in doc["verify"]] == [True, True, True], doc["verify"]
+    assert rc == 0
+
+
+def test_cast_model_keeps_complex_and_integer_tensors():
+    """``nn.Module.to(float64)`` turns a complex64 parameter real (dropping its imaginary
+    part); verify's cast makes it complex128 and leaves an int8 buffer alone."""
+    from graphflop.runtime.verify import cast_model
+
+    m = nn.Module()
+    m.w = nn.Parameter(torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64))
+    m.v = nn.Parameter(torch.ones(2))
+    m.register_buffer("q", torch.tensor([5, -3], dtype=torch.int8))
+    c = cast_model(m, torch.float64)
+    assert (c.w.dtype, c.v.dtype, c.q.dtype) == (torch.complex128, torch.float64, torch.int8)
+    assert torch.equal(c.w.detach(), m.w.detach().to(torch.complex128))
+    assert m.w.dtype == torch.complex64  # a copy

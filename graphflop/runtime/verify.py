@@ -386,6 +386,8 @@ def reference_loss_fn(forward: GraphModule, model: nn.Module, values: dict[str, 
     loss_kind = forward.meta.get(LOSS_KIND, "sum")
     seed = RNG_SEED
     buffers = {q: values[n].clone() for n, q in sig.buffers}
+    # parameters torch.func cannot differentiate (a frozen int8 weight) go in as constants
+    buffers.update((q, values[n]) for n, q in sig.params if not _differentiable(values[n]))
     inputs = [values[n] for n in sig.inputs]
     targets = [values[n] for n in sig.targets]
 
@@ -428,9 +430,9 @@ def verify_gradients(
         fwd_values = run_forward(forward, values, backward_reads(backward))
     grads = run_backward(backward, fwd_values)
     sig: Signature = forward.meta[SIGNATURE]
-    params = {q: values[n] for n, q in sig.params}
-    dtype = next(iter(params.values())).dtype if params else torch.float64
-    model = _cast(model, dtype if params else None)
+    params = differentiable_params(sig, values)
+    dtype = floating_dtype(params, torch.float64)
+    model = _cast(model, floating_dtype(params))
     ref, loss = torch.func.grad_and_value(reference_loss_fn(forward, model, values))(params)
     total = norm64(ref.values())
     scale = max(total, loss_scale(float(loss), params.values()))
@@ -470,12 +472,49 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _cast(model: nn.Module, dtype):
-    if dtype is None:
-        return model
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` whose floating parameters and buffers are in ``dtype`` and complex
+    ones in its complex counterpart (float64 → complex128, float32 → complex64); integer and
+    boolean ones as they are. ``nn.Module.to(dtype)`` casts complex tensors to the real dtype
+    (dropping their imaginary parts) and refuses a non-floating ``dtype``."""
     import copy
 
-    return copy.deepcopy(model).to(dtype)
+    complex_dtype = {
+        torch.float64: torch.complex128,
+        torch.float32: torch.complex64,
+        torch.float16: torch.complex32,
+    }.get(dtype)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.to(dtype)
+        if t.is_complex() and complex_dtype is not None:
+            return t.to(complex_dtype)
+        return t
+
+    return copy.deepcopy(model)._apply(cast)
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def differentiable_params(
+    sig: Signature, values: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The parameters (by qualified name) torch.func can differentiate: floating and complex
+    ones; :func:`reference_loss_fn` gives the others (a frozen int8 weight) as constants."""
+    return {q: values[n] for n, q in sig.params if _differentiable(values[n])}
+
+
+def floating_dtype(params: Any, default: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype of the first floating tensor of ``params`` (a dict of tensors), else
+    ``default`` (an int8 or complex parameter says nothing about the verify dtype)."""
+    return next((p.dtype for p in params.values() if p.is_floating_point()), default)
+
+
+def _cast(model: nn.Module, dtype):
+    return model if dtype is None else cast_model(model, dtype)
 
 
 #: names that moved to :mod:`graphflop.runtime.verify_tangent` (the JVP check) and

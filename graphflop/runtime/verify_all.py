@@ -18,7 +18,7 @@ from torch.fx import GraphModule
 
 from graphflop.meta import LOSS_KIND, SIGNATURE
 from graphflop.runtime import verify
-from graphflop.runtime.verify import Check
+from graphflop.runtime.verify import Check, cast_model
 from graphflop.runtime.verify_tangent import verify_jvp
 
 #: the words :func:`gap_notes` names each check by, keyed as :func:`gap_reasons`
@@ -70,7 +70,7 @@ def verify_analysis(
     loss = analysis.forward.meta.get(LOSS_KIND, "auto")
     examples = getattr(loaded, "example_inputs", None)  # real values, when the file gives them
     dt = torch.float64 if dtype == "float64" else torch.float32
-    model = copy.deepcopy(loaded.model).to(dt)
+    model = cast_model(loaded.model, dt)
     checks: list[Check] = []
     fwd = _run(checks, "trace in " + dtype, tolerance, lambda: _trace_in(model, inputs, dt, loss))
     if fwd is None:

@@ -18,6 +18,8 @@ from graphflop.runtime.verify import (
     Check,
     _cast,
     _dtype_name,
+    differentiable_params,
+    floating_dtype,
     nonfinite,
     norm64,
     padding_idx,
@@ -90,8 +92,8 @@ def verify_jvp(
     with seeded():
         outs = run_jvp(jvp, values, tangents)
     got = outs[info.primal_outputs]
-    params = {q: values[n] for n, q in sig.params}
-    model = _cast(model, next(iter(params.values())).dtype if params else None)
+    params = differentiable_params(sig, values)
+    model = _cast(model, floating_dtype(params))
     # only floating inputs are differentiable (token ids stay fixed)
     input_names = [n for n in sig.inputs if values[n].is_floating_point()]
 
@@ -102,7 +104,7 @@ def verify_jvp(
         return verify.reference_loss_fn(forward, model, vals)(p)
 
     xs = tuple(values[n] for n in input_names)
-    p_t = {q: tangents.get(n, torch.zeros_like(values[n])) for n, q in sig.params}
+    p_t = {q: tangents.get(n, torch.zeros_like(values[n])) for n, q in sig.params if q in params}
     x_t = tuple(tangents.get(n, torch.zeros_like(values[n])) for n in input_names)
     try:
         loss, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))
