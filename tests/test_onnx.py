@@ -381,3 +381,32 @@ def test_export_logs_nothing_through_onnx_ir(tmp_path):
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == []
+
+
+def test_a_squeeze_of_no_size_one_dimension_exports(tmp_path):
+    """A tester's finding: ``y.squeeze(1)`` of a (3, 4) tensor (PyTorch: a no-op) stopped the
+    export (the exporter makes it ``prims.view_of``, which it cannot translate). It exports
+    as an alias; forward.onnx's loss on ONNX Runtime equals graphflop's graph in PyTorch."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(x).squeeze(1).relu()
+
+    x = torch.randn(3, 8)
+    a = analyze(M(), (x,), loss="sum")
+    assert any("squeeze" in str(n.target) for n in a.forward.graph.nodes)
+    manifest = export_all(step_graphs(a), tmp_path)
+    assert set(manifest["graphs"]) == {"forward", "backward", "train_step", "forward_gradient_step"}
+    values = real_arguments(a.forward, M())
+    fv = run_forward(a.forward, values)
+    g = manifest["graphs"]["forward"]
+    names = [n.name for n in a.forward.graph.nodes if n.op == "placeholder"]
+    out = run(
+        session(tmp_path / "forward.onnx", CPU), dict(zip(g["inputs"], [values[n] for n in names]))
+    )
+    loss = torch.from_numpy(out[g["outputs"].index("loss")])
+    assert rel_error(loss, fv[a.forward.meta[SIGNATURE].loss]) < 1e-6

@@ -72,6 +72,38 @@ class ExportedGraph:
     manifest: list[dict[str, Any]]
 
 
+_SQUEEZES = (
+    torch.ops.aten.squeeze.dims,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.default,
+)
+
+
+def _without_noop_squeezes(gm: GraphModule) -> GraphModule:
+    """``gm``, or a copy (same node names) whose squeezes of no size-1 dimension (PyTorch
+    treats ``x.squeeze(1)`` of a (3, 4) tensor as a no-op) are ``alias``: the exporter
+    decomposes such a squeeze into ``prims.view_of``, which it has no ONNX function for."""
+
+    def noop(n: Node) -> bool:
+        if n.op != "call_function" or n.target not in _SQUEEZES:
+            return False
+        src, out = n.args[0], n.meta.get("val")
+        val = src.meta.get("val") if isinstance(src, Node) else None
+        return val is not None and out is not None and tuple(val.shape) == tuple(out.shape)
+
+    if not any(noop(n) for n in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for n in graph.nodes:
+        if noop(n):
+            n.target, n.args, n.kwargs = torch.ops.aten.alias.default, (n.args[0],), {}
+    copy = GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    return copy
+
+
 def _meta_args(gm: GraphModule) -> tuple[torch.Tensor, ...]:
     """Example arguments without memory: meta tensors, or FakeTensors on the graph's device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -231,6 +263,7 @@ def export_graph(
     """
     import onnx
 
+    gm = _without_noop_squeezes(gm)
     try:
         with warnings.catch_warnings(), quiet_loggers(*EXPORTER_LOGGERS):
             warnings.simplefilter("ignore")
