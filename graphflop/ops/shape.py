@@ -48,6 +48,7 @@ VIEWS = (
     aten.unbind.int,
     aten.detach.default,
     aten.lift_fresh_copy.default,
+    aten.diagonal.default,
 )
 COPIES = (
     aten.clone.default,
@@ -56,6 +57,7 @@ COPIES = (
     aten.constant_pad_nd.default,
     aten.slice_scatter.default,
     aten.select_scatter.default,
+    aten.diagonal_scatter.default,
     aten.copy.default,
     aten.stack.default,
     aten.repeat.default,
@@ -211,6 +213,43 @@ def _transpose_select(b, ct, args, kwargs, linear):
 
 
 def_linear(aten.select.int, _transpose_select)
+
+
+def _diagonal_args(args, first: int):
+    """``(offset, dim1, dim2)`` of ``diagonal``/``diagonal_scatter``, read from ``args[first:]``."""
+    rest = list(args[first:]) + [0, 0, 1][len(args) - first :]
+    return rest[0], rest[1], rest[2]
+
+
+def _transpose_diagonal(b, ct, args, kwargs, linear):
+    """``diagonal(x, offset, dim1, dim2)`` (einsum ``"ii->i"``, ``.diagonal()``) is a view: its
+    cotangent is ``ct`` written onto the diagonal of zeros of ``x``'s shape."""
+    x = args[0]
+    offset, dim1, dim2 = _diagonal_args(args, 1)
+    zeros = b.zeros(shape(x), x)
+    out = b.call(aten.diagonal_scatter.default, zeros, ct, offset, dim1, dim2)
+    return [out] + [None] * (len(args) - 1)
+
+
+def_linear(aten.diagonal.default, _transpose_diagonal)
+
+
+def _transpose_diagonal_scatter(b, ct, args, kwargs, linear):
+    """``diagonal_scatter(x, src, offset, dim1, dim2)`` (a write into a diagonal,
+    functionalised) is linear in ``(x, src)`` jointly: ``x``'s cotangent is ``ct`` with the
+    diagonal zeroed, ``src``'s the diagonal of ``ct``."""
+    src = args[1]
+    offset, dim1, dim2 = _diagonal_args(args, 2)
+    ct_x = (
+        b.call(aten.diagonal_scatter.default, ct, b.zeros(shape(src), src), offset, dim1, dim2)
+        if linear[0]
+        else None
+    )
+    ct_src = b.call(aten.diagonal.default, ct, offset, dim1, dim2) if linear[1] else None
+    return [ct_x, ct_src] + [None] * (len(args) - 2)
+
+
+def_linear(aten.diagonal_scatter.default, _transpose_diagonal_scatter)
 
 
 def _slice_args(args):

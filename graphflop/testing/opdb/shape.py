@@ -7,6 +7,13 @@ import torch.nn.functional as F
 
 from graphflop.testing.opdb.core import OpCase, W, X, index, module_of, scale_slice, set_row
 
+
+def _add_to_diagonal(h):
+    """An in-place write into a diagonal view of an intermediate (``h.diagonal().add_(1)``)."""
+    h.diagonal(0, 1, 2).add_(1)
+    return h
+
+
 #: the reference, not graphflop: its JVP is checked against finite differences instead
 _NO_GRID_FWD_AD = "torch.func.jvp: PyTorch has no forward-mode derivative for aten.grid_sampler_2d"
 
@@ -202,6 +209,32 @@ SHAPE_MORE = [
         # select_scatter: arange == 1 (3) and a where (24); readout 24
         flops=24 + 3 + 24 + 24,
         aten=("aten.copy.default", "aten.where.self"),
+    ),
+    OpCase(
+        "diagonal",
+        module_of(lambda s, x: (x * s.w).diagonal(0, 1, 2) * s.r, {"w": W}, {"r": (2, 3)}),
+        (X,),
+        # mul 24; the diagonal of each 3x4 matrix, a view (0); readout 2*3 = 6
+        flops=24 + 6,
+        aten=("aten.diagonal.default",),
+    ),
+    OpCase(
+        "diagonal_offset_swapped",
+        module_of(lambda s, x: (x * s.w).diagonal(-1, 2, 1) * s.r, {"w": W}, {"r": (2, 3)}),
+        (X,),
+        # mul 24; diagonal -1 of dims (2, 1): entries [i+1, i] of each 3x4 matrix, 3 of them, a
+        # view (0); readout 2*3 = 6
+        flops=24 + 6,
+        aten=("aten.diagonal.default",),
+    ),
+    OpCase(
+        "setitem_diagonal_add",
+        module_of(lambda s, x: _add_to_diagonal(x * s.w) * s.r, {"w": W}, {"r": X}),
+        (X,),
+        # mul 24; the diagonal (2x3) += 1: add 6, written back by diagonal_scatter (a copy, 0);
+        # readout 24
+        flops=24 + 6 + 24,
+        aten=("aten.diagonal_scatter.default",),
     ),
     OpCase(
         "flip",
