@@ -683,3 +683,20 @@ def test_hf_mamba_traces_its_eager_scan():
     a = analyze(real.model, inputs, name="mamba")
     check = verify_gradients(a.forward, a.backward, real.model)
     assert check.ok, check
+
+
+def test_hf_bloom_with_its_custom_autograd_function_matches_flop_counter_mode():
+    """A tester's finding: Bloom's MLP calls ``GeLUFunction.apply`` (a custom
+    autograd.Function without setup_context, in train and eval mode alike), which tracing
+    refused. It is traced through its forward now. Independent count: FlopCounterMode over
+    the same meta model and tokens counts the forward's matrix FLOPs (linear layers, the
+    attention's baddbmm and bmm, the LM head) as graphflop's forward mm_flops."""
+    pytest.importorskip("transformers")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = {"n_layer": 2, "hidden_size": 64, "n_head": 4, "vocab_size": 100}
+    loaded, inputs, a = _hf_analysis("bloom", args, 16)
+    assert a.report.uncounted == () and a.backward is not None and a.jvp is not None
+    with FlopCounterMode(display=False) as counter:
+        loaded.model(*inputs)
+    assert a.report.totals.forward.mm_flops == counter.get_total_flops() > 0

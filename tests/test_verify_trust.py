@@ -506,3 +506,83 @@ def test_cast_model_keeps_complex_and_integer_tensors():
     assert (c.w.dtype, c.v.dtype, c.q.dtype) == (torch.complex128, torch.float64, torch.int8)
     assert torch.equal(c.w.detach(), m.w.detach().to(torch.complex128))
     assert m.w.dtype == torch.complex64  # a copy
+
+
+OLD_STYLE_FUNCTION = """
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return Square.apply(self.fc(x))
+
+    def example_inputs():
+        return (torch.randn(3, 8),)
+    """
+
+STRAIGHT_THROUGH = """
+    class RoundSTE(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return torch.round(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return g  # straight through: not the derivative of round
+
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(RoundSTE.apply(self.fc(x) * 4))
+
+    def example_inputs():
+        return (torch.randn(3, 8),)
+    """
+
+
+def test_a_custom_autograd_function_is_traced_through_its_forward(tmp_path, capsys):
+    """A tester's finding (transformers' Bloom, GeLUFunction): a model calling a custom
+    autograd.Function could not be traced ('must override the setup_context staticmethod').
+    Its forward's ops are traced now, with a warning that its own backward is not used. By
+    hand: fc 2*3*8*4 = 192 + bias 12 = 204 FLOPs; Square's x * x, 12 elements, 12 FLOPs (in
+    the model's own row). The gradients verify against PyTorch differentiating the same ops."""
+    rc, doc, err = _verify(_file(tmp_path, OLD_STYLE_FUNCTION), capsys)
+    layers = {row["name"]: row for row in doc["layers"]}
+    assert layers["fc"]["forward_flops"] == 204
+    assert layers["(model)"]["forward_flops"] == 12
+    assert [c["ok"] and c["ran"] for c in doc["verify"]] == [True, True, True], doc["verify"]
+    assert any("custom autograd.Function Square: traced through its forward" in e for e in err)
+    assert rc == 0
+
+
+def test_a_straight_through_function_fails_the_gradient_check(tmp_path, capsys):
+    """The warning's case: a straight-through estimator's backward is not the derivative of
+    its forward (round: zero almost everywhere). graphflop's backward differentiates round;
+    the reference, which torch.func runs with the Function's own backward, differs, and
+    --verify says so."""
+    rc, doc, err = _verify(_file(tmp_path, STRAIGHT_THROUGH), capsys)
+    grad = next(c for c in doc["verify"] if c["check"].startswith("gradients"))
+    assert grad["ran"] and not grad["ok"], grad
+    assert rc == 1

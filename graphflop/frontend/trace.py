@@ -41,6 +41,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphflop.frontend import outline as repeats
 from graphflop.frontend.composite import CompositeOps, tagged_decompositions
+from graphflop.frontend.custom_function import inline_functions
 from graphflop.frontend.errors import TraceError, find_cause, first_line, quiet_loggers
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.inputs import bind_call
@@ -249,7 +250,7 @@ def _trace_once(
     table = replays.wrap(tagged_decompositions(decomposition_table(), regions))
     outliner = repeats.Outliner(outline)
     try:
-        with warnings.catch_warnings(), CompositeOps(), fake_mode:
+        with warnings.catch_warnings(), CompositeOps(), fake_mode, inline_functions() as inlined:
             warnings.simplefilter("ignore")
             with outliner:
                 gm = make_fx(
@@ -277,6 +278,13 @@ def _trace_once(
             or f"tracing the model on the example inputs failed: {type(e).__name__}: "
             f"{first_line(e)}"
         ) from e
+    for name in inlined:
+        warnings.warn(
+            f"custom autograd.Function {name}: traced through its forward; the backward and "
+            "JVP graphs differentiate its ops, not its own backward",
+            UserWarning,
+            stacklevel=2,
+        )
     copies = repeats.inline(gm.graph, templates, model)
     out = from_make_fx(
         gm,

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Interpreter
 
+from graphflop.frontend.custom_function import inline_functions
 from graphflop.frontend.loss import loss_output, loss_value
 from graphflop.meta import (
     CONSTANTS,
@@ -392,7 +393,9 @@ def reference_loss_fn(forward: GraphModule, model: nn.Module, values: dict[str, 
     targets = [values[n] for n in sig.targets]
 
     def f(params: dict[str, torch.Tensor]) -> torch.Tensor:
-        with reference_mode(seed):
+        # a custom autograd.Function torch.func cannot run (no setup_context): its forward's
+        # ops, differentiated by PyTorch
+        with reference_mode(seed), inline_functions(functorch_unsupported_only=True):
             out = torch.func.functional_call(
                 model, {**params, **{k: v.clone() for k, v in buffers.items()}}, tuple(inputs)
             )
