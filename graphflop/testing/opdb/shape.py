@@ -14,6 +14,10 @@ def _add_to_diagonal(h):
     return h
 
 
+#: PyTorch's ONNX exporter decomposes diagonal_scatter (the transpose of diagonal) into an
+#: in-place copy, which its functional pass refuses: graphflop names the op and stops
+_NO_DIAGONAL_SCATTER_ONNX = "ONNX: PyTorch's exporter cannot convert aten.diagonal_scatter"
+
 #: the reference, not graphflop: its JVP is checked against finite differences instead
 _NO_GRID_FWD_AD = "torch.func.jvp: PyTorch has no forward-mode derivative for aten.grid_sampler_2d"
 
@@ -217,6 +221,7 @@ SHAPE_MORE = [
         # mul 24; the diagonal of each 3x4 matrix, a view (0); readout 2*3 = 6
         flops=24 + 6,
         aten=("aten.diagonal.default",),
+        xfail={"onnx": _NO_DIAGONAL_SCATTER_ONNX},
     ),
     OpCase(
         "diagonal_offset_swapped",
@@ -226,6 +231,7 @@ SHAPE_MORE = [
         # view (0); readout 2*3 = 6
         flops=24 + 6,
         aten=("aten.diagonal.default",),
+        xfail={"onnx": _NO_DIAGONAL_SCATTER_ONNX},
     ),
     OpCase(
         "setitem_diagonal_add",
@@ -235,6 +241,7 @@ SHAPE_MORE = [
         # readout 24
         flops=24 + 6 + 24,
         aten=("aten.diagonal_scatter.default",),
+        xfail={"onnx": _NO_DIAGONAL_SCATTER_ONNX},
     ),
     OpCase(
         "flip",
