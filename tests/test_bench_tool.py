@@ -149,6 +149,7 @@ def test_only_overrides_the_groups(bench):
     assert sel(zoo=True, xl=True)[1] == ["gpt2_xl_b8"]
 
 
+@pytest.mark.slow  # about 10 s; run in CI with -m slow
 def test_report_replaces_only_its_part_and_render_keeps_the_run(
     bench, tmp_path, capsys, monkeypatch
 ):

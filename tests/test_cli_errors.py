@@ -1230,6 +1230,7 @@ def example_inputs(): return (torch.randn(4, 16),)
 """
 
 
+@pytest.mark.slow  # about 10 s; run in CI with -m slow
 def test_export_refuses_gradients_an_op_without_rules_would_cut(tmp_path, capsys, monkeypatch):
     """``torch.logcumsumexp`` has no derivative rule: the backward stops at it, so
     backward.onnx's gradients of ``fc`` would be zeros. export wrote them with status 0; it now

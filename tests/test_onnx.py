@@ -383,6 +383,7 @@ def test_export_logs_nothing_through_onnx_ir(tmp_path):
     assert [r.getMessage() for r in records] == []
 
 
+@pytest.mark.slow  # about 10 s; run in CI with -m slow
 def test_a_squeeze_of_no_size_one_dimension_exports(tmp_path):
     """A tester's finding: ``y.squeeze(1)`` of a (3, 4) tensor (PyTorch: a no-op) stopped the
     export (the exporter makes it ``prims.view_of``, which it cannot translate). It exports

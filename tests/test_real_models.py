@@ -685,6 +685,7 @@ def test_hf_mamba_traces_its_eager_scan():
     assert check.ok, check
 
 
+@pytest.mark.slow  # about 10 s; run in CI with -m slow
 def test_hf_bloom_with_its_custom_autograd_function_matches_flop_counter_mode():
     """A tester's finding: Bloom's MLP calls ``GeLUFunction.apply`` (a custom
     autograd.Function without setup_context, in train and eval mode alike), which tracing

@@ -577,6 +577,7 @@ def test_a_custom_autograd_function_is_traced_through_its_forward(tmp_path, caps
     assert rc == 0
 
 
+@pytest.mark.slow  # about 10 s; run in CI with -m slow
 def test_a_straight_through_function_fails_the_gradient_check(tmp_path, capsys):
     """The warning's case: a straight-through estimator's backward is not the derivative of
     its forward (round: zero almost everywhere). graphflop's backward differentiates round;
