@@ -526,6 +526,12 @@ class Report:
         """Whether the JVP graph was built."""
         return self.totals.jvp is not None
 
+    @property
+    def derivative_gaps(self) -> tuple[Uncounted, ...]:
+        """The ops of :attr:`uncounted` without a JVP or transpose rule: the JVP and backward
+        graphs stop at their nodes (what depends on them is missing, gradients included)."""
+        return tuple(u for u in self.uncounted if {"jvp", "transpose"} & set(u.missing))
+
     def layer(self, name: str) -> LayerRow:
         """The row of the module ``name`` (``(model)`` for the model's own forward).
 

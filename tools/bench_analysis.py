@@ -572,7 +572,6 @@ def _read_results(paths: list[str]) -> tuple[dict[str, list[dict]], dict]:
         k: " / ".join(dict.fromkeys(str(r.get(k)) for r in runs))
         for k in ("repeat", "clock", "machine", "python", "torch")
     }
-    merged["clock"] = runs[0].get("clock")
     return results, merged
 
 

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     check_backward_possible(args, loaded, inputs)
     with err.status("analysing", spinner="dots") as status:
         analysis = analyze_model(args, loaded, inputs, status, err=err)
-        cut = [u for u in analysis.report.uncounted if {"jvp", "transpose"} & set(u.missing)]
+        cut = analysis.report.derivative_gaps
         if cut and not args.allow_incomplete:
             ops = ", ".join(u.op for u in cut)
             raise SpecError(

@@ -36,7 +36,7 @@ from torch import nn
 from torch.fx import GraphModule, Interpreter
 
 from graphflop.frontend.custom_function import inline_functions
-from graphflop.frontend.loss import loss_output, loss_value
+from graphflop.frontend.loss import differentiable, loss_output, loss_value
 from graphflop.meta import (
     CONSTANTS,
     LOSS_KIND,
@@ -388,7 +388,7 @@ def reference_loss_fn(forward: GraphModule, model: nn.Module, values: dict[str, 
     seed = RNG_SEED
     buffers = {q: values[n].clone() for n, q in sig.buffers}
     # parameters torch.func cannot differentiate (a frozen int8 weight) go in as constants
-    buffers.update((q, values[n]) for n, q in sig.params if not _differentiable(values[n]))
+    buffers.update((q, values[n]) for n, q in sig.params if not differentiable(values[n]))
     inputs = [values[n] for n in sig.inputs]
     targets = [values[n] for n in sig.targets]
 
@@ -434,8 +434,9 @@ def verify_gradients(
     grads = run_backward(backward, fwd_values)
     sig: Signature = forward.meta[SIGNATURE]
     params = differentiable_params(sig, values)
-    dtype = floating_dtype(params, torch.float64)
-    model = _cast(model, floating_dtype(params))
+    cast_to = floating_dtype(params)
+    dtype = cast_to or torch.float64
+    model = _cast(model, cast_to)
     ref, loss = torch.func.grad_and_value(reference_loss_fn(forward, model, values))(params)
     total = norm64(ref.values())
     scale = max(total, loss_scale(float(loss), params.values()))
@@ -498,16 +499,12 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copy.deepcopy(model)._apply(cast)
 
 
-def _differentiable(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
 def differentiable_params(
     sig: Signature, values: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The parameters (by qualified name) torch.func can differentiate: floating and complex
     ones; :func:`reference_loss_fn` gives the others (a frozen int8 weight) as constants."""
-    return {q: values[n] for n, q in sig.params if _differentiable(values[n])}
+    return {q: values[n] for n, q in sig.params if differentiable(values[n])}
 
 
 def floating_dtype(params: Any, default: torch.dtype | None = None) -> torch.dtype | None:

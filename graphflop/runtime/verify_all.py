@@ -31,7 +31,7 @@ def gap_reasons(report) -> dict[str, str]:
     (absent: no gap stops it): the gradient check needs a complete backward, the JVP check a
     complete JVP, the forward-gradient check both."""
     t = report.totals
-    ops = ", ".join(u.op for u in report.uncounted if set(u.missing) & {"jvp", "transpose"})
+    ops = ", ".join(u.op for u in report.derivative_gaps)
     out = {}
     if t.backward is not None and not t.backward.complete:
         out["gradients"] = f"the backward stops at ops without rules ({ops})"
