@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # graphflop from this checkout
-from graphflop.io import atomic_write, unwritable  # noqa: E402  (no torch import)
+from graphflop.io import atomic_write, unwritable  # noqa: E402  (imports torch, via graphflop)
 
 ROOT = Path(__file__).resolve().parents[1]
 
