@@ -33,14 +33,13 @@ import torch
 from torch import nn
 
 from graphflop.frontend.errors import first_line
+from graphflop.specs import LoadedModel, SpecError, onto_meta
 
 #: default sequence length of the token inputs
 DEFAULT_SEQ = 128
 
 
 def _transformers():
-    from graphflop.load import SpecError
-
     try:
         import transformers
     except ImportError as e:
@@ -60,7 +59,6 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
             ``config.json``, a configuration field that does not fit, a bad ``seq``.
     """
     from graphflop.frontend.inputs import bind_call
-    from graphflop.load import LoadedModel, SpecError, _onto_meta
 
     if not name:
         raise SpecError("give a model type or a config folder: hf:llama, hf:path/to/folder")
@@ -89,13 +87,11 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
         ) from e
     kwargs = default_inputs(model, config, seq)
     example = bind_call(model, (), kwargs)
-    notes = _onto_meta(model) if meta else ()
+    notes = onto_meta(model) if meta else ()
     return LoadedModel(f"hf:{name}", model, example, notes)
 
 
 def _config(tf: Any, name: str, args: dict) -> Any:
-    from graphflop.load import SpecError
-
     path = Path(name)
     if path.is_dir() or "/" in name or name.startswith("."):
         if not (path / "config.json").is_file():
@@ -133,8 +129,6 @@ def _check_fields(config: Any, args: dict, name: str) -> None:
     """Raises SpecError for a key of ``args`` that is not a field of ``config`` (or one of its
     aliases): transformers keeps an unknown keyword as an attribute nothing reads, so a typo
     (``n_layers`` for GPT-2's ``n_layer``) would analyse the default model."""
-    from graphflop.load import SpecError
-
     for k in args:
         if hasattr(config, k):
             continue

@@ -28,7 +28,6 @@ import inspect
 import math
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from torch.utils._pytree import tree_map
 
 from graphflop.frontend.errors import first_line
 from graphflop.frontend.inputs import bind_call, split_example
+from graphflop.specs import LoadedModel, SpecError, onto_meta
 
 DTYPES = {
     "float32": torch.float32,
@@ -56,30 +56,6 @@ DTYPES = {
     "long": torch.int64,
     "int32": torch.int32,
 }
-
-
-class SpecError(ValueError):
-    """A model spec, input shape or dtype that cannot be used; the message says what to do."""
-
-
-@dataclass
-class LoadedModel:
-    """A model ready to trace.
-
-    Attributes:
-        name: display name (``file.py:Name``).
-        model: the module (in train mode unless asked otherwise).
-        example_inputs: tuple of real tensors (small, from ``example_inputs()``) or None: the
-            tensor arguments of the call, when ``example_inputs()`` gives keyword or
-            non-tensor arguments too (the model is then bound to them,
-            :mod:`graphflop.frontend.inputs`).
-        notes: what loading changed that the user should know (one line each).
-    """
-
-    name: str
-    model: nn.Module
-    example_inputs: tuple[torch.Tensor, ...] | None
-    notes: tuple[str, ...] = ()
 
 
 def untrainable(model: nn.Module) -> str | None:
@@ -324,7 +300,7 @@ def load(
         args, kwargs = _call_example_inputs(fn, label)
         lazy = _initialize_lazy(model, args, kwargs, meta, f"{label}:{name}")
         example = bind_call(model, args, kwargs)
-    notes = (_onto_meta(model) if meta else ()) + lazy
+    notes = (onto_meta(model) if meta else ()) + lazy
     return LoadedModel(f"{label}:{name}", model, example, notes)
 
 
@@ -498,33 +474,8 @@ def _load_library_model(library: str, name: str, ctor_kwargs: dict, meta: bool) 
         # CPU, moving each parameter and buffer to the meta device as it is registered
         with _parameters_on_meta():
             model = _instantiate(build, f"{library}:{name}", ctor_kwargs, False)
-    notes = _onto_meta(model) if meta else ()
+    notes = onto_meta(model) if meta else ()
     return LoadedModel(f"{library}:{name}", model, (torch.zeros(shape),), notes)
-
-
-def _onto_meta(model: nn.Module) -> tuple[str, ...]:
-    """Move parameters and buffers a constructor made off the meta device (``torch.Tensor(n)``
-    ignores the default device) onto it; one note naming them."""
-    moved = []
-    for path, m in model.named_modules():
-        for kind in ("_parameters", "_buffers"):
-            table = getattr(m, kind)
-            for k, t in table.items():
-                if t is None or t.is_meta:
-                    continue
-                table[k] = (
-                    nn.Parameter(t.to("meta"), t.requires_grad)
-                    if isinstance(t, nn.Parameter)
-                    else t.to("meta")
-                )
-                moved.append(f"{path}.{k}" if path else k)
-    if not moved:
-        return ()
-    shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
-    return (
-        f"{len(moved)} parameter(s)/buffer(s) were built off the meta device ({shown}); "
-        "moved onto it",
-    )
 
 
 @contextlib.contextmanager

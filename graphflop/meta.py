@@ -38,7 +38,7 @@ Graph keys (``gm.meta``)
     :data:`GHOSTS`       list of :class:`Ghost`: work that was not emitted (symbolic zeros, pruned
                          cotangents), with what it would have cost.
     :data:`JVP`          :class:`JvpInfo` of a JVP graph.
-    :data:`JVP_LOG`      tuple of the tangent nodes and ghosts (``graphflop.ad.ghost.GhostValue``)
+    :data:`JVP_LOG`      tuple of the tangent nodes and ghosts (``graphflop.ops.ghost.GhostValue``)
                          the JVP builder emitted, in order; the transpose pass replays it in
                          reverse.
     :data:`GHOST_LINKS`  :class:`GhostLinks`: real tangent node → the ghosts a tangent sum dropped
@@ -330,7 +330,7 @@ class GhostLinks:
 
     Attributes:
         links: (real node, ghosts) pairs, in the order the first ghost was dropped into each;
-            the ghosts are ``graphflop.ad.ghost.GhostValue``.
+            the ghosts are ``graphflop.ops.ghost.GhostValue``.
     """
 
     links: tuple[tuple[torch.fx.Node, tuple[Any, ...]], ...] = ()

@@ -10,27 +10,27 @@ import torch
 from torch import nn
 
 from graphflop.analysis import analyze
-from graphflop.passes.memory import Schedule, _Step
+from graphflop.passes.memory import Schedule, Step
 from graphflop.runtime.memory_probe import measure_jvp_peak, measure_train_peak
 
 
 def test_extra_is_live_only_during_its_step() -> None:
     s = Schedule()
     s.steps = [
-        _Step("a", 100, None, []),
-        _Step("b", 10, None, ["a"], extra=50),  # a 100 + b 10 + 50 temporaries = 160
-        _Step("c", 30, None, ["b"]),  # a freed after b: b 10 + c 30
+        Step("a", 100, None, []),
+        Step("b", 10, None, ["a"], extra=50),  # a 100 + b 10 + 50 temporaries = 160
+        Step("c", 30, None, ["b"]),  # a freed after b: b 10 + c 30
     ]
     assert s.peak() == (160, "b")
 
 
 def test_ties_free_a_dual_pair_together() -> None:
-    def steps() -> list[_Step]:
+    def steps() -> list[Step]:
         return [
-            _Step("p", 100, None, []),
-            _Step("t", 40, None, []),
-            _Step("u", 8, None, ["t"]),  # t's last reader
-            _Step("v", 200, None, ["p"]),  # p's last reader
+            Step("p", 100, None, []),
+            Step("t", 40, None, []),
+            Step("u", 8, None, ["t"]),  # t's last reader
+            Step("v", 200, None, ["p"]),  # p's last reader
         ]
 
     s = Schedule()

@@ -1,5 +1,5 @@
 """``inspect --plot-memory`` (issue 16, item 4): the live-bytes timelines behind the reported
-memory peaks (graphflop.passes.memory_timeline) and their picture (graphflop.export.memory_plot).
+memory peaks (graphflop.export.memory_timeline) and their picture (graphflop.export.memory_plot).
 
 The plot is true only if its curve's maximum is the reported figure: the timelines are rebuilt
 from the analysis's graphs with a baseline worked out from the report's parameter, gradient and
@@ -17,8 +17,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphflop.analysis import analyze
 from graphflop.cli import main
+from graphflop.export.memory_timeline import memory_timeline
 from graphflop.passes.memory import Schedule
-from graphflop.passes.memory_timeline import memory_timeline
 
 matplotlib.use("Agg")
 

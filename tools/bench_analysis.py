@@ -274,9 +274,9 @@ def _record(model, inputs) -> int:  # noqa: C901  (a tracer in one function, on 
     from torch.fx.node import map_aggregate
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from graphflop.ad._tree import meta_key
     from graphflop.frontend.trace import as_fake
     from graphflop.ops import decomposition_table
+    from graphflop.ops.tree import meta_key
 
     table = decomposition_table()
 

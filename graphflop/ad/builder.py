@@ -9,7 +9,7 @@ the rules of one forward node with :meth:`Builder.context`::
         t = rule.jvp(b, out, args, tangents, kwargs)
 
 Work that is not needed is not emitted but recorded as a :class:`~graphflop.meta.Ghost`: a call
-whose tensor arguments include a :class:`~graphflop.ad.ghost.GhostValue` and no real tangent (or
+whose tensor arguments include a :class:`~graphflop.ops.ghost.GhostValue` and no real tangent (or
 any call made in a context with ``ghost=True``) produces a ghost. Ghosts stand for symbolic zeros
 that would have been non-zero had the value required a gradient (the model input's tangent, the
 first layer's input cotangent), so the work saved can be reported.
@@ -31,11 +31,11 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-from graphflop.ad._tree import leaves, meta_key, tree_map, value_key
-from graphflop.ad.ghost import GhostValue, ghost_ids, is_ghost
 from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost
+from graphflop.ops.cost import op_cost, value_of
+from graphflop.ops.ghost import GhostValue, ghost_ids, is_ghost
 from graphflop.ops.shape import reduced_dims
-from graphflop.passes.flops import op_cost, value_of
+from graphflop.ops.tree import leaves, meta_key, tree_map, value_key
 
 __all__ = [
     "Builder",

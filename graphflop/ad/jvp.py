@@ -31,7 +31,6 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.builder import Builder, copy_node
-from graphflop.ad.ghost import GhostValue, is_ghost
 from graphflop.meta import (
     GAPS,
     GHOST_LINKS,
@@ -55,6 +54,7 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.ops import MissingRuleError, is_strict, lookup, op_name
+from graphflop.ops.ghost import GhostValue, is_ghost
 
 TANGENT_CHOICES = ("params", "inputs", "all")
 

@@ -30,8 +30,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.builder import Builder, emit
-from graphflop.ad.ghost import GhostValue, is_ghost
 from graphflop.ad.jvp import build_jvp
+from graphflop.ad.simplify import fold_transposed_matmuls
 from graphflop.meta import (
     GAPS,
     GHOST_LINKS,
@@ -57,7 +57,7 @@ from graphflop.meta import (
     graphflop_meta,
 )
 from graphflop.ops import MissingRuleError, is_strict, lookup, op_name
-from graphflop.passes.simplify import fold_transposed_matmuls
+from graphflop.ops.ghost import GhostValue, is_ghost
 
 RESIDUAL = RESIDUAL
 

@@ -1,6 +1,6 @@
 """``graphflop inspect --plot-memory FILE``: live bytes over the step, as PNG, SVG or PDF.
 
-One panel per :class:`~graphflop.passes.memory_timeline.Timeline` of the analysis: the training
+One panel per :class:`~graphflop.export.memory_timeline.Timeline` of the analysis: the training
 step (forward, backward and update shaded as phases), or the forward alone where no backward was
 built, and the JVP where one was. Each panel draws the always-live baseline (parameters, and
 gradients, optimizer state or parameter tangents where the memory model holds them throughout)
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from graphflop.analysis import Analysis
-    from graphflop.passes.memory_timeline import LiveTensor, Timeline
+    from graphflop.export.memory_timeline import LiveTensor, Timeline
 
 __all__ = ["PLOT_SUFFIXES", "plot_memory"]
 
@@ -56,11 +56,11 @@ def plot_memory(analysis: Analysis, path: str | Path) -> Path:
 
     Raises:
         ValueError: an unsupported suffix, or the ``compiled`` memory model
-            (:func:`~graphflop.passes.memory_timeline.memory_timeline`).
+            (:func:`~graphflop.export.memory_timeline.memory_timeline`).
         OSError: the file cannot be written.
     """
+    from graphflop.export.memory_timeline import memory_timeline
     from graphflop.io import atomic_write
-    from graphflop.passes.memory_timeline import memory_timeline
 
     suffix = Path(path).suffix.lower()
     if suffix not in PLOT_SUFFIXES:

@@ -301,8 +301,8 @@ def _buffer_writes(old: torch.fx.Graph, phs: list, params: list[str], buffers: l
 def _eliminate_dead_code(g: torch.fx.Graph) -> NodeCost:
     """``g.eliminate_dead_code()``, returning the summed cost of the ops it removed (reported as
     ``totals.forward.unused_flops``, never silently dropped; an op without a rule counts 0)."""
-    from graphflop.ad._tree import tree_map
-    from graphflop.passes.flops import op_cost, value_of
+    from graphflop.ops.cost import op_cost, value_of
+    from graphflop.ops.tree import tree_map
 
     ops = [n for n in g.nodes if n.op == "call_function"]
     calls = {n: (n.target, tree_map(value_of, n.args), tree_map(value_of, n.kwargs)) for n in ops}

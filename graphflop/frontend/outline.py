@@ -38,9 +38,9 @@ from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphflop.ad._tree import scalar_key
 from graphflop.ad.builder import copy_node
 from graphflop.meta import fake_mode_of, fresh_fake
+from graphflop.ops.tree import scalar_key
 
 #: template module paths start with this marker, replaced by the call site's path on inlining
 MARK = "@"

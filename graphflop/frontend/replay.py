@@ -9,7 +9,7 @@ same op on arguments of the same shapes, strides and dtypes decomposes into the 
 and hands ``make_fx`` the outputs it would have had: the graph is the one tracing every call
 would give, node for node and in the same order (``tests/test_replay.py`` compares them).
 
-A signature is the op, the arguments' metadata (:func:`~graphflop.ad._tree.meta_key`: tensors
+A signature is the op, the arguments' metadata (:func:`~graphflop.ops.tree.meta_key`: tensors
 by shape, strides, dtype and device, scalars by type and exact value), which arguments are the
 same graph value, the grad and autocast modes and the default dtype. A call is traced inline
 (and never replayed) when its decomposition adds anything but ``call_function`` nodes (tensor
@@ -31,8 +31,8 @@ from torch.fx import Node, Proxy
 from torch.fx.node import map_aggregate, map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphflop.ad._tree import meta_key
 from graphflop.meta import COMPOSITE, CompositeTag, fresh_fake, traced_node
+from graphflop.ops.tree import meta_key
 
 __all__ = ["Replays", "Template"]
 

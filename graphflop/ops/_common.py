@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from graphflop.ad.ghost import is_ghost
 from graphflop.meta import NodeCost
+from graphflop.ops.ghost import is_ghost
 
 #: dtypes the lean decompositions handle; others use PyTorch's (which computes half precision
 #: in float32)

@@ -38,8 +38,8 @@ from typing import Any, TypeVar
 import torch
 from torch._ops import OpOverload
 
-from graphflop.ad.ghost import is_ghost
 from graphflop.meta import NodeCost
+from graphflop.ops.ghost import is_ghost
 
 #: How an op moves memory: ``compute`` reads its tensor inputs and writes its outputs, ``view``
 #: moves nothing (it aliases its input), ``copy`` reads and writes but costs no FLOPs,

@@ -321,7 +321,7 @@ class _Amp:
     def _insert_casts(self, s: Schedule) -> None:
         """Saved casts made just before their op; the other casts of a lower op's inputs
         made before it and freed after it; parameters' casts cached to the forward's end."""
-        from graphflop.passes.memory import _Step
+        from graphflop.passes.memory import Step
 
         made = dict(self.saved.at)
         extra: dict[str, int] = dict(self.saved.casts)
@@ -344,7 +344,7 @@ class _Amp:
             s.steps[i].reads.append(key)
             if key.startswith("w:"):
                 end.reads.append(key)
-            s.steps.insert(i, _Step(key, extra[key], None, []))
+            s.steps.insert(i, Step(key, extra[key], None, []))
 
     def _grad_copies(self, s: Schedule) -> None:
         """A gradient a half op made (a view of its half result in graphflop's backward) is

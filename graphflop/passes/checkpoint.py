@@ -270,7 +270,7 @@ def _train_schedule(forward, backward, eager, storage, size, cut: _Cut, inputs) 
     the forward after their last forward reader, and made again (``r:`` storages) just
     before the first backward node that reads any of that region's dropped residuals, the
     region's inputs kept live until then. The recompute's other temporaries are left out."""
-    from graphflop.passes.memory import _Step
+    from graphflop.passes.memory import Step
 
     sig = forward.meta[SIGNATURE]
     params = {p for p, _ in sig.params}
@@ -303,5 +303,5 @@ def _train_schedule(forward, backward, eager, storage, size, cut: _Cut, inputs) 
     for r, i in sorted(first.items(), key=lambda kv: -kv[1]):
         keep = sorted(inputs.get(r, ()))
         for k in [k for k, (rr, _) in new.items() if rr == r]:
-            s.steps.insert(i, _Step(k, new[k][1], None, list(keep)))
+            s.steps.insert(i, Step(k, new[k][1], None, list(keep)))
     return s

@@ -26,7 +26,18 @@ from graphflop.passes.infra import GraphPass
 
 
 @dataclass
-class _Step:
+class Step:
+    """One step of a :class:`Schedule`: a node run, the value it writes and what it reads.
+
+    Attributes:
+        key: the step's key (``PREFIX:NODE``).
+        nbytes: bytes of the storage it writes (not counted when ``alias_of`` names a live
+            step: a view shares that step's storage).
+        alias_of: the key of the step whose storage it shares, or None.
+        reads: keys of the steps it reads (a storage is freed after its last reader).
+        extra: a kernel's temporaries, bytes: allocated and freed within this step.
+    """
+
     key: str
     nbytes: int
     alias_of: str | None
@@ -38,7 +49,7 @@ class Schedule:
     """Steps of one or more graphs run one after another, with cross-graph aliases."""
 
     def __init__(self) -> None:
-        self.steps: list[_Step] = []
+        self.steps: list[Step] = []
         self.keep: set[str] = set()
         self.ties: list[list[str]] = []  # keys whose storages are freed together
 
@@ -102,7 +113,7 @@ class Schedule:
         for n in gm.graph.nodes:
             if n.op == "output":
                 reads = reads_of(n)
-                self.steps.append(_Step(f"{prefix}:__output__", 0, None, reads))
+                self.steps.append(Step(f"{prefix}:__output__", 0, None, reads))
                 if keep_outputs:
                     self.keep.update(reads)
                 continue
@@ -137,11 +148,11 @@ class Schedule:
                 nbytes = 0
             else:
                 nbytes = sizes.get(n.name, tensor_bytes(val))
-            self.steps.append(_Step(key, nbytes, alias, reads, extra.get(n.name, 0)))
+            self.steps.append(Step(key, nbytes, alias, reads, extra.get(n.name, 0)))
 
     def add_transient(self, key: str, nbytes: int) -> None:
         """A storage of ``nbytes`` allocated and freed at one step (a kernel's temporaries)."""
-        self.steps.append(_Step(key, nbytes, None, []))
+        self.steps.append(Step(key, nbytes, None, []))
 
     def _lifetimes(self) -> tuple[dict[str, str], dict[str, int], dict[str, int]]:
         """(step key -> the key of the storage it lives in, storage key -> bytes, storage key ->

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from graphflop.passes.memory import Schedule, _Step
+from graphflop.passes.memory import Schedule, Step
 
 #: ONNX Runtime CPU kernels whose output is their first input's buffer
 ALIAS_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
@@ -127,11 +127,11 @@ def live_peak(
             view = op in ALIAS_OPS and k == 0 and bool(ins)
             alias = f"v:{ins[0]}" if view and ins[0] in made else None
             nbytes = 0 if view else _rounded(sizes.get(o, 0))  # a view of a feed: 0
-            s.steps.append(_Step(f"v:{o}", nbytes, alias, reads))
+            s.steps.append(Step(f"v:{o}", nbytes, alias, reads))
             made.add(o)
             reads = []  # one read per node is enough to extend the inputs' lives
         if not outs or not any(outs):
-            s.steps.append(_Step(f"n:{name}", 0, None, reads))
+            s.steps.append(Step(f"n:{name}", 0, None, reads))
     read = {i for _, _, ins, _ in nodes for i in ins}
     # ONNX Runtime frees a value after its last reader; one no node reads (MaxPool's unused
     # indices) stays allocated to the end of the run, as the graph's outputs do

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from graphflop.train.config import TrainConfig, TrainError
     from graphflop.train.data import DataError, Dataset, load_dataset, read_idx
-    from graphflop.train.loop import TrainResult, train
+    from graphflop.train.loop import train
+    from graphflop.train.outputs import TrainResult
     from graphflop.train.variance import estimator_variance
 
 #: public name -> the submodule that defines it
@@ -28,7 +29,7 @@ _WHERE = {
     "Dataset": "data",
     "load_dataset": "data",
     "read_idx": "data",
-    "TrainResult": "loop",
+    "TrainResult": "outputs",
     "train": "loop",
     "estimator_variance": "variance",
 }

@@ -61,7 +61,7 @@ from graphflop.train.config import (
 from graphflop.train.data import Dataset, load_dataset
 from graphflop.train.distributed import DistributedStepper, Ranks, env_ranks
 from graphflop.train.model import build_model, graph_flops, step_graph, trace_forward
-from graphflop.train.outputs import CSV_COLUMNS, plot, write_csv, write_outputs
+from graphflop.train.outputs import CSV_COLUMNS, TrainResult, plot, write_csv, write_outputs
 from graphflop.train.runners import (
     GraphEvaluator,
     GraphStepper,
@@ -93,23 +93,6 @@ __all__ = [
 #: ``progress(row, info)``: called after every logged row; ``info`` has ``total_steps`` and
 #: ``steps_per_epoch``
 Progress = Callable[[dict[str, Any], dict[str, Any]], None]
-
-
-@dataclass
-class TrainResult:
-    """What :func:`train` did.
-
-    Attributes:
-        history: one row per step (``step``, ``wall_s``, ``train_loss``, ``val_loss``,
-            ``val_accuracy``; the validation fields are None between evaluations), after a
-            step-0 row with the initial validation loss.
-        summary: final validation loss and accuracy, timings and the settings (JSON-ready).
-        params: the trained parameters, by qualified name.
-    """
-
-    history: list[dict[str, Any]]
-    summary: dict[str, Any]
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def train(

@@ -1,6 +1,6 @@
 """What ``graphflop train --out DIR`` writes: ``train.csv`` (one row per step), ``train.png``
 (loss against wall time and steps) and ``summary.json``, each atomically
-(:func:`graphflop.io.atomic_write`)."""
+(:func:`graphflop.io.atomic_write`), from the :class:`TrainResult` a run returns."""
 
 from __future__ import annotations
 
@@ -8,15 +8,33 @@ import csv
 import io
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphflop.io import atomic_group, atomic_write
 
 if TYPE_CHECKING:
-    from graphflop.train.loop import TrainResult
+    import torch
 
 CSV_COLUMNS = ("step", "wall_s", "train_loss", "val_loss", "val_accuracy")
+
+
+@dataclass
+class TrainResult:
+    """What :func:`graphflop.train.loop.train` did.
+
+    Attributes:
+        history: one row per step (``step``, ``wall_s``, ``train_loss``, ``val_loss``,
+            ``val_accuracy``; the validation fields are None between evaluations), after a
+            step-0 row with the initial validation loss.
+        summary: final validation loss and accuracy, timings and the settings (JSON-ready).
+        params: the trained parameters, by qualified name.
+    """
+
+    history: list[dict[str, Any]]
+    summary: dict[str, Any]
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _cell(value: Any) -> Any:

@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Node
 
-from graphflop.ad.ghost import GhostValue
+from graphflop.ops.ghost import GhostValue
 
 
 def tree_map(fn: Callable[[Any], Any], x: Any) -> Any:
