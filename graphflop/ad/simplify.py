@@ -11,6 +11,8 @@ Reads and writes ``val`` and the graphflop provenance keys (:mod:`graphflop.meta
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch.fx import GraphModule
 
@@ -35,7 +37,7 @@ def fold_transposed_matmuls(gm: GraphModule) -> GraphModule:
             or list(n.args[1]) != [1, 0]
         ):
             continue
-        a, b = src.args
+        a, b = cast("tuple[torch.fx.Node, torch.fx.Node]", src.args)  # mm(a, b): two nodes
         with g.inserting_before(n):
             bt = g.call_function(aten.permute.default, (b, [1, 0]))
             at = g.call_function(aten.permute.default, (a, [1, 0]))

@@ -57,6 +57,7 @@ def op_cost(op: Any, args: tuple, kwargs: dict, out: Any, node: str | None = Non
         if is_strict():
             raise
         return ZERO_COST
+    key: tuple[Any, ...] | None
     try:  # costs are functions of metadata: repeated blocks hit the cache
         key = (rule, value_key(args), value_key(kwargs), value_key(out))
         hit = _COSTS.get(key)
