@@ -55,7 +55,7 @@ class CostTotals:
     complete: bool = True
 
     @staticmethod
-    def cost_fields(c: NodeCost) -> dict[str, int]:
+    def cost_fields(c: NodeCost) -> dict[str, Any]:
         """The six cost fields of ``c``, as keyword arguments for any ``CostTotals`` subclass."""
         return {
             "flops": c.flops,
@@ -235,7 +235,7 @@ class Totals:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Totals:
-        types = {
+        types: dict[str, Any] = {
             "forward": ForwardTotals,
             "loss": CostTotals,
             "backward": BackwardTotals,
@@ -292,6 +292,177 @@ _RATIO_PHASE = {
 }
 
 
+def _plain(v: Any) -> Any:
+    """``v`` as JSON-ready values: a nested report dataclass as its ``to_dict()``, a tuple as a
+    list (of plain values)."""
+    if isinstance(v, tuple):
+        return [_plain(x) for x in v]
+    to_dict = getattr(v, "to_dict", None)
+    return to_dict() if to_dict is not None else v
+
+
+@dataclass(frozen=True)
+class CompiledPartition:
+    """One AOTAutograd partitioner's cut of the joint graph (``memory.compiled.min_cut`` and
+    ``.default``; :class:`graphflop.passes.compiled_memory.Partition` has the node names).
+
+    Attributes:
+        saved_for_backward_bytes: the forward outputs the backward reads (parameters and
+            buffers left out), once per storage, bytes.
+        saved_tensors: how many such outputs.
+        recomputed_nodes: backward nodes that recompute forward nodes.
+        recompute_flops: their FLOPs under graphflop's rules.
+        uncounted_ops: the recomputed ops without a rule (counted 0).
+        forward_backward_peak_bytes: largest sum of live storages while the forward then the
+            backward graph run in node order (parameters, buffers, inputs and targets not
+            included), bytes.
+    """
+
+    saved_for_backward_bytes: int
+    saved_tensors: int
+    recomputed_nodes: int
+    recompute_flops: int
+    uncounted_ops: tuple[str, ...]
+    forward_backward_peak_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _plain(v) for k, v in _fields_dict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompiledPartition:
+        return cls(**{**_pick(cls, d), "uncounted_ops": tuple(d["uncounted_ops"])})
+
+
+@dataclass(frozen=True)
+class CompiledWhatIf:
+    """Under ``memory_model="compiled"``: what ``torch.compile``'s AOTAutograd partitions save
+    and recompute (:mod:`graphflop.passes.compiled_memory`).
+
+    Attributes:
+        execution: the execution the figures describe, in words.
+        min_cut: ``min_cut_rematerialization_partition``'s cut (what ``torch.compile`` runs).
+        default: ``default_partition``'s cut (saves what the backward reads, recomputes
+            nothing).
+    """
+
+    execution: str
+    min_cut: CompiledPartition
+    default: CompiledPartition
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _plain(v) for k, v in _fields_dict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompiledWhatIf:
+        return cls(
+            d["execution"],
+            CompiledPartition.from_dict(d["min_cut"]),
+            CompiledPartition.from_dict(d["default"]),
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointedModule:
+    """One checkpointed module of :class:`CheckpointWhatIf` (``per_module``).
+
+    Attributes:
+        module: its path.
+        recompute_flops: FLOPs of its forward nodes rerun in the backward.
+        recomputed_nodes: how many such nodes.
+    """
+
+    module: str
+    recompute_flops: int
+    recomputed_nodes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return _fields_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CheckpointedModule:
+        return cls(**_pick(cls, d))
+
+
+@dataclass(frozen=True)
+class CheckpointWhatIf:
+    """With ``checkpoint=PATTERN``: ``torch.utils.checkpoint(use_reentrant=False)`` around the
+    matching modules, in bytes and FLOPs (:mod:`graphflop.passes.checkpoint`).
+
+    Attributes:
+        execution: the execution the figures describe, in words.
+        pattern: the pattern as given.
+        pattern_syntax: ``glob``, or ``regex`` for a pattern starting ``re:``.
+        modules: the checkpointed module paths (outermost matches), in forward order.
+        saved_for_backward_bytes: bytes saved for backward with checkpointing (once per
+            storage).
+        eager_saved_for_backward_bytes: the eager model's saved bytes without checkpointing.
+        checkpoint_input_bytes: of ``saved_for_backward_bytes``, the checkpointed modules'
+            inputs.
+        recompute_flops: FLOPs of the forward nodes rerun in the backward, all modules.
+        train_peak_bytes: estimated train-step peak with checkpointing (parameters, gradients
+            and optimizer state included); None when not computed (absent from the JSON).
+        per_module: each checkpointed module's recompute FLOPs and nodes.
+    """
+
+    execution: str
+    pattern: str
+    pattern_syntax: str
+    modules: tuple[str, ...]
+    saved_for_backward_bytes: int
+    eager_saved_for_backward_bytes: int
+    checkpoint_input_bytes: int
+    recompute_flops: int
+    train_peak_bytes: int | None
+    per_module: tuple[CheckpointedModule, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _plain(v) for k, v in _fields_dict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CheckpointWhatIf:
+        return cls(
+            **{
+                **_pick(cls, {"train_peak_bytes": None, **d}),
+                "modules": tuple(d["modules"]),
+                "per_module": tuple(CheckpointedModule.from_dict(m) for m in d["per_module"]),
+            }
+        )
+
+
+@dataclass(frozen=True)
+class AmpWhatIf:
+    """With ``amp=bf16|fp16``: a step under ``torch.autocast``, in bytes
+    (:mod:`graphflop.passes.amp`).
+
+    Attributes:
+        execution: the execution the figures describe, in words.
+        dtype: ``bf16`` or ``fp16``.
+        saved_for_backward_bytes: bytes saved for backward under autocast (once per storage).
+        saved_cast_bytes: of those, the cast copies (half weights and activations, float32
+            inputs of float32 ops).
+        eager_saved_for_backward_bytes: the eager model's saved bytes without autocast.
+        flops_unchanged: always True: autocast changes dtypes, not the FLOP counts.
+        train_peak_bytes: estimated train-step peak under autocast (parameters, gradients and
+            optimizer state in float32 included); None when not computed (absent from the
+            JSON).
+    """
+
+    execution: str
+    dtype: str
+    saved_for_backward_bytes: int
+    saved_cast_bytes: int
+    eager_saved_for_backward_bytes: int
+    flops_unchanged: bool = True
+    train_peak_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in _fields_dict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AmpWhatIf:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
 @dataclass(frozen=True)
 class Memory:
     """Memory in bytes (FLOPS.md, Memory); ``None`` for a phase that was not built.
@@ -312,12 +483,11 @@ class Memory:
         keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``: live from
             the start, the backward accumulating into them) rather than set to None.
         compiled: under ``memory_model`` ``compiled``, both AOTAutograd partitions (saved
-            bytes, recomputed nodes and their FLOPs, peaks:
-            :meth:`graphflop.passes.compiled_memory.CompiledMemory.to_dict`).
+            bytes, recomputed nodes and their FLOPs, peaks: :class:`CompiledWhatIf`).
         checkpoint: with ``checkpoint=PATTERN``, the checkpointing what-if (saved bytes,
-            recompute FLOPs: :meth:`graphflop.passes.checkpoint.CheckpointMemory.to_dict`).
+            recompute FLOPs: :class:`CheckpointWhatIf`).
         amp: with ``amp=bf16|fp16``, the autocast what-if (saved bytes, train peak:
-            :meth:`graphflop.passes.amp.AmpMemory.to_dict`).
+            :class:`AmpWhatIf`).
     """
 
     params_bytes: int
@@ -331,16 +501,27 @@ class Memory:
     device: str | None = None
     describes: dict[str, str] | None = None
     keep_grads: bool | None = None
-    compiled: dict[str, Any] | None = None
-    checkpoint: dict[str, Any] | None = None
-    amp: dict[str, Any] | None = None
+    compiled: CompiledWhatIf | None = None
+    checkpoint: CheckpointWhatIf | None = None
+    amp: AmpWhatIf | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in _fields_dict(self).items() if v is not None}
+        return {k: _plain(v) for k, v in _fields_dict(self).items() if v is not None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Memory:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        what_ifs: dict[str, Any] = {
+            "compiled": CompiledWhatIf,
+            "checkpoint": CheckpointWhatIf,
+            "amp": AmpWhatIf,
+        }
+        return cls(
+            **{
+                f.name: what_ifs[f.name].from_dict(d[f.name]) if f.name in what_ifs else d[f.name]
+                for f in fields(cls)
+                if f.name in d
+            }
+        )
 
 
 @dataclass(frozen=True)

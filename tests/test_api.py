@@ -92,7 +92,9 @@ def test_analyze_reraises_the_pass_error_not_the_managers():
 def test_report_round_trips_the_schema():
     from graphflop.report import Report
 
-    for kw in ({}, {"jvp": False}, {"backward": False}, {"optimizer": "adam"}):
+    what_ifs = {"checkpoint": "0", "amp": "bf16", "loss": "sum"}  # module 0: the Linear
+    compiled = {"memory_model": "compiled", "jvp": False, "loss": "sum"}
+    for kw in ({}, {"jvp": False}, {"backward": False}, {"optimizer": "adam"}, what_ifs, compiled):
         a = graphflop.analyze(nn.Sequential(nn.Linear(3, 4), nn.Tanh()), (torch.randn(2, 3),), **kw)
         d = a.to_dict()
         assert isinstance(a.report, Report) and not hasattr(a, "summary")

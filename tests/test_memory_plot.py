@@ -140,7 +140,7 @@ def test_figure_marks_the_reported_peaks() -> None:
         assert f"peak {figure / 2**10:.2f} KiB" in texts  # 10–100 KiB: KiB units
     assert timelines[0].peak_tensors[0].name in texts
     assert "memory model eager on cpu" in texts
-    assert f"what-if --amp bf16: peak {mem.amp['train_peak_bytes'] / 2**10:.2f} KiB" in texts
+    assert f"what-if --amp bf16: peak {mem.amp.train_peak_bytes / 2**10:.2f} KiB" in texts
     assert "what-if --checkpoint 0" in texts
 
 

@@ -155,11 +155,11 @@ def test_checkpoint_small_net_exact():
     17024."""
     model, x = _net()
     ck = _analysis(model, x, checkpoint="block").report.memory.checkpoint
-    assert ck["eager_saved_for_backward_bytes"] == 2244
-    assert ck["saved_for_backward_bytes"] == 1220
-    assert ck["checkpoint_input_bytes"] == 512
-    assert ck["recompute_flops"] == 17024
-    assert ck["modules"] == ["block"] and ck["pattern_syntax"] == "glob"
+    assert ck.eager_saved_for_backward_bytes == 2244
+    assert ck.saved_for_backward_bytes == 1220
+    assert ck.checkpoint_input_bytes == 512
+    assert ck.recompute_flops == 17024
+    assert ck.modules == ("block",) and ck.pattern_syntax == "glob"
     assert measure_saved_checkpointed(model, x, "block") == (1220, 2244)
 
 
@@ -171,10 +171,10 @@ def test_checkpoint_early_stop_and_regex():
     196: 3268."""
     model, x = _net()
     ck = _analysis(model, x, checkpoint=r"re:block\.[01]").report.memory.checkpoint
-    assert ck["modules"] == ["block.0", "block.1"] and ck["pattern_syntax"] == "regex"
-    per = {m["module"]: m["recompute_flops"] for m in ck["per_module"]}
+    assert ck.modules == ("block.0", "block.1") and ck.pattern_syntax == "regex"
+    per = {m.module: m.recompute_flops for m in ck.per_module}
     assert per == {"block.0": 8448, "block.1": 256}
-    assert ck["saved_for_backward_bytes"] == 3268
+    assert ck.saved_for_backward_bytes == 3268
     assert measure_saved_checkpointed(model, x, r"re:block\.[01]")[0] == 3268
 
 
@@ -193,15 +193,15 @@ def test_checkpoint_matches_measurement_mlp_and_gpt2_blocks():
     mlp, x = MLP(hidden=32).train(), (torch.randn(16, 1, 28, 28),)
     ck = _analysis(mlp, x, checkpoint="layers.*").report.memory.checkpoint
     meas, base = measure_saved_checkpointed(mlp, x, "layers.*")
-    assert (ck["saved_for_backward_bytes"], ck["eager_saved_for_backward_bytes"]) == (meas, base)
+    assert (ck.saved_for_backward_bytes, ck.eager_saved_for_backward_bytes) == (meas, base)
     assert meas > base
     gpt = GPT2(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=16).train()
     x = (torch.randint(0, 100, (2, 16)),)
     ck = _analysis(gpt, x, checkpoint="h.*").report.memory.checkpoint
     meas, base = measure_saved_checkpointed(gpt, x, "h.*")
-    assert ck["modules"] == ["h.0", "h.1"]
-    assert meas - ck["saved_for_backward_bytes"] == 16 * 8
-    assert base - ck["eager_saved_for_backward_bytes"] == 16 * 8
+    assert ck.modules == ("h.0", "h.1")
+    assert meas - ck.saved_for_backward_bytes == 16 * 8
+    assert base - ck.eager_saved_for_backward_bytes == 16 * 8
     assert meas < base / 2
     # the train peak with checkpointing (an estimate: the recompute's temporaries and
     # checkpoint's bookkeeping beyond the RNG state are left out) against a measured step
@@ -209,7 +209,7 @@ def test_checkpoint_matches_measurement_mlp_and_gpt2_blocks():
 
     with checkpointed(gpt, "h.*"):
         peak = measure_train_peak(gpt, x, "auto", "sgd")
-    assert 0.8 < ck["train_peak_bytes"] / peak < 1.2, (ck["train_peak_bytes"], peak)
+    assert 0.8 < ck.train_peak_bytes / peak < 1.2, (ck.train_peak_bytes, peak)
 
 
 def test_amp_small_net_exact():
@@ -222,9 +222,9 @@ def test_amp_small_net_exact():
     which casts 256 + 1024 + 128 = 1408."""
     model, x = _net()
     amp = _analysis(model, x, amp="bf16").report.memory.amp
-    assert amp["saved_for_backward_bytes"] == 2372
-    assert amp["saved_cast_bytes"] == 1408
-    assert amp["eager_saved_for_backward_bytes"] == 2244
+    assert amp.saved_for_backward_bytes == 2372
+    assert amp.saved_cast_bytes == 1408
+    assert amp.eager_saved_for_backward_bytes == 2244
     assert measure_saved_autocast(model, x, torch.bfloat16) == 2372
 
 
@@ -243,7 +243,7 @@ def test_amp_matches_measurement_mlp_and_cnn():
         (CNN(), (torch.randn(2, 1, 28, 28),)),
     ):
         a = _analysis(model.train(), x, amp="bf16")
-        assert a.report.memory.amp["saved_for_backward_bytes"] == measure_saved_autocast(
+        assert a.report.memory.amp.saved_for_backward_bytes == measure_saved_autocast(
             model, x, torch.bfloat16
         )
 
@@ -321,7 +321,7 @@ def test_amp_dtype_rules_differ_by_device():
     # CUDA: layer norm saves a float32 copy of the half Linear output (4·8·4 = 128) where CPU
     # saves the half output itself (4·8·2 = 64); softmax saves its output, float32 (128) on
     # CUDA, half (64) on CPU
-    assert cuda["saved_for_backward_bytes"] - cpu["saved_for_backward_bytes"] == 64 + 64
+    assert cuda.saved_for_backward_bytes - cpu.saved_for_backward_bytes == 64 + 64
 
 
 class _Attention(nn.Module):
@@ -345,4 +345,19 @@ def test_amp_with_fused_attention_matches_measurement():
     torch.manual_seed(0)
     model, x = _Attention().train(), (torch.randn(2, 16, 32),)
     amp = _analysis(model, x, amp="bf16").report.memory.amp
-    assert amp["saved_for_backward_bytes"] == measure_saved_autocast(model, x, torch.bfloat16)
+    assert amp.saved_for_backward_bytes == measure_saved_autocast(model, x, torch.bfloat16)
+
+
+def test_what_ifs_are_typed_sections_of_the_report():
+    """The what-ifs are report dataclasses (attributes, not string keys) and read back from
+    their JSON equal: block.0 (Linear) reruns its addmm, 2·8·16·32 + 8·32 = 8448 FLOPs."""
+    from graphflop.report import AmpWhatIf, CheckpointedModule, CheckpointWhatIf, Memory
+
+    model, x = _net()
+    mem = _analysis(model, x, checkpoint="block.0", amp="bf16").report.memory
+    assert isinstance(mem.checkpoint, CheckpointWhatIf) and isinstance(mem.amp, AmpWhatIf)
+    assert mem.checkpoint.per_module[0].module == "block.0"
+    assert mem.checkpoint.per_module[0].recompute_flops == 8448
+    assert isinstance(mem.checkpoint.per_module[0], CheckpointedModule)
+    assert mem.amp.dtype == "bf16" and mem.amp.flops_unchanged
+    assert Memory.from_dict(mem.to_dict()) == mem

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from graphflop.analysis import Analysis
     from graphflop.export.memory_timeline import LiveTensor, Timeline
+    from graphflop.report import AmpWhatIf, CheckpointWhatIf
 
 __all__ = ["PLOT_SUFFIXES", "plot_memory"]
 
@@ -159,14 +160,20 @@ def _tensor_label(t: LiveTensor, unit: tuple[str, int]) -> str:
     return f"{t.nbytes / unit[1]:8.2f} {unit[0]}  {t.phase[0]}:{t.name}{where}{what}"
 
 
-def _what_ifs(ax, checkpoint: dict | None, amp: dict | None, unit: tuple[str, int]) -> None:
+def _what_ifs(
+    ax, checkpoint: CheckpointWhatIf | None, amp: AmpWhatIf | None, unit: tuple[str, int]
+) -> None:
     """Dashed lines at the train peaks of the checkpointing and autocast what-ifs."""
-    for label, d, colour in (
-        (f"--checkpoint {(checkpoint or {}).get('pattern', '')}", checkpoint, "#2ca02c"),
-        (f"--amp {(amp or {}).get('dtype', '')}", amp, "#9467bd"),
+    for label, peak, colour in (
+        (
+            f"--checkpoint {checkpoint.pattern if checkpoint else ''}",
+            checkpoint.train_peak_bytes if checkpoint else None,
+            "#2ca02c",
+        ),
+        (f"--amp {amp.dtype if amp else ''}", amp.train_peak_bytes if amp else None, "#9467bd"),
     ):
-        if d and d.get("train_peak_bytes"):
-            y = d["train_peak_bytes"] / unit[1]
+        if peak:
+            y = peak / unit[1]
             ax.axhline(
                 y, ls="--", lw=1.0, color=colour, label=f"what-if {label}: peak {y:.2f} {unit[0]}"
             )

@@ -35,11 +35,11 @@ def human_bytes(n: int | None) -> str:
     """1536 → '1.5 KiB' (binary prefixes); None → '–'."""
     if n is None:
         return "–"
-    n = float(n)
+    x = float(n)
     for div, p in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= div:
-            return f"{n / div:.3g} {p}"
-    return f"{int(n)} B"
+        if x >= div:
+            return f"{x / div:.3g} {p}"
+    return f"{int(x)} B"
 
 
 def _r(x: float | None) -> str:
@@ -247,7 +247,8 @@ def _totals_table(r: Report, units: str = "flops") -> Table:
             f"input grads {human(b.grad_input_flops)}, weight grads "
             f"{human(b.grad_weight_flops)}, pruned {human(b.pruned_flops)}",
         )
-        row(f"update ({u.optimizer})", u, f"{_r(u.flops_per_param)} FLOPs per parameter", "0")
+        if u is not None:  # built with the backward graph
+            row(f"update ({u.optimizer})", u, f"{_r(u.flops_per_param)} FLOPs per parameter", "0")
     if t.jvp is not None:
         j = t.jvp
         row(f"jvp (tangents: {j.tangents})", j, f"skipped (zero tangents) {human(j.skipped_flops)}")
@@ -305,16 +306,16 @@ def _summary_lines(r: Report) -> list[str]:
     ck, amp = m.checkpoint, m.amp
     if ck:  # the what-ifs of --checkpoint and --amp (their JSON: memory.checkpoint, .amp)
         lines.append(
-            f"checkpoint {ck['pattern']} ({len(ck['modules'])} modules): saved for backward "
-            f"{human_bytes(ck['saved_for_backward_bytes'])}, train peak "
-            f"{human_bytes(ck['train_peak_bytes'])}, recompute {human(ck['recompute_flops'])} "
+            f"checkpoint {ck.pattern} ({len(ck.modules)} modules): saved for backward "
+            f"{human_bytes(ck.saved_for_backward_bytes)}, train peak "
+            f"{human_bytes(ck.train_peak_bytes)}, recompute {human(ck.recompute_flops)} "
             "FLOPs"
         )
     if amp:
         lines.append(
-            f"amp {amp['dtype']}: saved for backward {human_bytes(amp['saved_for_backward_bytes'])}"
-            f", train peak {human_bytes(amp['train_peak_bytes'])}"
-            + (" (FLOPs unchanged)" if amp.get("flops_unchanged") else "")
+            f"amp {amp.dtype}: saved for backward {human_bytes(amp.saved_for_backward_bytes)}"
+            f", train peak {human_bytes(amp.train_peak_bytes)}"
+            + (" (FLOPs unchanged)" if amp.flops_unchanged else "")
         )
     return lines
 

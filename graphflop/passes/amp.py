@@ -32,7 +32,6 @@ rule made it (gradients of half activations are half; parameter gradients float3
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -41,6 +40,7 @@ from graphflop.frontend.composite import EAGER_SAVES
 from graphflop.meta import COMPOSITE, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
 from graphflop.passes.eager_memory import eager_residuals
 from graphflop.passes.memory import Schedule, forward_storages
+from graphflop.report import AmpWhatIf
 
 __all__ = ["HALF", "AmpMemory", "amp_dtypes", "amp_memory"]
 
@@ -160,19 +160,18 @@ class AmpMemory:
     eager_saved_bytes: int
     train_peak_bytes: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "execution": f"eager step under torch.autocast({self.device!r}, "
+    def to_report(self) -> AmpWhatIf:
+        """The report's section ``memory.amp``."""
+        return AmpWhatIf(
+            execution=f"eager step under torch.autocast({self.device!r}, "
             f"dtype={HALF[self.dtype]}), float32 master weights and optimizer state",
-            "dtype": self.dtype,
-            "saved_for_backward_bytes": self.saved_bytes,
-            "saved_cast_bytes": self.cast_bytes,
-            "eager_saved_for_backward_bytes": self.eager_saved_bytes,
-            "flops_unchanged": True,
-        }
-        if self.train_peak_bytes is not None:
-            d["train_peak_bytes"] = self.train_peak_bytes
-        return d
+            dtype=self.dtype,
+            saved_for_backward_bytes=self.saved_bytes,
+            saved_cast_bytes=self.cast_bytes,
+            eager_saved_for_backward_bytes=self.eager_saved_bytes,
+            flops_unchanged=True,
+            train_peak_bytes=self.train_peak_bytes,
+        )
 
 
 def _param_base(n: Node) -> Node:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -45,6 +44,7 @@ from torch.fx import GraphModule, Node
 from graphflop.meta import COMPOSITE, COST, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
 from graphflop.passes.eager_memory import eager_residuals
 from graphflop.passes.memory import Schedule, forward_storages
+from graphflop.report import CheckpointedModule, CheckpointWhatIf
 
 __all__ = [
     "EXECUTION",
@@ -112,22 +112,20 @@ class CheckpointMemory:
     per_module: dict[str, tuple[int, int]]
     train_peak_bytes: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "execution": EXECUTION,
-            "pattern": self.pattern,
-            "pattern_syntax": "regex" if self.pattern.startswith("re:") else "glob",
-            "modules": list(self.modules),
-            "saved_for_backward_bytes": self.saved_bytes,
-            "eager_saved_for_backward_bytes": self.eager_saved_bytes,
-            "checkpoint_input_bytes": self.input_bytes,
-            "recompute_flops": self.recompute_flops,
-            **({"train_peak_bytes": self.train_peak_bytes} if self.train_peak_bytes else {}),
-            "per_module": [
-                {"module": m, "recompute_flops": f, "recomputed_nodes": k}
-                for m, (f, k) in self.per_module.items()
-            ],
-        }
+    def to_report(self) -> CheckpointWhatIf:
+        """The report's section ``memory.checkpoint``."""
+        return CheckpointWhatIf(
+            execution=EXECUTION,
+            pattern=self.pattern,
+            pattern_syntax="regex" if self.pattern.startswith("re:") else "glob",
+            modules=tuple(self.modules),
+            saved_for_backward_bytes=self.saved_bytes,
+            eager_saved_for_backward_bytes=self.eager_saved_bytes,
+            checkpoint_input_bytes=self.input_bytes,
+            recompute_flops=self.recompute_flops,
+            train_peak_bytes=self.train_peak_bytes or None,
+            per_module=tuple(CheckpointedModule(m, f, k) for m, (f, k) in self.per_module.items()),
+        )
 
 
 def _regions(forward: GraphModule, match) -> dict[Node, str]:

@@ -39,7 +39,7 @@ from torch.fx import GraphModule, Node
 from graphflop.ops import has_rule
 from graphflop.passes.eager_memory import DESCRIBES as EAGER_DESCRIBES
 from graphflop.passes.flops import op_cost
-from graphflop.report import Memory
+from graphflop.report import CompiledPartition, CompiledWhatIf, Memory
 
 __all__ = [
     "DESCRIBES",
@@ -81,15 +81,16 @@ class Partition:
     uncounted_ops: tuple[str, ...]
     peak_bytes: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "saved_for_backward_bytes": self.saved_bytes,
-            "saved_tensors": len(self.saved),
-            "recomputed_nodes": len(self.recomputed),
-            "recompute_flops": self.recompute_flops,
-            "uncounted_ops": list(self.uncounted_ops),
-            "forward_backward_peak_bytes": self.peak_bytes,
-        }
+    def to_report(self) -> CompiledPartition:
+        """Its figures in the report (``memory.compiled.min_cut``, ``.default``)."""
+        return CompiledPartition(
+            saved_for_backward_bytes=self.saved_bytes,
+            saved_tensors=len(self.saved),
+            recomputed_nodes=len(self.recomputed),
+            recompute_flops=self.recompute_flops,
+            uncounted_ops=tuple(self.uncounted_ops),
+            forward_backward_peak_bytes=self.peak_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -108,12 +109,9 @@ class CompiledMemory:
     state_bytes: int
     input_bytes: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "execution": EXECUTION,
-            "min_cut": self.min_cut.to_dict(),
-            "default": self.default.to_dict(),
-        }
+    def to_report(self) -> CompiledWhatIf:
+        """The report's section ``memory.compiled``."""
+        return CompiledWhatIf(EXECUTION, self.min_cut.to_report(), self.default.to_report())
 
 
 def _fake_like(t: torch.Tensor, grad: bool = False) -> torch.Tensor:
@@ -398,7 +396,7 @@ def compiled_report_memory(
 ) -> Memory:
     """``mem`` (a report's memory, with its gradient and optimizer-state bytes) with the
     saved-for-backward and train-step figures of the compiled model and its details
-    (``compiled``: :meth:`CompiledMemory.to_dict`); unchanged figures but the naming when
+    (``compiled``: :meth:`CompiledMemory.to_report`); unchanged figures but the naming when
     no backward was built.
 
     Raises:
@@ -421,5 +419,5 @@ def compiled_report_memory(
         memory_model="compiled",
         device=device,
         describes={k: v for k, v in describes.items() if getattr(mem, k) is not None},
-        compiled=cm.to_dict(),
+        compiled=cm.to_report(),
     )
