@@ -21,7 +21,7 @@ from graphflop._gc import paused_gc
 
 with paused_gc():  # PyTorch's and graphflop's imports: nothing to collect yet
     from graphflop import ops  # noqa: F401  (fills the rule table)
-    from graphflop.analysis import Analysis, analyze
+    from graphflop.analysis import Analysis, AnalyzeOptions, analyze
     from graphflop.api import (
         AddOptimizerUpdate,
         AnnotateFlops,
@@ -75,6 +75,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AddOptimizerUpdate",
     "Analysis",
+    "AnalyzeOptions",
     "AnnotateFlops",
     "AnnotateMemory",
     "BuildForwardGradientStep",

@@ -10,7 +10,7 @@ through torch.fx's ``PassManager`` (:func:`graphflop.passes.infra.run_passes`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from graphflop.passes.summary import Graphs, summarize
 from graphflop.passes.train_step import BuildTrainStep
 from graphflop.report import SCHEMA_VERSION, Report
 
-__all__ = ["SCHEMA_VERSION", "Analysis", "analyze"]
+__all__ = ["SCHEMA_VERSION", "Analysis", "AnalyzeOptions", "analyze"]
 
 
 @dataclass
@@ -68,8 +68,8 @@ class Analysis:
     def train_step(self) -> GraphModule | None:
         """The whole backprop step (forward, backward, update) as one flop-annotated graph,
         built on first access (:class:`~graphflop.passes.train_step.BuildTrainStep`); None
-        without a backward graph."""
-        if self._train_step is None and self.backward is not None:
+        without a backward graph (:func:`analyze` builds the update graph with it)."""
+        if self._train_step is None and self.backward is not None and self.update is not None:
             self._train_step = run_passes(
                 self.forward, [BuildTrainStep(self.backward, self.update), AnnotateFlops()]
             )
@@ -80,46 +80,27 @@ class Analysis:
         return self.report.to_dict()
 
 
-def analyze(
-    model: nn.Module,
-    example_inputs: Any,
-    *,
-    name: str | None = None,
-    loss: str = "auto",
-    optimizer: str = "sgd",
-    tangents: str = "params",
-    directions: int = 1,
-    distribution: str = "normal",
-    backward: bool = True,
-    jvp: bool = True,
-    progress: Callable[[str], None] | None = None,
-    memory_model: str = "eager",
-    device: str = "cpu",
-    keep_grads: bool = False,
-    checkpoint: str | None = None,
-    amp: str | None = None,
-) -> Analysis:
-    """Trace ``model`` and build, annotate and summarise its graphs.
+@dataclass(frozen=True)
+class AnalyzeOptions:
+    """What :func:`analyze` builds and how it counts: every setting but the model, its inputs,
+    its display name and the progress callback. Checked when made (``dataclasses.replace``
+    included).
 
-    Args:
-        model: the module (used in its current train/eval mode).
-        example_inputs: what a model file's ``example_inputs()`` may return: a tensor, a tuple
-            of positional inputs, a dict of keyword inputs or ``(args, kwargs)``
-            (:func:`graphflop.frontend.inputs.split_example`); FakeTensors are fine (nothing is
-            allocated).
-        loss: see :func:`graphflop.frontend.trace.trace`.
+    Attributes:
+        loss: see :func:`graphflop.frontend.trace.trace` (``auto``, ``output``, ``sum``,
+            ``cross_entropy``, ``mse``, ``none``).
         optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw``.
         tangents: which values carry tangents in the JVP graph (``params``, ``inputs``, ``all``).
         directions, distribution: of the forward-gradient step (see
             :func:`~graphflop.passes.forward_gradient.build_forward_gradient_step`).
         backward, jvp: build those graphs. With ``loss="auto"``, a model whose output holds
             no floating-point tensor (it ends in argmax) gets neither: nothing to differentiate.
-        progress: called with a short message before each stage.
         memory_model: ``eager`` (default: what eager PyTorch autograd saves and allocates on
             ``device``, ``cpu`` or ``cuda``) or ``graph`` (graphflop's own graphs in their node
             order); see :mod:`graphflop.passes.eager_memory`; or ``compiled`` (what
             ``torch.compile``'s AOTAutograd min-cut partition saves and recomputes:
             :mod:`graphflop.passes.compiled_memory`).
+        device: ``cpu`` or ``cuda``: the device the memory model describes.
         keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``).
         checkpoint: what-if ``torch.utils.checkpoint(use_reentrant=False)`` around the modules
             whose path matches this glob (``re:`` prefix: a regular expression): saved bytes
@@ -128,59 +109,111 @@ def analyze(
         amp: what-if autocast to ``bf16`` or ``fp16`` on ``device``: saved bytes and train
             peak in ``report.memory.amp`` (:mod:`graphflop.passes.amp`).
 
+    Raises:
+        ValueError: an unknown memory model, device or amp dtype; a what-if (``checkpoint``,
+            ``amp``, ``keep_grads``) with ``backward=False``.
+        TypeError: ``directions`` not an int.
+    """
+
+    loss: str = "auto"
+    optimizer: str = "sgd"
+    tangents: str = "params"
+    directions: int = 1
+    distribution: str = "normal"
+    backward: bool = True
+    jvp: bool = True
+    memory_model: str = "eager"
+    device: str = "cpu"
+    keep_grads: bool = False
+    checkpoint: str | None = None
+    amp: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory_model not in ("eager", "graph", "compiled") or self.device not in (
+            "cpu",
+            "cuda",
+        ):
+            raise ValueError(
+                f"unknown memory model {self.memory_model!r} on {self.device!r}: eager, graph "
+                "or compiled, on cpu or cuda"
+            )
+        if self.amp not in (None, "bf16", "fp16"):
+            raise ValueError(f"unknown amp dtype {self.amp!r}: bf16 or fp16")
+        if not self.backward and (
+            self.checkpoint is not None or self.amp is not None or self.keep_grads
+        ):
+            what = (
+                "checkpoint"
+                if self.checkpoint is not None
+                else "amp"
+                if self.amp is not None
+                else "keep_grads"
+            )
+            raise ValueError(f"{what}= is a what-if on the backward, and backward=False skips it")
+        if not isinstance(self.directions, int) or isinstance(self.directions, bool):
+            raise TypeError(f"directions must be an int, not {type(self.directions).__name__}")
+
+
+def analyze(
+    model: nn.Module,
+    example_inputs: Any,
+    options: AnalyzeOptions | None = None,
+    *,
+    name: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    **overrides: Any,
+) -> Analysis:
+    """Trace ``model`` and build, annotate and summarise its graphs.
+
+    ``analyze(model, x, AnalyzeOptions(optimizer="adam"))`` and ``analyze(model, x,
+    optimizer="adam")`` are the same call: keyword arguments named after
+    :class:`AnalyzeOptions`' fields override ``options`` (default ``AnalyzeOptions()``).
+
+    Args:
+        model: the module (used in its current train/eval mode).
+        example_inputs: what a model file's ``example_inputs()`` may return: a tensor, a tuple
+            of positional inputs, a dict of keyword inputs or ``(args, kwargs)``
+            (:func:`graphflop.frontend.inputs.split_example`); FakeTensors are fine (nothing is
+            allocated).
+        options: the settings (:class:`AnalyzeOptions`).
+        name: the model's name in the report (default: its class name).
+        progress: called with a short message before each stage.
+        overrides: fields of :class:`AnalyzeOptions` replacing those of ``options``.
+
     While it runs, and only when the process has never imported ``torch._dynamo``, light
     stand-ins take Dynamo's place (:mod:`graphflop.frontend.nodynamo`: its import costs about 2 s
     of CPU; nothing here compiles); ``memory_model="compiled"`` uses the real Dynamo.
 
     Raises:
-        TraceError, MissingRuleError, ValueError: see the passes; ValueError also for a
-            what-if (``checkpoint``, ``amp``, ``keep_grads``) with ``backward=False``.
-        TypeError: ``model`` not an ``nn.Module``, ``directions`` not an int, ``progress``
-            not callable.
+        TraceError, MissingRuleError, ValueError: see the passes; ValueError and TypeError
+            also for bad options (see :class:`AnalyzeOptions`).
+        TypeError: ``model`` not an ``nn.Module``, ``progress`` not callable, an override that
+            is not a field of :class:`AnalyzeOptions`, ``options`` not an ``AnalyzeOptions``.
     """
-    if memory_model not in ("eager", "graph", "compiled") or device not in ("cpu", "cuda"):
-        raise ValueError(
-            f"unknown memory model {memory_model!r} on {device!r}: eager, graph or compiled, "
-            "on cpu or cuda"
+    if options is None:
+        options = AnalyzeOptions()
+    elif not isinstance(options, AnalyzeOptions):
+        raise TypeError(f"options must be an AnalyzeOptions, not {type(options).__name__}")
+    unknown = sorted(set(overrides) - {f.name for f in fields(AnalyzeOptions)})
+    if unknown:
+        raise TypeError(
+            f"analyze() got an unexpected keyword argument {unknown[0]!r}; the options are "
+            + ", ".join(f.name for f in fields(AnalyzeOptions))
         )
-    if amp not in (None, "bf16", "fp16"):
-        raise ValueError(f"unknown amp dtype {amp!r}: bf16 or fp16")
+    o = replace(options, **overrides) if overrides else options
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    if not backward and (checkpoint is not None or amp is not None or keep_grads):
-        what = (
-            "checkpoint" if checkpoint is not None else "amp" if amp is not None else "keep_grads"
-        )
-        raise ValueError(f"{what}= is a what-if on the backward, and backward=False skips it")
-    if not isinstance(directions, int) or isinstance(directions, bool):
-        raise TypeError(f"directions must be an int, not {type(directions).__name__}")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be callable (one str argument), not {progress!r}")
     args, kwargs = split_example(example_inputs)
-    if kwargs and memory_model == "compiled":
+    if kwargs and o.memory_model == "compiled":
         raise ValueError("memory_model='compiled' takes positional inputs only, not keywords")
+    say = progress or (lambda msg: None)
     # FakeTensorMode logs a traceback before re-raising a kernel's error; the error is raised
     with paused_gc(), quiet_loggers("torch._subclasses.fake_tensor"):
         return nodynamo.run(
-            lambda: _analyze(
-                model,
-                args,
-                kwargs,
-                name=name,
-                loss=loss,
-                optimizer=optimizer,
-                tangents=tangents,
-                directions=directions,
-                distribution=distribution,
-                backward=backward,
-                jvp=jvp,
-                memory_model=memory_model,
-                device=device,
-                keep_grads=keep_grads,
-                what_if={"checkpoint": checkpoint, "amp": amp},
-                say=progress or (lambda msg: None),
-            ),
-            light=memory_model != "compiled",
+            lambda: _analyze(model, args, kwargs, o, name=name, say=say),
+            light=o.memory_model != "compiled",
         )
 
 
@@ -216,21 +249,14 @@ def _analyze(
     model: nn.Module,
     example_inputs: tuple[torch.Tensor, ...],
     kwargs: dict[str, Any],
+    o: AnalyzeOptions,
     *,
     name: str | None,
-    loss: str,
-    optimizer: str,
-    tangents: str,
-    directions: int,
-    distribution: str,
-    backward: bool,
-    jvp: bool,
-    memory_model: str,
-    device: str,
-    keep_grads: bool,
-    what_if: dict[str, str | None],
     say: Callable[[str], None],
 ) -> Analysis:
+    loss, optimizer, tangents, device = o.loss, o.optimizer, o.tangents, o.device
+    directions, distribution = o.directions, o.distribution
+    backward, jvp, memory_model = o.backward, o.jvp, o.memory_model
     say("tracing")
     fwd = run_passes(
         trace(model, example_inputs, loss=loss, kwargs=kwargs or None), [AnnotateFlops()]
@@ -246,11 +272,12 @@ def _analyze(
         lin = g.jvp if tangents == "params" else None
     if backward and has_loss:
         say("building the backward graph")
-        g = replace(g, backward=run_passes(fwd, [BuildVjp(linearized=lin), AnnotateFlops()]))
+        bwd = run_passes(fwd, [BuildVjp(linearized=lin), AnnotateFlops()])
+        g = replace(g, backward=bwd)
         say("building the optimizer update")
-        upd = AddOptimizerUpdate(optimizer, backward=g.backward)  # no gradient: no update
-        g = replace(g, update=run_passes(fwd, [upd, AnnotateFlops()]))
-        lin = lin if lin is not None else g.backward.meta[LINEARIZED]
+        add_update = AddOptimizerUpdate(optimizer, backward=bwd)  # no gradient: no update
+        g = replace(g, update=run_passes(fwd, [add_update, AnnotateFlops()]))
+        lin = lin if lin is not None else bwd.meta[LINEARIZED]
     if jvp and has_loss:
         say("building the forward-gradient step")
         upd = for_every_parameter(g.update)  # a forward gradient updates every parameter
@@ -268,7 +295,7 @@ def _analyze(
         tangents=tangents,
         memory_model="eager" if memory_model == "compiled" else memory_model,
         device=device,
-        keep_grads=keep_grads,
+        keep_grads=o.keep_grads,
     )
     if memory_model == "compiled":
         say("partitioning the joint graph as torch.compile does")
@@ -276,7 +303,7 @@ def _analyze(
             report.memory, model, example_inputs, fwd.meta.get(LOSS_KIND, "none"), optimizer, device
         )
         report = replace(report, memory=mem)
-    report = _what_ifs(report, g, device, optimizer, **what_if)
+    report = _what_ifs(report, g, device, optimizer, o.checkpoint, o.amp)
     return Analysis(
         name,
         fwd,

@@ -142,7 +142,7 @@ def _analyse(
     Raises:
         TypeError: an input that is neither a tensor nor an int; anything analyze raises.
     """
-    from graphflop.analysis import analyze
+    from graphflop.analysis import AnalyzeOptions, analyze
 
     for t in example_inputs:
         if not isinstance(t, (torch.Tensor, int, torch.SymInt)):
@@ -163,7 +163,9 @@ def _analyse(
     # compiled under torch.no_grad() (Dynamo guards on grad mode and compiles again when it
     # changes): no backward will run, so none is counted
     backward = any(grad_mask) and torch.is_grad_enabled()
-    a = analyze(lifted, rest, loss=loss, optimizer=optimizer, jvp=False, backward=backward)
+    a = analyze(
+        lifted, rest, AnalyzeOptions(loss=loss, optimizer=optimizer, jvp=False, backward=backward)
+    )
     skip = None if scalar else "loss"
     ff, fm = _sum_cost(a.forward.graph.nodes, skip)
     bf, bm = _sum_cost(a.backward.graph.nodes, skip) if a.backward is not None else (0, 0)

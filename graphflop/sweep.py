@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from graphflop.analysis import analyze
+from graphflop.analysis import AnalyzeOptions, analyze
 from graphflop.frontend.loss import NO_FLOAT_OUTPUT
 from graphflop.load import SpecError, load, make_inputs
 
@@ -71,7 +71,8 @@ def sweep(
         loaded = load(spec, ctor_kwargs=kwargs, meta=True, seq=seq)
         loaded.model.train()
         inputs = make_inputs(loaded, batch=value if kind == "batch" else batch)
-        r = analyze(loaded.model, inputs, name=loaded.name, optimizer=optimizer, jvp=False).report
+        options = AnalyzeOptions(optimizer=optimizer, jvp=False)
+        r = analyze(loaded.model, inputs, options, name=loaded.name).report
         if r.loss == "none":  # nothing to differentiate: a sweep compares backward and forward
             raise SpecError(
                 f"sweep needs a backward, but {NO_FLOAT_OUTPUT} ({spec}): return the logits or "

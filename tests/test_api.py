@@ -18,7 +18,7 @@ from graphflop.meta import COST, FACTS, JVP, SIGNATURE, NodeCost
 def test_docs_examples_run():
     text = (ROOT / "docs" / "api.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     for code in blocks:
         exec(compile(code, "docs/api.md", "exec"), {})
 
@@ -424,6 +424,33 @@ def test_analyze_refuses_arguments_it_cannot_use():
     r = graphflop.analyze(nn.Sequential(nn.Linear(4, 2), nn.ReLU()), x).report
     with pytest.raises(KeyError, match="no layer row '1x'; did you mean 1"):
         r.layer("1x")
+
+
+def test_analyze_takes_an_options_value_and_keyword_overrides():
+    """``analyze(m, x, AnalyzeOptions(...))`` and the keyword form are one analysis; keywords
+    replace the value's fields; the value checks itself when made or replaced; a keyword that
+    is no field is refused by name. Adam's update: 2·4 + 2 = 10 parameters; the default SGD
+    update costs 2 FLOPs per parameter (p - lr·g), Adam more."""
+    from dataclasses import replace
+
+    m, x = nn.Sequential(nn.Linear(4, 2), nn.ReLU()), torch.randn(3, 4)
+    opts = graphflop.AnalyzeOptions(optimizer="adam", jvp=False)
+    a = graphflop.analyze(m, x, opts, name="net")
+    b = graphflop.analyze(m, x, optimizer="adam", jvp=False, name="net")
+    assert a.report == b.report and a.report.optimizer == "adam" and a.jvp is None
+    assert a.report.model == "net" and a.report.params == 10
+    c = graphflop.analyze(m, x, opts, optimizer="sgd")  # a keyword overrides the value
+    assert c.report.optimizer == "sgd" and c.jvp is None
+    assert c.report.totals.update.flops == 2 * 10 < a.report.totals.update.flops
+    assert opts == graphflop.AnalyzeOptions(jvp=False, optimizer="adam")  # frozen, compared
+    with pytest.raises(ValueError, match="amp= is a what-if on the backward"):
+        replace(opts, backward=False, amp="bf16")
+    with pytest.raises(ValueError, match="unknown memory model 'inductor'"):
+        graphflop.AnalyzeOptions(memory_model="inductor")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'optimiser'.*optimizer"):
+        graphflop.analyze(m, x, optimiser="adam")
+    with pytest.raises(TypeError, match="options must be an AnalyzeOptions, not dict"):
+        graphflop.analyze(m, x, {"optimizer": "adam"})
 
 
 def test_a_model_pytorch_cannot_run_for_its_dtypes_is_refused():

@@ -18,11 +18,15 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from graphflop.frontend.loss import NO_FLOAT_OUTPUT, differentiable, output_tensors
+
+if TYPE_CHECKING:
+    from graphflop.analysis import AnalyzeOptions
 
 EXIT_USAGE = 2
 EXIT_VERIFY_FAILED = 1
@@ -328,11 +332,11 @@ def analyze_model(
     *,
     err: Console | None = None,
     why: str | None = None,
-    **options,
+    options: AnalyzeOptions | None = None,
 ):
-    """:func:`graphflop.analysis.analyze` of a loaded model with the ``--loss`` and
-    ``--optimizer`` arguments (and ``options``), reporting its stages on ``status`` (a rich
-    status spinner).
+    """:func:`graphflop.analysis.analyze` of a loaded model with ``options`` (default
+    ``AnalyzeOptions()``) and the ``--loss`` and ``--optimizer`` arguments, reporting its
+    stages on ``status`` (a rich status spinner).
 
     A model whose output has nothing to differentiate is analysed forward only, with a note on
     ``err`` (:func:`check_backward_possible` refuses it before the analysis where something
@@ -342,18 +346,13 @@ def analyze_model(
         SpecError: the output has nothing to differentiate and :func:`backward_reason` names
             something that needs the backward (``why``, or an explicit ``--loss``).
     """
-    from graphflop.analysis import analyze
+    from graphflop.analysis import AnalyzeOptions, analyze
 
+    options = replace(options or AnalyzeOptions(), loss=args.loss, optimizer=args.optimizer)
     analysis = analyze(
-        loaded.model,
-        inputs,
-        name=loaded.name,
-        loss=args.loss,
-        optimizer=args.optimizer,
-        progress=lambda m: status.update(m),
-        **options,
+        loaded.model, inputs, options, name=loaded.name, progress=lambda m: status.update(m)
     )
-    asked = options.get("backward", True) or options.get("jvp", True)
+    asked = options.backward or options.jvp
     if asked and analysis.report.loss == "none":
         # nothing to differentiate (the trace saw an integer output; the analysis is forward
         # only): a note, or, where the command needs the backward, an error

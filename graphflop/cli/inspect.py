@@ -215,6 +215,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
 def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any], int]:
     """The checks, the analysis, ``--verify`` and the output files: (report, the JSON's extra
     keys, exit status)."""
+    from graphflop.analysis import AnalyzeOptions
     from graphflop.export.report import layers_csv, to_json
     from graphflop.io import atomic_group, atomic_write
     from graphflop.ops import strict_rules
@@ -224,13 +225,7 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
     why = _backward_option(args)
     check_backward_possible(args, loaded, inputs, why=why)
     with err.status("analysing", spinner="dots") as status, strict_rules(args.strict):
-        analysis = analyze_model(
-            args,
-            loaded,
-            inputs,
-            status,
-            err=err,
-            why=why,
+        options = AnalyzeOptions(
             tangents=args.tangents,
             directions=args.directions,
             distribution=args.direction,
@@ -242,6 +237,7 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
             checkpoint=args.checkpoint,
             amp=args.amp,
         )
+        analysis = analyze_model(args, loaded, inputs, status, err=err, why=why, options=options)
     report = analysis.report
     print_warnings(err, analysis, _tangent_pass_notes(analysis))
     extra: dict[str, Any] = {}  # --verify's results, after the report's keys in the JSON

@@ -215,12 +215,11 @@ def step_graph(
         return forward_gradient_graph(
             fwd, optimizer, directions=directions, distribution=distribution, update=update
         )
-    from graphflop.analysis import analyze
+    from graphflop.analysis import AnalyzeOptions, analyze
 
     m = copy.deepcopy(model).train(True)
-    analysis = analyze(
-        m, _fake_batch(batch, image_shape), loss="cross_entropy", optimizer=optimizer, jvp=False
-    )
+    options = AnalyzeOptions(loss="cross_entropy", optimizer=optimizer, jvp=False)
+    analysis = analyze(m, _fake_batch(batch, image_shape), options)
     if not gradient_mean:
         return train_step_graph(analysis)
     from graphflop.passes.flops import AnnotateFlops
