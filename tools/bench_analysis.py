@@ -122,7 +122,7 @@ def _flop_counter(model, inputs, backward: bool) -> tuple[float, int]:
 def _graphflop(model, inputs, full: bool) -> tuple[float, dict[str, float], object]:
     """Seconds, seconds per stage and the analysis of ``graphflop.analyze``."""
     import graphflop.passes.summary as summary
-    from graphflop.analysis import analyze
+    from graphflop.analysis import AnalyzeOptions, analyze
 
     marks: list[tuple[str, float]] = []
     memory_s = [0.0]
@@ -141,8 +141,7 @@ def _graphflop(model, inputs, full: bool) -> tuple[float, dict[str, float], obje
         a = analyze(
             model,
             inputs,
-            backward=full,
-            jvp=full,
+            AnalyzeOptions(backward=full, jvp=full),
             progress=lambda m: marks.append((m, CLOCK())),
         )
         t1 = CLOCK()

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from graphflop.analysis import analyze
+from graphflop.analysis import AnalyzeOptions, analyze
 from graphflop.io import atomic_write
 from graphflop.load import _preload_torchvision, load
 from graphflop.runtime.memory_probe import Measured, measure
@@ -153,8 +153,10 @@ def row(case: Case, cache: dict) -> dict:
         got = measure(model, inputs)
         mt = memtracker_peak(model, inputs, got.loss)
         cache[case.name] = {"measured": asdict(got), "memtracker": mt}
-    eager = analyze(model, inputs, loss=got.loss).report.memory
-    graph = analyze(model, inputs, loss=got.loss, jvp=False, memory_model="graph").report.memory
+    eager_model = AnalyzeOptions(loss=got.loss)
+    graph_model = AnalyzeOptions(loss=got.loss, jvp=False, memory_model="graph")
+    eager = analyze(model, inputs, eager_model).report.memory
+    graph = analyze(model, inputs, graph_model).report.memory
     return {
         "name": case.name,
         "measured": got,
