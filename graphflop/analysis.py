@@ -4,7 +4,8 @@ The :class:`Analysis` it returns holds the annotated graphs (``forward``, ``back
 ``update``, ``forward_gradient``, and ``train_step`` built on request) and a typed
 :class:`~graphflop.report.Report` computed from node annotations only; :meth:`Analysis.to_dict`
 is the ``graphflop inspect --json`` document. Each derived graph is made by its passes run
-through torch.fx's ``PassManager`` (:func:`graphflop.passes.infra.run_passes`).
+through torch.fx's ``PassManager`` (:func:`graphflop.passes.infra.run_passes`). What to build
+and how to count is one :class:`AnalyzeOptions` value.
 """
 
 from __future__ import annotations

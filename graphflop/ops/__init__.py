@@ -4,6 +4,11 @@ the table and the decomposition table (:func:`decomposition_table`).
 To add an op, write in its family's file its cost (:func:`register`), its JVP and transpose
 (:func:`def_jvp`, :func:`def_linear`, ...), or, for a composite op, its decomposition
 (:func:`register_decomposition`); ``graphflop.testing.opdb`` then checks it everywhere.
+
+Beside the table, the values rules see and what evaluating one costs: the ghost type
+(:mod:`.ghost`), maps over argument trees (:mod:`.tree`) and :func:`.cost.op_cost`; they sit here,
+in the lowest layer, so that the graph builder (:mod:`graphflop.ad`), the tracer and the passes
+can all use them.
 """
 
 from graphflop.ops import (  # noqa: F401  (imported for their registrations)

@@ -13,7 +13,7 @@ forward value the backward reads and recomputes nothing.
 the min-cut partitioner with ``compiler="inductor"``, nothing compiled), on FakeTensors (no
 memory is allocated, no kernel runs), runs both partitioners on it and reports for each
 (:class:`Partition`): the saved bytes, the forward nodes recomputed in the backward and their
-FLOPs under graphflop's cost rules (:func:`graphflop.passes.flops.op_cost`), and the peak of the
+FLOPs under graphflop's cost rules (:func:`graphflop.ops.cost.op_cost`), and the peak of the
 compiled forward followed by the compiled backward. Inductor itself is not run: its fusion and
 buffer reuse would change the peak, not what is saved.
 
