@@ -57,6 +57,8 @@ def op_cost(op: Any, args: tuple, kwargs: dict, out: Any, node: str | None = Non
         if is_strict():
             raise
         return ZERO_COST
+    key: tuple | None
+    hit: NodeCost | None
     try:  # costs are functions of metadata: repeated blocks hit the cache
         key = (rule, value_key(args), value_key(kwargs), value_key(out))
         hit = _COSTS.get(key)
@@ -73,7 +75,7 @@ def op_cost(op: Any, args: tuple, kwargs: dict, out: Any, node: str | None = Non
 
 
 #: (rule, argument metadata) -> NodeCost
-_COSTS: dict = {}
+_COSTS: dict[tuple, NodeCost] = {}
 
 
 def _cost(rule, a: tuple, k: dict, o: Any) -> NodeCost:

@@ -36,6 +36,8 @@ def fold_transposed_matmuls(gm: GraphModule) -> GraphModule:
         ):
             continue
         a, b = src.args
+        if not isinstance(a, torch.fx.Node) or not isinstance(b, torch.fx.Node):
+            continue  # mm's operands are tensors: nodes in a traced graph
         with g.inserting_before(n):
             bt = g.call_function(aten.permute.default, (b, [1, 0]))
             at = g.call_function(aten.permute.default, (a, [1, 0]))
