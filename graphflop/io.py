@@ -28,7 +28,7 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None] | str | bytes) -> Path:
+def atomic_write(path: str | Path, write: Callable[[Path], object] | str | bytes) -> Path:
     """Write ``path`` through a temporary file in the same folder, then rename it into place.
 
     Args:
@@ -92,7 +92,8 @@ def atomic_group() -> Iterator[None]:
     if _group is not None:  # nested: the outer group commits
         yield
         return
-    _group = pending = []
+    pending: list[tuple[Path, Path, list[Path]]] = []
+    _group = pending
     try:
         yield
     except BaseException:

@@ -30,6 +30,7 @@ import re
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -433,12 +434,12 @@ def _library_builder(library: str, name: str, module):
 
         weight_args = [p for p in inspect.signature(builder).parameters if p.startswith("weights")]
 
-        def build(**kw):
+        def build_torchvision(**kw):
             for p in weight_args:  # untrained, backbone too: nothing is downloaded
                 kw.setdefault(p, None)
             return builder(**kw)
 
-        return build, (1, 3, size, size)
+        return build_torchvision, (1, 3, size, size)
     if not module.is_model(name):
         close = difflib.get_close_matches(name, module.list_models(), n=5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -494,14 +495,11 @@ def _parameters_on_meta():
         if tensor is not None and not tensor.is_meta:
             self._buffers[name] = tensor.to("meta")
 
-    nn.Module.register_parameter, nn.Module.register_buffer = on_meta_parameter, on_meta_buffer
-    try:
+    with (
+        mock.patch.object(nn.Module, "register_parameter", on_meta_parameter),
+        mock.patch.object(nn.Module, "register_buffer", on_meta_buffer),
+    ):
         yield
-    finally:
-        nn.Module.register_parameter, nn.Module.register_buffer = (
-            register_parameter,
-            register_buffer,
-        )
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

@@ -61,9 +61,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 PREFIX = "gf_"
 
@@ -445,7 +448,7 @@ def traced_node(t: Any, tracer: Any = None) -> Any:
     return getattr(getattr(slot, "proxy", None), "node", None)
 
 
-def fake_mode_of(values) -> object | None:
+def fake_mode_of(values) -> FakeTensorMode | None:
     """The FakeTensorMode of the first FakeTensor among ``values`` (nested tuples allowed).
 
     Unlike ``torch._guards.detect_fake_mode`` this ignores any ambient tracing context (inside a
@@ -463,7 +466,7 @@ def fake_mode_of(values) -> object | None:
     return None
 
 
-def graph_fake_mode(gm: torch.fx.GraphModule) -> object | None:
+def graph_fake_mode(gm: torch.fx.GraphModule) -> FakeTensorMode | None:
     """The FakeTensorMode of ``gm``'s node values (see :func:`fake_mode_of`)."""
     return fake_mode_of([n.meta["val"] for n in gm.graph.nodes if "val" in n.meta])
 

@@ -79,6 +79,7 @@ def sweep(
                 "scores instead"
             )
         t = r.totals
+        assert t.backward is not None and t.update is not None  # a loss: a backward was built
         rows.append(
             {
                 kind: value,

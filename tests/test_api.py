@@ -82,6 +82,26 @@ def test_train_step_names_a_missing_backward():
         graphflop.build_train_step(fwd, upd, upd)
 
 
+def test_train_step_refuses_a_forward_without_a_loss():
+    # the backward and update come from a traced loss; the forward given has none to seed
+    x = torch.randn(4, 3)
+    lin = nn.Linear(3, 2)
+    fwd = graphflop.trace(lin, (x,), loss="sum")
+    bwd, upd = graphflop.build_vjp(fwd), graphflop.add_optimizer_update(fwd)
+    no_loss = graphflop.trace(lin, (x,), loss="none")
+    with pytest.raises(ValueError, match="the forward graph has no loss"):
+        graphflop.build_train_step(no_loss, bwd, upd)
+
+
+def test_summarize_refuses_a_backward_without_its_update():
+    from graphflop.passes.summary import Graphs, summarize
+
+    fwd = graphflop.trace(nn.Linear(3, 2), (torch.randn(4, 3),), loss="sum")
+    graphs = Graphs(fwd, backward=graphflop.build_vjp(fwd))
+    with pytest.raises(ValueError, match="backward is given without graphs.update"):
+        summarize(graphs, name="linear", optimizer="sgd", tangents="params")
+
+
 def test_analyze_reraises_the_pass_error_not_the_managers():
     # torch.fx's PassManager wraps errors in a bare Exception: analyze re-raises the pass's own
     with pytest.raises(ValueError, match="unknown optimizer") as e:

@@ -65,9 +65,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-def one_line(e: BaseException) -> str:
-    """An exception's message (its first argument) on one line."""
-    text = str(e.args[0]) if getattr(e, "args", None) else str(e)
+def one_line(e: BaseException | str) -> str:
+    """An exception's (or a warning's) message (its first argument) on one line."""
+    args = getattr(e, "args", None)
+    text = str(args[0]) if args else str(e)
     return " ".join(text.split())
 
 
@@ -88,7 +89,8 @@ def run_command(
     each over two lines, the second its source line).
     """
     err = err or Console(stderr=True)
-    ran = []  # the command returned (its status may still be 1: a failed --verify check)
+    # the command returned (its status may still be 1: a failed --verify check)
+    ran: list[bool] = []
     with warnings.catch_warnings(record=True) as caught:
         status = _run(command, args, err, ran)
     if ran:
@@ -107,7 +109,7 @@ def _run(
     command: Callable[[argparse.Namespace, Console], int],
     args: argparse.Namespace,
     err: Console,
-    ran: list,
+    ran: list[bool],
 ) -> int:
     debug = bool(getattr(args, "debug", False))
     try:
@@ -174,7 +176,7 @@ class OneLineParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, ``PROG: error: MESSAGE; see PROG --help``,
     and exit status 2 (argparse prints the whole usage first); its subparsers are one too."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         text = " ".join(message.split())
         opt = re.match(r"argument (--[\w-]+)(?:/\S+)?: expected one argument$", text)
         if opt:

@@ -12,11 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from graphflop.cli.common import OneLineParser, add_debug_arg, parse_ctor_kwargs, run_command
 from graphflop.passes.optimizer import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -249,7 +253,8 @@ class _Progress:
 
     def __init__(self, console, args, *, quiet: bool = False):
         self.console, self.quiet = console, args.quiet or quiet
-        self.progress = self.task = None
+        self.progress: Progress | None = None
+        self.task: TaskID | None = None
         self.acc = "–"
 
     def __enter__(self):

@@ -281,6 +281,8 @@ def export_graph(
         raise OnnxExportError(
             f"exporting the {name} graph to ONNX failed: {exporter_error_line(e)}"
         ) from e
+    # dynamo=True exports return an ONNXProgram made from a torch.export program
+    assert prog is not None and prog.exported_program is not None
     model = prog.model_proto
     old_in = [i.name for i in model.graph.input]
     old_out = [o.name for o in model.graph.output]
@@ -415,8 +417,8 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
 
 def _direction_name(placeholder: str, qual: dict[str, str]) -> str:
     """``v0_<param placeholder>`` → ``direction.<param>``; ``v3_…`` → ``direction3.<param>``."""
-    k, _, p = placeholder.partition("_")
-    k = int(k[1:])
+    v, _, p = placeholder.partition("_")
+    k = int(v[1:])
     return f"direction{k if k else ''}.{qual.get(p, p)}"
 
 
@@ -478,10 +480,11 @@ def export_all(
     done = False
     try:
         for kind in graphs:
-            if gms.get(kind) is None:
+            gm = gms.get(kind)
+            if gm is None:
                 continue
-            ins, outs = graph_io_names(kind, gms[kind])
-            ex = export_graph(gms[kind], kind, ins, outs)
+            ins, outs = graph_io_names(kind, gm)
+            ex = export_graph(gm, kind, ins, outs)
             onnx.save(ex.model, tmp / f"{kind}.onnx")
             manifest["graphs"][kind] = {
                 "file": f"{kind}.onnx",

@@ -81,12 +81,13 @@ def _decomposes_to_registered(reg, table: dict, node: Node) -> bool:
             return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
         return a
 
-    if node.target not in table:
+    target = node.target
+    if not callable(target) or target not in table:  # the table's keys are OpOverloads
         return False
     try:
         args = torch.fx.node.map_aggregate(node.args, meta)
         kwargs = torch.fx.node.map_aggregate(node.kwargs, meta)
-        traced = make_fx(lambda *a: node.target(*a, **kwargs), decomposition_table=table)(*args)
+        traced = make_fx(lambda *a: target(*a, **kwargs), decomposition_table=table)(*args)
     except Exception:  # the decomposition fails on these arguments
         return False
     return all(

@@ -55,7 +55,8 @@ class CompositeOps(TorchFunctionMode):
     """
 
     def __enter__(self) -> CompositeOps:
-        F.scaled_dot_product_attention, F.dropout = attention, dropout
+        # attention takes F.scaled_dot_product_attention's arguments as *args, **kwargs
+        F.scaled_dot_product_attention, F.dropout = attention, dropout  # type: ignore[assignment]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
@@ -241,7 +242,7 @@ def _tagging(name: str, fn: Callable[..., Any], counter: Iterator[int]) -> Calla
 
 
 def _tag(name: str, region: int, new: list, args: tuple, result: Any, tracer: Any) -> None:
-    inputs = {}
+    inputs: dict[torch.fx.Node, int] = {}
     for k, a in enumerate(args):
         node = traced_node(a, tracer)
         if node is not None:

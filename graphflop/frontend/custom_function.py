@@ -46,14 +46,14 @@ class _Context:
         self.materialize_grads = value
 
 
-def _own(cls: type) -> bool:
+def _own(cls: type[torch.autograd.Function]) -> bool:
     """A Function class of the model's code, not one of PyTorch's own (checkpointing and
     friends keep their behaviour)."""
     module = getattr(cls, "__module__", "") or ""
     return module != "torch" and not module.startswith("torch.")
 
 
-def _has_setup_context(cls: type) -> bool:
+def _has_setup_context(cls: type[torch.autograd.Function]) -> bool:
     return cls.setup_context is not _SingleLevelFunction.setup_context
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,9 @@ from torch.utils._pytree import tree_flatten
 LOSSES = ("cross_entropy", "mse", "sum", "output", "none")
 
 
-def loss_value(kind: str, first: torch.Tensor, targets: tuple = ()) -> torch.Tensor:
+def loss_value(
+    kind: str, first: torch.Tensor, targets: Sequence[torch.Tensor] = ()
+) -> torch.Tensor:
     """The scalar loss of kind ``kind`` (one of :data:`LOSSES` but ``none``) of the model's
     first output: cross-entropy or MSE against ``targets[0]``, the sum, or the output itself
     (``output``: the model computes its own loss).

@@ -106,7 +106,7 @@ class _Constant(Source):
     source_name: str
 
     @property
-    def guard_source(self) -> GuardSource:  # type: ignore[override]
+    def guard_source(self) -> GuardSource:
         return GuardSource.CONSTANT
 
     @property

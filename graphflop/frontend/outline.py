@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,7 +205,7 @@ def _written_buffers(m: nn.Module, n_params: int) -> tuple[list[int], list[int]]
     return direct, functional
 
 
-def plan(model: nn.Module, exclude: set[int] = frozenset(), min_modules: int = 3) -> dict:
+def plan(model: nn.Module, exclude: AbstractSet[int] = frozenset(), min_modules: int = 3) -> dict:
     """The modules to outline: ``{module: structure id}`` for the outermost modules (not the
     root) with at least ``min_modules`` modules in them whose structure another module shares.
     Structure ids in ``exclude`` are left out."""
@@ -224,12 +225,12 @@ def plan(model: nn.Module, exclude: set[int] = frozenset(), min_modules: int = 3
     chosen: dict[nn.Module, int] = {}
     chosen_paths: list[str] = []
     for name, m in named:
-        sid = sid_of.get(name)
-        if sid is None or count[sid] < 2 or sid in exclude:
+        sid_m = sid_of.get(name)
+        if sid_m is None or count[sid_m] < 2 or sid_m in exclude:
             continue
         if any(name.startswith(p + ".") for p in chosen_paths):
             continue
-        chosen[m] = sid
+        chosen[m] = sid_m
         chosen_paths.append(name)
     return chosen
 
@@ -293,7 +294,8 @@ class Call:
     input_meta: list
     state_meta: list
     grad_enabled: bool
-    state: list  # the module's classes, modes and attributes when first called
+    state: list | None  # the module's classes, modes and attributes when first called
+    # (None: it had hooks)
     n_params: int = 0
     out_spec: Any = None
     out_leaves: list = field(default_factory=list)
@@ -425,7 +427,7 @@ class Outliner:
             flat = [next(it) if x is _TENSOR else x for x in call.out_leaves]
             return tree_unflatten(flat, call.out_spec)
 
-        forward._graphflop_stub = True
+        vars(forward)["_graphflop_stub"] = True
         return forward
 
     def _rebuild(self, call: Call, tensors: list) -> tuple[tuple, dict, dict]:

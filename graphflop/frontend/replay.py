@@ -124,6 +124,7 @@ class Replays:
                 self.misses += 1
                 return fn(*args, **kwargs)
             self.hits += 1
+            assert isinstance(template, Template)  # the templates hold these or the marker
             return self._replay(template, tensors, nodes, tracer)
 
         replayed.__name__ = getattr(fn, "__name__", "decomposition")

@@ -54,11 +54,10 @@ class ModuleScopes:
         ]
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> None:
         self._flush()
         for h in self.handles:
             h.remove()
-        return False
 
     def _last(self) -> Node | None:
         if self.graph is None:

@@ -500,7 +500,7 @@ def _jvp_pow_scalar_base(b, out, args, tangents, kwargs):
 # integer bookkeeping in decompositions (torch.roll, adaptive pooling): 1 FLOP per element;
 # rounding is piecewise constant (zero derivative); fmod/remainder by a constant shift their
 # argument (their JVP rules are elsewhere)
-_PIECEWISE_CONSTANT = (
+_INTEGER_BOOKKEEPING = (
     aten.floor.default,
     aten.ceil.default,
     aten.round.default,
@@ -511,9 +511,9 @@ _PIECEWISE_CONSTANT = (
     aten.bitwise_and.Scalar,  # grid sampling's reflection padding: flips & 1
     aten.bitwise_or.Scalar,
 )
-for _op in (aten.fmod.Scalar, aten.remainder.Scalar, aten.div.Tensor_mode, *_PIECEWISE_CONSTANT):
+for _op in (aten.fmod.Scalar, aten.remainder.Scalar, aten.div.Tensor_mode, *_INTEGER_BOOKKEEPING):
     register(_op, F, _one)
-for _op in _PIECEWISE_CONSTANT:
+for _op in _INTEGER_BOOKKEEPING:
     def_zero(_op)
 
 

@@ -27,7 +27,9 @@ use_torch_decomposition(aten._log_softmax, aten._softmax, aten.nll_loss_forward,
 def _softmax(x, dim: int, half_to_float: bool):
     """``exp(x - max) / Σ exp(x - max)`` along ``dim``."""
     if half_to_float:
-        return torch_decomposition(aten._softmax.default)(x, dim, half_to_float)
+        torch_softmax = torch_decomposition(aten._softmax.default)
+        assert torch_softmax is not None, "PyTorch decomposes aten._softmax"
+        return torch_softmax(x, dim, half_to_float)
     e = aten.exp.default(aten.sub.Tensor(x, aten.amax.default(x, [dim], True)))
     return aten.div.Tensor(e, aten.sum.dim_IntList(e, [dim], True))
 
@@ -36,7 +38,9 @@ def _softmax(x, dim: int, half_to_float: bool):
 def _log_softmax(x, dim: int, half_to_float: bool):
     """``(x - max) - log Σ exp(x - max)`` along ``dim``."""
     if half_to_float:
-        return torch_decomposition(aten._log_softmax.default)(x, dim, half_to_float)
+        torch_log_softmax = torch_decomposition(aten._log_softmax.default)
+        assert torch_log_softmax is not None, "PyTorch decomposes aten._log_softmax"
+        return torch_log_softmax(x, dim, half_to_float)
     shifted = aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
     total = aten.sum.dim_IntList(aten.exp.default(shifted), [dim], True)
     return aten.sub.Tensor(shifted, aten.log.default(total))

@@ -257,7 +257,9 @@ def _adaptive_avg_pool2d(x, output_size):
     if h % oh == 0 and w % ow == 0:
         k = [h // oh, w // ow]
         return aten.avg_pool2d.default(x, k, k)
-    return torch_decomposition(aten._adaptive_avg_pool2d.default)(x, output_size)
+    uneven = torch_decomposition(aten._adaptive_avg_pool2d.default)
+    assert uneven is not None, "PyTorch decomposes aten._adaptive_avg_pool2d"
+    return uneven(x, output_size)
 
 
 # --- fold / unfold (col2im / im2col) -----------------------------------------------------------

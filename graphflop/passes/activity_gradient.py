@@ -28,6 +28,8 @@ trainable parameters; ``distribution``: ``normal``; ``tangent_pass``: ``activity
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -205,7 +207,8 @@ def _perturbed_forward(
         with g.inserting_after(z):
             zp = g.call_function(aten.add.Tensor, (z, a))
         zp.meta = {**z.meta, _TAG: (("add", i),)}
-        z.replace_all_uses_with(zp, delete_user_cb=lambda u, zp=zp: u is not zp)
+        # every use of z but the sum's own reads z + activity
+        z.replace_all_uses_with(zp, delete_user_cb=functools.partial(operator.is_not, zp))
         acts.append(a.name)
     g.output(out)
     per = _per_example_loss(g, sig, fake_mode, _batch(forward, sig))
@@ -424,7 +427,7 @@ def _local_grads(b, layers: list[_Layer], tagged, ds, us) -> dict[str, Node]:
         op, x = tagged[("op", i)], tagged[("x", i)]
         mod = op.meta.get(MODULE, "")
         with b.context(role="direction", source=lay.out, module=mod):
-            est = None
+            est: Node | None = None
             for d, u in zip(ds, us):
                 v = u[i].meta["val"]
                 dv = b.call(aten.view.default, d, [v.shape[0]] + [1] * (v.dim() - 1))
@@ -432,6 +435,7 @@ def _local_grads(b, layers: list[_Layer], tagged, ds, us) -> dict[str, Node]:
                 est = term if est is None else b.call(aten.add.Tensor, est, term)
             if len(ds) > 1:
                 est = b.call(aten.div.Tensor, est, float(len(ds)))
+        assert est is not None, "at least one direction"
         with b.context(role="grad_weight", source=op.name, module=mod):
             for p, gp in _layer_grads(b, lay, op, x, est).items():
                 # a layer applied more than once (weight sharing): its uses' gradients add up
@@ -442,8 +446,12 @@ def _local_grads(b, layers: list[_Layer], tagged, ds, us) -> dict[str, Node]:
 def _layer_grads(b, lay: _Layer, op: Node, x: Node, est: Node) -> dict[str, Node]:
     ov = op.meta["val"]
     if op.target is aten.convolution.default:
-        _, _, _, stride, padding, dilation = op.args[:6]
-        w, h_out = op.args[1].meta["val"], ov.shape[2:]
+        _, wt, _, stride, padding, dilation = op.args[:6]
+        # aten.convolution's schema: the weight a tensor, stride, padding, dilation int lists
+        assert isinstance(wt, Node), op.format_node()
+        assert isinstance(stride, (list, tuple)) and isinstance(padding, (list, tuple))
+        assert isinstance(dilation, (list, tuple))
+        w, h_out = wt.meta["val"], ov.shape[2:]
         if any(padding):
             x = b.call(
                 aten.constant_pad_nd.default, x, [padding[1], padding[1], padding[0], padding[0]]
@@ -499,14 +507,18 @@ class BuildActivityGradientStep(GraphPass):
         update: GraphModule | None = None,
     ) -> None:
         self.optimizer = optimizer
-        self.options = {
-            "directions": directions,
-            "direction_inputs": direction_inputs,
-            "update": update,
-        }
+        self.directions = directions
+        self.direction_inputs = direction_inputs
+        self.update = update
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        gm = build_activity_gradient_step(graph_module, self.optimizer, **self.options)
+        gm = build_activity_gradient_step(
+            graph_module,
+            self.optimizer,
+            directions=self.directions,
+            direction_inputs=self.direction_inputs,
+            update=self.update,
+        )
         return PassResult(gm, True)
 
 

@@ -141,7 +141,7 @@ def _joint(
         rec.update(joint=_copy(joint), inputs=joint_inputs, n=num_fwd_outputs)
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
 
-    def nop(gm: GraphModule, _inputs: Any) -> GraphModule:
+    def nop(gm: GraphModule, example_inputs: Any) -> GraphModule:
         return gm
 
     mode = FakeTensorMode()
@@ -362,7 +362,7 @@ def compiled_memory(model: nn.Module, example_inputs: tuple, loss: str) -> Compi
 
     joint, joint_inputs, n_out, n_state = _joint(model, example_inputs, loss, _targets(loss))
     joint_fwd = _forward_nodes(joint)
-    cuts = {
+    cuts: dict[str, Callable[..., tuple[GraphModule, GraphModule]]] = {
         "min_cut": functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
         "default": default_partition,
     }

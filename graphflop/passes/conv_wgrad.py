@@ -58,6 +58,10 @@ def _wgrad_shaped(n: torch.fx.Node) -> bool:
     if n.op != "call_function" or n.target is not torch.ops.aten.convolution.default:
         return False
     _, wt, bias, stride, _, dilation, transposed, _, groups = n.args
+    if not isinstance(wt, torch.fx.Node) or not isinstance(stride, (list, tuple)):
+        return False
+    if not isinstance(dilation, (list, tuple)):
+        return False
     if bias is not None or transposed or groups != 1 or len(stride) != 2:
         return False
     if any(s != 1 for s in stride) or any(d != 1 for d in dilation):
@@ -71,6 +75,8 @@ def _as_mm(g: torch.fx.Graph, n: torch.fx.Node) -> torch.fx.Node:
     """The nodes computing convolution ``n`` as one ``mm`` per output position."""
     aten = torch.ops.aten
     inp, wt, _, _, padding, *_ = n.args
+    # aten.convolution's schema: input and weight are tensors, padding an int list
+    assert isinstance(wt, torch.fx.Node) and isinstance(padding, (list, tuple)), n.format_node()
     b, cout, oh, ow = n.meta["val"].shape
     hk, wk = wt.meta["val"].shape[2:]
     keep = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}

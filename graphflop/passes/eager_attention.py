@@ -150,7 +150,7 @@ class FusedAttention:
             for u in n.users:
                 if u.target in _STRIDED_VIEWS:
                     try:
-                        todo.append((u, u.target(t, *u.args[1:]), [*chain, (u, t)]))  # type: ignore[operator]
+                        todo.append((u, u.target(t, *u.args[1:]), [*chain, (u, t)]))
                     except RuntimeError:  # a view eager would have to copy for
                         continue
                 elif u.target is aten.clone.default:

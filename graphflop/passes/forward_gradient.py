@@ -122,14 +122,14 @@ def build_forward_gradient_step(
     new_state = inline_update(
         g, upd, {qual[p]: phs[p] for p in qual}, {qual[p]: grads[p] for p in qual}, state_phs
     )
-    primal_outs = _output(jvp).args[0][: info.primal_outputs]
+    primal_outs = _outputs(jvp)[: info.primal_outputs]
     loss = next(
         env[o] for o in primal_outs if isinstance(o, Node) and o.meta.get(SOURCE) == sig.loss
     )
     # the running statistics a training-mode forward updates, as the train step outputs them
     updated = dict(sig.buffer_updates)
     buffers = [
-        (env[o], updated[o.meta.get(SOURCE)])
+        (env[o], updated[o.meta[SOURCE]])
         for o in primal_outs
         if isinstance(o, Node) and o.meta.get(SOURCE) in updated
     ]
@@ -260,14 +260,15 @@ class _Batcher:
                 local[n] = env[n] = copy_node(self.g, n, local.__getitem__)
                 continue
             local[n] = self._node(n, local)
-        out = local[_output(jvp).args[0][info.primal_outputs]]
+        out = local[_outputs(jvp)[info.primal_outputs]]
         if not isinstance(out, Node):
             raise ValueError("the loss tangent is not one node")
         return out
 
     def _node(self, n: Node, local: dict[Node, Any]) -> Any:
-        if n.target is operator.getitem and isinstance(local[n.args[0]], tuple):
-            return local[n.args[0]][n.args[1]]
+        src = n.args[0]
+        if n.target is operator.getitem and isinstance(src, Node) and isinstance(local[src], tuple):
+            return local[src][n.args[1]]
         leaves, spec = tree_flatten((n.args, n.kwargs))
         pos = [i for i, a in enumerate(leaves) if isinstance(a, Node)]
         ins = [local[leaves[i]] for i in pos]
@@ -290,12 +291,15 @@ class _Batcher:
         return self._inline(self.cache[key], n, ins)
 
     def _trace(self, n: Node, leaves, spec, pos, ins, dims) -> Graph:
+        target = n.target
+        assert callable(target), n.format_node()  # _node batches call_function nodes only
+
         def f(*ts):
             ls = list(leaves)
             for i, t in zip(pos, ts):
                 ls[i] = t
             args, kwargs = tree_unflatten(ls, spec)
-            return n.target(*args, **kwargs)
+            return target(*args, **kwargs)
 
         def copies(*ts):
             outs = [
@@ -313,13 +317,14 @@ class _Batcher:
         ]
         with self.fake_mode, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+            # private functorch switch, absent from torch's stubs
+            torch._C._functorch._set_vmap_fallback_warning_enabled(True)  # type: ignore[attr-defined]
             try:
                 gm = make_fx(torch.func.vmap(f, in_dims=dims), decomposition_table=self.table)(
                     *vals
                 )
             finally:
-                torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+                torch._C._functorch._set_vmap_fallback_warning_enabled(False)  # type: ignore[attr-defined]
             slow = any("batching rule" in str(w.message) for w in caught)
             if slow or not _traceable(gm.graph):
                 self.copied.add(str(n.target))
@@ -378,8 +383,9 @@ def _check(
     return sig
 
 
-def _output(gm: GraphModule) -> Node:
-    return next(n for n in gm.graph.nodes if n.op == "output")
+def _outputs(gm: GraphModule) -> list[Any]:
+    """The values ``gm`` outputs, in order (nodes, or constants)."""
+    return list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
 
 
 def _direction_placeholders(
@@ -444,20 +450,21 @@ def _copy_tangents(
         local[n] = copy_node(g, n, local.__getitem__)
         if first and n.meta.get(KIND) != "tangent":
             env[n] = local[n]
-    return local[_output(jvp).args[0][info.primal_outputs]]
+    return local[_outputs(jvp)[info.primal_outputs]]
 
 
 def _estimate(b: Builder, info: JvpInfo, ds: list[Node], vs: list[dict]) -> dict[str, Node]:
     """``g = (1/K) Σ_k d_k · v_k`` per parameter placeholder name."""
-    grads = {}
+    grads: dict[str, Node] = {}
     for t, p in info.tangent_inputs:
         with b.context(role="direction", source=p):
-            acc = None
+            acc: Node | None = None
             for d, v in zip(ds, vs):
                 term = b.call(aten.mul.Tensor, v[t], d)
                 acc = term if acc is None else b.call(aten.add.Tensor, acc, term)
             if len(ds) > 1:
                 acc = b.call(aten.div.Tensor, acc, float(len(ds)))
+        assert acc is not None, "at least one direction"
         grads[p] = acc
     return grads
 
@@ -486,15 +493,22 @@ class BuildForwardGradientStep(GraphPass):
         batched: bool = True,
     ) -> None:
         self.optimizer = optimizer
-        self.options = {
-            "directions": directions,
-            "distribution": distribution,
-            "direction_inputs": direction_inputs,
-            "jvp": jvp,
-            "update": update,
-            "batched": batched,
-        }
+        self.directions = directions
+        self.distribution = distribution
+        self.direction_inputs = direction_inputs
+        self.jvp = jvp
+        self.update = update
+        self.batched = batched
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        gm = build_forward_gradient_step(graph_module, self.optimizer, **self.options)
+        gm = build_forward_gradient_step(
+            graph_module,
+            self.optimizer,
+            directions=self.directions,
+            distribution=self.distribution,
+            direction_inputs=self.direction_inputs,
+            jvp=self.jvp,
+            update=self.update,
+            batched=self.batched,
+        )
         return PassResult(gm, True)

@@ -28,6 +28,8 @@ torch.fx's ``PassManager`` wraps any error a pass raises in a bare ``Exception``
 
 from __future__ import annotations
 
+import sys
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
@@ -176,6 +178,10 @@ class GraphPass(PassBase):
         self.ensures(res.graph_module)
         return res
 
+    @abstractmethod
+    def call(self, graph_module: GraphModule) -> PassResult:
+        """Run the pass on ``graph_module``; the result holds the (possibly new) graph."""
+
     def requires(self, graph_module: GraphModule) -> None:
         """Raise :class:`PassOrderError` unless the input has every :attr:`required` fact."""
         check(graph_module, self.required, self.name)
@@ -205,7 +211,8 @@ def run_passes(graph_module: GraphModule, passes: Sequence[PassBase]) -> GraphMo
         cause = e.__cause__
         if cause is None or type(e) is not Exception:
             raise
-        cause.add_note(str(e))
+        if sys.version_info >= (3, 11):  # exception notes are new in 3.11
+            cause.add_note(str(e))
         raise cause from cause.__cause__  # the pass's own chain, without the wrapper
 
 

@@ -266,7 +266,7 @@ def train_schedule(
     params = {p for p, _ in sig.params}
     s = Schedule()
     s.add_graph(forward, "f", baseline=params)
-    ext = {}
+    ext: dict[str, str | list[str]] = {}
     base_b = set()
     for n in backward.graph.nodes:
         if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:

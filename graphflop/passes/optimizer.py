@@ -258,13 +258,14 @@ def gradient_free(backward: GraphModule) -> frozenset[str]:
         return frozenset()
     info = backward.meta[VJP]
     live: set[Node] = set()
-    out: Node | None = None
+    out = None
     for n in backward.graph.nodes:
         if n.op == "output":
             out = n
         elif n.name == info.cotangent_input or any(a in live for a in n.all_input_nodes):
             live.add(n)
     outs = out.args[0] if out is not None else ()
+    assert isinstance(outs, (tuple, list)), "a backward graph outputs a tuple of gradients"
     return frozenset(q for pos, q in info.grads if outs[pos] not in live)
 
 
@@ -353,6 +354,7 @@ def inline_update(g, update: GraphModule, params: dict, grads: dict, state: dict
             out = n
         else:
             env[n] = g.node_copy(n, env.__getitem__)
+    assert out is not None, "an update graph ends in its output node"
     return [env[a] for a in out.args[0]]
 
 

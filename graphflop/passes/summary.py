@@ -120,12 +120,6 @@ class _Layers:
         out = []
         for path, c in self.rows.items():
             f = c["forward_flops"]
-            ratios = {}
-            if backward:
-                ratios["ratio"] = _ratio(c["backward_flops"] + c["update_flops"], f)
-                ratios["ratio_no_update"] = _ratio(c["backward_flops"], f)
-            if jvp:
-                ratios["jvp_ratio"] = _ratio(c["jvp_flops"], f)
             shape = c["output_shape"]
             out.append(
                 LayerRow(
@@ -133,7 +127,9 @@ class _Layers:
                     **{k: c[k] for k in _COUNTERS},
                     output_shape=tuple(shape) if shape is not None else None,
                     output_bytes=c["output_bytes"],
-                    **ratios,
+                    ratio=_ratio(c["backward_flops"] + c["update_flops"], f) if backward else None,
+                    ratio_no_update=_ratio(c["backward_flops"], f) if backward else None,
+                    jvp_ratio=_ratio(c["jvp_flops"], f) if jvp else None,
                     share=_ratio(f, forward_flops) or 0.0,
                 )
             )
@@ -229,6 +225,7 @@ def _update(upd: GraphModule, layers: _Layers, optimizer: str) -> UpdateTotals:
     total = total_cost(nodes)
     return UpdateTotals(
         **CostTotals.cost_fields(total),
+        complete=True,  # the optimizers' ops all have rules
         optimizer=optimizer,
         flops_per_param=_ratio(total.flops, params),
     )
@@ -268,10 +265,10 @@ def _forward_gradient(fg: GraphModule, jvp_complete: bool) -> ForwardGradientTot
     )
 
 
-def _activity_gradient(g: Graphs, jvp_complete: bool) -> ActivityGradientTotals:
+def _activity_gradient(g: Graphs, ag: GraphModule, jvp_complete: bool) -> ActivityGradientTotals:
+    """The totals of ``ag``, ``g``'s activity-perturbed step graph."""
     from graphflop.passes.activity_gradient import step_peak_bytes
 
-    ag = g.activity_gradient
     nodes = _ops(ag)
     by = _by_role(nodes, "forward")
     return ActivityGradientTotals(
@@ -369,12 +366,13 @@ def _ratios(t: Totals) -> Ratios:
     f = t.forward
     r: dict[str, float | None] = {}
     if t.backward is not None:
-        b, u = t.backward, t.update
+        b, u, step = t.backward, t.update, t.train_step
+        assert u is not None and step is not None, "built with the backward's totals"
         r.update(
             backward_forward=_ratio(b.flops + u.flops, f.flops),
             backward_forward_no_update=_ratio(b.flops, f.flops),
             backward_forward_mm=_ratio(b.mm_flops, f.mm_flops),
-            train_step_forward=_ratio(t.train_step.flops, f.flops),
+            train_step_forward=_ratio(step.flops, f.flops),
         )
     if t.forward_gradient_step is not None:
         r["forward_gradient_step_forward"] = _ratio(t.forward_gradient_step.flops, f.flops)
@@ -408,6 +406,7 @@ def _totals(g: Graphs, layers: _Layers, optimizer: str, tangents: str) -> Totals
         "loss": CostTotals.of(loss_total, complete=_complete(g.forward, loss_nodes)),
     }
     if g.backward is not None:
+        assert g.update is not None, "summarize checks the update comes with the backward"
         b = t["backward"] = _backward(g.backward, layers)
         u = t["update"] = _update(g.update, layers, optimizer)
         mm = fwd_total.mm_flops + b.mm_flops
@@ -422,7 +421,7 @@ def _totals(g: Graphs, layers: _Layers, optimizer: str, tangents: str) -> Totals
         if g.forward_gradient is not None:
             t["forward_gradient_step"] = _forward_gradient(g.forward_gradient, j.complete)
         if g.activity_gradient is not None:
-            t["activity_gradient_step"] = _activity_gradient(g, j.complete)
+            t["activity_gradient_step"] = _activity_gradient(g, g.activity_gradient, j.complete)
     return Totals(**t)
 
 
@@ -524,7 +523,10 @@ def summarize(
     Raises:
         KeyError: a graph lacks ``COST`` (run ``annotate_flops``) or the forward graph lacks
             ``SIGNATURE``.
+        ValueError: ``graphs`` has a backward graph without its update graph.
     """
+    if graphs.backward is not None and graphs.update is None:
+        raise ValueError("summarize: graphs.backward is given without graphs.update")
     fwd = graphs.forward
     sig = fwd.meta[SIGNATURE]
     phs = _placeholders(fwd)

@@ -37,6 +37,8 @@ def build_train_step(
 ) -> GraphModule:
     """Inline ``forward``, ``backward`` and ``update`` into one graph (see module docstring)."""
     sig: Signature = forward.meta[SIGNATURE]
+    if sig.loss is None:
+        raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
     g = Graph()
     fenv: dict[Node, Node] = {}
     by_name: dict[str, Node] = {}
@@ -74,6 +76,7 @@ def build_train_step(
             b_out = n
         else:
             benv[n] = g.node_copy(n, lambda x: benv[x])
+    assert f_out is not None and b_out is not None, "fx graphs end in their output node"
     grads = {}
     for pos, qual in backward.meta[VJP].grads:
         grads[qual] = benv[b_out.args[0][pos]]

@@ -28,6 +28,7 @@ same phase.
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -226,7 +227,8 @@ def bench_torch(
 
         v = {k: torch.randn_like(p) for k, p in params.items()}
         with eager_jvp(device, rnn):  # fused attention and RNN kernels: no forward AD
-            _, d, c = torch.func.jvp(f, (params, buffers), (v, zero_buffers), has_aux=True)
+            # torch.func.jvp's return type is a 2- or 3-tuple whatever has_aux says
+            _, d, c = torch.func.jvp(f, (params, buffers), (v, zero_buffers), has_aux=True)  # type: ignore[misc]
         with torch.no_grad():
             for k, n in c.items():
                 counters[k].copy_(n)
@@ -441,8 +443,11 @@ def bench_onnxruntime(
             sessions[kind] = sess = _ort_call(
                 kind,
                 provider,
-                lambda f=g["file"], k=kind: session(
-                    root / f, provider, profile=str(prof_dir / k) if profile else False
+                functools.partial(
+                    session,
+                    root / g["file"],
+                    provider,
+                    profile=str(prof_dir / kind) if profile else False,
                 ),
             )
             arrays[kind] = [

@@ -117,7 +117,7 @@ def _profiled_peak(fn: Callable[[], None]) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     # the raw events: FunctionEvent folds allocations made inside an op into that op
-    raw = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    raw = prof.profiler.kineto_results.events()
     events = sorted((e.start_ns(), e.nbytes()) for e in raw if e.name() == "[memory]")
     live = peak = 0
     for _, delta in events:

@@ -155,8 +155,8 @@ def value_sizes(model) -> dict[str, int]:
     g = inferred.graph
     for v in list(g.value_info) + list(g.output):
         t = v.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
-        if None in dims or not t.elem_type:
+        dims = [d.dim_value for d in t.shape.dim if d.HasField("dim_value")]
+        if len(dims) < len(t.shape.dim) or not t.elem_type:  # a dimension of unknown size
             continue
         n = 1
         for d in dims:

@@ -195,7 +195,9 @@ def gradient_floor(dtype: torch.dtype, grad_norm: float, tolerance: float) -> fl
 def padding_idx(embedding: torch.fx.Node) -> int:
     """The ``padding_idx`` of an ``aten.embedding`` node (-1: none)."""
     n = embedding
-    return int(n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1))
+    idx = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
+    assert isinstance(idx, (int, torch.SymInt)), n.format_node()  # the schema: SymInt padding_idx
+    return int(idx)
 
 
 def index_ranges(forward: GraphModule) -> dict[str, tuple[int, list[int]]]:

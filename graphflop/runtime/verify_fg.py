@@ -66,6 +66,7 @@ def verify_forward_gradient(
     if not sig.trainable() or samples < 1:
         return Check(name, 0.0, "no parameters: nothing to estimate", 1.0)
     backward = build_vjp(forward)
+    assert sig.loss is not None, "build_vjp refuses a forward graph without a loss"
     with seeded():
         fwd_values = run_forward(forward, values, backward_reads(backward))
     grads = run_backward(backward, fwd_values)

@@ -107,7 +107,8 @@ def verify_jvp(
     p_t = {q: tangents.get(n, torch.zeros_like(values[n])) for n, q in sig.params if q in params}
     x_t = tuple(tangents.get(n, torch.zeros_like(values[n])) for n in input_names)
     try:
-        loss, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))
+        # torch.func.jvp's return type is a 2- or 3-tuple whatever has_aux says
+        loss, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))  # type: ignore[misc]
         what = "torch.func.jvp"
     except (NotImplementedError, RuntimeError) as e:
         if "forward AD" not in str(e) and not isinstance(e, NotImplementedError):

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.nn.grad
 from torch import nn
 
 from graphflop.runtime.attention import math_attention
@@ -46,7 +47,7 @@ from graphflop.train.config import TrainError
 LAYERS = (nn.Linear, nn.Conv2d)
 
 
-def perturbed_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def perturbed_layers(model: nn.Module) -> list[tuple[str, nn.Linear | nn.Conv2d]]:
     """The ``nn.Linear``/``nn.Conv2d`` layers whose outputs are perturbed, by qualified name.
 
     Raises:
@@ -71,15 +72,15 @@ def perturbed_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def local_weight_grads(
-    layers: list[tuple[str, nn.Module]],
+    layers: list[tuple[str, nn.Linear | nn.Conv2d]],
     inputs: dict[str, torch.Tensor],
     act_grads: dict[str, torch.Tensor],
-) -> dict[nn.Parameter, torch.Tensor]:
+) -> dict[torch.Tensor, torch.Tensor]:
     """Each layer's parameter gradients from its input ``x`` and an (estimated) gradient of the
     loss with respect to its output, by the layer's own chain rule: ``Linear`` ``dW = gᵀx``,
     ``db = Σ g`` over all leading dimensions; ``Conv2d`` ``dW = conv2d_weight(x, g)``,
     ``db = Σ g`` over batch and space. Exact activity gradients give exactly backprop's."""
-    out: dict[nn.Parameter, torch.Tensor] = {}
+    out: dict[torch.Tensor, torch.Tensor] = {}  # keyed by the parameters
     for q, m in layers:
         x, g = inputs[q], act_grads[q]
         if isinstance(m, nn.Linear):
@@ -188,7 +189,8 @@ class ActivityPerturbation:
             zeros = tuple(torch.zeros_like(u) for u in us)
             # (RNN layers, whose fused kernels have no forward AD either, are refused here)
             with math_attention():  # the fused CPU attention kernel has no forward derivative
-                value, d, (inputs, blocks) = torch.func.jvp(f, zeros, us, has_aux=True)
+                # torch.func.jvp's return type is a 2- or 3-tuple whatever has_aux says
+                value, d, (inputs, blocks) = torch.func.jvp(f, zeros, us, has_aux=True)  # type: ignore[misc]
             loss = float(value[-1].sum()) if self.local_losses else float(value.sum())
             for i, (q, u) in enumerate(zip(names, us)):
                 di = d[i] if self.local_losses else d
@@ -213,10 +215,10 @@ class ActivityPerturbation:
             for head, h in zip(self.heads, self._block_out)
         ]
 
-    def head_grads(self, y: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    def head_grads(self, y: torch.Tensor) -> dict[torch.Tensor, torch.Tensor]:
         """The heads' exact gradients of their local losses on the last estimate's block
         outputs (detached: one linear layer each)."""
-        out: dict[nn.Parameter, torch.Tensor] = {}
+        out: dict[torch.Tensor, torch.Tensor] = {}
         with torch.enable_grad():
             for head, h in zip(self.heads, self._block_out):
                 loss = F.cross_entropy(head(h.flatten(1)), y)
@@ -227,7 +229,7 @@ class ActivityPerturbation:
 
     def estimate(
         self, x: torch.Tensor, y: torch.Tensor, directions: int = 1
-    ) -> tuple[float, dict[nn.Parameter, torch.Tensor]]:
+    ) -> tuple[float, dict[torch.Tensor, torch.Tensor]]:
         """``(loss, {parameter: estimated gradient})`` for the batch ``(x, y)``."""
         with torch.no_grad():
             loss, act, inputs = self.activity_estimate(x, y, directions)

@@ -65,7 +65,8 @@ class Dataset:
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
-        return tuple(self.x_train.shape[1:])
+        c, h, w = self.x_train.shape[1:]
+        return c, h, w
 
     def describe(self) -> str:
         c, h, w = self.image_shape

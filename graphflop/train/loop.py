@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -70,6 +70,9 @@ from graphflop.train.runners import (
     make_runner,
 )
 from graphflop.train.variance import estimator_variance
+
+if TYPE_CHECKING:
+    from graphflop.train.activity import ActivityStepper
 
 __all__ = [
     "CSV_COLUMNS",
@@ -237,6 +240,8 @@ def _setup(
         )
     provider = _provider(c)
     local_batch = c.batch // ranks.world
+    stepper: ActivityStepper | TorchStepper | GraphStepper | DistributedStepper
+    evaluator: TorchEvaluator | GraphEvaluator | None
     if c.perturb == "activations":
         from graphflop.train.activity import ActivityStepper
 
@@ -283,8 +288,7 @@ def _setup(
         evaluator = _graph_evaluator(model, data, c, provider, save_onnx) if validate else None
         flops, provider = graph_flops(gm), run.provider or provider
     if ranks.distributed:
-        graph = isinstance(stepper, GraphStepper)
-        buffers = [q for _, q in stepper.sig.buffers] if graph else []
+        buffers = [q for _, q in stepper.sig.buffers] if isinstance(stepper, GraphStepper) else []
         stepper = DistributedStepper(stepper, ranks, buffers)
     return _Run(
         data,
@@ -370,6 +374,7 @@ def _run(run: _Run, c: TrainConfig, progress: Progress | None) -> TrainResult:
         t0 = time.perf_counter()
         if i == 0:
             perm = torch.randperm(len(y_all), generator=gen)
+        assert perm is not None  # drawn at each epoch's first step
         idx = perm[i * c.batch : (i + 1) * c.batch]
         loss = run.stepper.step(x_all[idx], y_all[idx], lr * c.lr_decay**epoch, t)
         if i == spe - 1:

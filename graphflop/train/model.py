@@ -221,7 +221,9 @@ def step_graph(
     options = AnalyzeOptions(loss="cross_entropy", optimizer=optimizer, jvp=False)
     analysis = analyze(m, _fake_batch(batch, image_shape), options)
     if not gradient_mean:
-        return train_step_graph(analysis)
+        step = train_step_graph(analysis)
+        assert step is not None, "a cross-entropy analysis has a backward"
+        return step
     from graphflop.passes.flops import AnnotateFlops
     from graphflop.passes.infra import run_passes
     from graphflop.passes.train_step import BuildTrainStep

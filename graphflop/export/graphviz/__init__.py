@@ -216,6 +216,7 @@ def render(
     variants = _variants(analysis, graph, level, prof, collapse_loss, module)
     if path is None:
         return variants[0]()
+    assert fmt is not None, "set from path's suffix above"
     whole = level == "op" and module is None  # a module's subtree is counted by its scene
     return write(variants, Path(path), fmt, count_op_nodes(analysis, graph) if whole else None)
 

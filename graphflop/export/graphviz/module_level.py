@@ -403,7 +403,7 @@ class _ModuleScene:
         """Pruned (backward) and skipped (JVP) work per module, as dashed boxes beside its
         first box (in a fold: the template's)."""
         words: list[str] = []
-        first = {}
+        first: dict[str, str] = {}
         for u in self.drawn:
             first.setdefault(u.module, u.id)
         for gm, word, show in (
@@ -460,7 +460,11 @@ class _ModuleScene:
                 if v.op == "placeholder":
                     if v.name not in inputs:
                         continue
-                    src: tuple | None = (f"in_{sanitize_name(v.name)}", None, None)
+                    src: tuple[str, int | None, Folded | None] | None = (
+                        f"in_{sanitize_name(v.name)}",
+                        None,
+                        None,
+                    )
                 else:
                     src = self._end(v.name)
                 if src is None or src[0] == dst[0]:
@@ -471,17 +475,17 @@ class _ModuleScene:
                 flows[key] = max(flows.get(key, 0), facts.bytes_of(v.meta.get("val")))
         cluster_of_id = {u.id: self.cluster_of[u.module] for u in self.drawn}
         big = max(flows.values(), default=0)
-        for (src, dst), nbytes in flows.items():
-            row = cluster_of_id.get(src)
+        for (src_id, dst_id), nbytes in flows.items():
+            row = cluster_of_id.get(src_id)
             self.cv.edge(
                 Edge(
-                    src,
-                    dst,
+                    src_id,
+                    dst_id,
                     width=1 + 2 * (nbytes / big if big else 0),
                     label=human_bytes(nbytes) if big and nbytes >= big / 4 else None,
                     reverse=self.graph == "backward",
                     # in a row: the order comes from the chain of invisible edges
-                    free=bool(row and row in self.cv.rows and cluster_of_id.get(dst) == row),
+                    free=bool(row and row in self.cv.rows and cluster_of_id.get(dst_id) == row),
                     bytes=nbytes,
                 )
             )

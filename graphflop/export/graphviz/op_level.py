@@ -255,7 +255,7 @@ class _OpScene(OpParts):
                 continue
             for gv in gs:
                 gname = getattr(gv, "name", None)
-                if (key, gname) in self.ids:
+                if gname is not None and (key, gname) in self.ids:
                     self.cv.edge(
                         Edge(
                             self.ids[(key, gname)],
@@ -300,7 +300,11 @@ class _OpScene(OpParts):
             if ("b", name) in self.ids
         }
         sig = self.a.forward.meta.get(SIGNATURE)
-        fparams = {q: self.ids.get(("f", p)) for p, q in sig.params} if sig is not None else {}
+        fparams = (
+            {q: self.ids[("f", p)] for p, q in sig.params if ("f", p) in self.ids}
+            if sig is not None
+            else {}
+        )
         n_params = len(info.params) if info is not None else 0
         states = set(info.state_names) if info is not None else set()
         scalars = set(info.scalars) if info is not None else set()

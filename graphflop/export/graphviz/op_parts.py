@@ -316,7 +316,7 @@ class OpParts:
                 text = f"{word} {module}" + (f"\n{human_bytes(e.bytes)}" if e.bytes else "")
                 outside[bid] = Box(bid, "value", text, phase=phase_of.get(inner, ""))
                 self.cv.groups[(phase_of.get(inner, ""), "")].append(outside[bid])
-            edges.append(replace(e, **({"src": bid} if outer == e.src else {"dst": bid})))
+            edges.append(replace(e, src=bid) if outer == e.src else replace(e, dst=bid))
         self.cv.edges = edges
         order = sorted(self.cv.groups.items(), key=lambda kv: phases.index(kv[0][0]))
         self.cv.groups = defaultdict(list, order)

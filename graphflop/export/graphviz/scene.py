@@ -249,7 +249,7 @@ class Canvas:
         """The frozen picture: clusters nested along module paths, children in order of their
         first box, duplicate edges and self-loops dropped."""
         boxes = tuple(b for own in self.groups.values() for b in own)
-        phases = ()
+        phases: tuple[Phase, ...] = ()
         if clustered:
             names = list(dict.fromkeys(ph for ph, _ in self.groups))
             phases = tuple(Phase(ph, self.phase_label.get(ph, ph), self._tree(ph)) for ph in names)

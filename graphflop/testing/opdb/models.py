@@ -32,6 +32,8 @@ class _BasicBlock(nn.Module):
 
 
 class _LeNet(nn.Module):
+    target: torch.Tensor  # a buffer
+
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(1, 2, 3)
