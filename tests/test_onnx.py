@@ -62,6 +62,24 @@ def test_export_runs_and_matches_pytorch(tmp_path, name, batch):
     elif ctor:  # the seed's LinearNet has 617 M parameters: same architecture, 16×16 inputs
         real = load(spec(name), ctor_kwargs=ctor)
         a = analyze(real.model, make_inputs(real, shapes=[(batch, 3, 16, 16)]))
+    _export_and_compare(tmp_path, real, a, name)
+
+
+@pytest.mark.slow  # about 90 s on a shared machine: every step graph exported
+def test_gpt2_block_exports_and_matches_pytorch(tmp_path):
+    # a one-block GPT-2: the attention's q, k, v split is a split in the JVP graph (with
+    # getitems) and a concatenation of the pieces' cotangents in the backward graph
+    ctor = {"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 64, "n_positions": 8}
+    real = load(spec("gpt2.py:gpt2_small"), ctor_kwargs=ctor)
+    real.model.train()
+    a = analyze(real.model, make_inputs(real, shapes=[(2, 8)]))
+    assert any(n.target == torch.ops.aten.cat.default for n in a.backward.graph.nodes)
+    _export_and_compare(tmp_path, real, a, "gpt2")
+
+
+def _export_and_compare(tmp_path, real, a, name):
+    """Export ``a``'s step graphs, check them with ONNX's checker and the manifest's FLOPs, and
+    run the forward and backward graphs in ONNX Runtime against PyTorch."""
     manifest = export_all(step_graphs(a), tmp_path, name=name)
     import onnx
 

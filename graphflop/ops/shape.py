@@ -2,12 +2,15 @@
 (FLOPS.md). All are linear; their transposes are other shape ops: ``scatter_add`` for
 ``gather``, ``index_add`` for ``index_select``, ``index_put(accumulate=True)`` for advanced
 indexing (``index``: upsampling, reflection and replication padding, uneven adaptive pooling
-decompose to it), ``slice`` of the tangent for the pieces of ``split_with_sizes`` (``chunk``,
-``split``), a flip for ``flip``, a sum over the tiles for ``repeat``. ``index_put`` and
+decompose to it), one concatenation of the pieces' cotangents for ``split_with_sizes``
+(``chunk``, ``split``, and ``unbind``, traced as a split), a flip for ``flip``, a sum over the
+tiles for ``repeat``. ``index_put`` and
 ``index_add`` with accumulation cost 1 FLOP per added element. In-place views on temporaries and
 upsampling are traced as functional views and index ops (decompositions at the end)."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -379,21 +382,40 @@ register(aten._assert_tensor_metadata.default, F, free, bytes="view")
 def_zero(aten._assert_tensor_metadata.default)
 
 
-def _split_tangents(b, t, dim: int, sizes: list[int]):
-    """The tangent of each piece of a split: slices of the input tangent (slice transposes to
-    ``slice_scatter``), so a multi-output view needs no transpose rule of its own."""
-    out, start = [], 0
-    for size in sizes:
-        out.append(b.call(aten.slice.Tensor, t, dim, start, start + size))
-        start += size
-    return tuple(out)
-
-
 @def_jvp(aten.split_with_sizes.default)
 def _jvp_split_with_sizes(b, out, args, tangents, kwargs):
+    """The same split of the input tangent, one ``getitem`` per piece: the pieces stay one op,
+    so the transpose joins their cotangents with one concatenation."""
     x, sizes = args[0], list(args[1])
     dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % len(shape(x))
-    return _split_tangents(b, tangents[0], dim, sizes)
+    pieces = b.call(aten.split_with_sizes.default, tangents[0], sizes, dim)
+    return tuple(b.call(operator.getitem, pieces, i) for i in range(len(sizes)))
+
+
+@def_transpose(aten.split_with_sizes.default)
+def _transpose_split_with_sizes(b, ct, args, kwargs, linear):
+    """``ct`` holds one cotangent per piece (``None`` where a piece has none): the input's
+    cotangent is their concatenation along the split dim, zeros in place of the missing ones
+    (0 FLOPs; the pieces read and the input written once)."""
+    x, sizes = args[0], list(args[1])
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % len(shape(x))
+    parts = []
+    for size, c in zip(sizes, ct):
+        if c is None:
+            piece = list(shape(x))
+            piece[dim] = size
+            c = b.zeros(piece, x)
+        parts.append(c)
+    return [b.call(aten.cat.default, parts, dim), None, None]
+
+
+@register_decomposition(aten.unbind.int)
+def _unbind_as_split(x, dim=0):
+    """``unbind`` as a split into pieces of 1 along ``dim``, each squeezed: one op whose
+    transpose is one concatenation (PyTorch's decomposition slices once per piece, and each
+    slice transposes to a ``slice_scatter`` into zeros, summed)."""
+    pieces = aten.split_with_sizes.default(x, [1] * x.shape[dim], dim)
+    return tuple(aten.squeeze.dims(p, [dim]) for p in pieces)
 
 
 register(aten.flip.default, F, free, bytes="copy")

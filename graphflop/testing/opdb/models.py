@@ -109,7 +109,7 @@ GAPS = [
         module_of(lambda s, x: (x * s.w).chunk(2, -1)[1] * s.r, {"w": W}, {"r": (2, 3, 2)}),
         (X,),
         flops=24 + 12,
-        aten=("aten.split_with_sizes.default", "aten.slice.Tensor"),
+        aten=("aten.split_with_sizes.default", "aten.cat.default"),
     ),
     OpCase(
         "relu6",

@@ -194,7 +194,7 @@ SHAPE_MORE = [
         module_of(lambda s, x: (x * s.w).unbind(1)[2] * s.r, {"w": W}, {"r": (2, 4)}),
         (X,),
         flops=24 + 8,
-        aten=("aten.slice.Tensor", "aten.squeeze.dims"),
+        aten=("aten.split_with_sizes.default", "aten.squeeze.dims"),
     ),
     # in-place writes into views of an intermediate, functionalised
     OpCase(
