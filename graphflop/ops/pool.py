@@ -17,7 +17,7 @@ import math
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import device, dtype, numel, shape, value
+from graphflop.ops._common import bind, device, dtype, numel, shape, value
 from graphflop.ops.registry import (
     def_jvp,
     def_linear,
@@ -109,19 +109,19 @@ def_jvp(aten.adaptive_max_pool2d.default)(_jvp_max_pool(2))
 def_jvp(aten.adaptive_max_pool3d.default)(_jvp_max_pool(3))
 
 
-def _pool_args(args, nd):
-    k = _kernel(args, nd)
-    stride = list(args[2]) if len(args) > 2 and args[2] else k
+def _pool_args(op, args, kwargs, nd):
+    """Average pooling's window, by schema name; an empty ``stride`` (the default) is the
+    kernel, and one-element sizes apply to every pooled dim."""
+    a = bind(op, args, kwargs)
+    k = _kernel((a.self, a.kernel_size), nd)
+    stride = list(a.stride) or k
     stride = stride * nd if len(stride) == 1 else stride
-    padding = list(args[3]) if len(args) > 3 else [0] * nd
+    padding = list(a.padding)
     padding = padding * nd if len(padding) == 1 else padding
-    ceil_mode = bool(args[4]) if len(args) > 4 else False
-    count_include_pad = bool(args[5]) if len(args) > 5 else True
-    divisor = args[6] if len(args) > 6 else None
-    return k, stride, padding, ceil_mode, count_include_pad, divisor
+    return k, stride, padding, bool(a.ceil_mode), bool(a.count_include_pad), a.divisor_override
 
 
-def _transpose_avg_pool(nd):
+def _transpose_avg_pool(op, nd):
     def rule(b, ct, args, kwargs, linear):
         """Average pooling is ``y = (1/d) · Σ_window x``; its transpose spreads ``ct/d`` over each
         window. Each window's divisor ``d`` is PyTorch's: the override, or the count of (padded,
@@ -140,7 +140,7 @@ def _transpose_avg_pool(nd):
         the trailing positions no window reads with zeros)."""
         x = args[0]
         xs, cs = shape(x), shape(ct)
-        k, stride, padding, ceil_mode, count_include_pad, divisor = _pool_args(args, nd)
+        k, stride, padding, ceil_mode, count_include_pad, divisor = _pool_args(op, args, kwargs, nd)
         c = math.prod(xs[: len(xs) - nd])  # channels (and batch), pooled independently
         sp_in, sp_out = list(xs[len(xs) - nd :]), list(cs[len(cs) - nd :])
         constant = (
@@ -237,8 +237,8 @@ def _window_counts(b, x, xs, out_sp, k, stride, padding, count_include_pad):
 
 
 register(aten.avg_pool3d.default, F, _avg_pool_cost(3))
-def_linear(aten.avg_pool2d.default, _transpose_avg_pool(2))
-def_linear(aten.avg_pool3d.default, _transpose_avg_pool(3))
+def_linear(aten.avg_pool2d.default, _transpose_avg_pool(aten.avg_pool2d.default, 2))
+def_linear(aten.avg_pool3d.default, _transpose_avg_pool(aten.avg_pool3d.default, 3))
 
 
 # --- decompositions ----------------------------------------------------------------------------
