@@ -60,8 +60,6 @@ from graphflop.meta import (
 from graphflop.ops import MissingRuleError, is_strict, lookup, op_name
 from graphflop.passes.simplify import fold_transposed_matmuls
 
-RESIDUAL = RESIDUAL
-
 
 class TransposeBuilder(Builder):
     """Emits into the backward graph; imports linearized-graph values it reads as residual

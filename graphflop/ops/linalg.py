@@ -17,7 +17,6 @@ from graphflop.ops.registry import (
     def_transpose,
     register,
     register_decomposition,
-    update,
 )
 
 aten = torch.ops.aten
@@ -103,9 +102,6 @@ def _jvp_addmm(b, out, args, tangents, kwargs):
     if t is not None and shape(t) != shape(out):
         t = b.call(aten.expand.default, t, list(shape(out)))
     return t
-
-
-update(aten.addmm.default)
 
 
 # --- decompositions ----------------------------------------------------------------------------
