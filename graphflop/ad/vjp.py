@@ -285,7 +285,9 @@ def _transpose(b: TransposeBuilder, entry: Node | GhostValue, c: Any, ct: dict[A
         raise ValueError(f"{entry.name} in the JVP log has no Ghost record")
     args, kwargs = entry.args, entry.kwargs
     if op is operator.getitem:  # a piece of a multi-output op: gather its cotangents by piece
-        _transpose_getitem(b, args[0], args[1], c, ct, (source, module, ghost))
+        index = args[1]
+        assert isinstance(index, int), entry  # getitem of a multi-output op's result
+        _transpose_getitem(b, args[0], index, c, ct, (source, module, ghost))
         return
     rule = lookup(op, need=("transpose",), node=entry.name)
     transpose = rule.transpose
