@@ -110,7 +110,8 @@ def test_reduction_counts():
 
 
 def test_lookups_read_the_rows_they_gather():
-    """FLOPS.md: an embedding lookup reads the gathered rows and the indices, not the table."""
+    """docs/flops_conventions.md: an embedding lookup reads the gathered rows and the indices, not
+    the table."""
     from graphflop.analysis import analyze
 
     a = analyze(nn.Embedding(1000, 16), (torch.zeros(2, 3, dtype=torch.long),), loss="sum")

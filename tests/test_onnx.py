@@ -363,8 +363,9 @@ def test_cli_export_and_bench(tmp_path):
     )
     d = json.loads(res.read_text())
     # logistic regression 784→10 at batch 4: the matrix product 2·4·784·10 = 62,720, the bias
-    # 4·10 = 40 and the cross-entropy loss 5·B·C + 9·B + 1 = 5·4·10 + 9·4 + 1 = 237 (FLOPS.md,
-    # tests/test_seed_a.py); the FLOP counts are graphflop's, the same for both runtimes
+    # 4·10 = 40 and the cross-entropy loss 5·B·C + 9·B + 1 = 5·4·10 + 9·4 + 1 = 237
+    # (docs/flops_conventions.md, tests/test_seed_a.py); the FLOP counts are graphflop's, the same
+    # for both runtimes
     assert d["flops"]["forward"] == 2 * 4 * 784 * 10 + 4 * 10 + (5 * 4 * 10 + 9 * 4 + 1)
     for rt in ("onnxruntime", "torch"):
         ph, r = d["runtimes"][rt]["phases"], d["runtimes"][rt]["ratios"]

@@ -1,8 +1,8 @@
-"""Unary and binary elementwise ops: 1 FLOP per output element (FLOPS.md), transcendentals
-tallied separately; comparisons, sign, rounding and integer bookkeeping (floor division, logical
-and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element, like ReLU);
-GELU, SiLU, ELU, hardtanh, dropout, softplus, hardswish and mish decompose into the ops here (the
-decompositions graphflop chooses are at the end of this file).
+"""Unary and binary elementwise ops: 1 FLOP per output element (docs/flops_conventions.md),
+transcendentals tallied separately; comparisons, sign, rounding and integer bookkeeping (floor
+division, logical and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element,
+like ReLU); GELU, SiLU, ELU, hardtanh, dropout, softplus, hardswish and mish decompose into the ops
+here (the decompositions graphflop chooses are at the end of this file).
 
 JVP rules write the tangent as ``tangent * coefficient``, where the coefficient is a primal-only
 value (``coef`` node), so every tangent node is linear in the tangents and transposes with the

@@ -1,11 +1,11 @@
-"""Embedding lookups: 0 FLOPs, a copy of the gathered rows (FLOPS.md).
+"""Embedding lookups: 0 FLOPs, a copy of the gathered rows (docs/flops_conventions.md).
 
 ``embedding(W, idx)`` is linear in the table ``W``: its tangent looks the tangent table up at the
 same indices, and its transpose adds each row's cotangent back into a zero table with
-``index_put(..., accumulate=True)`` (1 FLOP per added element, FLOPS.md's "embedding backward"),
-an ordinary forward op that exports to ONNX (ScatterND with add). Rows at ``padding_idx`` get no
-gradient, as in PyTorch; the JVP masks them too, so that JVP and VJP stay transposes of each
-other (PyTorch's own forward-mode derivative does not mask them).
+``index_put(..., accumulate=True)`` (1 FLOP per added element, docs/flops_conventions.md's
+"embedding backward"), an ordinary forward op that exports to ONNX (ScatterND with add). Rows at
+``padding_idx`` get no gradient, as in PyTorch; the JVP masks them too, so that JVP and VJP stay
+transposes of each other (PyTorch's own forward-mode derivative does not mask them).
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Pooling. Max pooling costs (∏k − 1) comparisons per output element, average pooling ∏k
-(adds and one divide) per output element (FLOPS.md). Max pooling's tangent gathers the input
-tangent at the saved indices, so its transpose is a scatter-add of those indices; average
-pooling (2-D and 3-D; 1-D decomposes to 2-D) is linear: its transpose copies each scaled
-output gradient over its window and sums them back with ``col2im`` (pooling-class FLOPs, never
-matrix FLOPs; 3-D as two ``col2im`` over pairs of dims), dividing by each window's own
-divisor first where PyTorch's differs between windows (``ceil_mode``,
-``count_include_pad=False``). ``col2im`` and ``im2col`` (``fold``/``unfold``) are linear and
-transpose to each other. Adaptive average pooling
-is traced as a mean or an ``avg_pool2d`` where it can be (decomposition at the end).
+(adds and one divide) per output element (docs/flops_conventions.md). Max pooling's tangent gathers
+the input tangent at the saved indices, so its transpose is a scatter-add of those indices; average
+pooling (2-D and 3-D; 1-D decomposes to 2-D) is linear: its transpose copies each scaled output
+gradient over its window and sums them back with ``col2im`` (pooling-class FLOPs, never matrix
+FLOPs; 3-D as two ``col2im`` over pairs of dims), dividing by each window's own divisor first where
+PyTorch's differs between windows (``ceil_mode``, ``count_include_pad=False``). ``col2im`` and
+``im2col`` (``fold``/``unfold``) are linear and transpose to each other. Adaptive average pooling is
+traced as a mean or an ``avg_pool2d`` where it can be (decomposition at the end).
 """
 
 from __future__ import annotations
@@ -86,8 +85,9 @@ def _adaptive_windows(n_in: int, n_out: int) -> list[int]:
 
 def _adaptive_max_pool_cost(nd):
     def cost(out, x, output_size, *args, **kwargs):
-        """(window size − 1) comparisons per output element (FLOPS.md's max pooling), each
-        window's size from the adaptive bounds, times the leading (batch, channel) planes."""
+        """(window size − 1) comparisons per output element (docs/flops_conventions.md's max
+        pooling), each window's size from the adaptive bounds, times the leading (batch, channel)
+        planes."""
         xs = tuple(x.shape)
         lead = math.prod(xs[: len(xs) - nd])
         per_dim = [
@@ -129,15 +129,15 @@ def _transpose_avg_pool(op, nd):
 
         2-D: scale ``ct`` by ``1/d`` (1 FLOP per output-gradient element), copy each value to its
         window's ∏k positions (expand, a copy) and sum the overlapping windows back into place
-        with ``col2im`` (1 add per value it places, FLOPS.md's scatter convention): ∏k + 1 FLOPs
-        per output-gradient element, none of them matrix FLOPs, as PyTorch's own
+        with ``col2im`` (1 add per value it places, docs/flops_conventions.md's scatter convention):
+        ∏k + 1 FLOPs per output-gradient element, none of them matrix FLOPs, as PyTorch's own
         ``avg_pool2d_backward`` (which ONNX cannot export) spends them. 3-D (``col2im`` is 2-D
         only): the same scale, then the window spread one pair of dims at a time
-        (:func:`_spread_3d`): 1 + kD·kH FLOPs per output-gradient element plus kW per element
-        of the (D, H)-spread planes (c·eD·eH·oW·kW; for windows that tile the input, k = s and
-        no padding: 1 + kD·kH + ∏k per output-gradient element), no matrix FLOPs. Both run
-        unpadded over the whole padded extent; a ``constant_pad_nd`` crops the padding (and pads
-        the trailing positions no window reads with zeros)."""
+        (:func:`_spread_3d`): 1 + kD·kH FLOPs per output-gradient element plus kW per element of the
+        (D, H)-spread planes (c·eD·eH·oW·kW; for windows that tile the input, k = s and no padding:
+        1 + kD·kH + ∏k per output-gradient element), no matrix FLOPs. Both run unpadded over the
+        whole padded extent; a ``constant_pad_nd`` crops the padding (and pads the trailing
+        positions no window reads with zeros)."""
         x = args[0]
         xs, cs = shape(x), shape(ct)
         k, stride, padding, ceil_mode, count_include_pad, divisor = _pool_args(op, args, kwargs, nd)
@@ -264,8 +264,8 @@ def _adaptive_avg_pool2d(x, output_size):
 
 
 def _col2im_cost(out, cols, *args, **kwargs):
-    """``col2im`` adds every column value into its place: 1 FLOP per input element (FLOPS.md's
-    scatter convention, as ``scatter_add`` and ``index_add``)."""
+    """``col2im`` adds every column value into its place: 1 FLOP per input element
+    (docs/flops_conventions.md's scatter convention, as ``scatter_add`` and ``index_add``)."""
     return NodeCost(flops=numel(cols))
 
 

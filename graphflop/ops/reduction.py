@@ -1,9 +1,10 @@
 """Reductions: sum, mean, amax/amin, max/min along a dim, argmax/argmin, any/all, var,
-var_mean, cumsum, cumprod. 1 FLOP per input element; mean adds 1 per output element (FLOPS.md).
-``var_mean`` is counted as a mean plus a variance: 2 per input element and 2 per output element
-(the two divides). ``cumsum`` and ``cumprod`` are 1 per input element; cumsum's transpose is a
-reversed cumsum (flip, cumsum, flip); cumprod's tangent is ``out · cumsum(dx / x)``. Sorting and
-selection (topk, sort, kthvalue) are in :mod:`graphflop.ops.sorting`.
+var_mean, cumsum, cumprod. 1 FLOP per input element; mean adds 1 per output element
+(docs/flops_conventions.md). ``var_mean`` is counted as a mean plus a variance: 2 per input element
+and 2 per output element (the two divides). ``cumsum`` and ``cumprod`` are 1 per input element;
+cumsum's transpose is a reversed cumsum (flip, cumsum, flip); cumprod's tangent is
+``out · cumsum(dx / x)``. Sorting and selection (topk, sort, kthvalue) are in
+:mod:`graphflop.ops.sorting`.
 """
 
 from __future__ import annotations

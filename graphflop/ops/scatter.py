@@ -1,5 +1,5 @@
 """Scatters beyond ``scatter_add`` (which lives with ``gather`` in ``shape.py``): ``scatter.src``
-and ``scatter.value`` (copies: 0 FLOPs, FLOPS.md), ``scatter_reduce.two``.
+and ``scatter.value`` (copies: 0 FLOPs, docs/flops_conventions.md), ``scatter_reduce.two``.
 
 ``scatter.src``/``scatter.value`` are linear in the destination and the source jointly (for a
 fixed index): the JVP scatters the tangents, the transpose gives the destination the cotangent

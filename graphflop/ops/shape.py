@@ -1,12 +1,12 @@
 """Views, copies and index ops: 0 FLOPs. Views move no bytes; copies read and write their bytes
-(FLOPS.md). All are linear; their transposes are other shape ops: ``scatter_add`` for
-``gather``, ``index_add`` for ``index_select``, ``index_put(accumulate=True)`` for advanced
+(docs/flops_conventions.md). All are linear; their transposes are other shape ops: ``scatter_add``
+for ``gather``, ``index_add`` for ``index_select``, ``index_put(accumulate=True)`` for advanced
 indexing (``index``: upsampling, reflection and replication padding, uneven adaptive pooling
-decompose to it), one concatenation of the pieces' cotangents for ``split_with_sizes``
-(``chunk``, ``split``, and ``unbind``, traced as a split), a flip for ``flip``, a sum over the
-tiles for ``repeat``. ``index_put`` and
-``index_add`` with accumulation cost 1 FLOP per added element. In-place views on temporaries and
-upsampling are traced as functional views and index ops (decompositions at the end)."""
+decompose to it), one concatenation of the pieces' cotangents for ``split_with_sizes`` (``chunk``,
+``split``, and ``unbind``, traced as a split), a flip for ``flip``, a sum over the tiles for
+``repeat``. ``index_put`` and ``index_add`` with accumulation cost 1 FLOP per added element.
+In-place views on temporaries and upsampling are traced as functional views and index ops
+(decompositions at the end)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ COPIES = (
     aten.stack.default,
     aten.repeat.default,
 )
-#: lookups read the rows they gather (and the indices), not the whole source (FLOPS.md)
+#: lookups read the rows they gather (and the indices), not the whole source
+#: (docs/flops_conventions.md)
 GATHERS = (aten.index_select.default, aten.gather.default)
 for _op in VIEWS:
     register(_op, F, free, bytes="view")
@@ -417,7 +418,7 @@ def _jvp_index_select(b, out, args, tangents, kwargs):
 @def_transpose(aten.index_select.default)
 def _transpose_index_select(b, ct, args, kwargs, linear):
     """``index_select``'s transpose adds each selected slice back: ``index_add`` (1 FLOP per
-    added element, FLOPS.md)."""
+    added element, docs/flops_conventions.md)."""
     x, dim, index = args
     zeros = b.zeros(shape(x), x)
     return [b.call(aten.index_add.default, zeros, dim, index, ct), None, None]
@@ -430,7 +431,8 @@ for _op in (aten.index.Tensor, aten._unsafe_index.Tensor):
 
 
 def _index_put_cost(out, x, indices, values, accumulate=False, *args, **kwargs) -> NodeCost:
-    """``index_put``: a copy, or with ``accumulate`` 1 FLOP per added element (FLOPS.md)."""
+    """``index_put``: a copy, or with ``accumulate`` 1 FLOP per added element
+    (docs/flops_conventions.md)."""
     return NodeCost(flops=numel(values) if accumulate else 0)
 
 

@@ -1,8 +1,8 @@
 """Sorting and selection: sort (and argsort, which traces to it), topk, kthvalue.
 
-Costs count comparisons as FLOPs (FLOPS.md): ``sort`` N·⌈log2 N⌉ per sorted row of N, ``topk``
-N·⌈log2 k⌉ per row, ``kthvalue`` the same as ``topk`` of the k smallest (N·⌈log2 k⌉ per row: it
-returns the last of them). Over every row: ``numel · ⌈log2 N⌉`` and ``numel · ⌈log2 k⌉``.
+Costs count comparisons as FLOPs (docs/flops_conventions.md): ``sort`` N·⌈log2 N⌉ per sorted row of
+N, ``topk`` N·⌈log2 k⌉ per row, ``kthvalue`` the same as ``topk`` of the k smallest (N·⌈log2 k⌉ per
+row: it returns the last of them). Over every row: ``numel · ⌈log2 N⌉`` and ``numel · ⌈log2 k⌉``.
 
 Derivatives: the values are the input at the returned indices, so the values' tangent is the
 input tangent gathered at those indices (``gather``, 0 FLOPs) and the indices' tangent is zero;
@@ -62,7 +62,8 @@ for _op in (aten.sort.default, aten.sort.stable):
 
 
 def _topk_cost(out, x, k, *args, **kwargs) -> NodeCost:
-    """FLOPS.md: N·⌈log2 k⌉ comparisons per row of N, over every row: numel·⌈log2 k⌉."""
+    """N·⌈log2 k⌉ comparisons per row of N, over every row: numel·⌈log2 k⌉
+    (docs/flops_conventions.md, Everything else)."""
     return NodeCost(flops=numel(x) * _log2_ceil(k))
 
 
