@@ -46,7 +46,7 @@ with paused_gc():  # PyTorch's and graphflop's imports: nothing to collect yet
 
 __version__ = "0.1.0"
 
-#: names whose modules load on first use (issue 19: ``import graphflop`` loads neither
+#: names whose modules load on first use (so that ``import graphflop`` loads neither
 #: graphviz, onnx nor torch.compile's machinery): name -> (module, attribute)
 _LAZY = {
     "render": ("graphflop.export.graphviz", "render"),

@@ -1,4 +1,4 @@
-"""The cyclic garbage collector paused where it only costs time (issue 19)."""
+"""The cyclic garbage collector paused where it only costs time (docs/analysis_scale.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Every ``node.meta`` and ``gm.meta`` key graphflop reads and writes, and their frozen values.
 
-Every analysis result lives on the graph (ARCHITECTURE.md, principle 1). Passes write the keys
-below; exporters and reports only read them, with ``.get()``, and tolerate absence. This module is
-the only place a ``gf_`` key is spelled (``tests/test_meta.py`` enforces it): everything else uses
-the constants.
+Every analysis result lives on the graph, so any pass or front end finds it beside the node it
+describes (docs/architecture.md). Passes write the keys below; exporters and reports only read
+them, with ``.get()``, and tolerate absence. This module is the only place a ``gf_`` key is
+spelled (``tests/test_meta.py`` enforces it): everything else uses the constants.
 
 Node keys (``node.meta``)
     ``val``              (PyTorch's own) the output as a FakeTensor, or a tuple of them.
@@ -129,7 +129,7 @@ def graphflop_meta(meta: dict) -> dict:
     return {k: v for k, v in meta.items() if k.startswith(PREFIX)}
 
 
-#: Roles a node can carry (FLOPS.md, "Backward, update and forward-mode attribution").
+#: Roles a node can carry (docs/flops_conventions.md, "Roles and the update").
 ROLES = (
     "forward",
     "loss",
@@ -145,7 +145,7 @@ ROLES = (
 
 @dataclass(frozen=True)
 class NodeCost:
-    """Cost of one node, per FLOPS.md.
+    """Cost of one node, per docs/flops_conventions.md.
 
     Attributes:
         flops: floating-point operations, one multiply-add = 2.
@@ -419,7 +419,7 @@ def fresh_fake(
 
     Made directly from a meta tensor, outside any mode: an ``empty_strided`` call through the
     fake mode costs about 8x more (0.40 against 0.05 ms), and tracing makes one per parameter,
-    buffer and outlined call (issue 19)."""
+    buffer and outlined call."""
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 

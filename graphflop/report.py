@@ -39,7 +39,7 @@ class CostTotals:
         transcendentals: elements of exp/log/tanh/sqrt/... (also in ``flops``).
         random_elements: random numbers drawn.
         bytes_read, bytes_written: tensor bytes the nodes read and write.
-        macs: multiply-adds of the matrix-class ops, ``mm_flops / 2`` (FLOPS.md, Units).
+        macs: multiply-adds of the matrix-class ops, ``mm_flops / 2`` (docs/flops_conventions.md, Units).
         complete: False when an op of the phase has no rule: its work is counted as 0 and
             what depends on it in a JVP or backward graph is not built (``Report.uncounted``).
     """
@@ -50,7 +50,8 @@ class CostTotals:
     random_elements: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
-    # issue 15: MACs and partial results (serialised after the phase's own fields)
+    # MACs and partial results (serialised after the phase's own fields, so older readers of
+    # the JSON find the fields they know first)
     macs: int = 0
     complete: bool = True
 
@@ -465,7 +466,7 @@ class AmpWhatIf:
 
 @dataclass(frozen=True)
 class Memory:
-    """Memory in bytes (FLOPS.md, Memory); ``None`` for a phase that was not built.
+    """Memory in bytes (docs/flops_conventions.md, Memory); ``None`` for a phase that was not built.
 
     Attributes:
         params_bytes: the parameters.
@@ -477,7 +478,7 @@ class Memory:
         jvp_peak_bytes: parameters and their tangents + the JVP graph's live peak.
         memory_model: ``eager`` (what eager PyTorch autograd saves and allocates on
             ``device``) or ``graph`` (graphflop's own graphs in their node order); None in
-            reports written before issue 16 (``graph``).
+            reports written before eager memory was modelled (``graph``).
         device: the device the eager model describes (``cpu`` or ``cuda``).
         describes: figure name -> the execution that figure describes, in words.
         keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``: live from
@@ -595,7 +596,8 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class Uncounted:
-    """An op the analysis could not count or differentiate (partial results, issue 15).
+    """An op the analysis could not count or differentiate (partial results,
+    docs/flops_conventions.md).
 
     Attributes:
         op: ``aten.x.overload`` (or the custom op's) name.
@@ -693,7 +695,7 @@ class Report:
     # trainable and frozen parameter counts
     trainable_params: int | None = None
     frozen_params: int | None = None
-    # issue 15: partial results and the per-op breakdown
+    # partial results and the per-op breakdown (docs/flops_conventions.md)
     uncounted: tuple[Uncounted, ...] = ()
     ops: tuple[OpRow, ...] = ()
 

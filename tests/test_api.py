@@ -427,7 +427,7 @@ def test_loss_output_of_a_non_scalar_output_is_refused():
 
 
 def test_analyze_refuses_arguments_it_cannot_use():
-    """Tester's findings (session 10, round 2): a what-if with backward=False returned without
+    """Tester's findings: a what-if with backward=False returned without
     it; a string model, a float directions and an int progress failed deep inside (bare
     AttributeError/TypeError mid-run); report.layer of an unknown name was a bare KeyError."""
     m, x = nn.Linear(4, 2), torch.randn(2, 4)
@@ -474,7 +474,7 @@ def test_analyze_takes_an_options_value_and_keyword_overrides():
 
 
 def test_a_model_pytorch_cannot_run_for_its_dtypes_is_refused():
-    """Tester's finding (session 10, round 2): a float64 model given float32 inputs was
+    """Tester's finding: a float64 model given float32 inputs was
     analysed (fake tensors' matrix-product kernels do not check dtypes); eager PyTorch raises
     'mat1 and mat2 must have the same dtype'."""
     from graphflop.frontend.trace import TraceError
@@ -488,7 +488,7 @@ def test_a_model_pytorch_cannot_run_for_its_dtypes_is_refused():
 
 
 def test_compile_backend_checks_its_arguments_when_made():
-    # tester's finding (session 10, round 2): report=5 was accepted, to fail inside compile
+    # tester's finding: report=5 was accepted, to fail inside compile
     with pytest.raises(TypeError, match="report must be a graphflop CompileReport, not int"):
         graphflop.compile_backend(report=5)
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
@@ -496,7 +496,7 @@ def test_compile_backend_checks_its_arguments_when_made():
 
 
 def test_jvp_roles_of_the_first_layer_are_all_parameter_work():
-    """Tester's finding (session 10, round 2): with tangents on the parameters, the first
+    """Tester's finding: with tangents on the parameters, the first
     layer's bias-tangent add was counted tangent_from_input, though no input tangent reaches
     it. Linear(4, 3) → Tanh → Linear(3, 2), batch 2, by hand:
     layer 0: x·Ẇᵀ 2·2·4·3 = 48 + ḃ 2·3 = 6, all from the parameters: 54, none from the input;
@@ -511,7 +511,7 @@ def test_jvp_roles_of_the_first_layer_are_all_parameter_work():
 
 
 def test_compile_backend_under_no_grad_counts_no_backward():
-    """Tester's finding (session 10, round 2): a graph compiled under torch.no_grad() reported
+    """Tester's finding: a graph compiled under torch.no_grad() reported
     backward FLOPs that never run. Linear(4, 2) on 3 rows: forward 2·3·4·2 = 48 + bias 6 = 54
     (the output summed: the loss's 5 adds are not the model's); compiled again with gradients
     on (Dynamo guards on grad mode), the backward is counted: the weight gradient

@@ -290,7 +290,7 @@ class LastStepLSTM(nn.Module):
 
 
 def test_eager_jvp_through_an_lstm_equals_the_gradient_dot_direction():
-    """Tester's finding 5 (session 10): torch.func.jvp through nn.LSTM on CPU raises ("forward
+    """Tester's finding: torch.func.jvp through nn.LSTM on CPU raises ("forward
     AD with mkldnn_rnn_layer") on oneDNN's fused kernel; under eager_jvp it runs PyTorch's
     native kernels and gives the directional derivative ∇L·v (autograd's, float64)."""
     from graphflop.runtime.attention import eager_jvp, has_fused_rnn

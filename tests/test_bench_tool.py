@@ -1,4 +1,4 @@
-"""tools/bench_analysis.py, the benchmark issue 19's figures come from: its code paths run, and
+"""tools/bench_analysis.py, the benchmark docs/analysis_scale.md's figures come from: its code paths run, and
 what it records agrees with an independent count.
 
 The timings themselves are not asserted (speed belongs in the benchmark's report, not in

@@ -1,4 +1,4 @@
-"""The issue's table of cases other FLOP counters get wrong, each with its correct count.
+"""A table of cases other FLOP counters get wrong, each with its correct count.
 
 2 FLOPs per multiply-add; bias adds are listed separately; fp32. Every count is checked on the
 meta device at the table's full size (no memory), in the forward graph and, where the table says,
@@ -183,7 +183,7 @@ def test_case7_multihead_attention():
 def test_case8_sdpa(causal):
     """F.scaled_dot_product_attention on (1, 8, 1024, 64) q, k, v: 2·8·1024·1024·64 for the
     scores and again for weights·v = 2,147,483,648, causal or not (the dense kernel computes
-    the full matrix; FLOPS.md)."""
+    the full matrix; docs/flops_conventions.md)."""
     c = counts(
         lambda: Fn(lambda s, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)),
         [(1, 8, 1024, 64)] * 3,
@@ -249,7 +249,7 @@ def test_case11_shared_linear_accumulates_one_gradient():
 def test_case12_binary_ops(op):
     fn = {"add": torch.add, "sub": torch.sub, "div": torch.div, "pow": torch.pow}[op]
     c = counts(lambda: Fn(lambda s, a, b: fn(a, b)), [(2, 3), (2, 3)], tangents="all")
-    assert c.forward_flops == 6  # 1 per output element (FLOPS.md)
+    assert c.forward_flops == 6  # 1 per output element (docs/flops_conventions.md)
     assert c.forward_mm == 0
 
 
@@ -561,9 +561,9 @@ def test_library_spec_errors():
 
 def test_dropout_train_counts_its_mask():
     """Training-mode dropout decomposes to rand_like (random elements, 0 FLOPs), a comparison
-    and two multiplies (the mask and the 1/(1-p) scale): 3 FLOPs per element (FLOPS.md); its
-    random mask makes torch.func comparisons meaningless, so the op database checks it in eval
-    mode."""
+    and two multiplies (the mask and the 1/(1-p) scale): 3 FLOPs per element
+    (docs/flops_conventions.md); its random mask makes torch.func comparisons meaningless, so the op
+    database checks it in eval mode."""
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
     a = analyze(model.train(), (torch.empty(2, 4, device="meta"),), loss="sum")

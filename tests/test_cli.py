@@ -193,7 +193,7 @@ def test_bad_input_in_a_fresh_process_is_one_line_exit_2(tmp_path):
         ("sweep", [spec("logreg.py"), "--batches", "1,x", "--json", "{tmp}/out.json"], "bad batch"),
         ("train", [spec("logreg.py"), "--batch", "0", "--out", "{tmp}/run"], "must be positive"),
         ("inspect", [spec("logreg.py"), "--directions", "0"], "bad --directions 0"),
-        # tester's findings (session 11): K = 10^8 ran until killed; ":A" was an internal error
+        # tester's findings: K = 10^8 ran until killed; ":A" was an internal error
         ("inspect", [spec("logreg.py"), "--directions", "1025"], "give 1 to 1,024"),
         (
             "train",
@@ -240,7 +240,7 @@ def _entry(*argv, marker=None, **kw):
 
 
 def test_entry_exits_fast_with_status_flushed_output_and_atexit(tmp_path):
-    # the console script ends with os._exit (no interpreter teardown, issue 19): the status,
+    # the console script ends with os._exit (no interpreter teardown): the status,
     # everything written to the pipes and files, the atexit handlers (and what they print) and
     # the non-daemon threads must survive it
     out = tmp_path / "out.json"

@@ -1,4 +1,4 @@
-"""Bad input, adversarially (issue 20): every case is one stderr line and exit 2 (1 for a bug,
+"""Bad input, adversarially: every case is one stderr line and exit 2 (1 for a bug,
 with ``--debug`` for the traceback), checked before any work, and leaves no file behind; plus
 the library's own refusals (``register_rule`` without ``override``, passes out of order on
 derived graphs) and the ``torch.compile`` backend on symbolic shapes."""
@@ -235,7 +235,7 @@ def test_integer_output_render_and_export_the_forward(work, capsys):
         (["train", "{logreg}", "--out", "afile", "--steps", "1"], "is an existing file"),
         (["sweep", "{logreg}", "--batches", "1", "--csv", "s.csv", "--plot", "x.xyz"], "--plot"),
         (["sweep", "{logreg}", "--batches", "1", "--json", "adir"], "is an existing folder"),
-        # tester's findings 6 and 8 (session 10): export/train wrote into the current folder;
+        # tester's findings: export/train wrote into the current folder;
         # bench ran in full, then failed naming a temporary file and left DIR/onnx behind
         (["export", "{logreg}", "--out", ""], "--out needs a folder name"),
         (["train", "{logreg}", "--out", "", "--steps", "1"], "--out needs a folder name"),
@@ -660,7 +660,7 @@ def _no_work(monkeypatch):
 
 @pytest.mark.parametrize("option", ["--plot-memory", "--json", "--csv"])
 def test_empty_output_path_is_refused(work, capsys, monkeypatch, option):
-    """Finding 1: ``--plot-memory ""`` drew nothing and exited 0."""
+    """A tester's finding: ``--plot-memory ""`` drew nothing and exited 0."""
     _no_work(monkeypatch)
     one_error(capsys, "inspect", spec("logreg.py"), option, "", message=f"{option} needs a file")
     nothing_left(work / "out")
@@ -678,7 +678,7 @@ def test_empty_output_path_is_refused(work, capsys, monkeypatch, option):
 def test_two_outputs_to_one_path_are_refused_before_any_work(
     work, capsys, monkeypatch, argv, message
 ):
-    """Finding 2: the PNG replaced the JSON written to the same path, exit 0."""
+    """A tester's finding: the PNG replaced the JSON written to the same path, exit 0."""
     _no_work(monkeypatch)
     line = one_error(capsys, *[a.format(logreg=spec("logreg.py")) for a in argv], message=message)
     assert "give each output its own file" in line
@@ -686,7 +686,7 @@ def test_two_outputs_to_one_path_are_refused_before_any_work(
 
 
 def test_a_failed_write_leaves_no_output_file(work, capsys, monkeypatch):
-    """Finding 3: the JSON and CSV were left behind when the plot's write failed after them
+    """A tester's finding: the JSON and CSV were left behind when the plot's write failed after them
     (``/sys/x.png`` as root). The plot's writer is made to fail the way that write does."""
     import matplotlib.figure
 
@@ -720,7 +720,7 @@ def test_atomic_group_writes_all_files_or_none(tmp_path):
 
 
 def test_example_inputs_that_raise_are_the_users_error(work, capsys):
-    """Finding 4: exit 1, 'internal error ... a bug in graphflop'."""
+    """A tester's finding: exit 1, 'internal error ... a bug in graphflop'."""
     (work / "models/exraise.py").write_text(EXAMPLE_RAISES)
     line = one_error(
         capsys, "inspect", work / "models/exraise.py", "--json", "x.json", message="exraise.py"
@@ -739,7 +739,7 @@ def test_example_inputs_that_raise_are_the_users_error(work, capsys):
     ],
 )
 def test_model_file_that_exits_is_one_line(work, capsys, where, doing):
-    """Finding 5: sys.exit(0) at import (or SystemExit in the constructor) ended graphflop with
+    """A tester's finding: sys.exit(0) at import (or SystemExit in the constructor) ended graphflop with
     exit 0 and no output."""
     path = work / f"models/exits_{where}.py"
     path.write_text(f"WHERE = {where!r}\n" + EXITS)
@@ -779,7 +779,7 @@ def example_inputs():
     ids=lambda a: "-".join(a[:2]),
 )
 def test_model_that_exits_in_forward_is_one_line(work, capsys, argv):
-    """Tester's finding 2 (session 10): sys.exit in forward ended graphflop with the model's
+    """Tester's finding: sys.exit in forward ended graphflop with the model's
     status (0: a script took it for success) and no message, no output file."""
     (work / "models/fwdexit.py").write_text(FORWARD_EXITS)
     argv = [argv[0], f"{work / 'models/fwdexit.py'}:M"] + [
@@ -813,7 +813,7 @@ def example_inputs():
 
 
 def test_format_json_stdout_is_the_document_alone_when_the_model_prints(work, capsys):
-    """Tester's finding 9 (session 10): a model's prints came before the JSON on standard
+    """Tester's finding: a model's prints came before the JSON on standard
     output, so `| python -m json.tool` failed; they go to standard error now."""
     (work / "models/prints.py").write_text(PRINTS)
     rc, out, err = cli(capsys, "inspect", f"{work / 'models/prints.py'}:M", "--format", "json")
@@ -849,7 +849,7 @@ def example_inputs():
 
 
 def test_python_warnings_are_one_line_each_and_dropped_on_an_error(work, capsys):
-    """Tester's finding 10 (session 10): PyTorch's and the model's warnings took two stderr
+    """Tester's finding: PyTorch's and the model's warnings took two stderr
     lines each (message, then the source line), also before a one-line error."""
     (work / "models/warns.py").write_text(WARNS)
     rc, out, err = cli(capsys, "inspect", f"{work / 'models/warns.py'}:M", "--format", "json")
@@ -872,7 +872,7 @@ BACKWARD_OPTIONS = [["--checkpoint", "fc*"], ["--amp", "bf16"], ["--keep-grads"]
 
 @pytest.mark.parametrize("option", BACKWARD_OPTIONS, ids=lambda o: o[0])
 def test_backward_options_with_no_backward_are_refused(work, capsys, monkeypatch, option):
-    """Finding 6: silently ignored (exit 0; the JSON even said keep_grads: true)."""
+    """A tester's finding: silently ignored (exit 0; the JSON even said keep_grads: true)."""
     _no_work(monkeypatch)
     line = one_error(
         capsys,
@@ -890,7 +890,7 @@ def test_backward_options_with_no_backward_are_refused(work, capsys, monkeypatch
 
 @pytest.mark.parametrize("option", BACKWARD_OPTIONS, ids=lambda o: o[0])
 def test_backward_options_on_an_integer_output_are_refused(work, capsys, option):
-    """Finding 6, forward-only analysis of a model whose output is integer-only."""
+    """A tester's finding, forward-only analysis of a model whose output is integer-only."""
     line = one_error(
         capsys,
         "inspect",
@@ -915,7 +915,7 @@ def test_backward_options_on_an_integer_output_are_refused(work, capsys, option)
     ],
 )
 def test_memory_options_the_memory_model_does_not_have(work, capsys, monkeypatch, argv, message):
-    """Finding 7: --amp/--checkpoint are eager what-ifs (graphflop.passes.amp, .checkpoint),
+    """A tester's finding: --amp/--checkpoint are eager what-ifs (graphflop.passes.amp, .checkpoint),
     drawn against the graph model's figures; the graph model has no device."""
     _no_work(monkeypatch)
     one_error(capsys, "inspect", spec("logreg.py"), *argv, "--json", "x.json", message=message)
@@ -933,7 +933,7 @@ def test_memory_options_the_memory_model_does_not_have(work, capsys, monkeypatch
     ],
 )
 def test_argparse_errors_are_one_line(capsys, argv, prog, message):
-    """Finding 8: argparse printed the whole usage (17 lines for inspect) before the error."""
+    """A tester's finding: argparse printed the whole usage (17 lines for inspect) before the error."""
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
@@ -954,7 +954,7 @@ def test_train_module_argparse_errors_are_one_line(capsys):
 
 
 def test_folder_as_plot_file_says_it_is_a_folder(work, capsys, monkeypatch):
-    """Finding 9: 'unsupported suffix' for an existing folder."""
+    """A tester's finding: 'unsupported suffix' for an existing folder."""
     _no_work(monkeypatch)
     (work / "out/adir.png").mkdir()
     for name in ("adir.png", "."):
@@ -1091,7 +1091,7 @@ def example_inputs():
 def test_every_command_warns_of_an_op_without_rules(work, capsys, argv):
     """Tester's finding: export (and bench, render) wrote or timed a backward cut at an op
     without rules and said nothing; inspect warned. The warning names the op; export, whose
-    backward.onnx would hold zero gradients, refuses (session 11) in one line naming it."""
+    backward.onnx would hold zero gradients, refuses in one line naming it."""
     path = work / "models/norule.py"
     path.write_text(_NO_RULE)
     rc, _, err = cli(capsys, *[a.format(m=path) for a in argv])
@@ -1129,7 +1129,8 @@ def test_first_line_and_exception_chain():
     ],
 )
 def test_bench_on_cuda_without_cuda_names_what_is_missing(work, capsys, runtime, message):
-    """Tester's finding 11 (session 10)."""
+    """Tester's finding: bench --device cuda on a machine without CUDA must say which runtime
+    lacks it and suggest --device cpu, in one line."""
     line = one_error(
         capsys,
         "bench",
@@ -1144,7 +1145,7 @@ def test_bench_on_cuda_without_cuda_names_what_is_missing(work, capsys, runtime,
 
 
 def test_arg_given_twice_is_refused_and_true_false_are_booleans(work, capsys):
-    """Tester's findings (session 10): a repeated --arg silently kept the last value, and
+    """Tester's findings: a repeated --arg silently kept the last value, and
     use_associative_scan=false was refused as a string ('expected bool')."""
     from graphflop.cli.common import parse_ctor_kwargs
 
@@ -1186,7 +1187,7 @@ def test_option_value_starting_with_a_dash_gets_a_hint(work, capsys):
     ],
 )
 def test_options_the_run_would_ignore_are_refused(work, capsys, monkeypatch, argv, message):
-    """Tester's findings (session 10, round 2): each of these ran, ignoring the option (train's
+    """Tester's findings: each of these ran, ignoring the option (train's
     summary.json then said directions: null)."""
     _no_work(monkeypatch)
     one_error(capsys, argv[0], spec("mlp.py"), *argv[1:], message=message)
@@ -1216,7 +1217,7 @@ def test_warnings_follow_a_command_that_ran_not_an_internal_error(capsys):
     assert len(err) == 1 and err[0].startswith("graphflop: internal error: RuntimeError: boom")
 
 
-# --- a tester's findings (session 11) ---------------------------------------------------------
+# --- a tester's findings ---------------------------------------------------------
 
 LOGCUMSUMEXP = """
 import torch

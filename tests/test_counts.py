@@ -10,7 +10,7 @@ from torch import nn
 
 from graphflop.analysis import analyze
 from graphflop.frontend.trace import trace
-from graphflop.meta import COST, GHOSTS
+from graphflop.meta import COST, GHOSTS, SOURCE
 from graphflop.passes.flops import annotate_flops
 
 
@@ -110,7 +110,8 @@ def test_reduction_counts():
 
 
 def test_lookups_read_the_rows_they_gather():
-    """FLOPS.md: an embedding lookup reads the gathered rows and the indices, not the table."""
+    """docs/flops_conventions.md: an embedding lookup reads the gathered rows and the indices, not
+    the table."""
     from graphflop.analysis import analyze
 
     a = analyze(nn.Embedding(1000, 16), (torch.zeros(2, 3, dtype=torch.long),), loss="sum")
@@ -181,3 +182,51 @@ def test_nonlinearity_before_the_first_parameter():
     assert verify_gradients(fwd, bwd, m, tolerance=1e-12).ok
     # pruned: the input gradient of the product, 2·4·2·3 = 48, and tanh's multiply, 4·3 = 12
     assert sorted(g.cost.flops for g in bwd.meta[GHOSTS]) == [0, 12, 48]
+
+
+class _QkvSplit(nn.Module):
+    """An attention block's projection: Linear(d, 3d) split into q, k, v along the last dim."""
+
+    def __init__(self, d: int, use_k: bool = True):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.use_k = use_k
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
+        return (q * k + v) if self.use_k else (q * v)
+
+
+def _split_backward_nodes(a):
+    split = next(n.name for n in a.forward.graph.nodes if "split" in str(n.target))
+    return [
+        n for n in a.backward.graph.nodes if n.op == "call_function" and n.meta.get(SOURCE) == split
+    ]
+
+
+def test_split_transposes_to_one_concatenation():
+    # B=2, T=5, d=4: the split's input is (2, 5, 12), N = 120 float32 elements, 480 bytes.
+    # Its cotangent is one cat of the three (2, 5, 4) piece cotangents: 0 FLOPs, the pieces
+    # read (3 · 160 = 480 bytes) and the input written (480 bytes). Before, each piece was
+    # written into zeros (a full: 480 written; a slice_scatter: 480 + 160 read, 480 written)
+    # and the three summed (2 adds: 2 · 120 FLOPs, 2 · 960 read, 2 · 480 written).
+    a = analyze(_QkvSplit(4), (torch.randn(2, 5, 4),), loss="sum")
+    nodes = _split_backward_nodes(a)
+    assert [str(n.target) for n in nodes] == ["aten.cat.default"]
+    cost = nodes[0].meta[COST]
+    assert (cost.flops, cost.bytes_read, cost.bytes_written) == (0, 480, 480)
+    # no other value has two uses: nothing is summed (the three slice_scatters' 2 adds were
+    # 2 · 120 = 240 grad_accum FLOPs)
+    assert a.report.totals.backward.grad_accum_flops == 0
+
+
+def test_split_transpose_fills_unused_pieces_with_zeros():
+    # k unused: its cotangent is zeros of the piece's shape (a full: 2·5·4·4 = 160 bytes
+    # written), concatenated with q's and v's: the cat reads 3 · 160 and writes 480 bytes
+    a = analyze(_QkvSplit(4, use_k=False), (torch.randn(2, 5, 4),), loss="sum")
+    nodes = _split_backward_nodes(a)
+    assert [str(n.target) for n in nodes] == ["aten.full.default", "aten.cat.default"]
+    full, cat = (n.meta[COST] for n in nodes)
+    assert (full.flops, full.bytes_read, full.bytes_written) == (0, 0, 160)
+    assert (cat.flops, cat.bytes_read, cat.bytes_written) == (0, 480, 480)
+    assert list(nodes[0].args[0]) == [2, 5, 4]

@@ -40,7 +40,7 @@ def test_jvp_and_train_peaks_of_the_mlp_hand_worked():
     s = analysis("mlp.py", B).to_dict()
     m, n = s["memory"], s["params"]
     assert n == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10  # 1,863,690
-    # Training, eager model (issue 16): gradients appear as the backward makes them and SGD
+    # Training, eager model: gradients appear as the backward makes them and SGD
     # updates in place. Peak at fc1's weight gradient, the last one: parameters and all
     # gradients (2 · 4 B · n), the input x (B·784 fp32, saved) and fc1's output gradient
     # (B·1024 fp32). (Measured eager CPU step: 520 B more, the loss's scalars.)

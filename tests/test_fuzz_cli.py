@@ -1,4 +1,4 @@
-"""Fuzzing the command line (issue 20): argument combinations of every subcommand, valid and
+"""Fuzzing the command line: argument combinations of every subcommand, valid and
 not, run in-process on small models. Whatever the arguments: no traceback, exit status 0, 1 or
 2, no "internal error" (a bug), and after a non-zero exit no file left behind.
 

@@ -1,8 +1,9 @@
 """Golden figures: ``graphflop inspect --json`` for four models, every number pinned.
 
-The files in ``tests/golden/`` were written by the CLI on main before the redesign (issue 13)
-moved any code; this test proves a refactor changes no figure and no JSON key. Integers must be
-equal; floats (ratios, shares) equal to 1e-12 relative, the rounding of summing in another order.
+The files in ``tests/golden/`` were first written by the CLI before the package's redesign
+(docs/architecture.md) moved any code, and are rewritten only where a figure is meant to change;
+this test proves a refactor changes no figure and no JSON key. Integers must be equal; floats
+(ratios, shares) equal to 1e-12 relative, the rounding of summing in another order.
 
 Regenerate only when a figure is meant to change, and say why in the commit:
 ``GRAPHFLOP_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py``.

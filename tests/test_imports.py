@@ -1,4 +1,4 @@
-"""Lazy imports (issue 19): ``import graphflop`` and ``graphflop inspect`` load none of the
+"""Lazy imports: ``import graphflop`` and ``graphflop inspect`` load none of the
 heavy optional libraries; the subcommands and attributes that use them load them on demand.
 An analysis runs without importing Dynamo (:mod:`graphflop.frontend.nodynamo`) and leaves
 ``torch.compile`` working; the cheaper core-ATen decomposition table equals ``torch.export``'s.

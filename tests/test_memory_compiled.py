@@ -57,7 +57,8 @@ def test_pointwise_chain_recomputed_by_hand() -> None:
     cm = compiled_memory(_Chain(), (torch.randn(4, 8),), "sum")
     # min-cut saves the input x and h = addmm (each 4·8 fp32 = 128 B): 256 B, and recomputes
     # sigmoid(h), sigmoid(h)·h and tanh(·) in the backward: 3 ops × 32 elements × 1 FLOP
-    # (FLOPS.md: a transcendental or a multiply is 1 FLOP per output element) = 96 FLOPs
+    # (docs/flops_conventions.md: a transcendental or a multiply is 1 FLOP per output element) = 96
+    # FLOPs
     assert cm.min_cut.saved_bytes == 256
     assert sorted(cm.min_cut.recomputed) == ["mul", "sigmoid", "tanh"]
     assert cm.min_cut.recompute_flops == 96

@@ -1,4 +1,4 @@
-"""``inspect --plot-memory`` (issue 16, item 4): the live-bytes timelines behind the reported
+"""``inspect --plot-memory``: the live-bytes timelines behind the reported
 memory peaks (graphflop.export.memory_timeline) and their picture (graphflop.export.memory_plot).
 
 The plot is true only if its curve's maximum is the reported figure: the timelines are rebuilt

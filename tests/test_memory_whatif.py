@@ -1,4 +1,4 @@
-"""What-if memory models (issue 16 item 5): activation checkpointing and autocast, against
+"""What-if memory models: activation checkpointing and autocast, against
 measurements of real eager runs (``saved_tensors_hooks``, as
 :func:`graphflop.runtime.memory_probe.measure_saved` counts: once per storage, parameters and
 buffers excluded, inputs and targets included)."""
@@ -265,7 +265,7 @@ def test_bad_checkpoint_pattern_is_one_line(capsys):
 
 
 def test_the_table_shows_the_what_ifs(capsys):
-    """Tester's finding (session 10): --checkpoint and --amp printed nothing in the table (their
+    """Tester's finding: --checkpoint and --amp printed nothing in the table (their
     figures were in the JSON only). The lines repeat the JSON's numbers."""
     import json
 

@@ -62,6 +62,24 @@ def test_export_runs_and_matches_pytorch(tmp_path, name, batch):
     elif ctor:  # the seed's LinearNet has 617 M parameters: same architecture, 16×16 inputs
         real = load(spec(name), ctor_kwargs=ctor)
         a = analyze(real.model, make_inputs(real, shapes=[(batch, 3, 16, 16)]))
+    _export_and_compare(tmp_path, real, a, name)
+
+
+@pytest.mark.slow  # about 90 s on a shared machine: every step graph exported
+def test_gpt2_block_exports_and_matches_pytorch(tmp_path):
+    # a one-block GPT-2: the attention's q, k, v split is a split in the JVP graph (with
+    # getitems) and a concatenation of the pieces' cotangents in the backward graph
+    ctor = {"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 64, "n_positions": 8}
+    real = load(spec("gpt2.py:gpt2_small"), ctor_kwargs=ctor)
+    real.model.train()
+    a = analyze(real.model, make_inputs(real, shapes=[(2, 8)]))
+    assert any(n.target == torch.ops.aten.cat.default for n in a.backward.graph.nodes)
+    _export_and_compare(tmp_path, real, a, "gpt2")
+
+
+def _export_and_compare(tmp_path, real, a, name):
+    """Export ``a``'s step graphs, check them with ONNX's checker and the manifest's FLOPs, and
+    run the forward and backward graphs in ONNX Runtime against PyTorch."""
     manifest = export_all(step_graphs(a), tmp_path, name=name)
     import onnx
 
@@ -345,8 +363,9 @@ def test_cli_export_and_bench(tmp_path):
     )
     d = json.loads(res.read_text())
     # logistic regression 784→10 at batch 4: the matrix product 2·4·784·10 = 62,720, the bias
-    # 4·10 = 40 and the cross-entropy loss 5·B·C + 9·B + 1 = 5·4·10 + 9·4 + 1 = 237 (FLOPS.md,
-    # tests/test_seed_a.py); the FLOP counts are graphflop's, the same for both runtimes
+    # 4·10 = 40 and the cross-entropy loss 5·B·C + 9·B + 1 = 5·4·10 + 9·4 + 1 = 237
+    # (docs/flops_conventions.md, tests/test_seed_a.py); the FLOP counts are graphflop's, the same
+    # for both runtimes
     assert d["flops"]["forward"] == 2 * 4 * 784 * 10 + 4 * 10 + (5 * 4 * 10 + 9 * 4 + 1)
     for rt in ("onnxruntime", "torch"):
         ph, r = d["runtimes"][rt]["phases"], d["runtimes"][rt]["ratios"]

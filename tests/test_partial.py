@@ -1,4 +1,4 @@
-"""Partial results (issue 15): an op without a rule is counted as 0 FLOPs, listed in
+"""Partial results (docs/flops_conventions.md): an op without a rule is counted as 0 FLOPs, listed in
 ``uncounted`` with one warning line, and cuts the JVP/backward at its node; ``--strict`` (and
 :func:`graphflop.ops.strict_rules`) restore the one-line error."""
 
@@ -48,7 +48,7 @@ def example_inputs():
     return (torch.randn(3, 8),)
 
 
-# Forward, batch 3, every op but `twice` counted (FLOPS.md):
+# Forward, batch 3, every op but `twice` counted (docs/flops_conventions.md):
 #   fc1 addmm: 2·3·8·16 = 768 matrix + 3·16 = 48 bias  -> 816
 #   relu: 48
 #   twice: 0 (no rule)

@@ -1,6 +1,6 @@
 """Average pooling's backward is pooling, not a matrix product: an Inception-like block's
 backward matrix FLOPs equal FlopCounterMode's (which counts no pooling), and its pooling
-backward is counted as FLOPS.md's pooling convention says."""
+backward is counted as docs/flops_conventions.md's pooling convention says."""
 
 from __future__ import annotations
 

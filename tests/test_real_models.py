@@ -167,7 +167,7 @@ def test_frozen_linear_has_no_weight_gradient_update_or_grad_bytes():
     # ... but layer 1's input gradient (to layer 0's output) is not needed: nothing above trains
     assert second.grad_input_flops == 0
     assert (r.params, r.trainable_params, r.frozen_params) == (6 * 5 + 5 + 5 * 3 + 3, 18, 35)
-    # Adam: 18 FLOPs per trainable element (FLOPS.md), 18·18 = 324
+    # Adam: 18 FLOPs per trainable element (docs/flops_conventions.md), 18·18 = 324
     assert r.totals.update.flops == 18 * 18
     assert r.memory.grads_bytes == 18 * 4
     assert r.memory.optimizer_state_bytes == 2 * 18 * 4
@@ -282,7 +282,7 @@ def test_topk_cost_and_jvp():
     fwd = trace(model, (torch.randn(3, 4, dtype=torch.float64),), loss="sum")
     a = analyze(model, (torch.randn(3, 4, dtype=torch.float64),), loss="sum")
     node = next(n for n in a.forward.graph.nodes if n.target is torch.ops.aten.topk.default)
-    # FLOPS.md: N·⌈log2 k⌉ per row of N: 3 rows of 8, k = 2 -> 3·8·1
+    # docs/flops_conventions.md: N·⌈log2 k⌉ per row of N: 3 rows of 8, k = 2 -> 3·8·1
     assert node.meta[COST].flops == 24
     assert verify_jvp(fwd, build_jvp(fwd), model).ok
     assert verify_gradients(fwd, build_vjp(fwd), model).ok
@@ -433,7 +433,7 @@ def test_hf_llama_equals_the_same_model_built_in_a_file(tmp_path):
 
 
 def test_hf_sweep_honours_seq():
-    """Tester's finding 3 (session 10): sweep dropped --seq, so an hf: model was swept at 128
+    """Tester's finding: sweep dropped --seq, so an hf: model was swept at 128
     tokens whatever was asked. The sweep's forward at 32 tokens is the analysis' at 32 (whose
     matrix FLOPs the test above counts by hand), not the one at 128."""
     pytest.importorskip("transformers")
@@ -669,7 +669,7 @@ def test_lazy_modules_are_initialised_and_unused_ones_left_out(tmp_path):
 
 
 def test_hf_mamba_traces_its_eager_scan():
-    """Tester's finding 7 (session 10): hf:mamba failed by default ("NYI: querying
+    """Tester's finding: hf:mamba failed by default ("NYI: querying
     is_contiguous inside of vmap"): transformers takes its associative_scan path under
     compilation, which the trace reports; graphflop builds it with the eager step-by-step scan,
     and --verify's gradients match PyTorch's."""

@@ -284,7 +284,7 @@ def test_auto_level_and_profile():
     assert "456 µs" in render(a, graph="forward", level="module", profile=bench)
     with pytest.raises(RenderError, match="profile"):
         render(a, level="module", profile={"conv1": "fast"})
-    # tester's finding (session 10): a profile of another model was drawn as no times at all
+    # tester's finding: a profile of another model was drawn as no times at all
     with pytest.raises(RenderError, match="names no module of this model"):
         render(a, level="module", profile={"a": 1})
 

@@ -1,4 +1,4 @@
-"""Decompositions replayed per argument signature (graphflop.frontend.replay, issue 19): the
+"""Decompositions replayed per argument signature (graphflop.frontend.replay): the
 graph is the one tracing every call gives, node for node, composite tags included."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Recurrent layers and EmbeddingBag (issue 15): exact hand counts, the same on every device and
+"""Recurrent layers and EmbeddingBag: exact hand counts, the same on every device and
 dtype, FlopCounterMode's matrix FLOPs, and gradients/tangents against torch.func."""
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Seed A's regimes come out of the graph (Hobbhahn & Sevilla; docs in SEEDS.md).
+"""Seed A's regimes come out of the graph (Hobbhahn & Sevilla; docs/seed-a/README.md).
 
-Every ratio is checked against a value worked out by hand from the layer sizes with FLOPS.md's
-conventions (the helpers below, one line of arithmetic per op), so the regimes the seed describes
-(LinearNet → 1:1, OneNet 3:1 → 2:1, ConvNet flat, DeeperConvNet → 2:1) are exact consequences of
-the counts, not windows around them. The ratio is ``(backward + update) / forward`` with the loss
-in both (forward: the model and the loss; backward: the loss's backward and every layer's).
+Every ratio is checked against a value worked out by hand from the layer sizes with
+docs/flops_conventions.md's conventions (the helpers below, one line of arithmetic per op), so the
+regimes the seed describes (LinearNet → 1:1, OneNet 3:1 → 2:1, ConvNet flat, DeeperConvNet → 2:1)
+are exact consequences of the counts, not windows around them. The ratio is ``(backward + update) /
+forward`` with the loss in both (forward: the model and the loss; backward: the loss's backward and
+every layer's).
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def test_constructor_without_size_arguments_is_a_clear_error(tmp_path, digits):
     )
     with pytest.raises(TrainError, match=r"returns \(2, 3\) for 2 images; training needs"):
         build_model(str(g), digits)
-    # tester's finding (session 10): a constructor without size keywords whose defaults
+    # tester's finding: a constructor without size keywords whose defaults
     # already fit the images (digits: 1×8×8 → 64 features) was refused
     h = tmp_path / "fits.py"
     h.write_text(
@@ -231,7 +231,7 @@ def test_backprop_matches_torch_step_for_step(digits, name, optimizer):
 
 
 def test_a_model_returning_argmax_and_logits_trains_on_the_logits(tmp_path, digits):
-    """Noticed in session 9: train refused (argmax, logits), which inspect's loss reads as the
+    """Noticed in testing: train refused (argmax, logits), which inspect's loss reads as the
     logits. The logits are picked by a forward hook; graphflop's train step matches
     torch.optim's step for step, and the loss falls as a plain logistic regression's does."""
     from graphflop.train.model import _logits_of
@@ -271,7 +271,7 @@ class _ConvBN(torch.nn.Module):
 
 @pytest.mark.parametrize("runtime", ["torch", "onnxruntime"])
 def test_fgd_updates_batch_norm_running_statistics(digits, runtime):
-    """Tester's finding (session 10): the forward-gradient step did not output the running
+    """Tester's finding: the forward-gradient step did not output the running
     statistics, so after fgd training validation ran on mean 0 / variance 1. With the weights
     held still (lr 1e-9) every method sees the same batches, so the statistics, and the
     validation loss computed with them, must equal plain PyTorch's."""
@@ -503,7 +503,7 @@ def test_torch_optimizer_takes_the_update_graphs_constants():
         torch_optimizer("lion", w, 0.1)
 
 
-# --- interruptions and output folders (issue 20) -------------------------------------------------
+# --- interruptions and output folders ---------------------------------------------------------
 
 
 def _staged(tmp_root) -> set[str]:

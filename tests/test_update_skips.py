@@ -59,9 +59,9 @@ def test_a_head_the_loss_does_not_read_gets_no_update(optimizer):
     a = analyze(TwoHeads(), (torch.randn(5, 8),), optimizer=optimizer, jvp=False)
     assert gradient_free(a.backward) == {"head2.weight", "head2.bias"}
     assert not_updated(a.update) == {"head2.weight", "head2.bias"}
-    # per element: SGD 2, momentum 4, Adam 18, AdamW 20 (FLOPS.md), over the 212 with gradients
-    # only: SGD 424, momentum 848, Adam 3816, AdamW 4240 + 1 (lr·λ, once for all parameters);
-    # head2's 51 would add 102, 204, 918, 1020
+    # per element: SGD 2, momentum 4, Adam 18, AdamW 20 (docs/flops_conventions.md), over the 212
+    # with gradients only: SGD 424, momentum 848, Adam 3816, AdamW 4240 + 1 (lr·λ, once for all
+    # parameters); head2's 51 would add 102, 204, 918, 1020
     per = FLOPS_PER_ELEMENT[optimizer]
     expected = {"sgd": 424, "momentum": 848, "adam": 3816, "adamw": 4241}[optimizer]
     assert per * WITH_GRADIENT + (optimizer == "adamw") == expected

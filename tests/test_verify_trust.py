@@ -202,10 +202,10 @@ COMPLEX_OUT = """
 
 
 def test_sum_loss_of_a_complex_output_is_real_and_verifies(tmp_path, capsys):
-    """Noticed in session 9: the sum of a complex output was a complex loss, which has no
+    """Noticed in testing: the sum of a complex output was a complex loss, which has no
     gradient (torch.func.grad refused it, so --verify's gradient check did not run). It is the
     sum of the real and imaginary parts: view_as_real 0 FLOPs, then a sum over 2·8·2 = 32
-    elements, 32 FLOPs (FLOPS.md: 1 per input element), reading 32 float32 = 128 bytes."""
+    elements, 32 FLOPs (docs/flops_conventions.md: 1 per input element), reading 32 float32 = 128 bytes."""
     rc, doc, err = _verify(_file(tmp_path, COMPLEX_OUT), capsys, "--verify-samples", "16")
     assert doc["loss"] == "sum"
     assert (doc["totals"]["loss"]["flops"], doc["totals"]["loss"]["bytes_read"]) == (32, 128)
@@ -238,7 +238,7 @@ DATACLASS_OUT = """
 
 
 def test_a_plain_dataclass_output_is_read_field_by_field(tmp_path, capsys):
-    """Tester's finding (session 10): a @dataclass holding the logits was refused with 'no
+    """Tester's finding: a @dataclass holding the logits was refused with 'no
     tensor in the model's output'. Its (2, 3) logits get the cross-entropy loss: 2·3 log-softmax
     and gather work as for a plain tensor output (the FLOPs equal the tensor model's)."""
     rc, doc, err = _verify(_file(tmp_path, DATACLASS_OUT), capsys, "--verify-samples", "16")
@@ -312,7 +312,7 @@ def test_checks_a_gap_stops_are_not_run_and_exit_1(tmp_path, capsys):
     ], err
     doc = json.loads(out.read_text())
     assert [(c["ran"], c["ok"]) for c in doc["verify"]] == [(False, False)] * 3
-    assert op in doc["verify_note"]  # the issue-15 note stays in the JSON
+    assert op in doc["verify_note"]  # the gap note stays in the JSON
     assert rc == 1
 
 

@@ -220,7 +220,7 @@ def profile(spec: str, kwargs: dict, shapes, batch, out: str) -> None:
 
 
 def floor(spec: str, kwargs: dict, shapes, batch, repeat: int) -> dict[str, float]:
-    """The tracing floor (issue 19, round 4): median seconds of FlopCounterMode over the
+    """The tracing floor: median seconds of FlopCounterMode over the
     forward and over forward + backward, graphflop's whole trace, and plain ``make_fx`` of the
     forward (fake tensors; no decomposition table, functionalization or outlining: the least a
     make_fx-based tracer does), and a dispatch-mode recorder of the forward (:func:`_record`:
@@ -260,7 +260,7 @@ def floor(spec: str, kwargs: dict, shapes, batch, repeat: int) -> dict[str, floa
 
 
 def _record(model, inputs) -> int:  # noqa: C901  (a tracer in one function, on purpose)
-    """The forward recorded by the least tracer that is not ``make_fx`` (issue 19, round 6): a
+    """The forward recorded by the least tracer that is not ``make_fx``: a
     ``TorchDispatchMode`` over FakeTensors that applies graphflop's decomposition table and
     appends one fx node per ATen op, taking output metadata from a cache keyed by the op and
     its arguments' metadata. No functionalization, module paths, outlining, constants or
@@ -459,7 +459,7 @@ def report(zoo: list[dict], xl: list[dict], depth: list[dict], run: dict) -> str
     lines = [
         "# Analysis time at scale",
         "",
-        "Written by `tools/bench_analysis.py` (issue 19). Per model, one child process loads "
+        "Written by `tools/bench_analysis.py`. Per model, one child process loads "
         "the model on the meta device, warms up, then runs alternately, "
         f"{repeat} times each: PyTorch's `FlopCounterMode` over the forward (FC fwd) and over "
         "forward + loss + `backward()` (FC fwd+bwd) on the meta model and inputs, "
@@ -558,7 +558,7 @@ def _read_results(paths: list[str]) -> tuple[dict[str, list[dict]], dict]:
         if not ok:
             raise UsageError(
                 f"{path} is not a report of this tool (rows under zoo, xl and depth and its "
-                "run description; files written before round 9 have none): run it again with --json"
+                "run description; files written by older versions of this tool have none): run it again with --json"
             )
         for part in results:
             results[part] += data[part]

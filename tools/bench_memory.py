@@ -203,7 +203,7 @@ def markdown(rows: list[dict]) -> str:
         "* **graphflop eager**: `inspect --memory-model eager` (the default): residuals as ATen's "
         "derivative formulas save them, gradients allocated as produced, in-place update "
         "(`graphflop/passes/eager_memory.py`). **graph**: `--memory-model graph`, graphflop's "
-        "own graphs in their node order (the figures before issue 16).",
+        "own graphs in their node order (the figures before the eager memory model).",
         "* graphflop eager also charges the CPU kernels' own temporaries measured with the same "
         "profiler events: a convolution (oneDNN, grouped and depthwise too) holds one output-sized buffer, its "
         "backward an input- and an output-gradient-sized reorder; backward scatters into fresh "

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODELS = ("logreg.py", "mlp.py", "cnn.py")
-PAPER = {  # Baydin et al. 2022 (MNIST, their forward-mode PyTorch), via docs SEEDS.md
+PAPER = {  # Baydin et al. 2022 (MNIST, their forward-mode PyTorch)
     "logreg.py": {"Rf": 2.435, "Rb": 4.389, "Tf_Tb": 0.553},
     "mlp.py": {"Rf": 2.468, "Rb": 4.165, "Tf_Tb": 0.211},
     "cnn.py": {"Rf": 1.434, "Rb": 2.211, "Tf_Tb": 0.514},

@@ -11,7 +11,7 @@ child process, which reports:
   with scaled-dot-product attention forced to the math kernel
   (``sdpa_kernel(SDPBackend.MATH)``);
 * why the two differ, in one line: FlopCounterMode's default CPU attention kernel is counted 0,
-  and its grouped-convolution weight gradient is G times too high (FLOPS.md); the tool computes
+  and its grouped-convolution weight gradient is G times too high (docs/flops_conventions.md); the tool computes
   that excess from graphflop's forward graph and checks that it accounts for the whole
   difference;
 * analysis seconds (load + analyze) and peak RSS of the child after the analysis;
@@ -194,7 +194,7 @@ def _flop_counter(model, inputs) -> dict:
 
 def _grouped_conv_excess(forward) -> tuple[int, int]:
     """FlopCounterMode's excess on the weight gradients of grouped convolutions: (G − 1) × the
-    convolution's matrix FLOPs for each grouped convolution whose weight trains (FLOPS.md), and
+    convolution's matrix FLOPs for each grouped convolution whose weight trains (docs/flops_conventions.md), and
     how many there are."""
     import torch
 
@@ -370,7 +370,7 @@ FINDINGS = [
     "(`if not skip_the_layer`), data-dependent: analysed in eval mode.",
     "- CLIP at 128 tokens: its text model allows at most 77 positions: 77 tokens.",
     "- Every remaining difference from FlopCounterMode is explained: its grouped-convolution "
-    "weight gradient is G× too high (FLOPS.md). The first run also found graphflop's backward "
+    "weight gradient is G× too high (docs/flops_conventions.md). The first run also found graphflop's backward "
     "of a 2-D average pool with `ceil_mode`/`count_include_pad=False` counted as a transposed "
     "convolution in its matrix FLOPs while the forward pool is not; it is pooling now "
     "(`col2im`, docs/flops_conventions.md) and those five models were run again. A 3-D "

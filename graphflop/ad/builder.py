@@ -53,7 +53,7 @@ _FAST_ARGS = hasattr(Node, "_update_args_kwargs")
 def emit(graph: Graph, target: Any, args: tuple, kwargs: dict) -> Node:
     """``graph.call_function(target, args, kwargs)`` without fx's walk over the arguments
     looking for SymInts to warn about (graphflop's graphs have static shapes): about a third
-    of the cost of creating a node, which the builders pay once per emitted node (issue 19)."""
+    of the cost of creating a node, which the builders pay once per emitted node."""
     if not _FAST_ARGS:  # pragma: no cover - a PyTorch without the private setter
         return graph.call_function(target, args, kwargs)
     node = graph.create_node("call_function", target)

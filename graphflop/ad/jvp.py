@@ -67,7 +67,7 @@ class JvpBuilder(Builder):
     def role_for(self, kind: str, args_flat: list[Any]) -> str:
         """``tangent_from_input`` for tangent work that a tangent entering the layer (the
         forward node's module) from outside flows through; ``tangent_from_param`` for work on
-        the layer's parameter tangents alone (FLOPS.md), and for coefficients of a
+        the layer's parameter tangents alone (docs/flops_conventions.md), and for coefficients of a
         parameter-only forward node.
 
         A tangent argument enters through the layer's input unless it is computed from

@@ -24,6 +24,7 @@ Writes on backward nodes: ``KIND="cotangent"`` (``coef`` for recomputed coeffici
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -58,8 +59,6 @@ from graphflop.meta import (
 )
 from graphflop.ops import MissingRuleError, is_strict, lookup, op_name
 from graphflop.ops.ghost import GhostValue, is_ghost
-
-RESIDUAL = RESIDUAL
 
 
 class TransposeBuilder(Builder):
@@ -285,6 +284,11 @@ def _transpose(b: TransposeBuilder, entry: Node | GhostValue, c: Any, ct: dict[A
     else:
         raise ValueError(f"{entry.name} in the JVP log has no Ghost record")
     args, kwargs = entry.args, entry.kwargs
+    if op is operator.getitem:  # a piece of a multi-output op: gather its cotangents by piece
+        index = args[1]
+        assert isinstance(index, int), entry  # getitem of a multi-output op's result
+        _transpose_getitem(b, args[0], index, c, ct, (source, module, ghost))
+        return
     rule = lookup(op, need=("transpose",), node=entry.name)
     transpose = rule.transpose
     assert transpose is not None  # lookup checked it
@@ -304,7 +308,9 @@ def _transpose(b: TransposeBuilder, entry: Node | GhostValue, c: Any, ct: dict[A
             with b.context(
                 source=source, module=module, role=role, param_derived=target_pd, ghost=forced
             ):
-                cin = b.as_ghost(c) if forced else c
+                cin = c
+                if forced:  # a multi-output op's cotangent is a list with one per output
+                    cin = [b.as_ghost(x) for x in c] if isinstance(c, list) else b.as_ghost(c)
                 cts = transpose(b, cin, args, kwargs, one_hot)
                 out = cts[i] if j is None else cts[i][j]
                 if out is None:
@@ -314,3 +320,25 @@ def _transpose(b: TransposeBuilder, entry: Node | GhostValue, c: Any, ct: dict[A
                     with b.context(role="grad_accum"):
                         out = b.call(torch.ops.aten.add.Tensor, prev, out)
                 ct[_key(target)] = out
+
+
+def _transpose_getitem(
+    b: TransposeBuilder,
+    multi: Any,
+    i: int,
+    c: Any,
+    ct: dict[Any, Any],
+    where: tuple[str, str, bool],
+) -> None:
+    """File cotangent ``c`` of output ``i`` of the multi-output tangent ``multi`` in slot ``i``
+    of ``multi``'s cotangent, a list with one entry per output (``None`` for outputs with none),
+    which ``multi``'s own transpose rule then receives whole."""
+    slots = ct.get(_key(multi))
+    if slots is None:
+        outputs = multi.val if is_ghost(multi) else multi.meta["val"]
+        slots = ct[_key(multi)] = [None] * len(outputs)
+    if slots[i] is not None:
+        source, module, ghost = where
+        with b.context(source=source, module=module, role="grad_accum", ghost=ghost):
+            c = b.call(torch.ops.aten.add.Tensor, slots[i], c)
+    slots[i] = c

@@ -151,7 +151,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         f"{VERIFY_SAMPLES}, or as many as fit in {VERIFY_FLOPS:.0e} FLOPs, and "
         f"none when fewer than {MIN_VERIFY_SAMPLES} fit (a large model)",
     )
-    p.add_argument(  # issue 15: partial results, per-op tables, MACs
+    p.add_argument(  # partial results, per-op tables, MACs (docs/flops_conventions.md)
         "--strict",
         action="store_true",
         help="an op without a rule is an error (exit 2, one line) instead of being counted as "
@@ -383,7 +383,7 @@ def _verify(
 
     fg = analysis.report.totals.forward_gradient_step
     samples, why = forward_gradient_samples(args.verify_samples, fg.flops if fg is not None else 0)
-    # issue 15: the checks a gap stops are NOT RUN lines below; verify_note names them too
+    # the checks a gap stops are NOT RUN lines below; verify_note names them too
     notes = ([why] if why else []) + gap_notes(analysis.report)
     if why:
         err.print(f"verify: {why}", markup=False)

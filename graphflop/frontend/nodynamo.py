@@ -1,4 +1,4 @@
-"""Analysis without importing Dynamo (issue 19): :func:`run` calls a function with light
+"""Analysis without importing Dynamo (docs/analysis_scale.md): :func:`run` calls a function with light
 stand-ins for the ``torch._dynamo`` package and its ``source`` module while it runs, and takes
 them away afterwards.
 

@@ -1,4 +1,4 @@
-"""Decompositions traced once per argument signature and replayed (issue 19).
+"""Decompositions traced once per argument signature and replayed (docs/analysis_scale.md).
 
 While :func:`~graphflop.frontend.trace.trace` runs, every composite op is decomposed into core
 ATen by running its decomposition under ``make_fx``, which costs about a millisecond per op it

@@ -6,12 +6,12 @@ ops become functional, buffer writes become outputs) turns the model and a loss
 (:mod:`graphflop.frontend.loss`) into a graph whose placeholders are the parameters, buffers,
 inputs and loss targets, in one pass: the decomposition table (PyTorch's core-ATen set extended
 by the rule files, :func:`graphflop.ops.decomposition_table`) breaks composite ops into the parts
-FLOPS.md counts as they are traced. While tracing, process-wide state is changed and restored:
-global module hooks record module paths (:mod:`graphflop.frontend.scopes`), composite ops are
-routed to graphflop's decompositions (:mod:`graphflop.frontend.composite`), identical repeated
-modules are traced once (:mod:`graphflop.frontend.outline`). Tracing runs on FakeTensors: no
-activation memory. :func:`from_exported` takes a ``torch.export`` program instead; both give
-the graph in the form :mod:`graphflop.frontend.export_form` writes.
+docs/flops_conventions.md counts as they are traced. While tracing, process-wide state is changed
+and restored: global module hooks record module paths (:mod:`graphflop.frontend.scopes`), composite
+ops are routed to graphflop's decompositions (:mod:`graphflop.frontend.composite`), identical
+repeated modules are traced once (:mod:`graphflop.frontend.outline`). Tracing runs on FakeTensors:
+no activation memory. :func:`from_exported` takes a ``torch.export`` program instead; both give the
+graph in the form :mod:`graphflop.frontend.export_form` writes.
 
 Writes (through :func:`~graphflop.frontend.export_form.from_make_fx`) on each node: ``val``
 (PyTorch), ``KIND="primal"``, ``ROLE`` (``forward`` or ``loss``), ``SOURCE``, ``MODULE`` (the

@@ -1,9 +1,11 @@
-"""Shared pieces of the rule files: element counts and the common cost shapes."""
+"""Shared pieces of the rule files: element counts, the common cost shapes, and an op call's
+arguments by the names its ATen schema gives them."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -81,3 +83,38 @@ def dtype(v: Any) -> torch.dtype:
 
 def device(v: Any) -> torch.device:
     return value(v).device
+
+
+class Arguments(SimpleNamespace):
+    """An op call's arguments by schema name (``a.dim`` or ``a["dim"]``), defaults filled in.
+    A namespace, not a dict, so that names such as ``values`` or ``indices`` are arguments."""
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self, name)
+
+
+def bind(op: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> Arguments:
+    """The arguments of a call of the ATen overload ``op`` by the names in its schema
+    (``op._schema.arguments``): positional ``args`` first, then ``kwargs``, then the schema's
+    defaults for those not given (``aten.slice.Tensor(x)`` gives ``dim=0, start=None,
+    end=None, step=1``).
+
+    Raises:
+        TypeError: for an argument the schema does not name, or a required one not given.
+    """
+    kwargs = kwargs or {}
+    schema = op._schema
+    names = [a.name for a in schema.arguments]
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        raise TypeError(f"{schema.name} takes ({', '.join(names)}): got {len(args)} and {kwargs}")
+    out: dict[str, Any] = {}
+    for i, a in enumerate(schema.arguments):
+        if i < len(args):
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+        else:
+            raise TypeError(f"{schema.name}: required argument {a.name!r} not given")
+    return Arguments(**out)

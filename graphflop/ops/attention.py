@@ -1,6 +1,7 @@
 """Attention: no rules of its own. Scaled dot-product attention is traced in its math form by
 :func:`sdpa`, so its two batched products are counted in ``mm_flops`` and its softmax, mask and
-scaling as elementwise work (FLOPS.md: the dense kernel computes the full score matrix).
+scaling as elementwise work (docs/flops_conventions.md: the dense kernel computes the full score
+matrix).
 
 :func:`sdpa` is also what :mod:`graphflop.frontend.composite` routes
 ``F.scaled_dot_product_attention`` to while tracing, so every device counts the same.

@@ -1,6 +1,6 @@
 """Convolutions (1-, 2-, 3-D; grouped, dilated, transposed) as ``aten.convolution``.
 
-Cost (FLOPS.md): a convolution N×Cin×S → N×Cout×O with kernel k and G groups costs
+Cost (docs/flops_conventions.md): a convolution N×Cin×S → N×Cout×O with kernel k and G groups costs
 2·N·Cout·∏O·(Cin/G)·∏k FLOPs (all ``mm_flops``), plus N·Cout·∏O for a bias; a transposed one
 2·N·Cin·∏S·(Cout/G)·∏k. The JVP is bilinear in input and weight, linear in the bias. The
 transposes are convolutions again, so backward graphs export to ONNX: the input cotangent is a
@@ -28,7 +28,7 @@ def conv_flops(x_shape, w_shape, out_shape, transposed: bool) -> int:
     """Multiply-add FLOPs of a convolution (bias excluded).
 
     Shapes: x (N, Cin, *S), w (Cout, Cin/G, *k) or, transposed, (Cin, Cout/G, *k),
-    out (N, Cout, *O). Source: FLOPS.md; 2 FLOPs per multiply-add.
+    out (N, Cout, *O). Source: docs/flops_conventions.md; 2 FLOPs per multiply-add.
     """
     n = x_shape[0]
     k = math.prod(w_shape[2:])

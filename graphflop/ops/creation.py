@@ -1,5 +1,5 @@
 """Ops that create tensors: constants (0 FLOPs, zero derivative) and random numbers (0 FLOPs,
-tallied as ``random_elements``, FLOPS.md)."""
+tallied as ``random_elements``, docs/flops_conventions.md)."""
 
 from __future__ import annotations
 

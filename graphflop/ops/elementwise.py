@@ -1,8 +1,8 @@
-"""Unary and binary elementwise ops: 1 FLOP per output element (FLOPS.md), transcendentals
-tallied separately; comparisons, sign, rounding and integer bookkeeping (floor division, logical
-and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element, like ReLU);
-GELU, SiLU, ELU, hardtanh, dropout, softplus, hardswish and mish decompose into the ops here (the
-decompositions graphflop chooses are at the end of this file).
+"""Unary and binary elementwise ops: 1 FLOP per output element (docs/flops_conventions.md),
+transcendentals tallied separately; comparisons, sign, rounding and integer bookkeeping (floor
+division, logical and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element,
+like ReLU); GELU, SiLU, ELU, hardtanh, dropout, softplus, hardswish and mish decompose into the ops
+here (the decompositions graphflop chooses are at the end of this file).
 
 JVP rules write the tangent as ``tangent * coefficient``, where the coefficient is a primal-only
 value (``coef`` node), so every tangent node is linear in the tangents and transposes with the
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from graphflop.ops._common import FULL_PRECISION, dtype, per_output, shape
+from graphflop.ops._common import FULL_PRECISION, bind, dtype, per_output, shape
 from graphflop.ops.registry import (
     def_jvp,
     def_transpose,
@@ -114,7 +114,7 @@ def _fit(b, t, out):
 
 @def_jvp(aten.add.Tensor)
 def _jvp_add(b, out, args, tangents, kwargs):
-    alpha = kwargs.get("alpha", 1)
+    alpha = bind(aten.add.Tensor, args, kwargs).alpha
     ty = tangents[1] if len(tangents) > 1 else None
     if ty is not None and alpha != 1:
         ty = b.call(aten.mul.Tensor, ty, alpha)
@@ -123,7 +123,7 @@ def _jvp_add(b, out, args, tangents, kwargs):
 
 @def_jvp(aten.sub.Tensor)
 def _jvp_sub(b, out, args, tangents, kwargs):
-    alpha = kwargs.get("alpha", 1)
+    alpha = bind(aten.sub.Tensor, args, kwargs).alpha
     tx, ty = tangents[0], tangents[1] if len(tangents) > 1 else None
     if ty is not None and alpha != 1:
         ty = b.call(aten.mul.Tensor, ty, alpha)
@@ -134,24 +134,24 @@ def _jvp_sub(b, out, args, tangents, kwargs):
     return b.sub(tx, ty)
 
 
-def _transpose_add_sub(sign: int):
+def _transpose_add_sub(op, sign: int):
     def rule(b, ct, args, kwargs, linear):
-        alpha = kwargs.get("alpha", 1)
+        a = bind(op, args, kwargs)
         cts = [None] * len(args)
         if linear[0]:
-            cts[0] = b.sum_to(ct, shape(args[0]))
-        if len(args) > 1 and linear[1]:
+            cts[0] = b.sum_to(ct, shape(a.self))
+        if linear[1]:
             c = ct
-            if sign * alpha != 1:
-                c = b.call(aten.mul.Tensor, ct, sign * alpha)
-            cts[1] = b.sum_to(c, shape(args[1]))
+            if sign * a.alpha != 1:
+                c = b.call(aten.mul.Tensor, ct, sign * a.alpha)
+            cts[1] = b.sum_to(c, shape(a.other))
         return cts
 
     return rule
 
 
-def_transpose(aten.add.Tensor)(_transpose_add_sub(1))
-def_transpose(aten.sub.Tensor)(_transpose_add_sub(-1))
+def_transpose(aten.add.Tensor)(_transpose_add_sub(aten.add.Tensor, 1))
+def_transpose(aten.sub.Tensor)(_transpose_add_sub(aten.sub.Tensor, -1))
 
 
 @def_jvp(aten.add.Scalar)
@@ -166,7 +166,7 @@ def_jvp(aten.sub.Scalar)(_jvp_add_scalar)
 def _jvp_rsub_scalar(b, out, args, tangents, kwargs):
     # other - alpha * x
     t = b.call(aten.neg.default, tangents[0])
-    alpha = kwargs.get("alpha", 1)
+    alpha = bind(aten.rsub.Scalar, args, kwargs).alpha
     return t if alpha == 1 else b.call(aten.mul.Tensor, t, alpha)
 
 
@@ -416,16 +416,15 @@ register(aten.leaky_relu.default, F, _one)
 def _jvp_leaky_relu(b, out, args, tangents, kwargs):
     """d leaky_relu(x) = dx · (1 if x > 0 else slope); the coefficient is
     ``(x > 0)·(1 − slope) + slope``."""
-    slope = args[1] if len(args) > 1 else kwargs.get("negative_slope", 0.01)
+    slope = bind(aten.leaky_relu.default, args, kwargs).negative_slope
     mask = b.call(aten._to_copy.default, b.call(aten.gt.Scalar, args[0], 0), dtype=dtype(args[0]))
     coef = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, mask, 1.0 - slope), slope)
     return _scale(b, tangents[0], coef)
 
 
-def _clamp_bounds(args, kwargs):
-    lo = args[1] if len(args) > 1 else kwargs.get("min")
-    hi = args[2] if len(args) > 2 else kwargs.get("max")
-    return lo, hi
+def _clamp_bounds(op, args, kwargs):
+    a = bind(op, args, kwargs)
+    return a.min, a.max
 
 
 def _clamp_tangent(b, t, x, lo, hi):
@@ -441,7 +440,7 @@ def _clamp_tangent(b, t, x, lo, hi):
 
 @def_jvp(aten.clamp.default)
 def _jvp_clamp(b, out, args, tangents, kwargs):
-    lo, hi = _clamp_bounds(args, kwargs)
+    lo, hi = _clamp_bounds(aten.clamp.default, args, kwargs)
     return _clamp_tangent(b, tangents[0], args[0], lo, hi)
 
 
@@ -454,7 +453,7 @@ def _jvp_clamp_tensor(b, out, args, tangents, kwargs):
     dlo where x < lo, dhi where x > hi (PyTorch's ``clamp_jvp``; bounds with lo > hi, where
     PyTorch returns hi, are not special-cased)."""
     x = args[0]
-    lo, hi = _clamp_bounds(args, kwargs)
+    lo, hi = _clamp_bounds(aten.clamp.Tensor, args, kwargs)
     tx, tlo, thi = (list(tangents) + [None, None])[:3]
     parts = []
     if tx is not None:
@@ -531,7 +530,7 @@ def_jvp(aten.remainder.Scalar)(_jvp_shift)
 def _jvp_div_mode(b, out, args, tangents, kwargs):
     """Floor and truncating division are piecewise constant (zero tangent); without a rounding
     mode it is ``div``."""
-    if kwargs.get("rounding_mode", args[2] if len(args) > 2 else None) is not None:
+    if bind(aten.div.Tensor_mode, args, kwargs).rounding_mode is not None:
         return None
     return _jvp_div(b, out, args[:2], tangents[:2], {})
 

@@ -1,11 +1,11 @@
-"""Embedding lookups: 0 FLOPs, a copy of the gathered rows (FLOPS.md).
+"""Embedding lookups: 0 FLOPs, a copy of the gathered rows (docs/flops_conventions.md).
 
 ``embedding(W, idx)`` is linear in the table ``W``: its tangent looks the tangent table up at the
 same indices, and its transpose adds each row's cotangent back into a zero table with
-``index_put(..., accumulate=True)`` (1 FLOP per added element, FLOPS.md's "embedding backward"),
-an ordinary forward op that exports to ONNX (ScatterND with add). Rows at ``padding_idx`` get no
-gradient, as in PyTorch; the JVP masks them too, so that JVP and VJP stay transposes of each
-other (PyTorch's own forward-mode derivative does not mask them).
+``index_put(..., accumulate=True)`` (1 FLOP per added element, docs/flops_conventions.md's
+"embedding backward"), an ordinary forward op that exports to ONNX (ScatterND with add). Rows at
+``padding_idx`` get no gradient, as in PyTorch; the JVP masks them too, so that JVP and VJP stay
+transposes of each other (PyTorch's own forward-mode derivative does not mask them).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import free, numel, shape
+from graphflop.ops._common import bind, free, numel, shape
 from graphflop.ops.registry import (
     MissingRuleError,
     def_jvp,
@@ -29,10 +29,9 @@ register(aten.embedding.default, F, free, bytes="gather")
 
 
 def _embedding_args(args, kwargs):
-    weight, indices = args[0], args[1]
-    padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
-    scale = args[3] if len(args) > 3 else kwargs.get("scale_grad_by_freq", False)
-    if scale:
+    a = bind(aten.embedding.default, args, kwargs)
+    weight, indices, padding_idx = a.weight, a.indices, a.padding_idx
+    if a.scale_grad_by_freq:
         raise NotImplementedError(
             "embedding with scale_grad_by_freq=True has no derivative rule: add it in "
             "graphflop/ops/embedding.py"

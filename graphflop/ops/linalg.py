@@ -1,15 +1,15 @@
 """Matrix products: ``mm``, ``bmm``, ``addmm``, ``_grouped_mm`` (cost only). 2 FLOPs per multiply-add, all in ``mm_flops``;
-``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (FLOPS.md). ``mv`` and ``dot`` are
-traced as ``mm``, ``addbmm`` as one ``mm`` over the batch folded into K (decompositions at the
-end). Linear solves: ``_linalg_solve_ex`` (``torch.linalg.solve``) and ``linalg_lu_solve``, by
-the LU convention of docs/flops_conventions.md, outside ``mm_flops``."""
+``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (docs/flops_conventions.md). ``mv`` and
+``dot`` are traced as ``mm``, ``addbmm`` as one ``mm`` over the batch folded into K (decompositions
+at the end). Linear solves: ``_linalg_solve_ex`` (``torch.linalg.solve``) and ``linalg_lu_solve``,
+by the LU convention of docs/flops_conventions.md, outside ``mm_flops``."""
 
 from __future__ import annotations
 
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import numel, shape
+from graphflop.ops._common import bind, numel, shape
 from graphflop.ops.registry import (
     MissingRuleError,
     def_bilinear,
@@ -17,7 +17,6 @@ from graphflop.ops.registry import (
     def_transpose,
     register,
     register_decomposition,
-    update,
 )
 
 aten = torch.ops.aten
@@ -92,7 +91,8 @@ def_bilinear(aten.bmm.default, _transpose_bmm)
 @def_jvp(aten.addmm.default)
 def _jvp_addmm(b, out, args, tangents, kwargs):
     """d(bias + x·W) = dbias + dx·W + x·dW."""
-    if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+    a = bind(aten.addmm.default, args, kwargs)
+    if a.beta != 1 or a.alpha != 1:
         raise NotImplementedError("addmm with beta/alpha != 1 has no JVP rule yet")
     bias, x, w = args
     tb, tx, tw = tangents
@@ -102,9 +102,6 @@ def _jvp_addmm(b, out, args, tangents, kwargs):
     if t is not None and shape(t) != shape(out):
         t = b.call(aten.expand.default, t, list(shape(out)))
     return t
-
-
-update(aten.addmm.default)
 
 
 # --- decompositions ----------------------------------------------------------------------------
@@ -192,7 +189,7 @@ def _jvp_solve(b, out, args, tangents, kwargs):
     (``MissingRuleError``: the JVP and backward are cut there and the gap reported)."""
     a, rhs = args[0], args[1]
     ta, tb = tangents[0], tangents[1]
-    left = args[2] if len(args) > 2 else kwargs.get("left", True)
+    left = bind(aten._linalg_solve_ex.default, args, kwargs).left
     ra, rb = len(shape(a)), len(shape(rhs))
     if not left or ra not in (2, 3) or rb not in (ra, ra - 1):
         raise MissingRuleError(aten._linalg_solve_ex.default, ("jvp",))
@@ -216,8 +213,8 @@ def _jvp_solve(b, out, args, tangents, kwargs):
 @def_transpose(aten.linalg_lu_solve.default)
 def _transpose_lu_solve(b, ct, args, kwargs, linear):
     """Linear in B: B̄ = A⁻ᵀ·ct, the adjoint solve with the same factors."""
-    lu, pivots = args[0], args[1]
-    adjoint = kwargs.get("adjoint", False)
+    a = bind(aten.linalg_lu_solve.default, args, kwargs)
+    lu, pivots, adjoint = a.LU, a.pivots, a.adjoint
     rest = [None] * (len(args) - 2)
     ct_b = b.call(aten.linalg_lu_solve.default, lu, pivots, ct, adjoint=not adjoint)
     return [None, None, ct_b] + rest[1:]

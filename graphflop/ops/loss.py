@@ -1,5 +1,5 @@
 """Softmax, log-softmax and the losses: no rules of their own, they are traced as their parts
-(FLOPS.md counts a composite op as the sum of its parts).
+(docs/flops_conventions.md counts a composite op as the sum of its parts).
 
 * softmax and log-softmax: :func:`_softmax`, :func:`_log_softmax` (a max, a subtraction, ``exp``,
   a sum and a division or ``log``) for float32/float64, PyTorch's decompositions otherwise;

@@ -1,6 +1,6 @@
 """Normalisation ops left after decomposition. Training-mode batch norm, layer norm, group norm
 and vector norms decompose into elementwise ops and reductions (counted as the sum of their parts,
-FLOPS.md; the decompositions are at the end of this file);
+docs/flops_conventions.md; the decompositions are at the end of this file);
 eval-mode batch norm stays one op, ``_native_batch_norm_legit_no_training``, counted as the same
 parts: per element a subtract and a multiply (and a multiply by γ, an add of β), per channel an
 add of ε and an rsqrt.

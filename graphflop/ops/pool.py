@@ -1,13 +1,12 @@
 """Pooling. Max pooling costs (∏k − 1) comparisons per output element, average pooling ∏k
-(adds and one divide) per output element (FLOPS.md). Max pooling's tangent gathers the input
-tangent at the saved indices, so its transpose is a scatter-add of those indices; average
-pooling (2-D and 3-D; 1-D decomposes to 2-D) is linear: its transpose copies each scaled
-output gradient over its window and sums them back with ``col2im`` (pooling-class FLOPs, never
-matrix FLOPs; 3-D as two ``col2im`` over pairs of dims), dividing by each window's own
-divisor first where PyTorch's differs between windows (``ceil_mode``,
-``count_include_pad=False``). ``col2im`` and ``im2col`` (``fold``/``unfold``) are linear and
-transpose to each other. Adaptive average pooling
-is traced as a mean or an ``avg_pool2d`` where it can be (decomposition at the end).
+(adds and one divide) per output element (docs/flops_conventions.md). Max pooling's tangent gathers
+the input tangent at the saved indices, so its transpose is a scatter-add of those indices; average
+pooling (2-D and 3-D; 1-D decomposes to 2-D) is linear: its transpose copies each scaled output
+gradient over its window and sums them back with ``col2im`` (pooling-class FLOPs, never matrix
+FLOPs; 3-D as two ``col2im`` over pairs of dims), dividing by each window's own divisor first where
+PyTorch's differs between windows (``ceil_mode``, ``count_include_pad=False``). ``col2im`` and
+``im2col`` (``fold``/``unfold``) are linear and transpose to each other. Adaptive average pooling is
+traced as a mean or an ``avg_pool2d`` where it can be (decomposition at the end).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import math
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import device, dtype, numel, shape, value
+from graphflop.ops._common import bind, device, dtype, numel, shape, value
 from graphflop.ops.registry import (
     def_jvp,
     def_linear,
@@ -86,8 +85,9 @@ def _adaptive_windows(n_in: int, n_out: int) -> list[int]:
 
 def _adaptive_max_pool_cost(nd):
     def cost(out, x, output_size, *args, **kwargs):
-        """(window size − 1) comparisons per output element (FLOPS.md's max pooling), each
-        window's size from the adaptive bounds, times the leading (batch, channel) planes."""
+        """(window size − 1) comparisons per output element (docs/flops_conventions.md's max
+        pooling), each window's size from the adaptive bounds, times the leading (batch, channel)
+        planes."""
         xs = tuple(x.shape)
         lead = math.prod(xs[: len(xs) - nd])
         per_dim = [
@@ -109,19 +109,19 @@ def_jvp(aten.adaptive_max_pool2d.default)(_jvp_max_pool(2))
 def_jvp(aten.adaptive_max_pool3d.default)(_jvp_max_pool(3))
 
 
-def _pool_args(args, nd):
-    k = _kernel(args, nd)
-    stride = list(args[2]) if len(args) > 2 and args[2] else k
+def _pool_args(op, args, kwargs, nd):
+    """Average pooling's window, by schema name; an empty ``stride`` (the default) is the
+    kernel, and one-element sizes apply to every pooled dim."""
+    a = bind(op, args, kwargs)
+    k = _kernel((a.self, a.kernel_size), nd)
+    stride = list(a.stride) or k
     stride = stride * nd if len(stride) == 1 else stride
-    padding = list(args[3]) if len(args) > 3 else [0] * nd
+    padding = list(a.padding)
     padding = padding * nd if len(padding) == 1 else padding
-    ceil_mode = bool(args[4]) if len(args) > 4 else False
-    count_include_pad = bool(args[5]) if len(args) > 5 else True
-    divisor = args[6] if len(args) > 6 else None
-    return k, stride, padding, ceil_mode, count_include_pad, divisor
+    return k, stride, padding, bool(a.ceil_mode), bool(a.count_include_pad), a.divisor_override
 
 
-def _transpose_avg_pool(nd):
+def _transpose_avg_pool(op, nd):
     def rule(b, ct, args, kwargs, linear):
         """Average pooling is ``y = (1/d) · Σ_window x``; its transpose spreads ``ct/d`` over each
         window. Each window's divisor ``d`` is PyTorch's: the override, or the count of (padded,
@@ -129,18 +129,18 @@ def _transpose_avg_pool(nd):
 
         2-D: scale ``ct`` by ``1/d`` (1 FLOP per output-gradient element), copy each value to its
         window's ∏k positions (expand, a copy) and sum the overlapping windows back into place
-        with ``col2im`` (1 add per value it places, FLOPS.md's scatter convention): ∏k + 1 FLOPs
-        per output-gradient element, none of them matrix FLOPs, as PyTorch's own
+        with ``col2im`` (1 add per value it places, docs/flops_conventions.md's scatter convention):
+        ∏k + 1 FLOPs per output-gradient element, none of them matrix FLOPs, as PyTorch's own
         ``avg_pool2d_backward`` (which ONNX cannot export) spends them. 3-D (``col2im`` is 2-D
         only): the same scale, then the window spread one pair of dims at a time
-        (:func:`_spread_3d`): 1 + kD·kH FLOPs per output-gradient element plus kW per element
-        of the (D, H)-spread planes (c·eD·eH·oW·kW; for windows that tile the input, k = s and
-        no padding: 1 + kD·kH + ∏k per output-gradient element), no matrix FLOPs. Both run
-        unpadded over the whole padded extent; a ``constant_pad_nd`` crops the padding (and pads
-        the trailing positions no window reads with zeros)."""
+        (:func:`_spread_3d`): 1 + kD·kH FLOPs per output-gradient element plus kW per element of the
+        (D, H)-spread planes (c·eD·eH·oW·kW; for windows that tile the input, k = s and no padding:
+        1 + kD·kH + ∏k per output-gradient element), no matrix FLOPs. Both run unpadded over the
+        whole padded extent; a ``constant_pad_nd`` crops the padding (and pads the trailing
+        positions no window reads with zeros)."""
         x = args[0]
         xs, cs = shape(x), shape(ct)
-        k, stride, padding, ceil_mode, count_include_pad, divisor = _pool_args(args, nd)
+        k, stride, padding, ceil_mode, count_include_pad, divisor = _pool_args(op, args, kwargs, nd)
         c = math.prod(xs[: len(xs) - nd])  # channels (and batch), pooled independently
         sp_in, sp_out = list(xs[len(xs) - nd :]), list(cs[len(cs) - nd :])
         constant = (
@@ -237,8 +237,8 @@ def _window_counts(b, x, xs, out_sp, k, stride, padding, count_include_pad):
 
 
 register(aten.avg_pool3d.default, F, _avg_pool_cost(3))
-def_linear(aten.avg_pool2d.default, _transpose_avg_pool(2))
-def_linear(aten.avg_pool3d.default, _transpose_avg_pool(3))
+def_linear(aten.avg_pool2d.default, _transpose_avg_pool(aten.avg_pool2d.default, 2))
+def_linear(aten.avg_pool3d.default, _transpose_avg_pool(aten.avg_pool3d.default, 3))
 
 
 # --- decompositions ----------------------------------------------------------------------------
@@ -266,8 +266,8 @@ def _adaptive_avg_pool2d(x, output_size):
 
 
 def _col2im_cost(out, cols, *args, **kwargs):
-    """``col2im`` adds every column value into its place: 1 FLOP per input element (FLOPS.md's
-    scatter convention, as ``scatter_add`` and ``index_add``)."""
+    """``col2im`` adds every column value into its place: 1 FLOP per input element
+    (docs/flops_conventions.md's scatter convention, as ``scatter_add`` and ``index_add``)."""
     return NodeCost(flops=numel(cols))
 
 

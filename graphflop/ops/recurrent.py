@@ -1,6 +1,7 @@
 """Recurrent layers (LSTM, GRU, RNN and their cells): no rules of their own, they are traced as
 their parts, so every time step's matrix products are counted (``mm_flops``), the first step's
-hidden product included, as PyTorch computes it, and the gates elementwise (FLOPS.md).
+hidden product included, as PyTorch computes it, and the gates elementwise
+(docs/flops_conventions.md).
 
 Two things make that possible:
 

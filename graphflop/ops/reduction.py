@@ -1,9 +1,10 @@
 """Reductions: sum, mean, amax/amin, max/min along a dim, argmax/argmin, any/all, var,
-var_mean, cumsum, cumprod. 1 FLOP per input element; mean adds 1 per output element (FLOPS.md).
-``var_mean`` is counted as a mean plus a variance: 2 per input element and 2 per output element
-(the two divides). ``cumsum`` and ``cumprod`` are 1 per input element; cumsum's transpose is a
-reversed cumsum (flip, cumsum, flip); cumprod's tangent is ``out · cumsum(dx / x)``. Sorting and
-selection (topk, sort, kthvalue) are in :mod:`graphflop.ops.sorting`.
+var_mean, cumsum, cumprod. 1 FLOP per input element; mean adds 1 per output element
+(docs/flops_conventions.md). ``var_mean`` is counted as a mean plus a variance: 2 per input element
+and 2 per output element (the two divides). ``cumsum`` and ``cumprod`` are 1 per input element;
+cumsum's transpose is a reversed cumsum (flip, cumsum, flip); cumprod's tangent is
+``out · cumsum(dx / x)``. Sorting and selection (topk, sort, kthvalue) are in
+:mod:`graphflop.ops.sorting`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import math
 import torch
 
 from graphflop.meta import NodeCost
+from graphflop.ops._common import bind, norm_dims, numel, per_input, shape
 from graphflop.ops._common import dtype as dtype_of
-from graphflop.ops._common import norm_dims, numel, per_input, shape
 from graphflop.ops.registry import def_jvp, def_transpose, def_zero, register
 
 aten = torch.ops.aten
@@ -38,10 +39,10 @@ register(aten.var_mean.correction, F, _var_mean_cost)
 register(aten.var.correction, F, per_input(1, plus_per_output=1))
 
 
-def _reduce_args(x_shape, args, kwargs, dims_pos=1):
-    dims = args[dims_pos] if len(args) > dims_pos else kwargs.get("dim")
-    keepdim = args[dims_pos + 1] if len(args) > dims_pos + 1 else kwargs.get("keepdim", False)
-    return norm_dims(dims, len(x_shape)), bool(keepdim)
+def _reduce_args(op, x_shape, args, kwargs):
+    """A reduction's dims (sorted, non-negative; none given means all) and ``keepdim``."""
+    a = bind(op, args, kwargs)
+    return norm_dims(a.dim, len(x_shape)), bool(a.keepdim)
 
 
 def expand_back(b, ct, x_shape, dims, keepdim):
@@ -64,7 +65,7 @@ def _jvp_sum(b, out, args, tangents, kwargs):
 @def_transpose(aten.sum.dim_IntList)
 def _transpose_sum(b, ct, args, kwargs, linear):
     xs = shape(args[0])
-    dims, keepdim = _reduce_args(xs, args, kwargs)
+    dims, keepdim = _reduce_args(aten.sum.dim_IntList, xs, args, kwargs)
     return [expand_back(b, ct, xs, dims, keepdim)] + [None] * (len(args) - 1)
 
 
@@ -92,7 +93,7 @@ def _mean_back(b, ct, xs, dims, keepdim):
 @def_transpose(aten.mean.dim)
 def _transpose_mean(b, ct, args, kwargs, linear):
     xs = shape(args[0])
-    dims, keepdim = _reduce_args(xs, args, kwargs)
+    dims, keepdim = _reduce_args(aten.mean.dim, xs, args, kwargs)
     return [_mean_back(b, ct, xs, dims, keepdim)] + [None] * (len(args) - 1)
 
 
@@ -107,43 +108,42 @@ def _transpose_mean_all(b, ct, args, kwargs, linear):
     return [_mean_back(b, ct, xs, list(range(len(xs))), False)]
 
 
-def _jvp_extremum(b, out, args, tangents, kwargs):
+def _jvp_extremum(op):
     """d amax(x) = sum(dx * m) / sum(m), m = (x == amax(x)) (ties share the derivative)."""
-    x = args[0]
-    xs = shape(x)
-    dims, keepdim = _reduce_args(xs, args, kwargs)
-    kept = out if keepdim else expand_back(b, out, xs, dims, False)
-    mask = b.call(aten.eq.Tensor, x, kept)
-    count = b.call(aten.sum.dim_IntList, mask, dims, True)
-    coef = b.call(aten.div.Tensor, mask, count)
-    t = b.call(aten.mul.Tensor, tangents[0], coef)
-    return b.call(aten.sum.dim_IntList, t, dims, keepdim)
+
+    def jvp(b, out, args, tangents, kwargs):
+        x = args[0]
+        xs = shape(x)
+        dims, keepdim = _reduce_args(op, xs, args, kwargs)
+        kept = out if keepdim else expand_back(b, out, xs, dims, False)
+        mask = b.call(aten.eq.Tensor, x, kept)
+        count = b.call(aten.sum.dim_IntList, mask, dims, True)
+        coef = b.call(aten.div.Tensor, mask, count)
+        t = b.call(aten.mul.Tensor, tangents[0], coef)
+        return b.call(aten.sum.dim_IntList, t, dims, keepdim)
+
+    return jvp
 
 
-def_jvp(aten.amax.default)(_jvp_extremum)
-def_jvp(aten.amin.default)(_jvp_extremum)
+def_jvp(aten.amax.default)(_jvp_extremum(aten.amax.default))
+def_jvp(aten.amin.default)(_jvp_extremum(aten.amin.default))
 
 
-def _var_args(args, kwargs):
+def _var_args(op, args, kwargs):
     """``var``/``var_mean``'s input shape, reduced dims, keepdim, element count per output and
     correction (1 when unset, as PyTorch)."""
-    xs = shape(args[0])
-    dims = norm_dims(args[1] if len(args) > 1 else kwargs.get("dim"), len(xs))
-    correction = kwargs.get("correction", 1)
-    return (
-        xs,
-        dims,
-        bool(kwargs.get("keepdim", False)),
-        _count(xs, dims),
-        1 if correction is None else correction,
-    )
+    a = bind(op, args, kwargs)
+    xs = shape(a.self)
+    dims = norm_dims(a.dim, len(xs))
+    correction = 1 if a.correction is None else a.correction
+    return xs, dims, bool(a.keepdim), _count(xs, dims), correction
 
 
 @def_jvp(aten.var_mean.correction)
 def _jvp_var_mean(b, out, args, tangents, kwargs):
     """mean' = mean(dx); var' = sum(dx * 2 (x - mean) / (n - correction))."""
     x = args[0]
-    xs, dims, keepdim, n, correction = _var_args(args, kwargs)
+    xs, dims, keepdim, n, correction = _var_args(aten.var_mean.correction, args, kwargs)
     tx = tangents[0]
     mean = b.getitem(out, 1)
     mean_k = mean if keepdim else expand_back(b, mean, xs, dims, False)
@@ -158,7 +158,7 @@ def _jvp_var_mean(b, out, args, tangents, kwargs):
 def _jvp_var(b, out, args, tangents, kwargs):
     """var' = sum(dx · 2 (x − mean) / (n − correction)) over the reduced dims."""
     x = args[0]
-    xs, dims, keepdim, n, correction = _var_args(args, kwargs)
+    xs, dims, keepdim, n, correction = _var_args(aten.var.correction, args, kwargs)
     mean = b.call(aten.mean.dim, x, dims, True)
     coef = b.call(aten.mul.Tensor, b.call(aten.sub.Tensor, x, mean), 2.0 / max(n - correction, 1))
     return b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, tangents[0], coef), dims, keepdim)
@@ -182,23 +182,26 @@ for _op in _INTEGER_VALUED:
     def_zero(_op)
 
 
-def _jvp_max_min_dim(b, out, args, tangents, kwargs):
+def _jvp_max_min_dim(op):
     """The tangent of the values is the input tangent gathered at the returned indices (the
     first extremum, as PyTorch's derivative); gather transposes to scatter_add."""
-    x = args[0]
-    dim = (args[1] if len(args) > 1 else kwargs["dim"]) % max(len(shape(x)), 1)
-    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
-    idx = b.getitem(out, 1)
-    if not keepdim:
-        idx = b.call(aten.unsqueeze.default, idx, dim)
-    t = b.call(aten.gather.default, tangents[0], dim, idx)
-    if not keepdim:
-        t = b.call(aten.squeeze.dims, t, [dim])
-    return (t, None)
+
+    def jvp(b, out, args, tangents, kwargs):
+        a = bind(op, args, kwargs)
+        dim = a.dim % max(len(shape(a.self)), 1)
+        idx = b.getitem(out, 1)
+        if not a.keepdim:
+            idx = b.call(aten.unsqueeze.default, idx, dim)
+        t = b.call(aten.gather.default, tangents[0], dim, idx)
+        if not a.keepdim:
+            t = b.call(aten.squeeze.dims, t, [dim])
+        return (t, None)
+
+    return jvp
 
 
-def_jvp(aten.max.dim)(_jvp_max_min_dim)
-def_jvp(aten.min.dim)(_jvp_max_min_dim)
+def_jvp(aten.max.dim)(_jvp_max_min_dim(aten.max.dim))
+def_jvp(aten.min.dim)(_jvp_max_min_dim(aten.min.dim))
 
 
 # --- cumulative sum: linear; its transpose is a reversed cumulative sum --------------------------
@@ -212,7 +215,7 @@ def _jvp_cumsum(b, out, args, tangents, kwargs):
 @def_transpose(aten.cumsum.default)
 def _transpose_cumsum(b, ct, args, kwargs, linear):
     """x̄ᵢ = Σ_{j ≥ i} ct_j: flip, cumsum, flip back along the dim."""
-    dim = args[1] if len(args) > 1 else kwargs["dim"]
+    dim = bind(aten.cumsum.default, args, kwargs).dim
     rev = b.call(aten.flip.default, ct, [dim])
     out = b.call(aten.flip.default, b.call(aten.cumsum.default, rev, dim), [dim])
     if dtype_of(out) != dtype_of(args[0]):
@@ -229,6 +232,7 @@ def _jvp_cumprod(b, out, args, tangents, kwargs):
     (PyTorch's ``cumprod_jvp`` for inputs without zeros; at an exact zero of ``x`` this gives
     nan/inf, where PyTorch takes a slower exact path). Linear in the tangent: divide, cumsum,
     multiply, each with its transpose."""
-    x, dim = args[0], args[1] if len(args) > 1 else kwargs["dim"]
+    a = bind(aten.cumprod.default, args, kwargs)
+    x, dim = a.self, a.dim
     ratio = b.call(aten.div.Tensor, tangents[0], x)
     return b.call(aten.mul.Tensor, b.call(aten.cumsum.default, ratio, dim), out)

@@ -2,7 +2,8 @@
 
 Each rule holds the op's cost (a pure function of shapes), how it moves bytes, and, where the op
 is differentiable, its JVP rule and, for ops linear in some inputs, its transpose rule. Every pass
-(FLOPs, memory, JVP, VJP, export) reads this table and nothing else (ARCHITECTURE.md, principle 2).
+(FLOPs, memory, JVP, VJP, export) reads this table and nothing else, so an op's rules live in one
+place and cannot disagree between passes (docs/architecture.md, "Adding an op").
 
 Rule signatures (``b`` is a builder from :mod:`graphflop.ad.builder`):
 

@@ -1,5 +1,5 @@
 """Scatters beyond ``scatter_add`` (which lives with ``gather`` in ``shape.py``): ``scatter.src``
-and ``scatter.value`` (copies: 0 FLOPs, FLOPS.md), ``scatter_reduce.two``.
+and ``scatter.value`` (copies: 0 FLOPs, docs/flops_conventions.md), ``scatter_reduce.two``.
 
 ``scatter.src``/``scatter.value`` are linear in the destination and the source jointly (for a
 fixed index): the JVP scatters the tangents, the transpose gives the destination the cotangent
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import dtype, free, numel, shape
+from graphflop.ops._common import bind, dtype, free, numel, shape
 from graphflop.ops.registry import (
     MissingRuleError,
     def_jvp,
@@ -107,9 +107,9 @@ def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
 def _jvp_scatter_reduce(b, out, args, tangents, kwargs):
     """amax/amin, include_self: (Σ of the tangents of self and src elements equal to the
     result) / (their count), per output position."""
-    x, dim, index, src, reduce = args[:5]
-    include_self = args[5] if len(args) > 5 else kwargs.get("include_self", True)
-    if reduce not in ("amax", "amin") or not include_self:
+    a = bind(aten.scatter_reduce.two, args, kwargs)
+    x, dim, index, src = a.self, a.dim, a.index, a.src
+    if a.reduce not in ("amax", "amin") or not a.include_self:
         raise MissingRuleError(aten.scatter_reduce.two, ("jvp",))
     tx, tsrc = tangents[0], tangents[3]
     if tx is None and tsrc is None:

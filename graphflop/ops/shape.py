@@ -1,18 +1,21 @@
 """Views, copies and index ops: 0 FLOPs. Views move no bytes; copies read and write their bytes
-(FLOPS.md). All are linear; their transposes are other shape ops: ``scatter_add`` for
-``gather``, ``index_add`` for ``index_select``, ``index_put(accumulate=True)`` for advanced
+(docs/flops_conventions.md). All are linear; their transposes are other shape ops: ``scatter_add``
+for ``gather``, ``index_add`` for ``index_select``, ``index_put(accumulate=True)`` for advanced
 indexing (``index``: upsampling, reflection and replication padding, uneven adaptive pooling
-decompose to it), ``slice`` of the tangent for the pieces of ``split_with_sizes`` (``chunk``,
-``split``), a flip for ``flip``, a sum over the tiles for ``repeat``. ``index_put`` and
-``index_add`` with accumulation cost 1 FLOP per added element. In-place views on temporaries and
-upsampling are traced as functional views and index ops (decompositions at the end)."""
+decompose to it), one concatenation of the pieces' cotangents for ``split_with_sizes`` (``chunk``,
+``split``, and ``unbind``, traced as a split), a flip for ``flip``, a sum over the tiles for
+``repeat``. ``index_put`` and ``index_add`` with accumulation cost 1 FLOP per added element.
+In-place views on temporaries and upsampling are traced as functional views and index ops
+(decompositions at the end)."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import dtype, free, norm_dims, numel, shape, value
+from graphflop.ops._common import bind, dtype, free, norm_dims, numel, shape, value
 from graphflop.ops.registry import (
     def_jvp,
     def_linear,
@@ -62,7 +65,8 @@ COPIES = (
     aten.stack.default,
     aten.repeat.default,
 )
-#: lookups read the rows they gather (and the indices), not the whole source (FLOPS.md)
+#: lookups read the rows they gather (and the indices), not the whole source
+#: (docs/flops_conventions.md)
 GATHERS = (aten.index_select.default, aten.gather.default)
 for _op in VIEWS:
     register(_op, F, free, bytes="view")
@@ -192,15 +196,10 @@ def _transpose_to_copy(b, ct, args, kwargs, linear):
 
 
 def _transpose_slice(b, ct, args, kwargs, linear):
-    x = args[0]
-    dim = args[1] if len(args) > 1 else 0
-    start = args[2] if len(args) > 2 else None
-    end = args[3] if len(args) > 3 else None
-    step = args[4] if len(args) > 4 else 1
-    zeros = b.zeros(shape(x), x)
-    return [b.call(aten.slice_scatter.default, zeros, ct, dim, start, end, step)] + [None] * (
-        len(args) - 1
-    )
+    a = bind(aten.slice.Tensor, args, kwargs)
+    zeros = b.zeros(shape(a.self), a.self)
+    scatter = b.call(aten.slice_scatter.default, zeros, ct, a.dim, a.start, a.end, a.step)
+    return [scatter] + [None] * (len(args) - 1)
 
 
 def_linear(aten.slice.Tensor, _transpose_slice)
@@ -215,19 +214,12 @@ def _transpose_select(b, ct, args, kwargs, linear):
 def_linear(aten.select.int, _transpose_select)
 
 
-def _diagonal_args(args, first: int):
-    """``(offset, dim1, dim2)`` of ``diagonal``/``diagonal_scatter``, read from ``args[first:]``."""
-    rest = list(args[first:]) + [0, 0, 1][len(args) - first :]
-    return rest[0], rest[1], rest[2]
-
-
 def _transpose_diagonal(b, ct, args, kwargs, linear):
     """``diagonal(x, offset, dim1, dim2)`` (einsum ``"ii->i"``, ``.diagonal()``) is a view: its
     cotangent is ``ct`` written onto the diagonal of zeros of ``x``'s shape."""
-    x = args[0]
-    offset, dim1, dim2 = _diagonal_args(args, 1)
-    zeros = b.zeros(shape(x), x)
-    out = b.call(aten.diagonal_scatter.default, zeros, ct, offset, dim1, dim2)
+    a = bind(aten.diagonal.default, args, kwargs)
+    zeros = b.zeros(shape(a.self), a.self)
+    out = b.call(aten.diagonal_scatter.default, zeros, ct, a.offset, a.dim1, a.dim2)
     return [out] + [None] * (len(args) - 1)
 
 
@@ -238,8 +230,8 @@ def _transpose_diagonal_scatter(b, ct, args, kwargs, linear):
     """``diagonal_scatter(x, src, offset, dim1, dim2)`` (a write into a diagonal,
     functionalised) is linear in ``(x, src)`` jointly: ``x``'s cotangent is ``ct`` with the
     diagonal zeroed, ``src``'s the diagonal of ``ct``."""
-    src = args[1]
-    offset, dim1, dim2 = _diagonal_args(args, 2)
+    a = bind(aten.diagonal_scatter.default, args, kwargs)
+    src, offset, dim1, dim2 = a.src, a.offset, a.dim1, a.dim2
     ct_x = (
         b.call(aten.diagonal_scatter.default, ct, b.zeros(shape(src), src), offset, dim1, dim2)
         if linear[0]
@@ -252,20 +244,12 @@ def _transpose_diagonal_scatter(b, ct, args, kwargs, linear):
 def_linear(aten.diagonal_scatter.default, _transpose_diagonal_scatter)
 
 
-def _slice_args(args):
-    dim = args[2] if len(args) > 2 else 0
-    start = args[3] if len(args) > 3 else None
-    end = args[4] if len(args) > 4 else None
-    step = args[5] if len(args) > 5 else 1
-    return dim, start, end, step
-
-
 def _transpose_slice_scatter(b, ct, args, kwargs, linear):
     """``slice_scatter(x, src, ...)`` (an in-place write into a slice, functionalised) is linear
     in ``(x, src)`` jointly: ``x``'s cotangent is ``ct`` with the slice zeroed, ``src``'s the
     slice of ``ct``."""
-    src = args[1]
-    dim, start, end, step = _slice_args(args)
+    a = bind(aten.slice_scatter.default, args, kwargs)
+    src, dim, start, end, step = a.src, a.dim, a.start, a.end, a.step
     ct_x = (
         b.call(aten.slice_scatter.default, ct, b.zeros(shape(src), src), dim, start, end, step)
         if linear[0]
@@ -318,8 +302,7 @@ def _jvp_cat(b, out, args, tangents, kwargs):
 
 @def_transpose(aten.cat.default)
 def _transpose_cat(b, ct, args, kwargs, linear):
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    dim = dim % len(shape(args[0][0]))
+    dim = bind(aten.cat.default, args, kwargs).dim % len(shape(args[0][0]))
     cts, offset = [], 0
     for a, is_lin in zip(args[0], linear[0]):
         size = shape(a)[dim]
@@ -379,21 +362,42 @@ register(aten._assert_tensor_metadata.default, F, free, bytes="view")
 def_zero(aten._assert_tensor_metadata.default)
 
 
-def _split_tangents(b, t, dim: int, sizes: list[int]):
-    """The tangent of each piece of a split: slices of the input tangent (slice transposes to
-    ``slice_scatter``), so a multi-output view needs no transpose rule of its own."""
-    out, start = [], 0
-    for size in sizes:
-        out.append(b.call(aten.slice.Tensor, t, dim, start, start + size))
-        start += size
-    return tuple(out)
-
-
 @def_jvp(aten.split_with_sizes.default)
 def _jvp_split_with_sizes(b, out, args, tangents, kwargs):
-    x, sizes = args[0], list(args[1])
-    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % len(shape(x))
-    return _split_tangents(b, tangents[0], dim, sizes)
+    """The same split of the input tangent, one ``getitem`` per piece: the pieces stay one op,
+    so the transpose joins their cotangents with one concatenation."""
+    a = bind(aten.split_with_sizes.default, args, kwargs)
+    x, sizes = a.self, list(a.split_sizes)
+    dim = a.dim % len(shape(x))
+    pieces = b.call(aten.split_with_sizes.default, tangents[0], sizes, dim)
+    return tuple(b.call(operator.getitem, pieces, i) for i in range(len(sizes)))
+
+
+@def_transpose(aten.split_with_sizes.default)
+def _transpose_split_with_sizes(b, ct, args, kwargs, linear):
+    """``ct`` holds one cotangent per piece (``None`` where a piece has none): the input's
+    cotangent is their concatenation along the split dim, zeros in place of the missing ones
+    (0 FLOPs; the pieces read and the input written once)."""
+    a = bind(aten.split_with_sizes.default, args, kwargs)
+    x, sizes = a.self, list(a.split_sizes)
+    dim = a.dim % len(shape(x))
+    parts = []
+    for size, c in zip(sizes, ct):
+        if c is None:
+            piece = list(shape(x))
+            piece[dim] = size
+            c = b.zeros(piece, x)
+        parts.append(c)
+    return [b.call(aten.cat.default, parts, dim), None, None]
+
+
+@register_decomposition(aten.unbind.int)
+def _unbind_as_split(x, dim=0):
+    """``unbind`` as a split into pieces of 1 along ``dim``, each squeezed: one op whose
+    transpose is one concatenation (PyTorch's decomposition slices once per piece, and each
+    slice transposes to a ``slice_scatter`` into zeros, summed)."""
+    pieces = aten.split_with_sizes.default(x, [1] * x.shape[dim], dim)
+    return tuple(aten.squeeze.dims(p, [dim]) for p in pieces)
 
 
 register(aten.flip.default, F, free, bytes="copy")
@@ -414,7 +418,7 @@ def _jvp_index_select(b, out, args, tangents, kwargs):
 @def_transpose(aten.index_select.default)
 def _transpose_index_select(b, ct, args, kwargs, linear):
     """``index_select``'s transpose adds each selected slice back: ``index_add`` (1 FLOP per
-    added element, FLOPS.md)."""
+    added element, docs/flops_conventions.md)."""
     x, dim, index = args
     zeros = b.zeros(shape(x), x)
     return [b.call(aten.index_add.default, zeros, dim, index, ct), None, None]
@@ -427,7 +431,8 @@ for _op in (aten.index.Tensor, aten._unsafe_index.Tensor):
 
 
 def _index_put_cost(out, x, indices, values, accumulate=False, *args, **kwargs) -> NodeCost:
-    """``index_put``: a copy, or with ``accumulate`` 1 FLOP per added element (FLOPS.md)."""
+    """``index_put``: a copy, or with ``accumulate`` 1 FLOP per added element
+    (docs/flops_conventions.md)."""
     return NodeCost(flops=numel(values) if accumulate else 0)
 
 
@@ -447,8 +452,8 @@ def_linear(aten.index.Tensor, _transpose_index)
 
 
 def _index_put_args(args, kwargs):
-    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
-    return args[0], list(args[1]), args[2], bool(accumulate)
+    a = bind(aten.index_put.default, args, kwargs)
+    return a.self, list(a.indices), a.values, bool(a.accumulate)
 
 
 @def_jvp(aten.index_put.default)

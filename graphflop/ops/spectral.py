@@ -2,12 +2,12 @@
 input), ``_fft_c2r`` (``irfft``), ``_fft_c2c`` (``fft``/``ifft``/``fft2`` of complex inputs), and
 the complex views around them (``view_as_real``, ``view_as_complex``).
 
-Cost (FLOPS.md): ``5·N·log2 N`` per complex transform of N points (N the product of the
-transformed dims' sizes, the signal's, not the one-sided spectrum's), half that for a real
+Cost (docs/flops_conventions.md): ``5·N·log2 N`` per complex transform of N points (N the product of
+the transformed dims' sizes, the signal's, not the one-sided spectrum's), half that for a real
 transform (``r2c``, ``c2r``: ``2.5·N·log2 N``), times the number of transforms (the other dims),
 rounded to the nearest integer over the node; outside ``mm_flops``. The normalisation's scaling
-(``norm="ortho"``/``"forward"``/``"backward"``) is not counted separately. FlopCounterMode counts
-no FFT.
+(``norm="ortho"``/``"forward"``/``"backward"``) is not counted separately. FlopCounterMode counts no
+FFT.
 
 Derivatives: every transform is linear (over the reals), so its JVP is the same transform of the
 tangent; the transposes are PyTorch's backward formulas (``tools/autograd/derivatives.yaml``):

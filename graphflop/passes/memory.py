@@ -1,9 +1,9 @@
 """Memory pass: live-tensor peaks over a topological schedule, and the memory summary.
 
-A tensor is live from the node that writes it to its last reader (FLOPS.md, Memory). Views share
-their base's storage (the op's byte policy says which ops are views), so a storage is freed after
-the last reader of any of its views. Parameters (and, for training, gradients and optimizer
-state) are always live and are added as a baseline rather than scheduled.
+A tensor is live from the node that writes it to its last reader (docs/flops_conventions.md,
+Memory). Views share their base's storage (the op's byte policy says which ops are views), so a
+storage is freed after the last reader of any of its views. Parameters (and, for training, gradients
+and optimizer state) are always live and are added as a baseline rather than scheduled.
 
 Reads ``val``, ``RESIDUAL``/``SOURCE`` (backward residuals alias forward values) and the
 rule table's byte policies. Writes nothing on nodes; :func:`annotate_memory` (the pass

@@ -3,7 +3,7 @@
 ``build_update(params, optimizer)`` returns a GraphModule taking, in order, the parameters, their
 gradients, the optimizer state tensors and the scalar hyper-parameter inputs (``lr``, and
 ``step`` for Adam/AdamW), and returning the new parameters then the new state. Every update op is
-elementwise over the parameter, so its FLOPs per parameter element are (FLOPS.md):
+elementwise over the parameter, so its FLOPs per parameter element are (docs/flops_conventions.md):
 
 ========  ==========================================================  =====
 SGD       ``w - lr·g``                                                 2
@@ -61,7 +61,7 @@ from graphflop.passes.infra import GraphPass
 
 aten = torch.ops.aten
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-#: FLOPs per parameter element of each update (FLOPS.md)
+#: FLOPs per parameter element of each update (docs/flops_conventions.md)
 #: node.meta key on update placeholders: ``param``, ``grad``, a state kind, ``lr`` or ``step``
 SLOT = SLOT
 

@@ -322,7 +322,7 @@ def check_matrix_flops_ratio(name: str) -> None:
     """Every product is bilinear in a parameter and an activation/input, both carrying
     tangents: the JVP graph runs the primal product and two tangent products (3× the forward's
     matrix FLOPs); the backward graph one product per operand (2×), a grouped convolution's
-    weight gradient included (its 1/G factor, FLOPS.md)."""
+    weight gradient included (its 1/G factor, docs/flops_conventions.md)."""
     fwd = annotate_flops(traced(name).fwd)
     fwd_mm = total_cost(n for n in fwd.graph.nodes if n.meta.get(ROLE) == "forward").mm_flops
     expect(fwd_mm > 0, "the case runs no matrix FLOPs")  # a precondition, not the check

@@ -6,7 +6,7 @@ sets in :mod:`graphflop.train.data`.
 
 The names below load their modules on first access (PEP 562), so that importing one submodule
 (the command line reads :mod:`graphflop.train.config`'s defaults to build ``--help``) does not
-load the training loop, the data readers and ONNX Runtime's glue (issue 19).
+load the training loop, the data readers and ONNX Runtime's glue, which cost seconds.
 """
 
 from __future__ import annotations

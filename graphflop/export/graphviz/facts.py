@@ -6,13 +6,13 @@ typed report ``analysis.report`` (only through :func:`report`). Nothing is writt
 annotation readers are the computations the typed report could take over:
 
 * :func:`report` / :func:`layer_rows` / :func:`loss_kind`: the report (one accessor);
-* :func:`picture_flops`, :func:`grad_input_flops`: per-layer FLOP sums for one picture;
+* :func:`grad_input_flops`: a layer's input-gradient FLOPs, accumulation included;
 * :func:`saved_bytes`: bytes of forward values the backward reads, per module;
 * :func:`node_costs`: per forward node, the FLOPs of its backward and tangent nodes and the
   bytes the backward keeps of it (for boxes that hold part of a module's ops);
 * :func:`ghost_flops`: pruned / skipped FLOPs per (module, role);
-* :func:`forward_modules`, :func:`own_ops`, :func:`forward_reads`: modules in forward order,
-  a parent module's own op names, the forward data flow between modules;
+* :func:`forward_modules`, :func:`model_inputs`: modules in forward order, the model-input
+  placeholders;
 * :func:`module_types`: module class names;
 * :func:`incoming_cotangent`: the cotangent that reached a forward node's backward;
 * :func:`param_gradients`: each parameter's gradient node in the backward's output;
@@ -23,7 +23,6 @@ annotation readers are the computations the typed report could take over:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -62,19 +61,6 @@ def layer_rows(analysis: Any) -> dict[str, LayerRow]:
 def loss_kind(analysis: Any) -> str:
     """The loss's name (``cross_entropy``, ...), or ``loss``."""
     return report(analysis).loss or "loss"
-
-
-def picture_flops(row: LayerRow, graph: str) -> int:
-    """A layer row's FLOPs in the phases picture ``graph`` draws (the module box's fill)."""
-    f = row.forward_flops
-    if graph == "forward":
-        return f
-    if graph == "backward":
-        return row.backward_flops
-    if graph == "jvp":
-        return f + row.jvp_flops
-    total = f + row.backward_flops + row.update_flops
-    return total + (row.jvp_flops if graph == "all" else 0)
 
 
 def grad_input_flops(row: LayerRow) -> int:
@@ -231,38 +217,7 @@ def forward_modules(analysis: Any) -> list[str]:
     return list(order)
 
 
-def own_ops(analysis: Any, parents: set[str]) -> dict[str, list[str]]:
-    """Parent module → the distinct op names of its own forward ops (views left out)."""
-    ops: dict[str, list[str]] = defaultdict(list)
-    for n in analysis.forward.graph.nodes:
-        m = n.meta.get(MODULE, "")
-        if n.op == "call_function" and m in parents:
-            name = op_short(n.target)
-            if name not in ops[m] and name not in ("getitem", "view", "reshape"):
-                ops[m].append(name)
-    return dict(ops)
-
-
 def model_inputs(gm: Any) -> set[str]:
     """Names of the model-input placeholders (the signature's ``inputs``)."""
     sig = gm.meta.get(SIGNATURE)
     return set(sig.inputs) if sig else set()
-
-
-def forward_reads(analysis: Any) -> Iterator[tuple[tuple[str, str], str, int]]:
-    """Each read of a model input or a call node's value by a forward call node:
-    (``("input", name)`` or ``("module", path)`` of the value, reading module, value bytes)."""
-    fwd = analysis.forward
-    inputs = model_inputs(fwd)
-    where: dict[str, tuple[str, str]] = {}
-    for n in fwd.graph.nodes:
-        if n.op == "placeholder" and n.name in inputs:
-            where[n.name] = ("input", n.name)
-        elif n.op == "call_function":
-            where[n.name] = ("module", n.meta.get(MODULE, ""))
-    for n in fwd.graph.nodes:
-        if n.op != "call_function":
-            continue
-        for u in n.all_input_nodes:
-            if u.name in where:
-                yield where[u.name], n.meta.get(MODULE, ""), bytes_of(u.meta.get("val"))

@@ -130,11 +130,6 @@ def module_scene(
     return scene.build()
 
 
-def box_id(path: str) -> str:
-    """The drawn id of module ``path``'s (first) box (``m_model`` for the model's own ops)."""
-    return f"m_{sanitize_name(path) or 'model'}"
-
-
 def under(path: str, root: str | None) -> bool:
     """``path`` is ``root`` or inside it (any path when ``root`` is None)."""
     return root is None or path == root or path.startswith(root + ".")

@@ -1,11 +1,12 @@
 """The op database: one :class:`OpCase` per op (or pattern) graphflop has rules for.
 
-In the style of PyTorch's OpInfo (STYLE.md): each entry is a tiny ``nn.Module`` whose forward
+In the style of PyTorch's OpInfo: each entry is a tiny ``nn.Module`` whose forward
 exercises mainly one core-ATen op, with example input shapes, the forward FLOPs worked out by
-hand from FLOPS.md (arithmetic in the comment; the model's own forward only, the traced ``sum``
-loss excluded) and the ATen ops it is meant to exercise. :mod:`graphflop.testing.checks` runs
-every entry through the same checks (FLOPs, JVP vs ``torch.func.jvp`` and finite differences, VJP vs
-``torch.func.grad``, the dot-product test, rule coverage).
+hand from docs/flops_conventions.md (arithmetic in the comment; the model's own forward only, the
+traced ``sum`` loss excluded) and the ATen ops it is meant to exercise.
+:mod:`graphflop.testing.checks` runs every entry through the same checks (FLOPs, JVP vs
+``torch.func.jvp`` and finite differences, VJP vs ``torch.func.grad``, the dot-product test, rule
+coverage).
 
 Conventions:
 

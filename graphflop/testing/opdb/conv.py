@@ -1,4 +1,5 @@
-"""Op-database cases: convolutions (plain, grouped, transposed, 1-D/3-D, dilated). FLOPs worked out by hand in each comment (FLOPS.md)."""
+"""Op-database cases: convolutions (plain, grouped, transposed, 1-D/3-D, dilated). FLOPs worked out
+by hand in each comment (docs/flops_conventions.md)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ CONV = [
 
 # ---------------------------------------------------------------------------------------------
 # transposed, 1-D, 3-D and dilated convolutions (the transposed ones: 2*N*Cin*prod(in)*(Cout/G)*
-# prod(k), + N*Cout*prod(out) for the bias); the first five are the issue's table cases 2-6
+# prod(k), + N*Cout*prod(out) for the bias); the first five are tests/test_cases.py's cases 2-6
 # ---------------------------------------------------------------------------------------------
 CONV_MORE = [
     OpCase(

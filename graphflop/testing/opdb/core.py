@@ -28,7 +28,7 @@ class OpCase:
             float64).
         inputs: example inputs, one :data:`InputSpec` per positional input, or a function of a
             ``torch.Generator`` returning the input tensors.
-        flops: expected forward FLOPs of the model (FLOPS.md), or None when not worked out.
+        flops: expected forward FLOPs of the model (docs/flops_conventions.md), or None when not worked out.
         aten: the op overloads (``aten.mm.default`` names) the case is meant to exercise; each
             must appear in one of its traced or generated graphs.
         xfail: check name (or ``*``) -> reason, for known graphflop bugs and missing rules.

@@ -1,4 +1,5 @@
-"""Op-database cases: unary and binary elementwise ops and activations. FLOPs worked out by hand in each comment (FLOPS.md)."""
+"""Op-database cases: unary and binary elementwise ops and activations. FLOPs worked out by hand in
+each comment (docs/flops_conventions.md)."""
 
 from __future__ import annotations
 
@@ -325,7 +326,7 @@ UNARY_MORE = [
 ]
 
 # ---------------------------------------------------------------------------------------------
-# issue 15's audit: masked_fill (traced as where), clamp with both bounds, hardtanh (a clamp),
+# masked_fill (traced as where), clamp with both bounds, hardtanh (a clamp),
 # clamp with tensor bounds
 # ---------------------------------------------------------------------------------------------
 MASK_CLAMP = [

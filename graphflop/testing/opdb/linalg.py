@@ -1,4 +1,5 @@
-"""Op-database cases: matrix products, matmul/einsum/baddbmm and attention. FLOPs worked out by hand in each comment (FLOPS.md)."""
+"""Op-database cases: matrix products, matmul/einsum/baddbmm and attention. FLOPs worked out by hand
+in each comment (docs/flops_conventions.md)."""
 
 from __future__ import annotations
 
@@ -230,7 +231,7 @@ ATTENTION = [
 ]
 
 # ---------------------------------------------------------------------------------------------
-# issue 15's audit: einsum paths (outer and bilinear products as broadcast multiplies, a
+# einsum paths (outer and bilinear products as broadcast multiplies, a
 # contraction over two axes needing permutes, a three-operand bilinear form), addbmm
 # ---------------------------------------------------------------------------------------------
 EINSUM_MORE = [
@@ -274,7 +275,7 @@ EINSUM_MORE = [
 
 _NO_ADDBMM_FORMULA = (
     "FlopCounterMode counts 0 for torch.addbmm (it has no formula for aten.addbmm); graphflop "
-    "decomposes it to one mm and counts 2*B*M*K*N: tests/test_ops_issue15.py checks it"
+    "decomposes it to one mm and counts 2*B*M*K*N: tests/test_ops_extra.py checks it"
 )
 
 _NO_ONNX_SOLVE = (

@@ -1,4 +1,5 @@
-"""Op-database cases: pooling. FLOPs worked out by hand in each comment (FLOPS.md)."""
+"""Op-database cases: pooling. FLOPs worked out by hand in each comment
+(docs/flops_conventions.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Op-database cases: reductions, normalisation and losses. FLOPs worked out by hand in each comment (FLOPS.md)."""
+"""Op-database cases: reductions, normalisation and losses. FLOPs worked out by hand in each comment
+(docs/flops_conventions.md)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from graphflop.testing.opdb.core import OpCase, W, X, index, module_of, randomiz
 # reductions (with a readout r of the output's shape): 1 per input element, mean +1 per output
 # ---------------------------------------------------------------------------------------------
 REDUCTION = [
-    # topk of the last dimension (k = 2 of 4): mul 24, topk numel·⌈log2 k⌉ = 24·1 (FLOPS.md's
-    # comparison count), readout 3·2·2 = 12
+    # topk of the last dimension (k = 2 of 4): mul 24, topk numel·⌈log2 k⌉ = 24·1
+    # (docs/flops_conventions.md's comparison count), readout 3·2·2 = 12
     OpCase(
         "topk",
         module_of(
@@ -282,7 +283,7 @@ NORM_MORE = [
 ]
 
 # ---------------------------------------------------------------------------------------------
-# issue 15's audit: vector norms of order 1, inf, and 2 over a tuple of dims
+# vector norms of order 1, inf, and 2 over a tuple of dims
 # ---------------------------------------------------------------------------------------------
 VECTOR_NORM_MORE = [
     OpCase(

@@ -1,4 +1,5 @@
-"""Op-database cases: views, copies and index ops. FLOPs worked out by hand in each comment (FLOPS.md)."""
+"""Op-database cases: views, copies and index ops. FLOPs worked out by hand in each comment
+(docs/flops_conventions.md)."""
 
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ SHAPE = [
             {"idx": index(4, 2, 3, 5), "r": (2, 3, 5)},
         ),
         (X,),
-        flops=24 + 30,  # gather: 0 FLOPs (FLOPS.md); readout 30
+        flops=24 + 30,  # gather: 0 FLOPs (docs/flops_conventions.md); readout 30
         aten=("aten.gather.default", "aten.scatter_add.default"),
     ),
     OpCase(
@@ -194,7 +195,7 @@ SHAPE_MORE = [
         module_of(lambda s, x: (x * s.w).unbind(1)[2] * s.r, {"w": W}, {"r": (2, 4)}),
         (X,),
         flops=24 + 8,
-        aten=("aten.slice.Tensor", "aten.squeeze.dims"),
+        aten=("aten.split_with_sizes.default", "aten.squeeze.dims"),
     ),
     # in-place writes into views of an intermediate, functionalised
     OpCase(
@@ -433,7 +434,7 @@ SHAPE_MORE = [
 ]
 
 # ---------------------------------------------------------------------------------------------
-# issue 15's audit: index_add and index_copy (both traced as index_put)
+# index_add and index_copy (both traced as index_put)
 # ---------------------------------------------------------------------------------------------
 INDEX_MORE = [
     OpCase(
@@ -462,7 +463,7 @@ INDEX_MORE = [
 ]
 
 # ---------------------------------------------------------------------------------------------
-# issue 15's audit: scatter.src, scatter.value, scatter_reduce (graphflop/ops/scatter.py);
+# scatter.src, scatter.value, scatter_reduce (graphflop/ops/scatter.py);
 # indices unique along the scattered dim (repeated writes are unspecified in PyTorch)
 # ---------------------------------------------------------------------------------------------
 

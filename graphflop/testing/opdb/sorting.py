@@ -1,7 +1,7 @@
 """Op-database cases: sorting and selection (sort, argsort, kthvalue) and cumprod. FLOPs worked
-out by hand in each comment: comparisons count (FLOPS.md), sort numel·⌈log2 N⌉ with N the sorted
-dim's size, kthvalue numel·⌈log2 k⌉ as topk; cumprod 1 per element. Inputs are ``randn`` (no
-ties, no zeros), so finite differences do not cross an order change."""
+out by hand in each comment: comparisons count (docs/flops_conventions.md), sort numel·⌈log2 N⌉ with
+N the sorted dim's size, kthvalue numel·⌈log2 k⌉ as topk; cumprod 1 per element. Inputs are
+``randn`` (no ties, no zeros), so finite differences do not cross an order change."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Op-database cases: the FFT family (``_fft_r2c``, ``_fft_c2r``, ``_fft_c2c`` after tracing).
-FLOPs by hand in each comment (FLOPS.md): 5·N·log2 N per complex transform of N points, 2.5·N·
-log2 N per real one (r2c, c2r), times the number of transforms, rounded over the node; complex
-elementwise ops 1 per output element. The input x is (2, 8) (two signals of 8) times a weight w
-of 8, unless a case says otherwise; its loss weighs the output by a readout r."""
+FLOPs by hand in each comment (docs/flops_conventions.md): 5·N·log2 N per complex transform of N
+points, 2.5·N·log2 N per real one (r2c, c2r), times the number of transforms, rounded over the
+node; complex elementwise ops 1 per output element. The input x is (2, 8) (two signals of 8) times a
+weight w of 8, unless a case says otherwise; its loss weighs the output by a readout r."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rules of issue 15 checked outside the op database: ``aten._grouped_mm`` (cost only: PyTorch's
+"""Rules checked outside the op database: ``aten._grouped_mm`` (cost only: PyTorch's
 CPU kernel takes no float64, so the database's float64 checks cannot run it)."""
 
 from __future__ import annotations
