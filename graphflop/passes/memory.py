@@ -78,7 +78,8 @@ class Schedule:
             free_outputs: the graph's outputs are written into baseline buffers (count 0).
             keep_outputs: the graph's outputs stay live to the end of the schedule.
             eager: storages as eager PyTorch allocates them: each output of a multi-output op
-                (``getitem``) is a storage of its own; the tuple itself holds nothing.
+                (``getitem``) is a storage of its own, except the pieces of a view op
+                (``split_with_sizes``), which share its input's; the tuple holds nothing.
             sizes: node name -> bytes, replacing the size of that node's value.
             extra: node name -> bytes of temporaries its kernel holds while it runs (live
                 together with its inputs and outputs, freed when it returns).
@@ -133,7 +134,7 @@ class Schedule:
             alias = None
             val = n.meta.get("val")
             if n.op == "call_function" and (
-                (n.target is operator.getitem and not eager)
+                (n.target is operator.getitem and (not eager or _views_of_input(n, is_view)))
                 or is_view(n.target)
                 or n.name in inplace
             ):
@@ -294,6 +295,13 @@ def jvp_schedule(jvp: GraphModule) -> Schedule:
 def saved_for_backward_bytes(forward: GraphModule, backward: GraphModule) -> int:
     """Bytes of the non-parameter forward values the backward graph reads, once per storage."""
     return sum(saved_storages(forward, backward).values())
+
+
+def _views_of_input(n: Node, is_view: Any) -> bool:
+    """Whether getitem ``n`` takes a piece of a multi-output view op (``split_with_sizes``'s
+    pieces are views of its input in eager PyTorch too, not storages of their own)."""
+    src = n.args[0]
+    return isinstance(src, Node) and src.op == "call_function" and bool(is_view(src.target))
 
 
 def forward_storages(
