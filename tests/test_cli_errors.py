@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 
 import pytest
 import torch
@@ -296,14 +297,34 @@ def test_folder_that_takes_no_new_file_is_refused_even_as_root(work, capsys, mon
         one_error(capsys, *argv, message="cannot create a file in /proc")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a read-only folder")
+def _refuses_a_file(folder) -> str | None:
+    """Why ``folder`` took no new file (the OS error), or None when it took one."""
+    probe = folder / "probe"
+    try:
+        probe.touch()
+    except OSError as e:
+        return e.strerror
+    probe.unlink()
+    return None
+
+
 def test_read_only_folder_for_real(work, capsys):
+    """A folder the OS really refuses a file in: mode 0o555 for a user; root ignores the mode,
+    so as root the folder is also made immutable (``chattr +i``: EPERM even for root)."""
     ro = work / "out/ro"
     ro.mkdir()
     ro.chmod(0o555)
+    immutable = os.geteuid() == 0
     try:
+        if immutable:
+            subprocess.run(["chattr", "+i", str(ro)], check=True, capture_output=True)
+        # the test means something only if the folder refuses a file
+        assert _refuses_a_file(ro) is not None, "the folder took a file: nothing to test"
         one_error(capsys, "inspect", spec("logreg.py"), "--json", ro / "x.json", message="ro")
+        assert list(ro.iterdir()) == []
     finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(ro)], check=False, capture_output=True)
         ro.chmod(0o755)
 
 
