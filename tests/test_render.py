@@ -410,6 +410,27 @@ def test_gpt2_small_blocks_fold_into_one_box_x12():
     assert sum(_flops(b.label.stats[0].value) for b in inside) == pytest.approx(per, rel=0.01)
 
 
+def test_tied_embedding_gradient_sum_is_a_weight_gradient():
+    """GPT-2 ties wte's weight to the output projection: the weight's two cotangents (the
+    lookup's scatter, T·d = 8·64 = 512 adds, and the projection's matrix product) are summed in
+    wte, one add per element, V·d = 50257·64 = 3,216,448 FLOPs. That sum is a weight gradient:
+    token ids have no input gradient."""
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    row = a.report.layer("wte")
+    assert (row.grad_accum_flops, row.grad_weight_flops) == (50257 * 64, 8 * 64)
+    boxes = {b.id: b for b in module_scene(a, "train", {}).boxes}
+    box = boxes["m_wte"]
+    stats = {s.key: s.value for s in box.label.stats}
+    assert (stats["bwd∂x"], stats["bwd∂W"]) == ("0", human(50257 * 64 + 8 * 64))
+    assert "input gradient 0, weight gradient 3216960," in box.tooltip
+    # an accumulation of activation cotangents stays an input gradient: ln_f's input is read
+    # by its mean, its variance and its normalisation
+    ln_f = a.report.layer("ln_f")
+    assert ln_f.grad_accum_flops > 0
+    stats = {s.key: s.value for s in boxes["m_ln_f"].label.stats}
+    assert stats["bwd∂x"] == human(ln_f.grad_input_flops + ln_f.grad_accum_flops)
+
+
 def _flops(text: str) -> float:
     num, _, unit = text.partition(" ")
     return float(num) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[unit]

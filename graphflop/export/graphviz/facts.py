@@ -7,6 +7,8 @@ annotation readers are the computations the typed report could take over:
 
 * :func:`report` / :func:`layer_rows` / :func:`loss_kind`: the report (one accessor);
 * :func:`picture_flops`, :func:`grad_input_flops`: per-layer FLOP sums for one picture;
+* :func:`weight_accumulations`, :func:`weight_accum_flops`: the gradient accumulations that sum
+  weight gradients (a parameter read twice), which count as weight gradient;
 * :func:`saved_bytes`: bytes of forward values the backward reads, per module;
 * :func:`node_costs`: per forward node, the FLOPs of its backward and tangent nodes and the
   bytes the backward keeps of it (for boxes that hold part of a module's ops);
@@ -77,9 +79,41 @@ def picture_flops(row: LayerRow, graph: str) -> int:
     return total + (row.jvp_flops if graph == "all" else 0)
 
 
-def grad_input_flops(row: LayerRow) -> int:
-    """A layer row's input-gradient FLOPs, gradient accumulation included."""
-    return row.grad_input_flops + row.grad_accum_flops
+def grad_input_flops(row: LayerRow, weight_accum: int = 0) -> int:
+    """A layer row's input-gradient FLOPs, the accumulation of input cotangents included:
+    ``weight_accum`` FLOPs of its accumulations sum weight gradients (:func:`weight_accum_flops`)
+    and count as weight gradient."""
+    return row.grad_input_flops + row.grad_accum_flops - weight_accum
+
+
+def weight_accumulations(gm: Any) -> set[str]:
+    """Names of the backward ``gm``'s accumulation nodes (role ``grad_accum``) that sum weight
+    gradients: the cotangents of a parameter read more than once (a tied embedding, read by the
+    embedding lookup and the output projection), rather than of an activation. An accumulation
+    is one when a summand is a weight gradient or such an accumulation."""
+    out: set[str] = set()
+    if gm is None:
+        return out
+    for n in gm.graph.nodes:  # topological order: a summand is classified before its sum
+        if n.meta.get(ROLE) != "grad_accum":
+            continue
+        if any(
+            isinstance(x, torch.fx.Node) and (x.meta.get(ROLE) == "grad_weight" or x.name in out)
+            for x in n.args
+        ):
+            out.add(n.name)
+    return out
+
+
+def weight_accum_flops(analysis: Any) -> dict[str, int]:
+    """Module → FLOPs of its :func:`weight_accumulations` (0 where none)."""
+    out: dict[str, int] = defaultdict(int)
+    gm = analysis.backward
+    names = weight_accumulations(gm)
+    for n in gm.graph.nodes if gm is not None else ():
+        if n.name in names:
+            out[n.meta.get(MODULE, "")] += n.meta.get(COST, ZERO_COST).flops
+    return out
 
 
 # -- per value -------------------------------------------------------------------------------
@@ -189,8 +223,8 @@ NODE_COST_COLUMN = {
 
 
 def node_costs(analysis: Any) -> dict[str, dict[str, int]]:
-    """Forward call node name → ``forward`` FLOPs, ``grad_input`` (accumulation included),
-    ``grad_weight`` and ``jvp`` FLOPs of the backward and JVP nodes derived from it (``SOURCE``)
+    """Forward call node name → ``forward`` FLOPs, ``grad_input`` and ``grad_weight`` (each with
+    the accumulations of its cotangents: :func:`weight_accumulations`) and ``jvp`` FLOPs of the backward and JVP nodes derived from it (``SOURCE``)
     in the same module, and ``saved`` bytes of it the backward reads (absent keys: 0)."""
     out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     module: dict[str, str] = {}
@@ -198,6 +232,7 @@ def node_costs(analysis: Any) -> dict[str, dict[str, int]]:
         if n.op == "call_function":
             module[n.name] = n.meta.get(MODULE, "")
             out[n.name]["forward"] += n.meta.get(COST, ZERO_COST).flops
+    weight_sums = weight_accumulations(analysis.backward)
     for gm in (analysis.backward, analysis.jvp):
         if gm is None:
             continue
@@ -207,6 +242,8 @@ def node_costs(analysis: Any) -> dict[str, dict[str, int]]:
                 continue
             if n.op == "call_function":
                 col = NODE_COST_COLUMN.get(n.meta.get(ROLE))
+                if n.name in weight_sums:
+                    col = "grad_weight"
                 if col is not None:
                     out[src][col] += n.meta.get(COST, ZERO_COST).flops
             elif gm is analysis.backward and n.meta.get(RESIDUAL) not in (None, *PARAM_RESIDUALS):

@@ -59,7 +59,8 @@ WHAT = {
 
 @dataclass
 class Figures:
-    """A box's figures: FLOPs per phase (input gradient includes accumulation), saved bytes."""
+    """A box's figures: FLOPs per phase (each gradient with the accumulation of its
+    cotangents), saved bytes."""
 
     forward: int = 0
     grad_input: int = 0
@@ -69,11 +70,13 @@ class Figures:
     saved: int = 0
 
     @classmethod
-    def of_row(cls, row: LayerRow, saved: int) -> Figures:
+    def of_row(cls, row: LayerRow, saved: int, weight_accum: int = 0) -> Figures:
+        """A module's figures from its report row; ``weight_accum``: FLOPs of its gradient
+        accumulations that sum weight gradients (counted as weight, not input, gradient)."""
         return cls(
             row.forward_flops,
-            facts.grad_input_flops(row),
-            row.grad_weight_flops,
+            facts.grad_input_flops(row, weight_accum),
+            row.grad_weight_flops + weight_accum,
             row.update_flops,
             row.jvp_flops,
             saved,
@@ -187,6 +190,7 @@ class _ModuleScene:
         """id(unit) → its figures: the module's report row when it is one box, else the sum
         over its nodes, the remainder of the row on its last box (so boxes add up to rows)."""
         saved = facts.saved_bytes(self.a)
+        weight_accum = facts.weight_accum_flops(self.a)
         per_module: dict[str, list[Unit]] = {}
         for u in self.units:
             per_module.setdefault(u.module, []).append(u)
@@ -194,7 +198,11 @@ class _ModuleScene:
         out: dict[int, Figures] = {}
         for m, us in per_module.items():
             row = self.layers.get(m)
-            whole = Figures.of_row(row, saved.get(m, 0)) if row is not None else Figures()
+            whole = (
+                Figures.of_row(row, saved.get(m, 0), weight_accum.get(m, 0))
+                if row is not None
+                else Figures()
+            )
             if len(us) == 1:
                 out[id(us[0])] = whole
                 continue
