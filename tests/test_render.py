@@ -27,6 +27,7 @@ from graphflop.export.graphviz import (
     NO_DOT,
     ROLE_COLOURS,
     RenderError,
+    captions,
     count_op_nodes,
     render,
 )
@@ -429,6 +430,42 @@ def test_tied_embedding_gradient_sum_is_a_weight_gradient():
     assert ln_f.grad_accum_flops > 0
     stats = {s.key: s.value for s in boxes["m_ln_f"].label.stats}
     assert stats["bwd∂x"] == human(ln_f.grad_input_flops + ln_f.grad_accum_flops)
+
+
+def test_one_module_title_gives_that_modules_totals():
+    """``--module h.0``'s title sums h.0's subtree, not the whole model: the same figures as
+    the per-block column of the fold of h.0 and h.1 (computed there from the boxes)."""
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    (fold,) = module_scene(a, "train", {}).folds()
+    per = {r.key: r.per_block for r in fold.rows}
+    want = (
+        f"h.0 (Block): forward {human(per['fwd'])} FLOPs · backward "
+        f"{human(per['bwd∂x'] + per['bwd∂W'])} (input {human(per['bwd∂x'])}, weight "
+        f"{human(per['bwd∂W'])}, pruned 0)"
+    )
+    for scene in (
+        op_scene(a, "train", {}, True, module="h.0"),
+        module_scene(a, "train", {}, module="h.0"),
+    ):
+        head, *totals = scene.title.split("\n")
+        assert "module h.0, train graph" in head
+        text = " · ".join(totals)
+        assert text.startswith(want), text
+        assert f"update {human(per['upd'])}" in text
+        assert f"saved for backward {human_bytes(per['saved'])}" in text
+    assert per["fwd"] < a.report.totals.forward.flops / 2  # two blocks and the head
+
+
+@needs_dot
+def test_title_fits_a_1200_px_window(tmp_path):
+    """The title's totals wrap, so a narrow picture is not widened past 1,200 px by its title
+    (the SVG's width is in points: 1 pt = 4/3 px)."""
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    out = tmp_path / "m.svg"
+    render(a, out, graph="all", level="module")
+    width_pt = float(re.search(r'<svg width="([\d.]+)pt"', out.read_text())[1])
+    assert width_pt * 4 / 3 <= 1200, width_pt
+    assert max(map(len, captions.title(a, "all", "module").split("\n"))) <= captions.TITLE_WIDTH
 
 
 def _flops(text: str) -> float:

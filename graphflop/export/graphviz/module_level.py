@@ -157,6 +157,7 @@ class _ModuleScene:
         self.graph = graph
         self.profile = profile
         self.clusters = clusters
+        self.root = module  # draw only this module's subtree (None: the whole model)
         self.cv = Canvas()
         self.show_b = graph in ("backward", "train", "all")
         self.show_u = graph in ("train", "all")
@@ -277,7 +278,9 @@ class _ModuleScene:
             if f.template in self.cv.cluster_label:
                 self.cv.folds[f.template] = self._fold(f)
         legend = captions.legend(scale, WHAT[self.graph], self._roles(), self._legend_items(words))
-        return self.cv.scene(captions.title(self.a, self.graph, "module"), legend, self.clusters)
+        return self.cv.scene(
+            captions.title(self.a, self.graph, "module", self.root), legend, self.clusters
+        )
 
     def _cluster_label(self, path: str) -> str:
         f = self.fold_of.get(path)

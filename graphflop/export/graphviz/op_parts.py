@@ -380,7 +380,9 @@ class OpParts:
         items = captions.legend_items(self.ghost_words, self.has_residuals, True)
         items += captions.edge_items({e.style for e in self.cv.edges})
         legend = captions.legend(scale, "FLOPs per node", roles, items)
-        return self.cv.scene(captions.title(self.a, self.graph, "op"), legend, self.clusters)
+        return self.cv.scene(
+            captions.title(self.a, self.graph, "op", self.root), legend, self.clusters
+        )
 
 
 def _under(path: str, root: str | None) -> bool:
