@@ -468,6 +468,29 @@ def test_title_fits_a_1200_px_window(tmp_path):
     assert max(map(len, captions.title(a, "all", "module").split("\n"))) <= captions.TITLE_WIDTH
 
 
+def test_a_fold_says_per_block_and_x_n_total_everywhere():
+    """The fold's table heads its columns "per block" and "× 2 = total", the legend explains
+    those words, the boxes inside say they are per block, and without clusters the box names
+    the fold with the same mark."""
+    from graphflop.export.graphviz.draw import fold_html
+
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    scene = module_scene(a, "train", {})
+    (fold,) = scene.folds()
+    header = fold_html(fold)
+    assert "<B>× 2</B>" in header
+    assert "<I>per block</I>" in header and "<I>× 2 = total</I>" in header
+    legend = " ".join(i.lead + i.text for i in scene.legend.items)
+    assert "× N cluster" in legend and "per block, × N = total" in legend
+    tips = [b.tooltip for b in scene.boxes if b.kind == "module" and b.id.startswith("m_h_0")]
+    assert tips and all(
+        "(per block: one of 2 identical, h.0 … h.1; × 2 = total)" in t for t in tips
+    )
+    flat = module_scene(a, "train", {}, clusters=False)
+    titles = {b.label.title for b in flat.boxes if b.kind == "module"}
+    assert "h.0.attn (× 2) · attention" in titles or "h.0.attn (× 2)" in titles, titles
+
+
 def _flops(text: str) -> float:
     num, _, unit = text.partition(" ")
     return float(num) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[unit]
@@ -481,7 +504,7 @@ def test_transformer_module_png_fits_4000px(tmp_path, spec):
     src = render(a, out, level="module")
     width, height = struct.unpack(">II", out.read_bytes()[16:24])
     assert max(width, height) <= 4000, (width, height)
-    assert src.count("<B>×12</B>") == 1  # the twelve blocks drawn once
+    assert src.count("<B>× 12</B>") == 1  # the twelve blocks drawn once
 
 
 def test_composite_names():

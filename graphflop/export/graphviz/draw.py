@@ -302,14 +302,15 @@ def _count(v: int, unit: str) -> str:
 
 
 def fold_html(f: Fold) -> str:
-    """A fold's cluster label: "× N", the members and class, then per-block and total figures."""
+    """A fold's cluster label: "× N", the members and class, then the figures per block and
+    "× N = total"."""
     first, last = f.members[0], f.members[-1]
     kind = f" {esc(f.kind)}" if f.kind else ""
     rows = [
-        f'<TR><TD COLSPAN="4" ALIGN="LEFT"><FONT POINT-SIZE="20"><B>×{f.count}</B></FONT>'
+        f'<TR><TD COLSPAN="4" ALIGN="LEFT"><FONT POINT-SIZE="20"><B>{esc(f.mark)}</B></FONT>'
         f"  <B>{esc(first)} … {esc(last)}</B>{kind}</TD></TR>",
         f'<TR><TD></TD><TD></TD><TD ALIGN="RIGHT"><I>{esc(f.per_block)}</I></TD>'
-        f'<TD ALIGN="RIGHT"><I>×{f.count} total</I></TD></TR>',
+        f'<TD ALIGN="RIGHT"><I>{esc(f.total_column)}</I></TD></TR>',
     ]
     for r in f.rows:
         swatch = f'<TD BGCOLOR="{r.swatch}" WIDTH="6"></TD>' if r.swatch else "<TD></TD>"

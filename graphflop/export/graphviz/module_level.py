@@ -29,6 +29,7 @@ from graphflop.export.graphviz.composite import VIEWS, composite_name, says_the_
 from graphflop.export.graphviz.errors import RenderError
 from graphflop.export.graphviz.palette import RESIDUAL_COLOUR, ROLE_COLOURS, FlopScale
 from graphflop.export.graphviz.scene import (
+    FOLD_LEGEND,
     Box,
     Canvas,
     Edge,
@@ -38,6 +39,7 @@ from graphflop.export.graphviz.scene import (
     Scene,
     Stat,
     StatCard,
+    fold_mark,
 )
 from graphflop.export.graphviz.structure import Folded, Unit
 from graphflop.export.report import human, human_bytes
@@ -285,7 +287,7 @@ class _ModuleScene:
     def _cluster_label(self, path: str) -> str:
         f = self.fold_of.get(path)
         if f is not None and f.template == path:
-            return f"{path} … {f.members[-1]} ×{f.count}"
+            return f"{fold_mark(f.count)} {path} … {f.members[-1]}"
         label = path
         if path in self.types and path not in ("", "loss"):
             label = f"{path} · {self.types[path]}"
@@ -315,7 +317,8 @@ class _ModuleScene:
             ratios.append(("jvp/fwd", per.jvp_ratio()))
         same = all(g == per for g in figs)
         kind = self.types.get(f.template, "")
-        return Fold(f.members, kind, tuple(rows), tuple(ratios), "per block" if same else "first")
+        per_block = "per block" if same else f"block {f.members[0]}"
+        return Fold(f.members, kind, tuple(rows), tuple(ratios), per_block)
 
     def _roles(self) -> list[str]:
         roles = ["forward"]
@@ -338,13 +341,7 @@ class _ModuleScene:
         items = captions.legend_items(words, False, False)
         items.append(LegendItem("box rows: " + ", ".join(rows)))
         if self.folds:
-            items.append(
-                LegendItem(
-                    ": identical modules drawn once; boxes inside show one block, the table "
-                    "per block and for all of them",
-                    lead="× N cluster",
-                )
-            )
+            items.append(LegendItem(FOLD_LEGEND, lead="× N cluster"))
         styles = {"data"} | ({"ghost_link"} if words else set())
         return items + captions.edge_items(styles, module_level=True)
 
@@ -358,7 +355,7 @@ class _ModuleScene:
             short = m or "(model)"
             f = self.fold_of.get(m)
             if f is not None:
-                short = f"{short} (×{f.count})"
+                short = f"{short} ({fold_mark(f.count)})"
         ops = [facts.op_short(self.nodes[n].target) for n in u.nodes]
         name = composite_name(ops, self.types.get(m, ""))
         if m == "loss":
@@ -379,7 +376,12 @@ class _ModuleScene:
         label = StatCard(title, typ, scale.colour(fig.picture(self.graph)), tuple(self._stats(u)))
         m = u.module or "(model)"
         f = self.fold_of.get(u.module)
-        rep = f" (one of {f.count} identical: {f.members[0]} … {f.members[-1]})" if f else ""
+        rep = (
+            f" (per block: one of {f.count} identical, {f.members[0]} … {f.members[-1]}; "
+            f"{fold_mark(f.count)} = total)"
+            if f
+            else ""
+        )
         tip = (
             f"{m}{rep}: {typ or title}; ops {', '.join(u.nodes[:8])}"
             f"{' …' if len(u.nodes) > 8 else ''}\nforward {fig.forward} FLOPs, input gradient "
