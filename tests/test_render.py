@@ -615,6 +615,29 @@ def test_role_colours_differ_in_hue_and_under_colour_blindness():
     assert _hue_gap({"t_in": "#56B4E9", "t_param": "#0072B2"})[0] < 25
 
 
+def _nearest_viridis(colour: str) -> float:
+    """The CIE76 difference (normal vision) from ``colour`` to the closest of viridis' 256."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    lab = _lab(colour)
+    cmap = colormaps["viridis"]
+    return min(math.dist(lab, _lab(to_hex(cmap(i / 255)))) for i in range(256))
+
+
+def test_role_colours_stay_clear_of_the_flop_scale():
+    """A role is a box's strip and border around a viridis fill: no role may look like a FLOP
+    count (CIE76 difference of at least 20 from every viridis colour)."""
+    from graphflop.export.graphviz.palette import COLORMAP, RESIDUAL_COLOUR
+
+    assert COLORMAP == "viridis"
+    near = {r: round(_nearest_viridis(c), 1) for r, c in ROLE_COLOURS.items()}
+    near["residual"] = round(_nearest_viridis(RESIDUAL_COLOUR), 1)
+    assert min(near.values()) >= 20, near
+    # the check can fail: the earlier tangents, Tol's teal and indigo, sat on viridis
+    assert _nearest_viridis("#44AA99") < 10 and _nearest_viridis("#332288") < 20
+
+
 def test_legend_explains_edges():
     a = analysis("convnet.py", 1)
     scene = op_scene(a, "train", {}, True)
