@@ -663,11 +663,7 @@ def test_html_page_searches_in_headless_chromium(tmp_path):
         blob = " ".join([g.get("id") or "", "".join(g.itertext()), tips]).lower()
         want += "attn" in blob
     assert want >= 3
-    cmd = [
-        chromium, "--headless", "--no-sandbox", "--disable-gpu",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-    ]  # fmt: skip
+    cmd = _chromium(tmp_path)
     url = out.as_uri() + "#q=attn"
     dom = subprocess.run(
         [*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True
@@ -680,3 +676,58 @@ def test_html_page_searches_in_headless_chromium(tmp_path):
         capture_output=True, timeout=120, check=True,
     )  # fmt: skip
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _chromium(tmp_path) -> list[str]:
+    return [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+    ]  # fmt: skip
+
+
+def _classes(dom: str, kind: str) -> list[list[str]]:
+    """The class lists of the page's ``kind`` groups (``node``, ``cluster``) after a search."""
+    return [c.split() for c in re.findall(rf'<g [^>]*class="({kind}(?: [^"]*)?)"', dom)]
+
+
+@needs_dot
+@pytest.mark.skipif(chromium is None, reason="chromium not installed")
+def test_html_search_finds_a_member_of_a_fold(tmp_path):
+    """GPT-2 with 12 blocks draws h.0 for all twelve: searching h.5 finds the fold, says h.5 is
+    one of its blocks, highlights the boxes of the block drawn and dims everything else, the
+    clusters holding no match included; a search for another module dims the fold."""
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 12), ("n_embd", 64), ("n_head", 4)), 8)
+    out = tmp_path / "model.html"
+    render(a, out, level="module")
+    page = out.read_text()
+    svg = ET.fromstring(page[page.index("<svg") : page.index("</svg>") + 6])
+    # the boxes the search should light: those of the block drawn, h.0 (their tooltips)
+    inside = {
+        g.get("id")
+        for g in _by_class(svg, "node")
+        for el in g.iter()
+        for k, v in el.attrib.items()
+        if k.endswith("title") and v.startswith("h.0")
+    }
+    assert len(inside) >= 8
+    dom = subprocess.run(
+        [*_chromium(tmp_path), "--dump-dom", out.as_uri() + "#q=h.5"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    note = re.search(r'data-folds="([^"]*)"', dom)
+    assert note and note[1] == "h.5 is one of the × 12 blocks h.0 … h.11, drawn once as h.0"
+    lit = set(re.findall(r'<g id="([^"]+)" class="node hit', dom))
+    assert lit >= inside and f'data-matches="{len(lit) + 1}"' in dom  # the boxes and the fold
+    assert re.search(r'<g id="fold_h_0" class="cluster hit"', dom)
+    nodes = _classes(dom, "node")
+    assert all(("hit" in c) != ("dim" in c) for c in nodes)  # every box lit or dimmed
+    assert any("dim" in c for c in nodes)
+    # a search outside the fold dims it with every other cluster
+    dom = subprocess.run(
+        [*_chromium(tmp_path), "--dump-dom", out.as_uri() + "#q=wte"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert re.search(r'<g id="fold_h_0" class="cluster dim"', dom)
+    assert all("dim" in c for c in _classes(dom, "cluster"))
+    assert 'data-folds=""' in dom

@@ -171,6 +171,10 @@ def _emit(g: graphviz.Digraph, phase: str, cl: Cluster) -> None:
                 fontsize="11",
                 labeljust="l",
                 margin="6",
+                # a cluster's attributes pass to the clusters inside it: reset the fold's
+                id=name,
+                penwidth="1",
+                tooltip=child.label,
             )
             if child.fold is not None:
                 c.attr(
@@ -179,8 +183,7 @@ def _emit(g: graphviz.Digraph, phase: str, cl: Cluster) -> None:
                     color="#333333",
                     penwidth="2.5",
                     id=f"fold_{path}",
-                    tooltip=f"{child.fold.count} identical modules drawn once: "
-                    + ", ".join(child.fold.members),
+                    tooltip=fold_tooltip(child.fold),
                 )
             _emit(c, phase, child)
 
@@ -299,6 +302,15 @@ def stat_card_html(c: StatCard) -> str:
 
 def _count(v: int, unit: str) -> str:
     return human_bytes(v) if unit == "B" else human(v)
+
+
+def fold_tooltip(f: Fold) -> str:
+    """A fold cluster's tooltip, which the HTML page's search reads (the members after the
+    last ": ", comma-separated; the first is the block drawn)."""
+    return (
+        f"{f.mark}: {f.count} identical blocks drawn once as {f.members[0]}, figures per block "
+        f"and {f.mark} = total: " + ", ".join(f.members)
+    )
 
 
 def fold_html(f: Fold) -> str:
