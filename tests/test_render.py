@@ -172,6 +172,20 @@ def test_resnet50_module_level_png(tmp_path):
     assert f"pruned: {human(conv1.pruned_flops)} FLOPs" in src
 
 
+@needs_dot
+def test_all_graph_keeps_the_backward_beside_its_forward(tmp_path):
+    """ConvNet's ``all`` picture: Graphviz 2.43 refuses the layout aligning forward, backward
+    and tangents rank by rank ("trouble in init_rank"); the backward is then aligned alone
+    (invisible minlen=0 edges from each forward op to its largest backward node) rather than
+    drawn unaligned, with its column shifted far from the forward it comes from."""
+    a = analysis("convnet.py", 1)
+    src = render(a, tmp_path / "c.svg", graph="all")
+    aligned = re.findall(r"(\w+) -> (\w+) \[arrowhead=none minlen=0 style=invis weight=4", src)
+    assert aligned and {y[:2] for _, y in aligned} == {"b_"}  # the tangents not aligned
+    # conv1's weight gradient, the backward's largest node from conv1, is pulled level
+    assert any(x.startswith("f_convolution") and y.startswith("b_convolution") for x, y in aligned)
+
+
 def test_dot_source_works_without_graphviz(tmp_path, monkeypatch):
     a = analysis("convnet.py", 1)
     empty = tmp_path / "no-bin"
