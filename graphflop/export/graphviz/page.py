@@ -27,8 +27,8 @@ svg g.node.dim, svg g.cluster.dim { opacity: 0.25; }
 svg g.node.hit > polygon, svg g.node.hit > path, svg g.node.hit > ellipse
   { stroke: #EE3377; stroke-width: 5px; }
 svg g.node.current > polygon, svg g.node.current > path { stroke: #117733; stroke-width: 7px; }
-svg g.cluster.hit path, svg g.cluster.hit polygon { stroke: #EE3377; stroke-width: 5px; }
-svg g.cluster.current path, svg g.cluster.current polygon { stroke: #117733; stroke-width: 7px; }
+svg g.cluster.hit a > path:first-of-type { stroke: #EE3377; stroke-width: 5px; }
+svg g.cluster.current a > path:first-of-type { stroke: #117733; stroke-width: 7px; }
 """
 
 _SCRIPT = """
