@@ -163,9 +163,9 @@ def test_resnet50_module_level_png(tmp_path):
     width, height = struct.unpack(">II", head[16:24])
     # one row per bottleneck block: a tall, narrow picture whose text stays readable at 96 dpi
     assert 800 < width < 4000 and height < 12000, (width, height)
-    # module boxes, no op nodes; layer4.2 is identical to layer4.1: drawn once, as "×2"
+    # module boxes, no op nodes; layer4.2 is identical to layer4.1: drawn once, as "× 2"
     assert "m_layer4_1_conv3" in src and "m_layer4_2_conv3" not in src
-    assert "b_convolution" not in src and "<B>×2</B>" in src
+    assert "b_convolution" not in src and "<B>× 2</B>" in src
     conv1 = a.report.layer("conv1")
     # conv1's input gradient: 2 · 64·112·112 · 3·7·7 = 236,027,904 FLOPs, pruned
     assert conv1.pruned_flops == 2 * 64 * 112 * 112 * 3 * 49
