@@ -308,23 +308,40 @@ def _refuses_a_file(folder) -> str | None:
     return None
 
 
+def _refuse_root(folder) -> list[str]:
+    """Make ``folder`` refuse root's new files; return the command that undoes it. Root ignores
+    a folder's mode, not its immutable flag (``chattr +i``: EPERM) nor a read-only mount (a
+    bind mount of the folder onto itself, remounted read-only: EROFS), the fallback where the
+    filesystem has no such flag (overlayfs)."""
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0:
+        return ["chattr", "-i", str(folder)]
+    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True, capture_output=True)
+    undo = ["umount", str(folder)]
+    try:
+        subprocess.run(
+            ["mount", "-o", "remount,bind,ro", str(folder)], check=True, capture_output=True
+        )
+    except subprocess.CalledProcessError:
+        subprocess.run(undo, check=False, capture_output=True)
+        raise
+    return undo
+
+
 def test_read_only_folder_for_real(work, capsys):
-    """A folder the OS really refuses a file in: mode 0o555 for a user; root ignores the mode,
-    so as root the folder is also made immutable (``chattr +i``: EPERM even for root)."""
+    """A folder the OS really refuses a file in: mode 0o555 for a user; as root (CI), also
+    immutable or mounted read-only (:func:`_refuse_root`)."""
     ro = work / "out/ro"
     ro.mkdir()
     ro.chmod(0o555)
-    immutable = os.geteuid() == 0
+    undo = _refuse_root(ro) if os.geteuid() == 0 else None
     try:
-        if immutable:
-            subprocess.run(["chattr", "+i", str(ro)], check=True, capture_output=True)
         # the test means something only if the folder refuses a file
         assert _refuses_a_file(ro) is not None, "the folder took a file: nothing to test"
         one_error(capsys, "inspect", spec("logreg.py"), "--json", ro / "x.json", message="ro")
         assert list(ro.iterdir()) == []
     finally:
-        if immutable:
-            subprocess.run(["chattr", "-i", str(ro)], check=False, capture_output=True)
+        if undo:
+            subprocess.run(undo, check=False, capture_output=True)
         ro.chmod(0o755)
 
 
