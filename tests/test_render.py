@@ -186,6 +186,38 @@ def test_all_graph_keeps_the_backward_beside_its_forward(tmp_path):
     assert any(x.startswith("f_convolution") and y.startswith("b_convolution") for x, y in aligned)
 
 
+def _phase_x(svg: str, phase: str) -> tuple[float, float]:
+    """Left and right x of a phase cluster's frame in a rendered SVG."""
+    m = re.search(
+        rf"<title>cluster_phase_{phase}</title>\s*<(?:path|polygon)[^>]*?(?:points|d)=\"([^\"]+)",
+        svg,
+    )
+    assert m, phase
+    xs = [float(v) for v in re.findall(r"-?[\d.]+", m[1])[0::2]]
+    return min(xs), max(xs)
+
+
+@needs_dot
+@pytest.mark.parametrize(
+    "spec,graph", [("linearnet.py", "train"), ("cnn.py", "all"), ("convnet.py", "all")]
+)
+def test_backward_is_left_of_forward_for_every_model(tmp_path, spec, graph):
+    """dot picks one of two mirror images of a train or all picture, the backward on the left
+    for ConvNet and on the right for LinearNet's train graph and the CNN's all graph; the
+    layout is mirrored where needed, so the backward is on the forward's left and the tangents
+    on its right for every model."""
+    a = analysis(spec)
+    out = tmp_path / "p.svg"
+    render(a, out, graph=graph)
+    svg = out.read_text()
+    backward, forward = _phase_x(svg, "backward"), _phase_x(svg, "forward")
+    assert backward[1] <= forward[0], (backward, forward)
+    if graph == "all":
+        assert _phase_x(svg, "tangent")[0] >= forward[1]
+    # the mirrored picture keeps its nodes and their tooltips
+    assert svg.count("<title>") > 50
+
+
 def test_dot_source_works_without_graphviz(tmp_path, monkeypatch):
     a = analysis("convnet.py", 1)
     empty = tmp_path / "no-bin"

@@ -176,7 +176,10 @@ def render(
         backward and tangent nodes (Graphviz's ``newrank``); when ``dot`` rejects a layout or
         takes over 20 s, the next is tried: for ``all`` the backward aligned alone, then
         unaligned with the classic ranker, with newrank,
-        then without module clusters (the module path moves into each label). From 1,500 op
+        then without module clusters (the module path moves into each label). A ``train`` or
+        ``all`` picture at op level is laid out, mirrored when ``dot`` put the backward on the
+        forward's right, and drawn with ``neato -n2``: the backward on the left, the tangents
+        on the right, for every model. From 1,500 op
         nodes (``output.LARGE_OP_NODES``) the first layout gets 90 s and a timeout ends the
         render; above 5,000 (``output.MAX_DOT_OP_NODES``) only a ``.dot`` source is written.
 
