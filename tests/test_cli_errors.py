@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 
 import pytest
 import torch
@@ -296,14 +297,51 @@ def test_folder_that_takes_no_new_file_is_refused_even_as_root(work, capsys, mon
         one_error(capsys, *argv, message="cannot create a file in /proc")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a read-only folder")
+def _refuses_a_file(folder) -> str | None:
+    """Why ``folder`` took no new file (the OS error), or None when it took one."""
+    probe = folder / "probe"
+    try:
+        probe.touch()
+    except OSError as e:
+        return e.strerror
+    probe.unlink()
+    return None
+
+
+def _refuse_root(folder) -> list[str]:
+    """Make ``folder`` refuse root's new files; return the command that undoes it. Root ignores
+    a folder's mode, not its immutable flag (``chattr +i``: EPERM) nor a read-only mount (a
+    bind mount of the folder onto itself, remounted read-only: EROFS), the fallback where the
+    filesystem has no such flag (overlayfs)."""
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0:
+        return ["chattr", "-i", str(folder)]
+    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True, capture_output=True)
+    undo = ["umount", str(folder)]
+    try:
+        subprocess.run(
+            ["mount", "-o", "remount,bind,ro", str(folder)], check=True, capture_output=True
+        )
+    except subprocess.CalledProcessError:
+        subprocess.run(undo, check=False, capture_output=True)
+        raise
+    return undo
+
+
 def test_read_only_folder_for_real(work, capsys):
+    """A folder the OS really refuses a file in: mode 0o555 for a user; as root (CI), also
+    immutable or mounted read-only (:func:`_refuse_root`)."""
     ro = work / "out/ro"
     ro.mkdir()
     ro.chmod(0o555)
+    undo = _refuse_root(ro) if os.geteuid() == 0 else None
     try:
+        # the test means something only if the folder refuses a file
+        assert _refuses_a_file(ro) is not None, "the folder took a file: nothing to test"
         one_error(capsys, "inspect", spec("logreg.py"), "--json", ro / "x.json", message="ro")
+        assert list(ro.iterdir()) == []
     finally:
+        if undo:
+            subprocess.run(undo, check=False, capture_output=True)
         ro.chmod(0o755)
 
 

@@ -198,8 +198,8 @@ def test_torchvision_is_loaded_for_an_import_statement_not_a_mention(tmp_path):
     dynamo = "import json, sys\nprint(json.dumps('torch._dynamo' in sys.modules))\n"
     assert _loaded(mention, dynamo) is False
     # a file with an import statement (indented, never run, so the file loads without
-    # torchvision installed) makes graphflop preload it; CI has no torchvision, so the check is
-    # that the preload is asked for, and, where torchvision is installed, that it is loaded
+    # torchvision installed) makes graphflop preload it; the check is that the preload is asked
+    # for, and, where torchvision is installed (the dev extra holds it), that it is loaded
     f = tmp_path / "tv.py"
     f.write_text(
         "import torch\nif False:  # an indented import counts too\n    import torchvision\n"

@@ -27,6 +27,7 @@ from graphflop.export.graphviz import (
     NO_DOT,
     ROLE_COLOURS,
     RenderError,
+    captions,
     count_op_nodes,
     render,
 )
@@ -162,13 +163,59 @@ def test_resnet50_module_level_png(tmp_path):
     width, height = struct.unpack(">II", head[16:24])
     # one row per bottleneck block: a tall, narrow picture whose text stays readable at 96 dpi
     assert 800 < width < 4000 and height < 12000, (width, height)
-    # module boxes, no op nodes; layer4.2 is identical to layer4.1: drawn once, as "×2"
+    # module boxes, no op nodes; layer4.2 is identical to layer4.1: drawn once, as "× 2"
     assert "m_layer4_1_conv3" in src and "m_layer4_2_conv3" not in src
-    assert "b_convolution" not in src and "<B>×2</B>" in src
+    assert "b_convolution" not in src and "<B>× 2</B>" in src
     conv1 = a.report.layer("conv1")
     # conv1's input gradient: 2 · 64·112·112 · 3·7·7 = 236,027,904 FLOPs, pruned
     assert conv1.pruned_flops == 2 * 64 * 112 * 112 * 3 * 49
     assert f"pruned: {human(conv1.pruned_flops)} FLOPs" in src
+
+
+@needs_dot
+def test_all_graph_keeps_the_backward_beside_its_forward(tmp_path):
+    """ConvNet's ``all`` picture: Graphviz 2.43 refuses the layout aligning forward, backward
+    and tangents rank by rank ("trouble in init_rank"); the backward is then aligned alone
+    (invisible minlen=0 edges from each forward op to its largest backward node) rather than
+    drawn unaligned, with its column shifted far from the forward it comes from."""
+    a = analysis("convnet.py", 1)
+    src = render(a, tmp_path / "c.svg", graph="all")
+    aligned = re.findall(r"(\w+) -> (\w+) \[arrowhead=none minlen=0 style=invis weight=4", src)
+    assert aligned and {y[:2] for _, y in aligned} == {"b_"}  # the tangents not aligned
+    # conv1's weight gradient, the backward's largest node from conv1, is pulled level
+    assert any(x.startswith("f_convolution") and y.startswith("b_convolution") for x, y in aligned)
+
+
+def _phase_x(svg: str, phase: str) -> tuple[float, float]:
+    """Left and right x of a phase cluster's frame in a rendered SVG."""
+    m = re.search(
+        rf"<title>cluster_phase_{phase}</title>\s*<(?:path|polygon)[^>]*?(?:points|d)=\"([^\"]+)",
+        svg,
+    )
+    assert m, phase
+    xs = [float(v) for v in re.findall(r"-?[\d.]+", m[1])[0::2]]
+    return min(xs), max(xs)
+
+
+@needs_dot
+@pytest.mark.parametrize(
+    "spec,graph", [("linearnet.py", "train"), ("cnn.py", "all"), ("convnet.py", "all")]
+)
+def test_backward_is_left_of_forward_for_every_model(tmp_path, spec, graph):
+    """dot picks one of two mirror images of a train or all picture, the backward on the left
+    for ConvNet and on the right for LinearNet's train graph and the CNN's all graph; the
+    layout is mirrored where needed, so the backward is on the forward's left and the tangents
+    on its right for every model."""
+    a = analysis(spec)
+    out = tmp_path / "p.svg"
+    render(a, out, graph=graph)
+    svg = out.read_text()
+    backward, forward = _phase_x(svg, "backward"), _phase_x(svg, "forward")
+    assert backward[1] <= forward[0], (backward, forward)
+    if graph == "all":
+        assert _phase_x(svg, "tangent")[0] >= forward[1]
+    # the mirrored picture keeps its nodes and their tooltips
+    assert svg.count("<title>") > 50
 
 
 def test_dot_source_works_without_graphviz(tmp_path, monkeypatch):
@@ -410,6 +457,86 @@ def test_gpt2_small_blocks_fold_into_one_box_x12():
     assert sum(_flops(b.label.stats[0].value) for b in inside) == pytest.approx(per, rel=0.01)
 
 
+def test_tied_embedding_gradient_sum_is_a_weight_gradient():
+    """GPT-2 ties wte's weight to the output projection: the weight's two cotangents (the
+    lookup's scatter, T·d = 8·64 = 512 adds, and the projection's matrix product) are summed in
+    wte, one add per element, V·d = 50257·64 = 3,216,448 FLOPs. That sum is a weight gradient:
+    token ids have no input gradient."""
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    row = a.report.layer("wte")
+    assert (row.grad_accum_flops, row.grad_weight_flops) == (50257 * 64, 8 * 64)
+    boxes = {b.id: b for b in module_scene(a, "train", {}).boxes}
+    box = boxes["m_wte"]
+    stats = {s.key: s.value for s in box.label.stats}
+    assert (stats["bwd∂x"], stats["bwd∂W"]) == ("0", human(50257 * 64 + 8 * 64))
+    assert "input gradient 0, weight gradient 3216960," in box.tooltip
+    # an accumulation of activation cotangents stays an input gradient: ln_f's input is read
+    # by its mean, its variance and its normalisation
+    ln_f = a.report.layer("ln_f")
+    assert ln_f.grad_accum_flops > 0
+    stats = {s.key: s.value for s in boxes["m_ln_f"].label.stats}
+    assert stats["bwd∂x"] == human(ln_f.grad_input_flops + ln_f.grad_accum_flops)
+
+
+def test_one_module_title_gives_that_modules_totals():
+    """``--module h.0``'s title sums h.0's subtree, not the whole model: the same figures as
+    the per-block column of the fold of h.0 and h.1 (computed there from the boxes)."""
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    (fold,) = module_scene(a, "train", {}).folds()
+    per = {r.key: r.per_block for r in fold.rows}
+    want = (
+        f"h.0 (Block): forward {human(per['fwd'])} FLOPs · backward "
+        f"{human(per['bwd∂x'] + per['bwd∂W'])} (input {human(per['bwd∂x'])}, weight "
+        f"{human(per['bwd∂W'])}, pruned 0)"
+    )
+    for scene in (
+        op_scene(a, "train", {}, True, module="h.0"),
+        module_scene(a, "train", {}, module="h.0"),
+    ):
+        head, *totals = scene.title.split("\n")
+        assert "module h.0, train graph" in head
+        text = " · ".join(totals)
+        assert text.startswith(want), text
+        assert f"update {human(per['upd'])}" in text
+        assert f"saved for backward {human_bytes(per['saved'])}" in text
+    assert per["fwd"] < a.report.totals.forward.flops / 2  # two blocks and the head
+
+
+@needs_dot
+def test_title_fits_a_1200_px_window(tmp_path):
+    """The title's totals wrap, so a narrow picture is not widened past 1,200 px by its title
+    (the SVG's width is in points: 1 pt = 4/3 px)."""
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    out = tmp_path / "m.svg"
+    render(a, out, graph="all", level="module")
+    width_pt = float(re.search(r'<svg width="([\d.]+)pt"', out.read_text())[1])
+    assert width_pt * 4 / 3 <= 1200, width_pt
+    assert max(map(len, captions.title(a, "all", "module").split("\n"))) <= captions.TITLE_WIDTH
+
+
+def test_a_fold_says_per_block_and_x_n_total_everywhere():
+    """The fold's table heads its columns "per block" and "× 2 = total", the legend explains
+    those words, the boxes inside say they are per block, and without clusters the box names
+    the fold with the same mark."""
+    from graphflop.export.graphviz.draw import fold_html
+
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    scene = module_scene(a, "train", {})
+    (fold,) = scene.folds()
+    header = fold_html(fold)
+    assert "<B>× 2</B>" in header
+    assert "<I>per block</I>" in header and "<I>× 2 = total</I>" in header
+    legend = " ".join(i.lead + i.text for i in scene.legend.items)
+    assert "× N cluster" in legend and "per block, × N = total" in legend
+    tips = [b.tooltip for b in scene.boxes if b.kind == "module" and b.id.startswith("m_h_0")]
+    assert tips and all(
+        "(per block: one of 2 identical, h.0 … h.1; × 2 = total)" in t for t in tips
+    )
+    flat = module_scene(a, "train", {}, clusters=False)
+    titles = {b.label.title for b in flat.boxes if b.kind == "module"}
+    assert "h.0.attn (× 2) · attention" in titles or "h.0.attn (× 2)" in titles, titles
+
+
 def _flops(text: str) -> float:
     num, _, unit = text.partition(" ")
     return float(num) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[unit]
@@ -423,7 +550,7 @@ def test_transformer_module_png_fits_4000px(tmp_path, spec):
     src = render(a, out, level="module")
     width, height = struct.unpack(">II", out.read_bytes()[16:24])
     assert max(width, height) <= 4000, (width, height)
-    assert src.count("<B>×12</B>") == 1  # the twelve blocks drawn once
+    assert src.count("<B>× 12</B>") == 1  # the twelve blocks drawn once
 
 
 def test_composite_names():
@@ -534,6 +661,29 @@ def test_role_colours_differ_in_hue_and_under_colour_blindness():
     assert _hue_gap({"t_in": "#56B4E9", "t_param": "#0072B2"})[0] < 25
 
 
+def _nearest_viridis(colour: str) -> float:
+    """The CIE76 difference (normal vision) from ``colour`` to the closest of viridis' 256."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    lab = _lab(colour)
+    cmap = colormaps["viridis"]
+    return min(math.dist(lab, _lab(to_hex(cmap(i / 255)))) for i in range(256))
+
+
+def test_role_colours_stay_clear_of_the_flop_scale():
+    """A role is a box's strip and border around a viridis fill: no role may look like a FLOP
+    count (CIE76 difference of at least 20 from every viridis colour)."""
+    from graphflop.export.graphviz.palette import COLORMAP, RESIDUAL_COLOUR
+
+    assert COLORMAP == "viridis"
+    near = {r: round(_nearest_viridis(c), 1) for r, c in ROLE_COLOURS.items()}
+    near["residual"] = round(_nearest_viridis(RESIDUAL_COLOUR), 1)
+    assert min(near.values()) >= 20, near
+    # the check can fail: the earlier tangents, Tol's teal and indigo, sat on viridis
+    assert _nearest_viridis("#44AA99") < 10 and _nearest_viridis("#332288") < 20
+
+
 def test_legend_explains_edges():
     a = analysis("convnet.py", 1)
     scene = op_scene(a, "train", {}, True)
@@ -559,11 +709,7 @@ def test_html_page_searches_in_headless_chromium(tmp_path):
         blob = " ".join([g.get("id") or "", "".join(g.itertext()), tips]).lower()
         want += "attn" in blob
     assert want >= 3
-    cmd = [
-        chromium, "--headless", "--no-sandbox", "--disable-gpu",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-    ]  # fmt: skip
+    cmd = _chromium(tmp_path)
     url = out.as_uri() + "#q=attn"
     dom = subprocess.run(
         [*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True
@@ -576,3 +722,58 @@ def test_html_page_searches_in_headless_chromium(tmp_path):
         capture_output=True, timeout=120, check=True,
     )  # fmt: skip
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _chromium(tmp_path) -> list[str]:
+    return [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+    ]  # fmt: skip
+
+
+def _classes(dom: str, kind: str) -> list[list[str]]:
+    """The class lists of the page's ``kind`` groups (``node``, ``cluster``) after a search."""
+    return [c.split() for c in re.findall(rf'<g [^>]*class="({kind}(?: [^"]*)?)"', dom)]
+
+
+@needs_dot
+@pytest.mark.skipif(chromium is None, reason="chromium not installed")
+def test_html_search_finds_a_member_of_a_fold(tmp_path):
+    """GPT-2 with 12 blocks draws h.0 for all twelve: searching h.5 finds the fold, says h.5 is
+    one of its blocks, highlights the boxes of the block drawn and dims everything else, the
+    clusters holding no match included; a search for another module dims the fold."""
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 12), ("n_embd", 64), ("n_head", 4)), 8)
+    out = tmp_path / "model.html"
+    render(a, out, level="module")
+    page = out.read_text()
+    svg = ET.fromstring(page[page.index("<svg") : page.index("</svg>") + 6])
+    # the boxes the search should light: those of the block drawn, h.0 (their tooltips)
+    inside = {
+        g.get("id")
+        for g in _by_class(svg, "node")
+        for el in g.iter()
+        for k, v in el.attrib.items()
+        if k.endswith("title") and v.startswith("h.0")
+    }
+    assert len(inside) >= 8
+    dom = subprocess.run(
+        [*_chromium(tmp_path), "--dump-dom", out.as_uri() + "#q=h.5"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    note = re.search(r'data-folds="([^"]*)"', dom)
+    assert note and note[1] == "h.5 is one of the × 12 blocks h.0 … h.11, drawn once as h.0"
+    lit = set(re.findall(r'<g id="([^"]+)" class="node hit', dom))
+    assert lit >= inside and f'data-matches="{len(lit) + 1}"' in dom  # the boxes and the fold
+    assert re.search(r'<g id="fold_h_0" class="cluster hit"', dom)
+    nodes = _classes(dom, "node")
+    assert all(("hit" in c) != ("dim" in c) for c in nodes)  # every box lit or dimmed
+    assert any("dim" in c for c in nodes)
+    # a search outside the fold dims it with every other cluster
+    dom = subprocess.run(
+        [*_chromium(tmp_path), "--dump-dom", out.as_uri() + "#q=wte"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert re.search(r'<g id="fold_h_0" class="cluster dim"', dom)
+    assert all("dim" in c for c in _classes(dom, "cluster"))
+    assert 'data-folds=""' in dom

@@ -13,8 +13,8 @@ Writes (every model analysed on the meta device, batch from its ``example_inputs
   12 blocks drawn once as "×12"; ``vit_b_16_train_module.png/.svg`` — ViT-B/16 likewise;
 * ``gpt2_h0_train_op.svg`` and ``gpt2_h0_forward_op.svg/.png`` — GPT-2 small's first block
   (``h.0``) alone at op level (its train PNG would be over 1 MiB);
-* ``gpt2_small_html_screenshot.png`` — the HTML page in headless Chromium, searching "attn"
-  (only when ``chromium`` is installed).
+* ``gpt2_small_html_screenshot.png`` — the HTML page in headless Chromium 1,200 px wide,
+  searching "h.5", a block drawn as the "× 12" fold (only when ``chromium`` is installed).
 
 ``docs/renders/README.md`` says what to look at in each; it is written by hand, not here.
 Needs Graphviz's ``dot``.
@@ -74,7 +74,7 @@ def _analysis(spec: str):
     return analyze(loaded.model, make_inputs(loaded, **kw), name=spec)
 
 
-def screenshot(page: Path, out: Path, query: str = "attn") -> bool:
+def screenshot(page: Path, out: Path, query: str = "h.5") -> bool:
     """A headless Chromium screenshot of the HTML ``page`` searching ``query``; False when
     ``chromium`` is not installed."""
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -83,7 +83,7 @@ def screenshot(page: Path, out: Path, query: str = "attn") -> bool:
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run(
             [exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--screenshot={out}",
-             "--window-size=1400,1000", f"{page.resolve().as_uri()}#q={query}"],
+             "--window-size=1200,1000", f"{page.resolve().as_uri()}#q={query}"],
             capture_output=True, timeout=120, check=True,
         )  # fmt: skip
     return True

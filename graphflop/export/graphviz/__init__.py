@@ -174,8 +174,12 @@ def render(
         The DOT source that was rendered (without ``path``: the first layout below).
         ``train``/``all`` at op level first try a layout aligning each forward node with its
         backward and tangent nodes (Graphviz's ``newrank``); when ``dot`` rejects a layout or
-        takes over 20 s, the next is tried: unaligned with the classic ranker, with newrank,
-        then without module clusters (the module path moves into each label). From 1,500 op
+        takes over 20 s, the next is tried: for ``all`` the backward aligned alone, then
+        unaligned with the classic ranker, with newrank,
+        then without module clusters (the module path moves into each label). A ``train`` or
+        ``all`` picture at op level is laid out, mirrored when ``dot`` put the backward on the
+        forward's right, and drawn with ``neato -n2``: the backward on the left, the tangents
+        on the right, for every model. From 1,500 op
         nodes (``output.LARGE_OP_NODES``) the first layout gets 90 s and a timeout ends the
         render; above 5,000 (``output.MAX_DOT_OP_NODES``) only a ``.dot`` source is written.
 
@@ -238,17 +242,25 @@ def _variants(
 
     Graphviz 2.43 rejects some cluster layouts ("trouble in init_rank") with one ranker and not
     the other; aligning forward and backward rank by rank needs newrank. So, at op level:
-    aligned (``train``/``all``), then unaligned with the classic ranker, with newrank, and last
+    aligned (``train``/``all``; for ``all`` then the backward aligned without the tangents,
+    which 2.43 rejects for convolution networks), then unaligned with the classic ranker, with
+    newrank, and last
     without module clusters (the module path moves into each label); at module level: classic,
     newrank, no clusters.
     """
     if level == "op":
 
-        def op(aligned: bool, newrank: bool = False, clusters: bool = True) -> str:
-            scene = op_scene(analysis, graph, profile, collapse_loss, aligned, clusters, module)
+        def op(
+            aligned: bool, newrank: bool = False, clusters: bool = True, tangents: bool = True
+        ) -> str:
+            scene = op_scene(
+                analysis, graph, profile, collapse_loss, aligned, clusters, module, tangents
+            )
             return to_digraph(scene, newrank=newrank or aligned).source
 
         first = [lambda: op(True)] if graph in ("train", "all") else []
+        if graph == "all":  # the backward beside the forward, when the tangents cannot be too
+            first.append(lambda: op(True, tangents=False))
         return first + [
             lambda: op(False),
             lambda: op(False, newrank=True),

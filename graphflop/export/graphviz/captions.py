@@ -85,12 +85,16 @@ def edge_items(styles: set[str], module_level: bool = False) -> list[LegendItem]
     return out
 
 
-def title(analysis: Any, graph: str, level: str) -> str:
-    """Two lines: model, input shapes, picture; then the totals of the phases drawn."""
+def title(analysis: Any, graph: str, level: str, module: str | None = None) -> str:
+    """Two lines: model, input shapes, picture; then the totals of the phases drawn, of the
+    whole model or, given ``module`` (a path such as ``h.0``), of that module's subtree."""
     r = facts.report(analysis)
     t = r.totals
     name = r.model or getattr(analysis, "name", "model")
     inputs = ", ".join("×".join(map(str, i.shape)) for i in r.inputs)
+    if module is not None:
+        head = f"{name}  [{inputs}]  — module {module}, {graph} graph, {level} level"
+        return "\n".join([head, *wrap(_module_totals(analysis, graph, module))])
     line = [f"forward {human(t.forward.flops)} FLOPs"]
     if graph in ("backward", "train", "all") and t.backward is not None:
         line += _backward_totals(r, t.backward, graph)
@@ -103,7 +107,24 @@ def title(analysis: Any, graph: str, level: str) -> str:
         if r.ratios.jvp_forward is not None:
             line.append(f"jvp/fwd {r.ratios.jvp_forward:.2f}")
     head = f"{name}  [{inputs}]  — {graph} graph, {level} level"
-    return "\n".join([head, " · ".join(line)])
+    return "\n".join([head, *wrap(line)])
+
+
+#: the most characters in one line of the title: at the title's 16 pt (about 9 px a character in
+#: Helvetica) a line stays under 900 px, inside a 1,200 px window beside the page's margins
+TITLE_WIDTH = 96
+
+
+def wrap(parts: list[str], width: int = TITLE_WIDTH) -> list[str]:
+    """``parts`` joined with " · " into lines of at most ``width`` characters (a part longer
+    than that alone on its line); never split inside a part."""
+    lines: list[str] = []
+    for p in parts:
+        if lines and len(lines[-1]) + 3 + len(p) <= width:
+            lines[-1] += " · " + p
+        else:
+            lines.append(p)
+    return lines
 
 
 def _backward_totals(r: Report, b: BackwardTotals, graph: str) -> list[str]:
@@ -119,4 +140,44 @@ def _backward_totals(r: Report, b: BackwardTotals, graph: str) -> list[str]:
     saved = r.memory.saved_for_backward_bytes
     if saved is not None:
         line.append(f"saved for backward {human_bytes(saved)}")
+    return line
+
+
+def _module_totals(analysis: Any, graph: str, module: str) -> list[str]:
+    """The title's totals for ``module``'s subtree: the sums of its layer rows, the gradient
+    accumulations split as the boxes split them (:func:`.facts.weight_accum_flops`)."""
+    rows = [
+        row
+        for path, row in facts.layer_rows(analysis).items()
+        if path == module or path.startswith(module + ".")
+    ]
+    inside = {row.name for row in rows}
+    fwd = sum(row.forward_flops for row in rows)
+    kind = facts.module_types(analysis.forward).get(module)
+    line = [f"{module}{f' ({kind})' if kind else ''}: forward {human(fwd)} FLOPs"]
+    backward = graph in ("backward", "train", "all") and analysis.backward is not None
+    update = 0
+    if backward:
+        w_acc = sum(v for m, v in facts.weight_accum_flops(analysis).items() if m in inside)
+        g_in = sum(facts.grad_input_flops(row) for row in rows) - w_acc
+        g_w = sum(row.grad_weight_flops for row in rows) + w_acc
+        pruned = sum(row.pruned_flops for row in rows)
+        line.append(
+            f"backward {human(sum(row.backward_flops for row in rows))} (input {human(g_in)}, "
+            f"weight {human(g_w)}, pruned {human(pruned)})"
+        )
+        if graph != "backward":
+            update = sum(row.update_flops for row in rows)
+            line.append(f"update {human(update)}")
+        if fwd:
+            num = sum(row.backward_flops for row in rows) + update
+            line.append(f"{'(bwd+upd)' if graph != 'backward' else 'bwd'}/fwd {num / fwd:.2f}")
+        saved = sum(v for m, v in facts.saved_bytes(analysis).items() if m in inside)
+        line.append(f"saved for backward {human_bytes(saved)}")
+    if graph in ("jvp", "all") and analysis.jvp is not None:
+        jvp = sum(row.jvp_flops for row in rows)
+        skipped = sum(row.jvp_skipped_flops for row in rows)
+        line.append(f"JVP tangent {human(jvp)} (skipped {human(skipped)})")
+        if fwd:
+            line.append(f"jvp/fwd {jvp / fwd:.2f}")
     return line

@@ -171,6 +171,10 @@ def _emit(g: graphviz.Digraph, phase: str, cl: Cluster) -> None:
                 fontsize="11",
                 labeljust="l",
                 margin="6",
+                # a cluster's attributes pass to the clusters inside it: reset the fold's
+                id=name,
+                penwidth="1",
+                tooltip=child.label,
             )
             if child.fold is not None:
                 c.attr(
@@ -179,8 +183,7 @@ def _emit(g: graphviz.Digraph, phase: str, cl: Cluster) -> None:
                     color="#333333",
                     penwidth="2.5",
                     id=f"fold_{path}",
-                    tooltip=f"{child.fold.count} identical modules drawn once: "
-                    + ", ".join(child.fold.members),
+                    tooltip=fold_tooltip(child.fold),
                 )
             _emit(c, phase, child)
 
@@ -301,15 +304,25 @@ def _count(v: int, unit: str) -> str:
     return human_bytes(v) if unit == "B" else human(v)
 
 
+def fold_tooltip(f: Fold) -> str:
+    """A fold cluster's tooltip, which the HTML page's search reads (the members after the
+    last ": ", comma-separated; the first is the block drawn)."""
+    return (
+        f"{f.mark}: {f.count} identical blocks drawn once as {f.members[0]}, figures per block "
+        f"and {f.mark} = total: " + ", ".join(f.members)
+    )
+
+
 def fold_html(f: Fold) -> str:
-    """A fold's cluster label: "× N", the members and class, then per-block and total figures."""
+    """A fold's cluster label: "× N", the members and class, then the figures per block and
+    "× N = total"."""
     first, last = f.members[0], f.members[-1]
     kind = f" {esc(f.kind)}" if f.kind else ""
     rows = [
-        f'<TR><TD COLSPAN="4" ALIGN="LEFT"><FONT POINT-SIZE="20"><B>×{f.count}</B></FONT>'
+        f'<TR><TD COLSPAN="4" ALIGN="LEFT"><FONT POINT-SIZE="20"><B>{esc(f.mark)}</B></FONT>'
         f"  <B>{esc(first)} … {esc(last)}</B>{kind}</TD></TR>",
         f'<TR><TD></TD><TD></TD><TD ALIGN="RIGHT"><I>{esc(f.per_block)}</I></TD>'
-        f'<TD ALIGN="RIGHT"><I>×{f.count} total</I></TD></TR>',
+        f'<TD ALIGN="RIGHT"><I>{esc(f.total_column)}</I></TD></TR>',
     ]
     for r in f.rows:
         swatch = f'<TD BGCOLOR="{r.swatch}" WIDTH="6"></TD>' if r.swatch else "<TD></TD>"

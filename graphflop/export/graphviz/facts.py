@@ -7,12 +7,14 @@ annotation readers are the computations the typed report could take over:
 
 * :func:`report` / :func:`layer_rows` / :func:`loss_kind`: the report (one accessor);
 * :func:`grad_input_flops`: a layer's input-gradient FLOPs, accumulation included;
+* :func:`weight_accumulations`, :func:`weight_accum_flops`: the gradient accumulations that sum
+  weight gradients (a parameter read twice), which count as weight gradient;
 * :func:`saved_bytes`: bytes of forward values the backward reads, per module;
 * :func:`node_costs`: per forward node, the FLOPs of its backward and tangent nodes and the
   bytes the backward keeps of it (for boxes that hold part of a module's ops);
 * :func:`ghost_flops`: pruned / skipped FLOPs per (module, role);
-* :func:`forward_modules`, :func:`model_inputs`: modules in forward order, the model-input
-  placeholders;
+* :func:`forward_modules`, :func:`own_ops`, :func:`forward_reads`: modules in forward order,
+  a parent module's own op names, the forward data flow between modules;
 * :func:`module_types`: module class names;
 * :func:`incoming_cotangent`: the cotangent that reached a forward node's backward;
 * :func:`param_gradients`: each parameter's gradient node in the backward's output;
@@ -23,6 +25,7 @@ annotation readers are the computations the typed report could take over:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -63,9 +66,41 @@ def loss_kind(analysis: Any) -> str:
     return report(analysis).loss or "loss"
 
 
-def grad_input_flops(row: LayerRow) -> int:
-    """A layer row's input-gradient FLOPs, gradient accumulation included."""
-    return row.grad_input_flops + row.grad_accum_flops
+def grad_input_flops(row: LayerRow, weight_accum: int = 0) -> int:
+    """A layer row's input-gradient FLOPs, the accumulation of input cotangents included:
+    ``weight_accum`` FLOPs of its accumulations sum weight gradients (:func:`weight_accum_flops`)
+    and count as weight gradient."""
+    return row.grad_input_flops + row.grad_accum_flops - weight_accum
+
+
+def weight_accumulations(gm: Any) -> set[str]:
+    """Names of the backward ``gm``'s accumulation nodes (role ``grad_accum``) that sum weight
+    gradients: the cotangents of a parameter read more than once (a tied embedding, read by the
+    embedding lookup and the output projection), rather than of an activation. An accumulation
+    is one when a summand is a weight gradient or such an accumulation."""
+    out: set[str] = set()
+    if gm is None:
+        return out
+    for n in gm.graph.nodes:  # topological order: a summand is classified before its sum
+        if n.meta.get(ROLE) != "grad_accum":
+            continue
+        if any(
+            isinstance(x, torch.fx.Node) and (x.meta.get(ROLE) == "grad_weight" or x.name in out)
+            for x in n.args
+        ):
+            out.add(n.name)
+    return out
+
+
+def weight_accum_flops(analysis: Any) -> dict[str, int]:
+    """Module → FLOPs of its :func:`weight_accumulations` (0 where none)."""
+    out: dict[str, int] = defaultdict(int)
+    gm = analysis.backward
+    names = weight_accumulations(gm)
+    for n in gm.graph.nodes if gm is not None else ():
+        if n.name in names:
+            out[n.meta.get(MODULE, "")] += n.meta.get(COST, ZERO_COST).flops
+    return out
 
 
 # -- per value -------------------------------------------------------------------------------
@@ -175,8 +210,8 @@ NODE_COST_COLUMN = {
 
 
 def node_costs(analysis: Any) -> dict[str, dict[str, int]]:
-    """Forward call node name → ``forward`` FLOPs, ``grad_input`` (accumulation included),
-    ``grad_weight`` and ``jvp`` FLOPs of the backward and JVP nodes derived from it (``SOURCE``)
+    """Forward call node name → ``forward`` FLOPs, ``grad_input`` and ``grad_weight`` (each with
+    the accumulations of its cotangents: :func:`weight_accumulations`) and ``jvp`` FLOPs of the backward and JVP nodes derived from it (``SOURCE``)
     in the same module, and ``saved`` bytes of it the backward reads (absent keys: 0)."""
     out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     module: dict[str, str] = {}
@@ -184,6 +219,7 @@ def node_costs(analysis: Any) -> dict[str, dict[str, int]]:
         if n.op == "call_function":
             module[n.name] = n.meta.get(MODULE, "")
             out[n.name]["forward"] += n.meta.get(COST, ZERO_COST).flops
+    weight_sums = weight_accumulations(analysis.backward)
     for gm in (analysis.backward, analysis.jvp):
         if gm is None:
             continue
@@ -193,6 +229,8 @@ def node_costs(analysis: Any) -> dict[str, dict[str, int]]:
                 continue
             if n.op == "call_function":
                 col = NODE_COST_COLUMN.get(n.meta.get(ROLE))
+                if n.name in weight_sums:
+                    col = "grad_weight"
                 if col is not None:
                     out[src][col] += n.meta.get(COST, ZERO_COST).flops
             elif gm is analysis.backward and n.meta.get(RESIDUAL) not in (None, *PARAM_RESIDUALS):
@@ -217,7 +255,38 @@ def forward_modules(analysis: Any) -> list[str]:
     return list(order)
 
 
+def own_ops(analysis: Any, parents: set[str]) -> dict[str, list[str]]:
+    """Parent module → the distinct op names of its own forward ops (views left out)."""
+    ops: dict[str, list[str]] = defaultdict(list)
+    for n in analysis.forward.graph.nodes:
+        m = n.meta.get(MODULE, "")
+        if n.op == "call_function" and m in parents:
+            name = op_short(n.target)
+            if name not in ops[m] and name not in ("getitem", "view", "reshape"):
+                ops[m].append(name)
+    return dict(ops)
+
+
 def model_inputs(gm: Any) -> set[str]:
     """Names of the model-input placeholders (the signature's ``inputs``)."""
     sig = gm.meta.get(SIGNATURE)
     return set(sig.inputs) if sig else set()
+
+
+def forward_reads(analysis: Any) -> Iterator[tuple[tuple[str, str], str, int]]:
+    """Each read of a model input or a call node's value by a forward call node:
+    (``("input", name)`` or ``("module", path)`` of the value, reading module, value bytes)."""
+    fwd = analysis.forward
+    inputs = model_inputs(fwd)
+    where: dict[str, tuple[str, str]] = {}
+    for n in fwd.graph.nodes:
+        if n.op == "placeholder" and n.name in inputs:
+            where[n.name] = ("input", n.name)
+        elif n.op == "call_function":
+            where[n.name] = ("module", n.meta.get(MODULE, ""))
+    for n in fwd.graph.nodes:
+        if n.op != "call_function":
+            continue
+        for u in n.all_input_nodes:
+            if u.name in where:
+                yield where[u.name], n.meta.get(MODULE, ""), bytes_of(u.meta.get("val"))

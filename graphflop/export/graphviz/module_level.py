@@ -29,6 +29,7 @@ from graphflop.export.graphviz.composite import VIEWS, composite_name, says_the_
 from graphflop.export.graphviz.errors import RenderError
 from graphflop.export.graphviz.palette import RESIDUAL_COLOUR, ROLE_COLOURS, FlopScale
 from graphflop.export.graphviz.scene import (
+    FOLD_LEGEND,
     Box,
     Canvas,
     Edge,
@@ -38,6 +39,7 @@ from graphflop.export.graphviz.scene import (
     Scene,
     Stat,
     StatCard,
+    fold_mark,
 )
 from graphflop.export.graphviz.structure import Folded, Unit
 from graphflop.export.report import human, human_bytes
@@ -59,7 +61,8 @@ WHAT = {
 
 @dataclass
 class Figures:
-    """A box's figures: FLOPs per phase (input gradient includes accumulation), saved bytes."""
+    """A box's figures: FLOPs per phase (each gradient with the accumulation of its
+    cotangents), saved bytes."""
 
     forward: int = 0
     grad_input: int = 0
@@ -69,11 +72,13 @@ class Figures:
     saved: int = 0
 
     @classmethod
-    def of_row(cls, row: LayerRow, saved: int) -> Figures:
+    def of_row(cls, row: LayerRow, saved: int, weight_accum: int = 0) -> Figures:
+        """A module's figures from its report row; ``weight_accum``: FLOPs of its gradient
+        accumulations that sum weight gradients (counted as weight, not input, gradient)."""
         return cls(
             row.forward_flops,
-            facts.grad_input_flops(row),
-            row.grad_weight_flops,
+            facts.grad_input_flops(row, weight_accum),
+            row.grad_weight_flops + weight_accum,
             row.update_flops,
             row.jvp_flops,
             saved,
@@ -149,6 +154,7 @@ class _ModuleScene:
         self.graph = graph
         self.profile = profile
         self.clusters = clusters
+        self.root = module  # draw only this module's subtree (None: the whole model)
         self.cv = Canvas()
         self.show_b = graph in ("backward", "train", "all")
         self.show_u = graph in ("train", "all")
@@ -182,6 +188,7 @@ class _ModuleScene:
         """id(unit) → its figures: the module's report row when it is one box, else the sum
         over its nodes, the remainder of the row on its last box (so boxes add up to rows)."""
         saved = facts.saved_bytes(self.a)
+        weight_accum = facts.weight_accum_flops(self.a)
         per_module: dict[str, list[Unit]] = {}
         for u in self.units:
             per_module.setdefault(u.module, []).append(u)
@@ -189,7 +196,11 @@ class _ModuleScene:
         out: dict[int, Figures] = {}
         for m, us in per_module.items():
             row = self.layers.get(m)
-            whole = Figures.of_row(row, saved.get(m, 0)) if row is not None else Figures()
+            whole = (
+                Figures.of_row(row, saved.get(m, 0), weight_accum.get(m, 0))
+                if row is not None
+                else Figures()
+            )
             if len(us) == 1:
                 out[id(us[0])] = whole
                 continue
@@ -264,12 +275,14 @@ class _ModuleScene:
             if f.template in self.cv.cluster_label:
                 self.cv.folds[f.template] = self._fold(f)
         legend = captions.legend(scale, WHAT[self.graph], self._roles(), self._legend_items(words))
-        return self.cv.scene(captions.title(self.a, self.graph, "module"), legend, self.clusters)
+        return self.cv.scene(
+            captions.title(self.a, self.graph, "module", self.root), legend, self.clusters
+        )
 
     def _cluster_label(self, path: str) -> str:
         f = self.fold_of.get(path)
         if f is not None and f.template == path:
-            return f"{path} … {f.members[-1]} ×{f.count}"
+            return f"{fold_mark(f.count)} {path} … {f.members[-1]}"
         label = path
         if path in self.types and path not in ("", "loss"):
             label = f"{path} · {self.types[path]}"
@@ -299,7 +312,8 @@ class _ModuleScene:
             ratios.append(("jvp/fwd", per.jvp_ratio()))
         same = all(g == per for g in figs)
         kind = self.types.get(f.template, "")
-        return Fold(f.members, kind, tuple(rows), tuple(ratios), "per block" if same else "first")
+        per_block = "per block" if same else f"block {f.members[0]}"
+        return Fold(f.members, kind, tuple(rows), tuple(ratios), per_block)
 
     def _roles(self) -> list[str]:
         roles = ["forward"]
@@ -322,13 +336,7 @@ class _ModuleScene:
         items = captions.legend_items(words, False, False)
         items.append(LegendItem("box rows: " + ", ".join(rows)))
         if self.folds:
-            items.append(
-                LegendItem(
-                    ": identical modules drawn once; boxes inside show one block, the table "
-                    "per block and for all of them",
-                    lead="× N cluster",
-                )
-            )
+            items.append(LegendItem(FOLD_LEGEND, lead="× N cluster"))
         styles = {"data"} | ({"ghost_link"} if words else set())
         return items + captions.edge_items(styles, module_level=True)
 
@@ -342,7 +350,7 @@ class _ModuleScene:
             short = m or "(model)"
             f = self.fold_of.get(m)
             if f is not None:
-                short = f"{short} (×{f.count})"
+                short = f"{short} ({fold_mark(f.count)})"
         ops = [facts.op_short(self.nodes[n].target) for n in u.nodes]
         name = composite_name(ops, self.types.get(m, ""))
         if m == "loss":
@@ -363,7 +371,12 @@ class _ModuleScene:
         label = StatCard(title, typ, scale.colour(fig.picture(self.graph)), tuple(self._stats(u)))
         m = u.module or "(model)"
         f = self.fold_of.get(u.module)
-        rep = f" (one of {f.count} identical: {f.members[0]} … {f.members[-1]})" if f else ""
+        rep = (
+            f" (per block: one of {f.count} identical, {f.members[0]} … {f.members[-1]}; "
+            f"{fold_mark(f.count)} = total)"
+            if f
+            else ""
+        )
         tip = (
             f"{m}{rep}: {typ or title}; ops {', '.join(u.nodes[:8])}"
             f"{' …' if len(u.nodes) > 8 else ''}\nforward {fig.forward} FLOPs, input gradient "

@@ -53,6 +53,7 @@ def op_scene(
     aligned: bool = False,
     clusters: bool = True,
     module: str | None = None,
+    align_tangents: bool = True,
 ) -> Scene:
     """The op-level picture ``graph`` of analysis ``a``.
 
@@ -66,6 +67,8 @@ def op_scene(
         clusters: module clusters; without, the module path goes into each op's label.
         module: draw only the nodes of this module path's subtree (``h.0``, ``layer3.1``);
             an edge crossing its border ends in a small box naming the module outside.
+        align_tangents: with ``aligned``, pull the tangent nodes level with their forward
+            ops too (else only the backward's).
 
     Raises:
         RenderError: ``module`` has no ops in the forward graph.
@@ -73,7 +76,7 @@ def op_scene(
     check_module(a, module)
     s = _OpScene(a, graph, profile, collapse_loss)
     s.root = module
-    return s.build(aligned, clusters)
+    return s.build(aligned, clusters, align_tangents)
 
 
 def check_module(a: Any, module: str | None) -> None:
@@ -92,7 +95,7 @@ def check_module(a: Any, module: str | None) -> None:
 class _OpScene(OpParts):
     """The graph walks of one op-level picture."""
 
-    def build(self, aligned: bool, clusters: bool) -> Scene:
+    def build(self, aligned: bool, clusters: bool, align_tangents: bool = True) -> Scene:
         self.clusters = clusters
         g = self.graph
         if g in ("forward", "train", "all"):
@@ -105,7 +108,7 @@ class _OpScene(OpParts):
             self.jvp(share_primal=False)
         if g == "all":
             self.jvp(share_primal=True)
-        return self.assemble(aligned)
+        return self.assemble(aligned, align_tangents)
 
     # forward ---------------------------------------------------------------------------------
     def forward(self, key: str = "f", gm=None) -> None:

@@ -331,13 +331,15 @@ class OpParts:
         label = Card(a.op, where, role_colour(a.role), scale.colour(cost.flops), tuple(lines))
         return Box(nid, "op", label, role=a.role, tooltip=a.tooltip)
 
-    def _align(self) -> None:
-        """Pull each forward op onto the rank of the largest backward (and tangent) node derived
-        from it, so each module's backward sits beside its forward (invisible ``minlen=0``
-        edges, which Graphviz's ``newrank`` ranker honours across clusters)."""
+    def _align(self, tangents: bool = True) -> None:
+        """Pull each forward op onto the rank of the largest backward (and, with ``tangents``,
+        tangent) node derived from it, so each module's backward sits beside its forward
+        (invisible ``minlen=0`` edges, which Graphviz's ``newrank`` ranker honours across
+        clusters)."""
+        keys = ("b", "j") if tangents else ("b",)
         best: dict[tuple[str, str], tuple[int, str]] = {}
         for nid, a in self.pending.items():
-            if a.key not in ("b", "j") or not a.source:
+            if a.key not in keys or not a.source:
                 continue
             k = (a.key, a.source)
             if k not in best or a.cost.flops > best[k][0]:
@@ -352,14 +354,14 @@ class OpParts:
             for o in others:  # soft alignment: same rank or below, pulled together
                 self.cv.edge(Edge(fid, o, "align"))
 
-    def assemble(self, aligned: bool) -> Scene:
+    def assemble(self, aligned: bool, align_tangents: bool = True) -> Scene:
         """The scene of everything gathered: op boxes filled on one FLOP scale, residual and
         data edges, cluster labels (class name, measured time), title and legend."""
         self.home.update({nid: a.module for nid, a in self.pending.items()})
         kept = {nid: a for nid, a in self.pending.items() if _under(a.module, self.root)}
         scale = FlopScale([a.cost.flops for a in kept.values()])
         if self.phase and aligned:
-            self._align()
+            self._align(align_tangents)
         for nid, a in kept.items():
             self._add(a.key, a.module, self._op_box(nid, a, scale))
         self._emit_residuals()
@@ -380,7 +382,9 @@ class OpParts:
         items = captions.legend_items(self.ghost_words, self.has_residuals, True)
         items += captions.edge_items({e.style for e in self.cv.edges})
         legend = captions.legend(scale, "FLOPs per node", roles, items)
-        return self.cv.scene(captions.title(self.a, self.graph, "op"), legend, self.clusters)
+        return self.cv.scene(
+            captions.title(self.a, self.graph, "op", self.root), legend, self.clusters
+        )
 
 
 def _under(path: str, root: str | None) -> bool:

@@ -2,9 +2,13 @@
 
 The page is self-contained (no network): the SVG is embedded as markup, so its tooltips work,
 and a small script searches every box's id, text and tooltip. Typing in the box highlights the
-matching boxes (the others fade) and Enter scrolls to the next one; ``#q=attn`` in the address
-runs a search on load (highlighting only, the page stays at its top). The number of matches is shown and kept in the body's ``data-matches``
-attribute (what a headless browser test reads back).
+matching boxes (the others fade, and so do the clusters that hold no match) and Enter scrolls
+to the next one; ``#q=attn`` in the address runs a search on load (highlighting only, the page
+stays at its top). A query naming a member of a fold of identical blocks drawn once (``h.5``,
+``h.5.attn``) finds the fold and the same path in the block drawn (``h.0``, ``h.0.attn``), and
+says so beside the count. The number of matches is shown and kept in the body's
+``data-matches`` attribute, the fold notes in ``data-folds`` (what a headless browser test
+reads back).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ svg g.node.dim, svg g.cluster.dim { opacity: 0.25; }
 svg g.node.hit > polygon, svg g.node.hit > path, svg g.node.hit > ellipse
   { stroke: #EE3377; stroke-width: 5px; }
 svg g.node.current > polygon, svg g.node.current > path { stroke: #117733; stroke-width: 7px; }
+svg g.cluster.hit a > path:first-of-type { stroke: #EE3377; stroke-width: 5px; }
+svg g.cluster.current a > path:first-of-type { stroke: #117733; stroke-width: 7px; }
 """
 
 _SCRIPT = """
@@ -31,25 +37,61 @@ _SCRIPT = """
   const box = document.getElementById('q');
   const count = document.getElementById('count');
   const nodes = Array.from(svg.querySelectorAll('g.node'));
+  const clusters = Array.from(svg.querySelectorAll('g.cluster'));
+  const tipOf = g => Array.from(g.querySelectorAll('a')).map(
+    a => a.getAttribute('xlink:title') || a.getAttribute('title') || '');
   const text = new Map(nodes.map(g => {
-    const tips = Array.from(g.querySelectorAll('a')).map(
-      a => a.getAttribute('xlink:title') || a.getAttribute('title') || '');
     const title = g.querySelector('title');
-    return [g, [g.id, title ? title.textContent : '', g.textContent, ...tips]
+    return [g, [g.id, title ? title.textContent : '', g.textContent, ...tipOf(g)]
       .join(' ').toLowerCase()];
   }));
+  // a fold (repeated identical blocks drawn once): its tooltip ends in ": member, member, ..."
+  const folds = clusters.filter(g => g.id.startsWith('fold_')).map(g => {
+    const tip = tipOf(g)[0] || '';
+    const members = tip.slice(tip.lastIndexOf(': ') + 2).split(', ');
+    return {g: g, members: members, mark: tip.slice(0, tip.indexOf(':'))};
+  });
+  let boxes = null;  // cluster → its frame's box, measured on the first search
+  function inside(c, g) {
+    const a = boxes.get(c), b = g.getBBox();
+    return b.x >= a.x && b.y >= a.y && b.x + b.width <= a.x + a.width &&
+      b.y + b.height <= a.y + a.height;
+  }
   let hits = [], at = -1, scale = 1;
   function search(q) {
     q = q.trim().toLowerCase();
-    hits = q ? nodes.filter(g => text.get(g).includes(q)) : [];
+    // a query naming a fold's member (h.5, h.5.attn) also finds the same path in the block
+    // drawn (h.0, h.0.attn), and the fold itself
+    const queries = q ? [q] : [], found = [], notes = [];
+    for (const f of folds) {
+      for (const m of f.members.slice(1)) {
+        const p = m.toLowerCase();
+        if (q === p || q.startsWith(p + '.')) {
+          queries.push(f.members[0].toLowerCase() + q.slice(p.length));
+          found.push(f.g);
+          notes.push(m + ' is one of the ' + f.mark + ' blocks ' + f.members[0] + ' … ' +
+            f.members[f.members.length - 1] + ', drawn once as ' + f.members[0]);
+        }
+      }
+    }
+    hits = nodes.filter(g => queries.some(x => text.get(g).includes(x))).concat(found);
     at = -1;
+    if (q && boxes === null) boxes = new Map(clusters.map(c => [c, c.getBBox()]));
     for (const g of nodes) {
       g.classList.toggle('hit', hits.includes(g));
       g.classList.toggle('dim', q !== '' && !hits.includes(g));
       g.classList.remove('current');
     }
-    count.textContent = q ? hits.length + ' match' + (hits.length === 1 ? '' : 'es') : '';
+    for (const c of clusters) {  // a cluster stays clear when it holds a match
+      const keep = found.includes(c) || hits.some(g => g !== c && inside(c, g));
+      c.classList.toggle('hit', found.includes(c));
+      c.classList.toggle('dim', q !== '' && !keep);
+      c.classList.remove('current');
+    }
+    count.textContent = q ? hits.length + ' match' + (hits.length === 1 ? '' : 'es') +
+      (notes.length ? ' · ' + notes.join('; ') : '') : '';
     document.body.dataset.matches = String(hits.length);
+    document.body.dataset.folds = notes.join('; ');
   }
   function next() {
     if (!hits.length) return;

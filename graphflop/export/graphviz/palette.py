@@ -1,13 +1,17 @@
 """Colours of the pictures: the role palette and the FLOP fill scale (no Graphviz here).
 
-Role colours: black for the forward and eight colours from Paul Tol's colour-blind-safe schemes
-("muted", "vibrant" and "light", https://personal.sron.nl/~pault/), chosen so that every two
-roles differ in hue (at least 25 degrees of CIELAB hue angle apart for normal vision: the
-backward's input and weight gradients are orange and raspberry, the JVP's two tangents teal
-and indigo) and stay apart (CIE76 colour difference of at least 15) for normal vision and as
-simulated for protanopia, deuteranopia and tritanopia with the matrices of G. M. Machado,
-M. M. Oliveira and L. A. F. Fernandes, "A Physiologically-based Model for Simulation of Color
-Vision Deficiency", IEEE TVCG 15(6), 2009 (severity 1). tests/test_render.py checks both.
+Role colours: black for the forward, seven colours from Paul Tol's colour-blind-safe schemes
+("muted", "vibrant" and "light", https://personal.sron.nl/~pault/) and two tangent colours found
+by a search over a 16-level RGB grid, chosen so that every two roles differ in hue (at least 25
+degrees of CIELAB hue angle apart for normal vision: the backward's input and weight gradients
+are orange and raspberry, the JVP's two tangents blue and violet) and stay apart (CIE76 colour
+difference of at least 15) for normal vision and as simulated for protanopia, deuteranopia and
+tritanopia with the matrices of G. M. Machado, M. M. Oliveira and L. A. F. Fernandes, "A
+Physiologically-based Model for Simulation of Color Vision Deficiency", IEEE TVCG 15(6), 2009
+(severity 1). A role is drawn as a box's header strip and border around a fill from the FLOP
+scale, so every role colour also stays clear of that scale (CIE76 difference of at least 20
+from each of viridis' 256 colours, normal vision: Tol's teal and indigo, the earlier tangent
+colours, were 6.6 and 14 from it). tests/test_render.py checks all three.
 FLOP fills: matplotlib's perceptually uniform ``viridis``, on a log10 scale.
 """
 
@@ -23,8 +27,8 @@ ROLE_COLOURS = {
     "grad_weight": "#EE3377",  # raspberry
     "grad_accum": "#AA4499",  # purple
     "update": "#117733",  # green
-    "tangent_from_input": "#44AA99",  # teal
-    "tangent_from_param": "#332288",  # indigo
+    "tangent_from_input": "#0088EE",  # blue
+    "tangent_from_param": "#3322AA",  # violet
     "direction": "#99DDFF",  # pale blue
 }
 RESIDUAL_COLOUR = "#882255"

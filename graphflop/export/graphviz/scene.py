@@ -119,11 +119,26 @@ class Fold:
     kind: str
     rows: tuple[FoldRow, ...]
     ratios: tuple[tuple[str, str], ...] = ()
-    per_block: str = "per block"  # or "first" when members differ (in saved bytes only)
+    #: the figures column: one block's; "per block" when the members' figures are equal, else
+    #: the first member's (members differ in saved bytes only: FLOPs split folds)
+    per_block: str = "per block"
 
     @property
     def count(self) -> int:
         return len(self.members)
+
+    @property
+    def mark(self) -> str:
+        """The fold's mark, "× 12"."""
+        return fold_mark(self.count)
+
+    @property
+    def total_column(self) -> str:
+        """The header of the column of the members' sums: "× 12 = total" when every member has
+        the per-block figures, else "all 12 = total"."""
+        return (
+            f"{self.mark} = total" if self.per_block == "per block" else f"all {self.count} = total"
+        )
 
     def row(self, key: str) -> FoldRow:
         """The row named ``key`` (``fwd``, ``bwd∂x``, ...); KeyError when absent."""
@@ -280,3 +295,14 @@ class Canvas:
             )
 
         return cluster("")
+
+
+def fold_mark(count: int) -> str:
+    """How a fold of ``count`` identical modules is marked everywhere: "× 12"."""
+    return f"× {count}"
+
+
+#: the legend line explaining a fold's header (module level): its mark and its two columns
+FOLD_LEGEND = (
+    ": N identical blocks drawn once, boxes inside: one block; table: per block, × N = total"
+)
