@@ -28,6 +28,12 @@ Node keys (``node.meta``)
                          a state kind, ``lr``, ``step``).
     :data:`COMPOSITE`    on forward nodes a composite op was decomposed into while tracing:
                          :class:`CompositeTag` (which op, which of its outputs, which inputs).
+    :data:`CHECKPOINT`   on forward nodes the model ran inside ``torch.utils.checkpoint``:
+                         :class:`CheckpointTag` (which region, the node's place in it, whether
+                         the backward reruns all of it).
+    :data:`FUNCTION`     on forward nodes a custom ``torch.autograd.Function``'s ``forward``
+                         made: :class:`FunctionTag` (which Function, the node's place in the
+                         call, which of its inputs, outputs or saved tensors the node is).
 
 Graph keys (``gm.meta``)
     :data:`SIGNATURE`    :class:`Signature` of a traced forward graph.
@@ -78,6 +84,8 @@ PARAM_DERIVED = "gf_param_derived"
 RESIDUAL = "gf_residual"
 SLOT = "gf_slot"
 COMPOSITE = "gf_composite"
+CHECKPOINT = "gf_checkpoint"
+FUNCTION = "gf_function"
 
 # graph keys
 SIGNATURE = "gf_signature"
@@ -99,7 +107,20 @@ GAPS = "gf_gaps"
 UNUSED = "gf_unused"
 
 #: every node key and graph key above
-NODE_KEYS = (KIND, ROLE, SOURCE, MODULE, COST, PARAM, PARAM_DERIVED, RESIDUAL, SLOT, COMPOSITE)
+NODE_KEYS = (
+    KIND,
+    ROLE,
+    SOURCE,
+    MODULE,
+    COST,
+    PARAM,
+    PARAM_DERIVED,
+    RESIDUAL,
+    SLOT,
+    COMPOSITE,
+    CHECKPOINT,
+    FUNCTION,
+)
 GRAPH_KEYS = (
     SIGNATURE,
     LOSS_KIND,
@@ -133,6 +154,7 @@ ROLES = (
     "grad_input",
     "grad_weight",
     "grad_accum",
+    "recompute",
     "tangent_from_input",
     "tangent_from_param",
     "direction",
@@ -388,6 +410,50 @@ class CompositeTag:
     output: int | None
     inputs: tuple[tuple[int, int], ...]
     inner: CompositeTag | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointTag:
+    """One forward node the model computed inside ``torch.utils.checkpoint``
+    (:mod:`graphflop.frontend.regions`).
+
+    Attributes:
+        region: the checkpoint call's number in its trace (the copies of an outlined block
+            share it; :func:`graphflop.frontend.regions.occurrences` tells them apart).
+        position: the node's place among the region's nodes, in trace order.
+        whole: the backward reruns the whole region (``use_reentrant=True``, or early stop
+            off); otherwise it stops once every value the backward reads is recomputed.
+    """
+
+    region: int
+    position: int
+    whole: bool = False
+
+
+@dataclass(frozen=True)
+class FunctionTag:
+    """One forward node a custom ``torch.autograd.Function``'s ``forward`` made
+    (:mod:`graphflop.frontend.custom_function`).
+
+    Attributes:
+        function: the call's :class:`~graphflop.frontend.custom_function.FunctionRecord`
+            (the class's name, its traced ``backward`` and ``jvp`` graphs, or why they could
+            not be traced); shared by the copies of an outlined block.
+        region: the call's number in its trace.
+        position: the node's place among the call's nodes, in trace order.
+        input: which tensor argument of ``apply`` this node passes in (None: not one).
+        output: which tensor output of the call this node is (None: not one).
+        saved: which of the tensors the call saved for ``backward`` (``ctx.saved_tensors``,
+            then tensors kept as ``ctx`` attributes) and for ``jvp``
+            (``ctx.save_for_forward``, numbered after those) this node is.
+    """
+
+    function: Any
+    region: int
+    position: int
+    input: int | None = None
+    output: int | None = None
+    saved: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -245,7 +245,8 @@ def _totals_table(r: Report, units: str = "flops") -> Table:
             "backward",
             b,
             f"input grads {human(b.grad_input_flops)}, weight grads "
-            f"{human(b.grad_weight_flops)}, pruned {human(b.pruned_flops)}",
+            f"{human(b.grad_weight_flops)}, pruned {human(b.pruned_flops)}"
+            + (f", recompute {human(b.recompute_flops)}" if b.recompute_flops else ""),
         )
         row(f"update ({u.optimizer})", u, f"{_r(u.flops_per_param)} FLOPs per parameter", "0")
     if t.jvp is not None:

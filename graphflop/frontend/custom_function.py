@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 from torch.autograd.function import Function, _SingleLevelFunction
+from torch.utils.checkpoint import CheckpointFunction
+
+from graphflop.frontend.regions import run_checkpoint_function
 
 
 class _Context:
@@ -70,6 +73,8 @@ def inline_functions(functorch_unsupported_only: bool = False) -> Iterator[list[
     original = Function.__dict__["apply"]
 
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls is CheckpointFunction:  # the reentrant checkpoint: args (function, rng, *args)
+            return run_checkpoint_function(args[0], *args[2:])
         if not _own(cls) or (functorch_unsupported_only and _has_setup_context(cls)):
             return original.__get__(None, cls)(*args, **kwargs)
         name = cls.__qualname__

@@ -55,6 +55,7 @@ from graphflop.frontend.loss import (
     make_targets,
     output_tensors,
 )
+from graphflop.frontend.regions import checkpoints_tagged
 from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
 from graphflop.meta import MODULE, OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of, fresh_fake
@@ -250,7 +251,13 @@ def _trace_once(
     table = replays.wrap(tagged_decompositions(decomposition_table(), regions))
     outliner = repeats.Outliner(outline)
     try:
-        with warnings.catch_warnings(), CompositeOps(), fake_mode, inline_functions() as inlined:
+        with (
+            warnings.catch_warnings(),
+            CompositeOps(),
+            fake_mode,
+            inline_functions() as inlined,
+            checkpoints_tagged(),
+        ):
             warnings.simplefilter("ignore")
             with outliner:
                 gm = make_fx(
