@@ -45,8 +45,9 @@ Graph keys (``gm.meta``)
                          cotangents), with what it would have cost.
     :data:`JVP`          :class:`JvpInfo` of a JVP graph.
     :data:`JVP_LOG`      tuple of the tangent nodes and ghosts (``graphflop.ad.ghost.GhostValue``)
-                         the JVP builder emitted, in order; the transpose pass replays it in
-                         reverse.
+                         the JVP builder emitted, in order (a custom Function's as one
+                         ``graphflop.ad.functions.FunctionEntry``); the transpose pass replays
+                         it in reverse.
     :data:`GHOST_LINKS`  :class:`GhostLinks`: real tangent node → the ghosts a tangent sum dropped
                          into it (JVP graphs).
     :data:`VJP`          :class:`VjpInfo` of a backward graph.
@@ -259,11 +260,14 @@ class JvpInfo:
         tangent_inputs: (tangent placeholder name, primal placeholder name) pairs, in order.
         primal_outputs: number of leading outputs that are the forward's outputs.
         tangent_outputs: names of the forward nodes whose tangents follow, in order.
+        opaque: custom Functions without ``jvp`` whose tangent is an opaque node: the graph is
+            a linearization to transpose, not one to run (``build_jvp(for_transpose=True)``).
     """
 
     tangent_inputs: tuple[tuple[str, str], ...]
     primal_outputs: int
     tangent_outputs: tuple[str, ...]
+    opaque: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -410,6 +414,10 @@ class CompositeTag:
     output: int | None
     inputs: tuple[tuple[int, int], ...]
     inner: CompositeTag | None = None
+
+
+#: how a custom autograd.Function is named where its own derivative is missing (``Gap.op``)
+FUNCTION_LABEL = "autograd.Function "
 
 
 @dataclass(frozen=True)

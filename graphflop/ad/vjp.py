@@ -39,6 +39,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
+from graphflop.ad import functions
 from graphflop.ad.builder import Builder, emit
 from graphflop.ad.ghost import GhostValue, is_ghost
 from graphflop.ad.jvp import build_jvp
@@ -200,11 +201,11 @@ def build_vjp(
     sig: Signature = forward.meta[SIGNATURE]
     if sig.loss is None:
         raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
-    lin = (
-        linearized
-        if linearized is not None
-        else build_jvp(forward, "all" if input_grads else "params")
-    )
+    lin = linearized
+    if lin is None or any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ())):
+        # a custom Function without jvp cuts the JVP graph: transpose a linearization that
+        # goes through it instead (its own backward is the transpose)
+        lin = build_jvp(forward, "all" if input_grads else "params", for_transpose=True)
     info = lin.meta[JVP]
     out_node = next(n for n in lin.graph.nodes if n.op == "output")
     loss_tangent = out_node.args[0][info.primal_outputs]
@@ -228,6 +229,11 @@ def build_vjp(
     gaps: list[Gap] = list(lin.meta.get(GAPS, ()))  # the linearization's cuts cut this too
     links = lin.meta.get(GHOST_LINKS) or GhostLinks()
     for entry in reversed(lin.meta[JVP_LOG]):
+        if isinstance(entry, functions.FunctionEntry):  # the Function's own backward
+            cs = [ct.pop(o, None) if isinstance(o, Node) else None for o in entry.outputs]
+            if any(c is not None for c in cs):
+                functions.transpose(b, entry, cs, ct)
+            continue
         c = ct.pop(_key(entry), None)
         if c is None:
             continue

@@ -41,7 +41,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphflop.frontend import outline as repeats
 from graphflop.frontend.composite import CompositeOps, tagged_decompositions
-from graphflop.frontend.custom_function import inline_functions
+from graphflop.frontend.custom_function import inline_functions, trace_records
 from graphflop.frontend.errors import TraceError, find_cause, first_line, quiet_loggers
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.inputs import bind_call
@@ -255,7 +255,7 @@ def _trace_once(
             warnings.catch_warnings(),
             CompositeOps(),
             fake_mode,
-            inline_functions() as inlined,
+            inline_functions() as records,
             checkpoints_tagged(),
         ):
             warnings.simplefilter("ignore")
@@ -274,6 +274,7 @@ def _trace_once(
                     _trace_template(outliner, key, call, table, fake_mode, call.check)
                 ):
                     raise repeats.NotOutlinable(call.structure, "its graph depends on layer_idx")
+            trace_records(records, table, fake_mode)
     except TraceError:
         raise
     except Exception as e:
@@ -285,10 +286,10 @@ def _trace_once(
             or f"tracing the model on the example inputs failed: {type(e).__name__}: "
             f"{first_line(e)}"
         ) from e
-    for name in inlined:
+    for rec in {r.name: r for r in records if r.reason}.values():
         warnings.warn(
-            f"custom autograd.Function {name}: traced through its forward; the backward and "
-            "JVP graphs differentiate its ops, not its own backward",
+            f"custom autograd.Function {rec.name}: {rec.reason}; its backward and JVP are "
+            "left incomplete",
             UserWarning,
             stacklevel=2,
         )
