@@ -173,3 +173,28 @@ def test_verify_checks_a_checkpointed_model(tmp_path: Path, capsys):
     assert doc["totals"]["backward"]["recompute_flops"] > 0
     assert "warning" not in err
     assert rc == 0
+
+
+class EmbedThenCheckpoint(nn.Module):
+    """As transformers' gradient checkpointing does: the embedding's output is made to
+    require grad in forward (so that the reentrant checkpoint sees an input that does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.block = Block()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h.requires_grad_(True)
+        return self.head(checkpoint(self.block, h, use_reentrant=True))
+
+
+def test_requires_grad_in_forward_is_traced():
+    """Tracing refused ``Tensor.requires_grad_`` in forward (functionalisation does); it is a
+    no-op in the trace now. The reentrant block reruns whole: fc1 1,088 + relu 64 + fc2
+    1,056 = 2,208 FLOPs (batch 4)."""
+    ids = torch.randint(0, 10, (4,))
+    a = analyze(EmbedThenCheckpoint(), (ids,))
+    assert a.report.totals.backward.recompute_flops == 1088 + 64 + 1056

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from graphflop.frontend import outline as repeats
 from graphflop.frontend.composite import CompositeOps, tagged_decompositions
@@ -257,6 +257,7 @@ def _trace_once(
             fake_mode,
             inline_functions() as records,
             checkpoints_tagged(),
+            _requires_grad_ignored(),
         ):
             warnings.simplefilter("ignore")
             with outliner:
@@ -307,6 +308,26 @@ def _trace_once(
     frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+@contextlib.contextmanager
+def _requires_grad_ignored() -> Iterator[None]:
+    """While tracing, ``Tensor.requires_grad_`` in the model's code (transformers' gradient
+    checkpointing makes the embeddings' output require grad, so that the reentrant
+    checkpoint sees an input that does) returns the tensor unchanged: functionalisation
+    refuses it, and what carries a gradient is decided by the parameters, not the trace."""
+    original = torch.Tensor.requires_grad_
+
+    def requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+        if get_proxy_mode() is None:
+            return original(self, requires_grad)
+        return self
+
+    torch.Tensor.requires_grad_ = requires_grad_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.requires_grad_ = original  # type: ignore[method-assign]
 
 
 def _trace_template(
