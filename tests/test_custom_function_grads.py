@@ -204,3 +204,49 @@ def test_function_without_jvp_makes_the_jvp_incomplete_naming_it():
     except RuntimeError:
         refused = True
     assert refused  # as PyTorch
+
+
+class CubeBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(CubeWithJvp.apply(torch.tanh(self.fc(x))))
+
+
+class CubeStack(nn.Module):
+    """Three identical blocks, each calling CubeWithJvp: traced once and copied."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(CubeBlock() for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_functions_in_repeated_blocks():
+    """The copies of an outlined block are three calls, each differentiated with its own
+    backward and jvp: the gradients and the loss tangent check against eager autograd and
+    eager forward-mode AD (torch.func cannot run the class: it has no setup_context)."""
+    from graphflop.meta import OUTLINED
+    from graphflop.runtime.verify import verify_gradients
+    from graphflop.runtime.verify_tangent import verify_jvp
+
+    torch.manual_seed(0)
+    model = CubeStack().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    a = analyze(model, (x,), loss="cross_entropy")
+    assert a.forward.meta[OUTLINED].calls == 3  # traced once, copied
+    from graphflop.ad.functions import function_calls
+
+    assert len({id(c) for c in function_calls(a.forward).values()}) == 3
+    grad = verify_gradients(a.forward, a.backward, model, examples=(x,))
+    assert grad.ok and grad.name == "gradients vs torch.autograd.backward", grad
+    tangent = verify_jvp(a.forward, a.jvp, model, examples=(x,))
+    assert tangent.ok and tangent.name == "JVP loss tangent vs torch.autograd.forward_ad", tangent

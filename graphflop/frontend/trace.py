@@ -323,7 +323,7 @@ def _requires_grad_ignored() -> Iterator[None]:
             return original(self, requires_grad)
         return self
 
-    torch.Tensor.requires_grad_ = requires_grad_  # type: ignore[method-assign]
+    torch.Tensor.requires_grad_ = requires_grad_  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
