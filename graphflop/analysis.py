@@ -19,11 +19,12 @@ from torch import nn
 from torch.fx import GraphModule
 
 from graphflop._gc import paused_gc
+from graphflop.ad.jvp import build_jvp
 from graphflop.frontend import nodynamo
 from graphflop.frontend.errors import quiet_loggers
 from graphflop.frontend.inputs import split_example
 from graphflop.frontend.trace import trace
-from graphflop.meta import LINEARIZED, LOSS_KIND, SIGNATURE
+from graphflop.meta import JVP, LINEARIZED, LOSS_KIND, SIGNATURE
 from graphflop.passes.activity_gradient import BuildActivityGradientStep, NotPerturbable
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
 from graphflop.passes.compiled_memory import compiled_report_memory
@@ -278,7 +279,10 @@ def _analyze(
         say("building the optimizer update")
         add_update = AddOptimizerUpdate(optimizer, backward=bwd)  # no gradient: no update
         g = replace(g, update=run_passes(fwd, [add_update, AnnotateFlops()]))
-        lin = lin if lin is not None else bwd.meta[LINEARIZED]
+        if lin is None:
+            lin = bwd.meta[LINEARIZED]
+            if lin.meta[JVP].opaque:  # built to be transposed (a Function without jvp)
+                lin = build_jvp(fwd, "params")
     if jvp and has_loss:
         say("building the forward-gradient step")
         upd = for_every_parameter(g.update)  # a forward gradient updates every parameter

@@ -28,6 +28,12 @@ Node keys (``node.meta``)
                          a state kind, ``lr``, ``step``).
     :data:`COMPOSITE`    on forward nodes a composite op was decomposed into while tracing:
                          :class:`CompositeTag` (which op, which of its outputs, which inputs).
+    :data:`CHECKPOINT`   on forward nodes the model ran inside ``torch.utils.checkpoint``:
+                         :class:`CheckpointTag` (which region, the node's place in it, whether
+                         the backward reruns all of it).
+    :data:`FUNCTION`     on forward nodes a custom ``torch.autograd.Function``'s ``forward``
+                         made: :class:`FunctionTag` (which Function, the node's place in the
+                         call, which of its inputs, outputs or saved tensors the node is).
 
 Graph keys (``gm.meta``)
     :data:`SIGNATURE`    :class:`Signature` of a traced forward graph.
@@ -39,8 +45,9 @@ Graph keys (``gm.meta``)
                          cotangents), with what it would have cost.
     :data:`JVP`          :class:`JvpInfo` of a JVP graph.
     :data:`JVP_LOG`      tuple of the tangent nodes and ghosts (``graphflop.ops.ghost.GhostValue``)
-                         the JVP builder emitted, in order; the transpose pass replays it in
-                         reverse.
+                         the JVP builder emitted, in order (a custom Function's as one
+                         ``graphflop.ad.functions.FunctionEntry``); the transpose pass replays
+                         it in reverse.
     :data:`GHOST_LINKS`  :class:`GhostLinks`: real tangent node → the ghosts a tangent sum dropped
                          into it (JVP graphs).
     :data:`VJP`          :class:`VjpInfo` of a backward graph.
@@ -59,7 +66,8 @@ Graph keys (``gm.meta``)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +89,8 @@ PARAM_DERIVED = "gf_param_derived"
 RESIDUAL = "gf_residual"
 SLOT = "gf_slot"
 COMPOSITE = "gf_composite"
+CHECKPOINT = "gf_checkpoint"
+FUNCTION = "gf_function"
 
 # graph keys
 SIGNATURE = "gf_signature"
@@ -102,7 +112,20 @@ GAPS = "gf_gaps"
 UNUSED = "gf_unused"
 
 #: every node key and graph key above
-NODE_KEYS = (KIND, ROLE, SOURCE, MODULE, COST, PARAM, PARAM_DERIVED, RESIDUAL, SLOT, COMPOSITE)
+NODE_KEYS = (
+    KIND,
+    ROLE,
+    SOURCE,
+    MODULE,
+    COST,
+    PARAM,
+    PARAM_DERIVED,
+    RESIDUAL,
+    SLOT,
+    COMPOSITE,
+    CHECKPOINT,
+    FUNCTION,
+)
 GRAPH_KEYS = (
     SIGNATURE,
     LOSS_KIND,
@@ -136,6 +159,7 @@ ROLES = (
     "grad_input",
     "grad_weight",
     "grad_accum",
+    "recompute",
     "tangent_from_input",
     "tangent_from_param",
     "direction",
@@ -240,11 +264,14 @@ class JvpInfo:
         tangent_inputs: (tangent placeholder name, primal placeholder name) pairs, in order.
         primal_outputs: number of leading outputs that are the forward's outputs.
         tangent_outputs: names of the forward nodes whose tangents follow, in order.
+        opaque: custom Functions without ``jvp`` whose tangent is an opaque node: the graph is
+            a linearization to transpose, not one to run (``build_jvp(for_transpose=True)``).
     """
 
     tangent_inputs: tuple[tuple[str, str], ...]
     primal_outputs: int
     tangent_outputs: tuple[str, ...]
+    opaque: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -393,6 +420,54 @@ class CompositeTag:
     inner: CompositeTag | None = None
 
 
+#: how a custom autograd.Function is named where its own derivative is missing (``Gap.op``)
+FUNCTION_LABEL = "autograd.Function "
+
+
+@dataclass(frozen=True)
+class CheckpointTag:
+    """One forward node the model computed inside ``torch.utils.checkpoint``
+    (:mod:`graphflop.frontend.regions`).
+
+    Attributes:
+        region: the checkpoint call's number in its trace (the copies of an outlined block
+            share it; :func:`occurrences` tells them apart).
+        position: the node's place among the region's nodes, in trace order.
+        whole: the backward reruns the whole region (``use_reentrant=True``, or early stop
+            off); otherwise it stops once every value the backward reads is recomputed.
+    """
+
+    region: int
+    position: int
+    whole: bool = False
+
+
+@dataclass(frozen=True)
+class FunctionTag:
+    """One forward node a custom ``torch.autograd.Function``'s ``forward`` made
+    (:mod:`graphflop.frontend.custom_function`).
+
+    Attributes:
+        function: the call's :class:`~graphflop.frontend.custom_function.FunctionRecord`
+            (the class's name, its traced ``backward`` and ``jvp`` graphs, or why they could
+            not be traced); shared by the copies of an outlined block.
+        region: the call's number in its trace.
+        position: the node's place among the call's nodes, in trace order.
+        input: which tensor argument of ``apply`` this node passes in (None: not one).
+        output: which tensor output of the call this node is (None: not one).
+        saved: which of the tensors the call saved for ``backward`` (``ctx.saved_tensors``,
+            then tensors kept as ``ctx`` attributes) and for ``jvp``
+            (``ctx.save_for_forward``, numbered after those) this node is.
+    """
+
+    function: Any
+    region: int
+    position: int
+    input: int | None = None
+    output: int | None = None
+    saved: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True)
 class MemoryInfo:
     """Live-tensor peak of one graph on its own, in its node order.
@@ -498,3 +573,27 @@ class Gap:
     node: str
     module: str
     kind: str
+
+
+def occurrences(nodes: Iterable[torch.fx.Node], key: str) -> dict[torch.fx.Node, int]:
+    """torch.fx.Node → the number of its call, for the nodes tagged ``key`` (a tag with ``region`` and
+    ``position``), ``nodes`` in graph order. A call's nodes are consecutive in the graph (every
+    node made during the call is tagged) with positions that do not fall, so a node starts
+    another call when the node before it is not of its region or its position is below the
+    previous one's (an outlined block's copies repeat the template's region numbers; the
+    copies of a block called inside a call carry the position of the call's one node that
+    stood for it). Numbers count from 0 in graph order."""
+    out: dict[torch.fx.Node, int] = {}
+    calls = itertools.count()
+    prev: Any = None  # the previous node's tag
+    call = -1
+    for n in nodes:
+        tag = n.meta.get(key)
+        if tag is None:
+            prev = None
+            continue
+        if prev is None or prev.region != tag.region or tag.position < prev.position:
+            call = next(calls)
+        out[n] = call
+        prev = tag
+    return out

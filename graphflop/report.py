@@ -109,6 +109,9 @@ class BackwardTotals(CostTotals):
         grad_input_flops, grad_weight_flops, grad_accum_flops, loss_flops: FLOPs of the nodes
             with that role.
         pruned_flops: FLOPs of the cotangents not emitted (the graph's ghosts).
+        recompute_flops: FLOPs of the forward work the backward reruns (role ``recompute``:
+            the model's own ``torch.utils.checkpoint`` regions), part of ``flops``; in the
+            JSON only where nonzero.
     """
 
     grad_input_flops: int = 0
@@ -116,6 +119,13 @@ class BackwardTotals(CostTotals):
     grad_accum_flops: int = 0
     loss_flops: int = 0
     pruned_flops: int = 0
+    recompute_flops: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if not self.recompute_flops:  # schema v1 had no such key: added only where it counts
+            del d["recompute_flops"]
+        return d
 
 
 @dataclass(frozen=True)

@@ -689,15 +689,21 @@ def test_hf_mamba_traces_its_eager_scan():
 def test_hf_bloom_with_its_custom_autograd_function_matches_flop_counter_mode():
     """A tester's finding: Bloom's MLP calls ``GeLUFunction.apply`` (a custom
     autograd.Function without setup_context, in train and eval mode alike), which tracing
-    refused. It is traced through its forward now. Independent count: FlopCounterMode over
-    the same meta model and tokens counts the forward's matrix FLOPs (linear layers, the
-    attention's baddbmm and bmm, the LM head) as graphflop's forward mm_flops."""
+    refused. Its forward is traced and its own backward is the backward; it has no jvp, so
+    the JVP phase is incomplete and names it, as PyTorch's forward AD would refuse it.
+    Independent count: FlopCounterMode over the same meta model and tokens counts the
+    forward's matrix FLOPs (linear layers, the attention's baddbmm and bmm, the LM head) as
+    graphflop's forward mm_flops."""
     pytest.importorskip("transformers")
     from torch.utils.flop_counter import FlopCounterMode
 
     args = {"n_layer": 2, "hidden_size": 64, "n_head": 4, "vocab_size": 100}
     loaded, inputs, a = _hf_analysis("bloom", args, 16)
-    assert a.report.uncounted == () and a.backward is not None and a.jvp is not None
+    assert a.backward is not None and a.jvp is not None
+    assert a.report.totals.backward.complete and not a.report.totals.jvp.complete
+    assert [(u.op, u.missing) for u in a.report.uncounted] == [
+        ("autograd.Function GeLUFunction", ("jvp",))
+    ]
     with FlopCounterMode(display=False) as counter:
         loaded.model(*inputs)
     assert a.report.totals.forward.mm_flops == counter.get_total_flops() > 0

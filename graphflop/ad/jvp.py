@@ -14,8 +14,9 @@ Reads ``val`` and the graphflop keys :mod:`graphflop.frontend.trace` writes, and
 Writes ``KIND``, ``ROLE`` (``tangent_from_input``/``tangent_from_param``), ``SOURCE``, ``MODULE``,
 ``PARAM_DERIVED`` on new nodes (through the builder's rule context); ``gm.meta[GHOSTS]`` (list of
 :class:`~graphflop.meta.Ghost`), ``gm.meta[SIGNATURE]``, ``gm.meta[JVP]`` (:class:`JvpInfo`),
-``gm.meta[JVP_LOG]`` (tuple of the tangent nodes and ghosts emitted, in order: what the transpose
-replays in reverse), ``gm.meta[GHOST_LINKS]`` (:class:`~graphflop.meta.GhostLinks`),
+``gm.meta[JVP_LOG]`` (tuple of the tangent nodes and ghosts emitted, in order, a custom
+Function's tangent work as one :class:`~graphflop.ad.functions.FunctionEntry`: what the
+transpose replays in reverse), ``gm.meta[GHOST_LINKS]`` (:class:`~graphflop.meta.GhostLinks`),
 ``gm.meta[LOSS_KIND]``, ``gm.meta[GAPS]`` (:class:`~graphflop.meta.Gap`: forward nodes whose op
 has no JVP rule; their tangent is cut to a symbolic zero, so the work that depends on it is not
 built, unless :func:`graphflop.ops.strict_rules` makes that an error).
@@ -31,6 +32,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.builder import Builder, copy_node
+from graphflop.ad.functions import FunctionCall, emit_tangent, function_calls
 from graphflop.meta import (
     GAPS,
     GHOST_LINKS,
@@ -128,6 +130,7 @@ def build_jvp(
     tangents: str = "params",
     *,
     wrt_outputs: str = "loss",
+    for_transpose: bool = False,
 ) -> GraphModule:
     """Build the JVP graph of a traced forward graph.
 
@@ -137,6 +140,10 @@ def build_jvp(
             forward gradient of Baydin et al. 2022), ``inputs`` or ``all``.
         wrt_outputs: ``loss`` (the tangent of the scalar loss: the directional derivative) or
             ``outputs`` (tangents of the model's outputs too).
+        for_transpose: the graph is only transposed, never run: a custom Function without
+            ``jvp`` gets an opaque tangent node (:func:`graphflop.ad.functions.no_jvp`) instead
+            of a gap, so the backward is built through it from its own ``backward``
+            (``JvpInfo.opaque`` names such Functions).
 
     Returns:
         A GraphModule taking the forward's placeholders followed by one tangent per selected
@@ -156,7 +163,7 @@ def build_jvp(
     inputs = set(sig.inputs)
     carry = params if tangents == "params" else inputs if tangents == "inputs" else params | inputs
 
-    lin = _Linearizer(forward)
+    lin = _Linearizer(forward, for_transpose)
     tangent_inputs = lin.placeholders(carry, ghostly=(params | inputs) - carry, params=params)
     outs = lin.propagate(_needed(forward.graph, diff_out))
     primal_outs = [lin.env[o] if isinstance(o, Node) else o for o in outs]
@@ -166,7 +173,12 @@ def build_jvp(
     gm = graph_module(forward, lin.graph)
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = lin.ghosts
-    gm.meta[JVP] = JvpInfo(tuple(tangent_inputs), len(primal_outs), tuple(d.name for d in diff_out))
+    gm.meta[JVP] = JvpInfo(
+        tuple(tangent_inputs),
+        len(primal_outs),
+        tuple(d.name for d in diff_out),
+        tuple(dict.fromkeys(lin.opaque)),
+    )
     gm.meta[JVP_LOG] = tuple(lin.b.log)
     gm.meta[GHOST_LINKS] = GhostLinks.of(lin.b.ghost_links)
     gm.meta[LOSS_KIND] = forward.meta.get(LOSS_KIND)
@@ -178,8 +190,12 @@ class _Linearizer:
     """The JVP graph as it is built: primal copies (``env``) and tangents (``tan``) of the
     forward's nodes, interleaved in forward order."""
 
-    def __init__(self, forward: GraphModule):
+    def __init__(self, forward: GraphModule, for_transpose: bool = False):
         self.forward = forward
+        self.for_transpose = for_transpose
+        self.calls = function_calls(forward)
+        self.last = {id(c): c.nodes[-1] for c in self.calls.values()}
+        self.opaque: list[str] = []
         self.graph = Graph()
         self.env: dict[Node, Node] = {}
         self.tan: dict[Node, Any] = {}
@@ -238,12 +254,29 @@ class _Linearizer:
             for u in n.users:  # copy getitems at once, so rules can read every output
                 if u.target is operator.getitem and u not in self.env:
                     self.env[u] = self._copy(u)
-            if n in needed:
+            call = self.calls.get(n)
+            if call is not None:  # a custom Function's ops: its own jvp, at its last node
+                if self.last[id(call)] is n:
+                    self._function_tangent(call)
+            elif n in needed:
                 self._tangent(n)
         outs = out_node.args[0] if out_node is not None else None
         if not isinstance(outs, (tuple, list)):
             raise ValueError("the forward graph has no output node returning a tuple")
         return tuple(outs)
+
+    def _function_tangent(self, call: FunctionCall) -> None:
+        """The tangents of a custom Function call's outputs, from its own ``jvp``
+        (:func:`graphflop.ad.functions.emit_tangent`); a gap where it has none."""
+        if call.record.reason is None and call.record.jvp is None and self.for_transpose:
+            self.opaque.append(call.record.name)
+        _, gap = emit_tangent(self.b, call, self.env, self.tan, self.for_transpose)
+        if gap is not None:
+            if is_strict():
+                raise MissingRuleError(
+                    f"{gap.op} at {gap.node} has no jvp: give the class a jvp staticmethod"
+                )
+            self.gaps.append(gap)
 
     def _tangent(self, n: Node) -> None:
         """Emit the tangent of forward node ``n`` with its JVP rule (nothing for a symbolic

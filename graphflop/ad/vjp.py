@@ -16,8 +16,17 @@ nothing needs are never emitted: the tangents they would transpose are ghosts, a
 ghost records what the pruned backward work would have cost (``gm.meta[GHOSTS]``, role
 ``grad_input`` for the first layer's missing input gradient).
 
-Writes on backward nodes: ``KIND="cotangent"`` (``coef`` for recomputed coefficients),
-``ROLE`` (``grad_input``, ``grad_weight``, ``grad_accum``, ``loss``), ``SOURCE``,
+The model's own ``torch.utils.checkpoint`` regions (forward nodes tagged
+:data:`~graphflop.meta.CHECKPOINT`) are differentiated as eager PyTorch runs them: the backward
+of a region's nodes reads no residual from inside the region but a copy of the region's forward
+re-emitted in the backward (role ``recompute``) just before the first of them, from the
+region's inputs; a region that stops early (``use_reentrant=False``, the default) keeps its
+recompute up to the last value the backward reads, one that does not (reentrant) keeps all of
+it. Random ops are not rerun: their outputs stay residuals (eager replays the generator state).
+
+Writes on backward nodes: ``KIND="cotangent"`` (``coef`` for recomputed coefficients and
+forward nodes), ``ROLE`` (``grad_input``, ``grad_weight``, ``grad_accum``, ``loss``,
+``recompute``), ``SOURCE``,
 ``MODULE``; on residual placeholders ``KIND="primal"`` and ``RESIDUAL`` (``param``,
 ``buffer``, ``input``, ``target`` or ``activation``); ``gm.meta[VJP]`` (:class:`VjpInfo`).
 """
@@ -29,11 +38,14 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
 
+from graphflop.ad import functions
 from graphflop.ad.builder import Builder, emit
 from graphflop.ad.jvp import build_jvp
 from graphflop.ad.simplify import fold_transposed_matmuls
 from graphflop.meta import (
+    CHECKPOINT,
     GAPS,
     GHOST_LINKS,
     GHOSTS,
@@ -67,10 +79,19 @@ class TransposeBuilder(Builder):
 
     active_kind = "cotangent"
 
-    def __init__(self, graph: Graph, fake_mode, ghosts, sig: Signature, lin: GraphModule):
+    def __init__(
+        self,
+        graph: Graph,
+        fake_mode,
+        ghosts,
+        sig: Signature,
+        lin: GraphModule,
+        forward: GraphModule | None = None,
+    ):
         super().__init__(graph, fake_mode, ghosts)
         self.sig = sig
         self.imported: dict[Node, Node] = {}
+        self.checkpoints = _Checkpoints(forward, lin) if forward is not None else None
         self.residual_order: list[tuple[str, str, str]] = []
         self._last_placeholder: Node | None = None
         self._kinds = {p: "param" for p, _ in sig.params}
@@ -96,9 +117,16 @@ class TransposeBuilder(Builder):
     def import_arg(self, a: Any) -> Any:
         if not isinstance(a, Node) or a.graph is self.graph:
             return a
+        kind = a.meta.get(KIND)
+        if kind == "primal" and self.checkpoints is not None:
+            inside = self.checkpoints.read(self, a)
+            if inside is not None:
+                return inside
+        return self._import(a, kind)
+
+    def _import(self, a: Node, kind: Any) -> Any:
         if a in self.imported:
             return self.imported[a]
-        kind = a.meta.get(KIND)
         if kind == "primal":
             src = a.meta.get(SOURCE, a.name)
             rkind = self._kinds.get(src) or (
@@ -172,11 +200,11 @@ def build_vjp(
     sig: Signature = forward.meta[SIGNATURE]
     if sig.loss is None:
         raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
-    lin = (
-        linearized
-        if linearized is not None
-        else build_jvp(forward, "all" if input_grads else "params")
-    )
+    lin = linearized
+    if lin is None or any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ())):
+        # a custom Function without jvp cuts the JVP graph: transpose a linearization that
+        # goes through it instead (its own backward is the transpose)
+        lin = build_jvp(forward, "all" if input_grads else "params", for_transpose=True)
     info = lin.meta[JVP]
     out_node = next(n for n in lin.graph.nodes if n.op == "output")
     loss_tangent = out_node.args[0][info.primal_outputs]
@@ -184,7 +212,7 @@ def build_vjp(
     g = Graph()
     ghosts: list = []
     fake_mode = fake_mode_of([n.meta.get("val") for n in lin.graph.nodes if "val" in n.meta])
-    b = TransposeBuilder(g, fake_mode, ghosts, sig, lin)
+    b = TransposeBuilder(g, fake_mode, ghosts, sig, lin, forward)
     loss_node = next(n for n in forward.graph.nodes if n.name == sig.loss)
     ct_loss = b.placeholder(
         "ct_loss",
@@ -200,6 +228,11 @@ def build_vjp(
     gaps: list[Gap] = list(lin.meta.get(GAPS, ()))  # the linearization's cuts cut this too
     links = lin.meta.get(GHOST_LINKS) or GhostLinks()
     for entry in reversed(lin.meta[JVP_LOG]):
+        if isinstance(entry, functions.FunctionEntry):  # the Function's own backward
+            cs = [ct.pop(o, None) if isinstance(o, Node) else None for o in entry.outputs]
+            if any(c is not None for c in cs):
+                functions.transpose(b, entry, cs, ct)
+            continue
         c = ct.pop(_key(entry), None)
         if c is None:
             continue
@@ -229,7 +262,7 @@ def build_vjp(
             in_grads.append((len(outputs), p_name))
         outputs.append(g_val)
     g.output(tuple(outputs))
-    g.eliminate_dead_code()
+    g.eliminate_dead_code(is_impure_node=b.checkpoints.kept() if b.checkpoints else None)
     gm = fold_transposed_matmuls(graph_module(torch.nn.Module(), g))
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = ghosts
@@ -342,3 +375,102 @@ def _transpose_getitem(
         with b.context(source=source, module=module, role="grad_accum", ghost=ghost):
             c = b.call(torch.ops.aten.add.Tensor, slots[i], c)
     slots[i] = c
+
+
+class _Checkpoints:
+    """The forward's ``torch.utils.checkpoint`` calls (:data:`~graphflop.meta.CHECKPOINT`) and
+    their recompute in the backward graph being built.
+
+    A rule of a node inside a call that reads a value of that call reads the call's recompute
+    instead of a residual; the recompute (every node of the call, random ops excepted, in
+    forward order, role ``recompute``) is emitted on the first read a rule of the call makes,
+    reading the call's inputs, parameters and random outputs as residuals. :meth:`kept` says
+    which recompute nodes dead-code elimination must keep although nothing reads them: eager
+    reruns a call in order up to the last value its backward unpacks (early stop), or whole."""
+
+    def __init__(self, forward: GraphModule, lin: GraphModule) -> None:
+        from graphflop.meta import occurrences
+
+        fnodes = list(forward.graph.nodes)
+        occ = occurrences(fnodes, CHECKPOINT)
+        self.call_of = {n.name: c for n, c in occ.items()}
+        self.nodes: dict[int, list[Node]] = {}
+        for n, c in occ.items():
+            self.nodes.setdefault(c, []).append(n)
+        self.whole = {c: ns[0].meta[CHECKPOINT].whole for c, ns in self.nodes.items()}
+        self.lin: dict[str, Node] = {}
+        if occ:
+            for n in lin.graph.nodes:
+                if n.meta.get(KIND) == "primal":
+                    self.lin.setdefault(n.meta.get(SOURCE, n.name), n)
+        self.copies: dict[int, dict[str, Any]] = {}
+        self.emitted: dict[int, list[Node]] = {}
+
+    def read(self, b: TransposeBuilder, a: Node) -> Any:
+        """The value a rule (the builder's context: the forward node it is for) reads for
+        primal ``a``: the recompute's copy when both lie in one checkpoint call, else None (a
+        residual). A rule inside a call makes the call's recompute emitted first."""
+        call = self.call_of.get(b.ctx.source)
+        if call is None:
+            return None
+        copies = self._recompute(b, call)
+        return copies.get(a.meta.get(SOURCE, a.name))
+
+    def _recompute(self, b: TransposeBuilder, call: int) -> dict[str, Any]:
+        if call in self.copies:
+            return self.copies[call]
+        copies: dict[str, Any] = {}
+        self.copies[call] = copies
+        made: list[Node] = []
+
+        def arg(x: Node) -> Any:
+            if x.name in copies:
+                return copies[x.name]
+            return b._import(self.lin[x.name], KIND_PRIMAL)
+
+        for f in self.nodes[call]:
+            if f.op != "call_function" or f.name not in self.lin:
+                continue
+            tags = getattr(f.target, "tags", ())
+            if torch.Tag.nondeterministic_seeded in tags:  # the forward's random draw
+                copies[f.name] = b._import(self.lin[f.name], KIND_PRIMAL)
+                continue
+            node = emit(b.graph, f.target, map_arg(f.args, arg), map_arg(f.kwargs, arg))
+            node.meta["val"] = f.meta.get("val")
+            node.meta[KIND] = "coef"
+            node.meta[ROLE] = "recompute"
+            node.meta[SOURCE] = f.name
+            node.meta[MODULE] = f.meta.get(MODULE, "")
+            node.meta[PARAM_DERIVED] = f.meta.get(PARAM_DERIVED, False)
+            copies[f.name] = node
+            made.append(node)
+        self.emitted[call] = made
+        return copies
+
+    def kept(self):
+        """``is_impure_node`` for dead-code elimination of the finished backward graph: the
+        recompute nodes eager runs (each call's whole recompute, or, with early stop, its
+        nodes up to the last one something else reads)."""
+        keep: set[Node] = set()
+        for call, made in self.emitted.items():
+            if self.whole[call]:
+                keep.update(made)
+                continue
+            live = _live(made)
+            last = max((i for i, n in enumerate(made) if n in live), default=-1)
+            keep.update(made[: last + 1])
+        return lambda n: n in keep or n.is_impure()
+
+
+KIND_PRIMAL = "primal"
+
+
+def _live(made: list[Node]) -> set[Node]:
+    """The nodes of ``made`` whose value reaches the graph's output other than through a
+    recompute node nothing reads."""
+    inside = set(made)
+    live: set[Node] = set()
+    for n in reversed(made):
+        if any(u not in inside or u in live for u in n.users):
+            live.add(n)
+    return live

@@ -487,7 +487,9 @@ def float_output(model, inputs) -> bool:
     from graphflop.frontend import nodynamo
 
     def forward():
-        with torch.no_grad():
+        # a probe: its warnings are not the model's (checkpoint's, that nothing requires grad)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             return model(*inputs)
 
     for run in (forward, lambda: _fake_forward(model, inputs)):

@@ -15,7 +15,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from graphflop.report import OP_PHASES, LayerRow, OpRow, Report
+from graphflop.meta import FUNCTION_LABEL
+from graphflop.report import OP_PHASES, LayerRow, OpRow, Report, Uncounted
 
 UNITS = ("flops", "macs")
 
@@ -176,6 +177,9 @@ def warning_lines(r: Report) -> list[str]:
     for u in r.uncounted:
         where = ", ".join(m or "(model)" for m in u.modules[:3])
         where += ", …" if len(u.modules) > 3 else ""
+        if u.op.startswith(FUNCTION_LABEL):  # a custom Function: its own derivative is missing
+            lines.append(_function_warning(u, where))
+            continue
         effects = []
         if "cost" in u.missing:
             effects.append("counted as 0 FLOPs")
@@ -187,6 +191,20 @@ def warning_lines(r: Report) -> list[str]:
             "these phases are incomplete (--strict makes this an error)"
         )
     return lines
+
+
+def _function_warning(u: Uncounted, where: str) -> str:
+    """The warning for a custom ``autograd.Function`` whose own derivative is missing."""
+    calls = f"{u.count} call{'s' if u.count != 1 else ''} in {where}"
+    if u.missing == ("jvp",):
+        return (
+            f"warning: {u.op} has no jvp ({calls}): the JVP and the forward gradient stop at "
+            "it, as PyTorch's forward-mode AD refuses it; give the class a jvp staticmethod"
+        )
+    return (
+        f"warning: {u.op}: its own backward could not be traced ({calls}): the backward and "
+        "JVP stop at it; see the trace's warning for why"
+    )
 
 
 def _shown_layers(rows: tuple[LayerRow, ...], max_layers: int) -> set[int]:
@@ -245,7 +263,8 @@ def _totals_table(r: Report, units: str = "flops") -> Table:
             "backward",
             b,
             f"input grads {human(b.grad_input_flops)}, weight grads "
-            f"{human(b.grad_weight_flops)}, pruned {human(b.pruned_flops)}",
+            f"{human(b.grad_weight_flops)}, pruned {human(b.pruned_flops)}"
+            + (f", recompute {human(b.recompute_flops)}" if b.recompute_flops else ""),
         )
         if u is not None:  # built with the backward graph
             row(f"update ({u.optimizer})", u, f"{_r(u.flops_per_param)} FLOPs per parameter", "0")

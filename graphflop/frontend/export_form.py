@@ -27,6 +27,7 @@ from graphflop.io import sanitize_name
 from graphflop.meta import (
     CONSTANTS,
     FACTS,
+    FUNCTION,
     KIND,
     LOSS_KIND,
     MODULE,
@@ -298,6 +299,14 @@ def _buffer_writes(old: torch.fx.Graph, phs: list, params: list[str], buffers: l
     return writes
 
 
+def _kept(n: torch.fx.Node) -> bool:
+    """Nodes dead-code elimination keeps although nothing reads them: side effects, and a
+    custom Function's input aliases and saved tensors, which its own backward and jvp read
+    (eager computes them in the forward too)."""
+    tag = n.meta.get(FUNCTION)
+    return n.is_impure() or (tag is not None and (tag.input is not None or bool(tag.saved)))
+
+
 def _eliminate_dead_code(g: torch.fx.Graph) -> NodeCost:
     """``g.eliminate_dead_code()``, returning the summed cost of the ops it removed (reported as
     ``totals.forward.unused_flops``, never silently dropped; an op without a rule counts 0)."""
@@ -307,7 +316,7 @@ def _eliminate_dead_code(g: torch.fx.Graph) -> NodeCost:
     ops = [n for n in g.nodes if n.op == "call_function"]
     calls = {n: (n.target, tree_map(value_of, n.args), tree_map(value_of, n.kwargs)) for n in ops}
     outs = {n: n.meta.get("val") for n in ops}
-    g.eliminate_dead_code()
+    g.eliminate_dead_code(is_impure_node=_kept)
     alive = set(g.nodes)
     total = NodeCost()
     for n, (op, args, kwargs) in calls.items():

@@ -40,7 +40,7 @@ from torch.fx import Graph, Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.ad.builder import copy_node
-from graphflop.meta import fake_mode_of, fresh_fake
+from graphflop.meta import CHECKPOINT, FUNCTION, fake_mode_of, fresh_fake
 from graphflop.ops.tree import scalar_key
 
 #: template module paths start with this marker, replaced by the call site's path on inlining
@@ -542,6 +542,9 @@ def inline(
                 ):
                     raise NotOutlinable(-1, "writes a buffer written before")
                 new = copy_node(graph, tn, env.__getitem__)
+                for key in _REGION_KEYS:  # a block called inside a checkpoint or Function
+                    if key in node.meta and key not in new.meta:
+                        new.meta[key] = node.meta[key]
                 stack = dict(site)
                 for path, cls in (tn.meta.get("nn_module_stack") or {}).values():
                     if path != MARK:
@@ -559,6 +562,10 @@ def inline(
             raise NotOutlinable(-1, "an outlined call's result list is used whole")
         graph.erase_node(node)
     return copied
+
+
+#: the tags of the region a call of a block was made in, which its copies inherit
+_REGION_KEYS = (CHECKPOINT, FUNCTION)
 
 
 def _same_layout(a: Node, b: Node) -> bool:

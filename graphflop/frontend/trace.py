@@ -37,11 +37,11 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from graphflop.frontend import outline as repeats
 from graphflop.frontend.composite import CompositeOps, tagged_decompositions
-from graphflop.frontend.custom_function import inline_functions
+from graphflop.frontend.custom_function import inline_functions, trace_records
 from graphflop.frontend.errors import TraceError, find_cause, first_line, quiet_loggers
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.inputs import bind_call
@@ -55,6 +55,7 @@ from graphflop.frontend.loss import (
     make_targets,
     output_tensors,
 )
+from graphflop.frontend.regions import checkpoints_tagged
 from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
 from graphflop.meta import MODULE, OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of, fresh_fake
@@ -250,7 +251,14 @@ def _trace_once(
     table = replays.wrap(tagged_decompositions(decomposition_table(), regions))
     outliner = repeats.Outliner(outline)
     try:
-        with warnings.catch_warnings(), CompositeOps(), fake_mode, inline_functions() as inlined:
+        with (
+            warnings.catch_warnings(),
+            CompositeOps(),
+            fake_mode,
+            inline_functions() as records,
+            checkpoints_tagged(),
+            _requires_grad_ignored(),
+        ):
             warnings.simplefilter("ignore")
             with outliner:
                 gm = make_fx(
@@ -267,6 +275,7 @@ def _trace_once(
                     _trace_template(outliner, key, call, table, fake_mode, call.check)
                 ):
                     raise repeats.NotOutlinable(call.structure, "its graph depends on layer_idx")
+            trace_records(records, table, fake_mode)
     except TraceError:
         raise
     except Exception as e:
@@ -278,10 +287,10 @@ def _trace_once(
             or f"tracing the model on the example inputs failed: {type(e).__name__}: "
             f"{first_line(e)}"
         ) from e
-    for name in inlined:
+    for rec in {r.name: r for r in records if r.reason}.values():
         warnings.warn(
-            f"custom autograd.Function {name}: traced through its forward; the backward and "
-            "JVP graphs differentiate its ops, not its own backward",
+            f"custom autograd.Function {rec.name}: {rec.reason}; its backward and JVP are "
+            "left incomplete",
             UserWarning,
             stacklevel=2,
         )
@@ -299,6 +308,26 @@ def _trace_once(
     frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+@contextlib.contextmanager
+def _requires_grad_ignored() -> Iterator[None]:
+    """While tracing, ``Tensor.requires_grad_`` in the model's code (transformers' gradient
+    checkpointing makes the embeddings' output require grad, so that the reentrant
+    checkpoint sees an input that does) returns the tensor unchanged: functionalisation
+    refuses it, and what carries a gradient is decided by the parameters, not the trace."""
+    original = torch.Tensor.requires_grad_
+
+    def requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+        if get_proxy_mode() is None:
+            return original(self, requires_grad)
+        return self
+
+    torch.Tensor.requires_grad_ = requires_grad_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.requires_grad_ = original  # type: ignore[method-assign]
 
 
 def _trace_template(

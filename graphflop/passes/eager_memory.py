@@ -23,7 +23,8 @@ produces them and kept (``zero_grad(set_to_none=True)``, PyTorch's default); the
 with the temporaries ``torch.optim`` makes (:func:`optimizer_temporaries`); kernels' own
 temporaries on CPU (:func:`kernel_temporaries`). The eager JVP (:func:`eager_jvp_schedule`):
 ``torch.func.jvp``, primal and tangent as one dual tensor. Reads ``val``, ``COMPOSITE``,
-``RESIDUAL``, ``SOURCE``, ``KIND``; writes nothing.
+``CHECKPOINT`` and ``ROLE`` (the recompute of a checkpoint: random draws are redrawn, not
+saved), ``RESIDUAL``, ``SOURCE``, ``KIND``; writes nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,17 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU, FUSED_SDPA
-from graphflop.meta import COMPOSITE, JVP, KIND, RESIDUAL, SIGNATURE, SOURCE, CompositeTag
+from graphflop.meta import (
+    CHECKPOINT,
+    COMPOSITE,
+    JVP,
+    KIND,
+    RESIDUAL,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+    CompositeTag,
+)
 from graphflop.passes.eager_attention import FusedAttention, attention_jvp
 from graphflop.passes.eager_kernels import (
     TANGENT_FORMULA,
@@ -197,11 +208,15 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels)
     # a residual read by the backward of a composite op's parts stands for what that op saves
     # (the backward nodes' SOURCE names the forward node whose rule made them)
-    remap = {}
+    remap: dict[str, list[str]] = {}
+    replayed = _replayed_draws(forward)
     for p in backward.graph.nodes:
         if p.op != "placeholder" or p.meta.get(RESIDUAL) in _NOT_ACTIVATIONS:
             continue
         src = p.meta.get(SOURCE, p.name)
+        if src in replayed and all(u.meta.get(ROLE) == "recompute" for u in p.users):
+            remap[p.name] = []  # a checkpoint's recompute redraws it from the saved RNG state
+            continue
         stand: list[str] = []
         for u in p.users:
             for name in saves.get(u.meta.get(SOURCE, ""), [src]):
@@ -220,6 +235,18 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
         frozenset(a.accumulate),
         reads,
     )
+
+
+def _replayed_draws(forward: GraphModule) -> set[str]:
+    """The random ops inside the model's ``torch.utils.checkpoint`` regions: eager saves the
+    generator state (not counted, as ``saved_tensors_hooks`` do not see it) and redraws the
+    same numbers in the recompute; graphflop's backward reads the forward's draw instead."""
+    return {
+        n.name
+        for n in forward.graph.nodes
+        if CHECKPOINT in n.meta
+        and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+    }
 
 
 def _max_pool_saves(forward: GraphModule) -> dict[str, list[str]]:

@@ -189,6 +189,7 @@ def _backward(bwd: GraphModule, layers: _Layers) -> BackwardTotals:
         grad_accum_flops=by.get("grad_accum", 0),
         loss_flops=by.get("loss", 0),
         pruned_flops=pruned,
+        recompute_flops=by.get("recompute", 0),
     )
 
 

@@ -1,7 +1,9 @@
 """Run graphflop's generated graphs on real random tensors and compare them with PyTorch.
 
 ``verify_gradients`` checks every parameter gradient of the backward graph against
-``torch.func.grad`` of the same loss; :func:`graphflop.runtime.verify_tangent.verify_jvp` checks
+``torch.func.grad`` of the same loss (eager ``torch.autograd.grad`` where ``torch.func`` refuses
+the model: a custom ``autograd.Function`` without ``setup_context``, ``torch.utils.checkpoint``'s
+saved-tensor hooks; either runs the model's own Functions with their own ``backward``); :func:`graphflop.runtime.verify_tangent.verify_jvp` checks
 the JVP graph's loss tangent against ``torch.func.jvp``, and
 :func:`graphflop.runtime.verify_all.verify_analysis` runs all the checks of one analysis (both
 still importable from here). Errors are normwise relative per tensor, ``‖a − b‖ / max(‖b‖, floor)``, with
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Interpreter
 
-from graphflop.frontend.custom_function import inline_functions
 from graphflop.frontend.loss import differentiable, loss_output, loss_value
 from graphflop.meta import (
     CONSTANTS,
@@ -395,9 +397,7 @@ def reference_loss_fn(forward: GraphModule, model: nn.Module, values: dict[str, 
     targets = [values[n] for n in sig.targets]
 
     def f(params: dict[str, torch.Tensor]) -> torch.Tensor:
-        # a custom autograd.Function torch.func cannot run (no setup_context): its forward's
-        # ops, differentiated by PyTorch
-        with reference_mode(seed), inline_functions(functorch_unsupported_only=True):
+        with reference_mode(seed):
             out = torch.func.functional_call(
                 model, {**params, **{k: v.clone() for k, v in buffers.items()}}, tuple(inputs)
             )
@@ -439,7 +439,7 @@ def verify_gradients(
     cast_to = floating_dtype(params)
     dtype = cast_to or torch.float64
     model = _cast(model, cast_to)
-    ref, loss = torch.func.grad_and_value(reference_loss_fn(forward, model, values))(params)
+    ref, loss, what = reference_gradients(reference_loss_fn(forward, model, values), params, model)
     total = norm64(ref.values())
     scale = max(total, loss_scale(float(loss), params.values()))
     floor = max(gradient_floor(dtype, scale, tolerance), 1e-300) if math.isfinite(scale) else 0
@@ -453,13 +453,87 @@ def verify_gradients(
         if bad:
             break
     return Check(
-        "gradients vs torch.func.grad",
+        f"gradients vs {what}",
         worst,
         where,
         tolerance,
         f"worst normwise relative error (floor {FLOOR_ULPS}·eps·max(‖∇L‖, |L|/‖p‖))",
         _dtype_name(dtype),
     )
+
+
+#: the first words of PyTorch's refusals to run a model under ``torch.func``'s transforms that
+#: eager autograd runs: a custom Function without ``setup_context``, and saved-tensor hooks
+#: (``torch.utils.checkpoint(use_reentrant=False)``)
+FUNCTORCH_REFUSALS = (
+    "In order to use an autograd.Function with functorch transforms",
+    "torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks",
+)
+
+
+def functorch_refused(e: BaseException) -> bool:
+    """Whether ``e`` is ``torch.func`` refusing a model eager autograd can run
+    (:data:`FUNCTORCH_REFUSALS`)."""
+    return isinstance(e, RuntimeError) and any(r in str(e) for r in FUNCTORCH_REFUSALS)
+
+
+def reference_gradients(
+    f, params: dict[str, torch.Tensor], model: nn.Module | None = None
+) -> tuple[dict, torch.Tensor, str]:
+    """``(∇f(params), f(params), what)`` for a scalar ``f`` of a dict of parameters: by
+    ``torch.func.grad_and_value``, or, where ``torch.func`` refuses the model
+    (:func:`functorch_refused`), by eager autograd (:func:`eager_gradients`). ``what`` names
+    the one used."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ref, loss = torch.func.grad_and_value(f)(params)
+        except RuntimeError as e:
+            if not functorch_refused(e):
+                raise
+        else:
+            for w in caught:  # the warnings of a run that counts, not of a refused one
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            return ref, loss, "torch.func.grad"
+    grads, loss = eager_gradients(f, [params], model)
+    return grads[0], loss, "torch.autograd.backward"
+
+
+def eager_gradients(f, args: list, model: nn.Module | None = None) -> tuple[list, torch.Tensor]:
+    """``(gradients, f(*args))`` by eager autograd, as a training step runs it:
+    ``loss.backward()`` on detached leaves (the reentrant checkpoint refuses
+    ``torch.autograd.grad``). ``args``: dicts of tensors or tuples of tensors; the gradients
+    come back in the same structure, zeros where the loss does not reach a tensor (as
+    ``torch.func`` gives). With ``model``, the first dict holds its parameters by qualified
+    name and they stay in the model through the backward too: the reentrant checkpoint
+    reruns the forward there, reading the module's parameters."""
+    leaves = [
+        {k: v.detach().requires_grad_(True) for k, v in a.items()}
+        if isinstance(a, dict)
+        else tuple(v.detach().requires_grad_(True) for v in a)
+        for a in args
+    ]
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    held = (
+        _reparametrize_module(model, leaves[0])
+        if model is not None and isinstance(leaves[0], dict)
+        else contextlib.nullcontext()
+    )
+    with torch.enable_grad(), held:
+        loss = f(*leaves)
+        # as the forward ran (dropout's form, math attention): a checkpoint reruns it here
+        with reference_mode():
+            loss.backward()
+
+    def grad(v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(v) if v.grad is None else v.grad
+
+    grads = [
+        {k: grad(v) for k, v in a.items()} if isinstance(a, dict) else tuple(grad(v) for v in a)
+        for a in leaves
+    ]
+    return grads, loss.detach()
 
 
 def norm64(tensors: Any) -> float:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from graphflop.meta import LOSS_KIND, SIGNATURE
+from graphflop.meta import FUNCTION_LABEL, LOSS_KIND, SIGNATURE
 from graphflop.runtime import verify
 from graphflop.runtime.verify import Check, cast_model
 from graphflop.runtime.verify_tangent import verify_jvp
@@ -31,12 +31,19 @@ def gap_reasons(report) -> dict[str, str]:
     (absent: no gap stops it): the gradient check needs a complete backward, the JVP check a
     complete JVP, the forward-gradient check both."""
     t = report.totals
-    ops = ", ".join(u.op for u in report.derivative_gaps)
+    gaps = report.derivative_gaps
+    plain = [u.op for u in gaps if not u.op.startswith(FUNCTION_LABEL)]
+    own = [u for u in gaps if u.op.startswith(FUNCTION_LABEL)]
+    ops = f"ops without rules ({', '.join(plain)})" if plain else ""
+    no_jvp = ", ".join(u.op for u in own if "transpose" not in u.missing)
+    broken = ", ".join(u.op for u in own if "transpose" in u.missing)
+    bwd = [w for w in (ops, broken and f"{broken}, whose backward could not be traced") if w]
+    fwd = bwd + ([f"{no_jvp}, which has no jvp"] if no_jvp else [])
     out = {}
     if t.backward is not None and not t.backward.complete:
-        out["gradients"] = f"the backward stops at ops without rules ({ops})"
+        out["gradients"] = f"the backward stops at {' and '.join(bwd)}"
     if t.jvp is not None and not t.jvp.complete:
-        out["jvp"] = f"the JVP stops at ops without rules ({ops})"
+        out["jvp"] = f"the JVP stops at {' and '.join(fwd)}"
     if t.jvp is not None and not (t.jvp.complete and (t.backward is None or t.backward.complete)):
         out["forward_gradient"] = "it needs a complete JVP and backward"
     return out

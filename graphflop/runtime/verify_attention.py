@@ -10,6 +10,7 @@ different use of the generator than the ``native_dropout`` decomposition graphfl
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -76,7 +77,9 @@ def attention_dropout(
     params = {q: values[n] for n, q in sig.params}
     dtype = next(iter(params.values())).dtype if params else None
     probe = _AttentionDropoutProbe()
-    with torch.no_grad(), probe:
+    # a probe's warnings are not the model's (checkpoint's: nothing requires grad here)
+    with torch.no_grad(), probe, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         reference_loss_fn(forward, _cast(model, dtype), values)(params)
     return probe.dropout_p
 

@@ -6,6 +6,7 @@ error that has an absolute floor scaled to the loss and the direction (:func:`ta
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -106,20 +107,35 @@ def verify_jvp(
     xs = tuple(values[n] for n in input_names)
     p_t = {q: tangents.get(n, torch.zeros_like(values[n])) for n, q in sig.params if q in params}
     x_t = tuple(tangents.get(n, torch.zeros_like(values[n])) for n in input_names)
-    try:
-        # torch.func.jvp's return type is a 2- or 3-tuple whatever has_aux says
-        loss, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))  # type: ignore[misc]
-        what = "torch.func.jvp"
-    except (NotImplementedError, RuntimeError) as e:
-        if "forward AD" not in str(e) and not isinstance(e, NotImplementedError):
-            raise
-        # an op PyTorch has no forward-mode formula for (_embedding_bag), or a custom
-        # autograd.Function without a jvp: the loss is a scalar, so its tangent is
-        # <gradient, direction>, the gradient from reverse mode
-        ref = _tangent_from_gradient(f, params, xs, p_t, x_t)
-        with torch.no_grad():
-            loss = f(params, xs)
-        what = "torch.func.grad · direction"
+    # the warnings of a reference that refused to run are not the model's (a reentrant
+    # checkpoint warns that nothing requires grad under torch.func and dual tensors)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            try:
+                # torch.func.jvp's return type is a 2- or 3-tuple whatever has_aux says
+                loss, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))  # type: ignore[misc]
+                what = "torch.func.jvp"
+            except RuntimeError as e:
+                if not verify.functorch_refused(e):
+                    raise
+                # a custom Function torch.func cannot run: eager forward-mode AD runs its jvp
+                loss, ref = _eager_jvp(f, (params, xs), (p_t, x_t))
+                what = "torch.autograd.forward_ad"
+        except (NotImplementedError, RuntimeError) as e:
+            if "forward AD" not in str(e) and not isinstance(e, NotImplementedError):
+                raise
+            caught.clear()
+            # an op PyTorch has no forward-mode formula for (_embedding_bag), or a Function
+            # without a jvp (the reentrant checkpoint's): the loss is a scalar, so its tangent
+            # is <gradient, direction>, the gradient from reverse mode
+            ref, by = _tangent_from_gradient(f, params, xs, p_t, x_t, model)
+            with torch.no_grad():
+                loss = f(params, xs)
+            what = f"{by} · direction"
+            caught.clear()
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     bad = nonfinite(got, ref)
     floor = tangent_floor(
         got.dtype, float(loss), [values[p] for p in tangents], list(tangents.values()), tolerance
@@ -174,9 +190,34 @@ def tangent_error(got: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
     return float((a - b).norm()) / max(float(b.norm()), floor, 1e-300)
 
 
-def _tangent_from_gradient(f, params, xs, p_t, x_t) -> torch.Tensor:
-    """``<∇f, (p_t, x_t)>`` for a scalar ``f(params, xs)`` (floating inputs only), by reverse
-    mode."""
-    gp, gx = torch.func.grad(f, argnums=(0, 1))(params, xs)
+def _tangent_from_gradient(f, params, xs, p_t, x_t, model=None) -> tuple[torch.Tensor, str]:
+    """``(<∇f, (p_t, x_t)>, what)`` for a scalar ``f(params, xs)`` (floating inputs only), by
+    reverse mode: ``torch.func.grad``, or eager autograd where torch.func refuses the model
+    (``what`` names the one used)."""
+    try:
+        gp, gx = torch.func.grad(f, argnums=(0, 1))(params, xs)
+        by = "torch.func.grad"
+    except RuntimeError as e:
+        if not verify.functorch_refused(e):
+            raise
+        (gp, gx), _ = verify.eager_gradients(f, [params, xs], model)
+        by = "torch.autograd.backward"
     total = sum((gp[q] * p_t[q]).sum() for q in gp)
-    return total + sum((d * t).sum() for d, t in zip(gx, x_t))
+    return total + sum((d * t).sum() for d, t in zip(gx, x_t)), by
+
+
+def _eager_jvp(f, primals: tuple, tangents: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(f(*primals), its tangent)`` by eager forward-mode AD (``torch.autograd.forward_ad``
+    dual tensors), for the models ``torch.func.jvp`` refuses (a custom Function with a ``jvp``
+    but no ``setup_context``). ``primals``/``tangents``: a dict of parameters and a tuple of
+    inputs, and their tangents."""
+    import torch.autograd.forward_ad as fwad
+
+    (params, xs), (p_t, x_t) = primals, tangents
+    with fwad.dual_level():
+        dp = {q: fwad.make_dual(v, p_t[q]) for q, v in params.items()}
+        dx = tuple(fwad.make_dual(x, t) for x, t in zip(xs, x_t))
+        loss, tangent = fwad.unpack_dual(f(dp, dx))
+    if tangent is None:  # the loss does not depend on the direction
+        tangent = torch.zeros_like(loss)
+    return loss.detach(), tangent.detach()

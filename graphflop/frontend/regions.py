@@ -1,0 +1,112 @@
+"""Regions of the traced graph whose derivative the model's own code decides: the nodes made
+inside one ``torch.utils.checkpoint`` call, found while tracing and tagged.
+
+Eager PyTorch runs a checkpointed function's forward without saving anything inside it
+(``use_reentrant=False``: saved-tensor hooks that keep nothing; ``use_reentrant=True``: under
+``no_grad``), keeps its inputs, and in the backward runs the function's forward again before
+differentiating it. The trace is the same ops either way, so while tracing
+:func:`checkpoints_tagged` calls the function directly (no hooks: ``torch.func`` refuses
+saved-tensor hooks, and the reentrant form is an ``autograd.Function`` it cannot run) and tags
+the nodes the call made with :data:`~graphflop.meta.CHECKPOINT`
+(:class:`~graphflop.meta.CheckpointTag`); the backward builder
+(:mod:`graphflop.ad.vjp`) re-emits the region's forward in the backward, role ``recompute``.
+
+:func:`new_nodes` (the nodes a block adds to the graph being traced) and
+:func:`graphflop.meta.occurrences` (the calls of one region number told apart, the copies of an
+outlined block sharing it) serve custom Functions too (:mod:`graphflop.frontend.custom_function`). Writes ``CHECKPOINT``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.fx import Node
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from graphflop.meta import CHECKPOINT, CheckpointTag
+
+#: region numbers, unique in the process (a template's regions and the main graph's never meet)
+region_ids = itertools.count()
+
+
+@contextlib.contextmanager
+def new_nodes() -> Iterator[list[Node]]:
+    """Yields a list that, on leaving, holds the nodes the block added to the graph being
+    traced, in order (empty when nothing is being traced)."""
+    mode = get_proxy_mode()
+    made: list[Node] = []
+    if mode is None:
+        yield made
+        return
+    graph = mode.tracer.graph
+    last = next(iter(reversed(graph.nodes)), None)
+    yield made
+    for n in reversed(graph.nodes):
+        if n is last:
+            break
+        made.append(n)
+    made.reverse()
+
+
+def tag_checkpoint(made: list[Node], whole: bool) -> None:
+    """Tag ``made`` (one checkpoint call's nodes) as one region; an enclosing checkpoint's tag
+    replaces an inner one's (the outer call's backward reruns the inner one's forward too)."""
+    region = next(region_ids)
+    for i, n in enumerate(made):
+        n.meta[CHECKPOINT] = CheckpointTag(region, i, whole)
+
+
+_GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
+
+
+def _traced_generator(
+    fn: Any,
+    preserve_rng_state: bool = True,
+    context_fn: Any = None,
+    determinism_check: Any = None,
+    debug: bool = False,
+    early_stop: bool = True,
+    *args: Any,
+    **kwargs: Any,
+) -> Iterator[None]:
+    """Stands in for PyTorch's non-reentrant checkpoint's pre- and post-forward logic (same
+    arguments): no hooks; the nodes the forward makes between the two steps are tagged. With
+    grad mode off PyTorch checkpoints nothing, and neither does this; early stop off
+    (``early_stop=False`` or ``set_checkpoint_early_stop(False)``) reruns the whole region."""
+    if not torch.is_grad_enabled():
+        yield
+        return
+    forced = torch_checkpoint._enable_checkpoint_early_stop
+    early = forced if forced is not None else early_stop
+    with new_nodes() as made:
+        yield
+    tag_checkpoint(made, whole=not early)
+
+
+def run_checkpoint_function(function: Any, *args: Any) -> Any:
+    """``CheckpointFunction.apply(function, preserve_rng_state, *args)`` (the reentrant
+    checkpoint) while tracing: ``function(*args)``, its nodes tagged as a region the
+    backward reruns whole."""
+    with new_nodes() as made:
+        out = function(*args)
+    tag_checkpoint(made, whole=True)
+    return out
+
+
+@contextlib.contextmanager
+def checkpoints_tagged() -> Iterator[None]:
+    """While active, ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` runs its
+    function without saved-tensor hooks and tags its nodes (:func:`_traced_generator`); the
+    reentrant form goes through :func:`run_checkpoint_function` (from
+    :func:`graphflop.frontend.custom_function.inline_functions`, which sees its
+    ``Function.apply``)."""
+    torch_checkpoint._checkpoint_without_reentrant_generator = _traced_generator
+    try:
+        yield
+    finally:
+        torch_checkpoint._checkpoint_without_reentrant_generator = _GENERATOR

@@ -1,0 +1,200 @@
+"""The model's own ``torch.utils.checkpoint``: counted as eager PyTorch runs it.
+
+The backward reruns each checkpointed region's forward (role ``recompute``): up to the last
+value its backward reads with ``use_reentrant=False`` (early stop: an op whose saved tensors
+are its inputs is stopped before its kernel runs), all of it with ``use_reentrant=True``. The
+references are measured on the eager model: FlopCounterMode around ``loss.backward()``, the
+bytes ``saved_tensors_hooks`` see (``measure_saved``), the gradients of eager autograd.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+from graphflop import analyze
+from graphflop.cli import main
+from graphflop.meta import CHECKPOINT, ROLE
+from graphflop.runtime.memory_probe import measure_saved
+
+
+class Block(nn.Module):
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+class Net(nn.Module):
+    """inp (8→8), a checkpointed Block (8→16→8), head (8→4)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.block = Block()
+        self.head = nn.Linear(8, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = checkpoint(self.block, self.inp(x), use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+class Stack(nn.Module):
+    """Three identical residual blocks with dropout, each checkpointed (traced once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(0.5) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + checkpoint(b, x, use_reentrant=False)
+        return self.head(x)
+
+
+def _eager_backward_flops(model: nn.Module, x: torch.Tensor) -> int:
+    torch.manual_seed(0)
+    target = torch.randint(0, 4, (x.shape[0],))
+    loss = F.cross_entropy(model(x), target)
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize(
+    ("reentrant", "mm", "recompute"),
+    [
+        # without checkpointing the backward's matrix FLOPs are 5,120 (inp: weight grad
+        # 2*4*8*8 = 512, its input grad pruned; fc1, fc2: 2 * 2*4*8*16 = 2,048 each; head:
+        # 2 * 2*4*8*4 = 512). Early stop reruns fc1 (addmm 1,024 + bias 64) and relu (64):
+        # 1,152, of which 1,024 matrix FLOPs; fc2's addmm saves only its inputs, so eager
+        # stops before its kernel.
+        (False, 5120 + 1024, 1024 + 64 + 64),
+        # reentrant: the whole block again, fc2 too (addmm 1,024 + bias 32)
+        (True, 5120 + 2048, 1152 + 1024 + 32),
+    ],
+)
+def test_checkpointed_block_backward_is_eager_flop_count(reentrant, mm, recompute):
+    torch.manual_seed(0)
+    model, x = Net(reentrant), torch.randn(4, 8)
+    a = analyze(model, (x,))
+    b = a.report.totals.backward
+    assert b.complete
+    assert b.mm_flops == mm == _eager_backward_flops(model, x)
+    assert b.recompute_flops == recompute
+    roles = {n.meta.get(ROLE) for n in a.backward.graph.nodes}
+    assert "recompute" in roles
+    tagged = [n for n in a.forward.graph.nodes if CHECKPOINT in n.meta]
+    assert {n.meta[CHECKPOINT].whole for n in tagged} == {reentrant}
+    # saved for backward: what eager keeps, the block's input and not its activations
+    assert a.report.memory.saved_for_backward_bytes == measure_saved(Net(reentrant), (x,))
+
+
+def test_repeated_checkpointed_blocks_with_dropout():
+    """Three blocks traced once and copied, each its own region. Early stop reruns fc1
+    (1,088), relu (64) and dropout (its decomposition: the draw, 0; the mask, a comparison,
+    64; two products, 64 each) per block: 3 * 1,344 = 4,032 FLOPs; the matrix FLOPs of the
+    backward equal FlopCounterMode's on the eager step (3 * (4,096 + 1,024) + 512 = 15,872,
+    the first block's input grad included: x is the model's input, pruned, 1,024 less).
+    Dropout's mask is redrawn from the saved generator state, so eager saves no mask: the
+    saved bytes are the measured ones."""
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(4, 8)
+    a = analyze(model, (x,))
+    b = a.report.totals.backward
+    assert b.mm_flops == _eager_backward_flops(model, x) == 3 * (4096 + 1024) + 512 - 1024
+    assert b.recompute_flops == 3 * (1088 + 64 + 64 + 2 * 64)
+    calls = {n.meta[CHECKPOINT].region for n in a.forward.graph.nodes if CHECKPOINT in n.meta}
+    assert len(calls) == 3
+    torch.manual_seed(0)
+    assert a.report.memory.saved_for_backward_bytes == measure_saved(Stack(), (x,))
+
+
+STACK_FILE = """
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(8, 16)
+            self.fc2 = nn.Linear(16, 8)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return x + self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x):
+            x = checkpoint(self.blocks[0], x, use_reentrant=False)
+            x = checkpoint(self.blocks[1], x, use_reentrant=True)
+            return self.head(x)
+
+
+    def example_inputs():
+        return (torch.randn(4, 8, requires_grad=True),)
+    """
+
+
+@pytest.mark.slow  # about 10 s; run in CI with -m slow
+def test_verify_checks_a_checkpointed_model(tmp_path: Path, capsys):
+    """torch.func refuses checkpoint's saved-tensor hooks and the reentrant form's Function;
+    the gradient reference is then eager autograd (loss.backward(), as training runs it), with
+    dropout inside the regions redrawn by the recompute: every check runs and passes."""
+    path = tmp_path / "m.py"
+    path.write_text(textwrap.dedent(STACK_FILE))
+    rc = main(["inspect", f"{path}:M", "--verify", "--format", "json"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert [c["ran"] and c["ok"] for c in doc["verify"]] == [True, True, True], doc["verify"]
+    assert doc["verify"][0]["check"] == "gradients vs torch.autograd.backward"
+    assert doc["totals"]["backward"]["recompute_flops"] > 0
+    assert "warning" not in err
+    assert rc == 0
+
+
+class EmbedThenCheckpoint(nn.Module):
+    """As transformers' gradient checkpointing does: the embedding's output is made to
+    require grad in forward (so that the reentrant checkpoint sees an input that does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.block = Block()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h.requires_grad_(True)
+        return self.head(checkpoint(self.block, h, use_reentrant=True))
+
+
+def test_requires_grad_in_forward_is_traced():
+    """Tracing refused ``Tensor.requires_grad_`` in forward (functionalisation does); it is a
+    no-op in the trace now. The reentrant block reruns whole: fc1 1,088 + relu 64 + fc2
+    1,056 = 2,208 FLOPs (batch 4)."""
+    ids = torch.randint(0, 10, (4,))
+    a = analyze(EmbedThenCheckpoint(), (ids,))
+    assert a.report.totals.backward.recompute_flops == 1088 + 64 + 1056
