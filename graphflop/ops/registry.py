@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -94,6 +95,9 @@ class MissingRuleError(LookupError):
 
 
 _TABLE: dict[Any, OpRule] = {}
+#: op namespaces whose rules are registered when an op of theirs is first looked up (the ops
+#: exist only once their library has defined them): namespace -> "module:function"
+_LIBRARY_RULES = {"transformers": "graphflop.ops.transformers_ops:register_transformers_rules"}
 #: ops whose rule a user registered (``graphflop.register_rule``) rather than graphflop
 _USER_OPS: set[Any] = set()
 #: op overload -> graphflop's decomposition (see :func:`register_decomposition`)
@@ -102,6 +106,17 @@ _DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
 _TORCH_DECOMPOSED: list[Any] = []
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def _rule(op: Any) -> OpRule | None:
+    """``op``'s rule, registering its library's rules first when ``op`` is a library's op
+    that has none yet (:data:`_LIBRARY_RULES`)."""
+    rule = _TABLE.get(op)
+    if rule is None and isinstance(op, OpOverload) and op.namespace in _LIBRARY_RULES:
+        module, _, fn = _LIBRARY_RULES[op.namespace].partition(":")
+        getattr(importlib.import_module(module), fn)()
+        rule = _TABLE.get(op)
+    return rule
 
 
 def op_name(op: Any) -> str:
@@ -189,7 +204,7 @@ def is_strict() -> bool:
 
 def missing_kinds(op: Any) -> tuple[str, ...]:
     """The kinds of rule ``op`` lacks: ``cost`` (no rule at all), ``jvp``, ``transpose``."""
-    rule = _TABLE.get(op)
+    rule = _rule(op)
     if rule is None:
         return ("cost", "jvp", "transpose")
     out = []
@@ -266,7 +281,7 @@ def lookup(op: Any, *, need: tuple[str, ...] = ("cost",), node: str | None = Non
     Raises:
         MissingRuleError: naming the op, the node and the rule file it belongs in.
     """
-    rule = _TABLE.get(op)
+    rule = _rule(op)
     if rule is None:  # nothing registered: every kind of rule is missing
         raise MissingRuleError(op, ("cost", "jvp", "transpose"), node)
     missing = tuple(
@@ -282,7 +297,7 @@ def lookup(op: Any, *, need: tuple[str, ...] = ("cost",), node: str | None = Non
 
 def has_rule(op: Any) -> bool:
     """True when ``op`` has a rule (of any kind)."""
-    return op in _TABLE
+    return _rule(op) is not None
 
 
 def all_rules(*, user: bool = True) -> dict[Any, OpRule]:
