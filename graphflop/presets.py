@@ -461,3 +461,35 @@ def active_parameters(model: nn.Module, config: Any = None) -> int:
     total = sum(p.numel() for p in model.parameters())
     idle = sum(n * (e - k) // e for _, n, e, k in routed_experts(model, config))
     return total - idle
+
+
+def experts_summary(model: nn.Module, config: Any, tokens: int) -> dict[str, Any] | None:
+    """What a mixture-of-experts model's analysis assumes about routing, for the report; None
+    for a model without routed experts (:func:`routed_experts`).
+
+    Keys: ``params`` and ``active_params`` (per token), ``routed_layers``, ``experts`` (E) and
+    ``top_k`` (k) (the first layer's, with ``uniform`` false when layers differ), ``tokens``
+    (T) and ``tokens_per_expert`` (T·k/E, the expectation under uniform routing), and
+    ``routing``, the assumption in words. Each token-expert pair is one row of a grouped
+    product, so the FLOPs do not depend on how the T·k rows split among experts; the split
+    changes the per-expert load (time on parallel hardware), which the analysis does not model.
+    """
+    found = routed_experts(model, config)
+    if not found:
+        return None
+    _, _, e, k = found[0]
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "active_params": active_parameters(model, config),
+        "routed_layers": len(found),
+        "experts": e,
+        "top_k": k,
+        "uniform": all((x[2], x[3]) == (e, k) for x in found),
+        "tokens": tokens,
+        "tokens_per_expert": tokens * k / e,
+        "routing": (
+            f"each token runs its top {k} of {e} experts; balanced: T·k/E = "
+            f"{tokens * k / e:,.1f} tokens per expert expected; the FLOPs count T·k token-expert "
+            "rows, whatever their split among experts (no capacity limit, no token dropped)"
+        ),
+    }

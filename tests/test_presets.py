@@ -242,3 +242,29 @@ def test_cli_models_lists_every_preset():
     assert (mixtral["params"], mixtral["active"]) == ("46.7B", "12.9B")
     table = _cli("models")
     assert table.returncode == 0 and "llama-3.1-405b" in table.stdout
+
+
+def test_inspect_reports_the_routing_of_a_mixture_of_experts(capsys):
+    """Mixtral-8x7B cut to one layer at 64 tokens: every routed expert counted (transformers'
+    default grouped path), the routing assumption and active parameters in the JSON.
+
+    Forward matrix FLOPs per token: q and o 2·2·4096² = 67,108,864; k and v 2·2·4096·1024 =
+    16,777,216; router 2·4096·8 = 65,536; 2 of 8 experts 2·2·3·4096·14336 = 704,643,072; head
+    2·4096·32000 = 262,144,000; over 64 tokens, plus attention's QKᵀ and AV 2·2·64·64·4096 =
+    67,108,864: 67,314,384,896. Active parameters: 1,713,418,240 less 6/8 of the experts'
+    1,409,286,144 = 656,453,632."""
+    pytest.importorskip("transformers")
+    from graphflop.cli import main
+
+    argv = ["inspect", "hf:mixtral-8x7b", "--arg", "num_hidden_layers=1", "--seq", "64"]
+    assert main([*argv, "--format", "json", "--no-jvp"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    per_token = 67_108_864 + 16_777_216 + 65_536 + 704_643_072 + 262_144_000
+    assert doc["totals"]["forward"]["mm_flops"] == 64 * per_token + 67_108_864
+    assert doc["totals"]["forward"]["complete"] and doc["totals"]["backward"]["complete"]
+    ex = doc["experts"]
+    assert (ex["experts"], ex["top_k"], ex["routed_layers"], ex["tokens"]) == (8, 2, 1, 64)
+    assert ex["tokens_per_expert"] == 16.0  # 64·2/8
+    assert (ex["params"], ex["active_params"]) == (1_713_418_240, 656_453_632)
+    assert "experts (1 routed layer): each token runs its top 2 of 8 experts" in captured.err

@@ -245,6 +245,17 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
     report = analysis.report
     print_warnings(err, analysis, _tangent_pass_notes(analysis))
     extra: dict[str, Any] = {}  # --verify's results, after the report's keys in the JSON
+    experts = _experts(loaded, inputs, report)
+    if experts is not None:
+        extra["experts"] = experts
+        err.print(
+            f"experts ({experts['routed_layers']} routed "
+            f"{'layer' if experts['routed_layers'] == 1 else 'layers'}): {experts['routing']}; active "
+            f"parameters per token {experts['active_params']:,} of {experts['params']:,}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     rc = _verify(args, err, inputs, analysis, extra) if args.verify else 0
     with atomic_group():  # all the files or none of them
         if args.json:
@@ -256,6 +267,26 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
 
             plot_memory(analysis, args.plot_memory)
     return report, extra, rc
+
+
+def _experts(loaded: Any, inputs: Any, report: Any) -> dict[str, Any] | None:
+    """The routing assumption and active parameters of a mixture-of-experts model, with its
+    forward and training-step FLOPs per token (T: the elements of the first integer input,
+    the token ids), or None for another model."""
+    from graphflop.presets import experts_summary
+
+    ids = [t for t in inputs if not t.dtype.is_floating_point and not t.dtype.is_complex]
+    if not ids:
+        return None
+    tokens = ids[0].numel()
+    summary = experts_summary(loaded.model, getattr(loaded.model, "config", None), tokens)
+    if summary is None:
+        return None
+    t = report.totals
+    summary["forward_flops_per_token"] = (t.forward.flops + t.loss.flops) / tokens
+    if t.train_step is not None:
+        summary["train_step_flops_per_token"] = t.train_step.flops / tokens
+    return summary
 
 
 def _tangent_pass_notes(analysis: Analysis) -> list[str]:
