@@ -161,8 +161,7 @@ def _config(tf: Any, name: str, args: dict) -> tuple[Any, tuple[str, ...]]:
         preset = presets.find(hub["repo"])
         config, note = _hub_config(tf, hub["repo"], hub["revision"], preset, name)
         _check_fields(config, args, name)
-        for k, v in args.items():
-            setattr(config, k, v)
+        _set_fields(config, args)
         return config, (note,)
     types = list(tf.CONFIG_MAPPING.keys())
     preset = presets.find(name)
@@ -203,8 +202,7 @@ def _folder_config(tf: Any, path: Path, name: str, args: dict) -> Any:
             f"hf:{name}: reading config.json failed: {first_line(e, continued=True)}"
         ) from e
     _check_fields(config, args, name)
-    for k, v in args.items():
-        setattr(config, k, v)
+    _set_fields(config, args)
     return config
 
 
@@ -221,8 +219,7 @@ def _preset_config(tf: Any, preset: Any, args: dict, name: str) -> Any:
             f"{first_line(e, continued=True)}"
         ) from e
     _check_fields(config, args, name)
-    for k, v in args.items():
-        setattr(config, k, v)
+    _set_fields(config, args)
     return config
 
 
@@ -313,6 +310,19 @@ def _hub_config(
     )
 
 
+def _implementation_field(config: Any, key: str) -> bool:
+    """Whether ``key`` is one of the implementation choices a configuration takes as a keyword
+    and keeps privately (``attn_implementation``, ``experts_implementation``: kept as
+    ``_attn_implementation_internal``, read through the ``_attn_implementation`` property)."""
+    return hasattr(config, f"_{key}_internal")
+
+
+def _set_fields(config: Any, args: dict) -> None:
+    """Set ``args`` on ``config``, the implementation choices through their properties."""
+    for k, v in args.items():
+        setattr(config, f"_{k}" if _implementation_field(config, k) else k, v)
+
+
 def _check_fields(config: Any, args: dict, name: str) -> None:
     """Raises SpecError for a key of ``args`` that is not a field of ``config`` (or one of its
     aliases): transformers keeps an unknown keyword as an attribute nothing reads, so a typo
@@ -320,7 +330,7 @@ def _check_fields(config: Any, args: dict, name: str) -> None:
     from graphflop.load import SpecError
 
     for k in args:
-        if hasattr(config, k):
+        if hasattr(config, k) or _implementation_field(config, k):
             continue
         fields = [*vars(config), *getattr(config, "attribute_map", {})]
         close = difflib.get_close_matches(k, fields, n=3)

@@ -268,3 +268,15 @@ def test_inspect_reports_the_routing_of_a_mixture_of_experts(capsys):
     assert ex["tokens_per_expert"] == 16.0  # 64·2/8
     assert (ex["params"], ex["active_params"]) == (1_713_418_240, 656_453_632)
     assert "experts (1 routed layer): each token runs its top 2 of 8 experts" in captured.err
+
+
+def test_arg_reaches_the_attention_and_experts_implementations():
+    """The implementation choices a configuration takes as keywords and keeps privately
+    (``attn_implementation``, ``experts_implementation``) are fields for --arg, on a preset as
+    on a model type."""
+    pytest.importorskip("transformers")
+    for spec in ("hf:mixtral-8x7b", "hf:mixtral"):
+        args = {"num_hidden_layers": 1, "attn_implementation": "eager"}
+        args["experts_implementation"] = "batched_mm"
+        cfg = load(spec, ctor_kwargs=args, meta=True, seq=8).model.config
+        assert (cfg._attn_implementation, cfg._experts_implementation) == ("eager", "batched_mm")
