@@ -280,3 +280,30 @@ def test_arg_reaches_the_attention_and_experts_implementations():
         args["experts_implementation"] = "batched_mm"
         cfg = load(spec, ctor_kwargs=args, meta=True, seq=8).model.config
         assert (cfg._attn_implementation, cfg._experts_implementation) == ("eager", "batched_mm")
+
+
+def _tool(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_docs_tools_keep_one_presets_section(tmp_path):
+    """tools/presets.py writes its section into docs/zoo.md once, replacing the old one;
+    tools/zoo.py, rewriting the zoo's table, keeps it."""
+    presets_tool, zoo_tool = _tool("presets"), _tool("zoo")
+    out = tmp_path / "zoo.md"
+    out.write_text("# The zoo\n\ntable\n")
+    presets_tool.write_section(out, presets_tool.markdown({}))
+    presets_tool.write_section(out, presets_tool.markdown({"gpt2-small": {"status": "x", "seconds": 3}}))
+    text = out.read_text()
+    assert text.startswith("# The zoo\n\ntable\n")
+    assert text.count(presets_tool.BEGIN) == 1 and text.count(presets_tool.END) == 1
+    assert "| gpt2-small | | | | | | | | 3 | | x |" in text  # the second run's row
+    kept = zoo_tool._with_kept_sections(out, "# The zoo\n\nnew table\n")
+    assert kept.startswith("# The zoo\n\nnew table\n") and kept.count(presets_tool.BEGIN) == 1
