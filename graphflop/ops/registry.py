@@ -300,10 +300,17 @@ def has_rule(op: Any) -> bool:
     return _rule(op) is not None
 
 
-def all_rules(*, user: bool = True) -> dict[Any, OpRule]:
+def all_rules(*, user: bool = True, library: bool = True) -> dict[Any, OpRule]:
     """A copy of the table, for coverage reports; ``user=False``: without the ops only a
-    user's rule covers (``graphflop.register_rule`` of an op graphflop has no rule for)."""
-    return {op: r for op, r in _TABLE.items() if user or op not in _USER_OPS}
+    user's rule covers (``graphflop.register_rule`` of an op graphflop has no rule for);
+    ``library=False``: without the ops of other libraries (:data:`_LIBRARY_RULES`), whose
+    rules are in the table only once a graph has held one."""
+    return {
+        op: r
+        for op, r in _TABLE.items()
+        if (user or op not in _USER_OPS)
+        and (library or getattr(op, "namespace", None) not in _LIBRARY_RULES)
+    }
 
 
 # --- registration helpers (JAX style) -------------------------------------------------------
