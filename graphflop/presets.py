@@ -463,21 +463,29 @@ def active_parameters(model: nn.Module, config: Any = None) -> int:
     return total - idle
 
 
-def experts_summary(model: nn.Module, config: Any, tokens: int) -> dict[str, Any] | None:
+def experts_summary(
+    model: nn.Module, config: Any, tokens: int, routing: Any = None
+) -> dict[str, Any] | None:
     """What a mixture-of-experts model's analysis assumes about routing, for the report; None
     for a model without routed experts (:func:`routed_experts`).
 
     Keys: ``params`` and ``active_params`` (per token), ``routed_layers``, ``experts`` (E) and
     ``top_k`` (k) (the first layer's, with ``uniform`` false when layers differ), ``tokens``
-    (T) and ``tokens_per_expert`` (T·k/E, the expectation under uniform routing), and
-    ``routing``, the assumption in words. Each token-expert pair is one row of a grouped
-    product, so the FLOPs do not depend on how the T·k rows split among experts; the split
-    changes the per-expert load (time on parallel hardware), which the analysis does not model.
+    (T), ``routing`` (the assumption, :class:`graphflop.ops.transformers_ops.Routing`,
+    balanced by default, in words), ``tokens_per_expert`` (the mean: T·k/E, or under a
+    capacity the buffer each expert computes) and ``tokens_per_expert_max`` (a histogram's
+    busiest expert). Balanced or measured, each token-expert pair is one row of a grouped
+    product, so the FLOPs do not depend on the split; the split changes the per-expert load
+    (time on parallel hardware), which the FLOPs do not show.
     """
+    from graphflop.ops.transformers_ops import current_routing
+
     found = routed_experts(model, config)
     if not found:
         return None
+    routing = routing or current_routing()
     _, _, e, k = found[0]
+    per_expert = routing.tokens_per_expert(tokens * k, e)
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "active_params": active_parameters(model, config),
@@ -486,10 +494,7 @@ def experts_summary(model: nn.Module, config: Any, tokens: int) -> dict[str, Any
         "top_k": k,
         "uniform": all((x[2], x[3]) == (e, k) for x in found),
         "tokens": tokens,
-        "tokens_per_expert": tokens * k / e,
-        "routing": (
-            f"each token runs its top {k} of {e} experts; balanced: T·k/E = "
-            f"{tokens * k / e:,.1f} tokens per expert expected; the FLOPs count T·k token-expert "
-            "rows, whatever their split among experts (no capacity limit, no token dropped)"
-        ),
+        "routing": routing.describe(),
+        "tokens_per_expert": sum(per_expert) / e,
+        "tokens_per_expert_max": max(per_expert),
     }

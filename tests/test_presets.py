@@ -267,7 +267,62 @@ def test_inspect_reports_the_routing_of_a_mixture_of_experts(capsys):
     assert (ex["experts"], ex["top_k"], ex["routed_layers"], ex["tokens"]) == (8, 2, 1, 64)
     assert ex["tokens_per_expert"] == 16.0  # 64·2/8
     assert (ex["params"], ex["active_params"]) == (1_713_418_240, 656_453_632)
-    assert "experts (1 routed layer): each token runs its top 2 of 8 experts" in captured.err
+    assert "experts (1 routed layer, top 2 of 8): balanced" in captured.err
+    assert "16.0 tokens per expert" in captured.err
+
+
+def _mixtral_json(capsys, *extra: str) -> dict:
+    from graphflop.cli import main
+
+    argv = ["inspect", "hf:mixtral-8x7b", "--arg", "num_hidden_layers=1", "--seq", "64"]
+    assert main([*argv, "--format", "json", "--no-jvp", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_routing_capacity_and_histogram(capsys, tmp_path):
+    """--routing capacity:1.25: each of 8 experts computes ⌈1.25·128/8⌉ = 20 rows, 160 in
+    all against the 128 token-expert rows: 32 more rows through gate/up (4096 → 28672) and
+    down (14336 → 4096), 2·32·4096·43008 = 11,274,289,152 more forward matrix FLOPs, twice as
+    many in the backward (the input's and the weights' cotangents). A measured histogram
+    changes the reported split, not the FLOPs."""
+    pytest.importorskip("transformers")
+    base = _mixtral_json(capsys)
+    cap = _mixtral_json(capsys, "--routing", "capacity:1.25")
+    extra = 2 * 32 * 4096 * 43008
+    assert extra == 11_274_289_152
+    fwd = lambda d: d["totals"]["forward"]["mm_flops"]  # noqa: E731
+    bwd = lambda d: d["totals"]["backward"]["mm_flops"]  # noqa: E731
+    assert fwd(cap) - fwd(base) == extra and bwd(cap) - bwd(base) == 2 * extra
+    assert (
+        cap["experts"]["tokens_per_expert"] == 20.0
+        and "capacity factor 1.25" in (cap["experts"]["routing"])
+    )
+    hist = tmp_path / "counts.json"
+    hist.write_text("[4, 1, 1, 2, 0, 0, 0, 0]")
+    measured = _mixtral_json(capsys, "--routing", str(hist))
+    assert fwd(measured) == fwd(base)
+    # 128 rows split 4:1:1:2: the busiest expert gets 128·4/8 = 64
+    assert measured["experts"]["tokens_per_expert_max"] == 64.0
+    assert measured["experts"]["tokens_per_expert"] == 16.0
+
+
+def test_routing_that_does_not_fit_is_one_line(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    from graphflop.cli import main
+
+    hist = tmp_path / "counts.json"
+    hist.write_text("[1, 2, 3]")
+    cases = [
+        (["hf:mixtral-8x7b", "--routing", "capacity:0"], "give capacity:F with F > 0"),
+        (["hf:mixtral-8x7b", "--routing", "uniform"], "give balanced, capacity:F or a JSON"),
+        (["hf:mixtral-8x7b", "--routing", str(hist)], "3 counts and the model routes among 8"),
+        (["hf:gpt2-small", "--routing", "capacity:2"], "has none: drop it"),
+    ]
+    for argv, message in cases:
+        code = main(["inspect", *argv, "--arg", "num_hidden_layers=1", "--seq", "8"])
+        err = capsys.readouterr().err
+        lines = [x for x in err.strip().splitlines() if not x.startswith("note:")]
+        assert code == 2 and len(lines) == 1 and message in lines[0], (argv, err)
 
 
 def test_arg_reaches_the_attention_and_experts_implementations():
@@ -300,7 +355,9 @@ def test_docs_tools_keep_one_presets_section(tmp_path):
     out = tmp_path / "zoo.md"
     out.write_text("# The zoo\n\ntable\n")
     presets_tool.write_section(out, presets_tool.markdown({}))
-    presets_tool.write_section(out, presets_tool.markdown({"gpt2-small": {"status": "x", "seconds": 3}}))
+    presets_tool.write_section(
+        out, presets_tool.markdown({"gpt2-small": {"status": "x", "seconds": 3}})
+    )
     text = out.read_text()
     assert text.startswith("# The zoo\n\ntable\n")
     assert text.count(presets_tool.BEGIN) == 1 and text.count(presets_tool.END) == 1

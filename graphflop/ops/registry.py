@@ -78,6 +78,9 @@ class OpRule:
     jvp: Callable[..., Any] | None = None
     transpose: Callable[..., Any] | None = None
     zero_derivative: bool = False
+    #: what else than the nodes' metadata the cost depends on (a hashable value, e.g. the
+    #: routing assumption of mixture-of-experts products), for the cost cache; None: nothing
+    context: Callable[[], Any] | None = None
 
 
 class MissingRuleError(LookupError):
@@ -224,8 +227,10 @@ def register(
     jvp: Callable[..., Any] | None = None,
     transpose: Callable[..., Any] | None = None,
     zero_derivative: bool = False,
+    context: Callable[[], Any] | None = None,
 ) -> OpRule:
-    """Add or replace the rule for ``op``. Returns the rule.
+    """Add or replace the rule for ``op``. Returns the rule. ``context``: what the cost
+    depends on besides the nodes' metadata (:attr:`OpRule.context`).
 
     Raises:
         ValueError: on an unknown family or byte policy.
@@ -234,7 +239,7 @@ def register(
         raise ValueError(f"unknown op family {family!r}; one of {FAMILIES}")
     if bytes not in BYTE_POLICIES:
         raise ValueError(f"unknown byte policy {bytes!r}; one of {BYTE_POLICIES}")
-    rule = OpRule(op, family, cost, bytes, jvp, transpose, zero_derivative)
+    rule = OpRule(op, family, cost, bytes, jvp, transpose, zero_derivative, context)
     _TABLE[op] = rule
     return rule
 

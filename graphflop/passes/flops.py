@@ -57,8 +57,10 @@ def op_cost(op: Any, args: tuple, kwargs: dict, out: Any, node: str | None = Non
         if is_strict():
             raise
         return ZERO_COST
-    try:  # costs are functions of metadata: repeated blocks hit the cache
-        key = (rule, value_key(args), value_key(kwargs), value_key(out))
+    key: tuple | None
+    try:  # costs are functions of metadata (and the rule's context): repeated blocks hit the cache
+        context = rule.context() if rule.context is not None else None
+        key = (rule, context, value_key(args), value_key(kwargs), value_key(out))
         hit = _COSTS.get(key)
     except TypeError:
         key = hit = None
