@@ -3,12 +3,23 @@
 * ``hf:MODEL_TYPE`` (``hf:llama``, ``hf:bert``, ``hf:gpt2``): the configuration
   ``transformers.AutoConfig.for_model(MODEL_TYPE, **args)``, whose defaults are the library's
   (Llama's are Llama-2-7B's shapes);
-* ``hf:PATH``: a folder holding a ``config.json`` (read locally, never from the hub).
+* ``hf:PRESET`` (``hf:llama-3.1-70b``): a published configuration bundled with graphflop
+  (:mod:`graphflop.presets`, ``graphflop models``), never asking the Hub;
+* ``hf:ORG/NAME[@REVISION]`` (``hf:meta-llama/Llama-3.1-8B``): the ``config.json`` of that
+  repository on the Hugging Face Hub (only that file, never weights), through
+  ``huggingface_hub``'s cache, so a name read once works offline afterwards
+  (``HF_HUB_OFFLINE=1`` reads the cache alone). When the Hub cannot be reached, or refuses (a
+  gated or missing repository), a name that is a preset's Hub name builds the preset (with a
+  note saying so); any other is a :class:`~graphflop.load.SpecError` of one line naming the
+  offline alternatives. Reachability is probed once with a 3 s connection, so that no network
+  fails in seconds rather than after the Hub client's retries;
+* ``hf:PATH``: a folder holding a ``config.json`` (read locally).
 
 ``--arg key=value`` sets configuration fields (``num_hidden_layers=2``). Decoder-only models
 (those with a causal-LM class and no masked-LM class: GPT-2, Llama, Mistral, Qwen2, ...) get
 their causal-LM head; every other model is the base model. No weights are loaded and nothing
-is downloaded; with ``meta=True`` the parameters are on the meta device. ``use_cache`` is off
+but a ``config.json`` is downloaded; with ``meta=True`` the parameters are on the meta device.
+``use_cache`` is off
 (training), and so is ``use_associative_scan`` unless set (Mamba's compiled-only scan: eager
 PyTorch scans step by step). The default inputs are ``batch=1`` and ``seq`` (default 128) wide: ``input_ids``
 (token ids drawn from the vocabulary with a fixed seed, never the padding id, so that
@@ -16,7 +27,9 @@ PyTorch scans step by step). The default inputs are ``batch=1`` and ``seq`` (def
 encoder-decoder models, or ``pixel_values``
 (1, channels, image_size, image_size) for vision models, ``input_values`` (1, 16000·seq/128
 samples) for speech models and ``input_features`` (1, mel bins, 2·max_source_positions) for
-Whisper-like models, as each model's ``forward`` takes them.
+Whisper-like models, as each model's ``forward`` takes them. A ``seq`` longer than the
+positions the model has (``max_position_embeddings``; Whisper's decoder:
+``max_target_positions``) is refused: set that field with ``--arg`` to analyse longer inputs.
 
 Needs ``pip install graphflop[hf]`` (``transformers``); without it an ``hf:`` spec is a
 :class:`~graphflop.load.SpecError`.
@@ -26,6 +39,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from pathlib import Path
 from typing import Any
 
@@ -52,21 +66,27 @@ def _transformers():
 
 def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None):
     """The ``hf:`` model ``name`` (see the module docstring) as a
-    :class:`~graphflop.load.LoadedModel` with its default inputs bound.
+    :class:`~graphflop.load.LoadedModel` with its default inputs bound; its notes say where
+    the configuration came from when it is not a model type's defaults.
 
     Raises:
-        SpecError: transformers missing, an unknown model type, a folder without
-            ``config.json``, a configuration field that does not fit, a bad ``seq``.
+        SpecError: transformers missing, an unknown model type or preset, a folder without
+            ``config.json``, a Hub name the Hub cannot give (unreachable, gated, missing) with
+            no cached copy and no preset, a configuration field that does not fit, a bad
+            ``seq`` or one longer than the model's positions.
     """
     from graphflop.frontend.inputs import bind_call
 
     if not name:
-        raise SpecError("give a model type or a config folder: hf:llama, hf:path/to/folder")
+        raise SpecError(
+            "give a model type, a preset, a Hub name or a config folder: hf:llama, "
+            "hf:llama-3.1-8b, hf:meta-llama/Llama-3.1-8B, hf:path/to/folder"
+        )
     seq = DEFAULT_SEQ if seq is None else seq
     if seq <= 0:
         raise SpecError(f"bad sequence length {seq}: must be a positive integer")
     tf = _transformers()
-    config = _config(tf, name, args)
+    config, notes = _config(tf, name, args)
     if hasattr(config, "use_cache"):
         config.use_cache = False
     if getattr(config, "use_associative_scan", False) and "use_associative_scan" not in args:
@@ -85,38 +105,74 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
         raise SpecError(
             f"building hf:{name} failed: {type(e).__name__}: {first_line(e, continued=True)}"
         ) from e
+    _check_context(model, config, seq, name)
     kwargs = default_inputs(model, config, seq)
     example = bind_call(model, (), kwargs)
-    notes = onto_meta(model) if meta else ()
+    notes = (*notes, *(onto_meta(model) if meta else ()))
     return LoadedModel(f"hf:{name}", model, example, notes)
 
 
-def _config(tf: Any, name: str, args: dict) -> Any:
-    path = Path(name)
-    if path.is_dir() or "/" in name or name.startswith("."):
-        if not (path / "config.json").is_file():
-            raise SpecError(
-                f"hf:{name}: no config.json in {path} (give a folder holding a transformers "
-                "config.json, or a model type such as hf:llama)"
-            )
-        try:
-            config = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
-        except Exception as e:
-            raise SpecError(
-                f"hf:{name}: reading config.json failed: {first_line(e, continued=True)}"
-            ) from e
+def _check_context(model: nn.Module, config: Any, seq: int, name: str) -> None:
+    """Raises SpecError when the token inputs of ``seq`` positions are longer than the
+    model's positions (its position table, or the rotary context it was trained for)."""
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" not in params and "decoder_input_ids" not in params:
+        return
+    for key in ("max_target_positions", "max_position_embeddings"):
+        limit = getattr(config, key, None)
+        if isinstance(limit, int) and limit > 0:
+            break
+    else:
+        return
+    if seq > limit:
+        field = "n_positions" if "n_positions" in vars(config) else key
+        raise SpecError(
+            f"hf:{name}: --seq {seq} is longer than the model's {limit} positions ({field}); "
+            f"give --seq {limit} or less, or --arg {field}={seq} to analyse a longer context"
+        )
+
+
+#: a Hub repository id, with an optional revision: ORG/NAME[@REVISION]
+_HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
+
+
+def _is_folder(name: str) -> bool:
+    """Whether ``name`` is meant as a local folder rather than a Hub name."""
+    return (
+        Path(name).expanduser().exists()
+        or name.startswith((".", "/", "~"))
+        or ("/" in name and not _HUB_ID.fullmatch(name))
+    )
+
+
+def _config(tf: Any, name: str, args: dict) -> tuple[Any, tuple[str, ...]]:
+    """The configuration ``name`` names, with ``args`` set, and notes on where it came from."""
+    from graphflop import presets
+
+    if _is_folder(name):
+        return _folder_config(tf, Path(name).expanduser(), name, args), ()
+    hub = _HUB_ID.fullmatch(name)
+    if hub:
+        preset = presets.find(hub["repo"])
+        config, note = _hub_config(tf, hub["repo"], hub["revision"], preset, name)
         _check_fields(config, args, name)
-        for k, v in args.items():
-            setattr(config, k, v)
-        return config
+        _set_fields(config, args)
+        return config, (note,)
     types = list(tf.CONFIG_MAPPING.keys())
+    preset = presets.find(name)
+    if name not in types and preset is not None:
+        note = f"configuration: graphflop's preset {preset.name} ({preset.source})"
+        return _preset_config(tf, preset, args, name), (note,)
     if name not in types:
-        close = difflib.get_close_matches(name, types, n=5)
+        close = difflib.get_close_matches(name, types, n=3) + presets.close_names(name)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise SpecError(f"transformers has no model type {name!r}{hint}")
+        raise SpecError(
+            f"transformers has no model type {name!r} and graphflop no preset of that name"
+            f"{hint} (graphflop models lists the presets)"
+        )
     try:
         _check_fields(tf.AutoConfig.for_model(name), args, name)
-        return tf.AutoConfig.for_model(name, **args)
+        return tf.AutoConfig.for_model(name, **args), ()
     except SpecError:
         raise
     except Exception as e:
@@ -125,12 +181,143 @@ def _config(tf: Any, name: str, args: dict) -> Any:
         ) from e
 
 
+def _folder_config(tf: Any, path: Path, name: str, args: dict) -> Any:
+    if not (path / "config.json").is_file():
+        raise SpecError(
+            f"hf:{name}: no config.json in {path} (give a folder holding a transformers "
+            "config.json, a Hub name such as hf:meta-llama/Llama-3.1-8B, a preset such as "
+            "hf:llama-3.1-8b or a model type such as hf:llama)"
+        )
+    try:
+        config = tf.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:
+        raise SpecError(
+            f"hf:{name}: reading config.json failed: {first_line(e, continued=True)}"
+        ) from e
+    _check_fields(config, args, name)
+    _set_fields(config, args)
+    return config
+
+
+def _preset_config(tf: Any, preset: Any, args: dict, name: str) -> Any:
+    """The preset's configuration with ``args`` set (a field it does not have refused)."""
+    fields = {k: v for k, v in preset.config.items() if k != "model_type"}
+    try:
+        config = tf.AutoConfig.for_model(preset.model_type, **fields)
+    except Exception as e:  # a transformers too old or too new for the preset's fields
+        raise SpecError(
+            f"hf:{name}: transformers {tf.__version__} cannot build preset {preset.name}: "
+            f"{first_line(e, continued=True)}"
+        ) from e
+    _check_fields(config, args, name)
+    _set_fields(config, args)
+    return config
+
+
+#: seconds the Hub's host gets to accept a connection before it counts as unreachable
+HUB_CONNECT_TIMEOUT = 3.0
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached (offline mode, no route, no name resolution), or None.
+
+    One TCP connection to the endpoint's host with a :data:`HUB_CONNECT_TIMEOUT` limit: the
+    Hub client retries a failed connection for about 25 s. Behind a proxy (``HTTPS_PROXY``
+    and the like) the host is not probed and the client's own errors decide."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    offline = getattr(constants, "is_offline_mode", None)
+    if offline() if offline is not None else constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    url = urllib.parse.urlparse(constants.ENDPOINT)
+    if url.hostname is None or urllib.request.getproxies().get(url.scheme):
+        return None
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=HUB_CONNECT_TIMEOUT).close()
+    except OSError as e:
+        return f"{url.hostname} cannot be reached ({getattr(e, 'strerror', None) or e})"
+    return None
+
+
+def _hub_config(
+    tf: Any, repo: str, revision: str | None, preset: Any, name: str
+) -> tuple[Any, str]:
+    """The configuration of Hub repository ``repo`` at ``revision`` (its ``config.json``,
+    downloaded into or read from huggingface_hub's cache), or ``preset``'s when the Hub
+    cannot give it; and a note saying which.
+
+    Raises:
+        SpecError: the Hub cannot give it, no cached copy, no preset: one line naming the
+            offline alternatives.
+    """
+    import huggingface_hub as hub
+    from huggingface_hub import errors
+
+    why = _hub_unreachable()
+    at = f"@{revision}" if revision else ""
+    problem = None
+    try:
+        path = hub.hf_hub_download(
+            repo, "config.json", revision=revision, local_files_only=why is not None
+        )
+    except errors.GatedRepoError:
+        problem = (
+            "is gated: accept its licence on huggingface.co and log in (hf auth login or HF_TOKEN)"
+        )
+    except errors.RepositoryNotFoundError:
+        problem = "is not on the Hub (or is private: log in)"
+    except errors.RevisionNotFoundError:
+        problem = f"has no revision {revision!r} on the Hub"
+    except errors.LocalEntryNotFoundError:
+        problem = (
+            f"cannot be read: {why or 'the Hub cannot be reached'}, and its config.json is not in "
+            "the Hugging Face cache"
+        )
+    except errors.EntryNotFoundError:
+        problem = "has no config.json on the Hub"
+    except Exception as e:  # the client's connection and HTTP errors
+        problem = (
+            f"cannot be read from the Hub: {type(e).__name__}: {first_line(e, continued=True)}"
+        )
+    if problem is None:
+        config = _folder_config(tf, Path(path).parent, name, {})
+        where = "the Hugging Face cache" if why else "the Hub"
+        return config, f"configuration: config.json of {repo}{at} from {where}"
+    if preset is not None:
+        pinned = f" (revision {revision} not checked)" if revision else ""
+        note = f"configuration: graphflop's preset {preset.name}{pinned}, since {repo} {problem}"
+        return _preset_config(tf, preset, {}, name), note
+    raise SpecError(
+        f"hf:{name} {problem}; offline, give a preset (graphflop models lists them, e.g. "
+        "hf:llama-3.1-8b), a folder holding its config.json (hf:path/to/folder) or a model "
+        "type (hf:llama)"
+    )
+
+
+def _implementation_field(config: Any, key: str) -> bool:
+    """Whether ``key`` is one of the implementation choices a configuration takes as a keyword
+    and keeps privately (``attn_implementation``, ``experts_implementation``: kept as
+    ``_attn_implementation_internal``, read through the ``_attn_implementation`` property)."""
+    return hasattr(config, f"_{key}_internal")
+
+
+def _set_fields(config: Any, args: dict) -> None:
+    """Set ``args`` on ``config``, the implementation choices through their properties."""
+    for k, v in args.items():
+        setattr(config, f"_{k}" if _implementation_field(config, k) else k, v)
+
+
 def _check_fields(config: Any, args: dict, name: str) -> None:
     """Raises SpecError for a key of ``args`` that is not a field of ``config`` (or one of its
     aliases): transformers keeps an unknown keyword as an attribute nothing reads, so a typo
     (``n_layers`` for GPT-2's ``n_layer``) would analyse the default model."""
     for k in args:
-        if hasattr(config, k):
+        if hasattr(config, k) or _implementation_field(config, k):
             continue
         fields = [*vars(config), *getattr(config, "attribute_map", {})]
         close = difflib.get_close_matches(k, fields, n=3)

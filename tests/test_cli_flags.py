@@ -100,6 +100,7 @@ SPECIAL = {
     "strict",
     "seq",
     "eval",
+    "routing",  # mixture-of-experts models only (an MLP refuses it): tests/test_presets.py
 }
 
 
@@ -150,6 +151,15 @@ def test_directions_4_on_the_mlp_reports_k_4_and_the_step_grows(capsys, default_
     assert fg["flops"] == fg1["flops"] + 3 * per_direction + 7 * n
     assert fg["random_elements"] == 4 * n
     assert "note: forward-gradient" not in err  # one batched tangent pass: no fallback note
+
+
+def _case_routing(capsys, tmp_path, default_doc, monkeypatch):
+    # a routing model for an MLP, which routes nothing, is refused; balanced is the default
+    rc, doc, _, _ = cli_doc(capsys, "--routing", "balanced")
+    assert rc == 0 and doc == default_doc
+    rc, _, _, err = cli_doc(capsys, "--routing", "capacity:1.25")
+    assert rc == 2 and "has none: drop it" in err
+    # with routed experts: tests/test_presets.py (capacity, histogram, misfits)
 
 
 def _case_json(capsys, tmp_path, default_doc, monkeypatch):

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -361,9 +362,11 @@ FINDINGS = [
     "",
     "- MoE routing needed a rule for `aten.topk` (added: N·⌈log2 k⌉ comparisons per row, the "
     "values' tangent gathered at the indices). transformers' default experts implementation "
-    "(`grouped_mm`) still fails: it sorts tokens by expert (`aten.sort`, no rule) and calls "
+    "(`grouped_mm`) then failed: it sorts tokens by expert (`aten.sort`, no rule) and calls "
     "`_grouped_mm` with data-dependent group sizes; the MoE rows use `batched_mm`, which "
-    "computes the same tokens·k expert products.",
+    "computes the same tokens·k expert products. Since then `sort`, `histc` and transformers' "
+    "`grouped_mm_fallback` have rules (docs/flops_conventions.md), and the presets below are "
+    "analysed through the default implementation.",
     "- inception_v3, deeplabv3_resnet50, timm levit_128 at batch 1 in train mode: PyTorch's "
     "batch norm refuses one value per channel (ValueError, not a graphflop limit): batch 2.",
     "- wav2vec2 in train mode: LayerDrop branches on a random number "
@@ -420,6 +423,15 @@ def run_one(e: Entry, timeout: float) -> dict:
     }
 
 
+def _with_kept_sections(path: Path, text: str) -> str:
+    """``text`` followed by the sections other tools write into ``path`` (tools/presets.py's,
+    between its ``<!-- presets: ... -->`` and ``<!-- /presets -->`` markers), so that
+    rewriting the zoo's table keeps them."""
+    old = path.read_text() if path.exists() else ""
+    kept = re.findall(r"<!-- presets:.*?<!-- /presets -->\n?", old, re.S)
+    return text.rstrip("\n") + "\n\n" + "".join(kept) if kept else text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", help="zoo names to run (default: all)")
@@ -449,8 +461,8 @@ def main(argv=None) -> int:
         rows[e.name] = row
         print(row["status"], f"{row.get('seconds', '')} s", explain(row), flush=True)
         atomic_write(path, json.dumps(rows, indent=1) + "\n")
-        atomic_write(Path(args.out), markdown(rows))
-    atomic_write(Path(args.out), markdown(rows))
+        atomic_write(Path(args.out), _with_kept_sections(Path(args.out), markdown(rows)))
+    atomic_write(Path(args.out), _with_kept_sections(Path(args.out), markdown(rows)))
     return 0
 
 

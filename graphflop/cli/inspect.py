@@ -103,6 +103,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="what-if: autocast to this dtype on --memory-device: saved bytes and train peak "
         "in memory.amp (FLOPs unchanged)",
     )
+    p.add_argument(
+        "--routing",
+        default="balanced",
+        metavar="MODEL",
+        help="how a mixture-of-experts model's token-expert rows spread over its experts: "
+        "balanced (default: T·k/E each, the expectation under uniform routing), capacity:F "
+        "(each expert computes ⌈F·T·k/E⌉ rows, padded or dropped), or a JSON file of measured "
+        "per-expert token counts; recorded in the report's experts key",
+    )
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
     p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
@@ -222,9 +231,16 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
 
     _check(args)
     loaded, inputs = load_model(args)
+    _check_routing(args, loaded)
     why = _backward_option(args)
     check_backward_possible(args, loaded, inputs, why=why)
-    with err.status("analysing", spinner="dots") as status, strict_rules(args.strict):
+    from graphflop.ops.transformers_ops import routing
+
+    with (
+        err.status("analysing", spinner="dots") as status,
+        strict_rules(args.strict),
+        routing(args.routing_model),
+    ):
         options = AnalyzeOptions(
             tangents=args.tangents,
             directions=args.directions,
@@ -241,6 +257,19 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
     report = analysis.report
     print_warnings(err, analysis, _tangent_pass_notes(analysis))
     extra: dict[str, Any] = {}  # --verify's results, after the report's keys in the JSON
+    experts = _experts(loaded, inputs, report, args.routing_model)
+    if experts is not None:
+        extra["experts"] = experts
+        n = experts["routed_layers"]
+        err.print(
+            f"experts ({n} routed {'layer' if n == 1 else 'layers'}, top {experts['top_k']} of "
+            f"{experts['experts']}): {experts['routing']}; "
+            f"{experts['tokens_per_expert']:,.1f} tokens per expert; active "
+            f"parameters per token {experts['active_params']:,} of {experts['params']:,}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
     rc = _verify(args, err, inputs, analysis, extra) if args.verify else 0
     with atomic_group():  # all the files or none of them
         if args.json:
@@ -252,6 +281,27 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
 
             plot_memory(analysis, args.plot_memory)
     return report, extra, rc
+
+
+def _experts(loaded: Any, inputs: Any, report: Any, routing: Any) -> dict[str, Any] | None:
+    """The routing assumption and active parameters of a mixture-of-experts model, with its
+    forward and training-step FLOPs per token (T: the elements of the first integer input,
+    the token ids), or None for another model."""
+    from graphflop.presets import experts_summary
+
+    ids = [t for t in inputs if not t.dtype.is_floating_point and not t.dtype.is_complex]
+    if not ids:
+        return None
+    tokens = ids[0].numel()
+    config = getattr(loaded.model, "config", None)
+    summary = experts_summary(loaded.model, config, tokens, routing)
+    if summary is None:
+        return None
+    t = report.totals
+    summary["forward_flops_per_token"] = (t.forward.flops + t.loss.flops) / tokens
+    if t.train_step is not None:
+        summary["train_step_flops_per_token"] = t.train_step.flops / tokens
+    return summary
 
 
 def _tangent_pass_notes(analysis: Analysis) -> list[str]:
@@ -266,9 +316,37 @@ def _tangent_pass_notes(analysis: Analysis) -> list[str]:
     return [f"note: forward-gradient step with {info.directions} directions: {info.tangent_pass}"]
 
 
+def _check_routing(args: argparse.Namespace, loaded: Any) -> None:
+    """Refuse a --routing the model would ignore (no routed experts) or that does not fit it
+    (a histogram of another number of experts)."""
+    from graphflop.load import SpecError
+    from graphflop.presets import routed_experts
+
+    if args.routing == "balanced":
+        return
+    found = routed_experts(loaded.model, getattr(loaded.model, "config", None))
+    if not found:
+        raise SpecError(
+            f"--routing {args.routing} describes routed experts, and {loaded.name} has none: "
+            "drop it"
+        )
+    counts = args.routing_model.counts
+    if counts is not None and len(counts) != found[0][2]:
+        raise SpecError(
+            f"--routing {args.routing} holds {len(counts)} counts and the model routes among "
+            f"{found[0][2]} experts: give one count per expert"
+        )
+
+
 def _check(args: argparse.Namespace) -> None:
     """The option checks made before any work (ranges, output paths)."""
     from graphflop.load import SpecError
+    from graphflop.ops.transformers_ops import parse_routing
+
+    try:
+        args.routing_model = parse_routing(args.routing)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
 
     if not 1 <= args.directions <= MAX_DIRECTIONS:
         raise SpecError(

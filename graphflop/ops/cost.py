@@ -58,8 +58,9 @@ def op_cost(op: Any, args: tuple, kwargs: dict, out: Any, node: str | None = Non
             raise
         return ZERO_COST
     key: tuple[Any, ...] | None
-    try:  # costs are functions of metadata: repeated blocks hit the cache
-        key = (rule, value_key(args), value_key(kwargs), value_key(out))
+    try:  # costs are functions of metadata (and the rule's context): repeated blocks hit the cache
+        context = rule.context() if rule.context is not None else None
+        key = (rule, context, value_key(args), value_key(kwargs), value_key(out))
         hit = _COSTS.get(key)
     except TypeError:
         key = hit = None

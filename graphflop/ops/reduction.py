@@ -1,10 +1,13 @@
 """Reductions: sum, mean, amax/amin, max/min along a dim, argmax/argmin, any/all, var,
-var_mean, cumsum, cumprod. 1 FLOP per input element; mean adds 1 per output element
-(docs/flops_conventions.md). ``var_mean`` is counted as a mean plus a variance: 2 per input element
-and 2 per output element (the two divides). ``cumsum`` and ``cumprod`` are 1 per input element;
-cumsum's transpose is a reversed cumsum (flip, cumsum, flip); cumprod's tangent is
+var_mean, cumsum, cumprod, histc. 1 FLOP per input element; mean adds 1 per output element
+(docs/flops_conventions.md). ``var_mean`` is counted as a mean plus a variance: 2 per input
+element and 2 per output element (the two divides). ``cumsum`` and ``cumprod`` are 1 per input
+element; cumsum's transpose is a reversed cumsum (flip, cumsum, flip); cumprod's tangent is
 ``out · cumsum(dx / x)``. Sorting and selection (topk, sort, kthvalue) are in
-:mod:`graphflop.ops.sorting`.
+:mod:`graphflop.ops.sorting`. ``histc`` (mixture-of-experts layers count the tokens each expert
+receives with it) is 1 per input element, the increment of its bin (the bin's index is address
+arithmetic, as in indexing, not counted); its counts are piecewise constant in the input: a zero
+derivative.
 """
 
 from __future__ import annotations
@@ -180,6 +183,8 @@ for _op in (aten.max.dim, aten.min.dim, *_INTEGER_VALUED):
     register(_op, F, per_input(1))
 for _op in _INTEGER_VALUED:
     def_zero(_op)
+register(aten.histc.default, F, per_input(1))
+def_zero(aten.histc.default)
 
 
 def _jvp_max_min_dim(op):

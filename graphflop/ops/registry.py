@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -78,6 +79,9 @@ class OpRule:
     jvp: Callable[..., Any] | None = None
     transpose: Callable[..., Any] | None = None
     zero_derivative: bool = False
+    #: what else than the nodes' metadata the cost depends on (a hashable value, e.g. the
+    #: routing assumption of mixture-of-experts products), for the cost cache; None: nothing
+    context: Callable[[], Any] | None = None
 
 
 class MissingRuleError(LookupError):
@@ -95,6 +99,9 @@ class MissingRuleError(LookupError):
 
 
 _TABLE: dict[Any, OpRule] = {}
+#: op namespaces whose rules are registered when an op of theirs is first looked up (the ops
+#: exist only once their library has defined them): namespace -> "module:function"
+_LIBRARY_RULES = {"transformers": "graphflop.ops.transformers_ops:register_transformers_rules"}
 #: ops whose rule a user registered (``graphflop.register_rule``) rather than graphflop
 _USER_OPS: set[Any] = set()
 #: op overload -> graphflop's decomposition (see :func:`register_decomposition`)
@@ -103,6 +110,17 @@ _DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
 _TORCH_DECOMPOSED: list[Any] = []
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def _rule(op: Any) -> OpRule | None:
+    """``op``'s rule, registering its library's rules first when ``op`` is a library's op
+    that has none yet (:data:`_LIBRARY_RULES`)."""
+    rule = _TABLE.get(op)
+    if rule is None and isinstance(op, OpOverload) and op.namespace in _LIBRARY_RULES:
+        module, _, fn = _LIBRARY_RULES[op.namespace].partition(":")
+        getattr(importlib.import_module(module), fn)()
+        rule = _TABLE.get(op)
+    return rule
 
 
 def op_name(op: Any) -> str:
@@ -190,7 +208,7 @@ def is_strict() -> bool:
 
 def missing_kinds(op: Any) -> tuple[str, ...]:
     """The kinds of rule ``op`` lacks: ``cost`` (no rule at all), ``jvp``, ``transpose``."""
-    rule = _TABLE.get(op)
+    rule = _rule(op)
     if rule is None:
         return ("cost", "jvp", "transpose")
     out = []
@@ -210,8 +228,10 @@ def register(
     jvp: Callable[..., Any] | None = None,
     transpose: Callable[..., Any] | None = None,
     zero_derivative: bool = False,
+    context: Callable[[], Any] | None = None,
 ) -> OpRule:
-    """Add or replace the rule for ``op``. Returns the rule.
+    """Add or replace the rule for ``op``. Returns the rule. ``context``: what the cost
+    depends on besides the nodes' metadata (:attr:`OpRule.context`).
 
     Raises:
         ValueError: on an unknown family or byte policy.
@@ -220,7 +240,7 @@ def register(
         raise ValueError(f"unknown op family {family!r}; one of {FAMILIES}")
     if bytes not in BYTE_POLICIES:
         raise ValueError(f"unknown byte policy {bytes!r}; one of {BYTE_POLICIES}")
-    rule = OpRule(op, family, cost, bytes, jvp, transpose, zero_derivative)
+    rule = OpRule(op, family, cost, bytes, jvp, transpose, zero_derivative, context)
     _TABLE[op] = rule
     return rule
 
@@ -267,7 +287,7 @@ def lookup(op: Any, *, need: tuple[str, ...] = ("cost",), node: str | None = Non
     Raises:
         MissingRuleError: naming the op, the node and the rule file it belongs in.
     """
-    rule = _TABLE.get(op)
+    rule = _rule(op)
     if rule is None:  # nothing registered: every kind of rule is missing
         raise MissingRuleError(op, ("cost", "jvp", "transpose"), node)
     missing = tuple(
@@ -283,13 +303,20 @@ def lookup(op: Any, *, need: tuple[str, ...] = ("cost",), node: str | None = Non
 
 def has_rule(op: Any) -> bool:
     """True when ``op`` has a rule (of any kind)."""
-    return op in _TABLE
+    return _rule(op) is not None
 
 
-def all_rules(*, user: bool = True) -> dict[Any, OpRule]:
+def all_rules(*, user: bool = True, library: bool = True) -> dict[Any, OpRule]:
     """A copy of the table, for coverage reports; ``user=False``: without the ops only a
-    user's rule covers (``graphflop.register_rule`` of an op graphflop has no rule for)."""
-    return {op: r for op, r in _TABLE.items() if user or op not in _USER_OPS}
+    user's rule covers (``graphflop.register_rule`` of an op graphflop has no rule for);
+    ``library=False``: without the ops of other libraries (:data:`_LIBRARY_RULES`), whose
+    rules are in the table only once a graph has held one."""
+    return {
+        op: r
+        for op, r in _TABLE.items()
+        if (user or op not in _USER_OPS)
+        and (library or getattr(op, "namespace", None) not in _LIBRARY_RULES)
+    }
 
 
 # --- registration helpers (JAX style) -------------------------------------------------------
