@@ -1,8 +1,9 @@
 """Matrix products: ``mm``, ``bmm``, ``addmm``, ``_grouped_mm`` (cost only). 2 FLOPs per multiply-add, all in ``mm_flops``;
 ``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (FLOPS.md). ``mv`` and ``dot`` are
-traced as ``mm``, ``addbmm`` as one ``mm`` over the batch folded into K (decompositions at the
-end). Linear solves: ``_linalg_solve_ex`` (``torch.linalg.solve``) and ``linalg_lu_solve``, by
-the LU convention of docs/flops_conventions.md, outside ``mm_flops``."""
+traced as ``mm``, ``addbmm`` as one ``mm`` over the batch folded into K, ``_trilinear``
+(``nn.Bilinear``) as two contractions (decompositions at the end). Linear solves:
+``_linalg_solve_ex`` (``torch.linalg.solve``) and ``linalg_lu_solve``, by the LU convention of
+docs/flops_conventions.md, outside ``mm_flops``."""
 
 from __future__ import annotations
 
@@ -221,3 +222,35 @@ def _transpose_lu_solve(b, ct, args, kwargs, linear):
     rest = [None] * (len(args) - 2)
     ct_b = b.call(aten.linalg_lu_solve.default, lu, pivots, ct, adjoint=not adjoint)
     return [None, None, ct_b] + rest[1:]
+
+
+@register_decomposition(aten._trilinear.default)
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """``nn.Bilinear``'s product (``F.bilinear``): each input unsqueezed at its ``expand`` dims
+    to a common rank, the three multiplied and summed over ``sumdim``. Traced as ATen computes
+    it, a contraction of ``i1`` with ``i2`` keeping the dims ``i3`` or the output needs, then
+    with ``i3`` (two two-operand ``einsum`` calls, which trace to ``bmm`` with permutes and
+    reshapes): for ``nn.Bilinear`` (N, in1) × (out, in1, in2) × (N, in2), 2·N·out·in1·in2 matrix
+    FLOPs and 2·N·out·in2 for the second product. ``unroll_dim`` (how ATen loops) changes
+    nothing computed."""
+    rank = i1.dim() + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:rank]
+
+    def dims(expand) -> list[int]:
+        gone = {d % rank for d in expand}
+        return [d for d in range(rank) if d not in gone]
+
+    def sub(ds) -> str:
+        return "".join(letters[d] for d in ds)
+
+    d1, d2, d3 = dims(expand1), dims(expand2), dims(expand3)
+    summed = {d % rank for d in sumdim}
+    out = [d for d in range(rank) if d not in summed]
+    keep = sorted((set(d1) | set(d2)) & (set(d3) | set(out)))
+    pair = torch.einsum(f"{sub(d1)},{sub(d2)}->{sub(keep)}", i1, i2)
+    present = [d for d in out if d in set(keep) | set(d3)]
+    result = torch.einsum(f"{sub(keep)},{sub(d3)}->{sub(present)}", pair, i3)
+    for k, d in enumerate(out):  # an output dim that every input expanded: size 1
+        if d not in present:
+            result = result.unsqueeze(k)
+    return result

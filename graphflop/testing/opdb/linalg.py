@@ -229,10 +229,35 @@ ATTENTION = [
     ),
 ]
 
+
 # ---------------------------------------------------------------------------------------------
 # issue 15's audit: einsum paths (outer and bilinear products as broadcast multiplies, a
 # contraction over two axes needing permutes, a three-operand bilinear form), addbmm
 # ---------------------------------------------------------------------------------------------
+def _bilinear() -> nn.Module:
+    m = Fn(lambda s, x: s.b(x, x[:, :5] * s.w), {"w": (5,)})
+    m.b = randomized(nn.Bilinear(6, 5, 3))
+    return m
+
+
+BILINEAR = [
+    OpCase(
+        "bilinear",
+        readout_of(_bilinear, (4, 3)),
+        ((4, 6),),
+        # nn.Bilinear(6, 5, 3) at batch 4 (_trilinear): x[:, :5]·w 20; x (4×6) with the weight
+        # (3×6×5) over in1: 2·4·3·6·5 = 720 matrix FLOPs; with x2 (4×5) over in2: 2·4·3·5 = 120;
+        # bias 12; readout 12
+        flops=20 + 720 + 120 + 12 + 12,
+        aten=("aten.bmm.default",),
+        xfail={
+            "flops": "FlopCounterMode counts 0 for nn.Bilinear (it has no formula for "
+            "aten._trilinear); graphflop decomposes it to two bmm and counts them: "
+            "tests/test_ops_issue15.py checks it"
+        },
+    ),
+]
+
 EINSUM_MORE = [
     OpCase(
         "einsum_outer",
