@@ -51,6 +51,7 @@ from graphflop.testing.opdb.embedding import EMBEDDING_BAG
 from graphflop.testing.opdb.linalg import (
     ATTENTION,
     BILINEAR,
+    CDIST,
     EINSUM_MORE,
     LINALG,
     LINALG_MORE,
@@ -99,6 +100,7 @@ OP_DB: list[OpCase] = (
     + CLAMP_TENSOR
     + SOLVE_ADDBMM
     + BILINEAR
+    + CDIST
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
@@ -107,6 +109,7 @@ __all__ = [
     "ATTENTION",
     "BILINEAR",
     "BINARY",
+    "CDIST",
     "CHECKS",
     "CLAMP_TENSOR",
     "CONV",

@@ -234,6 +234,10 @@ ATTENTION = [
 # issue 15's audit: einsum paths (outer and bilinear products as broadcast multiplies, a
 # contraction over two axes needing permutes, a three-operand bilinear form), addbmm
 # ---------------------------------------------------------------------------------------------
+#: the reference, not graphflop: its JVP is checked against finite differences instead
+_NO_CDIST_FWD_AD = "torch.func.jvp: PyTorch has no forward-mode derivative for aten._cdist_forward"
+
+
 def _bilinear() -> nn.Module:
     m = Fn(lambda s, x: s.b(x, x[:, :5] * s.w), {"w": (5,)})
     m.b = randomized(nn.Bilinear(6, 5, 3))
@@ -255,6 +259,61 @@ BILINEAR = [
             "aten._trilinear); graphflop decomposes it to two bmm and counts them: "
             "tests/test_ops_issue15.py checks it"
         },
+    ),
+]
+
+CDIST = [
+    OpCase(
+        "cdist",
+        module_of(
+            lambda s, x: torch.cdist(x * s.w, s.v) * s.r,
+            {"w": (3, 4), "v": (2, 5, 4)},
+            {"r": (2, 3, 5)},
+        ),
+        (X,),
+        # mul 24; _cdist_forward of (2, 3, 4) and (2, 5, 4), 30 distances of 4 features:
+        # subtract, square, add 3·30·4 = 360, sqrt 30; readout 30
+        flops=24 + 360 + 30 + 30,
+        aten=("aten._cdist_forward.default", "aten.where.ScalarSelf"),
+        xfail={"jvp": _NO_CDIST_FWD_AD},
+    ),
+    OpCase(
+        "cdist_self",
+        module_of(
+            lambda s, x: torch.cdist(x * s.w, x * s.w) * s.r, {"w": (3, 4)}, {"r": (2, 3, 3)}
+        ),
+        (X,),
+        # cdist(h, h): a zero diagonal, where d's derivative is taken as 0 (PyTorch's too);
+        # two muls 48; 2·3·3 = 18 distances: 3·18·4 = 216 + sqrt 18; readout 18
+        flops=48 + 216 + 18 + 18,
+        aten=("aten._cdist_forward.default",),
+        xfail={"jvp": _NO_CDIST_FWD_AD},
+    ),
+    OpCase(
+        "cdist_p1",
+        module_of(
+            lambda s, x: torch.cdist(x * s.w, s.v, p=1.0) * s.r,
+            {"w": (3, 4), "v": (2, 5, 4)},
+            {"r": (2, 3, 5)},
+        ),
+        (X,),
+        # mul 24; 30 distances of 4 features: subtract, |·|, add 360, no root; readout 30
+        flops=24 + 360 + 30,
+        aten=("aten._cdist_forward.default", "aten.sign.default"),
+        xfail={"jvp": _NO_CDIST_FWD_AD},
+    ),
+    OpCase(
+        "cdist_p3",
+        module_of(
+            lambda s, x: torch.cdist(x * s.w, s.v, p=3.0) * s.r,
+            {"w": (3, 4), "v": (2, 5, 4)},
+            {"r": (2, 3, 5)},
+        ),
+        (X,),
+        # mul 24; 30 distances of 4 features: subtract, |·|³, add 360, cube root 30; readout 30
+        flops=24 + 360 + 30 + 30,
+        aten=("aten._cdist_forward.default", "aten.pow.Tensor_Scalar"),
+        xfail={"jvp": _NO_CDIST_FWD_AD},
     ),
 ]
 
