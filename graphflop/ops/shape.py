@@ -2,7 +2,8 @@
 (FLOPS.md). All are linear; their transposes are other shape ops: ``scatter_add`` for
 ``gather``, ``index_add`` for ``index_select``, ``index_put(accumulate=True)`` for advanced
 indexing (``index``: upsampling, reflection and replication padding, uneven adaptive pooling
-decompose to it), ``slice`` of the tangent for the pieces of ``split_with_sizes`` (``chunk``,
+decompose to it, and ``as_strided``'s tangent is an indexing: its windows may overlap),
+``slice`` of the tangent for the pieces of ``split_with_sizes`` (``chunk``,
 ``split``), a flip for ``flip``, a sum over the tiles for ``repeat``. ``index_put`` and
 ``index_add`` with accumulation cost 1 FLOP per added element. In-place views on temporaries and
 upsampling are traced as functional views and index ops (decompositions at the end)."""
@@ -525,3 +526,35 @@ def _restride(x, size, stride, storage_offset=None):
     if list(x.shape) == list(size) and not storage_offset:
         return x
     return NotImplemented
+
+
+# --- as_strided: a view with any strides (torch.stft's frames), overlapping ones included --------
+
+register(aten.as_strided.default, F, free, bytes="view")
+
+
+@def_jvp(aten.as_strided.default)
+def _jvp_as_strided(b, out, args, tangents, kwargs):
+    """``as_strided(x, size, stride, offset)`` picks elements of ``x``'s storage; windows may
+    overlap (``stft``'s frames with a hop below the frame length), so a view of the tangent and
+    a scatter back would lose the overlaps. For ``x`` contiguous its tangent is the flat
+    tangent indexed at the storage positions the view reads: ``tx.view(-1)[idx]`` with ``idx =
+    as_strided(arange(numel(x)), size, stride, offset − x's offset)``, a constant; the
+    transpose of that indexing is ``index_put`` with accumulation, the overlaps summed
+    (PyTorch's ``as_strided_backward`` does the same over the storage). A non-contiguous ``x``
+    refuses (``MissingRuleError``: the JVP and backward are cut there and the gap reported)."""
+    from graphflop.ops.registry import MissingRuleError
+
+    x = args[0]
+    size, stride = list(args[1]), list(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    xv = value(x)
+    if not xv.is_contiguous():
+        raise MissingRuleError(aten.as_strided.default, ("jvp",))
+    base = xv.storage_offset()
+    start = (base if offset is None else int(offset)) - base
+    positions = b.call(aten.arange.default, xv.numel(), dtype=torch.int64, device=xv.device)
+    idx = b.call(aten.as_strided.default, positions, size, stride, start)
+    dense = b.call(aten.clone.default, tangents[0], memory_format=torch.contiguous_format)
+    flat = b.call(aten.view.default, dense, [-1])
+    return b.call(aten.index.Tensor, flat, [idx])
