@@ -516,6 +516,7 @@ def float_output(model, inputs) -> bool:
     import torch
 
     from graphflop.frontend import nodynamo
+    from graphflop.frontend.errors import quiet_loggers
 
     def forward():
         with torch.no_grad():
@@ -523,7 +524,10 @@ def float_output(model, inputs) -> bool:
 
     for run in (forward, lambda: _fake_forward(model, inputs)):
         try:
-            out = nodynamo.run(run)
+            # FakeTensorMode logs a kernel's traceback before raising it: the error is the
+            # trace's to report, in one line
+            with quiet_loggers("torch._subclasses.fake_tensor"):
+                out = nodynamo.run(run)
         except Exception:
             continue
         tensors = output_tensors(out)
