@@ -1454,3 +1454,30 @@ def test_bench_refuses_onnxruntime_options_without_onnxruntime(
     argv = ["bench", spec("logreg.py"), "--runtime", runtime, *extra]
     one_error(capsys, *argv, message=f"{option} ")
     nothing_left(work / "out")
+
+
+def test_a_forward_that_fails_is_one_line_with_verify(work):
+    """``--verify`` first runs the model to see its output; on fake tensors a failing kernel
+    made FakeTensorMode log its traceback (a dozen lines, through the logging PyTorch sets up
+    in a process of its own: hence a subprocess) above graphflop's one-line error."""
+    import subprocess
+    import sys
+
+    path = work / "models/bad_conj.py"
+    path.write_text(
+        (work / "models/int.py")
+        .read_text()
+        .replace(
+            "return self.fc(x).argmax(-1)",
+            "return torch.view_as_real(torch.fft.fft(self.fc(x)).conj())",
+        )
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "graphflop", "inspect", str(path), "--verify"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    err = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2, run.stderr
+    assert len(err) == 1 and "view_as_real doesn't work" in err[0], err
