@@ -28,6 +28,7 @@ import inspect
 import math
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -125,6 +126,36 @@ def _split_spec(spec: str) -> tuple[str, str | None]:
     return target, name or None
 
 
+def model_files(spec: str) -> list[Path]:
+    """The existing files ``spec`` reads the model from, found without importing anything: the
+    ``.py`` file of a file spec; the module's ``.py`` (or its package's ``__init__.py``) on
+    ``sys.path`` of ``package.module:attr``; an ``hf:PATH`` folder's ``config.json``. An output
+    file must not be one of them (it would replace the model). Empty for ``torchvision:``,
+    ``timm:`` and ``hf:MODEL_TYPE``."""
+    library, _, rest = spec.partition(":")
+    if library == "hf":
+        config = Path(rest) / "config.json"
+        return [config] if config.is_file() else []
+    if library in LIBRARIES and not spec.endswith(".py"):
+        return []
+    target, _ = _split_spec(spec)
+    if not target:
+        return []
+    if target.endswith(".py") or "/" in target or Path(target).suffix == ".py":
+        candidates = [Path(target)]
+    else:
+        parts = target.split(".")
+        candidates = [
+            f
+            for base in sys.path
+            for f in (
+                Path(base or ".", *parts).with_suffix(".py"),
+                Path(base or ".", *parts, "__init__.py"),
+            )
+        ]
+    return [f for f in candidates if f.is_file()][:1]
+
+
 def _module_classes(module) -> list[type]:
     return [
         obj
@@ -204,6 +235,49 @@ def _needs_no_arguments(f: Any) -> bool:
     )
 
 
+def _given(obj: Any, ctor_kwargs: dict) -> tuple[str, str]:
+    """What to say of the constructor arguments when the construction failed (the error
+    PyTorch raises deep inside names none of them: ``empty(): argument 'size'``):
+    ``(" with --arg ...", "")`` naming the arguments given, or, where an argument's type differs
+    from the one its annotation or default value gives, ``("", "--arg K=V is a str, but K takes
+    an int (default 784): give an int")``. Both empty without arguments."""
+    if not ctor_kwargs:
+        return "", ""
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    try:
+        init = getattr(obj, "__init__")  # noqa: B009 (mypy: __init__ of a type)
+        hints = typing.get_type_hints(init if isinstance(obj, type) else obj)
+    except Exception:  # annotations that do not evaluate: the defaults still tell
+        hints = {}
+    for k, v in ctor_kwargs.items():
+        p = params.get(k)
+        if p is None:
+            continue
+        want = hints.get(k)
+        if not isinstance(want, type) or want is object:
+            want = type(p.default) if p.default not in (p.empty, None) else None
+        if want not in (int, float, bool, str, tuple, list):
+            continue
+        fits = isinstance(v, want) and not (want is int and isinstance(v, bool))
+        if want is float and isinstance(v, int) and not isinstance(v, bool):
+            fits = True  # an int is a fine float
+        if not fits:
+            default = f" (default {p.default!r})" if p.default is not p.empty else ""
+            return "", (
+                f"--arg {k}={v!r} is {_a(type(v).__name__)}, but {k} takes "
+                f"{_a(want.__name__)}{default}: give {_a(want.__name__)}"
+            )
+    return " with " + ", ".join(f"--arg {k}={v!r}" for k, v in ctor_kwargs.items()), ""
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article (``an int``, ``a str``)."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
 def _instantiate(obj: Any, where: str, ctor_kwargs: dict, meta: bool) -> nn.Module:
     try:
         if isinstance(obj, nn.Module):
@@ -225,13 +299,20 @@ def _instantiate(obj: Any, where: str, ctor_kwargs: dict, meta: bool) -> nn.Modu
     except SpecError:
         raise
     except TypeError as e:
-        raise SpecError(f"cannot construct {where}: {e}") from e
+        given, wrong = _given(obj, ctor_kwargs)
+        if wrong:
+            raise SpecError(f"cannot construct {where}: {wrong} (it raised: {e})") from e
+        raise SpecError(f"cannot construct {where}{given}: {e}") from e
     except NotImplementedError:
         raise
     except SystemExit as e:
         raise SpecError(_exited(f"model {where}", "constructing it", e)) from None
     except Exception as e:  # the constructor failed: one line saying which and why
-        raise SpecError(f"constructing {where} failed: {type(e).__name__}: {first_line(e)}") from e
+        given, wrong = _given(obj, ctor_kwargs)
+        why = f"{type(e).__name__}: {first_line(e)}"
+        if wrong:
+            raise SpecError(f"cannot construct {where}: {wrong} (it raised {why})") from e
+        raise SpecError(f"constructing {where}{given} failed: {why}") from e
     if not isinstance(model, nn.Module):
         raise SpecError(f"{where} returned {type(model).__name__}, not an nn.Module")
     return model

@@ -1257,31 +1257,266 @@ def test_warnings_follow_a_command_that_ran_not_an_internal_error(capsys):
 
 # --- a tester's findings ---------------------------------------------------------
 
-LOGCUMSUMEXP = """
+ATAN2 = """
 import torch
 class M(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = torch.nn.Linear(16, 16)
     def forward(self, x):
-        return torch.logcumsumexp(self.fc(x), 1)
+        return torch.atan2(self.fc(x), x)
 def example_inputs(): return (torch.randn(4, 16),)
 """
 
 
 @pytest.mark.slow  # about 10 s; run in CI with -m slow
 def test_export_refuses_gradients_an_op_without_rules_would_cut(tmp_path, capsys, monkeypatch):
-    """``torch.logcumsumexp`` has no derivative rule: the backward stops at it, so
-    backward.onnx's gradients of ``fc`` would be zeros. export wrote them with status 0; it now
-    refuses, writing nothing, unless --allow-incomplete, which lists the op in manifest.json."""
-    model = tmp_path / "lcse.py"
-    model.write_text(LOGCUMSUMEXP)
+    """``torch.atan2`` has no derivative rule (``logcumsumexp`` was the example until it got
+    one): the backward stops at it, so backward.onnx's gradients of ``fc`` would be zeros.
+    export wrote them with status 0; it now refuses, writing nothing, unless
+    --allow-incomplete, which lists the op in manifest.json."""
+    model = tmp_path / "atan2.py"
+    model.write_text(ATAN2)
     monkeypatch.chdir(tmp_path)
-    one_error(capsys, "export", model, "--out", "onnx", message="stop at aten.logcumsumexp")
+    one_error(capsys, "export", model, "--out", "onnx", message="stop at aten.atan2")
     assert not (tmp_path / "onnx").exists()
     rc, out, err = cli(capsys, "export", model, "--out", "onnx", "--allow-incomplete")
     assert rc == 0, err
     manifest = json.loads((tmp_path / "onnx" / "manifest.json").read_text())
     [cut] = manifest["incomplete"]
-    assert cut["op"] == "aten.logcumsumexp.default" and "jvp" in cut["missing"]
-    assert any("logcumsumexp" in line for line in err)  # the warning still shows
+    assert cut["op"] == "aten.atan2.default" and "jvp" in cut["missing"]
+    assert any("atan2" in line for line in err)  # the warning still shows
+
+
+# --- the adversarial pass's findings: outputs, inputs and options ------------------------------
+
+
+def _device_clone(tmp_path, name: str, minor: int) -> str:
+    """A path to write for the memory device ``/dev/<name>`` (major 1, ``minor``) that no test
+    can harm: as root (who could replace ``/dev/<name>`` itself) a new node for the same device
+    in ``tmp_path``; otherwise the device itself, whose folder the user cannot write."""
+    if os.geteuid() != 0:
+        if not os.path.exists(f"/dev/{name}"):
+            pytest.skip(f"no /dev/{name}")
+        return f"/dev/{name}"
+    path = tmp_path / name
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
+        os.close(os.open(path, os.O_WRONLY))  # a nodev mount refuses to open it
+    except OSError as e:
+        pytest.skip(f"cannot make a device node in {tmp_path}: {e}")
+    return str(path)
+
+
+def _is_char_device(path) -> bool:
+    return stat.S_ISCHR(os.stat(path).st_mode)
+
+
+def test_an_output_that_is_a_full_device_is_an_error_and_stays_a_device(work, capsys, tmp_path):
+    """``--json /dev/full`` exited 0 and left a regular file where the device was (a temporary
+    file renamed over it): a device is written into, so its ENOSPC is the error, exit 2; the
+    other outputs of the command are not left behind."""
+    full = _device_clone(tmp_path, "full", 7)
+    one_error(
+        capsys,
+        "inspect",
+        spec("logreg.py"),
+        "--no-jvp",
+        "--csv",
+        "ok.csv",
+        "--json",
+        full,
+        message="No space left on device",
+    )
+    assert _is_char_device(full)
+    nothing_left(work / "out")
+
+
+def test_an_output_that_is_a_null_device_or_a_fifo_is_written_into(work, capsys, tmp_path):
+    """``/dev/null`` works (and stays a device, as root too); a FIFO gets the JSON, read by
+    another thread, and stays a FIFO; one device may take several outputs."""
+    import threading
+
+    null = _device_clone(tmp_path, "null", 3)
+    argv = ["inspect", spec("logreg.py"), "--no-jvp"]
+    rc, _, err = cli(capsys, *argv, "--json", null, "--csv", null)
+    assert rc == 0, err
+    assert _is_char_device(null)
+    fifo = work / "out/fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    rc, _, err = cli(capsys, *argv, "--json", fifo)
+    reader.join(timeout=60)
+    assert rc == 0, err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    # LogReg at batch 64: Linear(784 → 10), 2·64·784·10 = 1,003,520 mm FLOPs
+    assert json.loads(got[0])["totals"]["forward"]["mm_flops"] == 2 * 64 * 784 * 10
+    assert sorted(p.name for p in (work / "out").iterdir()) == ["fifo"]
+
+
+@pytest.mark.parametrize(
+    "argv,option",
+    [
+        (["inspect", "{m}", "--json", "{m}"], "--json"),
+        (["inspect", "{m}", "--csv", "out/../models/logreg_copy.py"], "--csv"),
+        (["sweep", "{m}", "--batches", "1", "--csv", "{m}"], "--csv"),
+        (["sweep", "{m}", "--batches", "1", "--json", "{m}"], "--json"),
+        (["bench", "{m}", "--runtime", "torch", "--json", "{m}"], "--json"),
+    ],
+)
+def test_an_output_that_is_the_model_file_is_refused(work, capsys, monkeypatch, argv, option):
+    """``--json m.py`` replaced the model with its own report."""
+    _no_work(monkeypatch)
+    model = work / "models/logreg_copy.py"
+    model.write_text((work / "models/int.py").read_text())
+    before = model.read_text()
+    argv = [a.format(m=model) for a in argv]
+    argv = [str(work / a) if a.startswith("out/") else a for a in argv]
+    line = one_error(capsys, *argv, message=f"{option} ")
+    assert "is the file the model" in line and "would replace the model" in line
+    assert model.read_text() == before
+    nothing_left(work / "out")
+
+
+def test_model_files_of_a_module_spec_are_found_without_importing(tmp_path, monkeypatch):
+    from graphflop.load import model_files
+
+    pkg = tmp_path / "gfpkg_never_imported"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise SystemExit('imported')\n")
+    (pkg / "net.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert model_files("gfpkg_never_imported.net:M") == [pkg / "net.py"]
+    assert model_files("gfpkg_never_imported:M") == [pkg / "__init__.py"]
+    assert model_files("torchvision:resnet18") == []
+    (tmp_path / "config.json").write_text("{}")
+    assert model_files(f"hf:{tmp_path}") == [tmp_path / "config.json"]
+
+
+def test_verify_samples_are_bounded(work, capsys, monkeypatch):
+    """``--verify-samples 1000000000`` ran until killed: at most 10,000 directions (before any
+    work), and at most as many as fit in 2e13 FLOPs (after the analysis, which gives a step's
+    cost: 2e13 / 1e10 = 2,000 steps of 10 GFLOPs)."""
+    from graphflop.runtime.verify import MAX_VERIFY_FLOPS, forward_gradient_samples
+
+    _no_work(monkeypatch)
+    argv = ["inspect", spec("logreg.py"), "--verify", "--json", "x.json"]
+    one_error(capsys, *argv, "--verify-samples", "1000000000", message="give 0 (skip the check)")
+    nothing_left(work / "out")
+    assert MAX_VERIFY_FLOPS == 2e13
+    assert forward_gradient_samples(2000, 1e10) == (2000, "")
+    with pytest.raises(ValueError, match="give at most 2,000"):
+        forward_gradient_samples(2001, 1e10)
+    with pytest.raises(ValueError, match="give at most 1 "):
+        forward_gradient_samples(16, 1.5e13)
+
+
+def test_export_refuses_a_folder_holding_other_files(work, capsys, monkeypatch):
+    """``export --out DIR`` over a folder with files no export writes would leave them beside
+    the new manifest: refused before any work, the folder untouched."""
+    _no_work(monkeypatch)
+    onnx_dir = work / "out/onnx"
+    onnx_dir.mkdir()
+    (onnx_dir / "old_model.onnx").write_text("keep")
+    (onnx_dir / "forward.onnx").write_text("keep")
+    one_error(capsys, "export", spec("logreg.py"), "--out", onnx_dir, message="old_model.onnx")
+    assert sorted(p.name for p in onnx_dir.iterdir()) == ["forward.onnx", "old_model.onnx"]
+    assert (onnx_dir / "forward.onnx").read_text() == "keep"
+    # bench --out DIR exports into DIR/onnx
+    bench = ["bench", spec("logreg.py"), "--out", work / "out"]
+    one_error(capsys, *bench, message="holds files an export does not write (old_model.onnx)")
+    assert sorted(p.name for p in onnx_dir.iterdir()) == ["forward.onnx", "old_model.onnx"]
+
+
+def test_export_over_an_earlier_export_removes_the_graphs_it_does_not_write(tmp_path):
+    """The folder's ONNX files are the new manifest's: an earlier export's backward.onnx is
+    removed when the new one writes the forward only."""
+    from graphflop.export.onnx import export_all
+    from graphflop.frontend.trace import trace
+
+    fwd = trace(torch.nn.Linear(4, 3), (torch.randn(2, 4),), loss="sum")
+    for kind in ("backward", "train_step", "forward_gradient_step"):
+        (tmp_path / f"{kind}.onnx").write_text("an earlier model's graph")
+    manifest = export_all({"forward": fwd}, tmp_path)
+    assert list(manifest["graphs"]) == ["forward"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["forward.onnx", "manifest.json"]
+
+
+def test_an_input_that_is_an_array_is_named(work, capsys):
+    """``graphflop.analyze(model, (np_array,))`` ended in "order must be str, not int" (the
+    model called NumPy's flatten): the input is named, as a TypeError (the library) or one
+    line, exit 2 (a model file's example_inputs)."""
+    import numpy as np
+
+    import graphflop
+    from graphflop.load import load
+
+    model = load(spec("logreg.py")).model
+    x = np.zeros((2, 1, 28, 28), dtype=np.float32)
+    with pytest.raises(TypeError, match=r"^input 0 is a numpy.ndarray, not a torch.Tensor"):
+        graphflop.analyze(model, (x,))
+    with pytest.raises(TypeError, match=r"^keyword input 'x' is a numpy.ndarray"):
+        graphflop.analyze(model, {"x": x})
+    with pytest.raises(TypeError, match=r"^input 1\[0\] is a numpy.ndarray"):
+        graphflop.analyze(model, (torch.zeros(1), [x]))
+    path = work / "models/np_input.py"
+    path.write_text(
+        (work / "models/int.py").read_text().replace("(torch.randn(2, 4),)", "(x,)")
+        + "import numpy\nx = numpy.zeros((2, 4), dtype=numpy.float32)\n"
+    )
+    one_error(capsys, "inspect", path, message="input 0 is a numpy.ndarray, not a torch.Tensor")
+
+
+def test_a_wrongly_typed_arg_is_named(work, capsys):
+    """``--arg in_features=abc`` said ``empty(): argument 'size' ...``, naming no argument."""
+    line = one_error(capsys, "inspect", spec("logreg.py"), "--arg", "in_features=abc")
+    assert "--arg in_features='abc' is a str, but in_features takes an int (default 784)" in line
+    line = one_error(capsys, "inspect", spec("logreg.py"), "--arg", "num_classes=2.5")
+    assert "--arg num_classes=2.5 is a float, but num_classes takes an int" in line
+    # no annotation or default to tell the type: the arguments given are named
+    line = one_error(capsys, "inspect", spec("logreg.py"), "--arg", "bogus=1")
+    assert "with --arg bogus=1: " in line
+
+
+@pytest.mark.parametrize(
+    "runtime,option", [("torch", "--profile"), ("graph_torch", "--profile"), ("torch", "--out")]
+)
+def test_bench_refuses_onnxruntime_options_without_onnxruntime(
+    work, capsys, monkeypatch, runtime, option
+):
+    """``bench --runtime torch --profile`` ran and ignored --profile (it profiles ONNX
+    Runtime's nodes)."""
+    _no_work(monkeypatch)
+    extra = [option] if option == "--profile" else [option, "run"]
+    argv = ["bench", spec("logreg.py"), "--runtime", runtime, *extra]
+    one_error(capsys, *argv, message=f"{option} ")
+    nothing_left(work / "out")
+
+
+def test_a_forward_that_fails_is_one_line_with_verify(work):
+    """``--verify`` first runs the model to see its output; on fake tensors a failing kernel
+    made FakeTensorMode log its traceback (a dozen lines, through the logging PyTorch sets up
+    in a process of its own: hence a subprocess) above graphflop's one-line error."""
+    import subprocess
+    import sys
+
+    path = work / "models/bad_conj.py"
+    path.write_text(
+        (work / "models/int.py")
+        .read_text()
+        .replace(
+            "return self.fc(x).argmax(-1)",
+            "return torch.view_as_real(torch.fft.fft(self.fc(x)).conj())",
+        )
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "graphflop", "inspect", str(path), "--verify"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    err = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2, run.stderr
+    assert len(err) == 1 and "view_as_real doesn't work" in err[0], err

@@ -66,6 +66,23 @@ def test_addbmm_counts_one_product_by_hand():
     assert (fwd.flops, fwd.mm_flops) == (240 + 15 + 15 + 15, 240)
 
 
+def test_bilinear_counts_two_products_by_hand():
+    """FlopCounterMode counts 0 for nn.Bilinear (no formula for aten._trilinear, which had no
+    rule: the backward stopped there), so the ``bilinear`` case's FLOPs check is an xfail; the
+    hand figure is checked here. nn.Bilinear(6, 5, 3) at batch 4: x1 (4×6) with the weight
+    (3×6×5) over in1, 2·4·3·6·5 = 720, then with x2 (4×5) over in2, 2·4·3·5 = 120 (all matrix
+    FLOPs); the bias add 4·3 = 12; the forward total also holds the sum loss's 12 adds. Every
+    phase complete, nothing uncounted."""
+    torch.manual_seed(0)
+    m = nn.Bilinear(6, 5, 3)
+    a = graphflop.analyze(m, (torch.randn(4, 6), torch.randn(4, 5)), loss="sum")
+    fwd = a.report.totals.forward
+    assert (fwd.flops, fwd.mm_flops) == (720 + 120 + 12 + 12, 720 + 120)
+    assert a.report.totals.loss.flops == 12
+    assert not a.report.uncounted
+    assert a.report.totals.backward.complete and a.report.totals.jvp.complete
+
+
 def test_linalg_solve_analyses_end_to_end():
     """torch.linalg.solve through analyze (its error-check node left out of the trace): A 4×4
     (a parameter + 6·I), B (4, 3): add 16; LU ⌊2·4³/3⌋ = 42; substitutions 2·4²·3 = 96. Every

@@ -104,10 +104,11 @@ def test_gradients_of_the_example_mask_are_compared_and_pass():
     assert c.where.startswith("at mha."), c
 
 
-def test_nan_gradients_fail_the_check_and_name_where():
+def test_nan_gradients_in_the_same_places_are_not_comparable():
     """A mask hiding every key of a row makes attention NaN, in PyTorch's reference and in
-    graphflop's graph alike: the check FAILS (it used to say passed, 0.0e+00, no parameters:
-    NaN compared false with the running worst error)."""
+    graphflop's graph alike, at the same elements: the check is NOT COMPARABLE (not passed; it
+    once said passed, 0.0e+00, no parameters: NaN compared false with the running worst error;
+    then FAILED with an infinite error, though graphflop agrees with PyTorch)."""
     from graphflop.ad.vjp import build_vjp
     from graphflop.runtime.verify import verify_gradients
 
@@ -115,12 +116,103 @@ def test_nan_gradients_fail_the_check_and_name_where():
     x = torch.randn(4, 2, 8, dtype=torch.float64)
     hidden = torch.tensor([[True, True]] + [[False, False]] * 3)  # row 0: every key hidden
     c = verify_gradients(fwd, build_vjp(fwd), model, examples=(x, hidden))
-    assert c.ran and not c.ok and c.worst_rel_error == math.inf
-    assert "NaN or inf in graphflop's and the reference's value at mha." in c.where, c
-    assert ": FAILED: " in c.line() and "passed" not in c.line()
+    assert c.ran and not c.ok and not c.comparable and math.isnan(c.worst_rel_error), c
+    assert "graphflop's and the reference's gradients are NaN or inf at the same" in c.where, c
+    assert "of mha." in c.where, c
+    assert ": NOT COMPARABLE (" in c.line() and "passed" not in c.line()
     d = c.to_dict()
-    assert d["ran"] and not d["ok"] and d["worst_rel_error"] is None  # JSON has no inf
-    json.dumps(d, allow_nan=False)
+    assert d["ran"] and not d["ok"] and not d["comparable"] and d["worst_rel_error"] is None
+    json.dumps(d, allow_nan=False)  # JSON has no NaN
+
+
+def _scaled_backward(monkeypatch, change):
+    """Make graphflop's backward graph's gradients ``change(g)`` when the check runs them."""
+    from graphflop.runtime import verify
+
+    real = verify.run_backward
+    monkeypatch.setattr(verify, "run_backward", lambda *a: [change(g) for g in real(*a)])
+
+
+def test_same_place_nans_do_not_hide_a_wrong_finite_element(monkeypatch):
+    """The finite elements are still compared: graphflop's gradient twice PyTorch's there (its
+    NaNs kept) FAILS the check, with a relative error of 1 (‖2g − g‖/‖g‖)."""
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.runtime.verify import verify_gradients
+
+    model, _, fwd = _padmask_trace()
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    hidden = torch.tensor([[True, True]] + [[False, False]] * 3)
+    _scaled_backward(monkeypatch, lambda g: 2 * g)
+    c = verify_gradients(fwd, build_vjp(fwd), model, examples=(x, hidden))
+    assert c.comparable and not c.ok and c.worst_rel_error == pytest.approx(1.0), c
+
+
+def test_nans_in_different_places_fail(monkeypatch):
+    """A NaN in graphflop's gradient where PyTorch's is finite fails the check (infinite
+    error): only NaNs at the same elements are not comparable."""
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.runtime.verify import verify_gradients
+
+    def one_nan(g):
+        g = g.clone()
+        g.view(-1)[0] = math.nan
+        return g
+
+    model, pad, fwd = _padmask_trace()
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    _scaled_backward(monkeypatch, one_nan)
+    c = verify_gradients(fwd, build_vjp(fwd), model, examples=(x, pad))
+    assert c.comparable and not c.ok and c.worst_rel_error == math.inf, c
+    assert "NaN or inf in graphflop's value" in c.where, c
+
+
+WHERE_TRAP = """
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):  # sqrt(y) is NaN where y < 0, the branch torch.where drops
+            y = self.fc(x)
+            return torch.where(y > 0, torch.sqrt(y), y)
+
+    def example_inputs():
+        return (torch.randn(8, 4),)
+    """
+
+
+def test_torch_where_trap_is_not_comparable_from_the_cli(tmp_path, capsys):
+    """The adversarial pass's finding: --verify said FAILED with an infinite error, though
+    PyTorch's gradient is NaN at the same elements (sqrt'(y) = inf at y < 0, times the 0 the
+    where's backward gives the dropped branch: NaN). Now: NOT COMPARABLE for the gradients and
+    for the forward-gradient check (its target gradient is NaN); the JVP (a forward-mode where
+    selects the tangent of the branch it takes) passes; exit 1: not every check passed."""
+    rc, doc, err = _verify(_file(tmp_path, WHERE_TRAP), capsys, "--verify-samples", "16")
+    grad, jvp, fg = doc["verify"]
+    assert not grad["comparable"] and not grad["ok"] and grad["worst_rel_error"] is None
+    assert "NaN or inf at the same" in grad["where"] and "of fc.weight" in grad["where"]
+    assert jvp["comparable"] and jvp["ok"]
+    assert not fg["comparable"] and "tested against is NaN or inf" in fg["where"], fg
+    assert [line.split(": ")[1] for line in err if ": NOT COMPARABLE (" in line] == [
+        "gradients vs torch.func.grad",
+        "forward-gradient estimate unbiased over 16 directions",
+    ], err
+    assert "inf (tolerance" not in "\n".join(err)
+    assert "verify: 1 of 3 checks passed" in err
+    assert rc == 1
+
+
+def test_same_nonfinite():
+    from graphflop.runtime.verify import same_nonfinite
+
+    nan, inf = math.nan, math.inf
+    t = torch.tensor
+    assert same_nonfinite(t([1.0, nan, inf]), t([2.0, nan, inf]))
+    assert not same_nonfinite(t([1.0, 2.0]), t([1.0, 2.0]))  # nothing non-finite
+    assert not same_nonfinite(t([nan, 1.0]), t([1.0, nan]))  # other places
+    assert not same_nonfinite(t([inf, 1.0]), t([-inf, 1.0]))  # other signs
+    assert not same_nonfinite(t([nan, 1.0]), t([inf, 1.0]))  # NaN against inf
+    assert not same_nonfinite(t([nan]), t([nan, nan]))  # other shapes
 
 
 def test_nan_loss_tangent_fails_the_jvp_check():

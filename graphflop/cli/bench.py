@@ -13,6 +13,7 @@ from graphflop.cli.common import (
     add_model_args,
     analyze_model,
     check_backward_possible,
+    check_distinct_outputs,
     check_output_file,
     load_model,
     load_real_model,
@@ -81,13 +82,26 @@ def _check(args: argparse.Namespace) -> None:
 
     if args.repeat < 1 or args.rotate < 1 or args.warmup < 0:
         raise SpecError("--repeat and --rotate must be positive, --warmup not negative")
+    if "onnxruntime" not in _CHOSEN[args.runtime]:
+        # both options serve ONNX Runtime only: the other runtimes would ignore them
+        for option, given, what in (
+            ("--profile", args.profile, "profiles ONNX Runtime's nodes"),
+            ("--out", args.out is not None, "keeps ONNX Runtime's files"),
+        ):
+            if given:
+                raise SpecError(
+                    f"{option} {what}, and --runtime {args.runtime} does not run ONNX Runtime: "
+                    f"use --runtime onnxruntime, both or all, or drop {option}"
+                )
     check_output_file(args.json, "--json")
+    check_distinct_outputs({"--json": args.json}, args.spec)
     if args.out is not None:
         import os
 
-        from graphflop.cli.common import check_output_dir
+        from graphflop.cli.common import check_export_dir, check_output_dir
 
         check_output_dir(args.out, "--out")
+        check_export_dir(os.path.join(args.out, "onnx"), "--out")
         if args.json:
             # bench writes DIR/onnx and DIR/profile: --json must be none of them (nor DIR)
             out = os.path.realpath(args.out)

@@ -415,25 +415,37 @@ def check_output_file(path: str | None, option: str, suffixes: Sequence[str] | N
         raise SpecError(f"cannot write {option} {path}: {why}")
 
 
-def check_distinct_outputs(outputs: dict[str, str | None]) -> None:
+def check_distinct_outputs(outputs: dict[str, str | None], spec: str | None = None) -> None:
     """Refuse, before any work, two output options (``{option: path}``) naming one file (the
-    later write would replace the earlier one).
+    later write would replace the earlier one), and an output naming a file the model ``spec``
+    is read from (:func:`graphflop.load.model_files`: writing it would replace the model). A
+    device (``/dev/null``) may take several outputs: each is written into it, none replaces it.
 
     Raises:
-        SpecError: naming both options and the path.
+        SpecError: naming both options (or the option and the model) and the path.
     """
-    from graphflop.load import SpecError
+    from graphflop.io import not_regular
+    from graphflop.load import SpecError, model_files
 
+    def key(path: str | os.PathLike) -> str:
+        return os.path.normcase(os.path.realpath(path))
+
+    models = {key(f) for f in model_files(spec)} if spec else set()
     seen: dict[str, str] = {}
     for option, path in outputs.items():
         if not path:
             continue
-        key = os.path.normcase(os.path.realpath(path))
-        if key in seen:
+        k = key(path)
+        if k in models:
             raise SpecError(
-                f"{seen[key]} and {option} both name {path}: give each output its own file"
+                f"{option} {path} is the file the model {spec} comes from: writing it would replace the "
+                "model; give the output another name"
             )
-        seen[key] = option
+        if k in seen and not not_regular(path):
+            raise SpecError(
+                f"{seen[k]} and {option} both name {path}: give each output its own file"
+            )
+        seen[k] = option
 
 
 def check_output_dir(path: str | None, option: str) -> None:
@@ -452,6 +464,26 @@ def check_output_dir(path: str | None, option: str) -> None:
     why = unwritable(path, folder=True) if path else None
     if why:
         raise SpecError(f"cannot write {option} {path}: {why}")
+
+
+def check_export_dir(path: str | None, option: str) -> None:
+    """Refuse, before any work, an export folder ``path`` holding files no export writes
+    (:func:`graphflop.export.onnx.foreign_files`): the new manifest would sit beside them (an
+    earlier export's own graph files are replaced or removed by the export itself).
+
+    Raises:
+        SpecError: naming the option, the folder and the files.
+    """
+    from graphflop.export.onnx import foreign_files
+    from graphflop.load import SpecError
+
+    other = foreign_files(path) if path else []
+    if other:
+        shown = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+        raise SpecError(
+            f"{option} {path} holds files an export does not write ({shown}): they would sit "
+            "beside the new manifest; give an empty or new folder"
+        )
 
 
 def check_dtype(args: argparse.Namespace, loaded, shapes=None) -> None:
@@ -485,6 +517,7 @@ def float_output(model, inputs) -> bool:
     import torch
 
     from graphflop.frontend import nodynamo
+    from graphflop.frontend.errors import quiet_loggers
 
     def forward():
         # a probe: its warnings are not the model's (checkpoint's, that nothing requires grad)
@@ -494,7 +527,10 @@ def float_output(model, inputs) -> bool:
 
     for run in (forward, lambda: _fake_forward(model, inputs)):
         try:
-            out = nodynamo.run(run)
+            # FakeTensorMode logs a kernel's traceback before raising it: the error is the
+            # trace's to report, in one line
+            with quiet_loggers("torch._subclasses.fake_tensor"):
+                out = nodynamo.run(run)
         except Exception:
             continue
         tensors = output_tensors(out)

@@ -13,6 +13,7 @@ from graphflop.cli.common import (
     add_model_args,
     analyze_model,
     check_backward_possible,
+    check_export_dir,
     check_output_dir,
     load_model,
     print_warnings,
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from graphflop.runtime.graphs import step_graphs
 
     check_output_dir(args.out, "--out")
+    check_export_dir(args.out, "--out")
     loaded, inputs = load_model(args)
     check_backward_possible(args, loaded, inputs)
     with err.status("analysing", spinner="dots") as status:

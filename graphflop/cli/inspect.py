@@ -22,7 +22,13 @@ from graphflop.cli.common import (
     print_warnings,
     stdout_console,
 )
-from graphflop.runtime.verify import MIN_VERIFY_SAMPLES, VERIFY_FLOPS, VERIFY_SAMPLES
+from graphflop.runtime.verify import (
+    MAX_VERIFY_FLOPS,
+    MAX_VERIFY_SAMPLES,
+    MIN_VERIFY_SAMPLES,
+    VERIFY_FLOPS,
+    VERIFY_SAMPLES,
+)
 from graphflop.train.config import MAX_DIRECTIONS
 
 if TYPE_CHECKING:
@@ -158,7 +164,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--verify unbiasedness check, a two-sided chi-squared test with M degrees of freedom "
         "and a 1e-6 false-alarm rate; 0 skips it. Default: "
         f"{VERIFY_SAMPLES}, or as many as fit in {VERIFY_FLOPS:.0e} FLOPs, and "
-        f"none when fewer than {MIN_VERIFY_SAMPLES} fit (a large model)",
+        f"none when fewer than {MIN_VERIFY_SAMPLES} fit (a large model). At most "
+        f"{MAX_VERIFY_SAMPLES:,}, and as many as fit in {MAX_VERIFY_FLOPS:.0e} FLOPs",
     )
     p.add_argument(  # partial results, per-op tables, MACs (docs/flops_conventions.md)
         "--strict",
@@ -255,6 +262,8 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
         )
         analysis = analyze_model(args, loaded, inputs, status, err=err, why=why, options=options)
     report = analysis.report
+    # the number of directions is checked against their cost before anything is printed
+    samples = _verify_samples(args, analysis) if args.verify else (0, "")
     print_warnings(err, analysis, _tangent_pass_notes(analysis))
     extra: dict[str, Any] = {}  # --verify's results, after the report's keys in the JSON
     experts = _experts(loaded, inputs, report, args.routing_model)
@@ -270,7 +279,7 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
             highlight=False,
             soft_wrap=True,
         )
-    rc = _verify(args, err, inputs, analysis, extra) if args.verify else 0
+    rc = _verify(args, err, inputs, analysis, extra, samples) if args.verify else 0
     with atomic_group():  # all the files or none of them
         if args.json:
             atomic_write(args.json, to_json(report, extra))
@@ -353,9 +362,10 @@ def _check(args: argparse.Namespace) -> None:
             f"bad --directions {args.directions}: give 1 to {MAX_DIRECTIONS:,} (the step graph "
             "holds one JVP per direction)"
         )
-    if args.verify_samples is not None and args.verify_samples < 0:
+    if args.verify_samples is not None and not 0 <= args.verify_samples <= MAX_VERIFY_SAMPLES:
         raise SpecError(
-            f"bad --verify-samples {args.verify_samples}: give 0 (skip the check) or more"
+            f"bad --verify-samples {args.verify_samples}: give 0 (skip the check) to "
+            f"{MAX_VERIFY_SAMPLES:,}"
         )
     if args.verify_samples is not None and not args.verify:
         raise SpecError(
@@ -397,7 +407,7 @@ def _check(args: argparse.Namespace) -> None:
 
         module_matcher(args.checkpoint)
     check_distinct_outputs(
-        {"--json": args.json, "--csv": args.csv, "--plot-memory": args.plot_memory}
+        {"--json": args.json, "--csv": args.csv, "--plot-memory": args.plot_memory}, args.spec
     )
 
 
@@ -451,16 +461,38 @@ def _check_memory_options(args: argparse.Namespace) -> None:
         )
 
 
-def _verify(
-    args: argparse.Namespace, err: Console, inputs, analysis: Analysis, extra: dict[str, Any]
-) -> int:
-    """``--verify``: run the checks, print one line each to stderr and add them (``verify``,
-    and ``verify_note`` on the forward-gradient check's budget) to ``extra``."""
+def _verify_samples(args: argparse.Namespace, analysis: Analysis) -> tuple[int, str]:
+    """The directions of ``--verify``'s forward-gradient check and the note on why the default
+    was cut (:func:`graphflop.runtime.verify.forward_gradient_samples`).
+
+    Raises:
+        SpecError: ``--verify-samples`` asks for steps that would cost more than a check may
+            spend.
+    """
+    from graphflop.load import SpecError
     from graphflop.runtime.verify import forward_gradient_samples
-    from graphflop.runtime.verify_all import gap_notes, verify_analysis
 
     fg = analysis.report.totals.forward_gradient_step
-    samples, why = forward_gradient_samples(args.verify_samples, fg.flops if fg is not None else 0)
+    try:
+        return forward_gradient_samples(args.verify_samples, fg.flops if fg is not None else 0)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+
+
+def _verify(
+    args: argparse.Namespace,
+    err: Console,
+    inputs,
+    analysis: Analysis,
+    extra: dict[str, Any],
+    budget: tuple[int, str],
+) -> int:
+    """``--verify``: run the checks, print one line each to stderr and add them (``verify``,
+    and ``verify_note`` on the forward-gradient check's budget) to ``extra``; ``budget`` is
+    :func:`_verify_samples`'s."""
+    from graphflop.runtime.verify_all import gap_notes, verify_analysis
+
+    samples, why = budget
     # the checks a gap stops are NOT RUN lines below; verify_note names them too
     notes = ([why] if why else []) + gap_notes(analysis.report)
     if why:

@@ -11,6 +11,7 @@ from graphflop.cli.common import (
     add_model_args,
     analyze_model,
     check_backward_possible,
+    check_distinct_outputs,
     check_output_file,
     load_model,
     print_warnings,
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from graphflop.export.graphviz import FORMATS, render
 
     check_output_file(args.output, "--output", sorted(FORMATS))
+    check_distinct_outputs({"--output": args.output}, args.spec)
     profile = _read_profile(args.profile_json)
     loaded, inputs = load_model(args)
     explicit = args.graph not in (None, "forward")

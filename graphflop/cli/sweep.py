@@ -144,7 +144,7 @@ def _check(args: argparse.Namespace, batches: list[int]) -> None:
     check_output_file(args.csv, "--csv")
     check_output_file(args.json, "--json")
     check_output_file(args.plot, "--plot", PLOT_SUFFIXES)
-    check_distinct_outputs({"--csv": args.csv, "--json": args.json, "--plot": args.plot})
+    check_distinct_outputs({"--csv": args.csv, "--json": args.json, "--plot": args.plot}, args.spec)
 
 
 def _check_differentiable(args: argparse.Namespace) -> None:

@@ -55,6 +55,18 @@ from graphflop.ops import op_name
 
 #: the graphs graphflop exports, in this order
 GRAPH_KINDS = ("forward", "backward", "train_step", "forward_gradient_step")
+#: every name :func:`export_all` may write into its folder
+EXPORT_FILES = frozenset({*(f"{k}.onnx" for k in GRAPH_KINDS), "manifest.json"})
+
+
+def foreign_files(out_dir: str | Path) -> list[str]:
+    """The names in the folder ``out_dir`` that no export writes (sorted; empty when the folder
+    is missing): an export folder holds the manifest's files and nothing else, so a model's
+    files never sit beside another model's manifest."""
+    d = Path(out_dir)
+    if not d.is_dir():
+        return []
+    return sorted(p.name for p in d.iterdir() if p.name not in EXPORT_FILES)
 
 
 class OnnxExportError(RuntimeError):
@@ -443,7 +455,11 @@ def export_all(
     name: str | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Export the given graphs into ``out_dir`` (created) with ``manifest.json``.
+    """Export the given graphs into ``out_dir`` (created) with ``manifest.json``. The graph
+    files of an earlier export there that this one does not write (its ``backward.onnx`` when
+    this model is exported forward only) are removed, so the folder's ONNX files are the new
+    manifest's; other files are left alone (``graphflop export`` refuses a folder holding any:
+    :func:`foreign_files`).
 
     The exporter converts; it builds no graph. ``source`` is either
 
@@ -496,6 +512,10 @@ def export_all(
         out_dir.mkdir(parents=True, exist_ok=True)
         for f in tmp.iterdir():
             os.replace(f, out_dir / f.name)
+        for kind in GRAPH_KINDS:  # an earlier export's graphs the new manifest does not list
+            old = out_dir / f"{kind}.onnx"
+            if kind not in manifest["graphs"] and old.is_file():
+                old.unlink()
         done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

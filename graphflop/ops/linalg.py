@@ -1,10 +1,13 @@
 """Matrix products: ``mm``, ``bmm``, ``addmm``, ``_grouped_mm`` (cost only). 2 FLOPs per multiply-add, all in ``mm_flops``;
-``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (docs/flops_conventions.md). ``mv`` and
-``dot`` are traced as ``mm``, ``addbmm`` as one ``mm`` over the batch folded into K (decompositions
-at the end). Linear solves: ``_linalg_solve_ex`` (``torch.linalg.solve``) and ``linalg_lu_solve``,
-by the LU convention of docs/flops_conventions.md, outside ``mm_flops``."""
+``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (FLOPS.md). ``mv`` and ``dot`` are
+traced as ``mm``, ``addbmm`` as one ``mm`` over the batch folded into K, ``_trilinear``
+(``nn.Bilinear``) as two contractions (decompositions at the end). Linear solves:
+``_linalg_solve_ex`` (``torch.linalg.solve``) and ``linalg_lu_solve``, by the LU convention of
+docs/flops_conventions.md, outside ``mm_flops``."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -218,3 +221,111 @@ def _transpose_lu_solve(b, ct, args, kwargs, linear):
     rest = [None] * (len(args) - 2)
     ct_b = b.call(aten.linalg_lu_solve.default, lu, pivots, ct, adjoint=not adjoint)
     return [None, None, ct_b] + rest[1:]
+
+
+@register_decomposition(aten._trilinear.default)
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """``nn.Bilinear``'s product (``F.bilinear``): each input unsqueezed at its ``expand`` dims
+    to a common rank, the three multiplied and summed over ``sumdim``. Traced as ATen computes
+    it, a contraction of ``i1`` with ``i2`` keeping the dims ``i3`` or the output needs, then
+    with ``i3`` (two two-operand ``einsum`` calls, which trace to ``bmm`` with permutes and
+    reshapes): for ``nn.Bilinear`` (N, in1) × (out, in1, in2) × (N, in2), 2·N·out·in1·in2 matrix
+    FLOPs and 2·N·out·in2 for the second product. ``unroll_dim`` (how ATen loops) changes
+    nothing computed."""
+    rank = i1.dim() + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:rank]
+
+    def dims(expand) -> list[int]:
+        gone = {d % rank for d in expand}
+        return [d for d in range(rank) if d not in gone]
+
+    def sub(ds) -> str:
+        return "".join(letters[d] for d in ds)
+
+    d1, d2, d3 = dims(expand1), dims(expand2), dims(expand3)
+    summed = {d % rank for d in sumdim}
+    out = [d for d in range(rank) if d not in summed]
+    keep = sorted((set(d1) | set(d2)) & (set(d3) | set(out)))
+    pair = torch.einsum(f"{sub(d1)},{sub(d2)}->{sub(keep)}", i1, i2)
+    present = [d for d in out if d in set(keep) | set(d3)]
+    result = torch.einsum(f"{sub(keep)},{sub(d3)}->{sub(present)}", pair, i3)
+    for k, d in enumerate(out):  # an output dim that every input expanded: size 1
+        if d not in present:
+            result = result.unsqueeze(k)
+    return result
+
+
+# --- pairwise distances: torch.cdist's direct kernel ----------------------------------------------
+
+
+def _cdist_p(args, kwargs) -> float:
+    return float(args[2] if len(args) > 2 else kwargs.get("p", 2.0))
+
+
+def _cdist_cost(out, x1, x2, *args, **kwargs) -> NodeCost:
+    """``_cdist_forward(x1 (…, P, M), x2 (…, R, M), p)``, the kernel ``torch.cdist`` runs when it
+    does not use a matrix product (p ≠ 2, or at most 25 rows): per pair and feature a
+    subtract, an ``|·|``/square/``|·|^p`` and an add (a max for p = ∞), 3·(…)·P·R·M; per
+    distance a root for p ∉ {0, 1, ∞} (transcendental), and for p ∉ {0, 1, 2, ∞} the power
+    per pair and feature is transcendental too. No ``mm_flops``."""
+    p = float(args[0] if args else kwargs.get("p", 2.0))
+    pairs = numel(out)
+    per_pair = shape(x1)[-1] if shape(x1) else 1
+    flops = 3 * pairs * per_pair
+    trans = 0
+    if p not in (0.0, 1.0, 2.0, math.inf):
+        trans += pairs * per_pair
+    if p not in (0.0, 1.0, math.inf):
+        flops += pairs
+        trans += pairs
+    return NodeCost(flops=flops, transcendentals=trans)
+
+
+register(aten._cdist_forward.default, F, _cdist_cost)
+
+
+@def_jvp(aten._cdist_forward.default)
+def _jvp_cdist(b, out, args, tangents, kwargs):
+    """d dᵢⱼ = Σ_k cᵢⱼₖ (dx1ᵢₖ − dx2ⱼₖ), cᵢⱼₖ = ∂dᵢⱼ/∂diffᵢⱼₖ for diff = x1ᵢ − x2ⱼ: sign(diff) for
+    p = 1; diff·|diff|^(p−2) / d^(p−1) otherwise (diff / d for p = 2), taken as 0 where d = 0
+    or diff = 0, as PyTorch's ``_cdist_backward`` (so ``cdist(x, x)`` has finite derivatives
+    on its zero diagonal). p = 0 counts nonzeros: no tangent. p = ∞ refuses
+    (``MissingRuleError``: the JVP and backward are cut there and the gap reported). Linear in
+    the tangents: broadcast multiplies by ``c`` and sums over the features."""
+    x1, x2 = args[0], args[1]
+    p = _cdist_p(args, kwargs)
+    if p == 0.0:
+        return None
+    if math.isinf(p):
+        raise MissingRuleError(aten._cdist_forward.default, ("jvp",))
+    diff = b.call(
+        aten.sub.Tensor,
+        b.call(aten.unsqueeze.default, x1, -2),
+        b.call(aten.unsqueeze.default, x2, -3),
+    )
+    if p == 1.0:
+        coef = b.call(aten.sign.default, diff)
+    else:
+        zero_d = b.call(aten.eq.Scalar, out, 0.0)
+        ones = b.call(aten.where.ScalarSelf, zero_d, 1.0, out)  # d, with 1 where it is 0
+        inv = b.call(aten.pow.Tensor_Scalar, ones, 1.0 - p)
+        inv = b.call(aten.where.ScalarSelf, zero_d, 0.0, inv)
+        coef = b.call(aten.mul.Tensor, diff, b.call(aten.unsqueeze.default, inv, -1))
+        if p != 2.0:
+            mag = b.call(aten.abs.default, diff)
+            zero_diff = b.call(aten.eq.Scalar, mag, 0.0)
+            safe = b.call(aten.where.ScalarSelf, zero_diff, 1.0, mag)
+            powed = b.call(aten.pow.Tensor_Scalar, safe, p - 2.0)
+            powed = b.call(aten.where.ScalarSelf, zero_diff, 0.0, powed)
+            coef = b.call(aten.mul.Tensor, coef, powed)
+    t1, t2 = tangents[0], tangents[1]
+    parts = []
+    if t1 is not None:
+        prod = b.call(aten.mul.Tensor, coef, b.call(aten.unsqueeze.default, t1, -2))
+        parts.append(b.call(aten.sum.dim_IntList, prod, [-1]))
+    if t2 is not None:
+        prod = b.call(aten.mul.Tensor, coef, b.call(aten.unsqueeze.default, t2, -3))
+        parts.append(b.call(aten.neg.default, b.call(aten.sum.dim_IntList, prod, [-1])))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else b.add(parts[0], parts[1])

@@ -1,13 +1,16 @@
 """Reductions: sum, mean, amax/amin, max/min along a dim, argmax/argmin, any/all, var,
-var_mean, cumsum, cumprod, histc. 1 FLOP per input element; mean adds 1 per output element
-(docs/flops_conventions.md). ``var_mean`` is counted as a mean plus a variance: 2 per input
-element and 2 per output element (the two divides). ``cumsum`` and ``cumprod`` are 1 per input
-element; cumsum's transpose is a reversed cumsum (flip, cumsum, flip); cumprod's tangent is
-``out · cumsum(dx / x)``. Sorting and selection (topk, sort, kthvalue) are in
-:mod:`graphflop.ops.sorting`. ``histc`` (mixture-of-experts layers count the tokens each expert
-receives with it) is 1 per input element, the increment of its bin (the bin's index is address
-arithmetic, as in indexing, not counted); its counts are piecewise constant in the input: a zero
-derivative.
+var_mean, cumsum, cumprod, cummax, cummin, logcumsumexp, histc. 1 FLOP per input element; mean
+adds 1 per output element (docs/flops_conventions.md). ``var_mean`` is counted as a mean plus a
+variance: 2 per input element and 2 per output element (the two divides). ``cumsum`` and
+``cumprod`` are 1 per input element; cumsum's transpose is a reversed cumsum (flip, cumsum,
+flip); cumprod's tangent is ``out · cumsum(dx / x)``. ``cummax`` and ``cummin`` are 1 comparison
+per element, their values' tangent the input tangent gathered at the returned indices.
+``logcumsumexp`` is 5 FLOPs per element, 2 of them transcendental (each step is PyTorch's
+``log_add_exp(acc, x) = max + log1p(exp(min − max))``: a comparison, a subtract, exp, log1p, an
+add). Sorting and selection (topk, sort, kthvalue) are in :mod:`graphflop.ops.sorting`.
+``histc`` (mixture-of-experts layers count the tokens each expert receives with it) is 1 per
+input element, the increment of its bin (the bin's index is address arithmetic, as in indexing,
+not counted); its counts are piecewise constant in the input: a zero derivative.
 """
 
 from __future__ import annotations
@@ -32,6 +35,16 @@ register(aten.amax.default, F, per_input(1))
 register(aten.amin.default, F, per_input(1))
 register(aten.cumsum.default, F, per_input(1))
 register(aten.cumprod.default, F, per_input(1))
+register(aten.cummax.default, F, per_input(1))
+register(aten.cummin.default, F, per_input(1))
+
+
+def _logcumsumexp_cost(out, x, *args, **kwargs) -> NodeCost:
+    """``log_add_exp`` per element: max, subtract, exp, log1p, add (2 transcendentals)."""
+    return NodeCost(flops=5 * numel(x), transcendentals=2 * numel(x))
+
+
+register(aten.logcumsumexp.default, F, _logcumsumexp_cost)
 
 
 def _var_mean_cost(out, x, *args, **kwargs) -> NodeCost:
@@ -241,3 +254,34 @@ def _jvp_cumprod(b, out, args, tangents, kwargs):
     x, dim = a.self, a.dim
     ratio = b.call(aten.div.Tensor, tangents[0], x)
     return b.call(aten.mul.Tensor, b.call(aten.cumsum.default, ratio, dim), out)
+
+
+# --- cumulative max/min: the tangent at the running extremum's index -----------------------------
+
+
+def _jvp_cummax_cummin(b, out, args, tangents, kwargs):
+    """The values' tangent is the input tangent gathered at the returned indices (the
+    extremum each prefix keeps, as PyTorch's ``cummaxmin_backward`` scatters there); gather
+    transposes to scatter_add. The indices have no tangent."""
+    dim = args[1] if len(args) > 1 else kwargs["dim"]
+    return (b.call(aten.gather.default, tangents[0], dim, b.getitem(out, 1)), None)
+
+
+def_jvp(aten.cummax.default)(_jvp_cummax_cummin)
+def_jvp(aten.cummin.default)(_jvp_cummax_cummin)
+
+
+# --- log of the cumulative sum of exponentials ----------------------------------------------------
+
+
+@def_jvp(aten.logcumsumexp.default)
+def _jvp_logcumsumexp(b, out, args, tangents, kwargs):
+    """d outᵢ = Σ_{j ≤ i} exp(x_j − outᵢ) dx_j = cumsum(exp(x − m) · dx)ᵢ · exp(m − outᵢ), with
+    m the maximum of ``x`` along the dim, so no exponential overflows (m ≥ every x_j, and
+    outᵢ ≥ x_j for j ≤ i). Linear in the tangent: multiply, cumsum, multiply."""
+    x, dim = args[0], args[1] if len(args) > 1 else kwargs["dim"]
+    m = b.call(aten.amax.default, x, [dim], True)
+    weights = b.call(aten.exp.default, b.call(aten.sub.Tensor, x, m))
+    scale = b.call(aten.exp.default, b.call(aten.sub.Tensor, m, out))
+    acc = b.call(aten.cumsum.default, b.call(aten.mul.Tensor, tangents[0], weights), dim)
+    return b.call(aten.mul.Tensor, acc, scale)

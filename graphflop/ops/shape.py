@@ -2,11 +2,12 @@
 (docs/flops_conventions.md). All are linear; their transposes are other shape ops: ``scatter_add``
 for ``gather``, ``index_add`` for ``index_select``, ``index_put(accumulate=True)`` for advanced
 indexing (``index``: upsampling, reflection and replication padding, uneven adaptive pooling
-decompose to it), one concatenation of the pieces' cotangents for ``split_with_sizes`` (``chunk``,
-``split``, and ``unbind``, traced as a split), a flip for ``flip``, a sum over the tiles for
-``repeat``. ``index_put`` and ``index_add`` with accumulation cost 1 FLOP per added element.
-In-place views on temporaries and upsampling are traced as functional views and index ops
-(decompositions at the end)."""
+decompose to it, and ``as_strided``'s tangent is an indexing: its windows may overlap), one
+concatenation of the pieces' cotangents for ``split_with_sizes`` (``chunk``, ``split``, and
+``unbind``, traced as a split), a flip for ``flip``, a sum over the tiles for ``repeat``.
+``index_put`` and ``index_add`` with accumulation cost 1 FLOP per added element. In-place views
+on temporaries and upsampling are traced as functional views and index ops (decompositions at
+the end)."""
 
 from __future__ import annotations
 
@@ -530,3 +531,80 @@ def _restride(x, size, stride, storage_offset=None):
     if list(x.shape) == list(size) and not storage_offset:
         return x
     return NotImplemented
+
+
+# --- as_strided: a view with any strides (torch.stft's frames), overlapping ones included --------
+
+register(aten.as_strided.default, F, free, bytes="view")
+
+
+def _as_strided_reads(xv, size, stride, offset):
+    """The flat indices into ``x`` (``xv``, its value) of the elements ``as_strided(x, size,
+    stride, offset)`` reads, as a real int64 tensor of shape ``size``, or None when the view
+    reads a storage element that is not one of ``x``'s (then no tangent of ``x`` gives it)."""
+    base = xv.storage_offset()
+    start = base if offset is None else int(offset)
+    ends = [base + sum((n - 1) * s for n, s in zip(xv.shape, xv.stride()) if n > 0)]
+    ends.append(start + sum((n - 1) * s for n, s in zip(size, stride) if n > 0))
+    span = max(ends) + 1
+    positions = torch.arange(span)
+    inverse = torch.full((span,), -1, dtype=torch.int64)
+    mine = torch.as_strided(positions, tuple(xv.shape), tuple(xv.stride()), base)
+    inverse[mine.reshape(-1)] = torch.arange(mine.numel())
+    reads = inverse[torch.as_strided(positions, tuple(size), tuple(stride), start)]
+    return None if bool((reads < 0).any()) else reads
+
+
+@def_jvp(aten.as_strided.default)
+def _jvp_as_strided(b, out, args, tangents, kwargs):
+    """``as_strided(x, size, stride, offset)`` picks elements of ``x``'s storage; windows may
+    overlap (``stft``'s frames with a hop below the frame length), so a view of the tangent and
+    a scatter back would lose the overlaps. Its tangent is the flat tangent indexed at the
+    elements of ``x`` the view reads: ``tx.view(-1)[idx]``, with ``idx = as_strided(arange(
+    numel(x)), size, stride, offset − x's offset)`` for a contiguous ``x``, and for a strided
+    ``x`` (``.real`` of a complex tensor) the storage positions read mapped back through the
+    inverse of ``x``'s layout; ``idx`` is a constant of the graph. The transpose of that
+    indexing is ``index_put`` with accumulation, the overlaps summed (PyTorch's
+    ``as_strided_backward`` does the same over the storage). A view reading storage outside
+    ``x`` refuses (``MissingRuleError``: the JVP and backward are cut there and the gap
+    reported)."""
+    from graphflop.ops.registry import MissingRuleError
+
+    x = args[0]
+    size, stride = list(args[1]), list(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    xv = value(x)
+    device = xv.device
+    if xv.is_contiguous():
+        base = xv.storage_offset()
+        start = (base if offset is None else int(offset)) - base
+        positions = b.call(aten.arange.default, xv.numel(), dtype=torch.int64, device=device)
+        idx = b.call(aten.as_strided.default, positions, size, stride, start)
+    else:
+        # x is itself a strided view (``.real`` of a complex tensor): the storage positions the
+        # view reads, mapped back to x's flat indices through the inverse of x's own layout
+        # (checked here on real integers: a position outside x refuses)
+        if _as_strided_reads(xv, size, stride, offset) is None:
+            raise MissingRuleError(aten.as_strided.default, ("jvp",))
+        base = xv.storage_offset()
+        start = base if offset is None else int(offset)
+        span = 1 + max(
+            base + sum((n - 1) * st for n, st in zip(xv.shape, xv.stride()) if n > 0),
+            start + sum((n - 1) * st for n, st in zip(size, stride) if n > 0),
+        )
+        positions = b.call(aten.arange.default, span, dtype=torch.int64, device=device)
+        mine = b.call(aten.as_strided.default, positions, list(xv.shape), list(xv.stride()), base)
+        mine = b.call(aten.clone.default, mine, memory_format=torch.contiguous_format)
+        flat_index = b.call(aten.arange.default, xv.numel(), dtype=torch.int64, device=device)
+        inverse = b.call(aten.full.default, [span], -1, dtype=torch.int64, device=device)
+        inverse = b.call(
+            aten.index_put.default,
+            inverse,
+            [b.call(aten.view.default, mine, [-1])],
+            flat_index,
+        )
+        read = b.call(aten.as_strided.default, positions, size, stride, start)
+        idx = b.call(aten.index.Tensor, inverse, [read])
+    dense = b.call(aten.clone.default, tangents[0], memory_format=torch.contiguous_format)
+    flat = b.call(aten.view.default, dense, [-1])
+    return b.call(aten.index.Tensor, flat, [idx])

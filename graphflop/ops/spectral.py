@@ -1,6 +1,7 @@
 """The FFT family after tracing: ``_fft_r2c`` (``rfft``, ``rfftn``, and ``fft`` of a real
 input), ``_fft_c2r`` (``irfft``), ``_fft_c2c`` (``fft``/``ifft``/``fft2`` of complex inputs), and
-the complex views around them (``view_as_real``, ``view_as_complex``).
+the complex views around them (``view_as_real``, ``view_as_complex``), ``complex`` (a complex
+tensor from its real and imaginary parts) and the conjugates (``conj_physical``, ``_conj``).
 
 Cost (docs/flops_conventions.md): ``5·N·log2 N`` per complex transform of N points (N the product of
 the transformed dims' sizes, the signal's, not the one-sided spectrum's), half that for a real
@@ -64,12 +65,33 @@ register(aten.view_as_complex.default, F, free, bytes="view")
 #: transposes of products with a complex coefficient (ops/elementwise.py)
 for _op in (aten.conj_physical.default, aten._conj_physical.default):
     register(_op, F, per_output(1))
+#: ``.conj()`` of a complex tensor: PyTorch sets a conjugate bit on a view and negates the
+#: imaginary part when something reads it; the value is conj_physical's, counted as it (1 per
+#: element) so a model counts the same whichever form it uses
+register(aten._conj.default, F, per_output(1))
+#: ``torch.complex(re, im)``: a copy of the two real tensors into one complex tensor (0 FLOPs)
+register(aten.complex.default, F, free)
 
 
 def _real_part(b, z):
     """The real part of complex ``z`` (``view_as_real`` and a ``select``, as ``z.real``
     traces)."""
     return b.call(aten.select.int, b.call(aten.view_as_real.default, z), -1, 0)
+
+
+def _imag_part(b, z):
+    """The imaginary part of complex ``z`` (``view_as_real`` and a ``select``)."""
+    return b.call(aten.select.int, b.call(aten.view_as_real.default, z), -1, 1)
+
+
+def _transpose_complex(b, ct, args, kwargs, linear):
+    """``complex(re, im) = re + i·im`` is linear in ``(re, im)`` over the reals: the cotangent
+    of ``re`` is ``ct``'s real part, that of ``im`` its imaginary part (PyTorch's
+    ``at::real(grad)``, ``at::imag(grad)``)."""
+    return [
+        _real_part(b, ct) if linear[0] else None,
+        _imag_part(b, ct) if linear[1] else None,
+    ]
 
 
 def _transpose_c2c(b, ct, args, kwargs, linear):
@@ -130,5 +152,6 @@ def _transpose_conj(b, ct, args, kwargs, linear):
     return [b.call(aten.conj_physical.default, ct)]
 
 
-for _op in (aten.conj_physical.default, aten._conj_physical.default):
+for _op in (aten.conj_physical.default, aten._conj_physical.default, aten._conj.default):
     def_linear(_op, _transpose_conj)
+def_linear(aten.complex.default, _transpose_complex)

@@ -21,7 +21,10 @@ its kernel draws the mask in its own way, so the gradient and JVP comparisons of
 are not run (:func:`graphflop.runtime.verify_attention.attention_dropout`). Non-floating inputs
 keep the values of the model's example where it gives real ones (a mask, token ids); otherwise
 integer inputs are drawn over their real index range (the rows of the embedding tables they
-index, padding rows included). A NaN or infinity in a compared value fails its check.
+index, padding rows included). A NaN or infinity in a compared value fails its check, unless
+graphflop's value and the reference's are NaN or infinite at the same elements
+(:func:`same_nonfinite`): the check is then not comparable (``Check.comparable``), and has not
+passed either.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ from graphflop.runtime.attention import math_attention
 VERIFY_SAMPLES = 100
 VERIFY_FLOPS = 2e12
 MIN_VERIFY_SAMPLES = 16
+#: the most directions one may ask for, and the most FLOPs they may spend together (10 times
+#: the default's budget, about five minutes on two CPU cores): past either the check would run
+#: for hours, and a chi-squared test over 10,000 directions already detects a bias of 7%
+MAX_VERIFY_SAMPLES = 10_000
+MAX_VERIFY_FLOPS = 10 * VERIFY_FLOPS
 
 
 def forward_gradient_samples(requested: int | None, step_flops: float) -> tuple[int, str]:
@@ -68,8 +76,25 @@ def forward_gradient_samples(requested: int | None, step_flops: float) -> tuple[
     Returns:
         ``(directions, note)``: ``note`` is empty unless the default was cut down or skipped,
         when it says why in one line (0: skip the check).
+
+    Raises:
+        ValueError: ``requested`` is negative or over :data:`MAX_VERIFY_SAMPLES`, or its steps
+            would spend more than :data:`MAX_VERIFY_FLOPS`; the message says what fits.
     """
     if requested is not None:
+        if not 0 <= requested <= MAX_VERIFY_SAMPLES:
+            raise ValueError(
+                f"bad --verify-samples {requested}: give 0 (skip the check) to "
+                f"{MAX_VERIFY_SAMPLES:,}"
+            )
+        if requested * step_flops > MAX_VERIFY_FLOPS:
+            fit = int(MAX_VERIFY_FLOPS // step_flops)
+            raise ValueError(
+                f"--verify-samples {requested} would run {requested:,} forward-gradient steps "
+                f"of {step_flops / 1e9:,.1f} GFLOPs each, more than the {MAX_VERIFY_FLOPS:.0e} "
+                f"FLOPs a check may spend (hours on a CPU): give at most {fit:,}"
+                + (" (or 0 to skip the check)" if fit < MIN_VERIFY_SAMPLES else "")
+            )
         return requested, ""
     fit = int(VERIFY_FLOPS // step_flops) if step_flops else VERIFY_SAMPLES
     if fit >= VERIFY_SAMPLES:
@@ -98,6 +123,10 @@ class Check:
         dtype: the dtype the compared graphs ran in.
         detail: the traceback of the error that stopped the check ("" when none), for
             ``--debug``; not in the JSON.
+        comparable: False when graphflop's value and the reference's are NaN or infinite at
+            the same elements (:func:`same_nonfinite`: the model's own derivative is not
+            finite there), so no error measures them; the check ran and has not passed
+            (``worst_rel_error`` is NaN, ``where`` says where and what the finite part gave).
     """
 
     name: str
@@ -107,17 +136,20 @@ class Check:
     measure: str = "normwise relative error"
     dtype: str = ""
     detail: str = field(default="", compare=False, repr=False)
+    comparable: bool = True
 
     @property
     def ok(self) -> bool:
-        return bool(self.worst_rel_error <= self.tolerance)
+        return bool(self.comparable and self.worst_rel_error <= self.tolerance)
 
     @property
     def ran(self) -> bool:
-        return not math.isnan(self.worst_rel_error)
+        return not self.comparable or not math.isnan(self.worst_rel_error)
 
     def line(self) -> str:
         """One line saying in words what was checked and whether it passed."""
+        if not self.comparable:
+            return f"{self.name}: NOT COMPARABLE ({self.where})"
         if not self.ran:
             return f"{self.name}: NOT RUN ({self.where})"
         verdict = "passed" if self.ok else "FAILED"
@@ -139,6 +171,7 @@ class Check:
             "tolerance": self.tolerance,
             "ok": self.ok,
             "ran": self.ran,
+            "comparable": self.comparable,
             "measure": self.measure,
             "dtype": self.dtype,
         }
@@ -173,6 +206,33 @@ def nonfinite(got: torch.Tensor, ref: torch.Tensor) -> str:
         who for who, t in (("graphflop's", got), ("the reference's", ref)) if not t.isfinite().all()
     ]
     return f"NaN or inf in {' and '.join(bad)} value" if bad else ""
+
+
+def same_nonfinite(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Whether ``got`` and ``ref`` (same shape) are NaN at the same elements and infinite, with
+    the same signs, at the same elements, and at least one element is either: then the model's
+    derivative itself is not finite there (``torch.where`` that selects away a branch that is
+    NaN or infinite still multiplies that branch's derivative by 0 in reverse mode, and
+    0 · NaN = NaN), graphflop and PyTorch agree on it, and only the finite elements can be
+    compared."""
+    if got.shape != ref.shape:
+        return False
+    nan_g, nan_r = got.isnan(), ref.isnan()
+    inf_g, inf_r = got.isinf(), ref.isinf()
+    return (
+        bool((nan_g | inf_g).any())
+        and torch.equal(nan_g, nan_r)
+        and torch.equal(inf_g, inf_r)
+        and torch.equal(got[inf_g].sign(), ref[inf_r].sign())
+    )
+
+
+#: why a check over values NaN or infinite in the same places in both compares nothing there
+SAME_NONFINITE = (
+    "graphflop's and the reference's {what} are NaN or inf at the same "
+    "{count} elements{where} (the model's own derivative is not finite there, e.g. a torch.where "
+    "over a NaN or inf branch it does not take)"
+)
 
 
 #: an absolute error below FLOOR_ULPS · eps · ‖∇L‖ always passes (rounding of a sum of up to
@@ -428,7 +488,9 @@ def verify_gradients(
     parameters would give a loss of size ``|L|``, for a loss whose whole gradient is rounding
     noise, as instance norm without affine followed by a spatial mean gives); the worst one is
     reported. A NaN or infinity in either gradient is an
-    infinite error (the check fails, :func:`nonfinite`).
+    infinite error (the check fails, :func:`nonfinite`), unless both gradients have them at the
+    same elements (:func:`same_nonfinite`): the finite elements are compared, and when they
+    agree the check is not comparable.
     """
     values = real_arguments(forward, model, seed=seed, examples=examples)
     with seeded():
@@ -440,26 +502,37 @@ def verify_gradients(
     dtype = cast_to or torch.float64
     model = _cast(model, cast_to)
     ref, loss, what = reference_gradients(reference_loss_fn(forward, model, values), params, model)
-    total = norm64(ref.values())
+    # the scale of the finite elements (those NaN or inf in both are compared apart)
+    total = norm64(t[t.isfinite()] for t in ref.values())
     scale = max(total, loss_scale(float(loss), params.values()))
     floor = max(gradient_floor(dtype, scale, tolerance), 1e-300) if math.isfinite(scale) else 0
     worst, where = 0.0, "no parameters"
+    shared: dict[str, int] = {}  # parameter → elements NaN or inf in both gradients alike
+    compared = 0  # finite elements compared
     for pos, qual in backward.meta[VJP].grads:
         a, b = grads[pos].detach().double(), ref[qual].detach().double()
         bad = nonfinite(a, b)
+        if bad and same_nonfinite(a, b):
+            finite = a.isfinite()
+            shared[qual] = int((~finite).sum())
+            a, b, bad = a[finite], b[finite], ""
+        compared += a.numel()
         e = math.inf if bad else float((a - b).norm()) / max(float(b.norm()), floor, 1e-300)
         if e > worst or where == "no parameters":
             worst, where = e, f"{bad} at {qual}" if bad else f"at {qual}"
         if bad:
             break
-    return Check(
-        f"gradients vs {what}",
-        worst,
-        where,
-        tolerance,
-        f"worst normwise relative error (floor {FLOOR_ULPS}·eps·max(‖∇L‖, |L|/‖p‖))",
-        _dtype_name(dtype),
-    )
+    name = f"gradients vs {what}"
+    measure = f"worst normwise relative error (floor {FLOOR_ULPS}·eps·max(‖∇L‖, |L|/‖p‖))"
+    if shared and worst <= tolerance:  # a finite element that differs still fails the check
+        at = ", ".join(shared)
+        why = SAME_NONFINITE.format(
+            what="gradients", count=f"{sum(shared.values()):,}", where=f" of {at}"
+        )
+        if compared:
+            why += f"; the {compared:,} finite elements agree to {worst:.1e} ({where})"
+        return Check(name, math.nan, why, tolerance, measure, _dtype_name(dtype), comparable=False)
+    return Check(name, worst, where, tolerance, measure, _dtype_name(dtype))
 
 
 #: the first words of PyTorch's refusals to run a model under ``torch.func``'s transforms that

@@ -52,8 +52,8 @@ def verify_forward_gradient(
     ``α/2`` and ``1 − α/2``, ``α =`` :data:`FG_ALPHA` (the false-alarm rate). ``worst_rel_error``
     reports ``|u·ḡ/‖∇L‖ − 1|`` and ``tolerance`` the half-width of the acceptance interval on
     that side. The check has power against a wrong scale: with ``M = 100`` a factor outside
-    about [0.55, 1.6] fails. A NaN or infinity in the estimate or the gradient fails the check
-    (infinite error). ``examples``: the model's example inputs (:func:`real_arguments`).
+    about [0.55, 1.6] fails. A NaN or infinity in the estimate fails the check (infinite
+    error); one in the gradient makes it not comparable (``Check.comparable``). ``examples``: the model's example inputs (:func:`real_arguments`).
     """
     from scipy.stats import chi2
 
@@ -95,6 +95,18 @@ def verify_forward_gradient(
         new_w = torch.cat([t.flatten() for t in out[1 : 1 + len(trainable)]]).double()
         total += w - new_w
     bad = nonfinite(total, true)
+    if not true.isfinite().all():
+        # the gradient the estimate is tested against is not finite (graphflop's backward,
+        # which the gradient check compares with PyTorch's): no test can be made
+        return Check(
+            name,
+            math.nan,
+            f"the gradient the estimate is tested against is NaN or inf at "
+            f"{int((~true.isfinite()).sum()):,} of its {true.numel():,} elements (see the "
+            "gradient check)",
+            1e-6,
+            comparable=False,
+        )
     if bad:
         return Check(name, math.inf, bad, 1e-6)
     norm = float(true.norm())

@@ -16,6 +16,7 @@ from graphflop.meta import JVP, SIGNATURE, Signature
 from graphflop.runtime import verify
 from graphflop.runtime.verify import (
     FLOOR_ULPS,
+    SAME_NONFINITE,
     Check,
     _cast,
     _dtype_name,
@@ -25,6 +26,7 @@ from graphflop.runtime.verify import (
     norm64,
     padding_idx,
     real_arguments,
+    same_nonfinite,
     seeded,
 )
 
@@ -75,7 +77,8 @@ def verify_jvp(
     with the gradient from ``torch.func.grad`` (exact: the loss is a scalar). The error is
     relative with an absolute floor scaled to the loss and the direction
     (:func:`tangent_floor`, :func:`tangent_error`): a tangent that is zero in exact arithmetic
-    passes on rounding noise. A NaN or infinity in either tangent fails the check."""
+    passes on rounding noise. A NaN or infinity in either tangent fails the check, unless both
+    are NaN (or the same infinity): then it is not comparable (``Check.comparable``)."""
     values = real_arguments(forward, model, seed=seed, examples=examples)
     sig: Signature = forward.meta[SIGNATURE]
     info = jvp.meta[JVP]
@@ -137,6 +140,15 @@ def verify_jvp(
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     bad = nonfinite(got, ref)
+    if bad and same_nonfinite(got, ref):
+        return Check(
+            f"JVP loss tangent vs {what}",
+            math.nan,
+            SAME_NONFINITE.format(what="loss tangents", count=got.numel(), where=""),
+            tolerance,
+            dtype=_dtype_name(got.dtype),
+            comparable=False,
+        )
     floor = tangent_floor(
         got.dtype, float(loss), [values[p] for p in tangents], list(tangents.values()), tolerance
     )

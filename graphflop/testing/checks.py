@@ -70,8 +70,6 @@ _DECOMPOSED = ("jvp", "transpose")  # core-ATen decomposition rewrites the op be
 NOT_IN_ZOO: dict[str, tuple[str, ...]] = {
     "aten.sum.default": _DECOMPOSED,  # x.sum() -> sum.dim_IntList(x, [])
     "aten.t.default": _DECOMPOSED,  # -> permute
-    "aten.transpose.int": _DECOMPOSED,  # -> permute (a batch_first GRU's rewritten transpose_
-    # runs it: tests/test_rnn.py, not the op zoo)
     "aten.reshape.default": _DECOMPOSED,  # -> view; only emitted as a cotangent (view's transpose)
     "aten._unsafe_view.default": _DECOMPOSED,  # -> view
     "aten.squeeze.default": _DECOMPOSED,  # x.squeeze() -> squeeze.dims

@@ -49,7 +49,15 @@ from graphflop.testing.opdb.core import (
 )
 from graphflop.testing.opdb.elementwise import BINARY, CLAMP_TENSOR, MASK_CLAMP, UNARY, UNARY_MORE
 from graphflop.testing.opdb.embedding import EMBEDDING_BAG
-from graphflop.testing.opdb.linalg import ATTENTION, EINSUM_MORE, LINALG, LINALG_MORE, SOLVE_ADDBMM
+from graphflop.testing.opdb.linalg import (
+    ATTENTION,
+    BILINEAR,
+    CDIST,
+    EINSUM_MORE,
+    LINALG,
+    LINALG_MORE,
+    SOLVE_ADDBMM,
+)
 from graphflop.testing.opdb.models import GAPS, MODELS
 from graphflop.testing.opdb.pool import POOL, POOL_MORE
 from graphflop.testing.opdb.reduction import (
@@ -92,13 +100,17 @@ OP_DB: list[OpCase] = (
     + SCATTER
     + CLAMP_TENSOR
     + SOLVE_ADDBMM
+    + BILINEAR
+    + CDIST
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
 
 __all__ = [
     "ATTENTION",
+    "BILINEAR",
     "BINARY",
+    "CDIST",
     "CHECKS",
     "CLAMP_TENSOR",
     "CONV",

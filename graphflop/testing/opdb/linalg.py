@@ -230,10 +230,94 @@ ATTENTION = [
     ),
 ]
 
+
 # ---------------------------------------------------------------------------------------------
 # einsum paths (outer and bilinear products as broadcast multiplies, a
 # contraction over two axes needing permutes, a three-operand bilinear form), addbmm
 # ---------------------------------------------------------------------------------------------
+#: the reference, not graphflop: its JVP is checked against finite differences instead
+_NO_CDIST_FWD_AD = "torch.func.jvp: PyTorch has no forward-mode derivative for aten._cdist_forward"
+
+
+def _bilinear() -> nn.Module:
+    m = Fn(lambda s, x: s.b(x, x[:, :5] * s.w), {"w": (5,)})
+    m.b = randomized(nn.Bilinear(6, 5, 3))
+    return m
+
+
+BILINEAR = [
+    OpCase(
+        "bilinear",
+        readout_of(_bilinear, (4, 3)),
+        ((4, 6),),
+        # nn.Bilinear(6, 5, 3) at batch 4 (_trilinear): x[:, :5]·w 20; x (4×6) with the weight
+        # (3×6×5) over in1: 2·4·3·6·5 = 720 matrix FLOPs; with x2 (4×5) over in2: 2·4·3·5 = 120;
+        # bias 12; readout 12
+        flops=20 + 720 + 120 + 12 + 12,
+        aten=("aten.bmm.default",),
+        xfail={
+            "flops": "FlopCounterMode counts 0 for nn.Bilinear (it has no formula for "
+            "aten._trilinear); graphflop decomposes it to two bmm and counts them: "
+            "tests/test_ops_extra.py checks it"
+        },
+    ),
+]
+
+CDIST = [
+    OpCase(
+        "cdist",
+        module_of(
+            lambda s, x: torch.cdist(x * s.w, s.v) * s.r,
+            {"w": (3, 4), "v": (2, 5, 4)},
+            {"r": (2, 3, 5)},
+        ),
+        (X,),
+        # mul 24; _cdist_forward of (2, 3, 4) and (2, 5, 4), 30 distances of 4 features:
+        # subtract, square, add 3·30·4 = 360, sqrt 30; readout 30
+        flops=24 + 360 + 30 + 30,
+        aten=("aten._cdist_forward.default", "aten.where.ScalarSelf"),
+        xfail={"jvp": _NO_CDIST_FWD_AD},
+    ),
+    OpCase(
+        "cdist_self",
+        module_of(
+            lambda s, x: torch.cdist(x * s.w, x * s.w) * s.r, {"w": (3, 4)}, {"r": (2, 3, 3)}
+        ),
+        (X,),
+        # cdist(h, h): a zero diagonal, where d's derivative is taken as 0 (PyTorch's too);
+        # two muls 48; 2·3·3 = 18 distances: 3·18·4 = 216 + sqrt 18; readout 18
+        flops=48 + 216 + 18 + 18,
+        aten=("aten._cdist_forward.default",),
+        xfail={"jvp": _NO_CDIST_FWD_AD},
+    ),
+    OpCase(
+        "cdist_p1",
+        module_of(
+            lambda s, x: torch.cdist(x * s.w, s.v, p=1.0) * s.r,
+            {"w": (3, 4), "v": (2, 5, 4)},
+            {"r": (2, 3, 5)},
+        ),
+        (X,),
+        # mul 24; 30 distances of 4 features: subtract, |·|, add 360, no root; readout 30
+        flops=24 + 360 + 30,
+        aten=("aten._cdist_forward.default", "aten.sign.default"),
+        xfail={"jvp": _NO_CDIST_FWD_AD},
+    ),
+    OpCase(
+        "cdist_p3",
+        module_of(
+            lambda s, x: torch.cdist(x * s.w, s.v, p=3.0) * s.r,
+            {"w": (3, 4), "v": (2, 5, 4)},
+            {"r": (2, 3, 5)},
+        ),
+        (X,),
+        # mul 24; 30 distances of 4 features: subtract, |·|³, add 360, cube root 30; readout 30
+        flops=24 + 360 + 30 + 30,
+        aten=("aten._cdist_forward.default", "aten.pow.Tensor_Scalar"),
+        xfail={"jvp": _NO_CDIST_FWD_AD},
+    ),
+]
+
 EINSUM_MORE = [
     OpCase(
         "einsum_outer",

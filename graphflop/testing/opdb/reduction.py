@@ -234,6 +234,38 @@ REDUCTION_MORE = [
         aten=("aten.cumsum.default", "aten.flip.default"),
     ),
     OpCase(
+        "cummax",
+        module_of(lambda s, x: torch.cummax(x * s.w, 1).values * s.r, {"w": W}, {"r": X}),
+        (X,),
+        flops=24 + 24 + 24,  # mul; cummax 1 comparison per element; readout
+        aten=("aten.cummax.default", "aten.gather.default", "aten.scatter_add.default"),
+    ),
+    OpCase(
+        "cummin_last_dim",
+        module_of(lambda s, x: torch.cummin(x * s.w, -1).values * s.r, {"w": W}, {"r": X}),
+        (X,),
+        flops=24 + 24 + 24,  # mul; cummin 1 comparison per element; readout
+        aten=("aten.cummin.default",),
+    ),
+    OpCase(
+        "logcumsumexp",
+        module_of(lambda s, x: torch.logcumsumexp(x * s.w, 1) * s.r, {"w": W}, {"r": X}),
+        (X,),
+        # mul 24; logcumsumexp 5 per element (max, sub, exp, log1p, add) 120; readout 24
+        flops=24 + 5 * 24 + 24,
+        aten=("aten.logcumsumexp.default", "aten.cumsum.default"),
+    ),
+    OpCase(
+        "logcumsumexp_large",
+        module_of(lambda s, x: torch.logcumsumexp(x * s.w + 800.0, 0) * s.r, {"w": W}, {"r": X}),
+        (X,),
+        # inputs near 800, where exp overflows float64 (exp(709.8) is its largest): the JVP
+        # scales by the maximum, so nothing overflows; mul 24, add 24; logcumsumexp 120;
+        # readout 24
+        flops=24 + 24 + 5 * 24 + 24,
+        aten=("aten.logcumsumexp.default",),
+    ),
+    OpCase(
         "vector_norm",
         module_of(
             lambda s, x: torch.linalg.vector_norm(x * s.w, dim=-1) * s.r, {"w": W}, {"r": (2, 3)}

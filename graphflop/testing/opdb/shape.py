@@ -180,6 +180,71 @@ SHAPE = [
 # ---------------------------------------------------------------------------------------------
 SHAPE_MORE = [
     OpCase(
+        "stft_of_real_part",
+        module_of(
+            lambda s, x: (
+                torch.view_as_real(
+                    torch.stft(
+                        torch.view_as_complex(x * s.w).real,
+                        n_fft=4,
+                        hop_length=2,
+                        window=s.win,
+                        center=False,
+                        return_complex=True,
+                    )
+                )
+                * s.r
+            ),
+            {"w": (8, 2)},
+            {"win": (4,), "r": (2, 3, 3, 2)},
+        ),
+        ((2, 8, 2),),
+        # the frames of a strided view (the real parts, every other element of the storage);
+        # mul 32; view_as_complex, .real, as_strided: views (0); × window 2·3·4 = 24; one-sided
+        # r2c of 4 points per frame 2.5·24·log2 4 = 120; view 0; readout 36
+        flops=32 + 24 + 120 + 36,
+        aten=("aten.as_strided.default", "aten.index_put.default"),
+        xfail={"onnx": "ONNX has no complex tensors: the backward graph's FFTs do not export"},
+    ),
+    OpCase(
+        "as_strided_overlapping",
+        module_of(
+            lambda s, x: (x * s.w).reshape(-1).as_strided((5, 6), (4, 1)) * s.r,
+            {"w": W},
+            {"r": (5, 6)},
+        ),
+        (X,),
+        # mul 24; 5 overlapping windows of 6 of the 24 elements, a view (0); readout 30
+        flops=24 + 30,
+        aten=("aten.as_strided.default", "aten.index_put.default"),
+    ),
+    OpCase(
+        "stft",
+        module_of(
+            lambda s, x: (
+                torch.view_as_real(
+                    torch.stft(
+                        x * s.w,
+                        n_fft=4,
+                        hop_length=2,
+                        window=s.win,
+                        center=False,
+                        return_complex=True,
+                    )
+                )
+                * s.r
+            ),
+            {"w": (8,)},
+            {"win": (4,), "r": (2, 3, 3, 2)},
+        ),
+        ((2, 8),),
+        # mul 16; 3 frames of 4 per signal (as_strided, a view, 0); × window 2·3·4 = 24;
+        # one-sided r2c of 4 points per frame: 2.5·24·log2 4 = 120; view 0; readout 36
+        flops=16 + 24 + 120 + 36,
+        aten=("aten.as_strided.default", "aten._fft_r2c.default"),
+        xfail={"onnx": "ONNX has no complex tensors: the backward graph's FFTs do not export"},
+    ),
+    OpCase(
         "split_uneven",
         module_of(
             lambda s, x: (lambda p: torch.cat([p[1], p[0]], -1))((x * s.w).split(3, -1)) * s.r,

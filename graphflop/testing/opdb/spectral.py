@@ -121,3 +121,46 @@ SPECTRAL += [
         xfail={"onnx": _NO_ONNX},
     ),
 ]
+
+SPECTRAL += [
+    OpCase(
+        "complex_parts",
+        module_of(
+            lambda s, x: torch.view_as_real(torch.complex(x * s.w, x * s.v)) * s.r,
+            {"w": (8,), "v": (8,)},
+            {"r": (2, 8, 2)},
+        ),
+        ((2, 8),),
+        # two muls 16 each; complex(re, im) a copy 0; view 0; readout 2·8·2 = 32
+        flops=16 + 16 + 32,
+        aten=("aten.complex.default", "aten.select.int"),
+        # its backward (the real and imaginary parts of a cotangent) exports to ONNX
+    ),
+    OpCase(
+        "complex_learnable_filter",
+        module_of(
+            lambda s, x: torch.fft.ifft(torch.fft.fft(x) * torch.complex(s.a, s.b)).real * s.r,
+            {"a": (8,), "b": (8,)},
+            {"r": (2, 8)},
+        ),
+        ((2, 8),),
+        # fft of a real input: two-sided r2c 2.5·16·log2 8 = 120; complex(a, b) 0; complex
+        # product 16; ifft c2c 5·16·3 = 240; .real 0; readout 16
+        flops=120 + 16 + 240 + 16,
+        aten=("aten.complex.default", "aten._fft_c2c.default"),
+        xfail={"onnx": _NO_ONNX},
+    ),
+    OpCase(
+        "conj_view",
+        module_of(
+            lambda s, x: torch.view_as_real(torch.fft.fft(x * s.w).conj() * s.g) * s.r,
+            {"w": (8,), "g": (8,)},
+            {"r": (2, 8, 2)},
+        ),
+        ((2, 8),),
+        # mul 16; fft of a real input 120; .conj() (_conj) 16; × real g 16; view 0; readout 32
+        flops=16 + 120 + 16 + 16 + 32,
+        aten=("aten._conj.default",),
+        xfail={"onnx": _NO_ONNX},
+    ),
+]
