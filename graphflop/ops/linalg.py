@@ -259,7 +259,7 @@ def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
 
 
 def _cdist_p(args, kwargs) -> float:
-    return float(args[2] if len(args) > 2 else kwargs.get("p", 2.0))
+    return float(bind(aten._cdist_forward.default, args, kwargs).p)
 
 
 def _cdist_cost(out, x1, x2, *args, **kwargs) -> NodeCost:
@@ -268,7 +268,7 @@ def _cdist_cost(out, x1, x2, *args, **kwargs) -> NodeCost:
     subtract, an ``|·|``/square/``|·|^p`` and an add (a max for p = ∞), 3·(…)·P·R·M; per
     distance a root for p ∉ {0, 1, ∞} (transcendental), and for p ∉ {0, 1, 2, ∞} the power
     per pair and feature is transcendental too. No ``mm_flops``."""
-    p = float(args[0] if args else kwargs.get("p", 2.0))
+    p = _cdist_p((x1, x2, *args), kwargs)
     pairs = numel(out)
     per_pair = shape(x1)[-1] if shape(x1) else 1
     flops = 3 * pairs * per_pair

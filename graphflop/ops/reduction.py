@@ -259,16 +259,20 @@ def _jvp_cumprod(b, out, args, tangents, kwargs):
 # --- cumulative max/min: the tangent at the running extremum's index -----------------------------
 
 
-def _jvp_cummax_cummin(b, out, args, tangents, kwargs):
+def _jvp_cummax_cummin(op):
     """The values' tangent is the input tangent gathered at the returned indices (the
     extremum each prefix keeps, as PyTorch's ``cummaxmin_backward`` scatters there); gather
     transposes to scatter_add. The indices have no tangent."""
-    dim = args[1] if len(args) > 1 else kwargs["dim"]
-    return (b.call(aten.gather.default, tangents[0], dim, b.getitem(out, 1)), None)
+
+    def jvp(b, out, args, tangents, kwargs):
+        dim = bind(op, args, kwargs).dim
+        return (b.call(aten.gather.default, tangents[0], dim, b.getitem(out, 1)), None)
+
+    return jvp
 
 
-def_jvp(aten.cummax.default)(_jvp_cummax_cummin)
-def_jvp(aten.cummin.default)(_jvp_cummax_cummin)
+def_jvp(aten.cummax.default)(_jvp_cummax_cummin(aten.cummax.default))
+def_jvp(aten.cummin.default)(_jvp_cummax_cummin(aten.cummin.default))
 
 
 # --- log of the cumulative sum of exponentials ----------------------------------------------------
@@ -279,7 +283,8 @@ def _jvp_logcumsumexp(b, out, args, tangents, kwargs):
     """d outᵢ = Σ_{j ≤ i} exp(x_j − outᵢ) dx_j = cumsum(exp(x − m) · dx)ᵢ · exp(m − outᵢ), with
     m the maximum of ``x`` along the dim, so no exponential overflows (m ≥ every x_j, and
     outᵢ ≥ x_j for j ≤ i). Linear in the tangent: multiply, cumsum, multiply."""
-    x, dim = args[0], args[1] if len(args) > 1 else kwargs["dim"]
+    a = bind(aten.logcumsumexp.default, args, kwargs)
+    x, dim = a.self, a.dim
     m = b.call(aten.amax.default, x, [dim], True)
     weights = b.call(aten.exp.default, b.call(aten.sub.Tensor, x, m))
     scale = b.call(aten.exp.default, b.call(aten.sub.Tensor, m, out))

@@ -570,9 +570,8 @@ def _jvp_as_strided(b, out, args, tangents, kwargs):
     reported)."""
     from graphflop.ops.registry import MissingRuleError
 
-    x = args[0]
-    size, stride = list(args[1]), list(args[2])
-    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    a = bind(aten.as_strided.default, args, kwargs)
+    x, size, stride, offset = a.self, list(a.size), list(a.stride), a.storage_offset
     xv = value(x)
     device = xv.device
     if xv.is_contiguous():
