@@ -1,5 +1,5 @@
 """Matrix products: ``mm``, ``bmm``, ``addmm``, ``_grouped_mm`` (cost only). 2 FLOPs per multiply-add, all in ``mm_flops``;
-``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (FLOPS.md). ``mv`` and ``dot`` are
+``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (docs/flops_conventions.md). ``mv`` and ``dot`` are
 traced as ``mm``, ``addbmm`` as one ``mm`` over the batch folded into K, ``_trilinear``
 (``nn.Bilinear``) as two contractions (decompositions at the end). Linear solves:
 ``_linalg_solve_ex`` (``torch.linalg.solve``) and ``linalg_lu_solve``, by the LU convention of
