@@ -316,6 +316,10 @@ def test_routing_that_does_not_fit_is_one_line(capsys, tmp_path):
         (["hf:mixtral-8x7b", "--routing", "capacity:0"], "give capacity:F with F > 0"),
         (["hf:mixtral-8x7b", "--routing", "uniform"], "give balanced, capacity:F or a JSON"),
         (["hf:mixtral-8x7b", "--routing", str(hist)], "3 counts and the model routes among 8"),
+        # a missing file is named as such, not as a malformed option
+        (["hf:mixtral-8x7b", "--routing", str(tmp_path / "no.json")], "no.json: not found"),
+        # at most T of the T·k rows reach one expert: ⌈F·T·k/E⌉ ≤ T bounds F by E/k = 8/2
+        (["hf:mixtral-8x7b", "--routing", "capacity:1e9"], "F at most E/k = 8/2 = 4"),
         (["hf:gpt2-small", "--routing", "capacity:2"], "has none: drop it"),
     ]
     for argv, message in cases:

@@ -115,8 +115,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         metavar="MODEL",
         help="how a mixture-of-experts model's token-expert rows spread over its experts: "
         "balanced (default: T·k/E each, the expectation under uniform routing), capacity:F "
-        "(each expert computes ⌈F·T·k/E⌉ rows, padded or dropped), or a JSON file of measured "
-        "per-expert token counts; recorded in the report's experts key",
+        "(0 < F ≤ E/k: each expert computes ⌈F·T·k/E⌉ rows, padded or dropped), or a JSON "
+        "file holding a list of E measured per-expert token counts; recorded in the report's "
+        "experts key",
     )
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
@@ -338,6 +339,15 @@ def _check_routing(args: argparse.Namespace, loaded: Any) -> None:
         raise SpecError(
             f"--routing {args.routing} describes routed experts, and {loaded.name} has none: "
             "drop it"
+        )
+    factor = args.routing_model.factor
+    most = min(e / k for _, _, e, k in found)
+    if factor is not None and factor > most:
+        e, k = next((e, k) for _, _, e, k in found if e / k == most)
+        raise SpecError(
+            f"bad --routing {args.routing}: give capacity:F with F at most E/k = {e}/{k} = "
+            f"{most:g}: each token runs {k} different experts, so the most tokens an expert can "
+            f"receive is all T of them, ⌈F·T·k/E⌉ = T at F = E/k"
         )
     counts = args.routing_model.counts
     if counts is not None and len(counts) != found[0][2]:
