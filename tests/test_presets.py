@@ -299,11 +299,20 @@ def test_routing_capacity_and_histogram(capsys, tmp_path):
     )
     hist = tmp_path / "counts.json"
     hist.write_text("[4, 1, 1, 2, 0, 0, 0, 0]")
-    measured = _mixtral_json(capsys, "--routing", str(hist))
+    from graphflop.cli import main
+
+    argv = ["inspect", "hf:mixtral-8x7b", "--arg", "num_hidden_layers=1", "--seq", "64"]
+    assert main([*argv, "--format", "json", "--no-jvp", "--routing", str(hist)]) == 0
+    captured = capsys.readouterr()
+    measured = json.loads(captured.out)
     assert fwd(measured) == fwd(base)
-    # 128 rows split 4:1:1:2: the busiest expert gets 128·4/8 = 64
-    assert measured["experts"]["tokens_per_expert_max"] == 64.0
-    assert measured["experts"]["tokens_per_expert"] == 16.0
+    # 128 rows split 4:1:1:2 (of 8 parts): 128·4/8 = 64, 16, 16, 32, then four idle experts
+    ex = measured["experts"]
+    assert ex["expert_tokens"] == [64.0, 16.0, 16.0, 32.0, 0.0, 0.0, 0.0, 0.0]
+    assert (ex["tokens_per_expert_min"], ex["tokens_per_expert_max"]) == (0.0, 64.0)
+    assert ex["tokens_per_expert"] == 16.0 and ex["uniform"] is False
+    assert "0.0 to 64.0 tokens per expert (mean 16.0)" in captured.err
+    assert base["experts"]["uniform"] is True and base["experts"]["expert_tokens"] == [16.0] * 8
 
 
 def test_routing_that_does_not_fit_is_one_line(capsys, tmp_path):

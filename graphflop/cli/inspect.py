@@ -271,10 +271,17 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
     if experts is not None:
         extra["experts"] = experts
         n = experts["routed_layers"]
+        low, high = experts["tokens_per_expert_min"], experts["tokens_per_expert_max"]
+        split = (
+            f"{experts['tokens_per_expert']:,.1f} tokens per expert"
+            if low == high
+            else f"{low:,.1f} to {high:,.1f} tokens per expert (mean "
+            f"{experts['tokens_per_expert']:,.1f})"
+        )
         err.print(
             f"experts ({n} routed {'layer' if n == 1 else 'layers'}, top {experts['top_k']} of "
             f"{experts['experts']}): {experts['routing']}; "
-            f"{experts['tokens_per_expert']:,.1f} tokens per expert; active "
+            f"{split}; active "
             f"parameters per token {experts['active_params']:,} of {experts['params']:,}",
             markup=False,
             highlight=False,
