@@ -183,6 +183,20 @@ def test_a_preset_hub_name_falls_back_to_the_preset_offline(offline_hub):
     )
 
 
+def test_inspect_json_records_the_preset_fallback(offline_hub, capsys):
+    """The note that a Hub name fell back to a preset reaches the JSON (model_notes, the last
+    key), not only standard error."""
+    pytest.importorskip("transformers")
+    from graphflop.cli import main
+
+    argv = ["inspect", "hf:meta-llama/Llama-3.1-8B", "--arg", "num_hidden_layers=1"]
+    assert main([*argv, "--seq", "8", "--format", "json", "--no-jvp", "--no-backward"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc)[-1] == "model_notes"
+    (note,) = [n for n in doc["model_notes"] if "preset" in n]
+    assert "preset llama-3.1-8b" in note and "HF_HUB_OFFLINE" in note
+
+
 def test_a_hub_name_with_no_cache_and_no_preset_is_one_line(offline_hub):
     pytest.importorskip("transformers")
     with pytest.raises(SpecError) as e:

@@ -288,6 +288,9 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
             soft_wrap=True,
         )
     rc = _verify(args, err, inputs, analysis, extra, samples) if args.verify else 0
+    # where the model came from (a preset in place of the Hub's config.json, lazy modules
+    # left out): the same notes as on standard error
+    extra["model_notes"] = list(loaded.notes)
     with atomic_group():  # all the files or none of them
         if args.json:
             atomic_write(args.json, to_json(report, extra))
