@@ -581,6 +581,16 @@ def test_every_subcommand_has_debug(capsys, command):
     assert "--debug" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["inspect", "export", "bench", "render", "sweep"])
+def test_every_spec_help_names_each_hf_form(capsys, command):
+    """The subcommands that take a model SPEC list every hf: form it accepts."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse's line wrapping undone
+    for form in ("hf:PRESET", "hf:ORG/NAME[@REV]", "hf:MODEL_TYPE", "hf:PATH"):
+        assert form in text, (command, form)
+
+
 # --- the library ---------------------------------------------------------------------------
 
 

@@ -227,7 +227,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "spec",
         help="model: path/to/file.py[:Name], package.module:attr, torchvision:NAME, timm:NAME, "
-        "hf:MODEL_TYPE (transformers config, e.g. hf:llama) or hf:PATH (folder with config.json)",
+        "hf:PRESET (a published configuration graphflop ships, e.g. hf:llama-3.1-8b; "
+        "graphflop models lists them), hf:ORG/NAME[@REV] (a Hub model's config.json, from "
+        "the Hugging Face cache or the Hub, e.g. hf:meta-llama/Llama-3.1-8B), hf:MODEL_TYPE "
+        "(transformers' default config, e.g. hf:llama) or hf:PATH (folder with config.json)",
     )
     p.add_argument(
         "--input-shape",
