@@ -109,7 +109,8 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
     kwargs = default_inputs(model, config, seq)
     example = bind_call(model, (), kwargs)
     notes = (*notes, *(onto_meta(model) if meta else ()))
-    return LoadedModel(f"hf:{name}", model, example, notes)
+    seq_inputs = tuple(k for k in SEQ_INPUTS if k in kwargs)
+    return LoadedModel(f"hf:{name}", model, example, notes, seq_inputs)
 
 
 def _check_context(model: nn.Module, config: Any, seq: int, name: str) -> None:
@@ -338,6 +339,10 @@ def _model_class(tf: Any, config: Any) -> Any:
         and not getattr(config, "is_encoder_decoder", False)
     )
     return tf.AutoModelForCausalLM if decoder else tf.AutoModel
+
+
+#: the default inputs whose length ``seq`` sets (:func:`default_inputs`)
+SEQ_INPUTS = ("input_ids", "decoder_input_ids", "input_values")
 
 
 def default_inputs(model: nn.Module, config: Any, seq: int) -> dict[str, torch.Tensor]:

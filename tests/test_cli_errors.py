@@ -581,6 +581,18 @@ def test_every_subcommand_has_debug(capsys, command):
     assert "--debug" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["inspect", "render", "sweep"])
+def test_seq_for_a_model_without_token_inputs_is_refused(capsys, command, tmp_path, monkeypatch):
+    """A tester's finding: hf:vit-b-16 --seq 999999 exited 0, the image size unchanged."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    argv = [command, "hf:vit-b-16", "--arg", "num_hidden_layers=1", "--seq", "999999"]
+    argv += {"render": ["-o", "g.dot"], "sweep": ["--batches", "1,2"]}.get(command, [])
+    line = one_error(capsys, *argv, message="--seq 999999 sets the length of token inputs")
+    assert "hf:vit-b-16 takes none" in line and "drop --seq" in line
+    nothing_left(tmp_path)
+
+
 @pytest.mark.parametrize("command", ["inspect", "export", "bench", "render", "sweep"])
 def test_every_spec_help_names_each_hf_form(capsys, command):
     """The subcommands that take a model SPEC list every hf: form it accepts."""
