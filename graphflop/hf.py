@@ -162,7 +162,8 @@ def _config(tf: Any, name: str, args: dict) -> tuple[Any, tuple[str, ...]]:
     types = list(tf.CONFIG_MAPPING.keys())
     preset = presets.find(name)
     if name not in types and preset is not None:
-        note = f"configuration: graphflop's preset {preset.name} ({preset.source})"
+        # "from": a source may end in a parenthesis of its own (a paper's table)
+        note = f"configuration: graphflop's preset {preset.name}, from {preset.source}"
         return _preset_config(tf, preset, args, name), (note,)
     if name not in types:
         close = difflib.get_close_matches(name, types, n=3) + presets.close_names(name)

@@ -197,6 +197,31 @@ def test_inspect_json_records_the_preset_fallback(offline_hub, capsys):
     assert "preset llama-3.1-8b" in note and "HF_HUB_OFFLINE" in note
 
 
+def test_a_preset_note_names_its_source_once_parenthesised():
+    """GPT-2's source ends in a parenthesis of its own (the paper's table): the note read
+    '...(Radford et al. 2019, Table 2))'."""
+    pytest.importorskip("transformers")
+    (note,) = load("hf:gpt2-small", ctor_kwargs={"n_layer": 1}, meta=True, seq=8).notes
+    source = presets.find("gpt2-small").source
+    assert note == f"configuration: graphflop's preset gpt2-small, from {source}"
+    assert "))" not in note
+
+
+def test_cli_models_footer_fits_count(capsys, monkeypatch):
+    """The footer points at --count only when --count was not given (the counts themselves
+    stubbed: building the 17 models is another test's)."""
+    from graphflop.cli import main
+    from graphflop.cli import models as models_cli
+
+    stub = {"params_exact": 1, "active_exact": 1}
+    monkeypatch.setattr(models_cli, "exact_counts", lambda name: stub)
+    assert main(["models"]) == 0
+    assert "--count gives the exact counts" in " ".join(capsys.readouterr().out.split())
+    assert main(["models", "--count"]) == 0
+    footer = " ".join(capsys.readouterr().out.split())
+    assert "--count gives" not in footer and "exact active: the counts of the models" in footer
+
+
 def test_a_hub_name_with_no_cache_and_no_preset_is_one_line(offline_hub):
     pytest.importorskip("transformers")
     with pytest.raises(SpecError) as e:
