@@ -354,6 +354,28 @@ def test_routing_capacity_and_histogram(capsys, tmp_path):
     assert base["experts"]["uniform"] is True and base["experts"]["expert_tokens"] == [16.0] * 8
 
 
+def test_batched_mm_experts_differ_from_grouped_in_the_backward(capsys):
+    """transformers' batched_mm experts gather each token-expert row's weights: the forward's
+    matrix FLOPs are grouped_mm's, the backward's too, but the backward also scatter-adds the
+    cotangents of the S = T·k = 128 gathered copies of gate/up (4096·28672) and down
+    (14336·4096) into the stacked weights, S·3·4096·14336 = 22,548,578,304 FLOPs, and the
+    copies are saved, 4 bytes each: 90,194,313,216 bytes. The two paths' elementwise routing
+    work differs by well under 0.01% of that (128·4097 FLOPs at this size)."""
+    pytest.importorskip("transformers")
+    grouped = _mixtral_json(capsys)
+    batched = _mixtral_json(capsys, "--arg", "experts_implementation=batched_mm")
+    total = lambda d, phase, key="flops": d["totals"][phase][key]  # noqa: E731
+    for phase in ("forward", "backward"):
+        assert total(batched, phase, "mm_flops") == total(grouped, phase, "mm_flops")
+    scatter = 128 * 3 * 4096 * 14336
+    assert scatter == 22_548_578_304
+    assert abs(total(batched, "forward") - total(grouped, "forward")) < 1e-4 * scatter
+    extra = total(batched, "backward") - total(grouped, "backward")
+    assert abs(extra - scatter) < 1e-4 * scatter
+    saved = lambda d: d["memory"]["saved_for_backward_bytes"]  # noqa: E731
+    assert abs(saved(batched) - saved(grouped) - 4 * scatter) < 1e-4 * 4 * scatter
+
+
 def test_routing_that_does_not_fit_is_one_line(capsys, tmp_path):
     pytest.importorskip("transformers")
     from graphflop.cli import main
