@@ -109,7 +109,8 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
     kwargs = default_inputs(model, config, seq)
     example = bind_call(model, (), kwargs)
     notes = (*notes, *(onto_meta(model) if meta else ()))
-    return LoadedModel(f"hf:{name}", model, example, notes)
+    seq_inputs = tuple(k for k in SEQ_INPUTS if k in kwargs)
+    return LoadedModel(f"hf:{name}", model, example, notes, seq_inputs)
 
 
 def _check_context(model: nn.Module, config: Any, seq: int, name: str) -> None:
@@ -161,7 +162,8 @@ def _config(tf: Any, name: str, args: dict) -> tuple[Any, tuple[str, ...]]:
     types = list(tf.CONFIG_MAPPING.keys())
     preset = presets.find(name)
     if name not in types and preset is not None:
-        note = f"configuration: graphflop's preset {preset.name} ({preset.source})"
+        # "from": a source may end in a parenthesis of its own (a paper's table)
+        note = f"configuration: graphflop's preset {preset.name}, from {preset.source}"
         return _preset_config(tf, preset, args, name), (note,)
     if name not in types:
         close = difflib.get_close_matches(name, types, n=3) + presets.close_names(name)
@@ -338,6 +340,10 @@ def _model_class(tf: Any, config: Any) -> Any:
         and not getattr(config, "is_encoder_decoder", False)
     )
     return tf.AutoModelForCausalLM if decoder else tf.AutoModel
+
+
+#: the default inputs whose length ``seq`` sets (:func:`default_inputs`)
+SEQ_INPUTS = ("input_ids", "decoder_input_ids", "input_values")
 
 
 def default_inputs(model: nn.Module, config: Any, seq: int) -> dict[str, torch.Tensor]:

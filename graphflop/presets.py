@@ -470,11 +470,14 @@ def experts_summary(
     for a model without routed experts (:func:`routed_experts`).
 
     Keys: ``params`` and ``active_params`` (per token), ``routed_layers``, ``experts`` (E) and
-    ``top_k`` (k) (the first layer's, with ``uniform`` false when layers differ), ``tokens``
-    (T), ``routing`` (the assumption, :class:`graphflop.ops.transformers_ops.Routing`,
-    balanced by default, in words), ``tokens_per_expert`` (the mean: T·k/E, or under a
-    capacity the buffer each expert computes) and ``tokens_per_expert_max`` (a histogram's
-    busiest expert). Balanced or measured, each token-expert pair is one row of a grouped
+    ``top_k`` (k) (the first layer's), ``uniform`` (false when layers differ in E or k, or
+    when the experts receive different numbers of tokens, as under a measured histogram),
+    ``tokens`` (T), ``routing`` (the assumption,
+    :class:`graphflop.ops.transformers_ops.Routing`, balanced by default, in words),
+    ``tokens_per_expert`` (the mean: T·k/E, or under a capacity the buffer each expert
+    computes), ``tokens_per_expert_min`` and ``tokens_per_expert_max`` (a histogram's idlest
+    and busiest experts) and ``expert_tokens`` (the rows each of the E experts receives, a
+    list). Balanced or measured, each token-expert pair is one row of a grouped
     product, so the FLOPs do not depend on the split; the split changes the per-expert load
     (time on parallel hardware), which the FLOPs do not show.
     """
@@ -492,9 +495,12 @@ def experts_summary(
         "routed_layers": len(found),
         "experts": e,
         "top_k": k,
-        "uniform": all((x[2], x[3]) == (e, k) for x in found),
+        "uniform": all((x[2], x[3]) == (e, k) for x in found)
+        and min(per_expert) == max(per_expert),
         "tokens": tokens,
         "routing": routing.describe(),
         "tokens_per_expert": sum(per_expert) / e,
+        "tokens_per_expert_min": min(per_expert),
         "tokens_per_expert_max": max(per_expert),
+        "expert_tokens": per_expert,
     }

@@ -30,12 +30,16 @@ class LoadedModel:
             non-tensor arguments too (the model is then bound to them,
             :mod:`graphflop.frontend.inputs`).
         notes: what loading changed that the user should know (one line each).
+        seq_inputs: the names of the default inputs whose length a sequence length sets
+            (``hf:`` models: token ids, audio samples; empty for a vision model), or None for
+            a spec that takes no sequence length.
     """
 
     name: str
     model: nn.Module
     example_inputs: tuple[torch.Tensor, ...] | None
     notes: tuple[str, ...] = ()
+    seq_inputs: tuple[str, ...] | None = None
 
 
 def onto_meta(model: nn.Module) -> tuple[str, ...]:

@@ -581,6 +581,57 @@ def test_every_subcommand_has_debug(capsys, command):
     assert "--debug" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["inspect", "render", "sweep"])
+def test_seq_for_a_model_without_token_inputs_is_refused(capsys, command, tmp_path, monkeypatch):
+    """A tester's finding: hf:vit-b-16 --seq 999999 exited 0, the image size unchanged."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    argv = [command, "hf:vit-b-16", "--arg", "num_hidden_layers=1", "--seq", "999999"]
+    argv += {"render": ["-o", "g.dot"], "sweep": ["--batches", "1,2"]}.get(command, [])
+    line = one_error(capsys, *argv, message="--seq 999999 sets the length of token inputs")
+    assert "hf:vit-b-16 takes none" in line and "drop --seq" in line
+    nothing_left(tmp_path)
+
+
+def test_rows_left_out_of_the_table_are_called_smaller_only_when_they_are():
+    """A tester's finding: '415 smaller layers not shown' for layers the same size as those
+    shown. Rows: the Linear layers, loss and (model) (no work: never printed, not counted).
+    Linear(8, 8) layers 1 to 3 tie (the first has no input cotangent, so less backward work):
+    the cut after two of them leaves out the third, 0 and loss, 3 other rows; Linear(8, 2)
+    after Linear(8, 8) is smaller: with one row shown, 2 smaller rows (it and loss)."""
+    from rich.console import Console
+    from torch import nn
+
+    import graphflop
+    from graphflop.export.report import print_report
+
+    def footer(model, max_layers):
+        report = graphflop.analyze(model, (torch.randn(2, 8),), loss="sum", jvp=False).report
+        console = Console(record=True, width=300)
+        print_report(report, console, max_layers=max_layers)
+        return [x for x in console.export_text().splitlines() if "not shown" in x]
+
+    same = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    assert footer(same, 2) == [
+        "3 other layers not shown, none larger than those shown (--json has all)"
+    ]
+    assert footer(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), 1) == [
+        "2 smaller layers not shown (--json has all)"
+    ]
+    assert footer(same, 4) == ["1 smaller layer not shown (--json has all)"]  # loss
+    assert footer(same, 5) == []
+
+
+@pytest.mark.parametrize("command", ["inspect", "export", "bench", "render", "sweep"])
+def test_every_spec_help_names_each_hf_form(capsys, command):
+    """The subcommands that take a model SPEC list every hf: form it accepts."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse's line wrapping undone
+    for form in ("hf:PRESET", "hf:ORG/NAME[@REV]", "hf:MODEL_TYPE", "hf:PATH"):
+        assert form in text, (command, form)
+
+
 # --- the library ---------------------------------------------------------------------------
 
 

@@ -183,6 +183,45 @@ def test_a_preset_hub_name_falls_back_to_the_preset_offline(offline_hub):
     )
 
 
+def test_inspect_json_records_the_preset_fallback(offline_hub, capsys):
+    """The note that a Hub name fell back to a preset reaches the JSON (model_notes, the last
+    key), not only standard error."""
+    pytest.importorskip("transformers")
+    from graphflop.cli import main
+
+    argv = ["inspect", "hf:meta-llama/Llama-3.1-8B", "--arg", "num_hidden_layers=1"]
+    assert main([*argv, "--seq", "8", "--format", "json", "--no-jvp", "--no-backward"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert list(doc)[-1] == "model_notes"
+    (note,) = [n for n in doc["model_notes"] if "preset" in n]
+    assert "preset llama-3.1-8b" in note and "HF_HUB_OFFLINE" in note
+
+
+def test_a_preset_note_names_its_source_once_parenthesised():
+    """GPT-2's source ends in a parenthesis of its own (the paper's table): the note read
+    '...(Radford et al. 2019, Table 2))'."""
+    pytest.importorskip("transformers")
+    (note,) = load("hf:gpt2-small", ctor_kwargs={"n_layer": 1}, meta=True, seq=8).notes
+    source = presets.find("gpt2-small").source
+    assert note == f"configuration: graphflop's preset gpt2-small, from {source}"
+    assert "))" not in note
+
+
+def test_cli_models_footer_fits_count(capsys, monkeypatch):
+    """The footer points at --count only when --count was not given (the counts themselves
+    stubbed: building the 17 models is another test's)."""
+    from graphflop.cli import main
+    from graphflop.cli import models as models_cli
+
+    stub = {"params_exact": 1, "active_exact": 1}
+    monkeypatch.setattr(models_cli, "exact_counts", lambda name: stub)
+    assert main(["models"]) == 0
+    assert "--count gives the exact counts" in " ".join(capsys.readouterr().out.split())
+    assert main(["models", "--count"]) == 0
+    footer = " ".join(capsys.readouterr().out.split())
+    assert "--count gives" not in footer and "exact active: the counts of the models" in footer
+
+
 def test_a_hub_name_with_no_cache_and_no_preset_is_one_line(offline_hub):
     pytest.importorskip("transformers")
     with pytest.raises(SpecError) as e:
@@ -299,11 +338,42 @@ def test_routing_capacity_and_histogram(capsys, tmp_path):
     )
     hist = tmp_path / "counts.json"
     hist.write_text("[4, 1, 1, 2, 0, 0, 0, 0]")
-    measured = _mixtral_json(capsys, "--routing", str(hist))
+    from graphflop.cli import main
+
+    argv = ["inspect", "hf:mixtral-8x7b", "--arg", "num_hidden_layers=1", "--seq", "64"]
+    assert main([*argv, "--format", "json", "--no-jvp", "--routing", str(hist)]) == 0
+    captured = capsys.readouterr()
+    measured = json.loads(captured.out)
     assert fwd(measured) == fwd(base)
-    # 128 rows split 4:1:1:2: the busiest expert gets 128·4/8 = 64
-    assert measured["experts"]["tokens_per_expert_max"] == 64.0
-    assert measured["experts"]["tokens_per_expert"] == 16.0
+    # 128 rows split 4:1:1:2 (of 8 parts): 128·4/8 = 64, 16, 16, 32, then four idle experts
+    ex = measured["experts"]
+    assert ex["expert_tokens"] == [64.0, 16.0, 16.0, 32.0, 0.0, 0.0, 0.0, 0.0]
+    assert (ex["tokens_per_expert_min"], ex["tokens_per_expert_max"]) == (0.0, 64.0)
+    assert ex["tokens_per_expert"] == 16.0 and ex["uniform"] is False
+    assert "0.0 to 64.0 tokens per expert (mean 16.0)" in captured.err
+    assert base["experts"]["uniform"] is True and base["experts"]["expert_tokens"] == [16.0] * 8
+
+
+def test_batched_mm_experts_differ_from_grouped_in_the_backward(capsys):
+    """transformers' batched_mm experts gather each token-expert row's weights: the forward's
+    matrix FLOPs are grouped_mm's, the backward's too, but the backward also scatter-adds the
+    cotangents of the S = T·k = 128 gathered copies of gate/up (4096·28672) and down
+    (14336·4096) into the stacked weights, S·3·4096·14336 = 22,548,578,304 FLOPs, and the
+    copies are saved, 4 bytes each: 90,194,313,216 bytes. The two paths' elementwise routing
+    work differs by well under 0.01% of that (128·4097 FLOPs at this size)."""
+    pytest.importorskip("transformers")
+    grouped = _mixtral_json(capsys)
+    batched = _mixtral_json(capsys, "--arg", "experts_implementation=batched_mm")
+    total = lambda d, phase, key="flops": d["totals"][phase][key]  # noqa: E731
+    for phase in ("forward", "backward"):
+        assert total(batched, phase, "mm_flops") == total(grouped, phase, "mm_flops")
+    scatter = 128 * 3 * 4096 * 14336
+    assert scatter == 22_548_578_304
+    assert abs(total(batched, "forward") - total(grouped, "forward")) < 1e-4 * scatter
+    extra = total(batched, "backward") - total(grouped, "backward")
+    assert abs(extra - scatter) < 1e-4 * scatter
+    saved = lambda d: d["memory"]["saved_for_backward_bytes"]  # noqa: E731
+    assert abs(saved(batched) - saved(grouped) - 4 * scatter) < 1e-4 * 4 * scatter
 
 
 def test_routing_that_does_not_fit_is_one_line(capsys, tmp_path):
@@ -316,6 +386,10 @@ def test_routing_that_does_not_fit_is_one_line(capsys, tmp_path):
         (["hf:mixtral-8x7b", "--routing", "capacity:0"], "give capacity:F with F > 0"),
         (["hf:mixtral-8x7b", "--routing", "uniform"], "give balanced, capacity:F or a JSON"),
         (["hf:mixtral-8x7b", "--routing", str(hist)], "3 counts and the model routes among 8"),
+        # a missing file is named as such, not as a malformed option
+        (["hf:mixtral-8x7b", "--routing", str(tmp_path / "no.json")], "no.json: not found"),
+        # at most T of the T·k rows reach one expert: ⌈F·T·k/E⌉ ≤ T bounds F by E/k = 8/2
+        (["hf:mixtral-8x7b", "--routing", "capacity:1e9"], "F at most E/k = 8/2 = 4"),
         (["hf:gpt2-small", "--routing", "capacity:2"], "has none: drop it"),
     ]
     for argv, message in cases:

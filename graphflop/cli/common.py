@@ -227,7 +227,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "spec",
         help="model: path/to/file.py[:Name], package.module:attr, torchvision:NAME, timm:NAME, "
-        "hf:MODEL_TYPE (transformers config, e.g. hf:llama) or hf:PATH (folder with config.json)",
+        "hf:PRESET (a published configuration graphflop ships, e.g. hf:llama-3.1-8b; "
+        "graphflop models lists them), hf:ORG/NAME[@REV] (a Hub model's config.json, from "
+        "the Hugging Face cache or the Hub, e.g. hf:meta-llama/Llama-3.1-8B), hf:MODEL_TYPE "
+        "(transformers' default config, e.g. hf:llama) or hf:PATH (folder with config.json)",
     )
     p.add_argument(
         "--input-shape",
@@ -291,6 +294,7 @@ def load_model(args: argparse.Namespace):
         meta=True,
         seq=getattr(args, "seq", None),
     )
+    check_seq_used(args, loaded)
     for note in loaded.notes:
         print(f"note: {note}", file=sys.stderr)
     check_dtype(args, loaded, shapes)
@@ -299,6 +303,23 @@ def load_model(args: argparse.Namespace):
     loaded.model.train(not args.eval)
     inputs = make_inputs(loaded, shapes=shapes, dtype=dtype, batch=args.batch)
     return loaded, inputs
+
+
+def check_seq_used(args: argparse.Namespace, loaded: Any) -> None:
+    """Refuse ``--seq`` for a model none of whose inputs has a sequence length (an ``hf:``
+    vision model: its image size is the configuration's), which would ignore it.
+
+    Raises:
+        SpecError: ``--seq`` given and ``loaded.seq_inputs`` empty.
+    """
+    from graphflop.load import SpecError
+
+    seq = getattr(args, "seq", None)
+    if seq is not None and loaded.seq_inputs == ():
+        raise SpecError(
+            f"--seq {seq} sets the length of token inputs, and {loaded.name} takes none (its "
+            "inputs' shapes come from its configuration, e.g. --arg image_size=N): drop --seq"
+        )
 
 
 def load_real_model(args: argparse.Namespace, *, dtype: bool = False):
@@ -311,6 +332,7 @@ def load_real_model(args: argparse.Namespace, *, dtype: bool = False):
     from graphflop.load import load, parse_dtype
 
     real = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), seq=getattr(args, "seq", None))
+    check_seq_used(args, real)
     real.model.train(not args.eval)
     if dtype and args.dtype:
         real.model.to(parse_dtype(args.dtype))

@@ -115,8 +115,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         metavar="MODEL",
         help="how a mixture-of-experts model's token-expert rows spread over its experts: "
         "balanced (default: T·k/E each, the expectation under uniform routing), capacity:F "
-        "(each expert computes ⌈F·T·k/E⌉ rows, padded or dropped), or a JSON file of measured "
-        "per-expert token counts; recorded in the report's experts key",
+        "(0 < F ≤ E/k: each expert computes ⌈F·T·k/E⌉ rows, padded or dropped), or a JSON "
+        "file holding a list of E measured per-expert token counts; recorded in the report's "
+        "experts key",
     )
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
@@ -270,16 +271,26 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
     if experts is not None:
         extra["experts"] = experts
         n = experts["routed_layers"]
+        low, high = experts["tokens_per_expert_min"], experts["tokens_per_expert_max"]
+        split = (
+            f"{experts['tokens_per_expert']:,.1f} tokens per expert"
+            if low == high
+            else f"{low:,.1f} to {high:,.1f} tokens per expert (mean "
+            f"{experts['tokens_per_expert']:,.1f})"
+        )
         err.print(
             f"experts ({n} routed {'layer' if n == 1 else 'layers'}, top {experts['top_k']} of "
             f"{experts['experts']}): {experts['routing']}; "
-            f"{experts['tokens_per_expert']:,.1f} tokens per expert; active "
+            f"{split}; active "
             f"parameters per token {experts['active_params']:,} of {experts['params']:,}",
             markup=False,
             highlight=False,
             soft_wrap=True,
         )
     rc = _verify(args, err, inputs, analysis, extra, samples) if args.verify else 0
+    # where the model came from (a preset in place of the Hub's config.json, lazy modules
+    # left out): the same notes as on standard error
+    extra["model_notes"] = list(loaded.notes)
     with atomic_group():  # all the files or none of them
         if args.json:
             atomic_write(args.json, to_json(report, extra))
@@ -338,6 +349,15 @@ def _check_routing(args: argparse.Namespace, loaded: Any) -> None:
         raise SpecError(
             f"--routing {args.routing} describes routed experts, and {loaded.name} has none: "
             "drop it"
+        )
+    factor = args.routing_model.factor
+    most = min(e / k for _, _, e, k in found)
+    if factor is not None and factor > most:
+        e, k = next((e, k) for _, _, e, k in found if e / k == most)
+        raise SpecError(
+            f"bad --routing {args.routing}: give capacity:F with F at most E/k = {e}/{k} = "
+            f"{most:g}: each token runs {k} different experts, so the most tokens an expert can "
+            f"receive is all T of them, ⌈F·T·k/E⌉ = T at F = E/k"
         )
     counts = args.routing_model.counts
     if counts is not None and len(counts) != found[0][2]:

@@ -112,9 +112,14 @@ def run(args: argparse.Namespace, err: Console) -> int:
         t.add_row(*cells)
     console = stdout_console()
     console.print(t)
+    exact = (
+        "exact params, exact active: the counts of the models built"
+        if args.count
+        else "--count gives the exact counts of the models built"
+    )
     console.print(
         "params, active: as published (see graphflop/presets.py for each figure's source); "
-        "--count gives the exact counts of the models built",
+        + exact,
         highlight=False,
     )
     return 0

@@ -12,6 +12,7 @@ from graphflop.cli.common import (
     check_backward_possible,
     check_distinct_outputs,
     check_output_file,
+    check_seq_used,
     parse_ctor_kwargs,
     stdout_console,
 )
@@ -152,6 +153,7 @@ def _check_differentiable(args: argparse.Namespace) -> None:
     from graphflop.load import load, make_inputs
 
     loaded = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), meta=True, seq=args.seq)
+    check_seq_used(args, loaded)
     loaded.model.train()
     check_backward_possible(args, loaded, make_inputs(loaded), why="sweep")
 

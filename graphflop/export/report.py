@@ -75,9 +75,9 @@ def print_report(
     else:
         layers = r.layers_at_depth(depth) if depth is not None else r.layers
         console.print(_layer_table(r, layers, max_layers, units))
-        hidden = len(layers) - min(len(layers), max_layers)
-        if hidden > 0:
-            console.print(f"[dim]{hidden} smaller layers not shown (--json has all)[/dim]")
+        hidden = _hidden_line(layers, max_layers)
+        if hidden:
+            console.print(f"[dim]{hidden}[/dim]")
     console.print(_totals_table(r, units))
     for line in _summary_lines(r):
         console.print(line)
@@ -207,11 +207,36 @@ def _function_warning(u: Uncounted, where: str) -> str:
     )
 
 
+def _work(L: LayerRow) -> float:
+    """What the per-layer table ranks layers by: forward + backward FLOPs."""
+    return L.forward_flops + L.backward_flops
+
+
+def _hidden_line(rows: tuple[LayerRow, ...], max_layers: int) -> str | None:
+    """The line under a table that leaves rows out: how many, and "smaller" only when each
+    of them has less work than every row shown (layers of equal size tie at the cut)."""
+    shown = _shown_layers(rows, max_layers)
+    # a row with no parameters and no work is never printed, shown or not
+    hidden = [
+        L
+        for L in rows
+        if id(L) not in shown and (L.params or L.forward_flops or L.backward_flops or L.jvp_flops)
+    ]
+    if not hidden:
+        return None
+    least = min(_work(L) for L in rows if id(L) in shown)
+    n = len(hidden)
+    layers = "layer" if n == 1 else "layers"
+    if all(_work(L) < least for L in hidden):
+        return f"{n} smaller {layers} not shown (--json has all)"
+    return f"{n} other {layers} not shown, none larger than those shown (--json has all)"
+
+
 def _shown_layers(rows: tuple[LayerRow, ...], max_layers: int) -> set[int]:
     """ids of the rows shown: all of them, or the ``max_layers`` with the most work."""
     if len(rows) <= max_layers:
         return {id(L) for L in rows}
-    ranked = sorted(rows, key=lambda L: -(L.forward_flops + L.backward_flops))
+    ranked = sorted(rows, key=lambda L: -_work(L))
     return {id(L) for L in ranked[:max_layers]}
 
 

@@ -179,8 +179,9 @@ def routing(model: Routing) -> Iterator[None]:
 
 
 def parse_routing(text: str) -> Routing:
-    """``balanced``, ``capacity:F`` (F > 0) or the path of a JSON list of per-expert token
-    counts (non-negative, not all zero).
+    """``balanced``, ``capacity:F`` (F > 0; its upper bound, E/k, depends on the model) or
+    the path of a JSON file holding a list of per-expert token counts (non-negative, not all
+    zero).
 
     Raises:
         ValueError: anything else, with what to give instead.
@@ -197,9 +198,10 @@ def parse_routing(text: str) -> Routing:
         return Routing("capacity", factor=factor)
     path = Path(text)
     if not path.is_file():
+        what = "is a folder" if path.is_dir() else "not found"
         raise ValueError(
-            f"bad --routing {text}: give balanced, capacity:F or a JSON file of per-expert "
-            "token counts"
+            f"bad --routing {text}: {what}; give balanced, capacity:F or a JSON file holding a "
+            "list of one token count per expert"
         )
     try:
         counts = json.loads(path.read_text())
