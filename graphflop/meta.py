@@ -435,11 +435,15 @@ class CheckpointTag:
         position: the node's place among the region's nodes, in trace order.
         whole: the backward reruns the whole region (``use_reentrant=True``, or early stop
             off); otherwise it stops once every value the backward reads is recomputed.
+        detached: a reentrant call none of whose tensor inputs is differentiable (depends on
+            no trainable parameter): eager gives its outputs no derivative, so the trace
+            detaches them and the parameters used only inside it get no gradient.
     """
 
     region: int
     position: int
     whole: bool = False
+    detached: bool = False
 
 
 @dataclass(frozen=True)

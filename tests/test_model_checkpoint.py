@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphflop import analyze
 from graphflop.cli import main
-from graphflop.meta import CHECKPOINT, ROLE
+from graphflop.meta import CHECKPOINT, ROLE, SIGNATURE
 from graphflop.runtime.memory_probe import measure_saved
 
 
@@ -198,3 +198,52 @@ def test_requires_grad_in_forward_is_traced():
     ids = torch.randint(0, 10, (4,))
     a = analyze(EmbedThenCheckpoint(), (ids,))
     assert a.report.totals.backward.recompute_flops == 1088 + 64 + 1056
+
+
+class TwoOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(16, 32)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+class ReentrantOnInput(nn.Module):
+    """A reentrant checkpoint on the raw model input, then a reentrant checkpoint_sequential
+    on its outputs, then a head: no input of either checkpoint requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = TwoOut()
+        self.seq = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h, g = checkpoint(self.f, x, use_reentrant=True)
+        y = checkpoint_sequential(self.seq, 2, h * g, use_reentrant=True)
+        return self.head(y)
+
+
+def test_reentrant_checkpoint_without_grad_inputs_gives_no_gradient():
+    """Eager: the reentrant checkpoint's outputs do not require grad when none of its inputs
+    does, so the parameters inside get no gradient. checkpoint_sequential runs its last
+    segment (seq.2, seq.3) outside any checkpoint: the backward's matrix FLOPs are the head's
+    weight and input gradients (2 * 2*8*32*4 = 4,096) and seq.2's weight gradient
+    (2*8*32*32 = 16,384; its input gradient is not needed): 20,480, no recompute. graphflop
+    counted every weight gradient inside the regions before (and their recompute)."""
+    torch.manual_seed(0)
+    model, x = ReentrantOnInput(), torch.randn(8, 16)
+    with pytest.warns(UserWarning, match="reentrant checkpoint in f: none of its inputs") as w:
+        a = analyze(model, (x,))
+    assert any("reentrant checkpoint in seq:" in str(r.message) for r in w)
+    b = a.report.totals.backward
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
+        eager = _eager_backward_flops(model, x)
+    assert b.mm_flops == eager == 2 * (2 * 8 * 32 * 4) + 2 * 8 * 32 * 32
+    assert b.recompute_flops == 0
+    assert b.complete
+    with_grad = {q for q, p in model.named_parameters() if p.grad is not None}
+    trainable = {q for _, q in a.forward.meta[SIGNATURE].trainable()}
+    assert trainable == with_grad == {"seq.2.weight", "seq.2.bias", "head.weight", "head.bias"}
