@@ -58,12 +58,25 @@ def new_nodes() -> Iterator[list[Node]]:
     made.reverse()
 
 
-def tag_checkpoint(made: list[Node], whole: bool, detached: bool = False) -> None:
+#: :attr:`CheckpointTag.unmodelled` of a call with another checkpoint call inside
+NESTED = (
+    "checkpoint nested in another checkpoint (eager reruns the inner call's forward once more "
+    "for its own backward; graphflop reruns it once)"
+)
+
+
+def tag_checkpoint(
+    made: list[Node], whole: bool, detached: bool = False, unmodelled: str = ""
+) -> None:
     """Tag ``made`` (one checkpoint call's nodes) as one region; an enclosing checkpoint's tag
-    replaces an inner one's (the outer call's backward reruns the inner one's forward too)."""
+    replaces an inner one's (the outer call's backward reruns the inner one's forward too),
+    and the enclosing call is marked :data:`NESTED` (its recompute is not eager's)."""
     region = next(region_ids)
+    inner = [n.meta[CHECKPOINT].unmodelled for n in made if CHECKPOINT in n.meta]
+    if inner and not unmodelled:
+        unmodelled = next((u for u in inner if u and u != NESTED), NESTED)
     for i, n in enumerate(made):
-        n.meta[CHECKPOINT] = CheckpointTag(region, i, whole, detached)
+        n.meta[CHECKPOINT] = CheckpointTag(region, i, whole, detached, unmodelled)
 
 
 class _GradSources:
