@@ -191,7 +191,27 @@ def _traced_generator(
     early = forced if forced is not None else early_stop
     with new_nodes() as made:
         yield
-    tag_checkpoint(made, whole=not early)
+    tag_checkpoint(made, whole=not early, unmodelled=_context_fn_note(context_fn))
+
+
+def _context_fn_note(context_fn: Any) -> str:
+    """:attr:`CheckpointTag.unmodelled` for a checkpoint's ``context_fn``: empty for the
+    default; otherwise (selective activation checkpointing's policy, which keeps the outputs
+    of the ops it names instead of rerunning them, or any other context) what is not
+    modelled."""
+    if context_fn is None or context_fn is torch_checkpoint.noop_context_fn:
+        return ""
+    inner = getattr(context_fn, "func", None)
+    args = getattr(context_fn, "args", ())
+    if inner is torch_checkpoint.create_selective_checkpoint_contexts and args:
+        policy = args[0]
+        name = getattr(policy, "__qualname__", None) or f"a list of {len(policy)} ops"
+        return (
+            f"selective activation checkpointing policy {name} not modelled (eager keeps "
+            "the outputs of the ops it saves; graphflop reruns the whole region)"
+        )
+    name = getattr(inner or context_fn, "__qualname__", type(context_fn).__name__)
+    return f"checkpoint context_fn {name} not modelled (graphflop reruns as plain checkpoint)"
 
 
 def run_checkpoint_function(function: Any, *args: Any) -> Any:
