@@ -332,3 +332,15 @@ def test_selective_checkpointing_marks_the_backward_incomplete():
     [u] = [u for u in a.report.uncounted if u.missing == ("recompute",)]
     assert "selective activation checkpointing policy _save_matmuls" in u.op
     assert u.modules == ("block",)
+
+
+def test_input_tangents_through_a_detached_reentrant_checkpoint_are_marked_incomplete():
+    """With tangents on the inputs, eager (inputs requiring grad) would differentiate through
+    the reentrant checkpoints the trace detached: the JVP says it is incomplete, and why,
+    rather than a tangent that is silently zero."""
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="reentrant checkpoint in f"):
+        a = analyze(ReentrantOnInput(), (torch.randn(8, 16),), tangents="inputs")
+    assert not a.report.totals.jvp.complete
+    [u] = [u for u in a.report.uncounted if u.missing == ("recompute",)]
+    assert u.op.startswith("reentrant checkpoint on the model's inputs") and u.count == 2
