@@ -19,24 +19,38 @@ from torch import nn
 from torch.fx import GraphModule
 
 from graphflop._gc import paused_gc
-from graphflop.ad.jvp import build_jvp
+from graphflop.ad.jvp import TANGENT_CHOICES, build_jvp
 from graphflop.frontend import nodynamo
 from graphflop.frontend.errors import quiet_loggers
 from graphflop.frontend.inputs import split_example
+from graphflop.frontend.loss import LOSSES
 from graphflop.frontend.trace import trace
 from graphflop.meta import JVP, LINEARIZED, LOSS_KIND, SIGNATURE
 from graphflop.passes.activity_gradient import BuildActivityGradientStep, NotPerturbable
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
+from graphflop.passes.checkpoint import module_matcher
 from graphflop.passes.compiled_memory import compiled_report_memory
 from graphflop.passes.flops import AnnotateFlops
-from graphflop.passes.forward_gradient import BuildForwardGradientStep
+from graphflop.passes.forward_gradient import (
+    DISTRIBUTIONS,
+    MAX_DIRECTIONS,
+    BuildForwardGradientStep,
+)
 from graphflop.passes.infra import run_passes
-from graphflop.passes.optimizer import AddOptimizerUpdate, for_every_parameter
+from graphflop.passes.optimizer import OPTIMIZERS, AddOptimizerUpdate, for_every_parameter
 from graphflop.passes.summary import Graphs, summarize
 from graphflop.passes.train_step import BuildTrainStep
 from graphflop.report import SCHEMA_VERSION, Report
 
-__all__ = ["SCHEMA_VERSION", "Analysis", "AnalyzeOptions", "analyze"]
+__all__ = [
+    "AMP_DTYPES",
+    "DEVICES",
+    "MEMORY_MODELS",
+    "SCHEMA_VERSION",
+    "Analysis",
+    "AnalyzeOptions",
+    "analyze",
+]
 
 
 @dataclass
@@ -82,11 +96,11 @@ class Analysis:
         return self.report.to_dict()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AnalyzeOptions:
     """What :func:`analyze` builds and how it counts: every setting but the model, its inputs,
-    its display name and the progress callback. Checked when made (``dataclasses.replace``
-    included).
+    its display name and the progress callback; keyword-only. Checked when made
+    (``dataclasses.replace`` included), with the command line's choices and limits.
 
     Attributes:
         loss: see :func:`graphflop.frontend.trace.trace` (``auto``, ``output``, ``sum``,
@@ -94,7 +108,9 @@ class AnalyzeOptions:
         optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw``.
         tangents: which values carry tangents in the JVP graph (``params``, ``inputs``, ``all``).
         directions, distribution: of the forward-gradient step (see
-            :func:`~graphflop.passes.forward_gradient.build_forward_gradient_step`).
+            :func:`~graphflop.passes.forward_gradient.build_forward_gradient_step`):
+            1 to :data:`~graphflop.passes.forward_gradient.MAX_DIRECTIONS` directions,
+            ``normal`` or ``rademacher``.
         backward, jvp: build those graphs. With ``loss="auto"``, a model whose output holds
             no floating-point tensor (it ends in argmax) gets neither: nothing to differentiate.
         memory_model: ``eager`` (default: what eager PyTorch autograd saves and allocates on
@@ -112,9 +128,13 @@ class AnalyzeOptions:
             peak in ``report.memory.amp`` (:mod:`graphflop.passes.amp`).
 
     Raises:
-        ValueError: an unknown memory model, device or amp dtype; a what-if (``checkpoint``,
-            ``amp``, ``keep_grads``) with ``backward=False``.
-        TypeError: ``directions`` not an int.
+        ValueError: an unknown loss, optimizer, tangents, distribution, memory model, device or
+            amp dtype; ``directions`` out of range; an empty or malformed ``checkpoint``
+            pattern; a what-if (``checkpoint``, ``amp``, ``keep_grads``) with
+            ``backward=False``; ``checkpoint`` or ``amp`` (what-ifs on the eager memory model)
+            with ``memory_model`` ``graph`` or ``compiled``.
+        TypeError: a field of the wrong type (``directions`` not an int, ``backward``,
+            ``jvp``, ``keep_grads`` not a bool, a choice or pattern not a str).
     """
 
     loss: str = "auto"
@@ -131,16 +151,35 @@ class AnalyzeOptions:
     amp: str | None = None
 
     def __post_init__(self) -> None:
-        if self.memory_model not in ("eager", "graph", "compiled") or self.device not in (
-            "cpu",
-            "cuda",
-        ):
+        for name in ("backward", "jvp", "keep_grads"):
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be True or False, not {v!r}")
+        if not isinstance(self.directions, int) or isinstance(self.directions, bool):
+            raise TypeError(f"directions must be an int, not {type(self.directions).__name__}")
+        if not 1 <= self.directions <= MAX_DIRECTIONS:
             raise ValueError(
-                f"unknown memory model {self.memory_model!r} on {self.device!r}: eager, graph "
-                "or compiled, on cpu or cuda"
+                f"directions must be 1 to {MAX_DIRECTIONS:,} (each holds a tangent of every "
+                f"parameter), not {self.directions:,}"
             )
-        if self.amp not in (None, "bf16", "fp16"):
-            raise ValueError(f"unknown amp dtype {self.amp!r}: bf16 or fp16")
+        for name, choices in (
+            ("loss", (*LOSSES, "auto")),
+            ("optimizer", OPTIMIZERS),
+            ("tangents", TANGENT_CHOICES),
+            ("distribution", DISTRIBUTIONS),
+            ("memory_model", MEMORY_MODELS),
+            ("device", DEVICES),
+        ):
+            _choice(name, getattr(self, name), choices)
+        if self.amp is not None:
+            _choice("amp", self.amp, AMP_DTYPES, "or None")
+        if self.checkpoint is not None:
+            if not isinstance(self.checkpoint, str):
+                raise TypeError(
+                    "checkpoint must be a module path pattern (str) or None, not "
+                    f"{type(self.checkpoint).__name__}"
+                )
+            module_matcher(self.checkpoint)  # empty or malformed: CheckpointPatternError
         if not self.backward and (
             self.checkpoint is not None or self.amp is not None or self.keep_grads
         ):
@@ -152,8 +191,27 @@ class AnalyzeOptions:
                 else "keep_grads"
             )
             raise ValueError(f"{what}= is a what-if on the backward, and backward=False skips it")
-        if not isinstance(self.directions, int) or isinstance(self.directions, bool):
-            raise TypeError(f"directions must be an int, not {type(self.directions).__name__}")
+        if self.memory_model != "eager" and (self.checkpoint is not None or self.amp is not None):
+            what = "checkpoint" if self.checkpoint is not None else "amp"
+            raise ValueError(
+                f"{what}= is a what-if on the eager memory model, not on memory_model="
+                f"{self.memory_model!r}: drop one of the two (or use memory_model='eager')"
+            )
+
+
+#: the memory models, devices and autocast dtypes :class:`AnalyzeOptions` takes
+MEMORY_MODELS = ("eager", "graph", "compiled")
+DEVICES = ("cpu", "cuda")
+AMP_DTYPES = ("bf16", "fp16")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...], extra: str = "") -> None:
+    """Raise TypeError or ValueError unless ``value`` is one of ``choices``."""
+    listed = ", ".join(choices) + (f" {extra}" if extra else "")
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {listed}, not {value!r}")
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}: one of {listed}")
 
 
 def analyze(

@@ -435,11 +435,19 @@ class CheckpointTag:
         position: the node's place among the region's nodes, in trace order.
         whole: the backward reruns the whole region (``use_reentrant=True``, or early stop
             off); otherwise it stops once every value the backward reads is recomputed.
+        detached: a reentrant call none of whose tensor inputs is differentiable (depends on
+            no trainable parameter): eager gives its outputs no derivative, so the trace
+            detaches them and the parameters used only inside it get no gradient.
+        unmodelled: why graphflop's recompute of this call is not what eager runs (a
+            checkpoint nested in another: eager reruns the inner call once more for its own
+            backward), empty when it is; the backward is then marked incomplete.
     """
 
     region: int
     position: int
     whole: bool = False
+    detached: bool = False
+    unmodelled: str = ""
 
 
 @dataclass(frozen=True)
@@ -566,7 +574,9 @@ class Gap:
         op: the op's ``aten.x.overload`` name.
         node: the forward node (``SOURCE``) whose tangent or cotangent was not built.
         module: that node's ``nn.Module`` path.
-        kind: the missing kind of rule: ``jvp`` or ``transpose``.
+        kind: the missing kind of rule: ``jvp`` or ``transpose``; or ``recompute``: a
+            ``torch.utils.checkpoint`` call whose recompute graphflop does not model (``op``
+            says how, :attr:`CheckpointTag.unmodelled`).
     """
 
     op: str

@@ -616,7 +616,9 @@ class Uncounted:
         modules: their ``nn.Module`` paths, each once.
         missing: the kinds of rule it lacks that the analysis needed, of ``cost``, ``jvp``,
             ``transpose``: with no cost rule its nodes count 0; with no JVP or transpose rule the
-            JVP or backward stops at its nodes (what depends on them is not built).
+            JVP or backward stops at its nodes (what depends on them is not built);
+            ``recompute``: ``op`` is a ``torch.utils.checkpoint`` use whose recompute is not
+            modelled as eager runs it (the backward's count is not eager's).
     """
 
     op: str

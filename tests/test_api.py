@@ -103,9 +103,14 @@ def test_summarize_refuses_a_backward_without_its_update():
 
 
 def test_analyze_reraises_the_pass_error_not_the_managers():
-    # torch.fx's PassManager wraps errors in a bare Exception: analyze re-raises the pass's own
+    # torch.fx's PassManager wraps errors in a bare Exception: run_passes (what analyze runs
+    # each graph's passes with) re-raises the pass's own
+    from graphflop.passes.infra import run_passes
+    from graphflop.passes.optimizer import AddOptimizerUpdate
+
+    fwd = graphflop.trace(nn.Linear(3, 2), (torch.randn(4, 3),), loss="sum")
     with pytest.raises(ValueError, match="unknown optimizer") as e:
-        graphflop.analyze(nn.Linear(3, 2), (torch.randn(4, 3),), loss="sum", optimizer="lion")
+        run_passes(fwd, [AddOptimizerUpdate("lion", backward=graphflop.build_vjp(fwd))])
     assert any("AddOptimizerUpdate" in note for note in e.value.__notes__)
 
 
@@ -468,12 +473,67 @@ def test_analyze_takes_an_options_value_and_keyword_overrides():
     assert opts == graphflop.AnalyzeOptions(jvp=False, optimizer="adam")  # frozen, compared
     with pytest.raises(ValueError, match="amp= is a what-if on the backward"):
         replace(opts, backward=False, amp="bf16")
-    with pytest.raises(ValueError, match="unknown memory model 'inductor'"):
+    with pytest.raises(ValueError, match="unknown memory_model 'inductor'"):
         graphflop.AnalyzeOptions(memory_model="inductor")
     with pytest.raises(TypeError, match="unexpected keyword argument 'optimiser'.*optimizer"):
         graphflop.analyze(m, x, optimiser="adam")
     with pytest.raises(TypeError, match="options must be an AnalyzeOptions, not dict"):
         graphflop.analyze(m, x, {"optimizer": "adam"})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"loss": "bogus"}, ValueError, "unknown loss 'bogus': one of cross_entropy"),
+        ({"optimizer": "nope"}, ValueError, "unknown optimizer 'nope': one of sgd"),
+        ({"tangents": "x"}, ValueError, "unknown tangents 'x': one of params, inputs, all"),
+        ({"distribution": "x"}, ValueError, "unknown distribution 'x': one of normal"),
+        ({"device": "tpu"}, ValueError, "unknown device 'tpu': one of cpu, cuda"),
+        ({"amp": "fp8"}, ValueError, "unknown amp 'fp8': one of bf16, fp16 or None"),
+        ({"optimizer": 3}, TypeError, "optimizer must be a str"),
+        ({"directions": 0}, ValueError, "directions must be 1 to 1,024"),
+        ({"directions": -5}, ValueError, "directions must be 1 to 1,024"),
+        ({"directions": 10**9}, ValueError, "directions must be 1 to 1,024"),
+        ({"directions": 2.0}, TypeError, "directions must be an int"),
+        ({"checkpoint": "re:("}, ValueError, "bad checkpoint pattern: regular expression"),
+        ({"checkpoint": ""}, ValueError, "empty checkpoint pattern"),
+        ({"checkpoint": 5}, TypeError, "checkpoint must be a module path pattern"),
+        ({"backward": "no"}, TypeError, "backward must be True or False, not 'no'"),
+        ({"jvp": 0}, TypeError, "jvp must be True or False, not 0"),
+        ({"keep_grads": "yes"}, TypeError, "keep_grads must be True or False"),
+        (
+            {"amp": "bf16", "memory_model": "graph"},
+            ValueError,
+            "amp= is a what-if on the eager memory model, not on memory_model='graph'",
+        ),
+        (
+            {"checkpoint": "fc*", "memory_model": "compiled"},
+            ValueError,
+            "checkpoint= is a what-if on the eager memory model",
+        ),
+    ],
+)
+def test_analyze_options_refuse_bad_values(kwargs, error, match):
+    """Every field is checked when the options are made, with the command line's choices and
+    limits (``--directions`` 1 to 1,024; the API ran over 90 s on a tiny MLP with 10**9), and
+    the combinations the command line refuses."""
+    with pytest.raises(error, match=re.escape(match)):
+        graphflop.AnalyzeOptions(**kwargs)
+
+
+def test_analyze_options_are_keyword_only():
+    """``AnalyzeOptions("sgd")`` set the loss to 'sgd' silently (the first field)."""
+    with pytest.raises(TypeError, match="positional argument"):
+        graphflop.AnalyzeOptions("sgd")  # type: ignore[misc]
+
+
+def test_a_checkpoint_pattern_matching_nothing_is_worded_for_the_api():
+    """The library's error names the option as both interfaces know it, not a CLI flag."""
+    from graphflop.passes.checkpoint import CheckpointPatternError
+
+    m, x = nn.Sequential(nn.Linear(4, 2)), torch.randn(3, 4)
+    with pytest.raises(CheckpointPatternError, match="^checkpoint pattern 'x' matches no module"):
+        graphflop.analyze(m, x, checkpoint="x", jvp=False)
 
 
 def test_a_model_pytorch_cannot_run_for_its_dtypes_is_refused():

@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphflop import analyze
 from graphflop.cli import main
-from graphflop.meta import CHECKPOINT, ROLE
+from graphflop.meta import CHECKPOINT, ROLE, SIGNATURE
 from graphflop.runtime.memory_probe import measure_saved
 
 
@@ -198,3 +198,153 @@ def test_requires_grad_in_forward_is_traced():
     ids = torch.randint(0, 10, (4,))
     a = analyze(EmbedThenCheckpoint(), (ids,))
     assert a.report.totals.backward.recompute_flops == 1088 + 64 + 1056
+
+
+class TwoOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(16, 32)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+class ReentrantOnInput(nn.Module):
+    """A reentrant checkpoint on the raw model input, then a reentrant checkpoint_sequential
+    on its outputs, then a head: no input of either checkpoint requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.f = TwoOut()
+        self.seq = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h, g = checkpoint(self.f, x, use_reentrant=True)
+        y = checkpoint_sequential(self.seq, 2, h * g, use_reentrant=True)
+        return self.head(y)
+
+
+def test_reentrant_checkpoint_without_grad_inputs_gives_no_gradient():
+    """Eager: the reentrant checkpoint's outputs do not require grad when none of its inputs
+    does, so the parameters inside get no gradient. checkpoint_sequential runs its last
+    segment (seq.2, seq.3) outside any checkpoint: the backward's matrix FLOPs are the head's
+    weight and input gradients (2 * 2*8*32*4 = 4,096) and seq.2's weight gradient
+    (2*8*32*32 = 16,384; its input gradient is not needed): 20,480, no recompute. graphflop
+    counted every weight gradient inside the regions before (and their recompute)."""
+    torch.manual_seed(0)
+    model, x = ReentrantOnInput(), torch.randn(8, 16)
+    with pytest.warns(UserWarning, match="reentrant checkpoint in f: none of its inputs") as w:
+        a = analyze(model, (x,))
+    assert any("reentrant checkpoint in seq:" in str(r.message) for r in w)
+    b = a.report.totals.backward
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad"):
+        eager = _eager_backward_flops(model, x)
+    assert b.mm_flops == eager == 2 * (2 * 8 * 32 * 4) + 2 * 8 * 32 * 32
+    assert b.recompute_flops == 0
+    assert b.complete
+    with_grad = {q for q, p in model.named_parameters() if p.grad is not None}
+    trainable = {q for _, q in a.forward.meta[SIGNATURE].trainable()}
+    assert trainable == with_grad == {"seq.2.weight", "seq.2.bias", "head.weight", "head.bias"}
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.a(x))
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.i1, self.i2 = Inner(), Inner()
+
+    def forward(self, x):
+        return checkpoint(self.i2, checkpoint(self.i1, x, use_reentrant=False), use_reentrant=False)
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.o1, self.o2 = Outer(), Outer()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = checkpoint(self.o1, x, use_reentrant=False)
+        x = checkpoint(self.o2, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_nested_checkpoints_mark_the_backward_incomplete():
+    """Eager reruns an inner checkpointed call twice in the backward (in the outer call's
+    recompute, then for its own backward): 55,296 matrix FLOPs on this model, where
+    graphflop's single recompute gives 47,104. Not modelled: the backward says it is
+    incomplete and why, instead of a count that is silently short."""
+    torch.manual_seed(0)
+    model, x = Nested(), torch.randn(8, 16)
+    a = analyze(model, (x,))
+    eager = _eager_backward_flops(model, x)
+    b = a.report.totals.backward
+    assert b.mm_flops != eager == 55296
+    assert not b.complete
+    [u] = [u for u in a.report.uncounted if u.missing == ("recompute",)]
+    assert u.op.startswith("checkpoint nested in another checkpoint")
+    assert u.count == 2 and set(u.modules) == {"o1", "o2"}
+    # the counts are incomplete, not the derivatives: --verify still runs every check
+    from graphflop.runtime.verify_all import gap_reasons
+
+    assert gap_reasons(a.report) == {}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Selective(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        from functools import partial
+
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        ctx = partial(create_selective_checkpoint_contexts, _save_matmuls)
+        return self.head(checkpoint(self.block, x, use_reentrant=False, context_fn=ctx))
+
+
+def test_selective_checkpointing_marks_the_backward_incomplete():
+    """A policy that saves the matrix products: eager reruns none of them (backward matrix
+    FLOPs as without checkpointing: fc1 weight 2*4*8*16 = 1,024, its input gradient pruned;
+    fc2 2 * 1,024; head 2 * 2*4*8*4 = 512: 3,584), where graphflop's plain recompute reruns
+    fc1 (4,608). Not modelled: the backward says so, naming the policy."""
+    torch.manual_seed(0)
+    model, x = Selective(), torch.randn(4, 8)
+    a = analyze(model, (x,))
+    assert _eager_backward_flops(model, x) == 1024 + 2048 + 512
+    assert not a.report.totals.backward.complete
+    [u] = [u for u in a.report.uncounted if u.missing == ("recompute",)]
+    assert "selective activation checkpointing policy _save_matmuls" in u.op
+    assert u.modules == ("block",)
+
+
+def test_input_tangents_through_a_detached_reentrant_checkpoint_are_marked_incomplete():
+    """With tangents on the inputs, eager (inputs requiring grad) would differentiate through
+    the reentrant checkpoints the trace detached: the JVP says it is incomplete, and why,
+    rather than a tangent that is silently zero."""
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="reentrant checkpoint in f"):
+        a = analyze(ReentrantOnInput(), (torch.randn(8, 16),), tangents="inputs")
+    assert not a.report.totals.jvp.complete
+    [u] = [u for u in a.report.uncounted if u.missing == ("recompute",)]
+    assert u.op.startswith("reentrant checkpoint on the model's inputs") and u.count == 2

@@ -34,6 +34,7 @@ from torch.fx import Graph, GraphModule, Node
 from graphflop.ad.builder import Builder, copy_node
 from graphflop.ad.functions import FunctionCall, emit_tangent, function_calls
 from graphflop.meta import (
+    CHECKPOINT,
     GAPS,
     GHOST_LINKS,
     GHOSTS,
@@ -182,8 +183,30 @@ def build_jvp(
     gm.meta[JVP_LOG] = tuple(lin.b.log)
     gm.meta[GHOST_LINKS] = GhostLinks.of(lin.b.ghost_links)
     gm.meta[LOSS_KIND] = forward.meta.get(LOSS_KIND)
-    gm.meta[GAPS] = tuple(lin.gaps)
+    gm.meta[GAPS] = tuple(lin.gaps) + (_detached_regions(forward) if carry & inputs else ())
     return gm
+
+
+#: the :class:`Gap` op of a reentrant checkpoint the trace detached, differentiated with
+#: respect to the model's inputs
+DETACHED_INPUT = (
+    "reentrant checkpoint on the model's inputs (traced as taking no derivative, as eager does "
+    "for inputs that do not require grad; the derivative with respect to the inputs through it "
+    "is not modelled)"
+)
+
+
+def _detached_regions(forward: GraphModule) -> tuple[Gap, ...]:
+    """One gap per reentrant checkpoint call the trace detached (none of its inputs depended
+    on a parameter): with tangents on the inputs eager would differentiate through it."""
+    first: dict[int, Node] = {}
+    for n in forward.graph.nodes:
+        tag = n.meta.get(CHECKPOINT)
+        if tag is not None and tag.detached:
+            first.setdefault(tag.region, n)
+    return tuple(
+        Gap(DETACHED_INPUT, n.name, n.meta.get(MODULE, ""), "recompute") for n in first.values()
+    )
 
 
 class _Linearizer:

@@ -33,6 +33,7 @@ forward nodes), ``ROLE`` (``grad_input``, ``grad_weight``, ``grad_accum``, ``los
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -246,6 +247,8 @@ def build_vjp(
                 raise
             gaps.append(_gap(entry))
 
+    if b.checkpoints is not None:
+        gaps.extend(b.checkpoints.unmodelled())
     outputs: list[Node] = []
     grads: list[tuple[int, str]] = []
     in_grads: list[tuple[int, str]] = []
@@ -446,6 +449,19 @@ class _Checkpoints:
             made.append(node)
         self.emitted[call] = made
         return copies
+
+    def unmodelled(self) -> list[Gap]:
+        """One :class:`Gap` (kind ``recompute``) per call whose recompute graphflop does not
+        model as eager runs it, the reason as its ``op``."""
+        gaps: list[Gap] = []
+        for ns in self.nodes.values():
+            why = next((u for n in ns if (u := n.meta[CHECKPOINT].unmodelled)), "")
+            if why:
+                paths = [n.meta[MODULE].split(".") for n in ns if n.meta.get(MODULE)]
+                shared = itertools.takewhile(lambda p: len(set(p)) == 1, zip(*paths))
+                module = ".".join(p[0] for p in shared)  # the module the call ran
+                gaps.append(Gap(why, ns[0].name, module, "recompute"))
+        return gaps
 
     def kept(self):
         """``is_impure_node`` for dead-code elimination of the finished backward graph: the

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from graphflop.frontend.loss import NO_FLOAT_OUTPUT, differentiable, output_tensors
+from graphflop.passes.optimizer import OPTIMIZERS
 
 if TYPE_CHECKING:
     from graphflop.analysis import AnalyzeOptions
@@ -35,7 +36,7 @@ EXIT_INTERRUPTED = 130
 #: a reader closed standard output's pipe before the command finished writing to it: the
 #: status a shell gives a process that SIGPIPE ends (128 + 13)
 EXIT_READER_GONE = 141
-OPTIMIZER_CHOICES = ["sgd", "momentum", "adam", "adamw"]
+OPTIMIZER_CHOICES = list(OPTIMIZERS)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from graphflop.ad.jvp import TANGENT_CHOICES
+from graphflop.analysis import AMP_DTYPES, DEVICES, MEMORY_MODELS
 from graphflop.cli.common import (
     EXIT_VERIFY_FAILED,
     OPTIMIZER_CHOICES,
@@ -22,6 +24,7 @@ from graphflop.cli.common import (
     print_warnings,
     stdout_console,
 )
+from graphflop.passes.forward_gradient import DISTRIBUTIONS, MAX_DIRECTIONS
 from graphflop.runtime.verify import (
     MAX_VERIFY_FLOPS,
     MAX_VERIFY_SAMPLES,
@@ -29,7 +32,6 @@ from graphflop.runtime.verify import (
     VERIFY_FLOPS,
     VERIFY_SAMPLES,
 )
-from graphflop.train.config import MAX_DIRECTIONS
 
 if TYPE_CHECKING:
     from graphflop.analysis import Analysis
@@ -58,7 +60,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--tangents",
         default=JVP_DEFAULTS["tangents"],
-        choices=["params", "inputs", "all"],
+        choices=TANGENT_CHOICES,
         help="which values carry tangents in the JVP graph (default params: weight "
         "perturbation, as in forward gradients)",
     )
@@ -72,13 +74,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--direction",
         default=JVP_DEFAULTS["direction"],
-        choices=["normal", "rademacher"],
+        choices=DISTRIBUTIONS,
         help="distribution of forward-gradient directions (default normal)",
     )
     p.add_argument(
         "--memory-model",
         default="eager",
-        choices=["eager", "graph", "compiled"],
+        choices=MEMORY_MODELS,
         help="what the memory figures describe: eager (default) what eager PyTorch autograd "
         "saves and allocates on --memory-device; graph: graphflop's own graphs in their order; "
         "compiled: what torch.compile's AOTAutograd min-cut partition saves, and the FLOPs it "
@@ -87,7 +89,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--memory-device",
         default=None,
-        choices=["cpu", "cuda"],
+        choices=DEVICES,
         help="device of the eager (and compiled) memory model: dropout masks, optimizer "
         "temporaries (default cpu; the graph model does not depend on it)",
     )
@@ -105,7 +107,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--amp",
-        choices=["bf16", "fp16"],
+        choices=AMP_DTYPES,
         help="what-if: autocast to this dtype on --memory-device: saved bytes and train peak "
         "in memory.amp (FLOPs unchanged)",
     )

@@ -180,6 +180,12 @@ def warning_lines(r: Report) -> list[str]:
         if u.op.startswith(FUNCTION_LABEL):  # a custom Function: its own derivative is missing
             lines.append(_function_warning(u, where))
             continue
+        if u.missing == ("recompute",):
+            lines.append(
+                f"warning: {u.op} ({u.count} call{'s' if u.count != 1 else ''} in {where}): "
+                "not modelled, the backward is incomplete"
+            )
+            continue
         effects = []
         if "cost" in u.missing:
             effects.append("counted as 0 FLOPs")

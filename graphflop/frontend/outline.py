@@ -28,6 +28,7 @@ hooks of its own is never outlined.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from torch.fx import Graph, Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.ad.builder import copy_node
+from graphflop.frontend.regions import NESTED
 from graphflop.meta import CHECKPOINT, FUNCTION, fake_mode_of, fresh_fake
 from graphflop.ops.tree import scalar_key
 
@@ -542,9 +544,7 @@ def inline(
                 ):
                     raise NotOutlinable(-1, "writes a buffer written before")
                 new = copy_node(graph, tn, env.__getitem__)
-                for key in _REGION_KEYS:  # a block called inside a checkpoint or Function
-                    if key in node.meta and key not in new.meta:
-                        new.meta[key] = node.meta[key]
+                _inherit_region(new, node)
                 stack = dict(site)
                 for path, cls in (tn.meta.get("nn_module_stack") or {}).values():
                     if path != MARK:
@@ -566,6 +566,18 @@ def inline(
 
 #: the tags of the region a call of a block was made in, which its copies inherit
 _REGION_KEYS = (CHECKPOINT, FUNCTION)
+
+
+def _inherit_region(new: Node, call: Node) -> None:
+    """Give ``new`` (a copy of a template node at ``call``) the tags of the region ``call``
+    was made in (a block called inside a checkpoint or Function); a checkpoint inside the
+    block called inside another checkpoint takes the outer tag, marked nested."""
+    for key in _REGION_KEYS:
+        if key in call.meta and key not in new.meta:
+            new.meta[key] = call.meta[key]
+        elif key == CHECKPOINT and key in call.meta:
+            inner = new.meta[key].unmodelled
+            new.meta[key] = dataclasses.replace(call.meta[key], unmodelled=inner or NESTED)
 
 
 def _same_layout(a: Node, b: Node) -> bool:

@@ -10,6 +10,10 @@ saved-tensor hooks, and the reentrant form is an ``autograd.Function`` it cannot
 the nodes the call made with :data:`~graphflop.meta.CHECKPOINT`
 (:class:`~graphflop.meta.CheckpointTag`); the backward builder
 (:mod:`graphflop.ad.vjp`) re-emits the region's forward in the backward, role ``recompute``.
+A reentrant call none of whose tensor inputs is differentiable (depends on no trainable
+parameter nor on a value the model marked ``requires_grad_``; the model's inputs do not require
+grad) gives, as in eager, outputs with no derivative: they are detached in the trace, and
+:mod:`graphflop.frontend.trace` counts the parameters used only inside as frozen, with a warning.
 
 :func:`new_nodes` (the nodes a block adds to the graph being traced) and
 :func:`graphflop.meta.occurrences` (the calls of one region number told apart, the copies of an
@@ -24,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
 from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -53,12 +58,113 @@ def new_nodes() -> Iterator[list[Node]]:
     made.reverse()
 
 
-def tag_checkpoint(made: list[Node], whole: bool) -> None:
+#: :attr:`CheckpointTag.unmodelled` of a call with another checkpoint call inside
+NESTED = (
+    "checkpoint nested in another checkpoint (eager reruns the inner call's forward once more "
+    "for its own backward; graphflop reruns it once)"
+)
+
+
+def tag_checkpoint(
+    made: list[Node], whole: bool, detached: bool = False, unmodelled: str = ""
+) -> None:
     """Tag ``made`` (one checkpoint call's nodes) as one region; an enclosing checkpoint's tag
-    replaces an inner one's (the outer call's backward reruns the inner one's forward too)."""
+    replaces an inner one's (the outer call's backward reruns the inner one's forward too),
+    and the enclosing call is marked :data:`NESTED` (its recompute is not eager's)."""
     region = next(region_ids)
+    inner = [n.meta[CHECKPOINT].unmodelled for n in made if CHECKPOINT in n.meta]
+    if inner and not unmodelled:
+        unmodelled = next((u for u in inner if u and u != NESTED), NESTED)
     for i, n in enumerate(made):
-        n.meta[CHECKPOINT] = CheckpointTag(region, i, whole)
+        n.meta[CHECKPOINT] = CheckpointTag(region, i, whole, detached, unmodelled)
+
+
+class _GradSources:
+    """Which placeholders of the graph being traced carry a derivative (the trainable
+    parameters), and the values the model's code marked ``requires_grad_(True)``; set by
+    :func:`grad_sources` around the main trace only (elsewhere every value counts as
+    differentiable)."""
+
+    trainable: frozenset[int] = frozenset()
+    marked: set[Node] = set()
+    active: bool = False
+
+
+def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]:
+    """While active, the reentrant checkpoint decides as eager does whether its outputs carry
+    a derivative: ``trainable`` are the positions of the placeholders (in order) that require
+    grad; the model's inputs do not."""
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        _GradSources.trainable = frozenset(trainable)
+        _GradSources.marked = set()
+        _GradSources.active = True
+        try:
+            yield
+        finally:
+            _GradSources.active = False
+            _GradSources.trainable = frozenset()
+            _GradSources.marked = set()
+
+    return scope()
+
+
+def mark_requires_grad(t: torch.Tensor) -> None:
+    """Note that the model's code made ``t`` require grad (``Tensor.requires_grad_()``)."""
+    mode = get_proxy_mode()
+    node = _node_of(t) if mode is not None else None
+    if node is not None:
+        _GradSources.marked.add(node)
+
+
+def _node_of(t: Any) -> Node | None:
+    mode = get_proxy_mode()
+    if mode is None or not isinstance(t, torch.Tensor):
+        return None
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+    if torch._is_functional_tensor(t):  # functionalize's wrapper: the tracer sees the inner
+        torch._sync(t)
+        t = torch._from_functional_tensor(t)
+    try:
+        proxy = get_proxy_slot(t, mode.tracer)
+    except Exception:  # a value the tracer does not know (functional wrapper): be safe
+        return None
+    node = getattr(getattr(proxy, "proxy", proxy), "node", None)
+    return node if isinstance(node, Node) else None
+
+
+def _differentiable(args: tuple) -> bool:
+    """Whether one of ``args``' tensors depends on a trainable parameter or on a value marked
+    ``requires_grad_`` (True whenever it cannot be told)."""
+    mode = get_proxy_mode()
+    if mode is None:
+        return True
+    graph = mode.tracer.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    sources = {placeholders[i] for i in _GradSources.trainable if i < len(placeholders)}
+    sources |= _GradSources.marked
+    tensors = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+    seen: set[Node] = set()
+    stack: list[Node] = []
+    for t in tensors:
+        if not (t.is_floating_point() or t.is_complex()):
+            continue
+        node = _node_of(t)
+        if node is None:
+            return True
+        stack.append(node)
+    while stack:
+        n = stack.pop()
+        if n in sources:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.target is not torch.ops.aten.detach.default:  # a stop-gradient
+            stack.extend(n.all_input_nodes)
+    return False
 
 
 _GENERATOR = torch_checkpoint._checkpoint_without_reentrant_generator
@@ -85,17 +191,45 @@ def _traced_generator(
     early = forced if forced is not None else early_stop
     with new_nodes() as made:
         yield
-    tag_checkpoint(made, whole=not early)
+    tag_checkpoint(made, whole=not early, unmodelled=_context_fn_note(context_fn))
+
+
+def _context_fn_note(context_fn: Any) -> str:
+    """:attr:`CheckpointTag.unmodelled` for a checkpoint's ``context_fn``: empty for the
+    default; otherwise (selective activation checkpointing's policy, which keeps the outputs
+    of the ops it names instead of rerunning them, or any other context) what is not
+    modelled."""
+    if context_fn is None or context_fn is torch_checkpoint.noop_context_fn:
+        return ""
+    inner = getattr(context_fn, "func", None)
+    args = getattr(context_fn, "args", ())
+    if inner is torch_checkpoint.create_selective_checkpoint_contexts and args:
+        policy = args[0]
+        name = getattr(policy, "__qualname__", None) or f"a list of {len(policy)} ops"
+        return (
+            f"selective activation checkpointing policy {name} not modelled (eager keeps "
+            "the outputs of the ops it saves; graphflop reruns the whole region)"
+        )
+    name = getattr(inner or context_fn, "__qualname__", type(context_fn).__name__)
+    return f"checkpoint context_fn {name} not modelled (graphflop reruns as plain checkpoint)"
 
 
 def run_checkpoint_function(function: Any, *args: Any) -> Any:
     """``CheckpointFunction.apply(function, preserve_rng_state, *args)`` (the reentrant
     checkpoint) while tracing: ``function(*args)``, its nodes tagged as a region the
     backward reruns whole."""
+    detached = _active() and not _differentiable(args)
     with new_nodes() as made:
         out = function(*args)
-    tag_checkpoint(made, whole=True)
+    tag_checkpoint(made, whole=True, detached=detached)
+    if detached:  # eager: "None of the inputs have requires_grad=True"; no derivative out
+        out = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
     return out
+
+
+def _active() -> bool:
+    """Inside the main trace (:func:`grad_sources`) with a graph being traced."""
+    return _GradSources.active and get_proxy_mode() is not None
 
 
 @contextlib.contextmanager

@@ -55,10 +55,18 @@ from graphflop.frontend.loss import (
     make_targets,
     output_tensors,
 )
-from graphflop.frontend.regions import checkpoints_tagged
+from graphflop.frontend.regions import checkpoints_tagged, grad_sources, mark_requires_grad
 from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
-from graphflop.meta import MODULE, OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of, fresh_fake
+from graphflop.meta import (
+    CHECKPOINT,
+    MODULE,
+    OUTLINED,
+    SIGNATURE,
+    OutlineInfo,
+    fake_mode_of,
+    fresh_fake,
+)
 from graphflop.ops import decomposition_table
 
 __all__ = [
@@ -260,7 +268,8 @@ def _trace_once(
             _requires_grad_ignored(),
         ):
             warnings.simplefilter("ignore")
-            with outliner:
+            trainable = {i for i, p in enumerate(params.values()) if p.requires_grad}
+            with outliner, grad_sources(trainable):
                 gm = make_fx(
                     torch.func.functionalize(objective),
                     decomposition_table=table,
@@ -306,8 +315,47 @@ def _trace_once(
     out.meta[OUTLINED] = OutlineInfo(calls=copies, traced_once=len(templates))
     sig = out.meta[SIGNATURE]
     frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
+    frozen += _detached_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+def _detached_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
+    """The trainable parameters read only inside reentrant checkpoints whose inputs carry no
+    derivative (eager gives them no gradient, as if frozen), with a warning naming each such
+    checkpoint's module."""
+    out: list[str] = []
+    scopes: dict[int, list[list[str]]] = {}
+    for n in gm.graph.nodes:
+        tag = n.meta.get(CHECKPOINT)
+        if tag is not None and tag.detached and n.meta.get(MODULE):
+            scopes.setdefault(tag.region, []).append(n.meta[MODULE].split("."))
+    # a call's module: the scope its nodes share
+    modules = {
+        r: ".".join(p[0] for p in itertools.takewhile(lambda p: len(set(p)) == 1, zip(*paths)))
+        or "the model"
+        for r, paths in scopes.items()
+    }
+    if not modules:
+        return ()
+    sig = gm.meta[SIGNATURE]
+    for p, _ in sig.params:
+        if p in frozen:
+            continue
+        node = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == p)
+        users = list(node.users)
+        if users and all((t := u.meta.get(CHECKPOINT)) is not None and t.detached for u in users):
+            out.append(p)
+    for module in dict.fromkeys(modules.values()):
+        warnings.warn(
+            f"reentrant checkpoint in {module}: none of its inputs requires grad, so, as in "
+            "eager PyTorch, its outputs carry no gradient and the parameters used only inside "
+            "it get none (counted as frozen); checkpoint with use_reentrant=False, or make an "
+            "input require grad, to train them",
+            UserWarning,
+            stacklevel=3,
+        )
+    return tuple(out)
 
 
 @contextlib.contextmanager
@@ -321,6 +369,8 @@ def _requires_grad_ignored() -> Iterator[None]:
     def requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
         if get_proxy_mode() is None:
             return original(self, requires_grad)
+        if requires_grad:
+            mark_requires_grad(self)
         return self
 
     torch.Tensor.requires_grad_ = requires_grad_  # type: ignore[method-assign,assignment]

@@ -56,7 +56,8 @@ __all__ = [
 
 
 class CheckpointPatternError(ValueError):
-    """A ``--checkpoint`` pattern that is malformed or matches no module."""
+    """A checkpoint what-if pattern (``--checkpoint``, ``AnalyzeOptions.checkpoint``) that is
+    malformed or matches no module."""
 
 
 #: the execution the checkpoint figures describe
@@ -76,14 +77,14 @@ def module_matcher(pattern: str):
     """
     if not pattern or pattern == "re:":
         raise CheckpointPatternError(
-            "empty --checkpoint pattern: give a module path glob such as 'h.*'"
+            "empty checkpoint pattern: give a module path glob such as 'h.*'"
         )
     if pattern.startswith("re:"):
         try:
             rx = re.compile(pattern[3:])
         except re.error as e:
             raise CheckpointPatternError(
-                f"bad --checkpoint regular expression {pattern[3:]!r}: {e}"
+                f"bad checkpoint pattern: regular expression {pattern[3:]!r}: {e}"
             ) from None
         return lambda path: rx.fullmatch(path) is not None
     return lambda path: fnmatch.fnmatchcase(path, pattern)
@@ -218,7 +219,7 @@ def checkpoint_memory(
     if not region:
         paths = sorted({p for n in forward.graph.nodes if (p := n.meta.get(MODULE))})
         raise CheckpointPatternError(
-            f"--checkpoint {pattern!r} matches no module; module paths: "
+            f"checkpoint pattern {pattern!r} matches no module; module paths: "
             + ", ".join(paths[:12])
             + (" ..." if len(paths) > 12 else "")
         )

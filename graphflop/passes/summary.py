@@ -436,7 +436,7 @@ def _complete(gm: GraphModule, nodes: list[Node]) -> bool:
     return not gm.meta.get(GAPS) and not _rule_less(nodes)
 
 
-_KINDS = ("cost", "jvp", "transpose")
+_KINDS = ("cost", "jvp", "transpose", "recompute")
 
 
 def _uncounted(g: Graphs) -> tuple[Uncounted, ...]:

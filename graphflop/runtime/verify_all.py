@@ -39,12 +39,17 @@ def gap_reasons(report) -> dict[str, str]:
     broken = ", ".join(u.op for u in own if "transpose" in u.missing)
     bwd = [w for w in (ops, broken and f"{broken}, whose backward could not be traced") if w]
     fwd = bwd + ([f"{no_jvp}, which has no jvp"] if no_jvp else [])
+    # a checkpoint whose recompute is not modelled leaves the counts incomplete, not the
+    # derivatives: the checks run
+    recompute_only = all(set(u.missing) == {"recompute"} for u in report.uncounted)
+    bwd_cut = t.backward is not None and not t.backward.complete and not recompute_only
+    jvp_cut = t.jvp is not None and not t.jvp.complete and not recompute_only
     out = {}
-    if t.backward is not None and not t.backward.complete:
+    if bwd_cut:
         out["gradients"] = f"the backward stops at {' and '.join(bwd)}"
-    if t.jvp is not None and not t.jvp.complete:
+    if jvp_cut:
         out["jvp"] = f"the JVP stops at {' and '.join(fwd)}"
-    if t.jvp is not None and not (t.jvp.complete and (t.backward is None or t.backward.complete)):
+    if t.jvp is not None and (jvp_cut or bwd_cut):
         out["forward_gradient"] = "it needs a complete JVP and backward"
     return out
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from graphflop.passes.forward_gradient import MAX_DIRECTIONS
 from graphflop.passes.optimizer import OPTIMIZERS
 
 METHODS = ("fgd", "backprop", "torch")
@@ -32,10 +33,6 @@ DEFAULT_LR = {
 }
 DEFAULT_OPTIMIZER = "momentum"
 DEFAULT_EPOCHS = 10
-#: forward-gradient directions' upper bound (inspect's and train's --directions): each holds a
-#: tangent of every parameter, and inspect's step graph one JVP per direction (a tester's
-#: K = 10,000 took 123 s and 1.4 GB on a 30-parameter model; K = 10^8 ran until killed)
-MAX_DIRECTIONS = 1024
 
 
 class TrainError(ValueError):
