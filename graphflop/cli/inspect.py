@@ -262,6 +262,13 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
         )
         analysis = analyze_model(args, loaded, inputs, status, err=err, why=why, options=options)
     report = analysis.report
+    if getattr(args, "routing_unchecked", None) and not report.assumptions:
+        from graphflop.load import SpecError
+
+        raise SpecError(
+            f"--routing {args.routing} describes routed experts, and {args.routing_unchecked} "
+            "has none: drop it"
+        )
     # the number of directions is checked against their cost before anything is printed
     samples = _verify_samples(args, analysis) if args.verify else (0, "")
     print_warnings(err, analysis, _tangent_pass_notes(analysis))
@@ -326,19 +333,26 @@ def _tangent_pass_notes(analysis: Analysis) -> list[str]:
 
 
 def _check_routing(args: argparse.Namespace, loaded: Any) -> None:
-    """Refuse a --routing the model would ignore (no routed experts) or that does not fit it
-    (a histogram of another number of experts)."""
+    """Refuse a --routing that does not fit the model's stacked routed experts (a histogram of
+    another number of experts), and a capacity for a model without them; a histogram for such
+    a model is checked after the trace (its loop over experts may dispatch data-dependently:
+    refused there if it did not)."""
     from graphflop.load import SpecError
     from graphflop.presets import routed_experts
 
     if args.routing == "balanced":
         return
     found = routed_experts(loaded.model, getattr(loaded.model, "config", None))
-    if not found:
+    if not found and args.routing_model.kind == "capacity":
         raise SpecError(
-            f"--routing {args.routing} describes routed experts, and {loaded.name} has none: "
-            "drop it"
+            f"--routing {args.routing} describes stacked routed experts with a capacity "
+            f"buffer, and {loaded.name} has none: drop it (a loop over experts takes balanced "
+            "or a histogram)"
         )
+    if not found:
+        # a loop over experts (data-dependent dispatch) shows itself only when traced
+        args.routing_unchecked = loaded.name
+        return
     counts = args.routing_model.counts
     if counts is not None and len(counts) != found[0][2]:
         raise SpecError(

@@ -42,6 +42,11 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from graphflop.frontend import outline as repeats
 from graphflop.frontend.composite import CompositeOps, tagged_decompositions
 from graphflop.frontend.custom_function import inline_functions, trace_records
+from graphflop.frontend.dispatch import (
+    RoutedDispatch,
+    routed_index_decompositions,
+    routed_nonzero,
+)
 from graphflop.frontend.errors import TraceError, find_cause, first_line, quiet_loggers
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.inputs import bind_call
@@ -58,7 +63,15 @@ from graphflop.frontend.loss import (
 from graphflop.frontend.regions import checkpoints_tagged
 from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
-from graphflop.meta import MODULE, OUTLINED, SIGNATURE, OutlineInfo, fake_mode_of, fresh_fake
+from graphflop.meta import (
+    ASSUMPTIONS,
+    MODULE,
+    OUTLINED,
+    SIGNATURE,
+    OutlineInfo,
+    fake_mode_of,
+    fresh_fake,
+)
 from graphflop.ops import decomposition_table
 
 __all__ = [
@@ -249,9 +262,14 @@ def _trace_once(
     regions = itertools.count()
     replays = Replays(regions)
     table = replays.wrap(tagged_decompositions(decomposition_table(), regions))
+    # not replayed: the same mask shape may stand for another expert's rows
+    table.update(_chained(table, routed_index_decompositions()))
     outliner = repeats.Outliner(outline)
+    dispatch = RoutedDispatch()
     try:
         with (
+            routed_nonzero(),
+            dispatch,
             warnings.catch_warnings(),
             CompositeOps(),
             fake_mode,
@@ -304,10 +322,27 @@ def _trace_once(
         target_nodes=chosen.get("targets", []),
     )
     out.meta[OUTLINED] = OutlineInfo(calls=copies, traced_once=len(templates))
+    out.meta[ASSUMPTIONS] = tuple(dispatch.lines)
     sig = out.meta[SIGNATURE]
     frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+def _chained(table: dict, first: dict) -> dict:
+    """``first``'s decompositions, each falling back to ``table``'s of its op (or to the op's
+    own handling) where it returns NotImplemented."""
+
+    def chain(op, fn, rest):
+        def decomposed(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if out is NotImplemented and rest is not None:
+                return rest(*args, **kwargs)
+            return out
+
+        return decomposed
+
+    return {op: chain(op, fn, table.get(op)) for op, fn in first.items()}
 
 
 @contextlib.contextmanager
