@@ -310,3 +310,19 @@ def test_cli_reports_the_routing_and_refuses_what_it_cannot_tie(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
     assert "has none: drop it" in r.stderr
     assert not (tmp_path / "d.json").exists()
+
+
+@pytest.mark.slow
+def test_transformers_eager_experts_are_refused_with_the_fix():
+    """transformers' ``eager`` experts loop over the tensor of experts hit and branch on its
+    values (``if expert_idx == num_experts``), which no routing size makes traceable: refused
+    in one line naming the grouped implementation."""
+    pytest.importorskip("transformers")
+    tiny = ["num_hidden_layers=1", "hidden_size=64", "intermediate_size=128"]
+    tiny += ["num_attention_heads=4", "num_key_value_heads=2", "vocab_size=100"]
+    args = [a for t in tiny for a in ("--arg", t)]
+    r = _cli("hf:mixtral", *args, "--arg", "experts_implementation=eager", "--seq", "16")
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "MixtralExperts" in r.stderr
+    assert "--arg experts_implementation=grouped_mm" in r.stderr
