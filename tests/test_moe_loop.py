@@ -326,3 +326,23 @@ def test_transformers_eager_experts_are_refused_with_the_fix():
     assert len(r.stderr.strip().splitlines()) == 1
     assert "MixtralExperts" in r.stderr
     assert "--arg experts_implementation=grouped_mm" in r.stderr
+
+
+def test_a_dispatch_not_tied_to_the_routing_says_how_to_write_it():
+    from graphflop.analysis import analyze
+    from graphflop.frontend.trace import TraceError
+
+    class CountMask(LoopMoE):
+        def forward(self, x):
+            w, idx = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                chosen = (idx == e).sum(-1) > 0  # not followed: a sum, then a comparison
+                out[chosen] = expert(x[chosen])
+            return out
+
+    with pytest.raises(TraceError) as e:
+        analyze(CountMask(), (torch.randn(8, D),), name="moe")
+    msg = str(e.value)
+    assert "\n" not in msg and "not tied to the routing" in msg
+    assert "torch.where(idx == e)" in msg and "test_moe_loop.py" in msg

@@ -97,6 +97,7 @@ class RoutedDispatch(TorchFunctionMode):
         self.routing = routing or current_routing()
         self._indices: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._masks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._routers = 0  # topk index tensors seen
         #: (E, T·k) → {expert: rows} of every size given
         self.sizes: dict[tuple[int, int], dict[int | None, int]] = {}
 
@@ -115,6 +116,27 @@ class RoutedDispatch(TorchFunctionMode):
             out = func(*args, **kwargs)
         self._follow(func, args, kwargs, out)
         return out
+
+    def refusal(self, e: BaseException) -> str | None:
+        """The one-line reason for a trace that failed on a ``nonzero`` (or another op whose
+        output size is the values') after a router's ``topk``: the dispatch is not one this
+        mode can size, and how to write it so that it is; None otherwise."""
+        from graphflop.frontend.errors import exception_chain
+        from graphflop.frontend.libraries import model_source_line
+
+        chain = exception_chain(e)
+        if not self._routers or not any(
+            type(c).__name__ == "DynamicOutputShapeException" for c in chain
+        ):
+            return None
+        where = next((w for w in (model_source_line(c) for c in chain) if w), None)
+        at = f" at {where}" if where else ""
+        return (
+            f"a data-dependent size after a router's topk{at} is not tied to the routing: "
+            "graphflop sizes the rows of torch.where(idx == e), idx.eq(e).nonzero() and "
+            "x[(idx == e).any(-1)] (idx the topk indices, e a Python int) by --routing; pick "
+            "each expert's rows that way"
+        )
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -158,6 +180,7 @@ class RoutedDispatch(TorchFunctionMode):
             if isinstance(x, torch.Tensor) and x.dim() > 0 and isinstance(k, int):
                 dim %= x.dim()
                 self._indices[out[1]] = _Indices(int(x.shape[dim]), k, dim)
+                self._routers += 1
             return
         if not isinstance(out, torch.Tensor):
             return

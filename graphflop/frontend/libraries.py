@@ -120,7 +120,7 @@ def data_dependent_hint(e: BaseException) -> str | None:
             "shapes, not values: run the RNN on the padded batch (no pack_padded_sequence), "
             "which does the same work on the padding too"
         )
-    experts = _stacked_experts(hit)
+    experts = stacked_experts_in(hit)
     if experts is not None:
         name = type(experts).__name__
         fix = (
@@ -148,7 +148,7 @@ def data_dependent_hint(e: BaseException) -> str | None:
     )
 
 
-def _stacked_experts(e: BaseException) -> torch.nn.Module | None:
+def stacked_experts_in(e: BaseException) -> torch.nn.Module | None:
     """The module of stacked routed experts (an int ``num_experts`` E > 1, every own parameter
     of leading size E) whose ``forward`` ``e``'s traceback passes through, or None."""
     for frame, _ in traceback.walk_tb(e.__traceback__):

@@ -50,7 +50,11 @@ from graphflop.frontend.dispatch import (
 from graphflop.frontend.errors import TraceError, find_cause, first_line, quiet_loggers
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.inputs import bind_call
-from graphflop.frontend.libraries import data_dependent_hint, traced_by_libraries
+from graphflop.frontend.libraries import (
+    data_dependent_hint,
+    stacked_experts_in,
+    traced_by_libraries,
+)
 from graphflop.frontend.loss import (
     LOSSES,
     default_loss,
@@ -300,6 +304,8 @@ def _trace_once(
         if find_cause(e, repeats.NotOutlinable) is not None:
             raise
         hint = data_dependent_hint(e)
+        if hint is not None and stacked_experts_in(e) is None:  # that hint names its fix
+            hint = dispatch.refusal(e) or hint
         raise TraceError(
             hint
             or f"tracing the model on the example inputs failed: {type(e).__name__}: "
