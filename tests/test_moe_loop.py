@@ -139,6 +139,22 @@ def test_top1_mask_loop():
     assert "{0: 2, 1: 2, 2: 2, 3: 2}" in report.assumptions[0]
 
 
+def test_eq_nonzero_form():
+    """``idx.eq(e).nonzero()``: the same rows as ``torch.where(idx == e)``."""
+
+    class EqNonzero(LoopMoE):
+        def forward(self, x):
+            w, idx = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+            out = torch.zeros_like(x)
+            for e in range(len(self.experts)):
+                tok, slot = idx.eq(e).nonzero().unbind(1)
+                out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+            return out
+
+    _, got = _totals(EqNonzero(), 8)
+    assert got == _hand(8, 4, 2)
+
+
 def test_experts_not_dividing_the_rows():
     # T = 5, k = 2, E = 4: 10 rows, ⌊10/4⌋ = 2 each and the 10 mod 4 = 2 left over one each to
     # experts 0 and 1: 3, 3, 2, 2 (summing to T·k). Forward 2·5·16·4 = 640 + 10·2,048 =

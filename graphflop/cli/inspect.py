@@ -116,7 +116,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="how a mixture-of-experts model's token-expert rows spread over its experts: "
         "balanced (default: T·k/E each, the expectation under uniform routing), capacity:F "
         "(each expert computes ⌈F·T·k/E⌉ rows, padded or dropped), or a JSON file of measured "
-        "per-expert token counts; recorded in the report's experts key",
+        "per-expert token counts; recorded in the report's experts key. A loop over experts "
+        "(torch.where(idx == e)) gets each expert's rows from it (balanced or a histogram), "
+        "recorded in the report's assumptions",
     )
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")

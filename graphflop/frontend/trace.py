@@ -16,8 +16,9 @@ graph in the form :mod:`graphflop.frontend.export_form` writes.
 Writes (through :func:`~graphflop.frontend.export_form.from_make_fx`) on each node: ``val``
 (PyTorch), ``KIND="primal"``, ``ROLE`` (``forward`` or ``loss``), ``SOURCE``, ``MODULE`` (the
 ``nn.Module`` path), ``PARAM_DERIVED``; on parameter placeholders ``PARAM``. Writes
-``gm.meta[SIGNATURE]`` (its ``frozen``: the parameters with ``requires_grad=False``), ``CONSTANTS``, ``LOSS_KIND``, ``FACTS`` and ``OUTLINED``
-(:class:`~graphflop.meta.OutlineInfo`).
+``gm.meta[SIGNATURE]`` (its ``frozen``: the parameters with ``requires_grad=False``), ``CONSTANTS``, ``LOSS_KIND``, ``FACTS``, ``OUTLINED``
+(:class:`~graphflop.meta.OutlineInfo`) and ``ASSUMPTIONS`` (the routing that sized a
+data-dependent expert dispatch, :mod:`graphflop.frontend.dispatch`).
 
 Every name other modules import from here stays importable here: :func:`trace`,
 :class:`TraceError`, :func:`from_exported`, :func:`decomposition_table`, :func:`loss_value`,
