@@ -357,6 +357,18 @@ def test_a_dispatch_not_tied_to_the_routing_says_how_to_write_it():
                 out[chosen] = expert(x[chosen])
             return out
 
+    class Shifted(LoopMoE):
+        def forward(self, x):
+            w, idx = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+            idx.add_(1)  # written in place: no longer the router's indices
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                tok, slot = torch.where(idx == e)
+                out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+            return out
+
+    with pytest.raises(TraceError, match="not tied to the routing"):
+        analyze(Shifted(), (torch.randn(8, D),), name="moe")
     with pytest.raises(TraceError) as e:
         analyze(CountMask(), (torch.randn(8, D),), name="moe")
     msg = str(e.value)

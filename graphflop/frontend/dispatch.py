@@ -172,7 +172,14 @@ class RoutedDispatch(TorchFunctionMode):
         return n
 
     def _follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """Record ``out`` when it is a router's indices or a mask of them."""
+        """Record ``out`` when it is a router's indices or a mask of them; forget a tensor
+        written in place (its values are no longer the router's)."""
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.endswith("__") and args:
+            for table in (self._indices, self._masks):
+                if isinstance(args[0], torch.Tensor) and args[0] in table:
+                    del table[args[0]]
+            return
         if func in _TOPK and isinstance(out, tuple) and len(out) == 2:
             x = args[0]
             k = args[1] if len(args) > 1 else kwargs.get("k")
