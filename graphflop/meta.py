@@ -62,6 +62,9 @@ Graph keys (``gm.meta``)
                          instead).
     :data:`UNUSED`       on a forward graph: the :class:`NodeCost` of the work dead-code
                          elimination removed (nothing the model returns depends on it).
+    :data:`ASSUMPTIONS`  on a forward graph: tuple of one-line strings, what the trace assumed
+                         about values it does not have (the rows of a data-dependent expert
+                         dispatch under a routing model, :mod:`graphflop.frontend.dispatch`).
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ MEMORY = "gf_memory"
 FACTS = "gf_facts"
 GAPS = "gf_gaps"
 UNUSED = "gf_unused"
+ASSUMPTIONS = "gf_assumptions"
 
 #: every node key and graph key above
 NODE_KEYS = (
@@ -144,6 +148,7 @@ GRAPH_KEYS = (
     FACTS,
     GAPS,
     UNUSED,
+    ASSUMPTIONS,
 )
 
 

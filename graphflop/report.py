@@ -692,6 +692,9 @@ class Report:
             optimizer state (``params = trainable_params + frozen_params``).
         uncounted: ops without the rules the analysis needed (empty when complete).
         ops: per-phase, per-op rows (:class:`OpRow`).
+        assumptions: one line per assumption the counts rest on beyond the shapes (the rows
+            of a data-dependent expert dispatch under a routing model); in the JSON only where
+            there is one.
     """
 
     model: str
@@ -710,6 +713,7 @@ class Report:
     # partial results and the per-op breakdown (docs/flops_conventions.md)
     uncounted: tuple[Uncounted, ...] = ()
     ops: tuple[OpRow, ...] = ()
+    assumptions: tuple[str, ...] = ()
 
     @property
     def has_backward(self) -> bool:
@@ -770,7 +774,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """The JSON document of ``graphflop inspect --json`` (schema version 1): keys in schema
         order, lists for shapes, ``None`` for undefined ratios."""
-        return {
+        out: dict[str, Any] = {
             "schema_version": self.schema_version,
             "model": self.model,
             "inputs": [i.to_dict() for i in self.inputs],
@@ -787,6 +791,9 @@ class Report:
             "uncounted": [u.to_dict() for u in self.uncounted],
             "ops": [o.to_dict() for o in self.ops],
         }
+        if self.assumptions:
+            out["assumptions"] = list(self.assumptions)
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:
@@ -816,6 +823,7 @@ class Report:
             frozen_params=d.get("frozen_params"),
             uncounted=tuple(Uncounted.from_dict(u) for u in d.get("uncounted", ())),
             ops=tuple(OpRow.from_dict(o) for o in d.get("ops", ())),
+            assumptions=tuple(d.get("assumptions", ())),
         )
 
 

@@ -119,7 +119,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "balanced (default: T·k/E each, the expectation under uniform routing), capacity:F "
         "(0 < F ≤ E/k: each expert computes ⌈F·T·k/E⌉ rows, padded or dropped), or a JSON "
         "file holding a list of E measured per-expert token counts; recorded in the report's "
-        "experts key",
+        "experts key. A loop over experts (torch.where(idx == e)) gets each expert's rows from "
+        "it (balanced or a histogram), recorded in the report's assumptions",
     )
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
@@ -265,6 +266,13 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
         )
         analysis = analyze_model(args, loaded, inputs, status, err=err, why=why, options=options)
     report = analysis.report
+    if getattr(args, "routing_unchecked", None) and not report.assumptions:
+        from graphflop.load import SpecError
+
+        raise SpecError(
+            f"--routing {args.routing} describes routed experts, and {args.routing_unchecked} "
+            "has none: drop it"
+        )
     # the number of directions is checked against their cost before anything is printed
     samples = _verify_samples(args, analysis) if args.verify else (0, "")
     print_warnings(err, analysis, _tangent_pass_notes(analysis))
@@ -339,19 +347,26 @@ def _tangent_pass_notes(analysis: Analysis) -> list[str]:
 
 
 def _check_routing(args: argparse.Namespace, loaded: Any) -> None:
-    """Refuse a --routing the model would ignore (no routed experts) or that does not fit it
-    (a histogram of another number of experts)."""
+    """Refuse a --routing that does not fit the model's stacked routed experts (a histogram of
+    another number of experts), and a capacity for a model without them; a histogram for such
+    a model is checked after the trace (its loop over experts may dispatch data-dependently:
+    refused there if it did not)."""
     from graphflop.load import SpecError
     from graphflop.presets import routed_experts
 
     if args.routing == "balanced":
         return
     found = routed_experts(loaded.model, getattr(loaded.model, "config", None))
-    if not found:
+    if not found and args.routing_model.kind == "capacity":
         raise SpecError(
-            f"--routing {args.routing} describes routed experts, and {loaded.name} has none: "
-            "drop it"
+            f"--routing {args.routing} describes stacked routed experts with a capacity "
+            f"buffer, and {loaded.name} has none: drop it (a loop over experts takes balanced "
+            "or a histogram)"
         )
+    if not found:
+        # a loop over experts (data-dependent dispatch) shows itself only when traced
+        args.routing_unchecked = loaded.name
+        return
     factor = args.routing_model.factor
     most = min(e / k for _, _, e, k in found)
     if factor is not None and factor > most:

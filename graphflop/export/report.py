@@ -163,7 +163,8 @@ def _op_table(r: Report, phase: str, rows: list[OpRow], units: str) -> Table:
 
 def warning_lines(r: Report) -> list[str]:
     """One line per op the analysis could not count or differentiate (``Report.uncounted``),
-    and one when the model has no trainable parameter (the training figures are all zero)."""
+    and one when the model has no trainable parameter (the training figures are all zero);
+    then one ``assumption:`` line per :attr:`Report.assumptions`."""
     lines = []
     jvp = r.totals.jvp
     weight_jvp = jvp is not None and jvp.tangents == "params"
@@ -196,6 +197,7 @@ def warning_lines(r: Report) -> list[str]:
             f"{'s' if u.count != 1 else ''} in {where}): {'; '.join(effects)}; "
             "these phases are incomplete (--strict makes this an error)"
         )
+    lines.extend(f"assumption: {a}" for a in r.assumptions)
     return lines
 
 

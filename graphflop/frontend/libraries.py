@@ -120,6 +120,21 @@ def data_dependent_hint(e: BaseException) -> str | None:
             "shapes, not values: run the RNN on the padded batch (no pack_padded_sequence), "
             "which does the same work on the padding too"
         )
+    experts = stacked_experts_in(hit)
+    if experts is not None:
+        name = type(experts).__name__
+        fix = (
+            "give it its grouped implementation (--arg experts_implementation=grouped_mm, the "
+            "same FLOPs)"
+            if type(experts).__module__.startswith("transformers.")
+            else "pick each expert's rows with torch.where(idx == e), e a Python int, which "
+            "--routing sizes"
+        )
+        return (
+            f"the experts of {name} run in a loop over the experts its tokens reached{at}, "
+            "which branches on the router's values; graphflop traces shapes, not values: "
+            f"{fix}"
+        )
     if _raised_in(hit, ("nn", "modules", "batchnorm.py")):
         return (
             f"batch norm with momentum=None (a cumulative average) reads its batch count's "
@@ -131,6 +146,20 @@ def data_dependent_hint(e: BaseException) -> str | None:
         "traces shapes, not values: make the branch depend on shapes, guard it with "
         "torch.compiler.is_compiling(), or pass the value as a constant argument"
     )
+
+
+def stacked_experts_in(e: BaseException) -> torch.nn.Module | None:
+    """The module of stacked routed experts (an int ``num_experts`` E > 1, every own parameter
+    of leading size E) whose ``forward`` ``e``'s traceback passes through, or None."""
+    for frame, _ in traceback.walk_tb(e.__traceback__):
+        m = frame.f_locals.get("self")
+        n = getattr(m, "num_experts", None)
+        if not isinstance(m, torch.nn.Module) or not isinstance(n, int) or n <= 1:
+            continue
+        own = list(m.parameters(recurse=False))
+        if own and all(p.dim() > 0 and p.shape[0] == n for p in own):
+            return m
+    return None
 
 
 def _raised_in(e: BaseException, path: tuple[str, ...]) -> bool:

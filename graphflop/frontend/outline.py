@@ -41,6 +41,7 @@ from torch.fx import Graph, Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.ad.builder import copy_node
+from graphflop.frontend.dispatch import routed_again
 from graphflop.frontend.regions import NESTED
 from graphflop.meta import CHECKPOINT, FUNCTION, fake_mode_of, fresh_fake
 from graphflop.ops.tree import scalar_key
@@ -451,7 +452,7 @@ class Outliner:
             args, kwargs, state = self._rebuild(call, tensors)
             versions = [t._version for t in tensors]
             attrs = _attrs(call.module)
-            with self._bypass(), torch.set_grad_enabled(call.grad_enabled):
+            with self._bypass(), torch.set_grad_enabled(call.grad_enabled), routed_again():
                 out = torch.func.functional_call(call.module, state, args, kwargs)
             call.direct, call.written = _written_buffers(call.module, call.n_params)
             skip = {call.n_inputs + i for i in (*call.direct, *call.written)}

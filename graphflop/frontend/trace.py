@@ -16,8 +16,9 @@ graph in the form :mod:`graphflop.frontend.export_form` writes.
 Writes (through :func:`~graphflop.frontend.export_form.from_make_fx`) on each node: ``val``
 (PyTorch), ``KIND="primal"``, ``ROLE`` (``forward`` or ``loss``), ``SOURCE``, ``MODULE`` (the
 ``nn.Module`` path), ``PARAM_DERIVED``; on parameter placeholders ``PARAM``. Writes
-``gm.meta[SIGNATURE]`` (its ``frozen``: the parameters with ``requires_grad=False``), ``CONSTANTS``, ``LOSS_KIND``, ``FACTS`` and ``OUTLINED``
-(:class:`~graphflop.meta.OutlineInfo`).
+``gm.meta[SIGNATURE]`` (its ``frozen``: the parameters with ``requires_grad=False``), ``CONSTANTS``, ``LOSS_KIND``, ``FACTS``, ``OUTLINED``
+(:class:`~graphflop.meta.OutlineInfo`) and ``ASSUMPTIONS`` (the routing that sized a
+data-dependent expert dispatch, :mod:`graphflop.frontend.dispatch`).
 
 Every name other modules import from here stays importable here: :func:`trace`,
 :class:`TraceError`, :func:`from_exported`, :func:`decomposition_table`, :func:`loss_value`,
@@ -42,10 +43,19 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from graphflop.frontend import outline as repeats
 from graphflop.frontend.composite import CompositeOps, tagged_decompositions
 from graphflop.frontend.custom_function import inline_functions, trace_records
+from graphflop.frontend.dispatch import (
+    RoutedDispatch,
+    routed_index_decompositions,
+    routed_nonzero,
+)
 from graphflop.frontend.errors import TraceError, find_cause, first_line, quiet_loggers
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.inputs import bind_call
-from graphflop.frontend.libraries import data_dependent_hint, traced_by_libraries
+from graphflop.frontend.libraries import (
+    data_dependent_hint,
+    stacked_experts_in,
+    traced_by_libraries,
+)
 from graphflop.frontend.loss import (
     LOSSES,
     default_loss,
@@ -59,6 +69,7 @@ from graphflop.frontend.regions import checkpoints_tagged, grad_sources, mark_re
 from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
 from graphflop.meta import (
+    ASSUMPTIONS,
     CHECKPOINT,
     MODULE,
     OUTLINED,
@@ -257,9 +268,14 @@ def _trace_once(
     regions = itertools.count()
     replays = Replays(regions)
     table = replays.wrap(tagged_decompositions(decomposition_table(), regions))
+    # not replayed: the same mask shape may stand for another expert's rows
+    table.update(_chained(table, routed_index_decompositions()))
     outliner = repeats.Outliner(outline)
+    dispatch = RoutedDispatch()
     try:
         with (
+            routed_nonzero(),
+            dispatch,
             warnings.catch_warnings(),
             CompositeOps(),
             fake_mode,
@@ -291,6 +307,8 @@ def _trace_once(
         if find_cause(e, repeats.NotOutlinable) is not None:
             raise
         hint = data_dependent_hint(e)
+        if hint is not None and stacked_experts_in(e) is None:  # that hint names its fix
+            hint = dispatch.refusal(e) or hint
         raise TraceError(
             hint
             or f"tracing the model on the example inputs failed: {type(e).__name__}: "
@@ -313,6 +331,7 @@ def _trace_once(
         target_nodes=chosen.get("targets", []),
     )
     out.meta[OUTLINED] = OutlineInfo(calls=copies, traced_once=len(templates))
+    out.meta[ASSUMPTIONS] = tuple(dispatch.lines)
     sig = out.meta[SIGNATURE]
     frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
     frozen += _detached_only(out, frozen)
@@ -356,6 +375,22 @@ def _detached_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
             stacklevel=3,
         )
     return tuple(out)
+
+
+def _chained(table: dict, first: dict) -> dict:
+    """``first``'s decompositions, each falling back to ``table``'s of its op (or to the op's
+    own handling) where it returns NotImplemented."""
+
+    def chain(op, fn, rest):
+        def decomposed(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if out is NotImplemented and rest is not None:
+                return rest(*args, **kwargs)
+            return out
+
+        return decomposed
+
+    return {op: chain(op, fn, table.get(op)) for op, fn in first.items()}
 
 
 @contextlib.contextmanager

@@ -10,7 +10,11 @@ per element, their values' tangent the input tangent gathered at the returned in
 add). Sorting and selection (topk, sort, kthvalue) are in :mod:`graphflop.ops.sorting`.
 ``histc`` (mixture-of-experts layers count the tokens each expert receives with it) is 1 per
 input element, the increment of its bin (the bin's index is address arithmetic, as in indexing,
-not counted); its counts are piecewise constant in the input: a zero derivative.
+not counted); its counts are piecewise constant in the input: a zero derivative. ``nonzero``
+(the positions of the nonzero elements: a mixture-of-experts loop's tokens of one expert) is 1
+per input element, its test against zero (writing the positions is data movement), with an
+integer output: a zero derivative. Its row count is the values'; a trace gives it only under a
+routing assumption (:mod:`graphflop.frontend.dispatch`).
 """
 
 from __future__ import annotations
@@ -198,6 +202,8 @@ for _op in _INTEGER_VALUED:
     def_zero(_op)
 register(aten.histc.default, F, per_input(1))
 def_zero(aten.histc.default)
+register(aten.nonzero.default, F, per_input(1))
+def_zero(aten.nonzero.default)
 
 
 def _jvp_max_min_dim(op):

@@ -142,6 +142,65 @@ class Routing:
             return [rows * c / total for c in self.counts]
         return [rows / experts] * experts
 
+    def expert_rows(self, rows: int, experts: int, expert: int | None) -> int:
+        """Rows expert ``expert`` (0-based; None: not known) receives of ``rows`` token-expert
+        rows, a whole number: balanced, ⌊rows/E⌋ plus one for each of the first rows mod E
+        experts (the experts' rows sum to ``rows``); a histogram, its counts apportioned to
+        ``rows`` by largest remainders (ties to the lower expert); an expert outside 0..E-1
+        none.
+
+        Raises:
+            ValueError: a capacity (a loop over experts computes what each receives, no
+                buffer); an unknown expert where the rows differ among experts; a histogram
+                of another number of experts.
+        """
+        if expert is not None and not 0 <= expert < experts:
+            return 0  # no index equals it
+        if self.kind == "capacity":
+            raise ValueError(
+                f"--routing capacity:{self.factor:g} describes a capacity-limited expert "
+                "buffer, and this model's loop over its experts computes the rows each "
+                "receives: use --routing balanced or a histogram"
+            )
+        if self.kind == "histogram":
+            assert self.counts is not None
+            if len(self.counts) != experts:
+                raise ValueError(
+                    f"the routing histogram holds {len(self.counts)} counts and the router "
+                    f"chooses among {experts} experts: give one count per expert"
+                )
+            total = sum(self.counts)
+            shares = [rows * c / total for c in self.counts]
+            whole = [math.floor(s) for s in shares]
+            order = sorted(range(experts), key=lambda i: (-(shares[i] - whole[i]), i))
+            for i in order[: rows - sum(whole)]:
+                whole[i] += 1
+            if expert is None:
+                raise ValueError(
+                    "a histogram routing needs each expert's number, and the indices are "
+                    "compared with a tensor: compare them with the Python int of the expert "
+                    "(idx == e)"
+                )
+            return whole[expert]
+        if expert is None:
+            if rows % experts:
+                raise ValueError(
+                    f"{rows} token-expert rows do not split evenly over {experts} experts and "
+                    "the indices are compared with a tensor, not the expert's Python int: "
+                    "compare them with the int (idx == e)"
+                )
+            return rows // experts
+        return rows // experts + (1 if expert < rows % experts else 0)
+
+    def name(self) -> str:
+        """The routing as ``--routing`` spells it (a histogram: its counts)."""
+        if self.kind == "capacity":
+            return f"capacity:{self.factor:g}"
+        if self.kind == "histogram":
+            assert self.counts is not None
+            return "histogram [" + ", ".join(f"{c:g}" for c in self.counts) + "]"
+        return "balanced"
+
     def describe(self) -> str:
         if self.kind == "capacity":
             return (

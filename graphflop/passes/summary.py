@@ -18,6 +18,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.meta import (
+    ASSUMPTIONS,
     COST,
     FORWARD_GRADIENT,
     GAPS,
@@ -566,4 +567,5 @@ def summarize(
         frozen_params=params - trainable,
         uncounted=_uncounted(graphs),
         ops=_op_rows(graphs),
+        assumptions=tuple(fwd.meta.get(ASSUMPTIONS, ())),
     )
