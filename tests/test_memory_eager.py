@@ -74,7 +74,9 @@ def test_graph_model_counts_graphflops_own_residuals() -> None:
 
 
 def test_unknown_memory_model_is_refused() -> None:
-    with pytest.raises(ValueError, match="memory model"):
+    with pytest.raises(
+        ValueError, match="unknown memory_model .xla.: one of eager, graph, compiled"
+    ):
         analyze(nn.Linear(2, 2), (torch.randn(1, 2),), memory_model="xla")
 
 
