@@ -96,7 +96,9 @@ def test_analyze_and_cli_name_the_execution(tmp_path) -> None:
     assert mem.saved_for_backward_bytes == 256
     assert mem.compiled is not None and mem.compiled.execution == EXECUTION
     assert mem.compiled.min_cut.recompute_flops == 96
-    with pytest.raises(ValueError, match="eager, graph or compiled"):
+    with pytest.raises(
+        ValueError, match="unknown memory_model .inductor.: one of eager, graph, compiled"
+    ):
         analyze(model, (torch.randn(4, 8),), memory_model="inductor")
     spec = tmp_path / "chain.py"
     spec.write_text(
