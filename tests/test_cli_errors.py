@@ -1571,3 +1571,11 @@ def test_a_forward_that_fails_is_one_line_with_verify(work):
     err = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2, run.stderr
     assert len(err) == 1 and "view_as_real doesn't work" in err[0], err
+
+
+def test_render_empty_module_path_is_refused(capsys, tmp_path):
+    """``--module ""`` used to draw the whole model, as if the option were left out."""
+    out = tmp_path / "m.svg"
+    rc, _, err = cli(capsys, "render", spec("mlp.py"), "--module", " ", "-o", out)
+    assert rc == 2 and len(err) == 1 and not out.exists()
+    assert "an empty module path: give a module such as h.0" in err[0]
