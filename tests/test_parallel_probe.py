@@ -94,3 +94,40 @@ def test_ddp_one_bucket_all_reduce_and_local_flops():
         assert rec["live_at_step_start"] == sum(rec["live_by_kind"].values())
         # the gradients (658 kB) are live at the peak, on top of what the step started with
         assert rec["peak_bytes"] > rec["live_at_step_start"] + 4 * PARAMS
+
+
+def _check_llama_flops(rec: dict, tokens: int) -> None:
+    """mm and attention FLOPs of a rank that runs the whole model on ``tokens`` tokens."""
+    fwd = 2 * tokens * (L * BLOCK_MM + D * V)
+    assert rec["flops_by_op"]["aten.mm"] == 3 * fwd
+    sdpa = 4 * (tokens // T) * H * T * T * HD * L
+    assert rec["flops_by_op"]["aten._scaled_dot_product_flash_attention_for_cpu"] == sdpa
+
+
+@pytest.mark.slow
+def test_zero3_gathers_each_unit_twice_and_reduce_scatters_it_once():
+    recs = _probe("zero3")
+    root = V * D + D + D * V  # the root unit: embedding, final norm, head: 16,448
+    assert root + L * BLOCK == PARAMS
+    for rec in recs:
+        assert rec["dims"] == {"dp": 2, "tp": 1, "pp": 1}
+        assert rec["params_local"] == PARAMS // 2  # every dim 0 is even: no padding
+        # FSDP2: each block is gathered (gathered elements = its whole size) before its
+        # forward and again before its backward (resharded after forward); the root is not
+        # resharded after forward (its backward comes first), so it is gathered once; every
+        # unit's gradient is reduce-scattered once (elements = the unsharded gradient)
+        assert _multiset(rec) == Counter(
+            {
+                ("all_gather", 2, root, "float32", "forward"): 1,
+                ("all_gather", 2, BLOCK, "float32", "forward"): L,
+                ("all_gather", 2, BLOCK, "float32", "backward"): L,
+                ("reduce_scatter", 2, BLOCK, "float32", "backward"): L,
+                ("reduce_scatter", 2, root, "float32", "backward"): 1,
+            }
+        )
+        _check_llama_flops(rec, 2 * T)
+        # at the step start: the parameter shards and AdamW's moments of them (+ 39 steps)
+        assert rec["live_by_kind"]["parameters"] == 4 * PARAMS // 2
+        assert rec["live_by_kind"]["optimizer"] == 4 * PARAMS + 4 * 39
+        # the step gathers at least one block's parameters on top
+        assert rec["peak_bytes"] >= rec["live_at_step_start"] + 4 * BLOCK
