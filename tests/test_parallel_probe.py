@@ -131,3 +131,53 @@ def test_zero3_gathers_each_unit_twice_and_reduce_scatters_it_once():
         assert rec["live_by_kind"]["optimizer"] == 4 * PARAMS + 4 * 39
         # the step gathers at least one block's parameters on top
         assert rec["peak_bytes"] >= rec["live_at_step_start"] + 4 * BLOCK
+
+
+@pytest.mark.slow
+def test_tp_all_reduces_row_outputs_forward_and_column_input_grads_backward():
+    recs = _probe("tp")
+    act = B * T * D  # one (4, 16, 64) activation: 4,096 elements
+    for rec in recs:
+        assert rec["dims"] == {"dp": 1, "tp": 2, "pp": 1}
+        # every weight is halved but the norms' (4·2·64 + 64 = 576 replicated elements)
+        assert rec["params_local"] == (PARAMS - 576) // 2 + 576
+        assert _multiset(rec) == Counter(
+            {
+                # forward: the vocab-parallel embedding's partial sum, o_proj's and down_proj's
+                # (row-wise) partial outputs in each block; the head's logits gathered
+                ("all_reduce", 2, act, "float32", "forward"): 1 + 2 * L,
+                ("all_gather", 2, B * T * V, "float32", "forward"): 1,
+                # backward: the input gradient of every column-wise Linear (q, k, v, gate, up
+                # each all-reduce their own) and of the head; none for the embedding, whose
+                # input (token ids) needs no gradient
+                ("all_reduce", 2, act, "float32", "backward"): 5 * L + 1,
+            }
+        )
+        # each rank runs every matmul at half width on the whole batch (64 tokens): the same
+        # FLOPs as a data-parallel rank on 32 tokens, half the whole model's
+        _check_llama_flops(rec, 2 * T)
+
+
+@pytest.mark.slow
+def test_tp_sp_reduce_scatters_and_gathers_the_sequence():
+    recs = _probe("tp_sp")
+    act = B * T * D
+    for rec in recs:
+        assert rec["dims"] == {"dp": 1, "tp": 2, "pp": 1}
+        assert _multiset(rec) == Counter(
+            {
+                # forward: the embedding's and each o/down's partial output reduce-scattered
+                # over the sequence; each attention / MLP input and the head's input gathered
+                ("reduce_scatter", 2, act, "float32", "forward"): 1 + 2 * L,
+                ("all_gather", 2, act, "float32", "forward"): 2 * L + 1,
+                ("all_gather", 2, B * T * V, "float32", "forward"): 1,
+                # backward: each of those transposed
+                ("all_gather", 2, act, "float32", "backward"): 1 + 2 * L,
+                ("reduce_scatter", 2, act, "float32", "backward"): 2 * L + 1,
+                # the sequence-parallel norms' weight gradients stay Partial through the
+                # backward; AdamW (foreach=False) all-reduces each of the 9 norms' gradient
+                # at each of its 3 uses (the two moments' updates read it three times)
+                ("all_reduce", 2, D, "float32", "optimizer"): 3 * (2 * L + 1),
+            }
+        )
+        _check_llama_flops(rec, 2 * T)

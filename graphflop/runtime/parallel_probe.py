@@ -512,6 +512,93 @@ def _plan_fsdp2(model, x, y, rank, world) -> _Trainer:
     return _Trainer(model, [opt], _dims(world), _simple_step(model, opt, xs, ys), [xs, ys])
 
 
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
+
+
+def _tp_plan(model: nn.Module, tp: int, sequence_parallel: bool) -> dict:
+    """The Megatron plan by module name: q/k/v and gate/up column-wise, o/down row-wise, the
+    first embedding vocab-parallel, the last Linear outside the blocks (the head) column-wise
+    with its output gathered; with ``sequence_parallel``, the norms too (torch's tutorial).
+
+    Sets each attention's ``n_heads`` / ``n_kv_heads`` to the local counts.
+
+    Raises:
+        ProbeError: no q/k/v-style Linear found, or a head count ``tp`` does not divide.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    blocks = _blocks(model)
+    block_names = {n for n, m in model.named_modules() if m in set(blocks)}
+    names = dict(model.named_modules())
+    seq = Shard(1)
+    for name, mod in names.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(mod, nn.Linear) and leaf in COLWISE:
+            plan[name] = ColwiseParallel()
+        elif isinstance(mod, nn.Linear) and leaf in ROWWISE:
+            plan[name] = (
+                RowwiseParallel(output_layouts=seq) if sequence_parallel else (RowwiseParallel())
+            )
+        for attr in ("n_heads", "n_kv_heads"):
+            if isinstance(getattr(mod, attr, None), int):
+                if getattr(mod, attr) % tp:
+                    raise ProbeError(
+                        f"{name}.{attr} = {getattr(mod, attr)} is not a multiple of tp {tp}"
+                    )
+                setattr(mod, attr, getattr(mod, attr) // tp)
+    if not plan:
+        raise ProbeError(f"no Linear named {', '.join(COLWISE + ROWWISE)}: no Megatron plan")
+    emb = _first_embedding(model)
+    if emb is not None:
+        emb_name = next(n for n, m in names.items() if m is emb)
+        plan[emb_name] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate()
+        )
+    inside = lambda n: any(n == b or n.startswith(b + ".") for b in block_names)  # noqa: E731
+    outer = [n for n, m in names.items() if isinstance(m, nn.Linear) and not inside(n)]
+    if outer:
+        plan[outer[-1]] = ColwiseParallel(
+            input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate()
+        )
+    if sequence_parallel:
+        plan.update(_sp_entries(names, block_names))
+    return plan
+
+
+def _sp_entries(names: dict[str, nn.Module], block_names: set[str]) -> dict:
+    """Sequence parallelism's additions: every norm ``SequenceParallel``; each block child that
+    holds column-wise Linears (attention, MLP) gathers its sequence-sharded input first."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    plan: dict[str, Any] = {}
+    for name, mod in names.items():
+        if name and "norm" in type(mod).__name__.lower():
+            plan[name] = SequenceParallel()
+    for name in names:
+        if name.rpartition(".")[0] in block_names and any(
+            n.startswith(name + ".") and n.rsplit(".", 1)[-1] in COLWISE for n in names
+        ):
+            plan[name] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+    return plan
+
+
+def _plan_tp(model, x, y, rank, world, sequence_parallel: bool = False) -> _Trainer:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(model, mesh, _tp_plan(model, world, sequence_parallel))
+    opt = _adamw(model.parameters())
+    # every tensor-parallel rank takes the whole batch
+    return _Trainer(model, [opt], _dims(tp=world), _simple_step(model, opt, x, y), [x, y])
+
+
 # ---------------------------------------------------------------------------- entry points
 
 
@@ -538,6 +625,10 @@ PLANS: dict[str, Callable[..., _Trainer]] = {
     "zero1": lambda model, x, y, rank, world: _plan_ddp(model, x, y, rank, world, zero=True),
     "zero2": _plan_fsdp1,
     "zero3": _plan_fsdp2,
+    "tp": _plan_tp,
+    "tp_sp": lambda model, x, y, rank, world: _plan_tp(
+        model, x, y, rank, world, sequence_parallel=True
+    ),
 }
 
 
