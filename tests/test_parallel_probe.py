@@ -181,3 +181,46 @@ def test_tp_sp_reduce_scatters_and_gathers_the_sequence():
             }
         )
         _check_llama_flops(rec, 2 * T)
+
+
+@pytest.mark.slow
+def test_zero1_broadcasts_every_parameter_from_its_owner_after_the_step():
+    recs = _probe("zero1")
+    for rec in recs:
+        assert rec["params_local"] == PARAMS  # parameters replicated, optimizer states not
+        assert _multiset(rec) == Counter(
+            {
+                # DDP's one bucket, as in ddp
+                ("all_reduce", 2, PARAMS, "float32", "backward"): 1,
+                # ZeroRedundancyOptimizer: after each rank steps the parameters it owns, every
+                # parameter is broadcast from its owner: 9 norms of 64, 8 k/v of 64·32, 8 q/o of
+                # 64·64, 12 gate/up/down of 64·128 + the embedding and the head of 128·64
+                ("broadcast", 2, D, "float32", "optimizer"): 2 * L + 1,
+                ("broadcast", 2, D * HKV * HD, "float32", "optimizer"): 2 * L,
+                ("broadcast", 2, D * D, "float32", "optimizer"): 2 * L,
+                ("broadcast", 2, D * FFN, "float32", "optimizer"): 3 * L + 2,
+            }
+        )
+        _check_llama_flops(rec, 2 * T)
+    # the AdamW moments are split between the ranks (by parameter, not evenly)
+    moments = [rec["live_by_kind"]["optimizer"] for rec in recs]
+    assert 2 * 4 * PARAMS < sum(moments) < 2 * 4 * PARAMS + 4 * 39 + 8
+
+
+@pytest.mark.slow
+def test_zero2_gathers_each_unit_once_and_reduce_scatters_its_gradient():
+    recs = _probe("zero2")
+    root = V * D + D + D * V
+    for rec in recs:
+        assert rec["params_local"] == PARAMS // 2
+        # FSDP1 SHARD_GRAD_OP: parameters stay gathered from the forward through the
+        # backward (no second all-gather); gradients reduce-scattered per unit
+        assert _multiset(rec) == Counter(
+            {
+                ("all_gather", 2, root, "float32", "forward"): 1,
+                ("all_gather", 2, BLOCK, "float32", "forward"): L,
+                ("reduce_scatter", 2, BLOCK, "float32", "backward"): L,
+                ("reduce_scatter", 2, root, "float32", "backward"): 1,
+            }
+        )
+        _check_llama_flops(rec, 2 * T)
