@@ -4,6 +4,7 @@ numbers as in PyTorch, and the train step equals one torch.optim step."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -430,3 +431,27 @@ def test_a_squeeze_of_no_size_one_dimension_exports(tmp_path):
     )
     loss = torch.from_numpy(out[g["outputs"].index("loss")])
     assert rel_error(loss, fv[a.forward.meta[SIGNATURE].loss]) < 1e-6
+
+
+def test_batch_norm_kept_whole_exports_as_its_parts(tmp_path):
+    # training-mode batch norm is one node in graphflop's graphs; ONNX Runtime's
+    # BatchNormalization would normalise with the running statistics, so the export writes
+    # PyTorch's decomposition of it: the forward loss and the backward's gradients match
+    # PyTorch, and each ONNX node carries its share of the node's FLOPs once (no bias before
+    # the batch norm: its gradient is exactly 0, rounding noise in both runs)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, bias=False),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 6 * 6, 5),
+    ).train()
+    a = analyze(model, (torch.randn(2, 3, 8, 8),))
+    ops = {str(n.target) for n in a.forward.graph.nodes}
+    assert "aten._native_batch_norm_legit_functional.default" in ops
+    _export_and_compare(tmp_path, SimpleNamespace(model=model), a, "bn")
+    import onnx
+
+    forward = onnx.load(tmp_path / "forward.onnx")
+    assert "BatchNormalization" not in {n.op_type for n in forward.graph.node}

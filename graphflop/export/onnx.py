@@ -37,6 +37,7 @@ from graphflop.export.onnx_errors import (
     in_chain,
     unexportable_node,
 )
+from graphflop.frontend.composite import decompose_kept_whole
 from graphflop.frontend.errors import quiet_loggers
 from graphflop.meta import (
     COST,
@@ -275,7 +276,7 @@ def export_graph(
     """
     import onnx
 
-    gm = _without_noop_squeezes(gm)
+    gm = _without_noop_squeezes(decompose_kept_whole(gm))
     try:
         with warnings.catch_warnings(), quiet_loggers(*EXPORTER_LOGGERS):
             warnings.simplefilter("ignore")

@@ -11,6 +11,7 @@ kernel (:data:`FUSED_SDPA`, :func:`fused_on_cpu`).
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.meta import COMPOSITE, CompositeTag, traced_node
 from graphflop.ops.attention import sdpa
@@ -106,6 +107,23 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "aten.mse_loss.default": ((0, 1), ()),
     "aten.nan_to_num.default": ((0,), ()),
 }
+
+#: composite ops traced as one node with rules of their own (graphflop.ops) rather than as their
+#: parts: output ``i`` of such a node is the composite op's output ``i``
+KEPT_WHOLE = frozenset({"aten._native_batch_norm_legit_functional.default"})
+
+
+def getitem_tag(multi: torch.fx.Node, i: int) -> CompositeTag | None:
+    """The tag of a ``getitem`` of output ``i`` added to a traced graph after tracing (outputs
+    nothing read were dropped): the composite op's output ``i`` when ``multi`` is a composite op
+    kept whole (:data:`KEPT_WHOLE`), an inner value of its decomposition otherwise; None when
+    ``multi`` is not part of a composite op."""
+    tag = multi.meta.get(COMPOSITE)
+    if tag is None:
+        return None
+    whole = str(multi.target) in KEPT_WHOLE
+    return CompositeTag(tag.op, tag.region, i if whole else None, (), None)
+
 
 #: composite ops whose saved mask is, on CPU, a tensor of the input's dtype (output 0's)
 FLOAT_MASK_ON_CPU = frozenset({"aten.native_dropout.default"})
@@ -261,3 +279,67 @@ def _tag(name: str, region: int, new: list, args: tuple, result: Any, tracer: An
         reads = tuple((i, inputs[a]) for i, a in enumerate(n.all_input_nodes) if a in inputs)
         inner = n.meta.get(COMPOSITE)
         n.meta[COMPOSITE] = CompositeTag(name, region, outputs.get(n), reads, inner)
+
+
+def decompose_kept_whole(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm``, or a copy (same names for the nodes it keeps) in which each composite op kept
+    whole (:data:`KEPT_WHOLE`) is replaced by PyTorch's decomposition of it (``torch._decomp``),
+    for consumers that need the parts: ONNX Runtime's ``BatchNormalization`` normalises with
+    the running statistics whatever its ``training_mode``. The new nodes carry the op node's
+    graphflop keys, their own ``val`` and their own cost from the rule table (which sum to the
+    op's, the cost rule's contract); its ``getitem`` users are replaced by the parts' outputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphflop.meta import COST, graphflop_meta
+    from graphflop.ops.cost import op_cost
+    from graphflop.ops.registry import torch_decomposition
+
+    if not any(n.op == "call_function" and str(n.target) in KEPT_WHOLE for n in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for n in list(graph.nodes):
+        if n.op != "call_function" or str(n.target) not in KEPT_WHOLE:
+            continue
+        decomposition = torch_decomposition(n.target)
+        assert decomposition is not None, n.format_node()
+        flat, spec = tree_flatten((n.args, n.kwargs))
+        where = [i for i, a in enumerate(flat) if isinstance(a, torch.fx.Node)]
+
+        def run(*tensors: Any, flat: list = flat, where: list = where, spec: Any = spec) -> Any:
+            values = list(flat)
+            for i, t in zip(where, tensors):
+                values[i] = t
+            args, kwargs = tree_unflatten(values, spec)
+            return decomposition(*args, **kwargs)  # noqa: B023 (called at once, below)
+
+        metas = [_meta_like(flat[i].meta["val"]) for i in where]
+        parts = make_fx(run)(*metas)
+        env: dict[torch.fx.Node, Any] = {}
+        inputs = iter(flat[i] for i in where)
+        keys = graphflop_meta(n.meta)
+        results: Any = None
+        with graph.inserting_before(n):
+            for p in parts.graph.nodes:
+                if p.op == "placeholder":
+                    env[p] = next(inputs)
+                elif p.op == "output":
+                    results = torch.fx.node.map_arg(p.args[0], env.__getitem__)
+                else:
+                    new = graph.node_copy(p, env.__getitem__)
+                    new.meta = {**keys, "val": p.meta.get("val")}
+                    new.meta[COST] = op_cost(new.target, new.args, new.kwargs, new)
+                    env[p] = new
+        for u in list(n.users):
+            assert u.target is operator.getitem, u.format_node()
+            u.replace_all_uses_with(results[u.args[1]])
+            graph.erase_node(u)
+        graph.erase_node(n)
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    return copy
+
+
+def _meta_like(v: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")

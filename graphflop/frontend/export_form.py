@@ -21,10 +21,12 @@ import torch
 from torch.fx import GraphModule
 
 from graphflop.ad.builder import copy_node
+from graphflop.frontend.composite import getitem_tag
 from graphflop.frontend.errors import TraceError, first_line
 from graphflop.frontend.scopes import module_path
 from graphflop.io import sanitize_name
 from graphflop.meta import (
+    COMPOSITE,
     CONSTANTS,
     FACTS,
     FUNCTION,
@@ -160,8 +162,11 @@ def _complete_getitems(gm: GraphModule) -> None:
                 continue
             with gm.graph.inserting_after(last):
                 g = gm.graph.call_function(operator.getitem, (n, i))
-            g.meta.update({k: v_ for k, v_ in n.meta.items() if k != "val"})
+            g.meta.update({k: v_ for k, v_ in n.meta.items() if k not in ("val", COMPOSITE)})
             g.meta["val"] = v
+            tag = getitem_tag(n, i)
+            if tag is not None:
+                g.meta[COMPOSITE] = tag
             last = g
     gm.recompile()
 

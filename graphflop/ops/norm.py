@@ -1,21 +1,37 @@
-"""Normalisation ops left after decomposition. Training-mode batch norm, layer norm, group norm
-and vector norms decompose into elementwise ops and reductions (counted as the sum of their parts,
-docs/flops_conventions.md; the decompositions are at the end of this file);
-eval-mode batch norm stays one op, ``_native_batch_norm_legit_no_training``, counted as the same
-parts: per element a subtract and a multiply (and a multiply by γ, an add of β), per channel an
-add of ε and an rsqrt.
+"""Normalisation ops. Layer norm, group norm, vector norms and batch norm without running
+statistics decompose into elementwise ops and reductions (counted as the sum of their parts,
+docs/flops_conventions.md; the decompositions are at the end of this file).
+
+Batch norm stays one op, as eager PyTorch runs it (one kernel), counted as the parts PyTorch's
+decomposition (``torch._decomp``) makes of it:
+
+* eval mode, ``_native_batch_norm_legit_no_training``: per element a subtract and a multiply
+  (and a multiply by γ, an add of β), per channel an add of ε and an rsqrt;
+* training mode, ``_native_batch_norm_legit_functional`` (float32 and float64 inputs; other
+  dtypes are traced as PyTorch's decomposition, which computes in float32): per element the
+  ``var_mean`` (2), a subtract and a multiply (and a multiply by γ, an add of β); per channel
+  ``var_mean``'s two divides, the add of ε and the rsqrt, the running mean's update
+  (``m·μ + (1 − m)·r``: 3) and the running variance's (Bessel's correction n/(n − 1), then 3).
+
+Its JVP is the decomposition's, written over the op's own outputs (the batch mean μ and the
+inverse standard deviation ``rstd``; ``x − μ`` is recomputed, as the eager backward kernel
+does); the weight's tangent enters as ``(x − μ)·(rstd·γ̇)`` since ``x̂`` is not a forward value
+(so the backward's weight gradient is ``Σ ct·(x − μ)`` times ``rstd``, the eager kernel's).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from graphflop.meta import NodeCost
-from graphflop.ops._common import FULL_PRECISION, numel, shape
+from graphflop.meta import PARAM_DERIVED, NodeCost
+from graphflop.ops._common import FULL_PRECISION, bind, numel, shape
 from graphflop.ops.registry import (
     def_jvp,
     register,
     register_decomposition,
+    torch_decomposition,
     use_torch_decomposition,
 )
 
@@ -58,10 +74,80 @@ def _jvp_bn_eval(b, out, args, tangents, kwargs):
     return (t, None, None)
 
 
+_BN_TRAIN = aten._native_batch_norm_legit_functional.default
+
+
+def _bn_train_cost(out, x, *args, **kwargs):
+    """The parts of PyTorch's decomposition (module docstring): per element ``var_mean`` (2), a
+    subtract, a multiply, γ's multiply and β's add; per channel 11, one an rsqrt."""
+    a = bind(_BN_TRAIN, (x, *args), kwargs)
+    per_elem = 4 + (a.weight is not None) + (a.bias is not None)
+    c = numel(out[1])
+    return NodeCost(flops=per_elem * numel(x) + 11 * c, transcendentals=c)
+
+
+register(_BN_TRAIN, F, _bn_train_cost)
+
+
+@def_jvp(_BN_TRAIN)
+def _jvp_bn_train(b, out, args, tangents, kwargs):
+    """The tangents of (out, μ, rstd, new running mean, new running variance), as the
+    decomposition's rules give them (``var_mean``, rsqrt, subtract, multiply, the affine):
+    with ``c = x − μ`` (recomputed) and ``n`` elements per channel,
+    ``μ̇ = mean(ẋ)``, ``σ̇² = Σ ẋ·c·2/n``, ``rstḋ = σ̇²·(−½·rstd³)``,
+    ``ẋ̂ = (ẋ − μ̇)·rstd + c·rstḋ``, ``ȯut = ẋ̂·γ + c·(rstd·γ̇) + β̇``. The new running
+    statistics get none (nothing but the buffers reads them, as in the decomposition)."""
+    a = bind(_BN_TRAIN, args, kwargs)
+    x, weight = a.input, a.weight
+    tx, tw, tb = tangents[0], tangents[1], tangents[2]
+    xs = shape(x)
+    dims = [0, *range(2, len(xs))]
+    c = xs[1]
+    n = math.prod(xs) // max(c, 1)
+    view = [1, c] + [1] * (len(xs) - 2)
+
+    def chan(v):
+        return b.call(aten.view.default, v, view)
+
+    rstd = chan(b.getitem(out, 2))
+    if tx is None and tw is None and tb is None:
+        return (None,) * 5
+    centred = b.call(aten.sub.Tensor, x, chan(b.getitem(out, 1)))
+    t = t_w = t_mean = t_rstd = None
+    if tw is not None:
+        # emitted before the input's terms, so that the transpose (in reverse order) reaches
+        # x − μ from the input's cotangent first, as it did through the decomposition
+        scale = b.call(aten.mul.Tensor, rstd, chan(tw))
+        # rstd·γ̇ carries the weight's tangent alone: its cotangent is a weight gradient
+        scale.meta[PARAM_DERIVED] = True
+        t_w = b.call(aten.mul.Tensor, centred, scale)
+    if tx is not None:
+        coef = b.call(aten.mul.Tensor, centred, 2.0 / max(n, 1))
+        t_var = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, tx, coef), dims, True)
+        t_mean = b.call(aten.mean.dim, tx, dims, True)
+        cube = b.call(aten.pow.Tensor_Scalar, rstd, 3)
+        t_rstd = b.call(aten.mul.Tensor, t_var, b.call(aten.mul.Tensor, cube, -0.5))
+        t = b.add(
+            b.call(aten.mul.Tensor, b.sub(tx, t_mean), rstd),
+            b.call(aten.mul.Tensor, centred, t_rstd),
+        )
+        if weight is not None:
+            t = b.call(aten.mul.Tensor, t, chan(weight))
+    t = b.add(t, t_w)
+    if tb is not None:
+        t = b.add(t, chan(tb))
+    if t is not None and shape(t) != xs:
+        t = b.call(aten.expand.default, t, list(xs))
+    if t_mean is None:
+        return (t, None, None, None, None)
+    # the new running statistics' tangents are left out: only the buffers read them
+    t_mean = b.call(aten.view.default, t_mean, [c])
+    return (t, t_mean, b.call(aten.view.default, t_rstd, [c]), None, None)
+
+
 # --- decompositions ----------------------------------------------------------------------------
-# Training-mode batch norm and layer norm as PyTorch decomposes them; vector norms too.
+# Layer norm and batch norm without running statistics as PyTorch decomposes them; vector norms.
 use_torch_decomposition(
-    aten._native_batch_norm_legit_functional,
     aten._native_batch_norm_legit.no_stats,
     aten.native_layer_norm,
     aten.linalg_vector_norm,
@@ -117,7 +203,10 @@ def _batch_norm(
         )
     if running_mean is None:
         return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, momentum, eps)
-    out, mean, rstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
+    # one op for full-precision inputs (its rules above); PyTorch's parts otherwise
+    functional = _BN_TRAIN if x.dtype in FULL_PRECISION else torch_decomposition(_BN_TRAIN)
+    assert functional is not None  # PyTorch decomposes it (torch._decomp)
+    out, mean, rstd, new_mean, new_var = functional(
         x, weight, bias, running_mean, running_var, True, momentum, eps
     )
     running_mean.copy_(new_mean)

@@ -103,17 +103,18 @@ def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str
     out: dict[str, torch.dtype] = {}
     first: dict[int, torch.dtype] = {}  # composite op's region -> its input 0's dtype
     for n in forward.graph.nodes:
+        tag = n.meta.get(COMPOSITE)
+        # (before the value check: a composite op kept whole reads input 0 in its tuple node)
+        for i, k in tag.inputs if tag is not None else ():
+            a = n.all_input_nodes[i]
+            if k == 0 and a.name in out:
+                first.setdefault(tag.region, out[a.name])
         dt = _dtype(n)
         if dt is None:
             continue
         if n.op != "call_function" or not dt.is_floating_point:
             out[n.name] = dt
             continue
-        tag = n.meta.get(COMPOSITE)
-        for i, k in tag.inputs if tag is not None else ():
-            a = n.all_input_nodes[i]
-            if k == 0 and a.name in out:
-                first.setdefault(tag.region, out[a.name])
         if _is_lower(n):
             out[n.name] = half
         elif tag is not None and _fp32_region(tag.op, device, n.meta.get(MODULE)):

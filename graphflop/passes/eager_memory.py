@@ -13,9 +13,10 @@ input and indices, as two storages. Attention PyTorch runs with its fused kernel
 v, its output, the mask and a logsumexp, and makes no scores or probabilities in forward or
 backward (:mod:`graphflop.passes.eager_attention`). Each composite op's forward and backward
 (and each convolution's backward) run as the one kernel eager runs: the decomposition's inner
-nodes hold nothing (:func:`one_kernel_backward`). So composite ops are not kept whole with rules
-of their own (the FLOP counts and the backward graph stay as they are); the memory figures are
-those of the eager run.
+nodes hold nothing (:func:`one_kernel_backward`). So composite ops need not be kept whole with
+rules of their own for the memory figures to be those of the eager run; training-mode batch norm
+is kept whole anyway (:data:`~graphflop.frontend.composite.KEPT_WHOLE`, for the cost of tracing
+it): its node is a one-node region whose rule's backward reads x, μ and rstd, eager's saves.
 
 The eager train step (:func:`eager_train_schedule`): the forward, each multi-output op's outputs
 as separate storages; the backward with the eager residuals; gradients allocated as the backward
@@ -435,6 +436,14 @@ def _norm_jvp(
         names = {n.name for n in region}
         x = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
         out0 = [n.name for n in region if tags[n].output == 0]
+        # a composite op kept whole: its rule (the multi-output node's) made output 0's tangent
+        out0 += [
+            n.all_input_nodes[0].name
+            for n in region
+            if tags[n].output == 0
+            and n.target is operator.getitem
+            and n.all_input_nodes[0] in region
+        ]
         keep = {t for o in out0 for t in pairs.get(o, [])}
         for n in region:
             if tags[n].output is None:

@@ -19,6 +19,7 @@ from typing import Any
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
+from graphflop.frontend.composite import KEPT_WHOLE
 from graphflop.meta import JVP, MEMORY, RESIDUAL, SIGNATURE, SOURCE, VJP, MemoryInfo
 from graphflop.ops import has_rule, lookup
 from graphflop.passes.flops import tensor_bytes
@@ -133,8 +134,9 @@ class Schedule:
             ]
             alias = None
             val = n.meta.get("val")
+            own = eager or _kept_whole(n.args[0] if n.target is operator.getitem else n)
             if n.op == "call_function" and (
-                (n.target is operator.getitem and (not eager or _views_of_input(n, is_view)))
+                (n.target is operator.getitem and (not own or _views_of_input(n, is_view)))
                 or is_view(n.target)
                 or n.name in inplace
             ):
@@ -145,7 +147,7 @@ class Schedule:
                 alias = keys[base][0] if base is not None else None
             if free_outputs and n in outputs:
                 nbytes = 0
-            elif eager and isinstance(val, (tuple, list)):
+            elif own and isinstance(val, (tuple, list)):
                 nbytes = 0
             else:
                 nbytes = sizes.get(n.name, tensor_bytes(val))
@@ -295,6 +297,13 @@ def jvp_schedule(jvp: GraphModule) -> Schedule:
 def saved_for_backward_bytes(forward: GraphModule, backward: GraphModule) -> int:
     """Bytes of the non-parameter forward values the backward graph reads, once per storage."""
     return sum(saved_storages(forward, backward).values())
+
+
+def _kept_whole(n: Any) -> bool:
+    """Whether ``n`` is a composite op traced as one node (batch norm): each of its outputs is
+    a tensor of its own, as in its decomposition and in eager PyTorch, not a piece of one
+    storage."""
+    return isinstance(n, Node) and n.op == "call_function" and str(n.target) in KEPT_WHOLE
 
 
 def _views_of_input(n: Node, is_view: Any) -> bool:

@@ -162,13 +162,15 @@ def _forward(fwd: GraphModule, layers: _Layers) -> tuple[NodeCost, NodeCost]:
     sig = fwd.meta[SIGNATURE]
     phs = _placeholders(fwd)
     nodes = _ops(fwd)
+    # a buffer's new value (batch norm's running statistics) is not the layer's output
+    written = {name for name, _ in sig.buffer_updates}
     for n in nodes:
         c = n.meta[COST]
         L = layers[n.meta.get(MODULE, "")]
         L["forward_flops"] += c.flops
         L["forward_mm_flops"] += c.mm_flops
         v = n.meta.get("val")
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, torch.Tensor) and n.name not in written:
             L["output_shape"] = list(v.shape)
             L["output_bytes"] = tensor_bytes(v)
     for p, q in sig.params:
