@@ -452,12 +452,16 @@ class Hierarchy:
         sites: the call sites, in graph order.
         top: the forward graph's nodes outside every call, in graph order, with each call
             site's number (an int) where its nodes begin.
+        graph: the top level as a graph of its own, each call one ``graphflop::repeat``
+            node (tagged :data:`CALL_SITE` ``(site, -1)``) whose ``getitem`` nodes are the
+            values read outside the call; None where a call's nodes are not one run.
     """
 
     templates: tuple[torch.fx.Graph, ...]
     variants: tuple[tuple[int, tuple[tuple[int, int | None], ...]], ...]
     sites: tuple[CallSite, ...]
     top: tuple[Any, ...]
+    graph: Any = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from conftest import spec
 from torch import nn
 
 from graphflop.analysis import analyze
+from graphflop.frontend.hierarchy import expand
 from graphflop.load import load, make_inputs
 from graphflop.meta import CALL_SITE, COST, HIERARCHY, MODULE, OUTLINED
 from graphflop.ops.cost import op_cost
@@ -33,6 +34,34 @@ def _flat_report(a):
     )
 
 
+def _nodes(gm):
+    """Every node by op, arguments (nodes by position), output shape and strides and module
+    path."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return ("node", pos[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(b) for b in a)
+        return a
+
+    def val(v):
+        return (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else None
+
+    return [
+        (
+            n.op,
+            str(n.target),
+            arg(n.args),
+            arg(tuple(sorted(n.kwargs.items()))),
+            val(n.meta.get("val")),
+            n.meta.get(MODULE) if n.op == "call_function" else None,
+        )
+        for n in gm.graph.nodes
+    ]
+
+
 def _check(a):
     """The hierarchical report equals the flat one; every copied node's cost (taken from its
     template) equals the cost of the node on its own."""
@@ -51,6 +80,12 @@ def _check(a):
         assert len(h.templates) == info.traced_once
         tagged = [n for n in a.forward.graph.nodes if CALL_SITE in n.meta]
         assert tagged
+        if h.graph is not None:
+            # the top level calls each block: fewer nodes than the flat graph
+            calls = [n for n in h.graph.graph.nodes if n.meta.get(CALL_SITE, (0, 0))[1] == -1]
+            assert len(calls) == len(h.sites)
+            # the flat graph rebuilt from the hierarchy alone is the traced one, node for node
+            assert _nodes(expand(h)) == _nodes(a.forward)
     return h
 
 
@@ -82,6 +117,7 @@ def test_stack_of_blocks_composes_hand_counted_figures():
     a = analyze(Stack(n, d, f), torch.randn(B, d))
     h = _check(a)
     assert len(h.templates) == 1 and len(h.sites) == n  # one template, four calls
+    assert h.graph is not None
     rows = {L.name: L for L in a.report.layers}
     for i in range(n):
         # addmm: 2·B·d·f multiply-adds' FLOPs, then the bias's B·f additions
@@ -142,7 +178,7 @@ def test_models_hierarchical_equals_flat(name):
 
 def test_gpt2_few_layers_hierarchical_equals_flat():
     h = _check(_analysis("gpt2.py", n_layer=3, n_embd=32, n_head=2, vocab_size=50))
-    assert h is not None and len(h.sites) == 3
+    assert h is not None and len(h.sites) == 3 and h.graph is not None
 
 
 @pytest.mark.slow
@@ -170,3 +206,79 @@ def test_zoo_hierarchical_equals_flat(s):
 @pytest.mark.parametrize("s", ZOO_SLOW)
 def test_zoo_large_hierarchical_equals_flat(s):
     _check(_spec_analysis(s))
+
+
+# the worked example of docs/api.md ("Passes over the hierarchy")
+from torch.fx.passes.infra.pass_base import PassResult  # noqa: E402
+
+from graphflop.passes.hierarchy import compose  # noqa: E402
+from graphflop.passes.infra import FLAT, GraphPass  # noqa: E402
+
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+class MatmulOutputs(GraphPass):
+    """Writes on every node the elements a matrix product outputs (0 for other ops)."""
+
+    name = "matmul_outputs"
+    required = ("val",)  # scope: TEMPLATE, the default (a node's figure is its own)
+
+    def call(self, gm):
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            n.meta["mm_out"] = v.numel() if n.target in MATMULS else 0
+        return PassResult(gm, False)
+
+
+class Depth(GraphPass):
+    """Writes on every node its depth: the longest chain of nodes from an input to it."""
+
+    name = "depth"
+    required = ("val",)
+    scope = FLAT  # a chain runs through every block: it needs the flat graph
+
+    def call(self, gm):
+        for n in gm.graph.nodes:
+            n.meta["depth"] = 1 + max((a.meta["depth"] for a in n.all_input_nodes), default=0)
+        return PassResult(gm, False)
+
+
+def test_run_pass_per_template_composes_as_flat():
+    B, d, f, n = 5, 6, 10, 4
+    a = analyze(Stack(n, d, f), torch.randn(B, d))
+    run = a.run_pass(MatmulOutputs())
+    assert not run.flat and len(run.templates) == 1  # the block's template, once
+    mm_out = lambda node: node.meta.get("mm_out", 0)  # noqa: E731
+    # per block: fc1's B·f and fc2's B·d outputs; the head's B·3
+    assert compose(a.hierarchy, mm_out) == n * (B * f + B * d) + B * 3 == 335
+    rows = compose(a.hierarchy, mm_out, by_module=True)
+    assert rows["blocks.2.fc1"] == B * f and rows["blocks.2.fc2"] == B * d and rows["head"] == 15
+    # the same pass over the flat graph, node by node
+    flat = a.flat().forward
+    MatmulOutputs().apply(flat)
+    by: dict[str, int] = {}
+    for node in flat.graph.nodes:
+        if node.op == "call_function":
+            by[node.meta.get(MODULE, "")] = by.get(node.meta.get(MODULE, ""), 0) + mm_out(node)
+    assert rows == by
+
+
+def test_run_pass_flat_scope_sees_every_node():
+    a = analyze(Stack(4, 6, 10), torch.randn(5, 6))
+    run = a.run_pass(Depth())
+    assert run.flat and run.top is a.forward and run.templates == ()
+    out = next(n for n in run.top.graph.nodes if n.op == "output")
+    # a placeholder is 1, a weight's permute 2, so block k's first addmm is 3 + 4k, its relu,
+    # second addmm and residual add follow (4 nodes per block on the longest chain)
+    mm = [n for n in run.top.graph.nodes if n.target is torch.ops.aten.addmm.default]
+    assert [n.meta["depth"] for n in mm] == [3, 5, 7, 9, 11, 13, 15, 17, 19]  # the head: 18 + 1
+    assert out.meta["depth"] > 19
+
+
+def test_run_pass_rejects_an_unknown_scope():
+    class Odd(MatmulOutputs):
+        scope = "blocks"
+
+    a = analyze(Stack(2, 6, 10), torch.randn(5, 6))
+    with pytest.raises(ValueError, match="scope 'blocks'"):
+        a.run_pass(Odd())

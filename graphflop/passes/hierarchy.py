@@ -15,11 +15,13 @@ the flat graph first meets them (``tests/test_hierarchy.py`` checks it on the zo
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
+from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import COST, HIERARCHY, MODULE, ROLE, ZERO_COST, Hierarchy, NodeCost
 from graphflop.ops import has_rule, op_name
 from graphflop.ops.cost import tensor_bytes
@@ -28,7 +30,7 @@ from graphflop.passes.flops import annotate_templates, sum_costs
 __all__ = [
     "ForwardFigures",
     "VariantFigures",
-    "annotate_templates",
+    "compose",
     "forward_figures",
     "hierarchy_of",
 ]
@@ -178,3 +180,51 @@ def forward_figures(gm: GraphModule, h: Hierarchy) -> ForwardFigures:
         ops={k: (count, sum_costs(cs)) for k, (count, cs) in ops.items()},
         rule_less=rule_less,
     )
+
+
+def compose(
+    h: Hierarchy, value: Callable[[Node], float], *, by_module: bool = False
+) -> float | dict[str, float]:
+    """``value(node)`` summed over every ``call_function`` node of the flat forward graph,
+    computed on the hierarchy: each variant's template nodes once, times its calls, plus the
+    top level's nodes (the call nodes of :attr:`Hierarchy.graph` left out). ``value`` must
+    depend only on the node and its arguments' metadata (a template node then has its copies'
+    value).
+
+    Args:
+        h: the forward graph's hierarchy (needs :attr:`Hierarchy.graph`).
+        value: a number per node (a node of the top level or of a template).
+        by_module: return ``{module path: sum}`` instead, in the order the flat graph first
+            meets each module (template nodes under their call site's paths).
+
+    Raises:
+        ValueError: ``h`` has no top-level graph.
+    """
+    if h.graph is None:
+        raise ValueError("this hierarchy has no top-level graph (a call's nodes are not one run)")
+    call_op = torch.ops.graphflop.repeat.default
+    per_variant: dict[int, dict[str, float]] = {}
+    out: dict[str, float] = {}
+    for n in h.graph.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is call_op:
+            site = h.sites[n.args[1]]
+            sums = per_variant.get(site.variant)
+            if sums is None:
+                t, items = h.variants[site.variant]
+                tnodes = list(h.templates[t].nodes)
+                sums = per_variant[site.variant] = {}
+                for index, part in items:
+                    x = tnodes[index]
+                    rel = x.meta[MODULE]
+                    sums[rel] = sums.get(rel, 0) + (value(x) if part is None else 0)
+            for rel, v in sums.items():
+                path = site.module(rel)
+                out[path] = out.get(path, 0) + v
+        elif n.target is operator.getitem and n.args[0].target is call_op:
+            continue  # a call's value: computed inside the template
+        else:
+            path = n.meta.get(MODULE, "")
+            out[path] = out.get(path, 0) + value(n)
+    return out if by_module else sum(out.values())

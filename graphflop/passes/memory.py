@@ -22,7 +22,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from graphflop.meta import JVP, MEMORY, RESIDUAL, SIGNATURE, SOURCE, VJP, MemoryInfo
 from graphflop.ops import has_rule, lookup
 from graphflop.passes.flops import tensor_bytes
-from graphflop.passes.infra import GraphPass
+from graphflop.passes.infra import FLAT, GraphPass
 
 
 @dataclass
@@ -362,6 +362,8 @@ def annotate_memory(gm: GraphModule) -> GraphModule:
 class AnnotateMemory(GraphPass):
     """:func:`annotate_memory` as a pass: requires ``val``, provides ``memory``."""
 
+    #: runs on the flat graph: its schedule orders the nodes of every block together
+    scope = FLAT
     name = "annotate_memory"
     required = ("val",)
     provided = ("memory",)
