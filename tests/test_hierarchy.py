@@ -282,3 +282,19 @@ def test_run_pass_rejects_an_unknown_scope():
     a = analyze(Stack(2, 6, 10), torch.randn(5, 6))
     with pytest.raises(ValueError, match="scope 'blocks'"):
         a.run_pass(Odd())
+
+
+def test_llama_decoder_layers_hierarchical_equals_flat():
+    cfg = dict(
+        num_hidden_layers=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    loaded = load("hf:llama-3.1-8b", ctor_kwargs=cfg, meta=True, seq=8)
+    loaded.model.train()
+    h = _check(analyze(loaded.model, make_inputs(loaded, batch=2)))
+    assert len(h.sites) == 3 and len(h.templates) == 1 and h.graph is not None
+    assert h.sites[2].module("@.self_attn") == "model.layers.2.self_attn"

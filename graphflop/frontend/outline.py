@@ -85,13 +85,27 @@ class NotOutlinable(Exception):
 
 
 def _attr_key(v: Any) -> Any:
-    """A hashable stand-in for a module attribute: the value for plain data, the object's
-    identity otherwise (a shared config object is the same; per-instance tensors are not)."""
+    """A hashable stand-in for a module attribute: the value for plain data; for a dict, its
+    items; for a module without parameters or buffers kept outside the module tree (the
+    ``kernels`` library gives every attention module its own stateless function modules in a
+    dict), its :func:`structure`; the object's identity otherwise (a shared config object is
+    the same; per-instance tensors are not)."""
     if v is None or isinstance(v, (bool, int, float, str, complex, torch.dtype, torch.device)):
         return ("v", type(v), v)
     if isinstance(v, (tuple, list)):
         return ("s", type(v), tuple(_attr_key(x) for x in v))
+    if type(v) is dict and all(isinstance(k, str) for k in v):
+        return ("d", tuple(sorted((k, _attr_key(x)) for k, x in v.items())))
+    if isinstance(v, nn.Module) and _stateless(v):
+        s = structure(v)
+        if s is not None:
+            return ("m", s)
     return ("id", id(v))
+
+
+def _stateless(m: nn.Module) -> bool:
+    """``m`` and its submodules hold no parameter or buffer."""
+    return next(m.parameters(), None) is None and next(m.buffers(), None) is None
 
 
 def structure(m: nn.Module) -> tuple | None:
