@@ -188,7 +188,16 @@ def test_large_models_hierarchical_equals_flat(name):
 
 
 ZOO_QUICK = ["torchvision:resnet18", "torchvision:mobilenet_v3_small"]
-ZOO_SLOW = ["torchvision:swin_t", "torchvision:vit_b_16", "hf:gpt2", "hf:bert", "hf:t5"]
+ZOO_SLOW = [
+    "torchvision:swin_t",
+    "torchvision:vit_b_16",
+    "hf:gpt2",
+    "hf:bert",
+    "hf:t5",
+    "hf:mistral",
+    "hf:qwen2",
+    "hf:gemma",
+]
 
 
 def _spec_analysis(s: str):
