@@ -25,7 +25,7 @@ from graphflop.frontend.errors import quiet_loggers
 from graphflop.frontend.inputs import split_example
 from graphflop.frontend.loss import LOSSES
 from graphflop.frontend.trace import trace
-from graphflop.meta import JVP, LINEARIZED, LOSS_KIND, SIGNATURE
+from graphflop.meta import HIERARCHY, JVP, LINEARIZED, LOSS_KIND, SIGNATURE, Hierarchy, graph_module
 from graphflop.passes.activity_gradient import BuildActivityGradientStep, NotPerturbable
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
 from graphflop.passes.checkpoint import module_matcher
@@ -36,7 +36,7 @@ from graphflop.passes.forward_gradient import (
     MAX_DIRECTIONS,
     BuildForwardGradientStep,
 )
-from graphflop.passes.infra import run_passes
+from graphflop.passes.infra import FLAT, SCOPES, TEMPLATE, GraphPass, run_passes
 from graphflop.passes.optimizer import OPTIMIZERS, AddOptimizerUpdate, for_every_parameter
 from graphflop.passes.summary import Graphs, summarize
 from graphflop.passes.train_step import BuildTrainStep
@@ -49,6 +49,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Analysis",
     "AnalyzeOptions",
+    "PassRun",
     "analyze",
 ]
 
@@ -94,6 +95,70 @@ class Analysis:
     def to_dict(self) -> dict[str, Any]:
         """The ``graphflop inspect --json`` document (schema version 1)."""
         return self.report.to_dict()
+
+    @property
+    def hierarchy(self) -> Hierarchy | None:
+        """The forward graph's hierarchy (:class:`~graphflop.meta.Hierarchy`: each distinct
+        repeated block's template graph once, the top-level graph calling them), or None for a
+        model without outlined blocks."""
+        return self.forward.meta.get(HIERARCHY)
+
+    def flat(self) -> Graphs:
+        """The inlined graphs, every node of every block: what a consumer that needs each
+        node reads (``verify`` on real tensors, ``bench``, op-level renders, ONNX export, a
+        pass of scope :data:`~graphflop.passes.infra.FLAT`). The forward graph is the traced
+        one; the derivative graphs are still built on it, so they are already flat."""
+        return Graphs(
+            self.forward,
+            self.backward,
+            self.update,
+            self.jvp,
+            self.forward_gradient,
+            self.activity_gradient,
+        )
+
+    def run_pass(self, p: GraphPass) -> PassRun:
+        """Run the pass ``p`` on this analysis's forward graph as its scope says.
+
+        A pass of scope :data:`~graphflop.passes.infra.TEMPLATE` (the default) runs once on
+        each template graph of :attr:`hierarchy` and once on the top-level graph, whose call
+        nodes (``graphflop::repeat``, tagged :data:`~graphflop.meta.CALL_SITE` ``(site,
+        -1)``) stand for the blocks: combine its node annotations over the calls with
+        :func:`graphflop.passes.hierarchy.compose`. Without a hierarchy, or for a pass of
+        scope :data:`~graphflop.passes.infra.FLAT`, it runs on the flat forward graph.
+
+        Returns:
+            :class:`PassRun`: the graphs the pass returned (``top`` the flat graph's result
+            where it ran flat, ``templates`` empty then).
+
+        Raises:
+            ValueError: ``p.scope`` is not one of :data:`~graphflop.passes.infra.SCOPES`.
+            PassOrderError and whatever ``p`` raises.
+        """
+        scope = getattr(p, "scope", TEMPLATE)
+        if scope not in SCOPES:
+            raise ValueError(f"pass {type(p).__name__} has scope {scope!r}: one of {SCOPES}")
+        h = self.hierarchy
+        if scope == FLAT or h is None or h.graph is None:
+            return PassRun(run_passes(self.flat().forward, [p]), (), flat=True)
+        templates = tuple(run_passes(graph_module(nn.Module(), t), [p]) for t in h.templates)
+        return PassRun(run_passes(h.graph, [p]), templates, flat=False)
+
+
+@dataclass(frozen=True)
+class PassRun:
+    """What :meth:`Analysis.run_pass` returns.
+
+    Attributes:
+        top: the graph the pass returned for the top level (or for the flat graph).
+        templates: per template of the hierarchy, the graph the pass returned for it (empty
+            where the pass ran flat).
+        flat: whether the pass ran on the flat graph.
+    """
+
+    top: GraphModule
+    templates: tuple[GraphModule, ...]
+    flat: bool
 
 
 @dataclass(frozen=True, kw_only=True)

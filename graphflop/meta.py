@@ -34,6 +34,11 @@ Node keys (``node.meta``)
     :data:`FUNCTION`     on forward nodes a custom ``torch.autograd.Function``'s ``forward``
                          made: :class:`FunctionTag` (which Function, the node's place in the
                          call, which of its inputs, outputs or saved tensors the node is).
+    :data:`CALL_SITE`    on forward nodes copied from an outlined block's template:
+                         ``(site, index)``, the call site's number in :class:`Hierarchy`'s
+                         ``sites`` and the template node's position in its graph; on a template
+                         graph's nodes :data:`MODULE` is the path relative to the called module
+                         (``@``, ``@.attn``).
 
 Graph keys (``gm.meta``)
     :data:`SIGNATURE`    :class:`Signature` of a traced forward graph.
@@ -41,6 +46,8 @@ Graph keys (``gm.meta``)
                          ``output``, ``none``).
     :data:`CONSTANTS`    name → real tensor for ``get_attr`` constants made while tracing.
     :data:`OUTLINED`     :class:`OutlineInfo`: how many repeated module calls were copies.
+    :data:`HIERARCHY`    :class:`Hierarchy` of a traced forward graph: each outlined block's
+                         template graph once, and its call sites.
     :data:`GHOSTS`       list of :class:`Ghost`: work that was not emitted (symbolic zeros, pruned
                          cotangents), with what it would have cost.
     :data:`JVP`          :class:`JvpInfo` of a JVP graph.
@@ -94,12 +101,14 @@ SLOT = "gf_slot"
 COMPOSITE = "gf_composite"
 CHECKPOINT = "gf_checkpoint"
 FUNCTION = "gf_function"
+CALL_SITE = "gf_call_site"
 
 # graph keys
 SIGNATURE = "gf_signature"
 LOSS_KIND = "gf_loss_kind"
 CONSTANTS = "gf_constants"
 OUTLINED = "gf_outlined"
+HIERARCHY = "gf_hierarchy"
 GHOSTS = "gf_ghosts"
 JVP = "gf_jvp"
 JVP_LOG = "gf_jvp_log"
@@ -129,12 +138,14 @@ NODE_KEYS = (
     COMPOSITE,
     CHECKPOINT,
     FUNCTION,
+    CALL_SITE,
 )
 GRAPH_KEYS = (
     SIGNATURE,
     LOSS_KIND,
     CONSTANTS,
     OUTLINED,
+    HIERARCHY,
     GHOSTS,
     JVP,
     JVP_LOG,
@@ -402,6 +413,55 @@ class OutlineInfo:
 
     calls: int = 0
     traced_once: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class CallSite:
+    """One call of an outlined block in a traced forward graph.
+
+    Attributes:
+        template: the template's position in :attr:`Hierarchy.templates`.
+        variant: the position in :attr:`Hierarchy.variants` of what this call kept of the
+            template (dead-code elimination drops the nodes whose results no one reads).
+        modules: ``(relative path, path in the model)`` pairs: each :data:`MODULE` of the
+            template's nodes (``@``, ``@.attn``) as this call's copies carry it (``h.5``,
+            ``h.5.attn``).
+    """
+
+    template: int
+    variant: int
+    modules: tuple[tuple[str, str], ...]
+
+    def module(self, relative: str) -> str:
+        """The path in the model of the template's module ``relative``."""
+        return dict(self.modules)[relative]
+
+
+@dataclass(frozen=True, eq=False)
+class Hierarchy:
+    """A traced forward graph as a top level that calls each distinct repeated block's graph.
+
+    Attributes:
+        templates: one graph per distinct outlined call (module structure and argument
+            metadata), traced once; its nodes carry ``val`` and a :data:`MODULE` relative to
+            the called module.
+        variants: ``(template, items)``: the template's nodes one or more call sites kept, in
+            graph order, each ``(index, None)`` for a copy of the template's node ``index`` or
+            ``(index, i)`` for the ``getitem`` of its output ``i`` that tracing added
+            afterwards.
+        sites: the call sites, in graph order.
+        top: the forward graph's nodes outside every call, in graph order, with each call
+            site's number (an int) where its nodes begin.
+        graph: the top level as a graph of its own, each call one ``graphflop::repeat``
+            node (tagged :data:`CALL_SITE` ``(site, -1)``) whose ``getitem`` nodes are the
+            values read outside the call; None where a call's nodes are not one run.
+    """
+
+    templates: tuple[torch.fx.Graph, ...]
+    variants: tuple[tuple[int, tuple[tuple[int, int | None], ...]], ...]
+    sites: tuple[CallSite, ...]
+    top: tuple[Any, ...]
+    graph: Any = None
 
 
 @dataclass(frozen=True)

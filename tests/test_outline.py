@@ -450,3 +450,37 @@ def test_instance_norm_running_statistics_are_buffer_updates():
     model(x)  # eager: updates the running statistics in place
     torch.testing.assert_close(got[0], model[1].running_mean)
     torch.testing.assert_close(got[1], model[1].running_var)
+
+
+def test_kernel_function_modules_do_not_split_a_structure():
+    """transformers' Llama attention keeps a per-instance dict of stateless function modules
+    (the ``kernels`` library's ``_kernel_funcs``): equal in structure, so the whole decoder
+    layer is outlined (not just its MLP) and the graph still equals full tracing's."""
+    from graphflop.load import load, make_inputs
+
+    cfg = dict(
+        num_hidden_layers=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    loaded = load("hf:llama-3.1-8b", ctor_kwargs=cfg, meta=True, seq=8)
+    model = loaded.model.train()
+    (x,) = make_inputs(loaded, batch=2)
+    layers = model.model.layers
+    assert repeats.structure(layers[0]) == repeats.structure(layers[1])
+    assert set(repeats.plan(model)) == set(layers)  # the decoder layers, outermost
+    full = trace(model, (x,), reuse=False)
+    once = trace(model, (x,))
+    assert once.meta[OUTLINED] == OutlineInfo(calls=3, traced_once=1)
+    assert _ops(once) == _ops(full)
+
+
+def test_a_module_with_state_in_a_dict_keeps_its_identity():
+    """A module with a parameter kept in a plain dict attribute is not a structure key: two
+    such attributes of different modules differ (their weights could)."""
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    assert repeats._attr_key({"f": a}) != repeats._attr_key({"f": b})
+    assert repeats._attr_key({"f": nn.ReLU()}) == repeats._attr_key({"f": nn.ReLU()})

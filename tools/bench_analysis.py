@@ -62,6 +62,14 @@ ZOO: dict[str, tuple[str, dict, list[tuple[int, ...]] | None, int | None]] = {
 }
 #: GPT-2 XL at batch 8 (its full 1024 context): reported on its own
 XL = {"gpt2_xl_b8": ("models/gpt2.py:gpt2_xl", {}, None, 8)}
+#: Llama configurations from the published ones (``hf:`` presets, transformers'
+#: ``LlamaForCausalLM`` on the meta device, SDPA attention), batch 1 × 4,096 tokens; the 405B
+#: one also cut to 12 layers (``--rss`` compares the two analyses' peak memory)
+LLAMA = {
+    "llama3_70b_1x4096": ("hf:llama-3.1-70b", {}, [(1, 4096)], None),
+    "llama31_405b_1x4096": ("hf:llama-3.1-405b", {}, [(1, 4096)], None),
+    "llama31_405b_12_layers": ("hf:llama-3.1-405b", {"num_hidden_layers": 12}, [(1, 4096)], None),
+}
 #: the linearity series: GPT-2 small's width with more blocks, and the ResNets
 DEPTH = {
     **{
@@ -89,9 +97,27 @@ STAGES = {
 def _setup(spec: str, kwargs: dict, shapes, batch):
     from graphflop.load import load, make_inputs
 
-    loaded = load(spec, ctor_kwargs=kwargs, meta=True)
+    if spec.startswith("hf:") and shapes:  # token inputs: batch × sequence
+        (batch, seq), shapes = shapes[0], None
+        loaded = load(spec, ctor_kwargs=kwargs, meta=True, seq=seq)
+        _no_packed_sequences()
+    else:
+        loaded = load(spec, ctor_kwargs=kwargs, meta=True)
     loaded.model.train()
     return loaded, make_inputs(loaded, shapes=shapes, batch=batch)
+
+
+def _no_packed_sequences() -> None:
+    """transformers' ``masking_utils.find_packed_sequence_indices`` reads position ids with
+    ``.item()``, which FlopCounterMode on meta tensors cannot: replaced by a function
+    returning None (no packed sequences, which is what the inputs here are). graphflop's own
+    trace has its own workaround (``graphflop/frontend/libraries.py``)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - transformers missing
+        return
+    if hasattr(masking_utils, "find_packed_sequence_indices"):
+        masking_utils.find_packed_sequence_indices = lambda *a, **k: None
 
 
 def _flop_counter(model, inputs, backward: bool) -> tuple[float, int]:
@@ -203,6 +229,32 @@ def child(name: str, spec: str, kwargs: dict, shapes, batch, repeat: int) -> dic
         },
         "mm_flops": t.forward.mm_flops + t.backward.mm_flops,
         "fc_flops": fc_flops,
+    }
+
+
+def rss_child(name: str, spec: str, kwargs: dict, shapes, batch) -> dict:
+    """Peak resident memory of one full analysis in this (fresh) process:
+    ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after loading the model and making its
+    inputs, and after ``analyze`` (kilobytes on Linux)."""
+    import resource
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import torch
+
+    torch.set_num_threads(1)
+    loaded, inputs = _setup(spec, kwargs, shapes, batch)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = CLOCK()
+    _, _, a = _graphflop(loaded.model, inputs, True)
+    dt = CLOCK() - t0
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "name": name,
+        "loaded_maxrss_kb": before,
+        "maxrss_kb": after,
+        "analysis_s": dt,
+        "forward_nodes": len(a.forward.graph.nodes),
     }
 
 
@@ -516,16 +568,17 @@ def _select(args) -> tuple[dict, dict, dict]:
     Raises:
         UsageError: an unknown name.
     """
+    xl_group = {**XL, **LLAMA}
     if args.only:
-        every = {**ZOO, **XL, **DEPTH}
+        every = {**ZOO, **xl_group, **DEPTH}
         unknown = [n for n in args.only if n not in every]
         if unknown:
             raise UsageError(f"unknown model {unknown[0]!r}: give one of {', '.join(every)}")
         names = dict.fromkeys(args.only)  # in order, once each
-        return tuple({n: group[n] for n in names if n in group} for group in (ZOO, XL, DEPTH))
+        return tuple({n: group[n] for n in names if n in group} for group in (ZOO, xl_group, DEPTH))
     return (
         dict(ZOO) if args.zoo else {},
-        dict(XL) if args.xl else {},
+        {**(XL if args.xl else {}), **(LLAMA if getattr(args, "llama", False) else {})},
         dict(DEPTH) if args.depth else {},
     )
 
@@ -617,6 +670,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--zoo", action="store_true", help="the model list ZOO")
     p.add_argument("--xl", action="store_true", help="GPT-2 XL at batch 8")
+    p.add_argument(
+        "--llama",
+        action="store_true",
+        help="the Llama-3-70B and 3.1-405B configurations (XL group)",
+    )
     p.add_argument("--depth", action="store_true", help="the linearity series")
     p.add_argument(
         "--only",
@@ -654,6 +712,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--wall", action="store_true", help="time with the wall clock, not CPU time")
     p.add_argument(
+        "--rss",
+        action="store_true",
+        help="print, per selected model, the peak resident memory (ru_maxrss) of one full "
+        "analysis in a fresh child process (no report written)",
+    )
+    p.add_argument(
         "--cli",
         action="store_true",
         help="print the wall-clock time of `graphflop inspect models/mlp.py` against `import "
@@ -676,7 +740,10 @@ def _main(args: argparse.Namespace) -> int:
     if args.child:
         name, spec, kwargs, shapes, batch, repeat = json.loads(args.child)
         shapes = [tuple(s) for s in shapes] if shapes else None
-        print(json.dumps(child(name, spec, kwargs, shapes, batch, repeat)))
+        if repeat == 0:  # --rss: one analysis, its peak memory
+            print(json.dumps(rss_child(name, spec, kwargs, shapes, batch)))
+        else:
+            print(json.dumps(child(name, spec, kwargs, shapes, batch, repeat)))
         return 0
     if args.repeat < 1:
         raise UsageError(f"--repeat {args.repeat}: give 1 or more rounds")
@@ -697,7 +764,21 @@ def _main(args: argparse.Namespace) -> int:
     zoo, xl, depth = _select(args)
     selected = {**zoo, **xl, **depth}
     if not selected:
-        raise UsageError("no model selected: give --zoo, --xl, --depth or --only NAME ...")
+        raise UsageError("no model selected: give --zoo, --xl, --llama, --depth or --only NAME ...")
+    if args.rss:
+        for name, entry in selected.items():
+            r = _run_child(name, entry, 0)
+            if "error" in r:
+                print(f"{name}: failed: {' '.join(r['error'])}", flush=True)
+                continue
+            print(
+                f"{name}: peak RSS {r['maxrss_kb'] / 1024:,.0f} MiB after the analysis "
+                f"({r['loaded_maxrss_kb'] / 1024:,.0f} MiB after loading), "
+                f"{r['forward_nodes']:,} forward nodes, {r['analysis_s']:.2f} s "
+                "(ru_maxrss of a fresh child process)",
+                flush=True,
+            )
+        return 0
     if args.floor or args.profile:
         import torch
 

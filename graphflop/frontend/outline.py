@@ -43,7 +43,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from graphflop.ad.builder import copy_node
 from graphflop.frontend.dispatch import routed_again
 from graphflop.frontend.regions import NESTED
-from graphflop.meta import CHECKPOINT, FUNCTION, fake_mode_of, fresh_fake
+from graphflop.frontend.scopes import module_path
+from graphflop.meta import CALL_SITE, CHECKPOINT, FUNCTION, MODULE, fake_mode_of, fresh_fake
 from graphflop.ops.tree import scalar_key
 
 #: template module paths start with this marker, replaced by the call site's path on inlining
@@ -84,13 +85,27 @@ class NotOutlinable(Exception):
 
 
 def _attr_key(v: Any) -> Any:
-    """A hashable stand-in for a module attribute: the value for plain data, the object's
-    identity otherwise (a shared config object is the same; per-instance tensors are not)."""
+    """A hashable stand-in for a module attribute: the value for plain data; for a dict, its
+    items; for a module without parameters or buffers kept outside the module tree (the
+    ``kernels`` library gives every attention module its own stateless function modules in a
+    dict), its :func:`structure`; the object's identity otherwise (a shared config object is
+    the same; per-instance tensors are not)."""
     if v is None or isinstance(v, (bool, int, float, str, complex, torch.dtype, torch.device)):
         return ("v", type(v), v)
     if isinstance(v, (tuple, list)):
         return ("s", type(v), tuple(_attr_key(x) for x in v))
+    if type(v) is dict and all(isinstance(k, str) for k in v):
+        return ("d", tuple(sorted((k, _attr_key(x)) for k, x in v.items())))
+    if isinstance(v, nn.Module) and _stateless(v):
+        s = structure(v)
+        if s is not None:
+            return ("m", s)
     return ("id", id(v))
+
+
+def _stateless(m: nn.Module) -> bool:
+    """``m`` and its submodules hold no parameter or buffer."""
+    return next(m.parameters(), None) is None and next(m.buffers(), None) is None
 
 
 def structure(m: nn.Module) -> tuple | None:
@@ -503,7 +518,11 @@ class Outliner:
 
 
 def inline(
-    graph: Graph, templates: dict[int, Graph], model: nn.Module, prefix: str = "model"
+    graph: Graph,
+    templates: dict[int, Graph],
+    model: nn.Module,
+    prefix: str = "model",
+    sites: list[tuple[int, dict[str, str]]] | None = None,
 ) -> int:
     """Replace every ``graphflop::repeat`` node of ``graph`` by a copy of its template graph;
     returns the number of calls replaced.
@@ -511,7 +530,10 @@ def inline(
     The template's placeholders stand for the call's tensors. Its module paths, which start
     with :data:`MARK`, name submodules of the called module: each becomes that submodule's
     path in ``model`` (the first one, as full tracing writes it, for a module reachable by
-    several), under ``prefix``.
+    several), under ``prefix``. Each copy is tagged :data:`~graphflop.meta.CALL_SITE`
+    ``(site, index)``; each template node gets its relative :data:`~graphflop.meta.MODULE`
+    (``@``, ``@.attn``), and ``sites``, when given, receives per call ``(template key,
+    {relative path: the copies' MODULE})`` (:mod:`graphflop.frontend.hierarchy`).
 
     Raises:
         NotOutlinable: an outlined call's result list is used whole.
@@ -528,12 +550,14 @@ def inline(
         tpl = templates[key]
         site = node.meta.get("nn_module_stack") or {}
         site_path = list(site.values())[-1][0] if site else ""
+        site_no = len(sites) if sites is not None else -1
+        modules: dict[str, str] = {}
         env: dict[Node, Any] = {}
         phs = [n for n in tpl.nodes if n.op == "placeholder"]
         env.update(zip(phs, tensors))
         out_args: list = []
         with graph.inserting_before(node):
-            for tn in tpl.nodes:
+            for index, tn in enumerate(tpl.nodes):
                 if tn.op == "placeholder":
                     continue
                 if tn.op == "output":
@@ -552,7 +576,13 @@ def inline(
                         full = _site_path(model, prefix, site_path, path[len(MARK) + 1 :], paths)
                         stack[full] = (full, cls)
                 new.meta["nn_module_stack"] = stack
+                new.meta[CALL_SITE] = (site_no, index)
+                rel = module_path(tn, wrapped=False) or MARK
+                tn.meta[MODULE] = rel
+                modules[rel] = module_path(new)
                 env[tn] = new
+        if sites is not None:
+            sites.append((key, modules))
         outs = [env[a] if isinstance(a, Node) else a for a in out_args]
         for user in list(node.users):
             if user.target is operator.getitem:

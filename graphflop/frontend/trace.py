@@ -17,7 +17,8 @@ Writes (through :func:`~graphflop.frontend.export_form.from_make_fx`) on each no
 (PyTorch), ``KIND="primal"``, ``ROLE`` (``forward`` or ``loss``), ``SOURCE``, ``MODULE`` (the
 ``nn.Module`` path), ``PARAM_DERIVED``; on parameter placeholders ``PARAM``. Writes
 ``gm.meta[SIGNATURE]`` (its ``frozen``: the parameters with ``requires_grad=False``), ``CONSTANTS``, ``LOSS_KIND``, ``FACTS``, ``OUTLINED``
-(:class:`~graphflop.meta.OutlineInfo`) and ``ASSUMPTIONS`` (the routing that sized a
+(:class:`~graphflop.meta.OutlineInfo`), ``HIERARCHY`` (:class:`~graphflop.meta.Hierarchy`,
+where blocks were outlined; :mod:`graphflop.frontend.hierarchy`) and ``ASSUMPTIONS`` (the routing that sized a
 data-dependent expert dispatch, :mod:`graphflop.frontend.dispatch`).
 
 Every name other modules import from here stays importable here: :func:`trace`,
@@ -50,6 +51,7 @@ from graphflop.frontend.dispatch import (
 )
 from graphflop.frontend.errors import TraceError, find_cause, first_line, quiet_loggers
 from graphflop.frontend.export_form import from_exported, from_make_fx
+from graphflop.frontend.hierarchy import build as build_hierarchy
 from graphflop.frontend.inputs import bind_call
 from graphflop.frontend.libraries import (
     data_dependent_hint,
@@ -71,6 +73,7 @@ from graphflop.frontend.scopes import ModuleScopes, qualname
 from graphflop.meta import (
     ASSUMPTIONS,
     CHECKPOINT,
+    HIERARCHY,
     MODULE,
     OUTLINED,
     SIGNATURE,
@@ -321,7 +324,8 @@ def _trace_once(
             UserWarning,
             stacklevel=2,
         )
-    copies = repeats.inline(gm.graph, templates, model)
+    sites: list[tuple[int, dict[str, str]]] = []
+    copies = repeats.inline(gm.graph, templates, model, sites=sites)
     out = from_make_fx(
         gm,
         params=list(params),
@@ -331,6 +335,9 @@ def _trace_once(
         target_nodes=chosen.get("targets", []),
     )
     out.meta[OUTLINED] = OutlineInfo(calls=copies, traced_once=len(templates))
+    hierarchy = build_hierarchy(out, templates, sites)
+    if hierarchy is not None:
+        out.meta[HIERARCHY] = hierarchy
     out.meta[ASSUMPTIONS] = tuple(dispatch.lines)
     sig = out.meta[SIGNATURE]
     frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)

@@ -54,7 +54,7 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.passes.forward_gradient import _StepBuilder
-from graphflop.passes.infra import GraphPass
+from graphflop.passes.infra import FLAT, GraphPass
 from graphflop.passes.optimizer import SLOT, OptimizerConfig, build_update_for, inline_update
 
 aten = torch.ops.aten
@@ -494,6 +494,8 @@ class BuildActivityGradientStep(GraphPass):
     function).
     """
 
+    #: runs on the flat graph: its derivative graph is not yet built per template
+    scope = FLAT
     name = "build_activity_gradient_step"
     required = ("traced",)
     provided = ("activity_gradient",)

@@ -12,7 +12,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.ad import jvp as _jvp
 from graphflop.ad import vjp as _vjp
-from graphflop.passes.infra import GraphPass
+from graphflop.passes.infra import FLAT, GraphPass
 
 
 class BuildJvp(GraphPass):
@@ -26,6 +26,8 @@ class BuildJvp(GraphPass):
     builder).
     """
 
+    #: runs on the flat graph: its derivative graph is not yet built per template
+    scope = FLAT
     name = "build_jvp"
     required = ("traced",)
     provided = ("jvp",)
@@ -50,6 +52,8 @@ class BuildVjp(GraphPass):
     loss).
     """
 
+    #: runs on the flat graph: its derivative graph is not yet built per template
+    scope = FLAT
     name = "build_vjp"
     required = ("traced",)
     provided = ("vjp",)

@@ -8,10 +8,13 @@ uncounted); inside :func:`graphflop.ops.strict_rules` it raises
 
 from __future__ import annotations
 
-from torch.fx import GraphModule
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphflop.meta import COST, ZERO_COST, NodeCost
+from graphflop.meta import CALL_SITE, COST, HIERARCHY, ZERO_COST, Hierarchy, NodeCost
 from graphflop.ops.cost import op_cost, tensor_bytes, value_of
 from graphflop.passes.infra import GraphPass
 
@@ -20,6 +23,7 @@ from graphflop.passes.infra import GraphPass
 __all__ = [
     "AnnotateFlops",
     "annotate_flops",
+    "annotate_templates",
     "op_cost",
     "sum_costs",
     "tensor_bytes",
@@ -31,16 +35,62 @@ __all__ = [
 def annotate_flops(gm: GraphModule) -> GraphModule:
     """Write ``COST`` on every node of ``gm`` (in place) and return it.
 
+    A graph with a :class:`~graphflop.meta.Hierarchy` (outlined blocks) has each template
+    costed once (:func:`annotate_templates`) and each copy of a template node given its
+    template node's cost; every other node is costed on its own.
+
     Raises:
         MissingRuleError: for a ``call_function`` node whose op has no rule, inside
             :func:`graphflop.ops.strict_rules` (else such a node costs 0).
     """
+    h: Hierarchy | None = gm.meta.get(HIERARCHY)
+    templates: list[list[Node]] = []  # each template's nodes
+    of_site: list[int] = []  # each call site's template
+    if h is not None:
+        annotate_templates(h)
+        templates = [list(t.nodes) for t in h.templates]
+        of_site = [s.template for s in h.sites]
     for n in gm.graph.nodes:
+        tag = n.meta.get(CALL_SITE) if of_site else None
+        if tag is not None and tag[0] < len(of_site):
+            t = templates[of_site[tag[0]]][tag[1]]
+            if n.target is operator.getitem and (
+                isinstance(n.args[0], Node) and n.args[0].meta.get(CALL_SITE) == tag
+            ):
+                n.meta[COST] = ZERO_COST  # a getitem tracing added to the copy
+                continue
+            if n.target is t.target and _same_out(n, t):
+                n.meta[COST] = t.meta[COST]
+                continue
         if n.op == "call_function":
             n.meta[COST] = op_cost(n.target, n.args, n.kwargs, n, node=n.name)
         else:
             n.meta[COST] = ZERO_COST
     return gm
+
+
+def _same_out(n: Node, t: Node) -> bool:
+    a, b = n.meta.get("val"), t.meta.get("val")
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype
+    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
+
+
+def annotate_templates(h: Hierarchy) -> None:
+    """Write ``COST`` on every node of every template of ``h`` (once: a template already
+    costed is left as it is).
+
+    Raises:
+        MissingRuleError: as :func:`annotate_flops`.
+    """
+    for tpl in h.templates:
+        for n in tpl.nodes:
+            if COST in n.meta:
+                continue
+            if n.op == "call_function":
+                n.meta[COST] = op_cost(n.target, n.args, n.kwargs, n, node=n.name)
+            else:
+                n.meta[COST] = ZERO_COST
 
 
 class AnnotateFlops(GraphPass):

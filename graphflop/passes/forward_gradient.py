@@ -44,7 +44,7 @@ from graphflop.meta import (
     graph_fake_mode,
     graph_module,
 )
-from graphflop.passes.infra import GraphPass
+from graphflop.passes.infra import FLAT, GraphPass
 from graphflop.passes.optimizer import SLOT, OptimizerConfig, build_update_for, inline_update
 
 aten = torch.ops.aten
@@ -481,6 +481,8 @@ class BuildForwardGradientStep(GraphPass):
     function).
     """
 
+    #: runs on the flat graph: its derivative graph is not yet built per template
+    scope = FLAT
     name = "build_forward_gradient_step"
     required = ("traced",)
     provided = ("forward_gradient",)

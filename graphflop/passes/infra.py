@@ -21,6 +21,15 @@ The facts a graph has are recorded in ``gm.meta[FACTS]``. Running a pass whose p
 missing raises :class:`PassOrderError` naming the pass, the missing fact and the pass that
 provides it, instead of failing deep inside with a ``KeyError``.
 
+A pass also declares its *scope* (:attr:`GraphPass.scope`), how it runs on a model whose
+repeated blocks were outlined (a :class:`~graphflop.meta.Hierarchy` on the forward graph):
+:data:`TEMPLATE` (the default) once on each distinct block's template graph and once on the top
+level, whose call nodes stand for the blocks (right for a pass whose annotation of a node depends
+only on that node and its arguments' metadata, as FLOPs do; the figures then compose over the
+calls: :mod:`graphflop.passes.hierarchy`), or :data:`FLAT` on the inlined graph, every node of
+every block (a pass that relates nodes of different blocks). ``Analysis.run_pass`` dispatches
+on it.
+
 torch.fx's ``PassManager`` wraps any error a pass raises in a bare ``Exception``;
 :func:`run_passes` runs a manager and re-raises the pass's own error (``PassOrderError``,
 ``MissingRuleError``, ``ValueError``, ...) with the manager's message as a note.
@@ -71,6 +80,13 @@ GRAPH_EVIDENCE = {
     "forward_gradient": FORWARD_GRADIENT,
     "train_step": TRAIN_STEP,
 }
+
+
+#: scopes of a pass (:attr:`GraphPass.scope`): once per template graph and on the top level,
+#: or on the inlined (flat) graph
+TEMPLATE = "template"
+FLAT = "flat"
+SCOPES = (TEMPLATE, FLAT)
 
 
 class PassOrderError(RuntimeError):
@@ -164,12 +180,15 @@ class GraphPass(PassBase):
 
     Subclasses set :attr:`name` (the public function's name, used in errors),
     :attr:`required` and :attr:`provided`, and implement :meth:`call`. Unlike ``PassBase``,
-    :meth:`ensures` checks the *output* graph (a pass may return a new one).
+    :meth:`ensures` checks the *output* graph (a pass may return a new one). :attr:`scope`
+    says whether the pass runs per template (:data:`TEMPLATE`, the default) or needs the flat
+    graph (:data:`FLAT`); see the module docstring.
     """
 
     name: ClassVar[str] = ""
     required: ClassVar[tuple[str, ...]] = ()
     provided: ClassVar[tuple[str, ...]] = ()
+    scope: ClassVar[str] = TEMPLATE
 
     def __call__(self, graph_module: GraphModule) -> PassResult:
         self.requires(graph_module)
@@ -217,6 +236,9 @@ def run_passes(graph_module: GraphModule, passes: Sequence[PassBase]) -> GraphMo
 
 
 __all__ = [
+    "FLAT",
+    "SCOPES",
+    "TEMPLATE",
     "GraphPass",
     "PassContractError",
     "PassManager",

@@ -23,7 +23,7 @@ from graphflop.frontend.composite import KEPT_WHOLE
 from graphflop.meta import JVP, MEMORY, RESIDUAL, SIGNATURE, SOURCE, VJP, MemoryInfo
 from graphflop.ops import has_rule, lookup
 from graphflop.passes.flops import tensor_bytes
-from graphflop.passes.infra import GraphPass
+from graphflop.passes.infra import FLAT, GraphPass
 
 
 @dataclass
@@ -371,6 +371,8 @@ def annotate_memory(gm: GraphModule) -> GraphModule:
 class AnnotateMemory(GraphPass):
     """:func:`annotate_memory` as a pass: requires ``val``, provides ``memory``."""
 
+    #: runs on the flat graph: its schedule orders the nodes of every block together
+    scope = FLAT
     name = "annotate_memory"
     required = ("val",)
     provided = ("memory",)

@@ -57,7 +57,7 @@ from graphflop.meta import (
     graph_fake_mode,
     graph_module,
 )
-from graphflop.passes.infra import GraphPass
+from graphflop.passes.infra import FLAT, GraphPass
 
 aten = torch.ops.aten
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -281,6 +281,8 @@ class AddOptimizerUpdate(GraphPass):
     Requires ``traced``; provides ``update``. Raises ``ValueError`` for an unknown optimizer.
     """
 
+    #: runs on the flat graph: its derivative graph is not yet built per template
+    scope = FLAT
     name = "add_optimizer_update"
     required = ("traced",)
     provided = ("update",)

@@ -40,6 +40,7 @@ from graphflop.passes.eager_memory import (
     eager_train_schedule,
 )
 from graphflop.passes.flops import sum_costs, tensor_bytes, total_cost
+from graphflop.passes.hierarchy import ForwardFigures, forward_figures, hierarchy_of
 from graphflop.passes.memory import (
     forward_schedule,
     jvp_schedule,
@@ -157,25 +158,40 @@ def _placeholders(gm: GraphModule) -> dict[str, Node]:
     return {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
 
 
-def _forward(fwd: GraphModule, layers: _Layers) -> tuple[NodeCost, NodeCost]:
-    """Forward and loss totals; fills the layers' forward FLOPs, outputs and parameters."""
+def _forward(
+    fwd: GraphModule, layers: _Layers, figures: ForwardFigures | None
+) -> tuple[NodeCost, NodeCost]:
+    """Forward and loss totals; fills the layers' forward FLOPs, outputs and parameters (from
+    the hierarchy's composed ``figures`` where given, else node by node)."""
     sig = fwd.meta[SIGNATURE]
     phs = _placeholders(fwd)
-    nodes = _ops(fwd)
     # a buffer's new value (batch norm's running statistics) is not the layer's output
     written = {name for name, _ in sig.buffer_updates}
-    for n in nodes:
-        c = n.meta[COST]
-        L = layers[n.meta.get(MODULE, "")]
-        L["forward_flops"] += c.flops
-        L["forward_mm_flops"] += c.mm_flops
+    if figures is not None:
+        for path, r in figures.rows.items():
+            L = layers[path]
+            L["forward_flops"] += r.flops
+            L["forward_mm_flops"] += r.mm_flops
+    else:
+        for n in _ops(fwd):
+            c = n.meta[COST]
+            L = layers[n.meta.get(MODULE, "")]
+            L["forward_flops"] += c.flops
+            L["forward_mm_flops"] += c.mm_flops
+    # output shapes node by node (no costing): a template's buffer updates are not told apart
+    # from its outputs by the composed rows
+    for n in _ops(fwd):
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor) and n.name not in written:
+            L = layers[n.meta.get(MODULE, "")]
             L["output_shape"] = list(v.shape)
             L["output_bytes"] = tensor_bytes(v)
     for p, q in sig.params:
         val = phs[p].meta["val"]
         layers[phs[p].meta.get(MODULE) or q.rpartition(".")[0]]["params"] += val.numel()
+    if figures is not None:
+        return figures.total, figures.loss
+    nodes = _ops(fwd)
     return total_cost(nodes), total_cost(n for n in nodes if n.meta.get(ROLE) == "loss")
 
 
@@ -397,8 +413,10 @@ def _inputs(fwd: GraphModule) -> tuple[InputSpec, ...]:
     )
 
 
-def _totals(g: Graphs, layers: _Layers, optimizer: str, tangents: str) -> Totals:
-    fwd_total, loss_total = _forward(g.forward, layers)
+def _totals(
+    g: Graphs, layers: _Layers, optimizer: str, tangents: str, figures: ForwardFigures | None
+) -> Totals:
+    fwd_total, loss_total = _forward(g.forward, layers, figures)
     fwd_nodes = _ops(g.forward)
     loss_nodes = [n for n in fwd_nodes if n.meta.get(ROLE) == "loss"]
     t: dict = {
@@ -473,9 +491,10 @@ def _uncounted(g: Graphs) -> tuple[Uncounted, ...]:
     )
 
 
-def _op_rows(g: Graphs) -> tuple[OpRow, ...]:
+def _op_rows(g: Graphs, figures: ForwardFigures | None) -> tuple[OpRow, ...]:
     """Per phase, the nodes of each op summed, in the order ops first appear; the nodes are
-    those each phase's totals sum (the JVP graph's tangent and coefficient nodes)."""
+    those each phase's totals sum (the JVP graph's tangent and coefficient nodes); the
+    forward's from the hierarchy's composed ``figures`` where given."""
     phases = {
         "forward": g.forward,
         "backward": g.backward,
@@ -486,6 +505,12 @@ def _op_rows(g: Graphs) -> tuple[OpRow, ...]:
     rows: list[OpRow] = []
     for phase, gm in phases.items():
         if gm is None or (phase == "update" and g.backward is None):
+            continue
+        if phase == "forward" and figures is not None:
+            for op, (count, c) in figures.ops.items():
+                rows.append(
+                    OpRow(op, phase, count, c.flops, c.mm_flops, c.bytes_read, c.bytes_written)
+                )
             continue
         nodes = _ops(gm)
         if phase == "jvp":
@@ -511,6 +536,7 @@ def summarize(
     memory_model: str = "eager",
     device: str = "cpu",
     keep_grads: bool = False,
+    hierarchical: bool = True,
 ) -> Report:
     """Roll the node annotations of ``graphs`` up into a :class:`~graphflop.report.Report`.
 
@@ -523,6 +549,10 @@ def summarize(
         memory_model, device: the execution the memory figures describe (``eager`` on
             ``cpu``/``cuda``, or ``graph``: :mod:`graphflop.passes.eager_memory`).
         keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``).
+        hierarchical: where the forward graph has a :class:`~graphflop.meta.Hierarchy`, take
+            its totals, per-module forward rows and op table from each template's figures
+            composed over its calls (:mod:`graphflop.passes.hierarchy`); False sums the flat
+            graph's nodes one by one. Both give the same report.
 
     Raises:
         KeyError: a graph lacks ``COST`` (run ``annotate_flops``) or the forward graph lacks
@@ -540,7 +570,9 @@ def summarize(
     trainable = sum(phs[p].meta["val"].numel() for p, _ in sig.trainable())
     trainable_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable())
     layers = _Layers()
-    totals = _totals(graphs, layers, optimizer, tangents)
+    h = hierarchy_of(fwd) if hierarchical else None
+    figures = forward_figures(fwd, h) if h is not None else None
+    totals = _totals(graphs, layers, optimizer, tangents, figures)
     owners = _saved_owners(graphs, memory_model, device)
     _saved_by_layer(graphs, layers, owners)
     return Report(
@@ -568,6 +600,6 @@ def summarize(
         trainable_params=trainable,
         frozen_params=params - trainable,
         uncounted=_uncounted(graphs),
-        ops=_op_rows(graphs),
+        ops=_op_rows(graphs, figures),
         assumptions=tuple(fwd.meta.get(ASSUMPTIONS, ())),
     )

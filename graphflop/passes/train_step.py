@@ -26,7 +26,7 @@ from graphflop.meta import (
     TrainStepInfo,
     graph_module,
 )
-from graphflop.passes.infra import GraphPass, check
+from graphflop.passes.infra import FLAT, GraphPass, check
 from graphflop.passes.optimizer import SLOT, inline_update
 
 aten = torch.ops.aten
@@ -112,6 +112,8 @@ class BuildTrainStep(GraphPass):
     ``update``; provides ``train_step``.
     """
 
+    #: runs on the flat graph: its derivative graph is not yet built per template
+    scope = FLAT
     name = "build_train_step"
     required = ("traced",)
     provided = ("train_step",)

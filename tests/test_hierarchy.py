@@ -1,0 +1,309 @@
+"""The hierarchical analysis (each outlined block's template costed and rolled up once, then
+composed over its calls) gives every figure the flat analysis gives: totals by role, per-module
+rows, memory peaks and per-op tables, on the models of ``models/`` and the zoo's (the large
+ones marked slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import spec
+from torch import nn
+
+from graphflop.analysis import analyze
+from graphflop.frontend.hierarchy import expand
+from graphflop.load import load, make_inputs
+from graphflop.meta import CALL_SITE, COST, HIERARCHY, MODULE, OUTLINED
+from graphflop.ops.cost import op_cost
+from graphflop.passes.summary import Graphs, summarize
+
+
+def _flat_report(a):
+    """The report summed node by node over the flat graphs (no hierarchy)."""
+    g = Graphs(a.forward, a.backward, a.update, a.jvp, a.forward_gradient, a.activity_gradient)
+    r = a.report
+    return summarize(
+        g,
+        name=r.model,
+        optimizer=r.optimizer or "sgd",
+        tangents=r.totals.jvp.tangents if r.totals.jvp is not None else "params",
+        memory_model=r.memory.memory_model,
+        device=r.memory.device,
+        keep_grads=r.memory.keep_grads,
+        hierarchical=False,
+    )
+
+
+def _nodes(gm):
+    """Every node by op, arguments (nodes by position), output shape and strides and module
+    path."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return ("node", pos[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(b) for b in a)
+        return a
+
+    def val(v):
+        return (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else None
+
+    return [
+        (
+            n.op,
+            str(n.target),
+            arg(n.args),
+            arg(tuple(sorted(n.kwargs.items()))),
+            val(n.meta.get("val")),
+            n.meta.get(MODULE) if n.op == "call_function" else None,
+        )
+        for n in gm.graph.nodes
+    ]
+
+
+def _check(a):
+    """The hierarchical report equals the flat one; every copied node's cost (taken from its
+    template) equals the cost of the node on its own."""
+    flat = _flat_report(a).to_dict()
+    hier = a.report.to_dict()
+    assert hier == flat
+    assert list(hier["layers"]) == list(flat["layers"])  # same rows in the same order
+    for n in a.forward.graph.nodes:
+        if n.op == "call_function":
+            assert n.meta[COST] == op_cost(n.target, n.args, n.kwargs, n), n.name
+    h = a.forward.meta.get(HIERARCHY)
+    info = a.forward.meta[OUTLINED]
+    if info.calls:
+        assert h is not None
+        assert len(h.sites) == info.calls
+        assert len(h.templates) == info.traced_once
+        tagged = [n for n in a.forward.graph.nodes if CALL_SITE in n.meta]
+        assert tagged
+        if h.graph is not None:
+            # the top level calls each block: fewer nodes than the flat graph
+            calls = [n for n in h.graph.graph.nodes if n.meta.get(CALL_SITE, (0, 0))[1] == -1]
+            assert len(calls) == len(h.sites)
+            # the flat graph rebuilt from the hierarchy alone is the traced one, node for node
+            assert _nodes(expand(h)) == _nodes(a.forward)
+    return h
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d, f)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(f, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 4, d: int = 6, f: int = 10):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, f) for _ in range(n))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_stack_of_blocks_composes_hand_counted_figures():
+    B, d, f, n = 5, 6, 10, 4
+    a = analyze(Stack(n, d, f), torch.randn(B, d))
+    h = _check(a)
+    assert len(h.templates) == 1 and len(h.sites) == n  # one template, four calls
+    assert h.graph is not None
+    rows = {L.name: L for L in a.report.layers}
+    for i in range(n):
+        # addmm: 2·B·d·f multiply-adds' FLOPs, then the bias's B·f additions
+        assert rows[f"blocks.{i}.fc1"].forward_mm_flops == 2 * B * d * f == 600
+        assert rows[f"blocks.{i}.fc1"].forward_flops == 2 * B * d * f + B * f == 650
+        assert rows[f"blocks.{i}.fc2"].forward_mm_flops == 2 * B * f * d == 600
+        assert rows[f"blocks.{i}.fc2"].output_shape == (B, d)
+    # four blocks of two matrix products (600 each), then the head's 2·B·d·3 = 180
+    assert a.report.totals.forward.mm_flops == n * 1200 + 180
+    addmm = next(o for o in a.report.ops if o.op == "aten.addmm.default" and o.phase == "forward")
+    assert addmm.count == 2 * n + 1
+    # the template's nodes carry their module relative to the called block
+    assert {t.meta[MODULE] for t in h.templates[0].nodes if MODULE in t.meta} >= {"@.fc1", "@"}
+
+
+def test_flat_trace_gives_the_same_report():
+    """Against a trace without outlining at all (every block traced in full, no hierarchy)."""
+    model = Stack()
+    x = torch.randn(5, 6)
+    hier = analyze(model, x)
+    from graphflop.frontend import outline
+
+    plan = outline.plan
+    try:
+        outline.plan = lambda *a, **k: {}
+        flat = analyze(model, x)
+    finally:
+        outline.plan = plan
+    assert HIERARCHY not in flat.forward.meta
+    assert hier.report.to_dict() == flat.report.to_dict()
+
+
+QUICK = [
+    "mlp.py",
+    "cnn.py",
+    "convnet.py",
+    "lora.py",
+    "vit.py",
+    "resnet.py:resnet18",
+]
+SLOW = [
+    "deeper_convnet.py",
+    "resnet.py:resnet50",
+    "gpt2.py:gpt2_small",
+]
+
+
+def _analysis(name: str, **ctor):
+    loaded = load(spec(name), ctor_kwargs=ctor, meta=True)
+    loaded.model.train()
+    return analyze(loaded.model, make_inputs(loaded, batch=2), name=name)
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_models_hierarchical_equals_flat(name):
+    _check(_analysis(name))
+
+
+def test_gpt2_few_layers_hierarchical_equals_flat():
+    h = _check(_analysis("gpt2.py", n_layer=3, n_embd=32, n_head=2, vocab_size=50))
+    assert h is not None and len(h.sites) == 3 and h.graph is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW)
+def test_large_models_hierarchical_equals_flat(name):
+    _check(_analysis(name))
+
+
+ZOO_QUICK = ["torchvision:resnet18", "torchvision:mobilenet_v3_small"]
+ZOO_SLOW = [
+    "torchvision:swin_t",
+    "torchvision:vit_b_16",
+    "hf:gpt2",
+    "hf:bert",
+    "hf:t5",
+    "hf:mistral",
+    "hf:qwen2",
+    "hf:gemma",
+]
+
+
+def _spec_analysis(s: str):
+    loaded = load(s, meta=True)
+    loaded.model.train()
+    return analyze(loaded.model, make_inputs(loaded, batch=2), name=s)
+
+
+@pytest.mark.parametrize("s", ZOO_QUICK)
+def test_zoo_hierarchical_equals_flat(s):
+    _check(_spec_analysis(s))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s", ZOO_SLOW)
+def test_zoo_large_hierarchical_equals_flat(s):
+    _check(_spec_analysis(s))
+
+
+# the worked example of docs/api.md ("Passes over the hierarchy")
+from torch.fx.passes.infra.pass_base import PassResult  # noqa: E402
+
+from graphflop.passes.hierarchy import compose  # noqa: E402
+from graphflop.passes.infra import FLAT, GraphPass  # noqa: E402
+
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+class MatmulOutputs(GraphPass):
+    """Writes on every node the elements a matrix product outputs (0 for other ops)."""
+
+    name = "matmul_outputs"
+    required = ("val",)  # scope: TEMPLATE, the default (a node's figure is its own)
+
+    def call(self, gm):
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            n.meta["mm_out"] = v.numel() if n.target in MATMULS else 0
+        return PassResult(gm, False)
+
+
+class Depth(GraphPass):
+    """Writes on every node its depth: the longest chain of nodes from an input to it."""
+
+    name = "depth"
+    required = ("val",)
+    scope = FLAT  # a chain runs through every block: it needs the flat graph
+
+    def call(self, gm):
+        for n in gm.graph.nodes:
+            n.meta["depth"] = 1 + max((a.meta["depth"] for a in n.all_input_nodes), default=0)
+        return PassResult(gm, False)
+
+
+def test_run_pass_per_template_composes_as_flat():
+    B, d, f, n = 5, 6, 10, 4
+    a = analyze(Stack(n, d, f), torch.randn(B, d))
+    run = a.run_pass(MatmulOutputs())
+    assert not run.flat and len(run.templates) == 1  # the block's template, once
+    mm_out = lambda node: node.meta.get("mm_out", 0)  # noqa: E731
+    # per block: fc1's B·f and fc2's B·d outputs; the head's B·3
+    assert compose(a.hierarchy, mm_out) == n * (B * f + B * d) + B * 3 == 335
+    rows = compose(a.hierarchy, mm_out, by_module=True)
+    assert rows["blocks.2.fc1"] == B * f and rows["blocks.2.fc2"] == B * d and rows["head"] == 15
+    # the same pass over the flat graph, node by node
+    flat = a.flat().forward
+    MatmulOutputs().apply(flat)
+    by: dict[str, int] = {}
+    for node in flat.graph.nodes:
+        if node.op == "call_function":
+            by[node.meta.get(MODULE, "")] = by.get(node.meta.get(MODULE, ""), 0) + mm_out(node)
+    assert rows == by
+
+
+def test_run_pass_flat_scope_sees_every_node():
+    a = analyze(Stack(4, 6, 10), torch.randn(5, 6))
+    run = a.run_pass(Depth())
+    assert run.flat and run.top is a.forward and run.templates == ()
+    out = next(n for n in run.top.graph.nodes if n.op == "output")
+    # a placeholder is 1, a weight's permute 2, so block k's first addmm is 3 + 4k, its relu,
+    # second addmm and residual add follow (4 nodes per block on the longest chain)
+    mm = [n for n in run.top.graph.nodes if n.target is torch.ops.aten.addmm.default]
+    assert [n.meta["depth"] for n in mm] == [3, 5, 7, 9, 11, 13, 15, 17, 19]  # the head: 18 + 1
+    assert out.meta["depth"] > 19
+
+
+def test_run_pass_rejects_an_unknown_scope():
+    class Odd(MatmulOutputs):
+        scope = "blocks"
+
+    a = analyze(Stack(2, 6, 10), torch.randn(5, 6))
+    with pytest.raises(ValueError, match="scope 'blocks'"):
+        a.run_pass(Odd())
+
+
+def test_llama_decoder_layers_hierarchical_equals_flat():
+    cfg = dict(
+        num_hidden_layers=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    loaded = load("hf:llama-3.1-8b", ctor_kwargs=cfg, meta=True, seq=8)
+    loaded.model.train()
+    h = _check(analyze(loaded.model, make_inputs(loaded, batch=2)))
+    assert len(h.sites) == 3 and len(h.templates) == 1 and h.graph is not None
+    assert h.sites[2].module("@.self_attn") == "model.layers.2.self_attn"
