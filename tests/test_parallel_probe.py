@@ -224,3 +224,55 @@ def test_zero2_gathers_each_unit_once_and_reduce_scatters_its_gradient():
             }
         )
         _check_llama_flops(rec, 2 * T)
+
+
+@pytest.mark.parametrize("mode", ["pp_gpipe", "pp_1f1b"])
+@pytest.mark.slow
+def test_pipeline_sends_each_micro_batch_activation_and_its_gradient(mode):
+    recs = _probe(mode)
+    mb = (B // 2) * T * D  # 2 micro-batches of 2 rows: (2, 16, 64) = 2,048 elements
+    first, last = recs
+    # stage 0 = embedding + blocks 0-1, stage 1 = blocks 2-3 + norm + head
+    assert first["params_local"] == V * D + 2 * BLOCK
+    assert last["params_local"] == 2 * BLOCK + D + D * V
+    assert first["dims"] == {"dp": 1, "tp": 1, "pp": 2}
+    assert _multiset(first) == Counter(
+        {("send", 2, mb, "float32", "forward"): 2, ("recv", 2, mb, "float32", "backward"): 2}
+    )
+    assert _multiset(last) == Counter(
+        {("recv", 2, mb, "float32", "forward"): 2, ("send", 2, mb, "float32", "backward"): 2}
+    )
+    # each stage runs the whole batch (64 tokens) through its own matmuls, backward twice the
+    # forward: the received activations need a gradient to send back
+    assert first["flops_by_op"]["aten.mm"] == 3 * 2 * B * T * (2 * BLOCK_MM)
+    assert last["flops_by_op"]["aten.mm"] == 3 * 2 * B * T * (2 * BLOCK_MM + D * V)
+    # the receive buffers of the two micro-batches are the engine's, live between steps
+    assert first["live_by_kind"]["engine"] == last["live_by_kind"]["engine"] == 2 * 4 * mb
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_two_stages_per_rank():
+    recs = _probe("pp_interleaved")
+    mb = (B // 2) * T * D
+    r0, r1 = recs
+    # looped placement: rank 0 holds stages 0 (embedding + block 0) and 2 (block 2),
+    # rank 1 stages 1 (block 1) and 3 (block 3 + norm + head)
+    assert r0["params_local"] == V * D + 2 * BLOCK
+    assert r1["params_local"] == 2 * BLOCK + D + D * V
+    # rank 0 sends stage 0 -> 1 and 2 -> 3 activations, receives 1 -> 2; gradients reversed
+    assert _multiset(r0) == Counter(
+        {
+            ("send", 2, mb, "float32", "forward"): 4,
+            ("recv", 2, mb, "float32", "forward"): 2,
+            ("send", 2, mb, "float32", "backward"): 2,
+            ("recv", 2, mb, "float32", "backward"): 4,
+        }
+    )
+    assert _multiset(r1) == Counter(
+        {
+            ("recv", 2, mb, "float32", "forward"): 4,
+            ("send", 2, mb, "float32", "forward"): 2,
+            ("recv", 2, mb, "float32", "backward"): 2,
+            ("send", 2, mb, "float32", "backward"): 4,
+        }
+    )

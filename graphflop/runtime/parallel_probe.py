@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import gc
 import json
 import os
@@ -283,7 +284,7 @@ class ProbeMode(TorchDispatchMode):
             rec = _c10d_record(name, args)
             if rec is not None:
                 kind, tensors, group = rec
-                self._log(kind, _numel(tensors), _dtype(tensors), group)
+                self._log(kind, _numel(tensors), _dtype(tensors), group, tensors)
         elif ns == "_c10d_functional":
             frec = _functional_record(name, args, out)
             if frec is not None:
@@ -296,14 +297,19 @@ class ProbeMode(TorchDispatchMode):
                 )
         return out
 
-    def _log(self, kind: str, elements: int, dtype: str, group: Any) -> None:
+    def _log(self, kind: str, elements: int, dtype: str, group: Any, tensors: Any = None) -> None:
+        phase = _current_phase()
+        if kind in ("send", "recv"):  # a pipeline stage's: the phase its builder marked
+            leaves = [t for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor)]
+            if leaves:
+                phase = _P2P_PHASE.get(leaves[0].untyped_storage().data_ptr(), phase)
         self.collectives.append(
             {
                 "kind": kind,
                 "group_size": _group_size(group),
                 "elements": int(elements),
                 "dtype": dtype,
-                "phase": _current_phase(),
+                "phase": phase,
             }
         )
 
@@ -429,6 +435,7 @@ class _Trainer:
         self.step = step
         self.batch = batch
         self.modules = [model]
+        self.stages: list = []
 
     def engine_bytes(self) -> int:
         """Bytes the engine holds outside Python tensors: DDP's gradient buckets."""
@@ -438,6 +445,12 @@ class _Trainer:
             if callable(logging_data):
                 sizes = str(logging_data().get("bucket_sizes", ""))
                 total += sum(int(v) for v in sizes.replace(",", " ").split())
+        for stage in self.stages:  # pipeline stages' receive buffers
+            for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+                for info in infos:
+                    buf = getattr(info, "buffer", None)
+                    if isinstance(buf, torch.Tensor):
+                        total += buf.untyped_storage().nbytes()
         return total
 
 
@@ -599,6 +612,113 @@ def _plan_tp(model, x, y, rank, world, sequence_parallel: bool = False) -> _Trai
     return _Trainer(model, [opt], _dims(tp=world), _simple_step(model, opt, x, y), [x, y])
 
 
+def _stage_modules(model: nn.Module, n_stages: int) -> list[nn.Sequential]:
+    """The model cut into ``n_stages`` pipeline stages by blocks: its top-level children in
+    order (the blocks' ``ModuleList`` expanded); the first stage also holds what precedes the
+    blocks, the last what follows them; blocks split as evenly as possible, earlier stages
+    taking the extra ones.
+
+    Raises:
+        ProbeError: more stages than blocks.
+    """
+    blocks = _blocks(model)
+    pre: list[nn.Module] = []
+    post: list[nn.Module] = []
+    seen_blocks = False
+    for child in model.children():
+        if child is blocks:
+            seen_blocks = True
+        elif seen_blocks:
+            post.append(child)
+        else:
+            pre.append(child)
+    if not seen_blocks:
+        raise ProbeError("the blocks' ModuleList is not a direct child of the model: cannot cut")
+    if n_stages > len(blocks):
+        raise ProbeError(f"{n_stages} pipeline stages but only {len(blocks)} blocks")
+    per, extra = divmod(len(blocks), n_stages)
+    stages, start = [], 0
+    for i in range(n_stages):
+        n = per + (i < extra)
+        mods = list(blocks[start : start + n])
+        start += n
+        if i == 0:
+            mods = pre + mods
+        if i == n_stages - 1:
+            mods = mods + post
+        stages.append(nn.Sequential(*mods))
+    return stages
+
+
+_P2P_PHASE: dict[int, str] = {}  # data_ptr of a stage's send/recv tensor -> its phase
+
+
+def _mark_p2p(stage: Any) -> None:
+    """Wrap the stage's send/recv op builders so the ops' tensors carry their phase."""
+    for name, phase in (
+        ("get_fwd_send_ops", "forward"),
+        ("get_fwd_recv_ops", "forward"),
+        ("get_bwd_send_ops", "backward"),
+        ("get_bwd_recv_ops", "backward"),
+    ):
+        original = getattr(stage, name)
+
+        def wrapped(*a, _original=original, _phase_name=phase, **k):
+            ops = _original(*a, **k)
+            for op in ops:
+                _P2P_PHASE[op.tensor.untyped_storage().data_ptr()] = _phase_name
+            return ops
+
+        setattr(stage, name, wrapped)
+
+
+def _plan_pp(model, x, y, rank, world, *, micro_batches: int, schedule: str) -> _Trainer:
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    per_rank = 2 if schedule == "interleaved" else 1
+    n_stages = world * per_rank
+    parts = _stage_modules(model, n_stages)
+    mine = [rank + k * world for k in range(per_rank)]  # looped placement
+    stages: list[Any] = []
+    for i in mine:
+        stage = PipelineStage(parts[i], i, n_stages, torch.device("cpu"))
+        _mark_p2p(stage)
+        stages.append(stage)
+    if schedule == "interleaved":
+        sched: Any = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=_loss)
+    elif schedule == "1f1b":
+        sched = Schedule1F1B(stages[0], micro_batches, loss_fn=_loss)
+    else:
+        sched = ScheduleGPipe(stages[0], micro_batches, loss_fn=_loss)
+    modules = [parts[i] for i in mine]
+    params = [p for m in modules for p in m.parameters()]
+    opt = _adamw(params)
+    first, last = 0 in mine, n_stages - 1 in mine
+
+    def step() -> None:
+        with _phase("forward"):
+            if first:
+                sched.step(x, target=y if last else None)
+            elif last:
+                sched.step(target=y, losses=[])
+            else:
+                sched.step()
+        with _phase("optimizer"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    batch = ([x] if first else []) + ([y] if last else [])
+    trainer = _Trainer(modules[0], [opt], _dims(pp=world), step, batch)
+    trainer.modules = modules
+    trainer.stages = stages
+    return trainer
+
+
 # ---------------------------------------------------------------------------- entry points
 
 
@@ -626,6 +746,9 @@ PLANS: dict[str, Callable[..., _Trainer]] = {
     "zero2": _plan_fsdp1,
     "zero3": _plan_fsdp2,
     "tp": _plan_tp,
+    "pp_gpipe": functools.partial(_plan_pp, schedule="gpipe"),
+    "pp_1f1b": functools.partial(_plan_pp, schedule="1f1b"),
+    "pp_interleaved": functools.partial(_plan_pp, schedule="interleaved"),
     "tp_sp": lambda model, x, y, rank, world: _plan_tp(
         model, x, y, rank, world, sequence_parallel=True
     ),
@@ -693,7 +816,9 @@ def probe_rank(
         probe.recording = False
     rise = _peak_rise(prof, label)
     params_local = sum(
-        (p.to_local() if hasattr(p, "to_local") else p).numel() for p in trainer.model.parameters()
+        (p.to_local() if hasattr(p, "to_local") else p).numel()
+        for m in trainer.modules
+        for p in m.parameters()
     )
     return {
         "rank": rank,
