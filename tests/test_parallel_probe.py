@@ -276,3 +276,33 @@ def test_interleaved_1f1b_two_stages_per_rank():
             ("send", 2, mb, "float32", "backward"): 4,
         }
     )
+
+
+@pytest.mark.slow
+def test_fsdp_tp_on_a_2d_mesh():
+    recs = _CACHE.setdefault(
+        "fsdp_tp", run_probe(LLAMA, "fsdp_tp", 4, args=TINY, batch=B, seq=T, micro_batches=2)
+    )
+    act = (B // 2) * T * D  # each data-parallel pair takes 2 rows: 2,048 elements
+    # a unit's tensor-parallel shard: its weights halved, its norms whole
+    block = (BLOCK - 2 * D) // 2 + 2 * D  # 18,560
+    root = (V * D + D * V) // 2 + D  # 8,256
+    for rec in recs:
+        assert rec["dims"] == {"dp": 2, "tp": 2, "pp": 1}
+        assert rec["params_local"] == (block * L + root) // 2
+        assert _multiset(rec) == Counter(
+            {
+                # tensor parallelism inside each pair (group of 2), as in tp on 2 rows
+                ("all_reduce", 2, act, "float32", "forward"): 1 + 2 * L,
+                ("all_gather", 2, (B // 2) * T * V, "float32", "forward"): 1,
+                ("all_reduce", 2, act, "float32", "backward"): 5 * L + 1,
+                # FSDP2 over the data-parallel pairs (group of 2), of the tensor-parallel shards
+                ("all_gather", 2, root, "float32", "forward"): 1,
+                ("all_gather", 2, block, "float32", "forward"): L,
+                ("all_gather", 2, block, "float32", "backward"): L,
+                ("reduce_scatter", 2, block, "float32", "backward"): L,
+                ("reduce_scatter", 2, root, "float32", "backward"): 1,
+            }
+        )
+        # half the matmul widths on 32 tokens: a quarter of the whole model's step
+        assert rec["flops_by_op"]["aten.mm"] == 3 * 2 * (B // 2) * T * (L * BLOCK_MM + D * V) // 2

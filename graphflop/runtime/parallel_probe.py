@@ -612,6 +612,28 @@ def _plan_tp(model, x, y, rank, world, sequence_parallel: bool = False) -> _Trai
     return _Trainer(model, [opt], _dims(tp=world), _simple_step(model, opt, x, y), [x, y])
 
 
+def _plan_fsdp_tp(model, x, y, rank, world, tp: int = 2) -> _Trainer:
+    """2-D: tensor parallelism over the inner mesh dimension (``tp`` ranks), FSDP2 over the
+    outer (data-parallel) one; tensor-parallel ranks take the same rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if world % tp:
+        raise ProbeError(f"fsdp_tp needs a world that is a multiple of tp {tp}, not {world}")
+    dp = world // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], _tp_plan(model, tp, sequence_parallel=False))
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = _adamw(model.parameters())
+    dp_rank = mesh.get_local_rank("dp")
+    xs, ys = _rows(x, dp_rank, dp), _rows(y, dp_rank, dp)
+    step = _simple_step(model, opt, xs, ys)
+    return _Trainer(model, [opt], _dims(dp=dp, tp=tp), step, [xs, ys])
+
+
 def _stage_modules(model: nn.Module, n_stages: int) -> list[nn.Sequential]:
     """The model cut into ``n_stages`` pipeline stages by blocks: its top-level children in
     order (the blocks' ``ModuleList`` expanded); the first stage also holds what precedes the
@@ -746,6 +768,7 @@ PLANS: dict[str, Callable[..., _Trainer]] = {
     "zero2": _plan_fsdp1,
     "zero3": _plan_fsdp2,
     "tp": _plan_tp,
+    "fsdp_tp": _plan_fsdp_tp,
     "pp_gpipe": functools.partial(_plan_pp, schedule="gpipe"),
     "pp_1f1b": functools.partial(_plan_pp, schedule="1f1b"),
     "pp_interleaved": functools.partial(_plan_pp, schedule="interleaved"),
