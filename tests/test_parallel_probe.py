@@ -306,3 +306,64 @@ def test_fsdp_tp_on_a_2d_mesh():
         )
         # half the matmul widths on 32 tokens: a quarter of the whole model's step
         assert rec["flops_by_op"]["aten.mm"] == 3 * 2 * (B // 2) * T * (L * BLOCK_MM + D * V) // 2
+
+
+def test_one_rank_peak_is_params_states_and_adamw_temporaries_by_hand():
+    """The memory definition on one in-process rank (gloo, world 1): an MLP 784 -> 32 -> 10,
+    batch 8, DDP, AdamW."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from graphflop.runtime.parallel_probe import probe_rank
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rec = probe_rank(
+            str(ROOT / "models" / "mlp.py"),
+            "ddp",
+            ctor_kwargs={"hidden": 32, "depth": 1},
+            batch=8,
+            seq=1,
+            micro_batches=1,
+            steps=3,
+        )
+    finally:
+        dist.destroy_process_group()
+    w1, b1, w2, b2 = 784 * 32, 32, 32 * 10, 10
+    params = w1 + b1 + w2 + b2  # 25,450
+    assert rec["params_local"] == params
+    assert _multiset(rec) == Counter({("all_reduce", 1, params, "float32", "backward"): 1})
+    # live at the start: parameters, DDP's bucket (one gradient's size), AdamW's two moments
+    # and 4 fp32 step counts, the batch (8 x 1 x 28 x 28 fp32 images + 8 int64 targets)
+    assert rec["live_by_kind"] == {
+        "parameters": 4 * params,
+        "gradients": 0,
+        "optimizer": 2 * 4 * params + 4 * 4,
+        "buffers": 0,
+        "batch": 8 * 784 * 4 + 8 * 8,
+        "engine": 4 * params,
+    }
+    # the peak is in AdamW (foreach=False) at the largest parameter, W1: every gradient is
+    # live (4·25,450 B) and exp_avg_sq.sqrt() and its division by the bias correction make two
+    # W1-sized temporaries (2·4·25,088 B); a few scalar temporaries on top (< 64 B)
+    rise = rec["peak_bytes"] - rec["live_at_step_start"]
+    assert 0 <= rise - (4 * params + 2 * 4 * w1) < 64
+    # which is above the end of the forward: what the graph saves for the backward
+    # (saved_tensors_hooks: the ReLU output, the log-softmax output...) + the gradients
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    own = {t.untyped_storage().data_ptr() for t in [x, y, *model.parameters()]}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in own:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        nn.functional.cross_entropy(model(x), y)
+    assert sum(saved.values()) == 8 * 32 * 4 + 8 * 10 * 4 + 4  # ReLU out, log-softmax, weight
+    assert sum(saved.values()) + 4 * params < rise
