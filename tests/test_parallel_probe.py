@@ -367,3 +367,13 @@ def test_one_rank_peak_is_params_states_and_adamw_temporaries_by_hand():
         nn.functional.cross_entropy(model(x), y)
     assert sum(saved.values()) == 8 * 32 * 4 + 8 * 10 * 4 + 4  # ReLU out, log-softmax, weight
     assert sum(saved.values()) + 4 * params < rise
+
+
+@pytest.mark.slow
+def test_more_stages_than_blocks_is_one_line_from_every_rank():
+    one_block = [a if not a.startswith("n_layers") else "n_layers=1" for a in TINY]
+    with pytest.raises(ProbeError) as e:
+        run_probe(LLAMA, "pp_gpipe", 2, args=one_block)
+    assert str(e.value).endswith(
+        "rank 0: 2 pipeline stages but only 1 blocks\nrank 1: 2 pipeline stages but only 1 blocks\n"
+    )

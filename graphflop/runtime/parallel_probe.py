@@ -99,6 +99,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from graphflop.specs import SpecError
+
 MODES = (
     "ddp",
     "zero1",
@@ -884,6 +886,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" not in os.environ:
         print("error: run under torchrun (python -m torch.distributed.run ...)", file=sys.stderr)
         return 2
+    for flag, value in (("--batch", a.batch), ("--seq", a.seq), ("--steps", a.steps)):
+        if value < 1:
+            print(f"error: {flag} {value}: give 1 or more", file=sys.stderr)
+            return 2
+    if a.micro_batches < 1:
+        print(f"error: --micro-batches {a.micro_batches}: give 1 or more", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = Path(a.out)
@@ -898,6 +907,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             micro_batches=a.micro_batches,
             steps=a.steps,
         )
+    except (ProbeError, SpecError) as e:  # bad input: one line, exit 2
+        (out / f"rank{os.environ['RANK']}.err").write_text(f"{e}\n")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except BaseException:
         # the launcher's own summary hides the rank's traceback: keep it for run_probe
         (out / f"rank{os.environ['RANK']}.err").write_text(traceback.format_exc())
