@@ -377,3 +377,39 @@ def test_more_stages_than_blocks_is_one_line_from_every_rank():
     assert str(e.value).endswith(
         "rank 0: 2 pipeline stages but only 1 blocks\nrank 1: 2 pipeline stages but only 1 blocks\n"
     )
+
+
+def _fake_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_plan_fake", ROOT / "tools" / "bench_plan_fake.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fake_world_of_3_pads_fsdp2_shards_to_a_multiple_of_the_group():
+    """tools/bench_plan_fake.py: FSDP2 under the fake process group and FakeTensorMode, world 3,
+    2 rows of 16 tokens per rank."""
+    ctor = dict(vocab=V, dim=D, n_layers=L, n_heads=H, n_kv_heads=HKV, ffn_dim=FFN)
+    rec = _fake_tool().run_world(LLAMA, "zero3", 3, ctor, 2, T)
+    # FSDP2 pads each parameter's dim 0 to a multiple of 3: 64 -> 66, 32 -> 33, 128 -> 129;
+    # block: norms 2·66 + q, o 2·66·64 + k, v 2·33·64 + gate, up 2·129·64 + down 66·128
+    block = 2 * 66 + 2 * 66 * 64 + 2 * 33 * 64 + 2 * 129 * 64 + 66 * 128  # 37,764
+    root = 129 * 64 + 66 + 129 * 64  # embedding, final norm, head: 16,578
+    assert rec["params_local"] == (L * block + root) // 3
+    assert _multiset(rec) == Counter(
+        {
+            ("all_gather", 3, root, "float32", "forward"): 1,
+            ("all_gather", 3, block, "float32", "forward"): L,
+            ("all_gather", 3, block, "float32", "backward"): L,
+            ("reduce_scatter", 3, block, "float32", "backward"): L,
+            ("reduce_scatter", 3, root, "float32", "backward"): 1,
+        }
+    )
+    _check_llama_flops(rec, 2 * T)  # fake tensors counted by their shapes
+    assert rec["live_by_kind"]["parameters"] == 4 * (L * block + root) // 3
+    assert rec["peak_bytes"] > rec["live_at_step_start"]

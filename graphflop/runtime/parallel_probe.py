@@ -241,8 +241,11 @@ class ProbeMode(TorchDispatchMode):
     here: the counts are this rank's own.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, count_fake: bool = False) -> None:
         super().__init__()
+        #: count FakeTensor ops as real ones (a whole run under FakeTensorMode and the fake
+        #: process group: their shapes are the real shapes)
+        self.count_fake = count_fake
         self.recording = False
         self.collectives: list[dict] = []
         self.flops: Counter[str] = Counter()
@@ -267,13 +270,15 @@ class ProbeMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(t is not torch.Tensor and t is not nn.Parameter for t in types):
+            from torch._subclasses.fake_tensor import FakeTensor
             from torch.distributed.tensor import DTensor
 
             if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented  # DTensor runs the local ops, which come back here
-            # other subclasses (the FakeTensors of DTensor's sharding propagation) compute
-            # nothing real
-            return func(*args, **kwargs)
+            if not (self.count_fake and all(issubclass(t, FakeTensor) for t in types)):
+                # other subclasses (the FakeTensors of DTensor's sharding propagation in a
+                # real run) compute nothing real
+                return func(*args, **kwargs)
         if self._held and threading.get_ident() == self._main:
             self._release()
         out = func(*args, **kwargs)
@@ -369,7 +374,7 @@ def _storages(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
         if local.is_meta or not hasattr(local, "untyped_storage"):
             continue
         st = local.untyped_storage()
-        key = st.data_ptr()
+        key = st._cdata  # the StorageImpl (fake storages have no data pointer)
         if key in seen or st.nbytes() == 0:
             continue
         seen.add(key)
