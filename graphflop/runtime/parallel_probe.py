@@ -55,7 +55,8 @@ are counted with its SDPA formulas (the full T x T square, causal masking not di
 Memory: ``live_at_step_start`` = the bytes of the unique storages live when the last step
 starts, enumerated by kind in ``live_by_kind``: parameters (local shards), gradients, optimizer
 states, buffers, the batch rows, and ``engine``: what the engine holds in C++ (DDP's gradient
-buckets, from its logging data's bucket sizes). ``peak_bytes`` = that + the largest rise of the
+buckets, from its logging data's bucket sizes; pipeline stages' receive buffers).
+``peak_bytes`` = that + the largest rise of the
 CPU allocator's live bytes during the step, from ``torch.profiler(profile_memory=True)``'s
 ``[memory]`` events of the step (chrome-trace export, which carries each block's address)
 summed in time order. RSS is useless (the C allocator keeps freed pages). Traps met: the
