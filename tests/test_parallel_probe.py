@@ -224,3 +224,192 @@ def test_zero2_gathers_each_unit_once_and_reduce_scatters_its_gradient():
             }
         )
         _check_llama_flops(rec, 2 * T)
+
+
+@pytest.mark.parametrize("mode", ["pp_gpipe", "pp_1f1b"])
+@pytest.mark.slow
+def test_pipeline_sends_each_micro_batch_activation_and_its_gradient(mode):
+    recs = _probe(mode)
+    mb = (B // 2) * T * D  # 2 micro-batches of 2 rows: (2, 16, 64) = 2,048 elements
+    first, last = recs
+    # stage 0 = embedding + blocks 0-1, stage 1 = blocks 2-3 + norm + head
+    assert first["params_local"] == V * D + 2 * BLOCK
+    assert last["params_local"] == 2 * BLOCK + D + D * V
+    assert first["dims"] == {"dp": 1, "tp": 1, "pp": 2}
+    assert _multiset(first) == Counter(
+        {("send", 2, mb, "float32", "forward"): 2, ("recv", 2, mb, "float32", "backward"): 2}
+    )
+    assert _multiset(last) == Counter(
+        {("recv", 2, mb, "float32", "forward"): 2, ("send", 2, mb, "float32", "backward"): 2}
+    )
+    # each stage runs the whole batch (64 tokens) through its own matmuls, backward twice the
+    # forward: the received activations need a gradient to send back
+    assert first["flops_by_op"]["aten.mm"] == 3 * 2 * B * T * (2 * BLOCK_MM)
+    assert last["flops_by_op"]["aten.mm"] == 3 * 2 * B * T * (2 * BLOCK_MM + D * V)
+    # the receive buffers of the two micro-batches are the engine's, live between steps
+    assert first["live_by_kind"]["engine"] == last["live_by_kind"]["engine"] == 2 * 4 * mb
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_two_stages_per_rank():
+    recs = _probe("pp_interleaved")
+    mb = (B // 2) * T * D
+    r0, r1 = recs
+    # looped placement: rank 0 holds stages 0 (embedding + block 0) and 2 (block 2),
+    # rank 1 stages 1 (block 1) and 3 (block 3 + norm + head)
+    assert r0["params_local"] == V * D + 2 * BLOCK
+    assert r1["params_local"] == 2 * BLOCK + D + D * V
+    # rank 0 sends stage 0 -> 1 and 2 -> 3 activations, receives 1 -> 2; gradients reversed
+    assert _multiset(r0) == Counter(
+        {
+            ("send", 2, mb, "float32", "forward"): 4,
+            ("recv", 2, mb, "float32", "forward"): 2,
+            ("send", 2, mb, "float32", "backward"): 2,
+            ("recv", 2, mb, "float32", "backward"): 4,
+        }
+    )
+    assert _multiset(r1) == Counter(
+        {
+            ("recv", 2, mb, "float32", "forward"): 4,
+            ("send", 2, mb, "float32", "forward"): 2,
+            ("recv", 2, mb, "float32", "backward"): 2,
+            ("send", 2, mb, "float32", "backward"): 4,
+        }
+    )
+
+
+@pytest.mark.slow
+def test_fsdp_tp_on_a_2d_mesh():
+    recs = _CACHE.setdefault(
+        "fsdp_tp", run_probe(LLAMA, "fsdp_tp", 4, args=TINY, batch=B, seq=T, micro_batches=2)
+    )
+    act = (B // 2) * T * D  # each data-parallel pair takes 2 rows: 2,048 elements
+    # a unit's tensor-parallel shard: its weights halved, its norms whole
+    block = (BLOCK - 2 * D) // 2 + 2 * D  # 18,560
+    root = (V * D + D * V) // 2 + D  # 8,256
+    for rec in recs:
+        assert rec["dims"] == {"dp": 2, "tp": 2, "pp": 1}
+        assert rec["params_local"] == (block * L + root) // 2
+        assert _multiset(rec) == Counter(
+            {
+                # tensor parallelism inside each pair (group of 2), as in tp on 2 rows
+                ("all_reduce", 2, act, "float32", "forward"): 1 + 2 * L,
+                ("all_gather", 2, (B // 2) * T * V, "float32", "forward"): 1,
+                ("all_reduce", 2, act, "float32", "backward"): 5 * L + 1,
+                # FSDP2 over the data-parallel pairs (group of 2), of the tensor-parallel shards
+                ("all_gather", 2, root, "float32", "forward"): 1,
+                ("all_gather", 2, block, "float32", "forward"): L,
+                ("all_gather", 2, block, "float32", "backward"): L,
+                ("reduce_scatter", 2, block, "float32", "backward"): L,
+                ("reduce_scatter", 2, root, "float32", "backward"): 1,
+            }
+        )
+        # half the matmul widths on 32 tokens: a quarter of the whole model's step
+        assert rec["flops_by_op"]["aten.mm"] == 3 * 2 * (B // 2) * T * (L * BLOCK_MM + D * V) // 2
+
+
+def test_one_rank_peak_is_params_states_and_adamw_temporaries_by_hand():
+    """The memory definition on one in-process rank (gloo, world 1): an MLP 784 -> 32 -> 10,
+    batch 8, DDP, AdamW."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from graphflop.runtime.parallel_probe import probe_rank
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rec = probe_rank(
+            str(ROOT / "models" / "mlp.py"),
+            "ddp",
+            ctor_kwargs={"hidden": 32, "depth": 1},
+            batch=8,
+            seq=1,
+            micro_batches=1,
+            steps=3,
+        )
+    finally:
+        dist.destroy_process_group()
+    w1, b1, w2, b2 = 784 * 32, 32, 32 * 10, 10
+    params = w1 + b1 + w2 + b2  # 25,450
+    assert rec["params_local"] == params
+    assert _multiset(rec) == Counter({("all_reduce", 1, params, "float32", "backward"): 1})
+    # live at the start: parameters, DDP's bucket (one gradient's size), AdamW's two moments
+    # and 4 fp32 step counts, the batch (8 x 1 x 28 x 28 fp32 images + 8 int64 targets)
+    assert rec["live_by_kind"] == {
+        "parameters": 4 * params,
+        "gradients": 0,
+        "optimizer": 2 * 4 * params + 4 * 4,
+        "buffers": 0,
+        "batch": 8 * 784 * 4 + 8 * 8,
+        "engine": 4 * params,
+    }
+    # the peak is in AdamW (foreach=False) at the largest parameter, W1: every gradient is
+    # live (4·25,450 B) and exp_avg_sq.sqrt() and its division by the bias correction make two
+    # W1-sized temporaries (2·4·25,088 B); a few scalar temporaries on top (< 64 B)
+    rise = rec["peak_bytes"] - rec["live_at_step_start"]
+    assert 0 <= rise - (4 * params + 2 * 4 * w1) < 64
+    # which is above the end of the forward: what the graph saves for the backward
+    # (saved_tensors_hooks: the ReLU output, the log-softmax output...) + the gradients
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    own = {t.untyped_storage().data_ptr() for t in [x, y, *model.parameters()]}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in own:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        nn.functional.cross_entropy(model(x), y)
+    assert sum(saved.values()) == 8 * 32 * 4 + 8 * 10 * 4 + 4  # ReLU out, log-softmax, weight
+    assert sum(saved.values()) + 4 * params < rise
+
+
+@pytest.mark.slow
+def test_more_stages_than_blocks_is_one_line_from_every_rank():
+    one_block = [a if not a.startswith("n_layers") else "n_layers=1" for a in TINY]
+    with pytest.raises(ProbeError) as e:
+        run_probe(LLAMA, "pp_gpipe", 2, args=one_block)
+    assert str(e.value).endswith(
+        "rank 0: 2 pipeline stages but only 1 blocks\nrank 1: 2 pipeline stages but only 1 blocks\n"
+    )
+
+
+def _fake_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_plan_fake", ROOT / "tools" / "bench_plan_fake.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fake_world_of_3_pads_fsdp2_shards_to_a_multiple_of_the_group():
+    """tools/bench_plan_fake.py: FSDP2 under the fake process group and FakeTensorMode, world 3,
+    2 rows of 16 tokens per rank."""
+    ctor = dict(vocab=V, dim=D, n_layers=L, n_heads=H, n_kv_heads=HKV, ffn_dim=FFN)
+    rec = _fake_tool().run_world(LLAMA, "zero3", 3, ctor, 2, T)
+    # FSDP2 pads each parameter's dim 0 to a multiple of 3: 64 -> 66, 32 -> 33, 128 -> 129;
+    # block: norms 2·66 + q, o 2·66·64 + k, v 2·33·64 + gate, up 2·129·64 + down 66·128
+    block = 2 * 66 + 2 * 66 * 64 + 2 * 33 * 64 + 2 * 129 * 64 + 66 * 128  # 37,764
+    root = 129 * 64 + 66 + 129 * 64  # embedding, final norm, head: 16,578
+    assert rec["params_local"] == (L * block + root) // 3
+    assert _multiset(rec) == Counter(
+        {
+            ("all_gather", 3, root, "float32", "forward"): 1,
+            ("all_gather", 3, block, "float32", "forward"): L,
+            ("all_gather", 3, block, "float32", "backward"): L,
+            ("reduce_scatter", 3, block, "float32", "backward"): L,
+            ("reduce_scatter", 3, root, "float32", "backward"): 1,
+        }
+    )
+    _check_llama_flops(rec, 2 * T)  # fake tensors counted by their shapes
+    assert rec["live_by_kind"]["parameters"] == 4 * (L * block + root) // 3
+    assert rec["peak_bytes"] > rec["live_at_step_start"]

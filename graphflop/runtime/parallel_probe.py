@@ -55,7 +55,8 @@ are counted with its SDPA formulas (the full T x T square, causal masking not di
 Memory: ``live_at_step_start`` = the bytes of the unique storages live when the last step
 starts, enumerated by kind in ``live_by_kind``: parameters (local shards), gradients, optimizer
 states, buffers, the batch rows, and ``engine``: what the engine holds in C++ (DDP's gradient
-buckets, from its logging data's bucket sizes). ``peak_bytes`` = that + the largest rise of the
+buckets, from its logging data's bucket sizes; pipeline stages' receive buffers).
+``peak_bytes`` = that + the largest rise of the
 CPU allocator's live bytes during the step, from ``torch.profiler(profile_memory=True)``'s
 ``[memory]`` events of the step (chrome-trace export, which carries each block's address)
 summed in time order. RSS is useless (the C allocator keeps freed pages). Traps met: the
@@ -77,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import gc
 import json
 import os
@@ -97,6 +99,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from graphflop.specs import SpecError
 
 MODES = (
     "ddp",
@@ -238,8 +242,11 @@ class ProbeMode(TorchDispatchMode):
     here: the counts are this rank's own.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, count_fake: bool = False) -> None:
         super().__init__()
+        #: count FakeTensor ops as real ones (a whole run under FakeTensorMode and the fake
+        #: process group: their shapes are the real shapes)
+        self.count_fake = count_fake
         self.recording = False
         self.collectives: list[dict] = []
         self.flops: Counter[str] = Counter()
@@ -264,13 +271,15 @@ class ProbeMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(t is not torch.Tensor and t is not nn.Parameter for t in types):
+            from torch._subclasses.fake_tensor import FakeTensor
             from torch.distributed.tensor import DTensor
 
             if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented  # DTensor runs the local ops, which come back here
-            # other subclasses (the FakeTensors of DTensor's sharding propagation) compute
-            # nothing real
-            return func(*args, **kwargs)
+            if not (self.count_fake and all(issubclass(t, FakeTensor) for t in types)):
+                # other subclasses (the FakeTensors of DTensor's sharding propagation in a
+                # real run) compute nothing real
+                return func(*args, **kwargs)
         if self._held and threading.get_ident() == self._main:
             self._release()
         out = func(*args, **kwargs)
@@ -283,7 +292,7 @@ class ProbeMode(TorchDispatchMode):
             rec = _c10d_record(name, args)
             if rec is not None:
                 kind, tensors, group = rec
-                self._log(kind, _numel(tensors), _dtype(tensors), group)
+                self._log(kind, _numel(tensors), _dtype(tensors), group, tensors)
         elif ns == "_c10d_functional":
             frec = _functional_record(name, args, out)
             if frec is not None:
@@ -296,14 +305,19 @@ class ProbeMode(TorchDispatchMode):
                 )
         return out
 
-    def _log(self, kind: str, elements: int, dtype: str, group: Any) -> None:
+    def _log(self, kind: str, elements: int, dtype: str, group: Any, tensors: Any = None) -> None:
+        phase = _current_phase()
+        if kind in ("send", "recv"):  # a pipeline stage's: the phase its builder marked
+            leaves = [t for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor)]
+            if leaves:
+                phase = _P2P_PHASE.get(leaves[0].untyped_storage().data_ptr(), phase)
         self.collectives.append(
             {
                 "kind": kind,
                 "group_size": _group_size(group),
                 "elements": int(elements),
                 "dtype": dtype,
-                "phase": _current_phase(),
+                "phase": phase,
             }
         )
 
@@ -361,7 +375,7 @@ def _storages(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
         if local.is_meta or not hasattr(local, "untyped_storage"):
             continue
         st = local.untyped_storage()
-        key = st.data_ptr()
+        key = st._cdata  # the StorageImpl (fake storages have no data pointer)
         if key in seen or st.nbytes() == 0:
             continue
         seen.add(key)
@@ -429,6 +443,7 @@ class _Trainer:
         self.step = step
         self.batch = batch
         self.modules = [model]
+        self.stages: list = []
 
     def engine_bytes(self) -> int:
         """Bytes the engine holds outside Python tensors: DDP's gradient buckets."""
@@ -438,6 +453,12 @@ class _Trainer:
             if callable(logging_data):
                 sizes = str(logging_data().get("bucket_sizes", ""))
                 total += sum(int(v) for v in sizes.replace(",", " ").split())
+        for stage in self.stages:  # pipeline stages' receive buffers
+            for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+                for info in infos:
+                    buf = getattr(info, "buffer", None)
+                    if isinstance(buf, torch.Tensor):
+                        total += buf.untyped_storage().nbytes()
         return total
 
 
@@ -599,6 +620,135 @@ def _plan_tp(model, x, y, rank, world, sequence_parallel: bool = False) -> _Trai
     return _Trainer(model, [opt], _dims(tp=world), _simple_step(model, opt, x, y), [x, y])
 
 
+def _plan_fsdp_tp(model, x, y, rank, world, tp: int = 2) -> _Trainer:
+    """2-D: tensor parallelism over the inner mesh dimension (``tp`` ranks), FSDP2 over the
+    outer (data-parallel) one; tensor-parallel ranks take the same rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if world % tp:
+        raise ProbeError(f"fsdp_tp needs a world that is a multiple of tp {tp}, not {world}")
+    dp = world // tp
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], _tp_plan(model, tp, sequence_parallel=False))
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = _adamw(model.parameters())
+    dp_rank = mesh.get_local_rank("dp")
+    xs, ys = _rows(x, dp_rank, dp), _rows(y, dp_rank, dp)
+    step = _simple_step(model, opt, xs, ys)
+    return _Trainer(model, [opt], _dims(dp=dp, tp=tp), step, [xs, ys])
+
+
+def _stage_modules(model: nn.Module, n_stages: int) -> list[nn.Sequential]:
+    """The model cut into ``n_stages`` pipeline stages by blocks: its top-level children in
+    order (the blocks' ``ModuleList`` expanded); the first stage also holds what precedes the
+    blocks, the last what follows them; blocks split as evenly as possible, earlier stages
+    taking the extra ones.
+
+    Raises:
+        ProbeError: more stages than blocks.
+    """
+    blocks = _blocks(model)
+    pre: list[nn.Module] = []
+    post: list[nn.Module] = []
+    seen_blocks = False
+    for child in model.children():
+        if child is blocks:
+            seen_blocks = True
+        elif seen_blocks:
+            post.append(child)
+        else:
+            pre.append(child)
+    if not seen_blocks:
+        raise ProbeError("the blocks' ModuleList is not a direct child of the model: cannot cut")
+    if n_stages > len(blocks):
+        raise ProbeError(f"{n_stages} pipeline stages but only {len(blocks)} blocks")
+    per, extra = divmod(len(blocks), n_stages)
+    stages, start = [], 0
+    for i in range(n_stages):
+        n = per + (i < extra)
+        mods = list(blocks[start : start + n])
+        start += n
+        if i == 0:
+            mods = pre + mods
+        if i == n_stages - 1:
+            mods = mods + post
+        stages.append(nn.Sequential(*mods))
+    return stages
+
+
+_P2P_PHASE: dict[int, str] = {}  # data_ptr of a stage's send/recv tensor -> its phase
+
+
+def _mark_p2p(stage: Any) -> None:
+    """Wrap the stage's send/recv op builders so the ops' tensors carry their phase."""
+    for name, phase in (
+        ("get_fwd_send_ops", "forward"),
+        ("get_fwd_recv_ops", "forward"),
+        ("get_bwd_send_ops", "backward"),
+        ("get_bwd_recv_ops", "backward"),
+    ):
+        original = getattr(stage, name)
+
+        def wrapped(*a, _original=original, _phase_name=phase, **k):
+            ops = _original(*a, **k)
+            for op in ops:
+                _P2P_PHASE[op.tensor.untyped_storage().data_ptr()] = _phase_name
+            return ops
+
+        setattr(stage, name, wrapped)
+
+
+def _plan_pp(model, x, y, rank, world, *, micro_batches: int, schedule: str) -> _Trainer:
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    per_rank = 2 if schedule == "interleaved" else 1
+    n_stages = world * per_rank
+    parts = _stage_modules(model, n_stages)
+    mine = [rank + k * world for k in range(per_rank)]  # looped placement
+    stages: list[Any] = []
+    for i in mine:
+        stage = PipelineStage(parts[i], i, n_stages, torch.device("cpu"))
+        _mark_p2p(stage)
+        stages.append(stage)
+    if schedule == "interleaved":
+        sched: Any = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=_loss)
+    elif schedule == "1f1b":
+        sched = Schedule1F1B(stages[0], micro_batches, loss_fn=_loss)
+    else:
+        sched = ScheduleGPipe(stages[0], micro_batches, loss_fn=_loss)
+    modules = [parts[i] for i in mine]
+    params = [p for m in modules for p in m.parameters()]
+    opt = _adamw(params)
+    first, last = 0 in mine, n_stages - 1 in mine
+
+    def step() -> None:
+        with _phase("forward"):
+            if first:
+                sched.step(x, target=y if last else None)
+            elif last:
+                sched.step(target=y, losses=[])
+            else:
+                sched.step()
+        with _phase("optimizer"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    batch = ([x] if first else []) + ([y] if last else [])
+    trainer = _Trainer(modules[0], [opt], _dims(pp=world), step, batch)
+    trainer.modules = modules
+    trainer.stages = stages
+    return trainer
+
+
 # ---------------------------------------------------------------------------- entry points
 
 
@@ -626,6 +776,10 @@ PLANS: dict[str, Callable[..., _Trainer]] = {
     "zero2": _plan_fsdp1,
     "zero3": _plan_fsdp2,
     "tp": _plan_tp,
+    "fsdp_tp": _plan_fsdp_tp,
+    "pp_gpipe": functools.partial(_plan_pp, schedule="gpipe"),
+    "pp_1f1b": functools.partial(_plan_pp, schedule="1f1b"),
+    "pp_interleaved": functools.partial(_plan_pp, schedule="interleaved"),
     "tp_sp": lambda model, x, y, rank, world: _plan_tp(
         model, x, y, rank, world, sequence_parallel=True
     ),
@@ -693,7 +847,9 @@ def probe_rank(
         probe.recording = False
     rise = _peak_rise(prof, label)
     params_local = sum(
-        (p.to_local() if hasattr(p, "to_local") else p).numel() for p in trainer.model.parameters()
+        (p.to_local() if hasattr(p, "to_local") else p).numel()
+        for m in trainer.modules
+        for p in m.parameters()
     )
     return {
         "rank": rank,
@@ -736,6 +892,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" not in os.environ:
         print("error: run under torchrun (python -m torch.distributed.run ...)", file=sys.stderr)
         return 2
+    for flag, value in (("--batch", a.batch), ("--seq", a.seq), ("--steps", a.steps)):
+        if value < 1:
+            print(f"error: {flag} {value}: give 1 or more", file=sys.stderr)
+            return 2
+    if a.micro_batches < 1:
+        print(f"error: --micro-batches {a.micro_batches}: give 1 or more", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = Path(a.out)
@@ -750,6 +913,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             micro_batches=a.micro_batches,
             steps=a.steps,
         )
+    except (ProbeError, SpecError) as e:  # bad input: one line, exit 2
+        (out / f"rank{os.environ['RANK']}.err").write_text(f"{e}\n")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except BaseException:
         # the launcher's own summary hides the rank's traceback: keep it for run_probe
         (out / f"rank{os.environ['RANK']}.err").write_text(traceback.format_exc())
