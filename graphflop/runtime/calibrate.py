@@ -1,0 +1,277 @@
+"""Calibration: measure what this machine's CPU (or a CUDA GPU) achieves in eager PyTorch and
+return it as a :class:`~graphflop.passes.time_profile.TimeProfile` (``graphflop calibrate``).
+
+What is measured, each the median of repeated runs after a warm-up:
+
+* **launch overhead**: one ``torch.add`` of two 1-element tensors (eager PyTorch's per-op cost:
+  Python, dispatcher, allocation; on a GPU the host-side cost of one launch, which bounds a
+  stream of small kernels), and one view (``Tensor.view``);
+* **matrix products**: ``torch.mm`` of square matrices at several sizes, per dtype;
+* **convolutions**: ``conv2d`` 3×3, stride 1, at several sizes;
+* **other kernels**: ``exp``, ``tanh`` and ``sigmoid`` on tensors that fit in cache, FLOPs as
+  graphflop's rules count them (1 per element);
+* **bandwidth**: ``a + b`` (bytes read and written, 3 × the tensor) from in-cache sizes to well
+  beyond the last-level cache.
+
+A kernel's rate is its FLOPs (bytes) over its time less the launch overhead, since the time
+pass adds that overhead to every kernel (:mod:`graphflop.passes.step_time`).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from graphflop.passes.time_profile import RateCurve, TimeProfile
+
+__all__ = ["CalibrationPlan", "calibrate", "plan"]
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What :func:`calibrate` measures.
+
+    Attributes:
+        mm_sizes: square matrix sizes n (``n × n @ n × n``: 2n³ FLOPs).
+        mm_dtypes: dtypes of the matrix products (and convolutions).
+        conv_shapes: (batch, channels, height) of 3×3 convolutions, channels in = out,
+            height = width.
+        elementwise: elements of the in-cache elementwise kernels.
+        stream: elements of each tensor of the bandwidth kernel.
+        repeats: timed runs per point (the median is kept).
+        min_time_s: each timed run repeats the kernel until this long has passed.
+    """
+
+    mm_sizes: tuple[int, ...]
+    mm_dtypes: tuple[torch.dtype, ...]
+    conv_shapes: tuple[tuple[int, int, int], ...]
+    elementwise: int
+    stream: tuple[int, ...]
+    repeats: int
+    min_time_s: float
+
+    @property
+    def steps(self) -> int:
+        """How many points are measured (the progress bar's length)."""
+        return (
+            2
+            + len(self.mm_sizes) * len(self.mm_dtypes)
+            + len(self.conv_shapes) * len(self.mm_dtypes)
+            + 3
+            + len(self.stream)
+        )
+
+
+def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
+    """The default plan (under about a minute on a 2-core CPU), or ``quick``'s (seconds, for
+    tests: small sizes, few repeats)."""
+    if quick:
+        return CalibrationPlan(
+            mm_sizes=(32, 128),
+            mm_dtypes=(torch.float32,),
+            conv_shapes=((2, 8, 16),),
+            elementwise=1 << 14,
+            stream=(1 << 12, 1 << 18),
+            repeats=2,
+            min_time_s=0.002,
+        )
+    if device == "cuda":
+        return CalibrationPlan(
+            mm_sizes=(256, 1024, 2048, 4096, 8192),
+            mm_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+            conv_shapes=((32, 64, 56), (32, 256, 14), (64, 128, 28)),
+            elementwise=1 << 24,
+            stream=(1 << 16, 1 << 20, 1 << 24, 1 << 27),
+            repeats=7,
+            min_time_s=0.02,
+        )
+    return CalibrationPlan(
+        mm_sizes=(16, 32, 64, 128, 256, 512, 1024),
+        mm_dtypes=(torch.float32, torch.bfloat16),
+        conv_shapes=((1, 16, 16), (8, 16, 32), (8, 64, 16), (8, 64, 56)),
+        elementwise=1 << 15,
+        stream=(1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22, 1 << 24),
+        repeats=5,
+        min_time_s=0.05,
+    )
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object], int, float], float]:
+    """``time(fn, repeats, min_time_s)``: median seconds of one call of ``fn``."""
+    cuda = device.type == "cuda"
+
+    def run(fn: Callable[[], object], repeats: int, min_time_s: float) -> float:
+        fn()  # warm-up (allocator, kernel selection)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        one = max(time.perf_counter() - t0, 1e-7)
+        calls = max(1, min(100_000, int(min_time_s / one)))
+        samples = []
+        for _ in range(repeats):
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3 / calls)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples.append((time.perf_counter() - t0) / calls)
+        return statistics.median(samples)
+
+    return run
+
+
+def _host_overhead(device: torch.device, repeats: int) -> float:
+    """Seconds per tiny op issued back to back (no synchronisation between them): the host
+    side's per-op cost, which a stream of small kernels cannot beat."""
+    a = torch.ones(1, device=device)
+    b = torch.ones(1, device=device)
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            torch.add(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append((time.perf_counter() - t0) / 2000)
+    return statistics.median(samples)
+
+
+def _rate(work: float, seconds: float, overhead: float) -> float:
+    """``work`` per second of a kernel's time beyond the launch overhead (at least a tenth of
+    its time, so a kernel timed below the overhead keeps a finite rate)."""
+    return work / max(seconds - overhead, seconds * 0.1)
+
+
+def _curve(points: list[tuple[float, float]]) -> RateCurve:
+    """A rate curve from measured points (sizes made distinct and increasing)."""
+    pts: dict[float, float] = {}
+    for s, r in sorted(points):
+        pts[float(s)] = float(r)
+    return RateCurve(tuple(pts.items()))
+
+
+def calibrate(
+    device: str = "cpu",
+    *,
+    quick: bool = False,
+    threads: int | None = None,
+    step: Callable[[str], None] | None = None,
+    name: str | None = None,
+) -> TimeProfile:
+    """Measure this machine (``device``: ``cpu`` or ``cuda``) and return its profile.
+
+    Args:
+        device: where to measure.
+        quick: :func:`plan`'s quick plan (seconds).
+        threads: ``torch.set_num_threads`` while measuring (default: as it is); recorded in
+            the profile, since a run must use the same count for the rates to hold.
+        step: called with a short label after each measured point (a progress bar).
+        name: the profile's name (default ``cpu``/``cuda`` and the processor's name).
+
+    Raises:
+        ValueError: ``device`` is not ``cpu`` or ``cuda``, or ``cuda`` without a CUDA device.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown calibration device {device!r}: cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("no CUDA device: calibrate the cpu, or run on a machine with a GPU")
+    dev = torch.device(device)
+    done = step or (lambda label: None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    n_threads = torch.get_num_threads()
+    p = plan(quick, device)
+    timed = _timer(dev)
+    reps, min_t = p.repeats, p.min_time_s
+
+    one_a = torch.ones(1, device=dev)
+    one_b = torch.ones(1, device=dev)
+    tiny = timed(lambda: torch.add(one_a, one_b), reps, min_t)
+    launch = max(tiny, _host_overhead(dev, reps)) if dev.type == "cuda" else tiny
+    done(f"launch overhead {launch * 1e6:.1f} µs")
+    v = torch.ones(64, device=dev)
+    view = timed(lambda: v.view(8, 8), reps, min_t)
+    done(f"view overhead {view * 1e6:.1f} µs")
+
+    mm: dict[str, list[tuple[float, float]]] = {}
+    for dt in p.mm_dtypes:
+        key = str(dt).removeprefix("torch.")
+        for n in p.mm_sizes:
+            a = torch.randn(n, n, device=dev).to(dt)
+            b = torch.randn(n, n, device=dev).to(dt)
+            t = timed(partial(torch.mm, a, b), reps, min_t)
+            flops = 2.0 * n**3
+            mm.setdefault(key, []).append((flops, _rate(flops, t, launch)))
+            done(f"mm {key} {n}³: {flops / t / 1e9:.1f} GFLOP/s")
+    conv: dict[str, list[tuple[float, float]]] = {}
+    for dt in p.mm_dtypes:
+        key = str(dt).removeprefix("torch.")
+        for batch, ch, hw in p.conv_shapes:
+            x = torch.randn(batch, ch, hw, hw, device=dev).to(dt)
+            w = torch.randn(ch, ch, 3, 3, device=dev).to(dt)
+            t = timed(partial(F.conv2d, x, w, padding=1), reps, min_t)
+            flops = 2.0 * batch * ch * hw * hw * ch * 9
+            conv.setdefault(key, []).append((flops, _rate(flops, t, launch)))
+            done(f"conv {key} {batch}×{ch}×{hw}²: {flops / t / 1e9:.1f} GFLOP/s")
+    x = torch.rand(p.elementwise, device=dev)
+    other_rates = []
+    for fn in (torch.exp, torch.tanh, torch.sigmoid):
+        t = timed(partial(fn, x), reps, min_t)
+        other_rates.append(_rate(float(p.elementwise), t, launch))  # 1 FLOP per element
+        done(f"{fn.__name__}: {p.elementwise / t / 1e9:.2f} GFLOP/s")
+    other_rate = statistics.median(other_rates)
+    bw: list[tuple[float, float]] = []
+    for n in p.stream:
+        a = torch.rand(n, device=dev)
+        b = torch.rand(n, device=dev)
+        t = timed(partial(torch.add, a, b), reps, min_t)
+        nbytes = 3.0 * n * a.element_size()
+        bw.append((nbytes, _rate(nbytes, t, launch)))
+        done(f"stream {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
+
+    other = {"float32": RateCurve(((1.0, other_rate),))}
+    for key in mm:
+        other.setdefault(key, other["float32"])
+    if dev.type == "cuda":
+        title = torch.cuda.get_device_name(dev)
+    else:
+        title = f"{platform.processor() or platform.machine()} CPU, {n_threads} threads"
+    return TimeProfile(
+        name=name or ("cuda" if dev.type == "cuda" else "cpu-calibrated"),
+        title=title,
+        source="calibrated",
+        kind="gpu" if dev.type == "cuda" else "cpu",
+        compute={
+            "matmul": {k: _curve(v) for k, v in mm.items()},
+            "conv": {k: _curve(v) for k, v in conv.items()},
+            "other": other,
+        },
+        bandwidth=_curve(bw),
+        launch_overhead_s=launch,
+        view_overhead_s=min(view, launch),
+        threads=n_threads,
+        notes=(
+            f"measured with torch {torch.__version__} on {title}, {n_threads} threads, "
+            f"median of {reps} runs per point{' (quick plan)' if quick else ''}",
+        ),
+    )
