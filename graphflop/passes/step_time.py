@@ -53,10 +53,14 @@ from graphflop.passes.summary import Graphs
 from graphflop.passes.time_profile import TimeProfile
 from graphflop.report import LayerRow, LayerTime, OpTime, PhaseTime, Report, TimeReport
 
-__all__ = ["Kernel", "annotate_time", "eager_kernels", "time_report"]
+__all__ = ["UPDATE_KERNEL", "Kernel", "annotate_time", "eager_kernels", "time_report"]
 
 #: autocast dtype names -> dtype keys
 _AMP = {"bf16": "bfloat16", "fp16": "float16", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+#: the kernel name of one parameter's optimizer update
+UPDATE_KERNEL = "optimizer.update"
 
 
 @dataclass
@@ -80,15 +84,23 @@ def _region_of(forward: GraphModule) -> dict[str, tuple[int, str]]:
 def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
     """``gm``'s ``call_function`` nodes (``getitem`` left out) grouped into the kernels eager
     PyTorch runs: one per composite op occurrence of ``forward`` and node kind (its forward,
-    its backward, its tangent formula), one per other node; in the order of each kernel's first
-    node."""
+    its backward, its tangent formula); one per parameter's optimizer update
+    (:data:`UPDATE_KERNEL`: ``torch.optim``'s single-tensor step updates each parameter in
+    place, SGD's with one ``add_`` that reads the parameter and its gradient and writes the
+    parameter, where graphflop's update graph makes new tensors); one per other node; in the
+    order of each kernel's first node."""
     region_of = _region_of(forward)
     kernels: dict[object, Kernel] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
             continue
         hit = region_of.get(n.meta.get(SOURCE, ""))
-        if hit is not None:
+        if n.meta.get(ROLE) == "update" and n.meta.get(KIND) == "update":
+            key = ("update", n.meta.get(SOURCE))
+            if key not in kernels:
+                kernels[key] = Kernel(UPDATE_KERNEL, [])
+            kernels[key].nodes.append(n)
+        elif hit is not None:
             key: object = (hit[0], n.meta.get(KIND), n.meta.get(ROLE) == "recompute")
             if key not in kernels:
                 kernels[key] = Kernel(hit[1], [])
@@ -147,8 +159,12 @@ def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None) -> None:
             cls = _mm_class(n)
             key = (cls, amp if amp is not None and dtype == "float32" else dtype)
             by_class[key] = by_class.get(key, 0) + c.mm_flops
-        if c.flops - c.mm_flops:
-            by_class[("other", dtype)] = by_class.get(("other", dtype), 0) + c.flops - c.mm_flops
+        plain = c.flops - c.mm_flops - c.transcendentals
+        if c.transcendentals:
+            key = ("transcendental", dtype)
+            by_class[key] = by_class.get(key, 0) + c.transcendentals
+        if plain > 0:
+            by_class[("other", dtype)] = by_class.get(("other", dtype), 0) + plain
     if amp is not None and any(cls != "other" for cls, _ in by_class):
         nbytes = _amp_bytes(k, nbytes)
     compute = sum(f / profile.flops_rate(cls, d, f) for (cls, d), f in by_class.items())
@@ -157,7 +173,7 @@ def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None) -> None:
     overhead = profile.launch_overhead_s if flops or nbytes else profile.view_overhead_s
     work = max(compute, memory)
     bound = "overhead" if overhead >= work else "compute" if compute >= memory else "memory"
-    cls_name = next((c for c, _ in by_class if c != "other"), "other")
+    cls_name = next((c for c, _ in by_class if c in ("matmul", "conv")), "other")
     dtype = next(iter(by_class), ("", _dtype_key(k.nodes[-1])))[1]
     if bound == "compute" and flops:
         weights = [c.flops / flops for c in costs]

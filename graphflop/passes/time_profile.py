@@ -45,8 +45,10 @@ __all__ = [
 ]
 
 #: the op classes a profile has a compute rate for: matrix products (mm, bmm, addmm,
-#: attention's products), convolutions, and everything else (elementwise, reductions, norms)
-OP_CLASSES = ("matmul", "conv", "other")
+#: attention's products), convolutions, transcendental elements (exp, log, tanh, erf, ...:
+#: ``NodeCost.transcendentals``, a rate per element) and every other FLOP (elementwise
+#: arithmetic, reductions, norms)
+OP_CLASSES = ("matmul", "conv", "transcendental", "other")
 
 #: version of the profile file's JSON layout
 PROFILE_SCHEMA = 1
@@ -150,8 +152,9 @@ class TimeProfile:
     def flops_rate(self, op_class: str, dtype: str, flops: float) -> float:
         """Achieved FLOP/s of one ``op_class`` kernel of ``flops`` FLOPs in ``dtype``.
 
-        An ``other`` kernel in a dtype the profile lacks (integers, booleans) runs at the
-        profile's ``float32`` rate for that class.
+        An ``other`` or ``transcendental`` kernel in a dtype the profile lacks (integers,
+        booleans) runs at the profile's ``float32`` rate for that class; a profile without a
+        ``transcendental`` class counts those elements at its ``other`` rate.
 
         Raises:
             NoPeak: a matrix product or convolution in a dtype the profile has no rate for
@@ -160,7 +163,7 @@ class TimeProfile:
         rates = self.compute.get(op_class) or self.compute["other"]
         curve = rates.get(dtype)
         if curve is None:
-            if op_class == "other" and "float32" in rates:
+            if op_class in ("other", "transcendental") and "float32" in rates:
                 curve = rates["float32"]
             else:
                 have = ", ".join(rates) or "none"
@@ -233,17 +236,23 @@ class TimeProfile:
 #: Fractions of the data sheet's figures that eager PyTorch reaches on a GPU (docs/time.md
 #: gives the measurements behind each): ``matmul``/``conv``: large cuBLAS GEMMs and cuDNN
 #: convolutions; ``other``: elementwise and reduction kernels on the vector units (rarely the
-#: bound: they are memory-bound); ``bandwidth``: a streaming copy against the HBM figure.
+#: bound: they are memory-bound); ``transcendental``: elements of exp/tanh/erf on the special
+#: function units, a quarter of the FP32 lanes' rate, at the ``other`` efficiency (0.5 / 4);
+#: ``bandwidth``: a streaming copy against the HBM figure.
 DATASHEET_EFFICIENCY: Mapping[str, float] = {
     "matmul": 0.70,
     "conv": 0.60,
     "other": 0.50,
+    "transcendental": 0.125,
     "bandwidth": 0.85,
 }
 
 #: seconds of fixed work per kernel on a GPU before its rate is reached (a kernel's tail wave
 #: and ramp): a kernel of ``rate × FILL_S`` FLOPs runs at half the large-kernel rate
 FILL_S = 5e-6
+#: the same for an elementwise or memory-bound kernel (a copy reaches the streaming rate sooner
+#: than a GEMM fills the tensor cores)
+MEMORY_FILL_S = 2e-6
 #: eager PyTorch's per-op cost on a GPU: Python + dispatcher + launch, a few µs per op
 GPU_LAUNCH_S = 6e-6
 GPU_VIEW_S = 2e-6
@@ -270,11 +279,15 @@ def from_device(spec: DeviceSpec) -> TimeProfile:
     }
     vector = spec.peak_flops.get("float32")
     other: dict[str, RateCurve] = {}
+    trans: dict[str, RateCurve] = {}
     if vector is not None:
         for d in ("float32", "bfloat16", "float16"):
-            other[d] = RateCurve.saturating(vector * eff["other"], FILL_S)
+            other[d] = RateCurve.saturating(vector * eff["other"], MEMORY_FILL_S)
+            trans[d] = RateCurve.saturating(vector * eff["transcendental"], MEMORY_FILL_S)
     if "float64" in spec.peak_flops:
-        other["float64"] = RateCurve.saturating(spec.peak_flops["float64"] * eff["other"], FILL_S)
+        fp64 = spec.peak_flops["float64"]
+        other["float64"] = RateCurve.saturating(fp64 * eff["other"], MEMORY_FILL_S)
+        trans["float64"] = RateCurve.saturating(fp64 * eff["transcendental"], MEMORY_FILL_S)
     if not other:
         raise NoPeak(f"{spec.name} has no float32 peak for elementwise kernels")
     bw = spec.memory_bandwidth * eff["bandwidth"]
@@ -283,8 +296,8 @@ def from_device(spec: DeviceSpec) -> TimeProfile:
         title=spec.title,
         source="datasheet",
         kind="gpu",
-        compute={"matmul": mm, "conv": conv, "other": other},
-        bandwidth=RateCurve.saturating(bw, FILL_S),
+        compute={"matmul": mm, "conv": conv, "transcendental": trans, "other": other},
+        bandwidth=RateCurve.saturating(bw, MEMORY_FILL_S),
         launch_overhead_s=GPU_LAUNCH_S,
         view_overhead_s=GPU_VIEW_S,
         efficiency=dict(eff),
@@ -308,7 +321,9 @@ def default_cpu_profile(threads: int | None = None) -> TimeProfile:
     calibration): ``threads`` (default ``torch.get_num_threads()``) cores at
     :data:`CPU_CLOCK_HZ` and :data:`CPU_FLOPS_PER_CYCLE` float32 FLOPs per cycle, bfloat16 at
     the same rate (converted to float32 for the arithmetic), float64 at half; GEMMs at
-    :data:`CPU_GEMM_EFFICIENCY` of that, elementwise at a tenth; :data:`CPU_BYTES_PER_S_PER_CORE`
+    :data:`CPU_GEMM_EFFICIENCY` of that, convolutions at half that, elementwise FLOPs at a
+    tenth of the peak, transcendental elements (a polynomial of some 10 to 20 FLOPs each) at a
+    hundredth; :data:`CPU_BYTES_PER_S_PER_CORE`
     of memory bandwidth per core. ``graphflop calibrate`` measures what this guesses."""
     n = threads or torch.get_num_threads()
     peak = n * CPU_CLOCK_HZ * CPU_FLOPS_PER_CYCLE
@@ -329,12 +344,18 @@ def default_cpu_profile(threads: int | None = None) -> TimeProfile:
         compute={
             "matmul": rates(CPU_GEMM_EFFICIENCY),
             "conv": rates(CPU_GEMM_EFFICIENCY / 2),
+            "transcendental": rates(0.01),
             "other": rates(0.1),
         },
         bandwidth=RateCurve(((1.0, n * CPU_BYTES_PER_S_PER_CORE),)),
         launch_overhead_s=CPU_LAUNCH_S,
         view_overhead_s=CPU_VIEW_S,
-        efficiency={"matmul": CPU_GEMM_EFFICIENCY, "conv": CPU_GEMM_EFFICIENCY / 2, "other": 0.1},
+        efficiency={
+            "matmul": CPU_GEMM_EFFICIENCY,
+            "conv": CPU_GEMM_EFFICIENCY / 2,
+            "transcendental": 0.01,
+            "other": 0.1,
+        },
         threads=n,
         notes=(
             f"guess: {n} cores × {CPU_CLOCK_HZ / 1e9:g} GHz × {CPU_FLOPS_PER_CYCLE} FLOP/cycle; "

@@ -8,8 +8,10 @@ What is measured, each the median of repeated runs after a warm-up:
   stream of small kernels), and one view (``Tensor.view``);
 * **matrix products**: ``torch.mm`` of square matrices at several sizes, per dtype;
 * **convolutions**: ``conv2d`` 3×3, stride 1, at several sizes;
-* **other kernels**: ``exp``, ``tanh`` and ``sigmoid`` on tensors that fit in cache, FLOPs as
-  graphflop's rules count them (1 per element);
+* **transcendental elements**: ``exp``, ``tanh`` and ``sigmoid`` on tensors that fit in cache
+  (elements per second);
+* **other FLOPs**: ``mul`` and ``maximum`` on tensors that fit in cache (1 FLOP per element, as
+  graphflop's rules count them);
 * **bandwidth**: ``a + b`` (bytes read and written, 3 × the tensor) from in-cache sizes to well
   beyond the last-level cache.
 
@@ -64,7 +66,7 @@ class CalibrationPlan:
             2
             + len(self.mm_sizes) * len(self.mm_dtypes)
             + len(self.conv_shapes) * len(self.mm_dtypes)
-            + 3
+            + 5
             + len(self.stream)
         )
 
@@ -234,12 +236,19 @@ def calibrate(
             conv.setdefault(key, []).append((flops, _rate(flops, t, launch)))
             done(f"conv {key} {batch}×{ch}×{hw}²: {flops / t / 1e9:.1f} GFLOP/s")
     x = torch.rand(p.elementwise, device=dev)
-    other_rates = []
+    y = torch.rand(p.elementwise, device=dev)
+    trans_rates = []
     for fn in (torch.exp, torch.tanh, torch.sigmoid):
         t = timed(partial(fn, x), reps, min_t)
-        other_rates.append(_rate(float(p.elementwise), t, launch))  # 1 FLOP per element
+        trans_rates.append(_rate(float(p.elementwise), t, launch))  # 1 element each
+        done(f"{fn.__name__}: {p.elementwise / t / 1e9:.2f} G elements/s")
+    plain_rates = []
+    for fn in (torch.mul, torch.maximum):
+        t = timed(partial(fn, x, y), reps, min_t)
+        plain_rates.append(_rate(float(p.elementwise), t, launch))  # 1 FLOP per element
         done(f"{fn.__name__}: {p.elementwise / t / 1e9:.2f} GFLOP/s")
-    other_rate = statistics.median(other_rates)
+    trans_rate = statistics.median(trans_rates)
+    other_rate = statistics.median(plain_rates)
     bw: list[tuple[float, float]] = []
     for n in p.stream:
         a = torch.rand(n, device=dev)
@@ -250,8 +259,10 @@ def calibrate(
         done(f"stream {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
 
     other = {"float32": RateCurve(((1.0, other_rate),))}
+    trans = {"float32": RateCurve(((1.0, trans_rate),))}
     for key in mm:
         other.setdefault(key, other["float32"])
+        trans.setdefault(key, trans["float32"])
     if dev.type == "cuda":
         title = torch.cuda.get_device_name(dev)
     else:
@@ -264,6 +275,7 @@ def calibrate(
         compute={
             "matmul": {k: _curve(v) for k, v in mm.items()},
             "conv": {k: _curve(v) for k, v in conv.items()},
+            "transcendental": trans,
             "other": other,
         },
         bandwidth=_curve(bw),
