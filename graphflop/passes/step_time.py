@@ -5,8 +5,8 @@ One **eager kernel** at a time: eager PyTorch runs a composite op (layer norm, s
 batch norm, fused attention, cross-entropy's pieces: the ops
 :mod:`graphflop.frontend.composite` tags) as one kernel where graphflop's graph holds its
 decomposition, and runs that op's backward (or its tangent formula) as one kernel too. So the
-nodes of one decomposition, and the nodes derived from it of one kind (``SOURCE`` in the
-decomposition, same ``KIND``), are timed as one kernel: one launch overhead, and the bytes the
+nodes of one decomposition, and the nodes derived from it (``SOURCE`` in the decomposition: its backward's
+cotangents and coefficients, or its tangent formula), are timed as one kernel: one launch overhead, and the bytes the
 kernel reads from outside and writes for outside, not the decomposition's temporaries. Every
 other node is its own kernel. A kernel's time is
 
@@ -83,8 +83,9 @@ def _region_of(forward: GraphModule) -> dict[str, tuple[int, str]]:
 
 def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
     """``gm``'s ``call_function`` nodes (``getitem`` left out) grouped into the kernels eager
-    PyTorch runs: one per composite op occurrence of ``forward`` and node kind (its forward,
-    its backward, its tangent formula); one per parameter's optimizer update
+    PyTorch runs: one per composite op occurrence of ``forward`` for its primal nodes (its
+    forward) and one for the nodes derived from it (its backward's cotangents and the
+    coefficients they need, or its tangent formula); one per parameter's optimizer update
     (:data:`UPDATE_KERNEL`: ``torch.optim``'s single-tensor step updates each parameter in
     place, SGD's with one ``add_`` that reads the parameter and its gradient and writes the
     parameter, where graphflop's update graph makes new tensors); one per other node; in the
@@ -101,7 +102,8 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
                 kernels[key] = Kernel(UPDATE_KERNEL, [])
             kernels[key].nodes.append(n)
         elif hit is not None:
-            key: object = (hit[0], n.meta.get(KIND), n.meta.get(ROLE) == "recompute")
+            kind = "primal" if n.meta.get(KIND) in (None, "primal") else "derivative"
+            key: object = (hit[0], kind, n.meta.get(ROLE) == "recompute")
             if key not in kernels:
                 kernels[key] = Kernel(hit[1], [])
             kernels[key].nodes.append(n)
@@ -167,8 +169,8 @@ def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None) -> None:
             by_class[("other", dtype)] = by_class.get(("other", dtype), 0) + plain
     if amp is not None and any(cls != "other" for cls, _ in by_class):
         nbytes = _amp_bytes(k, nbytes)
-    compute = sum(f / profile.flops_rate(cls, d, f) for (cls, d), f in by_class.items())
-    memory = nbytes / profile.bandwidth.rate(nbytes) if nbytes else 0.0
+    compute = sum(profile.flops_seconds(cls, d, f) for (cls, d), f in by_class.items())
+    memory = profile.bandwidth.seconds(nbytes)
     # a kernel that moves nothing (a view, a metadata op) costs the dispatcher's time only
     overhead = profile.launch_overhead_s if flops or nbytes else profile.view_overhead_s
     work = max(compute, memory)

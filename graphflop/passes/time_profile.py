@@ -61,17 +61,20 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class RateCurve:
-    """An achieved rate as a function of a kernel's size.
+    """An achieved rate as a function of a kernel's size, plus a fixed fill time.
 
     Attributes:
         points: ``(size, rate)`` pairs, sizes increasing and positive: FLOPs per kernel ->
             FLOP/s, or bytes per kernel -> bytes/s.
+        fill_s: seconds every kernel takes beyond ``size / rate`` (a GPU kernel's ramp and
+            tail; 0 for measured curves, whose points already hold it).
 
-    :meth:`rate` interpolates linearly in log(size)–log(rate) between points and is constant
-    beyond the first and last.
+    :meth:`seconds` is ``size / r(size) + fill_s``, ``r`` interpolated linearly in
+    log(size)–log(rate) between points and constant beyond the first and last.
     """
 
     points: tuple[tuple[float, float], ...]
+    fill_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -81,9 +84,10 @@ class RateCurve:
             raise ValueError("rate curve sizes and rates must be positive")
         if sizes != sorted(sizes) or len(set(sizes)) != len(sizes):
             raise ValueError("rate curve sizes must increase")
+        if self.fill_s < 0:
+            raise ValueError("a rate curve's fill time must not be negative")
 
-    def rate(self, size: float) -> float:
-        """The rate at ``size`` (per second)."""
+    def _interpolated(self, size: float) -> float:
         pts = self.points
         if size <= pts[0][0]:
             return pts[0][1]
@@ -94,23 +98,33 @@ class RateCurve:
         t = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
         return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
 
+    def seconds(self, size: float) -> float:
+        """Seconds of one kernel of ``size`` (FLOPs or bytes); 0 for size 0."""
+        if size <= 0:
+            return 0.0
+        return size / self._interpolated(size) + self.fill_s
+
+    def rate(self, size: float) -> float:
+        """The achieved rate at ``size`` (per second), fill time included."""
+        return size / self.seconds(size) if size > 0 else self._interpolated(size)
+
     @property
     def peak(self) -> float:
-        """The highest rate on the curve."""
+        """The highest rate on the curve (large kernels, the fill time amortised)."""
         return max(r for _, r in self.points)
 
     @classmethod
     def saturating(cls, rate: float, fill_s: float) -> RateCurve:
-        """The curve of a kernel that takes ``size / rate + fill_s`` seconds: achieved rate
-        ``rate · size / (size + rate · fill_s)``, sampled at sizes 10^3 ... 10^16."""
-        pts = tuple((float(10**k), rate * 10**k / (10**k + rate * fill_s)) for k in range(3, 17))
-        return cls(pts)
+        """The curve of a kernel that takes ``size / rate + fill_s`` seconds."""
+        return cls(((1.0, rate),), fill_s)
 
-    def to_dict(self) -> list[list[float]]:
-        return [[s, r] for s, r in self.points]
+    def to_dict(self) -> dict[str, Any]:
+        return {"points": [[s, r] for s, r in self.points], "fill_s": self.fill_s}
 
     @classmethod
     def from_dict(cls, d: Any) -> RateCurve:
+        if isinstance(d, dict):
+            return cls(tuple((float(s), float(r)) for s, r in d["points"]), float(d["fill_s"]))
         return cls(tuple((float(s), float(r)) for s, r in d))
 
 
@@ -149,8 +163,17 @@ class TimeProfile:
         """The dtype keys ``op_class`` has a rate for."""
         return tuple(self.compute.get(op_class, {}))
 
+    def flops_seconds(self, op_class: str, dtype: str, flops: float) -> float:
+        """Seconds of one ``op_class`` kernel of ``flops`` FLOPs in ``dtype``
+        (:meth:`RateCurve.seconds`)."""
+        return self.curve(op_class, dtype).seconds(flops)
+
     def flops_rate(self, op_class: str, dtype: str, flops: float) -> float:
-        """Achieved FLOP/s of one ``op_class`` kernel of ``flops`` FLOPs in ``dtype``.
+        """Achieved FLOP/s of one ``op_class`` kernel of ``flops`` FLOPs in ``dtype``."""
+        return self.curve(op_class, dtype).rate(flops)
+
+    def curve(self, op_class: str, dtype: str) -> RateCurve:
+        """The compute :class:`RateCurve` of ``op_class`` in ``dtype``.
 
         An ``other`` or ``transcendental`` kernel in a dtype the profile lacks (integers,
         booleans) runs at the profile's ``float32`` rate for that class; a profile without a
@@ -170,7 +193,7 @@ class TimeProfile:
                 raise NoPeak(
                     f"{self.name} has no {dtype} peak for {op_class} kernels: it has {have}"
                 )
-        return curve.rate(flops)
+        return curve
 
     def to_dict(self) -> dict[str, Any]:
         """The profile file's JSON document (:data:`PROFILE_SCHEMA`)."""
