@@ -96,6 +96,7 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
         if n.op != "call_function" or n.target is operator.getitem:
             continue
         hit = region_of.get(n.meta.get(SOURCE, ""))
+        key: object
         if n.meta.get(ROLE) == "update" and n.meta.get(KIND) == "update":
             key = ("update", n.meta.get(SOURCE))
             if key not in kernels:
@@ -103,7 +104,7 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
             kernels[key].nodes.append(n)
         elif hit is not None:
             kind = "primal" if n.meta.get(KIND) in (None, "primal") else "derivative"
-            key: object = (hit[0], kind, n.meta.get(ROLE) == "recompute")
+            key = (hit[0], kind, n.meta.get(ROLE) == "recompute")
             if key not in kernels:
                 kernels[key] = Kernel(hit[1], [])
             kernels[key].nodes.append(n)

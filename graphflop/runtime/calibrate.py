@@ -238,15 +238,24 @@ def calibrate(
     x = torch.rand(p.elementwise, device=dev)
     y = torch.rand(p.elementwise, device=dev)
     trans_rates = []
-    for fn in (torch.exp, torch.tanh, torch.sigmoid):
+    unary: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (
+        torch.exp,
+        torch.tanh,
+        torch.sigmoid,
+    )
+    for fn in unary:
         t = timed(partial(fn, x), reps, min_t)
         trans_rates.append(_rate(float(p.elementwise), t, launch))  # 1 element each
         done(f"{fn.__name__}: {p.elementwise / t / 1e9:.2f} G elements/s")
     plain_rates = []
-    for fn in (torch.mul, torch.maximum):
-        t = timed(partial(fn, x, y), reps, min_t)
+    binary: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ...] = (
+        torch.mul,
+        torch.maximum,
+    )
+    for op in binary:
+        t = timed(partial(op, x, y), reps, min_t)
         plain_rates.append(_rate(float(p.elementwise), t, launch))  # 1 FLOP per element
-        done(f"{fn.__name__}: {p.elementwise / t / 1e9:.2f} GFLOP/s")
+        done(f"{op.__name__}: {p.elementwise / t / 1e9:.2f} GFLOP/s")
     trans_rate = statistics.median(trans_rates)
     other_rate = statistics.median(plain_rates)
     bw: list[tuple[float, float]] = []
