@@ -225,3 +225,24 @@ def test_calibrate_quick_writes_a_profile_inspect_accepts(capsys, tmp_path):
     assert rc == 2 and err == [
         f"graphflop: error: --out {tmp_path / 'p.txt'}: unsupported suffix; use one of .json"
     ]
+
+
+def test_sweep_gives_the_ratio_in_time_per_device(capsys, tmp_path):
+    js = tmp_path / "s.json"
+    rc, out, err = cli(
+        capsys, "sweep", spec("mlp.py"), "--batches", "1,64", "--device", "h100",
+        "--device", "cpu", "--json", js,
+    )  # fmt: skip
+    assert rc == 0, err
+    rows = json.loads(js.read_text())
+    for r in rows:
+        for name in ("h100-sxm", "cpu"):
+            # (backward + update) / forward in predicted seconds, from the same row's times
+            step, fwd = r[f"train_step_s@{name}"], r[f"forward_s@{name}"]
+            assert r[f"time_ratio@{name}"] == pytest.approx((step - fwd) / fwd)
+    rc, out, err = cli(capsys, "sweep", spec("mlp.py"), "--batches", "1", "--device", "h100",
+                       "--device", "H100")  # fmt: skip
+    assert (rc, err) == (
+        2,
+        ["graphflop: error: --device names h100-sxm, h100-sxm: give each device once"],
+    )
