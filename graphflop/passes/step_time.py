@@ -11,12 +11,15 @@ kernel reads from outside and writes for outside, not the decomposition's tempor
 other node is its own kernel. A kernel's time is
 
     max(compute_s, memory_s) + overhead_s
-    compute_s = matrix FLOPs / achieved matmul-or-conv FLOP/s + other FLOPs / achieved FLOP/s
+    compute_s = matrix FLOPs / achieved matmul-or-conv FLOP/s
+                + transcendental elements / achieved rate + other FLOPs / achieved FLOP/s
     memory_s  = bytes read and written / achieved bandwidth
 
 with the achieved rates of a :class:`~graphflop.passes.time_profile.TimeProfile` at the
 kernel's size, in the dtype of its inputs (under autocast, matrix products and convolutions in
-the autocast dtype, reading and writing half the bytes of their 32-bit tensors). The bound is
+the autocast dtype, and each value's bytes at the dtype autocast gives it,
+:func:`graphflop.passes.amp.amp_dtypes`; parameters, their gradients and the update stay
+float32). The bound is
 the largest of the three terms. Each node of a kernel carries its share of the kernel's time
 (by FLOPs for a compute-bound kernel, by bytes for a memory-bound one, evenly for an
 overhead-bound one), so sums over nodes are sums over kernels.
@@ -28,6 +31,7 @@ Reads ``val``, ``COST``, ``COMPOSITE``, ``SOURCE``, ``KIND``, ``ROLE``, ``MODULE
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +43,7 @@ from graphflop.meta import (
     COST,
     KIND,
     MODULE,
+    PARAM,
     ROLE,
     SOURCE,
     TIME,
@@ -132,29 +137,70 @@ def _mm_class(n: Node) -> str:
     return "conv" if "convolution" in op_name(n.target) else "matmul"
 
 
-def _kernel_bytes(k: Kernel) -> int:
-    """Bytes a kernel moves: one node's read + written (its rule's byte policy); a group's
-    inputs from outside it and outputs read outside it (its temporaries stay in the kernel)."""
+#: a tensor-valued node -> its bytes under autocast (None: as traced)
+_Sizer = Callable[[Node], int] | None
+
+
+def _size(a: Node, sizer: _Sizer) -> int:
+    return sizer(a) if sizer is not None else tensor_bytes(a.meta.get("val"))
+
+
+def _kernel_bytes(k: Kernel, sizer: _Sizer = None) -> int:
+    """Bytes a kernel moves: one node's read + written (its rule's byte policy, scaled by its
+    values' sizes under autocast); a group's inputs from outside it and outputs read outside it
+    (its temporaries stay in the kernel)."""
     if len(k.nodes) == 1:
-        c = k.nodes[0].meta.get(COST, ZERO_COST)
-        return c.bytes_read + c.bytes_written
+        n = k.nodes[0]
+        c = n.meta.get(COST, ZERO_COST)
+        if sizer is None:
+            return c.bytes_read + c.bytes_written
+        raw_in = sum(tensor_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+        amp_in = sum(sizer(a) for a in n.all_input_nodes)
+        raw_out = tensor_bytes(n.meta.get("val"))
+        read = c.bytes_read * amp_in / raw_in if raw_in else c.bytes_read
+        written = c.bytes_written * sizer(n) / raw_out if raw_out else c.bytes_written
+        return round(read + written)
     inside = set(k.nodes)
     outer = {a for n in k.nodes for a in n.all_input_nodes if a not in inside}
-    read = sum(tensor_bytes(a.meta.get("val")) for a in outer)
+    read = sum(_size(a, sizer) for a in outer)
     written = 0
     for n in k.nodes:
         if is_view(n):
             continue
         if any(u not in inside for u in n.users):
-            written += tensor_bytes(n.meta.get("val"))
+            written += _size(n, sizer)
     return read + written
 
 
-def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None) -> None:
+def _amp_sizer(forward: GraphModule, amp: str, kind: str) -> Callable[[Node], int]:
+    """Bytes of a value under autocast: a forward value at the dtype autocast gives it
+    (:func:`graphflop.passes.amp.amp_dtypes`, the op lists of ``device``), a derived value
+    (tangent, cotangent) at the dtype of the forward value it comes from (``SOURCE``);
+    parameters, their gradients and the update's values stay float32 (master weights)."""
+    from graphflop.passes.amp import HALF, amp_dtypes
+
+    dts = amp_dtypes(forward, HALF[amp], "cuda" if kind == "gpu" else "cpu")
+
+    def size(n: Node) -> int:
+        v = n.meta.get("val")
+        raw = tensor_bytes(v)
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
+            return raw
+        if n.meta.get(PARAM) is not None or n.meta.get(ROLE) in ("update", "grad_weight"):
+            return raw
+        dt = dts.get(n.name) if n.graph is forward.graph else None
+        if dt is None:
+            dt = dts.get(n.meta.get(SOURCE, ""))
+        return v.numel() * dt.itemsize if dt is not None else raw
+
+    return size
+
+
+def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None, sizer: _Sizer) -> None:
     """Write ``TIME`` on the nodes of one kernel."""
     costs = [n.meta.get(COST, ZERO_COST) for n in k.nodes]
     flops = sum(c.flops for c in costs)
-    nbytes = _kernel_bytes(k)
+    nbytes = _kernel_bytes(k, sizer)
     by_class: dict[tuple[str, str], int] = {}
     for n, c in zip(k.nodes, costs, strict=True):
         dtype = _dtype_key(n)
@@ -168,8 +214,6 @@ def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None) -> None:
             by_class[key] = by_class.get(key, 0) + c.transcendentals
         if plain > 0:
             by_class[("other", dtype)] = by_class.get(("other", dtype), 0) + plain
-    if amp is not None and any(cls != "other" for cls, _ in by_class):
-        nbytes = _amp_bytes(k, nbytes)
     compute = sum(profile.flops_seconds(cls, d, f) for (cls, d), f in by_class.items())
     memory = profile.bandwidth.seconds(nbytes)
     # a kernel that moves nothing (a view, a metadata op) costs the dispatcher's time only
@@ -200,17 +244,6 @@ def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None) -> None:
         )
 
 
-def _amp_bytes(k: Kernel, nbytes: int) -> int:
-    """Bytes of a matrix-product kernel under autocast: its 32-bit floating tensors read and
-    written at half the size (the autocast dtype's 2 bytes)."""
-    wide = 0
-    for n in k.nodes:
-        for v in (*(a.meta.get("val") for a in n.all_input_nodes), n.meta.get("val")):
-            if isinstance(v, torch.Tensor) and v.dtype == torch.float32:
-                wide += tensor_bytes(v)
-    return max(nbytes - wide // 2, nbytes // 2)
-
-
 def annotate_time(
     gm: GraphModule, forward: GraphModule, profile: TimeProfile, amp: str | None = None
 ) -> GraphModule:
@@ -229,12 +262,14 @@ def annotate_time(
         ValueError: an unknown ``amp``.
     """
     amp_key = None
+    sizer: _Sizer = None
     if amp is not None:
         if amp not in _AMP:
             raise ValueError(f"unknown amp {amp!r}: one of bf16, fp16")
         amp_key = _AMP[amp]
+        sizer = _amp_sizer(forward, "bf16" if amp_key == "bfloat16" else "fp16", profile.kind)
     for k in eager_kernels(gm, forward):
-        _time_kernel(k, profile, amp_key)
+        _time_kernel(k, profile, amp_key, sizer)
     return gm
 
 
