@@ -246,3 +246,20 @@ def test_sweep_gives_the_ratio_in_time_per_device(capsys, tmp_path):
         2,
         ["graphflop: error: --device names h100-sxm, h100-sxm: give each device once"],
     )
+
+
+def test_render_colours_nodes_by_predicted_time(capsys, tmp_path):
+    dot = tmp_path / "g.dot"
+    rc, out, err = cli(capsys, "render", spec("mlp.py"), "-o", dot, "--device", "h100",
+                       "--color", "time", "--graph", "forward")  # fmt: skip
+    assert rc == 0, err
+    text = dot.read_text()
+    assert "predicted time per node on h100-sxm" in text
+    assert "compute" in text and "overhead" in text  # each op's bound in its label
+    rc, out, err = cli(capsys, "render", spec("mlp.py"), "-o", tmp_path / "h.dot",
+                       "--color", "time")  # fmt: skip
+    assert (rc, err) == (
+        2,
+        ["graphflop: error: --color time fills boxes with predicted time: add --device NAME|FILE"],
+    )
+    assert not (tmp_path / "h.dot").exists()
