@@ -679,8 +679,9 @@ class PhaseTime:
 
     Attributes:
         seconds: the phase's predicted time, ``compute_s + memory_s + overhead_s``.
-        compute_s: time of the kernels whose FLOPs bound them (their compute term).
-        memory_s: time of the kernels whose bytes bound them (their memory term).
+        compute_s: the work time (time less overhead) of the kernels whose compute term is at
+            least their memory term.
+        memory_s: the work time of the kernels whose memory term is larger.
         overhead_s: every kernel's launch or dispatch cost.
         kernels: eager kernels (a composite op's decomposition counts once).
         flops: FLOPs of the phase (as in its :class:`CostTotals`).

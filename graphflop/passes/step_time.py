@@ -383,10 +383,7 @@ def _phase_time(nodes: list[Node], flops: int, kernels: int) -> PhaseTime:
         if t is None:
             continue
         work = t.seconds - t.overhead_s
-        if t.bound == "memory" or (t.bound == "overhead" and t.memory_s > t.compute_s):
-            sums["memory"] += work
-        else:
-            sums["compute"] += work
+        sums["compute" if t.compute_s >= t.memory_s else "memory"] += work
         sums["overhead"] += t.overhead_s
         role = n.meta.get(ROLE, "")
         roles[role] = roles.get(role, 0.0) + t.seconds
@@ -468,8 +465,8 @@ def _op_times(phase_nodes: dict[str, list[Node]]) -> tuple[OpTime, ...]:
                 by.setdefault(t.kernel, []).append(n)
         for op, ns in by.items():
             ts: list[NodeTime] = [n.meta[TIME] for n in ns]
-            c = sum((t.compute_s for t in ts if t.bound == "compute"), 0.0)
-            m = sum((t.memory_s for t in ts if t.bound != "compute"), 0.0)
+            c = sum((t.seconds - t.overhead_s for t in ts if t.compute_s >= t.memory_s), 0.0)
+            m = sum((t.seconds - t.overhead_s for t in ts if t.compute_s < t.memory_s), 0.0)
             o = sum(t.overhead_s for t in ts)
             costs = [n.meta.get(COST, ZERO_COST) for n in ns]
             rows.append(
