@@ -211,6 +211,22 @@ def _op_sums(events: Any, kernels: dict[str, dict[str, str]], cuda: bool) -> dic
     return out
 
 
+def reference_s(repeat: int = 5) -> float:
+    """Seconds of a fixed reference (a 256³ float32 ``mm`` and a 4 MB ``add``), timed before
+    calibrating and before each model: their ratio says how much the machine's speed drifted
+    between calibration and measurement (other processes sharing the cores)."""
+    a = torch.randn(256, 256)
+    x = torch.randn(1 << 20)
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            torch.mm(a, a)
+            torch.add(x, x)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
 def predicted(analysis: Any, profile: TimeProfile) -> Any:
     g = Graphs(analysis.forward, analysis.backward, analysis.update, None, None)
     report = analysis.report
@@ -302,12 +318,14 @@ def run_case(
                 for name in eager_names(o.op, o.phase):
                     kernels[o.phase].setdefault(name, o.op)
     model = model.to(args.device)
+    drift = reference_s() / args.reference_s if args.reference_s else None
     m = measure(model, analysis, xs, args.repeat, kernels, args.device)
     out = {
         "model": label,
         "spec": spec,
         "input_shape": list(shape),
         "analysis_s": analysed,
+        "drift": drift,
         "results": {k: compare(tr, m) for k, tr in preds.items()},
     }
     after = out["results"].get("after") or next(iter(out["results"].values()))
@@ -343,9 +361,14 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "### Whole step and per-op error",
         "",
-        "| model | input | step measured ms (spread) | before: step ms (err) | op median | op FLOP-w. "
-        "| after: step ms (err) | op median | op FLOP-w. |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Spread: half the interquartile range over the median. Drift: a fixed reference "
+        "(256³ `mm` + 4 MB `add`) timed before this model over the same timed before "
+        "calibrating; 1.00 means the machine ran at the speed it was calibrated at, 2.00 that "
+        "it was twice as slow (load).",
+        "",
+        "| model | input | step measured ms (spread) | drift | before: step ms (err) | op median "
+        "| op FLOP-w. | after: step ms (err) | op median | op FLOP-w. |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in doc["cases"]:
         r = c["results"]
@@ -355,6 +378,7 @@ def markdown(doc: dict[str, Any]) -> str:
             c["model"],
             "×".join(map(str, c["input_shape"])),
             f"{_ms(ref['step']['measured_s'])} (±{_pct(ref['step']['spread'] / 2)})",
+            "–" if c.get("drift") is None else f"{c['drift']:.2f}",
         ]
         for x in (b, a):
             if x is None:
@@ -448,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
 
         profiles["before"] = from_device(device_spec(args.gpu_spec))
         names["before"] = args.gpu_spec
+    args.reference_s = reference_s() if args.device == "cpu" else None
     if args.calibrate:
         from graphflop.runtime.calibrate import calibrate
 

@@ -8,12 +8,14 @@ What is measured, each the median of repeated runs after a warm-up:
   stream of small kernels), and one view (``Tensor.view``);
 * **matrix products**: ``torch.mm`` of square matrices at several sizes, per dtype;
 * **convolutions**: ``conv2d`` 3×3, stride 1, at several sizes;
-* **transcendental elements**: ``exp``, ``tanh`` and ``sigmoid`` on tensors that fit in cache
-  (elements per second);
-* **other FLOPs**: ``mul`` and ``maximum`` on tensors that fit in cache (1 FLOP per element, as
-  graphflop's rules count them);
+* **transcendental elements**: ``exp``, ``tanh`` and ``sigmoid`` on tensors that fit in cache,
+  into a preallocated output (elements per second);
+* **other FLOPs**: ``mul`` and ``maximum`` the same way (1 FLOP per element, as graphflop's
+  rules count them);
 * **bandwidth**: ``a + b`` (bytes read and written, 3 × the tensor) from in-cache sizes to well
-  beyond the last-level cache.
+  beyond the last-level cache, each call allocating its output as eager PyTorch does (so the
+  curve holds the allocator's cost: above glibc's mmap threshold a fresh output is new pages,
+  faulted in on first touch).
 
 A kernel's rate is its FLOPs (bytes) over its time less the launch overhead, since the time
 pass adds that overhead to every kernel (:mod:`graphflop.passes.step_time`).
@@ -235,25 +237,21 @@ def calibrate(
             flops = 2.0 * batch * ch * hw * hw * ch * 9
             conv.setdefault(key, []).append((flops, _rate(flops, t, launch)))
             done(f"conv {key} {batch}×{ch}×{hw}²: {flops / t / 1e9:.1f} GFLOP/s")
+    # compute rates in cache, into a preallocated output: a fresh output's allocation and first
+    # touch belong to the bandwidth curve below, which allocates as eager PyTorch does
     x = torch.rand(p.elementwise, device=dev)
     y = torch.rand(p.elementwise, device=dev)
+    z = torch.empty_like(x)
     trans_rates = []
-    unary: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = (
-        torch.exp,
-        torch.tanh,
-        torch.sigmoid,
-    )
+    unary: tuple[Callable[..., torch.Tensor], ...] = (torch.exp, torch.tanh, torch.sigmoid)
     for fn in unary:
-        t = timed(partial(fn, x), reps, min_t)
+        t = timed(partial(fn, x, out=z), reps, min_t)
         trans_rates.append(_rate(float(p.elementwise), t, launch))  # 1 element each
         done(f"{fn.__name__}: {p.elementwise / t / 1e9:.2f} G elements/s")
     plain_rates = []
-    binary: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ...] = (
-        torch.mul,
-        torch.maximum,
-    )
+    binary: tuple[Callable[..., torch.Tensor], ...] = (torch.mul, torch.maximum)
     for op in binary:
-        t = timed(partial(op, x, y), reps, min_t)
+        t = timed(partial(op, x, y, out=z), reps, min_t)
         plain_rates.append(_rate(float(p.elementwise), t, launch))  # 1 FLOP per element
         done(f"{op.__name__}: {p.elementwise / t / 1e9:.2f} GFLOP/s")
     trans_rate = statistics.median(trans_rates)
