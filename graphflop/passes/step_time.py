@@ -93,7 +93,8 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
     coefficients they need, or its tangent formula); one per parameter's optimizer update
     (:data:`UPDATE_KERNEL`: ``torch.optim``'s single-tensor step updates each parameter in
     place, SGD's with one ``add_`` that reads the parameter and its gradient and writes the
-    parameter, where graphflop's update graph makes new tensors); one per other node; in the
+    parameter, where graphflop's update graph makes new tensors; timed at the profile's
+    in-place bandwidth where it has one); one per other node; in the
     order of each kernel's first node."""
     region_of = _region_of(forward)
     kernels: dict[object, Kernel] = {}
@@ -215,7 +216,10 @@ def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None, sizer: _Sizer
         if plain > 0:
             by_class[("other", dtype)] = by_class.get(("other", dtype), 0) + plain
     compute = sum(profile.flops_seconds(cls, d, f) for (cls, d), f in by_class.items())
-    memory = profile.bandwidth.seconds(nbytes)
+    inplace = k.name == UPDATE_KERNEL and profile.inplace_bandwidth is not None
+    bandwidth = profile.inplace_bandwidth if inplace else profile.bandwidth
+    assert bandwidth is not None
+    memory = bandwidth.seconds(nbytes)
     # a kernel that moves nothing (a view, a metadata op) costs the dispatcher's time only
     overhead = profile.launch_overhead_s if flops or nbytes else profile.view_overhead_s
     work = max(compute, memory)

@@ -139,7 +139,10 @@ class TimeProfile:
         kind: ``cpu`` or ``gpu``: which eager execution the launch overhead describes.
         compute: op class (:data:`OP_CLASSES`) -> dtype key (``float32``, ``bfloat16``, ...) ->
             achieved FLOP/s as a function of one kernel's FLOPs.
-        bandwidth: achieved bytes/s as a function of one kernel's bytes read + written.
+        bandwidth: achieved bytes/s as a function of one kernel's bytes read + written, for a
+            kernel that allocates its output (as most eager ops do).
+        inplace_bandwidth: the same for a kernel that writes into an existing tensor (the
+            optimizer's in-place update); None: :attr:`bandwidth`.
         launch_overhead_s: seconds one eager kernel costs beyond its work (dispatch, launch).
         view_overhead_s: seconds a view (no bytes moved) costs in eager PyTorch's dispatcher.
         efficiency: the factors a data-sheet profile applied (empty when measured).
@@ -158,6 +161,7 @@ class TimeProfile:
     efficiency: Mapping[str, float] = field(default_factory=dict)
     threads: int | None = None
     notes: tuple[str, ...] = ()
+    inplace_bandwidth: RateCurve | None = None
 
     def dtypes(self, op_class: str) -> tuple[str, ...]:
         """The dtype keys ``op_class`` has a rate for."""
@@ -208,6 +212,9 @@ class TimeProfile:
                 c: {d: curve.to_dict() for d, curve in by.items()} for c, by in self.compute.items()
             },
             "bandwidth": self.bandwidth.to_dict(),
+            "inplace_bandwidth": (
+                self.inplace_bandwidth.to_dict() if self.inplace_bandwidth is not None else None
+            ),
             "launch_overhead_s": self.launch_overhead_s,
             "view_overhead_s": self.view_overhead_s,
             "efficiency": dict(self.efficiency),
@@ -243,6 +250,11 @@ class TimeProfile:
                 kind=str(d["device_kind"]),
                 compute=compute,
                 bandwidth=RateCurve.from_dict(d["bandwidth"]),
+                inplace_bandwidth=(
+                    RateCurve.from_dict(d["inplace_bandwidth"])
+                    if d.get("inplace_bandwidth") is not None
+                    else None
+                ),
                 launch_overhead_s=float(d["launch_overhead_s"]),
                 view_overhead_s=float(d["view_overhead_s"]),
                 efficiency={str(k): float(v) for k, v in d.get("efficiency", {}).items()},

@@ -15,7 +15,7 @@ What is measured, each the median of repeated runs after a warm-up:
 * **bandwidth**: ``a + b`` (bytes read and written, 3 × the tensor) from in-cache sizes to well
   beyond the last-level cache, each call allocating its output as eager PyTorch does (so the
   curve holds the allocator's cost: above glibc's mmap threshold a fresh output is new pages,
-  faulted in on first touch).
+  faulted in on first touch); and ``a.add_(b, alpha=...)`` in place, the optimizer's update.
 
 A kernel's rate is its FLOPs (bytes) over its time less the launch overhead, since the time
 pass adds that overhead to every kernel (:mod:`graphflop.passes.step_time`).
@@ -69,7 +69,7 @@ class CalibrationPlan:
             + len(self.mm_sizes) * len(self.mm_dtypes)
             + len(self.conv_shapes) * len(self.mm_dtypes)
             + 5
-            + len(self.stream)
+            + 2 * len(self.stream)
         )
 
 
@@ -265,6 +265,15 @@ def calibrate(
         bw.append((nbytes, _rate(nbytes, t, launch)))
         done(f"stream {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
 
+    inplace: list[tuple[float, float]] = []
+    for n in p.stream:
+        a = torch.rand(n, device=dev)
+        b = torch.rand(n, device=dev)
+        t = timed(partial(a.add_, b, alpha=-1e-3), reps, min_t)
+        nbytes = 3.0 * n * a.element_size()
+        inplace.append((nbytes, _rate(nbytes, t, launch)))
+        done(f"in place {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
+
     other = {"float32": RateCurve(((1.0, other_rate),))}
     trans = {"float32": RateCurve(((1.0, trans_rate),))}
     for key in mm:
@@ -286,6 +295,7 @@ def calibrate(
             "other": other,
         },
         bandwidth=_curve(bw),
+        inplace_bandwidth=_curve(inplace),
         launch_overhead_s=launch,
         view_overhead_s=min(view, launch),
         threads=n_threads,
