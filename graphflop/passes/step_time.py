@@ -187,7 +187,7 @@ def _amp_sizer(forward: GraphModule, amp: str, kind: str) -> Callable[[Node], in
         raw = tensor_bytes(v)
         if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
             return raw
-        if n.meta.get(PARAM) is not None or n.meta.get(ROLE) in ("update", "grad_weight"):
+        if n.meta.get(PARAM) is not None or n.meta.get(ROLE) == "update":
             return raw
         dt = dts.get(n.name) if n.graph is forward.graph else None
         if dt is None:
