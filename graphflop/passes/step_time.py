@@ -70,10 +70,12 @@ UPDATE_KERNEL = "optimizer.update"
 
 @dataclass
 class Kernel:
-    """One eager kernel of a graph: its nodes (in graph order) and its name."""
+    """One eager kernel of a graph: its nodes (in graph order), its name, and whether it is a
+    forward op (not a backward or tangent kernel derived from one)."""
 
     name: str
     nodes: list[Node]
+    forward: bool = True
 
 
 def _region_of(forward: GraphModule) -> dict[str, tuple[int, str]]:
@@ -112,10 +114,11 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
             kind = "primal" if n.meta.get(KIND) in (None, "primal") else "derivative"
             key = (hit[0], kind, n.meta.get(ROLE) == "recompute")
             if key not in kernels:
-                kernels[key] = Kernel(hit[1], [])
+                kernels[key] = Kernel(hit[1], [], forward=kind == "primal")
             kernels[key].nodes.append(n)
         else:
-            kernels[n] = Kernel(op_name(n.target), [n])
+            primal = n.meta.get(KIND) in (None, "primal")
+            kernels[n] = Kernel(op_name(n.target), [n], forward=primal)
     return list(kernels.values())
 
 
@@ -220,6 +223,10 @@ def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None, sizer: _Sizer
     bandwidth = profile.inplace_bandwidth if inplace else profile.bandwidth
     assert bandwidth is not None
     memory = bandwidth.seconds(nbytes)
+    measured = profile.kernels.get(k.name) if k.forward else None
+    if measured is not None and nbytes:  # this eager kernel's own measured rate
+        memory = measured.seconds(nbytes)
+        compute = min(compute, memory)
     # a kernel that moves nothing (a view, a metadata op) costs the dispatcher's time only
     overhead = profile.launch_overhead_s if flops or nbytes else profile.view_overhead_s
     work = max(compute, memory)

@@ -143,6 +143,10 @@ class TimeProfile:
             kernel that allocates its output (as most eager ops do).
         inplace_bandwidth: the same for a kernel that writes into an existing tensor (the
             optimizer's in-place update); None: :attr:`bandwidth`.
+        kernels: eager kernel op name (``aten.max_pool2d_with_indices.default``) -> its own
+            measured bytes/s over its bytes, for forward kernels whose eager implementation runs
+            far from the streaming rate; their time is ``bytes / rate`` in place of
+            ``max(compute, memory)``.
         launch_overhead_s: seconds one eager kernel costs beyond its work (dispatch, launch).
         view_overhead_s: seconds a view (no bytes moved) costs in eager PyTorch's dispatcher.
         efficiency: the factors a data-sheet profile applied (empty when measured).
@@ -162,6 +166,7 @@ class TimeProfile:
     threads: int | None = None
     notes: tuple[str, ...] = ()
     inplace_bandwidth: RateCurve | None = None
+    kernels: Mapping[str, RateCurve] = field(default_factory=dict)
 
     def dtypes(self, op_class: str) -> tuple[str, ...]:
         """The dtype keys ``op_class`` has a rate for."""
@@ -217,6 +222,7 @@ class TimeProfile:
             ),
             "launch_overhead_s": self.launch_overhead_s,
             "view_overhead_s": self.view_overhead_s,
+            "kernels": {k: v.to_dict() for k, v in self.kernels.items()},
             "efficiency": dict(self.efficiency),
             "threads": self.threads,
             "notes": list(self.notes),
@@ -258,6 +264,7 @@ class TimeProfile:
                 launch_overhead_s=float(d["launch_overhead_s"]),
                 view_overhead_s=float(d["view_overhead_s"]),
                 efficiency={str(k): float(v) for k, v in d.get("efficiency", {}).items()},
+                kernels={str(k): RateCurve.from_dict(v) for k, v in d.get("kernels", {}).items()},
                 threads=d.get("threads"),
                 notes=tuple(str(x) for x in d.get("notes", ())),
             )

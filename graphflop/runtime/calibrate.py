@@ -5,13 +5,18 @@ What is measured, each the median of repeated runs after a warm-up:
 
 * **launch overhead**: one ``torch.add`` of two 1-element tensors (eager PyTorch's per-op cost:
   Python, dispatcher, allocation; on a GPU the host-side cost of one launch, which bounds a
-  stream of small kernels), and one view (``Tensor.view``);
+  stream of small kernels), and one view (``Tensor.view``); the least of the repeats, not the
+  median, since it is subtracted from every other measurement;
 * **matrix products**: ``torch.mm`` of square matrices at several sizes, per dtype;
 * **convolutions**: ``conv2d`` 3×3, stride 1, at several sizes;
 * **transcendental elements**: ``exp``, ``tanh`` and ``sigmoid`` on tensors that fit in cache,
   into a preallocated output (elements per second);
 * **other FLOPs**: ``mul`` and ``maximum`` the same way (1 FLOP per element, as graphflop's
   rules count them);
+* **eager kernels off the streaming line**: ``max_pool2d_with_indices``, ``native_batch_norm``
+  (training), ``native_layer_norm``, ``_softmax``, ``_log_softmax`` and ``gelu``, each at two
+  sizes, as bytes per second over the bytes graphflop counts for the kernel (its input and
+  output); the time pass uses these for forward kernels of those names;
 * **bandwidth**: ``a + b`` (bytes read and written, 3 × the tensor) from in-cache sizes to well
   beyond the last-level cache, each call allocating its output as eager PyTorch does (so the
   curve holds the allocator's cost: above glibc's mmap threshold a fresh output is new pages,
@@ -49,6 +54,7 @@ class CalibrationPlan:
             height = width.
         elementwise: elements of the in-cache elementwise kernels.
         stream: elements of each tensor of the bandwidth kernel.
+        kernel_sizes: elements of the input of each of :data:`_KERNELS`' measured kernels.
         repeats: timed runs per point (the median is kept).
         min_time_s: each timed run repeats the kernel until this long has passed.
     """
@@ -58,6 +64,7 @@ class CalibrationPlan:
     conv_shapes: tuple[tuple[int, int, int], ...]
     elementwise: int
     stream: tuple[int, ...]
+    kernel_sizes: tuple[int, ...]
     repeats: int
     min_time_s: float
 
@@ -70,6 +77,7 @@ class CalibrationPlan:
             + len(self.conv_shapes) * len(self.mm_dtypes)
             + 5
             + 2 * len(self.stream)
+            + len(_KERNELS) * len(self.kernel_sizes)
         )
 
 
@@ -83,6 +91,7 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
             conv_shapes=((2, 8, 16),),
             elementwise=1 << 14,
             stream=(1 << 12, 1 << 18),
+            kernel_sizes=(1 << 14,),
             repeats=2,
             min_time_s=0.002,
         )
@@ -93,6 +102,7 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
             conv_shapes=((32, 64, 56), (32, 256, 14), (64, 128, 28)),
             elementwise=1 << 20,
             stream=(1 << 16, 1 << 20, 1 << 24, 1 << 27),
+            kernel_sizes=(1 << 20, 1 << 24),
             repeats=7,
             min_time_s=0.02,
         )
@@ -102,16 +112,83 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
         conv_shapes=((1, 16, 16), (8, 16, 32), (8, 64, 16), (8, 64, 56)),
         elementwise=1 << 13,
         stream=(1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22, 1 << 24),
+        kernel_sizes=(1 << 16, 1 << 21),
         repeats=5,
         min_time_s=0.05,
     )
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], object], int, float], float]:
-    """``time(fn, repeats, min_time_s)``: median seconds of one call of ``fn``."""
+def _nbytes(*ts: torch.Tensor) -> float:
+    return float(sum(t.numel() * t.element_size() for t in ts))
+
+
+def _pool(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    side = max(4, int((n // 32) ** 0.5) // 2 * 2)
+    x = torch.rand(1, 32, side, side, device=dev)
+    out, idx = torch.ops.aten.max_pool2d_with_indices.default(x, [2, 2], [2, 2])
+    op = torch.ops.aten.max_pool2d_with_indices.default
+    return partial(op, x, [2, 2], [2, 2]), _nbytes(x, out, idx)
+
+
+def _batch_norm(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    side = max(2, int((n // 64) ** 0.5))
+    x = torch.rand(1, 64, side, side, device=dev)
+    w, b = torch.ones(64, device=dev), torch.zeros(64, device=dev)
+    rm, rv = torch.zeros(64, device=dev), torch.ones(64, device=dev)
+    op = torch.ops.aten.native_batch_norm.default
+    return partial(op, x, w, b, rm, rv, True, 0.1, 1e-5), 2 * _nbytes(x)
+
+
+def _layer_norm(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    x = torch.rand(max(1, n // 768), 768, device=dev)
+    w, b = torch.ones(768, device=dev), torch.zeros(768, device=dev)
+    op = torch.ops.aten.native_layer_norm.default
+    return partial(op, x, [768], w, b, 1e-5), 2 * _nbytes(x)
+
+
+def _rows(op: Callable[..., torch.Tensor]) -> Callable[..., tuple[Callable[[], object], float]]:
+    def make(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+        x = torch.rand(max(1, n // 1024), 1024, device=dev)
+        return partial(op, x, -1, False), 2 * _nbytes(x)
+
+    return make
+
+
+def _gelu(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    x = torch.rand(n, device=dev)
+    return partial(torch.ops.aten.gelu.default, x), 2 * _nbytes(x)
+
+
+#: forward kernels whose eager CPU implementation runs far from the streaming rate, measured
+#: one by one: (the op names graphflop's kernels carry, a builder of the call and its bytes)
+_KERNELS: tuple[tuple[tuple[str, ...], Callable[..., tuple[Callable[[], object], float]]], ...] = (
+    (("aten.max_pool2d_with_indices.default",), _pool),
+    (
+        (
+            "aten.native_batch_norm.default",
+            "aten._native_batch_norm_legit_functional.default",
+            "aten._native_batch_norm_legit.default",
+        ),
+        _batch_norm,
+    ),
+    (("aten.native_layer_norm.default",), _layer_norm),
+    (("aten._softmax.default",), _rows(torch.ops.aten._softmax.default)),
+    (("aten._log_softmax.default",), _rows(torch.ops.aten._log_softmax.default)),
+    (("aten.gelu.default",), _gelu),
+)
+
+
+def _timer(device: torch.device) -> Callable[..., float]:
+    """``time(fn, repeats, min_time_s, stat=statistics.median)``: seconds of one call of ``fn``,
+    the ``stat`` of the repeats."""
     cuda = device.type == "cuda"
 
-    def run(fn: Callable[[], object], repeats: int, min_time_s: float) -> float:
+    def run(
+        fn: Callable[[], object],
+        repeats: int,
+        min_time_s: float,
+        stat: Callable[[list[float]], float] = statistics.median,
+    ) -> float:
         fn()  # warm-up (allocator, kernel selection)
         if cuda:
             torch.cuda.synchronize(device)
@@ -137,12 +214,13 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int, float],
                 for _ in range(calls):
                     fn()
                 samples.append((time.perf_counter() - t0) / calls)
-        return statistics.median(samples)
+        return stat(samples)
 
     return run
 
 
 def _host_overhead(device: torch.device, repeats: int) -> float:
+    # the least repeat, as for the launch overhead
     """Seconds per tiny op issued back to back (no synchronisation between them): the host
     side's per-op cost, which a stream of small kernels cannot beat."""
     a = torch.ones(1, device=device)
@@ -157,7 +235,7 @@ def _host_overhead(device: torch.device, repeats: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         samples.append((time.perf_counter() - t0) / 2000)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def _rate(work: float, seconds: float, overhead: float) -> float:
@@ -172,6 +250,91 @@ def _curve(points: list[tuple[float, float]]) -> RateCurve:
     for s, r in sorted(points):
         pts[float(s)] = float(r)
     return RateCurve(tuple(pts.items()))
+
+
+@dataclass
+class _Run:
+    """The measurements of one calibration after the launch overhead is known."""
+
+    dev: torch.device
+    p: CalibrationPlan
+    timed: Callable[..., float]
+    launch: float
+    done: Callable[[str], None]
+
+    def time(self, fn: Callable[[], object]) -> float:
+        return self.timed(fn, self.p.repeats, self.p.min_time_s)
+
+    def products(self) -> tuple[dict[str, list[tuple[float, float]]], ...]:
+        """(matmul, conv): dtype key -> (FLOPs, FLOP/s) points."""
+        mm: dict[str, list[tuple[float, float]]] = {}
+        conv: dict[str, list[tuple[float, float]]] = {}
+        for dt in self.p.mm_dtypes:
+            key = str(dt).removeprefix("torch.")
+            for n in self.p.mm_sizes:
+                a = torch.randn(n, n, device=self.dev).to(dt)
+                b = torch.randn(n, n, device=self.dev).to(dt)
+                t = self.time(partial(torch.mm, a, b))
+                flops = 2.0 * n**3
+                mm.setdefault(key, []).append((flops, _rate(flops, t, self.launch)))
+                self.done(f"mm {key} {n}³: {flops / t / 1e9:.1f} GFLOP/s")
+            for batch, ch, hw in self.p.conv_shapes:
+                x = torch.randn(batch, ch, hw, hw, device=self.dev).to(dt)
+                w = torch.randn(ch, ch, 3, 3, device=self.dev).to(dt)
+                t = self.time(partial(F.conv2d, x, w, padding=1))
+                flops = 2.0 * batch * ch * hw * hw * ch * 9
+                conv.setdefault(key, []).append((flops, _rate(flops, t, self.launch)))
+                self.done(f"conv {key} {batch}×{ch}×{hw}²: {flops / t / 1e9:.1f} GFLOP/s")
+        return mm, conv
+
+    def elementwise(self) -> tuple[float, float]:
+        """(transcendental elements/s, other FLOP/s), in cache into a preallocated output: a
+        fresh output's allocation and first touch belong to the bandwidth curve, which
+        allocates as eager PyTorch does."""
+        n = self.p.elementwise
+        x = torch.rand(n, device=self.dev)
+        y = torch.rand(n, device=self.dev)
+        z = torch.empty_like(x)
+        trans = []
+        for unary in (torch.exp, torch.tanh, torch.sigmoid):
+            t = self.time(partial(unary, x, out=z))
+            trans.append(_rate(float(n), t, self.launch))  # 1 element each
+            self.done(f"{unary.__name__}: {n / t / 1e9:.2f} G elements/s")
+        plain = []
+        for binary in (torch.mul, torch.maximum):
+            t = self.time(partial(binary, x, y, out=z))
+            plain.append(_rate(float(n), t, self.launch))  # 1 FLOP per element
+            self.done(f"{binary.__name__}: {n / t / 1e9:.2f} GFLOP/s")
+        return statistics.median(trans), statistics.median(plain)
+
+    def streams(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """(allocating ``a + b``, in-place ``a.add_(b)``): (bytes, bytes/s) points."""
+        bw: list[tuple[float, float]] = []
+        inplace: list[tuple[float, float]] = []
+        for n in self.p.stream:
+            a = torch.rand(n, device=self.dev)
+            b = torch.rand(n, device=self.dev)
+            nbytes = 3.0 * n * a.element_size()
+            t = self.time(partial(torch.add, a, b))
+            bw.append((nbytes, _rate(nbytes, t, self.launch)))
+            self.done(f"stream {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
+            t = self.time(partial(a.add_, b, alpha=-1e-3))
+            inplace.append((nbytes, _rate(nbytes, t, self.launch)))
+            self.done(f"in place {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
+        return bw, inplace
+
+    def kernels(self) -> dict[str, list[tuple[float, float]]]:
+        """Op name -> (bytes, bytes/s) points of the kernels of :data:`_KERNELS`."""
+        out: dict[str, list[tuple[float, float]]] = {}
+        for names, make in _KERNELS:
+            for n in self.p.kernel_sizes:
+                call, nbytes = make(n, self.dev)
+                t = self.time(call)
+                for name in names:
+                    out.setdefault(name, []).append((nbytes, _rate(nbytes, t, self.launch)))
+                label = names[0].split(".")[1]
+                self.done(f"{label} {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.2f} GB/s")
+        return out
 
 
 def calibrate(
@@ -210,69 +373,19 @@ def calibrate(
 
     one_a = torch.ones(1, device=dev)
     one_b = torch.ones(1, device=dev)
-    tiny = timed(lambda: torch.add(one_a, one_b), reps, min_t)
+    # the overhead is subtracted from every other measurement, so its least repeat (the
+    # dispatcher's own cost, not another process's time slice) is taken, not the median
+    tiny = timed(lambda: torch.add(one_a, one_b), max(reps, 5), min_t, min)
     launch = max(tiny, _host_overhead(dev, reps)) if dev.type == "cuda" else tiny
     done(f"launch overhead {launch * 1e6:.1f} µs")
     v = torch.ones(64, device=dev)
-    view = timed(lambda: v.view(8, 8), reps, min_t)
+    view = timed(lambda: v.view(8, 8), max(reps, 5), min_t, min)
     done(f"view overhead {view * 1e6:.1f} µs")
-
-    mm: dict[str, list[tuple[float, float]]] = {}
-    for dt in p.mm_dtypes:
-        key = str(dt).removeprefix("torch.")
-        for n in p.mm_sizes:
-            a = torch.randn(n, n, device=dev).to(dt)
-            b = torch.randn(n, n, device=dev).to(dt)
-            t = timed(partial(torch.mm, a, b), reps, min_t)
-            flops = 2.0 * n**3
-            mm.setdefault(key, []).append((flops, _rate(flops, t, launch)))
-            done(f"mm {key} {n}³: {flops / t / 1e9:.1f} GFLOP/s")
-    conv: dict[str, list[tuple[float, float]]] = {}
-    for dt in p.mm_dtypes:
-        key = str(dt).removeprefix("torch.")
-        for batch, ch, hw in p.conv_shapes:
-            x = torch.randn(batch, ch, hw, hw, device=dev).to(dt)
-            w = torch.randn(ch, ch, 3, 3, device=dev).to(dt)
-            t = timed(partial(F.conv2d, x, w, padding=1), reps, min_t)
-            flops = 2.0 * batch * ch * hw * hw * ch * 9
-            conv.setdefault(key, []).append((flops, _rate(flops, t, launch)))
-            done(f"conv {key} {batch}×{ch}×{hw}²: {flops / t / 1e9:.1f} GFLOP/s")
-    # compute rates in cache, into a preallocated output: a fresh output's allocation and first
-    # touch belong to the bandwidth curve below, which allocates as eager PyTorch does
-    x = torch.rand(p.elementwise, device=dev)
-    y = torch.rand(p.elementwise, device=dev)
-    z = torch.empty_like(x)
-    trans_rates = []
-    unary: tuple[Callable[..., torch.Tensor], ...] = (torch.exp, torch.tanh, torch.sigmoid)
-    for fn in unary:
-        t = timed(partial(fn, x, out=z), reps, min_t)
-        trans_rates.append(_rate(float(p.elementwise), t, launch))  # 1 element each
-        done(f"{fn.__name__}: {p.elementwise / t / 1e9:.2f} G elements/s")
-    plain_rates = []
-    binary: tuple[Callable[..., torch.Tensor], ...] = (torch.mul, torch.maximum)
-    for op in binary:
-        t = timed(partial(op, x, y, out=z), reps, min_t)
-        plain_rates.append(_rate(float(p.elementwise), t, launch))  # 1 FLOP per element
-        done(f"{op.__name__}: {p.elementwise / t / 1e9:.2f} GFLOP/s")
-    trans_rate = statistics.median(trans_rates)
-    other_rate = statistics.median(plain_rates)
-    bw: list[tuple[float, float]] = []
-    for n in p.stream:
-        a = torch.rand(n, device=dev)
-        b = torch.rand(n, device=dev)
-        t = timed(partial(torch.add, a, b), reps, min_t)
-        nbytes = 3.0 * n * a.element_size()
-        bw.append((nbytes, _rate(nbytes, t, launch)))
-        done(f"stream {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
-
-    inplace: list[tuple[float, float]] = []
-    for n in p.stream:
-        a = torch.rand(n, device=dev)
-        b = torch.rand(n, device=dev)
-        t = timed(partial(a.add_, b, alpha=-1e-3), reps, min_t)
-        nbytes = 3.0 * n * a.element_size()
-        inplace.append((nbytes, _rate(nbytes, t, launch)))
-        done(f"in place {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
+    run = _Run(dev, p, timed, launch, done)
+    mm, conv = run.products()
+    trans_rate, other_rate = run.elementwise()
+    bw, inplace = run.streams()
+    kernels = run.kernels()
 
     other = {"float32": RateCurve(((1.0, other_rate),))}
     trans = {"float32": RateCurve(((1.0, trans_rate),))}
@@ -296,6 +409,7 @@ def calibrate(
         },
         bandwidth=_curve(bw),
         inplace_bandwidth=_curve(inplace),
+        kernels={k: _curve(v) for k, v in kernels.items()},
         launch_overhead_s=launch,
         view_overhead_s=min(view, launch),
         threads=n_threads,
