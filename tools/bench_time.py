@@ -362,9 +362,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "### Whole step and per-op error",
         "",
         "Spread: half the interquartile range over the median. Drift: a fixed reference "
-        "(256³ `mm` + 4 MB `add`) timed before this model over the same timed before "
-        "calibrating; 1.00 means the machine ran at the speed it was calibrated at, 2.00 that "
-        "it was twice as slow (load).",
+        "(256³ `mm` + 4 MB `add`) timed before this model over the same timed at the start "
+        "of the run, just before calibrating; 1.00 means the machine ran at the speed it was "
+        "calibrated at, 2.00 that it was twice as slow (load).",
         "",
         "| model | input | step measured ms (spread) | drift | before: step ms (err) | op median "
         "| op FLOP-w. | after: step ms (err) | op median | op FLOP-w. |",
