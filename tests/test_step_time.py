@@ -263,3 +263,31 @@ def test_render_colours_nodes_by_predicted_time(capsys, tmp_path):
         ["graphflop: error: --color time fills boxes with predicted time: add --device NAME|FILE"],
     )
     assert not (tmp_path / "h.dot").exists()
+
+
+def test_a_thin_product_takes_the_thin_rate():
+    fast, slow = RateCurve(((1.0, 1e9),)), RateCurve(((1.0, 1e8),))
+    p = TimeProfile(
+        name="two",
+        title="two",
+        source="calibrated",
+        kind="cpu",
+        compute={
+            "matmul": {"float32": fast},
+            "matmul_thin": {"float32": slow},
+            "conv": {"float32": fast},
+            "other": {"float32": fast},
+        },
+        bandwidth=RateCurve(((1.0, 1e12),)),
+        launch_overhead_s=0.0,
+        view_overhead_s=0.0,
+    )
+    thin = analyze(MatMul(512, torch.float32), torch.empty(64, 512, device="meta"),
+                   backward=False, jvp=False, time_profile=p)  # fmt: skip
+    square = analyze(MatMul(512, torch.float32), torch.empty(512, 512, device="meta"),
+                     backward=False, jvp=False, time_profile=p)  # fmt: skip
+    t = _node(thin, torch.ops.aten.mm.default).meta[TIME]
+    # 64 rows <= THIN_ROWS (128): 2·64·512·512 FLOPs at 1e8 FLOP/s
+    assert (t.op_class, t.compute_s) == ("matmul_thin", pytest.approx(2 * 64 * 512 * 512 / 1e8))
+    t = _node(square, torch.ops.aten.mm.default).meta[TIME]
+    assert (t.op_class, t.compute_s) == ("matmul", pytest.approx(2 * 512**3 / 1e9))

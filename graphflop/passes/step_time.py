@@ -55,7 +55,7 @@ from graphflop.passes.eager_kernels import is_view
 from graphflop.passes.eager_memory import _regions
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.summary import Graphs
-from graphflop.passes.time_profile import TimeProfile
+from graphflop.passes.time_profile import THIN_ROWS, TimeProfile
 from graphflop.report import LayerRow, LayerTime, OpTime, PhaseTime, Report, TimeReport
 
 __all__ = ["UPDATE_KERNEL", "Kernel", "annotate_time", "eager_kernels", "time_report"]
@@ -138,7 +138,22 @@ def _dtype_key(n: Node) -> str:
 
 
 def _mm_class(n: Node) -> str:
-    return "conv" if "convolution" in op_name(n.target) else "matmul"
+    """``conv``, ``matmul_thin`` (a product with a dimension of at most
+    :data:`~graphflop.passes.time_profile.THIN_ROWS`: rows, columns or the contracted one) or
+    ``matmul``."""
+    if "convolution" in op_name(n.target):
+        return "conv"
+    out = n.meta.get("val")
+    mats = [
+        v
+        for a in n.all_input_nodes
+        if isinstance(v := a.meta.get("val"), torch.Tensor) and v.dim() >= 2
+    ]
+    if isinstance(out, torch.Tensor) and out.dim() >= 2 and mats:
+        dims = (out.shape[-2], out.shape[-1], mats[0].shape[-1])
+        if min(dims) <= THIN_ROWS:
+            return "matmul_thin"
+    return "matmul"
 
 
 #: a tensor-valued node -> its bytes under autocast (None: as traced)
@@ -231,7 +246,7 @@ def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None, sizer: _Sizer
     overhead = profile.launch_overhead_s if flops or nbytes else profile.view_overhead_s
     work = max(compute, memory)
     bound = "overhead" if overhead >= work else "compute" if compute >= memory else "memory"
-    cls_name = next((c for c, _ in by_class if c in ("matmul", "conv")), "other")
+    cls_name = next((c for c, _ in by_class if c in ("matmul", "matmul_thin", "conv")), "other")
     dtype = next(iter(by_class), ("", _dtype_key(k.nodes[-1])))[1]
     if bound == "compute" and flops:
         weights = [c.flops / flops for c in costs]

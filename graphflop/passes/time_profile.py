@@ -34,6 +34,7 @@ __all__ = [
     "DATASHEET_EFFICIENCY",
     "OP_CLASSES",
     "PROFILE_SCHEMA",
+    "THIN_ROWS",
     "ProfileError",
     "RateCurve",
     "TimeProfile",
@@ -48,7 +49,13 @@ __all__ = [
 #: attention's products), convolutions, transcendental elements (exp, log, tanh, erf, ...:
 #: ``NodeCost.transcendentals``, a rate per element) and every other FLOP (elementwise
 #: arithmetic, reductions, norms)
-OP_CLASSES = ("matmul", "conv", "transcendental", "other")
+OP_CLASSES = ("matmul", "matmul_thin", "conv", "transcendental", "other")
+
+#: a matrix product with a dimension (rows, columns or the contracted one) of at most this many
+#: is *thin* (a batch of 64 through a linear layer, its weight gradient, a 128-token sequence):
+#: it is timed at the ``matmul_thin`` rate where a profile has one (calibrated CPUs), else at the
+#: ``matmul`` rate
+THIN_ROWS = 128
 
 #: version of the profile file's JSON layout
 PROFILE_SCHEMA = 1
@@ -192,6 +199,8 @@ class TimeProfile:
             NoPeak: a matrix product or convolution in a dtype the profile has no rate for
                 (the message names the dtypes it has).
         """
+        if op_class == "matmul_thin" and dtype not in self.compute.get(op_class, {}):
+            op_class = "matmul"
         rates = self.compute.get(op_class) or self.compute["other"]
         curve = rates.get(dtype)
         if curve is None:

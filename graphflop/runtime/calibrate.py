@@ -7,7 +7,9 @@ What is measured, each the median of repeated runs after a warm-up:
   Python, dispatcher, allocation; on a GPU the host-side cost of one launch, which bounds a
   stream of small kernels), and one view (``Tensor.view``); the least of the repeats, not the
   median, since it is subtracted from every other measurement;
-* **matrix products**: ``torch.mm`` of square matrices at several sizes, per dtype;
+* **matrix products**: ``torch.mm`` of square matrices at several sizes, per dtype, and of
+  thin ones (:data:`~graphflop.passes.time_profile.THIN_ROWS` rows), which run below the square
+  rate of the same FLOPs on a CPU;
 * **convolutions**: ``conv2d`` 3×3, stride 1, at several sizes;
 * **transcendental elements**: ``exp``, ``tanh`` and ``sigmoid`` on tensors that fit in cache,
   into a preallocated output (elements per second);
@@ -38,7 +40,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from graphflop.passes.time_profile import RateCurve, TimeProfile
+from graphflop.passes.time_profile import THIN_ROWS, RateCurve, TimeProfile
 
 __all__ = ["CalibrationPlan", "calibrate", "plan"]
 
@@ -74,6 +76,7 @@ class CalibrationPlan:
         return (
             2
             + len(self.mm_sizes) * len(self.mm_dtypes)
+            + sum(n > THIN_ROWS for n in self.mm_sizes) * len(self.mm_dtypes)
             + len(self.conv_shapes) * len(self.mm_dtypes)
             + 5
             + 2 * len(self.stream)
@@ -266,9 +269,13 @@ class _Run:
         return self.timed(fn, self.p.repeats, self.p.min_time_s)
 
     def products(self) -> tuple[dict[str, list[tuple[float, float]]], ...]:
-        """(matmul, conv): dtype key -> (FLOPs, FLOP/s) points."""
+        """(matmul, thin matmul, conv): dtype key -> (FLOPs, FLOP/s) points. A thin product
+        has :data:`~graphflop.passes.time_profile.THIN_ROWS` rows (``THIN_ROWS × n @ n × n``):
+        a batch of 64 examples through a layer, a 128-token sequence."""
         mm: dict[str, list[tuple[float, float]]] = {}
+        thin: dict[str, list[tuple[float, float]]] = {}
         conv: dict[str, list[tuple[float, float]]] = {}
+        rows = THIN_ROWS
         for dt in self.p.mm_dtypes:
             key = str(dt).removeprefix("torch.")
             for n in self.p.mm_sizes:
@@ -278,6 +285,11 @@ class _Run:
                 flops = 2.0 * n**3
                 mm.setdefault(key, []).append((flops, _rate(flops, t, self.launch)))
                 self.done(f"mm {key} {n}³: {flops / t / 1e9:.1f} GFLOP/s")
+                if n > rows:
+                    t = self.time(partial(torch.mm, a[:rows], b))
+                    flops = 2.0 * rows * n * n
+                    thin.setdefault(key, []).append((flops, _rate(flops, t, self.launch)))
+                    self.done(f"mm {key} {rows}×{n}²: {flops / t / 1e9:.1f} GFLOP/s")
             for batch, ch, hw in self.p.conv_shapes:
                 x = torch.randn(batch, ch, hw, hw, device=self.dev).to(dt)
                 w = torch.randn(ch, ch, 3, 3, device=self.dev).to(dt)
@@ -285,7 +297,7 @@ class _Run:
                 flops = 2.0 * batch * ch * hw * hw * ch * 9
                 conv.setdefault(key, []).append((flops, _rate(flops, t, self.launch)))
                 self.done(f"conv {key} {batch}×{ch}×{hw}²: {flops / t / 1e9:.1f} GFLOP/s")
-        return mm, conv
+        return mm, thin, conv
 
     def elementwise(self) -> tuple[float, float]:
         """(transcendental elements/s, other FLOP/s), in cache into a preallocated output: a
@@ -382,7 +394,7 @@ def calibrate(
     view = timed(lambda: v.view(8, 8), max(reps, 5), min_t, min)
     done(f"view overhead {view * 1e6:.1f} µs")
     run = _Run(dev, p, timed, launch, done)
-    mm, conv = run.products()
+    mm, thin, conv = run.products()
     trans_rate, other_rate = run.elementwise()
     bw, inplace = run.streams()
     kernels = run.kernels()
@@ -403,6 +415,7 @@ def calibrate(
         kind="gpu" if dev.type == "cuda" else "cpu",
         compute={
             "matmul": {k: _curve(v) for k, v in mm.items()},
+            "matmul_thin": {k: _curve(v) for k, v in thin.items()},
             "conv": {k: _curve(v) for k, v in conv.items()},
             "transcendental": trans,
             "other": other,
