@@ -364,11 +364,13 @@ def markdown(doc: dict[str, Any]) -> str:
         "Spread: half the interquartile range over the median. Drift: a fixed reference "
         "(256³ `mm` + 4 MB `add`) timed before this model over the same timed at the start "
         "of the run, just before calibrating; 1.00 means the machine ran at the speed it was "
-        "calibrated at, 2.00 that it was twice as slow (load).",
+        "calibrated at, 2.00 that it was twice as slow (load). After × drift: the calibrated "
+        "prediction scaled by the drift, a rough correction for the machine's speed having "
+        "changed since calibration (not a prediction: it uses a measurement).",
         "",
         "| model | input | step measured ms (spread) | drift | before: step ms (err) | op median "
-        "| op FLOP-w. | after: step ms (err) | op median | op FLOP-w. |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| op FLOP-w. | after: step ms (err) | op median | op FLOP-w. | after × drift (err) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in doc["cases"]:
         r = c["results"]
@@ -389,6 +391,13 @@ def markdown(doc: dict[str, Any]) -> str:
                     _pct(x["op_median_abs_error"]),
                     _pct(x["op_flop_weighted_abs_error"]),
                 ]
+        drift = c.get("drift")
+        if a is not None and drift:
+            scaled = a["step"]["predicted_s"] * drift
+            err = (scaled - a["step"]["measured_s"]) / a["step"]["measured_s"]
+            cells.append(f"{_ms(scaled)} ({100 * err:+.0f}%)")
+        else:
+            cells.append("–")
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
