@@ -83,7 +83,7 @@ ANALYSIS_CASES = {
     "keep_grads": (["--keep-grads"], {"keep_grads": True}),
     "checkpoint": (["--checkpoint", "layers.*"], {"checkpoint": "layers.*"}),
     "amp": (["--amp", "bf16"], {"amp": "bf16"}),
-    "device": (["--device", "h100"], {"time_profile": resolve_profile("h100")}),
+    "device": (["--device", "h100-sxm"], {"time_profile": resolve_profile("h100-sxm")}),
 }
 # flags that change only the table, files or messages: the document is the default one
 PRESENTATION_CASES = {

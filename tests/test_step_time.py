@@ -13,7 +13,7 @@ from conftest import cli, spec
 from torch import nn
 
 from graphflop.analysis import analyze
-from graphflop.devices import NoPeak
+from graphflop.devices import NoPeak, UnknownDevice, device_spec
 from graphflop.meta import COMPOSITE, TIME
 from graphflop.passes.time_profile import (
     ProfileError,
@@ -26,7 +26,7 @@ from graphflop.passes.time_profile import (
 )
 from graphflop.report import Report
 
-H100 = from_device(__import__("graphflop.devices", fromlist=["x"]).device_spec("h100-sxm"))
+H100 = from_device(device_spec("h100-sxm"))
 
 
 class MatMul(nn.Module):
@@ -190,11 +190,14 @@ def test_no_peak_for_a_dtype(tmp_path):
 
 def test_cli_bad_device_input(capsys, tmp_path):
     mlp = spec("mlp.py")
-    rc, out, err = cli(capsys, "inspect", mlp, "--device", "h10")
+    rc, out, err = cli(capsys, "inspect", mlp, "--device", "h100-sx")
     assert (rc, out) == (2, "")
+    # the device table's own message (known devices, did-you-mean), then the other choices
+    with pytest.raises(UnknownDevice) as e:
+        device_spec("h100-sx")
+    assert "h100-sxm" in str(e.value)
     assert err == [
-        "graphflop: error: unknown device 'h10': did you mean h100? known: h100-sxm; or cpu, "
-        "or a profile file from graphflop calibrate"
+        f"graphflop: error: {e.value}; or cpu, or a profile file from graphflop calibrate"
     ]
     bad = tmp_path / "bad.json"
     bad.write_text('{"a":')
@@ -230,7 +233,7 @@ def test_calibrate_quick_writes_a_profile_inspect_accepts(capsys, tmp_path):
 def test_sweep_gives_the_ratio_in_time_per_device(capsys, tmp_path):
     js = tmp_path / "s.json"
     rc, out, err = cli(
-        capsys, "sweep", spec("mlp.py"), "--batches", "1,64", "--device", "h100",
+        capsys, "sweep", spec("mlp.py"), "--batches", "1,64", "--device", "h100-sxm",
         "--device", "cpu", "--json", js,
     )  # fmt: skip
     assert rc == 0, err
@@ -240,8 +243,8 @@ def test_sweep_gives_the_ratio_in_time_per_device(capsys, tmp_path):
             # (backward + update) / forward in predicted seconds, from the same row's times
             step, fwd = r[f"train_step_s@{name}"], r[f"forward_s@{name}"]
             assert r[f"time_ratio@{name}"] == pytest.approx((step - fwd) / fwd)
-    rc, out, err = cli(capsys, "sweep", spec("mlp.py"), "--batches", "1", "--device", "h100",
-                       "--device", "H100")  # fmt: skip
+    rc, out, err = cli(capsys, "sweep", spec("mlp.py"), "--batches", "1", "--device", "h100-sxm",
+                       "--device", "H100-SXM")  # fmt: skip
     assert (rc, err) == (
         2,
         ["graphflop: error: --device names h100-sxm, h100-sxm: give each device once"],
@@ -250,7 +253,7 @@ def test_sweep_gives_the_ratio_in_time_per_device(capsys, tmp_path):
 
 def test_render_colours_nodes_by_predicted_time(capsys, tmp_path):
     dot = tmp_path / "g.dot"
-    rc, out, err = cli(capsys, "render", spec("mlp.py"), "-o", dot, "--device", "h100",
+    rc, out, err = cli(capsys, "render", spec("mlp.py"), "-o", dot, "--device", "h100-sxm",
                        "--color", "time", "--graph", "forward")  # fmt: skip
     assert rc == 0, err
     text = dot.read_text()
