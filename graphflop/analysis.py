@@ -39,6 +39,7 @@ from graphflop.passes.forward_gradient import (
 from graphflop.passes.infra import FLAT, SCOPES, TEMPLATE, GraphPass, run_passes
 from graphflop.passes.optimizer import OPTIMIZERS, AddOptimizerUpdate, for_every_parameter
 from graphflop.passes.summary import Graphs, summarize
+from graphflop.passes.time_profile import TimeProfile
 from graphflop.passes.train_step import BuildTrainStep
 from graphflop.report import SCHEMA_VERSION, Report
 
@@ -214,8 +215,14 @@ class AnalyzeOptions:
     keep_grads: bool = False
     checkpoint: str | None = None
     amp: str | None = None
+    time_profile: TimeProfile | None = None
 
     def __post_init__(self) -> None:
+        if self.time_profile is not None and not isinstance(self.time_profile, TimeProfile):
+            raise TypeError(
+                "time_profile must be a TimeProfile (graphflop.passes.time_profile) or None, "
+                f"not {type(self.time_profile).__name__}"
+            )
         for name in ("backward", "jvp", "keep_grads"):
             v = getattr(self, name)
             if not isinstance(v, bool):
@@ -432,6 +439,11 @@ def _analyze(
         )
         report = replace(report, memory=mem)
     report = _what_ifs(report, g, device, optimizer, o.checkpoint, o.amp)
+    if o.time_profile is not None:
+        from graphflop.passes.step_time import time_report
+
+        say(f"timing on {o.time_profile.name}")
+        report = replace(report, time=time_report(g, report, o.time_profile, amp=o.amp))
     return Analysis(
         name,
         fwd,

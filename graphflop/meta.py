@@ -31,6 +31,8 @@ Node keys (``node.meta``)
     :data:`CHECKPOINT`   on forward nodes the model ran inside ``torch.utils.checkpoint``:
                          :class:`CheckpointTag` (which region, the node's place in it, whether
                          the backward reruns all of it).
+    :data:`TIME`         :class:`NodeTime`: the node's predicted seconds on a device and what
+                         bounds it, written by :mod:`graphflop.passes.step_time`.
     :data:`FUNCTION`     on forward nodes a custom ``torch.autograd.Function``'s ``forward``
                          made: :class:`FunctionTag` (which Function, the node's place in the
                          call, which of its inputs, outputs or saved tensors the node is).
@@ -102,6 +104,7 @@ COMPOSITE = "gf_composite"
 CHECKPOINT = "gf_checkpoint"
 FUNCTION = "gf_function"
 CALL_SITE = "gf_call_site"
+TIME = "gf_time"
 
 # graph keys
 SIGNATURE = "gf_signature"
@@ -139,6 +142,7 @@ NODE_KEYS = (
     CHECKPOINT,
     FUNCTION,
     CALL_SITE,
+    TIME,
 )
 GRAPH_KEYS = (
     SIGNATURE,
@@ -483,6 +487,40 @@ class CompositeTag:
     output: int | None
     inputs: tuple[tuple[int, int], ...]
     inner: CompositeTag | None = None
+
+
+#: what bounds a node's predicted time (:class:`NodeTime`)
+BOUNDS = ("compute", "memory", "overhead")
+
+
+@dataclass(frozen=True)
+class NodeTime:
+    """A node's predicted time on one device (:mod:`graphflop.passes.step_time`).
+
+    A node that eager PyTorch runs inside one kernel with others (a composite op's
+    decomposition, its backward) carries its share of that kernel's time.
+
+    Attributes:
+        seconds: predicted time, ``max(compute_s, memory_s) + overhead_s`` (its share).
+        compute_s: FLOPs / achieved FLOP/s of its op class and dtype (its share).
+        memory_s: bytes read and written / achieved bandwidth (its share).
+        overhead_s: per-kernel launch or dispatch cost (its share).
+        bound: the largest of the three terms, one of :data:`BOUNDS`.
+        kernel: the eager kernel the node is part of (its op name, or the composite op's).
+        kernel_id: the name of that kernel's first node (which nodes share one kernel).
+        op_class: ``matmul``, ``conv`` or ``other``.
+        dtype: the dtype key its rate was taken for.
+    """
+
+    seconds: float
+    compute_s: float
+    memory_s: float
+    overhead_s: float
+    bound: str
+    kernel: str
+    kernel_id: str
+    op_class: str
+    dtype: str
 
 
 #: how a custom autograd.Function is named where its own derivative is missing (``Gap.op``)

@@ -674,6 +674,159 @@ OP_PHASES = ("forward", "backward", "update", "jvp", "forward_gradient_step")
 
 
 @dataclass(frozen=True)
+class PhaseTime:
+    """Predicted seconds of one phase on one device (:mod:`graphflop.passes.step_time`).
+
+    Attributes:
+        seconds: the phase's predicted time, ``compute_s + memory_s + overhead_s``.
+        compute_s: the work time (time less overhead) of the kernels whose compute term is at
+            least their memory term.
+        memory_s: the work time of the kernels whose memory term is larger.
+        overhead_s: every kernel's launch or dispatch cost.
+        kernels: eager kernels (a composite op's decomposition counts once).
+        flops: FLOPs of the phase (as in its :class:`CostTotals`).
+        by_role: role -> seconds, in the order roles first appear.
+    """
+
+    seconds: float
+    compute_s: float
+    memory_s: float
+    overhead_s: float
+    kernels: int
+    flops: int
+    by_role: tuple[tuple[str, float], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = _fields_dict(self)
+        d["by_role"] = dict(self.by_role)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PhaseTime:
+        kw = _pick(cls, d)
+        kw["by_role"] = tuple(d.get("by_role", {}).items())
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """Predicted seconds of one module's nodes, per phase, and what bounds its forward.
+
+    Attributes:
+        name: module path (``(model)`` for the model's own forward).
+        forward_s, backward_s, update_s, jvp_s: seconds (0 for a phase not built).
+        bound: what bounds most of its forward time (``compute``, ``memory``, ``overhead``).
+    """
+
+    name: str
+    forward_s: float
+    backward_s: float
+    update_s: float
+    jvp_s: float
+    bound: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return _fields_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayerTime:
+        return cls(**_pick(cls, d))
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """The eager kernels of one op in one phase, summed (a composite op's kernel under the
+    composite op's name).
+
+    Attributes:
+        op: ``aten.x.overload`` of the kernel.
+        phase: as in :class:`OpRow`.
+        kernels: how many.
+        seconds, compute_s, memory_s, overhead_s: as in :class:`PhaseTime`.
+        flops, bytes: FLOPs and bytes read + written by those kernels.
+        bound: what bounds most of their time.
+    """
+
+    op: str
+    phase: str
+    kernels: int
+    seconds: float
+    compute_s: float
+    memory_s: float
+    overhead_s: float
+    flops: int
+    bytes: int
+    bound: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return _fields_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OpTime:
+        return cls(**_pick(cls, d))
+
+
+@dataclass(frozen=True)
+class TimeReport:
+    """Predicted step time on one device (``inspect --device``).
+
+    Attributes:
+        device: the profile's name; title: its readable name.
+        source: ``datasheet`` or ``calibrated``.
+        amp: the autocast dtype matrix products and convolutions ran in, or None.
+        phases: phase -> :class:`PhaseTime` (``forward``, ``loss``, ``backward``, ``update``,
+            ``train_step``, ``jvp``, ``forward_gradient_step``: those built).
+        ratios: ``Rb`` = train step / forward, ``Rf`` = forward-gradient step / forward,
+            ``Rf_over_Rb``, ``backward_forward`` = (backward + update) / forward, and
+            ``jvp_forward``, in predicted seconds; each ``None`` when its phases are absent.
+        flop_ratios: the same ratios in FLOPs, beside them.
+        layers: one :class:`LayerTime` per module row of the report.
+        ops: one :class:`OpTime` per (phase, kernel op).
+    """
+
+    device: str
+    title: str
+    source: str
+    amp: str | None
+    phases: tuple[tuple[str, PhaseTime], ...]
+    ratios: tuple[tuple[str, float | None], ...]
+    flop_ratios: tuple[tuple[str, float | None], ...]
+    layers: tuple[LayerTime, ...] = ()
+    ops: tuple[OpTime, ...] = ()
+
+    def phase(self, name: str) -> PhaseTime | None:
+        """The phase ``name``, or None when it was not built."""
+        return dict(self.phases).get(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "title": self.title,
+            "source": self.source,
+            "amp": self.amp,
+            "phases": {k: v.to_dict() for k, v in self.phases},
+            "ratios": dict(self.ratios),
+            "flop_ratios": dict(self.flop_ratios),
+            "layers": [L.to_dict() for L in self.layers],
+            "ops": [o.to_dict() for o in self.ops],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TimeReport:
+        return cls(
+            device=d["device"],
+            title=d["title"],
+            source=d["source"],
+            amp=d.get("amp"),
+            phases=tuple((k, PhaseTime.from_dict(v)) for k, v in d["phases"].items()),
+            ratios=tuple(d["ratios"].items()),
+            flop_ratios=tuple(d["flop_ratios"].items()),
+            layers=tuple(LayerTime.from_dict(L) for L in d.get("layers", ())),
+            ops=tuple(OpTime.from_dict(o) for o in d.get("ops", ())),
+        )
+
+
+@dataclass(frozen=True)
 class Report:
     """Everything ``graphflop inspect`` reports about one model.
 
@@ -695,6 +848,8 @@ class Report:
         assumptions: one line per assumption the counts rest on beyond the shapes (the rows
             of a data-dependent expert dispatch under a routing model); in the JSON only where
             there is one.
+        time: predicted times on a device (:class:`TimeReport`), when one was asked for; in
+            the JSON only then.
     """
 
     model: str
@@ -714,6 +869,7 @@ class Report:
     uncounted: tuple[Uncounted, ...] = ()
     ops: tuple[OpRow, ...] = ()
     assumptions: tuple[str, ...] = ()
+    time: TimeReport | None = None
 
     @property
     def has_backward(self) -> bool:
@@ -793,6 +949,8 @@ class Report:
         }
         if self.assumptions:
             out["assumptions"] = list(self.assumptions)
+        if self.time is not None:
+            out["time"] = self.time.to_dict()
         return out
 
     @classmethod
@@ -824,6 +982,7 @@ class Report:
             uncounted=tuple(Uncounted.from_dict(u) for u in d.get("uncounted", ())),
             ops=tuple(OpRow.from_dict(o) for o in d.get("ops", ())),
             assumptions=tuple(d.get("assumptions", ())),
+            time=TimeReport.from_dict(d["time"]) if "time" in d else None,
         )
 
 
@@ -872,9 +1031,13 @@ __all__ = [
     "LayerRow",
     "Memory",
     "OpRow",
+    "OpTime",
+    "LayerTime",
+    "PhaseTime",
     "Ratios",
     "Report",
     "TrainStepTotals",
+    "TimeReport",
     "Totals",
     "Uncounted",
     "UpdateTotals",

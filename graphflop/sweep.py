@@ -2,7 +2,8 @@
 
 Each point traces the model afresh at that batch size or depth (on the meta device: no memory)
 and records the ratio with and without the update, the forward and backward FLOPs and the
-update's.
+update's; with device profiles, the same ratio in predicted time on each
+(:mod:`graphflop.passes.step_time`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any
 from graphflop.analysis import AnalyzeOptions, analyze
 from graphflop.frontend.loss import NO_FLOAT_OUTPUT
 from graphflop.load import SpecError, load, make_inputs
+from graphflop.passes.step_time import time_report
+from graphflop.passes.summary import Graphs
+from graphflop.passes.time_profile import TimeProfile
 
 DEPTH_ARGS = ("middle_layers", "depth", "num_layers", "n_layers", "layers")
 
@@ -47,12 +51,18 @@ def sweep(
     batch: int | None = None,
     seq: int | None = None,
     progress: Callable[[str], None] | None = None,
+    devices: Sequence[TimeProfile] = (),
 ) -> list[dict[str, Any]]:
     """One row per batch size (``batches``) or per depth (``depths``); ``seq``: the sequence
     length of an ``hf:`` model's token inputs (:func:`graphflop.load.load`).
 
     Row keys: ``batch`` or ``depth``, ``forward_flops``, ``backward_flops``, ``update_flops``,
-    ``ratio`` ((backward + update)/forward), ``ratio_no_update``, ``params``.
+    ``ratio`` ((backward + update)/forward), ``ratio_no_update``, ``params``; per profile of
+    ``devices`` (:mod:`graphflop.passes.step_time`), ``time_ratio@NAME`` ((backward + update) /
+    forward in predicted seconds), ``forward_s@NAME`` and ``train_step_s@NAME``.
+
+    Raises:
+        NoPeak: a matrix product in a dtype a profile of ``devices`` has no rate for.
 
     Raises:
         SpecError: the model's output has nothing to differentiate (no backward to compare).
@@ -72,7 +82,8 @@ def sweep(
         loaded.model.train()
         inputs = make_inputs(loaded, batch=value if kind == "batch" else batch)
         options = AnalyzeOptions(optimizer=optimizer, jvp=False)
-        r = analyze(loaded.model, inputs, options, name=loaded.name).report
+        a = analyze(loaded.model, inputs, options, name=loaded.name)
+        r = a.report
         if r.loss == "none":  # nothing to differentiate: a sweep compares backward and forward
             raise SpecError(
                 f"sweep needs a backward, but {NO_FLOAT_OUTPUT} ({spec}): return the logits or "
@@ -91,6 +102,15 @@ def sweep(
                 "params": r.params,
             }
         )
+        for profile in devices:
+            tr = time_report(Graphs(a.forward, a.backward, a.update), r, profile)
+            fwd, step = tr.phase("forward"), tr.phase("train_step")
+            assert fwd is not None and step is not None  # a backward was built
+            rows[-1] |= {
+                f"time_ratio@{profile.name}": dict(tr.ratios)["backward_forward"],
+                f"forward_s@{profile.name}": fwd.seconds,
+                f"train_step_s@{profile.name}": step.seconds,
+            }
     return rows
 
 
@@ -106,12 +126,18 @@ def plot(rows: list[dict[str, Any]], path: str, *, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     ax.plot(xs, [r["ratio"] for r in rows], "o-", label="(backward + update) / forward")
     ax.plot(xs, [r["ratio_no_update"] for r in rows], "s--", label="backward / forward")
+    for key in (k for k in rows[0] if k.startswith("time_ratio@")):
+        name = key.partition("@")[2]
+        ax.plot(
+            xs, [r[key] for r in rows], "^-", label=f"(backward + update) / forward, time on {name}"
+        )
     for y in (1, 2, 3):
         ax.axhline(y, color="grey", lw=0.6, ls=":")
     if min(xs) > 0 and max(xs) / max(min(xs), 1) > 10:
         ax.set_xscale("log", base=2 if kind == "batch" else 10)
     ax.set_xlabel("batch size" if kind == "batch" else "depth")
-    ax.set_ylabel("FLOP ratio")
+    timed = any(k.startswith("time_ratio@") for k in rows[0])
+    ax.set_ylabel("ratio (FLOPs; predicted time)" if timed else "FLOP ratio")
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()

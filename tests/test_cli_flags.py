@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from graphflop.cli import build_parser, main
+from graphflop.passes.time_profile import resolve_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = str(ROOT / "models" / "mlp.py")
@@ -82,6 +83,7 @@ ANALYSIS_CASES = {
     "keep_grads": (["--keep-grads"], {"keep_grads": True}),
     "checkpoint": (["--checkpoint", "layers.*"], {"checkpoint": "layers.*"}),
     "amp": (["--amp", "bf16"], {"amp": "bf16"}),
+    "device": (["--device", "h100-sxm"], {"time_profile": resolve_profile("h100-sxm")}),
 }
 # flags that change only the table, files or messages: the document is the default one
 PRESENTATION_CASES = {

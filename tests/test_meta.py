@@ -56,5 +56,6 @@ def test_values_are_frozen():
         meta.ForwardGradientInfo,
         meta.OutlineInfo,
         meta.MemoryInfo,
+        meta.NodeTime,
     ):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls

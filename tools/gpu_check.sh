@@ -32,3 +32,14 @@ w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
 for row in [head, *rows]:
     print("  ".join(str(x).ljust(n) for x, n in zip(row, w)))
 PY
+# Predicted against measured step time on the GPU (tools/bench_time.py): calibrate the GPU,
+# then time MLP, CNN, ResNet-18 and GPT-2 small in eager PyTorch on CUDA beside graphflop's
+# prediction from the H100 SXM data sheet (before) and from the calibration (after). Nothing
+# depends on it: a failure prints where its log is.
+if "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  timeout 900 "$py" tools/bench_time.py --device cuda --calibrate --gpu-spec h100-sxm \
+    --save-profile "$out/cuda_profile.json" --repeat 5 --doc "$out/time.md" \
+    --json "$out/time.json" > "$out/time.txt" 2>&1 \
+    && echo "predicted vs measured step time: $out/time.md" \
+    || echo "bench_time on cuda failed: see $out/time.txt"
+fi

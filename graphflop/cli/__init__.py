@@ -39,7 +39,7 @@ __all__ = ["COMMANDS", "EXIT_USAGE", "EXIT_VERIFY_FAILED", "build_parser", "entr
 
 #: the subcommands (each the module ``graphflop.cli.<name>``), in the order ``--help`` lists
 #: them; imported when the parser is built, so ``python -m graphflop.cli.train`` runs cleanly
-COMMANDS = ("inspect", "export", "bench", "render", "train", "sweep", "models")
+COMMANDS = ("inspect", "export", "bench", "render", "train", "sweep", "models", "calibrate")
 
 
 def _command(name: str) -> ModuleType:

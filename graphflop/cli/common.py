@@ -41,12 +41,14 @@ OPTIMIZER_CHOICES = list(OPTIMIZERS)
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exception types that are the user's to fix (reported in one line, exit 2)."""
+    from graphflop.devices import NoPeak, UnknownDevice
     from graphflop.export.graphviz import RenderError
     from graphflop.export.onnx import OnnxExportError
     from graphflop.frontend.trace import TraceError
     from graphflop.load import SpecError
     from graphflop.ops import MissingRuleError
     from graphflop.passes.checkpoint import CheckpointPatternError
+    from graphflop.passes.time_profile import ProfileError
     from graphflop.runtime.bench import BenchError
     from graphflop.runtime.onnxrt import DeviceError
     from graphflop.train.config import TrainError
@@ -63,6 +65,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
         DeviceError,
         BenchError,
         CheckpointPatternError,
+        UnknownDevice,
+        NoPeak,
+        ProfileError,
     )
 
 

@@ -122,6 +122,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "experts key. A loop over experts (torch.where(idx == e)) gets each expert's rows from "
         "it (balanced or a histogram), recorded in the report's assumptions",
     )
+    p.add_argument(
+        "--device",
+        metavar="NAME|FILE.json",
+        default=None,
+        help="predict every node's time on this device: a data-sheet device (h100, ...), cpu "
+        "(a guess for this CPU) or a profile file from 'graphflop calibrate'; adds time columns "
+        "and the bound to the tables and 'time' to the JSON (--amp bf16|fp16: matrix products "
+        "and convolutions at that dtype's peak)",
+    )
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
     p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
@@ -241,6 +250,11 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
     from graphflop.ops import strict_rules
 
     _check(args)
+    profile = None
+    if args.device is not None:  # a bad device or profile file: one line, before any work
+        from graphflop.passes.time_profile import resolve_profile
+
+        profile = resolve_profile(args.device)
     loaded, inputs = load_model(args)
     _check_routing(args, loaded)
     why = _backward_option(args)
@@ -263,6 +277,7 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
             keep_grads=args.keep_grads,
             checkpoint=args.checkpoint,
             amp=args.amp,
+            time_profile=profile,
         )
         analysis = analyze_model(args, loaded, inputs, status, err=err, why=why, options=options)
     report = analysis.report

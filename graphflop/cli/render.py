@@ -64,6 +64,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="optimizer whose update graph is built (default sgd)",
     )
     p.add_argument(
+        "--device",
+        metavar="NAME|FILE.json",
+        default=None,
+        help="predict each node's time on this device (a data-sheet device, cpu, or a "
+        "'graphflop calibrate' file): shown in op labels; with --color time it fills the boxes",
+    )
+    p.add_argument(
+        "--color",
+        choices=["flops", "time"],
+        default="flops",
+        help="what fills the op boxes: FLOPs (default) or predicted time on --device (op "
+        "level), each on a log scale with a legend",
+    )
+    p.add_argument(
         "--profile-json",
         metavar="PATH",
         help="measured times per module: the JSON of graphflop bench --profile --json",
@@ -103,12 +117,30 @@ def run(args: argparse.Namespace, err: Console) -> int:
     check_output_file(args.output, "--output", sorted(FORMATS))
     check_distinct_outputs({"--output": args.output}, args.spec)
     profile = _read_profile(args.profile_json)
+    time_profile = None
+    if args.color == "time" and args.device is None:
+        from graphflop.load import SpecError
+
+        raise SpecError("--color time fills boxes with predicted time: add --device NAME|FILE")
+    if args.device is not None:  # a bad device or profile file: one line, before any work
+        from graphflop.passes.time_profile import resolve_profile
+
+        time_profile = resolve_profile(args.device)
+    if args.color == "time" and args.level == "module":
+        from graphflop.load import SpecError
+
+        raise SpecError("--color time is drawn at op level: use --level op (or auto)")
     loaded, inputs = load_model(args)
     explicit = args.graph not in (None, "forward")
     why = f"--graph {args.graph}" if explicit else None
     check_backward_possible(args, loaded, inputs, why=why)
     with err.status("analysing", spinner="dots") as status:
-        analysis = analyze_model(args, loaded, inputs, status, err=err, why=why)
+        options = None
+        if time_profile is not None:
+            from graphflop.analysis import AnalyzeOptions
+
+            options = AnalyzeOptions(time_profile=time_profile)
+        analysis = analyze_model(args, loaded, inputs, status, err=err, why=why, options=options)
         graph = "forward" if analysis.report.loss == "none" else (args.graph or "train")
         print_warnings(err, analysis)
         status.update("rendering")
@@ -119,6 +151,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             level=args.level,
             profile=profile,
             module=args.module,
+            color=args.color,
         )
     print(args.output)
     return 0

@@ -53,6 +53,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         choices=OPTIMIZER_CHOICES,
         help="optimizer whose update graph is built (default sgd)",
     )
+    p.add_argument(
+        "--device",
+        action="append",
+        default=None,
+        metavar="NAME|FILE.json",
+        help="also give the ratio in predicted time on this device (repeatable: --device h100 "
+        "--device cpu.json); a data-sheet device, cpu or a 'graphflop calibrate' file",
+    )
     p.add_argument("--csv", metavar="PATH", help="write the table as CSV")
     p.add_argument("--plot", metavar="PATH", help="write a plot (.png, .svg or .pdf)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
@@ -99,6 +107,12 @@ def run(args: argparse.Namespace, err: Console) -> int:
             "a depth sweep with --batch)"
         )
     _check(args, batches)
+    from graphflop.passes.time_profile import resolve_profile
+
+    profiles = [resolve_profile(d) for d in args.device or ()]
+    names = [p.name for p in profiles]
+    if len(set(names)) != len(names):
+        raise SpecError(f"--device names {', '.join(names)}: give each device once")
     _check_differentiable(args)
     with err.status("sweeping", spinner="dots") as status:
         rows = sweep(
@@ -111,6 +125,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             batch=args.batch,
             seq=args.seq,
             progress=lambda m: status.update(f"sweeping: {m}"),
+            devices=profiles,
         )
     _print_table(args, rows, "batch" if batches else "depth")
     _write(args, rows)
@@ -161,11 +176,15 @@ def _check_differentiable(args: argparse.Namespace) -> None:
 def _print_table(args: argparse.Namespace, rows: list[dict], kind: str) -> None:
     from rich.table import Table
 
-    from graphflop.export.report import human
+    from graphflop.export.report import human, human_seconds
 
     table = Table(title=f"{args.spec}: backward/forward FLOP ratio ({args.optimizer})")
+    timed = [k.partition("@")[2] for k in rows[0] if k.startswith("time_ratio@")]
     for col in (kind, "forward", "backward", "update", "(bwd+upd)/fwd", "bwd/fwd"):
         table.add_column(col, justify="right")
+    for name in timed:
+        table.add_column(f"step time {name}", justify="right")
+        table.add_column(f"(bwd+upd)/fwd time {name}", justify="right")
     for r in rows:
         table.add_row(
             str(r.get(kind, r.get("depth"))),
@@ -174,6 +193,14 @@ def _print_table(args: argparse.Namespace, rows: list[dict], kind: str) -> None:
             human(r["update_flops"]),
             f"{r['ratio']:.3f}",
             f"{r['ratio_no_update']:.3f}",
+            *(
+                cell
+                for name in timed
+                for cell in (
+                    human_seconds(r[f"train_step_s@{name}"]),
+                    f"{r[f'time_ratio@{name}']:.3f}",
+                )
+            ),
         )
     stdout_console().print(table)
 

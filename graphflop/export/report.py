@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from graphflop.meta import FUNCTION_LABEL
-from graphflop.report import OP_PHASES, LayerRow, OpRow, Report, Uncounted
+from graphflop.report import OP_PHASES, LayerRow, LayerTime, OpRow, Report, TimeReport, Uncounted
 
 UNITS = ("flops", "macs")
 
@@ -47,6 +47,16 @@ def _r(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
+def human_seconds(s: float | None) -> str:
+    """0.00123 → '1.23 ms'; None → '–'."""
+    if s is None:
+        return "–"
+    for div, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+        if abs(s) >= div:
+            return f"{s / div:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns" if s else "0"
+
+
 def print_report(
     r: Report,
     console: Console | None = None,
@@ -72,6 +82,8 @@ def print_report(
             rows = [o for o in r.ops if o.phase == phase]
             if rows:
                 console.print(_op_table(r, phase, rows, units))
+            if r.time is not None and any(o.phase == phase for o in r.time.ops):
+                console.print(_kernel_table(r, r.time, phase))
     else:
         layers = r.layers_at_depth(depth) if depth is not None else r.layers
         console.print(_layer_table(r, layers, max_layers, units))
@@ -79,6 +91,8 @@ def print_report(
         if hidden:
             console.print(f"[dim]{hidden}[/dim]")
     console.print(_totals_table(r, units))
+    if r.time is not None:
+        console.print(_time_table(r.time))
     for line in _summary_lines(r):
         console.print(line)
 
@@ -103,11 +117,107 @@ def _layer_table(r: Report, layers: tuple[LayerRow, ...], max_layers: int, units
     if r.has_jvp:
         table.add_column("jvp", justify="right")
         table.add_column("jvp/fwd", justify="right", style="bold")
+    times = _layer_times(r.time, layers) if r.time is not None else None
+    if times is not None:
+        table.add_column("fwd time", justify="right")
+        if r.has_backward:
+            table.add_column("bwd+upd time", justify="right")
+        table.add_column("bound", justify="left")
     shown = _shown_layers(layers, max_layers)
     for L in layers:
         if id(L) in shown and (L.params or L.forward_flops or L.backward_flops or L.jvp_flops):
-            table.add_row(*_layer_cells(r, L))
+            cells = _layer_cells(r, L)
+            if times is not None:
+                t = times.get(L.name)
+                cells.append(human_seconds(t.forward_s) if t else "")
+                if r.has_backward:
+                    cells.append(human_seconds(t.backward_s + t.update_s) if t else "")
+                cells.append(t.bound if t else "")
+            table.add_row(*cells)
     return table
+
+
+def _layer_times(tr: TimeReport, layers: tuple[LayerRow, ...]) -> dict[str, LayerTime]:
+    """Each shown row's predicted times: its module's, or, for a row rolled up to a shorter
+    path, the sum of the modules under it (the bound of the one with the most forward
+    time)."""
+    by = {t.name: t for t in tr.layers}
+    out: dict[str, LayerTime] = {}
+    for L in layers:
+        if L.name in by and not any(o.name.startswith(L.name + ".") for o in layers):
+            under = [by[L.name]]
+        else:
+            under = [t for n, t in by.items() if n == L.name or n.startswith(L.name + ".")]
+        if not under:
+            continue
+        top = max(under, key=lambda t: t.forward_s)
+        out[L.name] = LayerTime(
+            name=L.name,
+            forward_s=sum(t.forward_s for t in under),
+            backward_s=sum(t.backward_s for t in under),
+            update_s=sum(t.update_s for t in under),
+            jvp_s=sum(t.jvp_s for t in under),
+            bound=top.bound,
+        )
+    return out
+
+
+def _kernel_table(r: Report, tr: TimeReport, phase: str) -> Table:
+    """One phase's predicted time by eager kernel, most time first."""
+    rows = sorted((o for o in tr.ops if o.phase == phase), key=lambda o: -o.seconds)
+    total = sum(o.seconds for o in rows)
+    table = Table(
+        title=f"{r.model} — {phase} predicted time by eager kernel on {tr.device}",
+        header_style="bold",
+    )
+    for col in ("kernel", "count", "time", "compute", "memory", "overhead", "bound", "share"):
+        table.add_column(col, justify="left" if col in ("kernel", "bound") else "right")
+    for o in rows:
+        table.add_row(
+            o.op,
+            str(o.kernels),
+            human_seconds(o.seconds),
+            human_seconds(o.compute_s),
+            human_seconds(o.memory_s),
+            human_seconds(o.overhead_s),
+            o.bound,
+            f"{100 * o.seconds / total:.1f}%" if total else "–",
+        )
+    return table
+
+
+def _time_table(tr: TimeReport) -> Table:
+    """Predicted time per phase: compute, memory and overhead parts, kernels, FLOP/s."""
+    what = "measured rates" if tr.source == "calibrated" else "data sheet × efficiency"
+    amp = f", autocast {tr.amp}" if tr.amp else ""
+    table = Table(
+        title=f"predicted time on {tr.title} ({what}{amp})",
+        header_style="bold",
+    )
+    for col in ("phase", "time", "compute", "memory", "overhead", "kernels", "FLOP/s"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for name, p in tr.phases:
+        table.add_row(
+            name.replace("_", " "),
+            human_seconds(p.seconds),
+            human_seconds(p.compute_s),
+            human_seconds(p.memory_s),
+            human_seconds(p.overhead_s),
+            str(p.kernels),
+            human(p.flops / p.seconds if p.seconds else None),
+        )
+    return table
+
+
+def time_lines(tr: TimeReport) -> list[str]:
+    """The ratios in predicted time beside the same ratios in FLOPs."""
+    t, f = dict(tr.ratios), dict(tr.flop_ratios)
+    parts = [
+        f"{k} [bold]{_r(t[k])}[/bold] (FLOPs {_r(f.get(k))})"
+        for k in ("Rb", "Rf", "Rf_over_Rb", "jvp_forward")
+        if t.get(k) is not None
+    ]
+    return [f"in predicted time on {tr.device}: " + ", ".join(parts)] if parts else []
 
 
 def _layer_macs_table(r: Report, layers: tuple[LayerRow, ...], max_layers: int) -> Table:
@@ -355,6 +465,8 @@ def _summary_lines(r: Report) -> list[str]:
         )
         mem.append(f"jvp peak {human_bytes(m.jvp_peak_bytes)}")
     lines.append("memory: " + ", ".join(mem))
+    if r.time is not None:
+        lines += time_lines(r.time)
     ck, amp = m.checkpoint, m.amp
     if ck:  # the what-ifs of --checkpoint and --amp (their JSON: memory.checkpoint, .amp)
         lines.append(

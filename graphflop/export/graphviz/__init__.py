@@ -146,6 +146,7 @@ def render(
     max_op_nodes: int = 400,
     collapse_loss: bool = True,
     module: str | None = None,
+    color: str = "flops",
 ) -> str:
     """Draw ``analysis``'s graphs with Graphviz; return the DOT source, and write ``path``.
 
@@ -169,6 +170,9 @@ def render(
             ops in each graph) as one node per graph.
         module: draw one module's subtree only (``"h.0"``, ``"layer3.1"``); ``auto`` then means
             ``op``. Edges crossing its border end in small boxes naming the module outside.
+        color: what fills the op boxes: ``flops`` (log scale) or ``time`` (each node's
+            predicted time on the analysis's device, log scale, with its bound in the label;
+            the analysis needs a time profile, and the picture is at op level).
 
     Returns:
         The DOT source that was rendered (without ``path``: the first layout below).
@@ -184,8 +188,8 @@ def render(
         render; above 5,000 (``output.MAX_DOT_OP_NODES``) only a ``.dot`` source is written.
 
     Raises:
-        RenderError: unknown ``graph``/``level``/suffix/``module``, a graph the analysis did
-            not build,
+        RenderError: unknown ``graph``/``level``/suffix/``module``/``color``, a graph the
+            analysis did not build, ``color="time"`` without predicted times or at module level,
             ``dot`` missing for a non-``.dot`` format (one line saying how to install it),
             ``dot`` failing or timing out, more op nodes than ``dot`` can lay out in time.
     """
@@ -208,6 +212,17 @@ def render(
     if level == "auto":
         small = module is not None or count_op_nodes(analysis, graph) <= max_op_nodes
         level = "op" if small else "module"
+    if color not in ("flops", "time"):
+        raise RenderError(f"unknown color {color!r}: choose flops or time")
+    if color == "time" and getattr(analysis.report, "time", None) is None:
+        raise RenderError(
+            "color by time needs predicted times: analyse with a device (--device NAME|FILE)"
+        )
+    if color == "time" and level != "op":
+        raise RenderError(
+            "color by time is drawn at op level: add --level op (with --module PATH for a large "
+            "model)"
+        )
     prof = normalise_profile(profile, graph)
     if prof:
         modules = {n.meta.get(MODULE) for n in analysis.forward.graph.nodes} - {None}
@@ -217,7 +232,7 @@ def render(
                 f"the profile names no module of this model ({shown}{', ...' if len(prof) > 3 else ''}"
                 "): give the JSON that graphflop bench --profile --json wrote for this model"
             )
-    variants = _variants(analysis, graph, level, prof, collapse_loss, module)
+    variants = _variants(analysis, graph, level, prof, collapse_loss, module, color)
     if path is None:
         return variants[0]()
     assert fmt is not None, "set from path's suffix above"
@@ -237,6 +252,7 @@ def _variants(
     profile: dict[str, float],
     collapse_loss: bool,
     module: str | None = None,
+    color: str = "flops",
 ) -> list[Callable[[], str]]:
     """The layouts to try, in order, each a callable returning its DOT source.
 
@@ -254,7 +270,7 @@ def _variants(
             aligned: bool, newrank: bool = False, clusters: bool = True, tangents: bool = True
         ) -> str:
             scene = op_scene(
-                analysis, graph, profile, collapse_loss, aligned, clusters, module, tangents
+                analysis, graph, profile, collapse_loss, aligned, clusters, module, tangents, color
             )
             return to_digraph(scene, newrank=newrank or aligned).source
 

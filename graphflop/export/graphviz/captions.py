@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from graphflop.export.graphviz import facts
@@ -29,15 +30,27 @@ def time_text(s: float | None) -> str:
     return f"{s * 1e6:.3g} µs"
 
 
-def legend(scale: FlopScale, what: str, roles: list[str], items: list[LegendItem]) -> Legend:
-    """The legend: ``what`` the fill measures on ``scale``, the ``roles`` drawn, ``items``."""
+def legend(
+    scale: FlopScale,
+    what: str,
+    roles: list[str],
+    items: list[LegendItem],
+    tick: Callable[[int], str] = human,
+) -> Legend:
+    """The legend: ``what`` the fill measures on ``scale`` (its stops written by ``tick``), the
+    ``roles`` drawn, ``items``."""
     return Legend(
         what=what,
         colormap=COLORMAP,
-        ticks=tuple((c, human(v)) for c, v in scale.ticks()),
+        ticks=tuple((c, tick(v)) for c, v in scale.ticks()),
         roles=tuple((r, role_colour(r)) for r in roles),
         items=tuple(items),
     )
+
+
+def nanoseconds_text(ns: int) -> str:
+    """A time scale's stop, given in nanoseconds: ``1.5 µs``."""
+    return time_text(ns * 1e-9)
 
 
 def legend_items(ghost_words: list[str], residuals: bool, params: bool) -> list[LegendItem]:

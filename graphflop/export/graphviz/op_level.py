@@ -54,6 +54,7 @@ def op_scene(
     clusters: bool = True,
     module: str | None = None,
     align_tangents: bool = True,
+    color: str = "flops",
 ) -> Scene:
     """The op-level picture ``graph`` of analysis ``a``.
 
@@ -69,12 +70,14 @@ def op_scene(
             an edge crossing its border ends in a small box naming the module outside.
         align_tangents: with ``aligned``, pull the tangent nodes level with their forward
             ops too (else only the backward's).
+        color: what fills the op boxes: ``flops`` or ``time`` (each node's predicted time,
+            ``TIME``, written when the analysis had a time profile).
 
     Raises:
         RenderError: ``module`` has no ops in the forward graph.
     """
     check_module(a, module)
-    s = _OpScene(a, graph, profile, collapse_loss)
+    s = _OpScene(a, graph, profile, collapse_loss, color)
     s.root = module
     return s.build(aligned, clusters, align_tangents)
 

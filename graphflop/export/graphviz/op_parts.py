@@ -21,7 +21,7 @@ from graphflop.export.graphviz.palette import (
 )
 from graphflop.export.graphviz.scene import Box, Canvas, Card, Edge, GhostCard, Scene
 from graphflop.export.report import human, human_bytes
-from graphflop.meta import COST, KIND, MODULE, PARAM, ROLE, SOURCE, ZERO_COST
+from graphflop.meta import COST, KIND, MODULE, PARAM, ROLE, SOURCE, TIME, ZERO_COST
 
 #: graph key → phase column in the combined (``train``/``all``) pictures
 PHASES = {"f": "forward", "b": "backward", "u": "backward", "j": "tangent"}
@@ -48,6 +48,8 @@ class _Op:
     cost: Any
     tooltip: str
     ops: int = 0  # a collapsed loss: ops drawn as this one box
+    seconds: float | None = None  # predicted time (TIME), when the analysis has one
+    bound: str = ""
 
 
 @dataclass
@@ -63,8 +65,16 @@ class _Residual:
 class OpParts:
     """Boxes and edges of an op-level picture, gathered per graph key, then assembled."""
 
-    def __init__(self, a: Any, graph: str, profile: dict[str, float], collapse_loss: bool):
+    def __init__(
+        self,
+        a: Any,
+        graph: str,
+        profile: dict[str, float],
+        collapse_loss: bool,
+        color: str = "flops",
+    ):
         self.a = a
+        self.color = color  # what fills the op boxes: "flops" or "time" (predicted)
         self.graph = graph
         self.profile = profile
         self.collapse_loss = collapse_loss
@@ -112,6 +122,10 @@ class OpParts:
             cost=cost,
             tooltip=self._tooltip(n, role, cost),
         )
+        t = n.meta.get(TIME)
+        if t is not None:
+            self.pending[nid].seconds = t.seconds
+            self.pending[nid].bound = t.bound
         self.ids[(key, n.name)] = nid
         return nid
 
@@ -130,6 +144,9 @@ class OpParts:
         a = self.pending[nid]
         a.ops += 1
         a.cost = a.cost + cost
+        t = n.meta.get(TIME)
+        if t is not None:
+            a.seconds = (a.seconds or 0.0) + t.seconds
         a.shape = f"{a.ops} ops (drawn as one node)"
         a.tooltip = (
             f"{a.ops} loss ops, {a.cost.flops} FLOPs, "
@@ -327,9 +344,17 @@ class OpParts:
         if cost.flops or cost.bytes_written:
             fl = f"{human(cost.flops)} FLOPs" if cost.flops else "0 FLOPs"
             lines.append(f"{fl} · {human_bytes(cost.bytes_read + cost.bytes_written)}")
+        if self.color == "time" and a.seconds is not None:
+            lines.append(f"{captions.time_text(a.seconds)}" + (f" · {a.bound}" if a.bound else ""))
         where = "" if self.clusters or not a.module else f" · {a.module}"
-        label = Card(a.op, where, role_colour(a.role), scale.colour(cost.flops), tuple(lines))
+        label = Card(a.op, where, role_colour(a.role), scale.colour(self._fill(a)), tuple(lines))
         return Box(nid, "op", label, role=a.role, tooltip=a.tooltip)
+
+    def _fill(self, a: _Op) -> int:
+        """What a box's fill measures: its FLOPs, or its predicted time in nanoseconds."""
+        if self.color == "time":
+            return round((a.seconds or 0.0) * 1e9)
+        return a.cost.flops
 
     def _align(self, tangents: bool = True) -> None:
         """Pull each forward op onto the rank of the largest backward (and, with ``tangents``,
@@ -359,7 +384,7 @@ class OpParts:
         data edges, cluster labels (class name, measured time), title and legend."""
         self.home.update({nid: a.module for nid, a in self.pending.items()})
         kept = {nid: a for nid, a in self.pending.items() if _under(a.module, self.root)}
-        scale = FlopScale([a.cost.flops for a in kept.values()])
+        scale = FlopScale([self._fill(a) for a in kept.values()])
         if self.phase and aligned:
             self._align(align_tangents)
         for nid, a in kept.items():
@@ -381,7 +406,12 @@ class OpParts:
         roles = [r for r in ROLE_COLOURS if r in self.roles]
         items = captions.legend_items(self.ghost_words, self.has_residuals, True)
         items += captions.edge_items({e.style for e in self.cv.edges})
-        legend = captions.legend(scale, "FLOPs per node", roles, items)
+        if self.color == "time":
+            t = self.a.report.time
+            what = f"predicted time per node on {t.device if t is not None else '?'}"
+            legend = captions.legend(scale, what, roles, items, captions.nanoseconds_text)
+        else:
+            legend = captions.legend(scale, "FLOPs per node", roles, items)
         return self.cv.scene(
             captions.title(self.a, self.graph, "op", self.root), legend, self.clusters
         )

@@ -1,0 +1,512 @@
+"""Time pass: every node's predicted seconds on one device, and their roll-up per phase, role,
+module and op (:class:`~graphflop.report.TimeReport`).
+
+One **eager kernel** at a time: eager PyTorch runs a composite op (layer norm, softmax, GELU,
+batch norm, fused attention, cross-entropy's pieces: the ops
+:mod:`graphflop.frontend.composite` tags) as one kernel where graphflop's graph holds its
+decomposition, and runs that op's backward (or its tangent formula) as one kernel too. So the
+nodes of one decomposition, and the nodes derived from it (``SOURCE`` in the decomposition: its backward's
+cotangents and coefficients, or its tangent formula), are timed as one kernel: one launch overhead, and the bytes the
+kernel reads from outside and writes for outside, not the decomposition's temporaries. Every
+other node is its own kernel. A kernel's time is
+
+    max(compute_s, memory_s) + overhead_s
+    compute_s = matrix FLOPs / achieved matmul-or-conv FLOP/s
+                + transcendental elements / achieved rate + other FLOPs / achieved FLOP/s
+    memory_s  = bytes read and written / achieved bandwidth
+
+with the achieved rates of a :class:`~graphflop.passes.time_profile.TimeProfile` at the
+kernel's size, in the dtype of its inputs (under autocast, matrix products and convolutions in
+the autocast dtype, and each value's bytes at the dtype autocast gives it,
+:func:`graphflop.passes.amp.amp_dtypes`; parameters, their gradients and the update stay
+float32). The bound is
+the largest of the three terms. Each node of a kernel carries its share of the kernel's time
+(by FLOPs for a compute-bound kernel, by bytes for a memory-bound one, evenly for an
+overhead-bound one), so sums over nodes are sums over kernels.
+
+Reads ``val``, ``COST``, ``COMPOSITE``, ``SOURCE``, ``KIND``, ``ROLE``, ``MODULE``; writes
+``TIME`` (:class:`~graphflop.meta.NodeTime`) on every ``call_function`` node it times.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+
+from graphflop.meta import (
+    BOUNDS,
+    COMPOSITE,
+    COST,
+    KIND,
+    MODULE,
+    PARAM,
+    ROLE,
+    SOURCE,
+    TIME,
+    ZERO_COST,
+    NodeTime,
+)
+from graphflop.ops import op_name
+from graphflop.passes.eager_kernels import is_view
+from graphflop.passes.eager_memory import _regions
+from graphflop.passes.flops import tensor_bytes
+from graphflop.passes.summary import Graphs
+from graphflop.passes.time_profile import THIN_ROWS, TimeProfile
+from graphflop.report import LayerRow, LayerTime, OpTime, PhaseTime, Report, TimeReport
+
+__all__ = ["UPDATE_KERNEL", "Kernel", "annotate_time", "eager_kernels", "time_report"]
+
+#: autocast dtype names -> dtype keys
+_AMP = {"bf16": "bfloat16", "fp16": "float16", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+#: the kernel name of one parameter's optimizer update
+UPDATE_KERNEL = "optimizer.update"
+
+
+@dataclass
+class Kernel:
+    """One eager kernel of a graph: its nodes (in graph order), its name, and whether it is a
+    forward op (not a backward or tangent kernel derived from one)."""
+
+    name: str
+    nodes: list[Node]
+    forward: bool = True
+
+
+def _region_of(forward: GraphModule) -> dict[str, tuple[int, str]]:
+    """Forward node name -> (its composite op's occurrence number, the composite op)."""
+    out: dict[str, tuple[int, str]] = {}
+    for i, region in enumerate(_regions(forward)):
+        op = region[0].meta[COMPOSITE].op
+        for n in region:
+            out[n.name] = (i, op)
+    return out
+
+
+def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
+    """``gm``'s ``call_function`` nodes (``getitem`` left out) grouped into the kernels eager
+    PyTorch runs: one per composite op occurrence of ``forward`` for its primal nodes (its
+    forward) and one for the nodes derived from it (its backward's cotangents and the
+    coefficients they need, or its tangent formula); one per parameter's optimizer update
+    (:data:`UPDATE_KERNEL`: ``torch.optim``'s single-tensor step updates each parameter in
+    place, SGD's with one ``add_`` that reads the parameter and its gradient and writes the
+    parameter, where graphflop's update graph makes new tensors; timed at the profile's
+    in-place bandwidth where it has one); one per other node; in the
+    order of each kernel's first node."""
+    region_of = _region_of(forward)
+    kernels: dict[object, Kernel] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        hit = region_of.get(n.meta.get(SOURCE, ""))
+        key: object
+        if n.meta.get(ROLE) == "update" and n.meta.get(KIND) == "update":
+            key = ("update", n.meta.get(SOURCE))
+            if key not in kernels:
+                kernels[key] = Kernel(UPDATE_KERNEL, [])
+            kernels[key].nodes.append(n)
+        elif hit is not None:
+            kind = "primal" if n.meta.get(KIND) in (None, "primal") else "derivative"
+            key = (hit[0], kind, n.meta.get(ROLE) == "recompute")
+            if key not in kernels:
+                kernels[key] = Kernel(hit[1], [], forward=kind == "primal")
+            kernels[key].nodes.append(n)
+        else:
+            primal = n.meta.get(KIND) in (None, "primal")
+            kernels[n] = Kernel(op_name(n.target), [n], forward=primal)
+    return list(kernels.values())
+
+
+def _dtype_key(n: Node) -> str:
+    """The dtype a node computes in: its first floating tensor input's (a matrix product's
+    operands), else its output's."""
+    for a in n.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return str(v.dtype).removeprefix("torch.")
+    v = n.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        v = next((x for x in v if isinstance(x, torch.Tensor)), None)
+    if isinstance(v, torch.Tensor):
+        return str(v.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def _mm_class(n: Node) -> str:
+    """``conv``, ``matmul_thin`` (a product with a dimension of at most
+    :data:`~graphflop.passes.time_profile.THIN_ROWS`: rows, columns or the contracted one) or
+    ``matmul``."""
+    if "convolution" in op_name(n.target):
+        return "conv"
+    out = n.meta.get("val")
+    mats = [
+        v
+        for a in n.all_input_nodes
+        if isinstance(v := a.meta.get("val"), torch.Tensor) and v.dim() >= 2
+    ]
+    if isinstance(out, torch.Tensor) and out.dim() >= 2 and mats:
+        dims = (out.shape[-2], out.shape[-1], mats[0].shape[-1])
+        if min(dims) <= THIN_ROWS:
+            return "matmul_thin"
+    return "matmul"
+
+
+#: a tensor-valued node -> its bytes under autocast (None: as traced)
+_Sizer = Callable[[Node], int] | None
+
+
+def _size(a: Node, sizer: _Sizer) -> int:
+    return sizer(a) if sizer is not None else tensor_bytes(a.meta.get("val"))
+
+
+def _kernel_bytes(k: Kernel, sizer: _Sizer = None) -> int:
+    """Bytes a kernel moves: one node's read + written (its rule's byte policy, scaled by its
+    values' sizes under autocast); a group's inputs from outside it and outputs read outside it
+    (its temporaries stay in the kernel)."""
+    if len(k.nodes) == 1:
+        n = k.nodes[0]
+        c = n.meta.get(COST, ZERO_COST)
+        if sizer is None:
+            return c.bytes_read + c.bytes_written
+        raw_in = sum(tensor_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+        amp_in = sum(sizer(a) for a in n.all_input_nodes)
+        raw_out = tensor_bytes(n.meta.get("val"))
+        read = c.bytes_read * amp_in / raw_in if raw_in else c.bytes_read
+        written = c.bytes_written * sizer(n) / raw_out if raw_out else c.bytes_written
+        return round(read + written)
+    inside = set(k.nodes)
+    outer = {a for n in k.nodes for a in n.all_input_nodes if a not in inside}
+    read = sum(_size(a, sizer) for a in outer)
+    written = 0
+    for n in k.nodes:
+        if is_view(n):
+            continue
+        if any(u not in inside for u in n.users):
+            written += _size(n, sizer)
+    return read + written
+
+
+def _amp_sizer(forward: GraphModule, amp: str, kind: str) -> Callable[[Node], int]:
+    """Bytes of a value under autocast: a forward value at the dtype autocast gives it
+    (:func:`graphflop.passes.amp.amp_dtypes`, the op lists of ``device``), a derived value
+    (tangent, cotangent) at the dtype of the forward value it comes from (``SOURCE``);
+    parameters, their gradients and the update's values stay float32 (master weights)."""
+    from graphflop.passes.amp import HALF, amp_dtypes
+
+    dts = amp_dtypes(forward, HALF[amp], "cuda" if kind == "gpu" else "cpu")
+
+    def size(n: Node) -> int:
+        v = n.meta.get("val")
+        raw = tensor_bytes(v)
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
+            return raw
+        if n.meta.get(PARAM) is not None or n.meta.get(ROLE) == "update":
+            return raw
+        dt = dts.get(n.name) if n.graph is forward.graph else None
+        if dt is None:
+            dt = dts.get(n.meta.get(SOURCE, ""))
+        return v.numel() * dt.itemsize if dt is not None else raw
+
+    return size
+
+
+def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None, sizer: _Sizer) -> None:
+    """Write ``TIME`` on the nodes of one kernel."""
+    costs = [n.meta.get(COST, ZERO_COST) for n in k.nodes]
+    flops = sum(c.flops for c in costs)
+    nbytes = _kernel_bytes(k, sizer)
+    by_class: dict[tuple[str, str], int] = {}
+    for n, c in zip(k.nodes, costs, strict=True):
+        dtype = _dtype_key(n)
+        if c.mm_flops:
+            cls = _mm_class(n)
+            key = (cls, amp if amp is not None and dtype == "float32" else dtype)
+            by_class[key] = by_class.get(key, 0) + c.mm_flops
+        plain = c.flops - c.mm_flops - c.transcendentals
+        if c.transcendentals:
+            key = ("transcendental", dtype)
+            by_class[key] = by_class.get(key, 0) + c.transcendentals
+        if plain > 0:
+            by_class[("other", dtype)] = by_class.get(("other", dtype), 0) + plain
+    compute = sum(profile.flops_seconds(cls, d, f) for (cls, d), f in by_class.items())
+    inplace = k.name == UPDATE_KERNEL and profile.inplace_bandwidth is not None
+    bandwidth = profile.inplace_bandwidth if inplace else profile.bandwidth
+    assert bandwidth is not None
+    memory = bandwidth.seconds(nbytes)
+    measured = profile.kernels.get(k.name) if k.forward else None
+    if measured is not None and nbytes:  # this eager kernel's own measured rate
+        memory = measured.seconds(nbytes)
+        compute = min(compute, memory)
+    # a kernel that moves nothing (a view, a metadata op) costs the dispatcher's time only
+    overhead = profile.launch_overhead_s if flops or nbytes else profile.view_overhead_s
+    work = max(compute, memory)
+    bound = "overhead" if overhead >= work else "compute" if compute >= memory else "memory"
+    cls_name = next((c for c, _ in by_class if c in ("matmul", "matmul_thin", "conv")), "other")
+    dtype = next(iter(by_class), ("", _dtype_key(k.nodes[-1])))[1]
+    if bound == "compute" and flops:
+        weights = [c.flops / flops for c in costs]
+    elif bound == "memory" and sum(c.bytes_read + c.bytes_written for c in costs):
+        total = sum(c.bytes_read + c.bytes_written for c in costs)
+        weights = [(c.bytes_read + c.bytes_written) / total for c in costs]
+    else:
+        weights = [1 / len(k.nodes)] * len(k.nodes)
+    seconds = work + overhead
+    for n, w in zip(k.nodes, weights, strict=True):
+        n.meta[TIME] = NodeTime(
+            seconds=seconds * w,
+            compute_s=compute * w,
+            memory_s=memory * w,
+            overhead_s=overhead * w,
+            bound=bound,
+            kernel=k.name,
+            kernel_id=k.nodes[0].name,
+            op_class=cls_name,
+            dtype=dtype,
+        )
+
+
+def annotate_time(
+    gm: GraphModule, forward: GraphModule, profile: TimeProfile, amp: str | None = None
+) -> GraphModule:
+    """Write ``TIME`` on the ``call_function`` nodes of ``gm`` (in place; ``getitem`` gets
+    none) and return it.
+
+    Args:
+        gm: a flop-annotated graph of the analysis of ``forward`` (``forward`` itself, its
+            backward, update, JVP or forward-gradient step).
+        forward: the forward graph whose composite ops make the eager kernels.
+        profile: the device's achieved rates.
+        amp: ``bf16``/``fp16``: float32 matrix products and convolutions run in that dtype.
+
+    Raises:
+        NoPeak: a matrix product or convolution in a dtype ``profile`` has no rate for.
+        ValueError: an unknown ``amp``.
+    """
+    amp_key = None
+    sizer: _Sizer = None
+    if amp is not None:
+        if amp not in _AMP:
+            raise ValueError(f"unknown amp {amp!r}: one of bf16, fp16")
+        amp_key = _AMP[amp]
+        sizer = _amp_sizer(forward, "bf16" if amp_key == "bfloat16" else "fp16", profile.kind)
+    for k in eager_kernels(gm, forward):
+        _time_kernel(k, profile, amp_key, sizer)
+    return gm
+
+
+def _sum_phase(a: PhaseTime, b: PhaseTime) -> PhaseTime:
+    roles = dict(a.by_role)
+    for r, s in b.by_role:
+        roles[r] = roles.get(r, 0.0) + s
+    return PhaseTime(
+        seconds=a.seconds + b.seconds,
+        compute_s=a.compute_s + b.compute_s,
+        memory_s=a.memory_s + b.memory_s,
+        overhead_s=a.overhead_s + b.overhead_s,
+        kernels=a.kernels + b.kernels,
+        flops=a.flops + b.flops,
+        by_role=tuple(roles.items()),
+    )
+
+
+def _ops(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _phase_nodes(g: Graphs) -> dict[str, list[Node]]:
+    """The nodes each phase's time sums (those its FLOP totals sum)."""
+    out = {"forward": _ops(g.forward)}
+    out["loss"] = [n for n in out["forward"] if n.meta.get(ROLE) == "loss"]
+    if g.backward is not None and g.update is not None:
+        out["backward"] = _ops(g.backward)
+        out["update"] = _ops(g.update)
+    if g.jvp is not None:
+        out["jvp"] = [n for n in _ops(g.jvp) if n.meta.get(KIND) in ("tangent", "coef")]
+        if g.forward_gradient is not None:
+            out["forward_gradient_step"] = _ops(g.forward_gradient)
+    return out
+
+
+def _bound(compute: float, memory: float, overhead: float) -> str:
+    return max(zip((compute, memory, overhead), BOUNDS, strict=True))[1]
+
+
+def time_report(
+    g: Graphs,
+    report: Report,
+    profile: TimeProfile,
+    *,
+    amp: str | None = None,
+) -> TimeReport:
+    """Time every graph of ``g`` on ``profile`` (:func:`annotate_time`) and roll the node times
+    up per phase, role, module (``report``'s layer rows) and kernel op.
+
+    Raises:
+        NoPeak: a matrix product or convolution in a dtype ``profile`` has no rate for.
+    """
+    graphs = [g.forward, g.backward, g.update, g.jvp, g.forward_gradient]
+    kernel_counts: dict[str, int] = {}
+    phase_nodes = _phase_nodes(g)
+    for gm in graphs:
+        if gm is not None:
+            annotate_time(gm, g.forward, profile, amp)
+    phases: dict[str, PhaseTime] = {}
+    totals = report.totals
+    flops = {
+        "forward": totals.forward.flops,
+        "loss": totals.loss.flops,
+        "backward": totals.backward.flops if totals.backward else 0,
+        "update": totals.update.flops if totals.update else 0,
+        "jvp": totals.jvp.flops if totals.jvp else 0,
+        "forward_gradient_step": (
+            totals.forward_gradient_step.flops if totals.forward_gradient_step else 0
+        ),
+    }
+    for name, nodes in phase_nodes.items():
+        kernel_counts[name] = _kernels_in(nodes)
+        phases[name] = _phase_time(nodes, flops[name], kernel_counts[name])
+    if "backward" in phases:
+        step = _sum_phase(_sum_phase(phases["forward"], phases["backward"]), phases["update"])
+        order = ["forward", "loss", "backward", "update"]
+        phases["train_step"] = step
+        order.append("train_step")
+    else:
+        order = ["forward", "loss"]
+    order += [p for p in ("jvp", "forward_gradient_step") if p in phases]
+    return TimeReport(
+        device=profile.name,
+        title=profile.title,
+        source=profile.source,
+        amp=amp,
+        phases=tuple((p, phases[p]) for p in order),
+        ratios=_ratios({k: v.seconds for k, v in phases.items()}),
+        flop_ratios=_ratios({k: float(v.flops) for k, v in phases.items()}),
+        layers=_layers(phase_nodes, report.layers),
+        ops=_op_times(phase_nodes),
+    )
+
+
+def _kernels_in(nodes: list[Node]) -> int:
+    """How many eager kernels ``nodes`` (one phase's) make up."""
+    return len({_kernel_key(n) for n in nodes if TIME in n.meta})
+
+
+def _kernel_key(n: Node) -> tuple[int, str]:
+    """One eager kernel: its graph and its first node's name."""
+    return (id(n.graph), n.meta[TIME].kernel_id)
+
+
+def _phase_time(nodes: list[Node], flops: int, kernels: int) -> PhaseTime:
+    sums = dict.fromkeys(BOUNDS, 0.0)
+    roles: dict[str, float] = {}
+    for n in nodes:
+        t: NodeTime | None = n.meta.get(TIME)
+        if t is None:
+            continue
+        work = t.seconds - t.overhead_s
+        sums["compute" if t.compute_s >= t.memory_s else "memory"] += work
+        sums["overhead"] += t.overhead_s
+        role = n.meta.get(ROLE, "")
+        roles[role] = roles.get(role, 0.0) + t.seconds
+    return PhaseTime(
+        seconds=sum(sums.values()),
+        compute_s=sums["compute"],
+        memory_s=sums["memory"],
+        overhead_s=sums["overhead"],
+        kernels=kernels,
+        flops=flops,
+        by_role=tuple(roles.items()),
+    )
+
+
+def _ratios(s: dict[str, float]) -> tuple[tuple[str, float | None], ...]:
+    def r(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    fwd = s.get("forward")
+    step = s.get("train_step")
+    fg = s.get("forward_gradient_step")
+    bwd = s.get("backward")
+    upd = s.get("update")
+    return (
+        ("Rb", r(step, fwd)),
+        ("Rf", r(fg, fwd)),
+        ("Rf_over_Rb", r(fg, step)),
+        ("backward_forward", r(bwd + upd if bwd is not None and upd is not None else None, fwd)),
+        ("jvp_forward", r(s.get("jvp"), fwd)),
+    )
+
+
+def _layers(
+    phase_nodes: dict[str, list[Node]], rows: tuple[LayerRow, ...]
+) -> tuple[LayerTime, ...]:
+    per: dict[str, dict[str, float]] = {}
+    split: dict[str, dict[str, float]] = {}
+    for phase in ("forward", "backward", "update", "jvp"):
+        for n in phase_nodes.get(phase, ()):
+            t: NodeTime | None = n.meta.get(TIME)
+            if t is None:
+                continue
+            name = n.meta.get(MODULE, "") or "(model)"
+            per.setdefault(name, {}).setdefault(phase, 0.0)
+            per[name][phase] += t.seconds
+            if phase == "forward":
+                b = split.setdefault(name, dict.fromkeys(BOUNDS, 0.0))
+                work = t.seconds - t.overhead_s
+                b["compute" if t.compute_s >= t.memory_s else "memory"] += work
+                b["overhead"] += t.overhead_s
+    names = [r.name for r in rows] + [k for k in per if k not in {r.name for r in rows}]
+    out = []
+    for name in names:
+        p = per.get(name, {})
+        bs = split.get(name)
+        out.append(
+            LayerTime(
+                name=name,
+                forward_s=p.get("forward", 0.0),
+                backward_s=p.get("backward", 0.0),
+                update_s=p.get("update", 0.0),
+                jvp_s=p.get("jvp", 0.0),
+                bound=_bound(bs["compute"], bs["memory"], bs["overhead"]) if bs else "",
+            )
+        )
+    return tuple(out)
+
+
+def _op_times(phase_nodes: dict[str, list[Node]]) -> tuple[OpTime, ...]:
+    rows: list[OpTime] = []
+    for phase in ("forward", "backward", "update", "jvp", "forward_gradient_step"):
+        nodes = phase_nodes.get(phase)
+        if not nodes:
+            continue
+        by: dict[str, list[Node]] = {}
+        for n in nodes:
+            t: NodeTime | None = n.meta.get(TIME)
+            if t is not None:
+                by.setdefault(t.kernel, []).append(n)
+        for op, ns in by.items():
+            ts: list[NodeTime] = [n.meta[TIME] for n in ns]
+            c = sum((t.seconds - t.overhead_s for t in ts if t.compute_s >= t.memory_s), 0.0)
+            m = sum((t.seconds - t.overhead_s for t in ts if t.compute_s < t.memory_s), 0.0)
+            o = sum(t.overhead_s for t in ts)
+            costs = [n.meta.get(COST, ZERO_COST) for n in ns]
+            rows.append(
+                OpTime(
+                    op=op,
+                    phase=phase,
+                    kernels=len({_kernel_key(n) for n in ns}),
+                    seconds=sum(t.seconds for t in ts),
+                    compute_s=c,
+                    memory_s=m,
+                    overhead_s=o,
+                    flops=sum(x.flops for x in costs),
+                    bytes=sum(x.bytes_read + x.bytes_written for x in costs),
+                    bound=_bound(c, m, o),
+                )
+            )
+    return tuple(rows)

@@ -1,0 +1,464 @@
+"""What a device achieves: the rates the time pass (:mod:`graphflop.passes.step_time`) divides
+FLOPs and bytes by, as one typed :class:`TimeProfile`.
+
+A profile comes from one of two places:
+
+* a **data-sheet device** (:mod:`graphflop.devices`): peak FLOP/s and memory bandwidth times
+  the efficiency factors in :data:`DATASHEET_EFFICIENCY`, with a per-kernel fill latency that
+  makes small kernels run below peak (:func:`from_device`; docs/time.md says why each factor);
+* a **calibration file** that ``graphflop calibrate`` wrote: rates measured on this machine
+  (:func:`load_profile`, :func:`save_profile`; JSON, :data:`PROFILE_SCHEMA` versioned).
+
+Rates are :class:`RateCurve` values: achieved rate as a function of one kernel's size (FLOPs,
+or bytes moved), interpolated log-log between measured points and clamped at the ends, since a
+small GEMM or a copy that fits in cache runs at another rate than a large one.
+
+Reads and writes no graph meta.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphflop.devices import DeviceSpec, NoPeak, UnknownDevice, device_spec
+
+__all__ = [
+    "DATASHEET_EFFICIENCY",
+    "OP_CLASSES",
+    "PROFILE_SCHEMA",
+    "THIN_ROWS",
+    "ProfileError",
+    "RateCurve",
+    "TimeProfile",
+    "default_cpu_profile",
+    "from_device",
+    "load_profile",
+    "resolve_profile",
+    "save_profile",
+]
+
+#: the op classes a profile has a compute rate for: matrix products (mm, bmm, addmm,
+#: attention's products), convolutions, transcendental elements (exp, log, tanh, erf, ...:
+#: ``NodeCost.transcendentals``, a rate per element) and every other FLOP (elementwise
+#: arithmetic, reductions, norms)
+OP_CLASSES = ("matmul", "matmul_thin", "conv", "transcendental", "other")
+
+#: a matrix product with a dimension (rows, columns or the contracted one) of at most this many
+#: is *thin* (a batch of 64 through a linear layer, its weight gradient, a 128-token sequence):
+#: it is timed at the ``matmul_thin`` rate where a profile has one (calibrated CPUs), else at the
+#: ``matmul`` rate
+THIN_ROWS = 128
+
+#: version of the profile file's JSON layout
+PROFILE_SCHEMA = 1
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be read or does not parse, or a device name that is neither a
+    known device nor a file."""
+
+
+@dataclass(frozen=True)
+class RateCurve:
+    """An achieved rate as a function of a kernel's size, plus a fixed fill time.
+
+    Attributes:
+        points: ``(size, rate)`` pairs, sizes increasing and positive: FLOPs per kernel ->
+            FLOP/s, or bytes per kernel -> bytes/s.
+        fill_s: seconds every kernel takes beyond ``size / rate`` (a GPU kernel's ramp and
+            tail; 0 for measured curves, whose points already hold it).
+
+    :meth:`seconds` is ``size / r(size) + fill_s``, ``r`` interpolated linearly in
+    log(size)–log(rate) between points and constant beyond the first and last.
+    """
+
+    points: tuple[tuple[float, float], ...]
+    fill_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("a rate curve needs at least one (size, rate) point")
+        sizes = [s for s, _ in self.points]
+        if any(s <= 0 for s in sizes) or any(r <= 0 for _, r in self.points):
+            raise ValueError("rate curve sizes and rates must be positive")
+        if sizes != sorted(sizes) or len(set(sizes)) != len(sizes):
+            raise ValueError("rate curve sizes must increase")
+        if self.fill_s < 0:
+            raise ValueError("a rate curve's fill time must not be negative")
+
+    def _interpolated(self, size: float) -> float:
+        pts = self.points
+        if size <= pts[0][0]:
+            return pts[0][1]
+        if size >= pts[-1][0]:
+            return pts[-1][1]
+        i = bisect.bisect_right([s for s, _ in pts], size)
+        (s0, r0), (s1, r1) = pts[i - 1], pts[i]
+        t = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+
+    def seconds(self, size: float) -> float:
+        """Seconds of one kernel of ``size`` (FLOPs or bytes); 0 for size 0."""
+        if size <= 0:
+            return 0.0
+        return size / self._interpolated(size) + self.fill_s
+
+    def rate(self, size: float) -> float:
+        """The achieved rate at ``size`` (per second), fill time included."""
+        return size / self.seconds(size) if size > 0 else self._interpolated(size)
+
+    @property
+    def peak(self) -> float:
+        """The highest rate on the curve (large kernels, the fill time amortised)."""
+        return max(r for _, r in self.points)
+
+    @classmethod
+    def saturating(cls, rate: float, fill_s: float) -> RateCurve:
+        """The curve of a kernel that takes ``size / rate + fill_s`` seconds."""
+        return cls(((1.0, rate),), fill_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"points": [[s, r] for s, r in self.points], "fill_s": self.fill_s}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RateCurve:
+        if isinstance(d, dict):
+            return cls(tuple((float(s), float(r)) for s, r in d["points"]), float(d["fill_s"]))
+        return cls(tuple((float(s), float(r)) for s, r in d))
+
+
+@dataclass(frozen=True)
+class TimeProfile:
+    """Achieved rates of one device, as the time pass uses them.
+
+    Attributes:
+        name: the device's key (``h100-sxm``, ``cpu``, or the calibrated machine's name).
+        title: a readable name.
+        source: ``datasheet`` (peaks × :attr:`efficiency`) or ``calibrated`` (measured).
+        kind: ``cpu`` or ``gpu``: which eager execution the launch overhead describes.
+        compute: op class (:data:`OP_CLASSES`) -> dtype key (``float32``, ``bfloat16``, ...) ->
+            achieved FLOP/s as a function of one kernel's FLOPs.
+        bandwidth: achieved bytes/s as a function of one kernel's bytes read + written, for a
+            kernel that allocates its output (as most eager ops do).
+        inplace_bandwidth: the same for a kernel that writes into an existing tensor (the
+            optimizer's in-place update); None: :attr:`bandwidth`.
+        kernels: eager kernel op name (``aten.max_pool2d_with_indices.default``) -> its own
+            measured bytes/s over its bytes, for forward kernels whose eager implementation runs
+            far from the streaming rate; their time is ``bytes / rate`` in place of
+            ``max(compute, memory)``.
+        launch_overhead_s: seconds one eager kernel costs beyond its work (dispatch, launch).
+        view_overhead_s: seconds a view (no bytes moved) costs in eager PyTorch's dispatcher.
+        efficiency: the factors a data-sheet profile applied (empty when measured).
+        threads: ``torch.get_num_threads()`` during calibration (None: data sheet).
+        notes: how the profile was made (one line each).
+    """
+
+    name: str
+    title: str
+    source: str
+    kind: str
+    compute: Mapping[str, Mapping[str, RateCurve]]
+    bandwidth: RateCurve
+    launch_overhead_s: float
+    view_overhead_s: float
+    efficiency: Mapping[str, float] = field(default_factory=dict)
+    threads: int | None = None
+    notes: tuple[str, ...] = ()
+    inplace_bandwidth: RateCurve | None = None
+    kernels: Mapping[str, RateCurve] = field(default_factory=dict)
+
+    def dtypes(self, op_class: str) -> tuple[str, ...]:
+        """The dtype keys ``op_class`` has a rate for."""
+        return tuple(self.compute.get(op_class, {}))
+
+    def flops_seconds(self, op_class: str, dtype: str, flops: float) -> float:
+        """Seconds of one ``op_class`` kernel of ``flops`` FLOPs in ``dtype``
+        (:meth:`RateCurve.seconds`)."""
+        return self.curve(op_class, dtype).seconds(flops)
+
+    def flops_rate(self, op_class: str, dtype: str, flops: float) -> float:
+        """Achieved FLOP/s of one ``op_class`` kernel of ``flops`` FLOPs in ``dtype``."""
+        return self.curve(op_class, dtype).rate(flops)
+
+    def curve(self, op_class: str, dtype: str) -> RateCurve:
+        """The compute :class:`RateCurve` of ``op_class`` in ``dtype``.
+
+        An ``other`` or ``transcendental`` kernel in a dtype the profile lacks (integers,
+        booleans) runs at the profile's ``float32`` rate for that class; a profile without a
+        ``transcendental`` class counts those elements at its ``other`` rate.
+
+        Raises:
+            NoPeak: a matrix product or convolution in a dtype the profile has no rate for
+                (the message names the dtypes it has).
+        """
+        if op_class == "matmul_thin" and dtype not in self.compute.get(op_class, {}):
+            op_class = "matmul"
+        rates = self.compute.get(op_class) or self.compute["other"]
+        curve = rates.get(dtype)
+        if curve is None:
+            if op_class in ("other", "transcendental") and "float32" in rates:
+                curve = rates["float32"]
+            else:
+                have = ", ".join(rates) or "none"
+                raise NoPeak(
+                    f"{self.name} has no {dtype} peak for {op_class} kernels: it has {have}"
+                )
+        return curve
+
+    def to_dict(self) -> dict[str, Any]:
+        """The profile file's JSON document (:data:`PROFILE_SCHEMA`)."""
+        return {
+            "schema_version": PROFILE_SCHEMA,
+            "kind": "graphflop-time-profile",
+            "name": self.name,
+            "title": self.title,
+            "source": self.source,
+            "device_kind": self.kind,
+            "compute": {
+                c: {d: curve.to_dict() for d, curve in by.items()} for c, by in self.compute.items()
+            },
+            "bandwidth": self.bandwidth.to_dict(),
+            "inplace_bandwidth": (
+                self.inplace_bandwidth.to_dict() if self.inplace_bandwidth is not None else None
+            ),
+            "launch_overhead_s": self.launch_overhead_s,
+            "view_overhead_s": self.view_overhead_s,
+            "kernels": {k: v.to_dict() for k, v in self.kernels.items()},
+            "efficiency": dict(self.efficiency),
+            "threads": self.threads,
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TimeProfile:
+        """Read :meth:`to_dict`'s document.
+
+        Raises:
+            ProfileError: a wrong schema version, a missing key or a malformed value.
+        """
+        if not isinstance(d, dict) or d.get("kind") != "graphflop-time-profile":
+            raise ProfileError("not a graphflop time profile (write one with graphflop calibrate)")
+        if d.get("schema_version") != PROFILE_SCHEMA:
+            raise ProfileError(
+                f"profile schema_version {d.get('schema_version')!r}: this graphflop reads "
+                f"{PROFILE_SCHEMA} (write a new one with graphflop calibrate)"
+            )
+        try:
+            compute = {
+                str(c): {str(k): RateCurve.from_dict(v) for k, v in by.items()}
+                for c, by in d["compute"].items()
+            }
+            if "other" not in compute or not compute["other"]:
+                raise ProfileError("the profile has no rate for 'other' kernels")
+            return cls(
+                name=str(d["name"]),
+                title=str(d.get("title", d["name"])),
+                source=str(d["source"]),
+                kind=str(d["device_kind"]),
+                compute=compute,
+                bandwidth=RateCurve.from_dict(d["bandwidth"]),
+                inplace_bandwidth=(
+                    RateCurve.from_dict(d["inplace_bandwidth"])
+                    if d.get("inplace_bandwidth") is not None
+                    else None
+                ),
+                launch_overhead_s=float(d["launch_overhead_s"]),
+                view_overhead_s=float(d["view_overhead_s"]),
+                efficiency={str(k): float(v) for k, v in d.get("efficiency", {}).items()},
+                kernels={str(k): RateCurve.from_dict(v) for k, v in d.get("kernels", {}).items()},
+                threads=d.get("threads"),
+                notes=tuple(str(x) for x in d.get("notes", ())),
+            )
+        except ProfileError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+            raise ProfileError(f"malformed time profile: {what}") from e
+
+
+#: Fractions of the data sheet's figures that eager PyTorch reaches on a GPU (docs/time.md
+#: gives the measurements behind each): ``matmul``/``conv``: large cuBLAS GEMMs and cuDNN
+#: convolutions; ``other``: elementwise and reduction kernels on the vector units (rarely the
+#: bound: they are memory-bound); ``transcendental``: elements of exp/tanh/erf on the special
+#: function units, a quarter of the FP32 lanes' rate, at the ``other`` efficiency (0.5 / 4);
+#: ``bandwidth``: a streaming copy against the HBM figure.
+DATASHEET_EFFICIENCY: Mapping[str, float] = {
+    "matmul": 0.70,
+    "conv": 0.60,
+    "other": 0.50,
+    "transcendental": 0.125,
+    "bandwidth": 0.85,
+}
+
+#: seconds of fixed work per kernel on a GPU before its rate is reached (a kernel's tail wave
+#: and ramp): a kernel of ``rate × FILL_S`` FLOPs runs at half the large-kernel rate
+FILL_S = 5e-6
+#: the same for an elementwise or memory-bound kernel (a copy reaches the streaming rate sooner
+#: than a GEMM fills the tensor cores)
+MEMORY_FILL_S = 2e-6
+#: eager PyTorch's per-op cost on a GPU: Python + dispatcher + launch, a few µs per op
+GPU_LAUNCH_S = 6e-6
+GPU_VIEW_S = 2e-6
+
+
+def from_device(spec: DeviceSpec) -> TimeProfile:
+    """The data-sheet profile of ``spec``: each peak × :data:`DATASHEET_EFFICIENCY`, with a
+    :data:`FILL_S` latency per kernel.
+
+    Matrix products in ``float32`` use the ``float32`` peak (PyTorch's default, TF32 off);
+    ``other`` kernels run on the vector units at the ``float32`` (``float64``) peak for
+    floating dtypes up to 32 bits (64 bits), half-precision elementwise work included.
+    """
+    eff = DATASHEET_EFFICIENCY
+    mm = {
+        d: RateCurve.saturating(p * eff["matmul"], FILL_S)
+        for d, p in spec.peak_flops.items()
+        if d != "tf32"
+    }
+    conv = {
+        d: RateCurve.saturating(p * eff["conv"], FILL_S)
+        for d, p in spec.peak_flops.items()
+        if d != "tf32"
+    }
+    vector = spec.peak_flops.get("float32")
+    other: dict[str, RateCurve] = {}
+    trans: dict[str, RateCurve] = {}
+    if vector is not None:
+        for d in ("float32", "bfloat16", "float16"):
+            other[d] = RateCurve.saturating(vector * eff["other"], MEMORY_FILL_S)
+            trans[d] = RateCurve.saturating(vector * eff["transcendental"], MEMORY_FILL_S)
+    if "float64" in spec.peak_flops:
+        fp64 = spec.peak_flops["float64"]
+        other["float64"] = RateCurve.saturating(fp64 * eff["other"], MEMORY_FILL_S)
+        trans["float64"] = RateCurve.saturating(fp64 * eff["transcendental"], MEMORY_FILL_S)
+    if not other:
+        raise NoPeak(f"{spec.name} has no float32 peak for elementwise kernels")
+    bw = spec.memory_bandwidth * eff["bandwidth"]
+    return TimeProfile(
+        name=spec.name,
+        title=spec.title,
+        source="datasheet",
+        kind="gpu",
+        compute={"matmul": mm, "conv": conv, "transcendental": trans, "other": other},
+        bandwidth=RateCurve.saturating(bw, MEMORY_FILL_S),
+        launch_overhead_s=GPU_LAUNCH_S,
+        view_overhead_s=GPU_VIEW_S,
+        efficiency=dict(eff),
+        notes=(f"data sheet: {spec.title}, peaks × efficiency, {FILL_S * 1e6:g} µs fill",),
+    )
+
+
+#: the default CPU profile's assumptions (no calibration): FLOPs per cycle per core for
+#: float32 (two 256-bit FMA pipes: 2 × 8 lanes × 2), clock, fraction of that peak a large
+#: GEMM reaches, memory bandwidth per core, and eager PyTorch's per-op cost on a CPU
+CPU_FLOPS_PER_CYCLE = 32
+CPU_CLOCK_HZ = 2.5e9
+CPU_GEMM_EFFICIENCY = 0.6
+CPU_BYTES_PER_S_PER_CORE = 8e9
+CPU_LAUNCH_S = 8e-6
+CPU_VIEW_S = 3e-6
+
+
+def default_cpu_profile(threads: int | None = None) -> TimeProfile:
+    """A data-sheet-like profile of this machine's CPU (``--device cpu`` before any
+    calibration): ``threads`` (default ``torch.get_num_threads()``) cores at
+    :data:`CPU_CLOCK_HZ` and :data:`CPU_FLOPS_PER_CYCLE` float32 FLOPs per cycle, bfloat16 at
+    the same rate (converted to float32 for the arithmetic), float64 at half; GEMMs at
+    :data:`CPU_GEMM_EFFICIENCY` of that, convolutions at half that, elementwise FLOPs at a
+    tenth of the peak, transcendental elements (a polynomial of some 10 to 20 FLOPs each) at a
+    hundredth; :data:`CPU_BYTES_PER_S_PER_CORE`
+    of memory bandwidth per core. ``graphflop calibrate`` measures what this guesses."""
+    n = threads or torch.get_num_threads()
+    peak = n * CPU_CLOCK_HZ * CPU_FLOPS_PER_CYCLE
+    fill = 20e-6  # a small GEMM's packing and threading start-up
+
+    def rates(scale: float) -> dict[str, RateCurve]:
+        return {
+            "float32": RateCurve.saturating(peak * scale, fill),
+            "bfloat16": RateCurve.saturating(peak * scale, fill),
+            "float64": RateCurve.saturating(peak * scale / 2, fill),
+        }
+
+    return TimeProfile(
+        name="cpu",
+        title=f"this CPU ({n} threads, data-sheet-like guess)",
+        source="datasheet",
+        kind="cpu",
+        compute={
+            "matmul": rates(CPU_GEMM_EFFICIENCY),
+            "conv": rates(CPU_GEMM_EFFICIENCY / 2),
+            "transcendental": rates(0.01),
+            "other": rates(0.1),
+        },
+        bandwidth=RateCurve(((1.0, n * CPU_BYTES_PER_S_PER_CORE),)),
+        launch_overhead_s=CPU_LAUNCH_S,
+        view_overhead_s=CPU_VIEW_S,
+        efficiency={
+            "matmul": CPU_GEMM_EFFICIENCY,
+            "conv": CPU_GEMM_EFFICIENCY / 2,
+            "transcendental": 0.01,
+            "other": 0.1,
+        },
+        threads=n,
+        notes=(
+            f"guess: {n} cores × {CPU_CLOCK_HZ / 1e9:g} GHz × {CPU_FLOPS_PER_CYCLE} FLOP/cycle; "
+            "run graphflop calibrate for measured rates",
+        ),
+    )
+
+
+def load_profile(path: str | os.PathLike[str]) -> TimeProfile:
+    """Read a profile file ``graphflop calibrate`` wrote.
+
+    Raises:
+        ProfileError: the file cannot be read, is not JSON or is not a profile.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ProfileError(f"cannot read time profile {os.fspath(path)}: {e.strerror}") from e
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(
+            f"time profile {os.fspath(path)} is not JSON (line {e.lineno}: {e.msg})"
+        ) from e
+    try:
+        return TimeProfile.from_dict(doc)
+    except ProfileError as e:
+        raise ProfileError(f"time profile {os.fspath(path)}: {e}") from e
+
+
+def save_profile(profile: TimeProfile) -> str:
+    """The profile file's text (JSON, :data:`PROFILE_SCHEMA`)."""
+    return json.dumps(profile.to_dict(), indent=1) + "\n"
+
+
+def resolve_profile(name: str) -> TimeProfile:
+    """The profile ``--device`` names: a ``.json`` file (or any existing file) ``graphflop
+    calibrate`` wrote, ``cpu`` (this CPU's data-sheet-like guess), or a data-sheet device of
+    :mod:`graphflop.devices` (any case, aliases).
+
+    Raises:
+        ProfileError: a file that does not parse.
+        UnknownDevice: neither a file nor a known device (did-you-mean, the known ones).
+    """
+    if name.endswith(".json") or os.path.sep in name or os.path.isfile(name):
+        if not os.path.exists(name) and not name.endswith(".json"):
+            raise ProfileError(f"no time profile file {name}")
+        return load_profile(name)
+    if name.strip().lower() == "cpu":
+        return default_cpu_profile()
+    try:
+        return from_device(device_spec(name))
+    except UnknownDevice as e:
+        raise UnknownDevice(f"{e}; or cpu, or a profile file from graphflop calibrate") from e

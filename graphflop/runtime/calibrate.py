@@ -1,0 +1,433 @@
+"""Calibration: measure what this machine's CPU (or a CUDA GPU) achieves in eager PyTorch and
+return it as a :class:`~graphflop.passes.time_profile.TimeProfile` (``graphflop calibrate``).
+
+What is measured, each the median of repeated runs after a warm-up:
+
+* **launch overhead**: one ``torch.add`` of two 1-element tensors (eager PyTorch's per-op cost:
+  Python, dispatcher, allocation; on a GPU the host-side cost of one launch, which bounds a
+  stream of small kernels), and one view (``Tensor.view``); the least of the repeats, not the
+  median, since it is subtracted from every other measurement;
+* **matrix products**: ``torch.mm`` of square matrices at several sizes, per dtype, and of
+  thin ones (:data:`~graphflop.passes.time_profile.THIN_ROWS` rows), which run below the square
+  rate of the same FLOPs on a CPU;
+* **convolutions**: ``conv2d`` 3×3, stride 1, at several sizes;
+* **transcendental elements**: ``exp``, ``tanh`` and ``sigmoid`` on tensors that fit in cache,
+  into a preallocated output (elements per second);
+* **other FLOPs**: ``mul`` and ``maximum`` the same way (1 FLOP per element, as graphflop's
+  rules count them);
+* **eager kernels off the streaming line**: ``max_pool2d_with_indices``, ``native_batch_norm``
+  (training), ``native_layer_norm``, ``_softmax``, ``_log_softmax`` and ``gelu``, each at two
+  sizes, as bytes per second over the bytes graphflop counts for the kernel (its input and
+  output); the time pass uses these for forward kernels of those names;
+* **bandwidth**: ``a + b`` (bytes read and written, 3 × the tensor) from in-cache sizes to well
+  beyond the last-level cache, each call allocating its output as eager PyTorch does (so the
+  curve holds the allocator's cost: above glibc's mmap threshold a fresh output is new pages,
+  faulted in on first touch); and ``a.add_(b, alpha=...)`` in place, the optimizer's update.
+
+A kernel's rate is its FLOPs (bytes) over its time less the launch overhead, since the time
+pass adds that overhead to every kernel (:mod:`graphflop.passes.step_time`).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from graphflop.passes.time_profile import THIN_ROWS, RateCurve, TimeProfile
+
+__all__ = ["CalibrationPlan", "calibrate", "plan"]
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What :func:`calibrate` measures.
+
+    Attributes:
+        mm_sizes: square matrix sizes n (``n × n @ n × n``: 2n³ FLOPs).
+        mm_dtypes: dtypes of the matrix products (and convolutions).
+        conv_shapes: (batch, channels, height) of 3×3 convolutions, channels in = out,
+            height = width.
+        elementwise: elements of the in-cache elementwise kernels.
+        stream: elements of each tensor of the bandwidth kernel.
+        kernel_sizes: elements of the input of each of :data:`_KERNELS`' measured kernels.
+        repeats: timed runs per point (the median is kept).
+        min_time_s: each timed run repeats the kernel until this long has passed.
+    """
+
+    mm_sizes: tuple[int, ...]
+    mm_dtypes: tuple[torch.dtype, ...]
+    conv_shapes: tuple[tuple[int, int, int], ...]
+    elementwise: int
+    stream: tuple[int, ...]
+    kernel_sizes: tuple[int, ...]
+    repeats: int
+    min_time_s: float
+
+    @property
+    def steps(self) -> int:
+        """How many points are measured (the progress bar's length)."""
+        return (
+            2
+            + len(self.mm_sizes) * len(self.mm_dtypes)
+            + sum(n > THIN_ROWS for n in self.mm_sizes) * len(self.mm_dtypes)
+            + len(self.conv_shapes) * len(self.mm_dtypes)
+            + 5
+            + 2 * len(self.stream)
+            + len(_KERNELS) * len(self.kernel_sizes)
+        )
+
+
+def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
+    """The default plan (under about a minute on a 2-core CPU), or ``quick``'s (seconds, for
+    tests: small sizes, few repeats)."""
+    if quick:
+        return CalibrationPlan(
+            mm_sizes=(32, 128),
+            mm_dtypes=(torch.float32,),
+            conv_shapes=((2, 8, 16),),
+            elementwise=1 << 14,
+            stream=(1 << 12, 1 << 18),
+            kernel_sizes=(1 << 14,),
+            repeats=2,
+            min_time_s=0.002,
+        )
+    if device == "cuda":
+        return CalibrationPlan(
+            mm_sizes=(256, 1024, 2048, 4096, 8192),
+            mm_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+            conv_shapes=((32, 64, 56), (32, 256, 14), (64, 128, 28)),
+            elementwise=1 << 20,
+            stream=(1 << 16, 1 << 20, 1 << 24, 1 << 27),
+            kernel_sizes=(1 << 20, 1 << 24),
+            repeats=7,
+            min_time_s=0.02,
+        )
+    return CalibrationPlan(
+        mm_sizes=(16, 32, 64, 128, 256, 512, 1024),
+        mm_dtypes=(torch.float32, torch.bfloat16),
+        conv_shapes=((1, 16, 16), (8, 16, 32), (8, 64, 16), (8, 64, 56)),
+        elementwise=1 << 13,
+        stream=(1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22, 1 << 24),
+        kernel_sizes=(1 << 16, 1 << 21),
+        repeats=5,
+        min_time_s=0.05,
+    )
+
+
+def _nbytes(*ts: torch.Tensor) -> float:
+    return float(sum(t.numel() * t.element_size() for t in ts))
+
+
+def _pool(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    side = max(4, int((n // 32) ** 0.5) // 2 * 2)
+    x = torch.rand(1, 32, side, side, device=dev)
+    out, idx = torch.ops.aten.max_pool2d_with_indices.default(x, [2, 2], [2, 2])
+    op = torch.ops.aten.max_pool2d_with_indices.default
+    return partial(op, x, [2, 2], [2, 2]), _nbytes(x, out, idx)
+
+
+def _batch_norm(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    side = max(2, int((n // 64) ** 0.5))
+    x = torch.rand(1, 64, side, side, device=dev)
+    w, b = torch.ones(64, device=dev), torch.zeros(64, device=dev)
+    rm, rv = torch.zeros(64, device=dev), torch.ones(64, device=dev)
+    op = torch.ops.aten.native_batch_norm.default
+    return partial(op, x, w, b, rm, rv, True, 0.1, 1e-5), 2 * _nbytes(x)
+
+
+def _layer_norm(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    x = torch.rand(max(1, n // 768), 768, device=dev)
+    w, b = torch.ones(768, device=dev), torch.zeros(768, device=dev)
+    op = torch.ops.aten.native_layer_norm.default
+    return partial(op, x, [768], w, b, 1e-5), 2 * _nbytes(x)
+
+
+def _rows(op: Callable[..., torch.Tensor]) -> Callable[..., tuple[Callable[[], object], float]]:
+    def make(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+        x = torch.rand(max(1, n // 1024), 1024, device=dev)
+        return partial(op, x, -1, False), 2 * _nbytes(x)
+
+    return make
+
+
+def _gelu(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    x = torch.rand(n, device=dev)
+    return partial(torch.ops.aten.gelu.default, x), 2 * _nbytes(x)
+
+
+#: forward kernels whose eager CPU implementation runs far from the streaming rate, measured
+#: one by one: (the op names graphflop's kernels carry, a builder of the call and its bytes)
+_KERNELS: tuple[tuple[tuple[str, ...], Callable[..., tuple[Callable[[], object], float]]], ...] = (
+    (("aten.max_pool2d_with_indices.default",), _pool),
+    (
+        (
+            "aten.native_batch_norm.default",
+            "aten._native_batch_norm_legit_functional.default",
+            "aten._native_batch_norm_legit.default",
+        ),
+        _batch_norm,
+    ),
+    (("aten.native_layer_norm.default",), _layer_norm),
+    (("aten._softmax.default",), _rows(torch.ops.aten._softmax.default)),
+    (("aten._log_softmax.default",), _rows(torch.ops.aten._log_softmax.default)),
+    (("aten.gelu.default",), _gelu),
+)
+
+
+def _timer(device: torch.device) -> Callable[..., float]:
+    """``time(fn, repeats, min_time_s, stat=statistics.median)``: seconds of one call of ``fn``,
+    the ``stat`` of the repeats."""
+    cuda = device.type == "cuda"
+
+    def run(
+        fn: Callable[[], object],
+        repeats: int,
+        min_time_s: float,
+        stat: Callable[[list[float]], float] = statistics.median,
+    ) -> float:
+        fn()  # warm-up (allocator, kernel selection)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        one = max(time.perf_counter() - t0, 1e-7)
+        calls = max(1, min(100_000, int(min_time_s / one)))
+        samples = []
+        for _ in range(repeats):
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3 / calls)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples.append((time.perf_counter() - t0) / calls)
+        return stat(samples)
+
+    return run
+
+
+def _host_overhead(device: torch.device, repeats: int) -> float:
+    # the least repeat, as for the launch overhead
+    """Seconds per tiny op issued back to back (no synchronisation between them): the host
+    side's per-op cost, which a stream of small kernels cannot beat."""
+    a = torch.ones(1, device=device)
+    b = torch.ones(1, device=device)
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            torch.add(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append((time.perf_counter() - t0) / 2000)
+    return min(samples)
+
+
+def _rate(work: float, seconds: float, overhead: float) -> float:
+    """``work`` per second of a kernel's time beyond the launch overhead (at least a tenth of
+    its time, so a kernel timed below the overhead keeps a finite rate)."""
+    return work / max(seconds - overhead, seconds * 0.1)
+
+
+def _curve(points: list[tuple[float, float]]) -> RateCurve:
+    """A rate curve from measured points (sizes made distinct and increasing)."""
+    pts: dict[float, float] = {}
+    for s, r in sorted(points):
+        pts[float(s)] = float(r)
+    return RateCurve(tuple(pts.items()))
+
+
+@dataclass
+class _Run:
+    """The measurements of one calibration after the launch overhead is known."""
+
+    dev: torch.device
+    p: CalibrationPlan
+    timed: Callable[..., float]
+    launch: float
+    done: Callable[[str], None]
+
+    def time(self, fn: Callable[[], object]) -> float:
+        return self.timed(fn, self.p.repeats, self.p.min_time_s)
+
+    def products(self) -> tuple[dict[str, list[tuple[float, float]]], ...]:
+        """(matmul, thin matmul, conv): dtype key -> (FLOPs, FLOP/s) points. A thin product
+        has :data:`~graphflop.passes.time_profile.THIN_ROWS` rows (``THIN_ROWS × n @ n × n``):
+        a batch of 64 examples through a layer, a 128-token sequence."""
+        mm: dict[str, list[tuple[float, float]]] = {}
+        thin: dict[str, list[tuple[float, float]]] = {}
+        conv: dict[str, list[tuple[float, float]]] = {}
+        rows = THIN_ROWS
+        for dt in self.p.mm_dtypes:
+            key = str(dt).removeprefix("torch.")
+            for n in self.p.mm_sizes:
+                a = torch.randn(n, n, device=self.dev).to(dt)
+                b = torch.randn(n, n, device=self.dev).to(dt)
+                t = self.time(partial(torch.mm, a, b))
+                flops = 2.0 * n**3
+                mm.setdefault(key, []).append((flops, _rate(flops, t, self.launch)))
+                self.done(f"mm {key} {n}³: {flops / t / 1e9:.1f} GFLOP/s")
+                if n > rows:
+                    t = self.time(partial(torch.mm, a[:rows], b))
+                    flops = 2.0 * rows * n * n
+                    thin.setdefault(key, []).append((flops, _rate(flops, t, self.launch)))
+                    self.done(f"mm {key} {rows}×{n}²: {flops / t / 1e9:.1f} GFLOP/s")
+            for batch, ch, hw in self.p.conv_shapes:
+                x = torch.randn(batch, ch, hw, hw, device=self.dev).to(dt)
+                w = torch.randn(ch, ch, 3, 3, device=self.dev).to(dt)
+                t = self.time(partial(F.conv2d, x, w, padding=1))
+                flops = 2.0 * batch * ch * hw * hw * ch * 9
+                conv.setdefault(key, []).append((flops, _rate(flops, t, self.launch)))
+                self.done(f"conv {key} {batch}×{ch}×{hw}²: {flops / t / 1e9:.1f} GFLOP/s")
+        return mm, thin, conv
+
+    def elementwise(self) -> tuple[float, float]:
+        """(transcendental elements/s, other FLOP/s), in cache into a preallocated output: a
+        fresh output's allocation and first touch belong to the bandwidth curve, which
+        allocates as eager PyTorch does."""
+        n = self.p.elementwise
+        x = torch.rand(n, device=self.dev)
+        y = torch.rand(n, device=self.dev)
+        z = torch.empty_like(x)
+        trans = []
+        for unary in (torch.exp, torch.tanh, torch.sigmoid):
+            t = self.time(partial(unary, x, out=z))
+            trans.append(_rate(float(n), t, self.launch))  # 1 element each
+            self.done(f"{unary.__name__}: {n / t / 1e9:.2f} G elements/s")
+        plain = []
+        for binary in (torch.mul, torch.maximum):
+            t = self.time(partial(binary, x, y, out=z))
+            plain.append(_rate(float(n), t, self.launch))  # 1 FLOP per element
+            self.done(f"{binary.__name__}: {n / t / 1e9:.2f} GFLOP/s")
+        return statistics.median(trans), statistics.median(plain)
+
+    def streams(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """(allocating ``a + b``, in-place ``a.add_(b)``): (bytes, bytes/s) points."""
+        bw: list[tuple[float, float]] = []
+        inplace: list[tuple[float, float]] = []
+        for n in self.p.stream:
+            a = torch.rand(n, device=self.dev)
+            b = torch.rand(n, device=self.dev)
+            nbytes = 3.0 * n * a.element_size()
+            t = self.time(partial(torch.add, a, b))
+            bw.append((nbytes, _rate(nbytes, t, self.launch)))
+            self.done(f"stream {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
+            t = self.time(partial(a.add_, b, alpha=-1e-3))
+            inplace.append((nbytes, _rate(nbytes, t, self.launch)))
+            self.done(f"in place {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
+        return bw, inplace
+
+    def kernels(self) -> dict[str, list[tuple[float, float]]]:
+        """Op name -> (bytes, bytes/s) points of the kernels of :data:`_KERNELS`."""
+        out: dict[str, list[tuple[float, float]]] = {}
+        for names, make in _KERNELS:
+            for n in self.p.kernel_sizes:
+                call, nbytes = make(n, self.dev)
+                t = self.time(call)
+                for name in names:
+                    out.setdefault(name, []).append((nbytes, _rate(nbytes, t, self.launch)))
+                label = names[0].split(".")[1]
+                self.done(f"{label} {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.2f} GB/s")
+        return out
+
+
+def calibrate(
+    device: str = "cpu",
+    *,
+    quick: bool = False,
+    threads: int | None = None,
+    step: Callable[[str], None] | None = None,
+    name: str | None = None,
+) -> TimeProfile:
+    """Measure this machine (``device``: ``cpu`` or ``cuda``) and return its profile.
+
+    Args:
+        device: where to measure.
+        quick: :func:`plan`'s quick plan (seconds).
+        threads: ``torch.set_num_threads`` while measuring (default: as it is); recorded in
+            the profile, since a run must use the same count for the rates to hold.
+        step: called with a short label after each measured point (a progress bar).
+        name: the profile's name (default ``cpu``/``cuda`` and the processor's name).
+
+    Raises:
+        ValueError: ``device`` is not ``cpu`` or ``cuda``, or ``cuda`` without a CUDA device.
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown calibration device {device!r}: cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("no CUDA device: calibrate the cpu, or run on a machine with a GPU")
+    dev = torch.device(device)
+    done = step or (lambda label: None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    n_threads = torch.get_num_threads()
+    p = plan(quick, device)
+    timed = _timer(dev)
+    reps, min_t = p.repeats, p.min_time_s
+
+    one_a = torch.ones(1, device=dev)
+    one_b = torch.ones(1, device=dev)
+    # the overhead is subtracted from every other measurement, so its least repeat (the
+    # dispatcher's own cost, not another process's time slice) is taken, not the median
+    tiny = timed(lambda: torch.add(one_a, one_b), max(reps, 5), min_t, min)
+    launch = max(tiny, _host_overhead(dev, reps)) if dev.type == "cuda" else tiny
+    done(f"launch overhead {launch * 1e6:.1f} µs")
+    v = torch.ones(64, device=dev)
+    view = timed(lambda: v.view(8, 8), max(reps, 5), min_t, min)
+    done(f"view overhead {view * 1e6:.1f} µs")
+    run = _Run(dev, p, timed, launch, done)
+    mm, thin, conv = run.products()
+    trans_rate, other_rate = run.elementwise()
+    bw, inplace = run.streams()
+    kernels = run.kernels()
+
+    other = {"float32": RateCurve(((1.0, other_rate),))}
+    trans = {"float32": RateCurve(((1.0, trans_rate),))}
+    for key in mm:
+        other.setdefault(key, other["float32"])
+        trans.setdefault(key, trans["float32"])
+    if dev.type == "cuda":
+        title = torch.cuda.get_device_name(dev)
+    else:
+        title = f"{platform.processor() or platform.machine()} CPU, {n_threads} threads"
+    return TimeProfile(
+        name=name or ("cuda" if dev.type == "cuda" else "cpu-calibrated"),
+        title=title,
+        source="calibrated",
+        kind="gpu" if dev.type == "cuda" else "cpu",
+        compute={
+            "matmul": {k: _curve(v) for k, v in mm.items()},
+            "matmul_thin": {k: _curve(v) for k, v in thin.items()},
+            "conv": {k: _curve(v) for k, v in conv.items()},
+            "transcendental": trans,
+            "other": other,
+        },
+        bandwidth=_curve(bw),
+        inplace_bandwidth=_curve(inplace),
+        kernels={k: _curve(v) for k, v in kernels.items()},
+        launch_overhead_s=launch,
+        view_overhead_s=min(view, launch),
+        threads=n_threads,
+        notes=(
+            f"measured with torch {torch.__version__} on {title}, {n_threads} threads, "
+            f"median of {reps} runs per point{' (quick plan)' if quick else ''}",
+        ),
+    )

@@ -1,0 +1,107 @@
+"""tools/bench_time.py, the benchmark docs/time.md's figures come from: how it maps eager
+profiler events to graphflop's kernels and how it scores a prediction. No timing is asserted:
+the events and times are made up, and the expected sums worked out by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bt():
+    spec = importlib.util.spec_from_file_location("bench_time", ROOT / "tools" / "bench_time.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_time"] = mod
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("bench_time", None)
+
+
+@dataclass
+class Ev:
+    """A stand-in for torch.profiler's FunctionEvent (the fields the tool reads)."""
+
+    name: str
+    cpu_time_total: float  # µs, children included
+    cpu_children: list = field(default_factory=list)
+    cpu_parent: object = None
+    device_time_total: float = 0.0
+
+
+def test_eager_names(bt):
+    assert bt.eager_names("aten.addmm.default", "forward") == ("aten::addmm",)
+    back = bt.eager_names("aten.native_layer_norm.default", "backward")
+    assert "aten::native_layer_norm_backward" in back
+    assert "aten::_softmax_backward_data" in bt.eager_names("aten._softmax.default", "backward")
+    bn = bt.eager_names("aten._native_batch_norm_legit_functional.default", "forward")
+    assert "aten::native_batch_norm" in bn
+
+
+def test_matched_events_count_once_with_their_children(bt):
+    addmm = Ev("aten::addmm", 30.0, [Ev("aten::copy_", 5.0)])
+    linear = Ev("aten::linear", 40.0, [Ev("aten::t", 2.0), addmm])
+    relu = Ev("aten::relu", 7.0)
+    fwd = Ev("phase:forward", 100.0, [linear, relu])
+    mm = Ev("aten::mm", 20.0)
+    node = Ev(
+        "autograd::engine::evaluate_function: AddmmBackward0", 50.0, [mm, Ev("aten::mm", 21.0)]
+    )
+    bwd = Ev("phase:backward", 60.0, [node])
+    upd = Ev("phase:update", 9.0, [Ev("aten::add_", 4.0), Ev("aten::add_", 3.0)])
+    kernels = {
+        "forward": {"aten::addmm": "aten.addmm.default", "aten::relu": "aten.relu.default"},
+        "backward": {"aten::mm": "aten.mm.default"},
+        "update": {"*": "optimizer.update"},
+    }
+    sums = bt._op_sums([fwd, bwd, upd], kernels, cuda=False)
+    # addmm's 30 µs include its copy_; linear and t are looked through; mm twice: 20 + 21;
+    # the update's in-place adds 4 + 3
+    assert sums == pytest.approx(
+        {
+            ("forward", "aten.addmm.default"): 30e-6,
+            ("forward", "aten.relu.default"): 7e-6,
+            ("backward", "aten.mm.default"): 41e-6,
+            ("update", "optimizer.update"): 7e-6,
+        }
+    )
+
+
+def test_compare_scores_ops_phases_and_step(bt):
+    from graphflop.report import OpTime, PhaseTime, TimeReport
+
+    def op(name, phase, seconds, flops):
+        return OpTime(name, phase, 1, seconds, seconds, 0.0, 0.0, flops, 0, "compute")
+
+    def ph(seconds):
+        return PhaseTime(seconds, seconds, 0.0, 0.0, 1, 0)
+
+    tr = TimeReport(
+        device="d",
+        title="d",
+        source="calibrated",
+        amp=None,
+        phases=(("forward", ph(1.0)), ("backward", ph(2.0)), ("update", ph(0.5))),
+        ratios=(),
+        flop_ratios=(),
+        ops=(op("a", "forward", 1.2, 300), op("b", "backward", 1.5, 100)),
+    )
+    m = bt.Measured(
+        phase_s={"forward": [1.0] * 5, "backward": [2.5] * 5, "update": [0.5] * 5},
+        op_s={("forward", "a"): [1.0, 1.0, 1.0], ("backward", "b"): [2.0, 2.0, 2.0]},
+    )
+    r = bt.compare(tr, m)
+    # op errors: a (1.2 - 1.0)/1.0 = +0.2, b (1.5 - 2.0)/2.0 = -0.25; median of |e| = 0.225;
+    # FLOP-weighted (300·0.2 + 100·0.25) / 400 = 0.2125
+    assert [o["error"] for o in r["ops"]] == pytest.approx([0.2, -0.25])
+    assert r["op_median_abs_error"] == pytest.approx(0.225)
+    assert r["op_flop_weighted_abs_error"] == pytest.approx(0.2125)
+    # step: predicted 1 + 2 + 0.5 = 3.5 against measured 1 + 2.5 + 0.5 = 4: -12.5%
+    assert r["step"]["error"] == pytest.approx(-0.125)
+    assert r["phases"]["backward"]["error"] == pytest.approx(-0.2)

@@ -1,0 +1,296 @@
+"""The time pass (graphflop.passes.step_time) against hand arithmetic on a data-sheet device, its
+bounds and eager kernels, the report's ``time`` section, the profile file, and ``graphflop
+calibrate`` / ``inspect --device`` (bad input included). No timing assertions: the calibration
+test checks only that the file it writes parses and is accepted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import cli, spec
+from torch import nn
+
+from graphflop.analysis import analyze
+from graphflop.devices import NoPeak, UnknownDevice, device_spec
+from graphflop.meta import COMPOSITE, TIME
+from graphflop.passes.time_profile import (
+    ProfileError,
+    RateCurve,
+    TimeProfile,
+    from_device,
+    load_profile,
+    resolve_profile,
+    save_profile,
+)
+from graphflop.report import Report
+
+H100 = from_device(device_spec("h100-sxm"))
+
+
+class MatMul(nn.Module):
+    def __init__(self, n: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(n, n, dtype=dtype, device="meta"))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+class Add(nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+def _node(a, target):
+    return next(n for n in a.forward.graph.nodes if n.target == target)
+
+
+def test_matmul_is_compute_bound_by_hand():
+    n = 8192
+    x = torch.empty(n, n, dtype=torch.bfloat16, device="meta")
+    a = analyze(MatMul(n, torch.bfloat16), x, backward=False, jvp=False, time_profile=H100)
+    t = _node(a, torch.ops.aten.mm.default).meta[TIME]
+    # FLOPs 2·8192³ = 1.0995e12; achieved rate 989.4e12 × 0.70 = 692.58e12 FLOP/s with a 5 µs
+    # fill: compute = 1.0995e12 / 692.58e12 + 5e-6 = 1.58756e-3 + 5e-6 s
+    flops = 2 * n**3
+    compute = flops / (989.4e12 * 0.70) + 5e-6
+    # bytes 3 × 8192² × 2 = 402.65e6 at 3.35e12 × 0.85 = 2.8475e12 B/s, 2 µs fill
+    memory = 3 * n * n * 2 / (3.35e12 * 0.85) + 2e-6
+    assert t.compute_s == pytest.approx(compute, rel=1e-9)
+    assert t.memory_s == pytest.approx(memory, rel=1e-9)
+    assert t.overhead_s == pytest.approx(6e-6)
+    assert t.seconds == pytest.approx(compute + 6e-6, rel=1e-9)
+    assert (t.bound, t.op_class, t.dtype) == ("compute", "matmul", "bfloat16")
+
+
+def test_add_is_memory_bound_by_hand():
+    n = 1 << 24
+    x = torch.empty(n, device="meta")
+    a = analyze(Add(), (x, x), backward=False, jvp=False, loss="sum", time_profile=H100)
+    t = _node(a, torch.ops.aten.add.Tensor).meta[TIME]
+    # bytes: read 2 × 4 × 2^24, write 4 × 2^24 = 201.3e6 B at 2.8475e12 B/s, 2 µs fill
+    memory = 3 * 4 * n / (3.35e12 * 0.85) + 2e-6
+    # FLOPs 2^24 at the vector rate 66.9e12 × 0.5, 2 µs fill
+    compute = n / (66.9e12 * 0.5) + 2e-6
+    assert t.memory_s == pytest.approx(memory, rel=1e-9)
+    assert t.compute_s == pytest.approx(compute, rel=1e-9)
+    assert t.seconds == pytest.approx(memory + 6e-6, rel=1e-9)
+    assert t.bound == "memory"
+
+
+def test_tiny_add_is_overhead_bound_and_amp_picks_the_bf16_peak():
+    x = torch.empty(4, device="meta")
+    a = analyze(Add(), (x, x), backward=False, jvp=False, loss="sum", time_profile=H100)
+    t = _node(a, torch.ops.aten.add.Tensor).meta[TIME]
+    assert t.bound == "overhead"  # 6 µs launch > 2 µs fill + 48 B
+    n = 4096
+    x32 = torch.empty(n, n, device="meta")
+    plain = analyze(MatMul(n, torch.float32), x32, backward=False, jvp=False, time_profile=H100)
+    amp = analyze(MatMul(n, torch.float32), x32, jvp=False, time_profile=H100, amp="bf16")
+    t32 = _node(plain, torch.ops.aten.mm.default).meta[TIME]
+    t16 = _node(amp, torch.ops.aten.mm.default).meta[TIME]
+    assert (t32.dtype, t16.dtype) == ("float32", "bfloat16")
+    # 2·4096³ FLOPs at 66.9e12 × 0.7 against 989.4e12 × 0.7 (5 µs fill each)
+    assert t32.compute_s == pytest.approx(2 * n**3 / (66.9e12 * 0.7) + 5e-6, rel=1e-9)
+    assert t16.compute_s == pytest.approx(2 * n**3 / (989.4e12 * 0.7) + 5e-6, rel=1e-9)
+
+
+def test_a_composite_op_is_one_eager_kernel():
+    model = nn.Sequential(nn.Linear(16, 16, device="meta"), nn.LayerNorm(16, device="meta"))
+    x = torch.empty(8, 16, device="meta")
+    a = analyze(model, x, time_profile=H100)
+    ln = [n for n in a.forward.graph.nodes if COMPOSITE in n.meta and TIME in n.meta]
+    ln = [n for n in ln if n.meta[COMPOSITE].op == "aten.native_layer_norm.default"]
+    assert len(ln) > 3  # decomposed into several nodes
+    assert len({n.meta[TIME].kernel_id for n in ln}) == 1
+    # one launch overhead for the whole kernel, split among its nodes
+    assert sum(n.meta[TIME].overhead_s for n in ln) == pytest.approx(6e-6)
+    ops = {(o.phase, o.op): o for o in a.report.time.ops}
+    assert ops[("forward", "aten.native_layer_norm.default")].kernels == 1
+    assert ops[("backward", "aten.native_layer_norm.default")].kernels == 1
+
+
+def test_time_section_keys_ratios_and_round_trip():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    a = analyze(model, torch.randn(8, 32), time_profile=H100)
+    doc = json.loads(json.dumps(a.to_dict()))
+    assert list(doc["time"]) == [
+        "device",
+        "title",
+        "source",
+        "amp",
+        "phases",
+        "ratios",
+        "flop_ratios",
+        "layers",
+        "ops",
+    ]
+    phases = doc["time"]["phases"]
+    assert list(phases) == [
+        "forward",
+        "loss",
+        "backward",
+        "update",
+        "train_step",
+        "jvp",
+        "forward_gradient_step",
+    ]
+    for p in phases.values():
+        assert p["seconds"] == pytest.approx(p["compute_s"] + p["memory_s"] + p["overhead_s"])
+    step = phases["train_step"]["seconds"]
+    parts = sum(phases[k]["seconds"] for k in ("forward", "backward", "update"))
+    assert step == pytest.approx(parts)
+    assert doc["time"]["ratios"]["Rb"] == pytest.approx(step / phases["forward"]["seconds"])
+    assert doc["time"]["flop_ratios"]["Rb"] == pytest.approx(doc["ratios"]["train_step_forward"])
+    assert Report.from_dict(doc) == a.report
+    plain = analyze(model, torch.randn(8, 32))
+    assert "time" not in plain.to_dict()
+
+
+def test_profile_file_round_trip_and_errors(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(save_profile(H100))
+    assert load_profile(f) == H100
+    assert resolve_profile(str(f)) == H100
+    f.write_text('{"kind": "graphflop-time-profile", "schema_version": 7}')
+    with pytest.raises(ProfileError, match="schema_version 7"):
+        load_profile(f)
+    with pytest.raises(ValueError, match="sizes must increase"):
+        RateCurve(((2.0, 1.0), (1.0, 1.0)))
+    assert RateCurve(((1.0, 1.0), (100.0, 100.0))).rate(10.0) == pytest.approx(10.0)
+
+
+def _fp32_only(tmp_path):
+    one = RateCurve(((1.0, 1e9),))
+    p = TimeProfile(
+        name="tiny",
+        title="tiny",
+        source="calibrated",
+        kind="cpu",
+        compute={"matmul": {"float32": one}, "conv": {"float32": one}, "other": {"float32": one}},
+        bandwidth=one,
+        launch_overhead_s=1e-6,
+        view_overhead_s=1e-7,
+    )
+    f = tmp_path / "tiny.json"
+    f.write_text(save_profile(p))
+    return p, f
+
+
+def test_no_peak_for_a_dtype(tmp_path):
+    p, _ = _fp32_only(tmp_path)
+    x = torch.empty(8, 8, dtype=torch.float64, device="meta")
+    with pytest.raises(
+        NoPeak, match="^tiny has no float64 peak for matmul kernels: it has float32$"
+    ):
+        analyze(MatMul(8, torch.float64), x, backward=False, jvp=False, time_profile=p)
+
+
+def test_cli_bad_device_input(capsys, tmp_path):
+    mlp = spec("mlp.py")
+    rc, out, err = cli(capsys, "inspect", mlp, "--device", "h100-sx")
+    assert (rc, out) == (2, "")
+    # the device table's own message (known devices, did-you-mean), then the other choices
+    with pytest.raises(UnknownDevice) as e:
+        device_spec("h100-sx")
+    assert "h100-sxm" in str(e.value)
+    assert err == [
+        f"graphflop: error: {e.value}; or cpu, or a profile file from graphflop calibrate"
+    ]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"a":')
+    js = tmp_path / "out.json"
+    rc, out, err = cli(capsys, "inspect", mlp, "--device", bad, "--json", js)
+    assert (rc, out) == (2, "") and not js.exists()
+    assert err == [f"graphflop: error: time profile {bad} is not JSON (line 1: Expecting value)"]
+    _, tiny = _fp32_only(tmp_path)
+    rc, out, err = cli(capsys, "inspect", mlp, "--device", tiny, "--amp", "bf16", "--json", js)
+    assert (rc, out) == (2, "") and not js.exists()
+    assert err == ["graphflop: error: tiny has no bfloat16 peak for matmul kernels: it has float32"]
+
+
+def test_calibrate_quick_writes_a_profile_inspect_accepts(capsys, tmp_path):
+    prof = tmp_path / "cpu.json"
+    rc, _, err = cli(capsys, "calibrate", "--quick", "--threads", "1", "-o", prof)
+    assert rc == 0, err
+    p = load_profile(prof)
+    assert (p.source, p.kind, p.threads) == ("calibrated", "cpu", 1)
+    assert {"matmul", "conv", "transcendental", "other"} <= set(p.compute)
+    js = tmp_path / "r.json"
+    rc, out, err = cli(capsys, "inspect", spec("mlp.py"), "--device", prof, "--json", js)
+    assert rc == 0, err
+    assert "predicted time on" in out
+    doc = json.loads(js.read_text())
+    assert doc["time"]["device"] == p.name and doc["time"]["source"] == "calibrated"
+    rc, _, err = cli(capsys, "calibrate", "--quick", "-o", tmp_path / "p.txt")
+    assert rc == 2 and err == [
+        f"graphflop: error: --out {tmp_path / 'p.txt'}: unsupported suffix; use one of .json"
+    ]
+
+
+def test_sweep_gives_the_ratio_in_time_per_device(capsys, tmp_path):
+    js = tmp_path / "s.json"
+    rc, out, err = cli(
+        capsys, "sweep", spec("mlp.py"), "--batches", "1,64", "--device", "h100-sxm",
+        "--device", "cpu", "--json", js,
+    )  # fmt: skip
+    assert rc == 0, err
+    rows = json.loads(js.read_text())
+    for r in rows:
+        for name in ("h100-sxm", "cpu"):
+            # (backward + update) / forward in predicted seconds, from the same row's times
+            step, fwd = r[f"train_step_s@{name}"], r[f"forward_s@{name}"]
+            assert r[f"time_ratio@{name}"] == pytest.approx((step - fwd) / fwd)
+    rc, out, err = cli(capsys, "sweep", spec("mlp.py"), "--batches", "1", "--device", "h100-sxm",
+                       "--device", "H100-SXM")  # fmt: skip
+    assert (rc, err) == (
+        2,
+        ["graphflop: error: --device names h100-sxm, h100-sxm: give each device once"],
+    )
+
+
+def test_render_colours_nodes_by_predicted_time(capsys, tmp_path):
+    dot = tmp_path / "g.dot"
+    rc, out, err = cli(capsys, "render", spec("mlp.py"), "-o", dot, "--device", "h100-sxm",
+                       "--color", "time", "--graph", "forward")  # fmt: skip
+    assert rc == 0, err
+    text = dot.read_text()
+    assert "predicted time per node on h100-sxm" in text
+    assert "compute" in text and "overhead" in text  # each op's bound in its label
+    rc, out, err = cli(capsys, "render", spec("mlp.py"), "-o", tmp_path / "h.dot",
+                       "--color", "time")  # fmt: skip
+    assert (rc, err) == (
+        2,
+        ["graphflop: error: --color time fills boxes with predicted time: add --device NAME|FILE"],
+    )
+    assert not (tmp_path / "h.dot").exists()
+
+
+def test_a_thin_product_takes_the_thin_rate():
+    fast, slow = RateCurve(((1.0, 1e9),)), RateCurve(((1.0, 1e8),))
+    p = TimeProfile(
+        name="two",
+        title="two",
+        source="calibrated",
+        kind="cpu",
+        compute={
+            "matmul": {"float32": fast},
+            "matmul_thin": {"float32": slow},
+            "conv": {"float32": fast},
+            "other": {"float32": fast},
+        },
+        bandwidth=RateCurve(((1.0, 1e12),)),
+        launch_overhead_s=0.0,
+        view_overhead_s=0.0,
+    )
+    thin = analyze(MatMul(512, torch.float32), torch.empty(64, 512, device="meta"),
+                   backward=False, jvp=False, time_profile=p)  # fmt: skip
+    square = analyze(MatMul(512, torch.float32), torch.empty(512, 512, device="meta"),
+                     backward=False, jvp=False, time_profile=p)  # fmt: skip
+    t = _node(thin, torch.ops.aten.mm.default).meta[TIME]
+    # 64 rows <= THIN_ROWS (128): 2·64·512·512 FLOPs at 1e8 FLOP/s
+    assert (t.op_class, t.compute_s) == ("matmul_thin", pytest.approx(2 * 64 * 512 * 512 / 1e8))
+    t = _node(square, torch.ops.aten.mm.default).meta[TIME]
+    assert (t.op_class, t.compute_s) == ("matmul", pytest.approx(2 * 512**3 / 1e9))
