@@ -1,0 +1,145 @@
+"""The default tensor-parallel plan, found from the module structure, and the module layouts a
+plan imposes at module boundaries.
+
+Megatron's pattern (Shoeybi et al. 2019, section 3), found without module names: inside a
+module holding two or more ``nn.Linear`` layers (an attention block, an MLP), a Linear whose
+output stays inside that module (q/k/v or a fused qkv; MLP up and gate) is column-wise, one
+whose output leaves it (attention out, MLP down) row-wise; a Linear outside such a module whose
+output width is the token embedding's row count (the LM head) is column-wise; an
+``nn.Embedding`` read with the model's input ids is vocabulary-parallel (``rowwise``, as
+``parallelize_module`` shards an embedding), other embeddings (positions) replicated. Under
+sequence parallelism, every norm module (``LayerNorm``, ``RMSNorm``, any class named
+``*Norm``) is ``sequence_parallel``. Reads ``MODULE``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from graphflop.meta import MODULE
+from graphflop.parallel.placement import REPLICATE, Placement, shard
+from graphflop.parallel.plan import match_style
+
+__all__ = ["SEQUENCE_DIM", "boundary_layouts", "default_tp_plan", "param_placement"]
+
+#: the sequence dim of (batch, sequence, hidden) activations, as torch's SequenceParallel has it
+SEQUENCE_DIM = 1
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def default_tp_plan(
+    model: nn.Module, forward: GraphModule, sp: bool
+) -> tuple[tuple[str, str], ...]:
+    """Megatron's column/row plan for ``model`` (see the module docstring), as exact module
+    paths → style."""
+    mods = dict(model.named_modules())
+    linears = [p for p, m in mods.items() if isinstance(m, nn.Linear)]
+    embeddings = [p for p, m in mods.items() if isinstance(m, nn.Embedding)]
+    per_parent: dict[str, list[str]] = {}
+    for p in linears:
+        per_parent.setdefault(_parent(p), []).append(p)
+    leaves: set[str] = set()  # modules whose output is read outside their parent
+    token_embeddings: set[str] = set()
+    for n in forward.graph.nodes:
+        m = n.meta.get(MODULE) or ""
+        if n.op == "call_function" and m in mods and isinstance(mods[m], nn.Embedding):
+            if len(n.args) > 1 and isinstance(n.args[1], Node) and n.args[1].op == "placeholder":
+                token_embeddings.add(m)
+        for u in n.users:
+            um = u.meta.get(MODULE) or ""
+            if m and m in mods and not (um == _parent(m) or um.startswith(_parent(m) + ".")):
+                leaves.add(m)
+    vocab = {mods[e].num_embeddings for e in token_embeddings}
+    plan: list[tuple[str, str]] = []
+    for p in linears:
+        lin = mods[p]
+        if len(per_parent[_parent(p)]) >= 2 and _parent(p):
+            plan.append((p, "rowwise" if p in leaves else "colwise"))
+        elif lin.out_features in vocab:
+            plan.append((p, "colwise"))
+    plan += [(e, "rowwise") for e in embeddings if e in token_embeddings]
+    if sp:
+        plan += [(p, "sequence_parallel") for p, m in mods.items() if _is_norm(m) and p]
+    return tuple(plan)
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith("Norm")
+
+
+def param_placement(
+    qualified: str,
+    shape: tuple[int, ...],
+    tp_plan: tuple[tuple[str, str], ...],
+    embeddings: frozenset[str],
+) -> Placement:
+    """A parameter's placement under the plan: ``colwise`` shards dim 0 (a Linear's weight
+    (out, in) and bias); ``rowwise`` a Linear's weight on dim 1 (its bias replicated) and an
+    Embedding's weight on dim 0 (the vocabulary); everything else replicated."""
+    module, _, leaf = qualified.rpartition(".")
+    style = match_style(tp_plan, module)
+    if style == "colwise":
+        return shard(0, shape[0])
+    if style == "rowwise":
+        if module in embeddings:
+            return shard(0, shape[0])
+        if leaf == "weight" and len(shape) == 2:
+            return shard(1, shape[1])
+    return REPLICATE
+
+
+def boundary_layouts(
+    tp_plan: tuple[tuple[str, str], ...], sp: bool
+) -> Callable[[Node, Node, Placement, bool], Placement | None]:
+    """The layouts ``parallelize_module`` imposes where a value crosses into or out of a module
+    the plan names (see :mod:`graphflop.parallel.placement`): ``(value, consumer, placement,
+    forward) -> placement`` the consumer reads, or None for no change."""
+
+    @cache
+    def styled(path: str) -> tuple[str, str] | None:
+        parts = path.split(".") if path else []
+        for i in range(len(parts), 0, -1):
+            m = ".".join(parts[:i])
+            s = match_style(tp_plan, m)
+            if s is not None:
+                return m, s
+        return None
+
+    def seq(value: Node) -> Placement | None:
+        v = value.meta.get("val")
+        shape = getattr(v, "shape", ())
+        if len(shape) < 3:
+            return None
+        return shard(SEQUENCE_DIM, int(shape[SEQUENCE_DIM]))
+
+    def layout(value: Node, consumer: Node, p: Placement, forward: bool) -> Placement | None:
+        a = styled(value.meta.get(MODULE) or "")
+        b = styled(consumer.meta.get(MODULE) or "")
+        if a == b:
+            return None
+        q = p
+        if a is not None:  # leaving module a
+            style = a[1]
+            if q.kind == "P" and (
+                (forward and style == "rowwise") or (not forward and style == "colwise")
+            ):
+                q = (seq(value) if sp else None) or REPLICATE
+        if b is not None:  # entering module b
+            style = b[1]
+            if forward and style == "colwise":
+                q = REPLICATE
+            elif not forward and style == "rowwise" and (q.kind == "P" or q == seq(value)):
+                # the output cotangent entering (a weight cotangent accumulated here is not)
+                q = REPLICATE
+            elif style == "sequence_parallel":
+                q = seq(value) or q
+        return None if q == p else q
+
+    return layout
