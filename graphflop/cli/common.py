@@ -46,6 +46,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from graphflop.frontend.trace import TraceError
     from graphflop.load import SpecError
     from graphflop.ops import MissingRuleError
+    from graphflop.parallel import PlanError
     from graphflop.passes.checkpoint import CheckpointPatternError
     from graphflop.runtime.bench import BenchError
     from graphflop.runtime.onnxrt import DeviceError
@@ -63,6 +64,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         DeviceError,
         BenchError,
         CheckpointPatternError,
+        PlanError,
     )
 
 

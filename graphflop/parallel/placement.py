@@ -306,9 +306,7 @@ class _Engine:
             ("S", "R"): "all_gather",
             ("S", "S"): "all_to_all",
         }[(src.kind, dst.kind)]
-        self.collectives.append(
-            Collective(kind, "tp", self.tp, n, _dtype(v), self.phase, a.name)
-        )
+        self.collectives.append(Collective(kind, "tp", self.tp, n, _dtype(v), self.phase, a.name))
         return dst
 
     # the walk ------------------------------------------------------------------------------
@@ -426,7 +424,7 @@ def _shape(a: Node) -> tuple[int, ...]:
     return tuple(int(x) for x in a.meta["val"].shape)
 
 
-def _rule(
+def _rule(  # noqa: C901 (one dispatch over the op families)
     n: Node, flat: list, ins: dict[int, Placement], tp: int, params: set[str], vocab: set[str]
 ) -> tuple[Any, dict[int, Placement]]:
     """(output placement, input placements needed) of one op."""
@@ -474,7 +472,10 @@ def _rule(
             return p, {}
         src = _shape(x)
         dims = (
-            [_norm(d, len(src)) for d in (n.args[1] if isinstance(n.args[1], list) else [n.args[1]])]
+            [
+                _norm(d, len(src))
+                for d in (n.args[1] if isinstance(n.args[1], list) else [n.args[1]])
+            ]
             if len(n.args) > 1
             else [i for i, s in enumerate(src) if s == 1]
         )
@@ -624,7 +625,7 @@ def _split(n, x, p, val, tp, where) -> tuple[Any, dict[int, Placement]]:
     return tuple(outs), {}
 
 
-def _matmul(n, flat, ins, ks, params) -> tuple[Placement, dict[int, Placement]]:
+def _matmul(n, flat, ins, ks, params) -> tuple[Placement, dict[int, Placement]]:  # noqa: C901
     """mm (M,K)@(K,N), addmm (bias + mm), bmm (B,M,K)@(B,K,N)."""
     t = n.target
     bias_k = ks[0] if t is aten.addmm.default else None
@@ -641,7 +642,7 @@ def _matmul(n, flat, ins, ks, params) -> tuple[Placement, dict[int, Placement]]:
     if off and (a.kind == "S" and a.dim == 0 or b.kind == "S" and b.dim == 0):
         # batched over a sharded batch dim (attention heads)
         tgt = a if a.kind == "S" and a.dim == 0 else b
-        for k, q, s in ((ka, a, sa), (kb, b, sb)):
+        for k, q in ((ka, a), (kb, b)):
             if not (q.kind == "S" and q.dim == 0):
                 need[k] = replace(tgt, factor=tgt.factor)
         return tgt, need

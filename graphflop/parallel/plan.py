@@ -194,7 +194,9 @@ def read_tp_plan(path: str) -> tuple[tuple[str, str], ...]:
             try:
                 re.compile(pattern[3:])
             except re.error as e:
-                raise PlanError(f"--tp-plan {path}: bad regular expression {pattern!r}: {e}")
+                raise PlanError(
+                    f"--tp-plan {path}: bad regular expression {pattern!r}: {e}"
+                ) from None
         out.append((pattern, _style(value, pattern)))
     return tuple(out)
 

@@ -216,7 +216,7 @@ def _dtype(v: Any) -> str:
     return str(v.dtype).removeprefix("torch.")
 
 
-def predict(
+def predict(  # noqa: C901
     analysis: Any,
     model: nn.Module,
     plan: Plan,
@@ -260,9 +260,7 @@ def predict(
     pplace: dict[str, Placement] = {}
     for ph, q in sig.params:
         shape = tuple(int(s) for s in phs[ph].meta["val"].shape)
-        pplace[q] = (
-            param_placement(q, shape, tp_plan, embeddings) if plan.tp > 1 else REPLICATE
-        )
+        pplace[q] = param_placement(q, shape, tp_plan, embeddings) if plan.tp > 1 else REPLICATE
         if pplace[q].kind == "S" and shape[pplace[q].dim] % plan.tp:
             raise PlanError(
                 f"--tp {plan.tp} does not divide dim {pplace[q].dim} ({shape[pplace[q].dim]}) "
@@ -273,7 +271,12 @@ def predict(
     vocab = frozenset(e for e in embeddings if pplace.get(f"{e}.weight", REPLICATE).kind == "S")
     f_init = {ph: pplace[q] for ph, q in sig.params}
     fp = propagate(
-        fwd, plan.tp, phase="forward", init=f_init, boundary=layouts, params=set(f_init),
+        fwd,
+        plan.tp,
+        phase="forward",
+        init=f_init,
+        boundary=layouts,
+        params=set(f_init),
         vocab=vocab,
     )
     b_init: dict[str, Placement] = {}
@@ -295,8 +298,14 @@ def predict(
         if i < len(outs) and isinstance(outs[i], Node)
     }
     bp = propagate(
-        bwd, plan.tp, phase="backward", init=b_init, boundary=layouts, params=b_params,
-        grad_of=lambda a: grad_want.get(a.name), vocab=vocab,
+        bwd,
+        plan.tp,
+        phase="backward",
+        init=b_init,
+        boundary=layouts,
+        params=b_params,
+        grad_of=lambda a: grad_want.get(a.name),
+        vocab=vocab,
     )
 
     # pipeline stages ---------------------------------------------------------------------
@@ -438,8 +447,10 @@ def predict(
                 if owned is not None
                 else round(g_bytes * state_per_param_byte)
             )
-            upd_numel = sum(local_numel(q) for q in owned) if owned is not None else sum(
-                local_numel(q) for q in tq
+            upd_numel = (
+                sum(local_numel(q) for q in owned)
+                if owned is not None
+                else sum(local_numel(q) for q in tq)
             )
         else:
             padded = {q: _padded(shape_of[q], pplace[q], plan.tp, dp) for q in tq}
