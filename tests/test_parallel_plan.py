@@ -1,0 +1,196 @@
+"""graphflop.parallel and ``graphflop plan``: the plan's collectives, FLOPs and memory on a tiny
+GPT-2 against hand counts, and bad input refused in one line with exit status 2."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from graphflop.analysis import analyze
+from graphflop.cli import main
+from graphflop.load import load, make_inputs
+from graphflop.parallel import Plan, PlanError, predict
+
+# GPT-2 with 2 blocks, 2 heads, width 8, vocabulary 16, 8 positions; tokens (2, 4)
+ARGS = dict(n_layer=2, n_head=2, n_embd=8, vocab_size=16, n_positions=8)
+
+
+def _cli(**over) -> list[str]:
+    return [
+        "models/gpt2.py:GPT2",
+        *[f"--arg={k}={v}" for k, v in {**ARGS, **over}.items()],
+        "--input-shape",
+        "2,4",
+        "--dtype",
+        "int64",
+    ]
+
+
+CLI = _cli()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    loaded = load("models/gpt2.py:GPT2", ctor_kwargs=ARGS, meta=True)
+    inputs = make_inputs(loaded, shapes=[(2, 4)])
+    return loaded.model, analyze(loaded.model, inputs, optimizer="adam", jvp=False)
+
+
+def _plan(tiny, **kw):
+    model, a = tiny
+    return predict(a, model, Plan(**kw), micro_batch=2)
+
+
+def _keys(rank, group):
+    return Counter(c.key() for c in rank.collectives if c.group == group)
+
+
+# matrix products of one micro-batch (M = 2·4 = 8 rows): per block c_attn 2·8·8·24 = 3072,
+# attn c_proj 2·8·8·8 = 1024, c_fc 2·8·8·32 = 4096, mlp c_proj 2·8·32·8 = 4096, attention's two
+# bmm 2·(2·4·4·4·2) = 1024: 13,312; two blocks 26,624; tied head 2·8·8·16 = 2048: 28,672
+FORWARD_MM = 28_672
+
+
+def test_tp_halves_every_matrix_product(tiny):
+    one = _plan(tiny)
+    two = _plan(tiny, tp=2)
+    assert one.ranks[0].mm_flops["forward"] == FORWARD_MM
+    # heads, MLP width and vocabulary all split: each product's local contraction or output
+    # is half: 28,672 / 2
+    assert two.ranks[0].mm_flops["forward"] == FORWARD_MM // 2
+
+
+def test_tp_collectives_megatron(tiny):
+    r = _plan(tiny, tp=2).ranks[0]
+    # forward: the embedding's and each row-wise layer's partial sums, (2, 4, 8) = 64 elements:
+    # 1 + 2·2 = 5; the vocabulary-parallel cross-entropy's max, sum of exp and picked logit,
+    # 8 rows each: 3
+    # backward: each column-wise layer's input cotangent (2·2) and the head's (1): 5 × 64; the
+    # loss's sum of exp (float) and the count of each row's maxima (the max's derivative
+    # divides by it; a sum of booleans, int64): 8 each
+    assert _keys(r, "tp") == Counter(
+        {
+            ("all_reduce", 2, 64, "float32", "forward"): 5,
+            ("all_reduce", 2, 8, "float32", "forward"): 3,
+            ("all_reduce", 2, 64, "float32", "backward"): 5,
+            ("all_reduce", 2, 8, "float32", "backward"): 1,
+            ("all_reduce", 2, 8, "int64", "backward"): 1,
+        }
+    )
+
+
+def test_ddp_one_bucket(tiny):
+    r = _plan(tiny, dp=2).ranks[0]
+    # every trainable parameter: wte 16·8 + wpe 8·8 + ln_f 16 + 2 blocks × 872 (ln_1 16,
+    # c_attn 24·8+24, c_proj 8·8+8, ln_2 16, c_fc 32·8+32, c_proj 8·32+8) = 1952 elements,
+    # 7,808 bytes: under DDP's first 1 MiB bucket, one all_reduce
+    assert _keys(r, "dp") == Counter({("all_reduce", 2, 1952, "float32", "backward"): 1})
+
+
+def test_zero3_units(tiny):
+    r = _plan(tiny, dp=2, zero=3).ranks[0]
+    # units h.0 and h.1 (872 elements, every dim 0 even: no padding) and the root (208):
+    # forward all_gather of each, backward all_gather of the blocks only, reduce_scatter of each
+    assert _keys(r, "dp") == Counter(
+        {
+            ("all_gather", 2, 872, "float32", "forward"): 2,
+            ("all_gather", 2, 208, "float32", "forward"): 1,
+            ("all_gather", 2, 872, "float32", "backward"): 2,
+            ("reduce_scatter", 2, 872, "float32", "backward"): 2,
+            ("reduce_scatter", 2, 208, "float32", "backward"): 1,
+        }
+    )
+    mem = r.memory_bytes
+    # parameters, gradients: 1952 · 4 / 2 = 3904 bytes; Adam's two moments: 7808
+    assert (mem["parameters"], mem["gradients"], mem["optimizer_state"]) == (3904, 3904, 7808)
+    # the two largest units gathered at once: 2 × 872 · 4
+    assert mem["all_gather_buffers"] == 6976
+
+
+def test_zero1_state_sharded(tiny):
+    r = _plan(tiny, dp=2, zero=1).ranks[0]
+    # one broadcast per trainable parameter (28) after the step
+    assert sum(c.kind == "broadcast" for c in r.collectives) == 28
+    assert r.memory_bytes["gradients"] == 7808
+    assert r.memory_bytes["optimizer_state"] < 2 * 7808
+
+
+def test_pipeline_sends_and_bubble(tiny):
+    rep = _plan(tiny, pp=2, micro_batches=2)
+    first, last = rep.ranks
+    # the residual stream (2, 4, 8) = 64 elements crosses once per micro-batch each way
+    assert _keys(first, "pp") == Counter(
+        {("send", 2, 64, "float32", "forward"): 2, ("recv", 2, 64, "float32", "backward"): 2}
+    )
+    assert _keys(last, "pp") == Counter(
+        {("recv", 2, 64, "float32", "forward"): 2, ("send", 2, 64, "float32", "backward"): 2}
+    )
+    # 1F1B, p = 2, m = 2: (p - 1) / (m + p - 1) = 1/3; stage 0 holds 2 micro-batches, 1 the last
+    assert rep.bubble == pytest.approx(1 / 3)
+    assert (first.in_flight, last.in_flight) == (2, 1)
+    assert first.blocks == ("h.0",) and last.blocks == ("h.1",)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(pp=2, micro_batches=1),
+        dict(schedule="zigzag"),
+        dict(sp=True),
+        dict(zero=4),
+        dict(tp=0),
+        dict(tp=2, tp_plan=(("*", "diagonal"),)),
+    ],
+)
+def test_plan_refuses(kw):
+    with pytest.raises(PlanError):
+        Plan(**kw)
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--tp", "3"], "--tp 3 does not divide"),
+        # 2 heads over 4 ranks (hidden 8, fused qkv 24 and vocabulary 16 divide by 4)
+        (["--tp", "4"], "--tp 4 cannot shard h.0.attn"),
+        (["--pp", "3"], "3 pipeline stages"),
+        (["--dp", "2", "--world", "3"], "not --world 3"),
+        (["--pp", "2", "--micro-batches", "1"], "needs at least 2 micro-batches"),
+        (["--schedule", "zigzag"], "unknown --schedule"),
+    ],
+)
+def test_cli_bad_input_one_line(capsys, tmp_path, extra, says):
+    out = tmp_path / "p.json"
+    assert main(["plan", *CLI, *extra, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert not out.exists()
+
+
+def test_cli_unknown_plan_entry(capsys, tmp_path):
+    f = tmp_path / "plan.json"
+    f.write_text('{"*.attn.c_attn": "diagonal"}')
+    assert main(["plan", *CLI, "--tp", "2", "--tp-plan", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown TP plan entry 'diagonal'" in err[0]
+
+
+def test_cli_heads_not_divisible(capsys):
+    # 3 heads of width 16: hidden 48 and vocabulary 16 divide by 2, the heads do not
+    assert main(["plan", *_cli(n_head=3, n_embd=48), "--tp", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "heads" in err[0] and "--tp 2" in err[0], err
+
+
+def test_cli_json(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "p.json"
+    assert (
+        main(["plan", *CLI, "--dp", "2", "--zero", "3", "--memory-gib", "1", "--json", str(out)])
+        == 0
+    )
+    doc = json.loads(out.read_text())
+    assert doc["plan"]["world"] == 2 and doc["ranks"][0]["fits"] is True
+    assert {c["kind"] for c in doc["ranks"][0]["collectives"]} == {"all_gather", "reduce_scatter"}
