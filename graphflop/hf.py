@@ -318,14 +318,35 @@ def _check_fields(config: Any, args: dict, name: str) -> None:
     """Raises SpecError for a key of ``args`` that is not a field of ``config`` (or one of its
     aliases): transformers keeps an unknown keyword as an attribute nothing reads, so a typo
     (``n_layers`` for GPT-2's ``n_layer``) would analyse the default model."""
-    for k in args:
+    for k, v in args.items():
         if hasattr(config, k) or _implementation_field(config, k):
+            _check_sign(config, k, v, name)
             continue
         fields = [*vars(config), *getattr(config, "attribute_map", {})]
         close = difflib.get_close_matches(k, fields, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise SpecError(
             f"hf:{name}: the configuration has no field {k!r}{hint} (see {type(config).__name__})"
+        )
+
+
+def _check_sign(config: Any, key: str, value: Any, name: str) -> None:
+    """Raises SpecError for a negative integer given to a field whose default is a positive
+    integer (a count or a size: ``n_layer=-1`` would build a model of no layers, since
+    ``range(-1)`` is empty)."""
+    default = getattr(config, key, None)
+    plain = (int,)
+    if (
+        isinstance(value, plain)
+        and not isinstance(value, bool)
+        and isinstance(default, plain)
+        and not isinstance(default, bool)
+        and default > 0
+        and value < 0
+    ):
+        raise SpecError(
+            f"hf:{name}: {key}={value} is negative; {key} is a count or size "
+            f"(default {default}): give a positive value"
         )
 
 

@@ -1571,3 +1571,30 @@ def test_a_forward_that_fails_is_one_line_with_verify(work):
     err = [line for line in run.stderr.splitlines() if line.strip()]
     assert run.returncode == 2, run.stderr
     assert len(err) == 1 and "view_as_real doesn't work" in err[0], err
+
+
+def test_render_empty_module_path_is_refused(capsys, tmp_path):
+    """``--module ""`` used to draw the whole model, as if the option were left out."""
+    out = tmp_path / "m.svg"
+    rc, _, err = cli(capsys, "render", spec("mlp.py"), "--module", " ", "-o", out)
+    assert rc == 2 and len(err) == 1 and not out.exists()
+    assert "an empty module path: give a module such as h.0" in err[0]
+
+
+def test_negative_count_in_an_hf_configuration_is_refused(capsys, tmp_path, monkeypatch):
+    """A tester's finding: hf:gpt2 --arg n_layer=-1 analysed a model of no blocks (range(-1)
+    is empty). A field whose default is a positive integer takes no negative value."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    line = one_error(
+        capsys,
+        "inspect",
+        "hf:gpt2",
+        "--arg",
+        "n_layer=-1",
+        "--json",
+        "o.json",
+        message="hf:gpt2: n_layer=-1 is negative",
+    )
+    assert "(default 12): give a positive value" in line
+    nothing_left(tmp_path)

@@ -5,6 +5,7 @@ buffers excluded, inputs and targets included)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -66,6 +67,39 @@ def measure_saved_checkpointed(model: nn.Module, inputs: tuple, pattern: str) ->
         return sum(seen.values())
 
     return saved(True), saved(False)
+
+
+def measure_rerun(model: nn.Module, inputs: tuple, pattern: str) -> dict[str, int]:
+    """The aten ops (views and detaches left out) that eager's backward runs with the matching
+    modules checkpointed and not without: the recompute ``torch.utils.checkpoint`` performs
+    (``use_reentrant=False``, early stop), counted by a dispatch mode over ``backward()``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    skip = {torch.ops.aten.detach.default, torch.ops.aten.t.default}
+    _, run = _loss_fn(model, inputs, "auto")
+
+    class Log(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: collections.Counter[str] = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func not in skip:
+                self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(wrap: bool) -> collections.Counter[str]:
+        ctx = checkpointed(model, pattern) if wrap else contextlib.nullcontext()
+        with ctx:
+            loss = run()
+        with Log() as log:
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        return log.ops
+
+    extra = ops(True)
+    extra.subtract(ops(False))
+    return {k: v for k, v in extra.items() if v}
 
 
 def measure_saved_autocast(model: nn.Module, inputs: tuple, dtype: torch.dtype) -> int:
@@ -150,30 +184,34 @@ def test_checkpoint_small_net_exact():
     block.2's backward), block.2's output (8·16·4 = 512, head's input), log-softmax's output
     (8·4·4 = 128), the targets (8·8 = 64) and NLL's total weight (4): 2244. Checkpointing
     ``block`` drops the ReLU output and keeps the block's input x: 512 + 512 + 128 + 64 + 4 =
-    1220. Recompute: the whole block (its last op, block.2's addmm, saves): 2·8·16·32 + 8·32
-    (addmm with bias) + 8·32 (ReLU) + 2·8·32·16 + 8·16 = 8192 + 256 + 256 + 8192 + 128 =
-    17024."""
+    1220. Recompute (early stop): block.0's addmm and the ReLU, not block.2's addmm, which
+    saves only its inputs (the ReLU output and its weight), packed before its kernel runs:
+    2·8·16·32 + 8·32 (addmm with bias) + 8·32 (ReLU) = 8192 + 256 + 256 = 8704, the ops eager's
+    backward reruns (measured)."""
     model, x = _net()
     ck = _analysis(model, x, checkpoint="block").report.memory.checkpoint
     assert ck.eager_saved_for_backward_bytes == 2244
     assert ck.saved_for_backward_bytes == 1220
     assert ck.checkpoint_input_bytes == 512
-    assert ck.recompute_flops == 17024
+    assert ck.recompute_flops == 8704
+    assert measure_rerun(model, x, "block") == {"aten.addmm.default": 1, "aten.relu.default": 1}
     assert ck.modules == ("block",) and ck.pattern_syntax == "glob"
     assert measure_saved_checkpointed(model, x, "block") == (1220, 2244)
 
 
 def test_checkpoint_early_stop_and_regex():
     """``re:block\\.[01]``: block.0 (Linear) and block.1 (ReLU) are checkpointed separately.
-    block.0's region reruns its addmm (2·8·16·32 + 8·32 = 8448); block.1's its ReLU (8·32 =
-    256). Saved: x (block.0's input, 512), block.0's output (block.1's input, 8·32·4 = 1024),
+    block.0's region reruns nothing (its one op, the addmm, saves only its inputs, which are
+    packed before it runs, so early stop comes first); block.1's reruns its ReLU (8·32 = 256),
+    which saves its output: what eager's backward reruns (measured). Saved: x (block.0's input, 512), block.0's output (block.1's input, 8·32·4 = 1024),
     the ReLU output (read by block.2's backward, outside: 1024), block.2's output 512, loss
     196: 3268."""
     model, x = _net()
     ck = _analysis(model, x, checkpoint=r"re:block\.[01]").report.memory.checkpoint
     assert ck.modules == ("block.0", "block.1") and ck.pattern_syntax == "regex"
     per = {m.module: m.recompute_flops for m in ck.per_module}
-    assert per == {"block.0": 8448, "block.1": 256}
+    assert per == {"block.0": 0, "block.1": 256}
+    assert measure_rerun(model, x, r"re:block\.[01]") == {"aten.relu.default": 1}
     assert ck.saved_for_backward_bytes == 3268
     assert measure_saved_checkpointed(model, x, r"re:block\.[01]")[0] == 3268
 
@@ -350,14 +388,15 @@ def test_amp_with_fused_attention_matches_measurement():
 
 def test_what_ifs_are_typed_sections_of_the_report():
     """The what-ifs are report dataclasses (attributes, not string keys) and read back from
-    their JSON equal: block.0 (Linear) reruns its addmm, 2·8·16·32 + 8·32 = 8448 FLOPs."""
+    their JSON equal: block.0 (Linear) reruns nothing: its addmm saves only its inputs, packed
+    before it runs (test_checkpoint_early_stop_and_regex)."""
     from graphflop.report import AmpWhatIf, CheckpointedModule, CheckpointWhatIf, Memory
 
     model, x = _net()
     mem = _analysis(model, x, checkpoint="block.0", amp="bf16").report.memory
     assert isinstance(mem.checkpoint, CheckpointWhatIf) and isinstance(mem.amp, AmpWhatIf)
     assert mem.checkpoint.per_module[0].module == "block.0"
-    assert mem.checkpoint.per_module[0].recompute_flops == 8448
+    assert mem.checkpoint.per_module[0].recompute_flops == 0
     assert isinstance(mem.checkpoint.per_module[0], CheckpointedModule)
     assert mem.amp.dtype == "bf16" and mem.amp.flops_unchanged
     assert Memory.from_dict(mem.to_dict()) == mem

@@ -348,3 +348,24 @@ def test_input_tangents_through_a_detached_reentrant_checkpoint_are_marked_incom
     assert not a.report.totals.jvp.complete
     [u] = [u for u in a.report.uncounted if u.missing == ("recompute",)]
     assert u.op.startswith("reentrant checkpoint on the model's inputs") and u.count == 2
+
+
+class _Plain(Net):
+    """Net without its own checkpoint call: what the ``checkpoint`` what-if is asked about."""
+
+    def forward(self, x):
+        return self.head(self.block(self.inp(x)))
+
+
+def test_checkpoint_what_if_reruns_what_the_models_own_checkpoint_reruns():
+    """The ``--checkpoint block`` what-if on the plain net and the net's own
+    ``checkpoint(self.block, ...)`` rerun the same nodes: fc1's addmm and the ReLU, not fc2's
+    addmm, whose saved tensors (its input and weight) are packed before it runs, so early stop
+    comes first. Batch 4: 2·4·8·16 + 4·16 (addmm with bias) + 4·16 (ReLU) = 1,024 + 64 + 64 =
+    1,152 FLOPs. The what-if used to count fc2's addmm too (its weight's packing)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    own = analyze(Net(reentrant=False), (x,), jvp=False).report.totals.backward
+    what_if = analyze(_Plain(reentrant=False), (x,), jvp=False, checkpoint="block").report
+    assert own.recompute_flops == 1152
+    assert what_if.memory.checkpoint.recompute_flops == 1152

@@ -684,3 +684,24 @@ def test_a_straight_through_function_passes_the_gradient_check(tmp_path, capsys)
     assert grad["ran"] and grad["ok"], grad
     assert doc["totals"]["backward"]["complete"]
     assert rc == 1  # RoundSTE has no jvp: the JVP check is not run
+
+
+def test_gap_reasons_names_uncounted_ops_when_no_rule_gap_cuts_the_backward():
+    """A backward cut short with no derivative gap (an op without a cost rule, say) names the
+    uncounted ops: the note used to read "the backward stops at " with nothing after it."""
+    from types import SimpleNamespace as NS
+
+    from graphflop.runtime.verify_all import gap_reasons
+
+    cut = NS(complete=False)
+    report = NS(
+        totals=NS(backward=cut, jvp=cut),
+        derivative_gaps=[],
+        uncounted=[NS(op="aten.foo.default", missing=("cost",))],
+    )
+    assert gap_reasons(report) == {
+        "gradients": "the backward stops at ops the analysis could not count: "
+        "aten.foo.default (no cost)",
+        "jvp": "the JVP stops at ops the analysis could not count: aten.foo.default (no cost)",
+        "forward_gradient": "it needs a complete JVP and backward",
+    }

@@ -54,6 +54,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--module",
         metavar="PATH",
+        type=_module_path,
         help="draw only this module (e.g. h.0 or layer3.1), at op level unless --level module",
     )
     p.add_argument(
@@ -68,6 +69,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="measured times per module: the JSON of graphflop bench --profile --json",
     )
     return p
+
+
+def _module_path(text: str) -> str:
+    """``--module``'s value: a non-empty dotted path (an empty one would draw the whole model,
+    which is what leaving the option out does)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "an empty module path: give a module such as h.0, or leave --module out to draw "
+            "the whole model"
+        )
+    return text.strip()
 
 
 def _read_profile(path: str | None) -> dict | None:

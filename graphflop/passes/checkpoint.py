@@ -16,9 +16,13 @@ eager memory model's saved set (:mod:`graphflop.passes.eager_memory`):
   forward node outside every region; residuals read only by the backward of region nodes are
   dropped; each region's inputs (values made outside it and read inside it, parameters, buffers
   and values derived from parameters only left out) are saved;
-* a region's recompute is its forward nodes in graph order up to its last node whose backward
-  reads a residual (parameters included: their packing counts for early stop), that node's
-  whole composite op included; its FLOPs are those nodes' :data:`~graphflop.meta.COST` FLOPs.
+* a region's recompute is its forward nodes in graph order up to the last one whose value
+  eager saves (the eager model's stand-in for a residual), that node's whole composite op
+  included; its FLOPs are those nodes' :data:`~graphflop.meta.COST` FLOPs. An op that saves
+  only its inputs (a linear layer: its input and weight) is not rerun when it comes last:
+  autograd packs the inputs an op saves before its kernel runs, and the pack that completes
+  the count stops the recompute there (measured: a checkpointed ``fc2(relu(fc1(x)))`` reruns
+  fc1's ``addmm`` and the ``relu``, not fc2's ``addmm``).
 
 With an optimizer, the train peak is estimated: the eager train schedule in which dropped
 residuals are freed after their last forward reader and made again just before the first
@@ -184,10 +188,11 @@ def _cut(
         if p.op != "placeholder" or kind is None:
             continue
         users = [u.meta.get(SOURCE, "") for u in p.users]
-        cut.savers.update(users)
         if kind in ("param", "buffer", "param_derived"):
             continue
         stand = eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)])
+        if any(fnodes.get(s) in region for s in users):  # packed under a checkpoint
+            cut.savers.update(stand)
         keys = [storage[s] for s in stand if s in storage]
         cut.full.update(keys)
         if any(fnodes.get(s) not in region for s in users):

@@ -44,11 +44,15 @@ def gap_reasons(report) -> dict[str, str]:
     recompute_only = all(set(u.missing) == {"recompute"} for u in report.uncounted)
     bwd_cut = t.backward is not None and not t.backward.complete and not recompute_only
     jvp_cut = t.jvp is not None and not t.jvp.complete and not recompute_only
+    # a phase cut short by something other than a derivative gap (an op the analysis could
+    # not count, say) names what the report lists as uncounted instead of an empty list
+    rest = ", ".join(f"{u.op} (no {'/'.join(u.missing)})" for u in report.uncounted)
+    other = f"ops the analysis could not count: {rest or 'see the report'}"
     out = {}
     if bwd_cut:
-        out["gradients"] = f"the backward stops at {' and '.join(bwd)}"
+        out["gradients"] = f"the backward stops at {' and '.join(bwd) or other}"
     if jvp_cut:
-        out["jvp"] = f"the JVP stops at {' and '.join(fwd)}"
+        out["jvp"] = f"the JVP stops at {' and '.join(fwd) or other}"
     if t.jvp is not None and (jvp_cut or bwd_cut):
         out["forward_gradient"] = "it needs a complete JVP and backward"
     return out
