@@ -194,3 +194,23 @@ def test_cli_json(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["plan"]["world"] == 2 and doc["ranks"][0]["fits"] is True
     assert {c["kind"] for c in doc["ranks"][0]["collectives"]} == {"all_gather", "reduce_scatter"}
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2, micro_batches=2, tp=2, dp=2), dict(dp=2, zero=3)])
+def test_per_block_equals_whole(kw):
+    """A 4-block model analysed whole and analysed with one block per stage (each counted
+    from it) give the same FLOPs, collectives, parameters and activations."""
+
+    def run(n_layer, counts):
+        loaded = load("models/gpt2.py:GPT2", ctor_kwargs={**ARGS, "n_layer": n_layer}, meta=True)
+        a = analyze(loaded.model, make_inputs(loaded, shapes=[(2, 4)]), optimizer="adam", jvp=False)
+        return predict(a, loaded.model, Plan(**kw), micro_batch=2, block_counts=counts)
+
+    stages = kw.get("pp", 1)
+    whole = run(4, None)
+    per_block = run(stages, (4 // stages,) * stages)
+    for w, b in zip(whole.ranks, per_block.ranks, strict=True):
+        assert w.flops == b.flops and w.mm_flops == b.mm_flops
+        assert Counter(c.key() for c in w.collectives) == Counter(c.key() for c in b.collectives)
+        for kind in ("parameters", "gradients", "optimizer_state", "activations"):
+            assert w.memory_bytes[kind] == b.memory_bytes[kind], kind

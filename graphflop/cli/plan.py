@@ -128,6 +128,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         metavar="GIB",
         help="judge fits / does not fit against this much memory per rank (GiB)",
     )
+    p.add_argument(
+        "--blocks",
+        metavar="NAME=N",
+        help="analyse per block: the constructor argument or hf: configuration field NAME sets "
+        "the number of identical blocks and the model has N (e.g. num_hidden_layers=80); the "
+        "model is analysed with one block per pipeline stage (virtual stage) and each stage's "
+        "blocks counted from it: fast for deep models",
+    )
     p.add_argument("--json", metavar="PATH", help="write the plan's figures as JSON")
     p.add_argument(
         "--collectives",
@@ -179,17 +187,12 @@ def _device_memory(args: argparse.Namespace) -> tuple[int | None, str | None]:
             raise PlanError(f"--memory-gib must be positive, not {args.memory_gib}")
         return round(args.memory_gib * GIB), f"{args.memory_gib:g} GiB"
     if args.device:
-        try:
-            from graphflop.devices import device_spec  # type: ignore[import-not-found]
-        except ImportError:
-            raise PlanError(
-                "--device needs graphflop's device table, which this install lacks: give "
-                "--memory-gib instead"
-            ) from None
+        from graphflop.devices import UnknownDevice, device_spec
+
         try:
             spec = device_spec(args.device)
-        except (KeyError, ValueError) as e:
-            raise PlanError(f"unknown --device {args.device!r}: {e}") from None
+        except UnknownDevice as e:
+            raise PlanError(str(e)) from None
         return int(spec.memory_bytes), args.device
     return None, None
 
@@ -216,6 +219,24 @@ def run(args: argparse.Namespace, err: Console) -> int:
                 f"micro-batch would be {args.global_batch // per}): give one of them"
             )
         args.batch = args.global_batch // per
+    block_counts = None
+    if args.blocks:
+        name, sep, value = args.blocks.partition("=")
+        if not sep or not name or not value.strip().isdigit() or int(value) < 1:
+            raise PlanError(
+                f"bad --blocks {args.blocks!r}: write NAME=N, e.g. num_hidden_layers=80"
+            )
+        total, stages = int(value), plan.virtual_stages
+        if total < stages:
+            raise PlanError(
+                f"{stages} pipeline stages but --blocks gives {total} blocks: use at most "
+                f"{total} stages"
+            )
+        if any(a.partition("=")[0] == name for a in args.arg or []):
+            raise PlanError(f"--blocks sets {name}: drop --arg {name}")
+        args.arg = [*(args.arg or []), f"{name}={stages}"]
+        q, r = divmod(total, stages)
+        block_counts = tuple(q + (v < r) for v in range(stages))
     loaded, inputs = load_model(args)
     check_backward_possible(args, loaded, inputs, why="plan")
     micro = int(inputs[0].shape[0]) if inputs and getattr(inputs[0], "ndim", 0) else 1
@@ -236,6 +257,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             device_memory_bytes=memory,
             device=device,
             memory_device=args.memory_device,
+            block_counts=block_counts,
         )
     _print(report, args.collectives)
     if args.json:

@@ -31,7 +31,7 @@ activations (the eager memory model's saved tensors, each at its local TP size) 
 FSDP's gathered parameters (ZeRO 3: the unit running and the one prefetched; ZeRO 2: every
 unit of the stage, kept from forward to backward) and the step's transient working set (the
 analysis's eager train peak less its parameters, gradients, optimizer state and saved tensors,
-scaled to the stage's share of the saved bytes).
+scaled to the stage's share of the analysed graph's saved bytes and divided by tp: an estimate).
 """
 
 from __future__ import annotations
@@ -225,6 +225,7 @@ def predict(  # noqa: C901
     device_memory_bytes: int | None = None,
     device: str | None = None,
     memory_device: str = "cpu",
+    block_counts: tuple[int, ...] | None = None,
 ) -> PlanReport:
     """Per-rank FLOPs, memory and collectives of ``plan`` (see the module docstring).
 
@@ -237,6 +238,9 @@ def predict(  # noqa: C901
         micro_batch: samples per micro-batch (the analysis's batch).
         device_memory_bytes, device: the device's memory, for fits/does not fit.
         memory_device: the eager memory model's device (``cpu`` or ``cuda``).
+        block_counts: the blocks each virtual stage of the real model has, when ``analysis``
+            is of the model built with one block per virtual stage (identical blocks: each
+            block's nodes, parameters, saved tensors and collectives count that many times).
 
     Raises:
         PlanError: more stages than blocks; a TP degree that does not divide a sharded dim.
@@ -318,15 +322,35 @@ def predict(  # noqa: C901
         )
     runs = _split_blocks(blocks, vstages) if plan.pp > 1 else [blocks]
     block_stage = {b: v for v, run in enumerate(runs) for b in run}
+    weight_of_block = {b: 1 for b in blocks}
+    if block_counts is not None:
+        if len(block_counts) != vstages or len(blocks) != vstages:
+            raise PlanError(
+                f"block_counts needs the model built with one block per virtual stage "
+                f"({vstages}), not {len(blocks)} blocks and {len(block_counts)} counts"
+            )
+        weight_of_block = dict(zip(blocks, block_counts, strict=True))
+        notes.append(
+            "analysed with one block per stage; each stage's blocks counted from it: "
+            + ", ".join(f"{b} ×{k}" for b, k in weight_of_block.items())
+        )
     if plan.pp > 1:
         f_stage = _stage_of_nodes(fwd, block_stage, 0, vstages - 1)
         b_stage = _stage_of_nodes(bwd, block_stage, vstages - 1, 0)
+        # a backward node belongs where the forward node it differentiates runs
+        for n in bwd.graph.nodes:
+            src = n.meta.get(SOURCE)
+            if src in f_stage and n.op != "placeholder":
+                b_stage[n.name] = f_stage[src]
     else:
         f_stage = {n.name: 0 for n in fwd.graph.nodes}
         b_stage = {n.name: 0 for n in bwd.graph.nodes}
 
     def rank_stage(v: int) -> int:
         return v % plan.pp
+
+    f_weight = _node_weights(fwd, weight_of_block, None)
+    b_weight = _node_weights(bwd, weight_of_block, f_weight)
 
     # parameters per stage: the stages whose forward reads them
     p_stages: dict[str, set[int]] = {}
@@ -337,6 +361,15 @@ def predict(  # noqa: C901
     shape_of = {q: tuple(int(s) for s in phs[ph].meta["val"].shape) for ph, q in sig.params}
     esize = {q: phs[ph].meta["val"].element_size() for ph, q in sig.params}
     dtype_of = {q: _dtype(phs[ph].meta["val"]) for ph, q in sig.params}
+    for b, k in weight_of_block.items():  # the copies of an analysed block's parameters
+        for q in [q for q in list(numel) if q.startswith(b + ".")]:
+            for i in range(1, k):
+                c = f"{b}#{i}{q[len(b) :]}"
+                for d in (numel, shape_of, esize, dtype_of, pplace, p_stages):
+                    d[c] = d[q]
+                if q in trainable:
+                    trainable.add(c)
+    fsdp_blocks = [f"{b}#{i}" if i else b for b in blocks for i in range(weight_of_block.get(b, 1))]
 
     def local_numel(q: str) -> int:
         return math.prod(local_shape(shape_of[q], pplace[q], plan.tp))
@@ -344,12 +377,15 @@ def predict(  # noqa: C901
     # activations per micro-batch, at local size, per stage -------------------------------
     saved = eager_saved_storages(fwd, bwd, memory_device)
     saved_local = [0] * plan.pp
+    saved_share = [0] * plan.pp  # the analysed graph's own bytes, for the transient's share
     saved_global = sum(saved.values()) or 1
     for name, b in saved.items():
         whole = _global_bytes(fwd, name)
         loc = fp.local_bytes.get(name, whole)
         frac = loc / whole if whole else 1.0
-        saved_local[rank_stage(f_stage.get(name, 0))] += round(b * frac)
+        s_ = rank_stage(f_stage.get(name, 0))
+        saved_local[s_] += round(b * frac) * f_weight.get(name, 1)
+        saved_share[s_] += b
     mem = rep.memory
     ck = mem.checkpoint
     ck_scale = 1.0
@@ -375,7 +411,7 @@ def predict(  # noqa: C901
     state_per_param_byte = (mem.optimizer_state_bytes or 0) / (mem.params_bytes or 1)
 
     # FLOPs per stage per micro-batch ----------------------------------------------------
-    def sums(gm, pl: Placements, stage_of, role_map):
+    def sums(gm, pl: Placements, stage_of, role_map, weight):
         flops = [dict.fromkeys(("forward", "backward", "recompute"), 0) for _ in range(plan.pp)]
         mm = [dict.fromkeys(("forward", "backward", "recompute"), 0) for _ in range(plan.pp)]
         for n in gm.graph.nodes:
@@ -384,13 +420,18 @@ def predict(  # noqa: C901
                 continue
             s = rank_stage(stage_of.get(n.name, 0))
             role = role_map(n)
-            flops[s][role] += c.flops
-            mm[s][role] += c.mm_flops
+            w = weight.get(n.name, 1)
+            flops[s][role] += c.flops * w
+            mm[s][role] += c.mm_flops * w
         return flops, mm
 
-    ff, fm = sums(fwd, fp, f_stage, lambda n: "forward")
+    ff, fm = sums(fwd, fp, f_stage, lambda n: "forward", f_weight)
     bf, bm = sums(
-        bwd, bp, b_stage, lambda n: "recompute" if n.meta.get(ROLE) == "recompute" else "backward"
+        bwd,
+        bp,
+        b_stage,
+        lambda n: "recompute" if n.meta.get(ROLE) == "recompute" else "backward",
+        b_weight,
     )
     if ck is not None:
         glob_fwd: dict[str, int] = {}
@@ -409,15 +450,17 @@ def predict(  # noqa: C901
         for row in ck.per_module:
             s = rank_stage(block_stage.get(row.module, _stage_of_module(row.module, block_stage)))
             share = loc_fwd.get(row.module, 0) / (glob_fwd.get(row.module) or 1)
-            bf[s]["recompute"] += round(row.recompute_flops * share)
+            bf[s]["recompute"] += round(row.recompute_flops * share) * weight_of_block.get(
+                row.module, 1
+            )
 
     # collectives ----------------------------------------------------------------------------
     m = plan.micro_batches
     per_stage_coll: list[list[Collective]] = [[] for _ in range(plan.pp)]
-    for pl, stage_of in ((fp, f_stage), (bp, b_stage)):
+    for pl, stage_of, weight in ((fp, f_stage, f_weight), (bp, b_stage, b_weight)):
         for c in pl.collectives:
             s = rank_stage(stage_of.get(c.at, 0))
-            per_stage_coll[s].extend([c] * m)
+            per_stage_coll[s].extend([c] * (m * weight.get(c.at, 1)))
     if plan.pp > 1:
         _pipeline_sends(fwd, fp, f_stage, plan, per_stage_coll)
 
@@ -431,7 +474,7 @@ def predict(  # noqa: C901
         p_bytes = sum(local_numel(q) * esize[q] for q in qs)
         g_bytes = sum(local_numel(q) * esize[q] for q in tq)
         dp = plan.dp
-        units = _fsdp_units(tq, blocks)
+        units = _fsdp_units(tq, fsdp_blocks)
         coll = per_stage_coll[s]
         gather_buf = 0
         if plan.zero <= 1:
@@ -477,7 +520,7 @@ def predict(  # noqa: C901
             upd_numel = sum(padded[q] for q in tq) // dp
         in_flight = _in_flight(plan, s)
         act = round(saved_local[s] * ck_scale * in_flight)
-        trans = round(transient * (saved_local[s] / saved_global))
+        trans = round(transient * (saved_share[s] / saved_global) / plan.tp)
         peak = p_bytes + g_bytes + o_bytes + act + gather_buf + trans
         flops = {
             "forward": ff[s]["forward"] * m,
@@ -502,7 +545,12 @@ def predict(  # noqa: C901
                 name=name,
                 stage=s,
                 ranks=plan.dp * plan.tp,
-                blocks=tuple(b for v, run in enumerate(runs) if rank_stage(v) == s for b in run),
+                blocks=tuple(
+                    b if weight_of_block.get(b, 1) == 1 else f"{b} ×{weight_of_block[b]}"
+                    for v, run in enumerate(runs)
+                    if rank_stage(v) == s
+                    for b in run
+                ),
                 flops=flops,
                 mm_flops=mmf,
                 memory_bytes={
@@ -540,6 +588,29 @@ def predict(  # noqa: C901
         device_memory_bytes=device_memory_bytes,
         notes=tuple(notes),
     )
+
+
+def _node_weights(
+    gm: GraphModule, weight_of_block: dict[str, int], forward: dict[str, int] | None
+) -> dict[str, int]:
+    """node name → how many identical blocks it stands for (only where more than 1): a node
+    in a block (by module path; a backward node by the forward node it differentiates)."""
+    heavy = {b: k for b, k in weight_of_block.items() if k != 1}
+    out: dict[str, int] = {}
+    if not heavy:
+        return out
+    for n in gm.graph.nodes:
+        src = n.meta.get(SOURCE)
+        if forward is not None and src is not None and n.op != "placeholder":
+            if src in forward:
+                out[n.name] = forward[src]
+            continue
+        m = n.meta.get(MODULE) or ""
+        for b, k in heavy.items():
+            if m == b or m.startswith(b + "."):
+                out[n.name] = k
+                break
+    return out
 
 
 def _stage_of_module(module: str, block_stage: dict[str, int]) -> int:
