@@ -214,3 +214,26 @@ def test_per_block_equals_whole(kw):
         assert Counter(c.key() for c in w.collectives) == Counter(c.key() for c in b.collectives)
         for kind in ("parameters", "gradients", "optimizer_state", "activations"):
             assert w.memory_bytes[kind] == b.memory_bytes[kind], kind
+
+
+def test_default_tp_plan_from_structure():
+    """Megatron's pattern found from the module structure: a Linear feeding a sibling Linear
+    is column-wise, the last one row-wise, even with a dropout module between the row-wise
+    layer and the residual add (inside the attention module); the token embedding
+    vocabulary-parallel, the position embedding replicated; norms sequence-parallel."""
+    from graphflop.parallel.tp_plan import default_tp_plan
+
+    loaded = load(
+        "models/gpt2.py:GPT2", ctor_kwargs={**ARGS, "n_layer": 1, "dropout": 0.1}, meta=True
+    )
+    a = analyze(loaded.model, make_inputs(loaded, shapes=[(2, 4)]), jvp=False)
+    assert dict(default_tp_plan(loaded.model, a.forward, sp=True)) == {
+        "h.0.attn.c_attn": "colwise",
+        "h.0.attn.c_proj": "rowwise",
+        "h.0.mlp.c_fc": "colwise",
+        "h.0.mlp.c_proj": "rowwise",
+        "wte": "rowwise",
+        "h.0.ln_1": "sequence_parallel",
+        "h.0.ln_2": "sequence_parallel",
+        "ln_f": "sequence_parallel",
+    }

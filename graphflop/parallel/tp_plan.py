@@ -3,8 +3,8 @@ plan imposes at module boundaries.
 
 Megatron's pattern (Shoeybi et al. 2019, section 3), found without module names: inside a
 module holding two or more ``nn.Linear`` layers (an attention block, an MLP), a Linear whose
-output stays inside that module (q/k/v or a fused qkv; MLP up and gate) is column-wise, one
-whose output leaves it (attention out, MLP down) row-wise; a Linear outside such a module whose
+output reaches another of them through the module's ops (q/k/v or a fused qkv; MLP up and
+gate) is column-wise, one whose output reaches none (attention out, MLP down) row-wise; a Linear outside such a module whose
 output width is the token embedding's row count (the LM head) is column-wise; an
 ``nn.Embedding`` read with the model's input ids is vocabulary-parallel (``rowwise``, as
 ``parallelize_module`` shards an embedding), other embeddings (positions) replicated. Under
@@ -45,29 +45,51 @@ def default_tp_plan(
     per_parent: dict[str, list[str]] = {}
     for p in linears:
         per_parent.setdefault(_parent(p), []).append(p)
-    leaves: set[str] = set()  # modules whose output is read outside their parent
     token_embeddings: set[str] = set()
+    by_module: dict[str, list[Node]] = {}
     for n in forward.graph.nodes:
         m = n.meta.get(MODULE) or ""
+        by_module.setdefault(m, []).append(n)
         if n.op == "call_function" and m in mods and isinstance(mods[m], nn.Embedding):
             if len(n.args) > 1 and isinstance(n.args[1], Node) and n.args[1].op == "placeholder":
                 token_embeddings.add(m)
-        for u in n.users:
-            um = u.meta.get(MODULE) or ""
-            if m and m in mods and not (um == _parent(m) or um.startswith(_parent(m) + ".")):
-                leaves.add(m)
+    feeds = {p: _feeds_sibling(p, by_module.get(p, []), per_parent[_parent(p)]) for p in linears}
     vocab = {mods[e].num_embeddings for e in token_embeddings}
     plan: list[tuple[str, str]] = []
     for p in linears:
         lin = mods[p]
         if len(per_parent[_parent(p)]) >= 2 and _parent(p):
-            plan.append((p, "rowwise" if p in leaves else "colwise"))
+            plan.append((p, "colwise" if feeds[p] else "rowwise"))
         elif lin.out_features in vocab:
             plan.append((p, "colwise"))
     plan += [(e, "rowwise") for e in embeddings if e in token_embeddings]
     if sp:
         plan += [(p, "sequence_parallel") for p, m in mods.items() if _is_norm(m) and p]
     return tuple(plan)
+
+
+def _inside(module: str, parent: str) -> bool:
+    return module == parent or module.startswith(parent + ".")
+
+
+def _feeds_sibling(linear: str, nodes: list[Node], siblings: list[str]) -> bool:
+    """Whether ``linear``'s output reaches another Linear of its parent module through ops
+    inside that parent (a column-wise layer feeds the row-wise one after it)."""
+    parent = _parent(linear)
+    others = set(siblings) - {linear}
+    seen: set[str] = set()
+    todo = [u for n in nodes for u in n.users]
+    while todo:
+        n = todo.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        m = n.meta.get(MODULE) or ""
+        if m in others:
+            return True
+        if m != linear and _inside(m, parent):
+            todo.extend(n.users)
+    return False
 
 
 def _is_norm(m: nn.Module) -> bool:
