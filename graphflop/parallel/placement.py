@@ -203,6 +203,15 @@ class _Need(Exception):
     """A rule's request: these input placements (the engine redistributes and reruns)."""
 
 
+def _a(n: Node) -> Any:
+    """A node's arguments, untyped (fx's argument type is a wide union)."""
+    return n.args
+
+
+def _k(n: Node) -> Any:
+    return n.kwargs
+
+
 def _norm(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
@@ -340,7 +349,7 @@ class _Engine:
 
     def _call(self, n: Node) -> None:
         if n.target is operator.getitem:
-            src, i = n.args
+            src, i = _a(n)
             self.of[n.name] = self.of[src.name][i]
             self.cost[n.name] = ZERO_COST
             if src.name in self.param:
@@ -349,7 +358,7 @@ class _Engine:
         nodes = [a for a in n.all_input_nodes]
         if nodes and all(a.name in self.param for a in nodes):
             self.param.add(n.name)
-        flat, spec = tree_flatten((n.args, n.kwargs))
+        flat, spec = tree_flatten((_a(n), _k(n)))
         tensors = [
             k for k, a in enumerate(flat) if isinstance(a, Node) and _is_tensor(a.meta.get("val"))
         ]
@@ -380,7 +389,7 @@ class _Engine:
             return c if _all_r(out) else _scale(c, 1 / self.tp)
 
     def _output(self, n: Node) -> None:
-        flat, _ = tree_flatten(n.args)
+        flat, _ = tree_flatten(_a(n))
         for a in flat:
             if not isinstance(a, Node) or not _is_tensor(a.meta.get("val")):
                 continue
@@ -429,7 +438,7 @@ def _rule(  # noqa: C901 (one dispatch over the op families)
 ) -> tuple[Any, dict[int, Placement]]:
     """(output placement, input placements needed) of one op."""
     t = n.target
-    val = n.meta.get("val")
+    val: Any = n.meta.get("val")
     where = f"{n.meta.get(MODULE) or 'the model'} ({n.name})"
     ks = list(ins)
     if not ks:
@@ -455,28 +464,25 @@ def _rule(  # noqa: C901 (one dispatch over the op families)
     if t is aten.permute.default:
         if p.kind != "S":
             return p, {}
-        perm = [_norm(d, len(val.shape)) for d in n.args[1]]
+        perm = [_norm(d, len(val.shape)) for d in _a(n)[1]]
         return replace(p, dim=perm.index(p.dim)), {}
     if t in (aten.transpose.int, aten.t.default):
         if p.kind != "S":
             return p, {}
         nd = len(val.shape)
-        d0, d1 = (0, 1) if t is aten.t.default else (_norm(n.args[1], nd), _norm(n.args[2], nd))
+        d0, d1 = (0, 1) if t is aten.t.default else (_norm(_a(n)[1], nd), _norm(_a(n)[2], nd))
         d = d1 if p.dim == d0 else d0 if p.dim == d1 else p.dim
         return replace(p, dim=d), {}
     if t is aten.unsqueeze.default:
-        d = _norm(n.args[1], len(val.shape))
+        d = _norm(_a(n)[1], len(val.shape))
         return (replace(p, dim=p.dim + (d <= p.dim)) if p.kind == "S" else p), {}
     if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
         if p.kind != "S":
             return p, {}
         src = _shape(x)
         dims = (
-            [
-                _norm(d, len(src))
-                for d in (n.args[1] if isinstance(n.args[1], list) else [n.args[1]])
-            ]
-            if len(n.args) > 1
+            [_norm(d, len(src)) for d in (_a(n)[1] if isinstance(_a(n)[1], list) else [_a(n)[1]])]
+            if len(_a(n)) > 1
             else [i for i, s in enumerate(src) if s == 1]
         )
         dims = [d for d in dims if src[d] == 1]
@@ -498,7 +504,7 @@ def _rule(  # noqa: C901 (one dispatch over the op families)
             return shard(len(val.shape) - 1, int(val.shape[-1])), {ks[1]: REPLICATE}
         return _elementwise(n, flat, ins, ks, val)
     if t is aten.gather.default and p.kind == "S":
-        d = _norm(n.args[1], len(_shape(x)))
+        d = _norm(_a(n)[1], len(_shape(x)))
         if p.dim == d:  # a vocabulary-parallel pick: each rank its hits, zero elsewhere
             return PARTIAL, {ks[1]: REPLICATE}
         return replace(p, factor=int(val.shape[p.dim])), {ks[1]: p}
@@ -507,7 +513,7 @@ def _rule(  # noqa: C901 (one dispatch over the op families)
     if t in (aten.split.Tensor, aten.split_with_sizes.default):
         return _split(n, x, p, val, tp, where)
     if t in (aten.slice.Tensor, aten.select.int) and p.kind == "S":
-        d = _norm(n.args[1] if len(n.args) > 1 else 0, len(_shape(x)))
+        d = _norm(_a(n)[1] if len(_a(n)) > 1 else 0, len(_shape(x)))
         if d != p.dim:
             dim = p.dim - (t is aten.select.int and d < p.dim)
             return replace(p, dim=dim), {}
@@ -571,12 +577,12 @@ def _elementwise(n, flat, ins, ks, val) -> tuple[Placement, dict[int, Placement]
 def _reduction(n, t, x, p, k0, val) -> tuple[Any, dict[int, Placement]]:
     src = _shape(x)
     nd = len(src)
-    dims_arg = n.args[1] if len(n.args) > 1 else None
+    dims_arg = _a(n)[1] if len(_a(n)) > 1 else None
     if t in (aten.sum.default, aten.mean.default) or dims_arg in (None, []):
         dims = list(range(nd))
     else:
         dims = [_norm(d, nd) for d in (dims_arg if isinstance(dims_arg, list) else [dims_arg])]
-    keep = bool(n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False))
+    keep = bool(_k(n).get("keepdim", _a(n)[2] if len(_a(n)) > 2 else False))
     if p.kind == "P":
         if t in _SUMS and p.reduce == "sum":
             return PARTIAL, {}
@@ -594,7 +600,7 @@ def _reduction(n, t, x, p, k0, val) -> tuple[Any, dict[int, Placement]]:
 
 def _cat(n, flat, ins, ks, val) -> tuple[Placement, dict[int, Placement]]:
     nd = len(val.shape)
-    d = _norm(n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0), nd)
+    d = _norm(_a(n)[1] if len(_a(n)) > 1 else _k(n).get("dim", 0), nd)
     ps = [ins[k] for k in ks]
     if all(q.kind == "S" and q.dim == ps[0].dim for q in ps):
         if ps[0].dim != d:
@@ -608,7 +614,7 @@ def _cat(n, flat, ins, ks, val) -> tuple[Placement, dict[int, Placement]]:
 
 def _split(n, x, p, val, tp, where) -> tuple[Any, dict[int, Placement]]:
     src = _shape(x)
-    d = _norm(n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0), len(src))
+    d = _norm(_a(n)[2] if len(_a(n)) > 2 else _k(n).get("dim", 0), len(src))
     if p.kind != "S" or d != p.dim:
         return tuple(p for _ in val), {}
     # a fused projection split on its sharded dim: each rank's slice holds its share of every
@@ -632,7 +638,7 @@ def _matmul(n, flat, ins, ks, params) -> tuple[Placement, dict[int, Placement]]:
     ka, kb = (ks[1], ks[2]) if bias_k is not None else (ks[0], ks[1])
     a, b = ins[ka], ins[kb]
     need: dict[int, Placement] = {}
-    val = n.meta["val"]
+    val: Any = n.meta["val"]
     off = 1 if t is aten.bmm.default else 0
     sa, sb = _shape(flat[ka]), _shape(flat[kb])
 

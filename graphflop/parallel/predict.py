@@ -361,14 +361,14 @@ def predict(  # noqa: C901
     shape_of = {q: tuple(int(s) for s in phs[ph].meta["val"].shape) for ph, q in sig.params}
     esize = {q: phs[ph].meta["val"].element_size() for ph, q in sig.params}
     dtype_of = {q: _dtype(phs[ph].meta["val"]) for ph, q in sig.params}
-    for b, k in weight_of_block.items():  # the copies of an analysed block's parameters
-        for q in [q for q in list(numel) if q.startswith(b + ".")]:
+    for blk, k in weight_of_block.items():  # the copies of an analysed block's parameters
+        for q in [q for q in list(numel) if q.startswith(blk + ".")]:
             for i in range(1, k):
-                c = f"{b}#{i}{q[len(b) :]}"
-                for d in (numel, shape_of, esize, dtype_of, pplace, p_stages):
-                    d[c] = d[q]
+                copy = f"{blk}#{i}{q[len(blk) :]}"
+                numel[copy], shape_of[copy], esize[copy] = numel[q], shape_of[q], esize[q]
+                dtype_of[copy], pplace[copy], p_stages[copy] = dtype_of[q], pplace[q], p_stages[q]
                 if q in trainable:
-                    trainable.add(c)
+                    trainable.add(copy)
     fsdp_blocks = [f"{b}#{i}" if i else b for b in blocks for i in range(weight_of_block.get(b, 1))]
 
     def local_numel(q: str) -> int:
@@ -379,13 +379,13 @@ def predict(  # noqa: C901
     saved_local = [0] * plan.pp
     saved_share = [0] * plan.pp  # the analysed graph's own bytes, for the transient's share
     saved_global = sum(saved.values()) or 1
-    for name, b in saved.items():
+    for name, nbytes in saved.items():
         whole = _global_bytes(fwd, name)
         loc = fp.local_bytes.get(name, whole)
         frac = loc / whole if whole else 1.0
         s_ = rank_stage(f_stage.get(name, 0))
-        saved_local[s_] += round(b * frac) * f_weight.get(name, 1)
-        saved_share[s_] += b
+        saved_local[s_] += round(nbytes * frac) * f_weight.get(name, 1)
+        saved_share[s_] += nbytes
     mem = rep.memory
     ck = mem.checkpoint
     ck_scale = 1.0
@@ -458,9 +458,9 @@ def predict(  # noqa: C901
     m = plan.micro_batches
     per_stage_coll: list[list[Collective]] = [[] for _ in range(plan.pp)]
     for pl, stage_of, weight in ((fp, f_stage, f_weight), (bp, b_stage, b_weight)):
-        for c in pl.collectives:
-            s = rank_stage(stage_of.get(c.at, 0))
-            per_stage_coll[s].extend([c] * (m * weight.get(c.at, 1)))
+        for coll_ in pl.collectives:
+            s = rank_stage(stage_of.get(coll_.at, 0))
+            per_stage_coll[s].extend([coll_] * (m * weight.get(coll_.at, 1)))
     if plan.pp > 1:
         _pipeline_sends(fwd, fp, f_stage, plan, per_stage_coll)
 
