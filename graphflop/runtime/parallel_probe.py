@@ -1,0 +1,679 @@
+"""What PyTorch's own parallel engines do on each rank: the measured side of a parallel plan.
+
+Each mode applies a plan with torch's own APIs under ``torchrun`` (gloo, CPU), trains a model for
+``--steps`` steps of AdamW (``foreach=False``) on a fixed batch with the cross-entropy over every
+token, and writes what the last step did on each rank to ``OUT/rank{r}.json``. Steps before the
+last are warm-up: DDP rebuilds its buckets after the first step, pipelining negotiates shapes in
+its first step, optimizers create their states in the first step.
+
+Modes (``dims`` is dp × tp × pp):
+
+* ``ddp``: ``DistributedDataParallel`` (dp = world).
+* ``zero1``: DDP + ``ZeroRedundancyOptimizer`` over AdamW (optimizer states sharded by parameter).
+* ``zero2``: FSDP1 with ``ShardingStrategy.SHARD_GRAD_OP``, one unit per block + the root.
+* ``zero3``: FSDP2 ``fully_shard`` on every block, then on the root.
+* ``tp``: ``parallelize_module`` with the Megatron pattern: q/k/v and MLP gate/up
+  ``ColwiseParallel``, o/down ``RowwiseParallel``; the token embedding vocab-parallel
+  (``RowwiseParallel(input_layouts=Replicate())``, an all-reduce of its output); the head
+  ``ColwiseParallel(output_layouts=Replicate())`` (an all-gather of the logits); norms
+  replicated. Attention head counts (``n_heads``, ``n_kv_heads``) are set to the local counts.
+* ``tp_sp``: ``tp`` + sequence parallelism as PyTorch's tensor-parallel tutorial does: norms
+  ``SequenceParallel``, blocks' attention / MLP inputs ``PrepareModuleInput(Shard(1) ->
+  Replicate())``, o/down ``RowwiseParallel(output_layouts=Shard(1))``, the embedding's output
+  ``Shard(1)``, the head ``ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())``.
+* ``pp_gpipe``, ``pp_1f1b``: ``torch.distributed.pipelining`` with one stage per rank,
+  ``ScheduleGPipe`` / ``Schedule1F1B``; ``pp_interleaved``: two stages per rank,
+  ``ScheduleInterleaved1F1B``. Stages are cut by blocks (the first holds the embedding, the last
+  the final norm and head): the model's forward must be its top-level children applied in order
+  (a ``ModuleList`` expanded), as in ``models/llama.py``.
+* ``fsdp_tp``: a 2-D mesh dp × tp (tp = 2): the ``tp`` plan on the inner dimension, then FSDP2
+  ``fully_shard`` per block and root over the outer dimension.
+
+The model is the spec's module; its input is a fixed (batch, seq) int64 batch of token ids below
+the first ``nn.Embedding``'s vocabulary (or a float batch of the example's trailing shape), the
+targets uniform token ids below the logits' last dimension. The global batch is ``batch``; each
+data-parallel rank takes ``batch / dp`` rows; pipelines split it into ``micro_batches``.
+
+Collectives are logged from the dispatcher by a ``TorchDispatchMode`` over the ``c10d`` ops
+(``allreduce_``, ``allgather_*``, ``reduce_scatter_*``, ``broadcast_``, ``alltoall_*``, ``send``,
+``recv_*`` and the coalesced variants) and the functional ``_c10d_functional`` ops that DTensor
+uses. DDP's reducer calls its bucket all-reduces from C++ through the same dispatcher (checked:
+``c10d.allreduce_`` arrives with the autograd engine's graph task running), so no comm hook is
+needed. Elements are op-level, not wire bytes (gloo runs a reduce-scatter as a full
+all-reduce): all_reduce / broadcast / send / recv: the tensor's elements; all_gather: the
+gathered (output) elements; reduce_scatter: the input (unscattered) elements; all_to_all: the
+input elements; a coalesced op is one record whose elements are the sum over its tensors.
+Phase: ``optimizer`` inside ``optimizer.step()``, ``backward`` while the autograd engine runs a
+graph task or a pipeline stage sends/receives gradients, ``forward`` otherwise.
+
+FLOPs: ``torch.utils.flop_counter``'s per-op formulas (mm, addmm, bmm, convolution, SDPA, ...)
+applied to the LOCAL ops of the last step: tensor subclasses (DTensor) are deferred to, so the
+counter sees the plain local shards they run; the CPU fused attention kernels
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward), which torch's registry lacks,
+are counted with its SDPA formulas (the full T x T square, causal masking not discounted).
+
+Memory: ``live_at_step_start`` = the bytes of the unique storages live when the last step
+starts, enumerated by kind in ``live_by_kind``: parameters (local shards), gradients, optimizer
+states, buffers, the batch rows, and ``engine``: what the engine holds in C++ (DDP's gradient
+buckets, from its logging data's bucket sizes). ``peak_bytes`` = that + the largest rise of the
+CPU allocator's live bytes during the step, from ``torch.profiler(profile_memory=True)``'s
+``[memory]`` events of the step summed in time order (RSS is useless: the C allocator keeps freed
+pages). Why not the profiler from before the model is built: the profiler reports the
+allocator only on the threads it profiles, and gloo's worker threads sometimes drop the last
+reference to a tensor (a finished Work), so that free goes unseen and the live total drifts
+upward by whole buckets from run to run (measured: +657 kB in one DDP run of two);
+``profile_all_threads`` records no memory events at all (torch 2.13). The rise within the step
+was the same in every run. Frees during the step of tensors made before it are not reported
+either (the allocator's reporter knows no size for them); no plan here frees one before its
+peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MODES = (
+    "ddp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "tp",
+    "tp_sp",
+    "pp_gpipe",
+    "pp_1f1b",
+    "pp_interleaved",
+    "fsdp_tp",
+)
+
+PEAK_DEFINITION = (
+    "live_at_step_start (unique storages of parameters, gradients, optimizer states, buffers, "
+    "the batch and the engine's C++ buffers, e.g. DDP buckets, at the last step's start) + the "
+    "largest rise of the CPU allocator's live bytes during the last step (torch.profiler "
+    "profile_memory [memory] events of the step, summed in time order)"
+)
+
+
+class ProbeError(RuntimeError):
+    """A probe run failed: bad mode or arguments, or a rank exited with an error."""
+
+
+# ---------------------------------------------------------------- collective and FLOP logging
+
+_PHASE = {"name": "forward"}
+
+
+class _phase:
+    """Context: collectives inside are attributed to ``name`` (unless the autograd engine runs)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        self.prev = _PHASE["name"]
+        _PHASE["name"] = self.name
+
+    def __exit__(self, *exc):
+        _PHASE["name"] = self.prev
+
+
+def _current_phase() -> str:
+    if _PHASE["name"] == "optimizer":
+        return "optimizer"
+    if torch._C._current_graph_task_id() != -1:
+        return "backward"
+    return _PHASE["name"]
+
+
+def _numel(x: Any) -> int:
+    return sum(t.numel() for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor))
+
+
+def _dtype(x: Any) -> str:
+    for t in tree_flatten(x)[0]:
+        if isinstance(t, torch.Tensor):
+            return str(t.dtype).removeprefix("torch.")
+    return "none"
+
+
+def _group_size(x: Any) -> int:
+    if isinstance(x, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(x).size()  # type: ignore[arg-type]
+    if isinstance(x, torch.ScriptObject):  # the dispatcher passes the group boxed
+        x = dist.ProcessGroup.unbox(x)
+    return int(x.size())
+
+
+def _c10d_record(name: str, args: Sequence[Any]) -> tuple[str, Any, Any] | None:
+    """(kind, the tensors whose elements count, the process group) of a ``c10d`` op."""
+    a = list(args)
+    table: dict[str, tuple[str, int, int]] = {
+        # op: (kind, index of the counted tensors, index of the process group)
+        "allreduce_": ("all_reduce", 0, 1),
+        "allreduce_coalesced_": ("all_reduce", 0, 1),
+        "allgather_": ("all_gather", 0, 2),
+        "_allgather_base_": ("all_gather", 0, 2),
+        "allgather_coalesced_": ("all_gather", 0, 2),
+        "allgather_into_tensor_coalesced_": ("all_gather", 0, 2),
+        "reduce_scatter_": ("reduce_scatter", 1, 2),
+        "_reduce_scatter_base_": ("reduce_scatter", 1, 2),
+        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 2),
+        "broadcast_": ("broadcast", 0, 1),
+        "alltoall_": ("all_to_all", 1, 2),
+        "alltoall_base_": ("all_to_all", 1, 2),
+        "send": ("send", 0, 1),
+        "recv_": ("recv", 0, 1),
+        "recv_any_source_": ("recv", 0, 1),
+        "reduce_": ("reduce", 0, 1),
+        "gather_": ("gather", 1, 2),
+        "scatter_": ("scatter", 0, 2),
+    }
+    if name not in table:
+        return None
+    kind, ti, gi = table[name]
+    return kind, a[ti], a[gi]
+
+
+def _functional_record(name: str, args: Sequence[Any], out: Any) -> tuple[str, int, Any] | None:
+    """(kind, elements, group) of a ``_c10d_functional`` op (``wait_tensor`` is not one)."""
+    a = list(args)
+    if name in ("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_"):
+        return "all_reduce", _numel(a[0]), a[2]
+    if name in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
+        return "all_gather", _numel(out), a[2]
+    if name == "all_gather_into_tensor_out":
+        return "all_gather", _numel(out), a[2]
+    if name in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
+        return "reduce_scatter", _numel(a[0]), a[3]
+    if name == "all_to_all_single":
+        return "all_to_all", _numel(a[0]), a[3]
+    if name in ("broadcast", "broadcast_"):
+        return "broadcast", _numel(a[0]), a[2]
+    return None
+
+
+def _flop_registry() -> dict:
+    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
+
+    reg = dict(flop_registry)
+    aten = torch.ops.aten
+    # the CPU fused attention kernels share the flash kernels' argument order for q, k, v
+    reg[aten._scaled_dot_product_flash_attention_for_cpu] = sdpa_flop
+    reg[aten._scaled_dot_product_flash_attention_for_cpu_backward] = sdpa_backward_flop
+    return reg
+
+
+class ProbeMode(TorchDispatchMode):
+    """Logs collectives and counts FLOPs of plain (local) tensor ops while ``recording``.
+
+    An op with a tensor-subclass argument (DTensor) is deferred to the subclass
+    (``NotImplemented``), which runs plain local ops and functional collectives that come back
+    here: the counts are this rank's own.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recording = False
+        self.collectives: list[dict] = []
+        self.flops: Counter[str] = Counter()
+        self._registry = _flop_registry()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(t is not torch.Tensor and t is not nn.Parameter for t in types):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        if not self.recording:
+            return out
+        ns, name = func.namespace, func._schema.name.split("::")[-1]
+        if ns == "c10d":
+            rec = _c10d_record(name, args)
+            if rec is not None:
+                kind, tensors, group = rec
+                self._log(kind, _numel(tensors), _dtype(tensors), group)
+        elif ns == "_c10d_functional":
+            frec = _functional_record(name, args, out)
+            if frec is not None:
+                self._log(frec[0], frec[1], _dtype(args[0]), frec[2])
+        else:
+            count = self._registry.get(func._overloadpacket)
+            if count is not None:
+                self.flops[f"aten.{func._overloadpacket.__name__}"] += int(
+                    count(*args, **kwargs, out_val=out)
+                )
+        return out
+
+    def _log(self, kind: str, elements: int, dtype: str, group: Any) -> None:
+        self.collectives.append(
+            {
+                "kind": kind,
+                "group_size": _group_size(group),
+                "elements": int(elements),
+                "dtype": dtype,
+                "phase": _current_phase(),
+            }
+        )
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def _allocator_series(prof: Any) -> tuple[list[int], list[int]]:
+    """(time ns, bytes) of the CPU allocator's events, in time order."""
+    ev = [
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+    ]
+    ev.sort()
+    return [t for t, _ in ev], [b for _, b in ev]
+
+
+def _step_window(prof: Any, label: str) -> tuple[int, int]:
+    for e in prof.profiler.kineto_results.events():
+        if e.name() == label:
+            return e.start_ns(), e.end_ns()
+    raise ProbeError(f"the profiler recorded no {label!r} range")
+
+
+def _peak_rise(prof: Any, label: str) -> int:
+    """The largest rise of the allocator's live bytes above their level at the step's start."""
+    t0, t1 = _step_window(prof, label)
+    times, deltas = _allocator_series(prof)
+    live = peak = 0
+    for t, b in zip(times, deltas):
+        if t < t0:
+            continue
+        if t > t1:
+            break
+        live += b
+        peak = max(peak, live)
+    return peak
+
+
+def _storages(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+    """Bytes of the storages of ``tensors`` (local shards of DTensors) not yet in ``seen``."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.is_meta or not hasattr(local, "untyped_storage"):
+            continue
+        st = local.untyped_storage()
+        key = st.data_ptr()
+        if key in seen or st.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+def _live_by_kind(trainer: _Trainer) -> dict:
+    """Bytes of the unique storages live at the step's start, by kind (``engine``: buffers the
+    engine holds in C++, e.g. DDP's gradient buckets, from its logging data)."""
+    seen: set[int] = set()
+    params = [p for m in trainer.modules for p in m.parameters()]
+    states: list[torch.Tensor] = []
+    for opt in trainer.optimizers:
+        inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer wraps the local AdamW
+        for st in inner.state.values():
+            states += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    return {
+        "parameters": _storages(params, seen),
+        "gradients": _storages([p.grad for p in params], seen),
+        "optimizer": _storages(states, seen),
+        "buffers": _storages([b for m in trainer.modules for b in m.buffers()], seen),
+        "batch": _storages(trainer.batch, seen),
+        "engine": trainer.engine_bytes(),
+    }
+
+
+# ---------------------------------------------------------------------------- the plans
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's largest ``nn.ModuleList`` (its repeated blocks)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ProbeError(f"{type(model).__name__} has no nn.ModuleList of blocks to shard")
+    return max(lists, key=len)
+
+
+def _first_embedding(model: nn.Module) -> nn.Embedding | None:
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+class _Trainer:
+    """One plan applied: ``step()`` runs forward, backward and the optimizer step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: list,
+        dims: dict,
+        step: Callable[[], None],
+        batch: list[torch.Tensor],
+    ):
+        self.model = model
+        self.optimizers = optimizers
+        self.dims = dims
+        self.step = step
+        self.batch = batch
+        self.modules = [model]
+
+    def engine_bytes(self) -> int:
+        """Bytes the engine holds outside Python tensors: DDP's gradient buckets."""
+        total = 0
+        for m in self.modules:
+            logging_data = getattr(m, "_get_ddp_logging_data", None)
+            if callable(logging_data):
+                sizes = str(logging_data().get("bucket_sizes", ""))
+                total += sum(int(v) for v in sizes.replace(",", " ").split())
+        return total
+
+
+def _dims(dp: int = 1, tp: int = 1, pp: int = 1) -> dict:
+    return {"dp": dp, "tp": tp, "pp": pp}
+
+
+def _simple_step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor):
+    def step() -> None:
+        with _phase("forward"):
+            loss = _loss(model(x), y)
+        loss.backward()
+        with _phase("optimizer"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _rows(x: torch.Tensor, rank: int, parts: int) -> torch.Tensor:
+    if x.shape[0] % parts:
+        raise ProbeError(
+            f"batch {x.shape[0]} is not a multiple of the data-parallel degree {parts}"
+        )
+    n = x.shape[0] // parts
+    return x[rank * n : (rank + 1) * n].clone()
+
+
+def _plan_ddp(model, x, y, rank, world, zero: bool = False) -> _Trainer:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt: Any = ZeroRedundancyOptimizer(
+            ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, foreach=False
+        )
+    else:
+        opt = _adamw(ddp.parameters())
+    xs, ys = _rows(x, rank, world), _rows(y, rank, world)
+    return _Trainer(ddp, [opt], _dims(world), _simple_step(ddp, opt, xs, ys), [xs, ys])
+
+
+def _plan_fsdp1(model, x, y, rank, world) -> _Trainer:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    block_type = type(_blocks(model)[0])
+    fsdp = FullyShardedDataParallel(
+        model,
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+        auto_wrap_policy=ModuleWrapPolicy({block_type}),
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+    opt = _adamw(fsdp.parameters())
+    xs, ys = _rows(x, rank, world), _rows(y, rank, world)
+    return _Trainer(fsdp, [opt], _dims(world), _simple_step(fsdp, opt, xs, ys), [xs, ys])
+
+
+def _plan_fsdp2(model, x, y, rank, world) -> _Trainer:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = _adamw(model.parameters())
+    xs, ys = _rows(x, rank, world), _rows(y, rank, world)
+    return _Trainer(model, [opt], _dims(world), _simple_step(model, opt, xs, ys), [xs, ys])
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def _make_batch(model: nn.Module, example: Any, batch: int, seq: int) -> tuple:
+    g = torch.Generator().manual_seed(1234)
+    emb = _first_embedding(model)
+    if emb is not None:
+        x = torch.randint(0, emb.num_embeddings, (batch, seq), generator=g)
+    else:
+        shape = tuple(example[0].shape[1:]) if example is not None else ()
+        if not shape:
+            raise ProbeError("the model has no nn.Embedding and no example input to shape a batch")
+        x = torch.randn((batch, *shape), generator=g)
+    with torch.no_grad():
+        out = model(x[:1])
+    classes = out.shape[-1]
+    # token models: one target per token; other models: one per row
+    y = torch.randint(0, classes, (batch, seq) if emb is not None else (batch,), generator=g)
+    return x, y
+
+
+PLANS: dict[str, Callable[..., _Trainer]] = {
+    "ddp": _plan_ddp,
+    "zero1": lambda model, x, y, rank, world: _plan_ddp(model, x, y, rank, world, zero=True),
+    "zero2": _plan_fsdp1,
+    "zero3": _plan_fsdp2,
+}
+
+
+def parse_ctor_args(items: Sequence[str]) -> dict:
+    """``k=v`` items → keywords; a value that is a Python literal is parsed, else a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ProbeError(f"bad --arg {item!r}: write NAME=VALUE, e.g. dim=64")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def probe_rank(
+    model_spec: str,
+    mode: str,
+    *,
+    ctor_kwargs: dict,
+    batch: int,
+    seq: int,
+    micro_batches: int,
+    steps: int,
+) -> dict:
+    """Run the plan on this (already initialised) rank; return its record of the last step."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from graphflop.load import load
+
+    if mode not in PLANS:
+        raise ProbeError(f"unknown mode {mode!r}: one of {', '.join(PLANS)}")
+    if steps < 1:
+        raise ProbeError(f"--steps {steps}: give 1 or more")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    probe = ProbeMode()
+    label = f"probe_step_{steps}"
+    loaded = load(model_spec, ctor_kwargs=ctor_kwargs)
+    model = loaded.model
+    x, y = _make_batch(model, loaded.example_inputs, batch, seq)
+    plan = PLANS[mode]
+    if mode.startswith("pp_"):
+        trainer = plan(model, x, y, rank, world, micro_batches=micro_batches)
+    else:
+        trainer = plan(model, x, y, rank, world)
+    del x, y  # each plan keeps the rows it feeds
+    with probe:
+        for _ in range(1, steps):
+            trainer.step()
+        live_kind = _live_by_kind(trainer)
+        probe.recording = True
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function(label):
+                trainer.step()
+        probe.recording = False
+    rise = _peak_rise(prof, label)
+    params_local = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel() for p in trainer.model.parameters()
+    )
+    return {
+        "rank": rank,
+        "world": world,
+        "mode": mode,
+        "step": steps,
+        "dims": trainer.dims,
+        "collectives": probe.collectives,
+        "flops": int(sum(probe.flops.values())),
+        "flops_by_op": dict(sorted(probe.flops.items())),
+        "peak_bytes": int(sum(live_kind.values()) + rise),
+        "peak_definition": PEAK_DEFINITION,
+        "live_at_step_start": int(sum(live_kind.values())),
+        "live_by_kind": live_kind,
+        "params_local": int(params_local),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m graphflop.runtime.parallel_probe",
+        description="Apply a parallel plan with torch's own engines (run under torchrun, gloo, "
+        "CPU) and write what the last step did on each rank to OUT/rank{r}.json.",
+    )
+    p.add_argument("--model", required=True, help="model spec, e.g. models/llama.py")
+    p.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="constructor argument (repeatable)",
+    )
+    p.add_argument("--mode", required=True, choices=MODES)
+    p.add_argument("--batch", type=int, default=4, help="global batch (rows)")
+    p.add_argument("--seq", type=int, default=16, help="tokens per row")
+    p.add_argument("--micro-batches", type=int, default=2, help="pipeline micro-batches")
+    p.add_argument("--steps", type=int, default=3, help="steps; the last one is recorded")
+    p.add_argument("--out", required=True, help="folder for rank{r}.json")
+    a = p.parse_args(argv)
+    if "RANK" not in os.environ:
+        print("error: run under torchrun (python -m torch.distributed.run ...)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        rec = probe_rank(
+            a.model,
+            a.mode,
+            ctor_kwargs=parse_ctor_args(a.arg),
+            batch=a.batch,
+            seq=a.seq,
+            micro_batches=a.micro_batches,
+            steps=a.steps,
+        )
+    except BaseException:
+        # the launcher's own summary hides the rank's traceback: keep it for run_probe
+        (out / f"rank{os.environ['RANK']}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+    (out / f"rank{rec['rank']}.json").write_text(json.dumps(rec, indent=1) + "\n")
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_probe(
+    model: str,
+    mode: str,
+    nproc: int,
+    *,
+    args: Sequence[str] = (),
+    batch: int = 4,
+    seq: int = 16,
+    micro_batches: int = 2,
+    steps: int = 3,
+    out_dir: str | os.PathLike | None = None,
+    timeout: float = 600,
+) -> list[dict]:
+    """Launch ``nproc`` ranks with torchrun and return their records, ordered by rank.
+
+    Raises:
+        ProbeError: an unknown mode, or torchrun failed (the message ends with the ranks'
+            stderr tail).
+    """
+    if mode not in MODES:
+        raise ProbeError(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
+    out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="probe_"))
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("rank*.json"), *out.glob("rank*.err")]:
+        old.unlink()
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1"]
+    cmd += ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1"]
+    cmd += ["--master-port", str(_free_port()), "-m", "graphflop.runtime.parallel_probe"]
+    cmd += ["--model", str(model), "--mode", mode, "--batch", str(batch), "--seq", str(seq)]
+    cmd += ["--micro-batches", str(micro_batches), "--steps", str(steps), "--out", str(out)]
+    for item in args:
+        cmd += ["--arg", item]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        errs = "".join(
+            f"rank {e.stem[4:]}: {e.read_text()[-1500:]}" for e in sorted(out.glob("rank*.err"))
+        )
+        raise ProbeError(f"torchrun {mode} on {nproc} ranks failed: {errs or done.stderr[-3000:]}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""The parallel probe (:mod:`graphflop.runtime.parallel_probe`): what torch's own engines do per
+rank, checked against hand counts.
+
+The model is models/llama.py at a tiny size: vocabulary V = 128, width d = 64, 4 blocks, 4 query
+heads and 2 key/value heads of 16, SwiGLU width 128; global batch 4 x 16 tokens. Parameters:
+embedding 128·64 = 8192; per block two norms 2·64 + q 64·64 + k 64·32 + v 64·32 + o 64·64 +
+gate/up/down 3·64·128 = 128 + 36,864 = 36,992; final norm 64; head 64·128 = 8192; total
+8192 + 4·36,992 + 64 + 8192 = 164,416. The torchrun tests take 20-40 s each on 2 cores.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from graphflop.runtime.parallel_probe import ProbeError, parse_ctor_args, run_probe
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = str(ROOT / "models" / "llama.py")
+TINY = ["vocab=128", "dim=64", "n_layers=4", "n_heads=4", "n_kv_heads=2", "ffn_dim=128"]
+V, D, L, H, HKV, HD, FFN = 128, 64, 4, 4, 2, 16, 128
+B, T = 4, 16
+BLOCK = 2 * D + D * D + 2 * D * HKV * HD + D * D + 3 * D * FFN  # 36,992
+PARAMS = V * D + L * BLOCK + D + D * V  # 164,416
+# weights of the matmuls of one block and of the head (all but norms and embedding)
+BLOCK_MM = D * D + 2 * D * HKV * HD + D * D + 3 * D * FFN  # 36,864
+
+
+def _multiset(rec: dict) -> Counter:
+    return Counter(
+        (c["kind"], c["group_size"], c["elements"], c["dtype"], c["phase"])
+        for c in rec["collectives"]
+    )
+
+
+_CACHE: dict[str, list[dict]] = {}
+
+
+def _probe(mode: str, nproc: int = 2, tmp: Path | None = None) -> list[dict]:
+    if mode not in _CACHE:
+        _CACHE[mode] = run_probe(LLAMA, mode, nproc, args=TINY, batch=B, seq=T, micro_batches=2)
+    return _CACHE[mode]
+
+
+def test_parse_ctor_args():
+    assert parse_ctor_args(["dim=64", "rope=False", "name=x"]) == {
+        "dim": 64,
+        "rope": False,
+        "name": "x",
+    }
+    with pytest.raises(ProbeError, match="NAME=VALUE"):
+        parse_ctor_args(["dim"])
+
+
+def test_unknown_mode_is_refused_before_launching():
+    with pytest.raises(ProbeError, match="unknown mode 'dpp'"):
+        run_probe(LLAMA, "dpp", 2)
+
+
+@pytest.mark.slow
+def test_ddp_one_bucket_all_reduce_and_local_flops():
+    recs = _probe("ddp")
+    for r, rec in enumerate(recs):
+        assert (rec["rank"], rec["world"], rec["step"]) == (r, 2, 3)
+        assert rec["dims"] == {"dp": 2, "tp": 1, "pp": 1}
+        assert rec["params_local"] == PARAMS
+        # 164,416 fp32 parameters = 658 kB fit DDP's one 25 MB bucket: one all-reduce of all
+        # the gradients, in the backward (the reducer calls it through the dispatcher)
+        assert _multiset(rec) == Counter({("all_reduce", 2, PARAMS, "float32", "backward"): 1})
+        # each rank: 2 rows x 16 tokens = 32 tokens; forward mm FLOPs 2·32·(4·36,864 + 64·128)
+        # = 9,961,472; backward twice that (input and weight gradients of every matmul: the
+        # embedding's output needs a gradient, so the first block's input gradients run)
+        fwd = 2 * 32 * (L * BLOCK_MM + D * V)
+        assert rec["flops_by_op"]["aten.mm"] == 3 * fwd == 29_884_416
+        # torch's SDPA formula: forward 4·b·h·T²·hd per block (QK^T and PV, full square),
+        # backward 2.5 times that
+        sdpa = 4 * 2 * H * T * T * HD * L
+        assert rec["flops_by_op"]["aten._scaled_dot_product_flash_attention_for_cpu"] == sdpa
+        back = rec["flops_by_op"]["aten._scaled_dot_product_flash_attention_for_cpu_backward"]
+        assert back == 5 * sdpa // 2
+        # live at the step start: parameters, DDP's gradient bucket, AdamW's two moments and
+        # step counts (one fp32 scalar per parameter tensor: 39 tensors), the batch rows (two
+        # int64 (2, 16) tensors); gradients were set to None after the last step
+        assert rec["live_by_kind"] == {
+            "parameters": 4 * PARAMS,
+            "gradients": 0,
+            "optimizer": 2 * 4 * PARAMS + 4 * (1 + 4 * 9 + 2),
+            "buffers": 0,
+            "batch": 2 * (2 * T * 8),
+            "engine": 4 * PARAMS,
+        }
+        assert rec["live_at_step_start"] == sum(rec["live_by_kind"].values())
+        # the gradients (658 kB) are live at the peak, on top of what the step started with
+        assert rec["peak_bytes"] > rec["live_at_step_start"] + 4 * PARAMS
