@@ -102,8 +102,9 @@ def test_zero3_units(tiny):
         }
     )
     mem = r.memory_bytes
-    # parameters, gradients: 1952 · 4 / 2 = 3904 bytes; Adam's two moments: 7808
-    assert (mem["parameters"], mem["gradients"], mem["optimizer_state"]) == (3904, 3904, 7808)
+    # parameters, gradients: 1952 · 4 / 2 = 3904 bytes; Adam's two moments 7808 plus its
+    # float32 step count per parameter, 28 · 4 = 112
+    assert (mem["parameters"], mem["gradients"], mem["optimizer_state"]) == (3904, 3904, 7920)
     # the two largest units gathered at once: 2 × 872 · 4
     assert mem["all_gather_buffers"] == 6976
 

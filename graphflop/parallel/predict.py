@@ -29,9 +29,12 @@ micro-batches of 1/v of the stage each (Megatron's warm-up count).
 Memory per rank: parameters, gradients and optimizer state as the ZeRO stage shards them,
 activations (the eager memory model's saved tensors, each at its local TP size) × in flight,
 FSDP's gathered parameters (ZeRO 3: the unit running and the one prefetched; ZeRO 2: every
-unit of the stage, kept from forward to backward) and the step's transient working set (the
-analysis's eager train peak less its parameters, gradients, optimizer state and saved tensors,
-scaled to the stage's share of the analysed graph's saved bytes and divided by tp: an estimate).
+unit of the stage, kept from forward to backward), DDP's gradient buckets, the micro-batch, and
+the step's rise: the analysis's eager train peak less its parameters and optimizer state
+(gradients, activations and temporaries as they coexist in the eager schedule), scaled by
+this rank's gradients plus activations in flight over the single rank's. For DDP and ZeRO-1
+without TP or PP the scale is 1 and the peak is the eager schedule's; elsewhere it is an
+estimate.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from graphflop.meta import MODULE, RESIDUAL, ROLE, SIGNATURE, SOURCE, VJP
+from graphflop.frontend.composite import FUSED_SDPA
+from graphflop.meta import COMPOSITE, MODULE, RESIDUAL, ROLE, SIGNATURE, SOURCE, VJP
 from graphflop.parallel.placement import (
     REPLICATE,
     Collective,
@@ -74,8 +78,13 @@ class RankClass:
         blocks: the block module paths this stage runs.
         flops: per step (all micro-batches): forward, backward, recompute, update, total.
         mm_flops: the matrix-product part of the same (FlopCounterMode's convention).
-        memory_bytes: parameters, gradients, optimizer_state, activations,
-            all_gather_buffers, transient, peak.
+        memory_bytes: parameters, gradients, optimizer_state (with Adam's step counts),
+            activations (saved tensors × in flight), all_gather_buffers (FSDP's gathered
+            units), engine_buffers (DDP's gradient buckets), batch (the micro-batch's inputs
+            and targets), step_rise (the eager step's rise over its start, gradients and
+            activations as they coexist there, scaled by this rank's gradients and activations
+            over the single rank's), peak = parameters + optimizer_state + all_gather_buffers
+            + engine_buffers + batch + step_rise.
         in_flight: micro-batches whose activations the stage holds at its peak (fractional
             for interleaved chunks).
         collectives: per step, each with its group (tp, dp, pp).
@@ -377,15 +386,12 @@ def predict(  # noqa: C901
     # activations per micro-batch, at local size, per stage -------------------------------
     saved = eager_saved_storages(fwd, bwd, memory_device)
     saved_local = [0] * plan.pp
-    saved_share = [0] * plan.pp  # the analysed graph's own bytes, for the transient's share
-    saved_global = sum(saved.values()) or 1
     for name, nbytes in saved.items():
         whole = _global_bytes(fwd, name)
         loc = fp.local_bytes.get(name, whole)
         frac = loc / whole if whole else 1.0
         s_ = rank_stage(f_stage.get(name, 0))
         saved_local[s_] += round(nbytes * frac) * f_weight.get(name, 1)
-        saved_share[s_] += nbytes
     mem = rep.memory
     ck = mem.checkpoint
     ck_scale = 1.0
@@ -400,14 +406,26 @@ def predict(  # noqa: C901
     if amp is not None and mem.saved_for_backward_bytes:
         ck_scale *= amp.saved_for_backward_bytes / mem.saved_for_backward_bytes
         notes.append(f"--amp {amp.dtype}: saved bytes scaled as the autocast what-if has them")
-    transient = max(
-        0,
-        (mem.train_peak_bytes or 0)
-        - mem.params_bytes
-        - (mem.grads_bytes or 0)
-        - (mem.optimizer_state_bytes or 0)
-        - (mem.saved_for_backward_bytes or 0),
+    # the eager step's rise over its start (gradients, activations and temporaries as they
+    # coexist in the eager schedule), and what it is made of, for scaling to a rank
+    rise = max(0, (mem.train_peak_bytes or 0) - mem.params_bytes - (mem.optimizer_state_bytes or 0))
+    dynamic_global = (mem.grads_bytes or 0) + (mem.saved_for_backward_bytes or 0)
+    batch_bytes = sum(
+        phs[i].meta["val"].numel() * phs[i].meta["val"].element_size()
+        for i in (*sig.inputs, *sig.targets)
+        if i in phs and isinstance(phs[i].meta.get("val"), torch.Tensor)
     )
+    # torch's Adam/AdamW keep a float32 step count per parameter beside the moments
+    step_bytes = (
+        4
+        if (upd_opt := getattr(rep.totals.update, "optimizer", ""))
+        in (
+            "adam",
+            "adamw",
+        )
+        else 0
+    )
+    del upd_opt
     state_per_param_byte = (mem.optimizer_state_bytes or 0) / (mem.params_bytes or 1)
 
     # FLOPs per stage per micro-batch ----------------------------------------------------
@@ -433,6 +451,12 @@ def predict(  # noqa: C901
         lambda n: "recompute" if n.meta.get(ROLE) == "recompute" else "backward",
         b_weight,
     )
+    # PyTorch's fused attention kernel recomputes the scores q·kᵀ in its backward (as
+    # FlopCounterMode's SDPA backward formula counts it): one more product per call
+    for n in _fused_score_products(fwd):
+        c, w = fp.cost[n.name], f_weight.get(n.name, 1)
+        bf[rank_stage(f_stage[n.name])]["backward"] += c.flops * w
+        bm[rank_stage(f_stage[n.name])]["backward"] += c.mm_flops * w
     if ck is not None:
         glob_fwd: dict[str, int] = {}
         loc_fwd: dict[str, int] = {}
@@ -477,6 +501,7 @@ def predict(  # noqa: C901
         units = _fsdp_units(tq, fsdp_blocks)
         coll = per_stage_coll[s]
         gather_buf = 0
+        owned: list[str] | None = None
         if plan.zero <= 1:
             coll += _ddp_buckets(bwd, bp, grad_want, tq, local_numel, esize, dtype_of, dp, outs)
             owned = _zero1_owned(tq, local_numel, dp) if plan.zero == 1 else None
@@ -520,8 +545,10 @@ def predict(  # noqa: C901
             upd_numel = sum(padded[q] for q in tq) // dp
         in_flight = _in_flight(plan, s)
         act = round(saved_local[s] * ck_scale * in_flight)
-        trans = round(transient * (saved_share[s] / saved_global) / plan.tp)
-        peak = p_bytes + g_bytes + o_bytes + act + gather_buf + trans
+        o_bytes += step_bytes * (len(owned) if plan.zero == 1 and owned is not None else len(tq))
+        engine = g_bytes if plan.zero <= 1 and dp > 1 else 0  # DDP's gradient buckets
+        step_rise = round(rise * (g_bytes + act) / dynamic_global) if dynamic_global else 0
+        peak = p_bytes + o_bytes + gather_buf + engine + batch_bytes + step_rise
         flops = {
             "forward": ff[s]["forward"] * m,
             "backward": bf[s]["backward"] * m,
@@ -559,7 +586,9 @@ def predict(  # noqa: C901
                     "optimizer_state": o_bytes,
                     "activations": act,
                     "all_gather_buffers": gather_buf,
-                    "transient": trans,
+                    "engine_buffers": engine,
+                    "batch": batch_bytes,
+                    "step_rise": step_rise,
                     "peak": peak,
                 },
                 in_flight=in_flight,
@@ -588,6 +617,19 @@ def predict(  # noqa: C901
         device_memory_bytes=device_memory_bytes,
         notes=tuple(notes),
     )
+
+
+def _fused_score_products(fwd: GraphModule) -> list[Node]:
+    """The score product (the first matrix product) of each attention call tracing tagged as
+    PyTorch's fused kernel (:data:`~graphflop.frontend.composite.FUSED_SDPA`)."""
+    first: dict[tuple[str, int], Node] = {}
+    for n in fwd.graph.nodes:
+        tag = n.meta.get(COMPOSITE)
+        if tag is None or tag.op != FUSED_SDPA or n.target is not torch.ops.aten.bmm.default:
+            continue
+        # a repeated block's copies share their region numbers: the module tells them apart
+        first.setdefault((n.meta.get(MODULE) or "", tag.region), n)
+    return list(first.values())
 
 
 def _node_weights(
