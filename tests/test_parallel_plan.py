@@ -238,3 +238,43 @@ def test_default_tp_plan_from_structure():
         "h.0.ln_2": "sequence_parallel",
         "ln_f": "sequence_parallel",
     }
+
+
+LLAMA_TINY = dict(vocab=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    loaded = load("models/llama.py", ctor_kwargs=LLAMA_TINY, meta=True)
+    return loaded.model, analyze(
+        loaded.model, make_inputs(loaded, shapes=[(4, 16)]), optimizer="adamw", jvp=False
+    )
+
+
+def test_llama_tp_as_parallelize_module(llama):
+    """Tiny Llama (vocabulary 128, width 64, 4 blocks, 4 query / 2 key-value heads, SwiGLU
+    128), tokens (4, 16), TP 2 with the default plan: q/k/v, gate/up column-wise, o/down
+    row-wise, the embedding vocabulary-parallel, the head column-wise with its logits gathered."""
+    model, a = llama
+    whole = predict(a, model, Plan(), micro_batch=4).ranks[0]
+    r = predict(a, model, Plan(tp=2), micro_batch=4).ranks[0]
+    # forward: the embedding's and each row-wise layer's partial sums, 4·16·64 = 4096
+    # elements, 1 + 2·4 = 9; the logits gathered, 4·16·128 = 8192
+    # backward: each column-wise module's input cotangent reduced on its own (q, k, v, gate,
+    # up: 5 per block, as DTensor's from_local backward does) and the head's: 5·4 + 1 = 21
+    assert Counter(c.key() for c in r.collectives) == Counter(
+        {
+            ("all_reduce", 2, 4096, "float32", "forward"): 9,
+            ("all_gather", 2, 8192, "float32", "forward"): 1,
+            ("all_reduce", 2, 4096, "float32", "backward"): 21,
+        }
+    )
+    # every matrix product (attention over the local heads included) halves
+    assert 2 * r.mm_flops["total"] == whole.mm_flops["total"]
+
+
+def test_llama_tp_kv_heads_not_divisible(llama):
+    model, a = llama
+    # 2 key/value heads over 4 ranks (4 query heads, width 64, vocabulary 128 all divide)
+    with pytest.raises(PlanError, match="--tp 4 cannot shard layers.0.attention"):
+        predict(a, model, Plan(tp=4), micro_batch=4)

@@ -512,6 +512,17 @@ def _rule(  # noqa: C901 (one dispatch over the op families)
         return _cat(n, flat, ins, ks, val)
     if t in (aten.split.Tensor, aten.split_with_sizes.default):
         return _split(n, x, p, val, tp, where)
+    if t in (aten.slice_scatter.default, aten.select_scatter.default) and len(ks) == 2:
+        # a cotangent scattered into zeros along another dim (the backward of a slice)
+        part = ins[ks[1]]
+        d = _norm(_a(n)[2] if len(_a(n)) > 2 else _k(n).get("dim", 0), len(val.shape))
+        if part.kind == "S":
+            sd = part.dim + (t is aten.select_scatter.default and d <= part.dim)
+            if sd != d:
+                out = replace(
+                    part, dim=sd, factor=int(val.shape[sd]) if part.inner == 1 else part.factor
+                )
+                return out, {ks[0]: out}
     if t in (aten.slice.Tensor, aten.select.int) and p.kind == "S":
         d = _norm(_a(n)[1] if len(_a(n)) > 1 else 0, len(_shape(x)))
         if d != p.dim:

@@ -36,6 +36,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (0, 1, 2, 3)
 #: the TP plan's entries (torch's parallelize_module styles, in lower case)
 PLAN_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
+#: a column-wise module whose output is gathered to every rank (torch's
+#: ``ColwiseParallel(output_layouts=Replicate())``, the usual LM head)
+COLWISE_REPLICATE = "colwise:replicate"
 _STYLE_ALIASES = {
     "colwiseparallel": "colwise",
     "rowwiseparallel": "rowwise",
@@ -109,7 +112,7 @@ class Plan:
                 f"--chunks {self.chunks} (virtual stages) is for --schedule interleaved only"
             )
         for pattern, style in self.tp_plan:
-            if style not in PLAN_STYLES:
+            if style not in (*PLAN_STYLES, COLWISE_REPLICATE):
                 raise PlanError(
                     f"unknown TP plan entry {style!r} for {pattern!r}: one of "
                     + ", ".join(PLAN_STYLES)
@@ -142,7 +145,18 @@ class Plan:
 
 
 def _style(value: object, pattern: str) -> str:
-    """A plan entry's style in lower case, torch's class names accepted."""
+    """A plan entry's style in lower case, torch's class names accepted; a mapping
+    ``{"style": "colwise", "output_layouts": "replicate"}`` is the gathered column-wise style."""
+    if isinstance(value, dict):
+        style = _style(value.get("style"), pattern)
+        out = str(value.get("output_layouts", "")).strip().lower().removesuffix("()")
+        extra = set(value) - {"style", "output_layouts"}
+        if extra or (out and (style != "colwise" or out != "replicate")):
+            raise PlanError(
+                f"TP plan entry for {pattern!r}: only a colwise entry takes output_layouts, and "
+                "only replicate (the output gathered)"
+            )
+        return COLWISE_REPLICATE if out else style
     if not isinstance(value, str):
         raise PlanError(
             f"TP plan entry for {pattern!r} must be a string (one of {', '.join(PLAN_STYLES)}), "
@@ -150,6 +164,8 @@ def _style(value: object, pattern: str) -> str:
         )
     key = value.strip().lower()
     key = _STYLE_ALIASES.get(key, key)
+    if key == COLWISE_REPLICATE:
+        return key
     if key not in PLAN_STYLES:
         raise PlanError(
             f"unknown TP plan entry {value!r} for {pattern!r}: one of {', '.join(PLAN_STYLES)} "
@@ -166,6 +182,7 @@ def read_tp_plan(path: str) -> tuple[tuple[str, str], ...]:
         "*.attn.c_attn": colwise
         "*.attn.c_proj": rowwise
         "re:.*ln_\\d": sequence_parallel
+        lm_head: {style: colwise, output_layouts: replicate}   # or "colwise:replicate"
 
     Raises:
         PlanError: a file that cannot be read or parsed, not a mapping, an empty or malformed

@@ -5,7 +5,10 @@ Megatron's pattern (Shoeybi et al. 2019, section 3), found without module names:
 module holding two or more ``nn.Linear`` layers (an attention block, an MLP), a Linear whose
 output reaches another of them through the module's ops (q/k/v or a fused qkv; MLP up and
 gate) is column-wise, one whose output reaches none (attention out, MLP down) row-wise; a Linear outside such a module whose
-output width is the token embedding's row count (the LM head) is column-wise; an
+output width is the token embedding's row count (the LM head) is column-wise with its output
+gathered (``ColwiseParallel(output_layouts=Replicate())``, as torch's tensor-parallel examples
+shard a head; a head that is not a module, as a tied one, stays vocabulary-parallel into the
+loss); an
 ``nn.Embedding`` read with the model's input ids is vocabulary-parallel (``rowwise``, as
 ``parallelize_module`` shards an embedding), other embeddings (positions) replicated. Under
 sequence parallelism, every norm module (``LayerNorm``, ``RMSNorm``, any class named
@@ -22,7 +25,7 @@ from torch.fx import GraphModule, Node
 
 from graphflop.meta import MODULE
 from graphflop.parallel.placement import REPLICATE, Placement, shard
-from graphflop.parallel.plan import match_style
+from graphflop.parallel.plan import COLWISE_REPLICATE, match_style
 
 __all__ = ["SEQUENCE_DIM", "boundary_layouts", "default_tp_plan", "param_placement"]
 
@@ -61,7 +64,7 @@ def default_tp_plan(
         if len(per_parent[_parent(p)]) >= 2 and _parent(p):
             plan.append((p, "colwise" if feeds[p] else "rowwise"))
         elif lin.out_features in vocab:
-            plan.append((p, "colwise"))
+            plan.append((p, COLWISE_REPLICATE))
     plan += [(e, "rowwise") for e in embeddings if e in token_embeddings]
     if sp:
         plan += [(p, "sequence_parallel") for p, m in mods.items() if _is_norm(m) and p]
@@ -107,7 +110,7 @@ def param_placement(
     Embedding's weight on dim 0 (the vocabulary); everything else replicated."""
     module, _, leaf = qualified.rpartition(".")
     style = match_style(tp_plan, module)
-    if style == "colwise":
+    if style in ("colwise", COLWISE_REPLICATE):
         return shard(0, shape[0])
     if style == "rowwise":
         if module in embeddings:
@@ -117,7 +120,7 @@ def param_placement(
     return REPLICATE
 
 
-def boundary_layouts(
+def boundary_layouts(  # noqa: C901 (one rule per style and direction)
     tp_plan: tuple[tuple[str, str], ...], sp: bool
 ) -> Callable[[Node, Node, Placement, bool], Placement | None]:
     """The layouts ``parallelize_module`` imposes where a value crosses into or out of a module
@@ -149,14 +152,22 @@ def boundary_layouts(
         q = p
         if a is not None:  # leaving module a
             style = a[1]
-            if q.kind == "P" and (
-                (forward and style == "rowwise") or (not forward and style == "colwise")
+            if forward and style == COLWISE_REPLICATE and q.kind == "S":
+                q = REPLICATE  # the output gathered
+            elif q.kind == "P" and (
+                (forward and style == "rowwise")
+                or (not forward and style in ("colwise", COLWISE_REPLICATE))
             ):
                 q = (seq(value) if sp else None) or REPLICATE
         if b is not None:  # entering module b
             style = b[1]
-            if forward and style == "colwise":
+            if forward and style in ("colwise", COLWISE_REPLICATE):
                 q = REPLICATE
+            elif not forward and style == COLWISE_REPLICATE and q == REPLICATE:
+                # the gathered output's cotangent: each rank keeps its slice
+                shape = getattr(value.meta.get("val"), "shape", ())
+                if shape:
+                    q = shard(len(shape) - 1, int(shape[-1]))
             elif not forward and style == "rowwise" and (q.kind == "P" or q == seq(value)):
                 # the output cotangent entering (a weight cotangent accumulated here is not)
                 q = REPLICATE
