@@ -278,3 +278,13 @@ def test_llama_tp_kv_heads_not_divisible(llama):
     # 2 key/value heads over 4 ranks (4 query heads, width 64, vocabulary 128 all divide)
     with pytest.raises(PlanError, match="--tp 4 cannot shard layers.0.attention"):
         predict(a, model, Plan(tp=4), micro_batch=4)
+
+
+def test_render_stage_dot(tmp_path, capsys):
+    # TP 2 with SP on the tiny GPT-2: each block's norms gather the sequence before the
+    # column-wise layers and each row-wise layer reduce-scatters its output
+    out = tmp_path / "stage.dot"
+    assert main(["plan", *CLI, "--tp", "2", "--sp", "--render", str(out)]) == 0
+    text = out.read_text()
+    assert "h.0.attn" in text and "h.1.mlp" in text
+    assert "reduce_scatter ×1" in text and "all_gather ×1" in text

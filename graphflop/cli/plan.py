@@ -138,6 +138,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="PATH", help="write the plan's figures as JSON")
     p.add_argument(
+        "--render",
+        metavar="PATH",
+        help="draw one stage's forward graph with its collectives (.dot, .svg, .png, .pdf)",
+    )
+    p.add_argument(
+        "--render-stage",
+        type=int,
+        default=0,
+        metavar="S",
+        help="the pipeline stage --render draws (default 0)",
+    )
+    p.add_argument(
         "--collectives",
         action="store_true",
         help="also print every collective of each rank class",
@@ -204,8 +216,15 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
     plan = _plan_from_args(args)
     memory, device = _device_memory(args)
+    from graphflop.parallel.render import RENDER_SUFFIXES
+
     check_output_file(args.json, "--json")
-    check_distinct_outputs({"--json": args.json}, args.spec)
+    check_output_file(args.render, "--render", RENDER_SUFFIXES)
+    check_distinct_outputs({"--json": args.json, "--render": args.render}, args.spec)
+    if not 0 <= args.render_stage < plan.pp:
+        raise PlanError(
+            f"--render-stage {args.render_stage}: the plan has stages 0 to {plan.pp - 1}"
+        )
     if args.global_batch is not None:
         per = plan.dp * plan.micro_batches
         if args.global_batch < 1 or args.global_batch % per:
@@ -260,12 +279,17 @@ def run(args: argparse.Namespace, err: Console) -> int:
             block_counts=block_counts,
         )
     _print(report, args.collectives)
-    if args.json:
-        import json
+    import json
 
-        from graphflop.io import atomic_write
+    from graphflop.io import atomic_group, atomic_write
 
-        atomic_write(args.json, json.dumps(report.to_dict(), indent=1))
+    with atomic_group():  # all the files or none of them
+        if args.json:
+            atomic_write(args.json, json.dumps(report.to_dict(), indent=1))
+        if args.render:
+            from graphflop.parallel.render import render_stage
+
+            render_stage(report, args.render, args.render_stage)
     return 0
 
 

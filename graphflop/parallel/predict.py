@@ -152,6 +152,8 @@ class PlanReport:
     device: str | None = None
     device_memory_bytes: int | None = None
     notes: tuple[str, ...] = field(default=())
+    #: what the render reads: the forward graph, its placements and each node's stage
+    detail: Any = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         """The ``graphflop plan --json`` document."""
@@ -616,6 +618,7 @@ def predict(  # noqa: C901
         device=device,
         device_memory_bytes=device_memory_bytes,
         notes=tuple(notes),
+        detail=(fwd, fp, {k: rank_stage(v) for k, v in f_stage.items()}),
     )
 
 
