@@ -94,3 +94,133 @@ def test_ddp_one_bucket_all_reduce_and_local_flops():
         assert rec["live_at_step_start"] == sum(rec["live_by_kind"].values())
         # the gradients (658 kB) are live at the peak, on top of what the step started with
         assert rec["peak_bytes"] > rec["live_at_step_start"] + 4 * PARAMS
+
+
+def _check_llama_flops(rec: dict, tokens: int) -> None:
+    """mm and attention FLOPs of a rank that runs the whole model on ``tokens`` tokens."""
+    fwd = 2 * tokens * (L * BLOCK_MM + D * V)
+    assert rec["flops_by_op"]["aten.mm"] == 3 * fwd
+    sdpa = 4 * (tokens // T) * H * T * T * HD * L
+    assert rec["flops_by_op"]["aten._scaled_dot_product_flash_attention_for_cpu"] == sdpa
+
+
+@pytest.mark.slow
+def test_zero3_gathers_each_unit_twice_and_reduce_scatters_it_once():
+    recs = _probe("zero3")
+    root = V * D + D + D * V  # the root unit: embedding, final norm, head: 16,448
+    assert root + L * BLOCK == PARAMS
+    for rec in recs:
+        assert rec["dims"] == {"dp": 2, "tp": 1, "pp": 1}
+        assert rec["params_local"] == PARAMS // 2  # every dim 0 is even: no padding
+        # FSDP2: each block is gathered (gathered elements = its whole size) before its
+        # forward and again before its backward (resharded after forward); the root is not
+        # resharded after forward (its backward comes first), so it is gathered once; every
+        # unit's gradient is reduce-scattered once (elements = the unsharded gradient)
+        assert _multiset(rec) == Counter(
+            {
+                ("all_gather", 2, root, "float32", "forward"): 1,
+                ("all_gather", 2, BLOCK, "float32", "forward"): L,
+                ("all_gather", 2, BLOCK, "float32", "backward"): L,
+                ("reduce_scatter", 2, BLOCK, "float32", "backward"): L,
+                ("reduce_scatter", 2, root, "float32", "backward"): 1,
+            }
+        )
+        _check_llama_flops(rec, 2 * T)
+        # at the step start: the parameter shards and AdamW's moments of them (+ 39 steps)
+        assert rec["live_by_kind"]["parameters"] == 4 * PARAMS // 2
+        assert rec["live_by_kind"]["optimizer"] == 4 * PARAMS + 4 * 39
+        # the step gathers at least one block's parameters on top
+        assert rec["peak_bytes"] >= rec["live_at_step_start"] + 4 * BLOCK
+
+
+@pytest.mark.slow
+def test_tp_all_reduces_row_outputs_forward_and_column_input_grads_backward():
+    recs = _probe("tp")
+    act = B * T * D  # one (4, 16, 64) activation: 4,096 elements
+    for rec in recs:
+        assert rec["dims"] == {"dp": 1, "tp": 2, "pp": 1}
+        # every weight is halved but the norms' (4·2·64 + 64 = 576 replicated elements)
+        assert rec["params_local"] == (PARAMS - 576) // 2 + 576
+        assert _multiset(rec) == Counter(
+            {
+                # forward: the vocab-parallel embedding's partial sum, o_proj's and down_proj's
+                # (row-wise) partial outputs in each block; the head's logits gathered
+                ("all_reduce", 2, act, "float32", "forward"): 1 + 2 * L,
+                ("all_gather", 2, B * T * V, "float32", "forward"): 1,
+                # backward: the input gradient of every column-wise Linear (q, k, v, gate, up
+                # each all-reduce their own) and of the head; none for the embedding, whose
+                # input (token ids) needs no gradient
+                ("all_reduce", 2, act, "float32", "backward"): 5 * L + 1,
+            }
+        )
+        # each rank runs every matmul at half width on the whole batch (64 tokens): the same
+        # FLOPs as a data-parallel rank on 32 tokens, half the whole model's
+        _check_llama_flops(rec, 2 * T)
+
+
+@pytest.mark.slow
+def test_tp_sp_reduce_scatters_and_gathers_the_sequence():
+    recs = _probe("tp_sp")
+    act = B * T * D
+    for rec in recs:
+        assert rec["dims"] == {"dp": 1, "tp": 2, "pp": 1}
+        assert _multiset(rec) == Counter(
+            {
+                # forward: the embedding's and each o/down's partial output reduce-scattered
+                # over the sequence; each attention / MLP input and the head's input gathered
+                ("reduce_scatter", 2, act, "float32", "forward"): 1 + 2 * L,
+                ("all_gather", 2, act, "float32", "forward"): 2 * L + 1,
+                ("all_gather", 2, B * T * V, "float32", "forward"): 1,
+                # backward: each of those transposed
+                ("all_gather", 2, act, "float32", "backward"): 1 + 2 * L,
+                ("reduce_scatter", 2, act, "float32", "backward"): 2 * L + 1,
+                # the sequence-parallel norms' weight gradients stay Partial through the
+                # backward; AdamW (foreach=False) all-reduces each of the 9 norms' gradient
+                # at each of its 3 uses (the two moments' updates read it three times)
+                ("all_reduce", 2, D, "float32", "optimizer"): 3 * (2 * L + 1),
+            }
+        )
+        _check_llama_flops(rec, 2 * T)
+
+
+@pytest.mark.slow
+def test_zero1_broadcasts_every_parameter_from_its_owner_after_the_step():
+    recs = _probe("zero1")
+    for rec in recs:
+        assert rec["params_local"] == PARAMS  # parameters replicated, optimizer states not
+        assert _multiset(rec) == Counter(
+            {
+                # DDP's one bucket, as in ddp
+                ("all_reduce", 2, PARAMS, "float32", "backward"): 1,
+                # ZeroRedundancyOptimizer: after each rank steps the parameters it owns, every
+                # parameter is broadcast from its owner: 9 norms of 64, 8 k/v of 64·32, 8 q/o of
+                # 64·64, 12 gate/up/down of 64·128 + the embedding and the head of 128·64
+                ("broadcast", 2, D, "float32", "optimizer"): 2 * L + 1,
+                ("broadcast", 2, D * HKV * HD, "float32", "optimizer"): 2 * L,
+                ("broadcast", 2, D * D, "float32", "optimizer"): 2 * L,
+                ("broadcast", 2, D * FFN, "float32", "optimizer"): 3 * L + 2,
+            }
+        )
+        _check_llama_flops(rec, 2 * T)
+    # the AdamW moments are split between the ranks (by parameter, not evenly)
+    moments = [rec["live_by_kind"]["optimizer"] for rec in recs]
+    assert 2 * 4 * PARAMS < sum(moments) < 2 * 4 * PARAMS + 4 * 39 + 8
+
+
+@pytest.mark.slow
+def test_zero2_gathers_each_unit_once_and_reduce_scatters_its_gradient():
+    recs = _probe("zero2")
+    root = V * D + D + D * V
+    for rec in recs:
+        assert rec["params_local"] == PARAMS // 2
+        # FSDP1 SHARD_GRAD_OP: parameters stay gathered from the forward through the
+        # backward (no second all-gather); gradients reduce-scattered per unit
+        assert _multiset(rec) == Counter(
+            {
+                ("all_gather", 2, root, "float32", "forward"): 1,
+                ("all_gather", 2, BLOCK, "float32", "forward"): L,
+                ("reduce_scatter", 2, BLOCK, "float32", "backward"): L,
+                ("reduce_scatter", 2, root, "float32", "backward"): 1,
+            }
+        )
+        _check_llama_flops(rec, 2 * T)
