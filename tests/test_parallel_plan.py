@@ -237,6 +237,9 @@ def test_default_tp_plan_from_structure():
         "h.0.ln_1": "sequence_parallel",
         "h.0.ln_2": "sequence_parallel",
         "ln_f": "sequence_parallel",
+        # the modules holding column-wise layers gather their sequence-sharded input once
+        "h.0.attn": "prepare_input",
+        "h.0.mlp": "prepare_input",
     }
 
 

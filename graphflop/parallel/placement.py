@@ -284,6 +284,7 @@ class _Engine:
         vocab: set[str],
     ):
         self.gm, self.tp, self.phase, self.vocab = gm, tp, phase, vocab
+        self.grad_reads = 0
         self.init, self.boundary, self.grad_of = init, boundary, grad_of
         self.of: dict[str, Any] = {}
         self.cost: dict[str, NodeCost] = {}
@@ -394,8 +395,20 @@ class _Engine:
             if not isinstance(a, Node) or not _is_tensor(a.meta.get("val")):
                 continue
             want = self.grad_of(a)
-            if want is not None:
-                self.move(a, self.of[a.name], want)
+            have = self.of[a.name]
+            if want is None:
+                continue
+            if have.kind == "P" and want.kind == "R" and self.grad_reads:
+                # a replicated parameter's partial gradient stays partial; the optimizer
+                # reduces it each time it reads it (DTensor redistributes per op)
+                v = a.meta["val"]
+                self.collectives += [
+                    Collective(
+                        "all_reduce", "tp", self.tp, v.numel(), _dtype(v), "optimizer", a.name
+                    )
+                ] * self.grad_reads
+                continue
+            self.move(a, have, want)
 
 
 def _scale(c: NodeCost, f: float) -> NodeCost:
@@ -718,6 +731,7 @@ def propagate(
     params: set[str],
     grad_of: Callable[[Node], Placement | None] = lambda a: None,
     vocab: frozenset[str] = frozenset(),
+    grad_reads: int = 0,
 ) -> Placements:
     """Placements of every value of ``gm`` over a TP group of ``tp`` ranks.
 
@@ -733,6 +747,10 @@ def propagate(
             parameter's), or None.
         vocab: modules whose embedding the plan shards by vocabulary rows (their weight
             gradient, ``embedding_dense_backward``, is then sharded on dim 0).
+        grad_reads: where a replicated parameter's gradient comes out partial (a norm's weight
+            under sequence parallelism), the all_reduces the optimizer makes of it, phase
+            ``optimizer`` (DTensor reduces it at each op reading it); 0: one all_reduce in
+            the backward.
 
     Raises:
         PlanError: a sharded dim that ``tp`` does not divide (heads, KV heads, hidden,
@@ -741,6 +759,7 @@ def propagate(
     first = _Engine(gm, tp, phase, init, boundary, params, grad_of, set(vocab))
     first.run()
     again = _Engine(gm, tp, phase, init, boundary, params, grad_of, set(vocab))
+    again.grad_reads = grad_reads
     again.reduce_early = {
         c.at for c in first.collectives if c.kind == "all_reduce" and c.phase == phase
     }

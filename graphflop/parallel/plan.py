@@ -39,6 +39,9 @@ PLAN_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
 #: a column-wise module whose output is gathered to every rank (torch's
 #: ``ColwiseParallel(output_layouts=Replicate())``, the usual LM head)
 COLWISE_REPLICATE = "colwise:replicate"
+#: a module whose sequence-sharded input is gathered on entry (torch's
+#: ``PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())``)
+PREPARE_INPUT = "prepare_input"
 _STYLE_ALIASES = {
     "colwiseparallel": "colwise",
     "rowwiseparallel": "rowwise",
@@ -112,7 +115,7 @@ class Plan:
                 f"--chunks {self.chunks} (virtual stages) is for --schedule interleaved only"
             )
         for pattern, style in self.tp_plan:
-            if style not in (*PLAN_STYLES, COLWISE_REPLICATE):
+            if style not in (*PLAN_STYLES, COLWISE_REPLICATE, PREPARE_INPUT):
                 raise PlanError(
                     f"unknown TP plan entry {style!r} for {pattern!r}: one of "
                     + ", ".join(PLAN_STYLES)
@@ -164,8 +167,8 @@ def _style(value: object, pattern: str) -> str:
         )
     key = value.strip().lower()
     key = _STYLE_ALIASES.get(key, key)
-    if key == COLWISE_REPLICATE:
-        return key
+    if key in (COLWISE_REPLICATE, PREPARE_INPUT, "preparemoduleinput"):
+        return PREPARE_INPUT if key == "preparemoduleinput" else key
     if key not in PLAN_STYLES:
         raise PlanError(
             f"unknown TP plan entry {value!r} for {pattern!r}: one of {', '.join(PLAN_STYLES)} "

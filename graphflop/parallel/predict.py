@@ -64,6 +64,9 @@ from graphflop.passes.eager_memory import eager_saved_storages
 __all__ = ["PlanReport", "RankClass", "find_blocks", "predict"]
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+#: ops of torch.optim's single-tensor step that read a gradient: Adam/AdamW lerp_ and the two
+#: operands of addcmul_; SGD and momentum one add
+_GRAD_READS = {"adam": 3, "adamw": 3, "sgd": 1, "momentum": 1}
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 
 
@@ -321,6 +324,7 @@ def predict(  # noqa: C901
         params=b_params,
         grad_of=lambda a: grad_want.get(a.name),
         vocab=vocab,
+        grad_reads=_GRAD_READS.get(getattr(rep.totals.update, "optimizer", ""), 1),
     )
 
     # pipeline stages ---------------------------------------------------------------------

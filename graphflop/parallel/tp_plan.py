@@ -12,7 +12,9 @@ loss); an
 ``nn.Embedding`` read with the model's input ids is vocabulary-parallel (``rowwise``, as
 ``parallelize_module`` shards an embedding), other embeddings (positions) replicated. Under
 sequence parallelism, every norm module (``LayerNorm``, ``RMSNorm``, any class named
-``*Norm``) is ``sequence_parallel``. Reads ``MODULE``.
+``*Norm``) is ``sequence_parallel`` and each module holding column-wise layers gathers its
+sequence-sharded input once (``prepare_input``: ``PrepareModuleInput(Shard(1) ->
+Replicate())``), where the backward reduce-scatters its input's cotangent. Reads ``MODULE``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.fx import GraphModule, Node
 
 from graphflop.meta import MODULE
 from graphflop.parallel.placement import REPLICATE, Placement, shard
-from graphflop.parallel.plan import COLWISE_REPLICATE, match_style
+from graphflop.parallel.plan import COLWISE_REPLICATE, PREPARE_INPUT, match_style
 
 __all__ = ["SEQUENCE_DIM", "boundary_layouts", "default_tp_plan", "param_placement"]
 
@@ -68,6 +70,11 @@ def default_tp_plan(
     plan += [(e, "rowwise") for e in embeddings if e in token_embeddings]
     if sp:
         plan += [(p, "sequence_parallel") for p, m in mods.items() if _is_norm(m) and p]
+        # each module holding column-wise layers gathers its sequence-sharded input once
+        # (PrepareModuleInput(Shard(1) -> Replicate()), as torch's tensor-parallel tutorial)
+        cols = [p for p, st in plan if st == "colwise"]
+        parents = dict.fromkeys(_parent(c) for c in cols if _parent(c))
+        plan += [(p, PREPARE_INPUT) for p in parents]
     return tuple(plan)
 
 
@@ -123,19 +130,23 @@ def param_placement(
 def boundary_layouts(  # noqa: C901 (one rule per style and direction)
     tp_plan: tuple[tuple[str, str], ...], sp: bool
 ) -> Callable[[Node, Node, Placement, bool], Placement | None]:
-    """The layouts ``parallelize_module`` imposes where a value crosses into or out of a module
+    """The layouts ``parallelize_module`` imposes where a value crosses into or out of modules
     the plan names (see :mod:`graphflop.parallel.placement`): ``(value, consumer, placement,
-    forward) -> placement`` the consumer reads, or None for no change."""
+    forward) -> placement`` the consumer reads, or None for no change. The styled modules the
+    value leaves apply their output layouts (innermost first), then those the consumer enters
+    their input layouts (outermost first)."""
 
     @cache
-    def styled(path: str) -> tuple[str, str] | None:
+    def chain(path: str) -> tuple[tuple[str, str], ...]:
+        """The styled modules containing ``path``, innermost first."""
         parts = path.split(".") if path else []
+        out = []
         for i in range(len(parts), 0, -1):
             m = ".".join(parts[:i])
             s = match_style(tp_plan, m)
             if s is not None:
-                return m, s
-        return None
+                out.append((m, s))
+        return tuple(out)
 
     def seq(value: Node) -> Placement | None:
         v = value.meta.get("val")
@@ -144,35 +155,53 @@ def boundary_layouts(  # noqa: C901 (one rule per style and direction)
             return None
         return shard(SEQUENCE_DIM, int(shape[SEQUENCE_DIM]))
 
+    def leave(style: str, value: Node, q: Placement, forward: bool) -> Placement:
+        if forward:
+            if style == COLWISE_REPLICATE and q.kind == "S":
+                return REPLICATE  # the output gathered
+            if style == "rowwise" and q.kind == "P":
+                return (seq(value) if sp else None) or REPLICATE
+            return q
+        if q.kind != "P":
+            return q
+        if style == PREPARE_INPUT:  # the mirror of its gather: a reduce-scatter
+            return seq(value) or REPLICATE
+        if style == COLWISE_REPLICATE:
+            return (seq(value) if sp else None) or REPLICATE
+        if style == "colwise" and not sp:
+            return REPLICATE
+        return q  # under SP a column-wise input cotangent is reduced where its input was gathered
+
+    def enter(style: str, value: Node, q: Placement, forward: bool) -> Placement:
+        if forward and style in ("colwise", COLWISE_REPLICATE, PREPARE_INPUT):
+            return REPLICATE
+        if not forward and style == COLWISE_REPLICATE and q == REPLICATE:
+            # the gathered output's cotangent: each rank keeps its slice
+            shape = getattr(value.meta.get("val"), "shape", ())
+            return shard(len(shape) - 1, int(shape[-1])) if shape else q
+        if not forward and style == "rowwise" and (q.kind == "P" or q == seq(value)):
+            # the output cotangent entering (a weight cotangent accumulated here is not)
+            return REPLICATE
+        if style == "sequence_parallel":
+            return seq(value) or q
+        return q
+
     def layout(value: Node, consumer: Node, p: Placement, forward: bool) -> Placement | None:
-        a = styled(value.meta.get(MODULE) or "")
-        b = styled(consumer.meta.get(MODULE) or "")
+        a = chain(_module(value))
+        b = chain(_module(consumer))
         if a == b:
             return None
         q = p
-        if a is not None:  # leaving module a
-            style = a[1]
-            if forward and style == COLWISE_REPLICATE and q.kind == "S":
-                q = REPLICATE  # the output gathered
-            elif q.kind == "P" and (
-                (forward and style == "rowwise")
-                or (not forward and style in ("colwise", COLWISE_REPLICATE))
-            ):
-                q = (seq(value) if sp else None) or REPLICATE
-        if b is not None:  # entering module b
-            style = b[1]
-            if forward and style in ("colwise", COLWISE_REPLICATE):
-                q = REPLICATE
-            elif not forward and style == COLWISE_REPLICATE and q == REPLICATE:
-                # the gathered output's cotangent: each rank keeps its slice
-                shape = getattr(value.meta.get("val"), "shape", ())
-                if shape:
-                    q = shard(len(shape) - 1, int(shape[-1]))
-            elif not forward and style == "rowwise" and (q.kind == "P" or q == seq(value)):
-                # the output cotangent entering (a weight cotangent accumulated here is not)
-                q = REPLICATE
-            elif style == "sequence_parallel":
-                q = seq(value) or q
+        for m, style in a:
+            if (m, style) not in b:
+                q = leave(style, value, q, forward)
+        for m, style in reversed(b):
+            if (m, style) not in a:
+                q = enter(style, value, q, forward)
         return None if q == p else q
 
     return layout
+
+
+def _module(n: Node) -> str:
+    return n.meta.get(MODULE) or ""
