@@ -30,11 +30,10 @@ Memory per rank: parameters, gradients and optimizer state as the ZeRO stage sha
 activations (the eager memory model's saved tensors, each at its local TP size) × in flight,
 FSDP's gathered parameters (ZeRO 3: the unit running and the one prefetched; ZeRO 2: every
 unit of the stage, kept from forward to backward), DDP's gradient buckets, the micro-batch, and
-the step's rise: the analysis's eager train peak less its parameters and optimizer state
-(gradients, activations and temporaries as they coexist in the eager schedule), scaled by
-this rank's gradients plus activations in flight over the single rank's. For DDP and ZeRO-1
-without TP or PP the scale is 1 and the peak is the eager schedule's; elsewhere it is an
-estimate.
+the step's rise: with one stage, ZeRO 0/1 and every block analysed, the eager memory model's
+train schedule with every storage at its local size under the TP placements; otherwise the
+analysis's eager train peak less its parameters and optimizer state, scaled by this rank's
+gradients plus activations in flight over the single rank's (an estimate).
 """
 
 from __future__ import annotations
@@ -433,6 +432,19 @@ def predict(  # noqa: C901
     )
     del upd_opt
     state_per_param_byte = (mem.optimizer_state_bytes or 0) / (mem.params_bytes or 1)
+    # one stage, state not sharded by ZeRO-2/3, every block analysed: the eager schedule itself,
+    # each storage at its local size
+    local_rise = None
+    if plan.pp == 1 and plan.zero <= 1 and block_counts is None and mem.memory_model == "eager":
+        local_rise = _local_schedule_rise(
+            fwd,
+            bwd,
+            fp,
+            bp,
+            memory_device,
+            getattr(rep.totals.update, "optimizer", "sgd"),
+            [local_numel(q) * esize[q] for q in trainable],
+        )
 
     # FLOPs per stage per micro-batch ----------------------------------------------------
     def sums(gm, pl: Placements, stage_of, role_map, weight):
@@ -553,7 +565,10 @@ def predict(  # noqa: C901
         act = round(saved_local[s] * ck_scale * in_flight)
         o_bytes += step_bytes * (len(owned) if plan.zero == 1 and owned is not None else len(tq))
         engine = g_bytes if plan.zero <= 1 and dp > 1 else 0  # DDP's gradient buckets
-        step_rise = round(rise * (g_bytes + act) / dynamic_global) if dynamic_global else 0
+        if local_rise is not None:
+            step_rise = local_rise
+        else:
+            step_rise = round(rise * (g_bytes + act) / dynamic_global) if dynamic_global else 0
         peak = p_bytes + o_bytes + gather_buf + engine + batch_bytes + step_rise
         flops = {
             "forward": ff[s]["forward"] * m,
@@ -624,6 +639,46 @@ def predict(  # noqa: C901
         notes=tuple(notes),
         detail=(fwd, fp, {k: rank_stage(v) for k, v in f_stage.items()}),
     )
+
+
+def _local_schedule_rise(
+    fwd: GraphModule,
+    bwd: GraphModule,
+    fp: Placements,
+    bp: Placements,
+    device: str,
+    optimizer: str,
+    local_param_bytes: list[int],
+) -> int:
+    """The eager training step's rise over its start on one rank: the eager memory model's
+    schedule (:func:`~graphflop.passes.eager_memory.eager_train_schedule`) with every storage
+    and kernel temporary scaled to its node's local size under the TP placements, and the
+    optimizer's temporaries of the local parameters."""
+    from graphflop.passes.eager_memory import eager_train_schedule, optimizer_temporaries
+
+    sched = eager_train_schedule(fwd, bwd, optimizer, device)
+    whole = {"f": _node_bytes(fwd), "b": _node_bytes(bwd)}
+    local = {"f": fp.local_bytes, "b": bp.local_bytes}
+    for st in sched.steps:
+        prefix, _, name = st.key.partition(":")
+        if prefix == "u":
+            st.nbytes = optimizer_temporaries(optimizer, local_param_bytes, device)
+            continue
+        w = whole.get(prefix, {}).get(name)
+        lo = local.get(prefix, {}).get(name)
+        if w and lo is not None and lo != w:
+            st.nbytes = round(st.nbytes * lo / w)
+            st.extra = round(st.extra * lo / w)
+    return sched.peak()[0]
+
+
+def _node_bytes(gm: GraphModule) -> dict[str, int]:
+    out = {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            out[n.name] = v.numel() * v.element_size()
+    return out
 
 
 def _fused_score_products(fwd: GraphModule) -> list[Node]:
