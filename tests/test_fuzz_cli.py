@@ -24,7 +24,15 @@ EXAMPLES = int(os.environ.get("GRAPHFLOP_FUZZ_EXAMPLES", "0"))
 #: examples per subcommand in the default (CI) run: about 20 s in all on 2 busy cores. In it,
 #: export's ONNX conversion (about 2 s a graph; its output is tested in test_onnx.py) is a stub
 #: returning a one-node model, so the CLI's checks, folder staging and moves are what run.
-DEFAULT_EXAMPLES = {"inspect": 8, "render": 8, "export": 8, "bench": 8, "sweep": 8, "train": 8}
+DEFAULT_EXAMPLES = {
+    "inspect": 8,
+    "render": 8,
+    "export": 8,
+    "bench": 8,
+    "sweep": 8,
+    "train": 8,
+    "plan": 8,
+}
 
 
 def fuzz_settings(command: str) -> settings:
@@ -100,6 +108,18 @@ COMMANDS = {
         opt("--repeat", "0", "1"),
         st.sampled_from([["--warmup", "0", "--repeat", "1"], ["--warmup", "-1"]]),
         opt("--rotate", "0", "1"),
+        opt("--json", *FILE_PATHS),
+    ),
+    "plan": combine(
+        model_args(batch_values=("2", "0")),
+        opt("--dp", "2", "0", "x"),
+        opt("--tp", "2", "3"),
+        opt("--pp", "2", "9"),
+        opt("--zero", "1", "3", "4"),
+        opt("--schedule", "gpipe", "zigzag"),
+        opt("--micro-batches", "1", "4"),
+        opt("--world", "4"),
+        opt("--memory-gib", "0", "1"),
         opt("--json", *FILE_PATHS),
     ),
     "sweep": combine(

@@ -1,7 +1,7 @@
 """``graphflop`` command line: a thin front end over the library (no logic of its own).
 
 One module per subcommand (``inspect``, ``export``, ``bench``, ``render``, ``train``, ``sweep``,
-``models``),
+``models``, ``plan``),
 each with ``add_parser(subparsers)`` and ``run(args, err) -> exit status``; what they share is in
 :mod:`graphflop.cli.common`. Errors the user can fix (bad spec, bad shape, untraceable model, op
 without a rule, an output path that cannot be written) print one line to stderr and exit with
@@ -39,7 +39,17 @@ __all__ = ["COMMANDS", "EXIT_USAGE", "EXIT_VERIFY_FAILED", "build_parser", "entr
 
 #: the subcommands (each the module ``graphflop.cli.<name>``), in the order ``--help`` lists
 #: them; imported when the parser is built, so ``python -m graphflop.cli.train`` runs cleanly
-COMMANDS = ("inspect", "export", "bench", "render", "train", "sweep", "models", "calibrate")
+COMMANDS = (
+    "inspect",
+    "export",
+    "bench",
+    "render",
+    "train",
+    "sweep",
+    "models",
+    "plan",
+    "calibrate",
+)
 
 
 def _command(name: str) -> ModuleType:

@@ -47,6 +47,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from graphflop.frontend.trace import TraceError
     from graphflop.load import SpecError
     from graphflop.ops import MissingRuleError
+    from graphflop.parallel import PlanError
     from graphflop.passes.checkpoint import CheckpointPatternError
     from graphflop.passes.time_profile import ProfileError
     from graphflop.runtime.bench import BenchError
@@ -68,6 +69,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         UnknownDevice,
         NoPeak,
         ProfileError,
+        PlanError,
     )
 
 

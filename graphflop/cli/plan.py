@@ -1,0 +1,375 @@
+"""``graphflop plan``: what every rank computes, holds and sends under a parallel plan (DDP,
+ZeRO-1/2/3, TP, SP, PP), from the model's train graph (:mod:`graphflop.parallel`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from graphflop.cli.common import (
+    OPTIMIZER_CHOICES,
+    add_model_args,
+    analyze_model,
+    check_backward_possible,
+    check_distinct_outputs,
+    check_output_file,
+    load_model,
+    stdout_console,
+)
+
+GIB = 1024**3
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand to ``graphflop``'s subparsers."""
+    p = sub.add_parser(
+        "plan",
+        help="per-rank FLOPs, memory and collectives under DP/ZeRO/TP/SP/PP",
+        description="Put the model's train graph on a parallel plan: tensor-parallel "
+        "placements propagated node by node, collectives where they change, ZeRO sharding, "
+        "pipeline stages; per rank (one class per pipeline stage): FLOPs by role, peak memory "
+        "by kind, collectives, bubble, and whether it fits a device. The model's inputs are "
+        "one micro-batch on one data-parallel rank (--batch, or --global-batch).",
+    )
+    add_model_args(p)
+    for name, what in (
+        ("--dp", "data-parallel degree (default 1)"),
+        ("--tp", "tensor-parallel degree (default 1)"),
+        ("--pp", "pipeline-parallel degree: stages (default 1)"),
+    ):
+        p.add_argument(name, type=int, default=1, metavar="N", help=what)
+    p.add_argument(
+        "--sp",
+        action="store_true",
+        help="sequence parallelism over the TP group (norms, dropouts, residual adds hold 1/tp "
+        "of the sequence); needs --tp 2 or more",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        default=0,
+        choices=[0, 1, 2, 3],
+        help="ZeRO stage over the DP group: 0 DDP, 1 optimizer state sharded "
+        "(ZeroRedundancyOptimizer), 2 + gradients (FSDP SHARD_GRAD_OP), 3 + parameters "
+        "(FSDP2 fully_shard); default 0",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="micro-batches per step (default: --pp, so every stage has one in flight)",
+    )
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        metavar="NAME",
+        help="pipeline schedule: gpipe, 1f1b or interleaved (default 1f1b)",
+    )
+    p.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        metavar="V",
+        help="model chunks per pipeline rank for --schedule interleaved (default 2)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        metavar="B",
+        help="samples per step over all DP ranks; the micro-batch is B / (dp · micro-batches) "
+        "(default: --batch × dp × micro-batches)",
+    )
+    p.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks available: checked to equal dp × tp × pp",
+    )
+    p.add_argument(
+        "--tp-plan",
+        metavar="FILE",
+        help="JSON or YAML mapping module path patterns (fnmatch globs, or re:REGEX) to "
+        "colwise, rowwise, sequence_parallel or replicate (torch parallelize_module's styles); "
+        "default: Megatron's column/row pattern found from the module structure",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=OPTIMIZER_CHOICES,
+        help="optimizer whose state is sharded (default adam)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        metavar="PATTERN",
+        help="what-if: activation checkpointing of the modules whose path matches (glob, or "
+        "re:REGEX): saved bytes and recompute FLOPs per stage",
+    )
+    p.add_argument(
+        "--amp", choices=["bf16", "fp16"], help="what-if: autocast's saved bytes per stage"
+    )
+    p.add_argument(
+        "--memory-device",
+        choices=["cpu", "cuda"],
+        default="cuda",
+        help="device the eager memory model describes (default cuda)",
+    )
+    p.add_argument(
+        "--device",
+        metavar="NAME",
+        help="judge fits / does not fit against this device's memory (the device table)",
+    )
+    p.add_argument(
+        "--memory-gib",
+        type=float,
+        metavar="GIB",
+        help="judge fits / does not fit against this much memory per rank (GiB)",
+    )
+    p.add_argument(
+        "--blocks",
+        metavar="NAME=N",
+        help="analyse per block: the constructor argument or hf: configuration field NAME sets "
+        "the number of identical blocks and the model has N (e.g. num_hidden_layers=80); the "
+        "model is analysed with one block per pipeline stage (virtual stage) and each stage's "
+        "blocks counted from it: fast for deep models",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the plan's figures as JSON")
+    p.add_argument(
+        "--render",
+        metavar="PATH",
+        help="draw one stage's forward graph with its collectives (.dot, .svg, .png, .pdf)",
+    )
+    p.add_argument(
+        "--render-stage",
+        type=int,
+        default=0,
+        metavar="S",
+        help="the pipeline stage --render draws (default 0)",
+    )
+    p.add_argument(
+        "--collectives",
+        action="store_true",
+        help="also print every collective of each rank class",
+    )
+    return p
+
+
+def _plan_from_args(args: argparse.Namespace):
+    """The :class:`~graphflop.parallel.Plan` the options name (checked)."""
+    from graphflop.parallel import Plan, PlanError, read_tp_plan
+
+    if args.schedule not in ("gpipe", "1f1b", "interleaved"):
+        raise PlanError(f"unknown --schedule {args.schedule!r}: one of gpipe, 1f1b, interleaved")
+    chunks = (
+        args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else 1)
+    )
+    if args.schedule == "interleaved" and chunks < 2:
+        raise PlanError("--schedule interleaved needs --chunks 2 or more (virtual stages per rank)")
+    m = args.micro_batches if args.micro_batches is not None else args.pp
+    tp_plan = read_tp_plan(args.tp_plan) if args.tp_plan else ()
+    plan = Plan(
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        sp=args.sp,
+        zero=args.zero,
+        schedule=args.schedule,
+        micro_batches=m,
+        chunks=chunks,
+        tp_plan=tp_plan,
+    )
+    if args.world is not None and args.world != plan.world:
+        raise PlanError(
+            f"--dp {plan.dp} × --tp {plan.tp} × --pp {plan.pp} = {plan.world} ranks, not "
+            f"--world {args.world}: make the product equal the world size"
+        )
+    return plan
+
+
+def _device_memory(args: argparse.Namespace) -> tuple[int | None, str | None]:
+    from graphflop.parallel import PlanError
+
+    if args.device and args.memory_gib is not None:
+        raise PlanError("give --device or --memory-gib, not both")
+    if args.memory_gib is not None:
+        if args.memory_gib <= 0:
+            raise PlanError(f"--memory-gib must be positive, not {args.memory_gib}")
+        return round(args.memory_gib * GIB), f"{args.memory_gib:g} GiB"
+    if args.device:
+        from graphflop.devices import UnknownDevice, device_spec
+
+        try:
+            spec = device_spec(args.device)
+        except UnknownDevice as e:
+            raise PlanError(str(e)) from None
+        return int(spec.memory_bytes), args.device
+    return None, None
+
+
+def run(args: argparse.Namespace, err: Console) -> int:
+    """Analyse one micro-batch, put it on the plan, print the table and write ``--json``."""
+    from graphflop.analysis import AnalyzeOptions
+    from graphflop.parallel import PlanError, predict
+
+    plan = _plan_from_args(args)
+    memory, device = _device_memory(args)
+    from graphflop.parallel.render import RENDER_SUFFIXES
+
+    check_output_file(args.json, "--json")
+    check_output_file(args.render, "--render", RENDER_SUFFIXES)
+    check_distinct_outputs({"--json": args.json, "--render": args.render}, args.spec)
+    if not 0 <= args.render_stage < plan.pp:
+        raise PlanError(
+            f"--render-stage {args.render_stage}: the plan has stages 0 to {plan.pp - 1}"
+        )
+    if args.global_batch is not None:
+        per = plan.dp * plan.micro_batches
+        if args.global_batch < 1 or args.global_batch % per:
+            raise PlanError(
+                f"--global-batch {args.global_batch} is not a positive multiple of dp × "
+                f"micro-batches = {per}: each micro-batch must hold whole samples"
+            )
+        if args.batch is not None and args.batch != args.global_batch // per:
+            raise PlanError(
+                f"--batch {args.batch} and --global-batch {args.global_batch} disagree (the "
+                f"micro-batch would be {args.global_batch // per}): give one of them"
+            )
+        args.batch = args.global_batch // per
+    block_counts = None
+    if args.blocks:
+        name, sep, value = args.blocks.partition("=")
+        if not sep or not name or not value.strip().isdigit() or int(value) < 1:
+            raise PlanError(
+                f"bad --blocks {args.blocks!r}: write NAME=N, e.g. num_hidden_layers=80"
+            )
+        total, stages = int(value), plan.virtual_stages
+        if total < stages:
+            raise PlanError(
+                f"{stages} pipeline stages but --blocks gives {total} blocks: use at most "
+                f"{total} stages"
+            )
+        if any(a.partition("=")[0] == name for a in args.arg or []):
+            raise PlanError(f"--blocks sets {name}: drop --arg {name}")
+        args.arg = [*(args.arg or []), f"{name}={stages}"]
+        q, r = divmod(total, stages)
+        block_counts = tuple(q + (v < r) for v in range(stages))
+    loaded, inputs = load_model(args)
+    check_backward_possible(args, loaded, inputs, why="plan")
+    micro = int(inputs[0].shape[0]) if inputs and getattr(inputs[0], "ndim", 0) else 1
+    options = AnalyzeOptions(
+        jvp=False,
+        device=args.memory_device,
+        checkpoint=args.checkpoint,
+        amp=args.amp,
+    )
+    with err.status("analysing", spinner="dots") as status:
+        analysis = analyze_model(args, loaded, inputs, status, err=err, options=options)
+        status.update("putting the graph on the plan")
+        report = predict(
+            analysis,
+            loaded.model,
+            plan,
+            micro_batch=micro,
+            device_memory_bytes=memory,
+            device=device,
+            memory_device=args.memory_device,
+            block_counts=block_counts,
+        )
+    _print(report, args.collectives)
+    import json
+
+    from graphflop.io import atomic_group, atomic_write
+
+    with atomic_group():  # all the files or none of them
+        if args.json:
+            atomic_write(args.json, json.dumps(report.to_dict(), indent=1))
+        if args.render:
+            from graphflop.parallel.render import render_stage
+
+            render_stage(report, args.render, args.render_stage)
+    return 0
+
+
+def _print(report, show_collectives: bool) -> None:
+    from rich.table import Table
+
+    from graphflop.export.report import human
+
+    plan = report.plan
+    console = stdout_console()
+    title = (
+        f"{report.model}: dp {plan.dp} × tp {plan.tp}{' (sp)' if plan.sp else ''} × pp "
+        f"{plan.pp} = {plan.world} ranks, ZeRO {plan.zero}, {plan.schedule}, "
+        f"{plan.micro_batches} micro-batches of {report.micro_batch} (global batch "
+        f"{report.global_batch})"
+    )
+    t = Table(title=title)
+    for col in (
+        "ranks",
+        "fwd FLOPs",
+        "bwd FLOPs",
+        "recompute",
+        "update",
+        "params",
+        "grads",
+        "opt state",
+        "activations",
+        "gathered",
+        "peak",
+        "fits",
+        "TP bytes",
+        "DP bytes",
+        "PP bytes",
+    ):
+        t.add_column(col, justify="right")
+    for r in report.ranks:
+        mb = r.memory_bytes
+        cb = r.collective_bytes()
+        t.add_row(
+            f"{r.name} ×{r.ranks}",
+            human(r.flops["forward"]),
+            human(r.flops["backward"]),
+            human(r.flops["recompute"]),
+            human(r.flops["update"]),
+            _b(mb["parameters"]),
+            _b(mb["gradients"]),
+            _b(mb["optimizer_state"]),
+            f"{_b(mb['activations'])} ({r.in_flight:g} mb)",
+            _b(mb["all_gather_buffers"]),
+            _b(mb["peak"]),
+            "-" if r.fits is None else "yes" if r.fits else "NO",
+            _b(cb.get("tp", 0)),
+            _b(cb.get("dp", 0)),
+            _b(cb.get("pp", 0)),
+        )
+    console.print(t)
+    console.print(
+        f"bubble {report.bubble:.1%} of the step; stage balance {report.balance:.3f} "
+        f"(busiest / mean); {report.split}",
+        soft_wrap=True,
+    )
+    for note in report.notes:
+        console.print(f"note: {note}", soft_wrap=True, markup=False)
+    if show_collectives:
+        from collections import Counter
+
+        for r in report.ranks:
+            ct = Table(title=f"collectives per step: {r.name}")
+            for col in ("kind", "group", "size", "elements", "dtype", "phase", "count"):
+                ct.add_column(col, justify="right")
+            counts = Counter(
+                (c.kind, c.group, c.group_size, c.elements, c.dtype, c.phase) for c in r.collectives
+            )
+            for (kind, group, size, el, dt, ph), k in counts.items():
+                ct.add_row(kind, group, str(size), f"{el:,}", dt, ph, str(k))
+            console.print(ct)
+
+
+def _b(n: int) -> str:
+    for unit, k in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n} B"

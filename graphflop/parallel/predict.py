@@ -1,0 +1,852 @@
+"""What every rank computes, holds and sends under a :class:`~graphflop.parallel.plan.Plan`,
+from an :class:`~graphflop.analysis.Analysis` of one micro-batch on one data-parallel rank.
+
+The forward and backward graphs are put on the plan: tensor-parallel placements propagated
+node by node (:mod:`graphflop.parallel.placement`) give each node's local cost and the TP
+collectives; each node is given a pipeline stage (blocks split by count); the data-parallel
+collectives follow the ZeRO stage as torch runs it:
+
+- ZeRO 0 (DDP): one all_reduce per gradient bucket (the first bucket 1 MiB, the others 25 MiB,
+  ``DistributedDataParallel``'s defaults, filled in the order the backward makes the
+  gradients), once per step (gradient accumulation under ``no_sync``).
+- ZeRO 1 (``ZeroRedundancyOptimizer``): DDP's all_reduces, then after the step one broadcast
+  per parameter from the rank that owns it (parameters dealt largest first to the rank with the
+  fewest elements so far); the optimizer state of the owned parameters only.
+- ZeRO 2 (FSDP ``SHARD_GRAD_OP``) and ZeRO 3 (FSDP2 ``fully_shard``): one unit per block plus
+  the root (the rest); per micro-batch a forward all_gather of each unit's parameters (each
+  padded on dim 0 to a multiple of the DP group, FSDP2's padding) and a reduce_scatter of its
+  gradients; ZeRO 3 gathers each block again in the backward (the root stays gathered).
+
+Pipeline parallelism: the blocks (the longest ``ModuleList``/``Sequential`` of one module
+class) split into ``pp · chunks`` stages by block count (the first stages take the remainder),
+the modules before the blocks on the first stage, those after on the last; per micro-batch a
+send of each activation crossing a stage boundary and, in the backward, of its cotangent; the
+bubble fraction (p − 1)/(v·m + p − 1) of GPipe, 1F1B and interleaved 1F1B with v chunks
+(Narayanan et al. 2021, section 2.2); micro-batches whose activations a stage holds at once:
+GPipe m, 1F1B min(p − s, m), interleaved min(2(p − s − 1) + (v − 1)p + 1, v·m) chunk
+micro-batches of 1/v of the stage each (Megatron's warm-up count).
+
+Memory per rank: parameters, gradients and optimizer state as the ZeRO stage shards them,
+activations (the eager memory model's saved tensors, each at its local TP size) × in flight,
+FSDP's gathered parameters (ZeRO 3: the unit running and the one prefetched; ZeRO 2: every
+unit of the stage, kept from forward to backward), DDP's gradient buckets, the micro-batch, and
+the step's rise: with one stage, ZeRO 0/1 and every block analysed, the eager memory model's
+train schedule with every storage at its local size under the TP placements; otherwise the
+analysis's eager train peak less its parameters and optimizer state, scaled by this rank's
+gradients plus activations in flight over the single rank's (an estimate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from graphflop.frontend.composite import FUSED_SDPA
+from graphflop.meta import COMPOSITE, MODULE, RESIDUAL, ROLE, SIGNATURE, SOURCE, VJP
+from graphflop.parallel.placement import (
+    REPLICATE,
+    Collective,
+    Placement,
+    Placements,
+    local_shape,
+    propagate,
+)
+from graphflop.parallel.plan import Plan, PlanError
+from graphflop.parallel.tp_plan import boundary_layouts, default_tp_plan, param_placement
+from graphflop.passes.eager_memory import eager_saved_storages
+
+__all__ = ["PlanReport", "RankClass", "find_blocks", "predict"]
+
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+#: ops of torch.optim's single-tensor step that read a gradient: Adam/AdamW lerp_ and the two
+#: operands of addcmul_; SGD and momentum one add
+_GRAD_READS = {"adam": 3, "adamw": 3, "sgd": 1, "momentum": 1}
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RankClass:
+    """Figures shared by a class of identical ranks (one pipeline stage: dp · tp ranks).
+
+    Attributes:
+        name: ``all ranks``, ``stage 0 (first)``, ``stage k (middle)``, ``stage p-1 (last)``.
+        stage: pipeline stage.
+        ranks: ranks in the class.
+        blocks: the block module paths this stage runs.
+        flops: per step (all micro-batches): forward, backward, recompute, update, total.
+        mm_flops: the matrix-product part of the same (FlopCounterMode's convention).
+        memory_bytes: parameters, gradients, optimizer_state (with Adam's step counts),
+            activations (saved tensors × in flight), all_gather_buffers (FSDP's gathered
+            units), engine_buffers (DDP's gradient buckets), batch (the micro-batch's inputs
+            and targets), step_rise (the eager step's rise over its start, gradients and
+            activations as they coexist there, scaled by this rank's gradients and activations
+            over the single rank's), peak = parameters + optimizer_state + all_gather_buffers
+            + engine_buffers + batch + step_rise.
+        in_flight: micro-batches whose activations the stage holds at its peak (fractional
+            for interleaved chunks).
+        collectives: per step, each with its group (tp, dp, pp).
+        fits: peak ≤ the device's memory, or None without a device.
+    """
+
+    name: str
+    stage: int
+    ranks: int
+    blocks: tuple[str, ...]
+    flops: dict[str, int]
+    mm_flops: dict[str, int]
+    memory_bytes: dict[str, int]
+    in_flight: float
+    collectives: tuple[Collective, ...]
+    fits: bool | None = None
+
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes of the whole tensors per group (tp, dp, pp)."""
+        out: dict[str, int] = {}
+        for c in self.collectives:
+            out[c.group] = out.get(c.group, 0) + c.bytes()
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "stage": self.stage,
+            "ranks": self.ranks,
+            "blocks": list(self.blocks),
+            "flops": self.flops,
+            "mm_flops": self.mm_flops,
+            "memory_bytes": self.memory_bytes,
+            "in_flight_micro_batches": self.in_flight,
+            "collective_bytes": self.collective_bytes(),
+            "collectives": [c.to_dict() for c in self.collectives],
+            "fits": self.fits,
+        }
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """The plan's per-rank figures.
+
+    Attributes:
+        model: model name.
+        plan: the plan (with the TP plan used, the default one filled in).
+        micro_batch: samples per micro-batch per DP rank; global_batch: dp · m · micro_batch.
+        ranks: one :class:`RankClass` per pipeline stage.
+        bubble: the pipeline bubble's fraction of the step's time.
+        balance: the busiest stage's FLOPs over the mean stage's (1 = balanced).
+        split: how the stages were cut.
+        device, device_memory_bytes: what fits/does not fit was judged against.
+        notes: assumptions stated.
+    """
+
+    model: str
+    plan: Plan
+    micro_batch: int
+    global_batch: int
+    ranks: tuple[RankClass, ...]
+    bubble: float
+    balance: float
+    split: str
+    device: str | None = None
+    device_memory_bytes: int | None = None
+    notes: tuple[str, ...] = field(default=())
+    #: what the render reads: the forward graph, its placements and each node's stage
+    detail: Any = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        """The ``graphflop plan --json`` document."""
+        return {
+            "model": self.model,
+            "plan": self.plan.to_dict(),
+            "micro_batch": self.micro_batch,
+            "global_batch": self.global_batch,
+            "bubble": self.bubble,
+            "balance": self.balance,
+            "split": self.split,
+            "device": self.device,
+            "device_memory_bytes": self.device_memory_bytes,
+            "ranks": [r.to_dict() for r in self.ranks],
+            "notes": list(self.notes),
+        }
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """The module paths of the model's repeated blocks: the children of its longest
+    ``ModuleList``/``Sequential`` whose children are all one class (ties: the first)."""
+    best: list[str] = []
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > len(best):
+            kids = list(m.named_children())
+            if kids and len({type(c) for _, c in kids}) == 1:
+                best = [f"{path}.{k}" if path else k for k, _ in kids]
+    return best
+
+
+def _split_blocks(blocks: list[str], stages: int) -> list[list[str]]:
+    """``blocks`` cut into ``stages`` runs by count, the first runs taking the remainder."""
+    q, r = divmod(len(blocks), stages)
+    out, i = [], 0
+    for s in range(stages):
+        k = q + (s < r)
+        out.append(blocks[i : i + k])
+        i += k
+    return out
+
+
+def _stage_of_nodes(gm: GraphModule, block_stage: dict[str, int], entry: int, exit_: int):
+    """node name → virtual stage: a block's nodes its stage; nodes before any block node the
+    ``entry`` stage, after the last the ``exit_`` stage, between blocks the previous block's."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+
+    def block(n: Node) -> int | None:
+        m = n.meta.get(MODULE) or ""
+        for b, s in block_stage.items():
+            if m == b or m.startswith(b + "."):
+                return s
+        return None
+
+    stages = [block(n) for n in nodes]
+    last = max((i for i, s in enumerate(stages) if s is not None), default=-1)
+    out, cur = {}, None
+    for i, n in enumerate(nodes):
+        if stages[i] is not None:
+            cur = stages[i]
+            out[n.name] = cur
+        elif cur is None:
+            out[n.name] = entry
+        elif i > last:
+            out[n.name] = exit_
+        else:
+            out[n.name] = cur
+    return out
+
+
+def _dtype(v: Any) -> str:
+    return str(v.dtype).removeprefix("torch.")
+
+
+def predict(  # noqa: C901
+    analysis: Any,
+    model: nn.Module,
+    plan: Plan,
+    *,
+    micro_batch: int,
+    device_memory_bytes: int | None = None,
+    device: str | None = None,
+    memory_device: str = "cpu",
+    block_counts: tuple[int, ...] | None = None,
+) -> PlanReport:
+    """Per-rank FLOPs, memory and collectives of ``plan`` (see the module docstring).
+
+    Args:
+        analysis: :func:`graphflop.analysis.analyze` of ``model`` on one micro-batch (its
+            backward and update built).
+        model: the model (meta device is fine): its module tree gives the blocks and the
+            default TP plan.
+        plan: the plan.
+        micro_batch: samples per micro-batch (the analysis's batch).
+        device_memory_bytes, device: the device's memory, for fits/does not fit.
+        memory_device: the eager memory model's device (``cpu`` or ``cuda``).
+        block_counts: the blocks each virtual stage of the real model has, when ``analysis``
+            is of the model built with one block per virtual stage (identical blocks: each
+            block's nodes, parameters, saved tensors and collectives count that many times).
+
+    Raises:
+        PlanError: more stages than blocks; a TP degree that does not divide a sharded dim.
+    """
+    fwd, bwd = analysis.forward, analysis.backward
+    if bwd is None:
+        raise PlanError("a plan needs the backward graph: the model's output has no loss")
+    rep = analysis.report
+    sig = fwd.meta[SIGNATURE]
+    phs = {n.name: n for n in fwd.graph.nodes if n.op == "placeholder"}
+    param_of = dict(sig.params)  # placeholder → qualified name
+    trainable = {q for _, q in sig.trainable()}
+    notes: list[str] = []
+
+    # tensor parallelism ----------------------------------------------------------------------
+    tp_plan = plan.tp_plan or (default_tp_plan(model, fwd, plan.sp) if plan.tp > 1 else ())
+    from dataclasses import replace as _replace
+
+    plan = _replace(plan, tp_plan=tp_plan)
+    embeddings = frozenset(p for p, m in model.named_modules() if isinstance(m, nn.Embedding))
+    pplace: dict[str, Placement] = {}
+    for ph, q in sig.params:
+        shape = tuple(int(s) for s in phs[ph].meta["val"].shape)
+        pplace[q] = param_placement(q, shape, tp_plan, embeddings) if plan.tp > 1 else REPLICATE
+        if pplace[q].kind == "S" and shape[pplace[q].dim] % plan.tp:
+            raise PlanError(
+                f"--tp {plan.tp} does not divide dim {pplace[q].dim} ({shape[pplace[q].dim]}) "
+                f"of {q}, which the TP plan shards (hidden, heads or vocabulary): choose a --tp "
+                "that divides it"
+            )
+    layouts = boundary_layouts(tp_plan, plan.sp)
+    vocab = frozenset(e for e in embeddings if pplace.get(f"{e}.weight", REPLICATE).kind == "S")
+    f_init = {ph: pplace[q] for ph, q in sig.params}
+    fp = propagate(
+        fwd,
+        plan.tp,
+        phase="forward",
+        init=f_init,
+        boundary=layouts,
+        params=set(f_init),
+        vocab=vocab,
+    )
+    b_init: dict[str, Placement] = {}
+    b_params: set[str] = set()
+    for n in bwd.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        src = n.meta.get(SOURCE, n.name)
+        if src in param_of:
+            b_init[n.name] = pplace[param_of[src]]
+            b_params.add(n.name)
+        elif isinstance(fp.of.get(src), Placement):
+            b_init[n.name] = fp.moved_to.get(src, fp.of[src])
+    out_node = next(n for n in bwd.graph.nodes if n.op == "output")
+    outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    grad_want = {
+        outs[i].name: pplace[q]
+        for i, q in bwd.meta[VJP].grads
+        if i < len(outs) and isinstance(outs[i], Node)
+    }
+    bp = propagate(
+        bwd,
+        plan.tp,
+        phase="backward",
+        init=b_init,
+        boundary=layouts,
+        params=b_params,
+        grad_of=lambda a: grad_want.get(a.name),
+        vocab=vocab,
+        grad_reads=_GRAD_READS.get(getattr(rep.totals.update, "optimizer", ""), 1),
+    )
+
+    # pipeline stages ---------------------------------------------------------------------
+    blocks = find_blocks(model)
+    vstages = plan.virtual_stages
+    if plan.pp > 1 and vstages > len(blocks):
+        raise PlanError(
+            f"{vstages} pipeline stages ({plan.pp} × {plan.chunks} chunks) but the model has "
+            f"{len(blocks)} blocks: use at most {len(blocks)} stages"
+        )
+    runs = _split_blocks(blocks, vstages) if plan.pp > 1 else [blocks]
+    block_stage = {b: v for v, run in enumerate(runs) for b in run}
+    weight_of_block = {b: 1 for b in blocks}
+    if block_counts is not None:
+        if len(block_counts) != vstages or len(blocks) != vstages:
+            raise PlanError(
+                f"block_counts needs the model built with one block per virtual stage "
+                f"({vstages}), not {len(blocks)} blocks and {len(block_counts)} counts"
+            )
+        weight_of_block = dict(zip(blocks, block_counts, strict=True))
+        notes.append(
+            "analysed with one block per stage; each stage's blocks counted from it: "
+            + ", ".join(f"{b} ×{k}" for b, k in weight_of_block.items())
+        )
+    if plan.pp > 1:
+        f_stage = _stage_of_nodes(fwd, block_stage, 0, vstages - 1)
+        b_stage = _stage_of_nodes(bwd, block_stage, vstages - 1, 0)
+        # a backward node belongs where the forward node it differentiates runs
+        for n in bwd.graph.nodes:
+            src = n.meta.get(SOURCE)
+            if src in f_stage and n.op != "placeholder":
+                b_stage[n.name] = f_stage[src]
+    else:
+        f_stage = {n.name: 0 for n in fwd.graph.nodes}
+        b_stage = {n.name: 0 for n in bwd.graph.nodes}
+
+    def rank_stage(v: int) -> int:
+        return v % plan.pp
+
+    f_weight = _node_weights(fwd, weight_of_block, None)
+    b_weight = _node_weights(bwd, weight_of_block, f_weight)
+
+    # parameters per stage: the stages whose forward reads them
+    p_stages: dict[str, set[int]] = {}
+    for ph, q in sig.params:
+        users = phs[ph].users
+        p_stages[q] = {rank_stage(f_stage[u.name]) for u in users} or {0}
+    numel = {q: phs[ph].meta["val"].numel() for ph, q in sig.params}
+    shape_of = {q: tuple(int(s) for s in phs[ph].meta["val"].shape) for ph, q in sig.params}
+    esize = {q: phs[ph].meta["val"].element_size() for ph, q in sig.params}
+    dtype_of = {q: _dtype(phs[ph].meta["val"]) for ph, q in sig.params}
+    for blk, k in weight_of_block.items():  # the copies of an analysed block's parameters
+        for q in [q for q in list(numel) if q.startswith(blk + ".")]:
+            for i in range(1, k):
+                copy = f"{blk}#{i}{q[len(blk) :]}"
+                numel[copy], shape_of[copy], esize[copy] = numel[q], shape_of[q], esize[q]
+                dtype_of[copy], pplace[copy], p_stages[copy] = dtype_of[q], pplace[q], p_stages[q]
+                if q in trainable:
+                    trainable.add(copy)
+    fsdp_blocks = [f"{b}#{i}" if i else b for b in blocks for i in range(weight_of_block.get(b, 1))]
+
+    def local_numel(q: str) -> int:
+        return math.prod(local_shape(shape_of[q], pplace[q], plan.tp))
+
+    # activations per micro-batch, at local size, per stage -------------------------------
+    saved = eager_saved_storages(fwd, bwd, memory_device)
+    saved_local = [0] * plan.pp
+    for name, nbytes in saved.items():
+        whole = _global_bytes(fwd, name)
+        loc = fp.local_bytes.get(name, whole)
+        frac = loc / whole if whole else 1.0
+        s_ = rank_stage(f_stage.get(name, 0))
+        saved_local[s_] += round(nbytes * frac) * f_weight.get(name, 1)
+    mem = rep.memory
+    ck = mem.checkpoint
+    ck_scale = 1.0
+    if ck is not None and mem.saved_for_backward_bytes:
+        ck_scale = ck.saved_for_backward_bytes / mem.saved_for_backward_bytes
+        notes.append(
+            f"--checkpoint {ck.pattern}: saved bytes scaled by {ck_scale:.3f} on every stage "
+            "(the what-if's saved bytes over the eager model's); its recompute FLOPs added per "
+            "module at the stage's local share"
+        )
+    amp = mem.amp
+    if amp is not None and mem.saved_for_backward_bytes:
+        ck_scale *= amp.saved_for_backward_bytes / mem.saved_for_backward_bytes
+        notes.append(f"--amp {amp.dtype}: saved bytes scaled as the autocast what-if has them")
+    # the eager step's rise over its start (gradients, activations and temporaries as they
+    # coexist in the eager schedule), and what it is made of, for scaling to a rank
+    rise = max(0, (mem.train_peak_bytes or 0) - mem.params_bytes - (mem.optimizer_state_bytes or 0))
+    dynamic_global = (mem.grads_bytes or 0) + (mem.saved_for_backward_bytes or 0)
+    batch_bytes = sum(
+        phs[i].meta["val"].numel() * phs[i].meta["val"].element_size()
+        for i in (*sig.inputs, *sig.targets)
+        if i in phs and isinstance(phs[i].meta.get("val"), torch.Tensor)
+    )
+    # torch's Adam/AdamW keep a float32 step count per parameter beside the moments
+    step_bytes = (
+        4
+        if (upd_opt := getattr(rep.totals.update, "optimizer", ""))
+        in (
+            "adam",
+            "adamw",
+        )
+        else 0
+    )
+    del upd_opt
+    state_per_param_byte = (mem.optimizer_state_bytes or 0) / (mem.params_bytes or 1)
+    # one stage, state not sharded by ZeRO-2/3, every block analysed: the eager schedule itself,
+    # each storage at its local size
+    local_rise = None
+    if plan.pp == 1 and plan.zero <= 1 and block_counts is None and mem.memory_model == "eager":
+        local_rise = _local_schedule_rise(
+            fwd,
+            bwd,
+            fp,
+            bp,
+            memory_device,
+            getattr(rep.totals.update, "optimizer", "sgd"),
+            [local_numel(q) * esize[q] for q in trainable],
+        )
+
+    # FLOPs per stage per micro-batch ----------------------------------------------------
+    def sums(gm, pl: Placements, stage_of, role_map, weight):
+        flops = [dict.fromkeys(("forward", "backward", "recompute"), 0) for _ in range(plan.pp)]
+        mm = [dict.fromkeys(("forward", "backward", "recompute"), 0) for _ in range(plan.pp)]
+        for n in gm.graph.nodes:
+            c = pl.cost.get(n.name)
+            if c is None:
+                continue
+            s = rank_stage(stage_of.get(n.name, 0))
+            role = role_map(n)
+            w = weight.get(n.name, 1)
+            flops[s][role] += c.flops * w
+            mm[s][role] += c.mm_flops * w
+        return flops, mm
+
+    ff, fm = sums(fwd, fp, f_stage, lambda n: "forward", f_weight)
+    bf, bm = sums(
+        bwd,
+        bp,
+        b_stage,
+        lambda n: "recompute" if n.meta.get(ROLE) == "recompute" else "backward",
+        b_weight,
+    )
+    # PyTorch's fused attention kernel recomputes the scores q·kᵀ in its backward (as
+    # FlopCounterMode's SDPA backward formula counts it): one more product per call
+    for n in _fused_score_products(fwd):
+        c, w = fp.cost[n.name], f_weight.get(n.name, 1)
+        bf[rank_stage(f_stage[n.name])]["backward"] += c.flops * w
+        bm[rank_stage(f_stage[n.name])]["backward"] += c.mm_flops * w
+    if ck is not None:
+        glob_fwd: dict[str, int] = {}
+        loc_fwd: dict[str, int] = {}
+        for n in fwd.graph.nodes:
+            m = n.meta.get(MODULE) or ""
+            from graphflop.meta import COST
+
+            c = n.meta.get(COST)
+            if c is None:
+                continue
+            for row in ck.per_module:
+                if m == row.module or m.startswith(row.module + "."):
+                    glob_fwd[row.module] = glob_fwd.get(row.module, 0) + c.flops
+                    loc_fwd[row.module] = loc_fwd.get(row.module, 0) + fp.cost[n.name].flops
+        for row in ck.per_module:
+            s = rank_stage(block_stage.get(row.module, _stage_of_module(row.module, block_stage)))
+            share = loc_fwd.get(row.module, 0) / (glob_fwd.get(row.module) or 1)
+            bf[s]["recompute"] += round(row.recompute_flops * share) * weight_of_block.get(
+                row.module, 1
+            )
+
+    # collectives ----------------------------------------------------------------------------
+    m = plan.micro_batches
+    per_stage_coll: list[list[Collective]] = [[] for _ in range(plan.pp)]
+    for pl, stage_of, weight in ((fp, f_stage, f_weight), (bp, b_stage, b_weight)):
+        for coll_ in pl.collectives:
+            s = rank_stage(stage_of.get(coll_.at, 0))
+            per_stage_coll[s].extend([coll_] * (m * weight.get(coll_.at, 1)))
+    if plan.pp > 1:
+        _pipeline_sends(fwd, fp, f_stage, plan, per_stage_coll)
+
+    ranks = []
+    upd = rep.totals.update
+    per_param = (upd.flops_per_param or 0.0) if upd is not None else 0.0
+    bubble = (plan.pp - 1) / (plan.chunks * m + plan.pp - 1) if plan.pp > 1 else 0.0
+    for s in range(plan.pp):
+        qs = [q for q in numel if s in p_stages[q]]
+        tq = [q for q in qs if q in trainable]
+        p_bytes = sum(local_numel(q) * esize[q] for q in qs)
+        g_bytes = sum(local_numel(q) * esize[q] for q in tq)
+        dp = plan.dp
+        units = _fsdp_units(tq, fsdp_blocks)
+        coll = per_stage_coll[s]
+        gather_buf = 0
+        owned: list[str] | None = None
+        if plan.zero <= 1:
+            coll += _ddp_buckets(bwd, bp, grad_want, tq, local_numel, esize, dtype_of, dp, outs)
+            owned = _zero1_owned(tq, local_numel, dp) if plan.zero == 1 else None
+            if plan.zero == 1:
+                coll += [
+                    Collective("broadcast", "dp", dp, local_numel(q), dtype_of[q], "optimizer", q)
+                    for q in sorted(tq, key=local_numel, reverse=True)
+                ]
+            o_bytes = (
+                round(sum(local_numel(q) * esize[q] for q in owned) * state_per_param_byte)
+                if owned is not None
+                else round(g_bytes * state_per_param_byte)
+            )
+            upd_numel = (
+                sum(local_numel(q) for q in owned)
+                if owned is not None
+                else sum(local_numel(q) for q in tq)
+            )
+        else:
+            padded = {q: _padded(shape_of[q], pplace[q], plan.tp, dp) for q in tq}
+            for unit, members in units.items():
+                if not members:
+                    continue
+                elems = sum(padded[q] for q in members)
+                dt = dtype_of[members[0]]
+                for _ in range(m):
+                    coll.append(Collective("all_gather", "dp", dp, elems, dt, "forward", unit))
+                    if plan.zero == 3 and unit != "(root)":
+                        coll.append(Collective("all_gather", "dp", dp, elems, dt, "backward", unit))
+                    coll.append(Collective("reduce_scatter", "dp", dp, elems, dt, "backward", unit))
+            unit_bytes = [sum(padded[q] * esize[q] for q in mem_) for mem_ in units.values()]
+            sharded = sum(padded[q] * esize[q] for q in tq) // dp
+            frozen_b = p_bytes - sum(local_numel(q) * esize[q] for q in tq)
+            if plan.zero == 3:
+                gather_buf = sum(sorted(unit_bytes, reverse=True)[:2])
+                p_bytes = sharded + frozen_b
+            else:
+                gather_buf = sum(unit_bytes)
+            g_bytes = sharded
+            o_bytes = round(sharded * state_per_param_byte)
+            upd_numel = sum(padded[q] for q in tq) // dp
+        in_flight = _in_flight(plan, s)
+        act = round(saved_local[s] * ck_scale * in_flight)
+        o_bytes += step_bytes * (len(owned) if plan.zero == 1 and owned is not None else len(tq))
+        engine = g_bytes if plan.zero <= 1 and dp > 1 else 0  # DDP's gradient buckets
+        if local_rise is not None:
+            step_rise = local_rise
+        else:
+            step_rise = round(rise * (g_bytes + act) / dynamic_global) if dynamic_global else 0
+        peak = p_bytes + o_bytes + gather_buf + engine + batch_bytes + step_rise
+        flops = {
+            "forward": ff[s]["forward"] * m,
+            "backward": bf[s]["backward"] * m,
+            "recompute": bf[s]["recompute"] * m,
+            "update": round(per_param * upd_numel),
+        }
+        flops["total"] = sum(flops.values())
+        mmf = {
+            "forward": fm[s]["forward"] * m,
+            "backward": bm[s]["backward"] * m,
+            "recompute": bm[s]["recompute"] * m,
+        }
+        mmf["total"] = sum(mmf.values())
+        name = (
+            "all ranks"
+            if plan.pp == 1
+            else f"stage {s} ({'first' if s == 0 else 'last' if s == plan.pp - 1 else 'middle'})"
+        )
+        ranks.append(
+            RankClass(
+                name=name,
+                stage=s,
+                ranks=plan.dp * plan.tp,
+                blocks=tuple(
+                    b if weight_of_block.get(b, 1) == 1 else f"{b} ×{weight_of_block[b]}"
+                    for v, run in enumerate(runs)
+                    if rank_stage(v) == s
+                    for b in run
+                ),
+                flops=flops,
+                mm_flops=mmf,
+                memory_bytes={
+                    "parameters": p_bytes,
+                    "gradients": g_bytes,
+                    "optimizer_state": o_bytes,
+                    "activations": act,
+                    "all_gather_buffers": gather_buf,
+                    "engine_buffers": engine,
+                    "batch": batch_bytes,
+                    "step_rise": step_rise,
+                    "peak": peak,
+                },
+                in_flight=in_flight,
+                collectives=tuple(coll),
+                fits=None if device_memory_bytes is None else peak <= device_memory_bytes,
+            )
+        )
+    totals = [r.flops["total"] for r in ranks]
+    balance = max(totals) / (sum(totals) / len(totals)) if sum(totals) else 1.0
+    split = (
+        f"{len(blocks)} blocks into {vstages} stages by block count (the first stages take the "
+        "remainder); modules before the blocks on the first stage, after them on the last"
+        if plan.pp > 1
+        else "one stage"
+    )
+    return PlanReport(
+        model=rep.model if hasattr(rep, "model") else analysis.name,
+        plan=plan,
+        micro_batch=micro_batch,
+        global_batch=micro_batch * m * plan.dp,
+        ranks=tuple(ranks),
+        bubble=bubble,
+        balance=balance,
+        split=split,
+        device=device,
+        device_memory_bytes=device_memory_bytes,
+        notes=tuple(notes),
+        detail=(fwd, fp, {k: rank_stage(v) for k, v in f_stage.items()}),
+    )
+
+
+def _local_schedule_rise(
+    fwd: GraphModule,
+    bwd: GraphModule,
+    fp: Placements,
+    bp: Placements,
+    device: str,
+    optimizer: str,
+    local_param_bytes: list[int],
+) -> int:
+    """The eager training step's rise over its start on one rank: the eager memory model's
+    schedule (:func:`~graphflop.passes.eager_memory.eager_train_schedule`) with every storage
+    and kernel temporary scaled to its node's local size under the TP placements, and the
+    optimizer's temporaries of the local parameters."""
+    from graphflop.passes.eager_memory import eager_train_schedule, optimizer_temporaries
+
+    sched = eager_train_schedule(fwd, bwd, optimizer, device)
+    whole = {"f": _node_bytes(fwd), "b": _node_bytes(bwd)}
+    local = {"f": fp.local_bytes, "b": bp.local_bytes}
+    for st in sched.steps:
+        prefix, _, name = st.key.partition(":")
+        if prefix == "u":
+            st.nbytes = optimizer_temporaries(optimizer, local_param_bytes, device)
+            continue
+        w = whole.get(prefix, {}).get(name)
+        lo = local.get(prefix, {}).get(name)
+        if w and lo is not None and lo != w:
+            st.nbytes = round(st.nbytes * lo / w)
+            st.extra = round(st.extra * lo / w)
+    return sched.peak()[0]
+
+
+def _node_bytes(gm: GraphModule) -> dict[str, int]:
+    out = {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            out[n.name] = v.numel() * v.element_size()
+    return out
+
+
+def _fused_score_products(fwd: GraphModule) -> list[Node]:
+    """The score product (the first matrix product) of each attention call tracing tagged as
+    PyTorch's fused kernel (:data:`~graphflop.frontend.composite.FUSED_SDPA`)."""
+    first: dict[tuple[str, int], Node] = {}
+    for n in fwd.graph.nodes:
+        tag = n.meta.get(COMPOSITE)
+        if tag is None or tag.op != FUSED_SDPA or n.target is not torch.ops.aten.bmm.default:
+            continue
+        # a repeated block's copies share their region numbers: the module tells them apart
+        first.setdefault((n.meta.get(MODULE) or "", tag.region), n)
+    return list(first.values())
+
+
+def _node_weights(
+    gm: GraphModule, weight_of_block: dict[str, int], forward: dict[str, int] | None
+) -> dict[str, int]:
+    """node name → how many identical blocks it stands for (only where more than 1): a node
+    in a block (by module path; a backward node by the forward node it differentiates)."""
+    heavy = {b: k for b, k in weight_of_block.items() if k != 1}
+    out: dict[str, int] = {}
+    if not heavy:
+        return out
+    for n in gm.graph.nodes:
+        src = n.meta.get(SOURCE)
+        if forward is not None and src is not None and n.op != "placeholder":
+            if src in forward:
+                out[n.name] = forward[src]
+            continue
+        m = n.meta.get(MODULE) or ""
+        for b, k in heavy.items():
+            if m == b or m.startswith(b + "."):
+                out[n.name] = k
+                break
+    return out
+
+
+def _stage_of_module(module: str, block_stage: dict[str, int]) -> int:
+    for b, s in block_stage.items():
+        if module == b or module.startswith(b + "."):
+            return s
+    return 0
+
+
+def _global_bytes(gm: GraphModule, name: str) -> int:
+    node = _node_index(gm).get(name)
+    v = node.meta.get("val") if node is not None else None
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+_INDEX: dict[int, dict[str, Node]] = {}
+
+
+def _node_index(gm: GraphModule) -> dict[str, Node]:
+    idx = _INDEX.get(id(gm))
+    if idx is None or len(idx) != len(gm.graph.nodes):
+        idx = {n.name: n for n in gm.graph.nodes}
+        _INDEX.clear()
+        _INDEX[id(gm)] = idx
+    return idx
+
+
+def _in_flight(plan: Plan, s: int) -> float:
+    """Micro-batches whose activations stage ``s`` holds at its peak (module docstring)."""
+    p, m, v = plan.pp, plan.micro_batches, plan.chunks
+    if p == 1:
+        return 1.0
+    if plan.schedule == "gpipe":
+        return float(m)
+    if plan.schedule == "1f1b":
+        return float(min(p - s, m))
+    return min(2 * (p - s - 1) + (v - 1) * p + 1, v * m) / v
+
+
+def _padded(shape: tuple[int, ...], pl: Placement, tp: int, dp: int) -> int:
+    """Elements of a parameter's local TP shard with dim 0 padded to a multiple of ``dp``
+    (FSDP2's padding)."""
+    loc = local_shape(shape, pl, tp)
+    if not loc:
+        return dp  # a scalar: one element per rank
+    d0 = -(-loc[0] // dp) * dp
+    return d0 * math.prod(loc[1:])
+
+
+def _fsdp_units(params: list[str], blocks: list[str]) -> dict[str, list[str]]:
+    """FSDP units: one per block, the root holding the rest."""
+    units: dict[str, list[str]] = {b: [] for b in blocks}
+    units["(root)"] = []
+    for q in params:
+        for b in blocks:
+            if q.startswith(b + "."):
+                units[b].append(q)
+                break
+        else:
+            units["(root)"].append(q)
+    return units
+
+
+def _zero1_owned(params: list[str], local_numel, dp: int) -> list[str]:
+    """The parameters rank 0 owns under ``ZeroRedundancyOptimizer``'s partition (largest
+    first, each to the rank with the fewest elements so far; the fullest rank is the one whose
+    state is reported)."""
+    sizes = [0] * dp
+    owned: list[list[str]] = [[] for _ in range(dp)]
+    for q in sorted(params, key=local_numel, reverse=True):
+        r = sizes.index(min(sizes))
+        owned[r].append(q)
+        sizes[r] += local_numel(q)
+    return owned[sizes.index(max(sizes))]
+
+
+def _ddp_buckets(bwd, bp, grad_want, params, local_numel, esize, dtype_of, dp, outs):
+    """DDP's gradient all_reduces: buckets filled in the order the backward makes the
+    gradients (first 1 MiB, then 25 MiB), one per dtype run."""
+    if dp == 1 or not params:
+        return []
+    order: list[str] = []
+    pos = {a.name: i for i, a in enumerate(outs) if isinstance(a, Node)}
+    by_out = {}
+    for i, q in bwd.meta[VJP].grads:
+        if i < len(outs) and isinstance(outs[i], Node):
+            by_out[q] = outs[i].name
+    made = {n.name: k for k, n in enumerate(bwd.graph.nodes)}
+    want = set(params)
+    order = sorted(
+        (q for q in by_out if q in want), key=lambda q: made.get(by_out[q], pos.get(q, 0))
+    )
+    order += [q for q in params if q not in by_out]
+    out, cur, cur_bytes, limit = [], 0, 0, DDP_FIRST_BUCKET_BYTES
+    dt = None
+    for q in order:
+        if dt is not None and dtype_of[q] != dt and cur:
+            out.append(Collective("all_reduce", "dp", dp, cur, dt, "backward", "bucket"))
+            cur = cur_bytes = 0
+        dt = dtype_of[q]
+        cur += local_numel(q)
+        cur_bytes += local_numel(q) * esize[q]
+        if cur_bytes >= limit:
+            out.append(Collective("all_reduce", "dp", dp, cur, dt, "backward", "bucket"))
+            cur = cur_bytes = 0
+            limit = DDP_BUCKET_BYTES
+    if cur:
+        out.append(Collective("all_reduce", "dp", dp, cur, dt or "float32", "backward", "bucket"))
+    return out
+
+
+def _pipeline_sends(fwd, fp: Placements, f_stage, plan: Plan, per_stage) -> None:
+    """Per micro-batch: each activation crossing from one virtual stage to a later one, sent
+    in the forward and its cotangent sent back in the backward (received by the other)."""
+    m = plan.micro_batches
+    for n in fwd.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        s = f_stage.get(n.name, 0)
+        later = sorted({f_stage[u.name] for u in n.users if u.op != "output"} - {s})
+        v = n.meta["val"]
+        pl = fp.of.get(n.name, REPLICATE)
+        elems = math.prod(local_shape(tuple(v.shape), pl, plan.tp))
+        grad = v.is_floating_point() and n.meta.get(RESIDUAL) is None
+        for t in later:
+            if t < s:
+                continue
+            a, b = s % plan.pp, t % plan.pp
+            dt = _dtype(v)
+            for _ in range(m):
+                per_stage[a].append(Collective("send", "pp", 2, elems, dt, "forward", n.name))
+                per_stage[b].append(Collective("recv", "pp", 2, elems, dt, "forward", n.name))
+                if grad:
+                    per_stage[b].append(Collective("send", "pp", 2, elems, dt, "backward", n.name))
+                    per_stage[a].append(Collective("recv", "pp", 2, elems, dt, "backward", n.name))

@@ -1,0 +1,207 @@
+"""The default tensor-parallel plan, found from the module structure, and the module layouts a
+plan imposes at module boundaries.
+
+Megatron's pattern (Shoeybi et al. 2019, section 3), found without module names: inside a
+module holding two or more ``nn.Linear`` layers (an attention block, an MLP), a Linear whose
+output reaches another of them through the module's ops (q/k/v or a fused qkv; MLP up and
+gate) is column-wise, one whose output reaches none (attention out, MLP down) row-wise; a Linear outside such a module whose
+output width is the token embedding's row count (the LM head) is column-wise with its output
+gathered (``ColwiseParallel(output_layouts=Replicate())``, as torch's tensor-parallel examples
+shard a head; a head that is not a module, as a tied one, stays vocabulary-parallel into the
+loss); an
+``nn.Embedding`` read with the model's input ids is vocabulary-parallel (``rowwise``, as
+``parallelize_module`` shards an embedding), other embeddings (positions) replicated. Under
+sequence parallelism, every norm module (``LayerNorm``, ``RMSNorm``, any class named
+``*Norm``) is ``sequence_parallel`` and each module holding column-wise layers gathers its
+sequence-sharded input once (``prepare_input``: ``PrepareModuleInput(Shard(1) ->
+Replicate())``), where the backward reduce-scatters its input's cotangent. Reads ``MODULE``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from graphflop.meta import MODULE
+from graphflop.parallel.placement import REPLICATE, Placement, shard
+from graphflop.parallel.plan import COLWISE_REPLICATE, PREPARE_INPUT, match_style
+
+__all__ = ["SEQUENCE_DIM", "boundary_layouts", "default_tp_plan", "param_placement"]
+
+#: the sequence dim of (batch, sequence, hidden) activations, as torch's SequenceParallel has it
+SEQUENCE_DIM = 1
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def default_tp_plan(
+    model: nn.Module, forward: GraphModule, sp: bool
+) -> tuple[tuple[str, str], ...]:
+    """Megatron's column/row plan for ``model`` (see the module docstring), as exact module
+    paths → style."""
+    mods = dict(model.named_modules())
+    linears = [p for p, m in mods.items() if isinstance(m, nn.Linear)]
+    embeddings = [p for p, m in mods.items() if isinstance(m, nn.Embedding)]
+    per_parent: dict[str, list[str]] = {}
+    for p in linears:
+        per_parent.setdefault(_parent(p), []).append(p)
+    token_embeddings: set[str] = set()
+    by_module: dict[str, list[Node]] = {}
+    for n in forward.graph.nodes:
+        m = n.meta.get(MODULE) or ""
+        by_module.setdefault(m, []).append(n)
+        if n.op == "call_function" and m in mods and isinstance(mods[m], nn.Embedding):
+            if len(n.args) > 1 and isinstance(n.args[1], Node) and n.args[1].op == "placeholder":
+                token_embeddings.add(m)
+    feeds = {p: _feeds_sibling(p, by_module.get(p, []), per_parent[_parent(p)]) for p in linears}
+    vocab = {mods[e].num_embeddings for e in token_embeddings}
+    plan: list[tuple[str, str]] = []
+    for p in linears:
+        lin = mods[p]
+        if len(per_parent[_parent(p)]) >= 2 and _parent(p):
+            plan.append((p, "colwise" if feeds[p] else "rowwise"))
+        elif lin.out_features in vocab:
+            plan.append((p, COLWISE_REPLICATE))
+    plan += [(e, "rowwise") for e in embeddings if e in token_embeddings]
+    if sp:
+        plan += [(p, "sequence_parallel") for p, m in mods.items() if _is_norm(m) and p]
+        # each module holding column-wise layers gathers its sequence-sharded input once
+        # (PrepareModuleInput(Shard(1) -> Replicate()), as torch's tensor-parallel tutorial)
+        cols = [p for p, st in plan if st == "colwise"]
+        parents = dict.fromkeys(_parent(c) for c in cols if _parent(c))
+        plan += [(p, PREPARE_INPUT) for p in parents]
+    return tuple(plan)
+
+
+def _inside(module: str, parent: str) -> bool:
+    return module == parent or module.startswith(parent + ".")
+
+
+def _feeds_sibling(linear: str, nodes: list[Node], siblings: list[str]) -> bool:
+    """Whether ``linear``'s output reaches another Linear of its parent module through ops
+    inside that parent (a column-wise layer feeds the row-wise one after it)."""
+    parent = _parent(linear)
+    others = set(siblings) - {linear}
+    seen: set[str] = set()
+    todo = [u for n in nodes for u in n.users]
+    while todo:
+        n = todo.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        m = n.meta.get(MODULE) or ""
+        if m in others:
+            return True
+        if m != linear and _inside(m, parent):
+            todo.extend(n.users)
+    return False
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith("Norm")
+
+
+def param_placement(
+    qualified: str,
+    shape: tuple[int, ...],
+    tp_plan: tuple[tuple[str, str], ...],
+    embeddings: frozenset[str],
+) -> Placement:
+    """A parameter's placement under the plan: ``colwise`` shards dim 0 (a Linear's weight
+    (out, in) and bias); ``rowwise`` a Linear's weight on dim 1 (its bias replicated) and an
+    Embedding's weight on dim 0 (the vocabulary); everything else replicated."""
+    module, _, leaf = qualified.rpartition(".")
+    style = match_style(tp_plan, module)
+    if style in ("colwise", COLWISE_REPLICATE):
+        return shard(0, shape[0])
+    if style == "rowwise":
+        if module in embeddings:
+            return shard(0, shape[0])
+        if leaf == "weight" and len(shape) == 2:
+            return shard(1, shape[1])
+    return REPLICATE
+
+
+def boundary_layouts(  # noqa: C901 (one rule per style and direction)
+    tp_plan: tuple[tuple[str, str], ...], sp: bool
+) -> Callable[[Node, Node, Placement, bool], Placement | None]:
+    """The layouts ``parallelize_module`` imposes where a value crosses into or out of modules
+    the plan names (see :mod:`graphflop.parallel.placement`): ``(value, consumer, placement,
+    forward) -> placement`` the consumer reads, or None for no change. The styled modules the
+    value leaves apply their output layouts (innermost first), then those the consumer enters
+    their input layouts (outermost first)."""
+
+    @cache
+    def chain(path: str) -> tuple[tuple[str, str], ...]:
+        """The styled modules containing ``path``, innermost first."""
+        parts = path.split(".") if path else []
+        out = []
+        for i in range(len(parts), 0, -1):
+            m = ".".join(parts[:i])
+            s = match_style(tp_plan, m)
+            if s is not None:
+                out.append((m, s))
+        return tuple(out)
+
+    def seq(value: Node) -> Placement | None:
+        v = value.meta.get("val")
+        shape = getattr(v, "shape", ())
+        if len(shape) < 3:
+            return None
+        return shard(SEQUENCE_DIM, int(shape[SEQUENCE_DIM]))
+
+    def leave(style: str, value: Node, q: Placement, forward: bool) -> Placement:
+        if forward:
+            if style == COLWISE_REPLICATE and q.kind == "S":
+                return REPLICATE  # the output gathered
+            if style == "rowwise" and q.kind == "P":
+                return (seq(value) if sp else None) or REPLICATE
+            return q
+        if q.kind != "P":
+            return q
+        if style == PREPARE_INPUT:  # the mirror of its gather: a reduce-scatter
+            return seq(value) or REPLICATE
+        if style == COLWISE_REPLICATE:
+            return (seq(value) if sp else None) or REPLICATE
+        if style == "colwise" and not sp:
+            return REPLICATE
+        return q  # under SP a column-wise input cotangent is reduced where its input was gathered
+
+    def enter(style: str, value: Node, q: Placement, forward: bool) -> Placement:
+        if forward and style in ("colwise", COLWISE_REPLICATE, PREPARE_INPUT):
+            return REPLICATE
+        if not forward and style == COLWISE_REPLICATE and q == REPLICATE:
+            # the gathered output's cotangent: each rank keeps its slice
+            shape = getattr(value.meta.get("val"), "shape", ())
+            return shard(len(shape) - 1, int(shape[-1])) if shape else q
+        if not forward and style == "rowwise" and (q.kind == "P" or q == seq(value)):
+            # the output cotangent entering (a weight cotangent accumulated here is not)
+            return REPLICATE
+        if style == "sequence_parallel":
+            return seq(value) or q
+        return q
+
+    def layout(value: Node, consumer: Node, p: Placement, forward: bool) -> Placement | None:
+        a = chain(_module(value))
+        b = chain(_module(consumer))
+        if a == b:
+            return None
+        q = p
+        for m, style in a:
+            if (m, style) not in b:
+                q = leave(style, value, q, forward)
+        for m, style in reversed(b):
+            if (m, style) not in a:
+                q = enter(style, value, q, forward)
+        return None if q == p else q
+
+    return layout
+
+
+def _module(n: Node) -> str:
+    return n.meta.get(MODULE) or ""

@@ -1,0 +1,293 @@
+"""graphflop.parallel and ``graphflop plan``: the plan's collectives, FLOPs and memory on a tiny
+GPT-2 against hand counts, and bad input refused in one line with exit status 2."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from graphflop.analysis import analyze
+from graphflop.cli import main
+from graphflop.load import load, make_inputs
+from graphflop.parallel import Plan, PlanError, predict
+
+# GPT-2 with 2 blocks, 2 heads, width 8, vocabulary 16, 8 positions; tokens (2, 4)
+ARGS = dict(n_layer=2, n_head=2, n_embd=8, vocab_size=16, n_positions=8)
+
+
+def _cli(**over) -> list[str]:
+    return [
+        "models/gpt2.py:GPT2",
+        *[f"--arg={k}={v}" for k, v in {**ARGS, **over}.items()],
+        "--input-shape",
+        "2,4",
+        "--dtype",
+        "int64",
+    ]
+
+
+CLI = _cli()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    loaded = load("models/gpt2.py:GPT2", ctor_kwargs=ARGS, meta=True)
+    inputs = make_inputs(loaded, shapes=[(2, 4)])
+    return loaded.model, analyze(loaded.model, inputs, optimizer="adam", jvp=False)
+
+
+def _plan(tiny, **kw):
+    model, a = tiny
+    return predict(a, model, Plan(**kw), micro_batch=2)
+
+
+def _keys(rank, group):
+    return Counter(c.key() for c in rank.collectives if c.group == group)
+
+
+# matrix products of one micro-batch (M = 2·4 = 8 rows): per block c_attn 2·8·8·24 = 3072,
+# attn c_proj 2·8·8·8 = 1024, c_fc 2·8·8·32 = 4096, mlp c_proj 2·8·32·8 = 4096, attention's two
+# bmm 2·(2·4·4·4·2) = 1024: 13,312; two blocks 26,624; tied head 2·8·8·16 = 2048: 28,672
+FORWARD_MM = 28_672
+
+
+def test_tp_halves_every_matrix_product(tiny):
+    one = _plan(tiny)
+    two = _plan(tiny, tp=2)
+    assert one.ranks[0].mm_flops["forward"] == FORWARD_MM
+    # heads, MLP width and vocabulary all split: each product's local contraction or output
+    # is half: 28,672 / 2
+    assert two.ranks[0].mm_flops["forward"] == FORWARD_MM // 2
+
+
+def test_tp_collectives_megatron(tiny):
+    r = _plan(tiny, tp=2).ranks[0]
+    # forward: the embedding's and each row-wise layer's partial sums, (2, 4, 8) = 64 elements:
+    # 1 + 2·2 = 5; the vocabulary-parallel cross-entropy's max, sum of exp and picked logit,
+    # 8 rows each: 3
+    # backward: each column-wise layer's input cotangent (2·2) and the head's (1): 5 × 64; the
+    # loss's sum of exp (float) and the count of each row's maxima (the max's derivative
+    # divides by it; a sum of booleans, int64): 8 each
+    assert _keys(r, "tp") == Counter(
+        {
+            ("all_reduce", 2, 64, "float32", "forward"): 5,
+            ("all_reduce", 2, 8, "float32", "forward"): 3,
+            ("all_reduce", 2, 64, "float32", "backward"): 5,
+            ("all_reduce", 2, 8, "float32", "backward"): 1,
+            ("all_reduce", 2, 8, "int64", "backward"): 1,
+        }
+    )
+
+
+def test_ddp_one_bucket(tiny):
+    r = _plan(tiny, dp=2).ranks[0]
+    # every trainable parameter: wte 16·8 + wpe 8·8 + ln_f 16 + 2 blocks × 872 (ln_1 16,
+    # c_attn 24·8+24, c_proj 8·8+8, ln_2 16, c_fc 32·8+32, c_proj 8·32+8) = 1952 elements,
+    # 7,808 bytes: under DDP's first 1 MiB bucket, one all_reduce
+    assert _keys(r, "dp") == Counter({("all_reduce", 2, 1952, "float32", "backward"): 1})
+
+
+def test_zero3_units(tiny):
+    r = _plan(tiny, dp=2, zero=3).ranks[0]
+    # units h.0 and h.1 (872 elements, every dim 0 even: no padding) and the root (208):
+    # forward all_gather of each, backward all_gather of the blocks only, reduce_scatter of each
+    assert _keys(r, "dp") == Counter(
+        {
+            ("all_gather", 2, 872, "float32", "forward"): 2,
+            ("all_gather", 2, 208, "float32", "forward"): 1,
+            ("all_gather", 2, 872, "float32", "backward"): 2,
+            ("reduce_scatter", 2, 872, "float32", "backward"): 2,
+            ("reduce_scatter", 2, 208, "float32", "backward"): 1,
+        }
+    )
+    mem = r.memory_bytes
+    # parameters, gradients: 1952 · 4 / 2 = 3904 bytes; Adam's two moments 7808 plus its
+    # float32 step count per parameter, 28 · 4 = 112
+    assert (mem["parameters"], mem["gradients"], mem["optimizer_state"]) == (3904, 3904, 7920)
+    # the two largest units gathered at once: 2 × 872 · 4
+    assert mem["all_gather_buffers"] == 6976
+
+
+def test_zero1_state_sharded(tiny):
+    r = _plan(tiny, dp=2, zero=1).ranks[0]
+    # one broadcast per trainable parameter (28) after the step
+    assert sum(c.kind == "broadcast" for c in r.collectives) == 28
+    assert r.memory_bytes["gradients"] == 7808
+    assert r.memory_bytes["optimizer_state"] < 2 * 7808
+
+
+def test_pipeline_sends_and_bubble(tiny):
+    rep = _plan(tiny, pp=2, micro_batches=2)
+    first, last = rep.ranks
+    # the residual stream (2, 4, 8) = 64 elements crosses once per micro-batch each way
+    assert _keys(first, "pp") == Counter(
+        {("send", 2, 64, "float32", "forward"): 2, ("recv", 2, 64, "float32", "backward"): 2}
+    )
+    assert _keys(last, "pp") == Counter(
+        {("recv", 2, 64, "float32", "forward"): 2, ("send", 2, 64, "float32", "backward"): 2}
+    )
+    # 1F1B, p = 2, m = 2: (p - 1) / (m + p - 1) = 1/3; stage 0 holds 2 micro-batches, 1 the last
+    assert rep.bubble == pytest.approx(1 / 3)
+    assert (first.in_flight, last.in_flight) == (2, 1)
+    assert first.blocks == ("h.0",) and last.blocks == ("h.1",)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(pp=2, micro_batches=1),
+        dict(schedule="zigzag"),
+        dict(sp=True),
+        dict(zero=4),
+        dict(tp=0),
+        dict(tp=2, tp_plan=(("*", "diagonal"),)),
+    ],
+)
+def test_plan_refuses(kw):
+    with pytest.raises(PlanError):
+        Plan(**kw)
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--tp", "3"], "--tp 3 does not divide"),
+        # 2 heads over 4 ranks (hidden 8, fused qkv 24 and vocabulary 16 divide by 4)
+        (["--tp", "4"], "--tp 4 cannot shard h.0.attn"),
+        (["--pp", "3"], "3 pipeline stages"),
+        (["--dp", "2", "--world", "3"], "not --world 3"),
+        (["--pp", "2", "--micro-batches", "1"], "needs at least 2 micro-batches"),
+        (["--schedule", "zigzag"], "unknown --schedule"),
+    ],
+)
+def test_cli_bad_input_one_line(capsys, tmp_path, extra, says):
+    out = tmp_path / "p.json"
+    assert main(["plan", *CLI, *extra, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert not out.exists()
+
+
+def test_cli_unknown_plan_entry(capsys, tmp_path):
+    f = tmp_path / "plan.json"
+    f.write_text('{"*.attn.c_attn": "diagonal"}')
+    assert main(["plan", *CLI, "--tp", "2", "--tp-plan", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown TP plan entry 'diagonal'" in err[0]
+
+
+def test_cli_heads_not_divisible(capsys):
+    # 3 heads of width 16: hidden 48 and vocabulary 16 divide by 2, the heads do not
+    assert main(["plan", *_cli(n_head=3, n_embd=48), "--tp", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "heads" in err[0] and "--tp 2" in err[0], err
+
+
+def test_cli_json(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "p.json"
+    assert (
+        main(["plan", *CLI, "--dp", "2", "--zero", "3", "--memory-gib", "1", "--json", str(out)])
+        == 0
+    )
+    doc = json.loads(out.read_text())
+    assert doc["plan"]["world"] == 2 and doc["ranks"][0]["fits"] is True
+    assert {c["kind"] for c in doc["ranks"][0]["collectives"]} == {"all_gather", "reduce_scatter"}
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2, micro_batches=2, tp=2, dp=2), dict(dp=2, zero=3)])
+def test_per_block_equals_whole(kw):
+    """A 4-block model analysed whole and analysed with one block per stage (each counted
+    from it) give the same FLOPs, collectives, parameters and activations."""
+
+    def run(n_layer, counts):
+        loaded = load("models/gpt2.py:GPT2", ctor_kwargs={**ARGS, "n_layer": n_layer}, meta=True)
+        a = analyze(loaded.model, make_inputs(loaded, shapes=[(2, 4)]), optimizer="adam", jvp=False)
+        return predict(a, loaded.model, Plan(**kw), micro_batch=2, block_counts=counts)
+
+    stages = kw.get("pp", 1)
+    whole = run(4, None)
+    per_block = run(stages, (4 // stages,) * stages)
+    for w, b in zip(whole.ranks, per_block.ranks, strict=True):
+        assert w.flops == b.flops and w.mm_flops == b.mm_flops
+        assert Counter(c.key() for c in w.collectives) == Counter(c.key() for c in b.collectives)
+        for kind in ("parameters", "gradients", "optimizer_state", "activations"):
+            assert w.memory_bytes[kind] == b.memory_bytes[kind], kind
+
+
+def test_default_tp_plan_from_structure():
+    """Megatron's pattern found from the module structure: a Linear feeding a sibling Linear
+    is column-wise, the last one row-wise, even with a dropout module between the row-wise
+    layer and the residual add (inside the attention module); the token embedding
+    vocabulary-parallel, the position embedding replicated; norms sequence-parallel."""
+    from graphflop.parallel.tp_plan import default_tp_plan
+
+    loaded = load(
+        "models/gpt2.py:GPT2", ctor_kwargs={**ARGS, "n_layer": 1, "dropout": 0.1}, meta=True
+    )
+    a = analyze(loaded.model, make_inputs(loaded, shapes=[(2, 4)]), jvp=False)
+    assert dict(default_tp_plan(loaded.model, a.forward, sp=True)) == {
+        "h.0.attn.c_attn": "colwise",
+        "h.0.attn.c_proj": "rowwise",
+        "h.0.mlp.c_fc": "colwise",
+        "h.0.mlp.c_proj": "rowwise",
+        "wte": "rowwise",
+        "h.0.ln_1": "sequence_parallel",
+        "h.0.ln_2": "sequence_parallel",
+        "ln_f": "sequence_parallel",
+        # the modules holding column-wise layers gather their sequence-sharded input once
+        "h.0.attn": "prepare_input",
+        "h.0.mlp": "prepare_input",
+    }
+
+
+LLAMA_TINY = dict(vocab=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    loaded = load("models/llama.py", ctor_kwargs=LLAMA_TINY, meta=True)
+    return loaded.model, analyze(
+        loaded.model, make_inputs(loaded, shapes=[(4, 16)]), optimizer="adamw", jvp=False
+    )
+
+
+def test_llama_tp_as_parallelize_module(llama):
+    """Tiny Llama (vocabulary 128, width 64, 4 blocks, 4 query / 2 key-value heads, SwiGLU
+    128), tokens (4, 16), TP 2 with the default plan: q/k/v, gate/up column-wise, o/down
+    row-wise, the embedding vocabulary-parallel, the head column-wise with its logits gathered."""
+    model, a = llama
+    whole = predict(a, model, Plan(), micro_batch=4).ranks[0]
+    r = predict(a, model, Plan(tp=2), micro_batch=4).ranks[0]
+    # forward: the embedding's and each row-wise layer's partial sums, 4·16·64 = 4096
+    # elements, 1 + 2·4 = 9; the logits gathered, 4·16·128 = 8192
+    # backward: each column-wise module's input cotangent reduced on its own (q, k, v, gate,
+    # up: 5 per block, as DTensor's from_local backward does) and the head's: 5·4 + 1 = 21
+    assert Counter(c.key() for c in r.collectives) == Counter(
+        {
+            ("all_reduce", 2, 4096, "float32", "forward"): 9,
+            ("all_gather", 2, 8192, "float32", "forward"): 1,
+            ("all_reduce", 2, 4096, "float32", "backward"): 21,
+        }
+    )
+    # every matrix product (attention over the local heads included) halves
+    assert 2 * r.mm_flops["total"] == whole.mm_flops["total"]
+
+
+def test_llama_tp_kv_heads_not_divisible(llama):
+    model, a = llama
+    # 2 key/value heads over 4 ranks (4 query heads, width 64, vocabulary 128 all divide)
+    with pytest.raises(PlanError, match="--tp 4 cannot shard layers.0.attention"):
+        predict(a, model, Plan(tp=4), micro_batch=4)
+
+
+def test_render_stage_dot(tmp_path, capsys):
+    # TP 2 with SP on the tiny GPT-2: each block's norms gather the sequence before the
+    # column-wise layers and each row-wise layer reduce-scatters its output
+    out = tmp_path / "stage.dot"
+    assert main(["plan", *CLI, "--tp", "2", "--sp", "--render", str(out)]) == 0
+    text = out.read_text()
+    assert "h.0.attn" in text and "h.1.mlp" in text
+    assert "reduce_scatter ×1" in text and "all_gather ×1" in text
