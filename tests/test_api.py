@@ -18,7 +18,7 @@ from graphflop.meta import COST, FACTS, JVP, SIGNATURE, NodeCost
 def test_docs_examples_run():
     text = (ROOT / "docs" / "api.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     for code in blocks:
         exec(compile(code, "docs/api.md", "exec"), {})
 
