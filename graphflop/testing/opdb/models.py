@@ -80,7 +80,7 @@ MODELS = [
         flops=1944 + 358 + 54 + 2916 + 358 + 216 + 358 + 54 + 54 + 60 + 56,
         aten=(
             "aten.convolution.default",
-            "aten.var_mean.correction",
+            "aten._native_batch_norm_legit_functional.default",
             "aten.mean.dim",
             "aten.addmm.default",
             "aten.constant_pad_nd.default",
