@@ -172,18 +172,17 @@ def _forward(
             L = layers[path]
             L["forward_flops"] += r.flops
             L["forward_mm_flops"] += r.mm_flops
-    else:
-        for n in _ops(fwd):
+    # output shapes node by node in both cases (a template's buffer updates are not told apart
+    # from its outputs by the composed rows); FLOPs here only without the composed figures
+    nodes = _ops(fwd)
+    for n in nodes:
+        L = layers[n.meta.get(MODULE, "")]
+        if figures is None:
             c = n.meta[COST]
-            L = layers[n.meta.get(MODULE, "")]
             L["forward_flops"] += c.flops
             L["forward_mm_flops"] += c.mm_flops
-    # output shapes node by node (no costing): a template's buffer updates are not told apart
-    # from its outputs by the composed rows
-    for n in _ops(fwd):
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor) and n.name not in written:
-            L = layers[n.meta.get(MODULE, "")]
             L["output_shape"] = list(v.shape)
             L["output_bytes"] = tensor_bytes(v)
     for p, q in sig.params:
@@ -191,7 +190,6 @@ def _forward(
         layers[phs[p].meta.get(MODULE) or q.rpartition(".")[0]]["params"] += val.numel()
     if figures is not None:
         return figures.total, figures.loss
-    nodes = _ops(fwd)
     return total_cost(nodes), total_cost(n for n in nodes if n.meta.get(ROLE) == "loss")
 
 
