@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tools._child import run_json_child  # noqa: E402
 
 #: tokens of the analysis, where the model allows as many
 SEQ = 4096
@@ -131,28 +131,11 @@ def worker(name: str) -> dict:
 
 
 def run_one(name: str, timeout: float) -> dict:
-    t = time.perf_counter()
-    try:
-        p = subprocess.run(
-            [sys.executable, __file__, "--worker", name],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-    except subprocess.TimeoutExpired:
-        return {"status": f"failed: over {timeout:.0f} s", "seconds": round(timeout)}
-    lines = p.stdout.strip().splitlines()
-    if p.returncode == 0 and lines:
-        row = json.loads(lines[-1])
+    """Run :func:`worker` for preset ``name`` in a child process; its row with ``status``."""
+    row = run_json_child(__file__, name, timeout)
+    if "complete" in row:
         row["status"] = "ok" if row["complete"] else "incomplete: " + ", ".join(row["uncounted"])
-        return row
-    err = [x for x in p.stderr.strip().splitlines() if x.strip()]
-    return {
-        "status": "failed: " + (err[-1][:300] if err else f"exit {p.returncode}"),
-        "seconds": round(time.perf_counter() - t, 1),
-    }
+    return row
 
 
 def _b(x: float) -> str:
@@ -280,6 +263,11 @@ def main(argv=None) -> int:
     from graphflop.io import atomic_write
     from graphflop.presets import PRESETS
 
+    unknown = sorted(set(args.only or ()) - {x.name for x in PRESETS})
+    if unknown:
+        p.error(
+            f"unknown presets {', '.join(unknown)}; known: {', '.join(x.name for x in PRESETS)}"
+        )
     path = Path(args.json)
     rows: dict[str, dict] = json.loads(path.read_text()) if path.exists() else {}
     todo = [] if args.render else [x.name for x in PRESETS if not args.only or x.name in args.only]

@@ -31,13 +31,15 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools._child import run_json_child  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -399,28 +401,9 @@ def _versions() -> str:
 
 def run_one(e: Entry, timeout: float) -> dict:
     """Run :func:`worker` for ``e`` in a child process; its row with ``status``."""
-    t = time.perf_counter()
-    try:
-        p = subprocess.run(
-            [sys.executable, __file__, "--worker", e.name],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-    except subprocess.TimeoutExpired:
-        return {"status": f"failed: over {timeout:.0f} s", "seconds": round(timeout)}
-    lines = p.stdout.strip().splitlines()
-    if p.returncode == 0 and lines:
-        row = json.loads(lines[-1])
-        row["status"] = "ok"
-        return row
-    err = [x for x in p.stderr.strip().splitlines() if x.strip()]
-    return {
-        "status": "failed: " + (err[-1][:300] if err else f"exit {p.returncode}"),
-        "seconds": round(time.perf_counter() - t, 1),
-    }
+    row = run_json_child(__file__, e.name, timeout)
+    row.setdefault("status", "ok")
+    return row
 
 
 def _with_kept_sections(path: Path, text: str) -> str:
@@ -446,6 +429,9 @@ def main(argv=None) -> int:
         return 0
     from graphflop.io import atomic_write
 
+    unknown = sorted(set(args.only or ()) - {e.name for e in ZOO})
+    if unknown:
+        p.error(f"unknown zoo names {', '.join(unknown)}; known: {', '.join(e.name for e in ZOO)}")
     path = Path(args.json)
     rows: dict[str, dict] = json.loads(path.read_text()) if path.exists() else {}
     # without --only, models already analysed (status ok in --json) are not run again
