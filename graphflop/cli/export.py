@@ -45,6 +45,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "'incomplete'. Without it such a model is refused",
     )
     p.add_argument(
+        "--flat",
+        action="store_true",
+        help="write every block's nodes inline. By default each repeated block (a module "
+        "structure the model repeats, e.g. a transformer layer) is written once as an ONNX "
+        "local function that the graph calls per block; manifest.json still lists every node, "
+        "each folded one with the call that computes it",
+    )
+    p.add_argument(
         "--residuals",
         action="store_true",
         help="forward.onnx also outputs the values backward.onnx reads (saved.<node>), so "
@@ -77,12 +85,29 @@ def run(args: argparse.Namespace, err: Console) -> int:
         status.update("exporting to ONNX")
         graphs = step_graphs(analysis, residuals=args.residuals)
         extra = {"incomplete": [u.to_dict() for u in cut]} if cut else None
-        manifest = export_all(graphs, args.out, name=analysis.name, extra=extra)
+        manifest = export_all(
+            graphs, args.out, name=analysis.name, extra=extra, functions=not args.flat
+        )
     out = Path(args.out)  # "onnx/" prints onnx/forward.onnx, not onnx//forward.onnx
     for g in manifest["graphs"].values():
         print(
-            f"{out / g['file']}: {len(g['nodes'])} nodes, {len(g['inputs'])} inputs, "
-            f"{len(g['outputs'])} outputs"
+            f"{out / g['file']}: {len(g['nodes'])} nodes{_folded(g, out)}, {len(g['inputs'])} "
+            f"inputs, {len(g['outputs'])} outputs"
         )
     print(out / "manifest.json")
     return 0
+
+
+def _folded(g: dict, out: Path) -> str:
+    """`` (N in the file: K in the graph, L in F functions)`` for a graph whose blocks were
+    folded into local functions, else empty."""
+    if not g.get("functions", {}).get("functions"):
+        return ""
+    import onnx
+
+    model = onnx.load(str(out / g["file"]), load_external_data=False)
+    top, inside = len(model.graph.node), sum(len(f.node) for f in model.functions)
+    return (
+        f" ({top + inside:,} in the file: {top:,} in the graph, {inside:,} in "
+        f"{len(model.functions)} functions)"
+    )

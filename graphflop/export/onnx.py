@@ -40,6 +40,7 @@ from graphflop.export.onnx_errors import (
 from graphflop.frontend.composite import decompose_kept_whole
 from graphflop.frontend.errors import quiet_loggers
 from graphflop.meta import (
+    CALL_SITE,
     COST,
     FORWARD_GRADIENT,
     KIND,
@@ -47,6 +48,7 @@ from graphflop.meta import (
     RESIDUAL,
     ROLE,
     SIGNATURE,
+    SOURCE,
     TRAIN_STEP,
     UPDATE,
     VJP,
@@ -455,6 +457,7 @@ def export_all(
     graphs: tuple[str, ...] = GRAPH_KINDS,
     name: str | None = None,
     extra: Mapping[str, Any] | None = None,
+    functions: bool = False,
 ) -> dict[str, Any]:
     """Export the given graphs into ``out_dir`` (created) with ``manifest.json``. The graph
     files of an earlier export there that this one does not write (its ``backward.onnx`` when
@@ -476,6 +479,11 @@ def export_all(
         name: the model name in the manifest (default: the analysis's name, else ``model``).
         extra: further top-level manifest entries (``graphflop export --allow-incomplete``
             adds ``incomplete``: the ops whose missing rules cut the derivative graphs short).
+        functions: write each repeated block's nodes once, as an ONNX local function called
+            per block (:func:`graphflop.export.onnx_functions.fold_blocks`); a graph's entry
+            then also has ``functions`` (each function's call nodes, the blocks left inline and
+            why), and each of its ``nodes`` rows folded into a call names it under ``call``.
+            The rows still list every flat node, so their FLOPs still sum to the graph's.
 
     Returns:
         The manifest: ``{"model": name, "graphs": {kind: {"file", "inputs", "outputs",
@@ -502,13 +510,16 @@ def export_all(
                 continue
             ins, outs = graph_io_names(kind, gm)
             ex = export_graph(gm, kind, ins, outs)
-            onnx.save(ex.model, tmp / f"{kind}.onnx")
-            manifest["graphs"][kind] = {
+            entry: dict[str, Any] = {
                 "file": f"{kind}.onnx",
                 "inputs": ex.inputs,
                 "outputs": ex.outputs,
                 "nodes": ex.manifest,
             }
+            if functions:
+                entry["functions"] = _fold(ex, gm, gms.get("forward"))
+            onnx.save(ex.model, tmp / f"{kind}.onnx")
+            manifest["graphs"][kind] = entry
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         out_dir.mkdir(parents=True, exist_ok=True)
         for f in tmp.iterdir():
@@ -523,6 +534,48 @@ def export_all(
         if not done:
             remove_empty(created)
     return manifest
+
+
+def block_sites(gm: GraphModule, forward: GraphModule | None) -> dict[str, Any]:
+    """Node name → the part of a call site (repeated block) it belongs to, for the nodes of
+    ``gm`` that belong to one: ``s<k>`` for a node copied from the block's forward
+    (:data:`~graphflop.meta.CALL_SITE` ``k``), ``s<k>.d`` for a derivative node whose
+    :data:`~graphflop.meta.SOURCE` in ``forward`` is one (a train step holds both, with the
+    loss between them, so they are two parts)."""
+    fwd_site: dict[str, int] = {}
+    if forward is not None:
+        for n in forward.graph.nodes:
+            tag = n.meta.get(CALL_SITE)
+            if tag is not None:
+                fwd_site[n.name] = tag[0]
+    out: dict[str, Any] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        tag = n.meta.get(CALL_SITE)
+        if tag is not None:
+            out[n.name] = f"s{tag[0]}"
+        elif n.meta.get(SOURCE) in fwd_site:
+            out[n.name] = f"s{fwd_site[n.meta[SOURCE]]}.d"
+    return out
+
+
+def _fold(ex: ExportedGraph, gm: GraphModule, forward: GraphModule | None) -> dict[str, Any]:
+    """Fold ``ex.model``'s repeated blocks into local functions (in place), mark the manifest
+    rows folded into a call, check the model again; the fold's report as JSON."""
+    import onnx
+
+    from graphflop.export.onnx_functions import fold_blocks
+
+    sites = block_sites(gm, forward)
+    site_of = [sites.get(row["graphflop_node"] or "") for row in ex.manifest]
+    report = fold_blocks(ex.model, site_of)
+    for row in ex.manifest:
+        call = report.folded.get(row["onnx_node"])
+        if call is not None:
+            row["call"] = call
+    onnx.checker.check_model(ex.model)
+    return report.to_dict()
 
 
 def _analysis_graphs(analysis) -> dict[str, GraphModule | None]:
