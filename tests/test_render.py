@@ -777,3 +777,24 @@ def test_html_search_finds_a_member_of_a_fold(tmp_path):
     assert re.search(r'<g id="fold_h_0" class="cluster dim"', dom)
     assert all("dim" in c for c in _classes(dom, "cluster"))
     assert 'data-folds=""' in dom
+
+
+def test_module_folds_come_from_the_hierarchy():
+    """The tiny Llama's four decoder layers are one template called four times (the tracer's
+    hierarchy): the module level folds them, where comparing their ops alone finds only the
+    layers' k/v and gate/up projection pairs (8 small folds)."""
+    from graphflop.export.graphviz import structure
+    from graphflop.meta import HIERARCHY
+
+    tiny = dict(vocab=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    loaded = load(str(ROOT / "models" / "llama.py"), ctor_kwargs=tiny, meta=True)
+    a = analyze(loaded.model, make_inputs(loaded, shapes=[(2, 8)]), backward=False, jvp=False)
+    assert [f.members for f in structure.folds(a.forward)] == [
+        ("layers.0", "layers.1", "layers.2", "layers.3")
+    ]
+    h = a.forward.meta.pop(HIERARCHY)
+    try:
+        by_ops = [f.members for f in structure.folds(a.forward)]
+    finally:
+        a.forward.meta[HIERARCHY] = h
+    assert len(by_ops) == 8 and ("layers.0.attention.k_proj", "layers.0.attention.v_proj") in by_ops

@@ -13,9 +13,10 @@ Folds (:class:`Folded`)
     wiring: which earlier op of the sibling, or which outside value of which shape, each op
     reads) are one fold, drawn once with its multiplicity. The outermost repeated siblings are
     folded (a transformer's blocks, not the blocks' identical layer norms); a fold's first member
-    is its template. This is the same test the tracer's outliner (``graphflop.frontend.outline``)
-    uses to trace repeats once, made on the traced graph, so it also folds modules the outliner
-    keeps apart (batch norm in training mode, which writes its statistics).
+    is its template. Blocks the tracer's outliner (``graphflop.frontend.outline``) traced once are
+    taken from the forward graph's hierarchy (sibling calls of one template that kept the same
+    nodes); the op-by-op test folds the modules the outliner keeps apart (batch norm in
+    training mode, which writes its statistics).
 
 Reads ``MODULE``, ``COST`` and ``val`` of the forward graph's call nodes.
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 from graphflop.export.graphviz import facts
 from graphflop.io import sanitize_name
-from graphflop.meta import COST, MODULE, ZERO_COST
+from graphflop.meta import COST, HIERARCHY, MODULE, ZERO_COST
 
 
 @dataclass
@@ -133,9 +134,25 @@ def _signature(gm: Any, path: str, nodes: list[Any]) -> tuple:
     return tuple(sig)
 
 
+def _called_blocks(gm: Any) -> dict[str, tuple]:
+    """Module path → ``("call", template, variant)`` for each block the forward graph's
+    hierarchy (:data:`~graphflop.meta.HIERARCHY`) calls: calls of one template that kept the
+    same nodes are repeats without comparing their ops."""
+    h = gm.meta.get(HIERARCHY) if hasattr(gm, "meta") else None
+    if h is None:
+        return {}
+    out = {}
+    for site in h.sites:
+        root = dict(site.modules).get("@")
+        if root:
+            out[root] = ("call", site.template, site.variant)
+    return out
+
+
 def folds(gm: Any) -> list[Folded]:
     """The outermost runs of identical sibling modules in forward graph ``gm`` (see the module
-    docstring), in forward order."""
+    docstring), in forward order. Where the graph has a hierarchy, its calls of one template
+    (and variant) are taken as repeats from it; the other modules are compared op by op."""
     subtree: dict[str, list[Any]] = defaultdict(list)
     children: dict[str, list[str]] = defaultdict(list)
     for n in _calls(gm):
@@ -150,10 +167,13 @@ def folds(gm: Any) -> list[Folded]:
             if p not in children[parent]:
                 children[parent].append(p)
     out: list[Folded] = []
+    called = _called_blocks(gm)
 
     def walk(parent: str) -> None:
         kids = children.get(parent, [])
-        sigs = [_signature(gm, k, subtree[k]) for k in kids]
+        # a call of the hierarchy's block is known by its template and variant; other
+        # modules by their ops (the call's key never equals an ops signature)
+        sigs = [called.get(k) or _signature(gm, k, subtree[k]) for k in kids]
         i = 0
         while i < len(kids):
             j = i + 1
