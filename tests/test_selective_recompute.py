@@ -260,3 +260,47 @@ def test_plan_under_tp_and_sp_counts_local_bytes_and_flops(tmp_path):
     assert rec["flops"]["recompute"] - base["flops"]["recompute"] == 800
     assert rec["mm_flops"]["recompute"] - base["mm_flops"]["recompute"] == 512
     assert rec["flops"]["forward"] == base["flops"]["forward"]
+
+
+def test_gpt2_matches_a_checkpointed_attention_core():
+    """GPT-2, 2 blocks, width 32, 2 heads, T = 16, batch 2, dropout 0.1 (the math attention),
+    CPU float32: graphflop's saved bytes without and with selective recompute against eager
+    runs, the second with ``F.scaled_dot_product_attention`` replaced by
+    ``torch.utils.checkpoint`` around graphflop's math attention (the same ops PyTorch's math
+    kernel runs). Both differ by the position ids (``arange(T)``, T int64s = 128 bytes), which
+    the eager model does not count (docs/memory_whatif.md)."""
+    sys.path.insert(0, "models")
+    import gpt2
+    from gpt2 import GPT2
+
+    from graphflop import analyze
+    from graphflop.ops.attention import sdpa
+    from graphflop.runtime.memory_probe import measure_saved
+
+    torch.manual_seed(0)
+    m = GPT2(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, dropout=0.1)
+    x = (torch.randint(0, 100, (2, 16)),)
+    rc = analyze(m.train(), x, jvp=False, recompute="attention").report.memory.recompute
+    assert measure_saved(m, x) - rc.eager_saved_for_backward_bytes == 16 * 8
+    state = {t.untyped_storage().data_ptr() for t in m.parameters()}
+    seen: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in state and s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    def attention(q, k, v, *args, **kwargs):
+        for t in (q, k, v):
+            keep(t)
+        return tuc.checkpoint(sdpa, q, k, v, *args, use_reentrant=False, **kwargs)
+
+    _, run = _loss_fn(m, x, "auto")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpt2.F, "scaled_dot_product_attention", attention)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = run()
+    del loss
+    assert sum(seen.values()) - rc.saved_for_backward_bytes == 16 * 8
+    assert rc.saved_for_backward_bytes < rc.eager_saved_for_backward_bytes
