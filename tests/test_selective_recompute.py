@@ -304,3 +304,24 @@ def test_gpt2_matches_a_checkpointed_attention_core():
     del loss
     assert sum(seen.values()) - rc.saved_for_backward_bytes == 16 * 8
     assert rc.saved_for_backward_bytes < rc.eager_saved_for_backward_bytes
+
+
+class _Gram(nn.Module):
+    """x (2, 4, 4): g = x·xᵀ, then a Linear(4, 4) over g, then (that)·x — two products of
+    activations with a parameterised product between them: not an attention core."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x @ x.transpose(-2, -1)) @ x
+
+
+def test_products_with_a_projection_between_them_are_not_a_core():
+    from graphflop import analyze
+    from graphflop.passes.selective_recompute import RecomputePolicyError
+
+    x = torch.randn(2, 4, 4, requires_grad=False)
+    with pytest.raises(RecomputePolicyError, match="has no attention core"):
+        analyze(_Gram(), (x,), jvp=False, loss="sum", recompute="attention")

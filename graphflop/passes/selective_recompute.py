@@ -13,7 +13,8 @@ the core's inputs (q, k, v) and reruns the core in the backward; everything else
   nor derived from parameters only);
 * its **core** is every node between it and the next such product that consumes its result
   (the product with v): the score product's descendants that are ancestors of that product,
-  both products included;
+  both products included, with no other matrix product among them (a path through a
+  projection is a layer, not a core);
 * the core's **prologue** is the cheap ops whose value only the core reads, taken in as far as
   they go: views, copies and elementwise ops (FLOPs at most one per output element, no matrix
   product) that are not parameters or derived from them — in math attention the scaling of q
@@ -208,24 +209,10 @@ def attention_cores(forward: GraphModule) -> tuple[list[AttentionCore], int]:
             tag = s.meta[COMPOSITE]
             fused.add((s.meta.get(MODULE) or "", tag.region))
             continue
-        desc: set[Node] = set()
-        todo = [s]
-        while todo:
-            for u in todo.pop().users:
-                if u not in desc:
-                    desc.add(u)
-                    todo.append(u)
-        ends = sorted((u for u in desc if product(u)), key=order.__getitem__)
-        if not ends:
+        found = _core(s, product, order)
+        if found is None:
             continue
-        end = ends[0]
-        core = {s, end}
-        todo = [end]
-        while todo:
-            for a in todo.pop().all_input_nodes:
-                if a in desc and a not in core:
-                    core.add(a)
-                    todo.append(a)
+        end, core = found
         pro = _prologue(core, state)
         taken |= core
         mod = s.meta.get(MODULE) or "(root)"
@@ -240,6 +227,33 @@ def attention_cores(forward: GraphModule) -> tuple[list[AttentionCore], int]:
             )
         )
     return cores, len(fused)
+
+
+def _core(s: Node, product, order: dict[Node, int]) -> tuple[Node, set[Node]] | None:
+    """(the product with v, the core's nodes) of score product ``s``, or None: no product of
+    activations consumes its result, or another matrix product lies between the two."""
+    desc: set[Node] = set()
+    todo = [s]
+    while todo:  # descendants, up to (not through) the next products of activations
+        for u in todo.pop().users:
+            if u not in desc:
+                desc.add(u)
+                if not product(u):
+                    todo.append(u)
+    ends = sorted((u for u in desc if product(u)), key=order.__getitem__)
+    if not ends:
+        return None
+    end = ends[0]
+    core = {s, end}
+    todo = [end]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a in desc and a not in core:
+                core.add(a)
+                todo.append(a)
+    if any(getattr(n.meta.get(COST), "mm_flops", 0) for n in core - {s, end}):
+        return None  # another matrix product between the two: a layer, not a core
+    return end, core
 
 
 def _prologue(core: set[Node], state: set[str]) -> set[Node]:
