@@ -130,6 +130,7 @@ class RecomputeMemory:
     recompute_mm_flops: of those, the matrix products'.
     saved_storages: the forward node names owning the storages ``saved_bytes`` counts.
     recomputed: the forward node names rerun in the backward.
+    per_core: core name -> (recompute FLOPs, recomputed nodes).
     train_peak_bytes: estimated train-step peak (parameters, gradients and optimizer state
         included); None when not computed.
     """
