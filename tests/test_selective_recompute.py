@@ -325,3 +325,18 @@ def test_products_with_a_projection_between_them_are_not_a_core():
     x = torch.randn(2, 4, 4, requires_grad=False)
     with pytest.raises(RecomputePolicyError, match="has no attention core"):
         analyze(_Gram(), (x,), jvp=False, loss="sum", recompute="attention")
+
+
+def test_memory_plot_draws_the_recompute_peak():
+    from matplotlib.text import Text
+
+    from graphflop import analyze
+    from graphflop.export.memory_plot import _figure
+    from graphflop.export.memory_timeline import memory_timeline
+
+    model, x = _tiny()
+    a = analyze(model, x, jvp=False, loss="sum", recompute="attention")
+    fig = _figure(a, memory_timeline(a))
+    texts = "\n".join(t.get_text() for t in fig.findobj(Text))
+    peak = a.report.memory.recompute.train_peak_bytes
+    assert f"what-if --recompute attention: peak {peak / 2**10:.2f} KiB" in texts
