@@ -38,6 +38,8 @@ from graphflop.passes.forward_gradient import (
 )
 from graphflop.passes.infra import FLAT, SCOPES, TEMPLATE, GraphPass, run_passes
 from graphflop.passes.optimizer import OPTIMIZERS, AddOptimizerUpdate, for_every_parameter
+from graphflop.passes.selective_recompute import POLICIES as RECOMPUTE_POLICIES
+from graphflop.passes.selective_recompute import check_policy as check_recompute_policy
 from graphflop.passes.summary import Graphs, summarize
 from graphflop.passes.time_profile import TimeProfile
 from graphflop.passes.train_step import BuildTrainStep
@@ -47,6 +49,7 @@ __all__ = [
     "AMP_DTYPES",
     "DEVICES",
     "MEMORY_MODELS",
+    "RECOMPUTE_POLICIES",
     "SCHEMA_VERSION",
     "Analysis",
     "AnalyzeOptions",
@@ -192,13 +195,18 @@ class AnalyzeOptions:
             (:mod:`graphflop.passes.checkpoint`); needs the backward graph.
         amp: what-if autocast to ``bf16`` or ``fp16`` on ``device``: saved bytes and train
             peak in ``report.memory.amp`` (:mod:`graphflop.passes.amp`).
+        recompute: what-if ``attention``: selective recompute of every attention core (the
+            score product through the product with v rerun in the backward, its inputs
+            saved; Korthikanti et al. 2022): saved bytes and recompute FLOPs in
+            ``report.memory.recompute`` (:mod:`graphflop.passes.selective_recompute`).
 
     Raises:
         ValueError: an unknown loss, optimizer, tangents, distribution, memory model, device or
             amp dtype; ``directions`` out of range; an empty or malformed ``checkpoint``
-            pattern; a what-if (``checkpoint``, ``amp``, ``keep_grads``) with
-            ``backward=False``; ``checkpoint`` or ``amp`` (what-ifs on the eager memory model)
-            with ``memory_model`` ``graph`` or ``compiled``.
+            pattern; an unknown ``recompute`` policy; a what-if (``checkpoint``, ``amp``,
+            ``recompute``, ``keep_grads``) with ``backward=False``; ``checkpoint``, ``amp`` or
+            ``recompute`` (what-ifs on the eager memory model) with ``memory_model`` ``graph``
+            or ``compiled``; ``recompute`` on a model with no attention core.
         TypeError: a field of the wrong type (``directions`` not an int, ``backward``,
             ``jvp``, ``keep_grads`` not a bool, a choice or pattern not a str).
     """
@@ -215,6 +223,7 @@ class AnalyzeOptions:
     keep_grads: bool = False
     checkpoint: str | None = None
     amp: str | None = None
+    recompute: str | None = None
     time_profile: TimeProfile | None = None
 
     def __post_init__(self) -> None:
@@ -252,19 +261,16 @@ class AnalyzeOptions:
                     f"{type(self.checkpoint).__name__}"
                 )
             module_matcher(self.checkpoint)  # empty or malformed: CheckpointPatternError
-        if not self.backward and (
-            self.checkpoint is not None or self.amp is not None or self.keep_grads
-        ):
-            what = (
-                "checkpoint"
-                if self.checkpoint is not None
-                else "amp"
-                if self.amp is not None
-                else "keep_grads"
-            )
+        if self.recompute is not None:
+            check_recompute_policy(self.recompute)
+        eager_what_ifs = [
+            w for w in ("checkpoint", "amp", "recompute") if getattr(self, w) is not None
+        ]
+        if not self.backward and (eager_what_ifs or self.keep_grads):
+            what = eager_what_ifs[0] if eager_what_ifs else "keep_grads"
             raise ValueError(f"{what}= is a what-if on the backward, and backward=False skips it")
-        if self.memory_model != "eager" and (self.checkpoint is not None or self.amp is not None):
-            what = "checkpoint" if self.checkpoint is not None else "amp"
+        if self.memory_model != "eager" and eager_what_ifs:
+            what = eager_what_ifs[0]
             raise ValueError(
                 f"{what}= is a what-if on the eager memory model, not on memory_model="
                 f"{self.memory_model!r}: drop one of the two (or use memory_model='eager')"
@@ -356,6 +362,7 @@ def _what_ifs(
     optimizer: str,
     checkpoint: str | None,
     amp: str | None,
+    recompute: str | None = None,
 ) -> Report:
     """``report`` with the checkpointing and autocast what-ifs added to its memory section
     (each needs the backward graph; none without it)."""
@@ -374,6 +381,13 @@ def _what_ifs(
         state = mem.params_bytes + (mem.optimizer_state_bytes or 0)
         am = amp_memory(g.forward, g.backward, amp, device, optimizer, state)
         mem = replace(mem, amp=am.to_report())
+    if recompute is not None:
+        from graphflop.passes.selective_recompute import selective_recompute
+
+        rc = selective_recompute(
+            g.forward, g.backward, recompute, device, optimizer, mem.train_peak_bytes
+        )
+        mem = replace(mem, recompute=rc.to_report())
     return replace(report, memory=mem)
 
 
@@ -438,7 +452,7 @@ def _analyze(
             report.memory, model, example_inputs, fwd.meta.get(LOSS_KIND, "none"), optimizer, device
         )
         report = replace(report, memory=mem)
-    report = _what_ifs(report, g, device, optimizer, o.checkpoint, o.amp)
+    report = _what_ifs(report, g, device, optimizer, o.checkpoint, o.amp, o.recompute)
     if o.time_profile is not None:
         from graphflop.passes.step_time import time_report
 

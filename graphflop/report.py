@@ -441,6 +441,59 @@ class CheckpointWhatIf:
 
 
 @dataclass(frozen=True)
+class RecomputeWhatIf:
+    """With ``recompute=attention``: selective activation recomputation (Korthikanti et al.
+    2022) of every attention core, in bytes and FLOPs
+    (:mod:`graphflop.passes.selective_recompute`).
+
+    Attributes:
+        execution: the execution the figures describe, in words.
+        policy: ``attention``.
+        cores: the recomputed cores (the score product's module path), in forward order.
+        fused_cores: attention calls traced as PyTorch's fused kernel, which already save only
+            q, k, v, the output and the logsumexp: left alone.
+        prologue_recomputed: whether the cheap ops only a core reads (the scaling of q, the
+            reshapes before the products) are recomputed with it (they save bytes).
+        saved_for_backward_bytes: bytes saved for backward with the cores recomputed (once per
+            storage).
+        eager_saved_for_backward_bytes: the eager model's saved bytes without.
+        recompute_input_bytes: of ``saved_for_backward_bytes``, the cores' inputs.
+        recompute_flops: FLOPs of the forward nodes rerun in the backward, all cores.
+        recompute_mm_flops: of those, the matrix products' (the score product and the product
+            with v).
+        train_peak_bytes: estimated train-step peak (parameters, gradients and optimizer state
+            included); None when not computed (absent from the JSON).
+        per_core: each core's recompute FLOPs and nodes (``module`` names the core).
+    """
+
+    execution: str
+    policy: str
+    cores: tuple[str, ...]
+    fused_cores: int
+    prologue_recomputed: bool
+    saved_for_backward_bytes: int
+    eager_saved_for_backward_bytes: int
+    recompute_input_bytes: int
+    recompute_flops: int
+    recompute_mm_flops: int
+    train_peak_bytes: int | None
+    per_core: tuple[CheckpointedModule, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _plain(v) for k, v in _fields_dict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RecomputeWhatIf:
+        return cls(
+            **{
+                **_pick(cls, {"train_peak_bytes": None, **d}),
+                "cores": tuple(d["cores"]),
+                "per_core": tuple(CheckpointedModule.from_dict(m) for m in d["per_core"]),
+            }
+        )
+
+
+@dataclass(frozen=True)
 class AmpWhatIf:
     """With ``amp=bf16|fp16``: a step under ``torch.autocast``, in bytes
     (:mod:`graphflop.passes.amp`).
@@ -499,6 +552,8 @@ class Memory:
             recompute FLOPs: :class:`CheckpointWhatIf`).
         amp: with ``amp=bf16|fp16``, the autocast what-if (saved bytes, train peak:
             :class:`AmpWhatIf`).
+        recompute: with ``recompute=attention``, selective recompute of the attention cores
+            (saved bytes, recompute FLOPs: :class:`RecomputeWhatIf`).
     """
 
     params_bytes: int
@@ -515,6 +570,7 @@ class Memory:
     compiled: CompiledWhatIf | None = None
     checkpoint: CheckpointWhatIf | None = None
     amp: AmpWhatIf | None = None
+    recompute: RecomputeWhatIf | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _plain(v) for k, v in _fields_dict(self).items() if v is not None}
@@ -525,6 +581,7 @@ class Memory:
             "compiled": CompiledWhatIf,
             "checkpoint": CheckpointWhatIf,
             "amp": AmpWhatIf,
+            "recompute": RecomputeWhatIf,
         }
         return cls(
             **{

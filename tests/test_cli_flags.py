@@ -106,6 +106,7 @@ SPECIAL = {
     "seq",
     "eval",
     "routing",  # mixture-of-experts models only (an MLP refuses it): tests/test_presets.py
+    "recompute",  # models with attention only (an MLP refuses it): below
 }
 
 
@@ -287,6 +288,14 @@ def test_table_flags_change_the_table(capsys):
     default = table()
     for flags in (["--by", "op"], ["--depth", "1"], ["--units", "macs"], ["--max-layers", "1"]):
         assert table(*flags) != default, flags
+
+
+def _case_recompute(capsys, tmp_path, default_doc, monkeypatch):
+    """--recompute reaches the analysis: the MLP has no attention core, which the analysis
+    says in one line (exit 2); on an attention model the document equals the API's
+    (tests/test_selective_recompute.py)."""
+    rc, doc, _, err = cli_doc(capsys, "--recompute", "attention")
+    assert rc == 2 and not doc and "has no attention core" in err
 
 
 def _case_memory_device(capsys, tmp_path, default_doc, monkeypatch):

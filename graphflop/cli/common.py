@@ -49,6 +49,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from graphflop.ops import MissingRuleError
     from graphflop.parallel import PlanError
     from graphflop.passes.checkpoint import CheckpointPatternError
+    from graphflop.passes.selective_recompute import RecomputePolicyError
     from graphflop.passes.time_profile import ProfileError
     from graphflop.runtime.bench import BenchError
     from graphflop.runtime.onnxrt import DeviceError
@@ -66,6 +67,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         DeviceError,
         BenchError,
         CheckpointPatternError,
+        RecomputePolicyError,
         UnknownDevice,
         NoPeak,
         ProfileError,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from graphflop.ad.jvp import TANGENT_CHOICES
-from graphflop.analysis import AMP_DTYPES, DEVICES, MEMORY_MODELS
+from graphflop.analysis import AMP_DTYPES, DEVICES, MEMORY_MODELS, RECOMPUTE_POLICIES
 from graphflop.cli.common import (
     EXIT_VERIFY_FAILED,
     OPTIMIZER_CHOICES,
@@ -110,6 +110,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
         choices=AMP_DTYPES,
         help="what-if: autocast to this dtype on --memory-device: saved bytes and train peak "
         "in memory.amp (FLOPs unchanged)",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_POLICIES,
+        help="what-if: selective activation recomputation (Korthikanti et al. 2022). "
+        "'attention': every attention core found in the graph (a matrix product of two "
+        "activations, q·kᵀ, through the next such product consuming it, the product with v: "
+        "scaling, mask, softmax and its dropout in between) is rerun in the backward and only "
+        "its inputs are saved; saved bytes and recompute FLOPs in memory.recompute. Fused "
+        "attention kernels already save only q, k, v and the logsumexp and are left alone",
     )
     p.add_argument(
         "--routing",
@@ -277,6 +287,7 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
             keep_grads=args.keep_grads,
             checkpoint=args.checkpoint,
             amp=args.amp,
+            recompute=args.recompute,
             time_profile=profile,
         )
         analysis = analyze_model(args, loaded, inputs, status, err=err, why=why, options=options)
@@ -471,6 +482,7 @@ def _backward_options(args: argparse.Namespace) -> list[str]:
         for option, given in (
             (f"--checkpoint {args.checkpoint}", args.checkpoint is not None),
             (f"--amp {args.amp}", args.amp is not None),
+            (f"--recompute {args.recompute}", args.recompute is not None),
             ("--keep-grads", args.keep_grads),
         )
         if given

@@ -112,6 +112,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--amp", choices=["bf16", "fp16"], help="what-if: autocast's saved bytes per stage"
     )
     p.add_argument(
+        "--recompute",
+        choices=["attention"],
+        help="what-if: selective activation recomputation (Korthikanti et al. 2022): each "
+        "attention core found in the graph (the score product q·kᵀ through the product with v) "
+        "rerun in the backward, only its inputs saved; activations and recompute FLOPs per "
+        "stage at local (TP/SP) size. Fused attention kernels need nothing and are left alone",
+    )
+    p.add_argument(
         "--memory-device",
         choices=["cpu", "cuda"],
         default="cuda",
@@ -215,6 +223,11 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from graphflop.parallel import PlanError, predict
 
     plan = _plan_from_args(args)
+    if args.checkpoint is not None and args.recompute is not None:
+        raise PlanError(
+            "--checkpoint and --recompute are two what-ifs on the saved activations, each "
+            "computed on its own from the eager model: give one of them"
+        )
     memory, device = _device_memory(args)
     from graphflop.parallel.render import RENDER_SUFFIXES
 
@@ -264,6 +277,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
         device=args.memory_device,
         checkpoint=args.checkpoint,
         amp=args.amp,
+        recompute=args.recompute,
     )
     with err.status("analysing", spinner="dots") as status:
         analysis = analyze_model(args, loaded, inputs, status, err=err, options=options)

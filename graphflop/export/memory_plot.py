@@ -6,8 +6,8 @@ built, and the JVP where one was. Each panel draws the always-live baseline (par
 gradients, optimizer state or parameter tangents where the memory model holds them throughout)
 under the bytes the schedule holds at each step, marks the peak (which equals the report's
 ``train_peak_bytes``/``forward_peak_bytes``/``jvp_peak_bytes``) and labels the largest tensors
-live there (node, module, shape, dtype, bytes). The what-if peaks of ``--checkpoint`` and
-``--amp`` are drawn as dashed lines on the training panel. Units: MiB (2^20 bytes), or B, KiB or
+live there (node, module, shape, dtype, bytes). The what-if peaks of ``--checkpoint``,
+``--amp`` and ``--recompute`` are drawn as dashed lines on the training panel. Units: MiB (2^20 bytes), or B, KiB or
 GiB for a figure whose largest peak is under 1 KiB, under 1 MiB or at least 1 GiB. matplotlib is
 imported when a plot is drawn, not with this module.
 """
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from graphflop.analysis import Analysis
     from graphflop.export.memory_timeline import LiveTensor, Timeline
-    from graphflop.report import AmpWhatIf, CheckpointWhatIf
+    from graphflop.report import AmpWhatIf, CheckpointWhatIf, RecomputeWhatIf
 
 __all__ = ["PLOT_SUFFIXES", "plot_memory"]
 
@@ -84,7 +84,7 @@ def _figure(analysis: Analysis, timelines: list[Timeline]):
     for ax, tl in zip(axes, timelines):
         _panel(ax, tl, unit)
         if tl.kind == "train":
-            _what_ifs(ax, mem.checkpoint, mem.amp, unit)
+            _what_ifs(ax, mem.checkpoint, mem.amp, unit, mem.recompute)
         ax.legend(loc="upper left", fontsize=7, framealpha=0.85)
     grads = "; gradients kept (--keep-grads)" if mem.keep_grads else ""
     fig.suptitle(
@@ -161,9 +161,14 @@ def _tensor_label(t: LiveTensor, unit: tuple[str, int]) -> str:
 
 
 def _what_ifs(
-    ax, checkpoint: CheckpointWhatIf | None, amp: AmpWhatIf | None, unit: tuple[str, int]
+    ax,
+    checkpoint: CheckpointWhatIf | None,
+    amp: AmpWhatIf | None,
+    unit: tuple[str, int],
+    recompute: RecomputeWhatIf | None = None,
 ) -> None:
-    """Dashed lines at the train peaks of the checkpointing and autocast what-ifs."""
+    """Dashed lines at the train peaks of the checkpointing, autocast and selective-recompute
+    what-ifs."""
     for label, peak, colour in (
         (
             f"--checkpoint {checkpoint.pattern if checkpoint else ''}",
@@ -171,6 +176,11 @@ def _what_ifs(
             "#2ca02c",
         ),
         (f"--amp {amp.dtype if amp else ''}", amp.train_peak_bytes if amp else None, "#9467bd"),
+        (
+            f"--recompute {recompute.policy if recompute else ''}",
+            recompute.train_peak_bytes if recompute else None,
+            "#8c564b",
+        ),
     ):
         if peak:
             y = peak / unit[1]

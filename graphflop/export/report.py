@@ -481,6 +481,15 @@ def _summary_lines(r: Report) -> list[str]:
             f", train peak {human_bytes(amp.train_peak_bytes)}"
             + (" (FLOPs unchanged)" if amp.flops_unchanged else "")
         )
+    rc = m.recompute
+    if rc:  # the what-if of --recompute (its JSON: memory.recompute)
+        lines.append(
+            f"recompute {rc.policy} ({len(rc.cores)} cores"
+            + (f", {rc.fused_cores} fused left alone" if rc.fused_cores else "")
+            + f"): saved for backward {human_bytes(rc.saved_for_backward_bytes)} (eager "
+            f"{human_bytes(rc.eager_saved_for_backward_bytes)}), train peak "
+            f"{human_bytes(rc.train_peak_bytes)}, recompute {human(rc.recompute_flops)} FLOPs"
+        )
     return lines
 
 

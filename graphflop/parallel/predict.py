@@ -391,7 +391,21 @@ def predict(  # noqa: C901
     # activations per micro-batch, at local size, per stage -------------------------------
     saved = eager_saved_storages(fwd, bwd, memory_device)
     saved_local = [0] * plan.pp
+    rec = rep.memory.recompute
+    sel = None
+    if rec is not None:  # selective recompute: only the storages it keeps, each at local size
+        from graphflop.passes.selective_recompute import selective_recompute
+
+        sel = selective_recompute(fwd, bwd, rec.policy, memory_device)
+        notes.append(
+            f"--recompute {rec.policy}: {len(sel.cores)} attention cores rerun in the backward "
+            "(their residuals not saved, their inputs saved), each storage and each rerun "
+            "node at its local size"
+            + (f"; {sel.fused_cores} fused attention calls left alone" if sel.fused_cores else "")
+        )
     for name, nbytes in saved.items():
+        if sel is not None and name not in sel.saved_storages:
+            continue
         whole = _global_bytes(fwd, name)
         loc = fp.local_bytes.get(name, whole)
         frac = loc / whole if whole else 1.0
@@ -475,6 +489,12 @@ def predict(  # noqa: C901
         c, w = fp.cost[n.name], f_weight.get(n.name, 1)
         bf[rank_stage(f_stage[n.name])]["backward"] += c.flops * w
         bm[rank_stage(f_stage[n.name])]["backward"] += c.mm_flops * w
+    if sel is not None:  # the cores' rerun, node by node at local cost
+        for n in fwd.graph.nodes:
+            if n.name in sel.recomputed and n.name in fp.cost:
+                s, w = rank_stage(f_stage.get(n.name, 0)), f_weight.get(n.name, 1)
+                bf[s]["recompute"] += fp.cost[n.name].flops * w
+                bm[s]["recompute"] += fp.cost[n.name].mm_flops * w
     if ck is not None:
         glob_fwd: dict[str, int] = {}
         loc_fwd: dict[str, int] = {}
