@@ -1,15 +1,17 @@
 """``graphflop plan`` against torch's own engines (:mod:`graphflop.runtime.parallel_probe`,
-torchrun, gloo, 2 ranks, the last of 3 steps): the predicted collectives equal the logged ones
-as a multiset (kind, group size, elements, dtype, phase), the predicted matrix-product FLOPs
-equal FlopCounterMode's count of each rank's local ops, the predicted peak is within 2 % of the
-profiler's allocator peak.
+torchrun, gloo, 2 ranks (4 for FSDP × TP on a 2 × 2 mesh), the last of 3 steps): on every
+rank the predicted collectives (send/recv included for pipelines) equal the logged ones as a
+multiset (kind, group size, elements, dtype, phase), the predicted matrix-product FLOPs equal
+FlopCounterMode's count of the rank's local ops (a pipeline rank's: its stage class's), the
+predicted peak is within 2 % of the profiler's allocator peak.
 
 The model is models/llama.py at a tiny size (vocabulary 128, width 64, 4 blocks, 4 query and 2
 key/value heads of 16, SwiGLU width 128), global batch 4 × 16 tokens, AdamW: each of the 2
 data-parallel ranks trains on 2 × 16 tokens, each tensor-parallel rank on all 4 × 16, the
-micro-batch graphflop analyses. The peak is asserted for DDP, ZeRO-1 and TP, whose figure is
-the eager schedule's with each storage at its local size; for ZeRO-2/3 and TP + SP it is
-still an estimate (docs/parallel.md gives the gaps).
+micro-batch graphflop analyses; pipelines (GPipe, 1F1B, interleaved 1F1B with 2 chunks per
+rank) split the batch into 2 micro-batches of 2 × 16. The peak is asserted for DDP, ZeRO-1 and
+TP, whose figure is the eager schedule's with each storage at its local size; for ZeRO-2/3,
+TP + SP, the pipelines and FSDP × TP it is still an estimate (docs/parallel.md gives the gaps).
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ _PLANS = {
     "zero3": (dict(dp=2, zero=3), B // 2),
     "tp": (dict(tp=2), B),
     "tp_sp": (dict(tp=2, sp=True), B),
+    # pipelines: 2 ranks, 2 micro-batches of B / 2 rows; interleaved with 2 model chunks per
+    # rank (4 blocks = 4 virtual stages of one block, looped: rank 0 runs stages 0 and 2)
+    "pp_gpipe": (dict(pp=2, schedule="gpipe", micro_batches=2), B // 2),
+    "pp_1f1b": (dict(pp=2, schedule="1f1b", micro_batches=2), B // 2),
+    "pp_interleaved": (dict(pp=2, schedule="interleaved", micro_batches=2, chunks=2), B // 2),
+    # a 2-D mesh of 4 ranks: dp 2 (FSDP2 fully_shard) × tp 2 (parallelize_module); each
+    # tensor-parallel pair trains on its data-parallel rank's B / 2 rows
+    "fsdp_tp": (dict(dp=2, tp=2, zero=3), B // 2),
 }
 _ANALYSES: dict[int, tuple] = {}
 
@@ -54,18 +64,23 @@ def _analysis(rows: int):
     return _ANALYSES[rows]
 
 
-def _logged(mode: str) -> list[dict]:
+def _logged(mode: str, nproc: int) -> list[dict]:
     args = [f"{k}={v}" for k, v in TINY.items()]
-    return run_probe(LLAMA, mode, 2, args=args, batch=B, seq=T, micro_batches=2)
+    return run_probe(LLAMA, mode, nproc, args=args, batch=B, seq=T, micro_batches=2)
 
 
 @pytest.mark.parametrize("mode", list(_PLANS))
 def test_plan_equals_engine(mode):
     kw, rows = _PLANS[mode]
     model, a = _analysis(rows)
-    rank = predict(a, model, Plan(**kw), micro_batch=rows).ranks[0]
-    predicted = Counter(c.key() for c in rank.collectives)
-    for rec in _logged(mode):
+    plan = Plan(**kw)
+    report = predict(a, model, plan, micro_batch=rows)
+    assert len(report.ranks) == plan.pp
+    for rec in _logged(mode, plan.world):
+        # a pipeline rank is its stage's class (rank r runs stages r, r + pp, ...); every
+        # other rank is the one class
+        rank = report.ranks[rec["rank"] % plan.pp]
+        predicted = Counter(c.key() for c in rank.collectives)
         logged = Counter(
             (c["kind"], c["group_size"], c["elements"], c["dtype"], c["phase"])
             for c in rec["collectives"]
