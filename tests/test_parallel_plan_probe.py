@@ -16,12 +16,14 @@ TP + SP, the pipelines and FSDP × TP it is still an estimate (docs/parallel.md 
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from graphflop.analysis import analyze
+from graphflop.cli import main
 from graphflop.load import load, make_inputs
 from graphflop.parallel import Plan, predict
 from graphflop.runtime.parallel_probe import run_probe
@@ -89,10 +91,35 @@ def test_plan_equals_engine(mode):
         # FlopCounterMode counts matrix products (and the fused attention kernel by its SDPA
         # formulas, whose backward recomputes the scores): graphflop's mm FLOPs, exactly
         assert rank.mm_flops["total"] == rec["flops"], rec["flops_by_op"]
-        if mode in ("ddp", "zero1", "tp"):
+        if mode in ("ddp", "zero1", "tp", "pp_gpipe", "pp_1f1b", "pp_interleaved"):
             peak = rank.memory_bytes["peak"]
             assert abs(peak - rec["peak_bytes"]) <= 0.02 * rec["peak_bytes"], (
                 peak,
                 rec["peak_bytes"],
                 rec["live_by_kind"],
             )
+
+
+_CLI_FLAGS = {
+    "pp_gpipe": ["--pp", "2", "--schedule", "gpipe", "--micro-batches", "2"],
+    "pp_1f1b": ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "2"],
+    "pp_interleaved": ["--pp", "2", "--schedule", "interleaved", "--micro-batches", "2"],
+    "fsdp_tp": ["--dp", "2", "--tp", "2", "--zero", "3"],
+}
+
+
+@pytest.mark.parametrize("mode", list(_CLI_FLAGS))
+def test_cli_plan_is_the_prediction(mode, tmp_path, capsys):
+    """``graphflop plan`` with the global batch (4) and the plan's flags, the memory model on
+    CPU as the probe runs (the command's default is CUDA), writes the ranks predicted above."""
+    kw, rows = _PLANS[mode]
+    model, a = _analysis(rows)
+    report = predict(a, model, Plan(**kw), micro_batch=rows)
+    out = tmp_path / "plan.json"
+    args = [f"--arg={k}={v}" for k, v in TINY.items()]
+    args += ["--input-shape", f"1,{T}", "--dtype", "int64", "--global-batch", str(B)]
+    args += ["--optimizer", "adamw", "--memory-device", "cpu", "--json", str(out)]
+    assert main(["plan", LLAMA, *args, *_CLI_FLAGS[mode]]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["micro_batch"] == rows and doc["global_batch"] == B
+    assert doc["ranks"] == json.loads(json.dumps([r.to_dict() for r in report.ranks]))
