@@ -10,8 +10,10 @@ key/value heads of 16, SwiGLU width 128), global batch 4 × 16 tokens, AdamW: ea
 data-parallel ranks trains on 2 × 16 tokens, each tensor-parallel rank on all 4 × 16, the
 micro-batch graphflop analyses; pipelines (GPipe, 1F1B, interleaved 1F1B with 2 chunks per
 rank) split the batch into 2 micro-batches of 2 × 16. The peak is asserted for DDP, ZeRO-1 and
-TP, whose figure is the eager schedule's with each storage at its local size; for ZeRO-2/3,
-TP + SP, the pipelines and FSDP × TP it is still an estimate (docs/parallel.md gives the gaps).
+TP, whose figure is the eager schedule's with each storage at its local size, and for the
+pipelines, whose figure replays that schedule per stage and micro-batch in the pipeline's
+order; for ZeRO-2/3, TP + SP and FSDP × TP it is still an estimate (docs/parallel.md gives the
+gaps term by term).
 """
 
 from __future__ import annotations

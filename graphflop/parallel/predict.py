@@ -29,9 +29,13 @@ micro-batches of 1/v of the stage each (Megatron's warm-up count).
 Memory per rank: parameters, gradients and optimizer state as the ZeRO stage shards them,
 activations (the eager memory model's saved tensors, each at its local TP size) × in flight,
 FSDP's gathered parameters (ZeRO 3: the unit running and the one prefetched; ZeRO 2: every
-unit of the stage, kept from forward to backward), DDP's gradient buckets, the micro-batch, and
-the step's rise: with one stage, ZeRO 0/1 and every block analysed, the eager memory model's
-train schedule with every storage at its local size under the TP placements; otherwise the
+unit of the stage, kept from forward to backward), DDP's gradient buckets and a pipeline
+stage's receive buffers (one per micro-batch and received tensor), the micro-batch (a
+pipeline's first stage every micro-batch's inputs, its last their targets), and the step's
+rise: with one stage, ZeRO 0/1 and every block analysed, the eager memory model's train
+schedule with every storage at its local size under the TP placements; with pipeline stages
+(ZeRO 0/1, every block analysed), that schedule's steps of each of the rank's stages replayed
+per micro-batch in the pipeline schedule's order (:func:`_pipeline_rise`); otherwise the
 analysis's eager train peak less its parameters and optimizer state, scaled by this rank's
 gradients plus activations in flight over the single rank's (an estimate).
 """
@@ -87,11 +91,13 @@ class RankClass:
         mm_flops: the matrix-product part of the same (FlopCounterMode's convention).
         memory_bytes: parameters, gradients, optimizer_state (with Adam's step counts),
             activations (saved tensors × in flight), all_gather_buffers (FSDP's gathered
-            units), engine_buffers (DDP's gradient buckets), batch (the micro-batch's inputs
-            and targets), step_rise (the eager step's rise over its start, gradients and
-            activations as they coexist there, scaled by this rank's gradients and activations
-            over the single rank's), peak = parameters + optimizer_state + all_gather_buffers
-            + engine_buffers + batch + step_rise.
+            units), engine_buffers (DDP's gradient buckets, a pipeline stage's receive
+            buffers), batch (the micro-batch's inputs and targets; a pipeline stage's inputs
+            or targets of every micro-batch), step_rise (the eager step's rise over its start,
+            gradients and activations as they coexist there, at local sizes or replayed in the
+            pipeline's order where the module docstring says so, else scaled by this rank's
+            gradients and activations over the single rank's), peak = parameters +
+            optimizer_state + all_gather_buffers + engine_buffers + batch + step_rise.
         in_flight: micro-batches whose activations the stage holds at its peak (fractional
             for interleaved chunks).
         collectives: per step, each with its group (tp, dp, pp).
