@@ -68,9 +68,34 @@ def _analysis(rows: int):
     return _ANALYSES[rows]
 
 
-def _logged(mode: str, nproc: int) -> list[dict]:
+def _logged(mode: str, nproc: int, batch: int = B, micro_batches: int = 2) -> list[dict]:
     args = [f"{k}={v}" for k, v in TINY.items()]
-    return run_probe(LLAMA, mode, nproc, args=args, batch=B, seq=T, micro_batches=2)
+    return run_probe(LLAMA, mode, nproc, args=args, batch=batch, seq=T, micro_batches=micro_batches)
+
+
+def _check(report, logged: list[dict], with_peak: bool) -> None:
+    assert len(report.ranks) == report.plan.pp
+    for rec in logged:
+        # a pipeline rank is its stage's class (rank r runs stages r, r + pp, ...); every
+        # other rank is the one class
+        rank = report.ranks[rec["rank"] % report.plan.pp]
+        predicted = Counter(c.key() for c in rank.collectives)
+        logged_set = Counter(
+            (c["kind"], c["group_size"], c["elements"], c["dtype"], c["phase"])
+            for c in rec["collectives"]
+        )
+        assert predicted == logged_set, (rec["rank"], predicted, logged_set)
+        # FlopCounterMode counts matrix products (and the fused attention kernel by its SDPA
+        # formulas, whose backward recomputes the scores): graphflop's mm FLOPs, exactly
+        assert rank.mm_flops["total"] == rec["flops"], rec["flops_by_op"]
+        if with_peak:
+            peak = rank.memory_bytes["peak"]
+            assert abs(peak - rec["peak_bytes"]) <= 0.02 * rec["peak_bytes"], (
+                rec["rank"],
+                peak,
+                rec["peak_bytes"],
+                rec["live_by_kind"],
+            )
 
 
 @pytest.mark.parametrize("mode", list(_PLANS))
@@ -79,27 +104,19 @@ def test_plan_equals_engine(mode):
     model, a = _analysis(rows)
     plan = Plan(**kw)
     report = predict(a, model, plan, micro_batch=rows)
-    assert len(report.ranks) == plan.pp
-    for rec in _logged(mode, plan.world):
-        # a pipeline rank is its stage's class (rank r runs stages r, r + pp, ...); every
-        # other rank is the one class
-        rank = report.ranks[rec["rank"] % plan.pp]
-        predicted = Counter(c.key() for c in rank.collectives)
-        logged = Counter(
-            (c["kind"], c["group_size"], c["elements"], c["dtype"], c["phase"])
-            for c in rec["collectives"]
-        )
-        assert predicted == logged, (rec["rank"], predicted, logged)
-        # FlopCounterMode counts matrix products (and the fused attention kernel by its SDPA
-        # formulas, whose backward recomputes the scores): graphflop's mm FLOPs, exactly
-        assert rank.mm_flops["total"] == rec["flops"], rec["flops_by_op"]
-        if mode in ("ddp", "zero1", "tp", "pp_gpipe", "pp_1f1b", "pp_interleaved"):
-            peak = rank.memory_bytes["peak"]
-            assert abs(peak - rec["peak_bytes"]) <= 0.02 * rec["peak_bytes"], (
-                peak,
-                rec["peak_bytes"],
-                rec["live_by_kind"],
-            )
+    peak_checked = ("ddp", "zero1", "tp", "pp_gpipe", "pp_1f1b", "pp_interleaved")
+    _check(report, _logged(mode, plan.world), mode in peak_checked)
+
+
+def test_pp_three_stages_1f1b_middle_class():
+    """1F1B over 3 ranks, 3 micro-batches of 2 × 16 (global batch 6): blocks 2, 1 and 1 (the
+    first stage takes the remainder); the middle stage receives and sends both ways, and
+    each send/recv is on the pipeline's group of 3."""
+    model, a = _analysis(B // 2)
+    plan = Plan(pp=3, schedule="1f1b", micro_batches=3)
+    report = predict(a, model, plan, micro_batch=B // 2)
+    assert report.ranks[1].name == "stage 1 (middle)"
+    _check(report, _logged("pp_1f1b", 3, batch=6, micro_batches=3), with_peak=True)
 
 
 _CLI_FLAGS = {

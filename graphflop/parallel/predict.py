@@ -890,8 +890,9 @@ def _ddp_buckets(bwd, bp, grad_want, params, local_numel, esize, dtype_of, dp, o
 
 def _pipeline_sends(fwd, fp: Placements, f_stage, plan: Plan, per_stage) -> None:
     """Per micro-batch: each activation crossing from one virtual stage to a later one, sent
-    in the forward and its cotangent sent back in the backward (received by the other)."""
-    m = plan.micro_batches
+    in the forward and its cotangent sent back in the backward (received by the other), over
+    the pipeline's group of ``pp`` ranks (torch's ``PipelineStage`` sends on its group)."""
+    m, p = plan.micro_batches, plan.pp
     for n in fwd.graph.nodes:
         if n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):
             continue
@@ -907,11 +908,11 @@ def _pipeline_sends(fwd, fp: Placements, f_stage, plan: Plan, per_stage) -> None
             a, b = s % plan.pp, t % plan.pp
             dt = _dtype(v)
             for _ in range(m):
-                per_stage[a].append(Collective("send", "pp", 2, elems, dt, "forward", n.name))
-                per_stage[b].append(Collective("recv", "pp", 2, elems, dt, "forward", n.name))
+                per_stage[a].append(Collective("send", "pp", p, elems, dt, "forward", n.name))
+                per_stage[b].append(Collective("recv", "pp", p, elems, dt, "forward", n.name))
                 if grad:
-                    per_stage[b].append(Collective("send", "pp", 2, elems, dt, "backward", n.name))
-                    per_stage[a].append(Collective("recv", "pp", 2, elems, dt, "backward", n.name))
+                    per_stage[b].append(Collective("send", "pp", p, elems, dt, "backward", n.name))
+                    per_stage[a].append(Collective("recv", "pp", p, elems, dt, "backward", n.name))
 
 
 def _pipeline_actions(plan: Plan, rank: int) -> list[tuple[str, int, int]]:
