@@ -989,11 +989,18 @@ def _pipeline_rise(
         prefix, _, name = key.partition(":")
         return f_stage.get(name) if prefix == "f" else b_stage.get(name) if prefix == "b" else None
 
+    # each stage's steps, reading only the stage's own values (what it receives sits in the
+    # receive buffers), the batch's micro-batch slices views of the whole batch
     by_stage: dict[tuple[str, int], list[Step]] = {}
     for st in base.steps:
         v = stage_of(st.key)
         if v is not None:
-            by_stage.setdefault((st.key[0], v), []).append(st)
+            reads = [r for r in st.reads if stage_of(r) == v]
+            alias = st.alias_of if st.alias_of and stage_of(st.alias_of) == v else None
+            nbytes = 0 if st.key in batch else st.nbytes
+            by_stage.setdefault((st.key[0], v), []).append(
+                Step(st.key, nbytes, alias, reads, st.extra)
+            )
     # values crossing stage boundaries: sent on by their stage, received by a later one
     sent: dict[int, list[str]] = {}
     grad_in: dict[int, int] = {}
@@ -1014,10 +1021,9 @@ def _pipeline_rise(
     for kind, v, mb in _pipeline_actions(plan, rank):
         pre = f"{mb}/"
         for st in by_stage.get(("f" if kind == "F" else "b", v), []):
-            reads = [pre + r for r in st.reads if stage_of(r) == v]
-            alias = pre + st.alias_of if st.alias_of and stage_of(st.alias_of) == v else None
-            nbytes = 0 if st.key in batch else st.nbytes
-            sched.steps.append(Step(pre + st.key, nbytes, alias, reads, st.extra))
+            alias = pre + st.alias_of if st.alias_of else None
+            reads = [pre + r for r in st.reads]
+            sched.steps.append(Step(pre + st.key, st.nbytes, alias, reads, st.extra))
         if kind == "F":
             if v == last:
                 sched.keep.update(pre + f"f:{o}" for o in sig.outputs)
