@@ -1,25 +1,31 @@
 """``graphflop plan`` against torch's own engines (:mod:`graphflop.runtime.parallel_probe`,
-torchrun, gloo, 2 ranks, the last of 3 steps): the predicted collectives equal the logged ones
-as a multiset (kind, group size, elements, dtype, phase), the predicted matrix-product FLOPs
-equal FlopCounterMode's count of each rank's local ops, the predicted peak is within 2 % of the
-profiler's allocator peak.
+torchrun, gloo, 2 ranks (4 for FSDP × TP on a 2 × 2 mesh), the last of 3 steps): on every
+rank the predicted collectives (send/recv included for pipelines) equal the logged ones as a
+multiset (kind, group size, elements, dtype, phase), the predicted matrix-product FLOPs equal
+FlopCounterMode's count of the rank's local ops (a pipeline rank's: its stage class's), the
+predicted peak is within 2 % of the profiler's allocator peak.
 
 The model is models/llama.py at a tiny size (vocabulary 128, width 64, 4 blocks, 4 query and 2
 key/value heads of 16, SwiGLU width 128), global batch 4 × 16 tokens, AdamW: each of the 2
 data-parallel ranks trains on 2 × 16 tokens, each tensor-parallel rank on all 4 × 16, the
-micro-batch graphflop analyses. The peak is asserted for DDP, ZeRO-1 and TP, whose figure is
-the eager schedule's with each storage at its local size; for ZeRO-2/3 and TP + SP it is
-still an estimate (docs/parallel.md gives the gaps).
+micro-batch graphflop analyses; pipelines (GPipe, 1F1B, interleaved 1F1B with 2 chunks per
+rank) split the batch into 2 micro-batches of 2 × 16. The peak is asserted for DDP, ZeRO-1 and
+TP, whose figure is the eager schedule's with each storage at its local size, and for the
+pipelines, whose figure replays that schedule per stage and micro-batch in the pipeline's
+order; for ZeRO-2/3, TP + SP and FSDP × TP it is still an estimate (docs/parallel.md gives the
+gaps term by term).
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from graphflop.analysis import analyze
+from graphflop.cli import main
 from graphflop.load import load, make_inputs
 from graphflop.parallel import Plan, predict
 from graphflop.runtime.parallel_probe import run_probe
@@ -40,6 +46,14 @@ _PLANS = {
     "zero3": (dict(dp=2, zero=3), B // 2),
     "tp": (dict(tp=2), B),
     "tp_sp": (dict(tp=2, sp=True), B),
+    # pipelines: 2 ranks, 2 micro-batches of B / 2 rows; interleaved with 2 model chunks per
+    # rank (4 blocks = 4 virtual stages of one block, looped: rank 0 runs stages 0 and 2)
+    "pp_gpipe": (dict(pp=2, schedule="gpipe", micro_batches=2), B // 2),
+    "pp_1f1b": (dict(pp=2, schedule="1f1b", micro_batches=2), B // 2),
+    "pp_interleaved": (dict(pp=2, schedule="interleaved", micro_batches=2, chunks=2), B // 2),
+    # a 2-D mesh of 4 ranks: dp 2 (FSDP2 fully_shard) × tp 2 (parallelize_module); each
+    # tensor-parallel pair trains on its data-parallel rank's B / 2 rows
+    "fsdp_tp": (dict(dp=2, tp=2, zero=3), B // 2),
 }
 _ANALYSES: dict[int, tuple] = {}
 
@@ -54,30 +68,77 @@ def _analysis(rows: int):
     return _ANALYSES[rows]
 
 
-def _logged(mode: str) -> list[dict]:
+def _logged(mode: str, nproc: int, batch: int = B, micro_batches: int = 2) -> list[dict]:
     args = [f"{k}={v}" for k, v in TINY.items()]
-    return run_probe(LLAMA, mode, 2, args=args, batch=B, seq=T, micro_batches=2)
+    return run_probe(LLAMA, mode, nproc, args=args, batch=batch, seq=T, micro_batches=micro_batches)
+
+
+def _check(report, logged: list[dict], with_peak: bool) -> None:
+    assert len(report.ranks) == report.plan.pp
+    for rec in logged:
+        # a pipeline rank is its stage's class (rank r runs stages r, r + pp, ...); every
+        # other rank is the one class
+        rank = report.ranks[rec["rank"] % report.plan.pp]
+        predicted = Counter(c.key() for c in rank.collectives)
+        logged_set = Counter(
+            (c["kind"], c["group_size"], c["elements"], c["dtype"], c["phase"])
+            for c in rec["collectives"]
+        )
+        assert predicted == logged_set, (rec["rank"], predicted, logged_set)
+        # FlopCounterMode counts matrix products (and the fused attention kernel by its SDPA
+        # formulas, whose backward recomputes the scores): graphflop's mm FLOPs, exactly
+        assert rank.mm_flops["total"] == rec["flops"], rec["flops_by_op"]
+        if with_peak:
+            peak = rank.memory_bytes["peak"]
+            assert abs(peak - rec["peak_bytes"]) <= 0.02 * rec["peak_bytes"], (
+                rec["rank"],
+                peak,
+                rec["peak_bytes"],
+                rec["live_by_kind"],
+            )
 
 
 @pytest.mark.parametrize("mode", list(_PLANS))
 def test_plan_equals_engine(mode):
     kw, rows = _PLANS[mode]
     model, a = _analysis(rows)
-    rank = predict(a, model, Plan(**kw), micro_batch=rows).ranks[0]
-    predicted = Counter(c.key() for c in rank.collectives)
-    for rec in _logged(mode):
-        logged = Counter(
-            (c["kind"], c["group_size"], c["elements"], c["dtype"], c["phase"])
-            for c in rec["collectives"]
-        )
-        assert predicted == logged, (rec["rank"], predicted, logged)
-        # FlopCounterMode counts matrix products (and the fused attention kernel by its SDPA
-        # formulas, whose backward recomputes the scores): graphflop's mm FLOPs, exactly
-        assert rank.mm_flops["total"] == rec["flops"], rec["flops_by_op"]
-        if mode in ("ddp", "zero1", "tp"):
-            peak = rank.memory_bytes["peak"]
-            assert abs(peak - rec["peak_bytes"]) <= 0.02 * rec["peak_bytes"], (
-                peak,
-                rec["peak_bytes"],
-                rec["live_by_kind"],
-            )
+    plan = Plan(**kw)
+    report = predict(a, model, plan, micro_batch=rows)
+    peak_checked = ("ddp", "zero1", "tp", "pp_gpipe", "pp_1f1b", "pp_interleaved")
+    _check(report, _logged(mode, plan.world), mode in peak_checked)
+
+
+def test_pp_three_stages_1f1b_middle_class():
+    """1F1B over 3 ranks, 3 micro-batches of 2 × 16 (global batch 6): blocks 2, 1 and 1 (the
+    first stage takes the remainder); the middle stage receives and sends both ways, and
+    each send/recv is on the pipeline's group of 3."""
+    model, a = _analysis(B // 2)
+    plan = Plan(pp=3, schedule="1f1b", micro_batches=3)
+    report = predict(a, model, plan, micro_batch=B // 2)
+    assert report.ranks[1].name == "stage 1 (middle)"
+    _check(report, _logged("pp_1f1b", 3, batch=6, micro_batches=3), with_peak=True)
+
+
+_CLI_FLAGS = {
+    "pp_gpipe": ["--pp", "2", "--schedule", "gpipe", "--micro-batches", "2"],
+    "pp_1f1b": ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "2"],
+    "pp_interleaved": ["--pp", "2", "--schedule", "interleaved", "--micro-batches", "2"],
+    "fsdp_tp": ["--dp", "2", "--tp", "2", "--zero", "3"],
+}
+
+
+@pytest.mark.parametrize("mode", list(_CLI_FLAGS))
+def test_cli_plan_is_the_prediction(mode, tmp_path, capsys):
+    """``graphflop plan`` with the global batch (4) and the plan's flags, the memory model on
+    CPU as the probe runs (the command's default is CUDA), writes the ranks predicted above."""
+    kw, rows = _PLANS[mode]
+    model, a = _analysis(rows)
+    report = predict(a, model, Plan(**kw), micro_batch=rows)
+    out = tmp_path / "plan.json"
+    args = [f"--arg={k}={v}" for k, v in TINY.items()]
+    args += ["--input-shape", f"1,{T}", "--dtype", "int64", "--global-batch", str(B)]
+    args += ["--optimizer", "adamw", "--memory-device", "cpu", "--json", str(out)]
+    assert main(["plan", LLAMA, *args, *_CLI_FLAGS[mode]]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["micro_batch"] == rows and doc["global_batch"] == B
+    assert doc["ranks"] == json.loads(json.dumps([r.to_dict() for r in report.ranks]))

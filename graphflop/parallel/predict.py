@@ -29,9 +29,13 @@ micro-batches of 1/v of the stage each (Megatron's warm-up count).
 Memory per rank: parameters, gradients and optimizer state as the ZeRO stage shards them,
 activations (the eager memory model's saved tensors, each at its local TP size) × in flight,
 FSDP's gathered parameters (ZeRO 3: the unit running and the one prefetched; ZeRO 2: every
-unit of the stage, kept from forward to backward), DDP's gradient buckets, the micro-batch, and
-the step's rise: with one stage, ZeRO 0/1 and every block analysed, the eager memory model's
-train schedule with every storage at its local size under the TP placements; otherwise the
+unit of the stage, kept from forward to backward), DDP's gradient buckets and a pipeline
+stage's receive buffers (one per micro-batch and received tensor), the micro-batch (a
+pipeline's first stage every micro-batch's inputs, its last their targets), and the step's
+rise: with one stage, ZeRO 0/1 and every block analysed, the eager memory model's train
+schedule with every storage at its local size under the TP placements; with pipeline stages
+(ZeRO 0/1, every block analysed), that schedule's steps of each of the rank's stages replayed
+per micro-batch in the pipeline schedule's order (:func:`_pipeline_rise`); otherwise the
 analysis's eager train peak less its parameters and optimizer state, scaled by this rank's
 gradients plus activations in flight over the single rank's (an estimate).
 """
@@ -58,7 +62,12 @@ from graphflop.parallel.placement import (
 )
 from graphflop.parallel.plan import Plan, PlanError
 from graphflop.parallel.tp_plan import boundary_layouts, default_tp_plan, param_placement
-from graphflop.passes.eager_memory import eager_saved_storages
+from graphflop.passes.eager_memory import (
+    eager_saved_storages,
+    eager_train_schedule,
+    optimizer_temporaries,
+)
+from graphflop.passes.memory import Schedule, Step
 
 __all__ = ["PlanReport", "RankClass", "find_blocks", "predict"]
 
@@ -82,11 +91,13 @@ class RankClass:
         mm_flops: the matrix-product part of the same (FlopCounterMode's convention).
         memory_bytes: parameters, gradients, optimizer_state (with Adam's step counts),
             activations (saved tensors × in flight), all_gather_buffers (FSDP's gathered
-            units), engine_buffers (DDP's gradient buckets), batch (the micro-batch's inputs
-            and targets), step_rise (the eager step's rise over its start, gradients and
-            activations as they coexist there, scaled by this rank's gradients and activations
-            over the single rank's), peak = parameters + optimizer_state + all_gather_buffers
-            + engine_buffers + batch + step_rise.
+            units), engine_buffers (DDP's gradient buckets, a pipeline stage's receive
+            buffers), batch (the micro-batch's inputs and targets; a pipeline stage's inputs
+            or targets of every micro-batch), step_rise (the eager step's rise over its start,
+            gradients and activations as they coexist there, at local sizes or replayed in the
+            pipeline's order where the module docstring says so, else scaled by this rank's
+            gradients and activations over the single rank's), peak = parameters +
+            optimizer_state + all_gather_buffers + engine_buffers + batch + step_rise.
         in_flight: micro-batches whose activations the stage holds at its peak (fractional
             for interleaved chunks).
         collectives: per step, each with its group (tp, dp, pp).
@@ -429,11 +440,15 @@ def predict(  # noqa: C901
     # coexist in the eager schedule), and what it is made of, for scaling to a rank
     rise = max(0, (mem.train_peak_bytes or 0) - mem.params_bytes - (mem.optimizer_state_bytes or 0))
     dynamic_global = (mem.grads_bytes or 0) + (mem.saved_for_backward_bytes or 0)
-    batch_bytes = sum(
-        phs[i].meta["val"].numel() * phs[i].meta["val"].element_size()
-        for i in (*sig.inputs, *sig.targets)
-        if i in phs and isinstance(phs[i].meta.get("val"), torch.Tensor)
+    inputs_bytes, targets_bytes = (
+        sum(
+            phs[i].meta["val"].numel() * phs[i].meta["val"].element_size()
+            for i in names
+            if i in phs and isinstance(phs[i].meta.get("val"), torch.Tensor)
+        )
+        for names in (sig.inputs, sig.targets)
     )
+    batch_bytes = inputs_bytes + targets_bytes
     # torch's Adam/AdamW keep a float32 step count per parameter beside the moments
     step_bytes = (
         4
@@ -459,6 +474,29 @@ def predict(  # noqa: C901
             getattr(rep.totals.update, "optimizer", "sgd"),
             [local_numel(q) * esize[q] for q in trainable],
         )
+    # pipelines (state not sharded by ZeRO-2/3, every block analysed): the eager schedule's
+    # steps of each stage replayed per micro-batch in the order the pipeline schedule runs them
+    stage_rise: list[int] | None = None
+    if plan.pp > 1 and plan.zero <= 1 and block_counts is None and mem.memory_model == "eager":
+        opt_name = getattr(rep.totals.update, "optimizer", "sgd")
+        base = _scaled_train_schedule(fwd, bwd, fp, bp, memory_device, opt_name, [])
+        stage_rise = [
+            _pipeline_rise(
+                base,
+                fwd,
+                fp,
+                f_stage,
+                b_stage,
+                plan,
+                r,
+                optimizer_temporaries(
+                    opt_name,
+                    [local_numel(q) * esize[q] for q in trainable if r in p_stages[q]],
+                    memory_device,
+                ),
+            )
+            for r in range(plan.pp)
+        ]
 
     # FLOPs per stage per micro-batch ----------------------------------------------------
     def sums(gm, pl: Placements, stage_of, role_map, weight):
@@ -585,11 +623,23 @@ def predict(  # noqa: C901
         act = round(saved_local[s] * ck_scale * in_flight)
         o_bytes += step_bytes * (len(owned) if plan.zero == 1 and owned is not None else len(tq))
         engine = g_bytes if plan.zero <= 1 and dp > 1 else 0  # DDP's gradient buckets
+        stage_batch = batch_bytes
+        if plan.pp > 1:
+            # a pipeline stage keeps a receive buffer per micro-batch for each tensor it
+            # receives (activations forward, cotangents backward), reused from step to step
+            engine += sum(c.bytes() for c in coll if c.kind == "recv" and c.group == "pp")
+            # the schedule splits the whole batch into views: the first stage holds the
+            # inputs, the last the targets, of every micro-batch
+            stage_batch = m * (
+                (inputs_bytes if s == 0 else 0) + (targets_bytes if s == plan.pp - 1 else 0)
+            )
         if local_rise is not None:
             step_rise = local_rise
+        elif stage_rise is not None:
+            step_rise = stage_rise[s]
         else:
             step_rise = round(rise * (g_bytes + act) / dynamic_global) if dynamic_global else 0
-        peak = p_bytes + o_bytes + gather_buf + engine + batch_bytes + step_rise
+        peak = p_bytes + o_bytes + gather_buf + engine + stage_batch + step_rise
         flops = {
             "forward": ff[s]["forward"] * m,
             "backward": bf[s]["backward"] * m,
@@ -628,7 +678,7 @@ def predict(  # noqa: C901
                     "activations": act,
                     "all_gather_buffers": gather_buf,
                     "engine_buffers": engine,
-                    "batch": batch_bytes,
+                    "batch": stage_batch,
                     "step_rise": step_rise,
                     "peak": peak,
                 },
@@ -674,8 +724,20 @@ def _local_schedule_rise(
     schedule (:func:`~graphflop.passes.eager_memory.eager_train_schedule`) with every storage
     and kernel temporary scaled to its node's local size under the TP placements, and the
     optimizer's temporaries of the local parameters."""
-    from graphflop.passes.eager_memory import eager_train_schedule, optimizer_temporaries
+    return _scaled_train_schedule(fwd, bwd, fp, bp, device, optimizer, local_param_bytes).peak()[0]
 
+
+def _scaled_train_schedule(
+    fwd: GraphModule,
+    bwd: GraphModule,
+    fp: Placements,
+    bp: Placements,
+    device: str,
+    optimizer: str,
+    local_param_bytes: list[int],
+) -> Schedule:
+    """The eager memory model's train schedule of one micro-batch with every storage and
+    kernel temporary at its node's local size (see :func:`_local_schedule_rise`)."""
     sched = eager_train_schedule(fwd, bwd, optimizer, device)
     whole = {"f": _node_bytes(fwd), "b": _node_bytes(bwd)}
     local = {"f": fp.local_bytes, "b": bp.local_bytes}
@@ -689,7 +751,7 @@ def _local_schedule_rise(
         if w and lo is not None and lo != w:
             st.nbytes = round(st.nbytes * lo / w)
             st.extra = round(st.extra * lo / w)
-    return sched.peak()[0]
+    return sched
 
 
 def _node_bytes(gm: GraphModule) -> dict[str, int]:
@@ -848,8 +910,9 @@ def _ddp_buckets(bwd, bp, grad_want, params, local_numel, esize, dtype_of, dp, o
 
 def _pipeline_sends(fwd, fp: Placements, f_stage, plan: Plan, per_stage) -> None:
     """Per micro-batch: each activation crossing from one virtual stage to a later one, sent
-    in the forward and its cotangent sent back in the backward (received by the other)."""
-    m = plan.micro_batches
+    in the forward and its cotangent sent back in the backward (received by the other), over
+    the pipeline's group of ``pp`` ranks (torch's ``PipelineStage`` sends on its group)."""
+    m, p = plan.micro_batches, plan.pp
     for n in fwd.graph.nodes:
         if n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):
             continue
@@ -865,8 +928,133 @@ def _pipeline_sends(fwd, fp: Placements, f_stage, plan: Plan, per_stage) -> None
             a, b = s % plan.pp, t % plan.pp
             dt = _dtype(v)
             for _ in range(m):
-                per_stage[a].append(Collective("send", "pp", 2, elems, dt, "forward", n.name))
-                per_stage[b].append(Collective("recv", "pp", 2, elems, dt, "forward", n.name))
+                per_stage[a].append(Collective("send", "pp", p, elems, dt, "forward", n.name))
+                per_stage[b].append(Collective("recv", "pp", p, elems, dt, "forward", n.name))
                 if grad:
-                    per_stage[b].append(Collective("send", "pp", 2, elems, dt, "backward", n.name))
-                    per_stage[a].append(Collective("recv", "pp", 2, elems, dt, "backward", n.name))
+                    per_stage[b].append(Collective("send", "pp", p, elems, dt, "backward", n.name))
+                    per_stage[a].append(Collective("recv", "pp", p, elems, dt, "backward", n.name))
+
+
+def _pipeline_actions(plan: Plan, rank: int) -> list[tuple[str, int, int]]:
+    """(``F`` or ``B``, virtual stage, micro-batch) in the order pipeline rank ``rank`` runs
+    them under ``torch.distributed.pipelining``'s schedules: GPipe every forward then every
+    backward; 1F1B min(m, p − rank) forwards, then one backward and one forward alternating,
+    then the remaining backwards; interleaved 1F1B (stages rank, rank + p, ... looped) with
+    (v − 1)·r + 2(p − 1 − rank) warm-up forwards, r = m / max(1, m / p) micro-batches per
+    round, each later forward followed by a backward, the stage of each chosen round by
+    round (forwards up the chunks, backwards down them)."""
+    p, m, v = plan.pp, plan.micro_batches, plan.chunks
+    if plan.schedule == "gpipe":
+        return [("F", rank, i) for i in range(m)] + [("B", rank, i) for i in range(m)]
+    if plan.schedule == "1f1b":
+        warm = min(m, p - rank)
+        out = [("F", rank, i) for i in range(warm)]
+        nxt = warm
+        for i in range(m):
+            out.append(("B", rank, i))
+            if nxt < m:
+                out.append(("F", rank, nxt))
+                nxt += 1
+        return out
+    per = m // max(1, m // p)
+    total = v * m
+    warm = min((v - 1) * per + 2 * (p - 1 - rank), total)
+    f_next: dict[int, int] = {}
+    b_next: dict[int, int] = {}
+    out = []
+
+    def fwd(op: int) -> None:
+        st = ((op // per) % v) * p + rank
+        out.append(("F", st, f_next.get(st, 0)))
+        f_next[st] = f_next.get(st, 0) + 1
+
+    def bwd(op: int) -> None:
+        st = (v - 1 - ((op - warm) // per) % v) * p + rank
+        out.append(("B", st, b_next.get(st, 0)))
+        b_next[st] = b_next.get(st, 0) + 1
+
+    for op in range(total + warm):
+        if op < total:
+            fwd(op)
+        if op >= warm:
+            bwd(op)
+    return out
+
+
+def _pipeline_rise(
+    base: Schedule,
+    fwd: GraphModule,
+    fp: Placements,
+    f_stage: dict[str, int],
+    b_stage: dict[str, int],
+    plan: Plan,
+    rank: int,
+    optimizer_bytes: int,
+) -> int:
+    """The step's rise on pipeline rank ``rank``: the steps of ``base`` (one micro-batch's
+    eager train schedule at local sizes) of each of the rank's virtual stages, replayed per
+    micro-batch in the schedule's order (:func:`_pipeline_actions`), then the optimizer's
+    temporaries (``optimizer_bytes``). A stage reads only its own values (what it receives
+    sits in the receive buffers, counted apart); gradients made by a stage's first backward
+    stay, later micro-batches' are added into them and freed; what
+    ``torch.distributed.pipelining`` holds on top: each forward's outputs sent on, until the
+    micro-batch's backward on that stage; a received activation's gradient (the buffer's
+    ``.grad``), to the step's end; the last stage's model outputs (kept for the merged
+    output), to the step's end."""
+    sig = fwd.meta[SIGNATURE]
+    batch = {f"f:{n}" for n in (*sig.inputs, *sig.targets)}
+    last = plan.virtual_stages - 1
+
+    def stage_of(key: str) -> int | None:
+        prefix, _, name = key.partition(":")
+        return f_stage.get(name) if prefix == "f" else b_stage.get(name) if prefix == "b" else None
+
+    # each stage's steps, reading only the stage's own values (what it receives sits in the
+    # receive buffers), the batch's micro-batch slices views of the whole batch
+    by_stage: dict[tuple[str, int], list[Step]] = {}
+    for st in base.steps:
+        v = stage_of(st.key)
+        if v is not None:
+            reads = [r for r in st.reads if stage_of(r) == v]
+            alias = st.alias_of if st.alias_of and stage_of(st.alias_of) == v else None
+            nbytes = 0 if st.key in batch else st.nbytes
+            by_stage.setdefault((st.key[0], v), []).append(
+                Step(st.key, nbytes, alias, reads, st.extra)
+            )
+    # values crossing stage boundaries: sent on by their stage, received by a later one
+    sent: dict[int, list[str]] = {}
+    grad_in: dict[int, int] = {}
+    for n in fwd.graph.nodes:
+        val = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(val, torch.Tensor):
+            continue
+        v = f_stage.get(n.name, 0)
+        later = {f_stage[u.name] for u in n.users if u.op != "output" and f_stage[u.name] > v}
+        if later:
+            sent.setdefault(v, []).append(f"f:{n.name}")
+        if val.is_floating_point() and n.meta.get(RESIDUAL) is None:
+            whole = val.numel() * val.element_size()
+            for t in later:
+                grad_in[t] = grad_in.get(t, 0) + fp.local_bytes.get(n.name, whole)
+    sched = Schedule()
+    backward_done: set[int] = set()
+    for kind, v, mb in _pipeline_actions(plan, rank):
+        pre = f"{mb}/"
+        for st in by_stage.get(("f" if kind == "F" else "b", v), []):
+            alias = pre + st.alias_of if st.alias_of else None
+            reads = [pre + r for r in st.reads]
+            sched.steps.append(Step(pre + st.key, st.nbytes, alias, reads, st.extra))
+        if kind == "F":
+            if v == last:
+                sched.keep.update(pre + f"f:{o}" for o in sig.outputs)
+            continue
+        sched.steps.append(Step(f"{pre}held:{v}", 0, None, [pre + k for k in sent.get(v, [])]))
+        if v not in backward_done:
+            backward_done.add(v)
+            sched.keep.update(pre + k for k in base.keep if stage_of(k) == v)
+        if grad_in.get(v):
+            key = f"{pre}grad_in:{v}"
+            sched.steps.append(Step(key, grad_in[v], None, []))
+            sched.keep.add(key)
+    sched.add_transient("u:optimizer", optimizer_bytes)
+    return sched.peak()[0]
