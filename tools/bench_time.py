@@ -463,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="default: PyTorch's own count")
     ap.add_argument("--models", default=None, help="comma-separated labels (default: all)")
+    ap.add_argument(
+        "--first-only",
+        action="store_true",
+        help="each model at its first input shape only (the acceptance sizes)",
+    )
     ap.add_argument("--doc", default=str(ROOT / "docs" / "time.md"))
     ap.add_argument("--json", default=None, help="write every figure as JSON here")
     ap.add_argument("--no-doc", action="store_true", help="print, write no doc")
@@ -506,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, spec, shapes in CASES:
         if wanted is not None and label not in wanted:
             continue
-        for shape in shapes:
+        for shape in shapes[:1] if args.first_only else shapes:
             cases.append(run_case(label, spec, shape, profiles, args))
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
