@@ -382,3 +382,33 @@ def test_the_update_takes_the_measured_optimizer_step():
                 time_profile=p)  # fmt: skip
     nodes = [n for n in b.update.graph.nodes if TIME in n.meta]
     assert sum(n.meta[TIME].overhead_s for n in nodes) == pytest.approx(0.0)
+
+
+def test_a_convolution_backward_is_one_eager_kernel():
+    p = _profile(
+        compute={
+            "matmul": {"float32": RateCurve(((1.0, 1e9),))},
+            "conv": {"float32": RateCurve(((1.0, 1e9),))},
+            "conv_backward": {"float32": RateCurve(((1.0, 1e9),))},
+            "other": {"float32": RateCurve(((1.0, 1e9),))},
+        }
+    )
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, device="meta"),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, device="meta"),
+    )
+    a = analyze(model, torch.empty(2, 3, 8, 8, device="meta"), jvp=False, time_profile=p)
+    second = [n for n in a.forward.graph.nodes if n.target == torch.ops.aten.convolution.default][1]
+    nodes = [n for n in a.backward.graph.nodes if n.meta.get("gf_source") == second.name]
+    assert len({n.meta[TIME].kernel_id for n in nodes if TIME in n.meta}) == 1
+    # input gradient and weight gradient, 2·(2·8·8·8)·(8·3·3) = 147456 FLOPs each, and the
+    # bias gradient's sum over 2·8·8 pixels of 8 channels (2·8·8·8 = 1024 elements, 1 FLOP
+    # each): 2·147456 + 1024 FLOPs at 1e9 FLOP/s, one launch (0 s here)
+    flops = sum(n.meta["gf_cost"].flops for n in nodes)
+    assert flops == 2 * 147456 + 1024
+    assert sum(n.meta[TIME].compute_s for n in nodes) == pytest.approx(flops / 1e9)
+    ops = {(o.phase, o.op): o for o in a.report.time.ops}
+    # two convolutions: two convolution_backward kernels (the first computes no input gradient)
+    assert ops[("backward", "aten.convolution.default")].kernels == 2
+    assert ("backward", "aten.sum.dim_IntList") not in ops

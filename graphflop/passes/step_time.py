@@ -65,6 +65,9 @@ __all__ = ["UPDATE_KERNEL", "Kernel", "annotate_time", "eager_kernels", "time_re
 _AMP = {"bf16": "bfloat16", "fp16": "float16", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+#: forward convolutions whose backward eager PyTorch runs as one ``convolution_backward``
+_CONVOLUTIONS = (torch.ops.aten.convolution.default,)
+
 #: the kernel name of one parameter's optimizer update
 UPDATE_KERNEL = "optimizer.update"
 
@@ -93,7 +96,10 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
     """``gm``'s ``call_function`` nodes (``getitem`` left out) grouped into the kernels eager
     PyTorch runs: one per composite op occurrence of ``forward`` for its primal nodes (its
     forward) and one for the nodes derived from it (its backward's cotangents and the
-    coefficients they need, or its tangent formula); one per parameter's optimizer update
+    coefficients they need, or its tangent formula); one per forward convolution for the
+    backward nodes derived from it (eager PyTorch's ``convolution_backward``: the input,
+    weight and bias gradients and the transposes they need, in one op); one per parameter's
+    optimizer update
     (:data:`UPDATE_KERNEL`: ``torch.optim``'s single-tensor step updates each parameter in
     place, SGD's with one ``add_`` that reads the parameter and its gradient and writes the
     parameter, where graphflop's update graph makes new tensors; timed at the profile's
@@ -101,13 +107,21 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
     Adam run several in-place ops per parameter), else at its in-place bandwidth); one per
     other node; in the order of each kernel's first node."""
     region_of = _region_of(forward)
+    convs = {n.name for n in forward.graph.nodes if n.target in _CONVOLUTIONS}
     kernels: dict[object, Kernel] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
             continue
         hit = region_of.get(n.meta.get(SOURCE, ""))
+        backward = n.meta.get(KIND) in ("cotangent", "coef")
         key: object
-        if n.meta.get(ROLE) == "update" and n.meta.get(KIND) == "update":
+        if backward and n.meta.get(SOURCE) in convs and n.meta.get(ROLE) != "update":
+            # eager PyTorch's convolution_backward: input, weight and bias gradients at once
+            key = ("convolution_backward", n.meta[SOURCE], n.meta.get(ROLE) == "recompute")
+            if key not in kernels:
+                kernels[key] = Kernel(op_name(torch.ops.aten.convolution.default), [], False)
+            kernels[key].nodes.append(n)
+        elif n.meta.get(ROLE) == "update" and n.meta.get(KIND) == "update":
             key = ("update", n.meta.get(SOURCE))
             if key not in kernels:
                 kernels[key] = Kernel(UPDATE_KERNEL, [])

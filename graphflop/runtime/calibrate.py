@@ -363,11 +363,10 @@ class _Run:
 
     def products(self) -> tuple[_Points, _Points, _Points]:
         """(matmul, conv, conv_backward): dtype key -> (smallest GEMM dimension, FLOPs,
-        FLOP/s) points. A ``convolution_backward`` point's FLOPs are one of its products'
-        (the input gradient's and the weight gradient's, each as many as the forward's), its
-        rate both products' FLOPs over its time (the weight gradient's alone for a first
-        layer): the time pass times the gradient nodes of a backward convolution one by
-        one."""
+        FLOP/s) points. A ``convolution_backward`` point's FLOPs are its two products' (the
+        input gradient's and the weight gradient's, each as many as the forward's; the
+        weight gradient's alone for a first layer), as the time pass counts the one eager
+        kernel of a convolution's backward."""
         mm: _Points = {}
         conv: _Points = {}
         conv_bwd: _Points = {}
@@ -419,11 +418,8 @@ class _Run:
                     [not first, True, False],
                 )  # fmt: skip
                 tb = self.time(bwd)
-                # the gradients' FLOPs over the time less the launches the time pass adds (one
-                # per gradient node), at one product's size
                 grads = 1 if first else 2
-                rate = _rate(grads * flops, tb, grads * self.launch)
-                conv_bwd.setdefault(key, []).append((dim, flops, rate))
+                self._point(conv_bwd, key, grads * flops, dim, tb)
                 self.done(
                     f"{label}: {flops / t / 1e9:.1f} GFLOP/s, backward "
                     f"{grads * flops / tb / 1e9:.1f} GFLOP/s"
