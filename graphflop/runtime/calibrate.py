@@ -21,8 +21,9 @@ only ever adds to a run, so the least is the kernel's own cost):
 * **other FLOPs**: ``mul`` and ``maximum`` the same way (1 FLOP per element, as graphflop's
   rules count them);
 * **eager kernels off the streaming line**: ``max_pool2d_with_indices``, ``native_batch_norm``
-  (training), ``native_layer_norm``, ``_softmax``, ``_log_softmax`` and ``gelu``, each at two
-  sizes, as bytes per second over the bytes graphflop counts for the kernel (its input and
+  (training), ``native_layer_norm``, ``_softmax``, ``_log_softmax`` and ``gelu``, each at three
+  sizes (the smallest, 1K elements, holds a kernel's fixed cost beyond the launch overhead:
+  allocation, set-up, a parallel region), as bytes per second over the bytes graphflop counts for the kernel (its input and
   output); the time pass uses these for forward kernels of those names;
 * **optimizer steps**: ``torch.optim``'s SGD, SGD with momentum, Adam and AdamW ``step()``
   over several parameters at once (single-tensor implementation, as eager PyTorch runs it on
@@ -73,7 +74,8 @@ class CalibrationPlan:
             first is the tiny one (the per-parameter overhead).
         elementwise: elements of the in-cache elementwise kernels.
         stream: elements of each tensor of the bandwidth kernel.
-        kernel_sizes: elements of the input of each of :data:`_KERNELS`' measured kernels.
+        kernel_sizes: elements of the input of each of :data:`_KERNELS`' measured kernels
+            (a tiny size among them: the kernels' fixed costs).
         repeats: timed runs per point (the median is kept).
         min_time_s: each timed run repeats the kernel until this long has passed.
     """
@@ -176,7 +178,7 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
         optim_sizes=((64, 32), (1 << 18, 16), (1 << 22, 4)),
         elementwise=1 << 13,
         stream=(1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22, 1 << 24),
-        kernel_sizes=(1 << 16, 1 << 21),
+        kernel_sizes=(1 << 10, 1 << 16, 1 << 21),
         repeats=5,
         min_time_s=0.05,
     )
