@@ -31,7 +31,9 @@ only ever adds to a run, so the least is the kernel's own cost):
   Python loop and the launches) and parameters larger than the last-level cache together
   (each step reads parameters, gradients and state cold, as in training);
 * **bandwidth**: ``a + b`` (bytes read and written, 3 × the tensor) from in-cache sizes to well
-  beyond the last-level cache, each call allocating its output as eager PyTorch does (so the
+  beyond the last-level cache, its inputs rotating over pairs that together exceed the
+  last-level cache (a network's op reads what a kernel some megabytes earlier wrote), each
+  call allocating its output as eager PyTorch does (so the
   curve holds the allocator's cost: above glibc's mmap threshold a fresh output is new pages,
   faulted in on first touch); and ``a.add_(b, alpha=...)`` in place, the optimizer's update.
 
@@ -76,8 +78,10 @@ class CalibrationPlan:
         stream: elements of each tensor of the bandwidth kernel.
         kernel_sizes: elements of the input of each of :data:`_KERNELS`' measured kernels
             (a tiny size among them: the kernels' fixed costs).
-        repeats: timed runs per point (the median is kept).
+        repeats: timed runs per point (the least is kept).
         min_time_s: each timed run repeats the kernel until this long has passed.
+        cold_bytes: the bandwidth kernel's inputs rotate over pairs of tensors that together
+            hold this many bytes, beyond the last-level cache.
     """
 
     mm_sizes: tuple[int, ...]
@@ -90,6 +94,7 @@ class CalibrationPlan:
     kernel_sizes: tuple[int, ...]
     repeats: int
     min_time_s: float
+    cold_bytes: int = 64 << 20
 
     @property
     def steps(self) -> int:
@@ -122,6 +127,7 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
             kernel_sizes=(1 << 14,),
             repeats=2,
             min_time_s=0.002,
+            cold_bytes=1 << 20,
         )
     if device == "cuda":
         return CalibrationPlan(
@@ -468,15 +474,34 @@ class _Run:
             self.done(f"{binary.__name__}: {n / t / 1e9:.2f} GFLOP/s")
         return statistics.median(trans), statistics.median(plain)
 
+    def _cold_add(self, n: int) -> Callable[[], object]:
+        """``a + b`` of ``n`` elements as a network's elementwise op runs: the inputs are one
+        of many pairs that together exceed :attr:`CalibrationPlan.cold_bytes` (read from
+        memory, not from the cache the previous call left them in), and each output is kept
+        alive as long as its pair's previous one (an activation kept for the backward), so
+        the allocator cannot hand the just-freed block back at once."""
+        k = max(1, min(4096, self.p.cold_bytes // (8 * n)))
+        xs = [torch.rand(n, device=self.dev) for _ in range(k)]
+        ys = [torch.rand(n, device=self.dev) for _ in range(k)]
+        outs: list[torch.Tensor | None] = [None] * k
+        at = [0]
+
+        def call() -> None:
+            j = at[0] = (at[0] + 1) % k
+            outs[j] = torch.add(xs[j], ys[j])
+
+        return call
+
     def streams(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-        """(allocating ``a + b``, in-place ``a.add_(b)``): (bytes, bytes/s) points."""
+        """(allocating ``a + b`` on cold inputs, in-place ``a.add_(b)``): (bytes, bytes/s)
+        points."""
         bw: list[tuple[float, float]] = []
         inplace: list[tuple[float, float]] = []
         for n in self.p.stream:
             a = torch.rand(n, device=self.dev)
             b = torch.rand(n, device=self.dev)
             nbytes = 3.0 * n * a.element_size()
-            t = self.time(partial(torch.add, a, b))
+            t = self.time(self._cold_add(n))
             bw.append((nbytes, _rate(nbytes, t, self.launch)))
             self.done(f"stream {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
             t = self.time(partial(a.add_, b, alpha=-1e-3))
