@@ -153,6 +153,8 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
         mm_dtypes=(torch.float32, torch.bfloat16),
         # rows: a batch or a sequence; widths: MLP and transformer layers; a wide output head
         linear_shapes=(
+            (8, 512, 1024),
+            (16, 1024, 1024),
             (32, 768, 768),
             (64, 1024, 1024),
             (128, 768, 3072),
