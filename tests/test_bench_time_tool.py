@@ -105,3 +105,18 @@ def test_compare_scores_ops_phases_and_step(bt):
     # step: predicted 1 + 2 + 0.5 = 3.5 against measured 1 + 2.5 + 0.5 = 4: -12.5%
     assert r["step"]["error"] == pytest.approx(-0.125)
     assert r["phases"]["backward"]["error"] == pytest.approx(-0.2)
+
+
+def test_the_profilers_own_cost_comes_off_each_matched_event(bt, monkeypatch):
+    # 0.5 µs inside each event, 2 µs per event recorded under it
+    monkeypatch.setattr(bt, "PROFILER_COST", [0.5e-6, 2e-6])
+    conv = Ev(
+        "aten::convolution", 40.0, [Ev("aten::_convolution", 35.0, [Ev("aten::mkldnn", 30.0)])]
+    )
+    view = Ev("aten::view", 0.8)
+    fwd = Ev("phase:forward", 100.0, [conv, view])
+    kernels = {"forward": {"aten::convolution": "conv", "aten::view": "view"}}
+    sums = bt._op_sums([fwd], kernels, cuda=False)
+    # convolution: 40 µs less 0.5 for itself and 2 × 2 µs for its two descendants = 35.5 µs;
+    # view: 0.8 - 0.5 = 0.3 µs is below half its time, so half: 0.4 µs
+    assert sums == pytest.approx({("forward", "conv"): 35.5e-6, ("forward", "view"): 0.4e-6})

@@ -294,3 +294,121 @@ def test_a_thin_product_takes_the_thin_rate():
     assert (t.op_class, t.compute_s) == ("matmul_thin", pytest.approx(2 * 64 * 512 * 512 / 1e8))
     t = _node(square, torch.ops.aten.mm.default).meta[TIME]
     assert (t.op_class, t.compute_s) == ("matmul", pytest.approx(2 * 512**3 / 1e9))
+
+
+def _profile(**kw):
+    flat = RateCurve(((1.0, 1e9),))
+    base = dict(
+        name="hand",
+        title="hand",
+        source="calibrated",
+        kind="cpu",
+        compute={
+            "matmul": {"float32": flat},
+            "conv": {"float32": flat},
+            "other": {"float32": flat},
+        },
+        bandwidth=RateCurve(((1.0, 1e15),)),
+        launch_overhead_s=0.0,
+        view_overhead_s=0.0,
+    )
+    return TimeProfile(**{**base, **kw})
+
+
+def test_a_product_takes_the_rate_of_its_smallest_dimension():
+    # rates measured at smallest dimension 16 (1e8 FLOP/s) and 256 (1e10 FLOP/s)
+    shaped = {
+        "matmul": {
+            "float32": ((16.0, RateCurve(((1.0, 1e8),))), (256.0, RateCurve(((1.0, 1e10),))))
+        }
+    }
+    p = _profile(shaped=shaped)
+    a = analyze(MatMul(512, torch.float32), torch.empty(64, 512, device="meta"),
+                backward=False, jvp=False, time_profile=p)  # fmt: skip
+    t = _node(a, torch.ops.aten.mm.default).meta[TIME]
+    # 64 × 512 @ 512 × 512: smallest dimension 64, log(64/16) / log(256/16) = 1/2 of the way
+    # from 1e8 to 1e10 in log rate: 1e9 FLOP/s; 2·64·512·512 FLOPs
+    assert t.compute_s == pytest.approx(2 * 64 * 512 * 512 / 1e9)
+    # beyond the ends the nearest curve holds: 8 rows at 1e8, 512 rows at 1e10
+    assert p.gemm_seconds("matmul", "float32", 1e6, 8) == pytest.approx(1e6 / 1e8)
+    assert p.gemm_seconds("matmul", "float32", 1e6, 512) == pytest.approx(1e6 / 1e10)
+    # the round trip through the profile file keeps the curves
+    q = TimeProfile.from_dict(json.loads(save_profile(p)))
+    assert q.gemm_seconds("matmul", "float32", 1e6, 64) == pytest.approx(1e6 / 1e9)
+
+
+def test_a_backward_convolution_takes_the_conv_backward_rate():
+    from graphflop.passes.step_time import _mm_class
+
+    p = _profile(
+        compute={
+            "matmul": {"float32": RateCurve(((1.0, 1e9),))},
+            "conv": {"float32": RateCurve(((1.0, 2e9),))},
+            "conv_backward": {"float32": RateCurve(((1.0, 1e9),))},
+            "other": {"float32": RateCurve(((1.0, 1e12),))},
+        }
+    )
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False, device="meta"))
+    a = analyze(model, torch.empty(2, 3, 8, 8, device="meta"), jvp=False, time_profile=p)
+    fwd = _node(a, torch.ops.aten.convolution.default)
+    # forward output 2 × 8 × 8 × 8: implicit GEMM M = 2·8·8 = 128 pixels, N = 8 channels out,
+    # K = 3·3·3 = 27; FLOPs 2·128·8·27 = 55296 at 2e9
+    assert _mm_class(fwd) == ("conv", 8.0)
+    assert fwd.meta[TIME].compute_s == pytest.approx(55296 / 2e9)
+    bwd = [n for n in a.backward.graph.nodes if n.target == torch.ops.aten.convolution.default]
+    assert bwd  # the weight gradient (the input needs none)
+    for n in bwd:
+        assert _mm_class(n)[0] == "conv_backward"
+        flops = n.meta["gf_cost"].mm_flops
+        assert n.meta[TIME].compute_s == pytest.approx(flops / 1e9)
+    # a profile without conv_backward times them at the conv rate
+    plain = _profile()
+    assert plain.curve("conv_backward", "float32") is plain.curve("conv", "float32")
+
+
+def test_the_update_takes_the_measured_optimizer_step():
+    step = RateCurve(((1.0, 1e9),), fill_s=1e-5)
+    p = _profile(updates={"adam": step})
+    model = nn.Linear(16, 16, bias=False, device="meta")
+    a = analyze(model, torch.empty(4, 16, device="meta"), jvp=False, optimizer="adam",
+                time_profile=p)  # fmt: skip
+    nodes = [n for n in a.update.graph.nodes if TIME in n.meta]
+    assert len({n.meta[TIME].kernel_id for n in nodes}) == 1  # one parameter, one kernel
+    # the weight: 16·16·4 = 1024 bytes at 1e9 B/s, plus 10 µs per parameter
+    assert sum(n.meta[TIME].seconds for n in nodes) == pytest.approx(1024 / 1e9 + 1e-5)
+    assert sum(n.meta[TIME].overhead_s for n in nodes) == pytest.approx(1e-5)
+    # an optimizer the profile did not measure: the in-place kernel as before
+    b = analyze(model, torch.empty(4, 16, device="meta"), jvp=False, optimizer="sgd",
+                time_profile=p)  # fmt: skip
+    nodes = [n for n in b.update.graph.nodes if TIME in n.meta]
+    assert sum(n.meta[TIME].overhead_s for n in nodes) == pytest.approx(0.0)
+
+
+def test_a_convolution_backward_is_one_eager_kernel():
+    p = _profile(
+        compute={
+            "matmul": {"float32": RateCurve(((1.0, 1e9),))},
+            "conv": {"float32": RateCurve(((1.0, 1e9),))},
+            "conv_backward": {"float32": RateCurve(((1.0, 1e9),))},
+            "other": {"float32": RateCurve(((1.0, 1e9),))},
+        }
+    )
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, device="meta"),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, device="meta"),
+    )
+    a = analyze(model, torch.empty(2, 3, 8, 8, device="meta"), jvp=False, time_profile=p)
+    second = [n for n in a.forward.graph.nodes if n.target == torch.ops.aten.convolution.default][1]
+    nodes = [n for n in a.backward.graph.nodes if n.meta.get("gf_source") == second.name]
+    assert len({n.meta[TIME].kernel_id for n in nodes if TIME in n.meta}) == 1
+    # input gradient and weight gradient, 2·(2·8·8·8)·(8·3·3) = 147456 FLOPs each, and the
+    # bias gradient's sum over 2·8·8 pixels of 8 channels (2·8·8·8 = 1024 elements, 1 FLOP
+    # each): 2·147456 + 1024 FLOPs at 1e9 FLOP/s, one launch (0 s here)
+    flops = sum(n.meta["gf_cost"].flops for n in nodes)
+    assert flops == 2 * 147456 + 1024
+    assert sum(n.meta[TIME].compute_s for n in nodes) == pytest.approx(flops / 1e9)
+    ops = {(o.phase, o.op): o for o in a.report.time.ops}
+    # two convolutions: two convolution_backward kernels (the first computes no input gradient)
+    assert ops[("backward", "aten.convolution.default")].kernels == 2
+    assert ("backward", "aten.sum.dim_IntList") not in ops

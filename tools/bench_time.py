@@ -20,7 +20,9 @@ the median). Per-op times come from ``--repeat`` more steps, each under its own
 ``torch.profiler`` (CPU activity; on CUDA, CUDA activity too): an eager op event whose name is
 a kernel graphflop predicts for that phase (``aten::addmm`` for ``aten.addmm.default``; in the
 backward also ``X_backward``, ``X_backward_data``) counts with its whole time, children
-included, and events under it are not counted again; wrapper events (``aten::linear``,
+included, less the profiler's own cost in it (measured first: once per event and once per
+event recorded under it; ``--raw-profiler-times`` keeps the raw figure), and events under it
+are not counted again; wrapper events (``aten::linear``,
 autograd nodes) are looked through. The per-op error of one (model, batch, phase, op) is
 ``|predicted − measured| / measured`` on the sums over the phase; ``FLOP-weighted`` weighs it
 by the op's FLOPs.
@@ -188,8 +190,46 @@ class _null:
         return None
 
 
+#: seconds the profiler adds (inside one leaf event, per event recorded), set by main()
+PROFILER_COST = [0.0, 0.0]
+
+
+def profiler_cost(n: int = 2000, repeat: int = 5) -> tuple[float, float]:
+    """What ``torch.profiler`` adds to the times it records, from ``n`` views (no work of
+    their own) unprofiled and profiled, the least of ``repeat`` runs each: (seconds inside one
+    leaf op's event beyond the op's unprofiled time, seconds of wall time per event recorded).
+    A profiled op's time includes the first once and the second once per event recorded
+    under it (its children's records)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    v = torch.ones(64)
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            v.view(8, 8)
+        return time.perf_counter() - t0
+
+    run()
+    plains, walls, events = [], [], []
+    for _ in range(repeat):  # interleaved, so that both see the same load
+        plains.append(run() / n)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            walls.append(run() / n)
+        us = [e.cpu_time_total for e in prof.events() if e.name == "aten::view"]
+        events.append(statistics.median(us) * 1e-6 if us else 0.0)
+    plain = min(plains)
+    return max(0.0, min(events) - plain), max(0.0, min(walls) - plain)
+
+
+def _descendants(e: Any) -> int:
+    return sum(1 + _descendants(c) for c in e.cpu_children)
+
+
 def _op_sums(events: Any, kernels: dict[str, dict[str, str]], cuda: bool) -> dict:
-    """(phase, graphflop kernel op) -> measured seconds in one profiled step."""
+    """(phase, graphflop kernel op) -> measured seconds in one profiled step, each event's
+    time less the profiler's own cost in it (:data:`PROFILER_COST`: once for the event, once
+    per event under it; at most half the event's time)."""
     out: dict[tuple[str, str], float] = {}
     roots = [e for e in events if e.name.startswith("phase:") and e.cpu_parent is None]
 
@@ -198,8 +238,13 @@ def _op_sums(events: Any, kernels: dict[str, dict[str, str]], cuda: bool) -> dic
         if op is None and e.name.startswith("aten::"):
             op = kernels[phase].get("*")
         if op is not None:
-            us = e.device_time_total if cuda and e.device_time_total else e.cpu_time_total
-            out[(phase, op)] = out.get((phase, op), 0.0) + us * 1e-6
+            if cuda and e.device_time_total:
+                s = e.device_time_total * 1e-6
+            else:
+                s = e.cpu_time_total * 1e-6
+                own = PROFILER_COST[0] + _descendants(e) * PROFILER_COST[1]
+                s = max(s - own, s / 2)
+            out[(phase, op)] = out.get((phase, op), 0.0) + s
             return
         for c in e.cpu_children:
             visit(c, phase)
@@ -357,7 +402,10 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['threads']} thread(s), device {doc['device']}, {doc['repeat']} runs per figure"
         f"{'; **taken under load** (other processes shared the cores)' if doc['under_load'] else ''}. "
         f"Profiles: before = `{doc['profiles'].get('before', '–')}`, after = "
-        f"`{doc['profiles'].get('after', '–')}`. Command: `{doc['command']}`.",
+        f"`{doc['profiles'].get('after', '–')}`. Command: `{doc['command']}`. Per-op times "
+        f"are the profiler's less its own cost, measured before the models: "
+        f"{doc['profiler_cost_s'][0] * 1e6:.2f} µs inside each event and "
+        f"{doc['profiler_cost_s'][1] * 1e6:.2f} µs per event recorded under it.",
         "",
         "### Whole step and per-op error",
         "",
@@ -463,10 +511,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="default: PyTorch's own count")
     ap.add_argument("--models", default=None, help="comma-separated labels (default: all)")
+    ap.add_argument(
+        "--first-only",
+        action="store_true",
+        help="each model at its first input shape only (the acceptance sizes)",
+    )
     ap.add_argument("--doc", default=str(ROOT / "docs" / "time.md"))
     ap.add_argument("--json", default=None, help="write every figure as JSON here")
     ap.add_argument("--no-doc", action="store_true", help="print, write no doc")
     ap.add_argument("--under-load", action="store_true", help="say so in the doc")
+    ap.add_argument(
+        "--raw-profiler-times",
+        action="store_true",
+        help="per-op times as the profiler records them (default: less its own cost)",
+    )
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -482,6 +540,13 @@ def main(argv: list[str] | None = None) -> int:
         profiles["before"] = from_device(device_spec(args.gpu_spec))
         names["before"] = args.gpu_spec
     args.reference_s = reference_s() if args.device == "cpu" else None
+    if args.device == "cpu" and not args.raw_profiler_times:
+        PROFILER_COST[:] = profiler_cost()
+        print(
+            f"profiler cost: {PROFILER_COST[0] * 1e6:.2f} µs inside an event, "
+            f"{PROFILER_COST[1] * 1e6:.2f} µs per event",
+            flush=True,
+        )
     if args.calibrate:
         from graphflop.runtime.calibrate import calibrate
 
@@ -506,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, spec, shapes in CASES:
         if wanted is not None and label not in wanted:
             continue
-        for shape in shapes:
+        for shape in shapes[:1] if args.first_only else shapes:
             cases.append(run_case(label, spec, shape, profiles, args))
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -516,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "repeat": args.repeat,
         "under_load": args.under_load,
+        "profiler_cost_s": list(PROFILER_COST),
         "profiles": names,
         "command": "python tools/bench_time.py " + " ".join(argv or sys.argv[1:]),
         "cases": cases,

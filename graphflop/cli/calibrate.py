@@ -17,9 +17,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "profile file for --device",
         description="Measure this machine in eager PyTorch: matrix products and convolutions "
         "at several sizes and dtypes, in-cache elementwise kernels, streaming bandwidth from "
-        "in-cache sizes to well beyond the last-level cache, and the per-op launch overhead "
-        "(medians of repeated runs), and write them as a time profile: pass the file to "
-        "'graphflop inspect --device FILE.json'. About a minute on a 2-core CPU.",
+        "in-cache sizes to well beyond the last-level cache, the per-op launch overhead and "
+        "torch.optim's steps per parameter (the least of repeated runs), and write them as a "
+        "time profile: pass the file to "
+        "'graphflop inspect --device FILE.json'. Two to three minutes on a quiet 2-core CPU.",
     )
     p.add_argument(
         "-o",

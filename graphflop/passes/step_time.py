@@ -47,6 +47,7 @@ from graphflop.meta import (
     ROLE,
     SOURCE,
     TIME,
+    UPDATE,
     ZERO_COST,
     NodeTime,
 )
@@ -63,6 +64,9 @@ __all__ = ["UPDATE_KERNEL", "Kernel", "annotate_time", "eager_kernels", "time_re
 #: autocast dtype names -> dtype keys
 _AMP = {"bf16": "bfloat16", "fp16": "float16", "bfloat16": "bfloat16", "float16": "float16"}
 
+
+#: forward convolutions whose backward eager PyTorch runs as one ``convolution_backward``
+_CONVOLUTIONS = (torch.ops.aten.convolution.default,)
 
 #: the kernel name of one parameter's optimizer update
 UPDATE_KERNEL = "optimizer.update"
@@ -92,20 +96,32 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
     """``gm``'s ``call_function`` nodes (``getitem`` left out) grouped into the kernels eager
     PyTorch runs: one per composite op occurrence of ``forward`` for its primal nodes (its
     forward) and one for the nodes derived from it (its backward's cotangents and the
-    coefficients they need, or its tangent formula); one per parameter's optimizer update
+    coefficients they need, or its tangent formula); one per forward convolution for the
+    backward nodes derived from it (eager PyTorch's ``convolution_backward``: the input,
+    weight and bias gradients and the transposes they need, in one op); one per parameter's
+    optimizer update
     (:data:`UPDATE_KERNEL`: ``torch.optim``'s single-tensor step updates each parameter in
     place, SGD's with one ``add_`` that reads the parameter and its gradient and writes the
     parameter, where graphflop's update graph makes new tensors; timed at the profile's
-    in-place bandwidth where it has one); one per other node; in the
-    order of each kernel's first node."""
+    measured ``torch.optim`` step for the graph's optimizer where it has one (momentum and
+    Adam run several in-place ops per parameter), else at its in-place bandwidth); one per
+    other node; in the order of each kernel's first node."""
     region_of = _region_of(forward)
+    convs = {n.name for n in forward.graph.nodes if n.target in _CONVOLUTIONS}
     kernels: dict[object, Kernel] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
             continue
         hit = region_of.get(n.meta.get(SOURCE, ""))
+        backward = n.meta.get(KIND) in ("cotangent", "coef")
         key: object
-        if n.meta.get(ROLE) == "update" and n.meta.get(KIND) == "update":
+        if backward and n.meta.get(SOURCE) in convs and n.meta.get(ROLE) != "update":
+            # eager PyTorch's convolution_backward: input, weight and bias gradients at once
+            key = ("convolution_backward", n.meta[SOURCE], n.meta.get(ROLE) == "recompute")
+            if key not in kernels:
+                kernels[key] = Kernel(op_name(torch.ops.aten.convolution.default), [], False)
+            kernels[key].nodes.append(n)
+        elif n.meta.get(ROLE) == "update" and n.meta.get(KIND) == "update":
             key = ("update", n.meta.get(SOURCE))
             if key not in kernels:
                 kernels[key] = Kernel(UPDATE_KERNEL, [])
@@ -137,23 +153,38 @@ def _dtype_key(n: Node) -> str:
     return "float32"
 
 
-def _mm_class(n: Node) -> str:
-    """``conv``, ``matmul_thin`` (a product with a dimension of at most
+def _mm_class(n: Node) -> tuple[str, float]:
+    """The op class of a matrix product or convolution and its smallest GEMM dimension.
+
+    Class: ``conv`` (a forward convolution), ``conv_backward`` (a convolution derived from
+    one: its input or weight gradient, which eager PyTorch runs in ``convolution_backward``),
+    ``matmul_thin`` (a product with a dimension of at most
     :data:`~graphflop.passes.time_profile.THIN_ROWS`: rows, columns or the contracted one) or
-    ``matmul``."""
-    if "convolution" in op_name(n.target):
-        return "conv"
+    ``matmul``.
+
+    Smallest dimension: of the GEMM the product is, ``M × N`` outputs each a sum over ``K``
+    products (``mm_flops = 2·M·N·K`` per matrix of a batch): for a matrix product ``M`` and
+    ``N`` are the output's last two dimensions; for a convolution (output ``batch × C_out ×
+    pixels``) ``N`` is ``C_out`` and ``M`` the rest of the output; ``K = mm_flops / (2 ×
+    output elements)`` (input channels per group × kernel pixels). 0 when the output is not a
+    tensor of at least two dimensions.
+    """
     out = n.meta.get("val")
-    mats = [
-        v
-        for a in n.all_input_nodes
-        if isinstance(v := a.meta.get("val"), torch.Tensor) and v.dim() >= 2
-    ]
-    if isinstance(out, torch.Tensor) and out.dim() >= 2 and mats:
-        dims = (out.shape[-2], out.shape[-1], mats[0].shape[-1])
-        if min(dims) <= THIN_ROWS:
-            return "matmul_thin"
-    return "matmul"
+    c = n.meta.get(COST, ZERO_COST)
+    dim = 0.0
+    conv = "convolution" in op_name(n.target)
+    if isinstance(out, torch.Tensor) and out.dim() >= 2 and out.numel():
+        k = c.mm_flops / (2 * out.numel())
+        if conv:
+            m, cols = out.numel() / out.shape[1], out.shape[1]
+        else:
+            m, cols = out.shape[-2], out.shape[-1]
+        dim = float(min(m, cols, k))
+    if conv:
+        return ("conv" if n.meta.get(KIND) in (None, "primal") else "conv_backward"), dim
+    if 0 < dim <= THIN_ROWS:
+        return "matmul_thin", dim
+    return "matmul", dim
 
 
 #: a tensor-valued node -> its bytes under autocast (None: as traced)
@@ -215,25 +246,35 @@ def _amp_sizer(forward: GraphModule, amp: str, kind: str) -> Callable[[Node], in
     return size
 
 
-def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None, sizer: _Sizer) -> None:
-    """Write ``TIME`` on the nodes of one kernel."""
+def _time_kernel(
+    k: Kernel, profile: TimeProfile, amp: str | None, sizer: _Sizer, optimizer: str | None = None
+) -> None:
+    """Write ``TIME`` on the nodes of one kernel (``optimizer``: the update graph's, for an
+    :data:`UPDATE_KERNEL`)."""
     costs = [n.meta.get(COST, ZERO_COST) for n in k.nodes]
     flops = sum(c.flops for c in costs)
     nbytes = _kernel_bytes(k, sizer)
     by_class: dict[tuple[str, str], int] = {}
+    dims: dict[tuple[str, str], float] = {}
     for n, c in zip(k.nodes, costs, strict=True):
         dtype = _dtype_key(n)
         if c.mm_flops:
-            cls = _mm_class(n)
+            cls, dim = _mm_class(n)
             key = (cls, amp if amp is not None and dtype == "float32" else dtype)
             by_class[key] = by_class.get(key, 0) + c.mm_flops
+            dims[key] = min(dims.get(key, dim), dim)
         plain = c.flops - c.mm_flops - c.transcendentals
         if c.transcendentals:
             key = ("transcendental", dtype)
             by_class[key] = by_class.get(key, 0) + c.transcendentals
         if plain > 0:
             by_class[("other", dtype)] = by_class.get(("other", dtype), 0) + plain
-    compute = sum(profile.flops_seconds(cls, d, f) for (cls, d), f in by_class.items())
+    compute = sum(
+        profile.gemm_seconds(cls, d, f, dims[(cls, d)])
+        if (cls, d) in dims
+        else profile.flops_seconds(cls, d, f)
+        for (cls, d), f in by_class.items()
+    )
     inplace = k.name == UPDATE_KERNEL and profile.inplace_bandwidth is not None
     bandwidth = profile.inplace_bandwidth if inplace else profile.bandwidth
     assert bandwidth is not None
@@ -244,6 +285,12 @@ def _time_kernel(k: Kernel, profile: TimeProfile, amp: str | None, sizer: _Sizer
         compute = min(compute, memory)
     # a kernel that moves nothing (a view, a metadata op) costs the dispatcher's time only
     overhead = profile.launch_overhead_s if flops or nbytes else profile.view_overhead_s
+    step = profile.updates.get(optimizer or "") if k.name == UPDATE_KERNEL else None
+    if step is not None:  # torch.optim's measured per-parameter step, over the parameter's bytes
+        param_bytes = max(tensor_bytes(n.meta.get("val")) for n in k.nodes)
+        memory = step.seconds(param_bytes) - step.fill_s if param_bytes else 0.0
+        compute = min(compute, memory)
+        overhead = step.fill_s
     work = max(compute, memory)
     bound = "overhead" if overhead >= work else "compute" if compute >= memory else "memory"
     cls_name = next((c for c, _ in by_class if c in ("matmul", "matmul_thin", "conv")), "other")
@@ -294,8 +341,10 @@ def annotate_time(
             raise ValueError(f"unknown amp {amp!r}: one of bf16, fp16")
         amp_key = _AMP[amp]
         sizer = _amp_sizer(forward, "bf16" if amp_key == "bfloat16" else "fp16", profile.kind)
+    info = gm.meta.get(UPDATE)
+    optimizer = getattr(info, "optimizer", None)
     for k in eager_kernels(gm, forward):
-        _time_kernel(k, profile, amp_key, sizer)
+        _time_kernel(k, profile, amp_key, sizer, optimizer)
     return gm
 
 

@@ -11,7 +11,11 @@ A profile comes from one of two places:
 
 Rates are :class:`RateCurve` values: achieved rate as a function of one kernel's size (FLOPs,
 or bytes moved), interpolated log-log between measured points and clamped at the ends, since a
-small GEMM or a copy that fits in cache runs at another rate than a large one.
+small GEMM or a copy that fits in cache runs at another rate than a large one. A calibrated
+profile also holds matrix-product and convolution rates as a function of the FLOPs *and* of
+the smallest dimension of the product (:attr:`TimeProfile.shaped`: a product with 64 rows runs
+below a square one of the same FLOPs), and the per-parameter time of ``torch.optim``'s steps
+(:attr:`TimeProfile.updates`).
 
 Reads and writes no graph meta.
 """
@@ -48,8 +52,10 @@ __all__ = [
 #: the op classes a profile has a compute rate for: matrix products (mm, bmm, addmm,
 #: attention's products), convolutions, transcendental elements (exp, log, tanh, erf, ...:
 #: ``NodeCost.transcendentals``, a rate per element) and every other FLOP (elementwise
-#: arithmetic, reductions, norms)
-OP_CLASSES = ("matmul", "matmul_thin", "conv", "transcendental", "other")
+#: arithmetic, reductions, norms). ``conv_backward`` is a convolution of a backward (the input
+#: and weight gradients, which eager PyTorch runs as one ``convolution_backward``); a profile
+#: without it times those at the ``conv`` rate
+OP_CLASSES = ("matmul", "matmul_thin", "conv", "conv_backward", "transcendental", "other")
 
 #: a matrix product with a dimension (rows, columns or the contracted one) of at most this many
 #: is *thin* (a batch of 64 through a linear layer, its weight gradient, a 128-token sequence):
@@ -159,6 +165,17 @@ class TimeProfile:
         efficiency: the factors a data-sheet profile applied (empty when measured).
         threads: ``torch.get_num_threads()`` during calibration (None: data sheet).
         notes: how the profile was made (one line each).
+        shaped: op class (``matmul``, ``conv``, ``conv_backward``) -> dtype key -> pairs
+            ``(d, curve)``, ``d`` increasing: the achieved FLOP/s of a product whose smallest
+            GEMM dimension is ``d`` (rows, columns or the contracted one; for a convolution the
+            implicit GEMM's: batch × output pixels, output channels, input channels × kernel
+            pixels), as a function of its FLOPs. Between two ``d`` the rate is interpolated in
+            log(d)–log(rate), beyond the ends the nearest curve holds. Where a class and dtype
+            have these, :meth:`gemm_seconds` uses them in place of :attr:`compute`.
+        updates: optimizer name (``sgd``, ``momentum``, ``adam``, ``adamw``) -> the seconds
+            ``torch.optim``'s eager step spends on one parameter, as a :class:`RateCurve` over
+            the parameter's bytes (parameter bytes per second, ``fill_s`` the per-parameter
+            cost of a tiny parameter: the Python loop and the step's several eager ops).
     """
 
     name: str
@@ -174,6 +191,10 @@ class TimeProfile:
     notes: tuple[str, ...] = ()
     inplace_bandwidth: RateCurve | None = None
     kernels: Mapping[str, RateCurve] = field(default_factory=dict)
+    shaped: Mapping[str, Mapping[str, tuple[tuple[float, RateCurve], ...]]] = field(
+        default_factory=dict
+    )
+    updates: Mapping[str, RateCurve] = field(default_factory=dict)
 
     def dtypes(self, op_class: str) -> tuple[str, ...]:
         """The dtype keys ``op_class`` has a rate for."""
@@ -188,6 +209,28 @@ class TimeProfile:
         """Achieved FLOP/s of one ``op_class`` kernel of ``flops`` FLOPs in ``dtype``."""
         return self.curve(op_class, dtype).rate(flops)
 
+    def gemm_seconds(self, op_class: str, dtype: str, flops: float, min_dim: float) -> float:
+        """Seconds of one matrix product or convolution of ``flops`` FLOPs in ``dtype`` whose
+        smallest GEMM dimension is ``min_dim``.
+
+        With :attr:`shaped` curves for ``op_class`` (``matmul_thin`` reads ``matmul``'s) and
+        ``dtype``: ``flops / r``, ``r`` interpolated between the two curves whose ``d``
+        bracket ``min_dim`` (log-log), the nearest one beyond the ends. Without:
+        :meth:`flops_seconds` of ``op_class``.
+
+        Raises:
+            NoPeak: as :meth:`curve`.
+        """
+        if flops <= 0:
+            return 0.0
+        base = "matmul" if op_class == "matmul_thin" else op_class
+        by_dim = self.shaped.get(base, {}).get(dtype)
+        if not by_dim and base == "conv_backward":
+            by_dim = self.shaped.get("conv", {}).get(dtype)
+        if not by_dim:
+            return self.flops_seconds(op_class, dtype, flops)
+        return flops / _between(by_dim, min_dim, flops)
+
     def curve(self, op_class: str, dtype: str) -> RateCurve:
         """The compute :class:`RateCurve` of ``op_class`` in ``dtype``.
 
@@ -201,6 +244,8 @@ class TimeProfile:
         """
         if op_class == "matmul_thin" and dtype not in self.compute.get(op_class, {}):
             op_class = "matmul"
+        if op_class == "conv_backward" and dtype not in self.compute.get(op_class, {}):
+            op_class = "conv"
         rates = self.compute.get(op_class) or self.compute["other"]
         curve = rates.get(dtype)
         if curve is None:
@@ -232,6 +277,11 @@ class TimeProfile:
             "launch_overhead_s": self.launch_overhead_s,
             "view_overhead_s": self.view_overhead_s,
             "kernels": {k: v.to_dict() for k, v in self.kernels.items()},
+            "shaped": {
+                c: {d: [[m, curve.to_dict()] for m, curve in pairs] for d, pairs in by.items()}
+                for c, by in self.shaped.items()
+            },
+            "updates": {k: v.to_dict() for k, v in self.updates.items()},
             "efficiency": dict(self.efficiency),
             "threads": self.threads,
             "notes": list(self.notes),
@@ -274,6 +324,14 @@ class TimeProfile:
                 view_overhead_s=float(d["view_overhead_s"]),
                 efficiency={str(k): float(v) for k, v in d.get("efficiency", {}).items()},
                 kernels={str(k): RateCurve.from_dict(v) for k, v in d.get("kernels", {}).items()},
+                shaped={
+                    str(c): {
+                        str(k): _dims(tuple((float(m), RateCurve.from_dict(v)) for m, v in pairs))
+                        for k, pairs in by.items()
+                    }
+                    for c, by in d.get("shaped", {}).items()
+                },
+                updates={str(k): RateCurve.from_dict(v) for k, v in d.get("updates", {}).items()},
                 threads=d.get("threads"),
                 notes=tuple(str(x) for x in d.get("notes", ())),
             )
@@ -282,6 +340,28 @@ class TimeProfile:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
             raise ProfileError(f"malformed time profile: {what}") from e
+
+
+def _dims(pairs: tuple[tuple[float, RateCurve], ...]) -> tuple[tuple[float, RateCurve], ...]:
+    """``pairs`` checked: at least one, dimensions positive and increasing."""
+    dims = [m for m, _ in pairs]
+    if not pairs or any(m <= 0 for m in dims) or dims != sorted(set(dims)):
+        raise ValueError("shaped rate curves need increasing positive dimensions")
+    return pairs
+
+
+def _between(by_dim: tuple[tuple[float, RateCurve], ...], dim: float, flops: float) -> float:
+    """The rate at ``flops`` for smallest dimension ``dim``: log-log between the two curves
+    whose dimensions bracket ``dim``, the nearest curve beyond the ends."""
+    if dim <= by_dim[0][0] or len(by_dim) == 1:
+        return by_dim[0][1].rate(flops)
+    if dim >= by_dim[-1][0]:
+        return by_dim[-1][1].rate(flops)
+    i = bisect.bisect_right([m for m, _ in by_dim], dim)
+    (d0, c0), (d1, c1) = by_dim[i - 1], by_dim[i]
+    t = (math.log(dim) - math.log(d0)) / (math.log(d1) - math.log(d0))
+    r0, r1 = math.log(c0.rate(flops)), math.log(c1.rate(flops))
+    return math.exp(r0 + t * (r1 - r0))
 
 
 #: Fractions of the data sheet's figures that eager PyTorch reaches on a GPU (docs/time.md

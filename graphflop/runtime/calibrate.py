@@ -1,26 +1,39 @@
 """Calibration: measure what this machine's CPU (or a CUDA GPU) achieves in eager PyTorch and
 return it as a :class:`~graphflop.passes.time_profile.TimeProfile` (``graphflop calibrate``).
 
-What is measured, each the median of repeated runs after a warm-up:
+What is measured, each the least of repeated runs after a warm-up (another process's time slice
+only ever adds to a run, so the least is the kernel's own cost):
 
 * **launch overhead**: one ``torch.add`` of two 1-element tensors (eager PyTorch's per-op cost:
   Python, dispatcher, allocation; on a GPU the host-side cost of one launch, which bounds a
   stream of small kernels), and one view (``Tensor.view``); the least of the repeats, not the
   median, since it is subtracted from every other measurement;
-* **matrix products**: ``torch.mm`` of square matrices at several sizes, per dtype, and of
-  thin ones (:data:`~graphflop.passes.time_profile.THIN_ROWS` rows), which run below the square
-  rate of the same FLOPs on a CPU;
-* **convolutions**: ``conv2d`` 3×3, stride 1, at several sizes;
+* **matrix products**: ``torch.mm`` of square matrices at several sizes, per dtype, and the
+  three products of a linear layer (``x @ Wᵀ``, the input gradient ``dy @ W``, the weight
+  gradient ``dyᵀ @ x``) for a few row counts (examples or tokens) and layer widths: a product
+  with few rows runs below the square rate of the same FLOPs on a CPU, so the rates are kept
+  per smallest GEMM dimension (:attr:`~graphflop.passes.time_profile.TimeProfile.shaped`);
+* **convolutions**: ``conv2d`` forward and ``convolution_backward`` (input and weight
+  gradients) at network-like shapes (3×3, 1×1 and 7×7 stride 2; 1 to 512 channels; 224² to 7²
+  pixels; batch 1 to 64), kept per smallest dimension of the implicit GEMM as well;
 * **transcendental elements**: ``exp``, ``tanh`` and ``sigmoid`` on tensors that fit in cache,
   into a preallocated output (elements per second);
 * **other FLOPs**: ``mul`` and ``maximum`` the same way (1 FLOP per element, as graphflop's
   rules count them);
 * **eager kernels off the streaming line**: ``max_pool2d_with_indices``, ``native_batch_norm``
-  (training), ``native_layer_norm``, ``_softmax``, ``_log_softmax`` and ``gelu``, each at two
-  sizes, as bytes per second over the bytes graphflop counts for the kernel (its input and
+  (training), ``native_layer_norm``, ``_softmax``, ``_log_softmax`` and ``gelu``, each at three
+  sizes (the smallest, 1K elements, holds a kernel's fixed cost beyond the launch overhead:
+  allocation, set-up, a parallel region), as bytes per second over the bytes graphflop counts for the kernel (its input and
   output); the time pass uses these for forward kernels of those names;
+* **optimizer steps**: ``torch.optim``'s SGD, SGD with momentum, Adam and AdamW ``step()``
+  over several parameters at once (single-tensor implementation, as eager PyTorch runs it on
+  a CPU: several in-place ops per parameter), per parameter: a tiny parameter's time (the
+  Python loop and the launches) and parameters larger than the last-level cache together
+  (each step reads parameters, gradients and state cold, as in training);
 * **bandwidth**: ``a + b`` (bytes read and written, 3 × the tensor) from in-cache sizes to well
-  beyond the last-level cache, each call allocating its output as eager PyTorch does (so the
+  beyond the last-level cache, its inputs rotating over pairs that together exceed the
+  last-level cache (a network's op reads what a kernel some megabytes earlier wrote), each
+  call allocating its output as eager PyTorch does (so the
   curve holds the allocator's cost: above glibc's mmap threshold a fresh output is new pages,
   faulted in on first touch); and ``a.add_(b, alpha=...)`` in place, the optimizer's update.
 
@@ -40,7 +53,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from graphflop.passes.time_profile import THIN_ROWS, RateCurve, TimeProfile
+from graphflop.passes.optimizer import OPTIMIZERS
+from graphflop.passes.time_profile import RateCurve, TimeProfile
+from graphflop.runtime.optim import torch_optimizer
 
 __all__ = ["CalibrationPlan", "calibrate", "plan"]
 
@@ -51,24 +66,35 @@ class CalibrationPlan:
 
     Attributes:
         mm_sizes: square matrix sizes n (``n × n @ n × n``: 2n³ FLOPs).
-        mm_dtypes: dtypes of the matrix products (and convolutions).
-        conv_shapes: (batch, channels, height) of 3×3 convolutions, channels in = out,
-            height = width.
+        mm_dtypes: dtypes of the matrix products (and convolutions: all shapes in the first,
+            the first three forward only in the others).
+        linear_shapes: (rows, in features, out features) of linear layers whose three
+            products are timed (first dtype only).
+        conv_shapes: (batch, channels in, channels out, height = width, kernel, stride) of
+            square convolutions, padding kernel // 2.
+        optim_sizes: (elements per parameter, parameters) of the optimizer steps timed; the
+            first is the tiny one (the per-parameter overhead).
         elementwise: elements of the in-cache elementwise kernels.
         stream: elements of each tensor of the bandwidth kernel.
-        kernel_sizes: elements of the input of each of :data:`_KERNELS`' measured kernels.
-        repeats: timed runs per point (the median is kept).
+        kernel_sizes: elements of the input of each of :data:`_KERNELS`' measured kernels
+            (a tiny size among them: the kernels' fixed costs).
+        repeats: timed runs per point (the least is kept).
         min_time_s: each timed run repeats the kernel until this long has passed.
+        cold_bytes: the bandwidth kernel's inputs rotate over pairs of tensors that together
+            hold this many bytes, beyond the last-level cache.
     """
 
     mm_sizes: tuple[int, ...]
     mm_dtypes: tuple[torch.dtype, ...]
-    conv_shapes: tuple[tuple[int, int, int], ...]
+    linear_shapes: tuple[tuple[int, int, int], ...]
+    conv_shapes: tuple[tuple[int, int, int, int, int, int], ...]
+    optim_sizes: tuple[tuple[int, int], ...]
     elementwise: int
     stream: tuple[int, ...]
     kernel_sizes: tuple[int, ...]
     repeats: int
     min_time_s: float
+    cold_bytes: int = 64 << 20
 
     @property
     def steps(self) -> int:
@@ -76,8 +102,10 @@ class CalibrationPlan:
         return (
             2
             + len(self.mm_sizes) * len(self.mm_dtypes)
-            + sum(n > THIN_ROWS for n in self.mm_sizes) * len(self.mm_dtypes)
-            + len(self.conv_shapes) * len(self.mm_dtypes)
+            + len(self.linear_shapes)
+            + len(self.conv_shapes)
+            + min(3, len(self.conv_shapes)) * (len(self.mm_dtypes) - 1)
+            + len(OPTIMIZERS) * len(self.optim_sizes)
             + 5
             + 2 * len(self.stream)
             + len(_KERNELS) * len(self.kernel_sizes)
@@ -85,24 +113,35 @@ class CalibrationPlan:
 
 
 def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
-    """The default plan (under about a minute on a 2-core CPU), or ``quick``'s (seconds, for
+    """The default plan (two to three minutes on a 2-core CPU), or ``quick``'s (seconds, for
     tests: small sizes, few repeats)."""
     if quick:
         return CalibrationPlan(
             mm_sizes=(32, 128),
             mm_dtypes=(torch.float32,),
-            conv_shapes=((2, 8, 16),),
+            linear_shapes=((16, 64, 64),),
+            conv_shapes=((2, 8, 8, 16, 3, 1),),
+            optim_sizes=((16, 4), (1 << 12, 2)),
             elementwise=1 << 14,
             stream=(1 << 12, 1 << 18),
             kernel_sizes=(1 << 14,),
             repeats=2,
             min_time_s=0.002,
+            cold_bytes=1 << 20,
         )
     if device == "cuda":
         return CalibrationPlan(
             mm_sizes=(256, 1024, 2048, 4096, 8192),
             mm_dtypes=(torch.float32, torch.bfloat16, torch.float16),
-            conv_shapes=((32, 64, 56), (32, 256, 14), (64, 128, 28)),
+            linear_shapes=((512, 1024, 4096), (2048, 4096, 4096), (8192, 4096, 4096)),
+            conv_shapes=(
+                (32, 64, 64, 56, 3, 1),
+                (32, 256, 256, 14, 3, 1),
+                (64, 128, 128, 28, 3, 1),
+                (32, 3, 64, 224, 7, 2),
+                (32, 256, 64, 56, 1, 1),
+            ),
+            optim_sizes=((256, 64), (1 << 24, 8)),
             elementwise=1 << 20,
             stream=(1 << 16, 1 << 20, 1 << 24, 1 << 27),
             kernel_sizes=(1 << 20, 1 << 24),
@@ -112,10 +151,42 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
     return CalibrationPlan(
         mm_sizes=(16, 32, 64, 128, 256, 512, 1024),
         mm_dtypes=(torch.float32, torch.bfloat16),
-        conv_shapes=((1, 16, 16), (8, 16, 32), (8, 64, 16), (8, 64, 56)),
+        # rows: a batch or a sequence; widths: MLP and transformer layers; a wide output head
+        linear_shapes=(
+            (8, 512, 1024),
+            (16, 1024, 1024),
+            (32, 768, 768),
+            (64, 1024, 1024),
+            (128, 768, 3072),
+            (128, 3072, 768),
+            (128, 768, 16384),
+            (512, 768, 768),
+            (512, 1024, 1024),
+        ),
+        # ResNet-like stages at batch 8 and 1, a stem, 1×1 projections, first layers with
+        # few input channels
+        conv_shapes=(
+            (8, 64, 64, 56, 3, 1),
+            (8, 128, 128, 28, 3, 1),
+            (8, 256, 256, 14, 3, 1),
+            (8, 512, 512, 7, 3, 1),
+            (8, 3, 64, 224, 7, 2),
+            (8, 64, 128, 56, 3, 2),
+            (8, 64, 128, 56, 1, 2),
+            (8, 64, 256, 56, 1, 1),
+            (8, 256, 64, 56, 1, 1),
+            (1, 64, 64, 56, 3, 1),
+            (1, 256, 256, 14, 3, 1),
+            (1, 512, 512, 7, 3, 1),
+            (64, 64, 64, 14, 3, 1),
+            (64, 64, 64, 28, 3, 1),
+            (64, 1, 64, 28, 3, 1),
+            (16, 3, 32, 32, 3, 1),
+        ),
+        optim_sizes=((64, 32), (1 << 18, 16), (1 << 22, 4)),
         elementwise=1 << 13,
         stream=(1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22, 1 << 24),
-        kernel_sizes=(1 << 16, 1 << 21),
+        kernel_sizes=(1 << 10, 1 << 16, 1 << 21),
         repeats=5,
         min_time_s=0.05,
     )
@@ -247,6 +318,36 @@ def _rate(work: float, seconds: float, overhead: float) -> float:
     return work / max(seconds - overhead, seconds * 0.1)
 
 
+#: dtype key -> (smallest GEMM dimension, FLOPs, FLOP/s) points of products
+_Points = dict[str, list[tuple[float, float, float]]]
+
+
+def _shaped(points: list[tuple[float, float, float]]) -> tuple[tuple[float, RateCurve], ...]:
+    """Per smallest dimension (rounded to an integer), the rate curve over FLOPs of the points
+    measured at it (points at the same FLOPs averaged)."""
+    by: dict[float, dict[float, list[float]]] = {}
+    for dim, flops, rate in points:
+        by.setdefault(float(round(dim)), {}).setdefault(flops, []).append(rate)
+    return tuple(
+        (dim, RateCurve(tuple((f, statistics.mean(rs)) for f, rs in sorted(pts.items()))))
+        for dim, pts in sorted(by.items())
+        if dim > 0
+    )
+
+
+def _flat(points: list[tuple[float, float, float]]) -> RateCurve:
+    """One rate curve over FLOPs, whatever the shape (the fallback of :func:`_shaped`)."""
+    return _curve([(flops, rate) for _, flops, rate in points])
+
+
+def _step_curve(points: list[tuple[float, float]]) -> RateCurve:
+    """An optimizer's per-parameter step: the first (tiny) point's seconds are the fixed cost
+    per parameter (``fill_s``); the others' bytes over their seconds beyond it, the rate."""
+    (_, fill), *rest = sorted(points)
+    pts = [(b, b / max(t - fill, t * 0.1)) for b, t in rest] or [(1.0, 1e12)]
+    return RateCurve(tuple(pts), fill)
+
+
 def _curve(points: list[tuple[float, float]]) -> RateCurve:
     """A rate curve from measured points (sizes made distinct and increasing)."""
     pts: dict[float, float] = {}
@@ -266,38 +367,94 @@ class _Run:
     done: Callable[[str], None]
 
     def time(self, fn: Callable[[], object]) -> float:
-        return self.timed(fn, self.p.repeats, self.p.min_time_s)
+        return self.timed(fn, self.p.repeats, self.p.min_time_s, min)
 
-    def products(self) -> tuple[dict[str, list[tuple[float, float]]], ...]:
-        """(matmul, thin matmul, conv): dtype key -> (FLOPs, FLOP/s) points. A thin product
-        has :data:`~graphflop.passes.time_profile.THIN_ROWS` rows (``THIN_ROWS × n @ n × n``):
-        a batch of 64 examples through a layer, a 128-token sequence."""
-        mm: dict[str, list[tuple[float, float]]] = {}
-        thin: dict[str, list[tuple[float, float]]] = {}
-        conv: dict[str, list[tuple[float, float]]] = {}
-        rows = THIN_ROWS
-        for dt in self.p.mm_dtypes:
+    def _point(self, out: _Points, key: str, flops: float, dim: float, t: float) -> None:
+        out.setdefault(key, []).append((dim, flops, _rate(flops, t, self.launch)))
+
+    def products(self) -> tuple[_Points, _Points, _Points]:
+        """(matmul, conv, conv_backward): dtype key -> (smallest GEMM dimension, FLOPs,
+        FLOP/s) points. A ``convolution_backward`` point's FLOPs are its two products' (the
+        input gradient's and the weight gradient's, each as many as the forward's; the
+        weight gradient's alone for a first layer), as the time pass counts the one eager
+        kernel of a convolution's backward."""
+        mm: _Points = {}
+        conv: _Points = {}
+        conv_bwd: _Points = {}
+        for i, dt in enumerate(self.p.mm_dtypes):
             key = str(dt).removeprefix("torch.")
             for n in self.p.mm_sizes:
                 a = torch.randn(n, n, device=self.dev).to(dt)
                 b = torch.randn(n, n, device=self.dev).to(dt)
                 t = self.time(partial(torch.mm, a, b))
                 flops = 2.0 * n**3
-                mm.setdefault(key, []).append((flops, _rate(flops, t, self.launch)))
+                self._point(mm, key, flops, n, t)
                 self.done(f"mm {key} {n}³: {flops / t / 1e9:.1f} GFLOP/s")
-                if n > rows:
-                    t = self.time(partial(torch.mm, a[:rows], b))
-                    flops = 2.0 * rows * n * n
-                    thin.setdefault(key, []).append((flops, _rate(flops, t, self.launch)))
-                    self.done(f"mm {key} {rows}×{n}²: {flops / t / 1e9:.1f} GFLOP/s")
-            for batch, ch, hw in self.p.conv_shapes:
-                x = torch.randn(batch, ch, hw, hw, device=self.dev).to(dt)
-                w = torch.randn(ch, ch, 3, 3, device=self.dev).to(dt)
-                t = self.time(partial(F.conv2d, x, w, padding=1))
-                flops = 2.0 * batch * ch * hw * hw * ch * 9
-                conv.setdefault(key, []).append((flops, _rate(flops, t, self.launch)))
-                self.done(f"conv {key} {batch}×{ch}×{hw}²: {flops / t / 1e9:.1f} GFLOP/s")
-        return mm, thin, conv
+            if i == 0:
+                for rows, k, n in self.p.linear_shapes:
+                    x = torch.randn(rows, k, device=self.dev).to(dt)
+                    w = torch.randn(n, k, device=self.dev).to(dt)
+                    dy = torch.randn(rows, n, device=self.dev).to(dt)
+                    flops = 2.0 * rows * k * n
+                    ts = [
+                        self.time(partial(torch.mm, x, w.t())),  # forward x @ Wᵀ
+                        self.time(partial(torch.mm, dy, w)),  # input gradient
+                        self.time(partial(torch.mm, dy.t(), x)),  # weight gradient
+                    ]
+                    for t in ts:
+                        self._point(mm, key, flops, min(rows, k, n), t)
+                    rate = 3 * flops / sum(ts)
+                    self.done(f"linear {key} {rows}×{k}→{n}: {rate / 1e9:.1f} GFLOP/s")
+            shapes = self.p.conv_shapes if i == 0 else self.p.conv_shapes[:3]
+            for batch, cin, cout, hw, kk, stride in shapes:
+                x = torch.randn(batch, cin, hw, hw, device=self.dev).to(dt)
+                w = torch.randn(cout, cin, kk, kk, device=self.dev).to(dt)
+                pad = kk // 2
+                y = F.conv2d(x, w, stride=stride, padding=pad)
+                flops = 2.0 * y.numel() * cin * kk * kk
+                dim = min(y.numel() / cout, cout, cin * kk * kk)
+                t = self.time(partial(F.conv2d, x, w, stride=stride, padding=pad))
+                self._point(conv, key, flops, dim, t)
+                label = f"conv {key} {batch}×{cin}→{cout}×{hw}² {kk}×{kk}/{stride}"
+                if i > 0:
+                    self.done(f"{label}: {flops / t / 1e9:.1f} GFLOP/s")
+                    continue
+                dy = torch.randn_like(y)
+                # an image's few channels (a first layer) need no input gradient: eager runs
+                # the weight gradient alone there
+                first = cin <= 3
+                bwd = partial(
+                    torch.ops.aten.convolution_backward.default,
+                    dy, x, w, None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], 1,
+                    [not first, True, False],
+                )  # fmt: skip
+                tb = self.time(bwd)
+                grads = 1 if first else 2
+                self._point(conv_bwd, key, grads * flops, dim, tb)
+                self.done(
+                    f"{label}: {flops / t / 1e9:.1f} GFLOP/s, backward "
+                    f"{grads * flops / tb / 1e9:.1f} GFLOP/s"
+                )
+        return mm, conv, conv_bwd
+
+    def optimizers(self) -> dict[str, list[tuple[float, float]]]:
+        """Optimizer name -> (parameter bytes, seconds per parameter) points of
+        ``torch.optim``'s ``step()`` over :attr:`CalibrationPlan.optim_sizes`' parameters."""
+        out: dict[str, list[tuple[float, float]]] = {}
+        for name in OPTIMIZERS:
+            for numel, count in self.p.optim_sizes:
+                params = [
+                    torch.nn.Parameter(torch.randn(numel, device=self.dev)) for _ in range(count)
+                ]
+                for q in params:
+                    q.grad = torch.randn_like(q)
+                opt = torch_optimizer(name, params, 1e-3)
+                opt.step()  # creates the state
+                t = self.time(opt.step) / count
+                out.setdefault(name, []).append((4.0 * numel, t))
+                self.done(f"{name} step, {count} × {4 * numel / 1e6:.3g} MB: {t * 1e6:.1f} µs each")
+                del opt, params
+        return out
 
     def elementwise(self) -> tuple[float, float]:
         """(transcendental elements/s, other FLOP/s), in cache into a preallocated output: a
@@ -319,15 +476,34 @@ class _Run:
             self.done(f"{binary.__name__}: {n / t / 1e9:.2f} GFLOP/s")
         return statistics.median(trans), statistics.median(plain)
 
+    def _cold_add(self, n: int) -> Callable[[], object]:
+        """``a + b`` of ``n`` elements as a network's elementwise op runs: the inputs are one
+        of many pairs that together exceed :attr:`CalibrationPlan.cold_bytes` (read from
+        memory, not from the cache the previous call left them in), and each output is kept
+        alive as long as its pair's previous one (an activation kept for the backward), so
+        the allocator cannot hand the just-freed block back at once."""
+        k = max(1, min(4096, self.p.cold_bytes // (8 * n)))
+        xs = [torch.rand(n, device=self.dev) for _ in range(k)]
+        ys = [torch.rand(n, device=self.dev) for _ in range(k)]
+        outs: list[torch.Tensor | None] = [None] * k
+        at = [0]
+
+        def call() -> None:
+            j = at[0] = (at[0] + 1) % k
+            outs[j] = torch.add(xs[j], ys[j])
+
+        return call
+
     def streams(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-        """(allocating ``a + b``, in-place ``a.add_(b)``): (bytes, bytes/s) points."""
+        """(allocating ``a + b`` on cold inputs, in-place ``a.add_(b)``): (bytes, bytes/s)
+        points."""
         bw: list[tuple[float, float]] = []
         inplace: list[tuple[float, float]] = []
         for n in self.p.stream:
             a = torch.rand(n, device=self.dev)
             b = torch.rand(n, device=self.dev)
             nbytes = 3.0 * n * a.element_size()
-            t = self.time(partial(torch.add, a, b))
+            t = self.time(self._cold_add(n))
             bw.append((nbytes, _rate(nbytes, t, self.launch)))
             self.done(f"stream {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
             t = self.time(partial(a.add_, b, alpha=-1e-3))
@@ -394,7 +570,8 @@ def calibrate(
     view = timed(lambda: v.view(8, 8), max(reps, 5), min_t, min)
     done(f"view overhead {view * 1e6:.1f} µs")
     run = _Run(dev, p, timed, launch, done)
-    mm, thin, conv = run.products()
+    mm, conv, conv_bwd = run.products()
+    steps = run.optimizers()
     trans_rate, other_rate = run.elementwise()
     bw, inplace = run.streams()
     kernels = run.kernels()
@@ -414,12 +591,18 @@ def calibrate(
         source="calibrated",
         kind="gpu" if dev.type == "cuda" else "cpu",
         compute={
-            "matmul": {k: _curve(v) for k, v in mm.items()},
-            "matmul_thin": {k: _curve(v) for k, v in thin.items()},
-            "conv": {k: _curve(v) for k, v in conv.items()},
+            "matmul": {k: _flat([q for q in v if q[1] == 2.0 * q[0] ** 3]) for k, v in mm.items()},
+            "conv": {k: _flat(v) for k, v in conv.items()},
+            "conv_backward": {k: _flat(v) for k, v in conv_bwd.items()},
             "transcendental": trans,
             "other": other,
         },
+        shaped={
+            "matmul": {k: _shaped(v) for k, v in mm.items()},
+            "conv": {k: _shaped(v) for k, v in conv.items()},
+            "conv_backward": {k: _shaped(v) for k, v in conv_bwd.items()},
+        },
+        updates={k: _step_curve(v) for k, v in steps.items()},
         bandwidth=_curve(bw),
         inplace_bandwidth=_curve(inplace),
         kernels={k: _curve(v) for k, v in kernels.items()},
@@ -428,6 +611,6 @@ def calibrate(
         threads=n_threads,
         notes=(
             f"measured with torch {torch.__version__} on {title}, {n_threads} threads, "
-            f"median of {reps} runs per point{' (quick plan)' if quick else ''}",
+            f"least of {reps} runs per point{' (quick plan)' if quick else ''}",
         ),
     )
