@@ -125,8 +125,22 @@ def _tp_divides(name: str, world: int) -> str | None:
     return f"{world} does not divide " + ", ".join(bad) if bad else None
 
 
-def run(names: list[str], modes: list[str], worlds: list[int], batch: int, seq: int) -> list:
-    rows = []
+def run(
+    names: list[str],
+    modes: list[str],
+    worlds: list[int],
+    batch: int,
+    seq: int,
+    out: Path | None = None,
+) -> list:
+    """The rows of every model × mode × world; written to ``out`` as JSON after each row
+    (a long run keeps what it has measured)."""
+    rows: list[dict] = []
+
+    def save() -> None:
+        if out is not None:
+            out.write_text(json.dumps(rows, indent=1) + "\n")
+
     for name in names:
         spec, ctor, blocks_arg, n_blocks = MODELS[name]
         for mode in modes:
@@ -136,6 +150,7 @@ def run(names: list[str], modes: list[str], worlds: list[int], batch: int, seq: 
                 if why:
                     row["skipped"] = why
                     rows.append(row)
+                    save()
                     print(f"{name} {mode} w{world}: skipped ({why})", flush=True)
                     continue
                 p = plan_side(spec, ctor, blocks_arg, n_blocks, mode, world, batch, seq)
@@ -161,6 +176,7 @@ def run(names: list[str], modes: list[str], worlds: list[int], batch: int, seq: 
                         [*k, n] for k, n in (t["collectives"] - p["collectives"]).items()
                     ]
                 rows.append(row)
+                save()
                 print(
                     f"{name} {mode} w{world}: collectives equal {row['collectives_equal']} "
                     f"({row['n_collectives']}), peak {p['peak']:,} / {t['peak']:,} "
@@ -216,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.table:
         print(table(json.loads(Path(a.table).read_text())))
         return 0
-    rows = run(a.models, a.modes, a.worlds, a.batch, a.seq)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
+    out = Path(a.out) if a.out else None
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    rows = run(a.models, a.modes, a.worlds, a.batch, a.seq, out)
     print(table(rows))
     return 0
 
