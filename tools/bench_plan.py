@@ -40,7 +40,7 @@ from bench_plan_fake import run_world  # noqa: E402
 
 #: name -> (model spec, constructor arguments, the constructor argument counting the blocks,
 #: the model's blocks)
-MODELS = {
+MODELS: dict[str, tuple[str, dict, str, int]] = {
     "gpt2-xl": (f"{ROOT}/models/gpt2.py:gpt2_xl", {}, "n_layer", 48),
     "llama3-8b": (f"{ROOT}/models/llama.py:Llama", {}, "n_layers", 32),
 }
@@ -205,7 +205,7 @@ def table(rows: list) -> str:
         b = f"{nb[0]:,}" if nb[0] == nb[1] else f"{nb[0]:,} / {nb[1]:,}"
         out.append(
             f"| {r['model']} | {r['mode']} | {r['world']} | {eq} ({r['n_collectives'][1]}, "
-            f"{b} B) | {r['predicted_peak']:,} | {r['tracker_peak']:,} | {r['error']:+.1%} | "
+            f"{b} B) | {r['predicted_peak']:,} | {r['tracker_peak']:,} | {r['error']:+.2%} | "
             f"{r['plan_cpu_s']:.1f} / {r['torch_cpu_s']:.1f} |"
         )
     worst: dict[int, float] = {}
