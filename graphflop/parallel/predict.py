@@ -464,7 +464,7 @@ def predict(  # noqa: C901
     # one stage, state not sharded by ZeRO-2/3, every block analysed: the eager schedule itself,
     # each storage at its local size
     local_rise = None
-    if plan.pp == 1 and plan.zero <= 1 and block_counts is None and mem.memory_model == "eager":
+    if plan.pp == 1 and plan.zero <= 1 and mem.memory_model == "eager":
         local_rise = _local_schedule_rise(
             fwd,
             bwd,
@@ -473,6 +473,7 @@ def predict(  # noqa: C901
             memory_device,
             getattr(rep.totals.update, "optimizer", "sgd"),
             [local_numel(q) * esize[q] for q in trainable],
+            {"f": f_weight, "b": b_weight},
         )
     # pipelines (state not sharded by ZeRO-2/3, every block analysed): the eager schedule's
     # steps of each stage replayed per micro-batch in the order the pipeline schedule runs them
@@ -719,12 +720,26 @@ def _local_schedule_rise(
     device: str,
     optimizer: str,
     local_param_bytes: list[int],
+    weights: dict[str, dict[str, int]] | None = None,
 ) -> int:
     """The eager training step's rise over its start on one rank: the eager memory model's
     schedule (:func:`~graphflop.passes.eager_memory.eager_train_schedule`) with every storage
     and kernel temporary scaled to its node's local size under the TP placements, and the
-    optimizer's temporaries of the local parameters."""
-    return _scaled_train_schedule(fwd, bwd, fp, bp, device, optimizer, local_param_bytes).peak()[0]
+    optimizer's temporaries of the local parameters (``local_param_bytes``, every counted
+    block's copies included).
+
+    ``weights`` (``"f"``/``"b"`` → node name → k) counts an analysed block for k identical
+    ones run one after another. Each of the k − 1 copies not analysed holds the storages of
+    its nodes that outlive their phase: in the forward, the values the backward reads
+    (``S`` per copy); after its backward, its gradients (``G``). What is freed within its
+    phase (a temporary, the output the next block reads) is live for one copy at a time. The
+    analysed block's timeline is offset by what the other copies hold: in the forward (the
+    block standing for the last copy) (k − 1)·S, in its backward the larger of (k − 1)·S (the
+    first copy) and (k − 1)·G (the last), before it in the backward (k − 1)·S, after it and in
+    the update (k − 1)·G. With k = 1 everywhere it is the schedule's own peak.
+    """
+    sched = _scaled_train_schedule(fwd, bwd, fp, bp, device, optimizer, local_param_bytes)
+    return _weighted_peak(sched, weights)
 
 
 def _scaled_train_schedule(
@@ -752,6 +767,53 @@ def _scaled_train_schedule(
             st.nbytes = round(st.nbytes * lo / w)
             st.extra = round(st.extra * lo / w)
     return sched
+
+
+def _weighted_peak(sched: Schedule, weights: dict[str, dict[str, int]] | None) -> int:
+    """The peak of ``sched``'s timeline with the copies ``weights`` counts (see
+    :func:`_local_schedule_rise`)."""
+    tl = sched.timeline()
+    if not weights or not any(weights.values()):
+        return max(tl, default=0)
+    # the k - 1 copies not analysed: each holds its forward storages that the backward reads
+    # (s_more) until its backward runs, and its gradients (g_more) from then on
+    storage, size, last = sched._lifetimes()
+    order = {"f": 0, "b": 1}
+    end = len(sched.steps)
+    s_more = g_more = 0
+    inside: list[bool] = []
+    for i, st in enumerate(sched.steps):
+        prefix, _, name = st.key.partition(":")
+        k = weights.get(prefix, {}).get(name, 1)
+        inside.append(k > 1)
+        if k == 1 or storage[st.key] != st.key:
+            continue
+        j = last.get(st.key, i)
+        later = sched.steps[j].key.partition(":")[0] if j < end else "end"
+        if j >= end or order.get(later, 2) > order[prefix]:
+            if prefix == "f":
+                s_more += (k - 1) * size[st.key]
+            else:
+                g_more += (k - 1) * size[st.key]
+    # the copies run one after another: in the forward, the analysed block stands for the
+    # last copy (all others' saved storages live); in the backward, for the first copy (the
+    # others' saved storages live) or the last (the others' gradients live), whichever is more
+    peak, seen_f, seen_b = 0, False, False
+    for i, st in enumerate(sched.steps):
+        prefix = st.key.partition(":")[0]
+        if prefix == "f":
+            seen_f = seen_f or inside[i]
+            more = s_more if seen_f else 0
+        elif prefix == "b":
+            seen_b = seen_b or inside[i]
+            if inside[i]:
+                more = max(s_more, g_more)
+            else:
+                more = g_more if seen_b else s_more
+        else:
+            more = g_more
+        peak = max(peak, tl[i] + more)
+    return peak
 
 
 def _node_bytes(gm: GraphModule) -> dict[str, int]:

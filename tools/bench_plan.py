@@ -1,0 +1,244 @@
+"""Benchmark: graphflop's parallel plan against torch under the fake process group, FSDP2
+(``zero3``) and tensor parallelism (``tp``) at large worlds, full model size, one process.
+
+For each model × mode × world, two sides on the same configuration and micro-batch:
+
+- **torch** (:func:`bench_plan_fake.run_world`): the fake process group (``FakeStore``,
+  backend ``"fake"``), the model built under FakeTensorMode, FSDP2 ``fully_shard`` per block
+  plus the root (``zero3``) or ``parallelize_module`` with the Megatron plan (``tp``), AdamW
+  (``foreach=False``); the collectives logged by graphflop.runtime.parallel_probe's dispatch
+  mode (op level: kind, group size, elements, dtype, phase) and the peak of torch's
+  ``FSDPMemTracker`` (zero3) or ``MemTracker`` (tp) over the last of 2 steps, rank 0.
+- **graphflop** (:func:`graphflop.parallel.predict`, what ``graphflop plan`` prints): the
+  model analysed on the meta device with one block (``--blocks``: each of the model's blocks
+  counted from it), AdamW, the CPU eager memory model; rank class 0.
+
+Per row: the collectives equal as a multiset or not (and their bytes on each side), the
+predicted and the tracker's peak, the relative error; per world the worst error. The results
+go to ``--out`` as JSON and the table to stdout (Markdown).
+
+    python tools/bench_plan.py --out results/bench_plan.json            # everything
+    python tools/bench_plan.py --models llama3-8b --modes tp --worlds 8 --out r.json
+
+A TP degree that does not divide a dim the plan shards (heads, key/value heads, vocabulary)
+is not run: the row says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_plan_fake import run_world  # noqa: E402
+
+#: name -> (model spec, constructor arguments, the constructor argument counting the blocks,
+#: the model's blocks)
+MODELS: dict[str, tuple[str, dict, str, int]] = {
+    "gpt2-xl": (f"{ROOT}/models/gpt2.py:gpt2_xl", {}, "n_layer", 48),
+    "llama3-8b": (f"{ROOT}/models/llama.py:Llama", {}, "n_layers", 32),
+}
+
+
+def _key(c: dict) -> tuple:
+    return (c["kind"], c["group_size"], c["elements"], c["dtype"], c["phase"])
+
+
+_ESIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "float64": 8}
+
+
+def _bytes(keys: Counter) -> int:
+    return sum(k[2] * _ESIZE.get(k[3], 4) * n for k, n in keys.items())
+
+
+def plan_side(
+    spec: str,
+    ctor: dict,
+    blocks_arg: str,
+    n_blocks: int,
+    mode: str,
+    world: int,
+    batch: int,
+    seq: int,
+) -> dict:
+    """graphflop's rank-0 figures: collectives (multiset keys) and the predicted peak."""
+    from graphflop.analysis import analyze
+    from graphflop.load import load, make_inputs
+    from graphflop.parallel import Plan, predict
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    loaded = load(spec, ctor_kwargs={**ctor, blocks_arg: 1}, meta=True)
+    a = analyze(
+        loaded.model,
+        make_inputs(loaded, shapes=[(batch, seq)]),
+        optimizer="adamw",
+        jvp=False,
+        device="cpu",
+    )
+    plan = Plan(dp=world, zero=3) if mode == "zero3" else Plan(tp=world)
+    rank = predict(
+        a, loaded.model, plan, micro_batch=batch, memory_device="cpu", block_counts=(n_blocks,)
+    ).ranks[0]
+    return {
+        "collectives": Counter(c.key() for c in rank.collectives),
+        "peak": int(rank.memory_bytes["peak"]),
+        "memory_bytes": {k: int(v) for k, v in rank.memory_bytes.items()},
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": time.process_time() - c0,
+    }
+
+
+def torch_side(spec: str, ctor: dict, mode: str, world: int, batch: int, seq: int) -> dict:
+    t0, c0 = time.perf_counter(), time.process_time()
+    rec = run_world(spec, mode, world, ctor, batch, seq)
+    return {
+        "collectives": Counter(_key(c) for c in rec["collectives"]),
+        "peak": rec["peak_bytes"],
+        "live_at_step_start": rec["live_at_step_start"],
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": time.process_time() - c0,
+    }
+
+
+def _tp_divides(name: str, world: int) -> str | None:
+    """Why ``world``-way TP cannot shard the model (None when it can)."""
+    import importlib.util
+
+    spec = MODELS[name][0].split(":")[0]
+    m = importlib.util.spec_from_file_location("_m", spec)
+    assert m is not None and m.loader is not None
+    mod = importlib.util.module_from_spec(m)
+    m.loader.exec_module(mod)
+    if name == "llama3-8b":
+        c = mod.LLAMA3_8B
+        dims = {"heads": c["n_heads"], "key/value heads": c["n_kv_heads"], "vocabulary": c["vocab"]}
+    else:
+        layers, heads, width = mod.SIZES["xl"]
+        dims = {"heads": heads, "vocabulary": mod.VOCAB_SIZE}
+    bad = [f"{k} {v}" for k, v in dims.items() if v % world]
+    return f"{world} does not divide " + ", ".join(bad) if bad else None
+
+
+def run(
+    names: list[str],
+    modes: list[str],
+    worlds: list[int],
+    batch: int,
+    seq: int,
+    out: Path | None = None,
+) -> list:
+    """The rows of every model × mode × world; written to ``out`` as JSON after each row
+    (a long run keeps what it has measured)."""
+    rows: list[dict] = []
+
+    def save() -> None:
+        if out is not None:
+            out.write_text(json.dumps(rows, indent=1) + "\n")
+
+    for name in names:
+        spec, ctor, blocks_arg, n_blocks = MODELS[name]
+        for mode in modes:
+            for world in worlds:
+                row: dict = {"model": name, "mode": mode, "world": world}
+                why = _tp_divides(name, world) if mode == "tp" else None
+                if why:
+                    row["skipped"] = why
+                    rows.append(row)
+                    save()
+                    print(f"{name} {mode} w{world}: skipped ({why})", flush=True)
+                    continue
+                p = plan_side(spec, ctor, blocks_arg, n_blocks, mode, world, batch, seq)
+                t = torch_side(spec, ctor, mode, world, batch, seq)
+                row.update(
+                    collectives_equal=p["collectives"] == t["collectives"],
+                    n_collectives=[sum(p["collectives"].values()), sum(t["collectives"].values())],
+                    collective_bytes=[_bytes(p["collectives"]), _bytes(t["collectives"])],
+                    predicted_peak=p["peak"],
+                    tracker_peak=t["peak"],
+                    error=(p["peak"] - t["peak"]) / t["peak"],
+                    plan_memory_bytes=p["memory_bytes"],
+                    plan_cpu_s=p["cpu_s"],
+                    plan_wall_s=p["wall_s"],
+                    torch_cpu_s=t["cpu_s"],
+                    torch_wall_s=t["wall_s"],
+                )
+                if not row["collectives_equal"]:
+                    row["only_predicted"] = [
+                        [*k, n] for k, n in (p["collectives"] - t["collectives"]).items()
+                    ]
+                    row["only_logged"] = [
+                        [*k, n] for k, n in (t["collectives"] - p["collectives"]).items()
+                    ]
+                rows.append(row)
+                save()
+                print(
+                    f"{name} {mode} w{world}: collectives equal {row['collectives_equal']} "
+                    f"({row['n_collectives']}), peak {p['peak']:,} / {t['peak']:,} "
+                    f"({row['error']:+.2%}); plan {p['cpu_s']:.1f} s CPU, torch "
+                    f"{t['cpu_s']:.1f} s CPU",
+                    flush=True,
+                )
+    return rows
+
+
+def table(rows: list) -> str:
+    """The Markdown table of ``rows`` and the worst error per world."""
+    out = [
+        "| model | mode | world | collectives equal (count, bytes) | predicted peak | "
+        "tracker peak | error | time plan / torch (s CPU) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "skipped" in r:
+            out.append(
+                f"| {r['model']} | {r['mode']} | {r['world']} | not run: {r['skipped']} | | | | |"
+            )
+            continue
+        eq = "yes" if r["collectives_equal"] else "NO"
+        nb = r["collective_bytes"]
+        b = f"{nb[0]:,}" if nb[0] == nb[1] else f"{nb[0]:,} / {nb[1]:,}"
+        out.append(
+            f"| {r['model']} | {r['mode']} | {r['world']} | {eq} ({r['n_collectives'][1]}, "
+            f"{b} B) | {r['predicted_peak']:,} | {r['tracker_peak']:,} | {r['error']:+.2%} | "
+            f"{r['plan_cpu_s']:.1f} / {r['torch_cpu_s']:.1f} |"
+        )
+    worst: dict[int, float] = {}
+    for r in rows:
+        if "error" in r:
+            worst[r["world"]] = max(worst.get(r["world"], 0.0), abs(r["error"]))
+    out.append("")
+    out.append(
+        "worst |error| per world: " + ", ".join(f"{w}: {e:.1%}" for w, e in sorted(worst.items()))
+    )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--modes", nargs="+", choices=("zero3", "tp"), default=["zero3", "tp"])
+    p.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 256, 1024])
+    p.add_argument("--batch", type=int, default=1, help="rows per data-parallel rank")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--out", help="write the rows as JSON")
+    p.add_argument("--table", help="print the table of a --out JSON and exit")
+    a = p.parse_args(argv)
+    if a.table:
+        print(table(json.loads(Path(a.table).read_text())))
+        return 0
+    out = Path(a.out) if a.out else None
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    rows = run(a.models, a.modes, a.worlds, a.batch, a.seq, out)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
