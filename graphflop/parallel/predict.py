@@ -446,6 +446,15 @@ def predict(  # noqa: C901
             [local_numel(q) * esize[q] for q in trainable],
         )
 
+    # ZeRO 2/3 on one stage, every block analysed: the same schedule with FSDP's buffers
+    fsdp_schedule = (
+        plan.pp == 1
+        and plan.zero >= 2
+        and block_counts is None
+        and mem.memory_model == "eager"
+        and plan.micro_batches == 1
+    )
+
     # FLOPs per stage per micro-batch ----------------------------------------------------
     def sums(gm, pl: Placements, stage_of, role_map, weight):
         flops = [dict.fromkeys(("forward", "backward", "recompute"), 0) for _ in range(plan.pp)]
@@ -519,6 +528,7 @@ def predict(  # noqa: C901
         units = _fsdp_units(tq, fsdp_blocks)
         coll = per_stage_coll[s]
         gather_buf = 0
+        fsdp_rise: int | None = None
         owned: list[str] | None = None
         if plan.zero <= 1:
             coll += _ddp_buckets(bwd, bp, grad_want, tq, local_numel, esize, dtype_of, dp, outs)
@@ -555,9 +565,31 @@ def predict(  # noqa: C901
             frozen_b = p_bytes - sum(local_numel(q) * esize[q] for q in tq)
             if plan.zero == 3:
                 gather_buf = sum(sorted(unit_bytes, reverse=True)[:2])
-                p_bytes = sharded + frozen_b
             else:
                 gather_buf = sum(unit_bytes)
+            # at rest FSDP holds the shards only (SHARD_GRAD_OP too: its gathered units live
+            # from a unit's forward to its backward, in all_gather_buffers)
+            p_bytes = sharded + frozen_b
+            if fsdp_schedule:
+                live = {u: mem_ for u, mem_ in units.items() if mem_}
+                ub = {u: sum(padded[q] * esize[q] for q in mem_) for u, mem_ in live.items()}
+                fsdp_rise, gather_buf = _fsdp_schedule_rise(
+                    fwd,
+                    bwd,
+                    fp,
+                    bp,
+                    memory_device,
+                    getattr(rep.totals.update, "optimizer", "sgd"),
+                    zero=plan.zero,
+                    unit_of_param={q: u for u, mem_ in live.items() for q in mem_},
+                    unit_order=list(live),
+                    gathered_bytes=ub,
+                    unsharded_bytes={
+                        u: sum(local_numel(q) * esize[q] for q in mem_) for u, mem_ in live.items()
+                    },
+                    shard_bytes={u: b // dp for u, b in ub.items()},
+                    local_shard_param_bytes=[padded[q] * esize[q] // dp for q in tq],
+                )
             g_bytes = sharded
             o_bytes = round(sharded * state_per_param_byte)
             upd_numel = sum(padded[q] for q in tq) // dp
@@ -565,7 +597,9 @@ def predict(  # noqa: C901
         act = round(saved_local[s] * ck_scale * in_flight)
         o_bytes += step_bytes * (len(owned) if plan.zero == 1 and owned is not None else len(tq))
         engine = g_bytes if plan.zero <= 1 and dp > 1 else 0  # DDP's gradient buckets
-        if local_rise is not None:
+        if fsdp_rise is not None:
+            step_rise = fsdp_rise - gather_buf
+        elif local_rise is not None:
             step_rise = local_rise
         else:
             step_rise = round(rise * (g_bytes + act) / dynamic_global) if dynamic_global else 0
@@ -641,7 +675,7 @@ def predict(  # noqa: C901
     )
 
 
-def _local_schedule_rise(
+def _local_schedule(
     fwd: GraphModule,
     bwd: GraphModule,
     fp: Placements,
@@ -649,11 +683,11 @@ def _local_schedule_rise(
     device: str,
     optimizer: str,
     local_param_bytes: list[int],
-) -> int:
-    """The eager training step's rise over its start on one rank: the eager memory model's
-    schedule (:func:`~graphflop.passes.eager_memory.eager_train_schedule`) with every storage
-    and kernel temporary scaled to its node's local size under the TP placements, and the
-    optimizer's temporaries of the local parameters."""
+):
+    """The eager memory model's train schedule
+    (:func:`~graphflop.passes.eager_memory.eager_train_schedule`) with every storage and kernel
+    temporary scaled to its node's local size under the TP placements, and the optimizer's
+    temporaries of the local parameters (``local_param_bytes``, one entry per parameter)."""
     from graphflop.passes.eager_memory import eager_train_schedule, optimizer_temporaries
 
     sched = eager_train_schedule(fwd, bwd, optimizer, device)
@@ -669,7 +703,232 @@ def _local_schedule_rise(
         if w and lo is not None and lo != w:
             st.nbytes = round(st.nbytes * lo / w)
             st.extra = round(st.extra * lo / w)
-    return sched.peak()[0]
+    _redistributed_copies(sched, {"f": (fwd, fp), "b": (bwd, bp)})
+    return sched
+
+
+def _redistributed_copies(sched: Any, graphs: dict[str, tuple[GraphModule, Placements]]) -> None:
+    """Put into ``sched`` the new storage each TP redistribution makes: DTensor's collectives
+    (all_gather, reduce_scatter, all_reduce) write a new tensor of the value's size under its
+    new placement, which the later readers of the value (forward consumers, and what autograd
+    saves for the backward) read; the value itself lives until the collective has read it.
+    Under sequence parallelism this is the gathered input of attention and MLP (the whole
+    sequence) that their matrix products save, where the value is sequence-sharded."""
+    from graphflop.passes.memory import Step
+
+    moved: dict[str, int] = {}
+    for prefix, (gm, pl) in graphs.items():
+        idx = _node_index(gm)
+        for name, dst in pl.moved_to.items():
+            v = idx[name].meta.get("val") if name in idx else None
+            if isinstance(v, torch.Tensor) and isinstance(pl.of.get(name), Placement):
+                tp = max((c.group_size for c in pl.collectives if c.group == "tp"), default=1)
+                moved[f"{prefix}:{name}"] = math.prod(local_shape(tuple(v.shape), dst, tp)) * (
+                    v.element_size()
+                )
+    if not moved:
+        return
+    new = {k: f"{k}@moved" for k in moved}
+    steps: list[Step] = []
+    live: set[str] = set()
+    for st in sched.steps:
+        st.reads = [new[r] if r in live else r for r in st.reads]
+        if st.alias_of in live:
+            st.alias_of = new[st.alias_of]
+        steps.append(st)
+        if st.key in moved:
+            steps.append(Step(new[st.key], moved[st.key], None, [st.key]))
+            live.add(st.key)
+    sched.steps = steps
+    sched.keep = {new.get(k, k) for k in sched.keep}
+    sched.ties = [[new.get(k, k) for k in group] for group in sched.ties]
+
+
+def _local_schedule_rise(
+    fwd: GraphModule,
+    bwd: GraphModule,
+    fp: Placements,
+    bp: Placements,
+    device: str,
+    optimizer: str,
+    local_param_bytes: list[int],
+) -> int:
+    """The eager training step's rise over its start on one rank: the peak of
+    :func:`_local_schedule`."""
+    return _local_schedule(fwd, bwd, fp, bp, device, optimizer, local_param_bytes).peak()[0]
+
+
+def _fsdp_schedule_rise(  # noqa: C901
+    fwd: GraphModule,
+    bwd: GraphModule,
+    fp: Placements,
+    bp: Placements,
+    device: str,
+    optimizer: str,
+    *,
+    zero: int,
+    unit_of_param: dict[str, str],
+    unit_order: list[str],
+    gathered_bytes: dict[str, int],
+    unsharded_bytes: dict[str, int],
+    shard_bytes: dict[str, int],
+    local_shard_param_bytes: list[int],
+) -> tuple[int, int]:
+    """The training step's rise over its start on one rank under FSDP, and the bytes of
+    gathered parameters live at that peak: :func:`_local_schedule` (the optimizer's temporaries
+    of the sharded parameters) with the FSDP units' buffers put in at the points torch's
+    engines make and free them. The root unit holds what no block does.
+
+    ZeRO 2 (FSDP ``SHARD_GRAD_OP``): each unit's flat parameter is gathered (``gathered_bytes``,
+    dim 0 padded) before its first forward node and kept until its post-backward (the end of
+    its backward); there the unit's gradients are concatenated into one flat gradient (the
+    gradients and the flat copy live together), the gathered parameters freed, the
+    reduce-scatter's output (the gradient shard, ``shard_bytes``) made and the flat gradient
+    freed.
+
+    ZeRO 3 (FSDP2 ``fully_shard``): each unit is gathered into an all-gather output
+    (``gathered_bytes``) that is copied out into the unsharded parameters
+    (``unsharded_bytes``; both live during the copy) and then freed; a block's unsharded
+    parameters are freed after its forward (``reshard_after_forward``) and gathered again
+    before its backward, the root's kept from the forward to the end of the backward; before
+    a block's backward the block that ran before it in the forward is prefetched (its
+    all-gather output lives until its own backward starts). At each post-backward: the unit's
+    parameters resharded, the previous reduce-scatter's input freed (FSDP2 keeps it until
+    the next reduce-scatter), the unit's gradients copied into a new reduce-scatter input and
+    freed, the reduce-scatter's output (the gradient shard) made.
+
+    Returns:
+        (peak rise in bytes, gathered bytes live at the peak).
+    """
+    from graphflop.passes.memory import Step
+
+    sched = _local_schedule(fwd, bwd, fp, bp, device, optimizer, local_shard_param_bytes)
+    root = unit_order[-1] if unit_order and unit_order[-1] == "(root)" else "(root)"
+    blocks = [u for u in unit_order if u != "(root)"]
+
+    def unit_of_module(mod: str) -> str:
+        for b in blocks:
+            if mod == b or mod.startswith(b + "."):
+                return b
+        return root
+
+    f_unit = {
+        n.name: unit_of_module(n.meta.get(MODULE) or "")
+        for n in fwd.graph.nodes
+        if n.op == "call_function"
+    }
+    b_unit: dict[str, str] = {}
+    for n in bwd.graph.nodes:
+        if n.op != "call_function":
+            continue
+        src = n.meta.get(SOURCE)
+        b_unit[n.name] = f_unit.get(src, root) if src is not None else root
+    out_node = next(n for n in bwd.graph.nodes if n.op == "output")
+    outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    grads_of: dict[str, list[str]] = {}
+    for i, q in bwd.meta[VJP].grads:
+        if i < len(outs) and isinstance(outs[i], Node) and q in unit_of_param:
+            grads_of.setdefault(unit_of_param[q], []).append(f"b:{outs[i].name}")
+    all_grads = {k for ks in grads_of.values() for k in ks}
+
+    def unit_at(key: str) -> tuple[str, str | None]:
+        prefix, _, name = key.partition(":")
+        if prefix == "f":
+            return "f", f_unit.get(name)
+        if prefix == "b":
+            return "b", b_unit.get(name)
+        return prefix, None
+
+    idx = [unit_at(st.key) for st in sched.steps]
+    first: dict[tuple[str, str], int] = {}
+    last: dict[tuple[str, str], int] = {}
+    for i, (ph, u) in enumerate(idx):
+        if u is None or u == root:
+            continue
+        first.setdefault((ph, u), i)
+        last[(ph, u)] = i
+    f_begin = next(i for i, (ph, _) in enumerate(idx) if ph == "f")
+    b_end = next(i for i, st in enumerate(sched.steps) if st.key == "b:__output__")
+    fwd_order = sorted((u for u in blocks if ("f", u) in first), key=lambda u: first[("f", u)])
+    prev_of = {u: fwd_order[k - 1] for k, u in enumerate(fwd_order) if k}
+    before: dict[int, list[Step]] = {}
+    after: dict[int, list[Step]] = {}
+    keep: set[str] = set()
+
+    def step(key: str, nbytes: int = 0, reads: tuple[str, ...] = ()) -> Step:
+        return Step(key, nbytes, None, list(reads))
+
+    def gather(u: str, tag: str, prefetched: bool = False) -> list[Step]:
+        if zero == 2:
+            return [step(f"fsdp:param:{u}", gathered_bytes[u])]
+        ag = [] if prefetched else [step(f"fsdp:ag:{u}:{tag}", gathered_bytes[u])]
+        return [*ag, step(f"fsdp:param:{u}:{tag}", unsharded_bytes[u], (f"fsdp:ag:{u}:{tag}",))]
+
+    prev_rs: list[str | None] = [None]
+
+    def post_backward(u: str, tag: str) -> list[Step]:
+        grads = tuple(grads_of.get(u, ()))
+        if zero == 2:
+            keep.add(f"fsdp:grad:{u}")
+            return [
+                step(f"fsdp:flat:{u}", gathered_bytes[u], grads),
+                step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}",)),
+                step(f"fsdp:grad:{u}", shard_bytes[u], (f"fsdp:flat:{u}",)),
+            ]
+        out = [step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}:{tag}",))]
+        if prev_rs[0] is not None:
+            out.append(step(f"fsdp:rs_done:{u}", 0, (prev_rs[0],)))
+        out.append(step(f"fsdp:rs_in:{u}", gathered_bytes[u], grads))
+        out.append(step(f"fsdp:grad:{u}", shard_bytes[u], (f"fsdp:rs_in:{u}",)))
+        keep.add(f"fsdp:grad:{u}")
+        prev_rs[0] = f"fsdp:rs_in:{u}"
+        return out
+
+    # forward: the root first (its pre-forward runs before anything), each block around its run
+    before.setdefault(f_begin, []).extend(gather(root, "f"))
+    for u in fwd_order:
+        before.setdefault(first[("f", u)], []).extend(gather(u, "f"))
+        if zero == 3:
+            after.setdefault(last[("f", u)], []).append(
+                step(f"fsdp:reshard_f:{u}", 0, (f"fsdp:param:{u}:f",))
+            )
+    # backward, in the order the blocks' backward starts; the root's pre-backward (at the
+    # backward's start) prefetches the first of them
+    prefetched: set[str] = set()
+    b_order = sorted((u for u in blocks if ("b", u) in first), key=lambda u: first[("b", u)])
+    if zero == 3 and b_order:
+        b_begin = next(i for i, (ph, _) in enumerate(idx) if ph == "b")
+        before.setdefault(b_begin, []).append(
+            step(f"fsdp:ag:{b_order[0]}:b", gathered_bytes[b_order[0]])
+        )
+        prefetched.add(b_order[0])
+    for u in b_order:
+        i = first[("b", u)]
+        if zero == 3:
+            before.setdefault(i, []).extend(gather(u, "b", prefetched=u in prefetched))
+            p = prev_of.get(u)
+            if p is not None and ("b", p) in first:
+                before[i].append(step(f"fsdp:ag:{p}:b", gathered_bytes[p]))
+                prefetched.add(p)
+        after.setdefault(last[("b", u)], []).extend(post_backward(u, "b"))
+    before.setdefault(b_end, []).extend(post_backward(root, "f"))
+
+    steps: list[Step] = []
+    for i, st in enumerate(sched.steps):
+        steps.extend(before.get(i, []))
+        if st.key == "b:__output__":
+            st.reads = [r for r in st.reads if r not in all_grads]
+        steps.append(st)
+        steps.extend(after.get(i, []))
+    sched.steps = steps
+    sched.keep = (sched.keep - all_grads) | keep
+    timeline = sched.timeline()
+    peak = max(timeline, default=0)
+    at = timeline.index(peak) if timeline else 0
+    gathered = sum(
+        nb for k, nb in sched.live_at(at).items() if k.startswith(("fsdp:param:", "fsdp:ag:"))
+    )
+    return peak, gathered
 
 
 def _node_bytes(gm: GraphModule) -> dict[str, int]:

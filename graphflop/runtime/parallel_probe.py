@@ -345,16 +345,18 @@ def _peak_rise(prof: Any, label: str) -> int:
         if str(e.get("name", "")).startswith("c10d::") and e.get("tid") == tid
     )
     mem = sorted(
-        (e["ts"], int(e["args"]["Bytes"]), e["args"].get("Addr"))
+        (e["ts"], int(e["args"]["Bytes"]), e["args"].get("Addr"), e.get("tid"))
         for e in events
         if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0  # CPU
     )
     left_out: set = set()
     live = peak = 0
-    for t, nbytes, addr in mem:
+    for t, nbytes, addr, etid in mem:
         if t < t0 or t > t1:
             continue
-        if nbytes > 0 and any(s <= t <= e for s, e in comms):
+        # the backend's worker threads allocate their own staging copies, at times that
+        # need not fall inside the main thread's c10d:: range: left out with their frees
+        if nbytes > 0 and (etid != tid or any(s <= t <= e for s, e in comms)):
             left_out.add(addr)
             continue
         if nbytes < 0 and addr in left_out:
