@@ -350,18 +350,28 @@ def _peak_rise(prof: Any, label: str) -> int:
         if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0  # CPU
     )
     left_out: set = set()
+    counted: dict = {}  # address -> bytes of the counted blocks live there
     live = peak = 0
     for t, nbytes, addr, etid in mem:
         if t < t0 or t > t1:
             continue
-        # the backend's worker threads allocate their own staging copies, at times that
-        # need not fall inside the main thread's c10d:: range: left out with their frees
-        if nbytes > 0 and (etid != tid or any(s <= t <= e for s, e in comms)):
-            left_out.add(addr)
-            continue
-        if nbytes < 0 and addr in left_out:
+        if nbytes > 0:
+            # an address allocated again without a free in between: the block there was
+            # freed unseen (on a thread the profiler does not report)
+            live -= counted.pop(addr, 0)
+            left_out.discard(addr)
+            # the backend's worker threads allocate their own staging copies, at times
+            # that need not fall inside the main thread's c10d:: range: left out with their
+            # frees, like the staging copies made inside a c10d:: op
+            if etid != tid or any(s <= t <= e for s, e in comms):
+                left_out.add(addr)
+                continue
+            counted[addr] = nbytes
+        elif addr in left_out:
             left_out.discard(addr)
             continue
+        else:
+            counted.pop(addr, None)
         live += nbytes
         peak = max(peak, live)
     return peak
