@@ -26,14 +26,21 @@ bubble fraction (p − 1)/(v·m + p − 1) of GPipe, 1F1B and interleaved 1F1B w
 GPipe m, 1F1B min(p − s, m), interleaved min(2(p − s − 1) + (v − 1)p + 1, v·m) chunk
 micro-batches of 1/v of the stage each (Megatron's warm-up count).
 
-Memory per rank: parameters, gradients and optimizer state as the ZeRO stage shards them,
-activations (the eager memory model's saved tensors, each at its local TP size) × in flight,
-FSDP's gathered parameters (ZeRO 3: the unit running and the one prefetched; ZeRO 2: every
-unit of the stage, kept from forward to backward), DDP's gradient buckets, the micro-batch, and
-the step's rise: with one stage, ZeRO 0/1 and every block analysed, the eager memory model's
-train schedule with every storage at its local size under the TP placements; otherwise the
-analysis's eager train peak less its parameters and optimizer state, scaled by this rank's
-gradients plus activations in flight over the single rank's (an estimate).
+Memory per rank: parameters, gradients and optimizer state as the ZeRO stage shards them
+(ZeRO 2 and 3 hold the parameter shards at rest), activations (the eager memory model's saved
+tensors, each at its local TP size) × in flight, FSDP's gathered parameters, DDP's gradient
+buckets, the micro-batch, and the step's rise. With one stage, one micro-batch and every block
+analysed, the rise is the eager memory model's train schedule with every storage at its local
+size under the TP placements, each TP redistribution's new tensor (what autograd saves where a
+consumer reads the redistributed value: under SP the gathered inputs of attention and MLP) and,
+under ZeRO 2/3, FSDP's buffers where its engine makes and frees them (gathered units,
+FSDP2's all-gather output and copy-out, its backward prefetch, the flat gradient or
+reduce-scatter input and the gradient shard; :func:`_fsdp_schedule_rise`); the gathered
+parameters live at its peak are reported as ``all_gather_buffers``. Otherwise (pipelines,
+gradient accumulation, ``block_counts``) the rise is the analysis's eager train peak less its
+parameters and optimizer state, scaled by this rank's gradients plus activations in flight
+over the single rank's, and the gathered buffers are ZeRO 3's two largest units or ZeRO 2's
+every unit (an estimate).
 """
 
 from __future__ import annotations
@@ -82,10 +89,10 @@ class RankClass:
         mm_flops: the matrix-product part of the same (FlopCounterMode's convention).
         memory_bytes: parameters, gradients, optimizer_state (with Adam's step counts),
             activations (saved tensors × in flight), all_gather_buffers (FSDP's gathered
-            units), engine_buffers (DDP's gradient buckets), batch (the micro-batch's inputs
-            and targets), step_rise (the eager step's rise over its start, gradients and
-            activations as they coexist there, scaled by this rank's gradients and activations
-            over the single rank's), peak = parameters + optimizer_state + all_gather_buffers
+            parameters at the peak), engine_buffers (DDP's gradient buckets), batch (the
+            micro-batch's inputs and targets), step_rise (the rest of the step's rise over its
+            start: gradients, activations and temporaries as they coexist at the peak; see the
+            module docstring), peak = parameters + optimizer_state + all_gather_buffers
             + engine_buffers + batch + step_rise.
         in_flight: micro-batches whose activations the stage holds at its peak (fractional
             for interleaved chunks).

@@ -252,21 +252,60 @@ class ProbeMode(TorchDispatchMode):
         self.flops: Counter[str] = Counter()
         self._registry = _flop_registry()
         self._main = threading.get_ident()
-        # the storages of the step's collectives' tensors (see _release)
-        self._held: list[torch.UntypedStorage] = []
+        # the storages of the step's collectives' tensors (see _release), with the references
+        # the backend took to each when the collective was issued
+        self._held: dict[int, tuple[torch.UntypedStorage, int]] = {}
 
-    def _hold(self, args: Any, out: Any) -> None:
-        for t in tree_flatten((args, out))[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                self._held.append(t.untyped_storage())
+    @staticmethod
+    def _storages_of(x: Any) -> tuple[dict[int, torch.UntypedStorage], Counter]:
+        """The storages of the tensors in ``x`` by their StorageImpl, and how many distinct
+        tensors (TensorImpls) in ``x`` reference each."""
+        found: dict[int, torch.UntypedStorage] = {}
+        refs: Counter = Counter()
+        seen: set[int] = set()
+        for t in tree_flatten(x)[0]:
+            if isinstance(t, torch.Tensor) and id(t) not in seen and t.untyped_storage().nbytes():
+                seen.add(id(t))
+                st = t.untyped_storage()
+                found.setdefault(st._cdata, st)
+                refs[st._cdata] += 1
+        return found, refs
+
+    def _hold(self, before: dict[int, int], args: Any, out: Any) -> None:
+        """Hold the storages of a collective just issued; ``before``: their use counts before
+        it was (with one handle of ours each)."""
+        use_count = torch._C._storage_Use_Count
+        found, refs = self._storages_of((args, out))
+        for key, st in found.items():
+            # ours (a handle here, and one from ``before`` for an argument's), the tensors',
+            # the backend's
+            now = use_count(key)
+            backend = now - before[key] - 1 if key in before else now - 1 - refs[key]
+            prev = self._held.get(key)
+            self._held[key] = (st, max(0, backend) + (max(0, prev[1]) if prev else 0))
 
     def _release(self, everything: bool = False) -> None:
-        """Drop the held storages that nothing else holds any more. A gloo Work keeps its
-        tensors and is sometimes destroyed on gloo's worker thread, where the profiler does
-        not see the free; holding the storage here until the engine and the Work are done with
-        it moves that free onto this thread, at the next op."""
+        """Drop the held storages that nothing else holds any more, and mark those only the
+        backend still holds as freed. A gloo Work keeps its tensors until it is destroyed,
+        later and sometimes on gloo's worker thread (where the profiler does not see the
+        free), by a delay that varies from run to run: holding the storage moves the real free
+        onto this thread, and a ``probe_free ADDR`` range marks where the step's own code let
+        go of it (only the backend's references left), which :func:`_peak_rise` takes as its
+        free."""
+        from torch.autograd.profiler import record_function
+
         use_count = torch._C._storage_Use_Count
-        self._held = [] if everything else [s for s in self._held if use_count(s._cdata) > 1]
+        kept: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for key, (st, backend) in self._held.items():
+            n = use_count(key)
+            if everything or n <= 1:
+                continue
+            if n <= 1 + backend and backend >= 0:
+                with record_function(f"probe_free {st.data_ptr()}"):
+                    pass
+                backend = -1  # marked once
+            kept[key] = (st, backend)
+        self._held = kept
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -282,12 +321,19 @@ class ProbeMode(TorchDispatchMode):
                 return func(*args, **kwargs)
         if self._held and threading.get_ident() == self._main:
             self._release()
+        ns = func.namespace
+        before: dict[int, int] | None = None
+        if self.recording and ns in ("c10d", "_c10d_functional"):
+            if threading.get_ident() == self._main:
+                handles, _ = self._storages_of(args)
+                before = {k: torch._C._storage_Use_Count(k) for k in handles}
         out = func(*args, **kwargs)
         if not self.recording:
             return out
-        ns, name = func.namespace, func._schema.name.split("::")[-1]
-        if ns in ("c10d", "_c10d_functional") and threading.get_ident() == self._main:
-            self._hold(args, out)
+        name = func._schema.name.split("::")[-1]
+        if before is not None:
+            self._hold(before, args, out)
+            del handles
         if ns == "c10d":
             rec = _c10d_record(name, args)
             if rec is not None:
@@ -349,13 +395,30 @@ def _peak_rise(prof: Any, label: str) -> int:
         for e in events
         if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0  # CPU
     )
+    # where the step's code let go of a collective's tensor that only the backend still held
+    # (ProbeMode._release): its free
+    marks = [
+        (e["ts"], 0, int(str(e["name"]).split()[1]), tid)
+        for e in events
+        if str(e.get("name", "")).startswith("probe_free ") and e.get("tid") == tid
+    ]
     left_out: set = set()
     counted: dict = {}  # address -> bytes of the counted blocks live there
+    marked: set = set()  # addresses whose free was marked: their real free is not counted
     live = peak = 0
-    for t, nbytes, addr, etid in mem:
+    for t, nbytes, addr, etid in sorted(mem + marks, key=lambda m: m[0]):
         if t < t0 or t > t1:
             continue
+        if nbytes == 0:  # a mark
+            if addr in counted:
+                live -= counted.pop(addr)
+                marked.add(addr)
+            continue
+        if nbytes < 0 and addr in marked:
+            marked.discard(addr)
+            continue
         if nbytes > 0:
+            marked.discard(addr)
             # an address allocated again without a free in between: the block there was
             # freed unseen (on a thread the profiler does not report)
             live -= counted.pop(addr, 0)
