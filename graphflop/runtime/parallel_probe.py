@@ -64,14 +64,14 @@ profiler reports the allocator only on the threads it profiles (``profile_all_th
 records no memory events at all in torch 2.13), and a gloo Work keeps its tensors and is
 sometimes destroyed on gloo's worker thread, so that free goes unseen: profiling from before the
 model was built drifted by whole DDP buckets (+657 kB) from run to run. So only the step is
-profiled; blocks allocated inside a ``c10d::`` op (the backend's staging copies, e.g. gloo's
-flat all-gather buffer) are left out with their frees; the storages of the step's collective
-tensors are held until nothing else holds them, so that their free happens on the main thread
-at the next op; Python's cyclic collector is off during the step. What remains: under FSDP
-(``zero3``) the free of an all-gather output still sometimes goes unseen, and the peak of a
-rank varied between 2,149,924 and 2,232,356 B (one unit's 82 kB) over ten runs; DDP's was the
-same in every run. Frees during the step of tensors made before it are not reported either
-(the reporter knows no size for them).
+profiled; blocks allocated inside a ``c10d::`` op or on another thread (the backend's staging
+copies, e.g. gloo's flat all-gather buffer) are left out with their frees; an address
+allocated again without a seen free drops what was counted there; the storages of the step's
+collective tensors are held until nothing else holds them, so that their free happens on the
+main thread, and where only the backend's references to one remain (counted when the
+collective was issued) a ``probe_free ADDR`` range marks its free, so that the Work's late
+destruction does not move it; Python's cyclic collector is off during the step. Frees during
+the step of tensors made before it are not reported (the reporter knows no size for them).
 """
 
 from __future__ import annotations
