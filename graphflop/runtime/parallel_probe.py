@@ -271,9 +271,13 @@ class ProbeMode(TorchDispatchMode):
                 refs[st._cdata] += 1
         return found, refs
 
-    def _hold(self, before: dict[int, int], args: Any, out: Any) -> None:
+    def _hold(self, before: dict[int, int], args: Any, out: Any, functional: bool) -> None:
         """Hold the storages of a collective just issued; ``before``: their use counts before
-        it was (with one handle of ours each)."""
+        it was (with one handle of ours each). Only a functional collective's storages (what
+        DTensor gathers and reduces) may be marked freed while the backend holds them: the
+        ``c10d`` ops FSDP calls take views of their buffers (gloo's chunks of an all-gather
+        output) that the backend drops when the collective completes, while FSDP still holds
+        the buffer, so the count would mark it freed too early."""
         use_count = torch._C._storage_Use_Count
         found, refs = self._storages_of((args, out))
         for key, st in found.items():
@@ -282,16 +286,19 @@ class ProbeMode(TorchDispatchMode):
             now = use_count(key)
             backend = now - before[key] - 1 if key in before else now - 1 - refs[key]
             prev = self._held.get(key)
-            self._held[key] = (st, max(0, backend) + (max(0, prev[1]) if prev else 0))
+            if not functional or (prev is not None and prev[1] < 0):
+                self._held[key] = (st, -1)  # never marked
+            else:
+                self._held[key] = (st, max(0, backend) + (prev[1] if prev else 0))
 
     def _release(self, everything: bool = False) -> None:
         """Drop the held storages that nothing else holds any more, and mark those only the
         backend still holds as freed. A gloo Work keeps its tensors until it is destroyed,
         later and sometimes on gloo's worker thread (where the profiler does not see the
         free), by a delay that varies from run to run: holding the storage moves the real free
-        onto this thread, and a ``probe_free ADDR`` range marks where the step's own code let
-        go of it (only the backend's references left), which :func:`_peak_rise` takes as its
-        free."""
+        onto this thread, and for a functional collective's storage a ``probe_free ADDR`` range
+        marks where the step's own code let go of it (only the references the backend took
+        when it was issued left), which :func:`_peak_rise` takes as its free."""
         from torch.autograd.profiler import record_function
 
         use_count = torch._C._storage_Use_Count
@@ -300,10 +307,10 @@ class ProbeMode(TorchDispatchMode):
             n = use_count(key)
             if everything or n <= 1:
                 continue
-            if n <= 1 + backend and backend >= 0:
+            if backend >= 0 and n <= 1 + backend:
                 with record_function(f"probe_free {st.data_ptr()}"):
                     pass
-                backend = -1  # marked once
+                backend = -2  # marked once
             kept[key] = (st, backend)
         self._held = kept
 
@@ -332,7 +339,7 @@ class ProbeMode(TorchDispatchMode):
             return out
         name = func._schema.name.split("::")[-1]
         if before is not None:
-            self._hold(before, args, out)
+            self._hold(before, args, out, functional=ns == "_c10d_functional")
             del handles
         if ns == "c10d":
             rec = _c10d_record(name, args)
