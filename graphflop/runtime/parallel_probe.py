@@ -68,9 +68,11 @@ profiled; blocks allocated inside a ``c10d::`` op or on another thread (the back
 copies, e.g. gloo's flat all-gather buffer) are left out with their frees; an address
 allocated again without a seen free drops what was counted there; the storages of the step's
 collective tensors are held until nothing else holds them, so that their free happens on the
-main thread, and where only the backend's references to one remain (counted when the
-collective was issued) a ``probe_free ADDR`` range marks its free, so that the Work's late
-destruction does not move it; Python's cyclic collector is off during the step. Frees during
+main thread, and where only the backend's references to a functional collective's tensor
+remain (counted when the collective was issued) a ``probe_free ADDR`` range marks its free, so
+that the Work's late destruction does not move it (FSDP's ``c10d`` buffers are not marked, and
+a gloo Work that outlives one still delays its free now and then: a ZeRO-3 rank's peak read
+17,920 B high in some runs); Python's cyclic collector is off during the step. Frees during
 the step of tensors made before it are not reported (the reporter knows no size for them).
 """
 
