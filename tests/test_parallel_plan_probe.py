@@ -9,11 +9,13 @@ The model is models/llama.py at a tiny size (vocabulary 128, width 64, 4 blocks,
 key/value heads of 16, SwiGLU width 128), global batch 4 × 16 tokens, AdamW: each of the 2
 data-parallel ranks trains on 2 × 16 tokens, each tensor-parallel rank on all 4 × 16, the
 micro-batch graphflop analyses; pipelines (GPipe, 1F1B, interleaved 1F1B with 2 chunks per
-rank) split the batch into 2 micro-batches of 2 × 16. The peak is asserted for DDP, ZeRO-1 and
-TP, whose figure is the eager schedule's with each storage at its local size, and for the
-pipelines, whose figure replays that schedule per stage and micro-batch in the pipeline's
-order; for ZeRO-2/3, TP + SP and FSDP × TP it is still an estimate (docs/parallel.md gives the
-gaps term by term).
+rank) split the batch into 2 micro-batches of 2 × 16. The peak is the eager schedule's with
+each storage at its local size, TP redistributions' new tensors, and under ZeRO-2/3 FSDP's
+gathered parameters, flat gradients and reduce-scatter buffers at the points its engine makes
+and frees them; for pipelines that schedule replayed per stage and micro-batch in the
+pipeline's order. It is asserted within 2 % except for TP + SP (−1.97 %, and 1 rank record in
+12 read 16,384 B more: the head's gathered logits freed unseen by the probe, so the check
+would fail now and then) and FSDP × TP (docs/parallel.md gives the gaps term by term).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def test_plan_equals_engine(mode):
     model, a = _analysis(rows)
     plan = Plan(**kw)
     report = predict(a, model, plan, micro_batch=rows)
-    peak_checked = ("ddp", "zero1", "tp", "pp_gpipe", "pp_1f1b", "pp_interleaved")
+    peak_checked = ("ddp", "zero1", "zero2", "zero3", "tp", "pp_gpipe", "pp_1f1b", "pp_interleaved")
     _check(report, _logged(mode, plan.world), mode in peak_checked)
 
 

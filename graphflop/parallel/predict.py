@@ -26,18 +26,24 @@ bubble fraction (p − 1)/(v·m + p − 1) of GPipe, 1F1B and interleaved 1F1B w
 GPipe m, 1F1B min(p − s, m), interleaved min(2(p − s − 1) + (v − 1)p + 1, v·m) chunk
 micro-batches of 1/v of the stage each (Megatron's warm-up count).
 
-Memory per rank: parameters, gradients and optimizer state as the ZeRO stage shards them,
-activations (the eager memory model's saved tensors, each at its local TP size) × in flight,
-FSDP's gathered parameters (ZeRO 3: the unit running and the one prefetched; ZeRO 2: every
-unit of the stage, kept from forward to backward), DDP's gradient buckets and a pipeline
-stage's receive buffers (one per micro-batch and received tensor), the micro-batch (a
-pipeline's first stage every micro-batch's inputs, its last their targets), and the step's
-rise: with one stage, ZeRO 0/1 and every block analysed, the eager memory model's train
-schedule with every storage at its local size under the TP placements; with pipeline stages
-(ZeRO 0/1, every block analysed), that schedule's steps of each of the rank's stages replayed
-per micro-batch in the pipeline schedule's order (:func:`_pipeline_rise`); otherwise the
-analysis's eager train peak less its parameters and optimizer state, scaled by this rank's
-gradients plus activations in flight over the single rank's (an estimate).
+Memory per rank: parameters, gradients and optimizer state as the ZeRO stage shards them
+(ZeRO 2 and 3 hold the parameter shards at rest), activations (the eager memory model's saved
+tensors, each at its local TP size) × in flight, FSDP's gathered parameters, DDP's gradient
+buckets and a pipeline stage's receive buffers (one per micro-batch and received tensor), the
+micro-batch (a pipeline's first stage every micro-batch's inputs, its last their targets), and
+the step's rise. With one stage, one micro-batch and every block analysed (or blocks counted,
+:func:`_local_schedule_rise`), the rise is the eager memory model's train schedule with every
+storage at its local size under the TP placements, each TP redistribution's new tensor (what
+autograd saves where a consumer reads the redistributed value: under SP the gathered inputs of
+attention and MLP) and, under ZeRO 2/3, FSDP's buffers where its engine makes and frees them
+(gathered units, FSDP2's all-gather output and copy-out, its backward prefetch, the flat
+gradient or reduce-scatter input and the gradient shard; :func:`_fsdp_schedule_rise`); the
+gathered parameters live at its peak are reported as ``all_gather_buffers``. With pipeline
+stages (ZeRO 0/1, every block analysed), that schedule's steps of each of the rank's stages are
+replayed per micro-batch in the pipeline schedule's order (:func:`_pipeline_rise`). Otherwise
+the rise is the analysis's eager train peak less its parameters and optimizer state, scaled by
+this rank's gradients plus activations in flight over the single rank's, and the gathered
+buffers are ZeRO 3's two largest units or ZeRO 2's every unit (an estimate).
 """
 
 from __future__ import annotations
@@ -91,13 +97,12 @@ class RankClass:
         mm_flops: the matrix-product part of the same (FlopCounterMode's convention).
         memory_bytes: parameters, gradients, optimizer_state (with Adam's step counts),
             activations (saved tensors × in flight), all_gather_buffers (FSDP's gathered
-            units), engine_buffers (DDP's gradient buckets, a pipeline stage's receive
-            buffers), batch (the micro-batch's inputs and targets; a pipeline stage's inputs
-            or targets of every micro-batch), step_rise (the eager step's rise over its start,
-            gradients and activations as they coexist there, at local sizes or replayed in the
-            pipeline's order where the module docstring says so, else scaled by this rank's
-            gradients and activations over the single rank's), peak = parameters +
-            optimizer_state + all_gather_buffers + engine_buffers + batch + step_rise.
+            parameters at the peak), engine_buffers (DDP's gradient buckets, a pipeline
+            stage's receive buffers), batch (the micro-batch's inputs and targets; a pipeline
+            stage's inputs or targets of every micro-batch), step_rise (the rest of the step's
+            rise over its start: gradients, activations and temporaries as they coexist at the
+            peak; see the module docstring), peak = parameters + optimizer_state +
+            all_gather_buffers + engine_buffers + batch + step_rise.
         in_flight: micro-batches whose activations the stage holds at its peak (fractional
             for interleaved chunks).
         collectives: per step, each with its group (tp, dp, pp).
@@ -480,7 +485,7 @@ def predict(  # noqa: C901
     stage_rise: list[int] | None = None
     if plan.pp > 1 and plan.zero <= 1 and block_counts is None and mem.memory_model == "eager":
         opt_name = getattr(rep.totals.update, "optimizer", "sgd")
-        base = _scaled_train_schedule(fwd, bwd, fp, bp, memory_device, opt_name, [])
+        base = _local_schedule(fwd, bwd, fp, bp, memory_device, opt_name, [])
         stage_rise = [
             _pipeline_rise(
                 base,
@@ -498,6 +503,15 @@ def predict(  # noqa: C901
             )
             for r in range(plan.pp)
         ]
+
+    # ZeRO 2/3 on one stage, every block analysed: the same schedule with FSDP's buffers
+    fsdp_schedule = (
+        plan.pp == 1
+        and plan.zero >= 2
+        and block_counts is None
+        and mem.memory_model == "eager"
+        and plan.micro_batches == 1
+    )
 
     # FLOPs per stage per micro-batch ----------------------------------------------------
     def sums(gm, pl: Placements, stage_of, role_map, weight):
@@ -578,6 +592,7 @@ def predict(  # noqa: C901
         units = _fsdp_units(tq, fsdp_blocks)
         coll = per_stage_coll[s]
         gather_buf = 0
+        fsdp_rise: int | None = None
         owned: list[str] | None = None
         if plan.zero <= 1:
             coll += _ddp_buckets(bwd, bp, grad_want, tq, local_numel, esize, dtype_of, dp, outs)
@@ -614,9 +629,31 @@ def predict(  # noqa: C901
             frozen_b = p_bytes - sum(local_numel(q) * esize[q] for q in tq)
             if plan.zero == 3:
                 gather_buf = sum(sorted(unit_bytes, reverse=True)[:2])
-                p_bytes = sharded + frozen_b
             else:
                 gather_buf = sum(unit_bytes)
+            # at rest FSDP holds the shards only (SHARD_GRAD_OP too: its gathered units live
+            # from a unit's forward to its backward, in all_gather_buffers)
+            p_bytes = sharded + frozen_b
+            if fsdp_schedule:
+                live = {u: mem_ for u, mem_ in units.items() if mem_}
+                ub = {u: sum(padded[q] * esize[q] for q in mem_) for u, mem_ in live.items()}
+                fsdp_rise, gather_buf = _fsdp_schedule_rise(
+                    fwd,
+                    bwd,
+                    fp,
+                    bp,
+                    memory_device,
+                    getattr(rep.totals.update, "optimizer", "sgd"),
+                    zero=plan.zero,
+                    unit_of_param={q: u for u, mem_ in live.items() for q in mem_},
+                    unit_order=list(live),
+                    gathered_bytes=ub,
+                    unsharded_bytes={
+                        u: sum(local_numel(q) * esize[q] for q in mem_) for u, mem_ in live.items()
+                    },
+                    shard_bytes={u: b // dp for u, b in ub.items()},
+                    local_shard_param_bytes=[padded[q] * esize[q] // dp for q in tq],
+                )
             g_bytes = sharded
             o_bytes = round(sharded * state_per_param_byte)
             upd_numel = sum(padded[q] for q in tq) // dp
@@ -634,7 +671,9 @@ def predict(  # noqa: C901
             stage_batch = m * (
                 (inputs_bytes if s == 0 else 0) + (targets_bytes if s == plan.pp - 1 else 0)
             )
-        if local_rise is not None:
+        if fsdp_rise is not None:
+            step_rise = fsdp_rise - gather_buf
+        elif local_rise is not None:
             step_rise = local_rise
         elif stage_rise is not None:
             step_rise = stage_rise[s]
@@ -712,37 +751,7 @@ def predict(  # noqa: C901
     )
 
 
-def _local_schedule_rise(
-    fwd: GraphModule,
-    bwd: GraphModule,
-    fp: Placements,
-    bp: Placements,
-    device: str,
-    optimizer: str,
-    local_param_bytes: list[int],
-    weights: dict[str, dict[str, int]] | None = None,
-) -> int:
-    """The eager training step's rise over its start on one rank: the eager memory model's
-    schedule (:func:`~graphflop.passes.eager_memory.eager_train_schedule`) with every storage
-    and kernel temporary scaled to its node's local size under the TP placements, and the
-    optimizer's temporaries of the local parameters (``local_param_bytes``, every counted
-    block's copies included).
-
-    ``weights`` (``"f"``/``"b"`` → node name → k) counts an analysed block for k identical
-    ones run one after another. Each of the k − 1 copies not analysed holds the storages of
-    its nodes that outlive their phase: in the forward, the values the backward reads
-    (``S`` per copy); after its backward, its gradients (``G``). What is freed within its
-    phase (a temporary, the output the next block reads) is live for one copy at a time. The
-    analysed block's timeline is offset by what the other copies hold: in the forward (the
-    block standing for the last copy) (k − 1)·S, in its backward the larger of (k − 1)·S (the
-    first copy) and (k − 1)·G (the last), before it in the backward (k − 1)·S, after it and in
-    the update (k − 1)·G. With k = 1 everywhere it is the schedule's own peak.
-    """
-    sched = _scaled_train_schedule(fwd, bwd, fp, bp, device, optimizer, local_param_bytes)
-    return _weighted_peak(sched, weights)
-
-
-def _scaled_train_schedule(
+def _local_schedule(
     fwd: GraphModule,
     bwd: GraphModule,
     fp: Placements,
@@ -751,8 +760,11 @@ def _scaled_train_schedule(
     optimizer: str,
     local_param_bytes: list[int],
 ) -> Schedule:
-    """The eager memory model's train schedule of one micro-batch with every storage and
-    kernel temporary at its node's local size (see :func:`_local_schedule_rise`)."""
+    """The eager memory model's train schedule of one micro-batch
+    (:func:`~graphflop.passes.eager_memory.eager_train_schedule`) with every storage and kernel
+    temporary scaled to its node's local size under the TP placements, each TP
+    redistribution's new tensor, and the optimizer's temporaries of the local parameters
+    (``local_param_bytes``, one entry per parameter)."""
     sched = eager_train_schedule(fwd, bwd, optimizer, device)
     whole = {"f": _node_bytes(fwd), "b": _node_bytes(bwd)}
     local = {"f": fp.local_bytes, "b": bp.local_bytes}
@@ -766,6 +778,7 @@ def _scaled_train_schedule(
         if w and lo is not None and lo != w:
             st.nbytes = round(st.nbytes * lo / w)
             st.extra = round(st.extra * lo / w)
+    _redistributed_copies(sched, {"f": (fwd, fp), "b": (bwd, bp)})
     return sched
 
 
@@ -814,6 +827,243 @@ def _weighted_peak(sched: Schedule, weights: dict[str, dict[str, int]] | None) -
             more = g_more
         peak = max(peak, tl[i] + more)
     return peak
+
+
+def _redistributed_copies(sched: Any, graphs: dict[str, tuple[GraphModule, Placements]]) -> None:
+    """Put into ``sched`` the new storage each TP redistribution makes: DTensor's collectives
+    (all_gather, reduce_scatter, all_reduce) write a new tensor of the value's size under its
+    new placement, which the later readers of the value (forward consumers, and what autograd
+    saves for the backward) read; the value itself lives until the collective has read it.
+    Under sequence parallelism this is the gathered input of attention and MLP (the whole
+    sequence) that their matrix products save, where the value is sequence-sharded."""
+    from graphflop.passes.memory import Step
+
+    moved: dict[str, int] = {}
+    for prefix, (gm, pl) in graphs.items():
+        idx = _node_index(gm)
+        for name, dst in pl.moved_to.items():
+            v = idx[name].meta.get("val") if name in idx else None
+            if isinstance(v, torch.Tensor) and isinstance(pl.of.get(name), Placement):
+                tp = max((c.group_size for c in pl.collectives if c.group == "tp"), default=1)
+                moved[f"{prefix}:{name}"] = math.prod(local_shape(tuple(v.shape), dst, tp)) * (
+                    v.element_size()
+                )
+    if not moved:
+        return
+    new = {k: f"{k}@moved" for k in moved}
+    steps: list[Step] = []
+    live: set[str] = set()
+    for st in sched.steps:
+        st.reads = [new[r] if r in live else r for r in st.reads]
+        if st.alias_of in live:
+            st.alias_of = new[st.alias_of]
+        steps.append(st)
+        if st.key in moved:
+            steps.append(Step(new[st.key], moved[st.key], None, [st.key]))
+            live.add(st.key)
+    sched.steps = steps
+    sched.keep = {new.get(k, k) for k in sched.keep}
+    sched.ties = [[new.get(k, k) for k in group] for group in sched.ties]
+
+
+def _local_schedule_rise(
+    fwd: GraphModule,
+    bwd: GraphModule,
+    fp: Placements,
+    bp: Placements,
+    device: str,
+    optimizer: str,
+    local_param_bytes: list[int],
+    weights: dict[str, dict[str, int]] | None = None,
+) -> int:
+    """The eager training step's rise over its start on one rank: the peak of
+    :func:`_local_schedule`.
+
+    ``weights`` (``"f"``/``"b"`` → node name → k) counts an analysed block for k identical
+    ones run one after another. Each of the k − 1 copies not analysed holds the storages of
+    its nodes that outlive their phase: in the forward, the values the backward reads
+    (``S`` per copy); after its backward, its gradients (``G``). What is freed within its
+    phase (a temporary, the output the next block reads) is live for one copy at a time. The
+    analysed block's timeline is offset by what the other copies hold: in the forward (the
+    block standing for the last copy) (k − 1)·S, in its backward the larger of (k − 1)·S (the
+    first copy) and (k − 1)·G (the last), before it in the backward (k − 1)·S, after it and in
+    the update (k − 1)·G. With k = 1 everywhere it is the schedule's own peak.
+    """
+    sched = _local_schedule(fwd, bwd, fp, bp, device, optimizer, local_param_bytes)
+    return _weighted_peak(sched, weights)
+
+
+def _fsdp_schedule_rise(  # noqa: C901
+    fwd: GraphModule,
+    bwd: GraphModule,
+    fp: Placements,
+    bp: Placements,
+    device: str,
+    optimizer: str,
+    *,
+    zero: int,
+    unit_of_param: dict[str, str],
+    unit_order: list[str],
+    gathered_bytes: dict[str, int],
+    unsharded_bytes: dict[str, int],
+    shard_bytes: dict[str, int],
+    local_shard_param_bytes: list[int],
+) -> tuple[int, int]:
+    """The training step's rise over its start on one rank under FSDP, and the bytes of
+    gathered parameters live at that peak: :func:`_local_schedule` (the optimizer's temporaries
+    of the sharded parameters) with the FSDP units' buffers put in at the points torch's
+    engines make and free them. The root unit holds what no block does.
+
+    ZeRO 2 (FSDP ``SHARD_GRAD_OP``): each unit's flat parameter is gathered (``gathered_bytes``,
+    dim 0 padded) before its first forward node and kept until its post-backward (the end of
+    its backward); there the unit's gradients are concatenated into one flat gradient (the
+    gradients and the flat copy live together), the gathered parameters freed, the
+    reduce-scatter's output (the gradient shard, ``shard_bytes``) made and the flat gradient
+    freed.
+
+    ZeRO 3 (FSDP2 ``fully_shard``): each unit is gathered into an all-gather output
+    (``gathered_bytes``) that is copied out into the unsharded parameters
+    (``unsharded_bytes``; both live during the copy) and then freed; a block's unsharded
+    parameters are freed after its forward (``reshard_after_forward``) and gathered again
+    before its backward, the root's kept from the forward to the end of the backward; before
+    a block's backward the block that ran before it in the forward is prefetched (its
+    all-gather output lives until its own backward starts). At each post-backward: the unit's
+    parameters resharded, the previous reduce-scatter's input freed (FSDP2 keeps it until
+    the next reduce-scatter), the unit's gradients copied into a new reduce-scatter input and
+    freed, the reduce-scatter's output (the gradient shard) made.
+
+    Returns:
+        (peak rise in bytes, gathered bytes live at the peak).
+    """
+    from graphflop.passes.memory import Step
+
+    sched = _local_schedule(fwd, bwd, fp, bp, device, optimizer, local_shard_param_bytes)
+    root = unit_order[-1] if unit_order and unit_order[-1] == "(root)" else "(root)"
+    blocks = [u for u in unit_order if u != "(root)"]
+
+    def unit_of_module(mod: str) -> str:
+        for b in blocks:
+            if mod == b or mod.startswith(b + "."):
+                return b
+        return root
+
+    f_unit = {
+        n.name: unit_of_module(n.meta.get(MODULE) or "")
+        for n in fwd.graph.nodes
+        if n.op == "call_function"
+    }
+    b_unit: dict[str, str] = {}
+    for n in bwd.graph.nodes:
+        if n.op != "call_function":
+            continue
+        src = n.meta.get(SOURCE)
+        b_unit[n.name] = f_unit.get(src, root) if src is not None else root
+    out_node = next(n for n in bwd.graph.nodes if n.op == "output")
+    outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    grads_of: dict[str, list[str]] = {}
+    for i, q in bwd.meta[VJP].grads:
+        if i < len(outs) and isinstance(outs[i], Node) and q in unit_of_param:
+            grads_of.setdefault(unit_of_param[q], []).append(f"b:{outs[i].name}")
+    all_grads = {k for ks in grads_of.values() for k in ks}
+
+    def unit_at(key: str) -> tuple[str, str | None]:
+        prefix, _, name = key.partition(":")
+        if prefix == "f":
+            return "f", f_unit.get(name)
+        if prefix == "b":
+            return "b", b_unit.get(name)
+        return prefix, None
+
+    idx = [unit_at(st.key) for st in sched.steps]
+    first: dict[tuple[str, str], int] = {}
+    last: dict[tuple[str, str], int] = {}
+    for i, (ph, u) in enumerate(idx):
+        if u is None or u == root:
+            continue
+        first.setdefault((ph, u), i)
+        last[(ph, u)] = i
+    f_begin = next(i for i, (ph, _) in enumerate(idx) if ph == "f")
+    b_end = next(i for i, st in enumerate(sched.steps) if st.key == "b:__output__")
+    fwd_order = sorted((u for u in blocks if ("f", u) in first), key=lambda u: first[("f", u)])
+    prev_of = {u: fwd_order[k - 1] for k, u in enumerate(fwd_order) if k}
+    before: dict[int, list[Step]] = {}
+    after: dict[int, list[Step]] = {}
+    keep: set[str] = set()
+
+    def step(key: str, nbytes: int = 0, reads: tuple[str, ...] = ()) -> Step:
+        return Step(key, nbytes, None, list(reads))
+
+    def gather(u: str, tag: str, prefetched: bool = False) -> list[Step]:
+        if zero == 2:
+            return [step(f"fsdp:param:{u}", gathered_bytes[u])]
+        ag = [] if prefetched else [step(f"fsdp:ag:{u}:{tag}", gathered_bytes[u])]
+        return [*ag, step(f"fsdp:param:{u}:{tag}", unsharded_bytes[u], (f"fsdp:ag:{u}:{tag}",))]
+
+    prev_rs: list[str | None] = [None]
+
+    def post_backward(u: str, tag: str) -> list[Step]:
+        grads = tuple(grads_of.get(u, ()))
+        if zero == 2:
+            keep.add(f"fsdp:grad:{u}")
+            return [
+                step(f"fsdp:flat:{u}", gathered_bytes[u], grads),
+                step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}",)),
+                step(f"fsdp:grad:{u}", shard_bytes[u], (f"fsdp:flat:{u}",)),
+            ]
+        out = [step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}:{tag}",))]
+        if prev_rs[0] is not None:
+            out.append(step(f"fsdp:rs_done:{u}", 0, (prev_rs[0],)))
+        out.append(step(f"fsdp:rs_in:{u}", gathered_bytes[u], grads))
+        out.append(step(f"fsdp:grad:{u}", shard_bytes[u], (f"fsdp:rs_in:{u}",)))
+        keep.add(f"fsdp:grad:{u}")
+        prev_rs[0] = f"fsdp:rs_in:{u}"
+        return out
+
+    # forward: the root first (its pre-forward runs before anything), each block around its run
+    before.setdefault(f_begin, []).extend(gather(root, "f"))
+    for u in fwd_order:
+        before.setdefault(first[("f", u)], []).extend(gather(u, "f"))
+        if zero == 3:
+            after.setdefault(last[("f", u)], []).append(
+                step(f"fsdp:reshard_f:{u}", 0, (f"fsdp:param:{u}:f",))
+            )
+    # backward, in the order the blocks' backward starts; the root's pre-backward (at the
+    # backward's start) prefetches the first of them
+    prefetched: set[str] = set()
+    b_order = sorted((u for u in blocks if ("b", u) in first), key=lambda u: first[("b", u)])
+    if zero == 3 and b_order:
+        b_begin = next(i for i, (ph, _) in enumerate(idx) if ph == "b")
+        before.setdefault(b_begin, []).append(
+            step(f"fsdp:ag:{b_order[0]}:b", gathered_bytes[b_order[0]])
+        )
+        prefetched.add(b_order[0])
+    for u in b_order:
+        i = first[("b", u)]
+        if zero == 3:
+            before.setdefault(i, []).extend(gather(u, "b", prefetched=u in prefetched))
+            p = prev_of.get(u)
+            if p is not None and ("b", p) in first:
+                before[i].append(step(f"fsdp:ag:{p}:b", gathered_bytes[p]))
+                prefetched.add(p)
+        after.setdefault(last[("b", u)], []).extend(post_backward(u, "b"))
+    before.setdefault(b_end, []).extend(post_backward(root, "f"))
+
+    steps: list[Step] = []
+    for i, st in enumerate(sched.steps):
+        steps.extend(before.get(i, []))
+        if st.key == "b:__output__":
+            st.reads = [r for r in st.reads if r not in all_grads]
+        steps.append(st)
+        steps.extend(after.get(i, []))
+    sched.steps = steps
+    sched.keep = (sched.keep - all_grads) | keep
+    timeline = sched.timeline()
+    peak = max(timeline, default=0)
+    at = timeline.index(peak) if timeline else 0
+    gathered = sum(
+        nb for k, nb in sched.live_at(at).items() if k.startswith(("fsdp:param:", "fsdp:ag:"))
+    )
+    return peak, gathered
 
 
 def _node_bytes(gm: GraphModule) -> dict[str, int]:

@@ -64,14 +64,16 @@ profiler reports the allocator only on the threads it profiles (``profile_all_th
 records no memory events at all in torch 2.13), and a gloo Work keeps its tensors and is
 sometimes destroyed on gloo's worker thread, so that free goes unseen: profiling from before the
 model was built drifted by whole DDP buckets (+657 kB) from run to run. So only the step is
-profiled; blocks allocated inside a ``c10d::`` op (the backend's staging copies, e.g. gloo's
-flat all-gather buffer) are left out with their frees; the storages of the step's collective
-tensors are held until nothing else holds them, so that their free happens on the main thread
-at the next op; Python's cyclic collector is off during the step. What remains: under FSDP
-(``zero3``) the free of an all-gather output still sometimes goes unseen, and the peak of a
-rank varied between 2,149,924 and 2,232,356 B (one unit's 82 kB) over ten runs; DDP's was the
-same in every run. Frees during the step of tensors made before it are not reported either
-(the reporter knows no size for them).
+profiled; blocks allocated inside a ``c10d::`` op or on another thread (the backend's staging
+copies, e.g. gloo's flat all-gather buffer) are left out with their frees; an address
+allocated again without a seen free drops what was counted there; the storages of the step's
+collective tensors are held until nothing else holds them, so that their free happens on the
+main thread, and where only the backend's references to a functional collective's tensor
+remain (counted when the collective was issued) a ``probe_free ADDR`` range marks its free, so
+that the Work's late destruction does not move it (FSDP's ``c10d`` buffers are not marked, and
+a gloo Work that outlives one still delays its free now and then: a ZeRO-3 rank's peak read
+17,920 B high in some runs); Python's cyclic collector is off during the step. Frees during
+the step of tensors made before it are not reported (the reporter knows no size for them).
 """
 
 from __future__ import annotations
@@ -252,21 +254,67 @@ class ProbeMode(TorchDispatchMode):
         self.flops: Counter[str] = Counter()
         self._registry = _flop_registry()
         self._main = threading.get_ident()
-        # the storages of the step's collectives' tensors (see _release)
-        self._held: list[torch.UntypedStorage] = []
+        # the storages of the step's collectives' tensors (see _release), with the references
+        # the backend took to each when the collective was issued
+        self._held: dict[int, tuple[torch.UntypedStorage, int]] = {}
 
-    def _hold(self, args: Any, out: Any) -> None:
-        for t in tree_flatten((args, out))[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                self._held.append(t.untyped_storage())
+    @staticmethod
+    def _storages_of(x: Any) -> tuple[dict[int, torch.UntypedStorage], Counter]:
+        """The storages of the tensors in ``x`` by their StorageImpl, and how many distinct
+        tensors (TensorImpls) in ``x`` reference each."""
+        found: dict[int, torch.UntypedStorage] = {}
+        refs: Counter = Counter()
+        seen: set[int] = set()
+        for t in tree_flatten(x)[0]:
+            if isinstance(t, torch.Tensor) and id(t) not in seen and t.untyped_storage().nbytes():
+                seen.add(id(t))
+                st = t.untyped_storage()
+                found.setdefault(st._cdata, st)
+                refs[st._cdata] += 1
+        return found, refs
+
+    def _hold(self, before: dict[int, int], args: Any, out: Any, functional: bool) -> None:
+        """Hold the storages of a collective just issued; ``before``: their use counts before
+        it was (with one handle of ours each). Only a functional collective's storages (what
+        DTensor gathers and reduces) may be marked freed while the backend holds them: the
+        ``c10d`` ops FSDP calls take views of their buffers (gloo's chunks of an all-gather
+        output) that the backend drops when the collective completes, while FSDP still holds
+        the buffer, so the count would mark it freed too early."""
+        use_count = torch._C._storage_Use_Count
+        found, refs = self._storages_of((args, out))
+        for key, st in found.items():
+            # ours (a handle here, and one from ``before`` for an argument's), the tensors',
+            # the backend's
+            now = use_count(key)
+            backend = now - before[key] - 1 if key in before else now - 1 - refs[key]
+            prev = self._held.get(key)
+            if not functional or (prev is not None and prev[1] < 0):
+                self._held[key] = (st, -1)  # never marked
+            else:
+                self._held[key] = (st, max(0, backend) + (prev[1] if prev else 0))
 
     def _release(self, everything: bool = False) -> None:
-        """Drop the held storages that nothing else holds any more. A gloo Work keeps its
-        tensors and is sometimes destroyed on gloo's worker thread, where the profiler does
-        not see the free; holding the storage here until the engine and the Work are done with
-        it moves that free onto this thread, at the next op."""
+        """Drop the held storages that nothing else holds any more, and mark those only the
+        backend still holds as freed. A gloo Work keeps its tensors until it is destroyed,
+        later and sometimes on gloo's worker thread (where the profiler does not see the
+        free), by a delay that varies from run to run: holding the storage moves the real free
+        onto this thread, and for a functional collective's storage a ``probe_free ADDR`` range
+        marks where the step's own code let go of it (only the references the backend took
+        when it was issued left), which :func:`_peak_rise` takes as its free."""
+        from torch.autograd.profiler import record_function
+
         use_count = torch._C._storage_Use_Count
-        self._held = [] if everything else [s for s in self._held if use_count(s._cdata) > 1]
+        kept: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for key, (st, backend) in self._held.items():
+            n = use_count(key)
+            if everything or n <= 1:
+                continue
+            if backend >= 0 and n <= 1 + backend:
+                with record_function(f"probe_free {st.data_ptr()}"):
+                    pass
+                backend = -2  # marked once
+            kept[key] = (st, backend)
+        self._held = kept
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -282,12 +330,19 @@ class ProbeMode(TorchDispatchMode):
                 return func(*args, **kwargs)
         if self._held and threading.get_ident() == self._main:
             self._release()
+        ns = func.namespace
+        before: dict[int, int] | None = None
+        if self.recording and ns in ("c10d", "_c10d_functional"):
+            if threading.get_ident() == self._main:
+                handles, _ = self._storages_of(args)
+                before = {k: torch._C._storage_Use_Count(k) for k in handles}
         out = func(*args, **kwargs)
         if not self.recording:
             return out
-        ns, name = func.namespace, func._schema.name.split("::")[-1]
-        if ns in ("c10d", "_c10d_functional") and threading.get_ident() == self._main:
-            self._hold(args, out)
+        name = func._schema.name.split("::")[-1]
+        if before is not None:
+            self._hold(before, args, out, functional=ns == "_c10d_functional")
+            del handles
         if ns == "c10d":
             rec = _c10d_record(name, args)
             if rec is not None:
@@ -345,21 +400,50 @@ def _peak_rise(prof: Any, label: str) -> int:
         if str(e.get("name", "")).startswith("c10d::") and e.get("tid") == tid
     )
     mem = sorted(
-        (e["ts"], int(e["args"]["Bytes"]), e["args"].get("Addr"))
+        (e["ts"], int(e["args"]["Bytes"]), e["args"].get("Addr"), e.get("tid"))
         for e in events
         if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0  # CPU
     )
+    # where the step's code let go of a collective's tensor that only the backend still held
+    # (ProbeMode._release): its free
+    marks = [
+        (e["ts"], 0, int(str(e["name"]).split()[1]), tid)
+        for e in events
+        if str(e.get("name", "")).startswith("probe_free ") and e.get("tid") == tid
+    ]
     left_out: set = set()
+    counted: dict = {}  # address -> bytes of the counted blocks live there
+    marked: set = set()  # addresses whose free was marked: their real free is not counted
     live = peak = 0
-    for t, nbytes, addr in mem:
+    for t, nbytes, addr, etid in sorted(mem + marks, key=lambda m: m[0]):
         if t < t0 or t > t1:
             continue
-        if nbytes > 0 and any(s <= t <= e for s, e in comms):
-            left_out.add(addr)
+        if nbytes == 0:  # a mark
+            if addr in counted:
+                live -= counted.pop(addr)
+                marked.add(addr)
             continue
-        if nbytes < 0 and addr in left_out:
+        if nbytes < 0 and addr in marked:
+            marked.discard(addr)
+            continue
+        if nbytes > 0:
+            marked.discard(addr)
+            # an address allocated again without a free in between: the block there was
+            # freed unseen (on a thread the profiler does not report)
+            live -= counted.pop(addr, 0)
+            left_out.discard(addr)
+            # the backend's worker threads allocate their own staging copies, at times
+            # that need not fall inside the main thread's c10d:: range: left out with their
+            # frees, like the staging copies made inside a c10d:: op
+            if etid != tid or any(s <= t <= e for s, e in comms):
+                left_out.add(addr)
+                continue
+            counted[addr] = nbytes
+        elif addr in left_out:
             left_out.discard(addr)
             continue
+        else:
+            counted.pop(addr, None)
         live += nbytes
         peak = max(peak, live)
     return peak
