@@ -10,6 +10,7 @@ import torch
 from conftest import spec
 from torch import nn
 
+from graphflop.ad.jvp import build_jvp
 from graphflop.analysis import analyze
 from graphflop.frontend.hierarchy import expand
 from graphflop.load import load, make_inputs
@@ -17,6 +18,8 @@ from graphflop.meta import (
     CALL_SITE,
     COST,
     HIERARCHY,
+    JVP,
+    JVP_LOG,
     KIND,
     LINEARIZED,
     MODULE,
@@ -26,7 +29,7 @@ from graphflop.meta import (
     VJP,
 )
 from graphflop.ops.cost import op_cost
-from graphflop.passes.autodiff import BuildVjp
+from graphflop.passes.autodiff import BuildJvp, BuildVjp
 from graphflop.passes.flops import AnnotateFlops
 from graphflop.passes.infra import run_passes
 from graphflop.passes.summary import Graphs, summarize
@@ -84,15 +87,33 @@ def _derivative_nodes(gm):
     ]
 
 
-def _check_backward(a):
-    """The backward graph built per template (each block's transpose built once per variant
-    and expanded at its other calls) is the one the rules give call by call, node for node:
-    ops, arguments, shapes, modules, roles, sources, FLOPs; the same residuals and gradients."""
+def _check_derivatives(a):
+    """The JVP and backward graphs built per template (each block's derivative nodes built once
+    per variant and expanded at its other calls) are the ones the rules give call by call,
+    node for node: ops, arguments, shapes, modules, roles, sources, names, FLOPs; the same
+    JVP log, residuals and gradients."""
+    fwd = a.forward
+    if a.jvp is not None:
+        tangents = a.report.totals.jvp.tangents
+        flat_jvp = run_passes(fwd, [BuildJvp(tangents, per_template=False), AnnotateFlops()])
+        assert _derivative_nodes(a.jvp) == _derivative_nodes(flat_jvp)
+        assert a.jvp.meta[JVP] == flat_jvp.meta[JVP]
+        pos = {n: i for i, n in enumerate(a.jvp.graph.nodes)}
+        flat_pos = {n: i for i, n in enumerate(flat_jvp.graph.nodes)}
+        assert [pos.get(e) for e in a.jvp.meta[JVP_LOG]] == [
+            flat_pos.get(e) for e in flat_jvp.meta[JVP_LOG]
+        ]
     if a.backward is None:
         return
-    fwd = a.forward
     lin = a.backward.meta[LINEARIZED]
-    flat = run_passes(fwd, [BuildVjp(linearized=lin, per_template=False), AnnotateFlops()])
+    # the graph transposed, built call by call (for_transpose where the analysis rebuilt it)
+    flat_lin = build_jvp(
+        fwd,
+        "params",
+        for_transpose=lin is not a.jvp,
+        per_template=False,
+    )
+    flat = run_passes(fwd, [BuildVjp(linearized=flat_lin, per_template=False), AnnotateFlops()])
     assert _derivative_nodes(a.backward) == _derivative_nodes(flat)
     assert a.backward.meta[VJP] == flat.meta[VJP]
 
@@ -101,7 +122,7 @@ def _check(a):
     """The hierarchical report equals the flat one; every copied node's cost (taken from its
     template) equals the cost of the node on its own; the derivative graphs built per template
     equal those built call by call."""
-    _check_backward(a)
+    _check_derivatives(a)
     flat = _flat_report(a).to_dict()
     hier = a.report.to_dict()
     assert hier == flat

@@ -36,11 +36,27 @@ from typing import Any
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from graphflop.ad.builder import emit
-from graphflop.meta import CALL_SITE, CHECKPOINT, HIERARCHY, KIND, MODULE, SOURCE, Hierarchy
+from graphflop.ad.builder import copy_node, emit
+from graphflop.meta import (
+    CALL_SITE,
+    CHECKPOINT,
+    HIERARCHY,
+    KIND,
+    MODULE,
+    PARAM_DERIVED,
+    ROLE,
+    SOURCE,
+    Hierarchy,
+)
 from graphflop.ops.ghost import is_ghost
 
-__all__ = ["BlockTranspose", "TemplateBackward", "transpose_log"]
+__all__ = [
+    "BlockLinearize",
+    "BlockTranspose",
+    "TemplateBackward",
+    "TemplateJvp",
+    "transpose_log",
+]
 
 
 def _leaves(x: Any) -> list[Any]:
@@ -503,3 +519,276 @@ def transpose_log(
             blocks.transpose(run, ct, rules, state)
         i = j
     return blocks
+
+
+def _ref(v: Any, position: dict[Node, int], refs: dict[Any, tuple]) -> Any:
+    """How a call's value ``v`` (a node, a list or tuple of them, or None) is found at
+    another call: a position among the nodes made, an input reference (:class:`_NotReusable`
+    for anything else: a ghost)."""
+    if v is None:
+        return None
+    if isinstance(v, (list, tuple)):
+        return type(v)(_ref(x, position, refs) for x in v)
+    if isinstance(v, Node):
+        if v in position:
+            return position[v]
+        if v in refs:
+            return refs[v]
+    raise _NotReusable
+
+
+@dataclass(eq=False)
+class TemplateJvp:
+    """The JVP nodes of one call of a template (a variant: which of its inputs carry tangents,
+    and of what kind, and which of its nodes' tangents are needed), as the rules built them
+    at its first call (``site``).
+
+    Attributes:
+        site: the call site it was built at.
+        nodes: per node emitted for the call, in order: ``("copy", key, node)`` the copy of
+            the call's forward node ``key`` (template index[, getitem output]; ``node`` the
+            first call's copy) or ``("emit", node)`` a tangent or coefficient node to copy.
+        inputs: per emitted node's argument from outside the call, ``("p", j)`` the primal or
+            ``("t", j)`` the tangent of the call's input ``j``.
+        env, tan: per forward node of the call (by key), its primal copy and tangent: a
+            position in :attr:`nodes`, an ``inputs``-style reference, a list of these, or None.
+        log: positions in :attr:`nodes` of the tangent nodes logged, in order.
+        reusable: False where expanding could differ from the rules.
+    """
+
+    site: int
+    nodes: list[tuple] = field(default_factory=list)
+    inputs: dict[Node, tuple] = field(default_factory=dict)
+    env: dict[tuple, Any] = field(default_factory=dict)
+    tan: dict[tuple, Any] = field(default_factory=dict)
+    log: list[int] = field(default_factory=list)
+    reusable: bool = True
+
+
+class BlockLinearize:
+    """Per call site of ``forward``'s hierarchy, its JVP nodes, built by the rules once per
+    variant and expanded at the other calls (the JVP graph is the same node for node).
+
+    Args:
+        forward: the traced forward graph (with :data:`~graphflop.meta.HIERARCHY`).
+        lin: the linearizer (:class:`graphflop.ad.jvp._Linearizer`) building the JVP graph.
+    """
+
+    def __init__(self, forward: GraphModule, lin: Any) -> None:
+        self.lin = lin
+        h: Hierarchy = forward.meta[HIERARCHY]
+        self.h = h
+        self.key: dict[Node, tuple] = {}
+        self.site_nodes: dict[int, list[Node]] = {}
+        self.unsafe: set[int] = set()
+        at: dict[int, list[int]] = {}
+        for i, n in enumerate(forward.graph.nodes):
+            t = n.meta.get(CALL_SITE)
+            if t is None:
+                continue
+            at.setdefault(t[0], []).append(i)
+            parent = n.args[0] if n.target is operator.getitem and n.args else None
+            k: tuple = (t[1],)
+            if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
+                k = (t[1], n.args[1])
+            self.key[n] = k
+            self.site_nodes.setdefault(t[0], []).append(n)
+            if n.meta.get(CHECKPOINT) is not None or n in lin.calls:
+                self.unsafe.add(t[0])
+        # a call whose nodes are not one run of the forward: node by node, in place
+        self.split = {s for s, ix in at.items() if ix[-1] - ix[0] + 1 != len(ix)}
+        self.rel = [{a: r for r, a in s.modules} for s in h.sites]
+        self.abs = [dict(s.modules) for s in h.sites]
+        self.by_key = {s: {self.key[n]: n for n in ns} for s, ns in self.site_nodes.items()}
+        self.templates: dict[tuple, TemplateJvp] = {}
+        self.built = 0
+        self.expanded = 0
+
+    @classmethod
+    def of(cls, forward: GraphModule, lin: Any) -> BlockLinearize | None:
+        """The expander for ``forward``, or None when it has no call sites."""
+        h = forward.meta.get(HIERARCHY)
+        if h is None or h.graph is None:
+            return None
+        return cls(forward, lin)
+
+    def nodes(self, n: Node) -> list[Node] | None:
+        """The forward nodes of the call ``n`` begins (None where ``n`` begins none)."""
+        t = n.meta.get(CALL_SITE)
+        if t is None:
+            return None
+        ns = self.site_nodes.get(t[0])
+        return ns if ns and ns[0] is n and t[0] not in self.split else None
+
+    def _inputs(self, site: int) -> list[Node]:
+        """The call's arguments (the forward nodes its template's placeholders stand for)."""
+        h = self.h
+        tnodes = list(h.templates[h.sites[site].template].nodes)
+        phs = {t: i for i, t in enumerate(t for t in tnodes if t.op == "placeholder")}
+        args: dict[int, Node] = {}
+        inside = set(self.site_nodes[site])
+        for n in self.site_nodes[site]:
+            if len(self.key[n]) > 1:
+                continue
+            for a, ta in zip(n.all_input_nodes, tnodes[self.key[n][0]].all_input_nodes):
+                if a not in inside and ta in phs:
+                    args.setdefault(phs[ta], a)
+        return [args[j] for j in sorted(args)] if len(args) == len(phs) else []
+
+    def _arg_state(self, site: int, a: Node) -> Any:
+        """A call input's tangent as a signature: what the rules read of it."""
+        t = self.lin.tan.get(a)
+        if t is None:
+            return None
+        if not isinstance(t, Node):
+            return False  # a ghost or a multi-output tangent: the rules
+        m = t.meta
+        where = self.rel[site].get(m.get(MODULE, ""), "outside")
+        return (t.op == "placeholder", m.get(PARAM_DERIVED), m.get(ROLE), m.get(KIND), where)
+
+    def linearize(self, site: int, needed: set[Node], rules: Callable[[Node], None]) -> None:
+        """Emit the JVP nodes of call ``site``'s forward nodes: its variant's template JVP
+        expanded, or ``rules(n)`` per node (recording the template JVP at a variant's first
+        call)."""
+        ns = self.site_nodes[site]
+        args = self._inputs(site)
+        states = tuple(self._arg_state(site, a) for a in args)
+        if site in self.unsafe or not args or False in states or len(set(args)) != len(args):
+            return self._rules(ns, rules)
+        key = (self.h.sites[site].variant, states, tuple(n in needed for n in ns))
+        t = self.templates.get(key)
+        if t is None:
+            t = self.templates[key] = TemplateJvp(site)
+            return self._record(t, ns, args, rules)
+        if not t.reusable:
+            return self._rules(ns, rules)
+        self._expand(t, site, args)
+
+    def _rules(self, ns: list[Node], rules: Callable[[Node], None]) -> None:
+        self.built += 1
+        for n in ns:
+            rules(n)
+
+    def _state(self) -> tuple[int, ...]:
+        lin = self.lin
+        return (len(lin.ghosts), len(lin.gaps), len(lin.b.ghost_links), len(lin.opaque))
+
+    def _record(
+        self, t: TemplateJvp, ns: list[Node], args: list[Node], rules: Callable[[Node], None]
+    ) -> None:
+        lin = self.lin
+        g: Graph = lin.graph
+        before = self._state()
+        tail = next(iter(reversed(g.nodes)))
+        n_nodes = len(g.nodes)
+        n_log = len(lin.b.log)
+        self._rules(ns, rules)
+        try:
+            made = _appended(tail)
+            if self._state() != before or len(g.nodes) - n_nodes != len(made):
+                raise _NotReusable
+            self._fill(t, ns, args, made, n_log)
+        except _NotReusable:
+            t.reusable = False
+
+    def _input_refs(self, args: list[Node]) -> dict[Any, tuple]:
+        """Per JVP value of the call's inputs, ``("p", j)`` (input ``j``'s primal copy) or
+        ``("t", j)`` (its tangent); :class:`_NotReusable` where one value is two of these."""
+        lin = self.lin
+        refs: dict[Any, tuple] = {}
+        for j, a in enumerate(args):
+            for kind, v in (("p", lin.env.get(a)), ("t", lin.tan.get(a))):
+                if isinstance(v, Node):
+                    if v in refs:
+                        raise _NotReusable
+                    refs[v] = (kind, j)
+        return refs
+
+    def _fill(
+        self, t: TemplateJvp, ns: list[Node], args: list[Node], made: list[Node], n_log: int
+    ) -> None:
+        """Record in ``t`` the nodes ``made`` for call ``t.site`` (raises
+        :class:`_NotReusable` where another call could not reuse them)."""
+        lin = self.lin
+        position = {n: i for i, n in enumerate(made)}
+        refs = self._input_refs(args)
+        copies = {lin.env[n]: self.key[n] for n in ns if n in lin.env}
+        site_rel = self.rel[t.site]
+        names = {n.name for n in ns}
+        for n in made:
+            if n in copies:
+                t.nodes.append(("copy", copies[n], n))
+                continue
+            if n.meta.get(MODULE) not in site_rel or n.meta.get(SOURCE) not in names:
+                raise _NotReusable
+            t.nodes.append(("emit", n))
+            for a in n.all_input_nodes:
+                if a not in position:
+                    t.inputs[a] = _one([refs[a]] if a in refs else None)
+
+        for n in ns:
+            k = self.key[n]
+            t.env[k] = _ref(lin.env.get(n), position, refs)
+            t.tan[k] = _ref(lin.tan.get(n), position, refs)
+        for e in lin.b.log[n_log:]:
+            if e not in position:
+                raise _NotReusable
+            t.log.append(position[e])
+
+    def _expand(self, t: TemplateJvp, site: int, args: list[Node]) -> None:
+        lin = self.lin
+        g: Graph = lin.graph
+        env: dict[Node, Any] = {}
+        for a, (kind, j) in t.inputs.items():
+            env[a] = lin.env[args[j]] if kind == "p" else lin.tan[args[j]]
+        own = self.by_key[site]
+        rel, absolute = self.rel[t.site], self.abs[site]
+        made: list[Node] = []
+        fwd_env = lin.env
+        for kind, x, *first in t.nodes:
+            if kind == "copy":
+                new = copy_node(g, own[x], fwd_env.__getitem__)
+                fwd_env[own[x]] = new
+                env[first[0]] = new
+            else:
+                new = emit(
+                    g,
+                    x.target,
+                    map_arg(x.args, env.__getitem__),
+                    map_arg(x.kwargs, env.__getitem__),
+                )
+                meta = dict(x.meta)
+                meta[MODULE] = absolute[rel[x.meta[MODULE]]]
+                src = x.meta.get(SOURCE)
+                if src is not None:
+                    meta[SOURCE] = self._source(t.site, site, src)
+                new.meta = meta
+                env[x] = new
+            made.append(new)
+
+        def value(r: Any) -> Any:
+            if r is None:
+                return None
+            if isinstance(r, int):
+                return made[r]
+            if isinstance(r, list):
+                return [value(x) for x in r]
+            if isinstance(r, tuple) and r and isinstance(r[0], str):
+                return lin.env[args[r[1]]] if r[0] == "p" else lin.tan[args[r[1]]]
+            return tuple(value(x) for x in r)
+
+        for k, n in own.items():
+            e, tv = t.env.get(k), t.tan.get(k)
+            if e is not None:
+                fwd_env[n] = value(e)
+            if tv is not None:
+                lin.tan[n] = value(tv)
+        lin.b.log.extend(made[i] for i in t.log)
+        self.expanded += 1
+
+    def _source(self, a: int, b: int, name: str) -> str:
+        """The name at call ``b`` of call ``a``'s forward node ``name``."""
+        names = self.__dict__.setdefault("_names", {})
+        if a not in names:
+            names[a] = {n.name: k for k, n in self.by_key[a].items()}
+        return self.by_key[b][names[a][name]].name
