@@ -417,3 +417,36 @@ def test_gpt2_backward_expanded_per_template_gives_torch_gradients():
     assert x_.expanded == 2 and x_.built == 1  # three blocks: built at one, expanded at two
     check = verify_gradients(a.forward, a.backward, loaded.model)
     assert check.ok, check
+
+
+def _analyses_both_ways(make, monkeypatch):
+    """``make()``'s analysis with each block's derivatives built per template, and with the
+    rules run at every call (no expander)."""
+    from graphflop.ad import blocks
+
+    per_template = make()
+    monkeypatch.setattr(blocks.BlockLinearize, "of", classmethod(lambda cls, f, lin: None))
+    monkeypatch.setattr(blocks.BlockTranspose, "of", classmethod(lambda cls, f, b: None))
+    return per_template, make()
+
+
+@pytest.mark.parametrize("which", ["stack", "gpt2", "resnet18"])
+def test_every_graph_and_report_equal_call_by_call(which, monkeypatch):
+    """Every graph the analysis builds on the JVP and backward (the update, the forward-gradient
+    and activity-perturbed steps too) and the report are the same with the derivative nodes
+    built per template as with the rules run at every call."""
+
+    def make():
+        if which == "stack":
+            return analyze(Stack(4, 6, 10), torch.randn(5, 6))
+        if which == "gpt2":
+            return _analysis("gpt2.py", n_layer=3, n_embd=32, n_head=2, vocab_size=50)
+        return _analysis("resnet.py:resnet18")
+
+    a, b = _analyses_both_ways(make, monkeypatch)
+    assert a.report.to_dict() == b.report.to_dict()
+    for g in ("backward", "jvp", "update", "forward_gradient", "activity_gradient"):
+        x, y = getattr(a, g), getattr(b, g)
+        assert (x is None) == (y is None), g
+        if x is not None:
+            assert _derivative_nodes(x) == _derivative_nodes(y), g

@@ -198,6 +198,8 @@ class BlockTranspose:
                 # a getitem tracing added afterwards shares its parent's tag
                 t = (t[0], t[1], n.args[1])
             self.tag[n.name] = t
+            if t in self.name:  # two nodes copy one template node (a rewritten graph)
+                self.unsafe.add(t[0])
             self.name[t] = n.name
             if n.meta.get(CHECKPOINT) is not None:
                 self.unsafe.add(t[0])
@@ -582,6 +584,7 @@ class BlockLinearize:
         self.site_nodes: dict[int, list[Node]] = {}
         self.unsafe: set[int] = set()
         at: dict[int, list[int]] = {}
+        seen: set[tuple] = set()
         for i, n in enumerate(forward.graph.nodes):
             t = n.meta.get(CALL_SITE)
             if t is None:
@@ -591,6 +594,9 @@ class BlockLinearize:
             k: tuple = (t[1],)
             if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
                 k = (t[1], n.args[1])
+            if (t[0], k) in seen:  # two nodes copy one template node (a rewritten graph)
+                self.unsafe.add(t[0])
+            seen.add((t[0], k))
             self.key[n] = k
             self.site_nodes.setdefault(t[0], []).append(n)
             if n.meta.get(CHECKPOINT) is not None or n in lin.calls:

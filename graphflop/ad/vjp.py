@@ -213,7 +213,12 @@ def build_vjp(
     if lin is None or any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ())):
         # a custom Function without jvp cuts the JVP graph: transpose a linearization that
         # goes through it instead (its own backward is the transpose)
-        lin = build_jvp(forward, "all" if input_grads else "params", for_transpose=True)
+        lin = build_jvp(
+            forward,
+            "all" if input_grads else "params",
+            for_transpose=True,
+            per_template=per_template,
+        )
     info = lin.meta[JVP]
     out_node = next(n for n in lin.graph.nodes if n.op == "output")
     loss_tangent = out_node.args[0][info.primal_outputs]
