@@ -206,6 +206,8 @@ class BlockTranspose:
         # module paths: per site, absolute <-> relative
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.abs = [dict(s.modules) for s in h.sites]
+        # one module under two relative paths: a path cannot be mapped back, the rules run
+        self.unsafe.update(i for i, s in enumerate(h.sites) if len(self.rel[i]) != len(s.modules))
 
     @classmethod
     def of(cls, forward: GraphModule, b: Any) -> BlockTranspose | None:
@@ -605,6 +607,8 @@ class BlockLinearize:
         self.split = {s for s, ix in at.items() if ix[-1] - ix[0] + 1 != len(ix)}
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.abs = [dict(s.modules) for s in h.sites]
+        # one module under two relative paths: a path cannot be mapped back, the rules run
+        self.unsafe.update(i for i, s in enumerate(h.sites) if len(self.rel[i]) != len(s.modules))
         self.by_key = {s: {self.key[n]: n for n in ns} for s, ns in self.site_nodes.items()}
         self.templates: dict[tuple, TemplateJvp] = {}
         self.built = 0
