@@ -10,11 +10,28 @@ import torch
 from conftest import spec
 from torch import nn
 
+from graphflop.ad.jvp import build_jvp
 from graphflop.analysis import analyze
 from graphflop.frontend.hierarchy import expand
 from graphflop.load import load, make_inputs
-from graphflop.meta import CALL_SITE, COST, HIERARCHY, MODULE, OUTLINED
+from graphflop.meta import (
+    CALL_SITE,
+    COST,
+    HIERARCHY,
+    JVP,
+    JVP_LOG,
+    KIND,
+    LINEARIZED,
+    MODULE,
+    OUTLINED,
+    ROLE,
+    SOURCE,
+    VJP,
+)
 from graphflop.ops.cost import op_cost
+from graphflop.passes.autodiff import BuildJvp, BuildVjp
+from graphflop.passes.flops import AnnotateFlops
+from graphflop.passes.infra import run_passes
 from graphflop.passes.summary import Graphs, summarize
 
 
@@ -62,9 +79,50 @@ def _nodes(gm):
     ]
 
 
+def _derivative_nodes(gm):
+    """:func:`_nodes` with each node's role, kind, forward source, name and FLOPs."""
+    return [
+        (*row, n.meta.get(ROLE), n.meta.get(KIND), n.meta.get(SOURCE), n.name, n.meta.get(COST))
+        for row, n in zip(_nodes(gm), gm.graph.nodes)
+    ]
+
+
+def _check_derivatives(a):
+    """The JVP and backward graphs built per template (each block's derivative nodes built once
+    per variant and expanded at its other calls) are the ones the rules give call by call,
+    node for node: ops, arguments, shapes, modules, roles, sources, names, FLOPs; the same
+    JVP log, residuals and gradients."""
+    fwd = a.forward
+    if a.jvp is not None:
+        tangents = a.report.totals.jvp.tangents
+        flat_jvp = run_passes(fwd, [BuildJvp(tangents, per_template=False), AnnotateFlops()])
+        assert _derivative_nodes(a.jvp) == _derivative_nodes(flat_jvp)
+        assert a.jvp.meta[JVP] == flat_jvp.meta[JVP]
+        pos = {n: i for i, n in enumerate(a.jvp.graph.nodes)}
+        flat_pos = {n: i for i, n in enumerate(flat_jvp.graph.nodes)}
+        assert [pos.get(e) for e in a.jvp.meta[JVP_LOG]] == [
+            flat_pos.get(e) for e in flat_jvp.meta[JVP_LOG]
+        ]
+    if a.backward is None:
+        return
+    lin = a.backward.meta[LINEARIZED]
+    # the graph transposed, built call by call (for_transpose where the analysis rebuilt it)
+    flat_lin = build_jvp(
+        fwd,
+        "params",
+        for_transpose=lin is not a.jvp,
+        per_template=False,
+    )
+    flat = run_passes(fwd, [BuildVjp(linearized=flat_lin, per_template=False), AnnotateFlops()])
+    assert _derivative_nodes(a.backward) == _derivative_nodes(flat)
+    assert a.backward.meta[VJP] == flat.meta[VJP]
+
+
 def _check(a):
     """The hierarchical report equals the flat one; every copied node's cost (taken from its
-    template) equals the cost of the node on its own."""
+    template) equals the cost of the node on its own; the derivative graphs built per template
+    equal those built call by call."""
+    _check_derivatives(a)
     flat = _flat_report(a).to_dict()
     hier = a.report.to_dict()
     assert hier == flat
@@ -307,3 +365,88 @@ def test_llama_decoder_layers_hierarchical_equals_flat():
     h = _check(analyze(loaded.model, make_inputs(loaded, batch=2)))
     assert len(h.sites) == 3 and len(h.templates) == 1 and h.graph is not None
     assert h.sites[2].module("@.self_attn") == "model.layers.2.self_attn"
+
+
+def _expanded_calls(a):
+    """How many calls of the backward graph were expanded from a template backward."""
+    from graphflop.ad import blocks
+
+    made = []
+    of = blocks.BlockTranspose.of
+
+    def spy(forward, b):
+        x = of(forward, b)
+        made.append(x)
+        return x
+
+    blocks.BlockTranspose.of = spy  # type: ignore[method-assign]
+    try:
+        run_passes(a.forward, [BuildVjp(linearized=a.backward.meta[LINEARIZED])])
+    finally:
+        blocks.BlockTranspose.of = of  # type: ignore[method-assign]
+    return made[0]
+
+
+def test_backward_expanded_per_template_gives_torch_gradients():
+    """Stack of four blocks on real tensors: the block's transpose is built once and expanded
+    at the calls that read the same activity; the gradients of the expanded backward match torch.func's."""
+    from graphflop.runtime.verify import verify_gradients
+
+    torch.manual_seed(0)
+    model, x = Stack(4, 6, 10), torch.randn(5, 6)
+    a = analyze(model, x)
+    _check(a)
+    x_ = _expanded_calls(a)
+    # blocks 2 and 1 are block 3's transpose expanded; block 0 reads the model's input, whose
+    # tangent is a ghost (no gradient needed), so the rules build its runs
+    assert x_.expanded == 2
+    assert [t.site for t in x_.templates.values() if t.reusable][0] == 3
+    check = verify_gradients(a.forward, a.backward, model, examples=(x,))
+    assert check.ok, check
+
+
+def test_gpt2_backward_expanded_per_template_gives_torch_gradients():
+    from graphflop.runtime.verify import verify_gradients
+
+    torch.manual_seed(0)
+    loaded = load(spec("gpt2.py"), ctor_kwargs=dict(n_layer=3, n_embd=32, n_head=2, vocab_size=50))
+    loaded.model.train()
+    x = make_inputs(loaded, batch=2)
+    a = analyze(loaded.model, x)
+    x_ = _expanded_calls(a)
+    assert x_.expanded == 2 and x_.built == 1  # three blocks: built at one, expanded at two
+    check = verify_gradients(a.forward, a.backward, loaded.model)
+    assert check.ok, check
+
+
+def _analyses_both_ways(make, monkeypatch):
+    """``make()``'s analysis with each block's derivatives built per template, and with the
+    rules run at every call (no expander)."""
+    from graphflop.ad import blocks
+
+    per_template = make()
+    monkeypatch.setattr(blocks.BlockLinearize, "of", classmethod(lambda cls, f, lin: None))
+    monkeypatch.setattr(blocks.BlockTranspose, "of", classmethod(lambda cls, f, b: None))
+    return per_template, make()
+
+
+@pytest.mark.parametrize("which", ["stack", "gpt2", "resnet18"])
+def test_every_graph_and_report_equal_call_by_call(which, monkeypatch):
+    """Every graph the analysis builds on the JVP and backward (the update, the forward-gradient
+    and activity-perturbed steps too) and the report are the same with the derivative nodes
+    built per template as with the rules run at every call."""
+
+    def make():
+        if which == "stack":
+            return analyze(Stack(4, 6, 10), torch.randn(5, 6))
+        if which == "gpt2":
+            return _analysis("gpt2.py", n_layer=3, n_embd=32, n_head=2, vocab_size=50)
+        return _analysis("resnet.py:resnet18")
+
+    a, b = _analyses_both_ways(make, monkeypatch)
+    assert a.report.to_dict() == b.report.to_dict()
+    for g in ("backward", "jvp", "update", "forward_gradient", "activity_gradient"):
+        x, y = getattr(a, g), getattr(b, g)
+        assert (x is None) == (y is None), g
+        if x is not None:
+            assert _derivative_nodes(x) == _derivative_nodes(y), g

@@ -56,9 +56,16 @@ def emit(graph: Graph, target: Any, args: tuple, kwargs: dict) -> Node:
     of the cost of creating a node, which the builders pay once per emitted node."""
     if not _FAST_ARGS:  # pragma: no cover - a PyTorch without the private setter
         return graph.call_function(target, args, kwargs)
-    node = graph.create_node("call_function", target)
+    name = _BASE_NAMES.get(target)
+    if name is None:  # the name fx derives from the target (``mm``), derived once per target
+        name = _BASE_NAMES[target] = graph._target_to_str(target)
+    node = graph.create_node("call_function", target, name=name)
     node._update_args_kwargs(args, kwargs)
     return node
+
+
+#: op -> the base of its nodes' names, as torch.fx derives it (fx makes it unique per graph)
+_BASE_NAMES: dict[Any, str] = {}
 
 
 def copy_node(graph: Graph, node: Node, arg_transform: Any = lambda a: a) -> Node:

@@ -31,9 +31,11 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from graphflop.ad.blocks import BlockLinearize
 from graphflop.ad.builder import Builder, copy_node
 from graphflop.ad.functions import FunctionCall, emit_tangent, function_calls
 from graphflop.meta import (
+    CALL_SITE,
     CHECKPOINT,
     GAPS,
     GHOST_LINKS,
@@ -132,6 +134,7 @@ def build_jvp(
     *,
     wrt_outputs: str = "loss",
     for_transpose: bool = False,
+    per_template: bool = True,
 ) -> GraphModule:
     """Build the JVP graph of a traced forward graph.
 
@@ -164,7 +167,7 @@ def build_jvp(
     inputs = set(sig.inputs)
     carry = params if tangents == "params" else inputs if tangents == "inputs" else params | inputs
 
-    lin = _Linearizer(forward, for_transpose)
+    lin = _Linearizer(forward, for_transpose, per_template)
     tangent_inputs = lin.placeholders(carry, ghostly=(params | inputs) - carry, params=params)
     outs = lin.propagate(_needed(forward.graph, diff_out))
     primal_outs = [lin.env[o] if isinstance(o, Node) else o for o in outs]
@@ -213,9 +216,12 @@ class _Linearizer:
     """The JVP graph as it is built: primal copies (``env``) and tangents (``tan``) of the
     forward's nodes, interleaved in forward order."""
 
-    def __init__(self, forward: GraphModule, for_transpose: bool = False):
+    def __init__(
+        self, forward: GraphModule, for_transpose: bool = False, per_template: bool = True
+    ):
         self.forward = forward
         self.for_transpose = for_transpose
+        self.per_template = per_template
         self.calls = function_calls(forward)
         self.last = {id(c): c.nodes[-1] for c in self.calls.values()}
         self.opaque: list[str] = []
@@ -266,27 +272,38 @@ class _Linearizer:
         """Copy every forward node and emit the tangents of those in ``needed``, in forward
         order. Returns the forward's outputs (the output node's values)."""
         out_node = None
+        blocks = BlockLinearize.of(self.forward, self) if self.per_template else None
+        done: set[Node] = set()
         for n in self.forward.graph.nodes:
-            if n.op == "placeholder":
+            if n.op == "placeholder" or n in done:
                 continue
             if n.op == "output":
                 out_node = n
                 continue
-            if n not in self.env:
-                self.env[n] = self._copy(n)
-            for u in n.users:  # copy getitems at once, so rules can read every output
-                if u.target is operator.getitem and u not in self.env:
-                    self.env[u] = self._copy(u)
-            call = self.calls.get(n)
-            if call is not None:  # a custom Function's ops: its own jvp, at its last node
-                if self.last[id(call)] is n:
-                    self._function_tangent(call)
-            elif n in needed:
-                self._tangent(n)
+            run = blocks.nodes(n) if blocks is not None else None
+            if run is not None and blocks is not None:  # a call: once per variant
+                blocks.linearize(n.meta[CALL_SITE][0], needed, lambda x: self._node(x, needed))
+                done.update(run)
+                continue
+            self._node(n, needed)
         outs = out_node.args[0] if out_node is not None else None
         if not isinstance(outs, (tuple, list)):
             raise ValueError("the forward graph has no output node returning a tuple")
         return tuple(outs)
+
+    def _node(self, n: Node, needed: set[Node]) -> None:
+        """Copy forward node ``n`` (and its getitems) and emit its tangent if needed."""
+        if n not in self.env:
+            self.env[n] = self._copy(n)
+        for u in n.users:  # copy getitems at once, so rules can read every output
+            if u.target is operator.getitem and u not in self.env:
+                self.env[u] = self._copy(u)
+        call = self.calls.get(n)
+        if call is not None:  # a custom Function's ops: its own jvp, at its last node
+            if self.last[id(call)] is n:
+                self._function_tangent(call)
+        elif n in needed:
+            self._tangent(n)
 
     def _function_tangent(self, call: FunctionCall) -> None:
         """The tangents of a custom Function call's outputs, from its own ``jvp``

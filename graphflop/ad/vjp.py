@@ -42,6 +42,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphflop.ad import functions
+from graphflop.ad.blocks import transpose_log
 from graphflop.ad.builder import Builder, emit
 from graphflop.ad.jvp import build_jvp
 from graphflop.ad.simplify import fold_transposed_matmuls
@@ -178,7 +179,11 @@ def _is_linear(a: Any) -> bool:
 
 
 def build_vjp(
-    forward: GraphModule, *, input_grads: bool = False, linearized: GraphModule | None = None
+    forward: GraphModule,
+    *,
+    input_grads: bool = False,
+    linearized: GraphModule | None = None,
+    per_template: bool = True,
 ) -> GraphModule:
     """Build the backward graph of a traced forward graph (see the module docstring).
 
@@ -187,6 +192,9 @@ def build_vjp(
         input_grads: also return the cotangents of the model's inputs.
         linearized: the JVP graph of ``forward`` to transpose, when already built (tangents on
             the parameters, and on the inputs too for ``input_grads``); built here otherwise.
+        per_template: transpose each repeated block's call once per variant and expand it at
+            its other calls (:mod:`graphflop.ad.blocks`; the same graph node for node as
+            ``False``, which runs the rules at every call).
 
     Returns:
         The backward GraphModule; ``gm.meta[LINEARIZED]`` holds the JVP graph it was
@@ -205,7 +213,12 @@ def build_vjp(
     if lin is None or any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ())):
         # a custom Function without jvp cuts the JVP graph: transpose a linearization that
         # goes through it instead (its own backward is the transpose)
-        lin = build_jvp(forward, "all" if input_grads else "params", for_transpose=True)
+        lin = build_jvp(
+            forward,
+            "all" if input_grads else "params",
+            for_transpose=True,
+            per_template=per_template,
+        )
     info = lin.meta[JVP]
     out_node = next(n for n in lin.graph.nodes if n.op == "output")
     loss_tangent = out_node.args[0][info.primal_outputs]
@@ -228,24 +241,16 @@ def build_vjp(
     ct: dict[Any, Any] = {_key(loss_tangent): ct_loss}
     gaps: list[Gap] = list(lin.meta.get(GAPS, ()))  # the linearization's cuts cut this too
     links = lin.meta.get(GHOST_LINKS) or GhostLinks()
-    for entry in reversed(lin.meta[JVP_LOG]):
-        if isinstance(entry, functions.FunctionEntry):  # the Function's own backward
-            cs = [ct.pop(o, None) if isinstance(o, Node) else None for o in entry.outputs]
-            if any(c is not None for c in cs):
-                functions.transpose(b, entry, cs, ct)
-            continue
-        c = ct.pop(_key(entry), None)
-        if c is None:
-            continue
-        for gh in links.get(entry) if not is_ghost(entry) else ():
-            # a tangent sum skipped this ghost term: it would have received the same cotangent
-            ct.setdefault(_key(gh), b.as_ghost(c))
-        try:
-            _transpose(b, entry, c, ct)
-        except MissingRuleError:  # partial results: the cotangent stops here
-            if is_strict():
-                raise
-            gaps.append(_gap(entry))
+
+    def rules(entries: list[Any]) -> None:
+        _transpose_entries(b, entries, ct, links, gaps)
+
+    log = list(reversed(lin.meta[JVP_LOG]))
+    if per_template:
+        linked = lambda e: bool(links.get(e))  # noqa: E731
+        transpose_log(forward, b, log, ct, rules, linked, lambda: (len(ghosts), len(gaps)))
+    else:
+        rules(log)
 
     if b.checkpoints is not None:
         gaps.extend(b.checkpoints.unmodelled())
@@ -279,6 +284,31 @@ def build_vjp(
         tuple(in_grads),
     )
     return gm
+
+
+def _transpose_entries(
+    b: TransposeBuilder, entries: list[Any], ct: dict[Any, Any], links: Any, gaps: list[Gap]
+) -> None:
+    """Transpose the JVP-log ``entries`` (in the order transposed) with their rules, updating
+    the cotangents ``ct``; a rule-less op's entry is a gap (an error under strict rules)."""
+    for entry in entries:
+        if isinstance(entry, functions.FunctionEntry):  # the Function's own backward
+            cs = [ct.pop(o, None) if isinstance(o, Node) else None for o in entry.outputs]
+            if any(c is not None for c in cs):
+                functions.transpose(b, entry, cs, ct)
+            continue
+        c = ct.pop(_key(entry), None)
+        if c is None:
+            continue
+        for gh in links.get(entry) if not is_ghost(entry) else ():
+            # a tangent sum skipped this ghost term: it would have received the same cotangent
+            ct.setdefault(_key(gh), b.as_ghost(c))
+        try:
+            _transpose(b, entry, c, ct)
+        except MissingRuleError:  # partial results: the cotangent stops here
+            if is_strict():
+                raise
+            gaps.append(_gap(entry))
 
 
 def _gap(entry: Any) -> Gap:

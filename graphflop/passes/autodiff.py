@@ -21,23 +21,34 @@ class BuildJvp(GraphPass):
     Args:
         tangents: which placeholders carry tangents: ``params``, ``inputs`` or ``all``.
         wrt_outputs: ``loss`` or ``outputs`` (tangents of the model's outputs too).
+        per_template: build each repeated block's JVP nodes once per variant and expand them
+            at its other calls (:mod:`graphflop.ad.blocks`); False runs the rules at every
+            call (the same graph, node for node).
 
     Requires ``traced``; provides ``jvp``. Raises ``MissingRuleError``, ``ValueError`` (see the
     builder).
     """
 
-    #: runs on the flat graph: its derivative graph is not yet built per template
+    #: runs on the flat graph; each repeated block's JVP is built once per variant there
     scope = FLAT
     name = "build_jvp"
     required = ("traced",)
     provided = ("jvp",)
 
-    def __init__(self, tangents: str = "params", *, wrt_outputs: str = "loss") -> None:
+    def __init__(
+        self, tangents: str = "params", *, wrt_outputs: str = "loss", per_template: bool = True
+    ) -> None:
         self.tangents = tangents
         self.wrt_outputs = wrt_outputs
+        self.per_template = per_template
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        gm = _jvp.build_jvp(graph_module, self.tangents, wrt_outputs=self.wrt_outputs)
+        gm = _jvp.build_jvp(
+            graph_module,
+            self.tangents,
+            wrt_outputs=self.wrt_outputs,
+            per_template=self.per_template,
+        )
         return PassResult(gm, True)
 
 
@@ -47,21 +58,36 @@ class BuildVjp(GraphPass):
     Args:
         input_grads: also return the cotangents of the model's inputs.
         linearized: the forward's JVP graph to transpose, when already built.
+        per_template: transpose each repeated block once per variant and expand it at its
+            other calls (:mod:`graphflop.ad.blocks`); False runs the rules at every call (the
+            same graph, node for node).
 
     Requires ``traced``; provides ``vjp``. Raises ``MissingRuleError``, ``ValueError`` (no
     loss).
     """
 
-    #: runs on the flat graph: its derivative graph is not yet built per template
+    #: runs on the flat graph; each repeated block's transpose is built once per variant there
     scope = FLAT
     name = "build_vjp"
     required = ("traced",)
     provided = ("vjp",)
 
-    def __init__(self, *, input_grads: bool = False, linearized: GraphModule | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        input_grads: bool = False,
+        linearized: GraphModule | None = None,
+        per_template: bool = True,
+    ) -> None:
         self.input_grads = input_grads
         self.linearized = linearized
+        self.per_template = per_template
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        gm = _vjp.build_vjp(graph_module, input_grads=self.input_grads, linearized=self.linearized)
+        gm = _vjp.build_vjp(
+            graph_module,
+            input_grads=self.input_grads,
+            linearized=self.linearized,
+            per_template=self.per_template,
+        )
         return PassResult(gm, True)

@@ -1,0 +1,804 @@
+"""The transpose of a repeated block built once per template and expanded at every call.
+
+A traced forward graph with outlined blocks (:data:`~graphflop.meta.HIERARCHY`) linearizes into
+a JVP graph whose tangent work for one call site is one run of its log (the JVP emits each
+forward node's tangents in forward order, and a call's nodes are one run of the forward). Its
+transpose (:func:`graphflop.ad.vjp.build_vjp`) walks the log in reverse, so each call site's
+backward is again one run: the same rules, on the same shapes, with only the module paths, the
+forward node names and the residuals changing from call to call.
+
+:class:`BlockTranspose` builds that run with the rules once per *variant* — the call's template,
+which of its nodes carry tangents (the activity pattern: the JVP log's entries for the call),
+which of its outputs arrive with a cotangent and which of its inputs already hold one — as a
+:class:`TemplateBackward`: the backward nodes of one call, whose arguments are the residuals
+the call reads (values of the template's forward: its inputs, parameters and inner nodes), the
+cotangents arriving at its outputs and those already held by its inputs, and whose results are
+the cotangents of its inputs and parameters. Every other call of that variant is the template
+backward expanded: its nodes copied with the call's residuals, cotangents, module paths and
+forward node names, no rule run. The flat backward graph is the same, node for node (ops,
+arguments, shapes, roles, modules, residual placeholders in order), as the one the rules give
+call by call (``tests/test_hierarchy.py``).
+
+A call is transposed by the rules instead (and its variant not reused) where expanding could
+differ from them: ghost work in it (a pruned cotangent), a gap, a custom Function, a
+``torch.utils.checkpoint`` region, an input passed twice, or a residual or coefficient that an
+earlier call had already imported for the one and not for the other.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
+
+from graphflop.ad.builder import copy_node, emit
+from graphflop.meta import (
+    CALL_SITE,
+    CHECKPOINT,
+    HIERARCHY,
+    KIND,
+    MODULE,
+    PARAM_DERIVED,
+    ROLE,
+    SOURCE,
+    Hierarchy,
+)
+from graphflop.ops.ghost import is_ghost
+
+__all__ = [
+    "BlockLinearize",
+    "BlockTranspose",
+    "TemplateBackward",
+    "TemplateJvp",
+    "transpose_log",
+]
+
+
+def _leaves(x: Any) -> list[Any]:
+    out: list[Any] = []
+    stack = [x]
+    while stack:
+        y = stack.pop()
+        if isinstance(y, (list, tuple)):
+            stack.extend(reversed(y))
+        elif isinstance(y, dict):
+            stack.extend(reversed(list(y.values())))
+        else:
+            out.append(y)
+    return out
+
+
+def _state(v: Any) -> Any:
+    """What a cotangent slot holds, as a signature: None, ``"node"``, or per slot of a
+    multi-output value; ``False`` (do not reuse) for a ghost."""
+    if v is None:
+        return None
+    if isinstance(v, list):
+        inner = tuple(_state(x) for x in v)
+        return False if False in inner else inner
+    if is_ghost(v) or not isinstance(v, Node):
+        return False
+    return "node"
+
+
+class _NotReusable(Exception):
+    """A call's backward that expanding at another call could not reproduce."""
+
+
+def _one(refs: list[tuple] | None) -> tuple:
+    """The one way a value is found at another call (:class:`_NotReusable`: none, or
+    several)."""
+    if not refs or len(set(refs)) != 1:
+        raise _NotReusable
+    return refs[0]
+
+
+def _appended(tail: Node) -> list[Node]:
+    """The nodes after ``tail`` other than placeholders (what a run appended)."""
+    nodes: list[Node] = []
+    n = tail.next
+    while n.op != "root":
+        if n.op != "placeholder":
+            nodes.append(n)
+        n = n.next
+    return nodes
+
+
+def _references(arrived: list[Any], held: list[Any]) -> dict[Node, list[tuple]]:
+    """Per backward value a run found in place, where: ``("in", k, slot)`` the cotangent
+    entry ``k`` arrived with (slot of a multi-output one), ``("prev", i)`` the one external
+    ``i`` held."""
+    refs: dict[Node, list[tuple]] = {}
+    for k, v in enumerate(arrived):
+        for s, x in enumerate(v) if isinstance(v, list) else [(None, v)]:
+            if isinstance(x, Node):
+                refs.setdefault(x, []).append(("in", k, s))
+    for i, v in enumerate(held):
+        if isinstance(v, Node):
+            refs.setdefault(v, []).append(("prev", i))
+    return refs
+
+
+@dataclass(eq=False)
+class TemplateBackward:
+    """The backward of one variant of a template's call, as the rules built it at its first
+    call (``site``).
+
+    Attributes:
+        site: the call site it was built at.
+        entries: that call's JVP-log entries, in the order transposed.
+        nodes: its backward nodes, in order (``call_function`` nodes of that call's backward).
+        inputs: per backward node argument from outside ``nodes``, how to find it at another
+            call: ``("in", k, slot)`` the cotangent entry ``k`` arrived with, ``("prev", i)``
+            the cotangent external ``i`` held before, ``("new", j)`` residual ``j`` of
+            :attr:`residuals` (imported by this call), ``("old", node)`` a residual or
+            coefficient imported before the call (``node``: the linearized graph's).
+        residuals: the linearized graph's values this call imported first, in order (primals
+            become residual placeholders).
+        coefficients: per node of :attr:`nodes` that recomputes a linearized coefficient, that
+            coefficient (so a later import reuses the copy).
+        results: per external (a tangent outside the call it writes a cotangent for: its
+            inputs' and parameters' tangents), the cotangent it holds after the call (an
+            ``inputs``-style reference, ``("node", i)`` for node ``i``), or None (unchanged).
+        reusable: False where expanding could differ from the rules (see the module
+            docstring): the rules run at every call of the variant.
+    """
+
+    site: int
+    entries: list[Any]
+    nodes: list[Node] = field(default_factory=list)
+    inputs: dict[Node, tuple] = field(default_factory=dict)
+    residuals: list[Node] = field(default_factory=list)
+    coefficients: dict[int, Node] = field(default_factory=dict)
+    results: list[tuple | None] = field(default_factory=list)
+    reusable: bool = True
+
+
+class BlockTranspose:
+    """Per call site of ``forward``'s hierarchy, the transpose of its run of the JVP log,
+    built by the rules once per variant and expanded at the other calls.
+
+    Args:
+        forward: the traced forward graph (with :data:`~graphflop.meta.HIERARCHY`).
+        b: the transpose builder (:class:`graphflop.ad.vjp.TransposeBuilder`) of the backward
+            graph being built.
+
+    Attributes:
+        templates: the template backwards built, by variant signature.
+        built, expanded: how many calls the rules transposed and how many were expanded.
+    """
+
+    def __init__(self, forward: GraphModule, b: Any) -> None:
+        self.b = b
+        self.g: Graph = b.graph
+        h: Hierarchy | None = forward.meta.get(HIERARCHY)
+        self.h = h
+        #: forward node name -> (site, template index[, output of a getitem added afterwards])
+        self.tag: dict[str, tuple] = {}
+        #: the inverse
+        self.name: dict[tuple, str] = {}
+        #: call sites whose calls the rules must transpose
+        self.unsafe: set[int] = set()
+        self.templates: dict[tuple, TemplateBackward] = {}
+        self.built = 0
+        self.expanded = 0
+        if h is None:
+            return
+        for n in forward.graph.nodes:
+            t = n.meta.get(CALL_SITE)
+            if t is None:
+                continue
+            parent = n.args[0] if n.target is operator.getitem and n.args else None
+            if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
+                # a getitem tracing added afterwards shares its parent's tag
+                t = (t[0], t[1], n.args[1])
+            self.tag[n.name] = t
+            if t in self.name:  # two nodes copy one template node (a rewritten graph)
+                self.unsafe.add(t[0])
+            self.name[t] = n.name
+            if n.meta.get(CHECKPOINT) is not None:
+                self.unsafe.add(t[0])
+        # module paths: per site, absolute <-> relative
+        self.rel = [{a: r for r, a in s.modules} for s in h.sites]
+        self.abs = [dict(s.modules) for s in h.sites]
+        # one module under two relative paths: a path cannot be mapped back, the rules run
+        self.unsafe.update(i for i, s in enumerate(h.sites) if len(self.rel[i]) != len(s.modules))
+
+    @classmethod
+    def of(cls, forward: GraphModule, b: Any) -> BlockTranspose | None:
+        """The expander for ``forward``, or None when it has no call sites."""
+        if forward.meta.get(HIERARCHY) is None:
+            return None
+        return cls(forward, b)
+
+    # -- runs of the log ---------------------------------------------------------------------
+    def site_of(self, entry: Any) -> int | None:
+        """The call site whose forward node ``entry`` (a linearized tangent node) is the
+        tangent work of; None for ghosts, custom Functions and top-level work."""
+        if not isinstance(entry, Node):
+            return None
+        t = self.tag.get(entry.meta.get(SOURCE, ""))
+        return None if t is None else t[0]
+
+    def run(self, entries: list[Any], i: int) -> int:
+        """The end of the run of entries from ``i`` that belong to one call site (``i`` when
+        ``entries[i]`` belongs to none)."""
+        s = self.site_of(entries[i])
+        if s is None:
+            return i
+        j = i + 1
+        while j < len(entries) and self.site_of(entries[j]) == s:
+            j += 1
+        return j
+
+    def transpose(
+        self,
+        run: list[Node],
+        ct: dict[Any, Any],
+        rules: Callable[[list[Any]], None],
+        state: Callable[[], tuple[int, int]],
+    ) -> None:
+        """Transpose ``run`` (one call site's entries, in the order transposed) into the
+        backward graph, updating the cotangents ``ct``: by expanding its variant's template
+        backward, or by ``rules(run)`` (recording the template backward at a variant's first
+        call). ``state()`` counts the ghosts and gaps recorded so far (a call that adds any
+        is not reused)."""
+        site = self.site_of(run[0])
+        assert site is not None
+        inside = set(run)
+        externals: list[Node] = []
+        seen: set[Node] = set()
+        for e in run:
+            for a in _leaves((e.args, e.kwargs)):
+                if is_ghost(a):
+                    return self._rules(run, rules, None)
+                if (
+                    isinstance(a, Node)
+                    and a.meta.get(KIND) == "tangent"
+                    and a not in inside
+                    and a not in seen
+                ):
+                    seen.add(a)
+                    externals.append(a)
+        incoming = tuple(_state(ct.get(e)) for e in run)
+        prior = tuple(_state(ct.get(x)) for x in externals)
+        if site in self.unsafe or False in incoming or False in prior:
+            return self._rules(run, rules, None)
+        h = self.h
+        assert h is not None
+        key = (
+            h.sites[site].variant,
+            tuple((self.tag[e.meta[SOURCE]][1:], e.target) for e in run),
+            incoming,
+            prior,
+            len(externals),
+        )
+        t = self.templates.get(key)
+        if t is None:
+            t = self.templates[key] = TemplateBackward(site, run)
+            return self._record(t, run, externals, ct, rules, state)
+        if not t.reusable or not self._expand(t, run, externals, ct, site):
+            self._rules(run, rules, None)
+
+    def _rules(self, run: list[Any], rules: Callable[[list[Any]], None], _: Any) -> None:
+        self.built += 1
+        rules(run)
+
+    # -- the first call of a variant: the rules, recorded ---------------------------------------
+    def _record(
+        self,
+        t: TemplateBackward,
+        run: list[Node],
+        externals: list[Node],
+        ct: dict[Any, Any],
+        rules: Callable[[list[Any]], None],
+        state: Callable[[], tuple[int, int]],
+    ) -> None:
+        b, g = self.b, self.g
+        before = state()
+        tail = next(iter(reversed(g.nodes)))
+        n_nodes = len(g.nodes)
+        n_imported = len(b.imported)
+        arrived = [ct.get(e) for e in run]
+        held = [ct.get(x) for x in externals]
+        self._rules(run, rules, None)
+        try:
+            if state() != before or any(e in ct for e in run):
+                raise _NotReusable
+            new_imports = list(
+                itertools.islice(reversed(b.imported.items()), len(b.imported) - n_imported)
+            )[::-1]
+            nodes = _appended(tail)
+            placed = sum(1 for _, gn in new_imports if gn.op == "placeholder")
+            if len(g.nodes) - n_nodes != len(nodes) + placed:  # a node inserted further up
+                raise _NotReusable
+            position = {n: i for i, n in enumerate(nodes)}
+            refs = _references(arrived, held)
+            for ln, gn in new_imports:
+                if gn.op == "placeholder":
+                    refs.setdefault(gn, []).append(("new", len(t.residuals)))
+                    t.residuals.append(ln)
+                elif gn in position:
+                    t.coefficients[position[gn]] = ln
+                else:
+                    raise _NotReusable
+            self._inputs(t, nodes, position, refs)
+            for i, x in enumerate(externals):
+                v = ct.get(x)
+                if v is held[i]:
+                    t.results.append(None)
+                elif v in position:
+                    t.results.append(("node", position[v]))
+                else:
+                    t.results.append(_one(refs.get(v) if isinstance(v, Node) else None))
+        except _NotReusable:
+            t.reusable = False
+            return
+        t.nodes = nodes
+
+    def _inputs(
+        self,
+        t: TemplateBackward,
+        nodes: list[Node],
+        position: dict[Node, int],
+        refs: dict[Node, list[tuple]],
+    ) -> None:
+        """Fill ``t.inputs``: how each argument of ``nodes`` from outside them is found at
+        another call (raises :class:`_NotReusable` where it cannot be)."""
+        imported_as = {gn: ln for ln, gn in self.b.imported.items()}
+        site_rel = self.rel[t.site]
+        for n in nodes:
+            if n.op != "call_function" or n.meta.get(MODULE) not in site_rel:
+                raise _NotReusable
+            src = n.meta.get(SOURCE)
+            if src is not None and self.tag.get(src, (None,))[0] != t.site:
+                raise _NotReusable
+            for a in n.all_input_nodes:
+                if a in position:
+                    continue
+                r = refs.get(a)
+                if r is None and a in imported_as:
+                    r = refs[a] = [("old", imported_as[a])]
+                t.inputs[a] = _one(r)
+
+    # -- another call of the variant: the template backward expanded ----------------------------
+    def _correspondence(self, a: list[Node], b: list[Node], sa: int, sb: int) -> dict | None:
+        """The linearized graph's values at call ``sa`` that ``a``'s entries read, directly or
+        through coefficients and primals of the call, mapped to the same values at call
+        ``sb`` (read at the same places by ``b``'s entries); None where the two differ."""
+        corr: dict[Node, Node] = {}
+        back: dict[Node, Node] = {}
+        stack: list[tuple[Any, Any]] = list(zip(a, b))
+        while stack:
+            x, y = stack.pop()
+            if isinstance(x, Node):
+                if not isinstance(y, Node):
+                    return None
+                prev = corr.get(x)
+                if prev is not None:
+                    if prev is not y:
+                        return None
+                    continue
+                if back.get(y, x) is not x:
+                    return None
+                corr[x] = y
+                back[y] = x
+                ix, iy = self._inside(x, sa), self._inside(y, sb)
+                if ix != iy:
+                    return None
+                if ix:
+                    if x.target != y.target or len(x.args) != len(y.args):
+                        return None
+                    if x.kwargs.keys() != y.kwargs.keys():
+                        return None
+                    stack.extend(zip(x.args, y.args))
+                    stack.extend((x.kwargs[k], y.kwargs[k]) for k in x.kwargs)
+            elif isinstance(x, (list, tuple)):
+                if not isinstance(y, (list, tuple)) or len(x) != len(y):
+                    return None
+                stack.extend(zip(x, y))
+            else:
+                try:
+                    if type(x) is not type(y) or x != y:
+                        return None
+                except Exception:  # an uncomparable constant: do not reuse
+                    return None
+        return corr
+
+    def _inside(self, n: Node, site: int) -> bool:
+        """Whether linearized node ``n`` is work of call ``site`` (a copy of one of its forward
+        nodes, or emitted for one)."""
+        t = n.meta.get(CALL_SITE)
+        if t is None:
+            t = self.tag.get(n.meta.get(SOURCE, ""))
+        return t is not None and t[0] == site and n.op != "placeholder"
+
+    def _same_imports(self, t: TemplateBackward, corr: dict[Node, Node]) -> bool:
+        """Whether the call ``corr`` maps to has imported the same residuals and coefficients
+        before its run as ``t``'s first call had."""
+        imported = self.b.imported
+        for ref in t.inputs.values():
+            if ref[0] == "old" and corr.get(ref[1]) not in imported:
+                return False
+        if any(corr.get(ln) is None for ln in t.residuals):
+            return False
+        for ln in t.coefficients.values():
+            y = corr.get(ln)
+            if y is None or y in imported:
+                return False
+        return True
+
+    def _expand(
+        self,
+        t: TemplateBackward,
+        run: list[Node],
+        externals: list[Node],
+        ct: dict[Any, Any],
+        site: int,
+    ) -> bool:
+        """Copy ``t``'s nodes for call ``site``; False (nothing emitted) where the call's
+        values do not map onto the template backward's."""
+        b = self.b
+        corr = self._correspondence(t.entries, run, t.site, site)
+        if corr is None or not self._same_imports(t, corr):
+            return False
+        arrived = [ct.pop(e, None) for e in run]
+        held = [ct.get(x) for x in externals]
+        residuals = [b._import(corr[ln], "primal") for ln in t.residuals]
+
+        def resolve(ref: tuple) -> Any:
+            kind = ref[0]
+            if kind == "in":
+                v = arrived[ref[1]]
+                return v if ref[2] is None else v[ref[2]]
+            if kind == "prev":
+                return held[ref[1]]
+            if kind == "new":
+                return residuals[ref[1]]
+            if kind == "old":
+                return b.imported[corr[ref[1]]]
+            return made[ref[1]]
+
+        env = {a: resolve(ref) for a, ref in t.inputs.items()}
+        rel, absolute = self.rel[t.site], self.abs[site]
+        made: list[Node] = []
+        for i, n in enumerate(t.nodes):
+            new = emit(
+                self.g,
+                n.target,
+                map_arg(n.args, env.__getitem__),
+                map_arg(n.kwargs, env.__getitem__),
+            )
+            meta = dict(n.meta)
+            meta[MODULE] = absolute[rel[n.meta[MODULE]]]
+            src = n.meta.get(SOURCE)
+            if src is not None:
+                meta[SOURCE] = self.name[(site,) + self.tag[src][1:]]
+            new.meta = meta
+            env[n] = new
+            made.append(new)
+            ln = t.coefficients.get(i)
+            if ln is not None:
+                b.imported[corr[ln]] = new
+        for x, r in zip(externals, t.results):
+            if r is not None:
+                ct[x] = resolve(r)
+        self.expanded += 1
+        return True
+
+
+def transpose_log(
+    forward: GraphModule,
+    b: Any,
+    log: list[Any],
+    ct: dict[Any, Any],
+    rules: Callable[[list[Any]], None],
+    linked: Callable[[Any], bool],
+    state: Callable[[], tuple[int, int]],
+) -> BlockTranspose | None:
+    """Transpose the JVP log's entries ``log`` (in the order transposed) into ``b``'s graph:
+    each call site's run through :meth:`BlockTranspose.transpose`, every other entry (and a
+    run with an entry ``linked`` to ghost terms) by ``rules``. Returns the expander (None for
+    a forward graph without call sites)."""
+    blocks = BlockTranspose.of(forward, b)
+    if blocks is None:
+        rules(log)
+        return None
+    i = 0
+    while i < len(log):
+        j = blocks.run(log, i)
+        if j == i:
+            rules(log[i : i + 1])
+            i += 1
+            continue
+        run = log[i:j]
+        if any(linked(e) for e in run):  # ghost terms to credit: the rules
+            rules(run)
+        else:
+            blocks.transpose(run, ct, rules, state)
+        i = j
+    return blocks
+
+
+def _ref(v: Any, position: dict[Node, int], refs: dict[Any, tuple]) -> Any:
+    """How a call's value ``v`` (a node, a list or tuple of them, or None) is found at
+    another call: a position among the nodes made, an input reference (:class:`_NotReusable`
+    for anything else: a ghost)."""
+    if v is None:
+        return None
+    if isinstance(v, (list, tuple)):
+        return type(v)(_ref(x, position, refs) for x in v)
+    if isinstance(v, Node):
+        if v in position:
+            return position[v]
+        if v in refs:
+            return refs[v]
+    raise _NotReusable
+
+
+@dataclass(eq=False)
+class TemplateJvp:
+    """The JVP nodes of one call of a template (a variant: which of its inputs carry tangents,
+    and of what kind, and which of its nodes' tangents are needed), as the rules built them
+    at its first call (``site``).
+
+    Attributes:
+        site: the call site it was built at.
+        nodes: per node emitted for the call, in order: ``("copy", key, node)`` the copy of
+            the call's forward node ``key`` (template index[, getitem output]; ``node`` the
+            first call's copy) or ``("emit", node)`` a tangent or coefficient node to copy.
+        inputs: per emitted node's argument from outside the call, ``("p", j)`` the primal or
+            ``("t", j)`` the tangent of the call's input ``j``.
+        env, tan: per forward node of the call (by key), its primal copy and tangent: a
+            position in :attr:`nodes`, an ``inputs``-style reference, a list of these, or None.
+        log: positions in :attr:`nodes` of the tangent nodes logged, in order.
+        reusable: False where expanding could differ from the rules.
+    """
+
+    site: int
+    nodes: list[tuple] = field(default_factory=list)
+    inputs: dict[Node, tuple] = field(default_factory=dict)
+    env: dict[tuple, Any] = field(default_factory=dict)
+    tan: dict[tuple, Any] = field(default_factory=dict)
+    log: list[int] = field(default_factory=list)
+    reusable: bool = True
+
+
+class BlockLinearize:
+    """Per call site of ``forward``'s hierarchy, its JVP nodes, built by the rules once per
+    variant and expanded at the other calls (the JVP graph is the same node for node).
+
+    Args:
+        forward: the traced forward graph (with :data:`~graphflop.meta.HIERARCHY`).
+        lin: the linearizer (:class:`graphflop.ad.jvp._Linearizer`) building the JVP graph.
+    """
+
+    def __init__(self, forward: GraphModule, lin: Any) -> None:
+        self.lin = lin
+        h: Hierarchy = forward.meta[HIERARCHY]
+        self.h = h
+        self.key: dict[Node, tuple] = {}
+        self.site_nodes: dict[int, list[Node]] = {}
+        self.unsafe: set[int] = set()
+        at: dict[int, list[int]] = {}
+        seen: set[tuple] = set()
+        for i, n in enumerate(forward.graph.nodes):
+            t = n.meta.get(CALL_SITE)
+            if t is None:
+                continue
+            at.setdefault(t[0], []).append(i)
+            parent = n.args[0] if n.target is operator.getitem and n.args else None
+            k: tuple = (t[1],)
+            if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
+                k = (t[1], n.args[1])
+            if (t[0], k) in seen:  # two nodes copy one template node (a rewritten graph)
+                self.unsafe.add(t[0])
+            seen.add((t[0], k))
+            self.key[n] = k
+            self.site_nodes.setdefault(t[0], []).append(n)
+            if n.meta.get(CHECKPOINT) is not None or n in lin.calls:
+                self.unsafe.add(t[0])
+        # a call whose nodes are not one run of the forward: node by node, in place
+        self.split = {s for s, ix in at.items() if ix[-1] - ix[0] + 1 != len(ix)}
+        self.rel = [{a: r for r, a in s.modules} for s in h.sites]
+        self.abs = [dict(s.modules) for s in h.sites]
+        # one module under two relative paths: a path cannot be mapped back, the rules run
+        self.unsafe.update(i for i, s in enumerate(h.sites) if len(self.rel[i]) != len(s.modules))
+        self.by_key = {s: {self.key[n]: n for n in ns} for s, ns in self.site_nodes.items()}
+        self.templates: dict[tuple, TemplateJvp] = {}
+        self.built = 0
+        self.expanded = 0
+
+    @classmethod
+    def of(cls, forward: GraphModule, lin: Any) -> BlockLinearize | None:
+        """The expander for ``forward``, or None when it has no call sites."""
+        h = forward.meta.get(HIERARCHY)
+        if h is None or h.graph is None:
+            return None
+        return cls(forward, lin)
+
+    def nodes(self, n: Node) -> list[Node] | None:
+        """The forward nodes of the call ``n`` begins (None where ``n`` begins none)."""
+        t = n.meta.get(CALL_SITE)
+        if t is None:
+            return None
+        ns = self.site_nodes.get(t[0])
+        return ns if ns and ns[0] is n and t[0] not in self.split else None
+
+    def _inputs(self, site: int) -> list[Node]:
+        """The call's arguments (the forward nodes its template's placeholders stand for)."""
+        h = self.h
+        tnodes = list(h.templates[h.sites[site].template].nodes)
+        phs = {t: i for i, t in enumerate(t for t in tnodes if t.op == "placeholder")}
+        args: dict[int, Node] = {}
+        inside = set(self.site_nodes[site])
+        for n in self.site_nodes[site]:
+            if len(self.key[n]) > 1:
+                continue
+            for a, ta in zip(n.all_input_nodes, tnodes[self.key[n][0]].all_input_nodes):
+                if a not in inside and ta in phs:
+                    args.setdefault(phs[ta], a)
+        return [args[j] for j in sorted(args)] if len(args) == len(phs) else []
+
+    def _arg_state(self, site: int, a: Node) -> Any:
+        """A call input's tangent as a signature: what the rules read of it."""
+        t = self.lin.tan.get(a)
+        if t is None:
+            return None
+        if not isinstance(t, Node):
+            return False  # a ghost or a multi-output tangent: the rules
+        m = t.meta
+        where = self.rel[site].get(m.get(MODULE, ""), "outside")
+        return (t.op == "placeholder", m.get(PARAM_DERIVED), m.get(ROLE), m.get(KIND), where)
+
+    def linearize(self, site: int, needed: set[Node], rules: Callable[[Node], None]) -> None:
+        """Emit the JVP nodes of call ``site``'s forward nodes: its variant's template JVP
+        expanded, or ``rules(n)`` per node (recording the template JVP at a variant's first
+        call)."""
+        ns = self.site_nodes[site]
+        args = self._inputs(site)
+        states = tuple(self._arg_state(site, a) for a in args)
+        if site in self.unsafe or not args or False in states or len(set(args)) != len(args):
+            return self._rules(ns, rules)
+        key = (self.h.sites[site].variant, states, tuple(n in needed for n in ns))
+        t = self.templates.get(key)
+        if t is None:
+            t = self.templates[key] = TemplateJvp(site)
+            return self._record(t, ns, args, rules)
+        if not t.reusable:
+            return self._rules(ns, rules)
+        self._expand(t, site, args)
+
+    def _rules(self, ns: list[Node], rules: Callable[[Node], None]) -> None:
+        self.built += 1
+        for n in ns:
+            rules(n)
+
+    def _state(self) -> tuple[int, ...]:
+        lin = self.lin
+        return (len(lin.ghosts), len(lin.gaps), len(lin.b.ghost_links), len(lin.opaque))
+
+    def _record(
+        self, t: TemplateJvp, ns: list[Node], args: list[Node], rules: Callable[[Node], None]
+    ) -> None:
+        lin = self.lin
+        g: Graph = lin.graph
+        before = self._state()
+        tail = next(iter(reversed(g.nodes)))
+        n_nodes = len(g.nodes)
+        n_log = len(lin.b.log)
+        self._rules(ns, rules)
+        try:
+            made = _appended(tail)
+            if self._state() != before or len(g.nodes) - n_nodes != len(made):
+                raise _NotReusable
+            self._fill(t, ns, args, made, n_log)
+        except _NotReusable:
+            t.reusable = False
+
+    def _input_refs(self, args: list[Node]) -> dict[Any, tuple]:
+        """Per JVP value of the call's inputs, ``("p", j)`` (input ``j``'s primal copy) or
+        ``("t", j)`` (its tangent); :class:`_NotReusable` where one value is two of these."""
+        lin = self.lin
+        refs: dict[Any, tuple] = {}
+        for j, a in enumerate(args):
+            for kind, v in (("p", lin.env.get(a)), ("t", lin.tan.get(a))):
+                if isinstance(v, Node):
+                    if v in refs:
+                        raise _NotReusable
+                    refs[v] = (kind, j)
+        return refs
+
+    def _fill(
+        self, t: TemplateJvp, ns: list[Node], args: list[Node], made: list[Node], n_log: int
+    ) -> None:
+        """Record in ``t`` the nodes ``made`` for call ``t.site`` (raises
+        :class:`_NotReusable` where another call could not reuse them)."""
+        lin = self.lin
+        position = {n: i for i, n in enumerate(made)}
+        refs = self._input_refs(args)
+        copies = {lin.env[n]: self.key[n] for n in ns if n in lin.env}
+        site_rel = self.rel[t.site]
+        names = {n.name for n in ns}
+        for n in made:
+            if n in copies:
+                t.nodes.append(("copy", copies[n], n))
+                continue
+            if n.meta.get(MODULE) not in site_rel or n.meta.get(SOURCE) not in names:
+                raise _NotReusable
+            t.nodes.append(("emit", n))
+            for a in n.all_input_nodes:
+                if a not in position:
+                    t.inputs[a] = _one([refs[a]] if a in refs else None)
+
+        for n in ns:
+            k = self.key[n]
+            t.env[k] = _ref(lin.env.get(n), position, refs)
+            t.tan[k] = _ref(lin.tan.get(n), position, refs)
+        for e in lin.b.log[n_log:]:
+            if e not in position:
+                raise _NotReusable
+            t.log.append(position[e])
+
+    def _expand(self, t: TemplateJvp, site: int, args: list[Node]) -> None:
+        lin = self.lin
+        g: Graph = lin.graph
+        env: dict[Node, Any] = {}
+        for a, (kind, j) in t.inputs.items():
+            env[a] = lin.env[args[j]] if kind == "p" else lin.tan[args[j]]
+        own = self.by_key[site]
+        rel, absolute = self.rel[t.site], self.abs[site]
+        made: list[Node] = []
+        fwd_env = lin.env
+        for kind, x, *first in t.nodes:
+            if kind == "copy":
+                new = copy_node(g, own[x], fwd_env.__getitem__)
+                fwd_env[own[x]] = new
+                env[first[0]] = new
+            else:
+                new = emit(
+                    g,
+                    x.target,
+                    map_arg(x.args, env.__getitem__),
+                    map_arg(x.kwargs, env.__getitem__),
+                )
+                meta = dict(x.meta)
+                meta[MODULE] = absolute[rel[x.meta[MODULE]]]
+                src = x.meta.get(SOURCE)
+                if src is not None:
+                    meta[SOURCE] = self._source(t.site, site, src)
+                new.meta = meta
+                env[x] = new
+            made.append(new)
+
+        def value(r: Any) -> Any:
+            if r is None:
+                return None
+            if isinstance(r, int):
+                return made[r]
+            if isinstance(r, list):
+                return [value(x) for x in r]
+            if isinstance(r, tuple) and r and isinstance(r[0], str):
+                return lin.env[args[r[1]]] if r[0] == "p" else lin.tan[args[r[1]]]
+            return tuple(value(x) for x in r)
+
+        for k, n in own.items():
+            e, tv = t.env.get(k), t.tan.get(k)
+            if e is not None:
+                fwd_env[n] = value(e)
+            if tv is not None:
+                lin.tan[n] = value(tv)
+        lin.b.log.extend(made[i] for i in t.log)
+        self.expanded += 1
+
+    def _source(self, a: int, b: int, name: str) -> str:
+        """The name at call ``b`` of call ``a``'s forward node ``name``."""
+        names = self.__dict__.setdefault("_names", {})
+        if a not in names:
+            names[a] = {n.name: k for k, n in self.by_key[a].items()}
+        return self.by_key[b][names[a][name]].name
