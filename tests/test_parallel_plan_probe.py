@@ -15,7 +15,7 @@ gathered parameters, flat gradients and reduce-scatter buffers at the points its
 and frees them; for pipelines that schedule replayed per stage and micro-batch in the
 pipeline's order. It is asserted within 2 % except for TP + SP (−1.97 %, and 1 rank record in
 12 read 16,384 B more: the head's gathered logits freed unseen by the probe, so the check
-would fail now and then) and FSDP × TP (docs/parallel.md gives the gaps term by term).
+would fail now and then; docs/parallel.md gives the gap term by term).
 """
 
 from __future__ import annotations
@@ -106,7 +106,17 @@ def test_plan_equals_engine(mode):
     model, a = _analysis(rows)
     plan = Plan(**kw)
     report = predict(a, model, plan, micro_batch=rows)
-    peak_checked = ("ddp", "zero1", "zero2", "zero3", "tp", "pp_gpipe", "pp_1f1b", "pp_interleaved")
+    peak_checked = (
+        "ddp",
+        "zero1",
+        "zero2",
+        "zero3",
+        "tp",
+        "pp_gpipe",
+        "pp_1f1b",
+        "pp_interleaved",
+        "fsdp_tp",
+    )
     _check(report, _logged(mode, plan.world), mode in peak_checked)
 
 
