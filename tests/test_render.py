@@ -18,7 +18,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, analysis
+from torch import nn
 
 import graphflop.export.graphviz as gv
 from graphflop.analysis import analyze
@@ -798,3 +800,34 @@ def test_module_folds_come_from_the_hierarchy():
     finally:
         a.forward.meta[HIERARCHY] = h
     assert len(by_ops) == 8 and ("layers.0.attention.k_proj", "layers.0.attention.v_proj") in by_ops
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.l2(torch.relu(self.l1(x)))
+
+
+class _Stack(nn.Module):
+    """Four identical blocks reading the model's input directly: the first block's input
+    needs no gradient, so its backward differs from the others'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[_Block() for _ in range(4)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def test_fold_splits_only_on_figures_the_picture_shows():
+    """A forward picture folds all four blocks (their forward FLOPs are equal); a train
+    picture draws the first apart, whose input gradient is not computed (3 folded)."""
+    a = analyze(_Stack(), (torch.randn(2, 8),))
+    fwd = [f.count for f in module_scene(a, "forward", {}).folds()]
+    train = [f.count for f in module_scene(a, "train", {}).folds()]
+    assert fwd == [4] and train == [3]

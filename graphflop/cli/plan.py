@@ -309,6 +309,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
 def _print(report, show_collectives: bool) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     from graphflop.export.report import human
 
@@ -320,7 +321,7 @@ def _print(report, show_collectives: bool) -> None:
         f"{plan.micro_batches} micro-batches of {report.micro_batch} (global batch "
         f"{report.global_batch})"
     )
-    t = Table(title=title)
+    t = Table(title=Text(title))  # a Text: no markup or emoji codes read in model names
     for col in (
         "ranks",
         "fwd FLOPs",

@@ -97,6 +97,11 @@ class Plan:
             raise PlanError(f"unknown --zero {self.zero!r}: one of 0, 1, 2, 3")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"unknown --schedule {self.schedule!r}: one of {', '.join(SCHEDULES)}")
+        if self.pp == 1 and self.schedule != "1f1b":
+            raise PlanError(
+                f"--schedule {self.schedule} orders pipeline stages: give --pp 2 or more, or "
+                "drop --schedule"
+            )
         if self.sp and self.tp < 2:
             raise PlanError("--sp shards the sequence over the TP group: give --tp 2 or more")
         if self.pp > 1 and self.schedule == "1f1b" and self.micro_batches < self.pp:

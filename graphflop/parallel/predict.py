@@ -202,6 +202,32 @@ def find_blocks(model: nn.Module) -> list[str]:
     return best
 
 
+def _check_block_order(fwd: GraphModule, blocks: list[str]) -> None:
+    """Refuse a forward graph whose blocks do not run once each, in order (a block called
+    again after a later one): pipeline stages hand each micro-batch on in one direction.
+
+    Raises:
+        PlanError: naming the block that runs again and the block it runs after.
+    """
+    index = {b: i for i, b in enumerate(blocks)}
+    last = -1
+    for n in fwd.graph.nodes:
+        path = n.meta.get(MODULE) or ""
+        parts = path.split(".")
+        i = next(
+            (index[p] for k in range(len(parts), 0, -1) if (p := ".".join(parts[:k])) in index),
+            None,
+        )
+        if i is None:
+            continue
+        if i < last:
+            raise PlanError(
+                f"block {blocks[i]} runs again after {blocks[last]}: pipeline stages need each "
+                "block to run once, in order; drop --pp"
+            )
+        last = i
+
+
 def _split_blocks(blocks: list[str], stages: int) -> list[list[str]]:
     """``blocks`` cut into ``stages`` runs by count, the first runs taking the remainder."""
     q, r = divmod(len(blocks), stages)
@@ -300,6 +326,20 @@ def predict(  # noqa: C901
                 f"of {q}, which the TP plan shards (hidden, heads or vocabulary): choose a --tp "
                 "that divides it"
             )
+    if plan.tp > 1:
+        whole = [
+            q
+            for ph, q in sig.params
+            if pplace[q].kind != "S" and len(phs[ph].meta["val"].shape) >= 2
+        ]
+        if whole:
+            shown = ", ".join(whole[:4]) + (f" and {len(whole) - 4} more" if len(whole) > 4 else "")
+            notes.append(
+                f"{len(whole)} matrix parameter(s) that no column- or row-wise module of the TP "
+                f"plan holds stay whole on every TP rank, their products unsharded: {shown} "
+                "(a fused projection such as nn.MultiheadAttention's in_proj_weight; give a "
+                "--tp-plan file to shard them)"
+            )
     layouts = boundary_layouts(tp_plan, plan.sp)
     vocab = frozenset(e for e in embeddings if pplace.get(f"{e}.weight", REPLICATE).kind == "S")
     f_init = {ph: pplace[q] for ph, q in sig.params}
@@ -345,11 +385,18 @@ def predict(  # noqa: C901
     # pipeline stages ---------------------------------------------------------------------
     blocks = find_blocks(model)
     vstages = plan.virtual_stages
+    if plan.pp > 1 and not blocks:
+        raise PlanError(
+            "the model has no repeated blocks to split into pipeline stages (no ModuleList or "
+            "Sequential of one block class): drop --pp"
+        )
     if plan.pp > 1 and vstages > len(blocks):
         raise PlanError(
             f"{vstages} pipeline stages ({plan.pp} × {plan.chunks} chunks) but the model has "
             f"{len(blocks)} blocks: use at most {len(blocks)} stages"
         )
+    if plan.pp > 1:
+        _check_block_order(fwd, blocks)
     runs = _split_blocks(blocks, vstages) if plan.pp > 1 else [blocks]
     block_stage = {b: v for v, run in enumerate(runs) for b in run}
     weight_of_block = {b: 1 for b in blocks}

@@ -21,7 +21,7 @@ Reads: the report's layer rows (:func:`.facts.layer_rows`) and, through :mod:`.f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 from graphflop.export.graphviz import captions, facts, structure
@@ -230,11 +230,12 @@ class _ModuleScene:
         ]
 
     def _folds(self) -> list[Folded]:
-        """The folds of the forward graph, split where members' FLOPs differ (saved bytes may:
-        the last block's output is often not kept)."""
+        """The folds of the forward graph, split where the figures this picture shows differ
+        between members (saved bytes may: the last block's output is often not kept; so may
+        the first block's input gradient, which a forward picture does not show)."""
         out = []
         for f in structure.folds(self.a.forward):
-            figs = [replace(g, saved=0) for g in self._member_figures(f)]
+            figs = [self._shown(g) for g in self._member_figures(f)]
             i = 0
             while i < f.count:
                 j = i + 1
@@ -244,6 +245,15 @@ class _ModuleScene:
                     out.append(Folded(f.members[i:j]))
                 i = j
         return out
+
+    def _shown(self, g: Figures) -> tuple[int, ...]:
+        """The FLOPs of ``g`` this picture's fold table and boxes show."""
+        return (
+            g.forward,
+            *((g.grad_input, g.grad_weight) if self.show_b else ()),
+            *((g.update,) if self.show_u else ()),
+            *((g.jvp,) if self.show_j else ()),
+        )
 
     def _rep(self, u: Unit) -> Unit:
         """The drawn box standing for ``u``: its twin in its fold's template, else itself."""
