@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 from graphflop.analysis import analyze
 from graphflop.cli import main
@@ -161,6 +162,8 @@ def test_plan_refuses(kw):
         (["--dp", "2", "--world", "3"], "not --world 3"),
         (["--pp", "2", "--micro-batches", "1"], "needs at least 2 micro-batches"),
         (["--schedule", "zigzag"], "unknown --schedule"),
+        (["--schedule", "gpipe"], "give --pp 2 or more"),
+        (["--pp", "2", "--blocks", "nope=4"], "--blocks nope=4: cannot construct"),
     ],
 )
 def test_cli_bad_input_one_line(capsys, tmp_path, extra, says):
@@ -318,3 +321,56 @@ def test_render_stage_dot(tmp_path, capsys):
     text = out.read_text()
     assert "h.0.attn" in text and "h.1.mlp" in text
     assert "reduce_scatter ×1" in text and "all_gather ×1" in text
+
+
+class _Twice(torch.nn.Module):
+    """Blocks a.0, a.1 run, then a.0 again: no pipeline can hand that on in one direction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x):
+        for m in (*self.a, self.a[0]):
+            x = torch.relu(m(x))
+        return x
+
+
+class _NoBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [
+        (_Twice, "block a.0 runs again after a.1"),
+        (_NoBlocks, "no repeated blocks to split into pipeline stages"),
+    ],
+)
+def test_pipeline_refuses_models_it_cannot_split(model, says):
+    m = model()
+    a = analyze(m, (torch.randn(2, 4),), jvp=False)
+    with pytest.raises(PlanError, match=says):
+        predict(a, m, Plan(pp=2, micro_batches=2), micro_batch=2)
+
+
+def test_matrix_parameters_the_tp_plan_leaves_whole_are_noted():
+    """nn.TransformerEncoderLayer's attention holds q, k, v in one fused in_proj_weight
+    (and its out_proj is the only Linear of its parent): the default plan shards neither and
+    says so, naming them."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(
+        8, 2, dim_feedforward=16, dropout=0.0, batch_first=True
+    )
+    m = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    a = analyze(m, (torch.randn(2, 3, 8),), jvp=False)
+    rep = predict(a, m, Plan(tp=2), micro_batch=2)
+    note = next(n for n in rep.notes if "matrix parameter" in n)
+    assert note.startswith("2 matrix parameter(s)")
+    assert "layers.0.self_attn.in_proj_weight" in note
+    assert "layers.0.self_attn.out_proj.weight" in note and "linear1" not in note

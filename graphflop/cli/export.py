@@ -56,7 +56,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--residuals",
         action="store_true",
         help="forward.onnx also outputs the values backward.onnx reads (saved.<node>), so "
-        "forward then backward on ONNX Runtime give the train step's gradients",
+        "forward then backward on ONNX Runtime give the train step's gradients; a backward "
+        "input named saved.<name> that forward.onnx does not output (a parameter such as "
+        "saved.h.0.ln_1.weight, saved.input_0) is forward.onnx's input <name>",
     )
     return p
 

@@ -220,6 +220,7 @@ def _device_memory(args: argparse.Namespace) -> tuple[int | None, str | None]:
 def run(args: argparse.Namespace, err: Console) -> int:
     """Analyse one micro-batch, put it on the plan, print the table and write ``--json``."""
     from graphflop.analysis import AnalyzeOptions
+    from graphflop.load import SpecError
     from graphflop.parallel import PlanError, predict
 
     plan = _plan_from_args(args)
@@ -269,7 +270,19 @@ def run(args: argparse.Namespace, err: Console) -> int:
         args.arg = [*(args.arg or []), f"{name}={stages}"]
         q, r = divmod(total, stages)
         block_counts = tuple(q + (v < r) for v in range(stages))
-    loaded, inputs = load_model(args)
+    try:
+        loaded, inputs = load_model(args)
+    except SpecError as e:
+        if block_counts is None or f"--arg {name}=" not in str(e):
+            raise
+        # the argument is --blocks', not the user's --arg
+        raise PlanError(
+            f"--blocks {args.blocks}: "
+            + str(e).replace(
+                f"with --arg {name}={stages}",
+                f"with {name}={stages} (--blocks builds one block per pipeline stage)",
+            )
+        ) from e
     check_backward_possible(args, loaded, inputs, why="plan")
     micro = int(inputs[0].shape[0]) if inputs and getattr(inputs[0], "ndim", 0) else 1
     options = AnalyzeOptions(
