@@ -123,13 +123,25 @@ def test_zero1_state_sharded(tiny):
 def test_pipeline_sends_and_bubble(tiny):
     rep = _plan(tiny, pp=2, micro_batches=2)
     first, last = rep.ranks
-    # the residual stream (2, 4, 8) = 64 elements crosses once per micro-batch each way
+    # the residual stream (2, 4, 8) = 64 elements crosses once per micro-batch each way; the
+    # tied token embedding (16 × 8 = 128), read by the first stage's embedding and the last
+    # stage's head, has its gradient all-reduced between them once per step
+    tied = ("all_reduce", 2, 128, "float32", "backward")
     assert _keys(first, "pp") == Counter(
-        {("send", 2, 64, "float32", "forward"): 2, ("recv", 2, 64, "float32", "backward"): 2}
+        {
+            ("send", 2, 64, "float32", "forward"): 2,
+            ("recv", 2, 64, "float32", "backward"): 2,
+            tied: 1,
+        }
     )
     assert _keys(last, "pp") == Counter(
-        {("recv", 2, 64, "float32", "forward"): 2, ("send", 2, 64, "float32", "backward"): 2}
+        {
+            ("recv", 2, 64, "float32", "forward"): 2,
+            ("send", 2, 64, "float32", "backward"): 2,
+            tied: 1,
+        }
     )
+    assert any("wte.weight (stages [0, 1])" in n for n in rep.notes)
     # 1F1B, p = 2, m = 2: (p - 1) / (m + p - 1) = 1/3; stage 0 holds 2 micro-batches, 1 the last
     assert rep.bubble == pytest.approx(1 / 3)
     assert (first.in_flight, last.in_flight) == (2, 1)

@@ -625,6 +625,30 @@ def predict(  # noqa: C901
             per_stage_coll[s].extend([coll_] * (m * weight.get(coll_.at, 1)))
     if plan.pp > 1:
         _pipeline_sends(fwd, fp, f_stage, plan, per_stage_coll)
+        # a parameter read on several stages (tied input and output embeddings): each holds a
+        # copy, and its gradients are summed between them once per step after the backward
+        tied = [q for ph, q in sig.params if q in trainable and len(p_stages[q]) > 1]
+        for q in tied:
+            for st in p_stages[q]:
+                per_stage_coll[st].append(
+                    Collective(
+                        "all_reduce",
+                        "pp",
+                        len(p_stages[q]),
+                        local_numel(q),
+                        dtype_of[q],
+                        "backward",
+                        q,
+                    )
+                )
+        if tied:
+            notes.append(
+                "read on more than one pipeline stage, each stage holding a copy: "
+                + ", ".join(f"{q} (stages {sorted(p_stages[q])})" for q in tied)
+                + "; their gradients are all-reduced between those stages after the backward, "
+                "as Megatron does for tied embeddings (torch.distributed.pipelining leaves the "
+                "copies apart: synchronise them yourself)"
+            )
 
     ranks = []
     upd = rep.totals.update
