@@ -188,7 +188,11 @@ def _stub_export_graph(gm, kind, inputs, outputs):
     return ExportedGraph(kind, helper.make_model(g), list(inputs), list(outputs), [])
 
 
-@pytest.mark.parametrize("command", list(COMMANDS))
+# export analyses every example in full (about 35 s of the default suite's 5 minutes): slow
+@pytest.mark.parametrize(
+    "command",
+    [pytest.param(c, marks=pytest.mark.slow) if c == "export" else c for c in COMMANDS],
+)
 def test_fuzz_subcommand(command, capsys, monkeypatch):
     if command == "export" and not EXAMPLES:
         import graphflop.export.onnx

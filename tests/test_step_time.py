@@ -14,7 +14,7 @@ from torch import nn
 
 from graphflop.analysis import analyze
 from graphflop.devices import NoPeak, UnknownDevice, device_spec
-from graphflop.meta import COMPOSITE, TIME
+from graphflop.meta import COMPOSITE, COST, SOURCE, TIME
 from graphflop.passes.time_profile import (
     ProfileError,
     RateCurve,
@@ -359,7 +359,7 @@ def test_a_backward_convolution_takes_the_conv_backward_rate():
     assert bwd  # the weight gradient (the input needs none)
     for n in bwd:
         assert _mm_class(n)[0] == "conv_backward"
-        flops = n.meta["gf_cost"].mm_flops
+        flops = n.meta[COST].mm_flops
         assert n.meta[TIME].compute_s == pytest.approx(flops / 1e9)
     # a profile without conv_backward times them at the conv rate
     plain = _profile()
@@ -400,12 +400,12 @@ def test_a_convolution_backward_is_one_eager_kernel():
     )
     a = analyze(model, torch.empty(2, 3, 8, 8, device="meta"), jvp=False, time_profile=p)
     second = [n for n in a.forward.graph.nodes if n.target == torch.ops.aten.convolution.default][1]
-    nodes = [n for n in a.backward.graph.nodes if n.meta.get("gf_source") == second.name]
+    nodes = [n for n in a.backward.graph.nodes if n.meta.get(SOURCE) == second.name]
     assert len({n.meta[TIME].kernel_id for n in nodes if TIME in n.meta}) == 1
     # input gradient and weight gradient, 2·(2·8·8·8)·(8·3·3) = 147456 FLOPs each, and the
     # bias gradient's sum over 2·8·8 pixels of 8 channels (2·8·8·8 = 1024 elements, 1 FLOP
     # each): 2·147456 + 1024 FLOPs at 1e9 FLOP/s, one launch (0 s here)
-    flops = sum(n.meta["gf_cost"].flops for n in nodes)
+    flops = sum(n.meta[COST].flops for n in nodes)
     assert flops == 2 * 147456 + 1024
     assert sum(n.meta[TIME].compute_s for n in nodes) == pytest.approx(flops / 1e9)
     ops = {(o.phase, o.op): o for o in a.report.time.ops}

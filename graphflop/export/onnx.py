@@ -568,7 +568,8 @@ def _fold(ex: ExportedGraph, gm: GraphModule, forward: GraphModule | None) -> di
     from graphflop.export.onnx_functions import fold_blocks
 
     sites = block_sites(gm, forward)
-    site_of = [sites.get(row["graphflop_node"] or "") for row in ex.manifest]
+    by_onnx = {row["onnx_node"]: sites.get(row["graphflop_node"] or "") for row in ex.manifest}
+    site_of = [by_onnx.get(n.name) for n in ex.model.graph.node]
     report = fold_blocks(ex.model, site_of)
     for row in ex.manifest:
         call = report.folded.get(row["onnx_node"])
