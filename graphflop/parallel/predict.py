@@ -327,15 +327,17 @@ def predict(  # noqa: C901
                 "that divides it"
             )
     if plan.tp > 1:
-        whole = [
+        unsharded = [
             q
             for ph, q in sig.params
             if pplace[q].kind != "S" and len(phs[ph].meta["val"].shape) >= 2
         ]
-        if whole:
-            shown = ", ".join(whole[:4]) + (f" and {len(whole) - 4} more" if len(whole) > 4 else "")
+        if unsharded:
+            shown = ", ".join(unsharded[:4]) + (
+                f" and {len(unsharded) - 4} more" if len(unsharded) > 4 else ""
+            )
             notes.append(
-                f"{len(whole)} matrix parameter(s) that no column- or row-wise module of the TP "
+                f"{len(unsharded)} matrix parameter(s) that no column- or row-wise module of the TP "
                 f"plan holds stay whole on every TP rank, their products unsharded: {shown} "
                 "(a fused projection such as nn.MultiheadAttention's in_proj_weight; give a "
                 "--tp-plan file to shard them)"
