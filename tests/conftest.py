@@ -99,3 +99,32 @@ class ConvBnDropPool(nn.Sequential):
             nn.Flatten(),
             nn.Linear(8 * 7 * 7, 10),
         )
+
+
+def node_rows(gm, extra=lambda n: ()) -> list[tuple]:
+    """Every node of ``gm`` by op, target, arguments (nodes by position), output shape, strides
+    and dtype, plus ``extra(node)``'s fields: two graphs built two ways compare equal node for
+    node with what the passes read."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def arg(a):
+        if isinstance(a, torch.fx.Node):
+            return ("node", pos[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(b) for b in a)
+        return a
+
+    def val(v):
+        return (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else None
+
+    return [
+        (
+            n.op,
+            str(n.target),
+            arg(n.args),
+            arg(tuple(sorted(n.kwargs.items()))),
+            val(n.meta.get("val")),
+            *extra(n),
+        )
+        for n in gm.graph.nodes
+    ]

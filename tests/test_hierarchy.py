@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import spec
+from conftest import node_rows, spec
 from torch import nn
 
 from graphflop.ad.jvp import build_jvp
@@ -52,31 +52,8 @@ def _flat_report(a):
 
 
 def _nodes(gm):
-    """Every node by op, arguments (nodes by position), output shape and strides and module
-    path."""
-    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-
-    def arg(a):
-        if isinstance(a, torch.fx.Node):
-            return ("node", pos[a])
-        if isinstance(a, (list, tuple)):
-            return tuple(arg(b) for b in a)
-        return a
-
-    def val(v):
-        return (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else None
-
-    return [
-        (
-            n.op,
-            str(n.target),
-            arg(n.args),
-            arg(tuple(sorted(n.kwargs.items()))),
-            val(n.meta.get("val")),
-            n.meta.get(MODULE) if n.op == "call_function" else None,
-        )
-        for n in gm.graph.nodes
-    ]
+    """Every node as :func:`conftest.node_rows` has it, with its module path (a call's)."""
+    return node_rows(gm, lambda n: (n.meta.get(MODULE) if n.op == "call_function" else None,))
 
 
 def _derivative_nodes(gm):

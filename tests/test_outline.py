@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import node_rows
 from torch import nn
 
 from graphflop.frontend import outline as repeats
@@ -26,32 +27,9 @@ def _gpt2(**kwargs):
 
 
 def _ops(gm):
-    """Every node by op, arguments (nodes by position), output shape and strides, module path
-    and parameter-derivedness: what the passes read."""
-    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-
-    def arg(a):
-        if isinstance(a, torch.fx.Node):
-            return ("node", pos[a])
-        if isinstance(a, (list, tuple)):
-            return tuple(arg(b) for b in a)
-        return a
-
-    def val(v):
-        return (tuple(v.shape), v.stride()) if isinstance(v, torch.Tensor) else None
-
-    return [
-        (
-            n.op,
-            str(n.target),
-            arg(n.args),
-            arg(tuple(sorted(n.kwargs.items()))),
-            val(n.meta.get("val")),
-            n.meta.get(MODULE),
-            n.meta.get(PARAM_DERIVED),
-        )
-        for n in gm.graph.nodes
-    ]
+    """Every node as :func:`conftest.node_rows` has it, with its module path and
+    parameter-derivedness: what the passes read."""
+    return node_rows(gm, lambda n: (n.meta.get(MODULE), n.meta.get(PARAM_DERIVED)))
 
 
 def _run(gm, params: dict, buffers: dict, *args):
