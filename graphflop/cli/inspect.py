@@ -151,7 +151,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="draw live bytes (MiB) against step over the training step (forward, backward, "
         "update; the forward alone without a backward) and the JVP, in the memory model of "
         "this run (--memory-model eager or graph, --memory-device, --keep-grads; with eager, "
-        "--checkpoint and --amp peaks as dashed lines), each peak marked with the largest tensors live at "
+        "--checkpoint, --amp and --recompute peaks as dashed lines), each peak marked with the largest tensors live at "
         "it; the curve's maximum is the reported train/jvp peak. FILE ends in .png, .svg or "
         ".pdf",
     )

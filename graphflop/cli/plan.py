@@ -7,6 +7,7 @@ import argparse
 
 from rich.console import Console
 
+from graphflop.analysis import AMP_DTYPES, RECOMPUTE_POLICIES
 from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
@@ -108,12 +109,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="what-if: activation checkpointing of the modules whose path matches (glob, or "
         "re:REGEX): saved bytes and recompute FLOPs per stage",
     )
-    p.add_argument(
-        "--amp", choices=["bf16", "fp16"], help="what-if: autocast's saved bytes per stage"
-    )
+    p.add_argument("--amp", choices=AMP_DTYPES, help="what-if: autocast's saved bytes per stage")
     p.add_argument(
         "--recompute",
-        choices=["attention"],
+        choices=RECOMPUTE_POLICIES,
         help="what-if: selective activation recomputation (Korthikanti et al. 2022): each "
         "attention core found in the graph (the score product q·kᵀ through the product with v) "
         "rerun in the backward, only its inputs saved; activations and recompute FLOPs per "
