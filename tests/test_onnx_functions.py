@@ -75,6 +75,9 @@ def test_each_block_once_and_called_per_block(exported):
         assert len(fns) == (2 if kind == "train_step" else 1), kind
         assert all(len(f["calls"]) == 3 for f in fns.values()), (kind, fns)
         top, bodies = _count(root / "folded" / g["file"])
+        # the manifest's counts (what graphflop export prints) are the file's
+        assert g["functions"]["graph_nodes"] == top
+        assert list(g["functions"]["function_nodes"].values()) == bodies
         n_flat, _ = _count(root / "flat" / g["file"])
         # every flat row is folded into a call or stays in the graph; the graph holds the
         # unfolded rows plus one call per block (Constant nodes the exporter shares are copied

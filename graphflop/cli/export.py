@@ -93,23 +93,22 @@ def run(args: argparse.Namespace, err: Console) -> int:
     out = Path(args.out)  # "onnx/" prints onnx/forward.onnx, not onnx//forward.onnx
     for g in manifest["graphs"].values():
         print(
-            f"{out / g['file']}: {len(g['nodes'])} nodes{_folded(g, out)}, {len(g['inputs'])} "
+            f"{out / g['file']}: {len(g['nodes'])} nodes{_folded(g)}, {len(g['inputs'])} "
             f"inputs, {len(g['outputs'])} outputs"
         )
     print(out / "manifest.json")
     return 0
 
 
-def _folded(g: dict, out: Path) -> str:
+def _folded(g: dict) -> str:
     """`` (N in the file: K in the graph, L in F functions)`` for a graph whose blocks were
-    folded into local functions, else empty."""
-    if not g.get("functions", {}).get("functions"):
+    folded into local functions (the manifest's counts), else empty."""
+    fold = g.get("functions", {})
+    if not fold.get("functions"):
         return ""
-    import onnx
-
-    model = onnx.load(str(out / g["file"]), load_external_data=False)
-    top, inside = len(model.graph.node), sum(len(f.node) for f in model.functions)
+    top, bodies = fold["graph_nodes"], fold["function_nodes"]
+    inside = sum(bodies.values())
     return (
         f" ({top + inside:,} in the file: {top:,} in the graph, {inside:,} in "
-        f"{len(model.functions)} functions)"
+        f"{len(bodies)} functions)"
     )

@@ -482,7 +482,7 @@ def export_all(
         functions: write each repeated block's nodes once, as an ONNX local function called
             per block (:func:`graphflop.export.onnx_functions.fold_blocks`); a graph's entry
             then also has ``functions`` (each function's call nodes, the blocks left inline and
-            why), and each of its ``nodes`` rows folded into a call names it under ``call``.
+            why, the nodes in the folded graph and in each function), and each of its ``nodes`` rows folded into a call names it under ``call``.
             The rows still list every flat node, so their FLOPs still sum to the graph's.
 
     Returns:
@@ -576,7 +576,11 @@ def _fold(ex: ExportedGraph, gm: GraphModule, forward: GraphModule | None) -> di
         if call is not None:
             row["call"] = call
     onnx.checker.check_model(ex.model)
-    return report.to_dict()
+    return {
+        **report.to_dict(),
+        "graph_nodes": len(ex.model.graph.node),
+        "function_nodes": {f.name: len(f.node) for f in ex.model.functions},
+    }
 
 
 def _analysis_graphs(analysis) -> dict[str, GraphModule | None]:

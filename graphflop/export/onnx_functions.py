@@ -156,7 +156,7 @@ def _attrs(n) -> tuple:
     return tuple(sorted(_attr_key(a) for a in n.attribute))
 
 
-def _candidates(nodes, site_of, consts, read_outside, report, min_nodes) -> dict[tuple, list]:
+def _candidates(nodes, site_of, consts, report, min_nodes) -> dict[tuple, list]:
     """The sites that can be folded, grouped by structure; the others into ``report.inline``."""
     producers = {y: i for i, n in enumerate(nodes) for y in n.output if y}
     groups: dict[Any, list[int]] = {}
@@ -247,7 +247,7 @@ def fold_blocks(model, site_of: Sequence[Any], *, min_nodes: int = 2) -> FoldRep
             read_outside.setdefault(x, set()).add(i)
         for x in _subgraph_reads(n):  # a body reads its outer scope by name: keep those names
             read_outside.setdefault(x, set()).add(-1)
-    by_sig = _candidates(nodes, site_of, consts, read_outside, report, min_nodes)
+    by_sig = _candidates(nodes, site_of, consts, report, min_nodes)
 
     functions = []
     replaced: dict[int, Any] = {}  # a site's last node -> its call; its other nodes dropped
@@ -258,9 +258,9 @@ def fold_blocks(model, site_of: Sequence[Any], *, min_nodes: int = 2) -> FoldRep
         out_pos = sorted(
             {
                 pos
-                for site in sites
+                for site, members in ((site, set(site.idx)) for site in sites)
                 for y, pos in site.local.items()
-                if not read_outside.get(y, set()) <= set(site.idx)
+                if not read_outside.get(y, set()) <= members
             }
         )
         functions.append(_function(model, fname, sites[0], nodes, consts, out_pos))
