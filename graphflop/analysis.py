@@ -372,13 +372,13 @@ def _what_ifs(
     if checkpoint is not None:
         from graphflop.passes.checkpoint import checkpoint_memory
 
-        state = mem.params_bytes + (mem.optimizer_state_bytes or 0)
+        state = mem.params_bytes + (mem.buffers_bytes or 0) + (mem.optimizer_state_bytes or 0)
         ck = checkpoint_memory(g.forward, g.backward, checkpoint, device, optimizer, state)
         mem = replace(mem, checkpoint=ck.to_report())
     if amp is not None:
         from graphflop.passes.amp import amp_memory
 
-        state = mem.params_bytes + (mem.optimizer_state_bytes or 0)
+        state = mem.params_bytes + (mem.buffers_bytes or 0) + (mem.optimizer_state_bytes or 0)
         am = amp_memory(g.forward, g.backward, amp, device, optimizer, state)
         mem = replace(mem, amp=am.to_report())
     if recompute is not None:

@@ -246,6 +246,12 @@ class Signature:
     buffer_updates: tuple[tuple[str, str], ...] = field(default=())
     frozen: tuple[str, ...] = field(default=())
 
+    def state(self) -> set[str]:
+        """The placeholder names of ``params`` and ``buffers``: the module's state, which the
+        module holds for its whole life, so a memory schedule counts it as always live (a
+        baseline), never as a tensor freed after its last reader."""
+        return {p for p, _ in self.params} | {b for b, _ in self.buffers}
+
     def trainable(self) -> tuple[tuple[str, str], ...]:
         """The (placeholder name, qualified name) pairs of ``params`` not in ``frozen``."""
         return tuple(p for p in self.params if p[0] not in self.frozen)

@@ -533,12 +533,14 @@ class Memory:
 
     Attributes:
         params_bytes: the parameters.
-        forward_peak_bytes: parameters + the forward's live-tensor peak.
+        forward_peak_bytes: parameters and buffers + the forward's live-tensor peak.
         grads_bytes: the gradients (as many bytes as the parameters).
         optimizer_state_bytes: the optimizer state.
         saved_for_backward_bytes: forward values the backward reads.
-        train_peak_bytes: parameters, gradients and state + the train step's live peak.
-        jvp_peak_bytes: parameters and their tangents + the JVP graph's live peak.
+        train_peak_bytes: parameters, buffers, gradients and state + the train step's live
+            peak.
+        jvp_peak_bytes: parameters, buffers and the parameters' tangents + the JVP graph's
+            live peak.
         memory_model: ``eager`` (what eager PyTorch autograd saves and allocates on
             ``device``) or ``graph`` (graphflop's own graphs in their node order); None in
             reports written before eager memory was modelled (``graph``).
@@ -546,6 +548,9 @@ class Memory:
         describes: figure name -> the execution that figure describes, in words.
         keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``: live from
             the start, the backward accumulating into them) rather than set to None.
+        buffers_bytes: the module's buffers (batch norm's running statistics, masks, rotary
+            tables): held for the module's life like the parameters, so in every peak; None in
+            reports written before buffers were counted (they were then scheduled as inputs).
         compiled: under ``memory_model`` ``compiled``, both AOTAutograd partitions (saved
             bytes, recomputed nodes and their FLOPs, peaks: :class:`CompiledWhatIf`).
         checkpoint: with ``checkpoint=PATTERN``, the checkpointing what-if (saved bytes,
@@ -567,6 +572,7 @@ class Memory:
     device: str | None = None
     describes: dict[str, str] | None = None
     keep_grads: bool | None = None
+    buffers_bytes: int | None = None
     compiled: CompiledWhatIf | None = None
     checkpoint: CheckpointWhatIf | None = None
     amp: AmpWhatIf | None = None

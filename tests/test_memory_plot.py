@@ -56,12 +56,15 @@ def test_timeline_peaks_equal_the_reported_peaks(model: str, setting: str) -> No
     assert train.peak_bytes == max(train.live_bytes) + train.baseline_bytes
     assert train.peak_bytes == mem.train_peak_bytes
     assert jvp.peak_bytes == max(jvp.live_bytes) + jvp.baseline_bytes == mem.jvp_peak_bytes
-    # the baseline: parameters and optimizer state, and the gradients where they live
-    # throughout (graph model, or --keep-grads); JVP: parameters and their tangents
+    # the baseline: parameters, buffers (batch norm's running statistics: 2 × 8 float32 and
+    # an int64 count = 72 B where the model has one) and optimizer state, and the gradients
+    # where they live throughout (graph model, or --keep-grads); JVP: parameters, buffers and
+    # the parameters' tangents
     state = {"sgd": 0, "momentum": 1, "adam": 2}[a.report.optimizer] * mem.params_bytes
     grads = mem.params_bytes if mem.memory_model == "graph" or mem.keep_grads else 0
-    assert train.baseline_bytes == mem.params_bytes + grads + state
-    assert jvp.baseline_bytes == 2 * mem.params_bytes
+    buffers = mem.buffers_bytes or 0
+    assert train.baseline_bytes == mem.params_bytes + buffers + grads + state
+    assert jvp.baseline_bytes == 2 * mem.params_bytes + buffers
     # the phases cover every step in order: forward, backward, update
     assert [p for p, _, _ in train.phases] == ["forward", "backward", "update"]
     assert train.phases[0][1] == 0 and train.phases[-1][2] == len(train.live_bytes)

@@ -116,6 +116,8 @@ def memory_timeline(analysis: Analysis) -> list[Timeline]:
     device = mem.device or "cpu"
     describes = mem.describes or {}
     params = {"parameters": mem.params_bytes}
+    if mem.buffers_bytes:  # held for the module's life, as the parameters are
+        params["buffers"] = mem.buffers_bytes
     out = []
     if analysis.backward is not None and mem.train_peak_bytes is not None:
         base = dict(params)

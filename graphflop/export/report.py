@@ -448,6 +448,8 @@ def _summary_lines(r: Report) -> list[str]:
         f"params {human_bytes(m.params_bytes)}",
         f"forward peak {human_bytes(m.forward_peak_bytes)}",
     ]
+    if m.buffers_bytes:
+        mem.insert(1, f"buffers {human_bytes(m.buffers_bytes)}")
     if r.has_backward:
         lines.append(
             f"backward/forward: [bold]{_r(q.backward_forward)}[/bold] with update, "

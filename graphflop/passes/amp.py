@@ -287,10 +287,10 @@ class _Amp:
         from graphflop.passes.flops import tensor_bytes
 
         sig = self.forward.meta[SIGNATURE]
-        params = {p for p, _ in sig.params}
+        state = sig.state()
         s = Schedule()
         s.add_graph(
-            self.forward, "f", baseline=params, eager=True, sizes=self.sizes, extra=self.eager.extra
+            self.forward, "f", baseline=state, eager=True, sizes=self.sizes, extra=self.eager.extra
         )
         self._insert_casts(s)
         ext: dict[str, str | list[str]] = {}
@@ -386,7 +386,7 @@ def amp_memory(
         amp: ``bf16`` or ``fp16``.
         device: ``cpu`` or ``cuda``.
         optimizer: the optimizer of the train step (its temporaries); None: no train peak.
-        state_bytes: parameters and optimizer state, bytes (float32), added to the peak.
+        state_bytes: parameters, buffers and optimizer state, bytes, added to the peak.
     """
     a = _Amp(forward, backward, amp, device)
     peak = None

@@ -212,7 +212,7 @@ def checkpoint_memory(
 ) -> CheckpointMemory:
     """Saved bytes, recompute FLOPs and (with ``optimizer``) the train peak with the matching
     modules checkpointed (module docstring). ``device``: of the eager model (dropout mask
-    dtype, optimizer temporaries); ``state_bytes``: parameters and optimizer state, added to
+    dtype, optimizer temporaries); ``state_bytes``: parameters, buffers and optimizer state, added to
     the peak.
 
     Raises:
@@ -231,7 +231,7 @@ def checkpoint_memory(
     eager = eager_residuals(forward, backward, device)
     storage, size = forward_storages(forward, eager.sizes)
     sig = forward.meta[SIGNATURE]
-    state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
+    state = sig.state()
     cut = _cut(backward, eager, storage, region, {n.name: n for n in forward.graph.nodes})
     inputs: dict[str, set[str]] = {}
     by_region: dict[str, list[Node]] = {}
@@ -277,16 +277,16 @@ def _train_schedule(forward, backward, eager, storage, size, cut: _Cut, inputs) 
     from graphflop.passes.memory import Step
 
     sig = forward.meta[SIGNATURE]
-    params = {p for p, _ in sig.params}
+    state = sig.state()
     s = Schedule()
-    s.add_graph(forward, "f", baseline=params, eager=True, sizes=eager.sizes)
+    s.add_graph(forward, "f", baseline=state, eager=True, sizes=eager.sizes)
     ext: dict[str, str | list[str]] = {}
     base_b = set()
     for n in backward.graph.nodes:
         if n.op != "placeholder" or n.meta.get(RESIDUAL) is None:
             continue
         src = n.meta.get(SOURCE, n.name)
-        if src in params or n.meta.get(RESIDUAL) == "param_derived":
+        if src in state or n.meta.get(RESIDUAL) == "param_derived":
             base_b.add(n.name)
         elif n.name in cut.dropped:
             r, keys = cut.dropped[n.name]

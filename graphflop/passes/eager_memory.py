@@ -344,7 +344,7 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     (:func:`dual_pairs`). Parameters and tangents are the baseline."""
     sig = jvp.meta[SIGNATURE]
     info = jvp.meta[JVP]
-    base = {p for p, _ in sig.params} | {t for t, _ in info.tangent_inputs}
+    base = sig.state() | {t for t, _ in info.tangent_inputs}
     tmp, _ = kernel_temporaries(jvp, None, device)
     for name, nbytes in (_zero_tangent_convs(jvp, device) | zero_tangent_mms(jvp)).items():
         tmp[name] = tmp.get(name, 0) + nbytes
@@ -526,7 +526,7 @@ def eager_train_schedule(
     accumulates into: each gradient the backward makes lives only while it is added."""
     eager = eager_residuals(forward, backward, device)
     sig = forward.meta[SIGNATURE]
-    params = {p for p, _ in sig.params}
+    state = sig.state()
     fwd_tmp, bwd_tmp = kernel_temporaries(forward, backward, device)
     if keep_grads:  # AccumulateGrad adds each new gradient into .grad in place and frees it
         out = next(n for n in backward.graph.nodes if n.op == "output")
@@ -539,7 +539,7 @@ def eager_train_schedule(
     s.add_graph(
         forward,
         "f",
-        baseline=params,
+        baseline=state,
         eager=True,
         sizes=eager.sizes,
         extra=fwd_tmp,
@@ -550,7 +550,7 @@ def eager_train_schedule(
     for n in backward.graph.nodes:
         if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
             src = n.meta.get(SOURCE, n.name)
-            if src in params or n.meta.get(RESIDUAL) == "param_derived":
+            if src in state or n.meta.get(RESIDUAL) == "param_derived":
                 base_b.add(n.name)
             else:
                 ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]

@@ -258,7 +258,7 @@ class MemoryReport:
 def forward_schedule(forward: GraphModule) -> Schedule:
     sig = forward.meta[SIGNATURE]
     s = Schedule()
-    s.add_graph(forward, "f", baseline={p for p, _ in sig.params}, keep_outputs=True)
+    s.add_graph(forward, "f", baseline=sig.state(), keep_outputs=True)
     return s
 
 
@@ -266,15 +266,15 @@ def train_schedule(
     forward: GraphModule, backward: GraphModule, update: GraphModule | None
 ) -> Schedule:
     sig = forward.meta[SIGNATURE]
-    params = {p for p, _ in sig.params}
+    state = sig.state()
     s = Schedule()
-    s.add_graph(forward, "f", baseline=params)
+    s.add_graph(forward, "f", baseline=state)
     ext: dict[str, str | list[str]] = {}
     base_b = set()
     for n in backward.graph.nodes:
         if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
             src = n.meta.get(SOURCE, n.name)
-            if src in params or n.meta.get(RESIDUAL) == "param_derived":
+            if src in state or n.meta.get(RESIDUAL) == "param_derived":
                 base_b.add(n.name)  # parameters and views of them are always live
             else:
                 ext[n.name] = f"f:{src}"
@@ -288,7 +288,7 @@ def train_schedule(
 def jvp_schedule(jvp: GraphModule) -> Schedule:
     sig = jvp.meta[SIGNATURE]
     info = jvp.meta[JVP]
-    base = {p for p, _ in sig.params} | {t for t, _ in info.tangent_inputs}
+    base = sig.state() | {t for t, _ in info.tangent_inputs}
     s = Schedule()
     s.add_graph(jvp, "j", baseline=base, keep_outputs=True)
     return s
@@ -321,7 +321,7 @@ def forward_storages(
     :meth:`Schedule.add_graph`); parameters and buffers have no key. Used by the
     checkpoint and autocast what-ifs."""
     sig = forward.meta[SIGNATURE]
-    state = {p for p, _ in sig.params} | {b for b, _ in sig.buffers}
+    state = sig.state()
     sched = Schedule()
     sched.add_graph(forward, "f", baseline=state, eager=True, sizes=sizes)
     storage, size = _storage_owners(sched)

@@ -308,6 +308,7 @@ def _activity_gradient(g: Graphs, ag: GraphModule, jvp_complete: bool) -> Activi
 def _memory(
     g: Graphs,
     params_bytes: int,
+    buffers_bytes: int,
     optimizer: str,
     trainable_bytes: int,
     model: str,
@@ -316,19 +317,21 @@ def _memory(
     saved_owners: dict[str, int],
 ) -> Memory:
     """Gradients and optimizer state only for the trainable parameters (``trainable_bytes``);
+    the parameters and buffers (``params_bytes + buffers_bytes``) are live in every peak;
     ``model``: ``eager`` or ``graph`` (:mod:`graphflop.passes.eager_memory`);
     ``saved_owners``: :func:`_saved_owners` (the storages saved for backward)."""
     fpeak, _ = forward_schedule(g.forward).peak()
-    mem: dict[str, Any] = {"forward_peak_bytes": params_bytes + fpeak}
+    resident = params_bytes + buffers_bytes  # the module's state: held for its whole life
+    mem: dict[str, Any] = {"forward_peak_bytes": resident + fpeak}
     if g.backward is not None:
         n_state = len(STATE_KINDS[optimizer])
         if model == "eager":  # gradients are scheduled: they appear as the backward makes them
             sched = eager_train_schedule(g.forward, g.backward, optimizer, device, keep_grads)
             tpeak, _ = sched.peak()
-            train_peak = params_bytes + trainable_bytes * (n_state + keep_grads) + tpeak
+            train_peak = resident + trainable_bytes * (n_state + keep_grads) + tpeak
         else:
             tpeak, _ = train_schedule(g.forward, g.backward, g.update).peak()
-            train_peak = params_bytes + trainable_bytes * (1 + n_state) + tpeak
+            train_peak = resident + trainable_bytes * (1 + n_state) + tpeak
         # eager_saved_bytes / saved_for_backward_bytes: the sum over the saved storages
         saved = sum(saved_owners.values())
         mem.update(
@@ -345,7 +348,7 @@ def _memory(
             for n in g.jvp.graph.nodes
             if n.op == "placeholder" and n.meta.get(KIND) == "tangent"
         )
-        mem["jvp_peak_bytes"] = params_bytes + n_tan + jpeak
+        mem["jvp_peak_bytes"] = resident + n_tan + jpeak
     describes = {k: v.format(device=device) for k, v in DESCRIBES[model].items() if k in mem}
     if keep_grads and "train_peak_bytes" in describes:
         describes["train_peak_bytes"] = describes["train_peak_bytes"].replace(
@@ -354,6 +357,7 @@ def _memory(
         )
     return Memory(
         params_bytes=params_bytes,
+        buffers_bytes=buffers_bytes,
         memory_model=model,
         device=device,
         describes=describes,
@@ -564,6 +568,7 @@ def summarize(
     phs = _placeholders(fwd)
     params = sum(phs[p].meta["val"].numel() for p, _ in sig.params)
     params_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.params)
+    buffers_bytes = sum(tensor_bytes(phs[b].meta["val"]) for b, _ in sig.buffers)
     # frozen parameters (requires_grad=False): no gradient, update or optimizer state
     trainable = sum(phs[p].meta["val"].numel() for p, _ in sig.trainable())
     trainable_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable())
@@ -584,6 +589,7 @@ def summarize(
         memory=_memory(
             graphs,
             params_bytes,
+            buffers_bytes,
             optimizer,
             trainable_bytes,
             memory_model,
