@@ -177,8 +177,9 @@ def test_cross_entropy_backward_is_two_kernels_against_a_measured_step() -> None
     # live together with the saved log-probabilities (TorchDispatchMode on the eager step).
     # Linear(32, 128) on N = 64 rows, SGD: parameters (128·32 + 128)·4 = 16,896, the input
     # 64·32·4 = 8,192, log-probabilities, nll_loss_backward's gradient and the logits'
-    # gradient 64·128·4 = 32,768 each: 123,392 B at the second kernel (the targets, 512 B, are
-    # dead by then in graphflop's schedule; the caller holds them: measured 123,912). Before
+    # gradient 64·128·4 = 32,768 each: 123,392 B at the second kernel (the targets, 512 B, and
+    # the loss's cotangent and total weight, 8 B, are dead by then in graphflop's schedule;
+    # eager holds them: measured 123,912). Before
     # the dense gradient was counted (as a scatter into zeros it has the zeros' storage,
     # which the one-kernel model sized 0) the peak was the forward's, 91,144 (-26 %)
     from graphflop.runtime.memory_probe import measure_train_peak
