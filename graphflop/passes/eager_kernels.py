@@ -78,7 +78,9 @@ def backward_temporaries(region: list[Node]) -> int:
 
 
 def one_kernel_backward(
-    backward: GraphModule, regions: list[tuple[set[str], int]]
+    backward: GraphModule,
+    regions: list[tuple[set[str], int]],
+    inplace: set[str] | frozenset[str] = frozenset(),
 ) -> tuple[dict[str, int], dict[str, list[str]], dict[str, int]]:
     """The backward of each composite op in ``regions`` (the names of a region's forward
     nodes, the bytes of its backward's temporaries) as one eager kernel, as autograd runs it
@@ -88,8 +90,12 @@ def one_kernel_backward(
     nothing but the gradients that leave them (and the storages those are views of), where
     graphflop's backward of the decomposition makes input-sized temporaries live together
     (SiLU's ``sigmoid``, ``1 - sigmoid`` and two products); what the kernel reads and the
-    gradients it makes are live together at its last node, with its temporaries. Returns
-    (sizes, also_reads, extra) for :meth:`Schedule.add_graph`."""
+    gradients it makes are live together at its last node, with its temporaries. ``inplace``:
+    the backward nodes that write into their first argument's storage (a scatter into fresh
+    zeros, :func:`~graphflop.passes.eager_memory.scatters_in_place`): a gradient made so
+    keeps that storage, as a view keeps its base (``nll_loss_backward``'s dense gradient,
+    N × C, is such a scatter, and eager holds it while ``_log_softmax_backward_data`` runs).
+    Returns (sizes, also_reads, extra) for :meth:`Schedule.add_graph`."""
     owner = {name: i for i, (names, _) in enumerate(regions) for name in names}
     groups: dict[int, list[Node]] = {}
     for n in backward.graph.nodes:
@@ -103,11 +109,12 @@ def one_kernel_backward(
         inside = set(nodes)
         leaving = [n for n in nodes if any(u not in inside for u in n.users)]
         keep: set[Node] = set()
-        for n in leaving:  # a gradient and the storage it is a view of
+        for n in leaving:  # a gradient and the storage it is a view of or was written into
             m: Node | None = n
             while m in inside and m not in keep:
                 keep.add(m)
-                m = m.all_input_nodes[0] if is_view(m) and m.all_input_nodes else None
+                base = m.args[0] if m.args and isinstance(m.args[0], Node) else None
+                m = base if is_view(m) or m.name in inplace else None
         sizes |= {n.name: 0 for n in nodes if n not in keep}
         outer = {a.name for n in nodes for a in n.all_input_nodes if a not in inside}
         reads[nodes[-1].name] = sorted(outer) + [n.name for n in leaving]

@@ -206,7 +206,7 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     # fused attention's and convolution_backward's backward: one kernel each too
     kernels += attention.regions
     kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
-    b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels)
+    b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels, scatters_in_place(backward))
     # a residual read by the backward of a composite op's parts stands for what that op saves
     # (the backward nodes' SOURCE names the forward node whose rule made them)
     remap: dict[str, list[str]] = {}
