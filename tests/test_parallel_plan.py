@@ -186,6 +186,18 @@ def test_cli_bad_input_one_line(capsys, tmp_path, extra, says):
     assert not out.exists()
 
 
+def test_cli_sequence_not_divisible_under_sp(capsys, tmp_path):
+    # --sp shards the sequence: 3 tokens over 2 ranks (hidden 8 and the 2 heads divide by 2)
+    out = tmp_path / "p.json"
+    args = [*CLI[: CLI.index("--input-shape")], "--input-shape", "2,3", "--dtype", "int64"]
+    assert main(["plan", *args, "--tp", "2", "--sp", "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tp 2 does not divide dim 1 (3)" in err[0], err
+    assert not out.exists()
+    # without --sp the sequence stays whole on every rank: the same plan is accepted
+    assert main(["plan", *args, "--tp", "2"]) == 0
+
+
 def test_cli_unknown_plan_entry(capsys, tmp_path):
     f = tmp_path / "plan.json"
     f.write_text('{"*.attn.c_attn": "diagonal"}')

@@ -166,10 +166,22 @@ def _dtype(v: Any) -> str:
 
 
 def local_shape(shape: tuple[int, ...], p: Placement, tp: int) -> tuple[int, ...]:
-    """``shape`` as one rank holds it under ``p``."""
+    """``shape`` as one rank holds it under ``p``.
+
+    Raises:
+        PlanError: ``tp`` does not divide the sharded dim (Megatron's layers, and torch's
+            sequence parallelism, need equal shards: a sequence of 10 tokens over 3 ranks has
+            none).
+    """
     if p.kind != "S" or tp == 1:
         return tuple(shape)
     s = list(shape)
+    if s[p.dim] % tp:
+        raise PlanError(
+            f"--tp {tp} does not divide dim {p.dim} ({s[p.dim]}) of a {tuple(s)} tensor the plan "
+            "shards (heads, KV heads, hidden, vocabulary, or the sequence under --sp): choose a "
+            "--tp that divides it, or an input shape it divides"
+        )
     s[p.dim] //= tp
     return tuple(s)
 
