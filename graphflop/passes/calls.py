@@ -110,7 +110,8 @@ class DerivedHierarchy:
             node.
         calls: the calls, in graph order.
         graph: the top level: the graph's other nodes (placeholders, output, work outside
-            every block) and per call one ``graphflop::repeat(arguments, call)`` node with
+            every block; each shares its ``meta`` dict with the flat graph's node, so the
+            annotations passes write later, ``COST`` say, are read here too) and per call one ``graphflop::repeat(arguments, call)`` node with
             ``getitem(call, i)`` for the run's node ``i`` read outside it.
     """
 
@@ -341,7 +342,8 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
     call_op = torch.ops.graphflop.repeat.default
     for x in items:
         if isinstance(x, Node):
-            env[x] = copy_node(g, x, env.__getitem__)
+            new = env[x] = copy_node(g, x, env.__getitem__)
+            new.meta = x.meta  # shared: what later passes write on the node (COST) shows here
             continue
         run, ext, number = x
         inside = set(run)
