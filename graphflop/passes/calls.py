@@ -49,8 +49,8 @@ from graphflop.meta import (
     HIERARCHY,
     KIND,
     MODULE,
+    NODE_KEYS,
     PARAM,
-    PREFIX,
     RESIDUAL,
     ROLE,
     SOURCE,
@@ -75,6 +75,10 @@ __all__ = [
 
 #: the annotations relativized to the call (the others must be equal at every call)
 _RELATIVE = (MODULE, SOURCE, PARAM, CALL_SITE, COST)
+_COMPARED = frozenset(NODE_KEYS) - set(_RELATIVE)
+#: markers of an argument that is the run's node ``i`` or its ``j``-th value from outside
+_IN, _OUT = object(), object()
+_SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,20 +129,6 @@ class DerivedHierarchy:
         for c in self.calls:
             out[c.template] += 1
         return out
-
-
-@dataclass(frozen=True)
-class _In:
-    """An argument that is node ``i`` of the run."""
-
-    i: int
-
-
-@dataclass(frozen=True)
-class _Out:
-    """An argument that is the run's ``j``-th value from outside it."""
-
-    j: int
 
 
 def _forward_keys(forward: GraphModule) -> tuple[dict[str, tuple[int, tuple]], set[int]]:
@@ -202,13 +192,18 @@ class _Describer:
         rel = self.rel[s]
 
         def arg(a: Any) -> Any:
-            if isinstance(a, Node):
+            c = a.__class__
+            if c is Node:
                 i = pos.get(a)
-                return _In(i) if i is not None else _Out(ext.setdefault(a, len(ext)))
-            if isinstance(a, (list, tuple)):
-                return (type(a), tuple(arg(b) for b in a))
+                return (_IN, i) if i is not None else (_OUT, ext.setdefault(a, len(ext)))
+            if c in _SCALARS:
+                return a
+            if isinstance(a, (list, tuple)):  # fx's immutable_list, torch.Size too
+                return (c, tuple([arg(b) for b in a]))
             if isinstance(a, dict):
-                return (dict, tuple((k, arg(v)) for k, v in a.items()))
+                return (c, tuple([(k, arg(v)) for k, v in a.items()]))
+            if isinstance(a, Node):
+                raise _Unshared
             return a
 
         rows = []
@@ -225,9 +220,7 @@ class _Describer:
                 r_param = (rel[owner], leaf) if owner in rel else ("abs", m[PARAM])
             cs = m.get(CALL_SITE)
             r_cs = ("own",) + tuple(cs[1:]) if cs is not None and cs[0] == s else cs
-            others = tuple(
-                (key, v) for key, v in m.items() if key.startswith(PREFIX) and key not in _RELATIVE
-            )
+            others = tuple([(key, v) for key, v in m.items() if key in _COMPARED])
             rows.append(
                 (
                     n.target,
