@@ -122,6 +122,9 @@ class DerivedHierarchy:
     templates: tuple[GraphModule, ...]
     calls: tuple[DerivedCall, ...]
     graph: GraphModule
+    #: per call, the flat graph's nodes of its run, in its template's node order (so a pass on
+    #: the flat graph can give each the figure of its template node: ``annotate_flops``)
+    runs: tuple[list[Node], ...] = field(default=(), repr=False)
 
     def uses(self) -> list[int]:
         """How many calls each template derivative has."""
@@ -295,6 +298,7 @@ def build(gm: GraphModule, forward: GraphModule) -> DerivedHierarchy | None:
     variants: dict[tuple, int] = {}
     templates: list[GraphModule] = []
     calls: list[DerivedCall] = []
+    runs: list[list[Node]] = []
 
     def close(run: list[Node], s: int) -> None:
         try:
@@ -308,6 +312,7 @@ def build(gm: GraphModule, forward: GraphModule) -> DerivedHierarchy | None:
             templates.append(_template(run, ext, s, d, gm))
         sources = tuple(d.names[(s, k)] for k in order)
         calls.append(DerivedCall(s, t, d.h.sites[s].modules, sources))
+        runs.append(run)
         items.append((run, ext, len(calls) - 1))
 
     run: list[Node] = []
@@ -326,7 +331,7 @@ def build(gm: GraphModule, forward: GraphModule) -> DerivedHierarchy | None:
         close(run, at)  # type: ignore[arg-type]
     if not calls:
         return None
-    return DerivedHierarchy(tuple(templates), tuple(calls), _top(gm, items))
+    return DerivedHierarchy(tuple(templates), tuple(calls), _top(gm, items), tuple(runs))
 
 
 def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
