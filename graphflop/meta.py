@@ -50,6 +50,9 @@ Graph keys (``gm.meta``)
     :data:`OUTLINED`     :class:`OutlineInfo`: how many repeated module calls were copies.
     :data:`HIERARCHY`    :class:`Hierarchy` of a traced forward graph: each outlined block's
                          template graph once, and its call sites.
+    :data:`DERIVED_HIERARCHY` on a JVP or backward graph of a forward graph with a
+                         :data:`HIERARCHY`: ``graphflop.passes.calls.DerivedHierarchy``, each
+                         block variant's derivative nodes once as a template, and its calls.
     :data:`GHOSTS`       list of :class:`Ghost`: work that was not emitted (symbolic zeros, pruned
                          cotangents), with what it would have cost.
     :data:`JVP`          :class:`JvpInfo` of a JVP graph.
@@ -112,6 +115,7 @@ LOSS_KIND = "gf_loss_kind"
 CONSTANTS = "gf_constants"
 OUTLINED = "gf_outlined"
 HIERARCHY = "gf_hierarchy"
+DERIVED_HIERARCHY = "gf_derived_hierarchy"
 GHOSTS = "gf_ghosts"
 JVP = "gf_jvp"
 JVP_LOG = "gf_jvp_log"
@@ -150,6 +154,7 @@ GRAPH_KEYS = (
     CONSTANTS,
     OUTLINED,
     HIERARCHY,
+    DERIVED_HIERARCHY,
     GHOSTS,
     JVP,
     JVP_LOG,

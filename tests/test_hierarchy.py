@@ -5,6 +5,8 @@ ones marked slow)."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from conftest import node_rows, spec
@@ -17,6 +19,7 @@ from graphflop.load import load, make_inputs
 from graphflop.meta import (
     CALL_SITE,
     COST,
+    DERIVED_HIERARCHY,
     HIERARCHY,
     JVP,
     JVP_LOG,
@@ -24,11 +27,14 @@ from graphflop.meta import (
     LINEARIZED,
     MODULE,
     OUTLINED,
+    PARAM,
     ROLE,
     SOURCE,
     VJP,
 )
+from graphflop.ops import has_rule, op_name
 from graphflop.ops.cost import op_cost
+from graphflop.passes import calls
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
 from graphflop.passes.flops import AnnotateFlops
 from graphflop.passes.infra import run_passes
@@ -95,11 +101,72 @@ def _check_derivatives(a):
     assert a.backward.meta[VJP] == flat.meta[VJP]
 
 
+def _stored_nodes(gm):
+    """:func:`_nodes` with every annotation a call's node has relative to its block."""
+    keys = (ROLE, KIND, SOURCE, PARAM, CALL_SITE)
+    return node_rows(gm, lambda n: (n.meta.get(MODULE), *(n.meta.get(k) for k in keys)))
+
+
+def _flat_sums(gm, keep, default_role):
+    """Node by node over ``gm``: the kept nodes' costs summed, FLOPs by role, per module
+    ``[flops, mm_flops, {role: flops}]`` in the order first met, per op ``(count, costs
+    summed)``, and the rule-less nodes."""
+    from graphflop.passes.flops import sum_costs
+
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and keep(n)]
+    by_role, rows, ops = {}, {}, {}
+    for n in nodes:
+        c, role = n.meta[COST], n.meta.get(ROLE, default_role)
+        by_role[role] = by_role.get(role, 0) + c.flops
+        row = rows.setdefault(n.meta.get(MODULE, ""), [0, 0, {}])
+        row[0] += c.flops
+        row[1] += c.mm_flops
+        row[2][role] = row[2].get(role, 0) + c.flops
+        if n.target is not operator.getitem:
+            ops.setdefault(op_name(n.target), []).append(c)
+    rule_less = sum(1 for n in nodes if n.target is not operator.getitem and not has_rule(n.target))
+    ops = {k: (len(cs), sum_costs(cs)) for k, cs in ops.items()}
+    return sum_costs(n.meta[COST] for n in nodes), by_role, rows, ops, rule_less
+
+
+def _check_derived_hierarchies(a):
+    """The JVP and backward graphs keep each block variant's derivative once, as a template
+    the top level calls: the flat graph rebuilt from that alone is the analysed one, node for
+    node, and the figures composed per template (totals by role, per-module rows, op table)
+    are the flat graph's sums."""
+    h = a.forward.meta.get(HIERARCHY)
+    for gm, keep, role in (
+        (a.jvp, lambda n: n.meta.get(KIND) in ("tangent", "coef"), "tangent_from_input"),
+        (a.backward, lambda n: True, "grad_input"),
+    ):
+        if gm is None:
+            continue
+        dh = gm.meta.get(DERIVED_HIERARCHY)
+        if h is None:
+            assert dh is None
+            continue
+        assert dh is not None
+        assert len(dh.templates) <= len(dh.calls) and sum(dh.uses()) == len(dh.calls)
+        # fewer nodes at the top level than flat wherever a template is called twice
+        top = len(dh.graph.graph.nodes)
+        if max(dh.uses()) > 1:
+            assert top < len(gm.graph.nodes)
+        assert _stored_nodes(calls.expand(dh)) == _stored_nodes(gm)
+        f = calls.derived_figures(dh, keep, role)
+        total, by_role, rows, ops, rule_less = _flat_sums(gm, keep, role)
+        assert f.total == total
+        assert f.by_role == by_role
+        assert f.rows == rows and list(f.rows) == list(rows)  # same rows in the same order
+        assert f.ops == ops and list(f.ops) == list(ops)
+        assert f.rule_less == rule_less
+
+
 def _check(a):
     """The hierarchical report equals the flat one; every copied node's cost (taken from its
     template) equals the cost of the node on its own; the derivative graphs built per template
-    equal those built call by call."""
+    equal those built call by call, and their stored hierarchies rebuild and sum to them."""
     _check_derivatives(a)
+    _check_derived_hierarchies(a)
     flat = _flat_report(a).to_dict()
     hier = a.report.to_dict()
     assert hier == flat
@@ -166,6 +233,21 @@ def test_stack_of_blocks_composes_hand_counted_figures():
     assert addmm.count == 2 * n + 1
     # the template's nodes carry their module relative to the called block
     assert {t.meta[MODULE] for t in h.templates[0].nodes if MODULE in t.meta} >= {"@.fc1", "@"}
+    # the derivative graphs call two template derivatives: block 0 reads the model's input
+    # (no tangent, no input cotangent), blocks 1-3 the block before them
+    for gm in (a.jvp, a.backward):
+        dh = gm.meta[DERIVED_HIERARCHY]
+        assert [c.site for c in dh.calls] == ([0, 1, 2, 3] if gm is a.jvp else [3, 2, 1, 0])
+        assert sorted(dh.uses()) == [1, 3]
+        first = {c.template for c in dh.calls if c.site == 0}
+        assert len(first) == 1 and dh.uses()[first.pop()] == 1
+    # a template derivative's arguments are placeholders named by role; the backward's are
+    # the block's residuals (x, fc1's output ...) and the cotangent arriving at its output
+    bwd = a.backward.meta[DERIVED_HIERARCHY]
+    t = bwd.templates[bwd.calls[0].template]
+    names = [p.name for p in t.graph.nodes if p.op == "placeholder"]
+    assert any(x.startswith("residual_") for x in names)
+    assert any(x.startswith("cotangent_") for x in names)
 
 
 def test_flat_trace_gives_the_same_report():

@@ -2,7 +2,9 @@
 
 :class:`BuildJvp` and :class:`BuildVjp` take a traced forward graph and return a new graph: the
 JVP graph (``gm.meta[JVP]``) or the backward graph (``gm.meta[VJP]``). Their options are the
-builders' keyword arguments.
+builders' keyword arguments. Where the forward graph has a hierarchy of repeated blocks, the
+new graph keeps its blocks' derivatives as calls too (``gm.meta[DERIVED_HIERARCHY]``,
+:mod:`graphflop.passes.calls`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.ad import jvp as _jvp
 from graphflop.ad import vjp as _vjp
+from graphflop.passes.calls import attach
 from graphflop.passes.infra import FLAT, GraphPass
 
 
@@ -49,6 +52,8 @@ class BuildJvp(GraphPass):
             wrt_outputs=self.wrt_outputs,
             per_template=self.per_template,
         )
+        if self.per_template:
+            attach(gm, graph_module)
         return PassResult(gm, True)
 
 
@@ -90,4 +95,6 @@ class BuildVjp(GraphPass):
             linearized=self.linearized,
             per_template=self.per_template,
         )
+        if self.per_template:
+            attach(gm, graph_module)
         return PassResult(gm, True)

@@ -14,7 +14,15 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphflop.meta import CALL_SITE, COST, HIERARCHY, ZERO_COST, Hierarchy, NodeCost
+from graphflop.meta import (
+    CALL_SITE,
+    COST,
+    DERIVED_HIERARCHY,
+    HIERARCHY,
+    ZERO_COST,
+    Hierarchy,
+    NodeCost,
+)
 from graphflop.ops.cost import op_cost, tensor_bytes, value_of
 from graphflop.passes.infra import GraphPass
 
@@ -50,7 +58,10 @@ def annotate_flops(gm: GraphModule) -> GraphModule:
         annotate_templates(h)
         templates = [list(t.nodes) for t in h.templates]
         of_site = [s.template for s in h.sites]
+    done = _cost_calls(gm)
     for n in gm.graph.nodes:
+        if n in done:
+            continue
         tag = n.meta.get(CALL_SITE) if of_site else None
         if tag is not None and tag[0] < len(of_site):
             t = templates[of_site[tag[0]]][tag[1]]
@@ -67,6 +78,30 @@ def annotate_flops(gm: GraphModule) -> GraphModule:
         else:
             n.meta[COST] = ZERO_COST
     return gm
+
+
+def _cost_calls(gm: GraphModule) -> set[Node]:
+    """Where derivative graph ``gm`` keeps its blocks as calls (:data:`DERIVED_HIERARCHY`,
+    :mod:`graphflop.passes.calls`): cost each template derivative's nodes once and give every
+    node of each call its template node's ``COST`` (a call's node and its template node have
+    the same op, constants and argument layouts). Returns the nodes so costed."""
+    dh = gm.meta.get(DERIVED_HIERARCHY)
+    if dh is None or not dh.runs:
+        return set()
+    costs: dict[int, list[NodeCost]] = {}
+    done: set[Node] = set()
+    for c, run in zip(dh.calls, dh.runs):
+        cs = costs.get(c.template)
+        if cs is None:
+            cs = costs[c.template] = []
+            for t in dh.templates[c.template].graph.nodes:
+                if t.op == "call_function":
+                    t.meta[COST] = op_cost(t.target, t.args, t.kwargs, t, node=t.name)
+                    cs.append(t.meta[COST])
+        for n, cost in zip(run, cs):
+            n.meta[COST] = cost
+        done.update(run)
+    return done
 
 
 def _same_out(n: Node, t: Node) -> bool:

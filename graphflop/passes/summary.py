@@ -20,6 +20,7 @@ from torch.fx import GraphModule, Node
 from graphflop.meta import (
     ASSUMPTIONS,
     COST,
+    DERIVED_HIERARCHY,
     FORWARD_GRADIENT,
     GAPS,
     GHOSTS,
@@ -33,6 +34,7 @@ from graphflop.meta import (
     NodeCost,
 )
 from graphflop.ops import has_rule, op_name
+from graphflop.passes.calls import DerivedFigures, derived_figures
 from graphflop.passes.eager_memory import (
     DESCRIBES,
     eager_jvp_schedule,
@@ -193,14 +195,55 @@ def _forward(
     return total_cost(nodes), total_cost(n for n in nodes if n.meta.get(ROLE) == "loss")
 
 
-def _backward(bwd: GraphModule, layers: _Layers) -> BackwardTotals:
-    nodes = _ops(bwd)
-    _add_phase(nodes, layers, "backward", "grad_input", ("grad_input", "grad_weight", "grad_accum"))
+#: per derivative phase: the role of a node without one, the roles with a per-layer counter
+_PHASE_ROLES = {
+    "backward": ("grad_input", ("grad_input", "grad_weight", "grad_accum")),
+    "jvp": ("tangent_from_input", ("tangent_from_input", "tangent_from_param")),
+}
+
+
+def _jvp_work(n: Node) -> bool:
+    """The JVP graph's nodes its totals count: tangents and their coefficients."""
+    return n.meta.get(KIND) in ("tangent", "coef")
+
+
+def _derived(gm: GraphModule | None, phase: str, hierarchical: bool) -> DerivedFigures | None:
+    """The figures of derivative graph ``gm`` composed per template derivative
+    (:mod:`graphflop.passes.calls`), where it has its blocks as calls and ``hierarchical``."""
+    dh = gm.meta.get(DERIVED_HIERARCHY) if gm is not None and hierarchical else None
+    if dh is None:
+        return None
+    keep = _jvp_work if phase == "jvp" else (lambda n: True)
+    return derived_figures(dh, keep, _PHASE_ROLES[phase][0])
+
+
+def _add_composed(f: DerivedFigures, layers: _Layers, phase: str) -> None:
+    """:func:`_add_phase` from composed figures."""
+    roles = _PHASE_ROLES[phase][1]
+    for path, (flops, mm, by_role) in f.rows.items():
+        L = layers[path]
+        L[f"{phase}_flops"] += flops
+        L[f"{phase}_mm_flops"] += mm
+        for role, x in by_role.items():
+            if role in roles:
+                L[f"{role}_flops"] += x
+
+
+def _backward(bwd: GraphModule, layers: _Layers, f: DerivedFigures | None) -> BackwardTotals:
+    """Backward totals; node by node, or from the composed figures ``f`` where given."""
+    if f is not None:
+        _add_composed(f, layers, "backward")
+        total, by = f.total, f.by_role
+        complete = not bwd.meta.get(GAPS) and not f.rule_less
+    else:
+        nodes = _ops(bwd)
+        _add_phase(nodes, layers, "backward", *_PHASE_ROLES["backward"])
+        total, by = total_cost(nodes), _by_role(nodes, "grad_input")
+        complete = _complete(bwd, nodes)
     pruned = _ghost_flops(bwd, layers, "pruned_flops")
-    by = _by_role(nodes, "grad_input")
     return BackwardTotals(
-        **CostTotals.cost_fields(total_cost(nodes)),
-        complete=_complete(bwd, nodes),
+        **CostTotals.cost_fields(total),
+        complete=complete,
         grad_input_flops=by.get("grad_input", 0),
         grad_weight_flops=by.get("grad_weight", 0),
         grad_accum_flops=by.get("grad_accum", 0),
@@ -249,16 +292,21 @@ def _update(upd: GraphModule, layers: _Layers, optimizer: str) -> UpdateTotals:
     )
 
 
-def _jvp(jvp: GraphModule, layers: _Layers, tangents: str) -> JvpTotals:
-    nodes = [n for n in _ops(jvp) if n.meta.get(KIND) in ("tangent", "coef")]
-    _add_phase(
-        nodes, layers, "jvp", "tangent_from_input", ("tangent_from_input", "tangent_from_param")
-    )
+def _jvp(jvp: GraphModule, layers: _Layers, tangents: str, f: DerivedFigures | None) -> JvpTotals:
+    """JVP totals; node by node, or from the composed figures ``f`` where given."""
+    if f is not None:
+        _add_composed(f, layers, "jvp")
+        total, by = f.total, f.by_role
+        complete = not jvp.meta.get(GAPS) and not f.rule_less
+    else:
+        nodes = [n for n in _ops(jvp) if _jvp_work(n)]
+        _add_phase(nodes, layers, "jvp", *_PHASE_ROLES["jvp"])
+        total, by = total_cost(nodes), _by_role(nodes, "tangent_from_input")
+        complete = _complete(jvp, nodes)
     skipped = _ghost_flops(jvp, layers, "jvp_skipped_flops")
-    by = _by_role(nodes, "tangent_from_input")
     return JvpTotals(
-        **CostTotals.cost_fields(total_cost(nodes)),
-        complete=_complete(jvp, nodes),
+        **CostTotals.cost_fields(total),
+        complete=complete,
         tangent_from_input_flops=by.get("tangent_from_input", 0),
         tangent_from_param_flops=by.get("tangent_from_param", 0),
         skipped_flops=skipped,
@@ -416,7 +464,12 @@ def _inputs(fwd: GraphModule) -> tuple[InputSpec, ...]:
 
 
 def _totals(
-    g: Graphs, layers: _Layers, optimizer: str, tangents: str, figures: ForwardFigures | None
+    g: Graphs,
+    layers: _Layers,
+    optimizer: str,
+    tangents: str,
+    figures: ForwardFigures | None,
+    derived: dict[str, DerivedFigures | None],
 ) -> Totals:
     fwd_total, loss_total = _forward(g.forward, layers, figures)
     fwd_nodes = _ops(g.forward)
@@ -431,7 +484,7 @@ def _totals(
     }
     if g.backward is not None:
         assert g.update is not None, "summarize checks the update comes with the backward"
-        b = t["backward"] = _backward(g.backward, layers)
+        b = t["backward"] = _backward(g.backward, layers, derived.get("backward"))
         u = t["update"] = _update(g.update, layers, optimizer)
         mm = fwd_total.mm_flops + b.mm_flops
         t["train_step"] = TrainStepTotals(
@@ -441,7 +494,7 @@ def _totals(
             complete=t["forward"].complete and b.complete and u.complete,
         )
     if g.jvp is not None:
-        j = t["jvp"] = _jvp(g.jvp, layers, tangents)
+        j = t["jvp"] = _jvp(g.jvp, layers, tangents, derived.get("jvp"))
         if g.forward_gradient is not None:
             t["forward_gradient_step"] = _forward_gradient(g.forward_gradient, j.complete)
         if g.activity_gradient is not None:
@@ -493,10 +546,13 @@ def _uncounted(g: Graphs) -> tuple[Uncounted, ...]:
     )
 
 
-def _op_rows(g: Graphs, figures: ForwardFigures | None) -> tuple[OpRow, ...]:
+def _op_rows(
+    g: Graphs, figures: ForwardFigures | None, derived: dict[str, DerivedFigures | None]
+) -> tuple[OpRow, ...]:
     """Per phase, the nodes of each op summed, in the order ops first appear; the nodes are
     those each phase's totals sum (the JVP graph's tangent and coefficient nodes); the
-    forward's from the hierarchy's composed ``figures`` where given."""
+    forward's from the hierarchy's composed ``figures`` where given, the backward's and the
+    JVP's from their composed ``derived`` figures where given."""
     phases = {
         "forward": g.forward,
         "backward": g.backward,
@@ -508,8 +564,9 @@ def _op_rows(g: Graphs, figures: ForwardFigures | None) -> tuple[OpRow, ...]:
     for phase, gm in phases.items():
         if gm is None or (phase == "update" and g.backward is None):
             continue
-        if phase == "forward" and figures is not None:
-            for op, (count, c) in figures.ops.items():
+        composed = figures if phase == "forward" else derived.get(phase)
+        if composed is not None:
+            for op, (count, c) in composed.ops.items():
                 rows.append(
                     OpRow(op, phase, count, c.flops, c.mm_flops, c.bytes_read, c.bytes_written)
                 )
@@ -553,8 +610,10 @@ def summarize(
         keep_grads: gradients kept between steps (``zero_grad(set_to_none=False)``).
         hierarchical: where the forward graph has a :class:`~graphflop.meta.Hierarchy`, take
             its totals, per-module forward rows and op table from each template's figures
-            composed over its calls (:mod:`graphflop.passes.hierarchy`); False sums the flat
-            graph's nodes one by one. Both give the same report.
+            composed over its calls (:mod:`graphflop.passes.hierarchy`), and the backward's
+            and the JVP's from their template derivatives where they keep their blocks as
+            calls (:data:`~graphflop.meta.DERIVED_HIERARCHY`, :mod:`graphflop.passes.calls`);
+            False sums the flat graphs' nodes one by one. Both give the same report.
 
     Raises:
         KeyError: a graph lacks ``COST`` (run ``annotate_flops``) or the forward graph lacks
@@ -575,7 +634,11 @@ def summarize(
     layers = _Layers()
     h = hierarchy_of(fwd) if hierarchical else None
     figures = forward_figures(fwd, h) if h is not None else None
-    totals = _totals(graphs, layers, optimizer, tangents, figures)
+    derived = {
+        "backward": _derived(graphs.backward, "backward", hierarchical),
+        "jvp": _derived(graphs.jvp, "jvp", hierarchical),
+    }
+    totals = _totals(graphs, layers, optimizer, tangents, figures, derived)
     owners = _saved_owners(graphs, memory_model, device)
     _saved_by_layer(graphs, layers, owners)
     return Report(
@@ -604,6 +667,6 @@ def summarize(
         trainable_params=trainable,
         frozen_params=params - trainable,
         uncounted=_uncounted(graphs),
-        ops=_op_rows(graphs, figures),
+        ops=_op_rows(graphs, figures, derived),
         assumptions=tuple(fwd.meta.get(ASSUMPTIONS, ())),
     )

@@ -1,0 +1,541 @@
+"""The JVP and backward graphs of a model with repeated blocks, kept as calls of one template
+derivative per block variant (:class:`DerivedHierarchy`), and the flat graph rebuilt from them
+(:func:`expand`).
+
+A derivative graph of a traced forward graph with outlined blocks
+(:data:`~graphflop.meta.HIERARCHY`) does each call's derivative work in one run of nodes:
+the JVP copies a call's forward nodes and emits their tangents in forward order, and the
+transpose walks that log back, one call after the other (:mod:`graphflop.ad.blocks`). Each node
+emitted for a forward node carries its :data:`~graphflop.meta.SOURCE`, so a *call* of the
+derivative graph is a maximal run of consecutive nodes whose forward sources belong to one
+call site of the forward graph.
+
+:func:`build` reads those runs off the finished graph (after the backward's clean-ups:
+dead-code elimination, folded transposed products) and describes each one relative to its
+call site: ops, constants, output layouts, the other graphflop annotations, each argument
+either a node of the run (by position) or the run's *j*-th value from outside (a residual, a
+cotangent arriving at the block's outputs, the tangent or primal of its inputs, a value of an
+earlier call), the module paths relative to the block (``@``, ``@.attn``), the forward sources
+by their place in the block, the parameters by their path in it. Runs described alike are
+calls of one *template derivative*, stored once as a graph whose placeholders are the run's
+arguments from outside (named by their role: ``residual_0``, ``cotangent_1``, ``tangent_2``,
+...) and whose output is every node of the run; the top level keeps the other nodes and one
+``graphflop::repeat(arguments, call)`` node per call, whose ``getitem(call, i)`` nodes are the
+run's node ``i`` where read outside the run.
+
+Since two calls share a template only where every node agrees in all of this, a figure that
+depends only on a node and its arguments' metadata (its cost, role, kind, module) is the
+template node's figure at each of its calls: :func:`derived_figures` composes the totals by
+role, per-module rows and op table from each template once, times its calls, plus the top
+level, equal to the flat graph's sums (``tests/test_hierarchy.py``).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from graphflop.ad.builder import copy_node
+from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
+from graphflop.meta import (
+    CALL_SITE,
+    COST,
+    DERIVED_HIERARCHY,
+    HIERARCHY,
+    KIND,
+    MODULE,
+    NODE_KEYS,
+    PARAM,
+    RESIDUAL,
+    ROLE,
+    SOURCE,
+    ZERO_COST,
+    Hierarchy,
+    NodeCost,
+    graph_module,
+)
+from graphflop.ops import has_rule, op_name
+from graphflop.ops.cost import op_cost
+from graphflop.passes.flops import sum_costs
+
+__all__ = [
+    "DerivedCall",
+    "DerivedFigures",
+    "DerivedHierarchy",
+    "attach",
+    "build",
+    "derived_figures",
+    "expand",
+]
+
+#: the annotations relativized to the call (the others must be equal at every call)
+_RELATIVE = (MODULE, SOURCE, PARAM, CALL_SITE, COST)
+_COMPARED = frozenset(NODE_KEYS) - set(_RELATIVE)
+#: markers of an argument that is the run's node ``i`` or its ``j``-th value from outside
+_IN, _OUT = object(), object()
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+
+
+@dataclass(frozen=True, eq=False)
+class DerivedCall:
+    """One call of a template derivative in a derivative graph.
+
+    Attributes:
+        site: the forward graph's call site (:attr:`Hierarchy.sites`) whose derivative it is.
+        template: its template derivative's position in :attr:`DerivedHierarchy.templates`.
+        modules: ``(relative path, path in the model)`` pairs, as the forward call site's.
+        sources: per source slot of the template (its nodes' :data:`~graphflop.meta.SOURCE`
+            ``@k``), the name of this call's forward node.
+    """
+
+    site: int
+    template: int
+    modules: tuple[tuple[str, str], ...]
+    sources: tuple[str, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class DerivedHierarchy:
+    """A JVP or backward graph as a top level calling one template derivative per variant.
+
+    Attributes:
+        templates: one graph per template derivative: a placeholder per argument from outside
+            the run (``val``, :data:`~graphflop.meta.KIND` and :data:`~graphflop.meta.ROLE` of
+            the first call's value; named by role), the run's nodes with their annotations
+            relative to the block (:data:`~graphflop.meta.MODULE` ``@...``,
+            :data:`~graphflop.meta.SOURCE` ``@k`` for source slot ``k``,
+            :data:`~graphflop.meta.PARAM` ``@....weight``, a forward
+            :data:`~graphflop.meta.CALL_SITE` with call site -1), and an output returning every
+            node.
+        calls: the calls, in graph order.
+        graph: the top level: the graph's other nodes (placeholders, output, work outside
+            every block; each shares its ``meta`` dict with the flat graph's node, so the
+            annotations passes write later, ``COST`` say, are read here too) and per call one ``graphflop::repeat(arguments, call)`` node with
+            ``getitem(call, i)`` for the run's node ``i`` read outside it.
+    """
+
+    templates: tuple[GraphModule, ...]
+    calls: tuple[DerivedCall, ...]
+    graph: GraphModule
+    #: per call, the flat graph's nodes of its run, in its template's node order (so a pass on
+    #: the flat graph can give each the figure of its template node: ``annotate_flops``)
+    runs: tuple[list[Node], ...] = field(default=(), repr=False)
+
+    def uses(self) -> list[int]:
+        """How many calls each template derivative has."""
+        out = [0] * len(self.templates)
+        for c in self.calls:
+            out[c.template] += 1
+        return out
+
+
+def _forward_keys(forward: GraphModule) -> tuple[dict[str, tuple[int, tuple]], set[int]]:
+    """Per forward node copied from a template, ``(site, key)`` (key: the template index, and
+    the output of a ``getitem`` tracing added afterwards); the sites where two nodes share a
+    key (a rewritten graph)."""
+    keys: dict[str, tuple[int, tuple]] = {}
+    seen: set[tuple[int, tuple]] = set()
+    dup: set[int] = set()
+    for n in forward.graph.nodes:
+        t = n.meta.get(CALL_SITE)
+        if t is None:
+            continue
+        parent = n.args[0] if n.target is operator.getitem and n.args else None
+        k: tuple = (t[1],)
+        if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
+            k = (t[1], n.args[1])
+        if (t[0], k) in seen:
+            dup.add(t[0])
+        seen.add((t[0], k))
+        keys[n.name] = (t[0], k)
+    return keys, dup
+
+
+def _layout(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.stride(), v.dtype)
+    if isinstance(v, (list, tuple)):
+        return tuple(_layout(x) for x in v)
+    return None
+
+
+class _Unshared(Exception):
+    """A run that cannot be described relative to its call site."""
+
+
+class _Describer:
+    """Describes runs of a derivative graph relative to their call sites."""
+
+    def __init__(self, forward: GraphModule, h: Hierarchy) -> None:
+        self.keys, self.dup = _forward_keys(forward)
+        self.names = {v: k for k, v in self.keys.items()}
+        self.rel = [{a: r for r, a in s.modules} for s in h.sites]
+        self.h = h
+
+    def site(self, n: Node) -> int | None:
+        if n.op != "call_function":
+            return None
+        k = self.keys.get(n.meta.get(SOURCE, ""))
+        if k is not None:
+            return None if k[0] in self.dup else k[0]
+        cs = n.meta.get(CALL_SITE)  # a copy of a forward node without a source
+        return None if cs is None or cs[0] in self.dup else cs[0]
+
+    def describe(self, run: list[Node], s: int) -> tuple[tuple, list[Node], list[tuple]]:
+        """The run's description (hashable), its values from outside in order, and its source
+        slots' keys (:class:`_Unshared` where it cannot be described)."""
+        pos = {n: i for i, n in enumerate(run)}
+        ext: dict[Node, int] = {}
+        slots: dict[tuple, int] = {}
+        rel = self.rel[s]
+
+        def arg(a: Any) -> Any:
+            c = a.__class__
+            if c is Node:
+                i = pos.get(a)
+                return (_IN, i) if i is not None else (_OUT, ext.setdefault(a, len(ext)))
+            if c in _SCALARS:
+                return a
+            if isinstance(a, (list, tuple)):  # fx's immutable_list, torch.Size too
+                return (c, tuple([arg(b) for b in a]))
+            if isinstance(a, dict):
+                return (c, tuple([(k, arg(v)) for k, v in a.items()]))
+            if isinstance(a, Node):
+                raise _Unshared
+            return a
+
+        rows = []
+        for n in run:
+            m = n.meta
+            module = m.get(MODULE, "")
+            r_module = rel.get(module, ("abs", module))
+            src = m.get(SOURCE)
+            k = self.keys.get(src) if src is not None else None
+            r_src = ("slot", slots.setdefault(k[1], len(slots))) if k and k[0] == s else src
+            r_param = None
+            if PARAM in m:
+                owner, _, leaf = m[PARAM].rpartition(".")
+                r_param = (rel[owner], leaf) if owner in rel else ("abs", m[PARAM])
+            cs = m.get(CALL_SITE)
+            r_cs = ("own",) + tuple(cs[1:]) if cs is not None and cs[0] == s else cs
+            others = tuple([(key, v) for key, v in m.items() if key in _COMPARED])
+            rows.append(
+                (
+                    n.target,
+                    arg(n.args),
+                    arg(n.kwargs),
+                    _layout(m.get("val")),
+                    r_module,
+                    r_src,
+                    r_param,
+                    r_cs,
+                    others,
+                )
+            )
+        sig = (tuple(rows), len(ext))
+        try:
+            hash(sig)
+        except TypeError:
+            raise _Unshared from None
+        order = sorted(slots, key=slots.__getitem__)
+        return sig, list(ext), order
+
+
+def _placeholder_name(v: Node) -> str:
+    if v.op == "placeholder" and RESIDUAL in v.meta:
+        return "residual"
+    return v.meta.get(KIND) or "value"
+
+
+def _template(
+    run: list[Node], ext: list[Node], s: int, d: _Describer, root: GraphModule
+) -> GraphModule:
+    """The template derivative of ``run`` (call site ``s``): see :class:`DerivedHierarchy`."""
+    g = Graph()
+    env: dict[Node, Node] = {}
+    for j, v in enumerate(ext):
+        p = g.placeholder(f"{_placeholder_name(v)}_{j}")
+        p.meta = {k: v.meta[k] for k in ("val", KIND, ROLE) if k in v.meta}
+        env[v] = p
+    rel = d.rel[s]
+    slots: dict[tuple, int] = {}
+    made = []
+    for n in run:
+        new = copy_node(g, n, env.__getitem__)
+        m = new.meta
+        m.pop(COST, None)
+        if m.get(MODULE, "") in rel:
+            m[MODULE] = rel[m.get(MODULE, "")]
+        k = d.keys.get(m.get(SOURCE, ""))
+        if k is not None and k[0] == s:
+            m[SOURCE] = f"@{slots.setdefault(k[1], len(slots))}"
+        if PARAM in m:
+            owner, _, leaf = m[PARAM].rpartition(".")
+            if owner in rel:
+                m[PARAM] = f"{rel[owner]}.{leaf}"
+        cs = m.get(CALL_SITE)
+        if cs is not None and cs[0] == s:
+            m[CALL_SITE] = (-1, *cs[1:])
+        env[n] = new
+        made.append(new)
+    g.output(tuple(made))
+    return graph_module(root, g)
+
+
+def build(gm: GraphModule, forward: GraphModule) -> DerivedHierarchy | None:
+    """The hierarchy of derivative graph ``gm`` of ``forward`` (see the module docstring), or
+    None when ``forward`` has no hierarchy or ``gm`` no call."""
+    h: Hierarchy | None = forward.meta.get(HIERARCHY)
+    if h is None:
+        return None
+    d = _Describer(forward, h)
+    items: list[Any] = []  # nodes of the top level, and per call (run, ext, call number)
+    variants: dict[tuple, int] = {}
+    templates: list[GraphModule] = []
+    calls: list[DerivedCall] = []
+    runs: list[list[Node]] = []
+
+    def close(run: list[Node], s: int) -> None:
+        try:
+            sig, ext, order = d.describe(run, s)
+        except _Unshared:
+            items.extend(run)
+            return
+        t = variants.get(sig)
+        if t is None:
+            t = variants[sig] = len(templates)
+            templates.append(_template(run, ext, s, d, gm))
+        sources = tuple(d.names[(s, k)] for k in order)
+        calls.append(DerivedCall(s, t, d.h.sites[s].modules, sources))
+        runs.append(run)
+        items.append((run, ext, len(calls) - 1))
+
+    run: list[Node] = []
+    at: int | None = None
+    for n in gm.graph.nodes:
+        s = d.site(n)
+        if run and s != at:
+            close(run, at)  # type: ignore[arg-type]
+            run = []
+        if s is None:
+            items.append(n)
+        else:
+            run.append(n)
+        at = s
+    if run:
+        close(run, at)  # type: ignore[arg-type]
+    if not calls:
+        return None
+    return DerivedHierarchy(tuple(templates), tuple(calls), _top(gm, items), tuple(runs))
+
+
+def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
+    g = Graph()
+    env: dict[Node, Node] = {}
+    call_op = torch.ops.graphflop.repeat.default
+    for x in items:
+        if isinstance(x, Node):
+            new = env[x] = copy_node(g, x, env.__getitem__)
+            new.meta = x.meta  # shared: what later passes write on the node (COST) shows here
+            continue
+        run, ext, number = x
+        inside = set(run)
+        call = g.call_function(call_op, ([env[v] for v in ext], number))
+        for i, n in enumerate(run):
+            if any(u not in inside for u in n.users):
+                item = g.call_function(operator.getitem, (call, i))
+                item.meta = dict(n.meta)
+                env[n] = item
+    return graph_module(gm, g)
+
+
+def expand(dh: DerivedHierarchy) -> GraphModule:
+    """The flat derivative graph rebuilt from ``dh`` alone: the top level with each call
+    replaced by its template derivative's nodes, the call's arguments standing for the
+    placeholders and its module paths, forward sources, parameters and call site for the
+    relative ones. Node for node the graph :func:`build` read: ops, arguments, output layouts
+    and every graphflop annotation (``tests/test_hierarchy.py``); the names of a call's nodes
+    are made anew (unique, not necessarily the flat graph's), the top level's are kept."""
+    g = Graph()
+    env: dict[Node, Any] = {}
+    results: dict[Node, list[Node]] = {}
+    call_op = torch.ops.graphflop.repeat.default
+    for n in dh.graph.graph.nodes:
+        if n.target is call_op:
+            args, number = n.args
+            c = dh.calls[number]
+            tg = dh.templates[c.template].graph
+            absolute = dict(c.modules)
+            tenv: dict[Node, Any] = {}
+            made = []
+            it = iter(args)
+            for x in tg.nodes:
+                if x.op == "placeholder":
+                    tenv[x] = env[next(it)]
+                    continue
+                if x.op == "output":
+                    break
+                new = copy_node(g, x, tenv.__getitem__)
+                _localize(new.meta, c, absolute)
+                tenv[x] = new
+                made.append(new)
+            results[n] = made
+        elif n.target is operator.getitem and n.args[0] in results:
+            env[n] = results[n.args[0]][n.args[1]]
+        else:
+            env[n] = copy_node(g, n, env.__getitem__)
+    return graph_module(dh.graph, g)
+
+
+def _localize(m: dict, c: DerivedCall, absolute: dict[str, str]) -> None:
+    """Make a template node's relative annotations ``m`` call ``c``'s (in place)."""
+    module = m.get(MODULE)
+    if module is not None and module.startswith("@"):
+        m[MODULE] = absolute[module]
+    src = m.get(SOURCE)
+    if src is not None and src.startswith("@"):
+        m[SOURCE] = c.sources[int(src[1:])]
+    p = m.get(PARAM)
+    if p is not None and p.startswith("@"):
+        owner, _, leaf = p.rpartition(".")
+        m[PARAM] = f"{absolute[owner]}.{leaf}"
+    cs = m.get(CALL_SITE)
+    if cs is not None and cs[0] == -1:
+        m[CALL_SITE] = (c.site, *cs[1:])
+
+
+def attach(gm: GraphModule, forward: GraphModule) -> GraphModule:
+    """Store :func:`build`'s hierarchy of ``gm`` in ``gm.meta[DERIVED_HIERARCHY]`` (when it has
+    calls) and return ``gm``."""
+    dh = build(gm, forward)
+    if dh is not None:
+        gm.meta[DERIVED_HIERARCHY] = dh
+    return gm
+
+
+# -- figures composed per template --------------------------------------------------------------
+@dataclass
+class DerivedFigures:
+    """A derivative graph's figures over the nodes a selection keeps, composed per template.
+
+    Attributes:
+        total: their costs summed.
+        by_role: per role (a node without one counts as the ``default_role`` given), FLOPs.
+        rows: per module path, in the order the flat graph first meets it, ``[flops, mm_flops,
+            {role: flops}]``.
+        ops: per op name, in the order first met, ``(count, costs summed)`` (``getitem``
+            left out).
+        rule_less: nodes whose op has no rule.
+    """
+
+    total: NodeCost
+    by_role: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, list] = field(default_factory=dict)
+    ops: dict[str, tuple[int, NodeCost]] = field(default_factory=dict)
+    rule_less: int = 0
+
+
+def _cost(n: Node) -> NodeCost:
+    c = n.meta.get(COST)
+    if c is None:
+        if n.op != "call_function":
+            return ZERO_COST
+        c = n.meta[COST] = op_cost(n.target, n.args, n.kwargs, n, node=n.name)
+    return c
+
+
+class _Acc:
+    """Sums of costs by role, module and op (see :class:`DerivedFigures`)."""
+
+    def __init__(self) -> None:
+        self.costs: list[NodeCost] = []
+        self.by_role: dict[str, int] = {}
+        self.rows: dict[str, list] = {}
+        self.ops: dict[str, list] = {}
+        self.rule_less = 0
+
+    def node(self, n: Node, module: str, role: str) -> None:
+        c = _cost(n)
+        self.costs.append(c)
+        self.by_role[role] = self.by_role.get(role, 0) + c.flops
+        row = self.rows.setdefault(module, [0, 0, {}])
+        row[0] += c.flops
+        row[1] += c.mm_flops
+        row[2][role] = row[2].get(role, 0) + c.flops
+        if n.target is not operator.getitem:
+            acc = self.ops.setdefault(op_name(n.target), [0, []])
+            acc[0] += 1
+            acc[1].append(c)
+            self.rule_less += not has_rule(n.target)
+
+    def freeze(self) -> _Acc:
+        """The same sums with each op's costs (and all costs) summed into one."""
+        self.costs = [sum_costs(self.costs)]
+        self.ops = {k: [count, [sum_costs(cs)]] for k, (count, cs) in self.ops.items()}
+        return self
+
+    def add(self, other: _Acc, module: dict[str, str]) -> None:
+        """Add a frozen template's sums, its relative module paths mapped by ``module``."""
+        self.costs.extend(other.costs)
+        for r, f in other.by_role.items():
+            self.by_role[r] = self.by_role.get(r, 0) + f
+        for rel, (f, mm, roles) in other.rows.items():
+            row = self.rows.setdefault(module.get(rel, rel), [0, 0, {}])
+            row[0] += f
+            row[1] += mm
+            for r, x in roles.items():
+                row[2][r] = row[2].get(r, 0) + x
+        for op, (count, costs) in other.ops.items():
+            acc = self.ops.setdefault(op, [0, []])
+            acc[0] += count
+            acc[1].extend(costs)
+        self.rule_less += other.rule_less
+
+
+def derived_figures(
+    dh: DerivedHierarchy,
+    keep: Callable[[Node], bool] = lambda n: True,
+    default_role: str = "",
+) -> DerivedFigures:
+    """The figures of the flat derivative graph's ``call_function`` nodes that ``keep``
+    selects, composed from ``dh``: each template's nodes rolled up once, added per call under
+    its module paths, plus the top level's nodes. ``keep`` must depend only on a node's own
+    annotations other than its module, source and parameter (the JVP's ``KIND`` in
+    ``("tangent", "coef")``, say). A node without :data:`~graphflop.meta.COST` is costed by
+    its op's rule (:func:`graphflop.ops.cost.op_cost`), as ``annotate_flops`` costs it."""
+    call_op = torch.ops.graphflop.repeat.default
+    per_template: dict[int, _Acc] = {}
+    acc = _Acc()
+    for n in dh.graph.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is call_op:
+            c = dh.calls[n.args[1]]
+            t = per_template.get(c.template)
+            if t is None:
+                t = per_template[c.template] = _Acc()
+                for x in _nodes(dh.templates[c.template]):
+                    if keep(x):
+                        t.node(x, x.meta.get(MODULE, ""), x.meta.get(ROLE, default_role))
+                t.freeze()
+            acc.add(t, dict(c.modules))
+        elif n.target is operator.getitem and n.args[0].target is call_op:
+            continue
+        elif keep(n):
+            acc.node(n, n.meta.get(MODULE, ""), n.meta.get(ROLE, default_role))
+    return DerivedFigures(
+        total=sum_costs(acc.costs),
+        by_role=acc.by_role,
+        rows=acc.rows,
+        ops={k: (count, sum_costs(cs)) for k, (count, cs) in acc.ops.items()},
+        rule_less=acc.rule_less,
+    )
+
+
+def _nodes(t: GraphModule) -> Iterable[Node]:
+    return (x for x in t.graph.nodes if x.op == "call_function")
