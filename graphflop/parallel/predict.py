@@ -720,9 +720,9 @@ def predict(  # noqa: C901
                     unit_of_param={q: u for u, mem_ in live.items() for q in mem_},
                     unit_order=list(live),
                     gathered_bytes=ub,
-                    unsharded_bytes={
-                        u: sum(local_numel(q) * esize[q] for q in mem_) for u, mem_ in live.items()
-                    },
+                    # FSDP2 keeps each unsharded parameter as a view of its own all-gather
+                    # output, dim 0 padded to a multiple of the group: the padded size
+                    unsharded_bytes=ub,
                     shard_bytes={u: b // dp for u, b in ub.items()},
                     local_shard_param_bytes=[padded[q] * esize[q] // dp for q in tq],
                     weights={"f": f_weight, "b": b_weight},
@@ -1048,7 +1048,8 @@ def _fsdp_schedule_rise(  # noqa: C901
 
     ZeRO 3 (FSDP2 ``fully_shard``): each unit is gathered into an all-gather output
     (``gathered_bytes``) that is copied out into the unsharded parameters
-    (``unsharded_bytes``; both live during the copy) and then freed; a block's unsharded
+    (``unsharded_bytes``: FSDP2 gives each parameter a buffer of its padded size and views the
+    parameter into it; both live during the copy) and then freed; a block's unsharded
     parameters are freed after its forward (``reshard_after_forward``) and gathered again
     before its backward, the root's kept from the forward to the end of the backward; before
     a block's backward the block that ran before it in the forward is prefetched (its
