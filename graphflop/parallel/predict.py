@@ -727,6 +727,11 @@ def predict(  # noqa: C901
                     local_shard_param_bytes=[padded[q] * esize[q] // dp for q in tq],
                     weights={"f": f_weight, "b": b_weight},
                     copies=weight_of_block,
+                    grad_bytes={
+                        q: (local_numel(q) * esize[q], numel[q] * esize[q])
+                        for mem_ in live.values()
+                        for q in mem_
+                    },
                 )
             g_bytes = sharded
             o_bytes = round(sharded * state_per_param_byte)
@@ -1033,6 +1038,7 @@ def _fsdp_schedule_rise(  # noqa: C901
     local_shard_param_bytes: list[int],
     weights: dict[str, dict[str, int]] | None = None,
     copies: dict[str, int] | None = None,
+    grad_bytes: dict[str, tuple[int, int]] | None = None,
 ) -> tuple[int, int]:
     """The training step's rise over its start on one rank under FSDP, and the bytes of
     gathered parameters live at that peak: :func:`_local_schedule` (the optimizer's temporaries
@@ -1056,7 +1062,12 @@ def _fsdp_schedule_rise(  # noqa: C901
     all-gather output lives until its own backward starts). At each post-backward: the unit's
     parameters resharded, the previous reduce-scatter's input freed (FSDP2 keeps it until
     the next reduce-scatter), the unit's gradients copied into a new reduce-scatter input and
-    freed, the reduce-scatter's output (the gradient shard) made.
+    freed, the reduce-scatter's output (the gradient shard) made. Before the reshard, a gradient held whole
+    whose parameter is tensor-parallel sharded (``grad_bytes``: parameter → (bytes at its
+    placement, whole bytes); a vocabulary-parallel embedding's, scattered into whole zeros) is
+    first redistributed to the parameter's placement, FSDP2's ``_get_grad_inner_tensor``: a new
+    tensor (DTensor clones a Replicate → Shard chunk) made while the whole gradient is live,
+    which then is freed.
 
     ``weights`` (``"f"``/``"b"`` → node name → K) and ``copies`` (unit → K) count an analysed
     block for K identical blocks, each its own unit: the block's steps and its unit's buffers
@@ -1092,11 +1103,24 @@ def _fsdp_schedule_rise(  # noqa: C901
         b_unit[n.name] = f_unit.get(src, root) if src is not None else root
     out_node = next(n for n in bwd.graph.nodes if n.op == "output")
     outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    # a gradient redistributed to its parameter's placement is read as the new tensor
+    made = {st.key for st in sched.steps}
     grads_of: dict[str, list[str]] = {}
+    all_grads: set[str] = set()
+    grad_bytes = grad_bytes or {}
+    storage, size, _ = sched._lifetimes()
+    redist_of: dict[str, list[tuple[str, int]]] = {}  # unit -> (gradient key, bytes after)
     for i, q in bwd.meta[VJP].grads:
         if i < len(outs) and isinstance(outs[i], Node) and q in unit_of_param:
-            grads_of.setdefault(unit_of_param[q], []).append(f"b:{outs[i].name}")
-    all_grads = {k for ks in grads_of.values() for k in ks}
+            key = f"b:{outs[i].name}"
+            moved = f"{key}@moved"
+            key_ = moved if moved in made else key
+            local, whole = grad_bytes.get(q, (0, 0))
+            if local < whole and key_ in storage and size[storage[key_]] == whole:
+                redist_of.setdefault(unit_of_param[q], []).append((key_, local))
+                key_ = f"fsdp:redist:{unit_of_param[q]}:{key_}"
+            grads_of.setdefault(unit_of_param[q], []).append(key_)
+            all_grads |= {key, moved}
 
     def unit_at(key: str) -> tuple[str, str | None]:
         prefix, _, name = key.partition(":")
@@ -1147,7 +1171,9 @@ def _fsdp_schedule_rise(  # noqa: C901
                 step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}",)),
                 step(f"fsdp:grad:{u}", shard_bytes[u], (f"fsdp:flat:{u}",)),
             ]
-        out = [step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}:{tag}",))]
+        # FSDP2 takes (and redistributes) the gradients before it reshards
+        out = [step(f"fsdp:redist:{u}:{g}", nb, (g,)) for g, nb in redist_of.get(u, [])]
+        out.append(step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}:{tag}",)))
         if prev_rs[0] is not None:
             out.append(step(f"fsdp:rs_done:{u}", 0, (prev_rs[0],)))
         out.append(step(f"fsdp:rs_in:{u}", gathered_bytes[u], grads))
