@@ -1,14 +1,16 @@
 """Benchmark: graphflop's parallel plan against torch under the fake process group, FSDP2
-(``zero3``) and tensor parallelism (``tp``) at large worlds, full model size, one process.
+(``zero3``), tensor parallelism (``tp``) and FSDP2 × TP on a 2-D mesh (``fsdp_tp``: ``--tp``
+ranks inner, world / tp data-parallel) at large worlds, full model size, one process.
 
 For each model × mode × world, two sides on the same configuration and micro-batch:
 
 - **torch** (:func:`bench_plan_fake.run_world`): the fake process group (``FakeStore``,
   backend ``"fake"``), the model built under FakeTensorMode, FSDP2 ``fully_shard`` per block
-  plus the root (``zero3``) or ``parallelize_module`` with the Megatron plan (``tp``), AdamW
+  plus the root (``zero3``), ``parallelize_module`` with the Megatron plan (``tp``), or that
+  plan on the mesh's inner dimension then FSDP2 on the outer one (``fsdp_tp``), AdamW
   (``foreach=False``); the collectives logged by graphflop.runtime.parallel_probe's dispatch
   mode (op level: kind, group size, elements, dtype, phase) and the peak of torch's
-  ``FSDPMemTracker`` (zero3) or ``MemTracker`` (tp) over the last of 2 steps, rank 0.
+  ``FSDPMemTracker`` (zero3, fsdp_tp) or ``MemTracker`` (tp) over the last of 2 steps, rank 0.
 - **graphflop** (:func:`graphflop.parallel.predict`, what ``graphflop plan`` prints): the
   model analysed on the meta device with one block (``--blocks``: each of the model's blocks
   counted from it), AdamW, the CPU eager memory model; rank class 0.
@@ -19,9 +21,11 @@ go to ``--out`` as JSON and the table to stdout (Markdown).
 
     python tools/bench_plan.py --out results/bench_plan.json            # everything
     python tools/bench_plan.py --models llama3-8b --modes tp --worlds 8 --out r.json
+    python tools/bench_plan.py --models llama3-8b --modes fsdp_tp --worlds 64 256 1024
 
-A TP degree that does not divide a dim the plan shards (heads, key/value heads, vocabulary)
-is not run: the row says why.
+A TP degree that does not divide a dim the plan shards (heads, key/value heads, vocabulary),
+or an ``fsdp_tp`` world that is not a multiple of ``--tp`` above it, is not run: the row says
+why.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ def plan_side(
     world: int,
     batch: int,
     seq: int,
+    tp: int = 8,
 ) -> dict:
     """graphflop's rank-0 figures: collectives (multiset keys) and the predicted peak."""
     from graphflop.analysis import analyze
@@ -81,7 +86,11 @@ def plan_side(
         jvp=False,
         device="cpu",
     )
-    plan = Plan(dp=world, zero=3) if mode == "zero3" else Plan(tp=world)
+    plan = {
+        "zero3": lambda: Plan(dp=world, zero=3),
+        "tp": lambda: Plan(tp=world),
+        "fsdp_tp": lambda: Plan(dp=world // tp, tp=tp, zero=3),
+    }[mode]()
     rank = predict(
         a, loaded.model, plan, micro_batch=batch, memory_device="cpu", block_counts=(n_blocks,)
     ).ranks[0]
@@ -94,9 +103,11 @@ def plan_side(
     }
 
 
-def torch_side(spec: str, ctor: dict, mode: str, world: int, batch: int, seq: int) -> dict:
+def torch_side(
+    spec: str, ctor: dict, mode: str, world: int, batch: int, seq: int, tp: int = 8
+) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
-    rec = run_world(spec, mode, world, ctor, batch, seq)
+    rec = run_world(spec, mode, world, ctor, batch, seq, tp=tp)
     return {
         "collectives": Counter(_key(c) for c in rec["collectives"]),
         "peak": rec["peak_bytes"],
@@ -104,6 +115,18 @@ def torch_side(spec: str, ctor: dict, mode: str, world: int, batch: int, seq: in
         "wall_s": time.perf_counter() - t0,
         "cpu_s": time.process_time() - c0,
     }
+
+
+def _why_not(name: str, mode: str, world: int, tp: int) -> str | None:
+    """Why ``mode`` cannot run at ``world`` (None when it can)."""
+    if mode == "zero3":
+        return None
+    if mode == "fsdp_tp":
+        if world % tp or world <= tp:
+            return f"world {world} is not a multiple of tp {tp} above it"
+        why = _tp_divides(name, tp)
+        return f"tp {why}" if why else None
+    return _tp_divides(name, world)
 
 
 def _tp_divides(name: str, world: int) -> str | None:
@@ -132,6 +155,7 @@ def run(
     batch: int,
     seq: int,
     out: Path | None = None,
+    tp: int = 8,
 ) -> list:
     """The rows of every model × mode × world; written to ``out`` as JSON after each row
     (a long run keeps what it has measured)."""
@@ -146,15 +170,17 @@ def run(
         for mode in modes:
             for world in worlds:
                 row: dict = {"model": name, "mode": mode, "world": world}
-                why = _tp_divides(name, world) if mode == "tp" else None
+                if mode == "fsdp_tp":
+                    row["mesh"] = f"dp {world // tp} x tp {tp}"
+                why = _why_not(name, mode, world, tp)
                 if why:
                     row["skipped"] = why
                     rows.append(row)
                     save()
                     print(f"{name} {mode} w{world}: skipped ({why})", flush=True)
                     continue
-                p = plan_side(spec, ctor, blocks_arg, n_blocks, mode, world, batch, seq)
-                t = torch_side(spec, ctor, mode, world, batch, seq)
+                p = plan_side(spec, ctor, blocks_arg, n_blocks, mode, world, batch, seq, tp)
+                t = torch_side(spec, ctor, mode, world, batch, seq, tp)
                 row.update(
                     collectives_equal=p["collectives"] == t["collectives"],
                     n_collectives=[sum(p["collectives"].values()), sum(t["collectives"].values())],
@@ -167,6 +193,7 @@ def run(
                     plan_wall_s=p["wall_s"],
                     torch_cpu_s=t["cpu_s"],
                     torch_wall_s=t["wall_s"],
+                    logged=[[*k, n] for k, n in sorted(t["collectives"].items())],
                 )
                 if not row["collectives_equal"]:
                     row["only_predicted"] = [
@@ -187,6 +214,37 @@ def run(
     return rows
 
 
+def replan(rows: list, batch: int, seq: int, tp: int) -> list:
+    """``rows`` with graphflop's side computed again (torch's side does not depend on it):
+    the predicted peak and its error against the saved tracker peak, the collectives against
+    the saved logged multiset (a row saved without it: against its count and bytes)."""
+    for r in rows:
+        if "skipped" in r:
+            continue
+        spec, ctor, blocks_arg, n_blocks = MODELS[r["model"]]
+        p = plan_side(spec, ctor, blocks_arg, n_blocks, r["mode"], r["world"], batch, seq, tp)
+        if "logged" in r:
+            logged = Counter({tuple(k[:-1]): k[-1] for k in r["logged"]})
+            r["collectives_equal"] = p["collectives"] == logged
+        else:
+            r["collectives_equal"] = [sum(p["collectives"].values()), _bytes(p["collectives"])] == [
+                r["n_collectives"][1],
+                r["collective_bytes"][1],
+            ]
+            r["collectives_checked"] = "count and bytes (no logged multiset saved)"
+        r.update(
+            n_collectives=[sum(p["collectives"].values()), r["n_collectives"][1]],
+            collective_bytes=[_bytes(p["collectives"]), r["collective_bytes"][1]],
+            predicted_peak=p["peak"],
+            error=(p["peak"] - r["tracker_peak"]) / r["tracker_peak"],
+            plan_memory_bytes=p["memory_bytes"],
+            plan_cpu_s=p["cpu_s"],
+            plan_wall_s=p["wall_s"],
+            replanned=True,
+        )
+    return rows
+
+
 def table(rows: list) -> str:
     """The Markdown table of ``rows`` and the worst error per world."""
     out = [
@@ -195,17 +253,18 @@ def table(rows: list) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        mode = f"{r['mode']} ({r['mesh']})" if "mesh" in r else r["mode"]
         if "skipped" in r:
             out.append(
-                f"| {r['model']} | {r['mode']} | {r['world']} | not run: {r['skipped']} | | | | |"
+                f"| {r['model']} | {mode} | {r['world']} | not run: {r['skipped']} | | | | |"
             )
             continue
         eq = "yes" if r["collectives_equal"] else "NO"
         nb = r["collective_bytes"]
         b = f"{nb[0]:,}" if nb[0] == nb[1] else f"{nb[0]:,} / {nb[1]:,}"
         out.append(
-            f"| {r['model']} | {r['mode']} | {r['world']} | {eq} ({r['n_collectives'][1]}, "
-            f"{b} B) | {r['predicted_peak']:,} | {r['tracker_peak']:,} | {r['error']:+.2%} | "
+            f"| {r['model']} | {mode} | {r['world']} | {eq} ({r['n_collectives'][1]}, "
+            f"{b} B) | {r['predicted_peak']:,} | {r['tracker_peak']:,} | {r['error']:+.3%} | "
             f"{r['plan_cpu_s']:.1f} / {r['torch_cpu_s']:.1f} |"
         )
     worst: dict[int, float] = {}
@@ -214,7 +273,7 @@ def table(rows: list) -> str:
             worst[r["world"]] = max(worst.get(r["world"], 0.0), abs(r["error"]))
     out.append("")
     out.append(
-        "worst |error| per world: " + ", ".join(f"{w}: {e:.1%}" for w, e in sorted(worst.items()))
+        "worst |error| per world: " + ", ".join(f"{w}: {e:.3%}" for w, e in sorted(worst.items()))
     )
     return "\n".join(out)
 
@@ -222,20 +281,37 @@ def table(rows: list) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    p.add_argument("--modes", nargs="+", choices=("zero3", "tp"), default=["zero3", "tp"])
+    p.add_argument(
+        "--modes", nargs="+", choices=("zero3", "tp", "fsdp_tp"), default=["zero3", "tp", "fsdp_tp"]
+    )
+    p.add_argument("--tp", type=int, default=8, help="fsdp_tp: TP ranks (the inner mesh dim)")
     p.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 256, 1024])
     p.add_argument("--batch", type=int, default=1, help="rows per data-parallel rank")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--out", help="write the rows as JSON")
     p.add_argument("--table", help="print the table of a --out JSON and exit")
+    p.add_argument(
+        "--replan",
+        help="compute graphflop's side of a --out JSON again (torch's side kept), write it "
+        "back and print the table",
+    )
     a = p.parse_args(argv)
     if a.table:
         print(table(json.loads(Path(a.table).read_text())))
         return 0
+    if a.replan:
+        path = Path(a.replan)
+        rows = replan(json.loads(path.read_text()), a.batch, a.seq, a.tp)
+        path.write_text(json.dumps(rows, indent=1) + "\n")
+        print(table(rows))
+        return 0
     out = Path(a.out) if a.out else None
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-    rows = run(a.models, a.modes, a.worlds, a.batch, a.seq, out)
+    if a.tp < 2:
+        print(f"error: --tp {a.tp}: fsdp_tp needs at least 2 TP ranks", file=sys.stderr)
+        return 2
+    rows = run(a.models, a.modes, a.worlds, a.batch, a.seq, out, a.tp)
     print(table(rows))
     return 0
 

@@ -1,13 +1,14 @@
-"""Large-world logger: FSDP2 (``zero3``) and tensor parallelism (``tp``) at world 8-1024 in one
-process, with PyTorch's fake process group and FakeTensorMode; writes the same per-rank record
-as graphflop.runtime.parallel_probe for rank 0 of each world.
+"""Large-world logger: FSDP2 (``zero3``), tensor parallelism (``tp``) and FSDP2 × TP on a 2-D
+mesh (``fsdp_tp``: ``tp`` ranks on the inner dimension, world / tp data-parallel ranks) at
+world 8-1024 in one process, with PyTorch's fake process group and FakeTensorMode; writes the
+same per-rank record as graphflop.runtime.parallel_probe for rank 0 of each world.
 
 The fake process group (``FakeStore``, backend ``"fake"``) completes every collective at once
 without moving data; the device mesh is built before FakeTensorMode is entered (building it
-inside fails). The model is constructed under FakeTensorMode, so a Llama 3 8B or a GPT-2 XL
+inside fails; a 2-D mesh's groups too). The model is constructed under FakeTensorMode, so a Llama 3 8B or a GPT-2 XL
 costs no memory. Collectives and FLOPs are logged by the probe's dispatch mode with fake
 tensors counted as real (their shapes are the real shapes); the peak is torch's
-``FSDPMemTracker`` (zero3) or ``MemTracker`` (tp) peak of the last step, in bytes, for the
+``FSDPMemTracker`` (zero3, fsdp_tp) or ``MemTracker`` (tp) peak of the last step, in bytes, for the
 record's ``peak_bytes`` (``peak_definition`` says so); ``live_at_step_start`` enumerates the
 storages as the probe does.
 
@@ -18,6 +19,7 @@ storages as the probe does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -30,19 +32,62 @@ from graphflop.load import load
 from graphflop.runtime import parallel_probe as pp
 
 
+@contextlib.contextmanager
+def _mesh_coordinates_outside_fake_mode():
+    """FSDP2 over tensor-parallel parameters concatenates the data-parallel and the TP mesh
+    into a new ``DeviceMesh`` when it shards them, and a new mesh finds this rank's coordinates
+    with ``nonzero`` on its mesh tensor, which FakeTensorMode cannot run (its output shape
+    depends on the data). While this is entered, a mesh's tensor and this rank's coordinates
+    in it are computed with the fake mode unset (from the rank map made outside it: real)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    orig = DeviceMesh._compute_coordinate_on_dim
+
+    def coordinates(self: DeviceMesh) -> tuple[int, ...] | None:
+        with unset_fake_temporarily():
+            return orig(self)
+
+    DeviceMesh._compute_coordinate_on_dim = coordinates  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh._compute_coordinate_on_dim = orig  # type: ignore[method-assign]
+
+
 def run_world(
-    model_spec: str, mode: str, world: int, ctor: dict, batch: int, seq: int, steps: int = 2
+    model_spec: str,
+    mode: str,
+    world: int,
+    ctor: dict,
+    batch: int,
+    seq: int,
+    steps: int = 2,
+    tp: int = 8,
 ) -> dict:
     """Rank 0's record of the last of ``steps`` steps at ``world`` fake ranks; ``batch`` rows
-    of ``seq`` tokens per data-parallel rank (under tp, the whole group's batch)."""
+    of ``seq`` tokens per data-parallel rank (under tp, the whole group's batch); ``tp`` is
+    the inner mesh dimension of ``fsdp_tp``.
+
+    Raises:
+        ProbeError: an unknown mode; under ``fsdp_tp`` a world that is not a multiple of
+            ``tp`` (or equal to it), or heads ``tp`` does not divide.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,))  # outside the fake mode
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        if mode == "fsdp_tp":
+            if world % tp or world == tp:
+                raise pp.ProbeError(
+                    f"fsdp_tp needs a world that is a multiple of tp {tp} above it, not {world}"
+                )
+            mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))  # outside the fake mode
+        with _mesh_coordinates_outside_fake_mode(), FakeTensorMode(allow_non_fake_inputs=True):
             torch.manual_seed(0)
             model = load(model_spec, ctor_kwargs=ctor).model
             emb = pp._first_embedding(model)
@@ -61,15 +106,25 @@ def run_world(
                 parallelize_module(model, mesh, pp._tp_plan(model, world, False))
                 rows = batch
                 dims = pp._dims(tp=world)
+            elif mode == "fsdp_tp":
+                from torch.distributed.fsdp import fully_shard
+                from torch.distributed.tensor.parallel import parallelize_module
+
+                parallelize_module(model, mesh["tp"], pp._tp_plan(model, tp, False))
+                for block in pp._blocks(model):
+                    fully_shard(block, mesh=mesh["dp"])
+                fully_shard(model, mesh=mesh["dp"])
+                rows = batch  # per data-parallel rank, the same on its tp ranks
+                dims = pp._dims(dp=world // tp, tp=tp)
             else:
-                raise pp.ProbeError(f"unknown mode {mode!r}: zero3 or tp")
+                raise pp.ProbeError(f"unknown mode {mode!r}: zero3, tp or fsdp_tp")
             x = torch.randint(0, vocab, (rows, seq))
             y = torch.randint(0, vocab, (rows, seq))
             opt = pp._adamw(model.parameters())
             step = pp._simple_step(model, opt, x, y)
             trainer = pp._Trainer(model, [opt], dims, step, [x, y])
             probe = pp.ProbeMode(count_fake=True)
-            if mode == "zero3":
+            if mode in ("zero3", "fsdp_tp"):
                 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
                 tracker: Any = FSDPMemTracker(model, opt)
@@ -117,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE")
-    p.add_argument("--mode", choices=("zero3", "tp"), required=True)
+    p.add_argument("--mode", choices=("zero3", "tp", "fsdp_tp"), required=True)
+    p.add_argument("--tp", type=int, default=8, help="fsdp_tp: TP ranks (the inner mesh dim)")
     p.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 256, 1024])
     p.add_argument(
         "--batch", type=int, default=1, help="rows per data-parallel rank (tp: per group)"
@@ -131,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctor = pp.parse_ctor_args(a.arg)
         for world in a.worlds:
-            rec = run_world(a.model, a.mode, world, ctor, a.batch, a.seq, a.steps)
+            rec = run_world(a.model, a.mode, world, ctor, a.batch, a.seq, a.steps, a.tp)
             (out / f"{a.mode}_w{world}.json").write_text(json.dumps(rec, indent=1) + "\n")
             print(
                 f"{a.mode} world {world}: {len(rec['collectives'])} collectives, "

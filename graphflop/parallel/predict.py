@@ -37,10 +37,11 @@ storage at its local size under the TP placements, each TP redistribution's new 
 autograd saves where a consumer reads the redistributed value: under SP the gathered inputs of
 attention and MLP) and, under ZeRO 2/3, FSDP's buffers where its engine makes and frees them
 (gathered units, FSDP2's all-gather output and copy-out, its backward prefetch, the flat
-gradient or reduce-scatter input and the gradient shard; :func:`_fsdp_schedule_rise`); the
-gathered parameters live at its peak are reported as ``all_gather_buffers``. With pipeline
-stages (ZeRO 0/1, every block analysed), that schedule's steps of each of the rank's stages are
-replayed per micro-batch in the pipeline schedule's order (:func:`_pipeline_rise`). Otherwise
+gradient or reduce-scatter input and the gradient shard; :func:`_fsdp_schedule_rise`, blocks
+counted from one analysed block too); the gathered parameters live at its peak are reported as
+``all_gather_buffers``. With pipeline stages (ZeRO 0/1, every block analysed), that
+schedule's steps of each of the rank's stages are replayed per micro-batch in the pipeline
+schedule's order (:func:`_pipeline_rise`). Otherwise
 the rise is the analysis's eager train peak less its parameters and optimizer state, scaled by
 this rank's gradients plus activations in flight over the single rank's, and the gathered
 buffers are ZeRO 3's two largest units or ZeRO 2's every unit (an estimate).
@@ -553,13 +554,10 @@ def predict(  # noqa: C901
             for r in range(plan.pp)
         ]
 
-    # ZeRO 2/3 on one stage, every block analysed: the same schedule with FSDP's buffers
+    # ZeRO 2/3 on one stage (every block analysed, or blocks counted from one): the same
+    # schedule with FSDP's buffers
     fsdp_schedule = (
-        plan.pp == 1
-        and plan.zero >= 2
-        and block_counts is None
-        and mem.memory_model == "eager"
-        and plan.micro_batches == 1
+        plan.pp == 1 and plan.zero >= 2 and mem.memory_model == "eager" and plan.micro_batches == 1
     )
 
     # FLOPs per stage per micro-batch ----------------------------------------------------
@@ -708,7 +706,8 @@ def predict(  # noqa: C901
             # from a unit's forward to its backward, in all_gather_buffers)
             p_bytes = sharded + frozen_b
             if fsdp_schedule:
-                live = {u: mem_ for u, mem_ in units.items() if mem_}
+                # the analysed blocks' units (not their copies, which the schedule offsets in)
+                live = {u: mem_ for u, mem_ in units.items() if mem_ and "#" not in u}
                 ub = {u: sum(padded[q] * esize[q] for q in mem_) for u, mem_ in live.items()}
                 fsdp_rise, gather_buf = _fsdp_schedule_rise(
                     fwd,
@@ -721,11 +720,18 @@ def predict(  # noqa: C901
                     unit_of_param={q: u for u, mem_ in live.items() for q in mem_},
                     unit_order=list(live),
                     gathered_bytes=ub,
-                    unsharded_bytes={
-                        u: sum(local_numel(q) * esize[q] for q in mem_) for u, mem_ in live.items()
-                    },
+                    # FSDP2 keeps each unsharded parameter as a view of its own all-gather
+                    # output, dim 0 padded to a multiple of the group: the padded size
+                    unsharded_bytes=ub,
                     shard_bytes={u: b // dp for u, b in ub.items()},
                     local_shard_param_bytes=[padded[q] * esize[q] // dp for q in tq],
+                    weights={"f": f_weight, "b": b_weight},
+                    copies=weight_of_block,
+                    grad_bytes={
+                        q: (local_numel(q) * esize[q], numel[q] * esize[q])
+                        for mem_ in live.values()
+                        for q in mem_
+                    },
                 )
             g_bytes = sharded
             o_bytes = round(sharded * state_per_param_byte)
@@ -858,48 +864,97 @@ def _local_schedule(
 def _weighted_peak(sched: Schedule, weights: dict[str, dict[str, int]] | None) -> int:
     """The peak of ``sched``'s timeline with the copies ``weights`` counts (see
     :func:`_local_schedule_rise`)."""
-    tl = sched.timeline()
     if not weights or not any(weights.values()):
-        return max(tl, default=0)
-    # the k - 1 copies not analysed: each holds its forward storages that the backward reads
-    # (s_more) until its backward runs, and its gradients (g_more) from then on
+        return max(sched.timeline(), default=0)
+    phase = [st.key.partition(":")[0] for st in sched.steps]
+    ks = [
+        weights.get(ph, {}).get(st.key.partition(":")[2].split("@")[0], 1)
+        for ph, st in zip(phase, sched.steps, strict=True)
+    ]
+    return _copies_peak(sched, phase, ks)[0]
+
+
+def _copies_peak(  # noqa: C901
+    sched: Schedule,
+    phase: list[str],
+    ks: list[int],
+    *,
+    gathered: tuple[str, ...] = (),
+    neighbours: tuple[int, int, int, int] | None = None,
+) -> tuple[int, int, int]:
+    """The peak of ``sched`` (one analysed block standing for K identical blocks run one after
+    another) with the K − 1 copies not analysed offset in.
+
+    Args:
+        sched: the schedule with the analysed block.
+        phase: per step, ``f`` (forward), ``b`` (backward) or another phase (the update).
+        ks: per step, the copies its block counts for (K), 1 outside the block.
+        gathered: key prefixes of gathered-parameter storages, whose copies' bytes are reported.
+        neighbours: FSDP2's buffers that overlap a neighbouring copy's backward, as
+            ``(prefetch bytes, prefetch after step, reduce-scatter bytes, reduce-scatter
+            before step)``: while copy j (forward order) runs its backward, after its own
+            parameters are unsharded, copy j − 1's all-gather output (prefetched) is live when
+            j > 1; until its own reduce-scatter input is made, copy j + 1's reduce-scatter input
+            is live when j < K.
+
+    Each copy not analysed holds the storages made in the block's steps that outlive their
+    phase: the forward's (``S`` per copy: what the backward reads, ZeRO-2's gathered
+    parameters) until its backward, the backward's (``G``: gradients, or their shards) after
+    it. Offsets: in the forward, 0 before the block and (K − 1)·S from it on (the block
+    standing for the last copy); in the backward, (K − 1)·S before the block, in it the
+    largest over the copy j it stands for of (j − 1)·S + (K − j)·G plus the neighbours'
+    buffers, after it and in the update (K − 1)·G. With K = 1 it is the schedule's own peak.
+
+    Returns:
+        (peak bytes, index of the step where it first occurs, bytes of the copies' gathered
+        storages and prefetched all-gather output in the offset there).
+    """
+    tl = sched.timeline()
+    big = max(ks, default=1)
+    if big <= 1:
+        peak = max(tl, default=0)
+        return peak, (tl.index(peak) if tl else 0), 0
     storage, size, last = sched._lifetimes()
     order = {"f": 0, "b": 1}
     end = len(sched.steps)
-    s_more = g_more = 0
-    inside: list[bool] = []
+    s1 = g1 = s1_gathered = 0
     for i, st in enumerate(sched.steps):
-        prefix, _, name = st.key.partition(":")
-        k = weights.get(prefix, {}).get(name, 1)
-        inside.append(k > 1)
-        if k == 1 or storage[st.key] != st.key:
+        if ks[i] == 1 or storage[st.key] != st.key:
             continue
         j = last.get(st.key, i)
-        later = sched.steps[j].key.partition(":")[0] if j < end else "end"
-        if j >= end or order.get(later, 2) > order[prefix]:
-            if prefix == "f":
-                s_more += (k - 1) * size[st.key]
+        if j >= end or order.get(phase[j], 2) > order.get(phase[i], 2):
+            if phase[i] == "f":
+                s1 += size[st.key]
+                if st.key.startswith(gathered) and gathered:
+                    s1_gathered += size[st.key]
+            elif phase[i] == "b":
+                g1 += size[st.key]
+    ag_bytes, ag_after, rs_bytes, rs_before = neighbours or (0, end, 0, -1)
+    copies = sorted({j for j in (1, 2, big - 1, big) if 1 <= j <= big})
+    peak, at, at_gathered = 0, 0, 0
+    seen_f = seen_b = False
+    for i in range(end):
+        inside = ks[i] > 1
+        # (copies holding S, copies holding G, prefetch live, previous reduce-scatter live)
+        if phase[i] == "f":
+            seen_f = seen_f or inside
+            cands = [(big - 1 if seen_f else 0, 0, False, False)]
+        elif phase[i] == "b":
+            seen_b = seen_b or inside
+            if inside:
+                cands = [
+                    (j - 1, big - j, j > 1 and i > ag_after, j < big and i < rs_before)
+                    for j in copies
+                ]
             else:
-                g_more += (k - 1) * size[st.key]
-    # the copies run one after another: in the forward, the analysed block stands for the
-    # last copy (all others' saved storages live); in the backward, for the first copy (the
-    # others' saved storages live) or the last (the others' gradients live), whichever is more
-    peak, seen_f, seen_b = 0, False, False
-    for i, st in enumerate(sched.steps):
-        prefix = st.key.partition(":")[0]
-        if prefix == "f":
-            seen_f = seen_f or inside[i]
-            more = s_more if seen_f else 0
-        elif prefix == "b":
-            seen_b = seen_b or inside[i]
-            if inside[i]:
-                more = max(s_more, g_more)
-            else:
-                more = g_more if seen_b else s_more
+                cands = [(0, big - 1, False, False) if seen_b else (big - 1, 0, False, False)]
         else:
-            more = g_more
-        peak = max(peak, tl[i] + more)
-    return peak
+            cands = [(0, big - 1, False, False)]
+        for ns, ng, ag, rs in cands:
+            v = tl[i] + ns * s1 + ng * g1 + (ag_bytes if ag else 0) + (rs_bytes if rs else 0)
+            if v > peak:
+                peak, at, at_gathered = v, i, ns * s1_gathered + (ag_bytes if ag else 0)
+    return peak, at, at_gathered
 
 
 def _redistributed_copies(sched: Any, graphs: dict[str, tuple[GraphModule, Placements]]) -> None:
@@ -981,6 +1036,9 @@ def _fsdp_schedule_rise(  # noqa: C901
     unsharded_bytes: dict[str, int],
     shard_bytes: dict[str, int],
     local_shard_param_bytes: list[int],
+    weights: dict[str, dict[str, int]] | None = None,
+    copies: dict[str, int] | None = None,
+    grad_bytes: dict[str, tuple[int, int]] | None = None,
 ) -> tuple[int, int]:
     """The training step's rise over its start on one rank under FSDP, and the bytes of
     gathered parameters live at that peak: :func:`_local_schedule` (the optimizer's temporaries
@@ -996,14 +1054,26 @@ def _fsdp_schedule_rise(  # noqa: C901
 
     ZeRO 3 (FSDP2 ``fully_shard``): each unit is gathered into an all-gather output
     (``gathered_bytes``) that is copied out into the unsharded parameters
-    (``unsharded_bytes``; both live during the copy) and then freed; a block's unsharded
+    (``unsharded_bytes``: FSDP2 gives each parameter a buffer of its padded size and views the
+    parameter into it; both live during the copy) and then freed; a block's unsharded
     parameters are freed after its forward (``reshard_after_forward``) and gathered again
     before its backward, the root's kept from the forward to the end of the backward; before
     a block's backward the block that ran before it in the forward is prefetched (its
     all-gather output lives until its own backward starts). At each post-backward: the unit's
     parameters resharded, the previous reduce-scatter's input freed (FSDP2 keeps it until
     the next reduce-scatter), the unit's gradients copied into a new reduce-scatter input and
-    freed, the reduce-scatter's output (the gradient shard) made.
+    freed, the reduce-scatter's output (the gradient shard) made. Before the reshard, a gradient held whole
+    whose parameter is tensor-parallel sharded (``grad_bytes``: parameter → (bytes at its
+    placement, whole bytes); a vocabulary-parallel embedding's, scattered into whole zeros) is
+    first redistributed to the parameter's placement, FSDP2's ``_get_grad_inner_tensor``: a new
+    tensor (DTensor clones a Replicate → Shard chunk) made while the whole gradient is live,
+    which then is freed.
+
+    ``weights`` (``"f"``/``"b"`` → node name → K) and ``copies`` (unit → K) count an analysed
+    block for K identical blocks, each its own unit: the block's steps and its unit's buffers
+    stand for each copy in turn, the other copies offset in by :func:`_copies_peak` (their
+    saved activations, ZeRO-2's gathered parameters, their gradient shards, and under ZeRO 3
+    the neighbouring copies' prefetched all-gather output and reduce-scatter input).
 
     Returns:
         (peak rise in bytes, gathered bytes live at the peak).
@@ -1033,11 +1103,24 @@ def _fsdp_schedule_rise(  # noqa: C901
         b_unit[n.name] = f_unit.get(src, root) if src is not None else root
     out_node = next(n for n in bwd.graph.nodes if n.op == "output")
     outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    # a gradient redistributed to its parameter's placement is read as the new tensor
+    made = {st.key for st in sched.steps}
     grads_of: dict[str, list[str]] = {}
+    all_grads: set[str] = set()
+    grad_bytes = grad_bytes or {}
+    storage, size, _ = sched._lifetimes()
+    redist_of: dict[str, list[tuple[str, int]]] = {}  # unit -> (gradient key, bytes after)
     for i, q in bwd.meta[VJP].grads:
         if i < len(outs) and isinstance(outs[i], Node) and q in unit_of_param:
-            grads_of.setdefault(unit_of_param[q], []).append(f"b:{outs[i].name}")
-    all_grads = {k for ks in grads_of.values() for k in ks}
+            key = f"b:{outs[i].name}"
+            moved = f"{key}@moved"
+            key_ = moved if moved in made else key
+            local, whole = grad_bytes.get(q, (0, 0))
+            if local < whole and key_ in storage and size[storage[key_]] == whole:
+                redist_of.setdefault(unit_of_param[q], []).append((key_, local))
+                key_ = f"fsdp:redist:{unit_of_param[q]}:{key_}"
+            grads_of.setdefault(unit_of_param[q], []).append(key_)
+            all_grads |= {key, moved}
 
     def unit_at(key: str) -> tuple[str, str | None]:
         prefix, _, name = key.partition(":")
@@ -1063,7 +1146,12 @@ def _fsdp_schedule_rise(  # noqa: C901
     after: dict[int, list[Step]] = {}
     keep: set[str] = set()
 
+    owner: dict[str, str] = {}  # an FSDP step's key -> the unit it stands for in a copy
+
     def step(key: str, nbytes: int = 0, reads: tuple[str, ...] = ()) -> Step:
+        parts = key.split(":")
+        if len(parts) > 2:
+            owner[key] = parts[2]
         return Step(key, nbytes, None, list(reads))
 
     def gather(u: str, tag: str, prefetched: bool = False) -> list[Step]:
@@ -1083,7 +1171,9 @@ def _fsdp_schedule_rise(  # noqa: C901
                 step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}",)),
                 step(f"fsdp:grad:{u}", shard_bytes[u], (f"fsdp:flat:{u}",)),
             ]
-        out = [step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}:{tag}",))]
+        # FSDP2 takes (and redistributes) the gradients before it reshards
+        out = [step(f"fsdp:redist:{u}:{g}", nb, (g,)) for g, nb in redist_of.get(u, [])]
+        out.append(step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}:{tag}",)))
         if prev_rs[0] is not None:
             out.append(step(f"fsdp:rs_done:{u}", 0, (prev_rs[0],)))
         out.append(step(f"fsdp:rs_in:{u}", gathered_bytes[u], grads))
@@ -1109,6 +1199,7 @@ def _fsdp_schedule_rise(  # noqa: C901
         before.setdefault(b_begin, []).append(
             step(f"fsdp:ag:{b_order[0]}:b", gathered_bytes[b_order[0]])
         )
+        owner.pop(f"fsdp:ag:{b_order[0]}:b")  # made once, for the last copy only
         prefetched.add(b_order[0])
     for u in b_order:
         i = first[("b", u)]
@@ -1122,20 +1213,43 @@ def _fsdp_schedule_rise(  # noqa: C901
     before.setdefault(b_end, []).extend(post_backward(root, "f"))
 
     steps: list[Step] = []
+    phase: list[str] = []
+    ks: list[int] = []
+    weights = weights or {}
+    copies = copies or {}
     for i, st in enumerate(sched.steps):
-        steps.extend(before.get(i, []))
+        ph, _, name = st.key.partition(":")
+        added = [*before.get(i, []), st, *after.get(i, [])]
         if st.key == "b:__output__":
             st.reads = [r for r in st.reads if r not in all_grads]
-        steps.append(st)
-        steps.extend(after.get(i, []))
+        steps.extend(added)
+        phase.extend([ph] * len(added))
+        ks.extend(
+            copies.get(owner.get(x.key, ""), 1)
+            if x is not st
+            else weights.get(ph, {}).get(name.split("@")[0], 1)
+            for x in added
+        )
     sched.steps = steps
     sched.keep = (sched.keep - all_grads) | keep
-    timeline = sched.timeline()
-    peak = max(timeline, default=0)
-    at = timeline.index(peak) if timeline else 0
-    gathered = sum(
-        nb for k, nb in sched.live_at(at).items() if k.startswith(("fsdp:param:", "fsdp:ag:"))
-    )
+    neighbours = None
+    copied = [u for u in blocks if copies.get(u, 1) > 1]
+    keys = [st.key for st in steps]
+    if (
+        zero == 3
+        and len(copied) == 1
+        and {f"fsdp:param:{copied[0]}:b", f"fsdp:rs_in:{copied[0]}"} <= set(keys)
+    ):
+        u = copied[0]
+        neighbours = (
+            gathered_bytes[u],
+            keys.index(f"fsdp:param:{u}:b"),
+            gathered_bytes[u],
+            keys.index(f"fsdp:rs_in:{u}"),
+        )
+    gathered_keys = ("fsdp:param:", "fsdp:ag:")
+    peak, at, more = _copies_peak(sched, phase, ks, gathered=gathered_keys, neighbours=neighbours)
+    gathered = more + sum(nb for k, nb in sched.live_at(at).items() if k.startswith(gathered_keys))
     return peak, gathered
 
 
