@@ -4,6 +4,7 @@ GPT-2 against hand counts, and bad input refused in one line with exit status 2.
 from __future__ import annotations
 
 import functools
+import json
 from collections import Counter
 
 import pytest
@@ -442,3 +443,57 @@ def test_fsdp_tp_peak_under_the_fake_process_group():
     t = torch_side("models/llama.py", {**cfg, "n_layers": 2}, "fsdp_tp", 8, 1, 16, tp=2)
     assert p["collectives"] == t["collectives"]
     assert abs(p["peak"] - t["peak"]) <= t["peak"] * 1e-4, (p["peak"], t["peak"])
+
+
+_BUFFERED = """
+import torch
+from torch import nn
+
+
+class Blk(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.l = nn.Linear(d, d)
+        self.register_buffer("scale", torch.ones(d))
+        self.register_buffer("table", torch.zeros(1000, d))  # never read
+
+    def forward(self, x):
+        return x + self.l(x) * self.scale
+
+
+class Net(nn.Module):
+    def __init__(self, d=24, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Blk(d) for _ in range(n))
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def example_inputs():
+    return (torch.randn(5, 24),)
+"""
+
+
+def test_buffers_held_by_the_stage_that_owns_them(tmp_path):
+    # each block holds a 1,000 × 24 table it never reads and a 24-element scale it reads:
+    # (24,000 + 24) × 4 = 96,096 B a block. Every pipeline stage holds its own block's; one
+    # rank without a pipeline holds all three (288,288 B), whole at any --tp/--dp, and with
+    # --blocks the analysed block's count for its copies
+    f = tmp_path / "buffered.py"
+    f.write_text(_BUFFERED)
+
+    def buffers(*extra):
+        out = tmp_path / "p.json"
+        assert main(["plan", f"{f}:Net", *extra, "--json", str(out)]) == 0
+        ranks = json.loads(out.read_text())["ranks"]
+        return [(r["memory_bytes"]["buffers"], r["memory_bytes"]["peak"]) for r in ranks]
+
+    assert [b for b, _ in buffers("--pp", "3")] == [96_096] * 3
+    whole = buffers()
+    assert whole[0][0] == 3 * 96_096 == 288_288
+    assert buffers("--dp", "2", "--zero", "3")[0][0] == 288_288
+    assert buffers("--blocks", "n=3")[0] == whole[0]

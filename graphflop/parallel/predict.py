@@ -102,8 +102,9 @@ class RankClass:
             stage's receive buffers), batch (the micro-batch's inputs and targets; a pipeline
             stage's inputs or targets of every micro-batch), step_rise (the rest of the step's
             rise over its start: gradients, activations and temporaries as they coexist at the
-            peak; see the module docstring), peak = parameters + optimizer_state +
-            all_gather_buffers + engine_buffers + batch + step_rise.
+            peak; see the module docstring), buffers (the module buffers the stage holds:
+            running statistics, masks, rotary tables; whole on every rank), peak = parameters +
+            buffers + optimizer_state + all_gather_buffers + engine_buffers + batch + step_rise.
         in_flight: micro-batches whose activations the stage holds at its peak (fractional
             for interleaved chunks).
         collectives: per step, each with its group (tp, dp, pp).
@@ -437,6 +438,16 @@ def predict(  # noqa: C901
     for ph, q in sig.params:
         users = phs[ph].users
         p_stages[q] = {rank_stage(f_stage[u.name]) for u in users} or {0}
+    # buffers per stage: on the stages whose forward reads them (an unread one on its
+    # module's stage), whole on every rank of the stage (neither TP nor FSDP shards a buffer),
+    # once per copy of an analysed block
+    buffer_bytes = [0] * plan.pp
+    for ph, q in sig.buffers:
+        module = q.rpartition(".")[0]
+        home = rank_stage(_stage_of_module(module, block_stage))
+        copies = next((k for b, k in weight_of_block.items() if _inside(module, b)), 1)
+        for s_ in {rank_stage(f_stage[u.name]) for u in phs[ph].users} or {home}:
+            buffer_bytes[s_] += copies * phs[ph].meta["val"].numel() * _esize(phs[ph])
     numel = {q: phs[ph].meta["val"].numel() for ph, q in sig.params}
     shape_of = {q: tuple(int(s) for s in phs[ph].meta["val"].shape) for ph, q in sig.params}
     esize = {q: phs[ph].meta["val"].element_size() for ph, q in sig.params}
@@ -758,7 +769,7 @@ def predict(  # noqa: C901
             step_rise = stage_rise[s]
         else:
             step_rise = round(rise * (g_bytes + act) / dynamic_global) if dynamic_global else 0
-        peak = p_bytes + o_bytes + gather_buf + engine + stage_batch + step_rise
+        peak = p_bytes + buffer_bytes[s] + o_bytes + gather_buf + engine + stage_batch + step_rise
         flops = {
             "forward": ff[s]["forward"] * m,
             "backward": bf[s]["backward"] * m,
@@ -792,6 +803,7 @@ def predict(  # noqa: C901
                 mm_flops=mmf,
                 memory_bytes={
                     "parameters": p_bytes,
+                    "buffers": buffer_bytes[s],
                     "gradients": g_bytes,
                     "optimizer_state": o_bytes,
                     "activations": act,
@@ -1300,9 +1312,17 @@ def _node_weights(
 
 def _stage_of_module(module: str, block_stage: dict[str, int]) -> int:
     for b, s in block_stage.items():
-        if module == b or module.startswith(b + "."):
+        if _inside(module, b):
             return s
     return 0
+
+
+def _inside(module: str, block: str) -> bool:
+    return module == block or module.startswith(block + ".")
+
+
+def _esize(n: Node) -> int:
+    return int(n.meta["val"].element_size())
 
 
 def _global_bytes(gm: GraphModule, name: str) -> int:
