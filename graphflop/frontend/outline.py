@@ -350,6 +350,7 @@ class Outliner:
             m: [p.requires_grad for p in dict(m.named_parameters()).values()] for m in modules
         }
         self.states = {m: _modules_state(m) for m in modules}
+        self._index_of: dict[nn.Module, tuple] = {}  # :func:`_indices` per module, once
         self.calls: list[Call] = []
         self.keys: dict[Any, int] = {}
         self._saved: list = []
@@ -444,7 +445,7 @@ class Outliner:
                     )
                 )
             call = self.calls[self.keys[key]]
-            if m is not call.module and _indices(m) != _indices(call.module):
+            if m is not call.module and self._indices(m) != self._indices(call.module):
                 call.check = m
             with self._dispatched(call):
                 outs = repeat([*tensors, *state], self.keys[key])
@@ -459,6 +460,14 @@ class Outliner:
 
         vars(forward)["_graphflop_stub"] = True
         return forward
+
+    def _indices(self, m: nn.Module) -> tuple:
+        """:func:`_indices` of ``m``, read at its first call (a per-layer index is set when
+        the model is built, not in forward)."""
+        found = self._index_of.get(m)
+        if found is None:
+            found = self._index_of[m] = _indices(m)
+        return found
 
     def _rebuild(self, call: Call, tensors: list) -> tuple[tuple, dict, dict]:
         it = iter(tensors[: call.n_inputs])
