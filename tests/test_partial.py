@@ -280,3 +280,29 @@ def test_embedding_bag_sum_counts_by_hand():
     # rows summed into bags 6·4 = 24 adds; the lookup is free: 1 + 7 + 24 = 32
     assert d["totals"]["forward"]["flops"] == 1 + 7 + 24
     assert d["uncounted"] == []
+
+
+def test_dead_code_removal_keeps_what_fx_keeps():
+    """graphflop's dead-code removal (users tested before impurity, removed ops costed as it
+    goes) leaves the nodes fx's ``eliminate_dead_code`` leaves, and costs what it removed."""
+    import copy
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphflop.frontend.export_form import _eliminate_dead_code, _kept
+
+    def fn(x, w):
+        dead = torch.tanh(x @ w)  # a dead chain: mm then tanh
+        torch.rand_like(x)  # dead but impure: a random draw stays
+        return (x * 2,) if dead is not None else ()
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(2, 16), torch.randn(16, 16))
+    ours, theirs = copy.deepcopy(gm.graph), copy.deepcopy(gm.graph)
+    unused = _eliminate_dead_code(ours)
+    theirs.eliminate_dead_code(is_impure_node=_kept)
+    assert [n.name for n in ours.nodes] == [n.name for n in theirs.nodes]
+    assert any(n.target is torch.ops.aten.rand_like.default for n in ours.nodes)
+    assert not any(n.target is torch.ops.aten.tanh.default for n in ours.nodes)
+    # mm (2, 16) @ (16, 16): 2·2·16·16 = 1,024 matrix FLOPs; tanh on 32 elements: 32
+    assert unused.mm_flops == 1024
+    assert unused.flops == 1024 + 32

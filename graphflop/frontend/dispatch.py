@@ -103,11 +103,16 @@ class RoutedDispatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        masks = [
-            (t, self._masks[t])
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and t in self._masks
-        ]
+        # no mask made yet (the common case): no argument to look for
+        masks = (
+            [
+                (t, self._masks[t])
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t in self._masks
+            ]
+            if len(self._masks)
+            else []
+        )
         if len(masks) == 1 and func not in _VIEWS and func not in _ANY:
             t, mask = masks[0]
             with _pending(tuple(t.shape), self._rows(mask)):

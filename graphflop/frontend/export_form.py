@@ -313,23 +313,28 @@ def _kept(n: torch.fx.Node) -> bool:
 
 
 def _eliminate_dead_code(g: torch.fx.Graph) -> NodeCost:
-    """``g.eliminate_dead_code()``, returning the summed cost of the ops it removed (reported as
-    ``totals.forward.unused_flops``, never silently dropped; an op without a rule counts 0)."""
+    """Dead code removed from ``g`` as ``g.eliminate_dead_code()`` removes it, returning the
+    summed cost of the ops it removed (reported as ``totals.forward.unused_flops``, never
+    silently dropped; an op without a rule counts 0)."""
     from graphflop.ops.cost import op_cost, value_of
     from graphflop.ops.tree import tree_map
 
-    ops = [n for n in g.nodes if n.op == "call_function"]
-    calls = {n: (n.target, tree_map(value_of, n.args), tree_map(value_of, n.kwargs)) for n in ops}
-    outs = {n: n.meta.get("val") for n in ops}
-    g.eliminate_dead_code(is_impure_node=_kept)
-    alive = set(g.nodes)
+    # fx's eliminate_dead_code, with the users tested before the impurity (which it tests on
+    # every node) and each removed op's arguments read as it goes
+    dead: list[tuple] = []
+    for n in reversed(g.nodes):
+        if n.users or _kept(n):
+            continue
+        if n.op == "call_function":
+            args, kwargs = tree_map(value_of, n.args), tree_map(value_of, n.kwargs)
+            dead.append((n.target, args, kwargs, n.meta.get("val")))
+        g.erase_node(n)
     total = NodeCost()
-    for n, (op, args, kwargs) in calls.items():
-        if n not in alive:
-            try:
-                total = total + op_cost(op, args, kwargs, outs[n])
-            except MissingRuleError:  # --strict: a dead op without a rule is not an error
-                pass
+    for op, args, kwargs, out in reversed(dead):  # summed in graph order
+        try:
+            total = total + op_cost(op, args, kwargs, out)
+        except MissingRuleError:  # --strict: a dead op without a rule is not an error
+            pass
     return total
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -61,7 +62,10 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 INDEX_ATTRS = frozenset({"layer_idx"})
 
 
-@torch.library.custom_op("graphflop::repeat", mutates_args=())
+# flexible layout: make_fx records no copy of the arguments' metadata for the call node (which it
+# does for ops that need exact strides, the default for custom ops); the node is replaced by the
+# template's nodes before anything reads it
+@torch.library.custom_op("graphflop::repeat", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def repeat(tensors: list[torch.Tensor], key: int) -> list[torch.Tensor]:
     """An outlined module call (inputs, then the module's parameters and buffers); exists only
     while graphflop traces, and is replaced by the module's graph afterwards."""
@@ -333,8 +337,11 @@ class Outliner:
     traces each distinct call once and :func:`inline` expands the graph.
     """
 
-    def __init__(self, modules: dict[nn.Module, int]):
+    def __init__(self, modules: dict[nn.Module, int], fake_mode: Any = None):
         self.modules = modules
+        # the FakeTensorMode the trace runs in: a call whose outputs are known skips its
+        # dispatch cache (:meth:`_dispatched`)
+        self.fake_mode = fake_mode
         # whether each parameter requires grad, read before tracing: inside it the module's
         # parameters are functional wrappers that do not say, while PyTorch's kernels see the
         # traced parameters' flag (matmul folds a strided input into one mm for a weight that
@@ -343,6 +350,7 @@ class Outliner:
             m: [p.requires_grad for p in dict(m.named_parameters()).values()] for m in modules
         }
         self.states = {m: _modules_state(m) for m in modules}
+        self._index_of: dict[nn.Module, tuple] = {}  # :func:`_indices` per module, once
         self.calls: list[Call] = []
         self.keys: dict[Any, int] = {}
         self._saved: list = []
@@ -402,14 +410,18 @@ class Outliner:
             others = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
             params = list(dict(m.named_parameters()).values())
             state = [*params, *dict(m.named_buffers()).values()]
-            state_meta = [_meta(t)[:4] + (rg,) for t, rg in zip(params, self.trainable[m])]
-            state_meta += [_meta(t) for t in state[len(params) :]]
+            # metadata reads: no function mode (the tracer's, graphflop's routing) has
+            # anything to do with them, and each would otherwise pass through all of them
+            with torch._C.DisableTorchFunction():
+                state_meta = [_meta(t)[:4] + (rg,) for t, rg in zip(params, self.trainable[m])]
+                state_meta += [_meta(t) for t in state[len(params) :]]
+                input_meta = [_meta(t) for t in tensors]
             try:
                 key = (
                     self.modules[m],
                     spec,
                     tuple(_attr_key(x) for x in others),
-                    tuple(_meta(t) for t in tensors),
+                    tuple(input_meta),
                     tuple(state_meta),
                     torch.is_grad_enabled(),
                 )
@@ -425,7 +437,7 @@ class Outliner:
                         spec,
                         others,
                         len(tensors),
-                        [_meta(t) for t in tensors],
+                        input_meta,
                         state_meta,
                         torch.is_grad_enabled(),
                         self.states[m],
@@ -433,9 +445,10 @@ class Outliner:
                     )
                 )
             call = self.calls[self.keys[key]]
-            if m is not call.module and _indices(m) != _indices(call.module):
+            if m is not call.module and self._indices(m) != self._indices(call.module):
                 call.check = m
-            outs = repeat([*tensors, *state], self.keys[key])
+            with self._dispatched(call):
+                outs = repeat([*tensors, *state], self.keys[key])
             # the buffers the module writes (running statistics): their new values come out
             # after the outputs and are written here, as the module's forward writes them
             n = len(outs) - len(call.written)
@@ -447,6 +460,14 @@ class Outliner:
 
         vars(forward)["_graphflop_stub"] = True
         return forward
+
+    def _indices(self, m: nn.Module) -> tuple:
+        """:func:`_indices` of ``m``, read at its first call (a per-layer index is set when
+        the model is built, not in forward)."""
+        found = self._index_of.get(m)
+        if found is None:
+            found = self._index_of[m] = _indices(m)
+        return found
 
     def _rebuild(self, call: Call, tensors: list) -> tuple[tuple, dict, dict]:
         it = iter(tensors[: call.n_inputs])
@@ -486,6 +507,18 @@ class Outliner:
             call.out_meta = [_meta(x) for x in outs]
             call.out_meta += [_meta(tensors[call.n_inputs + i]) for i in call.written]
         return [_like(mode, m[:4] + (False,)) for m in call.out_meta]
+
+    @contextlib.contextmanager
+    def _dispatched(self, call: Call):
+        """Around the ``repeat`` op of ``call``: once its outputs' metadata are known (the
+        first call ran the module), FakeTensorMode's dispatch cache is off for it. The cache
+        never keeps a custom op's result, but would hash every argument's metadata (a block's
+        inputs, parameters and buffers) on each call before finding that out."""
+        if call.out_spec is None or self.fake_mode is None:
+            yield
+            return
+        with disable_fake_tensor_cache(self.fake_mode):
+            yield
 
     @contextlib.contextmanager
     def _bypass(self):
@@ -541,6 +574,22 @@ def inline(
     paths: dict[int, str] = {}
     for name, m in model.named_modules(remove_duplicate=False):
         paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
+    # per template, once: its nodes with their index, relative module path and the submodule
+    # entries of their module stack (the part each call prefixes with its own path)
+    bodies: dict[int, list[tuple[int, Node, str, tuple]]] = {}
+    for key, tpl in templates.items():
+        body = bodies[key] = []
+        for index, tn in enumerate(tpl.nodes):
+            if tn.op in ("placeholder", "output"):
+                continue
+            rel = module_path(tn, wrapped=False) or MARK
+            tn.meta[MODULE] = rel
+            inner = tuple(
+                (path[len(MARK) + 1 :], cls)
+                for path, cls in (tn.meta.get("nn_module_stack") or {}).values()
+                if path != MARK
+            )
+            body.append((index, tn, rel, inner))
     copied = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.graphflop.repeat.default:
@@ -555,32 +604,30 @@ def inline(
         env: dict[Node, Any] = {}
         phs = [n for n in tpl.nodes if n.op == "placeholder"]
         env.update(zip(phs, tensors))
-        out_args: list = []
+        out = next(n for n in reversed(tpl.nodes) if n.op == "output")
+        # the call's module stack per distinct template stack, and the module path it gives
+        stacks: dict[tuple, tuple[dict, str]] = {}
         with graph.inserting_before(node):
-            for index, tn in enumerate(tpl.nodes):
-                if tn.op == "placeholder":
-                    continue
-                if tn.op == "output":
-                    out_args = list(tn.args[0])
-                    continue
-                if (
-                    tn.target is torch.ops.aten.copy_.default
-                    and env[tn.args[0]].op != "placeholder"
-                ):
+            for index, tn, rel, inner in bodies[key]:
+                written = tn.args[0] if tn.target is torch.ops.aten.copy_.default else None
+                if isinstance(written, Node) and env[written].op != "placeholder":
                     raise NotOutlinable(-1, "writes a buffer written before")
                 new = copy_node(graph, tn, env.__getitem__)
                 _inherit_region(new, node)
-                stack = dict(site)
-                for path, cls in (tn.meta.get("nn_module_stack") or {}).values():
-                    if path != MARK:
-                        full = _site_path(model, prefix, site_path, path[len(MARK) + 1 :], paths)
+                known = stacks.get(inner)
+                if known is None:
+                    stack = dict(site)
+                    for path, cls in inner:
+                        full = _site_path(model, prefix, site_path, path, paths)
                         stack[full] = (full, cls)
-                new.meta["nn_module_stack"] = stack
+                    new.meta["nn_module_stack"] = stack
+                    known = stacks[inner] = (stack, module_path(new))
+                else:
+                    new.meta["nn_module_stack"] = dict(known[0])
                 new.meta[CALL_SITE] = (site_no, index)
-                rel = module_path(tn, wrapped=False) or MARK
-                tn.meta[MODULE] = rel
-                modules[rel] = module_path(new)
+                modules[rel] = known[1]
                 env[tn] = new
+        out_args = list(out.args[0])
         if sites is not None:
             sites.append((key, modules))
         outs = [env[a] if isinstance(a, Node) else a for a in out_args]

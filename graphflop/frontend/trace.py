@@ -273,37 +273,37 @@ def _trace_once(
     table = replays.wrap(tagged_decompositions(decomposition_table(), regions))
     # not replayed: the same mask shape may stand for another expert's rows
     table.update(_chained(table, routed_index_decompositions()))
-    outliner = repeats.Outliner(outline)
+    outliner = repeats.Outliner(outline, fake_mode)
     dispatch = RoutedDispatch()
+    modes = _FunctionModes(dispatch, CompositeOps())
+    trainable = {i for i, p in enumerate(params.values()) if p.requires_grad}
     try:
         with (
             routed_nonzero(),
-            dispatch,
             warnings.catch_warnings(),
-            CompositeOps(),
             fake_mode,
             inline_functions() as records,
             checkpoints_tagged(),
             _requires_grad_ignored(),
         ):
             warnings.simplefilter("ignore")
-            trainable = {i for i, p in enumerate(params.values()) if p.requires_grad}
             with outliner, grad_sources(trainable):
                 gm = make_fx(
-                    torch.func.functionalize(objective),
+                    torch.func.functionalize(modes.around(objective)),
                     decomposition_table=table,
                     _allow_fake_constant=True,
                 )(*flat_state, *inputs)
             templates = {}
             for key, call in enumerate(outliner.calls):
-                templates[key] = _trace_template(outliner, key, call, table, fake_mode)
+                templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes)
                 if call.check is not None and repeats.graph_signature(
                     templates[key]
                 ) != repeats.graph_signature(
-                    _trace_template(outliner, key, call, table, fake_mode, call.check)
+                    _trace_template(outliner, key, call, table, fake_mode, modes, call.check)
                 ):
                     raise repeats.NotOutlinable(call.structure, "its graph depends on layer_idx")
-            trace_records(records, table, fake_mode)
+            with modes:
+                trace_records(records, table, fake_mode)
     except TraceError:
         raise
     except Exception as e:
@@ -344,6 +344,37 @@ def _trace_once(
     frozen += _detached_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+class _FunctionModes:
+    """graphflop's torch-function modes for a trace (the routed expert dispatch, then the
+    composite ops kept whole), in force inside the traced function only (:meth:`around`).
+    make_fx's own per-input work (a placeholder and its metadata for every parameter) calls
+    tensor methods a dozen times per input; each call would pass through every Python mode
+    on the stack, which made the placeholders of a deep model cost as much as its traced ops."""
+
+    def __init__(self, *modes: Any):
+        self.modes = modes
+        self._stack: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> _FunctionModes:
+        stack = contextlib.ExitStack()
+        for m in self.modes:
+            stack.enter_context(m)
+        self._stack.append(stack)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._stack.pop().__exit__(*exc)
+
+    def around(self, fn: Any) -> Any:
+        """``fn`` called with the modes in force."""
+
+        def run(*args: Any) -> Any:
+            with self:
+                return fn(*args)
+
+        return run
 
 
 def _detached_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
@@ -428,6 +459,7 @@ def _trace_template(
     call: Any,
     table: dict,
     fake_mode: FakeTensorMode,
+    modes: _FunctionModes,
     module: nn.Module | None = None,
 ) -> torch.fx.Graph:
     """The graph of one outlined module call (made by ``call.module``, or by ``module``, another
@@ -439,7 +471,7 @@ def _trace_template(
         with ModuleScopes(m, prefix=repeats.MARK, base=[(repeats.MARK, qualname(m))]):
             return fn(*tensors)
 
-    gm = make_fx(torch.func.functionalize(scoped), decomposition_table=table)(
+    gm = make_fx(torch.func.functionalize(modes.around(scoped)), decomposition_table=table)(
         *outliner.example_tensors(key, fake_mode)
     )
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
