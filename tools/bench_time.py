@@ -23,7 +23,9 @@ backward also ``X_backward``, ``X_backward_data``) counts with its whole time, c
 included, less the profiler's own cost in it (measured first: once per event and once per
 event recorded under it; ``--raw-profiler-times`` keeps the raw figure), and events under it
 are not counted again; wrapper events (``aten::linear``,
-autograd nodes) are looked through. The per-op error of one (model, batch, phase, op) is
+autograd nodes) are looked through. The optimizer's update is measured whole: the update
+phase's event (``step()`` and ``zero_grad()``, the Python around the per-parameter loop
+included), as the time pass predicts the step. The per-op error of one (model, batch, phase, op) is
 ``|predicted − measured| / measured`` on the sums over the phase; ``FLOP-weighted`` weighs it
 by the op's FLOPs.
 """
@@ -71,6 +73,10 @@ CASES = (
     ("GPT-2 small", "models/gpt2.py:gpt2_small", ((1, 128), (2, 128))),
 )
 PHASES = ("forward", "backward", "update")
+#: a phase's kernel map entry whose op is measured as the whole phase (the update: torch.optim's
+#: step() and zero_grad(), the Python around its per-parameter loop included, as the time pass
+#: predicts it)
+WHOLE_PHASE = "*"
 MARK_BEGIN = "<!-- bench_time:begin -->"
 MARK_END = "<!-- bench_time:end -->"
 
@@ -233,24 +239,27 @@ def _op_sums(events: Any, kernels: dict[str, dict[str, str]], cuda: bool) -> dic
     out: dict[tuple[str, str], float] = {}
     roots = [e for e in events if e.name.startswith("phase:") and e.cpu_parent is None]
 
+    def seconds(e: Any) -> float:
+        if cuda and e.device_time_total:
+            return e.device_time_total * 1e-6
+        s = e.cpu_time_total * 1e-6
+        own = PROFILER_COST[0] + _descendants(e) * PROFILER_COST[1]
+        return max(s - own, s / 2)
+
     def visit(e: Any, phase: str) -> None:
         op = kernels[phase].get(e.name)
-        if op is None and e.name.startswith("aten::"):
-            op = kernels[phase].get("*")
         if op is not None:
-            if cuda and e.device_time_total:
-                s = e.device_time_total * 1e-6
-            else:
-                s = e.cpu_time_total * 1e-6
-                own = PROFILER_COST[0] + _descendants(e) * PROFILER_COST[1]
-                s = max(s - own, s / 2)
-            out[(phase, op)] = out.get((phase, op), 0.0) + s
+            out[(phase, op)] = out.get((phase, op), 0.0) + seconds(e)
             return
         for c in e.cpu_children:
             visit(c, phase)
 
     for r in roots:
         phase = r.name.removeprefix("phase:")
+        whole = kernels.get(phase, {}).get(WHOLE_PHASE)
+        if whole is not None:  # the optimizer's step and zero_grad, Python included
+            out[(phase, whole)] = out.get((phase, whole), 0.0) + seconds(r)
+            continue
         for c in r.cpu_children:
             visit(c, phase)
     return out
@@ -357,8 +366,8 @@ def run_case(
     kernels: dict[str, dict[str, str]] = {p: {} for p in PHASES}
     for tr in preds.values():
         for o in tr.ops:
-            if o.op == UPDATE_KERNEL:  # torch.optim's in-place ops, whatever their names
-                kernels[o.phase]["*"] = o.op
+            if o.op == UPDATE_KERNEL:  # torch.optim's step() + zero_grad(), as a whole
+                kernels[o.phase][WHOLE_PHASE] = o.op
             elif o.phase in kernels:
                 for name in eager_names(o.op, o.phase):
                     kernels[o.phase].setdefault(name, o.op)
