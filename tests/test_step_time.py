@@ -508,3 +508,29 @@ def test_a_loss_reads_one_logit_per_row_whatever_the_classes():
 
     ls = [k for k in ek(a.forward, a.forward) if k.name == "aten._log_softmax.default"]
     assert kb(ls[0]) == 2 * 4 * 1000 * 4
+
+
+def test_a_composite_variant_and_its_backward_take_their_own_kernel_rates():
+    # the tanh GELU runs at 1e6 B/s, the exact one at 1e9, the tanh GELU's backward kernel at
+    # 2e6 B/s over 3 × its input (eager's cotangent and saved input read, gradient written)
+    kernels = {
+        "aten.gelu.default": RateCurve(((1.0, 1e9),)),
+        "aten.gelu.default[tanh]": RateCurve(((1.0, 1e6),)),
+        "aten.gelu.default[tanh]/backward": RateCurve(((1.0, 2e6),)),
+    }
+    p = _profile(kernels=kernels)
+    model = nn.Sequential(nn.Linear(8, 8, device="meta"), nn.GELU(approximate="tanh"))
+    a = analyze(model, torch.empty(4, 8, device="meta"), jvp=False, time_profile=p)
+
+    def kernel_s(gm):
+        ts = [n.meta[TIME] for n in gm.graph.nodes if TIME in n.meta]
+        return sum(t.seconds for t in ts if t.kernel == "aten.gelu.default")
+
+    # forward: the linear layer's 4 × 8 output, 4·8·4 = 128 bytes in, 128 out, at 1e6 B/s
+    assert kernel_s(a.forward) == pytest.approx(256 / 1e6)
+    # backward: 3 × 128 bytes at 2e6 B/s
+    assert kernel_s(a.backward) == pytest.approx(3 * 128 / 2e6)
+    # the exact GELU takes the plain entry (its [erf] variant is not in the table)
+    b = analyze(nn.Sequential(nn.GELU()), torch.empty(4, 8, device="meta"), jvp=False,
+                time_profile=p)  # fmt: skip
+    assert kernel_s(b.forward) == pytest.approx(256 / 1e9)

@@ -168,10 +168,13 @@ class TimeProfile:
             kernel that allocates its output (as most eager ops do).
         inplace_bandwidth: the same for a kernel that writes into an existing tensor (the
             optimizer's in-place update); None: :attr:`bandwidth`.
-        kernels: eager kernel op name (``aten.max_pool2d_with_indices.default``) -> its own
-            measured bytes/s over its bytes, for forward kernels whose eager implementation runs
-            far from the streaming rate; their time is ``bytes / rate`` in place of
-            ``max(compute, memory)``.
+        kernels: eager kernel key (``aten.max_pool2d_with_indices.default``; a composite op's
+            variant, ``aten.gelu.default[tanh]``; ``/backward`` for a derivative's kernel,
+            ``aten.native_batch_norm.default/backward``) -> its own measured bytes/s, for
+            kernels whose eager implementation runs far from the streaming rate: over the bytes
+            graphflop counts for a forward kernel, over 3 × its largest input for a
+            derivative's (eager's cotangent and saved input read, input gradient written);
+            their time is ``bytes / rate`` in place of ``max(compute, memory)``.
         launch_overhead_s: seconds one eager kernel costs beyond its work (dispatch, launch).
         view_overhead_s: seconds a view (no bytes moved) costs in eager PyTorch's dispatcher.
         efficiency: the factors a data-sheet profile applied (empty when measured).
@@ -221,12 +224,16 @@ class TimeProfile:
     update_step_s: Mapping[str, float] = field(default_factory=dict)
     fixed: Mapping[str, float] = field(default_factory=dict)
 
-    def fixed_cost(self, op: str, forward: bool = True, view: bool = False) -> float:
+    def fixed_cost(
+        self, op: str, forward: bool = True, view: bool = False, variant: str | None = None
+    ) -> float:
         """Seconds one eager kernel of op ``op`` costs beyond its work: :attr:`fixed`'s entry
-        for ``op + "/backward"`` (``forward`` False: a derivative's kernel), else for ``op``,
+        for ``variant`` (a composite op's variant, ``aten.gelu.default[tanh]``), else for
+        ``op``, each first with ``"/backward"`` (``forward`` False: a derivative's kernel);
         else :data:`ANY_VIEW` (``view``: a kernel that moves no bytes) or :data:`ANY_KERNEL`;
         without any, :attr:`view_overhead_s` (``view``) or :attr:`launch_overhead_s`."""
-        keys = ([] if forward else [f"{op}{BACKWARD_SUFFIX}"]) + [op]
+        names = [x for x in (variant, op) if x]
+        keys = ([] if forward else [f"{x}{BACKWARD_SUFFIX}" for x in names]) + names
         keys.append(ANY_VIEW if view else ANY_KERNEL)
         for key in keys:
             if key in self.fixed:

@@ -259,8 +259,54 @@ def _gelu(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
     return partial(torch.ops.aten.gelu.default, x), 2 * _nbytes(x)
 
 
-#: forward kernels whose eager CPU implementation runs far from the streaming rate, measured
-#: one by one: (the op names graphflop's kernels carry, a builder of the call and its bytes)
+def _gelu_tanh(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    x = torch.rand(n, device=dev)
+    return partial(torch.ops.aten.gelu.default, x, approximate="tanh"), 2 * _nbytes(x)
+
+
+# a backward kernel's bytes: the cotangent and the saved input read, the input's gradient
+# written (3 × the input), the basis the time pass times derivative kernels on
+
+
+def _gelu_backward(approximate: str) -> Callable[..., tuple[Callable[[], object], float]]:
+    def make(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+        x = torch.rand(n, device=dev)
+        op = torch.ops.aten.gelu_backward.default
+        return partial(op, x, x, approximate=approximate), 3 * _nbytes(x)
+
+    return make
+
+
+def _layer_norm_backward(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    x = torch.rand(max(1, n // 768), 768, device=dev)
+    w, b = torch.ones(768, device=dev), torch.zeros(768, device=dev)
+    _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [768], w, b, 1e-5)
+    op = torch.ops.aten.native_layer_norm_backward.default
+    return partial(op, x, x, [768], mean, rstd, w, b, [True] * 3), 3 * _nbytes(x)
+
+
+def _batch_norm_backward(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    side = max(2, int((n // 64) ** 0.5))
+    x = torch.rand(1, 64, side, side, device=dev)
+    w, rm, rv = torch.ones(64, device=dev), torch.zeros(64, device=dev), torch.ones(64, device=dev)
+    _, mean, invstd = torch.ops.aten.native_batch_norm.default(x, w, w, rm, rv, True, 0.1, 1e-5)
+    op = torch.ops.aten.native_batch_norm_backward.default
+    return partial(op, x, x, w, rm, rv, mean, invstd, True, 1e-5, [True] * 3), 3 * _nbytes(x)
+
+
+def _rows_backward(
+    op: Callable[..., torch.Tensor],
+) -> Callable[..., tuple[Callable[[], object], float]]:
+    def make(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+        x = torch.rand(max(1, n // 1024), 1024, device=dev)
+        return partial(op, x, x, -1, torch.float32), 3 * _nbytes(x)
+
+    return make
+
+
+#: kernels whose eager CPU implementation runs far from the streaming rate, measured one by
+#: one: (the kernel keys graphflop's kernels carry, a builder of the call and its bytes);
+#: a derivative's kernel (``/backward``) over 3 × its input's bytes
 _KERNELS: tuple[tuple[tuple[str, ...], Callable[..., tuple[Callable[[], object], float]]], ...] = (
     (("aten.max_pool2d_with_indices.default",), _pool),
     (
@@ -275,6 +321,26 @@ _KERNELS: tuple[tuple[tuple[str, ...], Callable[..., tuple[Callable[[], object],
     (("aten._softmax.default",), _rows(torch.ops.aten._softmax.default)),
     (("aten._log_softmax.default",), _rows(torch.ops.aten._log_softmax.default)),
     (("aten.gelu.default",), _gelu),
+    (("aten.gelu.default[tanh]",), _gelu_tanh),
+    (("aten.gelu.default/backward",), _gelu_backward("none")),
+    (("aten.gelu.default[tanh]/backward",), _gelu_backward("tanh")),
+    (("aten.native_layer_norm.default/backward",), _layer_norm_backward),
+    (
+        (
+            "aten.native_batch_norm.default/backward",
+            "aten._native_batch_norm_legit_functional.default/backward",
+            "aten._native_batch_norm_legit.default/backward",
+        ),
+        _batch_norm_backward,
+    ),
+    (
+        ("aten._softmax.default/backward",),
+        _rows_backward(torch.ops.aten._softmax_backward_data.default),
+    ),
+    (
+        ("aten._log_softmax.default/backward",),
+        _rows_backward(torch.ops.aten._log_softmax_backward_data.default),
+    ),
 )
 
 
@@ -336,7 +402,11 @@ def _tiny_calls(dev: torch.device) -> dict[str, Callable[[], object]]:
         "aten.max_pool2d_with_indices.default": partial(
             a.max_pool2d_with_indices.default, img, [2, 2], [2, 2]
         ),
+        "aten.gelu.default[tanh]": partial(a.gelu.default, x, approximate="tanh"),
         "aten.gelu.default" + BACKWARD_SUFFIX: partial(a.gelu_backward.default, x, x),
+        "aten.gelu.default[tanh]" + BACKWARD_SUFFIX: partial(
+            a.gelu_backward.default, x, x, approximate="tanh"
+        ),
         "aten._log_softmax.default" + BACKWARD_SUFFIX: partial(
             a._log_softmax_backward_data.default, x, ls, 1, f32
         ),
@@ -376,9 +446,8 @@ def _tiny_calls(dev: torch.device) -> dict[str, Callable[[], object]]:
     }
     for names, _ in _KERNELS:  # batch norm's other names run the same kernels
         for alias in names[1:]:
-            for suffix in ("", BACKWARD_SUFFIX):
-                if names[0] + suffix in calls:
-                    calls[alias + suffix] = calls[names[0] + suffix]
+            if names[0] in calls:
+                calls[alias] = calls[names[0]]
     return calls
 
 
@@ -713,7 +782,7 @@ class _Run:
                 t = self.time(call)
                 for name in names:
                     out.setdefault(name, []).append((nbytes, _rate(nbytes, t, self.launch)))
-                label = names[0].split(".")[1]
+                label = names[0].split(".", 1)[1]
                 self.done(f"{label} {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.2f} GB/s")
         return out
 
