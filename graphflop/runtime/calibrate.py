@@ -38,8 +38,8 @@ only ever adds to a run, so the least is the kernel's own cost):
   kernels), each call timed alone just after a kernel that streamed beyond the last-level
   cache and a small matrix product (in a network every op follows kernels that moved
   megabytes, which evict the dispatcher's code and data: a tiny ``log_softmax`` costs some
-  3× what a tight loop of it does), the median of the calls (CPU only: on a GPU the host's
-  cost is what the launch overhead measures);
+  3× what a tight loop of it does), the lower quartile of the calls (CPU only: on a GPU the
+  host's cost is what the launch overhead measures);
 * **bandwidth**: ``a + b`` (bytes read and written, 3 × the tensor) from in-cache sizes to well
   beyond the last-level cache, its inputs rotating over pairs that together exceed the
   last-level cache (a network's op reads what a kernel some megabytes earlier wrote), each
@@ -699,7 +699,9 @@ class _Run:
         network: each call timed alone, just after streaming over
         :attr:`CalibrationPlan.evict_bytes` and a small matrix product (the kernels before
         it in a network evict the dispatcher's code and data from the per-core caches); the
-        median of :attr:`CalibrationPlan.cold_calls` calls."""
+        lower quartile of :attr:`CalibrationPlan.cold_calls` calls (another process's time
+        slice on the core, which wipes the caches beyond what a network's own kernels do,
+        only adds: under load the median of these calls rose 3 to 5 times)."""
         if not self.p.cold_calls or self.dev.type != "cpu":
             return {}
         junk = torch.rand(max(1, self.p.evict_bytes // 4), device=self.dev)
@@ -714,7 +716,7 @@ class _Run:
                 t0 = time.perf_counter()
                 call()
                 samples.append(time.perf_counter() - t0)
-            out[key] = statistics.median(samples)
+            out[key] = statistics.quantiles(samples, n=4)[0] if len(samples) > 1 else samples[0]
             self.done(f"{key}: {out[key] * 1e6:.1f} µs in a network")
         return out
 
