@@ -128,7 +128,7 @@ class CalibrationPlan:
             + len(self.conv_shapes)
             + min(3, len(self.conv_shapes)) * (len(self.mm_dtypes) - 1)
             + len(OPTIMIZERS) * (len(self.optim_sizes) + 1)
-            + (len(_TINY) if self.cold_calls else 0)
+            + min(len(_TINY), self.cold_calls)
             + 5
             + 2 * len(self.stream)
             + len(_KERNELS) * len(self.kernel_sizes)
@@ -706,18 +706,27 @@ class _Run:
             return {}
         junk = torch.rand(max(1, self.p.evict_bytes // 4), device=self.dev)
         m = torch.rand(128, 128, device=self.dev)
-        out: dict[str, float] = {}
-        for key, call in _tiny_calls(self.dev).items():
+        calls = _tiny_calls(self.dev)
+        samples: dict[str, list[float]] = {key: [] for key in calls}
+        for call in calls.values():
             call()
-            samples = []
-            for _ in range(self.p.cold_calls):
+        # round-robin over the kinds, so that a change of load between the first and the last
+        # kind measured moves all of them alike
+        rounds = self.p.cold_calls
+        for r in range(rounds):
+            for key, call in calls.items():
                 junk.mul_(1.0)
                 torch.mm(m, m)
                 t0 = time.perf_counter()
                 call()
-                samples.append(time.perf_counter() - t0)
-            out[key] = statistics.quantiles(samples, n=4)[0] if len(samples) > 1 else samples[0]
-            self.done(f"{key}: {out[key] * 1e6:.1f} µs in a network")
+                samples[key].append(time.perf_counter() - t0)
+            marks = min(len(_TINY), rounds)  # the progress bar's steps for this part
+            if (r + 1) * marks // rounds > r * marks // rounds:
+                self.done(f"kernel kinds in a network: round {r + 1} of {rounds}")
+        out = {
+            key: statistics.quantiles(ss, n=4)[0] if len(ss) > 1 else ss[0]
+            for key, ss in samples.items()
+        }
         return out
 
     def elementwise(self) -> tuple[float, float]:
