@@ -21,10 +21,12 @@ only ever adds to a run, so the least is the kernel's own cost):
 * **other FLOPs**: ``mul`` and ``maximum`` the same way (1 FLOP per element, as graphflop's
   rules count them);
 * **eager kernels off the streaming line**: ``max_pool2d_with_indices``, ``native_batch_norm``
-  (training), ``native_layer_norm``, ``_softmax``, ``_log_softmax`` and ``gelu``, each at three
-  sizes (the smallest, 1K elements, holds a kernel's fixed cost beyond the launch overhead:
-  allocation, set-up, a parallel region), as bytes per second over the bytes graphflop counts for the kernel (its input and
-  output); the time pass uses these for forward kernels of those names;
+  (training), ``native_layer_norm``, ``_softmax``, ``_log_softmax`` and ``gelu`` (both
+  variants), and the backward kernels of these composites, each at three sizes, on inputs
+  rotated over copies beyond the last-level cache (the smallest, 1K elements, holds a
+  kernel's fixed cost beyond the launch overhead: allocation, set-up, a parallel region), as
+  bytes per second over the bytes graphflop counts for the kernel (its input and output; for
+  a backward kernel 3 × its input); the time pass uses these for kernels of those names;
 * **optimizer steps**: ``torch.optim``'s SGD, SGD with momentum, Adam and AdamW ``step()``
   followed by ``zero_grad(set_to_none=True)`` (as a training loop runs them: the gradients
   are fresh tensors each step, made untimed, and freed by ``zero_grad``), over one tiny
@@ -785,11 +787,22 @@ class _Run:
         return bw, inplace
 
     def kernels(self) -> dict[str, list[tuple[float, float]]]:
-        """Op name -> (bytes, bytes/s) points of the kernels of :data:`_KERNELS`."""
+        """Op name -> (bytes, bytes/s) points of the kernels of :data:`_KERNELS`, each call on
+        the next of several copies of its inputs that together exceed
+        :attr:`CalibrationPlan.cold_bytes` (cold, as the bandwidth curve's: in a network a
+        kernel reads what another wrote megabytes earlier)."""
         out: dict[str, list[tuple[float, float]]] = {}
         for names, make in _KERNELS:
             for n in self.p.kernel_sizes:
-                call, nbytes = make(n, self.dev)
+                first, nbytes = make(n, self.dev)
+                copies = max(1, min(16, self.p.cold_bytes // max(1, int(nbytes))))
+                calls = [first] + [make(n, self.dev)[0] for _ in range(copies - 1)]
+                at = [0]
+
+                def call(calls: list[Callable[[], object]] = calls, at: list[int] = at) -> None:
+                    at[0] = (at[0] + 1) % len(calls)
+                    calls[at[0]]()
+
                 t = self.time(call)
                 for name in names:
                     out.setdefault(name, []).append((nbytes, _rate(nbytes, t, self.launch)))
