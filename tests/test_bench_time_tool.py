@@ -60,17 +60,25 @@ def test_matched_events_count_once_with_their_children(bt):
         "backward": {"aten::mm": "aten.mm.default"},
         "update": {"*": "optimizer.update"},
     }
-    sums = bt._op_sums([fwd, bwd, upd], kernels, cuda=False)
+    counts = {}
+    sums = bt._op_sums([fwd, bwd, upd], kernels, cuda=False, counts=counts)
     # addmm's 30 µs include its copy_; linear and t are looked through; mm twice: 20 + 21;
-    # the update's in-place adds 4 + 3
+    # the update whole: its phase's 9 µs (the in-place adds' 4 + 3 and the Python around them)
     assert sums == pytest.approx(
         {
             ("forward", "aten.addmm.default"): 30e-6,
             ("forward", "aten.relu.default"): 7e-6,
             ("backward", "aten.mm.default"): 41e-6,
-            ("update", "optimizer.update"): 7e-6,
+            ("update", "optimizer.update"): 9e-6,
         }
     )
+    # events matched: one addmm, one relu, two mm, the update phase once
+    assert counts == {
+        ("forward", "aten.addmm.default"): 1,
+        ("forward", "aten.relu.default"): 1,
+        ("backward", "aten.mm.default"): 2,
+        ("update", "optimizer.update"): 1,
+    }
 
 
 def test_compare_scores_ops_phases_and_step(bt):
@@ -96,7 +104,10 @@ def test_compare_scores_ops_phases_and_step(bt):
         phase_s={"forward": [1.0] * 5, "backward": [2.5] * 5, "update": [0.5] * 5},
         op_s={("forward", "a"): [1.0, 1.0, 1.0], ("backward", "b"): [2.0, 2.0, 2.0]},
     )
+    m.op_n[("forward", "a")] = [2, 3, 3]
     r = bt.compare(tr, m)
+    # the median count of eager events matched per step; none recorded for b
+    assert [o["measured_kernels"] for o in r["ops"]] == [3, None]
     # op errors: a (1.2 - 1.0)/1.0 = +0.2, b (1.5 - 2.0)/2.0 = -0.25; median of |e| = 0.225;
     # FLOP-weighted (300·0.2 + 100·0.25) / 400 = 0.2125
     assert [o["error"] for o in r["ops"]] == pytest.approx([0.2, -0.25])

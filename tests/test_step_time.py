@@ -412,3 +412,125 @@ def test_a_convolution_backward_is_one_eager_kernel():
     # two convolutions: two convolution_backward kernels (the first computes no input gradient)
     assert ops[("backward", "aten.convolution.default")].kernels == 2
     assert ("backward", "aten.sum.dim_IntList") not in ops
+
+
+def test_each_kernel_kind_takes_its_fixed_cost():
+    # fixed costs by kind: gelu's forward kernel 7 µs, its backward kernel 11 µs, every other
+    # kernel that moves bytes 3 µs, every view 1 µs; rates so fast the work is ~0
+    fixed = {
+        "aten.gelu.default": 7e-6,
+        "aten.gelu.default/backward": 11e-6,
+        "*": 3e-6,
+        "*view": 1e-6,
+    }
+    fast = RateCurve(((1.0, 1e18),))
+    p = _profile(
+        compute={"matmul": {"float32": fast}, "other": {"float32": fast}},
+        bandwidth=fast,
+        launch_overhead_s=100e-6,
+        view_overhead_s=100e-6,
+        fixed=fixed,
+    )
+    model = nn.Sequential(nn.Linear(8, 8, device="meta"), nn.GELU())
+    a = analyze(model, torch.empty(4, 8, device="meta"), jvp=False, time_profile=p)
+    kernels = {}
+    for gm, phase in ((a.forward, "forward"), (a.backward, "backward")):
+        for n in gm.graph.nodes:
+            t = n.meta.get(TIME)
+            if t is not None:
+                kernels.setdefault((phase, t.kernel, t.kernel_id), 0.0)
+                kernels[(phase, t.kernel, t.kernel_id)] += t.overhead_s
+    gelu = [v for (ph, op, _), v in kernels.items() if op == "aten.gelu.default"]
+    # one gelu kernel in the forward (7 µs), one for its backward (11 µs)
+    fwd = [v for (ph, op, _), v in kernels.items() if op == "aten.gelu.default" and ph == "forward"]
+    bwd = [
+        v for (ph, op, _), v in kernels.items() if op == "aten.gelu.default" and ph == "backward"
+    ]
+    assert len(gelu) == 2
+    assert fwd == [pytest.approx(7e-6)] and bwd == [pytest.approx(11e-6)]
+    # the linear layer's addmm (not measured by kind): the '*' entry, 3 µs
+    addmm = [v for (ph, op, _), v in kernels.items() if op == "aten.addmm.default"]
+    assert addmm == [pytest.approx(3e-6)]
+    # views (the weight's transpose): the '*view' entry, 1 µs each
+    views = [
+        v for (ph, op, _), v in kernels.items() if op in ("aten.t.default", "aten.view.default")
+    ]
+    assert views and all(v == pytest.approx(1e-6) for v in views)
+    # without the table, the launch and view overheads as before (100 µs each)
+    assert p.fixed_cost("aten.gelu.default", forward=False) == pytest.approx(11e-6)
+    assert p.fixed_cost("aten.relu.default") == pytest.approx(3e-6)
+    plain = _profile(launch_overhead_s=5e-6, view_overhead_s=2e-6)
+    assert plain.fixed_cost("aten.gelu.default") == pytest.approx(5e-6)
+    assert plain.fixed_cost("aten.view.default", view=True) == pytest.approx(2e-6)
+    # the table survives the profile file
+    q = TimeProfile.from_dict(json.loads(save_profile(p)))
+    assert q.fixed == fixed
+
+
+def test_the_optimizer_steps_own_cost_is_counted_once():
+    # 10 µs per parameter, 50 µs per step around the loop, parameters at 1e9 B/s
+    step = RateCurve(((1.0, 1e9),), fill_s=1e-5)
+    p = _profile(updates={"sgd": step}, update_step_s={"sgd": 5e-5})
+    model = nn.Linear(16, 8, device="meta")
+    a = analyze(model, torch.empty(4, 16, device="meta"), jvp=False, optimizer="sgd",
+                time_profile=p)  # fmt: skip
+    nodes = [n for n in a.update.graph.nodes if TIME in n.meta]
+    assert len({n.meta[TIME].kernel_id for n in nodes}) == 2  # weight and bias
+    # weight 8·16·4 = 512 bytes, bias 8·4 = 32 bytes, each at 1e9 B/s; 2 × 10 µs + 50 µs once
+    total = sum(n.meta[TIME].seconds for n in nodes)
+    assert total == pytest.approx((512 + 32) / 1e9 + 2e-5 + 5e-5)
+    assert a.report.time.phase("update").overhead_s == pytest.approx(7e-5)
+    q = TimeProfile.from_dict(json.loads(save_profile(p)))
+    assert q.update_step_s == {"sgd": 5e-5}
+
+
+def test_a_loss_reads_one_logit_per_row_whatever_the_classes():
+    # eager nll_loss gathers one log-probability per row: its kernel's bytes do not grow with
+    # the number of classes (graphflop's decomposition takes the whole log-softmax as input)
+    from graphflop.passes.step_time import _kernel_bytes, eager_kernels
+
+    def nll_bytes(classes: int) -> int:
+        model = nn.Linear(8, classes, device="meta")
+        x = torch.empty(4, 8, device="meta")
+        a = analyze(model, x, jvp=False, loss="cross_entropy", time_profile=_profile())
+        ks = [k for k in eager_kernels(a.forward, a.forward) if "nll_loss" in k.name]
+        assert len(ks) == 1
+        return _kernel_bytes(ks[0])
+
+    # 4 int64 targets (32 bytes), one float32 log-probability per row (16), the loss (4)
+    assert nll_bytes(10) == nll_bytes(1000) == 4 * 8 + 4 * 4 + 4
+    # the log-softmax kernel reads and writes its whole 4 × classes input: 2 × 4·1000·4 bytes
+    model = nn.Linear(8, 1000, device="meta")
+    a = analyze(model, torch.empty(4, 8, device="meta"), jvp=False, loss="cross_entropy",
+                time_profile=_profile())  # fmt: skip
+    from graphflop.passes.step_time import _kernel_bytes as kb
+    from graphflop.passes.step_time import eager_kernels as ek
+
+    ls = [k for k in ek(a.forward, a.forward) if k.name == "aten._log_softmax.default"]
+    assert kb(ls[0]) == 2 * 4 * 1000 * 4
+
+
+def test_a_composite_variant_and_its_backward_take_their_own_kernel_rates():
+    # the tanh GELU runs at 1e6 B/s, the exact one at 1e9, the tanh GELU's backward kernel at
+    # 2e6 B/s over 3 × its input (eager's cotangent and saved input read, gradient written)
+    kernels = {
+        "aten.gelu.default": RateCurve(((1.0, 1e9),)),
+        "aten.gelu.default[tanh]": RateCurve(((1.0, 1e6),)),
+        "aten.gelu.default[tanh]/backward": RateCurve(((1.0, 2e6),)),
+    }
+    p = _profile(kernels=kernels)
+    model = nn.Sequential(nn.Linear(8, 8, device="meta"), nn.GELU(approximate="tanh"))
+    a = analyze(model, torch.empty(4, 8, device="meta"), jvp=False, time_profile=p)
+
+    def kernel_s(gm):
+        ts = [n.meta[TIME] for n in gm.graph.nodes if TIME in n.meta]
+        return sum(t.seconds for t in ts if t.kernel == "aten.gelu.default")
+
+    # forward: the linear layer's 4 × 8 output, 4·8·4 = 128 bytes in, 128 out, at 1e6 B/s
+    assert kernel_s(a.forward) == pytest.approx(256 / 1e6)
+    # backward: 3 × 128 bytes at 2e6 B/s
+    assert kernel_s(a.backward) == pytest.approx(3 * 128 / 2e6)
+    # the exact GELU takes the plain entry (its [erf] variant is not in the table)
+    b = analyze(nn.Sequential(nn.GELU()), torch.empty(4, 8, device="meta"), jvp=False,
+                time_profile=p)  # fmt: skip
+    assert kernel_s(b.forward) == pytest.approx(256 / 1e9)

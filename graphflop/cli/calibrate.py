@@ -17,8 +17,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "profile file for --device",
         description="Measure this machine in eager PyTorch: matrix products and convolutions "
         "at several sizes and dtypes, in-cache elementwise kernels, streaming bandwidth from "
-        "in-cache sizes to well beyond the last-level cache, the per-op launch overhead and "
-        "torch.optim's steps per parameter (the least of repeated runs), and write them as a "
+        "in-cache sizes to well beyond the last-level cache, the per-op launch overhead, "
+        "torch.optim's steps per parameter and per step (the least of repeated runs), and "
+        "each eager kernel kind's fixed cost as it runs in a network, with the caches cold "
+        "(the median of single calls), and write them as a "
         "time profile: pass the file to "
         "'graphflop inspect --device FILE.json'. Two to three minutes on a quiet 2-core CPU.",
     )
@@ -91,7 +93,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
     err.print(
         f"{profile.title}: matmul float32 up to {mm / 1e9:,.1f} GFLOP/s, streaming "
         f"{bw / 1e9:,.1f} GB/s, {profile.launch_overhead_s * 1e6:.1f} µs per op "
-        f"({profile.threads} threads): wrote {args.out}",
+        + (f"({profile.fixed_cost('*') * 1e6:.1f} µs in a network) " if profile.fixed else "")
+        + f"({profile.threads} threads): wrote {args.out}",
         markup=False,
         highlight=False,
     )

@@ -56,7 +56,7 @@ from graphflop.passes.eager_kernels import is_view
 from graphflop.passes.eager_memory import _regions
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.summary import Graphs
-from graphflop.passes.time_profile import THIN_ROWS, TimeProfile
+from graphflop.passes.time_profile import BACKWARD_SUFFIX, THIN_ROWS, TimeProfile
 from graphflop.report import LayerRow, LayerTime, OpTime, PhaseTime, Report, TimeReport
 
 __all__ = ["UPDATE_KERNEL", "Kernel", "annotate_time", "eager_kernels", "time_report"]
@@ -80,15 +80,39 @@ class Kernel:
     name: str
     nodes: list[Node]
     forward: bool = True
+    variant: str | None = None
+
+    def keys(self) -> tuple[str, ...]:
+        """The keys a profile's per-kernel tables (``kernels``, ``fixed``) hold this kernel
+        under, most specific first: its variant, then its op name, each with
+        :data:`~graphflop.passes.time_profile.BACKWARD_SUFFIX` for a derivative's kernel."""
+        suffix = "" if self.forward else BACKWARD_SUFFIX
+        return tuple(f"{k}{suffix}" for k in (self.variant, self.name) if k)
 
 
-def _region_of(forward: GraphModule) -> dict[str, tuple[int, str]]:
-    """Forward node name -> (its composite op's occurrence number, the composite op)."""
-    out: dict[str, tuple[int, str]] = {}
+def _variant(region: list[Node], op: str) -> str | None:
+    """A composite op's variant: its name and the transcendental ops its decomposition runs
+    (``aten.gelu.default[tanh]`` for the tanh approximation, ``[erf]`` for the exact one:
+    eager PyTorch runs them at different speeds), None when it runs none."""
+    names = sorted(
+        {
+            op_name(n.target).split(".")[1]
+            for n in region
+            if n.meta.get(COST, ZERO_COST).transcendentals
+        }
+    )
+    return f"{op}[{'+'.join(names)}]" if names else None
+
+
+def _region_of(forward: GraphModule) -> dict[str, tuple[int, str, str | None]]:
+    """Forward node name -> (its composite op's occurrence number, the composite op, its
+    variant)."""
+    out: dict[str, tuple[int, str, str | None]] = {}
     for i, region in enumerate(_regions(forward)):
         op = region[0].meta[COMPOSITE].op
+        variant = _variant(region, op)
         for n in region:
-            out[n.name] = (i, op)
+            out[n.name] = (i, op, variant)
     return out
 
 
@@ -130,7 +154,7 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
             kind = "primal" if n.meta.get(KIND) in (None, "primal") else "derivative"
             key = (hit[0], kind, n.meta.get(ROLE) == "recompute")
             if key not in kernels:
-                kernels[key] = Kernel(hit[1], [], forward=kind == "primal")
+                kernels[key] = Kernel(hit[1], [], forward=kind == "primal", variant=hit[2])
             kernels[key].nodes.append(n)
         else:
             primal = n.meta.get(KIND) in (None, "primal")
@@ -195,6 +219,30 @@ def _size(a: Node, sizer: _Sizer) -> int:
     return sizer(a) if sizer is not None else tensor_bytes(a.meta.get("val"))
 
 
+def _largest_input(k: Kernel, sizer: _Sizer = None) -> int:
+    """Bytes of the largest tensor a kernel takes from outside it."""
+    inside = set(k.nodes)
+    outer = {a for n in k.nodes for a in n.all_input_nodes if a not in inside}
+    return max((_size(a, sizer) for a in outer), default=0)
+
+
+def _read_shares(n: Node) -> dict[Node, float]:
+    """The fraction of each input of ``n`` that ``n`` reads: all of each, but where its byte
+    rule reads less than its inputs hold (a gather, an embedding: the rows it picks), the
+    difference comes off its largest input (the table the rows are picked from). A view reads
+    nothing itself, and what reads through it is not known here: all of its input."""
+    ins = n.all_input_nodes
+    sizes = [tensor_bytes(a.meta.get("val")) for a in ins]
+    out = dict.fromkeys(ins, 1.0)
+    excess = sum(sizes) - n.meta.get(COST, ZERO_COST).bytes_read
+    if is_view(n) or excess <= 0 or not ins:
+        return out
+    big = max(range(len(ins)), key=lambda i: sizes[i])
+    if sizes[big]:
+        out[ins[big]] = max(0.0, sizes[big] - excess) / sizes[big]
+    return out
+
+
 def _kernel_bytes(k: Kernel, sizer: _Sizer = None) -> int:
     """Bytes a kernel moves: one node's read + written (its rule's byte policy, scaled by its
     values' sizes under autocast); a group's inputs from outside it and outputs read outside it
@@ -211,8 +259,16 @@ def _kernel_bytes(k: Kernel, sizer: _Sizer = None) -> int:
         written = c.bytes_written * sizer(n) / raw_out if raw_out else c.bytes_written
         return round(read + written)
     inside = set(k.nodes)
-    outer = {a for n in k.nodes for a in n.all_input_nodes if a not in inside}
-    read = sum(_size(a, sizer) for a in outer)
+    # an input from outside is read at most whole, and at most as much as the byte rules of
+    # the nodes that take it say they read of it (a gather reads its rows, not the table)
+    reads: dict[Node, float] = {}
+    for n in k.nodes:
+        if not any(a not in inside for a in n.all_input_nodes):
+            continue
+        for a, share in _read_shares(n).items():
+            if a not in inside:
+                reads[a] = reads.get(a, 0.0) + share * _size(a, sizer)
+    read = round(sum(min(r, _size(a, sizer)) for a, r in reads.items()))
     written = 0
     for n in k.nodes:
         if is_view(n):
@@ -247,10 +303,16 @@ def _amp_sizer(forward: GraphModule, amp: str, kind: str) -> Callable[[Node], in
 
 
 def _time_kernel(
-    k: Kernel, profile: TimeProfile, amp: str | None, sizer: _Sizer, optimizer: str | None = None
+    k: Kernel,
+    profile: TimeProfile,
+    amp: str | None,
+    sizer: _Sizer,
+    optimizer: str | None = None,
+    first_update: bool = False,
 ) -> None:
     """Write ``TIME`` on the nodes of one kernel (``optimizer``: the update graph's, for an
-    :data:`UPDATE_KERNEL`)."""
+    :data:`UPDATE_KERNEL`; ``first_update``: this is the step's first parameter, which carries
+    the step's own cost, :attr:`~graphflop.passes.time_profile.TimeProfile.update_step_s`)."""
     costs = [n.meta.get(COST, ZERO_COST) for n in k.nodes]
     flops = sum(c.flops for c in costs)
     nbytes = _kernel_bytes(k, sizer)
@@ -279,18 +341,24 @@ def _time_kernel(
     bandwidth = profile.inplace_bandwidth if inplace else profile.bandwidth
     assert bandwidth is not None
     memory = bandwidth.seconds(nbytes)
-    measured = profile.kernels.get(k.name) if k.forward else None
+    keys = k.keys()
+    measured = next((profile.kernels[x] for x in keys if x in profile.kernels), None)
     if measured is not None and nbytes:  # this eager kernel's own measured rate
-        memory = measured.seconds(nbytes)
+        # over the bytes it moves; a derivative's kernel over eager's: the cotangent and the
+        # saved input read, the input's gradient written (3 × its largest input)
+        memory = measured.seconds(nbytes if k.forward else 3 * _largest_input(k, sizer))
         compute = min(compute, memory)
-    # a kernel that moves nothing (a view, a metadata op) costs the dispatcher's time only
-    overhead = profile.launch_overhead_s if flops or nbytes else profile.view_overhead_s
+    # a kernel that moves nothing (a view, a metadata op) costs the dispatcher's time only;
+    # a calibrated profile has each kind's own fixed cost as it runs inside a network
+    overhead = profile.fixed_cost(k.name, k.forward, view=not (flops or nbytes), variant=k.variant)
     step = profile.updates.get(optimizer or "") if k.name == UPDATE_KERNEL else None
     if step is not None:  # torch.optim's measured per-parameter step, over the parameter's bytes
         param_bytes = max(tensor_bytes(n.meta.get("val")) for n in k.nodes)
         memory = step.seconds(param_bytes) - step.fill_s if param_bytes else 0.0
         compute = min(compute, memory)
         overhead = step.fill_s
+        if first_update:  # the step's cost around its per-parameter loop, once
+            overhead += profile.update_step_s.get(optimizer or "", 0.0)
     work = max(compute, memory)
     bound = "overhead" if overhead >= work else "compute" if compute >= memory else "memory"
     cls_name = next((c for c, _ in by_class if c in ("matmul", "matmul_thin", "conv")), "other")
@@ -343,8 +411,10 @@ def annotate_time(
         sizer = _amp_sizer(forward, "bf16" if amp_key == "bfloat16" else "fp16", profile.kind)
     info = gm.meta.get(UPDATE)
     optimizer = getattr(info, "optimizer", None)
+    first = True
     for k in eager_kernels(gm, forward):
-        _time_kernel(k, profile, amp_key, sizer, optimizer)
+        _time_kernel(k, profile, amp_key, sizer, optimizer, first and k.name == UPDATE_KERNEL)
+        first = first and k.name != UPDATE_KERNEL
     return gm
 
 

@@ -15,7 +15,10 @@ small GEMM or a copy that fits in cache runs at another rate than a large one. A
 profile also holds matrix-product and convolution rates as a function of the FLOPs *and* of
 the smallest dimension of the product (:attr:`TimeProfile.shaped`: a product with 64 rows runs
 below a square one of the same FLOPs), and the per-parameter time of ``torch.optim``'s steps
-(:attr:`TimeProfile.updates`).
+(:attr:`TimeProfile.updates`, with the per-step cost around them in
+:attr:`TimeProfile.update_step_s`), and the fixed cost of one eager kernel of each kind as it
+runs inside a network (:attr:`TimeProfile.fixed`: measured just after kernels that streamed
+beyond the last-level cache, where a tight loop of the same op keeps the dispatcher warm).
 
 Reads and writes no graph meta.
 """
@@ -35,6 +38,9 @@ import torch
 from graphflop.devices import DeviceSpec, NoPeak, UnknownDevice, device_spec
 
 __all__ = [
+    "ANY_KERNEL",
+    "ANY_VIEW",
+    "BACKWARD_SUFFIX",
     "DATASHEET_EFFICIENCY",
     "OP_CLASSES",
     "PROFILE_SCHEMA",
@@ -62,6 +68,12 @@ OP_CLASSES = ("matmul", "matmul_thin", "conv", "conv_backward", "transcendental"
 #: it is timed at the ``matmul_thin`` rate where a profile has one (calibrated CPUs), else at the
 #: ``matmul`` rate
 THIN_ROWS = 128
+
+#: :attr:`TimeProfile.fixed` keys: a derivative kernel's suffix, and the entries for kernel kinds
+#: not measured one by one (one that moves bytes, a view)
+BACKWARD_SUFFIX = "/backward"
+ANY_KERNEL = "*"
+ANY_VIEW = "*view"
 
 #: version of the profile file's JSON layout
 PROFILE_SCHEMA = 1
@@ -156,10 +168,13 @@ class TimeProfile:
             kernel that allocates its output (as most eager ops do).
         inplace_bandwidth: the same for a kernel that writes into an existing tensor (the
             optimizer's in-place update); None: :attr:`bandwidth`.
-        kernels: eager kernel op name (``aten.max_pool2d_with_indices.default``) -> its own
-            measured bytes/s over its bytes, for forward kernels whose eager implementation runs
-            far from the streaming rate; their time is ``bytes / rate`` in place of
-            ``max(compute, memory)``.
+        kernels: eager kernel key (``aten.max_pool2d_with_indices.default``; a composite op's
+            variant, ``aten.gelu.default[tanh]``; ``/backward`` for a derivative's kernel,
+            ``aten.native_batch_norm.default/backward``) -> its own measured bytes/s, for
+            kernels whose eager implementation runs far from the streaming rate: over the bytes
+            graphflop counts for a forward kernel, over 3 × its largest input for a
+            derivative's (eager's cotangent and saved input read, input gradient written);
+            their time is ``bytes / rate`` in place of ``max(compute, memory)``.
         launch_overhead_s: seconds one eager kernel costs beyond its work (dispatch, launch).
         view_overhead_s: seconds a view (no bytes moved) costs in eager PyTorch's dispatcher.
         efficiency: the factors a data-sheet profile applied (empty when measured).
@@ -176,6 +191,17 @@ class TimeProfile:
             ``torch.optim``'s eager step spends on one parameter, as a :class:`RateCurve` over
             the parameter's bytes (parameter bytes per second, ``fill_s`` the per-parameter
             cost of a tiny parameter: the Python loop and the step's several eager ops).
+        update_step_s: optimizer name -> seconds one ``step()`` + ``zero_grad(set_to_none=True)``
+            costs beyond its parameters' (the Python around the per-parameter loop, the step's
+            hooks and profiling context), once per step.
+        fixed: eager kernel kind -> seconds one tiny kernel of that kind costs inside a network
+            (dispatch, output allocation, the op's set-up, with the dispatcher's code and data
+            cold: measured just after kernels that streamed beyond the last-level cache); the
+            time pass uses it in place of :attr:`launch_overhead_s` (:attr:`view_overhead_s`)
+            for kernels of that kind (:meth:`fixed_cost`). Keys: the kernel's op name
+            (``aten.add.Tensor``); ``<op name>/backward`` for the kernel of a composite op's or
+            convolution's derivative (eager PyTorch's ``X_backward`` kernel); :data:`ANY_KERNEL`
+            and :data:`ANY_VIEW` for kinds not measured.
     """
 
     name: str
@@ -195,6 +221,24 @@ class TimeProfile:
         default_factory=dict
     )
     updates: Mapping[str, RateCurve] = field(default_factory=dict)
+    update_step_s: Mapping[str, float] = field(default_factory=dict)
+    fixed: Mapping[str, float] = field(default_factory=dict)
+
+    def fixed_cost(
+        self, op: str, forward: bool = True, view: bool = False, variant: str | None = None
+    ) -> float:
+        """Seconds one eager kernel of op ``op`` costs beyond its work: :attr:`fixed`'s entry
+        for ``variant`` (a composite op's variant, ``aten.gelu.default[tanh]``), else for
+        ``op``, each first with ``"/backward"`` (``forward`` False: a derivative's kernel);
+        else :data:`ANY_VIEW` (``view``: a kernel that moves no bytes) or :data:`ANY_KERNEL`;
+        without any, :attr:`view_overhead_s` (``view``) or :attr:`launch_overhead_s`."""
+        names = [x for x in (variant, op) if x]
+        keys = ([] if forward else [f"{x}{BACKWARD_SUFFIX}" for x in names]) + names
+        keys.append(ANY_VIEW if view else ANY_KERNEL)
+        for key in keys:
+            if key in self.fixed:
+                return self.fixed[key]
+        return self.view_overhead_s if view else self.launch_overhead_s
 
     def dtypes(self, op_class: str) -> tuple[str, ...]:
         """The dtype keys ``op_class`` has a rate for."""
@@ -282,6 +326,8 @@ class TimeProfile:
                 for c, by in self.shaped.items()
             },
             "updates": {k: v.to_dict() for k, v in self.updates.items()},
+            "update_step_s": dict(self.update_step_s),
+            "fixed": dict(self.fixed),
             "efficiency": dict(self.efficiency),
             "threads": self.threads,
             "notes": list(self.notes),
@@ -332,6 +378,8 @@ class TimeProfile:
                     for c, by in d.get("shaped", {}).items()
                 },
                 updates={str(k): RateCurve.from_dict(v) for k, v in d.get("updates", {}).items()},
+                update_step_s={str(k): _seconds(v) for k, v in d.get("update_step_s", {}).items()},
+                fixed={str(k): _seconds(v) for k, v in d.get("fixed", {}).items()},
                 threads=d.get("threads"),
                 notes=tuple(str(x) for x in d.get("notes", ())),
             )
@@ -340,6 +388,14 @@ class TimeProfile:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
             raise ProfileError(f"malformed time profile: {what}") from e
+
+
+def _seconds(v: Any) -> float:
+    """A non-negative number of seconds from a profile file."""
+    s = float(v)
+    if not s >= 0:
+        raise ValueError(f"a time must be a non-negative number of seconds, not {v!r}")
+    return s
 
 
 def _dims(pairs: tuple[tuple[float, RateCurve], ...]) -> tuple[tuple[float, RateCurve], ...]:

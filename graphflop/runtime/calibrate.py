@@ -21,15 +21,27 @@ only ever adds to a run, so the least is the kernel's own cost):
 * **other FLOPs**: ``mul`` and ``maximum`` the same way (1 FLOP per element, as graphflop's
   rules count them);
 * **eager kernels off the streaming line**: ``max_pool2d_with_indices``, ``native_batch_norm``
-  (training), ``native_layer_norm``, ``_softmax``, ``_log_softmax`` and ``gelu``, each at three
-  sizes (the smallest, 1K elements, holds a kernel's fixed cost beyond the launch overhead:
-  allocation, set-up, a parallel region), as bytes per second over the bytes graphflop counts for the kernel (its input and
-  output); the time pass uses these for forward kernels of those names;
+  (training), ``native_layer_norm``, ``_softmax``, ``_log_softmax`` and ``gelu`` (both
+  variants), and the backward kernels of these composites, each at three sizes, on inputs
+  rotated over copies beyond the last-level cache (the smallest, 1K elements, holds a
+  kernel's fixed cost beyond the launch overhead: allocation, set-up, a parallel region), as
+  bytes per second over the bytes graphflop counts for the kernel (its input and output; for
+  a backward kernel 3 × its input); the time pass uses these for kernels of those names;
 * **optimizer steps**: ``torch.optim``'s SGD, SGD with momentum, Adam and AdamW ``step()``
-  over several parameters at once (single-tensor implementation, as eager PyTorch runs it on
-  a CPU: several in-place ops per parameter), per parameter: a tiny parameter's time (the
-  Python loop and the launches) and parameters larger than the last-level cache together
-  (each step reads parameters, gradients and state cold, as in training);
+  followed by ``zero_grad(set_to_none=True)`` (as a training loop runs them: the gradients
+  are fresh tensors each step, made untimed, and freed by ``zero_grad``), over one tiny
+  parameter and over several at once (single-tensor implementation, as eager PyTorch runs it
+  on a CPU: several in-place ops per parameter): the step's own cost (one tiny parameter's
+  step less the per-parameter cost), a tiny parameter's cost (the Python loop and the
+  launches) and parameters larger than the last-level cache together (each step reads
+  parameters, gradients and state cold, as in training);
+* **fixed cost per kernel kind**: a tiny instance of each of :data:`_TINY`'s eager kernels
+  (views, elementwise ops, reductions, small products, the composite ops and their backward
+  kernels), each call timed alone just after a kernel that streamed beyond the last-level
+  cache and a small matrix product (in a network every op follows kernels that moved
+  megabytes, which evict the dispatcher's code and data: a tiny ``log_softmax`` costs some
+  3× what a tight loop of it does), the lower quartile of the calls (CPU only: on a GPU the
+  host's cost is what the launch overhead measures);
 * **bandwidth**: ``a + b`` (bytes read and written, 3 × the tensor) from in-cache sizes to well
   beyond the last-level cache, its inputs rotating over pairs that together exceed the
   last-level cache (a network's op reads what a kernel some megabytes earlier wrote), each
@@ -54,7 +66,13 @@ import torch
 import torch.nn.functional as F
 
 from graphflop.passes.optimizer import OPTIMIZERS
-from graphflop.passes.time_profile import RateCurve, TimeProfile
+from graphflop.passes.time_profile import (
+    ANY_KERNEL,
+    ANY_VIEW,
+    BACKWARD_SUFFIX,
+    RateCurve,
+    TimeProfile,
+)
 from graphflop.runtime.optim import torch_optimizer
 
 __all__ = ["CalibrationPlan", "calibrate", "plan"]
@@ -82,6 +100,10 @@ class CalibrationPlan:
         min_time_s: each timed run repeats the kernel until this long has passed.
         cold_bytes: the bandwidth kernel's inputs rotate over pairs of tensors that together
             hold this many bytes, beyond the last-level cache.
+        evict_bytes: the fixed-cost measurement streams over this many bytes before each
+            timed call (beyond the per-core caches).
+        cold_calls: timed calls per kernel kind of the fixed-cost measurement (the median is
+            kept; 0: not measured).
     """
 
     mm_sizes: tuple[int, ...]
@@ -95,6 +117,8 @@ class CalibrationPlan:
     repeats: int
     min_time_s: float
     cold_bytes: int = 64 << 20
+    evict_bytes: int = 8 << 20
+    cold_calls: int = 100
 
     @property
     def steps(self) -> int:
@@ -105,7 +129,8 @@ class CalibrationPlan:
             + len(self.linear_shapes)
             + len(self.conv_shapes)
             + min(3, len(self.conv_shapes)) * (len(self.mm_dtypes) - 1)
-            + len(OPTIMIZERS) * len(self.optim_sizes)
+            + len(OPTIMIZERS) * (len(self.optim_sizes) + 1)
+            + min(len(_TINY), self.cold_calls)
             + 5
             + 2 * len(self.stream)
             + len(_KERNELS) * len(self.kernel_sizes)
@@ -128,6 +153,8 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
             repeats=2,
             min_time_s=0.002,
             cold_bytes=1 << 20,
+            evict_bytes=1 << 20,
+            cold_calls=3,
         )
     if device == "cuda":
         return CalibrationPlan(
@@ -147,6 +174,7 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
             kernel_sizes=(1 << 20, 1 << 24),
             repeats=7,
             min_time_s=0.02,
+            cold_calls=0,
         )
     return CalibrationPlan(
         mm_sizes=(16, 32, 64, 128, 256, 512, 1024),
@@ -233,8 +261,54 @@ def _gelu(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
     return partial(torch.ops.aten.gelu.default, x), 2 * _nbytes(x)
 
 
-#: forward kernels whose eager CPU implementation runs far from the streaming rate, measured
-#: one by one: (the op names graphflop's kernels carry, a builder of the call and its bytes)
+def _gelu_tanh(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    x = torch.rand(n, device=dev)
+    return partial(torch.ops.aten.gelu.default, x, approximate="tanh"), 2 * _nbytes(x)
+
+
+# a backward kernel's bytes: the cotangent and the saved input read, the input's gradient
+# written (3 × the input), the basis the time pass times derivative kernels on
+
+
+def _gelu_backward(approximate: str) -> Callable[..., tuple[Callable[[], object], float]]:
+    def make(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+        x = torch.rand(n, device=dev)
+        op = torch.ops.aten.gelu_backward.default
+        return partial(op, x, x, approximate=approximate), 3 * _nbytes(x)
+
+    return make
+
+
+def _layer_norm_backward(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    x = torch.rand(max(1, n // 768), 768, device=dev)
+    w, b = torch.ones(768, device=dev), torch.zeros(768, device=dev)
+    _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [768], w, b, 1e-5)
+    op = torch.ops.aten.native_layer_norm_backward.default
+    return partial(op, x, x, [768], mean, rstd, w, b, [True] * 3), 3 * _nbytes(x)
+
+
+def _batch_norm_backward(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    side = max(2, int((n // 64) ** 0.5))
+    x = torch.rand(1, 64, side, side, device=dev)
+    w, rm, rv = torch.ones(64, device=dev), torch.zeros(64, device=dev), torch.ones(64, device=dev)
+    _, mean, invstd = torch.ops.aten.native_batch_norm.default(x, w, w, rm, rv, True, 0.1, 1e-5)
+    op = torch.ops.aten.native_batch_norm_backward.default
+    return partial(op, x, x, w, rm, rv, mean, invstd, True, 1e-5, [True] * 3), 3 * _nbytes(x)
+
+
+def _rows_backward(
+    op: Callable[..., torch.Tensor],
+) -> Callable[..., tuple[Callable[[], object], float]]:
+    def make(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+        x = torch.rand(max(1, n // 1024), 1024, device=dev)
+        return partial(op, x, x, -1, torch.float32), 3 * _nbytes(x)
+
+    return make
+
+
+#: kernels whose eager CPU implementation runs far from the streaming rate, measured one by
+#: one: (the kernel keys graphflop's kernels carry, a builder of the call and its bytes);
+#: a derivative's kernel (``/backward``) over 3 × its input's bytes
 _KERNELS: tuple[tuple[tuple[str, ...], Callable[..., tuple[Callable[[], object], float]]], ...] = (
     (("aten.max_pool2d_with_indices.default",), _pool),
     (
@@ -249,7 +323,138 @@ _KERNELS: tuple[tuple[tuple[str, ...], Callable[..., tuple[Callable[[], object],
     (("aten._softmax.default",), _rows(torch.ops.aten._softmax.default)),
     (("aten._log_softmax.default",), _rows(torch.ops.aten._log_softmax.default)),
     (("aten.gelu.default",), _gelu),
+    (("aten.gelu.default[tanh]",), _gelu_tanh),
+    (("aten.gelu.default/backward",), _gelu_backward("none")),
+    (("aten.gelu.default[tanh]/backward",), _gelu_backward("tanh")),
+    (("aten.native_layer_norm.default/backward",), _layer_norm_backward),
+    (
+        (
+            "aten.native_batch_norm.default/backward",
+            "aten._native_batch_norm_legit_functional.default/backward",
+            "aten._native_batch_norm_legit.default/backward",
+        ),
+        _batch_norm_backward,
+    ),
+    (
+        ("aten._softmax.default/backward",),
+        _rows_backward(torch.ops.aten._softmax_backward_data.default),
+    ),
+    (
+        ("aten._log_softmax.default/backward",),
+        _rows_backward(torch.ops.aten._log_softmax_backward_data.default),
+    ),
 )
+
+
+def _tiny_calls(dev: torch.device) -> dict[str, Callable[[], object]]:
+    """One tiny call per eager kernel kind (the time pass's kernel keys,
+    :attr:`~graphflop.passes.time_profile.TimeProfile.fixed`): a few hundred bytes each, so
+    its time is the kernel's fixed cost."""
+    a = torch.ops.aten
+    f32 = torch.float32
+    x = torch.rand(8, 16, device=dev)  # 8 rows of 16 (logits of 16 classes, a layer's rows)
+    t = torch.randint(0, 16, (8,), device=dev)
+    w = torch.rand(16, 16, device=dev)
+    b = torch.rand(16, device=dev)
+    img = torch.rand(2, 4, 4, 4, device=dev)
+    c4 = torch.ones(4, device=dev)
+    q = torch.rand(2, 8, 16, device=dev)
+    ids = torch.randint(0, 16, (8,), device=dev)
+    ls = a._log_softmax.default(x, 1, False)
+    sm = a._softmax.default(x, 1, False)
+    nll, total = a.nll_loss_forward.default(ls, t, None, 1, -100)
+    _, mean, rstd = a.native_layer_norm.default(x, [16], b, b, 1e-5)
+    _, bmean, binv = a.native_batch_norm.default(
+        img, c4, c4, c4.clone(), c4.clone(), True, 0.1, 1e-5
+    )
+    pooled, idx = a.max_pool2d_with_indices.default(img, [2, 2], [2, 2])
+    calls: dict[str, Callable[[], object]] = {
+        ANY_VIEW: partial(x.view, 16, 8),
+        ANY_KERNEL: partial(torch.add, x, x),
+        "aten.view.default": partial(a.view.default, x, [16, 8]),
+        "aten.reshape.default": partial(a.reshape.default, x, [16, 8]),
+        "aten.expand.default": partial(a.expand.default, b, [8, 16]),
+        "aten.t.default": partial(a.t.default, w),
+        "aten.transpose.int": partial(a.transpose.int, x, 0, 1),
+        "aten.permute.default": partial(a.permute.default, img, [0, 2, 3, 1]),
+        "aten.unsqueeze.default": partial(a.unsqueeze.default, x, 0),
+        "aten.slice.Tensor": partial(a.slice.Tensor, x, 1, 2, 5),
+        "aten.select.int": partial(a.select.int, x, 0, 1),
+        "aten.split.Tensor": partial(a.split.Tensor, x, 8, 1),
+        "aten.add.Tensor": partial(a.add.Tensor, x, x),
+        "aten.mul.Tensor": partial(a.mul.Tensor, x, x),
+        "aten.div.Tensor": partial(a.div.Tensor, x, x),
+        "aten.relu.default": partial(a.relu.default, x),
+        "aten.sum.dim_IntList": partial(a.sum.dim_IntList, x, [0]),
+        "aten.mean.dim": partial(a.mean.dim, img, [-1, -2], True),
+        "aten.addmm.default": partial(a.addmm.default, b, x, w),
+        "aten.mm.default": partial(a.mm.default, x, w),
+        "aten.bmm.default": partial(a.bmm.default, q, q.transpose(1, 2)),
+        "aten.cat.default": partial(a.cat.default, [x, x], 1),
+        "aten.embedding.default": partial(a.embedding.default, w, ids),
+        "aten.arange.start_step": partial(a.arange.start_step, 0, 16, 1, dtype=torch.int64),
+        "aten.gelu.default": partial(a.gelu.default, x),
+        "aten._log_softmax.default": partial(a._log_softmax.default, x, 1, False),
+        "aten._softmax.default": partial(a._softmax.default, x, 1, False),
+        "aten.nll_loss_forward.default": partial(a.nll_loss_forward.default, ls, t, None, 1, -100),
+        "aten.native_layer_norm.default": partial(a.native_layer_norm.default, x, [16], b, b, 1e-5),
+        "aten.native_batch_norm.default": partial(
+            a.native_batch_norm.default, img, c4, c4, c4.clone(), c4.clone(), True, 0.1, 1e-5
+        ),
+        "aten.max_pool2d_with_indices.default": partial(
+            a.max_pool2d_with_indices.default, img, [2, 2], [2, 2]
+        ),
+        "aten.gelu.default[tanh]": partial(a.gelu.default, x, approximate="tanh"),
+        "aten.gelu.default" + BACKWARD_SUFFIX: partial(a.gelu_backward.default, x, x),
+        "aten.gelu.default[tanh]" + BACKWARD_SUFFIX: partial(
+            a.gelu_backward.default, x, x, approximate="tanh"
+        ),
+        "aten._log_softmax.default" + BACKWARD_SUFFIX: partial(
+            a._log_softmax_backward_data.default, x, ls, 1, f32
+        ),
+        "aten._softmax.default" + BACKWARD_SUFFIX: partial(
+            a._softmax_backward_data.default, x, sm, 1, f32
+        ),
+        "aten.nll_loss_forward.default" + BACKWARD_SUFFIX: partial(
+            a.nll_loss_backward.default, torch.ones((), device=dev), ls, t, None, 1, -100, total
+        ),
+        "aten.native_layer_norm.default" + BACKWARD_SUFFIX: partial(
+            a.native_layer_norm_backward.default, x, x, [16], mean, rstd, b, b, [True] * 3
+        ),
+        "aten.native_batch_norm.default" + BACKWARD_SUFFIX: partial(
+            a.native_batch_norm_backward.default,
+            img,
+            img,
+            c4,
+            c4,
+            c4,
+            bmean,
+            binv,
+            True,
+            1e-5,
+            [True] * 3,
+        ),  # fmt: skip
+        "aten.max_pool2d_with_indices.default" + BACKWARD_SUFFIX: partial(
+            a.max_pool2d_with_indices_backward.default,
+            pooled,
+            img,
+            [2, 2],
+            [2, 2],
+            [0, 0],
+            [1, 1],
+            False,
+            idx,
+        ),  # fmt: skip
+    }
+    for names, _ in _KERNELS:  # batch norm's other names run the same kernels
+        for alias in names[1:]:
+            if names[0] in calls:
+                calls[alias] = calls[names[0]]
+    return calls
+
+
+#: how many kernel kinds :func:`_tiny_calls` times (the progress bar's count)
+_TINY = tuple(_tiny_calls(torch.device("cpu")))
 
 
 def _timer(device: torch.device) -> Callable[..., float]:
@@ -437,23 +642,93 @@ class _Run:
                 )
         return mm, conv, conv_bwd
 
-    def optimizers(self) -> dict[str, list[tuple[float, float]]]:
-        """Optimizer name -> (parameter bytes, seconds per parameter) points of
-        ``torch.optim``'s ``step()`` over :attr:`CalibrationPlan.optim_sizes`' parameters."""
-        out: dict[str, list[tuple[float, float]]] = {}
+    def _step(self, name: str, numel: int, count: int) -> float:
+        """Seconds of one ``step()`` + ``zero_grad(set_to_none=True)`` of optimizer ``name``
+        over ``count`` parameters of ``numel`` elements, with fresh gradients made before each
+        (untimed, as the backward makes them; ``zero_grad`` frees them): the least of the
+        timed calls."""
+        params = [torch.nn.Parameter(torch.randn(numel, device=self.dev)) for _ in range(count)]
+        grads = [torch.randn_like(q) for q in params]
+
+        def fresh() -> None:
+            for q, g in zip(params, grads, strict=True):
+                q.grad = g.clone()
+
+        fresh()
+        opt = torch_optimizer(name, params, 1e-3)
+        opt.step()  # creates the state
+        samples: list[float] = []
+        t_all = time.perf_counter()
+        while len(samples) < self.p.repeats or (
+            len(samples) < 200 and time.perf_counter() - t_all < self.p.min_time_s * 2
+        ):
+            fresh()
+            if self.dev.type == "cuda":
+                torch.cuda.synchronize(self.dev)
+            t0 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if self.dev.type == "cuda":
+                torch.cuda.synchronize(self.dev)
+            samples.append(time.perf_counter() - t0)
+        return min(samples)
+
+    def optimizers(self) -> dict[str, tuple[list[tuple[float, float]], float]]:
+        """Optimizer name -> ((parameter bytes, seconds per parameter) points, seconds per
+        step beyond its parameters) of ``torch.optim``'s ``step()`` + ``zero_grad``: one tiny
+        parameter's step less the per-parameter cost (the first of
+        :attr:`CalibrationPlan.optim_sizes`: many tiny parameters) is the step's own cost;
+        each point's time less that, per parameter."""
+        out: dict[str, tuple[list[tuple[float, float]], float]] = {}
         for name in OPTIMIZERS:
-            for numel, count in self.p.optim_sizes:
-                params = [
-                    torch.nn.Parameter(torch.randn(numel, device=self.dev)) for _ in range(count)
-                ]
-                for q in params:
-                    q.grad = torch.randn_like(q)
-                opt = torch_optimizer(name, params, 1e-3)
-                opt.step()  # creates the state
-                t = self.time(opt.step) / count
-                out.setdefault(name, []).append((4.0 * numel, t))
+            (tiny, many), *rest = self.p.optim_sizes
+            one = self._step(name, tiny, 1)
+            t_many = self._step(name, tiny, many)
+            per = max((t_many - one) / max(many - 1, 1), 0.0)
+            own = max(one - per, 0.0)
+            self.done(f"{name} step of 1 parameter: {one * 1e6:.1f} µs")
+            points = [(4.0 * tiny, per if per > 0 else max(t_many / many, 1e-9))]
+            self.done(f"{name} step, {many} tiny parameters: {points[0][1] * 1e6:.1f} µs each")
+            for numel, count in rest:
+                t = max(self._step(name, numel, count) - own, 1e-9) / count
+                points.append((4.0 * numel, t))
                 self.done(f"{name} step, {count} × {4 * numel / 1e6:.3g} MB: {t * 1e6:.1f} µs each")
-                del opt, params
+            out[name] = (points, own)
+        return out
+
+    def fixed(self) -> dict[str, float]:
+        """Kernel kind -> seconds of one tiny call of it (:func:`_tiny_calls`) as it runs in a
+        network: each call timed alone, just after streaming over
+        :attr:`CalibrationPlan.evict_bytes` and a small matrix product (the kernels before
+        it in a network evict the dispatcher's code and data from the per-core caches); the
+        lower quartile of :attr:`CalibrationPlan.cold_calls` calls (another process's time
+        slice on the core, which wipes the caches beyond what a network's own kernels do,
+        only adds: under load the median of these calls rose 3 to 5 times)."""
+        if not self.p.cold_calls or self.dev.type != "cpu":
+            return {}
+        junk = torch.rand(max(1, self.p.evict_bytes // 4), device=self.dev)
+        m = torch.rand(128, 128, device=self.dev)
+        calls = _tiny_calls(self.dev)
+        samples: dict[str, list[float]] = {key: [] for key in calls}
+        for call in calls.values():
+            call()
+        # round-robin over the kinds, so that a change of load between the first and the last
+        # kind measured moves all of them alike
+        rounds = self.p.cold_calls
+        for r in range(rounds):
+            for key, call in calls.items():
+                junk.mul_(1.0)
+                torch.mm(m, m)
+                t0 = time.perf_counter()
+                call()
+                samples[key].append(time.perf_counter() - t0)
+            marks = min(len(_TINY), rounds)  # the progress bar's steps for this part
+            if (r + 1) * marks // rounds > r * marks // rounds:
+                self.done(f"kernel kinds in a network: round {r + 1} of {rounds}")
+        out = {
+            key: statistics.quantiles(ss, n=4)[0] if len(ss) > 1 else ss[0]
+            for key, ss in samples.items()
+        }
         return out
 
     def elementwise(self) -> tuple[float, float]:
@@ -512,15 +787,26 @@ class _Run:
         return bw, inplace
 
     def kernels(self) -> dict[str, list[tuple[float, float]]]:
-        """Op name -> (bytes, bytes/s) points of the kernels of :data:`_KERNELS`."""
+        """Op name -> (bytes, bytes/s) points of the kernels of :data:`_KERNELS`, each call on
+        the next of several copies of its inputs that together exceed
+        :attr:`CalibrationPlan.cold_bytes` (cold, as the bandwidth curve's: in a network a
+        kernel reads what another wrote megabytes earlier)."""
         out: dict[str, list[tuple[float, float]]] = {}
         for names, make in _KERNELS:
             for n in self.p.kernel_sizes:
-                call, nbytes = make(n, self.dev)
+                first, nbytes = make(n, self.dev)
+                copies = max(1, min(16, self.p.cold_bytes // max(1, int(nbytes))))
+                calls = [first] + [make(n, self.dev)[0] for _ in range(copies - 1)]
+                at = [0]
+
+                def call(calls: list[Callable[[], object]] = calls, at: list[int] = at) -> None:
+                    at[0] = (at[0] + 1) % len(calls)
+                    calls[at[0]]()
+
                 t = self.time(call)
                 for name in names:
                     out.setdefault(name, []).append((nbytes, _rate(nbytes, t, self.launch)))
-                label = names[0].split(".")[1]
+                label = names[0].split(".", 1)[1]
                 self.done(f"{label} {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.2f} GB/s")
         return out
 
@@ -572,6 +858,7 @@ def calibrate(
     run = _Run(dev, p, timed, launch, done)
     mm, conv, conv_bwd = run.products()
     steps = run.optimizers()
+    fixed = run.fixed()
     trans_rate, other_rate = run.elementwise()
     bw, inplace = run.streams()
     kernels = run.kernels()
@@ -602,7 +889,9 @@ def calibrate(
             "conv": {k: _shaped(v) for k, v in conv.items()},
             "conv_backward": {k: _shaped(v) for k, v in conv_bwd.items()},
         },
-        updates={k: _step_curve(v) for k, v in steps.items()},
+        updates={k: _step_curve(v) for k, (v, _) in steps.items()},
+        update_step_s={k: own for k, (_, own) in steps.items()},
+        fixed=fixed,
         bandwidth=_curve(bw),
         inplace_bandwidth=_curve(inplace),
         kernels={k: _curve(v) for k, v in kernels.items()},
