@@ -398,3 +398,28 @@ def test_matrix_parameters_the_tp_plan_leaves_whole_are_noted():
     assert note.startswith("2 matrix parameter(s)")
     assert "layers.0.self_attn.in_proj_weight" in note
     assert "layers.0.self_attn.out_proj.weight" in note and "linear1" not in note
+
+
+@pytest.mark.parametrize(
+    ("entries", "says"),
+    [
+        # a LayerNorm is neither nn.Linear nor nn.Embedding: torch's ColwiseParallel refuses it
+        ({"h.*.ln_1": "colwise"}, "colwise on h.0.ln_1 (LayerNorm)"),
+        ({"h.0": "rowwise"}, "rowwise on h.0 (Block)"),
+        ({"ln_f": {"style": "colwise", "output_layouts": "replicate"}}, "on ln_f (LayerNorm)"),
+        # a pattern that matches nothing would silently leave the model unsharded
+        ({"nonexistent.*": "colwise"}, "'nonexistent.*' matches no module; module paths: wte"),
+    ],
+)
+def test_cli_tp_plan_refused_against_modules(capsys, tmp_path, entries, says):
+    import json
+
+    f, out = tmp_path / "plan.json", tmp_path / "p.json"
+    f.write_text(json.dumps(entries))
+    assert main(["plan", *CLI, "--tp", "2", "--tp-plan", str(f), "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert not out.exists()
+    # the same plan on the Linears it names is accepted
+    f.write_text(json.dumps({"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise"}))
+    assert main(["plan", *CLI, "--tp", "2", "--tp-plan", str(f)]) == 0

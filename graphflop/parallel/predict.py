@@ -67,7 +67,12 @@ from graphflop.parallel.placement import (
     propagate,
 )
 from graphflop.parallel.plan import Plan, PlanError
-from graphflop.parallel.tp_plan import boundary_layouts, default_tp_plan, param_placement
+from graphflop.parallel.tp_plan import (
+    boundary_layouts,
+    check_tp_plan,
+    default_tp_plan,
+    param_placement,
+)
 from graphflop.passes.eager_memory import (
     eager_saved_storages,
     eager_train_schedule,
@@ -311,6 +316,8 @@ def predict(  # noqa: C901
     notes: list[str] = []
 
     # tensor parallelism ----------------------------------------------------------------------
+    if plan.tp_plan:
+        check_tp_plan(model, plan.tp_plan)
     tp_plan = plan.tp_plan or (default_tp_plan(model, fwd, plan.sp) if plan.tp > 1 else ())
     from dataclasses import replace as _replace
 

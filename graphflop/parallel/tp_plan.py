@@ -27,9 +27,15 @@ from torch.fx import GraphModule, Node
 
 from graphflop.meta import MODULE
 from graphflop.parallel.placement import REPLICATE, Placement, shard
-from graphflop.parallel.plan import COLWISE_REPLICATE, PREPARE_INPUT, match_style
+from graphflop.parallel.plan import COLWISE_REPLICATE, PREPARE_INPUT, PlanError, match_style
 
-__all__ = ["SEQUENCE_DIM", "boundary_layouts", "default_tp_plan", "param_placement"]
+__all__ = [
+    "SEQUENCE_DIM",
+    "boundary_layouts",
+    "check_tp_plan",
+    "default_tp_plan",
+    "param_placement",
+]
 
 #: the sequence dim of (batch, sequence, hidden) activations, as torch's SequenceParallel has it
 SEQUENCE_DIM = 1
@@ -76,6 +82,37 @@ def default_tp_plan(
         parents = dict.fromkeys(_parent(c) for c in cols if _parent(c))
         plan += [(p, PREPARE_INPUT) for p in parents]
     return tuple(plan)
+
+
+#: the styles torch's ColwiseParallel / RowwiseParallel implement, only for these module classes
+_SHARDING_STYLES = ("colwise", "rowwise", COLWISE_REPLICATE)
+
+
+def check_tp_plan(model: nn.Module, tp_plan: tuple[tuple[str, str], ...]) -> None:
+    """Check a user's TP plan against ``model``'s modules, as ``parallelize_module`` would.
+
+    Raises:
+        PlanError: a pattern that matches no module path (some paths listed), or a
+            ``colwise`` / ``rowwise`` entry on a module that is neither ``nn.Linear`` nor
+            ``nn.Embedding`` (torch's ColwiseParallel and RowwiseParallel shard only those).
+    """
+    mods = {p: m for p, m in model.named_modules() if p}
+    for pattern, _ in tp_plan:
+        if not any(match_style(((pattern, "replicate"),), p) for p in mods):
+            paths = list(mods)
+            raise PlanError(
+                f"TP plan pattern {pattern!r} matches no module; module paths: "
+                + ", ".join(paths[:12])
+                + (" ..." if len(paths) > 12 else "")
+            )
+    for p, m in mods.items():
+        style = match_style(tp_plan, p)
+        if style in _SHARDING_STYLES and not isinstance(m, (nn.Linear, nn.Embedding)):
+            raise PlanError(
+                f"TP plan entry {style} on {p} ({type(m).__name__}): column- and row-wise "
+                "sharding apply to nn.Linear and nn.Embedding only; match those modules, or "
+                "give this one sequence_parallel, prepare_input or replicate"
+            )
 
 
 def _inside(module: str, parent: str) -> bool:
