@@ -176,6 +176,9 @@ def test_plan_refuses(kw):
         (["--schedule", "zigzag"], "unknown --schedule"),
         (["--schedule", "gpipe"], "give --pp 2 or more"),
         (["--pp", "2", "--blocks", "nope=4"], "--blocks nope=4: cannot construct"),
+        # inspect's time profiles have no memory size to judge fits by
+        (["--device", "cpu"], "which the cpu guess does not give: use --memory-gib GIB, or one of"),
+        (["--device", "prof.json"], "which a profile file does not give"),
     ],
 )
 def test_cli_bad_input_one_line(capsys, tmp_path, extra, says):

@@ -127,7 +127,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         metavar="NAME",
-        help="judge fits / does not fit against this device's memory (the device table)",
+        help="judge fits / does not fit against this data-sheet device's memory (h100, a100, "
+        "...: docs/devices.md; not cpu or a calibrate profile, which give no memory size: "
+        "use --memory-gib there)",
     )
     p.add_argument(
         "--memory-gib",
@@ -206,10 +208,20 @@ def _device_memory(args: argparse.Namespace) -> tuple[int | None, str | None]:
             raise PlanError(f"--memory-gib must be positive, not {args.memory_gib}")
         return round(args.memory_gib * GIB), f"{args.memory_gib:g} GiB"
     if args.device:
-        from graphflop.devices import UnknownDevice, device_spec
+        import os
 
+        from graphflop.devices import DEVICES, UnknownDevice, device_spec
+
+        name = args.device
+        if name.strip().lower() == "cpu" or name.endswith(".json") or os.path.exists(name):
+            # inspect's time profiles (the CPU guess, calibrate's files) carry no memory size
+            raise PlanError(
+                f"plan --device {name}: fits is judged on a data-sheet device's memory, which "
+                f"{'the cpu guess' if name.strip().lower() == 'cpu' else 'a profile file'} does "
+                f"not give: use --memory-gib GIB, or one of {', '.join(sorted(DEVICES))}"
+            )
         try:
-            spec = device_spec(args.device)
+            spec = device_spec(name)
         except UnknownDevice as e:
             raise PlanError(str(e)) from None
         return int(spec.memory_bytes), args.device
