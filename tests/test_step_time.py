@@ -188,6 +188,26 @@ def test_no_peak_for_a_dtype(tmp_path):
         analyze(MatMul(8, torch.float64), x, backward=False, jvp=False, time_profile=p)
 
 
+def test_no_peak_lists_every_data_sheet_dtype():
+    # l4's data sheet: float32, tf32, bfloat16, float16, float8, int8, no float64; the time
+    # profile runs float32 products at the FP32 rate, so its own list lacks tf32 and says why
+    x = torch.empty(8, 8, dtype=torch.float64, device="meta")
+    with pytest.raises(NoPeak) as e:
+        analyze(
+            MatMul(8, torch.float64),
+            x,
+            backward=False,
+            jvp=False,
+            time_profile=resolve_profile("l4"),
+        )
+    assert str(e.value) == (
+        "l4 has no float64 peak for matmul kernels: it has float32, bfloat16, float16, float8, "
+        "int8 (its data sheet's tf32 peak is not used: float32 products are counted at the "
+        "FP32 rate, TF32 off)"
+    )
+    assert all(d in str(e.value).split(": it has ")[1] for d in device_spec("l4").peak_flops)
+
+
 def test_cli_bad_device_input(capsys, tmp_path):
     mlp = spec("mlp.py")
     rc, out, err = cli(capsys, "inspect", mlp, "--device", "h100-sx")
