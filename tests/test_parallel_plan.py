@@ -3,6 +3,7 @@ GPT-2 against hand counts, and bad input refused in one line with exit status 2.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import pytest
@@ -426,3 +427,42 @@ def test_cli_tp_plan_refused_against_modules(capsys, tmp_path, entries, says):
     # the same plan on the Linears it names is accepted
     f.write_text(json.dumps({"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise"}))
     assert main(["plan", *CLI, "--tp", "2", "--tp-plan", str(f)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("entry", "result"),
+    [
+        ({"style": "colwise", "output_layouts": "replicate"}, "colwise:replicate"),
+        ({"style": "ColwiseParallel", "output_layouts": "Replicate()"}, "colwise:replicate"),
+        # ColwiseParallel's default output layout: the plain column-wise style
+        ({"style": "colwise", "output_layouts": "Shard(-1)"}, "colwise"),
+        ("PrepareModuleInput", "prepare_input"),
+        ("SequenceParallel", "sequence_parallel"),
+        # each refusal names what is wrong: the layout, the style, the key
+        ({"style": "colwise", "output_layouts": "shard"}, "output_layouts 'shard' is not supp"),
+        ({"style": "rowwise", "output_layouts": "replicate"}, "colwise entry only, not rowwise"),
+        ({"style": "colwise", "input_layouts": "shard"}, "style and output_layouts, not input"),
+    ],
+)
+def test_read_tp_plan_mapping_entries(tmp_path, entry, result):
+    import json
+
+    from graphflop.parallel import read_tp_plan
+
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps({"h.*.attn.c_attn": entry}))
+    if result in ("colwise", "colwise:replicate", "prepare_input", "sequence_parallel"):
+        assert read_tp_plan(str(f)) == (("h.*.attn.c_attn", result),)
+    else:
+        with pytest.raises(PlanError, match=re.escape(result)):
+            read_tp_plan(str(f))
+
+
+def test_plan_help_lists_every_tp_plan_style(capsys):
+    from graphflop.parallel.plan import COLWISE_REPLICATE, PLAN_STYLES, PREPARE_INPUT
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for style in (*PLAN_STYLES, COLWISE_REPLICATE, PREPARE_INPUT, "output_layouts: replicate"):
+        assert style in text, style

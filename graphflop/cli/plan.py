@@ -93,9 +93,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--tp-plan",
         metavar="FILE",
-        help="JSON or YAML mapping module path patterns (fnmatch globs, or re:REGEX) to "
-        "colwise, rowwise, sequence_parallel or replicate (torch parallelize_module's styles); "
-        "default: Megatron's column/row pattern found from the module structure",
+        help="JSON or YAML mapping module path patterns (fnmatch globs, or re:REGEX; first "
+        "match wins) to a style of torch's parallelize_module: colwise and rowwise (nn.Linear "
+        "and nn.Embedding only), colwise:replicate (column-wise, the output gathered; also "
+        "written {style: colwise, output_layouts: replicate}), prepare_input (the "
+        "sequence-sharded input gathered on entry, PrepareModuleInput), sequence_parallel, "
+        "replicate; torch's class names ColwiseParallel, RowwiseParallel, SequenceParallel, "
+        "PrepareModuleInput work too. Default: Megatron's column/row pattern found from the "
+        "module structure",
     )
     p.add_argument(
         "--optimizer",
