@@ -171,7 +171,29 @@ def test_plan_refuses(kw):
         (["--tp", "3"], "--tp 3 does not divide"),
         # 2 heads over 4 ranks (hidden 8, fused qkv 24 and vocabulary 16 divide by 4)
         (["--tp", "4"], "--tp 4 cannot shard h.0.attn"),
-        (["--pp", "3"], "3 pipeline stages"),
+        (["--pp", "3"], "3 pipeline stages but the model has 2 blocks: use at most --pp 2"),
+        # 2 × 2 virtual stages on 2 blocks: no pp × chunks fits, a non-interleaved one does
+        (
+            ["--pp", "2", "--schedule", "interleaved", "--micro-batches", "2"],
+            "at least 4 blocks; use --schedule 1f1b or gpipe with --pp at most 2",
+        ),
+        # 7 blocks: pp 2 × 3 chunks and pp 3 × 2 chunks fit in 7, 2 × 4 = 8 does not
+        (
+            [
+                "--pp",
+                "2",
+                "--schedule",
+                "interleaved",
+                "--chunks",
+                "4",
+                "--micro-batches",
+                "2",
+                "--blocks",
+                "n_layer=7",
+            ],
+            "8 pipeline stages (2 × 4 chunks) but --blocks gives 7 blocks: --pp × --chunks must "
+            "be at most 7 (e.g. --pp 2 --chunks 3, --pp 3 --chunks 2)",
+        ),
         (["--dp", "2", "--world", "3"], "not --world 3"),
         (["--pp", "2", "--micro-batches", "1"], "needs at least 2 micro-batches"),
         (["--schedule", "zigzag"], "unknown --schedule"),

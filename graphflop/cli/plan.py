@@ -238,6 +238,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from graphflop.analysis import AnalyzeOptions
     from graphflop.load import SpecError
     from graphflop.parallel import PlanError, predict
+    from graphflop.parallel.plan import too_many_stages
 
     plan = _plan_from_args(args)
     if args.checkpoint is not None and args.recompute is not None:
@@ -277,10 +278,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             )
         total, stages = int(value), plan.virtual_stages
         if total < stages:
-            raise PlanError(
-                f"{stages} pipeline stages but --blocks gives {total} blocks: use at most "
-                f"{total} stages"
-            )
+            raise too_many_stages(plan, total, "--blocks gives")
         if any(a.partition("=")[0] == name for a in args.arg or []):
             raise PlanError(f"--blocks sets {name}: drop --arg {name}")
         args.arg = [*(args.arg or []), f"{name}={stages}"]

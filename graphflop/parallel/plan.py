@@ -27,6 +27,7 @@ __all__ = [
     "PlanError",
     "match_style",
     "read_tp_plan",
+    "too_many_stages",
 ]
 
 #: the pipeline schedules: GPipe (all forwards, then all backwards), 1F1B (PipeDream-Flush) and
@@ -159,6 +160,31 @@ ACCEPTED_ENTRIES = (
     "RowwiseParallel, SequenceParallel, PrepareModuleInput, or {style: colwise, "
     "output_layouts: replicate}"
 )
+
+
+def too_many_stages(plan: Plan, blocks: int, what: str = "the model has") -> PlanError:
+    """The error for ``plan``'s ``pp · chunks`` virtual stages exceeding ``blocks``: it says
+    which degrees fit (``pp ≤ blocks``; under the interleaved schedule ``pp · chunks ≤
+    blocks`` with ``chunks ≥ 2``, so at least 4 blocks)."""
+    head = (
+        f"{plan.virtual_stages} pipeline stages ({plan.pp} × {plan.chunks} chunks) but {what} "
+        f"{blocks} blocks"
+        if plan.schedule == "interleaved"
+        else f"{plan.virtual_stages} pipeline stages but {what} {blocks} blocks"
+    )
+    if plan.schedule != "interleaved":
+        return PlanError(f"{head}: use at most --pp {blocks}")
+    if blocks < 4:
+        return PlanError(
+            f"{head}: interleaving needs --pp 2 or more × --chunks 2 or more, at least 4 "
+            f"blocks; use --schedule 1f1b or gpipe with --pp at most {blocks}"
+        )
+    fits = [f"--pp {p} --chunks {blocks // p}" for p in range(2, blocks // 2 + 1)]
+    shown = ", ".join(fits[:3]) + (", ..." if len(fits) > 3 else "")
+    return PlanError(
+        f"{head}: --pp × --chunks must be at most {blocks} (e.g. {shown}), or use --schedule "
+        f"1f1b or gpipe with --pp at most {blocks}"
+    )
 
 
 def _style(value: object, pattern: str) -> str:

@@ -66,7 +66,7 @@ from graphflop.parallel.placement import (
     local_shape,
     propagate,
 )
-from graphflop.parallel.plan import Plan, PlanError
+from graphflop.parallel.plan import Plan, PlanError, too_many_stages
 from graphflop.parallel.tp_plan import (
     boundary_layouts,
     check_tp_plan,
@@ -400,10 +400,7 @@ def predict(  # noqa: C901
             "Sequential of one block class): drop --pp"
         )
     if plan.pp > 1 and vstages > len(blocks):
-        raise PlanError(
-            f"{vstages} pipeline stages ({plan.pp} × {plan.chunks} chunks) but the model has "
-            f"{len(blocks)} blocks: use at most {len(blocks)} stages"
-        )
+        raise too_many_stages(plan, len(blocks))
     if plan.pp > 1:
         _check_block_order(fwd, blocks)
     runs = _split_blocks(blocks, vstages) if plan.pp > 1 else [blocks]
