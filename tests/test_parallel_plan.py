@@ -488,3 +488,12 @@ def test_plan_help_lists_every_tp_plan_style(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for style in (*PLAN_STYLES, COLWISE_REPLICATE, PREPARE_INPUT, "output_layouts: replicate"):
         assert style in text, style
+
+
+def test_cli_schedule_any_case(tmp_path):
+    import json
+
+    out = tmp_path / "p.json"
+    args = ["plan", *CLI, "--pp", "2", "--micro-batches", "2", "--json", str(out)]
+    assert main([*args, "--schedule", "GPipe"]) == 0
+    assert json.loads(out.read_text())["plan"]["schedule"] == "gpipe"

@@ -66,7 +66,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--schedule",
         default="1f1b",
         metavar="NAME",
-        help="pipeline schedule: gpipe, 1f1b or interleaved (default 1f1b)",
+        help="pipeline schedule: gpipe, 1f1b or interleaved, any case (default 1f1b)",
     )
     p.add_argument(
         "--chunks",
@@ -175,6 +175,7 @@ def _plan_from_args(args: argparse.Namespace):
     """The :class:`~graphflop.parallel.Plan` the options name (checked)."""
     from graphflop.parallel import Plan, PlanError, read_tp_plan
 
+    args.schedule = args.schedule.strip().lower()  # any case, as device names
     if args.schedule not in ("gpipe", "1f1b", "interleaved"):
         raise PlanError(f"unknown --schedule {args.schedule!r}: one of gpipe, 1f1b, interleaved")
     chunks = (
