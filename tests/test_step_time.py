@@ -19,6 +19,7 @@ from graphflop.passes.time_profile import (
     ProfileError,
     RateCurve,
     TimeProfile,
+    default_cpu_profile,
     from_device,
     load_profile,
     resolve_profile,
@@ -432,3 +433,19 @@ def test_a_convolution_backward_is_one_eager_kernel():
     # two convolutions: two convolution_backward kernels (the first computes no input gradient)
     assert ops[("backward", "aten.convolution.default")].kernels == 2
     assert ("backward", "aten.sum.dim_IntList") not in ops
+
+
+@pytest.mark.parametrize(
+    ("device", "title"),
+    [
+        ("cpu", "predicted time on this CPU, 4 threads (a guess: clock × FMA width × efficiency)"),
+        ("h100", "predicted time on NVIDIA H100 SXM5 80 GB (data sheet × efficiency)"),
+    ],
+)
+def test_time_table_title_says_where_the_rates_come_from_once(device, title):
+    from graphflop.export.report import _time_table
+
+    profile = default_cpu_profile(4) if device == "cpu" else resolve_profile(device)
+    x = torch.empty(8, 8, device="meta")
+    rep = analyze(MatMul(8, torch.float32), x, jvp=False, time_profile=profile)
+    assert str(_time_table(rep.report.time).title) == title

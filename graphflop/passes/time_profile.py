@@ -488,7 +488,7 @@ def default_cpu_profile(threads: int | None = None) -> TimeProfile:
 
     return TimeProfile(
         name="cpu",
-        title=f"this CPU ({n} threads, data-sheet-like guess)",
+        title=f"this CPU, {n} threads",
         source="datasheet",
         kind="cpu",
         compute={
