@@ -72,6 +72,7 @@ from graphflop.parallel.tp_plan import (
     check_tp_plan,
     default_tp_plan,
     param_placement,
+    unsharded_note,
 )
 from graphflop.passes.eager_memory import (
     eager_saved_storages,
@@ -340,15 +341,7 @@ def predict(  # noqa: C901
             if pplace[q].kind != "S" and len(phs[ph].meta["val"].shape) >= 2
         ]
         if unsharded:
-            shown = ", ".join(unsharded[:4]) + (
-                f" and {len(unsharded) - 4} more" if len(unsharded) > 4 else ""
-            )
-            notes.append(
-                f"{len(unsharded)} matrix parameter(s) that no column- or row-wise module of the TP "
-                f"plan holds stay whole on every TP rank, their products unsharded: {shown} "
-                "(a fused projection such as nn.MultiheadAttention's in_proj_weight; give a "
-                "--tp-plan file to shard them)"
-            )
+            notes.append(unsharded_note(model, unsharded))
     layouts = boundary_layouts(tp_plan, plan.sp)
     vocab = frozenset(e for e in embeddings if pplace.get(f"{e}.weight", REPLICATE).kind == "S")
     f_init = {ph: pplace[q] for ph, q in sig.params}

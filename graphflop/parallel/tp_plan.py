@@ -35,6 +35,7 @@ __all__ = [
     "check_tp_plan",
     "default_tp_plan",
     "param_placement",
+    "unsharded_note",
 ]
 
 #: the sequence dim of (batch, sequence, hidden) activations, as torch's SequenceParallel has it
@@ -113,6 +114,36 @@ def check_tp_plan(model: nn.Module, tp_plan: tuple[tuple[str, str], ...]) -> Non
                 "sharding apply to nn.Linear and nn.Embedding only; match those modules, or "
                 "give this one sequence_parallel, prepare_input or replicate"
             )
+
+
+def unsharded_note(model: nn.Module, params: list[str]) -> str:
+    """The note for matrix parameters (qualified names) that no column- or row-wise module of
+    the TP plan holds, naming their modules' classes: a Linear or Embedding can be given a
+    style in a ``--tp-plan`` file; torch's ColwiseParallel / RowwiseParallel shard no other
+    class (a convolution, a fused projection held as a bare parameter)."""
+    mods = dict(model.named_modules())
+    cls = {q: type(mods.get(q.rpartition(".")[0], model)).__name__ for q in params}
+    shown = ", ".join(f"{q} ({cls[q]})" for q in params[:4]) + (
+        f" and {len(params) - 4} more" if len(params) > 4 else ""
+    )
+    counts: dict[str, int] = {}
+    for c in cls.values():
+        counts[c] = counts.get(c, 0) + 1
+    classes = ", ".join(f"{c} ×{k}" for c, k in counts.items())
+    shardable = {
+        type(m).__name__ for m in mods.values() if isinstance(m, (nn.Linear, nn.Embedding))
+    }
+    fix = (
+        "give a --tp-plan file to shard the Linear and Embedding ones; "
+        if shardable & set(counts)
+        else ""
+    )
+    return (
+        f"{len(params)} matrix parameter(s) that no column- or row-wise module of the TP plan "
+        f"holds stay whole on every TP rank, their products unsharded: {shown}; by module "
+        f"class: {classes} ({fix}column- and row-wise sharding apply to nn.Linear and "
+        "nn.Embedding only)"
+    )
 
 
 def _inside(module: str, parent: str) -> bool:
