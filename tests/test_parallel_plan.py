@@ -512,3 +512,66 @@ def test_cli_schedule_any_case(tmp_path):
     args = ["plan", *CLI, "--pp", "2", "--micro-batches", "2", "--json", str(out)]
     assert main([*args, "--schedule", "GPipe"]) == 0
     assert json.loads(out.read_text())["plan"]["schedule"] == "gpipe"
+
+
+class _InlineBlock(torch.nn.Module):
+    """Attention and MLP Linears held directly by the block: o's output joins the residual
+    stream and also feeds up (through the add), so the sibling search makes o column-wise."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.up, self.down = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        x = x + self.o(torch.relu(self.q(x)))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, block=_InlineBlock):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(block() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _NoRowBlock(torch.nn.Module):
+    """Two Linears whose outputs are multiplied and leave the block: neither feeds the other,
+    so both are row-wise with no column-wise Linear before them."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.a(x) * torch.tanh(self.b(x))
+
+
+def test_default_plan_notes_blocks_without_a_column_row_pattern():
+    m = _Blocks()
+    a = analyze(m, (torch.randn(2, 3, 8),), jvp=False)
+    rep = predict(a, m, Plan(tp=2), micro_batch=2)
+    assert rep.plan.tp_plan[:4] == (
+        ("blocks.0.q", "colwise"),
+        ("blocks.0.o", "colwise"),
+        ("blocks.0.up", "colwise"),
+        ("blocks.0.down", "rowwise"),
+    )
+    note = next(n for n in rep.notes if "default TP plan" in n)
+    assert "in blocks.0, blocks.1 (_InlineBlock, Linears held directly)" in note
+    assert "column-wise blocks.0.o, blocks.1.o also feed the module's output" in note
+    assert "--tp-plan" in note
+    # a block where no Linear feeds another
+    m = _Blocks(_NoRowBlock)
+    a = analyze(m, (torch.randn(2, 3, 8),), jvp=False)
+    note = next(n for n in predict(a, m, Plan(tp=2), micro_batch=2).notes if "default TP" in n)
+    assert "in blocks.0, blocks.1 no Linear feeds another, so all are row-wise" in note
+
+
+def test_default_plan_notes_nothing_on_gpt2(tiny):
+    # GPT-2's attention and MLP modules each close their column-wise Linears row-wise
+    assert not [n for n in _plan(tiny, tp=2).notes if "default TP plan" in n]

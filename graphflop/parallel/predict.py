@@ -70,6 +70,7 @@ from graphflop.parallel.plan import Plan, PlanError, too_many_stages
 from graphflop.parallel.tp_plan import (
     boundary_layouts,
     check_tp_plan,
+    default_plan_notes,
     default_tp_plan,
     param_placement,
     unsharded_note,
@@ -320,6 +321,8 @@ def predict(  # noqa: C901
     if plan.tp_plan:
         check_tp_plan(model, plan.tp_plan)
     tp_plan = plan.tp_plan or (default_tp_plan(model, fwd, plan.sp) if plan.tp > 1 else ())
+    if tp_plan and not plan.tp_plan:
+        notes += default_plan_notes(model, fwd, tp_plan)
     from dataclasses import replace as _replace
 
     plan = _replace(plan, tp_plan=tp_plan)

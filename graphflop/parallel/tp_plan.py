@@ -33,6 +33,7 @@ __all__ = [
     "SEQUENCE_DIM",
     "boundary_layouts",
     "check_tp_plan",
+    "default_plan_notes",
     "default_tp_plan",
     "param_placement",
     "unsharded_note",
@@ -114,6 +115,83 @@ def check_tp_plan(model: nn.Module, tp_plan: tuple[tuple[str, str], ...]) -> Non
                 "sharding apply to nn.Linear and nn.Embedding only; match those modules, or "
                 "give this one sequence_parallel, prepare_input or replicate"
             )
+
+
+def default_plan_notes(
+    model: nn.Module, forward: GraphModule, tp_plan: tuple[tuple[str, str], ...]
+) -> list[str]:
+    """Notes on where :func:`default_tp_plan`'s column/row pattern was not found: a module
+    holding Linears directly where a column-wise Linear's output also leaves the module (it
+    joins the residual stream unreduced, not through a row-wise Linear), or where no Linear
+    feeds another (all row-wise, none opened by a column-wise one). One note, naming the modules and Linears (at most
+    four of each), suggesting ``--tp-plan``; empty when the pattern was found everywhere."""
+    style = dict(tp_plan)
+    mods = dict(model.named_modules())
+    per_parent: dict[str, list[str]] = {}
+    for p, m in mods.items():
+        if isinstance(m, nn.Linear) and _parent(p):
+            per_parent.setdefault(_parent(p), []).append(p)
+    by_module: dict[str, list[Node]] = {}
+    for n in forward.graph.nodes:
+        by_module.setdefault(n.meta.get(MODULE) or "", []).append(n)
+    leaking: list[str] = []
+    unopened: list[str] = []
+    parents: list[str] = []
+    for parent, lins in per_parent.items():
+        if len(lins) < 2:
+            continue
+        cols = [p for p in lins if style.get(p) == "colwise"]
+        bad = [c for c in cols if _leaves_parent(c, by_module.get(c, []), lins)]
+        if not cols:  # no Linear feeds another: each row-wise one reads a whole input
+            unopened.append(parent)
+        elif not bad:
+            continue
+        leaking += bad
+        parents.append(parent)
+    if not parents:
+        return []
+
+    def few(xs: list[str]) -> str:
+        return ", ".join(xs[:4]) + (f" and {len(xs) - 4} more" if len(xs) > 4 else "")
+
+    classes = sorted({type(mods[p]).__name__ for p in parents})
+    why = []
+    if leaking:
+        why.append(
+            f"column-wise {few(leaking)} also feed{'s' if len(leaking) == 1 else ''} the "
+            "module's output (the residual stream) rather than only a row-wise Linear"
+        )
+    if unopened:
+        why.append(
+            f"in {few(unopened)} no Linear feeds another, so all are row-wise, each reading a "
+            "whole (replicated) input"
+        )
+    return [
+        f"the default TP plan found no Megatron column/row pattern in {few(parents)} "
+        f"({', '.join(classes)}, Linears held directly): {'; '.join(why)}; its placements "
+        "there are a guess: give a --tp-plan file naming each Linear's style"
+    ]
+
+
+def _leaves_parent(linear: str, nodes: list[Node], siblings: list[str]) -> bool:
+    """Whether ``linear``'s output leaves its parent module (reaches a node outside it, or
+    the graph's output) other than through another Linear of the parent."""
+    parent = _parent(linear)
+    others = set(siblings) - {linear}
+    seen: set[str] = set()
+    todo = [u for n in nodes for u in n.users]
+    while todo:
+        n = todo.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        m = n.meta.get(MODULE) or ""
+        if m in others:
+            continue
+        if n.op == "output" or not _inside(m, parent):
+            return True
+        todo.extend(n.users)
+    return False
 
 
 def unsharded_note(model: nn.Module, params: list[str]) -> str:
