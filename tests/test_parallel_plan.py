@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -172,12 +173,37 @@ def test_plan_refuses(kw):
         (["--tp", "3"], "--tp 3 does not divide"),
         # 2 heads over 4 ranks (hidden 8, fused qkv 24 and vocabulary 16 divide by 4)
         (["--tp", "4"], "--tp 4 cannot shard h.0.attn"),
-        (["--pp", "3"], "3 pipeline stages"),
+        (["--pp", "3"], "3 pipeline stages but the model has 2 blocks: use at most --pp 2"),
+        # 2 × 2 virtual stages on 2 blocks: no pp × chunks fits, a non-interleaved one does
+        (
+            ["--pp", "2", "--schedule", "interleaved", "--micro-batches", "2"],
+            "at least 4 blocks; use --schedule 1f1b or gpipe with --pp at most 2",
+        ),
+        # 7 blocks: pp 2 × 3 chunks and pp 3 × 2 chunks fit in 7, 2 × 4 = 8 does not
+        (
+            [
+                "--pp",
+                "2",
+                "--schedule",
+                "interleaved",
+                "--chunks",
+                "4",
+                "--micro-batches",
+                "2",
+                "--blocks",
+                "n_layer=7",
+            ],
+            "8 pipeline stages (2 × 4 chunks) but --blocks gives 7 blocks: --pp × --chunks must "
+            "be at most 7 (e.g. --pp 2 --chunks 3, --pp 3 --chunks 2)",
+        ),
         (["--dp", "2", "--world", "3"], "not --world 3"),
         (["--pp", "2", "--micro-batches", "1"], "needs at least 2 micro-batches"),
         (["--schedule", "zigzag"], "unknown --schedule"),
         (["--schedule", "gpipe"], "give --pp 2 or more"),
         (["--pp", "2", "--blocks", "nope=4"], "--blocks nope=4: cannot construct"),
+        # inspect's time profiles have no memory size to judge fits by
+        (["--device", "cpu"], "which the cpu guess does not give: use --memory-gib GIB, or one of"),
+        (["--device", "prof.json"], "which a profile file does not give"),
     ],
 )
 def test_cli_bad_input_one_line(capsys, tmp_path, extra, says):
@@ -420,6 +446,157 @@ def test_matrix_parameters_the_tp_plan_leaves_whole_are_noted():
     assert note.startswith("2 matrix parameter(s)")
     assert "layers.0.self_attn.in_proj_weight" in note
     assert "layers.0.self_attn.out_proj.weight" in note and "linear1" not in note
+    # each named with its module's class, not a guess
+    assert "layers.0.self_attn.in_proj_weight (MultiheadAttention)" in note
+    assert "by module class: MultiheadAttention ×1, NonDynamicallyQuantizableLinear ×1" in note
+
+
+def test_unsharded_convolutions_are_noted_by_class():
+    # a convolution stack: the two Conv2d weights stay whole, and no Linear or Embedding does,
+    # so the note suggests no --tp-plan file (torch shards neither class)
+    m = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3), torch.nn.Flatten()
+    )
+    a = analyze(m, (torch.randn(2, 2, 6, 6),), jvp=False)
+    note = next(n for n in predict(a, m, Plan(tp=2), micro_batch=2).notes if "matrix" in n)
+    assert "0.weight (Conv2d), 2.weight (Conv2d); by module class: Conv2d ×2" in note
+    assert "in_proj_weight" not in note and "--tp-plan" not in note
+
+
+@pytest.mark.parametrize(
+    ("entries", "says"),
+    [
+        # a LayerNorm is neither nn.Linear nor nn.Embedding: torch's ColwiseParallel refuses it
+        ({"h.*.ln_1": "colwise"}, "colwise on h.0.ln_1 (LayerNorm)"),
+        ({"h.0": "rowwise"}, "rowwise on h.0 (Block)"),
+        ({"ln_f": {"style": "colwise", "output_layouts": "replicate"}}, "on ln_f (LayerNorm)"),
+        # a pattern that matches nothing would silently leave the model unsharded
+        ({"nonexistent.*": "colwise"}, "'nonexistent.*' matches no module; module paths: wte"),
+    ],
+)
+def test_cli_tp_plan_refused_against_modules(capsys, tmp_path, entries, says):
+    import json
+
+    f, out = tmp_path / "plan.json", tmp_path / "p.json"
+    f.write_text(json.dumps(entries))
+    assert main(["plan", *CLI, "--tp", "2", "--tp-plan", str(f), "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert not out.exists()
+    # the same plan on the Linears it names is accepted
+    f.write_text(json.dumps({"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise"}))
+    assert main(["plan", *CLI, "--tp", "2", "--tp-plan", str(f)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("entry", "result"),
+    [
+        ({"style": "colwise", "output_layouts": "replicate"}, "colwise:replicate"),
+        ({"style": "ColwiseParallel", "output_layouts": "Replicate()"}, "colwise:replicate"),
+        # ColwiseParallel's default output layout: the plain column-wise style
+        ({"style": "colwise", "output_layouts": "Shard(-1)"}, "colwise"),
+        ("PrepareModuleInput", "prepare_input"),
+        ("SequenceParallel", "sequence_parallel"),
+        # each refusal names what is wrong: the layout, the style, the key
+        ({"style": "colwise", "output_layouts": "shard"}, "output_layouts 'shard' is not supp"),
+        ({"style": "rowwise", "output_layouts": "replicate"}, "colwise entry only, not rowwise"),
+        ({"style": "colwise", "input_layouts": "shard"}, "style and output_layouts, not input"),
+    ],
+)
+def test_read_tp_plan_mapping_entries(tmp_path, entry, result):
+    import json
+
+    from graphflop.parallel import read_tp_plan
+
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps({"h.*.attn.c_attn": entry}))
+    if result in ("colwise", "colwise:replicate", "prepare_input", "sequence_parallel"):
+        assert read_tp_plan(str(f)) == (("h.*.attn.c_attn", result),)
+    else:
+        with pytest.raises(PlanError, match=re.escape(result)):
+            read_tp_plan(str(f))
+
+
+def test_plan_help_lists_every_tp_plan_style(capsys):
+    from graphflop.parallel.plan import COLWISE_REPLICATE, PLAN_STYLES, PREPARE_INPUT
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for style in (*PLAN_STYLES, COLWISE_REPLICATE, PREPARE_INPUT, "output_layouts: replicate"):
+        assert style in text, style
+
+
+def test_cli_schedule_any_case(tmp_path):
+    import json
+
+    out = tmp_path / "p.json"
+    args = ["plan", *CLI, "--pp", "2", "--micro-batches", "2", "--json", str(out)]
+    assert main([*args, "--schedule", "GPipe"]) == 0
+    assert json.loads(out.read_text())["plan"]["schedule"] == "gpipe"
+
+
+class _InlineBlock(torch.nn.Module):
+    """Attention and MLP Linears held directly by the block: o's output joins the residual
+    stream and also feeds up (through the add), so the sibling search makes o column-wise."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.up, self.down = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        x = x + self.o(torch.relu(self.q(x)))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, block=_InlineBlock):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(block() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _NoRowBlock(torch.nn.Module):
+    """Two Linears whose outputs are multiplied and leave the block: neither feeds the other,
+    so both are row-wise with no column-wise Linear before them."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.a(x) * torch.tanh(self.b(x))
+
+
+def test_default_plan_notes_blocks_without_a_column_row_pattern():
+    m = _Blocks()
+    a = analyze(m, (torch.randn(2, 3, 8),), jvp=False)
+    rep = predict(a, m, Plan(tp=2), micro_batch=2)
+    assert rep.plan.tp_plan[:4] == (
+        ("blocks.0.q", "colwise"),
+        ("blocks.0.o", "colwise"),
+        ("blocks.0.up", "colwise"),
+        ("blocks.0.down", "rowwise"),
+    )
+    note = next(n for n in rep.notes if "default TP plan" in n)
+    assert "in blocks.0, blocks.1 (_InlineBlock, Linears held directly)" in note
+    assert "column-wise blocks.0.o, blocks.1.o also feed the module's output" in note
+    assert "--tp-plan" in note
+    # a block where no Linear feeds another
+    m = _Blocks(_NoRowBlock)
+    a = analyze(m, (torch.randn(2, 3, 8),), jvp=False)
+    note = next(n for n in predict(a, m, Plan(tp=2), micro_batch=2).notes if "default TP" in n)
+    assert "in blocks.0, blocks.1 no Linear feeds another, so all are row-wise" in note
+
+
+def test_default_plan_notes_nothing_on_gpt2(tiny):
+    # GPT-2's attention and MLP modules each close their column-wise Linears row-wise
+    assert not [n for n in _plan(tiny, tp=2).notes if "default TP plan" in n]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from graphflop.passes.time_profile import (
     ProfileError,
     RateCurve,
     TimeProfile,
+    default_cpu_profile,
     from_device,
     load_profile,
     resolve_profile,
@@ -186,6 +187,26 @@ def test_no_peak_for_a_dtype(tmp_path):
         NoPeak, match="^tiny has no float64 peak for matmul kernels: it has float32$"
     ):
         analyze(MatMul(8, torch.float64), x, backward=False, jvp=False, time_profile=p)
+
+
+def test_no_peak_lists_every_data_sheet_dtype():
+    # l4's data sheet: float32, tf32, bfloat16, float16, float8, int8, no float64; the time
+    # profile runs float32 products at the FP32 rate, so its own list lacks tf32 and says why
+    x = torch.empty(8, 8, dtype=torch.float64, device="meta")
+    with pytest.raises(NoPeak) as e:
+        analyze(
+            MatMul(8, torch.float64),
+            x,
+            backward=False,
+            jvp=False,
+            time_profile=resolve_profile("l4"),
+        )
+    assert str(e.value) == (
+        "l4 has no float64 peak for matmul kernels: it has float32, bfloat16, float16, float8, "
+        "int8 (its data sheet's tf32 peak is not used: float32 products are counted at the "
+        "FP32 rate, TF32 off)"
+    )
+    assert all(d in str(e.value).split(": it has ")[1] for d in device_spec("l4").peak_flops)
 
 
 def test_cli_bad_device_input(capsys, tmp_path):
@@ -534,3 +555,19 @@ def test_a_composite_variant_and_its_backward_take_their_own_kernel_rates():
     b = analyze(nn.Sequential(nn.GELU()), torch.empty(4, 8, device="meta"), jvp=False,
                 time_profile=p)  # fmt: skip
     assert kernel_s(b.forward) == pytest.approx(256 / 1e9)
+
+
+@pytest.mark.parametrize(
+    ("device", "title"),
+    [
+        ("cpu", "predicted time on this CPU, 4 threads (a guess: clock × FMA width × efficiency)"),
+        ("h100", "predicted time on NVIDIA H100 SXM5 80 GB (data sheet × efficiency)"),
+    ],
+)
+def test_time_table_title_says_where_the_rates_come_from_once(device, title):
+    from graphflop.export.report import _time_table
+
+    profile = default_cpu_profile(4) if device == "cpu" else resolve_profile(device)
+    x = torch.empty(8, 8, device="meta")
+    rep = analyze(MatMul(8, torch.float32), x, jvp=False, time_profile=profile)
+    assert str(_time_table(rep.report.time).title) == title

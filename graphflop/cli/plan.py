@@ -66,7 +66,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--schedule",
         default="1f1b",
         metavar="NAME",
-        help="pipeline schedule: gpipe, 1f1b or interleaved (default 1f1b)",
+        help="pipeline schedule: gpipe, 1f1b or interleaved, any case (default 1f1b)",
     )
     p.add_argument(
         "--chunks",
@@ -93,9 +93,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--tp-plan",
         metavar="FILE",
-        help="JSON or YAML mapping module path patterns (fnmatch globs, or re:REGEX) to "
-        "colwise, rowwise, sequence_parallel or replicate (torch parallelize_module's styles); "
-        "default: Megatron's column/row pattern found from the module structure",
+        help="JSON or YAML mapping module path patterns (fnmatch globs, or re:REGEX; first "
+        "match wins) to a style of torch's parallelize_module: colwise and rowwise (nn.Linear "
+        "and nn.Embedding only), colwise:replicate (column-wise, the output gathered; also "
+        "written {style: colwise, output_layouts: replicate}), prepare_input (the "
+        "sequence-sharded input gathered on entry, PrepareModuleInput), sequence_parallel, "
+        "replicate; torch's class names ColwiseParallel, RowwiseParallel, SequenceParallel, "
+        "PrepareModuleInput work too. Default: Megatron's column/row pattern found from the "
+        "module structure",
     )
     p.add_argument(
         "--optimizer",
@@ -127,7 +132,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         metavar="NAME",
-        help="judge fits / does not fit against this device's memory (the device table)",
+        help="judge fits / does not fit against this data-sheet device's memory (h100, a100, "
+        "...: docs/devices.md; not cpu or a calibrate profile, which give no memory size: "
+        "use --memory-gib there)",
     )
     p.add_argument(
         "--memory-gib",
@@ -168,6 +175,7 @@ def _plan_from_args(args: argparse.Namespace):
     """The :class:`~graphflop.parallel.Plan` the options name (checked)."""
     from graphflop.parallel import Plan, PlanError, read_tp_plan
 
+    args.schedule = args.schedule.strip().lower()  # any case, as device names
     if args.schedule not in ("gpipe", "1f1b", "interleaved"):
         raise PlanError(f"unknown --schedule {args.schedule!r}: one of gpipe, 1f1b, interleaved")
     chunks = (
@@ -206,10 +214,20 @@ def _device_memory(args: argparse.Namespace) -> tuple[int | None, str | None]:
             raise PlanError(f"--memory-gib must be positive, not {args.memory_gib}")
         return round(args.memory_gib * GIB), f"{args.memory_gib:g} GiB"
     if args.device:
-        from graphflop.devices import UnknownDevice, device_spec
+        import os
 
+        from graphflop.devices import DEVICES, UnknownDevice, device_spec
+
+        name = args.device
+        if name.strip().lower() == "cpu" or name.endswith(".json") or os.path.exists(name):
+            # inspect's time profiles (the CPU guess, calibrate's files) carry no memory size
+            raise PlanError(
+                f"plan --device {name}: fits is judged on a data-sheet device's memory, which "
+                f"{'the cpu guess' if name.strip().lower() == 'cpu' else 'a profile file'} does "
+                f"not give: use --memory-gib GIB, or one of {', '.join(sorted(DEVICES))}"
+            )
         try:
-            spec = device_spec(args.device)
+            spec = device_spec(name)
         except UnknownDevice as e:
             raise PlanError(str(e)) from None
         return int(spec.memory_bytes), args.device
@@ -221,6 +239,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from graphflop.analysis import AnalyzeOptions
     from graphflop.load import SpecError
     from graphflop.parallel import PlanError, predict
+    from graphflop.parallel.plan import too_many_stages
 
     plan = _plan_from_args(args)
     if args.checkpoint is not None and args.recompute is not None:
@@ -260,10 +279,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             )
         total, stages = int(value), plan.virtual_stages
         if total < stages:
-            raise PlanError(
-                f"{stages} pipeline stages but --blocks gives {total} blocks: use at most "
-                f"{total} stages"
-            )
+            raise too_many_stages(plan, total, "--blocks gives")
         if any(a.partition("=")[0] == name for a in args.arg or []):
             raise PlanError(f"--blocks sets {name}: drop --arg {name}")
         args.arg = [*(args.arg or []), f"{name}={stages}"]

@@ -188,7 +188,13 @@ def _kernel_table(r: Report, tr: TimeReport, phase: str) -> Table:
 
 def _time_table(tr: TimeReport) -> Table:
     """Predicted time per phase: compute, memory and overhead parts, kernels, FLOP/s."""
-    what = "measured rates" if tr.source == "calibrated" else "data sheet × efficiency"
+    what = (
+        "measured rates"
+        if tr.source == "calibrated"
+        else "a guess: clock × FMA width × efficiency"
+        if tr.device == "cpu"
+        else "data sheet × efficiency"
+    )
     amp = f", autocast {tr.amp}" if tr.amp else ""
     table = Table(
         title=f"predicted time on {tr.title} ({what}{amp})",

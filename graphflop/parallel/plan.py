@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "ACCEPTED_ENTRIES",
     "PLAN_STYLES",
     "SCHEDULES",
     "ZERO_STAGES",
@@ -26,6 +27,7 @@ __all__ = [
     "PlanError",
     "match_style",
     "read_tp_plan",
+    "too_many_stages",
 ]
 
 #: the pipeline schedules: GPipe (all forwards, then all backwards), 1F1B (PipeDream-Flush) and
@@ -122,8 +124,7 @@ class Plan:
         for pattern, style in self.tp_plan:
             if style not in (*PLAN_STYLES, COLWISE_REPLICATE, PREPARE_INPUT):
                 raise PlanError(
-                    f"unknown TP plan entry {style!r} for {pattern!r}: one of "
-                    + ", ".join(PLAN_STYLES)
+                    f"unknown TP plan entry {style!r} for {pattern!r}: {ACCEPTED_ENTRIES}"
                 )
 
     @property
@@ -152,22 +153,71 @@ class Plan:
         }
 
 
+#: every entry a TP plan file may give, for messages and --help
+ACCEPTED_ENTRIES = (
+    f"{', '.join(PLAN_STYLES)}, {COLWISE_REPLICATE} (the output gathered), {PREPARE_INPUT} "
+    "(the sequence-sharded input gathered on entry), torch's class names ColwiseParallel, "
+    "RowwiseParallel, SequenceParallel, PrepareModuleInput, or {style: colwise, "
+    "output_layouts: replicate}"
+)
+
+
+def too_many_stages(plan: Plan, blocks: int, what: str = "the model has") -> PlanError:
+    """The error for ``plan``'s ``pp · chunks`` virtual stages exceeding ``blocks``: it says
+    which degrees fit (``pp ≤ blocks``; under the interleaved schedule ``pp · chunks ≤
+    blocks`` with ``chunks ≥ 2``, so at least 4 blocks)."""
+    head = (
+        f"{plan.virtual_stages} pipeline stages ({plan.pp} × {plan.chunks} chunks) but {what} "
+        f"{blocks} blocks"
+        if plan.schedule == "interleaved"
+        else f"{plan.virtual_stages} pipeline stages but {what} {blocks} blocks"
+    )
+    if plan.schedule != "interleaved":
+        return PlanError(f"{head}: use at most --pp {blocks}")
+    if blocks < 4:
+        return PlanError(
+            f"{head}: interleaving needs --pp 2 or more × --chunks 2 or more, at least 4 "
+            f"blocks; use --schedule 1f1b or gpipe with --pp at most {blocks}"
+        )
+    fits = [f"--pp {p} --chunks {blocks // p}" for p in range(2, blocks // 2 + 1)]
+    shown = ", ".join(fits[:3]) + (", ..." if len(fits) > 3 else "")
+    return PlanError(
+        f"{head}: --pp × --chunks must be at most {blocks} (e.g. {shown}), or use --schedule "
+        f"1f1b or gpipe with --pp at most {blocks}"
+    )
+
+
 def _style(value: object, pattern: str) -> str:
     """A plan entry's style in lower case, torch's class names accepted; a mapping
-    ``{"style": "colwise", "output_layouts": "replicate"}`` is the gathered column-wise style."""
+    ``{"style": "colwise", "output_layouts": "replicate"}`` is the gathered column-wise style
+    (``output_layouts: shard(-1)``, ColwiseParallel's default, the plain one)."""
     if isinstance(value, dict):
-        style = _style(value.get("style"), pattern)
-        out = str(value.get("output_layouts", "")).strip().lower().removesuffix("()")
-        extra = set(value) - {"style", "output_layouts"}
-        if extra or (out and (style != "colwise" or out != "replicate")):
+        extra = sorted(map(str, set(value) - {"style", "output_layouts"}))
+        if extra or "style" not in value:
             raise PlanError(
-                f"TP plan entry for {pattern!r}: only a colwise entry takes output_layouts, and "
-                "only replicate (the output gathered)"
+                f"TP plan entry for {pattern!r}: a mapping takes the keys style and "
+                f"output_layouts{', not ' + ', '.join(extra) if extra else ' (style missing)'}"
+            )
+        style = _style(value["style"], pattern)
+        raw = value.get("output_layouts")
+        out = "" if raw is None else str(raw).strip().lower().replace(" ", "").removesuffix("()")
+        if out and style != "colwise":
+            raise PlanError(
+                f"TP plan entry for {pattern!r}: output_layouts is taken by a colwise entry "
+                f"only, not {style}"
+            )
+        if out in ("shard(-1)", "shard(dim=-1)"):
+            return style
+        if out and out != "replicate":
+            raise PlanError(
+                f"TP plan entry for {pattern!r}: output_layouts {raw!r} is not supported: "
+                "replicate (the output gathered), or none for ColwiseParallel's default "
+                "Shard(-1)"
             )
         return COLWISE_REPLICATE if out else style
     if not isinstance(value, str):
         raise PlanError(
-            f"TP plan entry for {pattern!r} must be a string (one of {', '.join(PLAN_STYLES)}), "
+            f"TP plan entry for {pattern!r} must be a string or a mapping ({ACCEPTED_ENTRIES}), "
             f"not {value!r}"
         )
     key = value.strip().lower()
@@ -175,10 +225,7 @@ def _style(value: object, pattern: str) -> str:
     if key in (COLWISE_REPLICATE, PREPARE_INPUT, "preparemoduleinput"):
         return PREPARE_INPUT if key == "preparemoduleinput" else key
     if key not in PLAN_STYLES:
-        raise PlanError(
-            f"unknown TP plan entry {value!r} for {pattern!r}: one of {', '.join(PLAN_STYLES)} "
-            "(or torch's ColwiseParallel, RowwiseParallel, SequenceParallel)"
-        )
+        raise PlanError(f"unknown TP plan entry {value!r} for {pattern!r}: {ACCEPTED_ENTRIES}")
     return key
 
 

@@ -67,8 +67,15 @@ from graphflop.parallel.placement import (
     local_shape,
     propagate,
 )
-from graphflop.parallel.plan import Plan, PlanError
-from graphflop.parallel.tp_plan import boundary_layouts, default_tp_plan, param_placement
+from graphflop.parallel.plan import Plan, PlanError, too_many_stages
+from graphflop.parallel.tp_plan import (
+    boundary_layouts,
+    check_tp_plan,
+    default_plan_notes,
+    default_tp_plan,
+    param_placement,
+    unsharded_note,
+)
 from graphflop.passes.eager_memory import (
     eager_saved_storages,
     eager_train_schedule,
@@ -313,7 +320,11 @@ def predict(  # noqa: C901
     notes: list[str] = []
 
     # tensor parallelism ----------------------------------------------------------------------
+    if plan.tp_plan:
+        check_tp_plan(model, plan.tp_plan)
     tp_plan = plan.tp_plan or (default_tp_plan(model, fwd, plan.sp) if plan.tp > 1 else ())
+    if tp_plan and not plan.tp_plan:
+        notes += default_plan_notes(model, fwd, tp_plan)
     from dataclasses import replace as _replace
 
     plan = _replace(plan, tp_plan=tp_plan)
@@ -335,15 +346,7 @@ def predict(  # noqa: C901
             if pplace[q].kind != "S" and len(phs[ph].meta["val"].shape) >= 2
         ]
         if unsharded:
-            shown = ", ".join(unsharded[:4]) + (
-                f" and {len(unsharded) - 4} more" if len(unsharded) > 4 else ""
-            )
-            notes.append(
-                f"{len(unsharded)} matrix parameter(s) that no column- or row-wise module of the TP "
-                f"plan holds stay whole on every TP rank, their products unsharded: {shown} "
-                "(a fused projection such as nn.MultiheadAttention's in_proj_weight; give a "
-                "--tp-plan file to shard them)"
-            )
+            notes.append(unsharded_note(model, unsharded))
     layouts = boundary_layouts(tp_plan, plan.sp)
     vocab = frozenset(e for e in embeddings if pplace.get(f"{e}.weight", REPLICATE).kind == "S")
     f_init = {ph: pplace[q] for ph, q in sig.params}
@@ -395,10 +398,7 @@ def predict(  # noqa: C901
             "Sequential of one block class): drop --pp"
         )
     if plan.pp > 1 and vstages > len(blocks):
-        raise PlanError(
-            f"{vstages} pipeline stages ({plan.pp} × {plan.chunks} chunks) but the model has "
-            f"{len(blocks)} blocks: use at most {len(blocks)} stages"
-        )
+        raise too_many_stages(plan, len(blocks))
     if plan.pp > 1:
         _check_block_order(fwd, blocks)
     runs = _split_blocks(blocks, vstages) if plan.pp > 1 else [blocks]

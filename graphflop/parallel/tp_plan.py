@@ -27,9 +27,17 @@ from torch.fx import GraphModule, Node
 
 from graphflop.meta import MODULE
 from graphflop.parallel.placement import REPLICATE, Placement, shard
-from graphflop.parallel.plan import COLWISE_REPLICATE, PREPARE_INPUT, match_style
+from graphflop.parallel.plan import COLWISE_REPLICATE, PREPARE_INPUT, PlanError, match_style
 
-__all__ = ["SEQUENCE_DIM", "boundary_layouts", "default_tp_plan", "param_placement"]
+__all__ = [
+    "SEQUENCE_DIM",
+    "boundary_layouts",
+    "check_tp_plan",
+    "default_plan_notes",
+    "default_tp_plan",
+    "param_placement",
+    "unsharded_note",
+]
 
 #: the sequence dim of (batch, sequence, hidden) activations, as torch's SequenceParallel has it
 SEQUENCE_DIM = 1
@@ -76,6 +84,144 @@ def default_tp_plan(
         parents = dict.fromkeys(_parent(c) for c in cols if _parent(c))
         plan += [(p, PREPARE_INPUT) for p in parents]
     return tuple(plan)
+
+
+#: the styles torch's ColwiseParallel / RowwiseParallel implement, only for these module classes
+_SHARDING_STYLES = ("colwise", "rowwise", COLWISE_REPLICATE)
+
+
+def check_tp_plan(model: nn.Module, tp_plan: tuple[tuple[str, str], ...]) -> None:
+    """Check a user's TP plan against ``model``'s modules, as ``parallelize_module`` would.
+
+    Raises:
+        PlanError: a pattern that matches no module path (some paths listed), or a
+            ``colwise`` / ``rowwise`` entry on a module that is neither ``nn.Linear`` nor
+            ``nn.Embedding`` (torch's ColwiseParallel and RowwiseParallel shard only those).
+    """
+    mods = {p: m for p, m in model.named_modules() if p}
+    for pattern, _ in tp_plan:
+        if not any(match_style(((pattern, "replicate"),), p) for p in mods):
+            paths = list(mods)
+            raise PlanError(
+                f"TP plan pattern {pattern!r} matches no module; module paths: "
+                + ", ".join(paths[:12])
+                + (" ..." if len(paths) > 12 else "")
+            )
+    for p, m in mods.items():
+        style = match_style(tp_plan, p)
+        if style in _SHARDING_STYLES and not isinstance(m, (nn.Linear, nn.Embedding)):
+            raise PlanError(
+                f"TP plan entry {style} on {p} ({type(m).__name__}): column- and row-wise "
+                "sharding apply to nn.Linear and nn.Embedding only; match those modules, or "
+                "give this one sequence_parallel, prepare_input or replicate"
+            )
+
+
+def default_plan_notes(
+    model: nn.Module, forward: GraphModule, tp_plan: tuple[tuple[str, str], ...]
+) -> list[str]:
+    """Notes on where :func:`default_tp_plan`'s column/row pattern was not found: a module
+    holding Linears directly where a column-wise Linear's output also leaves the module (it
+    joins the residual stream unreduced, not through a row-wise Linear), or where no Linear
+    feeds another (all row-wise, none opened by a column-wise one). One note, naming the modules and Linears (at most
+    four of each), suggesting ``--tp-plan``; empty when the pattern was found everywhere."""
+    style = dict(tp_plan)
+    mods = dict(model.named_modules())
+    per_parent: dict[str, list[str]] = {}
+    for p, m in mods.items():
+        if isinstance(m, nn.Linear) and _parent(p):
+            per_parent.setdefault(_parent(p), []).append(p)
+    by_module: dict[str, list[Node]] = {}
+    for n in forward.graph.nodes:
+        by_module.setdefault(n.meta.get(MODULE) or "", []).append(n)
+    leaking: list[str] = []
+    unopened: list[str] = []
+    parents: list[str] = []
+    for parent, lins in per_parent.items():
+        if len(lins) < 2:
+            continue
+        cols = [p for p in lins if style.get(p) == "colwise"]
+        bad = [c for c in cols if _leaves_parent(c, by_module.get(c, []), lins)]
+        if not cols:  # no Linear feeds another: each row-wise one reads a whole input
+            unopened.append(parent)
+        elif not bad:
+            continue
+        leaking += bad
+        parents.append(parent)
+    if not parents:
+        return []
+
+    def few(xs: list[str]) -> str:
+        return ", ".join(xs[:4]) + (f" and {len(xs) - 4} more" if len(xs) > 4 else "")
+
+    classes = sorted({type(mods[p]).__name__ for p in parents})
+    why = []
+    if leaking:
+        why.append(
+            f"column-wise {few(leaking)} also feed{'s' if len(leaking) == 1 else ''} the "
+            "module's output (the residual stream) rather than only a row-wise Linear"
+        )
+    if unopened:
+        why.append(
+            f"in {few(unopened)} no Linear feeds another, so all are row-wise, each reading a "
+            "whole (replicated) input"
+        )
+    return [
+        f"the default TP plan found no Megatron column/row pattern in {few(parents)} "
+        f"({', '.join(classes)}, Linears held directly): {'; '.join(why)}; its placements "
+        "there are a guess: give a --tp-plan file naming each Linear's style"
+    ]
+
+
+def _leaves_parent(linear: str, nodes: list[Node], siblings: list[str]) -> bool:
+    """Whether ``linear``'s output leaves its parent module (reaches a node outside it, or
+    the graph's output) other than through another Linear of the parent."""
+    parent = _parent(linear)
+    others = set(siblings) - {linear}
+    seen: set[str] = set()
+    todo = [u for n in nodes for u in n.users]
+    while todo:
+        n = todo.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        m = n.meta.get(MODULE) or ""
+        if m in others:
+            continue
+        if n.op == "output" or not _inside(m, parent):
+            return True
+        todo.extend(n.users)
+    return False
+
+
+def unsharded_note(model: nn.Module, params: list[str]) -> str:
+    """The note for matrix parameters (qualified names) that no column- or row-wise module of
+    the TP plan holds, naming their modules' classes: a Linear or Embedding can be given a
+    style in a ``--tp-plan`` file; torch's ColwiseParallel / RowwiseParallel shard no other
+    class (a convolution, a fused projection held as a bare parameter)."""
+    mods = dict(model.named_modules())
+    cls = {q: type(mods.get(q.rpartition(".")[0], model)).__name__ for q in params}
+    shown = ", ".join(f"{q} ({cls[q]})" for q in params[:4]) + (
+        f" and {len(params) - 4} more" if len(params) > 4 else ""
+    )
+    counts: dict[str, int] = {}
+    for c in cls.values():
+        counts[c] = counts.get(c, 0) + 1
+    classes = ", ".join(f"{c} ×{k}" for c, k in counts.items())
+    shardable = {
+        type(m).__name__ for m in mods.values() if isinstance(m, (nn.Linear, nn.Embedding))
+    }
+    fix = (
+        "give a --tp-plan file to shard the Linear and Embedding ones; "
+        if shardable & set(counts)
+        else ""
+    )
+    return (
+        f"{len(params)} matrix parameter(s) that no column- or row-wise module of the TP plan "
+        f"holds stay whole on every TP rank, their products unsharded: {shown}; by module "
+        f"class: {classes} ({fix}column- and row-wise sharding apply to nn.Linear and "
+        "nn.Embedding only)"
+    )
 
 
 def _inside(module: str, parent: str) -> bool:

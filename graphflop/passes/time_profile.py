@@ -299,8 +299,27 @@ class TimeProfile:
                 have = ", ".join(rates) or "none"
                 raise NoPeak(
                     f"{self.name} has no {dtype} peak for {op_class} kernels: it has {have}"
+                    + self._unused_peaks(rates)
                 )
         return curve
+
+    def _unused_peaks(self, rates: Mapping[str, RateCurve]) -> str:
+        """For a data-sheet profile, the data sheet's peaks its rates leave out (TF32: a
+        float32 product runs at the FP32 rate, as PyTorch does with TF32 off), as a suffix of
+        a :class:`NoPeak` message, so that the list agrees with the device table."""
+        if self.source != "datasheet":
+            return ""
+        try:
+            peaks = device_spec(self.name).peak_flops
+        except UnknownDevice:
+            return ""
+        unused = [d for d in peaks if d not in rates]
+        if not unused:
+            return ""
+        return (
+            f" (its data sheet's {', '.join(unused)} peak is not used: float32 products are "
+            "counted at the FP32 rate, TF32 off)"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The profile file's JSON document (:data:`PROFILE_SCHEMA`)."""
@@ -525,7 +544,7 @@ def default_cpu_profile(threads: int | None = None) -> TimeProfile:
 
     return TimeProfile(
         name="cpu",
-        title=f"this CPU ({n} threads, data-sheet-like guess)",
+        title=f"this CPU, {n} threads",
         source="datasheet",
         kind="cpu",
         compute={
