@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphflop
-from graphflop.frontend.loss import default_loss, make_targets, target_shape
+from graphflop.frontend.loss import class_target_shape, default_loss, make_targets
 from graphflop.load import load
 from graphflop.meta import COST, LOSS_KIND, MODULE, SIGNATURE
 
@@ -41,9 +41,9 @@ def test_auto_picks_token_cross_entropy_by_shapes() -> None:
     assert default_loss(logits, (ids.float(),), [50]) == "sum"
     assert default_loss(logits, (torch.zeros(2, 4, dtype=torch.long),), [50]) == "sum"
     assert default_loss(torch.zeros(4, 10)) == "cross_entropy"  # (N, C) as before
-    assert target_shape("cross_entropy", logits) == (2, 3)
-    assert target_shape("cross_entropy", torch.zeros(4, 10)) == (4,)
-    assert target_shape("cross_entropy", torch.zeros(4, 10, 5, 6)) == (4, 5, 6)
+    assert class_target_shape(logits) == (2, 3)
+    assert class_target_shape(torch.zeros(4, 10)) == (4,)
+    assert class_target_shape(torch.zeros(4, 10, 5, 6)) == (4, 5, 6)
     mode = torch._subclasses.fake_tensor.FakeTensorMode()
     (t,) = make_targets("cross_entropy", logits, mode)
     assert tuple(t.shape) == (2, 3) and t.dtype == torch.long

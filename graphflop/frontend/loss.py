@@ -114,18 +114,13 @@ def vocabularies(model: torch.nn.Module) -> list[int]:
     return [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
 
 
-def target_shape(loss: str, out: torch.Tensor) -> tuple[int, ...] | None:
-    """The shape of the targets of ``loss`` for the output ``out``: class indices for
-    cross-entropy (``(N,)`` for ``(N, C)`` logits; ``(B, T)`` for ``(B, T, V)`` token logits;
-    ``(N, d1, ...)`` for ``(N, C, d1, ...)``), ``out``'s shape for MSE; None for the kinds that
-    take no targets."""
-    if loss == "cross_entropy":
-        if out.dim() == 3:
-            return tuple(out.shape[:2])
-        return (out.shape[0], *out.shape[2:])
-    if loss == "mse":
-        return tuple(out.shape)
-    return None
+def class_target_shape(out: torch.Tensor) -> tuple[int, ...]:
+    """The shape of cross-entropy's class-index targets for the logits ``out``: ``(N,)`` for
+    ``(N, C)`` logits; ``(B, T)`` for ``(B, T, V)`` token logits; ``(N, d1, ...)`` for
+    ``(N, C, d1, ...)``."""
+    if out.dim() == 3:
+        return tuple(out.shape[:2])
+    return (out.shape[0], *out.shape[2:])
 
 
 #: why a model's output gives no loss: the wording every refusal and note shares
@@ -142,12 +137,12 @@ def differentiable(t: Any) -> bool:
 def make_targets(
     loss: str, out: torch.Tensor, fake_mode: FakeTensorMode, inside: bool = False
 ) -> tuple:
-    """Loss targets for ``out``: class indices of :func:`target_shape` (cross-entropy) or a
+    """Loss targets for ``out``: class indices of :func:`class_target_shape` (cross-entropy) or a
     tensor like ``out`` (MSE); ``()`` for the other kinds. ``inside``: already under
     ``fake_mode`` (while tracing)."""
     with contextlib.nullcontext() if inside else fake_mode:
         if loss == "cross_entropy":
-            shape = target_shape(loss, out)
+            shape = class_target_shape(out)
             return (torch.zeros(shape, dtype=torch.long, device=out.device),)
         if loss == "mse":
             return (torch.empty(out.shape, dtype=out.dtype, device=out.device),)

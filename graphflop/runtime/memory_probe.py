@@ -33,10 +33,10 @@ import torch
 from torch import nn
 
 from graphflop.frontend.loss import (
+    class_target_shape,
     default_loss,
     loss_output,
     loss_value,
-    target_shape,
     vocabularies,
 )
 from graphflop.runtime.attention import math_attention
@@ -77,7 +77,7 @@ def _loss_fn(model: nn.Module, inputs: tuple, loss: str) -> tuple[str, Callable[
     first = loss_output(out)
     kind = default_loss(out, inputs, vocabularies(model)) if loss == "auto" else loss
     if kind == "cross_entropy":
-        shape = target_shape(kind, first)
+        shape = class_target_shape(first)
         targets: tuple = (torch.zeros(shape, dtype=torch.long, device=first.device),)
     elif kind == "mse":
         targets = (torch.zeros_like(first),)
