@@ -318,8 +318,8 @@ def markdown(rows: dict[str, dict]) -> str:
         "Written by `python tools/zoo.py` (do not edit by hand). Each model is analysed as "
         "`graphflop inspect SPEC` does by default: built from its library's constructor or "
         "configuration on the meta device (no weights, no download), batch 1 (token inputs "
-        "of 128), train mode, loss `auto` (cross-entropy for (N, C) logits, else the sum of "
-        "the first output), backward + SGD update + JVP with parameter tangents; one child "
+        "of 128), train mode, loss `auto` (cross-entropy for (N, C) logits and, token-level, "
+        "for a language model's (B, T, V) logits, else the sum of the first output), backward + SGD update + JVP with parameter tangents; one child "
         "process per model.",
         "",
         "Matrix FLOPs (`mm_flops`: matrix products, convolutions, attention; 1 multiply-add = "

@@ -279,7 +279,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "cross_entropy", "mse", "sum"],
         help="loss the backward starts from (default: cross-entropy against random "
-        "integer targets for (N, C) logits, sum otherwise; the sum of a complex output adds "
+        "integer targets for (N, C) logits and a language model's (B, T, V) token logits, "
+        "the mean over the B·T tokens; sum otherwise; the sum of a complex output adds "
         "its real and imaginary parts)",
     )
 

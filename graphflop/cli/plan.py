@@ -347,7 +347,7 @@ def _print(report, show_collectives: bool) -> None:
         f"{report.model}: dp {plan.dp} × tp {plan.tp}{' (sp)' if plan.sp else ''} × pp "
         f"{plan.pp} = {plan.world} ranks, ZeRO {plan.zero}, {plan.schedule}, "
         f"{plan.micro_batches} micro-batches of {report.micro_batch} (global batch "
-        f"{report.global_batch})"
+        f"{report.global_batch}), loss {report.loss}"
     )
     t = Table(title=Text(title))  # a Text: no markup or emoji codes read in model names
     for col in (

@@ -30,8 +30,16 @@ def loss_value(
 
     The sum of a complex output is the sum of its real and imaginary parts
     (``view_as_real(first).sum()``): a loss must be a real scalar to have a gradient (PyTorch's
-    ``backward`` refuses a complex one), and this one reaches every part of the output."""
+    ``backward`` refuses a complex one), and this one reaches every part of the output.
+
+    Cross-entropy of 3-D logits ``(B, T, V)`` is token-level, as transformers' language-model
+    losses compute it: the logits flattened to ``(B·T, V)``, the ``(B, T)`` targets to ``(B·T,)``,
+    the mean over the ``B·T`` tokens of ``-log_softmax`` at the target. Other shapes follow
+    ``F.cross_entropy``: ``(N, C)`` against ``(N,)``, ``(N, C, d1, ...)`` against
+    ``(N, d1, ...)``."""
     if kind == "cross_entropy":
+        if first.dim() == 3:
+            return F.cross_entropy(first.reshape(-1, first.shape[-1]), targets[0].reshape(-1))
         return F.cross_entropy(first, targets[0])
     if kind == "mse":
         return F.mse_loss(first, targets[0])
@@ -62,16 +70,57 @@ def loss_output(out: Any) -> Any:
     return next(filter(differentiable, tensors), tensors[0] if tensors else None)
 
 
-def default_loss(out: Any) -> str:
-    """Cross-entropy for ``(N, C)`` floating logits (:func:`loss_output`); ``none`` when the
-    output holds no floating-point or complex tensor (nothing to differentiate, e.g. a model
-    ending in argmax); ``sum`` otherwise."""
+def default_loss(out: Any, inputs: Sequence[Any] = (), vocabularies: Sequence[int] = ()) -> str:
+    """The loss ``auto`` stands for, from the shapes of the model's output and inputs.
+
+    Cross-entropy for ``(N, C)`` floating logits (:func:`loss_output`), and for token logits
+    (:func:`token_logits`: ``(B, T, V)`` logits of ``(B, T)`` integer ids over an embedding of
+    ``V`` rows, a language model's); ``none`` when the output holds no floating-point or
+    complex tensor (nothing to differentiate, e.g. a model ending in argmax); ``sum``
+    otherwise (hidden states, images, scores).
+
+    Args:
+        out: the model's output.
+        inputs: the model's input tensors (others are ignored).
+        vocabularies: the row counts of the model's embedding tables (:func:`vocabularies`)."""
     first = loss_output(out)
     if not differentiable(first):
         return "none"
     if first.dim() == 2 and first.is_floating_point():
         return "cross_entropy"
+    if token_logits(first, inputs, vocabularies):
+        return "cross_entropy"
     return "sum"
+
+
+def token_logits(first: Any, inputs: Sequence[Any], vocabularies: Sequence[int]) -> bool:
+    """Whether ``first`` is a language model's logits: floating, of shape ``(B, T, V)``, with
+    an integer input of shape ``(B, T)`` (the token ids) and an embedding table of ``V`` rows
+    (the vocabulary). The last condition tells logits from hidden states ``(B, T, D)``, which
+    a base model returns from the same ids."""
+    if not (isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() == 3):
+        return False
+    ids = any(
+        isinstance(t, torch.Tensor)
+        and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+        and tuple(t.shape) == tuple(first.shape[:2])
+        for t in inputs
+    )
+    return ids and first.shape[-1] in set(vocabularies)
+
+
+def vocabularies(model: torch.nn.Module) -> list[int]:
+    """The row counts (``num_embeddings``) of ``model``'s ``nn.Embedding`` tables."""
+    return [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+
+
+def class_target_shape(out: torch.Tensor) -> tuple[int, ...]:
+    """The shape of cross-entropy's class-index targets for the logits ``out``: ``(N,)`` for
+    ``(N, C)`` logits; ``(B, T)`` for ``(B, T, V)`` token logits; ``(N, d1, ...)`` for
+    ``(N, C, d1, ...)``."""
+    if out.dim() == 3:
+        return tuple(out.shape[:2])
+    return (out.shape[0], *out.shape[2:])
 
 
 #: why a model's output gives no loss: the wording every refusal and note shares
@@ -88,12 +137,13 @@ def differentiable(t: Any) -> bool:
 def make_targets(
     loss: str, out: torch.Tensor, fake_mode: FakeTensorMode, inside: bool = False
 ) -> tuple:
-    """Loss targets for ``out``: class indices of shape (N,) (cross-entropy) or a tensor like
-    ``out`` (MSE); ``()`` for the other kinds. ``inside``: already under ``fake_mode`` (while
-    tracing)."""
+    """Loss targets for ``out``: class indices of :func:`class_target_shape` (cross-entropy) or a
+    tensor like ``out`` (MSE); ``()`` for the other kinds. ``inside``: already under
+    ``fake_mode`` (while tracing)."""
     with contextlib.nullcontext() if inside else fake_mode:
         if loss == "cross_entropy":
-            return (torch.zeros(out.shape[0], dtype=torch.long, device=out.device),)
+            shape = class_target_shape(out)
+            return (torch.zeros(shape, dtype=torch.long, device=out.device),)
         if loss == "mse":
             return (torch.empty(out.shape, dtype=out.dtype, device=out.device),)
     return ()

@@ -66,6 +66,7 @@ from graphflop.frontend.loss import (
     loss_value,
     make_targets,
     output_tensors,
+    vocabularies,
 )
 from graphflop.frontend.regions import checkpoints_tagged, grad_sources, mark_requires_grad
 from graphflop.frontend.replay import Replays
@@ -114,7 +115,8 @@ def trace(
         inputs: one tensor per positional input.
         loss: ``cross_entropy`` (against integer targets), ``mse``, ``sum``, ``output`` (the
             model's first output is already the scalar loss), ``none`` or ``auto``
-            (cross-entropy for (N, C) logits, else sum).
+            (cross-entropy for (N, C) logits and for a language model's (B, T, V) token
+            logits, else sum; :func:`default_loss`).
         fake_mode: the FakeTensorMode to trace in (default: the inputs', else a new one).
         reuse: trace each set of identical repeated modules (a transformer's blocks) once
             and copy the graph (:mod:`graphflop.frontend.outline`); the graph is the same either way.
@@ -231,6 +233,7 @@ def _trace_once(
     buffers = dict(model.named_buffers())
     flat_state = [as_fake(fake_mode, t) for t in [*params.values(), *buffers.values()]]
     n_p, n_b = len(params), len(buffers)
+    vocab = vocabularies(model)
     chosen: dict[str, Any] = {}
 
     def objective(*flat):
@@ -247,7 +250,8 @@ def _trace_once(
             # the loss is computed from the first floating-point output (a model may return
             # its predicted classes first, then the logits)
             head = loss_output(outs)
-            kind = default_loss(head) if loss == "auto" else loss
+            ids = flat[n_p + n_b :]
+            kind = default_loss(head, ids, vocab) if loss == "auto" else loss
             if kind != "none" and not differentiable(head):
                 raise TraceError(
                     f"loss {kind!r} needs a floating-point output to differentiate, but the "

@@ -58,7 +58,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import FUSED_SDPA
-from graphflop.meta import COMPOSITE, MODULE, RESIDUAL, ROLE, SIGNATURE, SOURCE, VJP
+from graphflop.meta import COMPOSITE, LOSS_KIND, MODULE, RESIDUAL, ROLE, SIGNATURE, SOURCE, VJP
 from graphflop.parallel.placement import (
     REPLICATE,
     Collective,
@@ -166,6 +166,8 @@ class PlanReport:
         split: how the stages were cut.
         device, device_memory_bytes: what fits/does not fit was judged against.
         notes: assumptions stated.
+        loss: the loss the train graph ends in (``cross_entropy``, ``sum``, ...; JSON: in
+            ``plan``).
     """
 
     model: str
@@ -179,6 +181,7 @@ class PlanReport:
     device: str | None = None
     device_memory_bytes: int | None = None
     notes: tuple[str, ...] = field(default=())
+    loss: str | None = None
     #: what the render reads: the forward graph, its placements and each node's stage
     detail: Any = field(default=None, repr=False, compare=False)
 
@@ -186,7 +189,7 @@ class PlanReport:
         """The ``graphflop plan --json`` document."""
         return {
             "model": self.model,
-            "plan": self.plan.to_dict(),
+            "plan": {**self.plan.to_dict(), "loss": self.loss},
             "micro_batch": self.micro_batch,
             "global_batch": self.global_batch,
             "bubble": self.bubble,
@@ -838,6 +841,7 @@ def predict(  # noqa: C901
         device=device,
         device_memory_bytes=device_memory_bytes,
         notes=tuple(notes),
+        loss=fwd.meta.get(LOSS_KIND),
         detail=(fwd, fp, {k: rank_stage(v) for k, v in f_stage.items()}),
     )
 

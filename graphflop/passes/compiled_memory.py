@@ -320,10 +320,11 @@ def _partition(
 
 def _targets(loss: str) -> Callable[[torch.Tensor], tuple]:
     """graphflop's loss targets for a first output (zeros: class 0, or zeros like it)."""
+    from graphflop.frontend.loss import class_target_shape
 
     def make(first: torch.Tensor) -> tuple:
         if loss == "cross_entropy":
-            return (torch.zeros(first.shape[0], dtype=torch.long),)
+            return (torch.zeros(class_target_shape(first), dtype=torch.long),)
         if loss == "mse":
             return (torch.zeros_like(first),)
         return ()

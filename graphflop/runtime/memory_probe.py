@@ -32,7 +32,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphflop.frontend.loss import default_loss, loss_output, loss_value
+from graphflop.frontend.loss import (
+    class_target_shape,
+    default_loss,
+    loss_output,
+    loss_value,
+    vocabularies,
+)
 from graphflop.runtime.attention import math_attention
 
 __all__ = [
@@ -69,9 +75,10 @@ def _loss_fn(model: nn.Module, inputs: tuple, loss: str) -> tuple[str, Callable[
     with torch.no_grad():
         out = model(*inputs)
     first = loss_output(out)
-    kind = default_loss(out) if loss == "auto" else loss
+    kind = default_loss(out, inputs, vocabularies(model)) if loss == "auto" else loss
     if kind == "cross_entropy":
-        targets: tuple = (torch.zeros(first.shape[0], dtype=torch.long, device=first.device),)
+        shape = class_target_shape(first)
+        targets: tuple = (torch.zeros(shape, dtype=torch.long, device=first.device),)
     elif kind == "mse":
         targets = (torch.zeros_like(first),)
     else:
@@ -172,12 +179,11 @@ def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int
     fused CPU kernel PyTorch picks for attention without dropout has no forward derivative);
     None where forward-mode AD cannot run the model (another op without a forward
     derivative)."""
-    _, run = _loss_fn(model, inputs, loss)
+    kind, run = _loss_fn(model, inputs, loss)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     primals = tuple(dict(model.named_parameters())[n].detach() for n in names)
     tangents = tuple(torch.randn_like(p) for p in primals)
     targets = run.targets  # type: ignore[attr-defined]
-    kind = default_loss(model(*inputs)) if loss == "auto" else loss
 
     buffers = dict(model.named_buffers())
 

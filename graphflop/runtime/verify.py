@@ -339,7 +339,8 @@ def real_arguments(
             continue
         high, pads = ranges.get(name, (2, []))
         if name in sig.targets and out_val is not None:
-            high = out_val.shape[-1]
+            # the class dim: last of (N, C) and of token logits (B, T, V), else dim 1
+            high = out_val.shape[-1] if out_val.dim() <= 3 else out_val.shape[1]
         x = torch.randint(0, high, tuple(v.shape), generator=gen, dtype=v.dtype)
         flat = x.view(-1)
         for i, pad in enumerate(p for p in pads if p < high):
