@@ -37,11 +37,13 @@ only ever adds to a run, so the least is the kernel's own cost):
   parameters, gradients and state cold, as in training);
 * **fixed cost per kernel kind**: a tiny instance of each of :data:`_TINY`'s eager kernels
   (views, elementwise ops, reductions, small products, the composite ops and their backward
-  kernels), each call timed alone just after a kernel that streamed beyond the last-level
+  kernels), each call run alone just after a kernel that streamed beyond the last-level
   cache and a small matrix product (in a network every op follows kernels that moved
   megabytes, which evict the dispatcher's code and data: a tiny ``log_softmax`` costs some
-  3× what a tight loop of it does), the lower quartile of the calls (CPU only: on a GPU the
-  host's cost is what the launch overhead measures);
+  3× what a tight loop of it does) and timed by the profiler's events of its kernels (as
+  ``tools/bench_time.py`` measures a network's ops: without the Python call around it), the
+  lower quartile of the calls (CPU only: on a GPU the host's cost is what the launch
+  overhead measures);
 * **bandwidth**: ``a + b`` (bytes read and written, 3 × the tensor) from in-cache sizes to well
   beyond the last-level cache, its inputs rotating over pairs that together exceed the
   last-level cache (a network's op reads what a kernel some megabytes earlier wrote), each
@@ -344,6 +346,10 @@ _KERNELS: tuple[tuple[tuple[str, ...], Callable[..., tuple[Callable[[], object],
         _rows_backward(torch.ops.aten._log_softmax_backward_data.default),
     ),
 )
+
+
+#: the profiler annotation around each tiny call of :meth:`_Run.fixed` (then the kind's key)
+_MARK = "graphflop.calibrate.fixed:"
 
 
 def _tiny_calls(dev: torch.device) -> dict[str, Callable[[], object]]:
@@ -698,9 +704,12 @@ class _Run:
 
     def fixed(self) -> dict[str, float]:
         """Kernel kind -> seconds of one tiny call of it (:func:`_tiny_calls`) as it runs in a
-        network: each call timed alone, just after streaming over
+        network: each call run alone, just after streaming over
         :attr:`CalibrationPlan.evict_bytes` and a small matrix product (the kernels before
-        it in a network evict the dispatcher's code and data from the per-core caches); the
+        it in a network evict the dispatcher's code and data from the per-core caches), and
+        timed as the sum of its top-level kernels' profiler events (timed with
+        ``perf_counter`` around a call through ``torch.ops``' Python wrapper, a tiny view read
+        29 µs where its event reads 2 µs and eager's views inside a network 3-4 µs); the
         lower quartile of :attr:`CalibrationPlan.cold_calls` calls (another process's time
         slice on the core, which wipes the caches beyond what a network's own kernels do,
         only adds: under load the median of these calls rose 3 to 5 times)."""
@@ -715,16 +724,25 @@ class _Run:
         # round-robin over the kinds, so that a change of load between the first and the last
         # kind measured moves all of them alike
         rounds = self.p.cold_calls
-        for r in range(rounds):
-            for key, call in calls.items():
-                junk.mul_(1.0)
-                torch.mm(m, m)
-                t0 = time.perf_counter()
-                call()
-                samples[key].append(time.perf_counter() - t0)
-            marks = min(len(_TINY), rounds)  # the progress bar's steps for this part
-            if (r + 1) * marks // rounds > r * marks // rounds:
-                self.done(f"kernel kinds in a network: round {r + 1} of {rounds}")
+        # each call timed as the profiler's events of its kernels, as a network's ops are
+        # measured (bench_time): the Python call around it, which eager's C++ autograd and
+        # tensor methods do not pay, is left out
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for r in range(rounds):
+                for key, call in calls.items():
+                    junk.mul_(1.0)
+                    torch.mm(m, m)
+                    with record_function(_MARK + key):
+                        call()
+                marks = min(len(_TINY), rounds)  # the progress bar's steps for this part
+                if (r + 1) * marks // rounds > r * marks // rounds:
+                    self.done(f"kernel kinds in a network: round {r + 1} of {rounds}")
+        for ev in prof.events():
+            if ev.name.startswith(_MARK) and ev.name[len(_MARK) :] in samples:
+                kernels = sum(c.cpu_time_total for c in ev.cpu_children) * 1e-6  # µs -> s
+                samples[ev.name[len(_MARK) :]].append(kernels)
         out = {
             key: statistics.quantiles(ss, n=4)[0] if len(ss) > 1 else ss[0]
             for key, ss in samples.items()
