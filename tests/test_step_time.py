@@ -571,3 +571,28 @@ def test_time_table_title_says_where_the_rates_come_from_once(device, title):
     x = torch.empty(8, 8, device="meta")
     rep = analyze(MatMul(8, torch.float32), x, jvp=False, time_profile=profile)
     assert str(_time_table(rep.report.time).title) == title
+
+
+def test_products_are_timed_on_operands_that_leave_the_cache():
+    """Calibrate times a product as a network meets it: each call on the next of copies of its
+    operands that together hold at least ``cold_bytes`` (here 1 MiB of quick's plan: a 64 ×
+    64 float32 pair is 32 KiB, so 32 copies, each used in turn), and the kernels' backward
+    calls get a cotangent of their own, not their input twice."""
+    from graphflop.runtime.calibrate import _KERNELS, _Run, _timer, plan
+
+    p = plan(quick=True)
+    seen: list[tuple[int, int]] = []
+
+    def op(a: torch.Tensor, b: torch.Tensor) -> None:
+        seen.append((a.data_ptr(), b.data_ptr()))
+
+    run = _Run(torch.device("cpu"), p, _timer(torch.device("cpu")), 0.0, lambda _: None)
+    run.time_cold(op, torch.ones(64, 64), torch.ones(64, 64).t())
+    pairs = set(seen)
+    assert len(pairs) == p.cold_bytes // (2 * 64 * 64 * 4) == 32
+    assert len({a for a, _ in pairs} | {b for _, b in pairs}) == 64  # no storage shared
+    for names, make in _KERNELS:
+        if names[0].endswith("/backward"):
+            call, _ = make(1 << 12, torch.device("cpu"))
+            dy, x = call.args[0], call.args[1]
+            assert dy.data_ptr() != x.data_ptr(), names

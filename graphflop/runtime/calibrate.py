@@ -269,14 +269,16 @@ def _gelu_tanh(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
 
 
 # a backward kernel's bytes: the cotangent and the saved input read, the input's gradient
-# written (3 × the input), the basis the time pass times derivative kernels on
+# written (3 × the input), the basis the time pass times derivative kernels on; the cotangent
+# is a tensor of its own (passing the input twice reads half the bytes: on this CPU batch
+# norm's backward of 8 × 64 × 112² ran at 19 GB/s so and 15 GB/s with a cotangent of its own)
 
 
 def _gelu_backward(approximate: str) -> Callable[..., tuple[Callable[[], object], float]]:
     def make(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
         x = torch.rand(n, device=dev)
         op = torch.ops.aten.gelu_backward.default
-        return partial(op, x, x, approximate=approximate), 3 * _nbytes(x)
+        return partial(op, torch.rand_like(x), x, approximate=approximate), 3 * _nbytes(x)
 
     return make
 
@@ -286,7 +288,8 @@ def _layer_norm_backward(n: int, dev: torch.device) -> tuple[Callable[[], object
     w, b = torch.ones(768, device=dev), torch.zeros(768, device=dev)
     _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [768], w, b, 1e-5)
     op = torch.ops.aten.native_layer_norm_backward.default
-    return partial(op, x, x, [768], mean, rstd, w, b, [True] * 3), 3 * _nbytes(x)
+    dy = torch.rand_like(x)
+    return partial(op, dy, x, [768], mean, rstd, w, b, [True] * 3), 3 * _nbytes(x)
 
 
 def _batch_norm_backward(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
@@ -295,7 +298,8 @@ def _batch_norm_backward(n: int, dev: torch.device) -> tuple[Callable[[], object
     w, rm, rv = torch.ones(64, device=dev), torch.zeros(64, device=dev), torch.ones(64, device=dev)
     _, mean, invstd = torch.ops.aten.native_batch_norm.default(x, w, w, rm, rv, True, 0.1, 1e-5)
     op = torch.ops.aten.native_batch_norm_backward.default
-    return partial(op, x, x, w, rm, rv, mean, invstd, True, 1e-5, [True] * 3), 3 * _nbytes(x)
+    dy = torch.rand_like(x)
+    return partial(op, dy, x, w, rm, rv, mean, invstd, True, 1e-5, [True] * 3), 3 * _nbytes(x)
 
 
 def _rows_backward(
@@ -303,7 +307,7 @@ def _rows_backward(
 ) -> Callable[..., tuple[Callable[[], object], float]]:
     def make(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
         x = torch.rand(max(1, n // 1024), 1024, device=dev)
-        return partial(op, x, x, -1, torch.float32), 3 * _nbytes(x)
+        return partial(op, torch.rand_like(x), x, -1, torch.float32), 3 * _nbytes(x)
 
     return make
 
@@ -580,6 +584,30 @@ class _Run:
     def time(self, fn: Callable[[], object]) -> float:
         return self.timed(fn, self.p.repeats, self.p.min_time_s, min)
 
+    def time_cold(self, op: Callable[..., object], *args: object, **kwargs: object) -> float:
+        """Seconds of one ``op(*args, **kwargs)`` as a network runs it: each call takes the
+        next of several copies of the tensor arguments that together hold at least
+        :attr:`CalibrationPlan.cold_bytes` (at least two copies, at most 64), so its operands
+        come from memory, not from the cache the previous call left them in: in a training
+        step a layer's weights were last read a whole pass earlier and its activations were
+        written megabytes ago. A thin product's weight is most of its bytes (GPT-2's
+        768 × 3,072 MLP weight, 9.4 MB at 128 rows), and on this CPU a 64-row product of a
+        1,024 × 1,024 weight ran 10-15 % slower cold than on the same operands again."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        nbytes = max(1.0, _nbytes(*tensors))
+        copies = int(max(2, min(64, -(-self.p.cold_bytes // int(nbytes)))))
+        calls = [partial(op, *args, **kwargs)]
+        for _ in range(copies - 1):
+            fresh = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            calls.append(partial(op, *fresh, **kwargs))
+        at = [0]
+
+        def call() -> object:
+            at[0] = (at[0] + 1) % copies
+            return calls[at[0]]()
+
+        return self.time(call)
+
     def _point(self, out: _Points, key: str, flops: float, dim: float, t: float) -> None:
         out.setdefault(key, []).append((dim, flops, _rate(flops, t, self.launch)))
 
@@ -597,7 +625,7 @@ class _Run:
             for n in self.p.mm_sizes:
                 a = torch.randn(n, n, device=self.dev).to(dt)
                 b = torch.randn(n, n, device=self.dev).to(dt)
-                t = self.time(partial(torch.mm, a, b))
+                t = self.time_cold(torch.mm, a, b)
                 flops = 2.0 * n**3
                 self._point(mm, key, flops, n, t)
                 self.done(f"mm {key} {n}³: {flops / t / 1e9:.1f} GFLOP/s")
@@ -608,9 +636,9 @@ class _Run:
                     dy = torch.randn(rows, n, device=self.dev).to(dt)
                     flops = 2.0 * rows * k * n
                     ts = [
-                        self.time(partial(torch.mm, x, w.t())),  # forward x @ Wᵀ
-                        self.time(partial(torch.mm, dy, w)),  # input gradient
-                        self.time(partial(torch.mm, dy.t(), x)),  # weight gradient
+                        self.time_cold(torch.mm, x, w.t()),  # forward x @ Wᵀ
+                        self.time_cold(torch.mm, dy, w),  # input gradient
+                        self.time_cold(torch.mm, dy.t(), x),  # weight gradient
                     ]
                     for t in ts:
                         self._point(mm, key, flops, min(rows, k, n), t)
@@ -624,7 +652,7 @@ class _Run:
                 y = F.conv2d(x, w, stride=stride, padding=pad)
                 flops = 2.0 * y.numel() * cin * kk * kk
                 dim = min(y.numel() / cout, cout, cin * kk * kk)
-                t = self.time(partial(F.conv2d, x, w, stride=stride, padding=pad))
+                t = self.time_cold(F.conv2d, x, w, stride=stride, padding=pad)
                 self._point(conv, key, flops, dim, t)
                 label = f"conv {key} {batch}×{cin}→{cout}×{hw}² {kk}×{kk}/{stride}"
                 if i > 0:
@@ -634,12 +662,11 @@ class _Run:
                 # an image's few channels (a first layer) need no input gradient: eager runs
                 # the weight gradient alone there
                 first = cin <= 3
-                bwd = partial(
+                tb = self.time_cold(
                     torch.ops.aten.convolution_backward.default,
                     dy, x, w, None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], 1,
                     [not first, True, False],
                 )  # fmt: skip
-                tb = self.time(bwd)
                 grads = 1 if first else 2
                 self._point(conv_bwd, key, grads * flops, dim, tb)
                 self.done(
@@ -813,7 +840,7 @@ class _Run:
         for names, make in _KERNELS:
             for n in self.p.kernel_sizes:
                 first, nbytes = make(n, self.dev)
-                copies = max(1, min(16, self.p.cold_bytes // max(1, int(nbytes))))
+                copies = max(2, min(16, -(-self.p.cold_bytes // max(1, int(nbytes)))))
                 calls = [first] + [make(n, self.dev)[0] for _ in range(copies - 1)]
                 at = [0]
 
