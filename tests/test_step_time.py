@@ -16,6 +16,7 @@ from graphflop.analysis import analyze
 from graphflop.devices import NoPeak, UnknownDevice, device_spec
 from graphflop.meta import COMPOSITE, COST, SOURCE, TIME
 from graphflop.passes.time_profile import (
+    CONTRACTED,
     ProfileError,
     RateCurve,
     TimeProfile,
@@ -596,3 +597,25 @@ def test_products_are_timed_on_operands_that_leave_the_cache():
             call, _ = make(1 << 12, torch.device("cpu"))
             dy, x = call.args[0], call.args[1]
             assert dy.data_ptr() != x.data_ptr(), names
+
+
+def test_a_weight_gradient_takes_the_contracted_curves():
+    # the forward x @ W (64 × 512 @ 512 × 512: M = 64 rows smallest) on matmul's curve at
+    # 1e9 FLOP/s; the weight gradient xᵀ @ dy (512 × 64 @ 64 × 512: the 64 rows contracted,
+    # M = N = 512) on CONTRACTED's at 4e9; both 2·64·512·512 FLOPs
+    shaped = {
+        "matmul": {"float32": ((64.0, RateCurve(((1.0, 1e9),))),)},
+        CONTRACTED: {"float32": ((64.0, RateCurve(((1.0, 4e9),))),)},
+    }
+    a = analyze(MatMul(512, torch.float32), torch.empty(64, 512, device="meta"),
+                jvp=False, time_profile=_profile(shaped=shaped))  # fmt: skip
+    flops = 2 * 64 * 512 * 512
+    assert _node(a, torch.ops.aten.mm.default).meta[TIME].compute_s == pytest.approx(flops / 1e9)
+    (wgrad,) = [n for n in a.backward.graph.nodes if n.target == torch.ops.aten.mm.default]
+    assert [a.meta["val"].shape for a in wgrad.args] == [(512, 64), (64, 512)]
+    assert wgrad.meta[TIME].compute_s == pytest.approx(flops / 4e9)
+    # a profile without the contracted curves times it on matmul's
+    b = analyze(MatMul(512, torch.float32), torch.empty(64, 512, device="meta"), jvp=False,
+                time_profile=_profile(shaped={"matmul": shaped["matmul"]}))  # fmt: skip
+    (wgrad,) = [n for n in b.backward.graph.nodes if n.target == torch.ops.aten.mm.default]
+    assert wgrad.meta[TIME].compute_s == pytest.approx(flops / 1e9)

@@ -41,6 +41,7 @@ __all__ = [
     "ANY_KERNEL",
     "ANY_VIEW",
     "BACKWARD_SUFFIX",
+    "CONTRACTED",
     "DATASHEET_EFFICIENCY",
     "OP_CLASSES",
     "PROFILE_SCHEMA",
@@ -68,6 +69,12 @@ OP_CLASSES = ("matmul", "matmul_thin", "conv", "conv_backward", "transcendental"
 #: it is timed at the ``matmul_thin`` rate where a profile has one (calibrated CPUs), else at the
 #: ``matmul`` rate
 THIN_ROWS = 128
+
+#: the :attr:`TimeProfile.shaped` class of matrix products whose contracted dimension is their
+#: smallest (a weight gradient, ``dyᵀ @ x``, summed over a batch or a sequence): calibrated
+#: from the weight-gradient product of each linear layer it times; a product of that shape is
+#: timed on these curves where the profile has them, else on ``matmul``'s
+CONTRACTED = "matmul_contracted"
 
 #: :attr:`TimeProfile.fixed` keys: a derivative kernel's suffix, and the entries for kernel kinds
 #: not measured one by one (one that moves bytes, a view)
@@ -253,14 +260,18 @@ class TimeProfile:
         """Achieved FLOP/s of one ``op_class`` kernel of ``flops`` FLOPs in ``dtype``."""
         return self.curve(op_class, dtype).rate(flops)
 
-    def gemm_seconds(self, op_class: str, dtype: str, flops: float, min_dim: float) -> float:
+    def gemm_seconds(
+        self, op_class: str, dtype: str, flops: float, min_dim: float, contracted: bool = False
+    ) -> float:
         """Seconds of one matrix product or convolution of ``flops`` FLOPs in ``dtype`` whose
         smallest GEMM dimension is ``min_dim``.
 
         With :attr:`shaped` curves for ``op_class`` (``matmul_thin`` reads ``matmul``'s) and
         ``dtype``: ``flops / r``, ``r`` interpolated between the two curves whose ``d``
         bracket ``min_dim`` (log-log), the nearest one beyond the ends. Without:
-        :meth:`flops_seconds` of ``op_class``.
+        :meth:`flops_seconds` of ``op_class``. ``contracted``: a matrix product whose
+        contracted dimension is its smallest, timed on the :data:`CONTRACTED` curves where
+        the profile has them.
 
         Raises:
             NoPeak: as :meth:`curve`.
@@ -269,6 +280,8 @@ class TimeProfile:
             return 0.0
         base = "matmul" if op_class == "matmul_thin" else op_class
         by_dim = self.shaped.get(base, {}).get(dtype)
+        if contracted and base == "matmul":  # the weight gradients' own curves, where measured
+            by_dim = self.shaped.get(CONTRACTED, {}).get(dtype) or by_dim
         if not by_dim and base == "conv_backward":
             by_dim = self.shaped.get("conv", {}).get(dtype)
         if not by_dim:

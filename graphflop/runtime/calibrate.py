@@ -72,6 +72,7 @@ from graphflop.passes.time_profile import (
     ANY_KERNEL,
     ANY_VIEW,
     BACKWARD_SUFFIX,
+    CONTRACTED,
     RateCurve,
     TimeProfile,
 )
@@ -611,13 +612,16 @@ class _Run:
     def _point(self, out: _Points, key: str, flops: float, dim: float, t: float) -> None:
         out.setdefault(key, []).append((dim, flops, _rate(flops, t, self.launch)))
 
-    def products(self) -> tuple[_Points, _Points, _Points]:
-        """(matmul, conv, conv_backward): dtype key -> (smallest GEMM dimension, FLOPs,
-        FLOP/s) points. A ``convolution_backward`` point's FLOPs are its two products' (the
+    def products(self) -> tuple[_Points, _Points, _Points, _Points]:
+        """(matmul, matmul with the contracted dimension smallest, conv, conv_backward): dtype
+        key -> (smallest GEMM dimension, FLOPs, FLOP/s) points. Of a linear layer's three
+        products the forward and the input gradient are ``matmul`` points, the weight
+        gradient (``dyᵀ @ x``, the rows contracted) a contracted one. A ``convolution_backward`` point's FLOPs are its two products' (the
         input gradient's and the weight gradient's, each as many as the forward's; the
         weight gradient's alone for a first layer), as the time pass counts the one eager
         kernel of a convolution's backward."""
         mm: _Points = {}
+        mm_k: _Points = {}
         conv: _Points = {}
         conv_bwd: _Points = {}
         for i, dt in enumerate(self.p.mm_dtypes):
@@ -640,8 +644,8 @@ class _Run:
                         self.time_cold(torch.mm, dy, w),  # input gradient
                         self.time_cold(torch.mm, dy.t(), x),  # weight gradient
                     ]
-                    for t in ts:
-                        self._point(mm, key, flops, min(rows, k, n), t)
+                    for out, t in zip((mm, mm, mm_k), ts, strict=True):
+                        self._point(out, key, flops, min(rows, k, n), t)
                     rate = 3 * flops / sum(ts)
                     self.done(f"linear {key} {rows}×{k}→{n}: {rate / 1e9:.1f} GFLOP/s")
             shapes = self.p.conv_shapes if i == 0 else self.p.conv_shapes[:3]
@@ -673,7 +677,7 @@ class _Run:
                     f"{label}: {flops / t / 1e9:.1f} GFLOP/s, backward "
                     f"{grads * flops / tb / 1e9:.1f} GFLOP/s"
                 )
-        return mm, conv, conv_bwd
+        return mm, mm_k, conv, conv_bwd
 
     def _step(self, name: str, numel: int, count: int) -> float:
         """Seconds of one ``step()`` + ``zero_grad(set_to_none=True)`` of optimizer ``name``
@@ -901,7 +905,7 @@ def calibrate(
     view = timed(lambda: v.view(8, 8), max(reps, 5), min_t, min)
     done(f"view overhead {view * 1e6:.1f} µs")
     run = _Run(dev, p, timed, launch, done)
-    mm, conv, conv_bwd = run.products()
+    mm, mm_k, conv, conv_bwd = run.products()
     steps = run.optimizers()
     fixed = run.fixed()
     trans_rate, other_rate = run.elementwise()
@@ -931,6 +935,7 @@ def calibrate(
         },
         shaped={
             "matmul": {k: _shaped(v) for k, v in mm.items()},
+            CONTRACTED: {k: _shaped(v) for k, v in mm_k.items()},
             "conv": {k: _shaped(v) for k, v in conv.items()},
             "conv_backward": {k: _shaped(v) for k, v in conv_bwd.items()},
         },
