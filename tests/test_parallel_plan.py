@@ -204,6 +204,13 @@ def test_plan_refuses(kw):
         # inspect's time profiles have no memory size to judge fits by
         (["--device", "cpu"], "which the cpu guess does not give: use --memory-gib GIB, or one of"),
         (["--device", "prof.json"], "which a profile file does not give"),
+        (["--memory-gib", "nan"], "--memory-gib must be a positive number of GiB"),
+        (["--blocks", "n_layer=0"], "--blocks n_layer=0: N must be at least 1"),
+        (["--tp-plan", "plan.yaml"], "--tp-plan shards modules across tensor-parallel ranks"),
+        (["--render-stage", "0"], "--render-stage picks the stage --render draws"),
+        # dropout is a constructor argument, but not the one that sets the number of blocks
+        (["--blocks", "dropout=4"], "the argument --blocks names does not set the number"),
+        (["--memory-gib", "inf"], "--memory-gib must be a positive number of GiB"),
     ],
 )
 def test_cli_bad_input_one_line(capsys, tmp_path, extra, says):
@@ -224,6 +231,14 @@ def test_cli_sequence_not_divisible_under_sp(capsys, tmp_path):
     assert not out.exists()
     # without --sp the sequence stays whole on every rank: the same plan is accepted
     assert main(["plan", *args, "--tp", "2"]) == 0
+
+
+def test_cli_plan_file_not_text(capsys, tmp_path):
+    f = tmp_path / "plan.json"
+    f.write_bytes(b"\xff\xfe")
+    assert main(["plan", *CLI, "--tp", "2", "--tp-plan", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not text (byte 0 is not UTF-8)" in err[0], err
 
 
 def test_cli_unknown_plan_entry(capsys, tmp_path):
@@ -674,3 +689,25 @@ def test_buffers_held_by_the_stage_that_owns_them(tmp_path):
     assert whole[0][0] == 3 * 96_096 == 288_288
     assert buffers("--dp", "2", "--zero", "3")[0][0] == 288_288
     assert buffers("--blocks", "n=3")[0] == whole[0]
+
+
+@pytest.mark.parametrize("what_if", [dict(checkpoint="h.*"), dict(amp="bf16")])
+def test_a_what_if_moves_the_peak_by_its_own_change(tiny, what_if):
+    """One rank, no parallelism: the plan's peak under a what-if is its eager peak plus what the
+    what-if changes of the one-device train peak (the report's own what-if peak less its eager
+    peak, same optimizer); before, only the activations column moved and the peak and the
+    fits verdict ignored --checkpoint and --amp."""
+    model, a = tiny
+    loaded = load("models/gpt2.py:GPT2", ctor_kwargs=ARGS, meta=True)
+    inputs = make_inputs(loaded, shapes=[(2, 4)])
+    w = analyze(loaded.model, inputs, optimizer="adam", jvp=False, **what_if)
+    mem = w.report.memory
+    alt = mem.checkpoint if "checkpoint" in what_if else mem.amp
+    delta = alt.train_peak_bytes - mem.train_peak_bytes
+    # on this tiny model checkpointing both blocks raises the peak (+11,360 B: the recompute
+    # of a block outweighs the few activations it drops); autocast lowers it
+    assert delta != 0
+    eager = _plan(tiny).ranks[0].memory_bytes["peak"]
+    assert predict(w, loaded.model, Plan(), micro_batch=2).ranks[0].memory_bytes["peak"] == (
+        eager + delta
+    )

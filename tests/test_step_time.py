@@ -619,3 +619,38 @@ def test_a_weight_gradient_takes_the_contracted_curves():
                 time_profile=_profile(shaped={"matmul": shaped["matmul"]}))  # fmt: skip
     (wgrad,) = [n for n in b.backward.graph.nodes if n.target == torch.ops.aten.mm.default]
     assert wgrad.meta[TIME].compute_s == pytest.approx(flops / 1e9)
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        ({"launch_overhead_s": -1.0}, "a time must be a non-negative number of seconds, not -1.0"),
+        ({"view_overhead_s": float("nan")}, "a time must be a non-negative number of seconds"),
+        ({"threads": "two"}, "threads must be a positive integer or null, not 'two'"),
+        ({"threads": 0}, "threads must be a positive integer or null, not 0"),
+        (
+            {"bandwidth": {"points": [[1.0, float("inf")]], "fill_s": 0.0}},
+            "rate curve sizes and rates must be positive finite numbers",
+        ),
+    ],
+)
+def test_a_profile_with_impossible_values_is_refused(capsys, tmp_path, edit, says):
+    # a data-sheet profile written to a file, then one field made impossible: before, negative
+    # overheads gave negative step times and NaN gave Rb nan, exit 0
+    doc = json.loads(save_profile(H100))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**doc, **edit}))
+    rc, out, err = cli(capsys, "inspect", spec("mlp.py"), "--device", bad)
+    assert (rc, out) == (2, "")
+    assert len(err) == 1 and says in err[0], err
+
+
+def test_a_profile_that_is_not_text_is_refused(capsys, tmp_path):
+    bad = tmp_path / "bin.json"
+    bad.write_bytes(b"\xff\xfe")
+    rc, out, err = cli(capsys, "inspect", spec("mlp.py"), "--device", bad)
+    assert (rc, out) == (2, "")
+    assert err == [
+        f"graphflop: error: time profile {bad} is not text (byte 0 is not UTF-8): give a file "
+        "graphflop calibrate wrote"
+    ]

@@ -4,6 +4,7 @@ ZeRO-1/2/3, TP, SP, PP), from the model's train graph (:mod:`graphflop.parallel`
 from __future__ import annotations
 
 import argparse
+import math
 
 from rich.console import Console
 
@@ -159,7 +160,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--render-stage",
         type=int,
-        default=0,
+        default=None,
         metavar="S",
         help="the pipeline stage --render draws (default 0)",
     )
@@ -184,6 +185,11 @@ def _plan_from_args(args: argparse.Namespace):
     if args.schedule == "interleaved" and chunks < 2:
         raise PlanError("--schedule interleaved needs --chunks 2 or more (virtual stages per rank)")
     m = args.micro_batches if args.micro_batches is not None else args.pp
+    if args.tp_plan and args.tp < 2:
+        raise PlanError(
+            "--tp-plan shards modules across tensor-parallel ranks: add --tp N (2 or more), "
+            "or drop --tp-plan"
+        )
     tp_plan = read_tp_plan(args.tp_plan) if args.tp_plan else ()
     plan = Plan(
         dp=args.dp,
@@ -210,8 +216,11 @@ def _device_memory(args: argparse.Namespace) -> tuple[int | None, str | None]:
     if args.device and args.memory_gib is not None:
         raise PlanError("give --device or --memory-gib, not both")
     if args.memory_gib is not None:
-        if args.memory_gib <= 0:
-            raise PlanError(f"--memory-gib must be positive, not {args.memory_gib}")
+        if not math.isfinite(args.memory_gib) or args.memory_gib <= 0:
+            raise PlanError(
+                f"--memory-gib must be a positive number of GiB (80 for an 80 GB device), "
+                f"not {args.memory_gib}"
+            )
         return round(args.memory_gib * GIB), f"{args.memory_gib:g} GiB"
     if args.device:
         import os
@@ -234,6 +243,29 @@ def _device_memory(args: argparse.Namespace) -> tuple[int | None, str | None]:
     return None, None
 
 
+def _check_outputs(args: argparse.Namespace, stages: int) -> None:
+    """``--json``, ``--render`` and ``--render-stage`` checked before any work (sets
+    ``args.render_stage`` to 0 where not given).
+
+    Raises:
+        PlanError: a stage the plan does not have, or ``--render-stage`` without ``--render``.
+        SpecError: an output path that cannot be written or names the model file.
+    """
+    from graphflop.parallel import PlanError
+    from graphflop.parallel.render import RENDER_SUFFIXES
+
+    check_output_file(args.json, "--json")
+    check_output_file(args.render, "--render", RENDER_SUFFIXES)
+    check_distinct_outputs({"--json": args.json, "--render": args.render}, args.spec)
+    if args.render_stage is not None and not args.render:
+        raise PlanError("--render-stage picks the stage --render draws: add --render FILE")
+    args.render_stage = args.render_stage or 0
+    if not 0 <= args.render_stage < stages:
+        raise PlanError(
+            f"--render-stage {args.render_stage}: the plan has stages 0 to {stages - 1}"
+        )
+
+
 def run(args: argparse.Namespace, err: Console) -> int:
     """Analyse one micro-batch, put it on the plan, print the table and write ``--json``."""
     from graphflop.analysis import AnalyzeOptions
@@ -248,15 +280,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             "computed on its own from the eager model: give one of them"
         )
     memory, device = _device_memory(args)
-    from graphflop.parallel.render import RENDER_SUFFIXES
-
-    check_output_file(args.json, "--json")
-    check_output_file(args.render, "--render", RENDER_SUFFIXES)
-    check_distinct_outputs({"--json": args.json, "--render": args.render}, args.spec)
-    if not 0 <= args.render_stage < plan.pp:
-        raise PlanError(
-            f"--render-stage {args.render_stage}: the plan has stages 0 to {plan.pp - 1}"
-        )
+    _check_outputs(args, plan.pp)
     if args.global_batch is not None:
         per = plan.dp * plan.micro_batches
         if args.global_batch < 1 or args.global_batch % per:
@@ -273,7 +297,12 @@ def run(args: argparse.Namespace, err: Console) -> int:
     block_counts = None
     if args.blocks:
         name, sep, value = args.blocks.partition("=")
-        if not sep or not name or not value.strip().isdigit() or int(value) < 1:
+        if sep and name and value.strip().isdigit() and int(value) < 1:
+            raise PlanError(
+                f"--blocks {args.blocks}: N must be at least 1 (the number of blocks the full "
+                "model has, e.g. num_hidden_layers=80)"
+            )
+        if not sep or not name or not value.strip().isdigit():
             raise PlanError(
                 f"bad --blocks {args.blocks!r}: write NAME=N, e.g. num_hidden_layers=80"
             )

@@ -244,9 +244,14 @@ def read_tp_plan(path: str) -> tuple[tuple[str, str], ...]:
             pattern, an unknown style.
     """
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise PlanError(f"cannot read --tp-plan {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise PlanError(
+            f"--tp-plan {path} is not text (byte {e.start} is not UTF-8): give a JSON or YAML "
+            "file mapping module path patterns to styles"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError:

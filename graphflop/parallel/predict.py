@@ -410,8 +410,10 @@ def predict(  # noqa: C901
     if block_counts is not None:
         if len(block_counts) != vstages or len(blocks) != vstages:
             raise PlanError(
-                f"block_counts needs the model built with one block per virtual stage "
-                f"({vstages}), not {len(blocks)} blocks and {len(block_counts)} counts"
+                f"--blocks: the model built with one block per pipeline stage ({vstages}) has "
+                f"{len(blocks)} repeated blocks: the argument --blocks names does not set the "
+                "number of blocks; name the constructor argument that does (n_layer=48, "
+                "num_hidden_layers=80)"
             )
         weight_of_block = dict(zip(blocks, block_counts, strict=True))
         notes.append(
@@ -483,14 +485,15 @@ def predict(  # noqa: C901
             "node at its local size"
             + (f"; {sel.fused_cores} fused attention calls left alone" if sel.fused_cores else "")
         )
+    eager_local = [0] * plan.pp  # the same without the what-ifs: the peak's what-if share
     for name, nbytes in saved.items():
-        if sel is not None and name not in sel.saved_storages:
-            continue
         whole = _global_bytes(fwd, name)
         loc = fp.local_bytes.get(name, whole)
         frac = loc / whole if whole else 1.0
         s_ = rank_stage(f_stage.get(name, 0))
-        saved_local[s_] += round(nbytes * frac) * f_weight.get(name, 1)
+        eager_local[s_] += round(nbytes * frac) * f_weight.get(name, 1)
+        if sel is None or name in sel.saved_storages:
+            saved_local[s_] += round(nbytes * frac) * f_weight.get(name, 1)
     mem = rep.memory
     ck = mem.checkpoint
     ck_scale = 1.0
@@ -505,6 +508,19 @@ def predict(  # noqa: C901
     if amp is not None and mem.saved_for_backward_bytes:
         ck_scale *= amp.saved_for_backward_bytes / mem.saved_for_backward_bytes
         notes.append(f"--amp {amp.dtype}: saved bytes scaled as the autocast what-if has them")
+    # what the what-ifs change of the one-device step's peak (checkpointing: fewer saved
+    # activations, a block's recompute on top; autocast: half activations, cast copies), each
+    # against the eager peak; a rank's schedule takes its share of it by its activations
+    whatif_delta = sum(
+        w.train_peak_bytes - mem.train_peak_bytes
+        for w in (ck, amp, rec)
+        if w is not None and w.train_peak_bytes is not None and mem.train_peak_bytes
+    )
+    if whatif_delta:
+        notes.append(
+            f"peak: the what-if's change of the one-device train peak ({whatif_delta:+,} B) "
+            "on every rank, scaled by the rank's activations in flight over the model's"
+        )
     # the eager step's rise over its start (gradients, activations and temporaries as they
     # coexist in the eager schedule), and what it is made of, for scaling to a rank
     rise = max(0, (mem.train_peak_bytes or 0) - mem.params_bytes - (mem.optimizer_state_bytes or 0))
@@ -764,12 +780,19 @@ def predict(  # noqa: C901
             stage_batch = m * (
                 (inputs_bytes if s == 0 else 0) + (targets_bytes if s == plan.pp - 1 else 0)
             )
-        if fsdp_rise is not None:
-            step_rise = fsdp_rise - gather_buf
-        elif local_rise is not None:
-            step_rise = local_rise
-        elif stage_rise is not None:
-            step_rise = stage_rise[s]
+        scheduled = (
+            fsdp_rise - gather_buf
+            if fsdp_rise is not None
+            else local_rise
+            if local_rise is not None
+            else stage_rise[s]
+            if stage_rise is not None
+            else None
+        )
+        if scheduled is not None:  # the eager schedule's rise, without the what-ifs
+            eager_saved = sum(saved.values())
+            share = eager_local[s] * in_flight / eager_saved if eager_saved else 0.0
+            step_rise = max(0, scheduled + round(whatif_delta * share))
         else:
             step_rise = round(rise * (g_bytes + act) / dynamic_global) if dynamic_global else 0
         peak = p_bytes + buffer_bytes[s] + o_bytes + gather_buf + engine + stage_batch + step_rise

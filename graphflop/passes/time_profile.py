@@ -112,12 +112,12 @@ class RateCurve:
         if not self.points:
             raise ValueError("a rate curve needs at least one (size, rate) point")
         sizes = [s for s, _ in self.points]
-        if any(s <= 0 for s in sizes) or any(r <= 0 for _, r in self.points):
-            raise ValueError("rate curve sizes and rates must be positive")
+        if not all(0 < x < math.inf for pt in self.points for x in pt):
+            raise ValueError("rate curve sizes and rates must be positive finite numbers")
         if sizes != sorted(sizes) or len(set(sizes)) != len(sizes):
             raise ValueError("rate curve sizes must increase")
-        if self.fill_s < 0:
-            raise ValueError("a rate curve's fill time must not be negative")
+        if not 0 <= self.fill_s < math.inf:
+            raise ValueError("a rate curve's fill time must be a non-negative finite number")
 
     def _interpolated(self, size: float) -> float:
         pts = self.points
@@ -398,8 +398,8 @@ class TimeProfile:
                     if d.get("inplace_bandwidth") is not None
                     else None
                 ),
-                launch_overhead_s=float(d["launch_overhead_s"]),
-                view_overhead_s=float(d["view_overhead_s"]),
+                launch_overhead_s=_seconds(d["launch_overhead_s"]),
+                view_overhead_s=_seconds(d["view_overhead_s"]),
                 efficiency={str(k): float(v) for k, v in d.get("efficiency", {}).items()},
                 kernels={str(k): RateCurve.from_dict(v) for k, v in d.get("kernels", {}).items()},
                 shaped={
@@ -412,7 +412,7 @@ class TimeProfile:
                 updates={str(k): RateCurve.from_dict(v) for k, v in d.get("updates", {}).items()},
                 update_step_s={str(k): _seconds(v) for k, v in d.get("update_step_s", {}).items()},
                 fixed={str(k): _seconds(v) for k, v in d.get("fixed", {}).items()},
-                threads=d.get("threads"),
+                threads=_threads(d.get("threads")),
                 notes=tuple(str(x) for x in d.get("notes", ())),
             )
         except ProfileError:
@@ -425,9 +425,18 @@ class TimeProfile:
 def _seconds(v: Any) -> float:
     """A non-negative number of seconds from a profile file."""
     s = float(v)
-    if not s >= 0:
+    if not 0 <= s < math.inf:
         raise ValueError(f"a time must be a non-negative number of seconds, not {v!r}")
     return s
+
+
+def _threads(v: Any) -> int | None:
+    """The calibration's thread count from a profile file: a positive integer, or null."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"threads must be a positive integer or null, not {v!r}")
+    return v
 
 
 def _dims(pairs: tuple[tuple[float, RateCurve], ...]) -> tuple[tuple[float, RateCurve], ...]:
@@ -594,6 +603,11 @@ def load_profile(path: str | os.PathLike[str]) -> TimeProfile:
             text = f.read()
     except OSError as e:
         raise ProfileError(f"cannot read time profile {os.fspath(path)}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ProfileError(
+            f"time profile {os.fspath(path)} is not text (byte {e.start} is not UTF-8): give "
+            "a file graphflop calibrate wrote"
+        ) from e
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
