@@ -654,3 +654,25 @@ def test_a_profile_that_is_not_text_is_refused(capsys, tmp_path):
         f"graphflop: error: time profile {bad} is not text (byte 0 is not UTF-8): give a file "
         "graphflop calibrate wrote"
     ]
+
+
+class LinearRelu(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)).sum()
+
+
+def test_relu_backward_is_one_eager_kernel():
+    """Eager autograd runs ReLU's derivative as one ``threshold_backward(grad, result, 0)``:
+    it reads the cotangent and the saved result and writes the gradient, 3 × 64 × 32 × 4 B
+    = 24,576 B, in one launch; graphflop's rule writes a mask and a product (two nodes,
+    64·32·(4 + 1) + 64·32·(4 + 1 + 4) B = 28,672 B), timed as the one kernel eager runs."""
+    p = _profile(bandwidth=RateCurve(((1.0, 1e9),)), launch_overhead_s=1e-6)
+    a = analyze(LinearRelu(), torch.randn(64, 16), jvp=False, time_profile=p)
+    (row,) = [o for o in a.report.time.ops if o.phase == "backward" and "relu" in o.op]
+    assert (row.op, row.kernels) == ("aten.relu.default", 1)
+    assert row.memory_s == pytest.approx(3 * 64 * 32 * 4 / 1e9)
+    assert row.overhead_s == pytest.approx(1e-6)

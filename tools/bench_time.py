@@ -87,6 +87,7 @@ FORWARD_ALIASES = {
     "_native_batch_norm_legit_no_training": ("native_batch_norm",),
     "native_dropout": ("dropout", "native_dropout"),
     "nll_loss_forward": ("nll_loss_forward",),
+    "relu": ("relu_",),  # nn.ReLU(inplace=True), as torchvision's ResNets have it
 }
 #: graphflop kernel base name -> eager backward op names, beyond X_backward and X_backward_data
 BACKWARD_ALIASES = {
@@ -95,6 +96,7 @@ BACKWARD_ALIASES = {
     "nll_loss_forward": ("nll_loss_backward",),
     "native_dropout": ("native_dropout_backward",),
     "max_pool2d_with_indices": ("max_pool2d_with_indices_backward",),
+    "relu": ("threshold_backward",),
 }
 
 

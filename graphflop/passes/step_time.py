@@ -68,6 +68,26 @@ _AMP = {"bf16": "bfloat16", "fp16": "float16", "bfloat16": "bfloat16", "float16"
 #: forward convolutions whose backward eager PyTorch runs as one ``convolution_backward``
 _CONVOLUTIONS = (torch.ops.aten.convolution.default,)
 
+_aten = torch.ops.aten
+#: forward ops whose derivative eager PyTorch runs as one kernel (tools/autograd/
+#: derivatives.yaml): ReLU's ``threshold_backward(grad, result, 0)``, where graphflop's rule
+#: writes a mask and a product; a max-pool's ``max_pool2d_with_indices_backward``, where it
+#: writes zeros and a scatter; the others' ``X_backward`` kernels
+ONE_BACKWARD_KERNEL = frozenset(
+    {
+        _aten.relu.default,
+        _aten.threshold.default,
+        _aten.hardtanh.default,
+        _aten.leaky_relu.default,
+        _aten.sigmoid.default,
+        _aten.tanh.default,
+        _aten.max_pool2d_with_indices.default,
+        _aten.max_pool3d_with_indices.default,
+        _aten.avg_pool2d.default,
+        _aten._adaptive_avg_pool2d.default,
+    }
+)
+
 #: the kernel name of one parameter's optimizer update
 UPDATE_KERNEL = "optimizer.update"
 
@@ -122,7 +142,8 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
     forward) and one for the nodes derived from it (its backward's cotangents and the
     coefficients they need, or its tangent formula); one per forward convolution for the
     backward nodes derived from it (eager PyTorch's ``convolution_backward``: the input,
-    weight and bias gradients and the transposes they need, in one op); one per parameter's
+    weight and bias gradients and the transposes they need, in one op); one per forward op of
+    :data:`ONE_BACKWARD_KERNEL` for the backward nodes derived from it; one per parameter's
     optimizer update
     (:data:`UPDATE_KERNEL`: ``torch.optim``'s single-tensor step updates each parameter in
     place, SGD's with one ``add_`` that reads the parameter and its gradient and writes the
@@ -132,6 +153,9 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
     other node; in the order of each kernel's first node."""
     region_of = _region_of(forward)
     convs = {n.name for n in forward.graph.nodes if n.target in _CONVOLUTIONS}
+    one_bwd = {
+        n.name: op_name(n.target) for n in forward.graph.nodes if n.target in ONE_BACKWARD_KERNEL
+    }
     kernels: dict[object, Kernel] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
@@ -144,6 +168,12 @@ def eager_kernels(gm: GraphModule, forward: GraphModule) -> list[Kernel]:
             key = ("convolution_backward", n.meta[SOURCE], n.meta.get(ROLE) == "recompute")
             if key not in kernels:
                 kernels[key] = Kernel(op_name(torch.ops.aten.convolution.default), [], False)
+            kernels[key].nodes.append(n)
+        elif backward and n.meta.get(SOURCE) in one_bwd and n.meta.get(ROLE) != "update":
+            # eager PyTorch's one derivative kernel of the op (threshold_backward, ...)
+            key = ("one_backward", n.meta[SOURCE], n.meta.get(ROLE) == "recompute")
+            if key not in kernels:
+                kernels[key] = Kernel(one_bwd[n.meta[SOURCE]], [], False)
             kernels[key].nodes.append(n)
         elif n.meta.get(ROLE) == "update" and n.meta.get(KIND) == "update":
             key = ("update", n.meta.get(SOURCE))

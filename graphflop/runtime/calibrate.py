@@ -303,6 +303,22 @@ def _batch_norm_backward(n: int, dev: torch.device) -> tuple[Callable[[], object
     return partial(op, dy, x, w, rm, rv, mean, invstd, True, 1e-5, [True] * 3), 3 * _nbytes(x)
 
 
+def _relu_backward(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    y = torch.relu(torch.randn(n, device=dev))
+    op = torch.ops.aten.threshold_backward.default
+    return partial(op, torch.rand_like(y), y, 0), 3 * _nbytes(y)
+
+
+def _pool_backward(n: int, dev: torch.device) -> tuple[Callable[[], object], float]:
+    # over 3 × its largest input, the indices (as the time pass times the kernel)
+    side = max(4, int((n // 32) ** 0.5) // 2 * 2)
+    x = torch.rand(1, 32, side, side, device=dev)
+    out, idx = torch.ops.aten.max_pool2d_with_indices.default(x, [2, 2], [2, 2])
+    op = torch.ops.aten.max_pool2d_with_indices_backward.default
+    call = partial(op, torch.rand_like(out), x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
+    return call, 3 * _nbytes(idx)
+
+
 def _rows_backward(
     op: Callable[..., torch.Tensor],
 ) -> Callable[..., tuple[Callable[[], object], float]]:
@@ -350,6 +366,8 @@ _KERNELS: tuple[tuple[tuple[str, ...], Callable[..., tuple[Callable[[], object],
         ("aten._log_softmax.default/backward",),
         _rows_backward(torch.ops.aten._log_softmax_backward_data.default),
     ),
+    (("aten.relu.default/backward",), _relu_backward),
+    (("aten.max_pool2d_with_indices.default/backward",), _pool_backward),
 )
 
 
@@ -417,6 +435,7 @@ def _tiny_calls(dev: torch.device) -> dict[str, Callable[[], object]]:
         ),
         "aten.gelu.default[tanh]": partial(a.gelu.default, x, approximate="tanh"),
         "aten.gelu.default" + BACKWARD_SUFFIX: partial(a.gelu_backward.default, x, x),
+        "aten.relu.default" + BACKWARD_SUFFIX: partial(a.threshold_backward.default, x, x, 0),
         "aten.gelu.default[tanh]" + BACKWARD_SUFFIX: partial(
             a.gelu_backward.default, x, x, approximate="tanh"
         ),
