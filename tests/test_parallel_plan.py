@@ -711,3 +711,36 @@ def test_a_what_if_moves_the_peak_by_its_own_change(tiny, what_if):
     assert predict(w, loaded.model, Plan(), micro_batch=2).ranks[0].memory_bytes["peak"] == (
         eager + delta
     )
+
+
+class _EmbLin(torch.nn.Module):
+    """Embedding(vocab, 96) -> Linear(96 -> 96)."""
+
+    def __init__(self, vocab: int = 511) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, 96)
+        self.out = torch.nn.Linear(96, 96)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def test_colwise_embedding_shards_its_width():
+    """torch's ColwiseParallel shards an nn.Embedding's weight on dim 1, its width
+    (``style.py``: ``_partition_embedding_fn``, ``[Shard(1)]``); RowwiseParallel on dim 0, the
+    vocabulary. A vocabulary of 511 does not divide by 2, the width 96 does."""
+    ids = torch.randint(0, 511, (2, 8))
+    model = _EmbLin()
+    a = analyze(model, (ids,), optimizer="sgd", jvp=False)
+    plan = (("emb", "colwise"), ("out", "rowwise"))
+    r = predict(a, model, Plan(tp=2, tp_plan=plan), micro_batch=2).ranks[0]
+    # per rank: the embedding's 511 × 48 columns, 98,112 B; the row-wise weight's 96 × 48,
+    # 18,432 B; its bias whole, 384 B: 116,928 B
+    assert r.memory_bytes["parameters"] == 511 * 48 * 4 + 96 * 48 * 4 + 96 * 4 == 116_928
+    # the embedding's output is sharded on its width, the row-wise layer's input: the only
+    # collective is the row-wise output's partial sums, 2 × 8 × 96 = 1,536 elements; the
+    # backward scatters each rank's columns of the weight cotangent (no gather)
+    assert _keys(r, "tp") == Counter({("all_reduce", 2, 1536, "float32", "forward"): 1})
+    # row-wise: the vocabulary is sharded, and 511 rows do not split over 2 ranks
+    with pytest.raises(PlanError, match=r"--tp 2 does not divide dim 0 \(511\) of emb.weight"):
+        predict(a, model, Plan(tp=2, tp_plan=(("emb", "rowwise"),)), micro_batch=2)

@@ -476,6 +476,23 @@ def _rule(  # noqa: C901 (one dispatch over the op families)
         if t is aten.index_put.default:
             need[ks[0]] = shard(0, int(val.shape[0]))
         return shard(0, int(val.shape[0])), need
+    if t is aten.embedding_dense_backward.default and ins[ks[0]].kind == "S":
+        # a width-sharded embedding's weight cotangent (ColwiseParallel shards an embedding's
+        # weight on dim 1): the output cotangent sharded on its last dim scatters into the
+        # rank's columns
+        g = ins[ks[0]]
+        if g.dim == len(_shape(flat[ks[0]])) - 1:
+            return shard(1, int(val.shape[1])), {k: REPLICATE for k in ks[1:]}
+    if t is aten.index_put.default and ins[ks[-1]].kind == "S":
+        # an embedding's weight cotangent scattered into zeros, values sharded on a dim the
+        # indices do not pick (ColwiseParallel's width-sharded embedding): each rank scatters
+        # its columns (values' dims: the indices' shape, then self's dims past those indexed)
+        picked = [i for i in _a(n)[1] if i is not None]
+        idx_nd = max((len(_shape(i)) for i in picked), default=0)
+        out_dim = ins[ks[-1]].dim - idx_nd + len(_a(n)[1])
+        if ins[ks[-1]].dim >= idx_nd and len(_a(n)[1]) <= out_dim < len(val.shape):
+            out = shard(out_dim, int(val.shape[out_dim]))
+            return out, {ks[0]: out, **{k: REPLICATE for k in ks[1:-1]}}
     x = flat[ks[0]]
     p = ins[ks[0]]
     if all(q == REPLICATE for q in ins.values()):

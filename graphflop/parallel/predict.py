@@ -351,7 +351,11 @@ def predict(  # noqa: C901
         if unsharded:
             notes.append(unsharded_note(model, unsharded))
     layouts = boundary_layouts(tp_plan, plan.sp)
-    vocab = frozenset(e for e in embeddings if pplace.get(f"{e}.weight", REPLICATE).kind == "S")
+    vocab = frozenset(
+        e
+        for e in embeddings
+        if pplace.get(f"{e}.weight", REPLICATE).kind == "S" and pplace[f"{e}.weight"].dim == 0
+    )
     f_init = {ph: pplace[q] for ph, q in sig.params}
     fp = propagate(
         fwd,

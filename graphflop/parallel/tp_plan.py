@@ -258,12 +258,17 @@ def param_placement(
     tp_plan: tuple[tuple[str, str], ...],
     embeddings: frozenset[str],
 ) -> Placement:
-    """A parameter's placement under the plan: ``colwise`` shards dim 0 (a Linear's weight
-    (out, in) and bias); ``rowwise`` a Linear's weight on dim 1 (its bias replicated) and an
-    Embedding's weight on dim 0 (the vocabulary); everything else replicated."""
+    """A parameter's placement under the plan, as torch's ``ColwiseParallel`` and
+    ``RowwiseParallel`` distribute it (``torch/distributed/tensor/parallel/style.py``):
+    ``colwise`` shards a Linear's weight (out, in) and bias on dim 0 and an Embedding's weight
+    (vocabulary, width) on dim 1, its width; ``rowwise`` a Linear's weight on dim 1 (its bias
+    replicated) and an Embedding's weight on dim 0, the vocabulary; everything else
+    replicated. ``embeddings``: the nn.Embedding modules' paths."""
     module, _, leaf = qualified.rpartition(".")
     style = match_style(tp_plan, module)
     if style in ("colwise", COLWISE_REPLICATE):
+        if module in embeddings and len(shape) == 2:
+            return shard(1, shape[1])
         return shard(0, shape[0])
     if style == "rowwise":
         if module in embeddings:
