@@ -744,3 +744,42 @@ def test_colwise_embedding_shards_its_width():
     # row-wise: the vocabulary is sharded, and 511 rows do not split over 2 ranks
     with pytest.raises(PlanError, match=r"--tp 2 does not divide dim 0 \(511\) of emb.weight"):
         predict(a, model, Plan(tp=2, tp_plan=(("emb", "rowwise"),)), micro_batch=2)
+
+
+class _BNNet(torch.nn.Module):
+    """Conv(3 -> 8) -> BatchNorm(8) -> ReLU -> mean over pixels -> Linear(8 -> 10), and a
+    float buffer of 5 (tests/test_parallel_plan_probe.py runs the same under torch's DDP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.fc = torch.nn.Linear(8, 10)
+        self.register_buffer("scale", torch.ones(5))
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.fc(h.mean(dim=(2, 3))) * self.scale[0]
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_ddp_broadcasts_the_buffers_before_every_forward(zero):
+    """DDP (and ZeRO-1, which wraps DDP) broadcasts the module's buffers from rank 0 before
+    each forward (broadcast_buffers=True), coalesced into one broadcast per dtype: float32
+    running mean 8 + running variance 8 + the model's own 5 = 21 elements; int64 batch
+    counter 1. Then the gradients' all_reduce: conv 8·3·3·3 + 8, batch norm 8 + 8, linear
+    10·8 + 10 = 330 elements (one bucket)."""
+    model = _BNNet()
+    a = analyze(model, (torch.randn(2, 3, 8, 8),), optimizer="adamw", jvp=False)
+    r = predict(a, model, Plan(dp=2, zero=zero), micro_batch=2).ranks[0]
+    dp = Counter(c.key() for c in r.collectives if c.kind != "broadcast" or c.phase != "optimizer")
+    assert dp == Counter(
+        {
+            ("broadcast", 2, 21, "float32", "forward"): 1,
+            ("broadcast", 2, 1, "int64", "forward"): 1,
+            ("all_reduce", 2, 330, "float32", "backward"): 1,
+        }
+    )
+    # FSDP does not broadcast buffers
+    fsdp = predict(a, model, Plan(dp=2, zero=3), micro_batch=2).ranks[0]
+    assert not [c for c in fsdp.collectives if c.kind == "broadcast"]

@@ -144,3 +144,43 @@ def test_cli_plan_is_the_prediction(mode, tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["micro_batch"] == rows and doc["global_batch"] == B
     assert doc["ranks"] == json.loads(json.dumps([r.to_dict() for r in report.ranks]))
+
+
+BN_NET = """
+import torch
+from torch import nn
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 10)
+        self.register_buffer("scale", torch.ones(5))
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.fc(h.mean(dim=(2, 3))) * self.scale[0]
+
+
+def example_inputs():
+    return (torch.randn(2, 3, 8, 8),)
+"""
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero1"])
+def test_ddp_buffer_broadcasts_equal_engine(tmp_path, mode):
+    """A model with buffers (batch norm's running statistics and counter, one of its own):
+    torch's DDP broadcasts them before every forward, one coalesced broadcast per dtype
+    (logged at step 3: 21 float32 and 1 int64 elements), and graphflop's plan says so; per-rank
+    FLOPs exact. The peak is not asserted: on this tiny convolutional model it reads 21,260
+    B predicted against 23,828 B logged (−10.8 %, the step's rise 14,312 against 16,880 B;
+    the state at the step's start equal, 6,948 B), not yet explained."""
+    spec = tmp_path / "bnnet.py"
+    spec.write_text(BN_NET)
+    loaded = load(str(spec), meta=True)
+    model = loaded.model
+    a = analyze(model, make_inputs(loaded, shapes=[(2, 3, 8, 8)]), optimizer="adamw", jvp=False)
+    report = predict(a, model, Plan(dp=2, zero=1 if mode == "zero1" else 0), micro_batch=2)
+    _check(report, run_probe(str(spec), mode, 2, batch=4), with_peak=False)

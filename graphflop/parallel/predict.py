@@ -451,12 +451,16 @@ def predict(  # noqa: C901
     # module's stage), whole on every rank of the stage (neither TP nor FSDP shards a buffer),
     # once per copy of an analysed block
     buffer_bytes = [0] * plan.pp
+    stage_buffers: list[list[tuple[str, int, int]]] = [[] for _ in range(plan.pp)]
     for ph, q in sig.buffers:
         module = q.rpartition(".")[0]
         home = rank_stage(_stage_of_module(module, block_stage))
         copies = next((k for b, k in weight_of_block.items() if _inside(module, b)), 1)
+        v = phs[ph].meta["val"]
         for s_ in {rank_stage(f_stage[u.name]) for u in phs[ph].users} or {home}:
-            buffer_bytes[s_] += copies * phs[ph].meta["val"].numel() * _esize(phs[ph])
+            buffer_bytes[s_] += copies * v.numel() * _esize(phs[ph])
+            kind = (str(v.dtype).removeprefix("torch."), v.numel(), _esize(phs[ph]))
+            stage_buffers[s_] += [kind] * copies
     numel = {q: phs[ph].meta["val"].numel() for ph, q in sig.params}
     shape_of = {q: tuple(int(s) for s in phs[ph].meta["val"].shape) for ph, q in sig.params}
     esize = {q: phs[ph].meta["val"].element_size() for ph, q in sig.params}
@@ -700,6 +704,7 @@ def predict(  # noqa: C901
         fsdp_rise: int | None = None
         owned: list[str] | None = None
         if plan.zero <= 1:
+            coll += _ddp_buffer_broadcasts(stage_buffers[s], dp)
             coll += _ddp_buckets(bwd, bp, grad_want, tq, local_numel, esize, dtype_of, dp, outs)
             owned = _zero1_owned(tq, local_numel, dp) if plan.zero == 1 else None
             if plan.zero == 1:
@@ -1421,6 +1426,36 @@ def _zero1_owned(params: list[str], local_numel, dp: int) -> list[str]:
         owned[r].append(q)
         sizes[r] += local_numel(q)
     return owned[sizes.index(max(sizes))]
+
+
+#: the bytes of one coalesced broadcast of DDP's buffers (``broadcast_bucket_size``)
+DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def _ddp_buffer_broadcasts(buffers: list[tuple[str, int, int]], dp: int) -> list[Collective]:
+    """DDP's buffer sync before every forward (``broadcast_buffers=True``, the default:
+    ``DistributedDataParallel._sync_buffers`` -> ``dist._broadcast_coalesced`` from rank 0):
+    the module's buffers (``buffers``: dtype, elements, bytes per element, in module order)
+    flattened into one broadcast per dtype, each bucket closed once it holds
+    :data:`DDP_BROADCAST_BUCKET_BYTES` (logged at step 3 for a batch-norm model: float32 of
+    the running means and variances, int64 of the batch counters)."""
+    if dp == 1 or not buffers:
+        return []
+    out: list[Collective] = []
+    open_: dict[str, list[int]] = {}  # dtype -> [elements, bytes] of its open bucket
+    for dt, numel, size in buffers:
+        b = open_.setdefault(dt, [0, 0])
+        b[0] += numel
+        b[1] += numel * size
+        if b[1] >= DDP_BROADCAST_BUCKET_BYTES:
+            out.append(Collective("broadcast", "dp", dp, b[0], dt, "forward", "buffers"))
+            del open_[dt]
+    out += [
+        Collective("broadcast", "dp", dp, n, dt, "forward", "buffers")
+        for dt, (n, _) in open_.items()
+        if n
+    ]
+    return out
 
 
 def _ddp_buckets(bwd, bp, grad_want, params, local_numel, esize, dtype_of, dp, outs):
