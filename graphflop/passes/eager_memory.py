@@ -206,6 +206,14 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     # fused attention's and convolution_backward's backward: one kernel each too
     kernels += attention.regions
     kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
+    # batch norm's backward on the CPU: one native_batch_norm_backward, which allocates an
+    # input-sized temporary beside the input's gradient (two empty_like of the input, one
+    # freed before it returns: profiler allocator events, PyTorch 2.13 CPU)
+    kernels += [
+        ({n.name}, tensor_bytes(n.args[0].meta.get("val")) if device == "cpu" else 0)
+        for n in forward.graph.nodes
+        if n.op == "call_function" and n.target is aten._native_batch_norm_legit_functional.default
+    ]
     b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels, scatters_in_place(backward))
     # a residual read by the backward of a composite op's parts stands for what that op saves
     # (the backward nodes' SOURCE names the forward node whose rule made them)
