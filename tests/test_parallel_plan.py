@@ -783,3 +783,34 @@ def test_ddp_broadcasts_the_buffers_before_every_forward(zero):
     # FSDP does not broadcast buffers
     fsdp = predict(a, model, Plan(dp=2, zero=3), micro_batch=2).ranks[0]
     assert not [c for c in fsdp.collectives if c.kind == "broadcast"]
+
+
+class _BNBlocks(torch.nn.Module):
+    """Four blocks of Linear(16 -> 16) + BatchNorm1d(16), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16)) for _ in range(4)
+        )
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.head(x)
+
+
+def test_no_buffer_broadcast_under_a_pipeline():
+    """torch's PipelineStage runs every forward under DDP's no_sync, which leaves
+    require_forward_param_sync False: after the first micro-batch DDP broadcasts no buffers
+    (stage.py forward_maybe_with_nosync; distributed.py); without a pipeline each step's
+    first forward broadcasts them: 4 × (16 + 16) float32 and 4 int64 counters."""
+    model = _BNBlocks()
+    a = analyze(model, (torch.randn(8, 16),), optimizer="sgd", jvp=False)
+    flat = predict(a, model, Plan(dp=2), micro_batch=8).ranks[0]
+    assert Counter(c.key() for c in flat.collectives if c.kind == "broadcast") == Counter(
+        {("broadcast", 2, 128, "float32", "forward"): 1, ("broadcast", 2, 4, "int64", "forward"): 1}
+    )
+    piped = predict(a, model, Plan(dp=2, pp=2, micro_batches=2), micro_batch=4)
+    assert not [c for r in piped.ranks for c in r.collectives if c.kind == "broadcast"]

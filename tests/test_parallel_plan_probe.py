@@ -176,9 +176,9 @@ def test_ddp_buffer_broadcasts_equal_engine(tmp_path, mode):
     (logged at step 3: 21 float32 and 1 int64 elements), and graphflop's plan says so; per-rank
     FLOPs exact. The peak is not asserted: on this tiny convolutional model it reads 25,356
     B predicted against 23,828 B logged (+6.4 %; the state at the step's start equal, 6,948
-    B): batch norm's backward temporary (4,096 B here), which brings one-process steps of
-    the same layers at batch 16 and 64 within 0.1 % of the profiler, over-counts at batch 2
-    (21,260 B, −10.8 %, without it), not yet explained."""
+    B). The 1,528 B over is the convolution's: the same probe shows it on a convolutional
+    model without batch norm, and a batch-norm model without convolutions came within
+    0.06 %. Not yet explained."""
     spec = tmp_path / "bnnet.py"
     spec.write_text(BN_NET)
     loaded = load(str(spec), meta=True)

@@ -704,7 +704,11 @@ def predict(  # noqa: C901
         fsdp_rise: int | None = None
         owned: list[str] | None = None
         if plan.zero <= 1:
-            coll += _ddp_buffer_broadcasts(stage_buffers[s], dp)
+            # not under a pipeline: PipelineStage runs every forward under DDP's no_sync,
+            # which clears require_forward_param_sync, so after the first step's first
+            # micro-batch DDP broadcasts no buffers (torch 2.13 stage.py / distributed.py)
+            if plan.pp == 1:
+                coll += _ddp_buffer_broadcasts(stage_buffers[s], dp)
             coll += _ddp_buckets(bwd, bp, grad_want, tq, local_numel, esize, dtype_of, dp, outs)
             owned = _zero1_owned(tq, local_numel, dp) if plan.zero == 1 else None
             if plan.zero == 1:
