@@ -714,15 +714,16 @@ def test_a_what_if_moves_the_peak_by_its_own_change(tiny, what_if):
 
 
 class _EmbLin(torch.nn.Module):
-    """Embedding(vocab, 96) -> Linear(96 -> 96)."""
+    """Embedding(vocab, width) -> [LayerNorm(width)] -> Linear(width -> 96)."""
 
-    def __init__(self, vocab: int = 511) -> None:
+    def __init__(self, vocab: int = 511, width: int = 96, norm: bool = False) -> None:
         super().__init__()
-        self.emb = torch.nn.Embedding(vocab, 96)
-        self.out = torch.nn.Linear(96, 96)
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.norm = torch.nn.LayerNorm(width) if norm else torch.nn.Identity()
+        self.out = torch.nn.Linear(width, 96)
 
     def forward(self, ids):
-        return self.out(self.emb(ids))
+        return self.out(self.norm(self.emb(ids)))
 
 
 def test_colwise_embedding_shards_its_width():
@@ -744,6 +745,34 @@ def test_colwise_embedding_shards_its_width():
     # row-wise: the vocabulary is sharded, and 511 rows do not split over 2 ranks
     with pytest.raises(PlanError, match=r"--tp 2 does not divide dim 0 \(511\) of emb.weight"):
         predict(a, model, Plan(tp=2, tp_plan=(("emb", "rowwise"),)), micro_batch=2)
+    # column-wise: the width is sharded, and 95 columns do not split over 2 ranks
+    narrow = _EmbLin(width=95)
+    a95 = analyze(narrow, (ids,), optimizer="sgd", jvp=False)
+    with pytest.raises(PlanError, match=r"--tp 2 does not divide dim 1 \(95\) of emb.weight"):
+        predict(a95, narrow, Plan(tp=2, tp_plan=plan), micro_batch=2)
+
+
+def test_colwise_output_read_whole_is_noted():
+    """torch's ColwiseParallel hands on the local slice of its Shard(-1) output
+    (use_local_output=True, style.py _prepare_output_fn); a row-wise Linear reads it as the
+    shard (its input layout Shard(-1)), a LayerNorm or a column-wise Linear (input layout
+    Replicate()) gets the (…, 48) slice: torch fails ("Given normalized_shape=[96], expected
+    input with shape [*, 96], but got input of size[4, 16, 48]", the probe's engine). graphflop
+    gathers the slice there and says so in a note."""
+    ids = torch.randint(0, 511, (2, 8))
+    plan = (("emb", "colwise"), ("out", "rowwise"))
+    model = _EmbLin()
+    a = analyze(model, (ids,), optimizer="sgd", jvp=False)
+    assert not predict(a, model, Plan(tp=2, tp_plan=plan), micro_batch=2).notes
+    cols = Plan(tp=2, tp_plan=(("emb", "colwise"), ("out", "colwise")))
+    both = predict(a, model, cols, micro_batch=2)
+    assert [n for n in both.notes if n.startswith("out, loss read a column-wise module's")]
+    normed = _EmbLin(norm=True)
+    a = analyze(normed, (ids,), optimizer="sgd", jvp=False)
+    r = predict(a, normed, Plan(tp=2, tp_plan=plan), micro_batch=2)
+    assert [n for n in r.notes if n.startswith("norm reads a column-wise module's output")]
+    # what graphflop predicts there: the 2 × 8 × 96 = 1,536 slice gathered for the norm
+    assert ("all_gather", 2, 1536, "float32", "forward") in _keys(r.ranks[0], "tp")
 
 
 class _BNNet(torch.nn.Module):

@@ -73,6 +73,7 @@ from graphflop.parallel.tp_plan import (
     check_tp_plan,
     default_plan_notes,
     default_tp_plan,
+    local_shard_notes,
     param_placement,
     unsharded_note,
 )
@@ -323,7 +324,8 @@ def predict(  # noqa: C901
     notes: list[str] = []
 
     # tensor parallelism ----------------------------------------------------------------------
-    if plan.tp_plan:
+    user_plan = bool(plan.tp_plan)
+    if user_plan:
         check_tp_plan(model, plan.tp_plan)
     tp_plan = plan.tp_plan or (default_tp_plan(model, fwd, plan.sp) if plan.tp > 1 else ())
     if tp_plan and not plan.tp_plan:
@@ -366,6 +368,8 @@ def predict(  # noqa: C901
         params=set(f_init),
         vocab=vocab,
     )
+    if plan.tp > 1 and user_plan and not plan.sp:
+        notes += local_shard_notes(fwd, fp.of, tp_plan)
     b_init: dict[str, Placement] = {}
     b_params: set[str] = set()
     for n in bwd.graph.nodes:

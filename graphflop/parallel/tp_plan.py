@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 from torch import nn
 from torch.fx import GraphModule, Node
@@ -245,6 +246,98 @@ def _feeds_sibling(linear: str, nodes: list[Node], siblings: list[str]) -> bool:
             return True
         if m != linear and _inside(m, parent):
             todo.extend(n.users)
+    return False
+
+
+def local_shard_notes(
+    forward: GraphModule,
+    of: dict[str, Any],
+    tp_plan: tuple[tuple[str, str], ...],
+) -> list[str]:
+    """Notes on column-wise outputs torch hands on as a bare slice: ``ColwiseParallel``
+    (``colwise``) returns the local tensor of its ``Shard(-1)`` output
+    (``use_local_output=True``), and only a row-wise module (input layout ``Shard(-1)``)
+    reads it as the shard it is; ops on the way that act on each slice alone (an activation,
+    the product of two such slices) are fine. An op outside the plan's modules that needs the
+    whole width (a norm, a Linear with no style, a residual add), or a column-wise module
+    (input layout ``Replicate()``), gets the slice under torch: a shape mismatch, or a result
+    on the slice, where graphflop gathers or slices the other operand. One note naming those
+    consumers (at most four); none where the plan has sequence-parallel or prepare-input
+    entries, whose outputs stay DTensors. ``of``: the forward's placements (node name ->
+    placement)."""
+    if any(s in ("sequence_parallel", PREPARE_INPUT) for _, s in tp_plan):
+        return []
+    bad: list[str] = []
+    for n in forward.graph.nodes:
+        if _innermost_style(tp_plan, _module(n)) == "colwise" and _first(of.get(n.name)):
+            bad += _whole_readers(n, of, tp_plan)
+    bad = list(dict.fromkeys(bad))
+    if not bad:
+        return []
+    shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    return [
+        f"{shown} read{'s' if len(bad) == 1 else ''} a column-wise module's output as a whole: "
+        "torch's ColwiseParallel (colwise) hands on the local slice of its Shard(-1) output "
+        "(use_local_output=True), which only a row-wise module reads as a shard; there torch "
+        "fails on a shape mismatch or computes on the slice, where graphflop gathers it (or "
+        "slices the other operand): give that column-wise module colwise:replicate (its output "
+        "gathered) or its consumer rowwise"
+    ]
+
+
+def _whole_readers(n: Node, of: dict[str, Any], tp_plan: tuple[tuple[str, str], ...]) -> list[str]:
+    """The modules (or ``the model``) where ``n``'s value, as its column-wise module hands it
+    on, is read whole: following its users outside that module through ops that keep it a
+    slice of the same dim, up to row-wise modules."""
+    out: list[str] = []
+    seen = {n.name}
+    todo = [u for u in n.users if _module(u) != _module(n) and u.op != "output"]
+    while todo:
+        u = todo.pop()
+        if u.name in seen:
+            continue
+        seen.add(u.name)
+        style = _innermost_style(tp_plan, _module(u))
+        if style == "rowwise":
+            continue
+        p = _first(of.get(u.name))
+        if (
+            style is not None
+            or not isinstance(p, Placement)
+            or p.kind != "S"
+            or _whole_operand(u, p.dim, of)
+        ):
+            out.append(_module(u) or "the model")
+            continue
+        todo.extend(w for w in u.users if w.op != "output")
+    return out
+
+
+def _innermost_style(tp_plan: tuple[tuple[str, str], ...], path: str) -> str | None:
+    parts = path.split(".") if path else []
+    for i in range(len(parts), 0, -1):
+        style = match_style(tp_plan, ".".join(parts[:i]))
+        if style is not None:
+            return style
+    return None
+
+
+def _first(p: Any) -> Any:
+    return p[0] if isinstance(p, (tuple, list)) and p else p
+
+
+def _whole_operand(n: Node, dim: int, of: dict[str, Any]) -> bool:
+    """Another tensor operand of ``n`` spans its output's sharded ``dim`` whole (not itself a
+    shard there, as the other column-wise slice of ``q @ k`` or ``silu(gate) * up`` is)."""
+    out = getattr(n.meta.get("val"), "shape", ())
+    operands = [a for a in n.all_input_nodes if hasattr(a.meta.get("val"), "shape")]
+    for a in operands if len(operands) > 1 else ():  # one: the slice itself (a view)
+        v = a.meta["val"]
+        i = dim - (len(out) - len(v.shape))
+        q = _first(of.get(a.name))
+        sharded = isinstance(q, Placement) and q.kind == "S" and q.dim == i
+        if 0 <= i < len(v.shape) and int(v.shape[i]) > 1 and not sharded:
+            return True
     return False
 
 

@@ -17,6 +17,8 @@ Modes (``dims`` is dp × tp × pp):
   (``RowwiseParallel(input_layouts=Replicate())``, an all-reduce of its output); the head
   ``ColwiseParallel(output_layouts=Replicate())`` (an all-gather of the logits); norms
   replicated. Attention head counts (``n_heads``, ``n_kv_heads``) are set to the local counts.
+  With ``--tp-plan FILE`` (JSON, module path -> ``colwise`` / ``rowwise``, exact paths) that
+  plan instead: ``ColwiseParallel()`` / ``RowwiseParallel()`` with torch's default layouts.
 * ``tp_sp``: ``tp`` + sequence parallelism as PyTorch's tensor-parallel tutorial does: norms
   ``SequenceParallel``, blocks' attention / MLP inputs ``PrepareModuleInput(Shard(1) ->
   Replicate())``, o/down ``RowwiseParallel(output_layouts=Shard(1))``, the embedding's output
@@ -693,12 +695,46 @@ def _sp_entries(names: dict[str, nn.Module], block_names: set[str]) -> dict:
     return plan
 
 
-def _plan_tp(model, x, y, rank, world, sequence_parallel: bool = False) -> _Trainer:
+def _user_tp_plan(model: nn.Module, styles: dict[str, str]) -> dict:
+    """``styles`` (module path -> ``colwise`` / ``rowwise``) as torch's styles with their
+    default layouts.
+
+    Raises:
+        ProbeError: a path that is no module of ``model``, or another style.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    names = dict(model.named_modules())
+    kinds = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan: dict[str, Any] = {}
+    for path, style in styles.items():
+        if path not in names or style not in kinds:
+            raise ProbeError(
+                f"--tp-plan entry {path!r}: {style!r}: give a module path and colwise or rowwise"
+            )
+        plan[path] = kinds[style]()
+    return plan
+
+
+def _plan_tp(
+    model,
+    x,
+    y,
+    rank,
+    world,
+    sequence_parallel: bool = False,
+    styles: dict[str, str] | None = None,
+) -> _Trainer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = init_device_mesh("cpu", (world,))
-    parallelize_module(model, mesh, _tp_plan(model, world, sequence_parallel))
+    plan = (
+        _user_tp_plan(model, styles)
+        if styles is not None
+        else _tp_plan(model, world, sequence_parallel)
+    )
+    parallelize_module(model, mesh, plan)
     opt = _adamw(model.parameters())
     # every tensor-parallel rank takes the whole batch
     return _Trainer(model, [opt], _dims(tp=world), _simple_step(model, opt, x, y), [x, y])
@@ -893,8 +929,10 @@ def probe_rank(
     seq: int,
     micro_batches: int,
     steps: int,
+    tp_plan: dict[str, str] | None = None,
 ) -> dict:
-    """Run the plan on this (already initialised) rank; return its record of the last step."""
+    """Run the plan on this (already initialised) rank; return its record of the last step.
+    ``tp_plan``: module path -> ``colwise`` / ``rowwise``, mode ``tp`` only."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from graphflop.load import load
@@ -903,6 +941,8 @@ def probe_rank(
         raise ProbeError(f"unknown mode {mode!r}: one of {', '.join(PLANS)}")
     if steps < 1:
         raise ProbeError(f"--steps {steps}: give 1 or more")
+    if tp_plan is not None and mode != "tp":
+        raise ProbeError(f"--tp-plan applies to mode tp only, not {mode}")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     probe = ProbeMode()
@@ -913,6 +953,8 @@ def probe_rank(
     plan = PLANS[mode]
     if mode.startswith("pp_"):
         trainer = plan(model, x, y, rank, world, micro_batches=micro_batches)
+    elif tp_plan is not None:
+        trainer = _plan_tp(model, x, y, rank, world, styles=tp_plan)
     else:
         trainer = plan(model, x, y, rank, world)
     del x, y  # each plan keeps the rows it feeds
@@ -972,6 +1014,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--micro-batches", type=int, default=2, help="pipeline micro-batches")
     p.add_argument("--steps", type=int, default=3, help="steps; the last one is recorded")
     p.add_argument("--out", required=True, help="folder for rank{r}.json")
+    p.add_argument(
+        "--tp-plan",
+        default=None,
+        metavar="FILE",
+        help="mode tp: JSON, module path -> colwise / rowwise, instead of the Megatron plan",
+    )
     a = p.parse_args(argv)
     if "RANK" not in os.environ:
         print("error: run under torchrun (python -m torch.distributed.run ...)", file=sys.stderr)
@@ -996,6 +1044,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seq=a.seq,
             micro_batches=a.micro_batches,
             steps=a.steps,
+            tp_plan=json.loads(Path(a.tp_plan).read_text()) if a.tp_plan else None,
         )
     except (ProbeError, SpecError) as e:  # bad input: one line, exit 2
         (out / f"rank{os.environ['RANK']}.err").write_text(f"{e}\n")
@@ -1029,8 +1078,10 @@ def run_probe(
     steps: int = 3,
     out_dir: str | os.PathLike | None = None,
     timeout: float = 600,
+    tp_plan: dict[str, str] | None = None,
 ) -> list[dict]:
     """Launch ``nproc`` ranks with torchrun and return their records, ordered by rank.
+    ``tp_plan``: mode ``tp`` with that plan (module path -> ``colwise`` / ``rowwise``).
 
     Raises:
         ProbeError: an unknown mode, or torchrun failed (the message ends with the ranks'
@@ -1052,6 +1103,10 @@ def run_probe(
     cmd += ["--micro-batches", str(micro_batches), "--steps", str(steps), "--out", str(out)]
     for item in args:
         cmd += ["--arg", item]
+    if tp_plan is not None:
+        plan_file = out / "tp_plan.json"
+        plan_file.write_text(json.dumps(tp_plan))
+        cmd += ["--tp-plan", str(plan_file)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         errs = "".join(
