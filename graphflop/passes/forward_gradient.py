@@ -44,6 +44,7 @@ from graphflop.meta import (
     graph_fake_mode,
     graph_module,
 )
+from graphflop.passes import step_calls
 from graphflop.passes.infra import FLAT, GraphPass
 from graphflop.passes.optimizer import SLOT, OptimizerConfig, build_update_for, inline_update
 
@@ -517,4 +518,6 @@ class BuildForwardGradientStep(GraphPass):
             update=self.update,
             batched=self.batched,
         )
-        return PassResult(gm, True)
+        # the step's work through each block (directions, tangents, estimates, update) as
+        # calls of one template per block variant
+        return PassResult(step_calls.attach(gm, graph_module), True)

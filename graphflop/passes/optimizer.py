@@ -136,15 +136,8 @@ def build_update(
         n.meta[SLOT] = slot or name
         return n
 
-    # names are identifiers whatever the parameter's (torchvision's RegNet has '-' in them);
-    # nothing looks a placeholder up by name: its SLOT and PARAM say what it holds
-    safe = [re.sub(r"\W", "_", q) for q, _ in params]
-
     def slots(kind):
-        return [
-            ph(f"{kind}_{s}", t, q, modules.get(q, _parent(q)), kind)
-            for s, (q, t) in zip(safe, params)
-        ]
+        return [ph(slot_name(kind, q), t, q, modules.get(q, _parent(q)), kind) for q, t in params]
 
     w, gr = slots("param"), slots("grad")
     state = [slots(kind) for kind in STATE_KINDS[cfg.name]]
@@ -184,6 +177,14 @@ def build_update(
         tuple(f"{kind}.{q}" for kind in STATE_KINDS[cfg.name] for q, _ in params),
     )
     return gm
+
+
+def slot_name(kind: str, qual: str) -> str:
+    """The update graph's placeholder name for parameter ``qual``'s input ``kind`` (``param``,
+    ``grad`` or a state kind), also the :data:`~graphflop.meta.SOURCE` of the parameter's
+    update nodes. An identifier whatever the parameter's name (torchvision's RegNet has ``-``
+    in them); nothing looks a placeholder up by name: its SLOT and PARAM say what it holds."""
+    return kind + "_" + re.sub(r"\W", "_", qual)
 
 
 def _param_update(
@@ -299,10 +300,13 @@ class AddOptimizerUpdate(GraphPass):
         self.backward = backward
 
     def call(self, graph_module: GraphModule) -> PassResult:
+        from graphflop.passes.step_calls import attach
+
         gm = build_update_for(
             graph_module, self.optimizer, fake_mode=self.fake_mode, backward=self.backward
         )
-        return PassResult(gm, True)
+        # a repeated block's parameters' update as calls of one template per block variant
+        return PassResult(attach(gm, graph_module), True)
 
 
 def _adam(b, cfg, w, g, m, v, lr, step, lr_wd):

@@ -1,0 +1,310 @@
+"""The optimizer update graph and the forward-gradient step graph of a model with repeated
+blocks, kept as calls of one template per block variant: the same
+:class:`~graphflop.passes.calls.DerivedHierarchy` the JVP and backward graphs get, so
+:func:`~graphflop.passes.calls.expand` rebuilds the flat graph and
+:func:`~graphflop.passes.calls.derived_figures` composes its figures per template.
+
+A node of these graphs belongs to a call site of the forward hierarchy
+(:data:`~graphflop.meta.HIERARCHY`) in one of two ways:
+
+- its :data:`~graphflop.meta.SOURCE` is a forward node copied from a block's template, or it
+  carries the forward :data:`~graphflop.meta.CALL_SITE` (the step's copies of the JVP graph's
+  nodes, as in :mod:`graphflop.passes.calls`);
+- its :data:`~graphflop.meta.SOURCE` names a parameter of the block: the forward graph's
+  placeholder of the parameter (the step's sampled directions and gradient estimates) or the
+  update graph's (``param_<name>``: every update node of that parameter), the parameter's
+  module being one of the call site's modules.
+
+A *call* is a maximal run of consecutive nodes of one call site; it is described relative to
+its site (ops, constants, output layouts, the other annotations; arguments as nodes of the run
+by position or the run's values from outside; module paths relative to the block; sources by
+their place in the block, a parameter's by its path in the block; parameters by their path in
+the block). Runs described alike are calls of one template, so a block variant's update (its
+parameters' update nodes, by their path in the block) is stored once however many blocks
+share it, and so is each direction's tangent work through the block in the step graph.
+Every other node stays at the top level (the AdamW ``lr·λ`` node all parameters share, the
+parameters outside the blocks, the loss).
+
+The hierarchy is read off the finished flat graph, as :mod:`graphflop.passes.calls` reads the
+derivative graphs', so the composed figures equal the flat sums by construction
+(``tests/test_step_calls.py``).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from graphflop.ad.builder import copy_node
+from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
+from graphflop.meta import (
+    CALL_SITE,
+    COST,
+    DERIVED_HIERARCHY,
+    HIERARCHY,
+    KIND,
+    MODULE,
+    NODE_KEYS,
+    PARAM,
+    RESIDUAL,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+    Hierarchy,
+    graph_module,
+)
+from graphflop.passes.calls import DerivedCall, DerivedHierarchy
+from graphflop.passes.optimizer import slot_name
+
+__all__ = ["attach", "build"]
+
+#: the annotations relativized to the call (the others must be equal at every call)
+_RELATIVE = (MODULE, SOURCE, PARAM, CALL_SITE, COST)
+_COMPARED = frozenset(NODE_KEYS) - set(_RELATIVE)
+_IN, _OUT = object(), object()
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+
+
+class _Unshared(Exception):
+    """A run that cannot be described relative to its call site."""
+
+
+def _layout(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.stride(), v.dtype)
+    if isinstance(v, (list, tuple)):
+        return tuple(_layout(x) for x in v)
+    return None
+
+
+def _source_keys(forward: GraphModule, h: Hierarchy) -> dict[str, tuple[int, tuple]]:
+    """Per source name that belongs to one call site, ``(site, key)``: a forward node copied
+    from a template (key: its template index, and the output of a ``getitem`` tracing added),
+    or a parameter of the block (key: its placeholder's kind and its path in the block). A
+    site where two forward nodes share a key (a rewritten graph) gets none."""
+    keys: dict[str, tuple[int, tuple]] = {}
+    seen: set[tuple[int, tuple]] = set()
+    dup: set[int] = set()
+    for n in forward.graph.nodes:
+        t = n.meta.get(CALL_SITE)
+        if t is None:
+            continue
+        parent = n.args[0] if n.target is operator.getitem and n.args else None
+        k: tuple = (t[1],)
+        if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
+            k = (t[1], n.args[1])
+        if (t[0], k) in seen:
+            dup.add(t[0])
+        seen.add((t[0], k))
+        keys[n.name] = (t[0], k)
+    keys = {name: v for name, v in keys.items() if v[0] not in dup}
+    # a parameter belongs to the site whose modules hold its owner (one site only: a module
+    # two call sites share has its parameters at the top level)
+    owners: dict[str, list[tuple[int, str]]] = {}
+    for s, site in enumerate(h.sites):
+        for rel, absolute in site.modules:
+            owners.setdefault(absolute, []).append((s, rel))
+    for p, q in forward.meta[SIGNATURE].params:
+        owner, _, leaf = q.rpartition(".")
+        found = owners.get(owner, [])
+        if len(found) != 1:
+            continue
+        s, rel = found[0]
+        keys.setdefault(p, (s, ("forward", rel, leaf)))
+        keys.setdefault(slot_name("param", q), (s, ("update", rel, leaf)))
+    return keys
+
+
+class _Describer:
+    """Describes runs of an update or step graph relative to their call sites."""
+
+    def __init__(self, forward: GraphModule, h: Hierarchy) -> None:
+        self.keys = _source_keys(forward, h)
+        self.names = {v: k for k, v in self.keys.items()}
+        self.rel = [{a: r for r, a in s.modules} for s in h.sites]
+        self.h = h
+
+    def site(self, n: Node) -> int | None:
+        if n.op != "call_function":
+            return None
+        k = self.keys.get(n.meta.get(SOURCE, ""))
+        if k is not None:
+            return k[0]
+        cs = n.meta.get(CALL_SITE)  # a copy of a forward node without a source
+        return None if cs is None or cs[0] >= len(self.rel) else cs[0]
+
+    def describe(self, run: list[Node], s: int) -> tuple[tuple, list[Node], list[tuple]]:
+        """The run's description (hashable), its values from outside in order, and its source
+        slots' keys (:class:`_Unshared` where it cannot be described)."""
+        pos = {n: i for i, n in enumerate(run)}
+        ext: dict[Node, int] = {}
+        slots: dict[tuple, int] = {}
+        rel = self.rel[s]
+
+        def arg(a: Any) -> Any:
+            c = a.__class__
+            if c is Node:
+                i = pos.get(a)
+                return (_IN, i) if i is not None else (_OUT, ext.setdefault(a, len(ext)))
+            if c in _SCALARS:
+                return a
+            if isinstance(a, (list, tuple)):
+                return (c, tuple([arg(b) for b in a]))
+            if isinstance(a, dict):
+                return (c, tuple([(k, arg(v)) for k, v in a.items()]))
+            if isinstance(a, Node):
+                raise _Unshared
+            return a
+
+        rows = []
+        for n in run:
+            m = n.meta
+            module = m.get(MODULE, "")
+            src = m.get(SOURCE)
+            k = self.keys.get(src) if src is not None else None
+            r_src = ("slot", slots.setdefault(k[1], len(slots))) if k and k[0] == s else src
+            r_param = None
+            if PARAM in m:
+                owner, _, leaf = m[PARAM].rpartition(".")
+                r_param = (rel[owner], leaf) if owner in rel else ("abs", m[PARAM])
+            cs = m.get(CALL_SITE)
+            r_cs = ("own",) + tuple(cs[1:]) if cs is not None and cs[0] == s else cs
+            others = tuple([(key, v) for key, v in m.items() if key in _COMPARED])
+            rows.append(
+                (
+                    n.target,
+                    arg(n.args),
+                    arg(n.kwargs),
+                    _layout(m.get("val")),
+                    rel.get(module, ("abs", module)),
+                    r_src,
+                    r_param,
+                    r_cs,
+                    others,
+                )
+            )
+        sig = (tuple(rows), len(ext))
+        try:
+            hash(sig)
+        except TypeError:
+            raise _Unshared from None
+        return sig, list(ext), sorted(slots, key=slots.__getitem__)
+
+    def template(self, run: list[Node], ext: list[Node], s: int, root: GraphModule) -> GraphModule:
+        """The template of ``run`` (call site ``s``): placeholders for its values from outside
+        (named by role), its nodes with their annotations relative to the block, an output
+        returning every node (as :class:`~graphflop.passes.calls.DerivedHierarchy` has it)."""
+        g = Graph()
+        env: dict[Node, Node] = {}
+        for j, v in enumerate(ext):
+            name = "residual" if v.op == "placeholder" and RESIDUAL in v.meta else None
+            p = g.placeholder(f"{name or v.meta.get(KIND) or 'value'}_{j}")
+            p.meta = {k: v.meta[k] for k in ("val", KIND, ROLE) if k in v.meta}
+            env[v] = p
+        rel = self.rel[s]
+        slots: dict[tuple, int] = {}
+        made = []
+        for n in run:
+            new = copy_node(g, n, env.__getitem__)
+            m = new.meta
+            m.pop(COST, None)
+            if m.get(MODULE, "") in rel:
+                m[MODULE] = rel[m.get(MODULE, "")]
+            k = self.keys.get(m.get(SOURCE, ""))
+            if k is not None and k[0] == s:
+                m[SOURCE] = f"@{slots.setdefault(k[1], len(slots))}"
+            if PARAM in m:
+                owner, _, leaf = m[PARAM].rpartition(".")
+                if owner in rel:
+                    m[PARAM] = f"{rel[owner]}.{leaf}"
+            cs = m.get(CALL_SITE)
+            if cs is not None and cs[0] == s:
+                m[CALL_SITE] = (-1, *cs[1:])
+            env[n] = new
+            made.append(new)
+        g.output(tuple(made))
+        return graph_module(root, g)
+
+
+def build(gm: GraphModule, forward: GraphModule) -> DerivedHierarchy | None:
+    """The hierarchy of ``gm``, an update graph (:func:`~graphflop.passes.optimizer.build_update_for`)
+    or forward-gradient step graph
+    (:func:`~graphflop.passes.forward_gradient.build_forward_gradient_step`) of ``forward``
+    (see the module docstring), or None when ``forward`` has no hierarchy or ``gm`` no call."""
+    h: Hierarchy | None = forward.meta.get(HIERARCHY)
+    if h is None:
+        return None
+    d = _Describer(forward, h)
+    items: list[Any] = []  # nodes of the top level, and per call (run, ext, call number)
+    variants: dict[tuple, int] = {}
+    templates: list[GraphModule] = []
+    calls: list[DerivedCall] = []
+    runs: list[list[Node]] = []
+
+    def close(run: list[Node], s: int) -> None:
+        try:
+            sig, ext, order = d.describe(run, s)
+        except _Unshared:
+            items.extend(run)
+            return
+        t = variants.get(sig)
+        if t is None:
+            t = variants[sig] = len(templates)
+            templates.append(d.template(run, ext, s, gm))
+        sources = tuple(d.names[(s, k)] for k in order)
+        calls.append(DerivedCall(s, t, h.sites[s].modules, sources))
+        runs.append(run)
+        items.append((run, ext, len(calls) - 1))
+
+    run: list[Node] = []
+    at: int | None = None
+    for n in gm.graph.nodes:
+        s = d.site(n)
+        if run and s != at:
+            close(run, at)  # type: ignore[arg-type]
+            run = []
+        if s is None:
+            items.append(n)
+        else:
+            run.append(n)
+        at = s
+    if run:
+        close(run, at)  # type: ignore[arg-type]
+    if not calls:
+        return None
+    return DerivedHierarchy(tuple(templates), tuple(calls), _top(gm, items), tuple(runs))
+
+
+def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
+    """The top level: the other nodes (sharing their ``meta`` with ``gm``'s) and one
+    ``graphflop::repeat(arguments, call)`` node per call, with ``getitem`` for the run's nodes
+    read outside it."""
+    g = Graph()
+    env: dict[Node, Node] = {}
+    call_op = torch.ops.graphflop.repeat.default
+    for x in items:
+        if isinstance(x, Node):
+            new = env[x] = copy_node(g, x, env.__getitem__)
+            new.meta = x.meta
+            continue
+        run, ext, number = x
+        inside = set(run)
+        call = g.call_function(call_op, ([env[v] for v in ext], number))
+        for i, n in enumerate(run):
+            if any(u not in inside for u in n.users):
+                item = g.call_function(operator.getitem, (call, i))
+                item.meta = dict(n.meta)
+                env[n] = item
+    return graph_module(gm, g)
+
+
+def attach(gm: GraphModule, forward: GraphModule) -> GraphModule:
+    """Store :func:`build`'s hierarchy of ``gm`` in ``gm.meta[DERIVED_HIERARCHY]`` (when it has
+    calls) and return ``gm``."""
+    dh = build(gm, forward)
+    if dh is not None:
+        gm.meta[DERIVED_HIERARCHY] = dh
+    return gm

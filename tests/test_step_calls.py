@@ -1,0 +1,181 @@
+"""The optimizer update graph and the forward-gradient step graph keep a repeated block's work
+as calls of one template per block variant (:mod:`graphflop.passes.step_calls`): the flat
+graph rebuilt from the hierarchy alone is the built one node for node, and the figures
+composed per template (totals by role, per-module rows, op table, rule-less count) are the
+flat graph's sums; for SGD, momentum, Adam and AdamW, one and several directions, on the
+models ``tests/test_hierarchy.py`` runs (the large ones marked slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import spec
+from test_hierarchy import Stack, _flat_sums, _stored_nodes
+
+from graphflop.analysis import analyze
+from graphflop.frontend.trace import trace
+from graphflop.load import load, make_inputs
+from graphflop.meta import COST, DERIVED_HIERARCHY, HIERARCHY, SOURCE
+from graphflop.passes import calls
+from graphflop.passes.autodiff import BuildJvp, BuildVjp
+from graphflop.passes.flops import AnnotateFlops
+from graphflop.passes.forward_gradient import BuildForwardGradientStep
+from graphflop.passes.infra import run_passes
+from graphflop.passes.optimizer import OPTIMIZERS, AddOptimizerUpdate, for_every_parameter
+from graphflop.passes.summary import Graphs, summarize
+
+
+def _check_graph(gm, h, default_role):
+    """``gm``'s stored hierarchy rebuilds it node for node and composes its flat sums."""
+    dh = gm.meta.get(DERIVED_HIERARCHY)
+    if h is None:
+        assert dh is None
+        return None
+    assert dh is not None
+    assert sum(dh.uses()) == len(dh.calls) and len(dh.templates) <= len(dh.calls)
+    if max(dh.uses()) > 1:  # a template called twice: fewer nodes at the top level
+        assert len(dh.graph.graph.nodes) < len(gm.graph.nodes)
+    assert _stored_nodes(calls.expand(dh)) == _stored_nodes(gm)
+    f = calls.derived_figures(dh, lambda n: True, default_role)
+    total, by_role, rows, ops, rule_less = _flat_sums(gm, lambda n: True, default_role)
+    assert f.total == total
+    assert f.by_role == by_role
+    assert f.rows == rows and list(f.rows) == list(rows)
+    assert f.ops == ops and list(f.ops) == list(ops)
+    assert f.rule_less == rule_less
+    return dh
+
+
+def _check_model(model, inputs, *, directions=(1, 3), optimizers=OPTIMIZERS):
+    """Trace once; per optimizer the update graph, per direction count the step graph."""
+    fwd = run_passes(trace(model, inputs, loss="auto"), [AnnotateFlops()])
+    h = fwd.meta.get(HIERARCHY)
+    jvp = run_passes(fwd, [BuildJvp("params"), AnnotateFlops()])
+    bwd = run_passes(fwd, [BuildVjp(linearized=jvp), AnnotateFlops()])
+    for opt in optimizers:
+        upd = run_passes(fwd, [AddOptimizerUpdate(opt, backward=bwd), AnnotateFlops()])
+        _check_graph(upd, h, "update")
+        for k in directions:
+            step = BuildForwardGradientStep(
+                opt, directions=k, jvp=jvp, update=for_every_parameter(upd)
+            )
+            fg = run_passes(fwd, [step, AnnotateFlops()])
+            _check_graph(fg, h, "forward")
+    return h
+
+
+def test_stack_update_and_step_per_template_hand_counted():
+    # four blocks of Linear(6, 10), ReLU, Linear(10, 6): 60 + 10 + 60 + 6 = 136 parameters a
+    # block, and the head Linear(6, 3): 21
+    n, d, f = 4, 6, 10
+    a = analyze(Stack(n, d, f), torch.randn(5, d), optimizer="adam")
+    upd = a.update.meta[DERIVED_HIERARCHY]
+    # one template update for the four blocks (the update does not depend on the block's input)
+    assert upd.uses() == [n]
+    assert [c.site for c in upd.calls] == [0, 1, 2, 3]
+    # Adam: 18 FLOPs per parameter element, 4·136 + 21 = 565 elements
+    fig = calls.derived_figures(upd, default_role="update")
+    assert fig.total.flops == 18 * (n * 136 + 21) == 10170
+    assert fig.rows["blocks.2.fc1"][0] == 18 * (60 + 10)
+    # the template holds one block's four parameters' updates, named by their path in it
+    t = upd.templates[0]
+    params = {x.meta.get("gf_param") for x in t.graph.nodes} - {None}
+    assert params == {"@.fc1.weight", "@.fc1.bias", "@.fc2.weight", "@.fc2.bias"}
+    # sources by their place in the block: the four parameters' update inputs
+    assert upd.calls[1].sources == tuple(
+        f"param_blocks_1_{m}_{w}" for m in ("fc1", "fc2") for w in ("weight", "bias")
+    )
+    assert {x.meta[SOURCE] for x in t.graph.nodes if x.op == "call_function"} == {
+        "@0",
+        "@1",
+        "@2",
+        "@3",
+    }
+    step = a.forward_gradient.meta[DERIVED_HIERARCHY]
+    # the step's runs per block: the sampled directions, the tangent work (block 0 reads the
+    # model's input: a template of its own), the estimates d·v, the update
+    assert [c.site for c in step.calls] == [0, 1, 2, 3] * 4
+    assert sorted(step.uses()) == [1, 3, 4, 4, 4]
+    _check_graph(a.update, a.forward.meta[HIERARCHY], "update")
+    _check_graph(a.forward_gradient, a.forward.meta[HIERARCHY], "forward")
+    # the report composed per template equals the one summed node by node
+    g = Graphs(a.forward, a.backward, a.update, a.jvp, a.forward_gradient, a.activity_gradient)
+    flat = summarize(
+        g, name=a.report.model, optimizer="adam", tangents="params", hierarchical=False
+    )
+    assert flat.to_dict() == a.report.to_dict()
+    assert a.report.totals.update.flops == 10170
+
+
+def test_stack_every_optimizer_and_direction_count():
+    assert _check_model(Stack(), (torch.randn(5, 6),), directions=(1, 2, 3)) is not None
+
+
+def test_step_without_batching_and_with_direction_inputs():
+    model, x = Stack(), torch.randn(5, 6)
+    fwd = run_passes(trace(model, (x,), loss="auto"), [AnnotateFlops()])
+    h = fwd.meta[HIERARCHY]
+    jvp = run_passes(fwd, [BuildJvp("params"), AnnotateFlops()])
+    for kw in ({"batched": False}, {"direction_inputs": True}):
+        step = BuildForwardGradientStep("momentum", directions=2, jvp=jvp, **kw)
+        fg = run_passes(fwd, [step, AnnotateFlops()])
+        dh = _check_graph(fg, h, "forward")
+        assert max(dh.uses()) > 1
+
+
+def test_no_hierarchy_no_calls():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    assert _check_model(model, (torch.randn(2, 4),), directions=(1,), optimizers=("sgd",)) is None
+
+
+def _model(name, **ctor):
+    loaded = load(spec(name), ctor_kwargs=ctor, meta=True)
+    loaded.model.train()
+    return loaded.model, make_inputs(loaded, batch=2)
+
+
+def test_gpt2_three_blocks():
+    model, inputs = _model("gpt2.py", n_layer=3, n_embd=32, n_head=2, vocab_size=50)
+    assert _check_model(model, inputs) is not None
+
+
+@pytest.mark.parametrize("name", ["resnet.py:resnet18", "vit.py"])
+def test_models(name):
+    model, inputs = _model(name)
+    _check_model(model, inputs, directions=(1, 2), optimizers=("sgd", "adamw"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet.py:resnet50", "gpt2.py:gpt2_small", "deeper_convnet.py"])
+def test_large_models(name):
+    model, inputs = _model(name)
+    _check_model(model, inputs, directions=(1, 2), optimizers=("momentum", "adam"))
+
+
+@pytest.mark.parametrize("s", ["torchvision:resnet18"])
+def test_zoo(s):
+    loaded = load(s, meta=True)
+    loaded.model.train()
+    _check_model(loaded.model, make_inputs(loaded, batch=2), directions=(1, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s", ["torchvision:swin_t", "hf:gpt2", "hf:bert", "hf:mistral"])
+def test_zoo_large(s):
+    loaded = load(s, meta=True)
+    loaded.model.train()
+    _check_model(
+        loaded.model, make_inputs(loaded, batch=2), directions=(1, 2), optimizers=("adamw",)
+    )
+
+
+def test_costs_from_templates_equal_each_nodes_own():
+    """``annotate_flops`` gives each call's nodes their template node's cost: the cost each
+    node has on its own."""
+    from graphflop.ops.cost import op_cost
+
+    a = analyze(Stack(), torch.randn(5, 6), optimizer="adamw")
+    for gm in (a.update, a.forward_gradient):
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                assert n.meta[COST] == op_cost(n.target, n.args, n.kwargs, n), n.name
