@@ -199,6 +199,8 @@ def _forward(
 _PHASE_ROLES = {
     "backward": ("grad_input", ("grad_input", "grad_weight", "grad_accum")),
     "jvp": ("tangent_from_input", ("tangent_from_input", "tangent_from_param")),
+    "update": ("update", ()),
+    "forward_gradient_step": ("forward", ()),
 }
 
 
@@ -276,14 +278,22 @@ def _ghost_flops(gm: GraphModule, layers: _Layers, key: str) -> int:
     return total
 
 
-def _update(upd: GraphModule, layers: _Layers, optimizer: str) -> UpdateTotals:
+def _update(
+    upd: GraphModule, layers: _Layers, optimizer: str, f: DerivedFigures | None
+) -> UpdateTotals:
     """Update totals; FLOPs per parameter over the elements updated (a parameter without a
-    gradient gets no update: :func:`~graphflop.passes.optimizer.update_param_count`)."""
+    gradient gets no update: :func:`~graphflop.passes.optimizer.update_param_count`); node by
+    node, or from the composed figures ``f`` where given."""
     params = update_param_count(upd)
-    nodes = _ops(upd)
-    for n in nodes:
-        layers.add(n, "update_flops", n.meta[COST].flops)
-    total = total_cost(nodes)
+    if f is not None:
+        for path, (flops, _, _) in f.rows.items():
+            layers[path]["update_flops"] += flops
+        total = f.total
+    else:
+        nodes = _ops(upd)
+        for n in nodes:
+            layers.add(n, "update_flops", n.meta[COST].flops)
+        total = total_cost(nodes)
     return UpdateTotals(
         **CostTotals.cost_fields(total),
         complete=True,  # the optimizers' ops all have rules
@@ -314,13 +324,21 @@ def _jvp(jvp: GraphModule, layers: _Layers, tangents: str, f: DerivedFigures | N
     )
 
 
-def _forward_gradient(fg: GraphModule, jvp_complete: bool) -> ForwardGradientTotals:
-    nodes = _ops(fg)
+def _forward_gradient(
+    fg: GraphModule, jvp_complete: bool, f: DerivedFigures | None
+) -> ForwardGradientTotals:
+    """Forward-gradient step totals; node by node, or from the composed figures ``f``."""
     info = fg.meta[FORWARD_GRADIENT]
-    by = _by_role(nodes, "forward")
+    if f is not None:
+        total, by = f.total, f.by_role
+        complete = not fg.meta.get(GAPS) and not f.rule_less
+    else:
+        nodes = _ops(fg)
+        total, by = total_cost(nodes), _by_role(nodes, "forward")
+        complete = _complete(fg, nodes)
     return ForwardGradientTotals(
-        **CostTotals.cost_fields(total_cost(nodes)),
-        complete=jvp_complete and _complete(fg, nodes),
+        **CostTotals.cost_fields(total),
+        complete=jvp_complete and complete,
         directions=info.directions,
         distribution=info.distribution,
         primal_flops=by.get("forward", 0) + by.get("loss", 0),
@@ -485,7 +503,7 @@ def _totals(
     if g.backward is not None:
         assert g.update is not None, "summarize checks the update comes with the backward"
         b = t["backward"] = _backward(g.backward, layers, derived.get("backward"))
-        u = t["update"] = _update(g.update, layers, optimizer)
+        u = t["update"] = _update(g.update, layers, optimizer, derived.get("update"))
         mm = fwd_total.mm_flops + b.mm_flops
         t["train_step"] = TrainStepTotals(
             flops=fwd_total.flops + b.flops + u.flops,
@@ -496,7 +514,9 @@ def _totals(
     if g.jvp is not None:
         j = t["jvp"] = _jvp(g.jvp, layers, tangents, derived.get("jvp"))
         if g.forward_gradient is not None:
-            t["forward_gradient_step"] = _forward_gradient(g.forward_gradient, j.complete)
+            t["forward_gradient_step"] = _forward_gradient(
+                g.forward_gradient, j.complete, derived.get("forward_gradient_step")
+            )
         if g.activity_gradient is not None:
             t["activity_gradient_step"] = _activity_gradient(g, g.activity_gradient, j.complete)
     return Totals(**t)
@@ -612,7 +632,9 @@ def summarize(
             its totals, per-module forward rows and op table from each template's figures
             composed over its calls (:mod:`graphflop.passes.hierarchy`), and the backward's
             and the JVP's from their template derivatives where they keep their blocks as
-            calls (:data:`~graphflop.meta.DERIVED_HIERARCHY`, :mod:`graphflop.passes.calls`);
+            calls (:data:`~graphflop.meta.DERIVED_HIERARCHY`, :mod:`graphflop.passes.calls`),
+            the update's and the forward-gradient step's likewise
+            (:mod:`graphflop.passes.step_calls`);
             False sums the flat graphs' nodes one by one. Both give the same report.
 
     Raises:
@@ -637,6 +659,12 @@ def summarize(
     derived = {
         "backward": _derived(graphs.backward, "backward", hierarchical),
         "jvp": _derived(graphs.jvp, "jvp", hierarchical),
+        "update": _derived(graphs.update, "update", hierarchical),
+        "forward_gradient_step": _derived(
+            graphs.forward_gradient if graphs.jvp is not None else None,
+            "forward_gradient_step",
+            hierarchical,
+        ),
     }
     totals = _totals(graphs, layers, optimizer, tangents, figures, derived)
     owners = _saved_owners(graphs, memory_model, device)
