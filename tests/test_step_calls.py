@@ -179,3 +179,77 @@ def test_costs_from_templates_equal_each_nodes_own():
         for n in gm.graph.nodes:
             if n.op == "call_function":
                 assert n.meta[COST] == op_cost(n.target, n.args, n.kwargs, n), n.name
+
+
+def _names_and_rows(gm):
+    return [n.name for n in gm.graph.nodes], _stored_nodes(gm)
+
+
+def _update_both_ways(fwd, opt, no_gradient=frozenset()):
+    """The update graph built per block variant (its other calls copied) and op by op."""
+    from graphflop.meta import SIGNATURE
+    from graphflop.passes.optimizer import build_update
+    from graphflop.passes.step_calls import BlockParams
+
+    phs = {n.name: n for n in fwd.graph.nodes if n.op == "placeholder"}
+    trainable = fwd.meta[SIGNATURE].trainable()
+    params = [(q, phs[p].meta["val"]) for p, q in trainable]
+    modules = {q: q.rpartition(".")[0] for _, q in trainable}
+    kw = dict(modules=modules, no_gradient=no_gradient)
+    per = build_update(params, opt, blocks=BlockParams(fwd), **kw)
+    flat = build_update(params, opt, **kw)
+    return per, flat
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_update_built_per_template_equals_op_by_op(opt):
+    fwd = trace(Stack(), (torch.randn(5, 6),), loss="auto")
+    h = fwd.meta[HIERARCHY]
+    for no_gradient in (frozenset(), frozenset({"blocks.1.fc1.bias", "head.weight"})):
+        per, flat = _update_both_ways(fwd, opt, no_gradient)
+        # the same graph node for node, names included
+        assert _names_and_rows(per) == _names_and_rows(flat)
+        assert DERIVED_HIERARCHY not in flat.meta
+        run_passes(per, [AnnotateFlops()])
+        dh = _check_graph(per, h, "update")
+        # blocks 0, 2, 3 call one template; block 1 (a parameter without gradient) its own
+        assert dh.uses() == ([4] if not no_gradient else [3, 1])
+        assert [c.site for c in dh.calls] == [0, 1, 2, 3]
+
+
+def test_gpt2_update_built_per_template_equals_op_by_op():
+    model, inputs = _model("gpt2.py", n_layer=3, n_embd=32, n_head=2, vocab_size=50)
+    fwd = trace(model, inputs, loss="auto")
+    per, flat = _update_both_ways(fwd, "adamw")
+    assert _names_and_rows(per) == _names_and_rows(flat)
+    assert per.meta[DERIVED_HIERARCHY].uses() == [3]
+
+
+def test_step_takes_the_jvp_and_update_calls_as_built(monkeypatch):
+    """With one direction the step copies the JVP graph's and the update graph's calls: they
+    are taken as they are (the templates the same ops), only the sampled directions and the
+    estimates d·v (one run per block each) are described."""
+    from graphflop.passes import step_calls
+
+    described = []
+    real = step_calls._Describer.describe
+
+    def spy(self, run, s):
+        described.append(s)
+        return real(self, run, s)
+
+    monkeypatch.setattr(step_calls._Describer, "describe", spy)
+    a = analyze(Stack(), torch.randn(5, 6), optimizer="momentum")
+    assert described == [0, 1, 2, 3] * 2  # directions, then estimates
+    step = a.forward_gradient.meta[DERIVED_HIERARCHY]
+
+    def ops(t):
+        return [x.target for x in t.graph.nodes if x.op == "call_function"]
+
+    jvp = a.jvp.meta[DERIVED_HIERARCHY]
+    upd = a.update.meta[DERIVED_HIERARCHY]
+    step_ops = [ops(step.templates[c.template]) for c in step.calls]
+    for dh in (jvp, upd):
+        for c in dh.calls:
+            assert ops(dh.templates[c.template]) in step_ops
+    _check_graph(a.forward_gradient, a.forward.meta[HIERARCHY], "forward")

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from graphflop.ad.builder import Builder, copy_node
 from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
+    DERIVED_HIERARCHY,
     FORWARD_GRADIENT,
     JVP,
     KIND,
@@ -116,16 +117,24 @@ def build_forward_gradient_step(
             st = _Start(jvp, upd, info, fake_mode, directions, direction_inputs)
             how = f"copies: the batched pass failed ({type(e).__name__}: {_first_line(e)})"
     g, b, env, phs, state_phs = st.g, st.b, st.env, st.phs, st.state_phs
+    jvp_copies: dict[Node, Node] = {}  # the first direction's copy of every JVP node
+    upd_copies: dict[Node, Node] = {}
     with b.context(role="direction"):
         if not ds:
             for k in range(directions):
                 v = _direction(b, info, phs, k, st.given, distribution)
-                ds.append(_copy_tangents(g, jvp, info, env, v, first=k == 0))
+                out = jvp_copies if k == 0 else None
+                ds.append(_copy_tangents(g, jvp, info, env, v, first=k == 0, copies=out))
                 vs.append(v)
         grads = _estimate(b, info, ds, vs)
     qual = dict(sig.trainable())
     new_state = inline_update(
-        g, upd, {qual[p]: phs[p] for p in qual}, {qual[p]: grads[p] for p in qual}, state_phs
+        g,
+        upd,
+        {qual[p]: phs[p] for p in qual},
+        {qual[p]: grads[p] for p in qual},
+        state_phs,
+        copies=upd_copies,
     )
     primal_outs = _outputs(jvp)[: info.primal_outputs]
     loss = next(
@@ -152,6 +161,16 @@ def build_forward_gradient_step(
         tuple(q for _, q in buffers),
     )
     gm.meta[UPDATE] = upd.meta[UPDATE]
+    # the work through each repeated block as calls of one template per block variant: the
+    # JVP graph's and the update graph's calls as copied, the directions and estimates read off
+    known: list[step_calls.Known] = []
+    for built, copies in ((jvp, jvp_copies), (upd, upd_copies)):
+        dh = built.meta.get(DERIVED_HIERARCHY)
+        if dh is not None and copies:
+            known += step_calls.known_calls(dh, copies)
+    dh = step_calls.build(gm, forward, known)
+    if dh is not None:
+        gm.meta[DERIVED_HIERARCHY] = dh
     return gm
 
 
@@ -437,12 +456,20 @@ def _direction(
 
 
 def _copy_tangents(
-    g: Graph, jvp: GraphModule, info: JvpInfo, env: dict[Node, Node], v: dict, *, first: bool
+    g: Graph,
+    jvp: GraphModule,
+    info: JvpInfo,
+    env: dict[Node, Node],
+    v: dict,
+    *,
+    first: bool,
+    copies: dict[Node, Node] | None = None,
 ) -> Node:
     """Copy the JVP graph's nodes for one direction ``v``; returns the loss tangent ``d``.
 
     Primal and coefficient nodes are copied with the first direction (into ``env``) and shared
-    by the others: only tangent work repeats.
+    by the others: only tangent work repeats. ``copies``, where given, receives each JVP node's
+    copy.
     """
     local = dict(env)
     local.update({n: v[n.name] for n in jvp.graph.nodes if n.name in v})
@@ -455,6 +482,8 @@ def _copy_tangents(
         local[n] = copy_node(g, n, local.__getitem__)
         if first and n.meta.get(KIND) != "tangent":
             env[n] = local[n]
+    if copies is not None:
+        copies.update(local)
     return local[_outputs(jvp)[info.primal_outputs]]
 
 
@@ -518,6 +547,4 @@ class BuildForwardGradientStep(GraphPass):
             update=self.update,
             batched=self.batched,
         )
-        # the step's work through each block (directions, tangents, estimates, update) as
-        # calls of one template per block variant
-        return PassResult(step_calls.attach(gm, graph_module), True)
+        return PassResult(gm, True)

@@ -34,15 +34,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphflop.ad.builder import Builder
+from graphflop.ad.builder import Builder, copy_node
 from graphflop.meta import (
+    DERIVED_HIERARCHY,
     GAPS,
+    HIERARCHY,
     KIND,
     MODULE,
     PARAM,
@@ -58,6 +61,9 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.passes.infra import FLAT, GraphPass
+
+if TYPE_CHECKING:
+    from graphflop.passes.step_calls import BlockParams
 
 aten = torch.ops.aten
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -101,12 +107,21 @@ def build_update(
     fake_mode: FakeTensorMode | None = None,
     modules: dict[str, str] | None = None,
     no_gradient: frozenset[str] = frozenset(),
+    blocks: BlockParams | None = None,
 ) -> GraphModule:
     """Build the update graph for ``params`` ((qualified name, tensor or FakeTensor) pairs).
 
     ``no_gradient``: qualified names of parameters that get no gradient (:func:`gradient_free`):
     no update work, their new value and state are views of their inputs (``torch.optim`` skips
     a parameter whose ``.grad`` is None).
+
+    ``blocks``: the parameters of the forward graph's repeated blocks
+    (:class:`~graphflop.passes.step_calls.BlockParams`). Each run of consecutive parameters of
+    one call site is a call of one template update per block variant (the parameters by their
+    path in the block, with their layouts): its first call is built op by op, the others are
+    copies of its nodes with the call's parameters, modules and sources (no fake-tensor run),
+    and the graph keeps the calls as ``gm.meta[DERIVED_HIERARCHY]``. The graph is the same
+    node for node either way (``tests/test_step_calls.py``).
 
     Raises:
         ValueError: for an unknown optimizer.
@@ -149,26 +164,58 @@ def build_update(
     step = ph("step", scalar) if cfg.name in ("adam", "adamw") else None
     new_w: list[Node] = []
     new_state: list[list[Node]] = [[] for _ in state]
+
+    def one(i: int, q: str) -> tuple[Node, list[Node]]:
+        with b.context(source=w[i].name, module=w[i].meta[MODULE]):
+            if q in no_gradient:  # torch.optim skips it: passed through (views), no work
+                nw, new = (
+                    b.call(aten.alias.default, w[i]),
+                    [b.call(aten.alias.default, s[i]) for s in state],
+                )
+            else:
+                nw, new = _param_update(b, cfg, w[i], gr[i], [s[i] for s in state], lr, step, lr_wd)
+        nw.meta[PARAM] = q
+        return nw, new
+
+    # per block variant, its first call's nodes and, per parameter, its outputs' positions
+    firsts: dict[tuple, tuple[list[Node], list[int], list[list[int]]]] = {}
+    calls: list[tuple[int, int, list[Node]]] = []  # (site, variant, nodes) per call
+    site_of = blocks.site_of if blocks is not None else lambda q: None
     with b.context(role="update"):
         decays = cfg.name == "adamw" and any(q not in no_gradient for q, _ in params)
         lr_wd = b.call(aten.mul.Tensor, lr, cfg.weight_decay) if decays else None
-        for i, (q, _) in enumerate(params):
-            with b.context(source=w[i].name, module=w[i].meta[MODULE]):
-                if q in no_gradient:  # torch.optim skips it: passed through (views), no work
-                    nw, new = (
-                        b.call(aten.alias.default, w[i]),
-                        [b.call(aten.alias.default, s[i]) for s in state],
-                    )
+        i = 0
+        while i < len(params):
+            at = site_of(params[i][0])
+            j = i + 1
+            while at is not None and j < len(params) and site_of(params[j][0]) == at:
+                j += 1
+            if at is None:
+                outs = [one(i, params[i][0])]
+            else:
+                assert blocks is not None, "a call site only with the blocks' parameters"
+                idx = list(range(i, j))
+                key = blocks.variant(params, idx, no_gradient)
+                last = next(reversed(g.nodes))
+                if key in firsts:
+                    outs = _copy_call(g, firsts[key], idx, w, gr, state, params)
                 else:
-                    nw, new = _param_update(
-                        b, cfg, w[i], gr[i], [s[i] for s in state], lr, step, lr_wd
-                    )
-            nw.meta[PARAM] = q
-            new_w.append(nw)
-            for acc, n in zip(new_state, new):
-                acc.append(n)
+                    outs = [one(k, params[k][0]) for k in idx]
+                made = _nodes_after(last)
+                if key not in firsts:
+                    pos = {n: p for p, n in enumerate(made)}
+                    where = [[pos[nw], *(pos[n] for n in new)] for nw, new in outs]
+                    firsts[key] = (made, idx, where)
+                calls.append((at, list(firsts).index(key), made))
+            for nw, new in outs:
+                new_w.append(nw)
+                for acc, n in zip(new_state, new):
+                    acc.append(n)
+            i = j
     g.output(tuple(new_w + [n for s in new_state for n in s]))
     gm = graph_module(torch.nn.Module(), g)
+    if blocks is not None and calls:
+        gm.meta[DERIVED_HIERARCHY] = blocks.hierarchy(gm, calls)
     gm.meta[UPDATE] = UpdateInfo(
         cfg.name,
         tuple(q for q, _ in params),
@@ -177,6 +224,51 @@ def build_update(
         tuple(f"{kind}.{q}" for kind in STATE_KINDS[cfg.name] for q, _ in params),
     )
     return gm
+
+
+def _nodes_after(last: Node) -> list[Node]:
+    """The nodes after ``last`` in its graph."""
+    out = []
+    n = last.next
+    while n.op != "root":
+        out.append(n)
+        n = n.next
+    return out
+
+
+def _copy_call(
+    g: Graph,
+    first: tuple[list[Node], list[int], list[list[int]]],
+    idx: list[int],
+    w: list[Node],
+    gr: list[Node],
+    state: list[list[Node]],
+    params: list[tuple[str, torch.Tensor]],
+) -> list[tuple[Node, list[Node]]]:
+    """A call of a template update: the first call's nodes copied with parameters ``idx`` for
+    its own (their placeholders, sources, modules and names); per parameter its new value and
+    new state. The copies keep the first call's output metadata: the variant's parameters have
+    the same layouts."""
+    made, first_idx, where = first
+    env: dict[Node, Node] = {}
+    own: dict[str, int] = {}
+    for a, k in zip(first_idx, idx):
+        env[w[a]], env[gr[a]] = w[k], gr[k]
+        for s in state:
+            env[s[a]] = s[k]
+        own[w[a].name] = k
+    copies = []
+    for n in made:
+        new = copy_node(g, n, lambda x: env.get(x, x))
+        m = new.meta
+        k = own[m[SOURCE]]
+        m[SOURCE] = w[k].name
+        m[MODULE] = w[k].meta[MODULE]
+        if PARAM in m:
+            m[PARAM] = params[k][0]
+        env[n] = new
+        copies.append(new)
+    return [(copies[pos[0]], [copies[x] for x in pos[1:]]) for pos in where]
 
 
 def slot_name(kind: str, qual: str) -> str:
@@ -221,7 +313,10 @@ def build_update_for(
     work either (their state stays an input and output, unchanged).
 
     Each parameter's update nodes carry ``MODULE`` = the parameter's module path (its qualified
-    name up to the last dot). Built on ``fake_mode``, by default the forward graph's own.
+    name up to the last dot). Built on ``fake_mode``, by default the forward graph's own. Where
+    ``forward`` has repeated blocks (:data:`~graphflop.meta.HIERARCHY`), a block's parameters'
+    update is built once per block variant and kept as calls (``blocks`` of
+    :func:`build_update`).
 
     Args:
         forward: a graph from :func:`graphflop.frontend.trace.trace`.
@@ -230,6 +325,8 @@ def build_update_for(
     Raises:
         ValueError: for an unknown optimizer.
     """
+    from graphflop.passes.step_calls import BlockParams
+
     sig = forward.meta[SIGNATURE]
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
     trainable = sig.trainable()  # frozen parameters are not updated
@@ -239,6 +336,7 @@ def build_update_for(
         fake_mode=fake_mode or graph_fake_mode(forward),
         modules={q: _parent(q) for _, q in trainable},
         no_gradient=gradient_free(backward) if backward is not None else frozenset(),
+        blocks=BlockParams(forward) if HIERARCHY in forward.meta else None,
     )
 
 
@@ -300,13 +398,10 @@ class AddOptimizerUpdate(GraphPass):
         self.backward = backward
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        from graphflop.passes.step_calls import attach
-
         gm = build_update_for(
             graph_module, self.optimizer, fake_mode=self.fake_mode, backward=self.backward
         )
-        # a repeated block's parameters' update as calls of one template per block variant
-        return PassResult(attach(gm, graph_module), True)
+        return PassResult(gm, True)
 
 
 def _adam(b, cfg, w, g, m, v, lr, step, lr_wd):
@@ -339,12 +434,15 @@ def _adam(b, cfg, w, g, m, v, lr, step, lr_wd):
     return b.call(aten.sub.Tensor, w, upd), m, v
 
 
-def inline_update(g, update: GraphModule, params: dict, grads: dict, state: dict) -> list:
+def inline_update(
+    g, update: GraphModule, params: dict, grads: dict, state: dict, copies: dict | None = None
+) -> list:
     """Copy ``update``'s nodes into graph ``g``; returns the nodes of its outputs (new
     parameters, then new state).
 
     ``params`` and ``grads`` map a parameter's qualified name to the node holding it in ``g``;
     ``state`` maps the update's other placeholder names (state, ``lr``, ``step``) to nodes of ``g``.
+    ``copies``, where given, receives each node of ``update`` and its copy.
     """
     env: dict = {}
     out = None
@@ -361,6 +459,8 @@ def inline_update(g, update: GraphModule, params: dict, grads: dict, state: dict
         else:
             env[n] = g.node_copy(n, env.__getitem__)
     assert out is not None, "an update graph ends in its output node"
+    if copies is not None:
+        copies.update(env)
     return [env[a] for a in out.args[0]]
 
 

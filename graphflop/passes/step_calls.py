@@ -33,6 +33,7 @@ derivative graphs', so the composed figures equal the flat sums by construction
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ from graphflop.meta import (
 from graphflop.passes.calls import DerivedCall, DerivedHierarchy
 from graphflop.passes.optimizer import slot_name
 
-__all__ = ["attach", "build"]
+__all__ = ["BlockParams", "attach", "build"]
 
 #: the annotations relativized to the call (the others must be equal at every call)
 _RELATIVE = (MODULE, SOURCE, PARAM, CALL_SITE, COST)
@@ -101,21 +102,28 @@ def _source_keys(forward: GraphModule, h: Hierarchy) -> dict[str, tuple[int, tup
         seen.add((t[0], k))
         keys[n.name] = (t[0], k)
     keys = {name: v for name, v in keys.items() if v[0] not in dup}
-    # a parameter belongs to the site whose modules hold its owner (one site only: a module
-    # two call sites share has its parameters at the top level)
+    for p, q, (s, rel) in _param_sites(forward, h):
+        keys.setdefault(p, (s, ("forward", rel)))
+        keys.setdefault(slot_name("param", q), (s, ("update", rel)))
+    return keys
+
+
+def _param_sites(forward: GraphModule, h: Hierarchy) -> list[tuple[str, str, tuple[int, str]]]:
+    """``(placeholder, qualified name, (site, path in the block))`` per parameter of a call
+    site: the site whose modules hold the parameter's owner (one site only: a module two call
+    sites share keeps its parameters at the top level)."""
     owners: dict[str, list[tuple[int, str]]] = {}
     for s, site in enumerate(h.sites):
         for rel, absolute in site.modules:
             owners.setdefault(absolute, []).append((s, rel))
+    out = []
     for p, q in forward.meta[SIGNATURE].params:
         owner, _, leaf = q.rpartition(".")
         found = owners.get(owner, [])
-        if len(found) != 1:
-            continue
-        s, rel = found[0]
-        keys.setdefault(p, (s, ("forward", rel, leaf)))
-        keys.setdefault(slot_name("param", q), (s, ("update", rel, leaf)))
-    return keys
+        if len(found) == 1:
+            s, rel = found[0]
+            out.append((p, q, (s, f"{rel}.{leaf}")))
+    return out
 
 
 class _Describer:
@@ -229,53 +237,239 @@ class _Describer:
         return graph_module(root, g)
 
 
-def build(gm: GraphModule, forward: GraphModule) -> DerivedHierarchy | None:
+class BlockParams:
+    """The parameters of a forward graph's repeated blocks, for building the update graph per
+    block variant (:func:`graphflop.passes.optimizer.build_update`).
+
+    Args:
+        forward: a traced forward graph with a :data:`~graphflop.meta.HIERARCHY`.
+    """
+
+    def __init__(self, forward: GraphModule) -> None:
+        self.h: Hierarchy = forward.meta[HIERARCHY]
+        self.d = _Describer(forward, self.h)
+        self.sites = {q: at for _, q, at in _param_sites(forward, self.h)}
+
+    def site_of(self, qual: str) -> int | None:
+        """The call site parameter ``qual`` belongs to, or None."""
+        at = self.sites.get(qual)
+        return at[0] if at is not None else None
+
+    def variant(
+        self, params: list[tuple[str, torch.Tensor]], idx: list[int], no_gradient: frozenset[str]
+    ) -> tuple:
+        """The variant of the update of ``params[i]`` for ``i`` in ``idx`` (one call site's):
+        the parameters' paths in the block and layouts; a call with a parameter without
+        gradient is a variant of its own (its pass-through views are built, not copied)."""
+        if any(params[k][0] in no_gradient for k in idx):
+            return ("own", idx[0])
+        return tuple(
+            (self.sites[q][1], tuple(t.shape), t.stride(), t.dtype, t.device)
+            for q, t in (params[k] for k in idx)
+        )
+
+    def hierarchy(
+        self, gm: GraphModule, made: list[tuple[int, int, list[Node]]]
+    ) -> DerivedHierarchy:
+        """The hierarchy of update graph ``gm`` from its calls as built: ``(site, variant,
+        nodes)`` each, variants numbered in the order first built; the first call of each
+        variant becomes its template."""
+        d, h = self.d, self.h
+        starts = {nodes[0]: c for c, (_, _, nodes) in enumerate(made)}
+        inside = {n for _, _, nodes in made for n in nodes}
+        items: list[Any] = []
+        templates: list[GraphModule] = []
+        calls: list[DerivedCall] = []
+        for n in gm.graph.nodes:
+            c = starts.get(n)
+            if c is None:
+                if n not in inside:
+                    items.append(n)
+                continue
+            s, v, run = made[c]
+            ext = _outside(run)
+            if v == len(templates):
+                templates.append(d.template(run, ext, s, gm))
+            sources: dict[str, None] = {}
+            for x in run:
+                src = x.meta.get(SOURCE, "")
+                k = d.keys.get(src)
+                if k is not None and k[0] == s:
+                    sources[src] = None
+            calls.append(DerivedCall(s, v, h.sites[s].modules, tuple(sources)))
+            items.append((run, ext, c))
+        return DerivedHierarchy(
+            tuple(templates), tuple(calls), _top(gm, items), tuple(r for _, _, r in made)
+        )
+
+
+def _outside(run: list[Node]) -> list[Node]:
+    """The values ``run`` reads from outside it, in the order first read (arguments, then
+    keyword arguments, node after node: :meth:`_Describer.describe`'s order)."""
+    inside = set(run)
+    ext: dict[Node, None] = {}
+
+    def visit(a: Any) -> None:
+        if isinstance(a, Node):
+            if a not in inside:
+                ext[a] = None
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                visit(b)
+        elif isinstance(a, dict):
+            for b in a.values():
+                visit(b)
+
+    for n in run:
+        visit(n.args)
+        visit(n.kwargs)
+    return list(ext)
+
+
+#: a call ``gm`` was built with: its nodes, its template (shared by identity with the calls of
+#: the same template), its call site and its sources (as :class:`DerivedCall` has them)
+Known = tuple[list[Node], GraphModule, int, tuple[str, ...]]
+
+
+def known_calls(dh: DerivedHierarchy, env: dict[Node, Node]) -> list[Known]:
+    """The calls of ``dh`` (a graph's hierarchy, with its runs) as copied into another graph
+    node for node, ``env`` mapping each node of a run to its copy: the copy's calls of the same
+    templates (a copy has the op, arguments' layouts and annotations of its node, and distinct
+    values from outside stay distinct). Empty where ``dh`` keeps no runs."""
+    if len(dh.runs) != len(dh.calls):
+        return []
+    return [
+        ([env[n] for n in run], dh.templates[c.template], c.site, c.sources)
+        for c, run in zip(dh.calls, dh.runs)
+    ]
+
+
+def build(
+    gm: GraphModule, forward: GraphModule, known: list[Known] | None = None
+) -> DerivedHierarchy | None:
     """The hierarchy of ``gm``, an update graph (:func:`~graphflop.passes.optimizer.build_update_for`)
     or forward-gradient step graph
     (:func:`~graphflop.passes.forward_gradient.build_forward_gradient_step`) of ``forward``
-    (see the module docstring), or None when ``forward`` has no hierarchy or ``gm`` no call."""
+    (see the module docstring), or None when ``forward`` has no hierarchy or ``gm`` no call.
+
+    ``known``: calls ``gm`` was built with (:func:`known_calls`: the step's copies of the JVP
+    graph's and the update graph's calls), taken as they are; only the other nodes are read
+    off and described."""
     h: Hierarchy | None = forward.meta.get(HIERARCHY)
     if h is None:
         return None
     d = _Describer(forward, h)
     items: list[Any] = []  # nodes of the top level, and per call (run, ext, call number)
-    variants: dict[tuple, int] = {}
+    variants: dict[Any, int] = {}  # a description, or the id of a known template -> its index
     templates: list[GraphModule] = []
     calls: list[DerivedCall] = []
     runs: list[list[Node]] = []
 
-    def close(run: list[Node], s: int) -> None:
-        try:
-            sig, ext, order = d.describe(run, s)
-        except _Unshared:
-            items.extend(run)
-            return
-        t = variants.get(sig)
-        if t is None:
-            t = variants[sig] = len(templates)
-            templates.append(d.template(run, ext, s, gm))
-        sources = tuple(d.names[(s, k)] for k in order)
+    def call(run: list[Node], ext: list[Node], s: int, t: int, sources: tuple[str, ...]) -> None:
         calls.append(DerivedCall(s, t, h.sites[s].modules, sources))
         runs.append(run)
         items.append((run, ext, len(calls) - 1))
 
+    for seg in _segments(gm, d, known or []):
+        if isinstance(seg, Node):
+            items.append(seg)
+        elif len(seg) == 3:  # a known call and its arguments
+            (run, tpl, s, sources), ext, _ = seg
+            t = variants.get(id(tpl))
+            if t is None:
+                t = variants[id(tpl)] = len(templates)
+                templates.append(_copy_template(tpl))
+            call(run, ext, s, t, sources)
+        else:  # a run to describe
+            run, s = seg
+            try:
+                sig, ext, order = d.describe(run, s)
+            except _Unshared:
+                items.extend(run)
+                continue
+            t = variants.get(sig)
+            if t is None:
+                t = variants[sig] = len(templates)
+                templates.append(d.template(run, ext, s, gm))
+            call(run, ext, s, t, tuple(d.names[(s, k)] for k in order))
+    if not calls:
+        return None
+    return DerivedHierarchy(tuple(templates), tuple(calls), _top(gm, items), tuple(runs))
+
+
+def _segments(gm: GraphModule, d: _Describer, known: list[Known]) -> Iterator[Any]:
+    """``gm``'s nodes in order as top-level nodes, known calls ``(known, arguments, None)``
+    and maximal runs of one call site ``(run, site)``."""
+    starts = {k[0][0]: k for k in known if k[0]}
     run: list[Node] = []
     at: int | None = None
+    skip: set[Node] = set()
     for n in gm.graph.nodes:
+        k = starts.get(n)
+        ext = _arguments(k[1], k[0]) if k is not None else None
+        if k is not None and ext is not None:
+            if run:
+                yield run, at
+                run, at = [], None
+            yield k, ext, None
+            skip.update(k[0])
+            continue
+        if n in skip:
+            continue
         s = d.site(n)
         if run and s != at:
-            close(run, at)  # type: ignore[arg-type]
+            yield run, at
             run = []
         if s is None:
-            items.append(n)
+            yield n
         else:
             run.append(n)
         at = s
     if run:
-        close(run, at)  # type: ignore[arg-type]
-    if not calls:
+        yield run, at
+
+
+def _arguments(tpl: GraphModule, run: list[Node]) -> list[Node] | None:
+    """The values from outside that ``run`` (a call of template ``tpl``, its nodes in the
+    template's node order) passes for the template's placeholders, in their order: each read
+    off the first template node that reads the placeholder. None where the run does not match
+    the template or a placeholder is never read."""
+    phs = [x for x in tpl.graph.nodes if x.op == "placeholder"]
+    found: dict[Node, Any] = {}
+
+    def pair(t: Any, r: Any) -> None:
+        if isinstance(t, Node):
+            if t.op == "placeholder":
+                found.setdefault(t, r)
+        elif isinstance(t, (list, tuple)) and isinstance(r, (list, tuple)) and len(t) == len(r):
+            for a, b in zip(t, r):
+                pair(a, b)
+        elif isinstance(t, dict) and isinstance(r, dict):
+            for key, a in t.items():
+                pair(a, r.get(key))
+
+    body = [x for x in tpl.graph.nodes if x.op == "call_function"]
+    if len(body) != len(run):
         return None
-    return DerivedHierarchy(tuple(templates), tuple(calls), _top(gm, items), tuple(runs))
+    for t, r in zip(body, run):
+        if t.target is not r.target:
+            return None
+        pair(t.args, r.args)
+        pair(t.kwargs, r.kwargs)
+        if len(found) == len(phs):
+            break
+    ext = [v for v in (found.get(p) for p in phs) if isinstance(v, Node)]
+    return ext if len(ext) == len(phs) else None
+
+
+def _copy_template(t: GraphModule) -> GraphModule:
+    """A copy of template ``t`` (its nodes' ``meta`` copied: passes write on a graph's
+    templates)."""
+    g = Graph()
+    env: dict[Node, Node] = {}
+    for n in t.graph.nodes:
+        env[n] = copy_node(g, n, env.__getitem__)
+    return graph_module(t, g)
 
 
 def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
