@@ -253,3 +253,36 @@ def test_step_takes_the_jvp_and_update_calls_as_built(monkeypatch):
         for c in dh.calls:
             assert ops(dh.templates[c.template]) in step_ops
     _check_graph(a.forward_gradient, a.forward.meta[HIERARCHY], "forward")
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.LayerNorm = torch.nn.LayerNorm(6)  # fx spells its placeholders layer_norm
+
+    def forward(self, x):
+        return x + torch.relu(self.LayerNorm(self.fc(x)))
+
+
+class _NormStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Norm() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_parameter_names_fx_spells_otherwise():
+    """A parameter whose name fx rewrites for its placeholder (``LayerNorm`` → ``layer_norm``):
+    each call's update nodes keep their own parameter's source."""
+    fwd = trace(_NormStack(), (torch.randn(4, 6),), loss="auto")
+    per, flat = _update_both_ways(fwd, "momentum")
+    assert _names_and_rows(per) == _names_and_rows(flat)
+    run_passes(per, [AnnotateFlops()])
+    dh = _check_graph(per, fwd.meta[HIERARCHY], "update")
+    assert dh.uses() == [3]
+    assert _check_model(_NormStack(), (torch.randn(4, 6),), directions=(1, 2)) is not None

@@ -168,7 +168,7 @@ def build_forward_gradient_step(
         dh = built.meta.get(DERIVED_HIERARCHY)
         if dh is not None and copies:
             known += step_calls.known_calls(dh, copies)
-    dh = step_calls.build(gm, forward, known)
+    dh = step_calls.build(gm, forward, known, update=upd)
     if dh is not None:
         gm.meta[DERIVED_HIERARCHY] = dh
     return gm

@@ -53,6 +53,7 @@ from graphflop.meta import (
     RESIDUAL,
     ROLE,
     SIGNATURE,
+    SLOT,
     SOURCE,
     Hierarchy,
     graph_module,
@@ -134,6 +135,18 @@ class _Describer:
         self.names = {v: k for k, v in self.keys.items()}
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.h = h
+        self.params = {q: at for _, q, at in _param_sites(forward, h)}
+
+    def update_sources(self, update: GraphModule) -> None:
+        """Key the sources of ``update``'s nodes (an update graph: each parameter's nodes have
+        its placeholder's name, which fx may have spelled otherwise than :func:`slot_name`)."""
+        for n in update.graph.nodes:
+            if n.op != "placeholder":
+                break
+            if n.meta.get(SLOT) == "param" and n.meta.get(PARAM) in self.params:
+                s, rel = self.params[n.meta[PARAM]]
+                self.keys[n.name] = (s, ("update", rel))
+                self.names[(s, ("update", rel))] = n.name
 
     def site(self, n: Node) -> int | None:
         if n.op != "call_function":
@@ -248,7 +261,7 @@ class BlockParams:
     def __init__(self, forward: GraphModule) -> None:
         self.h: Hierarchy = forward.meta[HIERARCHY]
         self.d = _Describer(forward, self.h)
-        self.sites = {q: at for _, q, at in _param_sites(forward, self.h)}
+        self.sites = self.d.params
 
     def site_of(self, qual: str) -> int | None:
         """The call site parameter ``qual`` belongs to, or None."""
@@ -275,6 +288,7 @@ class BlockParams:
         nodes)`` each, variants numbered in the order first built; the first call of each
         variant becomes its template."""
         d, h = self.d, self.h
+        d.update_sources(gm)
         starts = {nodes[0]: c for c, (_, _, nodes) in enumerate(made)}
         inside = {n for _, _, nodes in made for n in nodes}
         items: list[Any] = []
@@ -345,7 +359,10 @@ def known_calls(dh: DerivedHierarchy, env: dict[Node, Node]) -> list[Known]:
 
 
 def build(
-    gm: GraphModule, forward: GraphModule, known: list[Known] | None = None
+    gm: GraphModule,
+    forward: GraphModule,
+    known: list[Known] | None = None,
+    update: GraphModule | None = None,
 ) -> DerivedHierarchy | None:
     """The hierarchy of ``gm``, an update graph (:func:`~graphflop.passes.optimizer.build_update_for`)
     or forward-gradient step graph
@@ -354,11 +371,13 @@ def build(
 
     ``known``: calls ``gm`` was built with (:func:`known_calls`: the step's copies of the JVP
     graph's and the update graph's calls), taken as they are; only the other nodes are read
-    off and described."""
+    off and described. ``update``: the update graph ``gm``'s update nodes were copied from
+    (their sources are its parameters' placeholders)."""
     h: Hierarchy | None = forward.meta.get(HIERARCHY)
     if h is None:
         return None
     d = _Describer(forward, h)
+    d.update_sources(update if update is not None else gm)  # gm may be an update graph
     items: list[Any] = []  # nodes of the top level, and per call (run, ext, call number)
     variants: dict[Any, int] = {}  # a description, or the id of a known template -> its index
     templates: list[GraphModule] = []
@@ -401,12 +420,13 @@ def _segments(gm: GraphModule, d: _Describer, known: list[Known]) -> Iterator[An
     """``gm``'s nodes in order as top-level nodes, known calls ``(known, arguments, None)``
     and maximal runs of one call site ``(run, site)``."""
     starts = {k[0][0]: k for k in known if k[0]}
+    paths: dict[int, Any] = {}  # per known template, where its placeholders are read
     run: list[Node] = []
     at: int | None = None
     skip: set[Node] = set()
     for n in gm.graph.nodes:
         k = starts.get(n)
-        ext = _arguments(k[1], k[0]) if k is not None else None
+        ext = _arguments(k[1], k[0], paths) if k is not None else None
         if k is not None and ext is not None:
             if run:
                 yield run, at
@@ -429,37 +449,55 @@ def _segments(gm: GraphModule, d: _Describer, known: list[Known]) -> Iterator[An
         yield run, at
 
 
-def _arguments(tpl: GraphModule, run: list[Node]) -> list[Node] | None:
+def _arguments(tpl: GraphModule, run: list[Node], paths: dict[int, Any]) -> list[Node] | None:
     """The values from outside that ``run`` (a call of template ``tpl``, its nodes in the
     template's node order) passes for the template's placeholders, in their order: each read
-    off the first template node that reads the placeholder. None where the run does not match
-    the template or a placeholder is never read."""
-    phs = [x for x in tpl.graph.nodes if x.op == "placeholder"]
-    found: dict[Node, Any] = {}
-
-    def pair(t: Any, r: Any) -> None:
-        if isinstance(t, Node):
-            if t.op == "placeholder":
-                found.setdefault(t, r)
-        elif isinstance(t, (list, tuple)) and isinstance(r, (list, tuple)) and len(t) == len(r):
-            for a, b in zip(t, r):
-                pair(a, b)
-        elif isinstance(t, dict) and isinstance(r, dict):
-            for key, a in t.items():
-                pair(a, r.get(key))
-
-    body = [x for x in tpl.graph.nodes if x.op == "call_function"]
-    if len(body) != len(run):
+    where the template first reads the placeholder (:func:`_placeholder_paths`, cached in
+    ``paths`` per template). None where the run does not match the template."""
+    where = paths.get(id(tpl))
+    if where is None:
+        where = paths[id(tpl)] = _placeholder_paths(tpl)
+    size, ends, found = where
+    if found is None or size != len(run) or any(run[i].target is not t for i, t in ends):
         return None
-    for t, r in zip(body, run):
-        if t.target is not r.target:
+    ext = []
+    for i, path in found:
+        v: Any = (run[i].args, run[i].kwargs)
+        for step in path:
+            v = v[step]
+        if not isinstance(v, Node):
             return None
-        pair(t.args, r.args)
-        pair(t.kwargs, r.kwargs)
-        if len(found) == len(phs):
+        ext.append(v)
+    return ext
+
+
+def _placeholder_paths(tpl: GraphModule) -> tuple[int, list[tuple[int, Any]], Any]:
+    """For template ``tpl``: its body's size; its first and last body nodes' positions and ops
+    (to check a run against); per placeholder, where the template first reads it (the body
+    node's position and the path to it in ``(args, kwargs)``), or None where a placeholder is
+    never read."""
+    phs = [x for x in tpl.graph.nodes if x.op == "placeholder"]
+    body = [x for x in tpl.graph.nodes if x.op == "call_function"]
+    first: dict[Node, tuple[int, tuple]] = {}
+
+    def visit(a: Any, i: int, path: tuple) -> None:
+        if isinstance(a, Node):
+            if a.op == "placeholder" and a not in first:
+                first[a] = (i, path)
+        elif isinstance(a, (list, tuple)):
+            for j, b in enumerate(a):
+                visit(b, i, (*path, j))
+        elif isinstance(a, dict):
+            for key, b in a.items():
+                visit(b, i, (*path, key))
+
+    for i, x in enumerate(body):
+        visit((x.args, x.kwargs), i, ())
+        if len(first) == len(phs):
             break
-    ext = [v for v in (found.get(p) for p in phs) if isinstance(v, Node)]
-    return ext if len(ext) == len(phs) else None
+    ends = [(i, body[i].target) for i in sorted({0, len(body) - 1}) if body]
+    found = [first[p] for p in phs] if len(first) == len(phs) else None
+    return len(body), ends, found
 
 
 def _copy_template(t: GraphModule) -> GraphModule:
