@@ -457,7 +457,7 @@ def inline_update(
         elif n.op == "output":
             out = n
         else:
-            env[n] = g.node_copy(n, env.__getitem__)
+            env[n] = copy_node(g, n, env.__getitem__)
     assert out is not None, "an update graph ends in its output node"
     if copies is not None:
         copies.update(env)
