@@ -25,9 +25,12 @@ share it, and so is each direction's tangent work through the block in the step 
 Every other node stays at the top level (the AdamW ``lr·λ`` node all parameters share, the
 parameters outside the blocks, the loss).
 
-The hierarchy is read off the finished flat graph, as :mod:`graphflop.passes.calls` reads the
-derivative graphs', so the composed figures equal the flat sums by construction
-(``tests/test_step_calls.py``).
+How each is built: the update graph builds each block variant's update once and copies it to
+the variant's other calls, recording its calls as built (:class:`BlockParams`); the step
+graph takes the JVP graph's and the update graph's calls as it copies them
+(:func:`known_calls`) and reads the rest off the finished graph (:func:`build`, describing
+runs as :mod:`graphflop.passes.calls` does), so two calls share a template only where their
+nodes agree and the composed figures equal the flat sums (``tests/test_step_calls.py``).
 """
 
 from __future__ import annotations
