@@ -630,10 +630,8 @@ class TemplateJvp:
     tan: dict[tuple, Any] = field(default_factory=dict)
     log: list[int] = field(default_factory=list)
     reusable: bool = True
-    #: with a recorder (:class:`graphflop.passes.calls.DirectRecorder`): its handle, and the
-    #: positions of :attr:`nodes` read after the call (getitems of the call)
+    #: with a recorder (:class:`graphflop.passes.calls.DirectRecorder`): its handle
     direct: tuple | None = None
-    exposed: list[int] = field(default_factory=list)
 
 
 def _positions(r: Any, out: set[int]) -> None:
@@ -691,6 +689,8 @@ class BlockLinearize:
         self.expanded = 0
         #: records each expanded call as a call instead of copying its nodes (or None)
         self.recorder: Any = getattr(lin, "recorder", None)
+        self._out: dict[int, list[tuple]] = {}
+        self._exposed: dict[tuple, list[int]] = {}
 
     @classmethod
     def of(cls, forward: GraphModule, lin: Any) -> BlockLinearize | None:
@@ -797,10 +797,26 @@ class BlockLinearize:
             return
         if self.recorder is not None:
             t.direct = self.recorder.template(made, t.site, lin.forward, self._input_refs(args))
-            exposed: set[int] = set(t.log)
-            for r in (*t.env.values(), *t.tan.values()):
-                _positions(r, exposed)
-            t.exposed = sorted(exposed)
+
+    def _outward(self, t: TemplateJvp, site: int) -> tuple[list[tuple], list[int]]:
+        """The keys of call ``site``'s forward nodes read outside it (their primal copies and
+        tangents are what later nodes read of the call), and the positions of ``t``'s nodes
+        those values are (the call's getitems)."""
+        keys = self._out.get(site)
+        if keys is None:
+            inside = set(self.site_nodes[site])
+            keys = self._out[site] = [
+                k for k, n in self.by_key[site].items() if any(u not in inside for u in n.users)
+            ]
+        cache = (id(t), tuple(keys))
+        got = self._exposed.get(cache)
+        if got is None:
+            exposed: set[int] = set()
+            for k in keys:
+                _positions(t.env.get(k), exposed)
+                _positions(t.tan.get(k), exposed)
+            got = self._exposed[cache] = sorted(exposed)
+        return keys, got
 
     def _input_refs(self, args: list[Node]) -> dict[Any, tuple]:
         """Per JVP value of the call's inputs, ``("p", j)`` (input ``j``'s primal copy) or
@@ -856,9 +872,11 @@ class BlockLinearize:
         rel, absolute = self.rel[t.site], self.abs[site]
         made: Any = []
         fwd_env = lin.env
+        keys: Any = own
         if t.direct is not None:  # a call of the template derivative, its nodes not copied
             values = [lin.env[args[j]] if k == "p" else lin.tan[args[j]] for k, j in t.direct[1]]
-            made = self.recorder.call(g, t.direct, site, values, t.exposed)
+            keys, exposed = self._outward(t, site)
+            made = self.recorder.call(g, t.direct, site, values, exposed)
         for kind, x, *first in t.nodes if t.direct is None else ():
             if kind == "copy":
                 new = copy_node(g, own[x], fwd_env.__getitem__)
@@ -891,13 +909,14 @@ class BlockLinearize:
                 return lin.env[args[r[1]]] if r[0] == "p" else lin.tan[args[r[1]]]
             return tuple(value(x) for x in r)
 
-        for k, n in own.items():
+        for k in keys:  # with a recorder, only what is read after the call
+            n = own[k]
             e, tv = t.env.get(k), t.tan.get(k)
             if e is not None:
                 fwd_env[n] = value(e)
             if tv is not None:
                 lin.tan[n] = value(tv)
-        lin.b.log.extend(made[i] for i in t.log)
+        lin.b.log.extend(made[i] for i in t.log if t.direct is None or i in made)
         self.expanded += 1
 
     def _source(self, a: int, b: int, name: str) -> str:

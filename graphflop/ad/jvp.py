@@ -157,8 +157,8 @@ def build_jvp(
             ``forward``: the graph returned is then the top level of the JVP's hierarchy, each
             expanded call (and each variant's first call) one ``graphflop::repeat`` node, and
             ``gm.meta[DERIVED_HIERARCHY]`` holds the hierarchy (``calls.expand`` gives the flat
-            graph, node for node the one built without it); ``JVP_LOG`` holds a call's
-            tangents as its getitems.
+            graph, node for node the one built without it); ``JVP_LOG`` holds the top
+            level's logged tangents and those of a call read after it (its getitems).
 
     Returns:
         A GraphModule taking the forward's placeholders followed by one tangent per selected
@@ -187,12 +187,11 @@ def build_jvp(
     lin.graph.output(tuple(primal_outs + tangent_outs))
     log = list(lin.b.log)
     links = lin.b.ghost_links
-    if lin.recorder is not None:  # the calls' nodes logged or linked to ghosts: getitems
-        moved = lin.recorder.finish(
-            lin.graph, [e for e in log if isinstance(e, Node)] + list(links)
-        )
-        log = [moved.get(e, e) if isinstance(e, Node) else e for e in log]
+    if lin.recorder is not None:  # a call's nodes linked to ghosts: its getitems
+        moved = lin.recorder.finish(lin.graph, list(links))
         links = {moved.get(n, n): gs for n, gs in links.items()}
+        # the log's nodes left at the top level (a call's tangents are its template's)
+        log = [e for e in log if not isinstance(e, Node) or not getattr(e, "_erased", False)]
 
     gm = graph_module(forward, lin.graph)
     if lin.recorder is not None:
