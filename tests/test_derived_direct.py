@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import node_rows, spec
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from graphflop.analysis import analyze
 from graphflop.load import load, make_inputs
@@ -248,3 +249,27 @@ def test_models_vjp_recorded_directly(s):
 @pytest.mark.parametrize("s", SLOW)
 def test_large_models_vjp_recorded_directly(s):
     _check_vjp(_loaded(spec(s) if ".py" in s else s))
+
+
+class CheckpointedStack(nn.Module):
+    """Three identical residual blocks, each under ``torch.utils.checkpoint``."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(8, 16) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + checkpoint(b, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_checkpointed_blocks_fall_back_to_the_flat_backward():
+    """The backward reruns each checkpointed block, and dead-code elimination must keep the
+    recompute eager runs: the recorded backward is not shown equal there, so the flat one is
+    built (and its hierarchy read off it); the JVP is recorded as everywhere."""
+    fwd = _forward(CheckpointedStack(), torch.randn(4, 8))
+    assert fwd.meta.get(HIERARCHY) is not None
+    _check_jvp(fwd, "params")
+    assert _check_vjp(fwd) is None
