@@ -271,8 +271,9 @@ def build_vjp(
     named: list[tuple[Node, str]] = []  # with a recorder: parameter gradients of calls
     grads: list[tuple[int, str]] = []
     in_grads: list[tuple[int, str]] = []
+    placeholders = {n.name: n for n in lin.graph.find_nodes(op="placeholder")}
     for t_name, p_name in info.tangent_inputs:
-        t_node = next(n for n in lin.graph.nodes if n.name == t_name)
+        t_node = placeholders[t_name]
         g_val = ct.get(t_node)
         if g_val is None or is_ghost(g_val):
             with b.context(source=p_name, module="", role="grad_weight", ghost=False):

@@ -586,6 +586,7 @@ class DirectRecorder:
         self.firsts: list[_First] = []
         self.calls: list[DerivedCall] = []
         self.call_op = torch.ops.graphflop.repeat.default
+        self._in_firsts: list[set[Node]] = []  # per first call, its nodes (for inside)
 
     def template(
         self, run: list[Node], site: int, root: torch.nn.Module, refs: dict[Node, Any] | None
@@ -688,7 +689,9 @@ class DirectRecorder:
         :meth:`finish` has not yet made a call)."""
         if n.target is operator.getitem and getattr(n.args[0], "target", None) is self.call_op:
             return True
-        return any(n in f.run for f in self.firsts)
+        if len(self._in_firsts) != len(self.firsts):
+            self._in_firsts = [{x for x in f.run} for f in self.firsts]
+        return any(n in run for run in self._in_firsts)
 
     def name(self, named: list[tuple[Node, str]]) -> bool:
         """Give each node of ``named`` (the graph's output values: a getitem of a call, or a
