@@ -273,3 +273,16 @@ def test_checkpointed_blocks_fall_back_to_the_flat_backward():
     assert fwd.meta.get(HIERARCHY) is not None
     _check_jvp(fwd, "params")
     assert _check_vjp(fwd) is None
+
+
+def test_api_direct_option():
+    """``graphflop.api.build_jvp`` / ``build_vjp`` with ``direct=True``: the top levels of
+    the hierarchies, expanding to the graphs built without it."""
+    from graphflop import api
+
+    fwd = _forward(InStack(), torch.randn(5, 6))
+    for build in (api.build_jvp, api.build_vjp):
+        direct, flat = build(fwd, direct=True), build(fwd)
+        dh = direct.meta[DERIVED_HIERARCHY]
+        assert dh.graph is direct and len(direct.graph.nodes) < len(flat.graph.nodes)
+        assert _stored_nodes(calls.expand(dh)) == _stored_nodes(flat)
