@@ -286,3 +286,11 @@ def test_api_direct_option():
         dh = direct.meta[DERIVED_HIERARCHY]
         assert dh.graph is direct and len(direct.graph.nodes) < len(flat.graph.nodes)
         assert _stored_nodes(calls.expand(dh)) == _stored_nodes(flat)
+
+
+def test_recorded_jvp_is_not_transposed():
+    from graphflop import api
+
+    fwd = _forward(InStack(), torch.randn(5, 6))
+    with pytest.raises(ValueError, match="built with direct=True"):
+        api.build_vjp(fwd, linearized=api.build_jvp(fwd, direct=True))

@@ -216,12 +216,19 @@ def build_vjp(
         MissingRuleError: for a tangent op with no transpose rule, inside
             :func:`graphflop.ops.strict_rules` (otherwise the cotangent stops there and the node
             is listed in ``gm.meta[GAPS]``, with the linearization's own gaps).
-        ValueError: when the forward graph has no loss.
+        ValueError: when the forward graph has no loss, or ``linearized`` is a recorded JVP
+            hierarchy's top level (``direct=True``).
     """
     sig: Signature = forward.meta[SIGNATURE]
     if sig.loss is None:
         raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
     lin = linearized
+    dh = lin.meta.get(DERIVED_HIERARCHY) if lin is not None else None
+    if dh is not None and dh.graph is lin:
+        raise ValueError(
+            "linearized is the top level of a recorded JVP hierarchy (built with direct=True); "
+            "the transpose reads the flat JVP graph: pass one built without direct"
+        )
     if lin is None or any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ())):
         # a custom Function without jvp cuts the JVP graph: transpose a linearization that
         # goes through it instead (its own backward is the transpose)
