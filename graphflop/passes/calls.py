@@ -222,7 +222,8 @@ class _Describer:
             r_param = None
             if PARAM in m:
                 owner, _, leaf = m[PARAM].rpartition(".")
-                r_param = (rel[owner], leaf) if owner in rel else ("abs", m[PARAM])
+                r_owner = _relative_owner(owner, rel)
+                r_param = (r_owner, leaf) if r_owner is not None else ("abs", m[PARAM])
             cs = m.get(CALL_SITE)
             r_cs = ("own",) + tuple(cs[1:]) if cs is not None and cs[0] == s else cs
             others = tuple([(key, v) for key, v in m.items() if key in _COMPARED])
@@ -246,6 +247,20 @@ class _Describer:
             raise _Unshared from None
         order = sorted(slots, key=slots.__getitem__)
         return sig, list(ext), order
+
+
+def _relative_owner(owner: str, rel: dict[str, str]) -> str | None:
+    """The path relative to a call's block (``@...``) of module ``owner``, the owner of a
+    parameter (``rel``: the call's module paths, absolute -> relative): a module the call ran,
+    or one under the block it did not run (its parameters read directly, as
+    ``nn.MultiheadAttention`` reads ``out_proj``'s); None outside the block."""
+    r = rel.get(owner)
+    if r is not None:
+        return r
+    for a, r in rel.items():
+        if r == "@" and a and owner.startswith(a + "."):
+            return "@" + owner[len(a) :]
+    return None
 
 
 def _placeholder_name(v: Node) -> str:
@@ -278,8 +293,9 @@ def _template(
             m[SOURCE] = f"@{slots.setdefault(k[1], len(slots))}"
         if PARAM in m:
             owner, _, leaf = m[PARAM].rpartition(".")
-            if owner in rel:
-                m[PARAM] = f"{rel[owner]}.{leaf}"
+            r_owner = _relative_owner(owner, rel)
+            if r_owner is not None:
+                m[PARAM] = f"{r_owner}.{leaf}"
         cs = m.get(CALL_SITE)
         if cs is not None and cs[0] == s:
             m[CALL_SITE] = (-1, *cs[1:])
@@ -405,7 +421,8 @@ def _localize(m: dict, c: DerivedCall, absolute: dict[str, str]) -> None:
     p = m.get(PARAM)
     if p is not None and p.startswith("@"):
         owner, _, leaf = p.rpartition(".")
-        m[PARAM] = f"{absolute[owner]}.{leaf}"
+        a = absolute.get(owner)
+        m[PARAM] = f"{a if a is not None else absolute['@'] + owner[1:]}.{leaf}"
     cs = m.get(CALL_SITE)
     if cs is not None and cs[0] == -1:
         m[CALL_SITE] = (c.site, *cs[1:])
@@ -708,11 +725,11 @@ class DirectRecorder:
             number = args[0].args[1]
             c = self.calls[number]
             owner, _, leaf = param.rpartition(".")
-            rel = {a: r for r, a in c.modules}
+            r_owner = _relative_owner(owner, {a: r for r, a in c.modules})
             per = want.setdefault((c.template, args[1]), {})
-            if owner not in rel or number in per:
+            if r_owner is None or number in per:
                 return False
-            per[number] = f"{rel[owner]}.{leaf}"
+            per[number] = f"{r_owner}.{leaf}"
             item.meta.setdefault(PARAM, param)
         uses = [0] * len(self.templates)
         for c in self.calls:
