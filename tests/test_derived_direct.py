@@ -174,11 +174,11 @@ def test_large_models_jvp_recorded_directly(s):
     _check_jvp(fwd, "params")
 
 
-def _check_vjp(fwd):
+def _check_vjp(fwd, input_grads=False):
     """The backward recorded directly against the one built flat (and its hierarchy read off);
     None where the direct build fell back to the flat graph."""
-    flat = run_passes(fwd, [BuildVjp()])
-    direct = run_passes(fwd, [BuildVjp(direct=True)])
+    flat = run_passes(fwd, [BuildVjp(input_grads=input_grads)])
+    direct = run_passes(fwd, [BuildVjp(input_grads=input_grads, direct=True)])
     dh = direct.meta.get(DERIVED_HIERARCHY)
     if fwd.meta.get(HIERARCHY) is None:
         assert dh is None
@@ -211,7 +211,9 @@ class InStack(Stack):
 
 
 def test_stack_vjp_recorded_directly():
-    dh, flat = _check_vjp(_forward(InStack(), torch.randn(5, 6)))
+    fwd = _forward(InStack(), torch.randn(5, 6))
+    assert _check_vjp(fwd, input_grads=True) is not None  # the input's cotangent returned too
+    dh, flat = _check_vjp(fwd)
     # the transpose walks the blocks backwards; all four are calls of one template
     assert [c.site for c in dh.calls] == [3, 2, 1, 0]
     assert dh.uses() == [4]
@@ -233,6 +235,7 @@ def test_stack_vjp_falls_back_across_a_fold():
 
 def test_gpt2_few_layers_vjp_recorded_directly():
     fwd = _loaded(spec("gpt2.py"), n_layer=3, n_embd=32, n_head=2, vocab_size=50)
+    assert _check_vjp(fwd, input_grads=True) is not None  # recorded with input_grads too
     got = _check_vjp(fwd)
     assert got is not None  # recorded, not fallen back to the flat graph
     dh, flat = got
