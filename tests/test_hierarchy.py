@@ -34,10 +34,16 @@ from graphflop.meta import (
 )
 from graphflop.ops import has_rule, op_name
 from graphflop.ops.cost import op_cost
-from graphflop.passes import calls
+from graphflop.passes import calls, memory_calls
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
+from graphflop.passes.eager_memory import (
+    eager_residuals,
+    eager_saved_storages,
+    eager_train_schedule,
+)
 from graphflop.passes.flops import AnnotateFlops
 from graphflop.passes.infra import run_passes
+from graphflop.passes.memory import Step, forward_schedule
 from graphflop.passes.summary import Graphs, summarize
 
 
@@ -161,12 +167,42 @@ def _check_derived_hierarchies(a):
         assert f.rule_less == rule_less
 
 
+def _check_memory(a):
+    """The eager memory model's figures composed per call of each block (each template's steps
+    worked out once) equal the flat schedules' to the byte, on cpu and cuda, with and without
+    kept gradients: the train peak and the step where it first occurs, the storages saved for
+    backward (owner and bytes), the forward peak."""
+    fwd, bwd = a.forward, a.backward
+    composed = memory_calls.composed_forward_schedule(fwd)
+    if HIERARCHY in fwd.meta and fwd.meta[HIERARCHY].graph is not None:
+        assert composed is not None
+        calls = [x for x in composed.items if not isinstance(x, Step)]
+        assert len(calls) == len(fwd.meta[HIERARCHY].sites)
+        assert len(composed._profiles) <= len(calls)
+        assert composed.peak() == forward_schedule(fwd).peak()
+    if bwd is None:
+        return
+    for device in ("cpu", "cuda"):
+        er = eager_residuals(fwd, bwd, device)
+        for keep_grads in (False, True):
+            flat = eager_train_schedule(fwd, bwd, "adam", device, keep_grads)
+            sched = eager_train_schedule(fwd, bwd, "adam", device, keep_grads, composed=True)
+            assert sched.peak() == flat.peak(), (device, keep_grads)
+            if isinstance(sched, memory_calls.ComposedSchedule):
+                saved = eager_saved_storages(fwd, bwd, device, eager=er, schedule=sched)
+                assert saved == eager_saved_storages(fwd, bwd, device)
+            elif DERIVED_HIERARCHY in bwd.meta or HIERARCHY in fwd.meta:
+                assert fwd.meta[HIERARCHY].graph is None and DERIVED_HIERARCHY not in bwd.meta
+
+
 def _check(a):
     """The hierarchical report equals the flat one; every copied node's cost (taken from its
     template) equals the cost of the node on its own; the derivative graphs built per template
-    equal those built call by call, and their stored hierarchies rebuild and sum to them."""
+    equal those built call by call, and their stored hierarchies rebuild and sum to them; the
+    memory figures composed per call equal the flat schedules'."""
     _check_derivatives(a)
     _check_derived_hierarchies(a)
+    _check_memory(a)
     flat = _flat_report(a).to_dict()
     hier = a.report.to_dict()
     assert hier == flat
