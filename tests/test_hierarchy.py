@@ -37,6 +37,7 @@ from graphflop.ops.cost import op_cost
 from graphflop.passes import calls, memory_calls
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
 from graphflop.passes.eager_memory import (
+    eager_jvp_schedule,
     eager_residuals,
     eager_saved_storages,
     eager_train_schedule,
@@ -171,8 +172,14 @@ def _check_memory(a):
     """The eager memory model's figures composed per call of each block (each template's steps
     worked out once) equal the flat schedules' to the byte, on cpu and cuda, with and without
     kept gradients: the train peak and the step where it first occurs, the storages saved for
-    backward (owner and bytes), the forward peak."""
+    backward (owner and bytes), the forward peak, the eager JVP peak."""
     fwd, bwd = a.forward, a.backward
+    if a.jvp is not None:
+        for device in ("cpu", "cuda"):
+            jsched = eager_jvp_schedule(a.jvp, device, composed=True)
+            if DERIVED_HIERARCHY in a.jvp.meta:
+                assert isinstance(jsched, memory_calls.ComposedSchedule) and jsched.ties
+            assert jsched.peak() == eager_jvp_schedule(a.jvp, device).peak(), device
     composed = memory_calls.composed_forward_schedule(fwd)
     if HIERARCHY in fwd.meta and fwd.meta[HIERARCHY].graph is not None:
         assert composed is not None

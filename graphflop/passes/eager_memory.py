@@ -360,13 +360,18 @@ def kernel_temporaries(
     return fwd, bwd
 
 
-def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
+def eager_jvp_schedule(
+    jvp: GraphModule, device: str = "cpu", composed: bool = False
+) -> Schedule | ComposedSchedule:
     """``torch.func.jvp`` run eagerly: graphflop's JVP graph in its order (each op's primal and
     tangent computed together, as forward-mode AD does, each freed when nothing reads it), the
     outputs of multi-output ops as separate storages, with the kernels' temporaries
     (:func:`kernel_temporaries`). A value and its tangent are one dual tensor in eager
     forward-mode AD: both are freed when the later of them is last read
-    (:func:`dual_pairs`). Parameters and tangents are the baseline."""
+    (:func:`dual_pairs`). Parameters and tangents are the baseline. ``composed``: where the
+    JVP graph keeps its blocks as calls (:func:`~graphflop.passes.memory_calls.backward_runs`),
+    a :class:`~graphflop.passes.memory_calls.ComposedSchedule` (the same peak, each block's
+    steps worked out once per template)."""
     sig = jvp.meta[SIGNATURE]
     info = jvp.meta[JVP]
     base = sig.state() | {t for t, _ in info.tangent_inputs}
@@ -381,10 +386,15 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     reads |= a_reads
     for name, held in formula_reads(jvp, sizes).items():
         reads[name] = reads.get(name, []) + held
-    s = Schedule()
+    runs = backward_runs(jvp) if composed else None
+    s: Schedule | ComposedSchedule = Schedule()
+    kw: dict[str, Any] = {}
+    if runs is not None:
+        s, kw = ComposedSchedule(), {"runs": runs}
     s.add_graph(
         jvp,
         "j",
+        **kw,
         baseline=base,
         keep_outputs=True,
         eager=True,

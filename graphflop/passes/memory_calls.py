@@ -25,8 +25,9 @@ template's first call in everything the schedule reads that is not fixed by the 
 pattern of its arguments from outside (which argument each read is, how many keys each stands
 for), and the per-node overrides of the memory model (eager sizes, kernel temporaries, the
 values a kernel keeps live, scatters in place, which nodes are the graph's outputs); a call
-that differs gets a profile of its own. What the composition cannot take (``ties``: storages
-freed together, as the eager JVP's dual tensors) makes the caller use the flat schedule.
+that differs gets a profile of its own. Storages freed together (``ties``: the eager JVP's
+primal and tangent, one dual tensor) are taken too: a call's value in a tie becomes a storage
+of its own, held to the tie's last reader.
 
 The calls' nodes are still read for their arguments and those overrides (dictionary look-ups,
 not steps); what is done once per template is the steps and the peak inside the call.
@@ -34,6 +35,7 @@ not steps); what is done once per template is the steps and the peak inside the 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -251,8 +253,6 @@ class ComposedSchedule:
     # -- the composition ---------------------------------------------------------------------
     def _lifetimes(self) -> _Lives:
         """The storages and their lifetimes over the flat order of steps (:class:`_Lives`)."""
-        if self.ties:
-            raise ValueError("a composed schedule cannot free storages together (ties)")
         lives = _Lives(self.items, self._where)
         i = 0
         for number, item in enumerate(self.items):
@@ -267,6 +267,11 @@ class ComposedSchedule:
             rs = lives.resolve(k)
             if rs is not None:
                 lives.last[rs] = i
+        for group in self.ties:  # a call's tied values become storages of their own (resolve)
+            sts = {rs for rs in map(lives.resolve, group) if rs is not None}
+            t = max((lives.last[st] for st in sts), default=0)
+            for st in sts:
+                lives.last[st] = t
         return lives
 
     def peak(self) -> tuple[int, str]:
@@ -278,11 +283,12 @@ class ComposedSchedule:
         frees: dict[int, list[str]] = {}
         for st, i in last.items():
             frees.setdefault(i, []).append(st)
-        # a call's storages read after it: by call item
-        kept: dict[int, list[str]] = {}
+        at_index = sorted(frees)
+        # a call's storages that something outside it reads (or a tie holds): by call item
+        mine: dict[int, list[str]] = {}
         for st in size:
             if st[0] == "#":
-                kept.setdefault(int(st[1:].split(":", 1)[0]), []).append(st)
+                mine.setdefault(int(st[1:].split(":", 1)[0]), []).append(st)
         live = 0
         best, at = 0, ""
         for number, item in enumerate(self.items):
@@ -298,17 +304,19 @@ class ComposedSchedule:
             n = len(item.profile.steps)
             if not n:
                 continue
-            inner = lives.inners[number]
-            dying: dict[str, int] = {}
-            for r in inner.last:
-                if r[0] == "<":
-                    st = storage[item.outer[int(r[1:])]]
-                    if i <= last[st] < i + n and st not in dying:
-                        dying[st] = last[st] - i
-            escaping = kept.get(number, [])
-            roots = frozenset(st.split(":", 1)[1] for st in escaping)
+            own = mine.get(number, [])
+            dying: dict[str, int] = {}  # storages from outside whose last step is in the call
+            for x in at_index[bisect_left(at_index, i) : bisect_left(at_index, i + n)]:
+                for st in frees[x]:
+                    if not st.startswith(f"#{number}:"):
+                        dying[st] = x - i
+            escaping = [st for st in own if last[st] >= i + n]
+            kept = frozenset(st.split(":", 1)[1] for st in escaping)
+            moved = tuple(
+                sorted((st.split(":", 1)[1], last[st] - i) for st in own if last[st] < i + n)
+            )
             freed = tuple(sorted((j, size[st]) for st, j in dying.items()))
-            m, j = _inside_peak(item.profile, inner, roots, freed)
+            m, j = _inside_peak(item.profile, lives.inners[number], kept, moved, freed)
             if live + m > best:
                 best, at = (
                     live + m,
@@ -470,18 +478,24 @@ def _analysis(p: _Profile, resolved: tuple[bool, ...]) -> _Inside:
 
 
 def _inside_peak(
-    p: _Profile, inner: _Inside, kept: frozenset[str], freed: tuple[tuple[int, int], ...]
+    p: _Profile,
+    inner: _Inside,
+    kept: frozenset[str],
+    moved: tuple[tuple[str, int], ...],
+    freed: tuple[tuple[int, int], ...],
 ) -> tuple[int, int]:
     """(the largest bytes live at a step of the call over those live at its entry, the first
     step index where it occurs): the call's own storages from their step through their last
-    reader (those in ``kept`` to its end), less the outside storages ``freed`` ((step index,
-    bytes): freed after that step)."""
-    key = (kept, freed)
+    reader (those in ``kept`` to its end; those in ``moved``, ``(storage, step index)``, to
+    that step: a tie holds them past their last reader), less the outside storages ``freed``
+    ((step index, bytes): freed after that step)."""
+    key = (kept, moved, freed)
     got = inner.peaks.get(key)
     if got is not None:
         return got
+    lasts = inner.last | dict(moved)
     frees: dict[int, int] = {}
-    for r, j in inner.last.items():
+    for r, j in lasts.items():
         if r[0] != "<" and r not in kept:
             frees[j] = frees.get(j, 0) + inner.size[r]
     for j, nbytes in freed:

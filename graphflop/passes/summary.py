@@ -373,9 +373,8 @@ def _memory(
     (:mod:`graphflop.passes.eager_memory`). ``composed``: the forward peak, and under the
     eager model the train peak and the saved storages, from schedules that work out each
     repeated block's steps once per template and compose its calls
-    (:mod:`graphflop.passes.memory_calls`; the same bytes as the flat schedules). The JVP
-    peak is always the flat schedule's (its dual tensors are freed together, which the
-    composition does not take)."""
+    (:mod:`graphflop.passes.memory_calls`; the same bytes as the flat schedules), and the
+    eager JVP peak too."""
     fsched = composed_forward_schedule(g.forward) if composed else None
     fpeak, _ = (fsched or forward_schedule(g.forward)).peak()
     resident = params_bytes + buffers_bytes  # the module's state: held for its whole life
@@ -405,7 +404,9 @@ def _memory(
             train_peak_bytes=train_peak,
         )
     if g.jvp is not None:
-        jsched = eager_jvp_schedule(g.jvp, device) if model == "eager" else jvp_schedule(g.jvp)
+        jsched = (
+            eager_jvp_schedule(g.jvp, device, composed) if model == "eager" else jvp_schedule(g.jvp)
+        )
         jpeak, _ = jsched.peak()
         n_tan = sum(
             tensor_bytes(n.meta["val"])
@@ -620,8 +621,8 @@ def summarize(
             composed over its calls (:mod:`graphflop.passes.hierarchy`), and the backward's
             and the JVP's from their template derivatives where they keep their blocks as
             calls (:data:`~graphflop.meta.DERIVED_HIERARCHY`, :mod:`graphflop.passes.calls`);
-            the forward peak, and under the eager memory model the train peak and the saved
-            storages, from each block's steps worked out once per template and composed over
+            the forward peak, and under the eager memory model the train and JVP peaks and
+            the saved storages, from each block's steps worked out once per template and composed over
             its calls (:mod:`graphflop.passes.memory_calls`). False sums the flat graphs'
             nodes one by one and schedules them node by node. Both give the same report.
 
