@@ -36,8 +36,9 @@ not steps); what is done once per template is the steps and the peak inside the 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch.fx import GraphModule, Node
 
@@ -143,9 +144,12 @@ class ComposedSchedule:
         self.items: list[Step | _Call] = []
         self.keep: set[str] = set()
         self.ties: list[list[str]] = []
-        #: outer key of a run's node -> (its call's item index, its key in the profile)
-        self._where: dict[str, tuple[int, str]] = {}
+        #: per graph prefix: its run nodes' (run, position), its nodes by name, per run the
+        #: item number of its call
+        self._graphs: dict[str, tuple[dict[Node, tuple[int, int]], dict[str, Node], list]] = {}
         self._profiles: dict[tuple, _Profile] = {}
+        #: per template key, the positions of its nodes that read a value from outside the run
+        self._boundary: dict[Hashable, list[int]] = {}
 
     def add_graph(
         self,
@@ -167,14 +171,22 @@ class ComposedSchedule:
         of ``runs`` (consecutive nodes of ``gm``, in graph order) one call item."""
         external = external or {}
         nodes = _NodeSteps(gm, eager, sizes, extra, also_reads, inplace, free_outputs)
-        first = {r[0]: (key, r) for key, r in runs if r}
-        inside = {n for _, r in runs for n in r}
-        keys: dict[Node, list[str]] = {}
+        runs = [(key, r) for key, r in runs if r]
+        index = {n: (ci, i) for ci, (_, r) in enumerate(runs) for i, n in enumerate(r)}
+        numbers: list[int] = []  # per run, its call's item number
+        if prefix in self._graphs:
+            raise ValueError(f"a graph with prefix {prefix!r} was added already")
+        self._graphs[prefix] = (index, nodes.by_name, numbers)
+        overrides = _overrides(nodes, index, len(runs))
+        keys = _Keys(prefix, index, numbers, self.items)
         for n in gm.graph.nodes:
-            if n in inside:
-                hit = first.get(n)
-                if hit is not None:
-                    self._add_call(hit[0], hit[1], prefix, nodes, keys)
+            hit = index.get(n)
+            if hit is not None:
+                if hit[1] == 0:
+                    ci = hit[0]
+                    numbers.append(len(self.items))
+                    key, run = runs[ci]
+                    self._add_call(key, ci, run, prefix, nodes, keys, index, overrides[ci])
                 continue
             if n.op == "output":
                 reads = nodes.reads_of(n, keys)
@@ -197,54 +209,73 @@ class ComposedSchedule:
     def _add_call(
         self,
         key: Hashable,
+        ci: int,
         run: list[Node],
         prefix: str,
         nodes: _NodeSteps,
         keys: dict[Node, list[str]],
+        index: dict[Node, tuple[int, int]],
+        overrides: list[tuple],
     ) -> None:
-        pos = {n: i for i, n in enumerate(run)}
+        """Add run ``ci`` as one call item. Only the run's nodes that read a value from
+        outside it (found at the template's first call: the calls of one template are copies
+        of the same nodes) and those with overrides are visited."""
+        bound = self._boundary.get(key)
+        if bound is None:
+            bound = self._boundary[key] = [
+                i
+                for i, n in enumerate(run)
+                if any(index.get(a, (-1,))[0] != ci for a in n._input_nodes)
+            ]
+        held_at = {i: names for tag, i, names in overrides if tag == "r"}
+        visit = sorted(set(bound) | held_at.keys()) if held_at else bound
         ext: dict[Node, int] = {}
         refs: list[int] = []
-        by_name = nodes.by_name
-        also = nodes.also_reads
         held: list[tuple[int, tuple]] = []
-        for i, n in enumerate(run):
-            for a in n._input_nodes:  # all_input_nodes without the copy into a list
-                if a not in pos:
+        by_name = nodes.by_name
+        for i in visit:
+            for a in run[i]._input_nodes:  # all_input_nodes without the copy into a list
+                hit = index.get(a)
+                if hit is None or hit[0] != ci:
                     refs.append(ext.setdefault(a, len(ext)))
-            names = also.get(n.name)
+            names = held_at.get(i)
             if names:
                 row = []
                 for m in names:
                     a = by_name[m]
-                    row.append(pos[a] if a in pos else -1 - ext.setdefault(a, len(ext)))
+                    hit = index.get(a)
+                    inside = hit is not None and hit[0] == ci
+                    row.append(hit[1] if inside else -1 - ext.setdefault(a, len(ext)))  # type: ignore[index]
                 held.append((i, tuple(row)))
         lists = [keys.get(a, []) for a in ext]
-        names = [n.name for n in run]
-        sizes, extra, inplace, outputs = nodes.sizes, nodes.extra, nodes.inplace, nodes.outputs
         sig = (
             key,
             len(run),
             tuple(refs),
             tuple(len(x) for x in lists),
             tuple(held),
-            tuple((i, sizes[m]) for i, m in enumerate(names) if m in sizes),
-            tuple((i, extra[m]) for i, m in enumerate(names) if m in extra),
-            tuple(i for i, m in enumerate(names) if m in inplace),
-            tuple(i for i, n in enumerate(run) if n in outputs) if nodes.free_outputs else (),
+            tuple(sorted(o for o in overrides if o[0] != "r")),
         )
         profile = self._profiles.get(sig)
         if profile is None:
             profile = self._profiles[sig] = _profile(run, ext, lists, nodes)
-        number = len(self.items)
-        for i, n in enumerate(run):
-            if profile.keyed[i]:
-                outer_key = f"{prefix}:{n.name}"
-                keys[n] = [outer_key]
-                self._where[outer_key] = (number, f"@{i}")
-            else:
-                keys[n] = []
         self.items.append(_Call(profile, prefix, run, [k for x in lists for k in x]))
+
+    def _locate(self, k: str) -> tuple[int, str] | None:
+        """(call item number, key in its profile) of the outer key ``k`` of a run's node, or
+        None (a key of the top level, or of a node without a step)."""
+        prefix, _, name = k.partition(":")
+        g = self._graphs.get(prefix)
+        if g is None:
+            return None
+        index, by_name, numbers = g
+        hit = index.get(by_name.get(name))  # type: ignore[arg-type]
+        if hit is None or hit[0] >= len(numbers):
+            return None
+        number = numbers[hit[0]]
+        c = self.items[number]
+        assert isinstance(c, _Call)
+        return (number, f"@{hit[1]}") if c.profile.keyed[hit[1]] else None
 
     def add_transient(self, key: str, nbytes: int) -> None:
         """A storage of ``nbytes`` allocated and freed at one step (a kernel's temporaries)."""
@@ -253,7 +284,7 @@ class ComposedSchedule:
     # -- the composition ---------------------------------------------------------------------
     def _lifetimes(self) -> _Lives:
         """The storages and their lifetimes over the flat order of steps (:class:`_Lives`)."""
-        lives = _Lives(self.items, self._where)
+        lives = _Lives(self.items, self._locate)
         i = 0
         for number, item in enumerate(self.items):
             lives.offsets.append(i)
@@ -340,9 +371,10 @@ class ComposedSchedule:
     def _owner(self, key: str, lives: _Lives) -> tuple[str, int] | None:
         st = lives.storage.get(key)
         if st is None:
-            if key not in self._where:
+            loc = self._locate(key)
+            if loc is None:
                 return None
-            number, rel = self._where[key]
+            number, rel = loc
             c = self.items[number]
             assert isinstance(c, _Call)
             inner = lives.inners[number]
@@ -372,9 +404,11 @@ class _Lives:
         inners: per call item, its profile's storages as the call resolved them.
     """
 
-    def __init__(self, items: list[Step | _Call], where: dict[str, tuple[int, str]]) -> None:
+    def __init__(
+        self, items: list[Step | _Call], locate: Callable[[str], tuple[int, str] | None]
+    ) -> None:
         self.items = items
-        self.where = where
+        self.locate = locate
         self.storage: dict[str, str] = {}
         self.size: dict[str, int] = {}
         self.last: dict[str, int] = {}
@@ -384,9 +418,12 @@ class _Lives:
     def resolve(self, k: str) -> str | None:
         """The storage outer key ``k`` lives in, or None where no step has that key."""
         st = self.storage.get(k)
-        if st is not None or k not in self.where:
+        if st is not None:
             return st
-        number, rel = self.where[k]
+        loc = self.locate(k)
+        if loc is None:
+            return None
+        number, rel = loc
         c = self.items[number]
         assert isinstance(c, _Call)
         inner = self.inners[number]
@@ -423,6 +460,62 @@ class _Lives:
             if r[0] == "<":
                 rs = self.storage[item.outer[int(r[1:])]]
                 last[rs] = max(last.get(rs, i + j), i + j)
+
+
+class _Keys(dict):
+    """Node -> the keys its value is read as (:meth:`Schedule.add_graph`'s ``keys``), a run's
+    node's looked up when read (``PREFIX:NODE``, or none for a node without a step)."""
+
+    def __init__(
+        self,
+        prefix: str,
+        index: dict[Node, tuple[int, int]],
+        numbers: list[int],
+        items: list[Step | _Call],
+    ) -> None:
+        super().__init__()
+        self.prefix, self.index, self.numbers, self.steps = prefix, index, numbers, items
+
+    def __missing__(self, n: Node) -> list[str]:
+        ci, i = self.index[n]
+        c = self.steps[self.numbers[ci]]
+        assert isinstance(c, _Call)
+        v = self[n] = [f"{self.prefix}:{n.name}"] if c.profile.keyed[i] else []
+        return v
+
+    def get(self, n: Node, default: Any = None) -> Any:
+        try:
+            return self[n]
+        except KeyError:
+            return default
+
+
+def _overrides(
+    nodes: _NodeSteps, index: dict[Node, tuple[int, int]], count: int
+) -> list[list[tuple]]:
+    """Per run, the memory model's per-node overrides on its nodes, ``(kind, position,
+    value)``: ``s`` size, ``x`` kernel temporaries, ``p`` written in place, ``o`` a graph
+    output (freed into a baseline buffer), ``r`` the names a kernel keeps live."""
+    per: list[list[tuple]] = [[] for _ in range(count)]
+    by_name = nodes.by_name
+    tables: list[tuple[str, Any]] = [
+        ("s", nodes.sizes.items()),
+        ("x", nodes.extra.items()),
+        ("p", ((m, None) for m in nodes.inplace)),
+        ("r", ((m, tuple(v)) for m, v in nodes.also_reads.items())),
+    ]
+    for tag, entries in tables:
+        for m, v in entries:
+            n = by_name.get(m)
+            hit = index.get(n) if n is not None else None
+            if hit is not None:
+                per[hit[0]].append((tag, hit[1], v))
+    if nodes.free_outputs:
+        for n in nodes.outputs:
+            hit = index.get(n)
+            if hit is not None:
+                per[hit[0]].append(("o", hit[1], None))
+    return per
 
 
 def _profile(
