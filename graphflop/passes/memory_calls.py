@@ -414,14 +414,16 @@ class _Lives:
         self.last: dict[str, int] = {}
         self.offsets: list[int] = []
         self.inners: dict[int, _Inside] = {}
+        self.nothing: set[str] = set()  # keys no step has
 
     def resolve(self, k: str) -> str | None:
         """The storage outer key ``k`` lives in, or None where no step has that key."""
         st = self.storage.get(k)
-        if st is not None:
+        if st is not None or k in self.nothing:
             return st
         loc = self.locate(k)
         if loc is None:
+            self.nothing.add(k)
             return None
         number, rel = loc
         c = self.items[number]
