@@ -59,6 +59,7 @@ def forward_runs(forward: GraphModule) -> list[Run] | None:
         return None
     runs: list[Run] = []
     at = None
+    seen: set[int] = set()
     for n in forward.graph.nodes:
         t = n.meta.get(CALL_SITE)
         s = t[0] if t is not None else None
@@ -66,6 +67,9 @@ def forward_runs(forward: GraphModule) -> list[Run] | None:
             at = None
             continue
         if s != at:
+            if s in seen:  # a call's nodes in two runs: not a copy of its template's
+                return None
+            seen.add(s)
             runs.append((("forward", h.sites[s].variant), []))
             at = s
         runs[-1][1].append(n)
@@ -220,9 +224,9 @@ class ComposedSchedule:
         """Add run ``ci`` as one call item. Only the run's nodes that read a value from
         outside it (found at the template's first call: the calls of one template are copies
         of the same nodes) and those with overrides are visited."""
-        bound = self._boundary.get(key)
+        bound = self._boundary.get((key, len(run)))
         if bound is None:
-            bound = self._boundary[key] = [
+            bound = self._boundary[key, len(run)] = [
                 i
                 for i, n in enumerate(run)
                 if any(index.get(a, (-1,))[0] != ci for a in n._input_nodes)
