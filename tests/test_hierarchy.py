@@ -34,7 +34,7 @@ from graphflop.meta import (
 )
 from graphflop.ops import has_rule, op_name
 from graphflop.ops.cost import op_cost
-from graphflop.passes import calls, memory_calls
+from graphflop.passes import calls, memory, memory_calls
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
 from graphflop.passes.eager_memory import (
     eager_jvp_schedule,
@@ -185,7 +185,6 @@ def _check_memory(a):
         assert composed is not None
         calls = [x for x in composed.items if not isinstance(x, Step)]
         assert len(calls) == len(fwd.meta[HIERARCHY].sites)
-        assert len(composed._profiles) <= len(calls)
         assert composed.peak() == forward_schedule(fwd).peak()
     if bwd is None:
         return
@@ -276,6 +275,16 @@ def test_stack_of_blocks_composes_hand_counted_figures():
     assert addmm.count == 2 * n + 1
     # the template's nodes carry their module relative to the called block
     assert {t.meta[MODULE] for t in h.templates[0].nodes if MODULE in t.meta} >= {"@.fc1", "@"}
+    # the memory schedules compose the calls with one profile per template and call pattern:
+    # the forward's four calls copy one block and read one value each (1 profile); the
+    # backward's and the JVP's call two template derivatives (below): 2 profiles each
+    fsched = memory_calls.composed_forward_schedule(a.forward)
+    tsched = eager_train_schedule(a.forward, a.backward, "sgd", "cpu", composed=True)
+    jsched = eager_jvp_schedule(a.jvp, "cpu", composed=True)
+    for sched, calls_, profiles in ((fsched, 4, 1), (tsched, 8, 3), (jsched, 4, 2)):
+        assert isinstance(sched, memory_calls.ComposedSchedule)
+        assert sum(not isinstance(x, Step) for x in sched.items) == calls_
+        assert len(sched._profiles) == profiles
     # the derivative graphs call two template derivatives: block 0 reads the model's input
     # (no tangent, no input cotangent), blocks 1-3 the block before them
     for gm in (a.jvp, a.backward):
@@ -291,6 +300,27 @@ def test_stack_of_blocks_composes_hand_counted_figures():
     names = [p.name for p in t.graph.nodes if p.op == "placeholder"]
     assert any(x.startswith("residual_") for x in names)
     assert any(x.startswith("cotangent_") for x in names)
+
+
+def test_analyze_composes_the_memory_figures(monkeypatch):
+    """``analyze`` takes the train, JVP and forward peaks from the composed schedules where
+    the graphs keep their blocks as calls (the flat ones are not run)."""
+    composed, flat = [], []
+    real_c, real_f = memory_calls.ComposedSchedule.peak, memory.Schedule.peak
+
+    def c_peak(self):
+        composed.append(self)
+        return real_c(self)
+
+    def f_peak(self):
+        flat.append(self)
+        return real_f(self)
+
+    monkeypatch.setattr(memory_calls.ComposedSchedule, "peak", c_peak)
+    monkeypatch.setattr(memory.Schedule, "peak", f_peak)
+    analyze(Stack(), torch.randn(5, 6))
+    assert len(composed) == 3  # forward, train step, JVP
+    assert len(flat) == 2  # the forward-gradient step and the activity-perturbed step
 
 
 def test_flat_trace_gives_the_same_report():
