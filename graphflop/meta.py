@@ -515,7 +515,8 @@ class NodeTime:
         seconds: predicted time, ``max(compute_s, memory_s) + overhead_s`` (its share).
         compute_s: FLOPs / achieved FLOP/s of its op class and dtype (its share).
         memory_s: bytes read and written / achieved bandwidth (its share).
-        overhead_s: per-kernel launch or dispatch cost (its share).
+        overhead_s: per-kernel launch or dispatch cost, plus on a calibrated CPU the page
+            faults of an output above glibc's largest mmap threshold (its share).
         bound: the largest of the three terms, one of :data:`BOUNDS`.
         kernel: the eager kernel the node is part of (its op name, or the composite op's).
         kernel_id: the name of that kernel's first node (which nodes share one kernel).

@@ -5,6 +5,7 @@ test checks only that the file it writes parses and is accepted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from graphflop.devices import NoPeak, UnknownDevice, device_spec
 from graphflop.meta import COMPOSITE, COST, SOURCE, TIME
 from graphflop.passes.time_profile import (
     CONTRACTED,
+    WIDE,
     ProfileError,
     RateCurve,
     TimeProfile,
@@ -240,6 +242,8 @@ def test_calibrate_quick_writes_a_profile_inspect_accepts(capsys, tmp_path):
     p = load_profile(prof)
     assert (p.source, p.kind, p.threads) == ("calibrated", "cpu", 1)
     assert {"matmul", "conv", "transcendental", "other"} <= set(p.compute)
+    # fresh pages cost more to write than reused ones (page faults on first touch: Linux)
+    assert p.fault_s_per_byte > 0
     js = tmp_path / "r.json"
     rc, out, err = cli(capsys, "inspect", spec("mlp.py"), "--device", prof, "--json", js)
     assert rc == 0, err
@@ -621,6 +625,64 @@ def test_a_weight_gradient_takes_the_contracted_curves():
     assert wgrad.meta[TIME].compute_s == pytest.approx(flops / 1e9)
 
 
+def test_an_output_above_the_mmap_threshold_pays_its_page_faults():
+    # x + y on a calibrated CPU with 1 ns per byte of fresh pages (1 ms per MB), bandwidth and
+    # overheads negligible: an output of 40 MiB (10 Mi float32 elements) is above glibc's
+    # largest mmap threshold (32 MiB), so 40 · 2**20 B × 1e-9 s/B = 41.9 ms of faults; one of
+    # 16 MiB comes from the heap, and is taken to be reused pages: no faults
+    p = _profile(fault_s_per_byte=1e-9)
+    assert p.fresh_above_bytes == 32 << 20
+    big = torch.empty(10 << 20, device="meta")
+    a = analyze(Add(), (big, big), backward=False, jvp=False, loss="sum", time_profile=p)
+    t = _node(a, torch.ops.aten.add.Tensor).meta[TIME]
+    assert t.overhead_s == pytest.approx((40 << 20) * 1e-9)
+    assert t.bound == "overhead"
+    small = torch.empty(4 << 20, device="meta")
+    b = analyze(Add(), (small, small), backward=False, jvp=False, loss="sum", time_profile=p)
+    assert _node(b, torch.ops.aten.add.Tensor).meta[TIME].overhead_s == 0.0
+    # profiles without the measurement (data sheets, older files) model no faults
+    assert TimeProfile.from_dict({**json.loads(save_profile(p)), "fault_s_per_byte": 0.0}) == (
+        dataclasses.replace(p, fault_s_per_byte=0.0)
+    )
+    assert TimeProfile.from_dict(json.loads(save_profile(p))) == p
+    doc = json.loads(save_profile(H100))
+    del doc["fault_s_per_byte"], doc["fresh_above_bytes"]
+    assert TimeProfile.from_dict(doc) == H100
+
+
+class Widen(nn.Module):
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(k, n, device="meta"))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def test_a_widening_product_takes_the_wide_curves():
+    # x @ W, 64 × 512 @ 512 × 2,048: M = 64 (smallest), K = 512 < N = 2,048, so wide; the
+    # WIDE curve at d = 64 runs 2e9 FLOP/s against matmul's 1e9; 2·64·512·2,048 FLOPs
+    shaped = {
+        "matmul": {"float32": ((16.0, RateCurve(((1.0, 1e9),))),)},
+        WIDE: {"float32": ((64.0, RateCurve(((1.0, 2e9),))),)},
+    }
+    a = analyze(Widen(512, 2048), torch.empty(64, 512, device="meta"), jvp=False,
+                time_profile=_profile(shaped=shaped))  # fmt: skip
+    flops = 2 * 64 * 512 * 2048
+    assert _node(a, torch.ops.aten.mm.default).meta[TIME].compute_s == pytest.approx(flops / 2e9)
+    # the backward's input gradient dy @ Wᵀ (64 × 2,048 @ 2,048 × 512: K = 2,048, the longest)
+    # is not wide: matmul's rate; the weight gradient xᵀ @ dy (K = 64) is contracted, and
+    # without contracted curves also matmul's
+    mms = [n for n in a.backward.graph.nodes if n.target == torch.ops.aten.mm.default]
+    assert len(mms) == 1  # the input x needs no gradient: the weight gradient only
+    assert mms[0].meta[TIME].compute_s == pytest.approx(flops / 1e9)
+    # below the WIDE curves' smallest d (32 rows < 64) the product keeps matmul's curves
+    b = analyze(Widen(512, 2048), torch.empty(32, 512, device="meta"), jvp=False,
+                time_profile=_profile(shaped=shaped))  # fmt: skip
+    small = 2 * 32 * 512 * 2048
+    assert _node(b, torch.ops.aten.mm.default).meta[TIME].compute_s == pytest.approx(small / 1e9)
+
+
 @pytest.mark.parametrize(
     ("edit", "says"),
     [
@@ -628,6 +690,8 @@ def test_a_weight_gradient_takes_the_contracted_curves():
         ({"view_overhead_s": float("nan")}, "a time must be a non-negative number of seconds"),
         ({"threads": "two"}, "threads must be a positive integer or null, not 'two'"),
         ({"threads": 0}, "threads must be a positive integer or null, not 0"),
+        ({"fault_s_per_byte": -1e-9}, "a time must be a non-negative number of seconds"),
+        ({"fresh_above_bytes": 1.5}, "a size must be a non-negative whole number of bytes"),
         (
             {"bandwidth": {"points": [[1.0, float("inf")]], "fill_s": 0.0}},
             "rate curve sizes and rates must be positive finite numbers",

@@ -53,7 +53,7 @@ from graphflop.meta import (
 )
 from graphflop.ops import op_name
 from graphflop.passes.eager_kernels import is_view
-from graphflop.passes.eager_memory import _regions
+from graphflop.passes.eager_memory import _regions, scatters_in_place
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.summary import Graphs
 from graphflop.passes.time_profile import BACKWARD_SUFFIX, THIN_ROWS, TimeProfile
@@ -256,6 +256,23 @@ def _contracted_thin(n: Node) -> bool:
     return 0 < k < min(out.shape[-2], out.shape[-1])
 
 
+def _wide(n: Node) -> bool:
+    """Whether ``n`` is a matrix product that is not contracted over its smallest dimension
+    and whose larger output dimension exceeds its contracted one ``K``: ``max(M, N) > K >
+    min(M, N)`` (a widening linear layer's ``x @ Wᵀ``, an output head over a vocabulary, the
+    input gradient of a narrowing layer). On a CPU such products run below those of the same
+    FLOPs and smallest dimension that contract their longest dimension, and a calibrated
+    profile has its own curves for them (:data:`~graphflop.passes.time_profile.WIDE`)."""
+    out = n.meta.get("val")
+    if "convolution" in op_name(n.target) or not isinstance(out, torch.Tensor) or out.dim() < 2:
+        return False
+    if not out.numel():
+        return False
+    k = n.meta.get(COST, ZERO_COST).mm_flops / (2 * out.numel())
+    m, cols = out.shape[-2], out.shape[-1]
+    return min(m, cols) < k < max(m, cols)
+
+
 #: a tensor-valued node -> its bytes under autocast (None: as traced)
 _Sizer = Callable[[Node], int] | None
 
@@ -323,6 +340,30 @@ def _kernel_bytes(k: Kernel, sizer: _Sizer = None) -> int:
     return read + written
 
 
+def _fault_seconds(
+    k: Kernel, profile: TimeProfile, sizer: _Sizer = None, in_place: frozenset[str] = frozenset()
+) -> float:
+    """Seconds of the page faults of the storages kernel ``k`` allocates for outside it (each
+    output tensor of a node read outside the kernel, views and ``in_place`` nodes excepted:
+    a scatter eager runs into the zeros it made):
+    :meth:`~graphflop.passes.time_profile.TimeProfile.fault_seconds` of each."""
+    if not profile.fault_s_per_byte:
+        return 0.0
+    inside = set(k.nodes)
+    total = 0.0
+    for n in k.nodes:
+        if is_view(n) or n.target is operator.getitem or n.name in in_place:
+            continue
+        if len(k.nodes) > 1 and all(u in inside for u in n.users):
+            continue
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            total += profile.fault_seconds(_size(n, sizer))
+        elif isinstance(v, (tuple, list)):
+            total += sum(profile.fault_seconds(tensor_bytes(t)) for t in v)
+    return total
+
+
 def _amp_sizer(forward: GraphModule, amp: str, kind: str) -> Callable[[Node], int]:
     """Bytes of a value under autocast: a forward value at the dtype autocast gives it
     (:func:`graphflop.passes.amp.amp_dtypes`, the op lists of ``device``), a derived value
@@ -354,6 +395,7 @@ def _time_kernel(
     sizer: _Sizer,
     optimizer: str | None = None,
     first_update: bool = False,
+    in_place: frozenset[str] = frozenset(),
 ) -> None:
     """Write ``TIME`` on the nodes of one kernel (``optimizer``: the update graph's, for an
     :data:`UPDATE_KERNEL`; ``first_update``: this is the step's first parameter, which carries
@@ -364,6 +406,7 @@ def _time_kernel(
     by_class: dict[tuple[str, str], int] = {}
     dims: dict[tuple[str, str], float] = {}
     contracted: dict[tuple[str, str], bool] = {}
+    wide: dict[tuple[str, str], bool] = {}
     for n, c in zip(k.nodes, costs, strict=True):
         dtype = _dtype_key(n)
         if c.mm_flops:
@@ -372,6 +415,7 @@ def _time_kernel(
             by_class[key] = by_class.get(key, 0) + c.mm_flops
             dims[key] = min(dims.get(key, dim), dim)
             contracted[key] = contracted.get(key, True) and _contracted_thin(n)
+            wide[key] = wide.get(key, True) and _wide(n)
         plain = c.flops - c.mm_flops - c.transcendentals
         if c.transcendentals:
             key = ("transcendental", dtype)
@@ -379,7 +423,9 @@ def _time_kernel(
         if plain > 0:
             by_class[("other", dtype)] = by_class.get(("other", dtype), 0) + plain
     compute = sum(
-        profile.gemm_seconds(cls, d, f, dims[(cls, d)], contracted=contracted[(cls, d)])
+        profile.gemm_seconds(
+            cls, d, f, dims[(cls, d)], contracted=contracted[(cls, d)], wide=wide[(cls, d)]
+        )
         if (cls, d) in dims
         else profile.flops_seconds(cls, d, f)
         for (cls, d), f in by_class.items()
@@ -399,6 +445,8 @@ def _time_kernel(
     # a calibrated profile has each kind's own fixed cost as it runs inside a network
     overhead = profile.fixed_cost(k.name, k.forward, view=not (flops or nbytes), variant=k.variant)
     step = profile.updates.get(optimizer or "") if k.name == UPDATE_KERNEL else None
+    if k.name != UPDATE_KERNEL:  # the update writes in place: no new storage
+        overhead += _fault_seconds(k, profile, sizer, in_place)
     if step is not None:  # torch.optim's measured per-parameter step, over the parameter's bytes
         param_bytes = max(tensor_bytes(n.meta.get("val")) for n in k.nodes)
         memory = step.seconds(param_bytes) - step.fill_s if param_bytes else 0.0
@@ -459,8 +507,11 @@ def annotate_time(
     info = gm.meta.get(UPDATE)
     optimizer = getattr(info, "optimizer", None)
     first = True
+    in_place = frozenset(scatters_in_place(gm)) if profile.fault_s_per_byte else frozenset()
     for k in eager_kernels(gm, forward):
-        _time_kernel(k, profile, amp_key, sizer, optimizer, first and k.name == UPDATE_KERNEL)
+        _time_kernel(
+            k, profile, amp_key, sizer, optimizer, first and k.name == UPDATE_KERNEL, in_place
+        )
         first = first and k.name != UPDATE_KERNEL
     return gm
 

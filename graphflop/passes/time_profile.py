@@ -42,6 +42,8 @@ __all__ = [
     "ANY_VIEW",
     "BACKWARD_SUFFIX",
     "CONTRACTED",
+    "WIDE",
+    "GLIBC_MMAP_THRESHOLD_MAX",
     "DATASHEET_EFFICIENCY",
     "OP_CLASSES",
     "PROFILE_SCHEMA",
@@ -75,6 +77,19 @@ THIN_ROWS = 128
 #: from the weight-gradient product of each linear layer it times; a product of that shape is
 #: timed on these curves where the profile has them, else on ``matmul``'s
 CONTRACTED = "matmul_contracted"
+
+#: glibc's ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit systems (``4 · 1024 · 1024 · sizeof(long)``):
+#: the most its adaptive mmap threshold grows to; a larger request is always a new mapping
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+
+#: the :attr:`TimeProfile.shaped` class of *wide* matrix products: not contracted over their
+#: smallest dimension, and with an output dimension larger than the contracted one (a linear
+#: layer that widens, ``x @ Wᵀ`` of 768 → 3,072 features, or an output head over a
+#: vocabulary). On a CPU these run slower than a product of the same FLOPs and smallest
+#: dimension that contracts its longest one (128 rows: 49-65 against 65-79 GFLOP/s here);
+#: calibrated from the linear layers' products of that shape, and used only from the
+#: smallest ``d`` of its curves up (below, a profile's ``matmul`` curves time them)
+WIDE = "matmul_wide"
 
 #: :attr:`TimeProfile.fixed` keys: a derivative kernel's suffix, and the entries for kernel kinds
 #: not measured one by one (one that moves bytes, a view)
@@ -209,6 +224,15 @@ class TimeProfile:
             (``aten.add.Tensor``); ``<op name>/backward`` for the kernel of a composite op's or
             convolution's derivative (eager PyTorch's ``X_backward`` kernel); :data:`ANY_KERNEL`
             and :data:`ANY_VIEW` for kinds not measured.
+        fault_s_per_byte: seconds per byte of an output written into fresh pages (the page
+            faults of first touch), beyond writing it into reused memory; 0: not modelled
+            (data sheets, GPUs, profiles calibrated before it was measured).
+        fresh_above_bytes: an output of more than this many bytes is always fresh pages: on
+            Linux, glibc's ``malloc`` serves a request above its mmap threshold with a new
+            mapping and unmaps it on ``free``, and the threshold, which adapts to the largest
+            chunk freed, stops at ``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB on 64-bit systems
+            (glibc ``malloc/malloc.c``, ``mallopt(3)``). Smaller outputs may also be fresh
+            (a heap trimmed after a step); that is not modelled.
     """
 
     name: str
@@ -230,6 +254,13 @@ class TimeProfile:
     updates: Mapping[str, RateCurve] = field(default_factory=dict)
     update_step_s: Mapping[str, float] = field(default_factory=dict)
     fixed: Mapping[str, float] = field(default_factory=dict)
+    fault_s_per_byte: float = 0.0
+    fresh_above_bytes: int = GLIBC_MMAP_THRESHOLD_MAX
+
+    def fault_seconds(self, nbytes: float) -> float:
+        """Seconds of the page faults of one output of ``nbytes`` bytes: ``nbytes ×``
+        :attr:`fault_s_per_byte` above :attr:`fresh_above_bytes`, else 0."""
+        return nbytes * self.fault_s_per_byte if nbytes > self.fresh_above_bytes else 0.0
 
     def fixed_cost(
         self, op: str, forward: bool = True, view: bool = False, variant: str | None = None
@@ -261,7 +292,13 @@ class TimeProfile:
         return self.curve(op_class, dtype).rate(flops)
 
     def gemm_seconds(
-        self, op_class: str, dtype: str, flops: float, min_dim: float, contracted: bool = False
+        self,
+        op_class: str,
+        dtype: str,
+        flops: float,
+        min_dim: float,
+        contracted: bool = False,
+        wide: bool = False,
     ) -> float:
         """Seconds of one matrix product or convolution of ``flops`` FLOPs in ``dtype`` whose
         smallest GEMM dimension is ``min_dim``.
@@ -271,7 +308,9 @@ class TimeProfile:
         bracket ``min_dim`` (log-log), the nearest one beyond the ends. Without:
         :meth:`flops_seconds` of ``op_class``. ``contracted``: a matrix product whose
         contracted dimension is its smallest, timed on the :data:`CONTRACTED` curves where
-        the profile has them.
+        the profile has them. ``wide``: a matrix product whose larger output dimension exceeds
+        its contracted one, timed on the :data:`WIDE` curves where the profile has them and
+        ``min_dim`` is at least their smallest ``d``.
 
         Raises:
             NoPeak: as :meth:`curve`.
@@ -282,6 +321,10 @@ class TimeProfile:
         by_dim = self.shaped.get(base, {}).get(dtype)
         if contracted and base == "matmul":  # the weight gradients' own curves, where measured
             by_dim = self.shaped.get(CONTRACTED, {}).get(dtype) or by_dim
+        elif wide and base == "matmul":  # the widening products' own curves, where measured
+            curves = self.shaped.get(WIDE, {}).get(dtype)
+            if curves and min_dim >= min(d for d, _ in curves):
+                by_dim = curves
         if not by_dim and base == "conv_backward":
             by_dim = self.shaped.get("conv", {}).get(dtype)
         if not by_dim:
@@ -360,6 +403,8 @@ class TimeProfile:
             "updates": {k: v.to_dict() for k, v in self.updates.items()},
             "update_step_s": dict(self.update_step_s),
             "fixed": dict(self.fixed),
+            "fault_s_per_byte": self.fault_s_per_byte,
+            "fresh_above_bytes": self.fresh_above_bytes,
             "efficiency": dict(self.efficiency),
             "threads": self.threads,
             "notes": list(self.notes),
@@ -412,6 +457,8 @@ class TimeProfile:
                 updates={str(k): RateCurve.from_dict(v) for k, v in d.get("updates", {}).items()},
                 update_step_s={str(k): _seconds(v) for k, v in d.get("update_step_s", {}).items()},
                 fixed={str(k): _seconds(v) for k, v in d.get("fixed", {}).items()},
+                fault_s_per_byte=_seconds(d.get("fault_s_per_byte", 0.0)),
+                fresh_above_bytes=_bytes(d.get("fresh_above_bytes", GLIBC_MMAP_THRESHOLD_MAX)),
                 threads=_threads(d.get("threads")),
                 notes=tuple(str(x) for x in d.get("notes", ())),
             )
@@ -428,6 +475,13 @@ def _seconds(v: Any) -> float:
     if not 0 <= s < math.inf:
         raise ValueError(f"a time must be a non-negative number of seconds, not {v!r}")
     return s
+
+
+def _bytes(v: Any) -> int:
+    """A non-negative whole number of bytes from a profile file."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"a size must be a non-negative whole number of bytes, not {v!r}")
+    return v
 
 
 def _threads(v: Any) -> int | None:

@@ -1,8 +1,11 @@
 """Calibration: measure what this machine's CPU (or a CUDA GPU) achieves in eager PyTorch and
 return it as a :class:`~graphflop.passes.time_profile.TimeProfile` (``graphflop calibrate``).
 
-What is measured, each the least of repeated runs after a warm-up (another process's time slice
-only ever adds to a run, so the least is the kernel's own cost):
+What is measured, each the median of repeated runs after a warm-up (the statistic the step
+it predicts is measured with: a train step's time is the median of steps, and on a shared or
+virtual machine a kernel's runs spread by 5-20 % even when nothing else runs, so the least run
+is the machine's best moment, and predictions from it ran 5-10 % fast), except the launch
+overhead:
 
 * **launch overhead**: one ``torch.add`` of two 1-element tensors (eager PyTorch's per-op cost:
   Python, dispatcher, allocation; on a GPU the host-side cost of one launch, which bounds a
@@ -73,12 +76,18 @@ from graphflop.passes.time_profile import (
     ANY_VIEW,
     BACKWARD_SUFFIX,
     CONTRACTED,
+    GLIBC_MMAP_THRESHOLD_MAX,
+    WIDE,
     RateCurve,
     TimeProfile,
 )
 from graphflop.runtime.optim import torch_optimizer
 
 __all__ = ["CalibrationPlan", "calibrate", "plan"]
+
+
+#: bytes of the page-fault measurement's buffer: twice glibc's largest mmap threshold
+_FAULT_BYTES = 2 * GLIBC_MMAP_THRESHOLD_MAX
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,7 @@ class CalibrationPlan:
         stream: elements of each tensor of the bandwidth kernel.
         kernel_sizes: elements of the input of each of :data:`_KERNELS`' measured kernels
             (a tiny size among them: the kernels' fixed costs).
-        repeats: timed runs per point (the least is kept).
+        repeats: timed runs per point (the median is kept).
         min_time_s: each timed run repeats the kernel until this long has passed.
         cold_bytes: the bandwidth kernel's inputs rotate over pairs of tensors that together
             hold this many bytes, beyond the last-level cache.
@@ -136,6 +145,7 @@ class CalibrationPlan:
             + min(len(_TINY), self.cold_calls)
             + 5
             + 2 * len(self.stream)
+            + 1
             + len(_KERNELS) * len(self.kernel_sizes)
         )
 
@@ -188,6 +198,7 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
             (16, 1024, 1024),
             (32, 768, 768),
             (64, 1024, 1024),
+            (64, 1024, 4096),
             (128, 768, 3072),
             (128, 3072, 768),
             (128, 768, 16384),
@@ -602,7 +613,7 @@ class _Run:
     done: Callable[[str], None]
 
     def time(self, fn: Callable[[], object]) -> float:
-        return self.timed(fn, self.p.repeats, self.p.min_time_s, min)
+        return self.timed(fn, self.p.repeats, self.p.min_time_s)
 
     def time_cold(self, op: Callable[..., object], *args: object, **kwargs: object) -> float:
         """Seconds of one ``op(*args, **kwargs)`` as a network runs it: each call takes the
@@ -631,16 +642,19 @@ class _Run:
     def _point(self, out: _Points, key: str, flops: float, dim: float, t: float) -> None:
         out.setdefault(key, []).append((dim, flops, _rate(flops, t, self.launch)))
 
-    def products(self) -> tuple[_Points, _Points, _Points, _Points]:
-        """(matmul, matmul with the contracted dimension smallest, conv, conv_backward): dtype
-        key -> (smallest GEMM dimension, FLOPs, FLOP/s) points. Of a linear layer's three
-        products the forward and the input gradient are ``matmul`` points, the weight
-        gradient (``dyᵀ @ x``, the rows contracted) a contracted one. A ``convolution_backward`` point's FLOPs are its two products' (the
+    def products(self) -> tuple[_Points, _Points, _Points, _Points, _Points]:
+        """(matmul, matmul with the contracted dimension smallest, wide matmul, conv,
+        conv_backward): dtype key -> (smallest GEMM dimension, FLOPs, FLOP/s) points. Of a
+        linear layer's three products the forward and the input gradient are ``matmul``
+        points, or wide ones where the output's larger dimension exceeds the contracted one
+        (:data:`~graphflop.passes.time_profile.WIDE`), the weight gradient (``dyᵀ @ x``, the
+        rows contracted) a contracted one. A ``convolution_backward`` point's FLOPs are its two products' (the
         input gradient's and the weight gradient's, each as many as the forward's; the
         weight gradient's alone for a first layer), as the time pass counts the one eager
         kernel of a convolution's backward."""
         mm: _Points = {}
         mm_k: _Points = {}
+        mm_w: _Points = {}
         conv: _Points = {}
         conv_bwd: _Points = {}
         for i, dt in enumerate(self.p.mm_dtypes):
@@ -663,7 +677,10 @@ class _Run:
                         self.time_cold(torch.mm, dy, w),  # input gradient
                         self.time_cold(torch.mm, dy.t(), x),  # weight gradient
                     ]
-                    for out, t in zip((mm, mm, mm_k), ts, strict=True):
+                    # the forward is M = rows, K = k, N = n; the input gradient K = n, N = k
+                    fwd = mm_w if rows < k < n else mm
+                    dgrad = mm_w if rows < n < k else mm
+                    for out, t in zip((fwd, dgrad, mm_k), ts, strict=True):
                         self._point(out, key, flops, min(rows, k, n), t)
                     rate = 3 * flops / sum(ts)
                     self.done(f"linear {key} {rows}×{k}→{n}: {rate / 1e9:.1f} GFLOP/s")
@@ -696,12 +713,12 @@ class _Run:
                     f"{label}: {flops / t / 1e9:.1f} GFLOP/s, backward "
                     f"{grads * flops / tb / 1e9:.1f} GFLOP/s"
                 )
-        return mm, mm_k, conv, conv_bwd
+        return mm, mm_k, mm_w, conv, conv_bwd
 
     def _step(self, name: str, numel: int, count: int) -> float:
         """Seconds of one ``step()`` + ``zero_grad(set_to_none=True)`` of optimizer ``name``
         over ``count`` parameters of ``numel`` elements, with fresh gradients made before each
-        (untimed, as the backward makes them; ``zero_grad`` frees them): the least of the
+        (untimed, as the backward makes them; ``zero_grad`` frees them): the median of the
         timed calls."""
         params = [torch.nn.Parameter(torch.randn(numel, device=self.dev)) for _ in range(count)]
         grads = [torch.randn_like(q) for q in params]
@@ -727,7 +744,7 @@ class _Run:
             if self.dev.type == "cuda":
                 torch.cuda.synchronize(self.dev)
             samples.append(time.perf_counter() - t0)
-        return min(samples)
+        return statistics.median(samples)
 
     def optimizers(self) -> dict[str, tuple[list[tuple[float, float]], float]]:
         """Optimizer name -> ((parameter bytes, seconds per parameter) points, seconds per
@@ -837,9 +854,29 @@ class _Run:
 
         return call
 
-    def streams(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    def faults(self) -> float:
+        """Seconds per byte that writing a fresh allocation costs beyond writing reused
+        memory (CPU; 0 on a GPU): ``torch.empty(n).fill_(1)`` of :data:`_FAULT_BYTES`, above
+        glibc's largest mmap threshold, so each call maps new pages and faults them in on
+        first touch, against ``fill_`` into one kept buffer; the median of each."""
+        if self.dev.type != "cpu":
+            self.done("page faults: not measured on a GPU")
+            return 0.0
+        n = _FAULT_BYTES // 4
+        kept = torch.empty(n)
+        fresh = self.time(lambda: torch.empty(n).fill_(1.0))
+        reused = self.time(lambda: kept.fill_(1.0))
+        rate = max(0.0, fresh - reused) / _FAULT_BYTES
+        self.done(f"page faults: {rate * 1e9:.2f} ms per MB of fresh pages")
+        return rate
+
+    def streams(
+        self, fault_s_per_byte: float = 0.0
+    ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
         """(allocating ``a + b`` on cold inputs, in-place ``a.add_(b)``): (bytes, bytes/s)
-        points."""
+        points. An output above glibc's largest mmap threshold is fresh pages at every call:
+        their faults (``fault_s_per_byte``, which the time pass adds per output) are taken
+        off its time, so that the curve is the bandwidth alone."""
         bw: list[tuple[float, float]] = []
         inplace: list[tuple[float, float]] = []
         for n in self.p.stream:
@@ -847,6 +884,9 @@ class _Run:
             b = torch.rand(n, device=self.dev)
             nbytes = 3.0 * n * a.element_size()
             t = self.time(self._cold_add(n))
+            out_bytes = n * a.element_size()
+            if out_bytes > GLIBC_MMAP_THRESHOLD_MAX:
+                t = max(t - out_bytes * fault_s_per_byte, t / 2)
             bw.append((nbytes, _rate(nbytes, t, self.launch)))
             self.done(f"stream {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
             t = self.time(partial(a.add_, b, alpha=-1e-3))
@@ -924,11 +964,12 @@ def calibrate(
     view = timed(lambda: v.view(8, 8), max(reps, 5), min_t, min)
     done(f"view overhead {view * 1e6:.1f} µs")
     run = _Run(dev, p, timed, launch, done)
-    mm, mm_k, conv, conv_bwd = run.products()
+    mm, mm_k, mm_w, conv, conv_bwd = run.products()
     steps = run.optimizers()
     fixed = run.fixed()
     trans_rate, other_rate = run.elementwise()
-    bw, inplace = run.streams()
+    fault = run.faults()
+    bw, inplace = run.streams(fault)
     kernels = run.kernels()
 
     other = {"float32": RateCurve(((1.0, other_rate),))}
@@ -955,12 +996,14 @@ def calibrate(
         shaped={
             "matmul": {k: _shaped(v) for k, v in mm.items()},
             CONTRACTED: {k: _shaped(v) for k, v in mm_k.items()},
+            WIDE: {k: _shaped(v) for k, v in mm_w.items()},
             "conv": {k: _shaped(v) for k, v in conv.items()},
             "conv_backward": {k: _shaped(v) for k, v in conv_bwd.items()},
         },
         updates={k: _step_curve(v) for k, (v, _) in steps.items()},
         update_step_s={k: own for k, (_, own) in steps.items()},
         fixed=fixed,
+        fault_s_per_byte=fault,
         bandwidth=_curve(bw),
         inplace_bandwidth=_curve(inplace),
         kernels={k: _curve(v) for k, v in kernels.items()},
@@ -969,6 +1012,6 @@ def calibrate(
         threads=n_threads,
         notes=(
             f"measured with torch {torch.__version__} on {title}, {n_threads} threads, "
-            f"least of {reps} runs per point{' (quick plan)' if quick else ''}",
+            f"median of {reps} runs per point{' (quick plan)' if quick else ''}",
         ),
     )
