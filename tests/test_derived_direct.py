@@ -297,3 +297,21 @@ def test_recorded_jvp_is_not_transposed():
     fwd = _forward(InStack(), torch.randn(5, 6))
     with pytest.raises(ValueError, match="built with direct=True"):
         api.build_vjp(fwd, linearized=api.build_jvp(fwd, direct=True))
+
+
+def test_llama_decoder_layers_recorded_directly():
+    """transformers' Llama with 3 decoder layers (one template): both graphs recorded."""
+    cfg = dict(
+        num_hidden_layers=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    loaded = load("hf:llama-3.1-8b", ctor_kwargs=cfg, meta=True, seq=8)
+    loaded.model.train()
+    fwd = analyze(loaded.model, make_inputs(loaded, batch=2)).forward
+    dh, _ = _check_jvp(fwd, "params")
+    assert {c.site for c in dh.calls} == {0, 1, 2}
+    assert _check_vjp(fwd) is not None
