@@ -13,7 +13,10 @@ fake kernel runs the real ``forward`` on FakeTensors, without tracing, to produc
 Afterwards each distinct call (module structure and argument metadata) is traced once as a
 graph of its own (:meth:`Outliner.templates`) and :func:`inline` replaces every
 ``graphflop::repeat`` node with a copy of its template, the call's arguments standing for the
-template's placeholders and the call site's module path prefixed to the template's.
+template's placeholders and the call site's module path prefixed to the template's;
+:class:`Expansion` plans the same copies for
+:func:`~graphflop.frontend.export_form.from_make_fx` to make once, straight into graphflop's
+graph (what tracing does).
 
 The result is the graph full tracing gives, node for node (tests/test_outline.py). Batch norm
 in training mode writes its running statistics: the template keeps the running mean and
