@@ -26,27 +26,44 @@ from graphflop.passes.train_step import BuildTrainStep
 
 
 def build_vjp(
-    forward: GraphModule, *, input_grads: bool = False, linearized: GraphModule | None = None
+    forward: GraphModule,
+    *,
+    input_grads: bool = False,
+    linearized: GraphModule | None = None,
+    direct: bool = False,
 ) -> GraphModule:
     """The backward graph of a traced forward graph with a loss (:class:`BuildVjp`).
+
+    ``direct=True``: where ``forward`` has repeated blocks, the graph returned is the top
+    level of its hierarchy (``gm.meta[DERIVED_HIERARCHY]``; the flat graph is
+    ``graphflop.passes.calls.expand`` of it), built without the flat graph where that is
+    shown equal.
 
     Raises:
         PassOrderError: ``forward`` is not ``traced``.
         MissingRuleError, ValueError: see :func:`graphflop.ad.vjp.build_vjp`.
     """
-    return BuildVjp(input_grads=input_grads, linearized=linearized).apply(forward)
+    return BuildVjp(input_grads=input_grads, linearized=linearized, direct=direct).apply(forward)
 
 
 def build_jvp(
-    forward: GraphModule, tangents: str = "params", *, wrt_outputs: str = "loss"
+    forward: GraphModule,
+    tangents: str = "params",
+    *,
+    wrt_outputs: str = "loss",
+    direct: bool = False,
 ) -> GraphModule:
     """The JVP graph of a traced forward graph (:class:`BuildJvp`).
+
+    ``direct=True``: where ``forward`` has repeated blocks, the graph returned is the top
+    level of its hierarchy (``gm.meta[DERIVED_HIERARCHY]``; the flat graph is
+    ``graphflop.passes.calls.expand`` of it), built without the flat graph.
 
     Raises:
         PassOrderError: ``forward`` is not ``traced``.
         MissingRuleError, ValueError: see :func:`graphflop.ad.jvp.build_jvp`.
     """
-    return BuildJvp(tangents, wrt_outputs=wrt_outputs).apply(forward)
+    return BuildJvp(tangents, wrt_outputs=wrt_outputs, direct=direct).apply(forward)
 
 
 def add_optimizer_update(

@@ -34,10 +34,17 @@ from graphflop.meta import (
 )
 from graphflop.ops import has_rule, op_name
 from graphflop.ops.cost import op_cost
-from graphflop.passes import calls
+from graphflop.passes import calls, memory, memory_calls
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
+from graphflop.passes.eager_memory import (
+    eager_jvp_schedule,
+    eager_residuals,
+    eager_saved_storages,
+    eager_train_schedule,
+)
 from graphflop.passes.flops import AnnotateFlops
 from graphflop.passes.infra import run_passes
+from graphflop.passes.memory import Step, forward_schedule
 from graphflop.passes.summary import Graphs, summarize
 
 
@@ -161,12 +168,47 @@ def _check_derived_hierarchies(a):
         assert f.rule_less == rule_less
 
 
+def _check_memory(a):
+    """The eager memory model's figures composed per call of each block (each template's steps
+    worked out once) equal the flat schedules' to the byte, on cpu and cuda, with and without
+    kept gradients: the train peak and the step where it first occurs, the storages saved for
+    backward (owner and bytes), the forward peak, the eager JVP peak."""
+    fwd, bwd = a.forward, a.backward
+    if a.jvp is not None:
+        for device in ("cpu", "cuda"):
+            jsched = eager_jvp_schedule(a.jvp, device, composed=True)
+            if DERIVED_HIERARCHY in a.jvp.meta:
+                assert isinstance(jsched, memory_calls.ComposedSchedule) and jsched.ties
+            assert jsched.peak() == eager_jvp_schedule(a.jvp, device).peak(), device
+    composed = memory_calls.composed_forward_schedule(fwd)
+    if HIERARCHY in fwd.meta and fwd.meta[HIERARCHY].graph is not None:
+        assert composed is not None
+        calls = [x for x in composed.items if not isinstance(x, Step)]
+        assert len(calls) == len(fwd.meta[HIERARCHY].sites)
+        assert composed.peak() == forward_schedule(fwd).peak()
+    if bwd is None:
+        return
+    for device in ("cpu", "cuda"):
+        er = eager_residuals(fwd, bwd, device)
+        for keep_grads in (False, True):
+            flat = eager_train_schedule(fwd, bwd, "adam", device, keep_grads)
+            sched = eager_train_schedule(fwd, bwd, "adam", device, keep_grads, composed=True)
+            assert sched.peak() == flat.peak(), (device, keep_grads)
+            if isinstance(sched, memory_calls.ComposedSchedule):
+                saved = eager_saved_storages(fwd, bwd, device, eager=er, schedule=sched)
+                assert saved == eager_saved_storages(fwd, bwd, device)
+            elif DERIVED_HIERARCHY in bwd.meta or HIERARCHY in fwd.meta:
+                assert fwd.meta[HIERARCHY].graph is None and DERIVED_HIERARCHY not in bwd.meta
+
+
 def _check(a):
     """The hierarchical report equals the flat one; every copied node's cost (taken from its
     template) equals the cost of the node on its own; the derivative graphs built per template
-    equal those built call by call, and their stored hierarchies rebuild and sum to them."""
+    equal those built call by call, and their stored hierarchies rebuild and sum to them; the
+    memory figures composed per call equal the flat schedules'."""
     _check_derivatives(a)
     _check_derived_hierarchies(a)
+    _check_memory(a)
     flat = _flat_report(a).to_dict()
     hier = a.report.to_dict()
     assert hier == flat
@@ -233,6 +275,16 @@ def test_stack_of_blocks_composes_hand_counted_figures():
     assert addmm.count == 2 * n + 1
     # the template's nodes carry their module relative to the called block
     assert {t.meta[MODULE] for t in h.templates[0].nodes if MODULE in t.meta} >= {"@.fc1", "@"}
+    # the memory schedules compose the calls with one profile per template and call pattern:
+    # the forward's four calls copy one block and read one value each (1 profile); the
+    # backward's and the JVP's call two template derivatives (below): 2 profiles each
+    fsched = memory_calls.composed_forward_schedule(a.forward)
+    tsched = eager_train_schedule(a.forward, a.backward, "sgd", "cpu", composed=True)
+    jsched = eager_jvp_schedule(a.jvp, "cpu", composed=True)
+    for sched, calls_, profiles in ((fsched, 4, 1), (tsched, 8, 3), (jsched, 4, 2)):
+        assert isinstance(sched, memory_calls.ComposedSchedule)
+        assert sum(not isinstance(x, Step) for x in sched.items) == calls_
+        assert len(sched._profiles) == profiles
     # the derivative graphs call two template derivatives: block 0 reads the model's input
     # (no tangent, no input cotangent), blocks 1-3 the block before them
     for gm in (a.jvp, a.backward):
@@ -248,6 +300,27 @@ def test_stack_of_blocks_composes_hand_counted_figures():
     names = [p.name for p in t.graph.nodes if p.op == "placeholder"]
     assert any(x.startswith("residual_") for x in names)
     assert any(x.startswith("cotangent_") for x in names)
+
+
+def test_analyze_composes_the_memory_figures(monkeypatch):
+    """``analyze`` takes the train, JVP and forward peaks from the composed schedules where
+    the graphs keep their blocks as calls (the flat ones are not run)."""
+    composed, flat = [], []
+    real_c, real_f = memory_calls.ComposedSchedule.peak, memory.Schedule.peak
+
+    def c_peak(self):
+        composed.append(self)
+        return real_c(self)
+
+    def f_peak(self):
+        flat.append(self)
+        return real_f(self)
+
+    monkeypatch.setattr(memory_calls.ComposedSchedule, "peak", c_peak)
+    monkeypatch.setattr(memory.Schedule, "peak", f_peak)
+    analyze(Stack(), torch.randn(5, 6))
+    assert len(composed) == 3  # forward, train step, JVP
+    assert len(flat) == 2  # the forward-gradient step and the activity-perturbed step
 
 
 def test_flat_trace_gives_the_same_report():

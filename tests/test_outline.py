@@ -462,3 +462,89 @@ def test_a_module_with_state_in_a_dict_keeps_its_identity():
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     assert repeats._attr_key({"f": a}) != repeats._attr_key({"f": b})
     assert repeats._attr_key({"f": nn.ReLU()}) == repeats._attr_key({"f": nn.ReLU()})
+
+
+def _flat_rows(gm):
+    """Every node's name, op, target, arguments (nodes by name) and annotations (tensors by
+    shape, strides, dtype, device and requires_grad), then the graph's signature and unused
+    cost: all that a single copy of each node must give as two copies did."""
+
+    def value(v):
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad)
+        if isinstance(v, torch.fx.Node):
+            return ("N", v.name)
+        if isinstance(v, (list, tuple)):
+            return (type(v).__name__, tuple(value(x) for x in v))
+        if isinstance(v, dict):
+            return ("d", tuple((k, value(x)) for k, x in v.items()))
+        return repr(v)
+
+    rows = [
+        (n.name, n.op, str(n.target), value(n.args), value(n.kwargs))
+        + tuple(sorted((k, value(v)) for k, v in n.meta.items() if k != "stack_trace"))
+        for n in gm.graph.nodes
+    ]
+    return rows, repr(gm.meta[SIGNATURE]), repr(gm.meta[OUTLINED])
+
+
+def _hf_llama():
+    pytest.importorskip("transformers")
+    from graphflop.load import load, make_inputs
+
+    small = dict(
+        num_hidden_layers=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    loaded = load("hf:llama", ctor_kwargs=small, meta=True, seq=6)
+    return loaded.model.train(), tuple(make_inputs(loaded)), {}
+
+
+def _resnet18():
+    from graphflop.load import load, make_inputs
+
+    loaded = load(str(ROOT / "models" / "resnet.py") + ":resnet18", meta=True)
+    return loaded.model.train(), tuple(make_inputs(loaded, batch=2)), {}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (_gpt2().train(), (torch.randint(0, 11, (2, 6)),), {}),
+        # batch norm's running statistics: buffer writes inside the template and after it
+        lambda: (nn.Sequential(_Block(), _Block(), _Block()).train(), (torch.randn(5, 4),), {}),
+        _resnet18,
+        _hf_llama,
+    ],
+    ids=["gpt2", "batch_norm_blocks", "resnet18", "hf_llama"],
+)
+def test_one_copy_per_node_gives_the_two_copies_graph(make, monkeypatch):
+    """Each template node is copied once, straight into graphflop's graph where its call
+    stood; the flat graph is the one copying it into make_fx's graph first (``inline``) and
+    then into graphflop's gave: node for node, names, arguments and annotations included
+    (the names appear in reports)."""
+    import itertools
+
+    from graphflop.frontend import composite, custom_function, regions, replay
+    from graphflop.frontend import trace as tracing
+
+    def traced():
+        # the process-wide region numbers (fused attention, checkpoints, Functions), as a
+        # fresh process would number them
+        monkeypatch.setattr(composite, "_attention_regions", itertools.count(-1, -1))
+        monkeypatch.setattr(replay, "_REPLAYED_ATTENTION", itertools.count(-(10**9), -1))
+        ids = itertools.count()
+        monkeypatch.setattr(regions, "region_ids", ids)
+        monkeypatch.setattr(custom_function, "region_ids", ids)
+        return trace(model, inputs, **kw)
+
+    model, inputs, kw = make()
+    once = traced()
+    monkeypatch.setattr(tracing, "_flat_form", tracing._flat_form_twice)
+    twice = traced()
+    assert once.meta[OUTLINED].calls >= 2  # blocks were outlined, so copies were made
+    assert _flat_rows(once) == _flat_rows(twice)

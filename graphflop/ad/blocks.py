@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
@@ -157,6 +158,10 @@ class TemplateBackward:
     coefficients: dict[int, Node] = field(default_factory=dict)
     results: list[tuple | None] = field(default_factory=list)
     reusable: bool = True
+    #: with a recorder (:class:`graphflop.passes.calls.DirectRecorder`): its handle, and the
+    #: positions of :attr:`nodes` read after the call (getitems of the call)
+    direct: tuple | None = None
+    exposed: list[int] = field(default_factory=list)
 
 
 class BlockTranspose:
@@ -176,6 +181,9 @@ class BlockTranspose:
     def __init__(self, forward: GraphModule, b: Any) -> None:
         self.b = b
         self.g: Graph = b.graph
+        #: records each expanded call as a call instead of copying its nodes (or None)
+        self.recorder: Any = getattr(b, "recorder", None)
+        self.root = torch.nn.Module()  # the owner of the template derivatives' graphs
         h: Hierarchy | None = forward.meta.get(HIERARCHY)
         self.h = h
         #: forward node name -> (site, template index[, output of a getitem added afterwards])
@@ -256,7 +264,7 @@ class BlockTranspose:
         for e in run:
             for a in _leaves((e.args, e.kwargs)):
                 if is_ghost(a):
-                    return self._rules(run, rules, None)
+                    return self._rules(run, rules, site)
                 if (
                     isinstance(a, Node)
                     and a.meta.get(KIND) == "tangent"
@@ -268,7 +276,7 @@ class BlockTranspose:
         incoming = tuple(_state(ct.get(e)) for e in run)
         prior = tuple(_state(ct.get(x)) for x in externals)
         if site in self.unsafe or False in incoming or False in prior:
-            return self._rules(run, rules, None)
+            return self._rules(run, rules, site)
         h = self.h
         assert h is not None
         key = (
@@ -283,11 +291,35 @@ class BlockTranspose:
             t = self.templates[key] = TemplateBackward(site, run)
             return self._record(t, run, externals, ct, rules, state)
         if not t.reusable or not self._expand(t, run, externals, ct, site):
-            self._rules(run, rules, None)
+            self._rules(run, rules, site)
 
-    def _rules(self, run: list[Any], rules: Callable[[list[Any]], None], _: Any) -> None:
+    def _rules(self, run: list[Any], rules: Callable[[list[Any]], None], site: int | None) -> None:
+        """Transpose ``run`` with the rules; with a recorder and the call site ``site``, make
+        the nodes they appended a call where they are one unbroken run (placeholders of the
+        residuals imported aside)."""
         self.built += 1
+        if site is None or self.recorder is None:
+            rules(run)
+            return
+        g, b = self.g, self.b
+        tail = next(iter(reversed(g.nodes)))
+        n_nodes, n_imported = len(g.nodes), len(b.imported)
         rules(run)
+        self._as_call(tail, n_nodes, n_imported, site)
+
+    def _as_call(self, tail: Node, n_nodes: int, n_imported: int, site: int) -> list[Node]:
+        """The nodes appended after ``tail`` (the graph had ``n_nodes`` nodes and the builder
+        ``n_imported`` imports), made a call of site ``site`` by the recorder where they are
+        one unbroken run; [] where they are not."""
+        g, b = self.g, self.b
+        new_imports = itertools.islice(reversed(b.imported.values()), len(b.imported) - n_imported)
+        placed = sum(1 for gn in new_imports if gn.op == "placeholder")
+        nodes = _appended(tail)
+        if not nodes or len(g.nodes) - n_nodes != len(nodes) + placed:
+            return []
+        if self.recorder is not None:
+            self.recorder.template(nodes, site, self.root, None)
+        return nodes
 
     # -- the first call of a variant: the rules, recorded ---------------------------------------
     def _record(
@@ -338,8 +370,15 @@ class BlockTranspose:
                     t.results.append(_one(refs.get(v) if isinstance(v, Node) else None))
         except _NotReusable:
             t.reusable = False
+            if self.recorder is not None:
+                self._as_call(tail, n_nodes, n_imported, t.site)
             return
         t.nodes = nodes
+        if self.recorder is not None:
+            t.direct = self.recorder.template(nodes, t.site, self.root, t.inputs)
+            exposed = set(t.coefficients)
+            exposed.update(r[1] for r in t.results if r is not None and r[0] == "node")
+            t.exposed = sorted(exposed)
 
     def _inputs(
         self,
@@ -433,6 +472,25 @@ class BlockTranspose:
                 return False
         return True
 
+    def _results(
+        self,
+        t: TemplateBackward,
+        externals: list[Node],
+        ct: dict[Any, Any],
+        corr: dict[Node, Node],
+        resolve: Callable[[tuple], Any],
+        made: Any,
+    ) -> None:
+        """After a call recorded for ``t`` (``made``: template node position -> its getitem),
+        the coefficients it recomputed as the imports later calls reuse, and the cotangents
+        of its externals."""
+        for i, ln in t.coefficients.items():
+            self.b.imported[corr[ln]] = made[i]
+        for x, r in zip(externals, t.results):
+            if r is not None:
+                ct[x] = resolve(r)
+        self.expanded += 1
+
     def _expand(
         self,
         t: TemplateBackward,
@@ -464,9 +522,14 @@ class BlockTranspose:
                 return b.imported[corr[ref[1]]]
             return made[ref[1]]
 
+        made: Any = []
+        if t.direct is not None:  # a call of the template derivative, its nodes not copied
+            values = [resolve(ref) for ref in t.direct[1]]
+            made = self.recorder.call(self.g, t.direct, site, values, t.exposed)
+            self._results(t, externals, ct, corr, resolve, made)
+            return True
         env = {a: resolve(ref) for a, ref in t.inputs.items()}
         rel, absolute = self.rel[t.site], self.abs[site]
-        made: list[Node] = []
         for i, n in enumerate(t.nodes):
             new = emit(
                 self.g,
@@ -567,6 +630,17 @@ class TemplateJvp:
     tan: dict[tuple, Any] = field(default_factory=dict)
     log: list[int] = field(default_factory=list)
     reusable: bool = True
+    #: with a recorder (:class:`graphflop.passes.calls.DirectRecorder`): its handle
+    direct: tuple | None = None
+
+
+def _positions(r: Any, out: set[int]) -> None:
+    """Add to ``out`` the positions among a call's nodes that reference ``r`` names."""
+    if isinstance(r, int):
+        out.add(r)
+    elif isinstance(r, (list, tuple)) and not (r and isinstance(r[0], str)):
+        for x in r:
+            _positions(x, out)
 
 
 class BlockLinearize:
@@ -613,6 +687,10 @@ class BlockLinearize:
         self.templates: dict[tuple, TemplateJvp] = {}
         self.built = 0
         self.expanded = 0
+        #: records each expanded call as a call instead of copying its nodes (or None)
+        self.recorder: Any = getattr(lin, "recorder", None)
+        self._out: dict[int, list[tuple]] = {}
+        self._exposed: dict[tuple, list[int]] = {}
 
     @classmethod
     def of(cls, forward: GraphModule, lin: Any) -> BlockLinearize | None:
@@ -664,20 +742,34 @@ class BlockLinearize:
         args = self._inputs(site)
         states = tuple(self._arg_state(site, a) for a in args)
         if site in self.unsafe or not args or False in states or len(set(args)) != len(args):
-            return self._rules(ns, rules)
+            return self._rules(ns, rules, site)
         key = (self.h.sites[site].variant, states, tuple(n in needed for n in ns))
         t = self.templates.get(key)
         if t is None:
             t = self.templates[key] = TemplateJvp(site)
             return self._record(t, ns, args, rules)
         if not t.reusable:
-            return self._rules(ns, rules)
+            return self._rules(ns, rules, site)
         self._expand(t, site, args)
 
-    def _rules(self, ns: list[Node], rules: Callable[[Node], None]) -> None:
+    def _rules(
+        self, ns: list[Node], rules: Callable[[Node], None], site: int | None = None
+    ) -> None:
+        """Run the rules on the call's forward nodes ``ns``; with a recorder and the call site
+        ``site``, make the nodes they appended a call where they are one unbroken run."""
         self.built += 1
+        if site is None or self.recorder is None:
+            for n in ns:
+                rules(n)
+            return
+        g: Graph = self.lin.graph
+        tail = next(iter(reversed(g.nodes)))
+        n_nodes = len(g.nodes)
         for n in ns:
             rules(n)
+        made = _appended(tail)
+        if made and len(g.nodes) - n_nodes == len(made):
+            self.recorder.template(made, site, self.lin.forward, None)
 
     def _state(self) -> tuple[int, ...]:
         lin = self.lin
@@ -700,6 +792,31 @@ class BlockLinearize:
             self._fill(t, ns, args, made, n_log)
         except _NotReusable:
             t.reusable = False
+            if self.recorder is not None and made and len(g.nodes) - n_nodes == len(made):
+                self.recorder.template(made, t.site, lin.forward, None)
+            return
+        if self.recorder is not None:
+            t.direct = self.recorder.template(made, t.site, lin.forward, self._input_refs(args))
+
+    def _outward(self, t: TemplateJvp, site: int) -> tuple[list[tuple], list[int]]:
+        """The keys of call ``site``'s forward nodes read outside it (their primal copies and
+        tangents are what later nodes read of the call), and the positions of ``t``'s nodes
+        those values are (the call's getitems)."""
+        keys = self._out.get(site)
+        if keys is None:
+            inside = set(self.site_nodes[site])
+            keys = self._out[site] = [
+                k for k, n in self.by_key[site].items() if any(u not in inside for u in n.users)
+            ]
+        cache = (id(t), tuple(keys))
+        got = self._exposed.get(cache)
+        if got is None:
+            exposed: set[int] = set()
+            for k in keys:
+                _positions(t.env.get(k), exposed)
+                _positions(t.tan.get(k), exposed)
+            got = self._exposed[cache] = sorted(exposed)
+        return keys, got
 
     def _input_refs(self, args: list[Node]) -> dict[Any, tuple]:
         """Per JVP value of the call's inputs, ``("p", j)`` (input ``j``'s primal copy) or
@@ -753,9 +870,14 @@ class BlockLinearize:
             env[a] = lin.env[args[j]] if kind == "p" else lin.tan[args[j]]
         own = self.by_key[site]
         rel, absolute = self.rel[t.site], self.abs[site]
-        made: list[Node] = []
+        made: Any = []
         fwd_env = lin.env
-        for kind, x, *first in t.nodes:
+        keys: Any = own
+        if t.direct is not None:  # a call of the template derivative, its nodes not copied
+            values = [lin.env[args[j]] if k == "p" else lin.tan[args[j]] for k, j in t.direct[1]]
+            keys, exposed = self._outward(t, site)
+            made = self.recorder.call(g, t.direct, site, values, exposed)
+        for kind, x, *first in t.nodes if t.direct is None else ():
             if kind == "copy":
                 new = copy_node(g, own[x], fwd_env.__getitem__)
                 fwd_env[own[x]] = new
@@ -787,13 +909,14 @@ class BlockLinearize:
                 return lin.env[args[r[1]]] if r[0] == "p" else lin.tan[args[r[1]]]
             return tuple(value(x) for x in r)
 
-        for k, n in own.items():
+        for k in keys:  # with a recorder, only what is read after the call
+            n = own[k]
             e, tv = t.env.get(k), t.tan.get(k)
             if e is not None:
                 fwd_env[n] = value(e)
             if tv is not None:
                 lin.tan[n] = value(tv)
-        lin.b.log.extend(made[i] for i in t.log)
+        lin.b.log.extend(made[i] for i in t.log if t.direct is None or i in made)
         self.expanded += 1
 
     def _source(self, a: int, b: int, name: str) -> str:

@@ -37,6 +37,7 @@ from graphflop.ad.functions import FunctionCall, emit_tangent, function_calls
 from graphflop.meta import (
     CALL_SITE,
     CHECKPOINT,
+    DERIVED_HIERARCHY,
     GAPS,
     GHOST_LINKS,
     GHOSTS,
@@ -135,6 +136,7 @@ def build_jvp(
     wrt_outputs: str = "loss",
     for_transpose: bool = False,
     per_template: bool = True,
+    recorder: Any = None,
 ) -> GraphModule:
     """Build the JVP graph of a traced forward graph.
 
@@ -148,6 +150,15 @@ def build_jvp(
             ``jvp`` gets an opaque tangent node (:func:`graphflop.ad.functions.no_jvp`) instead
             of a gap, so the backward is built through it from its own ``backward``
             (``JvpInfo.opaque`` names such Functions).
+        per_template: build each repeated block's JVP nodes once per variant and expand them
+            at its other calls (:mod:`graphflop.ad.blocks`; the same graph node for node as
+            ``False``, which runs the rules at every call).
+        recorder: with ``per_template``, a :class:`graphflop.passes.calls.DirectRecorder` of
+            ``forward``: the graph returned is then the top level of the JVP's hierarchy, each
+            expanded call (and each variant's first call) one ``graphflop::repeat`` node, and
+            ``gm.meta[DERIVED_HIERARCHY]`` holds the hierarchy (``calls.expand`` gives the flat
+            graph, node for node the one built without it); ``JVP_LOG`` holds the top
+            level's logged tangents and those of a call read after it (its getitems).
 
     Returns:
         A GraphModule taking the forward's placeholders followed by one tangent per selected
@@ -168,13 +179,25 @@ def build_jvp(
     carry = params if tangents == "params" else inputs if tangents == "inputs" else params | inputs
 
     lin = _Linearizer(forward, for_transpose, per_template)
+    lin.recorder = recorder if per_template else None
     tangent_inputs = lin.placeholders(carry, ghostly=(params | inputs) - carry, params=params)
     outs = lin.propagate(_needed(forward.graph, diff_out))
     primal_outs = [lin.env[o] if isinstance(o, Node) else o for o in outs]
     tangent_outs = [lin.output_tangent(d) for d in diff_out]
     lin.graph.output(tuple(primal_outs + tangent_outs))
+    log = list(lin.b.log)
+    links = lin.b.ghost_links
+    if lin.recorder is not None:  # a call's nodes linked to ghosts: its getitems
+        moved = lin.recorder.finish(lin.graph, list(links))
+        links = {moved.get(n, n): gs for n, gs in links.items()}
+        # the log's nodes left at the top level (a call's tangents are its template's)
+        log = [e for e in log if not isinstance(e, Node) or not getattr(e, "_erased", False)]
 
     gm = graph_module(forward, lin.graph)
+    if lin.recorder is not None:
+        dh = lin.recorder.hierarchy(gm)
+        if dh is not None:
+            gm.meta[DERIVED_HIERARCHY] = dh
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = lin.ghosts
     gm.meta[JVP] = JvpInfo(
@@ -183,8 +206,8 @@ def build_jvp(
         tuple(d.name for d in diff_out),
         tuple(dict.fromkeys(lin.opaque)),
     )
-    gm.meta[JVP_LOG] = tuple(lin.b.log)
-    gm.meta[GHOST_LINKS] = GhostLinks.of(lin.b.ghost_links)
+    gm.meta[JVP_LOG] = tuple(log)
+    gm.meta[GHOST_LINKS] = GhostLinks.of(links)
     gm.meta[LOSS_KIND] = forward.meta.get(LOSS_KIND)
     gm.meta[GAPS] = tuple(lin.gaps) + (_detached_regions(forward) if carry & inputs else ())
     return gm
@@ -222,6 +245,8 @@ class _Linearizer:
         self.forward = forward
         self.for_transpose = for_transpose
         self.per_template = per_template
+        #: a :class:`graphflop.passes.calls.DirectRecorder`, or None (set by ``build_jvp``)
+        self.recorder: Any = None
         self.calls = function_calls(forward)
         self.last = {id(c): c.nodes[-1] for c in self.calls.values()}
         self.opaque: list[str] = []

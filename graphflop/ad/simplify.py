@@ -11,6 +11,7 @@ Reads and writes ``val`` and the graphflop provenance keys (:mod:`graphflop.meta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -24,8 +25,20 @@ aten = torch.ops.aten
 
 def fold_transposed_matmuls(gm: GraphModule) -> GraphModule:
     """Rewrite ``permute(mm(a, b), [1, 0])`` when the product has no other user (in place)."""
-    g = gm.graph
-    changed = False
+    if fold_graph(gm.graph):
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def fold_graph(
+    g: torch.fx.Graph, shared: Callable[[torch.fx.Node], bool] = lambda n: False
+) -> dict[torch.fx.Node, torch.fx.Node]:
+    """:func:`fold_transposed_matmuls` on graph ``g`` (in place, no lint), where a product
+    ``shared`` says is also read from outside ``g`` counts as having another user (a template
+    derivative's node read after its call). Returns each permute replaced -> its new product,
+    in graph order."""
+    folded: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in list(g.nodes):
         if n.op != "call_function" or n.target is not aten.permute.default:
             continue
@@ -35,6 +48,7 @@ def fold_transposed_matmuls(gm: GraphModule) -> GraphModule:
             or src.target is not aten.mm.default
             or len(src.users) != 1
             or list(n.args[1]) != [1, 0]
+            or shared(src)
         ):
             continue
         a, b = cast("tuple[torch.fx.Node, torch.fx.Node]", src.args)  # mm(a, b): two nodes
@@ -51,11 +65,8 @@ def fold_transposed_matmuls(gm: GraphModule) -> GraphModule:
         n.replace_all_uses_with(mm)
         g.erase_node(n)
         g.erase_node(src)
-        changed = True
-    if changed:
-        g.lint()
-        gm.recompile()
-    return gm
+        folded[n] = mm
+    return folded
 
 
 def _transposed(n: torch.fx.Node) -> torch.Tensor | None:

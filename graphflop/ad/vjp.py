@@ -48,6 +48,7 @@ from graphflop.ad.jvp import build_jvp
 from graphflop.ad.simplify import fold_transposed_matmuls
 from graphflop.meta import (
     CHECKPOINT,
+    DERIVED_HIERARCHY,
     GAPS,
     GHOST_LINKS,
     GHOSTS,
@@ -92,6 +93,8 @@ class TransposeBuilder(Builder):
     ):
         super().__init__(graph, fake_mode, ghosts)
         self.sig = sig
+        #: a :class:`graphflop.passes.calls.DirectRecorder` (``build_vjp``'s), or None
+        self.recorder: Any = None
         self.imported: dict[Node, Node] = {}
         self.checkpoints = _Checkpoints(forward, lin) if forward is not None else None
         self.residual_order: list[tuple[str, str, str]] = []
@@ -184,6 +187,7 @@ def build_vjp(
     input_grads: bool = False,
     linearized: GraphModule | None = None,
     per_template: bool = True,
+    recorder: Any = None,
 ) -> GraphModule:
     """Build the backward graph of a traced forward graph (see the module docstring).
 
@@ -195,6 +199,14 @@ def build_vjp(
         per_template: transpose each repeated block's call once per variant and expand it at
             its other calls (:mod:`graphflop.ad.blocks`; the same graph node for node as
             ``False``, which runs the rules at every call).
+        recorder: with ``per_template``, a :class:`graphflop.passes.calls.DirectRecorder` of
+            ``forward``: the graph returned is then the top level of the backward's hierarchy
+            (``gm.meta[DERIVED_HIERARCHY]``; each expanded call, and each variant's first call,
+            one ``graphflop::repeat`` node; the clean-ups run per template derivative), and
+            ``calls.expand`` of it the flat backward, node for node the one built without it.
+            Where that cannot be shown (a fold across a call's boundary, checkpointed work, a
+            parameter's gradient named at one call of a template and not another) the flat
+            graph is built instead, without the hierarchy.
 
     Returns:
         The backward GraphModule; ``gm.meta[LINEARIZED]`` holds the JVP graph it was
@@ -204,12 +216,19 @@ def build_vjp(
         MissingRuleError: for a tangent op with no transpose rule, inside
             :func:`graphflop.ops.strict_rules` (otherwise the cotangent stops there and the node
             is listed in ``gm.meta[GAPS]``, with the linearization's own gaps).
-        ValueError: when the forward graph has no loss.
+        ValueError: when the forward graph has no loss, or ``linearized`` is a recorded JVP
+            hierarchy's top level (``direct=True``).
     """
     sig: Signature = forward.meta[SIGNATURE]
     if sig.loss is None:
         raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
     lin = linearized
+    dh = lin.meta.get(DERIVED_HIERARCHY) if lin is not None else None
+    if dh is not None and dh.graph is lin:
+        raise ValueError(
+            "linearized is the top level of a recorded JVP hierarchy (built with direct=True); "
+            "the transpose reads the flat JVP graph: pass one built without direct"
+        )
     if lin is None or any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ())):
         # a custom Function without jvp cuts the JVP graph: transpose a linearization that
         # goes through it instead (its own backward is the transpose)
@@ -227,6 +246,7 @@ def build_vjp(
     ghosts: list = []
     fake_mode = fake_mode_of([n.meta.get("val") for n in lin.graph.nodes if "val" in n.meta])
     b = TransposeBuilder(g, fake_mode, ghosts, sig, lin, forward)
+    b.recorder = recorder if per_template else None
     loss_node = next(n for n in forward.graph.nodes if n.name == sig.loss)
     ct_loss = b.placeholder(
         "ct_loss",
@@ -255,23 +275,41 @@ def build_vjp(
     if b.checkpoints is not None:
         gaps.extend(b.checkpoints.unmodelled())
     outputs: list[Node] = []
+    named: list[tuple[Node, str]] = []  # with a recorder: parameter gradients of calls
     grads: list[tuple[int, str]] = []
     in_grads: list[tuple[int, str]] = []
+    placeholders = {n.name: n for n in lin.graph.find_nodes(op="placeholder")}
     for t_name, p_name in info.tangent_inputs:
-        t_node = next(n for n in lin.graph.nodes if n.name == t_name)
+        t_node = placeholders[t_name]
         g_val = ct.get(t_node)
         if g_val is None or is_ghost(g_val):
             with b.context(source=p_name, module="", role="grad_weight", ghost=False):
                 g_val = b.zeros_like(t_node)
         if PARAM in t_node.meta:
             grads.append((len(outputs), t_node.meta[PARAM]))
-            g_val.meta.setdefault(PARAM, t_node.meta[PARAM])
+            if b.recorder is not None and PARAM not in g_val.meta and b.recorder.inside(g_val):
+                named.append((g_val, t_node.meta[PARAM]))  # a call's node: its template's
+            else:
+                g_val.meta.setdefault(PARAM, t_node.meta[PARAM])
         else:
             in_grads.append((len(outputs), p_name))
         outputs.append(g_val)
     g.output(tuple(outputs))
-    g.eliminate_dead_code(is_impure_node=b.checkpoints.kept() if b.checkpoints else None)
-    gm = fold_transposed_matmuls(graph_module(torch.nn.Module(), g))
+    if b.recorder is not None:
+        moved = b.recorder.finish(g, [n for n, _ in named])
+        kept = b.checkpoints.kept() if b.checkpoints and b.checkpoints.emitted else None
+        named = [(moved.get(n, n), p) for n, p in named]
+        if not b.recorder.name(named) or not b.recorder.clean(g, kept):
+            return build_vjp(
+                forward, input_grads=input_grads, linearized=lin, per_template=per_template
+            )
+        gm = graph_module(torch.nn.Module(), g)
+        dh = b.recorder.hierarchy(gm)
+        if dh is not None:
+            gm.meta[DERIVED_HIERARCHY] = dh
+    else:
+        g.eliminate_dead_code(is_impure_node=b.checkpoints.kept() if b.checkpoints else None)
+        gm = fold_transposed_matmuls(graph_module(torch.nn.Module(), g))
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = ghosts
     gm.meta[LINEARIZED] = lin

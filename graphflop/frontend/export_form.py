@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from typing import Any
 
 import torch
 from torch.fx import GraphModule
@@ -205,16 +206,24 @@ def from_make_fx(
     n_inputs: int,
     loss_kind: str,
     target_nodes: list,
+    calls: Any = None,
 ) -> GraphModule:
     """``make_fx``'s graph in graphflop's form: placeholders named and classified as
     ``torch.export`` does (``p_model_*``, ``b_model_*``, ``args_i``; constants made in forward
     become fixed buffers), the target nodes made inside the trace turned into placeholders, the
-    functionalised buffer writes (``copy_`` into a placeholder) turned into outputs."""
+    functionalised buffer writes (``copy_`` into a placeholder, or into an ``alias`` of one)
+    turned into outputs, reads after a write pointed at the new value.
+
+    ``calls`` (an :class:`~graphflop.frontend.outline.Expansion`, or None) expands the outlined
+    calls as they are met, each template node copied once, straight into the new graph.
+
+    Raises:
+        TraceError: a write into a parameter or an input.
+    """
     old = gm.graph
     phs = [n for n in old.nodes if n.op == "placeholder"]
     n_p, n_b = len(params), len(buffers)
     out_node = next(n for n in reversed(old.nodes) if n.op == "output")
-    writes = _buffer_writes(old, phs, params, buffers)
     g = torch.fx.Graph()
     env: dict = {}
     sig_params, sig_buffers, model_inputs, target_names = [], [], [], []
@@ -244,13 +253,33 @@ def from_make_fx(
     for j, n in enumerate(target_nodes):
         env[n] = placeholder(f"args_{n_inputs + j}", n)
         target_names.append(env[n].name)
-    for n in old.nodes:
-        if n in env or n.op in ("placeholder", "get_attr", "output"):
-            continue
-        env[n] = copy_node(g, n, lambda a: env[a])
+    index = {env[n]: i for i, n in enumerate(phs)}
+    writes: dict = {}
+
+    def write(args: tuple) -> Any:
+        """A ``copy_`` (arguments in ``g``) into a placeholder, or into an ``alias`` of one
+        (instance norm's running statistics), is a buffer write: its new value, which later
+        reads see; None for another ``copy_``."""
+        target = args[0]
+        while isinstance(target, torch.fx.Node) and target.target is aten.alias.default:
+            target = target.args[0]
+        i = index.get(target)
+        if i is None:
+            return None
+        if not n_p <= i < n_p + n_b:
+            what = params[i] if i < n_p else f"input {i - n_p - n_b}"
+            raise TraceError(
+                f"the model writes in place into {what}; only buffers may be updated in forward"
+            )
+        value = args[1]
+        writes[buffers[i - n_p]] = value
+        env[phs[i]] = value
+        return value
+
+    _copy_nodes(old, g, env, calls, write)
     results = [env[a] for a in out_node.args[0]]
-    updates = [(env[v].name, b) for b, v in writes.items()]
-    g.output(tuple([env[writes[b]] for b in writes] + results))
+    updates = [(v.name, b) for b, v in writes.items()]
+    g.output(tuple(list(writes.values()) + results))
     functionalize_inplace(g)  # in-place ops left on temporaries (recurrent layers)
     unused = _eliminate_dead_code(g)
     new = graph_module(torch.nn.Module(), g)
@@ -268,40 +297,31 @@ def from_make_fx(
     return _finish(new, signature, constants, loss_kind, wrapped=True)
 
 
-def _buffer_writes(old: torch.fx.Graph, phs: list, params: list[str], buffers: list[str]) -> dict:
-    """The functionalised buffer writes of ``old`` (``copy_`` into a placeholder, or into an
-    ``alias`` of one) removed, later reads pointed at the new value: ``{buffer: new value}``.
-
-    Raises:
-        TraceError: a write into a parameter or an input.
-    """
-    n_p, n_b = len(params), len(buffers)
-    writes: dict = {}
-    order = {n: i for i, n in enumerate(old.nodes)}
-    for n in list(old.nodes):
-        if n.op == "call_function" and n.target is aten.copy_.default:
-            # a write through an alias of a placeholder (instance norm's running statistics)
-            # is a write into the placeholder
-            target = n.args[0]
-            while isinstance(target, torch.fx.Node) and target.target is aten.alias.default:
-                target = target.args[0]
-            if target in phs and target is not n.args[0]:
-                n.replace_input_with(n.args[0], target)
-        if n.op == "call_function" and n.target is aten.copy_.default and n.args[0] in phs:
-            i = phs.index(n.args[0])
-            if not n_p <= i < n_p + n_b:
-                what = params[i] if i < n_p else f"input {i - n_p - n_b}"
-                raise TraceError(
-                    f"the model writes in place into {what}; only buffers may be updated in forward"
-                )
-            ph, value = n.args
-            later = [u for u in ph.users if order[u] > order[n]]
-            for u in later:  # reads after the write see the new value
-                u.replace_input_with(ph, value)
-            writes[buffers[i - n_p]] = value
-            n.replace_all_uses_with(value)
-            old.erase_node(n)
-    return writes
+def _copy_nodes(old: torch.fx.Graph, g: torch.fx.Graph, env: dict, calls: Any, write: Any) -> None:
+    """Copy ``old``'s nodes not in ``env`` into ``g`` in order, each outlined call of ``calls``
+    expanded where it stands (its ``getitem`` nodes are its template's outputs, its
+    buffer-write ``copy`` nodes the outputs themselves), each ``copy_`` first offered to
+    ``write``."""
+    results_of: dict = {}
+    for n in old.nodes:
+        if n in env or n.op in ("placeholder", "get_attr", "output"):
+            continue
+        if calls is not None:
+            if n in calls.calls:
+                results_of[n] = calls.body(n, g, env.__getitem__, write)
+                continue
+            if n.target is operator.getitem and n.args[0] in results_of:
+                env[n] = results_of[n.args[0]][n.args[1]]
+                continue
+            if calls.drops(n):
+                env[n] = env[n.args[1]]
+                continue
+        if n.target is aten.copy_.default:
+            got = write(torch.fx.node.map_arg(n.args, env.__getitem__))
+            if got is not None:
+                env[n] = got
+                continue
+        env[n] = copy_node(g, n, env.__getitem__)
 
 
 def _kept(n: torch.fx.Node) -> bool:

@@ -1,8 +1,9 @@
 """The traced forward graph seen as a hierarchy: a top level whose repeated blocks are calls of
 one template graph per distinct block (:class:`~graphflop.meta.Hierarchy`).
 
-:func:`graphflop.frontend.outline.inline` tags every node it copies from a template with its
-call site and the template node it copies (:data:`~graphflop.meta.CALL_SITE`). After the graph
+:func:`graphflop.frontend.outline.inline` (and :class:`~graphflop.frontend.outline.Expansion`,
+which tracing uses) tags every node it copies from a template with its call site and the
+template node it copies (:data:`~graphflop.meta.CALL_SITE`). After the graph
 is in graphflop's form (:func:`~graphflop.frontend.export_form.from_make_fx`: dead code removed,
 ``getitem`` nodes completed), :func:`build` reads those tags back: per call site, which of the
 template's nodes survived (its *variant*; call sites that kept the same nodes share one), and

@@ -13,7 +13,10 @@ fake kernel runs the real ``forward`` on FakeTensors, without tracing, to produc
 Afterwards each distinct call (module structure and argument metadata) is traced once as a
 graph of its own (:meth:`Outliner.templates`) and :func:`inline` replaces every
 ``graphflop::repeat`` node with a copy of its template, the call's arguments standing for the
-template's placeholders and the call site's module path prefixed to the template's.
+template's placeholders and the call site's module path prefixed to the template's;
+:class:`Expansion` plans the same copies for
+:func:`~graphflop.frontend.export_form.from_make_fx` to make once, straight into graphflop's
+graph (what tracing does).
 
 The result is the graph full tracing gives, node for node (tests/test_outline.py). Batch norm
 in training mode writes its running statistics: the template keeps the running mean and
@@ -32,6 +35,7 @@ import dataclasses
 import operator
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -39,6 +43,7 @@ from torch import nn
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 from torch.fx import Graph, Node
+from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.ad.builder import copy_node
@@ -640,6 +645,150 @@ def inline(
             raise NotOutlinable(-1, "an outlined call's result list is used whole")
         graph.erase_node(node)
     return copied
+
+
+class Expansion:
+    """:func:`inline`'s copies planned without making them, for a single copy of each flat
+    node: :func:`graphflop.frontend.export_form.from_make_fx` makes each template node's copy
+    straight into graphflop's graph where the call stood (:meth:`body`), instead of a copy in
+    ``make_fx``'s graph that it then copies again.
+
+    The plan is :func:`inline`'s, call by call in graph order: each copy's name is the one
+    ``graph``'s namespace would give it there (claimed here, so the flat graph's names are
+    :func:`inline`'s), its annotations the same (module stack, call site, the call's region
+    tags). ``sites`` receives per call what :func:`inline` gives it.
+
+    Raises:
+        NotOutlinable: an outlined call's result list is used whole, or a template writes a
+            buffer the call did not get as it was (one written before).
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        templates: dict[int, Graph],
+        model: nn.Module,
+        prefix: str = "model",
+        sites: list[tuple[int, dict[str, str]]] | None = None,
+    ):
+        paths: dict[int, str] = {}
+        for name, m in model.named_modules(remove_duplicate=False):
+            paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
+        bodies: dict[int, list[tuple[int, Node, str, tuple]]] = {}
+        phs_of: dict[int, list[Node]] = {}
+        outs_of: dict[int, list] = {}
+        for key, tpl in templates.items():
+            body = bodies[key] = []
+            for index, tn in enumerate(tpl.nodes):
+                if tn.op == "placeholder":
+                    phs_of.setdefault(key, []).append(tn)
+                    continue
+                if tn.op == "output":
+                    outs_of[key] = list(tn.args[0])
+                    continue
+                rel = module_path(tn, wrapped=False) or MARK
+                tn.meta[MODULE] = rel
+                inner = tuple(
+                    (path[len(MARK) + 1 :], cls)
+                    for path, cls in (tn.meta.get("nn_module_stack") or {}).values()
+                    if path != MARK
+                )
+                body.append((index, tn, rel, inner))
+        namespace = graph._graph_namespace
+        #: per call node: (template placeholders, call's tensors, [(template node, name,
+        #: meta)], template outputs)
+        self.calls: dict[Node, tuple[list, list, list, list]] = {}
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target is not torch.ops.graphflop.repeat.default:
+                continue
+            tensors, key = node.args
+            site = node.meta.get("nn_module_stack") or {}
+            site_path = list(site.values())[-1][0] if site else ""
+            site_no = len(sites) if sites is not None else -1
+            modules: dict[str, str] = {}
+            phs = phs_of.get(key, [])
+            arg_of = dict(zip(phs, tensors))
+            stacks: dict[tuple, tuple[dict, str]] = {}
+            copies = []
+            for index, tn, rel, inner in bodies[key]:
+                written = tn.args[0] if tn.target is torch.ops.aten.copy_.default else None
+                if isinstance(written, Node) and arg_of[written].op != "placeholder":
+                    raise NotOutlinable(-1, "writes a buffer written before")
+                meta = dict(tn.meta)
+                _inherit_region_meta(meta, node)
+                known = stacks.get(inner)
+                if known is None:
+                    stack = dict(site)
+                    for path, cls in inner:
+                        full = _site_path(model, prefix, site_path, path, paths)
+                        stack[full] = (full, cls)
+                    known = stacks[inner] = (stack, _stack_path(stack))
+                meta["nn_module_stack"] = dict(known[0])
+                meta[CALL_SITE] = (site_no, index)
+                modules[rel] = known[1]
+                copies.append((tn, namespace.create_name(tn.name, None), meta))
+            if sites is not None:
+                sites.append((key, modules))
+            if any(u.target is not operator.getitem for u in node.users):
+                raise NotOutlinable(-1, "an outlined call's result list is used whole")
+            self.calls[node] = (phs, list(tensors), copies, outs_of[key])
+
+    def body(self, node: Node, g: Graph, value_of: Any, write: Any) -> list:
+        """Copy call ``node``'s template into ``g`` (at its end); ``value_of`` maps ``make_fx``
+        nodes (the call's arguments) to ``g``'s, read when a copy needs one (a value written
+        into a buffer earlier in the call is then the new one). A template's ``copy_`` is
+        first offered to ``write(args)`` (its arguments in ``g``), which returns the value
+        that stands for it instead of a copy, or None. Returns the template's outputs in
+        ``g``."""
+        phs, tensors, copies, outs = self.calls[node]
+        arg_of = dict(zip(phs, tensors))
+        env: dict[Node, Any] = {}
+
+        def value(a: Node) -> Any:
+            got = env.get(a)
+            return value_of(arg_of[a]) if got is None else got
+
+        copy_ = torch.ops.aten.copy_.default
+        for tn, name, meta in copies:
+            args = map_arg(tn.args, value)
+            if tn.target is copy_:
+                got = write(args)
+                if got is not None:
+                    env[tn] = got
+                    continue
+            new = g.create_node(tn.op, tn.target, name=name, type_expr=tn.type)
+            new._update_args_kwargs(args, map_arg(tn.kwargs, value))
+            new.meta = meta
+            env[tn] = new
+        return [value(a) if isinstance(a, Node) else a for a in outs]
+
+    def drops(self, n: Node) -> bool:
+        """``n`` is a functional ``copy`` of a call's output into a buffer of the same layout
+        (the stub's buffer write), which the flat graph leaves out as :func:`inline` does."""
+        out = n.args[1] if len(n.args) == 2 else None
+        return (
+            n.target is torch.ops.aten.copy.default
+            and isinstance(out, Node)
+            and out.target is operator.getitem
+            and out.args[0] in self.calls
+            and isinstance(n.args[0], Node)
+            and _same_layout(n, out)
+        )
+
+
+def _stack_path(stack: dict) -> str:
+    """:func:`module_path` of a node whose module stack is ``stack``."""
+    return module_path(SimpleNamespace(meta={"nn_module_stack": stack}))  # type: ignore[arg-type]
+
+
+def _inherit_region_meta(meta: dict, call: Node) -> None:
+    """:func:`_inherit_region` on a copy's ``meta``."""
+    for key in _REGION_KEYS:
+        if key in call.meta and key not in meta:
+            meta[key] = call.meta[key]
+        elif key == CHECKPOINT and key in call.meta:
+            inner = meta[key].unmodelled
+            meta[key] = dataclasses.replace(call.meta[key], unmodelled=inner or NESTED)
 
 
 #: the tags of the region a call of a block was made in, which its copies inherit

@@ -329,9 +329,11 @@ def _trace_once(
             stacklevel=2,
         )
     sites: list[tuple[int, dict[str, str]]] = []
-    copies = repeats.inline(gm.graph, templates, model, sites=sites)
-    out = from_make_fx(
+    out, copies = _flat_form(
         gm,
+        templates,
+        model,
+        sites,
         params=list(params),
         buffers=list(buffers),
         n_inputs=len(inputs),
@@ -348,6 +350,26 @@ def _trace_once(
     frozen += _detached_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+def _flat_form(
+    gm: GraphModule, templates: dict, model: nn.Module, sites: list, **form: Any
+) -> tuple[GraphModule, int]:
+    """The flat graph in graphflop's form and the number of outlined calls expanded: each
+    template node copied once, straight into the new graph where its call stood
+    (:class:`repeats.Expansion`), named and annotated as :func:`repeats.inline` names and
+    annotates its copies in ``make_fx``'s graph."""
+    calls = repeats.Expansion(gm.graph, templates, model, sites=sites)
+    return from_make_fx(gm, calls=calls, **form), len(calls.calls)
+
+
+def _flat_form_twice(
+    gm: GraphModule, templates: dict, model: nn.Module, sites: list, **form: Any
+) -> tuple[GraphModule, int]:
+    """:func:`_flat_form` by two copies: :func:`repeats.inline` into ``make_fx``'s graph, then
+    :func:`from_make_fx` into graphflop's (the reference the single copy is tested against)."""
+    copies = repeats.inline(gm.graph, templates, model, sites=sites)
+    return from_make_fx(gm, **form), copies
 
 
 class _FunctionModes:

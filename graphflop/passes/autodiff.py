@@ -14,7 +14,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.ad import jvp as _jvp
 from graphflop.ad import vjp as _vjp
-from graphflop.passes.calls import attach
+from graphflop.meta import DERIVED_HIERARCHY, HIERARCHY
+from graphflop.passes.calls import DirectRecorder, attach
 from graphflop.passes.infra import FLAT, GraphPass
 
 
@@ -27,6 +28,11 @@ class BuildJvp(GraphPass):
         per_template: build each repeated block's JVP nodes once per variant and expand them
             at its other calls (:mod:`graphflop.ad.blocks`); False runs the rules at every
             call (the same graph, node for node).
+        direct: with ``per_template``, record each expanded call as a call of its template
+            derivative instead of copying its nodes (:class:`~graphflop.passes.calls.DirectRecorder`):
+            the graph returned is the top level of ``gm.meta[DERIVED_HIERARCHY]``, and
+            ``calls.expand`` of it the flat JVP graph. Off by default: the analysis's later
+            passes read the flat graph.
 
     Requires ``traced``; provides ``jvp``. Raises ``MissingRuleError``, ``ValueError`` (see the
     builder).
@@ -39,22 +45,35 @@ class BuildJvp(GraphPass):
     provided = ("jvp",)
 
     def __init__(
-        self, tangents: str = "params", *, wrt_outputs: str = "loss", per_template: bool = True
+        self,
+        tangents: str = "params",
+        *,
+        wrt_outputs: str = "loss",
+        per_template: bool = True,
+        direct: bool = False,
     ) -> None:
         self.tangents = tangents
         self.wrt_outputs = wrt_outputs
         self.per_template = per_template
+        self.direct = direct
 
     def call(self, graph_module: GraphModule) -> PassResult:
+        recorder = _recorder(graph_module) if self.direct and self.per_template else None
         gm = _jvp.build_jvp(
             graph_module,
             self.tangents,
             wrt_outputs=self.wrt_outputs,
             per_template=self.per_template,
+            recorder=recorder,
         )
-        if self.per_template:
+        if self.per_template and DERIVED_HIERARCHY not in gm.meta:
             attach(gm, graph_module)
         return PassResult(gm, True)
+
+
+def _recorder(forward: GraphModule) -> DirectRecorder | None:
+    """A recorder of the derivative graphs' calls, where ``forward`` has call sites."""
+    return DirectRecorder(forward) if forward.meta.get(HIERARCHY) is not None else None
 
 
 class BuildVjp(GraphPass):
@@ -66,6 +85,13 @@ class BuildVjp(GraphPass):
         per_template: transpose each repeated block once per variant and expand it at its
             other calls (:mod:`graphflop.ad.blocks`); False runs the rules at every call (the
             same graph, node for node).
+        direct: with ``per_template``, record each expanded call as a call of its template
+            derivative instead of copying its nodes, and run the clean-ups per template
+            derivative (:class:`~graphflop.passes.calls.DirectRecorder`): the graph returned
+            is the top level of ``gm.meta[DERIVED_HIERARCHY]``, and ``calls.expand`` of it the
+            flat backward; where that cannot be shown equal the flat graph is built (and its
+            hierarchy read off it, as without the option). Off by default: the analysis's
+            later passes read the flat graph.
 
     Requires ``traced``; provides ``vjp``. Raises ``MissingRuleError``, ``ValueError`` (no
     loss).
@@ -83,18 +109,22 @@ class BuildVjp(GraphPass):
         input_grads: bool = False,
         linearized: GraphModule | None = None,
         per_template: bool = True,
+        direct: bool = False,
     ) -> None:
         self.input_grads = input_grads
         self.linearized = linearized
         self.per_template = per_template
+        self.direct = direct
 
     def call(self, graph_module: GraphModule) -> PassResult:
+        recorder = _recorder(graph_module) if self.direct and self.per_template else None
         gm = _vjp.build_vjp(
             graph_module,
             input_grads=self.input_grads,
             linearized=self.linearized,
             per_template=self.per_template,
+            recorder=recorder,
         )
-        if self.per_template:
+        if self.per_template and DERIVED_HIERARCHY not in gm.meta:
             attach(gm, graph_module)
         return PassResult(gm, True)

@@ -41,6 +41,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.builder import copy_node
+from graphflop.ad.simplify import fold_graph
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
     CALL_SITE,
@@ -67,6 +68,7 @@ __all__ = [
     "DerivedCall",
     "DerivedFigures",
     "DerivedHierarchy",
+    "DirectRecorder",
     "attach",
     "build",
     "derived_figures",
@@ -220,7 +222,8 @@ class _Describer:
             r_param = None
             if PARAM in m:
                 owner, _, leaf = m[PARAM].rpartition(".")
-                r_param = (rel[owner], leaf) if owner in rel else ("abs", m[PARAM])
+                r_owner = _relative_owner(owner, rel)
+                r_param = (r_owner, leaf) if r_owner is not None else ("abs", m[PARAM])
             cs = m.get(CALL_SITE)
             r_cs = ("own",) + tuple(cs[1:]) if cs is not None and cs[0] == s else cs
             others = tuple([(key, v) for key, v in m.items() if key in _COMPARED])
@@ -246,6 +249,20 @@ class _Describer:
         return sig, list(ext), order
 
 
+def _relative_owner(owner: str, rel: dict[str, str]) -> str | None:
+    """The path relative to a call's block (``@...``) of module ``owner``, the owner of a
+    parameter (``rel``: the call's module paths, absolute -> relative): a module the call ran,
+    or one under the block it did not run (its parameters read directly, as
+    ``nn.MultiheadAttention`` reads ``out_proj``'s); None outside the block."""
+    r = rel.get(owner)
+    if r is not None:
+        return r
+    for a, r in rel.items():
+        if r == "@" and a and owner.startswith(a + "."):
+            return "@" + owner[len(a) :]
+    return None
+
+
 def _placeholder_name(v: Node) -> str:
     if v.op == "placeholder" and RESIDUAL in v.meta:
         return "residual"
@@ -253,7 +270,7 @@ def _placeholder_name(v: Node) -> str:
 
 
 def _template(
-    run: list[Node], ext: list[Node], s: int, d: _Describer, root: GraphModule
+    run: list[Node], ext: list[Node], s: int, d: _Describer, root: torch.nn.Module
 ) -> GraphModule:
     """The template derivative of ``run`` (call site ``s``): see :class:`DerivedHierarchy`."""
     g = Graph()
@@ -276,8 +293,9 @@ def _template(
             m[SOURCE] = f"@{slots.setdefault(k[1], len(slots))}"
         if PARAM in m:
             owner, _, leaf = m[PARAM].rpartition(".")
-            if owner in rel:
-                m[PARAM] = f"{rel[owner]}.{leaf}"
+            r_owner = _relative_owner(owner, rel)
+            if r_owner is not None:
+                m[PARAM] = f"{r_owner}.{leaf}"
         cs = m.get(CALL_SITE)
         if cs is not None and cs[0] == s:
             m[CALL_SITE] = (-1, *cs[1:])
@@ -403,7 +421,8 @@ def _localize(m: dict, c: DerivedCall, absolute: dict[str, str]) -> None:
     p = m.get(PARAM)
     if p is not None and p.startswith("@"):
         owner, _, leaf = p.rpartition(".")
-        m[PARAM] = f"{absolute[owner]}.{leaf}"
+        a = absolute.get(owner)
+        m[PARAM] = f"{a if a is not None else absolute['@'] + owner[1:]}.{leaf}"
     cs = m.get(CALL_SITE)
     if cs is not None and cs[0] == -1:
         m[CALL_SITE] = (c.site, *cs[1:])
@@ -539,3 +558,366 @@ def derived_figures(
 
 def _nodes(t: GraphModule) -> Iterable[Node]:
     return (x for x in t.graph.nodes if x.op == "call_function")
+
+
+# -- the hierarchy recorded while the derivative graph is built -----------------------------------
+@dataclass(eq=False)
+class _First:
+    """A variant's first, rule-built call, still flat in the graph being built."""
+
+    run: list[Node]
+    ext: list[Node]
+    template: int
+    site: int
+    order: list[tuple]
+
+
+def _outside(inside: set[Node]) -> Callable[[Node], bool]:
+    return lambda u: u not in inside
+
+
+class DirectRecorder:
+    """Records a derivative graph's calls while the graph is built, so that the flat graph is
+    never made (the ``direct`` option of :class:`~graphflop.passes.autodiff.BuildJvp` and
+    :class:`~graphflop.passes.autodiff.BuildVjp`).
+
+    The expanders of :mod:`graphflop.ad.blocks` hand it each variant's first call (its nodes,
+    built by the rules: :meth:`template` describes them as :func:`build` would and makes the
+    template derivative from them) and, at every other call of that variant, the call's values
+    from outside (:meth:`call` emits the ``graphflop::repeat`` node and its getitems in place of
+    the nodes the expander would have copied). :meth:`finish` then turns each first call into a
+    call too. The result is a :class:`DerivedHierarchy` whose top level is the graph built
+    (``runs`` empty: there is no flat graph); :func:`expand` rebuilds the flat graph, equal
+    node for node to the one built without the recorder (``tests/test_derived_direct.py``).
+
+    Args:
+        forward: the traced forward graph, with :data:`~graphflop.meta.HIERARCHY`.
+    """
+
+    def __init__(self, forward: GraphModule) -> None:
+        h: Hierarchy = forward.meta[HIERARCHY]
+        self.h = h
+        self.d = _Describer(forward, h)
+        self.variants: dict[tuple, int] = {}
+        self.templates: list[GraphModule] = []
+        self.firsts: list[_First] = []
+        self.calls: list[DerivedCall] = []
+        self.call_op = torch.ops.graphflop.repeat.default
+        self._in_firsts: list[set[Node]] = []  # per first call, its nodes (for inside)
+
+    def template(
+        self, run: list[Node], site: int, root: torch.nn.Module, refs: dict[Node, Any] | None
+    ) -> tuple | None:
+        """Describe a call the rules built, ``run`` (its nodes in the graph being built, one
+        unbroken run of it, call site ``site``), make it a call of its template derivative
+        (:meth:`finish` replaces the nodes) and return a handle for :meth:`call`:
+        ``(template, per value from outside in order its reference in refs, source slots)``.
+        None where ``refs`` is None or a value from outside has no reference in it (no other
+        call expands it; the run is still made a call), or where the run cannot be described
+        (it stays at the top level, as :func:`build` would leave it)."""
+        try:
+            sig, ext, order = self.d.describe(run, site)
+        except _Unshared:
+            return None
+        t = self.variants.get(sig)
+        if t is None:
+            t = self.variants[sig] = len(self.templates)
+            self.templates.append(_template(run, ext, site, self.d, root))
+        self.firsts.append(_First(run, ext, t, site, order))
+        if refs is None or any(e not in refs for e in ext):
+            return None
+        return t, [refs[e] for e in ext], order
+
+    def _call(self, site: int, handle: tuple) -> DerivedCall:
+        t, _, order = handle
+        names = self.d.names
+        sources = tuple(names[(site, k)] for k in order)
+        return DerivedCall(site, t, self.h.sites[site].modules, sources)
+
+    def call(self, g: Graph, handle: tuple, site: int, args: list[Any], exposed: list[int]) -> dict:
+        """Emit at the end of ``g`` the call of ``handle``'s template at call site ``site``
+        with values from outside ``args`` (in the handle's order): its ``graphflop::repeat``
+        node and one getitem per template node in ``exposed`` (ascending; getitems nobody
+        reads are dropped by :meth:`finish`). Returns template node position -> getitem, each
+        with that node's annotations made the call's."""
+        c = self._call(site, handle)
+        number = len(self.calls)
+        self.calls.append(c)
+        rep = g.create_node("call_function", self.call_op, (list(args), number), name="gf_call")
+        nodes = list(self.templates[c.template].graph.nodes)
+        first = len([x for x in nodes if x.op == "placeholder"])
+        absolute = dict(c.modules)
+        items = {}
+        for i in exposed:
+            item = g.create_node("call_function", operator.getitem, (rep, i), name="gf_item")
+            m = dict(nodes[first + i].meta)
+            _localize(m, c, absolute)
+            item.meta = m
+            items[i] = item
+        return items
+
+    def finish(self, g: Graph, keep: Iterable[Any] = ()) -> dict[Node, Node]:
+        """Turn each first call into a call of its template (a ``graphflop::repeat`` node where
+        its first node was, a getitem per node read after it or in ``keep``), drop the
+        getitems nobody reads (other than ``keep``'s) and number the calls in graph order.
+        Returns the first calls' nodes in ``keep`` -> their getitems."""
+        keep = set(keep)
+        moved: dict[Node, Node] = {}
+        firsts = []
+        for f in self.firsts:
+            c = self._call(f.site, (f.template, f.ext, f.order))
+            firsts.append(c)
+            inside = set(f.run)
+            with g.inserting_before(f.run[0]):
+                rep = g.create_node(
+                    "call_function",
+                    self.call_op,
+                    ([moved.get(e, e) for e in f.ext], -len(firsts)),
+                    name="gf_call",
+                )
+            prev = rep
+            for i, n in enumerate(f.run):
+                if n in keep or any(u not in inside for u in n.users):
+                    with g.inserting_after(prev):
+                        item = g.create_node(
+                            "call_function", operator.getitem, (rep, i), name="gf_item"
+                        )
+                    item.meta = n.meta
+                    n.replace_all_uses_with(item, delete_user_cb=_outside(inside))
+                    moved[n] = item
+                    prev = item
+            for n in reversed(f.run):
+                g.erase_node(n)
+        made = set(moved.values())
+        calls: list[DerivedCall] = []
+        for n in list(g.nodes):
+            if n.target is operator.getitem and n.args[0].target is self.call_op:
+                if not n.users and n not in keep and n not in made:
+                    g.erase_node(n)
+            elif n.target is self.call_op:
+                number = n.args[1]
+                calls.append(self.calls[number] if number >= 0 else firsts[-1 - number])
+                n.update_arg(1, len(calls) - 1)
+        self.calls = calls
+        return moved
+
+    def inside(self, n: Node) -> bool:
+        """Whether ``n`` is a node of a call (a getitem of one, or a node of a first call
+        :meth:`finish` has not yet made a call)."""
+        if n.target is operator.getitem and getattr(n.args[0], "target", None) is self.call_op:
+            return True
+        if len(self._in_firsts) != len(self.firsts):
+            self._in_firsts = [{x for x in f.run} for f in self.firsts]
+        return any(n in run for run in self._in_firsts)
+
+    def name(self, named: list[tuple[Node, str]]) -> bool:
+        """Give each node of ``named`` (the graph's output values: a getitem of a call, or a
+        top-level node) the parameter path it is the gradient of (:data:`~graphflop.meta.PARAM`),
+        as the flat graph gives it its node: a call's node through its template node, with the
+        path relative to the block. False where that cannot equal the flat graph: a template
+        node named at one call and not another, or under other relative paths."""
+        want: dict[tuple[int, int], dict[int, str]] = {}
+        for item, param in named:
+            args: Any = item.args
+            if not (item.target is operator.getitem and args[0].target is self.call_op):
+                item.meta.setdefault(PARAM, param)
+                continue
+            number = args[0].args[1]
+            c = self.calls[number]
+            owner, _, leaf = param.rpartition(".")
+            r_owner = _relative_owner(owner, {a: r for r, a in c.modules})
+            per = want.setdefault((c.template, args[1]), {})
+            if r_owner is None or number in per:
+                return False
+            per[number] = f"{r_owner}.{leaf}"
+            item.meta.setdefault(PARAM, param)
+        uses = [0] * len(self.templates)
+        for c in self.calls:
+            uses[c.template] += 1
+        for (t, i), per in want.items():
+            if len(per) != uses[t] or len(set(per.values())) != 1:
+                return False
+            x = [x for x in self.templates[t].graph.nodes if x.op == "call_function"][i]
+            x.meta.setdefault(PARAM, next(iter(per.values())))
+        return True
+
+    def clean(self, g: Graph, impure: Callable[[Node], bool] | None = None) -> bool:
+        """The backward's clean-ups on the graph :meth:`finish` ended, as they would run on the
+        flat graph: dead-code elimination (fx's, one pass in reverse order: a call's node is
+        dead where no node after it reads it, in the call or through a getitem; a call whose
+        nodes are all dead goes) and :func:`~graphflop.ad.simplify.fold_transposed_matmuls`
+        (at the top level, and per template derivative where a product is not read after its
+        call). Calls of one template whose getitems read differ get templates of their own.
+        False (the graph half cleaned: build it flat instead) where a fold could cross a
+        call's boundary (a permute outside a call of a product inside it, or inside of one
+        outside), or where ``impure`` is given (checkpointed work kept)."""
+        if impure is not None:
+            return False
+        bodies = [_Body(t) for t in self.templates]
+        keys, group_of = self._dead_code(g, bodies)
+        templates = [bodies[t].pruned(seeds) for t, seeds in keys]
+        if self._crossing(g, group_of, templates, _made(fold_graph(g))):
+            return False
+        calls: list[DerivedCall] = []
+        for n in g.nodes:
+            if n.target is self.call_op:
+                c = self.calls[n.args[1]]
+                gi = group_of[n]
+                calls.append(DerivedCall(c.site, gi, c.modules, c.sources))
+                n.update_arg(1, len(calls) - 1)
+                index = templates[gi][1]
+                for u in list(n.users):
+                    u.update_arg(1, index[u.args[1]])
+        self.templates = [t[0] for t in templates]
+        self.calls = calls
+        g.lint()
+        return True
+
+    def _dead_code(self, g: Graph, bodies: list[_Body]) -> tuple[list[tuple], dict[Node, int]]:
+        """Dead-code elimination over the top level and, per call, its template's nodes (see
+        :meth:`clean`). Returns per group of calls left (one template, the same getitems read)
+        ``(template, getitems read)``, and each call's group."""
+        groups: dict[tuple, int] = {}
+        keys: list[tuple] = []
+        group_of: dict[Node, int] = {}
+        for n in reversed(g.nodes):
+            if n.target is self.call_op and n.op == "call_function":
+                t = self.calls[n.args[1]].template
+                seeds = frozenset(u.args[1] for u in n.users)
+                live, used = bodies[t].live(seeds)
+                if not live:
+                    g.erase_node(n)
+                    continue
+                group_of[n] = groups.setdefault((t, seeds), len(keys))
+                if group_of[n] == len(keys):
+                    keys.append((t, seeds))
+                if len(used) != len(n.args[0]):
+                    n.update_arg(0, [a for j, a in enumerate(n.args[0]) if j in used])
+            elif not n.users and not n.is_impure():
+                g.erase_node(n)
+        return keys, group_of
+
+    def _crossing(
+        self, g: Graph, group_of: dict[Node, int], pruned: list[tuple], made: set[Node]
+    ) -> bool:
+        """Whether the flat graph would fold a transposed product across a call's boundary: a
+        permute ``[1, 0]`` at the top level whose product is a call's node, or in a template
+        derivative (``pruned``: per group, the template folded, its getitems' new positions
+        and the nodes the folds made) whose product is passed to the call, the permute being
+        the product's only reader in the flat graph. The folds at the top level are done
+        (``made``: the nodes they made); a permute a fold made is never folded again (the
+        flat graph's fold visits the nodes it had when it began), a product it made is."""
+        mm, permute = torch.ops.aten.mm.default, torch.ops.aten.permute.default
+        inner = [[x for x in t.graph.nodes if x.op == "call_function"] for t, *_ in pruned]
+        phs = [[x for x in t.graph.nodes if x.op == "placeholder"] for t, *_ in pruned]
+
+        def readers(v: Node) -> int | None:
+            """How many nodes read product ``v`` in the flat graph (None: not a product)."""
+            if v.target is operator.getitem and v.args[0] in group_of:
+                gi = group_of[v.args[0]]  # type: ignore[index]
+                x = inner[gi][pruned[gi][1][v.args[1]]]
+                if x.target is not mm:
+                    return None
+                count = sum(1 for u in x.users if u.op != "output")
+            elif v.target is mm:
+                count = 0
+            else:
+                return None
+            for u in v.users:
+                if u in group_of:
+                    passed: Any = u.args[0]
+                    count += sum(
+                        len(phs[group_of[u]][j].users) for j, a in enumerate(passed) if a is v
+                    )
+                else:
+                    count += 1
+            return count
+
+        def folds(p: Node, v: Any) -> bool:
+            dims: Any = p.args[1]
+            return (
+                p.target is permute
+                and list(dims) == [1, 0]
+                and isinstance(v, Node)
+                and readers(v) == 1
+            )
+
+        for n in g.nodes:
+            if n.target is permute and n.args[0].target is operator.getitem and n not in made:
+                if folds(n, n.args[0]):
+                    return True
+        for n, gi in group_of.items():
+            inside = pruned[gi][2]
+            values: Any = n.args[0]
+            for j, a in enumerate(values):
+                if any(folds(u, a) for u in phs[gi][j].users if u not in inside):
+                    return True
+        return False
+
+    def hierarchy(self, gm: GraphModule) -> DerivedHierarchy | None:
+        """The hierarchy of top level ``gm`` (the graph :meth:`finish` ended), None without
+        calls."""
+        if not self.calls:
+            return None
+        return DerivedHierarchy(tuple(self.templates), tuple(self.calls), gm)
+
+
+class _Body:
+    """A template derivative's nodes, for the clean-ups of :meth:`DirectRecorder.clean`."""
+
+    def __init__(self, t: GraphModule) -> None:
+        self.t = t
+        self.phs = [x for x in t.graph.nodes if x.op == "placeholder"]
+        self.nodes = [x for x in t.graph.nodes if x.op == "call_function"]
+        pos = {x: i for i, x in enumerate(self.nodes)}
+        ph = {x: j for j, x in enumerate(self.phs)}
+        self.deps = [[pos[a] for a in x.all_input_nodes if a in pos] for x in self.nodes]
+        self.reads = [[ph[a] for a in x.all_input_nodes if a in ph] for x in self.nodes]
+        self.impure = [i for i, x in enumerate(self.nodes) if x.is_impure()]
+        self._live: dict[frozenset, tuple[list[int], set[int]]] = {}
+
+    def live(self, seeds: frozenset) -> tuple[list[int], set[int]]:
+        """The nodes (positions, ascending) that the getitems ``seeds`` read, directly or not,
+        and the impure ones; the placeholders they read."""
+        got = self._live.get(seeds)
+        if got is None:
+            live: set[int] = set()
+            stack = [*seeds, *self.impure]
+            while stack:
+                i = stack.pop()
+                if i not in live:
+                    live.add(i)
+                    stack.extend(self.deps[i])
+            used = {j for i in live for j in self.reads[i]}
+            got = self._live[seeds] = (sorted(live), used)
+        return got
+
+    def pruned(self, seeds: frozenset) -> tuple[GraphModule, dict[int, int], set[Node]]:
+        """The template with only :meth:`live`'s nodes and placeholders, its transposed
+        products folded where not read after the call (``seeds``); old position -> new
+        position of every node read after the call; the nodes the folds made."""
+        live, used = self.live(seeds)
+        g = Graph()
+        env: dict[Node, Node] = {}
+        for j, p in enumerate(self.phs):
+            if j in used:
+                env[p] = copy_node(g, p)
+        for i in live:
+            env[self.nodes[i]] = copy_node(g, self.nodes[i], env.__getitem__)
+        read = {env[self.nodes[i]] for i in seeds}
+        folded = fold_graph(g, read.__contains__)
+        made = _made(folded)
+        out = [x for x in g.nodes if x.op == "call_function"]
+        at = {x: k for k, x in enumerate(out)}
+        index = {}
+        for i in seeds:
+            x = env[self.nodes[i]]
+            index[i] = at[folded.get(x, x)]
+        g.output(tuple(out))
+        return graph_module(self.t, g), index, made
+
+
+def _made(folded: dict[Node, Node]) -> set[Node]:
+    """The nodes :func:`~graphflop.ad.simplify.fold_graph`'s folds made: each new product
+    and the two permutes it reads."""
+    return {x for mm in folded.values() for x in (mm, *mm.all_input_nodes)}

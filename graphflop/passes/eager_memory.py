@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -60,6 +61,7 @@ from graphflop.passes.eager_kernels import (
 )
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Schedule, forward_storages
+from graphflop.passes.memory_calls import ComposedSchedule, backward_runs, forward_runs
 
 aten = torch.ops.aten
 
@@ -288,11 +290,26 @@ def eager_saved_bytes(forward: GraphModule, backward: GraphModule, device: str =
 
 
 def eager_saved_storages(
-    forward: GraphModule, backward: GraphModule, device: str = "cpu"
+    forward: GraphModule,
+    backward: GraphModule,
+    device: str = "cpu",
+    *,
+    eager: EagerResiduals | None = None,
+    schedule: ComposedSchedule | None = None,
 ) -> dict[str, int]:
     """The storages :func:`eager_saved_bytes` counts: forward node name of the storage's
-    owner (the node that allocated it) -> bytes."""
-    eager = eager_residuals(forward, backward, device)
+    owner (the node that allocated it) -> bytes.
+
+    ``eager``: :func:`eager_residuals` of these graphs, where already made. ``schedule``: a
+    :class:`~graphflop.passes.memory_calls.ComposedSchedule` of the eager train step
+    (:func:`eager_train_schedule` with ``composed``), whose forward steps (``f:``) own the
+    same storages: the owners are read from it, per call of a repeated block, instead of a
+    schedule of the flat forward graph."""
+    eager = eager or eager_residuals(forward, backward, device)
+    if schedule is not None:
+        sources = {x for xs in _residual_sources(forward, backward, eager).values() for x in xs}
+        found = schedule.owners([f"f:{x}" for x in sources])
+        return {o.split(":", 1)[1]: nb for o, nb in (v for v in found.values() if v is not None)}
     storage, size = forward_storages(forward, eager.sizes)
     seen = set()
     for names in _residual_sources(forward, backward, eager).values():
@@ -343,13 +360,18 @@ def kernel_temporaries(
     return fwd, bwd
 
 
-def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
+def eager_jvp_schedule(
+    jvp: GraphModule, device: str = "cpu", composed: bool = False
+) -> Schedule | ComposedSchedule:
     """``torch.func.jvp`` run eagerly: graphflop's JVP graph in its order (each op's primal and
     tangent computed together, as forward-mode AD does, each freed when nothing reads it), the
     outputs of multi-output ops as separate storages, with the kernels' temporaries
     (:func:`kernel_temporaries`). A value and its tangent are one dual tensor in eager
     forward-mode AD: both are freed when the later of them is last read
-    (:func:`dual_pairs`). Parameters and tangents are the baseline."""
+    (:func:`dual_pairs`). Parameters and tangents are the baseline. ``composed``: where the
+    JVP graph keeps its blocks as calls (:func:`~graphflop.passes.memory_calls.backward_runs`),
+    a :class:`~graphflop.passes.memory_calls.ComposedSchedule` (the same peak, each block's
+    steps worked out once per template)."""
     sig = jvp.meta[SIGNATURE]
     info = jvp.meta[JVP]
     base = sig.state() | {t for t, _ in info.tangent_inputs}
@@ -364,10 +386,15 @@ def eager_jvp_schedule(jvp: GraphModule, device: str = "cpu") -> Schedule:
     reads |= a_reads
     for name, held in formula_reads(jvp, sizes).items():
         reads[name] = reads.get(name, []) + held
-    s = Schedule()
+    runs = backward_runs(jvp) if composed else None
+    s: Schedule | ComposedSchedule = Schedule()
+    kw: dict[str, Any] = {}
+    if runs is not None:
+        s, kw = ComposedSchedule(), {"runs": runs}
     s.add_graph(
         jvp,
         "j",
+        **kw,
         baseline=base,
         keep_outputs=True,
         eager=True,
@@ -527,12 +554,22 @@ def eager_train_schedule(
     optimizer: str,
     device: str = "cpu",
     keep_grads: bool = False,
-) -> Schedule:
+    composed: bool = False,
+    eager: EagerResiduals | None = None,
+) -> Schedule | ComposedSchedule:
     """The eager training step's live storages (see the module docstring); parameters and
     optimizer state are the baseline, not scheduled; gradients are scheduled, or, with
     ``keep_grads`` (``zero_grad(set_to_none=False)``), are baseline buffers the backward
-    accumulates into: each gradient the backward makes lives only while it is added."""
-    eager = eager_residuals(forward, backward, device)
+    accumulates into: each gradient the backward makes lives only while it is added.
+
+    ``composed``: where the forward or the backward graph keeps its repeated blocks as calls
+    (:func:`~graphflop.passes.memory_calls.forward_runs`,
+    :func:`~graphflop.passes.memory_calls.backward_runs`), a
+    :class:`~graphflop.passes.memory_calls.ComposedSchedule` that works out each block's steps
+    once per template (the same :meth:`~ComposedSchedule.peak` to the byte); otherwise, and
+    without ``composed``, the flat :class:`Schedule`. ``eager``: :func:`eager_residuals` of
+    these graphs, where already made."""
+    eager = eager or eager_residuals(forward, backward, device)
     sig = forward.meta[SIGNATURE]
     state = sig.state()
     fwd_tmp, bwd_tmp = kernel_temporaries(forward, backward, device)
@@ -540,13 +577,22 @@ def eager_train_schedule(
         out = next(n for n in backward.graph.nodes if n.op == "output")
         for a in out.all_input_nodes:
             bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
-    s = Schedule()
+    f_runs = forward_runs(forward) if composed else None
+    b_runs = backward_runs(backward) if composed else None
+    s: Schedule | ComposedSchedule = Schedule()
+    f_kw: dict[str, Any] = {}
+    b_kw: dict[str, Any] = {}
+    if f_runs is not None or b_runs is not None:
+        s = ComposedSchedule()
+        f_kw["runs"] = f_runs or []
+        b_kw["runs"] = b_runs or []
     for k, v in eager.backward_extra.items():
         bwd_tmp[k] = bwd_tmp.get(k, 0) + v
     fwd_tmp |= eager.extra
     s.add_graph(
         forward,
         "f",
+        **f_kw,
         baseline=state,
         eager=True,
         sizes=eager.sizes,
@@ -565,6 +611,7 @@ def eager_train_schedule(
     s.add_graph(
         backward,
         "b",
+        **b_kw,
         baseline=base_b,
         external=ext,
         keep_outputs=not keep_grads,

@@ -46,6 +46,71 @@ class Step:
     extra: int = 0  # a kernel's temporaries: allocated and freed within this step
 
 
+class _NodeSteps:
+    """The :class:`Step` of each node of one graph, as :meth:`Schedule.add_graph` makes them
+    (its arguments of the same names), for the whole graph or for one run of its nodes at a
+    time (:mod:`graphflop.passes.memory_calls`)."""
+
+    def __init__(
+        self,
+        gm: GraphModule,
+        eager: bool,
+        sizes: dict[str, int] | None,
+        extra: dict[str, int] | None,
+        also_reads: dict[str, list[str]] | None,
+        inplace: set[str] | None,
+        free_outputs: bool,
+    ) -> None:
+        self.eager = eager
+        self.sizes = sizes or {}
+        self.extra = extra or {}
+        self.also_reads = also_reads or {}
+        self.inplace = inplace or set()
+        self.free_outputs = free_outputs
+        self.by_name = {n.name: n for n in gm.graph.nodes}
+        out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        self.outputs = set(out_node.all_input_nodes)
+        self.views: dict[Any, bool] = {}  # op -> its rule's byte policy is "view" (looked up once)
+
+    def is_view(self, op: Any) -> bool:
+        v = self.views.get(op)
+        if v is None:
+            v = self.views[op] = has_rule(op) and lookup(op).bytes == "view"
+        return v
+
+    @staticmethod
+    def reads_of(n: Node, keys: dict[Node, list[str]]) -> list[str]:
+        return [k for a in n.all_input_nodes for k in keys.get(a, [])]
+
+    def step(self, n: Node, key: str, keys: dict[Node, list[str]]) -> Step | None:
+        """``n``'s step under ``key`` (``keys``: node -> the keys its value is read as; ``n``'s
+        entry is written), or None for a view of an always-live tensor (no step)."""
+        keys[n] = [key]
+        reads = self.reads_of(n, keys) + [
+            k for m in self.also_reads.get(n.name, []) for k in keys.get(self.by_name[m], [])
+        ]
+        alias = None
+        val = n.meta.get("val")
+        own = self.eager or _kept_whole(n.args[0] if n.target is operator.getitem else n)
+        if n.op == "call_function" and (
+            (n.target is operator.getitem and (not own or _views_of_input(n, self.is_view)))
+            or self.is_view(n.target)
+            or n.name in self.inplace
+        ):
+            base = n.all_input_nodes[0] if n.all_input_nodes else None
+            if base is not None and not keys.get(base):
+                keys[n] = []  # a view of an always-live tensor
+                return None
+            alias = keys[base][0] if base is not None else None
+        if self.free_outputs and n in self.outputs:
+            nbytes = 0
+        elif own and isinstance(val, (tuple, list)):
+            nbytes = 0
+        else:
+            nbytes = self.sizes.get(n.name, tensor_bytes(val))
+        return Step(key, nbytes, alias, reads, self.extra.get(n.name, 0))
+
+
 class Schedule:
     """Steps of one or more graphs run one after another, with cross-graph aliases."""
 
@@ -90,31 +155,11 @@ class Schedule:
                 storage (an eager kernel updating a buffer it made).
         """
         external = external or {}
-        sizes = sizes or {}
-        extra = extra or {}
-        also_reads = also_reads or {}
-        inplace = inplace or set()
-        by_name = {n.name: n for n in gm.graph.nodes}
+        nodes = _NodeSteps(gm, eager, sizes, extra, also_reads, inplace, free_outputs)
         keys: dict[Node, list[str]] = {}
-        outputs = set()
-        out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        for a in out_node.all_input_nodes:
-            outputs.add(a)
-
-        def reads_of(n: Node) -> list[str]:
-            return [k for a in n.all_input_nodes for k in keys.get(a, [])]
-
-        views: dict[Any, bool] = {}  # op -> its rule's byte policy is "view" (looked up once)
-
-        def is_view(op: Any) -> bool:
-            v = views.get(op)
-            if v is None:
-                v = views[op] = has_rule(op) and lookup(op).bytes == "view"
-            return v
-
         for n in gm.graph.nodes:
             if n.op == "output":
-                reads = reads_of(n)
+                reads = nodes.reads_of(n, keys)
                 self.steps.append(Step(f"{prefix}:__output__", 0, None, reads))
                 if keep_outputs:
                     self.keep.update(reads)
@@ -127,31 +172,9 @@ class Schedule:
                     ext = external[n.name]
                     keys[n] = [ext] if isinstance(ext, str) else list(ext)
                     continue
-            key = f"{prefix}:{n.name}"
-            keys[n] = [key]
-            reads = reads_of(n) + [
-                k for m in also_reads.get(n.name, []) for k in keys.get(by_name[m], [])
-            ]
-            alias = None
-            val = n.meta.get("val")
-            own = eager or _kept_whole(n.args[0] if n.target is operator.getitem else n)
-            if n.op == "call_function" and (
-                (n.target is operator.getitem and (not own or _views_of_input(n, is_view)))
-                or is_view(n.target)
-                or n.name in inplace
-            ):
-                base = n.all_input_nodes[0] if n.all_input_nodes else None
-                if base is not None and not keys.get(base):
-                    keys[n] = []  # a view of an always-live tensor
-                    continue
-                alias = keys[base][0] if base is not None else None
-            if free_outputs and n in outputs:
-                nbytes = 0
-            elif own and isinstance(val, (tuple, list)):
-                nbytes = 0
-            else:
-                nbytes = sizes.get(n.name, tensor_bytes(val))
-            self.steps.append(Step(key, nbytes, alias, reads, extra.get(n.name, 0)))
+            step = nodes.step(n, f"{prefix}:{n.name}", keys)
+            if step is not None:
+                self.steps.append(step)
 
     def add_transient(self, key: str, nbytes: int) -> None:
         """A storage of ``nbytes`` allocated and freed at one step (a kernel's temporaries)."""

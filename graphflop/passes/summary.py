@@ -38,6 +38,7 @@ from graphflop.passes.calls import DerivedFigures, derived_figures
 from graphflop.passes.eager_memory import (
     DESCRIBES,
     eager_jvp_schedule,
+    eager_residuals,
     eager_saved_storages,
     eager_train_schedule,
 )
@@ -49,6 +50,7 @@ from graphflop.passes.memory import (
     saved_storages,
     train_schedule,
 )
+from graphflop.passes.memory_calls import ComposedSchedule, composed_forward_schedule
 from graphflop.passes.optimizer import STATE_KINDS, update_param_count
 from graphflop.report import (
     ActivityGradientTotals,
@@ -380,26 +382,39 @@ def _memory(
     model: str,
     device: str,
     keep_grads: bool,
-    saved_owners: dict[str, int],
-) -> Memory:
-    """Gradients and optimizer state only for the trainable parameters (``trainable_bytes``);
-    the parameters and buffers (``params_bytes + buffers_bytes``) are live in every peak;
-    ``model``: ``eager`` or ``graph`` (:mod:`graphflop.passes.eager_memory`);
-    ``saved_owners``: :func:`_saved_owners` (the storages saved for backward)."""
-    fpeak, _ = forward_schedule(g.forward).peak()
+    composed: bool,
+) -> tuple[Memory, dict[str, int]]:
+    """(the memory figures, the storages saved for backward: owner node name -> bytes, empty
+    without a backward graph). Gradients and optimizer state only for the trainable
+    parameters (``trainable_bytes``); the parameters and buffers (``params_bytes +
+    buffers_bytes``) are live in every peak; ``model``: ``eager`` or ``graph``
+    (:mod:`graphflop.passes.eager_memory`). ``composed``: the forward peak, and under the
+    eager model the train peak and the saved storages, from schedules that work out each
+    repeated block's steps once per template and compose its calls
+    (:mod:`graphflop.passes.memory_calls`; the same bytes as the flat schedules), and the
+    eager JVP peak too."""
+    fsched = composed_forward_schedule(g.forward) if composed else None
+    fpeak, _ = (fsched or forward_schedule(g.forward)).peak()
     resident = params_bytes + buffers_bytes  # the module's state: held for its whole life
     mem: dict[str, Any] = {"forward_peak_bytes": resident + fpeak}
+    owners: dict[str, int] = {}
     if g.backward is not None:
         n_state = len(STATE_KINDS[optimizer])
         if model == "eager":  # gradients are scheduled: they appear as the backward makes them
-            sched = eager_train_schedule(g.forward, g.backward, optimizer, device, keep_grads)
+            er = eager_residuals(g.forward, g.backward, device)
+            sched = eager_train_schedule(
+                g.forward, g.backward, optimizer, device, keep_grads, composed=composed, eager=er
+            )
             tpeak, _ = sched.peak()
             train_peak = resident + trainable_bytes * (n_state + keep_grads) + tpeak
+            c = sched if isinstance(sched, ComposedSchedule) else None
+            owners = eager_saved_storages(g.forward, g.backward, device, eager=er, schedule=c)
         else:
             tpeak, _ = train_schedule(g.forward, g.backward, g.update).peak()
             train_peak = resident + trainable_bytes * (1 + n_state) + tpeak
+            owners = saved_storages(g.forward, g.backward)
         # eager_saved_bytes / saved_for_backward_bytes: the sum over the saved storages
-        saved = sum(saved_owners.values())
+        saved = sum(owners.values())
         mem.update(
             grads_bytes=trainable_bytes,
             optimizer_state_bytes=n_state * trainable_bytes,
@@ -407,7 +422,9 @@ def _memory(
             train_peak_bytes=train_peak,
         )
     if g.jvp is not None:
-        jsched = eager_jvp_schedule(g.jvp, device) if model == "eager" else jvp_schedule(g.jvp)
+        jsched = (
+            eager_jvp_schedule(g.jvp, device, composed) if model == "eager" else jvp_schedule(g.jvp)
+        )
         jpeak, _ = jsched.peak()
         n_tan = sum(
             tensor_bytes(n.meta["val"])
@@ -421,7 +438,7 @@ def _memory(
             "allocated as produced (zero_grad(set_to_none=True))",
             "live from the start, accumulated into (zero_grad(set_to_none=False))",
         )
-    return Memory(
+    memory = Memory(
         params_bytes=params_bytes,
         buffers_bytes=buffers_bytes,
         memory_model=model,
@@ -430,16 +447,7 @@ def _memory(
         keep_grads=keep_grads,
         **mem,
     )
-
-
-def _saved_owners(g: Graphs, model: str, device: str) -> dict[str, int]:
-    """The storages saved for backward (owner node name -> bytes) under the memory ``model``;
-    empty without a backward graph."""
-    if g.backward is None:
-        return {}
-    if model == "eager":
-        return eager_saved_storages(g.forward, g.backward, device)
-    return saved_storages(g.forward, g.backward)
+    return memory, owners
 
 
 def _saved_by_layer(g: Graphs, layers: _Layers, owners: dict[str, int]) -> None:
@@ -635,7 +643,10 @@ def summarize(
             calls (:data:`~graphflop.meta.DERIVED_HIERARCHY`, :mod:`graphflop.passes.calls`),
             the update's and the forward-gradient step's likewise
             (:mod:`graphflop.passes.step_calls`);
-            False sums the flat graphs' nodes one by one. Both give the same report.
+            the forward peak, and under the eager memory model the train and JVP peaks and
+            the saved storages, from each block's steps worked out once per template and composed over
+            its calls (:mod:`graphflop.passes.memory_calls`). False sums the flat graphs'
+            nodes one by one and schedules them node by node. Both give the same report.
 
     Raises:
         KeyError: a graph lacks ``COST`` (run ``annotate_flops``) or the forward graph lacks
@@ -667,7 +678,17 @@ def summarize(
         ),
     }
     totals = _totals(graphs, layers, optimizer, tangents, figures, derived)
-    owners = _saved_owners(graphs, memory_model, device)
+    memory, owners = _memory(
+        graphs,
+        params_bytes,
+        buffers_bytes,
+        optimizer,
+        trainable_bytes,
+        memory_model,
+        device,
+        keep_grads,
+        hierarchical,
+    )
     _saved_by_layer(graphs, layers, owners)
     return Report(
         model=name,
@@ -677,17 +698,7 @@ def summarize(
         optimizer=optimizer if graphs.backward is not None else None,
         totals=totals,
         ratios=_ratios(totals),
-        memory=_memory(
-            graphs,
-            params_bytes,
-            buffers_bytes,
-            optimizer,
-            trainable_bytes,
-            memory_model,
-            device,
-            keep_grads,
-            owners,
-        ),
+        memory=memory,
         layers=layers.freeze(
             totals.forward.flops, backward=totals.backward is not None, jvp=totals.jvp is not None
         ),

@@ -1,0 +1,317 @@
+"""The derivative graphs' hierarchies recorded while the graphs are built (``direct``): the
+flat graph rebuilt from them equals the one built flat, node for node, and the figures composed
+per template equal the flat sums and those of the hierarchy read off the flat graph."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from conftest import node_rows, spec
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from graphflop.analysis import analyze
+from graphflop.load import load, make_inputs
+from graphflop.meta import (
+    CALL_SITE,
+    DERIVED_HIERARCHY,
+    HIERARCHY,
+    JVP,
+    KIND,
+    MODULE,
+    PARAM,
+    ROLE,
+    SOURCE,
+    VJP,
+)
+from graphflop.passes import calls
+from graphflop.passes.autodiff import BuildJvp, BuildVjp
+from graphflop.passes.infra import run_passes
+
+torch.manual_seed(0)
+
+
+def _stored_nodes(gm):
+    """Every node by op, arguments, layout and each annotation a call's node has relative to
+    its block."""
+    keys = (MODULE, ROLE, KIND, SOURCE, PARAM, CALL_SITE)
+    return node_rows(gm, lambda n: tuple(n.meta.get(k) for k in keys))
+
+
+def _placeholders(gm):
+    """The placeholders' names (residuals and tangent inputs are named after them)."""
+    return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _figures(f):
+    return (f.total, f.by_role, list(f.rows.items()), list(f.ops.items()), f.rule_less)
+
+
+def _check_jvp(fwd, tangents):
+    """The JVP recorded directly against the one built flat (and its hierarchy read off)."""
+    flat = run_passes(fwd, [BuildJvp(tangents)])
+    direct = run_passes(fwd, [BuildJvp(tangents, direct=True)])
+    dh = direct.meta.get(DERIVED_HIERARCHY)
+    if fwd.meta.get(HIERARCHY) is None:
+        assert dh is None
+        return None
+    assert dh is not None
+    assert _stored_nodes(calls.expand(dh)) == _stored_nodes(flat)
+    assert _placeholders(direct) == _placeholders(flat)
+    assert direct.meta[JVP] == flat.meta[JVP]
+    keep = lambda n: n.meta.get(KIND) in ("tangent", "coef")  # noqa: E731
+    role = "tangent_from_input"
+    got = _figures(calls.derived_figures(dh, keep, role))
+    assert got == _figures(calls.derived_figures(flat.meta[DERIVED_HIERARCHY], keep, role))
+    assert got == _figures(calls.derived_figures(calls.build(flat, fwd), keep, role))
+    assert got == _flat_figures(flat, keep, role)
+    return dh, flat
+
+
+def _flat_figures(gm, keep, role):
+    """Node by node over the flat graph ``gm`` (a hierarchy without calls)."""
+    return _figures(calls.derived_figures(calls.DerivedHierarchy((), (), gm), keep, role))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d, f)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(f, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 4, d: int = 6, f: int = 10):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, f) for _ in range(n))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _forward(model, *inputs):
+    return analyze(model, *inputs).forward
+
+
+def _loaded(s: str, **ctor):
+    loaded = load(s, ctor_kwargs=ctor, meta=True) if ctor else load(s, meta=True)
+    loaded.model.train()
+    return analyze(loaded.model, make_inputs(loaded, batch=2), name=s).forward
+
+
+def test_stack_jvp_recorded_directly():
+    fwd = _forward(Stack(), torch.randn(5, 6))
+    for tangents in ("params", "all"):
+        dh, flat = _check_jvp(fwd, tangents)
+        # four calls, and no node of a block left at the top level; with tangents on the
+        # parameters only, block 0 reads the model's input (no tangent: a template of its
+        # own, 26 graph nodes against 30, placeholders and output included) and blocks 1-3
+        # share one; with tangents on the input too all four share one
+        assert [c.site for c in dh.calls] == [0, 1, 2, 3]
+        assert [c.template for c in dh.calls] == ([0, 1, 1, 1] if tangents == "params" else [0] * 4)
+        sizes = [len(t.graph.nodes) for t in dh.templates]
+        assert sizes == ([26, 30] if tangents == "params" else [30])
+        repeat = torch.ops.graphflop.repeat.default
+        top = [n for n in dh.graph.graph.nodes if n.op == "call_function"]
+        assert len([n for n in top if n.target is repeat]) == 4
+        inner = [n for n in top if n.target is not operator.getitem and CALL_SITE in n.meta]
+        assert not inner
+        # the getitems of the calls are the nodes read after them, fewer than their nodes
+        assert len(dh.graph.graph.nodes) < len(flat.graph.nodes)
+
+
+QUICK = [
+    "mlp.py",
+    "cnn.py",
+    "convnet.py",
+    "lora.py",
+    "vit.py",
+    "resnet.py:resnet18",
+    "torchvision:resnet18",
+    "torchvision:mobilenet_v3_small",
+]
+SLOW = [
+    "deeper_convnet.py",
+    "resnet.py:resnet50",
+    "gpt2.py:gpt2_small",
+    "torchvision:swin_t",
+    "torchvision:vit_b_16",
+    "hf:gpt2",
+    "hf:bert",
+    "hf:t5",
+    "hf:mistral",
+    "hf:qwen2",
+    "hf:gemma",
+]
+
+
+def test_gpt2_few_layers_jvp_recorded_directly():
+    fwd = _loaded(spec("gpt2.py"), n_layer=3, n_embd=32, n_head=2, vocab_size=50)
+    for tangents in ("params", "all"):
+        dh, _ = _check_jvp(fwd, tangents)
+        assert {c.site for c in dh.calls} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("s", QUICK)
+def test_models_jvp_recorded_directly(s):
+    fwd = _loaded(spec(s) if ".py" in s else s)
+    _check_jvp(fwd, "params")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s", SLOW)
+def test_large_models_jvp_recorded_directly(s):
+    fwd = _loaded(spec(s) if ".py" in s else s)
+    _check_jvp(fwd, "params")
+
+
+def _check_vjp(fwd, input_grads=False):
+    """The backward recorded directly against the one built flat (and its hierarchy read off);
+    None where the direct build fell back to the flat graph."""
+    flat = run_passes(fwd, [BuildVjp(input_grads=input_grads)])
+    direct = run_passes(fwd, [BuildVjp(input_grads=input_grads, direct=True)])
+    dh = direct.meta.get(DERIVED_HIERARCHY)
+    if fwd.meta.get(HIERARCHY) is None:
+        assert dh is None
+        return None
+    assert dh is not None
+    if dh.graph is not direct:  # fell back: the flat graph, its hierarchy read off
+        assert _stored_nodes(direct) == _stored_nodes(flat)
+        return None
+    assert _stored_nodes(calls.expand(dh)) == _stored_nodes(flat)
+    assert _placeholders(direct) == _placeholders(flat)
+    assert direct.meta[VJP] == flat.meta[VJP]
+    keep = lambda n: True  # noqa: E731
+    role = "grad_input"
+    got = _figures(calls.derived_figures(dh, keep, role))
+    assert got == _figures(calls.derived_figures(flat.meta[DERIVED_HIERARCHY], keep, role))
+    assert got == _figures(calls.derived_figures(calls.build(flat, fwd), keep, role))
+    assert got == _flat_figures(flat, keep, role)
+    return dh, flat
+
+
+class InStack(Stack):
+    """:class:`Stack` behind a linear layer: block 0 reads a value with a cotangent."""
+
+    def __init__(self, n: int = 4, d: int = 6, f: int = 10):
+        super().__init__(n, d, f)
+        self.inp = nn.Linear(d, d)
+
+    def forward(self, x):
+        return super().forward(self.inp(x))
+
+
+def test_stack_vjp_recorded_directly():
+    fwd = _forward(InStack(), torch.randn(5, 6))
+    assert _check_vjp(fwd, input_grads=True) is not None  # the input's cotangent returned too
+    dh, flat = _check_vjp(fwd)
+    # the transpose walks the blocks backwards; all four are calls of one template
+    assert [c.site for c in dh.calls] == [3, 2, 1, 0]
+    assert dh.uses() == [4]
+    assert len(dh.graph.graph.nodes) < len(flat.graph.nodes)
+
+
+def test_stack_vjp_falls_back_across_a_fold():
+    """Block 0 of :class:`Stack` reads the model's input (no cotangent needed there): what
+    is left of its call after dead-code elimination is one permute of the cotangent arriving
+    at its output, a matrix product made outside the call and read by nothing else, which
+    the flat graph folds across the call's boundary. No template can hold that fold: the
+    backward is built flat (and its hierarchy read off it)."""
+    fwd = _forward(Stack(), torch.randn(5, 6))
+    assert _check_vjp(fwd) is None
+    direct = run_passes(fwd, [BuildVjp(direct=True)])
+    dh = direct.meta[DERIVED_HIERARCHY]
+    assert dh.graph is not direct and sorted(dh.uses()) == [1, 3]
+
+
+def test_gpt2_few_layers_vjp_recorded_directly():
+    fwd = _loaded(spec("gpt2.py"), n_layer=3, n_embd=32, n_head=2, vocab_size=50)
+    assert _check_vjp(fwd, input_grads=True) is not None  # recorded with input_grads too
+    got = _check_vjp(fwd)
+    assert got is not None  # recorded, not fallen back to the flat graph
+    dh, flat = got
+    assert {c.site for c in dh.calls} == {0, 1, 2}
+    assert len(dh.graph.graph.nodes) < len(flat.graph.nodes)
+
+
+@pytest.mark.parametrize("s", QUICK)
+def test_models_vjp_recorded_directly(s):
+    _check_vjp(_loaded(spec(s) if ".py" in s else s))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s", SLOW)
+def test_large_models_vjp_recorded_directly(s):
+    _check_vjp(_loaded(spec(s) if ".py" in s else s))
+
+
+class CheckpointedStack(nn.Module):
+    """Three identical residual blocks, each under ``torch.utils.checkpoint``."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(8, 16) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + checkpoint(b, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_checkpointed_blocks_fall_back_to_the_flat_backward():
+    """The backward reruns each checkpointed block, and dead-code elimination must keep the
+    recompute eager runs: the recorded backward is not shown equal there, so the flat one is
+    built (and its hierarchy read off it); the JVP is recorded as everywhere."""
+    fwd = _forward(CheckpointedStack(), torch.randn(4, 8))
+    assert fwd.meta.get(HIERARCHY) is not None
+    _check_jvp(fwd, "params")
+    assert _check_vjp(fwd) is None
+
+
+def test_api_direct_option():
+    """``graphflop.api.build_jvp`` / ``build_vjp`` with ``direct=True``: the top levels of
+    the hierarchies, expanding to the graphs built without it."""
+    from graphflop import api
+
+    fwd = _forward(InStack(), torch.randn(5, 6))
+    for build in (api.build_jvp, api.build_vjp):
+        direct, flat = build(fwd, direct=True), build(fwd)
+        dh = direct.meta[DERIVED_HIERARCHY]
+        assert dh.graph is direct and len(direct.graph.nodes) < len(flat.graph.nodes)
+        assert _stored_nodes(calls.expand(dh)) == _stored_nodes(flat)
+
+
+def test_recorded_jvp_is_not_transposed():
+    from graphflop import api
+
+    fwd = _forward(InStack(), torch.randn(5, 6))
+    with pytest.raises(ValueError, match="built with direct=True"):
+        api.build_vjp(fwd, linearized=api.build_jvp(fwd, direct=True))
+
+
+def test_llama_decoder_layers_recorded_directly():
+    """transformers' Llama with 3 decoder layers (one template): both graphs recorded."""
+    cfg = dict(
+        num_hidden_layers=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    loaded = load("hf:llama-3.1-8b", ctor_kwargs=cfg, meta=True, seq=8)
+    loaded.model.train()
+    fwd = analyze(loaded.model, make_inputs(loaded, batch=2)).forward
+    dh, _ = _check_jvp(fwd, "params")
+    assert {c.site for c in dh.calls} == {0, 1, 2}
+    assert _check_vjp(fwd) is not None
