@@ -876,7 +876,8 @@ class BlockLinearize:
         if t.direct is not None:  # a call of the template derivative, its nodes not copied
             values = [lin.env[args[j]] if k == "p" else lin.tan[args[j]] for k, j in t.direct[1]]
             keys, exposed = self._outward(t, site)
-            made = self.recorder.call(g, t.direct, site, values, exposed)
+            logged = (len(lin.b.log), t.log)
+            made = self.recorder.call(g, t.direct, site, values, exposed, logged)
         for kind, x, *first in t.nodes if t.direct is None else ():
             if kind == "copy":
                 new = copy_node(g, own[x], fwd_env.__getitem__)

@@ -196,6 +196,8 @@ def build_vjp(
         input_grads: also return the cotangents of the model's inputs.
         linearized: the JVP graph of ``forward`` to transpose, when already built (tangents on
             the parameters, and on the inputs too for ``input_grads``); built here otherwise.
+            A recorded JVP hierarchy's top level (``recorder``) is expanded first
+            (:func:`graphflop.passes.calls.expand_jvp`).
         per_template: transpose each repeated block's call once per variant and expand it at
             its other calls (:mod:`graphflop.ad.blocks`; the same graph node for node as
             ``False``, which runs the rules at every call).
@@ -216,19 +218,17 @@ def build_vjp(
         MissingRuleError: for a tangent op with no transpose rule, inside
             :func:`graphflop.ops.strict_rules` (otherwise the cotangent stops there and the node
             is listed in ``gm.meta[GAPS]``, with the linearization's own gaps).
-        ValueError: when the forward graph has no loss, or ``linearized`` is a recorded JVP
-            hierarchy's top level (``direct=True``).
+        ValueError: when the forward graph has no loss.
     """
     sig: Signature = forward.meta[SIGNATURE]
     if sig.loss is None:
         raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
     lin = linearized
     dh = lin.meta.get(DERIVED_HIERARCHY) if lin is not None else None
-    if dh is not None and dh.graph is lin:
-        raise ValueError(
-            "linearized is the top level of a recorded JVP hierarchy (built with direct=True); "
-            "the transpose reads the flat JVP graph: pass one built without direct"
-        )
+    if dh is not None and dh.graph is lin:  # a recorded JVP: transpose its flat graph
+        from graphflop.passes.calls import expand_jvp
+
+        lin = expand_jvp(lin)
     if lin is None or any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ())):
         # a custom Function without jvp cuts the JVP graph: transpose a linearization that
         # goes through it instead (its own backward is the transpose)
