@@ -25,6 +25,7 @@ from graphflop.meta import (
     JVP,
     JVP_LOG,
     KIND,
+    LINEARIZED,
     MODULE,
     PARAM,
     ROLE,
@@ -334,10 +335,11 @@ def _log_rows(gm):
     return [row(e) for e in gm.meta[JVP_LOG]]
 
 
-def _check_transposed(fwd, input_grads=False):
+def _check_transposed(fwd, input_grads=False, read=True):
     """The backward transposed from the recorded JVP against the one transposed from the flat
     JVP (both with and without a recorder of the backward): node for node, ``VjpInfo``, and
-    the recorded backward's ``derived_figures``. Returns the flat backward transposed from the
+    the recorded backward's ``derived_figures``; ``read``: whether the recorded JVP is read
+    as it is (else through its flat graph). Returns the flat backward transposed from the
     recorded JVP (None where the forward has no hierarchy)."""
     if fwd.meta.get(HIERARCHY) is None:
         return None
@@ -351,6 +353,9 @@ def _check_transposed(fwd, input_grads=False):
     assert len(expanded.meta[GHOST_LINKS].links) == len(flat.meta[GHOST_LINKS].links)
     got = build_vjp(fwd, input_grads=input_grads, linearized=rec)
     want = build_vjp(fwd, input_grads=input_grads, linearized=flat)
+    # ``read``: the recorded JVP transposed as it is (each call read from its repeat node),
+    # not through its flat graph (expand_jvp: checkpointed blocks)
+    assert (got.meta[LINEARIZED] is rec) == read
     assert _stored_nodes(got) == _stored_nodes(want)
     assert _placeholders(got) == _placeholders(want)
     assert got.meta[VJP] == want.meta[VJP]
@@ -403,7 +408,7 @@ def test_large_models_transposed_from_the_recorded_jvp(s):
 
 
 def test_checkpointed_blocks_transposed_from_the_recorded_jvp():
-    _check_transposed(_forward(CheckpointedStack(), torch.randn(4, 8)))
+    _check_transposed(_forward(CheckpointedStack(), torch.randn(4, 8)), read=False)
 
 
 def test_llama_decoder_layers_recorded_directly():
