@@ -12,6 +12,7 @@ from conftest import node_rows, spec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from graphflop.ad import blocks
 from graphflop.ad.jvp import build_jvp
 from graphflop.ad.vjp import build_vjp
 from graphflop.analysis import analyze
@@ -387,12 +388,25 @@ def test_stack_transposed_from_the_recorded_jvp():
         assert verify_gradients(fwd, bwd, model, tolerance=1e-5).ok
 
 
-def test_gpt2_few_layers_transposed_from_the_recorded_jvp():
+def test_gpt2_few_layers_transposed_from_the_recorded_jvp(monkeypatch):
     loaded = load(spec("gpt2.py"), ctor_kwargs=_GPT2_3)
     loaded.model.train()
     fwd = analyze(loaded.model, make_inputs(loaded, batch=2)).forward
+    made_flat = []
+    flat = blocks.RecordedCalls.flat
+
+    def counted(self, rep, run, ct):
+        made_flat.append(rep)
+        return flat(self, rep, run, ct)
+
+    monkeypatch.setattr(blocks.RecordedCalls, "flat", counted)
     for input_grads in (False, True):
+        made_flat.clear()
         bwd = _check_transposed(fwd, input_grads)
+        # three calls of one JVP template: the first is made flat and transposed by the rules
+        # (each time _check_transposed transposes the recorded JVP: twice), the other two are
+        # read from their repeat nodes
+        assert len(made_flat) == 2 and len(set(made_flat)) == 1
     assert verify_gradients(fwd, bwd, loaded.model, tolerance=1e-4).ok
 
 

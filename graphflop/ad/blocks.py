@@ -23,6 +23,13 @@ A call is transposed by the rules instead (and its variant not reused) where exp
 differ from them: ghost work in it (a pruned cotangent), a gap, a custom Function, a
 ``torch.utils.checkpoint`` region, an input passed twice, or a residual or coefficient that an
 earlier call had already imported for the one and not for the other.
+
+A recorded JVP (:class:`graphflop.passes.calls.DirectRecorder`: its blocks are calls of
+template JVPs) is transposed without its flat graph: :class:`RecordedCalls` gives each call's
+values one node, and a call of a variant already transposed at an earlier call of the same
+template JVP takes its residuals and cotangents from its ``graphflop::repeat`` node's
+arguments and getitems (:meth:`BlockTranspose.transpose_call`); the other calls are made flat
+aside and transposed as above.
 """
 
 from __future__ import annotations
@@ -800,8 +807,10 @@ def transpose_log(
 ) -> BlockTranspose | None:
     """Transpose the JVP log's entries ``log`` (in the order transposed) into ``b``'s graph:
     each call site's run through :meth:`BlockTranspose.transpose`, every other entry (and a
-    run with an entry ``linked`` to ghost terms) by ``rules``. Returns the expander (None for
-    a forward graph without call sites)."""
+    run with an entry ``linked`` to ghost terms) by ``rules``. With ``b.calls`` (a recorded
+    JVP's :class:`RecordedCalls`; ``log`` its hierarchy's whole log) a call's run of
+    ``(repeat node, position)`` entries goes through :meth:`BlockTranspose.transpose_call`.
+    Returns the expander (None for a forward graph without call sites)."""
     blocks = BlockTranspose.of(forward, b)
     calls: RecordedCalls | None = getattr(b, "calls", None)
     if blocks is None:
