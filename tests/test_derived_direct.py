@@ -410,6 +410,31 @@ def test_gpt2_few_layers_transposed_from_the_recorded_jvp(monkeypatch):
     assert verify_gradients(fwd, bwd, loaded.model, tolerance=1e-4).ok
 
 
+def test_recorded_jvp_falls_back_to_its_flat_graph(monkeypatch):
+    """Where a call of the recorded JVP cannot be transposed as recorded (forced here: the
+    first call made flat raises :class:`RecordedFallback`), the backward is transposed from
+    ``calls.expand_jvp`` of it, with a fresh recorder, equal to the flat JVP's."""
+
+    def refuse(self, rep, run, ct):
+        raise blocks.RecordedFallback(rep.name)
+
+    fwd = _forward(InStack(), torch.randn(5, 6))
+    rec = build_jvp(fwd, "params", for_transpose=True, recorder=DirectRecorder(fwd))
+    flat = build_jvp(fwd, "params", for_transpose=True)
+    monkeypatch.setattr(blocks.RecordedCalls, "flat", refuse)
+    for recorder in (None, DirectRecorder(fwd)):
+        got = build_vjp(fwd, linearized=rec, recorder=recorder)
+        want = build_vjp(fwd, linearized=flat, recorder=DirectRecorder(fwd) if recorder else None)
+        assert got.meta[LINEARIZED] is not rec
+        assert got.meta[VJP] == want.meta[VJP]
+        dh_got, dh_want = got.meta.get(DERIVED_HIERARCHY), want.meta.get(DERIVED_HIERARCHY)
+        if recorder is None:
+            assert _stored_nodes(got) == _stored_nodes(want)
+        else:
+            assert dh_got.graph is got and dh_want.graph is want
+            assert _stored_nodes(calls.expand(dh_got)) == _stored_nodes(calls.expand(dh_want))
+
+
 @pytest.mark.parametrize("s", QUICK)
 def test_models_transposed_from_the_recorded_jvp(s):
     _check_transposed(_loaded(spec(s) if ".py" in s else s))
