@@ -12,23 +12,33 @@ from conftest import node_rows, spec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from graphflop.ad import blocks
+from graphflop.ad.jvp import build_jvp
+from graphflop.ad.vjp import build_vjp
 from graphflop.analysis import analyze
 from graphflop.load import load, make_inputs
 from graphflop.meta import (
     CALL_SITE,
     DERIVED_HIERARCHY,
+    GHOST_LINKS,
+    GHOSTS,
     HIERARCHY,
     JVP,
+    JVP_LOG,
     KIND,
+    LINEARIZED,
     MODULE,
     PARAM,
     ROLE,
     SOURCE,
     VJP,
 )
+from graphflop.ops.ghost import is_ghost
 from graphflop.passes import calls
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
+from graphflop.passes.calls import DirectRecorder
 from graphflop.passes.infra import run_passes
+from graphflop.runtime.verify import verify_gradients
 
 torch.manual_seed(0)
 
@@ -154,8 +164,11 @@ SLOW = [
 ]
 
 
+_GPT2_3 = dict(n_layer=3, n_embd=32, n_head=2, vocab_size=50)
+
+
 def test_gpt2_few_layers_jvp_recorded_directly():
-    fwd = _loaded(spec("gpt2.py"), n_layer=3, n_embd=32, n_head=2, vocab_size=50)
+    fwd = _loaded(spec("gpt2.py"), **_GPT2_3)
     for tangents in ("params", "all"):
         dh, _ = _check_jvp(fwd, tangents)
         assert {c.site for c in dh.calls} == {0, 1, 2}
@@ -291,12 +304,150 @@ def test_api_direct_option():
         assert _stored_nodes(calls.expand(dh)) == _stored_nodes(flat)
 
 
-def test_recorded_jvp_is_not_transposed():
+def test_recorded_jvp_is_transposed():
+    """``build_vjp`` given a recorded JVP (``direct=True``) transposes its flat graph: the
+    backward equals the one transposed from the flat JVP, node for node."""
     from graphflop import api
 
     fwd = _forward(InStack(), torch.randn(5, 6))
-    with pytest.raises(ValueError, match="built with direct=True"):
-        api.build_vjp(fwd, linearized=api.build_jvp(fwd, direct=True))
+    for direct in (False, True):
+        got = api.build_vjp(fwd, linearized=api.build_jvp(fwd, direct=True), direct=direct)
+        want = api.build_vjp(fwd, linearized=api.build_jvp(fwd), direct=direct)
+        assert _stored_nodes(got) == _stored_nodes(want)
+        assert got.meta[VJP] == want.meta[VJP]
+
+
+def _log_rows(gm):
+    """The JVP log as positions among the graph's nodes; a ghost as its op, kind, record (its
+    names are numbered afresh per build: source, module, role, cost) and arguments (nodes as positions); a custom Function's entry as its type."""
+    at = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def row(e):
+        if isinstance(e, torch.fx.Node):
+            return at[e]
+        if isinstance(e, (list, tuple)):
+            return tuple(row(x) for x in e)
+        if is_ghost(e):
+            r = e.record
+            where = (r.source, r.module, r.role, r.cost) if r is not None else None
+            return ("ghost", str(e.op), e.kind, where, row(e.args))
+        return e if isinstance(e, (int, float, bool, str, type(None))) else type(e).__name__
+
+    return [row(e) for e in gm.meta[JVP_LOG]]
+
+
+def _check_transposed(fwd, input_grads=False, read=True):
+    """The backward transposed from the recorded JVP against the one transposed from the flat
+    JVP (both with and without a recorder of the backward): node for node, ``VjpInfo``, and
+    the recorded backward's ``derived_figures``; ``read``: whether the recorded JVP is read
+    as it is (else through its flat graph). Returns the flat backward transposed from the
+    recorded JVP (None where the forward has no hierarchy)."""
+    if fwd.meta.get(HIERARCHY) is None:
+        return None
+    tangents = "all" if input_grads else "params"
+    flat = build_jvp(fwd, tangents, for_transpose=True)
+    rec = build_jvp(fwd, tangents, for_transpose=True, recorder=DirectRecorder(fwd))
+    assert rec.meta[DERIVED_HIERARCHY].graph is rec
+    expanded = calls.expand_jvp(rec)
+    assert _stored_nodes(expanded) == _stored_nodes(flat)
+    assert _log_rows(expanded) == _log_rows(flat)
+    assert len(expanded.meta[GHOST_LINKS].links) == len(flat.meta[GHOST_LINKS].links)
+    got = build_vjp(fwd, input_grads=input_grads, linearized=rec)
+    want = build_vjp(fwd, input_grads=input_grads, linearized=flat)
+    # ``read``: the recorded JVP transposed as it is (each call read from its repeat node),
+    # not through its flat graph (expand_jvp: checkpointed blocks)
+    assert (got.meta[LINEARIZED] is rec) == read
+    assert _stored_nodes(got) == _stored_nodes(want)
+    assert _placeholders(got) == _placeholders(want)
+    assert got.meta[VJP] == want.meta[VJP]
+    ghost = lambda g: (g.op, g.shape, g.source, g.module, g.role, g.cost)  # noqa: E731
+    assert [ghost(g) for g in got.meta[GHOSTS]] == [ghost(g) for g in want.meta[GHOSTS]]
+    d_got = build_vjp(fwd, input_grads=input_grads, linearized=rec, recorder=DirectRecorder(fwd))
+    d_want = build_vjp(fwd, input_grads=input_grads, linearized=flat, recorder=DirectRecorder(fwd))
+    assert d_got.meta[VJP] == d_want.meta[VJP]
+    dh_got, dh_want = d_got.meta.get(DERIVED_HIERARCHY), d_want.meta.get(DERIVED_HIERARCHY)
+    assert (dh_got is None) == (dh_want is None)
+    if dh_got is not None:
+        assert (dh_got.graph is d_got) == (dh_want.graph is d_want)  # recorded, or fell back
+        assert _stored_nodes(calls.expand(dh_got)) == _stored_nodes(calls.expand(dh_want))
+        assert _stored_nodes(calls.expand(dh_got)) == _stored_nodes(want)
+        keep = lambda n: True  # noqa: E731
+        assert _figures(calls.derived_figures(dh_got, keep, "grad_input")) == _figures(
+            calls.derived_figures(dh_want, keep, "grad_input")
+        )
+    return got
+
+
+def test_stack_transposed_from_the_recorded_jvp():
+    """The block stack (with and without a layer before it), and the gradients of the backward
+    transposed from the recorded JVP against ``torch.func`` on real tensors."""
+    for model in (InStack(), Stack()):
+        fwd = _forward(model, torch.randn(5, 6))
+        for input_grads in (False, True):
+            bwd = _check_transposed(fwd, input_grads)
+        assert verify_gradients(fwd, bwd, model, tolerance=1e-5).ok
+
+
+def test_gpt2_few_layers_transposed_from_the_recorded_jvp(monkeypatch):
+    loaded = load(spec("gpt2.py"), ctor_kwargs=_GPT2_3)
+    loaded.model.train()
+    fwd = analyze(loaded.model, make_inputs(loaded, batch=2)).forward
+    made_flat = []
+    flat = blocks.RecordedCalls.flat
+
+    def counted(self, rep, run, ct):
+        made_flat.append(rep)
+        return flat(self, rep, run, ct)
+
+    monkeypatch.setattr(blocks.RecordedCalls, "flat", counted)
+    for input_grads in (False, True):
+        made_flat.clear()
+        bwd = _check_transposed(fwd, input_grads)
+        # three calls of one JVP template: the first is made flat and transposed by the rules
+        # (each time _check_transposed transposes the recorded JVP: twice), the other two are
+        # read from their repeat nodes
+        assert len(made_flat) == 2 and len(set(made_flat)) == 1
+    assert verify_gradients(fwd, bwd, loaded.model, tolerance=1e-4).ok
+
+
+def test_recorded_jvp_falls_back_to_its_flat_graph(monkeypatch):
+    """Where a call of the recorded JVP cannot be transposed as recorded (forced here: the
+    first call made flat raises :class:`RecordedFallback`), the backward is transposed from
+    ``calls.expand_jvp`` of it, with a fresh recorder, equal to the flat JVP's."""
+
+    def refuse(self, rep, run, ct):
+        raise blocks.RecordedFallback(rep.name)
+
+    fwd = _forward(InStack(), torch.randn(5, 6))
+    rec = build_jvp(fwd, "params", for_transpose=True, recorder=DirectRecorder(fwd))
+    flat = build_jvp(fwd, "params", for_transpose=True)
+    monkeypatch.setattr(blocks.RecordedCalls, "flat", refuse)
+    for recorder in (None, DirectRecorder(fwd)):
+        got = build_vjp(fwd, linearized=rec, recorder=recorder)
+        want = build_vjp(fwd, linearized=flat, recorder=DirectRecorder(fwd) if recorder else None)
+        assert got.meta[LINEARIZED] is not rec
+        assert got.meta[VJP] == want.meta[VJP]
+        dh_got, dh_want = got.meta.get(DERIVED_HIERARCHY), want.meta.get(DERIVED_HIERARCHY)
+        if recorder is None:
+            assert _stored_nodes(got) == _stored_nodes(want)
+        else:
+            assert dh_got.graph is got and dh_want.graph is want
+            assert _stored_nodes(calls.expand(dh_got)) == _stored_nodes(calls.expand(dh_want))
+
+
+@pytest.mark.parametrize("s", QUICK)
+def test_models_transposed_from_the_recorded_jvp(s):
+    _check_transposed(_loaded(spec(s) if ".py" in s else s))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s", SLOW)
+def test_large_models_transposed_from_the_recorded_jvp(s):
+    _check_transposed(_loaded(spec(s) if ".py" in s else s))
+
+
+def test_checkpointed_blocks_transposed_from_the_recorded_jvp():
+    _check_transposed(_forward(CheckpointedStack(), torch.randn(4, 8)), read=False)
 
 
 def test_llama_decoder_layers_recorded_directly():
@@ -315,3 +466,4 @@ def test_llama_decoder_layers_recorded_directly():
     dh, _ = _check_jvp(fwd, "params")
     assert {c.site for c in dh.calls} == {0, 1, 2}
     assert _check_vjp(fwd) is not None
+    _check_transposed(fwd)

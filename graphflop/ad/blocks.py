@@ -23,6 +23,13 @@ A call is transposed by the rules instead (and its variant not reused) where exp
 differ from them: ghost work in it (a pruned cotangent), a gap, a custom Function, a
 ``torch.utils.checkpoint`` region, an input passed twice, or a residual or coefficient that an
 earlier call had already imported for the one and not for the other.
+
+A recorded JVP (:class:`graphflop.passes.calls.DirectRecorder`: its blocks are calls of
+template JVPs) is transposed without its flat graph: :class:`RecordedCalls` gives each call's
+values one node, and a call of a variant already transposed at an earlier call of the same
+template JVP takes its residuals and cotangents from its ``graphflop::repeat`` node's
+arguments and getitems (:meth:`BlockTranspose.transpose_call`); the other calls are made flat
+aside and transposed as above.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ from graphflop.ops.ghost import is_ghost
 
 __all__ = [
     "BlockLinearize",
+    "RecordedCalls",
+    "RecordedFallback",
     "BlockTranspose",
     "TemplateBackward",
     "TemplateJvp",
@@ -162,6 +171,10 @@ class TemplateBackward:
     #: positions of :attr:`nodes` read after the call (getitems of the call)
     direct: tuple | None = None
     exposed: list[int] = field(default_factory=list)
+    #: transposing a recorded JVP: per value of the first call's (an argument of its call, or
+    #: one of its template nodes) ``("arg", j)`` or ``("pos", i)``, so another call of the
+    #: same JVP template finds its own value without walking its nodes
+    places: dict[Node, tuple] | None = None
 
 
 class BlockTranspose:
@@ -195,6 +208,8 @@ class BlockTranspose:
         self.templates: dict[tuple, TemplateBackward] = {}
         self.built = 0
         self.expanded = 0
+        #: transposing a recorded JVP: its calls (:meth:`read_calls`)
+        self.calls: Any = None
         if h is None:
             return
         for n in forward.graph.nodes:
@@ -228,6 +243,8 @@ class BlockTranspose:
     def site_of(self, entry: Any) -> int | None:
         """The call site whose forward node ``entry`` (a linearized tangent node) is the
         tangent work of; None for ghosts, custom Functions and top-level work."""
+        if isinstance(entry, tuple):  # a recorded JVP's call entry: (repeat node, position)
+            return self.calls.site(entry[0])
         if not isinstance(entry, Node):
             return None
         t = self.tag.get(entry.meta.get(SOURCE, ""))
@@ -250,12 +267,12 @@ class BlockTranspose:
         ct: dict[Any, Any],
         rules: Callable[[list[Any]], None],
         state: Callable[[], tuple[int, int]],
-    ) -> None:
+    ) -> TemplateBackward | None:
         """Transpose ``run`` (one call site's entries, in the order transposed) into the
         backward graph, updating the cotangents ``ct``: by expanding its variant's template
         backward, or by ``rules(run)`` (recording the template backward at a variant's first
         call). ``state()`` counts the ghosts and gaps recorded so far (a call that adds any
-        is not reused)."""
+        is not reused). Returns the template backward recorded at this call, if any."""
         site = self.site_of(run[0])
         assert site is not None
         inside = set(run)
@@ -264,7 +281,8 @@ class BlockTranspose:
         for e in run:
             for a in _leaves((e.args, e.kwargs)):
                 if is_ghost(a):
-                    return self._rules(run, rules, site)
+                    self._rules(run, rules, site)
+                    return None
                 if (
                     isinstance(a, Node)
                     and a.meta.get(KIND) == "tangent"
@@ -276,7 +294,8 @@ class BlockTranspose:
         incoming = tuple(_state(ct.get(e)) for e in run)
         prior = tuple(_state(ct.get(x)) for x in externals)
         if site in self.unsafe or False in incoming or False in prior:
-            return self._rules(run, rules, site)
+            self._rules(run, rules, site)
+            return None
         h = self.h
         assert h is not None
         key = (
@@ -289,9 +308,11 @@ class BlockTranspose:
         t = self.templates.get(key)
         if t is None:
             t = self.templates[key] = TemplateBackward(site, run)
-            return self._record(t, run, externals, ct, rules, state)
+            self._record(t, run, externals, ct, rules, state)
+            return t
         if not t.reusable or not self._expand(t, run, externals, ct, site):
             self._rules(run, rules, site)
+        return None
 
     def _rules(self, run: list[Any], rules: Callable[[list[Any]], None], site: int | None) -> None:
         """Transpose ``run`` with the rules; with a recorder and the call site ``site``, make
@@ -320,6 +341,102 @@ class BlockTranspose:
         if self.recorder is not None:
             self.recorder.template(nodes, site, self.root, None)
         return nodes
+
+    # -- a recorded JVP's call -------------------------------------------------------------------
+    def read_calls(self, calls: RecordedCalls) -> None:
+        """Transpose the calls of a recorded JVP (``calls``: its hierarchy as the transpose
+        reads it) with :meth:`transpose_call`."""
+        self.calls = calls
+        self.fast: dict[tuple, TemplateBackward] = {}
+        self._walks: dict[tuple, list[tuple]] = {}
+
+    def transpose_call(
+        self,
+        run: list[tuple],
+        ct: dict[Any, Any],
+        rules: Callable[[list[Any]], None],
+        state: Callable[[], tuple[int, int]],
+    ) -> None:
+        """Transpose one call of the recorded JVP (``run``: its log entries ``(repeat node,
+        position)``, in the order transposed). A call of a JVP template whose variant (its
+        logged positions, which of its arguments are one value, the cotangents arriving and
+        held) has a template backward recorded at an earlier call of that JVP template is that
+        template backward, its residuals and cotangents read from the call's arguments and
+        getitems (no node of the call made); every other call is made flat aside
+        (:meth:`RecordedCalls.flat`) and transposed as :meth:`transpose` transposes the flat
+        JVP's, its first call of a variant recording the template backward."""
+        calls = self.calls
+        rep = run[0][0]
+        site = calls.site(rep)
+        positions = tuple(i for _, i in run)
+        args: Any = rep.args[0]
+        first: dict[int, int] = {}
+        pattern = tuple(first.setdefault(id(a), j) for j, a in enumerate(args))
+        externals: list[Node] = []
+        seen: set[Node] = set()
+        for ref in self._walk(calls.template(rep), positions):
+            a = args[ref[1]] if ref[0] == "arg" else calls.value(rep, ref[1])
+            if isinstance(a, Node) and a.meta.get(KIND) == "tangent" and a not in seen:
+                seen.add(a)
+                externals.append(a)
+        keys = [calls.items.get(e) for e in run]
+        incoming = tuple(None if k is None else _state(ct.get(k)) for k in keys)
+        prior = tuple(_state(ct.get(x)) for x in externals)
+        h = self.h
+        assert h is not None
+        fkey = (
+            h.sites[site].variant,
+            calls.template(rep),
+            positions,
+            pattern,
+            incoming,
+            prior,
+            len(externals),
+        )
+        t = self.fast.get(fkey)
+        if t is not None and site not in self.unsafe:
+            given = _Places(t.places or {}, calls, rep)
+            if self._expand(t, keys, externals, ct, site, given):
+                return
+            self._rules(calls.flat(rep, run, ct), rules, site)
+            return
+        side = calls.flat(rep, run, ct)
+        t = self.transpose(side, ct, rules, state)
+        if t is not None and t.reusable and False not in incoming and False not in prior:
+            reached = self._correspondence(t.entries, t.entries, site, site) or {}
+            places: dict[Node, tuple] = {}
+            index = {x: i for i, x in enumerate(calls.side[rep])}
+            for x in reached:
+                if x in index:
+                    places[x] = ("pos", index[x])
+                    places[calls.value(rep, index[x])] = ("pos", index[x])
+                elif any(x is a for a in args):
+                    places[x] = ("arg", next(j for j, a in enumerate(args) if a is x))
+            t.places = places
+            self.fast[fkey] = t
+
+    def _walk(self, template: int, positions: tuple[int, ...]) -> list[tuple]:
+        """The values from outside the run that the logged template nodes ``positions`` read,
+        in :meth:`transpose`'s order (with repeats): ``("arg", j)`` placeholder ``j``,
+        ``("pos", k)`` a tangent template node ``k`` not logged."""
+        key = (template, positions)
+        got = self._walks.get(key)
+        if got is None:
+            calls = self.calls
+            nodes = calls.nodes[template]
+            at = {x: i for i, x in enumerate(nodes)}
+            ph = {x: j for j, x in enumerate(calls.phs[template])}
+            inside = set(positions)
+            got = []
+            for i in positions:
+                x = nodes[i]
+                for a in _leaves((x.args, x.kwargs)):
+                    if a in ph:
+                        got.append(("arg", ph[a]))
+                    elif a in at and at[a] not in inside and a.meta.get(KIND) == "tangent":
+                        got.append(("pos", at[a]))
+            self._walks[key] = got
+        return got
 
     # -- the first call of a variant: the rules, recorded ---------------------------------------
     def _record(
@@ -498,11 +615,13 @@ class BlockTranspose:
         externals: list[Node],
         ct: dict[Any, Any],
         site: int,
+        given: Any = None,
     ) -> bool:
         """Copy ``t``'s nodes for call ``site``; False (nothing emitted) where the call's
-        values do not map onto the template backward's."""
+        values do not map onto the template backward's (``given``: that map, when known
+        without walking the call's nodes)."""
         b = self.b
-        corr = self._correspondence(t.entries, run, t.site, site)
+        corr = given if given is not None else self._correspondence(t.entries, run, t.site, site)
         if corr is None or not self._same_imports(t, corr):
             return False
         arrived = [ct.pop(e, None) for e in run]
@@ -555,6 +674,128 @@ class BlockTranspose:
         return True
 
 
+class RecordedFallback(Exception):
+    """The transpose of a recorded JVP needs a value of a call that its stand-in cannot give
+    (a coefficient to recompute from a call's node not made): transpose the flat JVP
+    instead."""
+
+
+class RecordedCalls:
+    """A recorded JVP hierarchy (:class:`graphflop.passes.calls.DerivedHierarchy` with its
+    whole log) as the transpose reads it: per call's template node, the one node that stands
+    for its value (the call's getitem where the top level reads it; else a node outside every
+    graph with the template node's annotations made the call's, or the first call's node it
+    replaced), and a call's nodes made flat aside where the rules must run on them.
+
+    Args:
+        dh: the recorded JVP's hierarchy (``dh.log`` set).
+    """
+
+    def __init__(self, dh: Any) -> None:
+        from graphflop.passes.calls import _localize
+
+        self.dh = dh
+        self._localize = _localize
+        repeat = torch.ops.graphflop.repeat.default
+        #: (repeat node, position) -> its getitem
+        self.items: dict[tuple[Node, int], Node] = {}
+        for n in dh.graph.graph.nodes:
+            if n.target is operator.getitem and getattr(n.args[0], "target", None) is repeat:
+                self.items[(n.args[0], n.args[1])] = n
+        self._first = {at: x for x, at in dh.moved.items()}
+        self.nodes = [[x for x in t.graph.nodes if x.op == "call_function"] for t in dh.templates]
+        self.phs = [[x for x in t.graph.nodes if x.op == "placeholder"] for t in dh.templates]
+        self.canonical: dict[tuple[Node, int], Node] = {}
+        #: stand-ins without arguments (a coefficient cannot be recomputed from them)
+        self.thin: set[Node] = set()
+        #: per repeat node made flat, its nodes in template order
+        self.side: dict[Node, list[Node]] = {}
+        #: a flat-made node -> the node that stands for its value
+        self.alias: dict[Node, Node] = {}
+        self.scratch = Graph()
+
+    def site(self, rep: Node) -> int:
+        return self.dh.calls[rep.args[1]].site
+
+    def template(self, rep: Node) -> int:
+        return self.dh.calls[rep.args[1]].template
+
+    def value(self, rep: Node, i: int) -> Node:
+        """The node standing for call ``rep``'s template node ``i``."""
+        key = (rep, i)
+        v = self.items.get(key) or self.canonical.get(key)
+        if v is None:
+            v = self._first.get(key)
+            if v is None:
+                c = self.dh.calls[rep.args[1]]
+                x = self.nodes[c.template][i]
+                v = self.scratch.create_node("call_function", x.target, name=x.name)
+                v.meta = dict(x.meta)
+                self._localize(v.meta, c, dict(c.modules))
+            self.thin.add(v)
+            self.canonical[key] = v
+        return v
+
+    def canon(self, a: Node) -> Node:
+        """The node standing for ``a``'s value (``a`` itself at the top level)."""
+        v = self.alias.get(a)
+        if v is not None:
+            return v
+        at = self.dh.moved.get(a)
+        return self.value(*at) if at is not None else a
+
+    def flat(self, rep: Node, run: list[tuple], ct: dict[Any, Any]) -> list[Node]:
+        """The nodes of ``run``'s entries, call ``rep`` made flat aside (once; its arguments
+        the top level's), the cotangents arrived at its getitems moved onto them."""
+        made = self.side.get(rep)
+        if made is None:
+            c = self.dh.calls[rep.args[1]]
+            absolute = dict(c.modules)
+            args: Any = rep.args[0]
+            env: dict[Node, Any] = dict(zip(self.phs[c.template], args))
+            made = []
+            for x in self.nodes[c.template]:
+                new = copy_node(self.scratch, x, env.__getitem__)
+                self._localize(new.meta, c, absolute)
+                env[x] = new
+                made.append(new)
+            for i, new in enumerate(made):
+                key = (rep, i)
+                v = self.items.get(key) or self.canonical.get(key)
+                if v is None:
+                    self.canonical[key] = new
+                else:
+                    self.alias[new] = v
+            self.side[rep] = made
+        for i in range(len(made)):
+            item = self.items.get((rep, i))
+            if item is not None and item in ct:
+                ct[made[i]] = ct.pop(item)
+        return [made[i] for _, i in run]
+
+
+class _Places:
+    """A first call's values (``places``: value -> ``("arg", j)`` or ``("pos", i)``) mapped to
+    call ``rep``'s: the correspondence :meth:`BlockTranspose._expand` reads."""
+
+    def __init__(self, places: dict[Node, tuple], calls: RecordedCalls, rep: Node) -> None:
+        self.places, self.calls, self.rep = places, calls, rep
+
+    def get(self, x: Any, default: Any = None) -> Any:
+        r = self.places.get(x)
+        if r is None:
+            return default
+        if r[0] == "arg":
+            return self.rep.args[0][r[1]]  # type: ignore[index]
+        return self.calls.value(self.rep, r[1])
+
+    def __getitem__(self, x: Any) -> Any:
+        v = self.get(x)
+        if v is None:
+            raise KeyError(x)
+        return v
+
+
 def transpose_log(
     forward: GraphModule,
     b: Any,
@@ -566,12 +807,18 @@ def transpose_log(
 ) -> BlockTranspose | None:
     """Transpose the JVP log's entries ``log`` (in the order transposed) into ``b``'s graph:
     each call site's run through :meth:`BlockTranspose.transpose`, every other entry (and a
-    run with an entry ``linked`` to ghost terms) by ``rules``. Returns the expander (None for
-    a forward graph without call sites)."""
+    run with an entry ``linked`` to ghost terms) by ``rules``. With ``b.calls`` (a recorded
+    JVP's :class:`RecordedCalls`; ``log`` its hierarchy's whole log) a call's run of
+    ``(repeat node, position)`` entries goes through :meth:`BlockTranspose.transpose_call`.
+    Returns the expander (None for a forward graph without call sites)."""
     blocks = BlockTranspose.of(forward, b)
+    calls: RecordedCalls | None = getattr(b, "calls", None)
     if blocks is None:
+        assert calls is None
         rules(log)
         return None
+    if calls is not None:
+        blocks.read_calls(calls)
     i = 0
     while i < len(log):
         j = blocks.run(log, i)
@@ -580,8 +827,14 @@ def transpose_log(
             i += 1
             continue
         run = log[i:j]
-        if any(linked(e) for e in run):  # ghost terms to credit: the rules
-            rules(run)
+        whole = calls is not None and all(isinstance(e, tuple) for e in run)
+        if calls is not None and not whole and any(isinstance(e, tuple) for e in run):
+            run = [calls.flat(e[0], [e], ct)[0] if isinstance(e, tuple) else e for e in run]
+        if any(linked(calls.items.get(e) if whole else e) for e in run):  # type: ignore[union-attr]
+            # ghost terms to credit: the rules
+            rules(calls.flat(run[0][0], run, ct) if whole else run)  # type: ignore[union-attr]
+        elif whole:
+            blocks.transpose_call(run, ct, rules, state)
         else:
             blocks.transpose(run, ct, rules, state)
         i = j
@@ -876,7 +1129,8 @@ class BlockLinearize:
         if t.direct is not None:  # a call of the template derivative, its nodes not copied
             values = [lin.env[args[j]] if k == "p" else lin.tan[args[j]] for k, j in t.direct[1]]
             keys, exposed = self._outward(t, site)
-            made = self.recorder.call(g, t.direct, site, values, exposed)
+            logged = (len(lin.b.log), t.log)
+            made = self.recorder.call(g, t.direct, site, values, exposed, logged)
         for kind, x, *first in t.nodes if t.direct is None else ():
             if kind == "copy":
                 new = copy_node(g, own[x], fwd_env.__getitem__)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -187,8 +188,10 @@ def build_jvp(
     lin.graph.output(tuple(primal_outs + tangent_outs))
     log = list(lin.b.log)
     links = lin.b.ghost_links
+    whole: list[Any] | None = None
     if lin.recorder is not None:  # a call's nodes linked to ghosts: its getitems
         moved = lin.recorder.finish(lin.graph, list(links))
+        whole = lin.recorder.log(log)
         links = {moved.get(n, n): gs for n, gs in links.items()}
         # the log's nodes left at the top level (a call's tangents are its template's)
         log = [e for e in log if not isinstance(e, Node) or not getattr(e, "_erased", False)]
@@ -196,7 +199,8 @@ def build_jvp(
     gm = graph_module(forward, lin.graph)
     if lin.recorder is not None:
         dh = lin.recorder.hierarchy(gm)
-        if dh is not None:
+        if dh is not None:  # with the whole log, for calls.expand_jvp (the transpose's)
+            dh = replace(dh, log=tuple(whole or ()), moved=lin.recorder.first_at)
             gm.meta[DERIVED_HIERARCHY] = dh
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = lin.ghosts

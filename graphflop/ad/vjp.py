@@ -42,7 +42,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphflop.ad import functions
-from graphflop.ad.blocks import transpose_log
+from graphflop.ad.blocks import RecordedCalls, RecordedFallback, transpose_log
 from graphflop.ad.builder import Builder, emit
 from graphflop.ad.jvp import build_jvp
 from graphflop.ad.simplify import fold_transposed_matmuls
@@ -95,6 +95,8 @@ class TransposeBuilder(Builder):
         self.sig = sig
         #: a :class:`graphflop.passes.calls.DirectRecorder` (``build_vjp``'s), or None
         self.recorder: Any = None
+        #: transposing a recorded JVP: its calls (:class:`graphflop.ad.blocks.RecordedCalls`)
+        self.calls: RecordedCalls | None = None
         self.imported: dict[Node, Node] = {}
         self.checkpoints = _Checkpoints(forward, lin) if forward is not None else None
         self.residual_order: list[tuple[str, str, str]] = []
@@ -130,6 +132,10 @@ class TransposeBuilder(Builder):
         return self._import(a, kind)
 
     def _import(self, a: Node, kind: Any) -> Any:
+        if self.calls is not None:  # one node per value of a recorded JVP's call
+            a = self.calls.canon(a)
+            if kind == "coef" and a in self.calls.thin and a not in self.imported:
+                raise RecordedFallback(a.name)
         if a in self.imported:
             return self.imported[a]
         if kind == "primal":
@@ -196,6 +202,8 @@ def build_vjp(
         input_grads: also return the cotangents of the model's inputs.
         linearized: the JVP graph of ``forward`` to transpose, when already built (tangents on
             the parameters, and on the inputs too for ``input_grads``); built here otherwise.
+            A recorded JVP hierarchy's top level (``recorder``) is expanded first
+            (:func:`graphflop.passes.calls.expand_jvp`).
         per_template: transpose each repeated block's call once per variant and expand it at
             its other calls (:mod:`graphflop.ad.blocks`; the same graph node for node as
             ``False``, which runs the rules at every call).
@@ -216,19 +224,24 @@ def build_vjp(
         MissingRuleError: for a tangent op with no transpose rule, inside
             :func:`graphflop.ops.strict_rules` (otherwise the cotangent stops there and the node
             is listed in ``gm.meta[GAPS]``, with the linearization's own gaps).
-        ValueError: when the forward graph has no loss, or ``linearized`` is a recorded JVP
-            hierarchy's top level (``direct=True``).
+        ValueError: when the forward graph has no loss.
     """
     sig: Signature = forward.meta[SIGNATURE]
     if sig.loss is None:
         raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
     lin = linearized
     dh = lin.meta.get(DERIVED_HIERARCHY) if lin is not None else None
-    if dh is not None and dh.graph is lin:
-        raise ValueError(
-            "linearized is the top level of a recorded JVP hierarchy (built with direct=True); "
-            "the transpose reads the flat JVP graph: pass one built without direct"
-        )
+    if dh is not None and dh.graph is lin:  # a recorded JVP
+        checkpointed = any(n.meta.get(CHECKPOINT) is not None for n in forward.graph.nodes)
+        cut = any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ()))
+        if per_template and dh.log is not None and not checkpointed and not cut:
+            try:  # each call's residuals and cotangents read from its repeat node
+                return _build_vjp(forward, sig, lin, input_grads, per_template, recorder, dh)
+            except RecordedFallback:
+                recorder = type(recorder)(forward) if recorder is not None else None
+        from graphflop.passes.calls import expand_jvp
+
+        lin = expand_jvp(lin)  # its flat graph, transposed as built flat
     if lin is None or any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ())):
         # a custom Function without jvp cuts the JVP graph: transpose a linearization that
         # goes through it instead (its own backward is the transpose)
@@ -238,6 +251,21 @@ def build_vjp(
             for_transpose=True,
             per_template=per_template,
         )
+    return _build_vjp(forward, sig, lin, input_grads, per_template, recorder, None)
+
+
+def _build_vjp(
+    forward: GraphModule,
+    sig: Signature,
+    lin: GraphModule,
+    input_grads: bool,
+    per_template: bool,
+    recorder: Any,
+    recorded: Any,
+) -> GraphModule:
+    """:func:`build_vjp` of ``lin`` (``recorded``: its hierarchy, where ``lin`` is a recorded
+    JVP's top level: the log is the hierarchy's whole log, a call's entries ``(repeat node,
+    position)``; raises :class:`RecordedFallback` where it cannot be transposed so)."""
     info = lin.meta[JVP]
     out_node = next(n for n in lin.graph.nodes if n.op == "output")
     loss_tangent = out_node.args[0][info.primal_outputs]
@@ -247,6 +275,8 @@ def build_vjp(
     fake_mode = fake_mode_of([n.meta.get("val") for n in lin.graph.nodes if "val" in n.meta])
     b = TransposeBuilder(g, fake_mode, ghosts, sig, lin, forward)
     b.recorder = recorder if per_template else None
+    if recorded is not None:
+        b.calls = RecordedCalls(recorded)
     loss_node = next(n for n in forward.graph.nodes if n.name == sig.loss)
     ct_loss = b.placeholder(
         "ct_loss",
@@ -260,12 +290,14 @@ def build_vjp(
     )
     ct: dict[Any, Any] = {_key(loss_tangent): ct_loss}
     gaps: list[Gap] = list(lin.meta.get(GAPS, ()))  # the linearization's cuts cut this too
-    links = lin.meta.get(GHOST_LINKS) or GhostLinks()
+    links: Any = lin.meta.get(GHOST_LINKS) or GhostLinks()
+    if b.calls is not None:  # a call's node made flat: its getitem's links
+        links = _CanonLinks(links, b.calls)
 
     def rules(entries: list[Any]) -> None:
         _transpose_entries(b, entries, ct, links, gaps)
 
-    log = list(reversed(lin.meta[JVP_LOG]))
+    log = list(reversed(lin.meta[JVP_LOG] if recorded is None else recorded.log))
     if per_template:
         linked = lambda e: bool(links.get(e))  # noqa: E731
         transpose_log(forward, b, log, ct, rules, linked, lambda: (len(ghosts), len(gaps)))
@@ -322,6 +354,20 @@ def build_vjp(
         tuple(in_grads),
     )
     return gm
+
+
+class _CanonLinks:
+    """A recorded JVP's ghost links read through :meth:`RecordedCalls.canon` (a call's node
+    made flat has its getitem's)."""
+
+    def __init__(self, links: GhostLinks, calls: RecordedCalls) -> None:
+        self.links, self.calls = links, calls
+
+    def get(self, node: Any, default: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+        if node is None:
+            return default
+        got = self.links.get(node)
+        return got if got else self.links.get(self.calls.canon(node), default)
 
 
 def _transpose_entries(

@@ -32,6 +32,7 @@ level, equal to the flat graph's sums (``tests/test_hierarchy.py``).
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -47,7 +48,9 @@ from graphflop.meta import (
     CALL_SITE,
     COST,
     DERIVED_HIERARCHY,
+    GHOST_LINKS,
     HIERARCHY,
+    JVP_LOG,
     KIND,
     MODULE,
     NODE_KEYS,
@@ -56,12 +59,14 @@ from graphflop.meta import (
     ROLE,
     SOURCE,
     ZERO_COST,
+    GhostLinks,
     Hierarchy,
     NodeCost,
     graph_module,
 )
 from graphflop.ops import has_rule, op_name
 from graphflop.ops.cost import op_cost
+from graphflop.ops.ghost import GhostValue, is_ghost
 from graphflop.passes.flops import sum_costs
 
 __all__ = [
@@ -127,6 +132,13 @@ class DerivedHierarchy:
     #: per call, the flat graph's nodes of its run, in its template's node order (so a pass on
     #: the flat graph can give each the figure of its template node: ``annotate_flops``)
     runs: tuple[list[Node], ...] = field(default=(), repr=False)
+    #: a recorded JVP's whole log (:data:`~graphflop.meta.JVP_LOG`, in order): the top level's
+    #: entries (nodes, ghosts, custom Functions' entries) and ``(repeat node, i)`` for the
+    #: call's template node ``i`` logged, so that :func:`expand_jvp` rebuilds the flat log
+    log: tuple[Any, ...] | None = field(default=None, repr=False)
+    #: with :attr:`log`: each first call's node (erased from the top level, still read by the
+    #: ghosts' arguments) -> ``(repeat node, i)``
+    moved: dict[Node, tuple[Node, int]] = field(default_factory=dict, repr=False)
 
     def uses(self) -> list[int]:
         """How many calls each template derivative has."""
@@ -379,6 +391,14 @@ def expand(dh: DerivedHierarchy) -> GraphModule:
     relative ones. Node for node the graph :func:`build` read: ops, arguments, output layouts
     and every graphflop annotation (``tests/test_hierarchy.py``); the names of a call's nodes
     are made anew (unique, not necessarily the flat graph's), the top level's are kept."""
+    return _expanded(dh)[0]
+
+
+def _expanded(
+    dh: DerivedHierarchy,
+) -> tuple[GraphModule, dict[Node, Any], dict[Node, list[Node]]]:
+    """:func:`expand`'s graph, with per top-level node its copy (a getitem of a call: the
+    call's node) and per repeat node the call's nodes in template order."""
     g = Graph()
     env: dict[Node, Any] = {}
     results: dict[Node, list[Node]] = {}
@@ -407,7 +427,52 @@ def expand(dh: DerivedHierarchy) -> GraphModule:
             env[n] = results[n.args[0]][n.args[1]]
         else:
             env[n] = copy_node(g, n, env.__getitem__)
-    return graph_module(dh.graph, g)
+    return graph_module(dh.graph, g), env, results
+
+
+def expand_jvp(gm: GraphModule) -> GraphModule:
+    """The flat JVP graph of a recorded JVP hierarchy's top level ``gm`` (built with a
+    :class:`DirectRecorder`): :func:`expand`'s graph with the JVP's annotations the transpose
+    reads (:data:`~graphflop.meta.JVP`, :data:`~graphflop.meta.JVP_LOG` whole, in the order the
+    flat build logged it, :data:`~graphflop.meta.GHOST_LINKS`, ghosts, gaps, signature).
+
+    Raises:
+        ValueError: where ``gm`` is not such a top level, or its hierarchy has no whole log.
+    """
+    dh = gm.meta.get(DERIVED_HIERARCHY)
+    if dh is None or dh.graph is not gm or dh.log is None:
+        raise ValueError("expand_jvp needs the top level of a JVP recorded with direct=True")
+    flat, env, results = _expanded(dh)
+    ghosts: dict[int, GhostValue] = {}
+
+    def value(x: Any) -> Any:
+        if isinstance(x, Node):
+            if x in env:
+                return env[x]
+            rep, i = dh.moved[x]
+            return results[rep][i]
+        if isinstance(x, (list, tuple)):
+            return type(x)(value(y) for y in x)
+        if isinstance(x, dict):
+            return {k: value(y) for k, y in x.items()}
+        if is_ghost(x):  # its arguments read the flat graph's nodes (one copy per ghost)
+            got = ghosts.get(id(x))
+            if got is None:
+                got = ghosts[id(x)] = copy.copy(x)
+                object.__setattr__(got, "args", value(x.args))
+                object.__setattr__(got, "kwargs", value(x.kwargs))
+            return got
+        return x
+
+    log = [results[e[0]][e[1]] if isinstance(e, tuple) else value(e) for e in dh.log]
+    for k, v in gm.meta.items():
+        if k not in (DERIVED_HIERARCHY, JVP_LOG, GHOST_LINKS):
+            flat.meta[k] = v
+    flat.meta[JVP_LOG] = tuple(log)
+    links = gm.meta.get(GHOST_LINKS)
+    if links is not None:
+        flat.meta[GHOST_LINKS] = GhostLinks.of({value(n): value(gs) for n, gs in links.items()})
+    return flat
 
 
 def _localize(m: dict, c: DerivedCall, absolute: dict[str, str]) -> None:
@@ -604,6 +669,11 @@ class DirectRecorder:
         self.calls: list[DerivedCall] = []
         self.call_op = torch.ops.graphflop.repeat.default
         self._in_firsts: list[set[Node]] = []  # per first call, its nodes (for inside)
+        #: per expanded call whose log entries were asked for: (log length before the call's
+        #: entries, its repeat node, template positions logged)
+        self.marks: list[tuple[int, Node, list[int]]] = []
+        #: after :meth:`finish`: each first call's node -> (its repeat node, position)
+        self.first_at: dict[Node, tuple[Node, int]] = {}
 
     def template(
         self, run: list[Node], site: int, root: torch.nn.Module, refs: dict[Node, Any] | None
@@ -634,16 +704,28 @@ class DirectRecorder:
         sources = tuple(names[(site, k)] for k in order)
         return DerivedCall(site, t, self.h.sites[site].modules, sources)
 
-    def call(self, g: Graph, handle: tuple, site: int, args: list[Any], exposed: list[int]) -> dict:
+    def call(
+        self,
+        g: Graph,
+        handle: tuple,
+        site: int,
+        args: list[Any],
+        exposed: list[int],
+        logged: tuple[int, list[int]] | None = None,
+    ) -> dict:
         """Emit at the end of ``g`` the call of ``handle``'s template at call site ``site``
         with values from outside ``args`` (in the handle's order): its ``graphflop::repeat``
         node and one getitem per template node in ``exposed`` (ascending; getitems nobody
-        reads are dropped by :meth:`finish`). Returns template node position -> getitem, each
-        with that node's annotations made the call's."""
+        reads are dropped by :meth:`finish`). ``logged``: (the JVP log's length before the
+        call, the template positions the call logs), kept for :attr:`DerivedHierarchy.log`.
+        Returns template node position -> getitem, each with that node's annotations made the
+        call's."""
         c = self._call(site, handle)
         number = len(self.calls)
         self.calls.append(c)
         rep = g.create_node("call_function", self.call_op, (list(args), number), name="gf_call")
+        if logged is not None:
+            self.marks.append((logged[0], rep, logged[1]))
         nodes = list(self.templates[c.template].graph.nodes)
         first = len([x for x in nodes if x.op == "placeholder"])
         absolute = dict(c.modules)
@@ -677,6 +759,7 @@ class DirectRecorder:
                 )
             prev = rep
             for i, n in enumerate(f.run):
+                self.first_at[n] = (rep, i)
                 if n in keep or any(u not in inside for u in n.users):
                     with g.inserting_after(prev):
                         item = g.create_node(
@@ -700,6 +783,31 @@ class DirectRecorder:
                 n.update_arg(1, len(calls) - 1)
         self.calls = calls
         return moved
+
+    def log(self, raw: list[Any]) -> list[Any]:
+        """The JVP's whole log (:attr:`DerivedHierarchy.log`) from the log built, ``raw`` (its
+        entries before :meth:`finish`: a first call's nodes, an expanded call's getitems),
+        after :meth:`finish`; None where an expanded call did not give its entries."""
+        marks = iter(self.marks)
+        mark = next(marks, None)
+        out: list[Any] = []
+        call_op = self.call_op
+        for i, e in enumerate([*raw, None]):
+            while mark is not None and mark[0] == i:
+                rep = mark[1]
+                out.extend((rep, k) for k in mark[2])
+                mark = next(marks, None)
+            if i == len(raw):
+                break
+            if isinstance(e, Node):
+                at = self.first_at.get(e)
+                if at is not None:
+                    out.append(at)
+                    continue
+                if e.target is operator.getitem and getattr(e.args[0], "target", None) is call_op:
+                    continue  # an expanded call's entry: its mark's
+            out.append(e)
+        return out
 
     def inside(self, n: Node) -> bool:
         """Whether ``n`` is a node of a call (a getitem of one, or a node of a first call
