@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch.fx import GraphModule, Node
@@ -360,6 +360,14 @@ def kernel_temporaries(
     return fwd, bwd
 
 
+@overload
+def eager_jvp_schedule(
+    jvp: GraphModule, device: str = ..., composed: Literal[False] = ...
+) -> Schedule: ...
+@overload
+def eager_jvp_schedule(
+    jvp: GraphModule, device: str = ..., composed: bool = ...
+) -> Schedule | ComposedSchedule: ...
 def eager_jvp_schedule(
     jvp: GraphModule, device: str = "cpu", composed: bool = False
 ) -> Schedule | ComposedSchedule:
@@ -548,6 +556,26 @@ def optimizer_temporaries(optimizer: str, param_bytes: list[int], device: str) -
     return 2 * max(param_bytes) if device == "cpu" else sum(param_bytes)
 
 
+@overload
+def eager_train_schedule(
+    forward: GraphModule,
+    backward: GraphModule,
+    optimizer: str,
+    device: str = ...,
+    keep_grads: bool = ...,
+    composed: Literal[False] = ...,
+    eager: EagerResiduals | None = ...,
+) -> Schedule: ...
+@overload
+def eager_train_schedule(
+    forward: GraphModule,
+    backward: GraphModule,
+    optimizer: str,
+    device: str = ...,
+    keep_grads: bool = ...,
+    composed: bool = ...,
+    eager: EagerResiduals | None = ...,
+) -> Schedule | ComposedSchedule: ...
 def eager_train_schedule(
     forward: GraphModule,
     backward: GraphModule,
