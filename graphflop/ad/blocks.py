@@ -692,10 +692,8 @@ class RecordedCalls:
     """
 
     def __init__(self, dh: Any) -> None:
-        from graphflop.passes.calls import _localize
-
         self.dh = dh
-        self._localize = _localize
+        self._localize = dh.localize
         repeat = torch.ops.graphflop.repeat.default
         #: (repeat node, position) -> its getitem
         self.items: dict[tuple[Node, int], Node] = {}

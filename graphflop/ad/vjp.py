@@ -239,9 +239,7 @@ def build_vjp(
                 return _build_vjp(forward, sig, lin, input_grads, per_template, recorder, dh)
             except RecordedFallback:
                 recorder = type(recorder)(forward) if recorder is not None else None
-        from graphflop.passes.calls import expand_jvp
-
-        lin = expand_jvp(lin)  # its flat graph, transposed as built flat
+        lin = dh.expand_jvp(lin)  # its flat graph, transposed as built flat
     if lin is None or any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ())):
         # a custom Function without jvp cuts the JVP graph: transpose a linearization that
         # goes through it instead (its own backward is the transpose)

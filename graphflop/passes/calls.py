@@ -140,6 +140,16 @@ class DerivedHierarchy:
     #: ghosts' arguments) -> ``(repeat node, i)``
     moved: dict[Node, tuple[Node, int]] = field(default_factory=dict, repr=False)
 
+    def localize(self, m: dict, c: DerivedCall, absolute: dict[str, str]) -> None:
+        """Make a template node's relative annotations ``m`` call ``c``'s (in place): for the
+        derivative builders, which sit below this module's layer."""
+        _localize(m, c, absolute)
+
+    def expand_jvp(self, gm: GraphModule) -> GraphModule:
+        """:func:`expand_jvp` of ``gm``, this hierarchy's recorded JVP top level: for the
+        transpose, which sits below this module's layer."""
+        return expand_jvp(gm)
+
     def uses(self) -> list[int]:
         """How many calls each template derivative has."""
         out = [0] * len(self.templates)

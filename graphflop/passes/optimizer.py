@@ -32,9 +32,7 @@ placeholder/qualified name) and ``MODULE`` (the parameter's module path); on pla
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -61,9 +59,7 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.passes.infra import FLAT, GraphPass
-
-if TYPE_CHECKING:
-    from graphflop.passes.step_calls import BlockParams
+from graphflop.passes.step_calls import BlockParams, slot_name
 
 aten = torch.ops.aten
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -271,14 +267,6 @@ def _copy_call(
     return [(copies[pos[0]], [copies[x] for x in pos[1:]]) for pos in where]
 
 
-def slot_name(kind: str, qual: str) -> str:
-    """The update graph's placeholder name for parameter ``qual``'s input ``kind`` (``param``,
-    ``grad`` or a state kind), also the :data:`~graphflop.meta.SOURCE` of the parameter's
-    update nodes. An identifier whatever the parameter's name (torchvision's RegNet has ``-``
-    in them); nothing looks a placeholder up by name: its SLOT and PARAM say what it holds."""
-    return kind + "_" + re.sub(r"\W", "_", qual)
-
-
 def _param_update(
     b: Builder,
     cfg: OptimizerConfig,
@@ -325,8 +313,6 @@ def build_update_for(
     Raises:
         ValueError: for an unknown optimizer.
     """
-    from graphflop.passes.step_calls import BlockParams
-
     sig = forward.meta[SIGNATURE]
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
     trainable = sig.trainable()  # frozen parameters are not updated

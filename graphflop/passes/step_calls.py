@@ -36,6 +36,7 @@ nodes agree and the composed figures equal the flat sums (``tests/test_step_call
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,7 +63,6 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.passes.calls import DerivedCall, DerivedHierarchy
-from graphflop.passes.optimizer import slot_name
 
 __all__ = ["BlockParams", "attach", "build"]
 
@@ -251,6 +251,14 @@ class _Describer:
             made.append(new)
         g.output(tuple(made))
         return graph_module(root, g)
+
+
+def slot_name(kind: str, qual: str) -> str:
+    """The update graph's placeholder name for parameter ``qual``'s input ``kind`` (``param``,
+    ``grad`` or a state kind), also the :data:`~graphflop.meta.SOURCE` of the parameter's
+    update nodes. An identifier whatever the parameter's name (torchvision's RegNet has ``-``
+    in them); nothing looks a placeholder up by name: its SLOT and PARAM say what it holds."""
+    return kind + "_" + re.sub(r"\W", "_", qual)
 
 
 class BlockParams:
