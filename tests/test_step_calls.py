@@ -15,7 +15,7 @@ from test_hierarchy import Stack, _flat_sums, _stored_nodes
 from graphflop.analysis import analyze
 from graphflop.frontend.trace import trace
 from graphflop.load import load, make_inputs
-from graphflop.meta import COST, DERIVED_HIERARCHY, HIERARCHY, SOURCE
+from graphflop.meta import COST, DERIVED_HIERARCHY, HIERARCHY, PARAM, SOURCE
 from graphflop.passes import calls
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
 from graphflop.passes.flops import AnnotateFlops
@@ -79,7 +79,7 @@ def test_stack_update_and_step_per_template_hand_counted():
     assert fig.rows["blocks.2.fc1"][0] == 18 * (60 + 10)
     # the template holds one block's four parameters' updates, named by their path in it
     t = upd.templates[0]
-    params = {x.meta.get("gf_param") for x in t.graph.nodes} - {None}
+    params = {x.meta.get(PARAM) for x in t.graph.nodes} - {None}
     assert params == {"@.fc1.weight", "@.fc1.bias", "@.fc2.weight", "@.fc2.bias"}
     # sources by their place in the block: the four parameters' update inputs
     assert upd.calls[1].sources == tuple(

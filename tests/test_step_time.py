@@ -648,6 +648,8 @@ def test_an_output_above_the_mmap_threshold_pays_its_page_faults():
     doc = json.loads(save_profile(H100))
     del doc["fault_s_per_byte"], doc["fresh_above_bytes"]
     assert TimeProfile.from_dict(doc) == H100
+    # a whole number of bytes written as a float (another tool's JSON) reads as that number
+    assert TimeProfile.from_dict({**doc, "fresh_above_bytes": 33554432.0}) == H100
 
 
 class Widen(nn.Module):
@@ -683,6 +685,9 @@ def test_a_widening_product_takes_the_wide_curves():
     assert _node(b, torch.ops.aten.mm.default).meta[TIME].compute_s == pytest.approx(small / 1e9)
 
 
+_CURVE = {"points": [[1.0, 1e9]], "fill_s": 0.0}
+
+
 @pytest.mark.parametrize(
     ("edit", "says"),
     [
@@ -690,8 +695,20 @@ def test_a_widening_product_takes_the_wide_curves():
         ({"view_overhead_s": float("nan")}, "a time must be a non-negative number of seconds"),
         ({"threads": "two"}, "threads must be a positive integer or null, not 'two'"),
         ({"threads": 0}, "threads must be a positive integer or null, not 0"),
-        ({"fault_s_per_byte": -1e-9}, "a time must be a non-negative number of seconds"),
-        ({"fresh_above_bytes": 1.5}, "a size must be a non-negative whole number of bytes"),
+        ({"fault_s_per_byte": -1e-9}, "fault_s_per_byte must be between 0 and 1e-06"),
+        ({"fault_s_per_byte": 1e300}, "fault_s_per_byte must be between 0 and 1e-06"),
+        ({"fault_s_per_byte": True}, "fault_s_per_byte must be seconds per byte (a number)"),
+        ({"fault_s_per_byte": "1e-9"}, "fault_s_per_byte must be seconds per byte (a number)"),
+        ({"fresh_above_bytes": 1.5}, "fresh_above_bytes must be a non-negative whole number"),
+        ({"launch_overhead_s": True}, "a time must be a non-negative number of seconds, not True"),
+        (
+            {"shaped": {"matmul_wide": {"float32": [[16, _CURVE], [float("nan"), _CURVE]]}}},
+            "shaped rate curves need increasing positive dimensions",
+        ),
+        (
+            {"shaped": {"matmul_wide": {"float32": [["16", _CURVE]]}}},
+            "a shaped curve's dimension must be a number, not '16'",
+        ),
         (
             {"bandwidth": {"points": [[1.0, float("inf")]], "fill_s": 0.0}},
             "rate curve sizes and rates must be positive finite numbers",

@@ -162,12 +162,21 @@ def _layer_times(tr: TimeReport, layers: tuple[LayerRow, ...]) -> dict[str, Laye
     return out
 
 
+#: what the predicted-time tables' columns hold
+_TIME_CAPTION = (
+    "time = max(compute, memory) + overhead per kernel; compute and memory columns: the work "
+    "of the kernels bound by each; overhead: launch and dispatch, and on a calibrated CPU the "
+    "page faults of outputs above 32 MiB (docs/time.md)"
+)
+
+
 def _kernel_table(r: Report, tr: TimeReport, phase: str) -> Table:
     """One phase's predicted time by eager kernel, most time first."""
     rows = sorted((o for o in tr.ops if o.phase == phase), key=lambda o: -o.seconds)
     total = sum(o.seconds for o in rows)
     table = Table(
         title=f"{r.model} — {phase} predicted time by eager kernel on {tr.device}",
+        caption=_TIME_CAPTION,
         header_style="bold",
     )
     for col in ("kernel", "count", "time", "compute", "memory", "overhead", "bound", "share"):
@@ -198,6 +207,7 @@ def _time_table(tr: TimeReport) -> Table:
     amp = f", autocast {tr.amp}" if tr.amp else ""
     table = Table(
         title=f"predicted time on {tr.title} ({what}{amp})",
+        caption=_TIME_CAPTION,
         header_style="bold",
     )
     for col in ("phase", "time", "compute", "memory", "overhead", "kernels", "FLOP/s"):

@@ -733,7 +733,7 @@ class DirectRecorder:
         c = self._call(site, handle)
         number = len(self.calls)
         self.calls.append(c)
-        rep = g.create_node("call_function", self.call_op, (list(args), number), name="gf_call")
+        rep = g.create_node("call_function", self.call_op, (list(args), number), name="repeat_call")
         if logged is not None:
             self.marks.append((logged[0], rep, logged[1]))
         nodes = list(self.templates[c.template].graph.nodes)
@@ -741,7 +741,7 @@ class DirectRecorder:
         absolute = dict(c.modules)
         items = {}
         for i in exposed:
-            item = g.create_node("call_function", operator.getitem, (rep, i), name="gf_item")
+            item = g.create_node("call_function", operator.getitem, (rep, i), name="repeat_item")
             m = dict(nodes[first + i].meta)
             _localize(m, c, absolute)
             item.meta = m
@@ -765,7 +765,7 @@ class DirectRecorder:
                     "call_function",
                     self.call_op,
                     ([moved.get(e, e) for e in f.ext], -len(firsts)),
-                    name="gf_call",
+                    name="repeat_call",
                 )
             prev = rep
             for i, n in enumerate(f.run):
@@ -773,7 +773,7 @@ class DirectRecorder:
                 if n in keep or any(u not in inside for u in n.users):
                     with g.inserting_after(prev):
                         item = g.create_node(
-                            "call_function", operator.getitem, (rep, i), name="gf_item"
+                            "call_function", operator.getitem, (rep, i), name="repeat_item"
                         )
                     item.meta = n.meta
                     n.replace_all_uses_with(item, delete_user_cb=_outside(inside))

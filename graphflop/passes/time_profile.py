@@ -449,7 +449,7 @@ class TimeProfile:
                 kernels={str(k): RateCurve.from_dict(v) for k, v in d.get("kernels", {}).items()},
                 shaped={
                     str(c): {
-                        str(k): _dims(tuple((float(m), RateCurve.from_dict(v)) for m, v in pairs))
+                        str(k): _dims(tuple((_dim(m), RateCurve.from_dict(v)) for m, v in pairs))
                         for k, pairs in by.items()
                     }
                     for c, by in d.get("shaped", {}).items()
@@ -457,7 +457,7 @@ class TimeProfile:
                 updates={str(k): RateCurve.from_dict(v) for k, v in d.get("updates", {}).items()},
                 update_step_s={str(k): _seconds(v) for k, v in d.get("update_step_s", {}).items()},
                 fixed={str(k): _seconds(v) for k, v in d.get("fixed", {}).items()},
-                fault_s_per_byte=_seconds(d.get("fault_s_per_byte", 0.0)),
+                fault_s_per_byte=_fault_cost(d.get("fault_s_per_byte", 0.0)),
                 fresh_above_bytes=_bytes(d.get("fresh_above_bytes", GLIBC_MMAP_THRESHOLD_MAX)),
                 threads=_threads(d.get("threads")),
                 notes=tuple(str(x) for x in d.get("notes", ())),
@@ -466,21 +466,43 @@ class TimeProfile:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-            raise ProfileError(f"malformed time profile: {what}") from e
+            raise ProfileError(
+                f"malformed time profile: {what} (write a new one with graphflop calibrate)"
+            ) from e
 
 
 def _seconds(v: Any) -> float:
     """A non-negative number of seconds from a profile file."""
-    s = float(v)
-    if not 0 <= s < math.inf:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
         raise ValueError(f"a time must be a non-negative number of seconds, not {v!r}")
-    return s
+    return float(v)
+
+
+#: the most a page fault may cost per byte in a profile file: 1 s per MB, some thousand times
+#: what a virtual machine was measured at
+_MAX_FAULT_S_PER_BYTE = 1e-6
+
+
+def _fault_cost(v: Any) -> float:
+    """``fault_s_per_byte`` from a profile file: seconds per byte, 0 to 1e-6."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"fault_s_per_byte must be seconds per byte (a number), not {v!r}")
+    if not 0 <= v <= _MAX_FAULT_S_PER_BYTE:
+        raise ValueError(
+            f"fault_s_per_byte must be between 0 and {_MAX_FAULT_S_PER_BYTE:g} seconds per "
+            f"byte, not {v!r}"
+        )
+    return float(v)
 
 
 def _bytes(v: Any) -> int:
-    """A non-negative whole number of bytes from a profile file."""
+    """``fresh_above_bytes`` from a profile file: a non-negative whole number of bytes."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"a size must be a non-negative whole number of bytes, not {v!r}")
+        raise ValueError(
+            f"fresh_above_bytes must be a non-negative whole number of bytes, not {v!r}"
+        )
     return v
 
 
@@ -493,10 +515,17 @@ def _threads(v: Any) -> int | None:
     return v
 
 
+def _dim(v: Any) -> float:
+    """A shaped curve's GEMM dimension from a profile file: a number."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"a shaped curve's dimension must be a number, not {v!r}")
+    return float(v)
+
+
 def _dims(pairs: tuple[tuple[float, RateCurve], ...]) -> tuple[tuple[float, RateCurve], ...]:
-    """``pairs`` checked: at least one, dimensions positive and increasing."""
+    """``pairs`` checked: at least one, dimensions positive, finite and increasing."""
     dims = [m for m, _ in pairs]
-    if not pairs or any(m <= 0 for m in dims) or dims != sorted(set(dims)):
+    if not pairs or any(not 0 < m < math.inf for m in dims) or dims != sorted(set(dims)):
         raise ValueError("shaped rate curves need increasing positive dimensions")
     return pairs
 
