@@ -139,17 +139,18 @@ def test_stack_jvp_recorded_directly():
         assert len(dh.graph.graph.nodes) < len(flat.graph.nodes)
 
 
+# the default suite keeps three models (its 5-minute budget); the rest run with the slow tests
 QUICK = [
     "mlp.py",
     "cnn.py",
+    "resnet.py:resnet18",
+]
+SLOW = [
     "convnet.py",
     "lora.py",
     "vit.py",
-    "resnet.py:resnet18",
     "torchvision:resnet18",
     "torchvision:mobilenet_v3_small",
-]
-SLOW = [
     "deeper_convnet.py",
     "resnet.py:resnet50",
     "gpt2.py:gpt2_small",

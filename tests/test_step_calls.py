@@ -139,19 +139,22 @@ def test_gpt2_three_blocks():
     assert _check_model(model, inputs) is not None
 
 
-@pytest.mark.parametrize("name", ["resnet.py:resnet18", "vit.py"])
+@pytest.mark.parametrize("name", ["resnet.py:resnet18"])
 def test_models(name):
     model, inputs = _model(name)
     _check_model(model, inputs, directions=(1, 2), optimizers=("sgd", "adamw"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resnet.py:resnet50", "gpt2.py:gpt2_small", "deeper_convnet.py"])
+@pytest.mark.parametrize(
+    "name", ["vit.py", "resnet.py:resnet50", "gpt2.py:gpt2_small", "deeper_convnet.py"]
+)
 def test_large_models(name):
     model, inputs = _model(name)
     _check_model(model, inputs, directions=(1, 2), optimizers=("momentum", "adam"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("s", ["torchvision:resnet18"])
 def test_zoo(s):
     loaded = load(s, meta=True)
