@@ -292,9 +292,17 @@ def _placeholder_name(v: Node) -> str:
 
 
 def _template(
-    run: list[Node], ext: list[Node], s: int, d: _Describer, root: torch.nn.Module
+    run: list[Node],
+    ext: list[Node],
+    s: int,
+    d: Any,
+    root: torch.nn.Module,
+    relative_owner: Callable[[str, dict[str, str]], str | None] = _relative_owner,
 ) -> GraphModule:
-    """The template derivative of ``run`` (call site ``s``): see :class:`DerivedHierarchy`."""
+    """The template derivative of ``run`` (call site ``s``): see :class:`DerivedHierarchy`.
+    ``d``: a describer with the call sites' relative module paths (``rel``) and the forward
+    sources' places (``keys``), as :class:`_Describer` has them; ``relative_owner``: a
+    parameter's owner module's path in the block, or None to keep it absolute."""
     g = Graph()
     env: dict[Node, Node] = {}
     for j, v in enumerate(ext):
@@ -315,7 +323,7 @@ def _template(
             m[SOURCE] = f"@{slots.setdefault(k[1], len(slots))}"
         if PARAM in m:
             owner, _, leaf = m[PARAM].rpartition(".")
-            r_owner = _relative_owner(owner, rel)
+            r_owner = relative_owner(owner, rel)
             if r_owner is not None:
                 m[PARAM] = f"{r_owner}.{leaf}"
         cs = m.get(CALL_SITE)

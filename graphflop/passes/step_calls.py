@@ -50,19 +50,16 @@ from graphflop.meta import (
     COST,
     DERIVED_HIERARCHY,
     HIERARCHY,
-    KIND,
     MODULE,
     NODE_KEYS,
     PARAM,
-    RESIDUAL,
-    ROLE,
     SIGNATURE,
     SLOT,
     SOURCE,
     Hierarchy,
     graph_module,
 )
-from graphflop.passes.calls import DerivedCall, DerivedHierarchy
+from graphflop.passes.calls import DerivedCall, DerivedHierarchy, _template
 
 __all__ = ["BlockParams", "attach", "build"]
 
@@ -220,37 +217,9 @@ class _Describer:
     def template(self, run: list[Node], ext: list[Node], s: int, root: GraphModule) -> GraphModule:
         """The template of ``run`` (call site ``s``): placeholders for its values from outside
         (named by role), its nodes with their annotations relative to the block, an output
-        returning every node (as :class:`~graphflop.passes.calls.DerivedHierarchy` has it)."""
-        g = Graph()
-        env: dict[Node, Node] = {}
-        for j, v in enumerate(ext):
-            name = "residual" if v.op == "placeholder" and RESIDUAL in v.meta else None
-            p = g.placeholder(f"{name or v.meta.get(KIND) or 'value'}_{j}")
-            p.meta = {k: v.meta[k] for k in ("val", KIND, ROLE) if k in v.meta}
-            env[v] = p
-        rel = self.rel[s]
-        slots: dict[tuple, int] = {}
-        made = []
-        for n in run:
-            new = copy_node(g, n, env.__getitem__)
-            m = new.meta
-            m.pop(COST, None)
-            if m.get(MODULE, "") in rel:
-                m[MODULE] = rel[m.get(MODULE, "")]
-            k = self.keys.get(m.get(SOURCE, ""))
-            if k is not None and k[0] == s:
-                m[SOURCE] = f"@{slots.setdefault(k[1], len(slots))}"
-            if PARAM in m:
-                owner, _, leaf = m[PARAM].rpartition(".")
-                if owner in rel:
-                    m[PARAM] = f"{rel[owner]}.{leaf}"
-            cs = m.get(CALL_SITE)
-            if cs is not None and cs[0] == s:
-                m[CALL_SITE] = (-1, *cs[1:])
-            env[n] = new
-            made.append(new)
-        g.output(tuple(made))
-        return graph_module(root, g)
+        returning every node (as :class:`~graphflop.passes.calls.DerivedHierarchy` has it). A
+        parameter's path is made relative only where its owner is a module the call ran."""
+        return _template(run, ext, s, self, root, relative_owner=lambda owner, rel: rel.get(owner))
 
 
 def slot_name(kind: str, qual: str) -> str:
