@@ -131,3 +131,30 @@ def test_the_profilers_own_cost_comes_off_each_matched_event(bt, monkeypatch):
     # convolution: 40 µs less 0.5 for itself and 2 × 2 µs for its two descendants = 35.5 µs;
     # view: 0.8 - 0.5 = 0.3 µs is below half its time, so half: 0.4 µs
     assert sums == pytest.approx({("forward", "conv"): 35.5e-6, ("forward", "view"): 0.4e-6})
+
+
+@pytest.mark.parametrize(
+    ("name", "spec"),
+    [
+        ("NVIDIA H200", "h200"),  # torch.cuda.get_device_name on the lent H200 (2026-12-04)
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("Tesla T4", None),
+    ],
+)
+def test_the_data_sheet_device_is_matched_from_the_gpus_name(bt, name, spec):
+    assert bt.gpu_spec_for(name) == spec
+
+
+def test_no_reversed_node_list_used_as_an_iterator():
+    # torch 2.11's reversed(graph.nodes) is an iterable, not an iterator: next() on it raised
+    # TypeError on the GPU machine (2026-12-04); next(iter(reversed(...))) works on 2.11-2.13
+    bad = []
+    for path in sorted((ROOT / "graphflop").rglob("*.py")) + sorted((ROOT / "tools").glob("*.py")):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if "next(reversed(" in line.replace(" ", ""):
+                bad.append(f"{path.relative_to(ROOT)}:{i}")
+    assert not bad, bad

@@ -527,6 +527,31 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: (words in ``torch.cuda.get_device_name``, lower case, ``-`` as space) -> data-sheet device;
+#: the first rule whose words all occur wins
+_GPU_NAMES = (
+    (("h200",), "h200"),
+    (("h100", "pcie"), "h100-pcie"),
+    (("h100",), "h100-sxm"),
+    (("a100", "40gb"), "a100-40gb"),
+    (("a100",), "a100-80gb"),
+    (("b200",), "b200"),
+    (("l4",), "l4"),
+    (("4090",), "rtx-4090"),
+    (("mi300x",), "mi300x"),
+)
+
+
+def gpu_spec_for(device_name: str) -> str | None:
+    """The data-sheet device of a GPU called ``device_name`` (``NVIDIA H100 80GB HBM3`` ->
+    ``h100-sxm``), or None."""
+    words = device_name.lower().replace("-", " ").split()
+    for needed, spec in _GPU_NAMES:
+        if all(w in words for w in needed):
+            return spec
+    return None
+
+
 def write_doc(path: Path, section: str) -> None:
     text = path.read_text() if path.exists() else ""
     if MARK_BEGIN in text and MARK_END in text:
@@ -544,7 +569,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", help="a profile file from graphflop calibrate (the 'after')")
     ap.add_argument("--save-profile", default=None, help="where --calibrate writes its profile")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--gpu-spec", default=None, help="a data-sheet device for 'before' on cuda")
+    ap.add_argument(
+        "--gpu-spec",
+        default="auto",
+        help="a data-sheet device for 'before' on cuda (graphflop devices lists them; default "
+        "auto: the one whose name torch.cuda.get_device_name matches, none if no match)",
+    )
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="default: PyTorch's own count")
     ap.add_argument("--models", default=None, help="comma-separated labels (default: all)")
@@ -574,8 +604,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.gpu_spec:
         from graphflop.devices import device_spec
 
-        profiles["before"] = from_device(device_spec(args.gpu_spec))
-        names["before"] = args.gpu_spec
+        spec = gpu_spec_for(torch.cuda.get_device_name()) if args.gpu_spec == "auto" else args.gpu_spec
+        if spec is not None:
+            profiles["before"] = from_device(device_spec(spec))
+            names["before"] = spec
     args.reference_s = reference_s() if args.device == "cpu" else None
     if args.device == "cpu" and not args.raw_profiler_times:
         PROFILER_COST[:] = profiler_cost()
@@ -604,12 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         profiles["after"] = prof
         names["after"] = os.path.basename(args.profile)
     wanted = set(args.models.split(",")) if args.models else None
-    cases = []
-    for label, spec, shapes in CASES:
-        if wanted is not None and label not in wanted:
-            continue
-        for shape in shapes[:1] if args.first_only else shapes:
-            cases.append(run_case(label, spec, shape, profiles, args))
+    cases: list[dict[str, Any]] = []
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs",
@@ -623,6 +650,13 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python tools/bench_time.py " + " ".join(argv or sys.argv[1:]),
         "cases": cases,
     }
+    for label, spec, shapes in CASES:
+        if wanted is not None and label not in wanted:
+            continue
+        for shape in shapes[:1] if args.first_only else shapes:
+            cases.append(run_case(label, spec, shape, profiles, args))
+            if args.json:  # after each model: a run cut short keeps what it measured
+                atomic_write(args.json, json.dumps(doc, indent=1) + "\n")
     section = markdown(doc)
     if args.json:
         atomic_write(args.json, json.dumps(doc, indent=1) + "\n")

@@ -192,7 +192,7 @@ def build_update(
                 assert blocks is not None, "a call site only with the blocks' parameters"
                 idx = list(range(i, j))
                 key = blocks.variant(params, idx, no_gradient)
-                last = next(reversed(g.nodes))
+                last = next(iter(reversed(g.nodes)))
                 if key in firsts:
                     outs = _copy_call(g, firsts[key], idx, w, gr, state, params)
                 else:
