@@ -33,6 +33,13 @@ class Ev:
     cpu_children: list = field(default_factory=list)
     cpu_parent: object = None
     device_time_total: float = 0.0
+    time_range: object = None  # .start, .end in µs
+
+
+@dataclass
+class Span:
+    start: float
+    end: float
 
 
 def test_eager_names(bt):
@@ -79,6 +86,41 @@ def test_matched_events_count_once_with_their_children(bt):
         ("backward", "aten.mm.default"): 2,
         ("update", "optimizer.update"): 1,
     }
+
+
+def test_on_cuda_the_backward_threads_events_join_their_phase_by_time(bt):
+    # on CUDA the autograd engine runs the backward on the device's own thread: its events have
+    # no parent under phase:backward and are matched by the phase range that holds their start
+    mm1 = Ev("aten::mm", 20.0, device_time_total=4.0)
+    mm2 = Ev("aten::mm", 21.0, device_time_total=5.0)
+    node = Ev(
+        "autograd::engine::evaluate_function: AddmmBackward0", 50.0, [mm1, mm2],
+        time_range=Span(150.0, 200.0),
+    )  # fmt: skip
+    late = Ev("aten::mm", 9.0, device_time_total=7.0, time_range=Span(400.0, 410.0))
+    fwd = Ev("phase:forward", 100.0, [Ev("aten::relu", 7.0, device_time_total=1.5)])
+    fwd.time_range = Span(0.0, 100.0)
+    bwd = Ev("phase:backward", 200.0, time_range=Span(100.0, 300.0))
+    upd = Ev("phase:update", 30.0, [Ev("aten::add_", 4.0)], device_time_total=2.0)
+    upd.time_range = Span(300.0, 330.0)
+    kernels = {
+        "forward": {"aten::relu": "aten.relu.default"},
+        "backward": {"aten::mm": "aten.mm.default"},
+        "update": {"*": "optimizer.update"},
+    }
+    counts = {}
+    events = [fwd, bwd, upd, node, late]
+    sums = bt._op_sums(events, kernels, cuda=True, counts=counts)
+    # kernels by device time: relu 1.5 µs; the two mm 4 + 5 (the one at 400 µs is outside
+    # every phase: not counted); the update whole by the host's 30 µs, not its 2 µs of kernels
+    assert sums == pytest.approx(
+        {
+            ("forward", "aten.relu.default"): 1.5e-6,
+            ("backward", "aten.mm.default"): 9e-6,
+            ("update", "optimizer.update"): 30e-6,
+        }
+    )
+    assert counts[("backward", "aten.mm.default")] == 2
 
 
 def test_compare_scores_ops_phases_and_step(bt):

@@ -101,6 +101,44 @@ def test_tiny_add_is_overhead_bound_and_amp_picks_the_bf16_peak():
     assert t16.compute_s == pytest.approx(2 * n**3 / (989.4e12 * 0.7) + 5e-6, rel=1e-9)
 
 
+class TwoAdds(nn.Module):
+    def forward(self, x):
+        y = x + x
+        return y + y
+
+
+@pytest.mark.parametrize("n", [1 << 24, 4])
+def test_a_gpu_phase_overlaps_host_overhead_with_device_work(n):
+    # the forward phase runs three kernels: x + x, y + y and the loss's sum. The host issues
+    # each in 6 µs (H100's launch); the device runs kernel i in w_i seconds from when it is
+    # issued and the device is free: host 6, 12, 18 µs; device d1 = 6 + w1,
+    # d2 = max(d1, 12) + w2, d3 = max(d2, 18) + w3. Large (w = bytes / 2.8475e12 B/s + 2 µs,
+    # 72.7 µs per add): d3 = 6 + w1 + w2 + w3, the last two launches hidden (12 µs). Tiny
+    # (w = 2 µs fill + a few bytes): d3 = 18 + w3, the first two kernels' work hidden.
+    x = torch.empty(n, device="meta")
+    a = analyze(TwoAdds(), x, backward=False, jvp=False, loss="sum", time_profile=H100)
+    timed = [nd.meta[TIME] for nd in a.forward.graph.nodes if TIME in nd.meta]
+    assert len(timed) == 3 and all(t.overhead_s == pytest.approx(6e-6) for t in timed)
+    w1, w2, w3 = (t.seconds - t.overhead_s for t in timed)
+    fwd = a.report.time.phase("forward")
+    if n > 4:
+        assert w1 > 6e-6 and w2 > 6e-6
+        expected, hidden = 6e-6 + w1 + w2 + w3, 12e-6
+    else:
+        assert w1 < 6e-6 and w2 < 6e-6
+        expected, hidden = 18e-6 + w3, w1 + w2
+    assert fwd.seconds == pytest.approx(expected, rel=1e-9)
+    assert fwd.overlap_s == pytest.approx(hidden, rel=1e-9)
+    assert fwd.compute_s + fwd.memory_s + fwd.overhead_s == pytest.approx(18e-6 + w1 + w2 + w3)
+    cpu = analyze(TwoAdds(), x, backward=False, jvp=False, loss="sum",
+                  time_profile=default_cpu_profile(1))  # fmt: skip
+    cpu_fwd = cpu.report.time.phase("forward")
+    assert cpu_fwd.overlap_s == 0.0  # a CPU runs its kernels one after the other
+    assert cpu_fwd.seconds == pytest.approx(
+        cpu_fwd.compute_s + cpu_fwd.memory_s + cpu_fwd.overhead_s
+    )
+
+
 def test_a_composite_op_is_one_eager_kernel():
     model = nn.Sequential(nn.Linear(16, 16, device="meta"), nn.LayerNorm(16, device="meta"))
     x = torch.empty(8, 16, device="meta")
@@ -142,7 +180,8 @@ def test_time_section_keys_ratios_and_round_trip():
         "forward_gradient_step",
     ]
     for p in phases.values():
-        assert p["seconds"] == pytest.approx(p["compute_s"] + p["memory_s"] + p["overhead_s"])
+        parts = p["compute_s"] + p["memory_s"] + p["overhead_s"]
+        assert p["seconds"] == pytest.approx(parts - p["overlap_s"])
     step = phases["train_step"]["seconds"]
     parts = sum(phases[k]["seconds"] for k in ("forward", "backward", "update"))
     assert step == pytest.approx(parts)

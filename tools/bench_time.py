@@ -28,6 +28,12 @@ phase's event (``step()`` and ``zero_grad()``, the Python around the per-paramet
 included), as the time pass predicts the step. The per-op error of one (model, batch, phase, op) is
 ``|predicted − measured| / measured`` on the sums over the phase; ``FLOP-weighted`` weighs it
 by the op's FLOPs.
+
+On CUDA an op is measured by its kernels' device time (events on the autograd engine's own
+thread, which runs the backward there, join the phase whose range holds their start) and
+compared with its predicted work (its time less the host's overhead; an op with no work, a
+view, runs no kernel and is compared by its host time); the update, whole, by
+the host's time over its range; phases and steps by the wall clock, as on the CPU.
 """
 
 from __future__ import annotations
@@ -252,7 +258,9 @@ def _op_sums(
     out: dict[tuple[str, str], float] = {}
     roots = [e for e in events if e.name.startswith("phase:") and e.cpu_parent is None]
 
-    def seconds(e: Any) -> float:
+    def seconds(e: Any, wall: bool = False) -> float:
+        if cuda and wall:  # the host's time over the range, the phase's synchronize included
+            return e.cpu_time_total * 1e-6
         if cuda and e.device_time_total:
             return e.device_time_total * 1e-6
         s = e.cpu_time_total * 1e-6
@@ -272,11 +280,25 @@ def _op_sums(
         phase = r.name.removeprefix("phase:")
         whole = kernels.get(phase, {}).get(WHOLE_PHASE)
         if whole is not None:  # the optimizer's step and zero_grad, Python included
-            out[(phase, whole)] = out.get((phase, whole), 0.0) + seconds(r)
+            out[(phase, whole)] = out.get((phase, whole), 0.0) + seconds(r, wall=True)
             counts[(phase, whole)] = counts.get((phase, whole), 0) + 1
             continue
         for c in r.cpu_children:
             visit(c, phase)
+    # events of another thread, under no phase: on CUDA the autograd engine runs the backward
+    # on its device's own thread; each belongs to the phase whose range holds its start
+    spans = [
+        (r.time_range.start, r.time_range.end, r.name.removeprefix("phase:"))
+        for r in roots
+        if getattr(r, "time_range", None) is not None
+    ]
+    for e in events:
+        if e.cpu_parent is not None or e.name.startswith("phase:"):
+            continue
+        start = getattr(getattr(e, "time_range", None), "start", None)
+        phase = next((ph for a, b, ph in spans if start is not None and a <= start <= b), None)
+        if phase is not None and WHOLE_PHASE not in kernels.get(phase, {}):
+            visit(e, phase)
     return out
 
 
@@ -313,8 +335,10 @@ def _spread(xs: list[float]) -> float:
     return (q[2] - q[0]) / statistics.median(xs)
 
 
-def compare(tr: Any, m: Measured) -> dict[str, Any]:
-    """Per-op rows, per-phase and per-step errors of one prediction against one measurement."""
+def compare(tr: Any, m: Measured, device_work: bool = False) -> dict[str, Any]:
+    """Per-op rows, per-phase and per-step errors of one prediction against one measurement.
+    ``device_work`` (a GPU, whose ops are measured by their kernels' device time): an op's
+    prediction is its work, its time less the host's overhead."""
     rows = []
     for o in tr.ops:
         if o.phase not in PHASES:
@@ -323,6 +347,9 @@ def compare(tr: Any, m: Measured) -> dict[str, Any]:
         if not meas or statistics.median(meas) <= 0:
             continue
         med = statistics.median(meas)
+        seconds = o.seconds
+        if device_work and o.op != UPDATE_KERNEL and o.seconds > o.overhead_s:
+            seconds -= o.overhead_s  # a view has no kernel: its host time is measured
         rows.append(
             {
                 "phase": o.phase,
@@ -336,10 +363,10 @@ def compare(tr: Any, m: Measured) -> dict[str, Any]:
                 "flops": o.flops,
                 "bytes": o.bytes,
                 "bound": o.bound,
-                "predicted_s": o.seconds,
+                "predicted_s": seconds,
                 "measured_s": med,
                 "spread": _spread(meas),
-                "error": (o.seconds - med) / med,
+                "error": (seconds - med) / med,
             }
         )
     phases = {}
@@ -400,7 +427,7 @@ def run_case(
         "input_shape": list(shape),
         "analysis_s": analysed,
         "drift": drift,
-        "results": {k: compare(tr, m) for k, tr in preds.items()},
+        "results": {k: compare(tr, m, args.device == "cuda") for k, tr in preds.items()},
     }
     after = out["results"].get("after") or next(iter(out["results"].values()))
     print(
@@ -563,6 +590,18 @@ def write_doc(path: Path, section: str) -> None:
     atomic_write(str(path), text)
 
 
+def _before(device: str, gpu_spec: str | None, threads: int) -> tuple[str, TimeProfile] | None:
+    """The 'before' profile and its name: the CPU guess, or the GPU's data sheet."""
+    if device == "cpu":
+        return "cpu (data-sheet-like guess)", default_cpu_profile(threads)
+    spec = gpu_spec_for(torch.cuda.get_device_name()) if gpu_spec == "auto" else gpu_spec
+    if not spec:
+        return None
+    from graphflop.devices import device_spec
+
+    return spec, from_device(device_spec(spec))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibrate", action="store_true", help="run graphflop calibrate first")
@@ -598,16 +637,9 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     profiles: dict[str, TimeProfile] = {}
     names: dict[str, str] = {}
-    if args.device == "cpu":
-        profiles["before"] = default_cpu_profile(threads)
-        names["before"] = "cpu (data-sheet-like guess)"
-    elif args.gpu_spec:
-        from graphflop.devices import device_spec
-
-        spec = gpu_spec_for(torch.cuda.get_device_name()) if args.gpu_spec == "auto" else args.gpu_spec
-        if spec is not None:
-            profiles["before"] = from_device(device_spec(spec))
-            names["before"] = spec
+    before = _before(args.device, args.gpu_spec, threads)
+    if before is not None:
+        names["before"], profiles["before"] = before
     args.reference_s = reference_s() if args.device == "cpu" else None
     if args.device == "cpu" and not args.raw_profiler_times:
         PROFILER_COST[:] = profiler_cost()

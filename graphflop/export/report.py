@@ -166,7 +166,8 @@ def _layer_times(tr: TimeReport, layers: tuple[LayerRow, ...]) -> dict[str, Laye
 _TIME_CAPTION = (
     "time = max(compute, memory) + overhead per kernel; compute and memory columns: the work "
     "of the kernels bound by each; overhead: launch and dispatch, and on a calibrated CPU the "
-    "page faults of outputs above 32 MiB (docs/time.md)"
+    "page faults of outputs above 32 MiB; overlap (a GPU): host overhead and device work run "
+    "at the same time, taken off the phase's sum (docs/time.md)"
 )
 
 
@@ -210,18 +211,23 @@ def _time_table(tr: TimeReport) -> Table:
         caption=_TIME_CAPTION,
         header_style="bold",
     )
-    for col in ("phase", "time", "compute", "memory", "overhead", "kernels", "FLOP/s"):
-        table.add_column(col, justify="left" if col == "phase" else "right")
+    overlap = any(p.overlap_s for _, p in tr.phases)  # an asynchronous device (a GPU)
+    cols = ("phase", "time", "compute", "memory", "overhead", "overlap", "kernels", "FLOP/s")
+    for col in cols:
+        if col != "overlap" or overlap:
+            table.add_column(col, justify="left" if col == "phase" else "right")
     for name, p in tr.phases:
-        table.add_row(
+        cells = [
             name.replace("_", " "),
             human_seconds(p.seconds),
             human_seconds(p.compute_s),
             human_seconds(p.memory_s),
             human_seconds(p.overhead_s),
+            *([human_seconds(-p.overlap_s)] if overlap else []),
             str(p.kernels),
             human(p.flops / p.seconds if p.seconds else None),
-        )
+        ]
+        table.add_row(*cells)
     return table
 
 

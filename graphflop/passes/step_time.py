@@ -24,6 +24,16 @@ the largest of the three terms. Each node of a kernel carries its share of the k
 (by FLOPs for a compute-bound kernel, by bytes for a memory-bound one, evenly for an
 overhead-bound one), so sums over nodes are sums over kernels.
 
+On an asynchronous device (a GPU profile, :attr:`TimeProfile.kind` ``"gpu"``) the host issues
+kernels while earlier ones run, so a phase is not the sum of its kernels: the phase's time is
+the end of a two-clock timeline over its nodes in graph order, the host's clock advancing by
+each node's overhead (the host's per-op cost) and the device's by its work
+(``max(compute_s, memory_s)``), a kernel starting when both the host has issued it and the
+device has finished the one before: ``host += overhead_s; device = max(device, host) + work``,
+the phase ``max(host, device)``, synchronised at its end. What the two clocks overlap is
+:attr:`~graphflop.report.PhaseTime.overlap_s`. A step of small kernels is then bound by the
+host (its overheads' sum), one of large kernels by the device (its work's sum).
+
 Reads ``val``, ``COST``, ``COMPOSITE``, ``SOURCE``, ``KIND``, ``ROLE``, ``MODULE``; writes
 ``TIME`` (:class:`~graphflop.meta.NodeTime`) on every ``call_function`` node it times.
 """
@@ -525,6 +535,7 @@ def _sum_phase(a: PhaseTime, b: PhaseTime) -> PhaseTime:
         compute_s=a.compute_s + b.compute_s,
         memory_s=a.memory_s + b.memory_s,
         overhead_s=a.overhead_s + b.overhead_s,
+        overlap_s=a.overlap_s + b.overlap_s,
         kernels=a.kernels + b.kernels,
         flops=a.flops + b.flops,
         by_role=tuple(roles.items()),
@@ -586,7 +597,9 @@ def time_report(
     }
     for name, nodes in phase_nodes.items():
         kernel_counts[name] = _kernels_in(nodes)
-        phases[name] = _phase_time(nodes, flops[name], kernel_counts[name])
+        phases[name] = _phase_time(
+            nodes, flops[name], kernel_counts[name], asynchronous=profile.kind == "gpu"
+        )
     if "backward" in phases:
         step = _sum_phase(_sum_phase(phases["forward"], phases["backward"]), phases["update"])
         order = ["forward", "loss", "backward", "update"]
@@ -618,9 +631,14 @@ def _kernel_key(n: Node) -> tuple[int, str]:
     return (id(n.graph), n.meta[TIME].kernel_id)
 
 
-def _phase_time(nodes: list[Node], flops: int, kernels: int) -> PhaseTime:
+def _phase_time(
+    nodes: list[Node], flops: int, kernels: int, asynchronous: bool = False
+) -> PhaseTime:
+    """One phase's roll-up; ``asynchronous``: its time is the host/device timeline's end (the
+    module docstring), else the sum of its nodes' times."""
     sums = dict.fromkeys(BOUNDS, 0.0)
     roles: dict[str, float] = {}
+    host = device = 0.0
     for n in nodes:
         t: NodeTime | None = n.meta.get(TIME)
         if t is None:
@@ -628,13 +646,18 @@ def _phase_time(nodes: list[Node], flops: int, kernels: int) -> PhaseTime:
         work = t.seconds - t.overhead_s
         sums["compute" if t.compute_s >= t.memory_s else "memory"] += work
         sums["overhead"] += t.overhead_s
+        host += t.overhead_s
+        device = max(device, host) + work
         role = n.meta.get(ROLE, "")
         roles[role] = roles.get(role, 0.0) + t.seconds
+    total = sum(sums.values())
+    seconds = max(host, device) if asynchronous else total
     return PhaseTime(
-        seconds=sum(sums.values()),
+        seconds=seconds,
         compute_s=sums["compute"],
         memory_s=sums["memory"],
         overhead_s=sums["overhead"],
+        overlap_s=total - seconds,
         kernels=kernels,
         flops=flops,
         by_role=tuple(roles.items()),

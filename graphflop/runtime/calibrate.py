@@ -178,24 +178,46 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
             cold_calls=3,
         )
     if device == "cuda":
+        # the H200 run of 2026-12-04 (docs/time.md) had no point below 256³ nor any product
+        # with 128-512 rows: GPT-2's 128-row layers and its 256-row output head were read off
+        # the 256³ point (3 TFLOP/s) where they ran at 10-46 TFLOP/s
         return CalibrationPlan(
-            mm_sizes=(256, 1024, 2048, 4096, 8192),
+            mm_sizes=(64, 128, 256, 512, 1024, 2048, 4096, 8192),
             mm_dtypes=(torch.float32, torch.bfloat16, torch.float16),
-            linear_shapes=((512, 1024, 4096), (2048, 4096, 4096), (8192, 4096, 4096)),
+            linear_shapes=(
+                (64, 784, 1024),
+                (128, 768, 2304),
+                (128, 768, 3072),
+                (128, 3072, 768),
+                (128, 768, 50304),
+                (256, 768, 3072),
+                (256, 768, 50304),
+                (512, 1024, 4096),
+                (2048, 4096, 4096),
+                (8192, 4096, 4096),
+            ),
             conv_shapes=(
                 (32, 64, 64, 56, 3, 1),
                 (32, 256, 256, 14, 3, 1),
                 (64, 128, 128, 28, 3, 1),
                 (32, 3, 64, 224, 7, 2),
                 (32, 256, 64, 56, 1, 1),
+                (8, 64, 64, 56, 3, 1),
+                (8, 256, 256, 14, 3, 1),
+                (8, 512, 512, 7, 3, 1),
+                (8, 3, 64, 224, 7, 2),
+                (64, 1, 32, 28, 3, 1),
+                (64, 32, 64, 28, 3, 1),
             ),
             optim_sizes=((256, 64), (1 << 24, 8)),
             elementwise=1 << 20,
-            stream=(1 << 16, 1 << 20, 1 << 24, 1 << 27),
-            kernel_sizes=(1 << 20, 1 << 24),
+            stream=(1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 27),
+            kernel_sizes=(1 << 12, 1 << 20, 1 << 24),
             repeats=7,
             min_time_s=0.02,
-            cold_calls=0,
+            # the host's per-op cost by kernel kind (on a GPU the profiler's CPU event of a
+            # tiny call is its host side: dispatch and launch)
+            cold_calls=30,
         )
     return CalibrationPlan(
         mm_sizes=(16, 32, 64, 128, 256, 512, 1024),
@@ -797,7 +819,7 @@ class _Run:
         lower quartile of :attr:`CalibrationPlan.cold_calls` calls (another process's time
         slice on the core, which wipes the caches beyond what a network's own kernels do,
         only adds: under load the median of these calls rose 3 to 5 times)."""
-        if not self.p.cold_calls or self.dev.type != "cpu":
+        if not self.p.cold_calls:
             return {}
         junk = torch.rand(max(1, self.p.evict_bytes // 4), device=self.dev)
         m = torch.rand(128, 128, device=self.dev)
@@ -980,6 +1002,12 @@ def calibrate(
     v = torch.ones(64, device=dev)
     view = timed(lambda: v.view(8, 8), max(reps, 5), min_t, min)
     done(f"view overhead {view * 1e6:.1f} µs")
+    # each rate is the work over the time less the launch overhead, on a GPU too: there a
+    # kernel timed back to back is its device time where that exceeds the host's issue time,
+    # but a small one's time is the host's (the Python loop around it included). Rates taken
+    # as work over the whole time (tried on the H200, 2026-12-04) put 30 µs of device work on
+    # each of GPT-2's 25 layer norms, which ran in 4 µs: per-op median error 100-141 %
+    # against 27-90 % with the launch taken off (docs/time.md)
     run = _Run(dev, p, timed, launch, done)
     mm, mm_k, mm_w, conv, conv_bwd = run.products()
     for _ in range(p.product_passes - 1):  # the same points again, later: rates averaged
