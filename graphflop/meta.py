@@ -33,6 +33,11 @@ Node keys (``node.meta``)
                          the backward reruns all of it).
     :data:`TIME`         :class:`NodeTime`: the node's predicted seconds on a device and what
                          bounds it, written by :mod:`graphflop.passes.step_time`.
+    :data:`INPLACE`      on forward nodes the model computed with an in-place op (``relu_``,
+                         ``add_``, a function called with ``inplace=True``), which the trace
+                         made functional: True. Eager PyTorch writes such a node's output
+                         into its first input's storage (:mod:`graphflop.passes.step_time`
+                         times it so).
     :data:`FUNCTION`     on forward nodes a custom ``torch.autograd.Function``'s ``forward``
                          made: :class:`FunctionTag` (which Function, the node's place in the
                          call, which of its inputs, outputs or saved tensors the node is).
@@ -108,6 +113,7 @@ CHECKPOINT = "gf_checkpoint"
 FUNCTION = "gf_function"
 CALL_SITE = "gf_call_site"
 TIME = "gf_time"
+INPLACE = "gf_inplace"
 
 # graph keys
 SIGNATURE = "gf_signature"
@@ -147,6 +153,7 @@ NODE_KEYS = (
     FUNCTION,
     CALL_SITE,
     TIME,
+    INPLACE,
 )
 GRAPH_KEYS = (
     SIGNATURE,

@@ -43,7 +43,9 @@ class Span:
 
 
 def test_eager_names(bt):
-    assert bt.eager_names("aten.addmm.default", "forward") == ("aten::addmm",)
+    # the op and its in-place form (nn.ReLU(inplace=True) runs relu_)
+    assert bt.eager_names("aten.addmm.default", "forward") == ("aten::addmm", "aten::addmm_")
+    assert "aten::relu_" in bt.eager_names("aten.relu.default", "forward")
     back = bt.eager_names("aten.native_layer_norm.default", "backward")
     assert "aten::native_layer_norm_backward" in back
     assert "aten::_softmax_backward_data" in bt.eager_names("aten._softmax.default", "backward")

@@ -15,7 +15,7 @@ from torch import nn
 
 from graphflop.analysis import analyze
 from graphflop.devices import NoPeak, UnknownDevice, device_spec
-from graphflop.meta import COMPOSITE, COST, SOURCE, TIME
+from graphflop.meta import COMPOSITE, COST, INPLACE, SOURCE, TIME
 from graphflop.passes.time_profile import (
     CONTRACTED,
     WIDE,
@@ -689,6 +689,40 @@ def test_an_output_above_the_mmap_threshold_pays_its_page_faults():
     assert TimeProfile.from_dict(doc) == H100
     # a whole number of bytes written as a float (another tool's JSON) reads as that number
     assert TimeProfile.from_dict({**doc, "fresh_above_bytes": 33554432.0}) == H100
+
+
+class Relu(nn.Module):
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.relu = nn.ReLU(inplace=inplace)
+
+    def forward(self, x):
+        return self.relu(x * 2.0)  # on a temporary, as a network's ReLU after a layer
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_a_relu_the_model_runs_in_place_moves_its_bytes_in_place(inplace):
+    # relu of 10 Mi float32 elements (40 MiB, above glibc's largest mmap threshold): 2 × 40 MiB
+    # read and written. In place (eager's relu_ writes into x * 2's storage): at the in-place
+    # rate, 2 · 40 · 2**20 B / 1e9 B/s = 83.9 ms, and no fresh pages. Out of place: at the
+    # allocating rate, 2 · 40 · 2**20 / 2e9 = 41.9 ms, plus 40 · 2**20 B × 1e-9 s/B of faults
+    p = _profile(
+        bandwidth=RateCurve(((1.0, 2e9),)),
+        inplace_bandwidth=RateCurve(((1.0, 1e9),)),
+        fault_s_per_byte=1e-9,
+    )
+    x = torch.empty(10 << 20, device="meta")
+    a = analyze(Relu(inplace), x, backward=False, jvp=False, loss="sum", time_profile=p)
+    relu = _node(a, torch.ops.aten.relu.default)
+    assert bool(relu.meta.get(INPLACE)) is inplace
+    assert not _node(a, torch.ops.aten.mul.Tensor).meta.get(INPLACE)
+    t = relu.meta[TIME]
+    nbytes = 2 * (40 << 20)
+    if inplace:
+        assert (t.memory_s, t.overhead_s) == (pytest.approx(nbytes / 1e9), 0.0)
+    else:
+        assert t.memory_s == pytest.approx(nbytes / 2e9)
+        assert t.overhead_s == pytest.approx((40 << 20) * 1e-9)
 
 
 class Widen(nn.Module):

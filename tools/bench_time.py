@@ -93,7 +93,6 @@ FORWARD_ALIASES = {
     "_native_batch_norm_legit_no_training": ("native_batch_norm",),
     "native_dropout": ("dropout", "native_dropout"),
     "nll_loss_forward": ("nll_loss_forward",),
-    "relu": ("relu_",),  # nn.ReLU(inplace=True), as torchvision's ResNets have it
 }
 #: graphflop kernel base name -> eager backward op names, beyond X_backward and X_backward_data
 BACKWARD_ALIASES = {
@@ -115,7 +114,9 @@ def base(op: str) -> str:
 def eager_names(kernel_op: str, phase: str) -> tuple[str, ...]:
     """The eager profiler names (``aten::X``) that run graphflop kernel ``kernel_op``."""
     b = base(kernel_op)
-    names = [b, *FORWARD_ALIASES.get(b, ())]
+    # and its in-place form (nn.ReLU(inplace=True)'s relu_, batch norm's num_batches_tracked
+    # add_), which the trace makes functional
+    names = [b, f"{b}_", *FORWARD_ALIASES.get(b, ())]
     if phase == "backward":
         names += [f"{b}_backward", f"{b}_backward_data", *BACKWARD_ALIASES.get(b, ())]
     return tuple(f"aten::{n}" for n in names)

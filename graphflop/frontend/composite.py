@@ -5,7 +5,8 @@ composite op was decomposed into (:func:`tagged_decompositions`).
 
 Writes :data:`~graphflop.meta.COMPOSITE` on the nodes of the decompositions of the ops in
 :data:`EAGER_SAVES`, and on the nodes of an attention call PyTorch would run with its fused CPU
-kernel (:data:`FUSED_SDPA`, :func:`fused_on_cpu`).
+kernel (:data:`FUSED_SDPA`, :func:`fused_on_cpu`); :data:`~graphflop.meta.INPLACE` on the node
+of each in-place call the model makes (:func:`in_place_call`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphflop.meta import COMPOSITE, CompositeTag, traced_node
+from graphflop.frontend.regions import new_nodes
+from graphflop.meta import COMPOSITE, INPLACE, CompositeTag, traced_node
 from graphflop.ops.attention import sdpa
 
 aten = torch.ops.aten
@@ -74,7 +76,23 @@ class CompositeOps(TorchFunctionMode):
             return dropout(
                 *args, **{"training" if k == "train" else k: v for k, v in kwargs.items()}
             )
+        if in_place_call(func, kwargs) and get_proxy_mode() is not None:
+            with new_nodes() as made:
+                out = func(*args, **kwargs)
+            node = traced_node(out)
+            if node is not None and node.op == "call_function" and node in set(made):
+                node.meta[INPLACE] = True
+            return out
         return func(*args, **kwargs)
+
+
+def in_place_call(func: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a torch-function call writes into its first argument in eager PyTorch: a
+    trailing-underscore function or method (``torch.relu_``, ``Tensor.add_``; not a dunder),
+    or one called with ``inplace=True`` (``F.relu(x, inplace=True)``, as ``nn.ReLU(inplace=True)``
+    calls it)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or kwargs.get("inplace") is True
 
 
 #: What PyTorch autograd saves for backward for the composite ops graphflop decomposes while

@@ -34,7 +34,10 @@ the phase ``max(host, device)``, synchronised at its end. What the two clocks ov
 :attr:`~graphflop.report.PhaseTime.overlap_s`. A step of small kernels is then bound by the
 host (its overheads' sum), one of large kernels by the device (its work's sum).
 
-Reads ``val``, ``COST``, ``COMPOSITE``, ``SOURCE``, ``KIND``, ``ROLE``, ``MODULE``; writes
+A node the model computed in place (``INPLACE``: ``nn.ReLU(inplace=True)``) moves its bytes at
+the in-place bandwidth and allocates nothing (no page faults).
+
+Reads ``val``, ``COST``, ``COMPOSITE``, ``SOURCE``, ``KIND``, ``ROLE``, ``MODULE``, ``INPLACE``; writes
 ``TIME`` (:class:`~graphflop.meta.NodeTime`) on every ``call_function`` node it times.
 """
 
@@ -51,6 +54,7 @@ from graphflop.meta import (
     BOUNDS,
     COMPOSITE,
     COST,
+    INPLACE,
     KIND,
     MODULE,
     PARAM,
@@ -354,15 +358,15 @@ def _fault_seconds(
     k: Kernel, profile: TimeProfile, sizer: _Sizer = None, in_place: frozenset[str] = frozenset()
 ) -> float:
     """Seconds of the page faults of the storages kernel ``k`` allocates for outside it (each
-    output tensor of a node read outside the kernel, views and ``in_place`` nodes excepted:
-    a scatter eager runs into the zeros it made):
+    output tensor of a node read outside the kernel, views, ``in_place`` nodes (a scatter eager
+    runs into the zeros it made) and nodes the model ran in place (``INPLACE``) excepted):
     :meth:`~graphflop.passes.time_profile.TimeProfile.fault_seconds` of each."""
     if not profile.fault_s_per_byte:
         return 0.0
     inside = set(k.nodes)
     total = 0.0
     for n in k.nodes:
-        if is_view(n) or n.target is operator.getitem or n.name in in_place:
+        if is_view(n) or n.target is operator.getitem or n.name in in_place or n.meta.get(INPLACE):
             continue
         if len(k.nodes) > 1 and all(u in inside for u in n.users):
             continue
@@ -440,7 +444,10 @@ def _time_kernel(
         else profile.flops_seconds(cls, d, f)
         for (cls, d), f in by_class.items()
     )
-    inplace = k.name == UPDATE_KERNEL and profile.inplace_bandwidth is not None
+    # the update, and an op the model ran in place (relu_), write into existing storage
+    inplace = profile.inplace_bandwidth is not None and (
+        k.name == UPDATE_KERNEL or all(n.meta.get(INPLACE) for n in k.nodes)
+    )
     bandwidth = profile.inplace_bandwidth if inplace else profile.bandwidth
     assert bandwidth is not None
     memory = bandwidth.seconds(nbytes)
