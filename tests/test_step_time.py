@@ -725,6 +725,33 @@ def test_a_relu_the_model_runs_in_place_moves_its_bytes_in_place(inplace):
         assert t.overhead_s == pytest.approx((40 << 20) * 1e-9)
 
 
+class InPlaceMix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        y = self.bn(self.lin(x))  # training mode: num_batches_tracked.add_(1)
+        y += x  # Tensor.__iadd__
+        y.mul_(2.0)
+        z = torch.sigmoid(y)  # out of place
+        return torch.nn.functional.relu(z, inplace=True) + y
+
+
+def test_the_trace_tags_what_the_model_runs_in_place():
+    a = analyze(InPlaceMix(), torch.randn(4, 8), jvp=False)
+    tagged = sorted(str(n.target) for n in a.forward.graph.nodes if n.meta.get(INPLACE))
+    # the buffer's add_, +=, mul_ and relu(inplace=True); not the linear, batch norm, sigmoid
+    # or the final out-of-place add
+    assert tagged == ["aten.add.Tensor", "aten.add.Tensor", "aten.mul.Tensor", "aten.relu.default"]
+    # derivative graphs' nodes are not eager in-place ops (only placeholders holding a tagged
+    # forward value carry it)
+    assert not [
+        n for n in a.backward.graph.nodes if n.op == "call_function" and n.meta.get(INPLACE)
+    ]
+
+
 class Widen(nn.Module):
     def __init__(self, k: int, n: int) -> None:
         super().__init__()

@@ -88,11 +88,23 @@ class CompositeOps(TorchFunctionMode):
 
 def in_place_call(func: Any, kwargs: dict[str, Any]) -> bool:
     """Whether a torch-function call writes into its first argument in eager PyTorch: a
-    trailing-underscore function or method (``torch.relu_``, ``Tensor.add_``; not a dunder),
-    or one called with ``inplace=True`` (``F.relu(x, inplace=True)``, as ``nn.ReLU(inplace=True)``
-    calls it)."""
+    trailing-underscore function or method (``torch.relu_``, ``Tensor.add_``; not a dunder), an
+    augmented assignment (``Tensor.__iadd__``), or one called with ``inplace=True``
+    (``F.relu(x, inplace=True)``, as ``nn.ReLU(inplace=True)`` calls it)."""
     name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or kwargs.get("inplace") is True
+    return (
+        (name.endswith("_") and not name.endswith("__"))
+        or name in _AUGMENTED
+        or kwargs.get("inplace") is True
+    )
+
+
+#: augmented assignments on tensors (``out += identity``, as ResNet's blocks add their shortcut)
+_AUGMENTED = frozenset(
+    f"__i{op}__"
+    for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul")
+    + ("and", "or", "xor", "lshift", "rshift")
+)
 
 
 #: What PyTorch autograd saves for backward for the composite ops graphflop decomposes while

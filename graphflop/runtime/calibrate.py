@@ -258,7 +258,10 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
         optim_sizes=((64, 32), (1 << 18, 16), (1 << 22, 4)),
         elementwise=1 << 13,
         stream=(1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22, 1 << 24),
-        kernel_sizes=(1 << 10, 1 << 16, 1 << 21),
+        # up to 4 M elements: ResNet-18 b8's stem activations are 6.4 M, and these kernels
+        # slow down past the last-level cache (threshold_backward 16 GB/s at 2 M elements,
+        # 9 GB/s at 4 M)
+        kernel_sizes=(1 << 10, 1 << 16, 1 << 21, 1 << 22),
         repeats=5,
         min_time_s=0.05,
         product_passes=2,
@@ -937,7 +940,11 @@ class _Run:
         """Op name -> (bytes, bytes/s) points of the kernels of :data:`_KERNELS`, each call on
         the next of several copies of its inputs that together exceed
         :attr:`CalibrationPlan.cold_bytes` (cold, as the bandwidth curve's: in a network a
-        kernel reads what another wrote megabytes earlier)."""
+        kernel reads what another wrote megabytes earlier), its output kept until the same
+        copy comes round again (as the bandwidth curve's: a network's outputs live on, so
+        the allocator cannot hand back the block just freed; freed at once, ResNet-18's
+        ``threshold_backward`` of 2 M elements ran at 28 GB/s here, kept at 16 GB/s, and in the
+        network at 16 GB/s)."""
         out: dict[str, list[tuple[float, float]]] = {}
         for names, make in _KERNELS:
             for n in self.p.kernel_sizes:
@@ -945,10 +952,15 @@ class _Run:
                 copies = max(2, min(16, -(-self.p.cold_bytes // max(1, int(nbytes)))))
                 calls = [first] + [make(n, self.dev)[0] for _ in range(copies - 1)]
                 at = [0]
+                kept: list[object] = [None] * copies
 
-                def call(calls: list[Callable[[], object]] = calls, at: list[int] = at) -> None:
+                def call(
+                    calls: list[Callable[[], object]] = calls,
+                    at: list[int] = at,
+                    kept: list[object] = kept,
+                ) -> None:
                     at[0] = (at[0] + 1) % len(calls)
-                    calls[at[0]]()
+                    kept[at[0]] = calls[at[0]]()
 
                 t = self.time(call)
                 for name in names:
