@@ -741,7 +741,7 @@ class PhaseTime:
     """Predicted seconds of one phase on one device (:mod:`graphflop.passes.step_time`).
 
     Attributes:
-        seconds: the phase's predicted time, ``compute_s + memory_s + overhead_s -
+        seconds: the phase's predicted time, ``compute_s + memory_s + overhead_s + host_s -
             overlap_s``.
         compute_s: the work time (time less overhead) of the kernels whose compute term is at
             least their memory term.
@@ -749,6 +749,8 @@ class PhaseTime:
         overhead_s: every kernel's launch or dispatch cost.
         overlap_s: on an asynchronous device (a GPU), the seconds of host overhead and device
             work that run at the same time (:mod:`graphflop.passes.step_time`); 0 on a CPU.
+        host_s: host seconds beyond the kernels: ``nn.Module`` calls and the autograd engine's
+            per-node work (a calibrated profile's; :mod:`graphflop.passes.step_time`).
         kernels: eager kernels (a composite op's decomposition counts once).
         flops: FLOPs of the phase (as in its :class:`CostTotals`).
         by_role: role -> seconds, in the order roles first appear.
@@ -762,6 +764,7 @@ class PhaseTime:
     flops: int
     by_role: tuple[tuple[str, float], ...] = ()
     overlap_s: float = 0.0
+    host_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = _fields_dict(self)
@@ -770,7 +773,7 @@ class PhaseTime:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PhaseTime:
-        kw = _pick(cls, {"overlap_s": 0.0, **d})  # reports written before overlap_s existed
+        kw = _pick(cls, {"overlap_s": 0.0, "host_s": 0.0, **d})  # reports before they existed
         kw["by_role"] = tuple(d.get("by_role", {}).items())
         return cls(**kw)
 

@@ -180,7 +180,7 @@ def test_time_section_keys_ratios_and_round_trip():
         "forward_gradient_step",
     ]
     for p in phases.values():
-        parts = p["compute_s"] + p["memory_s"] + p["overhead_s"]
+        parts = p["compute_s"] + p["memory_s"] + p["overhead_s"] + p["host_s"]
         assert p["seconds"] == pytest.approx(parts - p["overlap_s"])
     step = phases["train_step"]["seconds"]
     parts = sum(phases[k]["seconds"] for k in ("forward", "backward", "update"))
@@ -750,6 +750,77 @@ def test_the_trace_tags_what_the_model_runs_in_place():
     assert not [
         n for n in a.backward.graph.nodes if n.op == "call_function" and n.meta.get(INPLACE)
     ]
+
+
+class TwoBlocks(nn.Module):
+    """A residual block whose ReLU module is called twice per block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.relu = nn.Linear(8, 8), nn.Linear(8, 8), nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.b(self.relu(self.a(x))) + x)
+
+
+def _eager_host_counts(model, x):
+    """nn.Module calls of one eager forward (pre-hooks on every module) and autograd nodes of
+    its graph (a walk of ``grad_fn.next_functions`` from the loss, AccumulateGrad included)."""
+    calls = [0]
+    hooks = [
+        m.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+        for m in model.modules()
+    ]
+    loss = model(x).sum()
+    for h in hooks:
+        h.remove()
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        f = stack.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            stack += [g for g, _ in f.next_functions]
+    return calls[0], len(seen)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8)),
+        lambda: nn.Sequential(nn.Linear(8, 8), TwoBlocks(), TwoBlocks()),
+        lambda: nn.Sequential(
+            nn.Conv2d(1, 4, 3),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(4 * 3 * 3, 8),
+        ),  # fmt: skip
+    ],
+    ids=["mlp", "residual", "conv-bn-pool"],
+)
+def test_module_calls_and_autograd_nodes_are_eagers(make):
+    # host time beyond the kernels: 1 s per nn.Module call, 1000 s per autograd node (every
+    # other cost negligible), so the phases' host_s count them; eager's own counts are the
+    # reference: ReLU called twice per residual block counts twice, each Linear's weight
+    # transpose is an autograd node (TBackward0), each parameter an AccumulateGrad, batch
+    # norm and max-pool one node each
+    model, x = make(), torch.randn(2, 1, 8, 8)
+    if not isinstance(model[0], nn.Conv2d):
+        x = torch.randn(3, model[0].in_features)
+    p = _profile(module_call_s=1.0, autograd_node_s=1000.0)
+    assert TimeProfile.from_dict(json.loads(save_profile(p))) == p
+    a = analyze(model, x, loss="sum", jvp=False, time_profile=p)
+    calls, nodes = _eager_host_counts(model, x)
+    fwd, bwd = a.report.time.phase("forward"), a.report.time.phase("backward")
+    assert fwd.host_s == pytest.approx(calls)
+    assert bwd.host_s == pytest.approx(1000.0 * nodes)
+    assert fwd.seconds == pytest.approx(fwd.compute_s + fwd.memory_s + fwd.overhead_s + calls)
+    doc = json.loads(json.dumps(a.to_dict()))
+    assert Report.from_dict(doc) == a.report
+    # profiles without the two measurements (data sheets, older files) add nothing
+    b = analyze(model, x, loss="sum", jvp=False, time_profile=_profile())
+    assert b.report.time.phase("backward").host_s == 0.0
 
 
 class Widen(nn.Module):

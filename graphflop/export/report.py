@@ -166,8 +166,9 @@ def _layer_times(tr: TimeReport, layers: tuple[LayerRow, ...]) -> dict[str, Laye
 _TIME_CAPTION = (
     "time = max(compute, memory) + overhead per kernel; compute and memory columns: the work "
     "of the kernels bound by each; overhead: launch and dispatch, and on a calibrated CPU the "
-    "page faults of outputs above 32 MiB; overlap (a GPU): host overhead and device work run "
-    "at the same time, taken off the phase's sum (docs/time.md)"
+    "page faults of outputs above 32 MiB; host: nn.Module calls and the autograd engine's "
+    "per-node work (a calibrated profile); overlap (a GPU): host and device work run at the "
+    "same time, taken off the phase's sum (docs/time.md)"
 )
 
 
@@ -212,9 +213,11 @@ def _time_table(tr: TimeReport) -> Table:
         header_style="bold",
     )
     overlap = any(p.overlap_s for _, p in tr.phases)  # an asynchronous device (a GPU)
-    cols = ("phase", "time", "compute", "memory", "overhead", "overlap", "kernels", "FLOP/s")
-    for col in cols:
-        if col != "overlap" or overlap:
+    host = any(p.host_s for _, p in tr.phases)  # a calibrated profile's module/autograd costs
+    shown = {"overlap": overlap, "host": host}
+    cols = ("phase", "time", "compute", "memory", "overhead", "host", "overlap", "kernels")
+    for col in (*cols, "FLOP/s"):
+        if shown.get(col, True):
             table.add_column(col, justify="left" if col == "phase" else "right")
     for name, p in tr.phases:
         cells = [
@@ -223,6 +226,7 @@ def _time_table(tr: TimeReport) -> Table:
             human_seconds(p.compute_s),
             human_seconds(p.memory_s),
             human_seconds(p.overhead_s),
+            *([human_seconds(p.host_s)] if host else []),
             *([human_seconds(-p.overlap_s)] if overlap else []),
             str(p.kernels),
             human(p.flops / p.seconds if p.seconds else None),

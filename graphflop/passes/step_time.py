@@ -34,6 +34,16 @@ the phase ``max(host, device)``, synchronised at its end. What the two clocks ov
 :attr:`~graphflop.report.PhaseTime.overlap_s`. A step of small kernels is then bound by the
 host (its overheads' sum), one of large kernels by the device (its work's sum).
 
+Host time beyond the kernels (a calibrated profile's ``module_call_s`` and
+``autograd_node_s``) is a phase's, not a node's (:attr:`~graphflop.report.PhaseTime.host_s`):
+each ``nn.Module`` call of a pass that runs the forward (entering a module path, or entering it
+again, in graph order: ResNet's ``relu`` module called twice per block counts twice; the model
+itself once; not the loss, graphflop's objective), placed at the call's first node, and in the
+backward each autograd node (one per forward op whose floating output depends on a trained
+parameter, views included, a composite op's decomposition counting once, and one
+``AccumulateGrad`` per parameter), spread evenly over the backward's nodes (on a GPU the host's
+clock advances there).
+
 A node the model computed in place (``INPLACE``: ``nn.ReLU(inplace=True)``) moves its bytes at
 the in-place bandwidth and allocates nothing (no page faults).
 
@@ -543,6 +553,7 @@ def _sum_phase(a: PhaseTime, b: PhaseTime) -> PhaseTime:
         memory_s=a.memory_s + b.memory_s,
         overhead_s=a.overhead_s + b.overhead_s,
         overlap_s=a.overlap_s + b.overlap_s,
+        host_s=a.host_s + b.host_s,
         kernels=a.kernels + b.kernels,
         flops=a.flops + b.flops,
         by_role=tuple(roles.items()),
@@ -605,7 +616,11 @@ def time_report(
     for name, nodes in phase_nodes.items():
         kernel_counts[name] = _kernels_in(nodes)
         phases[name] = _phase_time(
-            nodes, flops[name], kernel_counts[name], asynchronous=profile.kind == "gpu"
+            nodes,
+            flops[name],
+            kernel_counts[name],
+            asynchronous=profile.kind == "gpu",
+            host=_host_costs(nodes, profile, name == "backward", g.forward),
         )
     if "backward" in phases:
         step = _sum_phase(_sum_phase(phases["forward"], phases["backward"]), phases["update"])
@@ -638,32 +653,99 @@ def _kernel_key(n: Node) -> tuple[int, str]:
     return (id(n.graph), n.meta[TIME].kernel_id)
 
 
+def _host_costs(
+    nodes: list[Node], profile: TimeProfile, backward: bool, forward: GraphModule
+) -> dict[Node, float]:
+    """Host seconds beyond the kernels, at the node where eager spends them (the module
+    docstring): ``nn.Module`` calls at the primal nodes of a pass that runs the forward, the
+    autograd engine's nodes spread evenly over the backward's."""
+    out: dict[Node, float] = {}
+    timed = [n for n in nodes if TIME in n.meta]
+    if profile.module_call_s and not backward:
+        chain: tuple[str, ...] = ()
+        for n in timed:
+            if n.meta.get(KIND) != "primal" or n.meta.get(ROLE) == "loss":
+                continue  # the loss is graphflop's objective, not a module of the model
+            parts = str(n.meta.get(MODULE, "") or "").split(".")
+            now = tuple(".".join(parts[: i + 1]) for i in range(len(parts)) if parts[0])
+            entered = 1 if not out else 0  # the model's own call, once
+            entered += sum(1 for i, m in enumerate(now) if i >= len(chain) or chain[i] != m)
+            if entered:
+                out[n] = entered * profile.module_call_s
+            chain = now
+    if profile.autograd_node_s and backward and timed:
+        params = {n.meta[PARAM] for n in timed if n.meta.get(PARAM) is not None}
+        share = (_autograd_nodes(forward, params) + len(params)) * profile.autograd_node_s
+        for n in timed:
+            out[n] = share / len(timed)
+    return out
+
+
+def _autograd_nodes(forward: GraphModule, params: set[str]) -> int:
+    """The autograd nodes eager PyTorch records in ``forward``'s pass (beyond one
+    ``AccumulateGrad`` per parameter): one per op whose floating output depends on a parameter
+    in ``params`` (views included), a composite op's decomposition counting once."""
+    active: set[Node] = set()
+    regions: set[object] = set()
+    count = 0
+    for n in forward.graph.nodes:
+        if n.op == "placeholder":
+            if n.meta.get(PARAM) in params:
+                active.add(n)
+            continue
+        if n.op != "call_function" or not any(a in active for a in n.all_input_nodes):
+            continue
+        active.add(n)
+        vals = n.meta.get("val")
+        vals = vals if isinstance(vals, (tuple, list)) else (vals,)  # batch norm's, max-pool's
+        if n.target is operator.getitem or not any(
+            isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals
+        ):
+            continue
+        tag = n.meta.get(COMPOSITE)
+        if tag is not None:
+            if tag.region in regions:
+                continue
+            regions.add(tag.region)
+        count += 1
+    return count
+
+
 def _phase_time(
-    nodes: list[Node], flops: int, kernels: int, asynchronous: bool = False
+    nodes: list[Node],
+    flops: int,
+    kernels: int,
+    asynchronous: bool = False,
+    host: dict[Node, float] | None = None,
 ) -> PhaseTime:
     """One phase's roll-up; ``asynchronous``: its time is the host/device timeline's end (the
-    module docstring), else the sum of its nodes' times."""
+    module docstring), else the sum of its nodes' times; ``host``: host seconds beyond the
+    kernels, by the node they come before (:func:`_host_costs`)."""
+    host = host or {}
     sums = dict.fromkeys(BOUNDS, 0.0)
     roles: dict[str, float] = {}
-    host = device = 0.0
+    host_s = clock = device = 0.0
     for n in nodes:
         t: NodeTime | None = n.meta.get(TIME)
         if t is None:
             continue
+        extra = host.get(n, 0.0)
         work = t.seconds - t.overhead_s
         sums["compute" if t.compute_s >= t.memory_s else "memory"] += work
         sums["overhead"] += t.overhead_s
-        host += t.overhead_s
-        device = max(device, host) + work
+        host_s += extra
+        clock += extra + t.overhead_s
+        device = max(device, clock) + work
         role = n.meta.get(ROLE, "")
-        roles[role] = roles.get(role, 0.0) + t.seconds
-    total = sum(sums.values())
-    seconds = max(host, device) if asynchronous else total
+        roles[role] = roles.get(role, 0.0) + t.seconds + extra
+    total = sum(sums.values()) + host_s
+    seconds = max(clock, device) if asynchronous else total
     return PhaseTime(
         seconds=seconds,
         compute_s=sums["compute"],
         memory_s=sums["memory"],
         overhead_s=sums["overhead"],
+        host_s=host_s,
         overlap_s=total - seconds,
         kernels=kernels,
         flops=flops,

@@ -233,6 +233,13 @@ class TimeProfile:
             chunk freed, stops at ``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB on 64-bit systems
             (glibc ``malloc/malloc.c``, ``mallopt(3)``). Smaller outputs may also be fresh
             (a heap trimmed after a step); that is not modelled.
+        module_call_s: host seconds one ``nn.Module`` call costs beyond the ops it runs (its
+            ``__call__``: hooks, the forward's Python frame), once per module call of a pass
+            that runs the model's forward; 0: not modelled (data sheets, older profiles).
+        autograd_node_s: host seconds the autograd engine spends on one backward node beyond
+            its kernels (its queue, the node's function call, accumulating its inputs), once
+            per forward op with a derivative and per parameter's ``AccumulateGrad``; 0: not
+            modelled.
     """
 
     name: str
@@ -256,6 +263,8 @@ class TimeProfile:
     fixed: Mapping[str, float] = field(default_factory=dict)
     fault_s_per_byte: float = 0.0
     fresh_above_bytes: int = GLIBC_MMAP_THRESHOLD_MAX
+    module_call_s: float = 0.0
+    autograd_node_s: float = 0.0
 
     def fault_seconds(self, nbytes: float) -> float:
         """Seconds of the page faults of one output of ``nbytes`` bytes: ``nbytes ×``
@@ -405,6 +414,8 @@ class TimeProfile:
             "fixed": dict(self.fixed),
             "fault_s_per_byte": self.fault_s_per_byte,
             "fresh_above_bytes": self.fresh_above_bytes,
+            "module_call_s": self.module_call_s,
+            "autograd_node_s": self.autograd_node_s,
             "efficiency": dict(self.efficiency),
             "threads": self.threads,
             "notes": list(self.notes),
@@ -459,6 +470,8 @@ class TimeProfile:
                 fixed={str(k): _seconds(v) for k, v in d.get("fixed", {}).items()},
                 fault_s_per_byte=_fault_cost(d.get("fault_s_per_byte", 0.0)),
                 fresh_above_bytes=_bytes(d.get("fresh_above_bytes", GLIBC_MMAP_THRESHOLD_MAX)),
+                module_call_s=_seconds(d.get("module_call_s", 0.0)),
+                autograd_node_s=_seconds(d.get("autograd_node_s", 0.0)),
                 threads=_threads(d.get("threads")),
                 notes=tuple(str(x) for x in d.get("notes", ())),
             )

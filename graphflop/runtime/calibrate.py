@@ -151,6 +151,7 @@ class CalibrationPlan:
             )
             + len(OPTIMIZERS) * (len(self.optim_sizes) + 1)
             + min(len(_TINY), self.cold_calls)
+            + 2
             + 5
             + 2 * len(self.stream)
             + 1
@@ -592,6 +593,55 @@ def _host_overhead(device: torch.device, repeats: int) -> float:
     return min(samples)
 
 
+def _host_loop(fn: Callable[[], object], calls: int, repeats: int) -> float:
+    """Seconds of one call of host-only ``fn`` (Python, no kernels waited for): the least of
+    ``repeats`` loops of ``calls`` calls, timed with ``perf_counter``."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls)
+    return min(samples)
+
+
+def _module_call(dev: torch.device, repeats: int) -> float:
+    """Seconds one ``nn.Module`` call costs beyond the op it runs: a 1 × 1 ``nn.Linear`` call
+    against ``F.linear`` on the same tensors (the same kernel: the difference is the module's
+    ``__call__`` and its forward's Python)."""
+    m = torch.nn.Linear(1, 1).to(dev)
+    x = torch.ones(1, 1, device=dev)
+    w, b = m.weight, m.bias
+    with torch.no_grad():  # the op's autograd record is not the module's cost
+        mod = _host_loop(lambda: m(x), 1000, repeats)
+        fn = _host_loop(lambda: F.linear(x, w, b), 1000, repeats)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return max(0.0, mod - fn)
+
+
+def _autograd_node(dev: torch.device, repeats: int, kernel_s: float, depth: int = 64) -> float:
+    """Seconds the autograd engine spends on one backward node beyond its kernel: the backward
+    of a chain of ``depth`` one-element multiplications by a constant (each node one tiny
+    ``mul``), per node, less ``kernel_s`` (one tiny ``mul``'s own cost); the least of
+    ``repeats`` backwards."""
+    x = torch.ones(1, device=dev, requires_grad=True)
+    y = x
+    for _ in range(depth):
+        y = y * 1.000001
+    samples = []
+    for _ in range(repeats + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        y.backward(retain_graph=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        samples.append((time.perf_counter() - t0) / depth)
+    return max(0.0, min(samples[1:]) - kernel_s)
+
+
 def _rate(work: float, seconds: float, overhead: float) -> float:
     """``work`` per second of a kernel's time beyond the launch overhead (at least a tenth of
     its time, so a kernel timed below the overhead keeps a finite rate)."""
@@ -1028,6 +1078,12 @@ def calibrate(
             _average_into(mine, theirs)
     steps = run.optimizers()
     fixed = run.fixed()
+    module_call = _module_call(dev, max(reps, 5))
+    done(f"nn.Module call {module_call * 1e6:.1f} µs")
+    autograd_node = _autograd_node(
+        dev, max(reps, 5), fixed.get("aten.mul.Tensor", fixed.get(ANY_KERNEL, launch))
+    )
+    done(f"autograd node {autograd_node * 1e6:.1f} µs")
     trans_rate, other_rate = run.elementwise()
     fault = run.faults()
     bw, inplace = run.streams(fault)
@@ -1065,6 +1121,8 @@ def calibrate(
         update_step_s={k: own for k, (_, own) in steps.items()},
         fixed=fixed,
         fault_s_per_byte=fault,
+        module_call_s=module_call,
+        autograd_node_s=autograd_node,
         bandwidth=_curve(bw),
         inplace_bandwidth=_curve(inplace),
         kernels={k: _curve(v) for k, v in kernels.items()},
