@@ -277,9 +277,9 @@ def _trace_once(
     table = replays.wrap(tagged_decompositions(decomposition_table(), regions))
     # not replayed: the same mask shape may stand for another expert's rows
     table.update(_chained(table, routed_index_decompositions()))
-    outliner = repeats.Outliner(outline, fake_mode)
     dispatch = RoutedDispatch()
     modes = _FunctionModes(dispatch, CompositeOps())
+    outliner = repeats.Outliner(outline, fake_mode, transparent=modes.passes_custom_ops)
     trainable = {i for i, p in enumerate(params.values()) if p.requires_grad}
     try:
         with (
@@ -392,6 +392,16 @@ class _FunctionModes:
 
     def __exit__(self, *exc: Any) -> bool | None:
         return self._stack.pop().__exit__(*exc)
+
+    def passes_custom_ops(self, mode: Any) -> bool:
+        """Whether ``mode`` returns a custom op's result unchanged with nothing else done
+        (:meth:`repeats.Outliner._direct`): the composite ops always; the routed dispatch
+        while it follows no mask (a call given a mask would run inside the mask's sizing)."""
+        if isinstance(mode, CompositeOps):
+            return any(m is mode for m in self.modes)
+        if isinstance(mode, RoutedDispatch):
+            return any(m is mode for m in self.modes) and not mode.following_masks()
+        return False
 
     def around(self, fn: Any) -> Any:
         """``fn`` called with the modes in force."""
