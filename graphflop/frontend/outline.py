@@ -9,7 +9,10 @@ with another). HuggingFace's ``layer_idx`` (:data:`INDEX_ATTRS`), which addresse
 only, may differ: such a structure is traced a second time from another copy, and traced in full
 unless both graphs are the same. While :func:`graphflop.frontend.trace.trace` runs, each such module's ``forward`` is
 replaced by :class:`Outliner`'s stub, which emits one opaque ``graphflop::repeat`` node; the op's
-fake kernel runs the real ``forward`` on FakeTensors, without tracing, to produce the outputs.
+fake kernel runs the real ``forward`` on FakeTensors, without tracing, to produce the outputs
+(at a call's first occurrence; later calls get fresh FakeTensors of the same metadata, and with
+:data:`DIRECT_CALLS` on, the stub records them in the trace itself, without the op's dispatch,
+where that dispatch would pass straight through: :meth:`Outliner._direct`).
 Afterwards each distinct call (module structure and argument metadata) is traced once as a
 graph of its own (:meth:`Outliner.templates`) and :func:`inline` replaces every
 ``graphflop::repeat`` node with a copy of its template, the call's arguments standing for the
