@@ -685,3 +685,29 @@ def test_calls_recorded_without_dispatch_give_the_dispatched_graph(case, monkeyp
     else:
         assert n == 0 and info.calls > info.traced_once
     assert _flat_rows(recorded_gm) == _flat_rows(dispatched)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "batch_norm_blocks", "resnet18", "hf_llama", "vit.py"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_traces_without_make_fx_function_notes_give_the_same_graph(case, direct, monkeypatch):
+    """``make_fx``'s torch-function notes (``trace.FUNCTION_METADATA``) are left off: the flat
+    graph is the one tracing with them gives, node for node and every annotation."""
+    import itertools
+
+    from graphflop.frontend import composite, custom_function, regions, replay
+    from graphflop.frontend import trace as tracing
+
+    make, _ = _DIRECT_CASES[case]
+    monkeypatch.setattr(repeats, "DIRECT_CALLS", direct)
+
+    def traced(notes: bool):
+        monkeypatch.setattr(composite, "_attention_regions", itertools.count(-1, -1))
+        monkeypatch.setattr(replay, "_REPLAYED_ATTENTION", itertools.count(-(10**9), -1))
+        ids = itertools.count()
+        monkeypatch.setattr(regions, "region_ids", ids)
+        monkeypatch.setattr(custom_function, "region_ids", ids)
+        monkeypatch.setattr(tracing, "FUNCTION_METADATA", notes)
+        return trace(model, inputs, **kw)
+
+    model, inputs, kw = make()
+    assert _flat_rows(traced(False)) == _flat_rows(traced(True))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import warnings
 from collections.abc import Iterator
@@ -292,7 +293,7 @@ def _trace_once(
         ):
             warnings.simplefilter("ignore")
             with outliner, grad_sources(trainable):
-                gm = make_fx(
+                gm = _make_fx(
                     torch.func.functionalize(modes.around(objective)),
                     decomposition_table=table,
                     _allow_fake_constant=True,
@@ -350,6 +351,24 @@ def _trace_once(
     frozen += _detached_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+#: whether ``make_fx`` notes each torch function called while tracing (its
+#: ``TorchFunctionMetadataMode``): only its module-stack tracer (``pre_dispatch``,
+#: ``record_module_stack``) reads the notes, for a ``torch_fn`` annotation graphflop's traces
+#: never get; the mode sees every tensor method call, a dozen for each of ``make_fx``'s
+#: inputs among them (a third of a placeholder's cost). False: off where this PyTorch's
+#: ``make_fx`` has the option
+FUNCTION_METADATA = False
+
+_FN_METADATA_OPTION = "_disable_torch_fn_metadata_mode" in inspect.signature(make_fx).parameters
+
+
+def _make_fx(fn: Any, **kwargs: Any) -> Any:
+    """``make_fx(fn, **kwargs)``, without its torch-function notes (:data:`FUNCTION_METADATA`)."""
+    if not FUNCTION_METADATA and _FN_METADATA_OPTION:
+        kwargs["_disable_torch_fn_metadata_mode"] = True
+    return make_fx(fn, **kwargs)
 
 
 def _flat_form(
@@ -507,7 +526,7 @@ def _trace_template(
         with ModuleScopes(m, prefix=repeats.MARK, base=[(repeats.MARK, qualname(m))]):
             return fn(*tensors)
 
-    gm = make_fx(torch.func.functionalize(modes.around(scoped)), decomposition_table=table)(
+    gm = _make_fx(torch.func.functionalize(modes.around(scoped)), decomposition_table=table)(
         *outliner.example_tensors(key, fake_mode)
     )
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
