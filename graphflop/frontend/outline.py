@@ -514,7 +514,8 @@ class Outliner:
         dispatch does first too), unless the first call of ``key`` was dispatched with
         operands and outputs of that kind (:attr:`Call.recordable`) and the dispatch would
         now pass through exactly: functionalisation the only functorch transform, over
-        ``make_fx``'s plain tracer, over this FakeTensorMode; no other dispatch mode, no
+        ``make_fx``'s plain tracer (not pre-dispatch, not emulating low-precision casts),
+        over this FakeTensorMode; no other dispatch mode, no
         torch-function mode but ``make_fx``'s and :attr:`transparent` ones; no operand that
         requires grad; every operand a FakeTensor of this mode that the tracer knows, not a
         constant. Skipped that way: the custom op's autograd wrapper (nothing requires
@@ -534,6 +535,9 @@ class Outliner:
         proxy_mode = get_proxy_mode()
         if (
             proxy_mode is None
+            or proxy_mode.pre_dispatch
+            # proxy_call would annotate low-precision nodes for inductor
+            or getattr(proxy_mode, "emulate_precision_casts", True)
             or torch._C._len_torch_dispatch_stack() != 2
             or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
             is not self.fake_mode
