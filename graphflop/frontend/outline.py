@@ -46,14 +46,7 @@ from torch import nn
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 from torch.fx import Graph, Node
-from torch.fx.experimental.proxy_tensor import (
-    PythonKeyTracer,
-    TorchFunctionMetadataMode,
-    _fetch_proxies_and_all_constant_flag,
-    get_proxy_mode,
-    has_proxy_slot,
-    track_tensor_tree,
-)
+from torch.fx.experimental import proxy_tensor
 from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -73,6 +66,29 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 #: ``repeat`` op's dispatch (:meth:`Outliner._direct`); False: every call is dispatched
 #: through ``make_fx`` (the reference path)
 DIRECT_CALLS = False
+
+#: whether this PyTorch has what :meth:`Outliner._direct` records a call with (else every call
+#: is dispatched)
+_RECORDABLE = all(
+    hasattr(proxy_tensor, name)
+    for name in (
+        "PythonKeyTracer",
+        "TorchFunctionMetadataMode",
+        "_fetch_proxies_and_all_constant_flag",
+        "get_proxy_mode",
+        "has_proxy_slot",
+        "track_tensor_tree",
+    )
+) and all(
+    hasattr(torch._C._functorch, name)
+    for name in (
+        "get_dynamic_layer_stack_depth",
+        "peek_interpreter_stack",
+        "maybe_get_level",
+        "_wrap_functional_tensor",
+        "TransformType",
+    )
+)
 
 #: integer attributes in which copies of one structure may differ: the per-layer index
 #: HuggingFace's attention modules keep to address their KV cache (``past_key_values``), which
@@ -523,7 +539,7 @@ class Outliner:
         ``make_fx``'s notes the function for a module-stack tracer only), functionalisation's
         fallback (sync, unwrap, redispatch, wrap), the proxy mode's and the fake mode's
         dispatch (whose fake kernel returns :meth:`fake_call`'s tensors)."""
-        if not call.recordable or call.out_spec is None or self.fake_mode is None:
+        if not (_RECORDABLE and call.recordable) or call.out_spec is None or self.fake_mode is None:
             return None
         # functionalisation alone (under another transform, the op would go to it next)
         if torch._C._functorch.get_dynamic_layer_stack_depth() != 1:
@@ -532,7 +548,7 @@ class Outliner:
         if interp is None or interp.key() != torch._C._functorch.TransformType.Functionalize:
             return None
         level = interp.level()
-        proxy_mode = get_proxy_mode()
+        proxy_mode = proxy_tensor.get_proxy_mode()
         if (
             proxy_mode is None
             or proxy_mode.pre_dispatch
@@ -542,7 +558,7 @@ class Outliner:
             or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
             is not self.fake_mode
             or not all(
-                type(m) is TorchFunctionMetadataMode or self.transparent(m)
+                type(m) is proxy_tensor.TorchFunctionMetadataMode or self.transparent(m)
                 for m in _function_modes()
             )
         ):
@@ -559,13 +575,15 @@ class Outliner:
                 torch._sync(t)
             inner = [torch._from_functional_tensor(t) for t in operands]
         tracer = proxy_mode.tracer
-        if type(tracer) is not PythonKeyTracer or not all(
-            type(x) is FakeTensor and x.fake_mode is self.fake_mode and has_proxy_slot(x, tracer)
+        if type(tracer) is not proxy_tensor.PythonKeyTracer or not all(
+            type(x) is FakeTensor
+            and x.fake_mode is self.fake_mode
+            and proxy_tensor.has_proxy_slot(x, tracer)
             for x in inner
         ):
             return None
         flat, spec = tree_flatten(((inner, key), {}))
-        _, proxies, constant = _fetch_proxies_and_all_constant_flag(flat, tracer)
+        _, proxies, constant = proxy_tensor._fetch_proxies_and_all_constant_flag(flat, tracer)
         if constant:
             return None
         op = torch.ops.graphflop.repeat.default
@@ -582,7 +600,7 @@ class Outliner:
                 name=tracer.graph._target_to_str(op.overloadpacket.__name__),
             )
             outs = self.fake_call(key, inner)
-            track_tensor_tree(outs, proxy, constant=None, tracer=tracer)
+            proxy_tensor.track_tensor_tree(outs, proxy, constant=None, tracer=tracer)
         return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
 
     def _indices(self, m: nn.Module) -> tuple:
