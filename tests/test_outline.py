@@ -680,7 +680,7 @@ def test_calls_recorded_without_dispatch_give_the_dispatched_graph(case, monkeyp
     recorded_gm, n = traced(True)
     assert none == 0
     info = recorded_gm.meta[OUTLINED]
-    if recorded:
+    if recorded and repeats._RECORDABLE:  # a PyTorch without what it takes dispatches all
         assert n == info.calls - info.traced_once
     else:
         assert n == 0 and info.calls > info.traced_once
