@@ -548,3 +548,166 @@ def test_one_copy_per_node_gives_the_two_copies_graph(make, monkeypatch):
     twice = traced()
     assert once.meta[OUTLINED].calls >= 2  # blocks were outlined, so copies were made
     assert _flat_rows(once) == _flat_rows(twice)
+
+
+class _Checkpointed(nn.Module):
+    """Three blocks each run under ``torch.utils.checkpoint`` (their copies take the call's
+    checkpoint tags)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Mlp() for _ in range(3))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.reentrant)
+        return x
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _UnderUserMode(nn.Module):
+    """Blocks called inside a torch-function mode of the model's own: graphflop cannot know
+    what such a mode does with the ``repeat`` op, so every call is dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Mlp() for _ in range(3))
+
+    def forward(self, x):
+        with _PassThrough():
+            for b in self.blocks:
+                x = b(x)
+        return x
+
+
+def _spec_model(name: str, batch: int = 2):
+    from conftest import spec
+
+    from graphflop.load import load, make_inputs
+
+    loaded = load(spec(name) if ":" not in name or name.startswith("resnet") else name, meta=True)
+    return loaded.model.train(), tuple(make_inputs(loaded, batch=batch)), {}
+
+
+#: the models of this file's and test_hierarchy.py's default tests: (make, whether every call
+#: after a call's first is recorded without the op's dispatch)
+_DIRECT_CASES = {
+    "gpt2": (lambda: (_gpt2().train(), (torch.randint(0, 11, (2, 6)),), {}), True),
+    "gpt2_eval": (lambda: (_gpt2().eval(), (torch.randint(0, 11, (2, 6)),), {}), True),
+    "batch_norm_blocks": (
+        lambda: (nn.Sequential(_Block(), _Block(), _Block()).train(), (torch.randn(5, 4),), {}),
+        True,
+    ),
+    # a block writing a buffer of its own: outlined, then traced in full (the template's
+    # trace sees the write)
+    "counting_buffer": (
+        lambda: (nn.Sequential(_Counting(), _Counting(), _Counting()), (torch.randn(5, 4),), {}),
+        True,
+    ),
+    "resnet18": (_resnet18, True),
+    "hf_llama": (_hf_llama, True),
+    "checkpointed": (lambda: (_Checkpointed(False), (torch.randn(5, 4),), {}), True),
+    "checkpointed_reentrant": (lambda: (_Checkpointed(True), (torch.randn(5, 4),), {}), True),
+    "user_mode": (lambda: (_UnderUserMode(), (torch.randn(5, 4),), {}), False),
+    **{
+        name: (lambda name=name: _spec_model(name), True)
+        for name in ("mlp.py", "cnn.py", "convnet.py", "lora.py", "vit.py", "resnet.py:resnet18")
+    },
+    **{
+        name: (lambda name=name: _spec_model(name), True)
+        for name in ("torchvision:resnet18", "torchvision:mobilenet_v3_small")
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(_DIRECT_CASES))
+def test_calls_recorded_without_dispatch_give_the_dispatched_graph(case, monkeypatch):
+    """A call of a block whose first call was traced is recorded without the ``repeat`` op's
+    dispatch (``outline.DIRECT_CALLS``): the flat graph is the one dispatching every call
+    gives, node for node (names, arguments, every annotation), and so are its signature and
+    outline counts. Every call after a distinct call's first takes that path, except under a
+    torch-function mode graphflop does not know, where all are dispatched."""
+    import itertools
+
+    from graphflop.frontend import composite, custom_function, regions, replay
+
+    if case.startswith("torchvision:"):
+        pytest.importorskip("torchvision")
+    make, recorded = _DIRECT_CASES[case]
+    direct = [0]
+    inner = repeats.Outliner._direct
+
+    def counted(self, *args):
+        out = inner(self, *args)
+        direct[0] += out is not None
+        return out
+
+    def started(self, *args, **kwargs):  # a trace started again counts afresh
+        direct[0] = 0
+        init(self, *args, **kwargs)
+
+    init = repeats.Outliner.__init__
+    monkeypatch.setattr(repeats.Outliner, "_direct", counted)
+    monkeypatch.setattr(repeats.Outliner, "__init__", started)
+
+    def traced(on: bool):
+        monkeypatch.setattr(composite, "_attention_regions", itertools.count(-1, -1))
+        monkeypatch.setattr(replay, "_REPLAYED_ATTENTION", itertools.count(-(10**9), -1))
+        ids = itertools.count()
+        monkeypatch.setattr(regions, "region_ids", ids)
+        monkeypatch.setattr(custom_function, "region_ids", ids)
+        monkeypatch.setattr(repeats, "DIRECT_CALLS", on)
+        return trace(model, inputs, **kw), direct[0]
+
+    model, inputs, kw = make()
+    dispatched, none = traced(False)
+    recorded_gm, n = traced(True)
+    assert none == 0
+    info = recorded_gm.meta[OUTLINED]
+    if recorded and repeats._RECORDABLE:  # a PyTorch without what it takes dispatches all
+        assert n == info.calls - info.traced_once
+    else:
+        assert n == 0 and info.calls > info.traced_once
+    assert _flat_rows(recorded_gm) == _flat_rows(dispatched)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "batch_norm_blocks", "resnet18", "hf_llama", "vit.py"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_traces_without_make_fx_function_notes_give_the_same_graph(case, direct, monkeypatch):
+    """``make_fx``'s torch-function notes (``trace.FUNCTION_METADATA``) are left off: the flat
+    graph is the one tracing with them gives, node for node and every annotation."""
+    import itertools
+
+    from graphflop.frontend import composite, custom_function, regions, replay
+    from graphflop.frontend import trace as tracing
+
+    make, _ = _DIRECT_CASES[case]
+    monkeypatch.setattr(repeats, "DIRECT_CALLS", direct)
+
+    def traced(notes: bool):
+        monkeypatch.setattr(composite, "_attention_regions", itertools.count(-1, -1))
+        monkeypatch.setattr(replay, "_REPLAYED_ATTENTION", itertools.count(-(10**9), -1))
+        ids = itertools.count()
+        monkeypatch.setattr(regions, "region_ids", ids)
+        monkeypatch.setattr(custom_function, "region_ids", ids)
+        monkeypatch.setattr(tracing, "FUNCTION_METADATA", notes)
+        return trace(model, inputs, **kw)
+
+    model, inputs, kw = make()
+    assert _flat_rows(traced(False)) == _flat_rows(traced(True))

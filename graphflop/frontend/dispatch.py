@@ -122,6 +122,11 @@ class RoutedDispatch(TorchFunctionMode):
         self._follow(func, args, kwargs, out)
         return out
 
+    def following_masks(self) -> bool:
+        """Whether a mask of a router's indices is known (an op given one runs inside its
+        sizing)."""
+        return len(self._masks) > 0
+
     def refusal(self, e: BaseException) -> str | None:
         """The one-line reason for a trace that failed on a ``nonzero`` (or another op whose
         output size is the values') after a router's ``topk``: the dispatch is not one this

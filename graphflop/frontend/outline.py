@@ -9,7 +9,10 @@ with another). HuggingFace's ``layer_idx`` (:data:`INDEX_ATTRS`), which addresse
 only, may differ: such a structure is traced a second time from another copy, and traced in full
 unless both graphs are the same. While :func:`graphflop.frontend.trace.trace` runs, each such module's ``forward`` is
 replaced by :class:`Outliner`'s stub, which emits one opaque ``graphflop::repeat`` node; the op's
-fake kernel runs the real ``forward`` on FakeTensors, without tracing, to produce the outputs.
+fake kernel runs the real ``forward`` on FakeTensors, without tracing, to produce the outputs
+(at a call's first occurrence; later calls get fresh FakeTensors of the same metadata, and with
+:data:`DIRECT_CALLS` on, the stub records them in the trace itself, without the op's dispatch,
+where that dispatch would pass straight through: :meth:`Outliner._direct`).
 Afterwards each distinct call (module structure and argument metadata) is traced once as a
 graph of its own (:meth:`Outliner.templates`) and :func:`inline` replaces every
 ``graphflop::repeat`` node with a copy of its template, the call's arguments standing for the
@@ -41,8 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import disable_fake_tensor_cache
+from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 from torch.fx import Graph, Node
+from torch.fx.experimental import proxy_tensor
 from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -57,6 +61,34 @@ from graphflop.ops.tree import scalar_key
 MARK = "@"
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+#: whether an outlined call after a call's first is recorded in the trace without the
+#: ``repeat`` op's dispatch (:meth:`Outliner._direct`); False: every call is dispatched
+#: through ``make_fx`` (the reference path)
+DIRECT_CALLS = False
+
+#: whether this PyTorch has what :meth:`Outliner._direct` records a call with (else every call
+#: is dispatched)
+_RECORDABLE = all(
+    hasattr(proxy_tensor, name)
+    for name in (
+        "PythonKeyTracer",
+        "TorchFunctionMetadataMode",
+        "_fetch_proxies_and_all_constant_flag",
+        "get_proxy_mode",
+        "has_proxy_slot",
+        "track_tensor_tree",
+    )
+) and all(
+    hasattr(torch._C._functorch, name)
+    for name in (
+        "get_dynamic_layer_stack_depth",
+        "peek_interpreter_stack",
+        "maybe_get_level",
+        "_wrap_functional_tensor",
+        "TransformType",
+    )
+)
 
 #: integer attributes in which copies of one structure may differ: the per-layer index
 #: HuggingFace's attention modules keep to address their KV cache (``past_key_values``), which
@@ -333,6 +365,10 @@ class Call:
     written: list = field(default_factory=list)
     # the last instance called whose INDEX_ATTRS differ from ``module``'s (None: none did)
     check: nn.Module | None = None
+    # whether later calls may be recorded without the op's dispatch (:meth:`Outliner._direct`):
+    # None until the first call was dispatched; True when its arguments and outputs were
+    # functional wrappers of one level of which none required grad
+    recordable: bool | None = None
 
 
 class Outliner:
@@ -342,8 +378,20 @@ class Outliner:
     traces each distinct call once and :func:`inline` expands the graph.
     """
 
-    def __init__(self, modules: dict[nn.Module, int], fake_mode: Any = None):
+    def __init__(
+        self,
+        modules: dict[nn.Module, int],
+        fake_mode: Any = None,
+        direct: bool | None = None,
+        transparent: Any = None,
+    ):
         self.modules = modules
+        # calls after a call's first recorded without the op's dispatch (:meth:`_direct`;
+        # None: :data:`DIRECT_CALLS`); ``transparent(mode)``: whether a torch-function mode
+        # passes the ``repeat`` op through untouched now (any other mode active: the op is
+        # dispatched)
+        self.direct = DIRECT_CALLS if direct is None else direct
+        self.transparent = transparent or (lambda mode: False)
         # the FakeTensorMode the trace runs in: a call whose outputs are known skips its
         # dispatch cache (:meth:`_dispatched`)
         self.fake_mode = fake_mode
@@ -452,8 +500,13 @@ class Outliner:
             call = self.calls[self.keys[key]]
             if m is not call.module and self._indices(m) != self._indices(call.module):
                 call.check = m
-            with self._dispatched(call):
-                outs = repeat([*tensors, *state], self.keys[key])
+            operands = [*tensors, *state]
+            outs = self._direct(call, self.keys[key], operands) if self.direct else None
+            if outs is None:
+                with self._dispatched(call):
+                    outs = repeat(operands, self.keys[key])
+                if call.recordable is None:
+                    call.recordable = _plain_functional(operands, outs)
             # the buffers the module writes (running statistics): their new values come out
             # after the outputs and are written here, as the module's forward writes them
             n = len(outs) - len(call.written)
@@ -465,6 +518,90 @@ class Outliner:
 
         vars(forward)["_graphflop_stub"] = True
         return forward
+
+    def _direct(self, call: Call, key: int, operands: list) -> list | None:
+        """Call ``key`` recorded as its dispatch through ``make_fx`` would record it, without
+        the dispatch: a ``repeat`` node and a ``getitem`` per output in the tracer's graph,
+        named and annotated as :func:`~torch.fx.experimental.proxy_tensor.proxy_call` makes
+        them, the outputs fresh FakeTensors of the first call's metadata (:meth:`fake_call`)
+        wrapped for functionalisation at the operands' level.
+
+        None, with nothing done but functionalisation's sync of the operands (which the
+        dispatch does first too), unless the first call of ``key`` was dispatched with
+        operands and outputs of that kind (:attr:`Call.recordable`) and the dispatch would
+        now pass through exactly: functionalisation the only functorch transform, over
+        ``make_fx``'s plain tracer (not pre-dispatch, not emulating low-precision casts),
+        over this FakeTensorMode; no other dispatch mode, no
+        torch-function mode but ``make_fx``'s and :attr:`transparent` ones; no operand that
+        requires grad; every operand a FakeTensor of this mode that the tracer knows, not a
+        constant. Skipped that way: the custom op's autograd wrapper (nothing requires
+        grad: it records nothing), the torch-function modes (each returns the op's result;
+        ``make_fx``'s notes the function for a module-stack tracer only), functionalisation's
+        fallback (sync, unwrap, redispatch, wrap), the proxy mode's and the fake mode's
+        dispatch (whose fake kernel returns :meth:`fake_call`'s tensors)."""
+        if not (_RECORDABLE and call.recordable) or call.out_spec is None or self.fake_mode is None:
+            return None
+        # functionalisation alone (under another transform, the op would go to it next)
+        if torch._C._functorch.get_dynamic_layer_stack_depth() != 1:
+            return None
+        interp = torch._C._functorch.peek_interpreter_stack()
+        if interp is None or interp.key() != torch._C._functorch.TransformType.Functionalize:
+            return None
+        level = interp.level()
+        proxy_mode = proxy_tensor.get_proxy_mode()
+        if (
+            proxy_mode is None
+            or proxy_mode.pre_dispatch
+            # proxy_call would annotate low-precision nodes for inductor
+            or getattr(proxy_mode, "emulate_precision_casts", True)
+            or torch._C._len_torch_dispatch_stack() != 2
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+            is not self.fake_mode
+            or not all(
+                type(m) is proxy_tensor.TorchFunctionMetadataMode or self.transparent(m)
+                for m in _function_modes()
+            )
+        ):
+            return None
+        with torch._C.DisableTorchFunction():
+            for t in operands:
+                if (
+                    not torch._is_functional_tensor(t)
+                    or t.requires_grad
+                    or torch._C._functorch.maybe_get_level(t) != level
+                ):
+                    return None
+            for t in operands:  # functionalisation's fallback syncs each operand first
+                torch._sync(t)
+            inner = [torch._from_functional_tensor(t) for t in operands]
+        tracer = proxy_mode.tracer
+        if type(tracer) is not proxy_tensor.PythonKeyTracer or not all(
+            type(x) is FakeTensor
+            and x.fake_mode is self.fake_mode
+            and proxy_tensor.has_proxy_slot(x, tracer)
+            for x in inner
+        ):
+            return None
+        flat, spec = tree_flatten(((inner, key), {}))
+        _, proxies, constant = proxy_tensor._fetch_proxies_and_all_constant_flag(flat, tracer)
+        if constant:
+            return None
+        op = torch.ops.graphflop.repeat.default
+        args, kwargs = tree_unflatten(list(proxies), spec)
+        # below functionalisation, as the proxy and fake modes run (a tensor made above it
+        # would be a functional wrapper); the outputs' metadata read without the function
+        # modes (which would only pass each read through)
+        with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
+            proxy = tracer.create_proxy(
+                "call_function",
+                op,
+                args,
+                kwargs,
+                name=tracer.graph._target_to_str(op.overloadpacket.__name__),
+            )
+            outs = self.fake_call(key, inner)
+            proxy_tensor.track_tensor_tree(outs, proxy, constant=None, tracer=tracer)
+        return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
 
     def _indices(self, m: nn.Module) -> tuple:
         """:func:`_indices` of ``m``, read at its first call (a per-layer index is set when
@@ -773,6 +910,22 @@ class Expansion:
             and out.args[0] in self.calls
             and isinstance(n.args[0], Node)
             and _same_layout(n, out)
+        )
+
+
+def _function_modes() -> list:
+    return torch.overrides._get_current_function_mode_stack()
+
+
+def _plain_functional(operands: list, outs: list) -> bool:
+    """Operands and outputs of a dispatched ``repeat`` are all functional wrappers of one
+    functionalisation level, none of which requires grad: what :meth:`Outliner._direct`
+    makes."""
+    tensors = [*operands, *outs]
+    with torch._C.DisableTorchFunction():
+        return (
+            all(torch._is_functional_tensor(t) and not t.requires_grad for t in tensors)
+            and len({torch._C._functorch.maybe_get_level(t) for t in tensors}) == 1
         )
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import warnings
 from collections.abc import Iterator
@@ -277,9 +278,9 @@ def _trace_once(
     table = replays.wrap(tagged_decompositions(decomposition_table(), regions))
     # not replayed: the same mask shape may stand for another expert's rows
     table.update(_chained(table, routed_index_decompositions()))
-    outliner = repeats.Outliner(outline, fake_mode)
     dispatch = RoutedDispatch()
     modes = _FunctionModes(dispatch, CompositeOps())
+    outliner = repeats.Outliner(outline, fake_mode, transparent=modes.passes_custom_ops)
     trainable = {i for i, p in enumerate(params.values()) if p.requires_grad}
     try:
         with (
@@ -292,7 +293,7 @@ def _trace_once(
         ):
             warnings.simplefilter("ignore")
             with outliner, grad_sources(trainable):
-                gm = make_fx(
+                gm = _make_fx(
                     torch.func.functionalize(modes.around(objective)),
                     decomposition_table=table,
                     _allow_fake_constant=True,
@@ -352,6 +353,24 @@ def _trace_once(
     return out
 
 
+#: whether ``make_fx`` notes each torch function called while tracing (its
+#: ``TorchFunctionMetadataMode``): only its module-stack tracer (``pre_dispatch``,
+#: ``record_module_stack``) reads the notes, for a ``torch_fn`` annotation graphflop's traces
+#: never get; the mode sees every tensor method call, a dozen for each of ``make_fx``'s
+#: inputs among them (a third of a placeholder's cost). False: off where this PyTorch's
+#: ``make_fx`` has the option
+FUNCTION_METADATA = False
+
+_FN_METADATA_OPTION = "_disable_torch_fn_metadata_mode" in inspect.signature(make_fx).parameters
+
+
+def _make_fx(fn: Any, **kwargs: Any) -> Any:
+    """``make_fx(fn, **kwargs)``, without its torch-function notes (:data:`FUNCTION_METADATA`)."""
+    if not FUNCTION_METADATA and _FN_METADATA_OPTION:
+        kwargs["_disable_torch_fn_metadata_mode"] = True
+    return make_fx(fn, **kwargs)
+
+
 def _flat_form(
     gm: GraphModule, templates: dict, model: nn.Module, sites: list, **form: Any
 ) -> tuple[GraphModule, int]:
@@ -392,6 +411,16 @@ class _FunctionModes:
 
     def __exit__(self, *exc: Any) -> bool | None:
         return self._stack.pop().__exit__(*exc)
+
+    def passes_custom_ops(self, mode: Any) -> bool:
+        """Whether ``mode`` returns a custom op's result unchanged with nothing else done
+        (:meth:`repeats.Outliner._direct`): the composite ops always; the routed dispatch
+        while it follows no mask (a call given a mask would run inside the mask's sizing)."""
+        if isinstance(mode, CompositeOps):
+            return any(m is mode for m in self.modes)
+        if isinstance(mode, RoutedDispatch):
+            return any(m is mode for m in self.modes) and not mode.following_masks()
+        return False
 
     def around(self, fn: Any) -> Any:
         """``fn`` called with the modes in force."""
@@ -497,7 +526,7 @@ def _trace_template(
         with ModuleScopes(m, prefix=repeats.MARK, base=[(repeats.MARK, qualname(m))]):
             return fn(*tensors)
 
-    gm = make_fx(torch.func.functionalize(modes.around(scoped)), decomposition_table=table)(
+    gm = _make_fx(torch.func.functionalize(modes.around(scoped)), decomposition_table=table)(
         *outliner.example_tensors(key, fake_mode)
     )
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
