@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import node_rows, spec
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from graphflop.analysis import analyze
 from graphflop.load import load, make_inputs
@@ -63,6 +64,21 @@ class InStack(nn.Module):
         return self.head(x)
 
 
+class CheckpointedStack(nn.Module):
+    """Three residual blocks under ``torch.utils.checkpoint``: the backward falls back to the
+    flat graph (its hierarchy read off it), the JVP is recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(8, 16) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + checkpoint(b, x, use_reentrant=False)
+        return self.head(x)
+
+
 _GPT2_3 = dict(n_layer=3, n_embd=32, n_head=2, vocab_size=50)
 
 
@@ -76,8 +92,26 @@ def _model(which: str):
     if which == "stack":
         torch.manual_seed(0)
         return InStack(), torch.randn(5, 6)
+    if which == "checkpointed":
+        torch.manual_seed(0)
+        return CheckpointedStack(), torch.randn(4, 8)
     if which == "gpt2":
         return _loaded(spec("gpt2.py"), **_GPT2_3)
+    if which == "llama":
+        cfg = dict(
+            num_hidden_layers=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=50,
+        )
+        loaded = load("hf:llama-3.1-8b", ctor_kwargs=cfg, meta=True, seq=8)
+        loaded.model.train()
+        return loaded.model, make_inputs(loaded, batch=2)
+    if which == "t5":  # where a copy of a forward node must be named after it (relu_2, ...)
+        cfg = dict(num_layers=3, num_decoder_layers=3, d_model=32, d_ff=64, num_heads=2, d_kv=16)
+        return _loaded("hf:t5", vocab_size=50, **cfg)
     return _loaded(spec(which) if ".py" in which else which)
 
 
@@ -146,7 +180,7 @@ def _rows(gm):
     return node_rows(gm, lambda n: tuple(n.meta.get(k) for k in keys))
 
 
-@pytest.mark.parametrize("which", ["stack", "gpt2"])
+@pytest.mark.parametrize("which", ["stack", "gpt2", "t5"])
 def test_flat_view_is_the_flat_graph_with_costs(which):
     """The flat view of a costed recorded graph equals the graph built flat node for node
     (annotations and costs included), keeps its hierarchy with one run per call, and is made
@@ -163,6 +197,20 @@ def test_flat_view_is_the_flat_graph_with_costs(which):
         want = flat.meta[DERIVED_HIERARCHY]
         assert [len(r) for r in dh.runs] == [len(r) for r in want.runs]
         assert [c.site for c in dh.calls] == [c.site for c in want.calls]
+        # a copy of a forward node (not a getitem, which fx numbers) is named after it, as in
+        # the graph built flat (the eager memory schedules pair a forward node with its
+        # tangents by that name)
+        primal = [n for n in view.graph.nodes if _named_copy(n)]
+        assert [n.name for n in primal] == [n.name for n in flat.graph.nodes if _named_copy(n)]
+        assert all(n.name == n.meta[SOURCE] for n in primal)
+
+
+def _named_copy(n):
+    return (
+        n.op == "call_function"
+        and n.target is not operator.getitem
+        and n.meta.get(KIND) == "primal"
+    )
 
 
 def test_rule_less_nodes_of_the_calls_listed_as_flat(monkeypatch):
@@ -206,21 +254,38 @@ def _graphs_equal(a, b):
             assert _rows(ga) == _rows(gb), k
 
 
-@pytest.mark.parametrize(
-    "which",
-    [
-        "stack",
-        "gpt2",
-        "mlp.py",
-        "cnn.py",
-        "convnet.py",
-        "lora.py",
-        "vit.py",
-        "resnet.py:resnet18",
-        "torchvision:resnet18",
-        "torchvision:mobilenet_v3_small",
-    ],
-)
+#: the models tests/test_hierarchy.py runs by default, the block stacks and a 3-layer Llama
+QUICK = [
+    "stack",
+    "checkpointed",
+    "gpt2",
+    "llama",
+    "t5",
+    "mlp.py",
+    "cnn.py",
+    "convnet.py",
+    "lora.py",
+    "vit.py",
+    "resnet.py:resnet18",
+    "torchvision:resnet18",
+    "torchvision:mobilenet_v3_small",
+]
+SLOW = [
+    "deeper_convnet.py",
+    "resnet.py:resnet50",
+    "gpt2.py:gpt2_small",
+    "torchvision:swin_t",
+    "torchvision:vit_b_16",
+    "hf:gpt2",
+    "hf:bert",
+    "hf:t5",
+    "hf:mistral",
+    "hf:qwen2",
+    "hf:gemma",
+]
+
+
+@pytest.mark.parametrize("which", QUICK)
 def test_analyze_with_recorded_derivatives_equals_flat(which):
     """``analyze(record_derivatives=True)`` gives the default analysis's report (totals by
     role, per-module rows in order, memory peaks, op tables) and its flat graphs node for
@@ -232,13 +297,22 @@ def test_analyze_with_recorded_derivatives_equals_flat(which):
         assert rec.report.to_dict() == flat.report.to_dict(), (which, optimizer)
         assert list(rec.report.to_dict()["layers"]) == list(flat.report.to_dict()["layers"])
         _graphs_equal(rec, flat)
-        if which in ("stack", "gpt2", "resnet.py:resnet18"):  # models with repeated blocks
+        if which in ("stack", "gpt2", "llama", "resnet.py:resnet18"):  # repeated blocks
             for gm in (rec.backward, rec.jvp):
                 assert calls.is_recorded(gm.meta[DERIVED_HIERARCHY].graph)
+        if which == "checkpointed":  # the backward built flat, the JVP recorded
+            assert not calls.is_recorded(rec.backward.meta[DERIVED_HIERARCHY].graph)
+            assert calls.is_recorded(rec.jvp.meta[DERIVED_HIERARCHY].graph)
         g = Graphs(rec.forward, rec.backward, rec.update, rec.jvp, rec.forward_gradient)
         kw = dict(name=which, optimizer=optimizer, tangents="params")
         by_node = summarize(g, **kw, hierarchical=False).to_dict()
         assert by_node == summarize(g, **kw).to_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", SLOW)
+def test_large_models_analyzed_with_recorded_derivatives_equal_flat(which):
+    test_analyze_with_recorded_derivatives_equals_flat(which)
 
 
 def test_recorded_derivatives_with_what_ifs_and_other_options():

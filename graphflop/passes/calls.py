@@ -420,27 +420,42 @@ def _expanded(
     dh: DerivedHierarchy,
 ) -> tuple[GraphModule, dict[Node, Any], dict[Node, list[Node]]]:
     """:func:`expand`'s graph, with per top-level node its copy (a getitem of a call: the
-    call's node) and per repeat node the call's nodes in template order."""
+    call's node) and per repeat node the call's nodes in template order.
+
+    A call's copy of a forward node (:data:`~graphflop.meta.KIND` ``primal``; not a
+    ``getitem``, which fx numbers) is named after that forward node, as the JVP built flat
+    names it (the eager memory schedules pair a forward node with its tangents by that name);
+    no other node takes those names."""
     g = Graph()
     env: dict[Node, Any] = {}
     results: dict[Node, list[Node]] = {}
     call_op = torch.ops.graphflop.repeat.default
+    primal_slots = [_primal_slots(t) for t in dh.templates]
+    reserved = {c.sources[k] for c in dh.calls for k in primal_slots[c.template].values()}
+    used = g._graph_namespace._used_names  # reserved names are claimed only by their node
+    used.update(reserved)
     for n in dh.graph.graph.nodes:
         if n.target is call_op:
             args, number = n.args
             c = dh.calls[number]
             tg = dh.templates[c.template].graph
+            slots = primal_slots[c.template]
             absolute = dict(c.modules)
             tenv: dict[Node, Any] = {}
             made = []
             it = iter(args)
-            for x in tg.nodes:
+            for i, x in enumerate(tg.nodes):
                 if x.op == "placeholder":
                     tenv[x] = env[next(it)]
                     continue
                 if x.op == "output":
                     break
-                new = copy_node(g, x, tenv.__getitem__)
+                k = slots.get(i)
+                name = None
+                if k is not None:
+                    name = c.sources[k]
+                    used.discard(name)
+                new = copy_node(g, x, tenv.__getitem__, name)
                 _localize(new.meta, c, absolute)
                 tenv[x] = new
                 made.append(new)
@@ -450,6 +465,24 @@ def _expanded(
         else:
             env[n] = copy_node(g, n, env.__getitem__)
     return graph_module(dh.graph, g), env, results
+
+
+def _primal_slots(t: GraphModule) -> dict[int, int]:
+    """Per position in template derivative ``t``'s nodes, the source slot of its copies of a
+    forward node (:data:`~graphflop.meta.KIND` ``primal``, :data:`~graphflop.meta.SOURCE`
+    ``@k``; not the getitems)."""
+    out = {}
+    for i, x in enumerate(t.graph.nodes):
+        src = x.meta.get(SOURCE)
+        if (
+            x.op == "call_function"
+            and x.target is not operator.getitem  # named by fx's counter in the flat JVP too
+            and x.meta.get(KIND) == "primal"
+            and src
+            and src[0] == "@"
+        ):
+            out[i] = int(src[1:])
+    return out
 
 
 def is_recorded(gm: GraphModule | None) -> bool:
