@@ -333,3 +333,23 @@ def test_record_derivatives_is_checked():
     model, x = _model("stack")
     with pytest.raises(TypeError, match="record_derivatives"):
         analyze(model, x, record_derivatives="yes")
+
+
+def test_recorded_analysis_graphs_run_on_real_tensors():
+    """The graphs ``Analysis`` holds under ``record_derivatives`` are the flat views: verify
+    runs them on real tensors (gradients against ``torch.func``, the loss tangent against
+    ``torch.func.jvp``), the train step builds from them, and they keep the recorded top
+    levels in their hierarchies."""
+    from graphflop.runtime.verify import verify_gradients
+    from graphflop.runtime.verify_tangent import verify_jvp
+
+    model, x = _model("stack")
+    a = analyze(model, x, record_derivatives=True)
+    for gm in (a.backward, a.jvp):
+        assert not calls.is_recorded(gm)
+        assert calls.is_recorded(gm.meta[DERIVED_HIERARCHY].graph)
+        assert not any(n.target is REPEAT for n in gm.graph.nodes)
+    assert verify_gradients(a.forward, a.backward, model, tolerance=1e-5).ok
+    assert verify_jvp(a.forward, a.jvp, model, examples=(x,)).ok
+    flat = analyze(model, x)
+    assert _rows(a.train_step) == _rows(flat.train_step)
