@@ -112,7 +112,9 @@ class Analysis:
         """The inlined graphs, every node of every block: what a consumer that needs each
         node reads (``verify`` on real tensors, ``bench``, op-level renders, ONNX export, a
         pass of scope :data:`~graphflop.passes.infra.FLAT`). The forward graph is the traced
-        one; the derivative graphs are still built on it, so they are already flat."""
+        one; the derivative graphs are built flat, or, with ``record_derivatives``, are the
+        flat views of the recorded JVP and backward (:func:`~graphflop.passes.calls.flat_view`:
+        ``gm.meta[DERIVED_HIERARCHY].graph`` is the recorded top level)."""
         return Graphs(
             self.forward,
             self.backward,
