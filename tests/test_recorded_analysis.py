@@ -353,3 +353,30 @@ def test_recorded_analysis_graphs_run_on_real_tensors():
     assert verify_jvp(a.forward, a.jvp, model, examples=(x,)).ok
     flat = analyze(model, x)
     assert _rows(a.train_step) == _rows(flat.train_step)
+
+
+def test_llama_layers_jvp_expanded_despite_an_unread_argument(monkeypatch):
+    """A Llama decoder layer's template has a placeholder no node reads (the position ids):
+    the JVP still expands the layers after each variant's first (without the fix every layer
+    ran the rules: 3 built, 0 expanded), and the graph is the one the rules give."""
+    from graphflop.ad import blocks
+
+    model, x = _model("llama")
+    fwd = analyze(model, x, jvp=False, backward=False).forward
+    made = []
+    of = blocks.BlockLinearize.of
+
+    def spy(forward, lin):
+        got = of(forward, lin)
+        made.append(got)
+        return got
+
+    monkeypatch.setattr(blocks.BlockLinearize, "of", spy)
+    per_template = run_passes(fwd, [BuildJvp("params"), AnnotateFlops()])
+    (expander,) = made
+    assert expander.expanded >= 1 and expander.built + expander.expanded == 3
+    monkeypatch.setattr(blocks.BlockLinearize, "of", of)
+    by_rules = run_passes(fwd, [BuildJvp("params", per_template=False), AnnotateFlops()])
+    assert _rows(per_template) == _rows(by_rules)
+    names = [n.name for n in per_template.graph.nodes]
+    assert names == [n.name for n in by_rules.graph.nodes]
