@@ -661,7 +661,7 @@ class BlockTranspose:
             src = n.meta.get(SOURCE)
             if src is not None:
                 meta[SOURCE] = self.name[(site,) + self.tag[src][1:]]
-            new.meta = meta
+            object.__setattr__(new, "meta", meta)  # no find_nodes re-filing (copy_node)
             env[n] = new
             made.append(new)
             ln = t.coefficients.get(i)
@@ -1159,7 +1159,7 @@ class BlockLinearize:
                 src = x.meta.get(SOURCE)
                 if src is not None:
                     meta[SOURCE] = self._source(t.site, site, src)
-                new.meta = meta
+                object.__setattr__(new, "meta", meta)  # no find_nodes re-filing
                 env[x] = new
             made.append(new)
 

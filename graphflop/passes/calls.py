@@ -393,7 +393,9 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
     for x in items:
         if isinstance(x, Node):
             new = env[x] = copy_node(g, x, env.__getitem__)
-            new.meta = x.meta  # shared: what later passes write on the node (COST) shows here
+            # shared: what later passes write on the node (COST) shows here; set without fx's
+            # Node.__setattr__, which re-files the node in the find_nodes table
+            object.__setattr__(new, "meta", x.meta)
             continue
         run, ext, number = x
         inside = set(run)
@@ -401,7 +403,7 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
         for i, n in enumerate(run):
             if any(u not in inside for u in n.users):
                 item = g.call_function(operator.getitem, (call, i))
-                item.meta = dict(n.meta)
+                object.__setattr__(item, "meta", dict(n.meta))
                 env[n] = item
     return graph_module(gm, g)
 
@@ -871,7 +873,7 @@ class DirectRecorder:
             item = g.create_node("call_function", operator.getitem, (rep, i), name="repeat_item")
             m = dict(nodes[first + i].meta)
             _localize(m, c, absolute)
-            item.meta = m
+            object.__setattr__(item, "meta", m)
             items[i] = item
         return items
 
@@ -902,7 +904,7 @@ class DirectRecorder:
                         item = g.create_node(
                             "call_function", operator.getitem, (rep, i), name="repeat_item"
                         )
-                    item.meta = n.meta
+                    object.__setattr__(item, "meta", n.meta)
                     n.replace_all_uses_with(item, delete_user_cb=_outside(inside))
                     moved[n] = item
                     prev = item
