@@ -28,6 +28,7 @@ from graphflop.frontend.trace import trace
 from graphflop.meta import HIERARCHY, JVP, LINEARIZED, LOSS_KIND, SIGNATURE, Hierarchy, graph_module
 from graphflop.passes.activity_gradient import BuildActivityGradientStep, NotPerturbable
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
+from graphflop.passes.calls import flat_view
 from graphflop.passes.checkpoint import module_matcher
 from graphflop.passes.compiled_memory import compiled_report_memory
 from graphflop.passes.flops import AnnotateFlops
@@ -111,7 +112,9 @@ class Analysis:
         """The inlined graphs, every node of every block: what a consumer that needs each
         node reads (``verify`` on real tensors, ``bench``, op-level renders, ONNX export, a
         pass of scope :data:`~graphflop.passes.infra.FLAT`). The forward graph is the traced
-        one; the derivative graphs are still built on it, so they are already flat."""
+        one; the derivative graphs are built flat, or, with ``record_derivatives``, are the
+        flat views of the recorded JVP and backward (:func:`~graphflop.passes.calls.flat_view`:
+        ``gm.meta[DERIVED_HIERARCHY].graph`` is the recorded top level)."""
         return Graphs(
             self.forward,
             self.backward,
@@ -199,6 +202,14 @@ class AnalyzeOptions:
             score product through the product with v rerun in the backward, its inputs
             saved; Korthikanti et al. 2022): saved bytes and recompute FLOPs in
             ``report.memory.recompute`` (:mod:`graphflop.passes.selective_recompute`).
+        record_derivatives: build the JVP and the backward as recorded hierarchies (each
+            repeated block's derivative built once per variant and called at its other call
+            sites: ``direct=True`` of :class:`~graphflop.passes.autodiff.BuildJvp` and
+            :class:`~graphflop.passes.autodiff.BuildVjp`), FLOP-annotated per template and
+            summarised from the templates; the consumers that need every node (the memory
+            schedules, the forward-gradient step, the what-ifs, the time pass, and
+            :attr:`Analysis.jvp`/:attr:`Analysis.backward`) read their flat views
+            (:func:`graphflop.passes.calls.flat_view`). The same report. Off by default.
 
     Raises:
         ValueError: an unknown loss, optimizer, tangents, distribution, memory model, device or
@@ -225,6 +236,7 @@ class AnalyzeOptions:
     amp: str | None = None
     recompute: str | None = None
     time_profile: TimeProfile | None = None
+    record_derivatives: bool = False
 
     def __post_init__(self) -> None:
         if self.time_profile is not None and not isinstance(self.time_profile, TimeProfile):
@@ -232,7 +244,7 @@ class AnalyzeOptions:
                 "time_profile must be a TimeProfile (graphflop.passes.time_profile) or None, "
                 f"not {type(self.time_profile).__name__}"
             )
-        for name in ("backward", "jvp", "keep_grads"):
+        for name in ("backward", "jvp", "keep_grads", "record_derivatives"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be True or False, not {v!r}")
@@ -412,13 +424,14 @@ def _analyze(
         backward = jvp = False
     g = Graphs(fwd)
     lin = None  # the JVP graph with parameter tangents: transposed, and the forward gradient's
+    direct = o.record_derivatives
     if jvp:
         say("building the JVP graph")
-        g = replace(g, jvp=run_passes(fwd, [BuildJvp(tangents), AnnotateFlops()]))
+        g = replace(g, jvp=run_passes(fwd, [BuildJvp(tangents, direct=direct), AnnotateFlops()]))
         lin = g.jvp if tangents == "params" else None
     if backward and has_loss:
         say("building the backward graph")
-        bwd = run_passes(fwd, [BuildVjp(linearized=lin), AnnotateFlops()])
+        bwd = run_passes(fwd, [BuildVjp(linearized=lin, direct=direct), AnnotateFlops()])
         g = replace(g, backward=bwd)
         say("building the optimizer update")
         add_update = AddOptimizerUpdate(optimizer, backward=bwd)  # no gradient: no update
@@ -431,7 +444,11 @@ def _analyze(
         say("building the forward-gradient step")
         upd = for_every_parameter(g.update)  # a forward gradient updates every parameter
         step = BuildForwardGradientStep(
-            optimizer, directions=directions, distribution=distribution, jvp=lin, update=upd
+            optimizer,
+            directions=directions,
+            distribution=distribution,
+            jvp=flat_view(lin) if lin is not None else None,
+            update=upd,
         )
         g = replace(g, forward_gradient=run_passes(fwd, [step, AnnotateFlops()]))
         g = replace(g, activity_gradient=_activity(fwd, optimizer, directions, upd))
@@ -452,6 +469,9 @@ def _analyze(
             report.memory, model, example_inputs, fwd.meta.get(LOSS_KIND, "none"), optimizer, device
         )
         report = replace(report, memory=mem)
+    # the consumers that read every node take the flat views of recorded hierarchies (each
+    # made once: the memory schedules of summarize made them already)
+    g = replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp))
     report = _what_ifs(report, g, device, optimizer, o.checkpoint, o.amp, o.recompute)
     if o.time_profile is not None:
         from graphflop.passes.step_time import time_report
@@ -468,6 +488,10 @@ def _analyze(
         forward_gradient=g.forward_gradient,
         activity_gradient=g.activity_gradient,
     )
+
+
+def _flat(gm: GraphModule | None) -> GraphModule | None:
+    return flat_view(gm) if gm is not None else None
 
 
 def _activity(

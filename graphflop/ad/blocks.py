@@ -661,7 +661,7 @@ class BlockTranspose:
             src = n.meta.get(SOURCE)
             if src is not None:
                 meta[SOURCE] = self.name[(site,) + self.tag[src][1:]]
-            new.meta = meta
+            object.__setattr__(new, "meta", meta)  # no find_nodes re-filing (copy_node)
             env[n] = new
             made.append(new)
             ln = t.coefficients.get(i)
@@ -894,6 +894,14 @@ def _positions(r: Any, out: set[int]) -> None:
             _positions(x, out)
 
 
+@dataclass(frozen=True)
+class _Unread:
+    """A call's argument that its template never reads (its ``j``-th placeholder has no
+    user): no primal copy, no tangent, nothing a rule reads."""
+
+    j: int
+
+
 class BlockLinearize:
     """Per call site of ``forward``'s hierarchy, its JVP nodes, built by the rules once per
     variant and expanded at the other calls (the JVP graph is the same node for node).
@@ -959,12 +967,14 @@ class BlockLinearize:
         ns = self.site_nodes.get(t[0])
         return ns if ns and ns[0] is n and t[0] not in self.split else None
 
-    def _inputs(self, site: int) -> list[Node]:
-        """The call's arguments (the forward nodes its template's placeholders stand for)."""
+    def _inputs(self, site: int) -> list[Any]:
+        """The call's arguments (the forward nodes its template's placeholders stand for; an
+        :class:`_Unread` for a placeholder no template node reads, as a Llama decoder layer's
+        position ids: the rules read nothing of it)."""
         h = self.h
         tnodes = list(h.templates[h.sites[site].template].nodes)
         phs = {t: i for i, t in enumerate(t for t in tnodes if t.op == "placeholder")}
-        args: dict[int, Node] = {}
+        args: dict[int, Any] = {}
         inside = set(self.site_nodes[site])
         for n in self.site_nodes[site]:
             if len(self.key[n]) > 1:
@@ -972,6 +982,9 @@ class BlockLinearize:
             for a, ta in zip(n.all_input_nodes, tnodes[self.key[n][0]].all_input_nodes):
                 if a not in inside and ta in phs:
                     args.setdefault(phs[ta], a)
+        for t, j in phs.items():
+            if not t.users:
+                args.setdefault(j, _Unread(j))
         return [args[j] for j in sorted(args)] if len(args) == len(phs) else []
 
     def _arg_state(self, site: int, a: Node) -> Any:
@@ -1146,7 +1159,7 @@ class BlockLinearize:
                 src = x.meta.get(SOURCE)
                 if src is not None:
                     meta[SOURCE] = self._source(t.site, site, src)
-                new.meta = meta
+                object.__setattr__(new, "meta", meta)  # no find_nodes re-filing
                 env[x] = new
             made.append(new)
 

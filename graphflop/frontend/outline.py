@@ -897,7 +897,7 @@ class Expansion:
                     continue
             new = g.create_node(tn.op, tn.target, name=name, type_expr=tn.type)
             new._update_args_kwargs(args, map_arg(tn.kwargs, value))
-            new.meta = meta
+            object.__setattr__(new, "meta", meta)  # no find_nodes re-filing (fx's setattr)
             env[tn] = new
         return [value(a) if isinstance(a, Node) else a for a in outs]
 

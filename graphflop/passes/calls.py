@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,9 @@ __all__ = [
     "build",
     "derived_figures",
     "expand",
+    "flat_view",
+    "is_recorded",
+    "rule_less_calls",
 ]
 
 #: the annotations relativized to the call (the others must be equal at every call)
@@ -389,7 +393,9 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
     for x in items:
         if isinstance(x, Node):
             new = env[x] = copy_node(g, x, env.__getitem__)
-            new.meta = x.meta  # shared: what later passes write on the node (COST) shows here
+            # shared: what later passes write on the node (COST) shows here; set without fx's
+            # Node.__setattr__, which re-files the node in the find_nodes table
+            object.__setattr__(new, "meta", x.meta)
             continue
         run, ext, number = x
         inside = set(run)
@@ -397,7 +403,7 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
         for i, n in enumerate(run):
             if any(u not in inside for u in n.users):
                 item = g.call_function(operator.getitem, (call, i))
-                item.meta = dict(n.meta)
+                object.__setattr__(item, "meta", dict(n.meta))
                 env[n] = item
     return graph_module(gm, g)
 
@@ -416,27 +422,42 @@ def _expanded(
     dh: DerivedHierarchy,
 ) -> tuple[GraphModule, dict[Node, Any], dict[Node, list[Node]]]:
     """:func:`expand`'s graph, with per top-level node its copy (a getitem of a call: the
-    call's node) and per repeat node the call's nodes in template order."""
+    call's node) and per repeat node the call's nodes in template order.
+
+    A call's copy of a forward node (:data:`~graphflop.meta.KIND` ``primal``; not a
+    ``getitem``, which fx numbers) is named after that forward node, as the JVP built flat
+    names it (the eager memory schedules pair a forward node with its tangents by that name);
+    no other node takes those names."""
     g = Graph()
     env: dict[Node, Any] = {}
     results: dict[Node, list[Node]] = {}
     call_op = torch.ops.graphflop.repeat.default
+    primal_slots = [_primal_slots(t) for t in dh.templates]
+    reserved = {c.sources[k] for c in dh.calls for k in primal_slots[c.template].values()}
+    used = g._graph_namespace._used_names  # reserved names are claimed only by their node
+    used.update(reserved)
     for n in dh.graph.graph.nodes:
         if n.target is call_op:
             args, number = n.args
             c = dh.calls[number]
             tg = dh.templates[c.template].graph
+            slots = primal_slots[c.template]
             absolute = dict(c.modules)
             tenv: dict[Node, Any] = {}
             made = []
             it = iter(args)
-            for x in tg.nodes:
+            for i, x in enumerate(tg.nodes):
                 if x.op == "placeholder":
                     tenv[x] = env[next(it)]
                     continue
                 if x.op == "output":
                     break
-                new = copy_node(g, x, tenv.__getitem__)
+                k = slots.get(i)
+                name = None
+                if k is not None:
+                    name = c.sources[k]
+                    used.discard(name)
+                new = copy_node(g, x, tenv.__getitem__, name)
                 _localize(new.meta, c, absolute)
                 tenv[x] = new
                 made.append(new)
@@ -448,6 +469,70 @@ def _expanded(
     return graph_module(dh.graph, g), env, results
 
 
+def _primal_slots(t: GraphModule) -> dict[int, int]:
+    """Per position in template derivative ``t``'s nodes, the source slot of its copies of a
+    forward node (:data:`~graphflop.meta.KIND` ``primal``, :data:`~graphflop.meta.SOURCE`
+    ``@k``; not the getitems)."""
+    out = {}
+    for i, x in enumerate(t.graph.nodes):
+        src = x.meta.get(SOURCE)
+        if (
+            x.op == "call_function"
+            and x.target is not operator.getitem  # named by fx's counter in the flat JVP too
+            and x.meta.get(KIND) == "primal"
+            and src
+            and src[0] == "@"
+        ):
+            out[i] = int(src[1:])
+    return out
+
+
+def is_recorded(gm: GraphModule | None) -> bool:
+    """Whether ``gm`` is the top level of a derivative hierarchy recorded while it was built
+    (``direct=True``: :class:`DirectRecorder`), i.e. there is no flat graph beside it."""
+    dh = gm.meta.get(DERIVED_HIERARCHY) if gm is not None else None
+    return dh is not None and dh.graph is gm
+
+
+_FLAT_VIEWS: weakref.WeakKeyDictionary[GraphModule, GraphModule] = weakref.WeakKeyDictionary()
+
+
+def flat_view(gm: GraphModule) -> GraphModule:
+    """The flat derivative graph of ``gm`` for the consumers that need every node (memory
+    schedules, the forward-gradient step, verify, bench, export, renders): ``gm`` itself unless
+    it is a recorded top level (:func:`is_recorded`); else :func:`expand` of its hierarchy
+    (:func:`expand_jvp` for a recorded JVP: the whole log, ghosts and links), made once per
+    top level and kept, with ``gm``'s graph annotations and a
+    :data:`~graphflop.meta.DERIVED_HIERARCHY` whose ``runs`` are each call's nodes (so the
+    memory schedules compose its calls, as on a graph :func:`attach` described). Where ``gm``
+    was costed (:data:`~graphflop.meta.COST` on its nodes: ``annotate_flops``), its copies
+    carry their template nodes' costs, and the view is kept; before that it is made anew
+    each time."""
+    if not is_recorded(gm):
+        return gm
+    got = _FLAT_VIEWS.get(gm)
+    if got is not None:
+        return got
+    dh: DerivedHierarchy = gm.meta[DERIVED_HIERARCHY]
+    if dh.log is not None:
+        flat, results = _expand_jvp(gm)
+    else:
+        flat, _, results = _expanded(dh)
+        for k, v in gm.meta.items():
+            if k != DERIVED_HIERARCHY:
+                flat.meta[k] = v
+    runs: list[list[Node]] = [[] for _ in dh.calls]
+    for rep, made in results.items():
+        number: Any = rep.args[1]
+        runs[number] = made
+    flat.meta[DERIVED_HIERARCHY] = DerivedHierarchy(
+        dh.templates, dh.calls, gm, tuple(runs), dh.log, dh.moved
+    )
+    if all(COST in n.meta for n in gm.graph.nodes):  # costed: the view is final
+        _FLAT_VIEWS[gm] = flat
+    return flat
+
+
 def expand_jvp(gm: GraphModule) -> GraphModule:
     """The flat JVP graph of a recorded JVP hierarchy's top level ``gm`` (built with a
     :class:`DirectRecorder`): :func:`expand`'s graph with the JVP's annotations the transpose
@@ -457,6 +542,11 @@ def expand_jvp(gm: GraphModule) -> GraphModule:
     Raises:
         ValueError: where ``gm`` is not such a top level, or its hierarchy has no whole log.
     """
+    return _expand_jvp(gm)[0]
+
+
+def _expand_jvp(gm: GraphModule) -> tuple[GraphModule, dict[Node, list[Node]]]:
+    """:func:`expand_jvp`'s graph, with per repeat node the call's nodes in template order."""
     dh = gm.meta.get(DERIVED_HIERARCHY)
     if dh is None or dh.graph is not gm or dh.log is None:
         raise ValueError("expand_jvp needs the top level of a JVP recorded with direct=True")
@@ -490,7 +580,7 @@ def expand_jvp(gm: GraphModule) -> GraphModule:
     links = gm.meta.get(GHOST_LINKS)
     if links is not None:
         flat.meta[GHOST_LINKS] = GhostLinks.of({value(n): value(gs) for n, gs in links.items()})
-    return flat
+    return flat, results
 
 
 def _localize(m: dict, c: DerivedCall, absolute: dict[str, str]) -> None:
@@ -639,6 +729,37 @@ def derived_figures(
     )
 
 
+def rule_less_calls(gm: GraphModule) -> list[tuple[Node, str | None, str]]:
+    """The nodes of the flat graph of recorded top level ``gm`` (:func:`is_recorded`) whose op
+    has no rule, in the flat graph's order, without making it: ``(node, forward source,
+    module path)`` with a call's template node standing for its node at that call (its
+    source and module made the call's)."""
+    dh: DerivedHierarchy = gm.meta[DERIVED_HIERARCHY]
+    call_op = torch.ops.graphflop.repeat.default
+    per_template: dict[int, list[Node]] = {}
+    out: list[tuple[Node, str | None, str]] = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        if n.target is call_op:
+            c = dh.calls[n.args[1]]
+            xs = per_template.get(c.template)
+            if xs is None:
+                xs = per_template[c.template] = [
+                    x
+                    for x in _nodes(dh.templates[c.template])
+                    if x.target is not operator.getitem and not has_rule(x.target)
+                ]
+            absolute = dict(c.modules)
+            for x in xs:
+                m = {k: x.meta[k] for k in (SOURCE, MODULE) if k in x.meta}
+                _localize(m, c, absolute)
+                out.append((x, m.get(SOURCE), m.get(MODULE, "")))
+        elif not has_rule(n.target):
+            out.append((n, n.meta.get(SOURCE), n.meta.get(MODULE, "")))
+    return out
+
+
 def _nodes(t: GraphModule) -> Iterable[Node]:
     return (x for x in t.graph.nodes if x.op == "call_function")
 
@@ -752,7 +873,7 @@ class DirectRecorder:
             item = g.create_node("call_function", operator.getitem, (rep, i), name="repeat_item")
             m = dict(nodes[first + i].meta)
             _localize(m, c, absolute)
-            item.meta = m
+            object.__setattr__(item, "meta", m)
             items[i] = item
         return items
 
@@ -783,7 +904,7 @@ class DirectRecorder:
                         item = g.create_node(
                             "call_function", operator.getitem, (rep, i), name="repeat_item"
                         )
-                    item.meta = n.meta
+                    object.__setattr__(item, "meta", n.meta)
                     n.replace_all_uses_with(item, delete_user_cb=_outside(inside))
                     moved[n] = item
                     prev = item

@@ -14,6 +14,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
+from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
     CALL_SITE,
     COST,
@@ -25,6 +26,9 @@ from graphflop.meta import (
 )
 from graphflop.ops.cost import op_cost, tensor_bytes, value_of
 from graphflop.passes.infra import GraphPass
+
+#: a call of a template derivative in a recorded top level (``graphflop::repeat``)
+_REPEAT = torch.ops.graphflop.repeat.default
 
 # op_cost, tensor_bytes and value_of live with the rule table (graphflop.ops.cost), below the
 # graph builder that also needs them; the passes import them from here
@@ -45,7 +49,11 @@ def annotate_flops(gm: GraphModule) -> GraphModule:
 
     A graph with a :class:`~graphflop.meta.Hierarchy` (outlined blocks) has each template
     costed once (:func:`annotate_templates`) and each copy of a template node given its
-    template node's cost; every other node is costed on its own.
+    template node's cost; every other node is costed on its own. A derivative graph whose
+    blocks are calls (:data:`~graphflop.meta.DERIVED_HIERARCHY`) has each template derivative
+    costed once: with the flat graph (``runs``), each call's node gets its template node's
+    cost; where ``gm`` is the recorded top level itself (``direct=True``), the template's
+    nodes carry the costs, each call node their sum and its getitems nothing.
 
     Raises:
         MissingRuleError: for a ``call_function`` node whose op has no rule, inside
@@ -59,6 +67,9 @@ def annotate_flops(gm: GraphModule) -> GraphModule:
         templates = [list(t.nodes) for t in h.templates]
         of_site = [s.template for s in h.sites]
     done = _cost_calls(gm)
+    recorded = _cost_recorded(gm)
+    if recorded:
+        done = recorded
     for n in gm.graph.nodes:
         if n in done:
             continue
@@ -102,6 +113,49 @@ def _cost_calls(gm: GraphModule) -> set[Node]:
             n.meta[COST] = cost
         done.update(run)
     return done
+
+
+def _cost_recorded(gm: GraphModule) -> set[Node]:
+    """Where ``gm`` is the top level of a recorded derivative hierarchy (its
+    :data:`DERIVED_HIERARCHY`'s ``graph`` is ``gm`` itself: built with ``direct=True``, there is
+    no flat graph): cost each template derivative's nodes once (``COST`` on the template's
+    nodes, placeholders and output :data:`ZERO_COST`), give each ``graphflop::repeat`` call node
+    its template's total (so that a node-by-node sum over the top level is the flat graph's
+    total) and each getitem of a call :data:`ZERO_COST`. The per-role, per-module and per-op
+    figures come from the templates (``calls.derived_figures``). Returns the nodes so costed."""
+    dh = gm.meta.get(DERIVED_HIERARCHY)
+    if dh is None or dh.graph is not gm:
+        return set()
+    totals: dict[int, NodeCost] = {}
+    done: set[Node] = set()
+    for n in gm.graph.nodes:
+        if n.target is _REPEAT and n.op == "call_function":
+            t = dh.calls[n.args[1]].template
+            total = totals.get(t)
+            if total is None:
+                total = totals[t] = _cost_template(dh.templates[t])
+            n.meta[COST] = total
+            done.add(n)
+        elif n.target is operator.getitem and getattr(n.args[0], "target", None) is _REPEAT:
+            n.meta[COST] = ZERO_COST
+            done.add(n)
+    return done
+
+
+def _cost_template(t: GraphModule) -> NodeCost:
+    """Write ``COST`` on every node of template derivative ``t`` (once: a template already
+    costed is left as it is) and return the sum over its nodes."""
+    costs = []
+    for x in t.graph.nodes:
+        c = x.meta.get(COST)
+        if c is None:
+            if x.op == "call_function":
+                c = op_cost(x.target, x.args, x.kwargs, x, node=x.name)
+            else:
+                c = ZERO_COST
+            x.meta[COST] = c
+        costs.append(c)
+    return sum_costs(costs)
 
 
 def _same_out(n: Node, t: Node) -> bool:

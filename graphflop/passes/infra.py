@@ -11,7 +11,8 @@ fact                      holds when
 ========================  ===================================================================
 ``traced``                recorded by ``trace``/``from_exported`` and ``gm.meta`` has
                           ``SIGNATURE``
-``val``                   every placeholder and ``call_function`` node has a ``val``
+``val``                   every placeholder and ``call_function`` node has a ``val`` (but
+                          a template's call, ``graphflop::repeat``, in a top level)
 ``flops``                 every node has ``COST``
 ``memory``, ``jvp``,      ``gm.meta`` has ``MEMORY``, ``JVP``, ``VJP``, ``UPDATE``,
 ``vjp``, ``update``, ...  ``FORWARD_GRADIENT``, ``TRAIN_STEP``
@@ -98,7 +99,18 @@ class PassContractError(RuntimeError):
 
 
 def _has_values(gm: GraphModule) -> bool:
-    return all("val" in n.meta for n in gm.graph.nodes if n.op in ("placeholder", "call_function"))
+    """Every placeholder and ``call_function`` node has a ``val``, but a call of a template
+    (``graphflop::repeat`` in a hierarchy's top level: its values are its template's)."""
+    return all(
+        "val" in n.meta
+        for n in gm.graph.nodes
+        if n.op == "placeholder" or (n.op == "call_function" and not _is_call(n))
+    )
+
+
+def _is_call(n) -> bool:
+    t = n.target
+    return getattr(t, "namespace", None) == "graphflop" and getattr(t, "_opname", None) == "repeat"
 
 
 def _has_costs(gm: GraphModule) -> bool:

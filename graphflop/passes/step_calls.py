@@ -500,7 +500,7 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
     for x in items:
         if isinstance(x, Node):
             new = env[x] = copy_node(g, x, env.__getitem__)
-            new.meta = x.meta
+            object.__setattr__(new, "meta", x.meta)  # shared; no find_nodes re-filing
             continue
         run, ext, number = x
         inside = set(run)

@@ -11,7 +11,7 @@ op without a rule is uncounted); memory peaks come from
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,7 +34,13 @@ from graphflop.meta import (
     NodeCost,
 )
 from graphflop.ops import has_rule, op_name
-from graphflop.passes.calls import DerivedFigures, derived_figures
+from graphflop.passes.calls import (
+    DerivedFigures,
+    derived_figures,
+    flat_view,
+    is_recorded,
+    rule_less_calls,
+)
 from graphflop.passes.eager_memory import (
     DESCRIBES,
     eager_jvp_schedule,
@@ -392,7 +398,9 @@ def _memory(
     eager model the train peak and the saved storages, from schedules that work out each
     repeated block's steps once per template and compose its calls
     (:mod:`graphflop.passes.memory_calls`; the same bytes as the flat schedules), and the
-    eager JVP peak too."""
+    eager JVP peak too. A recorded derivative hierarchy (``direct=True``) is scheduled on its
+    flat view (:func:`~graphflop.passes.calls.flat_view`, whose calls compose as above)."""
+    g = replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp))
     fsched = composed_forward_schedule(g.forward) if composed else None
     fpeak, _ = (fsched or forward_schedule(g.forward)).peak()
     resident = params_bytes + buffers_bytes  # the module's state: held for its whole life
@@ -448,6 +456,11 @@ def _memory(
         **mem,
     )
     return memory, owners
+
+
+def _flat(gm: GraphModule | None) -> GraphModule | None:
+    """:func:`~graphflop.passes.calls.flat_view` of ``gm`` (None stays None)."""
+    return flat_view(gm) if gm is not None else None
 
 
 def _saved_by_layer(g: Graphs, layers: _Layers, owners: dict[str, int]) -> None:
@@ -531,8 +544,16 @@ def _totals(
 
 
 def _rule_less(nodes: list[Node]) -> list[Node]:
-    """The nodes whose op has no rule (counted as 0 FLOPs)."""
-    return [n for n in nodes if n.target is not operator.getitem and not has_rule(n.target)]
+    """The nodes whose op has no rule (counted as 0 FLOPs); a call of a template derivative
+    (``graphflop::repeat``) is not one (its template's nodes are: :func:`rule_less_calls`)."""
+    return [
+        n
+        for n in nodes
+        if n.target is not operator.getitem and n.target is not _REPEAT and not has_rule(n.target)
+    ]
+
+
+_REPEAT = torch.ops.graphflop.repeat.default
 
 
 def _complete(gm: GraphModule, nodes: list[Node]) -> bool:
@@ -558,8 +579,12 @@ def _uncounted(g: Graphs) -> tuple[Uncounted, ...]:
     for gm in (g.forward, g.jvp, g.backward, g.update, g.forward_gradient):
         if gm is None:
             continue
-        for n in _rule_less(_ops(gm)):
-            add(op_name(n.target), n.meta.get(SOURCE) or n.name, n.meta.get(MODULE, ""), "cost")
+        if is_recorded(gm):  # the top level's nodes, and each call's template nodes
+            for n, source, module in rule_less_calls(gm):
+                add(op_name(n.target), source or n.name, module, "cost")
+        else:
+            for n in _rule_less(_ops(gm)):
+                add(op_name(n.target), n.meta.get(SOURCE) or n.name, n.meta.get(MODULE, ""), "cost")
         for gap in gm.meta.get(GAPS, ()):
             add(gap.op, gap.node, gap.module, gap.kind)
     return tuple(
@@ -655,6 +680,8 @@ def summarize(
     """
     if graphs.backward is not None and graphs.update is None:
         raise ValueError("summarize: graphs.backward is given without graphs.update")
+    if not hierarchical:  # node by node: the flat graphs of recorded derivative hierarchies
+        graphs = replace(graphs, backward=_flat(graphs.backward), jvp=_flat(graphs.jvp))
     fwd = graphs.forward
     sig = fwd.meta[SIGNATURE]
     phs = _placeholders(fwd)
