@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from graphflop.analysis import analyze
 from graphflop.devices import NoPeak, UnknownDevice, device_spec
-from graphflop.meta import COMPOSITE, COST, INPLACE, SOURCE, TIME
+from graphflop.meta import COMPOSITE, COST, INPLACE, KIND, SOURCE, TIME
 from graphflop.passes.time_profile import (
     CONTRACTED,
     WIDE,
@@ -251,7 +252,7 @@ def test_no_peak_lists_every_data_sheet_dtype():
     assert all(d in str(e.value).split(": it has ")[1] for d in device_spec("l4").peak_flops)
 
 
-def test_cli_bad_device_input(capsys, tmp_path):
+def test_cli_bad_device_input(capsys, tmp_path, monkeypatch):
     mlp = spec("mlp.py")
     rc, out, err = cli(capsys, "inspect", mlp, "--device", "h100-sx")
     assert (rc, out) == (2, "")
@@ -272,6 +273,13 @@ def test_cli_bad_device_input(capsys, tmp_path):
     rc, out, err = cli(capsys, "inspect", mlp, "--device", tiny, "--amp", "bf16", "--json", js)
     assert (rc, out) == (2, "") and not js.exists()
     assert err == ["graphflop: error: tiny has no bfloat16 peak for matmul kernels: it has float32"]
+    # a file named like a device in the current folder does not shadow the data sheet (tester);
+    # a path to it reads the file
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "h100").write_text("not a profile")
+    assert resolve_profile("h100") == H100
+    with pytest.raises(ProfileError, match="not JSON"):
+        resolve_profile(os.path.join(".", "h100"))
 
 
 def test_calibrate_quick_writes_a_profile_inspect_accepts(capsys, tmp_path):
@@ -293,6 +301,17 @@ def test_calibrate_quick_writes_a_profile_inspect_accepts(capsys, tmp_path):
     assert rc == 2 and err == [
         f"graphflop: error: --out {tmp_path / 'p.txt'}: unsupported suffix; use one of .json"
     ]
+    # more threads than cores: one line (OpenMP aborted the process at 99,999: tester)
+    cores = os.cpu_count() or 1
+    rc, _, err = cli(
+        capsys, "calibrate", "--quick", "--threads", "99999", "-o", tmp_path / "t.json"
+    )
+    assert rc == 2 and err == [
+        f"graphflop: error: bad --threads 99999: give 1 to {cores} (this machine's cores)"
+    ]
+    assert not (tmp_path / "t.json").exists()
+    # an nn.Module call costs more than the F.linear it wraps (1-3 µs on this CPU)
+    assert p.module_call_s > 0
 
 
 def test_sweep_gives_the_ratio_in_time_per_device(capsys, tmp_path):
@@ -312,7 +331,11 @@ def test_sweep_gives_the_ratio_in_time_per_device(capsys, tmp_path):
                        "--device", "H100-SXM")  # fmt: skip
     assert (rc, err) == (
         2,
-        ["graphflop: error: --device names h100-sxm, h100-sxm: give each device once"],
+        [
+            "graphflop: error: --device gives h100-sxm twice (a profile's name, shown in the "
+            "plot's legend): give each device once, or name calibrated profiles apart with "
+            "graphflop calibrate --name"
+        ],
     )
 
 
@@ -429,6 +452,17 @@ def test_a_backward_convolution_takes_the_conv_backward_rate():
     # a profile without conv_backward times them at the conv rate
     plain = _profile()
     assert plain.curve("conv_backward", "float32") is plain.curve("conv", "float32")
+    # the JVP's tangent convolution (conv(ẋ, W) + conv(x, Ẇ): tester's finding, it was timed
+    # at the backward rate) runs as a forward convolution: 55296 FLOPs at 2e9
+    j = analyze(model, torch.empty(2, 3, 8, 8, device="meta"), time_profile=p)
+    tangent = [
+        n for n in j.jvp.graph.nodes
+        if n.target == torch.ops.aten.convolution.default and n.meta.get(KIND) == "tangent"
+    ]  # fmt: skip
+    assert tangent
+    for n in tangent:
+        assert _mm_class(n)[0] == "conv"
+        assert n.meta[TIME].compute_s == pytest.approx(n.meta[COST].mm_flops / 2e9)
 
 
 def test_the_update_takes_the_measured_optimizer_step():
@@ -800,7 +834,7 @@ def _eager_host_counts(model, x):
     ids=["mlp", "residual", "conv-bn-pool"],
 )
 def test_module_calls_and_autograd_nodes_are_eagers(make):
-    # host time beyond the kernels: 1 s per nn.Module call, 1000 s per autograd node (every
+    # host time beyond the kernels: 1 ms per nn.Module call, 0.5 s per autograd node (every
     # other cost negligible), so the phases' host_s count them; eager's own counts are the
     # reference: ReLU called twice per residual block counts twice, each Linear's weight
     # transpose is an autograd node (TBackward0), each parameter an AccumulateGrad, batch
@@ -808,19 +842,66 @@ def test_module_calls_and_autograd_nodes_are_eagers(make):
     model, x = make(), torch.randn(2, 1, 8, 8)
     if not isinstance(model[0], nn.Conv2d):
         x = torch.randn(3, model[0].in_features)
-    p = _profile(module_call_s=1.0, autograd_node_s=1000.0)
+    p = _profile(module_call_s=1e-3, autograd_node_s=0.5)
     assert TimeProfile.from_dict(json.loads(save_profile(p))) == p
     a = analyze(model, x, loss="sum", jvp=False, time_profile=p)
     calls, nodes = _eager_host_counts(model, x)
     fwd, bwd = a.report.time.phase("forward"), a.report.time.phase("backward")
-    assert fwd.host_s == pytest.approx(calls)
-    assert bwd.host_s == pytest.approx(1000.0 * nodes)
-    assert fwd.seconds == pytest.approx(fwd.compute_s + fwd.memory_s + fwd.overhead_s + calls)
+    assert fwd.host_s == pytest.approx(1e-3 * calls)
+    assert bwd.host_s == pytest.approx(0.5 * nodes)
+    parts = fwd.compute_s + fwd.memory_s + fwd.overhead_s
+    assert fwd.seconds == pytest.approx(parts + 1e-3 * calls)
     doc = json.loads(json.dumps(a.to_dict()))
     assert Report.from_dict(doc) == a.report
     # profiles without the two measurements (data sheets, older files) add nothing
     b = analyze(model, x, loss="sum", jvp=False, time_profile=_profile())
     assert b.report.time.phase("backward").host_s == 0.0
+
+
+class Dropout(nn.Module):
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.inplace = nn.Linear(16, 16), nn.Linear(16, 4), inplace
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(torch.nn.functional.dropout(h, 0.1, training=True, inplace=self.inplace))
+
+
+def test_in_place_dropout_counts_as_dropout():
+    # tester's finding: F.dropout(inplace=True) traced as bernoulli_ + div + mul and counted
+    # 4,096 FLOPs fewer in the forward than the same dropout out of place (native_dropout)
+    x = torch.randn(8, 16)
+    plain, inplace = (analyze(Dropout(ip), x).report.totals for ip in (False, True))
+    for phase in ("forward", "backward", "update", "jvp", "forward_gradient_step"):
+        assert getattr(inplace, phase).flops == getattr(plain, phase).flops, phase
+    # the bytes differ by the write-back into h (a copy of its 8 × 16 float32: 512 B read
+    # twice, written once), which the out-of-place dropout does not make
+    assert inplace.forward.bytes_written - plain.forward.bytes_written == 8 * 16 * 4
+
+
+def test_a_resnet_in_bfloat16_is_timed():
+    # tester's finding: `inspect models/resnet.py:resnet18 --dtype bfloat16 --device h100`
+    # stopped in a gather's transpose: a bfloat16 value (the loss's gathered log-probability)
+    # got a float32 cotangent. Eager autograd casts each gradient to its input's dtype; so
+    # does the backward builder now: every cotangent has its primal's dtype
+    from graphflop.load import load
+
+    model = load(spec("resnet.py") + ":resnet18").model.to(torch.bfloat16)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.bfloat16)
+    a = analyze(model, x, jvp=False, time_profile=H100)
+    assert a.report.time.phase("train_step").seconds > 0
+    by_name = {n.name: n for n in a.forward.graph.nodes}
+    for n in a.backward.graph.nodes:
+        src = by_name.get(n.meta.get(SOURCE, ""))
+        v, pv = n.meta.get("val"), src.meta.get("val") if src is not None else None
+        if (
+            n.meta.get(KIND) == "cotangent"
+            and isinstance(v, torch.Tensor)
+            and n.target in (torch.ops.aten.scatter_add.default, torch.ops.aten.convolution.default)
+            and isinstance(pv, torch.Tensor)
+        ):
+            assert v.dtype == torch.bfloat16, n
 
 
 class Widen(nn.Module):
@@ -862,8 +943,13 @@ _CURVE = {"points": [[1.0, 1e9]], "fill_s": 0.0}
 @pytest.mark.parametrize(
     ("edit", "says"),
     [
-        ({"launch_overhead_s": -1.0}, "a time must be a non-negative number of seconds, not -1.0"),
-        ({"view_overhead_s": float("nan")}, "a time must be a non-negative number of seconds"),
+        ({"launch_overhead_s": -1.0}, "a time must be 0 to 1 s, not -1.0"),
+        ({"view_overhead_s": float("nan")}, "a time must be 0 to 1 s"),
+        # tester's findings: finite but huge values made phases inf and the overlap NaN
+        ({"module_call_s": 1e308}, "a time must be 0 to 1 s, not 1e+308"),
+        ({"autograd_node_s": 2.0}, "a time must be 0 to 1 s, not 2.0"),
+        ({"bandwidth": {"points": [[1.0, 1e-300]], "fill_s": 0.0}}, "at least 1 per second"),
+        ({"device_kind": "tpu"}, "device_kind must be 'cpu' or 'gpu', not 'tpu'"),
         ({"threads": "two"}, "threads must be a positive integer or null, not 'two'"),
         ({"threads": 0}, "threads must be a positive integer or null, not 0"),
         ({"fault_s_per_byte": -1e-9}, "fault_s_per_byte must be between 0 and 1e-06"),
@@ -871,7 +957,7 @@ _CURVE = {"points": [[1.0, 1e9]], "fill_s": 0.0}
         ({"fault_s_per_byte": True}, "fault_s_per_byte must be seconds per byte (a number)"),
         ({"fault_s_per_byte": "1e-9"}, "fault_s_per_byte must be seconds per byte (a number)"),
         ({"fresh_above_bytes": 1.5}, "fresh_above_bytes must be a non-negative whole number"),
-        ({"launch_overhead_s": True}, "a time must be a non-negative number of seconds, not True"),
+        ({"launch_overhead_s": True}, "a time must be 0 to 1 s, not True"),
         (
             {"shaped": {"matmul_wide": {"float32": [[16, _CURVE], [float("nan"), _CURVE]]}}},
             "shaped rate curves need increasing positive dimensions",

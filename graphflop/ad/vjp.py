@@ -73,6 +73,7 @@ from graphflop.meta import (
     graphflop_meta,
 )
 from graphflop.ops import MissingRuleError, is_strict, lookup, op_name
+from graphflop.ops.cost import value_of
 from graphflop.ops.ghost import GhostValue, is_ghost
 
 
@@ -402,6 +403,23 @@ def _gap(entry: Any) -> Gap:
     return Gap(op_name(op), src, mod, "transpose")
 
 
+def _in_dtype_of(b: Builder, out: Any, target: Any) -> Any:
+    """``out``, a cotangent of ``target``, in ``target``'s floating dtype: eager autograd casts
+    each gradient a node returns to its input's dtype (``validate_outputs``), so a bfloat16
+    value whose consumer computed in float32 (a loss's ``_to_copy``) gets a bfloat16 gradient
+    (tester's finding: ResNet-18 in bfloat16 stopped in a gather's transpose)."""
+    want, got = value_of(target), value_of(out)
+    if (
+        isinstance(want, torch.Tensor)
+        and isinstance(got, torch.Tensor)
+        and want.dtype != got.dtype
+        and want.is_floating_point()
+        and got.is_floating_point()
+    ):
+        return b.call(torch.ops.aten._to_copy.default, out, dtype=want.dtype)
+    return out
+
+
 def _linear_mask(a: Any) -> Any:
     if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
         return [_is_linear(x) for x in a]
@@ -463,6 +481,7 @@ def _transpose(b: TransposeBuilder, entry: Node | GhostValue, c: Any, ct: dict[A
                 out = cts[i] if j is None else cts[i][j]
                 if out is None:
                     continue
+                out = _in_dtype_of(b, out, target)
                 prev = ct.get(_key(target))
                 if prev is not None:
                     with b.context(role="grad_accum"):

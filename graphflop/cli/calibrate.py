@@ -5,6 +5,7 @@ achieves in eager PyTorch and write the profile file ``--device FILE.json`` read
 from __future__ import annotations
 
 import argparse
+import os
 
 from rich.console import Console
 
@@ -62,8 +63,11 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from graphflop.runtime.calibrate import calibrate, plan
 
     check_output_file(args.out, "--out", (".json",))
-    if args.threads is not None and args.threads < 1:
-        raise SpecError(f"bad --threads {args.threads}: give 1 or more")
+    cores = os.cpu_count() or 1
+    if args.threads is not None and not 1 <= args.threads <= cores:
+        # more threads than cores measures the operating system's scheduler, and OpenMP
+        # aborts the process when it cannot create them (tester: --threads 99999, exit 139)
+        raise SpecError(f"bad --threads {args.threads}: give 1 to {cores} (this machine's cores)")
     if args.device == "cuda":
         import torch
 

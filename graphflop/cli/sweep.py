@@ -112,7 +112,12 @@ def run(args: argparse.Namespace, err: Console) -> int:
     profiles = [resolve_profile(d) for d in args.device or ()]
     names = [p.name for p in profiles]
     if len(set(names)) != len(names):
-        raise SpecError(f"--device names {', '.join(names)}: give each device once")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise SpecError(
+            f"--device gives {', '.join(twice)} twice (a profile's name, shown in the plot's "
+            "legend): give each device once, or name calibrated profiles apart with "
+            "graphflop calibrate --name"
+        )
     _check_differentiable(args)
     with err.status("sweeping", spinner="dots") as status:
         rows = sweep(

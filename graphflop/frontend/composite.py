@@ -34,8 +34,11 @@ _F_SDPA = F.scaled_dot_product_attention
 
 def dropout(input: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
     """``F.dropout`` whose training mode is ``native_dropout`` on every device."""
-    if training and 0 < p < 1 and not inplace:
-        return aten.native_dropout.default(input, p, True)[0]
+    if training and 0 < p < 1:
+        out = aten.native_dropout.default(input, p, True)[0]
+        # in place: the same mask and scaling written back (as F.dropout(inplace=True) does;
+        # its own path traced as bernoulli_ and counted differently: tester's finding)
+        return input.copy_(out) if inplace else out
     return _F_DROPOUT(input, p, training, inplace)
 
 

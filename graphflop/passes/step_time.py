@@ -234,8 +234,9 @@ def _dtype_key(n: Node) -> str:
 def _mm_class(n: Node) -> tuple[str, float]:
     """The op class of a matrix product or convolution and its smallest GEMM dimension.
 
-    Class: ``conv`` (a forward convolution), ``conv_backward`` (a convolution derived from
-    one: its input or weight gradient, which eager PyTorch runs in ``convolution_backward``),
+    Class: ``conv`` (a forward convolution, or a JVP's tangent convolution, which eager's
+    forward-mode AD runs as forward convolutions), ``conv_backward`` (a backward's convolution:
+    an input or weight gradient, which eager PyTorch runs in ``convolution_backward``),
     ``matmul_thin`` (a product with a dimension of at most
     :data:`~graphflop.passes.time_profile.THIN_ROWS`: rows, columns or the contracted one) or
     ``matmul``.
@@ -259,7 +260,9 @@ def _mm_class(n: Node) -> tuple[str, float]:
             m, cols = out.shape[-2], out.shape[-1]
         dim = float(min(m, cols, k))
     if conv:
-        return ("conv" if n.meta.get(KIND) in (None, "primal") else "conv_backward"), dim
+        # a backward's convolution is eager's convolution_backward; a JVP's tangent
+        # convolution (conv(ẋ, W) + conv(x, Ẇ)) runs as forward convolutions
+        return ("conv_backward" if n.meta.get(KIND) == "cotangent" else "conv"), dim
     if 0 < dim <= THIN_ROWS:
         return "matmul_thin", dim
     return "matmul", dim

@@ -101,6 +101,12 @@ ANY_VIEW = "*view"
 PROFILE_SCHEMA = 1
 
 
+#: the longest per-kernel, per-call or per-step fixed cost a profile may hold: no launch,
+#: dispatch, module call or optimizer step's own cost comes near a second, and a profile with
+#: 1e308 made every phase inf and the overlap NaN (tester's finding)
+MAX_SECONDS = 1.0
+
+
 class ProfileError(ValueError):
     """A profile file that cannot be read or does not parse, or a device name that is neither a
     known device nor a file."""
@@ -129,10 +135,13 @@ class RateCurve:
         sizes = [s for s, _ in self.points]
         if not all(0 < x < math.inf for pt in self.points for x in pt):
             raise ValueError("rate curve sizes and rates must be positive finite numbers")
+        if not all(r >= 1.0 for _, r in self.points):
+            # a slower rate makes a kernel's seconds overflow to inf (tester's finding: 1e-300)
+            raise ValueError("rate curve rates must be at least 1 per second")
         if sizes != sorted(sizes) or len(set(sizes)) != len(sizes):
             raise ValueError("rate curve sizes must increase")
-        if not 0 <= self.fill_s < math.inf:
-            raise ValueError("a rate curve's fill time must be a non-negative finite number")
+        if not 0 <= self.fill_s <= MAX_SECONDS:
+            raise ValueError(f"a rate curve's fill time must be 0 to {MAX_SECONDS:g} s")
 
     def _interpolated(self, size: float) -> float:
         pts = self.points
@@ -446,7 +455,7 @@ class TimeProfile:
                 name=str(d["name"]),
                 title=str(d.get("title", d["name"])),
                 source=str(d["source"]),
-                kind=str(d["device_kind"]),
+                kind=_kind(d["device_kind"]),
                 compute=compute,
                 bandwidth=RateCurve.from_dict(d["bandwidth"]),
                 inplace_bandwidth=(
@@ -484,10 +493,17 @@ class TimeProfile:
             ) from e
 
 
+def _kind(v: Any) -> str:
+    """``device_kind`` from a profile file: ``cpu`` or ``gpu``."""
+    if v not in ("cpu", "gpu"):
+        raise ValueError(f"device_kind must be 'cpu' or 'gpu', not {v!r}")
+    return str(v)
+
+
 def _seconds(v: Any) -> float:
-    """A non-negative number of seconds from a profile file."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-        raise ValueError(f"a time must be a non-negative number of seconds, not {v!r}")
+    """A number of seconds from a profile file: 0 to :data:`MAX_SECONDS`."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_SECONDS:
+        raise ValueError(f"a time must be 0 to {MAX_SECONDS:g} s, not {v!r}")
     return float(v)
 
 
@@ -721,6 +737,14 @@ def save_profile(profile: TimeProfile) -> str:
     return json.dumps(profile.to_dict(), indent=1) + "\n"
 
 
+def _is_device(name: str) -> bool:
+    try:
+        device_spec(name)
+    except UnknownDevice:
+        return False
+    return True
+
+
 def resolve_profile(name: str) -> TimeProfile:
     """The profile ``--device`` names: a ``.json`` file (or any existing file) ``graphflop
     calibrate`` wrote, ``cpu`` (this CPU's data-sheet-like guess), or a data-sheet device of
@@ -730,7 +754,10 @@ def resolve_profile(name: str) -> TimeProfile:
         ProfileError: a file that does not parse.
         UnknownDevice: neither a file nor a known device (did-you-mean, the known ones).
     """
-    if name.endswith(".json") or os.path.sep in name or os.path.isfile(name):
+    known = name.strip().lower() == "cpu" or _is_device(name)
+    # a known device name wins over a file of that name in the current folder (tester: a file
+    # called h100 shadowed the data sheet); ./h100 reads the file
+    if name.endswith(".json") or os.path.sep in name or (os.path.isfile(name) and not known):
         if not os.path.exists(name) and not name.endswith(".json"):
             raise ProfileError(f"no time profile file {name}")
         return load_profile(name)
