@@ -950,6 +950,23 @@ _CURVE = {"points": [[1.0, 1e9]], "fill_s": 0.0}
         ({"autograd_node_s": 2.0}, "a time must be 0 to 1 s, not 2.0"),
         ({"bandwidth": {"points": [[1.0, 1e-300]], "fill_s": 0.0}}, "at least 1 per second"),
         ({"device_kind": "tpu"}, "device_kind must be 'cpu' or 'gpu', not 'tpu'"),
+        # tester's findings: Python's own words, no key named; now the key and what it wants
+        ({"compute": []}, "compute: expected an object of name: value, not list"),
+        ({"update_step_s": "x"}, "update_step_s: expected an object of name: value, not str"),
+        (
+            {"bandwidth": {"points": [[1, 2, 3]], "fill_s": 0.0}},
+            "bandwidth: a rate curve's points must be a list of [size, rate] pairs",
+        ),
+        (
+            {"bandwidth": {"points": [[1.0, "fast"]], "fill_s": 0.0}},
+            "expected a number, not 'fast'",
+        ),
+        (
+            {"shaped": {"matmul": {"float32": [[16.0]]}}},
+            "shaped: shaped curves must be a list of [dimension, curve] pairs",
+        ),
+        ({"name": 5}, "name: expected a non-empty string, not 5"),
+        ({"launch_overhead_s": -1.0}, "malformed time profile: launch_overhead_s: a time must be"),
         ({"threads": "two"}, "threads must be a positive integer or null, not 'two'"),
         ({"threads": 0}, "threads must be a positive integer or null, not 0"),
         ({"fault_s_per_byte": -1e-9}, "fault_s_per_byte must be between 0 and 1e-06"),

@@ -63,6 +63,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from graphflop.runtime.calibrate import calibrate, plan
 
     check_output_file(args.out, "--out", (".json",))
+    if args.name is not None and not args.name.strip():
+        raise SpecError("bad --name '': give the profile a name (it labels tables and plots)")
     cores = os.cpu_count() or 1
     if args.threads is not None and not 1 <= args.threads <= cores:
         # more threads than cores measures the operating system's scheduler, and OpenMP

@@ -29,7 +29,7 @@ import bisect
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,9 +179,26 @@ class RateCurve:
 
     @classmethod
     def from_dict(cls, d: Any) -> RateCurve:
-        if isinstance(d, dict):
-            return cls(tuple((float(s), float(r)) for s, r in d["points"]), float(d["fill_s"]))
-        return cls(tuple((float(s), float(r)) for s, r in d))
+        """Read :meth:`to_dict`'s ``{"points": [[size, rate], ...], "fill_s": s}`` (or the
+        bare list of points).
+
+        Raises:
+            ValueError: points that are not ``[size, rate]`` pairs of numbers, or what
+                :class:`RateCurve` refuses.
+        """
+        pts, fill = (d.get("points"), d.get("fill_s", 0.0)) if isinstance(d, dict) else (d, 0.0)
+        if not isinstance(pts, (list, tuple)) or not all(
+            isinstance(pt, (list, tuple)) and len(pt) == 2 for pt in pts
+        ):
+            raise ValueError("a rate curve's points must be a list of [size, rate] pairs")
+        return cls(tuple((_number(a), _number(b)) for a, b in pts), _number(fill))
+
+
+def _number(v: Any) -> float:
+    """A number from a profile file (not a boolean or a string)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"expected a number, not {v!r}")
+    return float(v)
 
 
 @dataclass(frozen=True)
@@ -444,53 +461,95 @@ class TimeProfile:
                 f"profile schema_version {d.get('schema_version')!r}: this graphflop reads "
                 f"{PROFILE_SCHEMA} (write a new one with graphflop calibrate)"
             )
-        try:
-            compute = {
-                str(c): {str(k): RateCurve.from_dict(v) for k, v in by.items()}
-                for c, by in d["compute"].items()
+
+        def read(key: str, parse: Callable[[Any], Any], default: Any = _REQUIRED) -> Any:
+            if key not in d and default is _REQUIRED:
+                raise ProfileError(
+                    f"malformed time profile: missing key {key!r} (write a new one with "
+                    "graphflop calibrate)"
+                )
+            try:
+                return parse(d.get(key, default))
+            except ProfileError:
+                raise
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+                raise ProfileError(
+                    f"malformed time profile: {key}: {what} (write a new one with graphflop "
+                    "calibrate)"
+                ) from e
+
+        def by_name(parse: Callable[[Any], Any]) -> Callable[[Any], dict[str, Any]]:
+            return lambda v: {str(k): parse(x) for k, x in _object(v).items()}
+
+        def shaped(v: Any) -> dict[str, dict[str, tuple[tuple[float, RateCurve], ...]]]:
+            return {
+                str(c): {
+                    str(k): _dims(tuple((_dim(m), RateCurve.from_dict(x)) for m, x in _pairs(ps)))
+                    for k, ps in _object(by).items()
+                }
+                for c, by in _object(v).items()
             }
-            if "other" not in compute or not compute["other"]:
-                raise ProfileError("the profile has no rate for 'other' kernels")
-            return cls(
-                name=str(d["name"]),
-                title=str(d.get("title", d["name"])),
-                source=str(d["source"]),
-                kind=_kind(d["device_kind"]),
-                compute=compute,
-                bandwidth=RateCurve.from_dict(d["bandwidth"]),
-                inplace_bandwidth=(
-                    RateCurve.from_dict(d["inplace_bandwidth"])
-                    if d.get("inplace_bandwidth") is not None
-                    else None
-                ),
-                launch_overhead_s=_seconds(d["launch_overhead_s"]),
-                view_overhead_s=_seconds(d["view_overhead_s"]),
-                efficiency={str(k): float(v) for k, v in d.get("efficiency", {}).items()},
-                kernels={str(k): RateCurve.from_dict(v) for k, v in d.get("kernels", {}).items()},
-                shaped={
-                    str(c): {
-                        str(k): _dims(tuple((_dim(m), RateCurve.from_dict(v)) for m, v in pairs))
-                        for k, pairs in by.items()
-                    }
-                    for c, by in d.get("shaped", {}).items()
-                },
-                updates={str(k): RateCurve.from_dict(v) for k, v in d.get("updates", {}).items()},
-                update_step_s={str(k): _seconds(v) for k, v in d.get("update_step_s", {}).items()},
-                fixed={str(k): _seconds(v) for k, v in d.get("fixed", {}).items()},
-                fault_s_per_byte=_fault_cost(d.get("fault_s_per_byte", 0.0)),
-                fresh_above_bytes=_bytes(d.get("fresh_above_bytes", GLIBC_MMAP_THRESHOLD_MAX)),
-                module_call_s=_seconds(d.get("module_call_s", 0.0)),
-                autograd_node_s=_seconds(d.get("autograd_node_s", 0.0)),
-                threads=_threads(d.get("threads")),
-                notes=tuple(str(x) for x in d.get("notes", ())),
-            )
-        except ProfileError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+
+        compute = read("compute", by_name(by_name(RateCurve.from_dict)))
+        if "other" not in compute or not compute["other"]:
             raise ProfileError(
-                f"malformed time profile: {what} (write a new one with graphflop calibrate)"
-            ) from e
+                "malformed time profile: compute has no rate for 'other' kernels (write a new "
+                "one with graphflop calibrate)"
+            )
+        name = read("name", _text)
+        return cls(
+            name=name,
+            title=read("title", _text, name),
+            source=read("source", _text),
+            kind=read("device_kind", _kind),
+            compute=compute,
+            bandwidth=read("bandwidth", RateCurve.from_dict),
+            inplace_bandwidth=read(
+                "inplace_bandwidth", lambda v: None if v is None else RateCurve.from_dict(v), None
+            ),
+            launch_overhead_s=read("launch_overhead_s", _seconds),
+            view_overhead_s=read("view_overhead_s", _seconds),
+            efficiency=read("efficiency", by_name(_number), {}),
+            kernels=read("kernels", by_name(RateCurve.from_dict), {}),
+            shaped=read("shaped", shaped, {}),
+            updates=read("updates", by_name(RateCurve.from_dict), {}),
+            update_step_s=read("update_step_s", by_name(_seconds), {}),
+            fixed=read("fixed", by_name(_seconds), {}),
+            fault_s_per_byte=read("fault_s_per_byte", _fault_cost, 0.0),
+            fresh_above_bytes=read("fresh_above_bytes", _bytes, GLIBC_MMAP_THRESHOLD_MAX),
+            module_call_s=read("module_call_s", _seconds, 0.0),
+            autograd_node_s=read("autograd_node_s", _seconds, 0.0),
+            threads=read("threads", _threads, None),
+            notes=read("notes", lambda v: tuple(str(x) for x in v), ()),
+        )
+
+
+#: :meth:`TimeProfile.from_dict`'s marker of a key without a default
+_REQUIRED = object()
+
+
+def _object(v: Any) -> dict[Any, Any]:
+    """A JSON object from a profile file."""
+    if not isinstance(v, dict):
+        raise ValueError(f"expected an object of name: value, not {type(v).__name__}")
+    return v
+
+
+def _pairs(v: Any) -> list[Any]:
+    """A list of [dimension, curve] pairs from a profile file's ``shaped``."""
+    if not isinstance(v, (list, tuple)) or not all(
+        isinstance(x, (list, tuple)) and len(x) == 2 for x in v
+    ):
+        raise ValueError("shaped curves must be a list of [dimension, curve] pairs")
+    return list(v)
+
+
+def _text(v: Any) -> str:
+    """A non-empty string from a profile file."""
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError(f"expected a non-empty string, not {v!r}")
+    return v
 
 
 def _kind(v: Any) -> str:
