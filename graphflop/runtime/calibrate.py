@@ -621,11 +621,14 @@ def _module_call(dev: torch.device, repeats: int) -> float:
     return max(0.0, mod - fn)
 
 
-def _autograd_node(dev: torch.device, repeats: int, kernel_s: float, depth: int = 64) -> float:
+def _autograd_node(dev: torch.device, repeats: int, depth: int = 64) -> float:
     """Seconds the autograd engine spends on one backward node beyond its kernel: the backward
     of a chain of ``depth`` one-element multiplications by a constant (each node one tiny
-    ``mul``), per node, less ``kernel_s`` (one tiny ``mul``'s own cost); the least of
-    ``repeats`` backwards."""
+    ``mul``), per node (the least of ``repeats`` backwards), less the median of the profiler's
+    ``aten::mul`` events inside the same backward (the kernel as the engine issues it, warm; a
+    cold call's fixed cost, subtracted before, left 0 on this CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
     x = torch.ones(1, device=dev, requires_grad=True)
     y = x
     for _ in range(depth):
@@ -639,7 +642,11 @@ def _autograd_node(dev: torch.device, repeats: int, kernel_s: float, depth: int 
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         samples.append((time.perf_counter() - t0) / depth)
-    return max(0.0, min(samples[1:]) - kernel_s)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            y.backward(retain_graph=True)
+    muls = [e.cpu_time_total * 1e-6 for e in prof.events() if e.name == "aten::mul"]
+    return max(0.0, min(samples[1:]) - (statistics.median(muls) if muls else 0.0))
 
 
 def _rate(work: float, seconds: float, overhead: float) -> float:
@@ -1080,9 +1087,7 @@ def calibrate(
     fixed = run.fixed()
     module_call = _module_call(dev, max(reps, 5))
     done(f"nn.Module call {module_call * 1e6:.1f} µs")
-    autograd_node = _autograd_node(
-        dev, max(reps, 5), fixed.get("aten.mul.Tensor", fixed.get(ANY_KERNEL, launch))
-    )
+    autograd_node = _autograd_node(dev, max(reps, 5))
     done(f"autograd node {autograd_node * 1e6:.1f} µs")
     trans_rate, other_rate = run.elementwise()
     fault = run.faults()
