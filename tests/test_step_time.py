@@ -314,6 +314,27 @@ def test_calibrate_quick_writes_a_profile_inspect_accepts(capsys, tmp_path):
     assert p.module_call_s > 0
 
 
+def test_the_layer_csv_has_the_predicted_times(capsys, tmp_path):
+    # tester's finding: --csv had no time columns where the per-layer table shows them; each
+    # row's times equal the JSON's time.layers row of the same module
+    import csv
+
+    out, js = tmp_path / "l.csv", tmp_path / "l.json"
+    rc, _, err = cli(capsys, "inspect", spec("mlp.py"), "--device", "h100", "--csv", out,
+                     "--json", js)  # fmt: skip
+    assert rc == 0, err
+    rows = list(csv.DictReader(out.open()))
+    layers = {t["name"]: t for t in json.loads(js.read_text())["time"]["layers"]}
+    assert rows and {r["name"] for r in rows} == set(layers)
+    for r in rows:
+        t = layers[r["name"]]
+        for k in ("forward_s", "backward_s", "update_s", "jvp_s"):
+            assert float(r[f"time_{k}"]) == pytest.approx(t[k])
+        assert r["time_bound"] == t["bound"]
+    rc, _, err = cli(capsys, "inspect", spec("mlp.py"), "--csv", out)  # no --device: no times
+    assert rc == 0 and not any(c.startswith("time_") for c in next(csv.reader(out.open())))
+
+
 def test_sweep_gives_the_ratio_in_time_per_device(capsys, tmp_path):
     js = tmp_path / "s.json"
     rc, out, err = cli(

@@ -529,12 +529,20 @@ def to_json(report: Report, extra: dict[str, Any] | None = None) -> str:
 
 def layers_csv(report: Report) -> str:
     """The per-layer rows as CSV: the JSON row keys as columns, ``output_shape`` last as
-    ``AxBxC``."""
+    ``AxBxC``; with predicted times (``--device``), each row's :class:`LayerTime` as
+    ``time_forward_s``, ``time_backward_s``, ``time_update_s``, ``time_jvp_s`` (seconds) and
+    ``time_bound`` before it."""
     rows = report.layer_dicts()
+    times = {t.name: t for t in report.time.layers} if report.time is not None else {}
+    timed = ("forward_s", "backward_s", "update_s", "jvp_s", "bound")
     buf = io.StringIO()
-    cols = [k for k in rows[0] if k != "output_shape"] + ["output_shape"] if rows else []
+    cols = [k for k in rows[0] if k != "output_shape"] if rows else []
+    cols += [f"time_{k}" for k in timed] if times and rows else []
+    cols += ["output_shape"] if rows else []
     w = csv.DictWriter(buf, fieldnames=cols)
     w.writeheader()
     for r in rows:
-        w.writerow({**r, "output_shape": "x".join(map(str, r["output_shape"] or []))})
+        t = times.get(r["name"])
+        cells = {f"time_{k}": getattr(t, k) for k in timed} if t is not None else {}
+        w.writerow({**r, **cells, "output_shape": "x".join(map(str, r["output_shape"] or []))})
     return buf.getvalue()
