@@ -511,6 +511,20 @@ def _resnet18():
     return loaded.model.train(), tuple(make_inputs(loaded, batch=2)), {}
 
 
+def _fresh_region_numbers(monkeypatch):
+    """The process-wide region numbers (fused attention, checkpoints, Functions) restarted, as
+    a fresh process would number them, so two traces in one test name their regions alike."""
+    import itertools
+
+    from graphflop.frontend import composite, custom_function, regions, replay
+
+    monkeypatch.setattr(composite, "_attention_regions", itertools.count(-1, -1))
+    monkeypatch.setattr(replay, "_REPLAYED_ATTENTION", itertools.count(-(10**9), -1))
+    ids = itertools.count()
+    monkeypatch.setattr(regions, "region_ids", ids)
+    monkeypatch.setattr(custom_function, "region_ids", ids)
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -527,19 +541,10 @@ def test_one_copy_per_node_gives_the_two_copies_graph(make, monkeypatch):
     stood; the flat graph is the one copying it into make_fx's graph first (``inline``) and
     then into graphflop's gave: node for node, names, arguments and annotations included
     (the names appear in reports)."""
-    import itertools
-
-    from graphflop.frontend import composite, custom_function, regions, replay
     from graphflop.frontend import trace as tracing
 
     def traced():
-        # the process-wide region numbers (fused attention, checkpoints, Functions), as a
-        # fresh process would number them
-        monkeypatch.setattr(composite, "_attention_regions", itertools.count(-1, -1))
-        monkeypatch.setattr(replay, "_REPLAYED_ATTENTION", itertools.count(-(10**9), -1))
-        ids = itertools.count()
-        monkeypatch.setattr(regions, "region_ids", ids)
-        monkeypatch.setattr(custom_function, "region_ids", ids)
+        _fresh_region_numbers(monkeypatch)
         return trace(model, inputs, **kw)
 
     model, inputs, kw = make()
@@ -643,10 +648,6 @@ def test_calls_recorded_without_dispatch_give_the_dispatched_graph(case, monkeyp
     gives, node for node (names, arguments, every annotation), and so are its signature and
     outline counts. Every call after a distinct call's first takes that path, except under a
     torch-function mode graphflop does not know, where all are dispatched."""
-    import itertools
-
-    from graphflop.frontend import composite, custom_function, regions, replay
-
     if case.startswith("torchvision:"):
         pytest.importorskip("torchvision")
     make, recorded = _DIRECT_CASES[case]
@@ -667,11 +668,7 @@ def test_calls_recorded_without_dispatch_give_the_dispatched_graph(case, monkeyp
     monkeypatch.setattr(repeats.Outliner, "__init__", started)
 
     def traced(on: bool):
-        monkeypatch.setattr(composite, "_attention_regions", itertools.count(-1, -1))
-        monkeypatch.setattr(replay, "_REPLAYED_ATTENTION", itertools.count(-(10**9), -1))
-        ids = itertools.count()
-        monkeypatch.setattr(regions, "region_ids", ids)
-        monkeypatch.setattr(custom_function, "region_ids", ids)
+        _fresh_region_numbers(monkeypatch)
         monkeypatch.setattr(repeats, "DIRECT_CALLS", on)
         return trace(model, inputs, **kw), direct[0]
 
@@ -692,20 +689,13 @@ def test_calls_recorded_without_dispatch_give_the_dispatched_graph(case, monkeyp
 def test_traces_without_make_fx_function_notes_give_the_same_graph(case, direct, monkeypatch):
     """``make_fx``'s torch-function notes (``trace.FUNCTION_METADATA``) are left off: the flat
     graph is the one tracing with them gives, node for node and every annotation."""
-    import itertools
-
-    from graphflop.frontend import composite, custom_function, regions, replay
     from graphflop.frontend import trace as tracing
 
     make, _ = _DIRECT_CASES[case]
     monkeypatch.setattr(repeats, "DIRECT_CALLS", direct)
 
     def traced(notes: bool):
-        monkeypatch.setattr(composite, "_attention_regions", itertools.count(-1, -1))
-        monkeypatch.setattr(replay, "_REPLAYED_ATTENTION", itertools.count(-(10**9), -1))
-        ids = itertools.count()
-        monkeypatch.setattr(regions, "region_ids", ids)
-        monkeypatch.setattr(custom_function, "region_ids", ids)
+        _fresh_region_numbers(monkeypatch)
         monkeypatch.setattr(tracing, "FUNCTION_METADATA", notes)
         return trace(model, inputs, **kw)
 

@@ -987,6 +987,7 @@ _CURVE = {"points": [[1.0, 1e9]], "fill_s": 0.0}
             "shaped: shaped curves must be a list of [dimension, curve] pairs",
         ),
         ({"name": 5}, "name: expected a non-empty string, not 5"),
+        ({"bandwidth": {"points": [[1.0, 1e9]]}}, "bandwidth: missing key 'fill_s'"),
         ({"launch_overhead_s": -1.0}, "malformed time profile: launch_overhead_s: a time must be"),
         ({"threads": "two"}, "threads must be a positive integer or null, not 'two'"),
         ({"threads": 0}, "threads must be a positive integer or null, not 0"),

@@ -83,7 +83,7 @@ class CompositeOps(TorchFunctionMode):
             with new_nodes() as made:
                 out = func(*args, **kwargs)
             node = traced_node(out)
-            if node is not None and node.op == "call_function" and node in set(made):
+            if node is not None and node.op == "call_function" and node in made:
                 node.meta[INPLACE] = True
             return out
         return func(*args, **kwargs)

@@ -183,15 +183,13 @@ class RateCurve:
         bare list of points).
 
         Raises:
+            KeyError: an object without ``points`` or ``fill_s``.
             ValueError: points that are not ``[size, rate]`` pairs of numbers, or what
                 :class:`RateCurve` refuses.
         """
-        pts, fill = (d.get("points"), d.get("fill_s", 0.0)) if isinstance(d, dict) else (d, 0.0)
-        if not isinstance(pts, (list, tuple)) or not all(
-            isinstance(pt, (list, tuple)) and len(pt) == 2 for pt in pts
-        ):
-            raise ValueError("a rate curve's points must be a list of [size, rate] pairs")
-        return cls(tuple((_number(a), _number(b)) for a, b in pts), _number(fill))
+        pts, fill = (d["points"], d["fill_s"]) if isinstance(d, dict) else (d, 0.0)
+        pairs = _pairs(pts, "a rate curve's points must be a list of [size, rate] pairs")
+        return cls(tuple((_number(a), _number(b)) for a, b in pairs), _number(fill))
 
 
 def _number(v: Any) -> float:
@@ -485,7 +483,9 @@ class TimeProfile:
         def shaped(v: Any) -> dict[str, dict[str, tuple[tuple[float, RateCurve], ...]]]:
             return {
                 str(c): {
-                    str(k): _dims(tuple((_dim(m), RateCurve.from_dict(x)) for m, x in _pairs(ps)))
+                    str(k): _dims(
+                        tuple((_dim(m), RateCurve.from_dict(x)) for m, x in _shaped_pairs(ps))
+                    )
                     for k, ps in _object(by).items()
                 }
                 for c, by in _object(v).items()
@@ -536,13 +536,18 @@ def _object(v: Any) -> dict[Any, Any]:
     return v
 
 
-def _pairs(v: Any) -> list[Any]:
-    """A list of [dimension, curve] pairs from a profile file's ``shaped``."""
+def _pairs(v: Any, says: str) -> list[Any]:
+    """A list of two-item lists from a profile file (a curve's points, ``shaped``'s
+    [dimension, curve] pairs); else ValueError(``says``)."""
     if not isinstance(v, (list, tuple)) or not all(
         isinstance(x, (list, tuple)) and len(x) == 2 for x in v
     ):
-        raise ValueError("shaped curves must be a list of [dimension, curve] pairs")
+        raise ValueError(says)
     return list(v)
+
+
+def _shaped_pairs(v: Any) -> list[Any]:
+    return _pairs(v, "shaped curves must be a list of [dimension, curve] pairs")
 
 
 def _text(v: Any) -> str:

@@ -575,33 +575,34 @@ def _timer(device: torch.device) -> Callable[..., float]:
 
 
 def _host_overhead(device: torch.device, repeats: int) -> float:
-    # the least repeat, as for the launch overhead
     """Seconds per tiny op issued back to back (no synchronisation between them): the host
-    side's per-op cost, which a stream of small kernels cannot beat."""
+    side's per-op cost, which a stream of small kernels cannot beat; the least repeat, as for
+    the launch overhead."""
     a = torch.ones(1, device=device)
     b = torch.ones(1, device=device)
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(2000):
-            torch.add(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append((time.perf_counter() - t0) / 2000)
-    return min(samples)
+    return _host_loop(lambda: torch.add(a, b), 2000, repeats, wait=device)
 
 
-def _host_loop(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    """Seconds of one call of host-only ``fn`` (Python, no kernels waited for): the least of
-    ``repeats`` loops of ``calls`` calls, timed with ``perf_counter``."""
+def _host_loop(
+    fn: Callable[[], object], calls: int, repeats: int, wait: torch.device | None = None
+) -> float:
+    """Seconds of one call of ``fn`` timed on the host with ``perf_counter``: the least of
+    ``repeats`` loops of ``calls`` calls, after one untimed call. ``wait``: a CUDA device whose
+    queue is drained before each loop and whose kernels the loop waits for (else only the
+    host's time counts)."""
+
+    def sync() -> None:
+        if wait is not None and wait.type == "cuda":
+            torch.cuda.synchronize(wait)
+
     fn()
     samples = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        sync()
         samples.append((time.perf_counter() - t0) / calls)
     return min(samples)
 
@@ -633,20 +634,12 @@ def _autograd_node(dev: torch.device, repeats: int, depth: int = 64) -> float:
     y = x
     for _ in range(depth):
         y = y * 1.000001
-    samples = []
-    for _ in range(repeats + 1):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        y.backward(retain_graph=True)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        samples.append((time.perf_counter() - t0) / depth)
+    per_node = _host_loop(lambda: y.backward(retain_graph=True), 1, repeats, wait=dev) / depth
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             y.backward(retain_graph=True)
     muls = [e.cpu_time_total * 1e-6 for e in prof.events() if e.name == "aten::mul"]
-    return max(0.0, min(samples[1:]) - (statistics.median(muls) if muls else 0.0))
+    return max(0.0, per_node - (statistics.median(muls) if muls else 0.0))
 
 
 def _rate(work: float, seconds: float, overhead: float) -> float:
