@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 
 import pytest
 import torch
@@ -585,6 +586,42 @@ def test_each_kernel_kind_takes_its_fixed_cost():
     # the table survives the profile file
     q = TimeProfile.from_dict(json.loads(save_profile(p)))
     assert q.fixed == fixed
+
+
+def test_a_view_the_autograd_engine_runs_takes_the_engines_figure():
+    # views in a backward (the engine's, from C++) have their own entries: a reshape 2 µs, any
+    # other view 3 µs; the Python-side figures (view 6 µs, any view 7 µs) serve the forward
+    fixed = {
+        "aten.view.default": 6e-6,
+        "aten.reshape.default/backward": 2e-6,
+        "*view/backward": 3e-6,
+        "*view": 7e-6,
+        "*": 9e-6,
+    }
+    p = _profile(launch_overhead_s=100e-6, view_overhead_s=100e-6, fixed=fixed)
+    assert p.fixed_cost("aten.view.default", view=True) == pytest.approx(6e-6)
+    assert p.fixed_cost("aten.t.default", view=True) == pytest.approx(7e-6)
+    assert p.fixed_cost("aten.reshape.default", forward=False, view=True) == pytest.approx(2e-6)
+    # a kind the engine's probe did not run: the engine's median view, not the Python figure
+    assert p.fixed_cost("aten.view.default", forward=False, view=True) == pytest.approx(3e-6)
+    # a backward kernel that moves bytes is no view: the '*' entry
+    assert p.fixed_cost("aten.mul.Tensor", forward=False) == pytest.approx(9e-6)
+
+
+def test_calibrate_times_the_views_the_autograd_engine_runs():
+    from graphflop.runtime.calibrate import _Run, _timer, plan
+
+    dev = torch.device("cpu")
+    run = _Run(dev, plan(quick=True), _timer(dev), 1e-6, lambda label: None)
+    out = run.engine_views()
+    # the probe's backward runs each of these views from the engine: a view's derivative
+    # (reshape), transpose's and permute's (themselves), unsqueeze's (squeeze), mean's (expand)
+    for kind in ("reshape.default", "transpose.int", "permute.default", "squeeze.dim", "expand"):
+        key = f"aten.{kind}{'.default' if kind == 'expand' else ''}/backward"
+        assert 0 < out[key] < 1e-3, key
+    assert out["*view/backward"] == pytest.approx(
+        statistics.median(v for k, v in out.items() if k != "*view/backward")
+    )
 
 
 def test_the_optimizer_steps_own_cost_is_counted_once():

@@ -246,8 +246,9 @@ class TimeProfile:
             time pass uses it in place of :attr:`launch_overhead_s` (:attr:`view_overhead_s`)
             for kernels of that kind (:meth:`fixed_cost`). Keys: the kernel's op name
             (``aten.add.Tensor``); ``<op name>/backward`` for the kernel of a composite op's or
-            convolution's derivative (eager PyTorch's ``X_backward`` kernel); :data:`ANY_KERNEL`
-            and :data:`ANY_VIEW` for kinds not measured.
+            convolution's derivative (eager PyTorch's ``X_backward`` kernel), and for a view
+            the autograd engine runs in a backward pass (``aten.reshape.default/backward``);
+            :data:`ANY_KERNEL`, :data:`ANY_VIEW` and ``*view/backward`` for kinds not measured.
         fault_s_per_byte: seconds per byte of an output written into fresh pages (the page
             faults of first touch), beyond writing it into reused memory; 0: not modelled
             (data sheets, GPUs, profiles calibrated before it was measured).
@@ -300,11 +301,17 @@ class TimeProfile:
     ) -> float:
         """Seconds one eager kernel of op ``op`` costs beyond its work: :attr:`fixed`'s entry
         for ``variant`` (a composite op's variant, ``aten.gelu.default[tanh]``), else for
-        ``op``, each first with ``"/backward"`` (``forward`` False: a derivative's kernel);
-        else :data:`ANY_VIEW` (``view``: a kernel that moves no bytes) or :data:`ANY_KERNEL`;
-        without any, :attr:`view_overhead_s` (``view``) or :attr:`launch_overhead_s`."""
+        ``op``, each first with ``"/backward"`` (``forward`` False: a derivative's kernel,
+        or a view the autograd engine runs; a view of a kind the engine's probe did not
+        run takes :data:`ANY_VIEW` ``+ "/backward"``, since the calling context, not the
+        kind, sets a view's cost); else :data:`ANY_VIEW` (``view``: a kernel that moves no
+        bytes) or :data:`ANY_KERNEL`; without any, :attr:`view_overhead_s` (``view``) or
+        :attr:`launch_overhead_s`."""
         names = [x for x in (variant, op) if x]
-        keys = ([] if forward else [f"{x}{BACKWARD_SUFFIX}" for x in names]) + names
+        keys = [] if forward else [f"{x}{BACKWARD_SUFFIX}" for x in names]
+        if view and not forward:
+            keys.append(ANY_VIEW + BACKWARD_SUFFIX)
+        keys += names
         keys.append(ANY_VIEW if view else ANY_KERNEL)
         for key in keys:
             if key in self.fixed:
