@@ -375,11 +375,13 @@ def _what_ifs(
     checkpoint: str | None,
     amp: str | None,
     recompute: str | None = None,
-) -> Report:
+) -> tuple[Report, dict[str, frozenset[str]]]:
     """``report`` with the checkpointing and autocast what-ifs added to its memory section
-    (each needs the backward graph; none without it)."""
+    (each needs the backward graph; none without it), and the forward node names each
+    rerunning what-if (``checkpoint``, ``recompute``) runs again in the backward."""
+    reruns: dict[str, frozenset[str]] = {}
     if g.backward is None:
-        return report
+        return report, reruns
     mem = report.memory
     if checkpoint is not None:
         from graphflop.passes.checkpoint import checkpoint_memory
@@ -387,6 +389,7 @@ def _what_ifs(
         state = mem.params_bytes + (mem.buffers_bytes or 0) + (mem.optimizer_state_bytes or 0)
         ck = checkpoint_memory(g.forward, g.backward, checkpoint, device, optimizer, state)
         mem = replace(mem, checkpoint=ck.to_report())
+        reruns["checkpoint"] = ck.recomputed
     if amp is not None:
         from graphflop.passes.amp import amp_memory
 
@@ -400,7 +403,8 @@ def _what_ifs(
             g.forward, g.backward, recompute, device, optimizer, mem.train_peak_bytes
         )
         mem = replace(mem, recompute=rc.to_report())
-    return replace(report, memory=mem)
+        reruns["recompute"] = rc.recomputed
+    return replace(report, memory=mem), reruns
 
 
 def _analyze(
@@ -472,12 +476,13 @@ def _analyze(
     # the consumers that read every node take the flat views of recorded hierarchies (each
     # made once: the memory schedules of summarize made them already)
     g = replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp))
-    report = _what_ifs(report, g, device, optimizer, o.checkpoint, o.amp, o.recompute)
+    report, reruns = _what_ifs(report, g, device, optimizer, o.checkpoint, o.amp, o.recompute)
     if o.time_profile is not None:
         from graphflop.passes.step_time import time_report
 
         say(f"timing on {o.time_profile.name}")
-        report = replace(report, time=time_report(g, report, o.time_profile, amp=o.amp))
+        tr = time_report(g, report, o.time_profile, amp=o.amp, reruns=reruns)
+        report = replace(report, time=tr)
     return Analysis(
         name,
         fwd,

@@ -852,6 +852,9 @@ class TimeReport:
         flop_ratios: the same ratios in FLOPs, beside them.
         layers: one :class:`LayerTime` per module row of the report.
         ops: one :class:`OpTime` per (phase, kernel op).
+        recompute: what-if (``checkpoint``, ``recompute``) -> predicted seconds of the forward
+            kernels it reruns in the backward (each timed as in the forward), which a train
+            step with that what-if adds to ``train_step``; empty without those what-ifs.
     """
 
     device: str
@@ -863,13 +866,14 @@ class TimeReport:
     flop_ratios: tuple[tuple[str, float | None], ...]
     layers: tuple[LayerTime, ...] = ()
     ops: tuple[OpTime, ...] = ()
+    recompute: tuple[tuple[str, float], ...] = ()
 
     def phase(self, name: str) -> PhaseTime | None:
         """The phase ``name``, or None when it was not built."""
         return dict(self.phases).get(name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "device": self.device,
             "title": self.title,
             "source": self.source,
@@ -880,6 +884,9 @@ class TimeReport:
             "layers": [L.to_dict() for L in self.layers],
             "ops": [o.to_dict() for o in self.ops],
         }
+        if self.recompute:  # only under --checkpoint / --recompute
+            out["recompute"] = dict(self.recompute)
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TimeReport:
@@ -893,6 +900,7 @@ class TimeReport:
             flop_ratios=tuple(d["flop_ratios"].items()),
             layers=tuple(LayerTime.from_dict(L) for L in d.get("layers", ())),
             ops=tuple(OpTime.from_dict(o) for o in d.get("ops", ())),
+            recompute=tuple(d.get("recompute", {}).items()),
         )
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from graphflop.analysis import analyze
 from graphflop.devices import NoPeak, UnknownDevice, device_spec
+from graphflop.export.report import time_lines
 from graphflop.meta import COMPOSITE, COST, INPLACE, KIND, SOURCE, TIME
 from graphflop.passes.time_profile import (
     CONTRACTED,
@@ -30,7 +31,7 @@ from graphflop.passes.time_profile import (
     resolve_profile,
     save_profile,
 )
-from graphflop.report import Report
+from graphflop.report import Report, TimeReport
 
 H100 = from_device(device_spec("h100-sxm"))
 
@@ -622,6 +623,28 @@ def test_calibrate_times_the_views_the_autograd_engine_runs():
     assert out["*view/backward"] == pytest.approx(
         statistics.median(v for k, v in out.items() if k != "*view/backward")
     )
+
+
+def test_checkpointing_adds_the_rerun_forwards_time():
+    # block = Linear(16, 32), ReLU, Linear(32, 16); head Linear(16, 4); input 8 × 16. With
+    # `block` checkpointed the backward reruns block.0's addmm and the ReLU (block.2's addmm
+    # saves only its inputs: test_memory_whatif's hand count), 2·8·16·32 + 8·32 (bias) +
+    # 8·32 (ReLU) = 8,704 FLOPs; every FLOP at 1e9 FLOP/s, bytes and overheads ~free:
+    # 8.704 µs, which a train step with checkpointing adds
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("block", nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)))
+    model.add_module("head", nn.Linear(16, 4))
+    x = torch.randn(8, 16)
+    a = analyze(model, (x,), jvp=False, checkpoint="block", time_profile=_profile())
+    tr = a.report.time
+    assert dict(tr.recompute) == {"checkpoint": pytest.approx(8704 / 1e9)}
+    assert TimeReport.from_dict(json.loads(json.dumps(tr.to_dict()))).recompute == tr.recompute
+    lines = time_lines(tr)
+    assert any("with --checkpoint: train step" in line for line in lines)
+    # without the what-if there is nothing to add
+    plain = analyze(model, (x,), jvp=False, time_profile=_profile()).report.time
+    assert plain.recompute == ()
 
 
 def test_the_optimizer_steps_own_cost_is_counted_once():

@@ -243,7 +243,15 @@ def time_lines(tr: TimeReport) -> list[str]:
         for k in ("Rb", "Rf", "Rf_over_Rb", "jvp_forward")
         if t.get(k) is not None
     ]
-    return [f"in predicted time on {tr.device}: " + ", ".join(parts)] if parts else []
+    lines = [f"in predicted time on {tr.device}: " + ", ".join(parts)] if parts else []
+    step = tr.phase("train_step")
+    for what, s in tr.recompute:  # --checkpoint / --recompute: the forward it reruns
+        if step is not None:
+            lines.append(
+                f"with --{what}: train step [bold]{human_seconds(step.seconds + s)}[/bold] "
+                f"(+{human_seconds(s)} rerunning the forward in the backward)"
+            )
+    return lines
 
 
 def _layer_macs_table(r: Report, layers: tuple[LayerRow, ...], max_layers: int) -> Table:

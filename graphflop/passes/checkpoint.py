@@ -106,6 +106,7 @@ class CheckpointMemory:
     per_module: module path -> (recompute FLOPs, recomputed nodes).
     train_peak_bytes: estimated train-step peak with checkpointing, parameters, gradients
         and optimizer state included; None when not computed.
+    recomputed: the forward node names rerun in the backward, all modules.
     """
 
     pattern: str
@@ -116,6 +117,7 @@ class CheckpointMemory:
     recompute_flops: int
     per_module: dict[str, tuple[int, int]]
     train_peak_bytes: int | None = None
+    recomputed: frozenset[str] = frozenset()
 
     def to_report(self) -> CheckpointWhatIf:
         """The report's section ``memory.checkpoint``."""
@@ -241,9 +243,11 @@ def checkpoint_memory(
             if region.get(a) != r and not _is_state(a, state) and a.name in storage:
                 inputs.setdefault(r, set()).add(storage[a.name])
     per_module = {}
+    recomputed: set[str] = set()
     for r, nodes in by_region.items():
         rerun = _recompute(nodes, cut.savers)
         per_module[r] = (sum(getattr(n.meta.get(COST), "flops", 0) for n in rerun), len(rerun))
+        recomputed.update(n.name for n in rerun)
     all_inputs = set().union(*inputs.values()) if inputs else set()
     peak = None
     if optimizer is not None:
@@ -266,6 +270,7 @@ def checkpoint_memory(
         recompute_flops=sum(f for f, _ in per_module.values()),
         per_module=per_module,
         train_peak_bytes=peak,
+        recomputed=frozenset(recomputed),
     )
 
 

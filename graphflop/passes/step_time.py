@@ -54,7 +54,7 @@ Reads ``val``, ``COST``, ``COMPOSITE``, ``SOURCE``, ``KIND``, ``ROLE``, ``MODULE
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -591,9 +591,15 @@ def time_report(
     profile: TimeProfile,
     *,
     amp: str | None = None,
+    reruns: Mapping[str, frozenset[str]] | None = None,
 ) -> TimeReport:
     """Time every graph of ``g`` on ``profile`` (:func:`annotate_time`) and roll the node times
     up per phase, role, module (``report``'s layer rows) and kernel op.
+
+    ``reruns``: what-if (``checkpoint``, ``recompute``) -> the forward node names it reruns in
+    the backward; each what-if's recompute time (:attr:`TimeReport.recompute`) is the sum of
+    those nodes' predicted seconds in the forward (their kernels' work and fixed costs, not
+    the module calls' host time).
 
     Raises:
         NoPeak: a matrix product or convolution in a dtype ``profile`` has no rate for.
@@ -643,6 +649,16 @@ def time_report(
         flop_ratios=_ratios({k: float(v.flops) for k, v in phases.items()}),
         layers=_layers(phase_nodes, report.layers),
         ops=_op_times(phase_nodes),
+        recompute=tuple(
+            (what, _seconds_of(g.forward, names)) for what, names in (reruns or {}).items()
+        ),
+    )
+
+
+def _seconds_of(forward: GraphModule, names: frozenset[str]) -> float:
+    """Predicted seconds of ``forward``'s nodes named in ``names``."""
+    return sum(
+        n.meta[TIME].seconds for n in forward.graph.nodes if n.name in names and TIME in n.meta
     )
 
 
