@@ -873,7 +873,7 @@ class TimeReport:
         return dict(self.phases).get(name)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "device": self.device,
             "title": self.title,
             "source": self.source,
