@@ -469,8 +469,8 @@ def test_cli_errors_are_one_line(capsys, argv, message):
         (dict(lr=-1.0), "--lr and --lr-decay must be positive"),
         (dict(eval_every=-1), "--eval-every must be 0"),
         (dict(distribution="uniform"), "unknown distribution 'uniform'"),
-        (dict(threads=0), "--threads must be 1 to"),
-        (dict(threads=99999), "--threads must be 1 to"),
+        (dict(threads=0), "bad --threads 0: give 1 to"),
+        (dict(threads=99999), "bad --threads 99999: give 1 to"),
         (dict(device="tpu"), "unknown device 'tpu'"),
     ],
 )

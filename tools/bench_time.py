@@ -691,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:  # after each model: a run cut short keeps what it measured
                 atomic_write(args.json, json.dumps(doc, indent=1) + "\n")
     section = markdown(doc)
-    if args.json:
+    if args.json and not cases:  # each case wrote it already
         atomic_write(args.json, json.dumps(doc, indent=1) + "\n")
     if args.no_doc:
         print(section)

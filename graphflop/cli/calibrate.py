@@ -5,7 +5,6 @@ achieves in eager PyTorch and write the profile file ``--device FILE.json`` read
 from __future__ import annotations
 
 import argparse
-import os
 
 from rich.console import Console
 
@@ -61,15 +60,14 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from graphflop.load import SpecError
     from graphflop.passes.time_profile import save_profile
     from graphflop.runtime.calibrate import calibrate, plan
+    from graphflop.runtime.timing import threads_problem
 
     check_output_file(args.out, "--out", (".json",))
     if args.name is not None and not args.name.strip():
         raise SpecError("bad --name '': give the profile a name (it labels tables and plots)")
-    cores = os.cpu_count() or 1
-    if args.threads is not None and not 1 <= args.threads <= cores:
-        # more threads than cores measures the operating system's scheduler, and OpenMP
-        # aborts the process when it cannot create them (tester: --threads 99999, exit 139)
-        raise SpecError(f"bad --threads {args.threads}: give 1 to {cores} (this machine's cores)")
+    problem = threads_problem(args.threads)
+    if problem:
+        raise SpecError(problem)
     if args.device == "cuda":
         import torch
 

@@ -7,6 +7,7 @@ bookkeeping only).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -15,6 +16,17 @@ from typing import Any
 
 #: a phase whose interquartile range exceeds this fraction of its median is reported as noisy
 NOISY_SPREAD = 0.20
+
+
+def threads_problem(threads: int | None) -> str | None:
+    """What is wrong with a ``--threads`` count, or None when it is none or 1 to this machine's
+    cores. More threads than cores times the operating system's scheduler, not the kernels,
+    and OpenMP aborts the process when it cannot create them (``--threads 99999``: exit
+    139)."""
+    cores = os.cpu_count() or 1
+    if threads is None or 1 <= threads <= cores:
+        return None
+    return f"bad --threads {threads}: give 1 to {cores} (this machine's cores)"
 
 
 @dataclass

@@ -8,13 +8,13 @@ steps with these models.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from graphflop.passes.forward_gradient import MAX_DIRECTIONS
 from graphflop.passes.optimizer import OPTIMIZERS
+from graphflop.runtime.timing import threads_problem
 
 METHODS = ("fgd", "backprop", "torch")
 RUNTIMES = ("torch", "onnxruntime")
@@ -197,7 +197,6 @@ def _check_numbers(c: TrainConfig) -> None:
         raise TrainError("--eval-every must be 0 (never) or positive")
     if c.eval_batch < 1:
         raise TrainError("the validation chunk size must be positive")
-    cores = os.cpu_count() or 1
-    if c.threads is not None and not 1 <= c.threads <= cores:
-        # OpenMP aborts the process when it cannot create the threads (calibrate, 99,999)
-        raise TrainError(f"--threads must be 1 to {cores} (this machine's cores)")
+    problem = threads_problem(c.threads)
+    if problem:
+        raise TrainError(problem)
