@@ -250,6 +250,39 @@ def test_checkpoint_matches_measurement_mlp_and_gpt2_blocks():
     assert 0.8 < ck.train_peak_bytes / peak < 1.2, (ck.train_peak_bytes, peak)
 
 
+def test_consecutive_checkpointed_blocks_rerun_only_their_own_saves():
+    """Two GPT-2 blocks checkpointed one after the other: block 0's output is block 1's
+    checkpoint input (block 1's first layer norm saves it under block 1's checkpoint), so
+    block 0's rerun stops where block 1's does, at its MLP's GELU, not at its own output (the
+    MLP's output projection and the residual add). Eager reruns each block's 3 attention /
+    MLP-input products and no output projection of the MLP: 2 × 3 addmm (c_attn, attn c_proj,
+    mlp c_fc), not 2 × 4. Before the fix block 0 was counted with its c_proj and residual
+    add (tester, stop 45)."""
+    import sys
+
+    sys.path.insert(0, "models")
+    from gpt2 import GPT2
+
+    torch.manual_seed(0)
+    gpt = GPT2(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=16).train()
+    x = (torch.randint(0, 100, (2, 16)),)
+    ck = _analysis(gpt, x, checkpoint="h.*").report.memory.checkpoint
+    per = {m.module: m for m in ck.per_module}
+    assert per["h.0"].recompute_flops == per["h.1"].recompute_flops
+    rerun = measure_rerun(gpt, x, "h.*")
+    assert rerun["aten.addmm.default"] == 2 * 3
+    from graphflop.passes.checkpoint import checkpoint_memory
+
+    a = _analysis(gpt, x)
+    names = checkpoint_memory(a.forward, a.backward, "h.*").recomputed
+    rerun_addmm = [
+        n.name
+        for n in a.forward.graph.nodes
+        if n.name in names and n.target is torch.ops.aten.addmm.default
+    ]
+    assert len(rerun_addmm) == rerun["aten.addmm.default"]
+
+
 def test_amp_small_net_exact():
     """bf16 on CPU: block.0's addmm saves its input's bf16 copy (8·16·2 = 256; x needs no
     gradient, so its weight's copy is not saved); the ReLU output is bf16 (8·32·2 = 512);

@@ -602,9 +602,13 @@ def test_a_view_the_autograd_engine_runs_takes_the_engines_figure():
     p = _profile(launch_overhead_s=100e-6, view_overhead_s=100e-6, fixed=fixed)
     assert p.fixed_cost("aten.view.default", view=True) == pytest.approx(6e-6)
     assert p.fixed_cost("aten.t.default", view=True) == pytest.approx(7e-6)
-    assert p.fixed_cost("aten.reshape.default", forward=False, view=True) == pytest.approx(2e-6)
+    back = dict(forward=False, view=True, engine=True)
+    assert p.fixed_cost("aten.reshape.default", **back) == pytest.approx(2e-6)
     # a kind the engine's probe did not run: the engine's median view, not the Python figure
-    assert p.fixed_cost("aten.view.default", forward=False, view=True) == pytest.approx(3e-6)
+    assert p.fixed_cost("aten.view.default", **back) == pytest.approx(3e-6)
+    # a JVP's tangent views run outside the engine: the Python-side figures
+    assert p.fixed_cost("aten.reshape.default", forward=False, view=True) == pytest.approx(7e-6)
+    assert p.fixed_cost("aten.view.default", forward=False, view=True) == pytest.approx(6e-6)
     # a backward kernel that moves bytes is no view: the '*' entry
     assert p.fixed_cost("aten.mul.Tensor", forward=False) == pytest.approx(9e-6)
 
@@ -645,6 +649,19 @@ def test_checkpointing_adds_the_rerun_forwards_time():
     # without the what-if there is nothing to add
     plain = analyze(model, (x,), jvp=False, time_profile=_profile()).report.time
     assert plain.recompute == ()
+    # on a GPU the phase overlaps host and device: the rerun is its share of the forward
+    # phase (block.0's addmm and the ReLU among the forward's nodes), never more than it
+    gpu = _profile(kind="gpu", launch_overhead_s=5e-6)
+    a = analyze(model, (x,), jvp=False, checkpoint="block", time_profile=gpu)
+    fwd = a.report.time.phase("forward")
+    assert fwd.overlap_s > 0
+    times = {n.name: n.meta[TIME].seconds for n in a.forward.graph.nodes if TIME in n.meta}
+    from graphflop.passes.checkpoint import checkpoint_memory
+
+    rerun = checkpoint_memory(a.forward, a.backward, "block").recomputed
+    share = sum(t for k, t in times.items() if k in rerun) / sum(times.values())
+    assert dict(a.report.time.recompute)["checkpoint"] == pytest.approx(fwd.seconds * share)
+    assert dict(a.report.time.recompute)["checkpoint"] < fwd.seconds
 
 
 def test_the_optimizer_steps_own_cost_is_counted_once():

@@ -45,7 +45,16 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from graphflop.meta import COMPOSITE, COST, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
+from graphflop.meta import (
+    COMPOSITE,
+    COST,
+    MODULE,
+    PARAM_DERIVED,
+    RESIDUAL,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+)
 from graphflop.passes.eager_memory import eager_residuals
 from graphflop.passes.memory import Schedule, forward_storages
 from graphflop.report import CheckpointedModule, CheckpointWhatIf
@@ -136,9 +145,12 @@ class CheckpointMemory:
 
 
 def _regions(forward: GraphModule, match) -> dict[Node, str]:
-    """Forward node -> the outermost matching module path it lies in (call nodes only)."""
+    """Forward node -> the outermost matching module path it lies in (call nodes only; not
+    the loss graphflop appends, which is no module eager PyTorch could checkpoint)."""
     out: dict[Node, str] = {}
     for n in forward.graph.nodes:
+        if n.meta.get(ROLE) == "loss":
+            continue
         path = n.meta.get(MODULE) if n.op == "call_function" else None
         if not path:
             continue
@@ -177,14 +189,18 @@ class _Cut:
 
     kept: set[str]
     full: set[str]
-    savers: set[str]
+    #: region -> the forward values its own ops pack for the backward (what its rerun must
+    #: make again). A value another region's op packs is that region's input, held by its
+    #: checkpoint: GPT-2's block N output, read by block N+1's first layer norm, is not rerun
+    #: by block N (eager reruns block N only up to its MLP's GELU; tester, stop 45)
+    savers: dict[str, set[str]]
     dropped: dict[str, tuple[str, list[str]]]  # placeholder -> (region, storage keys)
 
 
 def _cut(
     backward: GraphModule, eager, storage: dict[str, str], region: dict[Node, str], fnodes
 ) -> _Cut:
-    cut = _Cut(set(), set(), set(), {})
+    cut = _Cut(set(), set(), {}, {})
     for p in backward.graph.nodes:
         kind = p.meta.get(RESIDUAL)
         if p.op != "placeholder" or kind is None:
@@ -193,8 +209,9 @@ def _cut(
         if kind in ("param", "buffer", "param_derived"):
             continue
         stand = eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)])
-        if any(fnodes.get(s) in region for s in users):  # packed under a checkpoint
-            cut.savers.update(stand)
+        for s in users:  # packed under the checkpoint of the user's region
+            if fnodes.get(s) in region:
+                cut.savers.setdefault(region[fnodes[s]], set()).update(stand)
         keys = [storage[s] for s in stand if s in storage]
         cut.full.update(keys)
         if any(fnodes.get(s) not in region for s in users):
@@ -224,7 +241,13 @@ def checkpoint_memory(
     match = module_matcher(pattern)
     region = _regions(forward, match)
     if not region:
-        paths = sorted({p for n in forward.graph.nodes if (p := n.meta.get(MODULE))})
+        paths = sorted(
+            {
+                p
+                for n in forward.graph.nodes
+                if (p := n.meta.get(MODULE)) and n.meta.get(ROLE) != "loss"
+            }
+        )
         raise CheckpointPatternError(
             f"checkpoint pattern {pattern!r} matches no module; module paths: "
             + ", ".join(paths[:12])
@@ -245,7 +268,7 @@ def checkpoint_memory(
     per_module = {}
     recomputed: set[str] = set()
     for r, nodes in by_region.items():
-        rerun = _recompute(nodes, cut.savers)
+        rerun = _recompute(nodes, cut.savers.get(r, set()))
         per_module[r] = (sum(getattr(n.meta.get(COST), "flops", 0) for n in rerun), len(rerun))
         recomputed.update(n.name for n in rerun)
     all_inputs = set().union(*inputs.values()) if inputs else set()

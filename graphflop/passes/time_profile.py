@@ -297,19 +297,26 @@ class TimeProfile:
         return nbytes * self.fault_s_per_byte if nbytes > self.fresh_above_bytes else 0.0
 
     def fixed_cost(
-        self, op: str, forward: bool = True, view: bool = False, variant: str | None = None
+        self,
+        op: str,
+        forward: bool = True,
+        view: bool = False,
+        variant: str | None = None,
+        engine: bool = False,
     ) -> float:
         """Seconds one eager kernel of op ``op`` costs beyond its work: :attr:`fixed`'s entry
         for ``variant`` (a composite op's variant, ``aten.gelu.default[tanh]``), else for
-        ``op``, each first with ``"/backward"`` (``forward`` False: a derivative's kernel,
-        or a view the autograd engine runs; a view of a kind the engine's probe did not
-        run takes :data:`ANY_VIEW` ``+ "/backward"``, since the calling context, not the
-        kind, sets a view's cost); else :data:`ANY_VIEW` (``view``: a kernel that moves no
-        bytes) or :data:`ANY_KERNEL`; without any, :attr:`view_overhead_s` (``view``) or
-        :attr:`launch_overhead_s`."""
+        ``op``, each first with ``"/backward"`` (``forward`` False: a derivative's kernel;
+        for a view, only where the autograd engine runs it, ``engine``: a backward's
+        cotangent, not a JVP's tangent, whose views eager runs outside the engine; a view
+        of a kind the engine's probe did not run takes :data:`ANY_VIEW` ``+ "/backward"``,
+        since the calling context, not the kind, sets a view's cost); else :data:`ANY_VIEW`
+        (``view``: a kernel that moves no bytes) or :data:`ANY_KERNEL`; without any,
+        :attr:`view_overhead_s` (``view``) or :attr:`launch_overhead_s`."""
         names = [x for x in (variant, op) if x]
-        keys = [] if forward else [f"{x}{BACKWARD_SUFFIX}" for x in names]
-        if view and not forward:
+        derived = not forward and (engine or not view)
+        keys = [f"{x}{BACKWARD_SUFFIX}" for x in names] if derived else []
+        if view and engine:
             keys.append(ANY_VIEW + BACKWARD_SUFFIX)
         keys += names
         keys.append(ANY_VIEW if view else ANY_KERNEL)
