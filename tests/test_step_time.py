@@ -1048,6 +1048,8 @@ _CURVE = {"points": [[1.0, 1e9]], "fill_s": 0.0}
         ({"autograd_node_s": 2.0}, "a time must be 0 to 1 s, not 2.0"),
         ({"bandwidth": {"points": [[1.0, 1e-300]], "fill_s": 0.0}}, "at least 1 per second"),
         ({"device_kind": "tpu"}, "device_kind must be 'cpu' or 'gpu', not 'tpu'"),
+        # tester, stop 45: the entry of a table is named
+        ({"fixed": {"*view/backward": -1}}, "fixed: '*view/backward': a time must be 0 to 1 s"),
         # tester's findings: Python's own words, no key named; now the key and what it wants
         ({"compute": []}, "compute: expected an object of name: value, not list"),
         ({"update_step_s": "x"}, "update_step_s: expected an object of name: value, not str"),

@@ -56,6 +56,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from graphflop.cli.common import check_output_file
+    from graphflop.export.report import counted
     from graphflop.io import atomic_write
     from graphflop.load import SpecError
     from graphflop.passes.time_profile import save_profile
@@ -98,7 +99,12 @@ def run(args: argparse.Namespace, err: Console) -> int:
         f"{profile.title}: matmul float32 up to {mm / 1e9:,.1f} GFLOP/s, streaming "
         f"{bw / 1e9:,.1f} GB/s, {profile.launch_overhead_s * 1e6:.1f} µs per op "
         + (f"({profile.fixed_cost('*') * 1e6:.1f} µs in a network) " if profile.fixed else "")
-        + f"({profile.threads} threads): wrote {args.out}",
+        + (
+            f"({counted(profile.threads, 'host thread')}) "
+            if profile.kind == "gpu" and profile.threads
+            else ""
+        )
+        + f"— wrote {args.out}",
         markup=False,
         highlight=False,
     )

@@ -57,6 +57,11 @@ def human_seconds(s: float | None) -> str:
     return f"{s * 1e9:.3g} ns" if s else "0"
 
 
+def counted(n: int, noun: str) -> str:
+    """1, 'thread' → '1 thread'; 2 → '2 threads' (English plural by a trailing s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def print_report(
     r: Report,
     console: Console | None = None,
@@ -249,7 +254,7 @@ def time_lines(tr: TimeReport) -> list[str]:
         if step is not None:
             lines.append(
                 f"with --{what}: train step [bold]{human_seconds(step.seconds + s)}[/bold] "
-                f"(+{human_seconds(s)} rerunning the forward in the backward)"
+                f"(+{human_seconds(s) if s else '0 s'} rerunning the forward in the backward)"
             )
     return lines
 
@@ -506,7 +511,7 @@ def _summary_lines(r: Report) -> list[str]:
     ck, amp = m.checkpoint, m.amp
     if ck:  # the what-ifs of --checkpoint and --amp (their JSON: memory.checkpoint, .amp)
         lines.append(
-            f"checkpoint {ck.pattern} ({len(ck.modules)} modules): saved for backward "
+            f"checkpoint {ck.pattern} ({counted(len(ck.modules), 'module')}): saved for backward "
             f"{human_bytes(ck.saved_for_backward_bytes)}, train peak "
             f"{human_bytes(ck.train_peak_bytes)}, recompute {human(ck.recompute_flops)} "
             "FLOPs"

@@ -492,7 +492,17 @@ class TimeProfile:
                 ) from e
 
         def by_name(parse: Callable[[Any], Any]) -> Callable[[Any], dict[str, Any]]:
-            return lambda v: {str(k): parse(x) for k, x in _object(v).items()}
+            def entries(v: Any) -> dict[str, Any]:
+                out = {}
+                for k, x in _object(v).items():
+                    try:
+                        out[str(k)] = parse(x)
+                    except (KeyError, TypeError, ValueError, AttributeError) as e:
+                        # the entry's name, so that a user finds it in a long table
+                        raise ValueError(f"{k!r}: {e}") from e
+                return out
+
+            return entries
 
         def shaped(v: Any) -> dict[str, dict[str, tuple[tuple[float, RateCurve], ...]]]:
             return {

@@ -70,6 +70,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from graphflop.export.report import counted
 from graphflop.passes.optimizer import OPTIMIZERS
 from graphflop.passes.time_profile import (
     ANY_KERNEL,
@@ -1180,7 +1181,7 @@ def calibrate(
     if dev.type == "cuda":
         title = torch.cuda.get_device_name(dev)
     else:
-        title = f"{platform.processor() or platform.machine()} CPU, {n_threads} threads"
+        title = f"{platform.processor() or platform.machine()} CPU, {counted(n_threads, 'thread')}"
     return TimeProfile(
         name=name or ("cuda" if dev.type == "cuda" else "cpu-calibrated"),
         title=title,
@@ -1213,7 +1214,8 @@ def calibrate(
         view_overhead_s=min(view, launch),
         threads=n_threads,
         notes=(
-            f"measured with torch {torch.__version__} on {title}, {n_threads} threads, "
-            f"median of {reps} runs per point{' (quick plan)' if quick else ''}",
+            f"measured with torch {torch.__version__} on {title}"
+            + (f", {counted(n_threads, 'host thread')}" if dev.type == "cuda" else "")
+            + f", median of {reps} runs per point{' (quick plan)' if quick else ''}",
         ),
     )
