@@ -302,3 +302,23 @@ def test_entry_with_standard_error_closed(tmp_path):
     )
     assert r.returncode == 0
     assert json.loads(r.stdout.rstrip().rpartition("\n")[0])["params"] == 7850
+
+
+def test_devices_lists_every_data_sheet_device(capsys):
+    """``graphflop devices``: every spec of graphflop.devices by name, its peaks in TFLOP/s
+    (the H100 SXM's BF16 989.4 TFLOP/s dense, 3.35 TB/s), and the same figures as JSON."""
+    from graphflop.cli import main
+    from graphflop.devices import DEVICES
+
+    assert main(["devices"]) == 0
+    out = capsys.readouterr().out
+    for name in DEVICES:
+        assert name in out
+    assert "989.4" in out and "3.35" in out
+    assert main(["devices", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == list(DEVICES)
+    h100 = next(r for r in rows if r["name"] == "h100-sxm")
+    assert h100["peak_flops"]["bfloat16"] == 989.4e12
+    assert h100["memory_bandwidth"] == 3.35e12
+    assert "h100" in h100["aliases"]

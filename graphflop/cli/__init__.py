@@ -1,7 +1,7 @@
 """``graphflop`` command line: a thin front end over the library (no logic of its own).
 
 One module per subcommand (``inspect``, ``export``, ``bench``, ``render``, ``train``, ``sweep``,
-``models``, ``plan``),
+``models``, ``plan``, ``calibrate``, ``devices``),
 each with ``add_parser(subparsers)`` and ``run(args, err) -> exit status``; what they share is in
 :mod:`graphflop.cli.common`. Errors the user can fix (bad spec, bad shape, untraceable model, op
 without a rule, an output path that cannot be written) print one line to stderr and exit with
@@ -49,6 +49,7 @@ COMMANDS = (
     "models",
     "plan",
     "calibrate",
+    "devices",
 )
 
 
