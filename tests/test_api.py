@@ -591,3 +591,18 @@ def test_compile_backend_under_no_grad_counts_no_backward():
     compiled(torch.randn(3, 4))
     assert [x.backward_flops for x in backend.report.graphs] == [0, 54]
     torch._dynamo.reset()
+
+
+def test_build_vjp_refuses_another_models_jvp():
+    """A JVP graph of another forward (other parameter shapes) used to be transposed into a
+    backward of the wrong shapes; now a ValueError names the first input that differs."""
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.frontend.trace import trace
+
+    f1 = trace(nn.Sequential(nn.Linear(4, 3)), (torch.randn(2, 4),), loss="sum")
+    f2 = trace(nn.Sequential(nn.Linear(5, 2), nn.ReLU()), (torch.randn(2, 5),), loss="sum")
+    with pytest.raises(ValueError, match=r"'p_model_0_weight' is \(2, 5\) torch.float32, the"):
+        build_vjp(f1, linearized=build_jvp(f2, "params"))
+    # its own JVP is accepted (no error): the check compares names, shapes and dtypes only
+    build_vjp(f1, linearized=build_jvp(f1, "params"))

@@ -230,6 +230,8 @@ def build_vjp(
     sig: Signature = forward.meta[SIGNATURE]
     if sig.loss is None:
         raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
+    if linearized is not None:
+        _check_linearizes(forward, linearized)
     lin = linearized
     dh = lin.meta.get(DERIVED_HIERARCHY) if lin is not None else None
     if dh is not None and dh.graph is lin:  # a recorded JVP
@@ -251,6 +253,41 @@ def build_vjp(
             per_template=per_template,
         )
     return _build_vjp(forward, sig, lin, input_grads, per_template, recorder, None)
+
+
+def _check_linearizes(forward: GraphModule, lin: GraphModule) -> None:
+    """Raise ``ValueError`` unless ``lin`` is a JVP graph of ``forward``: each of
+    ``forward``'s placeholders (parameters, buffers, inputs) a placeholder of ``lin`` of the
+    same name, shape and dtype. Another model's JVP used to be transposed into a backward of
+    the wrong shapes without a word."""
+    mine = {n.name: n.meta.get("val") for n in lin.graph.nodes if n.op == "placeholder"}
+    for n in forward.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v, w = n.meta.get("val"), mine.get(n.name, None)
+        same = (
+            n.name in mine
+            and isinstance(v, torch.Tensor) == isinstance(w, torch.Tensor)
+            and (
+                not isinstance(v, torch.Tensor)
+                or (isinstance(w, torch.Tensor) and (v.shape, v.dtype) == (w.shape, w.dtype))
+            )
+        )
+        if not same:
+            got = (
+                f"{tuple(w.shape)} {w.dtype}"
+                if isinstance(w, torch.Tensor)
+                else "none"
+                if n.name not in mine
+                else type(w).__name__
+            )
+            want = (
+                f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+            )
+            raise ValueError(
+                f"linearized is not a JVP graph of this forward graph: its input {n.name!r} "
+                f"is {got}, the forward's is {want}; build it with build_jvp(forward)"
+            )
 
 
 def _build_vjp(
