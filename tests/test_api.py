@@ -606,3 +606,18 @@ def test_build_vjp_refuses_another_models_jvp():
         build_vjp(f1, linearized=build_jvp(f2, "params"))
     # its own JVP is accepted (no error): the check compares names, shapes and dtypes only
     build_vjp(f1, linearized=build_jvp(f1, "params"))
+
+
+@pytest.mark.parametrize(
+    ("which", "says"),
+    [
+        ("jvp", "direct must be True or False, not 'yes'"),
+        ("vjp", "per_template must be True or False, not 1"),
+    ],
+)
+def test_pass_switches_are_booleans(which, says):
+    """``BuildJvp(direct="yes")`` was taken as true (and ``"no"`` too)."""
+    from graphflop.passes.autodiff import BuildJvp, BuildVjp
+
+    with pytest.raises(TypeError, match=re.escape(says)):
+        BuildJvp(direct="yes") if which == "jvp" else BuildVjp(per_template=1)

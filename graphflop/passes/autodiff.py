@@ -19,6 +19,14 @@ from graphflop.passes.calls import DirectRecorder, attach
 from graphflop.passes.infra import FLAT, GraphPass
 
 
+def _flags(**flags: object) -> None:
+    """Raise ``TypeError`` for a switch that is not a bool (``direct="yes"`` was taken as
+    true, ``direct="no"`` too)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, not {value!r}")
+
+
 class BuildJvp(GraphPass):
     """Forward graph → its JVP graph (:func:`graphflop.ad.jvp.build_jvp`).
 
@@ -52,6 +60,7 @@ class BuildJvp(GraphPass):
         per_template: bool = True,
         direct: bool = False,
     ) -> None:
+        _flags(per_template=per_template, direct=direct)
         self.tangents = tangents
         self.wrt_outputs = wrt_outputs
         self.per_template = per_template
@@ -111,6 +120,7 @@ class BuildVjp(GraphPass):
         per_template: bool = True,
         direct: bool = False,
     ) -> None:
+        _flags(input_grads=input_grads, per_template=per_template, direct=direct)
         self.input_grads = input_grads
         self.linearized = linearized
         self.per_template = per_template
