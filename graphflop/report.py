@@ -784,7 +784,8 @@ class LayerTime:
 
     Attributes:
         name: module path (``(model)`` for the model's own forward).
-        forward_s, backward_s, update_s, jvp_s: seconds (0 for a phase not built).
+        forward_s, backward_s, update_s, jvp_s: seconds, the module's share of the phase
+            (the rows of a phase add up to it; 0 for a phase not built).
         bound: what bounds most of its forward time (``compute``, ``memory``, ``overhead``).
     """
 

@@ -1132,3 +1132,24 @@ def test_relu_backward_is_one_eager_kernel():
     assert (row.op, row.kernels) == ("aten.relu.default", 1)
     assert row.memory_s == pytest.approx(3 * 64 * 32 * 4 / 1e9)
     assert row.overhead_s == pytest.approx(1e-6)
+
+
+def test_layer_rows_add_up_to_their_phase():
+    """Per-layer times are each module's share of its phase: they sum to the phase's
+    seconds, on a GPU profile (host and device overlapped: the plain sums exceeded the phase)
+    and on a calibrated CPU profile with host costs (module calls, autograd nodes)."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    for prof in (
+        _profile(kind="gpu", launch_overhead_s=5e-6),
+        _profile(module_call_s=2e-6, autograd_node_s=1e-6),
+    ):
+        tr = analyze(model, (x,), jvp=False, time_profile=prof).report.time
+        for phase, field in (("forward", "forward_s"), ("backward", "backward_s")):
+            rows = sum(getattr(L, field) for L in tr.layers)
+            assert rows == pytest.approx(tr.phase(phase).seconds), (prof.kind, phase)
+        gpu = tr.phase("forward")
+        if prof.kind == "gpu":
+            assert gpu.overlap_s > 0  # the case the rows used to overshoot
+        else:
+            assert gpu.host_s > 0

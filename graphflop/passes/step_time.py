@@ -650,7 +650,7 @@ def time_report(
         phases=tuple((p, phases[p]) for p in order),
         ratios=_ratios({k: v.seconds for k, v in phases.items()}),
         flop_ratios=_ratios({k: float(v.flops) for k, v in phases.items()}),
-        layers=_layers(phase_nodes, report.layers),
+        layers=_layers(phase_nodes, report.layers, phases),
         ops=_op_times(phase_nodes),
         recompute=tuple(
             (what, _rerun_seconds(phase_nodes["forward"], phases["forward"], names))
@@ -798,18 +798,25 @@ def _ratios(s: dict[str, float]) -> tuple[tuple[str, float | None], ...]:
 
 
 def _layers(
-    phase_nodes: dict[str, list[Node]], rows: tuple[LayerRow, ...]
+    phase_nodes: dict[str, list[Node]],
+    rows: tuple[LayerRow, ...],
+    phases: dict[str, PhaseTime],
 ) -> tuple[LayerTime, ...]:
+    """Per module, its share of each phase: its nodes' kernel seconds times the phase's
+    seconds over all its nodes' (so the rows add up to the phase: on a GPU profile the
+    host/device overlap comes off, and a calibrated profile's host costs go on, in
+    proportion; before, a GPU's layer rows summed to more than their phase)."""
     per: dict[str, dict[str, float]] = {}
     split: dict[str, dict[str, float]] = {}
     for phase in ("forward", "backward", "update", "jvp"):
-        for n in phase_nodes.get(phase, ()):
-            t: NodeTime | None = n.meta.get(TIME)
-            if t is None:
-                continue
+        nodes = [n for n in phase_nodes.get(phase, ()) if n.meta.get(TIME) is not None]
+        kernels = sum(n.meta[TIME].seconds for n in nodes)
+        scale = phases[phase].seconds / kernels if phase in phases and kernels else 1.0
+        for n in nodes:
+            t: NodeTime = n.meta[TIME]
             name = n.meta.get(MODULE, "") or "(model)"
             per.setdefault(name, {}).setdefault(phase, 0.0)
-            per[name][phase] += t.seconds
+            per[name][phase] += t.seconds * scale
             if phase == "forward":
                 b = split.setdefault(name, dict.fromkeys(BOUNDS, 0.0))
                 work = t.seconds - t.overhead_s
