@@ -856,6 +856,8 @@ class TimeReport:
         recompute: what-if (``checkpoint``, ``recompute``) -> predicted seconds of the forward
             kernels it reruns in the backward (each timed as in the forward), which a train
             step with that what-if adds to ``train_step``; empty without those what-ifs.
+        memory_bytes: the device's memory, bytes, where the profile knows it (data sheets,
+            calibrated GPUs); None otherwise.
     """
 
     device: str
@@ -868,6 +870,7 @@ class TimeReport:
     layers: tuple[LayerTime, ...] = ()
     ops: tuple[OpTime, ...] = ()
     recompute: tuple[tuple[str, float], ...] = ()
+    memory_bytes: int | None = None
 
     def phase(self, name: str) -> PhaseTime | None:
         """The phase ``name``, or None when it was not built."""
@@ -887,6 +890,8 @@ class TimeReport:
         }
         if self.recompute:  # only under --checkpoint / --recompute
             out["recompute"] = dict(self.recompute)
+        if self.memory_bytes is not None:
+            out["memory_bytes"] = self.memory_bytes
         return out
 
     @classmethod
@@ -902,6 +907,7 @@ class TimeReport:
             layers=tuple(LayerTime.from_dict(L) for L in d.get("layers", ())),
             ops=tuple(OpTime.from_dict(o) for o in d.get("ops", ())),
             recompute=tuple(d.get("recompute", {}).items()),
+            memory_bytes=d.get("memory_bytes"),
         )
 
 

@@ -171,7 +171,9 @@ def test_time_section_keys_ratios_and_round_trip():
         "flop_ratios",
         "layers",
         "ops",
+        "memory_bytes",  # the H100 SXM's 80 GiB (a data sheet knows it)
     ]
+    assert doc["time"]["memory_bytes"] == 80 * 2**30
     phases = doc["time"]["phases"]
     assert list(phases) == [
         "forward",
@@ -1153,3 +1155,34 @@ def test_layer_rows_add_up_to_their_phase():
             assert gpu.overlap_s > 0  # the case the rows used to overshoot
         else:
             assert gpu.host_s > 0
+
+
+def test_a_step_that_does_not_fit_the_device_is_warned():
+    """The train step's predicted peak against the device's memory: a data-sheet profile
+    carries the device's bytes (the L4's 24 GiB), and a profile of 1 KiB makes any model's
+    step not fit; the line names the memory and `graphflop plan`."""
+    from graphflop.devices import device_spec
+    from graphflop.export.report import warning_lines
+    from graphflop.passes.time_profile import from_device
+
+    l4 = from_device(device_spec("l4"))
+    assert l4.memory_bytes == 24 * 2**30
+    assert TimeProfile.from_dict(json.loads(save_profile(l4))).memory_bytes == 24 * 2**30
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    fits = analyze(model, (x,), jvp=False, time_profile=l4).report
+    assert not [w for w in warning_lines(fits) if "does not fit" in w]
+    tiny = dataclasses.replace(l4, memory_bytes=1024)
+    r = analyze(model, (x,), jvp=False, time_profile=tiny).report
+    assert r.time.memory_bytes == 1024 and r.memory.train_peak_bytes > 1024
+    (line,) = [w for w in warning_lines(r) if "does not fit" in w]
+    assert "exceeds the 1 KiB of one l4" in line and "graphflop plan" in line
+
+
+def test_human_figures_never_use_exponents():
+    from graphflop.export.report import human, human_bytes, human_seconds
+
+    # 1,020 MiB is below a GiB: '1020 MiB', once '1.02e+03 MiB' in the checkpoint line
+    assert human_bytes(1020 * 2**20) == "1020 MiB"
+    assert human(999.7e6) == "1000 M" and human_seconds(999.8e-6) == "1000 µs"
+    assert human_bytes(1536) == "1.5 KiB" and human_seconds(0.00123) == "1.23 ms"

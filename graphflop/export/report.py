@@ -21,6 +21,13 @@ from graphflop.report import OP_PHASES, LayerRow, LayerTime, OpRow, Report, Time
 UNITS = ("flops", "macs")
 
 
+def _g3(v: float) -> str:
+    """Three significant digits, never in exponent form: 1020 MiB, not '1.02e+03 MiB' (a
+    value between 1,000 and 1,024 of a binary unit, or one that rounds up to 1,000)."""
+    text = f"{v:.3g}"
+    return f"{v:.0f}" if "e" in text else text
+
+
 def human(n: float | int | None, unit: str = "") -> str:
     """1234567 → '1.23 M' (decimal prefixes)."""
     if n is None:
@@ -28,7 +35,7 @@ def human(n: float | int | None, unit: str = "") -> str:
     n = float(n)
     for div, p in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(n) >= div:
-            return f"{n / div:.3g} {p}{unit}"
+            return f"{_g3(n / div)} {p}{unit}"
     return f"{n:.4g} {unit}".rstrip()
 
 
@@ -39,7 +46,7 @@ def human_bytes(n: int | None) -> str:
     x = float(n)
     for div, p in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if x >= div:
-            return f"{x / div:.3g} {p}"
+            return f"{_g3(x / div)} {p}"
     return f"{int(x)} B"
 
 
@@ -53,8 +60,8 @@ def human_seconds(s: float | None) -> str:
         return "–"
     for div, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
         if abs(s) >= div:
-            return f"{s / div:.3g} {unit}"
-    return f"{s * 1e9:.3g} ns" if s else "0"
+            return f"{_g3(s / div)} {unit}"
+    return f"{_g3(s * 1e9)} ns" if s else "0"
 
 
 def counted(n: int, noun: str) -> str:
@@ -310,11 +317,32 @@ def _op_table(r: Report, phase: str, rows: list[OpRow], units: str) -> Table:
     return table
 
 
+def _over_memory(r: Report) -> list[str]:
+    """A warning when the train step's predicted peak exceeds the memory of the device it is
+    timed on (a data sheet's, or a calibrated GPU's), naming the what-ifs whose peaks fit."""
+    t, m = r.time, r.memory
+    peak = m.train_peak_bytes
+    if t is None or not t.memory_bytes or not peak or peak <= t.memory_bytes:
+        return []
+    fits = [
+        f"--{what} {human_bytes(w.train_peak_bytes)}"
+        for what, w in (("checkpoint", m.checkpoint), ("amp", m.amp), ("recompute", m.recompute))
+        if w is not None and w.train_peak_bytes and w.train_peak_bytes <= t.memory_bytes
+    ]
+    return [
+        f"warning: the train step's predicted peak, {human_bytes(peak)}, exceeds the "
+        f"{human_bytes(t.memory_bytes)} of one {t.device}: the step does not fit on one device"
+        + (f" (it fits with {', '.join(fits)})" if fits else "")
+        + "; graphflop plan shards it over several"
+    ]
+
+
 def warning_lines(r: Report) -> list[str]:
-    """One line per op the analysis could not count or differentiate (``Report.uncounted``),
-    and one when the model has no trainable parameter (the training figures are all zero);
-    then one ``assumption:`` line per :attr:`Report.assumptions`."""
-    lines = []
+    """One line when the train step's predicted peak exceeds the memory of the device it is
+    timed on, one per op the analysis could not count or differentiate
+    (``Report.uncounted``), and one when the model has no trainable parameter (the training
+    figures are all zero); then one ``assumption:`` line per :attr:`Report.assumptions`."""
+    lines = _over_memory(r)
     jvp = r.totals.jvp
     weight_jvp = jvp is not None and jvp.tangents == "params"
     if r.trainable_params == 0 and (r.totals.backward is not None or weight_jvp):

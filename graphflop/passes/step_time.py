@@ -656,6 +656,7 @@ def time_report(
             (what, _rerun_seconds(phase_nodes["forward"], phases["forward"], names))
             for what, names in (reruns or {}).items()
         ),
+        memory_bytes=profile.memory_bytes,
     )
 
 

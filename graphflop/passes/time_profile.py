@@ -249,6 +249,9 @@ class TimeProfile:
             convolution's derivative (eager PyTorch's ``X_backward`` kernel), and for a view
             the autograd engine runs in a backward pass (``aten.reshape.default/backward``);
             :data:`ANY_KERNEL`, :data:`ANY_VIEW` and ``*view/backward`` for kinds not measured.
+        memory_bytes: the device's memory, bytes (a data sheet's; a calibrated GPU's as CUDA
+            reports it); None where unknown (a CPU): ``inspect`` warns when a train step's
+            predicted peak exceeds it.
         fault_s_per_byte: seconds per byte of an output written into fresh pages (the page
             faults of first touch), beyond writing it into reused memory; 0: not modelled
             (data sheets, GPUs, profiles calibrated before it was measured).
@@ -290,6 +293,7 @@ class TimeProfile:
     fresh_above_bytes: int = GLIBC_MMAP_THRESHOLD_MAX
     module_call_s: float = 0.0
     autograd_node_s: float = 0.0
+    memory_bytes: int | None = None
 
     def fault_seconds(self, nbytes: float) -> float:
         """Seconds of the page faults of one output of ``nbytes`` bytes: ``nbytes ×``
@@ -456,6 +460,7 @@ class TimeProfile:
             "autograd_node_s": self.autograd_node_s,
             "efficiency": dict(self.efficiency),
             "threads": self.threads,
+            "memory_bytes": self.memory_bytes,
             "notes": list(self.notes),
         }
 
@@ -545,6 +550,7 @@ class TimeProfile:
             module_call_s=read("module_call_s", _seconds, 0.0),
             autograd_node_s=read("autograd_node_s", _seconds, 0.0),
             threads=read("threads", _threads, None),
+            memory_bytes=read("memory_bytes", _memory, None),
             notes=read("notes", lambda v: tuple(str(x) for x in v), ()),
         )
 
@@ -619,6 +625,19 @@ def _bytes(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ValueError(
             f"fresh_above_bytes must be a non-negative whole number of bytes, not {v!r}"
+        )
+    return v
+
+
+def _memory(v: Any) -> int | None:
+    """``memory_bytes`` from a profile file: a positive whole number of bytes, or null."""
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(
+            f"memory_bytes must be a positive whole number of bytes or null, not {v!r}"
         )
     return v
 
@@ -726,6 +745,7 @@ def from_device(spec: DeviceSpec) -> TimeProfile:
         kind="gpu",
         compute={"matmul": mm, "conv": conv, "transcendental": trans, "other": other},
         bandwidth=RateCurve.saturating(bw, MEMORY_FILL_S),
+        memory_bytes=spec.memory_bytes,
         launch_overhead_s=GPU_LAUNCH_S,
         view_overhead_s=GPU_VIEW_S,
         efficiency=dict(eff),

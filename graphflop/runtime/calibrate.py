@@ -1213,6 +1213,9 @@ def calibrate(
         launch_overhead_s=launch,
         view_overhead_s=min(view, launch),
         threads=n_threads,
+        memory_bytes=(
+            torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+        ),
         notes=(
             f"measured with torch {torch.__version__} on {title}"
             + (f", {counted(n_threads, 'host thread')}" if dev.type == "cuda" else "")
