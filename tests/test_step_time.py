@@ -1186,3 +1186,34 @@ def test_human_figures_never_use_exponents():
     assert human_bytes(1020 * 2**20) == "1020 MiB"
     assert human(999.7e6) == "1000 M" and human_seconds(999.8e-6) == "1000 µs"
     assert human_bytes(1536) == "1.5 KiB" and human_seconds(0.00123) == "1.23 ms"
+
+
+def test_an_integer_product_on_a_cpu_runs_at_the_vector_rate():
+    """Eager PyTorch multiplies int64 matrices on a CPU without BLAS: the product is timed at
+    the profile's 'other' rate (here 1e9 FLOP/s, float32's: the profile has no float64). A 4×4
+    int64 product is 2·4·4·4 = 128 FLOPs: 128 ns. A GPU profile still refuses it (no int64
+    peak), naming the dtypes it has."""
+
+    class IntProduct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("idx", torch.arange(16).view(4, 4))
+
+        def forward(self, x):
+            return self.fc(x) + (self.idx @ self.idx).sum().float()
+
+    prof = _profile(
+        compute={
+            "matmul": {"float32": RateCurve(((1.0, 1e12),))},
+            "other": {"float32": RateCurve(((1.0, 1e9),))},
+        }
+    )
+    a = analyze(IntProduct(), (torch.randn(2, 8),), jvp=False, time_profile=prof)
+    mm = [
+        n for n in a.forward.graph.nodes if n.target is torch.ops.aten.mm.default and TIME in n.meta
+    ]
+    assert len(mm) == 1 and mm[0].meta[COST].mm_flops == 128
+    assert mm[0].meta[TIME].compute_s == pytest.approx(128 / 1e9)
+    with pytest.raises(NoPeak, match="no int64 peak for matmul"):
+        analyze(IntProduct(), (torch.randn(2, 8),), jvp=False, time_profile=H100)

@@ -107,6 +107,11 @@ PROFILE_SCHEMA = 1
 MAX_SECONDS = 1.0
 
 
+#: integer dtype keys: on a CPU profile a matrix product in one of these runs at the vector
+#: ("other") rate (:meth:`TimeProfile.curve`)
+_INTEGERS = frozenset({"int8", "uint8", "int16", "int32", "int64"})
+
+
 class ProfileError(ValueError):
     """A profile file that cannot be read or does not parse, or a device name that is neither a
     known device nor a file."""
@@ -387,7 +392,10 @@ class TimeProfile:
 
         An ``other`` or ``transcendental`` kernel in a dtype the profile lacks (integers,
         booleans) runs at the profile's ``float32`` rate for that class; a profile without a
-        ``transcendental`` class counts those elements at its ``other`` rate.
+        ``transcendental`` class counts those elements at its ``other`` rate. On a CPU
+        profile, a matrix product or convolution in an integer dtype it has no rate for runs
+        at its ``other`` rate (``float64``'s, else ``float32``'s): eager PyTorch computes it
+        without BLAS, on the vector units.
 
         Raises:
             NoPeak: a matrix product or convolution in a dtype the profile has no rate for
@@ -399,6 +407,11 @@ class TimeProfile:
             op_class = "conv"
         rates = self.compute.get(op_class) or self.compute["other"]
         curve = rates.get(dtype)
+        if curve is None and self.kind == "cpu" and dtype in _INTEGERS:
+            # eager PyTorch multiplies integer matrices on a CPU without BLAS, element by
+            # element on the vector units: the widest float "other" rate the profile has
+            other = self.compute["other"]
+            curve = other.get("float64") or other.get("float32")
         if curve is None:
             if op_class in ("other", "transcendental") and "float32" in rates:
                 curve = rates["float32"]
