@@ -46,7 +46,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--name", default=None, help="the profile's name (default cpu-calibrated/cuda)")
     p.add_argument(
-        "--quick", action="store_true", help="small sizes and few repeats (seconds; for tests)"
+        "--quick",
+        action="store_true",
+        help="small sizes and few repeats (seconds; for tests: its rates can be far off, "
+        "under load many-fold)",
     )
     return p
 
@@ -108,4 +111,11 @@ def run(args: argparse.Namespace, err: Console) -> int:
         markup=False,
         highlight=False,
     )
+    if args.quick:  # a tester's quick profile under load was 100× off, with no sign of it
+        err.print(
+            "note: --quick measures few, small points once each (for tests): its rates can be "
+            "far off, under load many-fold; calibrate without --quick for predictions",
+            markup=False,
+            highlight=False,
+        )
     return 0
