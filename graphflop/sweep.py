@@ -52,6 +52,7 @@ def sweep(
     seq: int | None = None,
     progress: Callable[[str], None] | None = None,
     devices: Sequence[TimeProfile] = (),
+    amp: str | None = None,
 ) -> list[dict[str, Any]]:
     """One row per batch size (``batches``) or per depth (``depths``); ``seq``: the sequence
     length of an ``hf:`` model's token inputs (:func:`graphflop.load.load`).
@@ -59,13 +60,13 @@ def sweep(
     Row keys: ``batch`` or ``depth``, ``forward_flops``, ``backward_flops``, ``update_flops``,
     ``ratio`` ((backward + update)/forward), ``ratio_no_update``, ``params``; per profile of
     ``devices`` (:mod:`graphflop.passes.step_time`), ``time_ratio@NAME`` ((backward + update) /
-    forward in predicted seconds), ``forward_s@NAME`` and ``train_step_s@NAME``.
+    forward in predicted seconds), ``forward_s@NAME`` and ``train_step_s@NAME``; ``amp``
+    (``bf16``/``fp16``): those times under autocast to that dtype.
 
     Raises:
         NoPeak: a matrix product in a dtype a profile of ``devices`` has no rate for.
-
-    Raises:
         SpecError: the model's output has nothing to differentiate (no backward to compare).
+        ValueError: an unknown ``amp``.
     """
     say = progress or (lambda m: None)
     rows = []
@@ -103,7 +104,7 @@ def sweep(
             }
         )
         for profile in devices:
-            tr = time_report(Graphs(a.forward, a.backward, a.update), r, profile)
+            tr = time_report(Graphs(a.forward, a.backward, a.update), r, profile, amp=amp)
             fwd, step = tr.phase("forward"), tr.phase("train_step")
             assert fwd is not None and step is not None  # a backward was built
             rows[-1] |= {

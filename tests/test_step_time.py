@@ -365,6 +365,27 @@ def test_sweep_gives_the_ratio_in_time_per_device(capsys, tmp_path):
     )
 
 
+def test_sweep_times_each_point_under_autocast(capsys, tmp_path):
+    """sweep --amp bf16: each point's step time is inspect's under --amp bf16 on the same
+    device (the same time pass), different from float32's; --amp without --device: exit 2."""
+    from graphflop.load import load, make_inputs
+
+    js = tmp_path / "s.json"
+    args = ("sweep", spec("gpt2.py:gpt2_small"), "--batches", "1", "--device", "h100-sxm")
+    rc, out, err = cli(capsys, *args, "--amp", "bf16", "--json", js)
+    assert rc == 0, err
+    (row,) = json.loads(js.read_text())
+    loaded = load(spec("gpt2.py:gpt2_small"), meta=True)
+    loaded.model.train()
+    inputs = make_inputs(loaded, batch=1)
+    a = analyze(loaded.model, inputs, jvp=False, amp="bf16", time_profile=H100)
+    assert row["train_step_s@h100-sxm"] == pytest.approx(a.report.time.phase("train_step").seconds)
+    fp32 = analyze(loaded.model, inputs, jvp=False, time_profile=H100).report.time
+    assert row["train_step_s@h100-sxm"] < 0.8 * fp32.phase("train_step").seconds
+    rc, out, err = cli(capsys, "sweep", spec("mlp.py"), "--batches", "1", "--amp", "bf16")
+    assert rc == 2 and "give --device too" in " ".join(err)
+
+
 def test_render_colours_nodes_by_predicted_time(capsys, tmp_path):
     dot = tmp_path / "g.dot"
     rc, out, err = cli(capsys, "render", spec("mlp.py"), "-o", dot, "--device", "h100-sxm",

@@ -6,6 +6,7 @@ import argparse
 
 from rich.console import Console
 
+from graphflop.analysis import AMP_DTYPES
 from graphflop.cli.common import (
     OPTIMIZER_CHOICES,
     add_model_args,
@@ -60,6 +61,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         metavar="NAME|FILE.json",
         help="also give the ratio in predicted time on this device (repeatable: --device h100 "
         "--device cpu.json); a data-sheet device, cpu or a 'graphflop calibrate' file",
+    )
+    p.add_argument(
+        "--amp",
+        choices=AMP_DTYPES,
+        help="time each point under autocast to this dtype on every --device (matrix products "
+        "and convolutions at that dtype's peak, values at the dtype autocast gives them); the "
+        "FLOP ratios do not change, so it needs --device",
     )
     p.add_argument("--csv", metavar="PATH", help="write the table as CSV")
     p.add_argument("--plot", metavar="PATH", help="write a plot (.png, .svg or .pdf)")
@@ -118,6 +126,11 @@ def run(args: argparse.Namespace, err: Console) -> int:
             "legend): give each device once, or name calibrated profiles apart with "
             "graphflop calibrate --name"
         )
+    if args.amp and not profiles:
+        raise SpecError(
+            f"--amp {args.amp} changes the predicted time only (the FLOP ratios do not depend "
+            "on it): give --device too"
+        )
     _check_differentiable(args)
     with err.status("sweeping", spinner="dots") as status:
         rows = sweep(
@@ -131,6 +144,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             seq=args.seq,
             progress=lambda m: status.update(f"sweeping: {m}"),
             devices=profiles,
+            amp=args.amp,
         )
     _print_table(args, rows, "batch" if batches else "depth")
     _write(args, rows)
@@ -141,7 +155,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
 #: ``example_inputs()`` in train mode with the default loss), with what to do instead
 _UNSUPPORTED = {
     "input_shape": "--input-shape (sweep rescales the file's example_inputs(); set --batches)",
-    "dtype": "--dtype (the FLOP ratios do not depend on it; use inspect --dtype for bytes)",
+    "dtype": "--dtype (the FLOP ratios do not depend on it; for the predicted time in a half "
+    "dtype give --amp with --device; inspect --dtype for bytes)",
     "eval": "--eval (sweep traces in train mode; use inspect --eval)",
 }
 
@@ -183,7 +198,8 @@ def _print_table(args: argparse.Namespace, rows: list[dict], kind: str) -> None:
 
     from graphflop.export.report import human, human_seconds
 
-    table = Table(title=f"{args.spec}: backward/forward FLOP ratio ({args.optimizer})")
+    amp = f"; times under autocast {args.amp}" if args.amp else ""
+    table = Table(title=f"{args.spec}: backward/forward FLOP ratio ({args.optimizer}{amp})")
     timed = [k.partition("@")[2] for k in rows[0] if k.startswith("time_ratio@")]
     for col in (kind, "forward", "backward", "update", "(bwd+upd)/fwd", "bwd/fwd"):
         table.add_column(col, justify="right")
