@@ -218,7 +218,8 @@ class TimeProfile:
         bandwidth: achieved bytes/s as a function of one kernel's bytes read + written, for a
             kernel that allocates its output (as most eager ops do).
         inplace_bandwidth: the same for a kernel that writes into an existing tensor (the
-            optimizer's in-place update); None: :attr:`bandwidth`.
+            optimizer's in-place update, a residual ``out += identity``); None:
+            :attr:`bandwidth`.
         kernels: eager kernel key (``aten.max_pool2d_with_indices.default``; a composite op's
             variant, ``aten.gelu.default[tanh]``; ``/backward`` for a derivative's kernel,
             ``aten.native_batch_norm.default/backward``) -> its own measured bytes/s, for

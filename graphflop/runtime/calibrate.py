@@ -113,6 +113,10 @@ class CalibrationPlan:
         min_time_s: each timed run repeats the kernel until this long has passed.
         cold_bytes: the bandwidth kernel's inputs rotate over pairs of tensors that together
             hold this many bytes, beyond the last-level cache.
+        inplace_cold_bytes: the in-place kernels' operands rotate over tensors that together
+            hold this many bytes: on this CPU an in-place kernel ran at 37-48 GB/s over 16-64 MB
+            of operands and 20 GB/s from 128 MB up (its operands from memory, as a network's
+            are: ResNet-18's in-place ReLUs ran at 20 GB/s), so :attr:`cold_bytes` is too few.
         evict_bytes: the fixed-cost measurement streams over this many bytes before each
             timed call (beyond the per-core caches).
         cold_calls: timed calls per kernel kind of the fixed-cost measurement (the median is
@@ -134,6 +138,7 @@ class CalibrationPlan:
     repeats: int
     min_time_s: float
     cold_bytes: int = 64 << 20
+    inplace_cold_bytes: int = 256 << 20
     evict_bytes: int = 8 << 20
     cold_calls: int = 100
     product_passes: int = 1
@@ -177,6 +182,7 @@ def plan(quick: bool = False, device: str = "cpu") -> CalibrationPlan:
             repeats=2,
             min_time_s=0.002,
             cold_bytes=1 << 20,
+            inplace_cold_bytes=1 << 20,
             evict_bytes=1 << 20,
             cold_calls=3,
         )
@@ -1013,13 +1019,19 @@ class _Run:
             self.done(f"{binary.__name__}: {n / t / 1e9:.2f} GFLOP/s")
         return statistics.median(trans), statistics.median(plain)
 
-    def _cold_add(self, n: int) -> Callable[[], object]:
+    def _cold_add(self, n: int, in_place: bool = False) -> Callable[[], object]:
         """``a + b`` of ``n`` elements as a network's elementwise op runs: the inputs are one
         of many pairs that together exceed :attr:`CalibrationPlan.cold_bytes` (read from
         memory, not from the cache the previous call left them in), and each output is kept
         alive as long as its pair's previous one (an activation kept for the backward), so
-        the allocator cannot hand the just-freed block back at once."""
-        k = max(1, min(4096, self.p.cold_bytes // (8 * n)))
+        the allocator cannot hand the just-freed block back at once. ``in_place``:
+        ``a.add_(b, alpha=-1e-3)`` over the same rotation (an in-place ``relu_`` in a network,
+        an optimizer's update: their operand was written megabytes earlier). On the same
+        pair again and again the in-place figure was a warm cache's: 2× what ResNet-18's
+        in-place ReLUs ran at (a 51 MB ``relu_`` predicted 1.2 ms, measured 2.5; stop 45);
+        the in-place rotation spans :attr:`CalibrationPlan.inplace_cold_bytes`."""
+        total = self.p.inplace_cold_bytes if in_place else self.p.cold_bytes
+        k = max(1, min(4096, total // (8 * n)))
         xs = [torch.rand(n, device=self.dev) for _ in range(k)]
         ys = [torch.rand(n, device=self.dev) for _ in range(k)]
         outs: list[torch.Tensor | None] = [None] * k
@@ -1027,7 +1039,10 @@ class _Run:
 
         def call() -> None:
             j = at[0] = (at[0] + 1) % k
-            outs[j] = torch.add(xs[j], ys[j])
+            if in_place:
+                xs[j].add_(ys[j], alpha=-1e-3)
+            else:
+                outs[j] = torch.add(xs[j], ys[j])
 
         return call
 
@@ -1050,23 +1065,23 @@ class _Run:
     def streams(
         self, fault_s_per_byte: float = 0.0
     ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-        """(allocating ``a + b`` on cold inputs, in-place ``a.add_(b)``): (bytes, bytes/s)
-        points. An output above glibc's largest mmap threshold is fresh pages at every call:
-        their faults (``fault_s_per_byte``, which the time pass adds per output) are taken
-        off its time, so that the curve is the bandwidth alone."""
+        """(allocating ``a + b`` on cold inputs, in-place ``a.add_(b)`` on cold operands):
+        (bytes, bytes/s) points. An output above glibc's largest mmap threshold is fresh pages
+        at every call: their faults (``fault_s_per_byte``, which the time pass adds per
+        output) are taken off its time, so that the curve is the bandwidth alone. (A
+        one-operand ``mul_`` ran at the same bytes/s as ``add_``, 18-21 GB/s, once both read
+        from memory.)"""
         bw: list[tuple[float, float]] = []
         inplace: list[tuple[float, float]] = []
         for n in self.p.stream:
-            a = torch.rand(n, device=self.dev)
-            b = torch.rand(n, device=self.dev)
-            nbytes = 3.0 * n * a.element_size()
+            nbytes = 3.0 * n * 4  # float32: a and b read, the output written
             t = self.time(self._cold_add(n))
-            out_bytes = n * a.element_size()
+            out_bytes = n * 4
             if out_bytes > GLIBC_MMAP_THRESHOLD_MAX:
                 t = max(t - out_bytes * fault_s_per_byte, t / 2)
             bw.append((nbytes, _rate(nbytes, t, self.launch)))
             self.done(f"stream {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
-            t = self.time(partial(a.add_, b, alpha=-1e-3))
+            t = self.time(self._cold_add(n, in_place=True))
             inplace.append((nbytes, _rate(nbytes, t, self.launch)))
             self.done(f"in place {nbytes / 1e6:.2f} MB: {nbytes / t / 1e9:.1f} GB/s")
         return bw, inplace
