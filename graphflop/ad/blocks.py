@@ -44,7 +44,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from graphflop.ad.builder import copy_node, emit
+from graphflop.ad.builder import base_name, copy_node, emit
 from graphflop.meta import (
     CALL_SITE,
     CHECKPOINT,
@@ -644,7 +644,8 @@ class BlockTranspose:
         made: Any = []
         if t.direct is not None:  # a call of the template derivative, its nodes not copied
             values = [resolve(ref) for ref in t.direct[1]]
-            made = self.recorder.call(self.g, t.direct, site, values, t.exposed)
+            names = (base_name(self.g, n.target) for n in t.nodes)  # as copied below
+            made = self.recorder.call(self.g, t.direct, site, values, t.exposed, names)
             self._results(t, externals, ct, corr, resolve, made)
             return True
         env = {a: resolve(ref) for a, ref in t.inputs.items()}
@@ -1141,7 +1142,10 @@ class BlockLinearize:
             values = [lin.env[args[j]] if k == "p" else lin.tan[args[j]] for k, j in t.direct[1]]
             keys, exposed = self._outward(t, site)
             logged = (len(lin.b.log), t.log)
-            made = self.recorder.call(g, t.direct, site, values, exposed, logged)
+            names = (  # as copied below: a primal copy keeps its forward node's name
+                own[x].name if kind == "copy" else base_name(g, x.target) for kind, x, *_ in t.nodes
+            )
+            made = self.recorder.call(g, t.direct, site, values, exposed, names, logged)
         for kind, x, *first in t.nodes if t.direct is None else ():
             if kind == "copy":
                 new = copy_node(g, own[x], fwd_env.__getitem__)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.graph import _illegal_char_regex
 from torch.fx.node import map_arg
 
 from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost
@@ -41,6 +42,7 @@ __all__ = [
     "Builder",
     "GhostValue",
     "RuleContext",
+    "base_name",
     "copy_node",
     "emit",
     "fake_output",
@@ -56,12 +58,18 @@ def emit(graph: Graph, target: Any, args: tuple, kwargs: dict) -> Node:
     of the cost of creating a node, which the builders pay once per emitted node."""
     if not _FAST_ARGS:  # pragma: no cover - a PyTorch without the private setter
         return graph.call_function(target, args, kwargs)
-    name = _BASE_NAMES.get(target)
-    if name is None:  # the name fx derives from the target (``mm``), derived once per target
-        name = _BASE_NAMES[target] = graph._target_to_str(target)
-    node = graph.create_node("call_function", target, name=name)
+    node = graph.create_node("call_function", target, name=base_name(graph, target))
     node._update_args_kwargs(args, kwargs)
     return node
+
+
+def base_name(graph: Graph, target: Any) -> str:
+    """The base of the name :func:`emit` gives a node of ``target`` (``mm_default``; fx makes
+    it unique per graph: ``mm_default_3``), derived once per target."""
+    name = _BASE_NAMES.get(target)
+    if name is None:  # fx's own clean-up of the candidate: ``mm.default`` -> ``mm_default``
+        name = _BASE_NAMES[target] = _illegal_char_regex.sub("_", graph._target_to_str(target))
+    return name
 
 
 #: op -> the base of its nodes' names, as torch.fx derives it (fx makes it unique per graph)
