@@ -480,3 +480,30 @@ def test_llama_decoder_layers_recorded_directly():
     assert {c.site for c in dh.calls} == {0, 1, 2}
     assert _check_vjp(fwd) is not None
     _check_transposed(fwd)
+
+
+def test_names_taken_as_fx_gives_them():
+    """``take_name`` (the names a recorded call takes for the copies it stands for) and
+    ``FlatNames`` (the fold's names in the flat view) give, in any order of requests, the
+    names fx gives nodes made with those names: ops' base names (counted per op), a forward
+    node's numbered name (which moves the op's count), a builtin's name (fx numbers it)."""
+    from graphflop.ad.builder import base_name, take_name
+
+    aten = torch.ops.aten
+    ops = [aten.mm.default, aten.permute.default, aten.mm.default, operator.getitem]
+    fx_graph, ours = torch.fx.Graph(), torch.fx.Graph()
+    asked = []
+    for i in range(12):
+        op = ops[i % len(ops)]
+        asked.append(base_name(ours, op))
+        if i % 5 == 2:
+            asked.append(f"mm_default_{2 * i + 1}")  # a primal copy named after its forward node
+        if i % 6 == 3:
+            asked.append("sum")
+    made = [fx_graph.create_node("call_function", print, name=c).name for c in asked]
+    assert [take_name(ours, c) for c in asked] == made
+    assert len(set(made)) == len(made) and "mm_default_5" in made and "sum_1" in made
+    snapshot = calls.FlatNames(fx_graph)
+    later = [fx_graph.call_function(op).name for op in ops]
+    twice = snapshot.copy()
+    assert [snapshot.name(op) for op in ops] == later == [twice.name(op) for op in ops]

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.graph import _illegal_char_regex
+from torch.fx.graph import _illegal_char_regex, _illegal_names, _name_regex
 from torch.fx.node import map_arg
 
 from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost
@@ -47,6 +47,7 @@ __all__ = [
     "emit",
     "fake_output",
     "is_ghost",
+    "take_name",
 ]
 
 _FAST_ARGS = hasattr(Node, "_update_args_kwargs")
@@ -69,11 +70,33 @@ def base_name(graph: Graph, target: Any) -> str:
     name = _BASE_NAMES.get(target)
     if name is None:  # fx's own clean-up of the candidate: ``mm.default`` -> ``mm_default``
         name = _BASE_NAMES[target] = _illegal_char_regex.sub("_", graph._target_to_str(target))
+        m = _name_regex.match(name)
+        if m is not None and m.group(2) is None and name not in _illegal_names:
+            _PLAIN.add(name)
+    return name
+
+
+def take_name(graph: Graph, candidate: str) -> str:
+    """The name fx gives a node of ``graph`` made now with the name ``candidate``, taken
+    (``_Namespace.create_name``; for a :func:`base_name`, which needs neither its regular
+    expression nor its checks, in half the time)."""
+    ns = graph._graph_namespace
+    if candidate not in _PLAIN:
+        return ns.create_name(candidate, None)
+    used, count = ns._used_names, ns._base_count
+    num, name = count.get(candidate, 0), candidate
+    while name in used:
+        num += 1
+        name = f"{candidate}_{num}"
+    used.add(name)
+    count[candidate] = num
     return name
 
 
 #: op -> the base of its nodes' names, as torch.fx derives it (fx makes it unique per graph)
 _BASE_NAMES: dict[Any, str] = {}
+#: the base names that are plain: no number at their end, not a Python builtin's name
+_PLAIN: set[str] = set()
 
 
 def copy_node(

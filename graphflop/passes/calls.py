@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import base_name, copy_node
+from graphflop.ad.builder import base_name, copy_node, take_name
 from graphflop.ad.simplify import fold_graph
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
@@ -93,31 +93,23 @@ _SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 class FlatNames:
-    """A copy of a graph's fx names (the used names and the count per base name), for naming
-    nodes as that graph would name the ones it made next (:meth:`name`)."""
+    """A copy of a graph's fx names (its namespace: the names used, the count per base name),
+    for naming nodes as that graph would name the ones it made next (:meth:`name`)."""
 
     def __init__(self, g: Graph | None = None) -> None:
-        ns = g._graph_namespace if g is not None else None
-        self._used: set[str] = set(ns._used_names) if ns is not None else set()
-        self._count: dict[str, int] = dict(ns._base_count) if ns is not None else {}
+        self._g = Graph()  # names only: its namespace is the copy
+        if g is not None:
+            ns, mine = g._graph_namespace, self._g._graph_namespace
+            mine._used_names = set(ns._used_names)
+            mine._base_count = dict(ns._base_count)
 
     def copy(self) -> FlatNames:
         """A copy, to name from without changing this one."""
-        out = FlatNames()
-        out._used, out._count = set(self._used), dict(self._count)
-        return out
+        return FlatNames(self._g)
 
-    def name(self, g: Graph, target: Any) -> str:
-        """The name a ``call_function`` node of ``target`` made now would be given (fx's
-        ``_Namespace.create_name`` of its :func:`~graphflop.ad.builder.base_name`), taken."""
-        base = base_name(g, target)
-        candidate, num = base, self._count.get(base, 0)
-        while candidate in self._used:
-            num += 1
-            candidate = f"{base}_{num}"
-        self._used.add(candidate)
-        self._count[base] = num
-        return candidate
+    def name(self, target: Any) -> str:
+        """The name a ``call_function`` node of ``target`` made now would be given, taken."""
+        return take_name(self._g, base_name(self._g, target))
 
 
 @dataclass(frozen=True, eq=False)
@@ -502,7 +494,7 @@ def _expanded(
                     name = own[len(made)]
                     if name is None:
                         assert fold is not None
-                        name = fold.name(g, x.target)
+                        name = fold.name(x.target)
                 elif (k := slots.get(i)) is not None:
                     name = c.sources[k]
                     used.discard(name)
@@ -515,7 +507,7 @@ def _expanded(
             env[n] = results[n.args[0]][n.args[1]]
         elif n in dh.folded:
             assert fold is not None
-            env[n] = copy_node(g, n, env.__getitem__, fold.name(g, n.target))
+            env[n] = copy_node(g, n, env.__getitem__, fold.name(n.target))
         else:
             env[n] = copy_node(g, n, env.__getitem__)
     return graph_module(dh.graph, g), env, results
@@ -939,8 +931,7 @@ class DirectRecorder:
         c = self._call(site, handle)
         number = len(self.calls)
         self.calls.append(c)
-        ns = g._graph_namespace
-        names: list[str | None] = [ns.create_name(x, None) for x in candidates]
+        names: list[str | None] = [take_name(g, x) for x in candidates]
         rep = g.create_node("call_function", self.call_op, (list(args), number), name="repeat_call")
         self.names[rep] = names
         if logged is not None:
