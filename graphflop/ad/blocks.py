@@ -175,6 +175,8 @@ class TemplateBackward:
     #: one of its template nodes) ``("arg", j)`` or ``("pos", i)``, so another call of the
     #: same JVP template finds its own value without walking its nodes
     places: dict[Node, tuple] | None = None
+    #: with :attr:`direct`: per node of :attr:`nodes`, the base of the name fx gives its copy
+    bases: list[str] | None = None
 
 
 class BlockTranspose:
@@ -644,8 +646,9 @@ class BlockTranspose:
         made: Any = []
         if t.direct is not None:  # a call of the template derivative, its nodes not copied
             values = [resolve(ref) for ref in t.direct[1]]
-            names = (base_name(self.g, n.target) for n in t.nodes)  # as copied below
-            made = self.recorder.call(self.g, t.direct, site, values, t.exposed, names)
+            if t.bases is None:  # the names the copies below would ask fx for
+                t.bases = [base_name(self.g, n.target) for n in t.nodes]
+            made = self.recorder.call(self.g, t.direct, site, values, t.exposed, t.bases)
             self._results(t, externals, ct, corr, resolve, made)
             return True
         env = {a: resolve(ref) for a, ref in t.inputs.items()}
@@ -882,8 +885,25 @@ class TemplateJvp:
     tan: dict[tuple, Any] = field(default_factory=dict)
     log: list[int] = field(default_factory=list)
     reusable: bool = True
-    #: with a recorder (:class:`graphflop.passes.calls.DirectRecorder`): its handle
+    #: with a recorder (:class:`graphflop.passes.calls.DirectRecorder`): its handle; per node,
+    #: the base of the name fx gives its copy (None for a primal copy, named after its forward
+    #: node: ``copies``, (position, key) each)
     direct: tuple | None = None
+    bases: list[str | None] | None = None
+    copies: list[tuple[int, tuple]] = field(default_factory=list)
+
+
+def _copy_names(t: TemplateJvp, own: dict[tuple, Node], g: Graph) -> list[str]:
+    """The names that copying ``t``'s nodes for the call whose forward nodes are ``own`` (by
+    key) would ask fx for, in order: a primal copy its forward node's, another its op's base
+    name."""
+    if t.bases is None:
+        t.bases = [None if e[0] == "copy" else base_name(g, e[1].target) for e in t.nodes]
+        t.copies = [(i, e[1]) for i, e in enumerate(t.nodes) if e[0] == "copy"]
+    names: list[Any] = list(t.bases)
+    for i, k in t.copies:
+        names[i] = own[k].name
+    return names
 
 
 def _positions(r: Any, out: set[int]) -> None:
@@ -1142,9 +1162,7 @@ class BlockLinearize:
             values = [lin.env[args[j]] if k == "p" else lin.tan[args[j]] for k, j in t.direct[1]]
             keys, exposed = self._outward(t, site)
             logged = (len(lin.b.log), t.log)
-            names = (  # as copied below: a primal copy keeps its forward node's name
-                own[x].name if kind == "copy" else base_name(g, x.target) for kind, x, *_ in t.nodes
-            )
+            names = _copy_names(t, own, g)
             made = self.recorder.call(g, t.direct, site, values, exposed, names, logged)
         for kind, x, *first in t.nodes if t.direct is None else ():
             if kind == "copy":

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -48,6 +48,7 @@ __all__ = [
     "fake_output",
     "is_ghost",
     "take_name",
+    "take_names",
 ]
 
 _FAST_ARGS = hasattr(Node, "_update_args_kwargs")
@@ -78,19 +79,40 @@ def base_name(graph: Graph, target: Any) -> str:
 
 def take_name(graph: Graph, candidate: str) -> str:
     """The name fx gives a node of ``graph`` made now with the name ``candidate``, taken
-    (``_Namespace.create_name``; for a :func:`base_name`, which needs neither its regular
-    expression nor its checks, in half the time)."""
+    (:func:`take_names` of one)."""
+    return take_names(graph, (candidate,))[0]
+
+
+def take_names(graph: Graph, candidates: Iterable[str]) -> list[str]:
+    """The names fx gives nodes of ``graph`` made now, one after the other, with the names
+    ``candidates``, taken (``_Namespace.create_name`` of each, in half its time: without its
+    regular expression for a :func:`base_name` and for a name fx made, ``base_<number>``)."""
     ns = graph._graph_namespace
-    if candidate not in _PLAIN:
-        return ns.create_name(candidate, None)
-    used, count = ns._used_names, ns._base_count
-    num, name = count.get(candidate, 0), candidate
-    while name in used:
-        num += 1
-        name = f"{candidate}_{num}"
-    used.add(name)
-    count[candidate] = num
-    return name
+    used, count, plain = ns._used_names, ns._base_count, _PLAIN
+    out = []
+    for candidate in candidates:
+        if candidate in plain:
+            base, num = candidate, count.get(candidate, 0)
+        else:
+            base, _, digits = candidate.rpartition("_")
+            numbered = candidate.isascii() and candidate.isidentifier() and digits.isdigit()
+            if not numbered or not base or base[-1] == "_":
+                out.append(ns.create_name(candidate, None))  # another form: fx's reading
+                continue
+            if candidate not in used:  # a numbered name still free is taken as it is
+                used.add(candidate)
+                count[base] = int(digits)
+                out.append(candidate)
+                continue
+            num = count.get(base, 0)
+        name = candidate
+        while name in used:
+            num += 1
+            name = f"{base}_{num}"
+        used.add(name)
+        count[base] = num
+        out.append(name)
+    return out
 
 
 #: op -> the base of its nodes' names, as torch.fx derives it (fx makes it unique per graph)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import base_name, copy_node, take_name
+from graphflop.ad.builder import base_name, copy_node, take_name, take_names
 from graphflop.ad.simplify import fold_graph
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
@@ -931,7 +931,7 @@ class DirectRecorder:
         c = self._call(site, handle)
         number = len(self.calls)
         self.calls.append(c)
-        names: list[str | None] = [take_name(g, x) for x in candidates]
+        names: list[str | None] = list(take_names(g, candidates))
         rep = g.create_node("call_function", self.call_op, (list(args), number), name="repeat_call")
         self.names[rep] = names
         if logged is not None:
