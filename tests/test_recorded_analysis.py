@@ -390,3 +390,32 @@ def test_llama_layers_jvp_expanded_despite_an_unread_argument(monkeypatch):
     assert _rows(per_template) == _rows(by_rules)
     names = [n.name for n in per_template.graph.nodes]
     assert names == [n.name for n in by_rules.graph.nodes]
+
+
+def test_custom_functions_in_blocks_recorded():
+    """Blocks that each call a custom Function (its own jvp and backward): the recorded JVP's
+    flat graph has the Function's log entry read its own nodes (it read the recorded top
+    level's, and the backward transposed from it lost block 0's weight gradient), the backward
+    is transposed through that flat JVP (read from the repeat nodes it made an empty first
+    call), and ``analyze`` both ways gives the same report and graphs, names included."""
+    from test_custom_function_grads import CubeStack
+
+    from graphflop.ad.functions import FunctionEntry
+    from graphflop.meta import JVP_LOG
+
+    torch.manual_seed(0)
+    model = CubeStack().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    flat = analyze(model, (x,), loss="cross_entropy", record_derivatives=False)
+    rec = analyze(model, (x,), loss="cross_entropy", record_derivatives=True)
+    assert rec.report.to_dict() == flat.report.to_dict()
+    _graphs_equal(rec, flat)
+    assert calls.is_recorded(rec.jvp.meta[DERIVED_HIERARCHY].graph)
+    entries = [e for e in rec.jvp.meta[JVP_LOG] if isinstance(e, FunctionEntry)]
+    assert len(entries) == 3
+    nodes = set(rec.jvp.graph.nodes)
+    for e in entries:
+        refs = [
+            v for v in (*e.inputs, *e.outputs, *e.saved.values()) if isinstance(v, torch.fx.Node)
+        ]
+        assert refs and all(v in nodes for v in refs)

@@ -43,6 +43,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.builder import base_name, copy_node, take_name, take_names
+from graphflop.ad.functions import FunctionEntry
 from graphflop.ad.simplify import fold_graph
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
@@ -612,6 +613,10 @@ def _expand_jvp(gm: GraphModule) -> tuple[GraphModule, dict[Node, list[Node]]]:
                 object.__setattr__(got, "args", value(x.args))
                 object.__setattr__(got, "kwargs", value(x.kwargs))
             return got
+        if isinstance(x, FunctionEntry):  # a custom Function's: its tangents and saved values
+            return replace(
+                x, inputs=value(x.inputs), outputs=value(x.outputs), saved=value(x.saved)
+            )
         return x
 
     log = [results[e[0]][e[1]] if isinstance(e, tuple) else value(e) for e in dh.log]
