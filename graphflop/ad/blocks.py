@@ -381,7 +381,8 @@ class BlockTranspose:
             if isinstance(a, Node) and a.meta.get(KIND) == "tangent" and a not in seen:
                 seen.add(a)
                 externals.append(a)
-        keys = [calls.items.get(e) for e in run]
+        # where the top level reads no getitem of an entry, its cotangent is the stand-in's
+        keys = [calls.items.get(e) or calls.value(*e) for e in run]
         incoming = tuple(None if k is None else _state(ct.get(k)) for k in keys)
         prior = tuple(_state(ct.get(x)) for x in externals)
         h = self.h
@@ -770,8 +771,9 @@ class RecordedCalls:
                     self.alias[new] = v
             self.side[rep] = made
         for i in range(len(made)):
-            item = self.items.get((rep, i))
-            if item is not None and item in ct:
+            key = (rep, i)
+            item = self.items.get(key) or self.canonical.get(key)
+            if item is not None and item is not made[i] and item in ct:
                 ct[made[i]] = ct.pop(item)
         return [made[i] for _, i in run]
 
