@@ -381,8 +381,7 @@ class BlockTranspose:
             if isinstance(a, Node) and a.meta.get(KIND) == "tangent" and a not in seen:
                 seen.add(a)
                 externals.append(a)
-        # where the top level reads no getitem of an entry, its cotangent is the stand-in's
-        keys = [calls.items.get(e) or calls.value(*e) for e in run]
+        keys = [calls.holder(e) for e in run]
         incoming = tuple(None if k is None else _state(ct.get(k)) for k in keys)
         prior = tuple(_state(ct.get(x)) for x in externals)
         h = self.h
@@ -739,6 +738,12 @@ class RecordedCalls:
             self.canonical[key] = v
         return v
 
+    def holder(self, key: tuple[Node, int]) -> Node | None:
+        """The node that holds the cotangent of call ``key[0]``'s template node ``key[1]``:
+        its getitem, else the node standing for it where one was made (:meth:`value`; a
+        cotangent is keyed by a node that was read), else None (none can have arrived)."""
+        return self.items.get(key) or self.canonical.get(key) or self._first.get(key)
+
     def canon(self, a: Node) -> Node:
         """The node standing for ``a``'s value (``a`` itself at the top level)."""
         v = self.alias.get(a)
@@ -771,8 +776,7 @@ class RecordedCalls:
                     self.alias[new] = v
             self.side[rep] = made
         for i in range(len(made)):
-            key = (rep, i)
-            item = self.items.get(key) or self.canonical.get(key)
+            item = self.holder((rep, i))
             if item is not None and item is not made[i] and item in ct:
                 ct[made[i]] = ct.pop(item)
         return [made[i] for _, i in run]
