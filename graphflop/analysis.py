@@ -112,8 +112,8 @@ class Analysis:
         """The inlined graphs, every node of every block: what a consumer that needs each
         node reads (``verify`` on real tensors, ``bench``, op-level renders, ONNX export, a
         pass of scope :data:`~graphflop.passes.infra.FLAT`). The forward graph is the traced
-        one; the derivative graphs are built flat, or, with ``record_derivatives``, are the
-        flat views of the recorded JVP and backward (:func:`~graphflop.passes.calls.flat_view`:
+        one; the derivative graphs are, with ``record_derivatives`` (the default), the flat
+        views of the recorded JVP and backward (:func:`~graphflop.passes.calls.flat_view`:
         ``gm.meta[DERIVED_HIERARCHY].graph`` is the recorded top level)."""
         return Graphs(
             self.forward,
@@ -209,7 +209,8 @@ class AnalyzeOptions:
             summarised from the templates; the consumers that need every node (the memory
             schedules, the forward-gradient step, the what-ifs, the time pass, and
             :attr:`Analysis.jvp`/:attr:`Analysis.backward`) read their flat views
-            (:func:`graphflop.passes.calls.flat_view`). The same report. Off by default.
+            (:func:`graphflop.passes.calls.flat_view`: the graphs built flat, node for node,
+            names included). The same report. On by default; False builds them flat.
 
     Raises:
         ValueError: an unknown loss, optimizer, tangents, distribution, memory model, device or
@@ -236,7 +237,7 @@ class AnalyzeOptions:
     amp: str | None = None
     recompute: str | None = None
     time_profile: TimeProfile | None = None
-    record_derivatives: bool = False
+    record_derivatives: bool = True
 
     def __post_init__(self) -> None:
         if self.time_profile is not None and not isinstance(self.time_profile, TimeProfile):

@@ -50,6 +50,13 @@ def _stored_nodes(gm):
     return node_rows(gm, lambda n: tuple(n.meta.get(k) for k in keys))
 
 
+def _names(gm):
+    """Every node's name: a recorded hierarchy's flat graph names its nodes as the graph built
+    flat does (fx numbers a name per op in the order the nodes were made, which expanding a
+    template does not follow on its own)."""
+    return [n.name for n in gm.graph.nodes]
+
+
 def _placeholders(gm):
     """The placeholders' names (residuals and tangent inputs are named after them)."""
     return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -69,6 +76,7 @@ def _check_jvp(fwd, tangents):
         return None
     assert dh is not None
     assert _stored_nodes(calls.expand(dh)) == _stored_nodes(flat)
+    assert _names(calls.expand(dh)) == _names(flat)
     assert _placeholders(direct) == _placeholders(flat)
     assert direct.meta[JVP] == flat.meta[JVP]
     keep = lambda n: n.meta.get(KIND) in ("tangent", "coef")  # noqa: E731
@@ -202,6 +210,7 @@ def _check_vjp(fwd, input_grads=False):
         assert _stored_nodes(direct) == _stored_nodes(flat)
         return None
     assert _stored_nodes(calls.expand(dh)) == _stored_nodes(flat)
+    assert _names(calls.expand(dh)) == _names(flat)
     assert _placeholders(direct) == _placeholders(flat)
     assert direct.meta[VJP] == flat.meta[VJP]
     keep = lambda n: True  # noqa: E731
@@ -351,6 +360,7 @@ def _check_transposed(fwd, input_grads=False, read=True):
     assert rec.meta[DERIVED_HIERARCHY].graph is rec
     expanded = calls.expand_jvp(rec)
     assert _stored_nodes(expanded) == _stored_nodes(flat)
+    assert _names(expanded) == _names(flat)
     assert _log_rows(expanded) == _log_rows(flat)
     assert len(expanded.meta[GHOST_LINKS].links) == len(flat.meta[GHOST_LINKS].links)
     got = build_vjp(fwd, input_grads=input_grads, linearized=rec)
@@ -359,6 +369,7 @@ def _check_transposed(fwd, input_grads=False, read=True):
     # not through its flat graph (expand_jvp: checkpointed blocks)
     assert (got.meta[LINEARIZED] is rec) == read
     assert _stored_nodes(got) == _stored_nodes(want)
+    assert _names(got) == _names(want)
     assert _placeholders(got) == _placeholders(want)
     assert got.meta[VJP] == want.meta[VJP]
     ghost = lambda g: (g.op, g.shape, g.source, g.module, g.role, g.cost)  # noqa: E731
@@ -372,6 +383,7 @@ def _check_transposed(fwd, input_grads=False, read=True):
         assert (dh_got.graph is d_got) == (dh_want.graph is d_want)  # recorded, or fell back
         assert _stored_nodes(calls.expand(dh_got)) == _stored_nodes(calls.expand(dh_want))
         assert _stored_nodes(calls.expand(dh_got)) == _stored_nodes(want)
+        assert _names(calls.expand(dh_got)) == _names(want)
         keep = lambda n: True  # noqa: E731
         assert _figures(calls.derived_figures(dh_got, keep, "grad_input")) == _figures(
             calls.derived_figures(dh_want, keep, "grad_input")
@@ -468,3 +480,33 @@ def test_llama_decoder_layers_recorded_directly():
     assert {c.site for c in dh.calls} == {0, 1, 2}
     assert _check_vjp(fwd) is not None
     _check_transposed(fwd)
+
+
+def test_names_taken_as_fx_gives_them():
+    """``take_name`` (the names a recorded call takes for the copies it stands for) and
+    ``FlatNames`` (the fold's names in the flat view) give, in any order of requests, the
+    names fx gives nodes made with those names: ops' base names (counted per op), a forward
+    node's numbered name (which moves the op's count; numbered again where taken), a
+    builtin's name (fx numbers it)."""
+    from graphflop.ad.builder import base_name, take_name
+
+    aten = torch.ops.aten
+    ops = [aten.mm.default, aten.permute.default, aten.mm.default, operator.getitem]
+    fx_graph, ours = torch.fx.Graph(), torch.fx.Graph()
+    asked = []
+    for i in range(12):
+        op = ops[i % len(ops)]
+        asked.append(base_name(ours, op))
+        if i % 5 == 2:
+            asked.append(f"mm_default_{2 * i + 1}")  # a primal copy named after its forward node
+        if i % 6 == 3:
+            asked.append("sum")
+        if i % 4 == 1:  # numbered names: free, taken, odd forms fx reads its own way
+            asked += ["getitem_3", "permute_default_2", "a__5", "x_05", "_1", "t_0", "mm_12a"]
+    made = [fx_graph.create_node("call_function", print, name=c).name for c in asked]
+    assert [take_name(ours, c) for c in asked] == made
+    assert len(set(made)) == len(made) and "mm_default_5" in made and "sum_1" in made
+    snapshot = calls.FlatNames(fx_graph)
+    later = [fx_graph.call_function(op).name for op in ops]
+    twice = snapshot.copy()
+    assert [snapshot.name(op) for op in ops] == later == [twice.name(op) for op in ops]

@@ -13,7 +13,7 @@ from conftest import node_rows, spec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from graphflop.analysis import analyze
+from graphflop.analysis import AnalyzeOptions, analyze
 from graphflop.load import load, make_inputs
 from graphflop.meta import (
     CALL_SITE,
@@ -126,7 +126,7 @@ def _flat_figures(gm, keep, role):
 
 def _annotated(fwd):
     """(recorded JVP, recorded backward transposed from it), both through ``AnnotateFlops``,
-    and the flat ones as ``analyze`` builds them by default."""
+    and the ones built flat (``analyze(record_derivatives=False)``)."""
     jvp = run_passes(fwd, [BuildJvp("params", direct=True), AnnotateFlops()])
     bwd = run_passes(fwd, [BuildVjp(linearized=jvp, direct=True), AnnotateFlops()])
     flat_jvp = run_passes(fwd, [BuildJvp("params"), AnnotateFlops()])
@@ -192,6 +192,7 @@ def test_flat_view_is_the_flat_graph_with_costs(which):
         assert view is not top and calls.flat_view(top) is view
         assert calls.flat_view(flat) is flat
         assert _rows(view) == _rows(flat)
+        assert _names(view) == _names(flat)  # every node named as built flat
         dh = view.meta[DERIVED_HIERARCHY]
         assert dh.graph is top and len(dh.runs) == len(dh.calls)
         want = flat.meta[DERIVED_HIERARCHY]
@@ -247,11 +248,18 @@ def test_rule_less_nodes_of_the_calls_listed_as_flat(monkeypatch):
 
 
 def _graphs_equal(a, b):
+    """The graphs of two analyses node for node, names included (the renders, ONNX node
+    names and JSON read them)."""
     for k in ("forward", "backward", "jvp", "update", "forward_gradient", "activity_gradient"):
         ga, gb = getattr(a, k), getattr(b, k)
         assert (ga is None) == (gb is None), k
         if ga is not None:
             assert _rows(ga) == _rows(gb), k
+            assert _names(ga) == _names(gb), k
+
+
+def _names(gm):
+    return [n.name for n in gm.graph.nodes]
 
 
 #: the models tests/test_hierarchy.py runs by default, the block stacks and a 3-layer Llama
@@ -287,12 +295,14 @@ SLOW = [
 
 @pytest.mark.parametrize("which", QUICK)
 def test_analyze_with_recorded_derivatives_equals_flat(which):
-    """``analyze(record_derivatives=True)`` gives the default analysis's report (totals by
-    role, per-module rows in order, memory peaks, op tables) and its flat graphs node for
-    node; the report summed node by node over the flat views is the same too."""
+    """``analyze(record_derivatives=True)`` (the default) gives the report of the analysis
+    that builds the derivative graphs flat (totals by role, per-module rows in order, memory
+    peaks, op tables) and its flat graphs node for node, names included; the report summed
+    node by node over the flat views is the same too."""
     model, x = _model(which)
+    assert AnalyzeOptions().record_derivatives
     for optimizer in ("sgd", "adam"):
-        flat = analyze(model, x, optimizer=optimizer)
+        flat = analyze(model, x, optimizer=optimizer, record_derivatives=False)
         rec = analyze(model, x, optimizer=optimizer, record_derivatives=True)
         assert rec.report.to_dict() == flat.report.to_dict(), (which, optimizer)
         assert list(rec.report.to_dict()["layers"]) == list(flat.report.to_dict()["layers"])
@@ -323,7 +333,7 @@ def test_recorded_derivatives_with_what_ifs_and_other_options():
         dict(memory_model="graph", tangents="all", directions=2),
         dict(keep_grads=True, optimizer="adamw"),
     ):
-        flat = analyze(model, x, **opts)
+        flat = analyze(model, x, **opts, record_derivatives=False)
         rec = analyze(model, x, **opts, record_derivatives=True)
         assert rec.report.to_dict() == flat.report.to_dict(), opts
         _graphs_equal(rec, flat)
@@ -351,7 +361,7 @@ def test_recorded_analysis_graphs_run_on_real_tensors():
         assert not any(n.target is REPEAT for n in gm.graph.nodes)
     assert verify_gradients(a.forward, a.backward, model, tolerance=1e-5).ok
     assert verify_jvp(a.forward, a.jvp, model, examples=(x,)).ok
-    flat = analyze(model, x)
+    flat = analyze(model, x, record_derivatives=False)
     assert _rows(a.train_step) == _rows(flat.train_step)
 
 
@@ -380,3 +390,50 @@ def test_llama_layers_jvp_expanded_despite_an_unread_argument(monkeypatch):
     assert _rows(per_template) == _rows(by_rules)
     names = [n.name for n in per_template.graph.nodes]
     assert names == [n.name for n in by_rules.graph.nodes]
+
+
+def test_custom_functions_in_blocks_recorded():
+    """Blocks that each call a custom Function (its own jvp and backward): the recorded JVP's
+    flat graph has the Function's log entry read its own nodes (it read the recorded top
+    level's, and the backward transposed from it lost block 0's weight gradient), the backward
+    is transposed through that flat JVP (read from the repeat nodes it made an empty first
+    call), and ``analyze`` both ways gives the same report and graphs, names included."""
+    from test_custom_function_grads import CubeStack
+
+    from graphflop.ad.functions import FunctionEntry
+    from graphflop.meta import JVP_LOG
+
+    torch.manual_seed(0)
+    model = CubeStack().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    flat = analyze(model, (x,), loss="cross_entropy", record_derivatives=False)
+    rec = analyze(model, (x,), loss="cross_entropy", record_derivatives=True)
+    assert rec.report.to_dict() == flat.report.to_dict()
+    _graphs_equal(rec, flat)
+    assert calls.is_recorded(rec.jvp.meta[DERIVED_HIERARCHY].graph)
+    entries = [e for e in rec.jvp.meta[JVP_LOG] if isinstance(e, FunctionEntry)]
+    assert len(entries) == 3
+    nodes = set(rec.jvp.graph.nodes)
+    for e in entries:
+        refs = [
+            v for v in (*e.inputs, *e.outputs, *e.saved.values()) if isinstance(v, torch.fx.Node)
+        ]
+        assert refs and all(v in nodes for v in refs)
+
+
+def test_loop_moe_recorded():
+    """Experts run in a loop over a ``where`` (``tests/test_moe_loop.py``): where the top level
+    reads no getitem of a call's logged node, the cotangent arriving at it is held by the node
+    standing for it, which the transpose of the recorded JVP now reads (it read none there and
+    built the next expert's backward without it: 37,888 backward mm FLOPs for 50,176). Both
+    ways the same report, the hand count, and the same graphs, names included."""
+    from test_moe_loop import D, LoopMoE
+
+    torch.manual_seed(0)
+    model, x = LoopMoE(), torch.randn(8, D)
+    flat = analyze(model, (x,), record_derivatives=False)
+    rec = analyze(model, (x,), record_derivatives=True)
+    assert rec.report.totals.backward.mm_flops == 50_176
+    assert rec.report.to_dict() == flat.report.to_dict()
+    _graphs_equal(rec, flat)
+    assert calls.is_recorded(rec.jvp.meta[DERIVED_HIERARCHY].graph)

@@ -44,7 +44,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from graphflop.ad.builder import copy_node, emit
+from graphflop.ad.builder import base_name, copy_node, emit
 from graphflop.meta import (
     CALL_SITE,
     CHECKPOINT,
@@ -175,6 +175,8 @@ class TemplateBackward:
     #: one of its template nodes) ``("arg", j)`` or ``("pos", i)``, so another call of the
     #: same JVP template finds its own value without walking its nodes
     places: dict[Node, tuple] | None = None
+    #: with :attr:`direct`: per node of :attr:`nodes`, the base of the name fx gives its copy
+    bases: list[str] | None = None
 
 
 class BlockTranspose:
@@ -379,7 +381,7 @@ class BlockTranspose:
             if isinstance(a, Node) and a.meta.get(KIND) == "tangent" and a not in seen:
                 seen.add(a)
                 externals.append(a)
-        keys = [calls.items.get(e) for e in run]
+        keys = [calls.holder(e) for e in run]
         incoming = tuple(None if k is None else _state(ct.get(k)) for k in keys)
         prior = tuple(_state(ct.get(x)) for x in externals)
         h = self.h
@@ -644,7 +646,9 @@ class BlockTranspose:
         made: Any = []
         if t.direct is not None:  # a call of the template derivative, its nodes not copied
             values = [resolve(ref) for ref in t.direct[1]]
-            made = self.recorder.call(self.g, t.direct, site, values, t.exposed)
+            if t.bases is None:  # the names the copies below would ask fx for
+                t.bases = [base_name(self.g, n.target) for n in t.nodes]
+            made = self.recorder.call(self.g, t.direct, site, values, t.exposed, t.bases)
             self._results(t, externals, ct, corr, resolve, made)
             return True
         env = {a: resolve(ref) for a, ref in t.inputs.items()}
@@ -734,6 +738,12 @@ class RecordedCalls:
             self.canonical[key] = v
         return v
 
+    def holder(self, key: tuple[Node, int]) -> Node | None:
+        """The node that holds the cotangent of call ``key[0]``'s template node ``key[1]``:
+        its getitem, else the node standing for it where one was made (:meth:`value`; a
+        cotangent is keyed by a node that was read), else None (none can have arrived)."""
+        return self.items.get(key) or self.canonical.get(key) or self._first.get(key)
+
     def canon(self, a: Node) -> Node:
         """The node standing for ``a``'s value (``a`` itself at the top level)."""
         v = self.alias.get(a)
@@ -766,8 +776,8 @@ class RecordedCalls:
                     self.alias[new] = v
             self.side[rep] = made
         for i in range(len(made)):
-            item = self.items.get((rep, i))
-            if item is not None and item in ct:
+            item = self.holder((rep, i))
+            if item is not None and item is not made[i] and item in ct:
                 ct[made[i]] = ct.pop(item)
         return [made[i] for _, i in run]
 
@@ -881,8 +891,25 @@ class TemplateJvp:
     tan: dict[tuple, Any] = field(default_factory=dict)
     log: list[int] = field(default_factory=list)
     reusable: bool = True
-    #: with a recorder (:class:`graphflop.passes.calls.DirectRecorder`): its handle
+    #: with a recorder (:class:`graphflop.passes.calls.DirectRecorder`): its handle; per node,
+    #: the base of the name fx gives its copy (None for a primal copy, named after its forward
+    #: node: ``copies``, (position, key) each)
     direct: tuple | None = None
+    bases: list[str | None] | None = None
+    copies: list[tuple[int, tuple]] = field(default_factory=list)
+
+
+def _copy_names(t: TemplateJvp, own: dict[tuple, Node], g: Graph) -> list[str]:
+    """The names that copying ``t``'s nodes for the call whose forward nodes are ``own`` (by
+    key) would ask fx for, in order: a primal copy its forward node's, another its op's base
+    name."""
+    if t.bases is None:
+        t.bases = [None if e[0] == "copy" else base_name(g, e[1].target) for e in t.nodes]
+        t.copies = [(i, e[1]) for i, e in enumerate(t.nodes) if e[0] == "copy"]
+    names: list[Any] = list(t.bases)
+    for i, k in t.copies:
+        names[i] = own[k].name
+    return names
 
 
 def _positions(r: Any, out: set[int]) -> None:
@@ -1141,7 +1168,8 @@ class BlockLinearize:
             values = [lin.env[args[j]] if k == "p" else lin.tan[args[j]] for k, j in t.direct[1]]
             keys, exposed = self._outward(t, site)
             logged = (len(lin.b.log), t.log)
-            made = self.recorder.call(g, t.direct, site, values, exposed, logged)
+            names = _copy_names(t, own, g)
+            made = self.recorder.call(g, t.direct, site, values, exposed, names, logged)
         for kind, x, *first in t.nodes if t.direct is None else ():
             if kind == "copy":
                 new = copy_node(g, own[x], fwd_env.__getitem__)

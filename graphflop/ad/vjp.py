@@ -237,7 +237,11 @@ def build_vjp(
     if dh is not None and dh.graph is lin:  # a recorded JVP
         checkpointed = any(n.meta.get(CHECKPOINT) is not None for n in forward.graph.nodes)
         cut = any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ()))
-        if per_template and dh.log is not None and not checkpointed and not cut:
+        # a custom Function's own backward in the log: read from the repeat nodes, a stack of
+        # blocks each calling one made an empty first call (IndexError in finish) or lost
+        # its weight gradients; transposed through the flat JVP it is the flat build's
+        custom = any(isinstance(e, functions.FunctionEntry) for e in dh.log or ())
+        if per_template and dh.log is not None and not (checkpointed or cut or custom):
             try:  # each call's residuals and cotangents read from its repeat node
                 return _build_vjp(forward, sig, lin, input_grads, per_template, recorder, dh)
             except RecordedFallback:

@@ -39,8 +39,8 @@ class BuildJvp(GraphPass):
         direct: with ``per_template``, record each expanded call as a call of its template
             derivative instead of copying its nodes (:class:`~graphflop.passes.calls.DirectRecorder`):
             the graph returned is the top level of ``gm.meta[DERIVED_HIERARCHY]``, and
-            ``calls.expand`` of it the flat JVP graph. Off by default: the analysis's later
-            passes read the flat graph.
+            ``calls.expand`` of it the flat JVP graph, names included. Off by default here;
+            ``analyze`` turns it on (``record_derivatives``) and reads the flat view.
 
     Requires ``traced``; provides ``jvp``. Raises ``MissingRuleError``, ``ValueError`` (see the
     builder).
@@ -99,8 +99,8 @@ class BuildVjp(GraphPass):
             derivative (:class:`~graphflop.passes.calls.DirectRecorder`): the graph returned
             is the top level of ``gm.meta[DERIVED_HIERARCHY]``, and ``calls.expand`` of it the
             flat backward; where that cannot be shown equal the flat graph is built (and its
-            hierarchy read off it, as without the option). Off by default: the analysis's
-            later passes read the flat graph.
+            hierarchy read off it, as without the option). Off by default here; ``analyze``
+            turns it on (``record_derivatives``) and reads the flat view.
 
     Requires ``traced``; provides ``vjp``. Raises ``MissingRuleError``, ``ValueError`` (no
     loss).

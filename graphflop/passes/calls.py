@@ -36,13 +36,14 @@ import copy
 import operator
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import copy_node
+from graphflop.ad.builder import base_name, copy_node, take_name, take_names
+from graphflop.ad.functions import FunctionEntry
 from graphflop.ad.simplify import fold_graph
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
@@ -90,6 +91,26 @@ _COMPARED = frozenset(NODE_KEYS) - set(_RELATIVE)
 #: markers of an argument that is the run's node ``i`` or its ``j``-th value from outside
 _IN, _OUT = object(), object()
 _SCALARS = frozenset({int, float, bool, str, type(None)})
+
+
+class FlatNames:
+    """A copy of a graph's fx names (its namespace: the names used, the count per base name),
+    for naming nodes as that graph would name the ones it made next (:meth:`name`)."""
+
+    def __init__(self, g: Graph | None = None) -> None:
+        self._g = Graph()  # names only: its namespace is the copy
+        if g is not None:
+            ns, mine = g._graph_namespace, self._g._graph_namespace
+            mine._used_names = set(ns._used_names)
+            mine._base_count = dict(ns._base_count)
+
+    def copy(self) -> FlatNames:
+        """A copy, to name from without changing this one."""
+        return FlatNames(self._g)
+
+    def name(self, target: Any) -> str:
+        """The name a ``call_function`` node of ``target`` made now would be given, taken."""
+        return take_name(self._g, base_name(self._g, target))
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,6 +164,14 @@ class DerivedHierarchy:
     #: with :attr:`log`: each first call's node (erased from the top level, still read by the
     #: ghosts' arguments) -> ``(repeat node, i)``
     moved: dict[Node, tuple[Node, int]] = field(default_factory=dict, repr=False)
+    #: a recorded hierarchy's (:class:`DirectRecorder`) flat names: per call, per node of its
+    #: template, the name the graph built flat gives the call's node, or None for a node the
+    #: backward's fold of transposed products made (named as below)
+    names: tuple[tuple[str | None, ...], ...] | None = field(default=None, repr=False)
+    #: with :attr:`names`: the top level's nodes that fold made, and fx's names as they were
+    #: when it began (:class:`FlatNames`), from which the flat graph's fold named its nodes
+    folded: frozenset[Node] = field(default=frozenset(), repr=False)
+    fold_names: FlatNames | None = field(default=None, repr=False)
 
     def localize(self, m: dict, c: DerivedCall, absolute: dict[str, str]) -> None:
         """Make a template node's relative annotations ``m`` call ``c``'s (in place): for the
@@ -413,8 +442,11 @@ def expand(dh: DerivedHierarchy) -> GraphModule:
     replaced by its template derivative's nodes, the call's arguments standing for the
     placeholders and its module paths, forward sources, parameters and call site for the
     relative ones. Node for node the graph :func:`build` read: ops, arguments, output layouts
-    and every graphflop annotation (``tests/test_hierarchy.py``); the names of a call's nodes
-    are made anew (unique, not necessarily the flat graph's), the top level's are kept."""
+    and every graphflop annotation (``tests/test_hierarchy.py``). A hierarchy recorded while
+    it was built (:class:`DirectRecorder`) gives every node the name the graph built flat
+    gives it (:attr:`DerivedHierarchy.names`); for one :func:`build` read, the names of a
+    call's nodes are made anew (unique, not necessarily the flat graph's), the top level's are
+    kept."""
     return _expanded(dh)[0]
 
 
@@ -427,24 +459,30 @@ def _expanded(
     A call's copy of a forward node (:data:`~graphflop.meta.KIND` ``primal``; not a
     ``getitem``, which fx numbers) is named after that forward node, as the JVP built flat
     names it (the eager memory schedules pair a forward node with its tangents by that name);
-    no other node takes those names."""
+    no other node takes those names. A recorded hierarchy's calls take their names from
+    :attr:`DerivedHierarchy.names`; the nodes the backward's fold made are named in graph
+    order, the order the flat graph's fold made them in, from the names as they were when it
+    began (:attr:`DerivedHierarchy.fold_names`)."""
     g = Graph()
     env: dict[Node, Any] = {}
     results: dict[Node, list[Node]] = {}
     call_op = torch.ops.graphflop.repeat.default
-    primal_slots = [_primal_slots(t) for t in dh.templates]
-    reserved = {c.sources[k] for c in dh.calls for k in primal_slots[c.template].values()}
+    names = dh.names
     used = g._graph_namespace._used_names  # reserved names are claimed only by their node
-    used.update(reserved)
+    primal_slots = [_primal_slots(t) for t in dh.templates] if names is None else []
+    if names is None:
+        used.update(c.sources[k] for c in dh.calls for k in primal_slots[c.template].values())
+    fold = dh.fold_names.copy() if dh.fold_names is not None else None
     for n in dh.graph.graph.nodes:
         if n.target is call_op:
             args, number = n.args
             c = dh.calls[number]
             tg = dh.templates[c.template].graph
-            slots = primal_slots[c.template]
+            own = names[number] if names is not None else None
+            slots = primal_slots[c.template] if names is None else {}
             absolute = dict(c.modules)
             tenv: dict[Node, Any] = {}
-            made = []
+            made: list[Node] = []
             it = iter(args)
             for i, x in enumerate(tg.nodes):
                 if x.op == "placeholder":
@@ -452,9 +490,13 @@ def _expanded(
                     continue
                 if x.op == "output":
                     break
-                k = slots.get(i)
-                name = None
-                if k is not None:
+                name: str | None = None
+                if own is not None:
+                    name = own[len(made)]
+                    if name is None:
+                        assert fold is not None
+                        name = fold.name(x.target)
+                elif (k := slots.get(i)) is not None:
                     name = c.sources[k]
                     used.discard(name)
                 new = copy_node(g, x, tenv.__getitem__, name)
@@ -464,6 +506,9 @@ def _expanded(
             results[n] = made
         elif n.target is operator.getitem and n.args[0] in results:
             env[n] = results[n.args[0]][n.args[1]]
+        elif n in dh.folded:
+            assert fold is not None
+            env[n] = copy_node(g, n, env.__getitem__, fold.name(n.target))
         else:
             env[n] = copy_node(g, n, env.__getitem__)
     return graph_module(dh.graph, g), env, results
@@ -525,9 +570,7 @@ def flat_view(gm: GraphModule) -> GraphModule:
     for rep, made in results.items():
         number: Any = rep.args[1]
         runs[number] = made
-    flat.meta[DERIVED_HIERARCHY] = DerivedHierarchy(
-        dh.templates, dh.calls, gm, tuple(runs), dh.log, dh.moved
-    )
+    flat.meta[DERIVED_HIERARCHY] = replace(dh, runs=tuple(runs))
     if all(COST in n.meta for n in gm.graph.nodes):  # costed: the view is final
         _FLAT_VIEWS[gm] = flat
     return flat
@@ -570,6 +613,10 @@ def _expand_jvp(gm: GraphModule) -> tuple[GraphModule, dict[Node, list[Node]]]:
                 object.__setattr__(got, "args", value(x.args))
                 object.__setattr__(got, "kwargs", value(x.kwargs))
             return got
+        if isinstance(x, FunctionEntry):  # a custom Function's: its tangents and saved values
+            return replace(
+                x, inputs=value(x.inputs), outputs=value(x.outputs), saved=value(x.saved)
+            )
         return x
 
     log = [results[e[0]][e[1]] if isinstance(e, tuple) else value(e) for e in dh.log]
@@ -792,7 +839,21 @@ class DirectRecorder:
     the nodes the expander would have copied). :meth:`finish` then turns each first call into a
     call too. The result is a :class:`DerivedHierarchy` whose top level is the graph built
     (``runs`` empty: there is no flat graph); :func:`expand` rebuilds the flat graph, equal
-    node for node to the one built without the recorder (``tests/test_derived_direct.py``).
+    node for node to the one built without the recorder, names included
+    (``tests/test_derived_direct.py``).
+
+    Names. fx names a node after its op (``mm_default``) and numbers those names per op in the
+    order the nodes are made, erased ones included (``mm_default_7``: the eighth ``mm`` made).
+    The graph built flat makes each expanded call's nodes where the call is; recorded, the call
+    is one ``graphflop::repeat`` node, so without more every later node would take a lower
+    number, and the copies :func:`expand` makes would be numbered in its own order. So
+    :meth:`call` takes in the graph being built the names the copies would have taken, in the
+    order the expander copies (which keeps every later name the flat build's) and keeps them
+    as the call's (:attr:`DerivedHierarchy.names`); a first call's nodes keep the names the
+    rules gave them. The backward's fold of transposed products names the nodes it makes last,
+    in graph order over the flat graph, where per template it makes them once: :meth:`clean`
+    keeps the names as they were when it began (:class:`FlatNames`), from which
+    :func:`expand` names those nodes in graph order.
 
     Args:
         forward: the traced forward graph, with :data:`~graphflop.meta.HIERARCHY`.
@@ -813,6 +874,14 @@ class DirectRecorder:
         self.marks: list[tuple[int, Node, list[int]]] = []
         #: after :meth:`finish`: each first call's node -> (its repeat node, position)
         self.first_at: dict[Node, tuple[Node, int]] = {}
+        #: per repeat node, per node of its template, the name the graph built flat gives
+        #: the call's node (None: made by the backward's fold); per call in order after
+        #: :meth:`finish` (:attr:`DerivedHierarchy.names`)
+        self.names: dict[Node, list[str | None]] = {}
+        self.call_names: list[tuple[str | None, ...]] = []
+        #: after :meth:`clean`: the top level's nodes its fold made, and the names before it
+        self.folded: frozenset[Node] = frozenset()
+        self.fold_names: FlatNames | None = None
 
     def template(
         self, run: list[Node], site: int, root: torch.nn.Module, refs: dict[Node, Any] | None
@@ -850,19 +919,26 @@ class DirectRecorder:
         site: int,
         args: list[Any],
         exposed: list[int],
+        candidates: Iterable[str],
         logged: tuple[int, list[int]] | None = None,
     ) -> dict:
         """Emit at the end of ``g`` the call of ``handle``'s template at call site ``site``
         with values from outside ``args`` (in the handle's order): its ``graphflop::repeat``
         node and one getitem per template node in ``exposed`` (ascending; getitems nobody
-        reads are dropped by :meth:`finish`). ``logged``: (the JVP log's length before the
+        reads are dropped by :meth:`finish`). ``candidates``: per template node, the name the
+        expander would have asked fx for in copying it (its op's base name, or the forward
+        node's name of a primal copy): the names fx gives are taken in ``g`` as the copies
+        would have taken them, so every later node of ``g`` is named as in the graph built
+        flat, and kept as the call's flat names. ``logged``: (the JVP log's length before the
         call, the template positions the call logs), kept for :attr:`DerivedHierarchy.log`.
         Returns template node position -> getitem, each with that node's annotations made the
         call's."""
         c = self._call(site, handle)
         number = len(self.calls)
         self.calls.append(c)
+        names: list[str | None] = list(take_names(g, candidates))
         rep = g.create_node("call_function", self.call_op, (list(args), number), name="repeat_call")
+        self.names[rep] = names
         if logged is not None:
             self.marks.append((logged[0], rep, logged[1]))
         nodes = list(self.templates[c.template].graph.nodes)
@@ -896,6 +972,7 @@ class DirectRecorder:
                     ([moved.get(e, e) for e in f.ext], -len(firsts)),
                     name="repeat_call",
                 )
+            self.names[rep] = [n.name for n in f.run]
             prev = rep
             for i, n in enumerate(f.run):
                 self.first_at[n] = (rep, i)
@@ -912,6 +989,7 @@ class DirectRecorder:
                 g.erase_node(n)
         made = set(moved.values())
         calls: list[DerivedCall] = []
+        self.call_names = []
         for n in list(g.nodes):
             if n.target is operator.getitem and n.args[0].target is self.call_op:
                 if not n.users and n not in keep and n not in made:
@@ -919,6 +997,7 @@ class DirectRecorder:
             elif n.target is self.call_op:
                 number = n.args[1]
                 calls.append(self.calls[number] if number >= 0 else firsts[-1 - number])
+                self.call_names.append(tuple(self.names[n]))
                 n.update_arg(1, len(calls) - 1)
         self.calls = calls
         return moved
@@ -1003,20 +1082,27 @@ class DirectRecorder:
         bodies = [_Body(t) for t in self.templates]
         keys, group_of = self._dead_code(g, bodies)
         templates = [bodies[t].pruned(seeds) for t, seeds in keys]
-        if self._crossing(g, group_of, templates, _made(fold_graph(g))):
+        self.fold_names = FlatNames(g)  # the flat graph's fold names its nodes from here
+        made = _made(fold_graph(g))
+        if self._crossing(g, group_of, templates, made):
             return False
+        self.folded = frozenset(made)
         calls: list[DerivedCall] = []
+        call_names = []
         for n in g.nodes:
             if n.target is self.call_op:
                 c = self.calls[n.args[1]]
                 gi = group_of[n]
                 calls.append(DerivedCall(c.site, gi, c.modules, c.sources))
+                was = self.call_names[n.args[1]]
+                call_names.append(tuple(None if i is None else was[i] for i in templates[gi][3]))
                 n.update_arg(1, len(calls) - 1)
                 index = templates[gi][1]
                 for u in list(n.users):
                     u.update_arg(1, index[u.args[1]])
         self.templates = [t[0] for t in templates]
         self.calls = calls
+        self.call_names = call_names
         g.lint()
         return True
 
@@ -1106,7 +1192,14 @@ class DirectRecorder:
         calls."""
         if not self.calls:
             return None
-        return DerivedHierarchy(tuple(self.templates), tuple(self.calls), gm)
+        return DerivedHierarchy(
+            tuple(self.templates),
+            tuple(self.calls),
+            gm,
+            names=tuple(self.call_names),
+            folded=self.folded,
+            fold_names=self.fold_names,
+        )
 
 
 class _Body:
@@ -1139,10 +1232,13 @@ class _Body:
             got = self._live[seeds] = (sorted(live), used)
         return got
 
-    def pruned(self, seeds: frozenset) -> tuple[GraphModule, dict[int, int], set[Node]]:
+    def pruned(
+        self, seeds: frozenset
+    ) -> tuple[GraphModule, dict[int, int], set[Node], list[int | None]]:
         """The template with only :meth:`live`'s nodes and placeholders, its transposed
         products folded where not read after the call (``seeds``); old position -> new
-        position of every node read after the call; the nodes the folds made."""
+        position of every node read after the call; the nodes the folds made; per new
+        position, the old one (None for a node the folds made)."""
         live, used = self.live(seeds)
         g = Graph()
         env: dict[Node, Node] = {}
@@ -1160,8 +1256,9 @@ class _Body:
         for i in seeds:
             x = env[self.nodes[i]]
             index[i] = at[folded.get(x, x)]
+        old = {env[self.nodes[i]]: i for i in live}
         g.output(tuple(out))
-        return graph_module(self.t, g), index, made
+        return graph_module(self.t, g), index, made, [old.get(x) for x in out]
 
 
 def _made(folded: dict[Node, Node]) -> set[Node]:
