@@ -112,11 +112,13 @@ class CalibrationPlan:
         repeats: timed runs per point (the median is kept).
         min_time_s: each timed run repeats the kernel until this long has passed.
         cold_bytes: the bandwidth kernel's inputs rotate over pairs of tensors that together
-            hold this many bytes, beyond the last-level cache.
+            hold this many bytes, beyond the last-level cache (on this virtual machine, which
+            reports a 480 MB L3, kernels ran from memory from 128 MB of rotation up, at 20 GB/s
+            against 37 GB/s at 64 MB, the value until stop 45).
         inplace_cold_bytes: the in-place kernels' operands rotate over tensors that together
             hold this many bytes: on this CPU an in-place kernel ran at 37-48 GB/s over 16-64 MB
             of operands and 20 GB/s from 128 MB up (its operands from memory, as a network's
-            are: ResNet-18's in-place ReLUs ran at 20 GB/s), so :attr:`cold_bytes` is too few.
+            are: ResNet-18's in-place ReLUs ran at 20 GB/s).
         evict_bytes: the fixed-cost measurement streams over this many bytes before each
             timed call (beyond the per-core caches).
         cold_calls: timed calls per kernel kind of the fixed-cost measurement (the median is
@@ -137,7 +139,7 @@ class CalibrationPlan:
     kernel_sizes: tuple[int, ...]
     repeats: int
     min_time_s: float
-    cold_bytes: int = 64 << 20
+    cold_bytes: int = 256 << 20
     inplace_cold_bytes: int = 256 << 20
     evict_bytes: int = 8 << 20
     cold_calls: int = 100
