@@ -1072,6 +1072,8 @@ _CURVE = {"points": [[1.0, 1e9]], "fill_s": 0.0}
         ({"autograd_node_s": 2.0}, "a time must be 0 to 1 s, not 2.0"),
         ({"bandwidth": {"points": [[1.0, 1e-300]], "fill_s": 0.0}}, "at least 1 per second"),
         ({"device_kind": "tpu"}, "device_kind must be 'cpu' or 'gpu', not 'tpu'"),
+        ({"memory_bytes": 0}, "memory_bytes must be a positive whole number of bytes or null"),
+        ({"memory_bytes": True}, "memory_bytes must be a positive whole number of bytes"),
         # tester, stop 45: the entry of a table is named
         ({"fixed": {"*view/backward": -1}}, "fixed: '*view/backward': a time must be 0 to 1 s"),
         # tester's findings: Python's own words, no key named; now the key and what it wants

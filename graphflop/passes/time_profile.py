@@ -632,28 +632,26 @@ def _fault_cost(v: Any) -> float:
     return float(v)
 
 
-def _bytes(v: Any) -> int:
-    """``fresh_above_bytes`` from a profile file: a non-negative whole number of bytes."""
+def _whole_bytes(v: Any, key: str, least: int, what: str) -> int:
+    """A whole number of bytes ``>= least`` from a profile file (a float that is whole is
+    taken); else ``ValueError`` saying ``key`` must be ``what``."""
     if isinstance(v, float) and v.is_integer():
         v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(
-            f"fresh_above_bytes must be a non-negative whole number of bytes, not {v!r}"
-        )
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise ValueError(f"{key} must be {what}, not {v!r}")
     return v
+
+
+def _bytes(v: Any) -> int:
+    """``fresh_above_bytes`` from a profile file: a non-negative whole number of bytes."""
+    return _whole_bytes(v, "fresh_above_bytes", 0, "a non-negative whole number of bytes")
 
 
 def _memory(v: Any) -> int | None:
     """``memory_bytes`` from a profile file: a positive whole number of bytes, or null."""
     if v is None:
         return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(
-            f"memory_bytes must be a positive whole number of bytes or null, not {v!r}"
-        )
-    return v
+    return _whole_bytes(v, "memory_bytes", 1, "a positive whole number of bytes or null")
 
 
 def _threads(v: Any) -> int | None:
