@@ -144,14 +144,18 @@ class CheckpointMemory:
         )
 
 
+def _module_path(n: Node) -> str | None:
+    """The module path of a node a checkpoint can hold: not the loss graphflop appends, which
+    is no module eager PyTorch could checkpoint."""
+    return None if n.meta.get(ROLE) == "loss" else n.meta.get(MODULE)
+
+
 def _regions(forward: GraphModule, match) -> dict[Node, str]:
     """Forward node -> the outermost matching module path it lies in (call nodes only; not
-    the loss graphflop appends, which is no module eager PyTorch could checkpoint)."""
+    the loss, :func:`_module_path`)."""
     out: dict[Node, str] = {}
     for n in forward.graph.nodes:
-        if n.meta.get(ROLE) == "loss":
-            continue
-        path = n.meta.get(MODULE) if n.op == "call_function" else None
+        path = _module_path(n) if n.op == "call_function" else None
         if not path:
             continue
         parts = path.split(".")
@@ -241,13 +245,7 @@ def checkpoint_memory(
     match = module_matcher(pattern)
     region = _regions(forward, match)
     if not region:
-        paths = sorted(
-            {
-                p
-                for n in forward.graph.nodes
-                if (p := n.meta.get(MODULE)) and n.meta.get(ROLE) != "loss"
-            }
-        )
+        paths = sorted({p for n in forward.graph.nodes if (p := _module_path(n))})
         raise CheckpointPatternError(
             f"checkpoint pattern {pattern!r} matches no module; module paths: "
             + ", ".join(paths[:12])

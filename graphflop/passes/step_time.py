@@ -600,9 +600,8 @@ def time_report(
     up per phase, role, module (``report``'s layer rows) and kernel op.
 
     ``reruns``: what-if (``checkpoint``, ``recompute``) -> the forward node names it reruns in
-    the backward; each what-if's recompute time (:attr:`TimeReport.recompute`) is the sum of
-    those nodes' predicted seconds in the forward (their kernels' work and fixed costs, not
-    the module calls' host time).
+    the backward; each what-if's recompute time (:attr:`TimeReport.recompute`) is those
+    nodes' share of the forward phase (:func:`_rerun_seconds`).
 
     Raises:
         NoPeak: a matrix product or convolution in a dtype ``profile`` has no rate for.
@@ -660,14 +659,20 @@ def time_report(
     )
 
 
+def _share(nodes: list[Node], phase: PhaseTime | None) -> float:
+    """What one second of ``nodes``' kernel seconds (a phase's nodes) is of ``phase``: the
+    phase's seconds over theirs (1 without the phase or any timed node). On a GPU profile the
+    host/device overlap comes off, on a calibrated one the host's costs go on, in proportion."""
+    kernels = sum(n.meta[TIME].seconds for n in nodes if TIME in n.meta)
+    return phase.seconds / kernels if phase is not None and kernels else 1.0
+
+
 def _rerun_seconds(nodes: list[Node], phase: PhaseTime, names: frozenset[str]) -> float:
     """Predicted seconds of rerunning the forward nodes named in ``names``: their share of
-    the forward phase's node seconds, times the phase (so a GPU's host/device overlap and
-    the host's module calls scale with it: on a data-sheet H100 the plain sum of ResNet-18's
+    the forward phase (:func:`_share`: on a data-sheet H100 the plain sum of ResNet-18's
     rerun blocks came to 1.49 ms against a 1.14 ms forward; tester, stop 45)."""
-    total = sum(n.meta[TIME].seconds for n in nodes if TIME in n.meta)
     rerun = sum(n.meta[TIME].seconds for n in nodes if n.name in names and TIME in n.meta)
-    return phase.seconds * rerun / total if total else 0.0
+    return rerun * _share(nodes, phase)
 
 
 def _kernels_in(nodes: list[Node]) -> int:
@@ -803,16 +808,13 @@ def _layers(
     rows: tuple[LayerRow, ...],
     phases: dict[str, PhaseTime],
 ) -> tuple[LayerTime, ...]:
-    """Per module, its share of each phase: its nodes' kernel seconds times the phase's
-    seconds over all its nodes' (so the rows add up to the phase: on a GPU profile the
-    host/device overlap comes off, and a calibrated profile's host costs go on, in
-    proportion; before, a GPU's layer rows summed to more than their phase)."""
+    """Per module, its share of each phase (:func:`_share`), so the rows add up to the phase
+    (before, a GPU's layer rows summed to more than their phase)."""
     per: dict[str, dict[str, float]] = {}
     split: dict[str, dict[str, float]] = {}
     for phase in ("forward", "backward", "update", "jvp"):
         nodes = [n for n in phase_nodes.get(phase, ()) if n.meta.get(TIME) is not None]
-        kernels = sum(n.meta[TIME].seconds for n in nodes)
-        scale = phases[phase].seconds / kernels if phase in phases and kernels else 1.0
+        scale = _share(nodes, phases.get(phase))
         for n in nodes:
             t: NodeTime = n.meta[TIME]
             name = n.meta.get(MODULE, "") or "(model)"

@@ -944,8 +944,9 @@ class _Run:
         network's backward (:data:`ENGINE_PROBE` linear layers, each followed by the views
         and reductions transformer and convolutional blocks run: ``view``, ``transpose``,
         ``permute``, ``unsqueeze``, ``reshape``, a ``mean`` and a ``relu``), as the events of
-        the ops directly under an autograd node: the median per kind. On this CPU eager's backward views and reshapes inside MLP,
-        CNN, ResNet-18 and GPT-2 ran 1.6-5 µs where the Python-side figure was 6.5-9 µs."""
+        the ops directly under an autograd node: the median per kind. On this CPU eager's
+        backward views and reshapes inside MLP, CNN, ResNet-18 and GPT-2 ran 1.6-5 µs where
+        the Python-side figure was 6.5-9 µs."""
         if not self.p.cold_calls:
             return {}
         from torch.profiler import ProfilerActivity, profile
