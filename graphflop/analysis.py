@@ -59,6 +59,26 @@ __all__ = [
 ]
 
 
+class _FlatOnRead:
+    """A field holding a graph as :func:`analyze` built it (a recorded derivative hierarchy's
+    top level, or a flat graph) whose reads give the flat graph: the
+    :func:`~graphflop.passes.calls.flat_view`, made on the first read (and kept once the graph
+    is costed), so an analysis whose consumers read only the report never expands its blocks.
+    Read on the class (the dataclass's default), it is None."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_as_built_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> GraphModule | None:
+        if obj is None:
+            return None
+        gm = obj.__dict__.get(self.slot)
+        return flat_view(gm) if gm is not None else None
+
+    def __set__(self, obj: Any, value: GraphModule | None) -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclass
 class Analysis:
     """Annotated graphs and their report.
@@ -74,16 +94,21 @@ class Analysis:
             (:mod:`graphflop.passes.activity_gradient`), or None when not built or the model
             has parameters outside Linear/Conv layers.
         report: the typed report (:class:`~graphflop.report.Report`).
+
+    The derivative and step graphs read as flat graphs, every node of every block; where
+    :func:`analyze` recorded one as a hierarchy (``record_derivatives``, the default), its flat
+    view is made on the first read (:func:`~graphflop.passes.calls.flat_view`), and
+    :meth:`as_built` gives the recorded top levels without expanding them.
     """
 
     name: str
     forward: GraphModule
     report: Report
-    backward: GraphModule | None = None
-    jvp: GraphModule | None = None
-    update: GraphModule | None = None
-    forward_gradient: GraphModule | None = None
-    activity_gradient: GraphModule | None = None
+    backward: _FlatOnRead = _FlatOnRead()
+    jvp: _FlatOnRead = _FlatOnRead()
+    update: _FlatOnRead = _FlatOnRead()
+    forward_gradient: _FlatOnRead = _FlatOnRead()
+    activity_gradient: _FlatOnRead = _FlatOnRead()
     _train_step: GraphModule | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -122,6 +147,21 @@ class Analysis:
             self.jvp,
             self.forward_gradient,
             self.activity_gradient,
+        )
+
+    def as_built(self) -> Graphs:
+        """The graphs as :func:`analyze` built them, nothing expanded: the forward graph (flat,
+        with its :attr:`hierarchy`) and each derivative or step graph as built, a recorded
+        hierarchy's top level (``gm.meta[DERIVED_HIERARCHY]``, whose ``graph`` is ``gm``:
+        :func:`~graphflop.passes.calls.is_recorded`) where it was recorded, else the flat
+        graph. What the report's figures were composed from."""
+        d = self.__dict__
+        return Graphs(
+            self.forward,
+            *(
+                d.get("_as_built_" + k)
+                for k in ("backward", "update", "jvp", "forward_gradient", "activity_gradient")
+            ),
         )
 
     def run_pass(self, p: GraphPass) -> PassRun:
@@ -475,14 +515,14 @@ def _analyze(
         )
         report = replace(report, memory=mem)
     # the consumers that read every node take the flat views of recorded hierarchies (each
-    # made once: the memory schedules of summarize made them already)
-    g = replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp))
-    report, reruns = _what_ifs(report, g, device, optimizer, o.checkpoint, o.amp, o.recompute)
+    # made once, and only for them: the Analysis expands its graphs when they are read)
+    flat = replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp)) if _needs_flat(o) else g
+    report, reruns = _what_ifs(report, flat, device, optimizer, o.checkpoint, o.amp, o.recompute)
     if o.time_profile is not None:
         from graphflop.passes.step_time import time_report
 
         say(f"timing on {o.time_profile.name}")
-        tr = time_report(g, report, o.time_profile, amp=o.amp, reruns=reruns)
+        tr = time_report(flat, report, o.time_profile, amp=o.amp, reruns=reruns)
         report = replace(report, time=tr)
     return Analysis(
         name,
@@ -498,6 +538,12 @@ def _analyze(
 
 def _flat(gm: GraphModule | None) -> GraphModule | None:
     return flat_view(gm) if gm is not None else None
+
+
+def _needs_flat(o: AnalyzeOptions) -> bool:
+    """Whether a stage after the summary reads every node of the derivative graphs: the
+    checkpoint, autocast and recompute what-ifs and the step time."""
+    return any(x is not None for x in (o.checkpoint, o.amp, o.recompute, o.time_profile))
 
 
 def _activity(

@@ -6,6 +6,7 @@ annotation per template derivative, the figures composed from the templates, and
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -337,6 +338,29 @@ def test_recorded_derivatives_with_what_ifs_and_other_options():
         rec = analyze(model, x, **opts, record_derivatives=True)
         assert rec.report.to_dict() == flat.report.to_dict(), opts
         _graphs_equal(rec, flat)
+
+
+def test_analysis_keeps_graphs_as_built_and_reads_them_flat():
+    """``Analysis`` holds the recorded top levels (``as_built``) and gives their flat views on
+    read, made once: the flat build's graphs name for name; built flat, both are the one
+    graph."""
+    model, x = _model("stack")
+    rec = analyze(model, x)
+    flat = analyze(model, x, record_derivatives=False)
+    built = rec.as_built()
+    for k in ("backward", "jvp"):
+        top = getattr(built, k)
+        assert calls.is_recorded(top), k
+        assert any(n.target is REPEAT for n in top.graph.nodes), k
+        view = getattr(rec, k)
+        assert not calls.is_recorded(view) and view is getattr(rec, k), k
+        assert view is calls.flat_view(top), k
+        assert _names(view) == _names(getattr(flat, k)), k
+        assert getattr(flat.as_built(), k) is getattr(flat, k), k
+    assert built.forward is rec.forward and built.update is rec.update
+    # the fields take graphs as dataclass fields do (replace, the constructor's default)
+    assert replace(rec, jvp=None).jvp is None and replace(rec, jvp=None).backward is rec.backward
+    assert type(rec)("m", rec.forward, rec.report).backward is None
 
 
 def test_record_derivatives_is_checked():

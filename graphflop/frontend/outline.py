@@ -127,19 +127,26 @@ class NotOutlinable(Exception):
         self.structure = structure
 
 
+#: the attribute types kept by value in :func:`_attr_key`
+_PLAIN = (bool, int, float, str, complex, torch.dtype, torch.device)
+
+
 def _attr_key(v: Any) -> Any:
     """A hashable stand-in for a module attribute: the value for plain data; for a dict, its
     items; for a module without parameters or buffers kept outside the module tree (the
     ``kernels`` library gives every attention module its own stateless function modules in a
     dict), its :func:`structure`; the object's identity otherwise (a shared config object is
     the same; per-instance tensors are not)."""
-    if v is None or isinstance(v, (bool, int, float, str, complex, torch.dtype, torch.device)):
-        return ("v", type(v), v)
-    if isinstance(v, (tuple, list)):
-        return ("s", type(v), tuple(_attr_key(x) for x in v))
-    if type(v) is dict and all(isinstance(k, str) for k in v):
+    # by the value's type, not isinstance: isinstance also reads ``__class__``, which an
+    # object with its own ``__getattribute__`` (transformers' configs) answers slowly
+    t = type(v)
+    if v is None or issubclass(t, _PLAIN):
+        return ("v", t, v)
+    if issubclass(t, (tuple, list)):
+        return ("s", t, tuple(_attr_key(x) for x in v))
+    if t is dict and all(issubclass(type(k), str) for k in v):
         return ("d", tuple(sorted((k, _attr_key(x)) for k, x in v.items())))
-    if isinstance(v, nn.Module) and _stateless(v):
+    if issubclass(t, nn.Module) and _stateless(v):
         s = structure(v)
         if s is not None:
             return ("m", s)
