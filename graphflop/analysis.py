@@ -19,6 +19,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from graphflop._gc import paused_gc
+from graphflop.ad.builder import shape_cache_scope
 from graphflop.ad.jvp import TANGENT_CHOICES, build_jvp
 from graphflop.frontend import nodynamo
 from graphflop.frontend.errors import quiet_loggers
@@ -401,7 +402,7 @@ def analyze(
         raise ValueError("memory_model='compiled' takes positional inputs only, not keywords")
     say = progress or (lambda msg: None)
     # FakeTensorMode logs a traceback before re-raising a kernel's error; the error is raised
-    with paused_gc(), quiet_loggers("torch._subclasses.fake_tensor"):
+    with paused_gc(), quiet_loggers("torch._subclasses.fake_tensor"), shape_cache_scope():
         return nodynamo.run(
             lambda: _analyze(model, args, kwargs, o, name=name, say=say),
             light=o.memory_model != "compiled",

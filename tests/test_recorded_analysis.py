@@ -363,6 +363,27 @@ def test_analysis_keeps_graphs_as_built_and_reads_them_flat():
     assert type(rec)("m", rec.forward, rec.report).backward is None
 
 
+def test_analysis_graphs_freed_with_the_analysis():
+    """Nothing graphflop keeps outlives an analysis: its graphs, the recorded top levels and
+    their flat views, and the fake mode its shape cache was kept for are freed with it. The
+    flat views' and shape caches' tables kept every one of them for good (a sweep's memory
+    grew with each analysis) because each value named its key."""
+    import gc
+    import weakref
+
+    from graphflop.meta import graph_fake_mode
+
+    model, x = _model("stack")
+    a = analyze(model, x)
+    built = a.as_built()
+    refs = [weakref.ref(g) for g in (a.forward, built.backward, built.jvp, a.backward, a.jvp)]
+    refs.append(weakref.ref(graph_fake_mode(a.forward)))
+    assert all(r() is not None for r in refs)
+    del a, built
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+
+
 def test_record_derivatives_is_checked():
     model, x = _model("stack")
     with pytest.raises(TypeError, match="record_derivatives"):

@@ -1375,15 +1375,16 @@ def _global_bytes(gm: GraphModule, name: str) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
-_INDEX: dict[int, dict[str, Node]] = {}
+#: the attribute of a graph module holding its nodes by name (on the module itself: keyed by
+#: ``id(gm)`` in a table, a later module given a freed one's id read the freed one's nodes)
+_INDEX = "_graphflop_node_index"
 
 
 def _node_index(gm: GraphModule) -> dict[str, Node]:
-    idx = _INDEX.get(id(gm))
+    idx = gm.__dict__.get(_INDEX)
     if idx is None or len(idx) != len(gm.graph.nodes):
         idx = {n.name: n for n in gm.graph.nodes}
-        _INDEX.clear()
-        _INDEX[id(gm)] = idx
+        object.__setattr__(gm, _INDEX, idx)  # not a submodule: nn.Module's setattr
     return idx
 
 

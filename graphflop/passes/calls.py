@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -539,7 +538,9 @@ def is_recorded(gm: GraphModule | None) -> bool:
     return dh is not None and dh.graph is gm
 
 
-_FLAT_VIEWS: weakref.WeakKeyDictionary[GraphModule, GraphModule] = weakref.WeakKeyDictionary()
+#: the attribute of a recorded top level holding its kept flat view (on the object itself: a
+#: table keyed by the top level would hold it for good, the view's hierarchy naming it)
+_FLAT_VIEW = "_graphflop_flat_view"
 
 
 def flat_view(gm: GraphModule) -> GraphModule:
@@ -555,7 +556,7 @@ def flat_view(gm: GraphModule) -> GraphModule:
     each time."""
     if not is_recorded(gm):
         return gm
-    got = _FLAT_VIEWS.get(gm)
+    got = gm.__dict__.get(_FLAT_VIEW)
     if got is not None:
         return got
     dh: DerivedHierarchy = gm.meta[DERIVED_HIERARCHY]
@@ -572,7 +573,7 @@ def flat_view(gm: GraphModule) -> GraphModule:
         runs[number] = made
     flat.meta[DERIVED_HIERARCHY] = replace(dh, runs=tuple(runs))
     if all(COST in n.meta for n in gm.graph.nodes):  # costed: the view is final
-        _FLAT_VIEWS[gm] = flat
+        object.__setattr__(gm, _FLAT_VIEW, flat)  # not a submodule: nn.Module's setattr
     return flat
 
 
