@@ -7,6 +7,7 @@ its ``jvp``), on the real model in float64.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.autograd.forward_ad as fwad
 import torch.nn.functional as F
@@ -250,3 +251,175 @@ def test_functions_in_repeated_blocks():
     assert grad.ok and grad.name == "gradients vs torch.autograd.backward", grad
     tangent = verify_jvp(a.forward, a.jvp, model, examples=(x,))
     assert tangent.ok and tangent.name == "JVP loss tangent vs torch.autograd.forward_ad", tangent
+
+
+# -- Functions in repeated blocks, transposed from the recorded JVP -----------------------------
+
+
+class WeightCube(torch.autograd.Function):
+    """A parameter's cube (the block's weight is W³): :class:`CubeWithJvp` on a weight, so the
+    Function's input tangent is a parameter's tangent, an argument of the block's call."""
+
+    @staticmethod
+    def forward(ctx, w):
+        ctx.save_for_backward(w)
+        ctx.save_for_forward(w)
+        return w * w * w
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return 3 * w * w * g
+
+    @staticmethod
+    def jvp(ctx, t):
+        (w,) = ctx.saved_tensors
+        return 3 * w * w * t
+
+
+class StopGradient(torch.autograd.Function):
+    """2x with no gradient (backward returns None: a zero cotangent) and a zero tangent."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+    @staticmethod
+    def jvp(ctx, t):
+        return t * 0
+
+
+class FnBlock(nn.Module):
+    """A residual block calling a Function (``fn``): ``cube`` (with jvp), ``round`` and
+    ``reverse`` (without: the JVP graph is cut there), ``twice`` (its output read twice, its
+    input also outside it), ``input`` (on the block's input), ``weight`` (on a weight),
+    ``stop`` (no gradient: no cotangent reaches the block's work before it), ``plain`` (none:
+    the same cube written out)."""
+
+    def __init__(self, fn: str, d: int = 6):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+        self.fn = fn
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if self.fn == "cube":
+            return x + self.out(CubeWithJvp.apply(h))
+        if self.fn == "round":
+            return x + self.out(RoundSTE.apply(h * 4))
+        if self.fn == "reverse":
+            return x + self.out(GradReverse.apply(h, 0.5))
+        if self.fn == "twice":
+            y = CubeWithJvp.apply(h)
+            return x + self.out(y) + y * h
+        if self.fn == "input":
+            return x + self.out(h) * CubeWithJvp.apply(x)
+        if self.fn == "stop":
+            return x + self.out(StopGradient.apply(h))
+        if self.fn == "weight":
+            return x + F.linear(h, WeightCube.apply(self.out.weight), self.out.bias)
+        return x + self.out(h * h * h)
+
+
+class FnStack(nn.Module):
+    """A layer, then residual blocks, one per entry of ``fns`` (so the backward is recorded:
+    no fold across a call), then a head; ``top``: a Function before the head too."""
+
+    def __init__(self, fns: list[str], top: bool = False, d: int = 6):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(FnBlock(f, d) for f in fns)
+        self.head = nn.Linear(d, 3)
+        self.top = top
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        if self.top:
+            x = CubeWithJvp.apply(x)
+        return self.head(x)
+
+
+#: name -> (the blocks' Functions, a Function at the top level too)
+FN_STACKS = {
+    "with_jvp": (["cube"] * 4, True),
+    "without_jvp": (["round"] * 3, False),
+    "without_jvp_scaled": (["reverse"] * 3, False),
+    "some_blocks": (["cube", "plain", "cube", "plain"], False),
+    "output_twice": (["twice"] * 3, False),
+    "on_input_and_weight": (["input", "weight", "input", "weight"], False),
+    # the rules emit nothing for the work before the Function: no call (an empty one was
+    # recorded, and DirectRecorder.finish raised IndexError)
+    "stopping_the_gradient": (["stop"] * 3, False),
+}
+
+
+@pytest.mark.parametrize("case", FN_STACKS)
+def test_functions_in_blocks_transposed_from_the_recorded_jvp(case, monkeypatch):
+    """Blocks calling custom Functions: the backward transposed from the recorded JVP's
+    repeat nodes (each JVP template's first call made flat, its other calls read from their
+    repeat nodes; the Function's entry reads the nodes standing for the call's values) equals
+    the one transposed from the flat JVP node for node, names included, with and without a
+    recorder of the backward (which keeps it recorded); its gradients are eager autograd's
+    (the Functions' own backward)."""
+    from test_derived_direct import _check_transposed
+    from test_recorded_analysis import _graphs_equal
+
+    from graphflop.ad import blocks
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.meta import DERIVED_HIERARCHY, LINEARIZED
+    from graphflop.passes import calls
+    from graphflop.passes.calls import DirectRecorder
+    from graphflop.runtime.verify import verify_gradients
+
+    fns, top = FN_STACKS[case]
+    torch.manual_seed(0)
+    model = FnStack(fns, top).double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    fwd = trace(model, (x,), loss="cross_entropy")
+    for input_grads in (False, True):
+        got = _check_transposed(fwd, input_grads)  # read from the repeat nodes, as flat
+        check = verify_gradients(fwd, got, model, examples=(x,))
+        assert check.ok and check.name == "gradients vs torch.autograd.backward", check
+
+    made_flat: list = []
+    flat = blocks.RecordedCalls.flat
+
+    def counted(self, rep, run, ct):
+        made_flat.append(rep)
+        return flat(self, rep, run, ct)
+
+    monkeypatch.setattr(blocks.RecordedCalls, "flat", counted)
+    rec = build_jvp(fwd, "all", for_transpose=True, recorder=DirectRecorder(fwd))
+    bwd = build_vjp(fwd, input_grads=True, linearized=rec, recorder=DirectRecorder(fwd))
+    assert bwd.meta[LINEARIZED] is rec
+    dh = bwd.meta[DERIVED_HIERARCHY]
+    assert dh.graph is bwd  # recorded
+    # tangents on the input too: every block's calls one variant per JVP template, whose
+    # first call transposed is made flat and the others read (where the Function's entry
+    # splits a call's run, the first run's cotangents are settled on the nodes the second
+    # reads: it found none there, and every call on a weight or input was made flat)
+    jvp_calls = rec.meta[DERIVED_HIERARCHY].calls
+    assert len(set(made_flat)) == len({c.template for c in jvp_calls}) < len(jvp_calls)
+    check = verify_gradients(fwd, calls.flat_view(bwd), model, examples=(x,))
+    assert check.ok, check
+
+    # analyze: the same report and graphs, names included, as the flat analysis; the
+    # backward recorded, transposed from the recorded JVP (with a Function without jvp,
+    # which cuts it, from one recorded through the Function)
+    flat_a = analyze(model, (x,), loss="cross_entropy", record_derivatives=False)
+    rec_a = analyze(model, (x,), loss="cross_entropy", record_derivatives=True)
+    assert rec_a.report.to_dict() == flat_a.report.to_dict()
+    _graphs_equal(rec_a, flat_a)
+    built = rec_a.as_built()
+    lin = built.backward.meta[LINEARIZED]
+    assert calls.is_recorded(built.backward) and calls.is_recorded(lin)
+    assert (lin is built.jvp) == rec_a.report.totals.jvp.complete
+    assert rec_a.report.totals.backward.complete

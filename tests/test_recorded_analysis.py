@@ -441,12 +441,15 @@ def test_custom_functions_in_blocks_recorded():
     """Blocks that each call a custom Function (its own jvp and backward): the recorded JVP's
     flat graph has the Function's log entry read its own nodes (it read the recorded top
     level's, and the backward transposed from it lost block 0's weight gradient), the backward
-    is transposed through that flat JVP (read from the repeat nodes it made an empty first
-    call), and ``analyze`` both ways gives the same report and graphs, names included."""
+    is transposed from the recorded JVP's repeat nodes (the Function's entry reading the nodes
+    that stand for the calls' values: it read the first calls' erased nodes, found no
+    cotangent, and the rules then made an empty call), and ``analyze`` both ways gives the
+    same report and graphs, names included (``tests/test_custom_function_grads.py``: more
+    such blocks, and their gradients)."""
     from test_custom_function_grads import CubeStack
 
     from graphflop.ad.functions import FunctionEntry
-    from graphflop.meta import JVP_LOG
+    from graphflop.meta import JVP_LOG, LINEARIZED
 
     torch.manual_seed(0)
     model = CubeStack().double()
@@ -456,6 +459,8 @@ def test_custom_functions_in_blocks_recorded():
     assert rec.report.to_dict() == flat.report.to_dict()
     _graphs_equal(rec, flat)
     assert calls.is_recorded(rec.jvp.meta[DERIVED_HIERARCHY].graph)
+    built = rec.as_built()
+    assert built.backward.meta[LINEARIZED] is built.jvp  # read from its repeat nodes
     entries = [e for e in rec.jvp.meta[JVP_LOG] if isinstance(e, FunctionEntry)]
     assert len(entries) == 3
     nodes = set(rec.jvp.graph.nodes)

@@ -29,7 +29,12 @@ template JVPs) is transposed without its flat graph: :class:`RecordedCalls` give
 values one node, and a call of a variant already transposed at an earlier call of the same
 template JVP takes its residuals and cotangents from its ``graphflop::repeat`` node's
 arguments and getitems (:meth:`BlockTranspose.transpose_call`); the other calls are made flat
-aside and transposed as above.
+aside and transposed as above. A custom Function's log entry (:mod:`graphflop.ad.functions`)
+splits its call's run in two and is transposed on its own between them; it names the first
+call's nodes, which the recorder erased, so it is read through the nodes that stand for them
+(:meth:`RecordedCalls.function_entry`), and a cotangent that the rules filed on a node made
+flat is moved onto that node before another run of the call or an entry reads it
+(:meth:`RecordedCalls.settle`).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,6 +50,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphflop.ad.builder import base_name, copy_node, emit
+from graphflop.ad.functions import FunctionEntry
 from graphflop.meta import (
     CALL_SITE,
     CHECKPOINT,
@@ -369,6 +375,7 @@ class BlockTranspose:
         JVP's, its first call of a variant recording the template backward."""
         calls = self.calls
         rep = run[0][0]
+        calls.settle(rep, ct)  # an earlier run's cotangents, where this one reads them
         site = calls.site(rep)
         positions = tuple(i for _, i in run)
         args: Any = rep.args[0]
@@ -698,7 +705,7 @@ class RecordedCalls:
     def __init__(self, dh: Any) -> None:
         self.dh = dh
         self._localize = dh.localize
-        repeat = torch.ops.graphflop.repeat.default
+        repeat = self._repeat = torch.ops.graphflop.repeat.default
         #: (repeat node, position) -> its getitem
         self.items: dict[tuple[Node, int], Node] = {}
         for n in dh.graph.graph.nodes:
@@ -781,6 +788,55 @@ class RecordedCalls:
                 ct[made[i]] = ct.pop(item)
         return [made[i] for _, i in run]
 
+    def settle(self, rep: Node, ct: dict[Any, Any]) -> None:
+        """Move the cotangents that the rules filed on call ``rep``'s nodes made flat
+        (:meth:`flat`) onto the nodes that hold them (:meth:`holder`), where a later run of
+        the call (:meth:`BlockTranspose.transpose_call`: a call whose run a custom
+        Function's entry or a ghost splits) and a Function's entry read them. Raises
+        :class:`RecordedFallback` where both hold one."""
+        made = self.side.get(rep)
+        for i, x in enumerate(made or ()):
+            if x not in ct:
+                continue
+            v = self.holder((rep, i))
+            if v is None or v is x:
+                continue
+            if v in ct:
+                raise RecordedFallback(x.name)
+            ct[v] = ct.pop(x)
+
+    def function_entry(self, e: FunctionEntry, ct: dict[Any, Any]) -> FunctionEntry:
+        """A custom Function's log entry ``e`` as the transpose reads it: each tangent and
+        saved value the node standing for it (:meth:`canon`: ``e`` names a first call's
+        nodes, which :meth:`~graphflop.passes.calls.DirectRecorder.finish` erased), the
+        cotangents of the calls it reads settled on those nodes (:meth:`settle`)."""
+        for x in (*e.inputs, *e.outputs):
+            at = self._at(x) if isinstance(x, Node) else None
+            if at is not None:
+                self.value(*at)  # its holder made, where none is yet
+                self.settle(at[0], ct)
+
+        def node(x: Any) -> Any:
+            return self.canon(x) if isinstance(x, Node) else x
+
+        return replace(
+            e,
+            inputs=tuple(node(x) for x in e.inputs),
+            outputs=tuple(node(x) for x in e.outputs),
+            saved={j: node(x) for j, x in e.saved.items()},
+        )
+
+    def _at(self, x: Node) -> tuple[Node, int] | None:
+        """``(repeat node, position)`` of the call's node ``x`` stands for, or None (a top
+        level node)."""
+        at = self.dh.moved.get(x)
+        if at is not None:
+            return at
+        args: Any = x.args
+        if x.target is operator.getitem and getattr(args[0], "target", None) is self._repeat:
+            return args[0], args[1]
+        return None
+
 
 class _Places:
     """A first call's values (``places``: value -> ``("arg", j)`` or ``("pos", i)``) mapped to
@@ -831,7 +887,10 @@ def transpose_log(
     while i < len(log):
         j = blocks.run(log, i)
         if j == i:
-            rules(log[i : i + 1])
+            e = log[i]
+            if calls is not None and isinstance(e, FunctionEntry):
+                e = calls.function_entry(e, ct)  # read from the calls' nodes
+            rules([e])
             i += 1
             continue
         run = log[i:j]

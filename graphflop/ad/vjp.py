@@ -203,8 +203,11 @@ def build_vjp(
         input_grads: also return the cotangents of the model's inputs.
         linearized: the JVP graph of ``forward`` to transpose, when already built (tangents on
             the parameters, and on the inputs too for ``input_grads``); built here otherwise.
-            A recorded JVP hierarchy's top level (``recorder``) is expanded first
-            (:func:`graphflop.passes.calls.expand_jvp`).
+            A recorded JVP hierarchy's top level (``recorder``) is transposed call by call
+            from its repeat nodes (:class:`graphflop.ad.blocks.RecordedCalls`), or expanded
+            first (:func:`graphflop.passes.calls.expand_jvp`) where it cannot be (checkpointed
+            blocks); one cut at a custom Function without ``jvp`` is linearized again through
+            the Function (recorded, with ``recorder``).
         per_template: transpose each repeated block's call once per variant and expand it at
             its other calls (:mod:`graphflop.ad.blocks`; the same graph node for node as
             ``False``, which runs the rules at every call).
@@ -233,30 +236,32 @@ def build_vjp(
     if linearized is not None:
         _check_linearizes(forward, linearized)
     lin = linearized
+    tangents = "all" if input_grads else "params"
     dh = lin.meta.get(DERIVED_HIERARCHY) if lin is not None else None
+    if dh is not None and dh.graph is lin and _cut(lin) and per_template and recorder is not None:
+        # a custom Function without jvp cuts the recorded JVP: record a linearization that
+        # goes through it (its own backward is the transpose) and transpose that
+        lin = build_jvp(forward, tangents, for_transpose=True, recorder=type(recorder)(forward))
+        dh = lin.meta.get(DERIVED_HIERARCHY)
     if dh is not None and dh.graph is lin:  # a recorded JVP
         checkpointed = any(n.meta.get(CHECKPOINT) is not None for n in forward.graph.nodes)
-        cut = any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ()))
-        # a custom Function's own backward in the log: read from the repeat nodes, a stack of
-        # blocks each calling one made an empty first call (IndexError in finish) or lost
-        # its weight gradients; transposed through the flat JVP it is the flat build's
-        custom = any(isinstance(e, functions.FunctionEntry) for e in dh.log or ())
-        if per_template and dh.log is not None and not (checkpointed or cut or custom):
+        if per_template and dh.log is not None and not (checkpointed or _cut(lin)):
             try:  # each call's residuals and cotangents read from its repeat node
                 return _build_vjp(forward, sig, lin, input_grads, per_template, recorder, dh)
             except RecordedFallback:
                 recorder = type(recorder)(forward) if recorder is not None else None
         lin = dh.expand_jvp(lin)  # its flat graph, transposed as built flat
-    if lin is None or any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ())):
+    if lin is None or _cut(lin):
         # a custom Function without jvp cuts the JVP graph: transpose a linearization that
         # goes through it instead (its own backward is the transpose)
-        lin = build_jvp(
-            forward,
-            "all" if input_grads else "params",
-            for_transpose=True,
-            per_template=per_template,
-        )
+        lin = build_jvp(forward, tangents, for_transpose=True, per_template=per_template)
     return _build_vjp(forward, sig, lin, input_grads, per_template, recorder, None)
+
+
+def _cut(lin: GraphModule) -> bool:
+    """Whether the JVP graph ``lin`` is cut at a custom Function without ``jvp`` (a gap
+    naming it)."""
+    return any(g.op.startswith(functions.LABEL) for g in lin.meta.get(GAPS, ()))
 
 
 def _check_linearizes(forward: GraphModule, lin: GraphModule) -> None:

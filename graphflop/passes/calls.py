@@ -893,7 +893,11 @@ class DirectRecorder:
         ``(template, per value from outside in order its reference in refs, source slots)``.
         None where ``refs`` is None or a value from outside has no reference in it (no other
         call expands it; the run is still made a call), or where the run cannot be described
-        (it stays at the top level, as :func:`build` would leave it)."""
+        (it stays at the top level, as :func:`build` would leave it), or is empty (the rules
+        emitted nothing for the call: a custom Function's backward gave no cotangent to the
+        work before it; :meth:`finish` has no node to put the call at)."""
+        if not run:
+            return None
         try:
             sig, ext, order = self.d.describe(run, site)
         except _Unshared:
