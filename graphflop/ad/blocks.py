@@ -722,9 +722,17 @@ class RecordedCalls:
         #: a flat-made node -> the node that stands for its value
         self.alias: dict[Node, Node] = {}
         self.scratch = Graph()
+        self._paths: dict[Any, dict[str, str]] = {}
 
     def site(self, rep: Node) -> int:
         return self.dh.calls[rep.args[1]].site
+
+    def _absolute(self, c: Any) -> dict[str, str]:
+        """Call ``c``'s module paths, relative -> in the model (made once per call)."""
+        got = self._paths.get(c)
+        if got is None:
+            got = self._paths[c] = dict(c.modules)
+        return got
 
     def template(self, rep: Node) -> int:
         return self.dh.calls[rep.args[1]].template
@@ -738,9 +746,12 @@ class RecordedCalls:
             if v is None:
                 c = self.dh.calls[rep.args[1]]
                 x = self.nodes[c.template][i]
-                v = self.scratch.create_node("call_function", x.target, name=x.name)
-                v.meta = dict(x.meta)
-                self._localize(v.meta, c, dict(c.modules))
+                # a stand-in only: made outside the scratch graph's node list and namespace
+                # (fx's create_node names and files it: a third of the transpose's time per call)
+                v = Node(self.scratch, x.name, "call_function", x.target, (), {})
+                meta = dict(x.meta)
+                self._localize(meta, c, self._absolute(c))
+                object.__setattr__(v, "meta", meta)
             self.thin.add(v)
             self.canonical[key] = v
         return v
