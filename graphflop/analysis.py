@@ -59,6 +59,25 @@ __all__ = [
 ]
 
 
+class _FlatView:
+    """A field of :class:`Analysis` holding a derivative graph and read as its flat view
+    (:func:`~graphflop.passes.calls.flat_view`: the graph itself unless it is a recorded top
+    level; made on the first read and kept), so that an analysis whose graph nobody reads node
+    by node never expands it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = "_" + name
+
+    def __get__(self, obj: Any, objtype: Any = None) -> GraphModule | None:
+        if obj is None:  # the field's default
+            return None
+        gm = obj.__dict__.get(self._slot)
+        return flat_view(gm) if gm is not None else None
+
+    def __set__(self, obj: Any, value: GraphModule | None) -> None:
+        obj.__dict__[self._slot] = value
+
+
 @dataclass
 class Analysis:
     """Annotated graphs and their report.
@@ -69,7 +88,9 @@ class Analysis:
         backward: backward graph, or None when not built.
         jvp: JVP graph, or None.
         update: optimizer update graph (built with the backward graph), or None.
-        forward_gradient: forward-gradient step graph, or None.
+        forward_gradient: forward-gradient step graph, or None. Built from a recorded JVP it
+            is held as its recorded top level and read as its flat view, made on the first
+            read (:func:`~graphflop.passes.calls.flat_view`).
         activity_gradient: activity-perturbed step graph
             (:mod:`graphflop.passes.activity_gradient`), or None when not built or the model
             has parameters outside Linear/Conv layers.
@@ -82,7 +103,7 @@ class Analysis:
     backward: GraphModule | None = None
     jvp: GraphModule | None = None
     update: GraphModule | None = None
-    forward_gradient: GraphModule | None = None
+    forward_gradient: _FlatView = _FlatView()
     activity_gradient: GraphModule | None = None
     _train_step: GraphModule | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -113,8 +134,9 @@ class Analysis:
         node reads (``verify`` on real tensors, ``bench``, op-level renders, ONNX export, a
         pass of scope :data:`~graphflop.passes.infra.FLAT`). The forward graph is the traced
         one; the derivative graphs are, with ``record_derivatives`` (the default), the flat
-        views of the recorded JVP and backward (:func:`~graphflop.passes.calls.flat_view`:
-        ``gm.meta[DERIVED_HIERARCHY].graph`` is the recorded top level)."""
+        views of the recorded JVP, backward and forward-gradient step
+        (:func:`~graphflop.passes.calls.flat_view`: ``gm.meta[DERIVED_HIERARCHY].graph`` is
+        the recorded top level)."""
         return Graphs(
             self.forward,
             self.backward,
@@ -206,9 +228,12 @@ class AnalyzeOptions:
             repeated block's derivative built once per variant and called at its other call
             sites: ``direct=True`` of :class:`~graphflop.passes.autodiff.BuildJvp` and
             :class:`~graphflop.passes.autodiff.BuildVjp`), FLOP-annotated per template and
-            summarised from the templates; the consumers that need every node (the memory
-            schedules, the forward-gradient step, the what-ifs, the time pass, and
-            :attr:`Analysis.jvp`/:attr:`Analysis.backward`) read their flat views
+            summarised from the templates; the one-direction forward-gradient step is built
+            from the recorded JVP without expanding it (a recorded step, summarised from its
+            templates too); the consumers that need every node (the memory schedules, the
+            other forward-gradient steps, the what-ifs, the time pass, and
+            :attr:`Analysis.jvp`/:attr:`Analysis.backward`/:attr:`Analysis.forward_gradient`)
+            read their flat views
             (:func:`graphflop.passes.calls.flat_view`: the graphs built flat, node for node,
             names included). The same report. On by default; False builds them flat.
 
@@ -452,7 +477,7 @@ def _analyze(
             optimizer,
             directions=directions,
             distribution=distribution,
-            jvp=flat_view(lin) if lin is not None else None,
+            jvp=lin,
             update=upd,
         )
         g = replace(g, forward_gradient=run_passes(fwd, [step, AnnotateFlops()]))
@@ -475,14 +500,16 @@ def _analyze(
         )
         report = replace(report, memory=mem)
     # the consumers that read every node take the flat views of recorded hierarchies (each
-    # made once: the memory schedules of summarize made them already)
+    # made once: the memory schedules of summarize made them already); the forward-gradient
+    # step's is made where it is read (the time pass, Analysis.forward_gradient)
     g = replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp))
     report, reruns = _what_ifs(report, g, device, optimizer, o.checkpoint, o.amp, o.recompute)
     if o.time_profile is not None:
         from graphflop.passes.step_time import time_report
 
         say(f"timing on {o.time_profile.name}")
-        tr = time_report(g, report, o.time_profile, amp=o.amp, reruns=reruns)
+        timed = replace(g, forward_gradient=_flat(g.forward_gradient))  # timed node by node
+        tr = time_report(timed, report, o.time_profile, amp=o.amp, reruns=reruns)
         report = replace(report, time=tr)
     return Analysis(
         name,
