@@ -131,8 +131,13 @@ def test_stack_step_calls_the_jvp_and_update_templates():
     model, x = _model("stack")
     fwd = analyze(model, x, jvp=False, backward=False).forward
     site = _Describer(fwd, fwd.meta[HIERARCHY]).site
-    for optimizer in ("sgd", "momentum", "adam", "adamw"):
-        rec, flat, lin, flat_lin, upd = _steps(fwd, optimizer)
+    for optimizer, distribution in (
+        ("sgd", "normal"),
+        ("momentum", "rademacher"),  # randn, then its sign: two nodes a parameter
+        ("adam", "normal"),
+        ("adamw", "rademacher"),
+    ):
+        rec, flat, lin, flat_lin, upd = _steps(fwd, optimizer, distribution=distribution)
         _check_equal(rec, flat, fwd, lin, flat_lin, optimizer)
         dh = rec.meta[DERIVED_HIERARCHY]
         assert dh.graph is rec and not dh.runs
