@@ -214,11 +214,12 @@ def _step_module(
 
 def _records(jvp: GraphModule, upd: GraphModule, directions: int, direction_inputs: bool) -> bool:
     """Whether the step is built from recorded JVP ``jvp`` as it is (:func:`_recorded_step`):
-    one sampled direction, a JVP whose calls keep their flat names and whose log has no custom
-    Function's entry (its tangents read through the log), an update graph whose calls are
-    runs of consecutive nodes. Else the step is built from the JVP's flat view."""
+    one sampled direction, a JVP whose calls keep their flat names (none made by a fold of
+    transposed products, which names its nodes apart) and whose log has no custom Function's
+    entry (its tangents read through the log), an update graph whose calls are runs of
+    consecutive nodes. Else the step is built from the JVP's flat view."""
     dh: DerivedHierarchy = jvp.meta[DERIVED_HIERARCHY]
-    if directions != 1 or direction_inputs or dh.names is None:
+    if directions != 1 or direction_inputs or dh.names is None or dh.fold_names is not None:
         return False
     if any(isinstance(e, FunctionEntry) for e in dh.log or ()):
         return False
