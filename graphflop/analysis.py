@@ -169,7 +169,7 @@ class Analysis:
             raise ValueError(f"pass {type(p).__name__} has scope {scope!r}: one of {SCOPES}")
         h = self.hierarchy
         if scope == FLAT or h is None or h.graph is None:
-            return PassRun(run_passes(self.flat().forward, [p]), (), flat=True)
+            return PassRun(run_passes(self.forward, [p]), (), flat=True)
         templates = tuple(run_passes(graph_module(nn.Module(), t), [p]) for t in h.templates)
         return PassRun(run_passes(h.graph, [p]), templates, flat=False)
 
