@@ -90,7 +90,9 @@ class Analysis:
         backward: backward graph, or None when not built.
         jvp: JVP graph, or None.
         update: optimizer update graph (built with the backward graph), or None.
-        forward_gradient: forward-gradient step graph, or None.
+        forward_gradient: forward-gradient step graph, or None. Built from a recorded JVP it
+            is held as its recorded top level and read as its flat view, made on the first
+            read (:func:`~graphflop.passes.calls.flat_view`).
         activity_gradient: activity-perturbed step graph
             (:mod:`graphflop.passes.activity_gradient`), or None when not built or the model
             has parameters outside Linear/Conv layers.
@@ -139,8 +141,9 @@ class Analysis:
         node reads (``verify`` on real tensors, ``bench``, op-level renders, ONNX export, a
         pass of scope :data:`~graphflop.passes.infra.FLAT`). The forward graph is the traced
         one; the derivative graphs are, with ``record_derivatives`` (the default), the flat
-        views of the recorded JVP and backward (:func:`~graphflop.passes.calls.flat_view`:
-        ``gm.meta[DERIVED_HIERARCHY].graph`` is the recorded top level)."""
+        views of the recorded JVP, backward and forward-gradient step
+        (:func:`~graphflop.passes.calls.flat_view`: ``gm.meta[DERIVED_HIERARCHY].graph`` is
+        the recorded top level)."""
         return Graphs(
             self.forward,
             self.backward,
@@ -188,7 +191,7 @@ class Analysis:
             raise ValueError(f"pass {type(p).__name__} has scope {scope!r}: one of {SCOPES}")
         h = self.hierarchy
         if scope == FLAT or h is None or h.graph is None:
-            return PassRun(run_passes(self.flat().forward, [p]), (), flat=True)
+            return PassRun(run_passes(self.forward, [p]), (), flat=True)
         templates = tuple(run_passes(graph_module(nn.Module(), t), [p]) for t in h.templates)
         return PassRun(run_passes(h.graph, [p]), templates, flat=False)
 
@@ -247,9 +250,12 @@ class AnalyzeOptions:
             repeated block's derivative built once per variant and called at its other call
             sites: ``direct=True`` of :class:`~graphflop.passes.autodiff.BuildJvp` and
             :class:`~graphflop.passes.autodiff.BuildVjp`), FLOP-annotated per template and
-            summarised from the templates; the consumers that need every node (the memory
-            schedules, the forward-gradient step, the what-ifs, the time pass, and
-            :attr:`Analysis.jvp`/:attr:`Analysis.backward`) read their flat views
+            summarised from the templates; the one-direction forward-gradient step is built
+            from the recorded JVP without expanding it (a recorded step, summarised from its
+            templates too); the consumers that need every node (the memory schedules, the
+            other forward-gradient steps, the what-ifs, the time pass, and
+            :attr:`Analysis.jvp`/:attr:`Analysis.backward`/:attr:`Analysis.forward_gradient`)
+            read their flat views
             (:func:`graphflop.passes.calls.flat_view`: the graphs built flat, node for node,
             names included). The same report. On by default; False builds them flat.
 
@@ -493,7 +499,7 @@ def _analyze(
             optimizer,
             directions=directions,
             distribution=distribution,
-            jvp=flat_view(lin) if lin is not None else None,
+            jvp=lin,
             update=upd,
         )
         g = replace(g, forward_gradient=run_passes(fwd, [step, AnnotateFlops()]))
@@ -516,14 +522,16 @@ def _analyze(
         )
         report = replace(report, memory=mem)
     # the consumers that read every node take the flat views of recorded hierarchies (each
-    # made once, and only for them: the Analysis expands its graphs when they are read)
+    # made once, and only for them: the Analysis expands its graphs when they are read; the
+    # forward-gradient step's only for the time pass)
     flat = replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp)) if _needs_flat(o) else g
     report, reruns = _what_ifs(report, flat, device, optimizer, o.checkpoint, o.amp, o.recompute)
     if o.time_profile is not None:
         from graphflop.passes.step_time import time_report
 
         say(f"timing on {o.time_profile.name}")
-        tr = time_report(flat, report, o.time_profile, amp=o.amp, reruns=reruns)
+        timed = replace(flat, forward_gradient=_flat(g.forward_gradient))  # node by node
+        tr = time_report(timed, report, o.time_profile, amp=o.amp, reruns=reruns)
         report = replace(report, time=tr)
     return Analysis(
         name,

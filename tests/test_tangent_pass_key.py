@@ -48,3 +48,21 @@ def test_a_failed_batched_pass_reports_copies_and_why(monkeypatch):
     monkeypatch.setattr(fgmod, "_batched_pass", fail)
     fg, _ = _step(3)
     assert fg["tangent_pass"] == "copies: the batched pass failed (RuntimeError: no batching here)"
+
+
+def test_inspect_notes_a_step_without_one_batched_pass(monkeypatch):
+    """``inspect`` notes K copies (read off the report's totals), and nothing for K = 1 or a
+    batched pass."""
+    from graphflop.cli.inspect import _tangent_pass_notes
+
+    assert _tangent_pass_notes(_step(1)[1]) == []
+    assert _tangent_pass_notes(_step(3)[1]) == []
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no batching here")
+
+    monkeypatch.setattr(fgmod, "_batched_pass", fail)
+    assert _tangent_pass_notes(_step(3)[1]) == [
+        "note: forward-gradient step with 3 directions: copies: the batched pass failed "
+        "(RuntimeError: no batching here)"
+    ]

@@ -362,11 +362,9 @@ def _experts(loaded: Any, inputs: Any, report: Any, routing: Any) -> dict[str, A
 
 def _tangent_pass_notes(analysis: Analysis) -> list[str]:
     """A note when ``--directions K`` could not build one batched tangent pass (K copies of
-    the whole tangent graph, or of some ops)."""
-    from graphflop.meta import FORWARD_GRADIENT
-
-    fg = analysis.forward_gradient
-    info = fg.meta.get(FORWARD_GRADIENT) if fg is not None else None
+    the whole tangent graph, or of some ops); read off the report (the step graph is not made
+    for it: a recorded step's flat view is made where a graph is read)."""
+    info = analysis.report.totals.forward_gradient_step
     if info is None or info.directions == 1 or info.tangent_pass == "one batched tangent pass":
         return []
     return [f"note: forward-gradient step with {info.directions} directions: {info.tangent_pass}"]

@@ -12,6 +12,16 @@ op batched as ``torch.func.vmap`` batches it), or ``K`` copies where that is not
 Outputs, in order: the loss, the new parameters, the new optimizer state, then the ``K``
 directional derivatives. Writes ``ROLE="direction"`` on the sampling and ``g = d·v`` nodes and
 ``gm.meta[FORWARD_GRADIENT]`` (:class:`ForwardGradientInfo`).
+
+Given a recorded JVP (:func:`~graphflop.passes.calls.is_recorded`: each repeated block's JVP
+built once per variant) and one sampled direction, the step is built without expanding it: its
+top level is the JVP's top level copied, each block call still a call of the block's JVP
+template (a direction's tangent work through a block is that template), with the update
+graph's calls as calls and the directions and estimates made calls per block
+(:class:`~graphflop.passes.step_calls.StepRecorder`); the step returned is that recorded top
+level, and :func:`~graphflop.passes.calls.flat_view` of it is, node for node and name for name,
+the step built from the flat JVP. Otherwise (``K`` > 1, directions as inputs, a JVP whose log
+holds a custom Function's entries) the step is built from the JVP's flat view.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from graphflop.ad.builder import Builder, copy_node
+from graphflop.ad.functions import FunctionEntry
 from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
     DERIVED_HIERARCHY,
@@ -34,6 +45,7 @@ from graphflop.meta import (
     JVP,
     KIND,
     MODULE,
+    PARAM,
     ROLE,
     SIGNATURE,
     SOURCE,
@@ -46,6 +58,7 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.passes import step_calls
+from graphflop.passes.calls import DerivedHierarchy, flat_view, is_recorded
 from graphflop.passes.infra import FLAT, GraphPass
 from graphflop.passes.optimizer import SLOT, OptimizerConfig, build_update_for, inline_update
 
@@ -86,7 +99,8 @@ def build_forward_gradient_step(
             sample).
         direction_inputs: take the directions as inputs instead of sampling them (for export
             and for reproducible runs).
-        jvp: ``build_jvp(forward, "params")`` when already built; built here otherwise.
+        jvp: ``build_jvp(forward, "params")`` when already built (flat, or recorded:
+            ``direct=True``, see the module docstring); built here (flat) otherwise.
         update: ``build_update_for(forward, optimizer)`` when already built; built here
             otherwise.
         batched: for ``K`` > 1, one tangent pass on tangents with a leading ``K`` dimension
@@ -105,6 +119,10 @@ def build_forward_gradient_step(
     upd = (
         update if update is not None else build_update_for(forward, optimizer, fake_mode=fake_mode)
     )
+    if is_recorded(jvp):
+        if _records(jvp, upd, directions, direction_inputs):
+            return _recorded_step(forward, sig, jvp, upd, fake_mode, distribution)
+        jvp = flat_view(jvp)  # built flat from the JVP's flat graph (below)
     info: JvpInfo = jvp.meta[JVP]
     how = "one tangent pass" if directions == 1 else "copies: asked for (batched=False)"
     st = _Start(jvp, upd, info, fake_mode, directions, direction_inputs)
@@ -136,6 +154,36 @@ def build_forward_gradient_step(
         state_phs,
         copies=upd_copies,
     )
+    gm = _step_module(g, sig, jvp, upd, info, env, new_state, ds, st, distribution, how)
+    # the work through each repeated block as calls of one template per block variant: the
+    # JVP graph's and the update graph's calls as copied, the directions and estimates read off
+    known: list[step_calls.Known] = []
+    for built, copies in ((jvp, jvp_copies), (upd, upd_copies)):
+        dh = built.meta.get(DERIVED_HIERARCHY)
+        if dh is not None and copies:
+            known += step_calls.known_calls(dh, copies)
+    dh = step_calls.build(gm, forward, known, update=upd)
+    if dh is not None:
+        gm.meta[DERIVED_HIERARCHY] = dh
+    return gm
+
+
+def _step_module(
+    g: Graph,
+    sig: Signature,
+    jvp: GraphModule,
+    upd: GraphModule,
+    info: JvpInfo,
+    env: dict[Node, Any],
+    new_state: list[Node],
+    ds: list[Node],
+    st: _Start,
+    distribution: str,
+    how: str,
+) -> GraphModule:
+    """The step's outputs (``env``: each JVP node's copy) and its graph module with its
+    annotations (:data:`~graphflop.meta.SIGNATURE`, :data:`~graphflop.meta.FORWARD_GRADIENT`,
+    :data:`~graphflop.meta.UPDATE`)."""
     primal_outs = _outputs(jvp)[: info.primal_outputs]
     loss = next(
         env[o] for o in primal_outs if isinstance(o, Node) and o.meta.get(SOURCE) == sig.loss
@@ -153,25 +201,186 @@ def build_forward_gradient_step(
     gm.meta[FORWARD_GRADIENT] = ForwardGradientInfo(
         tuple(n.name for n in g.nodes if n.op == "placeholder"),
         tuple(q for _, q in sig.trainable()),
-        tuple(n for n in state_phs if n not in ("lr", "step")),
-        directions,
+        tuple(n for n in st.state_phs if n not in ("lr", "step")),
+        len(ds),
         distribution,
-        direction_inputs,
+        st.given is not None,
         how,
         tuple(q for _, q in buffers),
     )
     gm.meta[UPDATE] = upd.meta[UPDATE]
-    # the work through each repeated block as calls of one template per block variant: the
-    # JVP graph's and the update graph's calls as copied, the directions and estimates read off
-    known: list[step_calls.Known] = []
-    for built, copies in ((jvp, jvp_copies), (upd, upd_copies)):
-        dh = built.meta.get(DERIVED_HIERARCHY)
-        if dh is not None and copies:
-            known += step_calls.known_calls(dh, copies)
-    dh = step_calls.build(gm, forward, known, update=upd)
+    return gm
+
+
+def _records(jvp: GraphModule, upd: GraphModule, directions: int, direction_inputs: bool) -> bool:
+    """Whether the step is built from recorded JVP ``jvp`` as it is (:func:`_recorded_step`):
+    one sampled direction, a JVP whose calls keep their flat names (none made by a fold of
+    transposed products, which names its nodes apart) and whose log has no custom Function's
+    entry (its tangents read through the log), an update graph whose calls are runs of
+    consecutive nodes. Else the step is built from the JVP's flat view."""
+    dh: DerivedHierarchy = jvp.meta[DERIVED_HIERARCHY]
+    if directions != 1 or direction_inputs or dh.names is None or dh.fold_names is not None:
+        return False
+    if any(isinstance(e, FunctionEntry) for e in dh.log or ()):
+        return False
+    udh = upd.meta.get(DERIVED_HIERARCHY)
+    if udh is None:
+        return True
+    if len(udh.runs) != len(udh.calls):
+        return False
+    pos = {n: i for i, n in enumerate(upd.graph.nodes)}
+    return all(
+        [pos[n] for n in run] == list(range(pos[run[0]], pos[run[0]] + len(run)))
+        for run in udh.runs
+        if run
+    )
+
+
+def _recorded_step(
+    forward: GraphModule,
+    sig: Signature,
+    jvp: GraphModule,
+    upd: GraphModule,
+    fake_mode,
+    distribution: str,
+) -> GraphModule:
+    """The one-direction step built from recorded JVP top level ``jvp`` without expanding it:
+    the JVP's top level copied (its calls calling copies of its templates: a direction's
+    tangent work through a block is the block's JVP template), the update graph's calls as
+    calls, the directions and estimates made calls per block
+    (:class:`~graphflop.passes.step_calls.StepRecorder`). The step returned is that top level
+    (:func:`~graphflop.passes.calls.is_recorded`); its flat view is the step built from the
+    flat JVP, node for node and name for name."""
+    info: JvpInfo = jvp.meta[JVP]
+    st = _Start(jvp, upd, info, fake_mode, 1, False)
+    g, b = st.g, st.b
+    rec = step_calls.StepRecorder(forward, upd)
+    mark = _last(g)
+    with b.context(role="direction"):
+        v = _direction(b, info, st.phs, 0, None, distribution)
+        sampled = _after(g, mark)
+        env, d = _copy_top(g, jvp, info, st.env, v, rec)
+        mark = _last(g)
+        grads = _estimate(b, info, [d], [v])
+        estimates = _after(g, mark)
+    qual = dict(sig.trainable())
+    new_state = _copy_update(
+        g,
+        upd,
+        {qual[p]: st.phs[p] for p in qual},
+        {qual[p]: grads[p] for p in qual},
+        st.state_phs,
+        rec,
+    )
+    gm = _step_module(
+        g, sig, jvp, upd, info, env, new_state, [d], st, distribution, "one tangent pass"
+    )
+    rec.describe(g, sampled)
+    rec.describe(g, estimates)
+    dh = rec.hierarchy(gm)
     if dh is not None:
         gm.meta[DERIVED_HIERARCHY] = dh
     return gm
+
+
+def _last(g: Graph) -> Node:
+    return next(iter(reversed(g.nodes)))
+
+
+def _after(g: Graph, mark: Node) -> list[Node]:
+    """The nodes of ``g`` after ``mark``, in order."""
+    out = []
+    n = mark.next
+    while n.op != "root":
+        out.append(n)
+        n = n.next
+    return out
+
+
+def _copy_top(
+    g: Graph,
+    jvp: GraphModule,
+    info: JvpInfo,
+    env: dict[Node, Node],
+    v: dict,
+    rec: step_calls.StepRecorder,
+) -> tuple[dict[Node, Any], Node]:
+    """Copy recorded JVP top level ``jvp``'s nodes for direction ``v``: its nodes, and per call
+    a call of (a copy of) its template with its getitems, the names of its nodes taken as the
+    flat JVP's are by their copies. Returns each JVP node's copy and the loss tangent."""
+    dh: DerivedHierarchy = jvp.meta[DERIVED_HIERARCHY]
+    assert dh.names is not None, "checked by _records"
+    call_op = torch.ops.graphflop.repeat.default
+    local: dict[Node, Any] = dict(env)
+    for n in jvp.graph.nodes:
+        if n.op == "placeholder":
+            if n.name in v:
+                local[n] = v[n.name]
+            continue
+        if n.op == "output":
+            continue
+        if n.target is call_op:
+            args, number = n.args
+            c = dh.calls[number]
+            local[n] = rec.call(
+                g,
+                dh.templates[c.template],
+                c,
+                [local[a] for a in args],
+                dh.names[number],
+            )
+        elif n.target is operator.getitem and getattr(n.args[0], "target", None) is call_op:
+            local[n] = rec.item(g, local[n.args[0]], n.args[1], dict(n.meta))
+        else:
+            local[n] = copy_node(g, n, local.__getitem__)
+    return local, local[_outputs(jvp)[info.primal_outputs]]
+
+
+def _copy_update(
+    g: Graph,
+    upd: GraphModule,
+    params: dict,
+    grads: dict,
+    state: dict,
+    rec: step_calls.StepRecorder,
+) -> list[Node]:
+    """:func:`~graphflop.passes.optimizer.inline_update` with the update graph's calls (its
+    :data:`~graphflop.meta.DERIVED_HIERARCHY`'s runs) copied as calls of its templates."""
+    dh: DerivedHierarchy | None = upd.meta.get(DERIVED_HIERARCHY)
+    starts = {run[0]: i for i, run in enumerate(dh.runs) if run} if dh is not None else {}
+    env: dict[Node, Any] = {}
+    skip: set[Node] = set()
+    out = None
+    for n in upd.graph.nodes:
+        if n.op == "placeholder":
+            slot = n.meta[SLOT]
+            if slot == "param":
+                env[n] = params[n.meta[PARAM]]
+            elif slot == "grad":
+                env[n] = grads[n.meta[PARAM]]
+            else:
+                env[n] = state[n.name]
+        elif n.op == "output":
+            out = n
+        elif n in skip:
+            continue
+        elif n in starts:
+            assert dh is not None
+            i = starts[n]
+            run, c = dh.runs[i], dh.calls[i]
+            inside = set(run)
+            skip.update(run)
+            ext = step_calls._outside(run)
+            rep = rec.call(
+                g, dh.templates[c.template], c, [env[e] for e in ext], [x.name for x in run]
+            )
+            for k, x in enumerate(run):
+                if any(u not in inside for u in x.users):
+                    env[x] = rec.item(g, rep, k, dict(x.meta))
+        else:
+            env[n] = copy_node(g, n, env.__getitem__)
+    assert out is not None, "an update graph ends in its output node"
+    return [env[a] for a in out.args[0]]
 
 
 class _Start:
@@ -511,7 +720,8 @@ class BuildForwardGradientStep(GraphPass):
     function).
     """
 
-    #: runs on the flat graph: its derivative graph is not yet built per template
+    #: runs on the flat forward graph (the step is built per template only from a recorded
+    #: JVP handed to it, see the module docstring)
     scope = FLAT
     name = "build_forward_gradient_step"
     required = ("traced",)

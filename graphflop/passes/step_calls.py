@@ -30,7 +30,9 @@ the variant's other calls, recording its calls as built (:class:`BlockParams`); 
 graph takes the JVP graph's and the update graph's calls as it copies them
 (:func:`known_calls`) and reads the rest off the finished graph (:func:`build`, describing
 runs as :mod:`graphflop.passes.calls` does), so two calls share a template only where their
-nodes agree and the composed figures equal the flat sums (``tests/test_step_calls.py``).
+nodes agree and the composed figures equal the flat sums (``tests/test_step_calls.py``). A step
+built from a recorded JVP is recorded as it is built (:class:`StepRecorder`): there is no flat
+step, its top level is the graph built (``tests/test_step_recorded.py``).
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import copy_node
+from graphflop.ad.builder import copy_node, take_names
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
     CALL_SITE,
@@ -61,7 +64,7 @@ from graphflop.meta import (
 )
 from graphflop.passes.calls import DerivedCall, DerivedHierarchy, _template
 
-__all__ = ["BlockParams", "attach", "build"]
+__all__ = ["BlockParams", "StepRecorder", "attach", "build"]
 
 #: the annotations relativized to the call (the others must be equal at every call)
 _RELATIVE = (MODULE, SOURCE, PARAM, CALL_SITE, COST)
@@ -214,7 +217,9 @@ class _Describer:
             raise _Unshared from None
         return sig, list(ext), sorted(slots, key=slots.__getitem__)
 
-    def template(self, run: list[Node], ext: list[Node], s: int, root: GraphModule) -> GraphModule:
+    def template(
+        self, run: list[Node], ext: list[Node], s: int, root: torch.nn.Module
+    ) -> GraphModule:
         """The template of ``run`` (call site ``s``): placeholders for its values from outside
         (named by role), its nodes with their annotations relative to the block, an output
         returning every node (as :class:`~graphflop.passes.calls.DerivedHierarchy` has it). A
@@ -520,3 +525,123 @@ def attach(gm: GraphModule, forward: GraphModule) -> GraphModule:
     if dh is not None:
         gm.meta[DERIVED_HIERARCHY] = dh
     return gm
+
+
+class StepRecorder:
+    """Records a forward-gradient step's calls while the step is built from a recorded JVP
+    (:func:`~graphflop.passes.calls.is_recorded`) and an update graph with its calls, so that
+    the flat step is never made: the step's top level is the graph built, and
+    :func:`~graphflop.passes.calls.flat_view` rebuilds the flat step from it, node for node
+    and name for name the one built from the flat JVP (``tests/test_step_recorded.py``).
+
+    The builder hands it each call it copies (:meth:`call`: a JVP call, with the flat names
+    the JVP keeps for it; an update call, with its nodes' names): it emits the call's
+    ``graphflop::repeat`` node and takes in the graph being built the names the flat copy's
+    nodes would have taken, in their order, so every later node is named as in the flat step.
+    The sampled directions and the estimates, built op by op, are made calls afterwards
+    (:meth:`describe`: each maximal run of one call site, described as :func:`build` describes
+    it). :meth:`hierarchy` numbers the calls in graph order.
+
+    Args:
+        forward: the traced forward graph, with :data:`~graphflop.meta.HIERARCHY`.
+        update: the update graph the step copies (its parameters' placeholders are the
+            sources of its update nodes).
+    """
+
+    def __init__(self, forward: GraphModule, update: GraphModule) -> None:
+        self.h: Hierarchy = forward.meta[HIERARCHY]
+        self.d = _Describer(forward, self.h)
+        self.d.update_sources(update)
+        self.templates: list[GraphModule] = []
+        self.calls: list[DerivedCall] = []
+        self.names: dict[Node, tuple[str, ...]] = {}
+        self._copied: dict[int, int] = {}  # id of a template copied -> its index
+        self._variants: dict[tuple, int] = {}  # a run's description -> its template's index
+        self._root = torch.nn.Module()
+        self.call_op = torch.ops.graphflop.repeat.default
+
+    def call(
+        self, g: Graph, template: GraphModule, c: DerivedCall, args: list[Node], names: Any
+    ) -> Node:
+        """Emit at the end of ``g`` a call of ``template`` (another graph's template, copied
+        once) standing for call ``c`` of that graph, on ``args``; ``names``: the names of the
+        call's nodes in the flat graph copied (its template's node order), taken in ``g`` as
+        copying them would take them. Returns the ``graphflop::repeat`` node."""
+        t = self._copied.get(id(template))
+        if t is None:
+            t = self._copied[id(template)] = len(self.templates)
+            self.templates.append(_copy_template(template))
+        taken = tuple(take_names(g, names))
+        rep = g.create_node(
+            "call_function", self.call_op, (list(args), len(self.calls)), name="repeat_call"
+        )
+        self.calls.append(replace(c, template=t))
+        self.names[rep] = taken
+        return rep
+
+    def item(self, g: Graph, rep: Node, i: int, meta: dict) -> Node:
+        """A getitem of call ``rep``'s node ``i`` at the end of ``g``, with ``meta``."""
+        item = g.create_node("call_function", operator.getitem, (rep, i), name="repeat_item")
+        object.__setattr__(item, "meta", meta)
+        return item
+
+    def describe(self, g: Graph, nodes: list[Node]) -> None:
+        """Make each maximal run of one call site of ``nodes`` (consecutive nodes of ``g``,
+        built op by op) a call of the template its description gives (a run that cannot be
+        described stays as it is): its repeat node where its first node was, a getitem per
+        node read outside it."""
+        run: list[Node] = []
+        at: int | None = None
+        for n in [*nodes, None]:
+            s = self.d.site(n) if n is not None else None
+            if run and s != at:
+                assert at is not None
+                self._make_call(g, run, at)
+                run = []
+            if s is not None and n is not None:
+                run.append(n)
+            at = s
+
+    def _make_call(self, g: Graph, run: list[Node], s: int) -> None:
+        try:
+            sig, ext, order = self.d.describe(run, s)
+        except _Unshared:
+            return
+        t = self._variants.get(sig)
+        if t is None:
+            t = self._variants[sig] = len(self.templates)
+            self.templates.append(self.d.template(run, ext, s, self._root))
+        sources = tuple(self.d.names[(s, k)] for k in order)
+        self.calls.append(DerivedCall(s, t, self.h.sites[s].modules, sources))
+        with g.inserting_before(run[0]):
+            rep = g.create_node(
+                "call_function", self.call_op, (list(ext), len(self.calls) - 1), name="repeat_call"
+            )
+        self.names[rep] = tuple(n.name for n in run)
+        inside = set(run)
+        prev = rep
+        for i, n in enumerate(run):
+            if any(u not in inside for u in n.users):
+                with g.inserting_after(prev):
+                    item = g.create_node(
+                        "call_function", operator.getitem, (rep, i), name="repeat_item"
+                    )
+                object.__setattr__(item, "meta", n.meta)
+                n.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+                prev = item
+        for n in reversed(run):
+            g.erase_node(n)
+
+    def hierarchy(self, gm: GraphModule) -> DerivedHierarchy | None:
+        """The recorded hierarchy of step ``gm`` (its graph the one built), its calls
+        numbered in graph order; None without calls."""
+        calls: list[DerivedCall] = []
+        names: list[tuple[str, ...]] = []
+        for n in gm.graph.nodes:
+            if n.target is self.call_op and n.op == "call_function":
+                calls.append(self.calls[n.args[1]])
+                names.append(self.names[n])
+                n.update_arg(1, len(calls) - 1)
+        if not calls:
+            return None
+        return DerivedHierarchy(tuple(self.templates), tuple(calls), gm, names=tuple(names))

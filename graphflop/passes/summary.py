@@ -374,7 +374,9 @@ def _activity_gradient(g: Graphs, ag: GraphModule, jvp_complete: bool) -> Activi
         update_flops=by.get("update", 0),
         peak_bytes=step_peak_bytes(ag),
         weight_perturbation_peak_bytes=(
-            step_peak_bytes(g.forward_gradient) if g.forward_gradient is not None else None
+            step_peak_bytes(flat_view(g.forward_gradient))
+            if g.forward_gradient is not None
+            else None
         ),
     )
 
@@ -681,7 +683,12 @@ def summarize(
     if graphs.backward is not None and graphs.update is None:
         raise ValueError("summarize: graphs.backward is given without graphs.update")
     if not hierarchical:  # node by node: the flat graphs of recorded derivative hierarchies
-        graphs = replace(graphs, backward=_flat(graphs.backward), jvp=_flat(graphs.jvp))
+        graphs = replace(
+            graphs,
+            backward=_flat(graphs.backward),
+            jvp=_flat(graphs.jvp),
+            forward_gradient=_flat(graphs.forward_gradient),
+        )
     fwd = graphs.forward
     sig = fwd.meta[SIGNATURE]
     phs = _placeholders(fwd)
