@@ -348,7 +348,7 @@ def test_analysis_keeps_graphs_as_built_and_reads_them_flat():
     rec = analyze(model, x)
     flat = analyze(model, x, record_derivatives=False)
     built = rec.as_built()
-    for k in ("backward", "jvp"):
+    for k in ("backward", "jvp", "forward_gradient"):
         top = getattr(built, k)
         assert calls.is_recorded(top), k
         assert any(n.target is REPEAT for n in top.graph.nodes), k
