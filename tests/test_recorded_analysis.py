@@ -65,6 +65,38 @@ class InStack(nn.Module):
         return self.head(x)
 
 
+class NormBlock(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.n = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.n(x))
+
+
+class DetachedStack(nn.Module):
+    """Four blocks, the third's output detached (``cut``), or each block's output added
+    detached to its input (``"each"``): some calls' output tangents read by nothing. The
+    recorded JVP's whole log kept the getitem its recorder erased for one (a KeyError making
+    its flat view)."""
+
+    def __init__(self, cut: int | str = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(NormBlock() for _ in range(4))
+        self.cut = cut
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            if self.cut == "each":
+                x = x + b(x).detach()
+                continue
+            x = b(x)
+            if i == self.cut:
+                x = x.detach()
+        return x
+
+
 class CheckpointedStack(nn.Module):
     """Three residual blocks under ``torch.utils.checkpoint``: the backward falls back to the
     flat graph (its hierarchy read off it), the JVP is recorded."""
@@ -292,6 +324,19 @@ SLOW = [
     "hf:qwen2",
     "hf:gemma",
 ]
+
+
+@pytest.mark.parametrize("cut", [0, 2, "each"])
+@pytest.mark.parametrize("tangents", ["params", "all"])
+def test_detached_block_outputs_recorded_as_flat(cut, tangents):
+    """A stack whose block outputs are detached (their tangents read by nothing): the same
+    report and flat graphs, names included, with the derivatives recorded as built flat."""
+    torch.manual_seed(0)
+    model, x = DetachedStack(cut), torch.randn(4, 8)
+    flat = analyze(model, x, tangents=tangents, record_derivatives=False)
+    rec = analyze(model, x, tangents=tangents)
+    assert rec.report.to_dict() == flat.report.to_dict()
+    _graphs_equal(rec, flat)
 
 
 @pytest.mark.parametrize("which", QUICK)

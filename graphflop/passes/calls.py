@@ -1027,7 +1027,11 @@ class DirectRecorder:
                 if at is not None:
                     out.append(at)
                     continue
-                if e.target is operator.getitem and getattr(e.args[0], "target", None) is call_op:
+                if e.target is operator.getitem and (
+                    getattr(e.args[0], "target", None) is call_op
+                    # one :meth:`finish` erased, read by nothing (erasing it emptied its args)
+                    or getattr(e, "_erased", False)
+                ):
                     continue  # an expanded call's entry: its mark's
             out.append(e)
         return out
