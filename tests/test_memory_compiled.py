@@ -140,3 +140,28 @@ def test_no_deprecation_warning_from_copying_the_joint_graph() -> None:
         warnings.simplefilter("always")
         compiled_memory(_Chain(), (torch.randn(4, 8),), "sum")
     assert [str(w.message) for w in caught if "LeafSpec" in str(w.message)] == []
+
+
+def test_transformers_decoder_partitioned() -> None:
+    """A transformers decoder (Llama, one layer, on the meta device): its packed-sequence
+    check read the position ids' values (``.all()``), which AOTAutograd's functional tensors
+    cannot give, so every decoder raised DataDependentOutputException; the joint graph is now
+    recorded with the libraries' traceable paths, as graphflop's trace records the forward.
+    The saved bytes are at least the checkpointed residual stream's: the decoder layer's
+    input and the final norm's input, batch 2 × 8 tokens × 32 float32 each (2 · 2·8·32·4 =
+    4,096 B)."""
+    from graphflop.load import load, make_inputs
+
+    cfg = dict(
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    loaded = load("hf:llama", ctor_kwargs=cfg, meta=True, seq=8)
+    a = analyze(loaded.model.train(), make_inputs(loaded, batch=2), memory_model="compiled")
+    mem = a.report.memory
+    assert mem.memory_model == "compiled"
+    assert mem.saved_for_backward_bytes >= 2 * 2 * 8 * 32 * 4

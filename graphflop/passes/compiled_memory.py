@@ -131,6 +131,7 @@ def _joint(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
+    from graphflop.frontend.libraries import traced_by_libraries
     from graphflop.frontend.loss import loss_output, loss_value
 
     rec: dict[str, Any] = {}
@@ -145,7 +146,10 @@ def _joint(
         return gm
 
     mode = FakeTensorMode()
-    with mode:
+    # libraries' traceable paths, as graphflop's trace takes them: transformers' packed-sequence
+    # check reads position ids' values (``.all()``), which AOTAutograd's functional tensors
+    # cannot give (DataDependentOutputException on every decoder)
+    with mode, traced_by_libraries():
         params = {k: _fake_like(p, p.requires_grad) for k, p in model.named_parameters()}
         buffers = {k: _fake_like(b) for k, b in model.named_buffers()}
         inputs = tuple(_fake_like(t) for t in example_inputs)
