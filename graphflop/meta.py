@@ -476,7 +476,9 @@ class Hierarchy:
             site's number (an int) where its nodes begin.
         graph: the top level as a graph of its own, each call one ``graphflop::repeat``
             node (tagged :data:`CALL_SITE` ``(site, -1)``) whose ``getitem`` nodes are the
-            values read outside the call; None where a call's nodes are not one run.
+            values read outside the call; None where a call's nodes are not one run. Its
+            other nodes share their ``meta`` dict with the forward graph's nodes they copy,
+            so the annotations written on the forward graph (``COST``) are read here too.
     """
 
     templates: tuple[torch.fx.Graph, ...]

@@ -462,6 +462,30 @@ def test_run_pass_per_template_composes_as_flat():
     assert rows == by
 
 
+@pytest.mark.parametrize("which", ["stack", "gpt2"])
+def test_compose_reads_the_analysis_costs_at_the_top_level(which):
+    """The top level's nodes carry the costs ``analyze`` wrote on the forward graph (they share
+    its nodes' meta), so composing a node's ``COST`` over the hierarchy gives the flat graph's
+    sum, per module too. The top level had none: composing dropped the head and the loss."""
+    from graphflop.meta import COST
+
+    if which == "stack":
+        a = analyze(Stack(4, 6, 10), torch.randn(5, 6))
+    else:
+        loaded = load(spec("gpt2.py"), ctor_kwargs=dict(n_layer=3, n_embd=32, n_head=2), meta=True)
+        a = analyze(loaded.model, make_inputs(loaded, batch=2))
+    flops = lambda node: node.meta[COST].flops  # noqa: E731  (every node is costed)
+    by: dict[str, int] = {}
+    for node in a.forward.graph.nodes:
+        if node.op == "call_function":
+            m = node.meta.get(MODULE, "")
+            by[m] = by.get(m, 0) + flops(node)
+    assert compose(a.hierarchy, flops, by_module=True) == by
+    assert compose(a.hierarchy, flops) == sum(by.values())
+    top = [n for n in a.hierarchy.graph.graph.nodes if n.meta.get(COST) is not None]
+    assert any(n.meta[COST].flops > 0 for n in top)  # the head's matmul, the loss
+
+
 def test_run_pass_flat_scope_sees_every_node():
     a = analyze(Stack(4, 6, 10), torch.randn(5, 6))
     run = a.run_pass(Depth())

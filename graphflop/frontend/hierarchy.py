@@ -120,7 +120,10 @@ def _top_graph(
     call_op = torch.ops.graphflop.repeat.default
     for x in top:
         if isinstance(x, Node):
-            env[x] = copy_node(g, x, env.__getitem__)
+            # sharing the flat node's meta dict: what passes annotate on the flat graph later
+            # (COST: annotate_flops) is read at the top level too, as on the templates
+            new = env[x] = copy_node(g, x, env.__getitem__)
+            object.__setattr__(new, "meta", x.meta)
             continue
         tnodes = templates[of_site[x]]
         phs = {t: i for i, t in enumerate(n for n in tnodes if n.op == "placeholder")}
