@@ -157,7 +157,7 @@ def _config(tf: Any, name: str, args: dict) -> tuple[Any, tuple[str, ...]]:
         preset = presets.find(hub["repo"])
         config, note = _hub_config(tf, hub["repo"], hub["revision"], preset, name)
         _check_fields(config, args, name)
-        _set_fields(config, args)
+        _set_fields(config, args, name)
         return config, (note,)
     types = list(tf.CONFIG_MAPPING.keys())
     preset = presets.find(name)
@@ -197,7 +197,7 @@ def _folder_config(tf: Any, path: Path, name: str, args: dict) -> Any:
             f"hf:{name}: reading config.json failed: {first_line(e, continued=True)}"
         ) from e
     _check_fields(config, args, name)
-    _set_fields(config, args)
+    _set_fields(config, args, name)
     return config
 
 
@@ -212,7 +212,7 @@ def _preset_config(tf: Any, preset: Any, args: dict, name: str) -> Any:
             f"{first_line(e, continued=True)}"
         ) from e
     _check_fields(config, args, name)
-    _set_fields(config, args)
+    _set_fields(config, args, name)
     return config
 
 
@@ -308,10 +308,22 @@ def _implementation_field(config: Any, key: str) -> bool:
     return hasattr(config, f"_{key}_internal")
 
 
-def _set_fields(config: Any, args: dict) -> None:
-    """Set ``args`` on ``config``, the implementation choices through their properties."""
+def _set_fields(config: Any, args: dict, name: str) -> None:
+    """Set ``args`` on ``config``, the implementation choices through their properties.
+
+    Raises:
+        SpecError: a value the configuration refuses (transformers checks a field's type as it
+            is set: ``num_hidden_layers=abc``, ``tie_word_embeddings=maybe``).
+    """
     for k, v in args.items():
-        setattr(config, f"_{k}" if _implementation_field(config, k) else k, v)
+        try:
+            setattr(config, f"_{k}" if _implementation_field(config, k) else k, v)
+        except Exception as e:  # noqa: BLE001 - whatever the configuration's check raises
+            why = " ".join(str(e).split())[:200] or type(e).__name__
+            raise SpecError(
+                f"hf:{name}: {type(config).__name__} refuses {k}={v!r} ({why}); give a value "
+                f"of the type its default {getattr(config, k, None)!r} has"
+            ) from e
 
 
 def _check_fields(config: Any, args: dict, name: str) -> None:

@@ -243,6 +243,16 @@ def _given(obj: Any, ctor_kwargs: dict) -> tuple[str, str]:
     an int (default 784): give an int")``. Both empty without arguments."""
     if not ctor_kwargs:
         return "", ""
+    wrong = _type_mismatch(obj, ctor_kwargs, (int, float, bool, str, tuple, list))
+    if wrong:
+        return "", wrong
+    return " with " + ", ".join(f"--arg {k}={v!r}" for k, v in ctor_kwargs.items()), ""
+
+
+def _type_mismatch(obj: Any, ctor_kwargs: dict, kinds: tuple[type, ...]) -> str:
+    """``--arg K=V is a str, but K takes an int (default 784): give an int`` for the first
+    argument whose type differs from the one its annotation or default value gives (among
+    ``kinds``), else empty."""
     try:
         params = inspect.signature(obj).parameters
     except (TypeError, ValueError):
@@ -259,18 +269,21 @@ def _given(obj: Any, ctor_kwargs: dict) -> tuple[str, str]:
         want = hints.get(k)
         if not isinstance(want, type) or want is object:
             want = type(p.default) if p.default not in (p.empty, None) else None
-        if want not in (int, float, bool, str, tuple, list):
+        if want not in kinds:
             continue
         fits = isinstance(v, want) and not (want is int and isinstance(v, bool))
         if want is float and isinstance(v, int) and not isinstance(v, bool):
             fits = True  # an int is a fine float
+        if want is bool and type(v) is int and v in (0, 1):
+            fits = True
         if not fits:
             default = f" (default {p.default!r})" if p.default is not p.empty else ""
-            return "", (
+            give = "true or false" if want is bool else _a(want.__name__)
+            return (
                 f"--arg {k}={v!r} is {_a(type(v).__name__)}, but {k} takes "
-                f"{_a(want.__name__)}{default}: give {_a(want.__name__)}"
+                f"{_a(want.__name__)}{default}: give {give}"
             )
-    return " with " + ", ".join(f"--arg {k}={v!r}" for k, v in ctor_kwargs.items()), ""
+    return ""
 
 
 def _a(noun: str) -> str:
@@ -279,6 +292,11 @@ def _a(noun: str) -> str:
 
 
 def _instantiate(obj: Any, where: str, ctor_kwargs: dict, meta: bool) -> nn.Module:
+    # a bool argument given anything but a bool builds without complaint (a non-empty str is
+    # true: --arg ckpt=maybe turned checkpointing on): refused before building
+    wrong = _type_mismatch(obj, ctor_kwargs, (bool,)) if ctor_kwargs else ""
+    if wrong:
+        raise SpecError(f"{where}: {wrong}")
     try:
         if isinstance(obj, nn.Module):
             return obj

@@ -1598,3 +1598,69 @@ def test_negative_count_in_an_hf_configuration_is_refused(capsys, tmp_path, monk
     )
     assert "(default 12): give a positive value" in line
     nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "arg,message",
+    [
+        ("num_hidden_layers=abc", "refuses num_hidden_layers='abc'"),
+        ("num_hidden_layers=2.5", "refuses num_hidden_layers=2.5"),
+        ("tie_word_embeddings=maybe", "refuses tie_word_embeddings='maybe'"),
+    ],
+)
+def test_wrong_type_in_an_hf_preset_configuration_is_refused(
+    capsys, tmp_path, monkeypatch, arg, message
+):
+    """A tester's finding: a value of the wrong type for a preset's (or a folder's, or a Hub
+    configuration's) field was an internal error: transformers checks the type as the field
+    is set. One line naming the field and its default's type, exit 2, nothing written."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    argv = ["inspect", "hf:llama-3.1-8b", "--arg", arg, "--seq", "8", "--json", "o.json"]
+    line = one_error(capsys, *argv, message=message)
+    assert "hf:llama-3.1-8b: LlamaConfig" in line and "give a value of the type" in line
+    nothing_left(tmp_path)
+
+
+_BOOL_ARG_MODEL = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, ckpt=False, width: int = 4):
+        super().__init__()
+        self.ckpt = ckpt
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def example_inputs():
+    return torch.randn(2, 4)
+"""
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "0.5"])
+def test_bool_constructor_argument_takes_only_a_bool(capsys, tmp_path, monkeypatch, value):
+    """A tester's finding: ``--arg ckpt=maybe`` for ``ckpt=False`` built the model with
+    checkpointing on (a non-empty str is true) and exit 0. Anything but true/false (or 0/1) for
+    a bool argument is refused before building; true, false, 0 and 1 are taken."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "net.py").write_text(_BOOL_ARG_MODEL)
+    line = one_error(
+        capsys,
+        "inspect",
+        "net.py",
+        "--arg",
+        f"ckpt={value}",
+        "--json",
+        "o.json",
+        message="but ckpt takes a bool (default False): give true or false",
+    )
+    assert line.startswith("graphflop: error: net.py:Net: --arg ckpt=")
+    assert [p.name for p in tmp_path.iterdir()] == ["net.py"]
+    for ok in ("true", "False", "0", "1"):
+        rc, _, err = cli(capsys, "inspect", "net.py", "--arg", f"ckpt={ok}", "--json", "o.json")
+        assert rc == 0, (ok, err)
