@@ -51,6 +51,7 @@ from graphflop.passes.eager_memory import (
 from graphflop.passes.flops import sum_costs, tensor_bytes, total_cost
 from graphflop.passes.hierarchy import ForwardFigures, forward_figures, hierarchy_of
 from graphflop.passes.memory import (
+    Schedule,
     forward_schedule,
     jvp_schedule,
     saved_storages,
@@ -58,6 +59,7 @@ from graphflop.passes.memory import (
 )
 from graphflop.passes.memory_calls import ComposedSchedule, composed_forward_schedule
 from graphflop.passes.optimizer import STATE_KINDS, update_param_count
+from graphflop.passes.recorded_memory import recorded_jvp_schedule
 from graphflop.report import (
     ActivityGradientTotals,
     BackwardTotals,
@@ -400,7 +402,12 @@ def _memory(
     (:mod:`graphflop.passes.memory_calls`; the same bytes as the flat schedules), and the
     eager JVP peak too. A recorded derivative hierarchy (``direct=True``) is scheduled on its
     flat view (:func:`~graphflop.passes.calls.flat_view`, whose calls compose as above)."""
-    g = replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp))
+    # the eager JVP schedule reads a recorded JVP's calls off its top level (its flat view
+    # only where a call could differ from its template: recorded_jvp_schedule's None)
+    jsched: Schedule | ComposedSchedule | None = None
+    if g.jvp is not None and model == "eager" and composed:
+        jsched = recorded_jvp_schedule(g.jvp, device)
+    g = replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp) if jsched is None else g.jvp)
     fsched = composed_forward_schedule(g.forward) if composed else None
     fpeak, _ = (fsched or forward_schedule(g.forward)).peak()
     resident = params_bytes + buffers_bytes  # the module's state: held for its whole life
@@ -430,9 +437,12 @@ def _memory(
             train_peak_bytes=train_peak,
         )
     if g.jvp is not None:
-        jsched = (
-            eager_jvp_schedule(g.jvp, device, composed) if model == "eager" else jvp_schedule(g.jvp)
-        )
+        if jsched is None:
+            jsched = (
+                eager_jvp_schedule(g.jvp, device, composed)
+                if model == "eager"
+                else jvp_schedule(g.jvp)
+            )
         jpeak, _ = jsched.peak()
         n_tan = sum(
             tensor_bytes(n.meta["val"])

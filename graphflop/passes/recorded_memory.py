@@ -1,0 +1,467 @@
+"""The eager JVP memory schedule read off a recorded JVP hierarchy (``direct=True``:
+:func:`~graphflop.passes.calls.is_recorded`) without its flat view: the top level's nodes are
+the steps, each ``graphflop::repeat`` node one call item of a
+:class:`~graphflop.passes.memory_calls.ComposedSchedule` whose profile is its template's, the
+call's arguments its values from outside, the top level's ``getitem``\\ s of it the values read
+after it. The same peak as :func:`~graphflop.passes.eager_memory.eager_jvp_schedule` on the flat
+view, to the byte.
+
+The eager model's per-node overrides (:func:`~graphflop.passes.eager_memory.jvp_overrides`:
+composite ops as one kernel, tangent formulas, kernel temporaries; the dual pairs a value and
+its tangent are freed together by) are worked out on a copy of the template made per *context*
+of its calls, not per call: which of its nodes are read after the call (a tangent read outside
+its rule is held with its primal), the layouts and kinds of its arguments, the tangents held
+with its arguments, which of its nodes the flat graph names after one of the call's forward
+sources. The eager passes pair a node with its tangents by name (the flat JVP names its copy
+of a forward node after it; fx's counter may give a ``getitem`` such a name too): in the copy
+the sources ``@k`` are renamed and the nodes the flat graph names after source ``k`` take that
+name, so the passes run on it as they run on the flat graph. The top level's overrides are
+worked out on a copy of it with each call's value read after the call a placeholder named as in
+the flat graph (:attr:`~graphflop.passes.calls.DerivedHierarchy.names`).
+
+Where a call could differ from what its context's copy says, the schedule is not made
+(:func:`recorded_jvp_schedule` returns None, and the caller schedules the flat view): nodes
+without a flat name (the backward's fold), two calls of one call site, a template node whose
+forward source is not the call's, a top-level node sharing a name or source with a call's
+nodes' names or sources, a call's source naming a node outside that call (fx's counter naming a
+``getitem`` of one call after a forward ``getitem`` of another: GPT-2), a composite op whose
+region reaches across a call's boundary. Reads what
+:func:`~graphflop.passes.eager_memory.eager_jvp_schedule` reads, and
+:data:`~graphflop.meta.DERIVED_HIERARCHY`; writes nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable
+from dataclasses import dataclass
+from itertools import count, repeat
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from graphflop.ad.builder import copy_node
+from graphflop.meta import COMPOSITE, DERIVED_HIERARCHY, KIND, SOURCE, graph_module
+from graphflop.passes.calls import DerivedHierarchy, is_recorded
+from graphflop.passes.eager_memory import dual_pairs, jvp_baseline, jvp_overrides
+from graphflop.passes.memory import Step, _NodeSteps
+from graphflop.passes.memory_calls import ComposedSchedule, _Call, _profile
+
+__all__ = ["recorded_jvp_schedule"]
+
+_REPEAT = torch.ops.graphflop.repeat.default
+#: the name a template's copy gives its copy of forward source slot k (fx never makes it)
+_SLOT = "gf_slot_{}"
+
+
+class _Unsupported(Exception):
+    """A recorded hierarchy whose calls the copies of their templates may not stand for."""
+
+
+@dataclass(frozen=True)
+class _Named:
+    """A call's node as the schedule names it (its name in the flat graph)."""
+
+    name: str
+
+
+class _Run:
+    """A call's nodes by position in its template, as :class:`_Named` (for the keys
+    :meth:`ComposedSchedule.peak` and ``owner`` report)."""
+
+    def __init__(self, names: tuple[str | None, ...]) -> None:
+        self.names = names
+
+    def __getitem__(self, i: int) -> _Named:
+        return _Named(self.names[i] or "")
+
+
+@dataclass
+class _Context:
+    """A template's copy for one context of its calls, with the eager overrides on it.
+
+    Attributes:
+        gm: the copy: placeholders for the call's arguments, then for the tangents of its
+            arguments held with them (``held``), the template's nodes, an output returning the
+            nodes read after the call.
+        nodes: the copy's nodes in template order (position ``i`` is the template's node ``i``).
+        steps: :class:`_NodeSteps` of the copy with the overrides.
+        ties: per dual pair of the copy, the positions of the primal and its tangents.
+        pairs: per source slot, the positions of the tangents read outside their rule.
+    """
+
+    gm: GraphModule
+    nodes: list[Node]
+    steps: _NodeSteps
+    ties: list[list[int]]
+    pairs: dict[int, list[int]]
+
+
+@dataclass
+class _Template:
+    """What is fixed per template: its placeholders, its nodes by position, their source
+    slots, the composite regions of each placeholder's readers."""
+
+    gm: GraphModule
+    placeholders: list[Node]
+    nodes: list[Node]
+    slot: list[int]  # per position, its source slot
+    regions: list[set[int]]  # per placeholder, the composite regions of its readers
+
+
+def recorded_jvp_schedule(top: GraphModule, device: str = "cpu") -> ComposedSchedule | None:
+    """The eager JVP schedule (:func:`~graphflop.passes.eager_memory.eager_jvp_schedule`) of
+    the recorded JVP top level ``top`` composed per call, without its flat view; None where
+    ``top`` is not a recorded top level or a call could differ from its template's copy (see
+    the module docstring)."""
+    if not is_recorded(top):
+        return None
+    try:
+        return _Builder(top, device).build()
+    except _Unsupported:
+        return None
+
+
+def _region_ids(n: Any) -> set[int]:
+    """The composite regions node ``n`` belongs to (its own and an inner op's)."""
+    tag = n.meta.get(COMPOSITE) if isinstance(n, Node) else None
+    if tag is None:
+        return set()
+    out = {tag.region}
+    if tag.inner is not None:
+        out.add(tag.inner.region)
+    return out
+
+
+def _call_value(n: Node) -> tuple[int, int] | None:
+    """(call number, position) of a top-level ``getitem`` of a call, else None."""
+    if n.op != "call_function" or n.target is not operator.getitem:
+        return None
+    rep, i = n.args
+    if not isinstance(rep, Node) or rep.target is not _REPEAT:
+        return None
+    number = rep.args[1]
+    assert isinstance(number, int) and isinstance(i, int)
+    return number, i
+
+
+#: a value the schedule holds with another: ``("top", node name)`` or ``("call", call
+#: number, position)``
+_Ref = tuple
+
+
+class _Builder:
+    def __init__(self, top: GraphModule, device: str) -> None:
+        dh: DerivedHierarchy = top.meta[DERIVED_HIERARCHY]
+        if dh.names is None or len(dh.names) != len(dh.calls):
+            raise _Unsupported
+        if len({c.site for c in dh.calls}) != len(dh.calls):
+            raise _Unsupported  # a call site in two runs: its sources' nodes in two calls
+        self.top, self.dh, self.device = top, dh, device
+        self.names: tuple[tuple[str, ...], ...] = dh.names  # type: ignore[assignment]
+        self.sources = {s for c in dh.calls for s in c.sources}
+        #: the calls' nodes' names in the flat graph -> (call number, position)
+        self.where: dict[str | None, tuple[int, int]] = {}
+        for number, names in enumerate(dh.names):
+            self.where.update(zip(names, zip(repeat(number), count())))
+        if None in self.where:
+            raise _Unsupported  # nodes a fold made: named only in the flat graph
+        self.templates: dict[int, _Template] = {}
+        self.contexts: dict[Hashable, _Context] = {}
+        self.s = ComposedSchedule()
+        # the calls' keys (``j:NAME``, NAME its node's name in the flat graph) located as
+        # ComposedSchedule._locate looks a run's node up: by_name, then index
+        self.by_name: dict[str, str] = {}
+        self.index: dict[str, tuple[int, int]] = {}
+        self.numbers: list[int] = []  # per call, its item number
+        self.s._graphs["j"] = (self.index, self.by_name, self.numbers)  # type: ignore[assignment]
+        self.keys: dict[Any, list[str]] = {}
+        self.top_nodes = {n.name: n for n in top.graph.nodes}
+        #: per call number: its context, its key, its positions named after a source slot
+        self.call_ctx: list[_Context] = []
+        self.ckeys: list[Hashable] = []
+        self.slot_at: list[dict[int, int]] = []
+        #: the calls' nodes the top level's overrides name -> (call number, position)
+        self.call_names: dict[str, tuple[int, int]] = {}
+
+    # -- checks and the templates ---------------------------------------------------------
+    def template(self, number: int) -> _Template:
+        c = self.dh.calls[number]
+        got = self.templates.get(c.template)
+        if got is not None:
+            return got
+        gm = self.dh.templates[c.template]
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+        slot: list[int] = []
+        for n in nodes:
+            src = n.meta.get(SOURCE)
+            if not isinstance(src, str) or src[:1] != "@":
+                raise _Unsupported  # a source outside the call: shared with other nodes
+            slot.append(int(src[1:]))
+        pos = {n: i for i, n in enumerate(phs)}
+        regions: list[set[int]] = [set() for _ in phs]
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a in pos:
+                    regions[pos[a]] |= _region_ids(n)
+        got = self.templates[c.template] = _Template(gm, phs, nodes, slot, regions)
+        return got
+
+    def named(self, number: int) -> dict[int, int]:
+        """Call ``number``'s nodes named after one of its forward sources in the flat graph
+        (its copies of forward nodes, and any other node fx's counter gave such a name):
+        source slot -> position. A source naming a node elsewhere is not supported."""
+        out = {}
+        for k, src in enumerate(self.dh.calls[number].sources):
+            at = self.where.get(src)
+            if at is not None:
+                if at[0] != number:
+                    raise _Unsupported
+                out[k] = at[1]
+        return out
+
+    def check_top(self) -> None:
+        """No top-level node shares a name or source with a call's nodes' names or sources,
+        and no composite op's region reaches from the top level into a call."""
+        for n in self.top.graph.nodes:
+            if n.target is _REPEAT or _call_value(n) is not None:
+                continue
+            src = n.meta.get(SOURCE)
+            for x in (src, n.name):
+                if x in self.sources or x in self.where:
+                    raise _Unsupported
+            ids = _region_ids(n)
+            for a in n.all_input_nodes:
+                if ids & _region_ids(a) and _call_value(a) is not None:
+                    raise _Unsupported  # one composite op's region across a boundary
+
+    # -- keys ----------------------------------------------------------------------------
+    def call_key(self, number: int, i: int) -> list[str]:
+        """The keys of call ``number``'s node ``i`` (none where its profile has no step)."""
+        item = self.s.items[self.numbers[number]]
+        assert isinstance(item, _Call)
+        if not item.profile.keyed[i]:
+            return []
+        name = self.names[number][i]
+        if name not in self.index:
+            self.by_name[name] = name
+            self.index[name] = (number, i)
+        return [f"j:{name}"]
+
+    def value_pairs(self, v: Node, top_pairs: dict[str, list[str]]) -> list[_Ref]:
+        """The tangents held with value ``v`` (a top-level node or a call's value)."""
+        at = _call_value(v)
+        if at is None:
+            return [("top", m) for m in top_pairs.get(v.name, [])]
+        number, i = at
+        k = self.slot_at[number].get(i)
+        if k is None:
+            return []  # not named after a forward source: no pairs
+        return [("call", number, q) for q in self.call_ctx[number].pairs.get(k, [])]
+
+    def ref_keys(self, ref: _Ref) -> list[str]:
+        if ref[0] == "call":
+            return self.call_key(ref[1], ref[2])
+        return self.keys.get(self.top_nodes[ref[1]], [])
+
+    # -- the build ------------------------------------------------------------------------
+    def build(self) -> ComposedSchedule:
+        self.check_top()
+        read_after: dict[int, set[int]] = {}
+        reps: list[Node] = []
+        for n in self.top.graph.nodes:
+            if n.target is _REPEAT:
+                reps.append(n)
+            elif (at := _call_value(n)) is not None and n.users:
+                read_after.setdefault(at[0], set()).add(at[1])
+        top_gm = self.top_copy()
+        top_pairs = dual_pairs(top_gm)
+        top_ties = [[p, *ts] for p, ts in top_pairs.items() if p in self.top_nodes]
+        # each call's context, in order (a call's arguments' tangents are earlier calls')
+        held: list[list[list[_Ref]]] = []
+        for number, rep in enumerate(reps):
+            if rep.args[1] != number:
+                raise _Unsupported
+            after = sorted(read_after.get(number, ()))
+            held.append(self.add_context(rep, number, after, top_pairs))
+        self.walk(top_gm, top_pairs, held)
+        # the top level's dual pairs (a top-level primal's tangents are top-level nodes)
+        self.s.ties.extend([f"j:{x}" for x in group] for group in top_ties)
+        return self.s
+
+    def walk(
+        self, top_gm: GraphModule, top_pairs: dict[str, list[str]], held: list[list[list[_Ref]]]
+    ) -> None:
+        """The top level's steps, with the overrides worked out on its copy ``top_gm``, and
+        each call as one item."""
+        sizes, extra, reads = jvp_overrides(top_gm, self.device, top_pairs)
+        nodes = _NodeSteps(self.top, True, sizes, extra, reads, None, False)
+        # the calls' nodes the overrides name: stand-ins whose keys are the calls' keys
+        stand_ins: dict[str, Any] = {}
+        by_call: dict[int, list[_Ref]] = {}
+        for m in {m for names in reads.values() for m in names} - self.top_nodes.keys():
+            at = self.call_names.get(m)
+            if at is None:
+                raise _Unsupported
+            stand_ins[m] = ("call", *at)
+            by_call.setdefault(at[0], []).append(stand_ins[m])
+        nodes.by_name = {**nodes.by_name, **stand_ins}
+        keys = self.keys
+        baseline = jvp_baseline(self.top)
+        s = self.s
+        for n in self.top.graph.nodes:
+            if n.target is _REPEAT:
+                number = len(self.numbers)
+                self.add_call(n, number, held[number])
+                for ref in by_call.get(number, ()):
+                    keys[ref] = self.call_key(number, ref[2])
+            elif (at := _call_value(n)) is not None:
+                keys[n] = self.call_key(*at)
+            elif n.op == "output":
+                r = nodes.reads_of(n, keys)
+                s.items.append(Step("j:__output__", 0, None, r))
+                s.keep.update(r)
+            elif n.op == "placeholder" and n.name in baseline:
+                keys[n] = []
+            elif (step := nodes.step(n, f"j:{n.name}", keys)) is not None:
+                s.items.append(step)
+
+    def top_copy(self) -> GraphModule:
+        """The top level for the overrides: each call's value as a placeholder named as in
+        the flat graph, the calls' arguments among its outputs (a value a call reads is read
+        outside its rule)."""
+        g = Graph()
+        env: dict[Node, Node] = {}
+        read_by_calls: dict[Node, None] = {}
+        output: Node | None = None
+        for n in self.top.graph.nodes:
+            if n.target is _REPEAT:
+                read_by_calls.update(dict.fromkeys(n.all_input_nodes))
+                continue
+            at = _call_value(n)
+            if at is not None:
+                name = self.names[at[0]][at[1]]
+                p = env[n] = g.placeholder(name)
+                if p.name != name:
+                    raise _Unsupported
+                p.meta = {k: n.meta[k] for k in ("val", KIND) if k in n.meta}
+                self.call_names[name] = at
+                continue
+            if n.op == "output":
+                output = n
+                continue
+            new = env[n] = copy_node(g, n, env.__getitem__)
+            if new.name != n.name:
+                raise _Unsupported
+        assert output is not None
+        outs = dict.fromkeys(output.all_input_nodes) | read_by_calls
+        g.output(tuple(env[a] for a in outs))
+        return graph_module(self.top, g)
+
+    def add_context(
+        self, rep: Node, number: int, after: list[int], top_pairs: dict[str, list[str]]
+    ) -> list[list[_Ref]]:
+        """Find or make call ``number``'s context (checked), enter the tangents its values
+        the top level reads hold in ``top_pairs``; returns the tangents held with each of its
+        arguments (:meth:`value_pairs`)."""
+        t = self.template(number)
+        named = self.named(number)
+        self.slot_at.append({i: k for k, i in named.items()})
+        args = rep.all_input_nodes
+        if len(args) != len(t.placeholders) or args != list(rep.args[0]):  # type: ignore[arg-type]
+            raise _Unsupported
+        for j, a in enumerate(args):
+            if t.regions[j] & _region_ids(a):
+                raise _Unsupported  # one composite op's region across the call's boundary
+        held = [self.value_pairs(a, top_pairs) for a in args]
+        features = tuple(
+            (_layout(a.meta.get("val")), a.meta.get(KIND), len(h)) for a, h in zip(args, held)
+        )
+        ckey = (self.dh.calls[number].template, tuple(after), features, tuple(named.items()))
+        ctx = self.contexts.get(ckey)
+        if ctx is None:
+            ctx = self.contexts[ckey] = self.context(t, args, [len(h) for h in held], after, named)
+        self.call_ctx.append(ctx)
+        self.ckeys.append(ckey)
+        names = self.names[number]
+        for k, i in named.items():
+            if names[i] in self.call_names:  # a value the top level reads
+                qs = ctx.pairs.get(k, [])
+                if qs:
+                    top_pairs[names[i]] = [names[q] for q in qs]
+                    self.call_names.update((names[q], (number, q)) for q in qs)
+        return held
+
+    def add_call(self, rep: Node, number: int, held: list[list[_Ref]]) -> None:
+        """Add call ``number`` as one item: its context's profile for its arguments' keys."""
+        ctx = self.call_ctx[number]
+        lists = [self.keys.get(a, []) for a in rep.all_input_nodes]
+        lists += [self.ref_keys(r) for h in held for r in h]
+        phs = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
+        ext = {p: j for j, p in enumerate(phs)}
+        pkey = (self.ckeys[number], tuple(len(x) for x in lists))
+        profile = self.s._profiles.get(pkey)
+        if profile is None:
+            profile = self.s._profiles[pkey] = _profile(ctx.nodes, ext, lists, ctx.steps)
+        self.numbers.append(len(self.s.items))
+        run: Any = _Run(self.names[number])
+        self.s.items.append(_Call(profile, "j", run, [k for x in lists for k in x]))
+        for group in ctx.ties:
+            keyed = [k for i in group for k in self.call_key(number, i)]
+            if keyed:
+                self.s.ties.append(keyed)
+
+    def context(
+        self,
+        t: _Template,
+        args: list[Node],
+        held: list[int],
+        after: list[int],
+        named: dict[int, int],
+    ) -> _Context:
+        """The template's copy for calls with these arguments' layouts and kinds, this many
+        tangents held with each, these nodes read after the call, these nodes named after
+        these source slots."""
+        g = Graph()
+        env: dict[Node, Node] = {}
+        for p, a in zip(t.placeholders, args):
+            q = env[p] = g.placeholder(p.name)
+            q.meta = {k: a.meta[k] for k in ("val", KIND) if k in a.meta}
+        held_names = [
+            [g.placeholder(f"held_{j}_{m}").name for m in range(c)] for j, c in enumerate(held)
+        ]
+        nodes = []
+        slot_at = {i: k for k, i in named.items()}
+        for i, n in enumerate(t.nodes):
+            k = slot_at.get(i)
+            name = _SLOT.format(k) if k is not None else None
+            new = env[n] = copy_node(g, n, env.__getitem__, name)
+            if name is not None and new.name != name:
+                raise _Unsupported
+            new.meta[SOURCE] = _SLOT.format(t.slot[i])
+            nodes.append(new)
+        g.output(tuple(nodes[i] for i in after))
+        gm = graph_module(t.gm, g)
+        pairs = dual_pairs(gm)
+        slot_pairs: dict[int, list[int]] = {}
+        position = {n.name: i for i, n in enumerate(nodes)}
+        ties = []
+        for src, tangents in pairs.items():
+            k = int(src[len(_SLOT.format("")) :])
+            slot_pairs[k] = [position[x] for x in tangents]
+            if src in position:
+                ties.append([position[src], *slot_pairs[k]])
+        for p, row in zip(t.placeholders, held_names):
+            if row:
+                pairs[env[p].name] = row
+        sizes, extra, reads = jvp_overrides(gm, self.device, pairs)
+        steps = _NodeSteps(gm, True, sizes, extra, reads, None, False)
+        return _Context(gm, nodes, steps, ties, slot_pairs)
+
+
+def _layout(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.dtype)
+    return None

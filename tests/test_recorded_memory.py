@@ -1,0 +1,76 @@
+"""The eager JVP memory schedule read off a recorded JVP hierarchy
+(:func:`graphflop.passes.recorded_memory.recorded_jvp_schedule`): the same peak, to the byte,
+as the flat schedule of the flat view (the reference), on the models
+tests/test_recorded_analysis.py runs; None (the caller schedules the flat view) where a call
+could differ from its template's copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_recorded_analysis import QUICK, SLOW, _model
+
+from graphflop.analysis import analyze
+from graphflop.meta import DERIVED_HIERARCHY
+from graphflop.passes import calls
+from graphflop.passes.eager_memory import eager_jvp_schedule
+from graphflop.passes.recorded_memory import recorded_jvp_schedule
+
+#: models whose recorded JVP the schedule reads (the others fall back: GPT-2's getitems share
+#: names with other calls' forward getitems, fx's counter; models without repeated blocks)
+READ = {"stack", "checkpointed", "llama", "t5", "vit.py", "resnet.py:resnet18", "custom_function"}
+
+
+def _analysis(which: str):
+    if which == "custom_function":  # a getitem of a call that nothing reads
+        from test_custom_function_grads import CubeStack
+
+        torch.manual_seed(0)
+        x = torch.randn(4, 8, dtype=torch.float64)
+        return analyze(CubeStack().double(), (x,), loss="cross_entropy")
+    model, x = _model(which)
+    return analyze(model, x)
+
+
+def _check(which: str) -> None:
+    a = _analysis(which)
+    dh = a.jvp.meta.get(DERIVED_HIERARCHY)
+    top = dh.graph if dh is not None else a.jvp
+    flat = calls.flat_view(top)
+    for device in ("cpu", "cuda"):
+        got = recorded_jvp_schedule(top, device)
+        if which in READ:
+            assert got is not None, (which, device)
+        ref = eager_jvp_schedule(flat, device, composed=False)  # node by node, flat
+        if got is not None:
+            assert got.peak() == ref.peak(), (which, device)
+    if not calls.is_recorded(top):
+        assert recorded_jvp_schedule(top) is None
+
+
+@pytest.mark.parametrize("which", [*QUICK, "custom_function"])
+def test_recorded_jvp_schedule_peak_equals_flat(which):
+    _check(which)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", SLOW)
+def test_recorded_jvp_schedule_peak_equals_flat_large(which):
+    _check(which)
+
+
+def test_call_site_in_two_calls_falls_back():
+    """Two calls of one call site (their forward sources' nodes in both): not read."""
+    from dataclasses import replace
+
+    model, x = _model("stack")
+    top = analyze(model, x).jvp.meta[DERIVED_HIERARCHY].graph
+    dh = top.meta[DERIVED_HIERARCHY]
+    assert recorded_jvp_schedule(top) is not None
+    c0 = dh.calls[0]
+    twice = replace(dh, calls=(c0, *(replace(c, site=c0.site) for c in dh.calls[1:])))
+    top.meta[DERIVED_HIERARCHY] = twice
+    try:
+        assert recorded_jvp_schedule(top) is None
+    finally:
+        top.meta[DERIVED_HIERARCHY] = dh
