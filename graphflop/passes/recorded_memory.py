@@ -178,6 +178,9 @@ class _Builder:
         self.s._graphs["j"] = (self.index, self.by_name, self.numbers)  # type: ignore[assignment]
         self.keys: dict[Any, list[str]] = {}
         self.top_nodes = {n.name: n for n in top.graph.nodes}
+        self.top_at = {n.name: i for i, n in enumerate(top.graph.nodes)}
+        #: (where the pair's first tangent is in the flat graph's order, the tie's keys)
+        self.tie_rows: list[tuple[tuple[int, int], list[str]]] = []
         #: per call number: its context, its key, its positions named after a source slot
         self.call_ctx: list[_Context] = []
         self.ckeys: list[Hashable] = []
@@ -279,6 +282,8 @@ class _Builder:
         top_gm = self.top_copy()
         top_pairs = dual_pairs(top_gm)
         top_ties = [[p, *ts] for p, ts in top_pairs.items() if p in self.top_nodes]
+        for group in top_ties:
+            self.tie_rows.append(((self.top_at[group[1]], 0), [f"j:{x}" for x in group]))
         # each call's context, in order (a call's arguments' tangents are earlier calls')
         held: list[list[list[_Ref]]] = []
         for number, rep in enumerate(reps):
@@ -287,8 +292,10 @@ class _Builder:
             after = sorted(read_after.get(number, ()))
             held.append(self.add_context(rep, number, after, top_pairs))
         self.walk(top_gm, top_pairs, held)
-        # the top level's dual pairs (a top-level primal's tangents are top-level nodes)
-        self.s.ties.extend([f"j:{x}" for x in group] for group in top_ties)
+        # the ties in the flat graph's order (of each pair's first tangent), as dual_pairs
+        # makes them: ties sharing a storage are applied one after the other
+        self.tie_rows.sort(key=lambda row: row[0])
+        self.s.ties.extend(keys for _, keys in self.tie_rows)
         return self.s
 
     def walk(
@@ -408,10 +415,11 @@ class _Builder:
         self.numbers.append(len(self.s.items))
         run: Any = _Run(self.names[number])
         self.s.items.append(_Call(profile, "j", run, [k for x in lists for k in x]))
+        at = self.top_at[rep.name]
         for group in ctx.ties:
             keyed = [k for i in group for k in self.call_key(number, i)]
             if keyed:
-                self.s.ties.append(keyed)
+                self.tie_rows.append(((at, group[1]), keyed))
 
     def context(
         self,
