@@ -1,6 +1,7 @@
-"""The eager JVP memory schedule read off a recorded JVP hierarchy
-(:func:`graphflop.passes.recorded_memory.recorded_jvp_schedule`): the same peak, to the byte,
-as the flat schedule of the flat view (the reference), on the models
+"""The eager memory schedules read off recorded derivative hierarchies
+(:mod:`graphflop.passes.recorded_memory`): the JVP's and the train step's peaks and the
+storages saved for backward the same, to the byte, as the flat schedules of the flat views
+(the reference: node by node, ``composed=False``), on the models
 tests/test_recorded_analysis.py runs; None (the caller schedules the flat view) where a call
 could differ from its template's copy."""
 
@@ -13,8 +14,12 @@ from test_recorded_analysis import QUICK, SLOW, _model
 from graphflop.analysis import analyze
 from graphflop.meta import DERIVED_HIERARCHY
 from graphflop.passes import calls
-from graphflop.passes.eager_memory import eager_jvp_schedule
-from graphflop.passes.recorded_memory import recorded_jvp_schedule
+from graphflop.passes.eager_memory import (
+    eager_jvp_schedule,
+    eager_saved_storages,
+    eager_train_schedule,
+)
+from graphflop.passes.recorded_memory import recorded_jvp_schedule, recorded_train_schedule
 
 #: models whose recorded JVP the schedule reads (the others fall back: GPT-2's getitems share
 #: names with other calls' forward getitems, fx's counter; models without repeated blocks)
@@ -32,8 +37,38 @@ def _analysis(which: str):
     return analyze(model, x)
 
 
+#: models whose recorded backward the train schedule reads (the checkpointed stack's and the
+#: custom Functions' backwards are built flat)
+READ_BACKWARD = (READ - {"checkpointed", "custom_function"}) | {
+    "gpt2",
+    "torchvision:mobilenet_v3_small",
+}
+
+
 def _check(which: str) -> None:
     a = _analysis(which)
+    _check_jvp(which, a)
+    _check_train(which, a)
+
+
+def _check_train(which: str, a) -> None:
+    dh = a.backward.meta.get(DERIVED_HIERARCHY)
+    top = dh.graph if dh is not None else a.backward
+    flat = calls.flat_view(top)
+    for device in ("cpu", "cuda"):
+        saved = eager_saved_storages(a.forward, flat, device)
+        for optimizer, keep_grads in (("sgd", False), ("adam", False), ("adam", True)):
+            got = recorded_train_schedule(a.forward, top, optimizer, device, keep_grads)
+            if which in READ_BACKWARD:
+                assert got is not None, (which, device)
+            if got is None:
+                continue
+            ref = eager_train_schedule(a.forward, flat, optimizer, device, keep_grads)
+            assert got[0].peak()[0] == ref.peak()[0], (which, device, optimizer, keep_grads)
+            assert got[1] == saved, (which, device)
+
+
+def _check_jvp(which: str, a) -> None:
     dh = a.jvp.meta.get(DERIVED_HIERARCHY)
     top = dh.graph if dh is not None else a.jvp
     flat = calls.flat_view(top)
@@ -59,18 +94,25 @@ def test_recorded_jvp_schedule_peak_equals_flat_large(which):
     _check(which)
 
 
+def _read(a, gm, top):
+    if gm is a.jvp:
+        return recorded_jvp_schedule(top)
+    return recorded_train_schedule(a.forward, top, "sgd")
+
+
 def test_call_site_in_two_calls_falls_back():
     """Two calls of one call site (their forward sources' nodes in both): not read."""
     from dataclasses import replace
 
-    model, x = _model("stack")
-    top = analyze(model, x).jvp.meta[DERIVED_HIERARCHY].graph
-    dh = top.meta[DERIVED_HIERARCHY]
-    assert recorded_jvp_schedule(top) is not None
-    c0 = dh.calls[0]
-    twice = replace(dh, calls=(c0, *(replace(c, site=c0.site) for c in dh.calls[1:])))
-    top.meta[DERIVED_HIERARCHY] = twice
-    try:
-        assert recorded_jvp_schedule(top) is None
-    finally:
-        top.meta[DERIVED_HIERARCHY] = dh
+    a = _analysis("stack")
+    for gm in (a.jvp, a.backward):
+        top = gm.meta[DERIVED_HIERARCHY].graph
+        dh = top.meta[DERIVED_HIERARCHY]
+        assert _read(a, gm, top) is not None
+        c0 = dh.calls[0]
+        twice = replace(dh, calls=(c0, *(replace(c, site=c0.site) for c in dh.calls[1:])))
+        top.meta[DERIVED_HIERARCHY] = twice
+        try:
+            assert _read(a, gm, top) is None
+        finally:
+            top.meta[DERIVED_HIERARCHY] = dh

@@ -173,12 +173,28 @@ def _saved_by(region: list[Node]) -> tuple[list[Node], Node | None, Node | None]
     return saved, out0, mask
 
 
-def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) -> EagerResiduals:
-    """What eager autograd keeps in place of the residuals graphflop's backward reads.
+@dataclass
+class EagerForward:
+    """The forward half of :func:`eager_residuals` (it does not read the backward graph).
 
-    Args:
-        device: ``cpu`` or ``cuda`` (dropout's mask: the input's dtype on CPU, bool on CUDA).
+    Attributes:
+        saves: forward node name of a composite op (or max pooling) -> the forward node names
+            eager autograd saves for that op.
+        sizes, reads: :attr:`EagerResiduals.sizes`, :attr:`EagerResiduals.reads`.
+        kernels: the ops whose backward is one eager kernel: (their forward node names, the
+            bytes of the kernel's temporaries) (:func:`one_kernel_backward`'s ``regions``).
+        attention: the fused attention calls (``extra``, ``accumulate``).
     """
+
+    saves: dict[str, list[str]]
+    sizes: dict[str, int]
+    kernels: list[tuple[set[str], int]]
+    reads: dict[str, list[str]]
+    attention: FusedAttention
+
+
+def eager_forward(forward: GraphModule, device: str) -> EagerForward:
+    """:class:`EagerForward` of ``forward`` (``device`` as :func:`eager_residuals`)."""
     saves: dict[str, list[str]] = {}  # forward node of a composite op -> what the op saves
     sizes: dict[str, int] = {}
     attention = FusedAttention(device)
@@ -216,6 +232,23 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
         for n in forward.graph.nodes
         if n.op == "call_function" and n.target is aten._native_batch_norm_legit_functional.default
     ]
+    return EagerForward(saves, sizes, kernels, reads, attention)
+
+
+def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) -> EagerResiduals:
+    """What eager autograd keeps in place of the residuals graphflop's backward reads.
+
+    Args:
+        device: ``cpu`` or ``cuda`` (dropout's mask: the input's dtype on CPU, bool on CUDA).
+    """
+    ef = eager_forward(forward, device)
+    saves, sizes, kernels, reads, attention = (
+        ef.saves,
+        ef.sizes,
+        ef.kernels,
+        ef.reads,
+        ef.attention,
+    )
     b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels, scatters_in_place(backward))
     # a residual read by the backward of a composite op's parts stands for what that op saves
     # (the backward nodes' SOURCE names the forward node whose rule made them)

@@ -42,13 +42,38 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.builder import copy_node
-from graphflop.meta import COMPOSITE, DERIVED_HIERARCHY, KIND, SOURCE, graph_module
+from graphflop.meta import (
+    COMPOSITE,
+    DERIVED_HIERARCHY,
+    KIND,
+    RESIDUAL,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+    graph_module,
+)
 from graphflop.passes.calls import DerivedHierarchy, is_recorded
-from graphflop.passes.eager_memory import dual_pairs, jvp_baseline, jvp_overrides
+from graphflop.passes.eager_kernels import one_kernel_backward
+from graphflop.passes.eager_memory import (
+    _FRESH,
+    _NOT_ACTIVATIONS,
+    _SCATTERS,
+    _replayed_draws,
+    dual_pairs,
+    eager_forward,
+    jvp_baseline,
+    jvp_overrides,
+    kernel_temporaries,
+    optimizer_temporaries,
+    scatters_in_place,
+)
+from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Step, _NodeSteps
-from graphflop.passes.memory_calls import ComposedSchedule, _Call, _profile
+from graphflop.passes.memory_calls import ComposedSchedule, _Call, _profile, forward_runs
 
-__all__ = ["recorded_jvp_schedule"]
+__all__ = ["recorded_jvp_schedule", "recorded_train_schedule"]
+
+aten = torch.ops.aten
 
 _REPEAT = torch.ops.graphflop.repeat.default
 #: the name a template's copy gives its copy of forward source slot k (fx never makes it)
@@ -473,3 +498,364 @@ def _layout(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return (tuple(v.shape), v.dtype)
     return None
+
+
+# -- the eager train step ---------------------------------------------------------------------
+def recorded_train_schedule(
+    forward: GraphModule,
+    backward: GraphModule,
+    optimizer: str,
+    device: str = "cpu",
+    keep_grads: bool = False,
+) -> tuple[ComposedSchedule, dict[str, int]] | None:
+    """The eager train step's schedule
+    (:func:`~graphflop.passes.eager_memory.eager_train_schedule` with ``composed``) and the
+    storages saved for backward
+    (:func:`~graphflop.passes.eager_memory.eager_saved_storages`) of the flat ``forward`` and
+    the recorded backward top level ``backward``, without its flat view: each of its calls one
+    item whose profile is its template's, the overrides of the eager model worked out once per
+    context of its calls; None where ``backward`` is not a recorded top level or a call could
+    differ from its context's copy (as :func:`recorded_jvp_schedule`; besides, a scatter
+    whose zeros come from outside the call)."""
+    if not is_recorded(backward):
+        return None
+    try:
+        return _TrainBuilder(forward, backward, optimizer, device, keep_grads).build()
+    except _Unsupported:
+        return None
+
+
+class _TrainBuilder:
+    def __init__(
+        self,
+        forward: GraphModule,
+        top: GraphModule,
+        optimizer: str,
+        device: str,
+        keep_grads: bool,
+    ) -> None:
+        dh: DerivedHierarchy = top.meta[DERIVED_HIERARCHY]
+        if len({c.site for c in dh.calls}) != len(dh.calls):
+            raise _Unsupported  # a call site in two runs: its sources' nodes in two calls
+        self.forward, self.top, self.dh = forward, top, dh
+        self.optimizer, self.device, self.keep_grads = optimizer, device, keep_grads
+        self.sources = {s for c in dh.calls for s in c.sources}
+        self.ef = eager_forward(forward, device)
+        #: forward node name -> (its one-kernel backward's number, that kernel's temporaries)
+        self.owner = {
+            name: (i, nbytes) for i, (names, nbytes) in enumerate(self.ef.kernels) for name in names
+        }
+        #: forward convolutions whose backward holds temporaries: name -> bytes
+        fwd_tmp, _ = kernel_temporaries(forward, None, device)
+        self.conv_bytes = {
+            name: tensor_bytes(n.args[0].meta["val"]) + tensor_bytes(n.meta["val"])
+            for n in forward.graph.nodes
+            if (name := n.name) in fwd_tmp
+        }
+        self.fwd_tmp = fwd_tmp
+        self.jvp_like = _Builder.__new__(_Builder)  # for its template()
+        self.jvp_like.dh = dh
+        self.jvp_like.templates = {}
+        self.s = ComposedSchedule()
+        self.by_name: dict[str, str] = {}
+        self.index: dict[str, tuple[int, int]] = {}
+        self.numbers: list[int] = []
+        self.keys: dict[Any, list[str]] = {}
+        self.contexts: dict[Hashable, _Context] = {}
+        self.top_nodes = {n.name: n for n in top.graph.nodes}
+
+    def call_key(self, number: int, i: int) -> list[str]:
+        item = self.s.items[self.numbers[number]]
+        assert isinstance(item, _Call)
+        if not item.profile.keyed[i]:
+            return []
+        name = f"@{number}.{i}"
+        if name not in self.index:
+            self.by_name[name] = name
+            self.index[name] = (number, i)
+        return [f"b:{name}"]
+
+    def check_top(self) -> None:
+        """No top-level node has a call's source; no scatter into zeros made in another
+        part (a call, the top level) than the scatter (scatters_in_place reads the zeros'
+        users)."""
+        for n in self.top.graph.nodes:
+            if n.target is _REPEAT or _call_value(n) is not None:
+                continue
+            if n.op == "call_function" and n.meta.get(SOURCE) in self.sources:
+                raise _Unsupported  # (a residual placeholder stands for a call's forward node)
+            if n.op == "call_function" and n.target in _SCATTERS:
+                base = n.args[0]
+                if isinstance(base, Node) and (at := _call_value(base)) is not None:
+                    t = self.jvp_like.template(at[0])
+                    if t.nodes[at[1]].target in _FRESH:
+                        raise _Unsupported
+
+    def build(self) -> tuple[ComposedSchedule, dict[str, int]]:
+        self.check_top()
+        ef, forward, s = self.ef, self.forward, self.s
+        remap = self.remap()
+        sig = forward.meta[SIGNATURE]
+        state = sig.state()
+        fwd_tmp = dict(self.fwd_tmp) | ef.attention.extra
+        s.add_graph(
+            forward,
+            "f",
+            runs=forward_runs(forward) or [],
+            baseline=state,
+            eager=True,
+            sizes=ef.sizes,
+            extra=fwd_tmp,
+            also_reads=ef.reads,
+        )
+        self.s._graphs["b"] = (self.index, self.by_name, self.numbers)  # type: ignore[assignment]
+        self.walk(state, remap)
+        phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
+        sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
+        s.add_transient("u:optimizer", optimizer_temporaries(self.optimizer, sizes, self.device))
+        # the storages saved for backward (eager_saved_storages with the schedule)
+        found = s.owners(
+            [
+                f"f:{x}"
+                for p in self.top.graph.nodes
+                if p.op == "placeholder" and p.meta.get(RESIDUAL) not in _NOT_ACTIVATIONS
+                for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])
+            ]
+        )
+        owners = {o.split(":", 1)[1]: nb for o, nb in (v for v in found.values() if v is not None)}
+        return s, owners
+
+    def readers(self, p: Node) -> list[Node]:
+        """The flat graph's readers of top-level node ``p``, in order: top-level nodes, and
+        for a call reading it the template's nodes reading that argument, their sources
+        made the call's (copies with :data:`~graphflop.meta.SOURCE` and
+        :data:`~graphflop.meta.ROLE` only)."""
+        out: list[Any] = []
+        for u in p.users:
+            if u.target is not _REPEAT:
+                out.append(u)
+                continue
+            number = u.args[1]
+            assert isinstance(number, int)
+            c = self.dh.calls[number]
+            t = self.jvp_like.template(number)
+            for j, a in enumerate(u.args[0]):  # type: ignore[arg-type]
+                if a is p:
+                    for r in t.placeholders[j].users:
+                        if r.op == "output":
+                            continue
+                        src = r.meta.get(SOURCE)
+                        local = c.sources[int(src[1:])] if src else src
+                        out.append(_Reader({SOURCE: local, ROLE: r.meta.get(ROLE)}))
+        return out
+
+    def remap(self) -> dict[str, list[str]]:
+        """:attr:`EagerResiduals.remap` of the flat backward, read off the top level's
+        placeholders and the calls' readers of them."""
+        saves = self.ef.saves
+        replayed = _replayed_draws(self.forward)
+        remap: dict[str, list[str]] = {}
+        for p in self.top.graph.nodes:
+            if p.op != "placeholder" or p.meta.get(RESIDUAL) in _NOT_ACTIVATIONS:
+                continue
+            src = p.meta.get(SOURCE, p.name)
+            users = self.readers(p)
+            if src in replayed and all(u.meta.get(ROLE) == "recompute" for u in users):
+                remap[p.name] = []
+                continue
+            stand: list[str] = []
+            for u in users:
+                for name in saves.get(u.meta.get(SOURCE, ""), [src]):
+                    if name not in stand:
+                        stand.append(name)
+            if stand != [src]:
+                remap[p.name] = stand
+        return remap
+
+    def walk(self, state: set[str], remap: dict[str, list[str]]) -> None:
+        """The backward's top level as steps, each call one item (after the forward's)."""
+        top, keys, s = self.top, self.keys, self.s
+        read_after: dict[int, set[int]] = {}
+        outs: dict[int, set[int]] = {}
+        out = next(n for n in reversed(top.graph.nodes) if n.op == "output")
+        for n in top.graph.nodes:
+            if (at := _call_value(n)) is not None:
+                if n.users:
+                    read_after.setdefault(at[0], set()).add(at[1])
+                if out in n.users:
+                    outs.setdefault(at[0], set()).add(at[1])
+        nodes, by_call = self.top_steps(out)
+        self.region_call: dict[int, int] = {}
+        for n in top.graph.nodes:
+            if n.target is _REPEAT:
+                number = len(self.numbers)
+                if n.args[1] != number:
+                    raise _Unsupported
+                after = sorted(read_after.get(number, ()))
+                self.add_call(n, number, after, sorted(outs.get(number, ())))
+                for ref in by_call.get(number, ()):
+                    keys[ref] = self.call_key(number, ref[2])
+            elif (at := _call_value(n)) is not None:
+                keys[n] = self.call_key(*at)
+            elif n.op == "output":
+                r = nodes.reads_of(n, keys)
+                s.items.append(Step("b:__output__", 0, None, r))
+                if not self.keep_grads:
+                    s.keep.update(r)
+            elif n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
+                src = n.meta.get(SOURCE, n.name)
+                if src in state or n.meta.get(RESIDUAL) == "param_derived":
+                    keys[n] = []
+                else:
+                    keys[n] = [f"f:{x}" for x in remap.get(n.name, [src])]
+            elif (step := nodes.step(n, f"b:{n.name}", keys)) is not None:
+                s.items.append(step)
+
+    def top_steps(self, out: Node) -> tuple[_NodeSteps, dict[int, list[tuple]]]:
+        """The top level's steps with the overrides worked out on its copy; the calls' nodes
+        those name, by call (stand-ins whose keys are entered when the call is added)."""
+        top_gm, call_names = self.top_copy()
+        inplace = scatters_in_place(top_gm)
+        sizes, reads, b_extra = one_kernel_backward(top_gm, self.ef.kernels, inplace)
+        self.top_regions = {
+            o[0]
+            for n in top_gm.graph.nodes
+            if n.op == "call_function" and (o := self.owner.get(n.meta.get(SOURCE, ""))) is not None
+        }
+        _, extra = kernel_temporaries(self.forward, top_gm, self.device)
+        if self.keep_grads:
+            for a in out.all_input_nodes:
+                if _call_value(a) is None:
+                    extra[a.name] = extra.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
+        for k, v in b_extra.items():
+            extra[k] = extra.get(k, 0) + v
+        nodes = _NodeSteps(self.top, True, sizes, extra, reads, inplace, self.keep_grads)
+        stand_ins: dict[str, Any] = {}
+        by_call: dict[int, list[tuple]] = {}
+        for m in {m for names in reads.values() for m in names} - self.top_nodes.keys():
+            at = call_names[m]
+            stand_ins[m] = ("call", *at)
+            by_call.setdefault(at[0], []).append(stand_ins[m])
+        nodes.by_name = {**nodes.by_name, **stand_ins}
+        return nodes, by_call
+
+    def top_copy(self) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
+        """The top level for the overrides (as :meth:`_Builder.top_copy`), each call's value
+        a placeholder ``gf_call_NUMBER_I``; and those names -> (call number, position)."""
+        g = Graph()
+        env: dict[Node, Node] = {}
+        read_by_calls: dict[Node, None] = {}
+        names: dict[str, tuple[int, int]] = {}
+        output: Node | None = None
+        for n in self.top.graph.nodes:
+            if n.target is _REPEAT:
+                read_by_calls.update(dict.fromkeys(n.all_input_nodes))
+                continue
+            at = _call_value(n)
+            if at is not None:
+                p = env[n] = g.placeholder(f"gf_call_{at[0]}_{at[1]}")
+                p.meta = {k: n.meta[k] for k in ("val", KIND) if k in n.meta}
+                names[p.name] = at
+                continue
+            if n.op == "output":
+                output = n
+                continue
+            new = env[n] = copy_node(g, n, env.__getitem__)
+            if new.name != n.name:
+                raise _Unsupported
+        assert output is not None
+        outs = dict.fromkeys(output.all_input_nodes) | read_by_calls
+        g.output(tuple(env[a] for a in outs))
+        return graph_module(self.top, g), names
+
+    def add_call(self, rep: Node, number: int, after: list[int], outs: list[int]) -> None:
+        """Call ``number`` as one item: its context's profile for its arguments' keys."""
+        t = self.jvp_like.template(number)
+        c = self.dh.calls[number]
+        args = rep.all_input_nodes
+        if args != list(rep.args[0]):  # type: ignore[arg-type]
+            raise _Unsupported
+        for j, p in enumerate(t.placeholders):
+            for r in p.users:
+                if r.target in _SCATTERS and r.args[0] is p and args[j].target in _FRESH:
+                    raise _Unsupported  # zeros from outside the call scattered into
+        groups: dict[int, int] = {}
+        feats = []
+        for src in c.sources:
+            o = self.owner.get(src)
+            g = None
+            if o is not None:
+                if self.region_call.setdefault(o[0], number) != number or o[0] in self.top_regions:
+                    raise _Unsupported  # one kernel's backward in two parts of the graph
+                g = groups.setdefault(o[0], len(groups))
+            feats.append((g, o[1] if o is not None else None, self.conv_bytes.get(src)))
+        ckey = (c.template, tuple(after), tuple(outs), tuple(feats))
+        ctx = self.contexts.get(ckey)
+        if ctx is None:
+            ctx = self.contexts[ckey] = self.context(t, args, after, outs, feats)
+        lists = [self.keys.get(a, []) for a in args]
+        phs = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
+        ext = {p: j for j, p in enumerate(phs)}
+        pkey = ("b", ckey, tuple(len(x) for x in lists))
+        profile = self.s._profiles.get(pkey)
+        if profile is None:
+            profile = self.s._profiles[pkey] = _profile(ctx.nodes, ext, lists, ctx.steps)
+        self.numbers.append(len(self.s.items))
+        run: Any = _Run(self.dh.names[number] if self.dh.names is not None else ())
+        self.s.items.append(_Call(profile, "b", run, [k for x in lists for k in x]))
+
+    def context(
+        self,
+        t: _Template,
+        args: list[Node],
+        after: list[int],
+        outs: list[int],
+        feats: list[tuple[int | None, int | None, int | None]],
+    ) -> _Context:
+        """The template's copy for calls with these nodes read after them, these among the
+        graph's outputs, these forward features per source slot (its one-kernel backward, that
+        kernel's temporaries, a convolution's backward temporaries)."""
+        g = Graph()
+        env: dict[Node, Node] = {}
+        for p, a in zip(t.placeholders, args):
+            q = env[p] = g.placeholder(p.name)
+            q.meta = {k: a.meta[k] for k in ("val", KIND) if k in a.meta}
+        nodes = []
+        for i, n in enumerate(t.nodes):
+            new = env[n] = copy_node(g, n, env.__getitem__)
+            new.meta[SOURCE] = _SLOT.format(t.slot[i])
+            nodes.append(new)
+        g.output(tuple(nodes[i] for i in after))
+        gm = graph_module(t.gm, g)
+        kernels: dict[int, tuple[set[str], int]] = {}
+        for k, (grp, nbytes, _) in enumerate(feats):
+            if grp is not None:
+                kernels.setdefault(grp, (set(), nbytes or 0))[0].add(_SLOT.format(k))
+        inplace = scatters_in_place(gm)
+        sizes, reads, b_extra = one_kernel_backward(
+            gm, [kernels[i] for i in range(len(kernels))], inplace
+        )
+        extra: dict[str, int] = {}
+        last: dict[int, str] = {}
+        for i, n in enumerate(nodes):
+            if n.op == "call_function" and n.target is aten.convolution.default:
+                if feats[t.slot[i]][2] is not None:
+                    last[t.slot[i]] = n.name
+        for k, name in last.items():
+            extra[name] = feats[k][2]  # type: ignore[assignment]
+        if self.keep_grads:
+            for i in outs:
+                n = nodes[i]
+                extra[n.name] = extra.get(n.name, 0) + tensor_bytes(n.meta.get("val"))
+        for k2, v in b_extra.items():
+            extra[k2] = extra.get(k2, 0) + v
+        steps = _NodeSteps(gm, True, sizes, extra, reads, inplace, self.keep_grads)
+        steps.outputs = {nodes[i] for i in outs}
+        return _Context(gm, nodes, steps, [], {})
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """A call's node reading a top-level value, with its source made the call's."""
+
+    meta: dict[str, Any]
