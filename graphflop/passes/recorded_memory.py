@@ -33,7 +33,7 @@ region reaches across a call's boundary. Reads what
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from itertools import count, repeat
 from typing import Any
@@ -169,6 +169,47 @@ def _call_value(n: Node) -> tuple[int, int] | None:
     number = rep.args[1]
     assert isinstance(number, int) and isinstance(i, int)
     return number, i
+
+
+def _top_copy(
+    top: GraphModule, name: Callable[[tuple[int, int]], str]
+) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
+    """A recorded top level as the eager passes read a graph: each call's value that a
+    top-level node reads a placeholder (named ``name((call number, position))``, with the
+    value's ``val`` and kind), the values the calls read among its outputs (a value a call reads
+    is read outside its rule), the placeholders only calls read left out; and those
+    placeholders' names -> (call number, position).
+
+    Raises:
+        _Unsupported: a name taken (the copy's names are the top level's).
+    """
+    g = Graph()
+    env: dict[Node, Node] = {}
+    read_by_calls: dict[Node, None] = {}
+    names: dict[str, tuple[int, int]] = {}
+    output: Node | None = None
+    for n in top.graph.nodes:
+        if n.target is _REPEAT:
+            read_by_calls.update(dict.fromkeys(n.all_input_nodes))
+            continue
+        at = _call_value(n)
+        if (at is not None or n.op == "placeholder") and all(u.target is _REPEAT for u in n.users):
+            continue  # read by calls only (or by nothing)
+        if at is not None:
+            p = env[n] = g.placeholder(name(at))
+            p.meta = {k: n.meta[k] for k in ("val", KIND) if k in n.meta}
+            names[p.name] = at
+        elif n.op == "output":
+            output = n
+            continue
+        else:
+            env[n] = copy_node(g, n, env.__getitem__)
+        if env[n].name != (n.name if at is None else name(at)):
+            raise _Unsupported
+    assert output is not None
+    outs = dict.fromkeys(output.all_input_nodes) | read_by_calls
+    g.output(tuple(env[a] for a in outs if a in env))
+    return graph_module(top, g), names
 
 
 #: a value the schedule holds with another: ``("top", node name)`` or ``("call", call
@@ -361,36 +402,11 @@ class _Builder:
                 s.items.append(step)
 
     def top_copy(self) -> GraphModule:
-        """The top level for the overrides: each call's value as a placeholder named as in
-        the flat graph, the calls' arguments among its outputs (a value a call reads is read
-        outside its rule)."""
-        g = Graph()
-        env: dict[Node, Node] = {}
-        read_by_calls: dict[Node, None] = {}
-        output: Node | None = None
-        for n in self.top.graph.nodes:
-            if n.target is _REPEAT:
-                read_by_calls.update(dict.fromkeys(n.all_input_nodes))
-                continue
-            at = _call_value(n)
-            if at is not None:
-                name = self.names[at[0]][at[1]]
-                p = env[n] = g.placeholder(name)
-                if p.name != name:
-                    raise _Unsupported
-                p.meta = {k: n.meta[k] for k in ("val", KIND) if k in n.meta}
-                self.call_names[name] = at
-                continue
-            if n.op == "output":
-                output = n
-                continue
-            new = env[n] = copy_node(g, n, env.__getitem__)
-            if new.name != n.name:
-                raise _Unsupported
-        assert output is not None
-        outs = dict.fromkeys(output.all_input_nodes) | read_by_calls
-        g.output(tuple(env[a] for a in outs))
-        return graph_module(self.top, g)
+        """The top level for the overrides (:func:`_top_copy`), each call's value named as in
+        the flat graph."""
+        gm, names = _top_copy(self.top, lambda at: self.names[at[0]][at[1]])
+        self.call_names.update(names)
+        return gm
 
     def add_context(
         self, rep: Node, number: int, after: list[int], top_pairs: dict[str, list[str]]
@@ -563,6 +579,7 @@ class _TrainBuilder:
         self.keys: dict[Any, list[str]] = {}
         self.contexts: dict[Hashable, _Context] = {}
         self.top_nodes = {n.name: n for n in top.graph.nodes}
+        self.reader_rows: dict[int, list[list[tuple]]] = {}
 
     def call_key(self, number: int, i: int) -> list[str]:
         item = self.s.items[self.numbers[number]]
@@ -625,10 +642,10 @@ class _TrainBuilder:
         owners = {o.split(":", 1)[1]: nb for o, nb in (v for v in found.values() if v is not None)}
         return s, owners
 
-    def readers(self, p: Node) -> list[Node]:
+    def readers(self, p: Node) -> list[Any]:
         """The flat graph's readers of top-level node ``p``, in order: top-level nodes, and
-        for a call reading it the template's nodes reading that argument, their sources
-        made the call's (copies with :data:`~graphflop.meta.SOURCE` and
+        for a call reading it the template's nodes reading that argument, their sources made
+        the call's (:class:`_Reader`: :data:`~graphflop.meta.SOURCE` and
         :data:`~graphflop.meta.ROLE` only)."""
         out: list[Any] = []
         for u in p.users:
@@ -638,16 +655,29 @@ class _TrainBuilder:
             number = u.args[1]
             assert isinstance(number, int)
             c = self.dh.calls[number]
-            t = self.jvp_like.template(number)
+            rows = self.template_readers(c.template, number)
             for j, a in enumerate(u.args[0]):  # type: ignore[arg-type]
                 if a is p:
-                    for r in t.placeholders[j].users:
-                        if r.op == "output":
-                            continue
-                        src = r.meta.get(SOURCE)
-                        local = c.sources[int(src[1:])] if src else src
-                        out.append(_Reader({SOURCE: local, ROLE: r.meta.get(ROLE)}))
+                    out += [
+                        _Reader({SOURCE: c.sources[k] if k is not None else None, ROLE: role})
+                        for k, role in rows[j]
+                    ]
         return out
+
+    def template_readers(self, template: int, number: int) -> list[list[tuple]]:
+        """Per placeholder of the template, its readers' (source slot, role)."""
+        got = self.reader_rows.get(template)
+        if got is None:
+            t = self.jvp_like.template(number)
+            got = self.reader_rows[template] = [
+                [
+                    (int(r.meta[SOURCE][1:]) if r.meta.get(SOURCE) else None, r.meta.get(ROLE))
+                    for r in p.users
+                    if r.op != "output"
+                ]
+                for p in t.placeholders
+            ]
+        return got
 
     def remap(self) -> dict[str, list[str]]:
         """:attr:`EagerResiduals.remap` of the flat backward, read off the top level's
@@ -740,33 +770,9 @@ class _TrainBuilder:
         return nodes, by_call
 
     def top_copy(self) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
-        """The top level for the overrides (as :meth:`_Builder.top_copy`), each call's value
-        a placeholder ``gf_call_NUMBER_I``; and those names -> (call number, position)."""
-        g = Graph()
-        env: dict[Node, Node] = {}
-        read_by_calls: dict[Node, None] = {}
-        names: dict[str, tuple[int, int]] = {}
-        output: Node | None = None
-        for n in self.top.graph.nodes:
-            if n.target is _REPEAT:
-                read_by_calls.update(dict.fromkeys(n.all_input_nodes))
-                continue
-            at = _call_value(n)
-            if at is not None:
-                p = env[n] = g.placeholder(f"gf_call_{at[0]}_{at[1]}")
-                p.meta = {k: n.meta[k] for k in ("val", KIND) if k in n.meta}
-                names[p.name] = at
-                continue
-            if n.op == "output":
-                output = n
-                continue
-            new = env[n] = copy_node(g, n, env.__getitem__)
-            if new.name != n.name:
-                raise _Unsupported
-        assert output is not None
-        outs = dict.fromkeys(output.all_input_nodes) | read_by_calls
-        g.output(tuple(env[a] for a in outs))
-        return graph_module(self.top, g), names
+        """The top level for the overrides (:func:`_top_copy`), each call's value a
+        placeholder ``gf_call_NUMBER_I``."""
+        return _top_copy(self.top, lambda at: f"gf_call_{at[0]}_{at[1]}")
 
     def add_call(self, rep: Node, number: int, after: list[int], outs: list[int]) -> None:
         """Call ``number`` as one item: its context's profile for its arguments' keys."""
