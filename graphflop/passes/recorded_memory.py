@@ -33,7 +33,7 @@ region reaches across a call's boundary. Reads what
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from itertools import count, repeat
 from typing import Any
@@ -69,7 +69,14 @@ from graphflop.passes.eager_memory import (
 )
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Step, _NodeSteps
-from graphflop.passes.memory_calls import ComposedSchedule, _Call, _profile, forward_runs
+from graphflop.passes.memory_calls import (
+    ComposedSchedule,
+    _analysis,
+    _Call,
+    _Profile,
+    _profile,
+    forward_runs,
+)
 
 __all__ = ["recorded_jvp_schedule", "recorded_train_schedule"]
 
@@ -247,6 +254,10 @@ class _Builder:
         self.top_at = {n.name: i for i, n in enumerate(top.graph.nodes)}
         #: (where the pair's first tangent is in the flat graph's order, the tie's keys)
         self.tie_rows: list[tuple[tuple[int, int], list[str]]] = []
+        #: per call, the positions of its nodes something outside it reads; per profile,
+        #: the context's ties folded into it (:func:`_fold_ties`)
+        self.referenced: dict[int, set[int]] = {}
+        self.folded: dict[Hashable, set[int]] = {}
         #: per call number: its context, its key, its positions named after a source slot
         self.call_ctx: list[_Context] = []
         self.ckeys: list[Hashable] = []
@@ -357,7 +368,7 @@ class _Builder:
                 raise _Unsupported
             after = sorted(read_after.get(number, ()))
             held.append(self.add_context(rep, number, after, top_pairs))
-        self.walk(top_gm, top_pairs, held)
+        self.walk(top_gm, top_pairs, held, read_after)
         # the ties in the flat graph's order (of each pair's first tangent), as dual_pairs
         # makes them: ties sharing a storage are applied one after the other
         self.tie_rows.sort(key=lambda row: row[0])
@@ -365,7 +376,11 @@ class _Builder:
         return self.s
 
     def walk(
-        self, top_gm: GraphModule, top_pairs: dict[str, list[str]], held: list[list[list[_Ref]]]
+        self,
+        top_gm: GraphModule,
+        top_pairs: dict[str, list[str]],
+        held: list[list[list[_Ref]]],
+        read_after: dict[int, set[int]],
     ) -> None:
         """The top level's steps, with the overrides worked out on its copy ``top_gm``, and
         each call as one item."""
@@ -381,6 +396,7 @@ class _Builder:
             stand_ins[m] = ("call", *at)
             by_call.setdefault(at[0], []).append(stand_ins[m])
         nodes.by_name = {**nodes.by_name, **stand_ins}
+        self.note_referenced(read_after, held, stand_ins.values())
         keys = self.keys
         baseline = jvp_baseline(self.top)
         s = self.s
@@ -400,6 +416,22 @@ class _Builder:
                 keys[n] = []
             elif (step := nodes.step(n, f"j:{n.name}", keys)) is not None:
                 s.items.append(step)
+
+    def note_referenced(
+        self,
+        read_after: dict[int, set[int]],
+        held: list[list[list[_Ref]]],
+        stand_ins: Iterable[_Ref],
+    ) -> None:
+        """Per call, its nodes whose keys something outside it reads (as a value read after
+        it, a tangent held with a later call's argument or a top-level node's): their
+        storages' ties are left to the schedule, the others' folded into the profile."""
+        for number, positions in read_after.items():
+            self.referenced.setdefault(number, set()).update(positions)
+        refs = [ref for rows in held for row in rows for ref in row] + list(stand_ins)
+        for ref in refs:
+            if ref[0] == "call":
+                self.referenced.setdefault(ref[1], set()).add(ref[2])
 
     def top_copy(self) -> GraphModule:
         """The top level for the overrides (:func:`_top_copy`), each call's value named as in
@@ -449,15 +481,21 @@ class _Builder:
         lists += [self.ref_keys(r) for h in held for r in h]
         phs = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
         ext = {p: j for j, p in enumerate(phs)}
-        pkey = (self.ckeys[number], tuple(len(x) for x in lists))
+        outside = frozenset(self.referenced.get(number, ()))
+        pkey = (self.ckeys[number], tuple(len(x) for x in lists), outside)
         profile = self.s._profiles.get(pkey)
         if profile is None:
             profile = self.s._profiles[pkey] = _profile(ctx.nodes, ext, lists, ctx.steps)
+            outer = sum(len(x) for x in lists)
+            self.folded[pkey] = _fold_ties(profile, ctx.ties, outside, outer)
         self.numbers.append(len(self.s.items))
         run: Any = _Run(self.names[number])
         self.s.items.append(_Call(profile, "j", run, [k for x in lists for k in x]))
         at = self.top_at[rep.name]
-        for group in ctx.ties:
+        folded = self.folded[pkey]
+        for g, group in enumerate(ctx.ties):
+            if g in folded:
+                continue
             keyed = [k for i in group for k in self.call_key(number, i)]
             if keyed:
                 self.tie_rows.append(((at, group[1]), keyed))
@@ -508,6 +546,40 @@ class _Builder:
         sizes, extra, reads = jvp_overrides(gm, self.device, pairs)
         steps = _NodeSteps(gm, True, sizes, extra, reads, None, False)
         return _Context(gm, nodes, steps, ties, slot_pairs)
+
+
+def _fold_ties(p: _Profile, ties: list[list[int]], outside: frozenset[int], outer: int) -> set[int]:
+    """Fold into profile ``p`` the ties (positions in its run, in the flat graph's order) whose
+    storages are the call's own, read by nothing outside it (no position in ``outside`` lives
+    in them) and in no tie left to the schedule: each such tie's storages are held to the last
+    step reading any of them, as :meth:`Schedule._lifetimes` holds them, by a read of each at
+    that step. Returns the ties folded (their numbers in ``ties``). ``outer``: how many keys
+    from outside the profile reads (each names a storage: the values of steps)."""
+    inner = _analysis(p, (True,) * outer)
+    step_at: dict[int, int] = {}
+    for j, s in enumerate(p.steps):
+        step_at[int(s.key[1:])] = j
+    root = {i: inner.root[f"@{i}"] for i in step_at}
+    shared = {root[i] for i in outside if i in root}
+    groups = [{root[i] for i in group if i in root} for group in ties]
+    fold = {g for g, rs in enumerate(groups) if rs and all(r[0] != "<" for r in rs)}
+    fold -= {g for g in fold if groups[g] & shared}
+    while True:  # a storage also in a tie left to the schedule: that tie's order decides
+        kept = set().union(*(groups[g] for g in range(len(groups)) if g not in fold))
+        drop = {g for g in fold if groups[g] & kept}
+        if not drop:
+            break
+        fold -= drop
+    last = dict(inner.last)
+    for g in sorted(fold):
+        t = max(last[r] for r in groups[g])
+        for i in ties[g]:
+            if i in root and last[root[i]] < t:
+                p.steps[t].reads.append(f"@{i}")
+        for r in groups[g]:
+            last[r] = t
+    p.inside.clear()  # worked out again with the reads
+    return fold
 
 
 def _layout(v: Any) -> Any:
