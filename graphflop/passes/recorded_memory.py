@@ -1,33 +1,43 @@
-"""The eager JVP memory schedule read off a recorded JVP hierarchy (``direct=True``:
-:func:`~graphflop.passes.calls.is_recorded`) without its flat view: the top level's nodes are
-the steps, each ``graphflop::repeat`` node one call item of a
+"""The eager memory schedules read off recorded derivative hierarchies (``direct=True``:
+:func:`~graphflop.passes.calls.is_recorded`) without their flat views: the JVP's
+(:func:`recorded_jvp_schedule`) and the train step's with the storages saved for backward
+(:func:`recorded_train_schedule`). The top level's nodes are the steps, each
+``graphflop::repeat`` node one call item of a
 :class:`~graphflop.passes.memory_calls.ComposedSchedule` whose profile is its template's, the
 call's arguments its values from outside, the top level's ``getitem``\\ s of it the values read
-after it. The same peak as :func:`~graphflop.passes.eager_memory.eager_jvp_schedule` on the flat
-view, to the byte.
+after it. The same bytes as :func:`~graphflop.passes.eager_memory.eager_jvp_schedule`,
+:func:`~graphflop.passes.eager_memory.eager_train_schedule` and
+:func:`~graphflop.passes.eager_memory.eager_saved_storages` on the flat views, to the byte
+(``tests/test_recorded_memory.py``).
 
-The eager model's per-node overrides (:func:`~graphflop.passes.eager_memory.jvp_overrides`:
-composite ops as one kernel, tangent formulas, kernel temporaries; the dual pairs a value and
-its tangent are freed together by) are worked out on a copy of the template made per *context*
-of its calls, not per call: which of its nodes are read after the call (a tangent read outside
-its rule is held with its primal), the layouts and kinds of its arguments, the tangents held
-with its arguments, which of its nodes the flat graph names after one of the call's forward
-sources. The eager passes pair a node with its tangents by name (the flat JVP names its copy
-of a forward node after it; fx's counter may give a ``getitem`` such a name too): in the copy
-the sources ``@k`` are renamed and the nodes the flat graph names after source ``k`` take that
-name, so the passes run on it as they run on the flat graph. The top level's overrides are
-worked out on a copy of it with each call's value read after the call a placeholder named as in
-the flat graph (:attr:`~graphflop.passes.calls.DerivedHierarchy.names`).
+The eager model's per-node overrides are worked out on a copy of the template made per
+*context* of its calls, not per call. In the JVP
+(:func:`~graphflop.passes.eager_memory.jvp_overrides`: composite ops as one kernel, tangent
+formulas, kernel temporaries; the dual pairs a value and its tangent are freed together by)
+the context is: which of its nodes are read after the call (a tangent read outside its rule is
+held with its primal), the layouts and kinds of its arguments, the tangents held with its
+arguments, which of its nodes the flat graph names after one of the call's forward sources.
+The eager passes pair a node with its tangents by name (the flat JVP names its copy of a
+forward node after it; fx's counter may give a ``getitem`` such a name too): in the copy the
+sources ``@k`` are renamed and the nodes the flat graph names after source ``k`` take that
+name, so the passes run on it as they run on the flat graph. A dual pair's tie on storages
+nothing outside the call reads is folded into the profile (:func:`_fold_ties`); the others
+are left to the schedule, in the flat graph's order. In the backward
+(:func:`~graphflop.passes.eager_kernels.one_kernel_backward`, convolutions' temporaries,
+scatters in place, the gradients it returns) the context is: which nodes are read after the
+call, which are the graph's outputs, and per forward source slot its one-kernel backward (as
+a partition of the slots), that kernel's temporaries and a convolution's. The top level's
+overrides are worked out on a copy of it with each call's value a top-level node reads a
+placeholder (:func:`_top_copy`).
 
-Where a call could differ from what its context's copy says, the schedule is not made
-(:func:`recorded_jvp_schedule` returns None, and the caller schedules the flat view): nodes
-without a flat name (the backward's fold), two calls of one call site, a template node whose
-forward source is not the call's, a top-level node sharing a name or source with a call's
-nodes' names or sources, a call's source naming a node outside that call (fx's counter naming a
-``getitem`` of one call after a forward ``getitem`` of another: GPT-2), a composite op whose
-region reaches across a call's boundary. Reads what
-:func:`~graphflop.passes.eager_memory.eager_jvp_schedule` reads, and
-:data:`~graphflop.meta.DERIVED_HIERARCHY`; writes nothing.
+Where a call could differ from what its context's copy says, no schedule is made (None, and
+the caller schedules the flat view): JVP nodes without a flat name, two calls of one call
+site, a template node whose forward source is not the call's, a top-level node sharing a name
+(JVP) or source with a call's nodes, a call's source naming a node outside that call (fx's
+counter naming a ``getitem`` of one call after a forward ``getitem`` of another: GPT-2's
+JVP), a composite op whose region (or one-kernel backward) reaches across a call's boundary,
+a scatter into zeros made in another part of the graph. Reads what the eager schedules read,
+and :data:`~graphflop.meta.DERIVED_HIERARCHY`; writes nothing.
 """
 
 from __future__ import annotations
@@ -166,6 +176,36 @@ def _region_ids(n: Any) -> set[int]:
     return out
 
 
+def _template_of(dh: DerivedHierarchy, cache: dict[int, _Template], number: int) -> _Template:
+    """The :class:`_Template` of call ``number``'s template (made once, kept in ``cache``).
+
+    Raises:
+        _Unsupported: a template node's forward source is not one of the call's (``@k``):
+            another node, elsewhere, may share it.
+    """
+    c = dh.calls[number]
+    got = cache.get(c.template)
+    if got is not None:
+        return got
+    gm = dh.templates[c.template]
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    slot: list[int] = []
+    for n in nodes:
+        src = n.meta.get(SOURCE)
+        if not isinstance(src, str) or src[:1] != "@":
+            raise _Unsupported
+        slot.append(int(src[1:]))
+    pos = {n: i for i, n in enumerate(phs)}
+    regions: list[set[int]] = [set() for _ in phs]
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in pos:
+                regions[pos[a]] |= _region_ids(n)
+    got = cache[c.template] = _Template(gm, phs, nodes, slot, regions)
+    return got
+
+
 def _call_value(n: Node) -> tuple[int, int] | None:
     """(call number, position) of a top-level ``getitem`` of a call, else None."""
     if n.op != "call_function" or n.target is not operator.getitem:
@@ -267,27 +307,7 @@ class _Builder:
 
     # -- checks and the templates ---------------------------------------------------------
     def template(self, number: int) -> _Template:
-        c = self.dh.calls[number]
-        got = self.templates.get(c.template)
-        if got is not None:
-            return got
-        gm = self.dh.templates[c.template]
-        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-        slot: list[int] = []
-        for n in nodes:
-            src = n.meta.get(SOURCE)
-            if not isinstance(src, str) or src[:1] != "@":
-                raise _Unsupported  # a source outside the call: shared with other nodes
-            slot.append(int(src[1:]))
-        pos = {n: i for i, n in enumerate(phs)}
-        regions: list[set[int]] = [set() for _ in phs]
-        for n in nodes:
-            for a in n.all_input_nodes:
-                if a in pos:
-                    regions[pos[a]] |= _region_ids(n)
-        got = self.templates[c.template] = _Template(gm, phs, nodes, slot, regions)
-        return got
+        return _template_of(self.dh, self.templates, number)
 
     def named(self, number: int) -> dict[int, int]:
         """Call ``number``'s nodes named after one of its forward sources in the flat graph
@@ -641,9 +661,7 @@ class _TrainBuilder:
             if (name := n.name) in fwd_tmp
         }
         self.fwd_tmp = fwd_tmp
-        self.jvp_like = _Builder.__new__(_Builder)  # for its template()
-        self.jvp_like.dh = dh
-        self.jvp_like.templates = {}
+        self.templates: dict[int, _Template] = {}
         self.s = ComposedSchedule()
         self.by_name: dict[str, str] = {}
         self.index: dict[str, tuple[int, int]] = {}
@@ -653,7 +671,12 @@ class _TrainBuilder:
         self.top_nodes = {n.name: n for n in top.graph.nodes}
         self.reader_rows: dict[int, list[list[tuple]]] = {}
 
+    def template(self, number: int) -> _Template:
+        return _template_of(self.dh, self.templates, number)
+
     def call_key(self, number: int, i: int) -> list[str]:
+        """The keys of call ``number``'s node ``i`` (``b:@NUMBER.I``; none where its profile
+        has no step)."""
         item = self.s.items[self.numbers[number]]
         assert isinstance(item, _Call)
         if not item.profile.keyed[i]:
@@ -676,7 +699,7 @@ class _TrainBuilder:
             if n.op == "call_function" and n.target in _SCATTERS:
                 base = n.args[0]
                 if isinstance(base, Node) and (at := _call_value(base)) is not None:
-                    t = self.jvp_like.template(at[0])
+                    t = self.template(at[0])
                     if t.nodes[at[1]].target in _FRESH:
                         raise _Unsupported
 
@@ -740,7 +763,7 @@ class _TrainBuilder:
         """Per placeholder of the template, its readers' (source slot, role)."""
         got = self.reader_rows.get(template)
         if got is None:
-            t = self.jvp_like.template(number)
+            t = self.template(number)
             got = self.reader_rows[template] = [
                 [
                     (int(r.meta[SOURCE][1:]) if r.meta.get(SOURCE) else None, r.meta.get(ROLE))
@@ -848,7 +871,7 @@ class _TrainBuilder:
 
     def add_call(self, rep: Node, number: int, after: list[int], outs: list[int]) -> None:
         """Call ``number`` as one item: its context's profile for its arguments' keys."""
-        t = self.jvp_like.template(number)
+        t = self.template(number)
         c = self.dh.calls[number]
         args = rep.all_input_nodes
         if args != list(rep.args[0]):  # type: ignore[arg-type]
