@@ -34,8 +34,9 @@ Where a call could differ from what its context's copy says, no schedule is made
 the caller schedules the flat view): JVP nodes without a flat name, two calls of one call
 site, a template node whose forward source is not the call's, a top-level node sharing a name
 (JVP) or source with a call's nodes, a call's source naming a node outside that call (fx's
-counter naming a ``getitem`` of one call after a forward ``getitem`` of another: GPT-2's
-JVP), a composite op whose region (or one-kernel backward) reaches across a call's boundary,
+counter names a ``getitem`` of one call after a forward ``getitem`` of another, GPT-2's
+``var_mean``'s) where the eager passes would find nodes by that name
+(:meth:`_Builder.check_foreign`), a composite op whose region (or one-kernel backward) reaches across a call's boundary,
 a scatter into zeros made in another part of the graph. Reads what the eager schedules read,
 and :data:`~graphflop.meta.DERIVED_HIERARCHY`; writes nothing.
 """
@@ -52,6 +53,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.builder import copy_node
+from graphflop.frontend.composite import FUSED_SDPA
 from graphflop.meta import (
     COMPOSITE,
     DERIVED_HIERARCHY,
@@ -63,7 +65,7 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.passes.calls import DerivedHierarchy, is_recorded
-from graphflop.passes.eager_kernels import one_kernel_backward
+from graphflop.passes.eager_kernels import TANGENT_FORMULA, one_kernel_backward
 from graphflop.passes.eager_memory import (
     _FRESH,
     _NOT_ACTIVATIONS,
@@ -304,6 +306,8 @@ class _Builder:
         self.slot_at: list[dict[int, int]] = []
         #: the calls' nodes the top level's overrides name -> (call number, position)
         self.call_names: dict[str, tuple[int, int]] = {}
+        #: (call number, position) of a node named after (call number, source slot)'s source
+        self.foreign: list[tuple[int, int, int, int]] = []
 
     # -- checks and the templates ---------------------------------------------------------
     def template(self, number: int) -> _Template:
@@ -312,15 +316,33 @@ class _Builder:
     def named(self, number: int) -> dict[int, int]:
         """Call ``number``'s nodes named after one of its forward sources in the flat graph
         (its copies of forward nodes, and any other node fx's counter gave such a name):
-        source slot -> position. A source naming a node elsewhere is not supported."""
+        source slot -> position. A source naming a node of another call is noted
+        (:meth:`check_foreign`)."""
         out = {}
         for k, src in enumerate(self.dh.calls[number].sources):
             at = self.where.get(src)
             if at is not None:
                 if at[0] != number:
-                    raise _Unsupported
+                    self.foreign.append((*at, number, k))
+                    continue
                 out[k] = at[1]
         return out
+
+    def check_foreign(self) -> None:
+        """A node of one call that fx's counter named after a forward source of another
+        call (a ``getitem``): the eager passes, which find a node's tangents by its name, find
+        that source's nodes. Supported where they find nothing they would change: the source
+        has no tangent or coefficient node (so no dual pair, no formula's node a composite
+        op's tangent would hold nothing of) and the node is not in fused attention (whose
+        inner nodes of any kind hold nothing)."""
+        for number, i, other, k in self.foreign:
+            t, t2 = self.template(number), self.template(other)
+            kinds = {n.meta.get(KIND) for n, slot in zip(t2.nodes, t2.slot) if slot == k}
+            if kinds & set(TANGENT_FORMULA) or self.call_ctx[other].pairs.get(k):
+                raise _Unsupported
+            tag = t.nodes[i].meta.get(COMPOSITE)
+            if tag is not None and tag.op == FUSED_SDPA:
+                raise _Unsupported
 
     def check_top(self) -> None:
         """No top-level node shares a name or source with a call's nodes' names or sources,
@@ -388,6 +410,7 @@ class _Builder:
                 raise _Unsupported
             after = sorted(read_after.get(number, ()))
             held.append(self.add_context(rep, number, after, top_pairs))
+        self.check_foreign()
         self.walk(top_gm, top_pairs, held, read_after)
         # the ties in the flat graph's order (of each pair's first tangent), as dual_pairs
         # makes them: ties sharing a storage are applied one after the other
