@@ -881,7 +881,9 @@ class _TrainBuilder:
         stand_ins: dict[str, Any] = {}
         by_call: dict[int, list[tuple]] = {}
         for m in {m for names in reads.values() for m in names} - self.top_nodes.keys():
-            at = call_names[m]
+            at = call_names.get(m)
+            if at is None:  # (a kernel's reads name only its graph's nodes)
+                raise _Unsupported
             stand_ins[m] = ("call", *at)
             by_call.setdefault(at[0], []).append(stand_ins[m])
         nodes.by_name = {**nodes.by_name, **stand_ins}
