@@ -173,12 +173,28 @@ def _saved_by(region: list[Node]) -> tuple[list[Node], Node | None, Node | None]
     return saved, out0, mask
 
 
-def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) -> EagerResiduals:
-    """What eager autograd keeps in place of the residuals graphflop's backward reads.
+@dataclass
+class EagerForward:
+    """The forward half of :func:`eager_residuals` (it does not read the backward graph).
 
-    Args:
-        device: ``cpu`` or ``cuda`` (dropout's mask: the input's dtype on CPU, bool on CUDA).
+    Attributes:
+        saves: forward node name of a composite op (or max pooling) -> the forward node names
+            eager autograd saves for that op.
+        sizes, reads: :attr:`EagerResiduals.sizes`, :attr:`EagerResiduals.reads`.
+        kernels: the ops whose backward is one eager kernel: (their forward node names, the
+            bytes of the kernel's temporaries) (:func:`one_kernel_backward`'s ``regions``).
+        attention: the fused attention calls (``extra``, ``accumulate``).
     """
+
+    saves: dict[str, list[str]]
+    sizes: dict[str, int]
+    kernels: list[tuple[set[str], int]]
+    reads: dict[str, list[str]]
+    attention: FusedAttention
+
+
+def eager_forward(forward: GraphModule, device: str) -> EagerForward:
+    """:class:`EagerForward` of ``forward`` (``device`` as :func:`eager_residuals`)."""
     saves: dict[str, list[str]] = {}  # forward node of a composite op -> what the op saves
     sizes: dict[str, int] = {}
     attention = FusedAttention(device)
@@ -216,6 +232,23 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
         for n in forward.graph.nodes
         if n.op == "call_function" and n.target is aten._native_batch_norm_legit_functional.default
     ]
+    return EagerForward(saves, sizes, kernels, reads, attention)
+
+
+def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) -> EagerResiduals:
+    """What eager autograd keeps in place of the residuals graphflop's backward reads.
+
+    Args:
+        device: ``cpu`` or ``cuda`` (dropout's mask: the input's dtype on CPU, bool on CUDA).
+    """
+    ef = eager_forward(forward, device)
+    saves, sizes, kernels, reads, attention = (
+        ef.saves,
+        ef.sizes,
+        ef.kernels,
+        ef.reads,
+        ef.attention,
+    )
     b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels, scatters_in_place(backward))
     # a residual read by the backward of a composite op's parts stands for what that op saves
     # (the backward nodes' SOURCE names the forward node whose rule made them)
@@ -380,20 +413,9 @@ def eager_jvp_schedule(
     JVP graph keeps its blocks as calls (:func:`~graphflop.passes.memory_calls.backward_runs`),
     a :class:`~graphflop.passes.memory_calls.ComposedSchedule` (the same peak, each block's
     steps worked out once per template)."""
-    sig = jvp.meta[SIGNATURE]
-    info = jvp.meta[JVP]
-    base = sig.state() | {t for t, _ in info.tangent_inputs}
-    tmp, _ = kernel_temporaries(jvp, None, device)
-    for name, nbytes in (_zero_tangent_convs(jvp, device) | zero_tangent_mms(jvp)).items():
-        tmp[name] = tmp.get(name, 0) + nbytes
+    base = jvp_baseline(jvp)
     pairs = dual_pairs(jvp)
-    sizes, norm_tmp, reads = _norm_jvp(jvp, pairs, device)
-    a_sizes, a_tmp, a_reads = attention_jvp(jvp, _regions(jvp), pairs)
-    sizes |= a_sizes
-    norm_tmp |= a_tmp
-    reads |= a_reads
-    for name, held in formula_reads(jvp, sizes).items():
-        reads[name] = reads.get(name, []) + held
+    sizes, extra, reads = jvp_overrides(jvp, device, pairs)
     runs = backward_runs(jvp) if composed else None
     s: Schedule | ComposedSchedule = Schedule()
     kw: dict[str, Any] = {}
@@ -407,7 +429,7 @@ def eager_jvp_schedule(
         keep_outputs=True,
         eager=True,
         sizes=sizes,
-        extra=tmp | norm_tmp,
+        extra=extra,
         also_reads=reads,
     )
     names = {n.name for n in jvp.graph.nodes}
@@ -415,6 +437,31 @@ def eager_jvp_schedule(
         if primal in names:
             s.ties.append([f"j:{primal}"] + [f"j:{t}" for t in tangents])
     return s
+
+
+def jvp_baseline(jvp: GraphModule) -> set[str]:
+    """The JVP graph's always-live placeholders: parameters, buffers, the tangent inputs."""
+    return jvp.meta[SIGNATURE].state() | {t for t, _ in jvp.meta[JVP].tangent_inputs}
+
+
+def jvp_overrides(
+    jvp: GraphModule, device: str, pairs: dict[str, list[str]]
+) -> tuple[dict[str, int], dict[str, int], dict[str, list[str]]]:
+    """The eager JVP's per-node overrides of the memory model (sizes, kernel temporaries,
+    the values a kernel or formula keeps live) for :meth:`Schedule.add_graph`, given
+    :func:`dual_pairs` (``pairs``, which may name nodes outside ``jvp``: those of values
+    read from outside a repeated block's template, :mod:`graphflop.passes.recorded_memory`)."""
+    tmp, _ = kernel_temporaries(jvp, None, device)
+    for name, nbytes in (_zero_tangent_convs(jvp, device) | zero_tangent_mms(jvp)).items():
+        tmp[name] = tmp.get(name, 0) + nbytes
+    sizes, norm_tmp, reads = _norm_jvp(jvp, pairs, device)
+    a_sizes, a_tmp, a_reads = attention_jvp(jvp, _regions(jvp), pairs)
+    sizes |= a_sizes
+    norm_tmp |= a_tmp
+    reads |= a_reads
+    for name, held in formula_reads(jvp, sizes).items():
+        reads[name] = reads.get(name, []) + held
+    return sizes, tmp | norm_tmp, reads
 
 
 def _zero_tangent_convs(jvp: GraphModule, device: str) -> dict[str, int]:

@@ -30,7 +30,9 @@ primal and tangent, one dual tensor) are taken too: a call's value in a tie beco
 of its own, held to the tie's last reader.
 
 The calls' nodes are still read for their arguments and those overrides (dictionary look-ups,
-not steps); what is done once per template is the steps and the peak inside the call.
+not steps); what is done once per template is the steps and the peak inside the call. A
+recorded hierarchy's calls (no flat graph) are added by :mod:`graphflop.passes.recorded_memory`
+from its top level and its templates, the overrides worked out once per context of a template.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from graphflop.passes.eager_memory import (
 from graphflop.passes.flops import sum_costs, tensor_bytes, total_cost
 from graphflop.passes.hierarchy import ForwardFigures, forward_figures, hierarchy_of
 from graphflop.passes.memory import (
+    Schedule,
     forward_schedule,
     jvp_schedule,
     saved_storages,
@@ -58,6 +59,7 @@ from graphflop.passes.memory import (
 )
 from graphflop.passes.memory_calls import ComposedSchedule, composed_forward_schedule
 from graphflop.passes.optimizer import STATE_KINDS, update_param_count
+from graphflop.passes.recorded_memory import recorded_jvp_schedule, recorded_train_schedule
 from graphflop.report import (
     ActivityGradientTotals,
     BackwardTotals,
@@ -400,9 +402,24 @@ def _memory(
     eager model the train peak and the saved storages, from schedules that work out each
     repeated block's steps once per template and compose its calls
     (:mod:`graphflop.passes.memory_calls`; the same bytes as the flat schedules), and the
-    eager JVP peak too. A recorded derivative hierarchy (``direct=True``) is scheduled on its
-    flat view (:func:`~graphflop.passes.calls.flat_view`, whose calls compose as above)."""
-    g = replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp))
+    eager JVP peak too. Under the eager model a recorded derivative hierarchy
+    (``direct=True``) is scheduled off its top level (:mod:`graphflop.passes.recorded_memory`:
+    the same bytes), else, or where a call could differ from its template's copy, on its flat
+    view (:func:`~graphflop.passes.calls.flat_view`, whose calls compose as above)."""
+    # the eager schedules read a recorded hierarchy's calls off its top level (its flat view
+    # only where a call could differ from its template: recorded_memory's None)
+    jsched: Schedule | ComposedSchedule | None = None
+    train: tuple[ComposedSchedule, dict[str, int]] | None = None
+    if model == "eager" and composed:
+        if g.jvp is not None:
+            jsched = recorded_jvp_schedule(g.jvp, device)
+        if g.backward is not None:
+            train = recorded_train_schedule(g.forward, g.backward, optimizer, device, keep_grads)
+    g = replace(
+        g,
+        backward=_flat(g.backward) if train is None else g.backward,
+        jvp=_flat(g.jvp) if jsched is None else g.jvp,
+    )
     fsched = composed_forward_schedule(g.forward) if composed else None
     fpeak, _ = (fsched or forward_schedule(g.forward)).peak()
     resident = params_bytes + buffers_bytes  # the module's state: held for its whole life
@@ -410,7 +427,11 @@ def _memory(
     owners: dict[str, int] = {}
     if g.backward is not None:
         n_state = len(STATE_KINDS[optimizer])
-        if model == "eager":  # gradients are scheduled: they appear as the backward makes them
+        if train is not None:  # the eager model, read off the recorded backward
+            tpeak, _ = train[0].peak()
+            owners = train[1]
+            train_peak = resident + trainable_bytes * (n_state + keep_grads) + tpeak
+        elif model == "eager":  # gradients are scheduled: they appear as the backward makes them
             er = eager_residuals(g.forward, g.backward, device)
             sched = eager_train_schedule(
                 g.forward, g.backward, optimizer, device, keep_grads, composed=composed, eager=er
@@ -432,9 +453,12 @@ def _memory(
             train_peak_bytes=train_peak,
         )
     if g.jvp is not None:
-        jsched = (
-            eager_jvp_schedule(g.jvp, device, composed) if model == "eager" else jvp_schedule(g.jvp)
-        )
+        if jsched is None:
+            jsched = (
+                eager_jvp_schedule(g.jvp, device, composed)
+                if model == "eager"
+                else jvp_schedule(g.jvp)
+            )
         jpeak, _ = jsched.peak()
         n_tan = sum(
             tensor_bytes(n.meta["val"])
