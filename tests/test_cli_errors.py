@@ -1339,6 +1339,48 @@ def test_export_refuses_gradients_an_op_without_rules_would_cut(tmp_path, capsys
     assert any("atan2" in line for line in err)  # the warning still shows
 
 
+NO_JVP_FUNCTION = """
+import torch
+from torch import nn
+class Sq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+    def forward(self, x):
+        return Sq.apply(self.fc(x))
+def example_inputs(): return (torch.randn(2, 4),)
+"""
+
+
+def test_export_names_a_function_without_jvp_as_cutting_the_jvp_only(tmp_path, capsys, monkeypatch):
+    """A tester's finding: a custom Function with a backward and no jvp was said to cut "the
+    backward and JVP graphs" with a hint to find a rule file; its own backward is the
+    transpose, so only the JVP (and the forward-gradient step) stop there."""
+    model = tmp_path / "nojvp.py"
+    model.write_text(NO_JVP_FUNCTION)
+    monkeypatch.chdir(tmp_path)
+    line = one_error(
+        capsys,
+        "export",
+        model,
+        "--out",
+        "onnx",
+        message="the JVP graph stops at autograd.Function Sq (custom autograd.Function Sq "
+        "without a jvp staticmethod)",
+    )
+    assert "(the backward is complete)" in line and line.endswith("or give Sq a jvp")
+    assert not (tmp_path / "onnx").exists()
+
+
 # --- the adversarial pass's findings: outputs, inputs and options ------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -77,12 +78,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
         analysis = analyze_model(args, loaded, inputs, status, err=err)
         cut = analysis.report.derivative_gaps
         if cut and not args.allow_incomplete:
-            ops = ", ".join(u.op for u in cut)
-            raise SpecError(
-                f"the backward and JVP graphs stop at {ops} (no derivative rule): the exported "
-                "gradients would be missing or zero; give --allow-incomplete to export them "
-                "anyway (listed in manifest.json), or --strict with inspect to find the rule's file"
-            )
+            raise SpecError(_cut_message(cut))
         print_warnings(err, analysis)
         status.update("exporting to ONNX")
         graphs = step_graphs(analysis, residuals=args.residuals)
@@ -98,6 +94,31 @@ def run(args: argparse.Namespace, err: Console) -> int:
         )
     print(out / "manifest.json")
     return 0
+
+
+def _cut_message(cut: Any) -> str:
+    """What export refuses for ops without a JVP or transpose rule (``report.derivative_gaps``):
+    which graphs stop there and what to do. An op without a JVP rule cuts the backward too (it
+    is the JVP transposed), except a custom autograd.Function, whose own backward is the
+    transpose: one without ``jvp`` cuts the JVP graph only."""
+    from graphflop.meta import FUNCTION_LABEL
+
+    ops = ", ".join(u.op for u in cut)
+    functions = [u.op.removeprefix(FUNCTION_LABEL) for u in cut if u.op.startswith(FUNCTION_LABEL)]
+    jvp_only = len(functions) == len(cut) and all(set(u.missing) == {"jvp"} for u in cut)
+    if jvp_only:
+        names = ", ".join(functions)
+        return (
+            f"the JVP graph stops at {ops} (custom autograd.Function {names} without a jvp "
+            "staticmethod): the exported JVP's and forward-gradient step's tangents would be "
+            "missing or zero (the backward is complete); give --allow-incomplete to export "
+            f"them anyway (listed in manifest.json), or give {names} a jvp"
+        )
+    return (
+        f"the backward and JVP graphs stop at {ops} (no derivative rule): the exported "
+        "gradients would be missing or zero; give --allow-incomplete to export them anyway "
+        "(listed in manifest.json), or --strict with inspect to find the rule's file"
+    )
 
 
 def _folded(g: dict) -> str:
