@@ -80,6 +80,13 @@ class _FlatOnRead:
         obj.__dict__[self.slot] = value
 
 
+_NOT_COPIED = (
+    "an Analysis cannot be {what}: its graphs' nodes name each other (a deep copy recurses "
+    "past Python's limit) and hold fake tensors; keep its report instead (a.report pickles, "
+    "and Report.from_dict(a.to_dict()) rebuilds it from JSON), or analyze again"
+)
+
+
 @dataclass
 class Analysis:
     """Annotated graphs and their report.
@@ -128,6 +135,18 @@ class Analysis:
     def to_dict(self) -> dict[str, Any]:
         """The ``graphflop inspect --json`` document (schema version 1)."""
         return self.report.to_dict()
+
+    def __copy__(self) -> Analysis:
+        """A shallow copy: the same graphs and report (as ``dataclasses.replace`` gives)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict) -> Analysis:
+        raise TypeError(_NOT_COPIED.format(what="deep-copied"))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NOT_COPIED.format(what="pickled"))
 
     @property
     def hierarchy(self) -> Hierarchy | None:

@@ -621,3 +621,25 @@ def test_pass_switches_are_booleans(which, says):
 
     with pytest.raises(TypeError, match=re.escape(says)):
         BuildJvp(direct="yes") if which == "jvp" else BuildVjp(per_template=1)
+
+
+def test_analysis_refuses_deep_copy_and_pickle_with_one_clear_error():
+    """A tester's finding: ``copy.deepcopy`` of an analysis (or of its graphs) of 12 blocks
+    raised RecursionError (fx's nodes name each other), ``pickle.dumps`` a cryptic pybind11
+    error. Both now raise TypeError saying to keep the report; a shallow copy shares the graphs,
+    and the report pickles."""
+    import copy
+    import pickle
+
+    a = graphflop.analyze(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.randn(2, 4)
+    )
+    for attempt, what in (
+        (lambda: copy.deepcopy(a), "deep-copied"),
+        (lambda: pickle.dumps(a), "pickled"),
+    ):
+        with pytest.raises(TypeError, match=f"an Analysis cannot be {what}.*keep its report"):
+            attempt()
+    b = copy.copy(a)
+    assert b.report is a.report and b.backward is a.backward and b.forward is a.forward
+    assert pickle.loads(pickle.dumps(a.report)) == a.report
