@@ -108,7 +108,10 @@ class Analysis:
     The derivative and step graphs read as flat graphs, every node of every block; where
     :func:`analyze` recorded one as a hierarchy (``record_derivatives``, the default), its flat
     view is made on the first read (:func:`~graphflop.passes.calls.flat_view`), and
-    :meth:`as_built` gives the recorded top levels without expanding them.
+    :meth:`as_built` gives the recorded top levels without expanding them. ``copy.copy`` keeps
+    them; ``dataclasses.replace`` reads every field, so its copy holds the flat views (the same
+    graphs node for node). An analysis is neither deep-copied nor pickled (``TypeError``): its
+    report is.
     """
 
     name: str
