@@ -96,7 +96,7 @@ aten = torch.ops.aten
 
 _REPEAT = torch.ops.graphflop.repeat.default
 #: the name a template's copy gives its copy of forward source slot k (fx never makes it)
-_SLOT = "gf_slot_{}"
+_SLOT = "gfslot_{}"
 
 
 class _Unsupported(Exception):
@@ -891,8 +891,8 @@ class _TrainBuilder:
 
     def top_copy(self) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
         """The top level for the overrides (:func:`_top_copy`), each call's value a
-        placeholder ``gf_call_NUMBER_I``."""
-        return _top_copy(self.top, lambda at: f"gf_call_{at[0]}_{at[1]}")
+        placeholder ``gfcall_NUMBER_I``."""
+        return _top_copy(self.top, lambda at: f"gfcall_{at[0]}_{at[1]}")
 
     def add_call(self, rep: Node, number: int, after: list[int], outs: list[int]) -> None:
         """Call ``number`` as one item: its context's profile for its arguments' keys."""
