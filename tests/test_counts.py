@@ -230,3 +230,32 @@ def test_split_transpose_fills_unused_pieces_with_zeros():
     assert (full.flops, full.bytes_read, full.bytes_written) == (0, 0, 160)
     assert (cat.flops, cat.bytes_read, cat.bytes_written) == (0, 480, 480)
     assert list(nodes[0].args[0]) == [2, 5, 4]
+
+
+class _InputMeanPlusLinear(nn.Module):
+    """``x.mean(0) + fc(x)``: a value of the input alone, broadcast into a sum with a layer."""
+
+    def __init__(self, mean_first: bool):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.mean_first = mean_first
+
+    def forward(self, x):
+        return x.mean(0) + self.fc(x) if self.mean_first else self.fc(x) + x.mean(0)
+
+
+@pytest.mark.parametrize("tangents", ["params", "all"])
+def test_input_term_broadcast_into_a_sum_is_pruned(tangents):
+    """A tester's finding: ``x.mean(0) + fc(x)`` ([8] + [4, 8]) raised in the backward build:
+    the pruned cotangent of the input's mean arrived with the sum's shape [4, 8] and its
+    transpose could not expand it. It now arrives summed back to [8]. The backward is the
+    same with the operands swapped, and the pruned work is the input gradient eager autograd
+    skips: fc's input-gradient mm 2·4·8·8 = 512, the sum back to [8] over 4·8 = 32 elements,
+    the mean's division over 8, and the add merging the two paths into x's gradient, 32:
+    512 + 32 + 8 + 32 = 584."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    first = analyze(_InputMeanPlusLinear(True), x, tangents=tangents).report.totals.backward
+    second = analyze(_InputMeanPlusLinear(False), x, tangents=tangents).report.totals.backward
+    assert first.flops == second.flops and first.grad_weight_flops == second.grad_weight_flops
+    assert first.pruned_flops == 512 + 32 + 8 + 32

@@ -430,8 +430,10 @@ def _transpose_entries(
         if c is None:
             continue
         for gh in links.get(entry) if not is_ghost(entry) else ():
-            # a tangent sum skipped this ghost term: it would have received the same cotangent
-            ct.setdefault(_key(gh), b.as_ghost(c))
+            # a tangent sum skipped this ghost term: it would have received the same cotangent,
+            # summed back to its shape where the sum broadcast it (x.mean(0) + fc(x): [8] into
+            # [4, 8]; the mean's transpose got [4, 8] and raised)
+            ct.setdefault(_key(gh), b.sum_to(b.as_ghost(c), tuple(value_of(gh).shape)))
         try:
             _transpose(b, entry, c, ct)
         except MissingRuleError:  # partial results: the cotangent stops here
