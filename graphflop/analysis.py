@@ -274,10 +274,12 @@ class AnalyzeOptions:
             :class:`~graphflop.passes.autodiff.BuildVjp`), FLOP-annotated per template and
             summarised from the templates; the one-direction forward-gradient step is built
             from the recorded JVP without expanding it (a recorded step, summarised from its
-            templates too); the consumers that need every node (the memory schedules, the
-            other forward-gradient steps, the what-ifs, the time pass, and
-            :attr:`Analysis.jvp`/:attr:`Analysis.backward`/:attr:`Analysis.forward_gradient`)
-            read their flat views
+            templates too); the eager memory schedules read the recorded graphs too
+            (:mod:`graphflop.passes.recorded_memory`, the flat views where a call could
+            differ); the consumers that need every node (the other forward-gradient steps,
+            the graph memory model, the what-ifs, the time pass, and
+            :attr:`Analysis.jvp`/:attr:`Analysis.backward`/:attr:`Analysis.forward_gradient`,
+            made on their first read) read their flat views
             (:func:`graphflop.passes.calls.flat_view`: the graphs built flat, node for node,
             names included). The same report. On by default; False builds them flat.
 
