@@ -414,13 +414,32 @@ class _CanonLinks:
         got = self.links.get(node)
         return got if got else self.links.get(self.calls.canon(node), default)
 
+    def items(self) -> Any:
+        """The (real node, ghosts) pairs, each real node read through ``canon``."""
+        return ((self.calls.canon(n), gs) for n, gs in self.links.items())
+
 
 def _transpose_entries(
     b: TransposeBuilder, entries: list[Any], ct: dict[Any, Any], links: Any, gaps: list[Gap]
 ) -> None:
     """Transpose the JVP-log ``entries`` (in the order transposed) with their rules, updating
-    the cotangents ``ct``; a rule-less op's entry is a gap (an error under strict rules)."""
+    the cotangents ``ct``; a rule-less op's entry is a gap (an error under strict rules).
+
+    A ghost dropped into a real tangent made *before* it (``fc(x) + x.mean(0)``: the sum is the
+    addmm's tangent, logged before the mean's ghost) is reached before that tangent's entry
+    hands it its cotangent: it takes the real tangent's cotangent there, which is complete by
+    then (every reader of the sum comes later in the log)."""
+    owner: dict[int, Any] | None = None
+    early: set[int] = set()  # ghosts given their cotangent at their own entry
     for entry in entries:
+        if is_ghost(entry) and _key(entry) not in ct and hasattr(links, "items"):
+            if owner is None:
+                owner = {id(g): real for real, gs in links.items() for g in gs}
+            real = owner.get(id(entry))
+            if real is not None and ct.get(_key(real)) is not None:
+                c = b.sum_to(b.as_ghost(ct[_key(real)]), tuple(value_of(entry).shape))
+                ct[_key(entry)] = c
+                early.add(id(entry))
         if isinstance(entry, functions.FunctionEntry):  # the Function's own backward
             cs = [ct.pop(o, None) if isinstance(o, Node) else None for o in entry.outputs]
             if any(c is not None for c in cs):
@@ -433,7 +452,8 @@ def _transpose_entries(
             # a tangent sum skipped this ghost term: it would have received the same cotangent,
             # summed back to its shape where the sum broadcast it (x.mean(0) + fc(x): [8] into
             # [4, 8]; the mean's transpose got [4, 8] and raised)
-            ct.setdefault(_key(gh), b.sum_to(b.as_ghost(c), tuple(value_of(gh).shape)))
+            if id(gh) not in early:
+                ct.setdefault(_key(gh), b.sum_to(b.as_ghost(c), tuple(value_of(gh).shape)))
         try:
             _transpose(b, entry, c, ct)
         except MissingRuleError:  # partial results: the cotangent stops here
