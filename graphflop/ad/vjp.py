@@ -432,7 +432,7 @@ def _transpose_entries(
     owner: dict[int, Any] | None = None
     early: set[int] = set()  # ghosts given their cotangent at their own entry
     for entry in entries:
-        if is_ghost(entry) and _key(entry) not in ct and hasattr(links, "items"):
+        if is_ghost(entry) and _key(entry) not in ct:
             if owner is None:
                 owner = {id(g): real for real, gs in links.items() for g in gs}
             real = owner.get(id(entry))

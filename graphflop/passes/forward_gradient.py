@@ -60,7 +60,13 @@ from graphflop.meta import (
 from graphflop.passes import step_calls
 from graphflop.passes.calls import DerivedHierarchy, flat_view, is_recorded
 from graphflop.passes.infra import FLAT, GraphPass
-from graphflop.passes.optimizer import SLOT, OptimizerConfig, build_update_for, inline_update
+from graphflop.passes.optimizer import (
+    SLOT,
+    OptimizerConfig,
+    _nodes_after,
+    build_update_for,
+    inline_update,
+)
 
 aten = torch.ops.aten
 DISTRIBUTIONS = ("normal", "rademacher")
@@ -258,11 +264,11 @@ def _recorded_step(
     mark = _last(g)
     with b.context(role="direction"):
         v = _direction(b, info, st.phs, 0, None, distribution)
-        sampled = _after(g, mark)
+        sampled = _nodes_after(mark)
         env, d = _copy_top(g, jvp, info, st.env, v, rec)
         mark = _last(g)
         grads = _estimate(b, info, [d], [v])
-        estimates = _after(g, mark)
+        estimates = _nodes_after(mark)
     qual = dict(sig.trainable())
     new_state = _copy_update(
         g,
@@ -285,16 +291,6 @@ def _recorded_step(
 
 def _last(g: Graph) -> Node:
     return next(iter(reversed(g.nodes)))
-
-
-def _after(g: Graph, mark: Node) -> list[Node]:
-    """The nodes of ``g`` after ``mark``, in order."""
-    out = []
-    n = mark.next
-    while n.op != "root":
-        out.append(n)
-        n = n.next
-    return out
 
 
 def _copy_top(
