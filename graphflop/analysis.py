@@ -79,6 +79,10 @@ class _FlatOnRead:
     def __set__(self, obj: Any, value: GraphModule | None) -> None:
         obj.__dict__[self.slot] = value
 
+    def built(self, obj: Any) -> GraphModule | None:
+        """The graph as held, not expanded."""
+        return obj.__dict__.get(self.slot)
+
 
 _NOT_COPIED = (
     "an Analysis cannot be {what}: its graphs' nodes name each other (a deep copy recurses "
@@ -181,14 +185,8 @@ class Analysis:
         hierarchy's top level (``gm.meta[DERIVED_HIERARCHY]``, whose ``graph`` is ``gm``:
         :func:`~graphflop.passes.calls.is_recorded`) where it was recorded, else the flat
         graph. What the report's figures were composed from."""
-        d = self.__dict__
-        return Graphs(
-            self.forward,
-            *(
-                d.get("_as_built_" + k)
-                for k in ("backward", "update", "jvp", "forward_gradient", "activity_gradient")
-            ),
-        )
+        held = {k: f.built(self) for k, f in vars(Analysis).items() if isinstance(f, _FlatOnRead)}
+        return Graphs(self.forward, **held)
 
     def run_pass(self, p: GraphPass) -> PassRun:
         """Run the pass ``p`` on this analysis's forward graph as its scope says.
