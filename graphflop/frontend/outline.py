@@ -158,11 +158,13 @@ def _stateless(m: nn.Module) -> bool:
     return next(m.parameters(), None) is None and next(m.buffers(), None) is None
 
 
-def structure(m: nn.Module) -> tuple | None:
+def structure(m: nn.Module, memo: dict[int, tuple | None] | None = None) -> tuple | None:
     """What makes two modules compute the same function of (inputs, parameters, buffers):
     classes, modes, attributes, parameter and buffer metadata of ``m`` and its submodules.
-    None when ``m`` cannot be outlined (it, or a submodule, has hooks of its own)."""
-    items = _modules_state(m)
+    None when ``m`` cannot be outlined (it, or a submodule, has hooks of its own). ``memo``:
+    each module's own part by ``id``, kept between calls on one module tree that does not
+    change meanwhile (:func:`plan` reads every nested module's structure)."""
+    items = _modules_state(m, memo)
     if items is None:
         return None
     for name, p in m.named_parameters():
@@ -172,33 +174,45 @@ def structure(m: nn.Module) -> tuple | None:
     return tuple(items)
 
 
-def _modules_state(m: nn.Module) -> list | None:
+def _modules_state(m: nn.Module, memo: dict[int, tuple | None] | None = None) -> list | None:
     """Classes, modes and attributes of ``m`` and its submodules (the part of
     :func:`structure` that a forward could change; parameters are swapped while tracing). The
-    tracing stub graphflop installs as ``forward`` is not an attribute of the module's."""
+    tracing stub graphflop installs as ``forward`` is not an attribute of the module's.
+    ``memo``: as :func:`structure`'s."""
     items: list = []
     for name, sub in m.named_modules():
-        if any(
-            getattr(sub, h)
-            for h in (
-                "_forward_hooks",
-                "_forward_pre_hooks",
-                "_backward_hooks",
-                "_backward_pre_hooks",
-            )
-        ):
+        if memo is None:
+            own = _own_state(sub)
+        else:
+            own = memo.get(id(sub), _UNSEEN)
+            if own is _UNSEEN:
+                own = memo[id(sub)] = _own_state(sub)
+        if own is None:
             return None
-        attrs = tuple(
-            sorted(
-                (k, _attr_key(v))
-                for k, v in vars(sub).items()
-                if k not in _MODULE_INTERNALS
-                and not getattr(v, "_graphflop_stub", False)
-                and not _is_index(k, v)
-            )
-        )
-        items.append((name, type(sub), sub.training, attrs))
+        items.append((name, *own))
     return items
+
+
+_UNSEEN: Any = object()
+
+
+def _own_state(sub: nn.Module) -> tuple | None:
+    """``sub``'s class, mode and attributes (not its submodules'); None where it has hooks."""
+    if any(
+        getattr(sub, h)
+        for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    ):
+        return None
+    attrs = tuple(
+        sorted(
+            (k, _attr_key(v))
+            for k, v in vars(sub).items()
+            if k not in _MODULE_INTERNALS
+            and not getattr(v, "_graphflop_stub", False)
+            and not _is_index(k, v)
+        )
+    )
+    return (type(sub), sub.training, attrs)
 
 
 def _is_index(k: str, v: Any) -> bool:
@@ -281,10 +295,11 @@ def plan(model: nn.Module, exclude: AbstractSet[int] = frozenset(), min_modules:
     ids: dict[tuple, int] = {}
     sid_of: dict[str, int] = {}
     count: dict[int, int] = {}
+    memo: dict[int, tuple | None] = {}
     for name, m in named:
         if sum(1 for _ in m.modules()) < min_modules:
             continue
-        s = structure(m)
+        s = structure(m, memo)
         if s is None:
             continue
         sid = ids.setdefault(s, len(ids))
