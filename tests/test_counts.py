@@ -261,3 +261,108 @@ def test_input_term_broadcast_into_a_sum_is_pruned(tangents):
     # swapped, the sum is the addmm's tangent, logged before the mean's ghost: the ghost took
     # no cotangent and its 32 + 8 were missing (544)
     assert first.pruned_flops == second.pruned_flops == 512 + 32 + 8 + 32
+
+
+class _NormedInputPlusMean(nn.Module):
+    """``x.mean(0) + fc(LayerNorm(x))`` (or ``fc(LayerNorm(x)) + x.mean(0)``): the input's
+    mean broadcast into a sum with a layer behind a LayerNorm."""
+
+    def __init__(self, mean_first: bool):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+        self.mean_first = mean_first
+
+    def forward(self, x):
+        h = self.ln(x)
+        return x.mean(0) + self.fc(h) if self.mean_first else self.fc(h) + x.mean(0)
+
+
+class _NormedBlocks(nn.Module):
+    def __init__(self, mean_first: bool, n: int):
+        super().__init__()
+        self.b = nn.Sequential(*[_NormedInputPlusMean(mean_first) for _ in range(n)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.b(x))
+
+
+@pytest.mark.parametrize("record", [False, True])
+@pytest.mark.parametrize("n", [1, 4])
+def test_input_term_beside_a_layer_norm_is_pruned_once(n, record):
+    """A profiler's finding: with 4 blocks ``fc(LayerNorm(x)) + x.mean(0)`` counted 400 pruned
+    FLOPs and ``x.mean(0) + fc(LayerNorm(x))`` 368 (1 block: 368 both). Only block 0's input
+    path is pruned (x needs no gradient; blocks 1-3 read block 0's output, which depends on
+    parameters); fc's input gradient is not (LayerNorm's weight and bias gradients need it).
+    Hand count, x and the cotangent [4, 8], LayerNorm as decomposed (var_mean, rsqrt(var + eps),
+    sub = x - mean, x̂ = sub·rstd, x̂·w + b), its coefficients (-rstd³/2, 2·sub/8) not counted,
+    as tanh's 1 - tanh² is not (test_nonlinearity_before_the_first_parameter):
+
+    * LayerNorm (b.0.ln): ·w 32; ·rstd 32, and ·sub + sum to [4, 1] 32 + 32; rsqrt's ·coefficient
+      4; sub's second operand: negate 32 + sum to [4, 1] 32; the mean's /8 on [4, 1] 4 (expand
+      0); var's expand 0 + ·coefficient 32; x read four times (mean(0), sub, var_mean's mean and
+      var): 3 merging adds, 3·32 = 96. 32 + 32 + 64 + 4 + 64 + 4 + 32 + 96 = 328.
+    * x.mean(0) (b.0): the add's sum of the [4, 8] cotangent back to [8], 32; the mean's /4 on
+      [8], 8 (expand 0): 40.
+
+    368 in both orders and both builds. The 32 too many was the pruned sum back to [8] made
+    twice: with call sites the log is transposed an entry (a call's run) at a time, and the
+    ghost credited at its own entry was credited again at the addmm's (and filed under the
+    model's root, role ``forward``, not under block 0)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    runs = [
+        analyze(_NormedBlocks(mean_first, n), x, record_derivatives=record).to_dict()
+        for mean_first in (True, False)
+    ]
+    for s in runs:
+        bwd = s["totals"]["backward"]
+        assert bwd["pruned_flops"] == 328 + 40
+        rows = {L["name"]: L["pruned_flops"] for L in s["layers"] if L["pruned_flops"]}
+        assert rows == {"b.0.ln": 328, "b.0": 40}
+    assert runs[0]["totals"]["backward"]["flops"] == runs[1]["totals"]["backward"]["flops"]
+
+
+def test_input_term_beside_a_layer_norm_keeps_the_gradients():
+    """The same model's backward, swapped order and 4 blocks (the case whose pruned work was
+    counted twice), still gives autograd's parameter gradients."""
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.runtime.verify import verify_gradients
+
+    torch.manual_seed(0)
+    m = _NormedBlocks(False, 4).double()
+    fwd = trace(m, (torch.randn(4, 8, dtype=torch.float64),), loss="sum")
+    assert verify_gradients(fwd, annotate_flops(build_vjp(fwd)), m, tolerance=1e-10).ok
+
+
+class _InputMeanInTwoSums(nn.Module):
+    """``m = x.mean(0)`` dropped into two sums with layers, each in either operand order."""
+
+    def __init__(self, order: tuple[bool, bool]):
+        super().__init__()
+        self.f1 = nn.Linear(8, 8)
+        self.f2 = nn.Linear(8, 8)
+        self.order = order
+
+    def forward(self, x):
+        m = x.mean(0)
+        a = m + self.f1(x) if self.order[0] else self.f1(x) + m
+        c = m + self.f2(x) if self.order[1] else self.f2(x) + m
+        return a * c
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_input_term_in_two_sums_takes_both_cotangents(n):
+    """A ghost dropped into two sums takes the sum of both cotangents, as eager accumulates
+    m's gradient (one of them used to be dropped, and the merging add with it: 1,160). Pruned,
+    block 0 only, x [4, 8]: f1's and f2's input-gradient mm 2·4·8·8 = 512 each; each add's sum
+    of the [4, 8] cotangent back to [8], 32 each; their merge into m's gradient, 8; the mean's
+    /4 on [8], 8; x read three times (mean, f1, f2): 2 merging adds, 2·32 = 64.
+    512 + 512 + 32 + 32 + 8 + 8 + 64 = 1,168, in every operand order."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    for order in [(True, True), (True, False), (False, True), (False, False)]:
+        model = nn.Sequential(*[_InputMeanInTwoSums(order) for _ in range(n)])
+        bwd = analyze(model, x).report.totals.backward
+        assert bwd.pruned_flops == 512 + 512 + 32 + 32 + 8 + 8 + 64, order

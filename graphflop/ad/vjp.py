@@ -338,9 +338,10 @@ def _build_vjp(
     links: Any = lin.meta.get(GHOST_LINKS) or GhostLinks()
     if b.calls is not None:  # a call's node made flat: its getitem's links
         links = _CanonLinks(links, b.calls)
+    terms = _GhostTerms(links)  # one for the whole log, however many calls of the rules
 
     def rules(entries: list[Any]) -> None:
-        _transpose_entries(b, entries, ct, links, gaps)
+        _transpose_entries(b, entries, ct, terms, gaps)
 
     log = list(reversed(lin.meta[JVP_LOG] if recorded is None else recorded.log))
     if per_template:
@@ -419,27 +420,79 @@ class _CanonLinks:
         return ((self.calls.canon(n), gs) for n, gs in self.links.items())
 
 
+class _GhostTerms:
+    """The ghost terms tangent sums dropped into real tangents (the JVP graph's
+    :data:`~graphflop.meta.GHOST_LINKS`, read through ``links``), and which of them have been
+    transposed, over one whole transpose: the log is transposed in many calls of
+    :func:`_transpose_entries` where it has call sites (an entry, a call's run, at a time).
+
+    A ghost ``g`` dropped into a real tangent ``r`` (the sum is emitted as ``r``) would have
+    received the sum's cotangent, summed back to ``g``'s shape where the sum broadcast it. It
+    takes it where ``r``'s cotangent is complete and ``g`` is not transposed yet:
+
+    * ``r`` logged after ``g`` (``x.mean(0) + fc(x)``: the sum is the addmm's tangent, made
+      after the mean's ghost): at ``r``'s entry, reached first;
+    * ``r`` logged before ``g`` (``fc(x) + x.mean(0)``): at ``g``'s own entry, reached first;
+      ``r``'s cotangent is complete by then (every reader of the sum comes later in the log).
+
+    Each link is credited once, whichever entry comes first (the state lives here, not in one
+    call of the rules: a link credited at ``g``'s entry in one call was credited again at
+    ``r``'s in the next, 32 FLOPs of pruned sum too many behind a LayerNorm); a ghost dropped
+    into several sums, or also read by other ghost work, takes the sum of its cotangents, as
+    eager accumulates a gradient (role ``grad_accum``)."""
+
+    def __init__(self, links: Any) -> None:
+        self.links = links
+        self._owners: dict[int, list[Any]] | None = None
+        self._done: set[int] = set()  # ghosts transposed (their cotangent taken)
+
+    def at_real(self, b: TransposeBuilder, entry: Node, c: Any, ct: dict[Any, Any]) -> None:
+        """Credit the ghosts dropped into ``entry`` (cotangent ``c``) not transposed yet."""
+        for gh in self.links.get(entry):
+            if id(gh) not in self._done:
+                _credit(b, gh, c, ct)
+
+    def at_ghost(self, b: TransposeBuilder, gh: GhostValue, ct: dict[Any, Any]) -> None:
+        """Before ghost ``gh``'s entry takes its cotangent: credit it with the cotangent of
+        each real tangent it was dropped into that is still to be transposed (logged before
+        it); then it is transposed."""
+        if self._owners is None:
+            self._owners = {}
+            for real, gs in self.links.items():
+                for g in gs:
+                    self._owners.setdefault(id(g), []).append(real)
+        for real in self._owners.get(id(gh), ()):
+            c = ct.get(_key(real))
+            if c is not None:
+                _credit(b, gh, c, ct)
+        self._done.add(id(gh))
+
+
+def _credit(b: TransposeBuilder, gh: GhostValue, c: Any, ct: dict[Any, Any]) -> None:
+    """Add the cotangent ``c`` of a sum ``gh`` was dropped into, summed back to ``gh``'s shape
+    where the sum broadcast it (x.mean(0) + fc(x): [4, 8] to [8]), into ``gh``'s cotangent:
+    ghost work of the op that made ``gh`` (of the model's root for a ghost input, which no op
+    made)."""
+    rec = gh.record
+    source, module = (rec.source, rec.module) if rec is not None else ("", "")
+    with b.context(source=source, module=module, role="grad_input", ghost=True):
+        out = b.sum_to(b.as_ghost(c), tuple(value_of(gh).shape))
+        prev = ct.get(_key(gh))
+        if prev is not None:
+            with b.context(role="grad_accum"):
+                out = b.call(torch.ops.aten.add.Tensor, prev, out)
+    ct[_key(gh)] = out
+
+
 def _transpose_entries(
-    b: TransposeBuilder, entries: list[Any], ct: dict[Any, Any], links: Any, gaps: list[Gap]
+    b: TransposeBuilder, entries: list[Any], ct: dict[Any, Any], terms: _GhostTerms, gaps: list[Gap]
 ) -> None:
     """Transpose the JVP-log ``entries`` (in the order transposed) with their rules, updating
     the cotangents ``ct``; a rule-less op's entry is a gap (an error under strict rules).
-
-    A ghost dropped into a real tangent made *before* it (``fc(x) + x.mean(0)``: the sum is the
-    addmm's tangent, logged before the mean's ghost) is reached before that tangent's entry
-    hands it its cotangent: it takes the real tangent's cotangent there, which is complete by
-    then (every reader of the sum comes later in the log)."""
-    owner: dict[int, Any] | None = None
-    early: set[int] = set()  # ghosts given their cotangent at their own entry
+    ``terms`` credits the ghost terms tangent sums skipped (:class:`_GhostTerms`)."""
     for entry in entries:
-        if is_ghost(entry) and _key(entry) not in ct:
-            if owner is None:
-                owner = {id(g): real for real, gs in links.items() for g in gs}
-            real = owner.get(id(entry))
-            if real is not None and ct.get(_key(real)) is not None:
-                c = b.sum_to(b.as_ghost(ct[_key(real)]), tuple(value_of(entry).shape))
-                ct[_key(entry)] = c
-                early.add(id(entry))
+        if is_ghost(entry):
+            terms.at_ghost(b, entry, ct)
         if isinstance(entry, functions.FunctionEntry):  # the Function's own backward
             cs = [ct.pop(o, None) if isinstance(o, Node) else None for o in entry.outputs]
             if any(c is not None for c in cs):
@@ -448,12 +501,8 @@ def _transpose_entries(
         c = ct.pop(_key(entry), None)
         if c is None:
             continue
-        for gh in links.get(entry) if not is_ghost(entry) else ():
-            # a tangent sum skipped this ghost term: it would have received the same cotangent,
-            # summed back to its shape where the sum broadcast it (x.mean(0) + fc(x): [8] into
-            # [4, 8]; the mean's transpose got [4, 8] and raised)
-            if id(gh) not in early:
-                ct.setdefault(_key(gh), b.sum_to(b.as_ghost(c), tuple(value_of(gh).shape)))
+        if not is_ghost(entry):
+            terms.at_real(b, entry, c, ct)
         try:
             _transpose(b, entry, c, ct)
         except MissingRuleError:  # partial results: the cotangent stops here
