@@ -243,8 +243,13 @@ def build_vjp(
         # goes through it (its own backward is the transpose) and transpose that
         lin = build_jvp(forward, tangents, for_transpose=True, recorder=type(recorder)(forward))
         dh = lin.meta.get(DERIVED_HIERARCHY)
+    checkpointed = any(n.meta.get(CHECKPOINT) is not None for n in forward.graph.nodes)
+    if checkpointed:
+        # the recompute eager runs is kept through dead-code elimination, which the recorded
+        # graph's clean-up does not do per call (DirectRecorder.clean): built flat at once,
+        # not recorded first and then built again
+        recorder = None
     if dh is not None and dh.graph is lin:  # a recorded JVP
-        checkpointed = any(n.meta.get(CHECKPOINT) is not None for n in forward.graph.nodes)
         if per_template and dh.log is not None and not (checkpointed or _cut(lin)):
             try:  # each call's residuals and cotangents read from its repeat node
                 return _build_vjp(forward, sig, lin, input_grads, per_template, recorder, dh)
