@@ -19,6 +19,7 @@ from graphflop.analysis import analyze
 from graphflop.load import load, make_inputs
 from graphflop.meta import (
     CALL_SITE,
+    CHECKPOINT,
     DERIVED_HIERARCHY,
     GHOST_LINKS,
     GHOSTS,
@@ -457,6 +458,35 @@ def test_models_transposed_from_the_recorded_jvp(s):
 @pytest.mark.parametrize("s", SLOW)
 def test_large_models_transposed_from_the_recorded_jvp(s):
     _check_transposed(_loaded(spec(s) if ".py" in s else s))
+
+
+def test_checkpointed_blocks_jvp_is_one_template():
+    """Each block under its own ``torch.utils.checkpoint`` call: its nodes carry their call's
+    region, which the JVP's primal copies keep. Blocks 1 and 2 are one variant, their JVP built
+    once and expanded (the region made relative to the call: each call's own in the flat view,
+    as built flat), where the rules built every checkpointed call's JVP and each call was a
+    template of its own."""
+    fwd = _forward(CheckpointedStack(), torch.randn(4, 8))
+    made = []
+    of = blocks.BlockLinearize.of
+
+    def spy(forward, lin):
+        made.append(of(forward, lin))
+        return made[-1]
+
+    blocks.BlockLinearize.of = spy  # type: ignore[method-assign]
+    try:
+        dh, flat = _check_jvp(fwd, "params")
+    finally:
+        blocks.BlockLinearize.of = of  # type: ignore[method-assign]
+    # block 0 reads the model's input (no tangent): a variant of its own; blocks 1 and 2 one
+    # variant, built at block 1 and expanded at block 2, recorded or built flat
+    assert [(b.built, b.expanded) for b in made] == [(2, 1), (2, 1)]
+    assert len(dh.calls) == 3 and len(dh.templates) == 2
+    tags = lambda gm: [n.meta.get(CHECKPOINT) for n in gm.graph.nodes]  # noqa: E731
+    assert tags(calls.expand(dh)) == tags(flat)
+    regions = {t.region for t in tags(flat) if t is not None}
+    assert len(regions) == 3
 
 
 def test_checkpointed_blocks_transposed_from_the_recorded_jvp():

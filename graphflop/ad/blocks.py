@@ -1031,7 +1031,7 @@ class BlockLinearize:
             seen.add((t[0], k))
             self.key[n] = k
             self.site_nodes.setdefault(t[0], []).append(n)
-            if n.meta.get(CHECKPOINT) is not None or n in lin.calls:
+            if n in lin.calls:
                 self.unsafe.add(t[0])
         # a call whose nodes are not one run of the forward: node by node, in place
         self.split = {s for s, ix in at.items() if ix[-1] - ix[0] + 1 != len(ix)}

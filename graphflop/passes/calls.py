@@ -47,6 +47,7 @@ from graphflop.ad.simplify import fold_graph
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
     CALL_SITE,
+    CHECKPOINT,
     COST,
     DERIVED_HIERARCHY,
     GHOST_LINKS,
@@ -85,8 +86,28 @@ __all__ = [
 ]
 
 #: the annotations relativized to the call (the others must be equal at every call)
-_RELATIVE = (MODULE, SOURCE, PARAM, CALL_SITE, COST)
+_RELATIVE = (MODULE, SOURCE, PARAM, CALL_SITE, COST, CHECKPOINT)
 _COMPARED = frozenset(NODE_KEYS) - set(_RELATIVE)
+#: a template derivative's :data:`~graphflop.meta.CHECKPOINT` that is its source's: each call's
+#: forward node's own (a block run inside ``torch.utils.checkpoint``: every call its own region)
+OWN_TAG = "@call"
+
+
+def forward_tags(forward: GraphModule) -> dict[str, Any]:
+    """The forward nodes' :data:`~graphflop.meta.CHECKPOINT` tags by node name."""
+    return {n.name: n.meta[CHECKPOINT] for n in forward.graph.nodes if CHECKPOINT in n.meta}
+
+
+def relative_tag(m: dict, own: bool, tags: dict[str, Any]) -> Any:
+    """A derivative node's checkpoint tag (annotations ``m``) relative to its call:
+    :data:`OWN_TAG` where it is its source's, a forward node of the call (``own``), else as it
+    is."""
+    tag = m.get(CHECKPOINT)
+    if tag is not None and own and tags.get(m.get(SOURCE, "")) == tag:
+        return OWN_TAG
+    return tag
+
+
 #: markers of an argument that is the run's node ``i`` or its ``j``-th value from outside
 _IN, _OUT = object(), object()
 _SCALARS = frozenset({int, float, bool, str, type(None)})
@@ -122,12 +143,15 @@ class DerivedCall:
         modules: ``(relative path, path in the model)`` pairs, as the forward call site's.
         sources: per source slot of the template (its nodes' :data:`~graphflop.meta.SOURCE`
             ``@k``), the name of this call's forward node.
+        tags: per source slot, that forward node's :data:`~graphflop.meta.CHECKPOINT` tag
+            (a template node's :data:`OWN_TAG` is it); empty where the forward has none.
     """
 
     site: int
     template: int
     modules: tuple[tuple[str, str], ...]
     sources: tuple[str, ...]
+    tags: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,6 +256,11 @@ class _Describer:
         self.names = {v: k for k, v in self.keys.items()}
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.h = h
+        self.tags = forward_tags(forward)
+
+    def tags_of(self, sources: tuple[str, ...]) -> tuple[Any, ...]:
+        """:attr:`DerivedCall.tags` of a call with ``sources``."""
+        return tuple(self.tags.get(x) for x in sources) if self.tags else ()
 
     def site(self, n: Node) -> int | None:
         if n.op != "call_function":
@@ -281,6 +310,7 @@ class _Describer:
             cs = m.get(CALL_SITE)
             r_cs = ("own",) + tuple(cs[1:]) if cs is not None and cs[0] == s else cs
             others = tuple([(key, v) for key, v in m.items() if key in _COMPARED])
+            r_tag = relative_tag(m, bool(k and k[0] == s), self.tags)
             rows.append(
                 (
                     n.target,
@@ -292,6 +322,7 @@ class _Describer:
                     r_param,
                     r_cs,
                     others,
+                    r_tag,
                 )
             )
         sig = (tuple(rows), len(ext))
@@ -351,6 +382,8 @@ def _template(
         if m.get(MODULE, "") in rel:
             m[MODULE] = rel[m.get(MODULE, "")]
         k = d.keys.get(m.get(SOURCE, ""))
+        if CHECKPOINT in m:
+            m[CHECKPOINT] = relative_tag(m, k is not None and k[0] == s, d.tags)
         if k is not None and k[0] == s:
             m[SOURCE] = f"@{slots.setdefault(k[1], len(slots))}"
         if PARAM in m:
@@ -391,7 +424,7 @@ def build(gm: GraphModule, forward: GraphModule) -> DerivedHierarchy | None:
             t = variants[sig] = len(templates)
             templates.append(_template(run, ext, s, d, gm))
         sources = tuple(d.names[(s, k)] for k in order)
-        calls.append(DerivedCall(s, t, d.h.sites[s].modules, sources))
+        calls.append(DerivedCall(s, t, d.h.sites[s].modules, sources, d.tags_of(sources)))
         runs.append(run)
         items.append((run, ext, len(calls) - 1))
 
@@ -639,6 +672,8 @@ def _localize(m: dict, c: DerivedCall, absolute: dict[str, str]) -> None:
     src = m.get(SOURCE)
     if src is not None and src.startswith("@"):
         m[SOURCE] = c.sources[int(src[1:])]
+        if m.get(CHECKPOINT) is OWN_TAG:
+            m[CHECKPOINT] = c.tags[int(src[1:])]
     p = m.get(PARAM)
     if p is not None and p.startswith("@"):
         owner, _, leaf = p.rpartition(".")
@@ -915,7 +950,7 @@ class DirectRecorder:
         t, _, order = handle
         names = self.d.names
         sources = tuple(names[(site, k)] for k in order)
-        return DerivedCall(site, t, self.h.sites[site].modules, sources)
+        return DerivedCall(site, t, self.h.sites[site].modules, sources, self.d.tags_of(sources))
 
     def call(
         self,
@@ -1102,7 +1137,7 @@ class DirectRecorder:
             if n.target is self.call_op:
                 c = self.calls[n.args[1]]
                 gi = group_of[n]
-                calls.append(DerivedCall(c.site, gi, c.modules, c.sources))
+                calls.append(DerivedCall(c.site, gi, c.modules, c.sources, c.tags))
                 was = self.call_names[n.args[1]]
                 call_names.append(tuple(None if i is None else was[i] for i in templates[gi][3]))
                 n.update_arg(1, len(calls) - 1)

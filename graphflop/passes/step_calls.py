@@ -50,6 +50,7 @@ from graphflop.ad.builder import copy_node, take_names
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
     CALL_SITE,
+    CHECKPOINT,
     COST,
     DERIVED_HIERARCHY,
     HIERARCHY,
@@ -62,12 +63,18 @@ from graphflop.meta import (
     Hierarchy,
     graph_module,
 )
-from graphflop.passes.calls import DerivedCall, DerivedHierarchy, _template
+from graphflop.passes.calls import (
+    DerivedCall,
+    DerivedHierarchy,
+    _template,
+    forward_tags,
+    relative_tag,
+)
 
 __all__ = ["BlockParams", "StepRecorder", "attach", "build"]
 
 #: the annotations relativized to the call (the others must be equal at every call)
-_RELATIVE = (MODULE, SOURCE, PARAM, CALL_SITE, COST)
+_RELATIVE = (MODULE, SOURCE, PARAM, CALL_SITE, COST, CHECKPOINT)
 _COMPARED = frozenset(NODE_KEYS) - set(_RELATIVE)
 _IN, _OUT = object(), object()
 _SCALARS = frozenset({int, float, bool, str, type(None)})
@@ -139,6 +146,11 @@ class _Describer:
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.h = h
         self.params = {q: at for _, q, at in _param_sites(forward, h)}
+        self.tags = forward_tags(forward)
+
+    def tags_of(self, sources: tuple[str, ...]) -> tuple[Any, ...]:
+        """:attr:`~graphflop.passes.calls.DerivedCall.tags` of a call with ``sources``."""
+        return tuple(self.tags.get(x) for x in sources) if self.tags else ()
 
     def update_sources(self, update: GraphModule) -> None:
         """Key the sources of ``update``'s nodes (an update graph: each parameter's nodes have
@@ -208,6 +220,7 @@ class _Describer:
                     r_param,
                     r_cs,
                     others,
+                    relative_tag(m, bool(k and k[0] == s), self.tags),
                 )
             )
         sig = (tuple(rows), len(ext))
@@ -295,7 +308,9 @@ class BlockParams:
                 k = d.keys.get(src)
                 if k is not None and k[0] == s:
                     sources[src] = None
-            calls.append(DerivedCall(s, v, h.sites[s].modules, tuple(sources)))
+            calls.append(
+                DerivedCall(s, v, h.sites[s].modules, tuple(sources), d.tags_of(tuple(sources)))
+            )
             items.append((run, ext, c))
         return DerivedHierarchy(
             tuple(templates), tuple(calls), _top(gm, items), tuple(r for _, _, r in made)
@@ -370,7 +385,7 @@ def build(
     runs: list[list[Node]] = []
 
     def call(run: list[Node], ext: list[Node], s: int, t: int, sources: tuple[str, ...]) -> None:
-        calls.append(DerivedCall(s, t, h.sites[s].modules, sources))
+        calls.append(DerivedCall(s, t, h.sites[s].modules, sources, d.tags_of(sources)))
         runs.append(run)
         items.append((run, ext, len(calls) - 1))
 
@@ -612,7 +627,9 @@ class StepRecorder:
             t = self._variants[sig] = len(self.templates)
             self.templates.append(self.d.template(run, ext, s, self._root))
         sources = tuple(self.d.names[(s, k)] for k in order)
-        self.calls.append(DerivedCall(s, t, self.h.sites[s].modules, sources))
+        self.calls.append(
+            DerivedCall(s, t, self.h.sites[s].modules, sources, self.d.tags_of(sources))
+        )
         with g.inserting_before(run[0]):
             rep = g.create_node(
                 "call_function", self.call_op, (list(ext), len(self.calls) - 1), name="repeat_call"
