@@ -7,12 +7,21 @@ values (transformers' ``is_tracing()``/``is_torchdynamo_compiling()``, which rea
 :func:`traced_by_libraries` is on, that flag is set, so they take their traceable path (attention
 masks built from shapes, no ``.item()`` checks); leaving restores it: no global change remains.
 
+A transformers model whose configuration asks for a KV cache (``use_cache=True``, the default of
+its configurations) makes one in ``forward`` and passes it to every layer, which copies its keys
+and values into it: an argument that carries results out of each layer, so the layers cannot be
+traced once (:mod:`graphflop.frontend.outline`). When the call does not ask for the cache
+itself (:func:`cache_configs`), :func:`caches_refused` stops the trace where a cache is made,
+and the trace runs again with the configurations' ``use_cache`` off (:func:`caches_off`),
+stating :func:`cache_assumption` in the report.
+
 Writes no meta key.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import linecache
 import os
 import sys
@@ -43,6 +52,107 @@ def traced_by_libraries() -> Iterator[None]:
         torch.compiler._is_compiling_flag = old
         if find is not None:
             hf.find_packed_sequence_indices = find  # type: ignore[union-attr]
+
+
+#: a transformers model's arguments that ask for its KV cache or give one
+CACHE_ARGUMENTS = frozenset({"use_cache", "past_key_values", "cache"})
+
+
+class CacheMade(Exception):
+    """A transformers KV cache was made while :func:`caches_refused` was on."""
+
+    def __init__(self, kind: str):
+        super().__init__(f"a {kind} was made")
+        self.kind = kind
+
+
+def cache_configs(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[Any]:
+    """The transformers configurations (``PretrainedConfig``) held by ``model``'s modules
+    whose ``use_cache`` is on, each once; empty when the call ``model(*args, **kwargs)``
+    names one of :data:`CACHE_ARGUMENTS` (an explicit ``use_cache=True`` is kept) or
+    transformers is not imported."""
+    base = getattr(sys.modules.get("transformers.configuration_utils"), "PretrainedConfig", None)
+    if base is None or CACHE_ARGUMENTS & _argument_names(model, args, kwargs):
+        return []
+    found: dict[int, Any] = {}
+    for m in model.modules():
+        config = vars(m).get("config")
+        if isinstance(config, base) and getattr(config, "use_cache", False) is True:
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+def _argument_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> set[str]:
+    """The names of ``forward``'s parameters the call gives (positional ones bound by its
+    signature), or only the keyword names where the signature does not bind them."""
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return set(kwargs)
+    return set(bound.arguments) | set(kwargs)
+
+
+@contextlib.contextmanager
+def caches_refused() -> Iterator[None]:
+    """Inside, making a transformers KV cache (an instance of ``cache_utils.Cache`` or of
+    any of its subclasses) raises :class:`CacheMade`; every ``__init__`` is restored
+    afterwards."""
+    cu = sys.modules.get("transformers.cache_utils")
+    root = getattr(cu, "Cache", None)
+    if not isinstance(root, type):
+        yield
+        return
+    classes: list[type] = []
+    stack = [root]
+    while stack:
+        c = stack.pop()
+        if c not in classes:
+            classes.append(c)
+            stack.extend(c.__subclasses__())
+    saved = [(c, c.__dict__["__init__"]) for c in classes if "__init__" in c.__dict__]
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise CacheMade(type(self).__name__)
+
+    for c, _ in saved:
+        c.__init__ = refuse  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        for c, init in saved:
+            c.__init__ = init  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def caches_off(configs: list[Any]) -> Iterator[None]:
+    """``use_cache`` off in each of ``configs`` inside, as it was afterwards."""
+    saved = [(c, c.use_cache) for c in configs]
+    for c in configs:
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c, value in saved:
+            c.use_cache = value
+
+
+def cache_assumption(kind: str) -> str:
+    """The report's line for a trace made with the cache off where the model would have made
+    a ``kind`` (``DynamicCache``, ``EncoderDecoderCache``).
+
+    What the line says is left out was measured against eager PyTorch on CPU (4-layer Llama
+    and GPT-2, batch 2, 16 tokens): with the cache, eager runs the same FLOPs (``torch.cat``
+    counts 0) and its training step the same peak and saved bytes (the attention saves those
+    keys and values anyway, and the peak comes in the backward, after the output is freed);
+    it moves the copies' bytes, and a no-grad forward's peak grows by every layer's keys and
+    values, a JVP's by those and their tangents, held to the forward's end."""
+    return (
+        "traced without the KV cache: transformers' config.use_cache was off while tracing "
+        f"(the call passed no use_cache, past_key_values or cache), where the model would "
+        f"have made a {kind}; with it, eager PyTorch also copies every layer's keys and "
+        "values into the cache (torch.cat: 0 FLOPs, their bytes read and written) and holds "
+        "them until the output is freed; pass use_cache=True to count the cache"
+    )
 
 
 def _packed_from_shapes(find: Callable[[Any], Any]) -> Callable[[Any], Any]:
