@@ -111,3 +111,51 @@ def test_use_cache_false_passed_or_configured_gets_no_line():
     for a in (passed, configured):
         assert a.forward.meta[OUTLINED] == OutlineInfo(calls=LAYERS, traced_once=1)
         assert not a.report.assumptions
+
+
+def _t5(use_cache: bool | None = None):
+    from graphflop.load import _preload_torchvision
+
+    _preload_torchvision()
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=50, d_model=16, d_ff=32, num_layers=3, num_heads=2, d_kv=8
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    if use_cache is not None:  # the decoder holds a copy of the configuration
+        for m in model.modules():
+            if isinstance(vars(m).get("config"), transformers.PretrainedConfig):
+                m.config.use_cache = use_cache
+    return model.train()
+
+
+def test_t5_blocks_after_the_first_share_a_template_per_stack():
+    """Block 0 of each stack computes the relative attention bias (a parameter of its own);
+    blocks 1 and 2 are called with it and return it as given (a call's output that is its
+    input itself: the caller's own tensor), so they are copies: one template per stack, and
+    one each for the feed-forward and cross-attention layers of blocks 0 (7 calls)."""
+    from test_hierarchy import _check
+
+    ids = _ids()
+    example = ((ids,), {"decoder_input_ids": ids})
+    hier = analyze(_t5(), example)
+    assert hier.forward.meta[OUTLINED] == OutlineInfo(calls=7, traced_once=4)
+    h = _check(hier)
+    # each call's module: a submodule's path less its path in the template
+    called = {
+        (s.template, path[: len(path) - len(rel) + 1]) for s in h.sites for rel, path in s.modules
+    }
+    assert len(called) == 7
+    blocks = {t: sorted(p for u, p in called if u == t) for t, _ in called}
+    assert sorted(blocks.values()) == [
+        ["decoder.block.0.layer.1"],
+        ["decoder.block.0.layer.2", "encoder.block.0.layer.1"],
+        ["decoder.block.1", "decoder.block.2"],
+        ["encoder.block.1", "encoder.block.2"],
+    ]
+    flat = _flat(_t5(use_cache=False), example)
+    got = hier.report.to_dict()
+    assert len(got.pop("assumptions")) == 1  # the decoder's own configuration asked for a cache
+    assert got == flat.report.to_dict()

@@ -323,6 +323,11 @@ class _PassesThrough(_Blk):  # returns its input, which the caller writes into
         return super().forward(x), x
 
 
+class _ReturnsView(_Blk):  # returns a view of its input, which the caller writes into
+    def forward(self, x):
+        return super().forward(x), x.view(x.shape)
+
+
 class _Blocks(nn.Module):
     def __init__(self, kind, how):
         super().__init__()
@@ -372,14 +377,17 @@ class _Blocks(nn.Module):
         (_Scaled, "scale", 1),  # block 0 keeps its planned attribute
         (_Appends, "append", 0),
         (_Stashes, "stash", 0),
-        (_PassesThrough, "alias", 0),
+        # the input itself: each call returns the caller's own tensor (the write reaches it)
+        (_PassesThrough, "alias", 3),
+        (_ReturnsView, "alias", 0),
         (_Blk, "direct", 0),
     ],
 )
 def test_calls_that_cannot_be_copies_trace_as_in_full(kind, how, copies):
     """None arguments, a grad mode or autocast around the call, attributes set by the parent or
-    by the block, list arguments written into, outputs aliasing inputs, forward called
-    directly: the graph still equals full tracing's and computes what eager PyTorch does."""
+    by the block, list arguments written into, outputs that are views of inputs, forward
+    called directly: the graph still equals full tracing's and computes what eager PyTorch
+    does; so does a block returning its input itself, whose calls are copies."""
     import copy
 
     torch.manual_seed(0)

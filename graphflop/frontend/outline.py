@@ -27,8 +27,11 @@ variance's ``copy_`` where the module runs, and the batch count comes out of the
 extra output that the stub writes back (:func:`_written_buffers`). A module whose ``forward``
 writes into any other tensor cannot be a copy: the template's trace (or the fake run) sees the
 write and raises :class:`NotOutlinable`, and tracing starts again without outlining that
-structure. So does a module that makes constant tensors in ``forward``. A module with
-hooks of its own is never outlined.
+structure. So does a module that makes constant tensors in ``forward``, or returns a view
+of an input; an input returned as it was given (T5's blocks return the position bias they were
+called with) is no output of the template: each call returns its own (:class:`_Passed`). A
+module with hooks of its own is never outlined. Containers without a ``forward``
+(``nn.ModuleList``) are never chosen: their elements are called, not they.
 """
 
 from __future__ import annotations
@@ -273,11 +276,18 @@ def _written_buffers(m: nn.Module, n_params: int) -> tuple[list[int], list[int]]
     return direct, functional
 
 
+def _container(m: nn.Module) -> bool:
+    """``m``'s class has no ``forward`` of its own (``nn.ModuleList``, ``nn.ModuleDict``)."""
+    return getattr(type(m), "forward", None) is nn.Module.forward
+
+
 def plan(model: nn.Module, exclude: AbstractSet[int] = frozenset(), min_modules: int = 3) -> dict:
     """The modules to outline: ``{module: structure id}`` for the outermost modules (not the
     root) with at least ``min_modules`` modules in them whose structure another module shares.
     Structure ids in ``exclude`` are left out."""
-    named = [(n, m) for n, m in model.named_modules() if n]
+    # a container (ModuleList, ModuleDict: no forward of its own) is never called: its
+    # elements are
+    named = [(n, m) for n, m in model.named_modules() if n and not _container(m)]
     ids: dict[tuple, int] = {}
     sid_of: dict[str, int] = {}
     count: dict[int, int] = {}
@@ -307,6 +317,16 @@ def plan(model: nn.Module, exclude: AbstractSet[int] = frozenset(), min_modules:
 _TENSOR = object()
 
 
+@dataclass(frozen=True)
+class _Passed:
+    """Among an outlined call's output leaves: its ``k``-th input tensor, returned as it was
+    given (T5's blocks return the attention's position bias they were called with). The
+    template leaves it out of its outputs; each call returns its own input there, as the
+    module does."""
+
+    k: int
+
+
 def _plain(x: Any) -> bool:
     """An argument that cannot carry anything out of the call: a tensor, a number, a string,
     None, a dtype or device, or a tuple of those (a list, dict or other object might be
@@ -316,6 +336,20 @@ def _plain(x: Any) -> bool:
     ):
         return True
     return type(x) is tuple and all(_plain(y) for y in x)
+
+
+def _out_leaf(x: Any, inputs: list) -> Any:
+    """An output leaf as :attr:`Call.out_leaves` holds it: :data:`_TENSOR` for a tensor the
+    call makes, :class:`_Passed` for one of its ``inputs`` itself, the value otherwise."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    k = next((k for k, t in enumerate(inputs) if t is x), None)
+    return _TENSOR if k is None else _Passed(k)
+
+
+def _tensor_leaves(leaves: list) -> list:
+    """The positions and :func:`_out_leaf` markers of the tensors among ``leaves``."""
+    return [(i, x) for i, x in enumerate(leaves) if x is _TENSOR or type(x) is _Passed]
 
 
 def _autocast() -> bool:
@@ -522,7 +556,10 @@ class Outliner:
             for i, new in zip(call.written, outs[n:]):
                 state[i].copy_(new)
             it = iter(outs[:n])
-            flat = [next(it) if x is _TENSOR else x for x in call.out_leaves]
+            flat = [
+                next(it) if x is _TENSOR else tensors[x.k] if type(x) is _Passed else x
+                for x in call.out_leaves
+            ]
             return tree_unflatten(flat, call.out_spec)
 
         vars(forward)["_graphflop_stub"] = True
@@ -650,11 +687,11 @@ class Outliner:
             if _attrs(call.module) != attrs:
                 raise NotOutlinable(call.structure, "sets attributes in forward")
             leaves, call.out_spec = tree_flatten(out)
-            outs = [x for x in leaves if isinstance(x, torch.Tensor)]
+            call.out_leaves = [_out_leaf(x, tensors[: call.n_inputs]) for x in leaves]
+            outs = [x for x, o in zip(leaves, call.out_leaves) if o is _TENSOR]
             storages = {t.untyped_storage()._cdata for t in tensors}
             if any(o.untyped_storage()._cdata in storages for o in outs):
-                raise NotOutlinable(call.structure, "returns an input or a view of one")
-            call.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+                raise NotOutlinable(call.structure, "returns a parameter or a view of an input")
             call.out_meta = [_meta(x) for x in outs]
             call.out_meta += [_meta(tensors[call.n_inputs + i]) for i in call.written]
         return [_like(mode, m[:4] + (False,)) for m in call.out_meta]
@@ -691,7 +728,11 @@ class Outliner:
             args, kwargs, state = self._rebuild(call, list(tensors))
             with self._bypass(), torch.set_grad_enabled(call.grad_enabled):
                 out = torch.func.functional_call(m, state, args, kwargs)
-            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            leaves = tree_flatten(out)[0]
+            got = [_out_leaf(x, tensors[: call.n_inputs]) for x in leaves]
+            if _tensor_leaves(got) != _tensor_leaves(call.out_leaves):
+                raise NotOutlinable(call.structure, "returns its inputs otherwise")
+            outs = [x for x, o in zip(leaves, call.out_leaves) if o is _TENSOR]
             return outs + [tensors[call.n_inputs + i] for i in call.written]
 
         return fn
