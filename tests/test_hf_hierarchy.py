@@ -159,3 +159,41 @@ def test_t5_blocks_after_the_first_share_a_template_per_stack():
     got = hier.report.to_dict()
     assert len(got.pop("assumptions")) == 1  # the decoder's own configuration asked for a cache
     assert got == flat.report.to_dict()
+
+
+@pytest.mark.parametrize("how", ["kwarg", "config"])
+def test_output_hidden_states_keeps_the_hierarchy_from_the_first_analysis(how):
+    """transformers puts output-capturing hooks on the decoder layers (and their attention
+    modules) at the first call that asks for hidden states: the layer's own hook runs at
+    each call of the copy, the attention's does nothing (no attentions asked for). The
+    hidden states the outlined graph returns are eager PyTorch's."""
+    from graphflop.frontend.trace import trace
+    from graphflop.meta import SIGNATURE
+
+    def model_and_example():
+        model = _llama(use_cache=False)
+        if how == "config":
+            model.config.output_hidden_states = True
+            return model, (_ids(),)
+        return model, ((_ids(),), {"output_hidden_states": True})
+
+    model, example = model_and_example()
+    hier = analyze(model, example)  # the model's first call: the hooks are put on inside
+    assert hier.forward.meta[OUTLINED] == OutlineInfo(calls=LAYERS, traced_once=1)
+    flat = _flat(*model_and_example())
+    assert hier.report.to_dict() == flat.report.to_dict()
+
+    model, example = model_and_example()
+    args, kwargs = example if how == "kwarg" else (example, {})
+    gm = trace(model, args, kwargs=kwargs, loss="none")
+    assert gm.meta[OUTLINED] == OutlineInfo(calls=LAYERS, traced_once=1)
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    sig = gm.meta[SIGNATURE]
+    values = [state[q] for _, q in sig.params] + [state[q] for _, q in sig.buffers]
+    got = gm(*values, *args)
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    want = [out.logits, *out.hidden_states]
+    assert len(want) == 1 + LAYERS + 1 and len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

@@ -155,6 +155,25 @@ def cache_assumption(kind: str) -> str:
     )
 
 
+def inert_hook(hook: Any) -> bool:
+    """Whether the forward hook ``hook`` does nothing now: transformers' output-capturing hook
+    (``utils.output_capturing``, put on the layers and attention modules the first time a
+    call asks for hidden states or attentions, and kept) for an output the running call
+    does not collect, which returns at once."""
+    lib = sys.modules.get("transformers.utils.output_capturing")
+    code = getattr(hook, "__code__", None)
+    if lib is None or code is None or getattr(hook, "__module__", None) != lib.__name__:
+        return False
+    if code.co_name != "output_capturing_hook" or "key" not in code.co_freevars:
+        return False
+    try:
+        key = hook.__closure__[code.co_freevars.index("key")].cell_contents
+        collected = lib._active_collector.get()
+    except (AttributeError, IndexError, ValueError):
+        return False
+    return collected is None or (isinstance(collected, dict) and key not in collected)
+
+
 def _packed_from_shapes(find: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """transformers' ``find_packed_sequence_indices(position_ids)`` (masking_utils), which
     eagerly returns None when every row's positions run 0, 1, 2, … (one sequence per row), but

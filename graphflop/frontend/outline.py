@@ -30,7 +30,10 @@ write and raises :class:`NotOutlinable`, and tracing starts again without outlin
 structure. So does a module that makes constant tensors in ``forward``, or returns a view
 of an input; an input returned as it was given (T5's blocks return the position bias they were
 called with) is no output of the template: each call returns its own (:class:`_Passed`). A
-module with hooks of its own is never outlined. Containers without a ``forward``
+module's own forward hooks run at each of its calls, around the stub, as ``__call__`` runs
+them (transformers' output-capturing hooks on its decoder layers among them); a module with a
+backward hook, or a submodule with a forward hook that would do something, is never
+outlined. Containers without a ``forward``
 (``nn.ModuleList``) are never chosen: their elements are called, not they.
 """
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -55,6 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.ad.builder import copy_node
 from graphflop.frontend.dispatch import routed_again
+from graphflop.frontend.libraries import inert_hook
 from graphflop.frontend.regions import NESTED
 from graphflop.frontend.scopes import module_path
 from graphflop.meta import CALL_SITE, CHECKPOINT, FUNCTION, MODULE, fake_mode_of, fresh_fake
@@ -164,7 +169,8 @@ def _stateless(m: nn.Module) -> bool:
 def structure(m: nn.Module) -> tuple | None:
     """What makes two modules compute the same function of (inputs, parameters, buffers):
     classes, modes, attributes, parameter and buffer metadata of ``m`` and its submodules.
-    None when ``m`` cannot be outlined (it, or a submodule, has hooks of its own)."""
+    None when ``m`` cannot be outlined (a hook that would not run at each call of a copy:
+    :func:`_modules_state`)."""
     items = _modules_state(m)
     if items is None:
         return None
@@ -175,20 +181,24 @@ def structure(m: nn.Module) -> tuple | None:
     return tuple(items)
 
 
+#: a module's forward hooks: ``m``'s own run at each call of ``m``, around the stub
+_FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+
+
 def _modules_state(m: nn.Module) -> list | None:
     """Classes, modes and attributes of ``m`` and its submodules (the part of
     :func:`structure` that a forward could change; parameters are swapped while tracing). The
-    tracing stub graphflop installs as ``forward`` is not an attribute of the module's."""
+    tracing stub graphflop installs as ``forward`` is not an attribute of the module's. None
+    where a hook would not run at each call of a copy: a backward hook; a submodule's
+    forward hook, unless it does nothing now (:func:`inert_hook`). ``m``'s own forward
+    hooks run at each call, around the stub (the fake run and the template leave them out:
+    :func:`_own_hooks_off`)."""
     items: list = []
     for name, sub in m.named_modules():
-        if any(
-            getattr(sub, h)
-            for h in (
-                "_forward_hooks",
-                "_forward_pre_hooks",
-                "_backward_hooks",
-                "_backward_pre_hooks",
-            )
+        if sub._backward_hooks or sub._backward_pre_hooks:
+            return None
+        if name and not all(
+            inert_hook(h) for d in _FORWARD_HOOKS for h in getattr(sub, d).values()
         ):
             return None
         attrs = tuple(
@@ -202,6 +212,20 @@ def _modules_state(m: nn.Module) -> list | None:
         )
         items.append((name, type(sub), sub.training, attrs))
     return items
+
+
+@contextlib.contextmanager
+def _own_hooks_off(m: nn.Module):
+    """``m``'s own forward hooks left out inside (they run at the call site, around the
+    stub), put back afterwards."""
+    saved = [(d, getattr(m, d)) for d in _FORWARD_HOOKS]
+    for d, hooks in saved:
+        setattr(m, d, type(hooks)())
+    try:
+        yield
+    finally:
+        for d, hooks in saved:
+            setattr(m, d, hooks)
 
 
 def _is_index(k: str, v: Any) -> bool:
@@ -338,7 +362,7 @@ def _plain(x: Any) -> bool:
     return type(x) is tuple and all(_plain(y) for y in x)
 
 
-def _out_leaf(x: Any, inputs: list) -> Any:
+def _out_leaf(x: Any, inputs: Sequence[Any]) -> Any:
     """An output leaf as :attr:`Call.out_leaves` holds it: :data:`_TENSOR` for a tensor the
     call makes, :class:`_Passed` for one of its ``inputs`` itself, the value otherwise."""
     if not isinstance(x, torch.Tensor):
@@ -676,7 +700,12 @@ class Outliner:
             args, kwargs, state = self._rebuild(call, tensors)
             versions = [t._version for t in tensors]
             attrs = _attrs(call.module)
-            with self._bypass(), torch.set_grad_enabled(call.grad_enabled), routed_again():
+            with (
+                self._bypass(),
+                torch.set_grad_enabled(call.grad_enabled),
+                routed_again(),
+                _own_hooks_off(call.module),
+            ):
                 out = torch.func.functional_call(call.module, state, args, kwargs)
             call.direct, call.written = _written_buffers(call.module, call.n_params)
             skip = {call.n_inputs + i for i in (*call.direct, *call.written)}
@@ -726,7 +755,7 @@ class Outliner:
             if _modules_state(m) != call.state:  # changed after the call
                 raise NotOutlinable(call.structure, "attributes changed after the call")
             args, kwargs, state = self._rebuild(call, list(tensors))
-            with self._bypass(), torch.set_grad_enabled(call.grad_enabled):
+            with self._bypass(), torch.set_grad_enabled(call.grad_enabled), _own_hooks_off(m):
                 out = torch.func.functional_call(m, state, args, kwargs)
             leaves = tree_flatten(out)[0]
             got = [_out_leaf(x, tensors[: call.n_inputs]) for x in leaves]
