@@ -198,3 +198,55 @@ def test_output_hidden_states_keeps_the_hierarchy_from_the_first_analysis(how):
     assert len(want) == 1 + LAYERS + 1 and len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = torch.nn.Linear(4, 4), torch.nn.Tanh()
+
+    def forward(self, x, cache=None):
+        y = self.act(self.fc(x))
+        return y if cache is None else y + cache.get_seq_length()
+
+
+class _CacheUser(torch.nn.Module):
+    """Three blocks handed a transformers cache: made as the configuration says ("config"),
+    whatever it says ("always"), or never ("never")."""
+
+    def __init__(self, when: str):
+        import transformers
+
+        super().__init__()
+        self.config = transformers.GPT2Config(n_layer=1)  # use_cache=True by default
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.when = when
+
+    def forward(self, x):
+        from transformers.cache_utils import DynamicCache
+
+        made = self.when == "always" or (self.when == "config" and self.config.use_cache)
+        cache = DynamicCache() if made else None
+        for b in self.blocks:
+            x = b(x, cache)
+        return x
+
+
+@pytest.mark.parametrize(
+    # a block handed a cache (an object it could write into) is traced in full
+    "when,calls,line",
+    [("config", 3, True), ("always", 0, False), ("never", 3, False)],
+)
+def test_cache_off_only_where_a_cache_is_made_and_the_configuration_decides(when, calls, line):
+    """A cache made as the configuration says is turned off (the line); one made whatever
+    it says is traced as made (no line); a configuration asking for a cache the model never
+    makes changes nothing (no line). The configuration is put back each time."""
+    from graphflop.load import _preload_torchvision
+
+    _preload_torchvision()
+    model = _CacheUser(when)
+    x = torch.randn(2, 4)
+    a = analyze(model, (x,))
+    assert model.config.use_cache is True
+    assert bool(_cache_lines(a.report)) == line
+    assert a.forward.meta[OUTLINED].calls == calls

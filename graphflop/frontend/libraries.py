@@ -21,6 +21,7 @@ Writes no meta key.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import linecache
 import os
@@ -96,8 +97,11 @@ def _argument_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> set[st
 def caches_refused() -> Iterator[None]:
     """Inside, making a transformers KV cache (an instance of ``cache_utils.Cache`` or of
     any of its subclasses) raises :class:`CacheMade`; every ``__init__`` is restored
-    afterwards."""
+    afterwards. (Called where transformers is imported: a model's code may import its
+    caches inside ``forward``.)"""
     cu = sys.modules.get("transformers.cache_utils")
+    if cu is None and "transformers" in sys.modules:
+        cu = importlib.import_module("transformers.cache_utils")
     root = getattr(cu, "Cache", None)
     if not isinstance(root, type):
         yield
