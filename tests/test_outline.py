@@ -323,6 +323,11 @@ class _PassesThrough(_Blk):  # returns its input, which the caller writes into
         return super().forward(x), x
 
 
+class _ReturnsView(_Blk):  # returns a view of its input, which the caller writes into
+    def forward(self, x):
+        return super().forward(x), x.view(x.shape)
+
+
 class _Blocks(nn.Module):
     def __init__(self, kind, how):
         super().__init__()
@@ -372,14 +377,17 @@ class _Blocks(nn.Module):
         (_Scaled, "scale", 1),  # block 0 keeps its planned attribute
         (_Appends, "append", 0),
         (_Stashes, "stash", 0),
-        (_PassesThrough, "alias", 0),
+        # the input itself: each call returns the caller's own tensor (the write reaches it)
+        (_PassesThrough, "alias", 3),
+        (_ReturnsView, "alias", 0),
         (_Blk, "direct", 0),
     ],
 )
 def test_calls_that_cannot_be_copies_trace_as_in_full(kind, how, copies):
     """None arguments, a grad mode or autocast around the call, attributes set by the parent or
-    by the block, list arguments written into, outputs aliasing inputs, forward called
-    directly: the graph still equals full tracing's and computes what eager PyTorch does."""
+    by the block, list arguments written into, outputs that are views of inputs, forward
+    called directly: the graph still equals full tracing's and computes what eager PyTorch
+    does; so does a block returning its input itself, whose calls are copies."""
     import copy
 
     torch.manual_seed(0)
@@ -392,6 +400,44 @@ def test_calls_that_cannot_be_copies_trace_as_in_full(kind, how, copies):
         want = model(x)
     got = _run(once, dict(model.named_parameters()), {}, x)[0]
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5)
+
+
+def _hooked(where: str):
+    """Three blocks with forward hooks that change what a call computes: on each block (a
+    pre-hook scaling its input by 3, a hook doubling its output and recording it), or on
+    each block's first Linear (doubling its output)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Blk() for _ in range(3)])
+    seen: list = []
+    for b in model:
+        if where == "block":
+            b.register_forward_pre_hook(lambda m, args: (args[0] * 3,))
+            b.register_forward_hook(lambda m, args, out: seen.append(out * 2) or seen[-1])
+        else:
+            b.a.register_forward_hook(lambda m, args, out: out * 2)
+    return model, seen
+
+
+@pytest.mark.parametrize("where,copies", [("block", 3), ("inner", 0)])
+def test_forward_hooks_run_at_each_call(where, copies):
+    """A block's own forward hooks run at each of its calls, around the copy, as eager
+    PyTorch runs them (what they record is the call's own tensors); a hook inside the block
+    would run only in the template: that block is traced in full."""
+    x = torch.randn(2, 5, D)
+    full_model, _ = _hooked(where)
+    full = trace(full_model, (x,), loss="none", reuse=False)
+    model, seen = _hooked(where)
+    once = trace(model, (x,), loss="none")
+    assert once.meta[OUTLINED].calls == copies
+    assert _ops(once) == _ops(full)
+    # once per call: not again in the call's fake run or its template's trace
+    assert len(seen) == (3 if where == "block" else 0)
+    seen.clear()
+    with torch.no_grad():
+        want = model(x)
+    assert len(seen) == (3 if where == "block" else 0)
+    got = _run(once, dict(model.named_parameters()), {}, x)[0]
+    torch.testing.assert_close(got, want)
 
 
 def test_shared_submodules_keep_their_first_path_and_stay_parameters():

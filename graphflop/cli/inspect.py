@@ -24,6 +24,7 @@ from graphflop.cli.common import (
     print_warnings,
     stdout_console,
 )
+from graphflop.frontend.dispatch import ROUTED_LINE
 from graphflop.passes.forward_gradient import DISTRIBUTIONS, MAX_DIRECTIONS
 from graphflop.runtime.verify import (
     MAX_VERIFY_FLOPS,
@@ -292,7 +293,8 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
         )
         analysis = analyze_model(args, loaded, inputs, status, err=err, why=why, options=options)
     report = analysis.report
-    if getattr(args, "routing_unchecked", None) and not report.assumptions:
+    routed = any(a.startswith(ROUTED_LINE) for a in report.assumptions)
+    if getattr(args, "routing_unchecked", None) and not routed:
         from graphflop.load import SpecError
 
         raise SpecError(

@@ -82,6 +82,10 @@ _TOPK = {torch.topk, torch.Tensor.topk}
 _ANY = {torch.any, torch.Tensor.any}
 
 
+#: how each of :attr:`RoutedDispatch.lines` starts (the report's other assumptions do not)
+ROUTED_LINE = "data-dependent expert dispatch"
+
+
 class RoutedDispatch(TorchFunctionMode):
     """While active, the ``nonzero`` of a mask ``idx == e`` (``idx`` a router's top-k indices)
     gets its size from ``routing`` (default: :func:`current_routing`).
@@ -166,7 +170,7 @@ class RoutedDispatch(TorchFunctionMode):
                 for e, n in sorted(rows.items(), key=lambda x: -1 if x[0] is None else x[0])
             )
             out.append(
-                f"data-dependent expert dispatch (nonzero of a router's top-k indices == e) "
+                f"{ROUTED_LINE} (nonzero of a router's top-k indices == e) "
                 f"sized by routing {self.routing.name()}: {pairs} token-expert rows over "
                 f"{experts} experts, rows per expert {{{per}}}"
             )

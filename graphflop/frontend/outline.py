@@ -27,8 +27,14 @@ variance's ``copy_`` where the module runs, and the batch count comes out of the
 extra output that the stub writes back (:func:`_written_buffers`). A module whose ``forward``
 writes into any other tensor cannot be a copy: the template's trace (or the fake run) sees the
 write and raises :class:`NotOutlinable`, and tracing starts again without outlining that
-structure. So does a module that makes constant tensors in ``forward``. A module with
-hooks of its own is never outlined.
+structure. So does a module that makes constant tensors in ``forward``, or returns a view
+of an input; an input returned as it was given (T5's blocks return the position bias they were
+called with) is no output of the template: each call returns its own (:class:`_Passed`). A
+module's own forward hooks run at each of its calls, around the stub, as ``__call__`` runs
+them (transformers' output-capturing hooks on its decoder layers among them); a module with a
+backward hook, or a submodule with a forward hook that would do something, is never
+outlined. Containers without a ``forward``
+(``nn.ModuleList``) are never chosen: their elements are called, not they.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -52,6 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.ad.builder import copy_node
 from graphflop.frontend.dispatch import routed_again
+from graphflop.frontend.libraries import inert_hook
 from graphflop.frontend.regions import NESTED
 from graphflop.frontend.scopes import module_path
 from graphflop.meta import CALL_SITE, CHECKPOINT, FUNCTION, MODULE, fake_mode_of, fresh_fake
@@ -158,12 +166,13 @@ def _stateless(m: nn.Module) -> bool:
     return next(m.parameters(), None) is None and next(m.buffers(), None) is None
 
 
-def structure(m: nn.Module, memo: dict[int, tuple | None] | None = None) -> tuple | None:
+def structure(m: nn.Module, memo: dict[int, tuple] | None = None) -> tuple | None:
     """What makes two modules compute the same function of (inputs, parameters, buffers):
     classes, modes, attributes, parameter and buffer metadata of ``m`` and its submodules.
-    None when ``m`` cannot be outlined (it, or a submodule, has hooks of its own). ``memo``:
-    each module's own part by ``id``, kept between calls on one module tree that does not
-    change meanwhile (:func:`plan` reads every nested module's structure)."""
+    None when ``m`` cannot be outlined (a hook that would not run at each call of a copy:
+    :func:`_modules_state`). ``memo``: each module's own part by ``id``, kept between calls on
+    one module tree that does not change meanwhile (:func:`plan` reads every nested module's
+    structure)."""
     items = _modules_state(m, memo)
     if items is None:
         return None
@@ -174,35 +183,37 @@ def structure(m: nn.Module, memo: dict[int, tuple | None] | None = None) -> tupl
     return tuple(items)
 
 
-def _modules_state(m: nn.Module, memo: dict[int, tuple | None] | None = None) -> list | None:
+#: a module's forward hooks: ``m``'s own run at each call of ``m``, around the stub
+_FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+def _modules_state(m: nn.Module, memo: dict[int, tuple] | None = None) -> list | None:
     """Classes, modes and attributes of ``m`` and its submodules (the part of
     :func:`structure` that a forward could change; parameters are swapped while tracing). The
-    tracing stub graphflop installs as ``forward`` is not an attribute of the module's.
-    ``memo``: as :func:`structure`'s."""
+    tracing stub graphflop installs as ``forward`` is not an attribute of the module's. None
+    where a hook would not run at each call of a copy: a backward hook; a submodule's
+    forward hook, unless it does nothing now (:func:`inert_hook`). ``m``'s own forward
+    hooks run at each call, around the stub (the fake run and the template leave them out:
+    :func:`_own_hooks_off`). ``memo``: as :func:`structure`'s."""
     items: list = []
     for name, sub in m.named_modules():
-        if memo is None:
-            own = _own_state(sub)
-        else:
-            own = memo.get(id(sub), _UNSEEN)
-            if own is _UNSEEN:
-                own = memo[id(sub)] = _own_state(sub)
-        if own is None:
+        if sub._backward_hooks or sub._backward_pre_hooks:
             return None
-        items.append((name, *own))
+        if name and not all(
+            inert_hook(h) for d in _FORWARD_HOOKS for h in getattr(sub, d).values()
+        ):
+            return None
+        got = memo.get(id(sub)) if memo is not None else None
+        if got is None:
+            got = _own_state(sub)
+            if memo is not None:
+                memo[id(sub)] = got
+        items.append((name, *got))
     return items
 
 
-_UNSEEN: Any = object()
-
-
-def _own_state(sub: nn.Module) -> tuple | None:
-    """``sub``'s class, mode and attributes (not its submodules'); None where it has hooks."""
-    if any(
-        getattr(sub, h)
-        for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    ):
-        return None
+def _own_state(sub: nn.Module) -> tuple:
+    """``sub``'s class, mode and attributes (not its submodules')."""
     attrs = tuple(
         sorted(
             (k, _attr_key(v))
@@ -213,6 +224,20 @@ def _own_state(sub: nn.Module) -> tuple | None:
         )
     )
     return (type(sub), sub.training, attrs)
+
+
+@contextlib.contextmanager
+def _own_hooks_off(m: nn.Module):
+    """``m``'s own forward hooks left out inside (they run at the call site, around the
+    stub), put back afterwards."""
+    saved = [(d, getattr(m, d)) for d in _FORWARD_HOOKS]
+    for d, hooks in saved:
+        setattr(m, d, type(hooks)())
+    try:
+        yield
+    finally:
+        for d, hooks in saved:
+            setattr(m, d, hooks)
 
 
 def _is_index(k: str, v: Any) -> bool:
@@ -287,15 +312,22 @@ def _written_buffers(m: nn.Module, n_params: int) -> tuple[list[int], list[int]]
     return direct, functional
 
 
+def _container(m: nn.Module) -> bool:
+    """``m``'s class has no ``forward`` of its own (``nn.ModuleList``, ``nn.ModuleDict``)."""
+    return getattr(type(m), "forward", None) is nn.Module.forward
+
+
 def plan(model: nn.Module, exclude: AbstractSet[int] = frozenset(), min_modules: int = 3) -> dict:
     """The modules to outline: ``{module: structure id}`` for the outermost modules (not the
     root) with at least ``min_modules`` modules in them whose structure another module shares.
     Structure ids in ``exclude`` are left out."""
-    named = [(n, m) for n, m in model.named_modules() if n]
+    # a container (ModuleList, ModuleDict: no forward of its own) is never called: its
+    # elements are
+    named = [(n, m) for n, m in model.named_modules() if n and not _container(m)]
     ids: dict[tuple, int] = {}
     sid_of: dict[str, int] = {}
     count: dict[int, int] = {}
-    memo: dict[int, tuple | None] = {}
+    memo: dict[int, tuple] = {}
     for name, m in named:
         if sum(1 for _ in m.modules()) < min_modules:
             continue
@@ -322,6 +354,16 @@ def plan(model: nn.Module, exclude: AbstractSet[int] = frozenset(), min_modules:
 _TENSOR = object()
 
 
+@dataclass(frozen=True)
+class _Passed:
+    """Among an outlined call's output leaves: its ``k``-th input tensor, returned as it was
+    given (T5's blocks return the attention's position bias they were called with). The
+    template leaves it out of its outputs; each call returns its own input there, as the
+    module does."""
+
+    k: int
+
+
 def _plain(x: Any) -> bool:
     """An argument that cannot carry anything out of the call: a tensor, a number, a string,
     None, a dtype or device, or a tuple of those (a list, dict or other object might be
@@ -331,6 +373,20 @@ def _plain(x: Any) -> bool:
     ):
         return True
     return type(x) is tuple and all(_plain(y) for y in x)
+
+
+def _out_leaf(x: Any, inputs: Sequence[Any]) -> Any:
+    """An output leaf as :attr:`Call.out_leaves` holds it: :data:`_TENSOR` for a tensor the
+    call makes, :class:`_Passed` for one of its ``inputs`` itself, the value otherwise."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    k = next((k for k, t in enumerate(inputs) if t is x), None)
+    return _TENSOR if k is None else _Passed(k)
+
+
+def _tensor_leaves(leaves: list) -> list:
+    """The positions and :func:`_out_leaf` markers of the tensors among ``leaves``."""
+    return [(i, x) for i, x in enumerate(leaves) if x is _TENSOR or type(x) is _Passed]
 
 
 def _autocast() -> bool:
@@ -537,7 +593,10 @@ class Outliner:
             for i, new in zip(call.written, outs[n:]):
                 state[i].copy_(new)
             it = iter(outs[:n])
-            flat = [next(it) if x is _TENSOR else x for x in call.out_leaves]
+            flat = [
+                next(it) if x is _TENSOR else tensors[x.k] if type(x) is _Passed else x
+                for x in call.out_leaves
+            ]
             return tree_unflatten(flat, call.out_spec)
 
         vars(forward)["_graphflop_stub"] = True
@@ -654,7 +713,12 @@ class Outliner:
             args, kwargs, state = self._rebuild(call, tensors)
             versions = [t._version for t in tensors]
             attrs = _attrs(call.module)
-            with self._bypass(), torch.set_grad_enabled(call.grad_enabled), routed_again():
+            with (
+                self._bypass(),
+                torch.set_grad_enabled(call.grad_enabled),
+                routed_again(),
+                _own_hooks_off(call.module),
+            ):
                 out = torch.func.functional_call(call.module, state, args, kwargs)
             call.direct, call.written = _written_buffers(call.module, call.n_params)
             skip = {call.n_inputs + i for i in (*call.direct, *call.written)}
@@ -665,11 +729,11 @@ class Outliner:
             if _attrs(call.module) != attrs:
                 raise NotOutlinable(call.structure, "sets attributes in forward")
             leaves, call.out_spec = tree_flatten(out)
-            outs = [x for x in leaves if isinstance(x, torch.Tensor)]
+            call.out_leaves = [_out_leaf(x, tensors[: call.n_inputs]) for x in leaves]
+            outs = [x for x, o in zip(leaves, call.out_leaves) if o is _TENSOR]
             storages = {t.untyped_storage()._cdata for t in tensors}
             if any(o.untyped_storage()._cdata in storages for o in outs):
-                raise NotOutlinable(call.structure, "returns an input or a view of one")
-            call.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+                raise NotOutlinable(call.structure, "returns a parameter or a view of an input")
             call.out_meta = [_meta(x) for x in outs]
             call.out_meta += [_meta(tensors[call.n_inputs + i]) for i in call.written]
         return [_like(mode, m[:4] + (False,)) for m in call.out_meta]
@@ -704,9 +768,13 @@ class Outliner:
             if _modules_state(m) != call.state:  # changed after the call
                 raise NotOutlinable(call.structure, "attributes changed after the call")
             args, kwargs, state = self._rebuild(call, list(tensors))
-            with self._bypass(), torch.set_grad_enabled(call.grad_enabled):
+            with self._bypass(), torch.set_grad_enabled(call.grad_enabled), _own_hooks_off(m):
                 out = torch.func.functional_call(m, state, args, kwargs)
-            outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            leaves = tree_flatten(out)[0]
+            got = [_out_leaf(x, tensors[: call.n_inputs]) for x in leaves]
+            if _tensor_leaves(got) != _tensor_leaves(call.out_leaves):
+                raise NotOutlinable(call.structure, "returns its inputs otherwise")
+            outs = [x for x, o in zip(leaves, call.out_leaves) if o is _TENSOR]
             return outs + [tensors[call.n_inputs + i] for i in call.written]
 
         return fn

@@ -55,6 +55,11 @@ from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.hierarchy import build as build_hierarchy
 from graphflop.frontend.inputs import bind_call
 from graphflop.frontend.libraries import (
+    CacheMade,
+    cache_assumption,
+    cache_configs,
+    caches_off,
+    caches_refused,
     data_dependent_hint,
     stacked_experts_in,
     traced_by_libraries,
@@ -135,6 +140,7 @@ def trace(
     """
     if loss not in LOSSES + ("auto",):
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
+    configs = cache_configs(model, tuple(inputs), kwargs or {})
     with _bound(model, tuple(inputs), kwargs or {}) as tensors:
         fake_mode = fake_mode or fake_mode_of(tensors) or FakeTensorMode(allow_non_fake_inputs=True)
         tensors = tuple(as_fake(fake_mode, t) for t in tensors)
@@ -142,8 +148,35 @@ def trace(
         # in the model); the error itself becomes graphflop's one-line TraceError
         quiet = quiet_loggers("torch._subclasses.fake_tensor")
         with _state_kept(model), quiet, traced_by_libraries():
-            gm = _trace(model, tensors, loss, fake_mode, reuse)
+            gm = _without_cache(configs, lambda: _trace(model, tensors, loss, fake_mode, reuse))
     _check_matmul_dtypes(gm)
+    return gm
+
+
+def _without_cache(configs: list, run: Any) -> GraphModule:
+    """``run()``'s graph, traced with the KV cache off where the model would make one and the
+    call did not ask for it (``configs``: :func:`cache_configs`), with the report's line saying
+    so (:func:`cache_assumption`): the cache is an argument every layer writes into, which
+    keeps the layers from being traced once, and training does not read it. A model that
+    makes no cache is traced once, as it is; one that makes a cache whatever its
+    configuration says is traced with it, and no line."""
+    if not configs:
+        return run()
+    try:
+        with caches_refused():
+            return run()
+    except Exception as e:
+        made = find_cause(e, CacheMade)
+        if made is None:
+            raise
+    try:
+        with caches_off(configs), caches_refused():
+            gm = run()
+    except Exception as e:
+        if find_cause(e, CacheMade) is None:
+            raise
+        return run()
+    gm.meta[ASSUMPTIONS] = (*gm.meta.get(ASSUMPTIONS, ()), cache_assumption(made.kind))
     return gm
 
 
@@ -312,7 +345,7 @@ def _trace_once(
     except TraceError:
         raise
     except Exception as e:
-        if find_cause(e, repeats.NotOutlinable) is not None:
+        if find_cause(e, (repeats.NotOutlinable, CacheMade)) is not None:
             raise
         hint = data_dependent_hint(e)
         if hint is not None and stacked_experts_in(e) is None:  # that hint names its fix
