@@ -96,10 +96,13 @@ def _import_file(path: Path):
     return module
 
 
-#: an import statement of a library that imports torchvision when it is installed (a mere
-#: mention, e.g. in a docstring, does not count: importing torchvision costs seconds)
+#: an import statement of a library that imports torchvision when it is installed, alone or
+#: among others (``import torch, transformers as T``); a mere mention, e.g. in a docstring or
+#: a comment, does not count: importing torchvision costs seconds
 _IMPORTS_TORCHVISION = re.compile(
-    r"^\s*(?:import|from)\s+(?:torchvision|transformers|timm)\b", re.MULTILINE
+    r"^\s*(?:from\s+|import\s+(?:[\w.]+(?:\s+as\s+\w+)?\s*,\s*)*)"
+    r"(?:torchvision|transformers|timm)\b",
+    re.MULTILINE,
 )
 
 

@@ -218,6 +218,27 @@ def test_torchvision_is_loaded_for_an_import_statement_not_a_mention(tmp_path):
     assert _loaded(plain, check) == [False, False]
 
 
+@pytest.mark.parametrize(
+    ("line", "imports"),
+    [
+        ("import transformers", True),
+        ("from timm.layers import DropPath", True),
+        ("    import torchvision.models as tv", True),
+        # among other modules: a tester's model file began so and failed to load
+        ("import torch, transformers as T", True),
+        ("import os, torch as t,timm", True),
+        ("# import transformers", False),
+        ("import torch  # transformers later", False),
+        ('"""built with torchvision"""', False),
+        ("import mytransformers, torchvision_extra", False),
+    ],
+)
+def test_a_file_importing_torchvision_or_a_library_that_does_is_recognised(line, imports):
+    from graphflop.load import _IMPORTS_TORCHVISION
+
+    assert bool(_IMPORTS_TORCHVISION.search(f"import math\n{line}\n")) is imports
+
+
 def test_the_lazy_train_package_offers_its_names_and_submodules():
     import graphflop.train as train_pkg
 
