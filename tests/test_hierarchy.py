@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import node_rows, spec
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from graphflop.ad.jvp import build_jvp
 from graphflop.analysis import analyze
@@ -606,3 +607,79 @@ def test_every_graph_and_report_equal_call_by_call(which, monkeypatch):
         assert (x is None) == (y is None), g
         if x is not None:
             assert _derivative_nodes(x) == _derivative_nodes(y), g
+
+
+class _CkptBlock(nn.Module):
+    """A residual block with a biased MLP (its recompute reruns the addmm, which reads the
+    bias no tangent reads) and dropout (the recompute takes the forward's draw); ``inner``:
+    only the MLP under ``torch.utils.checkpoint``."""
+
+    def __init__(self, d: int, inner: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(0.1)
+        self.inner = inner
+
+    def mlp(self, h):
+        return self.fc2(self.drop(torch.tanh(self.fc1(h))))
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + (checkpoint(self.mlp, h, use_reentrant=False) if self.inner else self.mlp(h))
+
+
+class _CkptStack(nn.Module):
+    """A stem, four blocks, a head; ``how``: each block under its own checkpoint (``each``, ``reentrant``),
+    only its MLP (``inner``), or two blocks per checkpoint call (``pairs``: a recompute
+    across calls)."""
+
+    def __init__(self, how: str, d: int = 8):
+        super().__init__()
+        self.stem = nn.Linear(d, d)  # the blocks' input carries a derivative (a reentrant
+        # checkpoint of the model's input alone would give its parameters none, as in eager)
+        self.blocks = nn.ModuleList(_CkptBlock(d, how == "inner") for _ in range(4))
+        self.head = nn.Linear(d, 3)
+        self.how = how
+
+    def forward(self, x):
+        x = self.stem(x)
+        bs = self.blocks
+        if self.how == "pairs":
+            for i in (0, 2):
+                x = checkpoint(lambda y, i=i: bs[i + 1](bs[i](y)), x, use_reentrant=False)
+        else:
+            for b in bs:
+                if self.how == "inner":
+                    x = b(x)
+                else:
+                    x = checkpoint(b, x, use_reentrant=self.how == "reentrant")
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("how", "expanded"), [("each", 3), ("reentrant", 3), ("inner", 3), ("pairs", 0)]
+)
+def test_checkpointed_blocks_backward_expanded_per_template(how, expanded):
+    """A checkpoint inside a block or around exactly one block is recomputed within the
+    block's backward: built once and copied at the other calls (the recompute's own inputs,
+    a bias no tangent reads among them, mapped through the forward graph), the graphs and
+    every figure the call-by-call ones (``_check``), the recompute kept as eager runs it; a
+    checkpoint around two blocks is recomputed at the first of them the backward reaches:
+    the rules build every call. Gradients: torch.func's."""
+    from graphflop.runtime.verify import verify_gradients
+
+    torch.manual_seed(0)
+    model, x = _CkptStack(how), torch.randn(5, 8)
+    model.eval()  # dropout off for the gradient check on real tensors; its draw is checked
+    a = analyze(model, x)
+    _check(a)
+    assert _expanded_calls(a).expanded == expanded
+    check = verify_gradients(a.forward, a.backward, model, examples=(x,))
+    assert check.ok, check
+    model.train()
+    a = analyze(model, x)
+    _check(a)
+    assert _expanded_calls(a).expanded == expanded
+    # the recompute: each checkpointed block reruns its forward in the backward
+    assert a.report.totals.backward.recompute_flops > 0

@@ -19,10 +19,17 @@ forward node names, no rule run. The flat backward graph is the same, node for n
 arguments, shapes, roles, modules, residual placeholders in order), as the one the rules give
 call by call (``tests/test_hierarchy.py``).
 
+A ``torch.utils.checkpoint`` call inside a block, or around exactly one block, is recomputed
+within the block's run (the first rule reading one of its primals emits the recompute): the
+template backward holds the recompute, and its copy at another call reruns that call's forward
+from that call's residuals (a value only the recompute reads, such as a bias, found through the
+forward graph) and is kept through dead-code elimination as the rules' recompute is.
+
 A call is transposed by the rules instead (and its variant not reused) where expanding could
 differ from them: ghost work in it (a pruned cotangent), a gap, a custom Function, a
-``torch.utils.checkpoint`` region, an input passed twice, or a residual or coefficient that an
-earlier call had already imported for the one and not for the other.
+``torch.utils.checkpoint`` call around several blocks (or nested, or detached), an input
+passed twice, or a residual or coefficient that an earlier call had already imported for the
+one and not for the other.
 
 A recorded JVP (:class:`graphflop.passes.calls.DirectRecorder`: its blocks are calls of
 template JVPs) is transposed without its flat graph: :class:`RecordedCalls` gives each call's
@@ -201,6 +208,7 @@ class BlockTranspose:
 
     def __init__(self, forward: GraphModule, b: Any) -> None:
         self.b = b
+        self.forward = forward
         self.g: Graph = b.graph
         #: records each expanded call as a call instead of copying its nodes (or None)
         self.recorder: Any = getattr(b, "recorder", None)
@@ -232,8 +240,7 @@ class BlockTranspose:
             if t in self.name:  # two nodes copy one template node (a rewritten graph)
                 self.unsafe.add(t[0])
             self.name[t] = n.name
-            if n.meta.get(CHECKPOINT) is not None:
-                self.unsafe.add(t[0])
+        self.unsafe.update(_checkpoints_across(forward))
         # module paths: per site, absolute <-> relative
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.abs = [dict(s.modules) for s in h.sites]
@@ -583,6 +590,49 @@ class BlockTranspose:
             t = self.tag.get(n.meta.get(SOURCE, ""))
         return t is not None and t[0] == site and n.op != "placeholder"
 
+    def _recompute_inputs(
+        self, t: TemplateBackward, corr: dict[Node, Node] | None, site: int
+    ) -> None:
+        """Add to ``corr`` the residuals ``t``'s first call imported that no tangent reads,
+        only its checkpoint's recompute (a bias: the recompute reruns its addmm), mapped by
+        the forward graph: a forward node of the call to its copy at call ``site``, a value
+        from outside the call to the one call ``site`` reads at the same argument."""
+        cp = self.b.checkpoints
+        if corr is None or cp is None or not cp.emitted:
+            return
+        lin = cp.lin
+        for ln in t.residuals:
+            if ln in corr:
+                continue
+            name = self._counterpart(ln.meta.get(SOURCE, ln.name), t.site, site)
+            other = lin.get(name) if name is not None else None
+            if other is not None:
+                corr[ln] = other
+
+    def _counterpart(self, name: str, sa: int, sb: int) -> str | None:
+        """The forward node at call ``sb`` that forward node ``name`` is at call ``sa`` (None
+        where there is none)."""
+        t = self.tag.get(name)
+        if t is not None:
+            return self.name.get((sb, *t[1:])) if t[0] == sa else None
+        nodes = self.__dict__.get("_fnodes")
+        if nodes is None:
+            nodes = self._fnodes = {n.name: n for n in self.forward.graph.nodes}
+        f = nodes.get(name)
+        if f is None:
+            return None
+        for u in f.users:  # read by a node of call sa: the same argument at call sb
+            tu = self.tag.get(u.name)
+            if tu is None or tu[0] != sa:
+                continue
+            v = nodes.get(self.name.get((sb, *tu[1:]), ""))
+            if v is None:
+                return None
+            for x, y in zip(_leaves((u.args, u.kwargs)), _leaves((v.args, v.kwargs))):
+                if x is f:
+                    return y.name if isinstance(y, Node) else None
+        return None
+
     def _same_imports(self, t: TemplateBackward, corr: dict[Node, Node]) -> bool:
         """Whether the call ``corr`` maps to has imported the same residuals and coefficients
         before its run as ``t``'s first call had."""
@@ -631,6 +681,7 @@ class BlockTranspose:
         without walking the call's nodes)."""
         b = self.b
         corr = given if given is not None else self._correspondence(t.entries, run, t.site, site)
+        self._recompute_inputs(t, corr, site)
         if corr is None or not self._same_imports(t, corr):
             return False
         arrived = [ct.pop(e, None) for e in run]
@@ -678,11 +729,44 @@ class BlockTranspose:
             ln = t.coefficients.get(i)
             if ln is not None:
                 b.imported[corr[ln]] = new
+        _take_recompute(b, made)
         for x, r in zip(externals, t.results):
             if r is not None:
                 ct[x] = resolve(r)
         self.expanded += 1
         return True
+
+
+def _take_recompute(b: Any, made: list[Node]) -> None:
+    """The recompute nodes among ``made`` (a call's template backward copied) taken as
+    their checkpoint call's, as if the rules had emitted them."""
+    if b.checkpoints is None:
+        return
+    for n in made:
+        if n.meta.get(ROLE) == "recompute":
+            b.checkpoints.emitted_copy(n)
+
+
+def _checkpoints_across(forward: GraphModule) -> set[int]:
+    """The call sites whose transpose the rules must build at every call for a
+    ``torch.utils.checkpoint`` call: one whose nodes are not all one call site's (a checkpoint
+    around several blocks, or around part of the top level too: its recompute is emitted at
+    the first of its calls the backward reaches, in that call's run), and one whose recompute
+    eager does not run as graphflop builds it (nested, or detached). A checkpoint inside a
+    call, or around exactly one call, is recomputed within the call's run: its template
+    backward holds the recompute, copied at every call with the call's own residuals."""
+    from graphflop.meta import occurrences
+
+    sites: dict[int, set[Any]] = {}
+    for n, c in occurrences(forward.graph.nodes, CHECKPOINT).items():
+        t = n.meta[CHECKPOINT]
+        cs = n.meta.get(CALL_SITE)
+        sites.setdefault(c, set()).add(None if cs is None or t.unmodelled or t.detached else cs[0])
+    unsafe: set[int] = set()
+    for at in sites.values():
+        if len(at) > 1 or None in at:
+            unsafe.update(s for s in at if s is not None)
+    return unsafe
 
 
 class RecordedFallback(Exception):

@@ -716,6 +716,16 @@ class _Checkpoints:
                 gaps.append(Gap(why, ns[0].name, module, "recompute"))
         return gaps
 
+    def emitted_copy(self, node: Node) -> None:
+        """Take ``node``, a recompute node copied from a call's template backward (its
+        :data:`SOURCE` the call's forward node), as its checkpoint call's recompute, as if
+        :meth:`read` had emitted it: kept by :meth:`kept` as eager runs it, and read by the
+        call's later rules."""
+        src = node.meta[SOURCE]
+        call = self.call_of[src]
+        self.copies.setdefault(call, {})[src] = node
+        self.emitted.setdefault(call, []).append(node)
+
     def kept(self):
         """``is_impure_node`` for dead-code elimination of the finished backward graph: the
         recompute nodes eager runs (each call's whole recompute, or, with early stop, its
