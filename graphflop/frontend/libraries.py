@@ -158,8 +158,9 @@ def cache_assumption(kind: str) -> str:
         f"made a {kind}; with it, eager PyTorch also copies every layer's keys and values "
         "into the cache (torch.cat: 0 FLOPs, their bytes read and written) and holds them "
         "until the output is freed, and attention on the math path saves those copies "
-        "instead of its own: memory figures may differ; pass use_cache=True to count the "
-        "cache"
+        "instead of its own: memory figures may differ; to count the cache, call the model "
+        "with use_cache=True (a model file's example_inputs() returning (inputs, "
+        "{'use_cache': True}); analyze(model, (inputs, {'use_cache': True})))"
     )
 
 
