@@ -683,3 +683,22 @@ def test_checkpointed_blocks_backward_expanded_per_template(how, expanded):
     assert _expanded_calls(a).expanded == expanded
     # the recompute: each checkpointed block reruns its forward in the backward
     assert a.report.totals.backward.recompute_flops > 0
+
+
+class _CastBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x)).double().float()
+
+
+def test_block_casting_its_dtype_is_recorded():
+    """A tester's finding: a block whose output is cast (``.double().float()``, or an autocast
+    region) crashed the recorded backward's clean-up (a cast reading a passed product was taken
+    for a permute: ``IndexError``). The graphs and figures are the call-by-call ones."""
+    model = nn.Sequential(*[_CastBlock(8) for _ in range(3)], nn.Linear(8, 3))
+    a = analyze(model, torch.randn(2, 8))
+    assert a.forward.meta[OUTLINED].calls == 3
+    _check(a)

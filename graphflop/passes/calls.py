@@ -1211,13 +1211,10 @@ class DirectRecorder:
             return count
 
         def folds(p: Node, v: Any) -> bool:
+            if p.target is not permute:  # any reader of a placeholder: a cast has one argument
+                return False
             dims: Any = p.args[1]
-            return (
-                p.target is permute
-                and list(dims) == [1, 0]
-                and isinstance(v, Node)
-                and readers(v) == 1
-            )
+            return list(dims) == [1, 0] and isinstance(v, Node) and readers(v) == 1
 
         for n in g.nodes:
             if n.target is permute and n.args[0].target is operator.getitem and n not in made:
