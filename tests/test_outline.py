@@ -160,7 +160,7 @@ class _Indexed(nn.Module):
     """A block keeping its layer index, as HuggingFace's attention modules do for their KV
     cache; ``first_special`` makes it branch on the index."""
 
-    def __init__(self, layer_idx: int, first_special: bool = False):
+    def __init__(self, layer_idx: int, first_special: bool | str = False):
         super().__init__()
         self.attn = nn.Linear(4, 4)
         self.attn.layer_idx = layer_idx
@@ -169,16 +169,21 @@ class _Indexed(nn.Module):
 
     def forward(self, x):
         h = self.attn(x)
-        if self.first_special and self.attn.layer_idx == 0:
+        if self.first_special == "middle":  # only blocks 1 (of 0-3) differ: the last's graph
+            if self.attn.layer_idx % 3 == 1:  # is the first's (a tester's finding)
+                h = torch.exp(h)
+        elif self.first_special and self.attn.layer_idx == 0:
             h = h * 2
         return x + torch.tanh(self.fc(h))
 
 
-@pytest.mark.parametrize("first_special", [False, True])
+@pytest.mark.parametrize("first_special", [False, True, "middle"])
 def test_blocks_differing_only_in_layer_idx(first_special):
-    """Blocks that differ only in ``layer_idx`` share one trace; one whose forward branches on
-    it is caught by a second template trace (from the last block) and traced in full. Either
-    way the graph is full tracing's and the values eager PyTorch's."""
+    """Blocks that differ only in ``layer_idx`` share one trace; one whose forward uses it is
+    traced in full: caught as it uses the index (only the middle blocks differing: the last
+    block's graph, traced for the check, is the first's, so a second trace alone took block 1
+    for a copy of block 0), or by a second template trace (from the last block). Either way the
+    graph is full tracing's and the values eager PyTorch's."""
     torch.manual_seed(0)
     model = nn.Sequential(*[_Indexed(i, first_special) for i in range(4)]).double()
     assert len(set(repeats.plan(model).values())) == 1

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -102,11 +102,64 @@ _RECORDABLE = all(
 
 #: integer attributes in which copies of one structure may differ: the per-layer index
 #: HuggingFace's attention modules keep to address their KV cache (``past_key_values``), which
-#: graphflop's traces do not use. A structure whose copies differ in one is traced a second time
-#: from the last copy called with another index (:attr:`Call.check`); graphs that differ (a
-#: ``forward`` branching on the index, as ``if self.layer_idx == 0`` would) raise
-#: :class:`NotOutlinable`, and the structure is traced in full.
+#: graphflop's traces do not use. While a structure whose copies differ in one is traced, the
+#: index is an :class:`_Index`, which notes every use of its value in Python (a comparison,
+#: arithmetic, indexing, hashing, formatting): a ``forward`` that uses it (``if self.layer_idx %
+#: 3 == 1``, which a second copy's graph need not show) raises :class:`NotOutlinable`. The
+#: structure is also traced a second time from the last copy called with another index
+#: (:attr:`Call.check`; a value PyTorch reads without Python, as a tensor op's scalar, shows in
+#: the graph): graphs that differ raise :class:`NotOutlinable` too. Either way the structure
+#: is traced in full.
 INDEX_ATTRS = frozenset({"layer_idx"})
+
+
+class _Index(int):
+    """A layer index (:data:`INDEX_ATTRS`) while its module's template is traced: the same
+    integer, whose every use in Python sets ``used[0]``."""
+
+    used: list[bool]
+
+
+def _noting(name: str) -> Any:
+    base = getattr(int, name)
+
+    def method(self: _Index, *args: Any) -> Any:
+        self.used[0] = True
+        return base(int(self), *args) if name != "__int__" else base(self)
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__",
+    "__index__", "__float__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__",
+    "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
+    "__rmod__", "__divmod__", "__rdivmod__", "__pow__", "__rpow__", "__neg__", "__pos__",
+    "__abs__", "__invert__", "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__",
+    "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "__format__", "__str__",
+    "__repr__", "__round__", "__trunc__", "__floor__", "__ceil__",
+):  # fmt: skip
+    setattr(_Index, _name, _noting(_name))
+
+
+@contextlib.contextmanager
+def _indices_noted(m: nn.Module, used: list[bool]) -> Iterator[None]:
+    """``m``'s and its submodules' :data:`INDEX_ATTRS` made :class:`_Index` inside (their uses
+    setting ``used[0]``), put back afterwards."""
+    saved = []
+    for sub in m.modules():
+        for k, v in list(vars(sub).items()):
+            if k in INDEX_ATTRS and type(v) is int:
+                w = _Index(v)
+                w.used = used
+                saved.append((sub, k, v))
+                sub.__dict__[k] = w
+    try:
+        yield
+    finally:
+        for sub, k, v in saved:
+            sub.__dict__[k] = v
 
 
 # flexible layout: make_fx records no copy of the arguments' metadata for the call node (which it
@@ -241,7 +294,7 @@ def _own_hooks_off(m: nn.Module):
 
 
 def _is_index(k: str, v: Any) -> bool:
-    return k in INDEX_ATTRS and type(v) is int
+    return k in INDEX_ATTRS and (type(v) is int or type(v) is _Index)
 
 
 def _indices(m: nn.Module) -> tuple:
@@ -489,6 +542,8 @@ class Outliner:
         self._saved: list = []
         self._handles: list = []
         self.entered: dict[int, int] = {}  # modules inside their __call__ (hooks ran)
+        #: per call key, whether tracing its template used a layer index (:class:`_Index`)
+        self.index_used: dict[int, list[bool]] = {}
         self.bypass = False
 
     def __enter__(self):
@@ -768,7 +823,13 @@ class Outliner:
             if _modules_state(m) != call.state:  # changed after the call
                 raise NotOutlinable(call.structure, "attributes changed after the call")
             args, kwargs, state = self._rebuild(call, list(tensors))
-            with self._bypass(), torch.set_grad_enabled(call.grad_enabled), _own_hooks_off(m):
+            used = self.index_used.setdefault(key, [False])
+            with (
+                self._bypass(),
+                torch.set_grad_enabled(call.grad_enabled),
+                _own_hooks_off(m),
+                _indices_noted(m, used),
+            ):
                 out = torch.func.functional_call(m, state, args, kwargs)
             leaves = tree_flatten(out)[0]
             got = [_out_leaf(x, tensors[: call.n_inputs]) for x in leaves]

@@ -331,15 +331,7 @@ def _trace_once(
                     decomposition_table=table,
                     _allow_fake_constant=True,
                 )(*flat_state, *inputs)
-            templates = {}
-            for key, call in enumerate(outliner.calls):
-                templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes)
-                if call.check is not None and repeats.graph_signature(
-                    templates[key]
-                ) != repeats.graph_signature(
-                    _trace_template(outliner, key, call, table, fake_mode, modes, call.check)
-                ):
-                    raise repeats.NotOutlinable(call.structure, "its graph depends on layer_idx")
+            templates = _templates(outliner, table, fake_mode, modes)
             with modes:
                 trace_records(records, table, fake_mode)
     except TraceError:
@@ -603,6 +595,30 @@ def _trace_template(
     if got != [m[:2] for m in call.out_meta]:
         raise repeats.NotOutlinable(call.structure, "its graph's outputs are strided otherwise")
     return gm.graph
+
+
+def _templates(
+    outliner: repeats.Outliner, table: dict, fake_mode: FakeTensorMode, modes: _FunctionModes
+) -> dict[int, torch.fx.Graph]:
+    """Each distinct outlined call's template graph.
+
+    Raises:
+        NotOutlinable: a structure whose copies differ in their layer index
+            (:data:`repeats.INDEX_ATTRS`) and whose forward uses it, or whose graph traced from
+            a copy with another index differs.
+    """
+    templates = {}
+    for key, call in enumerate(outliner.calls):
+        templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes)
+        if call.check is None:
+            continue
+        if outliner.index_used.get(key, [False])[0]:
+            raise repeats.NotOutlinable(call.structure, "its forward uses layer_idx")
+        if repeats.graph_signature(templates[key]) != repeats.graph_signature(
+            _trace_template(outliner, key, call, table, fake_mode, modes, call.check)
+        ):
+            raise repeats.NotOutlinable(call.structure, "its graph depends on layer_idx")
+    return templates
 
 
 def _is_fake(t: Any) -> bool:
