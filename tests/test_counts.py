@@ -366,3 +366,42 @@ def test_input_term_in_two_sums_takes_both_cotangents(n):
         model = nn.Sequential(*[_InputMeanInTwoSums(order) for _ in range(n)])
         bwd = analyze(model, x).report.totals.backward
         assert bwd.pruned_flops == 512 + 512 + 32 + 32 + 8 + 8 + 64, order
+
+
+class _ComplexRotation(nn.Module):
+    """A RoPE in complex form, its real view transposed on the way out (the original LLaMA's
+    ``view_as_real(...)`` then a reshape of a transpose)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.register_buffer("rot", torch.polar(torch.ones(4), torch.arange(4.0)))
+
+    def forward(self, x):
+        c = torch.view_as_complex(self.fc(x).reshape(2, 4, 2)) * self.rot
+        return self.head(torch.view_as_real(c).transpose(1, 2).reshape(2, 8))
+
+
+def test_view_as_real_takes_a_transposed_cotangent():
+    """A tester's finding: the cotangent of ``view_as_real`` arrives transposed (strides
+    (8, 1, 2)), and ``view_as_complex`` needs a last dim of stride 1: the transpose crashed.
+    It is made contiguous first, as PyTorch's ``view_as_complex(grad.contiguous())``: one
+    copy of the [2, 4, 2] float32 cotangent, 64 bytes read and written; the gradients are
+    autograd's."""
+    from graphflop.runtime.verify import verify_gradients
+
+    torch.manual_seed(0)
+    model, x = _ComplexRotation(), torch.randn(2, 8)
+    a = analyze(model, x)
+    clones = [
+        n
+        for n in a.backward.graph.nodes
+        if n.target is torch.ops.aten.clone.default
+        and any(u.target is torch.ops.aten.view_as_complex.default for u in n.users)
+    ]
+    assert len(clones) == 1
+    c = clones[0].meta[COST]
+    assert (c.flops, c.bytes_read, c.bytes_written) == (0, 64, 64)
+    assert clones[0].meta["val"].is_contiguous()
+    check = verify_gradients(a.forward, a.backward, model, examples=(x,))
+    assert check.ok, check

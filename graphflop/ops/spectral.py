@@ -133,7 +133,11 @@ def _transpose_c2r(b, ct, args, kwargs, linear):
 
 
 def _transpose_view_as_real(b, ct, args, kwargs, linear):
-    return [b.call(aten.view_as_complex.default, b.call(aten.clone.default, ct))]
+    """PyTorch's ``view_as_complex(grad.contiguous())``: a cotangent transposed on its way
+    back (a RoPE's ``view_as_real(c).transpose(1, 2)``) is copied into row-major order first,
+    which ``view_as_complex`` needs (a last dim of stride 1)."""
+    dense = b.call(aten.clone.default, ct, memory_format=torch.contiguous_format)
+    return [b.call(aten.view_as_complex.default, dense)]
 
 
 def _transpose_view_as_complex(b, ct, args, kwargs, linear):
