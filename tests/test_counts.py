@@ -405,3 +405,39 @@ def test_view_as_real_takes_a_transposed_cotangent():
     assert clones[0].meta["val"].is_contiguous()
     check = verify_gradients(a.forward, a.backward, model, examples=(x,))
     assert check.ok, check
+
+
+PLAIN_ATTRIBUTE = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+        self.scale = torch.ones(8)  # a plain tensor attribute, not a buffer
+
+    def forward(self, x):
+        return self.fc(x * self.scale)
+
+def example_inputs():
+    return (torch.randn(2, 8),)
+"""
+
+
+def test_plain_tensor_attribute_of_a_model_built_on_meta(tmp_path):
+    """A tester's finding: a model built on the meta device (as the CLI builds it) whose
+    forward reads a tensor attribute that is not a buffer failed to trace (a meta constant
+    beside CPU inputs). It is traced as on the CPU: the forward counts x·scale, 2·8 = 16
+    multiplications, and the linear layer, 2·2·8·3 = 96 for the product plus 2·3 = 6 for the
+    bias: 118 FLOPs, the same as the model built on the CPU."""
+    from graphflop.load import load, make_inputs
+
+    f = tmp_path / "plain.py"
+    f.write_text(PLAIN_ATTRIBUTE)
+    loaded = load(str(f), meta=True)
+    a = analyze(loaded.model, make_inputs(loaded), loss="none")
+    assert a.report.totals.forward.flops == 16 + 96 + 6
+    assert loaded.model.scale.device.type == "meta"  # put back
+    real = load(str(f))
+    assert analyze(real.model, real.example_inputs, loss="none").report.totals.forward.flops == 118

@@ -147,7 +147,7 @@ def trace(
         # FakeTensorMode logs a traceback before re-raising a kernel's error (a shape mismatch
         # in the model); the error itself becomes graphflop's one-line TraceError
         quiet = quiet_loggers("torch._subclasses.fake_tensor")
-        with _state_kept(model), quiet, traced_by_libraries():
+        with _state_kept(model), quiet, traced_by_libraries(), _meta_attributes(model, fake_mode):
             gm = _without_cache(configs, lambda: _trace(model, tensors, loss, fake_mode, reuse))
     _check_matmul_dtypes(gm)
     return gm
@@ -225,6 +225,25 @@ def _bound(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple]:
         yield bind_call(model, args, kwargs)
     finally:
         model.__class__ = cls
+
+
+@contextlib.contextmanager
+def _meta_attributes(model: nn.Module, fake_mode: FakeTensorMode) -> Iterator[None]:
+    """A module's tensor attributes that are neither parameters nor buffers (``self.scale =
+    torch.ones(8)``, the original LLaMA's ``self.freqs_cis``) made fake CPU tensors while
+    tracing where the model was built on the meta device, as its parameters and buffers are
+    (:func:`as_fake`): a meta tensor beside the inputs' CPU ones is a device mismatch."""
+    saved = []
+    for m in model.modules():
+        for k, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor) and not _is_fake(v) and v.device.type == "meta":
+                saved.append((m, k, v))
+                m.__dict__[k] = as_fake(fake_mode, v)
+    try:
+        yield
+    finally:
+        for m, k, v in saved:
+            m.__dict__[k] = v
 
 
 @contextlib.contextmanager
