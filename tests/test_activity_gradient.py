@@ -172,3 +172,32 @@ def test_a_failing_pass_logs_no_traceback(monkeypatch):
     finally:
         logger.removeHandler(handler)
     assert records == []
+
+
+class _TiedLM(nn.Module):
+    """An embedding and a head sharing one weight (every parameter is a Linear's), the loss
+    over tokens: per-token terms, [2·5] rows, not per example."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_token_level_loss_is_refused_not_a_crash():
+    """A tester's finding: the tied model passed the Linear-only check, and separating its
+    loss per example raised a broadcast error out of ``analyze`` (internal error). It is
+    refused (the step is left out) and the rest of the analysis stands."""
+    from graphflop.analysis import analyze
+    from graphflop.passes.activity_gradient import NotPerturbable
+
+    ids = torch.randint(0, 11, (2, 5))
+    gm = annotate_flops(trace(_TiedLM(), (ids,)))
+    with pytest.raises(NotPerturbable, match="per-example terms could not be kept apart"):
+        build_activity_gradient_step(gm)
+    a = analyze(_TiedLM(), ids)
+    assert a.activity_gradient is None and a.forward_gradient is not None

@@ -297,7 +297,14 @@ def _per_example_loss(g: Graph, sig: Signature, fake_mode, batch: int) -> Node:
                 env[n] = _reduce_but_batch(g, env[src], mean, fake_mode, ann)
                 continue
             c = g.node_copy(n, lambda a: env.get(a, a))
-            c.meta = {**ann, "val": _fake_val(fake_mode, c.target, c.args, c.kwargs)}
+            try:
+                val = _fake_val(fake_mode, c.target, c.args, c.kwargs)
+            except RuntimeError as e:  # the batch dim is not where the loss's terms are
+                raise NotPerturbable(
+                    "activity perturbation: the loss's per-example terms could not be kept "
+                    f"apart ({c.target} on them fails: {str(e).splitlines()[0]})"
+                ) from e
+            c.meta = {**ann, "val": val}
             env[n] = c
     per = env[loss]
     v = per.meta["val"]
