@@ -433,6 +433,40 @@ def test_a_squeeze_of_no_size_one_dimension_exports(tmp_path):
     assert rel_error(loss, fv[a.forward.meta[SIGNATURE].loss]) < 1e-6
 
 
+def test_a_value_copied_into_a_row_exports_a_valid_model(tmp_path):
+    """A tester's finding: ``h[:, 0] = 0.0`` (a 0-d value copied into a row) was exported as
+    one ``CastLike`` of the source's shape: an invalid model (ONNX's checker and ONNX Runtime
+    refuse it) written with exit status 0. The source is expanded first: every graph passes
+    the full check and forward.onnx's loss on ONNX Runtime equals graphflop's graph."""
+    import onnx
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = self.fc(x)
+            h[:, 0] = 0.0
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model, x = M(), torch.randn(2, 8)
+    a = analyze(model, (x,), loss="sum")
+    manifest = export_all(step_graphs(a), tmp_path)
+    for name in manifest["graphs"]:
+        onnx.checker.check_model(onnx.load(tmp_path / f"{name}.onnx"), full_check=True)
+    values = real_arguments(a.forward, model)
+    fv = run_forward(a.forward, values)
+    g = manifest["graphs"]["forward"]
+    names = [n.name for n in a.forward.graph.nodes if n.op == "placeholder"]
+    out = run(
+        session(tmp_path / "forward.onnx", CPU), dict(zip(g["inputs"], [values[n] for n in names]))
+    )
+    loss = torch.from_numpy(out[g["outputs"].index("loss")])
+    assert rel_error(loss, fv[a.forward.meta[SIGNATURE].loss]) < 1e-6
+
+
 def test_batch_norm_kept_whole_exports_as_its_parts(tmp_path):
     # training-mode batch norm is one node in graphflop's graphs; ONNX Runtime's
     # BatchNormalization would normalise with the running statistics, so the export writes

@@ -38,7 +38,7 @@ from graphflop.export.onnx_errors import (
     unexportable_node,
 )
 from graphflop.frontend.composite import decompose_kept_whole
-from graphflop.frontend.errors import quiet_loggers
+from graphflop.frontend.errors import first_line, quiet_loggers
 from graphflop.meta import (
     CALL_SITE,
     COST,
@@ -94,26 +94,51 @@ _SQUEEZES = (
 )
 
 
+def _shape(a: Any) -> tuple[int, ...] | None:
+    val = a.meta.get("val") if isinstance(a, Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _noop_squeeze(n: Node) -> bool:
+    """A squeeze of no size-1 dimension (PyTorch treats ``x.squeeze(1)`` of a (3, 4) tensor as
+    a no-op): the exporter decomposes it into ``prims.view_of``, which it has no ONNX function
+    for."""
+    if n.op != "call_function" or n.target not in _SQUEEZES:
+        return False
+    into = _shape(n)
+    return into is not None and _shape(n.args[0]) == into
+
+
+def _broadcast_copy(n: Node) -> bool:
+    """A ``copy`` whose source has fewer elements than its destination (``h[:, 0] = 0.0``:
+    a 0-d value copied into a row): the exporter writes it as one ``CastLike``, whose output
+    has the source's shape, an invalid model (ONNX's shape inference refuses it)."""
+    if n.op != "call_function" or n.target is not torch.ops.aten.copy.default:
+        return False
+    dst, src = _shape(n.args[0]), _shape(n.args[1])
+    return dst is not None and src is not None and dst != src
+
+
 def _without_noop_squeezes(gm: GraphModule) -> GraphModule:
-    """``gm``, or a copy (same node names) whose squeezes of no size-1 dimension (PyTorch
-    treats ``x.squeeze(1)`` of a (3, 4) tensor as a no-op) are ``alias``: the exporter
-    decomposes such a squeeze into ``prims.view_of``, which it has no ONNX function for."""
-
-    def noop(n: Node) -> bool:
-        if n.op != "call_function" or n.target not in _SQUEEZES:
-            return False
-        src, out = n.args[0], n.meta.get("val")
-        val = src.meta.get("val") if isinstance(src, Node) else None
-        return val is not None and out is not None and tuple(val.shape) == tuple(out.shape)
-
-    if not any(noop(n) for n in gm.graph.nodes):
+    """``gm``, or a copy (same node names) made exportable: its no-op squeezes
+    (:func:`_noop_squeeze`) made ``alias``, the source of its broadcasting copies
+    (:func:`_broadcast_copy`) expanded to the destination's shape first."""
+    if not any(_noop_squeeze(n) or _broadcast_copy(n) for n in gm.graph.nodes):
         return gm
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    for n in graph.nodes:
-        if noop(n):
+    for n in list(graph.nodes):
+        if _noop_squeeze(n):
             n.target, n.args, n.kwargs = torch.ops.aten.alias.default, (n.args[0],), {}
+        elif _broadcast_copy(n):
+            dst, src = n.args[0], n.args[1]
+            assert isinstance(dst, Node) and isinstance(src, Node)  # _broadcast_copy's
+            size = list(dst.meta["val"].shape)
+            with graph.inserting_before(n):
+                wide = graph.call_function(torch.ops.aten.expand.default, (src, size))
+            wide.meta = {**src.meta, "val": dst.meta["val"]}
+            n.args = (dst, wide, *n.args[2:])
     copy = GraphModule(gm, graph)
     copy.meta.update(gm.meta)
     return copy
@@ -304,7 +329,12 @@ def export_graph(
     if len(old_in) != len(input_names) or len(old_out) != len(output_names):
         raise OnnxExportError(f"{name}: the exporter changed the number of inputs/outputs")
     _rename(model, dict(zip(old_in, input_names)) | dict(zip(old_out, output_names)))
-    onnx.checker.check_model(model)
+    try:  # with shape inference: an exporter's translation can give a model no runtime loads
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:
+        raise OnnxExportError(
+            f"the exported {name} graph is not a valid ONNX model: {first_line(e)}"
+        ) from e
     ours = [n for n in gm.graph.nodes if n.op == "call_function"]
     theirs = [n for n in prog.exported_program.graph.nodes if n.op == "call_function"]
     mapping = _align(ours, theirs)
