@@ -45,6 +45,36 @@ MODELS = {
         def example_inputs():
             return (torch.randn(6, 8),)
         """,
+    # a tester's findings: in-place dropout, and a bernoulli draw after a normal one, drew
+    # other numbers in the reference (the CPU kernels use the generator otherwise): FAILED
+    "dropout_inplace": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 16)
+                self.drop = nn.Dropout(0.2, inplace=True)
+                self.head = nn.Linear(16, 4)
+
+            def forward(self, x):
+                return self.head(self.drop(self.fc(x)))
+
+        def example_inputs():
+            return (torch.randn(6, 8),)
+        """,
+    "noise_then_bernoulli": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 4)
+
+            def forward(self, x):
+                h = self.fc(x)
+                h = h + torch.randn_like(h)
+                return h * torch.bernoulli(torch.full_like(h, 0.9))
+
+        def example_inputs():
+            return (torch.randn(6, 8),)
+        """,
     "linear_batchnorm": """
         class M(nn.Module):
             def __init__(self):
@@ -168,6 +198,8 @@ def _verify(spec: str, capsys, monkeypatch, *extra: str) -> tuple[int, dict, lis
     "name,extra",
     [
         ("dropout", []),
+        ("dropout_inplace", []),
+        ("noise_then_bernoulli", []),
         ("linear_batchnorm", []),
         ("embedding_padding", []),
         ("multihead_attention", []),

@@ -411,11 +411,26 @@ def _native_dropout(
     """``F.dropout`` whose training mode is PyTorch's decomposition of ``native_dropout``, the
     form graphflop traces (PyTorch's CPU kernel draws its mask with ``bernoulli_`` instead, a
     different use of the generator)."""
-    if training and 0 < p < 1 and not inplace:
+    if training and 0 < p < 1:
         from torch._decomp import decomposition_table
 
-        return decomposition_table[torch.ops.aten.native_dropout.default](input, p, True)[0]
+        out = decomposition_table[torch.ops.aten.native_dropout.default](input, p, True)[0]
+        return input.copy_(out) if inplace else out  # nn.Dropout(inplace=True): the same mask
     return _F_DROPOUT(input, p, training, inplace)
+
+
+_BERNOULLI = torch.bernoulli
+_TENSOR_BERNOULLI = torch.Tensor.bernoulli
+
+
+def _decomposed_bernoulli(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch.bernoulli(p)`` as PyTorch's decomposition of ``aten.bernoulli``, the form
+    graphflop traces (one uniform draw per element compared with ``p``; the CPU kernel uses the
+    generator otherwise, so a draw after it differed); any other form as it is."""
+    if args or kwargs.get("generator") is not None or set(kwargs) - {"generator"}:
+        return _BERNOULLI(input, *args, **kwargs)
+    raw = torch.rand(input.size(), dtype=torch.float32, device=input.device)
+    return (raw < input).to(input.dtype)
 
 
 @contextlib.contextmanager
@@ -430,17 +445,22 @@ def seeded(seed: int = RNG_SEED) -> Iterator[None]:
 def reference_mode(seed: int = RNG_SEED) -> Iterator[None]:
     """How the eager reference runs: from generator state ``seed``, training-mode dropout as
     :func:`_native_dropout` (``torch.nn.functional.dropout`` pointed at it while the block
-    runs: ``nn.Dropout`` and multi-head attention call it by that name), attention in
+    runs: ``nn.Dropout`` and multi-head attention call it by that name), ``torch.bernoulli``
+    as :func:`_decomposed_bernoulli`, attention in
     PyTorch's math kernel and ``nn.MultiheadAttention``/``TransformerEncoder`` without their
     fast path (the fused CPU kernels have no forward-mode derivative)."""
     fast = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     F.dropout = _native_dropout
+    torch.bernoulli = _decomposed_bernoulli
+    torch.Tensor.bernoulli = _decomposed_bernoulli  # type: ignore[method-assign,assignment]
     try:
         with seeded(seed), math_attention():
             yield
     finally:
         F.dropout = _F_DROPOUT
+        torch.bernoulli = _BERNOULLI
+        torch.Tensor.bernoulli = _TENSOR_BERNOULLI  # type: ignore[method-assign]
         torch.backends.mha.set_fastpath_enabled(fast)
 
 
