@@ -358,6 +358,9 @@ def _trace_once(
     except Exception as e:
         if find_cause(e, (repeats.NotOutlinable, CacheMade)) is not None:
             raise
+        pipe = find_cause(e, BrokenPipeError)  # the model printed into a closed pipe
+        if pipe is not None:
+            raise pipe from None
         hint = data_dependent_hint(e)
         if hint is not None and stacked_experts_in(e) is None:  # that hint names its fix
             hint = dispatch.refusal(e) or hint
