@@ -1706,3 +1706,13 @@ def test_bool_constructor_argument_takes_only_a_bool(capsys, tmp_path, monkeypat
     for ok in ("true", "False", "0", "1"):
         rc, _, err = cli(capsys, "inspect", "net.py", "--arg", f"ckpt={ok}", "--json", "o.json")
         assert rc == 0, (ok, err)
+
+
+def test_batch_norm_over_one_example_says_what_to_do():
+    """A tester's finding: torchvision's inception_v3 at its default batch of 1 in training
+    mode stopped at batch norm's own error, which names no way out; the message now does."""
+    from graphflop.frontend.trace import TraceError, trace
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+    with pytest.raises(TraceError, match=r"per channel.*--batch 2.*--eval"):
+        trace(model, (torch.randn(1, 4),))

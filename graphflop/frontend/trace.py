@@ -367,7 +367,7 @@ def _trace_once(
         raise TraceError(
             hint
             or f"tracing the model on the example inputs failed: {type(e).__name__}: "
-            f"{first_line(e)}"
+            f"{first_line(e)}{_advice(e)}"
         ) from e
     for rec in {r.name: r for r in records if r.reason}.values():
         warnings.warn(
@@ -617,6 +617,14 @@ def _trace_template(
     if got != [m[:2] for m in call.out_meta]:
         raise repeats.NotOutlinable(call.structure, "its graph's outputs are strided otherwise")
     return gm.graph
+
+
+def _advice(e: BaseException) -> str:
+    """What to do about a model's own error, where its message says it (appended to it)."""
+    if "more than 1 value per channel when training" in str(e):
+        # batch norm in training mode over a batch of one example (Inception's auxiliary head)
+        return "; give a batch of 2 or more (--batch 2) or trace in eval mode (--eval)"
+    return ""
 
 
 def _templates(
