@@ -250,3 +250,26 @@ def test_cache_off_only_where_a_cache_is_made_and_the_configuration_decides(when
     assert model.config.use_cache is True
     assert bool(_cache_lines(a.report)) == line
     assert a.forward.meta[OUTLINED].calls == calls
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_keeps_one_template_and_the_flat_figures(reentrant):
+    """``gradient_checkpointing_enable()`` puts each decoder layer under
+    ``torch.utils.checkpoint``: still one traced layer, its JVP and transpose (with the
+    recompute) built once and copied at the other layer (they were built call by call), and
+    the report the flat one's (no outlining), recompute included."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_hierarchy import _check, _expanded_calls
+
+    model = _llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    a = analyze(model, _ids())
+    assert a.forward.meta[OUTLINED] == OutlineInfo(calls=LAYERS, traced_once=1)
+    _check(a)
+    assert _expanded_calls(a).expanded == LAYERS - 1
+    flat = _flat(model, _ids()).report
+    assert a.report.totals == flat.totals and a.report.memory == flat.memory
+    assert a.report.totals.backward.recompute_flops > 0
