@@ -683,3 +683,63 @@ def test_checkpointed_blocks_backward_expanded_per_template(how, expanded):
     assert _expanded_calls(a).expanded == expanded
     # the recompute: each checkpointed block reruns its forward in the backward
     assert a.report.totals.backward.recompute_flops > 0
+
+
+def _outlined_and_not(make, inputs, monkeypatch, **options):
+    """``make()``'s analysis with its repeated blocks outlined, and without outlining (every
+    block traced in full: the reference)."""
+    from graphflop.frontend import outline
+
+    hier = analyze(make(), *inputs, **options)
+    assert HIERARCHY in hier.forward.meta
+    with monkeypatch.context() as m:
+        m.setattr(outline, "plan", lambda *a, **k: {})
+        flat = analyze(make(), *inputs, **options)
+    assert HIERARCHY not in flat.forward.meta
+    return hier, flat
+
+
+class _MaskBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x, mask):
+        return x + self.fc(self.norm(x)) * mask
+
+
+class _MaskStack(nn.Module):
+    """Three blocks reading one frozen float input (``mask``): each block's cotangent of it
+    is pruned work (a ghost term of the mul's tangent, logged inside the call's run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_MaskBlock(8) for _ in range(3)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, mask):
+        for b in self.blocks:
+            x = b(x, mask)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_ghost_term_inside_a_recorded_call_is_pruned_at_every_call(record, monkeypatch):
+    """The mask's cotangent (``g * fc(norm(x))``, 2·8 = 16 FLOPs per block) and its sum over
+    the blocks (eager accumulates the gradient: 2 adds of 16 FLOPs, at blocks.1 and blocks.0)
+    are pruned at every call: blocks.2 16, blocks.1 16 + 16, blocks.0 16 + 16 (and the
+    LayerNorm input gradient of the model input, blocks.0.norm). The recorded transpose
+    dropped blocks.2's term (its cotangent filed on the call's node made flat, which the ghost
+    did not read): 16 and 0 at blocks.1 and blocks.2."""
+    inputs = (torch.randn(2, 8), torch.ones(2, 8))
+    hier, flat = _outlined_and_not(
+        _MaskStack, (inputs,), monkeypatch, memory_model="graph", record_derivatives=record
+    )
+    pruned = {r.name: r.pruned_flops for r in hier.report.layers}
+    assert (pruned["blocks.2"], pruned["blocks.1"], pruned["blocks.0"]) == (16, 32, 32)
+    h, f = hier.report.to_dict(), flat.report.to_dict()
+    assert h["totals"]["backward"]["pruned_flops"] == f["totals"]["backward"]["pruned_flops"]
+    assert h["memory"]["saved_for_backward_bytes"] == f["memory"]["saved_for_backward_bytes"]
+    assert h == f
