@@ -743,3 +743,51 @@ def test_ghost_term_inside_a_recorded_call_is_pruned_at_every_call(record, monke
     assert h["totals"]["backward"]["pruned_flops"] == f["totals"]["backward"]["pruned_flops"]
     assert h["memory"]["saved_for_backward_bytes"] == f["memory"]["saved_for_backward_bytes"]
     assert h == f
+
+
+class _NormBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class _Stage(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_NormBlock(d), _NormBlock(d))
+        self.down = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.down(self.blocks(x))
+
+
+class _Stages(nn.Module):
+    """Two stages (each outlined, its two blocks inside): under autocast the first stage's
+    LayerNorms read float32 (the input, the residual stream), the second's half (the first
+    stage's ``down`` output), though both stages' copies share the template's region
+    numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stages = nn.Sequential(_Stage(8), _Stage(8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.stages(x))
+
+
+def test_amp_casts_of_outlined_stages_read_each_calls_norm_dtype(monkeypatch):
+    """Saved casts under bf16 autocast (CPU: LayerNorm runs in its input's dtype): the half
+    weights, 6 · 8·8·2 + 3·8·2 = 816 bytes, and the half copies of the float32 activations
+    the first stage's matmuls read (two LayerNorm outputs and the residual stream into
+    ``down``), 3 · 2·8·2 = 96; the second stage's are half already: 912 bytes. Keyed by region
+    number, the second stage's LayerNorm outputs took the first stage's float32 (976)."""
+    hier, flat = _outlined_and_not(_Stages, (torch.randn(2, 8),), monkeypatch, amp="bf16")
+    assert hier.report.memory.amp.saved_cast_bytes == 816 + 96
+    assert hier.report.memory.amp == flat.report.memory.amp
+    assert hier.report.to_dict() == flat.report.to_dict()

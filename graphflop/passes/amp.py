@@ -93,6 +93,31 @@ def _fp32_region(op: str, device: str, module: str | None = None) -> bool:
     return module == "loss" and op == "aten._log_softmax.default"
 
 
+def _occurrences(forward: GraphModule) -> dict[Node, Node]:
+    """Composite-tagged node -> its occurrence (a node standing for it): the nodes of one
+    region number that are connected. The region number alone does not tell occurrences
+    apart: the copies of an outlined block share their template's numbers (a LayerNorm in the
+    first stage of two, its input float32 under autocast, and in the second, half)."""
+    parent: dict[Node, Node] = {}
+
+    def find(n: Node) -> Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in forward.graph.nodes:
+        tag = n.meta.get(COMPOSITE)
+        if tag is None:
+            continue
+        parent[n] = n
+        for a in n.all_input_nodes:
+            t = a.meta.get(COMPOSITE)
+            if a in parent and t is not None and t.region == tag.region:
+                parent[find(a)] = find(n)
+    return {n: find(n) for n in parent}
+
+
 def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str, torch.dtype]:
     """Forward node name -> the dtype of its value under autocast (tensor values only).
 
@@ -101,14 +126,15 @@ def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str
         device: ``cpu`` or ``cuda`` (their float32 op lists differ).
     """
     out: dict[str, torch.dtype] = {}
-    first: dict[int, torch.dtype] = {}  # composite op's region -> its input 0's dtype
+    occurrence = _occurrences(forward)
+    first: dict[Node, torch.dtype] = {}  # composite op's occurrence -> its input 0's dtype
     for n in forward.graph.nodes:
         tag = n.meta.get(COMPOSITE)
         # (before the value check: a composite op kept whole reads input 0 in its tuple node)
         for i, k in tag.inputs if tag is not None else ():
             a = n.all_input_nodes[i]
             if k == 0 and a.name in out:
-                first.setdefault(tag.region, out[a.name])
+                first.setdefault(occurrence[n], out[a.name])
         dt = _dtype(n)
         if dt is None:
             continue
@@ -121,8 +147,8 @@ def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str
             out[n.name] = torch.float32
         elif tag is not None and tag.op in _STATS and tag.output in (1, 2):
             out[n.name] = torch.float32
-        elif tag is not None and tag.op in _STATS and tag.output == 0 and tag.region in first:
-            out[n.name] = first[tag.region]  # a norm's output has its input's dtype
+        elif tag is not None and tag.op in _STATS and tag.output == 0 and occurrence[n] in first:
+            out[n.name] = first[occurrence[n]]  # a norm's output has its input's dtype
         else:
             ins = [out[a.name] for a in n.all_input_nodes if a.name in out]
             fl = [d for d in ins if d.is_floating_point]
