@@ -791,3 +791,43 @@ def test_amp_casts_of_outlined_stages_read_each_calls_norm_dtype(monkeypatch):
     assert hier.report.memory.amp.saved_cast_bytes == 816 + 96
     assert hier.report.memory.amp == flat.report.memory.amp
     assert hier.report.to_dict() == flat.report.to_dict()
+
+
+class _ConvBnRelu(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 1)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return nn.functional.relu(self.bn(self.conv(x)), inplace=True)
+
+
+class _ConvStackHead(nn.Module):
+    """Three conv blocks (outlined), the last one's in-place ReLU output flattened into a
+    linear head (torchvision's GoogLeNet auxiliary heads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*[_ConvBnRelu(2) for _ in range(3)])
+        self.fc = nn.Linear(2 * 3 * 3, 4)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.blocks(x), 1))
+
+
+def test_flatten_of_an_in_place_relu_stays_where_the_model_takes_it(monkeypatch):
+    """Eager takes the flatten (a view) in the model's own forward, before ``fc`` transposes
+    its weight: the ``view`` row comes before ``permute`` and the view is the root module's.
+    Traced without outlining, functionalization made the view again where ``fc`` read it (the
+    ReLU wrote its base in place), after the transpose and in ``fc``; an outlined last block
+    (its ReLU inside the call) did not: the op table's rows were in another order."""
+    hier, flat = _outlined_and_not(_ConvStackHead, (torch.randn(2, 2, 3, 3),), monkeypatch)
+    for a in (hier, flat):
+        ops = [r.op for r in a.report.ops]
+        assert ops.index("aten.view.default") < ops.index("aten.permute.default")
+        (view,) = [n for n in a.forward.graph.nodes if n.target is torch.ops.aten.view.default]
+        assert view.meta[MODULE] == ""
+    assert [r.op for r in hier.report.ops] == [r.op for r in flat.report.ops]
+    assert hier.report.to_dict() == flat.report.to_dict()
