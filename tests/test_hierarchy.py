@@ -831,3 +831,24 @@ def test_flatten_of_an_in_place_relu_stays_where_the_model_takes_it(monkeypatch)
         assert view.meta[MODULE] == ""
     assert [r.op for r in hier.report.ops] == [r.op for r in flat.report.ops]
     assert hier.report.to_dict() == flat.report.to_dict()
+
+
+def test_autograd_nodes_of_outlined_stages_count_each_calls_norms(monkeypatch):
+    """The host time of the autograd engine (a calibrated profile's ``autograd_node_s``)
+    counts one node per op whose output depends on a parameter, a composite op once: per
+    block a LayerNorm, the weight's transpose, the addmm and the residual add (4); per stage
+    2 · 4 + ``down``'s transpose and addmm = 10; the head's 2; the loss's log-softmax and
+    NLL: 2 · 10 + 2 + 2 = 24. Keyed by region number, the second stage's LayerNorms were the
+    first stage's (22)."""
+    import dataclasses
+
+    from graphflop.passes.step_time import _autograd_nodes
+    from graphflop.passes.time_profile import resolve_profile
+
+    profile = dataclasses.replace(resolve_profile("cpu"), autograd_node_s=1e-5)
+    hier, flat = _outlined_and_not(_Stages, (torch.randn(2, 8),), monkeypatch, time_profile=profile)
+    for a in (hier, flat):
+        params = {n.meta[PARAM] for n in a.forward.graph.nodes if n.meta.get(PARAM) is not None}
+        assert _autograd_nodes(a.forward, params) == 24
+    assert hier.report.to_dict()["time"] == flat.report.to_dict()["time"]
+    assert hier.report.to_dict() == flat.report.to_dict()

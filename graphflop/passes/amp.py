@@ -38,7 +38,7 @@ from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES
 from graphflop.meta import COMPOSITE, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
-from graphflop.passes.eager_memory import eager_residuals
+from graphflop.passes.eager_memory import _regions, eager_residuals
 from graphflop.passes.memory import Schedule, forward_storages
 from graphflop.report import AmpWhatIf
 
@@ -93,31 +93,6 @@ def _fp32_region(op: str, device: str, module: str | None = None) -> bool:
     return module == "loss" and op == "aten._log_softmax.default"
 
 
-def _occurrences(forward: GraphModule) -> dict[Node, Node]:
-    """Composite-tagged node -> its occurrence (a node standing for it): the nodes of one
-    region number that are connected. The region number alone does not tell occurrences
-    apart: the copies of an outlined block share their template's numbers (a LayerNorm in the
-    first stage of two, its input float32 under autocast, and in the second, half)."""
-    parent: dict[Node, Node] = {}
-
-    def find(n: Node) -> Node:
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    for n in forward.graph.nodes:
-        tag = n.meta.get(COMPOSITE)
-        if tag is None:
-            continue
-        parent[n] = n
-        for a in n.all_input_nodes:
-            t = a.meta.get(COMPOSITE)
-            if a in parent and t is not None and t.region == tag.region:
-                parent[find(a)] = find(n)
-    return {n: find(n) for n in parent}
-
-
 def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str, torch.dtype]:
     """Forward node name -> the dtype of its value under autocast (tensor values only).
 
@@ -126,8 +101,10 @@ def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str
         device: ``cpu`` or ``cuda`` (their float32 op lists differ).
     """
     out: dict[str, torch.dtype] = {}
-    occurrence = _occurrences(forward)
-    first: dict[Node, torch.dtype] = {}  # composite op's occurrence -> its input 0's dtype
+    # composite op's occurrence (its nodes connected under one region number; the copies of
+    # an outlined block share the template's numbers) -> its input 0's dtype
+    occurrence = {n: i for i, nodes in enumerate(_regions(forward)) for n in nodes}
+    first: dict[int, torch.dtype] = {}
     for n in forward.graph.nodes:
         tag = n.meta.get(COMPOSITE)
         # (before the value check: a composite op kept whole reads input 0 in its tuple node)
