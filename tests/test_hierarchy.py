@@ -702,3 +702,172 @@ def test_block_casting_its_dtype_is_recorded():
     a = analyze(model, torch.randn(2, 8))
     assert a.forward.meta[OUTLINED].calls == 3
     _check(a)
+
+
+def _outlined_and_not(make, inputs, monkeypatch, **options):
+    """``make()``'s analysis with its repeated blocks outlined, and without outlining (every
+    block traced in full: the reference)."""
+    from graphflop.frontend import outline
+
+    hier = analyze(make(), *inputs, **options)
+    assert HIERARCHY in hier.forward.meta
+    with monkeypatch.context() as m:
+        m.setattr(outline, "plan", lambda *a, **k: {})
+        flat = analyze(make(), *inputs, **options)
+    assert HIERARCHY not in flat.forward.meta
+    return hier, flat
+
+
+class _MaskBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x, mask):
+        return x + self.fc(self.norm(x)) * mask
+
+
+class _MaskStack(nn.Module):
+    """Three blocks reading one frozen float input (``mask``): each block's cotangent of it
+    is pruned work (a ghost term of the mul's tangent, logged inside the call's run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_MaskBlock(8) for _ in range(3)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, mask):
+        for b in self.blocks:
+            x = b(x, mask)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_ghost_term_inside_a_recorded_call_is_pruned_at_every_call(record, monkeypatch):
+    """The mask's cotangent (``g * fc(norm(x))``, 2·8 = 16 FLOPs per block) and its sum over
+    the blocks (eager accumulates the gradient: 2 adds of 16 FLOPs, at blocks.1 and blocks.0)
+    are pruned at every call: blocks.2 16, blocks.1 16 + 16, blocks.0 16 + 16 (and the
+    LayerNorm input gradient of the model input, blocks.0.norm). The recorded transpose
+    dropped blocks.2's term (its cotangent filed on the call's node made flat, which the ghost
+    did not read): 16 and 0 at blocks.1 and blocks.2."""
+    inputs = (torch.randn(2, 8), torch.ones(2, 8))
+    hier, flat = _outlined_and_not(
+        _MaskStack, (inputs,), monkeypatch, memory_model="graph", record_derivatives=record
+    )
+    pruned = {r.name: r.pruned_flops for r in hier.report.layers}
+    assert (pruned["blocks.2"], pruned["blocks.1"], pruned["blocks.0"]) == (16, 32, 32)
+    h, f = hier.report.to_dict(), flat.report.to_dict()
+    assert h["totals"]["backward"]["pruned_flops"] == f["totals"]["backward"]["pruned_flops"]
+    assert h["memory"]["saved_for_backward_bytes"] == f["memory"]["saved_for_backward_bytes"]
+    assert h == f
+
+
+class _NormBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class _Stage(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_NormBlock(d), _NormBlock(d))
+        self.down = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.down(self.blocks(x))
+
+
+class _Stages(nn.Module):
+    """Two stages (each outlined, its two blocks inside): under autocast the first stage's
+    LayerNorms read float32 (the input, the residual stream), the second's half (the first
+    stage's ``down`` output), though both stages' copies share the template's region
+    numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stages = nn.Sequential(_Stage(8), _Stage(8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.stages(x))
+
+
+def test_amp_casts_of_outlined_stages_read_each_calls_norm_dtype(monkeypatch):
+    """Saved casts under bf16 autocast (CPU: LayerNorm runs in its input's dtype): the half
+    weights, 6 · 8·8·2 + 3·8·2 = 816 bytes, and the half copies of the float32 activations
+    the first stage's matmuls read (two LayerNorm outputs and the residual stream into
+    ``down``), 3 · 2·8·2 = 96; the second stage's are half already: 912 bytes. Keyed by region
+    number, the second stage's LayerNorm outputs took the first stage's float32 (976)."""
+    hier, flat = _outlined_and_not(_Stages, (torch.randn(2, 8),), monkeypatch, amp="bf16")
+    assert hier.report.memory.amp.saved_cast_bytes == 816 + 96
+    assert hier.report.memory.amp == flat.report.memory.amp
+    assert hier.report.to_dict() == flat.report.to_dict()
+
+
+class _ConvBnRelu(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 1)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return nn.functional.relu(self.bn(self.conv(x)), inplace=True)
+
+
+class _ConvStackHead(nn.Module):
+    """Three conv blocks (outlined), the last one's in-place ReLU output flattened into a
+    linear head (torchvision's GoogLeNet auxiliary heads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*[_ConvBnRelu(2) for _ in range(3)])
+        self.fc = nn.Linear(2 * 3 * 3, 4)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.blocks(x), 1))
+
+
+def test_flatten_of_an_in_place_relu_stays_where_the_model_takes_it(monkeypatch):
+    """Eager takes the flatten (a view) in the model's own forward, before ``fc`` transposes
+    its weight: the ``view`` row comes before ``permute`` and the view is the root module's.
+    Traced without outlining, functionalization made the view again where ``fc`` read it (the
+    ReLU wrote its base in place), after the transpose and in ``fc``; an outlined last block
+    (its ReLU inside the call) did not: the op table's rows were in another order."""
+    hier, flat = _outlined_and_not(_ConvStackHead, (torch.randn(2, 2, 3, 3),), monkeypatch)
+    for a in (hier, flat):
+        ops = [r.op for r in a.report.ops]
+        assert ops.index("aten.view.default") < ops.index("aten.permute.default")
+        (view,) = [n for n in a.forward.graph.nodes if n.target is torch.ops.aten.view.default]
+        assert view.meta[MODULE] == ""
+    assert [r.op for r in hier.report.ops] == [r.op for r in flat.report.ops]
+    assert hier.report.to_dict() == flat.report.to_dict()
+
+
+def test_autograd_nodes_of_outlined_stages_count_each_calls_norms(monkeypatch):
+    """The host time of the autograd engine (a calibrated profile's ``autograd_node_s``)
+    counts one node per op whose output depends on a parameter, a composite op once: per
+    block a LayerNorm, the weight's transpose, the addmm and the residual add (4); per stage
+    2 · 4 + ``down``'s transpose and addmm = 10; the head's 2; the loss's log-softmax and
+    NLL: 2 · 10 + 2 + 2 = 24. Keyed by region number, the second stage's LayerNorms were the
+    first stage's (22)."""
+    import dataclasses
+
+    from graphflop.passes.step_time import _autograd_nodes
+    from graphflop.passes.time_profile import resolve_profile
+
+    profile = dataclasses.replace(resolve_profile("cpu"), autograd_node_s=1e-5)
+    hier, flat = _outlined_and_not(_Stages, (torch.randn(2, 8),), monkeypatch, time_profile=profile)
+    for a in (hier, flat):
+        params = {n.meta[PARAM] for n in a.forward.graph.nodes if n.meta.get(PARAM) is not None}
+        assert _autograd_nodes(a.forward, params) == 24
+    assert hier.report.to_dict()["time"] == flat.report.to_dict()["time"]
+    assert hier.report.to_dict() == flat.report.to_dict()

@@ -803,6 +803,9 @@ class RecordedCalls:
         self.thin: set[Node] = set()
         #: per repeat node made flat, its nodes in template order
         self.side: dict[Node, list[Node]] = {}
+        #: repeat nodes made flat since the last :meth:`settle_all` (the rules may have filed
+        #: cotangents on their nodes made flat)
+        self.unsettled: dict[Node, None] = {}
         #: a flat-made node -> the node that stands for its value
         self.alias: dict[Node, Node] = {}
         self.scratch = Graph()
@@ -877,6 +880,7 @@ class RecordedCalls:
                 else:
                     self.alias[new] = v
             self.side[rep] = made
+        self.unsettled[rep] = None
         for i in range(len(made)):
             item = self.holder((rep, i))
             if item is not None and item is not made[i] and item in ct:
@@ -899,6 +903,16 @@ class RecordedCalls:
             if v in ct:
                 raise RecordedFallback(x.name)
             ct[v] = ct.pop(x)
+
+    def settle_all(self, ct: dict[Any, Any]) -> None:
+        """:meth:`settle` every call made flat since the last time: before a ghost's entry,
+        which reads the cotangent of each real tangent it was dropped into
+        (:class:`graphflop.ad.vjp._GhostTerms`) at the node that holds it (a call's run that
+        the ghost splits, ``x + fc(x) * mask`` with a frozen ``mask``, filed it on the node made
+        flat: the ghost work was not credited at the call transposed first)."""
+        for rep in self.unsettled:
+            self.settle(rep, ct)
+        self.unsettled.clear()
 
     def function_entry(self, e: FunctionEntry, ct: dict[Any, Any]) -> FunctionEntry:
         """A custom Function's log entry ``e`` as the transpose reads it: each tangent and
@@ -985,6 +999,8 @@ def transpose_log(
             e = log[i]
             if calls is not None and isinstance(e, FunctionEntry):
                 e = calls.function_entry(e, ct)  # read from the calls' nodes
+            elif calls is not None and is_ghost(e):
+                calls.settle_all(ct)  # the cotangents it is credited with, where it reads them
             rules([e])
             i += 1
             continue

@@ -281,6 +281,7 @@ def from_make_fx(
     updates = [(v.name, b) for b, v in writes.items()]
     g.output(tuple(list(writes.values()) + results))
     functionalize_inplace(g)  # in-place ops left on temporaries (recurrent layers)
+    _fold_regenerated_views(g)
     unused = _eliminate_dead_code(g)
     new = graph_module(torch.nn.Module(), g)
     new.meta[UNUSED] = unused
@@ -322,6 +323,39 @@ def _copy_nodes(old: torch.fx.Graph, g: torch.fx.Graph, env: dict, calls: Any, w
                 env[n] = got
                 continue
         env[n] = copy_node(g, n, env.__getitem__)
+
+
+def _frozen(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return tuple(_frozen(y) for y in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in x.items()))
+    return x
+
+
+def _fold_regenerated_views(g: torch.fx.Graph) -> None:
+    """A view op that repeats an earlier one nothing reads (same op, same arguments) is that
+    one: functionalization made the view where the model took it, then made it again where it
+    was first read, its base written in place before (``torch.flatten`` of an in-place ReLU's
+    output, read by the next module's ``linear``); eager took it once, at the first place and
+    in that module. The later copy's readers read the earlier one, which dead-code elimination
+    then keeps (GoogLeNet's auxiliary heads: the flatten was in ``aux1.fc1``, after the weight's
+    transpose, where an outlined ``aux1.conv`` left it in ``aux1``)."""
+    seen: dict[tuple, torch.fx.Node] = {}
+    for n in list(g.nodes):
+        if n.op != "call_function" or not getattr(n.target, "is_view", False):
+            continue
+        try:
+            key = (n.target, _frozen(n.args), _frozen(n.kwargs))
+            hash(key)
+        except TypeError:
+            continue
+        first = seen.get(key)
+        if first is None:
+            seen[key] = n
+        elif not first.users:
+            n.replace_all_uses_with(first)
+            g.erase_node(n)
 
 
 def _kept(n: torch.fx.Node) -> bool:

@@ -38,7 +38,7 @@ from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES
 from graphflop.meta import COMPOSITE, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
-from graphflop.passes.eager_memory import eager_residuals
+from graphflop.passes.eager_memory import _regions, eager_residuals
 from graphflop.passes.memory import Schedule, forward_storages
 from graphflop.report import AmpWhatIf
 
@@ -101,14 +101,17 @@ def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str
         device: ``cpu`` or ``cuda`` (their float32 op lists differ).
     """
     out: dict[str, torch.dtype] = {}
-    first: dict[int, torch.dtype] = {}  # composite op's region -> its input 0's dtype
+    # composite op's occurrence (its nodes connected under one region number; the copies of
+    # an outlined block share the template's numbers) -> its input 0's dtype
+    occurrence = {n: i for i, nodes in enumerate(_regions(forward)) for n in nodes}
+    first: dict[int, torch.dtype] = {}
     for n in forward.graph.nodes:
         tag = n.meta.get(COMPOSITE)
         # (before the value check: a composite op kept whole reads input 0 in its tuple node)
         for i, k in tag.inputs if tag is not None else ():
             a = n.all_input_nodes[i]
             if k == 0 and a.name in out:
-                first.setdefault(tag.region, out[a.name])
+                first.setdefault(occurrence[n], out[a.name])
         dt = _dtype(n)
         if dt is None:
             continue
@@ -121,8 +124,8 @@ def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str
             out[n.name] = torch.float32
         elif tag is not None and tag.op in _STATS and tag.output in (1, 2):
             out[n.name] = torch.float32
-        elif tag is not None and tag.op in _STATS and tag.output == 0 and tag.region in first:
-            out[n.name] = first[tag.region]  # a norm's output has its input's dtype
+        elif tag is not None and tag.op in _STATS and tag.output == 0 and occurrence[n] in first:
+            out[n.name] = first[occurrence[n]]  # a norm's output has its input's dtype
         else:
             ins = [out[a.name] for a in n.all_input_nodes if a.name in out]
             fl = [d for d in ins if d.is_floating_point]

@@ -718,7 +718,10 @@ def _autograd_nodes(forward: GraphModule, params: set[str]) -> int:
     ``AccumulateGrad`` per parameter): one per op whose floating output depends on a parameter
     in ``params`` (views included), a composite op's decomposition counting once."""
     active: set[Node] = set()
-    regions: set[object] = set()
+    # a composite op's occurrence: its nodes connected under one region number (the copies of
+    # an outlined block share the template's numbers)
+    occurrence = {n: i for i, nodes in enumerate(_regions(forward)) for n in nodes}
+    regions: set[int] = set()
     count = 0
     for n in forward.graph.nodes:
         if n.op == "placeholder":
@@ -734,11 +737,10 @@ def _autograd_nodes(forward: GraphModule, params: set[str]) -> int:
             isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals
         ):
             continue
-        tag = n.meta.get(COMPOSITE)
-        if tag is not None:
-            if tag.region in regions:
+        if n in occurrence:
+            if occurrence[n] in regions:
                 continue
-            regions.add(tag.region)
+            regions.add(occurrence[n])
         count += 1
     return count
 
