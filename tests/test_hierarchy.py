@@ -871,3 +871,39 @@ def test_autograd_nodes_of_outlined_stages_count_each_calls_norms(monkeypatch):
         assert _autograd_nodes(a.forward, params) == 24
     assert hier.report.to_dict()["time"] == flat.report.to_dict()["time"]
     assert hier.report.to_dict() == flat.report.to_dict()
+
+
+class _DetachedCkptBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f, self.g = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, c):  # c: the model's input, which requires no grad
+        return self.g(x) + checkpoint(self.f, c, use_reentrant=True)
+
+
+class _DetachedCkptNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_DetachedCkptBlock() for _ in range(3))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = x
+        for b in self.blocks:
+            h = b(h, x)
+        return self.head(h)
+
+
+def test_reentrant_checkpoint_inside_a_block_is_decided_per_call(monkeypatch):
+    """A helper's finding: a reentrant checkpoint inside a block whose inputs require no grad
+    gives, as in eager, outputs with no derivative (its parameters count as frozen); traced
+    once as a template its outputs kept theirs (298 figures off, frozen parameters 0 against
+    3 · (64 + 8) = 216). Such a block is traced in full; the report is the flat one's."""
+    import graphflop.frontend.outline as outline
+
+    x = torch.randn(2, 8)
+    a = analyze(_DetachedCkptNet(), x)
+    assert a.report.frozen_params == 3 * (64 + 8)
+    monkeypatch.setattr(outline, "plan", lambda *a, **k: {})
+    assert a.report.to_dict() == analyze(_DetachedCkptNet(), x).report.to_dict()

@@ -88,6 +88,9 @@ class _GradSources:
     trainable: frozenset[int] = frozenset()
     marked: set[Node] = set()
     active: bool = False
+    #: a reentrant checkpoint ran outside the main trace (an outlined block's template): whether
+    #: its outputs carry a derivative was not decided (it depends on each call's inputs)
+    undecided: bool = False
 
 
 def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]:
@@ -219,12 +222,28 @@ def run_checkpoint_function(function: Any, *args: Any) -> Any:
     checkpoint) while tracing: ``function(*args)``, its nodes tagged as a region the
     backward reruns whole."""
     detached = _active() and not _differentiable(args)
+    if not _active() and get_proxy_mode() is not None:
+        _GradSources.undecided = True
     with new_nodes() as made:
         out = function(*args)
     tag_checkpoint(made, whole=True, detached=detached)
     if detached:  # eager: "None of the inputs have requires_grad=True"; no derivative out
         out = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
     return out
+
+
+@contextlib.contextmanager
+def undecided_checkpoints() -> Iterator[list[bool]]:
+    """Yields a list whose one item says, on leaving, whether a reentrant checkpoint ran in
+    the block outside the main trace (:attr:`_GradSources.undecided`)."""
+    was = _GradSources.undecided
+    _GradSources.undecided = False
+    got = [False]
+    try:
+        yield got
+    finally:
+        got[0] = _GradSources.undecided
+        _GradSources.undecided = was
 
 
 def _active() -> bool:

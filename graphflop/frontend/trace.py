@@ -74,7 +74,12 @@ from graphflop.frontend.loss import (
     output_tensors,
     vocabularies,
 )
-from graphflop.frontend.regions import checkpoints_tagged, grad_sources, mark_requires_grad
+from graphflop.frontend.regions import (
+    checkpoints_tagged,
+    grad_sources,
+    mark_requires_grad,
+    undecided_checkpoints,
+)
 from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
 from graphflop.meta import (
@@ -633,13 +638,18 @@ def _templates(
     """Each distinct outlined call's template graph.
 
     Raises:
-        NotOutlinable: a structure whose copies differ in their layer index
+        NotOutlinable: a structure with a reentrant checkpoint inside (whether its outputs
+            carry a derivative is decided per call, by its inputs), a structure whose copies
+            differ in their layer index
             (:data:`repeats.INDEX_ATTRS`) and whose forward uses it, or whose graph traced from
             a copy with another index differs.
     """
     templates = {}
     for key, call in enumerate(outliner.calls):
-        templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes)
+        with undecided_checkpoints() as undecided:
+            templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes)
+        if undecided[0]:  # detached or not is each call's own (its inputs' derivative)
+            raise repeats.NotOutlinable(call.structure, "a reentrant checkpoint inside")
         if call.check is None:
             continue
         if outliner.index_used.get(key, [False])[0]:
