@@ -37,6 +37,7 @@ COVER = [
     "var",
     "roll",
     "batchnorm2d_eval",
+    "math_mix",
 ]
 #: one case per newer rule family
 FAMILIES = [

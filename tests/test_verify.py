@@ -166,6 +166,29 @@ MODELS = {
         def example_inputs():
             return (torch.randn(5, 6),)
         """,
+    # a tester's model (b6_ops.py): trigonometric, hyperbolic, base-2 and two-argument math ops,
+    # products and maximum/minimum on a value that depends on the parameters
+    "math_ops": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc0 = nn.Linear(8, 8)
+                self.fc = nn.Linear(8, 3)
+
+            def forward(self, x):
+                h = self.fc0(x)
+                outs = [
+                    torch.sin(h), torch.cos(h), torch.tan(h), torch.atan(h),
+                    torch.atan2(h, h + 2), torch.sinh(h), torch.cosh(h), torch.asinh(h),
+                    torch.hypot(h, h), torch.prod(h, -1, keepdim=True).expand_as(h),
+                    h.prod().expand_as(h), torch.log2(h.abs() + 1), torch.exp2(h),
+                    torch.maximum(h, h * 0.5), torch.minimum(h, h * 0.5),
+                ]
+                return self.fc(sum(outs))
+
+        def example_inputs():
+            return (torch.randn(2, 8),)
+        """,
     "detach_all": """
         class M(nn.Module):
             def __init__(self):
@@ -208,6 +231,7 @@ def _verify(spec: str, capsys, monkeypatch, *extra: str) -> tuple[int, dict, lis
         ("sdpa_dropout", ["--eval"]),  # eval: the model passes dropout_p=0
         ("detach", []),
         ("detach_all", []),
+        ("math_ops", []),
     ],
 )
 def test_verify_passes_where_it_used_to_fail(name, extra, tmp_path, capsys, monkeypatch):
@@ -222,6 +246,24 @@ def test_verify_passes_where_it_used_to_fail(name, extra, tmp_path, capsys, monk
     assert len(lines) == 4 and all(": passed: " in x for x in lines[:3]), err
     assert lines[3] == "verify: 3 of 3 checks passed"
     assert all(x.startswith(("verify: ", "note: ")) for x in err), err  # nothing wrapped
+
+
+def test_math_ops_are_counted_whole(tmp_path, capsys, monkeypatch):
+    """Every op of the tester's math model has a cost and a JVP rule: nothing is uncounted,
+    every phase is complete, and the forward counts each op as worked out here."""
+    rc, doc, err = _verify(_spec(tmp_path, "math_ops"), capsys, monkeypatch)
+    assert rc == 0 and doc["uncounted"] == [], doc["uncounted"]
+    assert all(t["complete"] for t in doc["totals"].values() if "complete" in t), doc["totals"]
+    # h = fc0(x), 2×8: addmm 2·2·8·8 = 256 + bias 16. On h's 16 elements, 1 per element each:
+    # sin, cos, tan, atan, h + 2 and atan2, sinh, cosh, asinh, hypot, prod along a dim (1 per
+    # input element) and prod of everything, abs, + 1 and log2, exp2, h·0.5 and maximum,
+    # h·0.5 and minimum: 20·16 = 320. sum() of 15 tensors from 0: 15 adds, 240. fc: 2·2·8·3 =
+    # 96 + bias 6. The forward's totals hold the loss too (its own row): taken out.
+    fwd, loss = doc["totals"]["forward"], doc["totals"]["loss"]
+    assert fwd["flops"] - loss["flops"] == 256 + 16 + 320 + 240 + 96 + 6
+    # sin, cos, tan, atan, atan2, sinh, cosh, asinh, hypot, log2, exp2: 1 transcendental per
+    # element each (abs, prod, maximum, minimum none)
+    assert fwd["transcendentals"] - loss["transcendentals"] == 11 * 16
 
 
 def test_dropout_masks_are_shared_not_hidden(tmp_path, capsys, monkeypatch):

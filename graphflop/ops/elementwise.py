@@ -1,5 +1,7 @@
 """Unary and binary elementwise ops: 1 FLOP per output element (docs/flops_conventions.md),
-transcendentals tallied separately; comparisons, sign, rounding and integer bookkeeping (floor
+transcendentals tallied separately (trigonometric, hyperbolic, base-2, atan2 and hypot included:
+one math-library call each, as pow); maximum and minimum split the derivative half/half at ties,
+as PyTorch; comparisons, sign, rounding and integer bookkeeping (floor
 division, logical and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element,
 like ReLU); GELU, SiLU, ELU, hardtanh, dropout, softplus, hardswish and mish decompose into the ops
 here (the decompositions graphflop chooses are at the end of this file).
@@ -95,6 +97,16 @@ for _op in (
     aten.cos.default,
     aten.log1p.default,
     aten.expm1.default,
+    # math-library functions, one evaluation per output element, as pow: 1 FLOP, a transcendental
+    aten.tan.default,
+    aten.atan.default,
+    aten.sinh.default,
+    aten.cosh.default,
+    aten.asinh.default,
+    aten.log2.default,
+    aten.exp2.default,
+    aten.atan2.default,
+    aten.hypot.default,
 ):
     register(_op, F, _trans)
 
@@ -352,6 +364,115 @@ def _jvp_erf(b, out, args, tangents, kwargs):
     x = args[0]
     e = b.call(aten.exp.default, b.call(aten.neg.default, b.call(aten.mul.Tensor, x, x)))
     return _scale(b, tangents[0], b.call(aten.mul.Tensor, e, 1.1283791670955126))
+
+
+@def_jvp(aten.sin.default)
+def _jvp_sin(b, out, args, tangents, kwargs):
+    return _scale(b, tangents[0], b.call(aten.cos.default, args[0]))
+
+
+@def_jvp(aten.cos.default)
+def _jvp_cos(b, out, args, tangents, kwargs):
+    return _scale(b, tangents[0], b.call(aten.neg.default, b.call(aten.sin.default, args[0])))
+
+
+@def_jvp(aten.tan.default)
+def _jvp_tan(b, out, args, tangents, kwargs):
+    # d tan(x) = 1 + tan²(x) = 1 + out²
+    sq = b.call(aten.mul.Tensor, out, out)
+    return _scale(b, tangents[0], b.call(aten.add.Tensor, sq, 1))
+
+
+@def_jvp(aten.atan.default)
+def _jvp_atan(b, out, args, tangents, kwargs):
+    # d atan(x) = 1 / (1 + x²)
+    x = args[0]
+    return b.call(
+        aten.div.Tensor, tangents[0], b.call(aten.add.Tensor, b.call(aten.mul.Tensor, x, x), 1)
+    )
+
+
+@def_jvp(aten.sinh.default)
+def _jvp_sinh(b, out, args, tangents, kwargs):
+    return _scale(b, tangents[0], b.call(aten.cosh.default, args[0]))
+
+
+@def_jvp(aten.cosh.default)
+def _jvp_cosh(b, out, args, tangents, kwargs):
+    return _scale(b, tangents[0], b.call(aten.sinh.default, args[0]))
+
+
+@def_jvp(aten.asinh.default)
+def _jvp_asinh(b, out, args, tangents, kwargs):
+    # d asinh(x) = 1 / sqrt(x² + 1)
+    x = args[0]
+    sq1 = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, x, x), 1)
+    return _scale(b, tangents[0], b.call(aten.rsqrt.default, sq1))
+
+
+@def_jvp(aten.log2.default)
+def _jvp_log2(b, out, args, tangents, kwargs):
+    # d log2(x) = 1 / (x · ln 2)
+    return b.call(aten.div.Tensor, tangents[0], b.call(aten.mul.Tensor, args[0], math.log(2.0)))
+
+
+@def_jvp(aten.exp2.default)
+def _jvp_exp2(b, out, args, tangents, kwargs):
+    # d 2ˣ = 2ˣ · ln 2
+    return _scale(b, tangents[0], b.call(aten.mul.Tensor, out, math.log(2.0)))
+
+
+@def_jvp(aten.atan2.default)
+def _jvp_atan2(b, out, args, tangents, kwargs):
+    """``atan2(y, x)``: d = (x·dy − y·dx) / (x² + y²) (PyTorch's ``atan2_backward``: the
+    coefficients ``x/(x²+y²)`` and ``−y/(x²+y²)``, primal-only)."""
+    y, x = args
+    ty, tx = tangents
+    r2 = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, x, x), b.call(aten.mul.Tensor, y, y))
+    t1 = _scale(b, ty, b.call(aten.div.Tensor, x, r2)) if ty is not None else None
+    t2 = None
+    if tx is not None:
+        t2 = _scale(b, tx, b.call(aten.div.Tensor, b.call(aten.neg.default, y), r2))
+    return _fit(b, b.add(t1, t2), out)
+
+
+@def_jvp(aten.hypot.default)
+def _jvp_hypot(b, out, args, tangents, kwargs):
+    """``hypot(x, y) = √(x² + y²)``: d = (x·dx + y·dy) / out (PyTorch's derivative formula:
+    ``grad · self / result``, ``grad · other / result``; nan where both are 0, as PyTorch)."""
+    x, y = args
+    tx, ty = tangents
+    t1 = _scale(b, tx, b.call(aten.div.Tensor, x, out)) if tx is not None else None
+    t2 = _scale(b, ty, b.call(aten.div.Tensor, y, out)) if ty is not None else None
+    return _fit(b, b.add(t1, t2), out)
+
+
+def _jvp_extremum2(pick):
+    """``maximum``/``minimum``: the tangent of the chosen argument, ties split half and half
+    (PyTorch's forward derivative in derivatives.yaml: ``other_t + c · (self_t − other_t)``,
+    ``c = where(self == other, 0.5, self > other)`` for ``maximum``, ``self < other`` for
+    ``minimum``); ``c`` is a primal-only coefficient."""
+
+    def jvp(b, out, args, tangents, kwargs):
+        x, y = args
+        tx, ty = tangents
+        if tx is None and ty is None:
+            return None
+        wins = b.call(aten._to_copy.default, b.call(pick, x, y), dtype=dtype(out))
+        c = b.call(aten.where.ScalarSelf, b.call(aten.eq.Tensor, x, y), 0.5, wins)
+        if ty is None:
+            t = _scale(b, tx, c)
+        elif tx is None:
+            t = _scale(b, ty, b.call(aten.rsub.Scalar, c, 1))
+        else:
+            t = b.add(ty, _scale(b, b.sub(tx, ty), c))
+        return _fit(b, t, out)
+
+    return jvp
+
+
+def_jvp(aten.maximum.default)(_jvp_extremum2(aten.gt.Tensor))
+def_jvp(aten.minimum.default)(_jvp_extremum2(aten.lt.Tensor))
 
 
 # --- where: linear in the two branches ----------------------------------------------------------

@@ -1,8 +1,9 @@
 """Reductions: sum, mean, amax/amin, max/min along a dim, argmax/argmin, any/all, var,
-var_mean, cumsum, cumprod, cummax, cummin, logcumsumexp, histc. 1 FLOP per input element; mean
+var_mean, prod, cumsum, cumprod, cummax, cummin, logcumsumexp, histc. 1 FLOP per input element; mean
 adds 1 per output element (docs/flops_conventions.md). ``var_mean`` is counted as a mean plus a
 variance: 2 per input element and 2 per output element (the two divides). ``cumsum`` and
-``cumprod`` are 1 per input element; cumsum's transpose is a reversed cumsum (flip, cumsum,
+``cumprod`` are 1 per input element, and so is ``prod`` (one multiply each, as a sum's one add
+each); ``prod``'s tangent is ``out · sum(dx / x)``; cumsum's transpose is a reversed cumsum (flip, cumsum,
 flip); cumprod's tangent is ``out · cumsum(dx / x)``. ``cummax`` and ``cummin`` are 1 comparison
 per element, their values' tangent the input tangent gathered at the returned indices.
 ``logcumsumexp`` is 5 FLOPs per element, 2 of them transcendental (each step is PyTorch's
@@ -39,6 +40,8 @@ register(aten.amax.default, F, per_input(1))
 register(aten.amin.default, F, per_input(1))
 register(aten.cumsum.default, F, per_input(1))
 register(aten.cumprod.default, F, per_input(1))
+register(aten.prod.dim_int, F, per_input(1))
+register(aten.prod.default, F, per_input(1))
 register(aten.cummax.default, F, per_input(1))
 register(aten.cummin.default, F, per_input(1))
 
@@ -260,6 +263,28 @@ def _jvp_cumprod(b, out, args, tangents, kwargs):
     x, dim = a.self, a.dim
     ratio = b.call(aten.div.Tensor, tangents[0], x)
     return b.call(aten.mul.Tensor, b.call(aten.cumsum.default, ratio, dim), out)
+
+
+# --- product: 1 multiply per input element; its tangent is out · sum(dx / x) ---------------------
+
+
+@def_jvp(aten.prod.dim_int)
+def _jvp_prod(b, out, args, tangents, kwargs):
+    """d ∏ⱼ xⱼ = Σⱼ (∏_{k ≠ j} x_k) dxⱼ = out · Σⱼ dxⱼ / xⱼ (PyTorch's ``prod_backward`` for
+    inputs without zeros, ``grad · result / input``; at an exact zero of ``x`` this gives
+    nan/inf, where PyTorch takes a slower exact path, as for cumprod). Linear in the tangent:
+    divide, sum, multiply."""
+    a = bind(aten.prod.dim_int, args, kwargs)
+    ratio = b.call(aten.div.Tensor, tangents[0], a.self)
+    return b.call(aten.mul.Tensor, b.call(aten.sum.dim_IntList, ratio, [a.dim], a.keepdim), out)
+
+
+@def_jvp(aten.prod.default)
+def _jvp_prod_all(b, out, args, tangents, kwargs):
+    """The product of every element: out · sum(dx / x), as :func:`_jvp_prod`."""
+    ratio = b.call(aten.div.Tensor, tangents[0], args[0])
+    every = list(range(len(shape(args[0]))))  # as x.sum() traces: sum.dim_IntList over all dims
+    return b.call(aten.mul.Tensor, b.call(aten.sum.dim_IntList, ratio, every), out)
 
 
 # --- cumulative max/min: the tangent at the running extremum's index -----------------------------

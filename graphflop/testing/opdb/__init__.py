@@ -47,7 +47,14 @@ from graphflop.testing.opdb.core import (
     pos,
     randomized,
 )
-from graphflop.testing.opdb.elementwise import BINARY, CLAMP_TENSOR, MASK_CLAMP, UNARY, UNARY_MORE
+from graphflop.testing.opdb.elementwise import (
+    BINARY,
+    CLAMP_TENSOR,
+    MASK_CLAMP,
+    MATH_MORE,
+    UNARY,
+    UNARY_MORE,
+)
 from graphflop.testing.opdb.embedding import EMBEDDING_BAG
 from graphflop.testing.opdb.linalg import (
     ATTENTION,
@@ -63,6 +70,7 @@ from graphflop.testing.opdb.pool import POOL, POOL_MORE
 from graphflop.testing.opdb.reduction import (
     NORM_LOSS,
     NORM_MORE,
+    PROD,
     REDUCTION,
     REDUCTION_MORE,
     VECTOR_NORM_MORE,
@@ -102,6 +110,8 @@ OP_DB: list[OpCase] = (
     + SOLVE_ADDBMM
     + BILINEAR
     + CDIST
+    + MATH_MORE
+    + PROD
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
@@ -125,6 +135,7 @@ __all__ = [
     "LINALG",
     "LINALG_MORE",
     "MASK_CLAMP",
+    "MATH_MORE",
     "MODELS",
     "NORM_LOSS",
     "NORM_MORE",
@@ -132,6 +143,7 @@ __all__ = [
     "OpCase",
     "POOL",
     "POOL_MORE",
+    "PROD",
     "REDUCTION",
     "REDUCTION_MORE",
     "Readout",

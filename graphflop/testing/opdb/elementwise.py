@@ -380,3 +380,170 @@ CLAMP_TENSOR = [
         aten=("aten.clamp.Tensor", "aten.lt.Tensor", "aten.gt.Tensor"),
     ),
 ]
+
+# ---------------------------------------------------------------------------------------------
+# trigonometric, hyperbolic, base-2 and two-argument math functions (1 FLOP per output element,
+# a transcendental, as pow), maximum/minimum (1 per output element) with ties split half/half
+# ---------------------------------------------------------------------------------------------
+
+
+def _ones(*shape: int):
+    """A parameter initialiser of ones: two such weights make ``x·w`` and ``x·v`` tie exactly."""
+    return lambda: torch.ones(shape)
+
+
+MATH_MORE = [
+    OpCase(
+        "sin",
+        module_of(lambda s, x: torch.sin(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,  # mul; sin
+        aten=("aten.sin.default", "aten.cos.default"),
+    ),
+    OpCase(
+        "cos",
+        module_of(lambda s, x: torch.cos(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,  # mul; cos
+        aten=("aten.cos.default", "aten.sin.default"),
+    ),
+    OpCase(
+        "tan",
+        module_of(lambda s, x: torch.tan(torch.tanh(x * s.w)), {"w": W}),
+        (X,),
+        flops=24 * 3,  # mul, tanh (keeps tan's argument inside (-1, 1)), tan
+        aten=("aten.tan.default",),
+    ),
+    OpCase(
+        "atan",
+        module_of(lambda s, x: torch.atan(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,  # mul; atan
+        aten=("aten.atan.default",),
+    ),
+    OpCase(
+        "sinh",
+        module_of(lambda s, x: torch.sinh(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,  # mul; sinh
+        aten=("aten.sinh.default", "aten.cosh.default"),
+    ),
+    OpCase(
+        "cosh",
+        module_of(lambda s, x: torch.cosh(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,  # mul; cosh
+        aten=("aten.cosh.default", "aten.sinh.default"),
+    ),
+    OpCase(
+        "asinh",
+        module_of(lambda s, x: torch.asinh(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,  # mul; asinh
+        aten=("aten.asinh.default", "aten.rsqrt.default"),
+    ),
+    OpCase(
+        "log2",
+        module_of(lambda s, x: torch.log2(x * x + s.w), {"w": pos(*W)}),
+        (X,),
+        flops=24 * 3,  # mul, add, log2
+        aten=("aten.log2.default",),
+    ),
+    OpCase(
+        "exp2",
+        module_of(lambda s, x: torch.exp2(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,  # mul; exp2
+        aten=("aten.exp2.default",),
+    ),
+    OpCase(
+        "atan2_broadcast",
+        module_of(lambda s, x: torch.atan2(s.v, x * s.w), {"w": W, "v": (3, 1)}),
+        (X,),
+        flops=24 + 24,  # mul; atan2 (v broadcast from (3, 1)) 1 per output element
+        aten=("aten.atan2.default",),
+    ),
+    OpCase(
+        "hypot",
+        module_of(lambda s, x, y: torch.hypot(x * s.w, y), {"w": W}),
+        (X, (4,)),
+        flops=24 + 24,  # mul; hypot (y broadcast from (4,)) 1 per output element
+        aten=("aten.hypot.default",),
+    ),
+    OpCase(
+        "hypot_constant",
+        module_of(lambda s, x: torch.hypot(x * s.w, s.b), {"w": W}, {"b": (4,)}),
+        (X,),
+        flops=24 + 24,  # mul; hypot against a buffer (no tangent): 1 per output element
+        aten=("aten.hypot.default",),
+    ),
+    OpCase(
+        "maximum_broadcast",
+        module_of(lambda s, x, y: torch.maximum(x * s.w, y), {"w": W}),
+        (X, (4,)),
+        flops=24 + 24,  # mul; maximum 1 per output element
+        aten=("aten.maximum.default", "aten.gt.Tensor", "aten.eq.Tensor"),
+    ),
+    OpCase(
+        "maximum_constant",
+        module_of(lambda s, x: torch.maximum(x * s.w, s.b), {"w": W}, {"b": (4,)}),
+        (X,),
+        flops=24 + 24,  # mul; maximum against a buffer (no tangent): 1 per output element
+        aten=("aten.maximum.default",),
+    ),
+    OpCase(
+        "minimum_constant_first",
+        module_of(lambda s, x: torch.minimum(s.b, x * s.w), {"w": W}, {"b": (3, 1)}),
+        (X,),
+        flops=24 + 24,  # mul; minimum with a buffer first (only the second has a tangent)
+        aten=("aten.minimum.default", "aten.lt.Tensor", "aten.rsub.Scalar"),
+    ),
+    # every element ties (w = v = 1) with different tangents: PyTorch splits the derivative
+    # half/half there, and so do central finite differences of max(a + εda, a + εdb)
+    OpCase(
+        "maximum_ties",
+        module_of(lambda s, x: torch.maximum(x * s.w, x * s.v), {"w": _ones(*W), "v": _ones(*W)}),
+        (X,),
+        flops=24 * 3,  # two mul; maximum
+        aten=("aten.maximum.default", "aten.where.ScalarSelf"),
+    ),
+    OpCase(
+        "minimum_ties",
+        module_of(lambda s, x: torch.minimum(x * s.w, x * s.v), {"w": _ones(*W), "v": _ones(*W)}),
+        (X,),
+        flops=24 * 3,  # two mul; minimum
+        aten=("aten.minimum.default", "aten.where.ScalarSelf"),
+    ),
+    # all of them in one graph (the ONNX round trip's cover runs this one)
+    OpCase(
+        "math_mix",
+        module_of(
+            lambda s, x: (
+                lambda a: (
+                    torch.sin(a)
+                    + torch.cos(a)
+                    + torch.tan(torch.tanh(a))
+                    + torch.atan(a)
+                    + torch.atan2(a, s.v)
+                    + torch.sinh(a)
+                    + torch.cosh(a)
+                    + torch.asinh(a)
+                    + torch.hypot(a, s.v)
+                    + torch.log2(a * a + 1)
+                    + torch.exp2(a)
+                    + torch.maximum(a, s.v)
+                    + torch.minimum(a, s.v)
+                    + a.prod(-1, keepdim=True)
+                    + a.prod()
+                )
+            )(x * s.w),
+            {"w": W, "v": (4,)},
+        ),
+        (X,),
+        # a = x·w 24; on a's 24 elements: sin, cos, tanh and tan, atan, atan2, sinh, cosh, asinh,
+        # hypot, a·a, + 1 and log2, exp2, maximum, minimum, prod along a dim (1 per input
+        # element), prod of everything: 18·24 = 432; 15 terms, 14 adds of 24: 336
+        flops=24 + 18 * 24 + 14 * 24,
+        aten=("aten.atan2.default", "aten.hypot.default", "aten.prod.default"),
+    ),
+]

@@ -349,3 +349,31 @@ VECTOR_NORM_MORE = [
         aten=("aten.pow.Tensor_Scalar", "aten.sum.dim_IntList"),
     ),
 ]
+
+# ---------------------------------------------------------------------------------------------
+# product along a dim and over everything: 1 multiply per input element (as a sum's adds);
+# inputs are randn (no exact zeros, where the tangent out · sum(dx / x) is undefined)
+# ---------------------------------------------------------------------------------------------
+PROD = [
+    OpCase(
+        "prod_dim",
+        module_of(lambda s, x: (x * s.w).prod(1) * s.r, {"w": W}, {"r": (2, 4)}),
+        (X,),
+        flops=24 + 24 + 8,  # mul; prod 1 per input element; readout (2, 4)
+        aten=("aten.prod.dim_int", "aten.div.Tensor", "aten.sum.dim_IntList"),
+    ),
+    OpCase(
+        "prod_keepdim",
+        module_of(lambda s, x: (x * s.w).prod(-1, keepdim=True) * s.r, {"w": W}, {"r": (2, 3, 1)}),
+        (X,),
+        flops=24 + 24 + 6,  # mul; prod 1 per input element; readout (2, 3, 1)
+        aten=("aten.prod.dim_int",),
+    ),
+    OpCase(
+        "prod_all",
+        module_of(lambda s, x: (x * s.w).prod() * s.r, {"w": W}, {"r": ()}),
+        (X,),
+        flops=24 + 24 + 1,  # mul; prod 1 per input element; readout (a scalar)
+        aten=("aten.prod.default", "aten.sum.dim_IntList"),
+    ),
+]
