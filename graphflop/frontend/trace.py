@@ -74,7 +74,12 @@ from graphflop.frontend.loss import (
     output_tensors,
     vocabularies,
 )
-from graphflop.frontend.regions import checkpoints_tagged, grad_sources, mark_requires_grad
+from graphflop.frontend.regions import (
+    checkpoints_tagged,
+    grad_mode_tagged,
+    grad_sources,
+    mark_requires_grad,
+)
 from graphflop.frontend.replay import Replays
 from graphflop.frontend.scopes import ModuleScopes, qualname
 from graphflop.meta import (
@@ -82,6 +87,7 @@ from graphflop.meta import (
     CHECKPOINT,
     HIERARCHY,
     MODULE,
+    NO_GRAD,
     OUTLINED,
     SIGNATURE,
     OutlineInfo,
@@ -260,6 +266,10 @@ def _trace(
             reuse = cause.structure >= 0 and len(excluded) <= 2
 
 
+#: graphflop's custom ops in a trace (:func:`grad_mode_tagged` leaves their nodes untagged)
+_OWN_OPS = (torch.ops.graphflop.repeat.default,)
+
+
 def _trace_once(
     model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTensorMode, outline: dict
 ) -> GraphModule:
@@ -325,7 +335,7 @@ def _trace_once(
             _requires_grad_ignored(),
         ):
             warnings.simplefilter("ignore")
-            with outliner, grad_sources(trainable):
+            with outliner, grad_sources(trainable), grad_mode_tagged(_OWN_OPS):
                 gm = _make_fx(
                     torch.func.functionalize(modes.around(objective)),
                     decomposition_table=table,
@@ -333,7 +343,8 @@ def _trace_once(
                 )(*flat_state, *inputs)
             templates = {}
             for key, call in enumerate(outliner.calls):
-                templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes)
+                with grad_mode_tagged(_OWN_OPS):
+                    templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes)
                 if call.check is not None and repeats.graph_signature(
                     templates[key]
                 ) != repeats.graph_signature(
@@ -382,6 +393,7 @@ def _trace_once(
     sig = out.meta[SIGNATURE]
     frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
     frozen += _detached_only(out, frozen)
+    frozen += _no_grad_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
 
@@ -519,6 +531,19 @@ def _detached_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
             UserWarning,
             stacklevel=3,
         )
+    return tuple(out)
+
+
+def _no_grad_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
+    """The trainable parameters read only by nodes the model made with grad mode off
+    (:data:`~graphflop.meta.NO_GRAD`): eager gives them no gradient, as if frozen."""
+    sig = gm.meta[SIGNATURE]
+    phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    out = []
+    for p, _ in sig.params:
+        users = list(phs[p].users)
+        if p not in frozen and users and all(u.meta.get(NO_GRAD) for u in users):
+            out.append(p)
     return tuple(out)
 
 
