@@ -123,6 +123,71 @@ def test_gradients_and_jvp_match_torch(mode):
     assert model.b.weight.grad is None and model.a.weight.grad is not None
 
 
+@torch.library.custom_op("gfnograd::scale", mutates_args=())
+def _scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
+
+
+@_scale.register_fake
+def _(x, w):
+    return torch.empty_like(x)
+
+
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class Calls(nn.Module):
+    """A custom op (PyTorch's autograd wrapper runs its kernel with grad mode off, the model's
+    mode being on) and a custom Function, each once with grad mode on and once off."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        y = _scale(x, self.w) + Square.apply(x * self.w)
+        with torch.no_grad():
+            z = _scale(y, self.w) + Square.apply(y)
+        return y * z
+
+
+def test_custom_op_and_function_tagged_by_the_models_mode():
+    """Only the calls made under no_grad are tagged: the grad-mode custom op's node is not (its
+    grad mode off is autograd's), and the Function called with grad mode on keeps its tangent;
+    with the Function alone, the gradient matches eager autograd's."""
+    fwd = trace(Calls(), (torch.randn(B, D),))
+    ops = [n for n in fwd.graph.nodes if n.target is torch.ops.gfnograd.scale.default]
+    assert [bool(n.meta.get(NO_GRAD)) for n in ops] == [False, True]
+    muls = [n for n in fwd.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert any(n.meta.get(NO_GRAD) for n in muls) and not all(n.meta.get(NO_GRAD) for n in muls)
+    torch.manual_seed(0)
+    model = Squares().double()
+    fwd = trace(model, (torch.randn(B, D, dtype=torch.float64),))
+    check = verify_gradients(fwd, build_vjp(fwd), model, tolerance=1e-10)
+    assert check.ok, check
+
+
+class Squares(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        y = Square.apply(x * self.w)
+        with torch.no_grad():
+            z = Square.apply(y * self.w)
+        return y * z
+
+
 class Shared(nn.Module):
     """One layer used twice, once under no_grad: its gradient is the grad-mode use's only."""
 
@@ -247,5 +312,5 @@ def test_hf_llama_unchanged(monkeypatch):
     assert got.report.totals.backward.flops > 0
 
 
-def _untagged(skip=()):
+def _untagged():
     return contextlib.nullcontext()

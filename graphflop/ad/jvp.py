@@ -330,12 +330,13 @@ class _Linearizer:
         for u in n.users:  # copy getitems at once, so rules can read every output
             if u.target is operator.getitem and u not in self.env:
                 self.env[u] = self._copy(u)
-        if n.meta.get(NO_GRAD):  # made with grad mode off: no derivative, as after detach
-            return
         call = self.calls.get(n)
         if call is not None:  # a custom Function's ops: its own jvp, at its last node
-            if self.last[id(call)] is n:
+            # called with grad mode off (all its nodes made so): no derivative
+            if self.last[id(call)] is n and not all(m.meta.get(NO_GRAD) for m in call.nodes):
                 self._function_tangent(call)
+        elif n.meta.get(NO_GRAD):  # made with grad mode off: no derivative, as after detach
+            return
         elif n in needed:
             self._tangent(n)
 

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
+from torch.autograd.function import Function
 from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode
 
@@ -256,15 +258,32 @@ def checkpoints_tagged() -> Iterator[None]:
 
 _CREATE_NODE = PythonKeyTracer.create_node
 
+#: the code of ``torch.autograd.Function.apply``, whose C++ part runs a Function's forward (a
+#: custom op's kernel, through the autograd wrapper ``torch.library`` gives it) with grad mode
+#: off whatever the model's mode
+_APPLY = Function.__dict__["apply"].__func__.__code__
+
+
+def _in_function_apply() -> bool:
+    """Whether the caller runs inside ``Function.apply`` (found on the Python stack)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _APPLY:
+            return True
+        frame = frame.f_back
+    return False
+
 
 @contextlib.contextmanager
-def grad_mode_tagged(skip: tuple[Any, ...] = ()) -> Iterator[None]:
-    """While active, each node ``make_fx``'s tracer makes with grad mode off is tagged
-    :data:`~graphflop.meta.NO_GRAD`, when grad mode was on on entering (a trace started under
-    ``no_grad`` tags nothing: it is the caller's mode, not the model's). Nodes of the ops in
-    ``skip`` are not: graphflop's own custom ops (an outlined block's ``graphflop::repeat``,
-    whose node PyTorch's custom-op autograd wrapper makes with grad mode off whatever the
-    model's); an outlined block called with grad mode off is traced in that mode
+def grad_mode_tagged() -> Iterator[None]:
+    """While active, each node ``make_fx``'s tracer makes while the model's code has grad mode
+    off is tagged :data:`~graphflop.meta.NO_GRAD`, when grad mode was on on entering (a trace
+    started under ``no_grad`` tags nothing: it is the caller's mode, not the model's). Grad
+    mode off inside ``Function.apply`` (PyTorch's own Functions; a custom op, an outlined
+    block's ``graphflop::repeat`` among them, called with an input that requires grad) is
+    autograd's, not the model's: not tagged (with grad mode off when it is called, the
+    custom op's wrapper does not go through ``apply``, and its node is tagged). An outlined
+    block called with grad mode off is traced in that mode
     (:mod:`graphflop.frontend.outline`), so its template's nodes are tagged themselves."""
     if not torch.is_grad_enabled():
         yield
@@ -272,7 +291,7 @@ def grad_mode_tagged(skip: tuple[Any, ...] = ()) -> Iterator[None]:
 
     def create_node(self: PythonKeyTracer, *args: Any, **kwargs: Any) -> Node:
         node = _CREATE_NODE(self, *args, **kwargs)
-        if not torch.is_grad_enabled() and node.op == "call_function" and node.target not in skip:
+        if not torch.is_grad_enabled() and node.op == "call_function" and not _in_function_apply():
             node.meta[NO_GRAD] = True
         return node
 

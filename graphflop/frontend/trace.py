@@ -266,10 +266,6 @@ def _trace(
             reuse = cause.structure >= 0 and len(excluded) <= 2
 
 
-#: graphflop's custom ops in a trace (:func:`grad_mode_tagged` leaves their nodes untagged)
-_OWN_OPS = (torch.ops.graphflop.repeat.default,)
-
-
 def _trace_once(
     model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTensorMode, outline: dict
 ) -> GraphModule:
@@ -335,7 +331,7 @@ def _trace_once(
             _requires_grad_ignored(),
         ):
             warnings.simplefilter("ignore")
-            with outliner, grad_sources(trainable), grad_mode_tagged(_OWN_OPS):
+            with outliner, grad_sources(trainable), grad_mode_tagged():
                 gm = _make_fx(
                     torch.func.functionalize(modes.around(objective)),
                     decomposition_table=table,
@@ -343,7 +339,7 @@ def _trace_once(
                 )(*flat_state, *inputs)
             templates = {}
             for key, call in enumerate(outliner.calls):
-                with grad_mode_tagged(_OWN_OPS):
+                with grad_mode_tagged():
                     templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes)
                 if call.check is not None and repeats.graph_signature(
                     templates[key]
