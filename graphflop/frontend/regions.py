@@ -34,6 +34,7 @@ import contextlib
 import itertools
 import sys
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -266,7 +267,7 @@ _APPLY = Function.__dict__["apply"].__func__.__code__
 
 def _in_function_apply() -> bool:
     """Whether the caller runs inside ``Function.apply`` (found on the Python stack)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         if frame.f_code is _APPLY:
             return True
