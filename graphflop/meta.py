@@ -38,6 +38,9 @@ Node keys (``node.meta``)
                          made functional: True. Eager PyTorch writes such a node's output
                          into its first input's storage (:mod:`graphflop.passes.step_time`
                          times it so).
+    :data:`NO_GRAD`      on forward nodes the model made with grad mode off (``torch.no_grad``,
+                         ``set_grad_enabled(False)``, ``inference_mode``): True. As in eager
+                         PyTorch they carry no derivative (the JVP gives them no tangent).
     :data:`FUNCTION`     on forward nodes a custom ``torch.autograd.Function``'s ``forward``
                          made: :class:`FunctionTag` (which Function, the node's place in the
                          call, which of its inputs, outputs or saved tensors the node is).
@@ -114,6 +117,7 @@ FUNCTION = "gf_function"
 CALL_SITE = "gf_call_site"
 TIME = "gf_time"
 INPLACE = "gf_inplace"
+NO_GRAD = "gf_no_grad"
 
 # graph keys
 SIGNATURE = "gf_signature"

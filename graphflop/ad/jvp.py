@@ -6,7 +6,9 @@ Primal and tangent nodes are interleaved in forward order, so no residual is kep
 node is linear in the tangent inputs (rules put the nonlinear part into ``coef`` nodes), which
 is what lets :mod:`graphflop.ad.vjp` transpose it.
 
-Symbolic zeros: a tangent known to be zero is ``None`` and no work is emitted for it. A tangent
+Symbolic zeros: a tangent known to be zero is ``None`` and no work is emitted for it; so is the
+tangent of a node the model made with grad mode off (``NO_GRAD``: eager autograd gives it no
+gradient; eager forward-mode AD, which ``no_grad`` does not stop, would give it one). A tangent
 that is zero only because the value was not chosen to carry one (the model input under weight
 perturbation) is a ghost: the work it would have caused is recorded in ``gm.meta[GHOSTS]``.
 
@@ -47,6 +49,7 @@ from graphflop.meta import (
     KIND,
     LOSS_KIND,
     MODULE,
+    NO_GRAD,
     PARAM,
     PARAM_DERIVED,
     ROLE,
@@ -329,8 +332,11 @@ class _Linearizer:
                 self.env[u] = self._copy(u)
         call = self.calls.get(n)
         if call is not None:  # a custom Function's ops: its own jvp, at its last node
-            if self.last[id(call)] is n:
+            # called with grad mode off (all its nodes made so): no derivative
+            if self.last[id(call)] is n and not all(m.meta.get(NO_GRAD) for m in call.nodes):
                 self._function_tangent(call)
+        elif n.meta.get(NO_GRAD):  # made with grad mode off: no derivative, as after detach
+            return
         elif n in needed:
             self._tangent(n)
 

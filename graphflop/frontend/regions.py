@@ -1,5 +1,6 @@
 """Regions of the traced graph whose derivative the model's own code decides: the nodes made
-inside one ``torch.utils.checkpoint`` call, found while tracing and tagged.
+inside one ``torch.utils.checkpoint`` call, and the nodes made with grad mode off, found while
+tracing and tagged.
 
 Eager PyTorch runs a checkpointed function's forward without saving anything inside it
 (``use_reentrant=False``: saved-tensor hooks that keep nothing; ``use_reentrant=True``: under
@@ -17,23 +18,33 @@ grad) gives, as in eager, outputs with no derivative: they are detached in the t
 
 :func:`new_nodes` (the nodes a block adds to the graph being traced) and
 :func:`graphflop.meta.occurrences` (the calls of one region number told apart, the copies of an
-outlined block sharing it) serve custom Functions too (:mod:`graphflop.frontend.custom_function`). Writes ``CHECKPOINT``.
+outlined block sharing it) serve custom Functions too (:mod:`graphflop.frontend.custom_function`).
+
+:func:`grad_mode_tagged` tags :data:`~graphflop.meta.NO_GRAD` the nodes made while the model's
+code has grad mode off (``torch.no_grad()``, ``torch.set_grad_enabled(False)``,
+``torch.inference_mode()``, a method decorated with one of them): eager autograd records nothing
+there, so their outputs carry no gradient, as after ``detach``; the JVP gives them no tangent
+(:mod:`graphflop.ad.jvp`), so the backward, its transpose, gives them no cotangent. Writes
+``CHECKPOINT`` and ``NO_GRAD``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
+from torch.autograd.function import Function
 from torch.fx import Node
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode
 
-from graphflop.meta import CHECKPOINT, CheckpointTag
+from graphflop.meta import CHECKPOINT, NO_GRAD, CheckpointTag
 
 #: region numbers, unique in the process (a template's regions and the main graph's never meet)
 region_ids = itertools.count()
@@ -263,3 +274,49 @@ def checkpoints_tagged() -> Iterator[None]:
         yield
     finally:
         torch_checkpoint._checkpoint_without_reentrant_generator = _GENERATOR
+
+
+_CREATE_NODE = PythonKeyTracer.create_node
+
+#: the code of ``torch.autograd.Function.apply``, whose C++ part runs a Function's forward (a
+#: custom op's kernel, through the autograd wrapper ``torch.library`` gives it) with grad mode
+#: off whatever the model's mode
+_APPLY = Function.__dict__["apply"].__func__.__code__
+
+
+def _in_function_apply() -> bool:
+    """Whether the caller runs inside ``Function.apply`` (found on the Python stack)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _APPLY:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def grad_mode_tagged() -> Iterator[None]:
+    """While active, each node ``make_fx``'s tracer makes while the model's code has grad mode
+    off is tagged :data:`~graphflop.meta.NO_GRAD`, when grad mode was on on entering (a trace
+    started under ``no_grad`` tags nothing: it is the caller's mode, not the model's). Grad
+    mode off inside ``Function.apply`` (PyTorch's own Functions; a custom op, an outlined
+    block's ``graphflop::repeat`` among them, called with an input that requires grad) is
+    autograd's, not the model's: not tagged (with grad mode off when it is called, the
+    custom op's wrapper does not go through ``apply``, and its node is tagged). An outlined
+    block called with grad mode off is traced in that mode
+    (:mod:`graphflop.frontend.outline`), so its template's nodes are tagged themselves."""
+    if not torch.is_grad_enabled():
+        yield
+        return
+
+    def create_node(self: PythonKeyTracer, *args: Any, **kwargs: Any) -> Node:
+        node = _CREATE_NODE(self, *args, **kwargs)
+        if not torch.is_grad_enabled() and node.op == "call_function" and not _in_function_apply():
+            node.meta[NO_GRAD] = True
+        return node
+
+    PythonKeyTracer.create_node = create_node  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PythonKeyTracer.create_node = _CREATE_NODE  # type: ignore[method-assign]

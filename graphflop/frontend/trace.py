@@ -76,6 +76,7 @@ from graphflop.frontend.loss import (
 )
 from graphflop.frontend.regions import (
     checkpoints_tagged,
+    grad_mode_tagged,
     grad_sources,
     mark_requires_grad,
     undecided_checkpoints,
@@ -87,6 +88,7 @@ from graphflop.meta import (
     CHECKPOINT,
     HIERARCHY,
     MODULE,
+    NO_GRAD,
     OUTLINED,
     SIGNATURE,
     OutlineInfo,
@@ -349,7 +351,7 @@ def _trace_once(
             _requires_grad_ignored(),
         ):
             warnings.simplefilter("ignore")
-            with outliner, grad_sources(trainable):
+            with outliner, grad_sources(trainable), grad_mode_tagged():
                 gm = _make_fx(
                     torch.func.functionalize(modes.around(objective)),
                     decomposition_table=table,
@@ -401,6 +403,7 @@ def _trace_once(
     sig = out.meta[SIGNATURE]
     frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
     frozen += _detached_only(out, frozen)
+    frozen += _no_grad_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
 
@@ -541,6 +544,19 @@ def _detached_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _no_grad_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
+    """The trainable parameters read only by nodes the model made with grad mode off
+    (:data:`~graphflop.meta.NO_GRAD`): eager gives them no gradient, as if frozen."""
+    sig = gm.meta[SIGNATURE]
+    phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    out = []
+    for p, _ in sig.params:
+        users = list(phs[p].users)
+        if p not in frozen and users and all(u.meta.get(NO_GRAD) for u in users):
+            out.append(p)
+    return tuple(out)
+
+
 def _chained(table: dict, first: dict) -> dict:
     """``first``'s decompositions, each falling back to ``table``'s of its op (or to the op's
     own handling) where it returns NotImplemented."""
@@ -646,7 +662,7 @@ def _templates(
     """
     templates = {}
     for key, call in enumerate(outliner.calls):
-        with undecided_checkpoints() as undecided:
+        with undecided_checkpoints() as undecided, grad_mode_tagged():
             templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes)
         if undecided[0]:  # detached or not is each call's own (its inputs' derivative)
             raise repeats.NotOutlinable(call.structure, "a reentrant checkpoint inside")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from graphflop.meta import JVP, SIGNATURE, Signature
+from graphflop.meta import JVP, NO_GRAD, SIGNATURE, Signature
 from graphflop.runtime import verify
 from graphflop.runtime.verify import (
     FLOOR_ULPS,
@@ -73,7 +73,10 @@ def verify_jvp(
     """Compare the JVP graph's loss tangent with ``torch.func.jvp`` along a random direction
     (zero in the :func:`padding_rows` of embedding tables, whose derivative PyTorch defines
     as zero for gradients but not for ``torch.func.jvp``). Where PyTorch has no forward-mode
-    formula for an op of the model (``_embedding_bag``), the reference is ``<∇loss, direction>``
+    formula for an op of the model (``_embedding_bag``), and where the model turns grad mode off
+    (``torch.no_grad()``: eager forward-mode AD, ``torch.func.jvp`` among it, differentiates
+    through it; graphflop's JVP, the backward's transpose, does not, as eager autograd), the
+    reference is ``<∇loss, direction>``
     with the gradient from ``torch.func.grad`` (exact: the loss is a scalar). The error is
     relative with an absolute floor scaled to the loss and the direction
     (:func:`tangent_floor`, :func:`tangent_error`): a tangent that is zero in exact arithmetic
@@ -115,6 +118,8 @@ def verify_jvp(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
+            if any(n.meta.get(NO_GRAD) for n in forward.graph.nodes):
+                raise NotImplementedError("grad mode off in the model: no forward AD reference")
             try:
                 # torch.func.jvp's return type is a 2- or 3-tuple whatever has_aux says
                 loss, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))  # type: ignore[misc]

@@ -1,0 +1,316 @@
+"""Grad mode turned off inside a model's forward (``torch.no_grad()``,
+``torch.set_grad_enabled(False)``, ``torch.inference_mode()``, a method decorated with
+``@torch.no_grad()``): as in eager PyTorch, what is computed there carries no derivative (as
+after ``detach``), and a parameter read only there gets no gradient and no update."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+
+import pytest
+import torch
+from test_hierarchy import _check
+from torch import nn
+
+from graphflop.ad.jvp import build_jvp
+from graphflop.ad.vjp import build_vjp
+from graphflop.analysis import analyze
+from graphflop.frontend.trace import trace
+from graphflop.meta import HIERARCHY, NO_GRAD, OUTLINED, SIGNATURE
+from graphflop.runtime.verify import verify_gradients
+from graphflop.runtime.verify_tangent import verify_jvp
+
+B, D, C = 2, 8, 3
+
+
+class Net(nn.Module):
+    """The tester's model: layer b runs under ``no_grad``; its output joins the graph."""
+
+    def __init__(self, mode: str = "no_grad"):
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+        self.mode = mode
+
+    def forward(self, x):
+        x = self.a(x)
+        if self.mode == "no_grad":
+            with torch.no_grad():
+                w = self.b(x)
+        elif self.mode == "set_grad_enabled":
+            with torch.set_grad_enabled(False):
+                w = self.b(x)
+        elif self.mode == "inference_mode":
+            with torch.inference_mode():
+                w = self.b(x)
+            w = w.clone()  # eager refuses an inference tensor in a graph that records
+        elif self.mode == "decorated":
+            w = self.off(x)
+        elif self.mode == "detach":  # the reference: the same graph, b's output detached
+            w = self.b(x).detach()
+        else:
+            raise ValueError(self.mode)
+        return self.head(x + w)
+
+    @torch.no_grad()
+    def off(self, x):
+        return self.b(x)
+
+
+def _layers(a) -> dict[str, dict]:
+    return {row["name"]: row for row in a.report.to_dict()["layers"]}
+
+
+def test_repro_figures_by_hand():
+    """Per layer, with B=2 rows of D=8 features and C=3 classes (1 multiply-add = 2 FLOPs):
+    a: weight gradient xᵀ·g 2·B·D·D = 256 plus the bias gradient (a sum over the batch of a
+    B×D tensor) 16 = 272; its input gradient is pruned (the model input needs none); update
+    (SGD) 2 FLOPs per parameter: 2·(64+8) = 144. b: nothing (eager gives it no .grad).
+    head: input gradient g·W 2·B·C·D = 96, weight gradient 96 + bias 6 = 102, update
+    2·(24+3) = 54. JVP: a: x·Ẇᵀ 256 + ḃ 16 = 272; b: 0 (no tangent in a no_grad region);
+    head: ẋ·Wᵀ 96 + x·Ẇᵀ 96 + their sum 6 + ḃ 6 = 204; the residual add x + w: 0 (w has
+    no tangent, x's passes through)."""
+    a = analyze(Net(), torch.randn(B, D))
+    rows = _layers(a)
+    assert rows["a"]["grad_weight_flops"] == 2 * B * D * D + B * D == 272
+    assert rows["a"]["update_flops"] == 2 * (D * D + D) == 144
+    assert rows["a"]["jvp_flops"] == 272
+    for key in ("backward_flops", "grad_weight_flops", "grad_input_flops", "jvp_flops"):
+        assert rows["b"][key] == 0, key
+    assert not rows["b"]["update_flops"]
+    assert rows["head"]["grad_input_flops"] == 2 * B * C * D == 96
+    assert rows["head"]["grad_weight_flops"] == 2 * B * C * D + B * C == 102
+    assert rows["head"]["update_flops"] == 2 * (C * D + C) == 54
+    assert rows["head"]["jvp_flops"] == 96 + 96 + 6 + 6 == 204
+    assert rows["(model)"]["jvp_flops"] == 0
+    sig = a.forward.meta[SIGNATURE]
+    assert {q for p, q in sig.params if p in sig.frozen} == {"b.weight", "b.bias"}
+
+
+def test_backward_and_update_equal_detached():
+    """The backward and update figures are those of the same model with b's output detached
+    (the stop-gradient graphflop already handled), layer by layer."""
+    got = analyze(Net(), torch.randn(B, D))
+    ref = analyze(Net("detach"), torch.randn(B, D))
+    keys = ("backward_flops", "grad_input_flops", "grad_weight_flops", "update_flops")
+    ref_rows = _layers(ref)
+    for name, row in _layers(got).items():
+        assert {k: row[k] for k in keys} == {k: ref_rows[name][k] for k in keys}, name
+    assert got.report.totals.backward.flops == ref.report.totals.backward.flops
+    assert got.report.totals.update.flops == ref.report.totals.update.flops
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "set_grad_enabled", "inference_mode", "decorated"])
+def test_gradients_and_jvp_match_torch(mode):
+    """Gradients against torch.func.grad (which keeps the region's stop-gradient: a's gradient
+    through w would otherwise differ); eager autograd gives b no .grad, and the trace counts it
+    frozen; the JVP's loss tangent is <∇L, direction>."""
+    torch.manual_seed(0)
+    model = Net(mode).double()
+    x = torch.randn(B, D, dtype=torch.float64)
+    fwd = trace(model, (x,))
+    assert any(n.meta.get(NO_GRAD) for n in fwd.graph.nodes)
+    sig = fwd.meta[SIGNATURE]
+    assert {q for p, q in sig.params if p in sig.frozen} == {"b.weight", "b.bias"}
+    check = verify_gradients(fwd, build_vjp(fwd), model, tolerance=1e-10)
+    assert check.ok, check
+    jvp_check = verify_jvp(fwd, build_jvp(fwd, "params"), model, tolerance=1e-10)
+    assert jvp_check.ok, jvp_check
+    model(x).sum().backward()
+    assert model.b.weight.grad is None and model.a.weight.grad is not None
+
+
+@torch.library.custom_op("gfnograd::scale", mutates_args=())
+def _scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
+
+
+@_scale.register_fake
+def _(x, w):
+    return torch.empty_like(x)
+
+
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class Calls(nn.Module):
+    """A custom op (PyTorch's autograd wrapper runs its kernel with grad mode off, the model's
+    mode being on) and a custom Function, each once with grad mode on and once off."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        y = _scale(x, self.w) + Square.apply(x * self.w)
+        with torch.no_grad():
+            z = _scale(y, self.w) + Square.apply(y)
+        return y * z
+
+
+def test_custom_op_and_function_tagged_by_the_models_mode():
+    """Only the calls made under no_grad are tagged: the grad-mode custom op's node is not (its
+    grad mode off is autograd's), and the Function called with grad mode on keeps its tangent;
+    with the Function alone, the gradient matches eager autograd's."""
+    fwd = trace(Calls(), (torch.randn(B, D),))
+    ops = [n for n in fwd.graph.nodes if n.target is torch.ops.gfnograd.scale.default]
+    assert [bool(n.meta.get(NO_GRAD)) for n in ops] == [False, True]
+    muls = [n for n in fwd.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert any(n.meta.get(NO_GRAD) for n in muls) and not all(n.meta.get(NO_GRAD) for n in muls)
+    torch.manual_seed(0)
+    model = Squares().double()
+    fwd = trace(model, (torch.randn(B, D, dtype=torch.float64),))
+    check = verify_gradients(fwd, build_vjp(fwd), model, tolerance=1e-10)
+    assert check.ok, check
+
+
+class Squares(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        y = Square.apply(x * self.w)
+        with torch.no_grad():
+            z = Square.apply(y * self.w)
+        return y * z
+
+
+class Shared(nn.Module):
+    """One layer used twice, once under no_grad: its gradient is the grad-mode use's only."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        with torch.no_grad():
+            w = torch.tanh(self.lin(h))
+        return self.head(h * w)
+
+
+def test_shared_parameter_gradient_matches_torch():
+    """lin stays trainable (read outside no_grad too); its gradient, compared with
+    torch.func.grad, leaves out the no_grad use (without the stop-gradient it would not
+    match)."""
+    torch.manual_seed(0)
+    model = Shared().double()
+    fwd = trace(model, (torch.randn(B, D, dtype=torch.float64),))
+    assert not fwd.meta[SIGNATURE].frozen
+    check = verify_gradients(fwd, build_vjp(fwd), model, tolerance=1e-10)
+    assert check.ok, check
+    assert verify_jvp(fwd, build_jvp(fwd, "params"), model, tolerance=1e-10).ok
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D, 2 * D)
+        self.fc2 = nn.Linear(2 * D, D)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class FrozenEncoder(nn.Module):
+    """Identical blocks: three run under no_grad (a frozen encoder), two train."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.ModuleList(Block() for _ in range(3))
+        self.decoder = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for blk in self.encoder:
+                x = blk(x)
+        for blk in self.decoder:
+            x = blk(x)
+        return self.head(x)
+
+
+def test_repeated_blocks_under_no_grad(monkeypatch):
+    """The encoder's blocks (outlined: traced once) get no backward, update nor JVP and their
+    parameters count as frozen; the decoder's identical blocks do; the hierarchical report
+    equals the flat one; and the figures are those of the model traced without outlining."""
+    model, x = FrozenEncoder(), torch.randn(B, D)
+    a = analyze(model, x)
+    assert a.forward.meta[OUTLINED].calls == 5 and a.forward.meta[OUTLINED].traced_once == 2
+    _check(a)
+    rows = _layers(a)
+    for i in range(3):
+        for sub in ("fc1", "fc2"):
+            row = rows[f"encoder.{i}.{sub}"]
+            assert row["backward_flops"] == row["jvp_flops"] == 0
+            assert not row["update_flops"]
+    for i in range(2):
+        # fc2: input gradient 2·B·2D·D = 512, weight gradient 512 + bias 16
+        assert rows[f"decoder.{i}.fc2"]["grad_weight_flops"] == 2 * B * 2 * D * D + B * D
+        assert rows[f"decoder.{i}.fc2"]["update_flops"] == 2 * (2 * D * D + D)
+    sig = a.forward.meta[SIGNATURE]
+    frozen = {q for p, q in sig.params if p in sig.frozen}
+    assert frozen == {q for q, _ in FrozenEncoder().named_parameters() if q.startswith("enc")}
+    from graphflop.frontend import outline
+
+    with monkeypatch.context() as m:  # every block traced in full, no hierarchy
+        m.setattr(outline, "plan", lambda *a, **k: {})
+        flat = analyze(model, x)
+    assert HIERARCHY not in flat.forward.meta
+    assert a.report.to_dict() == flat.report.to_dict()
+    torch.manual_seed(0)
+    model = FrozenEncoder().double()
+    fwd = trace(model, (torch.randn(B, D, dtype=torch.float64),))
+    assert verify_gradients(fwd, build_vjp(fwd), model, tolerance=1e-10).ok
+
+
+def test_no_grad_around_the_trace_tags_nothing():
+    """A caller tracing under no_grad (its mode, not the model's) gets the graph as before."""
+    with torch.no_grad():
+        fwd = trace(Net(), (torch.randn(B, D),))
+    assert not any(n.meta.get(NO_GRAD) for n in fwd.graph.nodes)
+
+
+def test_hf_llama_unchanged(monkeypatch):
+    """A tiny Llama (its rotary embedding computes cos/sin from positions only) has nothing
+    computed with grad mode off on the way to the loss: its report is the one of the model
+    with no region tagged."""
+    pytest.importorskip("transformers")
+    import graphflop.frontend.trace as trace_module
+    from graphflop.load import load, make_inputs
+
+    kw = dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=50,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = load("hf:llama-3.1-8b", ctor_kwargs=kw, meta=True, seq=8)
+        got = analyze(loaded.model, make_inputs(loaded, batch=2), name="llama")
+        monkeypatch.setattr(trace_module, "grad_mode_tagged", _untagged)
+        ref = analyze(loaded.model, make_inputs(loaded, batch=2), name="llama")
+    dump = lambda a: json.dumps(a.report.to_dict(), sort_keys=True, default=str)  # noqa: E731
+    assert dump(got) == dump(ref)
+    assert got.report.totals.backward.flops > 0
+
+
+def _untagged():
+    return contextlib.nullcontext()
