@@ -158,6 +158,7 @@ NODE_KEYS = (
     CALL_SITE,
     TIME,
     INPLACE,
+    NO_GRAD,
 )
 GRAPH_KEYS = (
     SIGNATURE,
