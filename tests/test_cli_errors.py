@@ -1308,35 +1308,35 @@ def test_warnings_follow_a_command_that_ran_not_an_internal_error(capsys):
 
 # --- a tester's findings ---------------------------------------------------------
 
-ATAN2 = """
+ASIN = """
 import torch
 class M(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = torch.nn.Linear(16, 16)
     def forward(self, x):
-        return torch.atan2(self.fc(x), x)
+        return torch.asin(torch.tanh(self.fc(x)))
 def example_inputs(): return (torch.randn(4, 16),)
 """
 
 
 @pytest.mark.slow  # about 10 s; run in CI with -m slow
 def test_export_refuses_gradients_an_op_without_rules_would_cut(tmp_path, capsys, monkeypatch):
-    """``torch.atan2`` has no derivative rule (``logcumsumexp`` was the example until it got
-    one): the backward stops at it, so backward.onnx's gradients of ``fc`` would be zeros.
-    export wrote them with status 0; it now refuses, writing nothing, unless
-    --allow-incomplete, which lists the op in manifest.json."""
-    model = tmp_path / "atan2.py"
-    model.write_text(ATAN2)
+    """``torch.asin`` has no derivative rule (``logcumsumexp``, then ``atan2`` were the
+    example until they got one): the backward stops at it, so backward.onnx's gradients of
+    ``fc`` would be zeros. export wrote them with status 0; it now refuses, writing nothing,
+    unless --allow-incomplete, which lists the op in manifest.json."""
+    model = tmp_path / "asin.py"
+    model.write_text(ASIN)
     monkeypatch.chdir(tmp_path)
-    one_error(capsys, "export", model, "--out", "onnx", message="stop at aten.atan2")
+    one_error(capsys, "export", model, "--out", "onnx", message="stop at aten.asin")
     assert not (tmp_path / "onnx").exists()
     rc, out, err = cli(capsys, "export", model, "--out", "onnx", "--allow-incomplete")
     assert rc == 0, err
     manifest = json.loads((tmp_path / "onnx" / "manifest.json").read_text())
     [cut] = manifest["incomplete"]
-    assert cut["op"] == "aten.atan2.default" and "jvp" in cut["missing"]
-    assert any("atan2" in line for line in err)  # the warning still shows
+    assert cut["op"] == "aten.asin.default" and "jvp" in cut["missing"]
+    assert any("asin" in line for line in err)  # the warning still shows
 
 
 NO_JVP_FUNCTION = """
