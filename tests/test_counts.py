@@ -441,3 +441,23 @@ def test_plain_tensor_attribute_of_a_model_built_on_meta(tmp_path):
     assert loaded.model.scale.device.type == "meta"  # put back
     real = load(str(f))
     assert analyze(real.model, real.example_inputs, loss="none").report.totals.forward.flops == 118
+
+
+class _InputPlusNarrowLinear(nn.Module):
+    def forward(self, x):
+        return x + self.fc(x)
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_input_plus_a_narrower_layer_output_is_pruned(record):
+    """A tester's finding: ``x + fc(x)`` with ``fc(x)`` of shape [2, 1] broadcast to x's [2, 8]
+    raised in the backward build (the ghost x took the [2, 1] cotangent of the narrower real
+    term and could not sum it to [2, 8]). The pruned work is x's gradient: fc's input-gradient
+    mm 2·2·1·8 = 32, and the add merging it with the sum's own cotangent, 2·8 = 16: 48."""
+    torch.manual_seed(0)
+    t = analyze(_InputPlusNarrowLinear(), torch.randn(2, 8), record_derivatives=record)
+    assert t.report.totals.backward.pruned_flops == 32 + 16

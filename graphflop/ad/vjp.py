@@ -481,7 +481,17 @@ def _credit(b: TransposeBuilder, gh: GhostValue, c: Any, ct: dict[Any, Any]) -> 
     rec = gh.record
     source, module = (rec.source, rec.module) if rec is not None else ("", "")
     with b.context(source=source, module=module, role="grad_input", ghost=True):
-        out = b.sum_to(b.as_ghost(c), tuple(value_of(gh).shape))
+        shape = tuple(value_of(gh).shape)
+        g = b.as_ghost(c)
+        have = tuple(value_of(g).shape)
+        if have != shape:
+            # the real tangent was the smaller operand (x + fc(x), fc(x): [2, 1]): its
+            # cotangent is already summed over the dims it broadcast; the ghost's, of the
+            # sum's shape, is as large (its work counted by shape: the values are never run)
+            wide = list(torch.broadcast_shapes(have, shape))
+            if list(have) != wide:
+                g = b.call(torch.ops.aten.expand.default, g, wide)
+        out = b.sum_to(g, shape)
         prev = ct.get(_key(gh))
         if prev is not None:
             with b.context(role="grad_accum"):
