@@ -241,6 +241,9 @@ class BlockTranspose:
                 self.unsafe.add(t[0])
             self.name[t] = n.name
         self.unsafe.update(_checkpoints_across(forward))
+        #: per call site, how its nodes are checkpointed (:func:`checkpointed_sites`): a call
+        #: checkpointed and one not are variants of their own
+        self.checkpointed = checkpointed_sites(forward)
         # module paths: per site, absolute <-> relative
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.abs = [dict(s.modules) for s in h.sites]
@@ -315,6 +318,7 @@ class BlockTranspose:
         assert h is not None
         key = (
             h.sites[site].variant,
+            self.checkpointed.get(site),
             tuple((self.tag[e.meta[SOURCE]][1:], e.target) for e in run),
             incoming,
             prior,
@@ -402,6 +406,7 @@ class BlockTranspose:
         assert h is not None
         fkey = (
             h.sites[site].variant,
+            self.checkpointed.get(site),
             calls.template(rep),
             positions,
             pattern,
@@ -745,6 +750,23 @@ def _take_recompute(b: Any, made: list[Node]) -> None:
     for n in made:
         if n.meta.get(ROLE) == "recompute":
             b.checkpoints.emitted_copy(n)
+
+
+def checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
+    """Per call site with checkpointed nodes, how: per such node, its place in the template,
+    its region relative to the call's (numbered in order of first use) and whether the region
+    reruns whole. Two calls of one template differ here when one runs under a checkpoint (a
+    model checkpointing only some of its blocks): their derivatives differ (the recompute)."""
+    out: dict[int, list] = {}
+    first: dict[int, dict[int, int]] = {}
+    for n in forward.graph.nodes:
+        tag, cs = n.meta.get(CHECKPOINT), n.meta.get(CALL_SITE)
+        if tag is None or cs is None:
+            continue
+        regions = first.setdefault(cs[0], {})
+        rel = regions.setdefault(tag.region, len(regions))
+        out.setdefault(cs[0], []).append((cs[1:], rel, tag.whole))
+    return {s: tuple(v) for s, v in out.items()}
 
 
 def _checkpoints_across(forward: GraphModule) -> set[int]:
@@ -1140,6 +1162,7 @@ class BlockLinearize:
         # one module under two relative paths: a path cannot be mapped back, the rules run
         self.unsafe.update(i for i, s in enumerate(h.sites) if len(self.rel[i]) != len(s.modules))
         self.by_key = {s: {self.key[n]: n for n in ns} for s, ns in self.site_nodes.items()}
+        self.checkpointed = checkpointed_sites(forward)  # a checkpointed call: its own variant
         self.templates: dict[tuple, TemplateJvp] = {}
         self.built = 0
         self.expanded = 0
@@ -1204,7 +1227,12 @@ class BlockLinearize:
         states = tuple(self._arg_state(site, a) for a in args)
         if site in self.unsafe or not args or False in states or len(set(args)) != len(args):
             return self._rules(ns, rules, site)
-        key = (self.h.sites[site].variant, states, tuple(n in needed for n in ns))
+        key = (
+            self.h.sites[site].variant,
+            self.checkpointed.get(site),
+            states,
+            tuple(n in needed for n in ns),
+        )
         t = self.templates.get(key)
         if t is None:
             t = self.templates[key] = TemplateJvp(site)
