@@ -461,3 +461,28 @@ def test_input_plus_a_narrower_layer_output_is_pruned(record):
     torch.manual_seed(0)
     t = analyze(_InputPlusNarrowLinear(), torch.randn(2, 8), record_derivatives=record)
     assert t.report.totals.backward.pruned_flops == 32 + 16
+
+
+class _PlainMaskTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.mask = torch.ones(8)  # a plain tensor attribute, read twice
+
+    def forward(self, x):
+        return self.a(x * self.mask) * self.mask
+
+
+def test_a_constant_read_twice_is_one_input():
+    """A tester's finding: a plain tensor attribute read twice became two constant inputs
+    with one argument name, so the JVP graph's code did not compile (verify: NOT RUN,
+    'duplicate argument'). It is one input; the JVP runs and equals torch.func.jvp's."""
+    from graphflop.runtime.verify_tangent import verify_jvp
+
+    torch.manual_seed(0)
+    model, x = _PlainMaskTwice(), torch.randn(2, 8)
+    a = analyze(model, x)
+    consts = [n for n in a.forward.graph.nodes if n.op == "placeholder" and n.name.startswith("c_")]
+    assert len(consts) == 1
+    check = verify_jvp(a.forward, a.jvp, model, examples=(x,))
+    assert check.ok, check

@@ -19,7 +19,7 @@ import warnings
 from typing import Any
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from graphflop.ad.builder import copy_node
 from graphflop.frontend.composite import getitem_tag
@@ -242,9 +242,13 @@ def from_make_fx(
         elif i < n_p + n_b:
             env[n] = placeholder("b_model_" + _ident(buffers[i - n_p]), n)
             sig_buffers.append((env[n].name, buffers[i - n_p]))
+    held: dict[str, Node] = {}  # one placeholder per constant, however often it is read
     for n in old.nodes:
         if n.op == "get_attr":  # torch.tensor(...) made in forward: a fixed buffer
-            env[n] = placeholder("c_" + _ident(n.target), n)
+            if n.target in held:  # a plain tensor attribute read twice: two get_attr nodes
+                env[n] = held[n.target]
+                continue
+            env[n] = held[n.target] = placeholder("c_" + _ident(n.target), n)
             sig_buffers.append((env[n].name, n.target))
             constants[env[n].name] = getattr(gm, n.target)
     for i, n in enumerate(phs[n_p + n_b :]):
