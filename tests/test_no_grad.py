@@ -314,3 +314,28 @@ def test_hf_llama_unchanged(monkeypatch):
 
 def _untagged():
     return contextlib.nullcontext()
+
+
+class _InPlaceUnderNoGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            h.mul_(2)  # autograd does not see the write: a's gradient flows as if it were not
+        return self.b(h)
+
+
+def test_an_in_place_write_under_no_grad_keeps_the_derivative():
+    """A tester's finding: ``h.mul_(2)`` under ``no_grad`` on a tensor that requires grad cut
+    ``a``'s whole derivative (its node tagged as made without grad). Eager autograd does not
+    record the write, so the tensor keeps its derivative (scaled values, the same gradient
+    path): ``a`` is trained, its gradient and the JVP are torch's."""
+    torch.manual_seed(0)
+    model, x = _InPlaceUnderNoGrad(), torch.randn(2, 8)
+    a = analyze(model, x)
+    assert a.report.frozen_params == 0
+    assert verify_gradients(a.forward, a.backward, model, examples=(x,)).ok
+    assert verify_jvp(a.forward, a.jvp, model, examples=(x,)).ok

@@ -44,6 +44,7 @@ from graphflop.meta import (
     GAPS,
     GHOST_LINKS,
     GHOSTS,
+    INPLACE,
     JVP,
     JVP_LOG,
     KIND,
@@ -336,6 +337,11 @@ class _Linearizer:
             if self.last[id(call)] is n and not all(m.meta.get(NO_GRAD) for m in call.nodes):
                 self._function_tangent(call)
         elif n.meta.get(NO_GRAD):  # made with grad mode off: no derivative, as after detach
+            # except an in-place write (h.mul_(2) under no_grad): autograd does not see it, so
+            # the tensor written into keeps its derivative, as if the write were not there
+            src = n.args[0] if n.meta.get(INPLACE) and n.args else None
+            if isinstance(src, Node) and self.tan.get(src) is not None:
+                self.tan[n] = self.tan[src]
             return
         elif n in needed:
             self._tangent(n)
