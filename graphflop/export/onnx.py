@@ -119,7 +119,7 @@ def _broadcast_copy(n: Node) -> bool:
     return dst is not None and src is not None and dst != src
 
 
-def _without_noop_squeezes(gm: GraphModule) -> GraphModule:
+def _exportable(gm: GraphModule) -> GraphModule:
     """``gm``, or a copy (same node names) made exportable: its no-op squeezes
     (:func:`_noop_squeeze`) made ``alias``, the source of its broadcasting copies
     (:func:`_broadcast_copy`) expanded to the destination's shape first."""
@@ -303,7 +303,7 @@ def export_graph(
     """
     import onnx
 
-    gm = _without_noop_squeezes(decompose_kept_whole(gm))
+    gm = _exportable(decompose_kept_whole(gm))
     try:
         with warnings.catch_warnings(), quiet_loggers(*EXPORTER_LOGGERS):
             warnings.simplefilter("ignore")

@@ -524,14 +524,11 @@ def _detached_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
     }
     if not modules:
         return ()
-    sig = gm.meta[SIGNATURE]
-    for p, _ in sig.params:
-        if p in frozen:
-            continue
-        node = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == p)
-        users = list(node.users)
-        if users and all((t := u.meta.get(CHECKPOINT)) is not None and t.detached for u in users):
-            out.append(p)
+    out.extend(
+        _read_only_where(
+            gm, frozen, lambda u: (t := u.meta.get(CHECKPOINT)) is not None and t.detached
+        )
+    )
     for module in dict.fromkeys(modules.values()):
         warnings.warn(
             f"reentrant checkpoint in {module}: none of its inputs requires grad, so, as in "
@@ -547,14 +544,19 @@ def _detached_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
 def _no_grad_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
     """The trainable parameters read only by nodes the model made with grad mode off
     (:data:`~graphflop.meta.NO_GRAD`): eager gives them no gradient, as if frozen."""
-    sig = gm.meta[SIGNATURE]
+    return tuple(_read_only_where(gm, frozen, lambda u: bool(u.meta.get(NO_GRAD))))
+
+
+def _read_only_where(gm: GraphModule, frozen: tuple[str, ...], where: Any) -> list[str]:
+    """The parameters not in ``frozen`` that some node reads and every reader of which is
+    ``where(node)``."""
     phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     out = []
-    for p, _ in sig.params:
+    for p, _ in gm.meta[SIGNATURE].params:
         users = list(phs[p].users)
-        if p not in frozen and users and all(u.meta.get(NO_GRAD) for u in users):
+        if p not in frozen and users and all(where(u) for u in users):
             out.append(p)
-    return tuple(out)
+    return out
 
 
 def _chained(table: dict, first: dict) -> dict:

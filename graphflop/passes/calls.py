@@ -98,6 +98,12 @@ def forward_tags(forward: GraphModule) -> dict[str, Any]:
     return {n.name: n.meta[CHECKPOINT] for n in forward.graph.nodes if CHECKPOINT in n.meta}
 
 
+def tags_of(tags: dict[str, Any], sources: tuple[str, ...]) -> tuple[Any, ...]:
+    """:attr:`DerivedCall.tags` of a call with ``sources``, ``tags`` the forward's
+    (:func:`forward_tags`)."""
+    return tuple(tags.get(x) for x in sources) if tags else ()
+
+
 def relative_tag(m: dict, own: bool, tags: dict[str, Any]) -> Any:
     """A derivative node's checkpoint tag (annotations ``m``) relative to its call:
     :data:`OWN_TAG` where it is its source's, a forward node of the call (``own``), else as it
@@ -260,7 +266,7 @@ class _Describer:
 
     def tags_of(self, sources: tuple[str, ...]) -> tuple[Any, ...]:
         """:attr:`DerivedCall.tags` of a call with ``sources``."""
-        return tuple(self.tags.get(x) for x in sources) if self.tags else ()
+        return tags_of(self.tags, sources)
 
     def site(self, n: Node) -> int | None:
         if n.op != "call_function":

@@ -69,6 +69,7 @@ from graphflop.passes.calls import (
     _template,
     forward_tags,
     relative_tag,
+    tags_of,
 )
 
 __all__ = ["BlockParams", "StepRecorder", "attach", "build"]
@@ -150,7 +151,7 @@ class _Describer:
 
     def tags_of(self, sources: tuple[str, ...]) -> tuple[Any, ...]:
         """:attr:`~graphflop.passes.calls.DerivedCall.tags` of a call with ``sources``."""
-        return tuple(self.tags.get(x) for x in sources) if self.tags else ()
+        return tags_of(self.tags, sources)
 
     def update_sources(self, update: GraphModule) -> None:
         """Key the sources of ``update``'s nodes (an update graph: each parameter's nodes have

@@ -429,8 +429,9 @@ def _decomposed_bernoulli(input: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     generator otherwise, so a draw after it differed); any other form as it is."""
     if args or kwargs.get("generator") is not None or set(kwargs) - {"generator"}:
         return _BERNOULLI(input, *args, **kwargs)
-    raw = torch.rand(input.size(), dtype=torch.float32, device=input.device)
-    return (raw < input).to(input.dtype)
+    from torch._decomp import decomposition_table
+
+    return decomposition_table[torch.ops.aten.bernoulli.default](input)
 
 
 @contextlib.contextmanager
