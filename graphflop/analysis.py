@@ -428,9 +428,18 @@ def analyze(
     args, kwargs = split_example(example_inputs)
     if kwargs and o.memory_model == "compiled":
         raise ValueError("memory_model='compiled' takes positional inputs only, not keywords")
-    say = progress or (lambda msg: None)
+    tell = progress or (lambda msg: None)
     # FakeTensorMode logs a traceback before re-raising a kernel's error; the error is raised
-    with paused_gc(), quiet_loggers("torch._subclasses.fake_tensor"), shape_cache_scope():
+    with (
+        paused_gc() as collect,
+        quiet_loggers("torch._subclasses.fake_tensor"),
+        shape_cache_scope(),
+    ):
+
+        def say(msg: str) -> None:  # a stage begins: the last one's garbage collected first
+            collect()
+            tell(msg)
+
         return nodynamo.run(
             lambda: _analyze(model, args, kwargs, o, name=name, say=say),
             light=o.memory_model != "compiled",
