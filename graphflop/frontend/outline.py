@@ -917,8 +917,8 @@ def inline(
                         stack[full] = (full, cls)
                     new.meta["nn_module_stack"] = stack
                     known = stacks[inner] = (stack, module_path(new))
-                else:
-                    new.meta["nn_module_stack"] = dict(known[0])
+                else:  # one dict for the call's nodes of a module (nothing writes into it)
+                    new.meta["nn_module_stack"] = known[0]
                 new.meta[CALL_SITE] = (site_no, index)
                 modules[rel] = known[1]
                 env[tn] = new
@@ -1013,7 +1013,7 @@ class Expansion:
                         full = _site_path(model, prefix, site_path, path, paths)
                         stack[full] = (full, cls)
                     known = stacks[inner] = (stack, _stack_path(stack))
-                meta["nn_module_stack"] = dict(known[0])
+                meta["nn_module_stack"] = known[0]  # shared, as inline's (read only)
                 meta[CALL_SITE] = (site_no, index)
                 modules[rel] = known[1]
                 copies.append((tn, namespace.create_name(tn.name, None), meta))
