@@ -434,6 +434,8 @@ def analyze(
         paused_gc() as collect,
         quiet_loggers("torch._subclasses.fake_tensor"),
         shape_cache_scope(),
+        torch.inference_mode(False),  # a training step's graphs, whatever the caller's mode
+        torch.enable_grad(),
     ):
 
         def say(msg: str) -> None:  # a stage begins: the last one's garbage collected first

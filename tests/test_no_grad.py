@@ -278,11 +278,26 @@ def test_repeated_blocks_under_no_grad(monkeypatch):
     assert verify_gradients(fwd, build_vjp(fwd), model, tolerance=1e-10).ok
 
 
-def test_no_grad_around_the_trace_tags_nothing():
-    """A caller tracing under no_grad (its mode, not the model's) gets the graph as before."""
-    with torch.no_grad():
-        fwd = trace(Net(), (torch.randn(B, D),))
-    assert not any(n.meta.get(NO_GRAD) for n in fwd.graph.nodes)
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_the_caller_s_grad_mode_changes_nothing(mode):
+    """The graphs describe a training step whatever mode the caller is in: under its
+    ``no_grad`` the model's own region is still told apart (it was hidden: every node made
+    with grad off, none tagged, b differentiated), under its ``inference_mode`` the trace
+    works (it failed: inference tensors track no version counter), and inputs made under
+    inference mode are fine. The update counts a's and the head's parameters only, 2 FLOPs
+    per element (SGD): (D·D + D) + (D·C + C)."""
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(B, D)
+    want = analyze(model, (x,)).report
+    with mode():
+        fwd = trace(model, (x,))
+        got = analyze(model, (x,)).report
+        x_inference = torch.randn(B, D)
+    assert any(n.meta.get(NO_GRAD) for n in fwd.graph.nodes)
+    assert got.totals == want.totals and got.memory == want.memory
+    assert got.totals.update.flops == 2 * ((D * D + D) + (D * C + C))
+    assert analyze(model, (x_inference,)).report.totals == want.totals
 
 
 def test_hf_llama_unchanged(monkeypatch):

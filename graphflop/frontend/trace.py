@@ -147,8 +147,29 @@ def trace(
     """
     if loss not in LOSSES + ("auto",):
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
-    configs = cache_configs(model, tuple(inputs), kwargs or {})
-    with _bound(model, tuple(inputs), kwargs or {}) as tensors:
+    # the graphs describe training whatever the caller's grad mode: a model's own no_grad
+    # regions are told apart under it (``with torch.no_grad(): analyze(...)`` hid them)
+    with _grad_on():
+        return _trace_in(model, tuple(inputs), loss, fake_mode, reuse, kwargs or {})
+
+
+@contextlib.contextmanager
+def _grad_on() -> Iterator[None]:
+    """Grad mode on and inference mode off, as in a training step, whatever they were."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def _trace_in(
+    model: nn.Module,
+    inputs: tuple,
+    loss: str,
+    fake_mode: FakeTensorMode | None,
+    reuse: bool,
+    kwargs: dict[str, Any],
+) -> GraphModule:
+    configs = cache_configs(model, inputs, kwargs)
+    with _bound(model, inputs, kwargs) as tensors:
         fake_mode = fake_mode or fake_mode_of(tensors) or FakeTensorMode(allow_non_fake_inputs=True)
         tensors = tuple(as_fake(fake_mode, t) for t in tensors)
         # FakeTensorMode logs a traceback before re-raising a kernel's error (a shape mismatch
@@ -687,9 +708,12 @@ def as_fake(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     """``t`` as a FakeTensor of ``fake_mode``; a meta tensor (a model built without memory)
     becomes a fake CPU tensor of its shape, strides and dtype, so that tensors the model makes
     in ``forward`` without ``device=`` (``torch.arange(T)``: CPU ones) meet tensors of their own
-    device, as they do when the model runs."""
+    device, as they do when the model runs. A tensor made under inference mode becomes a fake
+    tensor of its metadata that is not an inference tensor (autograd refuses to save those)."""
     if _is_fake(t):
         return t
-    if t.device.type != "meta":
+    if t.device.type != "meta" and not t.is_inference():
         return fake_mode.from_tensor(t)
+    if t.device.type != "meta":  # made under inference mode: its fake would be one too
+        return fresh_fake(fake_mode, t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
     return fresh_fake(fake_mode, t.shape, t.stride(), t.dtype, "cpu", t.requires_grad)
