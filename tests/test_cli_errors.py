@@ -78,7 +78,19 @@ VALIDATING_INT_OUTPUT = INT_OUTPUT.replace(
     "        return self.fc(x).argmax(-1)",
 )
 
+NUMBER_LISTS = """
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 2)
+    def forward(self, x):
+        return self.fc(x)
+def example_inputs(): return ([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]],)
+"""
+
 MODELS = {
+    "lists.py": NUMBER_LISTS,
     "int.py": INT_OUTPUT,
     "validating_int.py": VALIDATING_INT_OUTPUT,
     "const_int.py": CONST_INT_OUTPUT,
@@ -118,6 +130,12 @@ def nothing_left(path):
 
 
 # --- integer-only model output -------------------------------------------------------------
+
+
+def test_example_inputs_as_number_lists_say_to_make_tensors(work, capsys):
+    """A tester's finding: example_inputs() returning nested lists of numbers got PyTorch's
+    'linear(): argument must be Tensor, not list' alone."""
+    one_error(capsys, "inspect", work / "models/lists.py", message="torch.tensor(...)")
 
 
 def test_integer_output_inspect_analyses_the_forward_with_a_note(work, capsys):

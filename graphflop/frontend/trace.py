@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -668,6 +669,12 @@ def _advice(e: BaseException) -> str:
     if "more than 1 value per channel when training" in str(e):
         # batch norm in training mode over a batch of one example (Inception's auxiliary head)
         return "; give a batch of 2 or more (--batch 2) or trace in eval mode (--eval)"
+    if isinstance(e, TypeError) and re.search(r"must be Tensor, not (list|tuple)\b", str(e)):
+        # example_inputs() returning [[1.0, 2.0], ...]: a non-tensor input is a constant
+        return (
+            "; an example input that is a list or tuple of numbers is passed to the model as "
+            "it is, not as a tensor: make it one with torch.tensor(...)"
+        )
     return ""
 
 
