@@ -2,7 +2,10 @@
 
 A spec is one of:
 
-* ``path/to/file.py`` — the one ``nn.Module`` subclass defined in that file;
+* ``path/to/file.py`` — the one ``nn.Module`` subclass defined in that file (the one no other
+  class of the file uses, where it defines several); in a file that defines none, its one
+  module instance (``model = nn.Sequential(...)``), else its one factory function that needs no
+  arguments;
 * ``path/to/file.py:Name`` — ``Name`` in that file: an ``nn.Module`` subclass, a factory function
   returning a module, or a module instance;
 * ``package.module:attr`` — the same, imported from an installed package;
@@ -185,23 +188,39 @@ def _names_used(obj: Any) -> set[str]:
     return names
 
 
-def _root_class(module: Any, label: str, spec: str) -> type:
+def _root_class(module: Any, label: str, spec: str) -> tuple[str, Any]:
     """The file's one ``nn.Module`` class no other class of the file uses (by name in its
     methods, or as a base): the root of the composition.
 
     Raises:
         SpecError: no class, or several roots (listed with the file's factory functions).
+
+    A file without a class of its own gives its one module-level ``nn.Module`` instance
+    (``model = nn.Sequential(...)``), else its one factory function called with no arguments
+    (:func:`_classless_root`). Returns ``(name, object)``.
     """
     spec = spec[:-1] if spec.endswith(":") else spec  # "file.py:" names no class: "file.py:Name"
     classes = list(dict.fromkeys(_module_classes(module)))
     if not classes:
-        raise SpecError(f"{label} defines no nn.Module subclass; name one with {spec}:Name")
+        return _classless_root(module, label, spec)
     used = set().union(*(_names_used(c) - {c.__name__} for c in classes))
     roots = [c for c in classes if c.__name__ not in used]
     if len(roots) == 1:
-        return roots[0]
+        return roots[0].__name__, roots[0]
     names = ", ".join(c.__name__ for c in roots or classes)
-    factories = [
+    factories = _factories(module)
+    ready = [n for n in factories if _needs_no_arguments(vars(module)[n])]
+    extra = f"; factory functions: {', '.join(factories)}" if factories else ""
+    hint = f" (built with no arguments: {', '.join(ready)})" if ready else ""
+    raise SpecError(
+        f"{label} defines several top-level nn.Module classes ({names}){extra}; "
+        f"pick one with {spec}:Name{hint}"
+    )
+
+
+def _factories(module: Any) -> list[str]:
+    """The public functions a model file defines, but ``example_inputs``."""
+    return [
         n
         for n, f in vars(module).items()
         if inspect.isfunction(f)
@@ -209,12 +228,31 @@ def _root_class(module: Any, label: str, spec: str) -> type:
         and n != "example_inputs"
         and not n.startswith("_")
     ]
+
+
+def _classless_root(module: Any, label: str, spec: str) -> tuple[str, Any]:
+    """The model of a file that defines no ``nn.Module`` class: its one module-level module
+    instance, else its one factory function that needs no arguments.
+
+    Raises:
+        SpecError: none, or several of them (named, with the spec that picks one).
+    """
+    instances = [n for n, v in vars(module).items() if isinstance(v, nn.Module)]
+    if len(instances) == 1:
+        return instances[0], vars(module)[instances[0]]
+    factories = _factories(module)
     ready = [n for n in factories if _needs_no_arguments(vars(module)[n])]
-    extra = f"; factory functions: {', '.join(factories)}" if factories else ""
-    hint = f" (built with no arguments: {', '.join(ready)})" if ready else ""
+    if not instances and len(ready) == 1:
+        return ready[0], vars(module)[ready[0]]
+    found = [*(f"module {n}" for n in instances), *(f"function {n}()" for n in factories)]
+    if not found:
+        raise SpecError(
+            f"{label} defines no nn.Module subclass, module instance or factory function; "
+            f"define one, or name one with {spec}:Name"
+        )
     raise SpecError(
-        f"{label} defines several top-level nn.Module classes ({names}){extra}; "
-        f"pick one with {spec}:Name{hint}"
+        f"{label} defines no nn.Module subclass and several candidates ({', '.join(found)}); "
+        f"pick one with {spec}:Name"
     )
 
 
@@ -388,8 +426,7 @@ def load(
             raise SpecError(_exited(f"module {target}", "importing it", e)) from None
         label = target
     if name is None:
-        obj = _root_class(module, label, spec)
-        name = obj.__name__
+        name, obj = _root_class(module, label, spec)
     else:
         if not hasattr(module, name):
             avail = ", ".join(c.__name__ for c in _module_classes(module)) or "none"

@@ -58,6 +58,44 @@ def test_root_of_the_composition_is_picked(tmp_path):
     assert type(loaded.model).__name__ == "Net"
 
 
+@pytest.mark.parametrize(
+    ("source", "name"),
+    [
+        ("model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))", "model"),
+        (
+            "def build(width=4):\n    return nn.Sequential(nn.Linear(3, width), nn.Linear(width, 2))",
+            "build",
+        ),
+    ],
+)
+def test_a_file_without_a_class_gives_its_one_instance_or_factory(tmp_path, source, name):
+    """A model file that defines no nn.Module class (a tester's finding: 'defines no nn.Module
+    subclass' for ``model = nn.Sequential(...)`` or a ``def model()`` factory) loads its one
+    module instance, else its one factory needing no arguments."""
+    p = _write(tmp_path, source + "\n")
+    loaded = load(str(p), meta=True)
+    assert loaded.name.endswith(f":{name}")
+    # Linear(3, 4) + Linear(4, 2): 3·4 + 4 + 4·2 + 2 = 26 parameters
+    assert sum(t.numel() for t in loaded.model.parameters()) == 26
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("x = 1", "no nn.Module subclass, module instance or factory function"),
+        (
+            "def a():\n    return nn.Linear(1, 1)\ndef b():\n    return nn.Linear(1, 1)",
+            "several candidates (function a(), function b())",
+        ),
+    ],
+)
+def test_a_file_without_a_class_and_no_single_candidate_says_so(tmp_path, source, message):
+    p = _write(tmp_path, source + "\n")
+    with pytest.raises(SpecError) as e:
+        load(str(p), meta=True)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
 def test_several_roots_is_one_line_listing_roots_and_factories(tmp_path):
     p = _write(
         tmp_path,
