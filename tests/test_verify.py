@@ -201,6 +201,21 @@ MODELS = {
         def example_inputs():
             return (torch.randn(5, 6),)
         """,
+    # x.requires_grad_() in forward (a tester's: torch.func refuses it, both checks NOT RUN)
+    "requires_grad_inside": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+                self.out = nn.Linear(4, 2)
+
+            def forward(self, x):
+                x = x.clone().requires_grad_()
+                return self.out(torch.tanh(self.fc(x)))
+
+        def example_inputs():
+            return (torch.randn(3, 4),)
+        """,
 }
 
 
@@ -232,6 +247,7 @@ def _verify(spec: str, capsys, monkeypatch, *extra: str) -> tuple[int, dict, lis
         ("detach", []),
         ("detach_all", []),
         ("math_ops", []),
+        ("requires_grad_inside", []),
     ],
 )
 def test_verify_passes_where_it_used_to_fail(name, extra, tmp_path, capsys, monkeypatch):

@@ -565,6 +565,8 @@ FUNCTORCH_REFUSALS = (
     "torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks",
     # torch.inference_mode() inside the model: torch.func's wrappers meet an inference tensor
     "Cannot set version_counter for inference tensor",
+    # x.requires_grad_() in the model's forward (which graphflop's trace ignores)
+    "You are attempting to call Tensor.requires_grad_()",
 )
 
 
