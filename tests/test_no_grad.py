@@ -18,7 +18,7 @@ from graphflop.ad.jvp import build_jvp
 from graphflop.ad.vjp import build_vjp
 from graphflop.analysis import analyze
 from graphflop.frontend.trace import trace
-from graphflop.meta import HIERARCHY, NO_GRAD, OUTLINED, SIGNATURE
+from graphflop.meta import ASSUMPTIONS, HIERARCHY, NO_GRAD, OUTLINED, SIGNATURE
 from graphflop.runtime.verify import verify_gradients
 from graphflop.runtime.verify_tangent import verify_jvp
 
@@ -354,3 +354,32 @@ def test_an_in_place_write_under_no_grad_keeps_the_derivative():
     assert a.report.frozen_params == 0
     assert verify_gradients(a.forward, a.backward, model, examples=(x,)).ok
     assert verify_jvp(a.forward, a.jvp, model, examples=(x,)).ok
+
+
+class _MarksInput(nn.Module):
+    """``requires_grad_()`` in forward on the input (depends on no parameter) and, with
+    ``on_hidden``, on a value that already depends on one (a no-op in eager)."""
+
+    def __init__(self, on_hidden: bool = False):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+        self.on_hidden = on_hidden
+
+    def forward(self, x):
+        if self.on_hidden:
+            return self.head(self.fc(x).requires_grad_())
+        return self.head(self.fc(x.clone().requires_grad_()))
+
+
+@pytest.mark.parametrize(("on_hidden", "lines"), [(False, 1), (True, 0)])
+def test_requires_grad_on_a_new_leaf_is_said(on_hidden, lines):
+    """Eager autograd computes the gradient of a value the model makes require grad that
+    depends on no parameter (fc's input gradient here: 2·B·D·D FLOPs graphflop's backward
+    leaves out); the report says so, once. On a value that already requires grad the call
+    changes nothing: no line."""
+    fwd = trace(_MarksInput(on_hidden), (torch.randn(B, D),))
+    said = [a for a in fwd.meta[ASSUMPTIONS] if "requires_grad_()" in a]
+    assert len(said) == lines
+    if lines:
+        assert "1 tensor that depends on no trainable parameter" in said[0]

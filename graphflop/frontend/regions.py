@@ -102,6 +102,9 @@ class _GradSources:
     #: a reentrant checkpoint ran outside the main trace (an outlined block's template): whether
     #: its outputs carry a derivative was not decided (it depends on each call's inputs)
     undecided: bool = False
+    #: how many values the model's code marked that depend on no trainable parameter: eager
+    #: autograd makes each a leaf and computes its gradient, which graphflop leaves out
+    new_leaves: int = 0
 
 
 def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]:
@@ -113,6 +116,7 @@ def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]
     def scope() -> Iterator[None]:
         _GradSources.trainable = frozenset(trainable)
         _GradSources.marked = set()
+        _GradSources.new_leaves = 0
         _GradSources.active = True
         try:
             yield
@@ -129,7 +133,18 @@ def mark_requires_grad(t: torch.Tensor) -> None:
     mode = get_proxy_mode()
     node = _node_of(t) if mode is not None else None
     if node is not None:
+        if _GradSources.active and not _differentiable((t,)):
+            _GradSources.new_leaves += 1
         _GradSources.marked.add(node)
+
+
+def marked_leaves() -> int:
+    """How many values the model's code made require grad (``requires_grad_()``) that depend on
+    no trainable parameter, in the main trace so far (:func:`grad_sources`): eager autograd
+    makes each a leaf and computes its gradient (the input gradients of the ops reading it:
+    PEFT's ``enable_input_require_grads`` on a frozen embedding's output), which graphflop's
+    backward, whose gradients are the parameters', leaves out."""
+    return _GradSources.new_leaves
 
 
 def _node_of(t: Any) -> Node | None:

@@ -80,6 +80,7 @@ from graphflop.frontend.regions import (
     grad_mode_tagged,
     grad_sources,
     mark_requires_grad,
+    marked_leaves,
     undecided_checkpoints,
 )
 from graphflop.frontend.replay import Replays
@@ -379,6 +380,7 @@ def _trace_once(
                     decomposition_table=table,
                     _allow_fake_constant=True,
                 )(*flat_state, *inputs)
+                leaves = marked_leaves()
             templates = _templates(outliner, table, fake_mode, modes)
             with modes:
                 trace_records(records, table, fake_mode)
@@ -421,13 +423,25 @@ def _trace_once(
     hierarchy = build_hierarchy(out, templates, sites)
     if hierarchy is not None:
         out.meta[HIERARCHY] = hierarchy
-    out.meta[ASSUMPTIONS] = tuple(dispatch.lines)
+    out.meta[ASSUMPTIONS] = tuple(dispatch.lines) + ((_leaves_line(leaves),) if leaves else ())
     sig = out.meta[SIGNATURE]
     frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
     frozen += _detached_only(out, frozen)
     frozen += _no_grad_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+def _leaves_line(count: int) -> str:
+    """The report's line for ``count`` values the model made require grad that depend on no
+    trainable parameter (:func:`~graphflop.frontend.regions.marked_leaves`)."""
+    what = "1 tensor that depends" if count == 1 else f"{count} tensors that depend"
+    return (
+        f"the model's code calls requires_grad_() on {what} on no trainable parameter (a "
+        "frozen embedding's output, as PEFT's enable_input_require_grads makes it): eager "
+        "PyTorch also computes their gradient (the input gradients of the ops that read "
+        "them), graphflop's backward the parameters' gradients only"
+    )
 
 
 #: whether ``make_fx`` notes each torch function called while tracing (its
