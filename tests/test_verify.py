@@ -189,6 +189,29 @@ MODELS = {
         def example_inputs():
             return (torch.randn(2, 8),)
         """,
+    # exact zeros on every input: a parameter with zeros scales a layer's output, so the
+    # product's rows hold one, two and no zeros, and atan2 meets (0, 0) where the scale is 0
+    "exact_zeros": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc0 = nn.Linear(6, 6)
+                self.scale = nn.Parameter(torch.tensor([
+                    [1.0, 0.0, 1.5, 0.5, 1.0, 2.0],
+                    [0.0, 1.0, 0.0, 1.0, 0.5, 1.0],
+                    [1.0, 0.5, 1.5, 1.0, 2.0, 1.0],
+                ]))
+                self.fc = nn.Linear(6, 2)
+
+            def forward(self, x):
+                z = self.fc0(x) * self.scale
+                rows = z.prod(-1, keepdim=True)
+                angle = torch.atan2(z, z * 0.5)
+                return self.fc(rows + z[0].prod() + angle + torch.hypot(z, z + 2))
+
+        def example_inputs():
+            return (torch.randn(3, 6),)
+        """,
     "detach_all": """
         class M(nn.Module):
             def __init__(self):
@@ -248,6 +271,7 @@ def _verify(spec: str, capsys, monkeypatch, *extra: str) -> tuple[int, dict, lis
         ("detach_all", []),
         ("math_ops", []),
         ("requires_grad_inside", []),
+        ("exact_zeros", []),
     ],
 )
 def test_verify_passes_where_it_used_to_fail(name, extra, tmp_path, capsys, monkeypatch):
@@ -262,6 +286,22 @@ def test_verify_passes_where_it_used_to_fail(name, extra, tmp_path, capsys, monk
     assert len(lines) == 4 and all(": passed: " in x for x in lines[:3]), err
     assert lines[3] == "verify: 3 of 3 checks passed"
     assert all(x.startswith(("verify: ", "note: ")) for x in err), err  # nothing wrapped
+
+
+def test_verify_at_exact_zeros_takes_the_gradient_where_forward_mode_is_nan(
+    tmp_path, capsys, monkeypatch
+):
+    """The exact-zeros model: graphflop's gradients were NaN (prod's out / x, atan2's
+    division by x² + y² at (0, 0)) where eager's are finite; they now agree. At atan2's
+    (0, 0) torch.func.jvp is NaN (PyTorch's forward-mode formula divides by x² + y²) and
+    graphflop's JVP, the map its backward transposes, is finite: the JVP check takes the
+    reverse-mode tangent <∇L, direction> as its reference then, and says so."""
+    rc, doc, _ = _verify(_spec(tmp_path, "exact_zeros"), capsys, monkeypatch)
+    grads, jvp, _fg = doc["verify"]
+    assert rc == 0 and grads["ok"] and jvp["ok"], doc["verify"]
+    assert jvp["check"].startswith(
+        "JVP loss tangent vs torch.func.grad · direction (torch.func.jvp's is not finite)"
+    )
 
 
 def test_math_ops_are_counted_whole(tmp_path, capsys, monkeypatch):

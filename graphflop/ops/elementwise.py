@@ -424,15 +424,26 @@ def _jvp_exp2(b, out, args, tangents, kwargs):
 
 @def_jvp(aten.atan2.default)
 def _jvp_atan2(b, out, args, tangents, kwargs):
-    """``atan2(y, x)``: d = (x·dy − y·dx) / (x² + y²) (PyTorch's ``atan2_backward``: the
-    coefficients ``x/(x²+y²)`` and ``−y/(x²+y²)``, primal-only)."""
+    """``atan2(y, x)``: d = (x·dy − y·dx) / (x² + y²), the coefficients ``x / (x² + y²)`` and
+    ``−y / (x² + y²)`` primal-only and 0 where ``x² + y² = 0``, as PyTorch's ``atan2_backward``
+    (at (0, 0), and where both squares underflow): eager's gradient is 0 there.
+    ``torch.func.jvp`` gives NaN there (derivatives.yaml's forward formula divides by
+    ``x² + y²``); graphflop's JVP, the linear map its backward transposes, gives 0. Dividing
+    rather than multiplying by a reciprocal keeps the coefficient finite where ``x² + y²`` is
+    a subnormal number (eager's gradient is inf there, its JVP finite, and graphflop's agree
+    with the finite one). Per output element: ``x² + y²`` 3 FLOPs, the zero test 1, each
+    coefficient a divide and a select (``−y`` one more), each tangent term a product, their
+    sum 1: 12 with both tangents (9 of them the coefficients')."""
     y, x = args
     ty, tx = tangents
     r2 = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, x, x), b.call(aten.mul.Tensor, y, y))
-    t1 = _scale(b, ty, b.call(aten.div.Tensor, x, r2)) if ty is not None else None
-    t2 = None
-    if tx is not None:
-        t2 = _scale(b, tx, b.call(aten.div.Tensor, b.call(aten.neg.default, y), r2))
+    origin = b.call(aten.eq.Scalar, r2, 0)
+
+    def coef(num):
+        return b.call(aten.where.ScalarSelf, origin, 0.0, b.call(aten.div.Tensor, num, r2))
+
+    t1 = _scale(b, ty, coef(x)) if ty is not None else None
+    t2 = _scale(b, tx, coef(b.call(aten.neg.default, y))) if tx is not None else None
     return _fit(b, b.add(t1, t2), out)
 
 

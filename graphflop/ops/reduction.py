@@ -3,9 +3,11 @@ var_mean, prod, cumsum, cumprod, cummax, cummin, logcumsumexp, histc. 1 FLOP per
 adds 1 per output element (docs/flops_conventions.md). ``var_mean`` is counted as a mean plus a
 variance: 2 per input element and 2 per output element (the two divides). ``cumsum`` and
 ``cumprod`` are 1 per input element, and so is ``prod`` (one multiply each, as a sum's one add
-each); ``prod``'s tangent is ``out · sum(dx / x)``; cumsum's transpose is a reversed cumsum (flip, cumsum,
-flip); cumprod's tangent is ``out · cumsum(dx / x)``. ``cummax`` and ``cummin`` are 1 comparison
-per element, their values' tangent the input tangent gathered at the returned indices.
+each); ``prod``'s tangent is ``sum(dx · ∏ of the others)``, the product of the others exact at
+zeros (7 FLOPs per input element, :func:`_others_product`); cumsum's transpose is a reversed
+cumsum (flip, cumsum, flip); cumprod's tangent is ``out · cumsum(dx / x)`` (not finite at an
+exact zero). ``cummax`` and ``cummin`` are 1 comparison per element, their values' tangent the
+input tangent gathered at the returned indices.
 ``logcumsumexp`` is 5 FLOPs per element, 2 of them transcendental (each step is PyTorch's
 ``log_add_exp(acc, x) = max + log1p(exp(min − max))``: a comparison, a subtract, exp, log1p, an
 add). Sorting and selection (topk, sort, kthvalue) are in :mod:`graphflop.ops.sorting`.
@@ -265,26 +267,55 @@ def _jvp_cumprod(b, out, args, tangents, kwargs):
     return b.call(aten.mul.Tensor, b.call(aten.cumsum.default, ratio, dim), out)
 
 
-# --- product: 1 multiply per input element; its tangent is out · sum(dx / x) ---------------------
+# --- product: 1 multiply per input element; its tangent is Σⱼ (∏_{k ≠ j} x_k) dxⱼ ----------------
+
+
+def _others_product(b, x, dim):
+    """``∏_{k ≠ j} x_k`` over the reduced elements, for every element ``j`` of ``x`` (``x``'s
+    shape; ``dim`` the reduced dim, ``None`` for all), exact at zeros: ``p / x̃ⱼ`` where no other
+    element is zero and 0 where one is, with ``x̃`` the input with its zeros replaced by 1 and
+    ``p = ∏ x̃`` the product of the nonzero elements. So a reduction without zeros gets
+    ``out / xⱼ`` (PyTorch's ``prod_backward`` for such inputs, ``result / input``); one with a
+    single zero gets, at the zero, the product of the others and 0 elsewhere; one with two or
+    more zeros 0 everywhere (what PyTorch's exact path, ``prod_safe_zeros_backward``, gives).
+
+    7 FLOPs per element of ``x``: the zero test, the replacement, ``p`` (a prod, 1 per input
+    element), the zero count (a sum, 1 per input element), the divide, the test that no other
+    element is zero (the zero count equals the element's own) and the select. PyTorch's
+    exclusive-product form (a prefix times a suffix ``cumprod``: 3 per element) is cheaper,
+    but ONNX has no cumulative product, and a backward graph holding one would not export."""
+    zero = b.call(aten.eq.Scalar, x, 0)
+    nonzero = b.call(aten.where.ScalarSelf, zero, 1.0, x)
+    if dim is None:  # 0-d results, broadcast against x
+        p = b.call(aten.prod.default, nonzero)
+        zeros = b.call(aten.sum.dim_IntList, zero, list(range(len(shape(x)))))
+    else:
+        p = b.call(aten.prod.dim_int, nonzero, dim, True)
+        zeros = b.call(aten.sum.dim_IntList, zero, [dim], True)
+    ratio = b.call(aten.div.Tensor, p, nonzero)
+    alone = b.call(aten.eq.Tensor, zeros, zero)  # no zero among the others
+    return b.call(aten.where.ScalarOther, alone, ratio, 0.0)
 
 
 @def_jvp(aten.prod.dim_int)
 def _jvp_prod(b, out, args, tangents, kwargs):
-    """d ∏ⱼ xⱼ = Σⱼ (∏_{k ≠ j} x_k) dxⱼ = out · Σⱼ dxⱼ / xⱼ (PyTorch's ``prod_backward`` for
-    inputs without zeros, ``grad · result / input``; at an exact zero of ``x`` this gives
-    nan/inf, where PyTorch takes a slower exact path, as for cumprod). Linear in the tangent:
-    divide, sum, multiply."""
+    """d ∏ⱼ xⱼ = Σⱼ (∏_{k ≠ j} x_k) dxⱼ: the coefficient exact at zeros
+    (:func:`_others_product`, 7 FLOPs per input element, primal-only), then a multiply and a
+    sum, linear in the tangent: 9 FLOPs per input element. Its transpose (the backward) is the
+    cotangent expanded back and multiplied by the coefficient: 8 per input element."""
     a = bind(aten.prod.dim_int, args, kwargs)
-    ratio = b.call(aten.div.Tensor, tangents[0], a.self)
-    return b.call(aten.mul.Tensor, b.call(aten.sum.dim_IntList, ratio, [a.dim], a.keepdim), out)
+    coef = _others_product(b, a.self, a.dim % max(len(shape(a.self)), 1))
+    t = b.call(aten.mul.Tensor, tangents[0], coef)
+    return b.call(aten.sum.dim_IntList, t, [a.dim], a.keepdim)
 
 
 @def_jvp(aten.prod.default)
 def _jvp_prod_all(b, out, args, tangents, kwargs):
-    """The product of every element: out · sum(dx / x), as :func:`_jvp_prod`."""
-    ratio = b.call(aten.div.Tensor, tangents[0], args[0])
+    """The product of every element, as :func:`_jvp_prod` (9 FLOPs per input element, 8 in the
+    backward)."""
+    coef = _others_product(b, args[0], None)
     every = list(range(len(shape(args[0]))))  # as x.sum() traces: sum.dim_IntList over all dims
-    return b.call(aten.mul.Tensor, b.call(aten.sum.dim_IntList, ratio, every), out)
+    return b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, tangents[0], coef), every)
 
 
 # --- cumulative max/min: the tangent at the running extremum's index -----------------------------

@@ -80,8 +80,12 @@ def verify_jvp(
     with the gradient from ``torch.func.grad`` (exact: the loss is a scalar). The error is
     relative with an absolute floor scaled to the loss and the direction
     (:func:`tangent_floor`, :func:`tangent_error`): a tangent that is zero in exact arithmetic
-    passes on rounding noise. A NaN or infinity in either tangent fails the check, unless both
-    are NaN (or the same infinity): then it is not comparable (``Check.comparable``)."""
+    passes on rounding noise. Where ``torch.func.jvp``'s tangent is NaN or infinite and
+    graphflop's finite, the reverse-mode ``<∇loss, direction>`` is the reference when it is
+    finite (PyTorch's forward-mode formula for ``atan2`` is NaN at (0, 0), its gradient 0, and
+    graphflop's JVP is the map its backward transposes). A NaN or infinity in either tangent
+    fails the check, unless both are NaN (or the same infinity): then it is not comparable
+    (``Check.comparable``)."""
     values = real_arguments(forward, model, seed=seed, examples=examples)
     sig: Signature = forward.meta[SIGNATURE]
     info = jvp.meta[JVP]
@@ -144,6 +148,13 @@ def verify_jvp(
             caught.clear()
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if not bool(ref.isfinite().all()) and bool(got.isfinite().all()):
+        # PyTorch's forward-mode formula can be NaN where its reverse-mode one is finite
+        # (atan2 at (0, 0) divides by x² + y²; atan2_backward gives 0): graphflop's JVP is the
+        # map its backward transposes, so the reverse-mode tangent is the reference then
+        alt, by = _tangent_from_gradient(f, params, xs, p_t, x_t, model)
+        if bool(alt.isfinite().all()):
+            ref, what = alt, f"{by} · direction ({what}'s is not finite)"
     bad = nonfinite(got, ref)
     if bad and same_nonfinite(got, ref):
         return Check(

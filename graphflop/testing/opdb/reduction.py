@@ -9,6 +9,19 @@ from torch import nn
 
 from graphflop.testing.opdb.core import OpCase, W, X, index, module_of, randomized, readout_of
 
+
+def with_zeros(shape, *zeros):
+    """A parameter initialiser: ``randn(shape)`` with exact zeros at the ``zeros`` positions."""
+
+    def make():
+        w = torch.randn(shape)
+        for at in zeros:
+            w[at] = 0.0
+        return w
+
+    return make
+
+
 # ---------------------------------------------------------------------------------------------
 # reductions (with a readout r of the output's shape): 1 per input element, mean +1 per output
 # ---------------------------------------------------------------------------------------------
@@ -375,5 +388,41 @@ PROD = [
         (X,),
         flops=24 + 24 + 1,  # mul; prod 1 per input element; readout (a scalar)
         aten=("aten.prod.default", "aten.sum.dim_IntList"),
+    ),
+    # exact zeros in a parameter (so the zero's own tangent, x·dw, is not zero): the tangent's
+    # coefficient at an element is the product of the others (exact at zeros, as PyTorch's
+    # prod_backward), not out / x (nan there). Same counts as the cases above.
+    OpCase(
+        "prod_dim_zeros",
+        # w's columns are the reduced rows of x·w (dim 1, 3 long): column 0 holds one zero,
+        # column 1 two, column 2 three, column 3 none
+        module_of(
+            lambda s, x: (x * s.w).prod(1) * s.r,
+            {"w": with_zeros(W, (1, 0), (0, 1), (2, 1), (0, 2), (1, 2), (2, 2))},
+            {"r": (2, 4)},
+        ),
+        (X,),
+        flops=24 + 24 + 8,  # mul; prod 1 per input element; readout (2, 4)
+        aten=("aten.prod.dim_int", "aten.eq.Scalar", "aten.where.ScalarOther"),
+    ),
+    OpCase(
+        "prod_keepdim_zeros",
+        # reduced along w's rows (dim -1, 4 long): row 0 holds one zero, row 1 two, row 2 none
+        module_of(
+            lambda s, x: (x * s.w).prod(-1, keepdim=True) * s.r,
+            {"w": with_zeros(W, (0, 1), (1, 0), (1, 3))},
+            {"r": (2, 3, 1)},
+        ),
+        (X,),
+        flops=24 + 24 + 6,  # mul; prod 1 per input element; readout (2, 3, 1)
+        aten=("aten.prod.dim_int",),
+    ),
+    OpCase(
+        "prod_all_one_zero",
+        # one zero among the 24 elements: the gradient is the product of the other 23 there
+        module_of(lambda s, x: (x * s.w).prod() * s.r, {"w": with_zeros(X, (1, 2, 3))}, {"r": ()}),
+        (X,),
+        flops=24 + 24 + 1,  # mul; prod 1 per input element; readout (a scalar)
+        aten=("aten.prod.default",),
     ),
 ]
