@@ -230,8 +230,9 @@ def test_gpt2_update_built_per_template_equals_op_by_op():
 
 def test_step_takes_the_jvp_and_update_calls_as_built(monkeypatch):
     """With one direction the step copies the JVP graph's and the update graph's calls: they
-    are taken as they are (the templates the same ops), only the sampled directions and the
-    estimates d·v (one run per block each) are described."""
+    are taken as they are (the templates the same ops); the sampled directions and the
+    estimates d·v are built and described at the first block only (one variant each), and
+    emitted as calls of that template at the other three, without building them."""
     from graphflop.passes import step_calls
 
     described = []
@@ -243,7 +244,7 @@ def test_step_takes_the_jvp_and_update_calls_as_built(monkeypatch):
 
     monkeypatch.setattr(step_calls._Describer, "describe", spy)
     a = analyze(Stack(), torch.randn(5, 6), optimizer="momentum")
-    assert described == [0, 1, 2, 3] * 2  # directions, then estimates
+    assert described == [0, 0]  # the directions' first run, then the estimates'
     step = a.forward_gradient.meta[DERIVED_HIERARCHY]
 
     def ops(t):

@@ -63,7 +63,6 @@ from graphflop.passes.infra import FLAT, GraphPass
 from graphflop.passes.optimizer import (
     SLOT,
     OptimizerConfig,
-    _nodes_after,
     build_update_for,
     inline_update,
 )
@@ -261,14 +260,10 @@ def _recorded_step(
     st = _Start(jvp, upd, info, fake_mode, 1, False)
     g, b = st.g, st.b
     rec = step_calls.StepRecorder(forward, upd)
-    mark = _last(g)
     with b.context(role="direction"):
-        v = _direction(b, info, st.phs, 0, None, distribution)
-        sampled = _nodes_after(mark)
+        v = _recorded_direction(b, info, st.phs, distribution, rec)
         env, d = _copy_top(g, jvp, info, st.env, v, rec)
-        mark = _last(g)
-        grads = _estimate(b, info, [d], [v])
-        estimates = _nodes_after(mark)
+        grads = _recorded_estimate(b, info, d, v, rec)
     qual = dict(sig.trainable())
     new_state = _copy_update(
         g,
@@ -281,12 +276,50 @@ def _recorded_step(
     gm = _step_module(
         g, sig, jvp, upd, info, env, new_state, [d], st, distribution, "one tangent pass"
     )
-    rec.describe(g, sampled)
-    rec.describe(g, estimates)
     dh = rec.hierarchy(gm)
     if dh is not None:
         gm.meta[DERIVED_HIERARCHY] = dh
     return gm
+
+
+def _recorded_direction(
+    b: Builder,
+    info: JvpInfo,
+    phs: dict[str, Node],
+    distribution: str,
+    rec: step_calls.StepRecorder,
+) -> dict[str, Node]:
+    """:func:`_direction` of one sampled direction, each block's parameters' draws a call
+    (:meth:`~graphflop.passes.step_calls.StepRecorder.per_parameter`: built once per block
+    variant)."""
+    tangent = {p: t for t, p in info.tangent_inputs}
+
+    def build(p: str) -> Node:
+        val = phs[p].meta["val"]
+        with b.context(source=p, module=phs[p].meta.get(MODULE, "")):
+            r = b.call(aten.randn.default, list(val.shape), dtype=val.dtype, device=val.device)
+            return b.call(aten.sign.default, r) if distribution == "rademacher" else r
+
+    params = [(p, phs[p].meta["val"]) for _, p in info.tangent_inputs]
+    made = rec.per_parameter(b.graph, params, ("direction", distribution), build, lambda _: [])
+    return {tangent[p]: n for p, n in made.items()}
+
+
+def _recorded_estimate(
+    b: Builder, info: JvpInfo, d: Node, v: dict[str, Node], rec: step_calls.StepRecorder
+) -> dict[str, Node]:
+    """:func:`_estimate` of one direction (``g = d·v`` per parameter placeholder name), each
+    block's parameters' products a call, built once per block variant."""
+    tangent = {p: t for t, p in info.tangent_inputs}
+
+    def build(p: str) -> Node:
+        with b.context(role="direction", source=p):
+            return b.call(aten.mul.Tensor, v[tangent[p]], d)
+
+    params = [(p, v[t].meta["val"]) for t, p in info.tangent_inputs]
+    return rec.per_parameter(
+        b.graph, params, "estimate", build, lambda group: [*(v[tangent[p]] for p in group), d]
+    )
 
 
 def _last(g: Graph) -> Node:

@@ -39,14 +39,14 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import copy_node, take_names
+from graphflop.ad.builder import base_name, copy_node, take_names
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
     CALL_SITE,
@@ -66,6 +66,7 @@ from graphflop.meta import (
 from graphflop.passes.calls import (
     DerivedCall,
     DerivedHierarchy,
+    _localize,
     _template,
     forward_tags,
     relative_tag,
@@ -575,6 +576,8 @@ class StepRecorder:
         self._variants: dict[tuple, int] = {}  # a run's description -> its template's index
         self._root = torch.nn.Module()
         self.call_op = torch.ops.graphflop.repeat.default
+        #: :meth:`per_parameter`'s variants: what each one's first run made
+        self._per_param: dict[tuple, tuple] = {}
 
     def call(
         self, g: Graph, template: GraphModule, c: DerivedCall, args: list[Node], names: Any
@@ -618,11 +621,17 @@ class StepRecorder:
                 run.append(n)
             at = s
 
-    def _make_call(self, g: Graph, run: list[Node], s: int) -> None:
+    def _make_call(
+        self, g: Graph, run: list[Node], s: int, exposed: frozenset[int] = frozenset()
+    ) -> tuple[int, list[tuple], list[Node], dict[int, Node]] | None:
+        """Make ``run`` (call site ``s``) a call: ``(its template's index, its source slots'
+        keys, its values from outside, its getitems by position)``, a getitem for each node
+        read outside the run and each position in ``exposed``; None (the run left as it is)
+        where it cannot be described."""
         try:
             sig, ext, order = self.d.describe(run, s)
         except _Unshared:
-            return
+            return None
         t = self._variants.get(sig)
         if t is None:
             t = self._variants[sig] = len(self.templates)
@@ -638,17 +647,110 @@ class StepRecorder:
         self.names[rep] = tuple(n.name for n in run)
         inside = set(run)
         prev = rep
+        items: dict[int, Node] = {}
         for i, n in enumerate(run):
-            if any(u not in inside for u in n.users):
+            if i in exposed or any(u not in inside for u in n.users):
                 with g.inserting_after(prev):
                     item = g.create_node(
                         "call_function", operator.getitem, (rep, i), name="repeat_item"
                     )
                 object.__setattr__(item, "meta", n.meta)
                 n.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
-                prev = item
+                items[i] = prev = item
         for n in reversed(run):
             g.erase_node(n)
+        return t, order, ext, items
+
+    def per_parameter(
+        self,
+        g: Graph,
+        params: list[tuple[str, torch.Tensor]],
+        kind: Hashable,
+        build: Callable[[str], Node],
+        reads: Callable[[list[str]], list[Node]],
+    ) -> dict[str, Node]:
+        """Per parameter (``(placeholder name, value)`` pairs, in order), the node ``build(p)``
+        makes for it at the end of ``g`` (with the nodes it needs), each run of one call site's
+        parameters a call as :meth:`describe` would make it: built node by node at the first
+        run of each variant (``kind`` and the parameters' paths in the block and layouts) and
+        made a call at once; at the variant's other runs, the call emitted without building
+        (its nodes' names taken in ``g`` as building would take them), reading ``reads(run)``
+        where the first run read ``reads(first run)`` (the nodes from outside each run's work
+        reads, in one order). Returns the values: a call's getitems, or the nodes built where
+        a run cannot be a call. The graph is the one building every run and then
+        :meth:`describe` give, but for getitems of values nothing reads (drop them)."""
+        out: dict[str, Node] = {}
+        i = 0
+        while i < len(params):
+            k = self.d.keys.get(params[i][0])
+            s = k[0] if k is not None else None
+            j = i + 1
+            while s is not None and j < len(params) and self._site_of(params[j][0]) == s:
+                j += 1
+            group = [p for p, _ in params[i:j]]
+            if s is None:
+                out[group[0]] = build(group[0])
+                i = j
+                continue
+            key = (kind, tuple(self._layout_in_block(p, v) for p, v in params[i:j]))
+            known = self._per_param.get(key)
+            if known is not None and self._emit(g, s, known, group, reads(group), out):
+                i = j
+                continue
+            mark = next(iter(reversed(g.nodes)))
+            values = [build(p) for p in group]
+            run = _after(mark)
+            if known is None:
+                pos = {n: x for x, n in enumerate(run)}
+                exposed = [pos[v] for v in values]
+                candidates = [base_name(g, n.target) for n in run]
+                first_reads = reads(group)
+                made = self._make_call(g, run, s, frozenset(exposed))
+                if made is not None:
+                    t, order, ext, items = made
+                    self._per_param[key] = (t, order, ext, exposed, candidates, first_reads)
+                    values = [items[x] for x in exposed]
+            out.update(zip(group, values))
+            i = j
+        return out
+
+    def _site_of(self, p: str) -> int | None:
+        k = self.d.keys.get(p)
+        return k[0] if k is not None else None
+
+    def _layout_in_block(self, p: str, v: torch.Tensor) -> tuple:
+        return (self.d.keys[p][1], tuple(v.shape), v.stride(), v.dtype, v.device)
+
+    def _emit(
+        self, g: Graph, s: int, known: tuple, group: list[str], reads: list[Node], out: dict
+    ) -> bool:
+        """Call ``known`` (a variant's first run: template, source slots, values from
+        outside, values' positions, names, what it read) emitted for ``group`` at call site
+        ``s``; False, with nothing emitted, where a value from outside is not one of the
+        first run's reads."""
+        t, order, ext, exposed, candidates, first_reads = known
+        to = dict(zip(first_reads, reads))
+        if any(x not in to for x in ext):
+            return False
+        sources = tuple(self.d.names[(s, k)] for k in order)
+        c = DerivedCall(s, t, self.h.sites[s].modules, sources, self.d.tags_of(sources))
+        self.calls.append(c)
+        taken = tuple(take_names(g, candidates))
+        rep = g.create_node(
+            "call_function",
+            self.call_op,
+            ([to[x] for x in ext], len(self.calls) - 1),
+            name="repeat_call",
+        )
+        self.names[rep] = taken
+        nodes = list(self.templates[t].graph.nodes)
+        first = sum(1 for x in nodes if x.op == "placeholder")
+        absolute = dict(c.modules)
+        for p, x in zip(group, exposed):
+            m = dict(nodes[first + x].meta)
+            _localize(m, c, absolute)
+            out[p] = self.item(g, rep, x, m)
+        return True
 
     def hierarchy(self, gm: GraphModule) -> DerivedHierarchy | None:
         """The recorded hierarchy of step ``gm`` (its graph the one built), its calls
@@ -663,3 +765,13 @@ class StepRecorder:
         if not calls:
             return None
         return DerivedHierarchy(tuple(self.templates), tuple(calls), gm, names=tuple(names))
+
+
+def _after(last: Node) -> list[Node]:
+    """The nodes after ``last`` in its graph."""
+    out = []
+    n = last.next
+    while n.op != "root":
+        out.append(n)
+        n = n.next
+    return out
