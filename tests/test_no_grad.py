@@ -495,3 +495,30 @@ def test_repeated_blocks_writing_under_no_grad(monkeypatch):
         m.setattr(outline, "plan", lambda *a, **k: {})
         flat = analyze(model, x)
     assert a.report.to_dict() == flat.report.to_dict()
+
+
+class _InferenceWrite(nn.Module):
+    """A write under ``torch.inference_mode()`` into a tensor made outside it, which requires
+    grad and which a layer reads afterwards (eager writes into it and it stays a normal
+    tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, C)
+
+    def forward(self, x):
+        h = self.a(x)
+        t = h[:, 1:5]
+        with torch.inference_mode():
+            h[:, 0] = self.b(x)[:, 0]
+            t.mul_(2)
+        return self.head(h) + t.sum(1, keepdim=True)
+
+
+def test_a_write_under_inference_mode_keeps_the_derivative():
+    """The same under ``torch.inference_mode()``: it failed to trace (the written tensor's new
+    value made an inference tensor, which head's matrix product could not save for
+    backward); eager writes into the normal tensor and does not record it."""
+    torch.manual_seed(0)
+    model, x = _InferenceWrite().double(), torch.randn(B, D, dtype=torch.float64)
+    _against_eager_autograd(analyze(model, x), model, x)

@@ -346,13 +346,15 @@ def no_grad_write(target: Any) -> Iterator[None]:
     making the view again from the new value with the same view ops; so the new value is the
     node as many view ops above ``target``'s new node as its old node was below the old
     value. Nothing is tagged where that does not hold (a shape that differs, no way back to
-    the old value through the nodes the write made): the write then cuts the derivative."""
+    the old value through the nodes the write made): the write then cuts the derivative. A
+    write in inference mode into a tensor made outside it runs as under ``no_grad``
+    (:func:`_normal_write`)."""
     before = _node_of(target) if not torch.is_grad_enabled() else None
     if before is None:
         yield
         return
     base, depth = _view_base(before)
-    with new_nodes() as made:
+    with new_nodes() as made, _normal_write(target):
         yield
         after = _node_of(target)  # the view made again from the new value, where it is one
     views: list[Node] = []
@@ -377,6 +379,20 @@ def no_grad_write(target: Any) -> Iterator[None]:
     new.meta[NO_GRAD_WRITE] = NoGradWrite(way)
     for v in views:
         v.meta[NO_GRAD_WRITE] = NoGradWrite(None)
+
+
+@contextlib.contextmanager
+def _normal_write(target: Any) -> Iterator[None]:
+    """Inference mode off (grad mode still off) around a write made in inference mode into a
+    tensor made outside it: eager writes into that tensor, which stays a normal one;
+    functionalization would make its new value anew, in inference mode, an inference tensor
+    the rest of the trace could not differentiate ('Inference tensors cannot be saved for
+    backward')."""
+    if not torch.is_inference_mode_enabled() or target.is_inference():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def _is_view(n: Node) -> bool:
