@@ -522,3 +522,38 @@ def test_a_write_under_inference_mode_keeps_the_derivative():
     torch.manual_seed(0)
     model, x = _InferenceWrite().double(), torch.randn(B, D, dtype=torch.float64)
     _against_eager_autograd(analyze(model, x), model, x)
+
+
+class _ReadUnderNoGrad(nn.Module):
+    """b's output, computed with grad on, is read only under ``no_grad`` (``unread``: b is not
+    called; the zeros its output would add to nothing)."""
+
+    def __init__(self, unread: bool = False):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, C)
+        self.unread = unread
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.unread:
+            return self.head(h + torch.zeros(B, D))
+        v = self.b(x)
+        with torch.no_grad():
+            w = v * 2
+        return self.head(h + w)
+
+
+def test_a_tangent_read_only_under_no_grad_is_not_built():
+    """b's output carries a tangent, but its only reader is made under ``no_grad`` and takes
+    none: the JVP built it anyway, for nothing (2·B·D·D + B·D = 272 FLOPs). The JVP figures are
+    those of the model that does not call b, layer by layer."""
+    got = analyze(_ReadUnderNoGrad(), torch.randn(B, D))
+    ref = analyze(_ReadUnderNoGrad(unread=True), torch.randn(B, D))
+    rows, ref_rows = _layers(got), _layers(ref)
+    assert rows["b"]["jvp_flops"] == 0
+    assert rows["a"]["jvp_flops"] == ref_rows["a"]["jvp_flops"] == 2 * B * D * D + B * D
+    assert rows["head"]["jvp_flops"] == ref_rows["head"]["jvp_flops"]
+    assert got.report.totals.jvp.flops == ref.report.totals.jvp.flops
+    torch.manual_seed(0)
+    model, x = _ReadUnderNoGrad().double(), torch.randn(B, D, dtype=torch.float64)
+    _against_eager_autograd(analyze(model, x), model, x)

@@ -116,6 +116,10 @@ def _is_float(v: Any) -> bool:
 
 
 def _needed(graph: Graph, outputs: list[Node]) -> set[Node]:
+    """The nodes whose tangents ``outputs``' tangents can depend on: their inputs, but not
+    through a node made with grad mode off (``NO_GRAD``: it takes no tangent from its inputs),
+    except a tensor's value after a write there (``NO_GRAD_WRITE``), which takes its value's
+    before (or, made again as a view, its input's)."""
     seen: set[Node] = set()
     stack = list(outputs)
     while stack:
@@ -123,7 +127,15 @@ def _needed(graph: Graph, outputs: list[Node]) -> set[Node]:
         if n in seen:
             continue
         seen.add(n)
-        stack.extend(n.all_input_nodes)
+        if not n.meta.get(NO_GRAD):
+            stack.extend(n.all_input_nodes)
+            continue
+        write = n.meta.get(NO_GRAD_WRITE)
+        before = written_before(n) if write is not None else None
+        if write is not None and write.before is None:
+            stack.extend(n.all_input_nodes)
+        elif before is not None:
+            stack.append(before)
     return seen
 
 
