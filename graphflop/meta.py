@@ -41,6 +41,10 @@ Node keys (``node.meta``)
     :data:`NO_GRAD`      on forward nodes the model made with grad mode off (``torch.no_grad``,
                          ``set_grad_enabled(False)``, ``inference_mode``): True. As in eager
                          PyTorch they carry no derivative (the JVP gives them no tangent).
+    :data:`NO_GRAD_WRITE` on ``NO_GRAD`` nodes that hold a tensor's value after the model wrote
+                         into it (or into a view of it) in place with grad mode off:
+                         :class:`NoGradWrite`. Eager autograd does not see such a write, so the
+                         tensor keeps its derivative.
     :data:`FUNCTION`     on forward nodes a custom ``torch.autograd.Function``'s ``forward``
                          made: :class:`FunctionTag` (which Function, the node's place in the
                          call, which of its inputs, outputs or saved tensors the node is).
@@ -118,6 +122,7 @@ CALL_SITE = "gf_call_site"
 TIME = "gf_time"
 INPLACE = "gf_inplace"
 NO_GRAD = "gf_no_grad"
+NO_GRAD_WRITE = "gf_no_grad_write"
 
 # graph keys
 SIGNATURE = "gf_signature"
@@ -159,6 +164,7 @@ NODE_KEYS = (
     TIME,
     INPLACE,
     NO_GRAD,
+    NO_GRAD_WRITE,
 )
 GRAPH_KEYS = (
     SIGNATURE,
@@ -577,6 +583,39 @@ class CheckpointTag:
     whole: bool = False
     detached: bool = False
     unmodelled: str = ""
+
+
+@dataclass(frozen=True)
+class NoGradWrite:
+    """A forward node that holds a tensor's value after an in-place write the model made with
+    grad mode off (``h[:, 0] = v``, ``h.index_put_(...)``, ``h.masked_fill_(...)``,
+    ``h[:, 1:3].copy_(v)`` under ``torch.no_grad()``; :mod:`graphflop.frontend.regions`).
+    Eager autograd records nothing there, so the tensor written into keeps the derivative it
+    had before the write, as if the write were not there (the values written get none of their
+    own).
+
+    Attributes:
+        before: where the tensor's value before the write is, from this node: the positions
+            in ``node.args`` to follow, one per step (``(2,)``: ``node.args[2]``); the JVP
+            gives this node that value's tangent. None on a view of the written tensor the
+            trace made again from its new value (functionalization's regenerated view): it
+            is differentiated as the view it is.
+    """
+
+    before: tuple[int, ...] | None
+
+
+def written_before(node: Any) -> Any:
+    """The node :attr:`NoGradWrite.before` of ``node``'s tag leads to, or None (no tag, a
+    regenerated view's tag, or a path that no longer leads to a node)."""
+    tag = node.meta.get(NO_GRAD_WRITE)
+    if tag is None or tag.before is None:
+        return None
+    for i in tag.before:
+        if i >= len(node.args) or not isinstance(node.args[i], torch.fx.Node):
+            return None
+        node = node.args[i]
+    return node
 
 
 @dataclass(frozen=True)

@@ -909,3 +909,52 @@ def test_reentrant_checkpoint_inside_a_block_is_decided_per_call(monkeypatch):
     assert a.report.frozen_params == 3 * (64 + 8)
     monkeypatch.setattr(outline, "plan", lambda *a, **k: {})
     assert a.report.to_dict() == analyze(_DetachedCkptNet(), x).report.to_dict()
+
+
+class _InferBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.g = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.g(self.fc(x))
+
+
+class _InferenceCall(nn.Module):
+    """Identical blocks, one (the ``frozen``-th) called under ``torch.inference_mode()``."""
+
+    def __init__(self, frozen: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(_InferBlock() for _ in range(4))
+        self.head = nn.Linear(8, 3)
+        self.frozen = frozen
+
+    @torch.inference_mode()
+    def frozen_call(self, b, x):
+        return b(x)
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            x = b(x) if i != self.frozen else self.frozen_call(b, x).clone()
+        return self.head(x)
+
+
+@pytest.mark.parametrize("frozen", [0, 2])
+def test_a_block_called_under_inference_mode_is_outlined(frozen, monkeypatch):
+    """A tester's finding: a repeated block called under ``torch.inference_mode()`` failed to
+    trace when outlined (the first run of its call made its fresh inputs in inference mode,
+    where a tensor has no version counter to tell a write by: 'Inference tensors do not track
+    version counter'). It is traced once per grad mode, as a call under ``no_grad``; its
+    parameters get no gradient (2 · (64 + 8) = 144 frozen), and the hierarchical report
+    equals the flat one and the one traced without outlining."""
+    import graphflop.frontend.outline as outline
+
+    x = torch.randn(2, 8)
+    a = analyze(_InferenceCall(frozen), x)
+    assert a.forward.meta[OUTLINED].calls == 4 and a.forward.meta[OUTLINED].traced_once == 2
+    assert a.report.frozen_params == 2 * (64 + 8)
+    _check(a)
+    monkeypatch.setattr(outline, "plan", lambda *a, **k: {})
+    flat = analyze(_InferenceCall(frozen), x)
+    assert HIERARCHY not in flat.forward.meta
+    assert a.report.to_dict() == flat.report.to_dict()

@@ -383,3 +383,221 @@ def test_requires_grad_on_a_new_leaf_is_said(on_hidden, lines):
     assert len(said) == lines
     if lines:
         assert "1 tensor that depends on no trainable parameter" in said[0]
+
+
+#: in-place writes made under ``no_grad`` into ``h`` (which requires grad), into ``t`` (a view
+#: of ``h`` taken with grad on) or into a view taken there; ``v`` is another layer's output,
+#: computed there
+_WRITES = {
+    "setitem column": lambda h, t, v: h.__setitem__((slice(None), 0), v[:, 0]),
+    "setitem slice step": lambda h, t, v: h.__setitem__((slice(None), slice(0, 8, 2)), v[:, ::2]),
+    "setitem index": lambda h, t, v: h.__setitem__((slice(None), torch.tensor([0, 3])), v[:, :2]),
+    "setitem mask": lambda h, t, v: h.__setitem__(v > 0, 0.0),
+    "setitem from itself": lambda h, t, v: h.__setitem__((slice(None), 0), h[:, 1]),
+    "setitem nested view": lambda h, t, v: h[0].__setitem__(slice(1, 3), v[0, 1:3]),
+    "setitem transposed": lambda h, t, v: h.t().__setitem__(0, v[:, 0]),
+    "index_put_": lambda h, t, v: h.index_put_((torch.tensor([1]),), v[1:2]),
+    "masked_fill_": lambda h, t, v: h.masked_fill_(v > 0, 0.0),
+    "copy_ into a view": lambda h, t, v: h[:, 2:4].copy_(v[:, :2]),
+    "copy_ into a diagonal": lambda h, t, v: h[:, :2].diagonal().copy_(v[0, :2]),
+    "mul_ on a flat view": lambda h, t, v: h.view(-1).mul_(2),
+    "lerp_": lambda h, t, v: h.lerp_(v, 0.3),
+    "setitem on a view": lambda h, t, v: t.__setitem__((slice(None), 0), v[:, 0]),
+    "mul_ on a view": lambda h, t, v: t.mul_(2),
+    "two writes": lambda h, t, v: (h.__setitem__((slice(None), 0), v[:, 0]), t.mul_(2)),
+}
+
+
+class _Write(nn.Module):
+    """``h = a(x)`` and ``t = h[:, 1:5]`` require grad; ``write`` (one of :data:`_WRITES`, or
+    None: no write) writes into them under ``no_grad``; both are read afterwards."""
+
+    def __init__(self, write: str | None):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, C)
+        self.write = write
+
+    def forward(self, x):
+        h = self.a(x)
+        t = h[:, 1:5]
+        if self.write is not None:
+            with torch.no_grad():
+                _WRITES[self.write](h, t, self.b(x))
+        return self.head(h) + t.sum(1, keepdim=True)
+
+
+def _against_eager_autograd(a, model, x) -> None:
+    """Every trainable parameter's gradient from graphflop's backward graph, and the JVP
+    graph's loss tangent, against eager autograd on the model itself (``torch.autograd.grad``
+    and ``<∇L, direction>``; not ``torch.func.jvp``, whose forward mode differentiates through
+    ``no_grad``), in float64, on the same inputs and targets."""
+    from graphflop.meta import JVP, VJP
+    from graphflop.runtime.verify import (
+        backward_reads,
+        real_arguments,
+        reference_loss_fn,
+        run_backward,
+        run_forward,
+    )
+    from graphflop.runtime.verify_tangent import run_jvp
+
+    fwd, sig = a.forward, a.forward.meta[SIGNATURE]
+    values = real_arguments(fwd, model, examples=(x,))
+    grads = run_backward(a.backward, run_forward(fwd, values, backward_reads(a.backward)))
+    got = {qual: grads[pos] for pos, qual in a.backward.meta[VJP].grads}
+    params = {q: values[n].clone().requires_grad_(True) for n, q in sig.params}
+    loss = reference_loss_fn(fwd, model, values)(params)
+    eager = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    assert any(g is not None and g.abs().sum() > 0 for g in eager)
+    ref = {q: torch.zeros_like(params[q]) if g is None else g for q, g in zip(params, eager)}
+    for q, r in ref.items():
+        g = got.get(q, torch.zeros_like(r))
+        assert torch.allclose(g, r, rtol=1e-10, atol=1e-12), q
+    info = a.jvp.meta[JVP]
+    gen = torch.Generator().manual_seed(1)
+    dirs = {
+        p: torch.randn(values[p].shape, generator=gen, dtype=values[p].dtype)
+        for _, p in info.tangent_inputs
+    }
+    tangent = run_jvp(a.jvp, values, dirs)[info.primal_outputs]
+    qual = dict(sig.params)
+    expected = sum((ref[qual[p]] * d).sum() for p, d in dirs.items())
+    assert torch.allclose(tangent, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("write", list(_WRITES))
+def test_a_write_under_no_grad_keeps_the_derivative_as_eager_autograd(write):
+    """A tester's finding: ``h[:, 0] = b(x)[:, 0]`` under ``no_grad``, with ``h`` requiring
+    grad, cut ``h``'s whole derivative (the trace makes the write a scatter, made with grad mode
+    off). Eager autograd does not record the write: ``h`` (and a view of it taken with grad on)
+    keeps the derivative it had, column 0 included, as if the write were not there; the values
+    written get none. Gradients and the JVP against eager autograd, for each kind of write."""
+    torch.manual_seed(0)
+    model, x = _Write(write).double(), torch.randn(B, D, dtype=torch.float64)
+    _against_eager_autograd(analyze(model, x), model, x)
+
+
+@pytest.mark.parametrize("write", ["setitem column", "copy_ into a view", "mul_ on a view"])
+def test_a_write_under_no_grad_costs_no_derivative_work(write):
+    """Eager autograd does no derivative work for the write: the backward and JVP totals, and
+    each layer's input-gradient, weight-gradient and JVP FLOPs, are those of the same model
+    without it (a: weight gradient 2·B·D·D + B·D = 272, now that h keeps its derivative). The
+    sum of h's two cotangents (head's and t's, 16 FLOPs) is met at head's use instead of t's:
+    functionalization reads t again, from h's new value, where the model reads it after the
+    write."""
+    models = _Write(write), _Write(None)
+    for m in models:  # b, read under no_grad or not at all, gets no gradient in either
+        m.b.requires_grad_(False)
+    got, ref = (analyze(m, torch.randn(B, D)) for m in models)
+    assert got.report.totals.backward == ref.report.totals.backward
+    assert got.report.totals.jvp == ref.report.totals.jvp
+    rows, ref_rows = _layers(got), _layers(ref)
+    assert rows["a"]["grad_weight_flops"] == 2 * B * D * D + B * D
+    keys = ("grad_input_flops", "grad_weight_flops", "jvp_flops")
+    for name, row in ref_rows.items():
+        assert {k: rows[name][k] for k in keys} == {k: row[k] for k in keys}, name
+
+
+class _WriteBlock(nn.Module):
+    """The tester's block: a setitem under no_grad into a tensor that requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            h[:, 0] = self.b(x)[:, 0]
+        return x + self.b(h)
+
+
+class _WriteBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_WriteBlock() for _ in range(4))
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+def test_repeated_blocks_writing_under_no_grad(monkeypatch):
+    """The tester's model (n16): its blocks outlined, the hierarchical report equals the flat
+    one and the one traced without outlining; gradients and JVP against eager autograd."""
+    torch.manual_seed(0)
+    model, x = _WriteBlocks().double(), torch.randn(B, D, dtype=torch.float64)
+    a = analyze(model, x)
+    assert a.forward.meta[OUTLINED].traced_once == 1
+    _check(a)
+    _against_eager_autograd(a, model, x)
+    from graphflop.frontend import outline
+
+    with monkeypatch.context() as m:
+        m.setattr(outline, "plan", lambda *a, **k: {})
+        flat = analyze(model, x)
+    assert a.report.to_dict() == flat.report.to_dict()
+
+
+class _InferenceWrite(nn.Module):
+    """A write under ``torch.inference_mode()`` into a tensor made outside it, which requires
+    grad and which a layer reads afterwards (eager writes into it and it stays a normal
+    tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, C)
+
+    def forward(self, x):
+        h = self.a(x)
+        t = h[:, 1:5]
+        with torch.inference_mode():
+            h[:, 0] = self.b(x)[:, 0]
+            t.mul_(2)
+        return self.head(h) + t.sum(1, keepdim=True)
+
+
+def test_a_write_under_inference_mode_keeps_the_derivative():
+    """The same under ``torch.inference_mode()``: it failed to trace (the written tensor's new
+    value made an inference tensor, which head's matrix product could not save for
+    backward); eager writes into the normal tensor and does not record it."""
+    torch.manual_seed(0)
+    model, x = _InferenceWrite().double(), torch.randn(B, D, dtype=torch.float64)
+    _against_eager_autograd(analyze(model, x), model, x)
+
+
+class _ReadUnderNoGrad(nn.Module):
+    """b's output, computed with grad on, is read only under ``no_grad`` (``unread``: b is not
+    called; the zeros its output would add to nothing)."""
+
+    def __init__(self, unread: bool = False):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, C)
+        self.unread = unread
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.unread:
+            return self.head(h + torch.zeros(B, D))
+        v = self.b(x)
+        with torch.no_grad():
+            w = v * 2
+        return self.head(h + w)
+
+
+def test_a_tangent_read_only_under_no_grad_is_not_built():
+    """b's output carries a tangent, but its only reader is made under ``no_grad`` and takes
+    none: the JVP built it anyway, for nothing (2·B·D·D + B·D = 272 FLOPs). The JVP figures are
+    those of the model that does not call b, layer by layer."""
+    got = analyze(_ReadUnderNoGrad(), torch.randn(B, D))
+    ref = analyze(_ReadUnderNoGrad(unread=True), torch.randn(B, D))
+    rows, ref_rows = _layers(got), _layers(ref)
+    assert rows["b"]["jvp_flops"] == 0
+    assert rows["a"]["jvp_flops"] == ref_rows["a"]["jvp_flops"] == 2 * B * D * D + B * D
+    assert rows["head"]["jvp_flops"] == ref_rows["head"]["jvp_flops"]
+    assert got.report.totals.jvp.flops == ref.report.totals.jvp.flops
+    torch.manual_seed(0)
+    model, x = _ReadUnderNoGrad().double(), torch.randn(B, D, dtype=torch.float64)
+    _against_eager_autograd(analyze(model, x), model, x)

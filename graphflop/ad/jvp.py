@@ -8,7 +8,9 @@ is what lets :mod:`graphflop.ad.vjp` transpose it.
 
 Symbolic zeros: a tangent known to be zero is ``None`` and no work is emitted for it; so is the
 tangent of a node the model made with grad mode off (``NO_GRAD``: eager autograd gives it no
-gradient; eager forward-mode AD, which ``no_grad`` does not stop, would give it one). A tangent
+gradient; eager forward-mode AD, which ``no_grad`` does not stop, would give it one), except a
+tensor's value after an in-place write made there (``NO_GRAD_WRITE``), which keeps the tangent
+of its value before, as eager autograd, which does not see the write. A tangent
 that is zero only because the value was not chosen to carry one (the model input under weight
 perturbation) is a ghost: the work it would have caused is recorded in ``gm.meta[GHOSTS]``.
 
@@ -44,13 +46,13 @@ from graphflop.meta import (
     GAPS,
     GHOST_LINKS,
     GHOSTS,
-    INPLACE,
     JVP,
     JVP_LOG,
     KIND,
     LOSS_KIND,
     MODULE,
     NO_GRAD,
+    NO_GRAD_WRITE,
     PARAM,
     PARAM_DERIVED,
     ROLE,
@@ -63,6 +65,7 @@ from graphflop.meta import (
     Signature,
     fake_mode_of,
     graph_module,
+    written_before,
 )
 from graphflop.ops import MissingRuleError, is_strict, lookup, op_name
 from graphflop.ops.ghost import GhostValue, is_ghost
@@ -113,6 +116,10 @@ def _is_float(v: Any) -> bool:
 
 
 def _needed(graph: Graph, outputs: list[Node]) -> set[Node]:
+    """The nodes whose tangents ``outputs``' tangents can depend on: their inputs, but not
+    through a node made with grad mode off (``NO_GRAD``: it takes no tangent from its inputs),
+    except a tensor's value after a write there (``NO_GRAD_WRITE``), which takes its value's
+    before (or, made again as a view, its input's)."""
     seen: set[Node] = set()
     stack = list(outputs)
     while stack:
@@ -120,7 +127,15 @@ def _needed(graph: Graph, outputs: list[Node]) -> set[Node]:
         if n in seen:
             continue
         seen.add(n)
-        stack.extend(n.all_input_nodes)
+        if not n.meta.get(NO_GRAD):
+            stack.extend(n.all_input_nodes)
+            continue
+        write = n.meta.get(NO_GRAD_WRITE)
+        before = written_before(n) if write is not None else None
+        if write is not None and write.before is None:
+            stack.extend(n.all_input_nodes)
+        elif before is not None:
+            stack.append(before)
     return seen
 
 
@@ -337,11 +352,16 @@ class _Linearizer:
             if self.last[id(call)] is n and not all(m.meta.get(NO_GRAD) for m in call.nodes):
                 self._function_tangent(call)
         elif n.meta.get(NO_GRAD):  # made with grad mode off: no derivative, as after detach
-            # except an in-place write (h.mul_(2) under no_grad): autograd does not see it, so
-            # the tensor written into keeps its derivative, as if the write were not there
-            src = n.args[0] if n.meta.get(INPLACE) and n.args else None
-            if isinstance(src, Node) and self.tan.get(src) is not None:
-                self.tan[n] = self.tan[src]
+            # except a tensor's value after an in-place write (h[:, 0] = v, h.mul_(2) under
+            # no_grad): autograd does not see the write, so the tensor keeps its derivative,
+            # as if the write were not there; its views made again are views of it
+            write = n.meta.get(NO_GRAD_WRITE)
+            if write is not None and write.before is None and n in needed:
+                self._tangent(n)
+            elif write is not None:
+                before = written_before(n)
+                if before is not None and self.tan.get(before) is not None:
+                    self.tan[n] = self.tan[before]
             return
         elif n in needed:
             self._tangent(n)

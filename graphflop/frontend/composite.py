@@ -6,7 +6,9 @@ composite op was decomposed into (:func:`tagged_decompositions`).
 Writes :data:`~graphflop.meta.COMPOSITE` on the nodes of the decompositions of the ops in
 :data:`EAGER_SAVES`, and on the nodes of an attention call PyTorch would run with its fused CPU
 kernel (:data:`FUSED_SDPA`, :func:`fused_on_cpu`); :data:`~graphflop.meta.INPLACE` on the node
-of each in-place call the model makes (:func:`in_place_call`).
+of each in-place call the model makes (:func:`in_place_call`); an in-place call or a setitem
+made with grad mode off goes through :func:`graphflop.frontend.regions.no_grad_write`, which
+writes :data:`~graphflop.meta.NO_GRAD_WRITE`.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphflop.frontend.regions import new_nodes
+from graphflop.frontend.regions import new_nodes, no_grad_write
 from graphflop.meta import COMPOSITE, INPLACE, CompositeTag, traced_node
 from graphflop.ops.attention import sdpa
 
 aten = torch.ops.aten
 
 _F_DROPOUT = F.dropout
+#: ``h[i] = v``: an in-place write (functionalization makes it a scatter into ``h``)
+_SETITEM = torch.Tensor.__setitem__
 _F_SDPA = F.scaled_dot_product_attention
 
 
@@ -79,8 +83,11 @@ class CompositeOps(TorchFunctionMode):
             return dropout(
                 *args, **{"training" if k == "train" else k: v for k, v in kwargs.items()}
             )
+        if func is _SETITEM and get_proxy_mode() is not None:
+            with no_grad_write(args[0]):
+                return func(*args, **kwargs)
         if in_place_call(func, kwargs) and get_proxy_mode() is not None:
-            with new_nodes() as made:
+            with no_grad_write(args[0] if args else None), new_nodes() as made:
                 out = func(*args, **kwargs)
             node = traced_node(out)
             if node is not None and node.op == "call_function" and node in made:

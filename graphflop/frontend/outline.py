@@ -764,7 +764,10 @@ class Outliner:
         if call.out_spec is None:
             # fresh tensors like the call's (the op's own arguments do not require grad), run
             # in the call's grad mode
-            tensors = [_like(mode, m) for m in (*call.input_meta, *call.state_meta)]
+            # made outside inference mode (a call under torch.inference_mode(): an inference
+            # tensor has no version counter to tell a write into it by)
+            with torch.inference_mode(False):
+                tensors = [_like(mode, m) for m in (*call.input_meta, *call.state_meta)]
             args, kwargs, state = self._rebuild(call, tensors)
             versions = [t._version for t in tensors]
             attrs = _attrs(call.module)

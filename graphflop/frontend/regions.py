@@ -24,15 +24,25 @@ outlined block sharing it) serve custom Functions too (:mod:`graphflop.frontend.
 code has grad mode off (``torch.no_grad()``, ``torch.set_grad_enabled(False)``,
 ``torch.inference_mode()``, a method decorated with one of them): eager autograd records nothing
 there, so their outputs carry no gradient, as after ``detach``; the JVP gives them no tangent
-(:mod:`graphflop.ad.jvp`), so the backward, its transpose, gives them no cotangent. Writes
-``CHECKPOINT`` and ``NO_GRAD``.
+(:mod:`graphflop.ad.jvp`), so the backward, its transpose, gives them no cotangent.
+
+An in-place write with grad mode off (``h[:, 0] = v``, ``h.masked_fill_(m, 0)``,
+``h[:, 1:3].copy_(v)`` under ``torch.no_grad()``) is not recorded by eager autograd either: the
+tensor written into keeps the derivative it had, as if the write were not there.
+Functionalization makes the write a new value of the tensor's storage (a scatter of the written
+part into the old value, made with grad mode off) and makes the views of it again from that
+value; :func:`no_grad_write` tags that new value :data:`~graphflop.meta.NO_GRAD_WRITE` with the
+way to the old one, whose tangent the JVP gives it, and the views made again from it as views
+to differentiate. Writes ``CHECKPOINT``, ``NO_GRAD`` and ``NO_GRAD_WRITE``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import sys
+from collections import deque
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -44,7 +54,7 @@ from torch.autograd.function import Function
 from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode
 
-from graphflop.meta import CHECKPOINT, NO_GRAD, CheckpointTag
+from graphflop.meta import CHECKPOINT, NO_GRAD, NO_GRAD_WRITE, CheckpointTag, NoGradWrite
 
 #: region numbers, unique in the process (a template's regions and the main graph's never meet)
 region_ids = itertools.count()
@@ -335,3 +345,111 @@ def grad_mode_tagged() -> Iterator[None]:
         yield
     finally:
         PythonKeyTracer.create_node = _CREATE_NODE  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def no_grad_write(target: Any) -> Iterator[None]:
+    """Around an in-place write into ``target`` (the tensor a call writes into: ``self`` of
+    ``Tensor.__setitem__``, ``masked_fill_``, ``copy_``) made while tracing with grad mode off:
+    tags the node holding the new value of ``target``'s storage
+    :class:`~graphflop.meta.NoGradWrite` with the way to the old value (eager autograd does not
+    see the write: the tensor keeps its derivative), and the views of it functionalization
+    made again from that value (``target``'s own among them) as views to differentiate.
+
+    Functionalization writes into a view by scattering the written part into the old value of
+    the storage (its base: the value the view was taken from, through view ops only) and
+    making the view again from the new value with the same view ops; so the new value is the
+    node as many view ops above ``target``'s new node as its old node was below the old
+    value. Nothing is tagged where that does not hold (a shape that differs, no way back to
+    the old value through the nodes the write made): the write then cuts the derivative. A
+    write in inference mode into a tensor made outside it runs as under ``no_grad``
+    (:func:`_normal_write`)."""
+    before = _node_of(target) if not torch.is_grad_enabled() else None
+    if before is None:
+        yield
+        return
+    base, depth = _view_base(before)
+    with new_nodes() as made, _normal_write(target):
+        yield
+        after = _node_of(target)  # the view made again from the new value, where it is one
+    views: list[Node] = []
+    new = after
+    while new is not None and len(views) < depth and _is_view(new):
+        views.append(new)
+        new = new.args[0] if isinstance(new.args[0], Node) else None
+    inside = set(made)
+    if new is None or len(views) != depth or new not in inside or not _same_kind(new, base):
+        return
+    # the write reads the old value through the nodes it made and the view written into
+    chain = before
+    while chain is not base:
+        inside.add(chain)
+        chain = chain.args[0]  # type: ignore[assignment]
+    way = _way(new, base, inside)
+    if way is None:
+        return
+    for n in (new, *views):
+        if not n.meta.get(NO_GRAD):  # grad mode not the model's (a custom op's kernel)
+            return
+    new.meta[NO_GRAD_WRITE] = NoGradWrite(way)
+    for v in views:
+        v.meta[NO_GRAD_WRITE] = NoGradWrite(None)
+
+
+@contextlib.contextmanager
+def _normal_write(target: Any) -> Iterator[None]:
+    """Inference mode off (grad mode still off) around a write made in inference mode into a
+    tensor made outside it: eager writes into that tensor, which stays a normal one;
+    functionalization would make its new value anew, in inference mode, an inference tensor
+    the rest of the trace could not differentiate ('Inference tensors cannot be saved for
+    backward')."""
+    if not torch.is_inference_mode_enabled() or target.is_inference():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def _is_view(n: Node) -> bool:
+    """Whether ``n``'s output aliases its first input: a view op's (ATen's schema says so), or
+    one output of a view op with several (``split``)."""
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        return isinstance(n.args[0], Node) and _is_view(n.args[0])
+    return bool(getattr(n.target, "is_view", False)) and isinstance(n.args[0], Node)
+
+
+def _view_base(n: Node) -> tuple[Node, int]:
+    """The node ``n`` is a view of through view ops only, and how many view ops away."""
+    depth = 0
+    while _is_view(n):
+        n, depth = n.args[0], depth + 1  # type: ignore[assignment]
+    return n, depth
+
+
+def _same_kind(a: Node, b: Node) -> bool:
+    """Whether two nodes' values have one shape and one dtype."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (
+        isinstance(va, torch.Tensor)
+        and isinstance(vb, torch.Tensor)
+        and va.shape == vb.shape
+        and va.dtype == vb.dtype
+    )
+
+
+def _way(start: Node, goal: Node, inside: set[Node]) -> tuple[int, ...] | None:
+    """The shortest way from ``start`` to ``goal`` through the nodes in ``inside``: positions
+    in ``node.args``, one per step (:attr:`~graphflop.meta.NoGradWrite.before`), or None."""
+    queue: deque[tuple[Node, tuple[int, ...]]] = deque([(start, ())])
+    seen = {start}
+    while queue:
+        n, way = queue.popleft()
+        for i, a in enumerate(n.args):
+            if a is goal:
+                return (*way, i)
+            if isinstance(a, Node) and a in inside and a not in seen:
+                seen.add(a)
+                queue.append((a, (*way, i)))
+    return None
