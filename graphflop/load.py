@@ -730,3 +730,25 @@ def make_inputs(
         return tuple(torch.empty(s, dtype=d, device="meta") for s, d in specs)
     with FakeTensorMode(allow_non_fake_inputs=True):
         return tuple(torch.empty(s, dtype=d, device=device) for s, d in specs)
+
+
+def set_training_mode(model: nn.Module, eval_mode: bool = False) -> list[str]:
+    """Put ``model`` in the mode the analysis describes: every module in eval mode for
+    ``eval_mode``; otherwise training, keeping the modules the model's code left in eval mode
+    where its root is in training mode (frozen batch norm in fine-tuning: ``blocks[0].eval()``
+    in the constructor), else every module in training mode.
+
+    Returns:
+        The paths of the modules kept in eval mode (outermost ones only), for a note.
+    """
+    if eval_mode:
+        model.eval()
+        return []
+    if not model.training:
+        model.train()
+        return []
+    kept: list[str] = []
+    for name, m in model.named_modules():
+        if not m.training and not any(name.startswith(k + ".") for k in kept):
+            kept.append(name)
+    return kept

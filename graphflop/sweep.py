@@ -14,7 +14,7 @@ from typing import Any
 
 from graphflop.analysis import AnalyzeOptions, analyze
 from graphflop.frontend.loss import NO_FLOAT_OUTPUT
-from graphflop.load import SpecError, load, make_inputs
+from graphflop.load import SpecError, load, make_inputs, set_training_mode
 from graphflop.passes.step_time import time_report
 from graphflop.passes.summary import Graphs
 from graphflop.passes.time_profile import TimeProfile
@@ -80,7 +80,7 @@ def sweep(
             kwargs[depth_name] = value
         say(f"{kind} {value}")
         loaded = load(spec, ctor_kwargs=kwargs, meta=True, seq=seq)
-        loaded.model.train()
+        set_training_mode(loaded.model)
         inputs = make_inputs(loaded, batch=value if kind == "batch" else batch)
         options = AnalyzeOptions(optimizer=optimizer, jvp=False)
         a = analyze(loaded.model, inputs, options, name=loaded.name)

@@ -322,3 +322,62 @@ def test_devices_lists_every_data_sheet_device(capsys):
     assert h100["peak_flops"]["bfloat16"] == 989.4e12
     assert h100["memory_bandwidth"] == 3.35e12
     assert "h100" in h100["aliases"]
+
+
+PART_EVAL = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block() for _ in range(3)])
+        self.blocks[0].bn.eval()  # frozen batch norm, as fine-tuning keeps it
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+"""
+
+
+def test_modules_the_model_leaves_in_eval_mode_stay_so(tmp_path, capsys):
+    """A tester's finding: the CLI put every module in training mode, undoing the model file's
+    frozen batch norm. Kept as built (with a note); --eval still puts all in eval mode. The
+    figures equal graphflop.analyze on the model as built: blocks.0.bn in eval mode saves
+    nothing of its own for backward and updates no running statistics."""
+    import graphflop
+    from graphflop.load import load, make_inputs
+
+    path = tmp_path / "parteval.py"
+    path.write_text(PART_EVAL)
+    rc, out, err = cli(capsys, "inspect", f"{path}:Net", "--format", "json", "--loss", "sum")
+    assert rc == 0, err
+    assert err == [
+        "note: blocks.0.bn kept in eval mode, as the model's code left it (--eval puts every "
+        "module in eval mode)"
+    ]
+    got = json.loads(out)
+    loaded = load(f"{path}:Net", meta=True)
+    want = graphflop.analyze(loaded.model, make_inputs(loaded), loss="sum").report
+    assert got["totals"]["backward"]["flops"] == want.totals.backward.flops
+    assert got["memory"]["saved_for_backward_bytes"] == want.memory.saved_for_backward_bytes
+    loaded.model.train()  # what the CLI did: every module in training mode
+    train = graphflop.analyze(loaded.model, make_inputs(loaded), loss="sum").report
+    assert train.memory.saved_for_backward_bytes != want.memory.saved_for_backward_bytes
+    rc, out, err = cli(capsys, "inspect", f"{path}:Net", "--format", "json", "--eval")
+    assert rc == 0 and not any("kept in eval mode" in e for e in err)

@@ -295,7 +295,7 @@ def load_model(args: argparse.Namespace):
     Raises:
         SpecError: see :func:`graphflop.load.load` and :func:`graphflop.load.make_inputs`.
     """
-    from graphflop.load import load, make_inputs, parse_dtype, parse_shape
+    from graphflop.load import load, make_inputs, parse_dtype, parse_shape, set_training_mode
 
     shapes = [parse_shape(s) for s in args.input_shape] if args.input_shape else None
     dtype = parse_dtype(args.dtype) if args.dtype else None
@@ -311,7 +311,14 @@ def load_model(args: argparse.Namespace):
     check_dtype(args, loaded, shapes)
     if dtype is not None and dtype.is_floating_point:
         loaded.model.to(dtype)
-    loaded.model.train(not args.eval)
+    kept = set_training_mode(loaded.model, args.eval)
+    if kept:
+        shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+        print(
+            f"note: {shown} kept in eval mode, as the model's code left "
+            f"{'it' if len(kept) == 1 else 'them'} (--eval puts every module in eval mode)",
+            file=sys.stderr,
+        )
     inputs = make_inputs(loaded, shapes=shapes, dtype=dtype, batch=args.batch)
     return loaded, inputs
 
@@ -340,11 +347,11 @@ def load_real_model(args: argparse.Namespace, *, dtype: bool = False):
     Raises:
         SpecError: see :func:`graphflop.load.load`.
     """
-    from graphflop.load import load, parse_dtype
+    from graphflop.load import load, parse_dtype, set_training_mode
 
     real = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), seq=getattr(args, "seq", None))
     check_seq_used(args, real)
-    real.model.train(not args.eval)
+    set_training_mode(real.model, args.eval)
     if dtype and args.dtype:
         real.model.to(parse_dtype(args.dtype))
     return real

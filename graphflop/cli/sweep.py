@@ -185,11 +185,11 @@ def _check(args: argparse.Namespace, batches: list[int]) -> None:
 
 def _check_differentiable(args: argparse.Namespace) -> None:
     """An integer-only output has no backward, so no backward/forward ratio: exit 2."""
-    from graphflop.load import load, make_inputs
+    from graphflop.load import load, make_inputs, set_training_mode
 
     loaded = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), meta=True, seq=args.seq)
     check_seq_used(args, loaded)
-    loaded.model.train()
+    set_training_mode(loaded.model)
     check_backward_possible(args, loaded, make_inputs(loaded), why="sweep")
 
 
