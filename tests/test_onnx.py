@@ -542,7 +542,7 @@ class _Writes(nn.Module):
 
 
 def _rows_mask_cols_slice(h, mask):
-    h[mask, 1:3] = 0.5  # a mask, then a slice: [mask, None] after the slice's view
+    h[mask, 1:3] = 0.5  # traced as index_put(h[:, 1:3], [mask], 0.5), slice_scatter'd back
     return h
 
 
@@ -560,7 +560,7 @@ def _two_masks(h, rows, cols):
 
 
 def _mask_mid_slice_3d(h, mask):
-    h[:, mask, 1:] = 0.25  # [None, mask] then a slice, on a (2, 3, 4) tensor
+    h[:, mask, 1:] = 0.25  # index_put(h[:, :, 1:], [None, mask], 0.25) of a (2, 3, 4) h
     return h
 
 
@@ -571,6 +571,7 @@ _COLS = torch.tensor([False, True, True, False])
 @pytest.mark.parametrize(
     "write,inputs",
     [
+        # traced as a slice, then a mask alone: it exported before too (kept as a guard)
         pytest.param(_rows_mask_cols_slice, (_ROWS,), id="x[mask,1:3]=v"),
         pytest.param(_cols_mask, (_COLS,), id="x[:,mask]=v"),
         pytest.param(
