@@ -15,6 +15,7 @@ from graphflop.analysis import analyze
 from graphflop.export.onnx import OnnxExportError, export_all
 from graphflop.load import load, make_inputs
 from graphflop.meta import COST, ROLE, SIGNATURE, SOURCE, TRAIN_STEP, UPDATE
+from graphflop.ops import op_name
 from graphflop.runtime.graphs import forward_gradient_graph, step_graphs, train_step_graph
 from graphflop.runtime.onnxrt import run, session
 from graphflop.runtime.verify import real_arguments, rel_error, run_forward
@@ -765,3 +766,36 @@ def test_an_op_without_complex_translation_is_refused_saying_so(tmp_path):
     assert "no function for complex values of aten.exp.default (node exp of the forward" in message
     assert "view_as_real" in message and "\n" not in message
     assert not (tmp_path / "out").exists()
+
+
+class _ComplexMoves(nn.Module):
+    """Complex values moved without arithmetic (unsqueeze, expand, reshape, repeat, select): the
+    exporter has no complex function for these, nor for the select_scatter, squeeze and complex
+    zeros of the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        z = torch.view_as_complex(self.fc(x).view(3, 4, 2))
+        v = z.unsqueeze(0).expand(2, 3, 4).reshape(2, 12).repeat(1, 2)
+        return torch.view_as_real(v * v.select(1, 3).unsqueeze(1))
+
+
+def test_complex_values_moved_without_arithmetic_export(tmp_path):
+    """Each such op is applied to the real view (the real and imaginary parts move together):
+    ONNX Runtime's output and gradients equal eager PyTorch's."""
+    torch.manual_seed(0)
+    a = _ort_equals_eager(tmp_path, _ComplexMoves(), (torch.randn(3, 8),))
+    from graphflop.export.onnx_errors import complex_argument
+
+    moved = {
+        op_name(n.target)
+        for g in (a.forward, a.backward)
+        for n in g.graph.nodes
+        if n.op == "call_function" and complex_argument(n)
+    }
+    for op in ("unsqueeze.default", "expand.default", "repeat.default", "select.int"):
+        assert f"aten.{op}" in moved
+    assert {"aten.select_scatter.default", "aten.squeeze.dims"} <= moved

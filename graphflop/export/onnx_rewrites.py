@@ -14,6 +14,12 @@ correctly and that compute the same values.
 * ``conj_physical`` → the imaginary part negated on the real view of the complex value
   (``view_as_real``), the exporter's representation of complex tensors; of a real tensor,
   ``alias``;
+* ops that move a complex tensor's elements and have no complex function in the exporter
+  (``unsqueeze``, ``squeeze``, ``expand``, ``select``, ``reshape``, ``repeat``, ``alias``,
+  ``select_scatter``, ``slice_scatter``; ``constant_pad_nd`` with 0, as the backward of a one-sided FFT pads its
+  complex cotangent) → the same op on the real views, the last dimension of 2 moved along;
+* ``full`` of complex zeros → the zeros of the real view (the exporter casts to a complex
+  type, which ONNX's shape inference refuses);
 * ``empty_permuted`` (PyTorch's decomposition of ``empty_like``) → ``empty_strided`` with the
   same strides;
 * ``hypot(x, y)`` → ``sqrt(x·x + y·y)``, computed in float32 for 16-bit inputs and cast back
@@ -115,6 +121,64 @@ def _conj_physical(n: Node) -> bool:
     return _call(n, aten.conj_physical.default, aten._conj_physical.default)
 
 
+#: ops that move a complex tensor's elements without arithmetic and that the exporter has no
+#: complex function for → their arguments for the real views ``[..., 2]`` of their complex
+#: tensors (``a``: the call's arguments by name; ``r``: the rank of the complex ``self``;
+#: ``real``: a tensor argument's real view), called there instead
+_RealViewArguments = Callable[[dict[str, Any], int, Callable[[Any], Any]], tuple[Any, ...]]
+_REAL_VIEW_ARGUMENTS: dict[Any, _RealViewArguments] = {
+    # ``pad`` lists dimensions from the last: the real and imaginary parts padded by nothing
+    aten.constant_pad_nd.default: lambda a, r, real: (real(a["self"]), [0, 0, *a["pad"]], 0.0),
+    aten.unsqueeze.default: lambda a, r, real: (
+        real(a["self"]),
+        a["dim"] if a["dim"] >= 0 else a["dim"] + r + 1,
+    ),
+    aten.select.int: lambda a, r, real: (real(a["self"]), a["dim"] % r, a["index"]),
+    aten.expand.default: lambda a, r, real: (real(a["self"]), [*a["size"], 2]),
+    aten.reshape.default: lambda a, r, real: (real(a["self"]), [*a["shape"], 2]),
+    aten.repeat.default: lambda a, r, real: (real(a["self"]), [*a["repeats"], 1]),
+    aten.alias.default: lambda a, r, real: (real(a["self"]),),
+    # the real view's last dimension (2) is never squeezed
+    aten.squeeze.default: lambda a, r, real: (real(a["self"]),),
+    aten.squeeze.dim: lambda a, r, real: (real(a["self"]), a["dim"] % r),
+    aten.squeeze.dims: lambda a, r, real: (real(a["self"]), [d % r for d in a["dim"]]),
+    aten.select_scatter.default: lambda a, r, real: (
+        real(a["self"]),
+        real(a["src"]),
+        a["dim"] % r,
+        a["index"],
+    ),
+    aten.slice_scatter.default: lambda a, r, real: (
+        real(a["self"]),
+        real(a["src"]),
+        a["dim"] % r,
+        a["start"],
+        a["end"],
+        a["step"],
+    ),
+}
+
+
+def _complex_data_movement(n: Node) -> bool:
+    """A call of an op of :data:`_REAL_VIEW_ARGUMENTS` on a complex tensor (a pad with 0 only:
+    another value would pad the real and imaginary parts with different constants)."""
+    if n.op != "call_function" or n.target not in _REAL_VIEW_ARGUMENTS:
+        return False
+    val = _val(n.args[0])
+    if val is None or not val.is_complex():
+        return False
+    return n.target is not aten.constant_pad_nd.default or _arguments(n)["value"] == 0
+
+
+def _complex_zeros(n: Node) -> bool:
+    """A ``full`` of complex zeros (the zeros a transpose fills a complex cotangent into): the
+    exporter makes it a ``Cast`` to a complex type, which ONNX's shape inference refuses."""
+    if not _call(n, aten.full.default):
+        return False
+    val = _val(n)
+    return val is not None and val.is_complex() and _arguments(n)["fill_value"] == 0
+
+
 def _empty_permuted(n: Node) -> bool:
     return _call(n, aten.empty_permuted.default)
 
@@ -173,6 +237,28 @@ def _conjugate(g: Graph, n: Node) -> _Call:
     return aten.view_as_complex.default, (pairs_conj,), {}
 
 
+def _on_real_view(g: Graph, n: Node) -> _Call:
+    """The op applied to the real view ``[..., 2]`` of its complex input (the real and
+    imaginary parts move together: :data:`_REAL_VIEW_ARGUMENTS`), viewed as complex again."""
+    rank = _val(n.args[0]).dim()  # type: ignore[union-attr]  # _complex_data_movement's
+
+    def real(z: Any) -> Node:
+        return g.call_function(aten.view_as_real.default, (z,))
+
+    arguments = _REAL_VIEW_ARGUMENTS[n.target](_arguments(n), rank, real)
+    moved = g.call_function(n.target, arguments)  # type: ignore[arg-type]
+    return aten.view_as_complex.default, (moved,), {}
+
+
+def _real_zeros(g: Graph, n: Node) -> _Call:
+    """The zeros of the real view ``[..., 2]``, viewed as complex."""
+    val = _val(n)
+    assert val is not None  # _complex_zeros'
+    kwargs = {**n.kwargs, "dtype": val.real.dtype}
+    zeros = g.call_function(aten.full.default, ([*val.shape, 2], 0.0), kwargs)
+    return aten.view_as_complex.default, (zeros,), {}
+
+
 def _permuted_strides(shape: list[int], physical_layout: list[int]) -> list[int]:
     """The strides of ``torch.empty_permuted(shape, physical_layout)``: dense in the order
     ``physical_layout`` gives (its last dimension the innermost)."""
@@ -218,6 +304,8 @@ _REWRITES: tuple[tuple[Callable[[Node], bool], Callable[[Graph, Node], _Call]], 
     (_broadcast_copy, _expanded_copy),
     (_masked_index_put, _integer_index_put),
     (_conj_physical, _conjugate),
+    (_complex_data_movement, _on_real_view),
+    (_complex_zeros, _real_zeros),
     (_empty_permuted, _as_empty_strided),
     (_hypot, _hypotenuse),
 )
@@ -237,16 +325,19 @@ def exportable(gm: GraphModule) -> GraphModule:
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     for n in list(graph.nodes):
-        rewrite = _rewrite_of(n)
-        if rewrite is None:
-            continue
         keys = {k: v for k, v in graphflop_meta(n.meta).items() if k != COST}
-        before = set(graph.nodes)
-        with graph.inserting_before(n):
-            n.target, n.args, n.kwargs = rewrite(graph, n)
-        for new in graph.nodes:
-            if new not in before:
-                new.meta = {**keys, **new.meta}
+        # a rewrite's result may need another (a no-op squeeze of a complex tensor: an alias,
+        # then the alias of its real view); each turns the node into an op of another kind
+        for _ in range(len(_REWRITES)):
+            rewrite = _rewrite_of(n)
+            if rewrite is None:
+                break
+            before = set(graph.nodes)
+            with graph.inserting_before(n):
+                n.target, n.args, n.kwargs = rewrite(graph, n)
+            for new in graph.nodes:
+                if new not in before:
+                    new.meta = {**keys, **new.meta}
     copy = GraphModule(gm, graph)
     copy.meta.update(gm.meta)
     return copy
