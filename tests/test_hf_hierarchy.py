@@ -162,6 +162,44 @@ def test_t5_blocks_after_the_first_share_a_template_per_stack():
     assert got == flat.report.to_dict()
 
 
+def _gpt2_cross_attention():
+    """A one-layer GPT-2 with cross-attention, and an example with encoder states: it makes a
+    DynamicCache, then wraps it in an EncoderDecoderCache in a later statement."""
+    from graphflop.load import _preload_torchvision
+
+    _preload_torchvision()
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=SEQ, add_cross_attention=True
+    )
+    model = transformers.GPT2LMHeadModel(config).train()
+    return model, ((_ids(),), {"encoder_hidden_states": torch.randn(BATCH, 3, 16)})
+
+
+@pytest.mark.parametrize("name", ["t5", "gpt2_cross_attention"])
+def test_the_line_names_the_cache_the_model_makes(name):
+    """A tester's finding: a T5 model's line said it would have made a DynamicCache, where it
+    makes an EncoderDecoderCache (``EncoderDecoderCache(DynamicCache(…), DynamicCache(…))``:
+    the two DynamicCache objects are made first); GPT-2 with cross-attention wraps its
+    DynamicCache in one a statement later. The line names the class of the cache eager
+    PyTorch returns, and the cache classes work as before afterwards."""
+    if name == "t5":
+        model, example = _t5(), ((_ids(),), {"decoder_input_ids": _ids()})
+    else:
+        model, example = _gpt2_cross_attention()
+    args, kwargs = example
+    with torch.no_grad():
+        kind = type(model(*args, **kwargs).past_key_values).__name__
+    assert kind == "EncoderDecoderCache"
+    (line,) = _cache_lines(analyze(model, example).report)
+    assert f"would have made one ({kind})" in line and "DynamicCache" not in line
+    with torch.no_grad():
+        again = model(*args, **kwargs).past_key_values
+    assert type(again).__name__ == kind and again.get_seq_length() == SEQ
+
+
 @pytest.mark.parametrize("how", ["kwarg", "config"])
 def test_output_hidden_states_keeps_the_hierarchy_from_the_first_analysis(how):
     """transformers puts output-capturing hooks on the decoder layers (and their attention

@@ -15,6 +15,7 @@ from graphflop.analysis import analyze
 from graphflop.export.onnx import OnnxExportError, export_all
 from graphflop.load import load, make_inputs
 from graphflop.meta import COST, ROLE, SIGNATURE, SOURCE, TRAIN_STEP, UPDATE
+from graphflop.ops import op_name
 from graphflop.runtime.graphs import forward_gradient_graph, step_graphs, train_step_graph
 from graphflop.runtime.onnxrt import run, session
 from graphflop.runtime.verify import real_arguments, rel_error, run_forward
@@ -489,3 +490,312 @@ def test_batch_norm_kept_whole_exports_as_its_parts(tmp_path):
 
     forward = onnx.load(tmp_path / "forward.onnx")
     assert "BatchNormalization" not in {n.op_type for n in forward.graph.node}
+
+
+def _ort_equals_eager(tmp_path, model, inputs, tol=1e-4):
+    """Export ``model``'s forward and backward graphs (loss: the sum of its output), check each
+    with ONNX's full checker, run them on ONNX Runtime's CPU provider with the model's
+    parameters and ``inputs`` and compare with eager PyTorch: the forward's output with
+    ``model(*inputs)``, the backward's parameter gradients with autograd's; the manifest's
+    FLOPs sum to graphflop's (a rewritten node keeps its FLOPs). Returns the analysis."""
+    import onnx
+
+    a = analyze(model, inputs, loss="sum")
+    manifest = export_all(step_graphs(a, kinds=("forward", "backward")), tmp_path)
+    assert set(manifest["graphs"]) == {"forward", "backward"}
+    for g in manifest["graphs"].values():
+        onnx.checker.check_model(onnx.load(tmp_path / g["file"]), full_check=True)
+    _check_manifest_flops(a, manifest)
+    sig = a.forward.meta[SIGNATURE]
+    values = real_arguments(a.forward, model) | dict(zip(sig.inputs, inputs))
+    g = manifest["graphs"]["forward"]
+    names = [n.name for n in a.forward.graph.nodes if n.op == "placeholder"]
+    out = run(
+        session(tmp_path / "forward.onnx", CPU), dict(zip(g["inputs"], [values[n] for n in names]))
+    )
+    model.zero_grad()
+    eager = model(*inputs)
+    eager.sum().backward()
+    got = torch.from_numpy(out[g["outputs"].index("output_0")])
+    assert rel_error(got, eager.detach()) < tol
+    fv = run_forward(a.forward, values)
+    g = manifest["graphs"]["backward"]
+    bnames = [n for n in a.backward.graph.nodes if n.op == "placeholder"]
+    feeds = {
+        name: torch.ones(()) if name == "ct_loss" else fv[n.meta.get(SOURCE, n.name)]
+        for name, n in zip(g["inputs"], bnames)
+    }
+    grads = dict(zip(g["outputs"], run(session(tmp_path / "backward.onnx", CPU), feeds)))
+    for q, p in model.named_parameters():
+        assert rel_error(torch.from_numpy(grads[f"grad.{q}"]), p.grad) < tol, q
+    return a
+
+
+class _Writes(nn.Module):
+    """A linear layer, then one write into its output (``write(h, *indices)``)."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.fc, self.write = nn.Linear(4, 4), write
+
+    def forward(self, x, *indices):
+        return self.write(self.fc(x), *indices)
+
+
+def _rows_mask_cols_slice(h, mask):
+    h[mask, 1:3] = 0.5  # traced as index_put(h[:, 1:3], [mask], 0.5), slice_scatter'd back
+    return h
+
+
+def _cols_mask(h, mask):
+    h[:, mask] = -1.0  # index_put(h, [None, mask], -1)
+    return h
+
+
+def _mask_and_index(h, mask, idx, accumulate):
+    return torch.ops.aten.index_put.default(h, [mask, idx], torch.tensor(2.0), accumulate)
+
+
+def _two_masks(h, rows, cols):
+    return torch.ops.aten.index_put.default(h, [rows, cols], torch.tensor(3.0), True)
+
+
+def _mask_mid_slice_3d(h, mask):
+    h[:, mask, 1:] = 0.25  # index_put(h[:, :, 1:], [None, mask], 0.25) of a (2, 3, 4) h
+    return h
+
+
+_ROWS = torch.tensor([True, False, True])
+_COLS = torch.tensor([False, True, True, False])
+
+
+@pytest.mark.parametrize(
+    "write,inputs",
+    [
+        # traced as a slice, then a mask alone: it exported before too (kept as a guard)
+        pytest.param(_rows_mask_cols_slice, (_ROWS,), id="x[mask,1:3]=v"),
+        pytest.param(_cols_mask, (_COLS,), id="x[:,mask]=v"),
+        pytest.param(
+            lambda h, m, i: _mask_and_index(h, m, i, False),
+            (_ROWS, torch.tensor([3, 0])),
+            id="x[mask,idx]=v",
+        ),
+        pytest.param(
+            # the mask's 2 rows paired with the 2 columns, the second pair written twice
+            lambda h, m, i: _mask_and_index(h, m, i, True),
+            (torch.tensor([False, True, True]), torch.tensor([1, 1])),
+            id="x[mask,idx]+=v",
+        ),
+        pytest.param(
+            # 1 selected row broadcast against 2 selected columns (PyTorch's rule)
+            _two_masks,
+            (torch.tensor([False, True, False]), _COLS),
+            id="x[mask,mask]+=v",
+        ),
+    ],
+)
+def test_index_put_with_a_mask_among_several_indices_exports(tmp_path, write, inputs):
+    """A tester's finding: ``index_put`` with a boolean mask among several indices
+    (``x[:, mask] = v``; a mask with an integer index or another mask, accumulating or not) was
+    refused ('Boolean index_put with multiple indices does not support None indices', 'only
+    1-D boolean masks'), or exported a model ONNX Runtime failed on (two masks whose
+    coordinates broadcast). The mask is written as its coordinates (nonzero), as PyTorch reads
+    it: both graphs pass the full check and ONNX Runtime's output and gradients equal eager
+    PyTorch's."""
+    torch.manual_seed(0)
+    _ort_equals_eager(tmp_path, _Writes(write), (torch.randn(3, 4), *inputs))
+
+
+def test_index_put_with_a_mask_between_slices_exports(tmp_path):
+    torch.manual_seed(0)
+    model = _Writes(_mask_mid_slice_3d)
+    a = _ort_equals_eager(tmp_path, model, (torch.randn(2, 3, 4), _ROWS))
+    puts = [n for n in a.forward.graph.nodes if n.target == torch.ops.aten.index_put.default]
+    assert any(i is None for n in puts for i in n.args[1])  # [None, mask]: the refused form
+
+
+class _Hypot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.hypot(self.fc(x), x[:1])  # y broadcast over the rows
+
+
+def test_hypot_exports_as_the_root_of_the_squares(tmp_path):
+    """A tester's finding: ``aten.hypot`` was refused (the exporter has no function for it).
+    It is written ``sqrt(x·x + y·y)``: ONNX Runtime's output and gradients equal eager
+    PyTorch's, and the manifest keeps hypot's FLOPs (``_ort_equals_eager``)."""
+    torch.manual_seed(0)
+    a = _ort_equals_eager(tmp_path, _Hypot(), (torch.randn(3, 4),))
+    assert any(n.target == torch.ops.aten.hypot.default for n in a.forward.graph.nodes)
+
+
+def test_hypot_of_half_tensors_squares_in_float32():
+    """hypot(300, 400) = 500 in float16, whose largest value is 65504: 300² overflows it, so
+    the export squares 16-bit inputs in float32. ONNX Runtime's result equals PyTorch's."""
+    import onnx
+
+    from graphflop.export.onnx import export_graph
+
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    h = g.call_function(torch.ops.aten.hypot.default, (x, y))
+    g.output((h,))
+    xs = torch.tensor([300.0, -3.0, 0.0], dtype=torch.float16)
+    ys = torch.tensor([400.0, 4.0, 0.0], dtype=torch.float16)
+    x.meta["val"], y.meta["val"], h.meta["val"] = xs, ys, torch.hypot(xs, ys)
+    ex = export_graph(torch.fx.GraphModule({}, g), "forward", ["x", "y"], ["hypot"])
+    assert ex.model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    want = torch.hypot(xs, ys)
+    assert want[0] == 500
+    (got,) = run(session(ex.model, CPU), {"x": xs, "y": ys})
+    assert torch.equal(torch.from_numpy(got), want)
+    # ONNX Runtime's CPU provider computes float16 Mul in float32 anyway; ONNX's reference
+    # evaluator computes each op in its own type (inf here had the squares stayed float16)
+    from onnx.reference import ReferenceEvaluator
+
+    (got,) = ReferenceEvaluator(ex.model).run(None, {"x": xs.numpy(), "y": ys.numpy()})
+    assert torch.equal(torch.from_numpy(got), want)
+
+
+class _EmptyLikeTransposed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x).t()  # (4, 3), strides (1, 4)
+        out = torch.empty_like(h)  # the same strides: empty_permuted((4, 3), (1, 0))
+        out[:] = h
+        return out.t().reshape(-1) * 2  # a view of out.t(), dense only with out's strides
+
+
+def test_empty_like_exports_with_its_strides(tmp_path):
+    """A tester's finding: ``aten.empty_permuted`` (PyTorch's decomposition of ``empty_like``,
+    which keeps the source's memory order) was refused. It is written ``empty_strided`` with
+    the same strides; the graph's later views of it stay valid, ONNX Runtime's output and
+    gradients equal eager PyTorch's."""
+    torch.manual_seed(0)
+    a = _ort_equals_eager(tmp_path, _EmptyLikeTransposed(), (torch.randn(3, 4),))
+    (node,) = [
+        n for n in a.forward.graph.nodes if n.target == torch.ops.aten.empty_permuted.default
+    ]
+    assert list(node.args[1]) == [1, 0]
+
+
+def _rope_frequencies(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+    """Meta's LLaMA ``precompute_freqs_cis``: e^{i·t·θ^(-2k/dim)}, complex (end, dim / 2)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    angles = torch.outer(torch.arange(end).float(), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+class _ComplexRope(nn.Module):
+    """Rotary embeddings as Meta's LLaMA code writes them: pairs of features viewed as complex
+    numbers (``view_as_complex``), multiplied by the complex frequencies, viewed as real again."""
+
+    def __init__(self, heads=2, head_dim=8, length=4):
+        super().__init__()
+        self.heads = heads
+        self.wq = nn.Linear(heads * head_dim, heads * head_dim, bias=False)
+        self.wk = nn.Linear(heads * head_dim, heads * head_dim, bias=False)
+        self.register_buffer("freqs_cis", _rope_frequencies(head_dim, length), persistent=False)
+
+    def rotate(self, x):
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        freqs = self.freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, pairs.shape[-1])
+        return torch.view_as_real(pairs * freqs).flatten(3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.rotate(self.wq(x).view(b, t, self.heads, -1))
+        k = self.rotate(self.wk(x).view(b, t, self.heads, -1))
+        return (q * k).sum(-1)
+
+
+def test_complex_rotary_embedding_exports(tmp_path):
+    """A tester's finding: the backward of complex rotary embeddings (LLaMA's original code)
+    holds ``aten.conj_physical`` (the cotangent of ``z·f`` with respect to ``z`` is
+    ``ct·conj(f)``), which was refused. The exporter writes a complex tensor as its real and
+    imaginary parts (``view_as_real``); ``conj_physical`` is written as the imaginary part
+    negated there. The complex buffer and the backward's complex residual are fed in that
+    form (``onnxrt.run``); ONNX Runtime's output and gradients equal eager PyTorch's."""
+    torch.manual_seed(0)
+    a = _ort_equals_eager(tmp_path, _ComplexRope(), (torch.randn(2, 4, 16),))
+    ops = {n.target for n in a.backward.graph.nodes}
+    assert torch.ops.aten.conj_physical.default in ops
+    complex_inputs = [
+        n for n in a.backward.graph.nodes if n.op == "placeholder" and n.meta["val"].is_complex()
+    ]
+    assert complex_inputs  # the rotated pairs' frequencies, saved for the backward
+    # bench's feeds (as_declared): the complex buffer given as its real view too
+    from graphflop.runtime.onnxrt import as_declared
+
+    values = real_arguments(a.forward, _ComplexRope())
+    names = [n.name for n in a.forward.graph.nodes if n.op == "placeholder"]
+    sess = session(tmp_path / "forward.onnx", CPU)
+    inputs = [i.name for i in sess.get_inputs()]
+    assert [k for k, n in zip(inputs, names) if values[n].is_complex()] == ["freqs_cis"]
+    feeds = as_declared(sess, {k: values[n].numpy() for k, n in zip(inputs, names)})
+    assert feeds["freqs_cis"].shape == (4, 4, 2)  # (positions, pairs) + (real, imaginary)
+    ref = run(sess, {k: values[n] for k, n in zip(inputs, names)})
+    for x, y in zip(sess.run(None, feeds), ref):
+        assert (x == y).all()
+
+
+class _ComplexExp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        z = torch.view_as_complex(self.fc(x).view(-1, 2, 2))
+        return torch.view_as_real(torch.exp(z)).sum()
+
+
+def test_an_op_without_complex_translation_is_refused_saying_so(tmp_path):
+    """The exporter translates complex values for some ops only (``exp`` not among them): the
+    refusal names the op and node, says that complex values are what it cannot translate, and
+    what to do."""
+    a = analyze(_ComplexExp(), (torch.randn(3, 4),), loss="sum", backward=False, jvp=False)
+    with pytest.raises(OnnxExportError) as info:
+        export_all(a, tmp_path / "out", graphs=("forward",))
+    message = str(info.value)
+    assert "no function for complex values of aten.exp.default (node exp of the forward" in message
+    assert "view_as_real" in message and "\n" not in message
+    assert not (tmp_path / "out").exists()
+
+
+class _ComplexMoves(nn.Module):
+    """Complex values moved without arithmetic (unsqueeze, expand, reshape, repeat, select): the
+    exporter has no complex function for these, nor for the select_scatter, squeeze and complex
+    zeros of the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        z = torch.view_as_complex(self.fc(x).view(3, 4, 2))
+        v = z.unsqueeze(0).expand(2, 3, 4).reshape(2, 12).repeat(1, 2)
+        return torch.view_as_real(v * v.select(1, 3).unsqueeze(1))
+
+
+def test_complex_values_moved_without_arithmetic_export(tmp_path):
+    """Each such op is applied to the real view (the real and imaginary parts move together):
+    ONNX Runtime's output and gradients equal eager PyTorch's."""
+    torch.manual_seed(0)
+    a = _ort_equals_eager(tmp_path, _ComplexMoves(), (torch.randn(3, 8),))
+    from graphflop.export.onnx_errors import complex_argument
+
+    moved = {
+        op_name(n.target)
+        for g in (a.forward, a.backward)
+        for n in g.graph.nodes
+        if n.op == "call_function" and complex_argument(n)
+    }
+    for op in ("unsqueeze.default", "expand.default", "repeat.default", "select.int"):
+        assert f"aten.{op}" in moved
+    assert {"aten.select_scatter.default", "aten.squeeze.dims"} <= moved

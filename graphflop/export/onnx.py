@@ -2,7 +2,12 @@
 
 Each graph (forward, backward, train step, forward-gradient step) is exported with PyTorch's
 ONNX exporter (``torch.onnx.export(..., dynamo=True)``, onnxscript's ATen library) from meta
-tensors, so no weights are needed: parameters are graph inputs. Inputs and outputs are renamed
+tensors, so no weights are needed: parameters are graph inputs. Ops the exporter has no function
+for, or translates wrongly, are first rewritten into ops it translates
+(:func:`graphflop.export.onnx_rewrites.exportable`). A complex tensor is written as its real and
+imaginary parts (a last dimension of 2, ``torch.view_as_real``), the exporter's form, graph
+inputs and outputs included (:func:`graphflop.runtime.onnxrt.run` feeds them so); an op it cannot
+translate for complex values is refused saying so. Inputs and outputs are renamed
 to parameter qualified names (``conv1.weight``, ``new.conv1.weight``, ``grad.conv1.weight``) and
 checked with ``onnx.checker``. ``manifest.json`` maps every ONNX node to the exporter's fx node
 and, through the exporter's provenance (``from_node``; else by aligning the two op sequences),
@@ -32,11 +37,14 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.export.onnx_errors import (
+    COMPLEX_ADVICE,
     EXPORTER_LOGGERS,
+    complex_argument,
     exporter_error_line,
     in_chain,
     unexportable_node,
 )
+from graphflop.export.onnx_rewrites import exportable
 from graphflop.frontend.composite import decompose_kept_whole
 from graphflop.frontend.errors import first_line, quiet_loggers
 from graphflop.meta import (
@@ -85,63 +93,6 @@ class ExportedGraph:
     inputs: list[str]
     outputs: list[str]
     manifest: list[dict[str, Any]]
-
-
-_SQUEEZES = (
-    torch.ops.aten.squeeze.dims,
-    torch.ops.aten.squeeze.dim,
-    torch.ops.aten.squeeze.default,
-)
-
-
-def _shape(a: Any) -> tuple[int, ...] | None:
-    val = a.meta.get("val") if isinstance(a, Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def _noop_squeeze(n: Node) -> bool:
-    """A squeeze of no size-1 dimension (PyTorch treats ``x.squeeze(1)`` of a (3, 4) tensor as
-    a no-op): the exporter decomposes it into ``prims.view_of``, which it has no ONNX function
-    for."""
-    if n.op != "call_function" or n.target not in _SQUEEZES:
-        return False
-    into = _shape(n)
-    return into is not None and _shape(n.args[0]) == into
-
-
-def _broadcast_copy(n: Node) -> bool:
-    """A ``copy`` whose source has fewer elements than its destination (``h[:, 0] = 0.0``:
-    a 0-d value copied into a row): the exporter writes it as one ``CastLike``, whose output
-    has the source's shape, an invalid model (ONNX's shape inference refuses it)."""
-    if n.op != "call_function" or n.target is not torch.ops.aten.copy.default:
-        return False
-    dst, src = _shape(n.args[0]), _shape(n.args[1])
-    return dst is not None and src is not None and dst != src
-
-
-def _exportable(gm: GraphModule) -> GraphModule:
-    """``gm``, or a copy (same node names) made exportable: its no-op squeezes
-    (:func:`_noop_squeeze`) made ``alias``, the source of its broadcasting copies
-    (:func:`_broadcast_copy`) expanded to the destination's shape first."""
-    if not any(_noop_squeeze(n) or _broadcast_copy(n) for n in gm.graph.nodes):
-        return gm
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    for n in list(graph.nodes):
-        if _noop_squeeze(n):
-            n.target, n.args, n.kwargs = torch.ops.aten.alias.default, (n.args[0],), {}
-        elif _broadcast_copy(n):
-            dst, src = n.args[0], n.args[1]
-            assert isinstance(dst, Node) and isinstance(src, Node)  # _broadcast_copy's
-            size = list(dst.meta["val"].shape)
-            with graph.inserting_before(n):
-                wide = graph.call_function(torch.ops.aten.expand.default, (src, size))
-            wide.meta = {**src.meta, "val": dst.meta["val"]}
-            n.args = (dst, wide, *n.args[2:])
-    copy = GraphModule(gm, graph)
-    copy.meta.update(gm.meta)
-    return copy
 
 
 def _meta_args(gm: GraphModule) -> tuple[torch.Tensor, ...]:
@@ -303,7 +254,7 @@ def export_graph(
     """
     import onnx
 
-    gm = _exportable(decompose_kept_whole(gm))
+    gm = exportable(decompose_kept_whole(gm))
     try:
         with warnings.catch_warnings(), quiet_loggers(*EXPORTER_LOGGERS):
             warnings.simplefilter("ignore")
@@ -314,9 +265,13 @@ def export_graph(
         # a failure of torch.export (the exporter's step 1) is none of a missing translation
         bad = None if in_chain(e, "TorchExportError") else unexportable_node(gm)
         if bad is not None:
+            values, advice = "", ""
+            if complex_argument(bad):
+                values, advice = "complex values of ", f": {COMPLEX_ADVICE}"
             raise OnnxExportError(
-                f"the ONNX exporter has no function for {op_name(bad.target)} (node {bad.name} "
-                f"of the {name} graph, module {bad.meta.get(MODULE) or '(model)'})"
+                f"the ONNX exporter has no function for {values}{op_name(bad.target)} (node "
+                f"{bad.name} of the {name} graph, module {bad.meta.get(MODULE) or '(model)'})"
+                f"{advice}"
             ) from e
         raise OnnxExportError(
             f"exporting the {name} graph to ONNX failed: {exporter_error_line(e)}"

@@ -1,17 +1,21 @@
 """Diagnosing ONNX export failures for :mod:`graphflop.export.onnx`: which node's op the
-exporter cannot translate (:func:`unexportable_node`), one clean line for any other exporter
-failure (:func:`exporter_error_line`), and the loggers torch's exporter writes through
+exporter cannot translate (:func:`unexportable_node`; for complex values, :func:`complex_argument`
+and :data:`COMPLEX_ADVICE`), one clean line for any other exporter failure
+(:func:`exporter_error_line`), and the loggers torch's exporter writes through
 (:data:`EXPORTER_LOGGERS`, kept quiet meanwhile)."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
 
 __all__ = [
+    "COMPLEX_ADVICE",
     "EXPORTER_LOGGERS",
+    "complex_argument",
     "exporter_error_line",
     "in_chain",
     "unexportable_node",
@@ -27,9 +31,35 @@ def _registry():
         return None
 
 
+#: what a refusal of an op on complex values adds: why, and what to do
+COMPLEX_ADVICE = (
+    "ONNX's operators do not compute on complex tensors: the exporter writes a complex tensor "
+    "as its real and imaginary parts (a last dimension of 2, as torch.view_as_real) and "
+    "translates complex values for only some ops (add, sub, mul, div, matmul, abs, conj, "
+    "views and reshapes among them); write this step with the real and imaginary parts "
+    "(torch.view_as_real, real arithmetic) instead"
+)
+
+
+def complex_argument(n: Node) -> bool:
+    """Whether a tensor argument of ``n`` is complex (the exporter then needs a function for
+    complex values of its op)."""
+    found = False
+
+    def visit(a: Any) -> Any:
+        nonlocal found
+        val = a.meta.get("val") if isinstance(a, Node) else None
+        found = found or (isinstance(val, torch.Tensor) and val.is_complex())
+        return a
+
+    torch.fx.node.map_aggregate((n.args, n.kwargs), visit)
+    return found
+
+
 def unexportable_node(gm: GraphModule) -> Node | None:
     """The first node whose op the ONNX exporter can translate neither directly (no function
-    for it or another overload of it in the exporter's registry) nor through the ATen
+    for it or another overload of it in the exporter's registry; for complex arguments
+    (:func:`complex_argument`), no function for complex values) nor through the ATen
     decomposition the exporter applies first (``aten.var_mean.correction`` of a training batch
     norm decomposes into registered ops; ``aten.i0`` into ``prims.bessel_i0``, which has none),
     or None."""
@@ -42,7 +72,7 @@ def unexportable_node(gm: GraphModule) -> Node | None:
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
             continue
-        if _registered(reg, n.target):
+        if _registered(reg, n.target, complex_argument(n)):
             continue
         table = _decomposition_table(reg) if table is None else table
         if not _decomposes_to_registered(reg, table, n):
@@ -63,11 +93,19 @@ def _decomposition_table(reg) -> dict:
         return {}
 
 
-def _registered(reg, target) -> bool:
-    """Whether ``target`` or another overload of its op has a function in ``reg``."""
+def _registered(reg, target, complex_values: bool = False) -> bool:
+    """Whether ``target`` or another overload of its op has a function in ``reg`` (one for
+    complex values when ``complex_values``: the exporter picks its functions by that)."""
     packet = getattr(target, "overloadpacket", None)
     siblings = [getattr(packet, o) for o in packet.overloads()] if packet else []
-    return bool(reg.is_registered(target)) or any(reg.is_registered(o) for o in siblings)
+    for op in (target, *siblings):
+        try:
+            functions = reg.get_decomps(op)
+        except Exception:  # not an op the registry knows
+            continue
+        if any(bool(getattr(f, "is_complex", False)) == complex_values for f in functions):
+            return True
+    return False
 
 
 def _decomposes_to_registered(reg, table: dict, node: Node) -> bool:
@@ -91,7 +129,7 @@ def _decomposes_to_registered(reg, table: dict, node: Node) -> bool:
     except Exception:  # the decomposition fails on these arguments
         return False
     return all(
-        _registered(reg, n.target)
+        _registered(reg, n.target, complex_argument(n))
         for n in traced.graph.nodes
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
     )

@@ -11,9 +11,9 @@ A transformers model whose configuration asks for a KV cache (``use_cache=True``
 its configurations) makes one in ``forward`` and passes it to every layer, which copies its keys
 and values into it: an argument that carries results out of each layer, so the layers cannot be
 traced once (:mod:`graphflop.frontend.outline`). When the call does not ask for the cache
-itself (:func:`cache_configs`), :func:`caches_refused` stops the trace where a cache is made,
-and the trace runs again with the configurations' ``use_cache`` off (:func:`caches_off`),
-stating :func:`cache_assumption` in the report.
+itself (:func:`cache_configs`), :func:`caches_refused` stops the trace where a cache is first
+used, naming the one the model makes, and the trace runs again with the configurations'
+``use_cache`` off (:func:`caches_off`), stating :func:`cache_assumption` in the report.
 
 Writes no meta key.
 """
@@ -95,10 +95,14 @@ def _argument_names(model: torch.nn.Module, args: tuple, kwargs: dict) -> set[st
 
 @contextlib.contextmanager
 def caches_refused() -> Iterator[None]:
-    """Inside, making a transformers KV cache (an instance of ``cache_utils.Cache`` or of
-    any of its subclasses) raises :class:`CacheMade`; every ``__init__`` is restored
-    afterwards. (Called where transformers is imported: a model's code may import its
-    caches inside ``forward``.)"""
+    """Inside, a transformers KV cache (an instance of ``cache_utils.Cache`` or of any of its
+    subclasses) may be made but not used: its ``__init__`` only records it (and the caches
+    among its arguments: those it wraps), and the first read of any attribute of a recorded
+    cache raises :class:`CacheMade` naming the outermost cache made, the one no other wraps
+    (T5's decoder makes ``EncoderDecoderCache(DynamicCache(…), DynamicCache(…))``: the
+    ``DynamicCache`` objects are made first, inside the model's own cache). Every ``__init__``
+    and ``Cache.__getattribute__`` are restored afterwards. (Called where transformers is
+    imported: a model's code may import its caches inside ``forward``.)"""
     cu = sys.modules.get("transformers.cache_utils")
     if cu is None and "transformers" in sys.modules:
         cu = importlib.import_module("transformers.cache_utils")
@@ -114,17 +118,33 @@ def caches_refused() -> Iterator[None]:
             classes.append(c)
             stack.extend(c.__subclasses__())
     saved = [(c, c.__dict__["__init__"]) for c in classes if "__init__" in c.__dict__]
+    own_getattribute = root.__dict__.get("__getattribute__")
+    made: list[Any] = []  # the recorded caches, in the order made (kept alive: ids stay theirs)
+    wrapped: set[int] = set()  # ids of the recorded caches another one was made from
 
-    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise CacheMade(type(self).__name__)
+    def record(self: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(self)
+        wrapped.update(id(a) for a in (*args, *kwargs.values()) if type(a) in classes)
+
+    def refuse(self: Any, name: str) -> Any:
+        # __class__: isinstance's fallback for a type that is not a subclass
+        if name != "__class__" and any(c is self for c in made):
+            outer = [type(c).__name__ for c in made if id(c) not in wrapped]
+            raise CacheMade(outer[-1] if outer else type(self).__name__)
+        return object.__getattribute__(self, name)
 
     for c, _ in saved:
-        c.__init__ = refuse  # type: ignore[misc]
+        c.__init__ = record  # type: ignore[misc]
+    root.__getattribute__ = refuse  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
         for c, init in saved:
             c.__init__ = init  # type: ignore[misc]
+        if own_getattribute is None:
+            del root.__getattribute__
+        else:
+            root.__getattribute__ = own_getattribute  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -155,7 +175,7 @@ def cache_assumption(kind: str) -> str:
     return (
         "traced without the KV cache: transformers' config.use_cache was off while tracing "
         "(the call passed no use_cache, past_key_values or cache), where the model would have "
-        f"made a {kind}; with it, eager PyTorch also copies every layer's keys and values "
+        f"made one ({kind}); with it, eager PyTorch also copies every layer's keys and values "
         "into the cache (torch.cat: 0 FLOPs, their bytes read and written) and holds them "
         "until the output is freed, and attention on the math path saves those copies "
         "instead of its own: memory figures may differ; to count the cache, call the model "

@@ -119,14 +119,25 @@ def session(
 
 
 def run(sess, feeds: dict[str, Any]) -> list[np.ndarray]:
-    """Run with torch tensors or arrays as feeds (only the inputs the model declares)."""
+    """Run with torch tensors or arrays as feeds (only the inputs the model declares). A
+    complex feed is given as its real view (:func:`real_view`), the exporter's form of a
+    complex value; complex outputs come back in that form."""
     names = {i.name for i in sess.get_inputs()}
     arrays = {
-        k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v))
+        k: real_view(v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v))
         for k, v in feeds.items()
         if k in names
     }
     return sess.run(None, arrays)
+
+
+def real_view(a: np.ndarray) -> np.ndarray:
+    """A complex array as its real and imaginary parts along a new last axis of 2
+    (``torch.view_as_real``): the ONNX exporter writes every complex tensor, a graph's inputs
+    and outputs among them, as such a real tensor. Any other array unchanged."""
+    if not np.iscomplexobj(a):
+        return a
+    return np.ascontiguousarray(np.stack([a.real, a.imag], axis=-1))
 
 
 #: ONNX Runtime's input type names → numpy dtypes, for the feeds made in float32
@@ -138,12 +149,14 @@ _ORT_TYPES = {
 
 
 def as_declared(sess, feeds: dict[str, Any]) -> dict[str, Any]:
-    """``feeds`` with floating arrays cast to the type each session input declares (the
-    learning rate and Adam's step are made in float32 whatever the model's ``--dtype``)."""
+    """``feeds`` with complex arrays as their real view (:func:`real_view`) and floating arrays
+    cast to the type each session input declares (the learning rate and Adam's step are made
+    in float32 whatever the model's ``--dtype``)."""
     declared = {i.name: _ORT_TYPES.get(i.type) for i in sess.get_inputs()}
+    real = {k: real_view(v) for k, v in feeds.items()}
     return {
         k: v.astype(declared[k]) if declared.get(k) and v.dtype.kind == "f" else v
-        for k, v in feeds.items()
+        for k, v in real.items()
     }
 
 

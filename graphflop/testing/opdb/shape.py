@@ -204,7 +204,6 @@ SHAPE_MORE = [
         # r2c of 4 points per frame 2.5·24·log2 4 = 120; view 0; readout 36
         flops=32 + 24 + 120 + 36,
         aten=("aten.as_strided.default", "aten.index_put.default"),
-        xfail={"onnx": "ONNX has no complex tensors: the backward graph's FFTs do not export"},
     ),
     OpCase(
         "as_strided_overlapping",
@@ -242,7 +241,6 @@ SHAPE_MORE = [
         # one-sided r2c of 4 points per frame: 2.5·24·log2 4 = 120; view 0; readout 36
         flops=16 + 24 + 120 + 36,
         aten=("aten.as_strided.default", "aten._fft_r2c.default"),
-        xfail={"onnx": "ONNX has no complex tensors: the backward graph's FFTs do not export"},
     ),
     OpCase(
         "split_uneven",

@@ -11,7 +11,6 @@ import torch
 from graphflop.testing.opdb.core import OpCase, module_of
 
 _W = {"w": (8,)}
-_NO_ONNX = "ONNX has no complex tensors: the backward graph's FFTs do not export"
 
 SPECTRAL = [
     OpCase(
@@ -20,7 +19,6 @@ SPECTRAL = [
         ((2, 8),),
         flops=16 + 120 + 10 + 10,  # mul; r2c 2.5·16·log2 8 = 120; |z| 2·5; readout
         aten=("aten._fft_r2c.default", "aten.abs.default", "aten._fft_c2c.default"),
-        xfail={"onnx": _NO_ONNX},
     ),
     OpCase(
         "rfft_filter_irfft",
@@ -33,7 +31,6 @@ SPECTRAL = [
         # mul 16; r2c 120; × real filter g 10; c2r 2.5·16·3 = 120; readout 16
         flops=16 + 120 + 10 + 120 + 16,
         aten=("aten._fft_r2c.default", "aten._fft_c2r.default", "aten.cat.default"),
-        xfail={"onnx": _NO_ONNX},
     ),
     OpCase(
         "irfft_odd",
@@ -46,7 +43,6 @@ SPECTRAL = [
         # mul 14; r2c 2.5·14·log2 7 = 98.26 -> 98; c2r the same 98; readout 14
         flops=14 + 98 + 98 + 14,
         aten=("aten._fft_r2c.default", "aten._fft_c2r.default", "aten.constant_pad_nd.default"),
-        xfail={"onnx": _NO_ONNX},
     ),
     OpCase(
         "fft_ifft_real",
@@ -60,7 +56,6 @@ SPECTRAL = [
         # ifft c2c 5·16·3 = 240; .real 0; readout 16
         flops=16 + 120 + 16 + 240 + 16,
         aten=("aten._fft_r2c.default", "aten._fft_c2c.default", "aten.view_as_real.default"),
-        xfail={"onnx": _NO_ONNX},
     ),
     OpCase(
         "fft2_imag",
@@ -81,7 +76,6 @@ SPECTRAL = [
         # readout 10
         flops=16 + 160 + 10 + 10,
         aten=("aten._fft_r2c.default",),
-        xfail={"onnx": _NO_ONNX},
     ),
 ]
 
@@ -105,7 +99,6 @@ SPECTRAL += [
             "aten.conj_physical.default",
             "aten.view_as_real.default",
         ),
-        xfail={"onnx": _NO_ONNX},
     ),
     OpCase(
         "view_as_complex_ifft",
@@ -118,7 +111,6 @@ SPECTRAL += [
         # mul 32; c2c of 16 points in 2 signals of 8: 5·16·3 = 240; |z| 16; readout 16
         flops=32 + 240 + 16 + 16,
         aten=("aten.view_as_complex.default", "aten._fft_c2c.default"),
-        xfail={"onnx": _NO_ONNX},
     ),
 ]
 
@@ -148,7 +140,6 @@ SPECTRAL += [
         # product 16; ifft c2c 5·16·3 = 240; .real 0; readout 16
         flops=120 + 16 + 240 + 16,
         aten=("aten.complex.default", "aten._fft_c2c.default"),
-        xfail={"onnx": _NO_ONNX},
     ),
     OpCase(
         "conj_view",
@@ -161,6 +152,5 @@ SPECTRAL += [
         # mul 16; fft of a real input 120; .conj() (_conj) 16; × real g 16; view 0; readout 32
         flops=16 + 120 + 16 + 16 + 32,
         aten=("aten._conj.default",),
-        xfail={"onnx": _NO_ONNX},
     ),
 ]
