@@ -436,7 +436,7 @@ def load(
     example = None
     lazy: tuple[str, ...] = ()
     fn = getattr(module, "example_inputs", None)
-    if callable(fn):
+    if fn is not None:
         args, kwargs = _call_example_inputs(fn, label)
         lazy = _initialize_lazy(model, args, kwargs, meta, f"{label}:{name}")
         example = bind_call(model, args, kwargs)
@@ -486,12 +486,23 @@ def _initialize_lazy(model: nn.Module, args: tuple, kwargs: dict, meta: bool, wh
 
 
 def _call_example_inputs(fn: Any, label: str) -> tuple[tuple, dict]:
-    """``fn()``, the file's ``example_inputs``, split into positional and keyword inputs.
+    """``fn()``, the file's ``example_inputs``, split into positional and keyword inputs; a
+    value rather than a function (``example_inputs = (torch.randn(8, 4),)``) is taken as
+    what the function would return.
 
     Raises:
         SpecError: ``fn`` raised or exited (the user's code), or returned something that is not
             inputs.
     """
+    if not callable(fn):
+        try:
+            return split_example(fn)
+        except TypeError as e:
+            raise SpecError(
+                f"{label}: example_inputs is {_a(type(fn).__name__)}: define it as a function "
+                "returning the inputs, or as a tensor, a tuple of inputs, a dict of keyword "
+                "inputs or (args, kwargs)"
+            ) from e
     try:
         value = fn()
     except SystemExit as e:

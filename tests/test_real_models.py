@@ -745,3 +745,16 @@ def test_hf_bloom_with_its_custom_autograd_function_matches_flop_counter_mode():
     with FlopCounterMode(display=False) as counter:
         loaded.model(*inputs)
     assert a.report.totals.forward.mm_flops == counter.get_total_flops() > 0
+
+
+def test_example_inputs_given_as_a_value(tmp_path):
+    """A tester's finding: ``example_inputs = torch.randn(2, 4)`` (a value, not a function) got
+    'no example_inputs() in its file'. The value is taken as the function's return would be;
+    one that is no inputs is named."""
+    body = "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+    body += "        self.fc = nn.Linear(4, 3)\n    def forward(self, x):\n"
+    body += "        return self.fc(x)\n"
+    loaded = load(str(_write(tmp_path, body + "example_inputs = torch.randn(2, 4)\n")), meta=True)
+    assert [tuple(t.shape) for t in loaded.example_inputs] == [(2, 4)]
+    with pytest.raises(SpecError, match="example_inputs is an int: define it as a function"):
+        load(str(_write(tmp_path, body + "example_inputs = 3\n", "n.py")), meta=True)
