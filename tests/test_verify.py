@@ -498,3 +498,33 @@ def test_verify_passes_on_vit_b16_at_batch_1(capsys, monkeypatch):
     rc, doc, err = _verify(spec, capsys, monkeypatch, "--batch", "1", "--verify-samples", "16")
     assert "Traceback" not in "\n".join(err)
     assert rc == 0 and all(c["ok"] for c in doc["verify"]), doc["verify"]
+
+
+def test_a_model_casting_to_float32_is_told_to_verify_in_float32(tmp_path, capsys, monkeypatch):
+    """A tester's finding: a model that casts to float32 itself (``x.float()`` after an
+    autocast region) cannot be traced in float64; the NOT RUN line said to give inputs in the
+    parameters' dtype (--dtype), where the option that helps is --verify-dtype float32."""
+    path = tmp_path / "casts.py"
+    path.write_text(
+        HEADER
+        + textwrap.dedent(
+            """
+            class M(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.a = nn.Linear(4, 4)
+                    self.b = nn.Linear(4, 2)
+
+                def forward(self, x):
+                    return self.b(self.a(x).float())
+
+            def example_inputs():
+                return (torch.randn(3, 4),)
+            """
+        )
+    )
+    rc, doc, err = _verify(f"{path}:M", capsys, monkeypatch)
+    line = next(x for x in err if x.startswith("verify: trace in float64: NOT RUN"))
+    assert "(--verify-dtype float32)" in line and "(--dtype)" not in line
+    rc, doc, err = _verify(f"{path}:M", capsys, monkeypatch, "--verify-dtype", "float32")
+    assert rc == 0 and err[-1] == "verify: 3 of 3 checks passed"
