@@ -280,6 +280,12 @@ class AnalyzeOptions:
             made on their first read) read their flat views
             (:func:`graphflop.passes.calls.flat_view`: the graphs built flat, node for node,
             names included). The same report. On by default; False builds them flat.
+        outline: trace each distinct repeated block once and copy it at its other calls
+            (:mod:`graphflop.frontend.outline`; ``reuse`` of
+            :func:`~graphflop.frontend.trace.trace`): the block's forward, Python code
+            included, runs at its first call only. False traces every call: for a block whose
+            forward depends on Python state outside it (a module-level counter, a class
+            attribute its parent sets between calls), which the outliner cannot see.
 
     Raises:
         ValueError: an unknown loss, optimizer, tangents, distribution, memory model, device or
@@ -307,6 +313,7 @@ class AnalyzeOptions:
     recompute: str | None = None
     time_profile: TimeProfile | None = None
     record_derivatives: bool = True
+    outline: bool = True
 
     def __post_init__(self) -> None:
         if self.time_profile is not None and not isinstance(self.time_profile, TimeProfile):
@@ -314,7 +321,7 @@ class AnalyzeOptions:
                 "time_profile must be a TimeProfile (graphflop.passes.time_profile) or None, "
                 f"not {type(self.time_profile).__name__}"
             )
-        for name in ("backward", "jvp", "keep_grads", "record_derivatives"):
+        for name in ("backward", "jvp", "keep_grads", "record_derivatives", "outline"):
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be True or False, not {v!r}")
@@ -502,7 +509,8 @@ def _analyze(
     backward, jvp, memory_model = o.backward, o.jvp, o.memory_model
     say("tracing")
     fwd = run_passes(
-        trace(model, example_inputs, loss=loss, kwargs=kwargs or None), [AnnotateFlops()]
+        trace(model, example_inputs, loss=loss, kwargs=kwargs or None, reuse=o.outline),
+        [AnnotateFlops()],
     )
     has_loss = fwd.meta[SIGNATURE].loss is not None
     if loss == "auto" and not has_loss:  # the output has nothing to differentiate (argmax)

@@ -53,6 +53,7 @@ def sweep(
     progress: Callable[[str], None] | None = None,
     devices: Sequence[TimeProfile] = (),
     amp: str | None = None,
+    outline: bool = True,
 ) -> list[dict[str, Any]]:
     """One row per batch size (``batches``) or per depth (``depths``); ``seq``: the sequence
     length of an ``hf:`` model's token inputs (:func:`graphflop.load.load`).
@@ -61,7 +62,8 @@ def sweep(
     ``ratio`` ((backward + update)/forward), ``ratio_no_update``, ``params``; per profile of
     ``devices`` (:mod:`graphflop.passes.step_time`), ``time_ratio@NAME`` ((backward + update) /
     forward in predicted seconds), ``forward_s@NAME`` and ``train_step_s@NAME``; ``amp``
-    (``bf16``/``fp16``): those times under autocast to that dtype.
+    (``bf16``/``fp16``): those times under autocast to that dtype. ``outline``: as
+    :class:`~graphflop.analysis.AnalyzeOptions`'.
 
     Raises:
         NoPeak: a matrix product in a dtype a profile of ``devices`` has no rate for.
@@ -82,7 +84,7 @@ def sweep(
         loaded = load(spec, ctor_kwargs=kwargs, meta=True, seq=seq)
         set_training_mode(loaded.model)
         inputs = make_inputs(loaded, batch=value if kind == "batch" else batch)
-        options = AnalyzeOptions(optimizer=optimizer, jvp=False)
+        options = AnalyzeOptions(optimizer=optimizer, jvp=False, outline=outline)
         a = analyze(loaded.model, inputs, options, name=loaded.name)
         r = a.report
         if r.loss == "none":  # nothing to differentiate: a sweep compares backward and forward

@@ -381,3 +381,58 @@ def test_modules_the_model_leaves_in_eval_mode_stay_so(tmp_path, capsys):
     assert train.memory.saved_for_backward_bytes != want.memory.saved_for_backward_bytes
     rc, out, err = cli(capsys, "inspect", f"{path}:Net", "--format", "json", "--eval")
     assert rc == 0 and not any("kept in eval mode" in e for e in err)
+
+
+STATE_OUTSIDE = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8, bias=False)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        h = self.norm(x)
+        for _ in range(1 + Net.current % 2):  # state the parent sets: invisible to outlining
+            h = self.act(self.fc(h))
+        return x + h
+
+
+class Net(nn.Module):
+    current = 0
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            Net.current = i
+            x = b(x)
+        return x
+
+
+def example_inputs():
+    return (torch.randn(2, 8),)
+"""
+
+
+def test_no_outline_traces_every_call(tmp_path, capsys):
+    """A tester's finding: a block whose forward depends on Python state outside it (a class
+    attribute its parent sets between calls) is copied from its first call when outlined,
+    and the CLI had no way to trace every call. --no-outline does: the four blocks apply fc
+    1, 2, 1, 2 times, 6 products of 2·2·8·8 = 256 FLOPs: 1,536. Outlined, every block is
+    the template traced once (with whatever the attribute was then): not 1,536."""
+    path = tmp_path / "state.py"
+    path.write_text(STATE_OUTSIDE)
+    rc, out, err = cli(
+        capsys, "inspect", f"{path}:Net", "--format", "json", "--loss", "sum", "--no-outline"
+    )
+    assert rc == 0, err
+    assert json.loads(out)["totals"]["forward"]["mm_flops"] == 6 * 2 * 2 * 8 * 8
+    rc, out, err = cli(capsys, "inspect", f"{path}:Net", "--format", "json", "--loss", "sum")
+    assert json.loads(out)["totals"]["forward"]["mm_flops"] != 6 * 2 * 2 * 8 * 8

@@ -275,6 +275,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="trace in eval mode (batch norm uses running statistics)",
     )
     p.add_argument(
+        "--no-outline",
+        dest="outline",
+        action="store_false",
+        help="trace every call of a repeated block (default: each distinct block once, copied "
+        "at its other calls, its forward's Python code run at the first call only); for "
+        "blocks whose forward depends on Python state outside them (a global counter, a "
+        "class attribute set between calls)",
+    )
+    p.add_argument(
         "--loss",
         default="auto",
         choices=["auto", "cross_entropy", "mse", "sum"],
@@ -390,7 +399,12 @@ def analyze_model(
     """
     from graphflop.analysis import AnalyzeOptions, analyze
 
-    options = replace(options or AnalyzeOptions(), loss=args.loss, optimizer=args.optimizer)
+    options = replace(
+        options or AnalyzeOptions(),
+        loss=args.loss,
+        optimizer=args.optimizer,
+        outline=getattr(args, "outline", True),
+    )
     analysis = analyze(
         loaded.model, inputs, options, name=loaded.name, progress=lambda m: status.update(m)
     )

@@ -145,6 +145,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             progress=lambda m: status.update(f"sweeping: {m}"),
             devices=profiles,
             amp=args.amp,
+            outline=args.outline,
         )
     _print_table(args, rows, "batch" if batches else "depth")
     _write(args, rows)
