@@ -909,3 +909,72 @@ def test_reentrant_checkpoint_inside_a_block_is_decided_per_call(monkeypatch):
     assert a.report.frozen_params == 3 * (64 + 8)
     monkeypatch.setattr(outline, "plan", lambda *a, **k: {})
     assert a.report.to_dict() == analyze(_DetachedCkptNet(), x).report.to_dict()
+
+
+class _RmsBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class _RmsStack(nn.Module):
+    """Three RMSNorm blocks: ``rms_norm``'s C++ kernel adds its epsilon in place on a
+    temporary (``add_``), which tracing rewrites into ``add``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*[_RmsBlock(8) for _ in range(3)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def _op_order(a):
+    return [(r.phase, r.op) for r in a.report.ops]
+
+
+def test_in_place_add_of_a_composite_inside_blocks_keeps_the_op_order(monkeypatch):
+    """A tester's finding (a Mamba-like model): the template kept ``rms_norm``'s ``add_``,
+    which tracing rewrote into ``add`` in the flat graph, so the copies were no longer their
+    template's node and counted at the top level, after their call: the forward's ``add.Scalar``
+    row came after the whole block's (after ``addmm``) instead of between ``mean`` and
+    ``rsqrt`` (``x.pow(2).mean(-1) + eps``, then ``rsqrt``), figures equal. The template is
+    rewritten as the flat graph is: each call keeps its add, rows in the flat order."""
+    hier, flat = _outlined_and_not(_RmsStack, (torch.randn(2, 8),), monkeypatch)
+    h = hier.forward.meta[HIERARCHY]
+    assert h.runs
+    assert all(len(items) == len(h.variants[0][1]) for _, items in h.variants)
+    forward = [op for phase, op in _op_order(hier) if phase == "forward"]
+    assert forward[:4] == [
+        "aten.pow.Tensor_Scalar",
+        "aten.mean.dim",
+        "aten.add.Scalar",
+        "aten.rsqrt.default",
+    ]
+    assert _op_order(hier) == _op_order(flat)
+    assert hier.report.to_dict() == flat.report.to_dict()
+    _check(hier)
+
+
+def test_a_copy_rewritten_after_tracing_keeps_the_flat_op_order(monkeypatch):
+    """Where a call's copy is no longer its template's node (here: the template's ``add_`` left
+    in place, the flat graph's rewritten), it counts at the top level, after its call; the
+    calls' nodes are then not one run (``Hierarchy.runs``) and the per-op and per-module rows
+    take the flat graph's order (``add.Scalar`` before ``rsqrt``, not after the block's ops)."""
+    from graphflop.frontend import trace
+
+    monkeypatch.setattr(trace, "functionalize_inplace", lambda graph: 0)
+    hier, flat = _outlined_and_not(_RmsStack, (torch.randn(2, 8),), monkeypatch)
+    h = hier.forward.meta[HIERARCHY]
+    assert not h.runs  # the add_ copies are top-level nodes inside the calls' runs
+    forward = [op for phase, op in _op_order(hier) if phase == "forward"]
+    assert forward.index("aten.add.Scalar") < forward.index("aten.rsqrt.default")
+    assert _op_order(hier) == _op_order(flat)
+    assert hier.report.to_dict() == flat.report.to_dict()
+

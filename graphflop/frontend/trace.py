@@ -96,6 +96,7 @@ from graphflop.meta import (
     fresh_fake,
 )
 from graphflop.ops import decomposition_table
+from graphflop.ops.recurrent import functionalize_inplace
 
 __all__ = [
     "LOSSES",
@@ -633,6 +634,12 @@ def _trace_template(
         if n.args[0] in written:
             n.replace_all_uses_with(n.args[1])
             gm.graph.erase_node(n)
+    # in-place ops a composite kernel left on its temporaries (rms_norm's add_): rewritten
+    # into their functional twins here as tracing rewrites the flat graph's
+    # (from_make_fx), so each copy is still what its template node is and the hierarchy
+    # keeps it in its call (a node no longer its template's counts at the top level, after
+    # the call: the per-op table's order would differ from the flat graph's)
+    functionalize_inplace(gm.graph)
     # the trace continued from the outputs' metadata as PyTorch's kernels give it; the
     # decomposed graph must give the same, or the rest of the trace could differ
     out = next(n for n in gm.graph.nodes if n.op == "output")
