@@ -436,10 +436,13 @@ class OutlineInfo:
     Attributes:
         calls: module calls whose graphs were copies of a template.
         traced_once: templates traced (each once).
+        in_full: one line per group of repeated modules traced in full (each copy traced on
+            its own), saying which and why (``Block ×3 (blocks.0, blocks.1, blocks.2): ...``).
     """
 
     calls: int = 0
     traced_once: int = 0
+    in_full: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
