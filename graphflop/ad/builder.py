@@ -125,8 +125,8 @@ def name_stem(name: str) -> str:
     """``name`` less the numeric suffix fx adds to make a name unique (``permute_3`` ->
     ``permute``, ``add__2`` -> ``add_``): the name to create a node's copy under, for the new
     graph to number the copies of one stem in its own order."""
-    m = _name_regex.match(name)
-    return m.group(1) if m is not None else name
+    stem, _, number = name.rpartition("_")  # fx's suffix, without its regular expression
+    return stem if stem and number.isdigit() else name
 
 
 def copy_node(
