@@ -26,7 +26,17 @@ from graphflop.frontend.errors import quiet_loggers
 from graphflop.frontend.inputs import split_example
 from graphflop.frontend.loss import LOSSES
 from graphflop.frontend.trace import trace
-from graphflop.meta import HIERARCHY, JVP, LINEARIZED, LOSS_KIND, SIGNATURE, Hierarchy, graph_module
+from graphflop.meta import (
+    HIERARCHY,
+    JVP,
+    LINEARIZED,
+    LOSS_KIND,
+    OUTLINED,
+    SIGNATURE,
+    Hierarchy,
+    OutlineInfo,
+    graph_module,
+)
 from graphflop.passes.activity_gradient import BuildActivityGradientStep, NotPerturbable
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
 from graphflop.passes.calls import flat_view
@@ -161,6 +171,14 @@ class Analysis:
         repeated block's template graph once, the top-level graph calling them), or None for a
         model without outlined blocks."""
         return self.forward.meta.get(HIERARCHY)
+
+    @property
+    def outlined(self) -> OutlineInfo:
+        """How tracing outlined repeated blocks: the calls that were copies of a template, the
+        templates traced, and the groups of repeated modules traced in full, each copy on its
+        own, with why (:attr:`~graphflop.meta.OutlineInfo.in_full`; the figures are the same
+        either way, the analysis slower)."""
+        return self.forward.meta.get(OUTLINED) or OutlineInfo()
 
     def flat(self) -> Graphs:
         """The inlined graphs, every node of every block: what a consumer that needs each

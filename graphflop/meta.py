@@ -442,10 +442,13 @@ class OutlineInfo:
     Attributes:
         calls: module calls whose graphs were copies of a template.
         traced_once: templates traced (each once).
+        in_full: one line per group of repeated modules traced in full (each copy traced on
+            its own), saying which and why (``Block ×3 (blocks.0, blocks.1, blocks.2): ...``).
     """
 
     calls: int = 0
     traced_once: int = 0
+    in_full: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -490,6 +493,10 @@ class Hierarchy:
             values read outside the call; None where a call's nodes are not one run. Its
             other nodes share their ``meta`` dict with the forward graph's nodes they copy,
             so the annotations written on the forward graph (``COST``) are read here too.
+        runs: whether each call's nodes are one run of the forward graph, no other node among
+            them; where not (a copy rewritten after tracing counts at the top level, after its
+            call), what is listed in the order the flat graph first meets it (per-op and
+            per-module rows) is ordered by the flat graph.
     """
 
     templates: tuple[torch.fx.Graph, ...]
@@ -497,6 +504,7 @@ class Hierarchy:
     sites: tuple[CallSite, ...]
     top: tuple[Any, ...]
     graph: Any = None
+    runs: bool = True
 
 
 @dataclass(frozen=True)

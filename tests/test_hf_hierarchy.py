@@ -88,7 +88,12 @@ def test_explicit_use_cache_is_kept_and_counts_the_cache_copies():
     (each layer's keys and values copied into the cache: no hierarchy, no line)."""
     on = _flat(_llama(), ((_ids(),), {"use_cache": True}))
     again = analyze(_llama(), ((_ids(),), {"use_cache": True}))
-    assert again.forward.meta[OUTLINED] == OutlineInfo(calls=0, traced_once=0)
+    # the layers get the cache object: traced in full, said
+    why = (
+        "LlamaDecoderLayer ×2 (model.layers.0, model.layers.1): called with a DynamicCache "
+        "argument (not tensors, numbers, strings, and tuples, lists and dicts of them)"
+    )
+    assert again.forward.meta[OUTLINED] == OutlineInfo(0, 0, in_full=(why,))
     assert not _cache_lines(again.report)
     assert again.report.to_dict() == on.report.to_dict()
     off = _flat(_llama(use_cache=False), (_ids(),))
@@ -310,7 +315,8 @@ def test_gradient_checkpointing_keeps_the_flat_figures(reentrant):
     a = analyze(model, _ids())
     _check(a)
     if reentrant:
-        assert a.forward.meta[OUTLINED] == OutlineInfo(calls=2 * LAYERS, traced_once=2)
+        why = "LlamaDecoderLayer ×2 (model.layers.0, model.layers.1): a reentrant checkpoint inside"
+        assert a.forward.meta[OUTLINED] == OutlineInfo(2 * LAYERS, 2, in_full=(why,))
     else:
         assert a.forward.meta[OUTLINED] == OutlineInfo(calls=LAYERS, traced_once=1)
         assert _expanded_calls(a).expanded == LAYERS - 1

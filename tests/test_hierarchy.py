@@ -940,21 +940,328 @@ class _InferenceCall(nn.Module):
 
 
 @pytest.mark.parametrize("frozen", [0, 2])
-def test_a_block_called_under_inference_mode_is_outlined(frozen, monkeypatch):
+def test_a_block_called_under_inference_mode_is_traced_in_full(frozen, monkeypatch):
     """A tester's finding: a repeated block called under ``torch.inference_mode()`` failed to
     trace when outlined (the first run of its call made its fresh inputs in inference mode,
     where a tensor has no version counter to tell a write by: 'Inference tensors do not track
-    version counter'). It is traced once per grad mode, as a call under ``no_grad``; its
-    parameters get no gradient (2 · (64 + 8) = 144 frozen), and the hierarchical report
-    equals the flat one and the one traced without outlining."""
+    version counter'). That call is traced in full (the other three are copies of one
+    template); its parameters get no gradient (2 · (64 + 8) = 144 frozen), and the
+    hierarchical report equals the flat one and the one traced without outlining."""
     import graphflop.frontend.outline as outline
 
     x = torch.randn(2, 8)
     a = analyze(_InferenceCall(frozen), x)
-    assert a.forward.meta[OUTLINED].calls == 4 and a.forward.meta[OUTLINED].traced_once == 2
+    assert a.forward.meta[OUTLINED].calls == 3 and a.forward.meta[OUTLINED].traced_once == 1
     assert a.report.frozen_params == 2 * (64 + 8)
     _check(a)
     monkeypatch.setattr(outline, "plan", lambda *a, **k: {})
     flat = analyze(_InferenceCall(frozen), x)
     assert HIERARCHY not in flat.forward.meta
     assert a.report.to_dict() == flat.report.to_dict()
+
+
+class _RmsBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class _RmsStack(nn.Module):
+    """Three RMSNorm blocks: ``rms_norm``'s C++ kernel adds its epsilon in place on a
+    temporary (``add_``), which tracing rewrites into ``add``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*[_RmsBlock(8) for _ in range(3)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def _op_order(a):
+    return [(r.phase, r.op) for r in a.report.ops]
+
+
+def test_in_place_add_of_a_composite_inside_blocks_keeps_the_op_order(monkeypatch):
+    """A tester's finding (a Mamba-like model): the template kept ``rms_norm``'s ``add_``,
+    which tracing rewrote into ``add`` in the flat graph, so the copies were no longer their
+    template's node and counted at the top level, after their call: the forward's ``add.Scalar``
+    row came after the whole block's (after ``addmm``) instead of between ``mean`` and
+    ``rsqrt`` (``x.pow(2).mean(-1) + eps``, then ``rsqrt``), figures equal. The template is
+    rewritten as the flat graph is: each call keeps its add, rows in the flat order."""
+    hier, flat = _outlined_and_not(_RmsStack, (torch.randn(2, 8),), monkeypatch)
+    h = hier.forward.meta[HIERARCHY]
+    assert h.runs
+    assert all(len(items) == len(h.variants[0][1]) for _, items in h.variants)
+    forward = [op for phase, op in _op_order(hier) if phase == "forward"]
+    assert forward[:4] == [
+        "aten.pow.Tensor_Scalar",
+        "aten.mean.dim",
+        "aten.add.Scalar",
+        "aten.rsqrt.default",
+    ]
+    assert _op_order(hier) == _op_order(flat)
+    assert hier.report.to_dict() == flat.report.to_dict()
+    _check(hier)
+
+
+def test_a_copy_rewritten_after_tracing_keeps_the_flat_op_order(monkeypatch):
+    """Where a call's copy is no longer its template's node (here: the template's ``add_`` left
+    in place, the flat graph's rewritten), it counts at the top level, after its call; the
+    calls' nodes are then not one run (``Hierarchy.runs``) and the per-op and per-module rows
+    take the flat graph's order (``add.Scalar`` before ``rsqrt``, not after the block's ops)."""
+    from graphflop.frontend import trace
+
+    monkeypatch.setattr(trace, "functionalize_inplace", lambda graph: 0)
+    hier, flat = _outlined_and_not(_RmsStack, (torch.randn(2, 8),), monkeypatch)
+    h = hier.forward.meta[HIERARCHY]
+    assert not h.runs  # the add_ copies are top-level nodes inside the calls' runs
+    forward = [op for phase, op in _op_order(hier) if phase == "forward"]
+    assert forward.index("aten.add.Scalar") < forward.index("aten.rsqrt.default")
+    assert _op_order(hier) == _op_order(flat)
+    assert hier.report.to_dict() == flat.report.to_dict()
+
+
+class _NestedCkptNet(nn.Module):
+    """Four MLP blocks (outlined), blocks 1-2 under a checkpoint nested in another (a tester's
+    model): the outer call's recompute is not eager's, a gap naming the call's first node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(4)
+        )
+        self.head = nn.Linear(8, 3)
+
+    def run(self, x):
+        return self.blocks[2](self.blocks[1](x))
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        x = checkpoint(
+            lambda y: checkpoint(self.run, y, use_reentrant=False) * 1.0, x, use_reentrant=False
+        )
+        return self.head(self.blocks[3](x))
+
+
+def test_outlined_trace_names_nodes_as_a_trace_without_outlining(monkeypatch):
+    """A tester's finding: the nested checkpoint's gap named ``permute_3`` outlined and
+    ``permute_2`` not (figures equal). The outlined trace's copies were named after the nodes
+    that follow their call (the head's ``permute`` was made first, in the trace); each node is
+    now numbered in the flat graph's order: the forward graphs' names are equal, and the
+    call's first node is the third weight transpose (blocks.0's two, then blocks.1's first)."""
+    from graphflop.frontend.regions import NESTED
+
+    hier, flat = _outlined_and_not(_NestedCkptNet, (torch.randn(2, 8),), monkeypatch)
+    assert hier.forward.meta[OUTLINED].calls == 4
+    for a in (hier, flat):
+        (gap,) = [u for u in a.report.uncounted if u.op == NESTED]
+        assert gap.nodes == ("permute_2",)
+        (node,) = [n for n in a.forward.graph.nodes if n.name == "permute_2"]
+        assert node.meta[MODULE] == "blocks.1.0"
+    assert [n.name for n in hier.forward.graph.nodes] == [n.name for n in flat.forward.graph.nodes]
+    assert hier.report.to_dict() == flat.report.to_dict()
+
+
+class _CtxBlock(nn.Module):
+    """A block reading a dict argument (``ctx``); ``how``: ``read`` only, or also ``set`` a
+    key of it, or ``append`` to its list, which a copy of the block would not do."""
+
+    def __init__(self, d: int, how: str) -> None:
+        super().__init__()
+        self.norm, self.f, self.g = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d)
+        self.how = how
+
+    def forward(self, x, ctx):
+        h = self.g(torch.tanh(self.f(self.norm(x))) * ctx["scale"])
+        if self.how == "set":
+            ctx["last"] = h
+        elif self.how == "append":
+            ctx["seen"].append(h)
+        return x + h + ctx["bias"]
+
+
+class _CtxNet(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_CtxBlock(8, how) for _ in range(3))
+        self.head = nn.Linear(8, 3)
+        self.how = how
+
+    def forward(self, x, scale, bias):
+        ctx = {"scale": scale, "bias": bias, "seen": []}
+        for b in self.blocks:
+            x = b(x, ctx)
+        if self.how == "set":
+            x = x + ctx["last"]
+        elif self.how == "append":
+            x = x + sum(ctx["seen"])
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("how", "calls"), [("read", 3), ("set", 0), ("append", 0)])
+def test_blocks_taking_a_dict_argument_are_outlined_unless_they_write_into_it(
+    how, calls, monkeypatch
+):
+    """A tester's finding: blocks called with a dict of tensors were traced in full, without a
+    word (only tensors, numbers and tuples of them were taken as arguments). A dict or list of
+    those is taken now: the blocks are one template and three calls, and every figure is the
+    full trace's. A block that writes into its argument (a new key, an append: what the caller
+    reads afterwards) is still traced in full, the first call's run finding the write."""
+    x, scale, bias = torch.randn(2, 8), torch.rand(2, 1), torch.randn(8)
+    hier, flat = (
+        _outlined_and_not(lambda: _CtxNet(how), ((x, scale, bias),), monkeypatch)
+        if calls
+        else (analyze(_CtxNet(how), (x, scale, bias)), None)
+    )
+    assert hier.forward.meta[OUTLINED].calls == calls
+    if flat is None:
+        from graphflop.frontend import outline
+
+        monkeypatch.setattr(outline, "plan", lambda *a, **k: {})
+        flat = analyze(_CtxNet(how), (x, scale, bias))
+    assert hier.report.to_dict() == flat.report.to_dict()
+    if calls:
+        _check(hier)
+
+
+_TENSOR_ATTR_MODEL = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d, mask, how):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+        self.mask, self.how = mask, how
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "setitem":
+            h[:, 0] = 0.0
+        else:
+            h = h * self.mask
+        return x + self.b(h)
+
+
+class Net(nn.Module):
+    def __init__(self, how="own"):
+        super().__init__()
+        m = (torch.arange(8) % 2).float()
+        masks = [m.clone() if how == "own" else m for _ in range(3)]
+        self.blocks = nn.ModuleList([Block(8, k, how) for k in masks])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def example_inputs():
+    return (torch.randn(2, 8),)
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "why"),
+    [
+        ("own", "each holds a tensor attribute of its own"),
+        ("shared", "its forward reads a tensor that is no parameter, buffer or input"),
+        ("setitem", "its forward reads a tensor that is no parameter, buffer or input"),
+    ],
+)
+def test_repeated_blocks_traced_in_full_say_why(how, why, tmp_path, capsys, monkeypatch):
+    """A tester's finding: blocks holding a plain tensor attribute (each its own, or one
+    shared), or writing a number by setitem (a constant tensor), were traced in full without a
+    word. The analysis says which and why (``Analysis.outlined.in_full``), ``inspect`` in one
+    line on standard error; the figures are the full trace's either way."""
+    from conftest import cli
+
+    from graphflop.cli.common import outline_notes
+    from graphflop.frontend import outline
+
+    path = tmp_path / "tensor_attr.py"
+    path.write_text(_TENSOR_ATTR_MODEL)
+    spec_ = f"{path}:Net"
+    loaded = load(spec_, ctor_kwargs={"how": how})
+    a = analyze(loaded.model, make_inputs(loaded))
+    assert a.outlined.calls == 0
+    (line,) = a.outlined.in_full
+    assert line.startswith("Block ×3 (blocks.0, blocks.1, blocks.2): " + why)
+    (note,) = outline_notes(a)
+    rc, _, err = cli(capsys, "inspect", spec_, "--arg", f"how={how}")
+    assert rc == 0
+    assert [e for e in err if "traced in full" in e] == [note]
+    assert line in note
+    monkeypatch.setattr(outline, "plan", lambda *a, **k: {})
+    loaded = load(spec_, ctor_kwargs={"how": how})
+    flat = analyze(loaded.model, make_inputs(loaded))
+    assert a.report.to_dict() == flat.report.to_dict()
+
+
+def test_blocks_traced_once_say_nothing():
+    """Every repeated block traced once: no line (and none from ``inspect``)."""
+    from graphflop.cli.common import outline_notes
+
+    a = analyze(Stack(4, 6, 10), torch.randn(5, 6))
+    assert a.outlined.calls > 0 and a.outlined.in_full == ()
+    assert outline_notes(a) == []
+
+
+def test_tensor_attribute_shared_by_blocks_is_one_constant_on_the_meta_device(tmp_path):
+    """One plain tensor (8 float32: 32 bytes) held by three blocks is one constant of the
+    trace, as in eager, whether the model was built on the CPU or on the meta device (as the
+    command line builds it): made fake per module, it was three (96 bytes of buffers)."""
+    path = tmp_path / "tensor_attr.py"
+    path.write_text(_TENSOR_ATTR_MODEL)
+    reports = []
+    for meta in (False, True):
+        loaded = load(f"{path}:Net", ctor_kwargs={"how": "shared"}, meta=meta)
+        a = analyze(loaded.model, make_inputs(loaded))
+        assert [n.name for n in a.forward.graph.nodes if n.name.startswith("c_")] == [
+            "c__tensor_constant0"
+        ]
+        assert a.report.memory.buffers_bytes == 8 * 4
+        reports.append(a.report.to_dict())
+    assert reports[0] == reports[1]
+
+
+class _InferenceNet(nn.Module):
+    """Four blocks, the third called under ``torch.inference_mode`` (its output cloned)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_NormBlock(8) for _ in range(4))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            if i == 2:
+                with torch.inference_mode():
+                    h = b(x)
+                x = h.clone()
+            else:
+                x = b(x)
+        return self.head(x)
+
+
+def test_block_called_under_inference_mode_is_traced_in_full(monkeypatch):
+    """A tester's finding: a block called under ``torch.inference_mode`` failed the trace
+    ('Inference tensors do not track version counter': the outlined call's first run made
+    its tensors there). That call is traced in full, as under autocast, and said; the other
+    three are copies of one template; the figures are the full trace's."""
+    hier, flat = _outlined_and_not(_InferenceNet, (torch.randn(2, 8),), monkeypatch)
+    assert hier.outlined.calls == 3
+    assert hier.outlined.in_full == ("_NormBlock ×1 (blocks.2): called under inference mode",)
+    assert hier.report.to_dict() == flat.report.to_dict()

@@ -371,8 +371,21 @@ def print_warnings(err: Console, analysis: Any, extra: Sequence[str] = ()) -> No
     parameter: :func:`graphflop.export.report.warning_lines`), then ``extra``, on stderr."""
     from graphflop.export.report import warning_lines
 
-    for line in [*warning_lines(analysis.report), *extra]:
+    for line in [*warning_lines(analysis.report), *outline_notes(analysis), *extra]:
         err.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def outline_notes(analysis: Any) -> list[str]:
+    """One line naming the repeated blocks traced in full, each copy on its own, and why
+    (:attr:`graphflop.analysis.Analysis.outlined`); none where every repeated block was traced
+    once."""
+    in_full = analysis.outlined.in_full
+    if not in_full:
+        return []
+    return [
+        "note: repeated blocks traced in full, each copy on its own (the figures are the same, "
+        "the analysis slower): " + "; ".join(in_full)
+    ]
 
 
 def analyze_model(

@@ -58,10 +58,13 @@ def build(
     items: dict[int, list[tuple[int, int | None]]] = {}
     members: dict[int, list[Node]] = {}
     top: list[Any] = []
+    runs = True  # each site's nodes one run of gm's (see Hierarchy.runs)
+    previous: int | None = None  # the site of the node before, None for a top-level one
     for n in gm.graph.nodes:
         tag = n.meta.get(CALL_SITE)
         if tag is None:
             top.append(n)
+            previous = None
             continue
         site, index = tag
         key = sites[site][0]
@@ -76,11 +79,15 @@ def build(
         if item[1] is None and not _same(n, tnodes[key][index]):
             del n.meta[CALL_SITE]
             top.append(n)
+            previous = None
             continue
         if site not in items:
             items[site] = []
             members[site] = []
             top.append(site)
+        elif previous != site:
+            runs = False
+        previous = site
         items[site].append(item)
         members[site].append(n)
     graph = _top_graph(gm, top, members, [tnodes[k] for k in keys], [position[k] for k, _ in sites])
@@ -96,6 +103,7 @@ def build(
         sites=tuple(out_sites),
         top=tuple(top),
         graph=graph,
+        runs=runs,
     )
 
 

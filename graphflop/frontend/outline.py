@@ -34,7 +34,12 @@ module's own forward hooks run at each of its calls, around the stub, as ``__cal
 them (transformers' output-capturing hooks on its decoder layers among them); a module with a
 backward hook, or a submodule with a forward hook that would do something, is never
 outlined. Containers without a ``forward``
-(``nn.ModuleList``) are never chosen: their elements are called, not they.
+(``nn.ModuleList``) are never chosen: their elements are called, not they. A call's arguments
+are tensors, numbers, strings, and tuples, lists and dicts of them (:func:`_other`); a list or
+dict the module writes into (an append, a new key) is found by the first call's run. Each group
+of repeated modules traced in full is named, with why, in
+:attr:`~graphflop.meta.OutlineInfo.in_full` (``inspect`` prints it): a reason above, an
+argument of another kind, or tensor attributes of their own (:func:`unshared`).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphflop.ad.builder import copy_node
+from graphflop.ad.builder import copy_node, name_stem
 from graphflop.frontend.dispatch import routed_again
 from graphflop.frontend.libraries import inert_hook
 from graphflop.frontend.regions import NESTED
@@ -211,7 +216,22 @@ def _attr_key(v: Any) -> Any:
         s = structure(v)
         if s is not None:
             return ("m", s)
+    if issubclass(t, torch.Tensor):
+        return (_TENSOR_ATTR, id(v))
     return ("id", id(v))
+
+
+#: marks a tensor attribute (not a parameter or buffer) in :func:`_attr_key`
+_TENSOR_ATTR = "tensor attribute"
+
+
+def _tensors_masked(x: Any) -> Any:
+    """A :func:`structure` with each tensor attribute's identity left out."""
+    if type(x) is not tuple:
+        return x
+    if len(x) == 2 and x[0] == _TENSOR_ATTR:
+        return (_TENSOR_ATTR,)
+    return tuple(_tensors_masked(y) for y in x)
 
 
 def _stateless(m: nn.Module) -> bool:
@@ -403,6 +423,47 @@ def plan(model: nn.Module, exclude: AbstractSet[int] = frozenset(), min_modules:
     return chosen
 
 
+#: why copies of one structure but for their tensor attributes are not outlined
+OWN_TENSORS = (
+    "each holds a tensor attribute of its own (not a parameter or buffer: registered as a "
+    "buffer, the blocks would be traced once)"
+)
+
+
+def unshared(model: nn.Module, min_modules: int = 3) -> list[tuple[list[nn.Module], str]]:
+    """The outermost groups of modules that :func:`plan` would outline but for their tensor
+    attributes (each module's own, not a parameter or buffer: the template would read one
+    module's), with why (:data:`OWN_TENSORS`): in each group of one structure but for those,
+    the modules that share their tensors with no other. Empty, at the cost of one look at
+    each module's attributes, where no module holds a tensor attribute."""
+    if not any(isinstance(v, torch.Tensor) for m in model.modules() for v in vars(m).values()):
+        return []
+    named = [(n, m) for n, m in model.named_modules() if n and not _container(m)]
+    memo: dict[int, tuple] = {}
+    groups: dict[Any, list[tuple[str, nn.Module, tuple]]] = {}
+    for name, m in named:
+        if sum(1 for _ in m.modules()) < min_modules:
+            continue
+        s = structure(m, memo)
+        if s is not None:
+            groups.setdefault(_tensors_masked(s), []).append((name, m, s))
+    found: list[tuple[list[nn.Module], str]] = []
+    taken: list[str] = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        count: dict[tuple, int] = {}
+        for _, _, s in members:
+            count[s] = count.get(s, 0) + 1
+        # those sharing their tensors with another are outlined: the others are not
+        alone = [(n, m) for n, m, s in members if count[s] == 1]
+        if not alone or any(n.startswith(p + ".") for n, _ in alone for p in taken):
+            continue
+        taken += [n for n, _ in alone]
+        found.append(([m for _, m in alone], OWN_TENSORS))
+    return found
+
+
 #: stands for a tensor among an outlined call's argument and output leaves (None is a leaf too)
 _TENSOR = object()
 
@@ -417,15 +478,35 @@ class _Passed:
     k: int
 
 
-def _plain(x: Any) -> bool:
-    """An argument that cannot carry anything out of the call: a tensor, a number, a string,
-    None, a dtype or device, or a tuple of those (a list, dict or other object might be
-    written into, and a copy would not write it)."""
+def _other(x: Any) -> Any:
+    """The first part of argument ``x`` a template cannot stand for, or None. A template
+    stands for tensors, numbers, strings, None, dtypes and devices, and tuples, lists and
+    dicts (string keys) of those; another object might hold anything, or be written into
+    where a copy would not write it. A list or dict written into (an append, a new key) is
+    found by the call's first run (:meth:`Outliner.fake_call` raises
+    :class:`NotOutlinable`)."""
     if x is None or isinstance(
         x, (torch.Tensor, bool, int, float, str, complex, torch.dtype, torch.device)
     ):
-        return True
-    return type(x) is tuple and all(_plain(y) for y in x)
+        return None
+    t = type(x)
+    if t is tuple or t is list:
+        return next((o for y in x if (o := _other(y)) is not None), None)
+    if t is dict and all(type(k) is str for k in x):
+        return next((o for y in x.values() if (o := _other(y)) is not None), None)
+    return x
+
+
+def _arguments(args: tuple, kwargs: dict) -> str | None:
+    """Why a call with these arguments is traced in full (a part :func:`_other` finds), or
+    None."""
+    other = next((o for a in (*args, *kwargs.values()) if (o := _other(a)) is not None), None)
+    if other is None:
+        return None
+    return (
+        f"called with a {type(other).__name__} argument (not tensors, numbers, strings, and "
+        "tuples, lists and dicts of them)"
+    )
 
 
 def _out_leaf(x: Any, inputs: Sequence[Any]) -> Any:
@@ -545,6 +626,9 @@ class Outliner:
         #: per call key, whether tracing its template used a layer index (:class:`_Index`)
         self.index_used: dict[int, list[bool]] = {}
         self.bypass = False
+        #: per structure id, why a call of it was traced in full (the first reason met) and
+        #: the modules whose calls were
+        self.in_full: dict[int, tuple[str, dict[nn.Module, None]]] = {}
 
     def __enter__(self):
         for m in self.modules:
@@ -582,16 +666,25 @@ class Outliner:
 
         def forward(*args, **kwargs):
             # traced for real: inside the template trace or the fake run; forward called
-            # directly (no hooks: no module path for it); under autocast (the template would
-            # be traced without it); arguments that could carry results out; a module whose
-            # attributes changed since planning
-            if (
-                self.bypass
-                or not self.entered.get(id(m))
-                or _autocast()
-                or not all(_plain(a) for a in (*args, *kwargs.values()))
-                or _modules_state(m) != self.states[m]
-            ):
+            # directly (no hooks: no module path for it); under autocast or inference mode
+            # (the template would be traced without it); arguments that could carry results
+            # out; a module whose attributes changed since planning
+            if self.bypass or not self.entered.get(id(m)):
+                return original(*args, **kwargs)
+            why = (
+                "called under autocast"
+                if _autocast()
+                else "called under inference mode"
+                if torch.is_inference_mode_enabled()
+                else _arguments(args, kwargs)
+                or (
+                    "its attributes changed after the model was built"
+                    if _modules_state(m) != self.states[m]
+                    else None
+                )
+            )
+            if why is not None:
+                self._in_full(m, why)
                 return original(*args, **kwargs)
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -615,6 +708,7 @@ class Outliner:
                 )
                 hash(key)
             except TypeError:
+                self._in_full(m, "an argument's value is not hashable")
                 return original(*args, **kwargs)
             if key not in self.keys:
                 self.keys[key] = len(self.calls)
@@ -656,6 +750,10 @@ class Outliner:
 
         vars(forward)["_graphflop_stub"] = True
         return forward
+
+    def _in_full(self, m: nn.Module, why: str) -> None:
+        """Note that a call of ``m`` was traced in full, and why."""
+        self.in_full.setdefault(self.modules[m], (why, {}))[1][m] = None
 
     def _direct(self, call: Call, key: int, operands: list) -> list | None:
         """Call ``key`` recorded as its dispatch through ``make_fx`` would record it, without
@@ -769,6 +867,7 @@ class Outliner:
             with torch.inference_mode(False):
                 tensors = [_like(mode, m) for m in (*call.input_meta, *call.state_meta)]
             args, kwargs, state = self._rebuild(call, tensors)
+            given = tree_flatten((args, kwargs))[0]
             versions = [t._version for t in tensors]
             attrs = _attrs(call.module)
             with (
@@ -786,6 +885,9 @@ class Outliner:
                 raise NotOutlinable(call.structure, "writes into a tensor in forward")
             if _attrs(call.module) != attrs:
                 raise NotOutlinable(call.structure, "sets attributes in forward")
+            leaves, spec = tree_flatten((args, kwargs))
+            if spec != call.spec or any(a is not b for a, b in zip(leaves, given)):
+                raise NotOutlinable(call.structure, "writes into a list or dict argument")
             leaves, call.out_spec = tree_flatten(out)
             call.out_leaves = [_out_leaf(x, tensors[: call.n_inputs]) for x in leaves]
             outs = [x for x, o in zip(leaves, call.out_leaves) if o is _TENSOR]
@@ -946,10 +1048,11 @@ class Expansion:
     straight into graphflop's graph where the call stood (:meth:`body`), instead of a copy in
     ``make_fx``'s graph that it then copies again.
 
-    The plan is :func:`inline`'s, call by call in graph order: each copy's name is the one
-    ``graph``'s namespace would give it there (claimed here, so the flat graph's names are
-    :func:`inline`'s), its annotations the same (module stack, call site, the call's region
-    tags). ``sites`` receives per call what :func:`inline` gives it.
+    The plan is :func:`inline`'s, call by call in graph order: each copy is made under its
+    template node's name stem (``permute``), which graphflop's graph numbers in its own order
+    as it numbers every node (:func:`~graphflop.frontend.export_form.from_make_fx`), so the
+    flat graph's names are those of a trace without outlining; its annotations are
+    :func:`inline`'s (module stack, call site, the call's region tags). ``sites`` receives per call what :func:`inline` gives it.
 
     Raises:
         NotOutlinable: an outlined call's result list is used whole, or a template writes a
@@ -987,7 +1090,6 @@ class Expansion:
                     if path != MARK
                 )
                 body.append((index, tn, rel, inner))
-        namespace = graph._graph_namespace
         #: per call node: (template placeholders, call's tensors, [(template node, name,
         #: meta)], template outputs)
         self.calls: dict[Node, tuple[list, list, list, list]] = {}
@@ -1019,7 +1121,7 @@ class Expansion:
                 meta["nn_module_stack"] = known[0]  # shared, as inline's (read only)
                 meta[CALL_SITE] = (site_no, index)
                 modules[rel] = known[1]
-                copies.append((tn, namespace.create_name(tn.name, None), meta))
+                copies.append((tn, name_stem(tn.name), meta))
             if sites is not None:
                 sites.append((key, modules))
             if any(u.target is not operator.getitem for u in node.users):

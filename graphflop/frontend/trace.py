@@ -98,6 +98,7 @@ from graphflop.meta import (
     fresh_fake,
 )
 from graphflop.ops import decomposition_table
+from graphflop.ops.recurrent import functionalize_inplace
 
 __all__ = [
     "LOSSES",
@@ -262,13 +263,18 @@ def _meta_attributes(model: nn.Module, fake_mode: FakeTensorMode) -> Iterator[No
     """A module's tensor attributes that are neither parameters nor buffers (``self.scale =
     torch.ones(8)``, the original LLaMA's ``self.freqs_cis``) made fake CPU tensors while
     tracing where the model was built on the meta device, as its parameters and buffers are
-    (:func:`as_fake`): a meta tensor beside the inputs' CPU ones is a device mismatch."""
+    (:func:`as_fake`): a meta tensor beside the inputs' CPU ones is a device mismatch. One
+    tensor held by several modules stays one (one constant of the trace, as in eager)."""
     saved = []
+    fakes: dict[int, torch.Tensor] = {}
     for m in model.modules():
         for k, v in list(vars(m).items()):
             if isinstance(v, torch.Tensor) and not _is_fake(v) and v.device.type == "meta":
                 saved.append((m, k, v))
-                m.__dict__[k] = as_fake(fake_mode, v)
+                fake = fakes.get(id(v))
+                if fake is None:
+                    fake = fakes[id(v)] = as_fake(fake_mode, v)
+                m.__dict__[k] = fake
     try:
         yield
     finally:
@@ -295,18 +301,56 @@ def _trace(
     """Trace with outlining, leaving out a structure that turns out not outlinable and
     starting again."""
     excluded: set[int] = set()
+    left_out: list[tuple[list[nn.Module], str]] = repeats.unshared(model) if reuse else []
     while True:
         outline = repeats.plan(model, excluded) if reuse else {}
         try:
-            return _trace_once(model, inputs, loss, fake_mode, outline)
+            gm = _trace_once(model, inputs, loss, fake_mode, outline)
         except Exception as e:
             cause = find_cause(e, repeats.NotOutlinable)
             if cause is None or not outline:
                 raise
             excluded.add(cause.structure)
+            if cause.structure < 0:  # no structure's own: none is outlined
+                left_out.append(([], f"every repeated block traced in full: {cause}"))
+            else:
+                modules = [m for m, s in outline.items() if s == cause.structure]
+                left_out.append((modules, str(cause)))
             # a structure's own fault: leave it out; past two retries (or a fault of no
             # structure), trace everything in full rather than start again once more
             reuse = cause.structure >= 0 and len(excluded) <= 2
+            if cause.structure >= 0 and not reuse:
+                left_out.append(
+                    (
+                        [],
+                        "every other repeated block traced in full too (three "
+                        "structures were not outlinable)",
+                    )
+                )
+            continue
+        info = gm.meta[OUTLINED]
+        gm.meta[OUTLINED] = dataclasses.replace(
+            info, in_full=_in_full(model, left_out) + info.in_full
+        )
+        return gm
+
+
+def _in_full(model: nn.Module, groups: list[tuple[list[nn.Module], str]]) -> tuple[str, ...]:
+    """One line per group of repeated modules traced in full: ``Block ×3 (blocks.0, blocks.1,
+    blocks.2): why`` (the first two and the last of a longer list), or ``why`` alone for a
+    group of none."""
+    if not groups:
+        return ()
+    path = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    lines = []
+    for modules, why in groups:
+        if not modules:
+            lines.append(why)
+            continue
+        names = [path.get(id(m), "?") for m in modules]
+        shown = ", ".join(names if len(names) <= 3 else [*names[:2], "…", names[-1]])
+        lines.append(f"{type(modules[0]).__name__} ×{len(modules)} ({shown}): {why}")
+    return tuple(lines)
 
 
 def _trace_once(
@@ -419,7 +463,10 @@ def _trace_once(
         loss_kind=chosen["loss"],
         target_nodes=chosen.get("targets", []),
     )
-    out.meta[OUTLINED] = OutlineInfo(calls=copies, traced_once=len(templates))
+    skipped = [(list(modules), why) for why, modules in outliner.in_full.values()]
+    out.meta[OUTLINED] = OutlineInfo(
+        calls=copies, traced_once=len(templates), in_full=_in_full(model, skipped)
+    )
     hierarchy = build_hierarchy(out, templates, sites)
     if hierarchy is not None:
         out.meta[HIERARCHY] = hierarchy
@@ -633,6 +680,13 @@ def _requires_grad_ignored() -> Iterator[None]:
         torch.Tensor.requires_grad_ = original  # type: ignore[method-assign]
 
 
+#: why a structure whose template reads a constant is traced in full
+CONSTANTS = (
+    "its forward reads a tensor that is no parameter, buffer or input (a plain tensor "
+    "attribute, or a constant such as the number a setitem writes)"
+)
+
+
 def _trace_template(
     outliner: repeats.Outliner,
     key: int,
@@ -659,16 +713,22 @@ def _trace_template(
     direct = {phs[call.n_inputs + i] for i in call.direct}
     copies = [n for n in gm.graph.nodes if n.target is aten.copy_.default]
     targets = [n.args[0] for n in copies]
-    if (
-        any(n.op == "get_attr" for n in gm.graph.nodes)
-        or len(set(targets)) != len(targets)
-        or set(targets) != written | direct
-    ):
-        raise repeats.NotOutlinable(call.structure, "makes constants or writes in place")
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        raise repeats.NotOutlinable(call.structure, CONSTANTS)
+    if len(set(targets)) != len(targets) or set(targets) != written | direct:
+        raise repeats.NotOutlinable(
+            call.structure, "writes in place into a tensor other than its running statistics"
+        )
     for n in copies:  # the functionalised writes: their new values are outputs already
         if n.args[0] in written:
             n.replace_all_uses_with(n.args[1])
             gm.graph.erase_node(n)
+    # in-place ops a composite kernel left on its temporaries (rms_norm's add_): rewritten
+    # into their functional twins here as tracing rewrites the flat graph's
+    # (from_make_fx), so each copy is still what its template node is and the hierarchy
+    # keeps it in its call (a node no longer its template's counts at the top level, after
+    # the call: the per-op table's order would differ from the flat graph's)
+    functionalize_inplace(gm.graph)
     # the trace continued from the outputs' metadata as PyTorch's kernels give it; the
     # decomposed graph must give the same, or the rest of the trace could differ
     out = next(n for n in gm.graph.nodes if n.op == "output")

@@ -173,12 +173,32 @@ def forward_figures(gm: GraphModule, h: Hierarchy) -> ForwardFigures:
             acc[0] += 1
             acc[1].append(c)
             rule_less += not has_rule(n.target)
+    if not h.runs:
+        ops, rows = _in_flat_order(gm, ops, rows)
     return ForwardFigures(
         total=sum_costs(totals),
         loss=sum_costs(loss),
         rows=rows,
         ops={k: (count, sum_costs(cs)) for k, (count, cs) in ops.items()},
         rule_less=rule_less,
+    )
+
+
+def _in_flat_order(gm: GraphModule, ops: dict, rows: dict) -> tuple[dict, dict]:
+    """``ops`` and ``rows`` reordered as the flat graph ``gm`` first meets each op and module
+    path: where a call's nodes are not one run (:attr:`Hierarchy.runs`), a top-level node among
+    them comes after the call in the composed order, not where it stands."""
+    op_order: dict[str, int] = {}
+    row_order: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        row_order.setdefault(n.meta.get(MODULE, ""), len(row_order))
+        if n.target is not operator.getitem:
+            op_order.setdefault(op_name(n.target), len(op_order))
+    return (
+        {k: ops[k] for k in sorted(ops, key=op_order.__getitem__)},
+        {k: rows[k] for k in sorted(rows, key=row_order.__getitem__)},
     )
 
 
