@@ -1734,3 +1734,15 @@ def test_batch_norm_over_one_example_says_what_to_do():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
     with pytest.raises(TraceError, match=r"per channel.*--batch 2.*--eval"):
         trace(model, (torch.randn(1, 4),))
+
+
+def test_a_folder_made_for_an_output_is_said(work, capsys):
+    """A tester's finding: --csv into a folder that does not exist made it silently (a
+    mistyped folder name builds a new tree). It is still made, and a note says so."""
+    target = work / "out" / "new" / "sub" / "layers.csv"
+    rc, out, err = cli(
+        capsys, "inspect", work / "models/noparam.py", "--input-shape", "2,4", "--csv", target
+    )
+    assert rc == 0, err
+    assert f"note: --csv {target}: creating the folder {target.parent}" in err
+    assert target.is_file()

@@ -105,6 +105,7 @@ SPECIAL = {
     "strict",
     "seq",
     "eval",
+    "outline",  # models with repeated blocks whose forward reads state outside them: below
     "routing",  # mixture-of-experts models only (an MLP refuses it): tests/test_presets.py
     "recompute",  # models with attention only (an MLP refuses it): below
 }
@@ -237,6 +238,40 @@ def _case_strict(capsys, tmp_path, default_doc, monkeypatch):
     assert rc == 0 and [u["op"] for u in doc["uncounted"]] == ["aten.special_bessel_j0.default"]
     rc, _, out, err = cli_doc(capsys, "--strict", spec=f"{path}:M")
     assert rc == 2 and out == "" and "special_bessel_j0" in err and len(err.splitlines()) == 1
+
+
+def _case_outline(capsys, tmp_path, default_doc, monkeypatch):
+    # blocks whose forward reads a class attribute the parent sets between calls: outlined,
+    # every block is the template traced once; --no-outline traces each call
+    path = tmp_path / "state.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self, hidden):\n"
+        "        super().__init__()\n"
+        "        self.norm = nn.LayerNorm(hidden)\n"
+        "        self.fc = nn.Linear(hidden, hidden)\n"
+        "        self.act = nn.ReLU()\n\n"
+        "    def forward(self, x):\n"
+        "        for _ in range(1 + M.current % 2):\n"
+        "            x = self.act(self.fc(self.norm(x)))\n"
+        "        return x\n\n"
+        "class M(nn.Module):\n"
+        "    current = 0\n\n"
+        "    def __init__(self, hidden=4):\n"
+        "        super().__init__()\n"
+        "        self.blocks = nn.ModuleList([Block(hidden) for _ in range(4)])\n\n"
+        "    def forward(self, x):\n"
+        "        for i, b in enumerate(self.blocks):\n"
+        "            M.current = i\n"
+        "            x = b(x)\n"
+        "        return x\n\n"
+        "def example_inputs():\n"
+        "    return (torch.randn(8, 32),)\n"
+    )
+    spec = f"{path}:M"
+    rc, doc, _, _ = cli_doc(capsys, "--no-outline", spec=spec)
+    assert rc == 0 and doc == api_doc(spec, outline=False) != api_doc(spec)
 
 
 def _case_eval(capsys, tmp_path, default_doc, monkeypatch):

@@ -19,6 +19,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -106,6 +107,9 @@ def run_command(
     if ran:
         for line in dict.fromkeys(_warning_line(w) for w in caught):
             print(line, file=sys.stderr)
+        for note in _FOLDER_NOTES:  # the folders its outputs made
+            print(note, file=sys.stderr)
+    _FOLDER_NOTES.clear()
     return status
 
 
@@ -480,6 +484,14 @@ def check_output_file(path: str | None, option: str, suffixes: Sequence[str] | N
     why = unwritable(path)
     if why:
         raise SpecError(f"cannot write {option} {path}: {why}")
+    missing = [q for q in Path(path).absolute().parents if not q.exists()]
+    if missing:  # made when the file is written: said, so that a mistyped folder shows
+        _FOLDER_NOTES.append(f"note: {option} {path}: creating the folder {missing[0]}")
+
+
+#: notes on the folders outputs will create, printed after a command that ran
+#: (:func:`run_command`): a refused or failed command prints its one error line only
+_FOLDER_NOTES: list[str] = []
 
 
 def check_distinct_outputs(outputs: dict[str, str | None], spec: str | None = None) -> None:
