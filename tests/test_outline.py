@@ -219,7 +219,10 @@ def test_running_statistics_updated_by_two_calls_are_traced_in_full(
         m.setattr(repeats, "plan", lambda *a, **k: {})
         full = analyze(make(), x, loss="sum")
     assert once.report.to_dict() == full.report.to_dict()
-    assert once.forward.meta[OUTLINED].calls == calls
+    info = once.forward.meta[OUTLINED]
+    assert info.calls == calls
+    # the report says why the blocks were traced in full
+    assert any("running statistics of a norm" in why for why in info.in_full) == (calls == 0)
 
 
 def test_blocks_differing_in_an_attribute_are_not_merged():

@@ -798,7 +798,9 @@ class Outliner:
                 outlined = structure if structure is not None else self._updated[owner]
                 if outlined is not None:
                     raise NotOutlinable(
-                        outlined, "updates running statistics another call updates too"
+                        outlined,
+                        "updates the running statistics of a norm another call updates too "
+                        "(a norm shared, or a block called again)",
                     )
             self._updated[owner] = structure
 
