@@ -24,7 +24,9 @@ graph (what tracing does).
 The result is the graph full tracing gives, node for node (tests/test_outline.py). Batch norm
 in training mode writes its running statistics: the template keeps the running mean and
 variance's ``copy_`` where the module runs, and the batch count comes out of the call as an
-extra output that the stub writes back (:func:`_written_buffers`). A module whose ``forward``
+extra output that the stub writes back (:func:`_written_buffers`); a norm whose statistics
+two calls update (one norm in every block, a block called twice) is not mapped so: such a
+structure is traced in full (:meth:`Outliner._updates`). A module whose ``forward``
 writes into any other tensor cannot be a copy: the template's trace (or the fake run) sees the
 write and raises :class:`NotOutlinable`, and tracing starts again without outlining that
 structure. So does a module that makes constant tensors in ``forward``, or returns a view
