@@ -140,6 +140,91 @@ def test_batch_norm_blocks_map_their_running_statistics_through_the_template():
     assert _same_graph(model, x, loss="sum")[1].meta[OUTLINED].calls == 3
 
 
+class _ConvBlock(nn.Module):
+    def __init__(self, bn: nn.Module):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn = bn
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.conv(x)))
+
+
+class _SharedNorm(nn.Module):
+    """Four conv blocks and a linear head. ``how``: ``own``, each block its own batch norm;
+    ``blocks``, one batch norm object in every block (the tester's model); ``twice``, own
+    norms, block 1 called a second time; ``before`` / ``after``, own norms, block 1's also
+    the model's ``stem`` (a module reachable by two paths), called before / after the
+    blocks."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        shared = nn.BatchNorm2d(8)
+        self.how = how
+        self.blocks = nn.ModuleList(
+            _ConvBlock(shared if how == "blocks" else nn.BatchNorm2d(8)) for _ in range(4)
+        )
+        self.head = nn.Linear(8, 4)
+        if how in ("before", "after"):
+            self.stem = self.blocks[1].bn
+
+    def forward(self, x):
+        if self.how == "before":
+            x = self.stem(x)
+        for b in self.blocks:
+            x = b(x)
+        if self.how == "twice":
+            x = self.blocks[1](x)
+        if self.how == "after":
+            x = self.stem(x)
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize(
+    "how, training, calls",
+    [
+        ("blocks", True, 0),
+        ("twice", True, 0),
+        ("before", True, 0),
+        ("after", True, 0),
+        ("own", True, 4),  # nothing shared: outlined
+        ("blocks", False, 4),  # eval mode writes no statistics: outlined
+    ],
+)
+def test_running_statistics_updated_by_two_calls_are_traced_in_full(
+    how, training, calls, monkeypatch
+):
+    """Tester's finding: one batch norm shared by the blocks (its running statistics updated
+    at every call) was outlined, each copy reading and writing the statistics as the template
+    does, where full tracing chains one call's write into the next call's read: saved for
+    backward 36,992 bytes, not eager's 49,472; the shared norm's rows and the peaks wrong. A
+    structure whose calls update statistics another call updates too (the norm shared by the
+    blocks or with the rest of the model, a block called twice) is now traced in full, and
+    every figure of the report is full tracing's; saved for backward equals what eager's
+    ``saved_tensors_hooks`` see (inputs included). Tracing again after such a failure puts the
+    state of a norm reachable by two paths back first (it was left holding traced tensors)."""
+    from graphflop.analysis import analyze
+    from graphflop.runtime.memory_probe import measure_saved
+
+    def make():
+        torch.manual_seed(0)
+        return _SharedNorm(how).train(training)
+
+    x = torch.randn(2, 8, 8, 8)
+    once = analyze(make(), x, loss="sum")
+    if training:
+        saved = measure_saved(make(), (x,), loss="sum")
+        assert once.report.memory.saved_for_backward_bytes == saved
+    with monkeypatch.context() as m:
+        m.setattr(repeats, "plan", lambda *a, **k: {})
+        full = analyze(make(), x, loss="sum")
+    assert once.report.to_dict() == full.report.to_dict()
+    info = once.forward.meta[OUTLINED]
+    assert info.calls == calls
+    # the report says why the blocks were traced in full
+    assert any("running statistics of a norm" in why for why in info.in_full) == (calls == 0)
+
+
 def test_blocks_differing_in_an_attribute_are_not_merged():
     """A per-block attribute (here a residual scale) makes the blocks different functions:
     each is traced, and the values equal eager PyTorch's."""

@@ -24,7 +24,9 @@ graph (what tracing does).
 The result is the graph full tracing gives, node for node (tests/test_outline.py). Batch norm
 in training mode writes its running statistics: the template keeps the running mean and
 variance's ``copy_`` where the module runs, and the batch count comes out of the call as an
-extra output that the stub writes back (:func:`_written_buffers`). A module whose ``forward``
+extra output that the stub writes back (:func:`_written_buffers`); a norm whose statistics
+two calls update (one norm in every block, a block called twice) is not mapped so: such a
+structure is traced in full (:meth:`Outliner._updates`). A module whose ``forward``
 writes into any other tensor cannot be a copy: the template's trace (or the fake run) sees the
 write and raises :class:`NotOutlinable`, and tracing starts again without outlining that
 structure. So does a module that makes constant tensors in ``forward``, or returns a view
@@ -377,12 +379,26 @@ def _written_buffers(m: nn.Module, n_params: int) -> tuple[list[int], list[int]]
     for k, (name, _) in enumerate(m.named_buffers()):
         owner, _, leaf = name.rpartition(".")
         sub = m.get_submodule(owner) if owner else m
-        if isinstance(sub, nn.modules.batchnorm._NormBase) and sub.training:
-            if sub.track_running_stats and leaf in ("running_mean", "running_var"):
+        if _updates_statistics(sub):
+            if leaf in ("running_mean", "running_var"):
                 direct.append(n_params + k)
-            elif sub.track_running_stats and leaf == "num_batches_tracked":
+            elif leaf == "num_batches_tracked":
                 functional.append(n_params + k)
     return direct, functional
+
+
+def _updates_statistics(sub: nn.Module) -> bool:
+    """``sub``'s forward writes its own buffers (:func:`_written_buffers`): batch or instance
+    norm tracking running statistics in training mode."""
+    return (
+        isinstance(sub, nn.modules.batchnorm._NormBase) and sub.training and sub.track_running_stats
+    )
+
+
+def _statistics_owners(m: nn.Module) -> list[int]:
+    """The ids of ``m``'s submodules (``m`` among them) whose buffers a call of ``m`` writes
+    (:func:`_updates_statistics`)."""
+    return [id(sub) for sub in m.modules() if _updates_statistics(sub)]
 
 
 def _container(m: nn.Module) -> bool:
@@ -617,6 +633,12 @@ class Outliner:
             m: [p.requires_grad for p in dict(m.named_parameters()).values()] for m in modules
         }
         self.states = {m: _modules_state(m) for m in modules}
+        # per module, the submodules whose running statistics its calls update (all of them
+        # in ``_all_owners``); per such submodule updated so far in the trace, the structure
+        # of the outlined call that did (None: a call traced in full) (:meth:`_updates`)
+        self._owners = {m: _statistics_owners(m) for m in modules}
+        self._all_owners = {i for owners in self._owners.values() for i in owners}
+        self._updated: dict[int, int | None] = {}
         self._index_of: dict[nn.Module, tuple] = {}  # :func:`_indices` per module, once
         self.calls: list[Call] = []
         self.keys: dict[Any, int] = {}
@@ -654,6 +676,10 @@ class Outliner:
         return False
 
     def _pre(self, module, args):
+        # traced in full: outside the outlined calls, or inside a call traced in full (an
+        # outlined module's own statistics are its stub's to note)
+        if not self.bypass and id(module) in self._all_owners and module not in self.modules:
+            self._updates([id(module)], None)
         if module in self.modules:
             self.entered[id(module)] = self.entered.get(id(module), 0) + 1
 
@@ -727,6 +753,8 @@ class Outliner:
                     )
                 )
             call = self.calls[self.keys[key]]
+            if self._owners[m]:
+                self._updates(self._owners[m], self.modules[m])
             if m is not call.module and self._indices(m) != self._indices(call.module):
                 call.check = m
             operands = [*tensors, *state]
@@ -754,6 +782,29 @@ class Outliner:
     def _in_full(self, m: nn.Module, why: str) -> None:
         """Note that a call of ``m`` was traced in full, and why."""
         self.in_full.setdefault(self.modules[m], (why, {}))[1][m] = None
+
+    def _updates(self, owners: list[int], structure: int | None) -> None:
+        """Note a call updating the running statistics of the modules ``owners`` (ids): an
+        outlined call of ``structure``, or (None) a call traced in full.
+
+        Raises:
+            NotOutlinable: one of them is updated by two calls, one of them outlined (a batch
+                norm shared by the blocks or with the rest of the model, a block called
+                twice). An outlined call's copy reads and writes the statistics as its
+                template does, where full tracing chains one call's write into the next
+                call's read: the graph, its attribution and memory figures would differ from
+                full tracing's, and from eager's.
+        """
+        for owner in owners:
+            if owner in self._updated:
+                outlined = structure if structure is not None else self._updated[owner]
+                if outlined is not None:
+                    raise NotOutlinable(
+                        outlined,
+                        "updates the running statistics of a norm another call updates too "
+                        "(a norm shared, or a block called again)",
+                    )
+            self._updated[owner] = structure
 
     def _direct(self, call: Call, key: int, operands: list) -> list | None:
         """Call ``key`` recorded as its dispatch through ``make_fx`` would record it, without

@@ -305,7 +305,10 @@ def _trace(
     while True:
         outline = repeats.plan(model, excluded) if reuse else {}
         try:
-            gm = _trace_once(model, inputs, loss, fake_mode, outline)
+            # each attempt puts the state back: a failed one may leave a module reachable by
+            # two paths holding its traced tensors (:func:`_state_kept`)
+            with _state_kept(model):
+                gm = _trace_once(model, inputs, loss, fake_mode, outline)
         except Exception as e:
             cause = find_cause(e, repeats.NotOutlinable)
             if cause is None or not outline:
