@@ -466,16 +466,7 @@ def test_matrix_parameters_the_tp_plan_leaves_whole_are_noted():
     assert "by module class: MultiheadAttention ×1, NonDynamicallyQuantizableLinear ×1" in note
 
 
-def test_unsharded_convolutions_are_noted_by_class():
-    # a convolution stack: the two Conv2d weights stay whole, and no Linear or Embedding does,
-    # so the note suggests no --tp-plan file (torch shards neither class)
-    m = torch.nn.Sequential(
-        torch.nn.Conv2d(2, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3), torch.nn.Flatten()
-    )
-    a = analyze(m, (torch.randn(2, 2, 6, 6),), jvp=False)
-    note = next(n for n in predict(a, m, Plan(tp=2), micro_batch=2).notes if "matrix" in n)
-    assert "0.weight (Conv2d), 2.weight (Conv2d); by module class: Conv2d ×2" in note
-    assert "in_proj_weight" not in note and "--tp-plan" not in note
+# a convolution stack under --tp: refused (TP shards nothing), tests/test_parallel_plan_frozen.py
 
 
 @pytest.mark.parametrize(

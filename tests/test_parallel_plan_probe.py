@@ -232,3 +232,30 @@ def test_colwise_embedding_equals_engine(tmp_path):
     assert Counter(c.key() for c in report.ranks[0].collectives) == Counter(
         {("all_reduce", 2, 6144, "float32", "forward"): 1}
     )
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_frozen_parameters_equal_engine(tmp_path, mode):
+    """Frozen parameters (the LoRA set-up: tests/test_parallel_plan_frozen.py's model, a frozen
+    input Linear and a frozen Linear in each of 3 blocks): torch's DDP holds 1,976 B of AdamW
+    state (the 243 trainable elements' moments and 8 step counts), and FSDP2 shards the
+    frozen weights with the trainable ones, gathers them (144 per block, 76 at the root) and
+    reduce-scatters the trainable gradients (72, 36): collectives, FLOPs and the peak (within
+    2 %) equal the plan's, the optimizer state the plan's on the fullest rank."""
+    import importlib.util
+
+    where = Path(__file__).with_name("test_parallel_plan_frozen.py")
+    mod_spec = importlib.util.spec_from_file_location("_frozen_models", where)
+    assert mod_spec is not None and mod_spec.loader is not None
+    models = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(models)
+    spec = tmp_path / "partfrozen.py"
+    spec.write_text(models.PART_FROZEN)
+    loaded = load(str(spec), meta=True)
+    a = analyze(loaded.model, make_inputs(loaded, shapes=[(2, 4)]), optimizer="adamw", jvp=False)
+    report = predict(a, loaded.model, Plan(dp=2, zero=3 if mode == "zero3" else 0), micro_batch=2)
+    logged = run_probe(str(spec), mode, 2, batch=4)
+    _check(report, logged, with_peak=True)
+    mem = report.ranks[0].memory_bytes
+    assert mem["optimizer_state"] == max(rec["live_by_kind"]["optimizer"] for rec in logged)
+    assert all(rec["live_by_kind"]["parameters"] == mem["parameters"] for rec in logged)

@@ -349,6 +349,10 @@ def run(args: argparse.Namespace, err: Console) -> int:
             memory_device=args.memory_device,
             block_counts=block_counts,
         )
+    # the analysis's assumptions (a routed mixture of experts' rows per expert), as inspect
+    # prints them
+    for line in report.assumptions:
+        err.print(f"assumption: {line}", markup=False, highlight=False, soft_wrap=True)
     _print(report, args.collectives)
     import json
 

@@ -74,6 +74,7 @@ from graphflop.parallel.tp_plan import (
     default_plan_notes,
     default_tp_plan,
     local_shard_notes,
+    nothing_sharded_message,
     param_placement,
     unsharded_note,
 )
@@ -169,6 +170,8 @@ class PlanReport:
         notes: assumptions stated.
         loss: the loss the train graph ends in (``cross_entropy``, ``sum``, ...; JSON: in
             ``plan``).
+        assumptions: the analysis's assumptions beyond the shapes (``Report.assumptions``:
+            a routed mixture of experts' rows per expert), one line each.
     """
 
     model: str
@@ -183,6 +186,7 @@ class PlanReport:
     device_memory_bytes: int | None = None
     notes: tuple[str, ...] = field(default=())
     loss: str | None = None
+    assumptions: tuple[str, ...] = field(default=())
     #: what the render reads: the forward graph, its placements and each node's stage
     detail: Any = field(default=None, repr=False, compare=False)
 
@@ -200,6 +204,7 @@ class PlanReport:
             "device_memory_bytes": self.device_memory_bytes,
             "ranks": [r.to_dict() for r in self.ranks],
             "notes": list(self.notes),
+            "assumptions": list(self.assumptions),
         }
 
 
@@ -344,6 +349,15 @@ def predict(  # noqa: C901
                 f"of {q}, which the TP plan shards (hidden, heads or vocabulary): choose a --tp "
                 "that divides it"
             )
+    if plan.tp > 1 and not any(pl.kind == "S" for pl in pplace.values()):
+        raise PlanError(
+            nothing_sharded_message(
+                model,
+                plan.tp,
+                [q for ph, q in sig.params if len(phs[ph].meta["val"].shape) >= 2],
+                user_plan,
+            )
+        )
     if plan.tp > 1:
         unsharded = [
             q
@@ -557,7 +571,14 @@ def predict(  # noqa: C901
         else 0
     )
     del upd_opt
-    state_per_param_byte = (mem.optimizer_state_bytes or 0) / (mem.params_bytes or 1)
+    # the optimizer keeps state for the trainable parameters only (frozen ones, LoRA's base
+    # weights, have none): state bytes per trainable parameter byte
+    trainable_bytes = sum(
+        phs[ph].meta["val"].numel() * _esize(phs[ph]) for ph, q in sig.params if q in trainable
+    )
+    state_per_param_byte = (
+        (mem.optimizer_state_bytes or 0) / trainable_bytes if trainable_bytes else 0.0
+    )
     # one stage, state not sharded by ZeRO-2/3, every block analysed: the eager schedule itself,
     # each storage at its local size
     local_rise = None
@@ -702,7 +723,7 @@ def predict(  # noqa: C901
         p_bytes = sum(local_numel(q) * esize[q] for q in qs)
         g_bytes = sum(local_numel(q) * esize[q] for q in tq)
         dp = plan.dp
-        units = _fsdp_units(tq, fsdp_blocks)
+        units = _fsdp_units(qs, fsdp_blocks)
         coll = per_stage_coll[s]
         gather_buf = 0
         fsdp_rise: int | None = None
@@ -731,31 +752,65 @@ def predict(  # noqa: C901
                 else sum(local_numel(q) for q in tq)
             )
         else:
-            padded = {q: _padded(shape_of[q], pplace[q], plan.tp, dp) for q in tq}
+            # FSDP shards and gathers every parameter, frozen ones too (FSDP2's fully_shard
+            # and FSDP1's flat parameters alike); only the gradients differ: FSDP2
+            # reduce-scatters the trainable parameters' gradients alone, FSDP1's flat
+            # gradient (use_orig_params, frozen and trainable in one flat parameter) is the
+            # whole unit's, zeros where a parameter is frozen
+            padded = {q: _padded(shape_of[q], pplace[q], plan.tp, dp) for q in qs}
+            grad_members = {
+                u: [
+                    q
+                    for q in mem_
+                    if q in trainable or (plan.zero == 2 and any(t in trainable for t in mem_))
+                ]
+                for u, mem_ in units.items()
+            }
+            has_bwd = _units_with_backward(fwd, bwd, list(units))
+            mixed = [
+                u
+                for u, mem_ in units.items()
+                if any(q in trainable for q in mem_) and any(q not in trainable for q in mem_)
+            ]
+            if plan.zero == 2 and mixed and not any(n.startswith("ZeRO-2 (FSDP") for n in notes):
+                notes.append(
+                    "ZeRO-2 (FSDP SHARD_GRAD_OP, use_orig_params) keeps frozen and trainable "
+                    f"parameters in one flat parameter in {len(mixed)} unit(s) "
+                    f"({', '.join(mixed[:3])}{', …' if len(mixed) > 3 else ''}): they are "
+                    "gathered and reduce-scattered whole (frozen parts as zeros), as counted; "
+                    "torch also computes the frozen parameters' gradients there (backward "
+                    "FLOPs not counted), and a rank's optimizer state is that of the trainable "
+                    "elements in its slice of each flat parameter (the figure is the mean)"
+                )
             for unit, members in units.items():
                 if not members:
                     continue
                 elems = sum(padded[q] for q in members)
+                rs_elems = sum(padded[q] for q in grad_members[unit])
                 dt = dtype_of[members[0]]
                 for _ in range(m):
                     coll.append(Collective("all_gather", "dp", dp, elems, dt, "forward", unit))
-                    if plan.zero == 3 and unit != "(root)":
+                    if plan.zero == 3 and unit != "(root)" and unit in has_bwd:
                         coll.append(Collective("all_gather", "dp", dp, elems, dt, "backward", unit))
-                    coll.append(Collective("reduce_scatter", "dp", dp, elems, dt, "backward", unit))
+                    if rs_elems:
+                        coll.append(
+                            Collective("reduce_scatter", "dp", dp, rs_elems, dt, "backward", unit)
+                        )
             unit_bytes = [sum(padded[q] * esize[q] for q in mem_) for mem_ in units.values()]
             sharded = sum(padded[q] * esize[q] for q in tq) // dp
-            frozen_b = p_bytes - sum(local_numel(q) * esize[q] for q in tq)
+            grad_sharded = sum(padded[q] * esize[q] for mem_ in grad_members.values() for q in mem_)
             if plan.zero == 3:
                 gather_buf = sum(sorted(unit_bytes, reverse=True)[:2])
             else:
                 gather_buf = sum(unit_bytes)
             # at rest FSDP holds the shards only (SHARD_GRAD_OP too: its gathered units live
             # from a unit's forward to its backward, in all_gather_buffers)
-            p_bytes = sharded + frozen_b
+            p_bytes = sum(padded[q] * esize[q] for q in qs) // dp
             if fsdp_schedule:
                 # the analysed blocks' units (not their copies, which the schedule offsets in)
                 live = {u: mem_ for u, mem_ in units.items() if mem_ and "#" not in u}
                 ub = {u: sum(padded[q] * esize[q] for q in mem_) for u, mem_ in live.items()}
+                rb = {u: sum(padded[q] * esize[q] for q in grad_members[u]) for u in live}
                 fsdp_rise, gather_buf = _fsdp_schedule_rise(
                     fwd,
                     bwd,
@@ -770,7 +825,8 @@ def predict(  # noqa: C901
                     # FSDP2 keeps each unsharded parameter as a view of its own all-gather
                     # output, dim 0 padded to a multiple of the group: the padded size
                     unsharded_bytes=ub,
-                    shard_bytes={u: b // dp for u, b in ub.items()},
+                    reduced_bytes=rb,
+                    shard_bytes={u: b // dp for u, b in rb.items()},
                     local_shard_param_bytes=[padded[q] * esize[q] // dp for q in tq],
                     weights={"f": f_weight, "b": b_weight},
                     copies=weight_of_block,
@@ -778,9 +834,10 @@ def predict(  # noqa: C901
                         q: (local_numel(q) * esize[q], numel[q] * esize[q])
                         for mem_ in live.values()
                         for q in mem_
+                        if q in trainable
                     },
                 )
-            g_bytes = sharded
+            g_bytes = grad_sharded // dp
             o_bytes = round(sharded * state_per_param_byte)
             upd_numel = sum(padded[q] for q in tq) // dp
         in_flight = _in_flight(plan, s)
@@ -882,6 +939,7 @@ def predict(  # noqa: C901
         device_memory_bytes=device_memory_bytes,
         notes=tuple(notes),
         loss=fwd.meta.get(LOSS_KIND),
+        assumptions=tuple(rep.assumptions),
         detail=(fwd, fp, {k: rank_stage(v) for k, v in f_stage.items()}),
     )
 
@@ -1091,6 +1149,7 @@ def _fsdp_schedule_rise(  # noqa: C901
     gathered_bytes: dict[str, int],
     unsharded_bytes: dict[str, int],
     shard_bytes: dict[str, int],
+    reduced_bytes: dict[str, int] | None = None,
     local_shard_param_bytes: list[int],
     weights: dict[str, dict[str, int]] | None = None,
     copies: dict[str, int] | None = None,
@@ -1107,6 +1166,10 @@ def _fsdp_schedule_rise(  # noqa: C901
     gradients and the flat copy live together), the gathered parameters freed, the
     reduce-scatter's output (the gradient shard, ``shard_bytes``) made and the flat gradient
     freed.
+
+    ``reduced_bytes``: the bytes each unit reduce-scatters (default ``gathered_bytes``): under
+    FSDP2 its trainable parameters' (frozen ones have no gradient), under FSDP1 the whole
+    flat parameter's; a unit with none is only resharded.
 
     ZeRO 3 (FSDP2 ``fully_shard``): each unit is gathered into an all-gather output
     (``gathered_bytes``) that is copied out into the unsharded parameters
@@ -1139,6 +1202,7 @@ def _fsdp_schedule_rise(  # noqa: C901
     sched = _local_schedule(fwd, bwd, fp, bp, device, optimizer, local_shard_param_bytes)
     root = unit_order[-1] if unit_order and unit_order[-1] == "(root)" else "(root)"
     blocks = [u for u in unit_order if u != "(root)"]
+    reduced = gathered_bytes if reduced_bytes is None else reduced_bytes
 
     def unit_of_module(mod: str) -> str:
         for b in blocks:
@@ -1211,6 +1275,8 @@ def _fsdp_schedule_rise(  # noqa: C901
         return Step(key, nbytes, None, list(reads))
 
     def gather(u: str, tag: str, prefetched: bool = False) -> list[Step]:
+        if u not in gathered_bytes:  # a unit without parameters (the root of a model whose
+            return []  # parameters all sit in blocks)
         if zero == 2:
             return [step(f"fsdp:param:{u}", gathered_bytes[u])]
         ag = [] if prefetched else [step(f"fsdp:ag:{u}:{tag}", gathered_bytes[u])]
@@ -1219,20 +1285,26 @@ def _fsdp_schedule_rise(  # noqa: C901
     prev_rs: list[str | None] = [None]
 
     def post_backward(u: str, tag: str) -> list[Step]:
+        if u not in gathered_bytes:
+            return []
         grads = tuple(grads_of.get(u, ()))
         if zero == 2:
+            if not reduced.get(u):
+                return [step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}",))]
             keep.add(f"fsdp:grad:{u}")
             return [
-                step(f"fsdp:flat:{u}", gathered_bytes[u], grads),
+                step(f"fsdp:flat:{u}", reduced[u], grads),
                 step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}",)),
                 step(f"fsdp:grad:{u}", shard_bytes[u], (f"fsdp:flat:{u}",)),
             ]
         # FSDP2 takes (and redistributes) the gradients before it reshards
         out = [step(f"fsdp:redist:{u}:{g}", nb, (g,)) for g, nb in redist_of.get(u, [])]
         out.append(step(f"fsdp:reshard:{u}", 0, (f"fsdp:param:{u}:{tag}",)))
+        if not reduced.get(u):  # every parameter frozen: nothing to reduce-scatter
+            return out
         if prev_rs[0] is not None:
             out.append(step(f"fsdp:rs_done:{u}", 0, (prev_rs[0],)))
-        out.append(step(f"fsdp:rs_in:{u}", gathered_bytes[u], grads))
+        out.append(step(f"fsdp:rs_in:{u}", reduced[u], grads))
         out.append(step(f"fsdp:grad:{u}", shard_bytes[u], (f"fsdp:rs_in:{u}",)))
         keep.add(f"fsdp:grad:{u}")
         prev_rs[0] = f"fsdp:rs_in:{u}"
@@ -1300,7 +1372,7 @@ def _fsdp_schedule_rise(  # noqa: C901
         neighbours = (
             gathered_bytes[u],
             keys.index(f"fsdp:param:{u}:b"),
-            gathered_bytes[u],
+            reduced[u],
             keys.index(f"fsdp:rs_in:{u}"),
         )
     gathered_keys = ("fsdp:param:", "fsdp:ag:")
@@ -1408,6 +1480,19 @@ def _padded(shape: tuple[int, ...], pl: Placement, tp: int, dp: int) -> int:
         return dp  # a scalar: one element per rank
     d0 = -(-loc[0] // dp) * dp
     return d0 * math.prod(loc[1:])
+
+
+def _units_with_backward(fwd: GraphModule, bwd: GraphModule, units: list[str]) -> set[str]:
+    """The FSDP units (blocks; a copy ``block#i`` as its block) whose forward nodes the
+    backward differentiates: FSDP2's pre-backward hook, which gathers a block again, runs on
+    a block whose outputs need a gradient, and a block with none has no backward node."""
+    modules = {n.name: n.meta.get(MODULE) or "" for n in fwd.graph.nodes}
+    differentiated = {
+        modules.get(n.meta.get(SOURCE), "")
+        for n in bwd.graph.nodes
+        if n.op == "call_function" and n.meta.get(SOURCE) is not None
+    }
+    return {u for u in units if any(_inside(m, u.split("#")[0]) for m in differentiated if m)}
 
 
 def _fsdp_units(params: list[str], blocks: list[str]) -> dict[str, list[str]]:

@@ -225,6 +225,51 @@ def unsharded_note(model: nn.Module, params: list[str]) -> str:
     )
 
 
+def nothing_sharded_message(model: nn.Module, tp: int, params: list[str], user_plan: bool) -> str:
+    """The one-line refusal when ``--tp`` > 1 shards no parameter: every TP rank would compute
+    and hold the whole model (TP multiplies the work, it divides nothing). Names the matrix
+    parameters' module classes (``params``, qualified names) and what to do: a ``--tp-plan``
+    file naming the nn.Linear and nn.Embedding modules where the model has some, otherwise a
+    model built from them, or data/pipeline parallelism instead."""
+    mods = dict(model.named_modules())
+    counts: dict[str, int] = {}
+    for q in params:
+        c = type(mods.get(q.rpartition(".")[0], model)).__name__
+        counts[c] = counts.get(c, 0) + 1
+    held = (
+        "its matrix parameters are held by " + ", ".join(f"{c} ×{k}" for c, k in counts.items())
+        if counts
+        else "it has no matrix parameter"
+    )
+    shardable = sorted(p for p, m in mods.items() if p and isinstance(m, (nn.Linear, nn.Embedding)))
+    if user_plan:
+        fix = (
+            "give column- or row-wise styles to its nn.Linear or nn.Embedding modules in --tp-plan"
+        )
+    elif shardable:
+        fix = (
+            "name its nn.Linear / nn.Embedding modules in a --tp-plan file "
+            f"({', '.join(shardable[:3])}{', …' if len(shardable) > 3 else ''})"
+        )
+        shardable_cls = {
+            type(m).__name__ for m in mods.values() if isinstance(m, (nn.Linear, nn.Embedding))
+        }
+        others = sorted(c for c in counts if c not in shardable_cls)
+        if others:
+            fix += (
+                f"; its {', '.join(others)} parameters stay whole on every rank whatever the plan"
+            )
+
+    else:
+        fix = "build the model from nn.Linear layers"
+    return (
+        f"--tp {tp} shards nothing: no parameter is held by a module the TP plan shards "
+        f"column- or row-wise ({held}; torch's ColwiseParallel and RowwiseParallel shard "
+        "nn.Linear and nn.Embedding only), so every TP rank would compute the whole model: "
+        f"drop --tp (spread the model with --dp and --zero 3, or --pp), or {fix}"
+    )
+
+
 def _inside(module: str, parent: str) -> bool:
     return module == parent or module.startswith(parent + ".")
 
