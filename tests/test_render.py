@@ -920,6 +920,8 @@ def test_nested_repeats_fold_inside_their_fold():
     # flows from one member into the next (inner k into k + 1, outer into outer) not drawn
     assert ("m_stages_0_inner_0", "m_stages_0_inner_0_n") not in edges
     assert ("m_stages_0_mix", "m_stages_0_inner_0_n") not in edges
+    flat_titles = {b.label.title for b in module_scene(a, "train", {}, clusters=False).boxes}
+    assert {"stages.0.inner.0.a (× 3 · × 4)", "stages.0.mix (× 3)"} <= flat_titles
     src = render(a, graph="train", level="module")
     assert src.count("<B>× 3</B>") == src.count("<B>× 4</B>") == 1
     assert "m_stages_0_inner_1" not in src and "m_stages_1" not in src
