@@ -38,6 +38,7 @@ from graphflop.export.graphviz.module_level import module_scene
 from graphflop.export.graphviz.op_level import op_scene
 from graphflop.export.graphviz.scene import Card, Legend, LegendItem, Stat, StatCard
 from graphflop.export.report import human, human_bytes
+from graphflop.io import sanitize_name
 from graphflop.load import load, make_inputs
 from graphflop.meta import GHOSTS, MODULE
 
@@ -831,3 +832,196 @@ def test_fold_splits_only_on_figures_the_picture_shows():
     fwd = [f.count for f in module_scene(a, "forward", {}).folds()]
     train = [f.count for f in module_scene(a, "train", {}).folds()]
     assert fwd == [4] and train == [3]
+
+
+class _Inner(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.n, self.a = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.a(self.n(x)))
+
+
+class _Outer(nn.Module):
+    def __init__(self, d: int, k: int) -> None:
+        super().__init__()
+        self.inner = nn.ModuleList(_Inner(d) for _ in range(k))
+        self.mix = nn.Linear(d, d)
+
+    def forward(self, x):
+        for m in self.inner:
+            x = m(x)
+        return self.mix(x)
+
+
+class _NestedRep(nn.Module):
+    """Four inner blocks inside each of three outer blocks (d = 12, batch 3)."""
+
+    def __init__(self, d: int = 12) -> None:
+        super().__init__()
+        self.stem = nn.Linear(10, d)
+        self.stages = nn.ModuleList(_Outer(d, 4) for _ in range(3))
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for s in self.stages:
+            x = s(x)
+        return self.head(x)
+
+
+@functools.lru_cache(maxsize=2)
+def _nested(outline: bool = True):
+    """_NestedRep analysed with its hierarchy (three calls of one outer block), or flat: every
+    call traced, the reference for the figures."""
+    torch.manual_seed(0)
+    return analyze(_NestedRep(), (torch.randn(3, 10),), outline=outline)
+
+
+def _fwd_under(a, root: str) -> int:
+    return sum(r.forward_flops for r in a.report.layers if _under(r.name, root))
+
+
+def test_nested_repeats_fold_inside_their_fold():
+    """A tester's finding: the inner blocks (× 4) of the repeated outer blocks (× 3) were drawn
+    four times. Both repeats fold: one inner block is drawn, inside the one outer block drawn;
+    the tables' figures are the flat analysis's (every call traced)."""
+    a, flat = _nested(), _nested(False)
+    scene = module_scene(a, "train", {})
+    inner = tuple(f"stages.0.inner.{i}" for i in range(4))
+    assert [f.members for f in scene.folds()] == [("stages.0", "stages.1", "stages.2"), inner]
+    outer_fold, inner_fold = scene.folds()
+    assert (outer_fold.row("fwd").per_block, outer_fold.row("fwd").total) == (
+        _fwd_under(flat, "stages.0"),
+        _fwd_under(flat, "stages"),
+    )
+    assert (inner_fold.row("fwd").per_block, inner_fold.row("fwd").total) == (
+        _fwd_under(flat, "stages.0.inner.0"),
+        _fwd_under(flat, "stages.0.inner"),
+    )
+    assert inner_fold.row("upd").total == 4 * inner_fold.row("upd").per_block > 0
+    boxes = {b.id: b for b in scene.boxes if b.kind == "module"}
+    assert set(boxes) == {
+        "m_stem",
+        "m_stages_0_inner_0",  # the residual add and tanh
+        "m_stages_0_inner_0_n",
+        "m_stages_0_inner_0_a",
+        "m_stages_0_mix",
+        "m_head",
+        "m_loss",
+    }
+    # Linear(12, 12) on 3 × 12: 2 · 3 · 12 · 12 + 3 · 12 (bias) = 900 FLOPs per inner block
+    assert boxes["m_stages_0_inner_0_a"].label.stats[0].value == human(900)
+    assert "(in each of 3 identical stages.0 … stages.2)" in boxes["m_stages_0_inner_0_a"].tooltip
+    edges = {(e.src, e.dst) for e in scene.edges if e.style == "data"}
+    assert ("m_stages_0_inner_0", "m_stages_0_mix") in edges
+    assert ("m_stages_0_mix", "m_head") in edges
+    # flows from one member into the next (inner k into k + 1, outer into outer) not drawn
+    assert ("m_stages_0_inner_0", "m_stages_0_inner_0_n") not in edges
+    assert ("m_stages_0_mix", "m_stages_0_inner_0_n") not in edges
+    flat_titles = {b.label.title for b in module_scene(a, "train", {}, clusters=False).boxes}
+    assert {"stages.0.inner.0.a (× 3 · × 4)", "stages.0.mix (× 3)"} <= flat_titles
+    src = render(a, graph="train", level="module")
+    assert src.count("<B>× 3</B>") == src.count("<B>× 4</B>") == 1
+    assert "m_stages_0_inner_1" not in src and "m_stages_1" not in src
+
+
+def test_siblings_apart_inside_a_fold_stay_apart():
+    """Inside the folded blocks of _Stack, l1 and l2 compute the same ops but are not a run of
+    blocks (the parent's ReLU lies between them): each keeps its box."""
+    a = analyze(_Stack(), (torch.randn(2, 8),))
+    scene = module_scene(a, "forward", {})
+    assert [f.count for f in scene.folds()] == [4]
+    ids = {b.id for b in scene.boxes}
+    assert {"m_blocks_0_l1", "m_blocks_0_l2"} <= ids
+
+
+@pytest.mark.parametrize(
+    ("model", "first", "other"),
+    [
+        ("gpt2", "h.0", "h.1"),
+        ("nested", "stages.0", "stages.1"),
+        ("nested", "stages.0.inner.0", "stages.2.inner.3"),
+    ],
+)
+def test_module_level_draws_any_copy_of_a_repeated_block(model, first, other):
+    """A tester's finding: ``--module h.1 --level module`` drew the legend and the input only
+    (h.1's boxes stood for by h.0's, which lay outside the picture). Any copy draws as the
+    first does, with its own names and the flat analysis's figures."""
+    if model == "gpt2":
+        a = flat = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    else:
+        a, flat = _nested(), _nested(False)
+    scenes = {m: module_scene(a, "train", {}, module=m) for m in (first, other)}
+    boxes = {m: {b.id: b for b in s.boxes if b.kind == "module"} for m, s in scenes.items()}
+    key = sanitize_name(first), sanitize_name(other)
+    assert boxes[other] and set(boxes[other]) == {i.replace(*key) for i in boxes[first]}
+    for i, b in boxes[first].items():
+        assert boxes[other][i.replace(*key)].label == b.label
+    # a box inside a fold stands for each of its members
+    folds = scenes[other].folds()
+    shown = sum(
+        _flops(b.label.stats[0].value)
+        * math.prod(
+            f.count for f in folds if f"{i}_".startswith(f"m_{sanitize_name(f.members[0])}_")
+        )
+        for i, b in boxes[other].items()
+    )
+    assert shown == pytest.approx(_fwd_under(flat, other), rel=0.01)
+    assert [f.count for f in scenes[other].folds()] == [f.count for f in scenes[first].folds()]
+    dots = {m: render(a, graph="train", level="module", module=m) for m in (first, other)}
+    assert dots[other].count("label=") == dots[first].count("label=")
+
+
+def test_render_module_alias_names_the_first_name(capsys, tmp_path):
+    """One block registered twice (``blocks.0`` and ``blocks.1``) traces under its first name:
+    ``--module blocks.1`` says so and draws blocks.0 (it said "no module 'blocks.1'")."""
+    from conftest import cli
+
+    model = tmp_path / "alias.py"
+    model.write_text(
+        "import torch, torch.nn as nn\n"
+        "class Blk(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.l = nn.Linear(8, 8)\n"
+        "    def forward(self, x): return x + torch.relu(self.l(x))\n"
+        "class Alias(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); b = Blk()\n"
+        "        self.blocks = nn.ModuleList([b, b, Blk()]); self.head = nn.Linear(8, 3)\n"
+        "    def forward(self, x):\n"
+        "        for m in self.blocks: x = m(x)\n"
+        "        return self.head(x)\n"
+        "def example_inputs(): return (torch.randn(2, 8),)\n"
+    )
+    for path, first in (("blocks.1", "blocks.0"), ("blocks.1.l", "blocks.0.l")):
+        out = tmp_path / f"{path}.dot"
+        rc, _, err = cli(capsys, "render", model, "--module", path, "--level", "module", "-o", out)
+        assert rc == 0, err
+        text = " ".join(err)
+        assert f"{path} is the same module object as {first}" in text
+        assert f"m_{sanitize_name(first)}" in out.read_text()
+    rc, _, err = cli(capsys, "render", model, "--module", "blocks.2", "-o", tmp_path / "b2.dot")
+    assert rc == 0 and not any("same module object" in line for line in err)
+
+
+@needs_dot
+@pytest.mark.skipif(chromium is None, reason="chromium not installed")
+def test_html_search_finds_a_member_of_a_nested_fold(tmp_path):
+    """Searching stages.2.inner.3.a, inside the × 4 inner blocks of the × 3 outer blocks,
+    names both folds and lights the box drawn for it, stages.0.inner.0.a."""
+    out = tmp_path / "nested.html"
+    render(_nested(), out, level="module")
+    dom = subprocess.run(
+        [*_chromium(tmp_path), "--dump-dom", out.as_uri() + "#q=stages.2.inner.3.a"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    note = re.search(r'data-folds="([^"]*)"', dom)
+    assert note and note[1] == (
+        "stages.2 is one of the × 3 blocks stages.0 … stages.2, drawn once as stages.0; "
+        "stages.0.inner.3 is one of the × 4 blocks stages.0.inner.0 … stages.0.inner.3, drawn "
+        "once as stages.0.inner.0"
+    )
+    lit = set(re.findall(r'<g id="([^"]+)" class="node hit', dom))
+    assert "m_stages_0_inner_0_a" in lit and "m_stages_0_mix" not in lit

@@ -110,6 +110,18 @@ def _read_profile(path: str | None) -> dict | None:
         raise RenderError(f"cannot read --profile-json {path}: {e}") from e
 
 
+def _first_name(model, path: str) -> str | None:
+    """The first name of the module registered as ``path`` when ``path`` is a later name of
+    it (``blocks.1`` where ``blocks.0`` and ``blocks.1`` are one module object, or a submodule
+    of such a name); None otherwise. Traced ops carry a module's first name only."""
+    first: dict[int, str] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        first.setdefault(id(m), name)
+        if name == path:
+            return None if first[id(m)] == path else first[id(m)]
+    return None
+
+
 def run(args: argparse.Namespace, err: Console) -> int:
     """Analyse and render into ``--output``; prints the path written."""
     from graphflop.export.graphviz import FORMATS, render
@@ -131,6 +143,18 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
         raise SpecError("--color time is drawn at op level: use --level op (or auto)")
     loaded, inputs = load_model(args)
+    module = args.module
+    first = _first_name(loaded.model, module) if module else None
+    if first is not None:
+        err.print(
+            f"note: {module} is the same module object as {first} (one module registered "
+            f"under both names); its ops carry the first name, so {first} is drawn, every "
+            "call of it",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        module = first
     explicit = args.graph not in (None, "forward")
     why = f"--graph {args.graph}" if explicit else None
     check_backward_possible(args, loaded, inputs, why=why)
@@ -150,7 +174,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             graph=graph,
             level=args.level,
             profile=profile,
-            module=args.module,
+            module=module,
             color=args.color,
         )
     print(args.output)

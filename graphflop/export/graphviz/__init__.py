@@ -51,7 +51,8 @@ Drawing choices (module level)
     weight-gradient, update and JVP FLOPs, ratios, bytes saved for backward and measured time;
     edges follow the forward data flow. Repeated identical modules (a transformer's blocks:
     :mod:`.structure`) are drawn once, in a cluster marked "×N" whose label tables per-block and
-    total figures. With more than 40 boxes, the boxes directly inside one parent cluster are
+    total figures; repeats inside the block drawn (the inner blocks of repeated outer blocks)
+    fold inside it. With more than 40 boxes, the boxes directly inside one parent cluster are
     laid out in one row (ResNet-50: one row per bottleneck block). Pruned and skipped work are
     dashed ghost boxes beside their module.
 

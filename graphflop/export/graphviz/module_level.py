@@ -8,8 +8,11 @@ composite, by what they compute (:mod:`.composite`: attention, layer norm, GELU,
 
 Repeated identical modules (:func:`.structure.folds`: a transformer's blocks) are drawn once:
 the first member's boxes with their per-block figures, in a cluster whose label is a table of
-per-block and total figures and the multiplicity ("× 12"). A fold is split where its members'
-figures differ (a first block whose input gradient is pruned stays apart).
+per-block and total figures and the multiplicity ("× 12"). Folds nest: the inner blocks of
+the block drawn fold inside it ("× 4" inside "× 3"), each box standing for one inner block of
+one outer block. A fold is split where its members' figures differ (a first block whose input
+gradient is pruned stays apart). With ``module``, only the folds inside that module are drawn:
+``h.1`` (a copy of ``h.0``) draws its own boxes, as ``h.0`` does.
 
 With more than :data:`ROW_LAYOUT_MIN_BOXES` boxes, the boxes directly inside one parent cluster
 are laid out in one row (ResNet-50: one row per bottleneck block).
@@ -167,12 +170,18 @@ class _ModuleScene:
             if not any(u.drawn for u in self.units):
                 raise RenderError(f"no module {module!r} with ops in the forward graph")
         self.figures = self._figures()
-        self.folds = self._folds()
-        self.fold_of: dict[str, Folded] = {}  # module path → its fold
+        # outer folds before inner ones; with ``module``, only the folds inside it (the root
+        # drawn is the module asked for, whichever copy of a repeated block it is)
+        self.folds = sorted(
+            (f for f in self._folds() if all(under(m, module) for m in f.members)),
+            key=lambda f: f.template.count("."),
+        )
+        self.fold_of: dict[str, Folded] = {}  # module path → the innermost fold holding it
         for f in self.folds:
             for u in self.units:
-                if f.member_of(u.module) is not None:
-                    self.fold_of[u.module] = f
+                for p in (u.module, *_prefixes(u.module)):
+                    if f.member_of(p) is not None:
+                        self.fold_of[p] = f
         self.drawn = [u for u in self.units if u.drawn and self._rep(u) is u]
         self.drawn_ids = {id(u) for u in self.drawn}
         modules = {u.module for u in self.drawn}
@@ -255,13 +264,23 @@ class _ModuleScene:
             *((g.jvp,) if self.show_j else ()),
         )
 
+    def _twin(self, path: str) -> str:
+        """``path`` moved into the template of each fold holding it, outer folds first
+        (``stages.2.inner.3.a`` → ``stages.0.inner.3.a`` → ``stages.0.inner.0.a``)."""
+        for f in self.folds:
+            path = f.to_template(path)
+        return path
+
     def _rep(self, u: Unit) -> Unit:
-        """The drawn box standing for ``u``: its twin in its fold's template, else itself."""
-        f = self.fold_of.get(u.module)
-        if f is None or f.member_of(u.module) == 0:
+        """The drawn box standing for ``u``: its twin in its folds' templates, else itself."""
+        twin = self._twin(u.module)
+        if twin == u.module:
             return u
-        twin = f.to_template(u.module)
         return next(v for v in self.units if v.module == twin and v.seg == u.seg)
+
+    def _marks(self, path: str) -> str:
+        """The multiplicities of the folds holding ``path``, outer first ("× 3 · × 4")."""
+        return " · ".join(fold_mark(f.count) for f in self.folds if f.member_of(path) is not None)
 
     # building --------------------------------------------------------------------------------
     def build(self) -> Scene:
@@ -358,9 +377,8 @@ class _ModuleScene:
         short = m.rpartition(".")[2] if m not in ("", "loss") else (m or "(model)")
         if not self.clusters:
             short = m or "(model)"
-            f = self.fold_of.get(m)
-            if f is not None:
-                short = f"{short} ({fold_mark(f.count)})"
+            if m in self.fold_of:
+                short = f"{short} ({self._marks(m)})"
         ops = [facts.op_short(self.nodes[n].target) for n in u.nodes]
         name = composite_name(ops, self.types.get(m, ""))
         if m == "loss":
@@ -380,12 +398,13 @@ class _ModuleScene:
         title, typ = self._title(u)
         label = StatCard(title, typ, scale.colour(fig.picture(self.graph)), tuple(self._stats(u)))
         m = u.module or "(model)"
-        f = self.fold_of.get(u.module)
-        rep = (
+        held = [f for f in self.folds if f.member_of(u.module) is not None][::-1]
+        rep = "".join(
             f" (per block: one of {f.count} identical, {f.members[0]} … {f.members[-1]}; "
             f"{fold_mark(f.count)} = total)"
-            if f
-            else ""
+            if i == 0
+            else f" (in each of {f.count} identical {f.members[0]} … {f.members[-1]})"
+            for i, f in enumerate(held)
         )
         tip = (
             f"{m}{rep}: {typ or title}; ops {', '.join(u.nodes[:8])}"
@@ -453,14 +472,21 @@ class _ModuleScene:
                 text = f"input {n.name}\n{facts.shape_of(v)} · {human_bytes(facts.bytes_of(v))}"
                 self.cv.add(Box(iid, "input", text))
 
-    def _end(self, node: str) -> tuple[str, int | None, Folded | None] | None:
-        """A forward node's drawn box id, its fold member index and fold (None: not drawn)."""
+    def _end(self, node: str) -> tuple[str, str] | None:
+        """A forward node's drawn box id and module (None: not drawn)."""
         u = self.unit_of[node]
         rep = self._rep(u)
         if id(rep) not in self.drawn_ids:
             return None
-        f = self.fold_of.get(u.module)
-        return rep.id, (f.member_of(u.module) if f else None), f
+        return rep.id, u.module
+
+    def _across(self, src: str, dst: str) -> bool:
+        """Modules ``src`` and ``dst`` lie in two members of one fold."""
+        for f in self.folds:
+            i, j = f.member_of(src), f.member_of(dst)
+            if i is not None and j is not None and i != j:
+                return True
+        return False
 
     def _flows(self) -> None:
         """Forward data flow between boxes: width and label by the largest value carried.
@@ -478,16 +504,12 @@ class _ModuleScene:
                 if v.op == "placeholder":
                     if v.name not in inputs:
                         continue
-                    src: tuple[str, int | None, Folded | None] | None = (
-                        f"in_{sanitize_name(v.name)}",
-                        None,
-                        None,
-                    )
+                    src: tuple[str, str] | None = (f"in_{sanitize_name(v.name)}", "")
                 else:
                     src = self._end(v.name)
                 if src is None or src[0] == dst[0]:
                     continue
-                if src[2] is not None and src[2] is dst[2] and src[1] != dst[1]:
+                if self._across(src[1], dst[1]):
                     continue
                 key = (src[0], dst[0])
                 flows[key] = max(flows.get(key, 0), facts.bytes_of(v.meta.get("val")))

@@ -5,7 +5,8 @@ and a small script searches every box's id, text and tooltip. Typing in the box 
 matching boxes (the others fade, and so do the clusters that hold no match) and Enter scrolls
 to the next one; ``#q=attn`` in the address runs a search on load (highlighting only, the page
 stays at its top). A query naming a member of a fold of identical blocks drawn once (``h.5``,
-``h.5.attn``) finds the fold and the same path in the block drawn (``h.0``, ``h.0.attn``), and
+``h.5.attn``) finds the fold and the same path in the block drawn (``h.0``, ``h.0.attn``; inside
+nested folds, through each fold in turn), and
 says so beside the count. The number of matches is shown and kept in the body's
 ``data-matches`` attribute, the fold notes in ``data-folds`` (what a headless browser test
 reads back).
@@ -62,12 +63,15 @@ _SCRIPT = """
     q = q.trim().toLowerCase();
     // a query naming a fold's member (h.5, h.5.attn) also finds the same path in the block
     // drawn (h.0, h.0.attn), and the fold itself
+    // (folds inside folds: outer first, each on the path the outer one led to)
     const queries = q ? [q] : [], found = [], notes = [];
+    let cur = q;
     for (const f of folds) {
       for (const m of f.members.slice(1)) {
         const p = m.toLowerCase();
-        if (q === p || q.startsWith(p + '.')) {
-          queries.push(f.members[0].toLowerCase() + q.slice(p.length));
+        if (cur === p || cur.startsWith(p + '.')) {
+          cur = f.members[0].toLowerCase() + cur.slice(p.length);
+          queries.push(cur);
           found.push(f.g);
           notes.push(m + ' is one of the ' + f.mark + ' blocks ' + f.members[0] + ' … ' +
             f.members[f.members.length - 1] + ', drawn once as ' + f.members[0]);

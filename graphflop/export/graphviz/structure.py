@@ -11,9 +11,11 @@ Folds (:class:`Folded`)
     Sibling modules called one after the other whose forward ops are identical (the same
     sequence of op, output shape and dtype, module path relative to the sibling, and the same
     wiring: which earlier op of the sibling, or which outside value of which shape, each op
-    reads) are one fold, drawn once with its multiplicity. The outermost repeated siblings are
-    folded (a transformer's blocks, not the blocks' identical layer norms); a fold's first member
-    is its template. Blocks the tracer's outliner (``graphflop.frontend.outline``) traced once are
+    reads) are one fold, drawn once with its multiplicity; a fold's first member is its template.
+    Repeats nest: inside each member of a fold, runs of identical numbered siblings each reading
+    the one before (the inner blocks of repeated outer blocks, ``stages.0.inner.0`` …
+    ``stages.0.inner.3``) are folds too; a block's identical ``q``, ``k`` and ``v`` are not.
+    Blocks the tracer's outliner (``graphflop.frontend.outline``) traced once are
     taken from the forward graph's hierarchy (sibling calls of one template that kept the same
     nodes); the op-by-op test folds the modules the outliner keeps apart (batch norm in
     training mode, which writes its statistics).
@@ -23,6 +25,7 @@ Reads ``MODULE``, ``COST`` and ``val`` of the forward graph's call nodes.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,9 +153,13 @@ def _called_blocks(gm: Any) -> dict[str, tuple]:
 
 
 def folds(gm: Any) -> list[Folded]:
-    """The outermost runs of identical sibling modules in forward graph ``gm`` (see the module
-    docstring), in forward order. Where the graph has a hierarchy, its calls of one template
-    (and variant) are taken as repeats from it; the other modules are compared op by op."""
+    """The runs of identical sibling modules in forward graph ``gm`` (see the module
+    docstring), outer before inner, in forward order. Where the graph has a hierarchy, its calls
+    of one template (and variant) are taken as repeats from it; the other modules are compared
+    op by op. Inside each member of a fold, runs of identical numbered siblings each reading
+    the one before (``inner.0``, ``inner.1``: a ``ModuleList``'s or ``Sequential``'s blocks)
+    are folds of their own; a member's named siblings (``q``, ``k``, ``v``) and siblings
+    apart (``l1``, then its parent's ReLU, then ``l2``) stay apart there."""
     subtree: dict[str, list[Any]] = defaultdict(list)
     children: dict[str, list[str]] = defaultdict(list)
     for n in _calls(gm):
@@ -169,21 +176,32 @@ def folds(gm: Any) -> list[Folded]:
     out: list[Folded] = []
     called = _called_blocks(gm)
 
-    def walk(parent: str) -> None:
+    def walk(parent: str, nested: bool) -> None:
         kids = children.get(parent, [])
+
+        def _reads(j: int) -> bool:
+            """Sibling ``j`` reads a value of sibling ``j - 1``."""
+            before = {n.name for n in subtree[kids[j - 1]]}
+            return any(v.name in before for n in subtree[kids[j]] for v in n.all_input_nodes)
+
         # a call of the hierarchy's block is known by its template and variant; other
         # modules by their ops (the call's key never equals an ops signature)
-        sigs = [called.get(k) or _signature(gm, k, subtree[k]) for k in kids]
+        sigs: list[Any] = [called.get(k) or _signature(gm, k, subtree[k]) for k in kids]
+        # inside a fold's member: numbered siblings of one name stem, each reading the one
+        # before it (a ModuleList's blocks, not two linears around their parent's activation)
+        if nested:
+            stems = [re.fullmatch(r"(.*?)\d+", k.rpartition(".")[2]) for k in kids]
+            sigs = [(s[1], g) if s else k for s, g, k in zip(stems, sigs, kids)]
         i = 0
         while i < len(kids):
             j = i + 1
-            while j < len(kids) and sigs[j] == sigs[i]:
+            while j < len(kids) and sigs[j] == sigs[i] and (not nested or _reads(j)):
                 j += 1
             if j - i >= 2:
                 out.append(Folded(tuple(kids[i:j])))
-            else:
-                walk(kids[i])
+            for k in kids[i:j]:  # repeats inside each member (inner blocks of outer blocks)
+                walk(k, nested or j - i >= 2)
             i = j
 
-    walk("")
+    walk("", False)
     return out
