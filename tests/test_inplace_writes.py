@@ -86,6 +86,23 @@ def _eager_mm_flops(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     return fwd.get_total_flops(), bwd.get_total_flops()
 
 
+def _eager_saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """The bytes of the distinct storages eager autograd saves for ``model(x).sum()``,
+    parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    return sum(saved.values())
+
+
 def _verified(model: nn.Module, x: torch.Tensor, a) -> None:
     """verify's gradient (vs torch.func.grad), JVP (vs torch.func.jvp) and forward-gradient
     checks all pass, in float64."""
@@ -113,6 +130,10 @@ def test_circular_conv_backward_and_jvp_are_exact():
     assert a.report.uncounted == ()
     targets = {n.target for n in a.forward.graph.nodes}
     assert aten.copy_.default not in targets and aten.slice_scatter.default in targets
+    # eager autograd saves each convolution's padded input (2·3·10·10·4 = 2,400 and
+    # 2·8·10·10·4 = 6,400 bytes), both ReLU outputs (2·8·8·8·4 = 4,096 each) and the head's
+    # input (2·8·4 = 64): 17,056 bytes, as saved_tensors_hooks measures
+    assert a.report.memory.saved_for_backward_bytes == 17_056 == _eager_saved_bytes(model, x)
     _verified(model.double(), x.double(), graphflop.analyze(model, (x.double(),)))
 
 
