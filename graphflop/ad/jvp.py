@@ -22,8 +22,10 @@ Writes ``KIND``, ``ROLE`` (``tangent_from_input``/``tangent_from_param``), ``SOU
 Function's tangent work as one :class:`~graphflop.ad.functions.FunctionEntry`: what the
 transpose replays in reverse), ``gm.meta[GHOST_LINKS]`` (:class:`~graphflop.meta.GhostLinks`),
 ``gm.meta[LOSS_KIND]``, ``gm.meta[GAPS]`` (:class:`~graphflop.meta.Gap`: forward nodes whose op
-has no JVP rule; their tangent is cut to a symbolic zero, so the work that depends on it is not
-built, unless :func:`graphflop.ops.strict_rules` makes that an error).
+has no JVP rule, or in-place writes left in the graph that a later node reads through another
+alias, :func:`graphflop.ops.recurrent.hidden_writes`; their tangent is cut to a symbolic zero, so
+the work that depends on it is not built, unless :func:`graphflop.ops.strict_rules` makes that an
+error).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from graphflop.meta import (
 )
 from graphflop.ops import MissingRuleError, is_strict, lookup, op_name
 from graphflop.ops.ghost import GhostValue, is_ghost
+from graphflop.ops.recurrent import hidden_writes
 
 TANGENT_CHOICES = ("params", "inputs", "all")
 
@@ -115,8 +118,12 @@ def _is_float(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
 
-def _needed(graph: Graph, outputs: list[Node]) -> set[Node]:
-    """The nodes whose tangents ``outputs``' tangents can depend on: their inputs, but not
+def _needed(
+    graph: Graph, outputs: list[Node], hidden: dict[Node, list[Node]] | None = None
+) -> set[Node]:
+    """The nodes whose tangents ``outputs``' tangents can depend on: their inputs (and the
+    in-place writes ``hidden`` lists for a node, :func:`graphflop.ops.recurrent.hidden_writes`:
+    it reads what they wrote), but not
     through a node made with grad mode off (``NO_GRAD``: it takes no tangent from its inputs),
     except a tensor's value after a write there (``NO_GRAD_WRITE``), which takes its value's
     before (or, made again as a view, its input's)."""
@@ -129,6 +136,7 @@ def _needed(graph: Graph, outputs: list[Node]) -> set[Node]:
         seen.add(n)
         if not n.meta.get(NO_GRAD):
             stack.extend(n.all_input_nodes)
+            stack.extend((hidden or {}).get(n, ()))
             continue
         write = n.meta.get(NO_GRAD_WRITE)
         before = written_before(n) if write is not None else None
@@ -201,7 +209,12 @@ def build_jvp(
     lin = _Linearizer(forward, for_transpose, per_template)
     lin.recorder = recorder if per_template else None
     tangent_inputs = lin.placeholders(carry, ghostly=(params | inputs) - carry, params=params)
-    outs = lin.propagate(_needed(forward.graph, diff_out))
+    hidden = hidden_writes(forward.graph)
+    needed = _needed(forward.graph, diff_out, hidden)
+    # an in-place write a needed node reads through another alias: its tangent cannot reach
+    # that reader (the graph has no edge for it), so the derivative is cut there, visibly
+    lin.cut = {m for n in needed for m in hidden.get(n, ()) if not m.meta.get(NO_GRAD)}
+    outs = lin.propagate(needed)
     primal_outs = [lin.env[o] if isinstance(o, Node) else o for o in outs]
     tangent_outs = [lin.output_tangent(d) for d in diff_out]
     lin.graph.output(tuple(primal_outs + tangent_outs))
@@ -278,6 +291,8 @@ class _Linearizer:
         self.tan: dict[Node, Any] = {}
         self.ghosts: list[Ghost] = []
         self.gaps: list[Gap] = []
+        #: in-place writes read through another alias (set by ``build_jvp``): cut, a gap each
+        self.cut: set[Node] = set()
         fake_mode = fake_mode_of(
             [n.meta.get("val") for n in forward.graph.nodes if "val" in n.meta]
         )
@@ -394,6 +409,11 @@ class _Linearizer:
         if not flat_t:
             return
         try:
+            if n in self.cut:
+                raise MissingRuleError(
+                    f"{op_name(n.target)} at {n.name} writes in place into a tensor read "
+                    "afterwards through another alias: graphflop cannot follow its derivative"
+                )
             rule = lookup(n.target, need=("jvp",), node=n.name)
             if rule.zero_derivative or rule.jvp is None:
                 return

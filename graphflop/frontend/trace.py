@@ -711,6 +711,10 @@ def _trace_template(
     gm = _make_fx(torch.func.functionalize(modes.around(scoped)), decomposition_table=table)(
         *outliner.example_tensors(key, fake_mode)
     )
+    # writes into the template's own temporaries (circular padding's copies into a new
+    # tensor) made functional as the whole graph's are (export_form), before its writes into
+    # buffers are told apart
+    functionalize_inplace(gm.graph)
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     written = {phs[call.n_inputs + i] for i in call.written}
     direct = {phs[call.n_inputs + i] for i in call.direct}

@@ -12,7 +12,11 @@ Two things make that possible:
   exact when nothing reads the overwritten value or another alias of it afterwards; any ATen op
   writing only its first argument has one, :func:`inplace_twin`); one it cannot rewrite keeps
   its twin's rule where :data:`INPLACE_TWINS` lists it (the same cost, a JVP that emits the
-  functional op on tangents).
+  functional op on tangents). A write into slices of a tensor the graph made (circular
+  padding's ``copy_`` into an ``empty`` one) becomes the functional op and a ``slice_scatter``
+  of its result into that tensor. A write left in place that a later node reads through
+  another alias is a dependence the graph's edges do not show (:func:`hidden_writes`): the
+  JVP marks it a gap rather than miss it.
 * On CPU float32 tensors PyTorch routes an LSTM layer to ``aten.mkldnn_rnn_layer``, one fused
   kernel; graphflop decomposes it (:func:`mkldnn_rnn_layer`) into the same per-step products
   and gates as on every other device and dtype, so an LSTM counts the same everywhere.
@@ -157,8 +161,10 @@ def functionalize_inplace(graph: torch.fx.Graph) -> int:
     """Rewrite ``y = op_(x, ...)`` (an op with an :func:`inplace_twin`) into ``y = op(x, ...)``
     wherever that is exact: no alias of
     ``x`` other than ``x`` itself is read after the node, and later readers of ``x`` are
-    pointed at ``y``. Returns the number of nodes rewritten; the others keep their in-place
-    op (and :data:`INPLACE_TWINS`' rules)."""
+    pointed at ``y``. Where ``x`` is slices and selects of a tensor the graph made,
+    the write is a write into that tensor: ``y = op(x, ...)`` scattered back into it
+    (:func:`_scatter_back`), as functionalization would. Returns the number of nodes
+    rewritten; the others keep their in-place op (and :data:`INPLACE_TWINS`' rules)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     done = 0
     for n in list(graph.nodes):
@@ -170,12 +176,93 @@ def functionalize_inplace(graph: torch.fx.Graph) -> int:
             continue  # a write into an input: only a temporary's is a functional op
         aliases = _overlapping(x)
         if any(order[u] > order[n] and not _is_view(u) for a in aliases for u in a.users):
+            if _scatter_back(graph, n, twin, order):
+                order = {m: i for i, m in enumerate(graph.nodes)}
+                done += 1
             continue  # another alias of x is read after the write: keep it in place
         n.target = twin
         for u in [u for u in x.users if order[u] > order[n]]:
             u.replace_input_with(x, n)
         done += 1
     return done
+
+
+#: view op -> the op writing a value into that view of its input, same arguments after ``src``
+_SCATTERS: dict[Any, Any] = {
+    aten.slice.Tensor: aten.slice_scatter.default,
+    aten.select.int: aten.select_scatter.default,
+}
+
+
+def _scatter_back(
+    graph: torch.fx.Graph, n: torch.fx.Node, twin: Any, order: dict[torch.fx.Node, int]
+) -> bool:
+    """Rewrite in-place ``n`` (``op_(x, ...)``, ``x`` a chain of :data:`_SCATTERS` views of a
+    base tensor the graph made) into ``y = op(x, ...)`` and the base's new value,
+    ``base' = slice_scatter(base, y, ...)`` (``select_scatter``) through the chain, every
+    reader of the base after ``n`` then reading ``base'``. This is what a composite kernel's write into a new
+    tensor means (``_pad_circular`` copies slices of its input and of itself into an ``empty``
+    one, below functionalization) and what ``torch.func.functionalize`` makes of it above.
+
+    Exact when no alias of the base made before ``n`` but the chain itself is read after
+    ``n`` (readers of views made after it read the new base); False, and nothing changed,
+    otherwise, or where the base is an input (a graph placeholder or attribute) or the chain
+    has another view."""
+    chain = _chain(n.args[0])  # type: ignore[arg-type]
+    base = chain[-1]
+    if not _fresh(base) or any(v.target not in _SCATTERS for v in chain[:-1]):
+        return False
+    if any(order[u] > order[n] for v in chain for u in v.users if v is not base):
+        return False  # the written view (or one on the way) is read after the write
+    earlier = [a for a in _overlapping(base) | {base} if order[a] < order[n]]
+    if any(order[u] > order[n] for a in earlier if a is not base for u in a.users):
+        return False  # a view taken before the write is read after it
+    later = [u for u in base.users if order[u] > order[n]]
+    n.target = twin
+    value, at = n, n
+    for view, parent in zip(chain, chain[1:]):
+        with graph.inserting_after(at):
+            value = at = graph.call_function(
+                _SCATTERS[view.target], (parent, value, *view.args[1:]), dict(view.kwargs)
+            )
+        value.meta = {**n.meta, "val": parent.meta.get("val")}
+    for u in later:
+        u.replace_input_with(base, value)
+    return True
+
+
+def _fresh(n: torch.fx.Node) -> bool:
+    """Whether ``n`` is a tensor of its own: made by an op whose output aliases none of its
+    inputs (not a view, not an in-place op's result, not a graph input)."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    return not any(r.alias_info is not None for r in n.target._schema.returns)
+
+
+def hidden_writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Node -> the in-place nodes left in ``graph`` (after :func:`functionalize_inplace`) that
+    wrote, before it, into memory one of its arguments shares, other than through the
+    in-place node's own result: a dependence the graph's edges do not show. A derivative
+    pass that follows only the edges would miss it (the tangent of the written value never
+    reaches the reader), so it must treat each such write as cut."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    written: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for m in graph.nodes:
+        if m.op != "call_function" or not isinstance(m.target, torch._ops.OpOverload):
+            continue
+        schema = m.target._schema
+        for arg, value in zip(schema.arguments, m.args):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            if isinstance(value, torch.fx.Node):
+                for a in _overlapping(value) | {value}:
+                    written.setdefault(a, []).append(m)
+    out: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for n in graph.nodes:
+        hits = [m for a in n.all_input_nodes for m in written.get(a, ()) if order[m] < order[n]]
+        if hits:
+            out[n] = list(dict.fromkeys(hits))
+    return out
 
 
 def _register_twins() -> None:
