@@ -1270,8 +1270,8 @@ def test_an_op_without_a_cost_rule_is_timed_at_its_bytes_and_marked():
     op = torch.ops.gfsteptime.twice.default
     assert not has_rule(op)
     n = 1 << 23
-    a = analyze(RuleLessAndTwice(), torch.empty(n, device="meta"), backward=False, jvp=False,
-                loss="sum", time_profile=H100)  # fmt: skip
+    x = torch.empty(n, device="meta", requires_grad=False)
+    a = analyze(RuleLessAndTwice(), x, jvp=False, loss="sum", time_profile=H100)
     rule_less = _node(a, op)
     assert rule_less.meta[COST].bytes_read == 0  # the FLOP report's figure is unchanged
     t = rule_less.meta[TIME]
@@ -1293,6 +1293,8 @@ def test_an_op_without_a_cost_rule_is_timed_at_its_bytes_and_marked():
     assert fwd.no_cost_rule == (op_name(op),)
     assert not fwd.complete
     assert tr.phase("loss").complete and not tr.phase("loss").no_cost_rule
+    step = tr.phase("train_step")  # forward + backward + update: incomplete with its forward
+    assert not step.complete and step.no_cost_rule == fwd.no_cost_rule
     row = next(o for o in tr.ops if o.phase == "forward" and o.no_cost_rule)
     assert row.bytes == 8 * n and row.memory_s == pytest.approx(memory, rel=1e-12)
     assert not any(o.no_cost_rule for o in tr.ops if o is not row)

@@ -612,6 +612,8 @@ def _sum_phase(a: PhaseTime, b: PhaseTime) -> PhaseTime:
         kernels=a.kernels + b.kernels,
         flops=a.flops + b.flops,
         by_role=tuple(roles.items()),
+        complete=a.complete and b.complete,
+        no_cost_rule=tuple(dict.fromkeys(a.no_cost_rule + b.no_cost_rule)),
     )
 
 
