@@ -550,6 +550,9 @@ class NodeTime:
         kernel_id: the name of that kernel's first node (which nodes share one kernel).
         op_class: ``matmul``, ``conv`` or ``other``.
         dtype: the dtype key its rate was taken for.
+        no_cost_rule: the node's op has no cost rule (its ``COST`` is 0): its kernel was
+            timed at the bytes of its tensors (inputs read, output written, from their
+            metadata) on the memory roofline, no compute, a lower bound.
     """
 
     seconds: float
@@ -561,6 +564,7 @@ class NodeTime:
     kernel_id: str
     op_class: str
     dtype: str
+    no_cost_rule: bool = False
 
 
 #: how a custom autograd.Function is named where its own derivative is missing (``Gap.op``)

@@ -753,7 +753,14 @@ class PhaseTime:
             per-node work (a calibrated profile's; :mod:`graphflop.passes.step_time`).
         kernels: eager kernels (a composite op's decomposition counts once).
         flops: FLOPs of the phase (as in its :class:`CostTotals`).
-        by_role: role -> seconds, in the order roles first appear.
+        by_role: role -> seconds, each role's share of :attr:`seconds` (its kernels' seconds
+            × ``seconds`` / their sum: on a GPU less its share of the overlap, with host costs
+            plus its share of them), so the roles add up to the phase.
+        complete: False when the phase's FLOP totals are incomplete (an op without a rule:
+            :attr:`CostTotals.complete`) or a kernel of it was timed without a cost rule; its
+            time is then a lower bound.
+        no_cost_rule: the ops of the phase without a cost rule, timed at their tensors' bytes
+            on the memory roofline (no compute), in the order first met.
     """
 
     seconds: float
@@ -765,16 +772,22 @@ class PhaseTime:
     by_role: tuple[tuple[str, float], ...] = ()
     overlap_s: float = 0.0
     host_s: float = 0.0
+    complete: bool = True
+    no_cost_rule: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = _fields_dict(self)
         d["by_role"] = dict(self.by_role)
+        d["no_cost_rule"] = list(self.no_cost_rule)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PhaseTime:
-        kw = _pick(cls, {"overlap_s": 0.0, "host_s": 0.0, **d})  # reports before they existed
+        # reports written before a key existed take its default
+        defaults = {"overlap_s": 0.0, "host_s": 0.0, "complete": True, "no_cost_rule": ()}
+        kw = _pick(cls, {**defaults, **d})
         kw["by_role"] = tuple(d.get("by_role", {}).items())
+        kw["no_cost_rule"] = tuple(d.get("no_cost_rule", ()))
         return cls(**kw)
 
 
@@ -813,9 +826,18 @@ class OpTime:
         op: ``aten.x.overload`` of the kernel.
         phase: as in :class:`OpRow`.
         kernels: how many.
-        seconds, compute_s, memory_s, overhead_s: as in :class:`PhaseTime`.
-        flops, bytes: FLOPs and bytes read + written by those kernels.
+        seconds: their share of the phase's seconds (their kernels' seconds × the phase's
+            seconds / the sum of its kernels' seconds), so the rows of a phase add up to it:
+            ``compute_s + memory_s + overhead_s + host_s - overlap_s``.
+        compute_s, memory_s, overhead_s: their kernels' terms, as in :class:`PhaseTime` (the
+            rows of a phase add up to its own).
+        host_s, overlap_s: their share of the phase's host costs and of its host/device
+            overlap (in proportion to their kernels' seconds; 0 where the phase has none).
+        flops, bytes: FLOPs and bytes read + written by those kernels (for an op without a
+            cost rule, the bytes of its tensors it was timed at).
         bound: what bounds most of their time.
+        no_cost_rule: the op has no cost rule: timed at its tensors' bytes on the memory
+            roofline, no compute (a lower bound).
     """
 
     op: str
@@ -828,13 +850,17 @@ class OpTime:
     flops: int
     bytes: int
     bound: str
+    host_s: float = 0.0
+    overlap_s: float = 0.0
+    no_cost_rule: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return _fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OpTime:
-        return cls(**_pick(cls, d))
+        # reports written before a key existed take its default
+        return cls(**_pick(cls, {"host_s": 0.0, "overlap_s": 0.0, "no_cost_rule": False, **d}))
 
 
 @dataclass(frozen=True)

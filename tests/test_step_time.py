@@ -1241,3 +1241,159 @@ def test_an_integer_product_on_a_cpu_runs_at_the_vector_rate():
     assert mm[0].meta[TIME].compute_s == pytest.approx(128 / 1e9)
     with pytest.raises(NoPeak, match="no int64 peak for matmul"):
         analyze(IntProduct(), (torch.randn(2, 8),), jvp=False, time_profile=H100)
+
+
+@torch.library.custom_op("gfsteptime::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    """A custom op graphflop has no cost rule for (as ``aten.bitwise_xor`` had none)."""
+    return 2 * x
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class RuleLessAndTwice(nn.Module):
+    """The rule-less op and ``2 * x`` (a rule: N FLOPs, 4N read, 4N written) on one input."""
+
+    def forward(self, x):
+        return _twice(x) + 2 * x
+
+
+def test_an_op_without_a_cost_rule_is_timed_at_its_bytes_and_marked():
+    """Tester, stop 49: an op without a cost rule took the 2 µs view overhead and 0 bytes,
+    silently (``^`` 2 µs beside a same-size ``&`` at 368 µs on h100)."""
+    from graphflop.export.report import warning_lines
+    from graphflop.ops import has_rule, op_name
+
+    op = torch.ops.gfsteptime.twice.default
+    assert not has_rule(op)
+    n = 1 << 23
+    x = torch.empty(n, device="meta", requires_grad=False)
+    a = analyze(RuleLessAndTwice(), x, jvp=False, loss="sum", time_profile=H100)
+    rule_less = _node(a, op)
+    assert rule_less.meta[COST].bytes_read == 0  # the FLOP report's figure is unchanged
+    t = rule_less.meta[TIME]
+    # its tensors: 4 B × 2^23 read, 4 B × 2^23 written = 67,108,864 B at 3.35e12 × 0.85 =
+    # 2.8475e12 B/s = 23.568 µs, + 2 µs fill = 25.568 µs of memory; no compute; a 6 µs launch
+    # (not the 2 µs view overhead): 31.568 µs
+    memory = 8 * n / 2.8475e12 + 2e-6
+    assert t.compute_s == 0.0
+    assert t.memory_s == pytest.approx(memory, rel=1e-12)
+    assert t.overhead_s == pytest.approx(6e-6)
+    assert t.seconds == pytest.approx(memory + 6e-6, rel=1e-12)
+    assert t.bound == "memory" and t.no_cost_rule
+    # the same bytes under a rule (2 * x: 8,388,608 FLOPs / 3.345e13 + 2 µs = 2.25 µs of
+    # compute, below its memory) take the same time
+    mul = _node(a, torch.ops.aten.mul.Tensor).meta[TIME]
+    assert mul.seconds == pytest.approx(t.seconds, rel=1e-12) and not mul.no_cost_rule
+    tr = a.report.time
+    fwd = tr.phase("forward")
+    assert fwd.no_cost_rule == (op_name(op),)
+    assert not fwd.complete
+    assert tr.phase("loss").complete and not tr.phase("loss").no_cost_rule
+    step = tr.phase("train_step")  # forward + backward + update: incomplete with its forward
+    assert not step.complete and step.no_cost_rule == fwd.no_cost_rule
+    row = next(o for o in tr.ops if o.phase == "forward" and o.no_cost_rule)
+    assert row.bytes == 8 * n and row.memory_s == pytest.approx(memory, rel=1e-12)
+    assert not any(o.no_cost_rule for o in tr.ops if o is not row)
+    doc = json.loads(json.dumps(a.to_dict()))
+    assert doc["time"]["phases"]["forward"]["complete"] is False
+    assert doc["time"]["phases"]["forward"]["no_cost_rule"] == list(fwd.no_cost_rule)
+    assert Report.from_dict(doc) == a.report
+    (line,) = [w for w in warning_lines(a.report) if "twice" in w]
+    assert "timed on h100-sxm at its tensors' bytes" in line
+
+
+def test_every_time_breakdown_adds_up_to_its_phase_on_a_gpu():
+    """Tester, stop 49: on a data-sheet GPU the per-kernel rows and ``by_role`` summed to the
+    phase before the host/device overlap came off (tiny MLP on h100: forward kernels 60 µs
+    against a 39 µs phase), and the loss phase (its own timeline) disagreed with its row."""
+    # forward on h100, 4 float32 elements: x + x, y + y and the sum loss, each a 6 µs launch
+    # and w = 2 µs of fill (+ < 1e-7 s of bytes and FLOPs). Host 6, 12, 18 µs; device
+    # 6 + w, max(8, 12) + w = 14, max(16, 18) + w = 20 µs: the phase is 20 µs of 24 µs of
+    # kernels (4 µs overlap). Shares (× 20/24): the adds 16 µs -> 13.33 µs (2.67 µs of
+    # overlap), the loss 8 µs -> 6.67 µs (1.33 µs)
+    a = analyze(TwoAdds(), torch.empty(4, device="meta"), backward=False, jvp=False,
+                loss="sum", time_profile=H100)  # fmt: skip
+    tr = a.report.time
+    fwd = tr.phase("forward")
+    assert fwd.seconds == pytest.approx(20e-6, rel=1e-4)
+    assert fwd.overlap_s == pytest.approx(4e-6, rel=1e-3)
+    ops = {o.op: o for o in tr.ops if o.phase == "forward"}
+    add, loss = ops.pop("aten.add.Tensor"), ops.pop("aten.sum.dim_IntList")
+    assert not ops
+    assert add.seconds == pytest.approx(16e-6 * 20 / 24, rel=1e-4)
+    assert add.overlap_s == pytest.approx(16e-6 * 4 / 24, rel=1e-3)
+    assert add.overhead_s == pytest.approx(12e-6)  # its kernels' own launches
+    assert loss.seconds == pytest.approx(8e-6 * 20 / 24, rel=1e-4)
+    # the loss phase is the loss kernel's share of the forward, as its role is
+    assert tr.phase("loss").seconds == pytest.approx(loss.seconds, rel=1e-12)
+    assert dict(fwd.by_role)["loss"] == pytest.approx(loss.seconds, rel=1e-12)
+    assert dict(fwd.by_role)["forward"] == pytest.approx(add.seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["h100", "gpu_host", "cpu"])
+def test_op_role_layer_rows_add_up_column_by_column(kind):
+    """Each phase's op rows add up to it column by column (time, compute, memory, overhead,
+    host, overlap) and each row to its own columns; its roles and layer rows to its time; the
+    loss phase to the loss layer row: a data-sheet GPU, a calibrated GPU with host costs and
+    a calibrated CPU with host costs."""
+    prof = {
+        "h100": H100,
+        "gpu_host": _profile(
+            kind="gpu", launch_overhead_s=5e-6, module_call_s=3e-6, autograd_node_s=2e-6
+        ),
+        "cpu": _profile(module_call_s=2e-6, autograd_node_s=1e-6, launch_overhead_s=1e-6),
+    }[kind]
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    tr = analyze(model, (torch.randn(8, 16),), time_profile=prof).report.time
+    for phase, p in tr.phases:
+        if phase == "train_step":
+            continue
+        rows = [o for o in tr.ops if o.phase == phase]
+        if phase != "loss":
+            assert rows, phase
+            for col in ("seconds", "compute_s", "memory_s", "overhead_s", "host_s", "overlap_s"):
+                total = sum(getattr(o, col) for o in rows)
+                assert total == pytest.approx(getattr(p, col), rel=1e-9, abs=1e-15), (phase, col)
+            for o in rows:
+                parts = o.compute_s + o.memory_s + o.overhead_s + o.host_s - o.overlap_s
+                assert o.seconds == pytest.approx(parts, rel=1e-9)
+        assert sum(s for _, s in p.by_role) == pytest.approx(p.seconds, rel=1e-9), phase
+    step = tr.phase("train_step")
+    assert sum(s for _, s in step.by_role) == pytest.approx(step.seconds, rel=1e-9)
+    loss_row = next(L for L in tr.layers if L.name == "loss")
+    assert tr.phase("loss").seconds == pytest.approx(loss_row.forward_s, rel=1e-9)
+    if kind != "cpu":
+        assert tr.phase("forward").overlap_s > 0  # the case the rows used to overshoot
+    if kind != "h100":
+        assert tr.phase("forward").host_s > 0
+
+
+def test_an_integer_product_on_a_gpu_says_what_to_do():
+    """Tester, stop 49: an int64 product on h100 was refused with no way out. Eager PyTorch
+    has no CUDA kernel for it (cuBLAS has no integer GEMM): the error says so and what to do."""
+
+    class IntProduct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.register_buffer("idx", torch.arange(16).view(4, 4))
+
+        def forward(self, x):
+            return self.fc(x) + (self.idx @ self.idx).sum().float()
+
+    with pytest.raises(NoPeak) as e:
+        analyze(IntProduct(), (torch.randn(2, 8),), jvp=False, time_profile=H100)
+    msg = str(e.value)
+    assert msg.startswith("h100-sxm has no int64 peak for matmul kernels: it has float64")
+    assert "no CUDA kernel for an int64 matrix product" in msg
+    assert "--device cpu" in msg and "a.double() @ b.double()" in msg
+    # a float64 product on a part without a float64 peak gets no such hint
+    x = torch.empty(8, 8, dtype=torch.float64, device="meta")
+    with pytest.raises(NoPeak) as e:
+        analyze(MatMul(8, torch.float64), x, backward=False, jvp=False,
+                time_profile=resolve_profile("l4"))  # fmt: skip
+    assert "CUDA kernel" not in str(e.value)

@@ -348,8 +348,10 @@ def compare(tr: Any, m: Measured, device_work: bool = False) -> dict[str, Any]:
         if not meas or statistics.median(meas) <= 0:
             continue
         med = statistics.median(meas)
-        seconds = o.seconds
-        if device_work and o.op != UPDATE_KERNEL and o.seconds > o.overhead_s:
+        # the kernels' own time, before their share of the phase's host costs and overlap
+        # (``OpTime.seconds`` is that share: the rows add up to the phase)
+        seconds = o.compute_s + o.memory_s + o.overhead_s
+        if device_work and o.op != UPDATE_KERNEL and seconds > o.overhead_s:
             seconds -= o.overhead_s  # a view has no kernel: its host time is measured
         rows.append(
             {

@@ -180,29 +180,47 @@ _TIME_CAPTION = (
     "of the kernels bound by each; overhead: launch and dispatch, and on a calibrated CPU the "
     "page faults of outputs above 32 MiB; host: nn.Module calls and the autograd engine's "
     "per-node work (a calibrated profile); overlap (a GPU): host and device work run at the "
-    "same time, taken off the phase's sum (docs/time.md)"
+    "same time, taken off the phase's sum; an op's row is its share of the phase (its host and "
+    "overlap in proportion to its kernels' time), so the rows add up to it; incomplete: an op "
+    "without a rule, timed at its tensors' bytes only (docs/time.md)"
 )
 
 
+#: how a kernel timed without a cost rule is marked in the tables
+NO_COST_RULE = "no cost rule: bytes only"
+
+
 def _kernel_table(r: Report, tr: TimeReport, phase: str) -> Table:
-    """One phase's predicted time by eager kernel, most time first."""
+    """One phase's predicted time by eager kernel, most time first: each op's share of the
+    phase (the rows add up to the phase's time; on a GPU its share of the overlap comes off,
+    with host costs its share of them goes on, in their own columns)."""
     rows = sorted((o for o in tr.ops if o.phase == phase), key=lambda o: -o.seconds)
     total = sum(o.seconds for o in rows)
+    p = tr.phase(phase)
+    incomplete = p is not None and not p.complete
     table = Table(
-        title=f"{r.model} — {phase} predicted time by eager kernel on {tr.device}",
+        title=f"{r.model} — {phase} predicted time by eager kernel on {tr.device}"
+        + (" (incomplete)" if incomplete else ""),
         caption=_TIME_CAPTION,
         header_style="bold",
     )
-    for col in ("kernel", "count", "time", "compute", "memory", "overhead", "bound", "share"):
-        table.add_column(col, justify="left" if col in ("kernel", "bound") else "right")
+    host = any(o.host_s for o in rows)
+    overlap = any(o.overlap_s for o in rows)
+    shown = {"host": host, "overlap": overlap}
+    cols = ("kernel", "count", "time", "compute", "memory", "overhead", "host", "overlap")
+    for col in (*cols, "bound", "share"):
+        if shown.get(col, True):
+            table.add_column(col, justify="left" if col in ("kernel", "bound") else "right")
     for o in rows:
         table.add_row(
-            o.op,
+            o.op + (f" [yellow]({NO_COST_RULE})[/yellow]" if o.no_cost_rule else ""),
             str(o.kernels),
             human_seconds(o.seconds),
             human_seconds(o.compute_s),
             human_seconds(o.memory_s),
             human_seconds(o.overhead_s),
+            *([human_seconds(o.host_s)] if host else []),
+            *([human_seconds(-o.overlap_s)] if overlap else []),
             o.bound,
             f"{100 * o.seconds / total:.1f}%" if total else "–",
         )
@@ -233,7 +251,7 @@ def _time_table(tr: TimeReport) -> Table:
             table.add_column(col, justify="left" if col == "phase" else "right")
     for name, p in tr.phases:
         cells = [
-            name.replace("_", " "),
+            name.replace("_", " ") + ("" if p.complete else " [yellow](incomplete)[/yellow]"),
             human_seconds(p.seconds),
             human_seconds(p.compute_s),
             human_seconds(p.memory_s),
@@ -367,6 +385,11 @@ def warning_lines(r: Report) -> list[str]:
         effects = []
         if "cost" in u.missing:
             effects.append("counted as 0 FLOPs")
+            if r.time is not None:
+                effects.append(
+                    f"timed on {r.time.device} at its tensors' bytes (inputs read, output "
+                    "written) on the memory roofline, no compute"
+                )
         if "jvp" in u.missing or "transpose" in u.missing:
             effects.append("the JVP/backward stops at its nodes")
         lines.append(

@@ -421,8 +421,25 @@ class TimeProfile:
                 raise NoPeak(
                     f"{self.name} has no {dtype} peak for {op_class} kernels: it has {have}"
                     + self._unused_peaks(rates)
+                    + self._integer_hint(op_class, dtype)
                 )
         return curve
+
+    def _integer_hint(self, op_class: str, dtype: str) -> str:
+        """For an integer matrix product or convolution on a GPU profile, what to do, as a
+        suffix of a :class:`NoPeak` message: eager PyTorch has no CUDA kernel for one (cuBLAS
+        has no integer GEMM; ``torch.mm`` on CUDA int64 tensors raises ``"addmm_cuda" not
+        implemented for 'Long'``, pytorch/pytorch#44428), so there is no time to predict."""
+        if self.kind != "gpu" or dtype not in _INTEGERS:
+            return ""
+        what = "convolution" if op_class.startswith("conv") else "matrix product"
+        return (
+            f"; eager PyTorch has no CUDA kernel for an {dtype} {what} (cuBLAS has no integer "
+            'GEMM: it raises "not implemented for" that dtype), so the model fails there '
+            "as written: compute the product in a floating dtype (float64 holds integers "
+            "exactly up to 2**53: (a.double() @ b.double()).long()), or time it with "
+            "--device cpu, where eager multiplies integer matrices on the vector units"
+        )
 
     def _unused_peaks(self, rates: Mapping[str, RateCurve]) -> str:
         """For a data-sheet profile, the data sheet's peaks its rates leave out (TF32: a
