@@ -676,3 +676,13 @@ def test_a_parameter_written_under_no_grad_as_eager_autograd():
     assert a.report.frozen_params == 0
     assert rows["a"]["grad_weight_flops"] == 2 * B * D * D + B * D == 272
     assert rows["a"]["update_flops"] == 2 * (D * D + D) == 144
+
+
+def test_a_parameter_write_is_said():
+    """The report says which parameter the forward writes into (once), and nothing for a
+    model that writes into none."""
+    said = analyze(_MaxNorm(False), torch.randint(0, V, (B, 5))).report.assumptions
+    lines = [s for s in said if "writes in place into" in s]
+    assert len(lines) == 1 and "emb.weight" in lines[0]
+    plain = analyze(_InPlaceUnderNoGrad(), torch.randn(2, 8)).report.assumptions
+    assert not [s for s in plain if "writes in place into" in s]

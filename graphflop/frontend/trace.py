@@ -426,12 +426,27 @@ def _trace_once(
     if hierarchy is not None:
         out.meta[HIERARCHY] = hierarchy
     out.meta[ASSUMPTIONS] = tuple(dispatch.lines) + ((_leaves_line(leaves),) if leaves else ())
+    written = out.meta[SIGNATURE].params_written
+    if written:
+        out.meta[ASSUMPTIONS] += (_written_line(written),)
     sig = out.meta[SIGNATURE]
     frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
     frozen += _detached_only(out, frozen)
     frozen += _no_grad_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+def _written_line(names: tuple[str, ...]) -> str:
+    """The report's line for the parameters the forward writes into in place with grad mode
+    off (:attr:`~graphflop.meta.Signature.params_written`)."""
+    return (
+        f"the model writes in place into {', '.join(names)} with grad mode off (as "
+        "F.embedding's max_norm renormalizes the rows it reads): the forward reads the written "
+        "values, which keep the parameter's derivative (eager autograd does not record the "
+        "write); eager keeps them in the parameter, which the optimizer then updates (the "
+        "update's figures are the same)"
+    )
 
 
 def _leaves_line(count: int) -> str:
