@@ -655,8 +655,12 @@ def test_max_norm_embedding_as_eager_autograd(tied):
 def test_max_norm_embedding_figures_by_hand():
     """Untied, B=2 rows of 5 ids, D=8, V=10: the embedding's weight gradient is the
     scatter-add of the B·5·D = 80 cotangent elements (80 FLOPs); SGD's update 2 FLOPs per
-    parameter: emb 2·V·D = 160, fc 2·(D·V + V) = 180."""
+    parameter: emb 2·V·D = 160, fc 2·(D·V + V) = 180. The renormalization, per looked-up
+    index (N = B·5 = 10; graphflop/ops/embedding.py): the row's 2-norm D squares + D adds
+    + 1 square root, + 1e-7, its reciprocal, × max_norm, the comparison, the select (6), the
+    row scaled (D): 3·D + 6 = 30 per index, 300; the lookup itself 0."""
     rows = _layers(analyze(_MaxNorm(False), torch.randint(0, V, (B, 5))))
+    assert rows["emb"]["forward_flops"] == B * 5 * (3 * D + 6) == 300
     assert rows["emb"]["grad_weight_flops"] == B * 5 * D == 80
     assert rows["emb"]["update_flops"] == 2 * V * D == 160
     assert rows["fc"]["update_flops"] == 2 * (D * V + V) == 180
