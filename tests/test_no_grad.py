@@ -690,3 +690,27 @@ def test_a_parameter_write_is_said():
     assert len(lines) == 1 and "emb.weight" in lines[0]
     plain = analyze(_InPlaceUnderNoGrad(), torch.randn(2, 8)).report.assumptions
     assert not [s for s in plain if "writes in place into" in s]
+
+
+class _MaxNormBag(nn.Module):
+    """``nn.EmbeddingBag(max_norm=...)`` (``F.embedding_bag`` renormalizes the same way) and a
+    head reading the bags' means."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(V, D, max_norm=1.0, mode="mean")
+        self.fc = nn.Linear(D, C)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+def test_max_norm_embedding_bag_as_eager_autograd():
+    """The bag's weight written and trained as eager does: gradients and JVP against eager
+    autograd in float64."""
+    torch.manual_seed(0)
+    model, ids = _MaxNormBag().double(), torch.randint(0, V, (B, 5))
+    a = analyze(model, ids)
+    assert a.forward.meta[SIGNATURE].params_written == ("emb.weight",)
+    assert a.report.frozen_params == 0
+    _against_eager_autograd(a, model, ids)
