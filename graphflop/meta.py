@@ -258,6 +258,12 @@ class Signature:
         buffer_updates: (node name, buffer qualified name) pairs for mutated buffers.
         frozen: placeholder names of the parameters that do not train (``requires_grad=False``):
             no gradient, no update, no optimizer state; they stay in ``params``.
+        params_written: qualified names of the parameters the forward writes into in place
+            with grad mode off (``F.embedding(max_norm=...)`` renormalizes the rows it reads):
+            the graph's reads after the write read the written value, whose derivative is the
+            parameter's (autograd does not record the write); the graph does not output it
+            (eager keeps it in the parameter, which the optimizer then updates: the update's
+            figures are the same on either value).
     """
 
     params: tuple[tuple[str, str], ...]
@@ -268,6 +274,7 @@ class Signature:
     outputs: tuple[str, ...]
     buffer_updates: tuple[tuple[str, str], ...] = field(default=())
     frozen: tuple[str, ...] = field(default=())
+    params_written: tuple[str, ...] = field(default=())
 
     def state(self) -> set[str]:
         """The placeholder names of ``params`` and ``buffers``: the module's state, which the

@@ -601,3 +601,116 @@ def test_a_tangent_read_only_under_no_grad_is_not_built():
     torch.manual_seed(0)
     model, x = _ReadUnderNoGrad().double(), torch.randn(B, D, dtype=torch.float64)
     _against_eager_autograd(analyze(model, x), model, x)
+
+
+class _MaxNorm(nn.Module):
+    """``nn.Embedding(max_norm=...)``: ``F.embedding`` renormalizes the rows it reads in place
+    (``torch.embedding_renorm_`` on ``weight.detach()``, not recorded by autograd); ``tied``:
+    the head reads the whole (written) weight afterwards, as a tied output layer does."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.emb = nn.Embedding(V, D, max_norm=1.0)
+        self.fc = nn.Linear(D, V)
+        self.tied = tied
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return h @ self.emb.weight.t() if self.tied else self.fc(h)
+
+
+class _ParamWrite(nn.Module):
+    """A parameter written in place under ``no_grad`` (HF RWKV's eval-mode rescaling:
+    ``weight.div_(2)``), then read."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(D, D), nn.Linear(D, C)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.a.weight.div_(2)
+        return self.head(torch.relu(self.a(x)))
+
+
+V = 10
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_max_norm_embedding_as_eager_autograd(tied):
+    """A tester's finding: autograd refused functionalisation's write of the renormalized
+    weight back into the parameter (a leaf that requires grad); then the write into the
+    detached alias cut the weight's derivative. As eager: the weight is trained (its
+    gradient, through the embedding and, tied, through the head that reads the renormalized
+    rows), the forward reads the written value. Gradients and JVP against eager autograd in
+    float64; the rows' norms (about √D ≈ 2.8) exceed max_norm, so the write matters."""
+    torch.manual_seed(0)
+    model, ids = _MaxNorm(tied).double(), torch.randint(0, V, (B, 5))
+    a = analyze(model, ids)
+    assert a.forward.meta[SIGNATURE].params_written == ("emb.weight",)
+    assert a.report.frozen_params == 0
+    _against_eager_autograd(a, model, ids)
+
+
+def test_max_norm_embedding_figures_by_hand():
+    """Untied, B=2 rows of 5 ids, D=8, V=10: the embedding's weight gradient is the
+    scatter-add of the B·5·D = 80 cotangent elements (80 FLOPs); SGD's update 2 FLOPs per
+    parameter: emb 2·V·D = 160, fc 2·(D·V + V) = 180. The renormalization, per looked-up
+    index (N = B·5 = 10; graphflop/ops/embedding.py): the row's 2-norm D squares + D adds
+    + 1 square root, + 1e-7, its reciprocal, × max_norm, the comparison, the select (6), the
+    row scaled (D): 3·D + 6 = 30 per index, 300; the lookup itself 0."""
+    rows = _layers(analyze(_MaxNorm(False), torch.randint(0, V, (B, 5))))
+    assert rows["emb"]["forward_flops"] == B * 5 * (3 * D + 6) == 300
+    assert rows["emb"]["grad_weight_flops"] == B * 5 * D == 80
+    assert rows["emb"]["update_flops"] == 2 * V * D == 160
+    assert rows["fc"]["update_flops"] == 2 * (D * V + V) == 180
+
+
+def test_a_parameter_written_under_no_grad_as_eager_autograd():
+    """``a.weight.div_(2)`` under ``no_grad``: the forward reads the halved weight, whose
+    derivative is the parameter's (autograd does not record the write); against eager
+    autograd, which differentiates at the halved values. a is trained: its weight gradient
+    2·B·D·D = 256 plus its bias's B·D = 16 (272), its update 2·(D·D + D) = 144."""
+    torch.manual_seed(0)
+    model, x = _ParamWrite().double(), torch.randn(B, D, dtype=torch.float64)
+    a = analyze(model, x)
+    assert a.forward.meta[SIGNATURE].params_written == ("a.weight",)
+    _against_eager_autograd(a, model, x)
+    rows = _layers(a)
+    assert a.report.frozen_params == 0
+    assert rows["a"]["grad_weight_flops"] == 2 * B * D * D + B * D == 272
+    assert rows["a"]["update_flops"] == 2 * (D * D + D) == 144
+
+
+def test_a_parameter_write_is_said():
+    """The report says which parameter the forward writes into (once), and nothing for a
+    model that writes into none."""
+    said = analyze(_MaxNorm(False), torch.randint(0, V, (B, 5))).report.assumptions
+    lines = [s for s in said if "writes in place into" in s]
+    assert len(lines) == 1 and "emb.weight" in lines[0]
+    plain = analyze(_InPlaceUnderNoGrad(), torch.randn(2, 8)).report.assumptions
+    assert not [s for s in plain if "writes in place into" in s]
+
+
+class _MaxNormBag(nn.Module):
+    """``nn.EmbeddingBag(max_norm=...)`` (``F.embedding_bag`` renormalizes the same way) and a
+    head reading the bags' means."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(V, D, max_norm=1.0, mode="mean")
+        self.fc = nn.Linear(D, C)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+def test_max_norm_embedding_bag_as_eager_autograd():
+    """The bag's weight written and trained as eager does: gradients and JVP against eager
+    autograd in float64."""
+    torch.manual_seed(0)
+    model, ids = _MaxNormBag().double(), torch.randint(0, V, (B, 5))
+    a = analyze(model, ids)
+    assert a.forward.meta[SIGNATURE].params_written == ("emb.weight",)
+    assert a.report.frozen_params == 0
+    _against_eager_autograd(a, model, ids)

@@ -7,12 +7,14 @@ Writes :data:`~graphflop.meta.COMPOSITE` on the nodes of the decompositions of t
 :data:`EAGER_SAVES`, and on the nodes of an attention call PyTorch would run with its fused CPU
 kernel (:data:`FUSED_SDPA`, :func:`fused_on_cpu`); :data:`~graphflop.meta.INPLACE` on the node
 of each in-place call the model makes (:func:`in_place_call`); an in-place call or a setitem
-made with grad mode off goes through :func:`graphflop.frontend.regions.no_grad_write`, which
-writes :data:`~graphflop.meta.NO_GRAD_WRITE`.
+made with grad mode off (or into a view of a ``detach()``, :func:`graphflop.frontend.regions.detached_write`)
+goes through :func:`graphflop.frontend.regions.no_grad_write`, which writes
+:data:`~graphflop.meta.NO_GRAD_WRITE`.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import operator
 from collections.abc import Callable, Iterator
@@ -24,7 +26,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphflop.frontend.regions import new_nodes, no_grad_write
+from graphflop.frontend.regions import detached_write, new_nodes, no_grad_write
 from graphflop.meta import COMPOSITE, INPLACE, CompositeTag, traced_node
 from graphflop.ops.attention import sdpa
 
@@ -84,16 +86,40 @@ class CompositeOps(TorchFunctionMode):
                 *args, **{"training" if k == "train" else k: v for k, v in kwargs.items()}
             )
         if func is _SETITEM and get_proxy_mode() is not None:
-            with no_grad_write(args[0]):
+            with detached_write(args[0]), no_grad_write(args[0]):
                 return func(*args, **kwargs)
+        if func in _MAX_NORM and get_proxy_mode() is not None:
+            call = inspect.signature(func).bind(*args, **kwargs)
+            if call.arguments.get("max_norm") is not None:
+                # F.embedding's renormalization of the rows it reads, a write into the weight
+                # (torch.embedding_renorm_ on weight.detach()), made here where this mode sees
+                # it (inside F.embedding the modes are off)
+                a = call.arguments
+                ids = a["input"].contiguous()
+                self._in_place(
+                    torch.embedding_renorm_,
+                    (a["weight"].detach(), ids, a["max_norm"], a.get("norm_type", 2.0)),
+                    {},
+                )
+                a["input"], a["max_norm"] = ids, None
+                return func(*call.args, **call.kwargs)
         if in_place_call(func, kwargs) and get_proxy_mode() is not None:
-            with no_grad_write(args[0] if args else None), new_nodes() as made:
-                out = func(*args, **kwargs)
-            node = traced_node(out)
-            if node is not None and node.op == "call_function" and node in made:
-                node.meta[INPLACE] = True
-            return out
+            return self._in_place(func, args, kwargs)
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _in_place(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        target = args[0] if args else None
+        with detached_write(target), no_grad_write(target), new_nodes() as made:
+            out = func(*args, **kwargs)
+        node = traced_node(out)
+        if node is not None and node.op == "call_function" and node in made:
+            node.meta[INPLACE] = True
+        return out
+
+
+#: the functions whose ``max_norm`` renormalizes the weight rows they read, in place
+_MAX_NORM = (F.embedding, F.embedding_bag)
 
 
 def in_place_call(func: Any, kwargs: dict[str, Any]) -> bool:

@@ -218,7 +218,7 @@ def from_make_fx(
     calls as they are met, each template node copied once, straight into the new graph.
 
     Raises:
-        TraceError: a write into a parameter or an input.
+        TraceError: a write into an input.
     """
     old = gm.graph
     phs = [n for n in old.nodes if n.op == "placeholder"]
@@ -259,6 +259,7 @@ def from_make_fx(
         target_names.append(env[n].name)
     index = {env[n]: i for i, n in enumerate(phs)}
     writes: dict = {}
+    params_written: dict[str, None] = {}
 
     def write(args: tuple) -> Any:
         """A ``copy_`` (arguments in ``g``) into a placeholder, or into an ``alias`` of one
@@ -270,13 +271,16 @@ def from_make_fx(
         i = index.get(target)
         if i is None:
             return None
-        if not n_p <= i < n_p + n_b:
-            what = params[i] if i < n_p else f"input {i - n_p - n_b}"
+        if i >= n_p + n_b:
             raise TraceError(
-                f"the model writes in place into {what}; only buffers may be updated in forward"
+                f"the model writes in place into input {i - n_p - n_b}; only buffers and "
+                "parameters (under no_grad) may be updated in forward"
             )
         value = args[1]
-        writes[buffers[i - n_p]] = value
+        if i < n_p:  # a parameter written with grad mode off: later reads see the new value
+            params_written.setdefault(params[i], None)
+        else:
+            writes[buffers[i - n_p]] = value
         env[phs[i]] = value
         return value
 
@@ -298,6 +302,7 @@ def from_make_fx(
         loss=results[0].name if has_loss else None,
         outputs=tuple(r.name for r in results[1 if has_loss else 0 :]),
         buffer_updates=tuple(updates),
+        params_written=tuple(params_written),
     )
     return _finish(new, signature, constants, loss_kind, wrapped=True)
 

@@ -651,8 +651,15 @@ class Outliner:
         #: per structure id, why a call of it was traced in full (the first reason met) and
         #: the modules whose calls were
         self.in_full: dict[int, tuple[str, dict[nn.Module, None]]] = {}
+        #: the dispatch keys in force where the trace starts (:meth:`__enter__`), for the
+        #: module forwards :meth:`fake_call` runs from the ``repeat`` op's fake kernel
+        self._keys: tuple | None = None
 
     def __enter__(self):
+        self._keys = (
+            torch._C._dispatch_tls_local_include_set(),
+            torch._C._dispatch_tls_local_exclude_set(),
+        )
         for m in self.modules:
             self._saved.append((m, m.__dict__.get("forward")))
             m.forward = self._stub(m)
@@ -923,6 +930,7 @@ class Outliner:
             attrs = _attrs(call.module)
             with (
                 self._bypass(),
+                self._keys_of_trace(),
                 torch.set_grad_enabled(call.grad_enabled),
                 routed_again(),
                 _own_hooks_off(call.module),
@@ -960,6 +968,20 @@ class Outliner:
             return
         with disable_fake_tensor_cache(self.fake_mode):
             yield
+
+    def _keys_of_trace(self) -> contextlib.AbstractContextManager:
+        """The dispatch keys in force where the trace started, in place of those of the
+        fake kernel's caller: the ``repeat`` op reaches its fake kernel below
+        functionalisation, whose functorch layer excludes every dispatch key above it
+        (``torch.func`` transforms, autograd) while it is lowered; a module whose forward
+        starts a transform of its own (``torch.vmap``, as ``associative_scan``'s generic mode
+        runs its combine function: transformers' Mamba layers) would then have its batched
+        tensors reach the fake mode unbatched (a tester's finding: "NYI: querying
+        is_contiguous inside of vmap"). The forward runs on plain FakeTensors with the fake
+        mode in force, as at the trace's start."""
+        if self._keys is None:
+            return contextlib.nullcontext()
+        return torch._C._ForceDispatchKeyGuard(*self._keys)
 
     @contextlib.contextmanager
     def _bypass(self):

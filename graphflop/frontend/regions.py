@@ -56,6 +56,8 @@ from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode
 
 from graphflop.meta import CHECKPOINT, NO_GRAD, NO_GRAD_WRITE, CheckpointTag, NoGradWrite
 
+aten = torch.ops.aten
+
 #: region numbers, unique in the process (a template's regions and the main graph's never meet)
 region_ids = itertools.count()
 
@@ -394,6 +396,24 @@ def no_grad_write(target: Any) -> Iterator[None]:
     new.meta[NO_GRAD_WRITE] = NoGradWrite(way)
     for v in views:
         v.meta[NO_GRAD_WRITE] = NoGradWrite(None)
+
+
+@contextlib.contextmanager
+def detached_write(target: Any) -> Iterator[None]:
+    """Grad mode off around an in-place write made with grad mode on into a view of a
+    ``detach()`` (``torch.embedding_renorm_(weight.detach(), ...)``, which
+    ``F.embedding(max_norm=...)`` calls to renormalize the rows it reads, ``h.detach().mul_(2)``):
+    eager autograd does not record it (the alias requires no grad), so the tensor it was
+    detached from keeps its derivative with the written values, as after a write under
+    ``no_grad``; so the write is traced as one (:func:`no_grad_write`). Nothing otherwise."""
+    node = _node_of(target) if torch.is_grad_enabled() else None
+    while node is not None and _is_view(node) and node.target is not aten.detach.default:
+        node = node.args[0]  # type: ignore[assignment]
+    if node is None or node.target is not aten.detach.default:
+        yield
+        return
+    with torch.no_grad():
+        yield
 
 
 @contextlib.contextmanager

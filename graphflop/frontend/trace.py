@@ -91,6 +91,7 @@ from graphflop.meta import (
     HIERARCHY,
     MODULE,
     NO_GRAD,
+    NO_GRAD_WRITE,
     OUTLINED,
     SIGNATURE,
     OutlineInfo,
@@ -419,6 +420,7 @@ def _trace_once(
             inline_functions() as records,
             checkpoints_tagged(),
             _requires_grad_ignored(),
+            _input_writes_unrecorded(),
         ):
             warnings.simplefilter("ignore")
             with outliner, grad_sources(trainable), grad_mode_tagged():
@@ -474,12 +476,27 @@ def _trace_once(
     if hierarchy is not None:
         out.meta[HIERARCHY] = hierarchy
     out.meta[ASSUMPTIONS] = tuple(dispatch.lines) + ((_leaves_line(leaves),) if leaves else ())
+    written = out.meta[SIGNATURE].params_written
+    if written:
+        out.meta[ASSUMPTIONS] += (_written_line(written),)
     sig = out.meta[SIGNATURE]
     frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
     frozen += _detached_only(out, frozen)
     frozen += _no_grad_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+def _written_line(names: tuple[str, ...]) -> str:
+    """The report's line for the parameters the forward writes into in place with grad mode
+    off (:attr:`~graphflop.meta.Signature.params_written`)."""
+    return (
+        f"the model writes in place into {', '.join(names)} with grad mode off (as "
+        "F.embedding's max_norm renormalizes the rows it reads): the forward reads the written "
+        "values, which keep the parameter's derivative (eager autograd does not record the "
+        "write); eager keeps them in the parameter, which the optimizer then updates (the "
+        "update's figures are the same)"
+    )
 
 
 def _leaves_line(count: int) -> str:
@@ -629,8 +646,16 @@ def _detached_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
 
 def _no_grad_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
     """The trainable parameters read only by nodes the model made with grad mode off
-    (:data:`~graphflop.meta.NO_GRAD`): eager gives them no gradient, as if frozen."""
-    return tuple(_read_only_where(gm, frozen, lambda u: bool(u.meta.get(NO_GRAD))))
+    (:data:`~graphflop.meta.NO_GRAD`): eager gives them no gradient, as if frozen. A write
+    into the parameter itself under ``no_grad`` (its new value, tagged
+    :data:`~graphflop.meta.NO_GRAD_WRITE` with the way to the old one) keeps its derivative:
+    that reader does not count (HF RWKV's eval-mode ``weight.div_(...)``)."""
+
+    def no_grad(u: Any) -> bool:
+        write = u.meta.get(NO_GRAD_WRITE)
+        return bool(u.meta.get(NO_GRAD)) and (write is None or write.before is None)
+
+    return tuple(_read_only_where(gm, frozen, no_grad))
 
 
 def _read_only_where(gm: GraphModule, frozen: tuple[str, ...], where: Any) -> list[str]:
@@ -659,6 +684,30 @@ def _chained(table: dict, first: dict) -> dict:
         return decomposed
 
     return {op: chain(op, fn, table.get(op)) for op, fn in first.items()}
+
+
+@contextlib.contextmanager
+def _input_writes_unrecorded() -> Iterator[None]:
+    """While tracing, functionalisation writes the final value of each input the model wrote
+    into (a buffer's running statistics; a parameter written under ``no_grad``, as
+    ``F.embedding(max_norm=...)`` renormalizes the rows it reads) back into the input with
+    grad mode off: the write is the model's own, made where its code had grad mode off or on
+    a buffer, and autograd refused it into a parameter (a leaf that requires grad) with grad
+    mode on after the forward (a tester's finding). Where the write goes, and what it may
+    be, is :func:`~graphflop.frontend.export_form.from_make_fx`'s to decide."""
+    from torch._functorch import eager_transforms
+
+    original = eager_transforms._propagate_functional_input_mutation
+
+    def propagate(input_tensor: torch.Tensor, wrapped_tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            original(input_tensor, wrapped_tensor)
+
+    eager_transforms._propagate_functional_input_mutation = propagate
+    try:
+        yield
+    finally:
+        eager_transforms._propagate_functional_input_mutation = original
 
 
 @contextlib.contextmanager

@@ -184,3 +184,21 @@ def _jvp_bag(b, out, args, tangents, kwargs):
 for _op in _BAG_OPS:
     register(_op, F, _bag_cost)
     def_jvp(_op)(_jvp_bag)
+
+
+@register_decomposition(aten.embedding_renorm.default)
+def _embedding_renorm(weight, indices, max_norm: float, norm_type: float):
+    """``F.embedding(max_norm=...)``'s renormalization of the rows it reads (the functional
+    form of ``embedding_renorm_``): each looked-up row whose ``norm_type``-norm exceeds
+    ``max_norm`` scaled by ``max_norm / (norm + 1e-7)``, written back into the table. Counted
+    per looked-up index, every one scaled (eager's kernel: per distinct row, and scales only
+    the rows over the limit: an upper bound); the same values, a repeated index writing the
+    same row again."""
+    flat = aten.reshape.default(indices, [-1])
+    rows = aten.embedding.default(weight, flat)
+    norm = aten.linalg_vector_norm.default(rows, norm_type, [-1], True)
+    scale = aten.reciprocal.default(aten.add.Tensor(norm, 1e-7))
+    scale = aten.mul.Tensor(scale, max_norm)
+    over = aten.gt.Scalar(norm, max_norm)
+    scale = aten.where.self(over, scale, aten.ones_like.default(scale))
+    return aten.index_put.default(weight, [flat], aten.mul.Tensor(rows, scale))
