@@ -283,11 +283,13 @@ def _ort_call(kind: str, provider: str, fn: Callable[[], Any]) -> Any:
     ONNX Runtime's CPU provider lacks float16/bfloat16 kernels for ops the step graphs use
     (``Neg``, ``ScatterElements`` with ``add``): the message then says what to use instead.
     """
+    from graphflop.runtime.onnxrt import no_kernel
+
     try:
         return fn()
     except Exception as e:
         text = " ".join(str(e).split())
-        if type(e).__name__ == "NotImplemented" or "not supported" in text:
+        if no_kernel(e):
             raise BenchError(
                 f"ONNX Runtime ({provider}) cannot run the {kind} graph: {text[:300]}; "
                 "use --runtime torch, or --dtype float32"
