@@ -1792,6 +1792,18 @@ def test_train_torch_refuses_a_saved_value_written_in_place_backprop_trains_it(w
     assert rc == 0, err
 
 
+def test_train_error_in_the_first_step_is_the_only_stderr_line(work, capsys):
+    """The progress bar, started by the validation before the first step, was left above the
+    error of a model whose first backward fails (the tests' cli() drops empty lines only)."""
+    argv = ["train", str(work / "models/inplace.py"), "--method", "torch", "--steps", "2"]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("graphflop: error: --method torch: eager") and err.count("\n") == 1, repr(
+        err
+    )
+
+
 def test_bench_torch_refuses_a_saved_value_written_in_place(work, capsys):
     line = one_error(
         capsys,
