@@ -466,7 +466,7 @@ def test_cli_errors_are_one_line(capsys, argv, message):
         (dict(optimizer="lion"), "unknown optimizer 'lion'"),
         (dict(steps=3, epochs=1.0), "give --steps or --epochs, not both"),
         (dict(directions=0), "must be positive"),
-        (dict(lr=-1.0), "--lr and --lr-decay must be positive"),
+        (dict(lr=-1.0), "bad --lr -1: must be positive and finite"),
         (dict(eval_every=-1), "--eval-every must be 0"),
         (dict(distribution="uniform"), "unknown distribution 'uniform'"),
         (dict(threads=0), "bad --threads 0: give 1 to"),

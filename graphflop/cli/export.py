@@ -87,6 +87,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
             graphs, args.out, name=analysis.name, extra=extra, functions=not args.flat
         )
     out = Path(args.out)  # "onnx/" prints onnx/forward.onnx, not onnx//forward.onnx
+    for line in _cpu_kernel_notes(args, out, manifest):
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
     for g in manifest["graphs"].values():
         print(
             f"{out / g['file']}: {len(g['nodes'])} nodes{_folded(g)}, {len(g['inputs'])} "
@@ -94,6 +96,29 @@ def run(args: argparse.Namespace, err: Console) -> int:
         )
     print(out / "manifest.json")
     return 0
+
+
+def _cpu_kernel_notes(args: argparse.Namespace, out: Path, manifest: dict) -> list[str]:
+    """A note per written graph that ONNX Runtime's CPU provider cannot run in ``--dtype``
+    float16 or bfloat16 (:func:`graphflop.runtime.onnxrt.cpu_kernel_gap`: the kernels ``bench``
+    and ``train --runtime onnxruntime`` would miss); onnx.checker passes such a graph."""
+    from graphflop.load import parse_dtype
+
+    dtype = str(parse_dtype(args.dtype)).removeprefix("torch.") if args.dtype else "float32"
+    if dtype not in ("float16", "bfloat16"):
+        return []
+    from graphflop.runtime.onnxrt import cpu_kernel_gap
+
+    notes = []
+    for g in manifest["graphs"].values():
+        what = cpu_kernel_gap(out / g["file"], dtype)
+        if what:
+            notes.append(
+                f"note: ONNX Runtime's CPU provider cannot run {out / g['file']}: it has no "
+                f"{dtype} kernel for {what}; run it on another provider (CUDA), or export with "
+                "--dtype float32"
+            )
+    return notes
 
 
 def _cut_message(cut: Any) -> str:

@@ -54,7 +54,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         choices=[0, 1, 2, 3],
         help="ZeRO stage over the DP group: 0 DDP, 1 optimizer state sharded "
         "(ZeroRedundancyOptimizer), 2 + gradients (FSDP SHARD_GRAD_OP), 3 + parameters "
-        "(FSDP2 fully_shard); default 0",
+        "(FSDP2 fully_shard); 1-3 need --dp 2 or more; default 0",
     )
     p.add_argument(
         "--micro-batches",
@@ -172,6 +172,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+#: what each ZeRO stage shards over the DP group (``--zero``'s help)
+_ZERO_SHARDS = {
+    1: "the optimizer state",
+    2: "the optimizer state and gradients",
+    3: "the optimizer state, gradients and parameters",
+}
+
+
 def _plan_from_args(args: argparse.Namespace):
     """The :class:`~graphflop.parallel.Plan` the options name (checked)."""
     from graphflop.parallel import Plan, PlanError, read_tp_plan
@@ -189,6 +197,12 @@ def _plan_from_args(args: argparse.Namespace):
         raise PlanError(
             "--tp-plan shards modules across tensor-parallel ranks: add --tp N (2 or more), "
             "or drop --tp-plan"
+        )
+    if args.zero and args.dp == 1:
+        # ZeRO shards over the DP group: one rank holds everything whatever the stage
+        raise PlanError(
+            f"--zero {args.zero} shards {_ZERO_SHARDS[args.zero]} over the data-parallel group, "
+            "and --dp 1 is one rank: nothing would be sharded; give --dp 2 or more, or drop --zero"
         )
     tp_plan = read_tp_plan(args.tp_plan) if args.tp_plan else ()
     plan = Plan(

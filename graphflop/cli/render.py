@@ -100,14 +100,19 @@ def _read_profile(path: str | None) -> dict | None:
     import json
     from pathlib import Path
 
-    from graphflop.export.graphviz import RenderError
+    from graphflop.export.graphviz import RenderError, load_profile
 
     if not path:
         return None
     try:
-        return json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise RenderError(f"cannot read --profile-json {path}: {e}") from e
+    try:
+        load_profile(data)  # its form, before any work (the picture picks its phase later)
+    except RenderError as e:
+        raise RenderError(f"--profile-json {path}: {e}") from e
+    return data
 
 
 def _first_name(model, path: str) -> str | None:

@@ -261,8 +261,8 @@ class _Progress:
         return self
 
     def _start(self) -> None:
-        """The bar, shown from the first step on: a run that fails before it (a bad --out)
-        leaves stderr with its one error line only."""
+        """The bar, shown from the first step's row on: a run that fails before it (a bad
+        --out, a model whose first backward fails) leaves stderr with its one error line only."""
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -287,15 +287,20 @@ class _Progress:
     def update(self, row, info):
         if self.quiet:
             return
+        if row["val_accuracy"] is not None:
+            self.acc = f"{row['val_accuracy']:.1%}"
         if self.progress is None:
+            if row["step"] == 0:
+                # the validation before the first step: the bar waits for a step, so an error
+                # in the first one (the model's, e.g. eager autograd refusing it) stays the
+                # only line
+                return
             self._start()
         assert self.progress is not None
         if self.task is None:
             self.task = self.progress.add_task(
                 "train", total=info["total_steps"], loss="–", acc="–", rate="–"
             )
-        if row["val_accuracy"] is not None:
-            self.acc = f"{row['val_accuracy']:.1%}"
         loss = row["train_loss"]
         rate = row["step"] / row["wall_s"] if row["wall_s"] else None
         self.progress.update(

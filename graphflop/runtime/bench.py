@@ -235,12 +235,23 @@ def bench_torch(
             for k, p in params.items():
                 p.sub_(lr * d * v[k])
 
-    return time_phases(
-        {"forward": forward, "train_step": train_step, "forward_gradient_step": fg_step},
-        warmup=warmup,
-        repeat=repeat,
-        sync=sync,
-    )
+    try:
+        return time_phases(
+            {"forward": forward, "train_step": train_step, "forward_gradient_step": fg_step},
+            warmup=warmup,
+            repeat=repeat,
+            sync=sync,
+        )
+    except RuntimeError as e:
+        from graphflop.runtime.inplace import OUT_OF_PLACE, inplace_reason, inplace_refusal
+
+        if not inplace_refusal(e):
+            raise
+        raise BenchError(
+            f"the torch runtime's train step (eager PyTorch's backward) refuses the model: "
+            f"{inplace_reason(e)}; {OUT_OF_PLACE}, or time graphflop's functional graphs "
+            "alone with --runtime graph_torch or onnxruntime"
+        ) from e
 
 
 def _labelled(values: dict[str, torch.Tensor], sig) -> dict[str, torch.Tensor]:
@@ -283,11 +294,13 @@ def _ort_call(kind: str, provider: str, fn: Callable[[], Any]) -> Any:
     ONNX Runtime's CPU provider lacks float16/bfloat16 kernels for ops the step graphs use
     (``Neg``, ``ScatterElements`` with ``add``): the message then says what to use instead.
     """
+    from graphflop.runtime.onnxrt import no_kernel
+
     try:
         return fn()
     except Exception as e:
         text = " ".join(str(e).split())
-        if type(e).__name__ == "NotImplemented" or "not supported" in text:
+        if no_kernel(e):
             raise BenchError(
                 f"ONNX Runtime ({provider}) cannot run the {kind} graph: {text[:300]}; "
                 "use --runtime torch, or --dtype float32"

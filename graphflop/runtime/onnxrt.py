@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +202,71 @@ def profile_times(trace_file: str, nodes: list[dict], runs: int, *, keep: bool) 
         "modules": dict(sorted(modules.items(), key=lambda kv: -kv[1])),
         "op_types": dict(sorted(op_types.items(), key=lambda kv: -kv[1])),
     }
+
+
+#: ``(op type, reduction)`` of the nodes ONNX Runtime's CPU provider (1.31) accepts in a session
+#: but refuses when it runs them, by element type ("MLFloat16 data type is not supported with
+#: ScatterElements opset 16 when reduction is 'add'"); each measured on a one-node model
+CPU_RUN_GAPS: dict[str, frozenset[tuple[str, str]]] = {
+    "float16": frozenset(
+        {
+            ("ScatterElements", "add"),
+            ("ScatterElements", "mul"),
+            ("ScatterND", "add"),
+            ("ScatterND", "mul"),
+            ("ScatterND", "min"),
+            ("ScatterND", "max"),
+        }
+    ),
+}
+
+
+def no_kernel(e: BaseException) -> bool:
+    """Whether ``e`` is ONNX Runtime saying it has no kernel for a node's types: when a session
+    is made (``NotImplemented``: "Could not find an implementation for Mul(14) node with name
+    ...") or when it runs ("... data type is not supported with ...")."""
+    return type(e).__name__ == "NotImplemented" or "not supported" in " ".join(str(e).split())
+
+
+def cpu_kernel_gap(path: str | Path, dtype: str) -> str | None:
+    """The first node of the ONNX file ``path`` that ONNX Runtime's CPU provider has no
+    ``dtype`` kernel for, in words (``ScatterElements with reduction 'add' (node
+    node_scatter_add)``, ``Mul(14) (node node_mul_2)``); None when it has one for every node.
+
+    A node of :data:`CPU_RUN_GAPS` on data of ``dtype`` (its element type where shape inference
+    gives it, else ``dtype``: the graph's local functions are not inferred); then the
+    session's own kernel lookup (what :func:`graphflop.runtime.bench` meets), without running
+    anything.
+    """
+    import onnx
+    from onnx import helper
+
+    gaps = CPU_RUN_GAPS.get(dtype, frozenset())
+    if gaps:
+        model = onnx.load(str(path), load_external_data=False)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model).graph
+        except Exception:  # noqa: BLE001 - without inferred types, every node is dtype's
+            inferred = model.graph
+        types = {
+            v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
+            for v in [*inferred.input, *inferred.value_info, *inferred.output]
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type
+        }
+        for nodes in [model.graph.node, *(f.node for f in model.functions)]:
+            for node in nodes:
+                reduction = next(
+                    (a.s.decode() for a in node.attribute if a.name == "reduction"), "none"
+                )
+                data_type = types.get(node.input[0], dtype) if node.input else dtype
+                if (node.op_type, reduction) in gaps and data_type == dtype:
+                    return f"{node.op_type} with reduction '{reduction}' (node {node.name})"
+    try:
+        session(str(path), "CPUExecutionProvider")
+    except Exception as e:  # noqa: BLE001 - only a missing kernel is reported
+        if not no_kernel(e):
+            return None
+        text = " ".join(str(e).split())
+        found = re.search(r"implementation for (\S+) node with name '([^']*)'", text)
+        return f"{found[1]} (node {found[2]})" if found else text[:200]
+    return None

@@ -191,8 +191,9 @@ def _check_numbers(c: TrainConfig) -> None:
             f"bad --directions {c.directions}: give 1 to {MAX_DIRECTIONS:,} (each step holds a "
             "tangent of every parameter per direction)"
         )
-    if c.lr is not None and not 0 < c.lr < math.inf or not 0 < c.lr_decay < math.inf:
-        raise TrainError("--lr and --lr-decay must be positive and finite")
+    for option, value in (("--lr", c.lr), ("--lr-decay", c.lr_decay)):
+        if value is not None and not 0 < value < math.inf:
+            raise TrainError(f"bad {option} {value:g}: must be positive and finite")
     if c.eval_every is not None and c.eval_every < 0:
         raise TrainError("--eval-every must be 0 (never) or positive")
     if c.eval_batch < 1:

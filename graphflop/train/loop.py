@@ -61,7 +61,14 @@ from graphflop.train.config import (
 from graphflop.train.data import Dataset, load_dataset
 from graphflop.train.distributed import DistributedStepper, Ranks, env_ranks
 from graphflop.train.model import build_model, graph_flops, step_graph, trace_forward
-from graphflop.train.outputs import CSV_COLUMNS, TrainResult, plot, write_csv, write_outputs
+from graphflop.train.outputs import (
+    CSV_COLUMNS,
+    TrainResult,
+    foreign_files,
+    plot,
+    write_csv,
+    write_outputs,
+)
 from graphflop.train.runners import (
     GraphEvaluator,
     GraphStepper,
@@ -176,7 +183,8 @@ def check_out(out: str | Path | None) -> None:
     """Check that the output folder ``out`` can be created or written into, before training.
 
     Raises:
-        TrainError: ``out`` is an existing file, or its folder is not writable.
+        TrainError: ``out`` is an existing file, its folder is not writable, or it holds
+            files a run does not write (:func:`~graphflop.train.outputs.foreign_files`).
     """
     from graphflop.io import unwritable
 
@@ -185,7 +193,14 @@ def check_out(out: str | Path | None) -> None:
         raise TrainError("--out needs a folder name, not an empty string: give a path")
     why = unwritable(out, folder=True) if out is not None else None
     if why:
-        raise TrainError(f"cannot write --out {out}: {why}; choose another folder")
+        raise TrainError(f"cannot write --out {out}: {why}")
+    other = foreign_files(out) if out is not None else []
+    if other:
+        shown = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+        raise TrainError(
+            f"--out {out} holds files a run does not write ({shown}): they would sit beside "
+            "the new train.csv, train.png and summary.json; give an empty or new folder"
+        )
 
 
 def _publish(staging: Path, dest: Path) -> None:

@@ -18,6 +18,19 @@ if TYPE_CHECKING:
     import torch
 
 CSV_COLUMNS = ("step", "wall_s", "train_loss", "val_loss", "val_accuracy")
+#: the names a run writes into ``--out`` (:func:`write_outputs`; ``onnx``: the folder of the
+#: step graphs with ``runtime="onnxruntime"``)
+OUT_NAMES = frozenset({"train.csv", "train.png", "summary.json", "onnx"})
+
+
+def foreign_files(out: str | Path) -> list[str]:
+    """The names in the folder ``out`` that no run writes (sorted; empty when the folder is
+    missing): a run's folder holds its own files only, as an export's does
+    (:func:`graphflop.export.onnx.foreign_files`), so a run's files never land among others."""
+    d = Path(out)
+    if not d.is_dir():
+        return []
+    return sorted(p.name for p in d.iterdir() if p.name not in OUT_NAMES)
 
 
 @dataclass

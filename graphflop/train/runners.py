@@ -269,7 +269,19 @@ class TorchStepper:
         """One ``loss.backward(); opt.step()`` on ``(x, y)``; returns the loss before it."""
         self.opt.zero_grad(set_to_none=True)
         loss = loss_value("cross_entropy", self.forward(x), (y,))
-        loss.backward()
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            from graphflop.runtime.inplace import OUT_OF_PLACE, inplace_reason, inplace_refusal
+            from graphflop.train.config import TrainError
+
+            if not inplace_refusal(e):
+                raise
+            raise TrainError(
+                f"--method torch: eager PyTorch's backward refuses the model: {inplace_reason(e)}; "
+                f"{OUT_OF_PLACE}, or train with --method backprop (graphflop's functional "
+                "train-step graph differentiates it)"
+            ) from e
         self.opt.step()
         return float(loss.detach())
 

@@ -26,12 +26,28 @@ def load_profile(data: Any, graph: str = "train") -> dict[str, float]:
     ``jvp``) or its ``profile`` part; or ``{"layers": [{"name": path, "median_s": s}, ...]}``.
 
     Raises:
-        RenderError: for anything else.
+        RenderError: for anything else, and for a JSON of these forms with no time in it (an
+            ``inspect`` JSON's layers have none, nor a ``bench`` JSON run without ``--profile``).
     """
+    times = _load_profile(data, graph)
+    if not times:
+        raise RenderError(
+            "it holds no measured seconds per module (an inspect or sweep JSON has none): give "
+            "the JSON that graphflop bench --profile --json writes"
+        )
+    return times
+
+
+def _load_profile(data: Any, graph: str) -> dict[str, float]:
     if isinstance(data, Mapping):
         runtimes = data.get("runtimes")
         if isinstance(runtimes, Mapping):
             data = (runtimes.get("onnxruntime") or {}).get("profile") or {}
+            if not data:
+                raise RenderError(
+                    "it is graphflop bench's JSON without a profile: rerun bench with --profile "
+                    "(ONNX Runtime's per-node times)"
+                )
         phases = {k: v for k, v in data.items() if isinstance(v, Mapping) and "modules" in v}
         if phases:
             want = PROFILE_PHASE.get(graph, "train_step")
