@@ -1028,48 +1028,6 @@ def test_a_copy_rewritten_after_tracing_keeps_the_flat_op_order(monkeypatch):
     assert hier.report.to_dict() == flat.report.to_dict()
 
 
-class _NestedCkptNet(nn.Module):
-    """Four MLP blocks (outlined), blocks 1-2 under a checkpoint nested in another (a tester's
-    model): the outer call's recompute is not eager's, a gap naming the call's first node."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(4)
-        )
-        self.head = nn.Linear(8, 3)
-
-    def run(self, x):
-        return self.blocks[2](self.blocks[1](x))
-
-    def forward(self, x):
-        x = self.blocks[0](x)
-        x = checkpoint(
-            lambda y: checkpoint(self.run, y, use_reentrant=False) * 1.0, x, use_reentrant=False
-        )
-        return self.head(self.blocks[3](x))
-
-
-def test_outlined_trace_names_nodes_as_a_trace_without_outlining(monkeypatch):
-    """A tester's finding: the nested checkpoint's gap named ``permute_3`` outlined and
-    ``permute_2`` not (figures equal). The outlined trace's copies were named after the nodes
-    that follow their call (the head's ``permute`` was made first, in the trace); each node is
-    now numbered in the flat graph's order: the forward graphs' names are equal, and the
-    call's first node is the third weight transpose (blocks.0's two, then blocks.1's first)."""
-    from graphflop.frontend.regions import NESTED
-
-    hier, flat = _outlined_and_not(_NestedCkptNet, (torch.randn(2, 8),), monkeypatch)
-    assert hier.forward.meta[OUTLINED].calls == 4
-    for a in (hier, flat):
-        (gap,) = [u for u in a.report.uncounted if u.op == NESTED]
-        assert gap.nodes == ("permute_2",)
-        (node,) = [n for n in a.forward.graph.nodes if n.name == "permute_2"]
-        assert node.meta[MODULE] == "blocks.1.0"
-    assert [n.name for n in hier.forward.graph.nodes] == [n.name for n in flat.forward.graph.nodes]
-    assert hier.report.to_dict() == flat.report.to_dict()
-
-
 class _CtxBlock(nn.Module):
     """A block reading a dict argument (``ctx``); ``how``: ``read`` only, or also ``set`` a
     key of it, or ``append`` to its list, which a copy of the block would not do."""

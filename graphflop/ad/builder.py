@@ -46,7 +46,6 @@ __all__ = [
     "emit",
     "fake_output",
     "is_ghost",
-    "name_stem",
     "take_name",
     "take_names",
 ]
@@ -119,14 +118,6 @@ def take_names(graph: Graph, candidates: Iterable[str]) -> list[str]:
 _BASE_NAMES: dict[Any, str] = {}
 #: the base names that are plain: no number at their end, not a Python builtin's name
 _PLAIN: set[str] = set()
-
-
-def name_stem(name: str) -> str:
-    """``name`` less the numeric suffix fx adds to make a name unique (``permute_3`` ->
-    ``permute``, ``add__2`` -> ``add_``): the name to create a node's copy under, for the new
-    graph to number the copies of one stem in its own order."""
-    stem, _, number = name.rpartition("_")  # fx's suffix, without its regular expression
-    return stem if stem and number.isdigit() else name
 
 
 def copy_node(

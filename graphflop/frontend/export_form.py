@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from graphflop.ad.builder import copy_node, name_stem
+from graphflop.ad.builder import copy_node
 from graphflop.frontend.composite import getitem_tag
 from graphflop.frontend.errors import TraceError, first_line
 from graphflop.frontend.scopes import module_path
@@ -311,9 +311,7 @@ def _copy_nodes(old: torch.fx.Graph, g: torch.fx.Graph, env: dict, calls: Any, w
     """Copy ``old``'s nodes not in ``env`` into ``g`` in order, each outlined call of ``calls``
     expanded where it stands (its ``getitem`` nodes are its template's outputs, its
     buffer-write ``copy`` nodes the outputs themselves), each ``copy_`` first offered to
-    ``write``. Each node is made under its name's stem (``permute_3``: ``permute``), numbered
-    by ``g`` in ``g``'s order: the names a trace gives in the order it makes nodes, whether or
-    not the trace outlined blocks (whose copies it made after the nodes that follow them)."""
+    ``write``."""
     results_of: dict = {}
     for n in old.nodes:
         if n in env or n.op in ("placeholder", "get_attr", "output"):
@@ -333,7 +331,7 @@ def _copy_nodes(old: torch.fx.Graph, g: torch.fx.Graph, env: dict, calls: Any, w
             if got is not None:
                 env[n] = got
                 continue
-        env[n] = copy_node(g, n, env.__getitem__, name_stem(n.name))
+        env[n] = copy_node(g, n, env.__getitem__)
 
 
 def _frozen(x: Any) -> Any:

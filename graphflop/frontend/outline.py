@@ -64,7 +64,7 @@ from torch.fx.experimental import proxy_tensor
 from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphflop.ad.builder import copy_node, name_stem
+from graphflop.ad.builder import copy_node
 from graphflop.frontend.dispatch import routed_again
 from graphflop.frontend.libraries import inert_hook
 from graphflop.frontend.regions import NESTED
@@ -1121,11 +1121,10 @@ class Expansion:
     straight into graphflop's graph where the call stood (:meth:`body`), instead of a copy in
     ``make_fx``'s graph that it then copies again.
 
-    The plan is :func:`inline`'s, call by call in graph order: each copy is made under its
-    template node's name stem (``permute``), which graphflop's graph numbers in its own order
-    as it numbers every node (:func:`~graphflop.frontend.export_form.from_make_fx`), so the
-    flat graph's names are those of a trace without outlining; its annotations are
-    :func:`inline`'s (module stack, call site, the call's region tags). ``sites`` receives per call what :func:`inline` gives it.
+    The plan is :func:`inline`'s, call by call in graph order: each copy's name is the one
+    ``graph``'s namespace would give it there (claimed here, so the flat graph's names are
+    :func:`inline`'s), its annotations the same (module stack, call site, the call's region
+    tags). ``sites`` receives per call what :func:`inline` gives it.
 
     Raises:
         NotOutlinable: an outlined call's result list is used whole, or a template writes a
@@ -1163,6 +1162,7 @@ class Expansion:
                     if path != MARK
                 )
                 body.append((index, tn, rel, inner))
+        namespace = graph._graph_namespace
         #: per call node: (template placeholders, call's tensors, [(template node, name,
         #: meta)], template outputs)
         self.calls: dict[Node, tuple[list, list, list, list]] = {}
@@ -1194,7 +1194,7 @@ class Expansion:
                 meta["nn_module_stack"] = known[0]  # shared, as inline's (read only)
                 meta[CALL_SITE] = (site_no, index)
                 modules[rel] = known[1]
-                copies.append((tn, name_stem(tn.name), meta))
+                copies.append((tn, namespace.create_name(tn.name, None), meta))
             if sites is not None:
                 sites.append((key, modules))
             if any(u.target is not operator.getitem for u in node.users):
