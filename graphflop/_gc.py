@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def paused_gc() -> Iterator[Callable[[], None]]:
+def paused_gc() -> Iterator[None]:
     """No cyclic garbage collection inside the block (as it was, after it).
 
     Used where millions of objects are made and none is garbage yet: the imports of PyTorch and
@@ -17,26 +17,11 @@ def paused_gc() -> Iterator[Callable[[], None]]:
     s + 0.32-0.39 s without), and an analysis (its passes over the growing graphs cost about 15%
     of one). Nothing is lost: what became garbage meanwhile is collected by the next pass after
     the block.
-
-    Yields a function for the block to call between its stages: a pass over the objects made
-    since the last (the young generation: each object is looked at there once, so the passes
-    together cost what the one pass after the block would), which frees what a stage left as
-    garbage before the next one grows the process (the 405B Llama configuration's analysis,
-    six stages: peak 501 -> 488 MiB, docs/analysis_scale.md); nothing where the collector was
-    off before the block (the caller's choice).
     """
     was = gc.isenabled()
     gc.disable()
     try:
-        yield _young if was else _nothing
+        yield
     finally:
         if was:
             gc.enable()
-
-
-def _young() -> None:
-    gc.collect(0)
-
-
-def _nothing() -> None:
-    pass

@@ -453,20 +453,15 @@ def analyze(
     args, kwargs = split_example(example_inputs)
     if kwargs and o.memory_model == "compiled":
         raise ValueError("memory_model='compiled' takes positional inputs only, not keywords")
-    tell = progress or (lambda msg: None)
+    say = progress or (lambda msg: None)
     # FakeTensorMode logs a traceback before re-raising a kernel's error; the error is raised
     with (
-        paused_gc() as collect,
+        paused_gc(),
         quiet_loggers("torch._subclasses.fake_tensor"),
         shape_cache_scope(),
         torch.inference_mode(False),  # a training step's graphs, whatever the caller's mode
         torch.enable_grad(),
     ):
-
-        def say(msg: str) -> None:  # a stage begins: the last one's garbage collected first
-            collect()
-            tell(msg)
-
         return nodynamo.run(
             lambda: _analyze(model, args, kwargs, o, name=name, say=say),
             light=o.memory_model != "compiled",

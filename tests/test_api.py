@@ -643,35 +643,3 @@ def test_analysis_refuses_deep_copy_and_pickle_with_one_clear_error():
     b = copy.copy(a)
     assert b.report is a.report and b.backward is a.backward and b.forward is a.forward
     assert pickle.loads(pickle.dumps(a.report)) == a.report
-
-
-@pytest.mark.parametrize("enabled", [True, False])
-def test_analyze_frees_a_stage_s_garbage_before_the_next(enabled):
-    """The collector is paused while ``analyze`` runs; between stages the young objects are
-    collected, so cyclic garbage made during one stage is freed when the next begins (unless
-    the caller had turned the collector off: then nothing is collected, their choice)."""
-    import gc
-    import weakref
-
-    class Cycle:
-        pass
-
-    refs: list[weakref.ref] = []
-    alive: list[bool] = []
-
-    def progress(msg: str) -> None:
-        if refs:
-            alive.append(refs[-1]() is not None)
-        c = Cycle()
-        c.me = c  # garbage only the cyclic collector frees
-        refs.append(weakref.ref(c))
-
-    was = gc.isenabled()
-    (gc.enable if enabled else gc.disable)()
-    try:
-        graphflop.analyze(nn.Linear(3, 2), (torch.randn(4, 3),), progress=progress)
-        assert gc.isenabled() is enabled  # as it was
-    finally:
-        (gc.enable if was else gc.disable)()
-    assert len(alive) >= 4  # tracing, JVP, backward, update, ..., summary
-    assert not any(alive) if enabled else all(alive)
