@@ -24,6 +24,7 @@ Two things make that possible:
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any
 
@@ -245,24 +246,34 @@ def hidden_writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.No
     in-place node's own result: a dependence the graph's edges do not show. A derivative
     pass that follows only the edges would miss it (the tangent of the written value never
     reaches the reader), so it must treat each such write as cut."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
     written: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for m in graph.nodes:
         if m.op != "call_function" or not isinstance(m.target, torch._ops.OpOverload):
             continue
-        schema = m.target._schema
-        for arg, value in zip(schema.arguments, m.args):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
+        for i in _written_args(m.target):
+            value = m.args[i] if i < len(m.args) else None
             if isinstance(value, torch.fx.Node):
                 for a in _overlapping(value) | {value}:
                     written.setdefault(a, []).append(m)
     out: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    if not written:  # a functional graph (the usual case): nothing to look for
+        return out
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for n in graph.nodes:
         hits = [m for a in n.all_input_nodes for m in written.get(a, ()) if order[m] < order[n]]
         if hits:
             out[n] = list(dict.fromkeys(hits))
     return out
+
+
+@functools.cache
+def _written_args(op: torch._ops.OpOverload) -> tuple[int, ...]:
+    """The positions of the arguments ``op``'s schema says it writes into."""
+    return tuple(
+        i
+        for i, arg in enumerate(op._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
 
 
 def _register_twins() -> None:
