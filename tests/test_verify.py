@@ -285,7 +285,7 @@ def test_verify_passes_where_it_used_to_fail(name, extra, tmp_path, capsys, monk
     # one line per check, each saying in words that it passed, then the summary
     assert len(lines) == 4 and all(": passed: " in x for x in lines[:3]), err
     assert lines[3] == "verify: 3 of 3 checks passed"
-    assert all(x.startswith(("verify: ", "note: ")) for x in err), err  # nothing wrapped
+    assert all(x.startswith(("verify: ", "note: ", "assumption: ")) for x in err), err  # unwrapped
 
 
 def test_verify_at_exact_zeros_takes_the_gradient_where_forward_mode_is_nan(

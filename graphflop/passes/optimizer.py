@@ -59,7 +59,7 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.passes.infra import FLAT, GraphPass
-from graphflop.passes.step_calls import BlockParams, slot_name
+from graphflop.passes.step_calls import BlockParams, nodes_after, slot_name
 
 aten = torch.ops.aten
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -197,7 +197,7 @@ def build_update(
                     outs = _copy_call(g, firsts[key], idx, w, gr, state, params)
                 else:
                     outs = [one(k, params[k][0]) for k in idx]
-                made = _nodes_after(last)
+                made = nodes_after(last)
                 if key not in firsts:
                     pos = {n: p for p, n in enumerate(made)}
                     where = [[pos[nw], *(pos[n] for n in new)] for nw, new in outs]
@@ -220,16 +220,6 @@ def build_update(
         tuple(f"{kind}.{q}" for kind in STATE_KINDS[cfg.name] for q, _ in params),
     )
     return gm
-
-
-def _nodes_after(last: Node) -> list[Node]:
-    """The nodes after ``last`` in its graph."""
-    out = []
-    n = last.next
-    while n.op != "root":
-        out.append(n)
-        n = n.next
-    return out
 
 
 def _copy_call(

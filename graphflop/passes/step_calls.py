@@ -699,7 +699,7 @@ class StepRecorder:
                 continue
             mark = next(iter(reversed(g.nodes)))
             values = [build(p) for p in group]
-            run = _after(mark)
+            run = nodes_after(mark)
             if known is None:
                 pos = {n: x for x, n in enumerate(run)}
                 exposed = [pos[v] for v in values]
@@ -767,8 +767,8 @@ class StepRecorder:
         return DerivedHierarchy(tuple(self.templates), tuple(calls), gm, names=tuple(names))
 
 
-def _after(last: Node) -> list[Node]:
-    """The nodes after ``last`` in its graph."""
+def nodes_after(last: Node) -> list[Node]:
+    """The nodes after ``last`` in its graph (what a builder made since)."""
     out = []
     n = last.next
     while n.op != "root":
