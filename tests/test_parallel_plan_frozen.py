@@ -260,3 +260,37 @@ def test_plan_states_the_routing_assumption(tmp_path, capsys):
     assert f"assumption: {said[0]}" in err
     assert main(["plan", "models/lora.py", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["assumptions"] == []
+
+
+def test_pipeline_blocks_are_the_outermost_list():
+    """A tester's finding: a mixture of experts' 4 experts (layers.0.experts, the longest list
+    of one class) were taken for the pipeline's blocks, and a stage boundary cut layer 0 in
+    two; its 3 layers are the blocks."""
+    from torch import nn
+
+    from graphflop.parallel.predict import find_blocks
+
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(2, 2)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(2, 4)
+            self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+    class Model(nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.emb = nn.Linear(2, 2)
+            self.layers = nn.ModuleList(Layer() for _ in range(n))
+
+    assert find_blocks(Model(3)) == ["layers.0", "layers.1", "layers.2"]
+    assert find_blocks(Model(1)) == [
+        "layers.0.experts.0",
+        "layers.0.experts.1",
+        "layers.0.experts.2",
+        "layers.0.experts.3",
+    ]

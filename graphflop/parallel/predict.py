@@ -17,8 +17,8 @@ collectives follow the ZeRO stage as torch runs it:
   padded on dim 0 to a multiple of the DP group, FSDP2's padding) and a reduce_scatter of its
   gradients; ZeRO 3 gathers each block again in the backward (the root stays gathered).
 
-Pipeline parallelism: the blocks (the longest ``ModuleList``/``Sequential`` of one module
-class) split into ``pp · chunks`` stages by block count (the first stages take the remainder),
+Pipeline parallelism: the blocks (the outermost ``ModuleList``/``Sequential`` of one module
+class, :func:`find_blocks`) split into ``pp · chunks`` stages by block count (the first stages take the remainder),
 the modules before the blocks on the first stage, those after on the last; per micro-batch a
 send of each activation crossing a stage boundary and, in the backward, of its cotangent; the
 bubble fraction (p − 1)/(v·m + p − 1) of GPipe, 1F1B and interleaved 1F1B with v chunks
@@ -209,14 +209,23 @@ class PlanReport:
 
 
 def find_blocks(model: nn.Module) -> list[str]:
-    """The module paths of the model's repeated blocks: the children of its longest
-    ``ModuleList``/``Sequential`` whose children are all one class (ties: the first)."""
+    """The module paths of the model's repeated blocks: the children of its outermost
+    ``ModuleList``/``Sequential`` whose children are all one class (two or more children
+    before one; then the fewest dots in its path; then the longest; ties the first). Outermost, not longest: a mixture of
+    experts' ``layers.0.experts`` (8 experts) lies inside its 3 layers, which are the blocks a
+    pipeline splits."""
     best: list[str] = []
+    best_key: tuple[bool, int, int] | None = None
     for path, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > len(best):
-            kids = list(m.named_children())
-            if kids and len({type(c) for _, c in kids}) == 1:
-                best = [f"{path}.{k}" if path else k for k, _ in kids]
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or not len(m):
+            continue
+        kids = list(m.named_children())
+        if len({type(c) for _, c in kids}) != 1:
+            continue
+        key = (len(kids) < 2, path.count(".") + (1 if path else 0), -len(kids))
+        if best_key is None or key < best_key:
+            best_key = key
+            best = [f"{path}.{k}" if path else k for k, _ in kids]
     return best
 
 
