@@ -15,6 +15,16 @@ class TraceError(RuntimeError):
     """The model could not be traced; the message says why."""
 
 
+class MixedDtypes(TraceError):
+    """A matrix-class op of the trace meets operands of two dtypes, which PyTorch's kernels
+    refuse. ``found`` says which op, module and dtypes; the message adds what to do (a caller
+    with other advice, verify's, composes its own from ``found``)."""
+
+    def __init__(self, found: str, advice: str) -> None:
+        super().__init__(f"{found}: {advice}")
+        self.found = found
+
+
 def first_line(e: BaseException, *, continued: bool = False) -> str:
     """The first line of ``e``'s message (its type's name when the message is empty).
 

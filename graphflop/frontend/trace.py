@@ -51,7 +51,13 @@ from graphflop.frontend.dispatch import (
     routed_index_decompositions,
     routed_nonzero,
 )
-from graphflop.frontend.errors import TraceError, find_cause, first_line, quiet_loggers
+from graphflop.frontend.errors import (
+    MixedDtypes,
+    TraceError,
+    find_cause,
+    first_line,
+    quiet_loggers,
+)
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.hierarchy import build as build_hierarchy
 from graphflop.frontend.inputs import bind_call
@@ -238,10 +244,10 @@ def _check_matmul_dtypes(gm: GraphModule) -> None:
         dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in vals if v is not None})
         if len(dtypes) > 1:
             module = n.meta.get(MODULE) or "the model"
-            raise TraceError(
+            raise MixedDtypes(
                 f"{n.target.name()} in {module} multiplies {' and '.join(dtypes)} operands, "
-                "which PyTorch refuses (it needs one dtype): give inputs in the parameters' "
-                "dtype (--dtype), or cast one side in the model"
+                "which PyTorch refuses (it needs one dtype)",
+                "give inputs in the parameters' dtype (--dtype), or cast one side in the model",
             )
 
 

@@ -175,7 +175,7 @@ def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModu
     """``model`` traced on inputs shaped like ``inputs``, floating ones in ``dt``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphflop.frontend.errors import TraceError
+    from graphflop.frontend.errors import MixedDtypes, TraceError
     from graphflop.frontend.trace import trace
 
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -185,16 +185,15 @@ def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModu
         )
     try:
         return trace(model, xs, loss=loss)
-    except TraceError as e:
-        if dt is torch.float64 and "float64 operands" in str(e):
-            # the model casts to a dtype of its own (x.float(), autocast) where verify cast it
-            # to float64: the advice is verify's dtype, not the inputs'
-            raise TraceError(
-                f"{e.args[0].split(': give inputs')[0]}: the model casts values to a dtype of "
-                "its own, which meet the float64 ones verify makes; verify in float32 "
-                "(--verify-dtype float32)"
-            ) from e
-        raise
+    except MixedDtypes as e:
+        if dt is not torch.float64 or "float64" not in e.found:
+            raise
+        # the model casts to a dtype of its own (x.float(), autocast) where verify cast it to
+        # float64: the advice is verify's dtype, not the inputs'
+        raise TraceError(
+            f"{e.found}: the model casts values to a dtype of its own, which meet the float64 "
+            "ones verify makes; verify in float32 (--verify-dtype float32)"
+        ) from e
 
 
 def _run(checks: list[Check], name: str, tolerance: float, fn) -> Any:
