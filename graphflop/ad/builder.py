@@ -44,6 +44,7 @@ __all__ = [
     "base_name",
     "copy_node",
     "emit",
+    "emit_named",
     "fake_output",
     "is_ghost",
     "take_name",
@@ -61,6 +62,19 @@ def emit(graph: Graph, target: Any, args: tuple, kwargs: dict) -> Node:
         return graph.call_function(target, args, kwargs)
     node = graph.create_node("call_function", target, name=base_name(graph, target))
     node._update_args_kwargs(args, kwargs)
+    return node
+
+
+def emit_named(
+    graph: Graph, target: Any, args: tuple, name: str, kwargs: dict | None = None
+) -> Node:
+    """:func:`emit` with the name ``name`` asked of fx (which makes it unique in ``graph``):
+    ``graph.create_node("call_function", target, args, kwargs, name=name)`` without the walk
+    over the arguments."""
+    if not _FAST_ARGS:  # pragma: no cover - a PyTorch without the private setter
+        return graph.create_node("call_function", target, args, kwargs, name=name)
+    node = graph.create_node("call_function", target, name=name)
+    node._update_args_kwargs(args, kwargs or {})
     return node
 
 

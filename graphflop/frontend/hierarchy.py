@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import copy_node
+from graphflop.ad.builder import base_name, copy_node, emit_named
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import CALL_SITE, MODULE, CallSite, Hierarchy, graph_module
 
@@ -165,14 +165,14 @@ def _top_graph(
                 if t not in outputs:
                     return None
                 read[outputs[t]] = n
-        call = g.call_function(call_op, (args, x))
+        call = emit_named(g, call_op, (args, x), base_name(g, call_op))
         call.meta[CALL_SITE] = (x, -1)
         vals = [None] * len(outputs)
         for i, n in read.items():
             vals[i] = n.meta.get("val")
         call.meta["val"] = tuple(vals)
         for i, n in sorted(read.items()):
-            item = g.call_function(operator.getitem, (call, i))
+            item = emit_named(g, operator.getitem, (call, i), "getitem")
             item.meta = {k: v for k, v in n.meta.items() if k != CALL_SITE}
             env[n] = item
     return graph_module(torch.nn.Module(), g)
@@ -210,7 +210,7 @@ def expand(h: Hierarchy) -> GraphModule:
                     new = copy_node(g, x, tenv.__getitem__)
                     tenv[x] = new
                 else:
-                    new = g.call_function(operator.getitem, (tenv[x], out))
+                    new = emit_named(g, operator.getitem, (tenv[x], out), "getitem")
                     new.meta = dict(x.meta)
                     new.meta["val"] = x.meta["val"][out]
                 new.meta[MODULE] = modules[x.meta[MODULE]]

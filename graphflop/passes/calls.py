@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import base_name, copy_node, take_name, take_names
+from graphflop.ad.builder import base_name, copy_node, emit_named, take_name, take_names
 from graphflop.ad.functions import FunctionEntry
 from graphflop.ad.simplify import fold_graph
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
@@ -466,10 +466,10 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
             continue
         run, ext, number = x
         inside = set(run)
-        call = g.call_function(call_op, ([env[v] for v in ext], number))
+        call = emit_named(g, call_op, ([env[v] for v in ext], number), base_name(g, call_op))
         for i, n in enumerate(run):
             if any(u not in inside for u in n.users):
-                item = g.call_function(operator.getitem, (call, i))
+                item = emit_named(g, operator.getitem, (call, i), "getitem")
                 object.__setattr__(item, "meta", dict(n.meta))
                 env[n] = item
     return graph_module(gm, g)
@@ -983,7 +983,7 @@ class DirectRecorder:
         number = len(self.calls)
         self.calls.append(c)
         names: list[str | None] = list(take_names(g, candidates))
-        rep = g.create_node("call_function", self.call_op, (list(args), number), name="repeat_call")
+        rep = emit_named(g, self.call_op, (list(args), number), "repeat_call")
         self.names[rep] = names
         if logged is not None:
             self.marks.append((logged[0], rep, logged[1]))
@@ -992,7 +992,7 @@ class DirectRecorder:
         absolute = dict(c.modules)
         items = {}
         for i in exposed:
-            item = g.create_node("call_function", operator.getitem, (rep, i), name="repeat_item")
+            item = emit_named(g, operator.getitem, (rep, i), "repeat_item")
             m = dict(nodes[first + i].meta)
             _localize(m, c, absolute)
             object.__setattr__(item, "meta", m)
@@ -1012,11 +1012,8 @@ class DirectRecorder:
             firsts.append(c)
             inside = set(f.run)
             with g.inserting_before(f.run[0]):
-                rep = g.create_node(
-                    "call_function",
-                    self.call_op,
-                    ([moved.get(e, e) for e in f.ext], -len(firsts)),
-                    name="repeat_call",
+                rep = emit_named(
+                    g, self.call_op, ([moved.get(e, e) for e in f.ext], -len(firsts)), "repeat_call"
                 )
             self.names[rep] = [n.name for n in f.run]
             prev = rep
@@ -1024,9 +1021,7 @@ class DirectRecorder:
                 self.first_at[n] = (rep, i)
                 if n in keep or any(u not in inside for u in n.users):
                     with g.inserting_after(prev):
-                        item = g.create_node(
-                            "call_function", operator.getitem, (rep, i), name="repeat_item"
-                        )
+                        item = emit_named(g, operator.getitem, (rep, i), "repeat_item")
                     object.__setattr__(item, "meta", n.meta)
                     n.replace_all_uses_with(item, delete_user_cb=_outside(inside))
                     moved[n] = item

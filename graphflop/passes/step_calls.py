@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import base_name, copy_node, take_names
+from graphflop.ad.builder import base_name, copy_node, emit_named, take_names
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
     CALL_SITE,
@@ -526,10 +526,10 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
             continue
         run, ext, number = x
         inside = set(run)
-        call = g.call_function(call_op, ([env[v] for v in ext], number))
+        call = emit_named(g, call_op, ([env[v] for v in ext], number), base_name(g, call_op))
         for i, n in enumerate(run):
             if any(u not in inside for u in n.users):
-                item = g.call_function(operator.getitem, (call, i))
+                item = emit_named(g, operator.getitem, (call, i), "getitem")
                 item.meta = dict(n.meta)
                 env[n] = item
     return graph_module(gm, g)
@@ -591,16 +591,14 @@ class StepRecorder:
             t = self._copied[id(template)] = len(self.templates)
             self.templates.append(_copy_template(template))
         taken = tuple(take_names(g, names))
-        rep = g.create_node(
-            "call_function", self.call_op, (list(args), len(self.calls)), name="repeat_call"
-        )
+        rep = emit_named(g, self.call_op, (list(args), len(self.calls)), "repeat_call")
         self.calls.append(replace(c, template=t))
         self.names[rep] = taken
         return rep
 
     def item(self, g: Graph, rep: Node, i: int, meta: dict) -> Node:
         """A getitem of call ``rep``'s node ``i`` at the end of ``g``, with ``meta``."""
-        item = g.create_node("call_function", operator.getitem, (rep, i), name="repeat_item")
+        item = emit_named(g, operator.getitem, (rep, i), "repeat_item")
         object.__setattr__(item, "meta", meta)
         return item
 
@@ -641,9 +639,7 @@ class StepRecorder:
             DerivedCall(s, t, self.h.sites[s].modules, sources, self.d.tags_of(sources))
         )
         with g.inserting_before(run[0]):
-            rep = g.create_node(
-                "call_function", self.call_op, (list(ext), len(self.calls) - 1), name="repeat_call"
-            )
+            rep = emit_named(g, self.call_op, (list(ext), len(self.calls) - 1), "repeat_call")
         self.names[rep] = tuple(n.name for n in run)
         inside = set(run)
         prev = rep
@@ -651,9 +647,7 @@ class StepRecorder:
         for i, n in enumerate(run):
             if i in exposed or any(u not in inside for u in n.users):
                 with g.inserting_after(prev):
-                    item = g.create_node(
-                        "call_function", operator.getitem, (rep, i), name="repeat_item"
-                    )
+                    item = emit_named(g, operator.getitem, (rep, i), "repeat_item")
                 object.__setattr__(item, "meta", n.meta)
                 n.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
                 items[i] = prev = item
@@ -736,11 +730,8 @@ class StepRecorder:
         c = DerivedCall(s, t, self.h.sites[s].modules, sources, self.d.tags_of(sources))
         self.calls.append(c)
         taken = tuple(take_names(g, candidates))
-        rep = g.create_node(
-            "call_function",
-            self.call_op,
-            ([to[x] for x in ext], len(self.calls) - 1),
-            name="repeat_call",
+        rep = emit_named(
+            g, self.call_op, ([to[x] for x in ext], len(self.calls) - 1), "repeat_call"
         )
         self.names[rep] = taken
         nodes = list(self.templates[t].graph.nodes)
