@@ -1781,6 +1781,52 @@ def test_a_folder_made_for_an_output_is_said(work, capsys):
     assert target.is_file()
 
 
+def test_a_refused_command_says_no_folder_note_and_leaves_none_to_the_next(work, capsys):
+    """The --csv check notes the folder it would make, then --plot-memory's suffix is refused:
+    the error is the only line and no folder is made; the next command in this process (no
+    folder to make) prints no note either."""
+    model = work / "models/noparam.py"
+    target = work / "out" / "new" / "layers.csv"
+    argv = ["inspect", model, "--input-shape", "2,4", "--csv", target]
+    one_error(capsys, *argv, "--plot-memory", "m.xyz", message="unsupported suffix")
+    assert not target.parent.exists()
+    rc, _, err = cli(capsys, "inspect", model, "--input-shape", "2,4", "--csv", "layers.csv")
+    assert rc == 0, err
+    assert not [line for line in err if line.startswith("note:")], err
+
+
+def test_two_commands_at_once_keep_their_own_folder_notes(tmp_path, capsys):
+    """Command A notes the folder its output will make and is still running when command B
+    (another thread, no folder to make) finishes: B prints no note; A prints its own once it
+    has run. One list of notes for the process handed A's note to B."""
+    import argparse
+    import threading
+
+    from graphflop.cli.common import check_output_file, run_command
+
+    target = tmp_path / "new" / "layers.csv"
+    noted, b_ran = threading.Event(), threading.Event()
+    status: list[int] = []
+
+    def a(args, err):
+        check_output_file(str(target), "--csv")
+        noted.set()
+        return 0 if b_ran.wait(60) else 3
+
+    def b(args, err):
+        return 0 if noted.wait(60) else 3
+
+    thread = threading.Thread(target=lambda: status.append(run_command(a, argparse.Namespace())))
+    thread.start()
+    assert run_command(b, argparse.Namespace()) == 0
+    b_err = capsys.readouterr().err
+    b_ran.set()
+    thread.join(60)
+    assert status == [0]
+    assert b_err == ""
+    assert capsys.readouterr().err == f"note: --csv {target}: creating the folder {target.parent}\n"
+
+
 # --- the model's in-place write over a saved value (eager autograd refuses it) -------------
 
 OUT_OF_PLACE = (

@@ -1212,20 +1212,22 @@ def test_human_figures_never_use_exponents():
     assert human_bytes(1536) == "1.5 KiB" and human_seconds(0.00123) == "1.23 ms"
 
 
+class IntProduct(nn.Module):
+    """A 4×4 int64 matrix product (of a buffer) beside a float32 Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("idx", torch.arange(16).view(4, 4))
+
+    def forward(self, x):
+        return self.fc(x) + (self.idx @ self.idx).sum().float()
+
+
 def test_an_integer_product_on_a_cpu_runs_at_the_vector_rate():
     """Eager PyTorch multiplies int64 matrices on a CPU without BLAS: the product is timed at
     the profile's 'other' rate (here 1e9 FLOP/s, float32's: the profile has no float64). A 4×4
-    int64 product is 2·4·4·4 = 128 FLOPs: 128 ns. A GPU profile still refuses it (no int64
-    peak), naming the dtypes it has."""
-
-    class IntProduct(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-            self.register_buffer("idx", torch.arange(16).view(4, 4))
-
-        def forward(self, x):
-            return self.fc(x) + (self.idx @ self.idx).sum().float()
+    int64 product is 2·4·4·4 = 128 FLOPs: 128 ns. (A GPU profile refuses it: the test below.)"""
 
     prof = _profile(
         compute={
@@ -1239,8 +1241,24 @@ def test_an_integer_product_on_a_cpu_runs_at_the_vector_rate():
     ]
     assert len(mm) == 1 and mm[0].meta[COST].mm_flops == 128
     assert mm[0].meta[TIME].compute_s == pytest.approx(128 / 1e9)
-    with pytest.raises(NoPeak, match="no int64 peak for matmul"):
+
+
+def test_an_integer_product_on_a_gpu_says_what_to_do():
+    """Tester, stop 49: an int64 product on h100 was refused with no way out. Eager PyTorch
+    has no CUDA kernel for it (cuBLAS has no integer GEMM): the error names the dtypes the
+    profile has, says so and what to do."""
+    with pytest.raises(NoPeak) as e:
         analyze(IntProduct(), (torch.randn(2, 8),), jvp=False, time_profile=H100)
+    msg = str(e.value)
+    assert msg.startswith("h100-sxm has no int64 peak for matmul kernels: it has float64")
+    assert "no CUDA kernel for an int64 matrix product" in msg
+    assert "--device cpu" in msg and "a.double() @ b.double()" in msg
+    # a float64 product on a part without a float64 peak gets no such hint
+    x = torch.empty(8, 8, dtype=torch.float64, device="meta")
+    with pytest.raises(NoPeak) as e:
+        analyze(MatMul(8, torch.float64), x, backward=False, jvp=False,
+                time_profile=resolve_profile("l4"))  # fmt: skip
+    assert "CUDA kernel" not in str(e.value)
 
 
 @torch.library.custom_op("gfsteptime::twice", mutates_args=())
@@ -1370,30 +1388,3 @@ def test_op_role_layer_rows_add_up_column_by_column(kind):
         assert tr.phase("forward").overlap_s > 0  # the case the rows used to overshoot
     if kind != "h100":
         assert tr.phase("forward").host_s > 0
-
-
-def test_an_integer_product_on_a_gpu_says_what_to_do():
-    """Tester, stop 49: an int64 product on h100 was refused with no way out. Eager PyTorch
-    has no CUDA kernel for it (cuBLAS has no integer GEMM): the error says so and what to do."""
-
-    class IntProduct(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-            self.register_buffer("idx", torch.arange(16).view(4, 4))
-
-        def forward(self, x):
-            return self.fc(x) + (self.idx @ self.idx).sum().float()
-
-    with pytest.raises(NoPeak) as e:
-        analyze(IntProduct(), (torch.randn(2, 8),), jvp=False, time_profile=H100)
-    msg = str(e.value)
-    assert msg.startswith("h100-sxm has no int64 peak for matmul kernels: it has float64")
-    assert "no CUDA kernel for an int64 matrix product" in msg
-    assert "--device cpu" in msg and "a.double() @ b.double()" in msg
-    # a float64 product on a part without a float64 peak gets no such hint
-    x = torch.empty(8, 8, dtype=torch.float64, device="meta")
-    with pytest.raises(NoPeak) as e:
-        analyze(MatMul(8, torch.float64), x, backward=False, jvp=False,
-                time_profile=resolve_profile("l4"))  # fmt: skip
-    assert "CUDA kernel" not in str(e.value)

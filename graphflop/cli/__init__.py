@@ -73,9 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``graphflop`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
-    from graphflop.cli.common import _FOLDER_NOTES
-
-    _FOLDER_NOTES.clear()  # an earlier refused command's, in this process
     args = build_parser().parse_args(argv)
     return run_command(_command(args.command).run, args)
 

@@ -17,7 +17,9 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,20 +99,47 @@ def run_command(
     Python warnings raised while the command runs (PyTorch's, the model's) are held back:
     after a command that ran, each distinct one is one ``warning:`` line on standard error;
     after an error they are dropped, so the error stays the only line (Python would print
-    each over two lines, the second its source line).
+    each over two lines, the second its source line). So are the command's notes
+    (:func:`note_after_success`: the folders its outputs will make), printed after its
+    warnings; each run has notes of its own.
     """
     err = err or Console(stderr=True)
     # the command returned (its status may still be 1: a failed --verify check)
     ran: list[bool] = []
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _command_notes() as notes:
         status = _run(command, args, err, ran)
     if ran:
         for line in dict.fromkeys(_warning_line(w) for w in caught):
             print(line, file=sys.stderr)
-        for note in _FOLDER_NOTES:  # the folders its outputs made
+        for note in notes:  # the folders its outputs made
             print(note, file=sys.stderr)
-    _FOLDER_NOTES.clear()
     return status
+
+
+#: the notes of the command running in this context (:func:`run_command` gives each command a
+#: list of its own, and prints it after the command ran); None outside a command
+_NOTES: ContextVar[list[str] | None] = ContextVar("graphflop_command_notes", default=None)
+
+
+@contextmanager
+def _command_notes() -> Iterator[list[str]]:
+    """A list of notes of its own for the command run within: :func:`note_after_success`
+    appends to it, and nothing is left of it after the command (a command run after it, or one
+    running beside it in another thread, sees only its own)."""
+    notes: list[str] = []
+    token = _NOTES.set(notes)
+    try:
+        yield notes
+    finally:
+        _NOTES.reset(token)
+
+
+def note_after_success(line: str) -> None:
+    """Say ``line`` on standard error after the running command (:func:`run_command`) has run;
+    nothing after an error (the error stays the only line), nor outside a command."""
+    notes = _NOTES.get()
+    if notes is not None:
+        notes.append(line)
 
 
 def _warning_line(w: warnings.WarningMessage) -> str:
@@ -486,12 +515,7 @@ def check_output_file(path: str | None, option: str, suffixes: Sequence[str] | N
         raise SpecError(f"cannot write {option} {path}: {why}")
     missing = [q for q in Path(path).absolute().parents if not q.exists()]
     if missing:  # made when the file is written: said, so that a mistyped folder shows
-        _FOLDER_NOTES.append(f"note: {option} {path}: creating the folder {missing[0]}")
-
-
-#: notes on the folders outputs will create, printed after a command that ran
-#: (:func:`run_command`): a refused or failed command prints its one error line only
-_FOLDER_NOTES: list[str] = []
+        note_after_success(f"note: {option} {path}: creating the folder {missing[0]}")
 
 
 def check_distinct_outputs(outputs: dict[str, str | None], spec: str | None = None) -> None:

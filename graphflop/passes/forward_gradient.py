@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from graphflop.ad.builder import Builder, copy_node
+from graphflop.ad.builder import Builder, RuleContext, copy_node
 from graphflop.ad.functions import FunctionEntry
 from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
@@ -293,15 +294,14 @@ def _recorded_direction(
     (:meth:`~graphflop.passes.step_calls.StepRecorder.per_parameter`: built once per block
     variant)."""
     tangent = {p: t for t, p in info.tangent_inputs}
-
-    def build(p: str) -> Node:
-        val = phs[p].meta["val"]
-        with b.context(source=p, module=phs[p].meta.get(MODULE, "")):
-            r = b.call(aten.randn.default, list(val.shape), dtype=val.dtype, device=val.device)
-            return b.call(aten.sign.default, r) if distribution == "rademacher" else r
-
     params = [(p, phs[p].meta["val"]) for _, p in info.tangent_inputs]
-    made = rec.per_parameter(b.graph, params, ("direction", distribution), build, lambda _: [])
+    made = rec.per_parameter(
+        b.graph,
+        params,
+        ("direction", distribution),
+        lambda p: _draw(b, phs, p, distribution),
+        lambda _: [],
+    )
     return {tangent[p]: n for p, n in made.items()}
 
 
@@ -311,14 +311,13 @@ def _recorded_estimate(
     """:func:`_estimate` of one direction (``g = d·v`` per parameter placeholder name), each
     block's parameters' products a call, built once per block variant."""
     tangent = {p: t for t, p in info.tangent_inputs}
-
-    def build(p: str) -> Node:
-        with b.context(role="direction", source=p):
-            return b.call(aten.mul.Tensor, v[tangent[p]], d)
-
     params = [(p, v[t].meta["val"]) for t, p in info.tangent_inputs]
     return rec.per_parameter(
-        b.graph, params, "estimate", build, lambda group: [*(v[tangent[p]] for p in group), d]
+        b.graph,
+        params,
+        "estimate",
+        lambda p: _estimate_of(b, p, [d], [v[tangent[p]]]),
+        lambda group: [*(v[tangent[p]] for p in group), d],
     )
 
 
@@ -459,13 +458,11 @@ def _batched_pass(
     stacked: dict[str, Node] = {}
     with b.context(role="direction"):
         for t, p in info.tangent_inputs:
-            val = st.phs[p].meta["val"]
-            with b.context(source=p, module=st.phs[p].meta.get(MODULE, "")):
-                if st.given is not None:
+            if st.given is not None:
+                with _of_parameter(b, st.phs, p):
                     stacked[t] = b.call(aten.stack.default, [st.given[(i, p)] for i in range(k)])
-                    continue
-                r = b.call(aten.randn.default, [k, *val.shape], dtype=val.dtype, device=val.device)
-                stacked[t] = b.call(aten.sign.default, r) if distribution == "rademacher" else r
+            else:
+                stacked[t] = _draw(b, st.phs, p, distribution, leading=(k,))
     batcher = _Batcher(st.g, st.fake_mode, k)
     d = batcher.run(jvp, info, st.env, stacked)
     with b.context(role="direction"):
@@ -681,16 +678,27 @@ def _direction(
 ) -> dict[str, Node]:
     """Direction ``k``: tangent placeholder name → the node holding its value (given or
     sampled)."""
-    v = {}
-    for t, p in info.tangent_inputs:
-        if given is not None:
-            v[t] = given[(k, p)]
-            continue
-        val = phs[p].meta["val"]
-        with b.context(source=p, module=phs[p].meta.get(MODULE, "")):
-            r = b.call(aten.randn.default, list(val.shape), dtype=val.dtype, device=val.device)
-            v[t] = b.call(aten.sign.default, r) if distribution == "rademacher" else r
-    return v
+    return {
+        t: given[(k, p)] if given is not None else _draw(b, phs, p, distribution)
+        for t, p in info.tangent_inputs
+    }
+
+
+def _of_parameter(b: Builder, phs: dict[str, Node], p: str) -> AbstractContextManager[RuleContext]:
+    """The builder's context for the direction nodes of parameter placeholder ``p``: its
+    source and its module."""
+    return b.context(source=p, module=phs[p].meta.get(MODULE, ""))
+
+
+def _draw(
+    b: Builder, phs: dict[str, Node], p: str, distribution: str, leading: tuple[int, ...] = ()
+) -> Node:
+    """A direction sampled for parameter placeholder ``p`` (shape ``leading`` + its shape, its
+    dtype and device): ``randn``, and for ``rademacher`` its sign."""
+    val = phs[p].meta["val"]
+    with _of_parameter(b, phs, p):
+        r = b.call(aten.randn.default, [*leading, *val.shape], dtype=val.dtype, device=val.device)
+        return b.call(aten.sign.default, r) if distribution == "rademacher" else r
 
 
 def _copy_tangents(
@@ -727,18 +735,21 @@ def _copy_tangents(
 
 def _estimate(b: Builder, info: JvpInfo, ds: list[Node], vs: list[dict]) -> dict[str, Node]:
     """``g = (1/K) Σ_k d_k · v_k`` per parameter placeholder name."""
-    grads: dict[str, Node] = {}
-    for t, p in info.tangent_inputs:
-        with b.context(role="direction", source=p):
-            acc: Node | None = None
-            for d, v in zip(ds, vs):
-                term = b.call(aten.mul.Tensor, v[t], d)
-                acc = term if acc is None else b.call(aten.add.Tensor, acc, term)
-            if len(ds) > 1:
-                acc = b.call(aten.div.Tensor, acc, float(len(ds)))
-        assert acc is not None, "at least one direction"
-        grads[p] = acc
-    return grads
+    return {p: _estimate_of(b, p, ds, [v[t] for v in vs]) for t, p in info.tangent_inputs}
+
+
+def _estimate_of(b: Builder, p: str, ds: list[Node], vs: list[Node]) -> Node:
+    """Parameter placeholder ``p``'s estimate ``(1/K) Σ_k d_k · v_k`` from the ``K`` loss
+    tangents ``ds`` and ``p``'s ``K`` direction tensors ``vs``."""
+    with b.context(role="direction", source=p):
+        acc: Node | None = None
+        for d, v in zip(ds, vs):
+            term = b.call(aten.mul.Tensor, v, d)
+            acc = term if acc is None else b.call(aten.add.Tensor, acc, term)
+        if len(ds) > 1:
+            acc = b.call(aten.div.Tensor, acc, float(len(ds)))
+    assert acc is not None, "at least one direction"
+    return acc
 
 
 class BuildForwardGradientStep(GraphPass):
