@@ -2,7 +2,8 @@
 and tensor bounds) and threshold pass nothing on (a masked-off element), eager's
 ``threshold_backward`` and ``clamp_backward`` *select* 0 rather than multiply by a 0/1 mask, so a
 NaN or infinite cotangent there gives a gradient of exactly 0, not NaN; and ``torch.func.jvp``
-does the same with a NaN or infinite tangent. ``torch.hypot(torch.relu(a), torch.relu(b))`` at
+does the same with a NaN or infinite tangent. Hardtanh (and ReLU6) passes nothing at its bounds
+themselves, as eager's ``hardtanh_backward``. ``torch.hypot(torch.relu(a), torch.relu(b))`` at
 a, b ≤ 0 is such a point: hypot's cotangent is 0/0 = NaN. Leaky ReLU multiplies in eager too
 (``where(x > 0, g, g·slope)``): graphflop's NaN there is eager's. And the FLOPs of ReLU's JVP and
 backward graphs, counted by hand (docs/flops_conventions.md): the select costs what the product
@@ -77,6 +78,7 @@ HYPOT_OF_MASKED = {
     "clamp_both": lambda a, b: torch.hypot(a.clamp(0.0, 4.0), b.clamp(0.0, 0.75)),
     "clamp_max_of_negated": lambda a, b: torch.hypot((-a).clamp(max=0.0), (-b).clamp(max=0.0)),
     "threshold": lambda a, b: torch.hypot(F.threshold(a, 0.0, 0.0), F.threshold(b, 0.0, 0.0)),
+    "hardtanh_relu6": lambda a, b: torch.hypot(F.hardtanh(a, 0.0, 4.0), F.relu6(b)),
     "relu_inplace": lambda a, b: torch.hypot(F.relu(a * 1.0, inplace=True), torch.relu(b)),
 }
 
@@ -113,14 +115,18 @@ SELECTS = {
     "clamp_max": lambda x: x.clamp(max=0.0),
     "clamp_both": lambda x: x.clamp(-0.5, 0.5),
     "threshold": lambda x: F.threshold(x, 0.1, -1.0),
+    "hardtanh": lambda x: F.hardtanh(x, -0.5, 0.5),
+    "relu6": F.relu6,
+    "relu6_inplace": lambda x: torch.nn.ReLU6(inplace=True)(x * 1.0),
 }
 
 
 @pytest.mark.parametrize("case", list(SELECTS))
 def test_nan_and_inf_tangents_at_masked_off_elements_as_torch_func_jvp(case):
-    # x below, at and above the bounds, and NaN; NaN and infinite tangents everywhere but at
-    # the NaN x; w weighs the outputs (its tangent 0)
-    x = _t(-2.0, -0.5, 0.0, 0.05, 0.5, 3.0, NAN)
+    # x below, at and above the bounds, and NaN (but for hardtanh, where eager's kernel
+    # gives 0 or passes the tangent at a NaN x depending on the tensor's length); NaN and
+    # infinite tangents everywhere but at the last x; w weighs the outputs (its tangent 0)
+    x = _t(-2.0, -0.5, 0.0, 0.05, 0.5, 3.0, 6.0 if "relu6" in case or "hardtanh" in case else NAN)
     tx = _t(NAN, INF, -INF, NAN, INF, NAN, 1.0)
     w = _t(1, 2, 3, 4, 5, 6, 7)
     f = SELECTS[case]
@@ -143,6 +149,27 @@ def test_relu_tangent_and_gradient_by_hand():
     out_t, (grad,) = _derivatives(torch.relu, (x,), (_t(NAN, INF, 1.0, 2.0),))
     assert torch.equal(out_t, _t(0.0, 0.0, 1.0, 2.0))
     assert torch.equal(grad, _t(0.0, 0.0, 1.0, 1.0))
+
+
+def test_hardtanh_passes_nothing_at_its_bounds_as_eager():
+    # hardtanh_backward passes the cotangent strictly inside (min_val, max_val) only: relu6 at
+    # x = 0 and x = 6 has gradient 0 (clamp's would be 1 there; hardtanh was traced as a clamp
+    # before), 1 at 3; the tangent likewise (torch.func.jvp: the same formula)
+    x = _t(-1.0, 0.0, 3.0, 6.0, 7.0, -0.0)
+    out_t, (grad,) = _derivatives(F.relu6, (x,), (_t(NAN, INF, 2.0, NAN, 1.0, 1.0),))
+    assert torch.equal(grad, _t(0.0, 0.0, 1.0, 0.0, 0.0, 0.0))
+    assert torch.equal(out_t, _t(0.0, 0.0, 2.0, 0.0, 0.0, 0.0))
+    ref_t, (ref_g,) = _eager(F.relu6, (x,), (_t(NAN, INF, 2.0, NAN, 1.0, 1.0),))
+    assert torch.equal(grad, ref_g) and torch.equal(out_t, ref_t)
+    # at a NaN x the tangent passes, as torch._decomp's hardtanh_backward and the scalar loop
+    # of eager's CPU kernel (its vectorized loop gives 0: eager itself depends on the length)
+    out_t, (grad,) = _derivatives(F.relu6, (_t(NAN),), (_t(2.0),))
+    assert torch.equal(grad, _t(1.0)) and torch.equal(out_t, _t(2.0))
+    # hardtanh is kept whole in the graph (1 FLOP per element, as the clamp it was traced as)
+    fwd, _, _ = _graphs(F.relu6, (x,))
+    assert torch.ops.aten.hardtanh.default in {n.target for n in fwd.graph.nodes}
+    # forward 30, JVP 30 + (<=, >=, or, select) 4·15 + 15 = 105, backward 60: the clamp's
+    assert _flops(F.relu6, (torch.randn(3, 5, dtype=torch.float64),)) == (30, 105, 60)
 
 
 def test_clamp_tensor_bounds_select_as_eager_backward():

@@ -3,7 +3,8 @@ transcendentals tallied separately (trigonometric, hyperbolic, base-2, atan2 and
 one math-library call each, as pow); maximum and minimum split the derivative half/half at ties,
 as PyTorch; comparisons, sign, rounding and integer bookkeeping (floor
 division, logical and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element,
-like ReLU); GELU, SiLU, ELU, hardtanh, dropout, softplus, hardswish and mish decompose into the ops
+like ReLU), and so is hardtanh (1, as the clamp PyTorch decomposes it to; its derivative is not
+clamp's at the bounds); GELU, SiLU, ELU, dropout, softplus, hardswish and mish decompose into the ops
 here (the decompositions graphflop chooses are at the end of this file).
 
 JVP rules write the tangent as ``tangent * coefficient``, where the coefficient is a primal-only
@@ -585,6 +586,30 @@ def _clamp_tangent(b, t, x, lo, hi):
     return t if mask is None else _keep(b, t, mask)
 
 
+# hardtanh (ReLU6 traces to it) is kept whole rather than traced as PyTorch's decomposition,
+# a clamp: its derivative passes nothing at the bounds themselves, clamp's passes them
+register(aten.hardtanh.default, F, _one)
+
+
+@def_jvp(aten.hardtanh.default)
+def _jvp_hardtanh(b, out, args, tangents, kwargs):
+    """``where(x <= min_val | x >= max_val, 0, dx)``: PyTorch's ``hardtanh_backward`` (its
+    decomposition in ``torch._decomp``), also its forward-mode rule (``auto_element_wise``). At
+    x equal to a bound the derivative is 0 (eager's gradient of ``relu6`` at 0 and 6 is 0),
+    unlike clamp's, which passes its bounds. A select, so a NaN or infinite tangent or
+    cotangent outside gives 0. A NaN x passes the tangent on, as the decomposition and the
+    scalar loop of PyTorch's CPU kernel (its vectorized loop gives 0 there). Per element: two
+    comparisons, ``logical_or`` and the select, 4 FLOPs, as clamp's with both bounds; the
+    forward 1, as the clamp it was traced as."""
+    a = bind(aten.hardtanh.default, args, kwargs)
+    outside = b.call(
+        aten.logical_or.default,
+        b.call(aten.le.Scalar, a.self, a.min_val),
+        b.call(aten.ge.Scalar, a.self, a.max_val),
+    )
+    return b.call(aten.where.ScalarSelf, outside, 0.0, tangents[0])
+
+
 @def_jvp(aten.clamp.default)
 def _jvp_clamp(b, out, args, tangents, kwargs):
     lo, hi = _clamp_bounds(aten.clamp.default, args, kwargs)
@@ -695,8 +720,8 @@ def _jvp_expm1(b, out, args, tangents, kwargs):
 
 
 # --- decompositions ----------------------------------------------------------------------------
-# hardtanh, SiLU, ELU and training-mode dropout as PyTorch decomposes them
-use_torch_decomposition(aten.hardtanh, aten.gelu, aten.silu, aten.elu, aten.native_dropout)
+# SiLU, ELU and training-mode dropout as PyTorch decomposes them
+use_torch_decomposition(aten.gelu, aten.silu, aten.elu, aten.native_dropout)
 
 
 @register_decomposition(aten.gelu.default, dtypes=FULL_PRECISION)
