@@ -5,7 +5,10 @@ indexing (``index``: upsampling, reflection and replication padding, uneven adap
 decompose to it, and ``as_strided``'s tangent is an indexing: its windows may overlap), one
 concatenation of the pieces' cotangents for ``split_with_sizes`` (``chunk``, ``split``, and
 ``unbind``, traced as a split), a flip for ``flip``, a sum over the tiles for ``repeat``.
-``index_put`` and ``index_add`` with accumulation cost 1 FLOP per added element. In-place views
+``index_put`` and ``index_add`` with accumulation cost 1 FLOP per added element. A masked write
+(``index_put`` with a boolean mask, ``masked_scatter``) sends its value the cotangent at the
+mask's set elements without the data-dependent count of them: a select, then a sum or a
+scatter-add at each set element's rank (:func:`_masked_values_cotangent`). In-place views
 on temporaries and upsampling are traced as functional views and index ops (decompositions at
 the end)."""
 
