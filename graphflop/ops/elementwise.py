@@ -3,12 +3,15 @@ transcendentals tallied separately (trigonometric, hyperbolic, base-2, atan2 and
 one math-library call each, as pow); maximum and minimum split the derivative half/half at ties,
 as PyTorch; comparisons, sign, rounding and integer bookkeeping (floor
 division, logical and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element,
-like ReLU); GELU, SiLU, ELU, hardtanh, dropout, softplus, hardswish and mish decompose into the ops
+like ReLU), and so is hardtanh (1, as the clamp PyTorch decomposes it to; its derivative is not
+clamp's at the bounds); GELU, SiLU, ELU, dropout, softplus, hardswish and mish decompose into the ops
 here (the decompositions graphflop chooses are at the end of this file).
 
 JVP rules write the tangent as ``tangent * coefficient``, where the coefficient is a primal-only
-value (``coef`` node), so every tangent node is linear in the tangents and transposes with the
-rules of ``mul``/``div``/``where``.
+value (``coef`` node), or, where PyTorch's derivative selects rather than multiplies by a 0/1
+mask (ReLU, clamp), as ``where(mask, tangent, 0)``, so that a NaN or infinite tangent or
+cotangent at a masked-off element gives 0 there as in PyTorch; every tangent node is linear in
+the tangents and transposes with the rules of ``mul``/``div``/``where``.
 """
 
 from __future__ import annotations
@@ -285,9 +288,21 @@ def _scale(b, t, coef):
     return b.call(aten.mul.Tensor, t, coef)
 
 
+def _keep(b, t, mask):
+    """``t`` where ``mask``, 0 elsewhere: a select, not a product with the mask, so a NaN or
+    infinite tangent (cotangent, through the transpose of ``where``) at a masked-off element
+    gives 0 there, as eager PyTorch's ``threshold_backward`` and ``clamp_backward`` select."""
+    return b.call(aten.where.ScalarOther, mask, t, 0.0)
+
+
 @def_jvp(aten.relu.default)
 def _jvp_relu(b, out, args, tangents, kwargs):
-    return _scale(b, tangents[0], b.call(aten.gt.Scalar, out, 0))
+    """``where(out <= 0, 0, dx)``: PyTorch's ``threshold_backward(grad, result, 0)``, which is
+    also its forward-mode rule (``auto_element_wise``). A select, so a NaN or infinite tangent
+    or cotangent where ``out <= 0`` gives 0 there, and ``out <= 0`` rather than ``out > 0`` so
+    that a NaN primal passes the tangent on, as PyTorch's does. 2 FLOPs per element (the
+    comparison and the select), as the mask and the product it replaced."""
+    return b.call(aten.where.ScalarSelf, b.call(aten.le.Scalar, out, 0), 0.0, tangents[0])
 
 
 @def_jvp(aten.exp.default)
@@ -560,14 +575,39 @@ def _clamp_bounds(op, args, kwargs):
 
 
 def _clamp_tangent(b, t, x, lo, hi):
-    """dx where lo ≤ x ≤ hi, 0 outside (PyTorch's convention at the bounds)."""
+    """dx where lo ≤ x ≤ hi, 0 outside (PyTorch's convention at the bounds), selected as
+    PyTorch's ``clamp_backward`` does (:func:`_keep`)."""
     mask = None
     if lo is not None:
         mask = b.call(aten.ge.Scalar, x, lo)
     if hi is not None:
         upper = b.call(aten.le.Scalar, x, hi)
         mask = upper if mask is None else b.call(aten.logical_and.default, mask, upper)
-    return t if mask is None else _scale(b, t, mask)
+    return t if mask is None else _keep(b, t, mask)
+
+
+# hardtanh (ReLU6 traces to it) is kept whole rather than traced as PyTorch's decomposition,
+# a clamp: its derivative passes nothing at the bounds themselves, clamp's passes them
+register(aten.hardtanh.default, F, _one)
+
+
+@def_jvp(aten.hardtanh.default)
+def _jvp_hardtanh(b, out, args, tangents, kwargs):
+    """``where(x <= min_val | x >= max_val, 0, dx)``: PyTorch's ``hardtanh_backward`` (its
+    decomposition in ``torch._decomp``), also its forward-mode rule (``auto_element_wise``). At
+    x equal to a bound the derivative is 0 (eager's gradient of ``relu6`` at 0 and 6 is 0),
+    unlike clamp's, which passes its bounds. A select, so a NaN or infinite tangent or
+    cotangent outside gives 0. A NaN x passes the tangent on, as the decomposition and the
+    scalar loop of PyTorch's CPU kernel (its vectorized loop gives 0 there). Per element: two
+    comparisons, ``logical_or`` and the select, 4 FLOPs, as clamp's with both bounds; the
+    forward 1, as the clamp it was traced as."""
+    a = bind(aten.hardtanh.default, args, kwargs)
+    outside = b.call(
+        aten.logical_or.default,
+        b.call(aten.le.Scalar, a.self, a.min_val),
+        b.call(aten.ge.Scalar, a.self, a.max_val),
+    )
+    return b.call(aten.where.ScalarSelf, outside, 0.0, tangents[0])
 
 
 @def_jvp(aten.clamp.default)
@@ -582,8 +622,10 @@ register(aten.clamp.Tensor, F, _one)
 @def_jvp(aten.clamp.Tensor)
 def _jvp_clamp_tensor(b, out, args, tangents, kwargs):
     """``clamp(x, lo, hi)`` with tensor bounds (either may be None): dx where lo ≤ x ≤ hi,
-    dlo where x < lo, dhi where x > hi (PyTorch's ``clamp_jvp``; bounds with lo > hi, where
-    PyTorch returns hi, are not special-cased)."""
+    dlo where x < lo, dhi where x > hi (PyTorch's ``clamp_backward_min_max``; bounds with
+    lo > hi, where PyTorch returns hi, are not special-cased). Each term is a select
+    (:func:`_keep`), as PyTorch's, so a NaN or infinite tangent or cotangent of one argument
+    gives 0 where another is chosen."""
     x = args[0]
     lo, hi = _clamp_bounds(aten.clamp.Tensor, args, kwargs)
     tx, tlo, thi = (list(tangents) + [None, None])[:3]
@@ -595,11 +637,11 @@ def _jvp_clamp_tensor(b, out, args, tangents, kwargs):
         if hi is not None:
             upper = b.call(aten.le.Tensor, x, hi)
             mask = upper if mask is None else b.call(aten.logical_and.default, mask, upper)
-        parts.append(tx if mask is None else _scale(b, tx, mask))
+        parts.append(tx if mask is None else _keep(b, tx, mask))
     if tlo is not None:
-        parts.append(_scale(b, tlo, b.call(aten.lt.Tensor, x, lo)))
+        parts.append(_keep(b, tlo, b.call(aten.lt.Tensor, x, lo)))
     if thi is not None:
-        parts.append(_scale(b, thi, b.call(aten.gt.Tensor, x, hi)))
+        parts.append(_keep(b, thi, b.call(aten.gt.Tensor, x, hi)))
     t = None
     for p in parts:
         t = b.add(t, p)
@@ -678,8 +720,8 @@ def _jvp_expm1(b, out, args, tangents, kwargs):
 
 
 # --- decompositions ----------------------------------------------------------------------------
-# hardtanh, SiLU, ELU and training-mode dropout as PyTorch decomposes them
-use_torch_decomposition(aten.hardtanh, aten.gelu, aten.silu, aten.elu, aten.native_dropout)
+# SiLU, ELU and training-mode dropout as PyTorch decomposes them
+use_torch_decomposition(aten.gelu, aten.silu, aten.elu, aten.native_dropout)
 
 
 @register_decomposition(aten.gelu.default, dtypes=FULL_PRECISION)

@@ -5,19 +5,24 @@ indexing (``index``: upsampling, reflection and replication padding, uneven adap
 decompose to it, and ``as_strided``'s tangent is an indexing: its windows may overlap), one
 concatenation of the pieces' cotangents for ``split_with_sizes`` (``chunk``, ``split``, and
 ``unbind``, traced as a split), a flip for ``flip``, a sum over the tiles for ``repeat``.
-``index_put`` and ``index_add`` with accumulation cost 1 FLOP per added element. In-place views
+``index_put`` and ``index_add`` with accumulation cost 1 FLOP per added element. A masked write
+(``index_put`` with a boolean mask, ``masked_scatter``) sends its value the cotangent at the
+mask's set elements without the data-dependent count of them: a select, then a sum or a
+scatter-add at each set element's rank (:func:`_masked_values_cotangent`). In-place views
 on temporaries and upsampling are traced as functional views and index ops (decompositions at
 the end)."""
 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 
 from graphflop.meta import NodeCost
 from graphflop.ops._common import bind, dtype, free, norm_dims, numel, shape, value
 from graphflop.ops.registry import (
+    MissingRuleError,
     def_jvp,
     def_linear,
     def_transpose,
@@ -469,12 +474,89 @@ def _jvp_index_put(b, out, args, tangents, kwargs):
     return b.call(aten.index_put.default, tx, indices, tv, accumulate)
 
 
+def _bool_mask(indices) -> tuple[int, Any] | None:
+    """``(p, mask)`` when the one tensor among ``indices`` is a boolean mask of at least one
+    dim at position ``p`` (``x[:, m]``, ``x[m]``); None when there is no boolean mask."""
+    masks = [i for i, t in enumerate(indices) if t is not None and dtype(t) == torch.bool]
+    if not masks:
+        return None
+    tensors = [i for i, t in enumerate(indices) if t is not None]
+    p = masks[0]
+    if len(tensors) != 1 or not shape(indices[p]):
+        # a mask beside other index tensors, or a 0-dim mask: the written positions pair up
+        # with the values in ways these rules do not reproduce without the mask's values
+        raise MissingRuleError(aten.index_put.default, ("transpose",))
+    return p, indices[p]
+
+
+def _viewed(b, t, sizes: list[int]):
+    """``t`` viewed as ``sizes``, copied to a contiguous tensor first when it is not one (an
+    expanded mask)."""
+    if not value(t).is_contiguous():
+        t = b.call(aten.clone.default, t, memory_format=torch.contiguous_format)
+    return b.call(aten.view.default, t, sizes)
+
+
+def _flat(b, t):
+    """``t`` as one dim (:func:`_viewed`)."""
+    return _viewed(b, t, [numel(value(t))])
+
+
+def _mask_ranks(b, flat_mask):
+    """For a 1-D boolean mask, each set element's rank among the set ones (0, 1, …), 0 at the
+    others: ``where(m, cumsum(m) − 1, 0)`` (cumsum, subtract, select: 3 FLOPs per element). The
+    k-th set element of a mask receives the k-th value of a masked write (``x[m] = v`` with one
+    value per set element, ``masked_scatter``), so these are the positions its cotangent goes
+    back to, found without the data-dependent count of set elements."""
+    rank = b.call(aten.sub.Tensor, b.call(aten.cumsum.default, flat_mask, 0), 1)
+    return b.call(aten.where.ScalarOther, flat_mask, rank, 0)
+
+
+def _masked_values_cotangent(b, ct, p, mask, values):
+    """``v̄`` of ``out = index_put(x, [None]*p + [mask], v)``: the cotangent at the set elements
+    of ``mask`` (dims p … p+d−1 of ``x``), as PyTorch's ``ct[:, mask]`` (``ct`` indexed like the
+    write, shape ``pre + (K,) + post`` with K the count of set elements) summed to ``v``'s
+    shape, but without that data-dependent K. ``kept = where(mask, ct, 0)`` (a select: a NaN
+    cotangent at an element the write did not reach gives nothing); then, when ``v`` has one
+    value for all set elements (size 1, or no dim, at K's place), ``kept``'s sum over the mask's
+    dims and the other dims ``v`` was broadcast along; otherwise (one value per set element, in
+    order) a ``scatter_add`` of ``kept`` at each element's rank (:func:`_mask_ranks`) into
+    zeros of ``pre + (K,) + post``, K read from ``v``'s shape. FLOPs: the select and the sum
+    (or scatter-add) 1 each per element of ``x``; the ranks 3 per element of ``mask``."""
+    xs, ms = shape(ct), shape(mask)
+    d = len(ms)
+    pre, post = list(xs[:p]), list(xs[p + d :])
+    indexed = len(pre) + 1 + len(post)  # rank of x[..., mask, ...]
+    vs = ([1] * indexed + list(shape(values)))[-indexed:]  # v's shape against x[..., mask, ...]
+    kept = b.call(
+        aten.where.ScalarOther,
+        _viewed(b, mask, [1] * p + list(ms) + [1] * len(post)),
+        ct,
+        0.0,
+    )
+    if vs[p] == 1:
+        at = [i for i in range(p) if vs[i] == 1] + list(range(p, p + d))
+        at += [p + d + j for j in range(len(post)) if vs[p + 1 + j] == 1]
+        g = b.call(aten.sum.dim_IntList, kept, at, True)
+        return b.call(aten.view.default, g, list(shape(values)))
+    m = numel(value(mask))
+    ranks = b.call(
+        aten.view.default, _mask_ranks(b, _flat(b, mask)), [1] * p + [m] + [1] * len(post)
+    )
+    ranks = b.call(aten.expand.default, ranks, pre + [m] + post)
+    kept = b.call(aten.view.default, kept, pre + [m] + post)
+    g = b.call(aten.scatter_add.default, b.zeros(pre + [vs[p]] + post, ct), p, ranks, kept)
+    return b.sum_to(g, shape(values))
+
+
 @def_transpose(aten.index_put.default)
 def _transpose_index_put(b, ct, args, kwargs, linear):
     """``out = index_put(x, i, v, accumulate)``: ``x̄ = ct`` (with ``accumulate``) or ``ct`` with
     the overwritten positions zeroed; ``v̄ = ct[i]`` (exact for unique indices, as PyTorch's
-    own derivative)."""
+    own derivative), or with a boolean mask among ``i`` :func:`_masked_values_cotangent` (no
+    data-dependent shape)."""
     x, indices, values, accumulate = _index_put_args(args, kwargs)
+    masked = _bool_mask(indices) if linear[2] else None
     cts = [None] * len(args)
     if linear[0]:
         cts[0] = (
@@ -482,9 +564,56 @@ def _transpose_index_put(b, ct, args, kwargs, linear):
             if accumulate
             else b.call(aten.index_put.default, ct, indices, b.zeros(shape(values), values), False)
         )
-    if linear[2]:
+    if masked is not None:
+        cts[2] = _masked_values_cotangent(b, ct, *masked, values)
+    elif linear[2]:
         g = b.call(aten.index.Tensor, ct, indices)
         cts[2] = b.sum_to(g, shape(values))
+    return cts
+
+
+# x.masked_scatter(mask, source): the k-th set element of mask (broadcast to x, in row-major
+# order) takes source's k-th element; a copy, 0 FLOPs
+register(aten.masked_scatter.default, F, free, bytes="copy")
+
+
+@def_jvp(aten.masked_scatter.default)
+def _jvp_masked_scatter(b, out, args, tangents, kwargs):
+    """Linear in ``self`` and ``source`` jointly: the op applied to their tangents."""
+    x, mask, source = args
+    tx, ts = tangents[0], tangents[2]
+    if tx is None and ts is None:
+        return None
+    tx = b.zeros(shape(x), x) if tx is None else tx
+    ts = b.zeros(shape(source), source) if ts is None else ts
+    return b.call(aten.masked_scatter.default, tx, mask, ts)
+
+
+@def_transpose(aten.masked_scatter.default)
+def _transpose_masked_scatter(b, ct, args, kwargs, linear):
+    """``x̄ = where(mask, 0, ct)``; ``sourcē``: the cotangent at the k-th set element of
+    ``mask`` goes to ``source``'s k-th element, the rest of ``source`` gets 0 (PyTorch's
+    ``masked_scatter_backward``: ``masked_select`` padded with zeros), built as a
+    ``scatter_add`` at each set element's rank (:func:`_mask_ranks`) of ``where(mask, ct, 0)``
+    into zeros, with no data-dependent shape. FLOPs per element of ``x``: 1 for ``x̄``; for
+    ``sourcē`` 1 (select) + 3 (ranks) + 1 (scatter-add)."""
+    x, mask, source = args
+    cts = [None, None, None]
+    if linear[0]:
+        cts[0] = b.call(aten.where.ScalarSelf, mask, 0.0, ct)
+    if linear[2]:
+        if shape(mask) != shape(ct):
+            mask = b.call(aten.expand.default, mask, list(shape(ct)))
+        flat_mask = _flat(b, mask)
+        kept = b.call(aten.where.ScalarOther, flat_mask, _flat(b, ct), 0.0)
+        g = b.call(
+            aten.scatter_add.default,
+            b.zeros([numel(value(source))], ct),
+            0,
+            _mask_ranks(b, flat_mask),
+            kept,
+        )
+        cts[2] = b.call(aten.view.default, g, list(shape(source)))
     return cts
 
 

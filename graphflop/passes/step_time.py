@@ -107,7 +107,7 @@ _CONVOLUTIONS = (torch.ops.aten.convolution.default,)
 _aten = torch.ops.aten
 #: forward ops whose derivative eager PyTorch runs as one kernel (tools/autograd/
 #: derivatives.yaml): ReLU's ``threshold_backward(grad, result, 0)``, where graphflop's rule
-#: writes a mask and a product; a max-pool's ``max_pool2d_with_indices_backward``, where it
+#: writes a comparison and a select; a max-pool's ``max_pool2d_with_indices_backward``, where it
 #: writes zeros and a scatter; the others' ``X_backward`` kernels
 ONE_BACKWARD_KERNEL = frozenset(
     {

@@ -75,7 +75,7 @@ from graphflop.testing.opdb.reduction import (
     REDUCTION_MORE,
     VECTOR_NORM_MORE,
 )
-from graphflop.testing.opdb.shape import INDEX_MORE, SCATTER, SHAPE, SHAPE_MORE
+from graphflop.testing.opdb.shape import INDEX_MORE, MASKED_WRITES, SCATTER, SHAPE, SHAPE_MORE
 from graphflop.testing.opdb.sorting import SORTING
 from graphflop.testing.opdb.spectral import SPECTRAL
 
@@ -112,6 +112,7 @@ OP_DB: list[OpCase] = (
     + CDIST
     + MATH_MORE
     + PROD
+    + MASKED_WRITES
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
@@ -131,6 +132,7 @@ __all__ = [
     "GAPS",
     "GRAPH_CHECKS",
     "INDEX_MORE",
+    "MASKED_WRITES",
     "InputSpec",
     "LINALG",
     "LINALG_MORE",

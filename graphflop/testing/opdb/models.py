@@ -118,8 +118,8 @@ GAPS = [
         "relu6",
         module_of(lambda s, x: F.relu6(x * s.w), {"w": W}),
         (X,),
-        flops=24 + 24,
-        aten=("aten.clamp.default", "aten.logical_and.default"),
+        flops=24 + 24,  # mul; relu6 traced as hardtanh(0, 6), 1 per element
+        aten=("aten.hardtanh.default", "aten.logical_or.default"),
     ),
     OpCase(
         "leaky_relu",

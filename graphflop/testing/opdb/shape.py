@@ -526,6 +526,101 @@ INDEX_MORE = [
 ]
 
 # ---------------------------------------------------------------------------------------------
+# masked writes whose value needs a gradient: a boolean mask in x[:, m] = v and x[m] = v (traced
+# as index_put), masked_scatter; the value's cotangent is found without the data-dependent count
+# of set elements (graphflop/ops/shape.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _mask_cols(h, m, v):
+    """``h[:, m] = v`` on a copy of the intermediate ``h``."""
+    h = h.clone()
+    h[:, m] = v
+    return h
+
+
+def _mask_cols_from_first(h, m):
+    """``h[:, m] = 2 * h[:, :1]`` on a copy of ``h``: the value, read from ``h`` itself, is
+    broadcast along the set columns."""
+    h = h.clone()
+    h[:, m] = 2 * h[:, :1]
+    return h
+
+
+def _mask_all(h, m, v):
+    """``h[m] = v`` on a copy of the intermediate ``h``."""
+    h = h.clone()
+    h[m] = v
+    return h
+
+
+def _every_third() -> torch.Tensor:
+    """A (2, 3, 4) mask with 8 set elements (flat positions 0, 3, …, 21)."""
+    return torch.arange(24).reshape(2, 3, 4) % 3 == 0
+
+
+MASKED_WRITES = [
+    OpCase(
+        "setitem_mask_broadcast",
+        module_of(
+            lambda s, x: _mask_cols_from_first(x * s.w, s.m) * s.r,
+            {"w": W},
+            {"m": lambda: torch.tensor([True, False, True]), "r": X},
+        ),
+        (X,),
+        # mul 24; 2·h[:, :1] 8; the write 0; readout 24
+        flops=24 + 8 + 24,
+        aten=("aten.index_put.default", "aten.where.ScalarOther", "aten.sum.dim_IntList"),
+    ),
+    OpCase(
+        "setitem_mask_per_element",
+        module_of(
+            lambda s, x: _mask_cols(x * s.w, s.m, s.v) * s.r,
+            {"w": W, "v": (2, 2, 4)},
+            {"m": lambda: torch.tensor([True, False, True]), "r": X},
+        ),
+        (X,),
+        flops=24 + 24,  # mul; the write 0; readout
+        aten=("aten.index_put.default", "aten.cumsum.default", "aten.scatter_add.default"),
+    ),
+    OpCase(
+        "setitem_whole_mask_scalar",
+        module_of(
+            lambda s, x: _mask_all(x * s.w, s.m, s.v * 3) * s.r,
+            {"w": W, "v": ()},
+            {"m": _every_third, "r": X},
+        ),
+        (X,),
+        flops=24 + 1 + 24,  # mul; v·3; the write 0; readout
+        aten=("aten.index_put.default", "aten.where.ScalarOther"),
+    ),
+    OpCase(
+        "setitem_whole_mask_vector",
+        module_of(
+            lambda s, x: _mask_all(x * s.w, s.m, s.v) * s.r,
+            {"w": W, "v": (8,)},
+            {"m": _every_third, "r": X},
+        ),
+        (X,),
+        flops=24 + 24,  # mul; the write 0; readout
+        aten=("aten.index_put.default", "aten.scatter_add.default"),
+    ),
+    OpCase(
+        "masked_scatter",
+        module_of(
+            lambda s, x: (x * s.w).masked_scatter(s.m, s.v) * s.r,
+            {"w": W, "v": (5, 3)},
+            {"m": lambda: torch.arange(12).reshape(3, 4) % 2 == 0, "r": X},
+        ),
+        (X,),
+        # mul 24; the write 0 (12 of v's 15 elements taken: the (3, 4) mask broadcast over the
+        # batch sets 6 per batch element); readout 24
+        flops=24 + 24,
+        aten=("aten.masked_scatter.default", "aten.cumsum.default", "aten.scatter_add.default"),
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------
 # scatter.src, scatter.value, scatter_reduce (graphflop/ops/scatter.py);
 # indices unique along the scattered dim (repeated writes are unspecified in PyTorch)
 # ---------------------------------------------------------------------------------------------
