@@ -602,10 +602,11 @@ def predict(  # noqa: C901
             [local_numel(q) * esize[q] for q in trainable],
             {"f": f_weight, "b": b_weight},
         )
-    # pipelines (state not sharded by ZeRO-2/3, every block analysed): the eager schedule's
-    # steps of each stage replayed per micro-batch in the order the pipeline schedule runs them
+    # pipelines (state not sharded by ZeRO-2/3; every block analysed, or blocks counted from
+    # one per stage): the eager schedule's steps of each stage replayed per micro-batch in the
+    # order the pipeline schedule runs them
     stage_rise: list[int] | None = None
-    if plan.pp > 1 and plan.zero <= 1 and block_counts is None and mem.memory_model == "eager":
+    if plan.pp > 1 and plan.zero <= 1 and mem.memory_model == "eager":
         opt_name = getattr(rep.totals.update, "optimizer", "sgd")
         base = _local_schedule(fwd, bwd, fp, bp, memory_device, opt_name, [])
         stage_rise = [
@@ -622,6 +623,7 @@ def predict(  # noqa: C901
                     [local_numel(q) * esize[q] for q in trainable if r in p_stages[q]],
                     memory_device,
                 ),
+                {"f": f_weight, "b": b_weight},
             )
             for r in range(plan.pp)
         ]
@@ -930,7 +932,7 @@ def predict(  # noqa: C901
     totals = [r.flops["total"] for r in ranks]
     balance = max(totals) / (sum(totals) / len(totals)) if sum(totals) else 1.0
     split = (
-        f"{len(blocks)} blocks into {vstages} stages by block count (the first stages take the "
+        f"{sum(weight_of_block.values())} blocks into {vstages} stages by block count (the first stages take the "
         "remainder); modules before the blocks on the first stage, after them on the last"
         if plan.pp > 1
         else "one stage"
@@ -1678,6 +1680,7 @@ def _pipeline_rise(
     plan: Plan,
     rank: int,
     optimizer_bytes: int,
+    weights: dict[str, dict[str, int]] | None = None,
 ) -> int:
     """The step's rise on pipeline rank ``rank``: the steps of ``base`` (one micro-batch's
     eager train schedule at local sizes) of each of the rank's virtual stages, replayed per
@@ -1688,7 +1691,12 @@ def _pipeline_rise(
     ``torch.distributed.pipelining`` holds on top: each forward's outputs sent on, until the
     micro-batch's backward on that stage; a received activation's gradient (the buffer's
     ``.grad``), to the step's end; the last stage's model outputs (kept for the merged
-    output), to the step's end."""
+    output), to the step's end.
+
+    ``weights`` (``"f"``/``"b"`` → node name → k, ``plan --blocks``) counts a stage's analysed
+    block for k identical ones run one after another: each (stage, micro-batch) of the replay
+    offsets the k − 1 copies not analysed in as :func:`_copies_peak` does for one schedule
+    (:func:`_segments_peak`)."""
     sig = fwd.meta[SIGNATURE]
     batch = {f"f:{n}" for n in (*sig.inputs, *sig.targets)}
     last = plan.virtual_stages - 1
@@ -1726,23 +1734,104 @@ def _pipeline_rise(
                 grad_in[t] = grad_in.get(t, 0) + fp.local_bytes.get(n.name, whole)
     sched = Schedule()
     backward_done: set[int] = set()
+    # per step: the (stage, micro-batch) action it belongs to, its phase and the copies its
+    # block counts for (1 outside a block)
+    segment: list[tuple[int, int] | None] = []
+    phase: list[str] = []
+    ks: list[int] = []
+    weights = weights or {}
+
+    def copies(prefix: str, key: str) -> int:
+        return weights.get(prefix, {}).get(key.partition(":")[2].split("@")[0], 1)
+
     for kind, v, mb in _pipeline_actions(plan, rank):
         pre = f"{mb}/"
-        for st in by_stage.get(("f" if kind == "F" else "b", v), []):
+        prefix = "f" if kind == "F" else "b"
+        start = len(sched.steps)
+        for st in by_stage.get((prefix, v), []):
             alias = pre + st.alias_of if st.alias_of else None
             reads = [pre + r for r in st.reads]
             sched.steps.append(Step(pre + st.key, st.nbytes, alias, reads, st.extra))
-        if kind == "F":
-            if v == last:
-                sched.keep.update(pre + f"f:{o}" for o in sig.outputs)
-            continue
-        sched.steps.append(Step(f"{pre}held:{v}", 0, None, [pre + k for k in sent.get(v, [])]))
-        if v not in backward_done:
-            backward_done.add(v)
-            sched.keep.update(pre + k for k in base.keep if stage_of(k) == v)
-        if grad_in.get(v):
-            key = f"{pre}grad_in:{v}"
-            sched.steps.append(Step(key, grad_in[v], None, []))
-            sched.keep.add(key)
+            ks.append(copies(prefix, st.key))
+        if kind == "B":
+            sched.steps.append(
+                Step(f"{pre}held:{v}", 0, None, [pre + k for k in sent.get(v, [])])
+            )
+            ks.append(1)
+            if v not in backward_done:
+                backward_done.add(v)
+                sched.keep.update(pre + k for k in base.keep if stage_of(k) == v)
+            if grad_in.get(v):
+                key = f"{pre}grad_in:{v}"
+                sched.steps.append(Step(key, grad_in[v], None, []))
+                sched.keep.add(key)
+                ks.append(1)
+        elif v == last:
+            sched.keep.update(pre + f"f:{o}" for o in sig.outputs)
+        segment += [(v, mb)] * (len(sched.steps) - start)
+        phase += [prefix] * (len(sched.steps) - start)
     sched.add_transient("u:optimizer", optimizer_bytes)
-    return sched.peak()[0]
+    segment.append(None)
+    phase.append("u")
+    ks.append(1)
+    return _segments_peak(sched, segment, phase, ks)
+
+
+def _segments_peak(
+    sched: Schedule, segment: list[tuple[int, int] | None], phase: list[str], ks: list[int]
+) -> int:
+    """The peak of a pipeline rank's replayed schedule (:func:`_pipeline_rise`) with the
+    copies of each stage's analysed block that ``ks`` counts offset in.
+
+    A segment is one (stage, micro-batch) action: its forward steps (``phase`` ``f``) or its
+    backward steps (``b``). As :func:`_copies_peak` has it for one schedule, per segment: the
+    block's forward storages that outlive the forward segment (``S``: what its backward reads,
+    what the stage sends on) and its backward storages that outlive the backward segment
+    (``G``: the gradients of the stage's first backward) are held by each of the k − 1 copies
+    not analysed; in-segment temporaries are live for one copy at a time. Offsets per
+    (stage, micro-batch): 0 until its block's first forward step, (k − 1)·S from then to its
+    block's first backward step, in its backward block steps the largest over the copy j the
+    analysed block stands for of (j − 1)·S + (k − j)·G, (k − 1)·G after them to the step's
+    end. A step's offset is its own segment's plus every other segment's at that point. With
+    k = 1 everywhere it is the replay's own peak."""
+    tl = sched.timeline()
+    if max(ks, default=1) <= 1:
+        return max(0, max(tl, default=0))
+    storage, size, last = sched._lifetimes()
+    end = len(sched.steps)
+    held_s: dict[tuple[int, int], int] = {}
+    held_g: dict[tuple[int, int], int] = {}
+    for i, st in enumerate(sched.steps):
+        seg = segment[i]
+        if seg is None or ks[i] == 1 or storage[st.key] != st.key:
+            continue
+        j = last.get(st.key, i)
+        if j >= end or segment[j] != seg or phase[j] != phase[i]:
+            into = held_s if phase[i] == "f" else held_g
+            into[seg] = into.get(seg, 0) + size[st.key]
+    k_of: dict[tuple[int, int], int] = {}
+    offset: dict[tuple[int, int], int] = {}  # the fixed offset of each segment's copies
+    state: dict[tuple[int, int], str] = {}  # "f" held S, "b" in its backward block, "g" after
+    fixed = 0
+    peak = 0
+    for i in range(end):
+        seg = segment[i]
+        own = None
+        if seg is not None:
+            if ks[i] > 1:
+                k_of[seg] = ks[i]
+            k = k_of.get(seg, 1)
+            s1, g1 = held_s.get(seg, 0), held_g.get(seg, 0)
+            new = offset.get(seg, 0)
+            if phase[i] == "f" and ks[i] > 1 and seg not in state:
+                state[seg], new = "f", (k - 1) * s1
+            elif phase[i] == "b" and ks[i] > 1:
+                state[seg] = "b"
+                own = max((j - 1) * s1 + (k - j) * g1 for j in (1, k))
+            elif phase[i] == "b" and state.get(seg) == "b":
+                state[seg], new = "g", (k - 1) * g1
+            fixed += new - offset.get(seg, 0)
+            offset[seg] = new
+        v = tl[i] + fixed if own is None else tl[i] + fixed - offset.get(seg, 0) + own
+        peak = max(peak, v)
+    return peak
