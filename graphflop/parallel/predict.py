@@ -85,7 +85,7 @@ from graphflop.passes.eager_memory import (
 )
 from graphflop.passes.memory import Schedule, Step
 
-__all__ = ["PlanReport", "RankClass", "find_blocks", "predict"]
+__all__ = ["PlanReport", "RankClass", "find_blocks", "pipeline_units", "predict"]
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 #: ops of torch.optim's single-tensor step that read a gradient: Adam/AdamW lerp_ and the two
@@ -166,6 +166,10 @@ class PlanReport:
         bubble: the pipeline bubble's fraction of the step's time.
         balance: the busiest stage's FLOPs over the mean stage's (1 = balanced).
         split: how the stages were cut.
+        stages: the blocks (module paths) of each virtual stage in order, one tuple per
+            virtual stage (``--blocks``: the analysed block, once); the first path of each
+            stage after the first is where torch's pipelining splits
+            (``split_spec={path: SplitPoint.BEGINNING}``).
         device, device_memory_bytes: what fits/does not fit was judged against.
         notes: assumptions stated.
         loss: the loss the train graph ends in (``cross_entropy``, ``sum``, ...; JSON: in
@@ -185,6 +189,7 @@ class PlanReport:
     device: str | None = None
     device_memory_bytes: int | None = None
     notes: tuple[str, ...] = field(default=())
+    stages: tuple[tuple[str, ...], ...] = field(default=())
     loss: str | None = None
     assumptions: tuple[str, ...] = field(default=())
     #: what the render reads: the forward graph, its placements and each node's stage
@@ -200,6 +205,7 @@ class PlanReport:
             "bubble": self.bubble,
             "balance": self.balance,
             "split": self.split,
+            "stages": [list(st) for st in self.stages],
             "device": self.device,
             "device_memory_bytes": self.device_memory_bytes,
             "ranks": [r.to_dict() for r in self.ranks],
@@ -229,6 +235,129 @@ def find_blocks(model: nn.Module) -> list[str]:
     return best
 
 
+def pipeline_units(fwd: GraphModule, model: nn.Module) -> tuple[list[str], str]:
+    """The module paths of the units a pipeline's stage boundaries fall between, in execution
+    order, and how they were found (``calls`` or ``list``).
+
+    From the analysis's hierarchy (:data:`~graphflop.meta.HIERARCHY`): the modules of its
+    outlined block calls, with the modules of the same class beside them that were traced in
+    full (a first block that differs from the rest, ResNet's downsampling bottleneck, a dense
+    layer before mixture-of-experts layers: modules of that class where the class is not
+    torch's own, or in the same parent module as a call), the outermost of those; then the
+    longest chain of them in execution order, each reading what the one before it made
+    (directly, or through nodes outside every unit), the first such chain on ties. Where a
+    boundary between two of the chain's units would cut a module around them (a node between
+    them runs in a module enclosing a unit: experts outlined inside layers that were not),
+    each unit is replaced by its enclosing module and the chain found again. Without a chain of
+    two units (no hierarchy: nothing repeated was outlined), the children of the outermost
+    ``ModuleList``/``Sequential`` of one class (:func:`find_blocks`).
+    """
+    from graphflop.meta import HIERARCHY
+
+    h = fwd.meta.get(HIERARCHY)
+    paths = dict(model.named_modules())
+    seeds = sorted({_site_root(s) for s in h.sites} if h is not None else set())
+    seeds = [p for p in seeds if p in paths]
+    nodes = [n for n in fwd.graph.nodes if n.op == "call_function"]
+    while seeds:
+        chain = _unit_chain(nodes, _with_same_class(seeds, paths))
+        if chain is None:
+            break
+        if not chain[1]:
+            return chain[0], "calls"
+        lifted = sorted({_enclosing(p, paths) for p in seeds} - {""})
+        if lifted == seeds:
+            break
+        seeds = lifted
+    return find_blocks(model), "list"
+
+
+def _site_root(site: Any) -> str:
+    """The module path a call site calls (its template's nodes' paths are ``@`` and
+    ``@.child``: the called module's own and its submodules')."""
+    rel, path = site.modules[0]
+    suffix = rel[1:]  # "" for "@", ".0.attn" for "@.0.attn"
+    return path[: len(path) - len(suffix)] if suffix else path
+
+
+def _enclosing(path: str, paths: dict[str, nn.Module]) -> str:
+    """The module enclosing ``path`` that has a ``forward`` of its own ("" for the root)."""
+    while path:
+        path = path.rpartition(".")[0]
+        m = paths.get(path)
+        if m is not None and type(m).forward is not nn.Module.forward:
+            return path
+    return ""
+
+
+def _with_same_class(seeds: list[str], paths: dict[str, nn.Module]) -> list[str]:
+    """``seeds`` with the modules of a seed's class (one not defined by torch, or beside a
+    seed in its parent), the outermost of them, none enclosing a seed."""
+    classes = {type(paths[p]) for p in seeds}
+    parents = {p.rpartition(".")[0] for p in seeds}
+    cands = set(seeds)
+    for p, m in paths.items():
+        if not p or type(m) not in classes:
+            continue
+        if type(m).__module__.startswith("torch.") and p.rpartition(".")[0] not in parents:
+            continue
+        if any(s.startswith(p + ".") for s in seeds):
+            continue
+        cands.add(p)
+    return sorted(c for c in cands if not any(c.startswith(o + ".") for o in cands))
+
+
+def _unit_chain(nodes: list[Node], cands: list[str]) -> tuple[list[str], bool] | None:
+    """The longest chain of ``cands`` (module paths) in the order their first nodes run, each
+    reading what the one before it made, and whether a boundary inside it cuts a module that
+    encloses a unit (a node between two of its units runs in such a module); None without a
+    chain of two."""
+    of = _unit_index(cands)
+    unit = {n: of(n.meta.get(MODULE) or "") for n in nodes}
+    first: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        u = unit[n]
+        if u is not None:
+            first.setdefault(u, i)
+    upstream: dict[Node, frozenset[int]] = {}
+    edges: dict[int, set[int]] = {}
+    for n in nodes:
+        feeds: set[int] = set()
+        for a in n.all_input_nodes:
+            w = unit.get(a)
+            feeds |= {w} if w is not None else upstream.get(a, frozenset())
+        u = unit[n]
+        if u is None:
+            upstream[n] = frozenset(feeds)
+        else:
+            edges.setdefault(u, set()).update(w for w in feeds if w != u)
+    order = sorted(first, key=first.__getitem__)
+    length: dict[int, int] = {}
+    before: dict[int, int | None] = {}
+    for u in order:
+        prev = [w for w in edges.get(u, ()) if first.get(w, len(nodes)) < first[u]]
+        best = max(prev, key=lambda w: (length[w], -first[w]), default=None)
+        length[u] = 1 + (length[best] if best is not None else 0)
+        before[u] = best
+    if not length or max(length.values()) < 2:
+        return None
+    end = max(order, key=lambda u: (length[u], -first[u]))
+    chain = [end]
+    while before[chain[-1]] is not None:
+        chain.append(before[chain[-1]])  # type: ignore[arg-type]
+    chain.reverse()
+    units = [cands[u] for u in chain]
+    # nodes between the chain's first and last unit outside every unit
+    span = range(first[chain[0]], max(i for i, n in enumerate(nodes) if unit[n] == chain[-1]))
+    cuts = any(
+        unit[nodes[i]] is None
+        and (m := nodes[i].meta.get(MODULE) or "")
+        and any(u.startswith(m + ".") for u in units)
+        for i in span
+    )
+    return units, cuts
+
+
 def _check_block_order(fwd: GraphModule, blocks: list[str]) -> None:
     """Refuse a forward graph whose blocks do not run once each, in order (a block called
     again after a later one): pipeline stages hand each micro-batch on in one direction.
@@ -255,35 +384,33 @@ def _check_block_order(fwd: GraphModule, blocks: list[str]) -> None:
         last = i
 
 
-def _split_blocks(blocks: list[str], stages: int) -> list[list[str]]:
-    """``blocks`` cut into ``stages`` runs by count, the first runs taking the remainder."""
-    q, r = divmod(len(blocks), stages)
-    out, i = [], 0
-    for s in range(stages):
-        k = q + (s < r)
-        out.append(blocks[i : i + k])
-        i += k
-    return out
+def _unit_index(units: list[str]):
+    """module path -> the index of the unit it lies in (its own or an enclosing path), or None."""
+    index = {u: i for i, u in enumerate(units)}
 
-
-def _stage_of_nodes(gm: GraphModule, block_stage: dict[str, int], entry: int, exit_: int):
-    """node name → virtual stage: a block's nodes its stage; nodes before any block node the
-    ``entry`` stage, after the last the ``exit_`` stage, between blocks the previous block's."""
-    nodes = [n for n in gm.graph.nodes if n.op != "output"]
-
-    def block(n: Node) -> int | None:
-        m = n.meta.get(MODULE) or ""
-        for b, s in block_stage.items():
-            if m == b or m.startswith(b + "."):
-                return s
+    def of(path: str) -> int | None:
+        parts = path.split(".") if path else []
+        for k in range(len(parts), 0, -1):
+            i = index.get(".".join(parts[:k]))
+            if i is not None:
+                return i
         return None
 
-    stages = [block(n) for n in nodes]
-    last = max((i for i, s in enumerate(stages) if s is not None), default=-1)
+    return of
+
+
+def _unit_of_nodes(gm: GraphModule, units: list[str], entry: int, exit_: int) -> dict[str, int]:
+    """node name -> the index of the unit it runs in: a unit's nodes (by module path) its
+    index; nodes before any unit's node ``entry``, after the last ``exit_``, between units the
+    previous unit's (what a stage boundary before the next unit leaves on this side)."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    of = _unit_index(units)
+    found = [of(n.meta.get(MODULE) or "") for n in nodes]
+    last = max((i for i, u in enumerate(found) if u is not None), default=-1)
     out, cur = {}, None
     for i, n in enumerate(nodes):
-        if stages[i] is not None:
-            cur = stages[i]
+        if found[i] is not None:
+            cur = found[i]
             out[n.name] = cur
         elif cur is None:
             out[n.name] = entry
@@ -292,6 +419,57 @@ def _stage_of_nodes(gm: GraphModule, block_stage: dict[str, int], entry: int, ex
         else:
             out[n.name] = cur
     return out
+
+
+def _unit_costs(fwd, bwd, fp, bp, f_unit, b_unit, n: int) -> list[int]:
+    """FLOPs of one micro-batch (forward and backward, each node at its local TP cost) of what
+    runs before the units, of each unit, and after them: ``n + 2`` entries."""
+    out = [0] * (n + 2)
+    for gm, pl, unit in ((fwd, fp, f_unit), (bwd, bp, b_unit)):
+        for node in gm.graph.nodes:
+            c = pl.cost.get(node.name)
+            if c is not None and node.name in unit:
+                out[unit[node.name] + 1] += c.flops
+    return out
+
+
+def _balanced_split(costs: list[float], stages: int, pre: float, post: float) -> list[int]:
+    """Units per stage: ``costs`` (in order) cut into ``stages`` runs of one or more units, the
+    first run also costing ``pre`` and the last ``post``, so that the costliest stage costs the
+    least; among those the next costliest, and so on (stage costs compared sorted, largest
+    first); among those the earlier stages taking more units. Identical costs and no
+    ``pre``/``post``: the split by count, the first stages taking the remainder.
+
+    Raises:
+        ValueError: fewer units than stages.
+    """
+    n = len(costs)
+    if n < stages:
+        raise ValueError(f"{n} units cannot fill {stages} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def run(i: int, j: int, s: int) -> float:
+        return prefix[j] - prefix[i] + (pre if s == 0 else 0) + (post if s == stages - 1 else 0)
+
+    # best[s][j]: (stage costs sorted largest first, negated counts) of the best split of the
+    # first j units into s + 1 stages, and its counts
+    best: list[dict[int, tuple[tuple, list[int]]]] = [{} for _ in range(stages)]
+    for j in range(1, n - stages + 2):
+        best[0][j] = ((run(0, j, 0),), [j])
+    for s in range(1, stages):
+        for j in range(s + 1, n - (stages - 1 - s) + 1):
+            cands = []
+            for i in range(s, j):
+                if i not in best[s - 1]:
+                    continue
+                key, counts = best[s - 1][i]
+                new = tuple(sorted((*key, run(i, j, s)), reverse=True))
+                cands.append(((new, [-k for k in counts] + [-(j - i)]), counts + [j - i]))
+            key_, counts_ = min(cands, key=lambda c: c[0])
+            best[s][j] = (key_[0], counts_)
+    return best[stages - 1][n][1]
 
 
 def _dtype(v: Any) -> str:
@@ -308,6 +486,7 @@ def predict(  # noqa: C901
     device: str | None = None,
     memory_device: str = "cpu",
     block_counts: tuple[int, ...] | None = None,
+    total_blocks: int | None = None,
 ) -> PlanReport:
     """Per-rank FLOPs, memory and collectives of ``plan`` (see the module docstring).
 
@@ -424,20 +603,44 @@ def predict(  # noqa: C901
     )
 
     # pipeline stages ---------------------------------------------------------------------
-    blocks = find_blocks(model)
+    blocks, found_by = pipeline_units(fwd, model)
     vstages = plan.virtual_stages
     if plan.pp > 1 and not blocks:
         raise PlanError(
-            "the model has no repeated blocks to split into pipeline stages (no ModuleList or "
-            "Sequential of one block class): drop --pp"
+            "the model has no repeated blocks to split into pipeline stages (no chain of "
+            "repeated block calls, no ModuleList or Sequential of one block class): drop --pp"
         )
-    if plan.pp > 1 and vstages > len(blocks):
+    if plan.pp > 1 and total_blocks is not None and vstages > total_blocks:
+        raise too_many_stages(plan, total_blocks, "--blocks gives")
+    if plan.pp > 1 and vstages > len(blocks) and total_blocks is None:
         raise too_many_stages(plan, len(blocks))
     if plan.pp > 1:
         _check_block_order(fwd, blocks)
-    runs = _split_blocks(blocks, vstages) if plan.pp > 1 else [blocks]
-    block_stage = {b: v for v, run in enumerate(runs) for b in run}
+    f_unit = _unit_of_nodes(fwd, blocks, -1, len(blocks))
+    b_unit = _unit_of_nodes(bwd, blocks, len(blocks), -1)
+    # a backward node belongs where the forward node it differentiates runs
+    for n in bwd.graph.nodes:
+        src = n.meta.get(SOURCE)
+        if src in f_unit and n.op != "placeholder":
+            b_unit[n.name] = f_unit[src]
     weight_of_block = {b: 1 for b in blocks}
+    unit_cost = _unit_costs(fwd, bwd, fp, bp, f_unit, b_unit, len(blocks))
+    if total_blocks is not None and block_counts is None:
+        if len(blocks) != vstages:
+            raise PlanError(
+                f"--blocks: the model built with one block per pipeline stage ({vstages}) has "
+                f"{len(blocks)} repeated blocks: the argument --blocks names does not set the "
+                "number of blocks; name the constructor argument that does (n_layer=48, "
+                "num_hidden_layers=80)"
+            )
+        # the real model's blocks are copies of the analysed one: each costs the analysed
+        # blocks' mean, and they are split as the full analysis would split them
+        each = round(sum(unit_cost[1:-1]) / len(blocks))
+        block_counts = tuple(
+            _balanced_split([each] * total_blocks, vstages, unit_cost[0], unit_cost[-1])
+            if plan.pp > 1
+            else (total_blocks,)
+        )
     if block_counts is not None:
         if len(block_counts) != vstages or len(blocks) != vstages:
             raise PlanError(
@@ -451,17 +654,22 @@ def predict(  # noqa: C901
             "analysed with one block per stage; each stage's blocks counted from it: "
             + ", ".join(f"{b} ×{k}" for b, k in weight_of_block.items())
         )
-    if plan.pp > 1:
-        f_stage = _stage_of_nodes(fwd, block_stage, 0, vstages - 1)
-        b_stage = _stage_of_nodes(bwd, block_stage, vstages - 1, 0)
-        # a backward node belongs where the forward node it differentiates runs
-        for n in bwd.graph.nodes:
-            src = n.meta.get(SOURCE)
-            if src in f_stage and n.op != "placeholder":
-                b_stage[n.name] = f_stage[src]
+        counts = [1] * vstages
+    elif plan.pp > 1:
+        counts = _balanced_split(unit_cost[1:-1], vstages, unit_cost[0], unit_cost[-1])
     else:
-        f_stage = {n.name: 0 for n in fwd.graph.nodes}
-        b_stage = {n.name: 0 for n in bwd.graph.nodes}
+        counts = [len(blocks)]
+    runs, i = [], 0
+    for k in counts:
+        runs.append(blocks[i : i + k])
+        i += k
+    block_stage = {b: v for v, run in enumerate(runs) for b in run}
+    # unit index (-1 before the blocks, len(blocks) after) -> virtual stage
+    stage_of_unit = {-1: 0, len(blocks): len(runs) - 1} | {
+        u: block_stage[b] for u, b in enumerate(blocks)
+    }
+    f_stage = {k: stage_of_unit[u] for k, u in f_unit.items()}
+    b_stage = {k: stage_of_unit[u] for k, u in b_unit.items()}
 
     def rank_stage(v: int) -> int:
         return v % plan.pp
@@ -931,9 +1139,16 @@ def predict(  # noqa: C901
         )
     totals = [r.flops["total"] for r in ranks]
     balance = max(totals) / (sum(totals) / len(totals)) if sum(totals) else 1.0
+    per_stage = [sum(weight_of_block.get(b, 1) for b in run) for run in runs]
     split = (
-        f"{sum(weight_of_block.values())} blocks into {vstages} stages by block count (the first stages take the "
-        "remainder); modules before the blocks on the first stage, after them on the last"
+        f"{sum(per_stage)} blocks ("
+        + (
+            "the chain of repeated block calls"
+            if found_by == "calls"
+            else "the outermost list of one block class"
+        )
+        + f") into {vstages} stages of {', '.join(map(str, per_stage))} blocks, balanced by "
+        "FLOPs; modules before the blocks on the first stage, after them on the last"
         if plan.pp > 1
         else "one stage"
     )
@@ -946,6 +1161,7 @@ def predict(  # noqa: C901
         bubble=bubble,
         balance=balance,
         split=split,
+        stages=tuple(tuple(run) for run in runs),
         device=device,
         device_memory_bytes=device_memory_bytes,
         notes=tuple(notes),
