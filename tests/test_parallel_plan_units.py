@@ -197,3 +197,59 @@ def test_cli_blocks_equals_full(tmp_path, capsys):
         assert b["memory_bytes"] == f["memory_bytes"]
         assert b["flops"] == f["flops"]
     assert " 7 blocks " in " ".join(capsys.readouterr().out.split())
+
+
+def _transformers():
+    pytest.importorskip("transformers")
+    from graphflop.load import _preload_torchvision
+
+    _preload_torchvision()  # transformers imports torchvision (graphflop.load's note)
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers
+
+
+def test_t5_units_are_both_stacks_blocks():
+    """T5's first block of each stack computes the position bias (a parameter of its own):
+    only its feed-forward and cross-attention layers are outlined, with blocks 1 and 2 of each
+    stack. The units are the 6 blocks, encoder's then decoder's (the decoder's first reads the
+    encoder's last through the final norm); the module structure alone gives the encoder's 3."""
+    transformers = _transformers()
+    config = transformers.T5Config(
+        vocab_size=50, d_model=16, d_ff=32, num_layers=3, num_heads=2, d_kv=8, use_cache=False
+    )
+    model = transformers.T5ForConditionalGeneration(config).train()
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    a = analyze(model, ((ids,), {"decoder_input_ids": ids}), jvp=False)
+    blocks = [f"{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(3)]
+    assert pipeline_units(a.forward, model) == (blocks, "calls")
+    assert find_blocks(model) == blocks[:3]
+
+
+def test_dense_first_layer_before_moe_layers():
+    """Qwen2-MoE with layer 0 dense (``mlp_only_layers``) and layers 1-3 mixtures of experts:
+    layers 1-3 are outlined, and layer 0's attention with them (the same structure); layer 0,
+    of the layers' class and enclosing that call, is the unit, not its attention (a boundary
+    after which would cut layer 0): 4 layers."""
+    transformers = _transformers()
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        use_cache=False,
+    )
+    model = transformers.Qwen2MoeForCausalLM(config).train()
+    a = analyze(model, (torch.zeros(2, 8, dtype=torch.long),), jvp=False)
+    called = {dict(s.modules).get("@.q_proj", "").rpartition(".")[0] for s in a.forward.meta[HIERARCHY].sites}
+    assert "model.layers.0.self_attn" in called
+    layers = [f"model.layers.{i}" for i in range(4)]
+    assert pipeline_units(a.forward, model) == (layers, "calls")

@@ -246,9 +246,10 @@ def pipeline_units(fwd: GraphModule, model: nn.Module) -> tuple[list[str], str]:
     torch's own, or in the same parent module as a call), the outermost of those; then the
     longest chain of them in execution order, each reading what the one before it made
     (directly, or through nodes outside every unit), the first such chain on ties. Where a
-    boundary between two of the chain's units would cut a module around them (a node between
-    them runs in a module enclosing a unit: experts outlined inside layers that were not),
-    each unit is replaced by its enclosing module and the chain found again. Without a chain of
+    boundary between two of the chain's units would cut a module around one (a node between
+    them runs in a module enclosing it: experts outlined inside layers that were not, a first
+    layer's attention outlined with the later layers' attention inside them), each such unit
+    is replaced by the innermost such module and the chain found again. Without a chain of
     two units (no hierarchy: nothing repeated was outlined), the children of the outermost
     ``ModuleList``/``Sequential`` of one class (:func:`find_blocks`).
     """
@@ -259,13 +260,16 @@ def pipeline_units(fwd: GraphModule, model: nn.Module) -> tuple[list[str], str]:
     seeds = sorted({_site_root(s) for s in h.sites} if h is not None else set())
     seeds = [p for p in seeds if p in paths]
     nodes = [n for n in fwd.graph.nodes if n.op == "call_function"]
-    while seeds:
+    for _ in range(64):  # each round lifts a unit to a module enclosing it
+        if not seeds:
+            break
         chain = _unit_chain(nodes, _with_same_class(seeds, paths))
         if chain is None:
             break
-        if not chain[1]:
-            return chain[0], "calls"
-        lifted = sorted({_enclosing(p, paths) for p in seeds} - {""})
+        units, cut = chain
+        if not cut:
+            return units, "calls"
+        lifted = sorted({cut.get(p, p) for p in units})
         if lifted == seeds:
             break
         seeds = lifted
@@ -280,19 +284,10 @@ def _site_root(site: Any) -> str:
     return path[: len(path) - len(suffix)] if suffix else path
 
 
-def _enclosing(path: str, paths: dict[str, nn.Module]) -> str:
-    """The module enclosing ``path`` that has a ``forward`` of its own ("" for the root)."""
-    while path:
-        path = path.rpartition(".")[0]
-        m = paths.get(path)
-        if m is not None and type(m).forward is not nn.Module.forward:
-            return path
-    return ""
-
-
 def _with_same_class(seeds: list[str], paths: dict[str, nn.Module]) -> list[str]:
     """``seeds`` with the modules of a seed's class (one not defined by torch, or beside a
-    seed in its parent), the outermost of them, none enclosing a seed."""
+    seed in its parent), the outermost of them, none enclosing a seed of its own class (T5's
+    first block encloses outlined calls of other classes: the block is the unit)."""
     classes = {type(paths[p]) for p in seeds}
     parents = {p.rpartition(".")[0] for p in seeds}
     cands = set(seeds)
@@ -301,17 +296,17 @@ def _with_same_class(seeds: list[str], paths: dict[str, nn.Module]) -> list[str]
             continue
         if type(m).__module__.startswith("torch.") and p.rpartition(".")[0] not in parents:
             continue
-        if any(s.startswith(p + ".") for s in seeds):
-            continue
+        if any(s.startswith(p + ".") and type(paths[s]) is type(m) for s in seeds):
+            continue  # a list of blocks like itself, not one of them
         cands.add(p)
     return sorted(c for c in cands if not any(c.startswith(o + ".") for o in cands))
 
 
-def _unit_chain(nodes: list[Node], cands: list[str]) -> tuple[list[str], bool] | None:
+def _unit_chain(nodes: list[Node], cands: list[str]) -> tuple[list[str], dict[str, str]] | None:
     """The longest chain of ``cands`` (module paths) in the order their first nodes run, each
-    reading what the one before it made, and whether a boundary inside it cuts a module that
-    encloses a unit (a node between two of its units runs in such a module); None without a
-    chain of two."""
+    reading what the one before it made, and its units that a boundary would cut out of a
+    module enclosing them (a node between the chain's first and last unit, in no unit, runs
+    in that module), each with the innermost such module; None without a chain of two."""
     of = _unit_index(cands)
     unit = {n: of(n.meta.get(MODULE) or "") for n in nodes}
     first: dict[int, int] = {}
@@ -349,13 +344,15 @@ def _unit_chain(nodes: list[Node], cands: list[str]) -> tuple[list[str], bool] |
     units = [cands[u] for u in chain]
     # nodes between the chain's first and last unit outside every unit
     span = range(first[chain[0]], max(i for i, n in enumerate(nodes) if unit[n] == chain[-1]))
-    cuts = any(
-        unit[nodes[i]] is None
-        and (m := nodes[i].meta.get(MODULE) or "")
-        and any(u.startswith(m + ".") for u in units)
-        for i in span
-    )
-    return units, cuts
+    between = {
+        m for i in span if unit[nodes[i]] is None and (m := nodes[i].meta.get(MODULE) or "")
+    }
+    cut = {}
+    for u in units:
+        around = [m for m in between if u.startswith(m + ".")]
+        if around:
+            cut[u] = max(around, key=len)
+    return units, cut
 
 
 def _check_block_order(fwd: GraphModule, blocks: list[str]) -> None:
