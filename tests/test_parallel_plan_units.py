@@ -20,7 +20,9 @@ from graphflop.meta import HIERARCHY
 from graphflop.parallel import Plan, find_blocks, pipeline_units, predict
 
 # ResNet-50: layer1..layer4 hold 3, 4, 6 and 3 bottlenecks
-R50_UNITS = [f"layer{i}.{j}" for i, n in zip(range(1, 5), (3, 4, 6, 3), strict=True) for j in range(n)]
+R50_UNITS = [
+    f"layer{i}.{j}" for i, n in zip(range(1, 5), (3, 4, 6, 3), strict=True) for j in range(n)
+]
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +148,11 @@ def test_experts_outlined_inside_layers_lift_to_the_layers():
 
 
 GPT2 = ("models/gpt2.py:GPT2", dict(n_head=2, n_embd=32, vocab_size=64, n_positions=16), "n_layer")
-LLAMA = ("models/llama.py", dict(vocab=128, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128), "n_layers")
+LLAMA = (
+    "models/llama.py",
+    dict(vocab=128, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128),
+    "n_layers",
+)
 
 
 @pytest.mark.parametrize(
@@ -249,7 +255,24 @@ def test_dense_first_layer_before_moe_layers():
     )
     model = transformers.Qwen2MoeForCausalLM(config).train()
     a = analyze(model, (torch.zeros(2, 8, dtype=torch.long),), jvp=False)
-    called = {dict(s.modules).get("@.q_proj", "").rpartition(".")[0] for s in a.forward.meta[HIERARCHY].sites}
+    called = {
+        dict(s.modules).get("@.q_proj", "").rpartition(".")[0]
+        for s in a.forward.meta[HIERARCHY].sites
+    }
     assert "model.layers.0.self_attn" in called
     layers = [f"model.layers.{i}" for i in range(4)]
     assert pipeline_units(a.forward, model) == (layers, "calls")
+
+
+def test_balanced_split_by_hand():
+    """Identical units, nothing around them: the split by count, the first stages taking the
+    remainder (7 into 3: 3, 2, 2, not 3, 3, 1, whose costliest stage ties); costs 5, 1, 1, 1, 5
+    into 3: 1, 3, 1 (stages 5, 3, 5); a head of 3 after 4 units of 2 into 2: 3, 1 would cost
+    6 and 5, 2, 2 cost 4 and 7: 3, 1 (its costliest 6)."""
+    from graphflop.parallel.predict import _balanced_split
+
+    assert _balanced_split([1] * 7, 3, 0, 0) == [3, 2, 2]
+    assert _balanced_split([5, 1, 1, 1, 5], 3, 0, 0) == [1, 3, 1]
+    assert _balanced_split([2] * 4, 2, 0, 3) == [3, 1]
+    with pytest.raises(ValueError):
+        _balanced_split([1, 1], 3, 0, 0)

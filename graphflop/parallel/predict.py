@@ -3,7 +3,7 @@ from an :class:`~graphflop.analysis.Analysis` of one micro-batch on one data-par
 
 The forward and backward graphs are put on the plan: tensor-parallel placements propagated
 node by node (:mod:`graphflop.parallel.placement`) give each node's local cost and the TP
-collectives; each node is given a pipeline stage (blocks split by count); the data-parallel
+collectives; each node is given a pipeline stage (blocks split by FLOPs); the data-parallel
 collectives follow the ZeRO stage as torch runs it:
 
 - ZeRO 0 (DDP): one all_reduce per gradient bucket (the first bucket 1 MiB, the others 25 MiB,
@@ -17,9 +17,12 @@ collectives follow the ZeRO stage as torch runs it:
   padded on dim 0 to a multiple of the DP group, FSDP2's padding) and a reduce_scatter of its
   gradients; ZeRO 3 gathers each block again in the backward (the root stays gathered).
 
-Pipeline parallelism: the blocks (the outermost ``ModuleList``/``Sequential`` of one module
-class, :func:`find_blocks`) split into ``pp · chunks`` stages by block count (the first stages take the remainder),
-the modules before the blocks on the first stage, those after on the last; per micro-batch a
+Pipeline parallelism: the blocks (:func:`pipeline_units`: the chain of the analysis's outlined
+block calls, in execution order, with the modules of their class traced in full beside them;
+without one, the children of the outermost ``ModuleList``/``Sequential`` of one module class,
+:func:`find_blocks`) split into ``pp · chunks`` runs balanced by FLOPs (:func:`_balanced_split`:
+the costliest stage as cheap as it can be), the nodes before the blocks on the first stage,
+those after on the last, those between two blocks with the one before; per micro-batch a
 send of each activation crossing a stage boundary and, in the backward, of its cotangent; the
 bubble fraction (p − 1)/(v·m + p − 1) of GPipe, 1F1B and interleaved 1F1B with v chunks
 (Narayanan et al. 2021, section 2.2); micro-batches whose activations a stage holds at once:
@@ -39,9 +42,10 @@ attention and MLP) and, under ZeRO 2/3, FSDP's buffers where its engine makes an
 (gathered units, FSDP2's all-gather output and copy-out, its backward prefetch, the flat
 gradient or reduce-scatter input and the gradient shard; :func:`_fsdp_schedule_rise`, blocks
 counted from one analysed block too); the gathered parameters live at its peak are reported as
-``all_gather_buffers``. With pipeline stages (ZeRO 0/1, every block analysed), that
-schedule's steps of each of the rank's stages are replayed per micro-batch in the pipeline
-schedule's order (:func:`_pipeline_rise`). Otherwise
+``all_gather_buffers``. With pipeline stages (ZeRO 0/1), that schedule's steps of each of the
+rank's stages are replayed per micro-batch in the pipeline schedule's order
+(:func:`_pipeline_rise`; blocks counted from one analysed per stage: its copies offset in per
+stage and micro-batch, :func:`_segments_peak`). Otherwise
 the rise is the analysis's eager train peak less its parameters and optimizer state, scaled by
 this rank's gradients plus activations in flight over the single rank's, and the gathered
 buffers are ZeRO 3's two largest units or ZeRO 2's every unit (an estimate).
@@ -344,9 +348,7 @@ def _unit_chain(nodes: list[Node], cands: list[str]) -> tuple[list[str], dict[st
     units = [cands[u] for u in chain]
     # nodes between the chain's first and last unit outside every unit
     span = range(first[chain[0]], max(i for i, n in enumerate(nodes) if unit[n] == chain[-1]))
-    between = {
-        m for i in span if unit[nodes[i]] is None and (m := nodes[i].meta.get(MODULE) or "")
-    }
+    between = {m for i in span if unit[nodes[i]] is None and (m := nodes[i].meta.get(MODULE) or "")}
     cut = {}
     for u in units:
         around = [m for m in between if u.startswith(m + ".")]
@@ -430,7 +432,7 @@ def _unit_costs(fwd, bwd, fp, bp, f_unit, b_unit, n: int) -> list[int]:
     return out
 
 
-def _balanced_split(costs: list[float], stages: int, pre: float, post: float) -> list[int]:
+def _balanced_split(costs: list[int], stages: int, pre: int, post: int) -> list[int]:
     """Units per stage: ``costs`` (in order) cut into ``stages`` runs of one or more units, the
     first run also costing ``pre`` and the last ``post``, so that the costliest stage costs the
     least; among those the next costliest, and so on (stage costs compared sorted, largest
@@ -443,11 +445,11 @@ def _balanced_split(costs: list[float], stages: int, pre: float, post: float) ->
     n = len(costs)
     if n < stages:
         raise ValueError(f"{n} units cannot fill {stages} stages")
-    prefix = [0.0]
+    prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
 
-    def run(i: int, j: int, s: int) -> float:
+    def run(i: int, j: int, s: int) -> int:
         return prefix[j] - prefix[i] + (pre if s == 0 else 0) + (post if s == stages - 1 else 0)
 
     # best[s][j]: (stage costs sorted largest first, negated counts) of the best split of the
@@ -499,9 +501,15 @@ def predict(  # noqa: C901
         block_counts: the blocks each virtual stage of the real model has, when ``analysis``
             is of the model built with one block per virtual stage (identical blocks: each
             block's nodes, parameters, saved tensors and collectives count that many times).
+        total_blocks: the blocks the real model has, when ``analysis`` is of the model built
+            with one block per virtual stage (``plan --blocks``): they are split between the
+            stages as the real model's analysis would split them (each costing the analysed
+            blocks' mean FLOPs) and counted as ``block_counts`` has them.
 
     Raises:
-        PlanError: more stages than blocks; a TP degree that does not divide a sharded dim.
+        PlanError: more stages than blocks; a TP degree that does not divide a sharded dim;
+            ``block_counts`` or ``total_blocks`` with an analysis whose blocks are not one per
+            virtual stage.
     """
     fwd, bwd = analysis.forward, analysis.backward
     if bwd is None:
@@ -1952,11 +1960,7 @@ def _pipeline_rise(
     segment: list[tuple[int, int] | None] = []
     phase: list[str] = []
     ks: list[int] = []
-    weights = weights or {}
-
-    def copies(prefix: str, key: str) -> int:
-        return weights.get(prefix, {}).get(key.partition(":")[2].split("@")[0], 1)
-
+    node_weight = weights or {}
     for kind, v, mb in _pipeline_actions(plan, rank):
         pre = f"{mb}/"
         prefix = "f" if kind == "F" else "b"
@@ -1965,11 +1969,9 @@ def _pipeline_rise(
             alias = pre + st.alias_of if st.alias_of else None
             reads = [pre + r for r in st.reads]
             sched.steps.append(Step(pre + st.key, st.nbytes, alias, reads, st.extra))
-            ks.append(copies(prefix, st.key))
+            ks.append(node_weight.get(prefix, {}).get(st.key.partition(":")[2].split("@")[0], 1))
         if kind == "B":
-            sched.steps.append(
-                Step(f"{pre}held:{v}", 0, None, [pre + k for k in sent.get(v, [])])
-            )
+            sched.steps.append(Step(f"{pre}held:{v}", 0, None, [pre + k for k in sent.get(v, [])]))
             ks.append(1)
             if v not in backward_done:
                 backward_done.add(v)
@@ -2045,6 +2047,6 @@ def _segments_peak(
                 state[seg], new = "g", (k - 1) * g1
             fixed += new - offset.get(seg, 0)
             offset[seg] = new
-        v = tl[i] + fixed if own is None else tl[i] + fixed - offset.get(seg, 0) + own
+        v = tl[i] + fixed if own is None or seg is None else tl[i] + fixed - offset[seg] + own
         peak = max(peak, v)
     return peak

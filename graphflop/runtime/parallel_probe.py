@@ -27,7 +27,8 @@ Modes (``dims`` is dp × tp × pp):
   ``ScheduleGPipe`` / ``Schedule1F1B``; ``pp_interleaved``: two stages per rank,
   ``ScheduleInterleaved1F1B``. Stages are cut by blocks (the first holds the embedding, the last
   the final norm and head): the model's forward must be its top-level children applied in order
-  (a ``ModuleList`` expanded), as in ``models/llama.py``.
+  (a ``ModuleList`` expanded), as in ``models/llama.py``; ``--stage-blocks 1,2,1`` gives the
+  blocks per stage (``graphflop plan``'s split by FLOPs, ``PlanReport.stages``), else by count.
 * ``fsdp_tp``: a 2-D mesh dp × tp (tp = 2): the ``tp`` plan on the inner dimension, then FSDP2
   ``fully_shard`` per block and root over the outer dimension.
 
