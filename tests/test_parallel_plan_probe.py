@@ -71,9 +71,22 @@ def _analysis(rows: int):
     return _ANALYSES[rows]
 
 
-def _logged(mode: str, nproc: int, batch: int = B, micro_batches: int = 2) -> list[dict]:
+def _logged(
+    mode: str, nproc: int, batch: int = B, micro_batches: int = 2, report=None
+) -> list[dict]:
     args = [f"{k}={v}" for k, v in TINY.items()]
-    return run_probe(LLAMA, mode, nproc, args=args, batch=batch, seq=T, micro_batches=micro_batches)
+    # a pipeline is cut where the plan cuts it (its split balanced by FLOPs)
+    stage_blocks = [len(st) for st in report.stages] if mode.startswith("pp_") else None
+    return run_probe(
+        LLAMA,
+        mode,
+        nproc,
+        args=args,
+        batch=batch,
+        seq=T,
+        micro_batches=micro_batches,
+        stage_blocks=stage_blocks,
+    )
 
 
 def _check(report, logged: list[dict], with_peak: bool) -> None:
@@ -107,18 +120,20 @@ def test_plan_equals_engine(mode):
     model, a = _analysis(rows)
     plan = Plan(**kw)
     report = predict(a, model, plan, micro_batch=rows)
-    _check(report, _logged(mode, plan.world), with_peak=True)
+    _check(report, _logged(mode, plan.world, report=report), with_peak=True)
 
 
 def test_pp_three_stages_1f1b_middle_class():
-    """1F1B over 3 ranks, 3 micro-batches of 2 × 16 (global batch 6): blocks 2, 1 and 1 (the
-    first stage takes the remainder); the middle stage receives and sends both ways, and
-    each send/recv is on the pipeline's group of 3."""
+    """1F1B over 3 ranks, 3 micro-batches of 2 × 16 (global batch 6): blocks 1, 2 and 1 (by
+    FLOPs: the first stage's embedding costs less than the last's head, so the middle takes
+    two blocks); the middle stage receives and sends both ways, and each send/recv is on the
+    pipeline's group of 3."""
     model, a = _analysis(B // 2)
     plan = Plan(pp=3, schedule="1f1b", micro_batches=3)
     report = predict(a, model, plan, micro_batch=B // 2)
     assert report.ranks[1].name == "stage 1 (middle)"
-    _check(report, _logged("pp_1f1b", 3, batch=6, micro_batches=3), with_peak=True)
+    assert report.stages == (("layers.0",), ("layers.1", "layers.2"), ("layers.3",))
+    _check(report, _logged("pp_1f1b", 3, batch=6, micro_batches=3, report=report), with_peak=True)
 
 
 _CLI_FLAGS = {

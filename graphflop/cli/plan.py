@@ -148,8 +148,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         metavar="NAME=N",
         help="analyse per block: the constructor argument or hf: configuration field NAME sets "
         "the number of identical blocks and the model has N (e.g. num_hidden_layers=80); the "
-        "model is analysed with one block per pipeline stage (virtual stage) and each stage's "
-        "blocks counted from it: fast for deep models",
+        "model is analysed with one block per pipeline stage (virtual stage), the N blocks split "
+        "between the stages as the full model's would be (balanced by FLOPs), and each stage's "
+        "blocks counted from its analysed one: fast for deep models",
     )
     p.add_argument("--json", metavar="PATH", help="write the plan's figures as JSON")
     p.add_argument(
@@ -308,7 +309,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
                 f"micro-batch would be {args.global_batch // per}): give one of them"
             )
         args.batch = args.global_batch // per
-    block_counts = None
+    total_blocks = None
     if args.blocks:
         name, sep, value = args.blocks.partition("=")
         if sep and name and value.strip().isdigit() and int(value) < 1:
@@ -326,12 +327,11 @@ def run(args: argparse.Namespace, err: Console) -> int:
         if any(a.partition("=")[0] == name for a in args.arg or []):
             raise PlanError(f"--blocks sets {name}: drop --arg {name}")
         args.arg = [*(args.arg or []), f"{name}={stages}"]
-        q, r = divmod(total, stages)
-        block_counts = tuple(q + (v < r) for v in range(stages))
+        total_blocks = total
     try:
         loaded, inputs = load_model(args)
     except SpecError as e:
-        if block_counts is None or f"--arg {name}=" not in str(e):
+        if total_blocks is None or f"--arg {name}=" not in str(e):
             raise
         # the argument is --blocks', not the user's --arg
         raise PlanError(
@@ -361,7 +361,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             device_memory_bytes=memory,
             device=device,
             memory_device=args.memory_device,
-            block_counts=block_counts,
+            total_blocks=total_blocks,
         )
     # the analysis's assumptions (a routed mixture of experts' rows per expert), as inspect
     # prints them

@@ -9,7 +9,7 @@ pipeline parallelism and ZeRO, from graphflop's train graph.
 """
 
 from graphflop.parallel.plan import SCHEDULES, Plan, PlanError, read_tp_plan
-from graphflop.parallel.predict import PlanReport, RankClass, find_blocks, predict
+from graphflop.parallel.predict import PlanReport, RankClass, find_blocks, pipeline_units, predict
 
 __all__ = [
     "SCHEDULES",
@@ -18,6 +18,7 @@ __all__ = [
     "PlanReport",
     "RankClass",
     "find_blocks",
+    "pipeline_units",
     "predict",
     "read_tp_plan",
 ]

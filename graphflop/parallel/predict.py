@@ -3,7 +3,7 @@ from an :class:`~graphflop.analysis.Analysis` of one micro-batch on one data-par
 
 The forward and backward graphs are put on the plan: tensor-parallel placements propagated
 node by node (:mod:`graphflop.parallel.placement`) give each node's local cost and the TP
-collectives; each node is given a pipeline stage (blocks split by count); the data-parallel
+collectives; each node is given a pipeline stage (blocks split by FLOPs); the data-parallel
 collectives follow the ZeRO stage as torch runs it:
 
 - ZeRO 0 (DDP): one all_reduce per gradient bucket (the first bucket 1 MiB, the others 25 MiB,
@@ -17,9 +17,12 @@ collectives follow the ZeRO stage as torch runs it:
   padded on dim 0 to a multiple of the DP group, FSDP2's padding) and a reduce_scatter of its
   gradients; ZeRO 3 gathers each block again in the backward (the root stays gathered).
 
-Pipeline parallelism: the blocks (the outermost ``ModuleList``/``Sequential`` of one module
-class, :func:`find_blocks`) split into ``pp · chunks`` stages by block count (the first stages take the remainder),
-the modules before the blocks on the first stage, those after on the last; per micro-batch a
+Pipeline parallelism: the blocks (:func:`pipeline_units`: the chain of the analysis's outlined
+block calls, in execution order, with the modules of their class traced in full beside them;
+without one, the children of the outermost ``ModuleList``/``Sequential`` of one module class,
+:func:`find_blocks`) split into ``pp · chunks`` runs balanced by FLOPs (:func:`_balanced_split`:
+the costliest stage as cheap as it can be), the nodes before the blocks on the first stage,
+those after on the last, those between two blocks with the one before; per micro-batch a
 send of each activation crossing a stage boundary and, in the backward, of its cotangent; the
 bubble fraction (p − 1)/(v·m + p − 1) of GPipe, 1F1B and interleaved 1F1B with v chunks
 (Narayanan et al. 2021, section 2.2); micro-batches whose activations a stage holds at once:
@@ -39,9 +42,10 @@ attention and MLP) and, under ZeRO 2/3, FSDP's buffers where its engine makes an
 (gathered units, FSDP2's all-gather output and copy-out, its backward prefetch, the flat
 gradient or reduce-scatter input and the gradient shard; :func:`_fsdp_schedule_rise`, blocks
 counted from one analysed block too); the gathered parameters live at its peak are reported as
-``all_gather_buffers``. With pipeline stages (ZeRO 0/1, every block analysed), that
-schedule's steps of each of the rank's stages are replayed per micro-batch in the pipeline
-schedule's order (:func:`_pipeline_rise`). Otherwise
+``all_gather_buffers``. With pipeline stages (ZeRO 0/1), that schedule's steps of each of the
+rank's stages are replayed per micro-batch in the pipeline schedule's order
+(:func:`_pipeline_rise`; blocks counted from one analysed per stage: its copies offset in per
+stage and micro-batch, :func:`_segments_peak`). Otherwise
 the rise is the analysis's eager train peak less its parameters and optimizer state, scaled by
 this rank's gradients plus activations in flight over the single rank's, and the gathered
 buffers are ZeRO 3's two largest units or ZeRO 2's every unit (an estimate).
@@ -85,7 +89,7 @@ from graphflop.passes.eager_memory import (
 )
 from graphflop.passes.memory import Schedule, Step
 
-__all__ = ["PlanReport", "RankClass", "find_blocks", "predict"]
+__all__ = ["PlanReport", "RankClass", "find_blocks", "pipeline_units", "predict"]
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 #: ops of torch.optim's single-tensor step that read a gradient: Adam/AdamW lerp_ and the two
@@ -166,6 +170,10 @@ class PlanReport:
         bubble: the pipeline bubble's fraction of the step's time.
         balance: the busiest stage's FLOPs over the mean stage's (1 = balanced).
         split: how the stages were cut.
+        stages: the blocks (module paths) of each virtual stage in order, one tuple per
+            virtual stage (``--blocks``: the analysed block, once); the first path of each
+            stage after the first is where torch's pipelining splits
+            (``split_spec={path: SplitPoint.BEGINNING}``).
         device, device_memory_bytes: what fits/does not fit was judged against.
         notes: assumptions stated.
         loss: the loss the train graph ends in (``cross_entropy``, ``sum``, ...; JSON: in
@@ -185,6 +193,7 @@ class PlanReport:
     device: str | None = None
     device_memory_bytes: int | None = None
     notes: tuple[str, ...] = field(default=())
+    stages: tuple[tuple[str, ...], ...] = field(default=())
     loss: str | None = None
     assumptions: tuple[str, ...] = field(default=())
     #: what the render reads: the forward graph, its placements and each node's stage
@@ -200,6 +209,7 @@ class PlanReport:
             "bubble": self.bubble,
             "balance": self.balance,
             "split": self.split,
+            "stages": [list(st) for st in self.stages],
             "device": self.device,
             "device_memory_bytes": self.device_memory_bytes,
             "ranks": [r.to_dict() for r in self.ranks],
@@ -229,6 +239,124 @@ def find_blocks(model: nn.Module) -> list[str]:
     return best
 
 
+def pipeline_units(fwd: GraphModule, model: nn.Module) -> tuple[list[str], str]:
+    """The module paths of the units a pipeline's stage boundaries fall between, in execution
+    order, and how they were found (``calls`` or ``list``).
+
+    From the analysis's hierarchy (:data:`~graphflop.meta.HIERARCHY`): the modules of its
+    outlined block calls, with the modules of the same class beside them that were traced in
+    full (a first block that differs from the rest, ResNet's downsampling bottleneck, a dense
+    layer before mixture-of-experts layers: modules of that class where the class is not
+    torch's own, or in the same parent module as a call), the outermost of those; then the
+    longest chain of them in execution order, each reading what the one before it made
+    (directly, or through nodes outside every unit), the first such chain on ties. Where a
+    boundary between two of the chain's units would cut a module around one (a node between
+    them runs in a module enclosing it: experts outlined inside layers that were not, a first
+    layer's attention outlined with the later layers' attention inside them), each such unit
+    is replaced by the innermost such module and the chain found again. Without a chain of
+    two units (no hierarchy: nothing repeated was outlined), the children of the outermost
+    ``ModuleList``/``Sequential`` of one class (:func:`find_blocks`).
+    """
+    from graphflop.meta import HIERARCHY
+
+    h = fwd.meta.get(HIERARCHY)
+    paths = dict(model.named_modules())
+    seeds = sorted({_site_root(s) for s in h.sites} if h is not None else set())
+    seeds = [p for p in seeds if p in paths]
+    nodes = [n for n in fwd.graph.nodes if n.op == "call_function"]
+    for _ in range(64):  # each round lifts a unit to a module enclosing it
+        if not seeds:
+            break
+        chain = _unit_chain(nodes, _with_same_class(seeds, paths))
+        if chain is None:
+            break
+        units, cut = chain
+        if not cut:
+            return units, "calls"
+        lifted = sorted({cut.get(p, p) for p in units})
+        if lifted == seeds:
+            break
+        seeds = lifted
+    return find_blocks(model), "list"
+
+
+def _site_root(site: Any) -> str:
+    """The module path a call site calls (its template's nodes' paths are ``@`` and
+    ``@.child``: the called module's own and its submodules')."""
+    rel, path = site.modules[0]
+    suffix = rel[1:]  # "" for "@", ".0.attn" for "@.0.attn"
+    return path[: len(path) - len(suffix)] if suffix else path
+
+
+def _with_same_class(seeds: list[str], paths: dict[str, nn.Module]) -> list[str]:
+    """``seeds`` with the modules of a seed's class (one not defined by torch, or beside a
+    seed in its parent), the outermost of them, none enclosing a seed of its own class (T5's
+    first block encloses outlined calls of other classes: the block is the unit)."""
+    classes = {type(paths[p]) for p in seeds}
+    parents = {p.rpartition(".")[0] for p in seeds}
+    cands = set(seeds)
+    for p, m in paths.items():
+        if not p or type(m) not in classes:
+            continue
+        if type(m).__module__.startswith("torch.") and p.rpartition(".")[0] not in parents:
+            continue
+        if any(s.startswith(p + ".") and type(paths[s]) is type(m) for s in seeds):
+            continue  # a list of blocks like itself, not one of them
+        cands.add(p)
+    return sorted(c for c in cands if not any(c.startswith(o + ".") for o in cands))
+
+
+def _unit_chain(nodes: list[Node], cands: list[str]) -> tuple[list[str], dict[str, str]] | None:
+    """The longest chain of ``cands`` (module paths) in the order their first nodes run, each
+    reading what the one before it made, and its units that a boundary would cut out of a
+    module enclosing them (a node between the chain's first and last unit, in no unit, runs
+    in that module), each with the innermost such module; None without a chain of two."""
+    of = _unit_index(cands)
+    unit = {n: of(n.meta.get(MODULE) or "") for n in nodes}
+    first: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        u = unit[n]
+        if u is not None:
+            first.setdefault(u, i)
+    upstream: dict[Node, frozenset[int]] = {}
+    edges: dict[int, set[int]] = {}
+    for n in nodes:
+        feeds: set[int] = set()
+        for a in n.all_input_nodes:
+            w = unit.get(a)
+            feeds |= {w} if w is not None else upstream.get(a, frozenset())
+        u = unit[n]
+        if u is None:
+            upstream[n] = frozenset(feeds)
+        else:
+            edges.setdefault(u, set()).update(w for w in feeds if w != u)
+    order = sorted(first, key=first.__getitem__)
+    length: dict[int, int] = {}
+    before: dict[int, int | None] = {}
+    for u in order:
+        prev = [w for w in edges.get(u, ()) if first.get(w, len(nodes)) < first[u]]
+        best = max(prev, key=lambda w: (length[w], -first[w]), default=None)
+        length[u] = 1 + (length[best] if best is not None else 0)
+        before[u] = best
+    if not length or max(length.values()) < 2:
+        return None
+    end = max(order, key=lambda u: (length[u], -first[u]))
+    chain = [end]
+    while before[chain[-1]] is not None:
+        chain.append(before[chain[-1]])  # type: ignore[arg-type]
+    chain.reverse()
+    units = [cands[u] for u in chain]
+    # nodes between the chain's first and last unit outside every unit
+    span = range(first[chain[0]], max(i for i, n in enumerate(nodes) if unit[n] == chain[-1]))
+    between = {m for i in span if unit[nodes[i]] is None and (m := nodes[i].meta.get(MODULE) or "")}
+    cut = {}
+    for u in units:
+        around = [m for m in between if u.startswith(m + ".")]
+        if around:
+            cut[u] = max(around, key=len)
+    return units, cut
+
+
 def _check_block_order(fwd: GraphModule, blocks: list[str]) -> None:
     """Refuse a forward graph whose blocks do not run once each, in order (a block called
     again after a later one): pipeline stages hand each micro-batch on in one direction.
@@ -255,35 +383,33 @@ def _check_block_order(fwd: GraphModule, blocks: list[str]) -> None:
         last = i
 
 
-def _split_blocks(blocks: list[str], stages: int) -> list[list[str]]:
-    """``blocks`` cut into ``stages`` runs by count, the first runs taking the remainder."""
-    q, r = divmod(len(blocks), stages)
-    out, i = [], 0
-    for s in range(stages):
-        k = q + (s < r)
-        out.append(blocks[i : i + k])
-        i += k
-    return out
+def _unit_index(units: list[str]):
+    """module path -> the index of the unit it lies in (its own or an enclosing path), or None."""
+    index = {u: i for i, u in enumerate(units)}
 
-
-def _stage_of_nodes(gm: GraphModule, block_stage: dict[str, int], entry: int, exit_: int):
-    """node name → virtual stage: a block's nodes its stage; nodes before any block node the
-    ``entry`` stage, after the last the ``exit_`` stage, between blocks the previous block's."""
-    nodes = [n for n in gm.graph.nodes if n.op != "output"]
-
-    def block(n: Node) -> int | None:
-        m = n.meta.get(MODULE) or ""
-        for b, s in block_stage.items():
-            if m == b or m.startswith(b + "."):
-                return s
+    def of(path: str) -> int | None:
+        parts = path.split(".") if path else []
+        for k in range(len(parts), 0, -1):
+            i = index.get(".".join(parts[:k]))
+            if i is not None:
+                return i
         return None
 
-    stages = [block(n) for n in nodes]
-    last = max((i for i, s in enumerate(stages) if s is not None), default=-1)
+    return of
+
+
+def _unit_of_nodes(gm: GraphModule, units: list[str], entry: int, exit_: int) -> dict[str, int]:
+    """node name -> the index of the unit it runs in: a unit's nodes (by module path) its
+    index; nodes before any unit's node ``entry``, after the last ``exit_``, between units the
+    previous unit's (what a stage boundary before the next unit leaves on this side)."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    of = _unit_index(units)
+    found = [of(n.meta.get(MODULE) or "") for n in nodes]
+    last = max((i for i, u in enumerate(found) if u is not None), default=-1)
     out, cur = {}, None
     for i, n in enumerate(nodes):
-        if stages[i] is not None:
-            cur = stages[i]
+        if found[i] is not None:
+            cur = found[i]
             out[n.name] = cur
         elif cur is None:
             out[n.name] = entry
@@ -292,6 +418,57 @@ def _stage_of_nodes(gm: GraphModule, block_stage: dict[str, int], entry: int, ex
         else:
             out[n.name] = cur
     return out
+
+
+def _unit_costs(fwd, bwd, fp, bp, f_unit, b_unit, n: int) -> list[int]:
+    """FLOPs of one micro-batch (forward and backward, each node at its local TP cost) of what
+    runs before the units, of each unit, and after them: ``n + 2`` entries."""
+    out = [0] * (n + 2)
+    for gm, pl, unit in ((fwd, fp, f_unit), (bwd, bp, b_unit)):
+        for node in gm.graph.nodes:
+            c = pl.cost.get(node.name)
+            if c is not None and node.name in unit:
+                out[unit[node.name] + 1] += c.flops
+    return out
+
+
+def _balanced_split(costs: list[int], stages: int, pre: int, post: int) -> list[int]:
+    """Units per stage: ``costs`` (in order) cut into ``stages`` runs of one or more units, the
+    first run also costing ``pre`` and the last ``post``, so that the costliest stage costs the
+    least; among those the next costliest, and so on (stage costs compared sorted, largest
+    first); among those the earlier stages taking more units. Identical costs and no
+    ``pre``/``post``: the split by count, the first stages taking the remainder.
+
+    Raises:
+        ValueError: fewer units than stages.
+    """
+    n = len(costs)
+    if n < stages:
+        raise ValueError(f"{n} units cannot fill {stages} stages")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def run(i: int, j: int, s: int) -> int:
+        return prefix[j] - prefix[i] + (pre if s == 0 else 0) + (post if s == stages - 1 else 0)
+
+    # best[s][j]: (stage costs sorted largest first, negated counts) of the best split of the
+    # first j units into s + 1 stages, and its counts
+    best: list[dict[int, tuple[tuple, list[int]]]] = [{} for _ in range(stages)]
+    for j in range(1, n - stages + 2):
+        best[0][j] = ((run(0, j, 0),), [j])
+    for s in range(1, stages):
+        for j in range(s + 1, n - (stages - 1 - s) + 1):
+            cands = []
+            for i in range(s, j):
+                if i not in best[s - 1]:
+                    continue
+                key, counts = best[s - 1][i]
+                new = tuple(sorted((*key, run(i, j, s)), reverse=True))
+                cands.append(((new, [-k for k in counts] + [-(j - i)]), counts + [j - i]))
+            key_, counts_ = min(cands, key=lambda c: c[0])
+            best[s][j] = (key_[0], counts_)
+    return best[stages - 1][n][1]
 
 
 def _dtype(v: Any) -> str:
@@ -308,6 +485,7 @@ def predict(  # noqa: C901
     device: str | None = None,
     memory_device: str = "cpu",
     block_counts: tuple[int, ...] | None = None,
+    total_blocks: int | None = None,
 ) -> PlanReport:
     """Per-rank FLOPs, memory and collectives of ``plan`` (see the module docstring).
 
@@ -323,9 +501,15 @@ def predict(  # noqa: C901
         block_counts: the blocks each virtual stage of the real model has, when ``analysis``
             is of the model built with one block per virtual stage (identical blocks: each
             block's nodes, parameters, saved tensors and collectives count that many times).
+        total_blocks: the blocks the real model has, when ``analysis`` is of the model built
+            with one block per virtual stage (``plan --blocks``): they are split between the
+            stages as the real model's analysis would split them (each costing the analysed
+            blocks' mean FLOPs) and counted as ``block_counts`` has them.
 
     Raises:
-        PlanError: more stages than blocks; a TP degree that does not divide a sharded dim.
+        PlanError: more stages than blocks; a TP degree that does not divide a sharded dim;
+            ``block_counts`` or ``total_blocks`` with an analysis whose blocks are not one per
+            virtual stage.
     """
     fwd, bwd = analysis.forward, analysis.backward
     if bwd is None:
@@ -424,20 +608,44 @@ def predict(  # noqa: C901
     )
 
     # pipeline stages ---------------------------------------------------------------------
-    blocks = find_blocks(model)
+    blocks, found_by = pipeline_units(fwd, model)
     vstages = plan.virtual_stages
     if plan.pp > 1 and not blocks:
         raise PlanError(
-            "the model has no repeated blocks to split into pipeline stages (no ModuleList or "
-            "Sequential of one block class): drop --pp"
+            "the model has no repeated blocks to split into pipeline stages (no chain of "
+            "repeated block calls, no ModuleList or Sequential of one block class): drop --pp"
         )
-    if plan.pp > 1 and vstages > len(blocks):
+    if plan.pp > 1 and total_blocks is not None and vstages > total_blocks:
+        raise too_many_stages(plan, total_blocks, "--blocks gives")
+    if plan.pp > 1 and vstages > len(blocks) and total_blocks is None:
         raise too_many_stages(plan, len(blocks))
     if plan.pp > 1:
         _check_block_order(fwd, blocks)
-    runs = _split_blocks(blocks, vstages) if plan.pp > 1 else [blocks]
-    block_stage = {b: v for v, run in enumerate(runs) for b in run}
+    f_unit = _unit_of_nodes(fwd, blocks, -1, len(blocks))
+    b_unit = _unit_of_nodes(bwd, blocks, len(blocks), -1)
+    # a backward node belongs where the forward node it differentiates runs
+    for n in bwd.graph.nodes:
+        src = n.meta.get(SOURCE)
+        if src in f_unit and n.op != "placeholder":
+            b_unit[n.name] = f_unit[src]
     weight_of_block = {b: 1 for b in blocks}
+    unit_cost = _unit_costs(fwd, bwd, fp, bp, f_unit, b_unit, len(blocks))
+    if total_blocks is not None and block_counts is None:
+        if len(blocks) != vstages:
+            raise PlanError(
+                f"--blocks: the model built with one block per pipeline stage ({vstages}) has "
+                f"{len(blocks)} repeated blocks: the argument --blocks names does not set the "
+                "number of blocks; name the constructor argument that does (n_layer=48, "
+                "num_hidden_layers=80)"
+            )
+        # the real model's blocks are copies of the analysed one: each costs the analysed
+        # blocks' mean, and they are split as the full analysis would split them
+        each = round(sum(unit_cost[1:-1]) / len(blocks))
+        block_counts = tuple(
+            _balanced_split([each] * total_blocks, vstages, unit_cost[0], unit_cost[-1])
+            if plan.pp > 1
+            else (total_blocks,)
+        )
     if block_counts is not None:
         if len(block_counts) != vstages or len(blocks) != vstages:
             raise PlanError(
@@ -451,17 +659,22 @@ def predict(  # noqa: C901
             "analysed with one block per stage; each stage's blocks counted from it: "
             + ", ".join(f"{b} ×{k}" for b, k in weight_of_block.items())
         )
-    if plan.pp > 1:
-        f_stage = _stage_of_nodes(fwd, block_stage, 0, vstages - 1)
-        b_stage = _stage_of_nodes(bwd, block_stage, vstages - 1, 0)
-        # a backward node belongs where the forward node it differentiates runs
-        for n in bwd.graph.nodes:
-            src = n.meta.get(SOURCE)
-            if src in f_stage and n.op != "placeholder":
-                b_stage[n.name] = f_stage[src]
+        counts = [1] * vstages
+    elif plan.pp > 1:
+        counts = _balanced_split(unit_cost[1:-1], vstages, unit_cost[0], unit_cost[-1])
     else:
-        f_stage = {n.name: 0 for n in fwd.graph.nodes}
-        b_stage = {n.name: 0 for n in bwd.graph.nodes}
+        counts = [len(blocks)]
+    runs, i = [], 0
+    for k in counts:
+        runs.append(blocks[i : i + k])
+        i += k
+    block_stage = {b: v for v, run in enumerate(runs) for b in run}
+    # unit index (-1 before the blocks, len(blocks) after) -> virtual stage
+    stage_of_unit = {-1: 0, len(blocks): len(runs) - 1} | {
+        u: block_stage[b] for u, b in enumerate(blocks)
+    }
+    f_stage = {k: stage_of_unit[u] for k, u in f_unit.items()}
+    b_stage = {k: stage_of_unit[u] for k, u in b_unit.items()}
 
     def rank_stage(v: int) -> int:
         return v % plan.pp
@@ -602,10 +815,11 @@ def predict(  # noqa: C901
             [local_numel(q) * esize[q] for q in trainable],
             {"f": f_weight, "b": b_weight},
         )
-    # pipelines (state not sharded by ZeRO-2/3, every block analysed): the eager schedule's
-    # steps of each stage replayed per micro-batch in the order the pipeline schedule runs them
+    # pipelines (state not sharded by ZeRO-2/3; every block analysed, or blocks counted from
+    # one per stage): the eager schedule's steps of each stage replayed per micro-batch in the
+    # order the pipeline schedule runs them
     stage_rise: list[int] | None = None
-    if plan.pp > 1 and plan.zero <= 1 and block_counts is None and mem.memory_model == "eager":
+    if plan.pp > 1 and plan.zero <= 1 and mem.memory_model == "eager":
         opt_name = getattr(rep.totals.update, "optimizer", "sgd")
         base = _local_schedule(fwd, bwd, fp, bp, memory_device, opt_name, [])
         stage_rise = [
@@ -622,6 +836,7 @@ def predict(  # noqa: C901
                     [local_numel(q) * esize[q] for q in trainable if r in p_stages[q]],
                     memory_device,
                 ),
+                {"f": f_weight, "b": b_weight},
             )
             for r in range(plan.pp)
         ]
@@ -929,9 +1144,16 @@ def predict(  # noqa: C901
         )
     totals = [r.flops["total"] for r in ranks]
     balance = max(totals) / (sum(totals) / len(totals)) if sum(totals) else 1.0
+    per_stage = [sum(weight_of_block.get(b, 1) for b in run) for run in runs]
     split = (
-        f"{len(blocks)} blocks into {vstages} stages by block count (the first stages take the "
-        "remainder); modules before the blocks on the first stage, after them on the last"
+        f"{sum(per_stage)} blocks ("
+        + (
+            "the chain of repeated block calls"
+            if found_by == "calls"
+            else "the outermost list of one block class"
+        )
+        + f") into {vstages} stages of {', '.join(map(str, per_stage))} blocks, balanced by "
+        "FLOPs; modules before the blocks on the first stage, after them on the last"
         if plan.pp > 1
         else "one stage"
     )
@@ -944,6 +1166,7 @@ def predict(  # noqa: C901
         bubble=bubble,
         balance=balance,
         split=split,
+        stages=tuple(tuple(run) for run in runs),
         device=device,
         device_memory_bytes=device_memory_bytes,
         notes=tuple(notes),
@@ -1678,6 +1901,7 @@ def _pipeline_rise(
     plan: Plan,
     rank: int,
     optimizer_bytes: int,
+    weights: dict[str, dict[str, int]] | None = None,
 ) -> int:
     """The step's rise on pipeline rank ``rank``: the steps of ``base`` (one micro-batch's
     eager train schedule at local sizes) of each of the rank's virtual stages, replayed per
@@ -1688,7 +1912,12 @@ def _pipeline_rise(
     ``torch.distributed.pipelining`` holds on top: each forward's outputs sent on, until the
     micro-batch's backward on that stage; a received activation's gradient (the buffer's
     ``.grad``), to the step's end; the last stage's model outputs (kept for the merged
-    output), to the step's end."""
+    output), to the step's end.
+
+    ``weights`` (``"f"``/``"b"`` → node name → k, ``plan --blocks``) counts a stage's analysed
+    block for k identical ones run one after another: each (stage, micro-batch) of the replay
+    offsets the k − 1 copies not analysed in as :func:`_copies_peak` does for one schedule
+    (:func:`_segments_peak`)."""
     sig = fwd.meta[SIGNATURE]
     batch = {f"f:{n}" for n in (*sig.inputs, *sig.targets)}
     last = plan.virtual_stages - 1
@@ -1726,23 +1955,98 @@ def _pipeline_rise(
                 grad_in[t] = grad_in.get(t, 0) + fp.local_bytes.get(n.name, whole)
     sched = Schedule()
     backward_done: set[int] = set()
+    # per step: the (stage, micro-batch) action it belongs to, its phase and the copies its
+    # block counts for (1 outside a block)
+    segment: list[tuple[int, int] | None] = []
+    phase: list[str] = []
+    ks: list[int] = []
+    node_weight = weights or {}
     for kind, v, mb in _pipeline_actions(plan, rank):
         pre = f"{mb}/"
-        for st in by_stage.get(("f" if kind == "F" else "b", v), []):
+        prefix = "f" if kind == "F" else "b"
+        start = len(sched.steps)
+        for st in by_stage.get((prefix, v), []):
             alias = pre + st.alias_of if st.alias_of else None
             reads = [pre + r for r in st.reads]
             sched.steps.append(Step(pre + st.key, st.nbytes, alias, reads, st.extra))
-        if kind == "F":
-            if v == last:
-                sched.keep.update(pre + f"f:{o}" for o in sig.outputs)
-            continue
-        sched.steps.append(Step(f"{pre}held:{v}", 0, None, [pre + k for k in sent.get(v, [])]))
-        if v not in backward_done:
-            backward_done.add(v)
-            sched.keep.update(pre + k for k in base.keep if stage_of(k) == v)
-        if grad_in.get(v):
-            key = f"{pre}grad_in:{v}"
-            sched.steps.append(Step(key, grad_in[v], None, []))
-            sched.keep.add(key)
+            ks.append(node_weight.get(prefix, {}).get(st.key.partition(":")[2].split("@")[0], 1))
+        if kind == "B":
+            sched.steps.append(Step(f"{pre}held:{v}", 0, None, [pre + k for k in sent.get(v, [])]))
+            ks.append(1)
+            if v not in backward_done:
+                backward_done.add(v)
+                sched.keep.update(pre + k for k in base.keep if stage_of(k) == v)
+            if grad_in.get(v):
+                key = f"{pre}grad_in:{v}"
+                sched.steps.append(Step(key, grad_in[v], None, []))
+                sched.keep.add(key)
+                ks.append(1)
+        elif v == last:
+            sched.keep.update(pre + f"f:{o}" for o in sig.outputs)
+        segment += [(v, mb)] * (len(sched.steps) - start)
+        phase += [prefix] * (len(sched.steps) - start)
     sched.add_transient("u:optimizer", optimizer_bytes)
-    return sched.peak()[0]
+    segment.append(None)
+    phase.append("u")
+    ks.append(1)
+    return _segments_peak(sched, segment, phase, ks)
+
+
+def _segments_peak(
+    sched: Schedule, segment: list[tuple[int, int] | None], phase: list[str], ks: list[int]
+) -> int:
+    """The peak of a pipeline rank's replayed schedule (:func:`_pipeline_rise`) with the
+    copies of each stage's analysed block that ``ks`` counts offset in.
+
+    A segment is one (stage, micro-batch) action: its forward steps (``phase`` ``f``) or its
+    backward steps (``b``). As :func:`_copies_peak` has it for one schedule, per segment: the
+    block's forward storages that outlive the forward segment (``S``: what its backward reads,
+    what the stage sends on) and its backward storages that outlive the backward segment
+    (``G``: the gradients of the stage's first backward) are held by each of the k − 1 copies
+    not analysed; in-segment temporaries are live for one copy at a time. Offsets per
+    (stage, micro-batch): 0 until its block's first forward step, (k − 1)·S from then to its
+    block's first backward step, in its backward block steps the largest over the copy j the
+    analysed block stands for of (j − 1)·S + (k − j)·G, (k − 1)·G after them to the step's
+    end. A step's offset is its own segment's plus every other segment's at that point. With
+    k = 1 everywhere it is the replay's own peak."""
+    tl = sched.timeline()
+    if max(ks, default=1) <= 1:
+        return max(0, max(tl, default=0))
+    storage, size, last = sched._lifetimes()
+    end = len(sched.steps)
+    held_s: dict[tuple[int, int], int] = {}
+    held_g: dict[tuple[int, int], int] = {}
+    for i, st in enumerate(sched.steps):
+        seg = segment[i]
+        if seg is None or ks[i] == 1 or storage[st.key] != st.key:
+            continue
+        j = last.get(st.key, i)
+        if j >= end or segment[j] != seg or phase[j] != phase[i]:
+            into = held_s if phase[i] == "f" else held_g
+            into[seg] = into.get(seg, 0) + size[st.key]
+    k_of: dict[tuple[int, int], int] = {}
+    offset: dict[tuple[int, int], int] = {}  # the fixed offset of each segment's copies
+    state: dict[tuple[int, int], str] = {}  # "f" held S, "b" in its backward block, "g" after
+    fixed = 0
+    peak = 0
+    for i in range(end):
+        seg = segment[i]
+        own = None
+        if seg is not None:
+            if ks[i] > 1:
+                k_of[seg] = ks[i]
+            k = k_of.get(seg, 1)
+            s1, g1 = held_s.get(seg, 0), held_g.get(seg, 0)
+            new = offset.get(seg, 0)
+            if phase[i] == "f" and ks[i] > 1 and seg not in state:
+                state[seg], new = "f", (k - 1) * s1
+            elif phase[i] == "b" and ks[i] > 1:
+                state[seg] = "b"
+                own = max((j - 1) * s1 + (k - j) * g1 for j in (1, k))
+            elif phase[i] == "b" and state.get(seg) == "b":
+                state[seg], new = "g", (k - 1) * g1
+            fixed += new - offset.get(seg, 0)
+            offset[seg] = new
+        v = tl[i] + fixed if own is None or seg is None else tl[i] + fixed - offset[seg] + own
+        peak = max(peak, v)
+    return peak

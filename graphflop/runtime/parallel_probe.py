@@ -27,7 +27,8 @@ Modes (``dims`` is dp × tp × pp):
   ``ScheduleGPipe`` / ``Schedule1F1B``; ``pp_interleaved``: two stages per rank,
   ``ScheduleInterleaved1F1B``. Stages are cut by blocks (the first holds the embedding, the last
   the final norm and head): the model's forward must be its top-level children applied in order
-  (a ``ModuleList`` expanded), as in ``models/llama.py``.
+  (a ``ModuleList`` expanded), as in ``models/llama.py``; ``--stage-blocks 1,2,1`` gives the
+  blocks per stage (``graphflop plan``'s split by FLOPs, ``PlanReport.stages``), else by count.
 * ``fsdp_tp``: a 2-D mesh dp × tp (tp = 2): the ``tp`` plan on the inner dimension, then FSDP2
   ``fully_shard`` per block and root over the outer dimension.
 
@@ -762,14 +763,17 @@ def _plan_fsdp_tp(model, x, y, rank, world, tp: int = 2) -> _Trainer:
     return _Trainer(model, [opt], _dims(dp=dp, tp=tp), step, [xs, ys])
 
 
-def _stage_modules(model: nn.Module, n_stages: int) -> list[nn.Sequential]:
+def _stage_modules(
+    model: nn.Module, n_stages: int, counts: Sequence[int] | None = None
+) -> list[nn.Sequential]:
     """The model cut into ``n_stages`` pipeline stages by blocks: its top-level children in
     order (the blocks' ``ModuleList`` expanded); the first stage also holds what precedes the
-    blocks, the last what follows them; blocks split as evenly as possible, earlier stages
-    taking the extra ones.
+    blocks, the last what follows them; ``counts`` blocks per stage (``graphflop plan``'s
+    split: ``PlanReport.stages``), or split as evenly as possible, earlier stages taking the
+    extra ones.
 
     Raises:
-        ProbeError: more stages than blocks.
+        ProbeError: more stages than blocks; ``counts`` that do not fit the blocks.
     """
     blocks = _blocks(model)
     pre: list[nn.Module] = []
@@ -787,9 +791,15 @@ def _stage_modules(model: nn.Module, n_stages: int) -> list[nn.Sequential]:
     if n_stages > len(blocks):
         raise ProbeError(f"{n_stages} pipeline stages but only {len(blocks)} blocks")
     per, extra = divmod(len(blocks), n_stages)
+    sizes = list(counts) if counts else [per + (i < extra) for i in range(n_stages)]
+    if len(sizes) != n_stages or sum(sizes) != len(blocks) or min(sizes) < 1:
+        raise ProbeError(
+            f"--stage-blocks {','.join(map(str, sizes))}: give {n_stages} counts of 1 or more "
+            f"adding up to the {len(blocks)} blocks"
+        )
     stages, start = [], 0
     for i in range(n_stages):
-        n = per + (i < extra)
+        n = sizes[i]
         mods = list(blocks[start : start + n])
         start += n
         if i == 0:
@@ -822,7 +832,9 @@ def _mark_p2p(stage: Any) -> None:
         setattr(stage, name, wrapped)
 
 
-def _plan_pp(model, x, y, rank, world, *, micro_batches: int, schedule: str) -> _Trainer:
+def _plan_pp(
+    model, x, y, rank, world, *, micro_batches: int, schedule: str, stage_blocks=None
+) -> _Trainer:
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -832,7 +844,7 @@ def _plan_pp(model, x, y, rank, world, *, micro_batches: int, schedule: str) -> 
 
     per_rank = 2 if schedule == "interleaved" else 1
     n_stages = world * per_rank
-    parts = _stage_modules(model, n_stages)
+    parts = _stage_modules(model, n_stages, stage_blocks)
     mine = [rank + k * world for k in range(per_rank)]  # looped placement
     stages: list[Any] = []
     for i in mine:
@@ -930,9 +942,11 @@ def probe_rank(
     micro_batches: int,
     steps: int,
     tp_plan: dict[str, str] | None = None,
+    stage_blocks: Sequence[int] | None = None,
 ) -> dict:
     """Run the plan on this (already initialised) rank; return its record of the last step.
-    ``tp_plan``: module path -> ``colwise`` / ``rowwise``, mode ``tp`` only."""
+    ``tp_plan``: module path -> ``colwise`` / ``rowwise``, mode ``tp`` only;
+    ``stage_blocks``: blocks per pipeline stage (modes ``pp_*``; default: by count)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from graphflop.load import load
@@ -952,7 +966,9 @@ def probe_rank(
     x, y = _make_batch(model, loaded.example_inputs, batch, seq)
     plan = PLANS[mode]
     if mode.startswith("pp_"):
-        trainer = plan(model, x, y, rank, world, micro_batches=micro_batches)
+        trainer = plan(
+            model, x, y, rank, world, micro_batches=micro_batches, stage_blocks=stage_blocks
+        )
     elif tp_plan is not None:
         trainer = _plan_tp(model, x, y, rank, world, styles=tp_plan)
     else:
@@ -1020,6 +1036,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="FILE",
         help="mode tp: JSON, module path -> colwise / rowwise, instead of the Megatron plan",
     )
+    p.add_argument(
+        "--stage-blocks",
+        default=None,
+        metavar="N,N,...",
+        help="modes pp_*: blocks per pipeline stage (graphflop plan's split), instead of by count",
+    )
     a = p.parse_args(argv)
     if "RANK" not in os.environ:
         print("error: run under torchrun (python -m torch.distributed.run ...)", file=sys.stderr)
@@ -1045,6 +1067,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             micro_batches=a.micro_batches,
             steps=a.steps,
             tp_plan=json.loads(Path(a.tp_plan).read_text()) if a.tp_plan else None,
+            stage_blocks=[int(k) for k in a.stage_blocks.split(",")] if a.stage_blocks else None,
         )
     except (ProbeError, SpecError) as e:  # bad input: one line, exit 2
         (out / f"rank{os.environ['RANK']}.err").write_text(f"{e}\n")
@@ -1079,9 +1102,11 @@ def run_probe(
     out_dir: str | os.PathLike | None = None,
     timeout: float = 600,
     tp_plan: dict[str, str] | None = None,
+    stage_blocks: Sequence[int] | None = None,
 ) -> list[dict]:
     """Launch ``nproc`` ranks with torchrun and return their records, ordered by rank.
-    ``tp_plan``: mode ``tp`` with that plan (module path -> ``colwise`` / ``rowwise``).
+    ``tp_plan``: mode ``tp`` with that plan (module path -> ``colwise`` / ``rowwise``);
+    ``stage_blocks``: blocks per pipeline stage (``[len(s) for s in report.stages]``).
 
     Raises:
         ProbeError: an unknown mode, or torchrun failed (the message ends with the ranks'
@@ -1103,6 +1128,8 @@ def run_probe(
     cmd += ["--micro-batches", str(micro_batches), "--steps", str(steps), "--out", str(out)]
     for item in args:
         cmd += ["--arg", item]
+    if stage_blocks is not None:
+        cmd += ["--stage-blocks", ",".join(str(k) for k in stage_blocks)]
     if tp_plan is not None:
         plan_file = out / "tp_plan.json"
         plan_file.write_text(json.dumps(tp_plan))
