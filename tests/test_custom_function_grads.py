@@ -423,3 +423,49 @@ def test_functions_in_blocks_transposed_from_the_recorded_jvp(case, monkeypatch)
     assert calls.is_recorded(built.backward) and calls.is_recorded(lin)
     assert (lin is built.jvp) == rec_a.report.totals.jvp.complete
     assert rec_a.report.totals.backward.complete
+
+
+# -- tied weights where verify falls back to eager autograd -------------------------------------
+
+
+class _Identity(torch.autograd.Function):
+    """The identity with a backward of its own and no ``setup_context``: torch.func refuses
+    it, so verify's reference is eager autograd."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _TiedLM(nn.Module):
+    """An embedding whose weight is also the output head's (tied), a Function between."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 6)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 20, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(_Identity.apply(self.mid(self.emb(ids))))
+
+
+def test_eager_reference_sees_tied_weights_as_one_parameter():
+    """The eager reference puts the one leaf of a tied weight at both its names (the
+    embedding's and the head's), so the gradient it compares with is the sum of both uses:
+    with only the first name replaced the head's share was lost and verify reported a
+    failure (relative error ~1) for graphflop's correct gradient."""
+    from graphflop.runtime.verify import verify_gradients
+
+    torch.manual_seed(0)
+    model = _TiedLM().double()
+    ids = torch.randint(0, 20, (2, 5))
+    a = analyze(model, (ids,))
+    grad = verify_gradients(a.forward, a.backward, model, examples=(ids,))
+    assert grad.name == "gradients vs torch.autograd.backward", grad
+    assert grad.ok, grad

@@ -615,7 +615,7 @@ def eager_gradients(f, args: list, model: nn.Module | None = None) -> tuple[list
     from torch.nn.utils.stateless import _reparametrize_module
 
     held = (
-        _reparametrize_module(model, leaves[0])
+        _reparametrize_module(model, leaves[0], tie_weights=True)
         if model is not None and isinstance(leaves[0], dict)
         else contextlib.nullcontext()
     )
