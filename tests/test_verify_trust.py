@@ -705,3 +705,29 @@ def test_gap_reasons_names_uncounted_ops_when_no_rule_gap_cuts_the_backward():
         "jvp": "the JVP stops at ops the analysis could not count: aten.foo.default (no cost)",
         "forward_gradient": "it needs a complete JVP and backward",
     }
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double",  # _grouped_mm
+        "\"addmm_impl_cpu_\" not implemented for 'Double'",
+    ],
+)
+def test_a_kernel_refusing_float64_names_the_float32_verify(msg):
+    """A kernel with no float64 form (``torch._grouped_mm``, which transformers' batched
+    experts call: Qwen2-MoE under ``--verify``) stops verify's float64 reference; the not-run
+    check says to verify in float32. Other errors get no such advice."""
+    from graphflop.runtime.verify_all import _run
+
+    def refuse(m):
+        def fn():
+            raise RuntimeError(m)
+
+        return fn
+
+    checks: list = []
+    assert _run(checks, "gradients", 1e-4, refuse(msg)) is None
+    assert checks[0].where.endswith("; verify in float32 (--verify-dtype float32)"), checks[0]
+    _run(checks, "gradients", 1e-4, refuse("shape '[2, 3]' is invalid for input of size 5"))
+    assert "--verify-dtype" not in checks[1].where

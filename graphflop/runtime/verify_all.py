@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import traceback
 from typing import Any
 
@@ -196,6 +197,12 @@ def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModu
         ) from e
 
 
+#: a kernel's refusal of float64 operands (``torch._grouped_mm``: "Expected mat_a to be Float32,
+#: BFloat16 or Float16 matrix, got Double"; "… not implemented for 'Double'"): the reference ran
+#: in verify's float64, which the model's own dtype would not meet
+_NO_DOUBLE_KERNEL = re.compile(r"got Double\b|not implemented for 'Double'")
+
+
 def _run(checks: list[Check], name: str, tolerance: float, fn) -> Any:
     """``fn()``; a :class:`Check` it returns is appended to ``checks``. An exception becomes a
     not-run check named ``name``, its traceback in ``detail`` (returns None)."""
@@ -216,6 +223,8 @@ def _run(checks: list[Check], name: str, tolerance: float, fn) -> Any:
         msg = " ".join(str(e).split())
         if len(msg) > 600:  # whole sentences up to there: graphflop's errors end in their advice
             msg = msg[:600].rsplit(" ", 1)[0] + " …"
+        if _NO_DOUBLE_KERNEL.search(msg):
+            msg += "; verify in float32 (--verify-dtype float32)"
         tb = traceback.format_exc()
         checks.append(Check(name, math.nan, f"{type(e).__name__}: {msg}", tolerance, detail=tb))
         return None
