@@ -343,14 +343,7 @@ def _instantiate(obj: Any, where: str, ctor_kwargs: dict, meta: bool) -> nn.Modu
             return obj
         if callable(obj):
             if meta:  # parameters on the meta device: shapes only, no memory, no init time
-                from graphflop.frontend import nodynamo
-
-                def build() -> Any:
-                    with torch.device("meta"):
-                        return obj(**ctor_kwargs)
-
-                # initialisers run torch._refs on meta tensors, which would import Dynamo
-                model = nodynamo.run(build)
+                model = _on_meta(obj, ctor_kwargs)
             else:
                 model = obj(**ctor_kwargs)
         else:
@@ -616,17 +609,45 @@ def _load_library_model(library: str, name: str, ctor_kwargs: dict, meta: bool) 
         )
     module = _import_library(library)
     build, shape = _library_builder(library, name, module)
-    try:
-        model = _instantiate(build, f"{library}:{name}", ctor_kwargs, meta)
-    except NotImplementedError:
-        if not meta:
-            raise
-        # the constructor computes with tensors (torchvision's RegNet widths): build on the
-        # CPU, moving each parameter and buffer to the meta device as it is registered
-        with _parameters_on_meta():
-            model = _instantiate(build, f"{library}:{name}", ctor_kwargs, False)
+    model = _instantiate(build, f"{library}:{name}", ctor_kwargs, meta)
     notes = onto_meta(model) if meta else ()
     return LoadedModel(f"{library}:{name}", model, (torch.zeros(shape),), notes)
+
+
+def _on_meta(obj: Any, ctor_kwargs: dict) -> nn.Module:
+    """``obj(**ctor_kwargs)`` with its parameters and buffers on the meta device.
+
+    Built under ``torch.device("meta")`` where the constructor allows; a constructor that
+    computes with tensor values the meta device does not hold (torchvision's RegNet widths;
+    ``parametrizations.orthogonal``, whose initialisation reads ``Tensor.item()``) is built on
+    the CPU instead, each parameter and buffer moved to the meta device as it is registered
+    (:func:`_parameters_on_meta`), or, where its initialisation reads the registered
+    parameters' values too, built wholly on the CPU (``onto_meta`` moves them afterwards)."""
+    from graphflop.frontend import nodynamo
+
+    def build() -> Any:
+        with torch.device("meta"):
+            return obj(**ctor_kwargs)
+
+    try:  # initialisers run torch._refs on meta tensors, which would import Dynamo
+        return nodynamo.run(build)
+    except Exception as e:
+        if not _meta_refusal(e):
+            raise
+    try:
+        with _parameters_on_meta():
+            return obj(**ctor_kwargs)
+    except Exception as e:
+        if not _meta_refusal(e):
+            raise
+    return obj(**ctor_kwargs)
+
+
+def _meta_refusal(e: BaseException) -> bool:
+    """``e`` is PyTorch refusing a computation on meta tensors (no kernel, or a value read)."""
+    return isinstance(e, NotImplementedError) or (
+        isinstance(e, RuntimeError) and "meta" in str(e).lower()
+    )
 
 
 @contextlib.contextmanager

@@ -624,3 +624,45 @@ def test_library_model_whose_constructor_computes_with_tensors_loads_on_meta():
     loaded = _library("torchvision:regnet_y_400mf")
     assert all(t.is_meta for t in [*loaded.model.parameters(), *loaded.model.buffers()])
     assert sum(p.numel() for p in loaded.model.parameters()) == 4_344_144
+
+
+ITEM_IN_CTOR = """
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self, reads: str = "tensor"):
+        super().__init__()
+        if reads == "tensor":  # a width computed with a tensor and read back
+            width = int(torch.tensor([3.0, 5.0]).sum().item())
+            self.fc = nn.Linear(4, width)
+        else:  # an initialisation reading the registered weight's values
+            self.fc = nn.Linear(4, 8)
+            with torch.no_grad():
+                self.fc.weight.mul_(1.0 / float(self.fc.weight.abs().max().item()))
+        self.out = nn.Linear(self.fc.out_features, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(x)))
+
+
+def example_inputs():
+    return (torch.randn(3, 4),)
+"""
+
+
+@pytest.mark.parametrize("reads", ["tensor", "weight"])
+def test_model_file_whose_constructor_reads_tensor_values_loads_on_meta(reads, tmp_path):
+    """A model file's constructor that reads a tensor's value (``.item()``, which the meta
+    device cannot give: ``parametrizations.orthogonal`` does so) is built on the CPU, its
+    parameters and buffers then on the meta device: the loader used to stop at the meta
+    device's refusal. Parameters 4·8 + 8 + 8·2 + 2 = 58 either way."""
+    from graphflop.load import load
+
+    path = tmp_path / "m.py"
+    path.write_text(ITEM_IN_CTOR)
+    loaded = load(f"{path}:M", ctor_kwargs={"reads": reads}, meta=True)
+    params = list(loaded.model.parameters())
+    assert all(p.is_meta for p in params)
+    assert sum(p.numel() for p in params) == 4 * 8 + 8 + 8 * 2 + 2
