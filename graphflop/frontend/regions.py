@@ -54,7 +54,14 @@ from torch.autograd.function import Function
 from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode
 
-from graphflop.meta import CHECKPOINT, NO_GRAD, NO_GRAD_WRITE, CheckpointTag, NoGradWrite
+from graphflop.meta import (
+    CHECKPOINT,
+    LEAF,
+    NO_GRAD,
+    NO_GRAD_WRITE,
+    CheckpointTag,
+    NoGradWrite,
+)
 
 aten = torch.ops.aten
 
@@ -114,9 +121,8 @@ class _GradSources:
     #: a reentrant checkpoint ran outside the main trace (an outlined block's template): whether
     #: its outputs carry a derivative was not decided (it depends on each call's inputs)
     undecided: bool = False
-    #: how many values the model's code marked that depend on no trainable parameter: eager
-    #: autograd makes each a leaf and computes its gradient, which graphflop leaves out
-    new_leaves: int = 0
+    #: the model's code marked a value outside the main trace (an outlined block's template)
+    marked_outside: bool = False
 
 
 def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]:
@@ -128,7 +134,6 @@ def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]
     def scope() -> Iterator[None]:
         _GradSources.trainable = frozenset(trainable)
         _GradSources.marked = set()
-        _GradSources.new_leaves = 0
         _GradSources.active = True
         try:
             yield
@@ -141,22 +146,34 @@ def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]
 
 
 def mark_requires_grad(t: torch.Tensor) -> None:
-    """Note that the model's code made ``t`` require grad (``Tensor.requires_grad_()``)."""
+    """Note that the model's code made ``t`` require grad (``Tensor.requires_grad_()``). In
+    the main trace, a value that depends on no trainable parameter (nor on a value marked
+    before) is one eager autograd makes a leaf that requires grad: its node is tagged
+    :data:`~graphflop.meta.LEAF`. Outside the main trace (an outlined block's template) that
+    depends on each call's inputs: :func:`marked_in_templates` says it happened."""
     mode = get_proxy_mode()
     node = _node_of(t) if mode is not None else None
     if node is not None:
         if _GradSources.active and not _differentiable((t,)):
-            _GradSources.new_leaves += 1
+            node.meta[LEAF] = True
+        elif not _GradSources.active:
+            _GradSources.marked_outside = True
         _GradSources.marked.add(node)
 
 
-def marked_leaves() -> int:
-    """How many values the model's code made require grad (``requires_grad_()``) that depend on
-    no trainable parameter, in the main trace so far (:func:`grad_sources`): eager autograd
-    makes each a leaf and computes its gradient (the input gradients of the ops reading it:
-    PEFT's ``enable_input_require_grads`` on a frozen embedding's output), which graphflop's
-    backward, whose gradients are the parameters', leaves out."""
-    return _GradSources.new_leaves
+@contextlib.contextmanager
+def marked_in_templates() -> Iterator[list[bool]]:
+    """Yields a list whose one item says, on leaving, whether the model's code called
+    ``requires_grad_()`` in the block outside the main trace (an outlined block's template:
+    whether the value becomes a new leaf depends on each call's inputs)."""
+    was = _GradSources.marked_outside
+    _GradSources.marked_outside = False
+    got = [False]
+    try:
+        yield got
+    finally:
+        got[0] = _GradSources.marked_outside
+        _GradSources.marked_outside = was
 
 
 def _node_of(t: Any) -> Node | None:
