@@ -48,7 +48,8 @@ Node keys (``node.meta``)
     :data:`LEAF`         on forward nodes whose value the model's code made require grad
                          (``Tensor.requires_grad_()``, PEFT's ``enable_input_require_grads``
                          hook on a frozen embedding's output) while it depended on no trainable
-                         parameter: True. Eager autograd makes such a value a leaf and
+                         parameter: its number among those calls (0 for the first the
+                         model made). Eager autograd makes such a value a leaf and
                          computes its gradient; the backward's linearization gives it a
                          tangent input of its own (:attr:`JvpInfo.leaf_tangents`).
     :data:`FUNCTION`     on forward nodes a custom ``torch.autograd.Function``'s ``forward``

@@ -139,13 +139,14 @@ def test_a_leaf_the_model_makes_is_differentiated_as_eager(where):
 
 
 @pytest.mark.parametrize("where", ["hook", "block_hook"])
-def test_the_leaf_gradient_is_eagers(where):
+def test_the_leaf_gradient_is_eagers(where, monkeypatch):
     """The backward's gradient of the leaf is the ``.grad`` eager autograd leaves on it, and
-    verify's parameter gradients pass (float64)."""
+    verify's gradient check, which compares it too, passes (float64); the leaf's gradient 1%
+    off fails it."""
     model, ids = _frozen(where).double(), _ids()
     a = analyze(model, (ids,))
     ((pos, name),) = a.backward.meta[VJP].leaf_grads
-    assert [n.name for n in a.forward.graph.nodes if n.meta.get(LEAF)] == [name]
+    assert [n.name for n in a.forward.graph.nodes if LEAF in n.meta] == [name]
     values = real_arguments(a.forward, model, examples=(ids,))
     got = run_backward(a.backward, run_forward(a.forward, values))[pos]
     held: list[torch.Tensor] = []
@@ -158,6 +159,45 @@ def test_the_leaf_gradient_is_eagers(where):
     assert verify_gradients(a.forward, a.backward, model, examples=(ids,)).ok
     # the backward's outputs past the parameters' gradients (the leaf's) are not the estimate's
     assert verify_forward_gradient(a.forward, model, examples=(ids,)).ok
+    from graphflop.runtime import verify
+
+    run = verify.run_backward
+
+    def off(backward, values, ct=1.0):
+        grads = list(run(backward, values, ct))
+        grads[pos] = grads[pos] * 1.01
+        return tuple(grads)
+
+    monkeypatch.setattr(verify, "run_backward", off)
+    check = verify_gradients(a.forward, a.backward, model, examples=(ids,))
+    assert not check.ok and check.where == f"at the leaf {name}"
+
+
+class _NoGradThenMarked(nn.Module):
+    """``a``'s output made with grad mode off, then made to require grad: a new leaf in eager
+    although ``a`` trains (``a`` gets no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.a(x)
+        return self.head(torch.tanh(self.b(h.requires_grad_())))
+
+
+def test_a_value_made_under_no_grad_then_marked_is_a_new_leaf():
+    """Batch 4: head's weight and input gradients 2 · 2·4·8·3 = 384, b's 2 · 2·4·8·8 = 1,024:
+    1,408, FlopCounterMode's; b's input gradient is the leaf's, and a (made under no_grad)
+    gets none: its 72 parameters count as frozen."""
+    torch.manual_seed(0)
+    model, x = _NoGradThenMarked(), torch.randn(4, 8)
+    a = analyze(model, (x,))
+    assert a.report.totals.backward.mm_flops == 1_408 == _eager_backward_flops(model, (x,))
+    assert len(a.backward.meta[VJP].leaf_grads) == 1
+    assert a.report.frozen_params == 72
+    assert a.report.memory.saved_for_backward_bytes == measure_saved(model, (x,))
 
 
 class _Deep(nn.Module):

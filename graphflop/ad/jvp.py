@@ -152,7 +152,7 @@ def has_leaves(forward: GraphModule) -> bool:
     """Whether the model's code made a value of ``forward`` a leaf that requires grad
     (:data:`~graphflop.meta.LEAF`): the backward's linearization then differs from the JVP's
     (``build_jvp(leaves=True)``)."""
-    return any(n.meta.get(LEAF) for n in forward.graph.nodes)
+    return any(LEAF in n.meta for n in forward.graph.nodes)
 
 
 def _differentiated(forward: GraphModule, sig: Signature, wrt_outputs: str) -> list[Node]:
@@ -358,7 +358,7 @@ class _Linearizer:
         eager either). Returns the (tangent placeholder, forward node) name pairs."""
         pairs = []
         for n in self.forward.graph.nodes:
-            if not (n.meta.get(LEAF) and n in needed and _is_float(n.meta.get("val"))):
+            if not (LEAF in n.meta and n in needed and _is_float(n.meta.get("val"))):
                 continue
             t = self.graph.placeholder(f"t_{n.name}")
             t.meta.update(

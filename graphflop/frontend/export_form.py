@@ -195,7 +195,7 @@ def _tag_nodes(gm: GraphModule, sig: Signature, wrapped: bool = True) -> None:
             # computed from parameters, buffers and constants only (an embedding lookup at the
             # model's token ids is not; one at arange positions is); a value the model made a
             # leaf that requires grad is a source of derivatives of its own, as an input
-            n.meta[PARAM_DERIVED] = not n.meta.get(LEAF) and all(
+            n.meta[PARAM_DERIVED] = LEAF not in n.meta and all(
                 a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes
             )
         else:
@@ -326,8 +326,8 @@ def _copy_nodes(old: torch.fx.Graph, g: torch.fx.Graph, env: dict, calls: Any, w
                 continue
             if n.target is operator.getitem and n.args[0] in results_of:
                 env[n] = results_of[n.args[0]][n.args[1]]
-                if n.meta.get(LEAF):  # a call's output the model made a leaf (a hook's)
-                    env[n].meta[LEAF] = True
+                if LEAF in n.meta:  # a call's output the model made a leaf (a hook's)
+                    env[n].meta[LEAF] = n.meta[LEAF]
                 continue
             if calls.drops(n):
                 env[n] = env[n.args[1]]

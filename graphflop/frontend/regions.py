@@ -121,6 +121,8 @@ class _GradSources:
     #: a reentrant checkpoint ran outside the main trace (an outlined block's template): whether
     #: its outputs carry a derivative was not decided (it depends on each call's inputs)
     undecided: bool = False
+    #: how many new leaves the main trace made so far (each tagged ``LEAF`` with its number)
+    leaves: int = 0
     #: the model's code marked a value outside the main trace (an outlined block's template)
     marked_outside: bool = False
 
@@ -134,6 +136,7 @@ def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]
     def scope() -> Iterator[None]:
         _GradSources.trainable = frozenset(trainable)
         _GradSources.marked = set()
+        _GradSources.leaves = 0
         _GradSources.active = True
         try:
             yield
@@ -155,7 +158,8 @@ def mark_requires_grad(t: torch.Tensor) -> None:
     node = _node_of(t) if mode is not None else None
     if node is not None:
         if _GradSources.active and not _differentiable((t,)):
-            node.meta[LEAF] = True
+            node.meta.setdefault(LEAF, _GradSources.leaves)
+            _GradSources.leaves += 1
         elif not _GradSources.active:
             _GradSources.marked_outside = True
         _GradSources.marked.add(node)
@@ -195,7 +199,8 @@ def _node_of(t: Any) -> Node | None:
 
 def _differentiable(args: tuple) -> bool:
     """Whether one of ``args``' tensors depends on a trainable parameter or on a value marked
-    ``requires_grad_`` (True whenever it cannot be told)."""
+    ``requires_grad_``, not through a ``detach`` nor a value made with grad mode off (as eager
+    autograd sees it; True whenever it cannot be told)."""
     mode = get_proxy_mode()
     if mode is None:
         return True
@@ -220,8 +225,11 @@ def _differentiable(args: tuple) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if n.target is not torch.ops.aten.detach.default:  # a stop-gradient
-            stack.extend(n.all_input_nodes)
+        if n.target is aten.detach.default:  # a stop-gradient
+            continue
+        if n.meta.get(NO_GRAD) and NO_GRAD_WRITE not in n.meta:
+            continue  # made with grad mode off: no derivative (a write there keeps its own)
+        stack.extend(n.all_input_nodes)
     return False
 
 
