@@ -314,3 +314,32 @@ def test_enable_input_require_grads_on_a_frozen_llama():
     more = a.report.memory.saved_for_backward_bytes - b.report.memory.saved_for_backward_bytes
     assert more == measure_saved(model, (ids,)) - measure_saved(plain, (ids,))
     assert more > 0
+
+
+class _MarksItsInput(nn.Module):
+    """``x.requires_grad_()`` on the model's input itself (a placeholder of the trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.requires_grad_()
+        return self.head(torch.tanh(self.a(x)))
+
+
+def test_the_models_input_made_a_leaf():
+    """Batch 4: head's weight and input gradients 2 · 2·4·8·3 = 384, a's weight gradient and
+    its input gradient (the input's, which eager computes now) 2 · 2·4·8·8 = 1,024: 1,408,
+    FlopCounterMode's; verify compares the input's gradient with eager's (the model made the
+    reference's input require grad before: it is given anew)."""
+    torch.manual_seed(0)
+    model, x = _MarksItsInput().double(), torch.randn(4, 8, dtype=torch.float64)
+    a = analyze(model, (x.clone(),))
+    assert a.report.totals.backward.mm_flops == 1_408
+    assert _eager_backward_flops(model, (x.clone(),)) == 1_408
+    assert [name for _, name in a.backward.meta[VJP].leaf_grads] == list(
+        a.forward.meta[SIGNATURE].inputs
+    )
+    check = verify_gradients(a.forward, a.backward, model, examples=(x.clone(),))
+    assert check.ok, check

@@ -533,8 +533,10 @@ def verify_gradients(
     shared: dict[str, int] = {}  # parameter → elements NaN or inf in both gradients alike
     compared = 0  # finite elements compared
     pairs = [(qual, grads[pos], ref[qual]) for pos, qual in backward.meta[VJP].grads]
+    # the inputs anew: a model that makes its input require grad did it to them above
+    fresh = {**values, **{n: values[n].detach() for n in sig.inputs}}
     pairs += _leaf_pairs(
-        forward, backward, grads, reference_loss_fn(forward, model, values), params, model
+        forward, backward, grads, reference_loss_fn(forward, model, fresh), params, model
     )
     for qual, ours, theirs in pairs:
         a, b = ours.detach().double(), theirs.detach().double()
