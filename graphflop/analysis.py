@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 
 from graphflop._gc import paused_gc
 from graphflop.ad.builder import shape_cache_scope
-from graphflop.ad.jvp import TANGENT_CHOICES, build_jvp
+from graphflop.ad.jvp import TANGENT_CHOICES, build_jvp, has_leaves
 from graphflop.frontend import nodynamo
 from graphflop.frontend.errors import quiet_loggers
 from graphflop.frontend.inputs import split_example
@@ -531,21 +531,26 @@ def _analyze(
     g = Graphs(fwd)
     lin = None  # the JVP graph with parameter tangents: transposed, and the forward gradient's
     direct = o.record_derivatives
+    # values the model made leaves that require grad: the transposed linearization has their
+    # tangents too, the JVP (eager forward mode, which ignores requires_grad) has not
+    leaves = has_leaves(fwd)
     if jvp:
         say("building the JVP graph")
         g = replace(g, jvp=run_passes(fwd, [BuildJvp(tangents, direct=direct), AnnotateFlops()]))
         lin = g.jvp if tangents == "params" else None
     if backward and has_loss:
         say("building the backward graph")
-        bwd = run_passes(fwd, [BuildVjp(linearized=lin, direct=direct), AnnotateFlops()])
+        bwd = run_passes(
+            fwd, [BuildVjp(linearized=None if leaves else lin, direct=direct), AnnotateFlops()]
+        )
         g = replace(g, backward=bwd)
         say("building the optimizer update")
         add_update = AddOptimizerUpdate(optimizer, backward=bwd)  # no gradient: no update
         g = replace(g, update=run_passes(fwd, [add_update, AnnotateFlops()]))
         if lin is None:
             lin = bwd.meta[LINEARIZED]
-            if lin.meta[JVP].opaque:  # built to be transposed (a Function without jvp)
-                lin = build_jvp(fwd, "params")
+            if lin.meta[JVP].opaque or leaves:  # built to be transposed (a Function without
+                lin = build_jvp(fwd, "params")  # jvp, the leaves' tangents)
     if jvp and has_loss:
         say("building the forward-gradient step")
         upd = for_every_parameter(g.update)  # a forward gradient updates every parameter

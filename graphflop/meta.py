@@ -45,6 +45,13 @@ Node keys (``node.meta``)
                          into it (or into a view of it) in place with grad mode off:
                          :class:`NoGradWrite`. Eager autograd does not see such a write, so the
                          tensor keeps its derivative.
+    :data:`LEAF`         on forward nodes whose value the model's code made require grad
+                         (``Tensor.requires_grad_()``, PEFT's ``enable_input_require_grads``
+                         hook on a frozen embedding's output) while it depended on no trainable
+                         parameter: its number among those calls (0 for the first the
+                         model made). Eager autograd makes such a value a leaf and
+                         computes its gradient; the backward's linearization gives it a
+                         tangent input of its own (:attr:`JvpInfo.leaf_tangents`).
     :data:`FUNCTION`     on forward nodes a custom ``torch.autograd.Function``'s ``forward``
                          made: :class:`FunctionTag` (which Function, the node's place in the
                          call, which of its inputs, outputs or saved tensors the node is).
@@ -123,6 +130,7 @@ TIME = "gf_time"
 INPLACE = "gf_inplace"
 NO_GRAD = "gf_no_grad"
 NO_GRAD_WRITE = "gf_no_grad_write"
+LEAF = "gf_leaf"
 
 # graph keys
 SIGNATURE = "gf_signature"
@@ -165,6 +173,7 @@ NODE_KEYS = (
     INPLACE,
     NO_GRAD,
     NO_GRAD_WRITE,
+    LEAF,
 )
 GRAPH_KEYS = (
     SIGNATURE,
@@ -322,12 +331,16 @@ class JvpInfo:
         tangent_outputs: names of the forward nodes whose tangents follow, in order.
         opaque: custom Functions without ``jvp`` whose tangent is an opaque node: the graph is
             a linearization to transpose, not one to run (``build_jvp(for_transpose=True)``).
+        leaf_tangents: (tangent placeholder name, forward node name) pairs: the values the
+            model's code made leaves that require grad (:data:`LEAF`), each given a tangent
+            input of its own (``build_jvp(leaves=True)``, the backward's linearization).
     """
 
     tangent_inputs: tuple[tuple[str, str], ...]
     primal_outputs: int
     tangent_outputs: tuple[str, ...]
     opaque: tuple[str, ...] = ()
+    leaf_tangents: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -340,12 +353,16 @@ class VjpInfo:
         cotangent_input: name of the loss-cotangent placeholder.
         grads: (output position, parameter qualified name) pairs.
         input_grads: (output position, input placeholder name) pairs.
+        leaf_grads: (output position, forward node name) pairs: the gradients of the values
+            the model's code made leaves that require grad (:data:`LEAF`), which eager
+            autograd computes and stores in their ``.grad``.
     """
 
     residuals: tuple[tuple[str, str, str], ...]
     cotangent_input: str
     grads: tuple[tuple[int, str], ...]
     input_grads: tuple[tuple[int, str], ...]
+    leaf_grads: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)

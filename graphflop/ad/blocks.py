@@ -1153,7 +1153,8 @@ class BlockLinearize:
             seen.add((t[0], k))
             self.key[n] = k
             self.site_nodes.setdefault(t[0], []).append(n)
-            if n in lin.calls:
+            if n in lin.calls or n in getattr(lin, "leaf_tan", ()):
+                # a custom Function's node, or a leaf's (its tangent is its own input)
                 self.unsafe.add(t[0])
         # a call whose nodes are not one run of the forward: node by node, in place
         self.split = {s for s, ix in at.items() if ix[-1] - ix[0] + 1 != len(ix)}

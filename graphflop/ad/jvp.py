@@ -51,6 +51,7 @@ from graphflop.meta import (
     JVP,
     JVP_LOG,
     KIND,
+    LEAF,
     LOSS_KIND,
     MODULE,
     NO_GRAD,
@@ -147,6 +148,13 @@ def _needed(
     return seen
 
 
+def has_leaves(forward: GraphModule) -> bool:
+    """Whether the model's code made a value of ``forward`` a leaf that requires grad
+    (:data:`~graphflop.meta.LEAF`): the backward's linearization then differs from the JVP's
+    (``build_jvp(leaves=True)``)."""
+    return any(LEAF in n.meta for n in forward.graph.nodes)
+
+
 def _differentiated(forward: GraphModule, sig: Signature, wrt_outputs: str) -> list[Node]:
     """The forward nodes whose tangents the JVP graph returns: the loss (and the model's
     outputs for ``wrt_outputs="outputs"``, or when there is no loss), floating ones only."""
@@ -165,6 +173,7 @@ def build_jvp(
     for_transpose: bool = False,
     per_template: bool = True,
     recorder: Any = None,
+    leaves: bool = False,
 ) -> GraphModule:
     """Build the JVP graph of a traced forward graph.
 
@@ -187,10 +196,18 @@ def build_jvp(
             ``gm.meta[DERIVED_HIERARCHY]`` holds the hierarchy (``calls.expand`` gives the flat
             graph, node for node the one built without it); ``JVP_LOG`` holds the top
             level's logged tangents and those of a call read after it (its getitems).
+        leaves: also give each value the model's code made a leaf that requires grad
+            (:data:`~graphflop.meta.LEAF`: ``requires_grad_()`` on a value that depends on no
+            trainable parameter, PEFT's ``enable_input_require_grads``) a tangent input of
+            its own, which replaces its (zero) tangent: the linearization the backward
+            transposes, since eager autograd computes such a leaf's gradient and so
+            differentiates everything between it and the loss (eager forward-mode AD, and so
+            the JVP phase and the forward gradient, ignores ``requires_grad``).
 
     Returns:
         A GraphModule taking the forward's placeholders followed by one tangent per selected
-        placeholder (same shape), returning the forward's outputs followed by the tangents.
+        placeholder (same shape), then one per leaf (``leaves``, :attr:`JvpInfo.leaf_tangents`),
+        returning the forward's outputs followed by the tangents.
 
     Raises:
         MissingRuleError: for an op on the differentiated path with no JVP rule, inside
@@ -208,9 +225,10 @@ def build_jvp(
 
     lin = _Linearizer(forward, for_transpose, per_template)
     lin.recorder = recorder if per_template else None
-    tangent_inputs = lin.placeholders(carry, ghostly=(params | inputs) - carry, params=params)
     hidden = hidden_writes(forward.graph)
     needed = _needed(forward.graph, diff_out, hidden)
+    tangent_inputs = lin.placeholders(carry, ghostly=(params | inputs) - carry, params=params)
+    leaf_tangents = lin.leaf_placeholders(needed) if leaves else []
     # an in-place write a needed node reads through another alias: its tangent cannot reach
     # that reader (the graph has no edge for it), so the derivative is cut there, visibly
     lin.cut = {m for n in needed for m in hidden.get(n, ()) if not m.meta.get(NO_GRAD)}
@@ -241,6 +259,7 @@ def build_jvp(
         len(primal_outs),
         tuple(d.name for d in diff_out),
         tuple(dict.fromkeys(lin.opaque)),
+        tuple(leaf_tangents),
     )
     gm.meta[JVP_LOG] = tuple(log)
     gm.meta[GHOST_LINKS] = GhostLinks.of(links)
@@ -289,6 +308,8 @@ class _Linearizer:
         self.graph = Graph()
         self.env: dict[Node, Node] = {}
         self.tan: dict[Node, Any] = {}
+        #: the tangent input of each forward node tagged ``LEAF`` (``build_jvp(leaves=True)``)
+        self.leaf_tan: dict[Node, Node] = {}
         self.ghosts: list[Ghost] = []
         self.gaps: list[Gap] = []
         #: in-place writes read through another alias (set by ``build_jvp``): cut, a gap each
@@ -331,6 +352,38 @@ class _Linearizer:
                 self.tan[n] = GhostValue(n.meta["val"], param_derived=n.name in params)
         return tangent_inputs
 
+    def leaf_placeholders(self, needed: set[Node]) -> list[tuple[str, str]]:
+        """A tangent placeholder (after the others) for each forward node tagged ``LEAF``
+        whose value the differentiated outputs depend on (an unused leaf gets no gradient in
+        eager either). Returns the (tangent placeholder, forward node) name pairs."""
+        pairs = []
+        for n in self.forward.graph.nodes:
+            if not (LEAF in n.meta and n in needed and _is_float(n.meta.get("val"))):
+                continue
+            t = self.graph.placeholder(f"t_{n.name}")
+            t.meta.update(
+                {
+                    "val": n.meta["val"],
+                    KIND: "tangent",
+                    SOURCE: n.name,
+                    MODULE: n.meta.get(MODULE, ""),
+                    PARAM_DERIVED: False,
+                    ROLE: "tangent_from_input",
+                }
+            )
+            self.leaf_tan[n] = t
+            if n.op == "placeholder":  # a model input the model made require grad
+                self._as_leaf(n)
+            pairs.append((t.name, n.name))
+        return pairs
+
+    def _as_leaf(self, n: Node) -> None:
+        """Give ``n`` its leaf tangent, unless it carries a real one (it then depends on a
+        value that requires grad, and eager's ``requires_grad_()`` changes nothing)."""
+        t = self.tan.get(n)
+        if t is None or is_ghost(t):
+            self.tan[n] = self.leaf_tan[n]
+
     def propagate(self, needed: set[Node]) -> tuple[Any, ...]:
         """Copy every forward node and emit the tangents of those in ``needed``, in forward
         order. Returns the forward's outputs (the output node's values)."""
@@ -355,7 +408,13 @@ class _Linearizer:
         return tuple(outs)
 
     def _node(self, n: Node, needed: set[Node]) -> None:
-        """Copy forward node ``n`` (and its getitems) and emit its tangent if needed."""
+        """Copy forward node ``n`` (and its getitems) and emit its tangent if needed; a leaf's
+        (``LEAF``) is its tangent input."""
+        self._node_tangent(n, needed)
+        if n in self.leaf_tan:
+            self._as_leaf(n)
+
+    def _node_tangent(self, n: Node, needed: set[Node]) -> None:
         if n not in self.env:
             self.env[n] = self._copy(n)
         for u in n.users:  # copy getitems at once, so rules can read every output

@@ -44,7 +44,7 @@ from torch.fx.node import map_arg
 from graphflop.ad import functions
 from graphflop.ad.blocks import RecordedCalls, RecordedFallback, transpose_log
 from graphflop.ad.builder import Builder, emit
-from graphflop.ad.jvp import build_jvp
+from graphflop.ad.jvp import build_jvp, has_leaves
 from graphflop.ad.simplify import fold_transposed_matmuls
 from graphflop.meta import (
     CHECKPOINT,
@@ -235,13 +235,17 @@ def build_vjp(
         raise ValueError("the forward graph has no loss: trace with loss='sum' or another loss")
     if linearized is not None:
         _check_linearizes(forward, linearized)
+        if has_leaves(forward) and not linearized.meta[JVP].leaf_tangents:
+            linearized = None  # without the leaves' tangents: not the one eager transposes
     lin = linearized
     tangents = "all" if input_grads else "params"
     dh = lin.meta.get(DERIVED_HIERARCHY) if lin is not None else None
     if dh is not None and dh.graph is lin and _cut(lin) and per_template and recorder is not None:
         # a custom Function without jvp cuts the recorded JVP: record a linearization that
         # goes through it (its own backward is the transpose) and transpose that
-        lin = build_jvp(forward, tangents, for_transpose=True, recorder=type(recorder)(forward))
+        lin = build_jvp(
+            forward, tangents, for_transpose=True, recorder=type(recorder)(forward), leaves=True
+        )
         dh = lin.meta.get(DERIVED_HIERARCHY)
     checkpointed = any(n.meta.get(CHECKPOINT) is not None for n in forward.graph.nodes)
     if checkpointed:
@@ -259,7 +263,9 @@ def build_vjp(
     if lin is None or _cut(lin):
         # a custom Function without jvp cuts the JVP graph: transpose a linearization that
         # goes through it instead (its own backward is the transpose)
-        lin = build_jvp(forward, tangents, for_transpose=True, per_template=per_template)
+        lin = build_jvp(
+            forward, tangents, for_transpose=True, per_template=per_template, leaves=True
+        )
     return _build_vjp(forward, sig, lin, input_grads, per_template, recorder, None)
 
 
@@ -377,6 +383,15 @@ def _build_vjp(
         else:
             in_grads.append((len(outputs), p_name))
         outputs.append(g_val)
+    leaf_grads: list[tuple[int, str]] = []
+    for t_name, n_name in info.leaf_tangents:  # eager stores them in the leaves' .grad
+        t_node = placeholders[t_name]
+        g_val = ct.get(t_node)
+        if g_val is None or is_ghost(g_val):
+            with b.context(source=n_name, module="", role="grad_input", ghost=False):
+                g_val = b.zeros_like(t_node)
+        leaf_grads.append((len(outputs), n_name))
+        outputs.append(g_val)
     g.output(tuple(outputs))
     if b.recorder is not None:
         moved = b.recorder.finish(g, [n for n, _ in named])
@@ -403,6 +418,7 @@ def _build_vjp(
         ct_loss.name,
         tuple(grads),
         tuple(in_grads),
+        tuple(leaf_grads),
     )
     return gm
 

@@ -383,6 +383,8 @@ def graph_io_names(kind: str, gm: GraphModule) -> tuple[list[str], list[str]]:
             outs[pos] = f"grad.{q}"
         for pos, name in info.input_grads:
             outs[pos] = f"grad.{inputs_.get(name, name)}"
+        for pos, name in info.leaf_grads:  # a value the model made a leaf (requires_grad_)
+            outs[pos] = f"grad.{name}"
         ins = [
             (
                 "ct_loss"

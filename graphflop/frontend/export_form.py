@@ -32,6 +32,7 @@ from graphflop.meta import (
     FACTS,
     FUNCTION,
     KIND,
+    LEAF,
     LOSS_KIND,
     MODULE,
     PARAM,
@@ -192,8 +193,11 @@ def _tag_nodes(gm: GraphModule, sig: Signature, wrapped: bool = True) -> None:
         n.meta[ROLE] = "loss" if path == "loss" else "forward"
         if n.op == "call_function":
             # computed from parameters, buffers and constants only (an embedding lookup at the
-            # model's token ids is not; one at arange positions is)
-            n.meta[PARAM_DERIVED] = all(a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes)
+            # model's token ids is not; one at arange positions is); a value the model made a
+            # leaf that requires grad is a source of derivatives of its own, as an input
+            n.meta[PARAM_DERIVED] = LEAF not in n.meta and all(
+                a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes
+            )
         else:
             n.meta[PARAM_DERIVED] = False
 
@@ -322,6 +326,8 @@ def _copy_nodes(old: torch.fx.Graph, g: torch.fx.Graph, env: dict, calls: Any, w
                 continue
             if n.target is operator.getitem and n.args[0] in results_of:
                 env[n] = results_of[n.args[0]][n.args[1]]
+                if LEAF in n.meta:  # a call's output the model made a leaf (a hook's)
+                    env[n].meta[LEAF] = n.meta[LEAF]
                 continue
             if calls.drops(n):
                 env[n] = env[n.args[1]]

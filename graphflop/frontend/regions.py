@@ -54,7 +54,14 @@ from torch.autograd.function import Function
 from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode
 
-from graphflop.meta import CHECKPOINT, NO_GRAD, NO_GRAD_WRITE, CheckpointTag, NoGradWrite
+from graphflop.meta import (
+    CHECKPOINT,
+    LEAF,
+    NO_GRAD,
+    NO_GRAD_WRITE,
+    CheckpointTag,
+    NoGradWrite,
+)
 
 aten = torch.ops.aten
 
@@ -114,9 +121,10 @@ class _GradSources:
     #: a reentrant checkpoint ran outside the main trace (an outlined block's template): whether
     #: its outputs carry a derivative was not decided (it depends on each call's inputs)
     undecided: bool = False
-    #: how many values the model's code marked that depend on no trainable parameter: eager
-    #: autograd makes each a leaf and computes its gradient, which graphflop leaves out
-    new_leaves: int = 0
+    #: how many new leaves the main trace made so far (each tagged ``LEAF`` with its number)
+    leaves: int = 0
+    #: the model's code marked a value outside the main trace (an outlined block's template)
+    marked_outside: bool = False
 
 
 def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]:
@@ -128,7 +136,7 @@ def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]
     def scope() -> Iterator[None]:
         _GradSources.trainable = frozenset(trainable)
         _GradSources.marked = set()
-        _GradSources.new_leaves = 0
+        _GradSources.leaves = 0
         _GradSources.active = True
         try:
             yield
@@ -141,22 +149,35 @@ def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]
 
 
 def mark_requires_grad(t: torch.Tensor) -> None:
-    """Note that the model's code made ``t`` require grad (``Tensor.requires_grad_()``)."""
+    """Note that the model's code made ``t`` require grad (``Tensor.requires_grad_()``). In
+    the main trace, a value that depends on no trainable parameter (nor on a value marked
+    before) is one eager autograd makes a leaf that requires grad: its node is tagged
+    :data:`~graphflop.meta.LEAF`. Outside the main trace (an outlined block's template) that
+    depends on each call's inputs: :func:`marked_in_templates` says it happened."""
     mode = get_proxy_mode()
     node = _node_of(t) if mode is not None else None
     if node is not None:
         if _GradSources.active and not _differentiable((t,)):
-            _GradSources.new_leaves += 1
+            node.meta.setdefault(LEAF, _GradSources.leaves)
+            _GradSources.leaves += 1
+        elif not _GradSources.active:
+            _GradSources.marked_outside = True
         _GradSources.marked.add(node)
 
 
-def marked_leaves() -> int:
-    """How many values the model's code made require grad (``requires_grad_()``) that depend on
-    no trainable parameter, in the main trace so far (:func:`grad_sources`): eager autograd
-    makes each a leaf and computes its gradient (the input gradients of the ops reading it:
-    PEFT's ``enable_input_require_grads`` on a frozen embedding's output), which graphflop's
-    backward, whose gradients are the parameters', leaves out."""
-    return _GradSources.new_leaves
+@contextlib.contextmanager
+def marked_in_templates() -> Iterator[list[bool]]:
+    """Yields a list whose one item says, on leaving, whether the model's code called
+    ``requires_grad_()`` in the block outside the main trace (an outlined block's template:
+    whether the value becomes a new leaf depends on each call's inputs)."""
+    was = _GradSources.marked_outside
+    _GradSources.marked_outside = False
+    got = [False]
+    try:
+        yield got
+    finally:
+        got[0] = _GradSources.marked_outside
+        _GradSources.marked_outside = was
 
 
 def _node_of(t: Any) -> Node | None:
@@ -178,7 +199,8 @@ def _node_of(t: Any) -> Node | None:
 
 def _differentiable(args: tuple) -> bool:
     """Whether one of ``args``' tensors depends on a trainable parameter or on a value marked
-    ``requires_grad_`` (True whenever it cannot be told)."""
+    ``requires_grad_``, not through a ``detach`` nor a value made with grad mode off (as eager
+    autograd sees it; True whenever it cannot be told)."""
     mode = get_proxy_mode()
     if mode is None:
         return True
@@ -203,8 +225,11 @@ def _differentiable(args: tuple) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if n.target is not torch.ops.aten.detach.default:  # a stop-gradient
-            stack.extend(n.all_input_nodes)
+        if n.target is aten.detach.default:  # a stop-gradient
+            continue
+        if n.meta.get(NO_GRAD) and NO_GRAD_WRITE not in n.meta:
+            continue  # made with grad mode off: no derivative (a write there keeps its own)
+        stack.extend(n.all_input_nodes)
     return False
 
 

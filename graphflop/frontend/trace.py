@@ -86,7 +86,7 @@ from graphflop.frontend.regions import (
     grad_mode_tagged,
     grad_sources,
     mark_requires_grad,
-    marked_leaves,
+    marked_in_templates,
     undecided_checkpoints,
 )
 from graphflop.frontend.replay import Replays
@@ -435,7 +435,6 @@ def _trace_once(
                     decomposition_table=table,
                     _allow_fake_constant=True,
                 )(*flat_state, *inputs)
-                leaves = marked_leaves()
             templates = _templates(outliner, table, fake_mode, modes)
             with modes:
                 trace_records(records, table, fake_mode)
@@ -481,7 +480,7 @@ def _trace_once(
     hierarchy = build_hierarchy(out, templates, sites)
     if hierarchy is not None:
         out.meta[HIERARCHY] = hierarchy
-    out.meta[ASSUMPTIONS] = tuple(dispatch.lines) + ((_leaves_line(leaves),) if leaves else ())
+    out.meta[ASSUMPTIONS] = tuple(dispatch.lines)
     written = out.meta[SIGNATURE].params_written
     if written:
         out.meta[ASSUMPTIONS] += (_written_line(written),)
@@ -502,18 +501,6 @@ def _written_line(names: tuple[str, ...]) -> str:
         "values, which keep the parameter's derivative (eager autograd does not record the "
         "write); eager keeps them in the parameter, which the optimizer then updates (the "
         "update's figures are the same)"
-    )
-
-
-def _leaves_line(count: int) -> str:
-    """The report's line for ``count`` values the model made require grad that depend on no
-    trainable parameter (:func:`~graphflop.frontend.regions.marked_leaves`)."""
-    what = "1 tensor that depends" if count == 1 else f"{count} tensors that depend"
-    return (
-        f"the model's code calls requires_grad_() on {what} on no trainable parameter (a "
-        "frozen embedding's output, as PEFT's enable_input_require_grads makes it): eager "
-        "PyTorch also computes their gradient (the input gradients of the ops that read "
-        "them), graphflop's backward the parameters' gradients only"
     )
 
 
@@ -720,8 +707,11 @@ def _input_writes_unrecorded() -> Iterator[None]:
 def _requires_grad_ignored() -> Iterator[None]:
     """While tracing, ``Tensor.requires_grad_`` in the model's code (transformers' gradient
     checkpointing makes the embeddings' output require grad, so that the reentrant
-    checkpoint sees an input that does) returns the tensor unchanged: functionalisation
-    refuses it, and what carries a gradient is decided by the parameters, not the trace."""
+    checkpoint sees an input that does; PEFT's ``enable_input_require_grads`` does it from a
+    hook) returns the tensor unchanged, as functionalisation refuses it; the call is noted
+    (:func:`~graphflop.frontend.regions.mark_requires_grad`): a value that depends on no
+    trainable parameter is tagged :data:`~graphflop.meta.LEAF`, whose gradient the backward
+    computes as eager autograd does."""
     original = torch.Tensor.requires_grad_
 
     def requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
@@ -821,17 +811,24 @@ def _templates(
 
     Raises:
         NotOutlinable: a structure with a reentrant checkpoint inside (whether its outputs
-            carry a derivative is decided per call, by its inputs), a structure whose copies
-            differ in their layer index
+            carry a derivative is decided per call, by its inputs), one whose forward calls
+            ``requires_grad_()`` (whether the value becomes a new leaf is decided per call,
+            too), a structure whose copies differ in their layer index
             (:data:`repeats.INDEX_ATTRS`) and whose forward uses it, or whose graph traced from
             a copy with another index differs.
     """
     templates = {}
     for key, call in enumerate(outliner.calls):
-        with undecided_checkpoints() as undecided, grad_mode_tagged():
+        with (
+            undecided_checkpoints() as undecided,
+            marked_in_templates() as marked,
+            grad_mode_tagged(),
+        ):
             templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes)
         if undecided[0]:  # detached or not is each call's own (its inputs' derivative)
             raise repeats.NotOutlinable(call.structure, "a reentrant checkpoint inside")
+        if marked[0]:  # a new leaf or not is each call's own (its inputs' derivative)
+            raise repeats.NotOutlinable(call.structure, "calls requires_grad_() in forward")
         if call.check is None:
             continue
         if outliner.index_used.get(key, [False])[0]:

@@ -47,6 +47,7 @@ from graphflop.meta import (
     ROLE,
     SIGNATURE,
     SOURCE,
+    VJP,
     CompositeTag,
 )
 from graphflop.passes.eager_attention import FusedAttention, attention_jvp
@@ -603,6 +604,21 @@ def optimizer_temporaries(optimizer: str, param_bytes: list[int], device: str) -
     return 2 * max(param_bytes) if device == "cpu" else sum(param_bytes)
 
 
+def leaf_lifetimes(backward: GraphModule) -> tuple[set[str], list[str]]:
+    """(the backward's output nodes that are gradients of leaves the model made, the forward
+    keys of those leaves): eager autograd keeps such a leaf (``requires_grad_()`` on a value
+    that depends on no trainable parameter) in the autograd graph's ``AccumulateGrad`` node,
+    and its gradient in the leaf's ``.grad``, until the graph is freed with the loss, after
+    the backward: both live to the backward's end whether or not the backward reads the leaf,
+    and neither into the optimizer step (:attr:`~graphflop.meta.VjpInfo.leaf_grads`)."""
+    info = backward.meta.get(VJP)
+    if info is None or not info.leaf_grads:
+        return set(), []
+    out = next(n for n in reversed(backward.graph.nodes) if n.op == "output")
+    released = {out.args[0][pos].name for pos, _ in info.leaf_grads}
+    return released, [f"f:{name}" for _, name in info.leaf_grads]
+
+
 @overload
 def eager_train_schedule(
     forward: GraphModule,
@@ -648,10 +664,12 @@ def eager_train_schedule(
     sig = forward.meta[SIGNATURE]
     state = sig.state()
     fwd_tmp, bwd_tmp = kernel_temporaries(forward, backward, device)
+    released, held = leaf_lifetimes(backward)
     if keep_grads:  # AccumulateGrad adds each new gradient into .grad in place and frees it
         out = next(n for n in backward.graph.nodes if n.op == "output")
         for a in out.all_input_nodes:
-            bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
+            if a.name not in released:  # a leaf the model made is new each step
+                bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
     f_runs = forward_runs(forward) if composed else None
     b_runs = backward_runs(backward) if composed else None
     s: Schedule | ComposedSchedule = Schedule()
@@ -696,6 +714,8 @@ def eager_train_schedule(
         extra=bwd_tmp,
         also_reads=eager.backward_reads,
         inplace=scatters_in_place(backward),
+        released=released,
+        held=held,
     )
     phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
     sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]

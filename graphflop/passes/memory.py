@@ -60,6 +60,7 @@ class _NodeSteps:
         also_reads: dict[str, list[str]] | None,
         inplace: set[str] | None,
         free_outputs: bool,
+        released: set[str] | None = None,
     ) -> None:
         self.eager = eager
         self.sizes = sizes or {}
@@ -67,6 +68,7 @@ class _NodeSteps:
         self.also_reads = also_reads or {}
         self.inplace = inplace or set()
         self.free_outputs = free_outputs
+        self.released = released or set()
         self.by_name = {n.name: n for n in gm.graph.nodes}
         out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         self.outputs = set(out_node.all_input_nodes)
@@ -81,6 +83,17 @@ class _NodeSteps:
     @staticmethod
     def reads_of(n: Node, keys: dict[Node, list[str]]) -> list[str]:
         return [k for a in n.all_input_nodes for k in keys.get(a, [])]
+
+    def output_step(
+        self, n: Node, prefix: str, keys: dict[Node, list[str]], held: list[str], keep: set[str]
+    ) -> Step:
+        """The output node ``n``'s step, reading ``held`` too; the keys ``keep_outputs`` keeps
+        (those not of :attr:`released` outputs) are added to ``keep``."""
+        reads = self.reads_of(n, keys)
+        keep.update(
+            k for a in n.all_input_nodes if a.name not in self.released for k in keys.get(a, [])
+        )
+        return Step(f"{prefix}:__output__", 0, None, reads + held)
 
     def step(self, n: Node, key: str, keys: dict[Node, list[str]]) -> Step | None:
         """``n``'s step under ``key`` (``keys``: node -> the keys its value is read as; ``n``'s
@@ -102,7 +115,7 @@ class _NodeSteps:
                 keys[n] = []  # a view of an always-live tensor
                 return None
             alias = keys[base][0] if base is not None else None
-        if self.free_outputs and n in self.outputs:
+        if self.free_outputs and n in self.outputs and n.name not in self.released:
             nbytes = 0
         elif own and isinstance(val, (tuple, list)):
             nbytes = 0
@@ -133,6 +146,8 @@ class Schedule:
         extra: dict[str, int] | None = None,
         also_reads: dict[str, list[str]] | None = None,
         inplace: set[str] | None = None,
+        released: set[str] | None = None,
+        held: list[str] | None = None,
     ) -> None:
         """Append ``gm``'s nodes.
 
@@ -153,16 +168,22 @@ class Schedule:
                 it has run (a kernel that holds them though the graph's edges do not say so).
             inplace: names of nodes whose output is written into their first argument's
                 storage (an eager kernel updating a buffer it made).
+            released: names of output nodes freed after the graph's last step whatever
+                ``keep_outputs`` says, and allocated whatever ``free_outputs`` says (the
+                gradients of leaves the model made, which eager autograd frees with the
+                autograd graph).
+            held: keys of earlier graphs' values that stay live until the graph's last step
+                (the leaves the model made, which eager's autograd graph holds).
         """
         external = external or {}
-        nodes = _NodeSteps(gm, eager, sizes, extra, also_reads, inplace, free_outputs)
+        nodes = _NodeSteps(gm, eager, sizes, extra, also_reads, inplace, free_outputs, released)
         keys: dict[Node, list[str]] = {}
         for n in gm.graph.nodes:
             if n.op == "output":
-                reads = nodes.reads_of(n, keys)
-                self.steps.append(Step(f"{prefix}:__output__", 0, None, reads))
+                kept: set[str] = set()
+                self.steps.append(nodes.output_step(n, prefix, keys, held or [], kept))
                 if keep_outputs:
-                    self.keep.update(reads)
+                    self.keep.update(kept)
                 continue
             if n.op == "placeholder":
                 if n.name in baseline:

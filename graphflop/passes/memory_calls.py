@@ -172,11 +172,13 @@ class ComposedSchedule:
         extra: dict[str, int] | None = None,
         also_reads: dict[str, list[str]] | None = None,
         inplace: set[str] | None = None,
+        released: set[str] | None = None,
+        held: list[str] | None = None,
     ) -> None:
         """:meth:`Schedule.add_graph <graphflop.passes.memory.Schedule.add_graph>`, with each
         of ``runs`` (consecutive nodes of ``gm``, in graph order) one call item."""
         external = external or {}
-        nodes = _NodeSteps(gm, eager, sizes, extra, also_reads, inplace, free_outputs)
+        nodes = _NodeSteps(gm, eager, sizes, extra, also_reads, inplace, free_outputs, released)
         runs = [(key, r) for key, r in runs if r]
         index = {n: (ci, i) for ci, (_, r) in enumerate(runs) for i, n in enumerate(r)}
         numbers: list[int] = []  # per run, its call's item number
@@ -195,10 +197,10 @@ class ComposedSchedule:
                     self._add_call(key, ci, run, prefix, nodes, keys, index, overrides[ci])
                 continue
             if n.op == "output":
-                reads = nodes.reads_of(n, keys)
-                self.items.append(Step(f"{prefix}:__output__", 0, None, reads))
+                kept: set[str] = set()
+                self.items.append(nodes.output_step(n, prefix, keys, held or [], kept))
                 if keep_outputs:
-                    self.keep.update(reads)
+                    self.keep.update(kept)
                 continue
             if n.op == "placeholder":
                 if n.name in baseline:

@@ -44,6 +44,7 @@ from torch.fx import GraphModule, Interpreter
 from graphflop.frontend.loss import differentiable, loss_output, loss_value
 from graphflop.meta import (
     CONSTANTS,
+    LEAF,
     LOSS_KIND,
     SIGNATURE,
     SOURCE,
@@ -531,8 +532,14 @@ def verify_gradients(
     worst, where = 0.0, "no parameters"
     shared: dict[str, int] = {}  # parameter → elements NaN or inf in both gradients alike
     compared = 0  # finite elements compared
-    for pos, qual in backward.meta[VJP].grads:
-        a, b = grads[pos].detach().double(), ref[qual].detach().double()
+    pairs = [(qual, grads[pos], ref[qual]) for pos, qual in backward.meta[VJP].grads]
+    # the inputs anew: a model that makes its input require grad did it to them above
+    fresh = {**values, **{n: values[n].detach() for n in sig.inputs}}
+    pairs += _leaf_pairs(
+        forward, backward, grads, reference_loss_fn(forward, model, fresh), params, model
+    )
+    for qual, ours, theirs in pairs:
+        a, b = ours.detach().double(), theirs.detach().double()
         bad = nonfinite(a, b)
         if bad and same_nonfinite(a, b):
             finite = a.isfinite()
@@ -633,6 +640,63 @@ def eager_gradients(f, args: list, model: nn.Module | None = None) -> tuple[list
         for a in leaves
     ]
     return grads, loss.detach()
+
+
+def eager_leaf_gradients(f, params: dict[str, torch.Tensor], model: nn.Module) -> list:
+    """The ``.grad`` eager autograd gives each value the model's code makes a new leaf
+    (``requires_grad_()`` on a tensor that does not require grad) while ``f(params)`` runs
+    its forward (:func:`eager_gradients`), in the order of the calls (the numbers
+    :data:`~graphflop.meta.LEAF` gives their nodes); None for a leaf the loss does not
+    reach."""
+    made: list[torch.Tensor] = []
+    original = torch.Tensor.requires_grad_
+
+    def requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+        new = requires_grad and not self.requires_grad
+        out = original(self, requires_grad)
+        if new:
+            made.append(self)
+        return out
+
+    def forward_noted(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        torch.Tensor.requires_grad_ = requires_grad_  # type: ignore[method-assign,assignment]
+        try:
+            return f(p)
+        finally:
+            torch.Tensor.requires_grad_ = original  # type: ignore[method-assign]
+
+    eager_gradients(forward_noted, [params], model)
+    return [t.grad for t in made]
+
+
+def _leaf_pairs(
+    forward: GraphModule, backward: GraphModule, grads: tuple, f, params: dict, model: nn.Module
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(label, graphflop's, eager's) gradient of each leaf the model's code made that the
+    backward returns (:attr:`~graphflop.meta.VjpInfo.leaf_grads`), eager's by
+    :func:`eager_leaf_gradients` (zeros where the loss does not reach it)."""
+    leaf_grads = backward.meta[VJP].leaf_grads
+    if not leaf_grads:
+        return []
+    number = {n.name: n.meta[LEAF] for n in forward.graph.nodes if LEAF in n.meta}
+    # only the trainable parameters require grad, as in training (a value computed from a
+    # frozen one alone is the new leaf the trace saw)
+    trainable = {q for _, q in forward.meta[SIGNATURE].trainable()}
+    frozen = {q: v.detach() for q, v in params.items() if q not in trainable}
+    eager = eager_leaf_gradients(
+        lambda p: f({**frozen, **p}),
+        {q: v for q, v in params.items() if q in trainable},
+        model,
+    )
+    out = []
+    for pos, name in leaf_grads:
+        k = number[name]
+        ref = eager[k] if k < len(eager) else None
+        theirs = torch.zeros_like(grads[pos]) if ref is None else ref
+        if k >= len(eager):  # eager made fewer leaves: no value to compare with
+            theirs = torch.full_like(grads[pos], math.nan)
+        out.append((f"the leaf {name}", grads[pos], theirs))
+    return out
 
 
 def norm64(tensors: Any) -> float:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from graphflop.meta import FORWARD_GRADIENT, SIGNATURE, Signature
+from graphflop.meta import FORWARD_GRADIENT, SIGNATURE, VJP, Signature
 from graphflop.runtime.verify import (
     Check,
     _dtype_name,
@@ -70,7 +70,8 @@ def verify_forward_gradient(
     with seeded():
         fwd_values = run_forward(forward, values, backward_reads(backward))
     grads = run_backward(backward, fwd_values)
-    true = torch.cat([g.flatten() for g in grads]).double()
+    # the parameters' gradients (not those of leaves the model made, which follow them)
+    true = torch.cat([grads[pos].flatten() for pos, _ in backward.meta[VJP].grads]).double()
     steps = -(-samples // _directions_per_step(forward, samples))
     k = -(-samples // steps)  # the directions spread evenly: M = steps · K ≥ samples
     m = steps * k
