@@ -104,6 +104,7 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
     except Exception as e:
         raise SpecError(
             f"building hf:{name} failed: {type(e).__name__}: {first_line(e, continued=True)}"
+            + _token_ids_advice(config)
         ) from e
     _check_context(model, config, seq, name)
     kwargs = default_inputs(model, config, seq)
@@ -111,6 +112,26 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
     notes = (*notes, *(onto_meta(model) if meta else ()))
     seq_inputs = tuple(k for k in SEQ_INPUTS if k in kwargs)
     return LoadedModel(f"hf:{name}", model, example, notes, seq_inputs)
+
+
+def _token_ids_advice(config: Any) -> str:
+    """Advice for a build that failed where the configuration's special token ids
+    (``pad_token_id``, …) are not below its ``vocab_size`` (a vocabulary made smaller with
+    ``--arg vocab_size=N``: an embedding's ``padding_idx`` then lies outside its table); ""
+    when they are."""
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return ""
+    names = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+    out = []
+    for k in names:
+        v = getattr(config, k, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= vocab:
+            out.append(f"{k} {v}")
+    if not out:
+        return ""
+    give = " ".join(f"--arg {x.split()[0]}=0" for x in out)
+    return f" ({', '.join(out)} not below vocab_size {vocab}: give ids below it, e.g. {give})"
 
 
 def _check_context(model: nn.Module, config: Any, seq: int, name: str) -> None:

@@ -438,3 +438,19 @@ def test_docs_tools_keep_one_presets_section(tmp_path):
     assert "| gpt2-small | | | | | | | | 3 | | x |" in text  # the second run's row
     kept = zoo_tool._with_kept_sections(out, "# The zoo\n\nnew table\n")
     assert kept.startswith("# The zoo\n\nnew table\n") and kept.count(presets_tool.BEGIN) == 1
+
+
+def test_a_vocabulary_made_smaller_than_the_token_ids_names_them():
+    """Whisper's configuration keeps its special token ids (pad 50256, decoder start 50257)
+    when ``--arg vocab_size=100`` shrinks the vocabulary: the embedding's padding_idx then lies
+    outside its table and the build fails. The error names each id not below vocab_size and
+    the arguments to give; with them the model builds."""
+    with pytest.raises(SpecError) as e:
+        load("hf:whisper", ctor_kwargs={"vocab_size": 100}, meta=True, seq=16)
+    msg = str(e.value)
+    assert "pad_token_id 50256" in msg and "decoder_start_token_id 50257" in msg, msg
+    assert "not below vocab_size 100" in msg and "--arg pad_token_id=0" in msg, msg
+    ids = dict.fromkeys(("pad_token_id", "bos_token_id", "eos_token_id"), 0)
+    small = {"vocab_size": 100, "decoder_start_token_id": 0, **ids}
+    model = load("hf:whisper", ctor_kwargs=small, meta=True, seq=16).model
+    assert model.get_input_embeddings().num_embeddings == 100
