@@ -737,3 +737,60 @@ def _gelu(x, approximate: str = "none"):
     return aten.mul.Tensor(
         half, aten.add.Tensor(aten.erf.default(aten.mul.Tensor(x, math.sqrt(0.5))), 1)
     )
+
+
+# --- erfinv, fmax / fmin, copysign ----------------------------------------------------------------
+
+register(aten.erfinv.default, F, _trans)  # a math-library function: 1 FLOP, a transcendental
+
+
+@def_jvp(aten.erfinv.default)
+def _jvp_erfinv(b, out, args, tangents, kwargs):
+    """d erfinv(x) = √π/2 · exp(erfinv(x)²) dx (derivatives.yaml: ``0.5 * sqrt(M_PI) *
+    exp(self.erfinv().pow(2)) * grad``); the coefficient reads the output."""
+    coef = b.call(aten.exp.default, b.call(aten.mul.Tensor, out, out))
+    return _scale(b, tangents[0], b.call(aten.mul.Tensor, coef, math.sqrt(math.pi) / 2))
+
+
+for _op in (aten.fmax.default, aten.fmin.default, aten.copysign.Tensor):
+    register(_op, F, _one)  # 1 FLOP per output element, as maximum/minimum and abs
+
+
+def _jvp_nan_extremum(pick):
+    """``fmax``/``fmin``: the tangent of the argument chosen, NaNs ignored (derivatives.yaml:
+    ``other_t + c · (self_t − other_t)`` with ``c = (self >= other) | isnan(other)`` for
+    ``fmax``, ``self <= other`` for ``fmin``; at a tie the first argument's, unlike maximum's
+    half and half). ``c`` is a primal-only coefficient."""
+
+    def jvp(b, out, args, tangents, kwargs):
+        x, y = args
+        tx, ty = tangents
+        if tx is None and ty is None:
+            return None
+        first = b.call(aten.logical_or.default, b.call(pick, x, y), b.call(aten.isnan.default, y))
+        if ty is None:
+            t = _keep(b, tx, first)
+        elif tx is None:
+            t = b.call(aten.where.ScalarSelf, first, 0.0, ty)
+        else:
+            t = b.call(aten.where.self, first, tx, ty)
+        return _fit(b, t, out)
+
+    return jvp
+
+
+def_jvp(aten.fmax.default)(_jvp_nan_extremum(aten.ge.Tensor))
+def_jvp(aten.fmin.default)(_jvp_nan_extremum(aten.le.Tensor))
+
+
+@def_jvp(aten.copysign.Tensor)
+def _jvp_copysign(b, out, args, tangents, kwargs):
+    """``copysign(x, y) = |x|·sign(y)``: dx · out/x, 0 where x = 0 (derivatives.yaml's
+    ``copysign_tensor_self_backward``: ``ratio = result / self``, masked to 0 where ``self ==
+    0``); y's tangent does not reach the output (its sign is piecewise constant)."""
+    x = args[0]
+    if tangents[0] is None:
+        return None
+    ratio = b.call(aten.div.Tensor, out, x)
+    coef = b.call(aten.where.ScalarSelf, b.call(aten.eq.Scalar, x, 0), 0.0, ratio)
+    return _fit(b, _scale(b, tangents[0], coef), out)

@@ -546,4 +546,32 @@ MATH_MORE = [
         flops=24 + 18 * 24 + 14 * 24,
         aten=("aten.atan2.default", "aten.hypot.default", "aten.prod.default"),
     ),
+    OpCase(
+        "erfinv",
+        module_of(lambda s, x: torch.erfinv(torch.tanh(x * s.w) * 0.9), {"w": W}),
+        (X,),
+        flops=24 * 4,  # mul, tanh, · 0.9, erfinv (a transcendental): 1 per element each
+        aten=("aten.erfinv.default",),
+    ),
+    OpCase(
+        "fmax_broadcast",
+        module_of(lambda s, x, y: torch.fmax(x * s.w, y * s.v), {"w": W, "v": (4,)}),
+        (X, (4,)),
+        flops=24 + 4 + 24,  # mul; y·v (4); fmax 1 per output element
+        aten=("aten.fmax.default", "aten.ge.Tensor", "aten.isnan.default"),
+    ),
+    OpCase(
+        "fmin_constant",
+        module_of(lambda s, x: torch.fmin(x * s.w, s.b), {"w": W}, {"b": (4,)}),
+        (X,),
+        flops=24 + 24,  # mul; fmin against a buffer (no tangent): 1 per output element
+        aten=("aten.fmin.default", "aten.le.Tensor"),
+    ),
+    OpCase(
+        "copysign",
+        module_of(lambda s, x, y: torch.copysign(x * s.w, y), {"w": W}),
+        (X, (4,)),
+        flops=24 + 24,  # mul; copysign (y broadcast from (4,)) 1 per output element
+        aten=("aten.copysign.Tensor",),
+    ),
 ]
