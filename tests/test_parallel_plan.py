@@ -834,3 +834,162 @@ def test_no_buffer_broadcast_under_a_pipeline():
     )
     piped = predict(a, model, Plan(dp=2, pp=2, micro_batches=2), micro_batch=4)
     assert not [c for r in piped.ranks for c in r.collectives if c.kind == "broadcast"]
+
+
+class _FusedAttn(torch.nn.Module):
+    """timm's ViT attention: one Linear for q, k and v, its output reshaped to
+    (B, N, 3, heads, head_dim) and unbound."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        a = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+        return self.proj((a @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class _FusedMlp(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _FusedBlock(torch.nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.attn, self.mlp = _FusedAttn(width, heads), _FusedMlp(width)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class _FusedVit(torch.nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(_FusedBlock(width, heads) for _ in range(2)))
+        self.head = torch.nn.Linear(width, 5)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+@pytest.mark.parametrize(("width", "heads", "tp"), [(16, 4, 2), (16, 4, 4), (12, 3, 3)])
+def test_fused_qkv_refusal_names_the_fused_linear(width, heads, tp):
+    """A tester's finding: on timm's ViTs every --tp was refused with "choose a --tp that
+    divides them" (or "divides 1") though it divided the heads and the width. The cause is the
+    fused qkv Linear: ColwiseParallel gives rank r the contiguous 3·width/tp output features
+    r·3·width/tp …, not its heads' q, k and v, so the reshape to (…, 3, heads, head_dim) splits
+    q/k/v across ranks whatever the --tp. The refusal names the Linear and the reshape and
+    suggests a plan sharding the MLP only, which runs."""
+    torch.manual_seed(0)
+    model = _FusedVit(width, heads)
+    a = analyze(model, (torch.randn(2, 5, width),), optimizer="sgd", jvp=False)
+    with pytest.raises(PlanError) as e:
+        predict(a, model, Plan(tp=tp), micro_batch=2)
+    msg = str(e.value)
+    dims = (2, 5, 3, heads, width // heads)
+    assert f"cannot shard blocks.0.attn.qkv column-wise: its output (2, 5, {3 * width})" in msg
+    assert f"is reshaped to {dims}: a column-wise shard splits the fused q/k/v dimension" in msg
+    assert f"each rank {3 * width // tp} contiguous of its {3 * width} output features" in msg
+    assert "choose a --tp" not in msg
+    suggested = "blocks.*.mlp.fc1: colwise; blocks.*.mlp.fc2: rowwise"
+    assert (
+        f"keep blocks.*.attn whole with a --tp-plan file sharding the others, as: {suggested}"
+        in msg
+    )
+    plan = tuple(tuple(kv.split(": ")) for kv in suggested.split("; "))
+    r = predict(a, model, Plan(tp=tp, tp_plan=plan), micro_batch=2).ranks[0]
+    # float32 parameters per rank: each block's fc1 weight (4w × w) and bias (4w) and fc2
+    # weight (w × 4w) split tp ways; whole: qkv (3w × w + 3w), proj (w × w + w), fc2's bias
+    # (w) in each of the 2 blocks, and the head (5 × w + 5)
+    w = width
+    sharded = 2 * (4 * w * w + 4 * w + 4 * w * w) // tp
+    whole = 2 * (3 * w * w + 3 * w + w * w + w + w) + (w * 5 + 5)
+    assert r.memory_bytes["parameters"] == 4 * (sharded + whole)
+
+
+class _GatedMix(torch.nn.Module):
+    """Mamba's pattern: one Linear for two parts, its output chunked in two, both halves used
+    (h · sigmoid(g)), then an out-projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = torch.nn.Linear(16, 2 * 32)
+        self.out_proj = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h, g = self.in_proj(x).chunk(2, dim=-1)
+        return self.out_proj(h * torch.sigmoid(g))
+
+
+class _GatedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix, self.head = _GatedMix(), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(x + self.mix(x))
+
+
+@pytest.mark.parametrize("user_plan", [False, True])
+def test_colwise_output_chunked_into_parts_is_noted(user_plan):
+    """A tester's finding (HF Mamba, --tp 2): the default plan shards in_proj column-wise and
+    Mamba chunks its output in two; torch's ColwiseParallel hands on rank r's contiguous 32 of
+    the 64 features (rank 0: all of h, rank 1: all of g), and the local chunk(2) mixes them
+    (no shape error here: out_proj, row-wise, reads 16 + 16 = 32 … of the wrong features).
+    graphflop's figures take Megatron's layout (each rank 16 of h and 16 of g) and said
+    nothing, with the default plan or the same plan given as a file. Now a note names the
+    Linear and where its output is split; none without the chunk (a plain MLP, fc1 → fc2)."""
+    torch.manual_seed(0)
+    model = _GatedNet()
+    a = analyze(model, (torch.randn(2, 5, 16),), optimizer="sgd", jvp=False)
+    megatron = (("mix.in_proj", "colwise"), ("mix.out_proj", "rowwise"))
+    r = predict(a, model, Plan(tp=2, tp_plan=megatron if user_plan else ()), micro_batch=2)
+    notes = [n for n in r.notes if n.startswith("column-wise mix.in_proj (at mix): output split")]
+    assert len(notes) == 1 and "use_local_output=True" in notes[0]
+    # the default plan is that plan: in_proj feeds out_proj (column-wise), out_proj feeds no
+    # sibling (row-wise); the row-wise output's partial sums, 2 · 5 · 16 = 160 elements
+    assert ("all_reduce", 2, 160, "float32", "forward") in _keys(r.ranks[0], "tp")
+    plain = _FusedMlp(16)
+    a = analyze(plain, (torch.randn(2, 5, 16),), optimizer="sgd", jvp=False)
+    mlp = (("fc1", "colwise"), ("fc2", "rowwise"))
+    r = predict(a, plain, Plan(tp=2, tp_plan=mlp), micro_batch=2)
+    assert not [n for n in r.notes if "split into parts" in n or "as a whole" in n]
+
+
+class _HeadsAttn(torch.nn.Module):
+    """Separate q, k and v Linears of width 24 in 6 heads (Llama's layout, no fused Linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(24, 24) for _ in range(3))
+        self.o = torch.nn.Linear(24, 24)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (m(x).view(b, n, 6, 4).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+        return self.o((a @ v).transpose(1, 2).reshape(b, n, 24))
+
+
+def test_heads_tp_does_not_divide_keep_their_refusal():
+    """6 heads over --tp 4 (which divides the width 24): the reshape of q's column-wise output
+    to (…, 6, 4) splits heads across ranks. The refusal still says to choose a --tp that
+    divides the heads; no fused projection is named."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_HeadsAttn(), torch.nn.Linear(24, 3))
+    a = analyze(model, (torch.randn(2, 5, 24),), optimizer="sgd", jvp=False)
+    with pytest.raises(PlanError, match="choose a --tp that divides them") as e:
+        predict(a, model, Plan(tp=4), micro_batch=2)
+    assert "fused" not in str(e.value)
+    predict(a, model, Plan(tp=2), micro_batch=2)  # 2 divides the 6 heads: planned

@@ -927,6 +927,92 @@ def test_nested_repeats_fold_inside_their_fold():
     assert "m_stages_0_inner_1" not in src and "m_stages_1" not in src
 
 
+class _Stage(nn.Module):
+    """``k`` identical residual blocks of two Linear(8, 8) around a tanh; no ops of its own."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_TanhBlock() for _ in range(k))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _TanhBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class _Stages(nn.Module):
+    def __init__(self, counts: tuple[int, ...]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(_Stage(k) for k in counts)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for s in self.stages:
+            x = s(x)
+        return self.head(x)
+
+
+def _dot_accounting(src: str) -> tuple[float, list[tuple[int, str, str]]]:
+    """A module-level forward .dot read back: the sum of every box's forward FLOPs times the
+    counts of the folds around it, and each fold table's (count, per block, total)."""
+    shown, stack, folds = 0.0, [], []
+    for line in src.splitlines():
+        if re.match(r"\s*subgraph cluster_", line):
+            stack.append(1)
+        elif line.strip() == "}" and stack:
+            stack.pop()
+        elif m := re.search(r" id=cluster_\S+ label=\"× (\d+) ", line):
+            stack[-1] = int(m[1])
+        elif " id=fold_" in line:
+            cells = re.findall(r">([^<>]+)</TD>", line.replace("<B>", "").replace("</B>", ""))
+            count = re.search(r"× (\d+)", line)
+            assert count is not None and "fwd" in cells, line
+            i = cells.index("fwd")
+            folds.append((int(count[1]), cells[i + 1], cells[i + 2]))
+        elif m := re.search(
+            r'^\s*m_\w+ \[label=<.*?>fwd</FONT></TD><TD ALIGN="RIGHT">([^<]+)<', line
+        ):
+            shown += _flops(m[1]) * math.prod(stack)
+    return shown, folds
+
+
+@pytest.mark.parametrize(
+    ("counts", "folds"),
+    [
+        # 3 stages × 3 blocks: the stages fold (× 3, 4.32 k each), inside it the blocks (× 3)
+        ((3, 3, 3), [(3, "4.32 k", "13 k"), (3, "1.44 k", "4.32 k")]),
+        # stages of 3, 3, 2 blocks: stages.0 and .1 fold (× 2); stages.2 apart, its blocks × 2
+        ((3, 3, 2), [(2, "4.32 k", "8.64 k"), (3, "1.44 k", "4.32 k"), (2, "1.44 k", "2.88 k")]),
+    ],
+)
+def test_outer_fold_of_clusters_only_is_drawn(counts, folds):
+    """A tester's finding: stages whose own ops are none (all in their inner blocks) lost their
+    "× 3": the picture showed stages.0 and its inner fold only, 8.64 k of the title's 13.4 k
+    FLOPs nowhere. Every FLOP of the title is in the .dot: boxes times their folds' counts.
+    By hand, on 5 × 8 (one multiply-add = 2 FLOPs): a block is two Linear(8, 8),
+    2 · (2 · 5 · 8 · 8 + 5 · 8) = 1,360, its tanh 40 and residual add 40: 1,440;
+    the head Linear(8, 4): 2 · 5 · 8 · 4 + 5 · 4 = 340; the loss: its report row."""
+    torch.manual_seed(0)
+    a = analyze(_Stages(counts), (torch.randn(5, 8),))
+    loss = next(r.forward_flops for r in a.report.layers if r.name == "loss")
+    total = sum(counts) * 1440 + 340 + loss
+    assert a.report.totals.forward.flops == total
+    src = render(a, graph="forward", level="module")
+    assert f"forward {human(total)} FLOPs" in src
+    shown, tables = _dot_accounting(src)
+    assert shown == total
+    assert tables == folds
+
+
 def test_siblings_apart_inside_a_fold_stay_apart():
     """Inside the folded blocks of _Stack, l1 and l2 compute the same ops but are not a run of
     blocks (the parent's ReLU lies between them): each keeps its box."""

@@ -376,7 +376,11 @@ class _Engine:
             k for k, a in enumerate(flat) if isinstance(a, Node) and _is_tensor(a.meta.get("val"))
         ]
         ins = {k: self._input(n, flat[k]) for k in tensors}
-        out, need = _rule(n, flat, ins, self.tp, self.param, self.vocab)
+        try:
+            out, need = _rule(n, flat, ins, self.tp, self.param, self.vocab)
+        except PlanError as e:
+            e.node = e.node or n.name  # for the caller's diagnosis (a fused projection)
+            raise
         for k, q in need.items():
             ins[k] = self.move(flat[k], ins[k], q)
         self.of[n.name] = out

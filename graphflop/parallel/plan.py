@@ -52,7 +52,13 @@ _STYLE_ALIASES = {
 
 
 class PlanError(ValueError):
-    """A plan that cannot run: the message is one line saying what to change."""
+    """A plan that cannot run: the message is one line saying what to change.
+
+    Attributes:
+        node: the graph node whose placement rule refused (None: not a node's rule).
+    """
+
+    node: str | None = None
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ from graphflop.parallel.tp_plan import (
     check_tp_plan,
     default_plan_notes,
     default_tp_plan,
+    fused_output_error,
     local_shard_notes,
     nothing_sharded_message,
     param_placement,
@@ -566,16 +567,22 @@ def predict(  # noqa: C901
         if pplace.get(f"{e}.weight", REPLICATE).kind == "S" and pplace[f"{e}.weight"].dim == 0
     )
     f_init = {ph: pplace[q] for ph, q in sig.params}
-    fp = propagate(
-        fwd,
-        plan.tp,
-        phase="forward",
-        init=f_init,
-        boundary=layouts,
-        params=set(f_init),
-        vocab=vocab,
-    )
-    if plan.tp > 1 and user_plan and not plan.sp:
+    try:
+        fp = propagate(
+            fwd,
+            plan.tp,
+            phase="forward",
+            init=f_init,
+            boundary=layouts,
+            params=set(f_init),
+            vocab=vocab,
+        )
+    except PlanError as e:
+        fused = fused_output_error(fwd, tp_plan, plan.tp, e.node)
+        if fused is None:
+            raise
+        raise fused from e
+    if plan.tp > 1 and not plan.sp:
         notes += local_shard_notes(fwd, fp.of, tp_plan)
     b_init: dict[str, Placement] = {}
     b_params: set[str] = set()

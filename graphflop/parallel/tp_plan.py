@@ -19,10 +19,12 @@ Replicate())``), where the backward reduce-scatters its input's cotangent. Reads
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from functools import cache
 from typing import Any
 
+import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
@@ -36,6 +38,7 @@ __all__ = [
     "check_tp_plan",
     "default_plan_notes",
     "default_tp_plan",
+    "fused_output_error",
     "param_placement",
     "unsharded_note",
 ]
@@ -270,6 +273,123 @@ def nothing_sharded_message(model: nn.Module, tp: int, params: list[str], user_p
     )
 
 
+_aten = torch.ops.aten
+#: ops that split a value into parts along one dim (a fused projection's q, k, v; a gated
+#: projection's two halves)
+_SPLITS = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.unbind.int}
+_RESHAPES = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default}
+
+
+def fused_output_error(
+    forward: GraphModule, tp_plan: tuple[tuple[str, str], ...], tp: int, failed: str | None
+) -> PlanError | None:
+    """The refusal that names the real cause when placement propagation failed at node
+    ``failed`` on a column-wise module's output split into parts: a fused projection (timm's
+    ``attn.qkv``, reshaped to ``(..., 3, heads, head_dim)`` then unbound; a gated projection
+    chunked in two). torch's ``ColwiseParallel`` gives each rank a contiguous ``1/tp`` of the
+    output features, not its share of each part (Megatron's layout of a fused weight), so no
+    ``--tp`` works: the message says so and suggests a ``--tp-plan`` that leaves the fused
+    module's parent (the attention) whole. None: ``failed`` does not read such an output."""
+    nodes = {n.name: n for n in forward.graph.nodes}
+    n = nodes.get(failed or "")
+    split: Node | None = None  # the reshape or split nearest the column-wise module
+    while n is not None and n.op == "call_function":
+        if _innermost_style(tp_plan, _module(n)) == "colwise":
+            break
+        ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if len(ins) != 1 and n.target not in _RESHAPES | _SPLITS:
+            return None
+        src = ins[0] if ins else None
+        if src is None:
+            return None
+        if n.target in _SPLITS or (
+            n.target in _RESHAPES and len(n.meta["val"].shape) > len(src.meta["val"].shape)
+        ):
+            split = n
+        n = src
+    if n is None or n.op != "call_function" or split is None:
+        return None
+    if split.target in _RESHAPES and not _parts_split(split, len(n.meta["val"].shape) - 1):
+        return None  # heads the --tp does not divide, not a fused projection's parts
+    fused = _module(n)
+    shape = tuple(int(x) for x in n.meta["val"].shape)
+    features = shape[-1] if shape else 0
+    if split.target in _RESHAPES:
+        dst = tuple(int(x) for x in split.meta["val"].shape)
+        how = f"is reshaped to {dst}"
+        parts = next((d for d in dst[len(shape) - 1 :] if d > 1), 0)
+    else:
+        val = split.meta.get("val")
+        parts = len(val) if isinstance(val, (tuple, list)) else 0
+        how = f"is split into {parts} parts (at {_module(split) or 'the model'}, {split.name})"
+    what = "fused q/k/v dimension" if parts == 3 else f"fused dimension of its {parts} parts"
+    plan = _plan_without(tp_plan, _parent(fused))
+    fix = (
+        "a --tp-plan file sharding the others, as: " + "; ".join(f"{p}: {s}" for p, s in plan)
+        if plan
+        else "drop --tp (no other module to shard)"
+    )
+    share = f"{features // tp} contiguous of its {features} output features" if features else ""
+    return PlanError(
+        f"--tp {tp} cannot shard {fused} column-wise: its output {shape} {how}: a column-wise "
+        f"shard splits the {what} (torch's ColwiseParallel gives each rank {share}, not its "
+        f"share of each part), whatever the --tp; keep {_over_repeats(_parent(fused) or fused)} "
+        f"whole with "
+        f"{fix} (docs/parallel.md)"
+    )
+
+
+def _args(n: Node) -> Any:
+    """A node's arguments, untyped (fx's argument type is a wide union)."""
+    return n.args
+
+
+def _parts_split(view: Node, dim: int) -> bool:
+    """The reshaped value ``view`` is split (unbound, split, selected) along ``dim``, the
+    first dim the reshape cut its last one into (a fused projection's q, k, v), following it
+    through permutes, transposes and copies."""
+    todo = [(u, dim) for u in view.users]
+    while todo:
+        u, d = todo.pop()
+        t, args = u.target, _args(u)
+        if t in (_aten.unbind.int, _aten.select.int):
+            if (args[1] if len(args) > 1 else u.kwargs.get("dim", 0)) == d:
+                return True
+        elif t in (_aten.split.Tensor, _aten.split_with_sizes.default):
+            if (args[2] if len(args) > 2 else u.kwargs.get("dim", 0)) == d:
+                return True
+        elif t is _aten.permute.default:
+            todo += [(w, list(args[1]).index(d)) for w in u.users]
+        elif t is _aten.transpose.int:
+            a, b = args[1], args[2]
+            todo += [(w, b if d == a else a if d == b else d) for w in u.users]
+        elif t in (_aten.clone.default, _aten.contiguous.default, _aten._to_copy.default):
+            todo += [(w, d) for w in u.users]
+    return False
+
+
+def _over_repeats(path: str) -> str:
+    """An exact module path as a pattern over its repeats (``blocks.3.mlp`` → ``blocks.*.mlp``);
+    a pattern as it is."""
+    if path.startswith("re:") or any(c in path for c in "*?["):
+        return path
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", path)
+
+
+def _plan_without(tp_plan: tuple[tuple[str, str], ...], parent: str) -> list[tuple[str, str]]:
+    """``tp_plan`` with the entries of ``parent``'s Linears and of its repeats dropped, exact
+    paths written as patterns over their repeats (``blocks.3.mlp.fc1`` → ``blocks.*.mlp.fc1``)."""
+
+    drop = _over_repeats(parent)
+    out: dict[str, str] = {}
+    for path, style in tp_plan:
+        p = _over_repeats(path)
+        if _parent(p) == drop or (not drop and "." not in p):
+            continue
+        out.setdefault(p, style)
+    return list(out.items())
+
+
 def _inside(module: str, parent: str) -> bool:
     return module == parent or module.startswith(parent + ".")
 
@@ -313,28 +433,50 @@ def local_shard_notes(
     if any(s in ("sequence_parallel", PREPARE_INPUT) for _, s in tp_plan):
         return []
     bad: list[str] = []
+    split: list[str] = []
     for n in forward.graph.nodes:
         if _innermost_style(tp_plan, _module(n)) == "colwise" and _first(of.get(n.name)):
-            bad += _whole_readers(n, of, tp_plan)
-    bad = list(dict.fromkeys(bad))
-    if not bad:
-        return []
-    shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
-    return [
-        f"{shown} read{'s' if len(bad) == 1 else ''} a column-wise module's output as a whole: "
-        "torch's ColwiseParallel (colwise) hands on the local slice of its Shard(-1) output "
-        "(use_local_output=True), which only a row-wise module reads as a shard; there torch "
-        "fails on a shape mismatch or computes on the slice, where graphflop gathers it (or "
-        "slices the other operand): give that column-wise module colwise:replicate (its output "
-        "gathered) or its consumer rowwise"
-    ]
+            whole, parts = _whole_readers(n, of, tp_plan)
+            bad += whole
+            split += [f"{_module(n)} (at {m})" for m in parts]
+    bad, split = list(dict.fromkeys(bad)), list(dict.fromkeys(split))
+
+    def few(xs: list[str]) -> str:
+        return ", ".join(xs[:4]) + (f" and {len(xs) - 4} more" if len(xs) > 4 else "")
+
+    notes = []
+    if split:
+        notes.append(
+            f"column-wise {few(split)}: output split into parts on its sharded dim (a fused "
+            "projection's chunk or split): torch's ColwiseParallel (colwise) hands on the local "
+            "slice of its Shard(-1) output (use_local_output=True), a contiguous 1/tp of the "
+            "features, not the rank's share of each part (Megatron's layout of a fused weight, "
+            "which graphflop's figures assume); there torch splits the slice, mixing the parts "
+            "(a consumer of the whole part width, such as a convolution, fails on the shape): "
+            "shard that module's parent differently with a --tp-plan file (leave it whole), or "
+            "split the projection into one Linear per part"
+        )
+    if bad:
+        notes.append(
+            f"{few(bad)} read{'s' if len(bad) == 1 else ''} a column-wise module's output as a "
+            "whole: torch's ColwiseParallel (colwise) hands on the local slice of its Shard(-1) "
+            "output (use_local_output=True), which only a row-wise module reads as a shard; "
+            "there torch fails on a shape mismatch or computes on the slice, where graphflop "
+            "gathers it (or slices the other operand): give that column-wise module "
+            "colwise:replicate (its output gathered) or its consumer rowwise"
+        )
+    return notes
 
 
-def _whole_readers(n: Node, of: dict[str, Any], tp_plan: tuple[tuple[str, str], ...]) -> list[str]:
+def _whole_readers(
+    n: Node, of: dict[str, Any], tp_plan: tuple[tuple[str, str], ...]
+) -> tuple[list[str], list[str]]:
     """The modules (or ``the model``) where ``n``'s value, as its column-wise module hands it
-    on, is read whole: following its users outside that module through ops that keep it a
-    slice of the same dim, up to row-wise modules."""
+    on, is read whole, and those where it is split into parts on its sharded dim (a fused
+    projection's ``chunk``): following its users outside that module through ops that keep it
+    a slice of the same dim, up to row-wise modules."""
     out: list[str] = []
+    split: list[str] = []
     seen = {n.name}
     todo = [u for u in n.users if _module(u) != _module(n) and u.op != "output"]
     while todo:
@@ -344,6 +486,9 @@ def _whole_readers(n: Node, of: dict[str, Any], tp_plan: tuple[tuple[str, str], 
         seen.add(u.name)
         style = _innermost_style(tp_plan, _module(u))
         if style == "rowwise":
+            continue
+        if u.target in _SPLITS and _splits_sharded_dim(u, of):
+            split.append(_module(u) or "the model")
             continue
         p = _first(of.get(u.name))
         if (
@@ -355,7 +500,23 @@ def _whole_readers(n: Node, of: dict[str, Any], tp_plan: tuple[tuple[str, str], 
             out.append(_module(u) or "the model")
             continue
         todo.extend(w for w in u.users if w.op != "output")
-    return out
+    return out, split
+
+
+def _splits_sharded_dim(n: Node, of: dict[str, Any]) -> bool:
+    """Split op ``n`` (split, split_with_sizes, unbind) cuts its input along the input's
+    sharded dim."""
+    args = _args(n)
+    x = args[0]
+    p = _first(of.get(x.name)) if isinstance(x, Node) else None
+    if not isinstance(p, Placement) or p.kind != "S":
+        return False
+    kwargs: Any = n.kwargs
+    d: int = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if n.target is _aten.unbind.int:
+        d = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    ndim = len(x.meta["val"].shape)
+    return (d + ndim if d < 0 else d) == p.dim
 
 
 def _innermost_style(tp_plan: tuple[tuple[str, str], ...], path: str) -> str | None:

@@ -298,7 +298,10 @@ class _ModuleScene:
                 members = [u.id for u in self.drawn if self.cluster_of[u.module] == row]
                 for x, y in zip(members, members[1:]):
                     self.cv.edge(Edge(x, y, "order"))
-        for path in self.cv.paths() + list(self.parents):
+        # every cluster, those holding only clusters too (an outer fold's template, whose
+        # boxes all lie in its inner fold's template)
+        paths = self.cv.paths() + list(self.parents)
+        for path in dict.fromkeys(q for p in paths if p for q in (*_prefixes(p), p)):
             self.cv.cluster_label[path] = self._cluster_label(path)
         for f in self.folds:
             if f.template in self.cv.cluster_label:
