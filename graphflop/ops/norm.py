@@ -7,8 +7,10 @@ decomposition (``torch._decomp``) makes of it:
 
 * eval mode, ``_native_batch_norm_legit_no_training``: per element a subtract and a multiply
   (and a multiply by γ, an add of β), per channel an add of ε and an rsqrt;
-* training mode, ``_native_batch_norm_legit_functional`` (float32 and float64 inputs; other
-  dtypes are traced as PyTorch's decomposition, which computes in float32): per element the
+* training mode, ``_native_batch_norm_legit_functional`` (any floating input whose γ, β and
+  running statistics share its dtype: a 16-bit one too, which eager runs as one kernel reading
+  and writing 16-bit tensors; mixed dtypes are traced as PyTorch's decomposition, which
+  computes in float32): per element the
   ``var_mean`` (2), a subtract and a multiply (and a multiply by γ, an add of β); per channel
   ``var_mean``'s two divides, the add of ε and the rsqrt, the running mean's update
   (``m·μ + (1 − m)·r``: 3) and the running variance's (Bessel's correction n/(n − 1), then 3).
@@ -16,7 +18,9 @@ decomposition (``torch._decomp``) makes of it:
 Its JVP is the decomposition's, written over the op's own outputs (the batch mean μ and the
 inverse standard deviation ``rstd``; ``x − μ`` is recomputed, as the eager backward kernel
 does); the weight's tangent enters as ``(x − μ)·(rstd·γ̇)`` since ``x̂`` is not a forward value
-(so the backward's weight gradient is ``Σ ct·(x − μ)`` times ``rstd``, the eager kernel's).
+(so the backward's weight gradient is ``Σ ct·(x − μ)`` times ``rstd``, the eager kernel's). A
+16-bit batch norm's tangent and cotangent ops run in its dtype (eager's backward kernel reads
+and writes 16-bit tensors too).
 """
 
 from __future__ import annotations
@@ -203,8 +207,12 @@ def _batch_norm(
         )
     if running_mean is None:
         return aten._native_batch_norm_legit.no_stats(x, weight, bias, True, momentum, eps)
-    # one op for full-precision inputs (its rules above); PyTorch's parts otherwise
-    functional = _BN_TRAIN if x.dtype in FULL_PRECISION else torch_decomposition(_BN_TRAIN)
+    # one op (its rules above) where the statistics and the affine share the input's dtype,
+    # as eager runs it: one kernel, whatever the dtype (bfloat16 and float16 read and write
+    # 16-bit tensors and accumulate in float32 inside the kernel); PyTorch's parts for mixed
+    # dtypes (a float32 γ on a bfloat16 input), whose dtypes the rules do not follow
+    same = all(t is None or t.dtype == x.dtype for t in (weight, bias, running_mean, running_var))
+    functional = _BN_TRAIN if same else torch_decomposition(_BN_TRAIN)
     assert functional is not None  # PyTorch decomposes it (torch._decomp)
     out, mean, rstd, new_mean, new_var = functional(
         x, weight, bias, running_mean, running_var, True, momentum, eps

@@ -102,6 +102,10 @@ class _NodeSteps:
         reads = self.reads_of(n, keys) + [
             k for m in self.also_reads.get(n.name, []) for k in keys.get(self.by_name[m], [])
         ]
+        if n.target is operator.getitem and _kept_whole(n.args[0]):
+            # the kernel writes its outputs while it reads its inputs: they stay live until
+            # each output's storage is allocated (this getitem's step)
+            reads += self.reads_of(n.args[0], keys)
         alias = None
         val = n.meta.get("val")
         own = self.eager or _kept_whole(n.args[0] if n.target is operator.getitem else n)

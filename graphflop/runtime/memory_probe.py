@@ -1,6 +1,6 @@
 """Measured memory of real eager PyTorch runs: what graphflop's memory figures are checked against.
 
-Three measurements of one model at one batch, on real tensors (CPU here; any device PyTorch's
+Four measurements of one model at one batch, on real tensors (CPU here; any device PyTorch's
 profiler reports allocations for):
 
 * :func:`measure_saved` — the bytes autograd saves for backward, from
@@ -13,6 +13,8 @@ profiler reports allocations for):
   ``[memory]`` event is one allocation (+bytes) or free (−bytes); the running sum's maximum is the
   peak above what was live when profiling began). The figure returned adds the bytes live at the
   start: parameters, buffers, inputs, targets and optimizer state.
+* :func:`measure_forward_peak` — the peak of one forward and loss with grad mode off, measured
+  the same way, plus parameters, buffers, inputs and targets.
 * :func:`measure_jvp_peak` — the peak of ``torch.func.jvp`` of the loss with respect to the
   parameters (tangents like the parameters), measured the same way, plus parameters, buffers,
   inputs, targets and tangents; attention runs its math form
@@ -44,6 +46,7 @@ from graphflop.runtime.attention import math_attention
 __all__ = [
     "Measured",
     "measure",
+    "measure_forward_peak",
     "measure_jvp_peak",
     "measure_saved",
     "measure_train_peak",
@@ -170,6 +173,20 @@ def measure_train_peak(
         [*model.parameters(), *model.buffers(), *inputs, *run.targets, *state, *grads]  # type: ignore[attr-defined]
     )
     return base + _profiled_peak(step)
+
+
+def measure_forward_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int:
+    """Peak bytes of one forward and loss with grad mode off (an inference run: nothing saved
+    for backward), from the profiler's allocator events, plus the bytes live at the start:
+    parameters, buffers, inputs and targets (the caller holds the inputs throughout)."""
+    _, run = _loss_fn(model, inputs, loss)
+
+    def forward() -> None:
+        with torch.no_grad():
+            run()
+
+    base = _bytes([*model.parameters(), *model.buffers(), *inputs, *run.targets])  # type: ignore[attr-defined]
+    return base + _profiled_peak(forward)
 
 
 def measure_jvp_peak(model: nn.Module, inputs: tuple, loss: str = "auto") -> int | None:
