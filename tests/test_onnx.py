@@ -12,7 +12,7 @@ from conftest import spec
 from torch import nn
 
 from graphflop.analysis import analyze
-from graphflop.export.onnx import OnnxExportError, export_all
+from graphflop.export.onnx import OnnxExportError, export_all, graph_io_names
 from graphflop.load import load, make_inputs
 from graphflop.meta import COST, ROLE, SIGNATURE, SOURCE, TRAIN_STEP, UPDATE
 from graphflop.ops import op_name
@@ -427,8 +427,11 @@ def test_a_squeeze_of_no_size_one_dimension_exports(tmp_path):
     fv = run_forward(a.forward, values)
     g = manifest["graphs"]["forward"]
     names = [n.name for n in a.forward.graph.nodes if n.op == "placeholder"]
+    # fed by graphflop's names for the placeholders: a constant the model made (an index
+    # tensor) is in the file, not among its inputs (run feeds only the declared inputs)
+    onnx_names = graph_io_names("forward", a.forward)[0]
     out = run(
-        session(tmp_path / "forward.onnx", CPU), dict(zip(g["inputs"], [values[n] for n in names]))
+        session(tmp_path / "forward.onnx", CPU), dict(zip(onnx_names, [values[n] for n in names]))
     )
     loss = torch.from_numpy(out[g["outputs"].index("loss")])
     assert rel_error(loss, fv[a.forward.meta[SIGNATURE].loss]) < 1e-6
@@ -461,8 +464,11 @@ def test_a_value_copied_into_a_row_exports_a_valid_model(tmp_path):
     fv = run_forward(a.forward, values)
     g = manifest["graphs"]["forward"]
     names = [n.name for n in a.forward.graph.nodes if n.op == "placeholder"]
+    # fed by graphflop's names for the placeholders: a constant the model made (an index
+    # tensor) is in the file, not among its inputs (run feeds only the declared inputs)
+    onnx_names = graph_io_names("forward", a.forward)[0]
     out = run(
-        session(tmp_path / "forward.onnx", CPU), dict(zip(g["inputs"], [values[n] for n in names]))
+        session(tmp_path / "forward.onnx", CPU), dict(zip(onnx_names, [values[n] for n in names]))
     )
     loss = torch.from_numpy(out[g["outputs"].index("loss")])
     assert rel_error(loss, fv[a.forward.meta[SIGNATURE].loss]) < 1e-6
@@ -510,8 +516,11 @@ def _ort_equals_eager(tmp_path, model, inputs, tol=1e-4):
     values = real_arguments(a.forward, model) | dict(zip(sig.inputs, inputs))
     g = manifest["graphs"]["forward"]
     names = [n.name for n in a.forward.graph.nodes if n.op == "placeholder"]
+    # fed by graphflop's names for the placeholders: a constant the model made (an index
+    # tensor) is in the file, not among its inputs (run feeds only the declared inputs)
+    onnx_names = graph_io_names("forward", a.forward)[0]
     out = run(
-        session(tmp_path / "forward.onnx", CPU), dict(zip(g["inputs"], [values[n] for n in names]))
+        session(tmp_path / "forward.onnx", CPU), dict(zip(onnx_names, [values[n] for n in names]))
     )
     model.zero_grad()
     eager = model(*inputs)

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             graphs, args.out, name=analysis.name, extra=extra, functions=not args.flat
         )
     out = Path(args.out)  # "onnx/" prints onnx/forward.onnx, not onnx//forward.onnx
-    for line in _cpu_kernel_notes(args, out, manifest):
+    for line in [*_cpu_kernel_notes(args, out, manifest), *_unknown_constant_notes(manifest)]:
         err.print(line, markup=False, highlight=False, soft_wrap=True)
     for g in manifest["graphs"].values():
         print(
@@ -119,6 +119,21 @@ def _cpu_kernel_notes(args: argparse.Namespace, out: Path, manifest: dict) -> li
                 "--dtype float32"
             )
     return notes
+
+
+def _unknown_constant_notes(manifest: dict) -> list[str]:
+    """One note for the constants the model made in its forward whose values are not known
+    (the model was on the meta device): the files take them as inputs, listed in the
+    manifest under ``unknown_constants``; every other constant is in the files."""
+    names = sorted({n for g in manifest["graphs"].values() for n in g.get("unknown_constants", [])})
+    if not names:
+        return []
+    return [
+        f"note: the value of the constant{'s' if len(names) > 1 else ''} {', '.join(names)} "
+        "the model makes in its forward is not known (made on the meta device), so the ONNX "
+        "files take it as an input (manifest.json: unknown_constants); feed its value, or "
+        "export the model with real weights"
+    ]
 
 
 def _cut_message(cut: Any) -> str:

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from graphflop.frontend.composite import decompose_kept_whole
 from graphflop.frontend.errors import first_line, quiet_loggers
 from graphflop.meta import (
     CALL_SITE,
+    CONSTANTS,
     COST,
     FORWARD_GRADIENT,
     KIND,
@@ -93,6 +94,11 @@ class ExportedGraph:
     inputs: list[str]
     outputs: list[str]
     manifest: list[dict[str, Any]]
+    #: constants the model made in its forward (``torch.tensor([...])``) written into the
+    #: model as initializers holding their values (not among ``inputs``)
+    constants: list[str] = field(default_factory=list)
+    #: such constants whose value is not known (made on the meta device): still inputs
+    unknown_constants: list[str] = field(default_factory=list)
 
 
 def _meta_args(gm: GraphModule) -> tuple[torch.Tensor, ...]:
@@ -243,10 +249,44 @@ def _share(rows: list[dict[str, Any]], work: tuple[int, int], absorbed: list[str
             r.setdefault("flops_of", []).extend(absorbed)
 
 
+def _known(value: torch.Tensor) -> bool:
+    """Whether a constant's values are there to write (not a meta or fake tensor)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return value.device.type != "meta" and not is_fake(value)
+
+
+def _as_initializer(model, name: str, value: torch.Tensor, dtype: torch.dtype) -> None:
+    """Graph input ``name`` of ``model`` becomes an initializer holding ``value`` (cast to
+    ``dtype``, the graph's; a complex value as its real view, the exporter's form), of the
+    element type the input declares."""
+    from onnx import helper
+
+    v = value.detach().to("cpu", dtype)
+    if v.is_complex():
+        v = torch.view_as_real(v)
+    v = v.contiguous()
+    decl = next(i for i in model.graph.input if i.name == name)
+    raw = v.reshape(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b""
+    elem = decl.type.tensor_type.elem_type
+    model.graph.initializer.append(helper.make_tensor(name, elem, list(v.shape), raw, raw=True))
+    model.graph.input.remove(decl)
+
+
 def export_graph(
-    gm: GraphModule, name: str, input_names: list[str], output_names: list[str]
+    gm: GraphModule,
+    name: str,
+    input_names: list[str],
+    output_names: list[str],
+    constants: Mapping[str, torch.Tensor] | None = None,
 ) -> ExportedGraph:
     """Export one graph to ONNX with the given input and output names.
+
+    ``constants`` (placeholder name → value; default ``gm.meta[CONSTANTS]``): the tensors the
+    model made in its forward (``torch.tensor([...])``, graph inputs of graphflop's graphs);
+    each placeholder among them with a known value becomes an initializer holding it, so that
+    the file runs on its documented inputs alone; one whose value is not known (a meta
+    tensor) stays an input (:attr:`ExportedGraph.unknown_constants`).
 
     Raises:
         OnnxExportError: an op the exporter cannot handle (named with its node), or any
@@ -284,6 +324,18 @@ def export_graph(
     if len(old_in) != len(input_names) or len(old_out) != len(output_names):
         raise OnnxExportError(f"{name}: the exporter changed the number of inputs/outputs")
     _rename(model, dict(zip(old_in, input_names)) | dict(zip(old_out, output_names)))
+    consts = gm.meta.get(CONSTANTS, {}) if constants is None else constants
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    written, unknown = [], []
+    for ph, onnx_name in zip(phs, input_names):
+        value = consts.get(ph.name)
+        if value is None:
+            continue
+        if _known(value):
+            _as_initializer(model, onnx_name, value, ph.meta["val"].dtype)
+            written.append(onnx_name)
+        else:
+            unknown.append(onnx_name)
     try:  # with shape inference: an exporter's translation can give a model no runtime loads
         onnx.checker.check_model(model, full_check=True)
     except Exception as e:
@@ -322,7 +374,8 @@ def export_graph(
             }
         )
     attribute_flops(manifest, ours, targets)
-    return ExportedGraph(name, model, input_names, output_names, manifest)
+    inputs = [i for i in input_names if i not in written]
+    return ExportedGraph(name, model, inputs, output_names, manifest, written, unknown)
 
 
 def _rename(model, names: dict[str, str]) -> None:
@@ -474,7 +527,9 @@ def export_all(
 
     Returns:
         The manifest: ``{"model": name, "graphs": {kind: {"file", "inputs", "outputs",
-        "nodes"}}}`` and ``extra``'s entries.
+        "nodes"}}}`` and ``extra``'s entries; a graph reading constants the model made in its
+        forward also has ``constants`` (written into the file as initializers, not inputs)
+        and ``unknown_constants`` (values not known, made on the meta device: inputs still).
 
     Raises:
         OnnxExportError: a graph the exporter cannot convert; nothing is written then.
@@ -482,6 +537,10 @@ def export_all(
     import onnx
 
     gms = dict(source) if isinstance(source, Mapping) else _analysis_graphs(source)
+    # the traced forward's constants (the step graphs made from it read the same placeholders)
+    constants = {
+        k: v for g in gms.values() if g is not None for k, v in g.meta.get(CONSTANTS, {}).items()
+    }
     model_name = name or getattr(source, "name", None) or "model"
     from graphflop.io import make_parents, remove_empty
 
@@ -496,13 +555,17 @@ def export_all(
             if gm is None:
                 continue
             ins, outs = graph_io_names(kind, gm)
-            ex = export_graph(gm, kind, ins, outs)
+            ex = export_graph(gm, kind, ins, outs, constants)
             entry: dict[str, Any] = {
                 "file": f"{kind}.onnx",
                 "inputs": ex.inputs,
                 "outputs": ex.outputs,
                 "nodes": ex.manifest,
             }
+            if ex.constants:
+                entry["constants"] = ex.constants
+            if ex.unknown_constants:
+                entry["unknown_constants"] = ex.unknown_constants
             if functions:
                 entry["functions"] = _fold(ex, gm, gms.get("forward"))
             onnx.save(ex.model, tmp / f"{kind}.onnx")

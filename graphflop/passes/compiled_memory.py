@@ -24,6 +24,7 @@ buffers and count inputs and targets.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import operator
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from graphflop.frontend.errors import TraceError
 from graphflop.ops import has_rule
 from graphflop.passes.eager_memory import DESCRIBES as EAGER_DESCRIBES
 from graphflop.passes.flops import op_cost
@@ -120,6 +122,10 @@ def _fake_like(t: torch.Tensor, grad: bool = False) -> torch.Tensor:
     return out.requires_grad_(grad)
 
 
+class _Recorded(Exception):
+    """Raised once the joint graph is recorded: AOTAutograd stops there."""
+
+
 def _joint(
     model: nn.Module, example_inputs: tuple, loss: str, targets: Callable[[torch.Tensor], tuple]
 ) -> tuple[GraphModule, list, int, int]:
@@ -131,35 +137,42 @@ def _joint(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
+    from graphflop.frontend.dispatch import RoutedDispatch, routed_nonzero
     from graphflop.frontend.libraries import traced_by_libraries
     from graphflop.frontend.loss import loss_output, loss_value
 
     rec: dict[str, Any] = {}
 
     def record(joint: GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any):
-        from torch._functorch.partitioners import default_partition
 
         rec.update(joint=_copy(joint), inputs=joint_inputs, n=num_fwd_outputs)
-        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
+        # the compiled function is not run: its forward graph on FakeTensors would meet a
+        # routed ``nonzero`` outside the routing's sizing
+        raise _Recorded
 
     def nop(gm: GraphModule, example_inputs: Any) -> GraphModule:
         return gm
 
     mode = FakeTensorMode()
+    # a mixture of experts' dispatch (``torch.where(idx == e)``) sized by the routing
+    # assumption, as graphflop's trace sizes it: the ``nonzero`` stays in the joint graph with
+    # static rows (:mod:`graphflop.frontend.dispatch`)
+    dispatch = RoutedDispatch()
     # libraries' traceable paths, as graphflop's trace takes them: transformers' packed-sequence
     # check reads position ids' values (``.all()``), which AOTAutograd's functional tensors
     # cannot give (DataDependentOutputException on every decoder)
-    with mode, traced_by_libraries():
+    with mode, traced_by_libraries(), routed_nonzero():
         params = {k: _fake_like(p, p.requires_grad) for k, p in model.named_parameters()}
         buffers = {k: _fake_like(b) for k, b in model.named_buffers()}
         inputs = tuple(_fake_like(t) for t in example_inputs)
-        with torch.no_grad():
+        with torch.no_grad(), dispatch:
             probe = functional_call(model, {**params, **buffers}, inputs)
         first = loss_output(probe)
         tgt = targets(first)
 
         def f(params: dict, buffers: dict, inputs: tuple, tgt: tuple) -> torch.Tensor:
-            out = functional_call(model, {**params, **buffers}, inputs)
+            with dispatch:
+                out = functional_call(model, {**params, **buffers}, inputs)
             return loss_value(loss, loss_output(out), tgt)
 
         n_state = len(params) + len(buffers)
@@ -171,22 +184,34 @@ def _joint(
             decompositions=select_decomp_table(),
             num_params_buffers=n_state,
         )
-        with functorch_config.patch(unlift_effect_tokens=True):
+        with functorch_config.patch(unlift_effect_tokens=True), contextlib.suppress(_Recorded):
             g(params, buffers, inputs, tgt)
     return rec["joint"], rec["inputs"], rec["n"], n_state
 
 
+def _is_view(n: Node) -> bool:
+    """Whether ``n``'s op returns a view of its first input (``_unsafe_view`` too; an in-place
+    op's output is its input, not a view)."""
+    t = n.target
+    if t in _ALIASING_EXTRA:
+        return True
+    schema = getattr(t, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return False
+    return not schema.returns[0].alias_info.is_write
+
+
 def _root(n: Node) -> Node:
-    """The node whose storage ``n`` lives in (``n`` itself unless a view)."""
+    """The node whose storage ``n`` lives in (``n`` itself unless a view). A ``getitem`` of a
+    multi-output view op (``unbind``, ``split``: the rows and columns of a routed
+    ``nonzero``) lives in that op's input's storage."""
     while n.op == "call_function" and n.all_input_nodes:
-        t = n.target
-        schema = getattr(t, "_schema", None)
-        if not (
-            t in _ALIASING_EXTRA
-            or (schema is not None and schema.returns and schema.returns[0].alias_info is not None)
-        ):
-            break
-        if schema is not None and schema.returns[0].alias_info.is_write:  # in-place: not a view
+        if n.target is operator.getitem:
+            src = n.args[0]
+            if not (isinstance(src, Node) and src.op == "call_function" and _is_view(src)):
+                break
+            n = src
+        if not _is_view(n):
             break
         n = n.all_input_nodes[0]
     return n
@@ -337,11 +362,42 @@ def _targets(loss: str) -> Callable[[torch.Tensor], tuple]:
 
 
 def _copy(gm: GraphModule) -> GraphModule:
-    """A deep copy of ``gm``, without the FutureWarning PyTorch 2.13 raises while copying the
-    graph's pytree specs (``isinstance(treespec, LeafSpec)`` inside ``deepcopy``)."""
+    """A deep copy of ``gm``'s graph, its tensor attributes shared (a constant the model makes
+    in its forward, ``torch.tensor([...])``, is a FakeTensor attribute of the joint graph that
+    ``deepcopy`` cannot clone; the partitioners read attributes, never write them), without the
+    FutureWarning PyTorch 2.13 raises while copying the graph's pytree specs
+    (``isinstance(treespec, LeafSpec)`` inside ``deepcopy``)."""
+    shared: dict[int, Any] = {}
+    for mod in gm.modules():
+        for v in [*vars(mod).values(), *mod._parameters.values(), *mod._buffers.values()]:
+            if isinstance(v, torch.Tensor):
+                shared[id(v)] = v
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r".*LeafSpec.* is deprecated", FutureWarning)
-        return copy.deepcopy(gm)
+        return copy.deepcopy(gm, shared)
+
+
+#: the exceptions of an op whose output (its size or value) depends on tensor values
+_DATA_DEPENDENT = {
+    "DynamicOutputShapeException",
+    "DataDependentOutputException",
+    "GuardOnDataDependentSymNode",
+}
+
+
+def _data_dependent_refusal(e: BaseException) -> str | None:
+    """The one-line refusal for a joint graph AOTAutograd could not record because an op's
+    output depends on tensor values graphflop cannot size here; None for another failure."""
+    from graphflop.frontend.errors import exception_chain, first_line
+
+    cause = next((c for c in exception_chain(e) if type(c).__name__ in _DATA_DEPENDENT), None)
+    if cause is None:
+        return None
+    return (
+        "--memory-model compiled cannot record torch.compile's joint graph of this model: "
+        f"{type(cause).__name__}: {first_line(cause)} (an op whose output size depends on "
+        "tensor values, not tied to a router's top-k indices); use --memory-model eager or graph"
+    )
 
 
 def compiled_memory(model: nn.Module, example_inputs: tuple, loss: str) -> CompiledMemory:
@@ -358,6 +414,8 @@ def compiled_memory(model: nn.Module, example_inputs: tuple, loss: str) -> Compi
         :class:`CompiledMemory`, bytes and FLOPs (1 multiply-add = 2 FLOPs).
 
     Raises:
+        TraceError: an op whose output size depends on tensor values (a ``nonzero`` not tied
+            to a router's top-k indices) in the joint graph: one line.
         RuntimeError: AOTAutograd cannot trace the model (its message).
     """
     from torch._functorch.partitioners import (
@@ -365,7 +423,13 @@ def compiled_memory(model: nn.Module, example_inputs: tuple, loss: str) -> Compi
         min_cut_rematerialization_partition,
     )
 
-    joint, joint_inputs, n_out, n_state = _joint(model, example_inputs, loss, _targets(loss))
+    try:
+        joint, joint_inputs, n_out, n_state = _joint(model, example_inputs, loss, _targets(loss))
+    except Exception as e:
+        refusal = _data_dependent_refusal(e)
+        if refusal is None:
+            raise
+        raise TraceError(refusal) from e
     joint_fwd = _forward_nodes(joint)
     cuts: dict[str, Callable[..., tuple[GraphModule, GraphModule]]] = {
         "min_cut": functools.partial(min_cut_rematerialization_partition, compiler="inductor"),

@@ -41,6 +41,7 @@ from graphflop.ad.builder import Builder, RuleContext, copy_node
 from graphflop.ad.functions import FunctionEntry
 from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
+    CONSTANTS,
     DERIVED_HIERARCHY,
     FORWARD_GRADIENT,
     JVP,
@@ -171,6 +172,8 @@ def build_forward_gradient_step(
     dh = step_calls.build(gm, forward, known, update=upd)
     if dh is not None:
         gm.meta[DERIVED_HIERARCHY] = dh
+    # the forward's constants (torch.tensor(...) made in forward) are this graph's inputs too
+    gm.meta[CONSTANTS] = forward.meta.get(CONSTANTS, {})
     return gm
 
 

@@ -14,6 +14,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.meta import (
+    CONSTANTS,
     KIND,
     MODULE,
     ROLE,
@@ -90,6 +91,8 @@ def build_train_step(
     g.output(tuple([loss] + new + buffers))
     gm = graph_module(torch.nn.Module(), g)
     gm.meta[SIGNATURE] = sig
+    # the forward's constants (torch.tensor(...) made in forward) are this graph's inputs too
+    gm.meta[CONSTANTS] = forward.meta.get(CONSTANTS, {})
     info = update.meta[UPDATE]
     gm.meta[UPDATE] = update.meta[UPDATE]
     gm.meta[TRAIN_STEP] = TrainStepInfo(

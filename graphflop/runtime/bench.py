@@ -436,7 +436,7 @@ def bench_onnxruntime(
         OnnxExportError: a graph cannot be exported.
         BenchError: ONNX Runtime has no kernel for an op of the graphs at this dtype.
     """
-    from graphflop.export.onnx import export_all
+    from graphflop.export.onnx import export_all, graph_io_names
     from graphflop.runtime.graphs import step_graphs
     from graphflop.runtime.onnxrt import as_declared, profile_times, session
 
@@ -463,8 +463,12 @@ def bench_onnxruntime(
                     profile=str(prof_dir / kind) if profile else False,
                 ),
             )
+            # the feeds are labelled as graphflop's inputs; a constant the model made is in
+            # the file (an initializer), not among the session's inputs
+            names = graph_io_names(kind, graphs[kind])[0]
+            declared = {i.name for i in sess.get_inputs()}
             arrays[kind] = [
-                as_declared(sess, {n: a.numpy() for n, a in zip(g["inputs"], args)})
+                as_declared(sess, {n: a.numpy() for n, a in zip(names, args) if n in declared})
                 for args in feeds[kind]
             ]
 

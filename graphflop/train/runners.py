@@ -53,7 +53,8 @@ class OrtRunner:
         if save_to is not None:
             atomic_write(save_to / f"{kind}.onnx", lambda p: onnx.save(exported.model, p))
         phs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        self.feed_names = list(zip(ins, phs))  # ONNX input name ← placeholder
+        # ONNX input name ← placeholder (a constant written into the file is no input)
+        self.feed_names = [(o, p) for o, p in zip(ins, phs) if o in exported.inputs]
         self.sess = session(exported.model, provider, threads=torch.get_num_threads())
         self.provider = self.sess.get_providers()[0]
 
