@@ -374,3 +374,38 @@ def test_a_dispatch_not_tied_to_the_routing_says_how_to_write_it():
     msg = str(e.value)
     assert "\n" not in msg and "not tied to the routing" in msg
     assert "torch.where(idx == e)" in msg and "test_moe_loop.py" in msg
+
+
+def test_forward_gradient_check_runs_on_the_real_routing(monkeypatch):
+    """A tester's finding: the forward-gradient check batched its directions into one step whose
+    tangents reshape K directions' rows to the traced (balanced) row count, and the real inputs'
+    routing gave others: NOT RUN. The check runs one direction per step on such a graph, with
+    the rows the real inputs route, and its χ² test still has power (a quartered estimate
+    fails: u·ḡ/‖∇L‖ ≈ 0.25, below the acceptance interval's 0.454 for M = 100)."""
+    import graphflop.passes.forward_gradient as fg
+    from graphflop.frontend.trace import trace
+    from graphflop.runtime.verify_fg import data_dependent, verify_forward_gradient
+
+    torch.manual_seed(0)
+    model = LoopMoE()
+    with torch.no_grad():  # a router that sends most pairs to expert 0: rows far from 4 each
+        model.gate.weight[0] += 2.0
+    x = torch.randn(8, D).abs()
+    idx = model.gate(x).topk(2, dim=-1).indices
+    rows = [int((idx == e).sum()) for e in range(4)]
+    assert rows != [4, 4, 4, 4] and sum(rows) == 16  # the real routing is not the traced one
+    fwd = trace(model, (x,), loss="sum")
+    assert data_dependent(fwd)
+    c = verify_forward_gradient(fwd, model, samples=100, examples=(x,))
+    assert c.ran and c.ok, c
+    assert "100 steps of 1" in c.where
+
+    real = fg._estimate
+
+    def quartered(b, info, ds, vs):
+        grads = real(b, info, ds, vs)
+        return {p: b.call(torch.ops.aten.mul.Tensor, g, 0.25) for p, g in grads.items()}
+
+    monkeypatch.setattr(fg, "_estimate", quartered)
+    c = verify_forward_gradient(fwd, model, samples=100, examples=(x,))
+    assert c.ran and not c.ok, c
