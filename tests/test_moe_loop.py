@@ -409,3 +409,16 @@ def test_forward_gradient_check_runs_on_the_real_routing(monkeypatch):
     monkeypatch.setattr(fg, "_estimate", quartered)
     c = verify_forward_gradient(fwd, model, samples=100, examples=(x,))
     assert c.ran and not c.ok, c
+
+
+@pytest.mark.slow
+def test_cli_verify_runs_every_check_on_the_real_routing(tmp_path):
+    """``inspect --verify`` of a loop over experts: the example inputs (zeros: every token's
+    top 2 are experts 0 and 1, 8 rows each) route otherwise than the traced balanced 4 each,
+    and all three checks run and pass (the forward-gradient one was NOT RUN, exit 1)."""
+    model = _write(tmp_path, _LOOP_FILE)
+    r = _cli(str(model), "--verify", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("verify: ")]
+    assert len(lines) == 4 and lines[-1] == "verify: 3 of 3 checks passed", r.stderr
+    assert "forward-gradient estimate unbiased" in lines[2] and ": passed:" in lines[2]
