@@ -384,19 +384,22 @@ def test_forward_gradient_check_runs_on_the_real_routing(monkeypatch):
     fails: u·ḡ/‖∇L‖ ≈ 0.25, below the acceptance interval's 0.454 for M = 100)."""
     import graphflop.passes.forward_gradient as fg
     from graphflop.frontend.trace import trace
-    from graphflop.runtime.verify_fg import data_dependent, verify_forward_gradient
+    from graphflop.passes.forward_gradient import data_dependent
+    from graphflop.runtime.verify import real_arguments
+    from graphflop.runtime.verify_fg import verify_forward_gradient
 
     torch.manual_seed(0)
     model = LoopMoE()
     with torch.no_grad():  # a router that sends most pairs to expert 0: rows far from 4 each
         model.gate.weight[0] += 2.0
-    x = torch.randn(8, D).abs()
+    fwd = trace(model, (torch.randn(8, D),), loss="sum")
+    assert data_dependent(fwd)
+    # the check's input: N(0, 1) drawn from seed 0 (real_arguments, as the check draws it)
+    (x,) = [v for n, v in real_arguments(fwd, model).items() if n == "args_0"]
     idx = model.gate(x).topk(2, dim=-1).indices
     rows = [int((idx == e).sum()) for e in range(4)]
-    assert rows != [4, 4, 4, 4] and sum(rows) == 16  # the real routing is not the traced one
-    fwd = trace(model, (x,), loss="sum")
-    assert data_dependent(fwd)
-    c = verify_forward_gradient(fwd, model, samples=100, examples=(x,))
+    assert rows != [4, 4, 4, 4] and sum(rows) == 16, rows  # not the traced routing
+    c = verify_forward_gradient(fwd, model, samples=100)
     assert c.ran and c.ok, c
     assert "100 steps of 1" in c.where
 
@@ -407,7 +410,7 @@ def test_forward_gradient_check_runs_on_the_real_routing(monkeypatch):
         return {p: b.call(torch.ops.aten.mul.Tensor, g, 0.25) for p, g in grads.items()}
 
     monkeypatch.setattr(fg, "_estimate", quartered)
-    c = verify_forward_gradient(fwd, model, samples=100, examples=(x,))
+    c = verify_forward_gradient(fwd, model, samples=100)
     assert c.ran and not c.ok, c
 
 
@@ -422,3 +425,65 @@ def test_cli_verify_runs_every_check_on_the_real_routing(tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.startswith("verify: ")]
     assert len(lines) == 4 and lines[-1] == "verify: 3 of 3 checks passed", r.stderr
     assert "forward-gradient estimate unbiased" in lines[2] and ": passed:" in lines[2]
+
+
+def test_a_forward_gradient_step_of_several_directions_runs_on_the_real_routing(monkeypatch):
+    """A step of K = 3 directions batched into one tangent pass reshaped the directions' rows to
+    the traced (balanced) count and failed on inputs routed otherwise (``train --method fgd
+    --directions K``: an internal error). Such a graph takes K copies: the same FLOPs as the
+    batched pass (built on the traced sizes, where it runs), and on unbalanced inputs each
+    direction's derivative d_k = ∇L·v_k equals torch.func.jvp's along v_k."""
+    import graphflop.passes.forward_gradient as fg
+    from graphflop.frontend.trace import trace
+    from graphflop.meta import FORWARD_GRADIENT, SIGNATURE
+    from graphflop.passes.flops import annotate_flops
+    from graphflop.runtime.verify import real_arguments
+
+    torch.manual_seed(0)
+    model = LoopMoE()
+    fwd = trace(model, (torch.randn(8, D),), loss="sum")
+    step = annotate_flops(
+        fg.build_forward_gradient_step(fwd, "sgd", directions=3, direction_inputs=True)
+    )
+    info = step.meta[FORWARD_GRADIENT]
+    assert info.tangent_pass.startswith("copies: a size that depends on values")
+    monkeypatch.setattr(fg, "data_dependent", lambda gm: False)
+    batched = annotate_flops(
+        fg.build_forward_gradient_step(fwd, "sgd", directions=3, direction_inputs=True)
+    )
+    monkeypatch.undo()
+    assert batched.meta[FORWARD_GRADIENT].tangent_pass == "one batched tangent pass"
+    assert _step_flops(step) == _step_flops(batched) > 0
+
+    with torch.no_grad():  # most pairs to expert 0: rows far from the traced 4 each
+        model.gate.weight[0] += 2.0
+    x = torch.randn(8, D).abs()
+    values = real_arguments(fwd, model)  # by placeholder: the parameters, args_0
+    values["args_0"] = x
+    qual = dict(fwd.meta[SIGNATURE].trainable())  # placeholder -> parameter name
+    gen = torch.Generator().manual_seed(1)
+    vs = [{p: torch.randn(values[p].shape, generator=gen) for p in qual} for _ in range(3)]
+    args = []
+    for n in info.inputs:
+        if n == "lr":
+            args.append(torch.tensor(1.0))
+        elif n in values:
+            args.append(values[n])
+        else:  # v{k}_<placeholder>
+            k, _, p = n[1:].partition("_")
+            args.append(vs[int(k)][p])
+    ds = step(*args)[-3:]
+
+    def loss(params):
+        return torch.func.functional_call(model, params, (x,)).sum()
+
+    primal = {qual[p]: values[p] for p in qual}
+    for d, v in zip(ds, vs):
+        _, ref = torch.func.jvp(loss, (primal,), ({qual[p]: t for p, t in v.items()},))
+        torch.testing.assert_close(d.reshape(()), ref, rtol=1e-4, atol=1e-4)
+
+
+def _step_flops(gm) -> int:
+    from graphflop.train.model import graph_flops
+
+    return graph_flops(gm)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from graphflop.meta import FORWARD_GRADIENT, SIGNATURE, Signature
+from graphflop.passes.forward_gradient import data_dependent
 from graphflop.runtime.verify import (
     Check,
     _dtype_name,
@@ -143,24 +144,11 @@ def verify_forward_gradient(
     )
 
 
-#: ops whose output size is their input's values (a mixture-of-experts loop's rows of an expert)
-_DATA_DEPENDENT = (torch.ops.aten.nonzero.default,)
-
-
-def data_dependent(forward: GraphModule) -> bool:
-    """Whether ``forward`` holds an op whose output size depends on values (a routed expert
-    dispatch, :mod:`graphflop.frontend.dispatch`): the trace gave it the size the routing
-    assumption says, the real inputs give it theirs. The one-direction step runs with those
-    (as the gradient and JVP checks' graphs do), while a step with ``K`` > 1 batched
-    directions reshapes the ``K`` directions' rows to the traced size and cannot."""
-    return any(n.op == "call_function" and n.target in _DATA_DEPENDENT for n in forward.graph.nodes)
-
-
 def _directions_per_step(forward: GraphModule, samples: int) -> int:
     """Directions per step: as many as fit :data:`FG_BATCH_BYTES` (one direction's tangents are
     at most the parameters' and every forward value's bytes), at most ``samples``; one when the
     graph has a data-dependent size (:func:`data_dependent`)."""
-    if data_dependent(forward):
+    if data_dependent(forward):  # K > 1 would be K copies of the tangent pass: one each
         return 1
     per = 0
     for n in forward.graph.nodes:
