@@ -374,3 +374,116 @@ def test_a_dispatch_not_tied_to_the_routing_says_how_to_write_it():
     msg = str(e.value)
     assert "\n" not in msg and "not tied to the routing" in msg
     assert "torch.where(idx == e)" in msg and "test_moe_loop.py" in msg
+
+
+def test_forward_gradient_check_runs_on_the_real_routing(monkeypatch):
+    """A tester's finding: the forward-gradient check batched its directions into one step whose
+    tangents reshape K directions' rows to the traced (balanced) row count, and the real inputs'
+    routing gave others: NOT RUN. The check runs one direction per step on such a graph, with
+    the rows the real inputs route, and its χ² test still has power (a quartered estimate
+    fails: u·ḡ/‖∇L‖ ≈ 0.25, below the acceptance interval's 0.454 for M = 100)."""
+    import graphflop.passes.forward_gradient as fg
+    from graphflop.frontend.trace import trace
+    from graphflop.passes.forward_gradient import data_dependent
+    from graphflop.runtime.verify import real_arguments
+    from graphflop.runtime.verify_fg import verify_forward_gradient
+
+    torch.manual_seed(0)
+    model = LoopMoE()
+    with torch.no_grad():  # a router that sends most pairs to expert 0: rows far from 4 each
+        model.gate.weight[0] += 2.0
+    fwd = trace(model, (torch.randn(8, D),), loss="sum")
+    assert data_dependent(fwd)
+    # the check's input: N(0, 1) drawn from seed 0 (real_arguments, as the check draws it)
+    (x,) = [v for n, v in real_arguments(fwd, model).items() if n == "args_0"]
+    idx = model.gate(x).topk(2, dim=-1).indices
+    rows = [int((idx == e).sum()) for e in range(4)]
+    assert rows != [4, 4, 4, 4] and sum(rows) == 16, rows  # not the traced routing
+    c = verify_forward_gradient(fwd, model, samples=100)
+    assert c.ran and c.ok, c
+    assert "100 steps of 1" in c.where
+
+    real = fg._estimate
+
+    def quartered(b, info, ds, vs):
+        grads = real(b, info, ds, vs)
+        return {p: b.call(torch.ops.aten.mul.Tensor, g, 0.25) for p, g in grads.items()}
+
+    monkeypatch.setattr(fg, "_estimate", quartered)
+    c = verify_forward_gradient(fwd, model, samples=100)
+    assert c.ran and not c.ok, c
+
+
+@pytest.mark.slow
+def test_cli_verify_runs_every_check_on_the_real_routing(tmp_path):
+    """``inspect --verify`` of a loop over experts: the example inputs (zeros: every token's
+    top 2 are experts 0 and 1, 8 rows each) route otherwise than the traced balanced 4 each,
+    and all three checks run and pass (the forward-gradient one was NOT RUN, exit 1)."""
+    model = _write(tmp_path, _LOOP_FILE)
+    r = _cli(str(model), "--verify", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("verify: ")]
+    assert len(lines) == 4 and lines[-1] == "verify: 3 of 3 checks passed", r.stderr
+    assert "forward-gradient estimate unbiased" in lines[2] and ": passed:" in lines[2]
+
+
+def test_a_forward_gradient_step_of_several_directions_runs_on_the_real_routing(monkeypatch):
+    """A step of K = 3 directions batched into one tangent pass reshaped the directions' rows to
+    the traced (balanced) count and failed on inputs routed otherwise (``train --method fgd
+    --directions K``: an internal error). Such a graph takes K copies: the same FLOPs as the
+    batched pass (built on the traced sizes, where it runs), and on unbalanced inputs each
+    direction's derivative d_k = ∇L·v_k equals torch.func.jvp's along v_k."""
+    import graphflop.passes.forward_gradient as fg
+    from graphflop.frontend.trace import trace
+    from graphflop.meta import FORWARD_GRADIENT, SIGNATURE
+    from graphflop.passes.flops import annotate_flops
+    from graphflop.runtime.verify import real_arguments
+
+    torch.manual_seed(0)
+    model = LoopMoE()
+    fwd = trace(model, (torch.randn(8, D),), loss="sum")
+    step = annotate_flops(
+        fg.build_forward_gradient_step(fwd, "sgd", directions=3, direction_inputs=True)
+    )
+    info = step.meta[FORWARD_GRADIENT]
+    assert info.tangent_pass.startswith("copies: a size that depends on values")
+    monkeypatch.setattr(fg, "data_dependent", lambda gm: False)
+    batched = annotate_flops(
+        fg.build_forward_gradient_step(fwd, "sgd", directions=3, direction_inputs=True)
+    )
+    monkeypatch.undo()
+    assert batched.meta[FORWARD_GRADIENT].tangent_pass == "one batched tangent pass"
+    assert _step_flops(step) == _step_flops(batched) > 0
+
+    with torch.no_grad():  # most pairs to expert 0: rows far from the traced 4 each
+        model.gate.weight[0] += 2.0
+    x = torch.randn(8, D).abs()
+    values = real_arguments(fwd, model)  # by placeholder: the parameters, args_0
+    values["args_0"] = x
+    qual = dict(fwd.meta[SIGNATURE].trainable())  # placeholder -> parameter name
+    gen = torch.Generator().manual_seed(1)
+    vs = [{p: torch.randn(values[p].shape, generator=gen) for p in qual} for _ in range(3)]
+    args = []
+    for n in info.inputs:
+        if n == "lr":
+            args.append(torch.tensor(1.0))
+        elif n in values:
+            args.append(values[n])
+        else:  # v{k}_<placeholder>
+            k, _, p = n[1:].partition("_")
+            args.append(vs[int(k)][p])
+    ds = step(*args)[-3:]
+
+    def loss(params):
+        return torch.func.functional_call(model, params, (x,)).sum()
+
+    primal = {qual[p]: values[p] for p in qual}
+    for d, v in zip(ds, vs):
+        _, ref = torch.func.jvp(loss, (primal,), ({qual[p]: t for p, t in v.items()},))
+        torch.testing.assert_close(d.reshape(()), ref, rtol=1e-4, atol=1e-4)
+
+
+def _step_flops(gm) -> int:
+    from graphflop.train.model import graph_flops
+
+    return graph_flops(gm)

@@ -455,6 +455,63 @@ def test_cli_errors_are_one_line(capsys, argv, message):
     assert err.startswith("graphflop: error: ") and message in err and "\n" not in err
 
 
+_BATCH_NORM_NET = """
+import torch, torch.nn as nn
+class TNet(nn.Module):
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.BatchNorm1d(hidden),
+            nn.GELU(), nn.Linear(hidden, 10))
+    def forward(self, x): return self.net(x)
+def example_inputs(): return (torch.randn(4, 1, 8, 8),)
+"""
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        ["--method", "torch"],
+        ["--method", "backprop"],
+        ["--method", "fgd"],
+    ],
+)
+def test_batch_norm_over_a_batch_of_one_is_one_line_naming_train_options(tmp_path, capsys, method):
+    """A tester's finding: ``--method torch`` at ``--batch 1`` ended in an internal error
+    (PyTorch's ValueError, exit 1) and ``--method backprop``'s line advised ``--eval``, an
+    option train does not have (which argparse then took as ``--eval-every``). Every method:
+    one line, exit 2, the model's error and the option train has."""
+    net = tmp_path / "tnet.py"
+    net.write_text(_BATCH_NORM_NET)
+    argv = [str(net), *method, "--batch", "1", "--steps", "2", "--quiet"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("graphflop: error: "), err
+    assert "Expected more than 1 value per channel when training" in err
+    assert err.endswith("give a larger --batch") and "--eval" not in err, err
+    assert main([str(net), *method, "--batch", "2", "--steps", "1", "--quiet"]) == 0
+
+
+def test_an_option_is_taken_only_as_spelled_in_full(capsys):
+    """argparse's prefix matching read train's ``--eval`` (inspect's option) as ``--eval-every``;
+    every graphflop parser refuses a prefix as an unknown option."""
+    import argparse
+
+    from graphflop.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        main([spec("logreg.py"), "--eval", "--steps", "1"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --eval" in capsys.readouterr().err
+    parser = build_parser()
+    assert not parser.allow_abbrev
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, p in sub.choices.items():
+        assert not p.allow_abbrev, name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["inspect", spec("logreg.py"), "--plot"])  # --plot-memory's prefix
+    assert "unrecognized arguments: --plot" in capsys.readouterr().err
+
+
 # --- the settings --------------------------------------------------------------------------------
 
 

@@ -217,7 +217,15 @@ def _debug_traceback(debug: bool) -> None:
 
 class OneLineParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, ``PROG: error: MESSAGE; see PROG --help``,
-    and exit status 2 (argparse prints the whole usage first); its subparsers are one too."""
+    and exit status 2 (argparse prints the whole usage first); its subparsers are one too.
+
+    An option is taken only as spelled in full (``allow_abbrev=False``): argparse would read a
+    prefix as the one option it starts (``--eval`` as ``--eval-every`` in a command without
+    ``--eval``), so a mistyped or missing option ran as another."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         text = " ".join(message.split())

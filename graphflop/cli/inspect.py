@@ -124,7 +124,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--routing",
-        default="balanced",
+        default=None,
         metavar="MODEL",
         help="how a mixture-of-experts model's token-expert rows spread over its experts: "
         "balanced (default: T·k/E each, the expectation under uniform routing), capacity:F "
@@ -374,13 +374,14 @@ def _tangent_pass_notes(analysis: Analysis) -> list[str]:
 
 def _check_routing(args: argparse.Namespace, loaded: Any) -> None:
     """Refuse a --routing that does not fit the model's stacked routed experts (a histogram of
-    another number of experts), and a capacity for a model without them; a histogram for such
-    a model is checked after the trace (its loop over experts may dispatch data-dependently:
-    refused there if it did not)."""
+    another number of experts), and a capacity for a model without them; a balanced routing
+    or a histogram given for such a model is checked after the trace (its loop over experts
+    may dispatch data-dependently: refused there if it did not, an option the run would
+    ignore). No --routing: balanced, nothing to check."""
     from graphflop.load import SpecError
     from graphflop.presets import routed_experts
 
-    if args.routing == "balanced":
+    if args.routing is None:
         return
     found = routed_experts(loaded.model, getattr(loaded.model, "config", None))
     if not found and args.routing_model.kind == "capacity":
@@ -416,7 +417,7 @@ def _check(args: argparse.Namespace) -> None:
     from graphflop.ops.transformers_ops import parse_routing
 
     try:
-        args.routing_model = parse_routing(args.routing)
+        args.routing_model = parse_routing(args.routing or "balanced")
     except ValueError as e:
         raise SpecError(str(e)) from None
 

@@ -114,7 +114,8 @@ def build_forward_gradient_step(
             (as ``torch.func.vmap`` batches them; same FLOPs as ``K`` copies, fewer nodes)
             instead of ``K`` copies of the tangent nodes. An op the batching cannot handle is
             copied per direction, and if the batched pass fails as a whole the graph falls back
-            to ``K`` copies; ``ForwardGradientInfo.tangent_pass`` says which.
+            to ``K`` copies, as it takes them for a graph with a data-dependent size
+            (:func:`data_dependent`); ``ForwardGradientInfo.tangent_pass`` says which.
 
     Raises:
         ValueError: bad ``directions`` or ``distribution``, a forward graph without a loss, or
@@ -135,7 +136,9 @@ def build_forward_gradient_step(
     st = _Start(jvp, upd, info, fake_mode, directions, direction_inputs)
     ds: list[Node] = []
     vs: list[dict] = []
-    if directions > 1 and batched:
+    if directions > 1 and batched and data_dependent(forward):
+        how = "copies: a size that depends on values (a routed expert dispatch) cannot be batched"
+    elif directions > 1 and batched:
         try:
             ds, vs, how = _batched_pass(st, jvp, info, distribution, directions)
         except Exception as e:  # noqa: BLE001 - any op vmap cannot trace: K copies instead
@@ -175,6 +178,19 @@ def build_forward_gradient_step(
     # the forward's constants (torch.tensor(...) made in forward) are this graph's inputs too
     gm.meta[CONSTANTS] = forward.meta.get(CONSTANTS, {})
     return gm
+
+
+#: ops whose output size is their input's values (a mixture-of-experts loop's rows of an expert)
+_DATA_DEPENDENT = (torch.ops.aten.nonzero.default,)
+
+
+def data_dependent(forward: GraphModule) -> bool:
+    """Whether ``forward`` holds an op whose output size depends on values (a routed expert
+    dispatch, :mod:`graphflop.frontend.dispatch`): the trace gave it the size the routing
+    assumption says, real inputs give it theirs. A direction's own tangent pass runs with
+    those; a batched pass reshapes the ``K`` directions' rows to the traced size and cannot,
+    so such a step takes ``K`` copies."""
+    return any(n.op == "call_function" and n.target in _DATA_DEPENDENT for n in forward.graph.nodes)
 
 
 def _step_module(

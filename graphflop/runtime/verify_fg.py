@@ -1,5 +1,6 @@
 """The ``--verify`` forward-gradient check: a χ² test that the forward-gradient step's estimate
-is unbiased, its directions batched into a few steps (:func:`verify_forward_gradient`)."""
+is unbiased, its directions batched into a few steps (:func:`verify_forward_gradient`; one
+direction per step for a graph with a data-dependent size, :func:`data_dependent`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from graphflop.meta import FORWARD_GRADIENT, SIGNATURE, VJP, Signature
+from graphflop.passes.forward_gradient import data_dependent
 from graphflop.runtime.verify import (
     Check,
     _dtype_name,
@@ -42,8 +44,9 @@ def verify_forward_gradient(
 
     Runs the step graph (SGD, lr = 1) with ``K`` Gaussian directions per step given as inputs
     (one batched tangent pass; as many steps as ``samples`` directions need, ``K`` chosen so a
-    step's tangents fit :data:`FG_BATCH_BYTES`, all from the same generator state so dropout
-    masks are the reference's), so ``w − w_new`` is the step's estimate
+    step's tangents fit :data:`FG_BATCH_BYTES`, ``K = 1`` for a graph whose sizes depend on
+    values (:func:`data_dependent`), all from the same generator state so dropout masks are
+    the reference's), so ``w − w_new`` is the step's estimate
     ``ḡ = (1/K) Σ (∇L·v_k) v_k``, and compares the mean of the estimates with the backward
     graph's gradient ``∇L`` along ``u = ∇L/‖∇L‖``. For Gaussian ``v``, ``u·(∇L·v) v =
     ‖∇L‖ (u·v)²`` with ``u·v ~ N(0, 1)``, so for ``M`` directions ``T = M · u·ḡ/‖∇L‖`` is
@@ -144,7 +147,10 @@ def verify_forward_gradient(
 
 def _directions_per_step(forward: GraphModule, samples: int) -> int:
     """Directions per step: as many as fit :data:`FG_BATCH_BYTES` (one direction's tangents are
-    at most the parameters' and every forward value's bytes), at most ``samples``."""
+    at most the parameters' and every forward value's bytes), at most ``samples``; one when the
+    graph has a data-dependent size (:func:`data_dependent`)."""
+    if data_dependent(forward):  # K > 1 would be K copies of the tangent pass: one each
+        return 1
     per = 0
     for n in forward.graph.nodes:
         v = n.meta.get("val")

@@ -35,11 +35,12 @@ the files from :mod:`graphflop.train.outputs`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from graphflop.frontend.errors import TraceError, exception_chain, first_line
 from graphflop.train import distributed
 from graphflop.train.config import (
     DEFAULT_EPOCHS,
@@ -149,8 +151,9 @@ def train(
     )
     created = distributed.init(ranks)
     try:
-        run = _setup(spec_or_model, data, config, staging, ranks)
-        result = _run(run, config, progress)
+        with _batch_norm_refused(config):
+            run = _setup(spec_or_model, data, config, staging, ranks)
+            result = _run(run, config, progress)
         if out is not None:
             write_outputs(result, out)
             if staging is not None:
@@ -161,6 +164,30 @@ def train(
         distributed.finish(created)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+#: the words of PyTorch's refusal of batch norm in training mode over one value per channel
+_ONE_VALUE_PER_CHANNEL = "more than 1 value per channel when training"
+
+
+@contextlib.contextmanager
+def _batch_norm_refused(c: TrainConfig) -> Iterator[None]:
+    """Raise :class:`TrainError` for batch norm in training mode over a batch that gives it one
+    value per channel, whichever method met it: eager PyTorch's ``ValueError`` (``--method
+    torch``, activity perturbation) or the trace's :class:`TraceError` caused by it (the step
+    graphs), one line naming the option that helps."""
+    try:
+        yield
+    except (ValueError, TraceError) as e:
+        # the model's own error, innermost (a trace's TraceError quotes it with other advice)
+        said = [x for x in exception_chain(e) if _ONE_VALUE_PER_CHANNEL in str(x)]
+        if not said:
+            raise
+        cause = said[-1]
+        raise TrainError(
+            f"the model's batch norm in training mode failed at --batch {c.batch}: "
+            f"{type(cause).__name__}: {first_line(cause)}; give a larger --batch"
+        ) from e
 
 
 def _check_ranks(c: TrainConfig, ranks: Ranks) -> None:
