@@ -16,6 +16,7 @@ the tangents and transposes with the rules of ``mul``/``div``/``where``.
 
 from __future__ import annotations
 
+import cmath
 import math
 
 import torch
@@ -154,12 +155,13 @@ def _transpose_add_sub(op, sign: int):
         a = bind(op, args, kwargs)
         cts = [None] * len(args)
         if linear[0]:
-            cts[0] = b.sum_to(ct, shape(a.self))
+            cts[0] = b.sum_to(_complex_adjoint(b, ct, a.self), shape(a.self))
         if linear[1]:
             c = ct
             if sign * a.alpha != 1:
-                c = b.call(aten.mul.Tensor, ct, sign * a.alpha)
-            cts[1] = b.sum_to(c, shape(a.other))
+                # a complex alpha is conjugated, as a product's scalar factor
+                c = b.call(aten.mul.Tensor, ct, _conj_if_complex(b, sign * a.alpha))
+            cts[1] = b.sum_to(_complex_adjoint(b, c, a.other), shape(a.other))
         return cts
 
     return rule
@@ -212,6 +214,11 @@ def _complex_adjoint(b, g, like):
 
 
 def _conj_if_complex(b, v):
+    """``conj(v)`` for a complex tensor (a ``conj_physical`` node) or a complex Python scalar
+    (``1j * w``, ``w / (1+2j)``: PyTorch's gradient of a product is ``grad * other.conj()``
+    whether ``other`` is a tensor or a scalar); ``v`` itself otherwise."""
+    if isinstance(v, complex):
+        return v.conjugate()
     return b.call(aten.conj_physical.default, v) if _is_complex(v) else v
 
 
@@ -233,7 +240,8 @@ def _jvp_mul_scalar(b, out, args, tangents, kwargs):
 
 @def_transpose(aten.mul.Scalar)
 def _transpose_mul_scalar(b, ct, args, kwargs, linear):
-    return [b.call(aten.mul.Scalar, ct, args[1]), None]
+    g = b.call(aten.mul.Scalar, ct, _conj_if_complex(b, args[1]))
+    return [_complex_adjoint(b, g, args[0]), None]
 
 
 @def_jvp(aten.div.Tensor)
@@ -268,7 +276,8 @@ def _jvp_div_scalar(b, out, args, tangents, kwargs):
 
 @def_transpose(aten.div.Scalar)
 def _transpose_div_scalar(b, ct, args, kwargs, linear):
-    return [b.call(aten.div.Scalar, ct, args[1]), None]
+    g = b.call(aten.div.Scalar, ct, _conj_if_complex(b, args[1]))
+    return [_complex_adjoint(b, g, args[0]), None]
 
 
 @def_jvp(aten.neg.default)
@@ -667,7 +676,8 @@ def _jvp_pow_tensor(b, out, args, tangents, kwargs):
 @def_jvp(aten.pow.Scalar)
 def _jvp_pow_scalar_base(b, out, args, tangents, kwargs):
     """d(sˣ) = dx · sˣ·log s."""
-    return _scale(b, tangents[1], b.call(aten.mul.Tensor, out, math.log(args[0])))
+    log_s = cmath.log(args[0]) if isinstance(args[0], complex) else math.log(args[0])
+    return _scale(b, tangents[1], b.call(aten.mul.Tensor, out, log_s))
 
 
 # integer bookkeeping in decompositions (torch.roll, adaptive pooling): 1 FLOP per element;

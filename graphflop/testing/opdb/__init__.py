@@ -50,6 +50,7 @@ from graphflop.testing.opdb.core import (
 from graphflop.testing.opdb.elementwise import (
     BINARY,
     CLAMP_TENSOR,
+    COMPLEX_SCALAR,
     MASK_CLAMP,
     MATH_MORE,
     UNARY,
@@ -113,6 +114,7 @@ OP_DB: list[OpCase] = (
     + MATH_MORE
     + PROD
     + MASKED_WRITES
+    + COMPLEX_SCALAR
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
@@ -124,6 +126,7 @@ __all__ = [
     "CDIST",
     "CHECKS",
     "CLAMP_TENSOR",
+    "COMPLEX_SCALAR",
     "CONV",
     "CONV_MORE",
     "EINSUM_MORE",
