@@ -327,7 +327,7 @@ UNARY_MORE = [
 
 # ---------------------------------------------------------------------------------------------
 # masked_fill (traced as where), clamp with both bounds, hardtanh (kept whole),
-# clamp with tensor bounds
+# clamp with tensor bounds (crossed, lo > hi: eager gives hi and only hi a gradient)
 # ---------------------------------------------------------------------------------------------
 MASK_CLAMP = [
     OpCase(
@@ -378,6 +378,28 @@ CLAMP_TENSOR = [
         # mul 24; lo + gap broadcast to (3,4): 12; clamp 1 per output element 24; readout 24
         flops=24 + 12 + 24 + 24,
         aten=("aten.clamp.Tensor", "aten.lt.Tensor", "aten.gt.Tensor"),
+    ),
+    OpCase(
+        "clamp_tensor_crossed_bounds",
+        module_of(
+            lambda s, x: torch.clamp(x * s.w, s.lo, s.hi) * s.r,
+            {"w": W, "lo": W, "hi": W},
+            {"r": X},
+        ),
+        (X,),
+        flops=24 * 3,  # mul; clamp 1 per output element; readout
+        aten=("aten.clamp.Tensor", "aten.logical_or.default"),
+    ),
+    OpCase(
+        "clamp_min_max_tensor",
+        module_of(
+            lambda s, x: (torch.clamp_min(x * s.w, s.lo) + torch.clamp_max(x * s.w, s.hi)) * s.r,
+            {"w": W, "lo": W, "hi": W},
+            {"r": X},
+        ),
+        (X,),
+        flops=24 * 6,  # two mul; clamp_min; clamp_max (each traced as a clamp); add; readout
+        aten=("aten.clamp.Tensor", "aten.ge.Tensor", "aten.le.Tensor"),
     ),
 ]
 
