@@ -58,6 +58,7 @@ from graphflop.testing.opdb.elementwise import (
 )
 from graphflop.testing.opdb.embedding import EMBEDDING_BAG
 from graphflop.testing.opdb.linalg import (
+    ADDMM_SCALED,
     ATTENTION,
     BILINEAR,
     CDIST,
@@ -115,11 +116,13 @@ OP_DB: list[OpCase] = (
     + PROD
     + MASKED_WRITES
     + COMPLEX_SCALAR
+    + ADDMM_SCALED
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
 
 __all__ = [
+    "ADDMM_SCALED",
     "ATTENTION",
     "BILINEAR",
     "BINARY",
