@@ -70,6 +70,7 @@ from graphflop.testing.opdb.linalg import (
 from graphflop.testing.opdb.models import GAPS, MODELS
 from graphflop.testing.opdb.pool import POOL, POOL_MORE
 from graphflop.testing.opdb.reduction import (
+    COSINE,
     NORM_LOSS,
     NORM_MORE,
     PROD,
@@ -117,6 +118,7 @@ OP_DB: list[OpCase] = (
     + MASKED_WRITES
     + COMPLEX_SCALAR
     + ADDMM_SCALED
+    + COSINE
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
@@ -131,6 +133,7 @@ __all__ = [
     "CLAMP_TENSOR",
     "COMPLEX_SCALAR",
     "CONV",
+    "COSINE",
     "CONV_MORE",
     "EINSUM_MORE",
     "EMBEDDING_BAG",
