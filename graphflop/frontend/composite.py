@@ -36,6 +36,8 @@ _F_DROPOUT = F.dropout
 #: ``h[i] = v``: an in-place write (functionalization makes it a scatter into ``h``)
 _SETITEM = torch.Tensor.__setitem__
 _F_SDPA = F.scaled_dot_product_attention
+#: ``F.cosine_similarity`` is this builtin
+_COSINE_SIMILARITY = torch.cosine_similarity
 
 
 def dropout(input: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
@@ -48,6 +50,35 @@ def dropout(input: Any, p: float = 0.5, training: bool = True, inplace: bool = F
     return _F_DROPOUT(input, p, training, inplace)
 
 
+def cosine_similarity(x1: Any, x2: Any, dim: int = 1, eps: float = 1e-8) -> Any:
+    """``F.cosine_similarity`` (``nn.CosineSimilarity``) as ATen's composite computes it
+    (``aten/src/ATen/native/Distance.cpp``), step for step: the two inputs broadcast to one
+    shape, each one's norm along ``dim`` (``linalg_vector_norm``, kept dim) cloned and clamped
+    to at least ``eps`` in place with grad mode off, then ``sum((x1 / n1) * (x2 / n2), dim)``.
+
+    ATen clamps under a C++ ``NoGradGuard``, inside the op, where the tracer would tag the
+    clamps grad-mode-off nodes (no derivative: a norm treated as a constant); eager autograd
+    records the clone and not the clamp, so the derivative goes through the norm as if the
+    clamp were not there (with its value). Made here as a write with grad mode off
+    (:meth:`CompositeOps._in_place`), the clamp is traced as the model's own
+    ``with torch.no_grad(): n.clamp_min_(eps)`` would be, with eager's derivative. Inputs that
+    are not both floating point of one dtype go to PyTorch's own op (which casts them first)."""
+    if not (
+        isinstance(x1, torch.Tensor)
+        and isinstance(x2, torch.Tensor)
+        and x1.is_floating_point()
+        and x1.dtype == x2.dtype
+    ):
+        return _COSINE_SIMILARITY(x1, x2, dim, eps)
+    x1, x2 = torch.broadcast_tensors(x1, x2)
+    n1 = torch.linalg.vector_norm(x1, 2, dim=dim, keepdim=True).clone()
+    n2 = torch.linalg.vector_norm(x2, 2, dim=dim, keepdim=True).clone()
+    with torch.no_grad():
+        CompositeOps._in_place(torch.Tensor.clamp_min_, (n1, eps), {})
+        CompositeOps._in_place(torch.Tensor.clamp_min_, (n2, eps), {})
+    return ((x1 / n1) * (x2 / n2)).sum(dim)
+
+
 class CompositeOps(TorchFunctionMode):
     """Routes composite ops that :func:`~graphflop.frontend.trace.trace` must see whole to
     graphflop's decompositions.
@@ -58,7 +89,11 @@ class CompositeOps(TorchFunctionMode):
     * scaled dot-product attention would become the CPU kernel's math form (PyTorch scales q and
       k and guards fully masked rows); it goes to :func:`graphflop.ops.attention.sdpa`;
     * training-mode dropout would become ``bernoulli_`` and a division on CPU and meta tensors;
-      it goes to ``native_dropout`` (:func:`dropout`), as ``torch.export`` and CUDA have it.
+      it goes to ``native_dropout`` (:func:`dropout`), as ``torch.export`` and CUDA have it;
+    * cosine similarity would clamp its norms under a C++ ``NoGradGuard`` the tracer sees as the
+      model's grad mode (the derivative through the norms dropped); it goes to
+      :func:`cosine_similarity`, the same ops with the clamps traced as writes with grad mode
+      off, which eager autograd does not record.
 
     So a model counts the same on every device. Calls made directly are caught by this mode;
     calls from inside other ``torch.nn.functional`` functions (multi-head attention), which run
@@ -81,6 +116,8 @@ class CompositeOps(TorchFunctionMode):
             return attention(*args, **kwargs)
         if func is _F_DROPOUT:
             return dropout(*args, **kwargs)
+        if func is _COSINE_SIMILARITY and get_proxy_mode() is not None:
+            return cosine_similarity(*args, **kwargs)
         if func is torch.dropout:
             return dropout(
                 *args, **{"training" if k == "train" else k: v for k, v in kwargs.items()}

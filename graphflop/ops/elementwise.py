@@ -16,6 +16,7 @@ the tangents and transposes with the rules of ``mul``/``div``/``where``.
 
 from __future__ import annotations
 
+import cmath
 import math
 
 import torch
@@ -154,12 +155,13 @@ def _transpose_add_sub(op, sign: int):
         a = bind(op, args, kwargs)
         cts = [None] * len(args)
         if linear[0]:
-            cts[0] = b.sum_to(ct, shape(a.self))
+            cts[0] = b.sum_to(_complex_adjoint(b, ct, a.self), shape(a.self))
         if linear[1]:
             c = ct
             if sign * a.alpha != 1:
-                c = b.call(aten.mul.Tensor, ct, sign * a.alpha)
-            cts[1] = b.sum_to(c, shape(a.other))
+                # a complex alpha is conjugated, as a product's scalar factor
+                c = b.call(aten.mul.Tensor, ct, _conj_if_complex(b, sign * a.alpha))
+            cts[1] = b.sum_to(_complex_adjoint(b, c, a.other), shape(a.other))
         return cts
 
     return rule
@@ -212,6 +214,11 @@ def _complex_adjoint(b, g, like):
 
 
 def _conj_if_complex(b, v):
+    """``conj(v)`` for a complex tensor (a ``conj_physical`` node) or a complex Python scalar
+    (``1j * w``, ``w / (1+2j)``: PyTorch's gradient of a product is ``grad * other.conj()``
+    whether ``other`` is a tensor or a scalar); ``v`` itself otherwise."""
+    if isinstance(v, complex):
+        return v.conjugate()
     return b.call(aten.conj_physical.default, v) if _is_complex(v) else v
 
 
@@ -233,7 +240,8 @@ def _jvp_mul_scalar(b, out, args, tangents, kwargs):
 
 @def_transpose(aten.mul.Scalar)
 def _transpose_mul_scalar(b, ct, args, kwargs, linear):
-    return [b.call(aten.mul.Scalar, ct, args[1]), None]
+    g = b.call(aten.mul.Scalar, ct, _conj_if_complex(b, args[1]))
+    return [_complex_adjoint(b, g, args[0]), None]
 
 
 @def_jvp(aten.div.Tensor)
@@ -268,7 +276,8 @@ def _jvp_div_scalar(b, out, args, tangents, kwargs):
 
 @def_transpose(aten.div.Scalar)
 def _transpose_div_scalar(b, ct, args, kwargs, linear):
-    return [b.call(aten.div.Scalar, ct, args[1]), None]
+    g = b.call(aten.div.Scalar, ct, _conj_if_complex(b, args[1]))
+    return [_complex_adjoint(b, g, args[0]), None]
 
 
 @def_jvp(aten.neg.default)
@@ -621,14 +630,29 @@ register(aten.clamp.Tensor, F, _one)
 
 @def_jvp(aten.clamp.Tensor)
 def _jvp_clamp_tensor(b, out, args, tangents, kwargs):
-    """``clamp(x, lo, hi)`` with tensor bounds (either may be None): dx where lo ≤ x ≤ hi,
-    dlo where x < lo, dhi where x > hi (PyTorch's ``clamp_backward_min_max``; bounds with
-    lo > hi, where PyTorch returns hi, are not special-cased). Each term is a select
-    (:func:`_keep`), as PyTorch's, so a NaN or infinite tangent or cotangent of one argument
-    gives 0 where another is chosen."""
-    x = args[0]
+    """``clamp(x, lo, hi)`` with tensor bounds (either may be None), the selects of PyTorch's
+    ``clamp_backward`` (x's part) and ``clamp_backward_min_max`` (the bounds'), so that the
+    transpose is eager's gradient. Both bounds: dx where lo ≤ x ≤ hi; dlo where x < lo and
+    lo < hi; dhi where x > hi or hi < lo: where lo > hi the output is hi and only hi gets a
+    derivative, and where lo == hi > x none of the three does, as eager. One bound: dx where
+    x ≥ lo (x ≤ hi), dlo where x < lo (dhi where x > hi); at a tie eager's forward mode gives
+    the bound's tangent instead (``clamp_jvp``); graphflop follows the gradient. Each term a
+    select (:func:`_keep`), so a NaN or infinite tangent or cotangent of one argument gives 0
+    where another is chosen."""
     lo, hi = _clamp_bounds(aten.clamp.Tensor, args, kwargs)
     tx, tlo, thi = (list(tangents) + [None, None])[:3]
+    return _clamp_tensor_tangent(b, out, args[0], lo, hi, tx, tlo, thi)
+
+
+# ATen's own composites clamp with a tensor bound under a C++ ``NoGradGuard``
+# (``clamp_min_(scalar_tensor(eps))``): nodes the trace tags grad-mode-off, costed here
+# (1 per element, as clamp) and never differentiated
+register(aten.clamp_min.Tensor, F, _one)
+register(aten.clamp_max.Tensor, F, _one)
+
+
+def _clamp_tensor_tangent(b, out, x, lo, hi, tx, tlo, thi):
+    """The tangent of ``clamp(x, lo, hi)`` with tensor bounds (:func:`_jvp_clamp_tensor`)."""
     parts = []
     if tx is not None:
         mask = None
@@ -638,10 +662,17 @@ def _jvp_clamp_tensor(b, out, args, tangents, kwargs):
             upper = b.call(aten.le.Tensor, x, hi)
             mask = upper if mask is None else b.call(aten.logical_and.default, mask, upper)
         parts.append(tx if mask is None else _keep(b, tx, mask))
+    both = lo is not None and hi is not None
     if tlo is not None:
-        parts.append(_keep(b, tlo, b.call(aten.lt.Tensor, x, lo)))
+        mask = b.call(aten.lt.Tensor, x, lo)
+        if both:
+            mask = b.call(aten.logical_and.default, mask, b.call(aten.lt.Tensor, lo, hi))
+        parts.append(_keep(b, tlo, mask))
     if thi is not None:
-        parts.append(_keep(b, thi, b.call(aten.gt.Tensor, x, hi)))
+        mask = b.call(aten.gt.Tensor, x, hi)
+        if both:
+            mask = b.call(aten.logical_or.default, mask, b.call(aten.lt.Tensor, hi, lo))
+        parts.append(_keep(b, thi, mask))
     t = None
     for p in parts:
         t = b.add(t, p)
@@ -667,7 +698,8 @@ def _jvp_pow_tensor(b, out, args, tangents, kwargs):
 @def_jvp(aten.pow.Scalar)
 def _jvp_pow_scalar_base(b, out, args, tangents, kwargs):
     """d(sˣ) = dx · sˣ·log s."""
-    return _scale(b, tangents[1], b.call(aten.mul.Tensor, out, math.log(args[0])))
+    log_s = cmath.log(args[0]) if isinstance(args[0], complex) else math.log(args[0])
+    return _scale(b, tangents[1], b.call(aten.mul.Tensor, out, log_s))
 
 
 # integer bookkeeping in decompositions (torch.roll, adaptive pooling): 1 FLOP per element;

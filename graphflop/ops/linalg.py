@@ -1,5 +1,6 @@
 """Matrix products: ``mm``, ``bmm``, ``addmm``, ``_grouped_mm`` (cost only). 2 FLOPs per multiply-add, all in ``mm_flops``;
-``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (docs/flops_conventions.md). ``mv`` and ``dot`` are
+``addmm``'s bias add (M·N) is counted outside ``mm_flops`` (docs/flops_conventions.md); with beta or alpha
+other than 1 it is traced as ``mm``, the scalings and the add (as PyTorch decomposes ``baddbmm``). ``mv`` and ``dot`` are
 traced as ``mm``, ``addbmm`` as one ``mm`` over the batch folded into K, ``_trilinear``
 (``nn.Bilinear``) as two contractions (decompositions at the end). Linear solves:
 ``_linalg_solve_ex`` (``torch.linalg.solve``) and ``linalg_lu_solve``, by the LU convention of
@@ -93,15 +94,20 @@ def_bilinear(aten.bmm.default, _transpose_bmm)
 
 @def_jvp(aten.addmm.default)
 def _jvp_addmm(b, out, args, tangents, kwargs):
-    """d(bias + x·W) = dbias + dx·W + x·dW."""
+    """d(beta·bias + alpha·x·W) = beta·dbias + alpha·(dx·W + x·dW); with ``beta == 0`` the
+    bias is not read (PyTorch's ``addmm`` ignores it, NaN included, and gives it a zero
+    gradient). Traced models never reach the scaled form (:func:`_addmm_scaled` decomposes
+    it); a rule that builds one does."""
     a = bind(aten.addmm.default, args, kwargs)
-    if a.beta != 1 or a.alpha != 1:
-        raise NotImplementedError("addmm with beta/alpha != 1 has no JVP rule yet")
     bias, x, w = args
     tb, tx, tw = tangents
     t1 = b.call(aten.mm.default, tx, w) if tx is not None else None
     t2 = b.call(aten.mm.default, x, tw) if tw is not None else None
-    t = b.add(b.add(t1, t2), tb)
+    t = b.add(t1, t2)
+    if t is not None and a.alpha != 1:
+        t = b.call(aten.mul.Tensor, t, a.alpha)
+    if tb is not None and a.beta != 0:
+        t = b.add(t, tb if a.beta == 1 else b.call(aten.mul.Tensor, tb, a.beta))
     if t is not None and shape(t) != shape(out):
         t = b.call(aten.expand.default, t, list(shape(out)))
     return t
@@ -123,6 +129,26 @@ def _dot(a, v):
     """(K)·(K) as a (1×K)·(K×1) matrix product."""
     prod = aten.mm.default(aten.unsqueeze.default(a, 0), aten.unsqueeze.default(v, 1))
     return aten.squeeze.dims(prod, [0, 1])
+
+
+@register_decomposition(aten.addmm.default)
+def _addmm_scaled(bias, x, w, *, beta=1, alpha=1):
+    """``beta·bias + alpha·x·W`` with ``beta`` or ``alpha`` other than 1 as the ops PyTorch's
+    decomposition of ``baddbmm`` uses: the product (``mm``, 2·M·K·N in ``mm_flops``),
+    ``alpha·`` on the product (M·N), ``beta·`` on the bias (its own elements) and the add
+    (M·N); with ``beta == 0`` the bias is left out (PyTorch's ``addmm`` does not read it: a
+    NaN there stays out of the result). The plain form (``nn.Linear``) is traced whole
+    (``NotImplemented``), so the passes that read an ``addmm`` as a layer see only that form."""
+    if beta == 1 and alpha == 1:
+        return NotImplemented
+    prod = aten.mm.default(x, w)
+    if alpha != 1:
+        prod = aten.mul.Tensor(prod, alpha)
+    if beta == 0:
+        return prod
+    if beta != 1:
+        bias = aten.mul.Tensor(bias, beta)
+    return aten.add.Tensor(bias, prod)
 
 
 @register_decomposition(aten.addbmm.default)

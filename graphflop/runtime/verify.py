@@ -193,9 +193,18 @@ class _Recorder(Interpreter):
         return out
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached in float64, or complex128 where it is complex (``Tensor.double()`` would
+    drop the imaginary part, and with it a difference there: a complex gradient that is off by
+    a conjugate agrees with its reference in the real part)."""
+    t = t.detach()
+    return t.to(torch.complex128) if t.is_complex() else t.double()
+
+
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``‖a − b‖ / max(‖b‖, 1e-30)`` in float64 (any matching shapes; dimensionless)."""
-    a, b = a.detach().double(), b.detach().double()
+    """``‖a − b‖ / max(‖b‖, 1e-30)`` in float64 (any matching shapes; dimensionless; complex
+    values compared whole)."""
+    a, b = wide(a), wide(b)
     return float((a - b).norm() / max(float(b.norm()), 1e-30))
 
 
@@ -539,7 +548,7 @@ def verify_gradients(
         forward, backward, grads, reference_loss_fn(forward, model, fresh), params, model
     )
     for qual, ours, theirs in pairs:
-        a, b = ours.detach().double(), theirs.detach().double()
+        a, b = wide(ours), wide(theirs)
         bad = nonfinite(a, b)
         if bad and same_nonfinite(a, b):
             finite = a.isfinite()
@@ -700,8 +709,9 @@ def _leaf_pairs(
 
 
 def norm64(tensors: Any) -> float:
-    """The 2-norm of all the elements of ``tensors`` together, in float64."""
-    return math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
+    """The 2-norm of all the elements of ``tensors`` together (complex ones by modulus), in
+    float64."""
+    return math.sqrt(sum(float(wide(t).abs().pow(2).sum()) for t in tensors))
 
 
 def loss_scale(loss: float, params: Any) -> float:

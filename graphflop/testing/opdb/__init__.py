@@ -50,6 +50,7 @@ from graphflop.testing.opdb.core import (
 from graphflop.testing.opdb.elementwise import (
     BINARY,
     CLAMP_TENSOR,
+    COMPLEX_SCALAR,
     MASK_CLAMP,
     MATH_MORE,
     UNARY,
@@ -57,6 +58,7 @@ from graphflop.testing.opdb.elementwise import (
 )
 from graphflop.testing.opdb.embedding import EMBEDDING_BAG
 from graphflop.testing.opdb.linalg import (
+    ADDMM_SCALED,
     ATTENTION,
     BILINEAR,
     CDIST,
@@ -68,6 +70,7 @@ from graphflop.testing.opdb.linalg import (
 from graphflop.testing.opdb.models import GAPS, MODELS
 from graphflop.testing.opdb.pool import POOL, POOL_MORE
 from graphflop.testing.opdb.reduction import (
+    COSINE,
     NORM_LOSS,
     NORM_MORE,
     PROD,
@@ -113,18 +116,24 @@ OP_DB: list[OpCase] = (
     + MATH_MORE
     + PROD
     + MASKED_WRITES
+    + COMPLEX_SCALAR
+    + ADDMM_SCALED
+    + COSINE
 )
 
 assert len({c.name for c in OP_DB}) == len(OP_DB), "case names must be unique"
 
 __all__ = [
+    "ADDMM_SCALED",
     "ATTENTION",
     "BILINEAR",
     "BINARY",
     "CDIST",
     "CHECKS",
     "CLAMP_TENSOR",
+    "COMPLEX_SCALAR",
     "CONV",
+    "COSINE",
     "CONV_MORE",
     "EINSUM_MORE",
     "EMBEDDING_BAG",

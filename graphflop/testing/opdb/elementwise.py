@@ -327,7 +327,7 @@ UNARY_MORE = [
 
 # ---------------------------------------------------------------------------------------------
 # masked_fill (traced as where), clamp with both bounds, hardtanh (kept whole),
-# clamp with tensor bounds
+# clamp with tensor bounds (crossed, lo > hi: eager gives hi and only hi a gradient)
 # ---------------------------------------------------------------------------------------------
 MASK_CLAMP = [
     OpCase(
@@ -378,6 +378,28 @@ CLAMP_TENSOR = [
         # mul 24; lo + gap broadcast to (3,4): 12; clamp 1 per output element 24; readout 24
         flops=24 + 12 + 24 + 24,
         aten=("aten.clamp.Tensor", "aten.lt.Tensor", "aten.gt.Tensor"),
+    ),
+    OpCase(
+        "clamp_tensor_crossed_bounds",
+        module_of(
+            lambda s, x: torch.clamp(x * s.w, s.lo, s.hi) * s.r,
+            {"w": W, "lo": W, "hi": W},
+            {"r": X},
+        ),
+        (X,),
+        flops=24 * 3,  # mul; clamp 1 per output element; readout
+        aten=("aten.clamp.Tensor", "aten.logical_or.default"),
+    ),
+    OpCase(
+        "clamp_min_max_tensor",
+        module_of(
+            lambda s, x: (torch.clamp_min(x * s.w, s.lo) + torch.clamp_max(x * s.w, s.hi)) * s.r,
+            {"w": W, "lo": W, "hi": W},
+            {"r": X},
+        ),
+        (X,),
+        flops=24 * 6,  # two mul; clamp_min; clamp_max (each traced as a clamp); add; readout
+        aten=("aten.clamp.Tensor", "aten.ge.Tensor", "aten.le.Tensor"),
     ),
 ]
 
@@ -573,5 +595,77 @@ MATH_MORE = [
         (X, (4,)),
         flops=24 + 24,  # mul; copysign (y broadcast from (4,)) 1 per output element
         aten=("aten.copysign.Tensor",),
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------
+# products, quotients and sums with a complex Python scalar (the cotangent takes its
+# conjugate, as PyTorch's gradient of ``x * c`` is ``grad * conj(c)``)
+# ---------------------------------------------------------------------------------------------
+
+_TORCH_POW_SCALAR_JVP = (
+    "torch.func.jvp of torch.pow(complex scalar, real tensor) drops the tangent's imaginary "
+    "part (torch 2.13; finite differences agree with graphflop's s^x·log(s)·dx, the fd check)"
+)
+
+COMPLEX_SCALAR = [
+    OpCase(
+        "mul_complex_scalar",
+        module_of(lambda s, x: (1j * (x * s.w)).imag * s.r, {"w": W}, {"r": X}),
+        (X,),
+        flops=24 * 3,  # mul; 1j · (complex result); .imag a view; readout
+        aten=("aten.mul.Tensor",),
+    ),
+    OpCase(
+        "div_complex_scalar",
+        module_of(lambda s, x: ((x * s.w) / (1 + 2j)).imag * s.r, {"w": W}, {"r": X}),
+        (X,),
+        flops=24 * 3,  # mul; / (1+2j); .imag a view; readout
+        aten=("aten.div.Tensor",),
+    ),
+    OpCase(
+        "complex_phase",
+        module_of(lambda s, x: (x * torch.exp(1j * s.w)).real * s.r, {"w": W}, {"r": X}),
+        (X,),
+        flops=12 + 12 + 24 + 24,  # 1j · w; exp; x · (broadcast); .real a view; readout
+        aten=("aten.exp.default", "aten.mul.Tensor"),
+    ),
+    OpCase(
+        "complex_alpha",
+        module_of(
+            lambda s, x: (
+                (
+                    torch.add(x * s.w * 1j, x * s.v * (1 - 1j), alpha=2 - 3j).imag
+                    + torch.sub(x * s.w * 1j, x * s.v * (1 - 1j), alpha=0.5 + 1j).real
+                    + torch.rsub(x * s.v * (1 - 1j), 3, alpha=1j).imag
+                )
+                * s.r
+            ),
+            {"w": W, "v": W},
+            {"r": X},
+        ),
+        (X,),
+        # x·w·1j (2 muls of 24) twice and x·v·(1−1j) three times, as written: 10·24; add,
+        # sub and rsub with alpha one op each (the scaling inside it): 3·24; two adds of the
+        # three terms 2·24; readout 24
+        flops=10 * 24 + 3 * 24 + 2 * 24 + 24,
+        aten=("aten.add.Tensor", "aten.sub.Tensor"),
+    ),
+    OpCase(
+        "pow_complex_base",
+        module_of(lambda s, x: torch.pow(2 + 1j, x * s.w).imag * s.r, {"w": W}, {"r": X}),
+        (X,),
+        flops=24 * 3,  # mul; pow; readout
+        aten=("aten.pow.Scalar",),
+        xfail={"jvp": _TORCH_POW_SCALAR_JVP},
+    ),
+    OpCase(
+        "pow_complex_exponent",
+        module_of(
+            lambda s, x: torch.pow((x * s.w) ** 2 + 1, 0.5 + 1j).real * s.r, {"w": W}, {"r": X}
+        ),
+        (X,),
+        flops=24 * 5,  # mul; ** 2; + 1; ** (0.5+1j); readout
+        aten=("aten.pow.Tensor_Scalar",),
     ),
 ]

@@ -418,3 +418,63 @@ SOLVE_ADDBMM = [
         xfail={"onnx": _NO_ONNX_SOLVE},
     ),
 ]
+
+# ---------------------------------------------------------------------------------------------
+# addmm with beta/alpha other than 1 (decomposed as baddbmm is: mm, alpha·, beta·bias, add),
+# and the pairwise-distance form of cdist written with addmm(alpha=-2)
+# ---------------------------------------------------------------------------------------------
+ADDMM_SCALED = [
+    OpCase(
+        "addmm_beta_alpha",
+        module_of(
+            lambda s, x: torch.addmm(s.b, x, s.w, beta=0.5, alpha=2.0) * s.r,
+            {"b": (5,), "w": (8, 5)},
+            {"r": (4, 5)},
+        ),
+        ((4, 8),),
+        # mm (4×8)(8×5): 2·4·8·5 = 320; alpha· 20; beta·b 5; add 20; readout 20
+        flops=320 + 20 + 5 + 20 + 20,
+        aten=("aten.mm.default", "aten.mul.Tensor", "aten.add.Tensor"),
+    ),
+    OpCase(
+        "addmm_alpha",
+        module_of(
+            lambda s, x: torch.addmm(s.b, x, s.w, alpha=-2) * s.r,
+            {"b": (5,), "w": (8, 5)},
+            {"r": (4, 5)},
+        ),
+        ((4, 8),),
+        flops=320 + 20 + 20 + 20,  # mm; alpha· 20; add 20; readout 20
+        aten=("aten.mm.default", "aten.mul.Tensor"),
+    ),
+    OpCase(
+        "addmm_beta0",
+        module_of(
+            lambda s, x: torch.addmm(s.b, x, s.w, beta=0) * s.r,
+            {"b": (5,), "w": (8, 5)},
+            {"r": (4, 5)},
+        ),
+        ((4, 8),),
+        flops=320 + 20,  # mm; the bias not read (no add); readout 20
+        aten=("aten.mm.default",),
+    ),
+    OpCase(
+        "addmm_sq_distances",
+        module_of(
+            lambda s, x: (
+                (
+                    torch.addmm((s.y * s.y).sum(-1), x, s.y.T, alpha=-2)
+                    + (x * x).sum(-1, keepdim=True)
+                )
+                * s.r
+            ),
+            {"y": (3, 8)},
+            {"r": (4, 3)},
+        ),
+        ((4, 8),),
+        # y·y 24, sum 24; mm (4×8)(8×3): 192; alpha· 12; add 12; x·x 32, sum 32; add 12;
+        # readout 12
+        flops=24 + 24 + 192 + 12 + 12 + 32 + 32 + 12 + 12,
+        aten=("aten.mm.default", "aten.mul.Tensor"),
+    ),
+]

@@ -426,3 +426,45 @@ PROD = [
         aten=("aten.prod.default",),
     ),
 ]
+
+# ---------------------------------------------------------------------------------------------
+# cosine similarity, as ATen's composite computes it (graphflop.frontend.composite): each
+# input's norm cloned and clamped to eps with grad mode off, the derivative through the norm
+# ---------------------------------------------------------------------------------------------
+_COSINE_FORWARD_MODE = (
+    "where a norm is clamped to eps, eager's reverse mode (torch.func.grad, loss.backward) "
+    "differentiates through the norm (the clamp under NoGradGuard is not recorded) while its "
+    "forward mode (torch.func.jvp, and finite differences) sees the clamp (forward AD ignores "
+    "grad mode): graphflop's one linearization follows the gradient (vjp and dot checks)"
+)
+
+COSINE = [
+    OpCase(
+        "cosine_similarity",
+        module_of(
+            lambda s, x: F.cosine_similarity(x * s.w, x * s.v, dim=-1) * s.r,
+            {"w": W, "v": W},
+            {"r": (2, 3)},
+        ),
+        (X,),
+        # two mul 48; two 2-norms (x ** 2 24, sum 24, ** 0.5 6): 108; clones 0; clamp_min
+        # 2·6; two divides 48; product 24; sum 24; readout 6
+        flops=48 + 108 + 12 + 48 + 24 + 24 + 6,
+        aten=("aten.clamp.default", "aten.clone.default", "aten.div.Tensor"),
+    ),
+    OpCase(
+        "cosine_similarity_clamped",
+        module_of(
+            lambda s, x: nn.CosineSimilarity(dim=0, eps=100.0)(x * s.w, s.v) * s.r,
+            {"w": W, "v": (3, 4)},
+            {"r": (3, 4)},
+        ),
+        (X,),
+        # every norm below eps (clamped; the derivative still through the norm, as eager's):
+        # mul 24; v broadcast to X: a view; norms over dim 0 (x ** 2 24, sum 24, ** 0.5 12)
+        # twice: 120; clamp_min 2·12; divides 48; product 24; sum 24; readout 12
+        flops=24 + 120 + 24 + 48 + 24 + 24 + 12,
+        aten=("aten.clamp.default",),
+        xfail={"jvp": _COSINE_FORWARD_MODE, "fd": _COSINE_FORWARD_MODE},
+    ),
+]
