@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -643,3 +645,27 @@ def test_analysis_refuses_deep_copy_and_pickle_with_one_clear_error():
     b = copy.copy(a)
     assert b.report is a.report and b.backward is a.backward and b.forward is a.forward
     assert pickle.loads(pickle.dumps(a.report)) == a.report
+
+
+class _WarnsInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            warnings.warn("forward is experimental", UserWarning)
+        return self.fc(x)
+
+
+def test_analyze_passes_on_the_model_s_own_warnings_once():
+    """Tester's finding: tracing silenced every warning, the model's own too. The model's
+    warning comes through once (raised three times per call); torch's
+    own warnings about fake tensors do not (none from torch's package among the caught)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphflop.analyze(_WarnsInForward(), torch.randn(2, 4))
+    mine = [w for w in caught if str(w.message) == "forward is experimental"]
+    assert len(mine) == 1 and mine[0].filename == __file__, [str(w.message) for w in caught]
+    torch_dir = os.path.dirname(torch.__file__)
+    assert not [w for w in caught if w.filename.startswith(torch_dir)], caught

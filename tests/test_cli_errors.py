@@ -1007,6 +1007,40 @@ def test_python_warnings_are_one_line_each_and_dropped_on_an_error(work, capsys)
     )
 
 
+WARNS_IN_FORWARD = """
+import warnings
+
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for _ in range(2):  # the same warning twice: one line
+            warnings.warn("forward is experimental", UserWarning)
+        return self.fc(x)
+
+
+def example_inputs():
+    return (torch.randn(2, 4),)
+"""
+
+
+def test_a_warning_in_forward_is_one_line(work, capsys):
+    """Tester's finding: a ``warnings.warn`` in the model's forward() was dropped (tracing
+    silenced every warning to hide torch's own about fake tensors)."""
+    (work / "models/warns_fwd.py").write_text(WARNS_IN_FORWARD)
+    rc, out, err = cli(capsys, "inspect", f"{work / 'models/warns_fwd.py'}:M", "--format", "json")
+    assert rc == 0, err
+    (line,) = err  # raised twice per call: one line
+    assert line.startswith("warning: UserWarning: forward is experimental (/"), line
+    assert line.endswith("/models/warns_fwd.py:15)"), line
+
+
 BACKWARD_OPTIONS = [["--checkpoint", "fc*"], ["--amp", "bf16"], ["--keep-grads"]]
 
 

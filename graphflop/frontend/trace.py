@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
+import os
 import re
 import warnings
 from collections.abc import Iterator
@@ -421,14 +422,16 @@ def _trace_once(
     try:
         with (
             routed_nonzero(),
-            warnings.catch_warnings(),
+            warnings.catch_warnings(record=True) as caught,
             fake_mode,
             inline_functions() as records,
             checkpoints_tagged(),
             _requires_grad_ignored(),
             _input_writes_unrecorded(),
         ):
-            warnings.simplefilter("ignore")
+            # recorded, not shown: fake tensors make torch warn about its own internals; the
+            # model's own warnings are shown once each after the trace (_model_warnings)
+            warnings.simplefilter("always")
             with outliner, grad_sources(trainable), grad_mode_tagged():
                 gm = _make_fx(
                     torch.func.functionalize(modes.around(objective)),
@@ -440,10 +443,12 @@ def _trace_once(
             with modes:
                 trace_records(records, table, fake_mode)
     except TraceError:
+        _reemit(caught)
         raise
     except Exception as e:
         if find_cause(e, (repeats.NotOutlinable, CacheMade)) is not None:
-            raise
+            raise  # the caller traces again: its warnings are shown then
+        _reemit(caught)
         pipe = find_cause(e, BrokenPipeError)  # the model printed into a closed pipe
         if pipe is not None:
             raise pipe from None
@@ -455,6 +460,7 @@ def _trace_once(
             or f"tracing the model on the example inputs failed: {type(e).__name__}: "
             f"{first_line(e)}{_advice(e)}"
         ) from e
+    _reemit(caught)
     for rec in {r.name: r for r in records if r.reason}.values():
         warnings.warn(
             f"custom autograd.Function {rec.name}: {rec.reason}; its backward and JVP are "
@@ -491,6 +497,27 @@ def _trace_once(
     frozen += _no_grad_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+#: folders whose warnings a trace does not pass on: torch warns about its own internals on
+#: fake tensors and proxies, and graphflop's own warnings are raised outside the trace
+_QUIET_ORIGINS = tuple(
+    os.path.dirname(os.path.abspath(f)) + os.sep
+    for f in (torch.__file__ or "", os.path.dirname(__file__))
+)
+
+
+def _reemit(caught: list[warnings.WarningMessage]) -> None:
+    """Warn again, once each, the warnings recorded while tracing that the model's own code
+    raised (the model's file, transformers, any package but torch and graphflop), at the place
+    that raised them, so the caller's warning filters and ``catch_warnings`` see them."""
+    seen: set[tuple[type[Warning], str, str, int]] = set()
+    for w in caught:
+        key = (w.category, str(w.message), w.filename, w.lineno)
+        if key in seen or os.path.abspath(w.filename).startswith(_QUIET_ORIGINS):
+            continue
+        seen.add(key)
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def _written_line(names: tuple[str, ...]) -> str:
