@@ -669,3 +669,34 @@ def test_analyze_passes_on_the_model_s_own_warnings_once():
     assert len(mine) == 1 and mine[0].filename == __file__, [str(w.message) for w in caught]
     torch_dir = os.path.dirname(torch.__file__)
     assert not [w for w in caught if w.filename.startswith(torch_dir)], caught
+
+
+class _TakesKeyword(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.fc(x)
+        return y if scale is None else y * scale
+
+
+def test_trace_takes_the_input_forms_analyze_takes():
+    """A tester's finding: ``trace(model, x)`` on a bare tensor failed, which ``analyze``
+    takes. Each form gives the graph of the one-tuple form: the same placeholders and ops."""
+    from graphflop.frontend.trace import trace
+
+    def ops(gm):
+        return [(n.op, str(n.target)) for n in gm.graph.nodes]
+
+    x, s = torch.randn(2, 4), torch.randn(2, 2)
+    model = _TakesKeyword()
+    plain = ops(trace(model, (x,)))
+    assert ops(trace(model, x)) == plain
+    assert ops(trace(model, [x])) == plain
+    keyword = ops(trace(model, (x,), kwargs={"scale": s}))
+    assert keyword != plain  # the multiply by scale
+    assert ops(trace(model, ((x,), {"scale": s}))) == keyword
+    assert ops(trace(model, {"x": x, "scale": s})) == keyword
+    with pytest.raises(TypeError, match="return a tensor, a tuple"):
+        trace(model, 3)

@@ -61,7 +61,7 @@ from graphflop.frontend.errors import (
 )
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.hierarchy import build as build_hierarchy
-from graphflop.frontend.inputs import bind_call
+from graphflop.frontend.inputs import bind_call, split_example
 from graphflop.frontend.libraries import (
     CacheMade,
     cache_assumption,
@@ -125,7 +125,7 @@ aten = torch.ops.aten
 
 def trace(
     model: nn.Module,
-    inputs: tuple[torch.Tensor, ...],
+    inputs: Any,
     *,
     loss: str = "auto",
     fake_mode: FakeTensorMode | None = None,
@@ -136,7 +136,10 @@ def trace(
 
     Args:
         model: the module; its mode (train/eval) is used as is.
-        inputs: one tensor per positional input.
+        inputs: the model's inputs in any form :func:`graphflop.analyze` takes (a tensor, a
+            tuple or list of positional arguments, a dict of keyword arguments, or
+            ``(args, kwargs)``; :func:`graphflop.frontend.inputs.split_example`); with
+            ``kwargs`` given, the positional arguments alone, as a tuple or list.
         loss: ``cross_entropy`` (against integer targets), ``mse``, ``sum``, ``output`` (the
             model's first output is already the scalar loss), ``none`` or ``auto``
             (cross-entropy for (N, C) logits and for a language model's (B, T, V) token
@@ -144,7 +147,9 @@ def trace(
         fake_mode: the FakeTensorMode to trace in (default: the inputs', else a new one).
         reuse: trace each set of identical repeated modules (a transformer's blocks) once
             and copy the graph (:mod:`graphflop.frontend.outline`); the graph is the same either way.
-        kwargs: keyword arguments of the model call. Tensors among ``inputs`` and ``kwargs``
+        kwargs: keyword arguments of the model call (None: those ``inputs`` holds, if any;
+            an empty dict: none, ``inputs`` taken as the positional arguments whatever their
+            form). Tensors among ``inputs`` and ``kwargs``
             become the graph's inputs (positional ones first); other values are constants
             (:mod:`graphflop.frontend.inputs`).
 
@@ -155,9 +160,12 @@ def trace(
 
     Raises:
         TraceError: when the model cannot be traced (the cause is chained).
+        TypeError: ``inputs`` in none of those forms.
     """
     if loss not in LOSSES + ("auto",):
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
+    if kwargs is None:
+        inputs, kwargs = split_example(inputs)
     # the graphs describe training whatever the caller's grad mode: a model's own no_grad
     # regions are told apart under it (``with torch.no_grad(): analyze(...)`` hid them)
     with _grad_on():
