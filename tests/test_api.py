@@ -654,7 +654,7 @@ class _WarnsInForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for _ in range(3):
-            warnings.warn("forward is experimental", UserWarning)
+            warnings.warn("forward is experimental", UserWarning, stacklevel=1)
         return self.fc(x)
 
 
