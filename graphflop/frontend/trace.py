@@ -438,7 +438,7 @@ def _trace_once(
             _input_writes_unrecorded(),
         ):
             # recorded, not shown: fake tensors make torch warn about its own internals; the
-            # model's own warnings are shown once each after the trace (_model_warnings)
+            # model's own warnings are shown once each after the trace (_reemit)
             warnings.simplefilter("always")
             with outliner, grad_sources(trainable), grad_mode_tagged():
                 gm = _make_fx(
