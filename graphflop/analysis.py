@@ -522,7 +522,7 @@ def _analyze(
     backward, jvp, memory_model = o.backward, o.jvp, o.memory_model
     say("tracing")
     fwd = run_passes(
-        trace(model, example_inputs, loss=loss, kwargs=kwargs or None, reuse=o.outline),
+        trace(model, example_inputs, loss=loss, kwargs=kwargs, reuse=o.outline),
         [AnnotateFlops()],
     )
     has_loss = fwd.meta[SIGNATURE].loss is not None

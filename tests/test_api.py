@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -643,3 +645,58 @@ def test_analysis_refuses_deep_copy_and_pickle_with_one_clear_error():
     b = copy.copy(a)
     assert b.report is a.report and b.backward is a.backward and b.forward is a.forward
     assert pickle.loads(pickle.dumps(a.report)) == a.report
+
+
+class _WarnsInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            warnings.warn("forward is experimental", UserWarning, stacklevel=1)
+        return self.fc(x)
+
+
+def test_analyze_passes_on_the_model_s_own_warnings_once():
+    """Tester's finding: tracing silenced every warning, the model's own too. The model's
+    warning comes through once (raised three times per call); torch's
+    own warnings about fake tensors do not (none from torch's package among the caught)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphflop.analyze(_WarnsInForward(), torch.randn(2, 4))
+    mine = [w for w in caught if str(w.message) == "forward is experimental"]
+    assert len(mine) == 1 and mine[0].filename == __file__, [str(w.message) for w in caught]
+    torch_dir = os.path.dirname(torch.__file__)
+    assert not [w for w in caught if w.filename.startswith(torch_dir)], caught
+
+
+class _TakesKeyword(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.fc(x)
+        return y if scale is None else y * scale
+
+
+def test_trace_takes_the_input_forms_analyze_takes():
+    """A tester's finding: ``trace(model, x)`` on a bare tensor failed, which ``analyze``
+    takes. Each form gives the graph of the one-tuple form: the same placeholders and ops."""
+    from graphflop.frontend.trace import trace
+
+    def ops(gm):
+        return [(n.op, str(n.target)) for n in gm.graph.nodes]
+
+    x, s = torch.randn(2, 4), torch.randn(2, 2)
+    model = _TakesKeyword()
+    plain = ops(trace(model, (x,)))
+    assert ops(trace(model, x)) == plain
+    assert ops(trace(model, [x])) == plain
+    keyword = ops(trace(model, (x,), kwargs={"scale": s}))
+    assert keyword != plain  # the multiply by scale
+    assert ops(trace(model, ((x,), {"scale": s}))) == keyword
+    assert ops(trace(model, {"x": x, "scale": s})) == keyword
+    with pytest.raises(TypeError, match="return a tensor, a tuple"):
+        trace(model, 3)

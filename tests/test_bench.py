@@ -65,6 +65,31 @@ def test_round_ratios_are_per_round():
     assert doc["sampling_in_step"] is True and doc["sampling"] == SAMPLING["onnxruntime"]
 
 
+def test_bench_table_shows_the_medians_of_the_per_round_ratios(capsys):
+    """A tester's finding: the table showed ratios of medians (Rf 3.00 here) beside the
+    quartiles of the per-round ratios (1.00–2.00), while docs/seed-b/bench.md reports the
+    medians of the per-round ratios. Per-round Rf 3, 1, 1: median 1, quartiles (exclusive
+    method) 1 and 3; Rb 2, 3, 1: median 2, quartiles 1 and 3; Rf/Rb 3/2, 2/6, 4/4: median 1,
+    quartiles 1/3 and 3/2."""
+    from graphflop.cli.bench import _print_times
+
+    f = Timing(1.0, 1.0, 1.0, 3, (1.0, 2.0, 4.0))
+    tr = Timing(2.0, 2.0, 2.0, 3, (2.0, 6.0, 4.0))
+    fg = Timing(3.0, 3.0, 3.0, 3, (3.0, 2.0, 4.0))
+    doc = timing_report(
+        {"forward": f, "train_step": tr, "forward_gradient_step": fg},
+        {k: 1 for k in PHASES},
+        "torch",
+    )
+    _print_times({"model": "m", "device": "cpu", "runtimes": {"torch": doc | {"device": "cpu"}}})
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    i = next(i for i, line in enumerate(lines) if "torch (cpu)" in line)
+    cells = [[c.strip() for c in lines[j].strip(" │").split("│")[-3:]] for j in (i, i + 1)]
+    assert cells == [["1.00", "2.00", "1.00"], ["(1.00–3.00)", "(1.00–3.00)", "(0.33–1.50)"]]
+    assert "median (quartiles) of the per-round ratios" in " ".join(out.split())
+
+
 class LinearBatchNorm(nn.Module):
     """Linear → BatchNorm1d → ReLU → Linear: running statistics change in every train step."""
 

@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import ROOT
 from torch import nn
 
 from graphflop.analysis import analyze
@@ -209,6 +210,21 @@ def test_tp_that_shards_nothing_is_refused(tmp_path, capsys):
     assert "drop --tp" in err[0] and "build the model from nn.Linear layers" in err[0]
     assert not out.exists()
     assert main(["plan", str(f), "--dp", "2"]) == 0
+
+
+def test_tp_refusal_says_the_root_s_own_linears_are_not_paired(tmp_path, capsys):
+    """A tester's finding: models/cnn.py --tp 2 was refused as sharding nothing although the
+    CNN has two Linears (fc1, fc2, held by the root module, which the default plan does not
+    pair). The line says so and gives the plan that pairs them; that plan runs (exit 0)."""
+    cnn = str(ROOT / "models/cnn.py")
+    assert main(["plan", cnn, "--tp", "2"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--tp 2 shards nothing" in line and "Linear ×2" in line, line
+    assert "not those the root module holds itself (fc1, fc2)" in line, line
+    assert '{"fc1": "colwise", "fc2": "rowwise"}' in line, line
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"fc1": "colwise", "fc2": "rowwise"}')
+    assert main(["plan", cnn, "--tp", "2", "--tp-plan", str(plan)]) == 0
 
 
 def test_unsharded_convolutions_refused_by_class():

@@ -230,22 +230,24 @@ def _time_runtimes(args, analysis, model, provider: str, device: str, flops, err
 def _print_times(results: dict) -> None:
     """The table: per runtime and phase the median (quartiles) and FLOP/s (ONNX Runtime: its
     measured peak and, in parentheses, graphflop's for the order it ran); Rf, Rb and Rf/Rb
-    as ratios of medians with the quartiles of the per-round ratios."""
+    the median (quartiles) of the per-round ratios (``round_ratios``; each round runs the
+    phases back to back), as docs/seed-b/bench.md reports them."""
     from rich.table import Table
 
     from graphflop.export.report import human
     from graphflop.runtime.bench import PHASES
 
     table = Table(
-        title=f"{results['model']} — median (quartiles) wall time per step ({results['device']})"
+        title=f"{results['model']} — median (quartiles) wall time per step ({results['device']})",
+        caption="Rf, Rb, Rf/Rb: median (quartiles) of the per-round ratios",
     )
     for col in ("runtime", *PHASES, "Rf", "Rb", "Rf/Rb"):
         table.add_column(col, justify="right" if col != "runtime" else "left")
     for rt, doc in results["runtimes"].items():
         label = f"{rt} ({doc.get('provider', doc.get('device'))})"
         cells = [_phase_cell(doc["phases"].get(p), human) for p in PHASES]
-        r, rr = doc["ratios"], doc.get("round_ratios", {})
-        cells += [_ratio_cell(r[k], rr.get(k)) for k in ("Rf", "Rb", "Rf_over_Rb")]
+        rr = doc.get("round_ratios") or {}
+        cells += [_ratio_cell(rr.get(k)) for k in ("Rf", "Rb", "Rf_over_Rb")]
         table.add_row(label, *cells)
     stdout_console().print(table)
 
@@ -263,12 +265,11 @@ def _phase_cell(ph: dict | None, human) -> str:
     )
 
 
-def _ratio_cell(value: float | None, spread: dict | None) -> str:
-    if value is None:
+def _ratio_cell(r: dict | None) -> str:
+    """A per-round ratio's ``{median, q1, q3}`` as ``median\n(q1–q3)``; "–" without one."""
+    if not r:
         return "–"
-    if not spread:
-        return f"{value:.2f}"
-    return f"{value:.2f}\n({spread['q1']:.2f}–{spread['q3']:.2f})"
+    return f"{r['median']:.2f}\n({r['q1']:.2f}–{r['q3']:.2f})"
 
 
 def _print_profile(prof: dict | None) -> None:

@@ -273,8 +273,11 @@ def parse_ctor_kwargs(items: Sequence[str] | None, example: str = "middle_layers
     return out
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model arguments of ``inspect``, ``export``, ``bench``, ``render`` and ``sweep``."""
+def add_model_args(p: argparse.ArgumentParser, *, inputs_and_loss: bool = True) -> None:
+    """The model arguments of ``inspect``, ``export``, ``bench``, ``render`` and ``sweep``;
+    without ``inputs_and_loss`` (``sweep``, which traces each point from the file's
+    ``example_inputs()`` in train mode with the default loss) no ``--input-shape``,
+    ``--dtype``, ``--eval`` or ``--loss``."""
     p.add_argument(
         "spec",
         help="model: path/to/file.py[:Name], package.module:attr, torchvision:NAME, timm:NAME, "
@@ -283,18 +286,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "the Hugging Face cache or the Hub, e.g. hf:meta-llama/Llama-3.1-8B), hf:MODEL_TYPE "
         "(transformers' default config, e.g. hf:llama) or hf:PATH (folder with config.json)",
     )
-    p.add_argument(
-        "--input-shape",
-        action="append",
-        metavar="N,C,H,W",
-        help="shape of one input (repeat once per input); default: the file's example_inputs()",
-    )
-    p.add_argument(
-        "--dtype",
-        default=None,
-        help="dtype of floating inputs and parameters "
-        "(float32, float64, float16, bfloat16); default float32",
-    )
+    if inputs_and_loss:
+        p.add_argument(
+            "--input-shape",
+            action="append",
+            metavar="N,C,H,W",
+            help="shape of one input (repeat once per input); default: the file's example_inputs()",
+        )
+        p.add_argument(
+            "--dtype",
+            default=None,
+            help="dtype of floating inputs and parameters "
+            "(float32, float64, float16, bfloat16); default float32",
+        )
     p.add_argument(
         "--batch", type=int, default=None, help="rescale the first dimension of every input to N"
     )
@@ -310,11 +314,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="sequence length of an hf: model's token inputs (default 128)",
     )
-    p.add_argument(
-        "--eval",
-        action="store_true",
-        help="trace in eval mode (batch norm uses running statistics)",
-    )
+    if inputs_and_loss:
+        p.add_argument(
+            "--eval",
+            action="store_true",
+            help="trace in eval mode (batch norm uses running statistics)",
+        )
     p.add_argument(
         "--no-outline",
         dest="outline",
@@ -324,15 +329,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "blocks whose forward depends on Python state outside them (a global counter, a "
         "class attribute set between calls)",
     )
-    p.add_argument(
-        "--loss",
-        default="auto",
-        choices=["auto", "cross_entropy", "mse", "sum"],
-        help="loss the backward starts from (default: cross-entropy against random "
-        "integer targets for (N, C) logits and a language model's (B, T, V) token logits, "
-        "the mean over the B·T tokens; sum otherwise; the sum of a complex output adds "
-        "its real and imaginary parts)",
-    )
+    if inputs_and_loss:
+        p.add_argument(
+            "--loss",
+            default="auto",
+            choices=["auto", "cross_entropy", "mse", "sum"],
+            help="loss the backward starts from (default: cross-entropy against random "
+            "integer targets for (N, C) logits and a language model's (B, T, V) token logits, "
+            "the mean over the B·T tokens; sum otherwise; the sum of a complex output adds "
+            "its real and imaginary parts)",
+        )
 
 
 def load_model(args: argparse.Namespace):

@@ -28,9 +28,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "sweep",
         help="backward/forward ratio across batch sizes or depths",
         description="The backward/forward FLOP ratio (with and without the update) per batch "
-        "size or per depth, as a table, CSV and PNG plot.",
+        "size or per depth, as a table, CSV and PNG plot. Each point is traced from the "
+        "model file's example_inputs() in train mode with the default loss (use inspect for "
+        "--input-shape, --dtype, --eval or --loss).",
     )
-    add_model_args(p)
+    add_model_args(p, inputs_and_loss=False)
     p.add_argument(
         "--batches",
         "--batch-sizes",
@@ -152,28 +154,10 @@ def run(args: argparse.Namespace, err: Console) -> int:
     return 0
 
 
-#: model options ``sweep`` does not take (each point is traced from the file's
-#: ``example_inputs()`` in train mode with the default loss), with what to do instead
-_UNSUPPORTED = {
-    "input_shape": "--input-shape (sweep rescales the file's example_inputs(); set --batches)",
-    "dtype": "--dtype (the FLOP ratios do not depend on it; for the predicted time in a half "
-    "dtype give --amp with --device; inspect --dtype for bytes)",
-    "eval": "--eval (sweep traces in train mode; use inspect --eval)",
-}
-
-
 def _check(args: argparse.Namespace, batches: list[int]) -> None:
     """Reject the model options sweep cannot honour, and bad output paths, before any work."""
     from graphflop.load import SpecError
 
-    for key, text in _UNSUPPORTED.items():
-        if getattr(args, key, None):
-            raise SpecError(f"sweep does not take {text}")
-    if args.loss != "auto":
-        raise SpecError(
-            f"sweep does not take --loss {args.loss} (it uses the default loss); "
-            "use inspect --loss for one point"
-        )
     if args.batch is not None and batches:
         raise SpecError("--batch and --batches contradict each other: give the sizes in --batches")
     if args.batch is not None and args.batch < 1:

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
+import os
 import re
 import warnings
 from collections.abc import Iterator
@@ -60,7 +61,7 @@ from graphflop.frontend.errors import (
 )
 from graphflop.frontend.export_form import from_exported, from_make_fx
 from graphflop.frontend.hierarchy import build as build_hierarchy
-from graphflop.frontend.inputs import bind_call
+from graphflop.frontend.inputs import bind_call, split_example
 from graphflop.frontend.libraries import (
     CacheMade,
     cache_assumption,
@@ -124,7 +125,7 @@ aten = torch.ops.aten
 
 def trace(
     model: nn.Module,
-    inputs: tuple[torch.Tensor, ...],
+    inputs: Any,
     *,
     loss: str = "auto",
     fake_mode: FakeTensorMode | None = None,
@@ -135,7 +136,10 @@ def trace(
 
     Args:
         model: the module; its mode (train/eval) is used as is.
-        inputs: one tensor per positional input.
+        inputs: the model's inputs in any form :func:`graphflop.analyze` takes (a tensor, a
+            tuple or list of positional arguments, a dict of keyword arguments, or
+            ``(args, kwargs)``; :func:`graphflop.frontend.inputs.split_example`); with
+            ``kwargs`` given, the positional arguments alone, as a tuple or list.
         loss: ``cross_entropy`` (against integer targets), ``mse``, ``sum``, ``output`` (the
             model's first output is already the scalar loss), ``none`` or ``auto``
             (cross-entropy for (N, C) logits and for a language model's (B, T, V) token
@@ -143,7 +147,9 @@ def trace(
         fake_mode: the FakeTensorMode to trace in (default: the inputs', else a new one).
         reuse: trace each set of identical repeated modules (a transformer's blocks) once
             and copy the graph (:mod:`graphflop.frontend.outline`); the graph is the same either way.
-        kwargs: keyword arguments of the model call. Tensors among ``inputs`` and ``kwargs``
+        kwargs: keyword arguments of the model call (None: those ``inputs`` holds, if any;
+            an empty dict: none, ``inputs`` taken as the positional arguments whatever their
+            form). Tensors among ``inputs`` and ``kwargs``
             become the graph's inputs (positional ones first); other values are constants
             (:mod:`graphflop.frontend.inputs`).
 
@@ -154,9 +160,12 @@ def trace(
 
     Raises:
         TraceError: when the model cannot be traced (the cause is chained).
+        TypeError: ``inputs`` in none of those forms.
     """
     if loss not in LOSSES + ("auto",):
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
+    if kwargs is None:
+        inputs, kwargs = split_example(inputs)
     # the graphs describe training whatever the caller's grad mode: a model's own no_grad
     # regions are told apart under it (``with torch.no_grad(): analyze(...)`` hid them)
     with _grad_on():
@@ -421,14 +430,16 @@ def _trace_once(
     try:
         with (
             routed_nonzero(),
-            warnings.catch_warnings(),
+            warnings.catch_warnings(record=True) as caught,
             fake_mode,
             inline_functions() as records,
             checkpoints_tagged(),
             _requires_grad_ignored(),
             _input_writes_unrecorded(),
         ):
-            warnings.simplefilter("ignore")
+            # recorded, not shown: fake tensors make torch warn about its own internals; the
+            # model's own warnings are shown once each after the trace (_reemit)
+            warnings.simplefilter("always")
             with outliner, grad_sources(trainable), grad_mode_tagged():
                 gm = _make_fx(
                     torch.func.functionalize(modes.around(objective)),
@@ -439,10 +450,12 @@ def _trace_once(
             with modes:
                 trace_records(records, table, fake_mode)
     except TraceError:
+        _reemit(caught)
         raise
     except Exception as e:
         if find_cause(e, (repeats.NotOutlinable, CacheMade)) is not None:
-            raise
+            raise  # the caller traces again: its warnings are shown then
+        _reemit(caught)
         pipe = find_cause(e, BrokenPipeError)  # the model printed into a closed pipe
         if pipe is not None:
             raise pipe from None
@@ -454,6 +467,7 @@ def _trace_once(
             or f"tracing the model on the example inputs failed: {type(e).__name__}: "
             f"{first_line(e)}{_advice(e)}"
         ) from e
+    _reemit(caught)
     for rec in {r.name: r for r in records if r.reason}.values():
         warnings.warn(
             f"custom autograd.Function {rec.name}: {rec.reason}; its backward and JVP are "
@@ -490,6 +504,27 @@ def _trace_once(
     frozen += _no_grad_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+#: folders whose warnings a trace does not pass on: torch warns about its own internals on
+#: fake tensors and proxies, and graphflop's own warnings are raised outside the trace
+_QUIET_ORIGINS = tuple(
+    os.path.dirname(os.path.abspath(f)) + os.sep
+    for f in (torch.__file__ or "", os.path.dirname(__file__))
+)
+
+
+def _reemit(caught: list[warnings.WarningMessage]) -> None:
+    """Warn again, once each, the warnings recorded while tracing that the model's own code
+    raised (the model's file, transformers, any package but torch and graphflop), at the place
+    that raised them, so the caller's warning filters and ``catch_warnings`` see them."""
+    seen: set[tuple[type[Warning], str, str, int]] = set()
+    for w in caught:
+        key = (w.category, str(w.message), w.filename, w.lineno)
+        if key in seen or os.path.abspath(w.filename).startswith(_QUIET_ORIGINS):
+            continue
+        seen.add(key)
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def _written_line(names: tuple[str, ...]) -> str:

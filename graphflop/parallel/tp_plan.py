@@ -2,7 +2,11 @@
 plan imposes at module boundaries.
 
 Megatron's pattern (Shoeybi et al. 2019, section 3), found without module names: inside a
-module holding two or more ``nn.Linear`` layers (an attention block, an MLP), a Linear whose
+module below the root holding two or more ``nn.Linear`` layers (an attention block, an MLP;
+the root module's own Linears are not paired: the pattern is looked for in blocks, following
+a Linear's output through the block's own ops, and a Linear on the root is usually a head,
+handled below; a ``--tp-plan`` can pair them, as ``parallelize_module`` shards any module a
+plan names), a Linear whose
 output reaches another of them through the module's ops (q/k/v or a fused qkv; MLP up and
 gate) is column-wise, one whose output reaches none (attention out, MLP down) row-wise; a Linear outside such a module whose
 output width is the token embedding's row count (the LM head) is column-wise with its output
@@ -254,6 +258,15 @@ def nothing_sharded_message(model: nn.Module, tp: int, params: list[str], user_p
             "name its nn.Linear / nn.Embedding modules in a --tp-plan file "
             f"({', '.join(shardable[:3])}{', …' if len(shardable) > 3 else ''})"
         )
+        on_root = [p for p in shardable if "." not in p and isinstance(mods[p], nn.Linear)]
+        if len(on_root) >= 2:
+            fix += (
+                ": the default plan pairs the Linears of a block below the root (column-wise, "
+                f"then row-wise), not those the root module holds itself ({', '.join(on_root[:3])}"
+                f"{', …' if len(on_root) > 3 else ''}), but torch's parallelize_module shards "
+                f'them where a plan names them (e.g. {{"{on_root[0]}": "colwise", '
+                f'"{on_root[1]}": "rowwise"}} where the first feeds the second)'
+            )
         shardable_cls = {
             type(m).__name__ for m in mods.values() if isinstance(m, (nn.Linear, nn.Embedding))
         }
