@@ -1482,3 +1482,40 @@ def test_no_tf32_without_a_tf32_peak_or_on_amd():
     fwd_conv, _, _, _ = _conv_and_mm_times(from_device(volta))
     assert fwd_conv.meta[TIME].compute_s == pytest.approx(CONV_FLOPS / (15.7e12 * 0.60) + 5e-6)
     assert fwd_conv.meta[TIME].dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    ("mode", "matmul_tf32", "cudnn_tf32"),
+    [("convolutions", False, True), ("all", True, True), ("none", False, False)],
+)
+def test_inspect_tf32_picks_the_torch_settings_it_models(capsys, mode, matmul_tf32, cudnn_tf32):
+    # --tf32 MODE is from_device's (matmul.allow_tf32, cudnn.allow_tf32): the CLI's phases are
+    # the library's with those settings; models/cnn.py has convolutions and linear layers, so
+    # every mode gives its own figure
+    from graphflop.load import load, make_inputs
+
+    argv = ("inspect", spec("cnn.py"), "--device", "a100", "--no-jvp", "--format", "json")
+    rc, out, err = cli(capsys, *argv, "--tf32", mode)
+    assert rc == 0, err
+    got = json.loads(out)["time"]["phases"]
+    loaded = load(spec("cnn.py"))
+    profile = from_device(
+        device_spec("a100-80gb"), matmul_allow_tf32=matmul_tf32, cudnn_allow_tf32=cudnn_tf32
+    )
+    a = analyze(loaded.model, make_inputs(loaded), jvp=False, time_profile=profile)
+    want = a.report.time
+    for phase in ("forward", "backward", "train_step"):
+        assert got[phase]["seconds"] == pytest.approx(want.phase(phase).seconds, rel=1e-12)
+
+
+def test_inspect_tf32_needs_a_data_sheet_gpu(capsys):
+    rc, _, err = cli(capsys, "inspect", spec("cnn.py"), "--device", "cpu", "--tf32", "all")
+    assert rc == 2
+    assert err == [
+        "graphflop: error: --tf32 all models a torch setting on a data-sheet GPU: a CPU has no TF32"
+    ]
+    rc, _, err = cli(capsys, "inspect", spec("cnn.py"), "--tf32", "none")
+    assert rc == 2
+    assert err == [
+        "graphflop: error: --tf32 none sets how --device times float32 products: add --device"
+    ]

@@ -48,6 +48,7 @@ __all__ = [
     "OP_CLASSES",
     "PROFILE_SCHEMA",
     "THIN_ROWS",
+    "TF32_MODES",
     "ProfileError",
     "RateCurve",
     "TimeProfile",
@@ -806,7 +807,14 @@ def from_device(
         launch_overhead_s=GPU_LAUNCH_S,
         view_overhead_s=GPU_VIEW_S,
         efficiency=dict(eff),
-        notes=(f"data sheet: {spec.title}, peaks × efficiency, {FILL_S * 1e6:g} µs fill",),
+        notes=(
+            f"data sheet: {spec.title}, peaks × efficiency, {FILL_S * 1e6:g} µs fill",
+            "float32 in TF32: "
+            + (
+                ", ".join(c for c, r in (("matmuls", mm), ("convolutions", conv)) if "tf32" in r)
+                or "none"
+            ),
+        ),
     )
 
 
@@ -910,15 +918,46 @@ def _is_device(name: str) -> bool:
     return True
 
 
-def resolve_profile(name: str) -> TimeProfile:
+#: ``--tf32`` modes -> (``matmul_allow_tf32``, ``cudnn_allow_tf32``) of :func:`from_device`:
+#: the torch settings each models (``convolutions``: torch's defaults; ``all``:
+#: ``torch.backends.cuda.matmul.allow_tf32 = True`` or ``set_float32_matmul_precision("high")``
+#: as well; ``none``: ``torch.backends.cudnn.allow_tf32 = False`` too)
+TF32_MODES: Mapping[str, tuple[bool, bool]] = {
+    "convolutions": (False, True),
+    "all": (True, True),
+    "none": (False, False),
+}
+
+
+def resolve_profile(name: str, tf32: str = "convolutions") -> TimeProfile:
     """The profile ``--device`` names: a ``.json`` file (or any existing file) ``graphflop
     calibrate`` wrote, ``cpu`` (this CPU's data-sheet-like guess), or a data-sheet device of
-    :mod:`graphflop.devices` (any case, aliases).
+    :mod:`graphflop.devices` (any case, aliases), its float32 products in TF32 as ``tf32``
+    (:data:`TF32_MODES`) says.
 
     Raises:
-        ProfileError: a file that does not parse.
+        ProfileError: a file that does not parse; a ``tf32`` other than torch's default with
+            a profile that is not a data-sheet GPU's (a calibrated one measured the device
+            as torch ran it; a CPU has no TF32).
         UnknownDevice: neither a file nor a known device (did-you-mean, the known ones).
+        ValueError: an unknown ``tf32`` mode.
     """
+    if tf32 not in TF32_MODES:
+        raise ValueError(f"unknown tf32 mode {tf32!r}: one of {', '.join(TF32_MODES)}")
+    profile = _resolve_profile(name, *TF32_MODES[tf32])
+    if tf32 != "convolutions" and not (profile.source == "datasheet" and profile.kind == "gpu"):
+        why = (
+            "a CPU has no TF32"
+            if profile.kind == "cpu"
+            else "a calibrated profile measured the device as torch ran it (calibrate again "
+            "with that setting)"
+        )
+        raise ProfileError(f"--tf32 {tf32} models a torch setting on a data-sheet GPU: {why}")
+    return profile
+
+
+def _resolve_profile(name: str, matmul_allow_tf32: bool, cudnn_allow_tf32: bool) -> TimeProfile:
+    """:func:`resolve_profile` with :func:`from_device`'s TF32 settings."""
     known = name.strip().lower() == "cpu" or _is_device(name)
     # a known device name wins over a file of that name in the current folder (tester: a file
     # called h100 shadowed the data sheet); ./h100 reads the file
@@ -929,6 +968,10 @@ def resolve_profile(name: str) -> TimeProfile:
     if name.strip().lower() == "cpu":
         return default_cpu_profile()
     try:
-        return from_device(device_spec(name))
+        return from_device(
+            device_spec(name),
+            matmul_allow_tf32=matmul_allow_tf32,
+            cudnn_allow_tf32=cudnn_allow_tf32,
+        )
     except UnknownDevice as e:
         raise UnknownDevice(f"{e}; or cpu, or a profile file from graphflop calibrate") from e
