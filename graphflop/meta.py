@@ -572,8 +572,10 @@ class NodeTime:
         bound: the largest of the three terms, one of :data:`BOUNDS`.
         kernel: the eager kernel the node is part of (its op name, or the composite op's).
         kernel_id: the name of that kernel's first node (which nodes share one kernel).
-        op_class: ``matmul``, ``conv`` or ``other``.
-        dtype: the dtype key its rate was taken for.
+        op_class: the kernel's product class (``matmul``, ``matmul_thin``, ``conv``,
+            ``conv_backward``: a backward's convolution) or ``other``.
+        dtype: the dtype key its rate was taken for (``tf32`` for a float32 product the
+            profile runs on TF32 tensor cores).
         no_cost_rule: the node's op has no cost rule (its ``COST`` is 0): its kernel was
             timed at the bytes of its tensors (inputs read, output written, from their
             metadata) on the memory roofline, no compute, a lower bound.

@@ -535,7 +535,10 @@ class Memory:
         params_bytes: the parameters.
         forward_peak_bytes: parameters and buffers + the forward's live-tensor peak.
         grads_bytes: the gradients (as many bytes as the parameters).
-        optimizer_state_bytes: the optimizer state.
+        optimizer_state_bytes: the optimizer state: under the eager model what
+            ``torch.optim``'s state holds (Adam's per-parameter step counts included:
+            :func:`graphflop.passes.optimizer.optimizer_state_bytes`), under the graph model
+            the update graph's state inputs.
         saved_for_backward_bytes: forward values the backward reads.
         train_peak_bytes: parameters, buffers, gradients and state + the train step's live
             peak.

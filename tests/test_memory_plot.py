@@ -59,8 +59,12 @@ def test_timeline_peaks_equal_the_reported_peaks(model: str, setting: str) -> No
     # the baseline: parameters, buffers (batch norm's running statistics: 2 × 8 float32 and
     # an int64 count = 72 B where the model has one) and optimizer state, and the gradients
     # where they live throughout (graph model, or --keep-grads); JVP: parameters, buffers and
-    # the parameters' tangents
-    state = {"sgd": 0, "momentum": 1, "adam": 2}[a.report.optimizer] * mem.params_bytes
+    # the parameters' tangents. Adam's state: two moments and, under the eager model, a
+    # float32 step count per parameter tensor (torch.optim.Adam's state["step"])
+    moments = {"sgd": 0, "momentum": 1, "adam": 2}[a.report.optimizer]
+    tensors = len(list(_MODELS[model][0]().parameters()))
+    steps = 4 * tensors if a.report.optimizer == "adam" else 0
+    state = moments * mem.params_bytes + (steps if mem.memory_model == "eager" else 0)
     grads = mem.params_bytes if mem.memory_model == "graph" or mem.keep_grads else 0
     buffers = mem.buffers_bytes or 0
     assert train.baseline_bytes == mem.params_bytes + buffers + grads + state

@@ -208,7 +208,9 @@ def test_frozen_linear_has_no_weight_gradient_update_or_grad_bytes():
     # Adam: 18 FLOPs per trainable element (docs/flops_conventions.md), 18·18 = 324
     assert r.totals.update.flops == 18 * 18
     assert r.memory.grads_bytes == 18 * 4
-    assert r.memory.optimizer_state_bytes == 2 * 18 * 4
+    # Adam's two moments of the 18 trainable elements and a float32 step count for each of
+    # layer 1's 2 tensors (torch.optim.Adam's state["step"])
+    assert r.memory.optimizer_state_bytes == 2 * 18 * 4 + 2 * 4
     assert r.memory.params_bytes == 53 * 4
     d = a.to_dict()
     assert (d["trainable_params"], d["frozen_params"]) == (18, 35)
@@ -240,7 +242,8 @@ def test_lora_backward_update_and_gradient_bytes_by_hand():
       fc1.base 0 (the model input needs none).
     Trainable elements 4·64 + 256·4 + 4·256 + 10·4 = 2,344; frozen 64·256 + 256 + 256·10 + 10
       = 19,210. Adam: 18 FLOPs per trainable element = 42,192; gradients 2,344·4 = 9,376 bytes;
-      Adam state 2·9,376 = 18,752 bytes.
+      Adam state 2·9,376 = 18,752 bytes and a float32 step count per trainable tensor (4):
+      18,768 bytes.
     """
     r = analysis("lora.py", 8, "adam").report
     grad_w = {n: r.layer(n).grad_weight_flops for n in ("fc1.down", "fc1.up", "fc2.down", "fc2.up")}
@@ -251,7 +254,7 @@ def test_lora_backward_update_and_gradient_bytes_by_hand():
     assert r.layer("fc1.base").grad_input_flops == 0
     assert (r.trainable_params, r.frozen_params) == (2344, 19210)
     assert r.totals.update.flops == 42192
-    assert r.memory.grads_bytes == 9376 and r.memory.optimizer_state_bytes == 18752
+    assert r.memory.grads_bytes == 9376 and r.memory.optimizer_state_bytes == 18752 + 4 * 4
     full = analysis("lora.py", 8, "adam", (("frozen", False),)).report
     assert full.totals.backward.grad_weight_flops == 37504 + 264192 + 41040
     assert full.frozen_params == 0

@@ -250,8 +250,8 @@ def test_no_peak_lists_every_data_sheet_dtype():
         )
     assert str(e.value) == (
         "l4 has no float64 peak for matmul kernels: it has float32, bfloat16, float16, float8, "
-        "int8 (its data sheet's tf32 peak is not used: float32 products are counted at the "
-        "FP32 rate, TF32 off)"
+        "int8 (its data sheet's tf32 peak is not used: float32 matrix products are counted at "
+        "the FP32 rate, TF32 off)"
     )
     assert all(d in str(e.value).split(": it has ")[1] for d in device_spec("l4").peak_flops)
 
@@ -1388,3 +1388,134 @@ def test_op_role_layer_rows_add_up_column_by_column(kind):
         assert tr.phase("forward").overlap_s > 0  # the case the rows used to overshoot
     if kind != "h100":
         assert tr.phase("forward").host_s > 0
+
+
+#: the FLOPs of _conv_then_linear's convolution and of its matrix product (worked out where used)
+CONV_FLOPS = 2 * (64 * 64 * 32 * 32) * (64 * 3 * 3)
+MM_FLOPS = 2 * 64 * (64 * 32 * 32) * 1024
+
+
+def _conv_then_linear():
+    return nn.Sequential(
+        nn.Conv2d(64, 64, 3, padding=1, bias=False, device="meta"),
+        nn.Flatten(),
+        nn.Linear(64 * 32 * 32, 1024, bias=False, device="meta"),
+    )
+
+
+def _conv_and_mm_times(profile):
+    x = torch.empty(64, 64, 32, 32, device="meta")
+    a = analyze(_conv_then_linear(), x, jvp=False, time_profile=profile)
+    fwd_conv = _node(a, torch.ops.aten.convolution.default)
+    fwd_mm = _node(a, torch.ops.aten.mm.default)
+    (bwd_conv,) = [  # the weight gradient; the input needs none
+        n for n in a.backward.graph.nodes if n.target == torch.ops.aten.convolution.default
+    ]
+    bwd_mm = [n for n in a.backward.graph.nodes if n.target == torch.ops.aten.mm.default]
+    return fwd_conv, bwd_conv, fwd_mm, bwd_mm
+
+
+def test_float32_convolutions_run_at_the_tf32_peak_and_matmuls_at_fp32():
+    # PyTorch's defaults (torch 2.13: torch.backends.cudnn.allow_tf32 True, cuda.matmul
+    # .allow_tf32 False): a float32 cuDNN convolution runs on TF32 tensor cores, a float32
+    # matmul on the FP32 units
+    assert torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    a100 = from_device(device_spec("a100-80gb"))
+    fwd_conv, bwd_conv, fwd_mm, bwd_mm = _conv_and_mm_times(a100)
+    # convolution 64×64×32×32 → 64×64×32×32, 3×3 kernel: 2·(64·64·32·32)·(64·3·3) =
+    # 4,831,838,208 FLOPs (compute-bound); its weight gradient the same count; at A100's TF32
+    # peak 156e12 × conv efficiency 0.60, 5 µs fill
+    conv_s = CONV_FLOPS / (156e12 * 0.60) + 5e-6
+    for n, cls in ((fwd_conv, "conv"), (bwd_conv, "conv_backward")):
+        assert n.meta[COST].mm_flops == CONV_FLOPS
+        t = n.meta[TIME]
+        assert t.compute_s == pytest.approx(conv_s, rel=1e-9)
+        assert (t.op_class, t.dtype) == (cls, "tf32")
+    # linear 64×65,536 → 1,024: 2·64·65,536·1,024 = 8,589,934,592 FLOPs at the FP32 peak
+    # 19.5e12 × 0.70, 5 µs fill; its backward's products (weight and input gradients) the
+    # same count each, at the same rate
+    mm_s = MM_FLOPS / (19.5e12 * 0.70) + 5e-6
+    assert fwd_mm.meta[COST].mm_flops == MM_FLOPS
+    assert fwd_mm.meta[TIME].compute_s == pytest.approx(mm_s, rel=1e-9)
+    assert fwd_mm.meta[TIME].dtype == "float32"
+    assert bwd_mm and all(n.meta[TIME].dtype == "float32" for n in bwd_mm)
+    for n in bwd_mm:
+        flops = n.meta[COST].mm_flops
+        assert n.meta[TIME].compute_s == pytest.approx(flops / (19.5e12 * 0.70) + 5e-6)
+
+
+def test_tf32_follows_the_torch_settings_the_profile_models():
+    spec_ = device_spec("a100-80gb")
+    # cudnn.allow_tf32 = False: the convolution at the FP32 peak 19.5e12 × 0.60
+    off = from_device(spec_, cudnn_allow_tf32=False)
+    fwd_conv, bwd_conv, fwd_mm, _ = _conv_and_mm_times(off)
+    for n in (fwd_conv, bwd_conv):
+        assert n.meta[TIME].compute_s == pytest.approx(CONV_FLOPS / (19.5e12 * 0.60) + 5e-6)
+        assert n.meta[TIME].dtype == "float32"
+    # cuda.matmul.allow_tf32 = True as well: the matmul at the TF32 peak 156e12 × 0.70
+    both = from_device(spec_, matmul_allow_tf32=True)
+    fwd_conv, _, fwd_mm, _ = _conv_and_mm_times(both)
+    assert fwd_mm.meta[TIME].compute_s == pytest.approx(MM_FLOPS / (156e12 * 0.70) + 5e-6)
+    assert (fwd_mm.meta[TIME].dtype, fwd_conv.meta[TIME].dtype) == ("tf32", "tf32")
+    # under autocast the convolution runs in the autocast dtype, not TF32: 989.4e12 × 0.60 on
+    # H100
+    x = torch.empty(64, 64, 32, 32, device="meta")
+    amp = analyze(_conv_then_linear(), x, jvp=False, time_profile=H100, amp="bf16")
+    t = _node(amp, torch.ops.aten.convolution.default).meta[TIME]
+    assert t.dtype == "bfloat16"
+    assert t.compute_s == pytest.approx(CONV_FLOPS / (989.4e12 * 0.60) + 5e-6)
+
+
+def test_no_tf32_without_a_tf32_peak_or_on_amd():
+    # MI300X: PyTorch's ROCm convolutions (MIOpen) run float32 as FP32: 163.4e12 × 0.60
+    mi300x = from_device(device_spec("mi300x"))
+    fwd_conv, bwd_conv, _, _ = _conv_and_mm_times(mi300x)
+    for n in (fwd_conv, bwd_conv):
+        assert n.meta[TIME].compute_s == pytest.approx(CONV_FLOPS / (163.4e12 * 0.60) + 5e-6)
+        assert n.meta[TIME].dtype == "float32"
+    # an NVIDIA part without TF32 tensor cores (Volta-like: no tf32 peak): FP32 15.7e12 × 0.60
+    volta = dataclasses.replace(
+        device_spec("a100-80gb"),
+        name="volta-like",
+        peak_flops={"float32": 15.7e12, "float16": 125e12},
+    )
+    fwd_conv, _, _, _ = _conv_and_mm_times(from_device(volta))
+    assert fwd_conv.meta[TIME].compute_s == pytest.approx(CONV_FLOPS / (15.7e12 * 0.60) + 5e-6)
+    assert fwd_conv.meta[TIME].dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    ("mode", "matmul_tf32", "cudnn_tf32"),
+    [("convolutions", False, True), ("all", True, True), ("none", False, False)],
+)
+def test_inspect_tf32_picks_the_torch_settings_it_models(capsys, mode, matmul_tf32, cudnn_tf32):
+    # --tf32 MODE is from_device's (matmul.allow_tf32, cudnn.allow_tf32): the CLI's phases are
+    # the library's with those settings; models/cnn.py has convolutions and linear layers, so
+    # every mode gives its own figure
+    from graphflop.load import load, make_inputs
+
+    argv = ("inspect", spec("cnn.py"), "--device", "a100", "--no-jvp", "--format", "json")
+    rc, out, err = cli(capsys, *argv, "--tf32", mode)
+    assert rc == 0, err
+    got = json.loads(out)["time"]["phases"]
+    loaded = load(spec("cnn.py"))
+    profile = from_device(
+        device_spec("a100-80gb"), matmul_allow_tf32=matmul_tf32, cudnn_allow_tf32=cudnn_tf32
+    )
+    a = analyze(loaded.model, make_inputs(loaded), jvp=False, time_profile=profile)
+    want = a.report.time
+    for phase in ("forward", "backward", "train_step"):
+        assert got[phase]["seconds"] == pytest.approx(want.phase(phase).seconds, rel=1e-12)
+
+
+def test_inspect_tf32_needs_a_data_sheet_gpu(capsys):
+    rc, _, err = cli(capsys, "inspect", spec("cnn.py"), "--device", "cpu", "--tf32", "all")
+    assert rc == 2
+    assert err == [
+        "graphflop: error: --tf32 all models a torch setting on a data-sheet GPU: a CPU has no TF32"
+    ]
+    rc, _, err = cli(capsys, "inspect", spec("cnn.py"), "--tf32", "none")
+    assert rc == 2
+    assert err == [
+        "graphflop: error: --tf32 none sets how --device times float32 products: add --device"
+    ]

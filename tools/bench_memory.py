@@ -217,6 +217,16 @@ def markdown(rows: list[dict]) -> str:
         "derivative formulas save them, gradients allocated as produced, in-place update "
         "(`graphflop/passes/eager_memory.py`). **graph**: `--memory-model graph`, graphflop's "
         "own graphs in their node order (the figures before the eager memory model).",
+        "* **Optimizer state** (`optimizer_state_bytes`, eager model; `plan`'s per-rank "
+        "`optimizer_state` the same way): what `torch.optim`'s state holds after a step, the "
+        "bytes of every tensor in `optimizer.state`: momentum's buffer like each trainable "
+        "parameter; Adam's and AdamW's two moments and a per-parameter `step` count, a 0-dim "
+        "float32 tensor (`_init_group` in torch/optim/adam.py): 4 B per trainable tensor "
+        "(`tests/test_optimizer_state.py` sums a real step's state). The step counts live on "
+        "the CPU unless the optimizer is `capturable` or `fused`, so on `cuda` they are host "
+        "memory that the figures count with the device's (a train peak 4 B per trainable "
+        "tensor above the GPU's: 40 B for 10 tensors, 1,164 B for a 7B Llama's 291). The graph "
+        "model counts the moments only: its update graph takes one step scalar.",
         "* graphflop eager also charges the CPU kernels' own temporaries measured with the same "
         "profiler events: a convolution (oneDNN, grouped and depthwise too) holds one output-sized buffer, its "
         "backward an input- and an output-gradient-sized reorder; backward scatters into fresh "

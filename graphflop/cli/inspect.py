@@ -142,6 +142,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "and the bound to the tables and 'time' to the JSON (--amp bf16|fp16: matrix products "
         "and convolutions at that dtype's peak)",
     )
+    p.add_argument(
+        "--tf32",
+        choices=["convolutions", "all", "none"],
+        default="convolutions",
+        help="with a data-sheet GPU --device, which float32 products run on TF32 tensor cores "
+        "(NVIDIA from Ampere on): convolutions (default, torch's defaults: "
+        "torch.backends.cudnn.allow_tf32 True, torch.backends.cuda.matmul.allow_tf32 False), "
+        "all (matmul.allow_tf32 = True or set_float32_matmul_precision('high') too) or none "
+        "(cudnn.allow_tf32 = False too)",
+    )
     p.add_argument("--no-backward", action="store_true", help="forward (and JVP) only")
     p.add_argument("--no-jvp", action="store_true", help="skip the JVP graph")
     p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
@@ -265,7 +275,13 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
     if args.device is not None:  # a bad device or profile file: one line, before any work
         from graphflop.passes.time_profile import resolve_profile
 
-        profile = resolve_profile(args.device)
+        profile = resolve_profile(args.device, args.tf32)
+    elif args.tf32 != "convolutions":
+        from graphflop.load import SpecError
+
+        raise SpecError(
+            f"--tf32 {args.tf32} sets how --device times float32 products: add --device"
+        )
     loaded, inputs = load_model(args)
     _check_routing(args, loaded)
     why = _backward_option(args)

@@ -89,6 +89,7 @@ from graphflop.passes.eager_memory import (
     optimizer_temporaries,
 )
 from graphflop.passes.memory import Schedule, Step
+from graphflop.passes.optimizer import STATE_KINDS, step_count_bytes
 
 __all__ = ["PlanReport", "RankClass", "find_blocks", "pipeline_units", "predict"]
 
@@ -789,25 +790,16 @@ def predict(  # noqa: C901
         for names in (sig.inputs, sig.targets)
     )
     batch_bytes = inputs_bytes + targets_bytes
-    # torch's Adam/AdamW keep a float32 step count per parameter beside the moments
-    step_bytes = (
-        4
-        if (upd_opt := getattr(rep.totals.update, "optimizer", ""))
-        in (
-            "adam",
-            "adamw",
-        )
-        else 0
-    )
-    del upd_opt
+    # torch's Adam/AdamW keep a float32 step count per parameter beside the moments, as the
+    # one-device analysis counts them (optimizer_state_bytes)
+    upd_opt = getattr(rep.totals.update, "optimizer", None) or "sgd"
+    step_bytes = step_count_bytes(upd_opt)
     # the optimizer keeps state for the trainable parameters only (frozen ones, LoRA's base
     # weights, have none): state bytes per trainable parameter byte
     trainable_bytes = sum(
         phs[ph].meta["val"].numel() * _esize(phs[ph]) for ph, q in sig.params if q in trainable
     )
-    state_per_param_byte = (
-        (mem.optimizer_state_bytes or 0) / trainable_bytes if trainable_bytes else 0.0
-    )
+    state_per_param_byte = float(len(STATE_KINDS[upd_opt])) if trainable_bytes else 0.0
     # one stage, state not sharded by ZeRO-2/3, every block analysed: the eager schedule itself,
     # each storage at its local size
     local_rise = None

@@ -68,13 +68,44 @@ OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SLOT = SLOT
 
 FLOPS_PER_ELEMENT = {"sgd": 2, "momentum": 4, "adam": 18, "adamw": 20}
-#: optimizer-state tensors kept per parameter
+#: optimizer-state tensors kept per parameter, each the parameter's size and dtype
 STATE_KINDS = {
     "sgd": (),
     "momentum": ("momentum",),
     "adam": ("exp_avg", "exp_avg_sq"),
     "adamw": ("exp_avg", "exp_avg_sq"),
 }
+
+#: optimizers whose ``torch.optim`` step keeps a step count per parameter beside
+#: :data:`STATE_KINDS` (``state["step"]``, a 0-dim tensor)
+STEP_COUNTED = frozenset({"adam", "adamw"})
+
+
+def step_count_bytes(optimizer: str) -> int:
+    """Bytes of one parameter's step count: ``torch.optim.Adam``/``AdamW`` keep
+    ``state["step"]`` per parameter, a 0-dim tensor of
+    ``torch.optim.optimizer._get_scalar_dtype()`` (float32; float64 when the default dtype is
+    float64); 0 for optimizers without one.
+
+    Where it lives: on the CPU unless ``capturable`` or ``fused`` is set
+    (torch/optim/adam.py ``_init_group``: "special device hosting for step"), so with the
+    default step on a GPU these bytes are host memory. graphflop's memory figures count them
+    with the rest of the state on every device (a ``cuda`` figure is then 4 B per trainable
+    tensor above what the GPU holds: docs/memory.md).
+    """
+    if optimizer not in STEP_COUNTED:
+        return 0
+    return 8 if torch.get_default_dtype() == torch.float64 else 4
+
+
+def optimizer_state_bytes(optimizer: str, trainable_bytes: int, tensors: int) -> int:
+    """Bytes of ``torch.optim``'s state for ``tensors`` trainable parameters of
+    ``trainable_bytes`` bytes together: one tensor like the parameter per :data:`STATE_KINDS`
+    entry (momentum's ``momentum_buffer``, Adam's ``exp_avg`` and ``exp_avg_sq``) and each
+    parameter's step count (:func:`step_count_bytes`): the bytes of every tensor in the
+    optimizer's ``state`` after a step."""
+    n = len(STATE_KINDS[optimizer])
+    return n * trainable_bytes + tensors * step_count_bytes(optimizer)
 
 
 @dataclass(frozen=True)
@@ -492,6 +523,10 @@ __all__ = [
     "not_updated",
     "OptimizerConfig",
     "OPTIMIZERS",
+    "STATE_KINDS",
+    "STEP_COUNTED",
+    "optimizer_state_bytes",
+    "step_count_bytes",
     "FLOPS_PER_ELEMENT",
     "Node",
 ]

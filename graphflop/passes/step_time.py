@@ -19,7 +19,9 @@ with the achieved rates of a :class:`~graphflop.passes.time_profile.TimeProfile`
 kernel's size, in the dtype of its inputs (under autocast, matrix products and convolutions in
 the autocast dtype, and each value's bytes at the dtype autocast gives it,
 :func:`graphflop.passes.amp.amp_dtypes`; parameters, their gradients and the update stay
-float32). The bound is
+float32; a float32 product or convolution at the profile's ``tf32`` rate where it has one for
+its class, :meth:`~graphflop.passes.time_profile.TimeProfile.product_dtype`: on a data-sheet
+NVIDIA GPU from Ampere on, convolutions, as cuDNN runs them by default). The bound is
 the largest of the three terms. Each node of a kernel carries its share of the kernel's time
 (by FLOPs for a compute-bound kernel, by bytes for a memory-bound one, evenly for an
 overhead-bound one), so sums over nodes are sums over kernels.
@@ -486,7 +488,10 @@ def _time_kernel(
         dtype = _dtype_key(n)
         if c.mm_flops:
             cls, dim = _mm_class(n)
-            key = (cls, amp if amp is not None and dtype == "float32" else dtype)
+            # under autocast in its dtype; else float32 in TF32 where the profile says
+            # PyTorch runs the class so (cuDNN convolutions by default)
+            mm_dtype = amp if amp is not None and dtype == "float32" else dtype
+            key = (cls, profile.product_dtype(cls, mm_dtype))
             by_class[key] = by_class.get(key, 0) + c.mm_flops
             dims[key] = min(dims.get(key, dim), dim)
             contracted[key] = contracted.get(key, True) and _contracted_thin(n)
@@ -537,7 +542,8 @@ def _time_kernel(
             overhead += profile.update_step_s.get(optimizer or "", 0.0)
     work = max(compute, memory)
     bound = "overhead" if overhead >= work else "compute" if compute >= memory else "memory"
-    cls_name = next((c for c, _ in by_class if c in ("matmul", "matmul_thin", "conv")), "other")
+    products = ("matmul", "matmul_thin", "conv", "conv_backward")
+    cls_name = next((c for c, _ in by_class if c in products), "other")
     dtype = next(iter(by_class), ("", _dtype_key(k.nodes[-1])))[1]
     if bound == "compute" and flops:
         weights = [c.flops / flops for c in costs]

@@ -58,7 +58,7 @@ from graphflop.passes.memory import (
     train_schedule,
 )
 from graphflop.passes.memory_calls import ComposedSchedule, composed_forward_schedule
-from graphflop.passes.optimizer import STATE_KINDS, update_param_count
+from graphflop.passes.optimizer import optimizer_state_bytes, update_param_count
 from graphflop.passes.recorded_memory import recorded_jvp_schedule, recorded_train_schedule
 from graphflop.report import (
     ActivityGradientTotals,
@@ -389,6 +389,7 @@ def _memory(
     buffers_bytes: int,
     optimizer: str,
     trainable_bytes: int,
+    trainable_tensors: int,
     model: str,
     device: str,
     keep_grads: bool,
@@ -396,7 +397,9 @@ def _memory(
 ) -> tuple[Memory, dict[str, int]]:
     """(the memory figures, the storages saved for backward: owner node name -> bytes, empty
     without a backward graph). Gradients and optimizer state only for the trainable
-    parameters (``trainable_bytes``); the parameters and buffers (``params_bytes +
+    parameters (``trainable_bytes``, ``trainable_tensors`` of them; under the eager model the
+    state as :func:`~graphflop.passes.optimizer.optimizer_state_bytes` counts it, Adam's step
+    counts included); the parameters and buffers (``params_bytes +
     buffers_bytes``) are live in every peak; ``model``: ``eager`` or ``graph``
     (:mod:`graphflop.passes.eager_memory`). ``composed``: the forward peak, and under the
     eager model the train peak and the saved storages, from schedules that work out each
@@ -426,29 +429,32 @@ def _memory(
     mem: dict[str, Any] = {"forward_peak_bytes": resident + fpeak}
     owners: dict[str, int] = {}
     if g.backward is not None:
-        n_state = len(STATE_KINDS[optimizer])
+        # eager: torch.optim's state, Adam's per-parameter step counts included; graphflop's
+        # update graph takes the moments and one step scalar
+        tensors = trainable_tensors if model == "eager" else 0
+        state = optimizer_state_bytes(optimizer, trainable_bytes, tensors)
         if train is not None:  # the eager model, read off the recorded backward
             tpeak, _ = train[0].peak()
             owners = train[1]
-            train_peak = resident + trainable_bytes * (n_state + keep_grads) + tpeak
+            train_peak = resident + state + trainable_bytes * keep_grads + tpeak
         elif model == "eager":  # gradients are scheduled: they appear as the backward makes them
             er = eager_residuals(g.forward, g.backward, device)
             sched = eager_train_schedule(
                 g.forward, g.backward, optimizer, device, keep_grads, composed=composed, eager=er
             )
             tpeak, _ = sched.peak()
-            train_peak = resident + trainable_bytes * (n_state + keep_grads) + tpeak
+            train_peak = resident + state + trainable_bytes * keep_grads + tpeak
             c = sched if isinstance(sched, ComposedSchedule) else None
             owners = eager_saved_storages(g.forward, g.backward, device, eager=er, schedule=c)
         else:
             tpeak, _ = train_schedule(g.forward, g.backward, g.update).peak()
-            train_peak = resident + trainable_bytes * (1 + n_state) + tpeak
+            train_peak = resident + state + trainable_bytes + tpeak
             owners = saved_storages(g.forward, g.backward)
         # eager_saved_bytes / saved_for_backward_bytes: the sum over the saved storages
         saved = sum(owners.values())
         mem.update(
             grads_bytes=trainable_bytes,
-            optimizer_state_bytes=n_state * trainable_bytes,
+            optimizer_state_bytes=state,
             saved_for_backward_bytes=saved,
             train_peak_bytes=train_peak,
         )
@@ -742,6 +748,7 @@ def summarize(
         buffers_bytes,
         optimizer,
         trainable_bytes,
+        len(sig.trainable()),
         memory_model,
         device,
         keep_grads,

@@ -48,6 +48,7 @@ __all__ = [
     "OP_CLASSES",
     "PROFILE_SCHEMA",
     "THIN_ROWS",
+    "TF32_MODES",
     "ProfileError",
     "RateCurve",
     "TimeProfile",
@@ -388,6 +389,22 @@ class TimeProfile:
             return self.flops_seconds(op_class, dtype, flops)
         return flops / _between(by_dim, min_dim, flops)
 
+    def product_dtype(self, op_class: str, dtype: str) -> str:
+        """The dtype key a matrix product or convolution (``op_class`` among ``matmul``,
+        ``matmul_thin``, ``conv``, ``conv_backward``) of ``dtype`` operands is timed in:
+        ``tf32`` for ``float32`` where the profile has a ``tf32`` rate for the class (its
+        family's: ``matmul`` for ``matmul_thin``, ``conv`` for ``conv_backward``), since the
+        profile then models PyTorch running those on TF32 tensor cores (:func:`from_device`);
+        else ``dtype``."""
+        if dtype != "float32":
+            return dtype
+        family = "matmul" if op_class.startswith("matmul") else "conv"
+        if op_class in self.compute and dtype in self.compute[op_class]:
+            has = "tf32" in self.compute[op_class]
+        else:
+            has = "tf32" in self.compute.get(family, {})
+        return "tf32" if has else dtype
+
     def curve(self, op_class: str, dtype: str) -> RateCurve:
         """The compute :class:`RateCurve` of ``op_class`` in ``dtype``.
 
@@ -420,7 +437,7 @@ class TimeProfile:
                 have = ", ".join(rates) or "none"
                 raise NoPeak(
                     f"{self.name} has no {dtype} peak for {op_class} kernels: it has {have}"
-                    + self._unused_peaks(rates)
+                    + self._unused_peaks(rates, op_class)
                     + self._integer_hint(op_class, dtype)
                 )
         return curve
@@ -441,9 +458,9 @@ class TimeProfile:
             "--device cpu, where eager multiplies integer matrices on the vector units"
         )
 
-    def _unused_peaks(self, rates: Mapping[str, RateCurve]) -> str:
-        """For a data-sheet profile, the data sheet's peaks its rates leave out (TF32: a
-        float32 product runs at the FP32 rate, as PyTorch does with TF32 off), as a suffix of
+    def _unused_peaks(self, rates: Mapping[str, RateCurve], op_class: str) -> str:
+        """For a data-sheet profile, the data sheet's peaks its rates leave out (TF32 where
+        PyTorch's setting keeps it off: a float32 matrix product by default), as a suffix of
         a :class:`NoPeak` message, so that the list agrees with the device table."""
         if self.source != "datasheet":
             return ""
@@ -454,8 +471,9 @@ class TimeProfile:
         unused = [d for d in peaks if d not in rates]
         if not unused:
             return ""
+        what = "convolutions" if op_class.startswith("conv") else "matrix products"
         return (
-            f" (its data sheet's {', '.join(unused)} peak is not used: float32 products are "
+            f" (its data sheet's {', '.join(unused)} peak is not used: float32 {what} are "
             "counted at the FP32 rate, TF32 off)"
         )
 
@@ -734,25 +752,36 @@ GPU_LAUNCH_S = 6e-6
 GPU_VIEW_S = 2e-6
 
 
-def from_device(spec: DeviceSpec) -> TimeProfile:
+def from_device(
+    spec: DeviceSpec, *, matmul_allow_tf32: bool = False, cudnn_allow_tf32: bool = True
+) -> TimeProfile:
     """The data-sheet profile of ``spec``: each peak × :data:`DATASHEET_EFFICIENCY`, with a
     :data:`FILL_S` latency per kernel.
 
-    Matrix products in ``float32`` use the ``float32`` peak (PyTorch's default, TF32 off);
-    ``other`` kernels run on the vector units at the ``float32`` (``float64``) peak for
-    floating dtypes up to 32 bits (64 bits), half-precision elementwise work included.
+    ``float32`` matrix products and convolutions run as PyTorch runs them with its TF32
+    settings at ``matmul_allow_tf32`` (``torch.backends.cuda.matmul.allow_tf32``) and
+    ``cudnn_allow_tf32`` (``torch.backends.cudnn.allow_tf32``); the defaults are PyTorch's
+    (torch 1.12 and later, 2.13 included: matmuls FP32, cuDNN convolutions TF32; PyTorch's
+    CUDA notes, "TensorFloat-32 (TF32) on Ampere (and later) devices"). A setting that allows
+    TF32 gives the class a ``tf32`` rate (the data sheet's TF32 peak) on an NVIDIA part with
+    one (Ampere and later), which :meth:`TimeProfile.product_dtype` then picks for its
+    ``float32`` kernels; elsewhere (no TF32 peak; AMD, whose MIOpen convolutions PyTorch runs
+    in FP32) they stay at the ``float32`` peak. ``other`` kernels run on the vector units at
+    the ``float32`` (``float64``) peak for floating dtypes up to 32 bits (64 bits),
+    half-precision elementwise work included.
     """
     eff = DATASHEET_EFFICIENCY
-    mm = {
-        d: RateCurve.saturating(p * eff["matmul"], FILL_S)
-        for d, p in spec.peak_flops.items()
-        if d != "tf32"
-    }
-    conv = {
-        d: RateCurve.saturating(p * eff["conv"], FILL_S)
-        for d, p in spec.peak_flops.items()
-        if d != "tf32"
-    }
+    tf32 = "tf32" in spec.peak_flops and spec.vendor == "NVIDIA"
+
+    def products(factor: float, allow_tf32: bool) -> dict[str, RateCurve]:
+        return {
+            d: RateCurve.saturating(p * factor, FILL_S)
+            for d, p in spec.peak_flops.items()
+            if d != "tf32" or (allow_tf32 and tf32)
+        }
+
+    mm = products(eff["matmul"], matmul_allow_tf32)
+    conv = products(eff["conv"], cudnn_allow_tf32)
     vector = spec.peak_flops.get("float32")
     other: dict[str, RateCurve] = {}
     trans: dict[str, RateCurve] = {}
@@ -778,7 +807,14 @@ def from_device(spec: DeviceSpec) -> TimeProfile:
         launch_overhead_s=GPU_LAUNCH_S,
         view_overhead_s=GPU_VIEW_S,
         efficiency=dict(eff),
-        notes=(f"data sheet: {spec.title}, peaks × efficiency, {FILL_S * 1e6:g} µs fill",),
+        notes=(
+            f"data sheet: {spec.title}, peaks × efficiency, {FILL_S * 1e6:g} µs fill",
+            "float32 in TF32: "
+            + (
+                ", ".join(c for c, r in (("matmuls", mm), ("convolutions", conv)) if "tf32" in r)
+                or "none"
+            ),
+        ),
     )
 
 
@@ -882,15 +918,46 @@ def _is_device(name: str) -> bool:
     return True
 
 
-def resolve_profile(name: str) -> TimeProfile:
+#: ``--tf32`` modes -> (``matmul_allow_tf32``, ``cudnn_allow_tf32``) of :func:`from_device`:
+#: the torch settings each models (``convolutions``: torch's defaults; ``all``:
+#: ``torch.backends.cuda.matmul.allow_tf32 = True`` or ``set_float32_matmul_precision("high")``
+#: as well; ``none``: ``torch.backends.cudnn.allow_tf32 = False`` too)
+TF32_MODES: Mapping[str, tuple[bool, bool]] = {
+    "convolutions": (False, True),
+    "all": (True, True),
+    "none": (False, False),
+}
+
+
+def resolve_profile(name: str, tf32: str = "convolutions") -> TimeProfile:
     """The profile ``--device`` names: a ``.json`` file (or any existing file) ``graphflop
     calibrate`` wrote, ``cpu`` (this CPU's data-sheet-like guess), or a data-sheet device of
-    :mod:`graphflop.devices` (any case, aliases).
+    :mod:`graphflop.devices` (any case, aliases), its float32 products in TF32 as ``tf32``
+    (:data:`TF32_MODES`) says.
 
     Raises:
-        ProfileError: a file that does not parse.
+        ProfileError: a file that does not parse; a ``tf32`` other than torch's default with
+            a profile that is not a data-sheet GPU's (a calibrated one measured the device
+            as torch ran it; a CPU has no TF32).
         UnknownDevice: neither a file nor a known device (did-you-mean, the known ones).
+        ValueError: an unknown ``tf32`` mode.
     """
+    if tf32 not in TF32_MODES:
+        raise ValueError(f"unknown tf32 mode {tf32!r}: one of {', '.join(TF32_MODES)}")
+    profile = _resolve_profile(name, *TF32_MODES[tf32])
+    if tf32 != "convolutions" and not (profile.source == "datasheet" and profile.kind == "gpu"):
+        why = (
+            "a CPU has no TF32"
+            if profile.kind == "cpu"
+            else "a calibrated profile measured the device as torch ran it (calibrate again "
+            "with that setting)"
+        )
+        raise ProfileError(f"--tf32 {tf32} models a torch setting on a data-sheet GPU: {why}")
+    return profile
+
+
+def _resolve_profile(name: str, matmul_allow_tf32: bool, cudnn_allow_tf32: bool) -> TimeProfile:
+    """:func:`resolve_profile` with :func:`from_device`'s TF32 settings."""
     known = name.strip().lower() == "cpu" or _is_device(name)
     # a known device name wins over a file of that name in the current folder (tester: a file
     # called h100 shadowed the data sheet); ./h100 reads the file
@@ -901,6 +968,10 @@ def resolve_profile(name: str) -> TimeProfile:
     if name.strip().lower() == "cpu":
         return default_cpu_profile()
     try:
-        return from_device(device_spec(name))
+        return from_device(
+            device_spec(name),
+            matmul_allow_tf32=matmul_allow_tf32,
+            cudnn_allow_tf32=cudnn_allow_tf32,
+        )
     except UnknownDevice as e:
         raise UnknownDevice(f"{e}; or cpu, or a profile file from graphflop calibrate") from e
