@@ -732,10 +732,15 @@ def _between(by_dim: tuple[tuple[float, RateCurve], ...], dim: float, flops: flo
 #: convolutions; ``other``: elementwise and reduction kernels on the vector units (rarely the
 #: bound: they are memory-bound); ``transcendental``: elements of exp/tanh/erf on the special
 #: function units, a quarter of the FP32 lanes' rate, at the ``other`` efficiency (0.5 / 4);
-#: ``bandwidth``: a streaming copy against the HBM figure.
+#: ``bandwidth``: a streaming copy against the HBM figure. ``conv_tf32``: cuDNN's float32
+#: convolutions on TF32 tensor cores, half the 16-bit ones' fraction (NVIDIA's published
+#: ResNet-50 v1.5 training throughput on one A100, 938 img/s in TF32 and 2,470 in mixed
+#: precision: with ``conv_tf32`` at 0.30 graphflop's TF32 prediction stands to the first as
+#: its AMP prediction to the second, about 1.2x faster, docs/time.md; at 0.60 it was 1.8x).
 DATASHEET_EFFICIENCY: Mapping[str, float] = {
     "matmul": 0.70,
     "conv": 0.60,
+    "conv_tf32": 0.30,
     "other": 0.50,
     "transcendental": 0.125,
     "bandwidth": 0.85,
@@ -773,15 +778,15 @@ def from_device(
     eff = DATASHEET_EFFICIENCY
     tf32 = "tf32" in spec.peak_flops and spec.vendor == "NVIDIA"
 
-    def products(factor: float, allow_tf32: bool) -> dict[str, RateCurve]:
+    def products(factor: float, allow_tf32: bool, tf32_factor: float) -> dict[str, RateCurve]:
         return {
-            d: RateCurve.saturating(p * factor, FILL_S)
+            d: RateCurve.saturating(p * (tf32_factor if d == "tf32" else factor), FILL_S)
             for d, p in spec.peak_flops.items()
             if d != "tf32" or (allow_tf32 and tf32)
         }
 
-    mm = products(eff["matmul"], matmul_allow_tf32)
-    conv = products(eff["conv"], cudnn_allow_tf32)
+    mm = products(eff["matmul"], matmul_allow_tf32, eff["matmul"])
+    conv = products(eff["conv"], cudnn_allow_tf32, eff["conv_tf32"])
     vector = spec.peak_flops.get("float32")
     other: dict[str, RateCurve] = {}
     trans: dict[str, RateCurve] = {}
