@@ -309,3 +309,20 @@ def test_batch_norm_backward_temporary_against_a_measured_step() -> None:
     got = analyze(model, (x,), optimizer="adamw", jvp=False).report.memory.train_peak_bytes
     measured = measure_train_peak(model, (x,), optimizer="adamw")
     assert abs(got / measured - 1) < 0.02, (got, measured)
+
+
+def test_average_pooling_input_is_held_until_its_one_kernel_backward() -> None:
+    # avg_pool2d_backward(grad, self, ...) is one kernel: graphflop's unfolded backward (a 9x
+    # window expansion, 2·8·9·256·4 = 147456 B, then col2im) holds nothing but the gradient,
+    # and the convolution's output (its self) stays live until that backward has run
+    from graphflop.meta import SOURCE
+    from graphflop.passes.eager_memory import eager_residuals
+
+    torch.manual_seed(0)
+    a = analyze(_Pooled("avg_pool2d"), (torch.randn(2, 8, 16, 16),), jvp=False)
+    er = eager_residuals(a.forward, a.backward, "cpu")
+    pool = [n for n in a.backward.graph.nodes if n.meta.get(SOURCE) == "avg_pool2d"]
+    clone = next(n for n in pool if n.target is torch.ops.aten.clone.default)
+    assert clone.meta["val"].numel() * 4 == 147456
+    assert er.backward_sizes.get(clone.name) == 0
+    assert er.held == {pool[-1].name: ["convolution"]}

@@ -9,7 +9,10 @@ std, the output, a float mask on CPU. This module keeps graphflop's graphs and s
 decomposed composite op, the residuals its backward reads from inside the decomposition for the
 values eager autograd saves for that op (the nodes are found by the
 :data:`~graphflop.meta.COMPOSITE` tags tracing writes). Max pooling (not decomposed) saves its
-input and indices, as two storages. Attention PyTorch runs with its fused kernel saves q, k,
+input and indices, as two storages. Plain ATen ops whose derivative formula saves values
+graphflop's rule does not read (:data:`ATEN_SAVES`: average and adaptive pooling, reflection and
+replication padding, gather) keep them until their backward has run (:attr:`EagerResiduals.held`),
+and their backward is one kernel too. Attention PyTorch runs with its fused kernel saves q, k,
 v, its output, the mask and a logsumexp, and makes no scores or probabilities in forward or
 backward (:mod:`graphflop.passes.eager_attention`). Each composite op's forward and backward
 (and each convolution's backward) run as the one kernel eager runs: the decomposition's inner
@@ -258,9 +261,13 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
             saves[n.name] = [m.name for m in saved]
     sizes |= attention.sizes
     saves |= _max_pool_saves(forward)
+    held = aten_saves(forward)
     # fused attention's and convolution_backward's backward: one kernel each too
     kernels += attention.regions
     kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
+    # the ops of ATEN_SAVES: one backward kernel each (avg_pool2d_backward, gather_backward's
+    # scatter_add into zeros, ...), where graphflop's rule unfolds the window (col2im)
+    kernels += [({n}, 0) for n in aten_saves(forward)]
     # batch norm's backward on the CPU: one native_batch_norm_backward, which allocates an
     # input-sized temporary beside the input's gradient (two empty_like of the input, one
     # freed before it returns: profiler allocator events, PyTorch 2.13 CPU)
@@ -269,7 +276,7 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
         for n in forward.graph.nodes
         if n.op == "call_function" and n.target is aten._native_batch_norm_legit_functional.default
     ]
-    return EagerForward(saves, sizes, kernels, reads, attention, aten_saves(forward))
+    return EagerForward(saves, sizes, kernels, reads, attention, held)
 
 
 def aten_saves(forward: GraphModule) -> dict[str, list[str]]:
