@@ -32,6 +32,49 @@ class _NanToNum(nn.Module):
         return torch.nan_to_num(self.fc(x) / x, posinf=1.0).sum(-1)
 
 
+class _Pooled(nn.Module):
+    """A 1x1 convolution, then a plain ATen op whose derivative formula saves its input."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(8, 8, 1)
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c(x)
+        if self.op == "avg_pool2d":
+            return nn.functional.avg_pool2d(y, 3, 1, 1)
+        if self.op == "avg_pool3d":
+            return nn.functional.avg_pool3d(y.unsqueeze(2), (1, 3, 3), 1, (0, 1, 1))
+        if self.op == "area":  # interpolate(mode="area") to a divisor: avg_pool2d
+            return nn.functional.interpolate(y, size=(8, 8), mode="area")
+        return nn.functional.adaptive_max_pool2d(y, 5)
+
+
+class _AvgPool1d(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.avg_pool1d(self.fc(x), 3, 1, 1)
+
+
+class _Gather(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.register_buffer("idx", torch.randint(0, 64, (32, 64)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).gather(1, self.idx)
+
+
+class _TakeAlongDim(_Gather):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.take_along_dim(self.fc(x), self.idx, 1)
+
+
 CASES = {
     # x 320 + relu 512 + log_softmax out 160 + target 32 + total_weight 4 = 1028 B
     "mlp": (lambda: nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 10)), (4, 20), 1028),
@@ -48,6 +91,24 @@ CASES = {
     # quotient 640; log_softmax 40, target 16, total_weight 4: 1340 B (the decomposition's
     # isnan/eq masks are not saved eagerly)
     "nan_to_num": (_NanToNum, (2, 5, 16), 1340),
+    # plain ATen ops whose derivative saves values graphflop's rule does not read (ATEN_SAVES):
+    # x 2·8·16·16·4 = 16384 (the convolution's input) + the convolution's output 16384
+    # (avg_pool2d_backward's self; graphflop's col2im reads no forward value): 32768 B
+    "avg_pool2d": (lambda: _Pooled("avg_pool2d"), (2, 8, 16, 16), 32768),
+    # the same through an unsqueeze view of the convolution's output (one storage)
+    "avg_pool3d": (lambda: _Pooled("avg_pool3d"), (2, 8, 16, 16), 32768),
+    "interpolate_area": (lambda: _Pooled("area"), (2, 8, 16, 16), 32768),
+    # x 16384 + the convolution's output 16384 + the indices 2·8·5·5·8 = 3200: 35968 B
+    "adaptive_max_pool2d": (lambda: _Pooled("adaptive_max_pool2d"), (2, 8, 16, 16), 35968),
+    # x 2·8·16·4 = 1024 + the Linear's output 1024 (avg_pool2d's self, through unsqueeze)
+    "avg_pool1d": (_AvgPool1d, (2, 8, 16), 2048),
+    # x 32·64·4 = 8192 + the Linear's output 8192 (gather_backward's self; the index is a
+    # buffer) + the cross-entropy loss's log_softmax 8192, target 32·8 = 256, total_weight 4:
+    # 24836 B
+    "gather": (_Gather, (32, 64), 24836),
+    # the same + the index take_along_dim makes from the buffer (wrapped into range,
+    # gather_backward's index) 32·64·8 = 16384: 41220 B
+    "take_along_dim": (_TakeAlongDim, (32, 64), 41220),
 }
 
 
@@ -248,3 +309,20 @@ def test_batch_norm_backward_temporary_against_a_measured_step() -> None:
     got = analyze(model, (x,), optimizer="adamw", jvp=False).report.memory.train_peak_bytes
     measured = measure_train_peak(model, (x,), optimizer="adamw")
     assert abs(got / measured - 1) < 0.02, (got, measured)
+
+
+def test_average_pooling_input_is_held_until_its_one_kernel_backward() -> None:
+    # avg_pool2d_backward(grad, self, ...) is one kernel: graphflop's unfolded backward (a 9x
+    # window expansion, 2·8·9·256·4 = 147456 B, then col2im) holds nothing but the gradient,
+    # and the convolution's output (its self) stays live until that backward has run
+    from graphflop.meta import SOURCE
+    from graphflop.passes.eager_memory import eager_residuals
+
+    torch.manual_seed(0)
+    a = analyze(_Pooled("avg_pool2d"), (torch.randn(2, 8, 16, 16),), jvp=False)
+    er = eager_residuals(a.forward, a.backward, "cpu")
+    pool = [n for n in a.backward.graph.nodes if n.meta.get(SOURCE) == "avg_pool2d"]
+    clone = next(n for n in pool if n.target is torch.ops.aten.clone.default)
+    assert clone.meta["val"].numel() * 4 == 147456
+    assert er.backward_sizes.get(clone.name) == 0
+    assert er.held == {pool[-1].name: ["convolution"]}

@@ -9,7 +9,10 @@ std, the output, a float mask on CPU. This module keeps graphflop's graphs and s
 decomposed composite op, the residuals its backward reads from inside the decomposition for the
 values eager autograd saves for that op (the nodes are found by the
 :data:`~graphflop.meta.COMPOSITE` tags tracing writes). Max pooling (not decomposed) saves its
-input and indices, as two storages. Attention PyTorch runs with its fused kernel saves q, k,
+input and indices, as two storages. Plain ATen ops whose derivative formula saves values
+graphflop's rule does not read (:data:`ATEN_SAVES`: average and adaptive pooling, reflection and
+replication padding, gather) keep them until their backward has run (:attr:`EagerResiduals.held`),
+and their backward is one kernel too. Attention PyTorch runs with its fused kernel saves q, k,
 v, its output, the mask and a logsumexp, and makes no scores or probabilities in forward or
 backward (:mod:`graphflop.passes.eager_attention`). Each composite op's forward and backward
 (and each convolution's backward) run as the one kernel eager runs: the decomposition's inner
@@ -67,6 +70,35 @@ from graphflop.passes.memory_calls import ComposedSchedule, backward_runs, forwa
 aten = torch.ops.aten
 
 _MAX_POOLS = (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+
+#: Plain ATen ops (kept whole in graphflop's forward graph) whose derivative formula saves
+#: values graphflop's backward rule does not read: op -> (the argument positions, the output
+#: positions) of the values eager autograd saves for it. From PyTorch's
+#: ``tools/autograd/derivatives.yaml`` (the ``self:`` formulas named in each comment); the
+#: bytes measured with ``torch.autograd.graph.saved_tensors_hooks``
+#: (``tests/test_memory_eager.py``). graphflop's rules compute these gradients from the
+#: shapes alone (the pools' col2im, gather's scatter) or from the indices only, so the
+#: values are saved in addition to graphflop's residuals (:attr:`EagerForward.held`).
+ATEN_SAVES: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    # avg_pool2d_backward(grad, self, kernel_size, stride, padding, ceil_mode, ...)
+    aten.avg_pool2d.default: ((0,), ()),
+    aten.avg_pool3d.default: ((0,), ()),
+    # _adaptive_avg_pool2d_backward(grad, self)
+    aten._adaptive_avg_pool2d.default: ((0,), ()),
+    aten._adaptive_avg_pool3d.default: ((0,), ()),
+    # adaptive_max_pool2d_backward(grad, self, result1): the input and the indices
+    aten.adaptive_max_pool2d.default: ((0,), (1,)),
+    aten.adaptive_max_pool3d.default: ((0,), (1,)),
+    # reflection_pad2d_backward(grad, self, padding) (1d, 3d and replication_pad alike)
+    aten.reflection_pad1d.default: ((0,), ()),
+    aten.reflection_pad2d.default: ((0,), ()),
+    aten.reflection_pad3d.default: ((0,), ()),
+    aten.replication_pad1d.default: ((0,), ()),
+    aten.replication_pad2d.default: ((0,), ()),
+    aten.replication_pad3d.default: ((0,), ()),
+    # gather_backward(grad, self, dim, index, sparse_grad): self (for its sizes) and index
+    aten.gather.default: ((0, 2), ()),
+}
 _NOT_ACTIVATIONS = (None, "param", "buffer", "param_derived")
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
@@ -109,6 +141,9 @@ class EagerResiduals:
         does not lower (fused attention's float32 logsumexp).
     reads: forward node name -> the forward nodes a composite op's kernel keeps live until
         that node has run (:func:`one_kernel_forward`).
+    held: backward node name -> the forward node names eager autograd saves for the plain
+        ATen op (:data:`ATEN_SAVES`) whose derivative that node completes (the last backward
+        node its rule made), beyond graphflop's residuals: live until that node has run.
     """
 
     remap: dict[str, list[str]]
@@ -119,6 +154,7 @@ class EagerResiduals:
     backward_reads: dict[str, list[str]] = field(default_factory=dict)
     accumulate: frozenset[str] = frozenset()
     reads: dict[str, list[str]] = field(default_factory=dict)
+    held: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _tag_of(n: Node, inner: bool) -> CompositeTag:
@@ -185,6 +221,8 @@ class EagerForward:
         kernels: the ops whose backward is one eager kernel: (their forward node names, the
             bytes of the kernel's temporaries) (:func:`one_kernel_backward`'s ``regions``).
         attention: the fused attention calls (``extra``, ``accumulate``).
+        held: forward node name of a plain ATen op of :data:`ATEN_SAVES` -> the forward node
+            names eager autograd saves for it (:func:`aten_saves`).
     """
 
     saves: dict[str, list[str]]
@@ -192,6 +230,7 @@ class EagerForward:
     kernels: list[tuple[set[str], int]]
     reads: dict[str, list[str]]
     attention: FusedAttention
+    held: dict[str, list[str]] = field(default_factory=dict)
 
 
 def eager_forward(forward: GraphModule, device: str) -> EagerForward:
@@ -222,9 +261,13 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
             saves[n.name] = [m.name for m in saved]
     sizes |= attention.sizes
     saves |= _max_pool_saves(forward)
+    held = aten_saves(forward)
     # fused attention's and convolution_backward's backward: one kernel each too
     kernels += attention.regions
     kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
+    # the ops of ATEN_SAVES: one backward kernel each (avg_pool2d_backward, gather_backward's
+    # scatter_add into zeros, ...), where graphflop's rule unfolds the window (col2im)
+    kernels += [({n}, 0) for n in aten_saves(forward)]
     # batch norm's backward on the CPU: one native_batch_norm_backward, which allocates an
     # input-sized temporary beside the input's gradient (two empty_like of the input, one
     # freed before it returns: profiler allocator events, PyTorch 2.13 CPU)
@@ -233,7 +276,28 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
         for n in forward.graph.nodes
         if n.op == "call_function" and n.target is aten._native_batch_norm_legit_functional.default
     ]
-    return EagerForward(saves, sizes, kernels, reads, attention)
+    return EagerForward(saves, sizes, kernels, reads, attention, held)
+
+
+def aten_saves(forward: GraphModule) -> dict[str, list[str]]:
+    """The plain ATen ops of :data:`ATEN_SAVES` in ``forward`` -> the forward node names eager
+    autograd saves for each (ops inside a checkpoint region left out: eager saves nothing there
+    but the region's inputs; those of a composite op's decomposition too: :data:`EAGER_SAVES`
+    says what eager saves for the op). Parameters, buffers and views of them have no storage of their
+    own in the eager schedule (:func:`~graphflop.passes.memory.forward_storages`), so they are
+    not counted; a value computed from a buffer (take_along_dim's wrapped index) is."""
+    held: dict[str, list[str]] = {}
+    for n in forward.graph.nodes:
+        if n.op != "call_function" or n.target not in ATEN_SAVES:
+            continue
+        if CHECKPOINT in n.meta or COMPOSITE in n.meta:  # (a composite op's: EAGER_SAVES)
+            continue
+        ins, outs = ATEN_SAVES[n.target]
+        names = [a.name for i in ins if i < len(n.args) and isinstance(a := n.args[i], Node)]
+        names += [u.name for u in n.users if u.target is operator.getitem and u.args[1] in outs]
+        if names:
+            held[n.name] = names
+    return held
 
 
 def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) -> EagerResiduals:
@@ -269,6 +333,13 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
                     stand.append(name)
         if stand != [src]:  # (a residual nothing reads stands for nothing)
             remap[p.name] = stand
+    # a plain ATen op's saved values: held until the last backward node its rule made (where
+    # eager's derivative of the op has run); an op whose output needs no gradient has none
+    last: dict[str, str] = {}
+    for n in backward.graph.nodes:
+        if n.op == "call_function" and (src := n.meta.get(SOURCE)) in ef.held:
+            last[src] = n.name
+    held = {b: ef.held[f] for f, b in last.items()}
     a = attention
     return EagerResiduals(
         remap,
@@ -279,7 +350,16 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
         b_reads,
         frozenset(a.accumulate),
         reads,
+        held,
     )
+
+
+def _merged(reads: dict[str, list[str]], held: dict[str, list[str]]) -> dict[str, list[str]]:
+    """``reads`` with :attr:`EagerResiduals.held` added as the forward's keys (``f:``)."""
+    out = {k: list(v) for k, v in reads.items()}
+    for k, names in held.items():
+        out.setdefault(k, []).extend(f"f:{x}" for x in names)
+    return out
 
 
 def _replayed_draws(forward: GraphModule) -> set[str]:
@@ -340,13 +420,15 @@ def eager_saved_storages(
     same storages: the owners are read from it, per call of a repeated block, instead of a
     schedule of the flat forward graph."""
     eager = eager or eager_residuals(forward, backward, device)
+    held = [x for xs in eager.held.values() for x in xs]
     if schedule is not None:
         sources = {x for xs in _residual_sources(forward, backward, eager).values() for x in xs}
+        sources.update(held)
         found = schedule.owners([f"f:{x}" for x in sources])
         return {o.split(":", 1)[1]: nb for o, nb in (v for v in found.values() if v is not None)}
     storage, size = forward_storages(forward, eager.sizes)
     seen = set()
-    for names in _residual_sources(forward, backward, eager).values():
+    for names in [*_residual_sources(forward, backward, eager).values(), held]:
         for name in names:
             k = storage.get(name)
             if k is not None:
@@ -670,6 +752,9 @@ def eager_train_schedule(
         for a in out.all_input_nodes:
             if a.name not in released:  # a leaf the model made is new each step
                 bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
+    # a plain ATen op's saved values (EagerResiduals.held) are read by a backward node as keys
+    # of the forward's: the flat schedule (a call's profile could not stand for its reads)
+    composed = composed and not eager.held
     f_runs = forward_runs(forward) if composed else None
     b_runs = backward_runs(backward) if composed else None
     s: Schedule | ComposedSchedule = Schedule()
@@ -712,7 +797,7 @@ def eager_train_schedule(
         eager=True,
         sizes=eager.backward_sizes,
         extra=bwd_tmp,
-        also_reads=eager.backward_reads,
+        also_reads=_merged(eager.backward_reads, eager.held),
         inplace=scatters_in_place(backward),
         released=released,
         held=held,

@@ -100,7 +100,9 @@ class _NodeSteps:
         entry is written), or None for a view of an always-live tensor (no step)."""
         keys[n] = [key]
         reads = self.reads_of(n, keys) + [
-            k for m in self.also_reads.get(n.name, []) for k in keys.get(self.by_name[m], [])
+            k
+            for m in self.also_reads.get(n.name, [])
+            for k in (keys.get(self.by_name[m], []) if m in self.by_name else [m])
         ]
         if n.target is operator.getitem and _kept_whole(n.args[0]):
             # the kernel writes its outputs while it reads its inputs: they stay live until
@@ -169,7 +171,8 @@ class Schedule:
             extra: node name -> bytes of temporaries its kernel holds while it runs (live
                 together with its inputs and outputs, freed when it returns).
             also_reads: node name -> names of earlier nodes of this graph that stay live until
-                it has run (a kernel that holds them though the graph's edges do not say so).
+                it has run (a kernel that holds them though the graph's edges do not say so),
+                or keys of earlier graphs' values (``f:name``: what eager autograd saved).
             inplace: names of nodes whose output is written into their first argument's
                 storage (an eager kernel updating a buffer it made).
             released: names of output nodes freed after the graph's last step whatever
