@@ -108,6 +108,7 @@ SPECIAL = {
     "outline",  # models with repeated blocks whose forward reads state outside them: below
     "routing",  # mixture-of-experts models only (an MLP refuses it): tests/test_presets.py
     "recompute",  # models with attention only (an MLP refuses it): below
+    "tf32",  # with --device only: below
 }
 
 
@@ -168,6 +169,26 @@ def _case_routing(capsys, tmp_path, default_doc, monkeypatch):
         assert rc == 2 and "has none: drop it" in err, err
         assert len(err.strip().splitlines()) == 1
     # with routed experts: tests/test_presets.py (capacity, histogram, misfits)
+
+
+def _case_tf32(capsys, tmp_path, default_doc, monkeypatch):
+    # without --device it times nothing: refused in one line
+    rc, _, _, err = cli_doc(capsys, "--tf32", "all")
+    assert rc == 2 and "add --device" in err and len(err.strip().splitlines()) == 1, err
+    # with a data-sheet GPU: --tf32 all puts the MLP's float32 matmuls on the TF32 peak (A100:
+    # 156e12 against 19.5e12), so its compute time falls; the FLOPs stay the same
+    rc, base, _, _ = cli_doc(capsys, "--device", "a100")
+    rc2, doc, _, _ = cli_doc(capsys, "--device", "a100", "--tf32", "all")
+    assert rc == rc2 == 0
+    assert doc["totals"] == base["totals"]
+    assert doc["time"] != base["time"]
+    assert (
+        doc["time"]["phases"]["forward"]["compute_s"]
+        < base["time"]["phases"]["forward"]["compute_s"]
+    )
+    # the default, convolutions, is torch's own setting: the same document as no --tf32
+    rc3, same, _, _ = cli_doc(capsys, "--device", "a100", "--tf32", "convolutions")
+    assert rc3 == 0 and same == base
 
 
 def _case_json(capsys, tmp_path, default_doc, monkeypatch):

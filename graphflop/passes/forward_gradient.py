@@ -129,7 +129,9 @@ def build_forward_gradient_step(
     )
     if is_recorded(jvp):
         if _records(jvp, upd, directions, direction_inputs):
-            return _recorded_step(forward, sig, jvp, upd, fake_mode, distribution)
+            step = _recorded_step(forward, sig, jvp, upd, fake_mode, distribution)
+            step.meta[CONSTANTS] = forward.meta.get(CONSTANTS, {})  # as the flat step's
+            return step
         jvp = flat_view(jvp)  # built flat from the JVP's flat graph (below)
     info: JvpInfo = jvp.meta[JVP]
     how = "one tangent pass" if directions == 1 else "copies: asked for (batched=False)"
