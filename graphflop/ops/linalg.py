@@ -142,6 +142,13 @@ def _addmm_scaled(bias, x, w, *, beta=1, alpha=1):
     if beta == 1 and alpha == 1:
         return NotImplemented
     prod = aten.mm.default(x, w)
+    return _scaled_sum(bias, prod, beta, alpha)
+
+
+def _scaled_sum(bias, prod, beta, alpha):
+    """``beta·bias + alpha·prod`` as ``addmm``/``addbmm`` compute it: each scaling 1 FLOP per
+    element where it is not 1, the add 1 per element; with ``beta == 0`` the bias is left out
+    (a NaN there stays out of the result)."""
     if alpha != 1:
         prod = aten.mul.Tensor(prod, alpha)
     if beta == 0:
@@ -160,13 +167,7 @@ def _addbmm(bias, x, y, *, beta=1, alpha=1):
     n = y.shape[2]
     a = aten.reshape.default(aten.permute.default(x, [1, 0, 2]), [m, bsz * k])
     prod = aten.mm.default(a, aten.reshape.default(y, [bsz * k, n]))
-    if alpha != 1:
-        prod = aten.mul.Tensor(prod, alpha)
-    if beta == 0:
-        return prod
-    if beta != 1:
-        bias = aten.mul.Tensor(bias, beta)
-    return aten.add.Tensor(bias, prod)
+    return _scaled_sum(bias, prod, beta, alpha)
 
 
 # --- linear solves -------------------------------------------------------------------------------
