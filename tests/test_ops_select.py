@@ -15,44 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphflop.ad.jvp import build_jvp
-from graphflop.ad.vjp import build_vjp
-from graphflop.frontend.trace import trace
-from graphflop.meta import JVP, SIGNATURE, VJP
 from graphflop.passes.flops import annotate_flops, total_cost
-from graphflop.runtime.verify import run_backward, run_forward
-from graphflop.runtime.verify_tangent import run_jvp
-from graphflop.testing.opdb.core import Fn
+from graphflop.testing.real_derivatives import eager_derivatives as _eager
+from graphflop.testing.real_derivatives import graphflop_derivatives as _derivatives
+from graphflop.testing.real_derivatives import graphs as _graphs
 
 NAN, INF = float("nan"), float("inf")
-
-
-def _graphs(f, inputs):
-    """(forward, JVP with every output's tangent, backward with input gradients) of ``f``
-    traced with the sum loss."""
-    fwd = trace(Fn(lambda s, *xs: f(*xs)), inputs, loss="sum")
-    return fwd, build_jvp(fwd, "all", wrt_outputs="outputs"), build_vjp(fwd, input_grads=True)
-
-
-def _derivatives(f, inputs, tangents):
-    """graphflop's (tangent of ``f``'s output, gradients of its sum per input), its generated
-    graphs run on real tensors."""
-    fwd, jvp, bwd = _graphs(f, inputs)
-    sig = fwd.meta[SIGNATURE]
-    values = dict(zip(sig.inputs, inputs))
-    info = jvp.meta[JVP]
-    outs = run_jvp(jvp, values, dict(zip(sig.inputs, tangents)))
-    out_tangent = dict(zip(info.tangent_outputs, outs[info.primal_outputs :]))[sig.outputs[0]]
-    grads = run_backward(bwd, run_forward(fwd, values))
-    by_name = {n: grads[pos] for pos, n in bwd.meta[VJP].input_grads}
-    return out_tangent, tuple(by_name[n] for n in sig.inputs)
-
-
-def _eager(f, inputs, tangents):
-    """Eager PyTorch's (``torch.func.jvp`` tangent, ``torch.autograd.grad`` of the sum)."""
-    leaves = [x.clone().requires_grad_() for x in inputs]
-    grads = torch.autograd.grad(f(*leaves).sum(), leaves)
-    return torch.func.jvp(f, tuple(inputs), tuple(tangents))[1], grads
 
 
 def _same(got, ref):
