@@ -104,10 +104,11 @@ class _NodeSteps:
             for m in self.also_reads.get(n.name, [])
             for k in (keys.get(self.by_name[m], []) if m in self.by_name else [m])
         ]
-        if n.target is operator.getitem and _kept_whole(n.args[0]):
+        multi = n.args[0] if n.target is operator.getitem else None
+        if isinstance(multi, Node) and _kept_whole(multi):
             # the kernel writes its outputs while it reads its inputs: they stay live until
             # each output's storage is allocated (this getitem's step)
-            reads += self.reads_of(n.args[0], keys)
+            reads += self.reads_of(multi, keys)
         alias = None
         val = n.meta.get("val")
         own = self.eager or _kept_whole(n.args[0] if n.target is operator.getitem else n)
