@@ -177,7 +177,7 @@ def _quiet_threads():
     torch.set_num_threads(old)
 
 
-def _stub_export_graph(gm, kind, inputs, outputs):
+def _stub_export_graph(gm, kind, inputs, outputs, constants=None):
     from onnx import TensorProto, helper
 
     from graphflop.export.onnx import ExportedGraph

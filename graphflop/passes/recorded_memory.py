@@ -672,8 +672,10 @@ class _TrainBuilder:
         self.optimizer, self.device, self.keep_grads = optimizer, device, keep_grads
         self.sources = {s for c in dh.calls for s in c.sources}
         self.ef = eager_forward(forward, device)
-        if self.ef.held:
-            raise _Unsupported  # a backward node reads a forward key: the flat schedule
+        if self.ef.held:  # an op whose saved values eager holds (EagerForward.held)
+            made = self.sources | {n.meta.get(SOURCE) for n in top.graph.nodes}
+            if any(f in made for f in self.ef.held):  # differentiated: the flat schedule
+                raise _Unsupported  # (its backward node reads a forward key)
         #: forward node name -> (its one-kernel backward's number, that kernel's temporaries)
         self.owner = {
             name: (i, nbytes) for i, (names, nbytes) in enumerate(self.ef.kernels) for name in names
