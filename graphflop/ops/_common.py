@@ -13,12 +13,9 @@ import torch
 from graphflop.meta import NodeCost
 from graphflop.ops.ghost import is_ghost
 
-#: dtypes the lean decompositions of the composite ops eager runs as one kernel whatever the
-#: floating dtype (layer norm, softmax, log-softmax, GELU) handle: in bfloat16 and float16 eager's
-#: kernel reads and writes 16-bit tensors (accumulating in float32 inside), so their parts are
-#: counted in the 16-bit dtype, the same FLOPs as in float32 and bytes at the tensors' dtype,
-#: not as PyTorch's decomposition, whose float32 upcasts and float32 temporaries eager never makes
-ONE_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+#: dtypes the lean decompositions handle; others use PyTorch's (which computes half precision
+#: in float32)
+FULL_PRECISION = (torch.float32, torch.float64)
 
 
 def numel(t: Any) -> int:

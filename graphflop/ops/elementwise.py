@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from graphflop.ops._common import ONE_KERNEL_DTYPES, bind, dtype, per_output, shape
+from graphflop.ops._common import FULL_PRECISION, bind, dtype, per_output, shape
 from graphflop.ops.registry import (
     def_jvp,
     def_transpose,
@@ -756,12 +756,10 @@ def _jvp_expm1(b, out, args, tangents, kwargs):
 use_torch_decomposition(aten.gelu, aten.silu, aten.elu, aten.native_dropout)
 
 
-@register_decomposition(aten.gelu.default, dtypes=ONE_KERNEL_DTYPES)
+@register_decomposition(aten.gelu.default, dtypes=FULL_PRECISION)
 def _gelu(x, approximate: str = "none"):
     """``x/2·(1 + erf(x/√2))``, or with ``approximate="tanh"``
-    ``x/2·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``. In every floating dtype, 16-bit ones in their
-    own dtype (eager's one kernel reads and writes 16-bit tensors; PyTorch's decomposition
-    upcasts to float32)."""
+    ``x/2·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``."""
     if approximate == "tanh":
         inner = aten.mul.Tensor(aten.mul.Tensor(aten.mul.Tensor(x, x), x), 0.044715)
         inner = aten.mul.Tensor(aten.add.Tensor(x, inner), math.sqrt(2 / math.pi))

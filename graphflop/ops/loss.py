@@ -2,9 +2,7 @@
 (docs/flops_conventions.md counts a composite op as the sum of its parts).
 
 * softmax and log-softmax: :func:`_softmax`, :func:`_log_softmax` (a max, a subtraction, ``exp``,
-  a sum and a division or ``log``) in every floating dtype, 16-bit ones in their own dtype as
-  eager's one kernel reads and writes them (PyTorch's decompositions upcast to float32); PyTorch's
-  decompositions for ``half_to_float``;
+  a sum and a division or ``log``) for float32/float64, PyTorch's decompositions otherwise;
 * the NLL loss (cross-entropy is log-softmax then NLL) and the MSE loss: PyTorch's
   decompositions (``gather``, ``mean``, elementwise ops).
 """
@@ -13,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from graphflop.ops._common import ONE_KERNEL_DTYPES
+from graphflop.ops._common import FULL_PRECISION
 from graphflop.ops.registry import (
     register_decomposition,
     torch_decomposition,
@@ -25,7 +23,7 @@ aten = torch.ops.aten
 use_torch_decomposition(aten._log_softmax, aten._softmax, aten.nll_loss_forward, aten.mse_loss)
 
 
-@register_decomposition(aten._softmax.default, dtypes=ONE_KERNEL_DTYPES)
+@register_decomposition(aten._softmax.default, dtypes=FULL_PRECISION)
 def _softmax(x, dim: int, half_to_float: bool):
     """``exp(x - max) / Σ exp(x - max)`` along ``dim``."""
     if half_to_float:
@@ -36,7 +34,7 @@ def _softmax(x, dim: int, half_to_float: bool):
     return aten.div.Tensor(e, aten.sum.dim_IntList(e, [dim], True))
 
 
-@register_decomposition(aten._log_softmax.default, dtypes=ONE_KERNEL_DTYPES)
+@register_decomposition(aten._log_softmax.default, dtypes=FULL_PRECISION)
 def _log_softmax(x, dim: int, half_to_float: bool):
     """``(x - max) - log Σ exp(x - max)`` along ``dim``."""
     if half_to_float:

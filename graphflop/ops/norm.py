@@ -30,7 +30,7 @@ import math
 import torch
 
 from graphflop.meta import PARAM_DERIVED, NodeCost
-from graphflop.ops._common import ONE_KERNEL_DTYPES, bind, numel, shape
+from graphflop.ops._common import FULL_PRECISION, bind, numel, shape
 from graphflop.ops.registry import (
     def_jvp,
     register,
@@ -150,8 +150,7 @@ def _jvp_bn_train(b, out, args, tangents, kwargs):
 
 
 # --- decompositions ----------------------------------------------------------------------------
-# Batch norm without running statistics and vector norms as PyTorch decomposes them; layer norm
-# too where its γ or β is of another dtype than its input (mixed dtypes, :func:`_layer_norm`).
+# Layer norm and batch norm without running statistics as PyTorch decomposes them; vector norms.
 use_torch_decomposition(
     aten._native_batch_norm_legit.no_stats,
     aten.native_layer_norm,
@@ -159,19 +158,12 @@ use_torch_decomposition(
 )
 
 
-@register_decomposition(aten.native_layer_norm.default, dtypes=ONE_KERNEL_DTYPES)
+@register_decomposition(aten.native_layer_norm.default, dtypes=FULL_PRECISION)
 def _layer_norm(x, normalized_shape, weight, bias, eps: float):
     """``(x - mean)·rsqrt(var + eps)·weight + bias`` over the trailing ``normalized_shape``
     dims; returns ``(out, mean, rstd)`` with mean and rstd kept as reduced dims. (PyTorch's
     decomposition, less its type-promotion wrappers: tracing GPT-2 XL spent half its time in
-    those.) In bfloat16 and float16 too, where γ and β share the input's dtype: eager's one
-    kernel then reads and writes 16-bit tensors, mean and rstd included (CPU); a float32 γ on a
-    16-bit input (mixed dtypes, whose float32 mean and rstd these parts would not follow) goes to
-    PyTorch's decomposition."""
-    if any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
-        torch_layer_norm = torch_decomposition(aten.native_layer_norm.default)
-        assert torch_layer_norm is not None, "PyTorch decomposes aten.native_layer_norm"
-        return torch_layer_norm(x, normalized_shape, weight, bias, eps)
+    those.)"""
     dims = list(range(x.dim() - len(normalized_shape), x.dim()))
     var, mean = aten.var_mean.correction(x, dims, correction=0, keepdim=True)
     rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))

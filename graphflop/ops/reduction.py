@@ -134,10 +134,7 @@ def _transpose_mean_all(b, ct, args, kwargs, linear):
 
 
 def _jvp_extremum(op):
-    """d amax(x) = sum(dx * m) / sum(m), m = (x == amax(x)) (ties share the derivative). For a
-    16-bit ``x`` the count is summed in ``x``'s dtype, so that ``m / count`` is too (a bool
-    divided by an int64 count is float32, which would turn a softmax's 16-bit tangent and
-    cotangent into float32 ones; eager's derivative stays in ``x``'s dtype)."""
+    """d amax(x) = sum(dx * m) / sum(m), m = (x == amax(x)) (ties share the derivative)."""
 
     def jvp(b, out, args, tangents, kwargs):
         x = args[0]
@@ -145,9 +142,7 @@ def _jvp_extremum(op):
         dims, keepdim = _reduce_args(op, xs, args, kwargs)
         kept = out if keepdim else expand_back(b, out, xs, dims, False)
         mask = b.call(aten.eq.Tensor, x, kept)
-        low = dtype_of(x) in (torch.bfloat16, torch.float16)
-        extra = {"dtype": dtype_of(x)} if low else {}
-        count = b.call(aten.sum.dim_IntList, mask, dims, True, **extra)
+        count = b.call(aten.sum.dim_IntList, mask, dims, True)
         coef = b.call(aten.div.Tensor, mask, count)
         t = b.call(aten.mul.Tensor, tangents[0], coef)
         return b.call(aten.sum.dim_IntList, t, dims, keepdim)
