@@ -58,11 +58,7 @@ def emit(graph: Graph, target: Any, args: tuple, kwargs: dict) -> Node:
     """``graph.call_function(target, args, kwargs)`` without fx's walk over the arguments
     looking for SymInts to warn about (graphflop's graphs have static shapes): about a third
     of the cost of creating a node, which the builders pay once per emitted node."""
-    if not _FAST_ARGS:  # pragma: no cover - a PyTorch without the private setter
-        return graph.call_function(target, args, kwargs)
-    node = graph.create_node("call_function", target, name=base_name(graph, target))
-    node._update_args_kwargs(args, kwargs)
-    return node
+    return emit_named(graph, target, args, base_name(graph, target), kwargs)
 
 
 def emit_named(

@@ -170,14 +170,22 @@ def marked_in_templates() -> Iterator[list[bool]]:
     """Yields a list whose one item says, on leaving, whether the model's code called
     ``requires_grad_()`` in the block outside the main trace (an outlined block's template:
     whether the value becomes a new leaf depends on each call's inputs)."""
-    was = _GradSources.marked_outside
-    _GradSources.marked_outside = False
+    with _raised_inside("marked_outside") as got:
+        yield got
+
+
+@contextlib.contextmanager
+def _raised_inside(flag: str) -> Iterator[list[bool]]:
+    """Yields a list whose one item says, on leaving, whether :class:`_GradSources`' ``flag``
+    was set inside the block (cleared on entering, restored on leaving)."""
+    was = getattr(_GradSources, flag)
+    setattr(_GradSources, flag, False)
     got = [False]
     try:
         yield got
     finally:
-        got[0] = _GradSources.marked_outside
-        _GradSources.marked_outside = was
+        got[0] = getattr(_GradSources, flag)
+        setattr(_GradSources, flag, was)
 
 
 def _node_of(t: Any) -> Node | None:
@@ -299,14 +307,8 @@ def run_checkpoint_function(function: Any, *args: Any) -> Any:
 def undecided_checkpoints() -> Iterator[list[bool]]:
     """Yields a list whose one item says, on leaving, whether a reentrant checkpoint ran in
     the block outside the main trace (:attr:`_GradSources.undecided`)."""
-    was = _GradSources.undecided
-    _GradSources.undecided = False
-    got = [False]
-    try:
+    with _raised_inside("undecided") as got:
         yield got
-    finally:
-        got[0] = _GradSources.undecided
-        _GradSources.undecided = was
 
 
 def _active() -> bool:

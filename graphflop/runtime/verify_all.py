@@ -193,10 +193,12 @@ def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModu
         # float64: the advice is verify's dtype, not the inputs'
         raise TraceError(
             f"{e.found}: the model casts values to a dtype of its own, which meet the float64 "
-            "ones verify makes; verify in float32 (--verify-dtype float32)"
+            f"ones verify makes; {_IN_FLOAT32}"
         ) from e
 
 
+#: the advice where verify's float64 is what stopped a check
+_IN_FLOAT32 = "verify in float32 (--verify-dtype float32)"
 #: a kernel's refusal of float64 operands (``torch._grouped_mm``: "Expected mat_a to be Float32,
 #: BFloat16 or Float16 matrix, got Double"; "… not implemented for 'Double'"): the reference ran
 #: in verify's float64, which the model's own dtype would not meet
@@ -224,7 +226,7 @@ def _run(checks: list[Check], name: str, tolerance: float, fn) -> Any:
         if len(msg) > 600:  # whole sentences up to there: graphflop's errors end in their advice
             msg = msg[:600].rsplit(" ", 1)[0] + " …"
         if _NO_DOUBLE_KERNEL.search(msg):
-            msg += "; verify in float32 (--verify-dtype float32)"
+            msg += f"; {_IN_FLOAT32}"
         tb = traceback.format_exc()
         checks.append(Check(name, math.nan, f"{type(e).__name__}: {msg}", tolerance, detail=tb))
         return None
