@@ -267,7 +267,7 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
     kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
     # the ops of ATEN_SAVES: one backward kernel each (avg_pool2d_backward, gather_backward's
     # scatter_add into zeros, ...), where graphflop's rule unfolds the window (col2im)
-    kernels += [({n}, 0) for n in aten_saves(forward)]
+    kernels += [({n}, 0) for n in held]
     # batch norm's backward on the CPU: one native_batch_norm_backward, which allocates an
     # input-sized temporary beside the input's gradient (two empty_like of the input, one
     # freed before it returns: profiler allocator events, PyTorch 2.13 CPU)
