@@ -299,6 +299,55 @@ def test_blocks_with_average_pooling_hierarchical_equals_flat():
     assert len(er.held) == 3  # each block's first Linear's output, saved for avg_pool2d
 
 
+class PadActBlock(nn.Module):
+    """Ops PyTorch's core-ATen table decomposes and whose decompositions tracing tags
+    (reflection and replication padding, hardsigmoid, softshrink, threshold)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(4, 4, 1)
+        self.pad = nn.ReflectionPad2d(1)
+        self.d = nn.Conv2d(4, 4, 3)
+        self.act = nn.Hardsigmoid()
+        self.e = nn.Conv2d(4, 4, 3, padding=1, padding_mode="replicate")
+
+    def forward(self, x):
+        h = self.act(self.d(self.pad(self.c(x))))
+        return x + nn.functional.threshold(nn.functional.softshrink(self.e(h)), 0.1, 0.0)
+
+
+class PadActStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(PadActBlock() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_blocks_with_decomposed_padding_and_activations_hierarchical_equals_flat():
+    # each op's decomposition is tagged with the op: eager saves its input (the padding's
+    # whole, though its backward reads only its sizes); the report composed per block equals
+    # the flat one and the bytes saved_tensors_hooks measure
+    from graphflop.runtime.memory_probe import measure_saved
+
+    torch.manual_seed(0)
+    model, x = PadActStack(), torch.randn(2, 4, 6, 6)
+    a = analyze(model, (x,), name="pad_act_blocks")
+    _check(a)
+    h = a.forward.meta[HIERARCHY]
+    assert h is not None and len(h.sites) == 3
+    # per block, 2·4·6·6·4 = 1152 B a value: its input (c's input), c's output (the reflection
+    # padding's self), the padded values 2·4·8·8·4 = 2048 (d's input), d's output
+    # (hardsigmoid's self), hardsigmoid's output (the replication padding's self), its padded
+    # values 2048 (e's input), e's output (softshrink's self), softshrink's output (threshold's
+    # self): 6 · 1152 + 2 · 2048 = 11008; 3 blocks 33024 B, the sum loss saves nothing
+    assert measure_saved(model, (x,)) == 33024
+    assert a.report.memory.saved_for_backward_bytes == 33024
+
+
 def test_stack_of_blocks_composes_hand_counted_figures():
     B, d, f, n = 5, 6, 10, 4
     a = analyze(Stack(n, d, f), torch.randn(B, d))

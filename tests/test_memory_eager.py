@@ -75,6 +75,22 @@ class _TakeAlongDim(_Gather):
         return torch.take_along_dim(self.fc(x), self.idx, 1)
 
 
+_PADS = {1: (nn.Conv1d, nn.ReflectionPad1d, nn.ReplicationPad1d)}
+_PADS[2] = (nn.Conv2d, nn.ReflectionPad2d, nn.ReplicationPad2d)
+_PADS[3] = (nn.Conv3d, nn.ReflectionPad3d, nn.ReplicationPad3d)
+
+
+def _padded(mode: str, dim: int) -> nn.Module:
+    """A 1x1 convolution, padding (1 before, 2 after on every spatial side), a convolution."""
+    conv, reflect, replicate = _PADS[dim]
+    pad = (reflect if mode == "reflect" else replicate)((1, 2) * dim)
+    return nn.Sequential(conv(4, 4, 1), pad, conv(4, 4, 1))
+
+
+def _between_linears(act: nn.Module) -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), act, nn.Linear(32, 8))
+
+
 CASES = {
     # x 320 + relu 512 + log_softmax out 160 + target 32 + total_weight 4 = 1028 B
     "mlp": (lambda: nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 10)), (4, 20), 1028),
@@ -109,6 +125,27 @@ CASES = {
     # the same + the index take_along_dim makes from the buffer (wrapped into range,
     # gather_backward's index) 32·64·8 = 16384: 41220 B
     "take_along_dim": (_TakeAlongDim, (32, 64), 41220),
+    # composite ops PyTorch's core-ATen table decomposes, tagged while tracing (EAGER_SAVES)
+    # padding (reflection_pad*d_backward / replication_pad*d_backward(grad, self, padding)):
+    # x 2·4·10·4 = 320 + the first convolution's output 320 (the padding's self, saved whole)
+    # + the padded values 2·4·13·4 = 416 (the second convolution's input): 1056 B (graphflop's
+    # backward of the decomposition reads only its index, made from constants)
+    **{
+        f"{mode}_pad{dim}d": (lambda m=mode, d=dim: _padded(m, d), (2, 4) + (s,) * dim, b)
+        for mode in ("reflect", "replicate")
+        # 2d: x 2·4·10·10·4 = 3200 + 3200 + 2·4·13·13·4 = 5408; 3d: x 2·4·6³·4 = 6912 + 6912
+        # + 2·4·9³·4 = 23328
+        for dim, s, b in ((1, 10, 1056), (2, 10, 11808), (3, 6, 37152))
+    },
+    # threshold, hardshrink, softshrink, hardsigmoid save their input (X_backward(grad, self,
+    # ...)): x 4·16·4 = 256 + the first Linear's output 4·32·4 = 512 (the op's self) + the op's
+    # output 512 (the second Linear's input) + the cross-entropy's log_softmax 4·8·4 = 128,
+    # target 32, total_weight 4: 1444 B (graphflop's backward reads a bool mask, or the clamps'
+    # inputs, which eager does not save)
+    "threshold": (lambda: _between_linears(nn.Threshold(0.1, 20.0)), (4, 16), 1444),
+    "hardshrink": (lambda: _between_linears(nn.Hardshrink()), (4, 16), 1444),
+    "softshrink": (lambda: _between_linears(nn.Softshrink()), (4, 16), 1444),
+    "hardsigmoid": (lambda: _between_linears(nn.Hardsigmoid()), (4, 16), 1444),
 }
 
 

@@ -209,6 +209,20 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "aten.nll_loss2d_forward.default": ((0, 1), (1,)),
     "aten.mse_loss.default": ((0, 1), ()),
     "aten.nan_to_num.default": ((0,), ()),
+    # threshold_backward(grad, self, threshold), hardshrink_backward(grad, self, lambd),
+    # softshrink_backward(grad, self, lambd), hardsigmoid_backward(grad, self)
+    "aten.threshold.default": ((0,), ()),
+    "aten.hardshrink.default": ((0,), ()),
+    "aten.softshrink.default": ((0,), ()),
+    "aten.hardsigmoid.default": ((0,), ()),
+    # reflection_pad2d_backward(grad, self, padding): self, whole, though the kernel reads only
+    # its sizes (1d and 3d, and replication padding, alike)
+    "aten.reflection_pad1d.default": ((0,), ()),
+    "aten.reflection_pad2d.default": ((0,), ()),
+    "aten.reflection_pad3d.default": ((0,), ()),
+    "aten.replication_pad1d.default": ((0,), ()),
+    "aten.replication_pad2d.default": ((0,), ()),
+    "aten.replication_pad3d.default": ((0,), ()),
 }
 
 #: composite ops traced as one node with rules of their own (graphflop.ops) rather than as their

@@ -9,10 +9,11 @@ std, the output, a float mask on CPU. This module keeps graphflop's graphs and s
 decomposed composite op, the residuals its backward reads from inside the decomposition for the
 values eager autograd saves for that op (the nodes are found by the
 :data:`~graphflop.meta.COMPOSITE` tags tracing writes). Max pooling (not decomposed) saves its
-input and indices, as two storages. Plain ATen ops whose derivative formula saves values
-graphflop's rule does not read (:data:`ATEN_SAVES`: average and adaptive pooling, reflection and
-replication padding, gather) keep them until their backward has run (:attr:`EagerResiduals.held`),
-and their backward is one kernel too. Attention PyTorch runs with its fused kernel saves q, k,
+input and indices, as two storages. ATen ops whose derivative formula saves values graphflop's
+rule does not read (:data:`ATEN_SAVES`: average and adaptive pooling and gather, kept whole;
+reflection and replication padding, decomposed into an index made from constants and found by
+their tags) keep them until their backward has run (:attr:`EagerResiduals.held`), and their
+backward is one kernel too. Attention PyTorch runs with its fused kernel saves q, k,
 v, its output, the mask and a logsumexp, and makes no scores or probabilities in forward or
 backward (:mod:`graphflop.passes.eager_attention`). Each composite op's forward and backward
 (and each convolution's backward) run as the one kernel eager runs: the decomposition's inner
@@ -71,9 +72,12 @@ aten = torch.ops.aten
 
 _MAX_POOLS = (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
 
-#: Plain ATen ops (kept whole in graphflop's forward graph) whose derivative formula saves
-#: values graphflop's backward rule does not read: op -> (the argument positions, the output
-#: positions) of the values eager autograd saves for it. From PyTorch's
+#: ATen ops whose derivative formula saves values graphflop's backward does not read: op ->
+#: (the argument positions, the output positions) of the values eager autograd saves for it.
+#: Most are kept whole in graphflop's forward graph; reflection and replication padding are
+#: traced decomposed (PyTorch's core-ATen table makes them an ``index``), their nodes tagged
+#: (:data:`~graphflop.frontend.composite.EAGER_SAVES`) and held by region
+#: (:func:`eager_forward`). From PyTorch's
 #: ``tools/autograd/derivatives.yaml`` (the ``self:`` formulas named in each comment); the
 #: bytes measured with ``torch.autograd.graph.saved_tensors_hooks``
 #: (``tests/test_memory_eager.py``). graphflop's rules compute these gradients from the
@@ -99,6 +103,11 @@ ATEN_SAVES: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {
     # gather_backward(grad, self, dim, index, sparse_grad): self (for its sizes) and index
     aten.gather.default: ((0, 2), ()),
 }
+#: :data:`ATEN_SAVES`'s ops by name: those traced decomposed (reflection and replication
+#: padding, which PyTorch's core-ATen table decomposes into an index) are found by the
+#: :data:`~graphflop.meta.COMPOSITE` tags of their decompositions (they are in
+#: :data:`~graphflop.frontend.composite.EAGER_SAVES` too, which says what eager saves)
+_ATEN_SAVES_NAMES = frozenset(str(op) for op in ATEN_SAVES)
 _NOT_ACTIVATIONS = (None, "param", "buffer", "param_derived")
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
@@ -141,9 +150,10 @@ class EagerResiduals:
         does not lower (fused attention's float32 logsumexp).
     reads: forward node name -> the forward nodes a composite op's kernel keeps live until
         that node has run (:func:`one_kernel_forward`).
-    held: backward node name -> the forward node names eager autograd saves for the plain
-        ATen op (:data:`ATEN_SAVES`) whose derivative that node completes (the last backward
-        node its rule made), beyond graphflop's residuals: live until that node has run.
+    held: backward node name -> the forward node names eager autograd saves for the ATen op
+        (:data:`ATEN_SAVES`) whose derivative that node completes (the last backward node its
+        rule, or its decomposition's rules, made), beyond graphflop's residuals: live until
+        that node has run.
     """
 
     remap: dict[str, list[str]]
@@ -221,8 +231,9 @@ class EagerForward:
         kernels: the ops whose backward is one eager kernel: (their forward node names, the
             bytes of the kernel's temporaries) (:func:`one_kernel_backward`'s ``regions``).
         attention: the fused attention calls (``extra``, ``accumulate``).
-        held: forward node name of a plain ATen op of :data:`ATEN_SAVES` -> the forward node
-            names eager autograd saves for it (:func:`aten_saves`).
+        held: forward node name of an op of :data:`ATEN_SAVES` -> the forward node names eager
+            autograd saves for it: a kept-whole op's node (:func:`aten_saves`), or each node
+            of a decomposed one's region (reflection and replication padding).
     """
 
     saves: dict[str, list[str]]
@@ -240,6 +251,7 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
     attention = FusedAttention(device)
     kernels: list[tuple[set[str], int]] = []  # composite ops whose backward is one kernel
     reads: dict[str, list[str]] = {}
+    held: dict[str, list[str]] = {}  # decomposed ops of ATEN_SAVES (one backward kernel: above)
     for region in _regions(forward):
         op = region[0].meta[COMPOSITE].op
         if op in EAGER_SAVES:
@@ -259,15 +271,20 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
                 sizes[mask.name] = mask.meta["val"].numel() * itemsize
         for n in region:
             saves[n.name] = [m.name for m in saved]
+        if op in _ATEN_SAVES_NAMES and CHECKPOINT not in region[0].meta and saved:
+            # a decomposed op of ATEN_SAVES (reflection padding: its backward reads an index
+            # made from constants, none of the values eager saves): held as a kept-whole one
+            held |= {n.name: [m.name for m in saved] for n in region}
     sizes |= attention.sizes
     saves |= _max_pool_saves(forward)
-    held = aten_saves(forward)
+    kept_whole = aten_saves(forward)
+    held |= kept_whole
     # fused attention's and convolution_backward's backward: one kernel each too
     kernels += attention.regions
     kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
     # the ops of ATEN_SAVES: one backward kernel each (avg_pool2d_backward, gather_backward's
     # scatter_add into zeros, ...), where graphflop's rule unfolds the window (col2im)
-    kernels += [({n}, 0) for n in held]
+    kernels += [({n}, 0) for n in kept_whole]
     # batch norm's backward on the CPU: one native_batch_norm_backward, which allocates an
     # input-sized temporary beside the input's gradient (two empty_like of the input, one
     # freed before it returns: profiler allocator events, PyTorch 2.13 CPU)
@@ -335,11 +352,12 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
             remap[p.name] = stand
     # a plain ATen op's saved values: held until the last backward node its rule made (where
     # eager's derivative of the op has run); an op whose output needs no gradient has none
-    last: dict[str, str] = {}
+    # (a decomposed op's nodes hold one list: held until the last of their backward nodes)
+    last: dict[tuple[str, ...], str] = {}
     for n in backward.graph.nodes:
         if n.op == "call_function" and (src := n.meta.get(SOURCE)) in ef.held:
-            last[src] = n.name
-    held = {b: ef.held[f] for f, b in last.items()}
+            last[tuple(ef.held[src])] = n.name
+    held = {b: list(names) for names, b in last.items()}
     a = attention
     return EagerResiduals(
         remap,
