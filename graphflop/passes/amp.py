@@ -21,7 +21,9 @@ are unchanged (its FLOPs do not depend on the dtype); only bytes change. The rul
 
 :func:`amp_memory` applies these rules to graphflop's forward graph on top of the eager memory
 model's saved set (:mod:`graphflop.passes.eager_memory`): saved bytes once per storage,
-parameters and buffers excluded, inputs and targets included. The train peak is the eager train
+parameters and buffers excluded, inputs and targets included (the values a plain ATen op saves
+beyond graphflop's residuals, :attr:`~graphflop.passes.eager_memory.EagerResiduals.held`, at
+their autocast sizes). The train peak is the eager train
 schedule with each forward value at its autocast size, the saved casts as storages made at their
 op and kept to the backward, and each backward value scaled by the dtype of the forward op whose
 rule made it (gradients of half activations are half; parameter gradients float32); an estimate
@@ -198,6 +200,8 @@ class _Saved:
         self.at: dict[str, str] = {}  # cast key -> forward node it is made before
 
     def value(self, p: str, name: str) -> None:
+        """``p`` (a backward residual placeholder, or a backward node holding a plain op's
+        saved values) reads forward value ``name``."""
         self.stand.setdefault(p, []).append(f"f:{name}")
         k = self.storage.get(name)
         if k is not None:
@@ -251,6 +255,12 @@ class _Amp:
         for p in backward.graph.nodes:
             if p.op == "placeholder" and p.meta.get(RESIDUAL) is not None:
                 self._placeholder(p, base_storage)
+        # a plain op's saved values (EagerResiduals.held), at their autocast sizes
+        for b, names in self.eager.held.items():
+            for x in names:
+                if x in base_storage:
+                    self.plain.add(base_storage[x])
+                self.saved.value(b, x)
         for u in self.savers:  # convolution_backward's node saves its weight even when the
             w = u.all_input_nodes[1] if _opname(u) == "convolution" else None
             if w is not None and dts.get(w.name) != self.half:  # input needs no gradient
@@ -298,6 +308,10 @@ class _Amp:
         self._insert_casts(s)
         ext: dict[str, str | list[str]] = {}
         base_b = set()
+        # a plain op's saved values live until its backward has run (EagerResiduals.held)
+        reads = {k: list(v) for k, v in self.eager.backward_reads.items()}
+        for b in self.eager.held:
+            reads.setdefault(b, []).extend(self.saved.stand[b])
         for n in self.backward.graph.nodes:
             if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
                 if n.name in self.saved.stand:
@@ -313,7 +327,7 @@ class _Amp:
             eager=True,
             sizes=self._backward_sizes() | self.eager.backward_sizes,  # one-kernel backwards
             extra=self.eager.backward_extra,
-            also_reads=self.eager.backward_reads,
+            also_reads=reads,
         )
         self._grad_copies(s)
         phs = {n.name: n for n in self.forward.graph.nodes if n.op == "placeholder"}

@@ -15,7 +15,10 @@ eager memory model's saved set (:mod:`graphflop.passes.eager_memory`):
 * a residual stays saved when at least one backward op that reads it was made by the rule of a
   forward node outside every region; residuals read only by the backward of region nodes are
   dropped; each region's inputs (values made outside it and read inside it, parameters, buffers
-  and values derived from parameters only left out) are saved;
+  and values derived from parameters only left out) are saved. The values eager saves for a
+  plain ATen op beyond graphflop's residuals (average pooling's input, gather's: the eager
+  model's :attr:`~graphflop.passes.eager_memory.EagerResiduals.held`) are cut the same way,
+  the op itself their reader;
 * a region's recompute is its forward nodes in graph order up to the last one whose value
   eager saves (the eager model's stand-in for a residual), that node's whole composite op
   included; its FLOPs are those nodes' :data:`~graphflop.meta.COST` FLOPs. An op that saves
@@ -198,21 +201,34 @@ class _Cut:
     #: checkpoint: GPT-2's block N output, read by block N+1's first layer norm, is not rerun
     #: by block N (eager reruns block N only up to its MLP's GELU; tester, stop 45)
     savers: dict[str, set[str]]
-    dropped: dict[str, tuple[str, list[str]]]  # placeholder -> (region, storage keys)
+    #: backward placeholder, or backward node holding a plain op's saved values
+    #: (:attr:`~graphflop.passes.eager_memory.EagerResiduals.held`) -> (region, storage keys)
+    dropped: dict[str, tuple[str, list[str]]]
+
+
+def _saved_reads(backward: GraphModule, eager) -> list[tuple[str, list[str], list[str]]]:
+    """What eager saves for backward, as (backward node, the forward ops whose backward reads
+    it, the forward node names it stands for): each activation residual placeholder (its
+    readers' sources, :attr:`~graphflop.passes.eager_memory.EagerResiduals.remap`) and each
+    backward node holding a plain op's saved values (its own source,
+    :attr:`~graphflop.passes.eager_memory.EagerResiduals.held`)."""
+    out = []
+    for n in backward.graph.nodes:
+        if n.name in eager.held:
+            out.append((n.name, [n.meta.get(SOURCE, "")], eager.held[n.name]))
+        kind = n.meta.get(RESIDUAL)
+        if n.op != "placeholder" or kind is None or kind in ("param", "buffer", "param_derived"):
+            continue
+        users = [u.meta.get(SOURCE, "") for u in n.users]
+        out.append((n.name, users, eager.remap.get(n.name, [n.meta.get(SOURCE, n.name)])))
+    return out
 
 
 def _cut(
     backward: GraphModule, eager, storage: dict[str, str], region: dict[Node, str], fnodes
 ) -> _Cut:
     cut = _Cut(set(), set(), {}, {})
-    for p in backward.graph.nodes:
-        kind = p.meta.get(RESIDUAL)
-        if p.op != "placeholder" or kind is None:
-            continue
-        users = [u.meta.get(SOURCE, "") for u in p.users]
-        if kind in ("param", "buffer", "param_derived"):
-            continue
-        stand = eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)])
+    for p, users, stand in _saved_reads(backward, eager):
         for s in users:  # packed under the checkpoint of the user's region
             if fnodes.get(s) in region:
                 cut.savers.setdefault(region[fnodes[s]], set()).update(stand)
@@ -221,7 +237,7 @@ def _cut(
         if any(fnodes.get(s) not in region for s in users):
             cut.kept.update(keys)
         elif users:
-            cut.dropped[p.name] = (region[fnodes[users[0]]], keys)
+            cut.dropped[p] = (region[fnodes[users[0]]], keys)
     return cut
 
 
@@ -320,7 +336,23 @@ def _train_schedule(forward, backward, eager, storage, size, cut: _Cut, inputs) 
         else:
             stand = eager.remap.get(n.name, [src])
             ext[n.name] = [storage.get(x, f"f:{x}") for x in stand]
-    s.add_graph(backward, "b", baseline=base_b, external=ext, keep_outputs=True, eager=True)
+    # a plain op's saved values (EagerResiduals.held): live until its backward has run, or
+    # made again there where its region dropped them
+    reads = {
+        b: [f"r:{cut.dropped[b][0]}:{k}" for k in cut.dropped[b][1]]
+        if b in cut.dropped
+        else [storage.get(x, f"f:{x}") for x in names]
+        for b, names in eager.held.items()
+    }
+    s.add_graph(
+        backward,
+        "b",
+        baseline=base_b,
+        external=ext,
+        keep_outputs=True,
+        eager=True,
+        also_reads=reads,
+    )
     new: dict[str, tuple[str, int]] = {}  # r: key -> (region, bytes)
     for r, keys in cut.dropped.values():
         for k in keys:
