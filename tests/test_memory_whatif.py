@@ -242,12 +242,15 @@ def test_checkpoint_matches_measurement_mlp_and_gpt2_blocks():
     assert base - ck.eager_saved_for_backward_bytes == 16 * 8
     assert meas < base / 2
     # the train peak with checkpointing (an estimate: the recompute's temporaries and
-    # checkpoint's bookkeeping beyond the RNG state are left out) against a measured step
+    # checkpoint's bookkeeping beyond the RNG state are left out) against a measured step:
+    # 294,272 B against 289,608 measured (PyTorch 2.13 CPU); the report's eager train schedule
+    # with the cut (before, a schedule of its own without the one-kernel backwards, the
+    # kernels' temporaries and the in-place scatters said 327,040 B, 13 % over)
     from graphflop.runtime.memory_probe import measure_train_peak
 
     with checkpointed(gpt, "h.*"):
         peak = measure_train_peak(gpt, x, "auto", "sgd")
-    assert 0.8 < ck.train_peak_bytes / peak < 1.2, (ck.train_peak_bytes, peak)
+    assert 0.95 < ck.train_peak_bytes / peak < 1.05, (ck.train_peak_bytes, peak)
 
 
 def test_consecutive_checkpointed_blocks_rerun_only_their_own_saves():

@@ -23,11 +23,12 @@ are unchanged (its FLOPs do not depend on the dtype); only bytes change. The rul
 model's saved set (:mod:`graphflop.passes.eager_memory`): saved bytes once per storage,
 parameters and buffers excluded, inputs and targets included (the values a plain ATen op saves
 beyond graphflop's residuals, :attr:`~graphflop.passes.eager_memory.EagerResiduals.held`, at
-their autocast sizes). The train peak is the eager train
-schedule with each forward value at its autocast size, the saved casts as storages made at their
-op and kept to the backward, and each backward value scaled by the dtype of the forward op whose
-rule made it (gradients of half activations are half; parameter gradients float32); an estimate
-(the backward's dtypes are not traced). Reads ``val``, ``COMPOSITE``, ``RESIDUAL``, ``SOURCE``,
+their autocast sizes). The train peak is the eager train schedule with each forward value at
+its autocast size, the saved casts as storages made at their op and kept to the backward, and
+each backward value scaled by the dtype of the forward op whose rule made it (gradients of half
+activations are half; parameter gradients float32), its one-kernel backwards and in-place
+scatters as the eager schedule's; an estimate (the backward's dtypes are not traced, the
+kernels' own temporaries are left out). Reads ``val``, ``COMPOSITE``, ``RESIDUAL``, ``SOURCE``,
 ``PARAM_DERIVED``; writes nothing.
 """
 
@@ -40,7 +41,7 @@ from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES
 from graphflop.meta import COMPOSITE, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
-from graphflop.passes.eager_memory import _regions, eager_residuals
+from graphflop.passes.eager_memory import _regions, eager_residuals, scatters_in_place
 from graphflop.passes.memory import Schedule, forward_storages
 from graphflop.report import AmpWhatIf
 
@@ -328,6 +329,7 @@ class _Amp:
             sizes=self._backward_sizes() | self.eager.backward_sizes,  # one-kernel backwards
             extra=self.eager.backward_extra,
             also_reads=reads,
+            inplace=scatters_in_place(self.backward),  # as the eager schedule's
         )
         self._grad_copies(s)
         phs = {n.name: n for n in self.forward.graph.nodes if n.op == "placeholder"}

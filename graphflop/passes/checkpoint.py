@@ -27,11 +27,11 @@ eager memory model's saved set (:mod:`graphflop.passes.eager_memory`):
   the count stops the recompute there (measured: a checkpointed ``fc2(relu(fc1(x)))`` reruns
   fc1's ``addmm`` and the ``relu``, not fc2's ``addmm``).
 
-With an optimizer, the train peak is estimated: the eager train schedule in which dropped
-residuals are freed after their last forward reader and made again just before the first
-backward node reading any of its region's dropped residuals (the region's inputs live until
-then), plus the CPU generator state each call keeps; the recompute's other temporaries are
-left out.
+With an optimizer, the train peak is estimated: the eager train schedule (the report's,
+:func:`~graphflop.passes.eager_memory.eager_train_schedule`) in which dropped residuals are
+freed after their last forward reader and made again just before the first backward node
+reading any of its region's dropped residuals (the region's inputs live until then), plus the
+CPU generator state each call keeps; the recompute's other temporaries are left out.
 
 Bytes follow the eager model's conventions (once per storage, parameters and buffers excluded,
 inputs and targets included). A module called several times forms one region (its calls are not
@@ -58,7 +58,7 @@ from graphflop.meta import (
     SIGNATURE,
     SOURCE,
 )
-from graphflop.passes.eager_memory import eager_residuals
+from graphflop.passes.eager_memory import eager_residuals, eager_train_schedule
 from graphflop.passes.memory import Schedule, forward_storages
 from graphflop.report import CheckpointedModule, CheckpointWhatIf
 
@@ -288,13 +288,7 @@ def checkpoint_memory(
     all_inputs = set().union(*inputs.values()) if inputs else set()
     peak = None
     if optimizer is not None:
-        sched = _train_schedule(forward, backward, eager, storage, size, cut, inputs)
-        from graphflop.passes.eager_memory import optimizer_temporaries
-        from graphflop.passes.flops import tensor_bytes
-
-        phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
-        psizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
-        sched.add_transient("u:optimizer", optimizer_temporaries(optimizer, psizes, device))
+        sched = _train_schedule(forward, backward, eager, size, cut, inputs, optimizer, device)
         # each call keeps the CPU generator's state (preserve_rng_state=True) to the backward
         rng = torch.get_rng_state().numel() * len(by_region)
         peak = state_bytes + rng + sched.peak()[0]
@@ -311,48 +305,19 @@ def checkpoint_memory(
     )
 
 
-def _train_schedule(forward, backward, eager, storage, size, cut: _Cut, inputs) -> Schedule:
-    """The eager train schedule with checkpointing: residuals a region drops are freed in
-    the forward after their last forward reader, and made again (``r:`` storages) just
-    before the first backward node that reads any of that region's dropped residuals, the
-    region's inputs kept live until then. The recompute's other temporaries are left out."""
+def _train_schedule(
+    forward, backward, eager, size, cut: _Cut, inputs, optimizer: str, device: str
+) -> Schedule:
+    """The eager train schedule (:func:`~graphflop.passes.eager_memory.eager_train_schedule`,
+    the report's, the optimizer's temporaries included) with checkpointing: residuals a
+    region drops (and the values a plain op of the region holds) are freed in the forward
+    after their last forward reader, and made again (``r:`` storages) just before the first
+    backward node that reads any of that region's dropped values, the region's inputs kept
+    live until then. The recompute's other temporaries are left out."""
     from graphflop.passes.memory import Step
 
-    sig = forward.meta[SIGNATURE]
-    state = sig.state()
-    s = Schedule()
-    s.add_graph(forward, "f", baseline=state, eager=True, sizes=eager.sizes)
-    ext: dict[str, str | list[str]] = {}
-    base_b = set()
-    for n in backward.graph.nodes:
-        if n.op != "placeholder" or n.meta.get(RESIDUAL) is None:
-            continue
-        src = n.meta.get(SOURCE, n.name)
-        if src in state or n.meta.get(RESIDUAL) == "param_derived":
-            base_b.add(n.name)
-        elif n.name in cut.dropped:
-            r, keys = cut.dropped[n.name]
-            ext[n.name] = [f"r:{r}:{k}" for k in keys]
-        else:
-            stand = eager.remap.get(n.name, [src])
-            ext[n.name] = [storage.get(x, f"f:{x}") for x in stand]
-    # a plain op's saved values (EagerResiduals.held): live until its backward has run, or
-    # made again there where its region dropped them
-    reads = {
-        b: [f"r:{cut.dropped[b][0]}:{k}" for k in cut.dropped[b][1]]
-        if b in cut.dropped
-        else [storage.get(x, f"f:{x}") for x in names]
-        for b, names in eager.held.items()
-    }
-    s.add_graph(
-        backward,
-        "b",
-        baseline=base_b,
-        external=ext,
-        keep_outputs=True,
-        eager=True,
-        also_reads=reads,
-    )
+    stand = {p: [f"r:{r}:{k}" for k in keys] for p, (r, keys) in cut.dropped.items()}
+    s = eager_train_schedule(forward, backward, optimizer, device, eager=eager, stand_in=stand)
     new: dict[str, tuple[str, int]] = {}  # r: key -> (region, bytes)
     for r, keys in cut.dropped.values():
         for k in keys:

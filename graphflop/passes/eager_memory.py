@@ -354,11 +354,19 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     )
 
 
-def _merged(reads: dict[str, list[str]], held: dict[str, list[str]]) -> dict[str, list[str]]:
-    """``reads`` with :attr:`EagerResiduals.held` added as the forward's keys (``f:``)."""
+def _merged(
+    reads: dict[str, list[str]],
+    held: dict[str, list[str]],
+    stand_in: dict[str, list[str]] | None = None,
+) -> dict[str, list[str]]:
+    """``reads`` with :attr:`EagerResiduals.held` added as the forward's keys (``f:``), or as
+    the keys ``stand_in`` gives for a held node."""
     out = {k: list(v) for k, v in reads.items()}
     for k, names in held.items():
-        out.setdefault(k, []).extend(f"f:{x}" for x in names)
+        if stand_in and k in stand_in:
+            out.setdefault(k, []).extend(stand_in[k])
+        else:
+            out.setdefault(k, []).extend(f"f:{x}" for x in names)
     return out
 
 
@@ -710,6 +718,7 @@ def eager_train_schedule(
     keep_grads: bool = ...,
     composed: Literal[False] = ...,
     eager: EagerResiduals | None = ...,
+    stand_in: dict[str, list[str]] | None = ...,
 ) -> Schedule: ...
 @overload
 def eager_train_schedule(
@@ -720,6 +729,7 @@ def eager_train_schedule(
     keep_grads: bool = ...,
     composed: bool = ...,
     eager: EagerResiduals | None = ...,
+    stand_in: dict[str, list[str]] | None = ...,
 ) -> Schedule | ComposedSchedule: ...
 def eager_train_schedule(
     forward: GraphModule,
@@ -729,6 +739,7 @@ def eager_train_schedule(
     keep_grads: bool = False,
     composed: bool = False,
     eager: EagerResiduals | None = None,
+    stand_in: dict[str, list[str]] | None = None,
 ) -> Schedule | ComposedSchedule:
     """The eager training step's live storages (see the module docstring); parameters and
     optimizer state are the baseline, not scheduled; gradients are scheduled, or, with
@@ -741,7 +752,9 @@ def eager_train_schedule(
     :class:`~graphflop.passes.memory_calls.ComposedSchedule` that works out each block's steps
     once per template (the same :meth:`~ComposedSchedule.peak` to the byte); otherwise, and
     without ``composed``, the flat :class:`Schedule`. ``eager``: :func:`eager_residuals` of
-    these graphs, where already made."""
+    these graphs, where already made. ``stand_in``: backward residual placeholder, or backward
+    node of :attr:`EagerResiduals.held` -> the schedule keys it reads instead of the forward's
+    values (a what-if's recomputed values, :mod:`graphflop.passes.checkpoint`)."""
     eager = eager or eager_residuals(forward, backward, device)
     sig = forward.meta[SIGNATURE]
     state = sig.state()
@@ -784,6 +797,8 @@ def eager_train_schedule(
             src = n.meta.get(SOURCE, n.name)
             if src in state or n.meta.get(RESIDUAL) == "param_derived":
                 base_b.add(n.name)
+            elif stand_in is not None and n.name in stand_in:
+                ext[n.name] = list(stand_in[n.name])
             else:
                 ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]
     s.add_graph(
@@ -797,7 +812,7 @@ def eager_train_schedule(
         eager=True,
         sizes=eager.backward_sizes,
         extra=bwd_tmp,
-        also_reads=_merged(eager.backward_reads, eager.held),
+        also_reads=_merged(eager.backward_reads, eager.held, stand_in or {}),
         inplace=scatters_in_place(backward),
         released=released,
         held=held,
