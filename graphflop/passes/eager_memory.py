@@ -8,11 +8,11 @@ formula needs (:data:`graphflop.frontend.composite.EAGER_SAVES`): the input plus
 std, the output, a float mask on CPU. This module keeps graphflop's graphs and swaps, for each
 decomposed composite op, the residuals its backward reads from inside the decomposition for the
 values eager autograd saves for that op (the nodes are found by the
-:data:`~graphflop.meta.COMPOSITE` tags tracing writes). Max pooling (not decomposed) saves its
-input and indices, as two storages. Plain ATen ops whose derivative formula saves values
-graphflop's rule does not read (:data:`ATEN_SAVES`: average and adaptive pooling, reflection and
-replication padding, gather) keep them until their backward has run (:attr:`EagerResiduals.held`),
-and their backward is one kernel too. Attention PyTorch runs with its fused kernel saves q, k,
+:data:`~graphflop.meta.COMPOSITE` tags tracing writes). Plain ATen ops whose derivative formula
+saves values graphflop's rule does not read (:data:`ATEN_SAVES`: max, average and adaptive
+pooling, reflection and replication padding, gather) keep them until their backward has run
+(:attr:`EagerResiduals.held`; max pooling its input and indices, as two storages), and their
+backward is one kernel too. Attention PyTorch runs with its fused kernel saves q, k,
 v, its output, the mask and a logsumexp, and makes no scores or probabilities in forward or
 backward (:mod:`graphflop.passes.eager_attention`). Each composite op's forward and backward
 (and each convolution's backward) run as the one kernel eager runs: the decomposition's inner
@@ -69,8 +69,6 @@ from graphflop.passes.memory_calls import ComposedSchedule, backward_runs, forwa
 
 aten = torch.ops.aten
 
-_MAX_POOLS = (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
-
 #: Plain ATen ops (kept whole in graphflop's forward graph) whose derivative formula saves
 #: values graphflop's backward rule does not read: op -> (the argument positions, the output
 #: positions) of the values eager autograd saves for it. From PyTorch's
@@ -86,6 +84,10 @@ ATEN_SAVES: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {
     # _adaptive_avg_pool2d_backward(grad, self)
     aten._adaptive_avg_pool2d.default: ((0,), ()),
     aten._adaptive_avg_pool3d.default: ((0,), ()),
+    # max_pool2d_with_indices_backward(grad, self, kernel_size, ..., indices): the input and
+    # the indices (graphflop's rule, a scatter of the indices, reads the indices only)
+    aten.max_pool2d_with_indices.default: ((0,), (1,)),
+    aten.max_pool3d_with_indices.default: ((0,), (1,)),
     # adaptive_max_pool2d_backward(grad, self, result1): the input and the indices
     aten.adaptive_max_pool2d.default: ((0,), (1,)),
     aten.adaptive_max_pool3d.default: ((0,), (1,)),
@@ -215,7 +217,7 @@ class EagerForward:
     """The forward half of :func:`eager_residuals` (it does not read the backward graph).
 
     Attributes:
-        saves: forward node name of a composite op (or max pooling) -> the forward node names
+        saves: forward node name of a composite op -> the forward node names
             eager autograd saves for that op.
         sizes, reads: :attr:`EagerResiduals.sizes`, :attr:`EagerResiduals.reads`.
         kernels: the ops whose backward is one eager kernel: (their forward node names, the
@@ -260,7 +262,6 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
         for n in region:
             saves[n.name] = [m.name for m in saved]
     sizes |= attention.sizes
-    saves |= _max_pool_saves(forward)
     held = aten_saves(forward)
     # fused attention's and convolution_backward's backward: one kernel each too
     kernels += attention.regions
@@ -380,18 +381,6 @@ def _replayed_draws(forward: GraphModule) -> set[str]:
         if CHECKPOINT in n.meta
         and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
     }
-
-
-def _max_pool_saves(forward: GraphModule) -> dict[str, list[str]]:
-    """Max pooling's nodes -> what eager saves for it: its input and indices, two storages."""
-    saves: dict[str, list[str]] = {}
-    for n in forward.graph.nodes:
-        if n.op == "call_function" and n.target in _MAX_POOLS:
-            idx = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
-            keep = [n.all_input_nodes[0].name] + [u.name for u in idx]
-            for name in [n.name] + [u.name for u in n.users]:
-                saves[name] = keep
-    return saves
 
 
 def _residual_sources(
@@ -765,11 +754,13 @@ def eager_train_schedule(
         for a in out.all_input_nodes:
             if a.name not in released:  # a leaf the model made is new each step
                 bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
-    # a plain ATen op's saved values (EagerResiduals.held) are read by a backward node as keys
-    # of the forward's: the flat schedule (a call's profile could not stand for its reads)
-    composed = composed and not eager.held
     f_runs = forward_runs(forward) if composed else None
     b_runs = backward_runs(backward) if composed else None
+    # a plain ATen op's saved values (EagerResiduals.held) are read by a backward node as keys
+    # of the forward's: a top-level step reads them as it reads any key; in a repeated block,
+    # the flat schedule (a call's profile could not stand for its reads)
+    if b_runs and eager.held and any(n.name in eager.held for _, run in b_runs for n in run):
+        f_runs = b_runs = None
     s: Schedule | ComposedSchedule = Schedule()
     f_kw: dict[str, Any] = {}
     b_kw: dict[str, Any] = {}
