@@ -458,6 +458,25 @@ def test_models_hierarchical_equals_flat(name):
     _check(_analysis(name))
 
 
+def test_max_pool_outside_the_blocks_keeps_the_composed_train_schedule():
+    """ResNet-18's stem max pool saves its input and indices in eager (ATEN_SAVES), read at
+    the top level of the backward: the train schedule still composes the blocks' calls, and
+    its peak and saved storages equal the flat schedule's."""
+    a = _analysis("resnet.py:resnet18")
+    fwd, bwd = a.forward, a.backward
+    er = eager_residuals(fwd, bwd, "cpu")
+    (names,) = er.held.values()  # the stem's max pool: its input (the ReLU's) and indices
+    assert [str(n.target) for n in fwd.graph.nodes if n.name in names] == [
+        "aten.relu.default",
+        "<built-in function getitem>",
+    ]
+    sched = eager_train_schedule(fwd, bwd, "sgd", "cpu", composed=True, eager=er)
+    assert isinstance(sched, memory_calls.ComposedSchedule)
+    assert sched.peak() == eager_train_schedule(fwd, bwd, "sgd", "cpu", eager=er).peak()
+    saved = eager_saved_storages(fwd, bwd, "cpu", eager=er, schedule=sched)
+    assert saved == eager_saved_storages(fwd, bwd, "cpu", eager=er)
+
+
 def test_gpt2_few_layers_hierarchical_equals_flat():
     h = _check(_analysis("gpt2.py", n_layer=3, n_embd=32, n_head=2, vocab_size=50))
     assert h is not None and len(h.sites) == 3 and h.graph is not None

@@ -242,12 +242,15 @@ def test_checkpoint_matches_measurement_mlp_and_gpt2_blocks():
     assert base - ck.eager_saved_for_backward_bytes == 16 * 8
     assert meas < base / 2
     # the train peak with checkpointing (an estimate: the recompute's temporaries and
-    # checkpoint's bookkeeping beyond the RNG state are left out) against a measured step
+    # checkpoint's bookkeeping beyond the RNG state are left out) against a measured step:
+    # 294,272 B against 289,608 measured (PyTorch 2.13 CPU); the report's eager train schedule
+    # with the cut (before, a schedule of its own without the one-kernel backwards, the
+    # kernels' temporaries and the in-place scatters said 327,040 B, 13 % over)
     from graphflop.runtime.memory_probe import measure_train_peak
 
     with checkpointed(gpt, "h.*"):
         peak = measure_train_peak(gpt, x, "auto", "sgd")
-    assert 0.8 < ck.train_peak_bytes / peak < 1.2, (ck.train_peak_bytes, peak)
+    assert 0.95 < ck.train_peak_bytes / peak < 1.05, (ck.train_peak_bytes, peak)
 
 
 def test_consecutive_checkpointed_blocks_rerun_only_their_own_saves():
@@ -433,3 +436,124 @@ def test_what_ifs_are_typed_sections_of_the_report():
     assert isinstance(mem.checkpoint.per_module[0], CheckpointedModule)
     assert mem.amp.dtype == "bf16" and mem.amp.flops_unchanged
     assert Memory.from_dict(mem.to_dict()) == mem
+
+
+class _PoolBlock(nn.Module):
+    """x (2, 4, 8) -> Linear(8, 8) -> h; the attention core ``softmax(h·hᵀ)·h`` (``wrap(core,
+    h)`` runs it when set: a checkpoint in the measurements); AvgPool2d(3, 1, 1) and
+    AdaptiveAvgPool2d((4, 4)) over it as one channel; gather along the last dim by a buffer
+    index; Linear(4, 8); the residual add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(8, 8)
+        self.pool = nn.AvgPool2d(3, 1, 1)
+        self.adapt = nn.AdaptiveAvgPool2d((4, 4))  # traced as avg_pool2d(2): 8 -> 4 divides
+        self.d = nn.Linear(4, 8)
+        self.register_buffer("idx", torch.tensor([3, 0, 2, 1]).repeat(2, 4, 1))
+        self.wrap = None
+
+    def core(self, h: torch.Tensor) -> torch.Tensor:
+        return (h @ h.transpose(-1, -2)).softmax(-1) @ h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c(x)
+        h = self.core(h) if self.wrap is None else self.wrap(self.core, h)
+        p = self.pool(h.unsqueeze(1)).squeeze(1)
+        a = self.adapt(p.unsqueeze(1)).squeeze(1)
+        return x + self.d(torch.gather(a, -1, self.idx))
+
+
+class _PoolStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_PoolBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _measure_saved_eager(model: nn.Module, inputs: tuple, wrap=None) -> int:
+    """Bytes a real eager forward and loss save for backward: the storages of the tensors
+    ``saved_tensors_hooks`` see packed, each once, parameters and buffers left out; with
+    ``wrap`` (a checkpoint), each block's attention core runs through it and its arguments
+    are counted (the recompute keeps them)."""
+    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in state and s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    def wrapped(f, *args):
+        for a in args:
+            keep(a)
+        return wrap(f, *args)
+
+    _, run = _loss_fn(model, inputs, "auto")
+    blocks = [m for m in model.modules() if isinstance(m, _PoolBlock)]
+    for b in blocks:
+        b.wrap = wrapped if wrap is not None else None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = run()
+        del loss
+    finally:
+        for b in blocks:
+            b.wrap = None
+    return sum(seen.values())
+
+
+def test_what_ifs_count_what_plain_ops_save_in_repeated_blocks():
+    """Average and adaptive pooling and gather save values graphflop's backward rules do not
+    read (eager_memory.ATEN_SAVES): the what-ifs' eager baseline counts them as the report
+    does. float32, per block: its input (c's input, 2·4·8·4 = 256), h (both products'
+    operand, 256), the softmax output (2·4·4·4 = 128), the core's output (avg_pool2d's input,
+    256), the pooled values (_adaptive_avg_pool2d's input, 256), the adaptive pool's output
+    (gather's input, 128; the index is a buffer) and the gathered values (d's input, 128):
+    1408; 3 blocks: 4224, what a real forward saves (before, the what-ifs said 3 · 768 =
+    2304: the 640 per block the three pools and gather save were missing).
+
+    Checkpointing block 1 drops its 1408, held values included, and saves its input (256):
+    3072, measured (before: 1792). Recomputing the attention cores drops each softmax output
+    (3 · 128) and keeps h, saved anyway: 3840, measured with each core checkpointed. The
+    checkpoint's rerun (early stop) goes through the pools and gather, whose saved values are
+    the region's: one of each op, measured. Autocast: measured."""
+    from graphflop.passes.calls import flat_view
+    from graphflop.passes.checkpoint import checkpoint_memory
+    from graphflop.passes.eager_memory import eager_residuals
+
+    torch.manual_seed(0)
+    model, x = _PoolStack().train(), (torch.randn(2, 4, 8),)
+    a = _analysis(model, x, checkpoint="blocks.1", amp="bf16", recompute="attention")
+    mem = a.report.memory
+    er = eager_residuals(a.forward, flat_view(a.backward), "cpu")
+    assert len(er.held) == 3 * 3  # per block: the two pools (avg_pool2d both) and gather
+    assert mem.saved_for_backward_bytes == 3 * 1408 == _measure_saved_eager(model, x)
+    ck, amp, rc = mem.checkpoint, mem.amp, mem.recompute
+    assert ck is not None and amp is not None and rc is not None
+    for what_if in (ck, amp, rc):
+        assert what_if.eager_saved_for_backward_bytes == mem.saved_for_backward_bytes
+    assert ck.saved_for_backward_bytes == 4224 - 1408 + 256
+    assert measure_saved_checkpointed(model, x, "blocks.1") == (3072, 4224)
+    # the rerun: c's addmm, the two products, the pools and gather, not d's addmm (it saves
+    # only its input, packed before it runs), as eager's backward reruns them
+    names = checkpoint_memory(a.forward, flat_view(a.backward), "blocks.1").recomputed
+    ops = collections.Counter(str(n.target) for n in a.forward.graph.nodes if n.name in names)
+    rerun = measure_rerun(model, x, "blocks.1")
+    for op in ("addmm", "bmm", "gather"):
+        assert ops[f"aten.{op}.default"] == rerun[f"aten.{op}.default"] == 1 + (op == "bmm")
+    # (the adaptive pool: eager's _adaptive_avg_pool2d, graphflop's avg_pool2d)
+    pools = rerun["aten.avg_pool2d.default"] + rerun["aten._adaptive_avg_pool2d.default"]
+    assert ops["aten.avg_pool2d.default"] == pools == 2
+    assert amp.saved_for_backward_bytes == measure_saved_autocast(model, x, torch.bfloat16)
+    assert rc.saved_for_backward_bytes == 4224 - 3 * 128
+    assert rc.saved_for_backward_bytes == _measure_saved_eager(model, x, _non_reentrant)
+
+
+def _non_reentrant(f, *args):
+    return tuc.checkpoint(f, *args, use_reentrant=False)

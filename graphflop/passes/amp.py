@@ -21,11 +21,14 @@ are unchanged (its FLOPs do not depend on the dtype); only bytes change. The rul
 
 :func:`amp_memory` applies these rules to graphflop's forward graph on top of the eager memory
 model's saved set (:mod:`graphflop.passes.eager_memory`): saved bytes once per storage,
-parameters and buffers excluded, inputs and targets included. The train peak is the eager train
-schedule with each forward value at its autocast size, the saved casts as storages made at their
-op and kept to the backward, and each backward value scaled by the dtype of the forward op whose
-rule made it (gradients of half activations are half; parameter gradients float32); an estimate
-(the backward's dtypes are not traced). Reads ``val``, ``COMPOSITE``, ``RESIDUAL``, ``SOURCE``,
+parameters and buffers excluded, inputs and targets included (the values a plain ATen op saves
+beyond graphflop's residuals, :attr:`~graphflop.passes.eager_memory.EagerResiduals.held`, at
+their autocast sizes). The train peak is the eager train schedule with each forward value at
+its autocast size, the saved casts as storages made at their op and kept to the backward, and
+each backward value scaled by the dtype of the forward op whose rule made it (gradients of half
+activations are half; parameter gradients float32), its one-kernel backwards and in-place
+scatters as the eager schedule's; an estimate (the backward's dtypes are not traced, the
+kernels' own temporaries are left out). Reads ``val``, ``COMPOSITE``, ``RESIDUAL``, ``SOURCE``,
 ``PARAM_DERIVED``; writes nothing.
 """
 
@@ -38,7 +41,7 @@ from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES
 from graphflop.meta import COMPOSITE, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
-from graphflop.passes.eager_memory import _regions, eager_residuals
+from graphflop.passes.eager_memory import _regions, eager_residuals, scatters_in_place
 from graphflop.passes.memory import Schedule, forward_storages
 from graphflop.report import AmpWhatIf
 
@@ -198,6 +201,8 @@ class _Saved:
         self.at: dict[str, str] = {}  # cast key -> forward node it is made before
 
     def value(self, p: str, name: str) -> None:
+        """``p`` (a backward residual placeholder, or a backward node holding a plain op's
+        saved values) reads forward value ``name``."""
         self.stand.setdefault(p, []).append(f"f:{name}")
         k = self.storage.get(name)
         if k is not None:
@@ -251,6 +256,12 @@ class _Amp:
         for p in backward.graph.nodes:
             if p.op == "placeholder" and p.meta.get(RESIDUAL) is not None:
                 self._placeholder(p, base_storage)
+        # a plain op's saved values (EagerResiduals.held), at their autocast sizes
+        for b, names in self.eager.held.items():
+            for x in names:
+                if x in base_storage:
+                    self.plain.add(base_storage[x])
+                self.saved.value(b, x)
         for u in self.savers:  # convolution_backward's node saves its weight even when the
             w = u.all_input_nodes[1] if _opname(u) == "convolution" else None
             if w is not None and dts.get(w.name) != self.half:  # input needs no gradient
@@ -298,6 +309,10 @@ class _Amp:
         self._insert_casts(s)
         ext: dict[str, str | list[str]] = {}
         base_b = set()
+        # a plain op's saved values live until its backward has run (EagerResiduals.held)
+        reads = {k: list(v) for k, v in self.eager.backward_reads.items()}
+        for b in self.eager.held:
+            reads.setdefault(b, []).extend(self.saved.stand[b])
         for n in self.backward.graph.nodes:
             if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
                 if n.name in self.saved.stand:
@@ -313,7 +328,8 @@ class _Amp:
             eager=True,
             sizes=self._backward_sizes() | self.eager.backward_sizes,  # one-kernel backwards
             extra=self.eager.backward_extra,
-            also_reads=self.eager.backward_reads,
+            also_reads=reads,
+            inplace=scatters_in_place(self.backward),  # as the eager schedule's
         )
         self._grad_copies(s)
         phs = {n.name: n for n in self.forward.graph.nodes if n.op == "placeholder"}

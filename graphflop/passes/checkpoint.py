@@ -15,7 +15,10 @@ eager memory model's saved set (:mod:`graphflop.passes.eager_memory`):
 * a residual stays saved when at least one backward op that reads it was made by the rule of a
   forward node outside every region; residuals read only by the backward of region nodes are
   dropped; each region's inputs (values made outside it and read inside it, parameters, buffers
-  and values derived from parameters only left out) are saved;
+  and values derived from parameters only left out) are saved. The values eager saves for a
+  plain ATen op beyond graphflop's residuals (average pooling's input, gather's: the eager
+  model's :attr:`~graphflop.passes.eager_memory.EagerResiduals.held`) are cut the same way,
+  the op itself their reader;
 * a region's recompute is its forward nodes in graph order up to the last one whose value
   eager saves (the eager model's stand-in for a residual), that node's whole composite op
   included; its FLOPs are those nodes' :data:`~graphflop.meta.COST` FLOPs. An op that saves
@@ -24,11 +27,11 @@ eager memory model's saved set (:mod:`graphflop.passes.eager_memory`):
   the count stops the recompute there (measured: a checkpointed ``fc2(relu(fc1(x)))`` reruns
   fc1's ``addmm`` and the ``relu``, not fc2's ``addmm``).
 
-With an optimizer, the train peak is estimated: the eager train schedule in which dropped
-residuals are freed after their last forward reader and made again just before the first
-backward node reading any of its region's dropped residuals (the region's inputs live until
-then), plus the CPU generator state each call keeps; the recompute's other temporaries are
-left out.
+With an optimizer, the train peak is estimated: the eager train schedule (the report's,
+:func:`~graphflop.passes.eager_memory.eager_train_schedule`) in which dropped residuals are
+freed after their last forward reader and made again just before the first backward node
+reading any of its region's dropped residuals (the region's inputs live until then), plus the
+CPU generator state each call keeps; the recompute's other temporaries are left out.
 
 Bytes follow the eager model's conventions (once per storage, parameters and buffers excluded,
 inputs and targets included). A module called several times forms one region (its calls are not
@@ -55,7 +58,7 @@ from graphflop.meta import (
     SIGNATURE,
     SOURCE,
 )
-from graphflop.passes.eager_memory import eager_residuals
+from graphflop.passes.eager_memory import eager_residuals, eager_train_schedule
 from graphflop.passes.memory import Schedule, forward_storages
 from graphflop.report import CheckpointedModule, CheckpointWhatIf
 
@@ -198,21 +201,34 @@ class _Cut:
     #: checkpoint: GPT-2's block N output, read by block N+1's first layer norm, is not rerun
     #: by block N (eager reruns block N only up to its MLP's GELU; tester, stop 45)
     savers: dict[str, set[str]]
-    dropped: dict[str, tuple[str, list[str]]]  # placeholder -> (region, storage keys)
+    #: backward placeholder, or backward node holding a plain op's saved values
+    #: (:attr:`~graphflop.passes.eager_memory.EagerResiduals.held`) -> (region, storage keys)
+    dropped: dict[str, tuple[str, list[str]]]
+
+
+def _saved_reads(backward: GraphModule, eager) -> list[tuple[str, list[str], list[str]]]:
+    """What eager saves for backward, as (backward node, the forward ops whose backward reads
+    it, the forward node names it stands for): each activation residual placeholder (its
+    readers' sources, :attr:`~graphflop.passes.eager_memory.EagerResiduals.remap`) and each
+    backward node holding a plain op's saved values (its own source,
+    :attr:`~graphflop.passes.eager_memory.EagerResiduals.held`)."""
+    out = []
+    for n in backward.graph.nodes:
+        if n.name in eager.held:
+            out.append((n.name, [n.meta.get(SOURCE, "")], eager.held[n.name]))
+        kind = n.meta.get(RESIDUAL)
+        if n.op != "placeholder" or kind is None or kind in ("param", "buffer", "param_derived"):
+            continue
+        users = [u.meta.get(SOURCE, "") for u in n.users]
+        out.append((n.name, users, eager.remap.get(n.name, [n.meta.get(SOURCE, n.name)])))
+    return out
 
 
 def _cut(
     backward: GraphModule, eager, storage: dict[str, str], region: dict[Node, str], fnodes
 ) -> _Cut:
     cut = _Cut(set(), set(), {}, {})
-    for p in backward.graph.nodes:
-        kind = p.meta.get(RESIDUAL)
-        if p.op != "placeholder" or kind is None:
-            continue
-        users = [u.meta.get(SOURCE, "") for u in p.users]
-        if kind in ("param", "buffer", "param_derived"):
-            continue
-        stand = eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)])
+    for p, users, stand in _saved_reads(backward, eager):
         for s in users:  # packed under the checkpoint of the user's region
             if fnodes.get(s) in region:
                 cut.savers.setdefault(region[fnodes[s]], set()).update(stand)
@@ -221,7 +237,7 @@ def _cut(
         if any(fnodes.get(s) not in region for s in users):
             cut.kept.update(keys)
         elif users:
-            cut.dropped[p.name] = (region[fnodes[users[0]]], keys)
+            cut.dropped[p] = (region[fnodes[users[0]]], keys)
     return cut
 
 
@@ -272,13 +288,7 @@ def checkpoint_memory(
     all_inputs = set().union(*inputs.values()) if inputs else set()
     peak = None
     if optimizer is not None:
-        sched = _train_schedule(forward, backward, eager, storage, size, cut, inputs)
-        from graphflop.passes.eager_memory import optimizer_temporaries
-        from graphflop.passes.flops import tensor_bytes
-
-        phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
-        psizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
-        sched.add_transient("u:optimizer", optimizer_temporaries(optimizer, psizes, device))
+        sched = _train_schedule(forward, backward, eager, size, cut, inputs, optimizer, device)
         # each call keeps the CPU generator's state (preserve_rng_state=True) to the backward
         rng = torch.get_rng_state().numel() * len(by_region)
         peak = state_bytes + rng + sched.peak()[0]
@@ -295,32 +305,19 @@ def checkpoint_memory(
     )
 
 
-def _train_schedule(forward, backward, eager, storage, size, cut: _Cut, inputs) -> Schedule:
-    """The eager train schedule with checkpointing: residuals a region drops are freed in
-    the forward after their last forward reader, and made again (``r:`` storages) just
-    before the first backward node that reads any of that region's dropped residuals, the
-    region's inputs kept live until then. The recompute's other temporaries are left out."""
+def _train_schedule(
+    forward, backward, eager, size, cut: _Cut, inputs, optimizer: str, device: str
+) -> Schedule:
+    """The eager train schedule (:func:`~graphflop.passes.eager_memory.eager_train_schedule`,
+    the report's, the optimizer's temporaries included) with checkpointing: residuals a
+    region drops (and the values a plain op of the region holds) are freed in the forward
+    after their last forward reader, and made again (``r:`` storages) just before the first
+    backward node that reads any of that region's dropped values, the region's inputs kept
+    live until then. The recompute's other temporaries are left out."""
     from graphflop.passes.memory import Step
 
-    sig = forward.meta[SIGNATURE]
-    state = sig.state()
-    s = Schedule()
-    s.add_graph(forward, "f", baseline=state, eager=True, sizes=eager.sizes)
-    ext: dict[str, str | list[str]] = {}
-    base_b = set()
-    for n in backward.graph.nodes:
-        if n.op != "placeholder" or n.meta.get(RESIDUAL) is None:
-            continue
-        src = n.meta.get(SOURCE, n.name)
-        if src in state or n.meta.get(RESIDUAL) == "param_derived":
-            base_b.add(n.name)
-        elif n.name in cut.dropped:
-            r, keys = cut.dropped[n.name]
-            ext[n.name] = [f"r:{r}:{k}" for k in keys]
-        else:
-            stand = eager.remap.get(n.name, [src])
-            ext[n.name] = [storage.get(x, f"f:{x}") for x in stand]
-    s.add_graph(backward, "b", baseline=base_b, external=ext, keep_outputs=True, eager=True)
+    stand = {p: [f"r:{r}:{k}" for k in keys] for p, (r, keys) in cut.dropped.items()}
+    s = eager_train_schedule(forward, backward, optimizer, device, eager=eager, stand_in=stand)
     new: dict[str, tuple[str, int]] = {}  # r: key -> (region, bytes)
     for r, keys in cut.dropped.values():
         for k in keys:

@@ -8,11 +8,11 @@ formula needs (:data:`graphflop.frontend.composite.EAGER_SAVES`): the input plus
 std, the output, a float mask on CPU. This module keeps graphflop's graphs and swaps, for each
 decomposed composite op, the residuals its backward reads from inside the decomposition for the
 values eager autograd saves for that op (the nodes are found by the
-:data:`~graphflop.meta.COMPOSITE` tags tracing writes). Max pooling (not decomposed) saves its
-input and indices, as two storages. ATen ops whose derivative formula saves values graphflop's
-rule does not read (:data:`ATEN_SAVES`: average and adaptive pooling and gather, kept whole;
-reflection and replication padding, decomposed into an index made from constants and found by
-their tags) keep them until their backward has run (:attr:`EagerResiduals.held`), and their
+:data:`~graphflop.meta.COMPOSITE` tags tracing writes). ATen ops whose derivative formula saves
+values graphflop's rule does not read (:data:`ATEN_SAVES`: max, average and adaptive pooling and
+gather, kept whole; reflection and replication padding, decomposed into an index made from
+constants and found by their tags) keep them until their backward has run
+(:attr:`EagerResiduals.held`; max pooling its input and indices, as two storages), and their
 backward is one kernel too. Attention PyTorch runs with its fused kernel saves q, k,
 v, its output, the mask and a logsumexp, and makes no scores or probabilities in forward or
 backward (:mod:`graphflop.passes.eager_attention`). Each composite op's forward and backward
@@ -70,8 +70,6 @@ from graphflop.passes.memory_calls import ComposedSchedule, backward_runs, forwa
 
 aten = torch.ops.aten
 
-_MAX_POOLS = (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
-
 #: ATen ops whose derivative formula saves values graphflop's backward does not read: op ->
 #: (the argument positions, the output positions) of the values eager autograd saves for it.
 #: Most are kept whole in graphflop's forward graph; reflection and replication padding are
@@ -90,6 +88,10 @@ ATEN_SAVES: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {
     # _adaptive_avg_pool2d_backward(grad, self)
     aten._adaptive_avg_pool2d.default: ((0,), ()),
     aten._adaptive_avg_pool3d.default: ((0,), ()),
+    # max_pool2d_with_indices_backward(grad, self, kernel_size, ..., indices): the input and
+    # the indices (graphflop's rule, a scatter of the indices, reads the indices only)
+    aten.max_pool2d_with_indices.default: ((0,), (1,)),
+    aten.max_pool3d_with_indices.default: ((0,), (1,)),
     # adaptive_max_pool2d_backward(grad, self, result1): the input and the indices
     aten.adaptive_max_pool2d.default: ((0,), (1,)),
     aten.adaptive_max_pool3d.default: ((0,), (1,)),
@@ -225,7 +227,7 @@ class EagerForward:
     """The forward half of :func:`eager_residuals` (it does not read the backward graph).
 
     Attributes:
-        saves: forward node name of a composite op (or max pooling) -> the forward node names
+        saves: forward node name of a composite op -> the forward node names
             eager autograd saves for that op.
         sizes, reads: :attr:`EagerResiduals.sizes`, :attr:`EagerResiduals.reads`.
         kernels: the ops whose backward is one eager kernel: (their forward node names, the
@@ -276,7 +278,6 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
             # made from constants, none of the values eager saves): held as a kept-whole one
             held |= {n.name: [m.name for m in saved] for n in region}
     sizes |= attention.sizes
-    saves |= _max_pool_saves(forward)
     kept_whole = aten_saves(forward)
     held |= kept_whole
     # fused attention's and convolution_backward's backward: one kernel each too
@@ -372,11 +373,19 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     )
 
 
-def _merged(reads: dict[str, list[str]], held: dict[str, list[str]]) -> dict[str, list[str]]:
-    """``reads`` with :attr:`EagerResiduals.held` added as the forward's keys (``f:``)."""
+def _merged(
+    reads: dict[str, list[str]],
+    held: dict[str, list[str]],
+    stand_in: dict[str, list[str]] | None = None,
+) -> dict[str, list[str]]:
+    """``reads`` with :attr:`EagerResiduals.held` added as the forward's keys (``f:``), or as
+    the keys ``stand_in`` gives for a held node."""
     out = {k: list(v) for k, v in reads.items()}
     for k, names in held.items():
-        out.setdefault(k, []).extend(f"f:{x}" for x in names)
+        if stand_in and k in stand_in:
+            out.setdefault(k, []).extend(stand_in[k])
+        else:
+            out.setdefault(k, []).extend(f"f:{x}" for x in names)
     return out
 
 
@@ -390,18 +399,6 @@ def _replayed_draws(forward: GraphModule) -> set[str]:
         if CHECKPOINT in n.meta
         and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
     }
-
-
-def _max_pool_saves(forward: GraphModule) -> dict[str, list[str]]:
-    """Max pooling's nodes -> what eager saves for it: its input and indices, two storages."""
-    saves: dict[str, list[str]] = {}
-    for n in forward.graph.nodes:
-        if n.op == "call_function" and n.target in _MAX_POOLS:
-            idx = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
-            keep = [n.all_input_nodes[0].name] + [u.name for u in idx]
-            for name in [n.name] + [u.name for u in n.users]:
-                saves[name] = keep
-    return saves
 
 
 def _residual_sources(
@@ -728,6 +725,7 @@ def eager_train_schedule(
     keep_grads: bool = ...,
     composed: Literal[False] = ...,
     eager: EagerResiduals | None = ...,
+    stand_in: dict[str, list[str]] | None = ...,
 ) -> Schedule: ...
 @overload
 def eager_train_schedule(
@@ -738,6 +736,7 @@ def eager_train_schedule(
     keep_grads: bool = ...,
     composed: bool = ...,
     eager: EagerResiduals | None = ...,
+    stand_in: dict[str, list[str]] | None = ...,
 ) -> Schedule | ComposedSchedule: ...
 def eager_train_schedule(
     forward: GraphModule,
@@ -747,6 +746,7 @@ def eager_train_schedule(
     keep_grads: bool = False,
     composed: bool = False,
     eager: EagerResiduals | None = None,
+    stand_in: dict[str, list[str]] | None = None,
 ) -> Schedule | ComposedSchedule:
     """The eager training step's live storages (see the module docstring); parameters and
     optimizer state are the baseline, not scheduled; gradients are scheduled, or, with
@@ -759,7 +759,9 @@ def eager_train_schedule(
     :class:`~graphflop.passes.memory_calls.ComposedSchedule` that works out each block's steps
     once per template (the same :meth:`~ComposedSchedule.peak` to the byte); otherwise, and
     without ``composed``, the flat :class:`Schedule`. ``eager``: :func:`eager_residuals` of
-    these graphs, where already made."""
+    these graphs, where already made. ``stand_in``: backward residual placeholder, or backward
+    node of :attr:`EagerResiduals.held` -> the schedule keys it reads instead of the forward's
+    values (a what-if's recomputed values, :mod:`graphflop.passes.checkpoint`)."""
     eager = eager or eager_residuals(forward, backward, device)
     sig = forward.meta[SIGNATURE]
     state = sig.state()
@@ -770,11 +772,13 @@ def eager_train_schedule(
         for a in out.all_input_nodes:
             if a.name not in released:  # a leaf the model made is new each step
                 bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
-    # a plain ATen op's saved values (EagerResiduals.held) are read by a backward node as keys
-    # of the forward's: the flat schedule (a call's profile could not stand for its reads)
-    composed = composed and not eager.held
     f_runs = forward_runs(forward) if composed else None
     b_runs = backward_runs(backward) if composed else None
+    # a plain ATen op's saved values (EagerResiduals.held) are read by a backward node as keys
+    # of the forward's: a top-level step reads them as it reads any key; in a repeated block,
+    # the flat schedule (a call's profile could not stand for its reads)
+    if b_runs and eager.held and any(n.name in eager.held for _, run in b_runs for n in run):
+        f_runs = b_runs = None
     s: Schedule | ComposedSchedule = Schedule()
     f_kw: dict[str, Any] = {}
     b_kw: dict[str, Any] = {}
@@ -802,6 +806,8 @@ def eager_train_schedule(
             src = n.meta.get(SOURCE, n.name)
             if src in state or n.meta.get(RESIDUAL) == "param_derived":
                 base_b.add(n.name)
+            elif stand_in is not None and n.name in stand_in:
+                ext[n.name] = list(stand_in[n.name])
             else:
                 ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]
     s.add_graph(
@@ -815,7 +821,7 @@ def eager_train_schedule(
         eager=True,
         sizes=eager.backward_sizes,
         extra=bwd_tmp,
-        also_reads=_merged(eager.backward_reads, eager.held),
+        also_reads=_merged(eager.backward_reads, eager.held, stand_in or {}),
         inplace=scatters_in_place(backward),
         released=released,
         held=held,

@@ -672,10 +672,11 @@ class _TrainBuilder:
         self.optimizer, self.device, self.keep_grads = optimizer, device, keep_grads
         self.sources = {s for c in dh.calls for s in c.sources}
         self.ef = eager_forward(forward, device)
-        if self.ef.held:  # an op whose saved values eager holds (EagerForward.held)
-            made = self.sources | {n.meta.get(SOURCE) for n in top.graph.nodes}
-            if any(f in made for f in self.ef.held):  # differentiated: the flat schedule
-                raise _Unsupported  # (its backward node reads a forward key)
+        # an op whose saved values eager holds (EagerForward.held), differentiated inside a
+        # call: the flat schedule (its backward node reads a forward key, which a call's
+        # profile could not stand for); at the top level, its last node reads them
+        if any(f in self.sources for f in self.ef.held):
+            raise _Unsupported
         #: forward node name -> (its one-kernel backward's number, that kernel's temporaries)
         self.owner = {
             name: (i, nbytes) for i, (names, nbytes) in enumerate(self.ef.kernels) for name in names
@@ -760,6 +761,7 @@ class _TrainBuilder:
                 if p.op == "placeholder" and p.meta.get(RESIDUAL) not in _NOT_ACTIVATIONS
                 for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])
             ]
+            + [f"f:{x}" for xs in self.held().values() for x in xs]
         )
         owners = {o.split(":", 1)[1]: nb for o, nb in (v for v in found.values() if v is not None)}
         return s, owners
@@ -891,7 +893,19 @@ class _TrainBuilder:
             stand_ins[m] = ("call", *at)
             by_call.setdefault(at[0], []).append(stand_ins[m])
         nodes.by_name = {**nodes.by_name, **stand_ins}
+        for name, held in self.held().items():  # forward keys, read as they are named
+            reads.setdefault(name, []).extend(f"f:{x}" for x in held)
+        nodes.also_reads = reads
         return nodes, by_call
+
+    def held(self) -> dict[str, list[str]]:
+        """:attr:`~graphflop.passes.eager_memory.EagerResiduals.held` of the flat backward:
+        the top level's last node of each op of ``EagerForward.held`` (none is a call's)."""
+        last: dict[str, str] = {}
+        for n in self.top.graph.nodes:
+            if n.op == "call_function" and (src := n.meta.get(SOURCE)) in self.ef.held:
+                last[src] = n.name
+        return {b: self.ef.held[f] for f, b in last.items()}
 
     def top_copy(self) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
         """The top level for the overrides (:func:`_top_copy`), each call's value a

@@ -351,16 +351,9 @@ def selective_recompute(
         mm += sum(getattr(k, "mm_flops", 0) for k in costs)
     peak = None
     if optimizer is not None and eager_train_peak is not None:
-        from graphflop.passes.eager_memory import optimizer_temporaries
-        from graphflop.passes.flops import tensor_bytes
-
-        phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
-        psizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
-        temps = optimizer_temporaries(optimizer, psizes, device)
         peaks = []
         for cut_, ins in ((cut, inputs), (_cut(backward, eager, storage, {}, fnodes), {})):
-            sched = _train_schedule(forward, backward, eager, storage, size, cut_, ins)
-            sched.add_transient("u:optimizer", temps)
+            sched = _train_schedule(forward, backward, eager, size, cut_, ins, optimizer, device)
             peaks.append(sched.peak()[0])
         # each rerun restores the generator state kept at its first run (its dropout)
         rng = torch.get_rng_state().numel() * len(cores)
