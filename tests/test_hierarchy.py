@@ -286,11 +286,7 @@ def test_blocks_with_average_pooling_hierarchical_equals_flat():
     # composed per block equals the flat one
     torch.manual_seed(0)
     a = analyze(PoolStack(), (torch.randn(2, 4, 8),), name="pool_blocks")
-    # (not _check: the per-template derivative's col2im gives its reshape's meta strides of an
-    # expanded tensor, (0, 0), where the call-by-call derivative has (8, 1): left as found)
-    _check_memory(a)
-    assert a.report.to_dict() == _flat_report(a).to_dict()
-    h = a.forward.meta[HIERARCHY]
+    h = _check(a)
     assert h is not None and len(h.sites) == 3
     # per block: its input (c's input) 2·4·8·4 = 256, c's output (avg_pool's self) 256, the
     # pooled values (d's input) 256: 3 · 768 = 2304 B (saved_tensors_hooks measure the same)
@@ -327,6 +323,37 @@ class PadActStack(nn.Module):
         return x
 
 
+class ConvPoolBlock(nn.Module):
+    """A convolution, an average pooling (``how``) and a 1x1 convolution, with a residual."""
+
+    def __init__(self, how: str, c: int = 4) -> None:
+        super().__init__()
+        self.how = how
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(6) if how == "adaptive" else nn.AvgPool2d(3, 1, 1)
+        self.act = nn.ReLU()
+        self.proj = nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.how == "functional":
+            y = nn.functional.avg_pool2d(y, 3, 1, 1, count_include_pad=False)
+        else:
+            y = self.pool(y)
+        return x + self.proj(self.act(y))
+
+
+class ConvPoolStack(nn.Module):
+    def __init__(self, how: str, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ConvPoolBlock(how) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
 def test_blocks_with_decomposed_padding_and_activations_hierarchical_equals_flat():
     # each op's decomposition is tagged with the op: eager saves its input (the padding's
     # whole, though its backward reads only its sizes); the report composed per block equals
@@ -346,6 +373,72 @@ def test_blocks_with_decomposed_padding_and_activations_hierarchical_equals_flat
     # self): 6 · 1152 + 2 · 2048 = 11008; 3 blocks 33024 B, the sum loss saves nothing
     assert measure_saved(model, (x,)) == 33024
     assert a.report.memory.saved_for_backward_bytes == 33024
+
+
+@pytest.mark.parametrize("how", ["module", "functional", "adaptive"])
+def test_template_backward_is_not_reused_where_the_cotangent_strides_differ(how):
+    """The loss's cotangent reaches the last block as a broadcast (strides 0), the others'
+    as a sum (contiguous): a template backward keeps the values its first call gave its nodes
+    (after col2im, a reshape of the broadcast has strides (0, 0, ...)), so the last block is a
+    variant of its own. The backward built per template equals the one built call by call,
+    strides included (_check), and gives torch.func's gradients."""
+    from graphflop.runtime.verify import verify_gradients
+
+    torch.manual_seed(0)
+    model, x = ConvPoolStack(how), torch.randn(2, 4, 6, 6)
+    a = analyze(model, (x,), name=f"conv_pool_{how}")
+    h = _check(a)
+    assert h is not None and len(h.sites) == 4
+    # block 3 (broadcast cotangent) and block 2 (contiguous) built, block 1 block 2's
+    # expanded; block 0 reads the model's input (no gradient): the rules
+    x_ = _expanded_calls(a)
+    assert x_.expanded == 1
+    assert sorted(t.site for t in x_.templates.values() if t.reusable) == [2, 3]
+    check = verify_gradients(a.forward, a.backward, model, examples=(x,))
+    assert check.ok, check
+
+
+class LinearBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class TransposedInputStack(nn.Module):
+    """The first block's input is ``c + x.transpose(1, 2)``: its value contiguous (the add
+    follows ``c``'s layout), its tangent ``x``'s tangent transposed (strides (32, 1, 4)); the
+    other blocks' tangents are contiguous matrix products."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("c", torch.randn(2, 4, 8))
+        self.blocks = nn.ModuleList(LinearBlock() for _ in range(4))
+
+    def forward(self, x):
+        h = self.c + x.transpose(1, 2)
+        for b in self.blocks:
+            h = b(h)
+        return h
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_template_jvp_is_not_reused_where_the_tangent_strides_differ(record):
+    """A template JVP built at the first block (its input's tangent transposed) is not
+    expanded at the others (contiguous tangents): the JVP graph built per template equals the
+    one built call by call, strides included."""
+    torch.manual_seed(0)
+    a = analyze(
+        TransposedInputStack(),
+        (torch.randn(2, 8, 4),),
+        jvp=True,
+        tangents="all",
+        record_derivatives=record,
+    )
+    h = _check(a)
+    assert h is not None and len(h.sites) == 4
 
 
 def test_stack_of_blocks_composes_hand_counted_figures():

@@ -96,9 +96,21 @@ def _leaves(x: Any) -> list[Any]:
     return out
 
 
+def _layout(n: Node) -> Any:
+    """The metadata of ``n``'s value that the nodes reading it carry on into theirs (shape,
+    strides, storage offset, dtype): a template's nodes keep the values its first call gave
+    them, so a call whose value differs here (a loss's cotangent broadcast with strides 0 at
+    the last block, a contiguous sum at the others) is a variant of its own."""
+    v = n.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.stride(), v.storage_offset(), v.dtype)
+    return None
+
+
 def _state(v: Any) -> Any:
-    """What a cotangent slot holds, as a signature: None, ``"node"``, or per slot of a
-    multi-output value; ``False`` (do not reuse) for a ghost."""
+    """What a cotangent slot holds, as a signature: None, ``("node", layout)``
+    (:func:`_layout`), or per slot of a multi-output value; ``False`` (do not reuse) for a
+    ghost."""
     if v is None:
         return None
     if isinstance(v, list):
@@ -106,7 +118,7 @@ def _state(v: Any) -> Any:
         return False if False in inner else inner
     if is_ghost(v) or not isinstance(v, Node):
         return False
-    return "node"
+    return ("node", _layout(v))
 
 
 class _NotReusable(Exception):
@@ -1217,7 +1229,8 @@ class BlockLinearize:
             return False  # a ghost or a multi-output tangent: the rules
         m = t.meta
         where = self.rel[site].get(m.get(MODULE, ""), "outside")
-        return (t.op == "placeholder", m.get(PARAM_DERIVED), m.get(ROLE), m.get(KIND), where)
+        kind = (t.op == "placeholder", m.get(PARAM_DERIVED), m.get(ROLE), m.get(KIND), where)
+        return (*kind, _layout(t))
 
     def linearize(self, site: int, needed: set[Node], rules: Callable[[Node], None]) -> None:
         """Emit the JVP nodes of call ``site``'s forward nodes: its variant's template JVP

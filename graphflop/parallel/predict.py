@@ -45,7 +45,7 @@ counted from one analysed block too); the gathered parameters live at its peak a
 ``all_gather_buffers``. With pipeline stages (ZeRO 0/1), that schedule's steps of each of the
 rank's stages are replayed per micro-batch in the pipeline schedule's order
 (:func:`_pipeline_rise`; blocks counted from one analysed per stage: its copies offset in per
-stage and micro-batch, :func:`_segments_peak`). Otherwise
+stage and micro-batch, :func:`_copies_peak`). Otherwise
 the rise is the analysis's eager train peak less its parameters and optimizer state, scaled by
 this rank's gradients plus activations in flight over the single rank's, and the gathered
 buffers are ZeRO 3's two largest units or ZeRO 2's every unit (an estimate).
@@ -1223,17 +1223,23 @@ def _copies_peak(  # noqa: C901
     sched: Schedule,
     phase: list[str],
     ks: list[int],
+    segment: list[Any] | None = None,
     *,
     gathered: tuple[str, ...] = (),
     neighbours: tuple[int, int, int, int] | None = None,
 ) -> tuple[int, int, int]:
-    """The peak of ``sched`` (one analysed block standing for K identical blocks run one after
-    another) with the K − 1 copies not analysed offset in.
+    """The peak of ``sched`` (in each segment, one analysed block standing for K identical
+    blocks run one after another) with the K − 1 copies not analysed offset in.
 
     Args:
         sched: the schedule with the analysed block.
         phase: per step, ``f`` (forward), ``b`` (backward) or another phase (the update).
-        ks: per step, the copies its block counts for (K), 1 outside the block.
+        ks: per step, the copies its block counts for, 1 outside the block (a segment's K:
+            the largest of its steps').
+        segment: per step, the segment it belongs to (None: none), where a schedule replays
+            several: a pipeline rank's (stage, micro-batch) actions (:func:`_pipeline_rise`),
+            each its forward steps or its backward steps. Default: the schedule is one
+            segment, the update included.
         gathered: key prefixes of gathered-parameter storages, whose copies' bytes are reported.
         neighbours: FSDP2's buffers that overlap a neighbouring copy's backward, as
             ``(prefetch bytes, prefetch after step, reduce-scatter bytes, reduce-scatter
@@ -1242,63 +1248,89 @@ def _copies_peak(  # noqa: C901
             j > 1; until its own reduce-scatter input is made, copy j + 1's reduce-scatter input
             is live when j < K.
 
-    Each copy not analysed holds the storages made in the block's steps that outlive their
-    phase: the forward's (``S`` per copy: what the backward reads, ZeRO-2's gathered
-    parameters) until its backward, the backward's (``G``: gradients, or their shards) after
-    it. Offsets: in the forward, 0 before the block and (K − 1)·S from it on (the block
+    Per segment, each copy not analysed holds the storages made in the block's steps that
+    outlive their phase in the segment: the forward's (``S`` per copy: what the backward
+    reads, what a stage sends on, ZeRO-2's gathered parameters) until its backward, the
+    backward's (``G``: gradients, or their shards) after it; what is freed within its phase
+    (a temporary, the output the next block reads) is live for one copy at a time. A
+    segment's offsets: in the forward, 0 before the block and (K − 1)·S from it on (the block
     standing for the last copy); in the backward, (K − 1)·S before the block, in it the
     largest over the copy j it stands for of (j − 1)·S + (K − j)·G plus the neighbours'
-    buffers, after it and in the update (K − 1)·G. With K = 1 it is the schedule's own peak.
+    buffers, after it and in the update (K − 1)·G. A step's offset is its own segment's plus
+    every other segment's at that point. With K = 1 everywhere it is the schedule's own peak.
 
     Returns:
         (peak bytes, index of the step where it first occurs, bytes of the copies' gathered
         storages and prefetched all-gather output in the offset there).
     """
     tl = sched.timeline()
-    big = max(ks, default=1)
-    if big <= 1:
+    if max(ks, default=1) <= 1:
         peak = max(tl, default=0)
         return peak, (tl.index(peak) if tl else 0), 0
-    storage, size, last = sched._lifetimes()
-    order = {"f": 0, "b": 1}
     end = len(sched.steps)
-    s1 = g1 = s1_gathered = 0
+    seg_of = segment if segment is not None else [0] * end
+    storage, size, last = sched._lifetimes()
+    # per segment: K, and the bytes each copy not analysed holds past its forward (S, of
+    # which gathered parameters) and past its backward (G)
+    k_of: dict[Any, int] = {}
+    held_s: dict[Any, int] = {}
+    held_gathered: dict[Any, int] = {}
+    held_g: dict[Any, int] = {}
     for i, st in enumerate(sched.steps):
+        seg = seg_of[i]
+        if seg is None:
+            continue
+        k_of[seg] = max(k_of.get(seg, 1), ks[i])
         if ks[i] == 1 or storage[st.key] != st.key:
             continue
         j = last.get(st.key, i)
-        if j >= end or order.get(phase[j], 2) > order.get(phase[i], 2):
-            if phase[i] == "f":
-                s1 += size[st.key]
-                if st.key.startswith(gathered) and gathered:
-                    s1_gathered += size[st.key]
-            elif phase[i] == "b":
-                g1 += size[st.key]
-    ag_bytes, ag_after, rs_bytes, rs_before = neighbours or (0, end, 0, -1)
-    copies = sorted({j for j in (1, 2, big - 1, big) if 1 <= j <= big})
-    peak, at, at_gathered = 0, 0, 0
-    seen_f = seen_b = False
-    for i in range(end):
-        inside = ks[i] > 1
-        # (copies holding S, copies holding G, prefetch live, previous reduce-scatter live)
+        if j < end and seg_of[j] == seg and phase[j] == phase[i]:
+            continue  # freed within its phase: one copy at a time
+        nbytes = size[st.key]
         if phase[i] == "f":
-            seen_f = seen_f or inside
-            cands = [(big - 1 if seen_f else 0, 0, False, False)]
+            held_s[seg] = held_s.get(seg, 0) + nbytes
+            if gathered and st.key.startswith(gathered):
+                held_gathered[seg] = held_gathered.get(seg, 0) + nbytes
         elif phase[i] == "b":
-            seen_b = seen_b or inside
-            if inside:
-                cands = [
-                    (j - 1, big - j, j > 1 and i > ag_after, j < big and i < rs_before)
-                    for j in copies
-                ]
+            held_g[seg] = held_g.get(seg, 0) + nbytes
+    ag_bytes, ag_after, rs_bytes, rs_before = neighbours or (0, end, 0, -1)
+    # per segment: its copies' offset (bytes, of which gathered) and where it stands: "f" held
+    # S, "b" in its backward block, "g" after it
+    offset: dict[Any, tuple[int, int]] = {}
+    state: dict[Any, str] = {}
+    fixed = fixed_gathered = 0  # every segment's offset summed
+    peak, at, at_gathered = 0, 0, 0
+    for i in range(end):
+        seg = seg_of[i]
+        mine = (0, 0)  # the step's own segment's offset (in ``fixed``)
+        cands: list[tuple[int, int]] | None = None  # what stands in for it at this step
+        if seg is not None:
+            k, s1, g1 = k_of[seg], held_s.get(seg, 0), held_g.get(seg, 0)
+            s1_gathered = held_gathered.get(seg, 0)
+            old = mine = offset.get(seg, (0, 0))
+            if phase[i] == "f":
+                if ks[i] > 1 and seg not in state:
+                    state[seg], mine = "f", ((k - 1) * s1, (k - 1) * s1_gathered)
+            elif phase[i] == "b":
+                if ks[i] > 1:  # the block standing for copy j, each j in turn
+                    state[seg] = "b"
+                    cands = []
+                    for j in sorted({j for j in (1, 2, k - 1, k) if 1 <= j <= k}):
+                        ag = ag_bytes if j > 1 and i > ag_after else 0
+                        rs = rs_bytes if j < k and i < rs_before else 0
+                        own = (j - 1) * s1 + (k - j) * g1 + ag + rs
+                        cands.append((own, (j - 1) * s1_gathered + ag))
+                elif state.get(seg) == "b":
+                    state[seg], mine = "g", ((k - 1) * g1, 0)
             else:
-                cands = [(0, big - 1, False, False) if seen_b else (big - 1, 0, False, False)]
-        else:
-            cands = [(0, big - 1, False, False)]
-        for ns, ng, ag, rs in cands:
-            v = tl[i] + ns * s1 + ng * g1 + (ag_bytes if ag else 0) + (rs_bytes if rs else 0)
+                state[seg], mine = "g", ((k - 1) * g1, 0)
+            fixed += mine[0] - old[0]
+            fixed_gathered += mine[1] - old[1]
+            offset[seg] = mine
+        for own, own_gathered in cands if cands is not None else [mine]:
+            v = tl[i] + fixed - mine[0] + own
             if v > peak:
-                peak, at, at_gathered = v, i, ns * s1_gathered + (ag_bytes if ag else 0)
+                peak, at, at_gathered = v, i, fixed_gathered - mine[1] + own_gathered
     return peak, at, at_gathered
 
 
@@ -1915,8 +1947,7 @@ def _pipeline_rise(
 
     ``weights`` (``"f"``/``"b"`` → node name → k, ``plan --blocks``) counts a stage's analysed
     block for k identical ones run one after another: each (stage, micro-batch) of the replay
-    offsets the k − 1 copies not analysed in as :func:`_copies_peak` does for one schedule
-    (:func:`_segments_peak`)."""
+    offsets the k − 1 copies not analysed in (:func:`_copies_peak`, each action a segment)."""
     sig = fwd.meta[SIGNATURE]
     batch = {f"f:{n}" for n in (*sig.inputs, *sig.targets)}
     last = plan.virtual_stages - 1
@@ -1988,64 +2019,4 @@ def _pipeline_rise(
     segment.append(None)
     phase.append("u")
     ks.append(1)
-    return _segments_peak(sched, segment, phase, ks)
-
-
-def _segments_peak(
-    sched: Schedule, segment: list[tuple[int, int] | None], phase: list[str], ks: list[int]
-) -> int:
-    """The peak of a pipeline rank's replayed schedule (:func:`_pipeline_rise`) with the
-    copies of each stage's analysed block that ``ks`` counts offset in.
-
-    A segment is one (stage, micro-batch) action: its forward steps (``phase`` ``f``) or its
-    backward steps (``b``). As :func:`_copies_peak` has it for one schedule, per segment: the
-    block's forward storages that outlive the forward segment (``S``: what its backward reads,
-    what the stage sends on) and its backward storages that outlive the backward segment
-    (``G``: the gradients of the stage's first backward) are held by each of the k − 1 copies
-    not analysed; in-segment temporaries are live for one copy at a time. Offsets per
-    (stage, micro-batch): 0 until its block's first forward step, (k − 1)·S from then to its
-    block's first backward step, in its backward block steps the largest over the copy j the
-    analysed block stands for of (j − 1)·S + (k − j)·G, (k − 1)·G after them to the step's
-    end. A step's offset is its own segment's plus every other segment's at that point. With
-    k = 1 everywhere it is the replay's own peak."""
-    tl = sched.timeline()
-    if max(ks, default=1) <= 1:
-        return max(0, max(tl, default=0))
-    storage, size, last = sched._lifetimes()
-    end = len(sched.steps)
-    held_s: dict[tuple[int, int], int] = {}
-    held_g: dict[tuple[int, int], int] = {}
-    for i, st in enumerate(sched.steps):
-        seg = segment[i]
-        if seg is None or ks[i] == 1 or storage[st.key] != st.key:
-            continue
-        j = last.get(st.key, i)
-        if j >= end or segment[j] != seg or phase[j] != phase[i]:
-            into = held_s if phase[i] == "f" else held_g
-            into[seg] = into.get(seg, 0) + size[st.key]
-    k_of: dict[tuple[int, int], int] = {}
-    offset: dict[tuple[int, int], int] = {}  # the fixed offset of each segment's copies
-    state: dict[tuple[int, int], str] = {}  # "f" held S, "b" in its backward block, "g" after
-    fixed = 0
-    peak = 0
-    for i in range(end):
-        seg = segment[i]
-        own = None
-        if seg is not None:
-            if ks[i] > 1:
-                k_of[seg] = ks[i]
-            k = k_of.get(seg, 1)
-            s1, g1 = held_s.get(seg, 0), held_g.get(seg, 0)
-            new = offset.get(seg, 0)
-            if phase[i] == "f" and ks[i] > 1 and seg not in state:
-                state[seg], new = "f", (k - 1) * s1
-            elif phase[i] == "b" and ks[i] > 1:
-                state[seg] = "b"
-                own = max((j - 1) * s1 + (k - j) * g1 for j in (1, k))
-            elif phase[i] == "b" and state.get(seg) == "b":
-                state[seg], new = "g", (k - 1) * g1
-            fixed += new - offset.get(seg, 0)
-            offset[seg] = new
-        v = tl[i] + fixed if own is None or seg is None else tl[i] + fixed - offset[seg] + own
-        peak = max(peak, v)
-    return peak
+    return _copies_peak(sched, phase, ks, segment)[0]
