@@ -28,10 +28,9 @@ from graphflop.meta import (
     ZERO_COST,
 )
 from graphflop.ops import op_name
-from graphflop.ops.cost import op_cost
 from graphflop.passes import calls, summary
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
-from graphflop.passes.flops import AnnotateFlops, sum_costs, total_cost
+from graphflop.passes.flops import AnnotateFlops, flat_costs, sum_costs, total_cost
 from graphflop.passes.infra import run_passes
 from graphflop.passes.summary import Graphs, summarize
 
@@ -168,20 +167,20 @@ def _annotated(fwd):
 
 
 def _check_costs(top):
-    """Every template node's cost is its op's rule's; a call node costs its template's nodes
-    summed, its getitems nothing."""
+    """Every template node's cost is its op's rule's (a composite op's parts with its one
+    kernel's bytes: ``flat_costs``); a call node costs its template's nodes summed, its
+    getitems nothing."""
     dh = top.meta[DERIVED_HIERARCHY]
     for t in dh.templates:
+        alone = flat_costs(t.graph.nodes)
         for x in t.graph.nodes:
-            want = op_cost(x.target, x.args, x.kwargs, x) if x.op == "call_function" else ZERO_COST
-            assert x.meta[COST] == want, x.name
+            assert x.meta[COST] == alone[x], x.name
     for n in top.graph.nodes:
         if n.target is REPEAT:
             t = dh.templates[dh.calls[n.args[1]].template]
+            alone = flat_costs(t.graph.nodes)
             assert n.meta[COST] == sum_costs(
-                op_cost(x.target, x.args, x.kwargs, x)
-                for x in t.graph.nodes
-                if x.op == "call_function"
+                alone[x] for x in t.graph.nodes if x.op == "call_function"
             )
         elif n.target is operator.getitem and n.args[0].target is REPEAT:
             assert n.meta[COST] == ZERO_COST

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -396,6 +396,43 @@ def _tag(name: str, region: int, new: list, args: tuple, result: Any, tracer: An
         reads = tuple((i, inputs[a]) for i, a in enumerate(n.all_input_nodes) if a in inputs)
         inner = n.meta.get(COMPOSITE)
         n.meta[COMPOSITE] = CompositeTag(name, region, outputs.get(n), reads, inner)
+
+
+def tag_of(n: torch.fx.Node, inner: bool = False) -> CompositeTag:
+    """``n``'s :class:`~graphflop.meta.CompositeTag`; with ``inner``, a fused attention node's
+    tag as the composite op it decomposes into (its softmax's), where it has one."""
+    tag: CompositeTag = n.meta[COMPOSITE]
+    if inner and tag.op == FUSED_SDPA and tag.inner is not None:
+        return tag.inner
+    return tag
+
+
+def composite_regions(
+    nodes: Iterable[torch.fx.Node], inner: bool = False
+) -> list[list[torch.fx.Node]]:
+    """Each decomposed composite op's nodes among ``nodes`` (those with a
+    :data:`~graphflop.meta.COMPOSITE` tag): nodes with one region number, connected (the copies
+    of an outlined call share the number, and are apart), in ``nodes``' order. ``inner``: fused
+    attention's nodes as the composite ops it decomposes into (:func:`tag_of`)."""
+    parent: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def find(n: torch.fx.Node) -> torch.fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    tags = {n: tag_of(n, inner) for n in nodes if COMPOSITE in n.meta}
+    for n in tags:
+        parent[n] = n
+    for n, t in tags.items():
+        for a in n.all_input_nodes:
+            if a in tags and tags[a].region == t.region:
+                parent[find(a)] = find(n)
+    groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for n in tags:
+        groups.setdefault(find(n), []).append(n)
+    return list(groups.values())
 
 
 def decompose_kept_whole(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

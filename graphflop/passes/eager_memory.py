@@ -41,7 +41,13 @@ from typing import Any, Literal, overload
 import torch
 from torch.fx import GraphModule, Node
 
-from graphflop.frontend.composite import EAGER_SAVES, FLOAT_MASK_ON_CPU, FUSED_SDPA
+from graphflop.frontend.composite import (
+    EAGER_SAVES,
+    FLOAT_MASK_ON_CPU,
+    FUSED_SDPA,
+    composite_regions,
+    tag_of,
+)
 from graphflop.meta import (
     CHECKPOINT,
     COMPOSITE,
@@ -52,7 +58,6 @@ from graphflop.meta import (
     SIGNATURE,
     SOURCE,
     VJP,
-    CompositeTag,
 )
 from graphflop.passes.eager_attention import FusedAttention, attention_jvp
 from graphflop.passes.eager_kernels import (
@@ -169,37 +174,10 @@ class EagerResiduals:
     held: dict[str, list[str]] = field(default_factory=dict)
 
 
-def _tag_of(n: Node, inner: bool) -> CompositeTag:
-    tag: CompositeTag = n.meta[COMPOSITE]
-    if inner and tag.op == FUSED_SDPA and tag.inner is not None:
-        return tag.inner
-    return tag
-
-
 def _regions(forward: GraphModule, inner: bool = False) -> list[list[Node]]:
     """Each decomposed composite op's nodes: nodes with one region number, connected.
     ``inner``: fused attention's nodes as the composite ops it decomposes into (softmax)."""
-    parent: dict[Node, Node] = {}
-
-    def find(n: Node) -> Node:
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    tags: dict[Node, CompositeTag] = {
-        n: _tag_of(n, inner) for n in forward.graph.nodes if COMPOSITE in n.meta
-    }
-    for n in tags:
-        parent[n] = n
-    for n, t in tags.items():
-        for a in n.all_input_nodes:
-            if a in tags and tags[a].region == t.region:
-                parent[find(a)] = find(n)
-    groups: dict[Node, list[Node]] = {}
-    for n in tags:
-        groups.setdefault(find(n), []).append(n)
-    return list(groups.values())
+    return composite_regions(forward.graph.nodes, inner)
 
 
 def _saved_by(region: list[Node]) -> tuple[list[Node], Node | None, Node | None]:
@@ -617,7 +595,7 @@ def _norm_jvp(
     reads: dict[str, list[str]] = {}
     made = nodes_made_by(jvp)
     for region in _regions(jvp, inner=True):
-        tags = {n: _tag_of(n, True) for n in region}
+        tags = {n: tag_of(n, True) for n in region}
         count = JVP_TEMPORARIES.get(tags[region[0]].op)
         if count is None or region[0].meta[COMPOSITE].op == FUSED_SDPA:  # attention_jvp's
             continue

@@ -92,7 +92,7 @@ from graphflop.meta import (
 from graphflop.ops import has_rule, op_name
 from graphflop.passes.eager_kernels import is_view
 from graphflop.passes.eager_memory import _regions, scatters_in_place
-from graphflop.passes.flops import tensor_bytes
+from graphflop.passes.flops import read_shares, rule_cost, tensor_bytes
 from graphflop.passes.summary import Graphs
 from graphflop.passes.time_profile import BACKWARD_SUFFIX, THIN_ROWS, TimeProfile
 from graphflop.report import LayerRow, LayerTime, OpTime, PhaseTime, Report, TimeReport
@@ -363,23 +363,6 @@ def _metadata_bytes(n: Node, sizer: _Sizer = None) -> int:
     return read + _size(n, sizer)
 
 
-def _read_shares(n: Node) -> dict[Node, float]:
-    """The fraction of each input of ``n`` that ``n`` reads: all of each, but where its byte
-    rule reads less than its inputs hold (a gather, an embedding: the rows it picks), the
-    difference comes off its largest input (the table the rows are picked from). A view reads
-    nothing itself, and what reads through it is not known here: all of its input."""
-    ins = n.all_input_nodes
-    sizes = [tensor_bytes(a.meta.get("val")) for a in ins]
-    out = dict.fromkeys(ins, 1.0)
-    excess = sum(sizes) - n.meta.get(COST, ZERO_COST).bytes_read
-    if is_view(n) or no_cost_rule(n) or excess <= 0 or not ins:
-        return out
-    big = max(range(len(ins)), key=lambda i: sizes[i])
-    if sizes[big]:
-        out[ins[big]] = max(0.0, sizes[big] - excess) / sizes[big]
-    return out
-
-
 def _kernel_bytes(k: Kernel, sizer: _Sizer = None) -> int:
     """Bytes a kernel moves: one node's read + written (its rule's byte policy, scaled by its
     values' sizes under autocast); a group's inputs from outside it and outputs read outside it
@@ -404,7 +387,7 @@ def _kernel_bytes(k: Kernel, sizer: _Sizer = None) -> int:
     for n in k.nodes:
         if not any(a not in inside for a in n.all_input_nodes):
             continue
-        for a, share in _read_shares(n).items():
+        for a, share in read_shares(n, rule_cost(n)).items():
             if a not in inside:
                 reads[a] = reads.get(a, 0.0) + share * _size(a, sizer)
     read = round(sum(min(r, _size(a, sizer)) for a, r in reads.items()))
