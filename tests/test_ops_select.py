@@ -7,7 +7,8 @@ themselves, as eager's ``hardtanh_backward``. ``torch.hypot(torch.relu(a), torch
 a, b ≤ 0 is such a point: hypot's cotangent is 0/0 = NaN. Leaky ReLU multiplies in eager too
 (``where(x > 0, g, g·slope)``): graphflop's NaN there is eager's. And the FLOPs of ReLU's JVP and
 backward graphs, counted by hand (docs/flops_conventions.md): the select costs what the product
-it replaced did."""
+it replaced did. Maximum and minimum (``masked_fill`` in eager's backward) and hardswish
+(``hardswish_backward``'s regions) select too, their counts by hand."""
 
 from __future__ import annotations
 

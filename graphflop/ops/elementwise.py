@@ -10,9 +10,10 @@ here (the decompositions graphflop chooses are at the end of this file).
 
 JVP rules write the tangent as ``tangent * coefficient``, where the coefficient is a primal-only
 value (``coef`` node), or, where PyTorch's derivative selects rather than multiplies by a 0/1
-mask (ReLU, clamp, hardtanh, hardswish, maximum, minimum), as ``where(mask, tangent, 0)``, so that a NaN or infinite tangent or
-cotangent at a masked-off element gives 0 there as in PyTorch; every tangent node is linear in
-the tangents and transposes with the rules of ``mul``/``div``/``where``.
+mask (ReLU, clamp, hardtanh, hardswish, maximum, minimum), as ``where(mask, tangent, 0)``, so
+that a NaN or infinite tangent or cotangent at a masked-off element gives 0 there as in
+PyTorch; every tangent node is linear in the tangents and transposes with the rules of
+``mul``/``div``/``where``.
 """
 
 from __future__ import annotations
