@@ -537,8 +537,9 @@ class Memory:
         grads_bytes: the gradients (as many bytes as the parameters).
         optimizer_state_bytes: the optimizer state: under the eager model what
             ``torch.optim``'s state holds (Adam's per-parameter step counts included:
-            :func:`graphflop.passes.optimizer.optimizer_state_bytes`), under the graph model
-            the update graph's state inputs.
+            :func:`graphflop.passes.optimizer.optimizer_state_bytes`), for the parameters that
+            get a gradient only (``torch.optim`` makes none where ``.grad`` stays None); under
+            the graph model the update graph's state inputs, every trainable parameter's.
         saved_for_backward_bytes: forward values the backward reads.
         train_peak_bytes: parameters, buffers, gradients and state + the train step's live
             peak.

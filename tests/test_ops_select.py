@@ -7,7 +7,8 @@ themselves, as eager's ``hardtanh_backward``. ``torch.hypot(torch.relu(a), torch
 a, b ≤ 0 is such a point: hypot's cotangent is 0/0 = NaN. Leaky ReLU multiplies in eager too
 (``where(x > 0, g, g·slope)``): graphflop's NaN there is eager's. And the FLOPs of ReLU's JVP and
 backward graphs, counted by hand (docs/flops_conventions.md): the select costs what the product
-it replaced did."""
+it replaced did. Maximum and minimum (``masked_fill`` in eager's backward) and hardswish
+(``hardswish_backward``'s regions) select too, their counts by hand."""
 
 from __future__ import annotations
 
@@ -200,3 +201,150 @@ def test_relu_and_clamp_jvp_and_backward_flops_by_hand():
     # clamp(x, -0.5, 0.5): forward 30; JVP 30 + (>=, <=, and, select) 4·15 + 15 = 105;
     # backward 60
     assert _flops(lambda u: u.clamp(-0.5, 0.5), (x,)) == (30, 105, 60)
+
+
+# maximum/minimum: eager's backward selects (derivatives.yaml: ``where(self == other, grad / 2,
+# grad).masked_fill_(self < other, 0)`` for maximum's self), so hypot's NaN cotangent at
+# hypot(maximum(a, b), c) = hypot(0, 0) gives the argument not chosen exactly 0. Elements: a
+# chosen (0 > -1, output 0, NaN cotangent), b chosen (0 > -1, NaN cotangent), a tie (2 = 2,
+# half each), a chosen with a finite cotangent, a tie at 0 (NaN cotangent, half of NaN each).
+# minimum runs on the negated values: the same elements chosen, the same gradients
+EXT_A = _t(0.0, -1.0, 2.0, 1.0, 0.0)
+EXT_B = _t(-1.0, 0.0, 2.0, 0.0, 0.0)
+EXT_C = _t(0.0, 0.0, 0.0, 1.0, 0.0)
+
+
+@pytest.mark.parametrize("op", [torch.maximum, torch.minimum], ids=["maximum", "minimum"])
+def test_extremum_gradient_selects_as_eager(op):
+    sign = 1.0 if op is torch.maximum else -1.0
+
+    def f(a, b, c):
+        return torch.hypot(op(sign * a, sign * b), c)
+
+    ones = torch.ones(5, dtype=torch.float64)
+    _, got = _derivatives(f, (EXT_A, EXT_B, EXT_C), (ones, ones, ones))
+    leaves = [v.clone().requires_grad_() for v in (EXT_A, EXT_B, EXT_C)]
+    ref = torch.autograd.grad(f(*leaves).sum(), leaves)
+    for g, r in zip(got, ref):
+        _same(g, r)
+    # by hand: a's gradient [NaN, 0, 1/2, 1/√2, NaN], b's [0, NaN, 1/2, 0, NaN]: element 1
+    # (a not chosen, a NaN cotangent) is 0, where a 0/1 mask gives NaN · 0 = NaN
+    _same(got[0], _t(NAN, 0.0, 0.5, 0.5**0.5, NAN))
+    _same(got[1], _t(0.0, NAN, 0.5, 0.0, NAN))
+
+
+@pytest.mark.parametrize("op", [torch.maximum, torch.minimum], ids=["maximum", "minimum"])
+def test_extremum_nan_and_inf_upstream_gradient_as_eager(op):
+    # a custom upstream gradient (the loss weighs by w, NaN or inf where one argument is not
+    # chosen): the gradient of Σ w · op(a, b) is w selected onto the chosen argument, halved at
+    # ties; eager's masked_fill gives 0 to the other, a 0/1 mask would give NaN · 0 = NaN. At a
+    # NaN primal (element 5) neither argument is less than the other: eager's masked_fill passes
+    # w to both
+    a = _t(1.0, -1.0, 3.0, 2.0, 0.0, NAN)
+    b = _t(-1.0, 1.0, 3.0, -2.0, 0.5, 1.0)
+    w = _t(NAN, INF, 4.0, -INF, NAN, 3.0)
+
+    def f(a, b, w):
+        return op(a, b) * w
+
+    zeros = torch.zeros(6, dtype=torch.float64)
+    _, got = _derivatives(f, (a, b, w), (zeros, zeros, zeros))
+    leaves = [v.clone().requires_grad_() for v in (a, b, w)]
+    ref = torch.autograd.grad(f(*leaves).sum(), leaves)
+    _same(got[0], ref[0])
+    _same(got[1], ref[1])
+    first_wins = a > b if op is torch.maximum else a < b
+    # by hand: the chosen argument gets w, the other 0, each half of 4 at the tie (element 2),
+    # both 3 at the NaN primal
+    expect_a = torch.where(first_wins, w, torch.zeros_like(w))
+    expect_b = torch.where(~first_wins, w, torch.zeros_like(w))
+    expect_a[2] = expect_b[2] = 2.0
+    expect_a[5] = expect_b[5] = 3.0
+    _same(got[0], expect_a)
+    _same(got[1], expect_b)
+
+
+def test_extremum_tangent_selects():
+    # graphflop's JVP is the map its backward transposes: the chosen argument's tangent, half
+    # each at a tie, and a NaN or infinite tangent of the argument not chosen gives nothing.
+    # Eager's forward formula multiplies (other_t + c · (self_t − other_t)): torch.func.jvp
+    # agrees with finite tangents and is NaN where the argument not chosen has a NaN tangent
+    a, b = _t(1.0, -1.0, 3.0, 2.0), _t(-1.0, 1.0, 3.0, -2.0)
+    ta, tb = _t(2.0, 3.0, 4.0, 5.0), _t(7.0, 11.0, 13.0, 17.0)
+    got_t, _ = _derivatives(torch.maximum, (a, b), (ta, tb))
+    ref_t, _ = _eager(torch.maximum, (a, b), (ta, tb))
+    _same(got_t, ref_t)
+    assert torch.equal(got_t, _t(2.0, 11.0, 8.5, 5.0))  # a, b, (4 + 13)/2, a
+    nan_t, inf_t = _t(2.0, NAN, 4.0, 5.0), _t(INF, 11.0, 13.0, -INF)
+    got_t, _ = _derivatives(torch.maximum, (a, b), (nan_t, inf_t))
+    assert torch.equal(got_t, _t(2.0, 11.0, 8.5, 5.0))  # as with finite tangents
+    ref_t, _ = _eager(torch.maximum, (a, b), (nan_t, inf_t))
+    assert ref_t[[0, 1, 3]].isnan().all()  # eager's product: 0 · NaN, inf − inf
+
+
+def test_extremum_jvp_and_backward_flops_by_hand():
+    x = torch.randn(3, 5, dtype=torch.float64)  # N = 15 elements
+    y = torch.randn(3, 5, dtype=torch.float64)
+    # forward: maximum 15 + the sum loss 15 = 30
+    # JVP, both tangents: the primal 30; x < y, y < x, x == y, h = where(x == y, 0.5, 1) 4·15,
+    # the two selects, their sum, the product by h 4·15; the loss tangent's sum 15: 165
+    # backward: the same four coefficients 60, the product by h 15, the two selects 30: 105
+    assert _flops(torch.maximum, (x, y)) == (30, 165, 105)
+    assert _flops(torch.minimum, (x, y)) == (30, 165, 105)
+    # one tangent (y a constant): coefficients (x < y, x == y, h) 3·15, select and product
+    # 2·15: JVP 30 + 75 + 15 = 120, backward 75
+    assert _flops(lambda u: torch.maximum(u, y), (x,)) == (30, 120, 75)
+
+
+# hardswish: eager's hardswish_backward selects by region (0 from -3 down, x/3 + 1/2 strictly
+# between -3 and 3, 1 from 3 up); graphflop traced PyTorch's decomposition x·clamp(x + 3, 0, 6)/6
+# and differentiated its product: NaN · 0 at a NaN cotangent below -3, and -1/2 at x = -3,
+# 3/2 at x = 3 (the clamp passes its bounds)
+HS_X = _t(-4.0, -3.0, -1.5, 0.0, 1.0, 3.0, 5.0)
+
+
+def test_hardswish_gradient_selects_as_eager():
+    # hypot(hardswish(x), c) with c = 0: hypot's cotangent is NaN where hardswish(x) = 0
+    # (x = -4, -3, 0); eager's gradient is 0 below and at -3, NaN at 0
+    c = torch.zeros(7, dtype=torch.float64)
+
+    def f(x, c):
+        return torch.hypot(F.hardswish(x), c)
+
+    _, got = _derivatives(f, (HS_X, c), (torch.ones(7, dtype=torch.float64), c))
+    leaves = [v.clone().requires_grad_() for v in (HS_X, c)]
+    ref = torch.autograd.grad(f(*leaves).sum(), leaves)
+    _same(got[0], ref[0])
+    assert torch.equal(got[0][:2], _t(0.0, 0.0)) and got[0][3].isnan()
+
+
+def test_hardswish_derivatives_by_region_as_eager():
+    # the gradient of Σ hardswish(x) by hand: 0 at -4 and -3, x/3 + 1/2 at -1.5, 0, 1
+    # (0, 1/2, 5/6), 1 at 3 and 5
+    x = HS_X
+    out_t, (grad,) = _derivatives(F.hardswish, (x,), (torch.ones(7, dtype=torch.float64),))
+    leaf = x.clone().requires_grad_()
+    (ref,) = torch.autograd.grad(F.hardswish(leaf).sum(), [leaf])
+    expect = _t(0.0, 0.0, 0.0, 0.5, 1.0 / 3.0 + 0.5, 1.0, 1.0)
+    _same(grad, expect)
+    _same(ref, expect)
+    # NaN and infinite tangents below -3 give 0 (torch.func.jvp: hardswish_backward(t, x))
+    tx = _t(NAN, INF, 2.0, 2.0, 2.0, 2.0, NAN)
+    got_t, _ = _derivatives(F.hardswish, (x,), (tx,))
+    ref_t, _ = _eager(F.hardswish, (x,), (tx,))
+    _same(got_t, ref_t)
+    assert torch.equal(got_t[:2], _t(0.0, 0.0)) and got_t[6].isnan()
+    # in place (nn.Hardswish(inplace=True)) alike
+    inplace = torch.nn.Hardswish(inplace=True)
+    _, (grad,) = _derivatives(lambda u: inplace(u * 1.0), (x,), (tx,))
+    _same(grad, expect)
+
+
+def test_hardswish_kept_whole_and_its_flops_by_hand():
+    x = torch.randn(3, 5, dtype=torch.float64)  # N = 15 elements
+    fwd, _, _ = _graphs(F.hardswish, (x,))
+    assert torch.ops.aten.hardswish.default in {n.target for n in fwd.graph.nodes}
+    # forward: hardswish 5·15 (the parts it was traced as: + 3, two clamps, ·x, /6) + loss 15
+    # = 90; JVP: the primal 90; x <= -3, x < 3, x/3, + 1/2, the coefficient's select, the
+    # select and the product 7·15; the loss tangent's sum 15: 210; backward 7·15 = 105
+    assert _flops(F.hardswish, (x,)) == (90, 210, 105)

@@ -54,13 +54,13 @@ def tnet(tmp_path_factory):
     return f
 
 
-def _measured_state_bytes(path, optimizer: str) -> int:
+def _measured_state_bytes(path, optimizer: str, name: str = "TNet") -> int:
     """One eager training step on the CPU; the bytes of every tensor ``optimizer.state``
     holds after it (on whatever device torch put it: Adam's steps are on the CPU)."""
     ns: dict = {}
     exec(compile(path.read_text(), str(path), "exec"), ns)
     torch.manual_seed(0)
-    model = ns["TNet"]()
+    model = ns[name]()
     opt = torch_optimizer(optimizer, model.parameters(), lr=1e-3)
     model(*ns["example_inputs"]()).sum().backward()
     opt.step()
@@ -96,3 +96,63 @@ def test_the_state_formula():
     assert optimizer_state_bytes("momentum", 1000, 3) == 1000
     assert optimizer_state_bytes("sgd", 1000, 3) == 0
     assert (step_count_bytes("adam"), step_count_bytes("momentum")) == (4, 0)
+
+
+PARTIAL = """
+import torch, torch.nn as nn
+
+
+class Partial(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.gate = nn.Linear(8, 16)  # read only under no_grad: no gradient
+        self.spare = nn.Linear(16, 4)  # never read: no gradient
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            g = torch.sigmoid(self.gate(x))
+        return self.head(self.fc(x) * g)
+
+
+def example_inputs():
+    return (torch.randn(4, 8),)
+"""
+
+# Partial's parameters with a gradient: fc 8·16 + 16 = 144 and head 16·4 + 4 = 68, 212 float32
+# elements (848 B) in 4 tensors; gate (144) and spare (68) keep .grad None: torch.optim makes
+# no state for them
+GRADED_BYTES, GRADED_TENSORS = 212 * 4, 4
+EXPECTED_PARTIAL = {
+    "adam": 2 * GRADED_BYTES + GRADED_TENSORS * 4,  # 1,712
+    "adamw": 2 * GRADED_BYTES + GRADED_TENSORS * 4,
+    "momentum": GRADED_BYTES,  # 848
+    "sgd": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def partial(tmp_path_factory):
+    f = tmp_path_factory.mktemp("partial") / "partial.py"
+    f.write_text(PARTIAL)
+    return f
+
+
+@pytest.mark.parametrize("optimizer", sorted(EXPECTED_PARTIAL))
+def test_no_state_for_parameters_without_a_gradient(capsys, tmp_path, partial, optimizer):
+    """A parameter read only under no_grad and one never read keep ``.grad`` None, and
+    ``torch.optim`` skips them (no state); inspect and plan counted theirs (Adam 2,264 B
+    against torch's 1,712)."""
+    measured = _measured_state_bytes(partial, optimizer, "Partial")
+    assert measured == EXPECTED_PARTIAL[optimizer]
+    rc, out, err = cli(capsys, "inspect", partial, "--optimizer", optimizer, "--format", "json")
+    assert rc == 0, err
+    assert json.loads(out)["memory"]["optimizer_state_bytes"] == measured
+    plan = tmp_path / "plan.json"
+    for device in ("cuda", "cpu"):
+        argv = ("plan", partial, "--optimizer", optimizer, "--memory-device", device)
+        rc, _, err = cli(capsys, *argv, "--json", plan)
+        assert rc == 0, err
+        ranks = json.loads(plan.read_text())["ranks"]
+        assert ranks[0]["memory_bytes"]["optimizer_state"] == measured

@@ -4,14 +4,16 @@ one math-library call each, as pow); maximum and minimum split the derivative ha
 as PyTorch; comparisons, sign, rounding and integer bookkeeping (floor
 division, logical and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element,
 like ReLU), and so is hardtanh (1, as the clamp PyTorch decomposes it to; its derivative is not
-clamp's at the bounds); GELU, SiLU, ELU, dropout, softplus, hardswish and mish decompose into the ops
+clamp's at the bounds), and hardswish (5, its decomposition's parts; its derivative selects);
+GELU, SiLU, ELU, dropout, softplus and mish decompose into the ops
 here (the decompositions graphflop chooses are at the end of this file).
 
 JVP rules write the tangent as ``tangent * coefficient``, where the coefficient is a primal-only
 value (``coef`` node), or, where PyTorch's derivative selects rather than multiplies by a 0/1
-mask (ReLU, clamp), as ``where(mask, tangent, 0)``, so that a NaN or infinite tangent or
-cotangent at a masked-off element gives 0 there as in PyTorch; every tangent node is linear in
-the tangents and transposes with the rules of ``mul``/``div``/``where``.
+mask (ReLU, clamp, hardtanh, hardswish, maximum, minimum), as ``where(mask, tangent, 0)``, so
+that a NaN or infinite tangent or cotangent at a masked-off element gives 0 there as in
+PyTorch; every tangent node is linear in the tangents and transposes with the rules of
+``mul``/``div``/``where``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from graphflop.ops.registry import (
     def_transpose,
     def_zero,
     is_tensor_arg,
+    keep_in_graph,
     register,
     register_decomposition,
     use_torch_decomposition,
@@ -482,32 +485,45 @@ def _jvp_hypot(b, out, args, tangents, kwargs):
     return _fit(b, b.add(t1, t2), out)
 
 
-def _jvp_extremum2(pick):
-    """``maximum``/``minimum``: the tangent of the chosen argument, ties split half and half
-    (PyTorch's forward derivative in derivatives.yaml: ``other_t + c · (self_t − other_t)``,
-    ``c = where(self == other, 0.5, self > other)`` for ``maximum``, ``self < other`` for
-    ``minimum``); ``c`` is a primal-only coefficient."""
+def _jvp_extremum2(loses):
+    """``maximum``/``minimum``: the tangent of the chosen argument, ties split half and half,
+    selected as PyTorch's backward selects (derivatives.yaml, ``maximum``: self's gradient
+    ``where(self == other, grad / 2, grad).masked_fill_(self < other, 0)``, other's with
+    ``self > other``; ``minimum`` the other way round). ``loses(x, y)`` is where x is not
+    chosen (``lt`` for maximum, ``gt`` for minimum). The tangent is
+    ``h · (where(x loses, 0, dx) + where(y loses, 0, dy))`` with ``h = where(x == y, 0.5, 1)``
+    a primal-only coefficient, so its transpose is eager's gradient exactly: a NaN or infinite
+    cotangent gives 0 to the argument not chosen, and at a NaN primal (neither loses) both
+    arguments get the cotangent, as eager's ``masked_fill``. PyTorch's forward-mode formula
+    multiplies instead (``other_t + c · (self_t − other_t)``), so ``torch.func.jvp`` gives NaN
+    where the argument not chosen has a NaN or infinite tangent, and the second argument's
+    tangent alone at a NaN primal; graphflop's JVP is the map its backward transposes (as for
+    clamp with tensor bounds and fmax). Per element with both tangents: the two comparisons,
+    the tie test and ``h`` (4), the two selects, their sum and the product by ``h`` (4): 8 in
+    the JVP, 7 in the backward (the sum's transpose is free); with one tangent 5 in both
+    (docs/flops_conventions.md)."""
 
     def jvp(b, out, args, tangents, kwargs):
         x, y = args
         tx, ty = tangents
         if tx is None and ty is None:
             return None
-        wins = b.call(aten._to_copy.default, b.call(pick, x, y), dtype=dtype(out))
-        c = b.call(aten.where.ScalarSelf, b.call(aten.eq.Tensor, x, y), 0.5, wins)
-        if ty is None:
-            t = _scale(b, tx, c)
-        elif tx is None:
-            t = _scale(b, ty, b.call(aten.rsub.Scalar, c, 1))
-        else:
-            t = b.add(ty, _scale(b, b.sub(tx, ty), c))
-        return _fit(b, t, out)
+        one = b.full([], 1.0, like=out)
+        h = b.call(aten.where.ScalarSelf, b.call(aten.eq.Tensor, x, y), 0.5, one)
+        sx = None if tx is None else _fit(b, _keep_unless(b, tx, b.call(loses, x, y)), out)
+        sy = None if ty is None else _fit(b, _keep_unless(b, ty, b.call(loses, y, x)), out)
+        return _scale(b, b.add(sx, sy), h)
 
     return jvp
 
 
-def_jvp(aten.maximum.default)(_jvp_extremum2(aten.gt.Tensor))
-def_jvp(aten.minimum.default)(_jvp_extremum2(aten.lt.Tensor))
+def _keep_unless(b, t, mask):
+    """``t`` where ``mask`` is false, 0 where it is true (a select: :func:`_keep`)."""
+    return b.call(aten.where.ScalarSelf, mask, 0.0, t)
+
+
+def_jvp(aten.maximum.default)(_jvp_extremum2(aten.lt.Tensor))
+def_jvp(aten.minimum.default)(_jvp_extremum2(aten.gt.Tensor))
 
 
 # --- where: linear in the two branches ----------------------------------------------------------
@@ -617,6 +633,38 @@ def _jvp_hardtanh(b, out, args, tangents, kwargs):
         b.call(aten.ge.Scalar, a.self, a.max_val),
     )
     return b.call(aten.where.ScalarSelf, outside, 0.0, tangents[0])
+
+
+# hardswish is kept whole rather than traced as PyTorch's decomposition (x·clamp(x + 3, 0, 6)/6),
+# whose derivative multiplies (NaN · 0 where a NaN or infinite cotangent meets x < -3) and passes
+# the clamp's bounds (-0.5 at x = -3, 1.5 at x = 3, where eager's hardswish_backward gives 0 and 1)
+keep_in_graph(aten.hardswish.default)
+#: 5 FLOPs per element, the parts of the decomposition it was traced as (+ 3, the two clamps,
+#: the product and the divide)
+register(aten.hardswish.default, F, per_output(5))
+
+
+@def_jvp(aten.hardswish.default)
+def _jvp_hardswish(b, out, args, tangents, kwargs):
+    """``where(x <= -3, 0, dx) · c`` with ``c = where(x < 3, x/3 + 1/2, 1)``: PyTorch's
+    ``hardswish_backward`` (its CPU kernel's scalar loop and ``torch._decomp``'s), also its
+    forward-mode rule (``auto_element_wise``): 0 from x = -3 down, ``x/3 + 1/2`` strictly
+    between -3 and 3, 1 from 3 up. A select below -3, so a NaN or infinite tangent or cotangent
+    there gives 0, as eager; above, the product by the coefficient is eager's own (``grad ·
+    (x/3 + 1/2)``, ``grad``). A NaN x passes the tangent on (both comparisons false), as the
+    scalar loop (the vectorized one gives NaN there). Per element: two comparisons, the divide,
+    the add and the coefficient's select (5), the product and the select (2): 7 in the JVP and
+    in the backward, where the decomposition's derivative counted 8."""
+    x = args[0]
+    coef = b.call(
+        aten.where.ScalarOther,
+        b.call(aten.lt.Scalar, x, 3),
+        b.call(aten.add.Tensor, b.call(aten.div.Tensor, x, 3), 0.5),
+        1.0,
+    )
+    # the select before the product in the JVP, so that it comes last in the transpose: the
+    # gradient below -3 is +0, as eager's (the JVP's is -0 there, the coefficient negative)
+    return _scale(b, _keep_unless(b, tangents[0], b.call(aten.le.Scalar, x, -3)), coef)
 
 
 @def_jvp(aten.clamp.default)

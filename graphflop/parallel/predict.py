@@ -89,7 +89,7 @@ from graphflop.passes.eager_memory import (
     optimizer_temporaries,
 )
 from graphflop.passes.memory import Schedule, Step
-from graphflop.passes.optimizer import STATE_KINDS, step_count_bytes
+from graphflop.passes.optimizer import STATE_KINDS, not_updated, step_count_bytes
 
 __all__ = ["PlanReport", "RankClass", "find_blocks", "pipeline_units", "predict"]
 
@@ -521,6 +521,12 @@ def predict(  # noqa: C901
     phs = {n.name: n for n in fwd.graph.nodes if n.op == "placeholder"}
     param_of = dict(sig.params)  # placeholder → qualified name
     trainable = {q for _, q in sig.trainable()}
+    # trainable parameters the backward gives no gradient (the update skips them): torch.optim
+    # makes no state for a parameter whose .grad stays None, and DDP leaves a globally unused
+    # parameter's .grad None, as FSDP2 does its sharded one; FSDP1's flat parameter
+    # (ZeRO-2 here) gives every parameter that requires grad a gradient, zeros for these
+    update = analysis.update
+    stateless = not_updated(update) if update is not None and plan.zero != 2 else frozenset()
     notes: list[str] = []
 
     # tensor parallelism ----------------------------------------------------------------------
@@ -721,6 +727,8 @@ def predict(  # noqa: C901
                 dtype_of[copy], pplace[copy], p_stages[copy] = dtype_of[q], pplace[q], p_stages[q]
                 if q in trainable:
                     trainable.add(copy)
+                if q in stateless:
+                    stateless = stateless | {copy}
     fsdp_blocks = [f"{b}#{i}" if i else b for b in blocks for i in range(weight_of_block.get(b, 1))]
 
     def local_numel(q: str) -> int:
@@ -943,6 +951,7 @@ def predict(  # noqa: C901
     for s in range(plan.pp):
         qs = [q for q in numel if s in p_stages[q]]
         tq = [q for q in qs if q in trainable]
+        sq = [q for q in tq if q not in stateless]  # those with optimizer state
         p_bytes = sum(local_numel(q) * esize[q] for q in qs)
         g_bytes = sum(local_numel(q) * esize[q] for q in tq)
         dp = plan.dp
@@ -965,9 +974,12 @@ def predict(  # noqa: C901
                     for q in sorted(tq, key=local_numel, reverse=True)
                 ]
             o_bytes = (
-                round(sum(local_numel(q) * esize[q] for q in owned) * state_per_param_byte)
+                round(
+                    sum(local_numel(q) * esize[q] for q in owned if q not in stateless)
+                    * state_per_param_byte
+                )
                 if owned is not None
-                else round(g_bytes * state_per_param_byte)
+                else round(sum(local_numel(q) * esize[q] for q in sq) * state_per_param_byte)
             )
             upd_numel = (
                 sum(local_numel(q) for q in owned)
@@ -1020,7 +1032,7 @@ def predict(  # noqa: C901
                             Collective("reduce_scatter", "dp", dp, rs_elems, dt, "backward", unit)
                         )
             unit_bytes = [sum(padded[q] * esize[q] for q in mem_) for mem_ in units.values()]
-            sharded = sum(padded[q] * esize[q] for q in tq) // dp
+            sharded = sum(padded[q] * esize[q] for q in sq) // dp  # with optimizer state
             grad_sharded = sum(padded[q] * esize[q] for mem_ in grad_members.values() for q in mem_)
             if plan.zero == 3:
                 gather_buf = sum(sorted(unit_bytes, reverse=True)[:2])
@@ -1065,7 +1077,11 @@ def predict(  # noqa: C901
             upd_numel = sum(padded[q] for q in tq) // dp
         in_flight = _in_flight(plan, s)
         act = round(saved_local[s] * ck_scale * in_flight)
-        o_bytes += step_bytes * (len(owned) if plan.zero == 1 and owned is not None else len(tq))
+        o_bytes += step_bytes * (
+            sum(q not in stateless for q in owned)
+            if plan.zero == 1 and owned is not None
+            else len(sq)
+        )
         engine = g_bytes if plan.zero <= 1 and dp > 1 else 0  # DDP's gradient buckets
         stage_batch = batch_bytes
         if plan.pp > 1:

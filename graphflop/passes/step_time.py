@@ -116,6 +116,7 @@ ONE_BACKWARD_KERNEL = frozenset(
         _aten.relu.default,
         _aten.threshold.default,
         _aten.hardtanh.default,
+        _aten.hardswish.default,
         _aten.leaky_relu.default,
         _aten.sigmoid.default,
         _aten.tanh.default,

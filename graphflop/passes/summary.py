@@ -58,7 +58,7 @@ from graphflop.passes.memory import (
     train_schedule,
 )
 from graphflop.passes.memory_calls import ComposedSchedule, composed_forward_schedule
-from graphflop.passes.optimizer import optimizer_state_bytes, update_param_count
+from graphflop.passes.optimizer import not_updated, optimizer_state_bytes, update_param_count
 from graphflop.passes.recorded_memory import recorded_jvp_schedule, recorded_train_schedule
 from graphflop.report import (
     ActivityGradientTotals,
@@ -389,7 +389,7 @@ def _memory(
     buffers_bytes: int,
     optimizer: str,
     trainable_bytes: int,
-    trainable_tensors: int,
+    stateful: tuple[int, int],
     model: str,
     device: str,
     keep_grads: bool,
@@ -397,9 +397,11 @@ def _memory(
 ) -> tuple[Memory, dict[str, int]]:
     """(the memory figures, the storages saved for backward: owner node name -> bytes, empty
     without a backward graph). Gradients and optimizer state only for the trainable
-    parameters (``trainable_bytes``, ``trainable_tensors`` of them; under the eager model the
-    state as :func:`~graphflop.passes.optimizer.optimizer_state_bytes` counts it, Adam's step
-    counts included); the parameters and buffers (``params_bytes +
+    parameters (``trainable_bytes`` of them; under the eager model the state as
+    :func:`~graphflop.passes.optimizer.optimizer_state_bytes` counts it, Adam's step counts
+    included, of the ``stateful`` (bytes, tensors) of them only: those the backward
+    gives a gradient, as ``torch.optim`` makes no state for a parameter whose ``.grad`` stays
+    None); the parameters and buffers (``params_bytes +
     buffers_bytes``) are live in every peak; ``model``: ``eager`` or ``graph``
     (:mod:`graphflop.passes.eager_memory`). ``composed``: the forward peak, and under the
     eager model the train peak and the saved storages, from schedules that work out each
@@ -429,10 +431,14 @@ def _memory(
     mem: dict[str, Any] = {"forward_peak_bytes": resident + fpeak}
     owners: dict[str, int] = {}
     if g.backward is not None:
-        # eager: torch.optim's state, Adam's per-parameter step counts included; graphflop's
-        # update graph takes the moments and one step scalar
-        tensors = trainable_tensors if model == "eager" else 0
-        state = optimizer_state_bytes(optimizer, trainable_bytes, tensors)
+        # eager: torch.optim's state, Adam's per-parameter step counts included, for the
+        # parameters that get a gradient (torch.optim skips p.grad None and makes no state);
+        # graphflop's update graph takes the moments of every trainable parameter and one
+        # step scalar
+        if model == "eager":
+            state = optimizer_state_bytes(optimizer, *stateful)
+        else:
+            state = optimizer_state_bytes(optimizer, trainable_bytes, 0)
         if train is not None:  # the eager model, read off the recorded backward
             tpeak, _ = train[0].peak()
             owners = train[1]
@@ -728,6 +734,11 @@ def summarize(
     # frozen parameters (requires_grad=False): no gradient, update or optimizer state
     trainable = sum(phs[p].meta["val"].numel() for p, _ in sig.trainable())
     trainable_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable())
+    # those the backward gives a gradient: the update skips the others (not_updated), and
+    # torch.optim keeps no state for them
+    skipped = not_updated(graphs.update) if graphs.update is not None else frozenset()
+    stateful = [p for p, q in sig.trainable() if q not in skipped]
+    stateful_sizes = (sum(tensor_bytes(phs[p].meta["val"]) for p in stateful), len(stateful))
     layers = _Layers()
     h = hierarchy_of(fwd) if hierarchical else None
     figures = forward_figures(fwd, h) if h is not None else None
@@ -748,7 +759,7 @@ def summarize(
         buffers_bytes,
         optimizer,
         trainable_bytes,
-        len(sig.trainable()),
+        stateful_sizes,
         memory_model,
         device,
         keep_grads,

@@ -515,18 +515,21 @@ def verify_gradients(
     ``examples``: the model's example inputs (:func:`real_arguments`).
 
     The error per parameter is ``‖a − b‖ / max(‖b‖, gradient_floor(dtype, s, tolerance))``
-    with ``s = max(‖∇L‖, |L|/‖p‖)`` (normwise relative, with an absolute floor for gradients
-    that are zero in exact arithmetic; ``|L|/‖p‖``, the gradient a relative change of the
-    parameters would give a loss of size ``|L|``, for a loss whose whole gradient is rounding
-    noise, as instance norm without affine followed by a spatial mean gives); the worst one is
-    reported. A NaN or infinity in either gradient is an
+    with ``s = max(‖∇L‖, Σ|ℓ|/‖p‖)`` (normwise relative, with an absolute floor for gradients
+    that are zero in exact arithmetic; ``Σ|ℓ|/‖p‖``, the gradient a relative change of the
+    parameters would give a loss of size ``Σ|ℓ|``, the magnitudes of the terms the loss adds
+    up (:func:`loss_magnitude`, at least ``|L|``), for a loss whose whole gradient is rounding
+    noise, as instance norm without affine followed by a spatial mean gives, or the sum of a
+    layer norm's output without affine, 0 for every input); the worst one is reported. A NaN or infinity in either gradient is an
     infinite error (the check fails, :func:`nonfinite`), unless both gradients have them at the
     same elements (:func:`same_nonfinite`): the finite elements are compared, and when they
     agree the check is not comparable.
     """
     values = real_arguments(forward, model, seed=seed, examples=examples)
     with seeded():
-        fwd_values = run_forward(forward, values, backward_reads(backward))
+        fwd_values = run_forward(
+            forward, values, backward_reads(backward) | {loss_terms_name(forward)}
+        )
     grads = run_backward(backward, fwd_values)
     sig: Signature = forward.meta[SIGNATURE]
     params = differentiable_params(sig, values)
@@ -536,7 +539,8 @@ def verify_gradients(
     ref, loss, what = reference_gradients(reference_loss_fn(forward, model, values), params, model)
     # the scale of the finite elements (those NaN or inf in both are compared apart)
     total = norm64(t[t.isfinite()] for t in ref.values())
-    scale = max(total, loss_scale(float(loss), params.values()))
+    magnitude = max(abs(float(loss)), loss_magnitude(forward, fwd_values))
+    scale = max(total, loss_scale(magnitude, params.values()))
     floor = max(gradient_floor(dtype, scale, tolerance), 1e-300) if math.isfinite(scale) else 0
     worst, where = 0.0, "no parameters"
     shared: dict[str, int] = {}  # parameter → elements NaN or inf in both gradients alike
@@ -561,7 +565,7 @@ def verify_gradients(
         if bad:
             break
     name = f"gradients vs {what}"
-    measure = f"worst normwise relative error (floor {FLOOR_ULPS}·eps·max(‖∇L‖, |L|/‖p‖))"
+    measure = f"worst normwise relative error (floor {FLOOR_ULPS}·eps·max(‖∇L‖, Σ|ℓ|/‖p‖))"
     if shared and worst <= tolerance:  # a finite element that differs still fails the check
         at = ", ".join(shared)
         why = SAME_NONFINITE.format(
@@ -716,9 +720,90 @@ def norm64(tensors: Any) -> float:
 
 def loss_scale(loss: float, params: Any) -> float:
     """``|L| / ‖p‖`` over ``params`` (float64): the size of a gradient a relative change of the
-    parameters gives a loss of size ``|L|``; 0 without parameters or a finite loss."""
+    parameters gives a loss of size ``|L|``; 0 without parameters or a finite loss. Give it
+    :func:`loss_magnitude` for ``L``: the scale of a loss whose terms cancel."""
     norm = norm64(params)
     return abs(loss) / norm if norm > 0 and math.isfinite(loss) else 0.0
+
+
+_aten = torch.ops.aten
+#: ops the loss's terms reach it through: sums add them, means add them scaled by the count
+_LOSS_SUMS = frozenset({_aten.sum.default, _aten.sum.dim_IntList})
+_LOSS_MEANS = frozenset({_aten.mean.default, _aten.mean.dim})
+#: views and copies of one tensor: the same terms
+_LOSS_VIEWS = frozenset(
+    {
+        _aten.view.default,
+        _aten.reshape.default,
+        _aten._unsafe_view.default,
+        _aten.squeeze.default,
+        _aten.squeeze.dim,
+        _aten.squeeze.dims,
+        _aten.unsqueeze.default,
+        _aten.alias.default,
+        _aten.clone.default,
+        _aten.view_as_real.default,
+    }
+)
+#: products and quotients by a number: the terms scaled by it
+_LOSS_SCALES = frozenset({_aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar})
+
+
+def loss_terms_name(forward: GraphModule) -> str:
+    """The name of the forward node :func:`loss_magnitude` reads (keep it when running the
+    forward)."""
+    return loss_terms(forward)[0]
+
+
+def loss_terms(forward: GraphModule) -> tuple[str, float]:
+    """The forward node whose elements the loss adds up, and the factor each enters it with:
+    from the loss node back through sums, means (``1/count``), views and products by a number
+    (``sum(mean(y) · 2)``: ``y``, ``2/numel(y)``). The loss node itself, factor 1, where it is
+    none of those (a cross-entropy)."""
+    node = next(n for n in forward.graph.nodes if n.name == forward.meta[SIGNATURE].loss)
+    factor = 1.0
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        src = node.args[0]
+        if node.target in _LOSS_SUMS or node.target in _LOSS_VIEWS:
+            pass
+        elif node.target in _LOSS_MEANS:
+            n_in, n_out = (_numel(x) for x in (src, node))
+            if n_in is None or n_out is None or n_in == 0:
+                break
+            factor *= n_out / n_in
+        elif node.target in _LOSS_SCALES and isinstance(node.args[1], (int, float)):
+            c = abs(float(node.args[1]))
+            if c == 0 or not math.isfinite(c):
+                break
+            factor *= c if node.target in (_aten.mul.Tensor, _aten.mul.Scalar) else 1 / c
+        else:
+            break
+        node = src
+    return node.name, factor
+
+
+def _numel(node: torch.fx.Node) -> int | None:
+    v = node.meta.get("val")
+    try:
+        return int(v.numel()) if isinstance(v, torch.Tensor) else None
+    except (TypeError, RuntimeError):  # a data-dependent size
+        return None
+
+
+def loss_magnitude(forward: GraphModule, fwd_values: dict[str, Any]) -> float:
+    """``max(|L|, Σ|ℓᵢ|)``, the loss and the sum of the magnitudes of the terms it adds up
+    (:func:`loss_terms`, read from ``fwd_values``: run the forward keeping that node). A loss
+    whose terms cancel (the sum of a layer norm's output without affine: 0 for every input)
+    is rounding noise of a few ``eps · Σ|ℓᵢ|``, and so are its derivatives at that scale;
+    ``|L|`` alone would say there is no scale at all. NaN or infinite terms are left out."""
+    loss = float(wide(fwd_values[forward.meta[SIGNATURE].loss]).abs().sum())
+    loss = loss if math.isfinite(loss) else 0.0
+    name, factor = loss_terms(forward)
+    terms = fwd_values.get(name)
+    if not isinstance(terms, torch.Tensor) or not (terms.is_floating_point() or terms.is_complex()):
+        return loss
+    mag = wide(terms).abs()
+    return max(loss, factor * float(mag[mag.isfinite()].sum()))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -17,7 +17,9 @@ from graphflop.runtime.verify import (
     _dtype_name,
     backward_reads,
     gradient_floor,
+    loss_magnitude,
     loss_scale,
+    loss_terms_name,
     nonfinite,
     real_arguments,
     run_backward,
@@ -71,7 +73,9 @@ def verify_forward_gradient(
     backward = build_vjp(forward)
     assert sig.loss is not None, "build_vjp refuses a forward graph without a loss"
     with seeded():
-        fwd_values = run_forward(forward, values, backward_reads(backward))
+        fwd_values = run_forward(
+            forward, values, backward_reads(backward) | {loss_terms_name(forward)}
+        )
     grads = run_backward(backward, fwd_values)
     # the parameters' gradients (not those of leaves the model made, which follow them)
     true = torch.cat([grads[pos].flatten() for pos, _ in backward.meta[VJP].grads]).double()
@@ -117,8 +121,8 @@ def verify_forward_gradient(
     if norm == 0.0:  # no parameter reaches the loss (a detached model): the estimate is 0 too
         worst = float(total.abs().max()) / steps
         return Check(name, worst, "‖∇L‖ = 0: the loss does not depend on the parameters", 1e-6)
-    # FLOOR_ULPS·eps·|L|/‖p‖: a gradient made of rounding errors (the gradient check's floor)
-    scale = loss_scale(float(fwd_values[sig.loss]), [values[p] for p in trainable])
+    # FLOOR_ULPS·eps·Σ|ℓ|/‖p‖: a gradient made of rounding errors (the gradient check's floor)
+    scale = loss_scale(loss_magnitude(forward, fwd_values), [values[p] for p in trainable])
     noise = gradient_floor(values[trainable[0]].dtype, scale, 1.0)
     if norm <= noise:
         # the gradient is rounding noise (a loss constant in exact arithmetic): so is the

@@ -165,15 +165,23 @@ def verify_jvp(
             dtype=_dtype_name(got.dtype),
             comparable=False,
         )
+    # the scale of the loss's terms (a loss whose terms cancel is rounding noise of them)
+    with seeded():
+        keep = {verify.loss_terms_name(forward), sig.loss}
+        magnitude = verify.loss_magnitude(forward, verify.run_forward(forward, values, keep))
     floor = tangent_floor(
-        got.dtype, float(loss), [values[p] for p in tangents], list(tangents.values()), tolerance
+        got.dtype,
+        max(abs(float(loss)), magnitude),
+        [values[p] for p in tangents],
+        list(tangents.values()),
+        tolerance,
     )
     return Check(
         f"JVP loss tangent vs {what}",
         math.inf if bad else tangent_error(got, ref, floor),
         bad or "the scalar loss tangent",
         tolerance,
-        f"relative error (floor {FLOOR_ULPS}·eps·|L|·‖ṗ‖/‖p‖)",
+        f"relative error (floor {FLOOR_ULPS}·eps·Σ|ℓ|·‖ṗ‖/‖p‖)",
         _dtype_name(got.dtype),
     )
 
@@ -192,7 +200,10 @@ def tangent_floor(
     ``‖ṗ‖/‖p‖`` is the size of the direction relative to the point (the norms over every
     primal that has a tangent, parameters and inputs together, in float64), and ``|L| ·
     ‖ṗ‖/‖p‖`` the loss tangent that size of relative change gives a loss of size ``|L|``: the
-    scale of the terms the tangent is computed from. A tangent that is zero in exact
+    scale of the terms the tangent is computed from. :func:`verify_jvp` gives ``Σ|ℓ|`` for
+    ``|L|``, the magnitudes of the terms the loss adds up
+    (:func:`graphflop.runtime.verify.loss_magnitude`): a loss whose terms cancel (the sum of a
+    layer norm's output without affine, 0 for every input) has their scale, not its own. A tangent that is zero in exact
     arithmetic (a softmax's rows summed: identically 1) is rounding noise of a few ``eps`` of
     that scale, in graphflop's graph and in the reference alike; relative to each other such
     values differ by 100 % or more. ``FLOOR_ULPS`` (as for gradients, :func:`gradient_floor`)

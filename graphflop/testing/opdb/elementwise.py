@@ -266,8 +266,10 @@ UNARY_MORE = [
         "hardswish",
         module_of(lambda s, x: F.hardswish(x * s.w), {"w": W}),
         (X,),
-        flops=24 + 24 * 5,  # mul; +3, clamp (min 0), clamp (max 6), * x, / 6
-        aten=("aten.clamp.default",),
+        # mul; hardswish kept whole, 5 per element (the decomposition it was traced as: +3,
+        # clamp (min 0), clamp (max 6), * x, / 6)
+        flops=24 + 24 * 5,
+        aten=("aten.hardswish.default", "aten.le.Scalar"),
     ),
     OpCase(
         "mish",
@@ -504,7 +506,7 @@ MATH_MORE = [
         module_of(lambda s, x, y: torch.maximum(x * s.w, y), {"w": W}),
         (X, (4,)),
         flops=24 + 24,  # mul; maximum 1 per output element
-        aten=("aten.maximum.default", "aten.gt.Tensor", "aten.eq.Tensor"),
+        aten=("aten.maximum.default", "aten.lt.Tensor", "aten.eq.Tensor"),
     ),
     OpCase(
         "maximum_constant",
@@ -518,7 +520,7 @@ MATH_MORE = [
         module_of(lambda s, x: torch.minimum(s.b, x * s.w), {"w": W}, {"b": (3, 1)}),
         (X,),
         flops=24 + 24,  # mul; minimum with a buffer first (only the second has a tangent)
-        aten=("aten.minimum.default", "aten.lt.Tensor", "aten.rsub.Scalar"),
+        aten=("aten.minimum.default", "aten.gt.Tensor", "aten.where.ScalarSelf"),
     ),
     # every element ties (w = v = 1) with different tangents: PyTorch splits the derivative
     # half/half there, and so do central finite differences of max(a + εda, a + εdb)
