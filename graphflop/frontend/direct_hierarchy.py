@@ -25,6 +25,7 @@ annotations :func:`~graphflop.frontend.export_form.from_make_fx` writes on the f
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any, cast
 
 import torch
@@ -34,7 +35,7 @@ from torch.fx.node import map_arg
 
 from graphflop.ad.builder import base_name, copy_node, emit_named, take_names
 from graphflop.frontend.export_form import _frozen, _kept, placeholders
-from graphflop.frontend.outline import MARK, _site_path, _stack_path
+from graphflop.frontend.outline import MARK, _stack_path
 from graphflop.frontend.scopes import module_path
 from graphflop.meta import (
     CALL_SITE,
@@ -90,6 +91,18 @@ def _output_of(n: Node) -> tuple[Node, int]:
     return cast(Node, n.args[0]), cast(int, n.args[1])
 
 
+#: torch.fx's reading of a name: its base and number (``add_7``: ``add``, 7)
+_NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$")
+
+
+def _base(name: str) -> str:
+    """The base fx numbers ``name`` from: names of other bases never take its numbers."""
+    m = _NAME.match(name)
+    if m is None:
+        raise _Unsupported(f"a node name fx reads otherwise: {name}")
+    return m.group(1)
+
+
 def _is_view(n: Node) -> bool:
     return n.op == "call_function" and bool(getattr(n.target, "is_view", False))
 
@@ -109,7 +122,9 @@ class _Template:
             if t.op != "placeholder" and isinstance(t.meta.get("val"), (tuple, list)):
                 raise _Unsupported("a template returns a multi-output op's tuple")
         self.body = [t for t in self.nodes if t.op not in ("placeholder", "output")]
-        self.names = [t.name for t in self.body]
+        self.bases = {_base(t.name) for t in self.outs if t.op != "placeholder"}
+        self.named: list[Node] = []
+        self.names: list[str] = []
         # (rel, inner) per module path relative to the call, in the order Expansion meets them
         # (its last inner for each path)
         inner_of: dict[str, tuple] = {}
@@ -138,6 +153,14 @@ class _Template:
         }
         self.variants: dict[frozenset, tuple] = {}
         self.derived: dict[tuple, dict[Node, bool]] = {}
+
+    def claim(self, bases: set[str]) -> None:
+        """Claim, at each call, the names of the nodes whose names have one of ``bases``: the
+        copies whose names the direct build needs are the outputs', and Expansion's names for
+        them depend only on the names it claims of the same base before them (at any call of
+        any template)."""
+        self.named = [t for t in self.body if _base(t.name) in bases]
+        self.names = [t.name for t in self.named]
 
     def _check_unread_views(self) -> None:
         """Refuse a view nothing in the template reads that ``_fold_regenerated_views`` could
@@ -258,6 +281,9 @@ def _build(
         return None
     keys = sorted(templates)
     tpl = {k: _Template(templates[k]) for k in keys}
+    bases = set().union(*(t.bases for t in tpl.values()))
+    for t in tpl.values():
+        t.claim(bases)
     g = Graph()
     env, _phs, sig_params, sig_buffers, model_inputs, target_names, constants = placeholders(
         gm, g, params=params, buffers=buffers, n_inputs=n_inputs, target_nodes=target_nodes
@@ -444,6 +470,25 @@ class _Direct:
             raise _Unsupported("a top-level multi-output op whose getitems the flat form completes")
 
 
+def _called(model: nn.Module, prefix: str, site: str) -> nn.Module | None:
+    """The module called at ``site`` (a path with ``prefix``), None where there is none
+    (:func:`~graphflop.frontend.outline._site_path`'s first look-up, once per call)."""
+    try:
+        return model.get_submodule(site[len(prefix) + 1 :]) if site != prefix else model
+    except AttributeError:
+        return None
+
+
+def _full_path(called: nn.Module | None, site: str, rel: str, paths: dict) -> str:
+    """:func:`~graphflop.frontend.outline._site_path` with the called module looked up."""
+    if called is None:
+        return f"{site}.{rel}"
+    try:
+        return paths.get(id(called.get_submodule(rel)), f"{site}.{rel}")
+    except AttributeError:
+        return f"{site}.{rel}"
+
+
 def _tag(n: Node, source: str, path: str, fixed: bool, param_names: dict) -> None:
     """:func:`~graphflop.frontend.export_form._tag_nodes`'s annotations on ``n`` (the flat
     graph's node ``source``; ``fixed``: a placeholder of a parameter, buffer or constant)."""
@@ -495,17 +540,19 @@ def _call(n: Node, g: Graph, env: dict, d: _Direct, s: _Sites, top: list) -> dic
     site_path = list(site.values())[-1][0] if site else ""
     stacks: dict[tuple, dict] = {}
 
+    called = _called(s.model, s.prefix, site_path)
+
     def stack_of(inner: tuple) -> dict:
         got = stacks.get(inner)
         if got is None:
             got = stacks[inner] = dict(site)
             for path, cls in inner:
-                full = _site_path(s.model, s.prefix, site_path, path, s.paths)
+                full = _full_path(called, site_path, path, s.paths)
                 got[full] = (full, cls)
         return got
 
     modules = {rel: _stack_path(stack_of(inner)) for rel, inner in t.inner_of.items()}
-    names = dict(zip(t.body, s.namespace.take(t.names)))
+    names = dict(zip(t.named, s.namespace.take(t.names)))
     variant = s.variants.setdefault((s.position[key], items), len(s.variants))
     s.sites.append(CallSite(s.position[key], variant, tuple(modules.items())))
     if not items:
