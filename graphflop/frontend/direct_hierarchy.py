@@ -12,8 +12,8 @@ the one :func:`~graphflop.frontend.hierarchy.build` makes, with the graph keys
 
 Where the flat form rewrites what a call's copies would be (a buffer write, an in-place op that
 ``functionalize_inplace`` would rewrite, a view ``_fold_regenerated_views`` could fold, a call
-inside a checkpoint or custom Function, a multi-output op at the top level whose ``getitem``
-nodes the flat form completes), it returns None and the caller takes the flat path. Not used by
+inside a checkpoint or custom Function, a call passed one value for two arguments), it returns
+None and the caller takes the flat path. Not used by
 :func:`graphflop.frontend.trace.trace` yet (the flat forward's readers, docs/analysis_scale.md,
 Round 19, still need the flat graph).
 
@@ -34,12 +34,14 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphflop.ad.builder import base_name, copy_node, emit_named, take_names
+from graphflop.frontend.composite import getitem_tag
 from graphflop.frontend.export_form import _frozen, _kept, placeholders
 from graphflop.frontend.outline import MARK, _stack_path
 from graphflop.frontend.scopes import module_path
 from graphflop.meta import (
     CALL_SITE,
     CHECKPOINT,
+    COMPOSITE,
     CONSTANTS,
     FACTS,
     FUNCTION,
@@ -282,23 +284,35 @@ def _build(
     keys = sorted(templates)
     tpl = {k: _Template(templates[k]) for k in keys}
     bases = set().union(*(t.bases for t in tpl.values()))
+    call_set = set(calls)
+    # a multi-output op at the top level: the flat form may complete its getitem nodes, named
+    # after every getitem the flat graph made before (the copies' included)
+    multi = any(
+        n.op == "call_function"
+        and n not in call_set
+        and isinstance(n.meta.get("val"), (tuple, list))
+        for n in old.nodes
+    )
+    if multi:
+        bases.add("getitem")
     for t in tpl.values():
         t.claim(bases)
     g = Graph()
     env, _phs, sig_params, sig_buffers, model_inputs, target_names, constants = placeholders(
         gm, g, params=params, buffers=buffers, n_inputs=n_inputs, target_nodes=target_nodes
     )
-    d = _Direct(old, tpl, set(calls), set(env))
+    d = _Direct(old, tpl, call_set, set(env))
     d.refuse_rewrites()
     d.find_live()
     _check_folds(old, d.preset, d.call_set, tpl)
+    sites = _Sites(old, model, prefix, {k: i for i, k in enumerate(keys)})
+    d.claim_names(sites.namespace, multi)
     fixed = {name for name, _ in sig_params} | {name for name, _ in sig_buffers}
     param_names = dict(sig_params)
     top: list[Any] = []
     for n in g.nodes:  # the placeholders, tagged as _tag_nodes tags them
         _tag(n, n.name, "", n.name in fixed, param_names)
         top.append(n)
-    sites = _Sites(old, model, prefix, {k: i for i, k in enumerate(keys)})
     outs = d.assemble(g, env, sites, top)
     has_loss = loss_kind != "none"
     top_gm = graph_module(torch.nn.Module(), g)
@@ -351,6 +365,26 @@ class _Direct:
         self.variant_of: dict[Node, tuple] = {}
         self.dead_cost = NodeCost()
         self.flat_name: dict[Node, str] = {}
+        #: per call, the names Expansion gives the copies the direct build names
+        self.names_of: dict[Node, dict[Node, str]] = {}
+        self.getitems: _GetitemNames | None = None
+
+    def claim_names(self, namespace: _NamespaceCopy, multi: bool) -> None:
+        """The names Expansion claims for the copies (:attr:`names_of`), call by call; where
+        ``multi``, the flat graph's getitem names before it completes any (:attr:`getitems`)."""
+        for n in self.own_nodes():
+            if n in self.call_set:
+                t = self.tpl[_call_of(n)[1]]
+                self.names_of[n] = dict(zip(t.named, namespace.take(t.names)))
+        if not multi:
+            return
+        made: list[str] = []  # the flat graph's nodes named getitem, in the order made
+        for n in self.own_nodes():
+            if n in self.call_set:
+                made.extend(x for x in self.names_of[n].values() if _base(x) == "getitem")
+            elif not self.is_output(n) and _base(n.name) == "getitem":
+                made.append(n.name)
+        self.getitems = _GetitemNames(made)
 
     def own_nodes(self) -> list[Node]:
         """``old``'s nodes the flat form copies or expands (not its placeholders, constants,
@@ -438,6 +472,7 @@ class _Direct:
         for n in self.own_nodes():
             if n in self.call_set:
                 results[n] = _call(n, g, env, self, sites, top)
+                self.completions(n)
             elif self.is_output(n):
                 call, i = _output_of(n)
                 tensors, key = _call_of(call)
@@ -447,11 +482,11 @@ class _Direct:
                 elif n in self.live:
                     env[n] = results[call][i]
             elif n in self.live:
-                self.completed(n)
                 new = env[n] = copy_node(g, n, env.__getitem__)
                 self.flat_name[new] = n.name
                 _tag(new, n.name, module_path(n, wrapped=True), False, {})
                 top.append(new)
+                self.complete(n, new, g, top)
         out_node = next(n for n in reversed(self.old.nodes) if n.op == "output")
         outs = [env[a] for a in cast(list, out_node.args[0])]
         output = g.output(tuple(outs))
@@ -459,15 +494,58 @@ class _Direct:
         top.append(output)
         return outs
 
-    def completed(self, n: Node) -> None:
-        """Refuse a top-level multi-output op whose ``getitem`` nodes the flat form completes
-        (their names depend on the copies' names)."""
+    def complete(self, n: Node, new: Node, g: Graph, top: list) -> None:
+        """The ``getitem`` nodes the flat form adds after ``new`` (the copy of ``n``, a
+        multi-output op at the top level) for its outputs nothing reads, named and annotated
+        as there."""
         val = n.meta.get("val")
         if n.op != "call_function" or not isinstance(val, (tuple, list)):
             return
         have = {u.args[1] for u in n.users if u.target is operator.getitem and u in self.live}
-        if any(i not in have and isinstance(v, torch.Tensor) for i, v in enumerate(val)):
-            raise _Unsupported("a top-level multi-output op whose getitems the flat form completes")
+        for i, v in enumerate(val):
+            if i in have or not isinstance(v, torch.Tensor):
+                continue
+            assert self.getitems is not None  # (claim_names saw n)
+            name = self.getitems.take()
+            item = emit_named(g, operator.getitem, (new, i), name)
+            meta = {k: x for k, x in n.meta.items() if k not in ("val", COMPOSITE)}
+            meta["val"] = v
+            tag = getitem_tag(n, i)
+            if tag is not None:
+                meta[COMPOSITE] = tag
+            item.meta = meta
+            self.flat_name[item] = name
+            _tag(item, name, module_path(item, wrapped=True), False, {})
+            top.append(item)
+
+    def completions(self, call: Node) -> None:
+        """Advance the getitem names past those the flat form gives ``call``'s copies."""
+        if self.getitems is not None:
+            for _ in range(sum(1 for _, out in self.variant_of[call][0] if out is not None)):
+                self.getitems.take()
+
+
+class _GetitemNames:
+    """The names ``_complete_getitems`` gives the getitem nodes it adds to the flat graph, one
+    after the other: fx's ``create_name("getitem")`` in a namespace holding ``made`` (the
+    flat graph's nodes of that base, in the order made)."""
+
+    def __init__(self, made: list[str]):
+        self.used = set(made)
+        self.count = 0
+        for name in made:
+            m = _NAME.match(name)
+            if m is not None and m.group(2) is not None:
+                self.count = int(m.group(2))
+
+    def take(self) -> str:
+        num, name = self.count, "getitem"
+        while name in self.used:
+            num += 1
+            name = f"getitem_{num}"
+        self.used.add(name)
+        self.count = num
+        return name
 
 
 def _called(model: nn.Module, prefix: str, site: str) -> nn.Module | None:
@@ -552,7 +630,7 @@ def _call(n: Node, g: Graph, env: dict, d: _Direct, s: _Sites, top: list) -> dic
         return got
 
     modules = {rel: _stack_path(stack_of(inner)) for rel, inner in t.inner_of.items()}
-    names = dict(zip(t.named, s.namespace.take(t.names)))
+    names = d.names_of[n]
     variant = s.variants.setdefault((s.position[key], items), len(s.variants))
     s.sites.append(CallSite(s.position[key], variant, tuple(modules.items())))
     if not items:
