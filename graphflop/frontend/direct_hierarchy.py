@@ -77,9 +77,7 @@ def _rewritten(n: Node) -> bool:
     """``n``'s op is one the flat form may rewrite or turn into a buffer write."""
     if n.op != "call_function":
         return False
-    return n.target in (aten.copy_.default, aten.copy.default) or (
-        bool(n.args) and inplace_twin(n.target) is not None
-    )
+    return n.target is aten.copy_.default or (bool(n.args) and inplace_twin(n.target) is not None)
 
 
 def _call_of(n: Node) -> tuple[list[Node], int]:
@@ -148,11 +146,12 @@ class _Template:
         self.view_outputs = {
             i for i, t in enumerate(self.outs) if _is_view(t) and len(t.users) == 1
         }
-        self.boundary_view_targets = {
-            t.target
+        #: the views of the call's arguments (their copies' arguments are top-level nodes)
+        self.boundary_views = [
+            t
             for t in self.body
             if _is_view(t) and all(a.op == "placeholder" for a in t.all_input_nodes)
-        }
+        ]
         self.variants: dict[frozenset, tuple] = {}
         self.derived: dict[tuple, dict[Node, bool]] = {}
 
@@ -418,6 +417,11 @@ class _Direct:
                     raise _Unsupported("a call's output made a leaf")
             elif _rewritten(n):
                 raise _Unsupported("a buffer write or in-place op at the top level")
+            elif n.target is aten.copy.default and any(
+                isinstance(a, Node) and self.is_output(a) for a in n.args
+            ):
+                # (the stub's buffer write of a call's output, Expansion.drops)
+                raise _Unsupported("a copy of a call's output")
 
     def read_by(self, n: Node, u: Node) -> bool:
         """``u`` (a node of ``old``) reads ``n`` in the flat graph and survives there."""
@@ -674,8 +678,7 @@ def _check_folds(old: Graph, preset: set, call_set: set, tpl: dict) -> None:
     graph (before dead-code elimination) that a later view repeats (same op and arguments).
     A template's own unread views are refused per template (:class:`_Template`); here a
     call's output view its call leaves unread, and a top-level view nothing reads followed by
-    a top-level view of the same op and arguments, or by a call whose template views an
-    argument with the same op."""
+    a view of the same op and arguments (top-level, or a call's view of its arguments)."""
 
     def canon(a: Any) -> Any:
         """The flat graph's value of ``a`` (a call's output that is its argument: that)."""
@@ -689,30 +692,40 @@ def _check_folds(old: Graph, preset: set, call_set: set, tpl: dict) -> None:
         return a
 
     unread: set[tuple] = set()
-    targets: set[Any] = set()
     for n in old.nodes:
         if n in call_set:
-            t = tpl[_call_of(n)[1]]
-            for i in t.view_outputs:
-                if not any(
-                    u.target is operator.getitem and u.args[1] == i and u.users for u in n.users
-                ):
-                    raise _Unsupported("a call's output view left unread")
-            if targets & t.boundary_view_targets:
-                raise _Unsupported("an unread view before a call viewing its arguments")
+            _check_call_views(n, tpl[_call_of(n)[1]], unread, canon)
             continue
         if n in preset or not _is_view(n):
             continue
-        try:
-            key = (n.target, _frozen(map_arg(n.args, canon)), _frozen(n.kwargs))
-            hash(key)
-        except TypeError:
-            raise _Unsupported("a view with arguments that do not hash") from None
+        key = _view_key(n, canon)
         if key in unread:
             raise _Unsupported("a view repeating an unread one")
         if not any(u not in call_set or _reads(u, n, tpl) for u in n.users):
             unread.add(key)
-            targets.add(n.target)
+
+
+def _view_key(n: Node, value: Any) -> tuple:
+    """``_fold_regenerated_views``'s key of view ``n``, its nodes mapped by ``value``."""
+    try:
+        key = (n.target, _frozen(map_arg(n.args, value)), _frozen(n.kwargs))
+        hash(key)
+    except TypeError:
+        raise _Unsupported("a view with arguments that do not hash") from None
+    return key
+
+
+def _check_call_views(call: Node, t: _Template, unread: set, canon: Any) -> None:
+    """Raise where ``call`` leaves an output view unread, or one of its copies views an
+    argument as a top-level view nothing reads did before."""
+    for i in t.view_outputs:
+        if not any(u.target is operator.getitem and u.args[1] == i and u.users for u in call.users):
+            raise _Unsupported("a call's output view left unread")
+    if unread:
+        tensors = _call_of(call)[0]
+        for v in t.boundary_views:
+            if _view_key(v, lambda a: canon(tensors[t.ph_index[a]])) in unread:
+                raise _Unsupported("a call's view repeating an unread one")
 
 
 def _reads(call: Node, n: Node, tpl: dict) -> bool:
