@@ -311,6 +311,35 @@ def test_a_view_the_flat_form_folds_gives_none(monkeypatch):
     assert direct is None
 
 
+class Viewed(nn.Module):
+    """Blocks taking a view of their output that nothing reads, which the top level takes
+    again after the last one: the flat form folds the top level's into the last call's copy
+    (which that call then keeps, unlike the others)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(UnreadView() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.view(20)
+
+
+class UnreadView(Pair):
+    def forward(self, x):
+        y = self.c(self.b(self.a(x)))
+        y.view(20)
+        return y
+
+
+def test_a_view_folded_into_a_call_gives_none(monkeypatch):
+    flat, direct = _traced(Viewed(), (torch.randn(5, 4),), monkeypatch)
+    h = flat.meta[HIERARCHY]
+    assert [s.variant for s in h.sites] == [0, 0, 1]  # the last call keeps its view
+    assert direct is None
+
+
 @pytest.mark.parametrize("model", [Twice, ViewStack, Checkpointed])
 def test_what_the_flat_form_rewrites_gives_none(model, monkeypatch):
     flat, direct = _traced(model(), (torch.randn(5, 4),), monkeypatch)

@@ -167,7 +167,12 @@ class _Template:
         """Refuse a view nothing in the template reads that ``_fold_regenerated_views`` could
         fold on (it folds a later view of the same op and arguments into it): one reading a
         placeholder (which a call may pass as another's argument), or one a later view of the
-        template repeats (the copies' arguments are the call's own nodes)."""
+        template repeats (the copies' other arguments are the call's own nodes). One reading
+        outputs only (``detach`` of a ReLU's output) is checked call by call
+        (:func:`_check_call_views`: a later view may view the same output again); one reading
+        an output and another of the template's nodes only its own call's view can repeat."""
+        self.unread_output_views: list[Node] = []
+        outs = set(self.outs)
         unread: set[tuple] = set()
         for t in self.body:
             if not _is_view(t):
@@ -182,6 +187,8 @@ class _Template:
             if not t.users:
                 if any(a.op == "placeholder" for a in t.all_input_nodes):
                     raise _Unsupported("an unread view of a block's argument")
+                if all(a in outs for a in t.all_input_nodes):
+                    self.unread_output_views.append(t)
                 unread.add(key)
 
     def variant(self, used: frozenset) -> tuple:
@@ -681,13 +688,14 @@ def _check_folds(old: Graph, preset: set, call_set: set, tpl: dict) -> None:
     a view of the same op and arguments (top-level, or a call's view of its arguments)."""
 
     def canon(a: Any) -> Any:
-        """The flat graph's value of ``a`` (a call's output that is its argument: that)."""
+        """The flat graph's value of ``a``: a call's output ``("out", call, i)``, or the
+        argument itself where the template returns it."""
         while isinstance(a, Node) and a.target is operator.getitem and a.args[0] in call_set:
             call, i = _output_of(a)
             tensors, key = _call_of(call)
             out = tpl[key].outs[i]
             if out.op != "placeholder":
-                break
+                return ("out", call, i)
             a = tensors[tpl[key].ph_index[out]]
         return a
 
@@ -726,6 +734,8 @@ def _check_call_views(call: Node, t: _Template, unread: set, canon: Any) -> None
         for v in t.boundary_views:
             if _view_key(v, lambda a: canon(tensors[t.ph_index[a]])) in unread:
                 raise _Unsupported("a call's view repeating an unread one")
+    for v in t.unread_output_views:  # (a later view of the same output may repeat it)
+        unread.add(_view_key(v, lambda a: ("out", call, t.outs.index(a))))
 
 
 def _reads(call: Node, n: Node, tpl: dict) -> bool:
