@@ -60,14 +60,9 @@ def _meta(n):
     return {k: _val(v) for k, v in n.meta.items()}
 
 
-def _rows(gm, names=True):
-    """Node for node: op, target, arguments, layout, and every annotation (names where
-    ``names``: the top level's)."""
-    rows = node_rows(gm)
-    return [
-        (*row, n.name if names or CALL_SITE not in n.meta else None, _meta(n))
-        for row, n in zip(rows, gm.graph.nodes)
-    ]
+def _rows(gm):
+    """Node for node: op, target, arguments, layout, name and every annotation."""
+    return [(*row, n.name, _meta(n)) for row, n in zip(node_rows(gm), gm.graph.nodes)]
 
 
 def _check(flat, direct):
