@@ -555,6 +555,41 @@ def test_what_ifs_count_what_plain_ops_save_in_repeated_blocks():
     assert rc.saved_for_backward_bytes == _measure_saved_eager(model, x, _non_reentrant)
 
 
+class _UnevenPoolBlock(_PoolBlock):
+    """:class:`_PoolBlock` with the adaptive pool to (4, 3): 8 -> 3 does not divide, so the
+    pool is PyTorch's decomposition (index arithmetic), tagged while tracing; gather by a
+    (2, 4, 3) index, Linear(3, 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapt = nn.AdaptiveAvgPool2d((4, 3))
+        self.d = nn.Linear(3, 8)
+        self.register_buffer("idx", torch.tensor([2, 0, 1]).repeat(2, 4, 1))
+
+
+def test_what_ifs_count_what_uneven_adaptive_pooling_saves():
+    """Uneven adaptive average pooling saves its input (_adaptive_avg_pool2d_backward(grad,
+    self)), which graphflop's backward of the decomposition does not read. float32, per
+    block: x 256, h 256, the softmax output 128, the core's output (avg_pool2d's input) 256,
+    the pooled values (the adaptive pool's self) 256, the adaptive pool's output (gather's
+    input, 2·1·4·3·4 = 96) and the gathered values (d's input, 2·4·3·4 = 96): 1344; 3 blocks
+    4032, measured (before: 3264, the adaptive pool's self missing). Checkpointing blocks.1
+    drops its 1344 and keeps its input (256). Autocast: the same values in bf16 but x (the addmm saves its bf16 cast)
+    and the softmax output (CPU softmax runs in the input's dtype): measured (before, the
+    pool's output was taken as float32, the dtype of its decomposition's division by the
+    windows' counts)."""
+    torch.manual_seed(0)
+    model = _PoolStack()
+    model.blocks = nn.ModuleList(_UnevenPoolBlock() for _ in range(3))
+    model, x = model.train(), (torch.randn(2, 4, 8),)
+    mem = _analysis(model, x, checkpoint="blocks.1", amp="bf16").report.memory
+    assert mem.saved_for_backward_bytes == 3 * 1344 == _measure_saved_eager(model, x)
+    assert mem.checkpoint is not None and mem.amp is not None
+    assert mem.checkpoint.saved_for_backward_bytes == 3 * 1344 - 1344 + 256
+    assert measure_saved_checkpointed(model, x, "blocks.1") == (3 * 1344 - 1344 + 256, 4032)
+    assert mem.amp.saved_for_backward_bytes == measure_saved_autocast(model, x, torch.bfloat16)
+
+
 def _non_reentrant(f, *args):
     return tuc.checkpoint(f, *args, use_reentrant=False)
 

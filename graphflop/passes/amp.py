@@ -132,8 +132,10 @@ def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str
             out[n.name] = torch.float32
         elif tag is not None and tag.op in _STATS and tag.output in (1, 2):
             out[n.name] = torch.float32
-        elif tag is not None and tag.op in _STATS and tag.output == 0 and occurrence[n] in first:
-            out[n.name] = first[occurrence[n]]  # a norm's output has its input's dtype
+        elif tag is not None and tag.output == 0 and occurrence[n] in first:
+            # a composite op's output has its input's dtype (one eager kernel: a norm's, or
+            # uneven adaptive pooling's, whose decomposition divides by float32 counts)
+            out[n.name] = first[occurrence[n]]
         else:
             # (an output of a multi-output op, max pooling's: the dtype of the op's inputs)
             ins = [out[a.name] for a in _dtype_inputs(n) if a.name in out]
