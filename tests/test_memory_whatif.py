@@ -555,6 +555,20 @@ def test_what_ifs_count_what_plain_ops_save_in_repeated_blocks():
     assert rc.saved_for_backward_bytes == _measure_saved_eager(model, x, _non_reentrant)
 
 
+def test_amp_weight_gradient_is_made_in_half_then_copied():
+    """A weight's gradient under autocast: its ``mm`` runs in bf16 (the weight's cast is its
+    input) and the cast's backward copies the result to float32 (``ToCopyBackward0``), both
+    live at the copy: Linear(512, 512) -> ReLU -> Linear(512, 10), batch 64, peaks there:
+    2,798,160 B predicted against 2,797,144 measured (PyTorch 2.13 CPU); before, the gradient
+    was made in float32 alone: 2,404,944 (-14 %)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).train()
+    x = (torch.randn(64, 512),)
+    amp = _analysis(model, x, amp="bf16").report.memory.amp
+    measured = measure_train_peak_autocast(model, x, torch.bfloat16)
+    assert 0.99 < amp.train_peak_bytes / measured < 1.01, (amp.train_peak_bytes, measured)
+
+
 class _UnevenPoolBlock(_PoolBlock):
     """:class:`_PoolBlock` with the adaptive pool to (4, 3): 8 -> 3 does not divide, so the
     pool is PyTorch's decomposition (index arithmetic), tagged while tracing; gather by a

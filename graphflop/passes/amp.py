@@ -378,13 +378,27 @@ class _Amp:
 
     def _grad_copies(self, s: Schedule) -> None:
         """A gradient a half op made (a view of its half result in graphflop's backward) is
-        a float32 copy of its own in eager (the weight cast's backward)."""
+        a float32 copy of its own in eager (the weight cast's backward). One a matrix op
+        made itself (a weight's ``mm``) is made in half by that op and copied to float32 by
+        the cast's backward (``ToCopyBackward0``): the half result is live while the copy is
+        made, after the op's inputs are freed: a step of its own before the copy's."""
+        from graphflop.passes.memory import Step
+
         out_node = next(n for n in self.backward.graph.nodes if n.op == "output")
-        for st in s.steps:
-            n = next((g for g in out_node.all_input_nodes if f"b:{g.name}" == st.key), None)
-            d = self.op_dts.get(n.meta.get(SOURCE) or "") if n is not None else None
-            if n is not None and d is not None and d.itemsize < 4 and st.alias_of is not None:
+        grads = {f"b:{g.name}": g for g in out_node.all_input_nodes}
+        for i in reversed(range(len(s.steps))):
+            st = s.steps[i]
+            n = grads.get(st.key)
+            src = self.fnodes.get(n.meta.get(SOURCE) or "") if n is not None else None
+            d = self.op_dts.get(src.name) if src is not None else None
+            if n is None or src is None or d is None or d.itemsize >= 4:
+                continue
+            if st.alias_of is not None:
                 st.alias_of, st.nbytes = None, _bytes(n, torch.float32)
+            elif _is_lower(src) and _dtype(n) == torch.float32:
+                half = Step(f"{st.key}@half", _bytes(n, d), None, st.reads, st.extra)
+                st.reads, st.extra = [half.key], 0
+                s.steps.insert(i, half)
 
     def _backward_sizes(self) -> dict[str, int]:
         """Backward node -> bytes at the dtype of the forward op whose rule made it (half
