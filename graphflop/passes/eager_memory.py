@@ -470,31 +470,99 @@ def conv_input_copy_bytes(conv: Node) -> int:
     return _copy_bytes(_input_val(conv), _backend_format(conv))
 
 
+def _weight_bytes(conv: Node) -> int:
+    w = conv.args[1]
+    return tensor_bytes(w.meta.get("val")) if isinstance(w, Node) else 0
+
+
+def _onednn_path(conv: Node) -> str:
+    """Which oneDNN kernels eager's CPU convolution runs (profiler allocator events, PyTorch
+    2.13 CPU, AVX-512): ``blocked`` (channels in blocks: ungrouped, depthwise with one channel
+    in and out per group, or grouped with multiples of 8 channels per group in and out),
+    ``grouped_gemm`` (other grouped convolutions: blocked forward and input gradient, a GEMM
+    weight gradient in the plain layout) or ``plain`` (one input channel per group and more
+    out, a depthwise convolution with a channel multiplier: GEMM in the plain layout)."""
+    x, y, g = _input_val(conv), conv.meta["val"], conv.args[8]
+    if not isinstance(g, int) or g == 1 or x is None:
+        return "blocked"
+    cin, cout = x.shape[1], y.shape[1]
+    if cin == cout == g or (cin // g % 8 == 0 and cout // g % 8 == 0):
+        return "blocked"
+    return "plain" if cin == g else "grouped_gemm"
+
+
+def conv_forward_bytes(conv: Node) -> int:
+    """Bytes of eager's CPU convolution's forward temporaries (oneDNN, ``mkldnn_convolution``):
+    in its blocked layout, the input reordered into it (an input of a multiple of 16 channels;
+    one of fewer is read as it is) and the weight reordered, live while the output is made into
+    a buffer of that layout, then that buffer while it is copied into the output: the larger
+    of the two; in the plain layout (:func:`_onednn_path`), the buffer only; in channels-last,
+    the weight's reorder only. Plus :func:`conv_input_copy_bytes`."""
+    x, y = _input_val(conv), conv.meta["val"]
+    w = _weight_bytes(conv)
+    copy = conv_input_copy_bytes(conv)
+    if _backend_format(conv) != torch.contiguous_format:
+        return w + copy
+    if _onednn_path(conv) == "plain":
+        return tensor_bytes(y) + copy
+    reordered = tensor_bytes(x) if x is not None and x.dim() > 1 and x.shape[1] % 16 == 0 else 0
+    return max(reordered + w, tensor_bytes(y)) + copy
+
+
 @dataclass(frozen=True)
 class ConvBackward:
     """What eager's CPU ``convolution_backward`` of one forward convolution allocates beyond
     its gradients, from the forward node alone (:func:`conv_backward`).
 
     Attributes:
-        reorder_bytes: oneDNN's reorders of the input and the output gradient for the weight
-            gradient (one of each; none in channels-last, which oneDNN reads as it is).
+        weight_stage_bytes: the temporaries beyond the gradients at the kernel's largest, (where
+            it makes the weight gradient only, where it makes the input gradient too).
         input_copy_bytes: :func:`conv_input_copy_bytes`.
         out_shape: the convolution's output shape (its output gradient's).
         memory_format: the backend's memory format (:func:`_backend_format`).
     """
 
-    reorder_bytes: int
+    weight_stage_bytes: tuple[int, int]
     input_copy_bytes: int
     out_shape: tuple[int, ...]
     memory_format: torch.memory_format
 
 
 def conv_backward(conv: Node) -> ConvBackward:
-    """:class:`ConvBackward` of forward convolution ``conv``."""
+    """:class:`ConvBackward` of forward convolution ``conv``.
+
+    In oneDNN's blocked layout the kernel makes the input gradient first (the output gradient
+    and the weight reordered, a buffer for the result, then that buffer copied into the
+    gradient), then the weight gradient (the input and the output gradient reordered while a
+    buffer of the weight's layout is made, then that buffer copied into the gradient): the
+    latter is the larger, ``max(input + output, weight)`` beyond the gradients, but where the
+    convolution is strided (ungrouped, or 32 or more output channels a group): its input
+    gradient is copied once more as the kernel returns, the buffer, the gradient and the copy live together (``2·input - weight``
+    beyond the gradients: the weight gradient is not made yet). A grouped convolution's GEMM weight
+    gradient reorders nothing (``max(output, input - weight, weight)`` with the input
+    gradient's stage: its reorders less the weight gradient); in the plain layout, the buffers
+    only (``max(input - weight, weight)``). In channels-last, the weight gradient's buffer and
+    its conversion to the weight's layout."""
     fmt = _backend_format(conv)
     x, y = _input_val(conv), conv.meta["val"]
-    reorders = tensor_bytes(x) + tensor_bytes(y) if fmt == torch.contiguous_format else 0
-    return ConvBackward(reorders, conv_input_copy_bytes(conv), tuple(y.shape), fmt)
+    xb, yb, w = tensor_bytes(x), tensor_bytes(y), _weight_bytes(conv)
+    path = _onednn_path(conv)
+    # a strided convolution's input gradient is copied once more as it leaves the blocked
+    # kernel: an ungrouped one's, or a grouped one's with 32 or more output channels a group
+    # (measured: 8 and 16 are not copied, nor a depthwise one's)
+    strided = isinstance(conv.args[3], (list, tuple)) and any(s != 1 for s in conv.args[3])
+    g = conv.args[8] if isinstance(conv.args[8], int) else 1
+    copied = strided and path == "blocked" and (g == 1 or y.shape[1] // g >= 32)
+    gi = (2 if copied else 1) * xb  # the input gradient's buffer and copies
+    if fmt != torch.contiguous_format:
+        stage = (2 * w, 2 * w)
+    elif path == "blocked":
+        stage = (max(xb + yb, w), max(xb + yb, w, yb, gi - w))
+    elif path == "grouped_gemm":
+        stage = (w, max(yb, gi - w, w))
+    else:
+        stage = (w, max(gi - w, w))
+    return ConvBackward(stage, conv_input_copy_bytes(conv), tuple(y.shape), fmt)
 
 
 def conv_grad_output_copy_bytes(c: ConvBackward, made: list[Node]) -> int:
@@ -519,13 +587,14 @@ def conv_backward_temporaries(c: ConvBackward, made: list[Node]) -> dict[str, in
     the backward nodes ``made`` (in graph order) of a forward convolution (``c``): the copies
     of a non-contiguous input and output gradient (:func:`conv_input_copy_bytes`,
     :func:`conv_grad_output_copy_bytes`), live through every convolution of its backward, and,
-    at the last, oneDNN's reorders (:attr:`ConvBackward.reorder_bytes`)."""
+    at the last, the kernel's stages (:attr:`ConvBackward.weight_stage_bytes`)."""
     cs = [n for n in made if n.op == "call_function" and n.target is aten.convolution.default]
     if not cs:
         return {}
     copies = c.input_copy_bytes + conv_grad_output_copy_bytes(c, made)
     out = {n.name: copies for n in cs}
-    out[cs[-1].name] += c.reorder_bytes
+    input_grad = any(n.args[6] for n in cs)  # the input gradient: a transposed convolution
+    out[cs[-1].name] += c.weight_stage_bytes[input_grad]
     return out
 
 
@@ -552,9 +621,7 @@ def kernel_temporaries(
         return fwd, bwd
     convs = {n.name: n for n in forward.graph.nodes if _is_plain_conv(n)}
     for name, n in convs.items():
-        # oneDNN's output buffer in its blocked layout (none in channels-last)
-        buffer = _backend_format(n) == torch.contiguous_format
-        fwd[name] = (tensor_bytes(n.meta["val"]) if buffer else 0) + conv_input_copy_bytes(n)
+        fwd[name] = conv_forward_bytes(n)
     if backward is None:
         return fwd, bwd
     made: dict[str, list[Node]] = {}  # forward conv -> the backward nodes its rule made
