@@ -228,8 +228,12 @@ def markdown(rows: list[dict]) -> str:
         "tensor above the GPU's: 40 B for 10 tensors, 1,164 B for a 7B Llama's 291). The graph "
         "model counts the moments only: its update graph takes one step scalar.",
         "* graphflop eager also charges the CPU kernels' own temporaries measured with the same "
-        "profiler events: a convolution (oneDNN, grouped and depthwise too) holds one output-sized buffer, its "
-        "backward an input- and an output-gradient-sized reorder; backward scatters into fresh "
+        "profiler events: a convolution (oneDNN) holds its reordered input and weight, then an "
+        "output-sized buffer; its backward copies a non-contiguous output gradient or input "
+        "(a sum's expanded gradient, a permuted view), then holds the input gradient's stage and "
+        "the weight gradient's (the reordered input and output gradient, then a weight-sized "
+        "buffer), by grouping, stride and memory format (`eager_memory.conv_backward`); "
+        "oneDNN's scratchpads are not modelled; backward scatters into fresh "
         "zeros (embedding, max pooling, index/slice backward) run in place.",
         "* Attention without dropout (and with the flash backend enabled, dense 4-D q, k, v, a "
         "2-D or 4-D mask) runs PyTorch's fused CPU kernel "

@@ -435,6 +435,169 @@ def _is_plain_conv(n: Node) -> bool:
     return n.op == "call_function" and n.target is aten.convolution.default and not n.args[6]
 
 
+def _backend_format(conv: Node) -> torch.memory_format:
+    """The memory format eager's CPU convolution computes in: channels-last where its input or
+    its weight is channels-last (ATen ``determine_backend_memory_format`` for oneDNN), else
+    contiguous."""
+    for a in conv.args[:2]:
+        v = a.meta.get("val") if isinstance(a, Node) else None
+        if v is None or v.dim() not in (4, 5):
+            continue
+        fmt = torch.channels_last if v.dim() == 4 else torch.channels_last_3d
+        if v.is_contiguous(memory_format=fmt) and not v.is_contiguous():
+            return fmt
+    return torch.contiguous_format
+
+
+def _input_val(conv: Node) -> Any:
+    """The ``val`` of a convolution's input (None where it has none)."""
+    x = conv.args[0]
+    return x.meta.get("val") if isinstance(x, Node) else None
+
+
+def _copy_bytes(v: Any, fmt: torch.memory_format) -> int:
+    """Bytes of ``v.contiguous(memory_format=fmt)``'s copy: 0 where ``v`` is already laid out
+    so (``contiguous`` returns it), else its dense size."""
+    if not isinstance(v, torch.Tensor) or v.dim() < 3 or v.is_contiguous(memory_format=fmt):
+        return 0
+    return tensor_bytes(v)
+
+
+def conv_input_copy_bytes(conv: Node) -> int:
+    """Bytes of the copy eager's CPU convolution makes of an input not laid out in its
+    backend's memory format (a channel slice, a permuted view): ``input.contiguous(fmt)``,
+    live while the forward kernel runs and again while its backward does (of the saved input)."""
+    return _copy_bytes(_input_val(conv), _backend_format(conv))
+
+
+def _weight_bytes(conv: Node) -> int:
+    w = conv.args[1]
+    return tensor_bytes(w.meta.get("val")) if isinstance(w, Node) else 0
+
+
+def _onednn_path(conv: Node) -> str:
+    """Which oneDNN kernels eager's CPU convolution runs (profiler allocator events, PyTorch
+    2.13 CPU, AVX-512): ``blocked`` (channels in blocks: ungrouped, depthwise with one channel
+    in and out per group, or grouped with multiples of 8 channels per group in and out),
+    ``grouped_gemm`` (other grouped convolutions: blocked forward and input gradient, a GEMM
+    weight gradient in the plain layout) or ``plain`` (one input channel per group and more
+    out, a depthwise convolution with a channel multiplier: GEMM in the plain layout)."""
+    x, y, g = _input_val(conv), conv.meta["val"], conv.args[8]
+    if not isinstance(g, int) or g == 1 or x is None:
+        return "blocked"
+    cin, cout = x.shape[1], y.shape[1]
+    if cin == cout == g or (cin // g % 8 == 0 and cout // g % 8 == 0):
+        return "blocked"
+    return "plain" if cin == g else "grouped_gemm"
+
+
+def conv_forward_bytes(conv: Node) -> int:
+    """Bytes of eager's CPU convolution's forward temporaries (oneDNN, ``mkldnn_convolution``):
+    in its blocked layout, the input reordered into it (an input of a multiple of 16 channels;
+    one of fewer is read as it is) and the weight reordered, live while the output is made into
+    a buffer of that layout, then that buffer while it is copied into the output: the larger
+    of the two; in the plain layout (:func:`_onednn_path`), the buffer only; in channels-last,
+    the weight's reorder only. Plus :func:`conv_input_copy_bytes`."""
+    x, y = _input_val(conv), conv.meta["val"]
+    w = _weight_bytes(conv)
+    copy = conv_input_copy_bytes(conv)
+    if _backend_format(conv) != torch.contiguous_format:
+        return w + copy
+    if _onednn_path(conv) == "plain":
+        return tensor_bytes(y) + copy
+    reordered = tensor_bytes(x) if x is not None and x.dim() > 1 and x.shape[1] % 16 == 0 else 0
+    return max(reordered + w, tensor_bytes(y)) + copy
+
+
+@dataclass(frozen=True)
+class ConvBackward:
+    """What eager's CPU ``convolution_backward`` of one forward convolution allocates beyond
+    its gradients, from the forward node alone (:func:`conv_backward`).
+
+    Attributes:
+        weight_stage_bytes: the temporaries beyond the gradients at the kernel's largest, (where
+            it makes the weight gradient only, where it makes the input gradient too).
+        input_copy_bytes: :func:`conv_input_copy_bytes`.
+        out_shape: the convolution's output shape (its output gradient's).
+        memory_format: the backend's memory format (:func:`_backend_format`).
+    """
+
+    weight_stage_bytes: tuple[int, int]
+    input_copy_bytes: int
+    out_shape: tuple[int, ...]
+    memory_format: torch.memory_format
+
+
+def conv_backward(conv: Node) -> ConvBackward:
+    """:class:`ConvBackward` of forward convolution ``conv``.
+
+    In oneDNN's blocked layout the kernel makes the input gradient first (the output gradient
+    and the weight reordered, a buffer for the result, then that buffer copied into the
+    gradient), then the weight gradient (the input and the output gradient reordered while a
+    buffer of the weight's layout is made, then that buffer copied into the gradient): the
+    latter is the larger, ``max(input + output, weight)`` beyond the gradients, but where the
+    convolution is strided (ungrouped, or 32 or more output channels a group): its input
+    gradient is copied once more as the kernel returns, the buffer, the gradient and the copy live together (``2·input - weight``
+    beyond the gradients: the weight gradient is not made yet). A grouped convolution's GEMM weight
+    gradient reorders nothing (``max(output, input - weight, weight)`` with the input
+    gradient's stage: its reorders less the weight gradient); in the plain layout, the buffers
+    only (``max(input - weight, weight)``). In channels-last, the weight gradient's buffer and
+    its conversion to the weight's layout."""
+    fmt = _backend_format(conv)
+    x, y = _input_val(conv), conv.meta["val"]
+    xb, yb, w = tensor_bytes(x), tensor_bytes(y), _weight_bytes(conv)
+    path = _onednn_path(conv)
+    # a strided convolution's input gradient is copied once more as it leaves the blocked
+    # kernel: an ungrouped one's, or a grouped one's with 32 or more output channels a group
+    # (measured: 8 and 16 are not copied, nor a depthwise one's)
+    strided = isinstance(conv.args[3], (list, tuple)) and any(s != 1 for s in conv.args[3])
+    g = conv.args[8] if isinstance(conv.args[8], int) else 1
+    copied = strided and path == "blocked" and (g == 1 or y.shape[1] // g >= 32)
+    gi = (2 if copied else 1) * xb  # the input gradient's buffer and copies
+    if fmt != torch.contiguous_format:
+        stage = (2 * w, 2 * w)
+    elif path == "blocked":
+        stage = (max(xb + yb, w), max(xb + yb, w, yb, gi - w))
+    elif path == "grouped_gemm":
+        stage = (w, max(yb, gi - w, w))
+    else:
+        stage = (w, max(gi - w, w))
+    return ConvBackward(stage, conv_input_copy_bytes(conv), tuple(y.shape), fmt)
+
+
+def conv_grad_output_copy_bytes(c: ConvBackward, made: list[Node]) -> int:
+    """Bytes of the copy eager's CPU ``convolution_backward`` makes of an output gradient not
+    laid out in its backend's memory format (``grad_output.contiguous(fmt)``: the expanded
+    gradient of a sum, the permuted one of a permute), live while the whole backward kernel
+    runs. ``made``: the backward nodes the convolution's transpose rule made; the output
+    gradient is the cotangent they read from outside, of the convolution's output shape."""
+    inside = set(made)
+    for n in made:
+        for a in n.all_input_nodes:
+            v = a.meta.get("val")
+            if a in inside or a.meta.get(KIND) != "cotangent" or not isinstance(v, torch.Tensor):
+                continue
+            if tuple(v.shape) == c.out_shape:
+                return _copy_bytes(v, c.memory_format)
+    return 0
+
+
+def conv_backward_temporaries(c: ConvBackward, made: list[Node]) -> dict[str, int]:
+    """Backward node name -> bytes of eager's CPU ``convolution_backward`` temporaries, for
+    the backward nodes ``made`` (in graph order) of a forward convolution (``c``): the copies
+    of a non-contiguous input and output gradient (:func:`conv_input_copy_bytes`,
+    :func:`conv_grad_output_copy_bytes`), live through every convolution of its backward, and,
+    at the last, the kernel's stages (:attr:`ConvBackward.weight_stage_bytes`)."""
+    cs = [n for n in made if n.op == "call_function" and n.target is aten.convolution.default]
+    if not cs:
+        return {}
+    copies = c.input_copy_bytes + conv_grad_output_copy_bytes(c, made)
+    out = {n.name: copies for n in cs}
+    input_grad = any(n.args[6] for n in cs)  # the input gradient: a transposed convolution
+    out[cs[-1].name] += c.weight_stage_bytes[input_grad]
+    return out
+
+
 def kernel_temporaries(
     forward: GraphModule, backward: GraphModule | None, device: str
 ) -> tuple[dict[str, int], dict[str, int]]:
@@ -443,11 +606,14 @@ def kernel_temporaries(
 
     On CPU, PyTorch runs a float convolution (grouped, depthwise or not) with oneDNN
     (``aten::mkldnn_convolution``), which computes into a buffer of its own layout and copies
-    into the output: one output-sized temporary. Its backward
-    (``aten::convolution_backward``) reorders the input and the output gradient for the weight
-    gradient: one temporary of each, live together with the input gradient. (Measured with the
-    profiler's allocator events on PyTorch 2.13 CPU, ``tools/bench_memory.py``.) Other ops and
-    CUDA (cuDNN workspaces are not modelled): none.
+    into the output: one output-sized temporary (none in channels-last), besides the copy of an
+    input not laid out in the backend's memory format (:func:`conv_input_copy_bytes`). Its
+    backward (``aten::convolution_backward``) copies such an input and such an output gradient
+    (the expanded gradient of a sum) and reorders the input and the output gradient for the
+    weight gradient (:func:`conv_backward_temporaries`). (Measured with the profiler's allocator
+    events on PyTorch 2.13 CPU, ``tests/test_memory_eager.py``; oneDNN's backward-weights
+    scratchpad, 10 to 30 KiB here, and its channel padding to a multiple of the vector width
+    are not modelled.) Other ops and CUDA (cuDNN workspaces are not modelled): none.
     """
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
@@ -455,17 +621,15 @@ def kernel_temporaries(
         return fwd, bwd
     convs = {n.name: n for n in forward.graph.nodes if _is_plain_conv(n)}
     for name, n in convs.items():
-        fwd[name] = tensor_bytes(n.meta["val"])
+        fwd[name] = conv_forward_bytes(n)
     if backward is None:
         return fwd, bwd
-    last: dict[str, str] = {}  # forward conv -> its last backward convolution (weight grad)
+    made: dict[str, list[Node]] = {}  # forward conv -> the backward nodes its rule made
     for n in backward.graph.nodes:
-        src = n.meta.get(SOURCE)
-        if n.op == "call_function" and n.target is aten.convolution.default and src in convs:
-            last[src] = n.name
-    for src, name in last.items():
-        c = convs[src]
-        bwd[name] = tensor_bytes(c.args[0].meta["val"]) + tensor_bytes(c.meta["val"])
+        if n.op == "call_function" and (src := n.meta.get(SOURCE)) in convs:
+            made.setdefault(src, []).append(n)
+    for src, nodes in made.items():
+        bwd |= conv_backward_temporaries(conv_backward(convs[src]), nodes)
     return fwd, bwd
 
 

@@ -70,7 +70,10 @@ from graphflop.passes.eager_memory import (
     _FRESH,
     _NOT_ACTIVATIONS,
     _SCATTERS,
+    ConvBackward,
     _replayed_draws,
+    conv_backward,
+    conv_backward_temporaries,
     dual_pairs,
     eager_forward,
     jvp_baseline,
@@ -681,12 +684,10 @@ class _TrainBuilder:
         self.owner = {
             name: (i, nbytes) for i, (names, nbytes) in enumerate(self.ef.kernels) for name in names
         }
-        #: forward convolutions whose backward holds temporaries: name -> bytes
+        #: forward convolutions whose backward holds temporaries: name -> what it allocates
         fwd_tmp, _ = kernel_temporaries(forward, None, device)
         self.conv_bytes = {
-            name: tensor_bytes(n.args[0].meta["val"]) + tensor_bytes(n.meta["val"])
-            for n in forward.graph.nodes
-            if (name := n.name) in fwd_tmp
+            name: conv_backward(n) for n in forward.graph.nodes if (name := n.name) in fwd_tmp
         }
         self.fwd_tmp = fwd_tmp
         self.templates: dict[int, _Template] = {}
@@ -954,7 +955,7 @@ class _TrainBuilder:
         args: list[Node],
         after: list[int],
         outs: list[int],
-        feats: list[tuple[int | None, int | None, int | None]],
+        feats: list[tuple[int | None, int | None, ConvBackward | None]],
     ) -> _Context:
         """The template's copy for calls with these nodes read after them, these among the
         graph's outputs, these forward features per source slot (its one-kernel backward, that
@@ -980,13 +981,12 @@ class _TrainBuilder:
             gm, [kernels[i] for i in range(len(kernels))], inplace
         )
         extra: dict[str, int] = {}
-        last: dict[int, str] = {}
+        made: dict[int, list[Node]] = {}  # a convolution's slot -> its backward nodes
         for i, n in enumerate(nodes):
-            if n.op == "call_function" and n.target is aten.convolution.default:
-                if feats[t.slot[i]][2] is not None:
-                    last[t.slot[i]] = n.name
-        for k, name in last.items():
-            extra[name] = feats[k][2]  # type: ignore[assignment]
+            if n.op == "call_function" and feats[t.slot[i]][2] is not None:
+                made.setdefault(t.slot[i], []).append(n)
+        for k, ns in made.items():
+            extra |= conv_backward_temporaries(feats[k][2], ns)  # type: ignore[arg-type]
         if self.keep_grads:
             for i in outs:
                 n = nodes[i]
