@@ -704,6 +704,17 @@ def parse_dtype(text: str) -> torch.dtype:
         raise SpecError(f"unknown dtype {text!r}; one of {', '.join(sorted(DTYPES))}") from None
 
 
+def rescale_batch(specs: list[tuple[tuple[int, ...], Any]], batch: int) -> list:
+    """``specs`` (``(shape, dtype)`` per input) with the batch set to ``batch``: the example's
+    batch is the first dimension of the first input that has one; each input whose first
+    dimension equals it is rescaled (``(B, ...)`` → ``(batch, ...)``), the others (a ``(T,)``
+    positions input, a scalar) are kept. An input whose first dimension happens to equal the
+    batch (positions of length ``T == B``) is rescaled too: give every shape with
+    ``--input-shape``, without ``--batch``, then."""
+    example = next((s[0] for s, _ in specs if s), None)
+    return [((batch, *s[1:]) if s and s[0] == example else s, d) for s, d in specs]
+
+
 def make_inputs(
     loaded: LoadedModel,
     *,
@@ -716,6 +727,9 @@ def make_inputs(
 
     ``device`` defaults to the model's parameter device (``meta`` for a model loaded with
     ``meta=True``); inputs for a real model are FakeTensors.
+
+    ``batch`` rescales the inputs whose first dimension is the example's batch
+    (:func:`rescale_batch`).
 
     Raises:
         SpecError: when no shapes are given and the file has no ``example_inputs()``, or on a
@@ -748,7 +762,7 @@ def make_inputs(
             raise SpecError(
                 f"bad batch size {batch}: must be a positive integer up to {MAX_DIM:,} (2^63 - 1)"
             )
-        specs = [((batch,) + tuple(s[1:]) if s else s, d) for s, d in specs]
+        specs = rescale_batch(specs, batch)
     for s, d in specs:
         if math.prod(s) * d.itemsize > MAX_DIM:
             raise SpecError(

@@ -83,6 +83,11 @@ Graph keys (``gm.meta``)
                          into it (JVP graphs).
     :data:`VJP`          :class:`VjpInfo` of a backward graph.
     :data:`LINEARIZED`   on a backward graph: the JVP graph it is the transpose of.
+    :data:`BACKWARD_KERNELS` on a backward graph: forward node name → the number of the
+                         composite op occurrence eager runs as one kernel (the forward's
+                         :data:`COMPOSITE` regions of ``EAGER_SAVES``'s ops) it is a part of:
+                         the backward nodes made for those nodes (:data:`SOURCE`) are that op's
+                         one backward kernel (``graphflop.passes.flops.backward_kernel_costs``).
     :data:`UPDATE`       :class:`UpdateInfo` of an update graph (and of graphs that inline one).
     :data:`TRAIN_STEP`   :class:`TrainStepInfo` of a train-step graph.
     :data:`FORWARD_GRADIENT` :class:`ForwardGradientInfo` of a forward-gradient step graph.
@@ -145,6 +150,7 @@ JVP_LOG = "gf_jvp_log"
 GHOST_LINKS = "gf_ghost_links"
 VJP = "gf_vjp"
 LINEARIZED = "gf_linearized"
+BACKWARD_KERNELS = "gf_backward_kernels"
 UPDATE = "gf_update"
 TRAIN_STEP = "gf_train_step"
 FORWARD_GRADIENT = "gf_forward_gradient"
@@ -188,6 +194,7 @@ GRAPH_KEYS = (
     GHOST_LINKS,
     VJP,
     LINEARIZED,
+    BACKWARD_KERNELS,
     UPDATE,
     TRAIN_STEP,
     FORWARD_GRADIENT,

@@ -942,6 +942,51 @@ class TimeReport:
 
 
 @dataclass(frozen=True)
+class EagerAttention:
+    """Which attention execution the FLOPs count, where the two differ: graphflop's graph
+    holds scaled dot-product attention in its math form (forward q·kᵀ and P·v; backward dP,
+    dV, dQ, dK: four products, twice the forward's two), what ``sdpa_kernel(SDPBackend.MATH)``
+    runs and what every ``inspect`` FLOP figure counts. Eager PyTorch on CPU runs ``calls`` of
+    them on its fused kernel (``kernel``), whose backward recomputes the scores q·kᵀ from the
+    saved logsumexp: a fifth product, 2.5 times the forward's attention products
+    (FlopCounterMode's ``sdpa_backward_flop_count`` counts the same), which ``plan`` counts.
+
+    Attributes:
+        calls: attention calls tagged as the fused kernel.
+        kernel: the fused kernel's ATen op.
+        backward_recompute_flops: FLOPs of the recomputed score products, all calls, whole
+            model (all in ``backward_recompute_mm_flops``: they are matrix products).
+        backward_recompute_mm_flops: their matrix FLOPs: eager PyTorch's backward ``mm_flops``
+            is the graph's plus this.
+    """
+
+    calls: int
+    kernel: str
+    backward_recompute_flops: int
+    backward_recompute_mm_flops: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object (``eager_attention`` of :meth:`Report.to_dict`)."""
+        return {
+            "calls": self.calls,
+            "kernel": self.kernel,
+            "backward_recompute_flops": self.backward_recompute_flops,
+            "backward_recompute_mm_flops": self.backward_recompute_mm_flops,
+            "describes": "totals count graphflop's graph: attention in its math form "
+            "(sdpa_kernel(SDPBackend.MATH); backward 4 products, 2x the forward's); eager "
+            "PyTorch runs these calls on the fused kernel, whose backward recomputes q.k^T "
+            "(5 products, 2.5x): its backward adds backward_recompute_flops (what plan counts)",
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EagerAttention:
+        """Read :meth:`to_dict`'s object."""
+        return cls(
+            d["calls"], d["kernel"], d["backward_recompute_flops"], d["backward_recompute_mm_flops"]
+        )
+
+
+@dataclass(frozen=True)
 class Report:
     """Everything ``graphflop inspect`` reports about one model.
 
@@ -965,6 +1010,9 @@ class Report:
             there is one.
         time: predicted times on a device (:class:`TimeReport`), when one was asked for; in
             the JSON only then.
+        eager_attention: the attention calls eager PyTorch runs on a fused kernel, whose
+            backward does more matrix work than the graph's math form
+            (:class:`EagerAttention`); None (and not in the JSON) when there are none.
     """
 
     model: str
@@ -985,6 +1033,7 @@ class Report:
     ops: tuple[OpRow, ...] = ()
     assumptions: tuple[str, ...] = ()
     time: TimeReport | None = None
+    eager_attention: EagerAttention | None = None
 
     @property
     def has_backward(self) -> bool:
@@ -1066,6 +1115,8 @@ class Report:
             out["assumptions"] = list(self.assumptions)
         if self.time is not None:
             out["time"] = self.time.to_dict()
+        if self.eager_attention is not None:
+            out["eager_attention"] = self.eager_attention.to_dict()
         return out
 
     @classmethod
@@ -1098,6 +1149,9 @@ class Report:
             ops=tuple(OpRow.from_dict(o) for o in d.get("ops", ())),
             assumptions=tuple(d.get("assumptions", ())),
             time=TimeReport.from_dict(d["time"]) if "time" in d else None,
+            eager_attention=(
+                EagerAttention.from_dict(d["eager_attention"]) if "eager_attention" in d else None
+            ),
         )
 
 

@@ -499,6 +499,50 @@ def test_template_jvp_is_not_reused_where_the_tangent_strides_differ(record):
     assert h is not None and len(h.sites) == 4
 
 
+class UnevenPoolBlock(nn.Module):
+    """A 1x1 convolution, adaptive average pooling 6x6 -> (4, 3) (uneven windows: PyTorch's
+    decomposition, index arithmetic, tagged while tracing), nearest upsampling back to 6x6
+    (index arithmetic too) and the residual add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(4, 4, 1)
+        self.pool = nn.AdaptiveAvgPool2d((4, 3))
+
+    def forward(self, x):
+        return x + nn.functional.interpolate(self.pool(self.c(x)), size=(6, 6))
+
+
+class UnevenPoolStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(UnevenPoolBlock() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_blocks_with_uneven_adaptive_average_pooling_hierarchical_equals_flat():
+    # eager saves the pool's input (its self, whole) for _adaptive_avg_pool2d_backward;
+    # graphflop's backward of the decomposition reads only indices made from constants: the
+    # report composed per block equals the flat one and the bytes saved_tensors_hooks measure
+    from graphflop.runtime.memory_probe import measure_saved
+
+    torch.manual_seed(0)
+    model, x = UnevenPoolStack(), torch.randn(2, 4, 6, 6)
+    a = analyze(model, (x,), name="uneven_pool_blocks")
+    _check(a)
+    h = a.forward.meta[HIERARCHY]
+    assert h is not None and len(h.sites) == 3
+    # per block: its input 2·4·6·6·4 = 1152 (c's input) and c's output 1152 (the pool's
+    # self); the upsampling saves nothing (its backward reads constants' indices): 2304;
+    # 3 blocks 6912 B, the sum loss saves nothing
+    assert measure_saved(model, (x,)) == 6912
+    assert a.report.memory.saved_for_backward_bytes == 6912
+
+
 def test_stack_of_blocks_composes_hand_counted_figures():
     B, d, f, n = 5, 6, 10, 4
     a = analyze(Stack(n, d, f), torch.randn(B, d))

@@ -87,6 +87,13 @@ def _padded(mode: str, dim: int) -> nn.Module:
     return nn.Sequential(conv(4, 4, 1), pad, conv(4, 4, 1))
 
 
+def _adaptive(dim: int, out) -> nn.Module:
+    """A 1x1 convolution, adaptive average pooling to ``out``, a 1x1 convolution."""
+    conv = (nn.Conv1d, nn.Conv2d)[dim - 1]
+    pool = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)[dim - 1]
+    return nn.Sequential(conv(4, 4, 1), pool(out), conv(4, 4, 1))
+
+
 def _between_linears(act: nn.Module, width: int = 32) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), act, nn.Linear(width, 8))
 
@@ -164,6 +171,16 @@ CASES = {
     "hardshrink": (lambda: _between_linears(nn.Hardshrink()), (4, 16), 1444),
     "softshrink": (lambda: _between_linears(nn.Softshrink()), (4, 16), 1444),
     "hardsigmoid": (lambda: _between_linears(nn.Hardsigmoid()), (4, 16), 1444),
+    # adaptive average pooling (_adaptive_avg_pool2d_backward(grad, self)) to a size that does
+    # not divide the input's, decomposed into index arithmetic (tagged while tracing): x
+    # 2·4·8·8·4 = 2048 + the first convolution's output 2048 (the pool's self, saved whole) +
+    # the pooled values 2·4·4·3·4 = 384 (the second convolution's input): 4480 B; 1d (runs the
+    # 2d op on its input unsqueezed) on length 8 to 3: 256 + 256 + 2·4·3·4 = 96: 608 B
+    "adaptive_avg_pool2d_uneven": (lambda: _adaptive(2, (4, 3)), (2, 4, 8, 8), 4480),
+    "adaptive_avg_pool1d_uneven": (lambda: _adaptive(1, 3), (2, 4, 8), 608),
+    # to 1x1 eager's adaptive_avg_pool2d runs mean, which saves no activation: x 2048 + the
+    # pooled values 2·4·4 = 32: 2080 B (the tag is for the uneven windows only)
+    "adaptive_avg_pool2d_1x1": (lambda: _adaptive(2, 1), (2, 4, 8, 8), 2080),
     # mish, celu, logit save their input too (mish_backward(grad, self), celu's
     # elu_backward(..., self), logit_backward(grad, self, eps)): 1444 B as above (graphflop's
     # backward of the decomposition reads softplus's exp and tanh, celu's mask and expm1,

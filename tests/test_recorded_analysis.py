@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from graphflop.analysis import AnalyzeOptions, analyze
 from graphflop.load import load, make_inputs
 from graphflop.meta import (
+    BACKWARD_KERNELS,
     CALL_SITE,
     COST,
     DERIVED_HIERARCHY,
@@ -30,7 +31,14 @@ from graphflop.meta import (
 from graphflop.ops import op_name
 from graphflop.passes import calls, summary
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
-from graphflop.passes.flops import AnnotateFlops, flat_costs, sum_costs, total_cost
+from graphflop.passes.flops import (
+    AnnotateFlops,
+    call_escapes,
+    flat_costs,
+    sum_costs,
+    template_kernel_map,
+    total_cost,
+)
 from graphflop.passes.infra import run_passes
 from graphflop.passes.summary import Graphs, summarize
 
@@ -168,19 +176,22 @@ def _annotated(fwd):
 
 def _check_costs(top):
     """Every template node's cost is its op's rule's (a composite op's parts with its one
-    kernel's bytes: ``flat_costs``); a call node costs its template's nodes summed, its
+    kernel's bytes, a composite op's backward nodes with its one backward kernel's, as its
+    first call's: ``flat_costs``); a call node costs its template's nodes summed, its
     getitems nothing."""
     dh = top.meta[DERIVED_HIERARCHY]
-    for t in dh.templates:
-        alone = flat_costs(t.graph.nodes)
-        for x in t.graph.nodes:
-            assert x.meta[COST] == alone[x], x.name
+    alone: dict = {}  # template -> its nodes' costs, as its first call's
     for n in top.graph.nodes:
         if n.target is REPEAT:
-            t = dh.templates[dh.calls[n.args[1]].template]
-            alone = flat_costs(t.graph.nodes)
+            c = dh.calls[n.args[1]]
+            t = dh.templates[c.template]
+            if t not in alone:
+                kernels = template_kernel_map(top.meta.get(BACKWARD_KERNELS), c.sources)
+                alone[t] = flat_costs(t.graph.nodes, kernels, call_escapes(t, n))
+                for x in t.graph.nodes:
+                    assert x.meta[COST] == alone[t][x], x.name
             assert n.meta[COST] == sum_costs(
-                alone[x] for x in t.graph.nodes if x.op == "call_function"
+                alone[t][x] for x in t.graph.nodes if x.op == "call_function"
             )
         elif n.target is operator.getitem and n.args[0].target is REPEAT:
             assert n.meta[COST] == ZERO_COST

@@ -300,7 +300,12 @@ def add_model_args(p: argparse.ArgumentParser, *, inputs_and_loss: bool = True) 
             "(float32, float64, float16, bfloat16); default float32",
         )
     p.add_argument(
-        "--batch", type=int, default=None, help="rescale the first dimension of every input to N"
+        "--batch",
+        type=int,
+        default=None,
+        help="set the batch to N: the first dimension of every input whose first dimension is "
+        "the example's batch (the first input's) becomes N; other inputs (a (T,) positions "
+        "tensor) keep their shape",
     )
     p.add_argument(
         "--arg",

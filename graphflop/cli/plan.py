@@ -443,6 +443,16 @@ def _print(report, show_collectives: bool) -> None:
     )
     for note in report.notes:
         console.print(f"note: {note}", soft_wrap=True, markup=False)
+    ea = report.eager_attention
+    if ea is not None:
+        console.print(
+            f"attention: FLOPs as eager PyTorch runs them: {ea.calls} calls on its fused kernel "
+            f"({ea.kernel}), whose backward recomputes q·kᵀ: "
+            f"{ea.backward_recompute_mm_flops:,} mm FLOPs per micro-batch (whole model) over "
+            "graphflop's graph, which inspect counts (attention in its math form)",
+            soft_wrap=True,
+            markup=False,
+        )
     if show_collectives:
         from collections import Counter
 

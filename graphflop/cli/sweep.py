@@ -38,7 +38,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--batch-sizes",
         dest="batches",
         metavar="1,2,4,...",
-        help="comma-separated batch sizes",
+        help="comma-separated batch sizes (each rescales the inputs whose first dimension is "
+        "the example's batch, as --batch does)",
     )
     p.add_argument(
         "--depth",

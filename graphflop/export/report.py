@@ -573,6 +573,16 @@ def _summary_lines(r: Report) -> list[str]:
             f", train peak {human_bytes(amp.train_peak_bytes)}"
             + (" (FLOPs unchanged)" if amp.flops_unchanged else "")
         )
+    ea = r.eager_attention
+    if ea is not None:  # its JSON: eager_attention
+        b = r.totals.backward
+        eager_mm = "" if b is None else f" = {b.mm_flops + ea.backward_recompute_mm_flops:,}"
+        lines.append(
+            f"attention: FLOPs count graphflop's graph, attention in its math form (backward "
+            f"2× the forward's products); eager PyTorch runs its {ea.calls} calls on the fused "
+            f"kernel ({ea.kernel}), whose backward recomputes q·kᵀ: backward mm FLOPs "
+            f"+{ea.backward_recompute_mm_flops:,}{eager_mm} as eager runs it (what plan counts)"
+        )
     rc = m.recompute
     if rc:  # the what-if of --recompute (its JSON: memory.recompute)
         lines.append(

@@ -223,6 +223,10 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "aten.replication_pad1d.default": ((0,), ()),
     "aten.replication_pad2d.default": ((0,), ()),
     "aten.replication_pad3d.default": ((0,), ()),
+    # _adaptive_avg_pool2d_backward(grad, self): self, whole (adaptive_avg_pool1d runs it on
+    # its input unsqueezed); tagged only where the decomposition is index arithmetic
+    # (:data:`TAGGED_WHEN`)
+    "aten._adaptive_avg_pool2d.default": ((0,), ()),
     # mish_backward(grad, self), celu's elu_backward(grad, alpha, 1, 1/alpha, false, self),
     # glu_backward(grad, self, dim), logit_backward(grad, self, eps)
     "aten.mish.default": ((0,), ()),
@@ -233,6 +237,24 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     # linalg_vector_norm_backward(grad, self, ord, result, dim, keepdim)
     "aten.logsumexp.default": ((0,), (0,)),
     "aten.linalg_vector_norm.default": ((0,), (0,)),
+}
+
+
+def _uneven_adaptive_pool(x: Any, output_size: Any, *args: Any, **kwargs: Any) -> bool:
+    """Whether an adaptive pooling's output size does not divide its input's (each window
+    computed by index arithmetic in the decomposition)."""
+    sizes = tuple(x.shape[-len(output_size) :])
+    return any(o and n % o for n, o in zip(sizes, output_size))
+
+
+#: ops of :data:`EAGER_SAVES` whose decomposition is tagged only for some arguments: op name
+#: -> a predicate of the op's arguments. Adaptive average pooling's decomposition
+#: (graphflop.ops.pool) is a mean for a 1×1 output (eager's ``adaptive_avg_pool2d`` runs
+#: ``mean`` there, which saves no activation) and an ``avg_pool2d`` where the output divides
+#: the input (kept whole: eager_memory's ATEN_SAVES); only the uneven windows' index
+#: arithmetic stands for the op
+TAGGED_WHEN: dict[str, Callable[..., bool]] = {
+    "aten._adaptive_avg_pool2d.default": _uneven_adaptive_pool,
 }
 
 #: What autograd saves for the in-place form of an op of :data:`EAGER_SAVES` where it differs
@@ -375,9 +397,11 @@ _EAGER_OPS: set[Any] = set()
 
 
 def _tagging(name: str, fn: Callable[..., Any], counter: Iterator[int]) -> Callable[..., Any]:
+    when = TAGGED_WHEN.get(name)
+
     def decomposed(*args: Any, **kwargs: Any) -> Any:
         mode = get_proxy_mode()
-        if mode is None:
+        if mode is None or (when is not None and not when(*args, **kwargs)):
             return fn(*args, **kwargs)
         graph = mode.tracer.graph
         last = next(iter(reversed(graph.nodes)), None)

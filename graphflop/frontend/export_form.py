@@ -229,42 +229,12 @@ def from_make_fx(
         TraceError: a write into an input.
     """
     old = gm.graph
-    phs = [n for n in old.nodes if n.op == "placeholder"]
+    g = torch.fx.Graph()
+    env, phs, sig_params, sig_buffers, model_inputs, target_names, constants = placeholders(
+        gm, g, params=params, buffers=buffers, n_inputs=n_inputs, target_nodes=target_nodes
+    )
     n_p, n_b = len(params), len(buffers)
     out_node = next(n for n in reversed(old.nodes) if n.op == "output")
-    g = torch.fx.Graph()
-    env: dict = {}
-    sig_params, sig_buffers, model_inputs, target_names = [], [], [], []
-    constants: dict[str, torch.Tensor] = {}
-
-    def placeholder(name: str, src):
-        ph = g.placeholder(name)
-        ph.meta.update(src.meta)
-        ph.meta.pop("nn_module_stack", None)
-        return ph
-
-    for i, n in enumerate(phs):
-        if i < n_p:
-            env[n] = placeholder("p_model_" + _ident(params[i]), n)
-            sig_params.append((env[n].name, params[i]))
-        elif i < n_p + n_b:
-            env[n] = placeholder("b_model_" + _ident(buffers[i - n_p]), n)
-            sig_buffers.append((env[n].name, buffers[i - n_p]))
-    held: dict[str, Node] = {}  # one placeholder per constant, however often it is read
-    for n in old.nodes:
-        if n.op == "get_attr":  # torch.tensor(...) made in forward: a fixed buffer
-            if n.target in held:  # a plain tensor attribute read twice: two get_attr nodes
-                env[n] = held[n.target]
-                continue
-            env[n] = held[n.target] = placeholder("c_" + _ident(n.target), n)
-            sig_buffers.append((env[n].name, n.target))
-            constants[env[n].name] = getattr(gm, n.target)
-    for i, n in enumerate(phs[n_p + n_b :]):
-        env[n] = placeholder(f"args_{i}", n)
-        model_inputs.append(env[n].name)
-    for j, n in enumerate(target_nodes):
-        env[n] = placeholder(f"args_{n_inputs + j}", n)
-        target_names.append(env[n].name)
     index = {env[n]: i for i, n in enumerate(phs)}
     writes: dict = {}
     params_written: dict[str, None] = {}
@@ -313,6 +283,59 @@ def from_make_fx(
         params_written=tuple(params_written),
     )
     return _finish(new, signature, constants, loss_kind, wrapped=True)
+
+
+def placeholders(
+    gm: GraphModule,
+    g: torch.fx.Graph,
+    *,
+    params: list[str],
+    buffers: list[str],
+    n_inputs: int,
+    target_nodes: list,
+) -> tuple[dict, list, list, list, list, list, dict[str, torch.Tensor]]:
+    """:func:`from_make_fx`'s placeholders of ``g`` for ``make_fx``'s graph ``gm``: ``(env``
+    (``gm``'s placeholders, constants and target nodes to ``g``'s), ``gm``'s placeholders, the
+    signature's parameters, buffers, inputs and targets, the constants``)``."""
+    old = gm.graph
+    phs = [n for n in old.nodes if n.op == "placeholder"]
+    n_p, n_b = len(params), len(buffers)
+    env: dict = {}
+    sig_params: list = []
+    sig_buffers: list = []
+    model_inputs: list = []
+    target_names: list = []
+    constants: dict[str, torch.Tensor] = {}
+
+    def placeholder(name: str, src):
+        ph = g.placeholder(name)
+        ph.meta.update(src.meta)
+        ph.meta.pop("nn_module_stack", None)
+        return ph
+
+    for i, n in enumerate(phs):
+        if i < n_p:
+            env[n] = placeholder("p_model_" + _ident(params[i]), n)
+            sig_params.append((env[n].name, params[i]))
+        elif i < n_p + n_b:
+            env[n] = placeholder("b_model_" + _ident(buffers[i - n_p]), n)
+            sig_buffers.append((env[n].name, buffers[i - n_p]))
+    held: dict[str, Node] = {}  # one placeholder per constant, however often it is read
+    for n in old.nodes:
+        if n.op == "get_attr":  # torch.tensor(...) made in forward: a fixed buffer
+            if n.target in held:  # a plain tensor attribute read twice: two get_attr nodes
+                env[n] = held[n.target]
+                continue
+            env[n] = held[n.target] = placeholder("c_" + _ident(n.target), n)
+            sig_buffers.append((env[n].name, n.target))
+            constants[env[n].name] = getattr(gm, n.target)
+    for i, n in enumerate(phs[n_p + n_b :]):
+        env[n] = placeholder(f"args_{i}", n)
+        model_inputs.append(env[n].name)
+    for j, n in enumerate(target_nodes):
+        env[n] = placeholder(f"args_{n_inputs + j}", n)
+        target_names.append(env[n].name)
+    return env, phs, sig_params, sig_buffers, model_inputs, target_names, constants
 
 
 def _copy_nodes(old: torch.fx.Graph, g: torch.fx.Graph, env: dict, calls: Any, write: Any) -> None:

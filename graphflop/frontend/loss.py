@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -73,20 +73,23 @@ def loss_output(out: Any) -> Any:
 def default_loss(out: Any, inputs: Sequence[Any] = (), vocabularies: Sequence[int] = ()) -> str:
     """The loss ``auto`` stands for, from the shapes of the model's output and inputs.
 
-    Cross-entropy for ``(N, C)`` floating logits (:func:`loss_output`), and for token logits
-    (:func:`token_logits`: ``(B, T, V)`` logits of ``(B, T)`` integer ids over an embedding of
-    ``V`` rows, a language model's); ``none`` when the output holds no floating-point or
-    complex tensor (nothing to differentiate, e.g. a model ending in argmax); ``sum``
-    otherwise (hidden states, images, scores).
+    Cross-entropy for ``(N, C)`` floating logits of ``C > 1`` classes (:func:`loss_output`),
+    and for token logits (:func:`token_logits`: ``(B, T, V)`` logits of ``(B, T)`` integer ids
+    over a token embedding of ``V > 1`` rows, a language model's); ``none`` when the output
+    holds no floating-point or complex tensor (nothing to differentiate, e.g. a model ending in
+    argmax); ``sum`` otherwise (hidden states, images, scores, and a single-class output such as
+    a one-output regressor's ``(N, 1)``: cross-entropy over one class is identically 0,
+    :func:`single_class_line`).
 
     Args:
         out: the model's output.
         inputs: the model's input tensors (others are ignored).
-        vocabularies: the row counts of the model's embedding tables (:func:`vocabularies`)."""
+        vocabularies: the row counts of the model's token embeddings
+            (:func:`token_vocabularies`)."""
     first = loss_output(out)
     if not differentiable(first):
         return "none"
-    if first.dim() == 2 and first.is_floating_point():
+    if first.dim() == 2 and first.is_floating_point() and first.shape[1] > 1:
         return "cross_entropy"
     if token_logits(first, inputs, vocabularies):
         return "cross_entropy"
@@ -95,23 +98,111 @@ def default_loss(out: Any, inputs: Sequence[Any] = (), vocabularies: Sequence[in
 
 def token_logits(first: Any, inputs: Sequence[Any], vocabularies: Sequence[int]) -> bool:
     """Whether ``first`` is a language model's logits: floating, of shape ``(B, T, V)``, with
-    an integer input of shape ``(B, T)`` (the token ids) and an embedding table of ``V`` rows
-    (the vocabulary). The last condition tells logits from hidden states ``(B, T, D)``, which
-    a base model returns from the same ids."""
+    an integer input of shape ``(B, T)`` (the token ids) and a token embedding of ``V > 1``
+    rows (the vocabulary: ``vocabularies``, :func:`token_vocabularies`). The last condition
+    tells logits from hidden states ``(B, T, D)``, which a base model returns from the same
+    ids; a position, relative-position or bucket table of ``D`` rows is not a token
+    embedding."""
     if not (isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() == 3):
         return False
-    ids = any(
-        isinstance(t, torch.Tensor)
-        and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-        and tuple(t.shape) == tuple(first.shape[:2])
-        for t in inputs
+    ids = any(_integer(t) and tuple(t.shape) == tuple(first.shape[:2]) for t in inputs)
+    return ids and first.shape[-1] > 1 and first.shape[-1] in set(vocabularies)
+
+
+def _integer(t: Any) -> bool:
+    """Whether ``t`` is an integer tensor (token ids, indices; not bool)."""
+    return isinstance(t, torch.Tensor) and not (
+        t.is_floating_point() or t.is_complex() or t.dtype == torch.bool
     )
-    return ids and first.shape[-1] in set(vocabularies)
 
 
-def vocabularies(model: torch.nn.Module) -> list[int]:
-    """The row counts (``num_embeddings``) of ``model``'s ``nn.Embedding`` tables."""
-    return [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+def _storage_key(t: torch.Tensor) -> int | None:
+    """An identity of ``t``'s storage, shared by its views (real, meta, fake and functional
+    tensors alike); None for a tensor without one (sparse, some subclasses)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def tied_vocabularies(model: torch.nn.Module) -> list[int]:
+    """The row counts of ``model``'s ``nn.Embedding`` tables whose weight is also an
+    ``nn.Linear``'s (an output projection tied to the token embedding)."""
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return [
+        m.num_embeddings
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and id(m.weight) in heads
+    ]
+
+
+@contextlib.contextmanager
+def token_vocabularies(model: torch.nn.Module, inputs: Sequence[Any]) -> Iterator[list[int]]:
+    """The row counts of ``model``'s token embeddings, filled while the model runs inside the
+    block (eagerly, on meta or fake tensors, or under a trace): the ``nn.Embedding`` tables
+    looked up with one of the integer ``inputs`` directly (the tensor or a view of it: the
+    same storage), and those tied to an output projection (:func:`tied_vocabularies`). A
+    table looked up with computed indices (positions made with ``arange``, relative-position
+    buckets, ids shifted or clamped) is not one: its rows are no vocabulary of the model's
+    output."""
+    found = tied_vocabularies(model)
+    model_tables = {id(m) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    keys = {_storage_key(t) for t in inputs if _integer(t)} - {None}
+
+    def lookup(m: torch.nn.Module, args: tuple) -> None:
+        if not isinstance(m, torch.nn.Embedding) or id(m) not in model_tables or not args:
+            return
+        if isinstance(args[0], torch.Tensor) and _storage_key(args[0]) in keys:
+            found.append(m.num_embeddings)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lookup)
+    try:
+        yield found
+    finally:
+        handle.remove()
+
+
+def classes(out: torch.Tensor) -> int | None:
+    """The number of classes cross-entropy over ``out`` would take: the last dim of ``(B, T,
+    V)`` token logits, else dim 1 (dim 0 of a 1-D output); None for a scalar."""
+    if out.dim() == 0:
+        return None
+    if out.dim() == 1:
+        return out.shape[0]
+    return out.shape[-1] if out.dim() == 3 else out.shape[1]
+
+
+def single_class(out: Any) -> bool:
+    """Whether ``out`` is floating with one class (:func:`classes`), e.g. a one-output
+    regressor's ``(N, 1)``: cross-entropy over it is identically 0."""
+    return (
+        isinstance(out, torch.Tensor)
+        and out.is_floating_point()
+        and out.dim() >= 2
+        and classes(out) == 1
+    )
+
+
+def single_class_line(out: torch.Tensor) -> str:
+    """The assumption line of ``auto`` choosing the sum for a single-class output."""
+    return (
+        f"loss: the sum of the model's {_shape(out)} output, not cross-entropy: over its one "
+        "class cross-entropy is identically 0 (a zero gradient); --loss mse (a regressor's) "
+        "or --loss sum chooses explicitly"
+    )
+
+
+def single_class_refusal(out: torch.Tensor) -> str:
+    """Why ``--loss cross_entropy`` is refused for a single-class output, and what to use."""
+    return (
+        f"loss 'cross_entropy' over the model's {_shape(out)} output takes one class, and "
+        "cross-entropy over one class is identically 0 (log_softmax of a single logit is 0), "
+        "so its gradient is zero: use --loss mse (a regressor's) or --loss sum"
+    )
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(map(str, t.shape)) + ")"
 
 
 def class_target_shape(out: torch.Tensor) -> tuple[int, ...]:

@@ -80,7 +80,10 @@ from graphflop.frontend.loss import (
     loss_value,
     make_targets,
     output_tensors,
-    vocabularies,
+    single_class,
+    single_class_line,
+    single_class_refusal,
+    token_vocabularies,
 )
 from graphflop.frontend.regions import (
     checkpoints_tagged,
@@ -379,13 +382,15 @@ def _trace_once(
     buffers = dict(model.named_buffers())
     flat_state = [as_fake(fake_mode, t) for t in [*params.values(), *buffers.values()]]
     n_p, n_b = len(params), len(buffers)
-    vocab = vocabularies(model)
     chosen: dict[str, Any] = {}
 
     def objective(*flat):
         state = (dict(zip(params, flat[:n_p])), dict(zip(buffers, flat[n_p : n_p + n_b])))
+        ids = flat[n_p + n_b :]
         with ModuleScopes(model) as scopes:
-            out = torch.func.functional_call(model, state, tuple(flat[n_p + n_b :]))
+            # the tables the model looks its integer inputs up in: its token embeddings
+            with token_vocabularies(model, ids) as vocab:
+                out = torch.func.functional_call(model, state, tuple(ids))
             scopes.leave_model()
             outs = output_tensors(out)
             if not outs:
@@ -396,20 +401,10 @@ def _trace_once(
             # the loss is computed from the first floating-point output (a model may return
             # its predicted classes first, then the logits)
             head = loss_output(outs)
-            ids = flat[n_p + n_b :]
             kind = default_loss(head, ids, vocab) if loss == "auto" else loss
-            if kind != "none" and not differentiable(head):
-                raise TraceError(
-                    f"loss {kind!r} needs a floating-point output to differentiate, but the "
-                    f"model's output has none (a {head.dtype} tensor first): return the logits "
-                    "or scores, or leave the loss to 'auto' to analyse the forward only"
-                )
-            if kind == "output" and head.numel() != 1:
-                raise TraceError(
-                    "loss 'output' takes the model's first floating-point output as the loss, "
-                    f"but it has shape {tuple(head.shape)}: return the scalar loss first, or "
-                    "choose another loss (sum, mse, cross_entropy)"
-                )
+            line = _check_loss(kind, loss == "auto", head)
+            if line:
+                chosen["line"] = line
             chosen["loss"] = kind
             if kind == "none":
                 return tuple(outs)
@@ -494,7 +489,7 @@ def _trace_once(
     hierarchy = build_hierarchy(out, templates, sites)
     if hierarchy is not None:
         out.meta[HIERARCHY] = hierarchy
-    out.meta[ASSUMPTIONS] = tuple(dispatch.lines)
+    out.meta[ASSUMPTIONS] = tuple(dispatch.lines) + ((chosen["line"],) if "line" in chosen else ())
     written = out.meta[SIGNATURE].params_written
     if written:
         out.meta[ASSUMPTIONS] += (_written_line(written),)
@@ -504,6 +499,28 @@ def _trace_once(
     frozen += _no_grad_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
     return out
+
+
+def _check_loss(kind: str, auto: bool, head: torch.Tensor) -> str | None:
+    """Refuse a loss ``kind`` the output ``head`` cannot give (a ``TraceError``); return the
+    assumption line of ``auto`` summing a single-class ``(N, 1)`` output, else None."""
+    if kind != "none" and not differentiable(head):
+        raise TraceError(
+            f"loss {kind!r} needs a floating-point output to differentiate, but the "
+            f"model's output has none (a {head.dtype} tensor first): return the logits "
+            "or scores, or leave the loss to 'auto' to analyse the forward only"
+        )
+    if kind == "output" and head.numel() != 1:
+        raise TraceError(
+            "loss 'output' takes the model's first floating-point output as the loss, "
+            f"but it has shape {tuple(head.shape)}: return the scalar loss first, or "
+            "choose another loss (sum, mse, cross_entropy)"
+        )
+    if kind == "cross_entropy" and single_class(head):
+        raise TraceError(single_class_refusal(head))
+    if auto and single_class(head) and head.dim() == 2:  # (N, 1): the sum, not cross-entropy
+        return single_class_line(head)
+    return None
 
 
 #: folders whose warnings a trace does not pass on: torch warns about its own internals on

@@ -61,8 +61,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from graphflop.frontend.composite import FUSED_SDPA
-from graphflop.meta import COMPOSITE, LOSS_KIND, MODULE, RESIDUAL, ROLE, SIGNATURE, SOURCE, VJP
+from graphflop.meta import LOSS_KIND, MODULE, RESIDUAL, ROLE, SIGNATURE, SOURCE, VJP
 from graphflop.parallel.placement import (
     REPLICATE,
     Collective,
@@ -83,6 +82,7 @@ from graphflop.parallel.tp_plan import (
     param_placement,
     unsharded_note,
 )
+from graphflop.passes.eager_attention import eager_attention_flops, fused_score_products
 from graphflop.passes.eager_memory import (
     eager_saved_storages,
     eager_train_schedule,
@@ -90,6 +90,7 @@ from graphflop.passes.eager_memory import (
 )
 from graphflop.passes.memory import Schedule, Step
 from graphflop.passes.optimizer import STATE_KINDS, not_updated, step_count_bytes
+from graphflop.report import EagerAttention
 
 __all__ = ["PlanReport", "RankClass", "find_blocks", "pipeline_units", "predict"]
 
@@ -182,6 +183,12 @@ class PlanReport:
             ``plan``).
         assumptions: the analysis's assumptions beyond the shapes (``Report.assumptions``:
             a routed mixture of experts' rows per expert), one line each.
+        eager_attention: the attention calls run on PyTorch's fused kernel
+            (as ``Report.eager_attention``, whole model per micro-batch, the copies of
+            ``--blocks`` counted): the ranks' backward
+            FLOPs count its recomputed score products, as eager PyTorch runs them, where
+            ``inspect``'s totals count the graph's math form; None where there are none (JSON:
+            ``null``).
     """
 
     model: str
@@ -198,6 +205,7 @@ class PlanReport:
     stages: tuple[tuple[str, ...], ...] = field(default=())
     loss: str | None = None
     assumptions: tuple[str, ...] = field(default=())
+    eager_attention: EagerAttention | None = None
     #: what the render reads: the forward graph, its placements and each node's stage
     detail: Any = field(default=None, repr=False, compare=False)
 
@@ -217,7 +225,22 @@ class PlanReport:
             "ranks": [r.to_dict() for r in self.ranks],
             "notes": list(self.notes),
             "assumptions": list(self.assumptions),
+            "eager_attention": (
+                None
+                if self.eager_attention is None
+                else {**self.eager_attention.to_dict(), "describes": PLAN_ATTENTION}
+            ),
         }
+
+
+#: what a plan's ``eager_attention`` says about the ranks' FLOPs
+PLAN_ATTENTION = (
+    "ranks' backward FLOPs count eager PyTorch: these calls on the fused kernel, whose backward "
+    "recomputes q.k^T (5 products, 2.5x the forward's); inspect's totals count graphflop's graph, "
+    "attention in its math form (4 products, 2x), backward_recompute_flops less (whole model, "
+    "per micro-batch; at local size on TP ranks). Which calls run fused is PyTorch's CPU rule "
+    "(use_flash_attention_cpp), taken for cuda too, unmeasured there"
+)
 
 
 def find_blocks(model: nn.Module) -> list[str]:
@@ -878,8 +901,10 @@ def predict(  # noqa: C901
         b_weight,
     )
     # PyTorch's fused attention kernel recomputes the scores q·kᵀ in its backward (as
-    # FlopCounterMode's SDPA backward formula counts it): one more product per call
-    for n in _fused_score_products(fwd):
+    # FlopCounterMode's SDPA backward formula counts it): one more product per call, at local
+    # (TP) size; inspect counts the graph's math form and states the difference
+    # (Report.eager_attention)
+    for n in fused_score_products(fwd):
         c, w = fp.cost[n.name], f_weight.get(n.name, 1)
         bf[rank_stage(f_stage[n.name])]["backward"] += c.flops * w
         bm[rank_stage(f_stage[n.name])]["backward"] += c.mm_flops * w
@@ -1187,6 +1212,7 @@ def predict(  # noqa: C901
         notes=tuple(notes),
         loss=fwd.meta.get(LOSS_KIND),
         assumptions=tuple(rep.assumptions),
+        eager_attention=ea if (ea := eager_attention_flops(fwd, f_weight)).calls else None,
         detail=(fwd, fp, {k: rank_stage(v) for k, v in f_stage.items()}),
     )
 
@@ -1667,19 +1693,6 @@ def _node_bytes(gm: GraphModule) -> dict[str, int]:
         if isinstance(v, torch.Tensor):
             out[n.name] = v.numel() * v.element_size()
     return out
-
-
-def _fused_score_products(fwd: GraphModule) -> list[Node]:
-    """The score product (the first matrix product) of each attention call tracing tagged as
-    PyTorch's fused kernel (:data:`~graphflop.frontend.composite.FUSED_SDPA`)."""
-    first: dict[tuple[str, int], Node] = {}
-    for n in fwd.graph.nodes:
-        tag = n.meta.get(COMPOSITE)
-        if tag is None or tag.op != FUSED_SDPA or n.target is not torch.ops.aten.bmm.default:
-            continue
-        # a repeated block's copies share their region numbers: the module tells them apart
-        first.setdefault((n.meta.get(MODULE) or "", tag.region), n)
-    return list(first.values())
 
 
 def _node_weights(

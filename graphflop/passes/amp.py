@@ -23,25 +23,30 @@ are unchanged (its FLOPs do not depend on the dtype); only bytes change. The rul
 model's saved set (:mod:`graphflop.passes.eager_memory`): saved bytes once per storage,
 parameters and buffers excluded, inputs and targets included (the values a plain ATen op saves
 beyond graphflop's residuals, :attr:`~graphflop.passes.eager_memory.EagerResiduals.held`, at
-their autocast sizes). The train peak is the eager train schedule with each forward value at
-its autocast size, the saved casts as storages made at their op and kept to the backward, and
-each backward value scaled by the dtype of the forward op whose rule made it (gradients of half
-activations are half; parameter gradients float32), its one-kernel backwards and in-place
-scatters as the eager schedule's; an estimate (the backward's dtypes are not traced, the
-kernels' own temporaries are left out). Reads ``val``, ``COMPOSITE``, ``RESIDUAL``, ``SOURCE``,
+their autocast sizes). The train peak is the report's eager train schedule
+(:func:`~graphflop.passes.eager_memory.eager_train_schedule`: one-kernel forwards and
+backwards, in-place scatters, the kernels' temporaries) with each forward value at its autocast
+size, the saved casts as storages made at their op and kept to the backward, each backward
+value scaled by the dtype of the forward op whose rule made it (gradients of half activations
+are half; parameter gradients float32), the kernels' temporaries at their ops' dtypes
+(:func:`~graphflop.passes.eager_memory.temporaries_at`; a multi-output op at its output 0's),
+and the model's inputs held through the step (their casts, not they, are saved); an estimate
+(the backward's dtypes are not traced; oneDNN's half-precision scratchpads, which depend on the
+CPU's instruction set, are not modelled). Reads ``val``, ``COMPOSITE``, ``RESIDUAL``, ``SOURCE``,
 ``PARAM_DERIVED``; writes nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, replace
 
 import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES
-from graphflop.meta import COMPOSITE, MODULE, PARAM_DERIVED, RESIDUAL, SIGNATURE, SOURCE
-from graphflop.passes.eager_memory import _regions, eager_residuals, scatters_in_place
+from graphflop.meta import COMPOSITE, MODULE, PARAM_DERIVED, RESIDUAL, SOURCE
+from graphflop.passes.eager_memory import _regions, eager_residuals, eager_train_schedule
 from graphflop.passes.memory import Schedule, forward_storages
 from graphflop.report import AmpWhatIf
 
@@ -127,10 +132,13 @@ def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str
             out[n.name] = torch.float32
         elif tag is not None and tag.op in _STATS and tag.output in (1, 2):
             out[n.name] = torch.float32
-        elif tag is not None and tag.op in _STATS and tag.output == 0 and occurrence[n] in first:
-            out[n.name] = first[occurrence[n]]  # a norm's output has its input's dtype
+        elif tag is not None and tag.output == 0 and occurrence[n] in first:
+            # a composite op's output has its input's dtype (one eager kernel: a norm's, or
+            # uneven adaptive pooling's, whose decomposition divides by float32 counts)
+            out[n.name] = first[occurrence[n]]
         else:
-            ins = [out[a.name] for a in n.all_input_nodes if a.name in out]
+            # (an output of a multi-output op, max pooling's: the dtype of the op's inputs)
+            ins = [out[a.name] for a in _dtype_inputs(n) if a.name in out]
             fl = [d for d in ins if d.is_floating_point]
             if fl and _opname(n) != "_to_copy":
                 r = fl[0]
@@ -140,6 +148,27 @@ def amp_dtypes(forward: GraphModule, half: torch.dtype, device: str) -> dict[str
             else:
                 out[n.name] = dt
     return out
+
+
+def _op_dtypes(forward: GraphModule, dts: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """``dts`` (:func:`amp_dtypes`) with each multi-output op (max pooling with its indices,
+    batch norm kept whole) at its output 0's dtype: the dtype its kernels, forward and
+    backward, run in."""
+    out = dict(dts)
+    for n in forward.graph.nodes:
+        if n.target is operator.getitem and n.args[1] == 0 and n.name in dts:
+            out.setdefault(n.args[0].name, dts[n.name])
+    return out
+
+
+def _dtype_inputs(n: Node) -> list[Node]:
+    """The nodes whose dtypes ``n``'s value promotes from: its inputs, or, for an output of a
+    multi-output op (``getitem`` of a tuple), the op's inputs."""
+    if n.target is operator.getitem and isinstance(n.args[0], Node):
+        base = n.args[0]
+        if isinstance(base.meta.get("val"), (tuple, list)):
+            return base.all_input_nodes
+    return n.all_input_nodes
 
 
 def _bytes(n: Node, dt: torch.dtype) -> int:
@@ -239,6 +268,7 @@ class _Amp:
     def __init__(self, forward: GraphModule, backward: GraphModule, amp: str, device: str):
         self.forward, self.backward, self.half = forward, backward, HALF[amp]
         self.dts = amp_dtypes(forward, self.half, device)
+        self.op_dts = _op_dtypes(forward, self.dts)
         self.eager = eager_residuals(forward, backward, device)
         self.fnodes = {n.name: n for n in forward.graph.nodes}
         fn, dts = self.fnodes, self.dts
@@ -296,45 +326,26 @@ class _Amp:
                 self.saved.value(p.name, src.name)
 
     def train_schedule(self, optimizer: str, device: str) -> Schedule:
-        """The eager train schedule at autocast sizes, casts included (module docstring)."""
-        from graphflop.passes.eager_memory import optimizer_temporaries
-        from graphflop.passes.flops import tensor_bytes
-
-        sig = self.forward.meta[SIGNATURE]
-        state = sig.state()
-        s = Schedule()
-        s.add_graph(
-            self.forward, "f", baseline=state, eager=True, sizes=self.sizes, extra=self.eager.extra
+        """The eager train schedule (the report's,
+        :func:`~graphflop.passes.eager_memory.eager_train_schedule`) at autocast sizes, its
+        kernels' temporaries at their ops' dtypes, the casts included (module docstring)."""
+        eager = replace(
+            self.eager,
+            sizes=self.sizes,
+            backward_sizes=self._backward_sizes() | self.eager.backward_sizes,
+        )
+        s = eager_train_schedule(
+            self.forward,
+            self.backward,
+            optimizer,
+            device,
+            eager=eager,
+            stand_in=self.saved.stand,
+            dtypes=self.op_dts,
+            hold_inputs=True,  # the input's cast is saved, not the input, which the caller holds
         )
         self._insert_casts(s)
-        ext: dict[str, str | list[str]] = {}
-        base_b = set()
-        # a plain op's saved values live until its backward has run (EagerResiduals.held)
-        reads = {k: list(v) for k, v in self.eager.backward_reads.items()}
-        for b in self.eager.held:
-            reads.setdefault(b, []).extend(self.saved.stand[b])
-        for n in self.backward.graph.nodes:
-            if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
-                if n.name in self.saved.stand:
-                    ext[n.name] = self.saved.stand[n.name]
-                else:
-                    base_b.add(n.name)  # parameters, and what nothing reads
-        s.add_graph(
-            self.backward,
-            "b",
-            baseline=base_b,
-            external=ext,
-            keep_outputs=True,
-            eager=True,
-            sizes=self._backward_sizes() | self.eager.backward_sizes,  # one-kernel backwards
-            extra=self.eager.backward_extra,
-            also_reads=reads,
-            inplace=scatters_in_place(self.backward),  # as the eager schedule's
-        )
         self._grad_copies(s)
-        phs = {n.name: n for n in self.forward.graph.nodes if n.op == "placeholder"}
-        sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
-        s.add_transient("u:optimizer", optimizer_temporaries(optimizer, sizes, device))
         return s
 
     def _insert_casts(self, s: Schedule) -> None:
@@ -367,13 +378,27 @@ class _Amp:
 
     def _grad_copies(self, s: Schedule) -> None:
         """A gradient a half op made (a view of its half result in graphflop's backward) is
-        a float32 copy of its own in eager (the weight cast's backward)."""
+        a float32 copy of its own in eager (the weight cast's backward). One a matrix op
+        made itself (a weight's ``mm``) is made in half by that op and copied to float32 by
+        the cast's backward (``ToCopyBackward0``): the half result is live while the copy is
+        made, after the op's inputs are freed: a step of its own before the copy's."""
+        from graphflop.passes.memory import Step
+
         out_node = next(n for n in self.backward.graph.nodes if n.op == "output")
-        for st in s.steps:
-            n = next((g for g in out_node.all_input_nodes if f"b:{g.name}" == st.key), None)
-            d = self.dts.get(n.meta.get(SOURCE) or "") if n is not None else None
-            if n is not None and d is not None and d.itemsize < 4 and st.alias_of is not None:
+        grads = {f"b:{g.name}": g for g in out_node.all_input_nodes}
+        for i in reversed(range(len(s.steps))):
+            st = s.steps[i]
+            n = grads.get(st.key)
+            src = self.fnodes.get(n.meta.get(SOURCE) or "") if n is not None else None
+            d = self.op_dts.get(src.name) if src is not None else None
+            if n is None or src is None or d is None or d.itemsize >= 4:
+                continue
+            if st.alias_of is not None:
                 st.alias_of, st.nbytes = None, _bytes(n, torch.float32)
+            elif _is_lower(src) and _dtype(n) == torch.float32:
+                half = Step(f"{st.key}@half", _bytes(n, d), None, st.reads, st.extra)
+                st.reads, st.extra = [half.key], 0
+                s.steps.insert(i, half)
 
     def _backward_sizes(self) -> dict[str, int]:
         """Backward node -> bytes at the dtype of the forward op whose rule made it (half
@@ -385,7 +410,7 @@ class _Amp:
             v, src = n.meta.get("val"), n.meta.get(SOURCE)
             if n.op != "call_function" or n in grads or not isinstance(v, torch.Tensor):
                 continue
-            d = self.dts.get(src or "")
+            d = self.op_dts.get(src or "")
             if v.dtype == torch.float32 and d is not None and d.itemsize < 4:
                 sizes[n.name] = v.numel() * d.itemsize
         return sizes

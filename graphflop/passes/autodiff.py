@@ -14,8 +14,9 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.ad import jvp as _jvp
 from graphflop.ad import vjp as _vjp
-from graphflop.meta import DERIVED_HIERARCHY, HIERARCHY
+from graphflop.meta import BACKWARD_KERNELS, DERIVED_HIERARCHY, HIERARCHY
 from graphflop.passes.calls import DirectRecorder, attach
+from graphflop.passes.flops import backward_kernel_map
 from graphflop.passes.infra import FLAT, GraphPass
 
 
@@ -137,4 +138,6 @@ class BuildVjp(GraphPass):
         )
         if self.per_template and DERIVED_HIERARCHY not in gm.meta:
             attach(gm, graph_module)
+        # the backward nodes of a composite op eager runs as one kernel move its bytes
+        gm.meta[BACKWARD_KERNELS] = backward_kernel_map(graph_module)
         return PassResult(gm, True)

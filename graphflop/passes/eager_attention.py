@@ -1,8 +1,9 @@
 """Fused scaled dot-product attention in the eager memory model
 (:mod:`graphflop.passes.eager_memory`): what PyTorch's fused kernel saves, allocates and frees
 for the attention calls tracing tagged :data:`~graphflop.frontend.composite.FUSED_SDPA`
-(:func:`~graphflop.frontend.composite.fused_on_cpu`). Reads ``val``, ``COMPOSITE``,
-``SOURCE``; writes nothing.
+(:func:`~graphflop.frontend.composite.fused_on_cpu`), and the matrix FLOPs its backward adds
+to graphflop's graph (:func:`fused_score_products`, :func:`eager_attention_flops`). Reads
+``val``, ``COMPOSITE``, ``SOURCE``, ``MODULE``, ``COST``; writes nothing.
 """
 
 from __future__ import annotations
@@ -11,11 +12,45 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import FUSED_SDPA
-from graphflop.meta import COMPOSITE
+from graphflop.meta import COMPOSITE, COST, MODULE
 from graphflop.passes.eager_kernels import is_view, nodes_made_by
 from graphflop.passes.flops import tensor_bytes
+from graphflop.report import EagerAttention
 
 aten = torch.ops.aten
+
+
+def fused_score_products(fwd: GraphModule) -> list[Node]:
+    """The score product q·kᵀ (the first ``bmm``) of each attention call tracing tagged as
+    PyTorch's fused kernel (:data:`~graphflop.frontend.composite.FUSED_SDPA`), one per call.
+
+    graphflop's graph holds attention in its math form, whose backward is four products
+    (dP = dO·vᵀ, dV = Pᵀ·dO, dQ = dS·k, dK = dSᵀ·q: twice the forward's two); the fused kernel
+    keeps only a logsumexp and recomputes the scores q·kᵀ in its backward, a fifth product the
+    size of this one (FlopCounterMode's ``sdpa_backward_flop_count`` counts the same five)."""
+    first: dict[tuple[str, int], Node] = {}
+    for n in fwd.graph.nodes:
+        tag = n.meta.get(COMPOSITE)
+        if tag is None or tag.op != FUSED_SDPA or n.target is not aten.bmm.default:
+            continue
+        # a repeated block's copies share their region numbers: the module tells them apart
+        first.setdefault((n.meta.get(MODULE) or "", tag.region), n)
+    return list(first.values())
+
+
+def eager_attention_flops(fwd: GraphModule, copies: dict[str, int] | None = None) -> EagerAttention:
+    """What eager PyTorch's fused attention kernel adds to the backward of graphflop's graph:
+    the recomputed score product of each call :func:`fused_score_products` finds, at the
+    forward node's ``COST`` (whole-model size), times ``copies`` of the node where given (a
+    plan's ``--blocks``: how many blocks an analysed one stands for)."""
+    products = fused_score_products(fwd)
+    w = {n.name: (copies or {}).get(n.name, 1) for n in products}
+    return EagerAttention(
+        calls=sum(w.values()),
+        kernel=FUSED_SDPA,
+        backward_recompute_flops=sum(n.meta[COST].flops * w[n.name] for n in products),
+        backward_recompute_mm_flops=sum(n.meta[COST].mm_flops * w[n.name] for n in products),
+    )
 
 
 def _split(n: int, long: int, mid: int | None) -> int:

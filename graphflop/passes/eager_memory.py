@@ -504,6 +504,56 @@ def kernel_temporaries(
     return fwd, bwd
 
 
+def temporaries_at(
+    forward: GraphModule,
+    backward: GraphModule,
+    fwd_tmp: dict[str, int],
+    bwd_tmp: dict[str, int],
+    dtypes: dict[str, torch.dtype],
+) -> tuple[dict[str, int], dict[str, int]]:
+    """:func:`kernel_temporaries`' bytes with each kernel run in the dtype ``dtypes`` gives
+    its forward op (autocast): a forward kernel's temporaries scaled by its op's itemsize
+    against the traced one, a backward kernel's by those of the forward op whose rule made it
+    (``SOURCE``: the backward of a half op runs in half). Ops ``dtypes`` does not name, and
+    ops of no floating value, keep their bytes."""
+    fnodes = {n.name: n for n in forward.graph.nodes}
+    sources = {n.name: n.meta.get(SOURCE) for n in backward.graph.nodes}
+
+    def at(name: str | None, nbytes: int) -> int:
+        n = fnodes.get(name or "")
+        v = n.meta.get("val") if n is not None else None
+        if isinstance(v, (tuple, list)) and v:  # a multi-output op: its output 0's
+            v = v[0]
+        d = dtypes.get(name or "")
+        if d is None or not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point:
+            return nbytes
+        return nbytes * d.itemsize // v.element_size()
+
+    fwd = {k: at(k, b) for k, b in fwd_tmp.items()}
+    bwd = {k: at(sources.get(k), b) for k, b in bwd_tmp.items()}
+    return fwd, bwd
+
+
+def _one_kernel_extra_at(
+    forward: GraphModule,
+    backward: GraphModule,
+    extra: dict[str, int],
+    dtypes: dict[str, torch.dtype],
+) -> dict[str, int]:
+    """:attr:`EagerResiduals.backward_extra` with each one-kernel backward's temporaries (batch
+    norm's CPU one) at its op's dtype (:func:`temporaries_at`); fused attention's stay as
+    they are, in the kernel's accumulate dtype (float32 under autocast too)."""
+    fused = {
+        n.name
+        for n in forward.graph.nodes
+        if getattr(n.meta.get(COMPOSITE), "op", None) == FUSED_SDPA
+    }
+    sources = {n.name: n.meta.get(SOURCE) for n in backward.graph.nodes}
+    mine = {k: v for k, v in extra.items() if sources.get(k) not in fused}
+    _, scaled = temporaries_at(forward, backward, {}, mine, dtypes)
+    return extra | scaled
+
+
 @overload
 def eager_jvp_schedule(
     jvp: GraphModule, device: str = ..., composed: Literal[False] = ...
@@ -739,6 +789,8 @@ def eager_train_schedule(
     composed: Literal[False] = ...,
     eager: EagerResiduals | None = ...,
     stand_in: dict[str, list[str]] | None = ...,
+    dtypes: dict[str, torch.dtype] | None = ...,
+    hold_inputs: bool = ...,
 ) -> Schedule: ...
 @overload
 def eager_train_schedule(
@@ -750,6 +802,8 @@ def eager_train_schedule(
     composed: bool = ...,
     eager: EagerResiduals | None = ...,
     stand_in: dict[str, list[str]] | None = ...,
+    dtypes: dict[str, torch.dtype] | None = ...,
+    hold_inputs: bool = ...,
 ) -> Schedule | ComposedSchedule: ...
 def eager_train_schedule(
     forward: GraphModule,
@@ -760,6 +814,8 @@ def eager_train_schedule(
     composed: bool = False,
     eager: EagerResiduals | None = None,
     stand_in: dict[str, list[str]] | None = None,
+    dtypes: dict[str, torch.dtype] | None = None,
+    hold_inputs: bool = False,
 ) -> Schedule | ComposedSchedule:
     """The eager training step's live storages (see the module docstring); parameters and
     optimizer state are the baseline, not scheduled; gradients are scheduled, or, with
@@ -774,12 +830,25 @@ def eager_train_schedule(
     without ``composed``, the flat :class:`Schedule`. ``eager``: :func:`eager_residuals` of
     these graphs, where already made. ``stand_in``: backward residual placeholder, or backward
     node of :attr:`EagerResiduals.held` -> the schedule keys it reads instead of the forward's
-    values (a what-if's recomputed values, :mod:`graphflop.passes.checkpoint`)."""
+    values (a what-if's recomputed values, :mod:`graphflop.passes.checkpoint`; the casts
+    autocast saves, :mod:`graphflop.passes.amp`), parameters' placeholders included.
+    ``dtypes``: forward node name -> the dtype its kernel runs in, where a what-if changes it
+    (autocast, :func:`graphflop.passes.amp.amp_dtypes`): the kernels' temporaries
+    (:func:`kernel_temporaries`) at that dtype (:func:`temporaries_at`); the values' sizes
+    come with ``eager``. ``hold_inputs``: the model's inputs and the loss's targets live to
+    the backward's end, as the caller of a training step holds them (the measurement counts
+    them live throughout), rather than freed after their last reader: the same wherever
+    autograd saves them, not where a what-if saves a copy instead (autocast's cast of the
+    input)."""
     eager = eager or eager_residuals(forward, backward, device)
     sig = forward.meta[SIGNATURE]
     state = sig.state()
     fwd_tmp, bwd_tmp = kernel_temporaries(forward, backward, device)
+    if dtypes is not None:
+        fwd_tmp, bwd_tmp = temporaries_at(forward, backward, fwd_tmp, bwd_tmp, dtypes)
     released, held = leaf_lifetimes(backward)
+    if hold_inputs:
+        held += [f"f:{x}" for x in (*sig.inputs, *sig.targets)]
     if keep_grads:  # AccumulateGrad adds each new gradient into .grad in place and frees it
         out = next(n for n in backward.graph.nodes if n.op == "output")
         for a in out.all_input_nodes:
@@ -799,7 +868,10 @@ def eager_train_schedule(
         s = ComposedSchedule()
         f_kw["runs"] = f_runs or []
         b_kw["runs"] = b_runs or []
-    for k, v in eager.backward_extra.items():
+    b_extra = eager.backward_extra
+    if dtypes is not None:
+        b_extra = _one_kernel_extra_at(forward, backward, b_extra, dtypes)
+    for k, v in b_extra.items():
         bwd_tmp[k] = bwd_tmp.get(k, 0) + v
     fwd_tmp |= eager.extra
     s.add_graph(
@@ -817,10 +889,10 @@ def eager_train_schedule(
     for n in backward.graph.nodes:
         if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
             src = n.meta.get(SOURCE, n.name)
-            if src in state or n.meta.get(RESIDUAL) == "param_derived":
-                base_b.add(n.name)
-            elif stand_in is not None and n.name in stand_in:
+            if stand_in is not None and n.name in stand_in:  # (a parameter's saved cast)
                 ext[n.name] = list(stand_in[n.name])
+            elif src in state or n.meta.get(RESIDUAL) == "param_derived":
+                base_b.add(n.name)
             else:
                 ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]
     s.add_graph(

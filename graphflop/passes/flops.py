@@ -11,13 +11,17 @@ A composite op eager PyTorch runs as one kernel (layer norm, softmax, GELU, ...:
 (:func:`one_kernel_bytes`): its inputs from outside read once, its outputs written once, in
 their dtypes; the parts' temporaries (a 16-bit input's float32 upcast and the float32 values
 computed from it, the per-row statistics a softmax keeps on the way) are not counted. Its FLOPs
-stay the sum of its parts' (docs/flops_conventions.md, One kernel's bytes).
+stay the sum of its parts' (docs/flops_conventions.md, One kernel's bytes). So does its
+backward (``native_layer_norm_backward``, ``_softmax_backward_data``, ``gelu_backward``, ...):
+the backward nodes made for its parts (``SOURCE``; a backward graph's ``BACKWARD_KERNELS``) move
+that one kernel's bytes (:func:`backward_kernel_costs`).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping
+from collections import ChainMap
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 
 import torch
@@ -27,11 +31,15 @@ from torch.fx.passes.infra.pass_base import PassResult
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.frontend.composite import EAGER_SAVES, composite_regions
 from graphflop.meta import (
+    BACKWARD_KERNELS,
     CALL_SITE,
     COMPOSITE,
     COST,
     DERIVED_HIERARCHY,
     HIERARCHY,
+    KIND,
+    ROLE,
+    SOURCE,
     ZERO_COST,
     Hierarchy,
     NodeCost,
@@ -49,13 +57,20 @@ __all__ = [
     "AnnotateFlops",
     "annotate_flops",
     "annotate_templates",
+    "backward_kernel_bytes",
+    "backward_kernel_costs",
+    "backward_kernel_map",
+    "backward_kernels_of",
+    "call_escapes",
     "flat_costs",
     "one_kernel_bytes",
     "one_kernel_costs",
     "op_cost",
     "read_shares",
     "rule_cost",
+    "run_escapes",
     "sum_costs",
+    "template_kernel_map",
     "tensor_bytes",
     "total_cost",
     "value_of",
@@ -112,6 +127,7 @@ def annotate_flops(gm: GraphModule) -> GraphModule:
     # a composite op whose nodes all took their template's (or template derivative's) costs
     # has its one kernel's bytes from there already
     one_kernel_bytes(gm.graph.nodes, fresh)
+    backward_kernel_bytes(gm.graph.nodes, fresh, gm.meta.get(BACKWARD_KERNELS))
     return gm
 
 
@@ -125,6 +141,7 @@ def _cost_calls(gm: GraphModule) -> set[Node]:
         return set()
     costs: dict[int, list[NodeCost]] = {}
     done: set[Node] = set()
+    kernels = gm.meta.get(BACKWARD_KERNELS)
     for c, run in zip(dh.calls, dh.runs):
         cs = costs.get(c.template)
         if cs is None:
@@ -137,6 +154,9 @@ def _cost_calls(gm: GraphModule) -> set[Node]:
             for t, cost in raw.items():
                 t.meta[COST] = cost
             one_kernel_bytes(tpl, raw)
+            backward_kernel_bytes(
+                tpl, raw, template_kernel_map(kernels, c.sources), run_escapes(list(raw), run)
+            )
             cs = costs[c.template] = [t.meta[COST] for t in raw]
         for n, cost in zip(run, cs):
             n.meta[COST] = cost
@@ -162,7 +182,11 @@ def _cost_recorded(gm: GraphModule) -> set[Node]:
             t = dh.calls[n.args[1]].template
             total = totals.get(t)
             if total is None:
-                total = totals[t] = _cost_template(dh.templates[t])
+                kernels = template_kernel_map(
+                    gm.meta.get(BACKWARD_KERNELS), dh.calls[n.args[1]].sources
+                )
+                escapes = call_escapes(dh.templates[t], n)
+                total = totals[t] = _cost_template(dh.templates[t], kernels, escapes)
             n.meta[COST] = total
             done.add(n)
         elif n.target is operator.getitem and getattr(n.args[0], "target", None) is _REPEAT:
@@ -171,9 +195,15 @@ def _cost_recorded(gm: GraphModule) -> set[Node]:
     return done
 
 
-def _cost_template(t: GraphModule) -> NodeCost:
+def _cost_template(
+    t: GraphModule,
+    kernels: Mapping[str, int] | None = None,
+    escapes: Collection[Node] = frozenset(),
+) -> NodeCost:
     """Write ``COST`` on every node of template derivative ``t`` (once: a template already
-    costed is left as it is) and return the sum over its nodes."""
+    costed is left as it is) and return the sum over its nodes. ``kernels``, ``escapes``: its
+    nodes' one backward kernels (:func:`template_kernel_map`) and those a call's nodes outside
+    it read (:func:`call_escapes`)."""
     fresh: dict[Node, NodeCost] = {}
     for x in t.graph.nodes:
         if COST not in x.meta:
@@ -183,6 +213,7 @@ def _cost_template(t: GraphModule) -> NodeCost:
                 x.meta[COST] = ZERO_COST
     if fresh:
         one_kernel_bytes(t.graph.nodes, fresh)
+        backward_kernel_bytes(t.graph.nodes, fresh, kernels, escapes)
     return sum_costs(x.meta[COST] for x in t.graph.nodes)
 
 
@@ -223,11 +254,24 @@ def in_one_kernel(n: Node) -> bool:
 
 
 def rule_cost(n: Node) -> NodeCost:
-    """``n``'s cost by its op's rule alone: its ``COST``, or where that holds its share of a
-    composite op's one kernel (:func:`in_one_kernel`), its rule's cost made anew."""
-    if in_one_kernel(n):
+    """``n``'s cost by its op's rule alone: its ``COST``, or where that may hold its share of
+    a composite op's one kernel (:func:`in_one_kernel`) or one backward kernel (a backward
+    node a forward node's rule made), its rule's cost made anew."""
+    if in_one_kernel(n) or (_derived(n) and has_rule(n.target)):
         return op_cost(n.target, n.args, n.kwargs, n)
     return n.meta.get(COST, ZERO_COST)
+
+
+def _derived(n: Node) -> bool:
+    """Whether ``n`` is a backward graph's node a forward node's rule made (a cotangent or a
+    coefficient, a recomputed value), not a forward part or an update: such a node may carry
+    its share of a composite op's one backward kernel (:func:`backward_kernel_costs`)."""
+    return (
+        n.op == "call_function"
+        and COMPOSITE not in n.meta
+        and n.meta.get(KIND) in ("cotangent", "coef")
+        and n.meta.get(ROLE) != "update"
+    )
 
 
 def _is_view(n: Node) -> bool:
@@ -258,17 +302,27 @@ def one_kernel_bytes(nodes: Iterable[Node], fresh: Mapping[Node, NodeCost]) -> N
         n.meta[COST] = cost
 
 
-def flat_costs(nodes: Iterable[Node]) -> dict[Node, NodeCost]:
+def flat_costs(
+    nodes: Iterable[Node],
+    kernels: Mapping[str, int] | None = None,
+    escapes: Collection[Node] = frozenset(),
+) -> dict[Node, NodeCost]:
     """Each node's cost as :func:`annotate_flops` gives it when every node is costed on its own
     (no template): its rule's, with a composite op's one kernel's bytes
-    (:func:`one_kernel_costs`); written nowhere (tests check a template copy's ``COST``
+    (:func:`one_kernel_costs`) and, given the backward graph's ``kernels``
+    (:data:`~graphflop.meta.BACKWARD_KERNELS`, or a template derivative's
+    :func:`template_kernel_map`, with its ``escapes``), its one backward kernel's
+    (:func:`backward_kernel_costs`); written nowhere (tests check a template copy's ``COST``
     against it)."""
     nodes = list(nodes)
     out = {
         n: op_cost(n.target, n.args, n.kwargs, n) if n.op == "call_function" else ZERO_COST
         for n in nodes
     }
-    return out | one_kernel_costs(nodes, out)
+    out |= one_kernel_costs(nodes, out)
+    if kernels:
+        out |= backward_kernel_costs(nodes, out, kernels, escapes)
+    return out
 
 
 def one_kernel_costs(nodes: Iterable[Node], fresh: Mapping[Node, NodeCost]) -> dict[Node, NodeCost]:
@@ -301,45 +355,191 @@ def one_kernel_costs(nodes: Iterable[Node], fresh: Mapping[Node, NodeCost]) -> d
         if len(ops) < 2 or not all(has_rule(n.target) for n in ops):
             continue
         rules = {n: fresh[n] if n in fresh else rule_cost(n) for n in parts}
-        inside = set(parts)
-        read = dict.fromkeys(parts, 0.0)
-        taken: dict[Node, float] = {}
-        for n in parts:
-            outer = [a for a in n.all_input_nodes if a not in inside]
-            if not outer:
+        out |= _kernel_costs(parts, rules, _forward_leaves)
+    return out
+
+
+def _read_outside(n: Node, inside: set[Node]) -> bool:
+    """Whether a ``call_function`` node outside ``inside`` reads ``n`` (a graph's output node
+    is no reader: a template derivative returns inner values its calls' flat nodes never
+    read)."""
+    return any(u not in inside and u.op == "call_function" for u in n.users)
+
+
+def _forward_leaves(n: Node, inside: set[Node]) -> bool:
+    """Whether composite op part ``n`` is an output of its kernel: one its tag names, or one
+    read outside it."""
+    return n.meta[COMPOSITE].output is not None or _read_outside(n, inside)
+
+
+def _kernel_costs(
+    parts: list[Node],
+    rules: Mapping[Node, NodeCost],
+    leaves: Callable[[Node, set[Node]], bool],
+) -> dict[Node, NodeCost]:
+    """``parts`` (one kernel's nodes, in graph order; ``rules`` their rules' costs) with that
+    kernel's bytes: each input from outside read once (its readers' shares,
+    :func:`read_shares`), charged to its first reader; each part ``leaves`` (given the set of
+    parts) says is an output written once, charged to the part that makes its storage; FLOPs
+    the rules'."""
+    out: dict[Node, NodeCost] = {}
+    inside = set(parts)
+    read = dict.fromkeys(parts, 0.0)
+    taken: dict[Node, float] = {}
+    for n in parts:
+        outer = [a for a in n.all_input_nodes if a not in inside]
+        if not outer:
+            continue
+        shares = read_shares(n, rules[n])
+        for a in outer:
+            size = tensor_bytes(a.meta.get("val"))
+            got = taken.get(a, 0.0)
+            part = min(size - got, shares[a] * size)
+            if part > 0:
+                taken[a] = got + part
+                read[n] += part
+    written = dict.fromkeys(parts, 0)
+    seen: set[Node] = set()
+    for n in parts:
+        if not leaves(n, inside):
+            continue
+        m = n  # the storage the output is: through views to their base
+        while _is_view(m) and m.all_input_nodes and m.all_input_nodes[0] in inside:
+            m = m.all_input_nodes[0]
+        if _is_view(m) or m in seen:  # a view of an input from outside: nothing written
+            continue
+        seen.add(m)
+        owner = m
+        if m.target is operator.getitem:
+            base = m.args[0]
+            if not isinstance(base, Node) or base not in inside:
                 continue
-            shares = read_shares(n, rules[n])
-            for a in outer:
-                size = tensor_bytes(a.meta.get("val"))
-                got = taken.get(a, 0.0)
-                part = min(size - got, shares[a] * size)
-                if part > 0:
-                    taken[a] = got + part
-                    read[n] += part
-        written = dict.fromkeys(parts, 0)
-        seen: set[Node] = set()
-        for n in parts:
-            # (a graph's output node is no reader: a template derivative returns inner values
-            # its calls' flat nodes never read)
-            if n.meta[COMPOSITE].output is None and all(
-                u in inside or u.op != "call_function" for u in n.users
-            ):
-                continue
-            m = n  # the storage the output is: through views to their base
-            while _is_view(m) and m.all_input_nodes and m.all_input_nodes[0] in inside:
-                m = m.all_input_nodes[0]
-            if _is_view(m) or m in seen:  # a view of an input from outside: nothing written
-                continue
-            seen.add(m)
-            owner = m
-            if m.target is operator.getitem:
-                base = m.args[0]
-                if not isinstance(base, Node) or base not in inside:
-                    continue
-                owner = base
-            written[owner] += tensor_bytes(m.meta.get("val"))
-        for n in parts:
-            out[n] = replace(rules[n], bytes_read=round(read[n]), bytes_written=written[n])
+            owner = base
+        written[owner] += tensor_bytes(m.meta.get("val"))
+    for n in parts:
+        out[n] = replace(rules[n], bytes_read=round(read[n]), bytes_written=written[n])
+    return out
+
+
+def backward_kernel_map(forward: GraphModule) -> dict[str, int]:
+    """For a backward graph's :data:`~graphflop.meta.BACKWARD_KERNELS`: each node of
+    ``forward`` that is a part of a composite op eager runs as one kernel (an op of
+    :data:`~graphflop.frontend.composite.EAGER_SAVES`, its ``COMPOSITE`` region) -> that op
+    occurrence's number."""
+    out: dict[str, int] = {}
+    for i, region in enumerate(composite_regions(forward.graph.nodes)):
+        if region[0].meta[COMPOSITE].op in EAGER_SAVES:
+            out |= dict.fromkeys((n.name for n in region), i)
+    return out
+
+
+def template_kernel_map(
+    kernels: Mapping[str, int] | None, sources: Iterable[str]
+) -> Mapping[str, int] | None:
+    """A template derivative's :func:`backward_kernel_map`: its source slot ``@k`` -> the
+    number of the one-kernel composite op that one call's forward node ``sources[k]`` is a
+    part of (one call holds one copy of each of the block's ops, so the numbers tell them
+    apart in the template as in the flat graph); a source outside the call keeps its name
+    (a checkpoint's recompute of another block), and its number."""
+    if not kernels:
+        return None
+    slots = {f"@{k}": kernels[s] for k, s in enumerate(sources) if s in kernels}
+    return ChainMap(slots, dict(kernels))
+
+
+def run_escapes(template: list[Node], run: list[Node]) -> set[Node]:
+    """The nodes of a template derivative (``template``: its ``call_function`` nodes, in
+    order) whose value a node outside the call reads, from one call's flat nodes (``run``,
+    in the same order): a value a later call or the top level reads leaves its kernel, which
+    the template alone cannot tell (its output returns every node)."""
+    inside = set(run)
+    return {
+        t
+        for t, r in zip(template, run)
+        if any(u.op == "call_function" and u not in inside for u in r.users)
+    }
+
+
+def call_escapes(template: GraphModule, call: Node) -> set[Node]:
+    """:func:`run_escapes` from a recorded top level's call node (``graphflop::repeat``): the
+    template nodes its ``getitem``s are, where a ``call_function`` node reads one."""
+    out = template.graph.output_node().args[0]
+    assert isinstance(out, (tuple, list))
+    read: set[Node] = set()
+    for g in call.users:
+        i = g.args[1] if g.target is operator.getitem else None
+        if isinstance(i, int) and any(u.op == "call_function" for u in g.users):
+            x = out[i]
+            assert isinstance(x, Node)
+            read.add(x)
+    return read
+
+
+def backward_kernels_of(nodes: Iterable[Node], kernels: Mapping[str, int]) -> list[list[Node]]:
+    """The backward nodes of each composite op eager runs as one kernel among ``nodes``: those
+    a rule made for one of its parts (:data:`~graphflop.meta.SOURCE`, looked up in
+    ``kernels``: :func:`backward_kernel_map`), cotangents and coefficients (the grouping of
+    the time pass's backward kernels), a checkpoint's recomputed values apart (the forward
+    kernel run again); in graph order."""
+    groups: dict[tuple[int, bool], list[Node]] = {}
+    for n in nodes:
+        if not _derived(n):
+            continue
+        k = kernels.get(n.meta.get(SOURCE) or "")
+        if k is not None:
+            groups.setdefault((k, n.meta.get(ROLE) == "recompute"), []).append(n)
+    return list(groups.values())
+
+
+def backward_kernel_bytes(
+    nodes: Iterable[Node],
+    fresh: Mapping[Node, NodeCost],
+    kernels: Mapping[str, int] | None,
+    escapes: Collection[Node] = frozenset(),
+) -> None:
+    """Write :func:`backward_kernel_costs` on its nodes (``COST``)."""
+    if not kernels:
+        return
+    for n, cost in backward_kernel_costs(nodes, fresh, kernels, escapes).items():
+        n.meta[COST] = cost
+
+
+def backward_kernel_costs(
+    nodes: Iterable[Node],
+    fresh: Mapping[Node, NodeCost],
+    kernels: Mapping[str, int],
+    escapes: Collection[Node] = frozenset(),
+) -> dict[Node, NodeCost]:
+    """The costs of each composite op's backward nodes among ``nodes``
+    (:func:`backward_kernels_of`) with the bytes of the one kernel eager runs for it
+    (``native_layer_norm_backward``, ``_softmax_backward_data``, ``gelu_backward``, ...;
+    tools/autograd/derivatives.yaml), as :func:`one_kernel_costs` has its forward's: FLOPs
+    the rules', read each tensor from outside (the cotangent, the forward values the
+    derivative rules read) once, written each value the nodes leave (one read outside them,
+    or one none of them reads: the gradients it returns) once, at its dtype; the
+    intermediates not counted. ``escapes``: in a template derivative, the nodes a call's
+    nodes outside it read (:func:`run_escapes`). ``fresh`` as :func:`one_kernel_costs`'s; a
+    group of one op or
+    with a node without a cost rule keeps its rules' bytes. Layer norm over [B, T, D] in
+    float32: read the cotangent, x, x̂ and x - μ (graphflop's residuals: eager's kernel reads
+    x, μ and rstd and recomputes the other two) B·T·D·4 each, μ and rstd B·T·4 each, γ D·4;
+    written the input gradient B·T·D·4, γ's and β's D·4 each."""
+    out: dict[Node, NodeCost] = {}
+    for parts in backward_kernels_of(nodes, kernels):
+        if not any(n in fresh for n in parts):
+            continue
+        ops = [n for n in parts if n.target is not operator.getitem]
+        if len(ops) < 2 or not all(has_rule(n.target) for n in ops):
+            continue
+        rules = {n: fresh[n] if n in fresh else rule_cost(n) for n in parts}
+        out |= _kernel_costs(
+            parts,
+            rules,
+            # a gradient it returns is read by none of its nodes
+            lambda n, inside: (
+                n in escapes or _read_outside(n, inside) or not any(u in inside for u in n.users)
+            ),
+        )
     return out
 
 

@@ -175,6 +175,11 @@ def _numel(v: object) -> int:
     return 0
 
 
+def _is_random(n: Node) -> bool:
+    """A random op (dropout's draw): ATen's ``nondeterministic_seeded`` tag."""
+    return torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+
+
 def _fused(n: Node) -> bool:
     return getattr(n.meta.get(COMPOSITE), "op", None) == FUSED_SDPA
 
@@ -297,7 +302,8 @@ def selective_recompute(
     The train peak is an estimate: ``eager_train_peak`` plus the change in the peak of the
     checkpoint what-if's train schedule (:mod:`graphflop.passes.checkpoint`) when the cores'
     residuals are dropped in the forward and made again just before the backward first reads
-    them, plus the CPU generator state each core keeps for its rerun (its dropout).
+    them, plus the CPU generator state each core that reruns a random op (its dropout)
+    keeps for its rerun.
 
     Raises:
         RecomputePolicyError: an unknown policy, or a graph with no attention core (neither
@@ -355,8 +361,12 @@ def selective_recompute(
         for cut_, ins in ((cut, inputs), (_cut(backward, eager, storage, {}, fnodes), {})):
             sched = _train_schedule(forward, backward, eager, size, cut_, ins, optimizer, device)
             peaks.append(sched.peak()[0])
-        # each rerun restores the generator state kept at its first run (its dropout)
-        rng = torch.get_rng_state().numel() * len(cores)
+        # each rerun of a random op (its dropout) restores the generator state kept at its
+        # first run; a core with no random op (no dropout, or p = 0) keeps none
+        rng = torch.get_rng_state().numel() * sum(
+            any(_is_random(fnodes[x]) for x in (*c.core, *(c.prologue if use_pro else ())))
+            for c in cores
+        )
         peak = eager_train_peak + peaks[0] - peaks[1] + rng
     kept = cut.kept | all_inputs
     return RecomputeMemory(

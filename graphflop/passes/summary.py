@@ -41,6 +41,7 @@ from graphflop.passes.calls import (
     is_recorded,
     rule_less_calls,
 )
+from graphflop.passes.eager_attention import eager_attention_flops
 from graphflop.passes.eager_memory import (
     DESCRIBES,
     eager_jvp_schedule,
@@ -64,6 +65,7 @@ from graphflop.report import (
     ActivityGradientTotals,
     BackwardTotals,
     CostTotals,
+    EagerAttention,
     ForwardGradientTotals,
     ForwardTotals,
     InputSpec,
@@ -784,4 +786,14 @@ def summarize(
         uncounted=_uncounted(graphs),
         ops=_op_rows(graphs, figures, derived),
         assumptions=tuple(fwd.meta.get(ASSUMPTIONS, ())),
+        eager_attention=_eager_attention(graphs),
     )
+
+
+def _eager_attention(g: Graphs) -> EagerAttention | None:
+    """The fused attention calls' extra backward work in eager PyTorch, where there is a
+    backward and a fused call (:func:`~graphflop.passes.eager_attention.eager_attention_flops`)."""
+    if g.backward is None:
+        return None
+    ea = eager_attention_flops(g.forward)
+    return ea if ea.calls else None

@@ -14,6 +14,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.meta import (
+    BACKWARD_KERNELS,
     CONSTANTS,
     KIND,
     MODULE,
@@ -95,6 +96,8 @@ def build_train_step(
     gm.meta[CONSTANTS] = forward.meta.get(CONSTANTS, {})
     info = update.meta[UPDATE]
     gm.meta[UPDATE] = update.meta[UPDATE]
+    if BACKWARD_KERNELS in backward.meta:  # its backward nodes: one kernel per composite op
+        gm.meta[BACKWARD_KERNELS] = backward.meta[BACKWARD_KERNELS]
     gm.meta[TRAIN_STEP] = TrainStepInfo(
         tuple(n.name for n in g.nodes if n.op == "placeholder"),
         info.params,

@@ -39,7 +39,7 @@ from graphflop.frontend.loss import (
     default_loss,
     loss_output,
     loss_value,
-    vocabularies,
+    token_vocabularies,
 )
 from graphflop.runtime.attention import math_attention
 
@@ -75,10 +75,10 @@ def _state_ptrs(model: nn.Module) -> set[int]:
 def _loss_fn(model: nn.Module, inputs: tuple, loss: str) -> tuple[str, Callable[[], torch.Tensor]]:
     """(loss kind, a function computing the scalar loss of ``model(*inputs)``), with targets as
     graphflop makes them (zeros for cross-entropy, zeros like the output for MSE)."""
-    with torch.no_grad():
+    with torch.no_grad(), token_vocabularies(model, inputs) as vocab:
         out = model(*inputs)
     first = loss_output(out)
-    kind = default_loss(out, inputs, vocabularies(model)) if loss == "auto" else loss
+    kind = default_loss(out, inputs, vocab) if loss == "auto" else loss
     if kind == "cross_entropy":
         shape = class_target_shape(first)
         targets: tuple = (torch.zeros(shape, dtype=torch.long, device=first.device),)

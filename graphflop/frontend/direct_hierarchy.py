@@ -1,0 +1,756 @@
+"""The forward hierarchy built straight from ``make_fx``'s graph, without the flat forward.
+
+:func:`build_direct` gives the :class:`~graphflop.meta.Hierarchy` that
+:func:`graphflop.frontend.hierarchy.build` reads back from the flat graph
+(:func:`~graphflop.frontend.export_form.from_make_fx` with each outlined call expanded), each
+call kept one ``graphflop::repeat`` node: what survives of a call's template (its *variant*)
+is worked out once per distinct (template, outputs read) and shared by the calls that read
+the same outputs. Its top-level graph (:attr:`Hierarchy.graph`) is node for node, name for name
+the one :func:`~graphflop.frontend.hierarchy.build` makes, with the graph keys
+:func:`~graphflop.frontend.export_form.from_make_fx` writes on the flat graph (``SIGNATURE``,
+``CONSTANTS``, ``LOSS_KIND``, ``FACTS``, ``UNUSED``, the dead code's cost included).
+
+Where the flat form rewrites what a call's copies would be (a buffer write, an in-place op that
+``functionalize_inplace`` would rewrite, a view ``_fold_regenerated_views`` could fold, a call
+inside a checkpoint or custom Function, a call passed one value for two arguments), it returns
+None and the caller takes the flat path. Not used by
+:func:`graphflop.frontend.trace.trace` yet (the flat forward's readers, docs/analysis_scale.md,
+Round 19, still need the flat graph).
+
+Writes on the templates' nodes :data:`~graphflop.meta.MODULE` (relative to the called module,
+as :class:`~graphflop.frontend.outline.Expansion` does); on the top-level graph's nodes the
+annotations :func:`~graphflop.frontend.export_form.from_make_fx` writes on the flat graph's.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
+
+from graphflop.ad.builder import base_name, copy_node, emit_named, take_names
+from graphflop.frontend.composite import getitem_tag
+from graphflop.frontend.export_form import _frozen, _kept, placeholders
+from graphflop.frontend.outline import MARK, _stack_path
+from graphflop.frontend.scopes import module_path
+from graphflop.meta import (
+    CALL_SITE,
+    CHECKPOINT,
+    COMPOSITE,
+    CONSTANTS,
+    FACTS,
+    FUNCTION,
+    KIND,
+    LEAF,
+    LOSS_KIND,
+    MODULE,
+    PARAM,
+    PARAM_DERIVED,
+    ROLE,
+    SIGNATURE,
+    SOURCE,
+    UNUSED,
+    CallSite,
+    Hierarchy,
+    NodeCost,
+    Signature,
+    graph_module,
+)
+from graphflop.ops import MissingRuleError
+from graphflop.ops.recurrent import inplace_twin
+
+__all__ = ["build_direct"]
+
+aten = torch.ops.aten
+
+
+class _Unsupported(Exception):
+    """The flat form would rewrite something the direct build does not model."""
+
+
+def _rewritten(n: Node) -> bool:
+    """``n``'s op is one the flat form may rewrite or turn into a buffer write."""
+    if n.op != "call_function":
+        return False
+    return n.target is aten.copy_.default or (bool(n.args) and inplace_twin(n.target) is not None)
+
+
+def _call_of(n: Node) -> tuple[list[Node], int]:
+    """A ``repeat`` node's arguments: the call's tensors, its template's key."""
+    tensors, key = n.args
+    return cast(list, tensors), cast(int, key)
+
+
+def _output_of(n: Node) -> tuple[Node, int]:
+    """A call's ``getitem`` node's arguments: the call, the output's index."""
+    return cast(Node, n.args[0]), cast(int, n.args[1])
+
+
+#: torch.fx's reading of a name: its base and number (``add_7``: ``add``, 7)
+_NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$")
+
+
+def _base(name: str) -> str:
+    """The base fx numbers ``name`` from: names of other bases never take its numbers."""
+    m = _NAME.match(name)
+    if m is None:
+        raise _Unsupported(f"a node name fx reads otherwise: {name}")
+    return m.group(1)
+
+
+def _is_view(n: Node) -> bool:
+    return n.op == "call_function" and bool(getattr(n.target, "is_view", False))
+
+
+class _Template:
+    """What the direct build reads of one template graph, worked out once."""
+
+    def __init__(self, graph: Graph):
+        self.nodes = list(graph.nodes)
+        self.phs = [t for t in self.nodes if t.op == "placeholder"]
+        self.ph_index = {t: i for i, t in enumerate(self.phs)}
+        out = self.nodes[-1]
+        self.outs = list(out.args[0])
+        if len(set(self.outs)) != len(self.outs) or not all(isinstance(a, Node) for a in self.outs):
+            raise _Unsupported("a template's outputs repeat or are not values")
+        for t in self.outs:
+            if t.op != "placeholder" and isinstance(t.meta.get("val"), (tuple, list)):
+                raise _Unsupported("a template returns a multi-output op's tuple")
+        self.body = [t for t in self.nodes if t.op not in ("placeholder", "output")]
+        self.bases = {_base(t.name) for t in self.outs if t.op != "placeholder"}
+        self.named: list[Node] = []
+        self.names: list[str] = []
+        # (rel, inner) per module path relative to the call, in the order Expansion meets them
+        # (its last inner for each path)
+        inner_of: dict[str, tuple] = {}
+        self.inner: dict[Node, tuple] = {}
+        for t in self.body:
+            if CHECKPOINT in t.meta:
+                raise _Unsupported("a checkpoint inside a block")
+            if _rewritten(t):
+                raise _Unsupported("a buffer write or in-place op inside a block")
+            rel = module_path(t, wrapped=False) or MARK
+            t.meta[MODULE] = rel
+            inner_of[rel] = self.inner[t] = tuple(
+                (path[len(MARK) + 1 :], cls)
+                for path, cls in (t.meta.get("nn_module_stack") or {}).values()
+                if path != MARK
+            )
+        self.inner_of = inner_of
+        self._check_unread_views()
+        self.view_outputs = {
+            i for i, t in enumerate(self.outs) if _is_view(t) and len(t.users) == 1
+        }
+        #: the views of the call's arguments (their copies' arguments are top-level nodes)
+        self.boundary_views = [
+            t
+            for t in self.body
+            if _is_view(t) and all(a.op == "placeholder" for a in t.all_input_nodes)
+        ]
+        self.variants: dict[frozenset, tuple] = {}
+        self.derived: dict[tuple, dict[Node, bool]] = {}
+
+    def claim(self, bases: set[str]) -> None:
+        """Claim, at each call, the names of the nodes whose names have one of ``bases``: the
+        copies whose names the direct build needs are the outputs', and Expansion's names for
+        them depend only on the names it claims of the same base before them (at any call of
+        any template)."""
+        self.named = [t for t in self.body if _base(t.name) in bases]
+        self.names = [t.name for t in self.named]
+
+    def _check_unread_views(self) -> None:
+        """Refuse a view nothing in the template reads that ``_fold_regenerated_views`` could
+        fold on (it folds a later view of the same op and arguments into it): one reading a
+        placeholder (which a call may pass as another's argument), or one a later view of the
+        template repeats (the copies' other arguments are the call's own nodes). One reading
+        outputs only (``detach`` of a ReLU's output) is checked call by call
+        (:func:`_check_call_views`: a later view may view the same output again); one reading
+        an output and another of the template's nodes only its own call's view can repeat."""
+        self.unread_output_views: list[Node] = []
+        outs = set(self.outs)
+        unread: set[tuple] = set()
+        for t in self.body:
+            if not _is_view(t):
+                continue
+            try:
+                key = (t.target, _frozen(t.args), _frozen(t.kwargs))
+                hash(key)
+            except TypeError:
+                raise _Unsupported("a view with arguments that do not hash") from None
+            if key in unread:
+                raise _Unsupported("a view repeating an unread one inside a block")
+            if not t.users:
+                if any(a.op == "placeholder" for a in t.all_input_nodes):
+                    raise _Unsupported("an unread view of a block's argument")
+                if all(a in outs for a in t.all_input_nodes):
+                    self.unread_output_views.append(t)
+                unread.add(key)
+
+    def variant(self, used: frozenset) -> tuple:
+        """``(items, placeholders read, dead code's cost)`` of a call whose outputs ``used``
+        (template nodes) are read: the template's nodes dead-code elimination keeps, as
+        :class:`~graphflop.meta.Hierarchy` lists them (with the ``getitem`` nodes the flat form
+        completes)."""
+        got = self.variants.get(used)
+        if got is not None:
+            return got
+        from graphflop.ops.cost import op_cost, value_of
+        from graphflop.ops.tree import tree_map
+
+        live: set[Node] = set(used)
+        dead = NodeCost()
+        for t in reversed(self.body):
+            if t in live or _kept(t) or any(u in live for u in t.users):
+                live.add(t)
+                continue
+            args, kwargs = tree_map(value_of, t.args), tree_map(value_of, t.kwargs)
+            try:
+                dead = dead + op_cost(t.target, args, kwargs, t.meta.get("val"))
+            except MissingRuleError:
+                pass
+        items: list[tuple[int, int | None]] = []
+        read: set[int] = set()
+        for index, t in enumerate(self.nodes):
+            if t not in live or t.op != "call_function":
+                continue
+            items.append((index, None))
+            for a in t.all_input_nodes:
+                if a.op == "placeholder":
+                    read.add(self.ph_index[a])
+            val = t.meta.get("val")
+            if isinstance(val, (tuple, list)):
+                have = {u.args[1] for u in t.users if u.target is operator.getitem and u in live}
+                items.extend(
+                    (index, i)
+                    for i, v in enumerate(val)
+                    if i not in have and isinstance(v, torch.Tensor)
+                )
+        got = self.variants[used] = (tuple(items), frozenset(read), dead)
+        return got
+
+    def param_derived(self, pattern: tuple[bool, ...]) -> dict[Node, bool]:
+        """Each template node's ``PARAM_DERIVED`` at a call whose arguments' are ``pattern``."""
+        got = self.derived.get(pattern)
+        if got is None:
+            got = dict(zip(self.phs, pattern))
+            for t in self.body:
+                got[t] = LEAF not in t.meta and all(got[a] for a in t.all_input_nodes)
+            self.derived[pattern] = got
+        return got
+
+
+def build_direct(
+    gm: GraphModule,
+    templates: dict[int, Graph],
+    model: nn.Module,
+    *,
+    params: list[str],
+    buffers: list[str],
+    n_inputs: int,
+    loss_kind: str,
+    target_nodes: list,
+    prefix: str = "model",
+) -> Hierarchy | None:
+    """The :class:`~graphflop.meta.Hierarchy` of ``make_fx``'s graph ``gm`` (its outlined calls
+    of ``templates``, for ``model``), as :func:`graphflop.frontend.hierarchy.build` makes it
+    from the flat graph :func:`~graphflop.frontend.export_form.from_make_fx` gives (the same
+    keyword arguments), without making that graph; the graph keys ``from_make_fx`` writes are on
+    :attr:`Hierarchy.graph`'s ``meta``. None when ``gm`` has no outlined call, or where the flat
+    form rewrites what the direct build does not model (see the module docstring). ``gm`` is
+    left as it was (its node names are claimed on a copy of its namespace)."""
+    try:
+        return _build(
+            gm, templates, model, params, buffers, n_inputs, loss_kind, target_nodes, prefix
+        )
+    except _Unsupported:
+        return None
+
+
+def _build(
+    gm: GraphModule,
+    templates: dict[int, Graph],
+    model: nn.Module,
+    params: list[str],
+    buffers: list[str],
+    n_inputs: int,
+    loss_kind: str,
+    target_nodes: list,
+    prefix: str,
+) -> Hierarchy | None:
+    call_op = torch.ops.graphflop.repeat.default
+    old = gm.graph
+    calls = [n for n in old.nodes if n.op == "call_function" and n.target is call_op]
+    if not calls:
+        return None
+    keys = sorted(templates)
+    tpl = {k: _Template(templates[k]) for k in keys}
+    bases = set().union(*(t.bases for t in tpl.values()))
+    call_set = set(calls)
+    # a multi-output op at the top level: the flat form may complete its getitem nodes, named
+    # after every getitem the flat graph made before (the copies' included)
+    multi = any(
+        n.op == "call_function"
+        and n not in call_set
+        and isinstance(n.meta.get("val"), (tuple, list))
+        for n in old.nodes
+    )
+    if multi:
+        bases.add("getitem")
+    for t in tpl.values():
+        t.claim(bases)
+    g = Graph()
+    env, _phs, sig_params, sig_buffers, model_inputs, target_names, constants = placeholders(
+        gm, g, params=params, buffers=buffers, n_inputs=n_inputs, target_nodes=target_nodes
+    )
+    d = _Direct(old, tpl, call_set, set(env))
+    d.refuse_rewrites()
+    d.find_live()
+    _check_folds(old, d.preset, d.call_set, tpl)
+    sites = _Sites(old, model, prefix, {k: i for i, k in enumerate(keys)})
+    d.claim_names(sites.namespace, multi)
+    fixed = {name for name, _ in sig_params} | {name for name, _ in sig_buffers}
+    param_names = dict(sig_params)
+    top: list[Any] = []
+    for n in g.nodes:  # the placeholders, tagged as _tag_nodes tags them
+        _tag(n, n.name, "", n.name in fixed, param_names)
+        top.append(n)
+    outs = d.assemble(g, env, sites, top)
+    has_loss = loss_kind != "none"
+    top_gm = graph_module(torch.nn.Module(), g)
+    top_gm.meta[UNUSED] = d.dead_cost
+    top_gm.meta[SIGNATURE] = Signature(
+        params=tuple(sig_params),
+        buffers=tuple(sig_buffers),
+        inputs=tuple(model_inputs),
+        targets=tuple(target_names),
+        loss=d.flat_name.get(outs[0], outs[0].name) if has_loss else None,
+        outputs=tuple(d.flat_name.get(r, r.name) for r in outs[1 if has_loss else 0 :]),
+        buffer_updates=(),
+        params_written=(),
+    )
+    top_gm.meta[CONSTANTS] = constants
+    top_gm.meta[LOSS_KIND] = loss_kind
+    top_gm.meta[FACTS] = {"traced"}
+    return Hierarchy(
+        templates=tuple(templates[k] for k in keys),
+        variants=tuple(sites.variants),
+        sites=tuple(sites.sites),
+        top=tuple(top),
+        graph=top_gm,
+        runs=True,
+    )
+
+
+class _Sites:
+    """The call sites as :class:`~graphflop.frontend.outline.Expansion` records them (module
+    paths, the names it claims for each call's copies) and their variants' numbers."""
+
+    def __init__(self, old: Graph, model: nn.Module, prefix: str, position: dict[int, int]):
+        self.namespace = _NamespaceCopy(old)
+        self.model, self.prefix, self.position = model, prefix, position
+        self.paths: dict[int, str] = {}
+        for name, m in model.named_modules(remove_duplicate=False):
+            self.paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
+        self.sites: list[CallSite] = []
+        self.variants: dict[tuple, int] = {}
+
+
+class _Direct:
+    """The walks over ``make_fx``'s graph ``old``: what the flat form would rewrite, what
+    survives its dead-code elimination, and the top-level graph."""
+
+    def __init__(self, old: Graph, tpl: dict, call_set: set[Node], preset: set[Node]):
+        self.old, self.tpl, self.call_set, self.preset = old, tpl, call_set, preset
+        self.live: set[Node] = set()
+        self.used_of: dict[Node, set[Node]] = {c: set() for c in call_set}
+        self.variant_of: dict[Node, tuple] = {}
+        self.dead_cost = NodeCost()
+        self.flat_name: dict[Node, str] = {}
+        #: per call, the names Expansion gives the copies the direct build names
+        self.names_of: dict[Node, dict[Node, str]] = {}
+        self.getitems: _GetitemNames | None = None
+
+    def claim_names(self, namespace: _NamespaceCopy, multi: bool) -> None:
+        """The names Expansion claims for the copies (:attr:`names_of`), call by call; where
+        ``multi``, the flat graph's getitem names before it completes any (:attr:`getitems`)."""
+        for n in self.own_nodes():
+            if n in self.call_set:
+                t = self.tpl[_call_of(n)[1]]
+                self.names_of[n] = dict(zip(t.named, namespace.take(t.names)))
+        if not multi:
+            return
+        made: list[str] = []  # the flat graph's nodes named getitem, in the order made
+        for n in self.own_nodes():
+            if n in self.call_set:
+                made.extend(x for x in self.names_of[n].values() if _base(x) == "getitem")
+            elif not self.is_output(n) and _base(n.name) == "getitem":
+                made.append(n.name)
+        self.getitems = _GetitemNames(made)
+
+    def own_nodes(self) -> list[Node]:
+        """``old``'s nodes the flat form copies or expands (not its placeholders, constants,
+        the nodes that became placeholders, or its output)."""
+        return [
+            n
+            for n in self.old.nodes
+            if n not in self.preset and n.op not in ("placeholder", "get_attr", "output")
+        ]
+
+    def is_output(self, n: Node) -> bool:
+        """``n`` is a call's ``getitem``."""
+        return n.target is operator.getitem and n.args[0] in self.call_set
+
+    def refuse_rewrites(self) -> None:
+        for n in self.own_nodes():
+            if n in self.call_set:
+                if any(k in n.meta for k in (CHECKPOINT, FUNCTION)):
+                    raise _Unsupported("a call inside a checkpoint or custom Function")
+                if any(u.target is not operator.getitem for u in n.users):
+                    raise _Unsupported("a call's result list used whole")
+                tensors = _call_of(n)[0]
+                if not all(isinstance(x, Node) for x in tensors) or len(set(tensors)) < len(
+                    tensors
+                ):
+                    # (one value passed for two of the template's placeholders: the flat
+                    # graph's copies no longer say which placeholder each argument stands for)
+                    raise _Unsupported("a call's arguments repeat a value")
+            elif self.is_output(n):
+                if LEAF in n.meta:
+                    raise _Unsupported("a call's output made a leaf")
+            elif _rewritten(n):
+                raise _Unsupported("a buffer write or in-place op at the top level")
+            elif n.target is aten.copy.default and any(
+                isinstance(a, Node) and self.is_output(a) for a in n.args
+            ):
+                # (the stub's buffer write of a call's output, Expansion.drops)
+                raise _Unsupported("a copy of a call's output")
+
+    def read_by(self, n: Node, u: Node) -> bool:
+        """``u`` (a node of ``old``) reads ``n`` in the flat graph and survives there."""
+        if u not in self.call_set:
+            return u in self.live
+        tensors, key = _call_of(u)
+        reads = self.variant_of[u][1]
+        if any(a is n and j in reads for j, a in enumerate(tensors)):
+            return True
+        t = self.tpl[key]
+        # an output that is the call's argument itself, read after the call
+        outs = [t.outs[_output_of(w)[1]] for w in u.users if w in self.live]
+        return any(o.op == "placeholder" and tensors[t.ph_index[o]] is n for o in outs)
+
+    def find_live(self) -> None:
+        """Dead-code elimination of the flat graph, users before producers: per call the
+        template outputs read, its variant and the arguments its variant reads; the cost of
+        the dead code."""
+        from graphflop.ops.cost import op_cost, value_of
+        from graphflop.ops.tree import tree_map
+
+        self.live.add(next(n for n in reversed(self.old.nodes) if n.op == "output"))
+        for n in reversed(self.own_nodes()):
+            if n in self.call_set:
+                t = self.tpl[_call_of(n)[1]]
+                v = self.variant_of[n] = t.variant(frozenset(self.used_of[n]))
+                if v[0]:
+                    self.live.add(n)
+                self.dead_cost = self.dead_cost + v[2]
+            elif self.is_output(n):
+                if any(self.read_by(n, u) for u in n.users):
+                    self.live.add(n)
+                    call, i = _output_of(n)
+                    out = self.tpl[_call_of(call)[1]].outs[i]
+                    if out.op != "placeholder":
+                        self.used_of[call].add(out)
+            elif _kept(n) or any(self.read_by(n, u) for u in n.users):
+                self.live.add(n)
+            elif n.op == "call_function":
+                args, kwargs = tree_map(value_of, n.args), tree_map(value_of, n.kwargs)
+                try:
+                    cost = op_cost(n.target, args, kwargs, n.meta.get("val"))
+                except MissingRuleError:
+                    continue
+                self.dead_cost = self.dead_cost + cost
+
+    def assemble(self, g: Graph, env: dict, sites: _Sites, top: list) -> list:
+        """The top-level graph's nodes after its placeholders (each call's ``repeat`` and
+        ``getitem`` nodes as :func:`graphflop.frontend.hierarchy._top_graph` makes them);
+        returns the graph's outputs."""
+        results: dict[Node, dict[int, Node]] = {}
+        for n in self.own_nodes():
+            if n in self.call_set:
+                results[n] = _call(n, g, env, self, sites, top)
+                self.completions(n)
+            elif self.is_output(n):
+                call, i = _output_of(n)
+                tensors, key = _call_of(call)
+                out = self.tpl[key].outs[i]
+                if out.op == "placeholder":
+                    env[n] = env[tensors[self.tpl[key].ph_index[out]]]
+                elif n in self.live:
+                    env[n] = results[call][i]
+            elif n in self.live:
+                new = env[n] = copy_node(g, n, env.__getitem__)
+                self.flat_name[new] = n.name
+                _tag(new, n.name, module_path(n, wrapped=True), False, {})
+                top.append(new)
+                self.complete(n, new, g, top)
+        out_node = next(n for n in reversed(self.old.nodes) if n.op == "output")
+        outs = [env[a] for a in cast(list, out_node.args[0])]
+        output = g.output(tuple(outs))
+        _tag(output, "output", module_path(output, wrapped=True), False, {})
+        top.append(output)
+        return outs
+
+    def complete(self, n: Node, new: Node, g: Graph, top: list) -> None:
+        """The ``getitem`` nodes the flat form adds after ``new`` (the copy of ``n``, a
+        multi-output op at the top level) for its outputs nothing reads, named and annotated
+        as there."""
+        val = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(val, (tuple, list)):
+            return
+        have = {u.args[1] for u in n.users if u.target is operator.getitem and u in self.live}
+        for i, v in enumerate(val):
+            if i in have or not isinstance(v, torch.Tensor):
+                continue
+            assert self.getitems is not None  # (claim_names saw n)
+            name = self.getitems.take()
+            item = emit_named(g, operator.getitem, (new, i), name)
+            meta = {k: x for k, x in n.meta.items() if k not in ("val", COMPOSITE)}
+            meta["val"] = v
+            tag = getitem_tag(n, i)
+            if tag is not None:
+                meta[COMPOSITE] = tag
+            item.meta = meta
+            self.flat_name[item] = name
+            _tag(item, name, module_path(item, wrapped=True), False, {})
+            top.append(item)
+
+    def completions(self, call: Node) -> None:
+        """Advance the getitem names past those the flat form gives ``call``'s copies."""
+        if self.getitems is not None:
+            for _ in range(sum(1 for _, out in self.variant_of[call][0] if out is not None)):
+                self.getitems.take()
+
+
+class _GetitemNames:
+    """The names ``_complete_getitems`` gives the getitem nodes it adds to the flat graph, one
+    after the other: fx's ``create_name("getitem")`` in a namespace holding ``made`` (the
+    flat graph's nodes of that base, in the order made)."""
+
+    def __init__(self, made: list[str]):
+        self.used = set(made)
+        self.count = 0
+        for name in made:
+            m = _NAME.match(name)
+            if m is not None and m.group(2) is not None:
+                self.count = int(m.group(2))
+
+    def take(self) -> str:
+        num, name = self.count, "getitem"
+        while name in self.used:
+            num += 1
+            name = f"getitem_{num}"
+        self.used.add(name)
+        self.count = num
+        return name
+
+
+def _called(model: nn.Module, prefix: str, site: str) -> nn.Module | None:
+    """The module called at ``site`` (a path with ``prefix``), None where there is none
+    (:func:`~graphflop.frontend.outline._site_path`'s first look-up, once per call)."""
+    try:
+        return model.get_submodule(site[len(prefix) + 1 :]) if site != prefix else model
+    except AttributeError:
+        return None
+
+
+def _full_path(called: nn.Module | None, site: str, rel: str, paths: dict) -> str:
+    """:func:`~graphflop.frontend.outline._site_path` with the called module looked up."""
+    if called is None:
+        return f"{site}.{rel}"
+    try:
+        return paths.get(id(called.get_submodule(rel)), f"{site}.{rel}")
+    except AttributeError:
+        return f"{site}.{rel}"
+
+
+def _tag(n: Node, source: str, path: str, fixed: bool, param_names: dict) -> None:
+    """:func:`~graphflop.frontend.export_form._tag_nodes`'s annotations on ``n`` (the flat
+    graph's node ``source``; ``fixed``: a placeholder of a parameter, buffer or constant)."""
+    meta = n.meta
+    meta[KIND] = "primal"
+    meta[SOURCE] = source
+    if n.op == "placeholder":
+        meta[MODULE] = ""
+        meta[ROLE] = "forward"
+        meta[PARAM_DERIVED] = fixed
+        if n.name in param_names:
+            meta[PARAM] = param_names[n.name]
+        return
+    meta[MODULE] = path
+    meta[ROLE] = "loss" if path == "loss" else "forward"
+    if n.op == "call_function":
+        meta[PARAM_DERIVED] = LEAF not in meta and all(
+            a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes
+        )
+    else:
+        meta[PARAM_DERIVED] = False
+
+
+class _NamespaceCopy:
+    """The names :class:`~graphflop.frontend.outline.Expansion` claims in ``make_fx``'s
+    graph's namespace, claimed on a copy of it (``gm`` keeps its own)."""
+
+    def __init__(self, graph: Graph):
+        ns = graph._graph_namespace
+        copy = type(ns).__new__(type(ns))
+        copy.__dict__.update(ns.__dict__)
+        copy._used_names = set(ns._used_names)
+        copy._base_count = type(ns._base_count)(ns._base_count)
+        self._graph_namespace = copy
+
+    def take(self, names: list[str]) -> list[str]:
+        return take_names(self, names)  # type: ignore[arg-type]
+
+
+def _call(n: Node, g: Graph, env: dict, d: _Direct, s: _Sites, top: list) -> dict[int, Node]:
+    """Call ``n``'s site, and its ``repeat`` node and ``getitem`` nodes in ``g`` (as
+    :func:`graphflop.frontend.hierarchy._top_graph` makes them) where its variant keeps nodes:
+    the ``getitem`` node of each output index read."""
+    tensors, key = _call_of(n)
+    t: _Template = d.tpl[key]
+    items, reads, _ = d.variant_of[n]
+    number = len(s.sites)
+    site = n.meta.get("nn_module_stack") or {}
+    site_path = list(site.values())[-1][0] if site else ""
+    stacks: dict[tuple, dict] = {}
+
+    called = _called(s.model, s.prefix, site_path)
+
+    def stack_of(inner: tuple) -> dict:
+        got = stacks.get(inner)
+        if got is None:
+            got = stacks[inner] = dict(site)
+            for path, cls in inner:
+                full = _full_path(called, site_path, path, s.paths)
+                got[full] = (full, cls)
+        return got
+
+    modules = {rel: _stack_path(stack_of(inner)) for rel, inner in t.inner_of.items()}
+    names = d.names_of[n]
+    variant = s.variants.setdefault((s.position[key], items), len(s.variants))
+    s.sites.append(CallSite(s.position[key], variant, tuple(modules.items())))
+    if not items:
+        return {}
+    top.append(number)
+    args: list[Node | None] = [env[a] if j in reads else None for j, a in enumerate(tensors)]
+    call_op = torch.ops.graphflop.repeat.default
+    call = emit_named(g, call_op, (args, number), base_name(g, call_op))
+    call.meta[CALL_SITE] = (number, -1)
+    # (an argument the variant does not read: no node it keeps depends on it)
+    pattern = tuple(
+        j in reads and bool(env[a].meta.get(PARAM_DERIVED, False)) for j, a in enumerate(tensors)
+    )
+    pd = t.param_derived(pattern)
+    kept = {t.nodes[i] for i, out in items if out is None}
+    indices = (_output_of(u)[1] for u in n.users if u in d.live)
+    read = sorted({i for i in indices if t.outs[i] in kept})
+    vals: list[Any] = [None] * len(t.outs)
+    out: dict[int, Node] = {}
+    for i in read:
+        vals[i] = t.outs[i].meta.get("val")
+    call.meta["val"] = tuple(vals)
+    for i in read:
+        o = t.outs[i]
+        item = emit_named(g, operator.getitem, (call, i), "getitem")
+        meta = dict(o.meta)
+        meta["nn_module_stack"] = stack_of(t.inner[o])
+        meta[KIND] = "primal"
+        meta[SOURCE] = names[o]
+        meta[MODULE] = modules[o.meta[MODULE]]
+        meta[ROLE] = "loss" if meta[MODULE] == "loss" else "forward"
+        meta[PARAM_DERIVED] = pd[o]
+        item.meta = meta
+        d.flat_name[item] = names[o]
+        out[i] = item
+    return out
+
+
+def _check_folds(old: Graph, preset: set, call_set: set, tpl: dict) -> None:
+    """Raise where ``_fold_regenerated_views`` could fold a view: one nothing reads in the flat
+    graph (before dead-code elimination) that a later view repeats (same op and arguments).
+    A template's own unread views are refused per template (:class:`_Template`); here a
+    call's output view its call leaves unread, and a top-level view nothing reads followed by
+    a view of the same op and arguments (top-level, or a call's view of its arguments)."""
+
+    def canon(a: Any) -> Any:
+        """The flat graph's value of ``a``: a call's output ``("out", call, i)``, or the
+        argument itself where the template returns it."""
+        while isinstance(a, Node) and a.target is operator.getitem and a.args[0] in call_set:
+            call, i = _output_of(a)
+            tensors, key = _call_of(call)
+            out = tpl[key].outs[i]
+            if out.op != "placeholder":
+                return ("out", call, i)
+            a = tensors[tpl[key].ph_index[out]]
+        return a
+
+    unread: set[tuple] = set()
+    for n in old.nodes:
+        if n in call_set:
+            _check_call_views(n, tpl[_call_of(n)[1]], unread, canon)
+            continue
+        if n in preset or not _is_view(n):
+            continue
+        key = _view_key(n, canon)
+        if key in unread:
+            raise _Unsupported("a view repeating an unread one")
+        if not any(u not in call_set or _reads(u, n, tpl) for u in n.users):
+            unread.add(key)
+
+
+def _view_key(n: Node, value: Any) -> tuple:
+    """``_fold_regenerated_views``'s key of view ``n``, its nodes mapped by ``value``."""
+    try:
+        key = (n.target, _frozen(map_arg(n.args, value)), _frozen(n.kwargs))
+        hash(key)
+    except TypeError:
+        raise _Unsupported("a view with arguments that do not hash") from None
+    return key
+
+
+def _check_call_views(call: Node, t: _Template, unread: set, canon: Any) -> None:
+    """Raise where ``call`` leaves an output view unread, or one of its copies views an
+    argument as a top-level view nothing reads did before."""
+    for i in t.view_outputs:
+        if not any(u.target is operator.getitem and u.args[1] == i and u.users for u in call.users):
+            raise _Unsupported("a call's output view left unread")
+    if unread:
+        tensors = _call_of(call)[0]
+        for v in t.boundary_views:
+            if _view_key(v, lambda a: canon(tensors[t.ph_index[a]])) in unread:
+                raise _Unsupported("a call's view repeating an unread one")
+    for v in t.unread_output_views:  # (a later view of the same output may repeat it)
+        unread.add(_view_key(v, lambda a: ("out", call, t.outs.index(a))))
+
+
+def _reads(call: Node, n: Node, tpl: dict) -> bool:
+    """A copy of ``call``'s template reads ``n`` in the flat graph (before dead-code
+    elimination), or a node after the call reads it as the call's output."""
+    tensors, key = _call_of(call)
+    t = tpl[key]
+    for j, a in enumerate(tensors):
+        if a is not n:
+            continue
+        ph = t.phs[j]
+        if any(u.op != "output" for u in ph.users):
+            return True
+        if ph in t.outs:
+            i = t.outs.index(ph)
+            if any(u.target is operator.getitem and u.args[1] == i and u.users for u in call.users):
+                return True
+    return False
