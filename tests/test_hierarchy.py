@@ -376,6 +376,63 @@ def test_blocks_with_decomposed_padding_and_activations_hierarchical_equals_flat
     assert a.report.memory.saved_for_backward_bytes == 33024
 
 
+def _drop_path(x, p):
+    """timm's DropPath in training: a per-sample mask drawn in place into a new tensor."""
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - p)
+    return x * mask.div_(1 - p)
+
+
+class SavesBlock(nn.Module):
+    """Ops whose eager saves are not graphflop's residuals: composite in eager too (softsign,
+    F.normalize: a division's quotient, which graphflop's rule reads, stands for its
+    dividend), decomposed by graphflop only (mish, logsumexp, linalg_vector_norm: tagged), and
+    DropPath's random mask (made from no input: an activation, not a constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = nn.functional.softsign(self.a(x)) * 2
+        h = nn.functional.mish(self.b(h))
+        h = nn.functional.normalize(h - h.logsumexp(-1, keepdim=True), dim=-1)
+        return x + _drop_path(self.c(h), 0.25)
+
+
+class SavesStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(SavesBlock() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_blocks_with_division_tagged_ops_and_drop_path_hierarchical_equals_flat():
+    # the report composed per block equals the flat one and the bytes saved_tensors_hooks
+    # measure
+    from graphflop.runtime.memory_probe import measure_saved
+
+    torch.manual_seed(0)
+    model, x = SavesStack(), torch.randn(2, 4, 8)
+    a = analyze(model, (x,), name="saves_blocks")
+    _check(a)
+    h = a.forward.meta[HIERARCHY]
+    assert h is not None and len(h.sites) == 3
+    # per block, 2·4·8·4 = 256 B a value: its input (a's), a's output (abs's and the
+    # division's self), |h| + 1 (the division's other), b's input (the quotient times 2), b's
+    # output (mish's self), mish's output (logsumexp's self), the difference (the norm's and
+    # the division's self), c's input; 2·4·1·4 = 32 B: logsumexp's result, the norm
+    # (clamp_min's self), the clamped norm (the division's other, expanded); the mask 2·4 = 8:
+    # 8 · 256 + 3 · 32 + 8 = 2152; 3 blocks 6456 B, the sum loss saves nothing
+    assert measure_saved(model, (x,)) == 6456
+    assert a.report.memory.saved_for_backward_bytes == 6456
+
+
 @pytest.mark.parametrize("how", ["module", "functional", "adaptive"])
 def test_template_backward_is_not_reused_where_the_cotangent_strides_differ(how):
     """The loss's cotangent reaches the last block as a broadcast (strides 0), the others'

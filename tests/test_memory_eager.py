@@ -94,8 +94,26 @@ def _adaptive(dim: int, out) -> nn.Module:
     return nn.Sequential(conv(4, 4, 1), pool(out), conv(4, 4, 1))
 
 
-def _between_linears(act: nn.Module) -> nn.Module:
-    return nn.Sequential(nn.Linear(16, 32), act, nn.Linear(32, 8))
+def _between_linears(act: nn.Module, width: int = 32) -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), act, nn.Linear(width, 8))
+
+
+class _Fn(nn.Module):
+    """A function of one tensor as a module."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def drop_path(x: torch.Tensor, p: float) -> torch.Tensor:
+    """timm's DropPath in training: each sample kept with probability 1 - p, scaled by
+    1 / (1 - p), through a mask drawn in place into a new tensor."""
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - p)
+    return x * mask.div_(1 - p)
 
 
 CASES = {
@@ -163,6 +181,51 @@ CASES = {
     # to 1x1 eager's adaptive_avg_pool2d runs mean, which saves no activation: x 2048 + the
     # pooled values 2·4·4 = 32: 2080 B (the tag is for the uneven windows only)
     "adaptive_avg_pool2d_1x1": (lambda: _adaptive(2, 1), (2, 4, 8, 8), 2080),
+    # mish, celu, logit save their input too (mish_backward(grad, self), celu's
+    # elu_backward(..., self), logit_backward(grad, self, eps)): 1444 B as above (graphflop's
+    # backward of the decomposition reads softplus's exp and tanh, celu's mask and expm1,
+    # logit's clamp masks and the quotient)
+    "mish": (lambda: _between_linears(nn.Mish()), (4, 16), 1444),
+    "celu": (lambda: _between_linears(nn.CELU(0.5)), (4, 16), 1444),
+    "logit": (lambda: _between_linears(_Fn(lambda h: torch.logit(h, 1e-6))), (4, 16), 1444),
+    # glu_backward(grad, self, dim): x 256 + self 512 + the halved output 4·16·4 = 256 + 164
+    "glu": (lambda: _between_linears(nn.GLU(), 16), (4, 16), 1188),
+    # elu (selu, celu) saves its input, 1444 B as above; elu_ and celu_ (in place) their
+    # output (EluBackward1, CeluBackward1): the second Linear's input too, 932 B
+    "elu": (lambda: _between_linears(nn.ELU()), (4, 16), 1444),
+    "selu": (lambda: _between_linears(nn.SELU()), (4, 16), 1444),
+    "elu_in_place": (lambda: _between_linears(nn.ELU(inplace=True)), (4, 16), 932),
+    "celu_in_place": (lambda: _between_linears(nn.CELU(inplace=True)), (4, 16), 932),
+    # logsumexp_backward(grad, self, result, ...): x 256 + self 512 + the result 4·1·4 = 16,
+    # the subtraction saves nothing, its output 512 (the second Linear's input) + 164
+    "logsumexp": (
+        lambda: _between_linears(_Fn(lambda h: h - h.logsumexp(-1, keepdim=True))),
+        (4, 16),
+        1460,
+    ),
+    # composite in eager too: F.normalize's ops save as they do alone. linalg_vector_norm
+    # self 512 and result 16 (clamp_min's self), the division its self (the same 512) and its
+    # other (a view of clamp_min's output, 16); the quotient times 2 (a scalar product saves
+    # nothing) 512, the second Linear's input: 256 + 512 + 16 + 16 + 512 + 164 = 1476 B
+    # (graphflop's rule of the division reads the quotient, -ct·out/other: it stands for the
+    # dividend, eager_memory.RESULT_AS_INPUT)
+    "normalize": (
+        lambda: _between_linears(_Fn(lambda h: nn.functional.normalize(h, dim=-1) * 2)),
+        (4, 16),
+        1476,
+    ),
+    # softsign = h / (|h| + 1): abs saves self 512, the division its self (the same) and its
+    # other |h| + 1 512 (the quotient, which graphflop's rule reads, stands for the dividend),
+    # the quotient times 2 512: 256 + 3 · 512 + 164 = 1956 B
+    "softsign": (
+        lambda: _between_linears(_Fn(lambda h: nn.functional.softsign(h) * 2)),
+        (4, 16),
+        1956,
+    ),
+    # DropPath: the mask (random, made from no input) is saved by the product, 4·1·4 = 16 (the
+    # first Linear's output is not: the mask needs no gradient); x 256 + 16 + the product 512
+    # (the second Linear's input) + 164 = 948 B
+    "drop_path": (lambda: _between_linears(_Fn(lambda h: drop_path(h, 0.25))), (4, 16), 948),
 }
 
 

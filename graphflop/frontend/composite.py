@@ -200,7 +200,7 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "aten.silu.default": ((0,), ()),
     "aten.hardswish.default": ((0,), ()),
     "aten.hardtanh.default": ((0,), ()),
-    "aten.elu.default": ((), (0,)),
+    "aten.elu.default": ((0,), ()),
     "aten.softplus.default": ((0,), ()),
     "aten._softmax.default": ((), (0,)),
     "aten._log_softmax.default": ((), (0,)),
@@ -227,6 +227,16 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     # its input unsqueezed); tagged only where the decomposition is index arithmetic
     # (:data:`TAGGED_WHEN`)
     "aten._adaptive_avg_pool2d.default": ((0,), ()),
+    # mish_backward(grad, self), celu's elu_backward(grad, alpha, 1, 1/alpha, false, self),
+    # glu_backward(grad, self, dim), logit_backward(grad, self, eps)
+    "aten.mish.default": ((0,), ()),
+    "aten.celu.default": ((0,), ()),
+    "aten.glu.default": ((0,), ()),
+    "aten.logit.default": ((0,), ()),
+    # logsumexp_backward(grad, self, result, dim, keepdim),
+    # linalg_vector_norm_backward(grad, self, ord, result, dim, keepdim)
+    "aten.logsumexp.default": ((0,), (0,)),
+    "aten.linalg_vector_norm.default": ((0,), (0,)),
 }
 
 
@@ -245,6 +255,15 @@ def _uneven_adaptive_pool(x: Any, output_size: Any, *args: Any, **kwargs: Any) -
 #: arithmetic stands for the op
 TAGGED_WHEN: dict[str, Callable[..., bool]] = {
     "aten._adaptive_avg_pool2d.default": _uneven_adaptive_pool,
+}
+
+#: What autograd saves for the in-place form of an op of :data:`EAGER_SAVES` where it differs
+#: (a region with a node tagged :data:`~graphflop.meta.INPLACE`): ``elu_``'s and ``celu_``'s
+#: ``elu_backward(..., /* is_result */ true, result)`` save the output, the out-of-place forms
+#: the input (EluBackward1 and CeluBackward1 against EluBackward0 and CeluBackward0)
+EAGER_SAVES_IN_PLACE: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "aten.elu.default": ((), (0,)),
+    "aten.celu.default": ((), (0,)),
 }
 
 #: composite ops traced as one node with rules of their own (graphflop.ops) rather than as their

@@ -194,9 +194,13 @@ def _tag_nodes(gm: GraphModule, sig: Signature, wrapped: bool = True) -> None:
         if n.op == "call_function":
             # computed from parameters, buffers and constants only (an embedding lookup at the
             # model's token ids is not; one at arange positions is); a value the model made a
-            # leaf that requires grad is a source of derivatives of its own, as an input
-            n.meta[PARAM_DERIVED] = LEAF not in n.meta and all(
-                a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes
+            # leaf that requires grad is a source of derivatives of its own, as an input; a
+            # random draw (timm's DropPath mask, bernoulli_ of an empty tensor) is new each
+            # step, no constant: eager autograd saves it as an activation
+            n.meta[PARAM_DERIVED] = (
+                LEAF not in n.meta
+                and torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ())
+                and all(a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes)
             )
         else:
             n.meta[PARAM_DERIVED] = False

@@ -13,14 +13,16 @@ values graphflop's rule does not read (:data:`ATEN_SAVES`: max, average and adap
 gather, kept whole; reflection and replication padding, decomposed into an index made from
 constants and found by their tags) keep them until their backward has run
 (:attr:`EagerResiduals.held`; max pooling its input and indices, as two storages), and their
-backward is one kernel too. Attention PyTorch runs with its fused kernel saves q, k,
-v, its output, the mask and a logsumexp, and makes no scores or probabilities in forward or
-backward (:mod:`graphflop.passes.eager_attention`). Each composite op's forward and backward
-(and each convolution's backward) run as the one kernel eager runs: the decomposition's inner
-nodes hold nothing (:func:`one_kernel_backward`). So composite ops need not be kept whole with
-rules of their own for the memory figures to be those of the eager run; training-mode batch norm
-is kept whole anyway (:data:`~graphflop.frontend.composite.KEPT_WHOLE`, for the cost of tracing
-it): its node is a one-node region whose rule's backward reads x, μ and rstd, eager's saves.
+backward is one kernel too. A division's quotient, which graphflop's rule reads, stands for the
+dividend eager saves (:data:`RESULT_AS_INPUT`). Attention PyTorch runs with its fused kernel
+saves q, k, v, its output, the mask and a logsumexp, and makes no scores or probabilities in
+forward or backward (:mod:`graphflop.passes.eager_attention`). Each composite op's forward and
+backward (and each convolution's backward) run as the one kernel eager runs: the decomposition's
+inner nodes hold nothing (:func:`one_kernel_backward`). So composite ops need not be kept whole
+with rules of their own for the memory figures to be those of the eager run; training-mode batch
+norm is kept whole anyway (:data:`~graphflop.frontend.composite.KEPT_WHOLE`, for the cost of
+tracing it): its node is a one-node region whose rule's backward reads x, μ and rstd, eager's
+saves.
 
 The eager train step (:func:`eager_train_schedule`): the forward, each multi-output op's outputs
 as separate storages; the backward with the eager residuals; gradients allocated as the backward
@@ -43,6 +45,7 @@ from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import (
     EAGER_SAVES,
+    EAGER_SAVES_IN_PLACE,
     FLOAT_MASK_ON_CPU,
     FUSED_SDPA,
     composite_regions,
@@ -51,6 +54,7 @@ from graphflop.frontend.composite import (
 from graphflop.meta import (
     CHECKPOINT,
     COMPOSITE,
+    INPLACE,
     JVP,
     KIND,
     RESIDUAL,
@@ -115,6 +119,18 @@ ATEN_SAVES: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {
 #: :data:`~graphflop.meta.COMPOSITE` tags of their decompositions (they are in
 #: :data:`~graphflop.frontend.composite.EAGER_SAVES` too, which says what eager saves)
 _ATEN_SAVES_NAMES = frozenset(str(op) for op in ATEN_SAVES)
+#: Plain ATen ops whose rule reads their output where eager's derivative formula saves an input
+#: instead: op -> the argument position of that input. The output, read by the op's own
+#: backward nodes, stands for the input (:attr:`EagerForward.result_as`); read by another op's
+#: backward it is that op's residual, as it is. From ``tools/autograd/derivatives.yaml``, the
+#: bytes measured with ``torch.autograd.graph.saved_tensors_hooks``
+#: (``tests/test_memory_eager.py``).
+RESULT_AS_INPUT: dict[Any, int] = {
+    # div.Tensor's ``other: div_tensor_other_backward(grad, self, other)`` (-grad·self/other²):
+    # DivBackward0 saves self where other needs a gradient (and other always); graphflop's
+    # rule computes the same cotangent from the quotient (-ct·out/other, one division fewer)
+    aten.div.Tensor: 0,
+}
 _NOT_ACTIVATIONS = (None, "param", "buffer", "param_derived")
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
@@ -184,7 +200,8 @@ def _saved_by(region: list[Node]) -> tuple[list[Node], Node | None, Node | None]
     """(the nodes eager autograd saves for this op, its output 0, its mask output 1)."""
     tags = {n: n.meta[COMPOSITE] for n in region}
     op = tags[region[0]].op
-    ins, outs = EAGER_SAVES[op]
+    in_place = op in EAGER_SAVES_IN_PLACE and any(n.meta.get(INPLACE) for n in region)
+    ins, outs = (EAGER_SAVES_IN_PLACE if in_place else EAGER_SAVES)[op]
     saved: list[Node] = []
     for k in outs:
         found = [n for n in region if tags[n].output == k]
@@ -214,6 +231,8 @@ class EagerForward:
         held: forward node name of an op of :data:`ATEN_SAVES` -> the forward node names eager
             autograd saves for it: a kept-whole op's node (:func:`aten_saves`), or each node
             of a decomposed one's region (reflection and replication padding).
+        result_as: forward node name of a plain ATen op of :data:`RESULT_AS_INPUT` -> the
+            forward node name of the input eager saves where graphflop's rule reads the output.
     """
 
     saves: dict[str, list[str]]
@@ -222,6 +241,18 @@ class EagerForward:
     reads: dict[str, list[str]]
     attention: FusedAttention
     held: dict[str, list[str]] = field(default_factory=dict)
+    result_as: dict[str, str] = field(default_factory=dict)
+
+    def stands_for(self, residual: str, reader: str) -> list[str]:
+        """The forward node names eager keeps for forward value ``residual`` read by a backward
+        node made by forward node ``reader``'s rule: what the composite op ``reader`` belongs
+        to saves (:data:`~graphflop.frontend.composite.EAGER_SAVES`), the input a
+        :data:`RESULT_AS_INPUT` op's own output stands for, or ``residual`` itself."""
+        if reader in self.saves:
+            return self.saves[reader]
+        if reader == residual and reader in self.result_as:
+            return [self.result_as[reader]]
+        return [residual]
 
 
 def eager_forward(forward: GraphModule, device: str) -> EagerForward:
@@ -272,7 +303,16 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
         for n in forward.graph.nodes
         if n.op == "call_function" and n.target is aten._native_batch_norm_legit_functional.default
     ]
-    return EagerForward(saves, sizes, kernels, reads, attention, held)
+    result_as = {
+        n.name: a.name
+        for n in forward.graph.nodes
+        if n.op == "call_function"
+        and n.target in RESULT_AS_INPUT
+        and COMPOSITE not in n.meta  # (a composite op's part: EAGER_SAVES says what it saves)
+        and CHECKPOINT not in n.meta  # (eager saves the region's inputs only, as aten_saves)
+        and isinstance(a := n.args[RESULT_AS_INPUT[n.target]], Node)
+    }
+    return EagerForward(saves, sizes, kernels, reads, attention, held, result_as)
 
 
 def aten_saves(forward: GraphModule) -> dict[str, list[str]]:
@@ -303,16 +343,11 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
         device: ``cpu`` or ``cuda`` (dropout's mask: the input's dtype on CPU, bool on CUDA).
     """
     ef = eager_forward(forward, device)
-    saves, sizes, kernels, reads, attention = (
-        ef.saves,
-        ef.sizes,
-        ef.kernels,
-        ef.reads,
-        ef.attention,
-    )
+    sizes, kernels, reads, attention = ef.sizes, ef.kernels, ef.reads, ef.attention
     b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels, scatters_in_place(backward))
-    # a residual read by the backward of a composite op's parts stands for what that op saves
-    # (the backward nodes' SOURCE names the forward node whose rule made them)
+    # a residual read by the backward of a composite op's parts stands for what that op saves,
+    # a division's quotient read by its own backward for its dividend (EagerForward.stands_for;
+    # the backward nodes' SOURCE names the forward node whose rule made them)
     remap: dict[str, list[str]] = {}
     replayed = _replayed_draws(forward)
     for p in backward.graph.nodes:
@@ -324,7 +359,7 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
             continue
         stand: list[str] = []
         for u in p.users:
-            for name in saves.get(u.meta.get(SOURCE, ""), [src]):
+            for name in ef.stands_for(src, u.meta.get(SOURCE, "")):
                 if name not in stand:
                     stand.append(name)
         if stand != [src]:  # (a residual nothing reads stands for nothing)

@@ -807,7 +807,6 @@ class _TrainBuilder:
     def remap(self) -> dict[str, list[str]]:
         """:attr:`EagerResiduals.remap` of the flat backward, read off the top level's
         placeholders and the calls' readers of them."""
-        saves = self.ef.saves
         replayed = _replayed_draws(self.forward)
         remap: dict[str, list[str]] = {}
         for p in self.top.graph.nodes:
@@ -820,7 +819,7 @@ class _TrainBuilder:
                 continue
             stand: list[str] = []
             for u in users:
-                for name in saves.get(u.meta.get(SOURCE, ""), [src]):
+                for name in self.ef.stands_for(src, u.meta.get(SOURCE, "")):
                     if name not in stand:
                         stand.append(name)
             if stand != [src]:
