@@ -2,8 +2,9 @@
 (:func:`graphflop.frontend.direct_hierarchy.build_direct`) is the one read back from the flat
 graph (:func:`graphflop.frontend.hierarchy.build`): the same variants and sites, the top-level
 graph node for node (names and annotations), the same graph keys, and the flat graph rebuilt
-from it the traced one. Where it cannot model the flat form it gives None, never another
-hierarchy."""
+from it the traced one: :func:`~graphflop.frontend.direct_hierarchy.flat_forward` the flat
+forward ``_flat_form`` makes, key for key. Where it cannot model the flat form it gives None,
+never another hierarchy."""
 
 from __future__ import annotations
 

@@ -20,6 +20,12 @@ Round 19, still need the flat graph).
 Writes on the templates' nodes :data:`~graphflop.meta.MODULE` (relative to the called module,
 as :class:`~graphflop.frontend.outline.Expansion` does); on the top-level graph's nodes the
 annotations :func:`~graphflop.frontend.export_form.from_make_fx` writes on the flat graph's.
+
+:func:`flat_forward` makes the flat forward on demand from a hierarchy :func:`build_direct`
+made, exactly the flat path's graph (names, annotations, graph keys), from what the build
+records beside it: ``make_fx``'s namespace before any copy's name was claimed (the copies' names
+are claimed again, call by call, as ``Expansion`` claims them), each call's module stacks and
+the names of the ``getitem`` nodes the flat form completes among its copies. Off by default too.
 """
 
 from __future__ import annotations
