@@ -2,8 +2,9 @@
 (:func:`graphflop.frontend.direct_hierarchy.build_direct`) is the one read back from the flat
 graph (:func:`graphflop.frontend.hierarchy.build`): the same variants and sites, the top-level
 graph node for node (names and annotations), the same graph keys, and the flat graph rebuilt
-from it the traced one. Where it cannot model the flat form it gives None, never another
-hierarchy."""
+from it the traced one: :func:`~graphflop.frontend.direct_hierarchy.flat_forward` the flat
+forward ``_flat_form`` makes, key for key. Where it cannot model the flat form it gives None,
+never another hierarchy."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from conftest import node_rows, spec
 from torch import nn
 
 from graphflop.frontend import trace as trace_module
-from graphflop.frontend.direct_hierarchy import build_direct
+from graphflop.frontend.direct_hierarchy import build_direct, flat_forward
 from graphflop.frontend.hierarchy import expand
 from graphflop.load import load, make_inputs
 from graphflop.meta import (
@@ -39,11 +40,14 @@ def _traced(model, inputs, monkeypatch):
 
     def both(gm, templates, model, sites, **form):
         got["direct"] = build_direct(gm, templates, model, **form)
-        return flat_form(gm, templates, model, sites, **form)
+        out = flat_form(gm, templates, model, sites, **form)
+        got["keys"] = dict(out[0].meta)  # (the graph keys before trace adds its own)
+        return out
 
     monkeypatch.setattr(trace_module, "_flat_form", both)
     flat = trace_module.trace(model, inputs)
     monkeypatch.setattr(trace_module, "_flat_form", flat_form)
+    flat.meta["flat_form_keys"] = got["keys"]
     return flat, got["direct"]
 
 
@@ -95,6 +99,29 @@ def _check(flat, direct):
     # template node's copy took before it)
     top = [(n.meta[SOURCE], _meta(n)) for n in rebuilt.graph.nodes if CALL_SITE not in n.meta]
     assert top == [(n.name, _meta(n)) for n in flat.graph.nodes if CALL_SITE not in n.meta]
+    _check_flat_forward(flat, direct)
+
+
+def _check_flat_forward(flat, direct):
+    """The flat forward made from the direct hierarchy is ``_flat_form``'s, key for key."""
+    assert flat_forward(flat.meta[HIERARCHY]) is None  # (not build_direct's)
+    keys = flat.meta["flat_form_keys"]
+    for _ in range(2):  # (made again from the same hierarchy: the same graph)
+        made = flat_forward(direct)
+        assert made is not None
+        assert _rows(made) == _rows(flat)
+        assert [n.name for n in made.graph.nodes] == [n.name for n in flat.graph.nodes]
+        assert made.meta.keys() - {HIERARCHY} == keys.keys()
+        for key in (SIGNATURE, LOSS_KIND, FACTS, UNUSED):
+            assert made.meta[key] == keys[key], key
+        assert made.meta[CONSTANTS].keys() == keys[CONSTANTS].keys()
+        assert all(made.meta[CONSTANTS][k] is v for k, v in keys[CONSTANTS].items())
+        assert made.meta[HIERARCHY] is direct
+        # the top level's nodes share their meta with the flat graph's, as the flat path's
+        tops = {n.meta[SOURCE]: n for n in direct.graph.graph.nodes if SOURCE in n.meta}
+        for n in made.graph.nodes:
+            if CALL_SITE not in n.meta:
+                assert n.meta is tops[n.name].meta
 
 
 class Block(nn.Module):

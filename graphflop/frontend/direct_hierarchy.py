@@ -20,12 +20,19 @@ Round 19, still need the flat graph).
 Writes on the templates' nodes :data:`~graphflop.meta.MODULE` (relative to the called module,
 as :class:`~graphflop.frontend.outline.Expansion` does); on the top-level graph's nodes the
 annotations :func:`~graphflop.frontend.export_form.from_make_fx` writes on the flat graph's.
+
+:func:`flat_forward` makes the flat forward on demand from a hierarchy :func:`build_direct`
+made, exactly the flat path's graph (names, annotations, graph keys), from what the build
+records beside it: ``make_fx``'s namespace before any copy's name was claimed (the copies' names
+are claimed again, call by call, as ``Expansion`` claims them), each call's module stacks and
+the names of the ``getitem`` nodes the flat form completes among its copies. Off by default too.
 """
 
 from __future__ import annotations
 
 import operator
 import re
+import weakref
 from typing import Any, cast
 
 import torch
@@ -45,6 +52,7 @@ from graphflop.meta import (
     CONSTANTS,
     FACTS,
     FUNCTION,
+    HIERARCHY,
     KIND,
     LEAF,
     LOSS_KIND,
@@ -64,7 +72,7 @@ from graphflop.meta import (
 from graphflop.ops import MissingRuleError
 from graphflop.ops.recurrent import inplace_twin
 
-__all__ = ["build_direct"]
+__all__ = ["build_direct", "flat_forward"]
 
 aten = torch.ops.aten
 
@@ -122,6 +130,8 @@ class _Template:
             if t.op != "placeholder" and isinstance(t.meta.get("val"), (tuple, list)):
                 raise _Unsupported("a template returns a multi-output op's tuple")
         self.body = [t for t in self.nodes if t.op not in ("placeholder", "output")]
+        #: a multi-output op: the flat form may complete getitem nodes among the copies
+        self.multi = any(isinstance(t.meta.get("val"), (tuple, list)) for t in self.body)
         self.bases = {_base(t.name) for t in self.outs if t.op != "placeholder"}
         self.named: list[Node] = []
         self.names: list[str] = []
@@ -299,6 +309,8 @@ def _build(
         and isinstance(n.meta.get("val"), (tuple, list))
         for n in old.nodes
     )
+    # (the getitem nodes completed among a call's copies: named for flat_forward)
+    multi = multi or any(t.multi for t in tpl.values())
     if multi:
         bases.add("getitem")
     for t in tpl.values():
@@ -312,6 +324,7 @@ def _build(
     d.find_live()
     _check_folds(old, d.preset, d.call_set, tpl)
     sites = _Sites(old, model, prefix, {k: i for i, k in enumerate(keys)})
+    before = sites.namespace.copy()  # (for flat_forward: every copy's name)
     d.claim_names(sites.namespace, multi)
     fixed = {name for name, _ in sig_params} | {name for name, _ in sig_buffers}
     param_names = dict(sig_params)
@@ -336,6 +349,7 @@ def _build(
     top_gm.meta[CONSTANTS] = constants
     top_gm.meta[LOSS_KIND] = loss_kind
     top_gm.meta[FACTS] = {"traced"}
+    _RECORDS[top_gm] = _Record(before, sites.stacks, d.completed)
     return Hierarchy(
         templates=tuple(templates[k] for k in keys),
         variants=tuple(sites.variants),
@@ -358,6 +372,8 @@ class _Sites:
             self.paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
         self.sites: list[CallSite] = []
         self.variants: dict[tuple, int] = {}
+        #: per site, its copies' module stack of an inner path (``_call``'s ``stack_of``)
+        self.stacks: list[Any] = []
 
 
 class _Direct:
@@ -374,6 +390,8 @@ class _Direct:
         #: per call, the names Expansion gives the copies the direct build names
         self.names_of: dict[Node, dict[Node, str]] = {}
         self.getitems: _GetitemNames | None = None
+        #: per site, the names of the getitem nodes the flat form completes among its copies
+        self.completed: dict[int, list[str]] = {}
 
     def claim_names(self, namespace: _NamespaceCopy, multi: bool) -> None:
         """The names Expansion claims for the copies (:attr:`names_of`), call by call; where
@@ -483,7 +501,7 @@ class _Direct:
         for n in self.own_nodes():
             if n in self.call_set:
                 results[n] = _call(n, g, env, self, sites, top)
-                self.completions(n)
+                self.completions(n, len(sites.sites) - 1)
             elif self.is_output(n):
                 call, i = _output_of(n)
                 tensors, key = _call_of(call)
@@ -529,11 +547,13 @@ class _Direct:
             _tag(item, name, module_path(item, wrapped=True), False, {})
             top.append(item)
 
-    def completions(self, call: Node) -> None:
-        """Advance the getitem names past those the flat form gives ``call``'s copies."""
+    def completions(self, call: Node, site: int) -> None:
+        """Advance the getitem names past those the flat form gives ``call``'s copies (site
+        ``site``), recording them (:attr:`completed`)."""
         if self.getitems is not None:
-            for _ in range(sum(1 for _, out in self.variant_of[call][0] if out is not None)):
-                self.getitems.take()
+            n = sum(1 for _, out in self.variant_of[call][0] if out is not None)
+            if n:
+                self.completed[site] = [self.getitems.take() for _ in range(n)]
 
 
 class _GetitemNames:
@@ -605,13 +625,16 @@ class _NamespaceCopy:
     """The names :class:`~graphflop.frontend.outline.Expansion` claims in ``make_fx``'s
     graph's namespace, claimed on a copy of it (``gm`` keeps its own)."""
 
-    def __init__(self, graph: Graph):
-        ns = graph._graph_namespace
+    def __init__(self, graph: Graph | _NamespaceCopy):
+        ns = cast(Graph, graph)._graph_namespace  # (a copy has one too)
         copy = type(ns).__new__(type(ns))
         copy.__dict__.update(ns.__dict__)
         copy._used_names = set(ns._used_names)
         copy._base_count = type(ns._base_count)(ns._base_count)
-        self._graph_namespace = copy
+        self._graph_namespace: Any = copy
+
+    def copy(self) -> _NamespaceCopy:
+        return _NamespaceCopy(self)
 
     def take(self, names: list[str]) -> list[str]:
         return take_names(self, names)  # type: ignore[arg-type]
@@ -641,6 +664,7 @@ def _call(n: Node, g: Graph, env: dict, d: _Direct, s: _Sites, top: list) -> dic
         return got
 
     modules = {rel: _stack_path(stack_of(inner)) for rel, inner in t.inner_of.items()}
+    s.stacks.append(stack_of)
     names = d.names_of[n]
     variant = s.variants.setdefault((s.position[key], items), len(s.variants))
     s.sites.append(CallSite(s.position[key], variant, tuple(modules.items())))
@@ -754,3 +778,152 @@ def _reads(call: Node, n: Node, tpl: dict) -> bool:
             if any(u.target is operator.getitem and u.args[1] == i and u.users for u in call.users):
                 return True
     return False
+
+
+class _Record:
+    """What :func:`build_direct` keeps of a build for :func:`flat_forward`: ``make_fx``'s
+    namespace before any copy's name was claimed, per site its ``stack_of`` (the copies'
+    module stacks) and the names of the getitem nodes the flat form completes among its
+    copies."""
+
+    def __init__(self, namespace: _NamespaceCopy, stacks: list, completed: dict[int, list[str]]):
+        self.namespace, self.stacks, self.completed = namespace, stacks, completed
+
+
+#: per hierarchy :func:`build_direct` made (by its top-level graph), what it recorded
+_RECORDS: weakref.WeakKeyDictionary[GraphModule, _Record] = weakref.WeakKeyDictionary()
+
+
+def flat_forward(h: Hierarchy) -> GraphModule | None:
+    """The flat forward graph of a hierarchy :func:`build_direct` made, exactly the one
+    ``trace``'s flat path makes (:func:`~graphflop.frontend.export_form.from_make_fx` with the
+    calls expanded by :class:`~graphflop.frontend.outline.Expansion`): the same nodes in the
+    same order, names, arguments and annotations (each copy's its template node's, with the
+    call's module stack, :data:`~graphflop.meta.CALL_SITE` and the flat form's ``KIND``,
+    ``SOURCE``, ``MODULE``, ``ROLE``, ``PARAM_DERIVED``), and its graph keys (``SIGNATURE``,
+    ``CONSTANTS``, ``LOSS_KIND``, ``FACTS``, ``UNUSED``; ``HIERARCHY`` is ``h``, whose
+    top-level nodes share their ``meta`` with the flat graph's, as the flat path's do;
+    ``OUTLINED`` is the caller's: ``len(h.sites)`` calls). The copies' names are claimed again,
+    call by call, on ``make_fx``'s namespace as it was, as ``Expansion`` claims them.
+
+    None where ``h`` was not made by :func:`build_direct` (or the names it would give are not
+    the flat form's), never another graph."""
+    record = _RECORDS.get(h.graph) if h.graph is not None else None
+    if record is None:
+        return None
+    try:
+        return _flat_forward(h, record)
+    except _Unsupported:
+        return None
+
+
+def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
+    namespace = record.namespace.copy()
+    tnodes = [list(t.nodes) for t in h.templates]
+    bodies = [[x for x in ns if x.op not in ("placeholder", "output")] for ns in tnodes]
+    candidates = [[x.name for x in body] for body in bodies]
+    phs = [[x for x in ns if x.op == "placeholder"] for ns in tnodes]
+    outs = [list(ns[-1].args[0]) for ns in tnodes]
+    inner = [
+        {
+            x: tuple(
+                (path[len(MARK) + 1 :], cls)
+                for path, cls in (x.meta.get("nn_module_stack") or {}).values()
+                if path != MARK
+            )
+            for x in body
+        }
+        for body in bodies
+    ]
+    # each template node's inputs (all call_function: module paths from their own stacks)
+    inputs = [{x: x.all_input_nodes for x in body} for body in bodies]
+    if any(x.op != "call_function" for body in bodies for x in body):
+        raise _Unsupported("a template node that is not an op")
+    derived: dict[tuple, dict[Node, bool]] = {}
+    g = Graph()
+    env: dict[Node, Node] = {}
+    results: dict[Node, list] = {}
+    call_op = torch.ops.graphflop.repeat.default
+    names_of: list[dict[Node, str]] = [
+        dict(zip(bodies[s.template], namespace.take(candidates[s.template]))) for s in h.sites
+    ]
+    for n in h.graph.graph.nodes:
+        if n.target is call_op:
+            args, number = n.args
+            t, items = h.variants[h.sites[number].variant]
+            tenv: dict[Node, Node] = {p: env[a] for p, a in zip(phs[t], args) if a is not None}
+            names, stack_of = names_of[number], record.stacks[number]
+            completed = iter(record.completed.get(number, ()))
+            # PARAM_DERIVED as _tag_nodes works it out, per template and pattern of the
+            # arguments' (those no kept node reads count False: nothing reads them)
+            pattern = tuple(
+                p in tenv and bool(tenv[p].meta.get(PARAM_DERIVED, False)) for p in phs[t]
+            )
+            pd = derived.get((t, pattern))
+            if pd is None:
+                pd = derived[(t, pattern)] = dict(zip(phs[t], pattern))
+                for x in bodies[t]:
+                    pd[x] = LEAF not in x.meta and all(pd[a] for a in inputs[t][x])
+            stacks: dict[tuple, tuple[dict, str]] = {}
+            for index, out in items:
+                x = tnodes[t][index]
+                if out is None:
+                    name = names[x]
+                    new = g.create_node(x.op, x.target, name=name, type_expr=x.type)
+                    try:
+                        new._update_args_kwargs(
+                            map_arg(x.args, tenv.__getitem__), map_arg(x.kwargs, tenv.__getitem__)
+                        )
+                    except KeyError:
+                        raise _Unsupported("a copy reads a value its call does not pass") from None
+                    meta = dict(x.meta)
+                    key = inner[t][x]
+                    known = stacks.get(key)
+                    if known is None:
+                        stack = stack_of(key)
+                        known = stacks[key] = (stack, _stack_path(stack))
+                    meta["nn_module_stack"] = known[0]
+                    meta[CALL_SITE] = (number, index)
+                    path = known[1]
+                    tenv[x] = new
+                else:  # a getitem the flat form completes
+                    parent = tenv[x]
+                    name = next(completed)
+                    new = emit_named(g, operator.getitem, (parent, out), name)
+                    meta = {k: v for k, v in parent.meta.items() if k not in ("val", COMPOSITE)}
+                    meta["val"] = x.meta["val"][out]
+                    tag = getitem_tag(parent, out)
+                    if tag is not None:
+                        meta[COMPOSITE] = tag
+                    path = parent.meta[MODULE]
+                if new.name != name:
+                    raise _Unsupported("a copy's name taken in the flat graph")
+                # _tag_nodes's annotations (its MODULE: module_path of the node's stack)
+                meta[KIND] = "primal"
+                meta[SOURCE] = name
+                meta[MODULE] = path
+                meta[ROLE] = "loss" if path == "loss" else "forward"
+                meta[PARAM_DERIVED] = pd[x]
+                object.__setattr__(new, "meta", meta)
+            results[n] = [tenv.get(o) for o in outs[t]]
+        elif n.target is operator.getitem and n.args[0] in results:
+            got = results[n.args[0]][n.args[1]]
+            if got is None:
+                raise _Unsupported("a call's output its variant does not keep")
+            env[n] = got
+        else:
+            name = n.meta[SOURCE]
+            new = env[n] = copy_node(g, n, env.__getitem__, name=name)
+            if new.name != name:
+                raise _Unsupported("a top-level node's name taken in the flat graph")
+            # sharing the meta dict, as the flat path's hierarchy shares it with the flat graph
+            object.__setattr__(new, "meta", n.meta)
+    flat = graph_module(torch.nn.Module(), g)
+    meta = h.graph.meta
+    flat.meta[UNUSED] = meta[UNUSED]
+    flat.meta[SIGNATURE] = meta[SIGNATURE]
+    flat.meta[CONSTANTS] = dict(meta[CONSTANTS])
+    flat.meta[LOSS_KIND] = meta[LOSS_KIND]
+    flat.meta[FACTS] = set(meta[FACTS])
+    flat.meta[HIERARCHY] = h
+    return flat
