@@ -26,6 +26,7 @@ from graphflop.meta import (
     HIERARCHY,
     LOSS_KIND,
     MODULE,
+    PARAM_DERIVED,
     SIGNATURE,
     SOURCE,
     UNUSED,
@@ -33,20 +34,27 @@ from graphflop.meta import (
 
 
 def _traced(model, inputs, monkeypatch):
-    """The flat forward traced as ``analyze`` traces it, and the hierarchy built directly from
-    the same ``make_fx`` graph (before the flat form is made from it)."""
+    """The flat forward traced by the flat path (``_flat_form``, then the hierarchy read back
+    from it: the reference), and the hierarchy built directly from the same ``make_fx`` graph
+    (before the flat form is made from it), which ``trace`` would otherwise take."""
     got = {}
     flat_form = trace_module._flat_form
 
     def both(gm, templates, model, sites, **form):
-        got["direct"] = build_direct(gm, templates, model, **form)
         out = flat_form(gm, templates, model, sites, **form)
         got["keys"] = dict(out[0].meta)  # (the graph keys before trace adds its own)
         return out
 
+    def direct_aside(*args, **kwargs):
+        got["direct"] = build_direct(*args, **kwargs)
+        return None  # (trace takes the flat path)
+
     monkeypatch.setattr(trace_module, "_flat_form", both)
+    monkeypatch.setattr(trace_module, "build_direct", direct_aside)
     flat = trace_module.trace(model, inputs)
     monkeypatch.setattr(trace_module, "_flat_form", flat_form)
+    monkeypatch.setattr(trace_module, "build_direct", build_direct)
+    got.setdefault("direct", None)  # (no outlined block: not asked)
     flat.meta["flat_form_keys"] = got["keys"]
     return flat, got["direct"]
 
@@ -150,6 +158,41 @@ class Stack(nn.Module):
 
 def test_stack_of_blocks(monkeypatch):
     _check(*_traced(Stack(), (torch.randn(5, 6),), monkeypatch))
+
+
+class DropPathBlock(nn.Module):
+    """A residual MLP block whose branch is dropped per sample by timm's DropPath mask, drawn
+    in place into a new tensor (``x.new_empty(...).bernoulli_(p)``, functional in the
+    template): the mask is a random draw, not a parameter-derived value, in the direct build's
+    tags as in the flat form's."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.c(nn.functional.gelu(self.b(nn.functional.gelu(self.a(x)))))
+        mask = h.new_empty(h.shape[0], 1).bernoulli_(0.75)
+        return x + h * mask.div_(0.75)
+
+
+class DropPathStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(DropPathBlock() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_random_draws_in_blocks(monkeypatch):
+    flat, direct = _traced(DropPathStack(), (torch.randn(5, 8),), monkeypatch)
+    assert direct is not None
+    _check(flat, direct)
+    masks = [n for n in flat.graph.nodes if "bernoulli" in str(n.target)]
+    assert masks and not any(n.meta[PARAM_DERIVED] for n in masks)
 
 
 def _loaded(name: str, **ctor):

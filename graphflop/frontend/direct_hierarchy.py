@@ -42,7 +42,7 @@ from torch.fx.node import map_arg
 
 from graphflop.ad.builder import base_name, copy_node, emit_named, take_names
 from graphflop.frontend.composite import getitem_tag
-from graphflop.frontend.export_form import _frozen, _kept, placeholders
+from graphflop.frontend.export_form import _frozen, _kept, may_be_param_derived, placeholders
 from graphflop.frontend.outline import MARK, _stack_path
 from graphflop.frontend.scopes import module_path
 from graphflop.meta import (
@@ -249,7 +249,7 @@ class _Template:
         if got is None:
             got = dict(zip(self.phs, pattern))
             for t in self.body:
-                got[t] = LEAF not in t.meta and all(got[a] for a in t.all_input_nodes)
+                got[t] = may_be_param_derived(t) and all(got[a] for a in t.all_input_nodes)
             self.derived[pattern] = got
         return got
 
@@ -614,7 +614,7 @@ def _tag(n: Node, source: str, path: str, fixed: bool, param_names: dict) -> Non
     meta[MODULE] = path
     meta[ROLE] = "loss" if path == "loss" else "forward"
     if n.op == "call_function":
-        meta[PARAM_DERIVED] = LEAF not in meta and all(
+        meta[PARAM_DERIVED] = may_be_param_derived(n) and all(
             a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes
         )
     else:
@@ -817,6 +817,14 @@ def flat_forward(h: Hierarchy) -> GraphModule | None:
         return None
 
 
+def forget(h: Hierarchy) -> None:
+    """Drop what :func:`build_direct` recorded for :func:`flat_forward` of ``h`` (after its
+    last use): the record's module stacks name the model's modules and its fake tensors, which
+    a table keyed by ``h``'s graph would otherwise keep for as long as the graph lives."""
+    if h.graph is not None:
+        _RECORDS.pop(h.graph, None)
+
+
 def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
     namespace = record.namespace.copy()
     tnodes = [list(t.nodes) for t in h.templates]
@@ -863,7 +871,7 @@ def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
             if pd is None:
                 pd = derived[(t, pattern)] = dict(zip(phs[t], pattern))
                 for x in bodies[t]:
-                    pd[x] = LEAF not in x.meta and all(pd[a] for a in inputs[t][x])
+                    pd[x] = may_be_param_derived(x) and all(pd[a] for a in inputs[t][x])
             stacks: dict[tuple, tuple[dict, str]] = {}
             for index, out in items:
                 x = tnodes[t][index]

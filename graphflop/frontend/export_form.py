@@ -173,6 +173,17 @@ def _complete_getitems(gm: GraphModule) -> None:
     gm.recompile()
 
 
+def may_be_param_derived(n: torch.fx.Node) -> bool:
+    """Whether op node ``n`` is :data:`~graphflop.meta.PARAM_DERIVED` when all its inputs are:
+    not a value the model made a leaf that requires grad (a source of derivatives of its own,
+    as an input), nor a random draw (timm's DropPath mask, ``bernoulli_`` of an empty tensor:
+    new each step, no constant; eager autograd saves it as an activation). The one rule of the
+    flat form's tagging and of the direct hierarchy's (:mod:`graphflop.frontend.direct_hierarchy`)."""
+    return LEAF not in n.meta and torch.Tag.nondeterministic_seeded not in getattr(
+        n.target, "tags", ()
+    )
+
+
 def _tag_nodes(gm: GraphModule, sig: Signature, wrapped: bool = True) -> None:
     """Write ``KIND``, ``SOURCE``, ``MODULE``, ``ROLE``, ``PARAM_DERIVED`` (and ``PARAM``) on
     every node."""
@@ -197,10 +208,8 @@ def _tag_nodes(gm: GraphModule, sig: Signature, wrapped: bool = True) -> None:
             # leaf that requires grad is a source of derivatives of its own, as an input; a
             # random draw (timm's DropPath mask, bernoulli_ of an empty tensor) is new each
             # step, no constant: eager autograd saves it as an activation
-            n.meta[PARAM_DERIVED] = (
-                LEAF not in n.meta
-                and torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ())
-                and all(a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes)
+            n.meta[PARAM_DERIVED] = may_be_param_derived(n) and all(
+                a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes
             )
         else:
             n.meta[PARAM_DERIVED] = False

@@ -47,6 +47,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from graphflop.frontend import outline as repeats
 from graphflop.frontend.composite import CompositeOps, tagged_decompositions
 from graphflop.frontend.custom_function import inline_functions, trace_records
+from graphflop.frontend.direct_hierarchy import build_direct, flat_forward, forget
 from graphflop.frontend.dispatch import (
     RoutedDispatch,
     routed_index_decompositions,
@@ -470,25 +471,18 @@ def _trace_once(
             UserWarning,
             stacklevel=2,
         )
-    sites: list[tuple[int, dict[str, str]]] = []
-    out, copies = _flat_form(
-        gm,
-        templates,
-        model,
-        sites,
+    form = dict(
         params=list(params),
         buffers=list(buffers),
         n_inputs=len(inputs),
         loss_kind=chosen["loss"],
         target_nodes=chosen.get("targets", []),
     )
+    out, copies = _forward_and_hierarchy(gm, templates, model, form)
     skipped = [(list(modules), why) for why, modules in outliner.in_full.values()]
     out.meta[OUTLINED] = OutlineInfo(
         calls=copies, traced_once=len(templates), in_full=_in_full(model, skipped)
     )
-    hierarchy = build_hierarchy(out, templates, sites)
-    if hierarchy is not None:
-        out.meta[HIERARCHY] = hierarchy
     out.meta[ASSUMPTIONS] = tuple(dispatch.lines) + ((chosen["line"],) if "line" in chosen else ())
     written = out.meta[SIGNATURE].params_written
     if written:
@@ -591,6 +585,31 @@ def _lazy_code() -> contextlib.AbstractContextManager:
     except ImportError:  # pragma: no cover - a PyTorch without lazy graph modules
         return contextlib.nullcontext()
     return _use_lazy_graph_module(True)
+
+
+def _forward_and_hierarchy(
+    gm: GraphModule, templates: dict, model: nn.Module, form: dict
+) -> tuple[GraphModule, int]:
+    """The flat forward in graphflop's form, its :data:`~graphflop.meta.HIERARCHY` (where it
+    has outlined calls) and the number of calls expanded. The hierarchy is built first, straight
+    from ``make_fx``'s graph (:func:`~graphflop.frontend.direct_hierarchy.build_direct`), and
+    the flat forward made from it (:func:`~graphflop.frontend.direct_hierarchy.flat_forward`:
+    node for node, name for name and annotation for annotation the graph :func:`_flat_form`
+    makes, ``tests/test_direct_hierarchy.py``); where the direct build does not model what the
+    flat form rewrites (buffer writes, in-place ops, checkpoints, foldable views), the flat
+    form is made and the hierarchy read back from it (:func:`build_hierarchy`)."""
+    h = build_direct(gm, templates, model, **form) if templates else None
+    out = flat_forward(h) if h is not None else None
+    if h is not None:
+        forget(h)  # (the flat forward is made once, here)
+        if out is not None:
+            return out, len(h.sites)
+    sites: list[tuple[int, dict[str, str]]] = []
+    out, copies = _flat_form(gm, templates, model, sites, **form)
+    hierarchy = build_hierarchy(out, templates, sites)
+    if hierarchy is not None:
+        out.meta[HIERARCHY] = hierarchy
+    return out, copies
 
 
 def _flat_form(
