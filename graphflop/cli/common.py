@@ -341,8 +341,10 @@ def add_model_args(p: argparse.ArgumentParser, *, inputs_and_loss: bool = True) 
         )
 
 
-def load_model(args: argparse.Namespace):
+def load_model(args: argparse.Namespace, *, note_eval: bool = True):
     """The model named by the model arguments, on the meta device, and its example inputs.
+    ``note_eval``: note on stderr the modules the model left in eval mode (off for the
+    commands that print the report's assumptions, which name them).
 
     Returns:
         ``(LoadedModel, inputs)``: the model in ``--dtype`` and train mode (eval with
@@ -368,7 +370,7 @@ def load_model(args: argparse.Namespace):
     if dtype is not None and dtype.is_floating_point:
         loaded.model.to(dtype)
     kept = set_training_mode(loaded.model, args.eval)
-    if kept:
+    if kept and note_eval:
         shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
         print(
             f"note: {shown} kept in eval mode, as the model's code left "
