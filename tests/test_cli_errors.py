@@ -2060,3 +2060,37 @@ def test_render_refuses_a_profile_json_without_times(work, capsys, monkeypatch, 
     )
     assert line == f"graphflop: error: --profile-json {work / 't.json'}: {why}"
     nothing_left(work / "out")
+
+
+def test_transformers_logs_leave_an_error_one_line(capsys):
+    """A tester's finding: transformers logged four ``[transformers] Model config: …`` lines
+    (token ids outside a 100-token vocabulary) before graphflop's one-line error. Its logger is
+    at ERROR while graphflop builds and traces the model, and at its level again afterwards."""
+    import logging
+
+    pytest.importorskip("transformers")
+    level = logging.getLogger("transformers").level
+    rc, out, err = cli(
+        capsys,
+        *("inspect", "hf:whisper", "--seq", "8"),
+        *("--arg", "encoder_layers=1", "--arg", "decoder_layers=1"),
+        *("--arg", "d_model=32", "--arg", "vocab_size=100"),
+    )
+    assert rc == 2 and out == ""
+    assert len(err) == 1 and err[0].startswith("graphflop: error: building hf:whisper failed")
+    assert logging.getLogger("transformers").level == level
+
+
+def test_transformers_logs_are_not_shown_on_success(capsys):
+    """CLIP's text model with a 100-token vocabulary: transformers logged two lines (its
+    bos/eos token ids are outside the vocabulary); the analysis prints none."""
+    pytest.importorskip("transformers")
+    rc, out, err = cli(
+        capsys,
+        *("inspect", "hf:clip_text_model", "--seq", "8", "--format", "json"),
+        *("--arg", "vocab_size=100", "--arg", "hidden_size=32", "--arg", "num_hidden_layers=1"),
+        *("--arg", "intermediate_size=64", "--arg", "num_attention_heads=2"),
+    )
+    assert rc == 0, err
+    assert json.loads(out)["totals"]["forward"]["flops"] > 0
+    assert not [e for e in err if "transformers" in e], err

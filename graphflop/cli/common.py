@@ -636,7 +636,7 @@ def float_output(model, inputs) -> bool:
     import torch
 
     from graphflop.frontend import nodynamo
-    from graphflop.frontend.errors import quiet_loggers
+    from graphflop.frontend.errors import library_logs_quiet, quiet_loggers
 
     def forward():
         # a probe: its warnings are not the model's (checkpoint's, that nothing requires grad)
@@ -648,7 +648,7 @@ def float_output(model, inputs) -> bool:
         try:
             # FakeTensorMode logs a kernel's traceback before raising it: the error is the
             # trace's to report, in one line
-            with quiet_loggers("torch._subclasses.fake_tensor"):
+            with quiet_loggers("torch._subclasses.fake_tensor"), library_logs_quiet():
                 out = nodynamo.run(run)
         except Exception:
             continue

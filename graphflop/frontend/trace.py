@@ -58,6 +58,7 @@ from graphflop.frontend.errors import (
     TraceError,
     find_cause,
     first_line,
+    library_logs_quiet,
     quiet_loggers,
 )
 from graphflop.frontend.export_form import from_exported, from_make_fx
@@ -195,7 +196,13 @@ def _trace_in(
         # FakeTensorMode logs a traceback before re-raising a kernel's error (a shape mismatch
         # in the model); the error itself becomes graphflop's one-line TraceError
         quiet = quiet_loggers("torch._subclasses.fake_tensor")
-        with _state_kept(model), quiet, traced_by_libraries(), _meta_attributes(model, fake_mode):
+        with (
+            _state_kept(model),
+            quiet,
+            library_logs_quiet(),
+            traced_by_libraries(),
+            _meta_attributes(model, fake_mode),
+        ):
             gm = _without_cache(configs, lambda: _trace(model, tensors, loss, fake_mode, reuse))
     _check_matmul_dtypes(gm)
     return gm
