@@ -471,7 +471,9 @@ def test_sweep_has_no_inputs_or_loss_options(work, capsys, extra):
     assert e.value.code == 2
     cap = capsys.readouterr()
     assert cap.out == "" and cap.err.count("\n") == 1, cap.err
-    assert cap.err.startswith(f"graphflop: error: unrecognized arguments: {extra[0]}"), cap.err
+    assert cap.err.startswith(f"graphflop sweep: error: unrecognized arguments: {extra[0]}"), (
+        cap.err
+    )
     nothing_left(work / "out")
     with pytest.raises(SystemExit):
         main(["sweep", "--help"])
@@ -1119,7 +1121,7 @@ def test_memory_options_the_memory_model_does_not_have(work, capsys, monkeypatch
         (["inspect", "m.py", "--amp", "int8"], "graphflop inspect", "argument --amp: invalid"),
         (["render", "m.py"], "graphflop render", "the following arguments are required: -o"),
         (["train", "m.py", "--steps", "x"], "graphflop train", "argument --steps: invalid int"),
-        (["sweep", "m.py", "--nope"], "graphflop", "unrecognized arguments: --nope"),
+        (["sweep", "m.py", "--nope"], "graphflop sweep", "unrecognized arguments: --nope"),
         (["frobnicate"], "graphflop", "argument command: invalid choice: 'frobnicate'"),
     ],
 )
@@ -2094,3 +2096,34 @@ def test_transformers_logs_are_not_shown_on_success(capsys):
     assert rc == 0, err
     assert json.loads(out)["totals"]["forward"]["flops"] > 0
     assert not [e for e in err if "transformers" in e], err
+
+
+#: each subcommand with the arguments it requires
+EVERY_COMMAND = [
+    ["inspect", "m.py"],
+    ["export", "m.py", "--out", "o.onnx"],
+    ["bench", "m.py"],
+    ["render", "m.py", "-o", "o.svg"],
+    ["train", "m.py"],
+    ["sweep", "m.py"],
+    ["models"],
+    ["plan", "m.py"],
+    ["calibrate", "-o", "o.json"],
+    ["devices"],
+]
+
+
+@pytest.mark.parametrize("argv", EVERY_COMMAND)
+def test_an_unknown_option_names_the_subcommands_help(capsys, argv):
+    """A tester's finding: ``graphflop plan m.py --bogus`` said ``see graphflop --help`` (the
+    top-level parser reported the argument no subcommand took); each subcommand's own parser
+    reports it now, naming its own help. Every subcommand is listed."""
+    from graphflop.cli import COMMANDS
+
+    assert sorted(a[0] for a in EVERY_COMMAND) == sorted(COMMANDS)
+    rc, out, err = cli(capsys, *argv, "--bogus")
+    assert rc == 2 and out == ""
+    assert err == [
+        f"graphflop {argv[0]}: error: unrecognized arguments: --bogus; "
+        f"see graphflop {argv[0]} --help"
+    ]

@@ -226,6 +226,17 @@ class OneLineParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        #: the subcommands' parsers by name (``graphflop.cli.build_parser`` fills it), so that
+        #: an argument no parser takes is the subcommand's error (``see graphflop plan
+        #: --help``), not the top-level parser's
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            owner = self.commands.get(getattr(parsed, "command", None) or "", self)
+            owner.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
     def error(self, message: str):
         text = " ".join(message.split())
