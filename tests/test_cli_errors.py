@@ -634,7 +634,7 @@ def test_unexpected_error_is_one_line_exit_1_and_debug_prints_the_traceback(
 ):
     import graphflop.cli.inspect
 
-    def boom(args):
+    def boom(args, **kwargs):
         raise RuntimeError("something graphflop did not expect")
 
     monkeypatch.setattr(graphflop.cli.inspect, "load_model", boom)
