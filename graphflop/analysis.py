@@ -22,7 +22,7 @@ from graphflop._gc import paused_gc
 from graphflop.ad.builder import shape_cache_scope
 from graphflop.ad.jvp import TANGENT_CHOICES, build_jvp, has_leaves
 from graphflop.frontend import nodynamo
-from graphflop.frontend.errors import quiet_loggers
+from graphflop.frontend.errors import library_logs_quiet, quiet_loggers
 from graphflop.frontend.inputs import split_example
 from graphflop.frontend.loss import LOSSES
 from graphflop.frontend.trace import trace
@@ -458,6 +458,7 @@ def analyze(
     with (
         paused_gc(),
         quiet_loggers("torch._subclasses.fake_tensor"),
+        library_logs_quiet(),  # transformers' info and warning logs
         shape_cache_scope(),
         torch.inference_mode(False),  # a training step's graphs, whatever the caller's mode
         torch.enable_grad(),

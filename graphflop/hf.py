@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphflop.frontend.errors import first_line
+from graphflop.frontend.errors import first_line, library_logs_quiet
 from graphflop.specs import LoadedModel, SpecError, onto_meta
 
 #: default sequence length of the token inputs
@@ -75,8 +75,6 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
             no cached copy and no preset, a configuration field that does not fit, a bad
             ``seq`` or one longer than the model's positions.
     """
-    from graphflop.frontend.inputs import bind_call
-
     if not name:
         raise SpecError(
             "give a model type, a preset, a Hub name or a config folder: hf:llama, "
@@ -86,6 +84,15 @@ def load_hf(name: str, args: dict, *, meta: bool = False, seq: int | None = None
     if seq <= 0:
         raise SpecError(f"bad sequence length {seq}: must be a positive integer")
     tf = _transformers()
+    # transformers logs its configuration checks (token ids outside the vocabulary) on
+    # stderr; graphflop's own advice names them in its one-line error
+    with library_logs_quiet():
+        return _load_hf(tf, name, args, meta=meta, seq=seq)
+
+
+def _load_hf(tf: Any, name: str, args: dict, *, meta: bool, seq: int) -> LoadedModel:
+    from graphflop.frontend.inputs import bind_call
+
     config, notes = _config(tf, name, args)
     if hasattr(config, "use_cache"):
         config.use_cache = False

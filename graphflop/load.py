@@ -780,21 +780,25 @@ def make_inputs(
 
 def set_training_mode(model: nn.Module, eval_mode: bool = False) -> list[str]:
     """Put ``model`` in the mode the analysis describes: every module in eval mode for
-    ``eval_mode``; otherwise training, keeping the modules the model's code left in eval mode
-    where its root is in training mode (frozen batch norm in fine-tuning: ``blocks[0].eval()``
-    in the constructor), else every module in training mode.
+    ``eval_mode``; otherwise training, as a training loop puts it there: the model's own
+    ``model.train()`` where the root is in eval mode or a module of the model overrides
+    ``train`` (detection models' ``norm_eval``: ``train()`` then freezes batch norm), so the
+    override runs; else left as built, keeping the modules the model's code left in eval mode
+    (frozen batch norm in fine-tuning: ``blocks[0].eval()`` in the constructor).
 
     Returns:
-        The paths of the modules kept in eval mode (outermost ones only), for a note.
+        The paths of the modules in eval mode afterwards (outermost ones only), for a note.
     """
+    from graphflop.frontend.trace import modules_in_eval
+
     if eval_mode:
         model.eval()
         return []
-    if not model.training:
+    if not model.training or _overrides_train(model):
         model.train()
-        return []
-    kept: list[str] = []
-    for name, m in model.named_modules():
-        if not m.training and not any(name.startswith(k + ".") for k in kept):
-            kept.append(name)
-    return kept
+    return modules_in_eval(model)
+
+
+def _overrides_train(model: nn.Module) -> bool:
+    """Whether a module of ``model`` has a ``train`` of its own (not ``nn.Module.train``)."""
+    return any(getattr(type(m), "train", None) is not nn.Module.train for m in model.modules())

@@ -357,7 +357,7 @@ def example_inputs():
 
 def test_modules_the_model_leaves_in_eval_mode_stay_so(tmp_path, capsys):
     """A tester's finding: the CLI put every module in training mode, undoing the model file's
-    frozen batch norm. Kept as built (with a note); --eval still puts all in eval mode. The
+    frozen batch norm. Kept as built (with an assumption line); --eval still puts all in eval mode. The
     figures equal graphflop.analyze on the model as built: blocks.0.bn in eval mode saves
     nothing of its own for backward and updates no running statistics."""
     import graphflop
@@ -368,7 +368,8 @@ def test_modules_the_model_leaves_in_eval_mode_stay_so(tmp_path, capsys):
     rc, out, err = cli(capsys, "inspect", f"{path}:Net", "--format", "json", "--loss", "sum")
     assert rc == 0, err
     assert err == [
-        "note: blocks.0.bn kept in eval mode, as the model's code left it (--eval puts every "
+        "assumption: blocks.0.bn in eval mode, as the model left it (its constructor or its "
+        "train()): no dropout there, batch norm on running statistics (--eval puts every "
         "module in eval mode)"
     ]
     got = json.loads(out)
@@ -380,7 +381,95 @@ def test_modules_the_model_leaves_in_eval_mode_stay_so(tmp_path, capsys):
     train = graphflop.analyze(loaded.model, make_inputs(loaded), loss="sum").report
     assert train.memory.saved_for_backward_bytes != want.memory.saved_for_backward_bytes
     rc, out, err = cli(capsys, "inspect", f"{path}:Net", "--format", "json", "--eval")
-    assert rc == 0 and not any("kept in eval mode" in e for e in err)
+    assert rc == 0 and not any("in eval mode, as the model" in e for e in err)
+
+
+NORM_EVAL = """
+import torch
+from torch import nn
+
+
+class Layer(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(torch.relu(self.bn(self.fc(x))))
+
+
+class MixedMode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer() for _ in range(4)])
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+    def train(self, mode=True):  # detection models' norm_eval: train() freezes a part
+        super().train(mode)
+        self.layers[2].eval()
+        return self
+
+
+def example_inputs():
+    return (torch.randn(8, 32),)
+"""
+
+
+def test_a_train_override_runs_as_a_training_loop_runs_it(tmp_path, capsys):
+    """A tester's finding: a model whose ``train()`` puts layers[2] in eval mode was analysed
+    with every module training (its root starts in training mode, so graphflop never called
+    ``train()``). The CLI now calls the model's own ``model.train()``, as a training loop does,
+    and the report's assumptions name the module left in eval mode. Eager after
+    ``model.train()``: dropout draws in the three training layers only, 3 · 8 · 32 = 768
+    elements (not 4 · 256 = 1,024), and the bytes ``saved_tensors_hooks`` see (parameters and
+    buffers left out) equal the report's saved-for-backward bytes."""
+    import importlib.util
+
+    import torch
+
+    path = tmp_path / "norm_eval.py"
+    path.write_text(NORM_EVAL)
+    rc, out, err = cli(
+        capsys, "inspect", f"{path}:MixedMode", "--format", "json", "--loss", "cross_entropy"
+    )
+    assert rc == 0, err
+    got = json.loads(out)
+    assert any(a.startswith("layers.2 in eval mode") for a in got["assumptions"])
+
+    spec_ = importlib.util.spec_from_file_location("norm_eval", path)
+    assert spec_ is not None and spec_.loader is not None
+    mod = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(mod)
+    model = mod.MixedMode().train()
+    (x,) = mod.example_inputs()
+    drawn = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.register_forward_hook(
+                lambda m, args, out: drawn.append(args[0].numel() if m.training else 0)
+            )
+    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in state and s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        y = model(x)
+        loss = torch.nn.functional.cross_entropy(y, torch.randint(0, 10, (8,)))
+    del loss
+    assert sum(drawn) == 3 * 8 * 32 == got["totals"]["forward"]["random_elements"]
+    assert got["memory"]["saved_for_backward_bytes"] == sum(seen.values())
 
 
 STATE_OUTSIDE = """

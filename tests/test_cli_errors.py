@@ -471,7 +471,9 @@ def test_sweep_has_no_inputs_or_loss_options(work, capsys, extra):
     assert e.value.code == 2
     cap = capsys.readouterr()
     assert cap.out == "" and cap.err.count("\n") == 1, cap.err
-    assert cap.err.startswith(f"graphflop: error: unrecognized arguments: {extra[0]}"), cap.err
+    assert cap.err.startswith(f"graphflop sweep: error: unrecognized arguments: {extra[0]}"), (
+        cap.err
+    )
     nothing_left(work / "out")
     with pytest.raises(SystemExit):
         main(["sweep", "--help"])
@@ -632,7 +634,7 @@ def test_unexpected_error_is_one_line_exit_1_and_debug_prints_the_traceback(
 ):
     import graphflop.cli.inspect
 
-    def boom(args):
+    def boom(args, **kwargs):
         raise RuntimeError("something graphflop did not expect")
 
     monkeypatch.setattr(graphflop.cli.inspect, "load_model", boom)
@@ -1119,7 +1121,7 @@ def test_memory_options_the_memory_model_does_not_have(work, capsys, monkeypatch
         (["inspect", "m.py", "--amp", "int8"], "graphflop inspect", "argument --amp: invalid"),
         (["render", "m.py"], "graphflop render", "the following arguments are required: -o"),
         (["train", "m.py", "--steps", "x"], "graphflop train", "argument --steps: invalid int"),
-        (["sweep", "m.py", "--nope"], "graphflop", "unrecognized arguments: --nope"),
+        (["sweep", "m.py", "--nope"], "graphflop sweep", "unrecognized arguments: --nope"),
         (["frobnicate"], "graphflop", "argument command: invalid choice: 'frobnicate'"),
     ],
 )
@@ -2060,3 +2062,68 @@ def test_render_refuses_a_profile_json_without_times(work, capsys, monkeypatch, 
     )
     assert line == f"graphflop: error: --profile-json {work / 't.json'}: {why}"
     nothing_left(work / "out")
+
+
+def test_transformers_logs_leave_an_error_one_line(capsys):
+    """A tester's finding: transformers logged four ``[transformers] Model config: …`` lines
+    (token ids outside a 100-token vocabulary) before graphflop's one-line error. Its logger is
+    at ERROR while graphflop builds and traces the model, and at its level again afterwards."""
+    import logging
+
+    pytest.importorskip("transformers")
+    level = logging.getLogger("transformers").level
+    rc, out, err = cli(
+        capsys,
+        *("inspect", "hf:whisper", "--seq", "8"),
+        *("--arg", "encoder_layers=1", "--arg", "decoder_layers=1"),
+        *("--arg", "d_model=32", "--arg", "vocab_size=100"),
+    )
+    assert rc == 2 and out == ""
+    assert len(err) == 1 and err[0].startswith("graphflop: error: building hf:whisper failed")
+    assert logging.getLogger("transformers").level == level
+
+
+def test_transformers_logs_are_not_shown_on_success(capsys):
+    """CLIP's text model with a 100-token vocabulary: transformers logged two lines (its
+    bos/eos token ids are outside the vocabulary); the analysis prints none."""
+    pytest.importorskip("transformers")
+    rc, out, err = cli(
+        capsys,
+        *("inspect", "hf:clip_text_model", "--seq", "8", "--format", "json"),
+        *("--arg", "vocab_size=100", "--arg", "hidden_size=32", "--arg", "num_hidden_layers=1"),
+        *("--arg", "intermediate_size=64", "--arg", "num_attention_heads=2"),
+    )
+    assert rc == 0, err
+    assert json.loads(out)["totals"]["forward"]["flops"] > 0
+    assert not [e for e in err if "transformers" in e], err
+
+
+#: each subcommand with the arguments it requires
+EVERY_COMMAND = [
+    ["inspect", "m.py"],
+    ["export", "m.py", "--out", "o.onnx"],
+    ["bench", "m.py"],
+    ["render", "m.py", "-o", "o.svg"],
+    ["train", "m.py"],
+    ["sweep", "m.py"],
+    ["models"],
+    ["plan", "m.py"],
+    ["calibrate", "-o", "o.json"],
+    ["devices"],
+]
+
+
+@pytest.mark.parametrize("argv", EVERY_COMMAND)
+def test_an_unknown_option_names_the_subcommands_help(capsys, argv):
+    """A tester's finding: ``graphflop plan m.py --bogus`` said ``see graphflop --help`` (the
+    top-level parser reported the argument no subcommand took); each subcommand's own parser
+    reports it now, naming its own help. Every subcommand is listed."""
+    from graphflop.cli import COMMANDS
+
+    assert sorted(a[0] for a in EVERY_COMMAND) == sorted(COMMANDS)
+    rc, out, err = cli(capsys, *argv, "--bogus")
+    assert rc == 2 and out == ""
+    assert err == [
+        f"graphflop {argv[0]}: error: unrecognized arguments: --bogus; "
+        f"see graphflop {argv[0]} --help"
+    ]

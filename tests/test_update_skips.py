@@ -180,3 +180,19 @@ def test_a_gap_in_the_backward_skips_nothing():
     assert a.backward.meta[GAPS]
     assert gradient_free(a.backward) == frozenset()
     assert a.report.totals.update.flops == 12
+
+
+@pytest.mark.parametrize("sizes", [[3, 2], [3, 2, 5]])
+def test_adamw_counts_its_lr_times_decay_once(sizes):
+    """AdamW's update is 20 FLOPs per element (Adam's 18 and the decay's 2: ``w - w·(lr·λ)``)
+    plus 1 once: the 0-dim ``lr·λ`` that every parameter's decay reads
+    (docs/flops_conventions.md). One Linear(3, 2): P = 3·2 + 2 = 8, 20·8 + 1 = 161; with a
+    Linear(2, 5) after it: P = 8 + 2·5 + 5 = 23, 20·23 + 1 = 461 (one +1 for four tensors)."""
+    layers = [nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])]
+    model = nn.Sequential(*layers)
+    p = sum(q.numel() for q in model.parameters())
+    x = torch.randn(4, sizes[0])
+    adam = analyze(model, (x,), optimizer="adam", loss="sum", jvp=False).report
+    adamw = analyze(model, (x,), optimizer="adamw", loss="sum", jvp=False).report
+    assert adamw.totals.update.flops == {8: 161, 23: 461}[p]
+    assert adamw.totals.update.flops - adam.totals.update.flops == 2 * p + 1

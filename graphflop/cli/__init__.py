@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        add_debug_arg(_command(name).add_parser(sub))
+        parser.commands[name] = _command(name).add_parser(sub)
+        add_debug_arg(parser.commands[name])
     return parser
 
 

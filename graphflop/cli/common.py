@@ -226,6 +226,17 @@ class OneLineParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        #: the subcommands' parsers by name (``graphflop.cli.build_parser`` fills it), so that
+        #: an argument no parser takes is the subcommand's error (``see graphflop plan
+        #: --help``), not the top-level parser's
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            owner = self.commands.get(getattr(parsed, "command", None) or "", self)
+            owner.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
 
     def error(self, message: str):
         text = " ".join(message.split())
@@ -346,8 +357,10 @@ def add_model_args(p: argparse.ArgumentParser, *, inputs_and_loss: bool = True) 
         )
 
 
-def load_model(args: argparse.Namespace):
+def load_model(args: argparse.Namespace, *, note_eval: bool = True):
     """The model named by the model arguments, on the meta device, and its example inputs.
+    ``note_eval``: note on stderr the modules the model left in eval mode (off for the
+    commands that print the report's assumptions, which name them).
 
     Returns:
         ``(LoadedModel, inputs)``: the model in ``--dtype`` and train mode (eval with
@@ -373,7 +386,7 @@ def load_model(args: argparse.Namespace):
     if dtype is not None and dtype.is_floating_point:
         loaded.model.to(dtype)
     kept = set_training_mode(loaded.model, args.eval)
-    if kept:
+    if kept and note_eval:
         shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
         print(
             f"note: {shown} kept in eval mode, as the model's code left "
@@ -639,7 +652,7 @@ def float_output(model, inputs) -> bool:
     import torch
 
     from graphflop.frontend import nodynamo
-    from graphflop.frontend.errors import quiet_loggers
+    from graphflop.frontend.errors import library_logs_quiet, quiet_loggers
 
     def forward():
         # a probe: its warnings are not the model's (checkpoint's, that nothing requires grad)
@@ -651,7 +664,7 @@ def float_output(model, inputs) -> bool:
         try:
             # FakeTensorMode logs a kernel's traceback before raising it: the error is the
             # trace's to report, in one line
-            with quiet_loggers("torch._subclasses.fake_tensor"):
+            with quiet_loggers("torch._subclasses.fake_tensor"), library_logs_quiet():
                 out = nodynamo.run(run)
         except Exception:
             continue

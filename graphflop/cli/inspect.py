@@ -282,7 +282,7 @@ def _analyse(args: argparse.Namespace, err: Console) -> tuple[Any, dict[str, Any
         raise SpecError(
             f"--tf32 {args.tf32} sets how --device times float32 products: add --device"
         )
-    loaded, inputs = load_model(args)
+    loaded, inputs = load_model(args, note_eval=False)
     _check_routing(args, loaded)
     why = _backward_option(args)
     check_backward_possible(args, loaded, inputs, why=why)

@@ -329,7 +329,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
         args.arg = [*(args.arg or []), f"{name}={stages}"]
         total_blocks = total
     try:
-        loaded, inputs = load_model(args)
+        loaded, inputs = load_model(args, note_eval=False)
     except SpecError as e:
         if total_blocks is None or f"--arg {name}=" not in str(e):
             raise

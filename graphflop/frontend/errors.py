@@ -55,16 +55,31 @@ def find_cause(e: BaseException | None, kind: type | tuple[type, ...]) -> Any:
     return next((c for c in exception_chain(e) if isinstance(c, kind)), None)
 
 
+#: model libraries whose info and warning logs a model's build or trace would print on stderr
+#: (transformers' configuration checks: ``[transformers] Model config: ...``); graphflop's
+#: errors and warnings say what matters in one line each, and the model's Python warnings are
+#: ``warnings`` (re-emitted once each by the trace), not logs
+LIBRARY_LOGGERS = ("transformers",)
+
+
+def library_logs_quiet() -> contextlib.AbstractContextManager:
+    """:data:`LIBRARY_LOGGERS` at ERROR for the block (as ``transformers.logging.
+    set_verbosity_error``), their levels restored after."""
+    return quiet_loggers(*LIBRARY_LOGGERS, level=logging.ERROR)
+
+
 @contextlib.contextmanager
-def quiet_loggers(*names: str) -> Iterator[None]:
-    """The loggers ``names`` raised to CRITICAL for the block (levels restored after): PyTorch
-    logs tracebacks or advice before raising errors that graphflop reports in one line."""
+def quiet_loggers(*names: str, level: int = logging.CRITICAL) -> Iterator[None]:
+    """The loggers ``names`` raised to ``level`` (kept where already higher) for the block
+    (levels restored after): PyTorch logs tracebacks or advice before raising errors that
+    graphflop reports in one line. A library that sets its logger's level when first imported
+    (transformers) must be imported before the block."""
     loggers = [logging.getLogger(name) for name in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
+        lg.setLevel(max(level, lg.getEffectiveLevel()))
     try:
         yield
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        for lg, was in zip(loggers, levels):
+            lg.setLevel(was)

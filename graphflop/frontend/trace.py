@@ -19,7 +19,8 @@ Writes (through :func:`~graphflop.frontend.export_form.from_make_fx`) on each no
 ``gm.meta[SIGNATURE]`` (its ``frozen``: the parameters with ``requires_grad=False``), ``CONSTANTS``, ``LOSS_KIND``, ``FACTS``, ``OUTLINED``
 (:class:`~graphflop.meta.OutlineInfo`), ``HIERARCHY`` (:class:`~graphflop.meta.Hierarchy`,
 where blocks were outlined; :mod:`graphflop.frontend.hierarchy`) and ``ASSUMPTIONS`` (the routing that sized a
-data-dependent expert dispatch, :mod:`graphflop.frontend.dispatch`).
+data-dependent expert dispatch, :mod:`graphflop.frontend.dispatch`; the modules a training-mode
+model left in eval mode, :func:`modules_in_eval`).
 
 Every name other modules import from here stays importable here: :func:`trace`,
 :class:`TraceError`, :func:`from_exported`, :func:`decomposition_table`, :func:`loss_value`,
@@ -58,6 +59,7 @@ from graphflop.frontend.errors import (
     TraceError,
     find_cause,
     first_line,
+    library_logs_quiet,
     quiet_loggers,
 )
 from graphflop.frontend.export_form import from_exported, from_make_fx
@@ -198,7 +200,13 @@ def _trace_in(
         # FakeTensorMode logs a traceback before re-raising a kernel's error (a shape mismatch
         # in the model); the error itself becomes graphflop's one-line TraceError
         quiet = quiet_loggers("torch._subclasses.fake_tensor")
-        with _state_kept(model), quiet, traced_by_libraries(), _meta_attributes(model, fake_mode):
+        with (
+            _state_kept(model),
+            quiet,
+            library_logs_quiet(),
+            traced_by_libraries(),
+            _meta_attributes(model, fake_mode),
+        ):
             gm = _without_cache(configs, lambda: _trace(model, tensors, loss, fake_mode, reuse))
     _check_matmul_dtypes(gm)
     return gm
@@ -484,6 +492,9 @@ def _trace_once(
         calls=copies, traced_once=len(templates), in_full=_in_full(model, skipped)
     )
     out.meta[ASSUMPTIONS] = tuple(dispatch.lines) + ((chosen["line"],) if "line" in chosen else ())
+    in_eval = modules_in_eval(model)
+    if in_eval:
+        out.meta[ASSUMPTIONS] += (_in_eval_line(in_eval),)
     written = out.meta[SIGNATURE].params_written
     if written:
         out.meta[ASSUMPTIONS] += (_written_line(written),)
@@ -536,6 +547,29 @@ def _reemit(caught: list[warnings.WarningMessage]) -> None:
             continue
         seen.add(key)
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def modules_in_eval(model: nn.Module) -> list[str]:
+    """The paths of the modules in eval mode in a model whose root is in training mode
+    (outermost ones only: ``layers.2``, not also ``layers.2.bn``); none for a root in eval
+    mode (then the whole analysis is of eval mode)."""
+    if not model.training:
+        return []
+    kept: list[str] = []
+    for name, m in model.named_modules():
+        if not m.training and not any(name.startswith(k + ".") for k in kept):
+            kept.append(name)
+    return kept
+
+
+def _in_eval_line(paths: list[str]) -> str:
+    """The report's line for the modules a training-mode analysis found in eval mode."""
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return (
+        f"{shown} in eval mode, as the model left {'it' if len(paths) == 1 else 'them'} (its "
+        "constructor or its train()): no dropout there, batch norm on running statistics "
+        "(--eval puts every module in eval mode)"
+    )
 
 
 def _written_line(names: tuple[str, ...]) -> str:

@@ -10,7 +10,7 @@ exact zero). ``cummax`` and ``cummin`` are 1 comparison per element, their value
 input tangent gathered at the returned indices.
 ``logcumsumexp`` is 5 FLOPs per element, 2 of them transcendental (each step is PyTorch's
 ``log_add_exp(acc, x) = max + log1p(exp(min − max))``: a comparison, a subtract, exp, log1p, an
-add). Sorting and selection (topk, sort, kthvalue) are in :mod:`graphflop.ops.sorting`.
+add). Sorting and selection (topk, sort, kthvalue, median) are in :mod:`graphflop.ops.sorting`.
 ``histc`` (mixture-of-experts layers count the tokens each expert receives with it) is 1 per
 input element, the increment of its bin (the bin's index is address arithmetic, as in indexing,
 not counted); its counts are piecewise constant in the input: a zero derivative. ``nonzero``

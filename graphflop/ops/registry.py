@@ -134,7 +134,7 @@ def op_name(op: Any) -> str:
 _FAMILY_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("conv",), "conv"),
     (("fft", "view_as_real", "view_as_complex", "conj", "complex"), "spectral"),
-    (("sort", "topk", "kthvalue"), "sorting"),
+    (("sort", "topk", "kthvalue", "median"), "sorting"),
     (("lstm", "gru", "rnn"), "recurrent"),
     (("embedding",), "embedding"),
     (("svd", "solve", "linalg", "cholesky", "qr", "eig", "inverse", "det"), "linalg"),

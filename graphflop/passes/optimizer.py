@@ -13,8 +13,11 @@ Adam      ``m = β1·m + (1-β1)·g`` (3), ``v = β2·v + (1-β2)·g·g`` (4),  
           ``w - lr·m̂ / (√v̂ + ε)`` (5) — Kingma & Ba (2015), Algorithm 1,
           counted as seed A, Appendix B: the bias corrections are
           evaluated per element, as the formula is written
-AdamW     Adam + decoupled weight decay ``w - lr·λ·w`` (2)               20
+AdamW     Adam + decoupled weight decay ``w - w·(lr·λ)`` (2)             20
 ========  ==========================================================  =====
+
+AdamW's ``lr·λ`` is one 0-dim product made once per update graph and read by every
+parameter's decay: 1 FLOP beside the per-element counts (``20·P + 1`` for ``P`` elements).
 
 The counts do not depend on the batch size: gradients arrive already summed over the batch.
 
@@ -63,10 +66,11 @@ from graphflop.passes.step_calls import BlockParams, nodes_after, slot_name
 
 aten = torch.ops.aten
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-#: FLOPs per parameter element of each update (docs/flops_conventions.md)
 #: node.meta key on update placeholders: ``param``, ``grad``, a state kind, ``lr`` or ``step``
 SLOT = SLOT
 
+#: FLOPs per parameter element of each update (docs/flops_conventions.md); AdamW's update
+#: adds 1 once (``lr·λ``)
 FLOPS_PER_ELEMENT = {"sgd": 2, "momentum": 4, "adam": 18, "adamw": 20}
 #: optimizer-state tensors kept per parameter, each the parameter's size and dtype
 STATE_KINDS = {
