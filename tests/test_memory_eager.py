@@ -206,6 +206,16 @@ CASES = {
         (4, 16),
         932,
     ),
+    # hardtanh_ (relu6_ alike) and threshold_ save self as the out-of-place forms do
+    # (HardtanhBackward0, ThresholdBackward1 keep the input's value from before the write):
+    # 1444 B, in place or not
+    "hardtanh_in_place": (lambda: _between_linears(nn.Hardtanh(inplace=True)), (4, 16), 1444),
+    "relu6_in_place": (lambda: _between_linears(nn.ReLU6(inplace=True)), (4, 16), 1444),
+    "threshold_in_place": (
+        lambda: _between_linears(nn.Threshold(0.1, 20.0, inplace=True)),
+        (4, 16),
+        1444,
+    ),
     # on a 3-D input the Linear's output is a view of its addmm's (the activation writes into
     # the view): x 2·2·16·4 = 256 + the activation's input 2·2·32·4 = 512 + its output 512
     # (the second Linear's input) = 1280 B out of place; in place the output only, 768 B (the
