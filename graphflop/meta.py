@@ -35,7 +35,8 @@ Node keys (``node.meta``)
                          bounds it, written by :mod:`graphflop.passes.step_time`.
     :data:`INPLACE`      on forward nodes the model computed with an in-place op (``relu_``,
                          ``add_``, a function called with ``inplace=True``), which the trace
-                         made functional: True. Eager PyTorch writes such a node's output
+                         made functional: True (on a view, the op's node, not the view
+                         functionalization takes again). Eager PyTorch writes such a node's output
                          into its first input's storage (:mod:`graphflop.passes.step_time`
                          times it so).
     :data:`NO_GRAD`      on forward nodes the model made with grad mode off (``torch.no_grad``,

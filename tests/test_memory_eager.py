@@ -196,6 +196,42 @@ CASES = {
     "selu": (lambda: _between_linears(nn.SELU()), (4, 16), 1444),
     "elu_in_place": (lambda: _between_linears(nn.ELU(inplace=True)), (4, 16), 932),
     "celu_in_place": (lambda: _between_linears(nn.CELU(inplace=True)), (4, 16), 932),
+    # selu_ is elu_(self, alpha, scale) in eager (EluBackward1): the output, 932 B
+    "selu_in_place": (lambda: _between_linears(nn.SELU(inplace=True)), (4, 16), 932),
+    # leaky_relu saves its input (LeakyReluBackward0), leaky_relu_ its result
+    # (LeakyReluBackward1): 1444 and 932 B as above
+    "leaky_relu": (lambda: _between_linears(nn.LeakyReLU(0.1)), (4, 16), 1444),
+    "leaky_relu_in_place": (
+        lambda: _between_linears(nn.LeakyReLU(0.1, inplace=True)),
+        (4, 16),
+        932,
+    ),
+    # hardtanh_ (relu6_ alike) and threshold_ save self as the out-of-place forms do
+    # (HardtanhBackward0, ThresholdBackward1 keep the input's value from before the write):
+    # 1444 B, in place or not
+    "hardtanh_in_place": (lambda: _between_linears(nn.Hardtanh(inplace=True)), (4, 16), 1444),
+    "relu6_in_place": (lambda: _between_linears(nn.ReLU6(inplace=True)), (4, 16), 1444),
+    "threshold_in_place": (
+        lambda: _between_linears(nn.Threshold(0.1, 20.0, inplace=True)),
+        (4, 16),
+        1444,
+    ),
+    # on a 3-D input the Linear's output is a view of its addmm's (the activation writes into
+    # the view): x 2·2·16·4 = 256 + the activation's input 2·2·32·4 = 512 + its output 512
+    # (the second Linear's input) = 1280 B out of place; in place the output only, 768 B (the
+    # sum over the 3-D output saves nothing)
+    **{
+        f"{name}_in_place_view": (lambda a=act: _between_linears(a(inplace=True)), (2, 2, 16), 768)
+        for name, act in (
+            ("elu", nn.ELU),
+            ("celu", nn.CELU),
+            ("selu", nn.SELU),
+            ("leaky_relu", nn.LeakyReLU),
+            ("relu", nn.ReLU),
+        )
+    },
+    "elu_view": (lambda: _between_linears(nn.ELU()), (2, 2, 16), 1280),
+    "leaky_relu_view": (lambda: _between_linears(nn.LeakyReLU()), (2, 2, 16), 1280),
     # logsumexp_backward(grad, self, result, ...): x 256 + self 512 + the result 4·1·4 = 16,
     # the subtraction saves nothing, its output 512 (the second Linear's input) + 164
     "logsumexp": (
@@ -239,6 +275,32 @@ def test_saved_bytes_equal_eager_autograd(case: str) -> None:
     assert measured == by_hand
     assert a.report.memory.saved_for_backward_bytes == measured
     assert a.report.memory.memory_model == "eager"
+
+
+@pytest.mark.parametrize("shape", [(4, 16), (2, 2, 16)])
+@pytest.mark.parametrize("act", [nn.ELU, nn.CELU, nn.SELU, nn.LeakyReLU, nn.ReLU, nn.Hardtanh])
+def test_in_place_activations_count_the_flops_of_their_out_of_place_forms(act, shape) -> None:
+    # in place or not, the same arithmetic (selu_ traced as eager runs it, elu_ with SELU's
+    # scale; on a view, the op tagged in place rather than the view functionalization retakes)
+    totals = []
+    for inplace in (False, True):
+        torch.manual_seed(0)
+        model, x = _between_linears(act(inplace=inplace)), torch.randn(*shape)
+        t = analyze(model, (x,)).report.totals
+        assert t.backward is not None and t.jvp is not None
+        totals.append((t.forward.flops, t.backward.flops, t.jvp.flops))
+    assert totals[1] == totals[0]
+
+
+def test_rrelu_in_place_traces_as_its_out_of_place_form() -> None:
+    # rrelu_ (CompositeImplicitAutograd, refused by functionalization) traced as eager runs it,
+    # rrelu_with_noise_ with a new noise tensor: the same FLOPs as nn.RReLU()
+    flops = []
+    for inplace in (False, True):
+        torch.manual_seed(0)
+        model, x = _between_linears(nn.RReLU(inplace=inplace)), torch.randn(4, 16)
+        flops.append(analyze(model, (x,), jvp=False).report.totals.forward.flops)
+    assert flops[1] == flops[0]
 
 
 def test_graph_model_counts_graphflops_own_residuals() -> None:

@@ -224,6 +224,42 @@ MODELS = {
         def example_inputs():
             return (torch.randn(5, 6),)
         """,
+    # in-place activations between two Linears, the second on a 3-D input (the activation
+    # writes into a view of the Linear's output): SELU(inplace=True) failed to trace (selu_,
+    # a CompositeImplicitAutograd op, is refused by functionalization; traced as elu_)
+    "activations_inplace": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Sequential(
+                    nn.Linear(16, 32), nn.SELU(inplace=True), nn.Linear(32, 32),
+                    nn.LeakyReLU(0.1, inplace=True), nn.Linear(32, 32),
+                    nn.ELU(0.7, inplace=True), nn.Linear(32, 32), nn.CELU(0.5, inplace=True),
+                    nn.Linear(32, 8),
+                )
+
+            def forward(self, x):
+                return self.net(x)
+
+        def example_inputs():
+            return (torch.randn(4, 16),)
+        """,
+    "activations_inplace_on_views": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Sequential(
+                    nn.Linear(16, 32), nn.SELU(inplace=True), nn.Linear(32, 32),
+                    nn.LeakyReLU(0.1, inplace=True), nn.Linear(32, 32),
+                    nn.ELU(0.7, inplace=True), nn.Linear(32, 8),
+                )
+
+            def forward(self, x):
+                return self.net(x)
+
+        def example_inputs():
+            return (torch.randn(2, 3, 16),)
+        """,
     # x.requires_grad_() in forward (a tester's: torch.func refuses it, both checks NOT RUN)
     "requires_grad_inside": """
         class M(nn.Module):
@@ -272,6 +308,8 @@ def _verify(spec: str, capsys, monkeypatch, *extra: str) -> tuple[int, dict, lis
         ("math_ops", []),
         ("requires_grad_inside", []),
         ("exact_zeros", []),
+        ("activations_inplace", []),
+        ("activations_inplace_on_views", []),
     ],
 )
 def test_verify_passes_where_it_used_to_fail(name, extra, tmp_path, capsys, monkeypatch):

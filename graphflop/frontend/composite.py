@@ -6,7 +6,8 @@ composite op was decomposed into (:func:`tagged_decompositions`).
 Writes :data:`~graphflop.meta.COMPOSITE` on the nodes of the decompositions of the ops in
 :data:`EAGER_SAVES`, and on the nodes of an attention call PyTorch would run with its fused CPU
 kernel (:data:`FUSED_SDPA`, :func:`fused_on_cpu`); :data:`~graphflop.meta.INPLACE` on the node
-of each in-place call the model makes (:func:`in_place_call`); an in-place call or a setitem
+of each in-place call the model makes (:func:`in_place_call`; ``selu_`` and ``rrelu_``, which
+functionalization refuses, traced as the in-place ops eager runs for them); an in-place call or a setitem
 made with grad mode off (or into a view of a ``detach()``, :func:`graphflop.frontend.regions.detached_write`)
 goes through :func:`graphflop.frontend.regions.no_grad_write`, which writes
 :data:`~graphflop.meta.NO_GRAD_WRITE`.
@@ -28,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.frontend.regions import detached_write, new_nodes, no_grad_write
 from graphflop.meta import COMPOSITE, INPLACE, CompositeTag, traced_node
+from graphflop.ops import has_rule, lookup
 from graphflop.ops.attention import sdpa
 
 aten = torch.ops.aten
@@ -146,13 +148,70 @@ class CompositeOps(TorchFunctionMode):
 
     @staticmethod
     def _in_place(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        func, args, kwargs = _traceable_in_place(func, args, kwargs)
         target = args[0] if args else None
         with detached_write(target), no_grad_write(target), new_nodes() as made:
             out = func(*args, **kwargs)
         node = traced_node(out)
+        # on a view, functionalization computes the op out of place, writes the result into
+        # the base and takes the view again (view nodes after the op's): the op's node is the
+        # one those views start from (an in-place view op, ``t_``, keeps its own node)
+        op = node
+        while op in made and _is_view(op) and op.args and isinstance(op.args[0], torch.fx.Node):
+            op = op.args[0]
+        if op is not node and op in made and not _is_view(op):
+            node = op
         if node is not None and node.op == "call_function" and node in made:
             node.meta[INPLACE] = True
         return out
+
+
+def _is_view(n: torch.fx.Node) -> bool:
+    """Whether ``n`` calls an op whose rule says its output is a view of its input."""
+    return n.op == "call_function" and has_rule(n.target) and lookup(n.target).bytes == "view"
+
+
+#: ``selu_`` as eager runs it (a CompositeImplicitAutograd op, ``elu_(self, alpha, scale)``,
+#: which functionalization refuses whole): SELU's constants
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def _selu_(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.ops.aten.elu_.default(x, _SELU_ALPHA, _SELU_SCALE)
+
+
+def _rrelu_(
+    x: torch.Tensor,
+    lower: float = 1.0 / 8,
+    upper: float = 1.0 / 3,
+    training: bool = False,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``rrelu_`` as eager runs it: ``rrelu_with_noise_`` with a new noise tensor."""
+    lower, upper = kwargs.get("lower", lower), kwargs.get("upper", upper)
+    training = kwargs.get("training", training)
+    noise = torch.empty_like(x)
+    return torch.ops.aten.rrelu_with_noise_(x, noise, lower, upper, training)
+
+
+#: in-place functions functionalization cannot trace (CompositeImplicitAutograd in-place ops
+#: whose output aliases the input) -> the in-place op eager's decomposition runs
+_IN_PLACE_AS: dict[Any, Callable[..., Any]] = {
+    F.selu: _selu_,
+    torch.selu_: _selu_,
+    F.rrelu: _rrelu_,
+    torch.rrelu_: _rrelu_,
+}
+
+
+def _traceable_in_place(
+    func: Any, args: Any, kwargs: dict[str, Any]
+) -> tuple[Any, Any, dict[str, Any]]:
+    """``(func, args, kwargs)``, or the in-place op eager's decomposition of ``func`` runs
+    (:data:`_IN_PLACE_AS`) with the same arguments."""
+    as_run = _IN_PLACE_AS.get(func)
+    return (func, args, kwargs) if as_run is None else (as_run, args, kwargs)
 
 
 #: the functions whose ``max_norm`` renormalizes the weight rows they read, in place
@@ -260,7 +319,8 @@ TAGGED_WHEN: dict[str, Callable[..., bool]] = {
 #: What autograd saves for the in-place form of an op of :data:`EAGER_SAVES` where it differs
 #: (a region with a node tagged :data:`~graphflop.meta.INPLACE`): ``elu_``'s and ``celu_``'s
 #: ``elu_backward(..., /* is_result */ true, result)`` save the output, the out-of-place forms
-#: the input (EluBackward1 and CeluBackward1 against EluBackward0 and CeluBackward0)
+#: the input (EluBackward1 and CeluBackward1 against EluBackward0 and CeluBackward0); ``selu_``
+#: runs ``elu_`` (traced so, :data:`_IN_PLACE_AS`)
 EAGER_SAVES_IN_PLACE: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "aten.elu.default": ((), (0,)),
     "aten.celu.default": ((), (0,)),

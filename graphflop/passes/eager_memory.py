@@ -14,7 +14,9 @@ gather, kept whole; reflection and replication padding, decomposed into an index
 constants and found by their tags) keep them until their backward has run
 (:attr:`EagerResiduals.held`; max pooling its input and indices, as two storages), and their
 backward is one kernel too. A division's quotient, which graphflop's rule reads, stands for the
-dividend eager saves (:data:`RESULT_AS_INPUT`). Attention PyTorch runs with its fused kernel
+dividend eager saves (:data:`RESULT_AS_INPUT`); the output of an op the model ran in place stands
+for the input graphflop's rule reads where the in-place form's formula saves the result
+(:data:`INPUT_AS_RESULT_IN_PLACE`: ``leaky_relu_``). Attention PyTorch runs with its fused kernel
 saves q, k, v, its output, the mask and a logsumexp, and makes no scores or probabilities in
 forward or backward (:mod:`graphflop.passes.eager_attention`). Each composite op's forward and
 backward (and each convolution's backward) run as the one kernel eager runs: the decomposition's
@@ -131,6 +133,17 @@ RESULT_AS_INPUT: dict[Any, int] = {
     # rule computes the same cotangent from the quotient (-ct·out/other, one division fewer)
     aten.div.Tensor: 0,
 }
+#: Plain ATen ops whose rule reads an input where eager's derivative formula for the in-place
+#: form saves the result (a node tagged :data:`~graphflop.meta.INPLACE`): op -> the argument
+#: position of that input. The output, which the model's next op reads anyway, stands for the
+#: input read by the op's own backward nodes (:attr:`EagerForward.input_as`). From
+#: ``tools/autograd/derivatives.yaml``, the bytes measured with
+#: ``torch.autograd.graph.saved_tensors_hooks`` (``tests/test_memory_eager.py``).
+INPUT_AS_RESULT_IN_PLACE: dict[Any, int] = {
+    # leaky_relu_'s ``self: leaky_relu_backward(grad, result, negative_slope, true)``
+    # (LeakyReluBackward1); leaky_relu's saves self (LeakyReluBackward0)
+    aten.leaky_relu.default: 0,
+}
 _NOT_ACTIVATIONS = (None, "param", "buffer", "param_derived")
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
@@ -233,6 +246,9 @@ class EagerForward:
             of a decomposed one's region (reflection and replication padding).
         result_as: forward node name of a plain ATen op of :data:`RESULT_AS_INPUT` -> the
             forward node name of the input eager saves where graphflop's rule reads the output.
+        input_as: forward node name of a plain ATen op of :data:`INPUT_AS_RESULT_IN_PLACE` the
+            model ran in place -> the forward node name of the input graphflop's rule reads
+            where eager saves the op's output.
     """
 
     saves: dict[str, list[str]]
@@ -242,16 +258,20 @@ class EagerForward:
     attention: FusedAttention
     held: dict[str, list[str]] = field(default_factory=dict)
     result_as: dict[str, str] = field(default_factory=dict)
+    input_as: dict[str, str] = field(default_factory=dict)
 
     def stands_for(self, residual: str, reader: str) -> list[str]:
         """The forward node names eager keeps for forward value ``residual`` read by a backward
         node made by forward node ``reader``'s rule: what the composite op ``reader`` belongs
         to saves (:data:`~graphflop.frontend.composite.EAGER_SAVES`), the input a
-        :data:`RESULT_AS_INPUT` op's own output stands for, or ``residual`` itself."""
+        :data:`RESULT_AS_INPUT` op's own output stands for, the output an in-place
+        :data:`INPUT_AS_RESULT_IN_PLACE` op's input stands for, or ``residual`` itself."""
         if reader in self.saves:
             return self.saves[reader]
         if reader == residual and reader in self.result_as:
             return [self.result_as[reader]]
+        if self.input_as.get(reader) == residual:
+            return [reader]
         return [residual]
 
 
@@ -312,7 +332,17 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
         and CHECKPOINT not in n.meta  # (eager saves the region's inputs only, as aten_saves)
         and isinstance(a := n.args[RESULT_AS_INPUT[n.target]], Node)
     }
-    return EagerForward(saves, sizes, kernels, reads, attention, held, result_as)
+    input_as = {
+        n.name: a.name
+        for n in forward.graph.nodes
+        if n.op == "call_function"
+        and n.target in INPUT_AS_RESULT_IN_PLACE
+        and n.meta.get(INPLACE)
+        and COMPOSITE not in n.meta
+        and CHECKPOINT not in n.meta
+        and isinstance(a := n.args[INPUT_AS_RESULT_IN_PLACE[n.target]], Node)
+    }
+    return EagerForward(saves, sizes, kernels, reads, attention, held, result_as, input_as)
 
 
 def aten_saves(forward: GraphModule) -> dict[str, list[str]]:
