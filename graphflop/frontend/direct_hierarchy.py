@@ -42,7 +42,13 @@ from torch.fx.node import map_arg
 
 from graphflop.ad.builder import base_name, copy_node, emit_named, take_names
 from graphflop.frontend.composite import getitem_tag
-from graphflop.frontend.export_form import _frozen, _kept, may_be_param_derived, placeholders
+from graphflop.frontend.export_form import (
+    _frozen,
+    _kept,
+    may_be_param_derived,
+    placeholders,
+    tag_node,
+)
 from graphflop.frontend.outline import MARK, _stack_path
 from graphflop.frontend.scopes import module_path
 from graphflop.meta import (
@@ -57,7 +63,6 @@ from graphflop.meta import (
     LEAF,
     LOSS_KIND,
     MODULE,
-    PARAM,
     PARAM_DERIVED,
     ROLE,
     SIGNATURE,
@@ -330,7 +335,7 @@ def _build(
     param_names = dict(sig_params)
     top: list[Any] = []
     for n in g.nodes:  # the placeholders, tagged as _tag_nodes tags them
-        _tag(n, n.name, "", n.name in fixed, param_names)
+        tag_node(n, n.name, "", n.name in fixed, param_names)
         top.append(n)
     outs = d.assemble(g, env, sites, top)
     has_loss = loss_kind != "none"
@@ -513,13 +518,13 @@ class _Direct:
             elif n in self.live:
                 new = env[n] = copy_node(g, n, env.__getitem__)
                 self.flat_name[new] = n.name
-                _tag(new, n.name, module_path(n, wrapped=True), False, {})
+                tag_node(new, n.name, module_path(n, wrapped=True), False, {})
                 top.append(new)
                 self.complete(n, new, g, top)
         out_node = next(n for n in reversed(self.old.nodes) if n.op == "output")
         outs = [env[a] for a in cast(list, out_node.args[0])]
         output = g.output(tuple(outs))
-        _tag(output, "output", module_path(output, wrapped=True), False, {})
+        tag_node(output, "output", module_path(output, wrapped=True), False, {})
         top.append(output)
         return outs
 
@@ -544,7 +549,7 @@ class _Direct:
                 meta[COMPOSITE] = tag
             item.meta = meta
             self.flat_name[item] = name
-            _tag(item, name, module_path(item, wrapped=True), False, {})
+            tag_node(item, name, module_path(item, wrapped=True), False, {})
             top.append(item)
 
     def completions(self, call: Node, site: int) -> None:
@@ -596,29 +601,6 @@ def _full_path(called: nn.Module | None, site: str, rel: str, paths: dict) -> st
         return paths.get(id(called.get_submodule(rel)), f"{site}.{rel}")
     except AttributeError:
         return f"{site}.{rel}"
-
-
-def _tag(n: Node, source: str, path: str, fixed: bool, param_names: dict) -> None:
-    """:func:`~graphflop.frontend.export_form._tag_nodes`'s annotations on ``n`` (the flat
-    graph's node ``source``; ``fixed``: a placeholder of a parameter, buffer or constant)."""
-    meta = n.meta
-    meta[KIND] = "primal"
-    meta[SOURCE] = source
-    if n.op == "placeholder":
-        meta[MODULE] = ""
-        meta[ROLE] = "forward"
-        meta[PARAM_DERIVED] = fixed
-        if n.name in param_names:
-            meta[PARAM] = param_names[n.name]
-        return
-    meta[MODULE] = path
-    meta[ROLE] = "loss" if path == "loss" else "forward"
-    if n.op == "call_function":
-        meta[PARAM_DERIVED] = may_be_param_derived(n) and all(
-            a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes
-        )
-    else:
-        meta[PARAM_DERIVED] = False
 
 
 class _NamespaceCopy:

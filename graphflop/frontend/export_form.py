@@ -186,33 +186,42 @@ def may_be_param_derived(n: torch.fx.Node) -> bool:
 
 def _tag_nodes(gm: GraphModule, sig: Signature, wrapped: bool = True) -> None:
     """Write ``KIND``, ``SOURCE``, ``MODULE``, ``ROLE``, ``PARAM_DERIVED`` (and ``PARAM``) on
-    every node."""
+    every node (:func:`tag_node`)."""
     param_names = dict(sig.params)
     constants = set(param_names) | {n for n, _ in sig.buffers}
     for n in gm.graph.nodes:
-        n.meta[KIND] = "primal"
-        n.meta[SOURCE] = n.name
-        if n.op == "placeholder":
-            n.meta[MODULE] = ""
-            n.meta[ROLE] = "forward"
-            n.meta[PARAM_DERIVED] = n.name in constants
-            if n.name in param_names:
-                n.meta[PARAM] = param_names[n.name]
-            continue
-        path = module_path(n, wrapped)
-        n.meta[MODULE] = path
-        n.meta[ROLE] = "loss" if path == "loss" else "forward"
-        if n.op == "call_function":
-            # computed from parameters, buffers and constants only (an embedding lookup at the
-            # model's token ids is not; one at arange positions is); a value the model made a
-            # leaf that requires grad is a source of derivatives of its own, as an input; a
-            # random draw (timm's DropPath mask, bernoulli_ of an empty tensor) is new each
-            # step, no constant: eager autograd saves it as an activation
-            n.meta[PARAM_DERIVED] = may_be_param_derived(n) and all(
-                a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes
-            )
-        else:
-            n.meta[PARAM_DERIVED] = False
+        path = "" if n.op == "placeholder" else module_path(n, wrapped)
+        tag_node(n, n.name, path, n.name in constants, param_names)
+
+
+def tag_node(
+    n: torch.fx.Node, source: str, path: str, fixed: bool, param_names: dict[str, str]
+) -> None:
+    """The flat form's annotations on ``n``, the node ``source`` of the flat graph in module
+    ``path``: ``KIND`` primal, ``SOURCE``, ``MODULE``, ``ROLE`` (``loss`` in the loss's module),
+    ``PARAM_DERIVED`` (a placeholder: ``fixed``, a parameter, buffer or constant; an op: its
+    inputs all are, :func:`may_be_param_derived`) and, for a parameter's placeholder (named in
+    ``param_names``), ``PARAM``. The one tagging of :func:`_tag_nodes` and of the direct
+    hierarchy's nodes (:mod:`graphflop.frontend.direct_hierarchy`)."""
+    meta = n.meta
+    meta[KIND] = "primal"
+    meta[SOURCE] = source
+    if n.op == "placeholder":
+        meta[MODULE] = ""
+        meta[ROLE] = "forward"
+        meta[PARAM_DERIVED] = fixed
+        if n.name in param_names:
+            meta[PARAM] = param_names[n.name]
+        return
+    meta[MODULE] = path
+    meta[ROLE] = "loss" if path == "loss" else "forward"
+    # an op computed from parameters, buffers and constants only (an embedding lookup at the
+    # model's token ids is not; one at arange positions is)
+    meta[PARAM_DERIVED] = (
+        n.op == "call_function"
+        and may_be_param_derived(n)
+        and all(a.meta.get(PARAM_DERIVED, False) for a in n.all_input_nodes)
+    )
 
 
 def from_make_fx(
