@@ -551,6 +551,9 @@ class CompositeTag:
         inputs: ``(i, k)`` pairs: this node's ``all_input_nodes[i]`` is the op's input ``k``.
         inner: the tag the node had as part of a composite op the outer one decomposed into
             (the softmax inside attention), or None.
+        outputs: ``(numel, dtype)`` of each of the op's outputs as the decomposition made them
+            (empty where unknown): what an output the graph dropped (nothing in the forward
+            reads it) would have been.
     """
 
     op: str
@@ -558,6 +561,7 @@ class CompositeTag:
     output: int | None
     inputs: tuple[tuple[int, int], ...]
     inner: CompositeTag | None = None
+    outputs: tuple[tuple[int, torch.dtype], ...] = ()
 
 
 #: what bounds a node's predicted time (:class:`NodeTime`)

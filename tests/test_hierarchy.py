@@ -1528,3 +1528,30 @@ def test_block_called_under_inference_mode_is_traced_in_full(monkeypatch):
     assert hier.outlined.calls == 3
     assert hier.outlined.in_full == ("_NormBlock ×1 (blocks.2): called under inference mode",)
     assert hier.report.to_dict() == flat.report.to_dict()
+
+
+class LnBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.out(torch.relu(self.fc(self.ln(x))))
+
+
+def test_layer_norm_blocks_in_bfloat16_hierarchical_equals_flat():
+    # in bfloat16 layer norm's mean and rstd are dropped from the graph (casts nothing reads)
+    # but saved by eager (eager_memory._dropped_saves): composed per block as flat
+    torch.manual_seed(0)
+    model = nn.Sequential(*(LnBlock() for _ in range(3))).to(torch.bfloat16)
+    x = torch.randn(2, 4, 16, dtype=torch.bfloat16)
+    a = analyze(model, (x,), name="ln_blocks_bf16")
+    h = _check(a)
+    assert h is not None and len(h.sites) == 3
+    # per block: x 2·4·16·2 = 256 (layer norm's input) + mean, rstd 8·2 each + fc's input 256
+    # + relu's output 256 (out's input; relu saves its result, the same): 800; 3 · 800
+    from graphflop.runtime.memory_probe import measure_saved
+
+    assert a.report.memory.saved_for_backward_bytes == 2400 == measure_saved(model, (x,))

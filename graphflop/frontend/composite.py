@@ -487,6 +487,13 @@ def _tag(name: str, region: int, new: list, args: tuple, result: Any, tracer: An
             inputs.setdefault(node, k)
     outputs: dict = {}
     inner = set(new)
+    # (numel, dtype) of each output, for an output the graph may drop (CompositeTag.outputs)
+    made = tuple(
+        (t.numel(), t.dtype)
+        if isinstance(t, torch.Tensor) and isinstance(t.numel(), int)
+        else (0, torch.float32)
+        for t in tree_flatten(result)[0]
+    )
     for k, t in enumerate(tree_flatten(result)[0]):
         node = traced_node(t, tracer)
         # an output that is a view of an inner node (batch norm's squeezed mean) names that
@@ -498,7 +505,7 @@ def _tag(name: str, region: int, new: list, args: tuple, result: Any, tracer: An
     for n in new:
         reads = tuple((i, inputs[a]) for i, a in enumerate(n.all_input_nodes) if a in inputs)
         inner = n.meta.get(COMPOSITE)
-        n.meta[COMPOSITE] = CompositeTag(name, region, outputs.get(n), reads, inner)
+        n.meta[COMPOSITE] = CompositeTag(name, region, outputs.get(n), reads, inner, made)
 
 
 def tag_of(n: torch.fx.Node, inner: bool = False) -> CompositeTag:

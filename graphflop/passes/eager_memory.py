@@ -230,6 +230,136 @@ def _saved_by(region: list[Node]) -> tuple[list[Node], Node | None, Node | None]
     return saved, out0, mask
 
 
+#: composite ops whose statistics outputs eager's CUDA kernels make in float32 for a 16-bit
+#: input (``layer_norm_cuda``, ``batch_norm_cuda`` and cuDNN's: the accumulate type); their
+#: CPU kernels (and ``native_group_norm`` on either) make them in the input's dtype, as
+#: PyTorch's decompositions do, but where the weight is float32 and the input 16-bit
+#: (``param_scalar_type``'s mixed type: :data:`MIXED_STATS`)
+FLOAT_STATS_ON_CUDA = frozenset(
+    {
+        "aten.native_layer_norm.default",
+        "aten.native_batch_norm.default",
+        "aten._native_batch_norm_legit.default",
+        "aten._native_batch_norm_legit.no_stats",
+        "aten._native_batch_norm_legit_functional.default",
+    }
+)
+
+#: composite ops whose statistics are float32 where the input is 16-bit and the weight float32
+#: (``layer_norm_cpu``'s, ``native_group_norm``'s and ``batch_norm_cpu``'s
+#: ``param_scalar_type(input, mixed_type)``):
+#: op -> the weight's argument position
+MIXED_STATS = {
+    "aten.native_layer_norm.default": 2,
+    "aten.native_group_norm.default": 1,
+    # batch_norm_cpu's save_mean and save_invstd alike
+    **{k: 1 for k in EAGER_SAVES if "batch_norm" in k},
+}
+
+
+def _input_dtype(region: list[Node], k: int) -> torch.dtype | None:
+    """The dtype of the composite op's input ``k`` (None where no node of ``region`` reads
+    it, or it has no tensor value)."""
+    for n in region:
+        for i, kk in n.meta[COMPOSITE].inputs:
+            v = n.all_input_nodes[i].meta.get("val")
+            if kk == k and isinstance(v, torch.Tensor):
+                return v.dtype
+    return None
+
+
+def _eager_dtype(region: list[Node], dtype: torch.dtype, device: str) -> torch.dtype:
+    """The dtype eager's kernel makes a saved output of the composite op ``region`` is a
+    decomposition of in, where the decomposition makes it in ``dtype``: float32 for a 16-bit
+    one where the weight is float32 (:data:`MIXED_STATS`) or on CUDA
+    (:data:`FLOAT_STATS_ON_CUDA`), else ``dtype``."""
+    if dtype.itemsize >= 4 or not dtype.is_floating_point:
+        return dtype
+    op = region[0].meta[COMPOSITE].op
+    weight = MIXED_STATS.get(op)
+    mixed = weight is not None and _input_dtype(region, weight) == torch.float32
+    if mixed or (device == "cuda" and op in FLOAT_STATS_ON_CUDA):
+        return torch.float32
+    return dtype
+
+
+def _saved_output_sizes(region: list[Node], saved: list[Node], device: str) -> dict[str, int]:
+    """The saved outputs of the composite op (:data:`EAGER_SAVES`) the graph has whose eager
+    dtype differs from the decomposition's (:func:`_eager_dtype`: group norm's statistics in
+    float32 for a bfloat16 input with a float32 weight): node name -> eager's bytes."""
+    _, outs = EAGER_SAVES[region[0].meta[COMPOSITE].op]
+    sizes = {}
+    for n in saved:
+        tag, v = n.meta.get(COMPOSITE), n.meta.get("val")
+        if tag is None or tag.output not in outs or not isinstance(v, torch.Tensor):
+            continue
+        dtype = _eager_dtype(region, v.dtype, device)
+        if dtype != v.dtype:
+            sizes[n.name] = v.numel() * dtype.itemsize
+    return sizes
+
+
+def _kept_whole_stat_sizes(forward: GraphModule, device: str) -> dict[str, int]:
+    """Training-mode batch norm kept whole (:data:`~graphflop.frontend.composite.KEPT_WHOLE`)
+    with a 16-bit input: its mean and inverse std (``getitem`` 1 and 2) in float32 where the
+    weight is float32 (``batch_norm_cpu``'s ``param_scalar_type``) or on CUDA (the accumulate
+    type): node name -> eager's bytes, where they differ from the traced value's."""
+    sizes = {}
+    for n in forward.graph.nodes:
+        if (
+            n.op != "call_function"
+            or n.target is not aten._native_batch_norm_legit_functional.default
+        ):
+            continue
+        x, w = (a.meta.get("val") if isinstance(a, Node) else None for a in n.args[:2])
+        if not isinstance(x, torch.Tensor) or x.dtype.itemsize >= 4:
+            continue
+        if device != "cuda" and not (isinstance(w, torch.Tensor) and w.dtype == torch.float32):
+            continue
+        for u in n.users:
+            v = u.meta.get("val")
+            if u.target is operator.getitem and u.args[1] in (1, 2) and isinstance(v, torch.Tensor):
+                if v.dtype.itemsize < 4:
+                    sizes[u.name] = v.numel() * 4
+    return sizes
+
+
+def _dropped_saves(region: list[Node], device: str) -> tuple[Node, int] | None:
+    """The outputs eager autograd saves for this composite op (:data:`EAGER_SAVES`) that the
+    graph no longer has (nothing in the forward read them: layer norm's mean and rstd in a
+    16-bit dtype, casts of the float32 statistics back to the input's dtype): (an inner node of
+    the decomposition that stands for them, their bytes at eager's dtype), or None where none
+    was dropped. The stand-in, a value of the op's own kernel that holds nothing eagerly
+    (:func:`one_kernel_forward`), is saved in their place: live until the op's backward has
+    run, as eager's statistics are."""
+    tags = {n: n.meta[COMPOSITE] for n in region}
+    tag = tags[region[0]]
+    if tag.op not in EAGER_SAVES or not tag.outputs:
+        return None
+    _, outs = EAGER_SAVES[tag.op]
+    have = {t.output for t in tags.values()}
+    nbytes = 0
+    for k in outs:
+        if k in have or k >= len(tag.outputs):
+            continue
+        numel, dtype = tag.outputs[k]
+        nbytes += numel * _eager_dtype(region, dtype, device).itemsize
+    if not nbytes:
+        return None
+    for n in region:
+        v = n.meta.get("val")
+        target = n.target
+        if (
+            tags[n].output is None
+            and isinstance(v, torch.Tensor)
+            and isinstance(target, torch._ops.OpOverload)
+            and not any(r.alias_info is not None for r in target._schema.returns)
+            and not any(a.alias_info is not None for a in target._schema.arguments)
+        ):
+            return n, nbytes
+    return None
+
+
 @dataclass
 class EagerForward:
     """The forward half of :func:`eager_residuals` (it does not read the backward graph).
@@ -300,6 +430,11 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
             if float_mask and out0 is not None and mask is not None:
                 itemsize = out0.meta["val"].element_size()
                 sizes[mask.name] = mask.meta["val"].numel() * itemsize
+            sizes |= _saved_output_sizes(region, saved, device)
+            dropped = _dropped_saves(region, device)
+            if dropped is not None:
+                saved.append(dropped[0])
+                sizes[dropped[0].name] = dropped[1]
         for n in region:
             saves[n.name] = [m.name for m in saved]
         if op in _ATEN_SAVES_NAMES and CHECKPOINT not in region[0].meta and saved:
@@ -323,6 +458,7 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
         for n in forward.graph.nodes
         if n.op == "call_function" and n.target is aten._native_batch_norm_legit_functional.default
     ]
+    sizes |= _kept_whole_stat_sizes(forward, device)
     result_as = {
         n.name: a.name
         for n in forward.graph.nodes
