@@ -278,7 +278,9 @@ def _adaptive_spread(b, ct, dim: int, n: int, o: int):
     k = b.call(aten.arange.default, width, **idx64)
     pos = b.call(aten.add.Tensor, b.call(aten.unsqueeze.default, start, 1), k)
     spread_shape = list(cs[:dim]) + [o, width] + list(cs[dim + 1 :])
-    vals = b.call(aten.expand.default, b.call(aten.unsqueeze.default, scaled, dim + 1), spread_shape)
+    vals = b.call(
+        aten.expand.default, b.call(aten.unsqueeze.default, scaled, dim + 1), spread_shape
+    )
     if min(lens) != width:
         inside = b.call(aten.lt.Tensor, pos, b.call(aten.unsqueeze.default, end, 1))
         mask = b.call(aten._to_copy.default, inside, dtype=dtype(ct))
