@@ -197,6 +197,8 @@ CASES = {
     # result is the second Linear's input, so 256 + 512 + 512 + 164 = 1444 B
     "rrelu_train": (lambda: _between_linears(nn.RReLU()), (4, 16), 1956),
     "rrelu_train_in_place": (lambda: _between_linears(nn.RReLU(inplace=True)), (4, 16), 1444),
+    # in evaluation rrelu_with_noise_backward saves self and the (unwritten) noise alike: 1956 B
+    "rrelu_eval": (lambda: _between_linears(nn.RReLU()).eval(), (4, 16), 1956),
     # mish, celu, logit save their input too (mish_backward(grad, self), celu's
     # elu_backward(..., self), logit_backward(grad, self, eps)): 1444 B as above (graphflop's
     # backward of the decomposition reads softplus's exp and tanh, celu's mask and expm1,

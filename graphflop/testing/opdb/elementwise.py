@@ -326,6 +326,13 @@ UNARY_MORE = [
         aten=("aten.rrelu_with_noise.default",),
     ),
     OpCase(
+        "rrelu_eval",  # evaluation: leaky ReLU with slope (lower + upper) / 2, no draw
+        lambda: Fn(lambda s, x: F.rrelu(x * s.w, 0.1, 0.3, s.training), {"w": W}).eval(),
+        (X,),
+        flops=24 + 24,  # mul 24; rrelu 24
+        aten=("aten.rrelu_with_noise.default",),
+    ),
+    OpCase(
         "rrelu_train_inplace",  # rrelu_with_noise_, traced functional
         lambda: Fn(
             lambda s, x: F.rrelu(x * s.w, 0.2, 0.2, s.training, inplace=True), {"w": W}
