@@ -181,6 +181,24 @@ CASES = {
     # to 1x1 eager's adaptive_avg_pool2d runs mean, which saves no activation: x 2048 + the
     # pooled values 2·4·4 = 32: 2080 B (the tag is for the uneven windows only)
     "adaptive_avg_pool2d_1x1": (lambda: _adaptive(2, 1), (2, 4, 8, 8), 2080),
+    # 3-D adaptive average pooling (kept whole; _adaptive_avg_pool3d_backward(grad, self)):
+    # x 2·4·6·6·5·4 = 5760 + the first convolution's output 5760 (the pool's self) + the
+    # pooled values 2·4·2·3·3·4 = 576 (the second convolution's input): 12096 B
+    "adaptive_avg_pool3d_uneven": (
+        lambda: nn.Sequential(
+            nn.Conv3d(4, 4, 1), nn.AdaptiveAvgPool3d((2, 3, 3)), nn.Conv3d(4, 4, 1)
+        ),
+        (2, 4, 6, 6, 5),
+        12096,
+    ),
+    # rrelu in training (rrelu_with_noise_backward(grad, self, noise, ...)): x 256 + self
+    # 4·32·4 = 512 + noise 512 + its output 512 (the second Linear's input) + log_softmax 128,
+    # target 32, total_weight 4: 1956 B; rrelu_ saves result and noise (is_result): the
+    # result is the second Linear's input, so 256 + 512 + 512 + 164 = 1444 B
+    "rrelu_train": (lambda: _between_linears(nn.RReLU()), (4, 16), 1956),
+    "rrelu_train_in_place": (lambda: _between_linears(nn.RReLU(inplace=True)), (4, 16), 1444),
+    # in evaluation rrelu_with_noise_backward saves self and the (unwritten) noise alike: 1956 B
+    "rrelu_eval": (lambda: _between_linears(nn.RReLU()).eval(), (4, 16), 1956),
     # mish, celu, logit save their input too (mish_backward(grad, self), celu's
     # elu_backward(..., self), logit_backward(grad, self, eps)): 1444 B as above (graphflop's
     # backward of the decomposition reads softplus's exp and tanh, celu's mask and expm1,
@@ -290,6 +308,24 @@ def test_in_place_activations_count_the_flops_of_their_out_of_place_forms(act, s
         assert t.backward is not None and t.jvp is not None
         totals.append((t.forward.flops, t.backward.flops, t.jvp.flops))
     assert totals[1] == totals[0]
+
+
+def test_rrelu_and_adaptive_avg_pool3d_flops() -> None:
+    # RReLU between Linear(16, 32) and Linear(32, 8) on (4, 16), training: rrelu 1 FLOP per
+    # element, 4·32 = 128, and 128 random numbers drawn (the rest is the Linears' and the
+    # loss's, the same as with LeakyReLU, which also costs 1 per element)
+    def totals(act: nn.Module):
+        torch.manual_seed(0)
+        return analyze(_between_linears(act), (torch.randn(4, 16),), jvp=False).report.totals
+
+    rrelu, leaky = totals(nn.RReLU()), totals(nn.LeakyReLU())
+    assert rrelu.forward.flops == leaky.forward.flops
+    assert rrelu.forward.random_elements - leaky.forward.random_elements == 128
+    # AdaptiveAvgPool3d((2, 3, 3)) on (1, 1, 6, 6, 5): each output element its window's volume,
+    # D 6→2: 3+3, H 6→3: 2+2+2, W 5→3: [0,2) [1,4) [3,5) 2+3+2, so 6·6·7 = 252 FLOPs
+    pool = nn.Sequential(nn.AdaptiveAvgPool3d((2, 3, 3)))
+    t = analyze(pool, (torch.randn(1, 1, 6, 6, 5, requires_grad=True),), jvp=False)
+    assert t.report.totals.forward.flops == 252 + 18  # + the sum loss over the 18 outputs
 
 
 def test_rrelu_in_place_traces_as_its_out_of_place_form() -> None:

@@ -61,6 +61,46 @@ MODELS = {
         def example_inputs():
             return (torch.randn(6, 8),)
         """,
+    "rrelu": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Sequential(nn.Linear(16, 32), nn.RReLU(), nn.Linear(32, 8))
+
+            def forward(self, x):
+                return self.net(x)
+
+        def example_inputs():
+            return (torch.randn(4, 16),)
+        """,
+    "rrelu_inplace": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Sequential(
+                    nn.Linear(16, 32), nn.RReLU(inplace=True), nn.Linear(32, 8)
+                )
+
+            def forward(self, x):
+                return self.net(x)
+
+        def example_inputs():
+            return (torch.randn(4, 16),)
+        """,
+    "adaptive_avg_pool3d": """
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = nn.Sequential(
+                    nn.Conv3d(4, 4, 1), nn.AdaptiveAvgPool3d((2, 3, 3)), nn.Conv3d(4, 4, 1)
+                )
+
+            def forward(self, x):
+                return self.net(x)
+
+        def example_inputs():
+            return (torch.randn(2, 4, 6, 6, 5),)
+        """,
     "noise_then_bernoulli": """
         class M(nn.Module):
             def __init__(self):
@@ -297,6 +337,9 @@ def _verify(spec: str, capsys, monkeypatch, *extra: str) -> tuple[int, dict, lis
         ("dropout", []),
         ("dropout_inplace", []),
         ("noise_then_bernoulli", []),
+        ("rrelu", []),
+        ("rrelu_inplace", []),
+        ("adaptive_avg_pool3d", []),
         ("linear_batchnorm", []),
         ("embedding_padding", []),
         ("multihead_attention", []),

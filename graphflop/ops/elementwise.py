@@ -23,7 +23,8 @@ import math
 
 import torch
 
-from graphflop.ops._common import FULL_PRECISION, bind, dtype, per_output, shape
+from graphflop.meta import NodeCost
+from graphflop.ops._common import FULL_PRECISION, bind, dtype, numel, per_output, shape
 from graphflop.ops.registry import (
     def_jvp,
     def_transpose,
@@ -592,6 +593,50 @@ def _jvp_leaky_relu(b, out, args, tangents, kwargs):
     mask = b.call(aten._to_copy.default, b.call(aten.gt.Scalar, args[0], 0), dtype=dtype(args[0]))
     coef = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, mask, 1.0 - slope), slope)
     return _scale(b, tangents[0], coef)
+
+
+#: randomized leaky ReLU in training: ``rrelu_with_noise`` writes each element's factor into
+#: ``noise`` (a draw from U[lower, upper] where x < 0, 1 elsewhere) and returns x · noise;
+#: ``rrelu_with_noise_functional`` (the traced form of ``rrelu_with_noise_``) returns both
+_RRELU = (aten.rrelu_with_noise.default, aten.rrelu_with_noise_functional.default)
+
+
+def _rrelu_cost(out, x, *args, **kwargs):
+    """1 FLOP per element (the select and product, as ``leaky_relu``), and in training one
+    random number per element drawn (as dropout's mask; PyTorch's CPU kernel draws only where
+    x ≤ 0, a count the shapes cannot give, so every element is counted)."""
+    n = numel(x)
+    training = bind(aten.rrelu_with_noise.default, (x, *args), kwargs).training
+    return NodeCost(flops=n, random_elements=n if training else 0)
+
+
+def _jvp_rrelu(op):
+    """d rrelu(x) = dx · noise in training (derivatives.yaml's ``rrelu_with_noise_backward``),
+    the noise written by the op (output 1 of the functional form); in evaluation it is
+    ``leaky_relu`` with slope (lower + upper) / 2. The noise carries no tangent."""
+
+    def jvp(b, out, args, tangents, kwargs):
+        if tangents[0] is None:
+            return None
+        a = bind(op, args, kwargs)
+        functional = op is aten.rrelu_with_noise_functional.default
+        if a.training:
+            noise = b.getitem(out, 1) if functional else a.noise
+            t = _scale(b, tangents[0], noise)
+        else:
+            slope = (a.lower + a.upper) / 2
+            x = a.self
+            mask = b.call(aten._to_copy.default, b.call(aten.gt.Scalar, x, 0), dtype=dtype(x))
+            coef = b.call(aten.add.Tensor, b.call(aten.mul.Tensor, mask, 1.0 - slope), slope)
+            t = _scale(b, tangents[0], coef)
+        return (t, None) if functional else t
+
+    return jvp
+
+
+for _op in _RRELU:
+    register(_op, F, _rrelu_cost)
+    def_jvp(_op)(_jvp_rrelu(_op))
 
 
 def _clamp_bounds(op, args, kwargs):

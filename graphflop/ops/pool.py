@@ -16,7 +16,7 @@ import math
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import bind, device, dtype, numel, shape, value
+from graphflop.ops._common import bind, device, dtype, first_tensor, numel, shape, value
 from graphflop.ops.registry import (
     def_jvp,
     def_linear,
@@ -239,6 +239,73 @@ def _window_counts(b, x, xs, out_sp, k, stride, padding, count_include_pad):
 register(aten.avg_pool3d.default, F, _avg_pool_cost(3))
 def_linear(aten.avg_pool2d.default, _transpose_avg_pool(aten.avg_pool2d.default, 2))
 def_linear(aten.avg_pool3d.default, _transpose_avg_pool(aten.avg_pool3d.default, 3))
+
+
+# --- 3-D adaptive average pooling (kept whole) --------------------------------------------------
+
+
+def _adaptive_avg_pool3d_cost(out, x, *args, **kwargs):
+    """Each output element sums its window and divides once: its window's volume in FLOPs (as
+    ``avg_pool3d``'s ∏k, and 2-D adaptive pooling's decompositions), summed over the output:
+    N·C·∏_d Σ_j len_j(d)."""
+    xs, os_ = shape(x), shape(first_tensor(out))
+    lead = math.prod(xs[:-3])
+    return NodeCost(
+        flops=lead * math.prod(sum(_adaptive_windows(n, o)) for n, o in zip(xs[-3:], os_[-3:]))
+    )
+
+
+def _adaptive_spread(b, ct, dim: int, n: int, o: int):
+    """The transpose of adaptive average pooling along one dim (``o`` windows over ``n``):
+    each cotangent element divided by its window's length, copied to its window's positions and
+    summed into place with ``index_add`` (overlapping windows add). The windows' bounds come
+    from ``arange`` as the forward's: start_j = ⌊j·n/o⌋, end_j = ⌊((j+1)·n + o − 1)/o⌋; the
+    widest window's length L is fixed by the shapes, and the positions a shorter window does
+    not reach are zeroed before the sum."""
+    cs = list(shape(ct))
+    rank = len(cs)
+    lens = _adaptive_windows(n, o)
+    width = max(lens)
+    idx64 = {"dtype": torch.int64, "device": device(ct)}
+    j = b.call(aten.arange.default, o, **idx64)
+    start = b.call(aten.div.Tensor_mode, b.call(aten.mul.Scalar, j, n), o, rounding_mode="floor")
+    end_num = b.call(aten.add.Scalar, b.call(aten.mul.Scalar, j, n), n + o - 1)
+    end = b.call(aten.div.Tensor_mode, end_num, o, rounding_mode="floor")
+    length = b.call(aten._to_copy.default, b.call(aten.sub.Tensor, end, start), dtype=dtype(ct))
+    after = [1] * (rank - 1 - dim)
+    scaled = b.call(aten.div.Tensor, ct, b.call(aten.view.default, length, [o] + after))
+    # (..., o, L, ...): every window's value repeated over its L positions
+    k = b.call(aten.arange.default, width, **idx64)
+    pos = b.call(aten.add.Tensor, b.call(aten.unsqueeze.default, start, 1), k)
+    spread_shape = list(cs[:dim]) + [o, width] + list(cs[dim + 1 :])
+    vals = b.call(
+        aten.expand.default, b.call(aten.unsqueeze.default, scaled, dim + 1), spread_shape
+    )
+    if min(lens) != width:
+        inside = b.call(aten.lt.Tensor, pos, b.call(aten.unsqueeze.default, end, 1))
+        mask = b.call(aten._to_copy.default, inside, dtype=dtype(ct))
+        vals = b.call(aten.mul.Tensor, vals, b.call(aten.view.default, mask, [o, width] + after))
+        pos = b.call(aten.clamp_max.default, pos, n - 1)
+    merged = list(cs[:dim]) + [o * width] + list(cs[dim + 1 :])
+    vals = b.call(aten.reshape.default, vals, merged)
+    pos = b.call(aten.reshape.default, pos, [o * width])
+    out_shape = list(cs[:dim]) + [n] + list(cs[dim + 1 :])
+    return b.call(aten.index_add.default, b.zeros(out_shape, ct), dim, pos, vals)
+
+
+def _transpose_adaptive_avg_pool3d(b, ct, args, kwargs, linear):
+    """Adaptive average pooling is separable: one window average per dim (D, H, W), so its
+    transpose spreads the cotangent back one dim at a time (:func:`_adaptive_spread`), in forward
+    ops (ARCHITECTURE principle 4) rather than ``_adaptive_avg_pool3d_backward``."""
+    xs = shape(args[0])
+    rank = len(xs)
+    for d in range(rank - 3, rank):
+        ct = _adaptive_spread(b, ct, d, xs[d], shape(ct)[d])
+    return [ct, None]
+
+
+register(aten._adaptive_avg_pool3d.default, F, _adaptive_avg_pool3d_cost)
+def_linear(aten._adaptive_avg_pool3d.default, _transpose_adaptive_avg_pool3d)
 
 
 # --- decompositions ----------------------------------------------------------------------------

@@ -113,6 +113,11 @@ ATEN_SAVES: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {
     aten.replication_pad1d.default: ((0,), ()),
     aten.replication_pad2d.default: ((0,), ()),
     aten.replication_pad3d.default: ((0,), ()),
+    # rrelu_with_noise_backward(grad, self, noise, lower, upper, training, false): self and
+    # noise (graphflop's rule reads the noise only); rrelu_with_noise_ (traced functional)
+    # saves result and noise: rrelu_with_noise_backward(grad, result, noise, ..., true)
+    aten.rrelu_with_noise.default: ((0, 1), ()),
+    aten.rrelu_with_noise_functional.default: ((), (0, 1)),
     # gather_backward(grad, self, dim, index, sparse_grad): self (for its sizes) and index
     aten.gather.default: ((0, 2), ()),
 }

@@ -317,6 +317,34 @@ UNARY_MORE = [
         aten=("aten.mul.Tensor",),
     ),
     OpCase(
+        "rrelu_train",
+        # lower == upper: the drawn factors are fixed (0.2), so the checks that rerun the
+        # model see the same noise as the traced graph
+        lambda: Fn(lambda s, x: F.rrelu(x * s.w, 0.2, 0.2, s.training), {"w": W}).train(),
+        (X,),
+        flops=24 + 24,  # mul 24; rrelu 1 per element 24 (and 24 random numbers drawn)
+        aten=("aten.rrelu_with_noise.default",),
+    ),
+    OpCase(
+        "rrelu_eval",  # evaluation: leaky ReLU with slope (lower + upper) / 2, no draw
+        lambda: Fn(lambda s, x: F.rrelu(x * s.w, 0.1, 0.3, s.training), {"w": W}).eval(),
+        (X,),
+        flops=24 + 24,  # mul 24; rrelu 24
+        aten=("aten.rrelu_with_noise.default",),
+    ),
+    OpCase(
+        "rrelu_train_inplace",  # rrelu_with_noise_, traced functional
+        lambda: Fn(
+            lambda s, x: F.rrelu(x * s.w, 0.2, 0.2, s.training, inplace=True), {"w": W}
+        ).train(),
+        (X,),
+        flops=24 + 24,  # mul 24; rrelu 24 (and 24 random numbers drawn)
+        aten=("aten.rrelu_with_noise_functional.default",),
+        # the reference, not graphflop: torch.func.jvp has no forward AD for rrelu_with_noise_
+        # (finite differences check this case's JVP)
+        xfail={"jvp": "PyTorch implements no forward AD for rrelu_with_noise_"},
+    ),
+    OpCase(
         "nan_to_num",
         module_of(lambda s, x: torch.nan_to_num(x * s.w) * s.r, {"w": W}, {"r": X}),
         (X,),

@@ -243,4 +243,17 @@ POOL_MORE = [
         flops=89 + 174 + 324 + 18 + 12 + 18 + 18 + 12,
         aten=("aten.index.Tensor", "aten.div.Tensor_mode"),
     ),
+    OpCase(
+        "adaptive_avgpool3d_uneven",  # kept whole: _adaptive_avg_pool3d
+        module_of(
+            lambda s, x: F.adaptive_avg_pool3d(x * s.w, (3, 4, 2)) * s.r,
+            {"w": (5, 6, 4)},
+            {"r": (1, 2, 3, 4, 2)},
+        ),
+        ((1, 2, 5, 6, 4),),
+        # mul 240; pooling: N·C·∏_d Σ_j window lengths, D 5→3: 2+3+2 = 7, H 6→4: 2+2+2+2 = 8,
+        # W 4→2: 2+2 = 4, so 2·7·8·4 = 448; readout 2·3·4·2 = 48
+        flops=240 + 448 + 48,
+        aten=("aten._adaptive_avg_pool3d.default",),
+    ),
 ]
