@@ -62,8 +62,11 @@ def test_jvp_peak_of_the_cnn_hand_worked():
     # Eager model: parameters and tangents (2 · 4 B · n) and, while computing conv2's weight
     # term conv(r1, dW2): the int64 targets (8·B), relu1's output r1 and its tangent dr1 (one
     # dual tensor), conv2's primal output, conv(dr1, W2), conv(r1, dW2) and the oneDNN
-    # kernel's output-sized buffer, each B·64·28·28 fp32 (torch.func.jvp measured: the same 6).
-    assert m["jvp_peak_bytes"] == 2 * 4 * n + 8 * B + 6 * (4 * B * 64 * 28 * 28)
+    # kernel's output-sized buffer, each B·64·28·28 fp32 (torch.func.jvp measured: the same 6),
+    # and beside them the kernel's reordered weight, 64·64·3·3 fp32 (the CPU convolution's
+    # forward stage: eager_memory's kernel temporaries; docs/memory.md's CNN b64 JVP row,
+    # 0.998 of the measured peak with it, 0.996 without)
+    assert m["jvp_peak_bytes"] == 2 * 4 * n + 8 * B + 6 * (4 * B * 64 * 28 * 28) + 4 * 64 * 64 * 9
     # eagerly the JVP peaks above the training step (not hand-worked here), as measured on CPU
     # (torch.func.jvp 99.3 MiB, train step 86.9 MiB: docs/memory.md)
     assert m["jvp_peak_bytes"] > m["train_peak_bytes"]

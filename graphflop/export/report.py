@@ -579,7 +579,7 @@ def _summary_lines(r: Report) -> list[str]:
         eager_mm = "" if b is None else f" = {b.mm_flops + ea.backward_recompute_mm_flops:,}"
         lines.append(
             f"attention: FLOPs count graphflop's graph, attention in its math form (backward "
-            f"2× the forward's products); eager PyTorch runs its {ea.calls} calls on the fused "
+            f"2× the forward's products); eager PyTorch runs its {ea.calls} {'call' if ea.calls == 1 else 'calls'} on the fused "
             f"kernel ({ea.kernel}), whose backward recomputes q·kᵀ: backward mm FLOPs "
             f"+{ea.backward_recompute_mm_flops:,}{eager_mm} as eager runs it (what plan counts)"
         )
