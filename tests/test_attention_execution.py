@@ -93,6 +93,7 @@ def test_flop_counter_counts_both_paths() -> None:
     assert _flop_counter_mm(math=True) == (LINEAR_FWD + ATTN_FWD, MATH_BWD)
 
 
+@pytest.mark.slow  # (over 10 s on 2 cores: run in CI's slow pass)
 def test_inspect_and_plan_name_the_execution_they_count(tmp_path, capsys) -> None:
     assert main(_argv("inspect", tmp_path / "i.json")) == 0
     text = " ".join(capsys.readouterr().out.split())

@@ -234,7 +234,7 @@ def _zoo(s: str, direct_expected: bool, monkeypatch) -> None:
         # statistics, max pooling's indices) at the top level and in the blocks
         ("torchvision:resnet18@eval", True),
         ("torchvision:mobilenet_v3_small@eval", True),
-        ("hf:bert", True),
+        pytest.param("hf:bert", True, marks=pytest.mark.slow),
     ],
 )
 def test_zoo(s, direct_expected, monkeypatch):
@@ -485,6 +485,7 @@ class RandomStack(nn.Module):
         return self.head(x)
 
 
+@pytest.mark.slow  # (over 10 s on 2 cores: run in CI's slow pass)
 def test_random_block_stacks(monkeypatch):
     # 24 random stacks (fixed seeds): each hierarchy built directly equals the flat path's;
     # most are built directly (21 of the 24 with this PyTorch; the others have no repeated

@@ -94,6 +94,7 @@ def test_token_vocabularies_records_the_tables_the_inputs_index() -> None:
     assert vocab == [50]
 
 
+@pytest.mark.slow  # (over 10 s on 2 cores: run in CI's slow pass)
 def test_hf_position_and_bucket_tables_are_no_vocabulary(capsys) -> None:
     # BERT's position table has max_position_embeddings rows; with hidden_size equal to it the
     # hidden states used to be taken for token logits
