@@ -122,6 +122,7 @@ def test_inspect_and_plan_name_the_execution_they_count(tmp_path, capsys) -> Non
         assert f"{4 * PRODUCT:,} mm FLOPs per micro-batch" in text
 
 
+@pytest.mark.slow  # (over 10 s on 2 cores in all: run in CI's slow pass)
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_no_eager_attention_where_the_math_path_runs(tmp_path, dropout) -> None:
     # attention dropout sends PyTorch's CPU attention to the math path: nothing to add, and

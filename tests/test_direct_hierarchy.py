@@ -237,6 +237,7 @@ def _zoo(s: str, direct_expected: bool, monkeypatch) -> None:
         pytest.param("hf:bert", True, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # (over 10 s on 2 cores in all: run in CI's slow pass)
 def test_zoo(s, direct_expected, monkeypatch):
     _zoo(s, direct_expected, monkeypatch)
 

@@ -605,6 +605,7 @@ def _conv_case(name: str) -> tuple[nn.Module, torch.Tensor]:
         "strided_grouped_copied",
     ],
 )
+@pytest.mark.slow  # (over 10 s on 2 cores in all: run in CI's slow pass)
 def test_convolution_kernel_stages_against_a_measured_step(name: str) -> None:
     # eager's CPU convolution (oneDNN) holds, beyond its results: forward, the input and the
     # weight reordered while it computes into a buffer, then that buffer while it is copied
@@ -660,6 +661,7 @@ def test_channels_last_convolution_against_a_measured_step() -> None:
     assert abs(got / measured - 1) < 0.01, (got, measured)
 
 
+@pytest.mark.slow  # (over 10 s on 2 cores in all: run in CI's slow pass)
 def test_convolution_copies_in_repeated_blocks_are_the_flat_figure() -> None:
     # the recorded hierarchy schedules a block's convolution backward once per template
     # (recorded_memory): the copies of its permuted input and output gradient are the flat
