@@ -49,7 +49,7 @@ from graphflop.frontend.export_form import (
     placeholders,
     tag_node,
 )
-from graphflop.frontend.outline import MARK, _stack_path
+from graphflop.frontend.outline import MARK, _stack_path, called_at, path_in
 from graphflop.frontend.scopes import module_path
 from graphflop.meta import (
     CALL_SITE,
@@ -584,25 +584,6 @@ class _GetitemNames:
         return name
 
 
-def _called(model: nn.Module, prefix: str, site: str) -> nn.Module | None:
-    """The module called at ``site`` (a path with ``prefix``), None where there is none
-    (:func:`~graphflop.frontend.outline._site_path`'s first look-up, once per call)."""
-    try:
-        return model.get_submodule(site[len(prefix) + 1 :]) if site != prefix else model
-    except AttributeError:
-        return None
-
-
-def _full_path(called: nn.Module | None, site: str, rel: str, paths: dict) -> str:
-    """:func:`~graphflop.frontend.outline._site_path` with the called module looked up."""
-    if called is None:
-        return f"{site}.{rel}"
-    try:
-        return paths.get(id(called.get_submodule(rel)), f"{site}.{rel}")
-    except AttributeError:
-        return f"{site}.{rel}"
-
-
 class _NamespaceCopy:
     """The names :class:`~graphflop.frontend.outline.Expansion` claims in ``make_fx``'s
     graph's namespace, claimed on a copy of it (``gm`` keeps its own)."""
@@ -634,14 +615,14 @@ def _call(n: Node, g: Graph, env: dict, d: _Direct, s: _Sites, top: list) -> dic
     site_path = list(site.values())[-1][0] if site else ""
     stacks: dict[tuple, dict] = {}
 
-    called = _called(s.model, s.prefix, site_path)
+    called = called_at(s.model, s.prefix, site_path)
 
     def stack_of(inner: tuple) -> dict:
         got = stacks.get(inner)
         if got is None:
             got = stacks[inner] = dict(site)
             for path, cls in inner:
-                full = _full_path(called, site_path, path, s.paths)
+                full = path_in(called, site_path, path, s.paths)
                 got[full] = (full, cls)
         return got
 

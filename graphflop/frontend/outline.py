@@ -1317,8 +1317,24 @@ def _drop_buffer_copies(graph: Graph, out: Node) -> None:
 
 def _site_path(model: nn.Module, prefix: str, site: str, rel: str, paths: dict) -> str:
     """The path in ``model`` of submodule ``rel`` of the module called at ``site``."""
+    return path_in(called_at(model, prefix, site), site, rel, paths)
+
+
+def called_at(model: nn.Module, prefix: str, site: str) -> nn.Module | None:
+    """The module of ``model`` called at ``site`` (a path with ``prefix``), None where there is
+    none."""
     try:
-        called = model.get_submodule(site[len(prefix) + 1 :]) if site != prefix else model
+        return model.get_submodule(site[len(prefix) + 1 :]) if site != prefix else model
+    except AttributeError:
+        return None
+
+
+def path_in(called: nn.Module | None, site: str, rel: str, paths: dict) -> str:
+    """The path (``paths``: module id -> path) of submodule ``rel`` of ``called``, the module
+    called at ``site``; ``site.rel`` where either is not found."""
+    if called is None:
+        return f"{site}.{rel}"
+    try:
         return paths.get(id(called.get_submodule(rel)), f"{site}.{rel}")
     except AttributeError:
         return f"{site}.{rel}"
