@@ -1968,6 +1968,7 @@ def _ort_runs(path) -> bool:
     return True
 
 
+@pytest.mark.slow  # (the default suite's 5 minutes: run in CI's slow pass)
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_export_notes_graphs_the_ort_cpu_provider_cannot_run(work, capsys, dtype):
     pytest.importorskip("onnxruntime")

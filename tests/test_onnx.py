@@ -474,6 +474,7 @@ def test_a_value_copied_into_a_row_exports_a_valid_model(tmp_path):
     assert rel_error(loss, fv[a.forward.meta[SIGNATURE].loss]) < 1e-6
 
 
+@pytest.mark.slow  # (the default suite's 5 minutes: run in CI's slow pass)
 def test_batch_norm_kept_whole_exports_as_its_parts(tmp_path):
     # training-mode batch norm is one node in graphflop's graphs; ONNX Runtime's
     # BatchNormalization would normalise with the running statistics, so the export writes

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import onnx
+import pytest
 import torch
 from torch import nn
 from torch.func import functional_call, jvp
@@ -34,6 +35,7 @@ def _close(got, want: torch.Tensor) -> None:
     assert torch.allclose(torch.from_numpy(got), want.detach(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # (the default suite's 5 minutes: run in CI's slow pass)
 def test_constant_is_an_initializer_and_each_file_runs_on_its_inputs(tmp_path) -> None:
     """Tester's finding: forward.onnx, train_step.onnx and forward_gradient_step.onnx took
     ``_tensor_constant0`` as an input the manifest gave no value for."""
@@ -121,6 +123,7 @@ def test_constant_of_unknown_value_stays_an_input_and_is_noted(tmp_path) -> None
     assert _unknown_constant_notes({"graphs": {"forward": {}}}) == []
 
 
+@pytest.mark.slow  # (the default suite's 5 minutes: run in CI's slow pass)
 def test_step_graphs_carry_the_constants_without_the_forward(tmp_path) -> None:
     """The train step and forward-gradient step exported alone (``train --runtime
     onnxruntime`` exports one graph) still hold the constant; the ONNX runner feeds only the

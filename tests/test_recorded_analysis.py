@@ -349,6 +349,7 @@ def test_detached_block_outputs_recorded_as_flat(cut, tangents):
     _graphs_equal(rec, flat)
 
 
+@pytest.mark.slow  # (the default suite's 5 minutes: run in CI's slow pass)
 @pytest.mark.parametrize("which", QUICK)
 def test_analyze_with_recorded_derivatives_equals_flat(which):
     """``analyze(record_derivatives=True)`` (the default) gives the report of the analysis
@@ -381,6 +382,7 @@ def test_large_models_analyzed_with_recorded_derivatives_equal_flat(which):
     test_analyze_with_recorded_derivatives_equals_flat(which)
 
 
+@pytest.mark.slow  # (the default suite's 5 minutes: run in CI's slow pass)
 def test_recorded_derivatives_with_what_ifs_and_other_options():
     """The what-ifs and the other memory model read the flat views: the same report."""
     model, x = _model("gpt2")
