@@ -732,23 +732,6 @@ def fresh_fake(
     return out
 
 
-def traced_node(t: Any, tracer: Any = None) -> Any:
-    """The fx node ``make_fx`` records for tensor ``t`` (through functionalization's wrappers)
-    in ``tracer`` (default: the active proxy mode's), or None: ``t`` is not a tensor, nothing
-    is being traced, or ``t`` has no node (a constant)."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
-
-    if tracer is None:
-        mode = get_proxy_mode()
-        tracer = mode.tracer if mode is not None else None
-    if tracer is None or not isinstance(t, torch.Tensor):
-        return None
-    while torch._is_functional_tensor(t):
-        t = torch._from_functional_tensor(t)
-    slot = get_proxy_slot(t, tracer, None)
-    return getattr(getattr(slot, "proxy", None), "node", None)
-
-
 def fake_mode_of(values) -> FakeTensorMode | None:
     """The FakeTensorMode of the first FakeTensor among ``values`` (nested tuples allowed).
 

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphflop.frontend.regions import detached_write, new_nodes, no_grad_write
-from graphflop.meta import COMPOSITE, INPLACE, CompositeTag, traced_node
+from graphflop.frontend import recording
+from graphflop.frontend.regions import detached_write, no_grad_write
+from graphflop.meta import COMPOSITE, INPLACE, CompositeTag
 from graphflop.ops import has_rule, lookup
 from graphflop.ops.attention import sdpa
 
@@ -118,16 +118,16 @@ class CompositeOps(TorchFunctionMode):
             return attention(*args, **kwargs)
         if func is _F_DROPOUT:
             return dropout(*args, **kwargs)
-        if func is _COSINE_SIMILARITY and get_proxy_mode() is not None:
+        if func is _COSINE_SIMILARITY and recording.recording():
             return cosine_similarity(*args, **kwargs)
         if func is torch.dropout:
             return dropout(
                 *args, **{"training" if k == "train" else k: v for k, v in kwargs.items()}
             )
-        if func is _SETITEM and get_proxy_mode() is not None:
+        if func is _SETITEM and recording.recording():
             with detached_write(args[0]), no_grad_write(args[0]):
                 return func(*args, **kwargs)
-        if func in _MAX_NORM and get_proxy_mode() is not None:
+        if func in _MAX_NORM and recording.recording():
             call = inspect.signature(func).bind(*args, **kwargs)
             if call.arguments.get("max_norm") is not None:
                 # F.embedding's renormalization of the rows it reads, a write into the weight
@@ -142,7 +142,7 @@ class CompositeOps(TorchFunctionMode):
                 )
                 a["input"], a["max_norm"] = ids, None
                 return func(*call.args, **call.kwargs)
-        if in_place_call(func, kwargs) and get_proxy_mode() is not None:
+        if in_place_call(func, kwargs) and recording.recording():
             return self._in_place(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -150,9 +150,9 @@ class CompositeOps(TorchFunctionMode):
     def _in_place(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         func, args, kwargs = _traceable_in_place(func, args, kwargs)
         target = args[0] if args else None
-        with detached_write(target), no_grad_write(target), new_nodes() as made:
+        with detached_write(target), no_grad_write(target), recording.nodes_added() as made:
             out = func(*args, **kwargs)
-        node = traced_node(out)
+        node = recording.node_of(out)
         # on a view, functionalization computes the op out of place, writes the result into
         # the base and takes the view again (view nodes after the op's): the op's node is the
         # one those views start from (an in-place view op, ``t_``, keeps its own node)
@@ -460,10 +460,10 @@ def _tagging(name: str, fn: Callable[..., Any], counter: Iterator[int]) -> Calla
     when = TAGGED_WHEN.get(name)
 
     def decomposed(*args: Any, **kwargs: Any) -> Any:
-        mode = get_proxy_mode()
-        if mode is None or (when is not None and not when(*args, **kwargs)):
+        rec = recording.current()
+        if rec is None or (when is not None and not when(*args, **kwargs)):
             return fn(*args, **kwargs)
-        graph = mode.tracer.graph
+        graph = rec.graph
         last = next(iter(reversed(graph.nodes)), None)
         result = fn(*args, **kwargs)
         new = []
@@ -471,7 +471,7 @@ def _tagging(name: str, fn: Callable[..., Any], counter: Iterator[int]) -> Calla
             if n is last:
                 break
             new.append(n)
-        _tag(name, next(counter), new, args, result, mode.tracer)
+        _tag(name, next(counter), new, args, result, rec)
         return result
 
     decomposed.__name__ = getattr(fn, "__name__", "decomposed")
@@ -479,10 +479,12 @@ def _tagging(name: str, fn: Callable[..., Any], counter: Iterator[int]) -> Calla
     return decomposed
 
 
-def _tag(name: str, region: int, new: list, args: tuple, result: Any, tracer: Any) -> None:
+def _tag(
+    name: str, region: int, new: list, args: tuple, result: Any, rec: recording.Recording
+) -> None:
     inputs: dict[torch.fx.Node, int] = {}
     for k, a in enumerate(args):
-        node = traced_node(a, tracer)
+        node = rec.node_of(a)
         if node is not None:
             inputs.setdefault(node, k)
     outputs: dict = {}
@@ -495,7 +497,7 @@ def _tag(name: str, region: int, new: list, args: tuple, result: Any, tracer: An
         for t in tree_flatten(result)[0]
     )
     for k, t in enumerate(tree_flatten(result)[0]):
-        node = traced_node(t, tracer)
+        node = rec.node_of(t)
         # an output that is a view of an inner node (batch norm's squeezed mean) names that
         # node too: unused outputs are removed from the graph, their bases stay
         while node is not None:

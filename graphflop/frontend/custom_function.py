@@ -33,12 +33,13 @@ from typing import Any
 import torch
 from torch.autograd.function import Function, _SingleLevelFunction
 from torch.fx import GraphModule
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointFunction
 
-from graphflop.frontend.regions import new_nodes, region_ids, run_checkpoint_function
-from graphflop.meta import FUNCTION, FunctionTag, fresh_fake, traced_node
+from graphflop.frontend import recording
+from graphflop.frontend.regions import region_ids, run_checkpoint_function
+from graphflop.meta import FUNCTION, FunctionTag, fresh_fake
 
 aten = torch.ops.aten
 
@@ -144,7 +145,7 @@ def _apply_traced(cls: Any, args: tuple, records: list[FunctionRecord]) -> Any:
     rec = FunctionRecord(cls.__qualname__, cls, len(args))
     records.append(rec)
     ctx = _Context(args)
-    with new_nodes() as made:
+    with recording.nodes_added() as made:
         ins = tuple(aten.alias.default(a) if isinstance(a, torch.Tensor) else a for a in args)
         flat, spec = tree_flatten(_call(cls, ctx, ins))
         outs = [aten.alias.default(t) if isinstance(t, torch.Tensor) else t for t in flat]
@@ -152,7 +153,7 @@ def _apply_traced(cls: Any, args: tuple, records: list[FunctionRecord]) -> Any:
     roles: dict[Any, dict[str, Any]] = {}
 
     def mark(t: Any, what: str, k: int) -> bool:
-        node = traced_node(t)
+        node = recording.node_of(t)
         if node is None or node not in made:
             return False
         role = roles.setdefault(node, {"saved": ()})
@@ -217,7 +218,7 @@ def inline_functions() -> Iterator[list[FunctionRecord]]:
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is CheckpointFunction:  # the reentrant checkpoint: args (function, rng, *args)
             return run_checkpoint_function(args[0], *args[2:])
-        if not _own(cls) or kwargs or get_proxy_mode() is None:
+        if not _own(cls) or kwargs or not recording.recording():
             return original.__get__(None, cls)(*args, **kwargs)
         return _apply_traced(cls, args, records)
 

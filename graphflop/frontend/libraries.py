@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from graphflop.frontend import recording
 from graphflop.frontend.errors import exception_chain
-from graphflop.meta import traced_node
 
 
 @contextlib.contextmanager
@@ -214,7 +214,7 @@ def _packed_from_shapes(find: Callable[[Any], Any]) -> Callable[[Any], Any]:
     original."""
 
     def packed(position_ids: Any) -> Any:
-        node = traced_node(position_ids)
+        node = recording.node_of(position_ids)
         if node is not None and not _reads_inputs(node):
             return None
         return find(position_ids)

@@ -16,7 +16,7 @@ parameter nor on a value the model marked ``requires_grad_``; the model's inputs
 grad) gives, as in eager, outputs with no derivative: they are detached in the trace, and
 :mod:`graphflop.frontend.trace` counts the parameters used only inside as frozen, with a warning.
 
-:func:`new_nodes` (the nodes a block adds to the graph being traced) and
+:func:`~graphflop.frontend.recording.nodes_added` (the nodes a block adds to the graph being traced) and
 :func:`graphflop.meta.occurrences` (the calls of one region number told apart, the copies of an
 outlined block sharing it) serve custom Functions too (:mod:`graphflop.frontend.custom_function`).
 
@@ -52,8 +52,8 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
 from torch.autograd.function import Function
 from torch.fx import Node
-from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode
 
+from graphflop.frontend import recording
 from graphflop.meta import (
     CHECKPOINT,
     LEAF,
@@ -67,25 +67,6 @@ aten = torch.ops.aten
 
 #: region numbers, unique in the process (a template's regions and the main graph's never meet)
 region_ids = itertools.count()
-
-
-@contextlib.contextmanager
-def new_nodes() -> Iterator[list[Node]]:
-    """Yields a list that, on leaving, holds the nodes the block added to the graph being
-    traced, in order (empty when nothing is being traced)."""
-    mode = get_proxy_mode()
-    made: list[Node] = []
-    if mode is None:
-        yield made
-        return
-    graph = mode.tracer.graph
-    last = next(iter(reversed(graph.nodes)), None)
-    yield made
-    for n in reversed(graph.nodes):
-        if n is last:
-            break
-        made.append(n)
-    made.reverse()
 
 
 #: :attr:`CheckpointTag.unmodelled` of a call with another checkpoint call inside
@@ -154,8 +135,7 @@ def mark_requires_grad(t: torch.Tensor) -> None:
     before) is one eager autograd makes a leaf that requires grad: its node is tagged
     :data:`~graphflop.meta.LEAF`. Outside the main trace (an outlined block's template) that
     depends on each call's inputs: :func:`marked_in_templates` says it happened."""
-    mode = get_proxy_mode()
-    node = _node_of(t) if mode is not None else None
+    node = _node_of(t)
     if node is not None:
         if _GradSources.active and not _differentiable((t,)):
             node.meta.setdefault(LEAF, _GradSources.leaves)
@@ -189,30 +169,18 @@ def _raised_inside(flag: str) -> Iterator[list[bool]]:
 
 
 def _node_of(t: Any) -> Node | None:
-    mode = get_proxy_mode()
-    if mode is None or not isinstance(t, torch.Tensor):
-        return None
-    from torch.fx.experimental.proxy_tensor import get_proxy_slot
-
-    if torch._is_functional_tensor(t):  # functionalize's wrapper: the tracer sees the inner
-        torch._sync(t)
-        t = torch._from_functional_tensor(t)
-    try:
-        proxy = get_proxy_slot(t, mode.tracer)
-    except Exception:  # a value the tracer does not know (functional wrapper): be safe
-        return None
-    node = getattr(getattr(proxy, "proxy", proxy), "node", None)
-    return node if isinstance(node, Node) else None
+    """The node of ``t`` in the graph being traced, after the writes into its base."""
+    return recording.node_of(t, sync=True)
 
 
 def _differentiable(args: tuple) -> bool:
     """Whether one of ``args``' tensors depends on a trainable parameter or on a value marked
     ``requires_grad_``, not through a ``detach`` nor a value made with grad mode off (as eager
     autograd sees it; True whenever it cannot be told)."""
-    mode = get_proxy_mode()
-    if mode is None:
+    rec = recording.current()
+    if rec is None:
         return True
-    graph = mode.tracer.graph
+    graph = rec.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     sources = {placeholders[i] for i in _GradSources.trainable if i < len(placeholders)}
     sources |= _GradSources.marked
@@ -263,7 +231,7 @@ def _traced_generator(
         return
     forced = torch_checkpoint._enable_checkpoint_early_stop
     early = forced if forced is not None else early_stop
-    with new_nodes() as made:
+    with recording.nodes_added() as made:
         yield
     tag_checkpoint(made, whole=not early, unmodelled=_context_fn_note(context_fn))
 
@@ -293,9 +261,9 @@ def run_checkpoint_function(function: Any, *args: Any) -> Any:
     checkpoint) while tracing: ``function(*args)``, its nodes tagged as a region the
     backward reruns whole."""
     detached = _active() and not _differentiable(args)
-    if not _active() and get_proxy_mode() is not None:
+    if not _active() and recording.recording():
         _GradSources.undecided = True
-    with new_nodes() as made:
+    with recording.nodes_added() as made:
         out = function(*args)
     tag_checkpoint(made, whole=True, detached=detached)
     if detached:  # eager: "None of the inputs have requires_grad=True"; no derivative out
@@ -313,7 +281,7 @@ def undecided_checkpoints() -> Iterator[list[bool]]:
 
 def _active() -> bool:
     """Inside the main trace (:func:`grad_sources`) with a graph being traced."""
-    return _GradSources.active and get_proxy_mode() is not None
+    return _GradSources.active and recording.recording()
 
 
 @contextlib.contextmanager
@@ -329,8 +297,6 @@ def checkpoints_tagged() -> Iterator[None]:
     finally:
         torch_checkpoint._checkpoint_without_reentrant_generator = _GENERATOR
 
-
-_CREATE_NODE = PythonKeyTracer.create_node
 
 #: the code of ``torch.autograd.Function.apply``, whose C++ part runs a Function's forward (a
 #: custom op's kernel, through the autograd wrapper ``torch.library`` gives it) with grad mode
@@ -363,17 +329,12 @@ def grad_mode_tagged() -> Iterator[None]:
         yield
         return
 
-    def create_node(self: PythonKeyTracer, *args: Any, **kwargs: Any) -> Node:
-        node = _CREATE_NODE(self, *args, **kwargs)
+    def tag(node: Node) -> None:
         if not torch.is_grad_enabled() and node.op == "call_function" and not _in_function_apply():
             node.meta[NO_GRAD] = True
-        return node
 
-    PythonKeyTracer.create_node = create_node  # type: ignore[method-assign]
-    try:
+    with recording.each_node(tag):
         yield
-    finally:
-        PythonKeyTracer.create_node = _CREATE_NODE  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -398,7 +359,7 @@ def no_grad_write(target: Any) -> Iterator[None]:
         yield
         return
     base, depth = _view_base(before)
-    with new_nodes() as made, _normal_write(target):
+    with recording.nodes_added() as made, _normal_write(target):
         yield
         after = _node_of(target)  # the view made again from the new value, where it is one
     views: list[Node] = []

@@ -27,22 +27,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.fx import Node, Proxy
+from torch.fx import Node
 from torch.fx.node import map_aggregate, map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graphflop.meta import COMPOSITE, CompositeTag, fresh_fake, traced_node
+from graphflop.frontend import recording
+from graphflop.meta import COMPOSITE, CompositeTag, fresh_fake
 from graphflop.ops.tree import meta_key
 
 __all__ = ["Replays", "Template"]
 
-try:  # make_fx's bookkeeping (private; without it every call is traced inline)
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode, track_tensor_tree
-
-    _AVAILABLE = True
-except ImportError:  # pragma: no cover - a PyTorch that moved them
-    _AVAILABLE = False
+from torch._subclasses.fake_tensor import FakeTensor
 
 #: a reference in a template: ("in", k) the call's k-th tensor argument, ("t", j) its j-th node
 Ref = tuple[str, int]
@@ -96,43 +91,41 @@ class Replays:
         self.misses = 0
 
     def wrap(self, table: dict[Any, Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
-        """``table`` with every decomposition wrapped (a new dict; unchanged without
-        ``make_fx``'s private helpers)."""
-        if not (_AVAILABLE and ENABLED):
+        """``table`` with every decomposition wrapped (a new dict)."""
+        if not ENABLED:
             return dict(table)
         return {op: self._wrapped(op, fn) for op, fn in table.items()}
 
     def _wrapped(self, op: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
         def replayed(*args: Any, **kwargs: Any) -> Any:
-            mode = get_proxy_mode()
-            if mode is None:
+            rec = recording.current()
+            if rec is None:
                 return fn(*args, **kwargs)
-            tracer = mode.tracer
             flat = tree_flatten((args, kwargs))[0]
             tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-            nodes = [traced_node(t, tracer) for t in tensors]
+            nodes = [rec.node_of(t) for t in tensors]
             key = _signature(op, args, kwargs, nodes)
             template = self.templates.get(key) if key is not None else _INLINE
             if template is None:  # first call of this signature: trace it and keep it
                 self.misses += 1
-                graph = tracer.graph
+                graph = rec.graph
                 last = next(iter(reversed(graph.nodes)), None)
                 out = fn(*args, **kwargs)
-                self.templates[key] = _capture(graph, last, tensors, nodes, out, tracer)
+                self.templates[key] = _capture(graph, last, tensors, nodes, out, rec)
                 return out
             if template is _INLINE:
                 self.misses += 1
                 return fn(*args, **kwargs)
             self.hits += 1
             assert isinstance(template, Template)  # the templates hold these or the marker
-            return self._replay(template, tensors, nodes, tracer)
+            return self._replay(template, tensors, nodes, rec)
 
         replayed.__name__ = getattr(fn, "__name__", "decomposition")
         replayed.__doc__ = fn.__doc__
         return replayed
 
-    def _replay(self, t: Template, tensors: list, nodes: list, tracer: Any) -> Any:
-        graph = tracer.graph
+    def _replay(self, t: Template, tensors: list, nodes: list, rec: recording.Recording) -> Any:
+        graph = rec.graph
         made: list[Node] = []
         renumber: dict[int, int] = {}
 
@@ -165,11 +158,11 @@ class Replays:
                 leaves.append(
                     fresh_fake(val.fake_mode, val.shape, val.stride(), val.dtype, val.device)
                 )
-                track_tensor_tree(leaves[-1], Proxy(node, tracer), constant=None, tracer=tracer)
+                rec.bind(leaves[-1], node)
             else:
                 leaves.append(v)
         for k, j in t.writes:
-            track_tensor_tree(tensors[k], Proxy(made[j], tracer), constant=None, tracer=tracer)
+            rec.bind(tensors[k], made[j])
         return tree_unflatten(leaves, t.spec)
 
     def _renumbered(self, tag: CompositeTag, renumber: dict[int, int]) -> CompositeTag:
@@ -215,7 +208,12 @@ def _signature(op: Any, args: Any, kwargs: Any, nodes: list) -> Any:
 
 
 def _capture(
-    graph: torch.fx.Graph, last: Node | None, tensors: list, nodes: list, out: Any, tracer: Any
+    graph: torch.fx.Graph,
+    last: Node | None,
+    tensors: list,
+    nodes: list,
+    out: Any,
+    rec: recording.Recording,
 ) -> Any:
     """The :class:`Template` of the nodes added after ``last``, or the inline marker."""
     new: list[Node] = []
@@ -244,14 +242,14 @@ def _capture(
         meta = {k: v for k, v in n.meta.items() if k != "nn_module_stack"}
         entries.append((n.target, map_arg(n.args, ref), map_arg(n.kwargs, ref), meta))
     leaves, spec = tree_flatten(out)
-    outputs = _outputs(leaves, tensors, index, tracer)
-    writes = _writes(tensors, nodes, index, tracer)
+    outputs = _outputs(leaves, tensors, index, rec)
+    writes = _writes(tensors, nodes, index, rec)
     if foreign or outputs is None or writes is None:
         return _INLINE
     return Template(tuple(entries), tuple(outputs), spec, tuple(writes))
 
 
-def _outputs(leaves: list, tensors: list, index: dict, tracer: Any) -> Any:
+def _outputs(leaves: list, tensors: list, index: dict, rec: recording.Recording) -> Any:
     """The template's output references, or None when an output cannot be replayed (a view:
     replayed outputs are fresh tensors)."""
     outputs: list[tuple[str, Any]] = []
@@ -260,7 +258,7 @@ def _outputs(leaves: list, tensors: list, index: dict, tracer: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             outputs.append(("c", leaf))
             continue
-        node = traced_node(leaf, tracer)
+        node = rec.node_of(leaf)
         if node in index:
             if not isinstance(leaf, FakeTensor) or leaf.storage_offset() != 0:
                 return None
@@ -277,12 +275,12 @@ def _outputs(leaves: list, tensors: list, index: dict, tracer: Any) -> Any:
     return outputs
 
 
-def _writes(tensors: list, nodes: list, index: dict, tracer: Any) -> Any:
+def _writes(tensors: list, nodes: list, index: dict, rec: recording.Recording) -> Any:
     """``(k, j)`` for every argument whose graph value is now new node ``j``, or None when one
     is now a node the call did not add."""
     writes = []
     for k, t in enumerate(tensors):
-        now = traced_node(t, tracer)
+        now = rec.node_of(t)
         if now is nodes[k]:
             continue
         if now not in index:

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.fx import Node
 
+from graphflop.frontend import recording
+
 
 class ModuleScopes:
     """Records, while ``make_fx`` traces, which module call each new graph node comes from.
@@ -40,13 +42,8 @@ class ModuleScopes:
         self.cursor: Node | None = None
 
     def __enter__(self) -> ModuleScopes:
-        try:
-            from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-            mode = get_proxy_mode()
-        except ImportError:  # pragma: no cover - a PyTorch without it: no module paths
-            mode = None
-        self.graph = mode.tracer.graph if mode is not None else None
+        rec = recording.current()
+        self.graph = rec.graph if rec is not None else None
         self.cursor = self._last()
         self.handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._enter),

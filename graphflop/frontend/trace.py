@@ -43,9 +43,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import GraphModule
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphflop.frontend import outline as repeats
+from graphflop.frontend import recording
 from graphflop.frontend.composite import CompositeOps, tagged_decompositions
 from graphflop.frontend.custom_function import inline_functions, trace_records
 from graphflop.frontend.direct_hierarchy import build_direct, flat_forward, forget
@@ -820,7 +821,7 @@ def _requires_grad_ignored() -> Iterator[None]:
     original = torch.Tensor.requires_grad_
 
     def requires_grad_(self: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
-        if get_proxy_mode() is None:
+        if not recording.recording():
             return original(self, requires_grad)
         if requires_grad:
             mark_requires_grad(self)
