@@ -65,6 +65,7 @@ from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.ad.builder import copy_node
+from graphflop.frontend import recording
 from graphflop.frontend.dispatch import routed_again
 from graphflop.frontend.libraries import inert_hook
 from graphflop.frontend.regions import NESTED
@@ -842,6 +843,17 @@ class Outliner:
         if interp is None or interp.key() != torch._C._functorch.TransformType.Functionalize:
             return None
         level = interp.level()
+        rec = recording.current()
+        own = rec.own if rec is not None else None
+        if own is not None:  # graphflop's recorder: the same checks, its own bookkeeping
+            if (
+                torch._C._len_torch_dispatch_stack() != 2
+                or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+                is not self.fake_mode
+                or not all(self.transparent(m) for m in _function_modes())
+            ):
+                return None
+            return self._direct_own(own, key, operands, level)
         proxy_mode = proxy_tensor.get_proxy_mode()
         if (
             proxy_mode is None
@@ -895,6 +907,42 @@ class Outliner:
             )
             outs = self.fake_call(key, inner)
             proxy_tensor.track_tensor_tree(outs, proxy, constant=None, tracer=tracer)
+        return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
+
+    def _direct_own(
+        self, own: recording.OpRecorder, key: int, operands: list, level: int
+    ) -> list | None:
+        """:meth:`_direct` under graphflop's recorder: the ``repeat`` node and its getitems
+        recorded as :class:`~graphflop.frontend.recording.OpRecorder` records the op's
+        dispatch, without it."""
+        with torch._C.DisableTorchFunction():
+            for t in operands:
+                if (
+                    not torch._is_functional_tensor(t)
+                    or t.requires_grad
+                    or torch._C._functorch.maybe_get_level(t) != level
+                ):
+                    return None
+            for t in operands:  # functionalisation's fallback syncs each operand first
+                torch._sync(t)
+            inner = [torch._from_functional_tensor(t) for t in operands]
+            nodes = [own.node_of(x) for x in inner]
+        if not all(
+            type(x) is FakeTensor and x.fake_mode is self.fake_mode and n is not None
+            for x, n in zip(inner, nodes)
+        ) or all(own.constant_of(x) is not None for x in inner):
+            return None
+        op = torch.ops.graphflop.repeat.default
+        with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
+            node = own.new_node(
+                "call_function",
+                op,
+                (nodes, key),
+                {},
+                own.graph._target_to_str(op.overloadpacket.__name__),
+            )
+            outs = self.fake_call(key, inner)
+            own.track(outs, node)
         return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
 
     def _indices(self, m: nn.Module) -> tuple:

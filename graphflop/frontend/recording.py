@@ -17,37 +17,59 @@ call it copies is recorded through the tracer's own proxies.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.fx import Graph, Node, Proxy
+from torch._subclasses.fake_impls import fast_detach
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.fx import Graph, GraphModule, Node, Proxy
 from torch.fx.experimental.proxy_tensor import (
+    CONSTANT_NUMEL_LIMIT,
     PythonKeyTracer,
+    disable_autocast_cache,
+    extract_val,
     get_proxy_mode,
     get_proxy_slot,
     track_tensor_tree,
 )
+from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["Recording", "current", "each_node", "node_of", "nodes_added", "recording"]
+from graphflop.meta import graph_module
+
+__all__ = [
+    "OpRecorder",
+    "Recording",
+    "current",
+    "each_node",
+    "node_of",
+    "nodes_added",
+    "record",
+    "recording",
+]
 
 
 class Recording:
-    """The graph one recorder is building (``make_fx``'s tracer), as the hooks use it.
+    """The graph one recorder is building, as the hooks use it: ``make_fx``'s tracer, or an
+    :class:`OpRecorder`.
 
     Attributes:
-        tracer: the recorder's tracer (``make_fx``'s ``PythonKeyTracer``).
+        tracer: ``make_fx``'s tracer (a ``PythonKeyTracer``), or None.
+        own: the :class:`OpRecorder`, or None.
     """
 
-    __slots__ = ("tracer",)
+    __slots__ = ("own", "tracer")
 
-    def __init__(self, tracer: Any):
-        self.tracer = tracer
+    def __init__(self, tracer: Any, own: OpRecorder | None = None):
+        self.tracer, self.own = tracer, own
 
     @property
     def graph(self) -> Graph:
         """The graph being built; nodes are appended at its end."""
-        return self.tracer.graph
+        return self.own.graph if self.own is not None else self.tracer.graph
 
     def node_of(self, t: Any, sync: bool = False) -> Node | None:
         """The node that made tensor ``t`` (through functionalization's wrappers), or None:
@@ -60,6 +82,8 @@ class Recording:
             torch._sync(t)
         while torch._is_functional_tensor(t):
             t = torch._from_functional_tensor(t)
+        if self.own is not None:
+            return self.own.node_of(t)
         slot = get_proxy_slot(t, self.tracer, None)
         node = getattr(getattr(slot, "proxy", None), "node", None)
         return node if isinstance(node, Node) else None
@@ -67,18 +91,23 @@ class Recording:
     def bind(self, t: torch.Tensor, node: Node) -> None:
         """Record ``node`` as the value of tensor ``t`` from now on (a node the caller added:
         later ops reading ``t`` read ``node``)."""
-        track_tensor_tree(t, Proxy(node, self.tracer), constant=None, tracer=self.tracer)
+        if self.own is not None:
+            self.own.bind(t, node)
+        else:
+            track_tensor_tree(t, Proxy(node, self.tracer), constant=None, tracer=self.tracer)
 
 
 def current() -> Recording | None:
     """The graph being recorded, or None when nothing is traced."""
+    if _ACTIVE:
+        return Recording(None, _ACTIVE[-1])
     mode = get_proxy_mode()
     return Recording(mode.tracer) if mode is not None else None
 
 
 def recording() -> bool:
     """Whether a graph is being recorded."""
-    return get_proxy_mode() is not None
+    return bool(_ACTIVE) or get_proxy_mode() is not None
 
 
 def node_of(t: Any, sync: bool = False) -> Node | None:
@@ -119,7 +148,228 @@ def each_node(hook: Callable[[Node], None]) -> Iterator[None]:
         return node
 
     PythonKeyTracer.create_node = create_node  # type: ignore[method-assign]
+    _NODE_HOOKS.append(hook)
     try:
         yield
     finally:
+        _NODE_HOOKS.remove(hook)
         PythonKeyTracer.create_node = outer  # type: ignore[method-assign]
+
+
+# --- a recorder of graphflop's own (issue 33 item 4) ---------------------------------------
+
+#: the hooks :func:`each_node` registered, called for every node :class:`OpRecorder` makes
+_NODE_HOOKS: list[Callable[[Node], None]] = []
+#: the :class:`OpRecorder` s recording now (innermost last)
+_ACTIVE: list[OpRecorder] = []
+
+
+class OpRecorder(TorchDispatchMode):
+    """A dispatch-level recorder: each ATen op that reaches it (under functionalization and
+    over a FakeTensorMode) appended to an fx graph as ``make_fx``'s proxy mode appends it, for
+    a fraction of its cost per op.
+
+    What ``make_fx(f, decomposition_table=table, _allow_fake_constant=True)`` records, done the
+    same way: an op in ``table`` replaced by its decomposition, a CompositeImplicitAutograd op
+    that autograd would have decomposed by its decomposition, ``prim.device`` not recorded,
+    ``is_nonzero`` as ``(x != 0).item()``, ``lift_fresh`` recorded as ``lift_fresh_copy``; each
+    other op one ``call_function`` node named after its overload packet, a ``getitem`` node per
+    element of a tuple or list result, a tensor no node made read through a
+    ``_tensor_constant<k>`` attribute; small constants (``torch.tensor(...)`` and the ops
+    reading only such) carried as real values, so that ``.item()`` on them works. Node
+    ``meta["val"]``: the op's result (``make_fx`` keeps a detached alias of it, and a
+    ``tensor_meta``, which graphflop does not read).
+
+    Not modelled (``record`` is then not for the trace): symbolic shapes, pre-dispatch
+    tracing, tensor subclasses other than FakeTensor, opaque objects.
+    """
+
+    def __init__(self, table: dict[Any, Callable[..., Any]]):
+        super().__init__()
+        self.table = table
+        self.graph = Graph()
+        self.root = torch.nn.Module()
+        # weakly keyed, as make_fx's tensor tracker: a factory's result held only by the
+        # kernel stays unshared, so autograd's wrapping of it is no ``detach``
+        self._nodes: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._consts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._n_constants = 0
+
+    def node_of(self, t: Any) -> Node | None:
+        """The node bound to tensor ``t`` (a FakeTensor below functionalization), or None."""
+        return self._nodes.get(t)
+
+    def constant_of(self, t: Any) -> torch.Tensor | None:
+        """The real value carried for tensor ``t`` (a small constant), or None."""
+        return self._consts.get(t)
+
+    def bind(self, t: Any, node: Node, constant: torch.Tensor | None = None) -> None:
+        self._nodes[t] = node
+        if constant is not None:
+            self._consts[t] = constant
+        elif t in self._consts:
+            del self._consts[t]
+
+    def new_node(self, op: str, target: Any, args: tuple, kwargs: dict, name: str) -> Node:
+        node = self.graph.create_node(op, target, name=name)
+        node._update_args_kwargs(args, kwargs)
+        for hook in _NODE_HOOKS:
+            hook(node)
+        return node
+
+    def _constant(self, t: torch.Tensor) -> Node:
+        """A ``get_attr`` node reading tensor ``t``, which no node made (``make_fx``'s
+        ``_tensor_constant<k>``)."""
+        name = f"_tensor_constant{self._n_constants}"
+        self._n_constants += 1
+        setattr(self.root, name, t)
+        node = self.new_node("get_attr", name, (), {}, name)
+        node.meta["val"] = extract_val(t)  # (as make_fx's tracer: a fake alias)
+        self.bind(t, node)
+        return node
+
+    def __enter__(self) -> OpRecorder:
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _DEVICE:
+            return func(*args, **kwargs)
+        decomposition = self.table.get(func)
+        if decomposition is not None:
+            with self:
+                out = decomposition(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        flat, spec = tree_flatten((args, kwargs))
+        if func not in _SHAPE_QUERIES and autograd_would_have_decomposed(func, flat):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        if func is _IS_NONZERO:
+            with self:
+                torch._check(args[0].numel() == 1, lambda: "ambiguous truth value")
+                return (args[0] != 0).item()
+        values: list[Any] = []
+        consts: list[Any] = []
+        all_constant, any_constant = True, False
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                node = self._nodes.get(x)
+                if node is None:  # no node made it: a constant (not counted as one below)
+                    values.append(self._constant(x))
+                    consts.append(x)
+                    continue
+                c = self._consts.get(x)
+                all_constant = all_constant and c is not None
+                any_constant = any_constant or c is not None
+                values.append(node)
+                consts.append(c if c is not None else x)
+            else:
+                values.append(x)
+                consts.append(x)
+        if _DATA_DEPENDENT in func.tags and all_constant:
+            with unset_fake_temporarily():
+                cargs, ckwargs = tree_unflatten(consts, spec)
+                return func(*cargs, **ckwargs)
+        if func is _LIFT_FRESH:
+            func = _LIFT_FRESH_COPY
+        nargs, nkwargs = tree_unflatten(values, spec)
+        node = self.new_node(
+            "call_function",
+            func,
+            nargs,
+            nkwargs,
+            self.graph._target_to_str(func.overloadpacket.__name__),
+        )
+        out = func(*args, **kwargs)
+        constant = None
+        if func is _LIFT_FRESH_COPY and out.numel() <= CONSTANT_NUMEL_LIMIT:
+            with unset_fake_temporarily():
+                constant = args[0].clone()
+        elif (
+            _SEEDED not in func.tags
+            and all_constant
+            and any_constant
+            and all(
+                t.numel() <= CONSTANT_NUMEL_LIMIT
+                for t in tree_flatten(out)[0]
+                if isinstance(t, torch.Tensor)
+            )
+        ):
+            with unset_fake_temporarily():
+                cargs, ckwargs = tree_unflatten(consts, spec)
+                constant = func(*cargs, **ckwargs)
+        self.track(out, node, constant)
+        return out
+
+    def track(self, out: Any, node: Node, constant: Any = None) -> None:
+        """``out``'s tensors bound to ``node`` (a tuple's or list's elements to a ``getitem``
+        of it each, made for every element as ``make_fx`` makes them)."""
+        if isinstance(out, torch.Tensor):
+            self.bind(out, node, constant)
+            node.meta["val"] = _snapshot(out)
+        elif isinstance(out, (tuple, list)):
+            node.meta["val"] = _snapshot(out)
+            for i, e in enumerate(out):
+                item = self.new_node("call_function", operator.getitem, (node, i), {}, "getitem")
+                self.track(e, item, constant[i] if constant is not None else None)
+
+
+def record(
+    fn: Callable[..., Any], decomposition_table: dict[Any, Callable[..., Any]]
+) -> Callable[..., GraphModule]:
+    """``fn`` recorded by an :class:`OpRecorder`: ``record(fn, table)(*args)`` returns the graph
+    module ``make_fx(fn, decomposition_table=table, _allow_fake_constant=True)(*args)``
+    returns for the same call (``args`` FakeTensors, run in their FakeTensorMode; placeholders
+    ``arg<i>_1``, then the ops, then an ``output`` node returning ``fn``'s result with its
+    tensors as their nodes)."""
+
+    def run(*args: Any) -> GraphModule:
+        rec = OpRecorder(decomposition_table)
+        for i, a in enumerate(args):
+            name = f"arg{i}_1"
+            ph = rec.new_node("placeholder", name, (), {}, name)
+            ph.meta["val"] = _snapshot(a)
+            if isinstance(a, torch.Tensor):
+                rec.bind(a, ph)
+        with disable_autocast_cache(), rec:
+            out = fn(*args)
+        leaves, spec = tree_flatten(out)
+        results = [
+            (rec.node_of(t) or rec._constant(t)) if isinstance(t, torch.Tensor) else t
+            for t in leaves
+        ]
+        rec.graph.output(tree_unflatten(results, spec))
+        return graph_module(rec.root, rec.graph)
+
+    return run
+
+
+def _snapshot(v: Any) -> Any:
+    """What ``make_fx`` keeps as a node's ``val``: a FakeTensor's detached alias (made without
+    a dispatch), the same for each element of a tuple or list, anything else as it is."""
+    if isinstance(v, FakeTensor):
+        return fast_detach(v.fake_mode, v)
+    if isinstance(v, (tuple, list)):
+        return type(v)(_snapshot(x) for x in v)
+    return v
+
+
+_DEVICE = torch.ops.prim.device.default
+_IS_NONZERO = torch.ops.aten.is_nonzero.default
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_LIFT_FRESH_COPY = torch.ops.aten.lift_fresh_copy.default
+_SHAPE_QUERIES = (
+    torch.ops.aten.size.default,
+    torch.ops.aten.stride.default,
+    torch.ops.aten.storage_offset.default,
+)
+_DATA_DEPENDENT = torch.Tag.data_dependent_output
+_SEEDED = torch.Tag.nondeterministic_seeded

@@ -446,10 +446,8 @@ def _trace_once(
             # model's own warnings are shown once each after the trace (_reemit)
             warnings.simplefilter("always")
             with outliner, grad_sources(trainable), grad_mode_tagged():
-                gm = _make_fx(
-                    torch.func.functionalize(modes.around(objective)),
-                    decomposition_table=table,
-                    _allow_fake_constant=True,
+                gm = _recorder(
+                    torch.func.functionalize(modes.around(objective)), decomposition_table=table
                 )(*flat_state, *inputs)
             templates = _templates(outliner, table, fake_mode, modes)
             with modes:
@@ -594,6 +592,23 @@ def _written_line(names: tuple[str, ...]) -> str:
 FUNCTION_METADATA = False
 
 _FN_METADATA_OPTION = "_disable_torch_fn_metadata_mode" in inspect.signature(make_fx).parameters
+
+
+#: the main trace's recorder: ``"own"`` (graphflop's :class:`~graphflop.frontend.recording.
+#: OpRecorder`, the same graph node for node as ``make_fx``'s at half its cost or less:
+#: ``tests/test_recording.py`` on the zoo) or ``"make_fx"`` (the reference)
+RECORDER = os.environ.get("GRAPHFLOP_RECORDER", "own")
+
+
+def _recorder(fn: Any, decomposition_table: dict, template: bool = False) -> Any:
+    """The recorder of ``fn`` (:data:`RECORDER`): the main trace's, or a ``template``'s (with
+    ``make_fx``, a FakeTensor no node made is then an error, not a constant; with graphflop's
+    recorder a constant, which :func:`_trace_template` refuses)."""
+    if RECORDER == "make_fx":
+        return _make_fx(
+            fn, decomposition_table=decomposition_table, _allow_fake_constant=not template
+        )
+    return recording.record(fn, decomposition_table)
 
 
 def _make_fx(fn: Any, **kwargs: Any) -> Any:
@@ -859,9 +874,9 @@ def _trace_template(
         with ModuleScopes(m, prefix=repeats.MARK, base=[(repeats.MARK, qualname(m))]):
             return fn(*tensors)
 
-    gm = _make_fx(torch.func.functionalize(modes.around(scoped)), decomposition_table=table)(
-        *outliner.example_tensors(key, fake_mode)
-    )
+    gm = _recorder(
+        torch.func.functionalize(modes.around(scoped)), decomposition_table=table, template=True
+    )(*outliner.example_tensors(key, fake_mode))
     # writes into the template's own temporaries (circular padding's copies into a new
     # tensor) made functional as the whole graph's are (export_form), before its writes into
     # buffers are told apart
