@@ -434,6 +434,8 @@ def test_a_train_override_runs_as_a_training_loop_runs_it(tmp_path, capsys):
 
     import torch
 
+    from graphflop.runtime.memory_probe import SavedBytes
+
     path = tmp_path / "norm_eval.py"
     path.write_text(NORM_EVAL)
     rc, out, err = cli(
@@ -455,21 +457,12 @@ def test_a_train_override_runs_as_a_training_loop_runs_it(tmp_path, capsys):
             m.register_forward_hook(
                 lambda m, args, out: drawn.append(args[0].numel() if m.training else 0)
             )
-    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in state and s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    with SavedBytes(model) as saved:
         y = model(x)
         loss = torch.nn.functional.cross_entropy(y, torch.randint(0, 10, (8,)))
     del loss
     assert sum(drawn) == 3 * 8 * 32 == got["totals"]["forward"]["random_elements"]
-    assert got["memory"]["saved_for_backward_bytes"] == sum(seen.values())
+    assert got["memory"]["saved_for_backward_bytes"] == saved.nbytes
 
 
 STATE_OUTSIDE = """

@@ -32,6 +32,7 @@ import graphflop
 from graphflop.analysis import AnalyzeOptions
 from graphflop.meta import GAPS, OUTLINED
 from graphflop.ops import MissingRuleError, registry, strict_rules
+from graphflop.runtime.memory_probe import SavedBytes
 from graphflop.runtime.verify import verify_analysis
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -88,19 +89,10 @@ def _eager_mm_flops(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
 
 def _eager_saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
     """The bytes of the distinct storages eager autograd saves for ``model(x).sum()``,
-    parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    parameters and buffers excluded."""
+    with SavedBytes(model) as saved:
         model(x).sum()
-    return sum(saved.values())
+    return saved.nbytes
 
 
 def _verified(model: nn.Module, x: torch.Tensor, a) -> None:

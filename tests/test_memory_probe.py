@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graphflop.runtime.memory_probe import measure_jvp_peak, measure_saved, measure_train_peak
+from graphflop.runtime.memory_probe import (
+    SavedBytes,
+    measure_jvp_peak,
+    measure_saved,
+    measure_train_peak,
+)
 
 
 def _mlp() -> nn.Module:
@@ -26,6 +31,27 @@ def test_sum_loss_saves_nothing_of_its_own() -> None:
     # Linear on (3, 5): saves x (60 B); sum saves only sizes
     torch.manual_seed(0)
     assert measure_saved(nn.Linear(5, 2), (torch.randn(3, 5),), "sum") == 60
+
+
+def test_saved_bytes_counts_each_storage_once_outside_the_excluded() -> None:
+    # BatchNorm1d(3) on x (4, 3), then mul by x: batch norm saves x (4·3·4 = 48 B), its mean and
+    # rstd (3·4 = 12 B each) and its weight and running stats (state: excluded); mul saves the
+    # operand its differentiable one's gradient needs, x (already counted): 72 B. keep() of a
+    # view of x counts nothing more, of a fresh tensor (2·4 = 8 B) its storage once: 80 B.
+    # With x excluded as well: 80 - 48 = 32
+    torch.manual_seed(0)
+    m, x = nn.BatchNorm1d(3), torch.randn(4, 3)
+    for exclude, want in (((), 72 + 8), ((x,), 32)):
+        with SavedBytes(m, exclude=exclude) as saved:
+            (m(x) * x).sum()
+        fresh = torch.ones(2)
+        saved.keep(x[1:])
+        saved.keep(fresh)
+        saved.keep(fresh[1:])
+        assert saved.nbytes == want
+    # no hook outside the context
+    (m(x) * x).sum()
+    assert saved.nbytes == 32
 
 
 def test_peaks_include_the_live_state() -> None:

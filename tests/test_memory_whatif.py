@@ -1,7 +1,7 @@
 """What-if memory models: activation checkpointing and autocast, against
-measurements of real eager runs (``saved_tensors_hooks``, as
-:func:`graphflop.runtime.memory_probe.measure_saved` counts: once per storage, parameters and
-buffers excluded, inputs and targets included)."""
+measurements of real eager runs (``saved_tensors_hooks``, counted by
+:class:`graphflop.runtime.memory_probe.SavedBytes` as ``measure_saved`` counts: once per storage,
+parameters and buffers excluded, inputs and targets included)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.utils.checkpoint as tuc
 from torch import nn
 
 from graphflop.passes.checkpoint import module_matcher
-from graphflop.runtime.memory_probe import _loss_fn
+from graphflop.runtime.memory_probe import SavedBytes, _loss_fn
 
 
 @contextlib.contextmanager
@@ -48,23 +48,15 @@ def measure_saved_checkpointed(model: nn.Module, inputs: tuple, pattern: str) ->
     (``use_reentrant=False``), bytes saved without): packed tensors' storages outside the
     checkpointed modules plus the storages of the checkpointed calls' tensor arguments, which
     the recompute closure keeps; parameters and buffers excluded."""
-    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     _, run = _loss_fn(model, inputs, "auto")
 
     def saved(wrap: bool) -> int:
-        seen: dict[int, int] = {}
-
-        def keep(t: torch.Tensor) -> torch.Tensor:
-            s = t.untyped_storage()
-            if s.data_ptr() not in state and s.nbytes():
-                seen[s.data_ptr()] = s.nbytes()
-            return t
-
-        ctx = checkpointed(model, pattern, keep) if wrap else contextlib.nullcontext()
-        with ctx, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        counted = SavedBytes(model)
+        ctx = checkpointed(model, pattern, counted.keep) if wrap else contextlib.nullcontext()
+        with ctx, counted:
             loss = run()
         del loss
-        return sum(seen.values())
+        return counted.nbytes
 
     return saved(True), saved(False)
 
@@ -106,23 +98,11 @@ def measure_saved_autocast(model: nn.Module, inputs: tuple, dtype: torch.dtype) 
     """Bytes saved for backward by a forward and loss under ``torch.autocast("cpu", dtype)``
     (the loss inside the autocast region, as a training loop writes it), counted as
     :func:`graphflop.runtime.memory_probe.measure_saved` does."""
-    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     _, run = _loss_fn(model, inputs, "auto")
-    seen: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in state and s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with (
-        torch.autocast("cpu", dtype=dtype),
-        torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t),
-    ):
+    with torch.autocast("cpu", dtype=dtype), SavedBytes(model) as saved:
         loss = run()
     del loss
-    return sum(seen.values())
+    return saved.nbytes
 
 
 def measure_train_peak_autocast(
@@ -480,18 +460,11 @@ def _measure_saved_eager(model: nn.Module, inputs: tuple, wrap=None) -> int:
     ``saved_tensors_hooks`` see packed, each once, parameters and buffers left out; with
     ``wrap`` (a checkpoint), each block's attention core runs through it and its arguments
     are counted (the recompute keeps them)."""
-    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in state and s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-        return t
+    saved = SavedBytes(model)
 
     def wrapped(f, *args):
         for a in args:
-            keep(a)
+            saved.keep(a)
         return wrap(f, *args)
 
     _, run = _loss_fn(model, inputs, "auto")
@@ -499,13 +472,13 @@ def _measure_saved_eager(model: nn.Module, inputs: tuple, wrap=None) -> int:
     for b in blocks:
         b.wrap = wrapped if wrap is not None else None
     try:
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        with saved:
             loss = run()
         del loss
     finally:
         for b in blocks:
             b.wrap = None
-    return sum(seen.values())
+    return saved.nbytes
 
 
 def test_what_ifs_count_what_plain_ops_save_in_repeated_blocks():

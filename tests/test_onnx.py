@@ -4,6 +4,7 @@ numbers as in PyTorch, and the train step equals one torch.optim step."""
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -668,6 +669,44 @@ def test_hypot_of_half_tensors_squares_in_float32():
 
     (got,) = ReferenceEvaluator(ex.model).run(None, {"x": xs.numpy(), "y": ys.numpy()})
     assert torch.equal(torch.from_numpy(got), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_real_tensor_to_a_complex_power_exports(dtype):
+    """``x ** (a + bi)`` of a real ``x`` (the derivative of ``x ** (0.5 + 1j)`` reads
+    ``x ** (-0.5 + 1j)``) was refused: the exporter's ``pow`` takes the exponent with
+    ``float()``. It is written from its real and imaginary parts (onnx_rewrites): ONNX
+    Runtime's values equal PyTorch's principal value for positive, negative and zero bases,
+    the zero base's 0, inf + NaN·i and NaN included. By hand: (-2) ** (0.5 + 1j) =
+    e^(0.5·ln 2 − π)·(cos φ + i·sin φ), φ = ln 2 + π/2: −0.0390 + 0.0470i."""
+    from graphflop.export.onnx import export_graph
+
+    xs = torch.tensor([2.0, -2.0, 0.0, 3.5, -0.25, 1.0], dtype=dtype)
+    complex_dtype = torch.complex64 if dtype == torch.float32 else torch.complex128
+    # the exporter writes Python floats as float32 constants: π, which a negative base's
+    # value holds, is good to 1.7e-7 in float64 too (the exponents are float32 numbers)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-6, "atol": 1e-12}
+    for exponent in (0.5 + 1j, -0.5 + 1j, 2 + 0.25j, 1j):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        p = g.call_function(torch.ops.aten.pow.Tensor_Scalar, (x, exponent))
+        g.output((p,))
+        want = torch.pow(xs, exponent)
+        x.meta["val"], p.meta["val"] = xs, want
+        assert want.dtype == complex_dtype
+        ex = export_graph(torch.fx.GraphModule({}, g), "forward", ["x"], ["power"])
+        (got,) = run(session(ex.model, CPU), {"x": xs})
+        got_c = torch.view_as_complex(torch.from_numpy(got).contiguous())
+        assert got_c.dtype == complex_dtype
+        for part in (torch.real, torch.imag):
+            assert torch.allclose(part(got_c), part(want), equal_nan=True, **tol), exponent
+        if dtype == torch.float64:  # without π: to float64's precision
+            positive = xs > 0
+            assert torch.allclose(got_c[positive], want[positive], rtol=1e-13, atol=0)
+    minus_two = torch.pow(torch.tensor(-2.0), 0.5 + 1j)
+    phi = math.log(2) + math.pi / 2
+    hand = math.exp(0.5 * math.log(2) - math.pi) * complex(math.cos(phi), math.sin(phi))
+    assert abs(complex(minus_two) - hand) < 1e-6 and round(hand.real, 4) == -0.0390
 
 
 class _EmptyLikeTransposed(nn.Module):

@@ -315,6 +315,7 @@ def test_one_rank_peak_is_params_states_and_adamw_temporaries_by_hand():
     import torch.distributed as dist
     from torch import nn
 
+    from graphflop.runtime.memory_probe import SavedBytes
     from graphflop.runtime.parallel_probe import probe_rank
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -354,19 +355,10 @@ def test_one_rank_peak_is_params_states_and_adamw_temporaries_by_hand():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
     x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
-    own = {t.untyped_storage().data_ptr() for t in [x, y, *model.parameters()]}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in own:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(model, exclude=(x, y)) as saved:
         nn.functional.cross_entropy(model(x), y)
-    assert sum(saved.values()) == 8 * 32 * 4 + 8 * 10 * 4 + 4  # ReLU out, log-softmax, weight
-    assert sum(saved.values()) + 4 * params < rise
+    assert saved.nbytes == 8 * 32 * 4 + 8 * 10 * 4 + 4  # ReLU out, log-softmax, weight
+    assert saved.nbytes + 4 * params < rise
 
 
 @pytest.mark.slow

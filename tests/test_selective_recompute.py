@@ -1,8 +1,8 @@
 """Selective recompute of attention cores (``recompute="attention"``, ``--recompute``): saved
 bytes and recompute FLOPs worked out by hand and measured on real eager runs with the core
-wrapped in ``torch.utils.checkpoint`` (``saved_tensors_hooks``, as
-:func:`graphflop.runtime.memory_probe.measure_saved` counts: once per storage, parameters and
-buffers excluded, inputs included)."""
+wrapped in ``torch.utils.checkpoint`` (``saved_tensors_hooks``, counted by
+:class:`graphflop.runtime.memory_probe.SavedBytes` as ``measure_saved`` counts: once per storage,
+parameters and buffers excluded, inputs included)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.utils.checkpoint as tuc
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from graphflop.runtime.memory_probe import _loss_fn
+from graphflop.runtime.memory_probe import SavedBytes, _loss_fn
 
 
 class TinyAttention(nn.Module):
@@ -50,27 +50,20 @@ def _tiny() -> tuple[TinyAttention, tuple[torch.Tensor]]:
 def _measure_saved(model: TinyAttention, x: tuple, wrap) -> int:
     """Bytes saved by one forward and a sum loss: the packed tensors' storages outside the
     checkpointed core plus the storages of the core's arguments (the recompute keeps them)."""
-    state = {t.untyped_storage().data_ptr() for t in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in state and s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-        return t
+    saved = SavedBytes(model)
 
     def wrapped(f, *args):
         for a in args:
-            keep(a)
+            saved.keep(a)
         return wrap(f, *args)
 
     _, run = _loss_fn(model, x, "sum")  # runs the model once, without the checkpoint
     model.wrap = wrapped if wrap is not None else None
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    with saved:
         loss = run()
     del loss
     model.wrap = None
-    return sum(seen.values())
+    return saved.nbytes
 
 
 def _reentrant(f, *args):
@@ -282,27 +275,20 @@ def test_gpt2_matches_a_checkpointed_attention_core():
     x = (torch.randint(0, 100, (2, 16)),)
     rc = analyze(m.train(), x, jvp=False, recompute="attention").report.memory.recompute
     assert measure_saved(m, x) - rc.eager_saved_for_backward_bytes == 16 * 8
-    state = {t.untyped_storage().data_ptr() for t in m.parameters()}
-    seen: dict[int, int] = {}
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in state and s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-        return t
+    saved = SavedBytes(m)
 
     def attention(q, k, v, *args, **kwargs):
         for t in (q, k, v):
-            keep(t)
+            saved.keep(t)
         return tuc.checkpoint(sdpa, q, k, v, *args, use_reentrant=False, **kwargs)
 
     _, run = _loss_fn(m, x, "auto")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gpt2.F, "scaled_dot_product_attention", attention)
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        with saved:
             loss = run()
     del loss
-    assert sum(seen.values()) - rc.saved_for_backward_bytes == 16 * 8
+    assert saved.nbytes - rc.saved_for_backward_bytes == 16 * 8
     assert rc.saved_for_backward_bytes < rc.eager_saved_for_backward_bytes
 
 

@@ -1160,6 +1160,100 @@ def test_relu_backward_is_one_eager_kernel():
     assert row.overhead_s == pytest.approx(1e-6)
 
 
+class LinearThen(nn.Module):
+    """Linear(6, 6) over the last dim, then ``f``, then a sum loss."""
+
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.f = f
+
+    def forward(self, x):
+        return self.f(self.fc(x)).sum()
+
+
+def _eager_backward_kernels(f, x: torch.Tensor) -> list[str]:
+    """The aten ops eager autograd's node for ``f`` calls in ``backward()`` (the profiler's
+    children of the node; their own children, zeros_like's fill inside a kernel, left out).
+    ``f`` runs on a clone of a leaf (an in-place op may not write a leaf)."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    y = f(x.requires_grad_().clone())
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y.backward(torch.ones_like(y))
+    return [
+        e.name
+        for e in prof.events()
+        if e.cpu_parent is not None
+        and re.fullmatch(r"\w+Backward\d", e.cpu_parent.name)
+        and e.cpu_parent.name != "CloneBackward0"
+        and e.name.startswith("aten::")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("f", "shape", "op", "eager", "nbytes"),
+    [
+        # (2, 3, 4, 6, 6) -> (3, 4, 4), uneven windows: the cotangent 2·3·3·4·4 · 4 B = 1,152 B
+        # read, the gradient 2·3·4·6·6 · 4 B = 3,456 B written (eager's kernel reads no forward
+        # value; graphflop's rule writes window bounds, a division, zeros and an index_add per
+        # dim: 57 nodes, 39 of them timed as kernels of their own that moved 43,800 B)
+        (
+            lambda y: torch.nn.functional.adaptive_avg_pool3d(y, (3, 4, 4)),
+            (2, 3, 4, 6, 6),
+            "aten._adaptive_avg_pool3d.default",
+            ["aten::_adaptive_avg_pool3d_backward"],
+            1_152 + 3_456,
+        ),
+        # evaluation: leaky_relu_backward(grad, self, (lower + upper) / 2) reads the cotangent
+        # and x and writes the gradient, 3 · 4·5·6 · 4 B = 1,440 B (graphflop's rule: a mask, its
+        # cast, the coefficient's product and sum, the product with the cotangent, 4,560 B)
+        (
+            lambda y: torch.nn.functional.rrelu(y, 0.1, 0.3, training=False),
+            (4, 5, 6),
+            "aten.rrelu_with_noise.default",
+            ["aten::rrelu_with_noise_backward"],
+            3 * 4 * 5 * 6 * 4,
+        ),
+        # training: grad · noise, one mul inside rrelu_with_noise_backward; the cotangent and
+        # the noise read, the gradient written (one node already; now named for its op)
+        (
+            lambda y: torch.nn.functional.rrelu(y, 0.1, 0.3, training=True),
+            (4, 5, 6),
+            "aten.rrelu_with_noise.default",
+            ["aten::rrelu_with_noise_backward"],
+            3 * 4 * 5 * 6 * 4,
+        ),
+        # in place (traced as rrelu_with_noise_functional): the same kernel
+        (
+            lambda y: torch.nn.functional.rrelu(y, 0.1, 0.3, training=True, inplace=True),
+            (4, 5, 6),
+            "aten.rrelu_with_noise_functional.default",
+            ["aten::rrelu_with_noise_backward"],
+            3 * 4 * 5 * 6 * 4,
+        ),
+    ],
+    ids=["adaptive_avg_pool3d", "rrelu_eval", "rrelu_train", "rrelu_inplace"],
+)
+def test_pool3d_and_rrelu_backward_is_one_eager_kernel(f, shape, op, eager, nbytes):
+    """Eager autograd runs 3-D adaptive average pooling's derivative as one
+    ``_adaptive_avg_pool3d_backward`` and randomized leaky ReLU's as one
+    ``rrelu_with_noise_backward`` (measured here with the profiler): the time pass times the
+    backward nodes graphflop's rule derives from each as that kernel, one launch over its
+    bytes."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    assert _eager_backward_kernels(f, x.clone()) == eager
+    p = _profile(bandwidth=RateCurve(((1.0, 1e9),)), launch_overhead_s=1e-6)
+    a = analyze(LinearThen(f), x, jvp=False, time_profile=p)
+    (row,) = [o for o in a.report.time.ops if o.phase == "backward" and o.op == op]
+    assert row.kernels == 1
+    assert row.memory_s == pytest.approx(nbytes / 1e9)
+    assert row.overhead_s == pytest.approx(1e-6)
+
+
 def test_layer_rows_add_up_to_their_phase():
     """Per-layer times are each module's share of its phase: they sum to the phase's
     seconds, on a GPU profile (host and device overlapped: the plain sums exceeded the phase)

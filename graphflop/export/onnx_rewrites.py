@@ -22,6 +22,14 @@ correctly and that compute the same values.
   type, which ONNX's shape inference refuses);
 * ``empty_permuted`` (PyTorch's decomposition of ``empty_like``) → ``empty_strided`` with the
   same strides;
+* a real floating tensor to a complex power (``pow.Tensor_Scalar(x, a + bi)``, as the derivative of
+  ``x ** (a + bi)`` reads ``x ** (a − 1 + bi)``) → its real and imaginary parts, PyTorch's
+  principal value ``exp((a + bi)·(ln|x| + iθ))``, θ = π where x < 0 and 0 elsewhere:
+  ``e^(a·ln|x| − bθ)·(cos φ, sin φ)``, φ = b·ln|x| + aθ (0 where x = 0, so that a zero base
+  gives PyTorch's 0, ∞ + NaN·i or NaN), viewed as complex (the exporter's ``pow`` converts the
+  exponent with ``float()``). The exporter writes a, b and π as float32 constants, so in a
+  float64 graph a negative base's value, or any base's with a, b not float32 numbers, is good
+  to about 1e-7 (relative), as any Python float a float64 graph holds;
 * ``hypot(x, y)`` → ``sqrt(x·x + y·y)``, computed in float32 for 16-bit inputs and cast back
   (float16's squares overflow above 256; in float32 the result is PyTorch's to the bit, for
   bfloat16 too, checked on 10⁵ random pairs). In float32 the squares overflow above about
@@ -36,6 +44,7 @@ keys; the given graph is not changed (a copy is).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -187,6 +196,13 @@ def _hypot(n: Node) -> bool:
     return _call(n, aten.hypot.default)
 
 
+def _real_to_complex_power(n: Node) -> bool:
+    if not _call(n, aten.pow.Tensor_Scalar):
+        return False
+    base = _val(n.args[0])
+    return base is not None and base.is_floating_point() and isinstance(n.args[1], complex)
+
+
 # --- the rewrites: each inserts its helper nodes before ``n`` and returns the call ``n``
 # becomes (target, args, kwargs)
 
@@ -298,6 +314,35 @@ def _hypotenuse(g: Graph, n: Node) -> _Call:
     return aten._to_copy.default, (root,), {"dtype": out.dtype}
 
 
+def _complex_power(g: Graph, n: Node) -> _Call:
+    """``x ** (a + bi)`` of a real ``x`` from its real and imaginary parts (the module's
+    docstring), viewed as complex."""
+    x, exponent = n.args[0], n.args[1]
+    base = _val(x)
+    assert isinstance(exponent, complex) and base is not None  # _real_to_complex_power's
+    a, b = exponent.real, exponent.imag
+
+    def call(op: Any, *args: Any, **kwargs: Any) -> Node:
+        return g.call_function(op, args, kwargs)
+
+    log_abs = call(aten.log.default, call(aten.abs.default, x))
+    # the exporter writes a Python float as a float32 constant (π to 1.7e-7, in a float64
+    # graph too; ONNX Runtime has no float64 Acos to make it from)
+    negative = call(aten._to_copy.default, call(aten.lt.Scalar, x, 0), dtype=base.dtype)
+    theta = call(aten.mul.Tensor, negative, math.pi)
+    magnitude = call(
+        aten.exp.default,
+        call(aten.sub.Tensor, call(aten.mul.Tensor, log_abs, a), call(aten.mul.Tensor, theta, b)),
+    )
+    phase = call(
+        aten.add.Tensor, call(aten.mul.Tensor, log_abs, b), call(aten.mul.Tensor, theta, a)
+    )
+    phase = call(aten.where.ScalarSelf, call(aten.eq.Scalar, x, 0), 0.0, phase)
+    real = call(aten.mul.Tensor, magnitude, call(aten.cos.default, phase))
+    imag = call(aten.mul.Tensor, magnitude, call(aten.sin.default, phase))
+    return aten.view_as_complex.default, (call(aten.stack.default, [real, imag], -1),), {}
+
+
 #: (applies to the node, rewrite), in the order tried
 _REWRITES: tuple[tuple[Callable[[Node], bool], Callable[[Graph, Node], _Call]], ...] = (
     (_noop_squeeze, _as_alias),
@@ -308,6 +353,7 @@ _REWRITES: tuple[tuple[Callable[[Node], bool], Callable[[Graph, Node], _Call]], 
     (_complex_zeros, _real_zeros),
     (_empty_permuted, _as_empty_strided),
     (_hypot, _hypotenuse),
+    (_real_to_complex_power, _complex_power),
 )
 
 

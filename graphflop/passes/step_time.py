@@ -110,7 +110,11 @@ _aten = torch.ops.aten
 #: forward ops whose derivative eager PyTorch runs as one kernel (tools/autograd/
 #: derivatives.yaml): ReLU's ``threshold_backward(grad, result, 0)``, where graphflop's rule
 #: writes a comparison and a select; a max-pool's ``max_pool2d_with_indices_backward``, where it
-#: writes zeros and a scatter; the others' ``X_backward`` kernels
+#: writes zeros and a scatter; 3-D adaptive average pooling's ``_adaptive_avg_pool3d_backward``,
+#: where it writes window bounds, divides, zeros and an ``index_add`` per dim; randomized leaky
+#: ReLU's ``rrelu_with_noise_backward`` (one ``mul`` by the noise in training, one
+#: ``leaky_relu_backward`` in evaluation, where graphflop's rule writes a mask, its coefficient
+#: and a product); the others' ``X_backward`` kernels
 ONE_BACKWARD_KERNEL = frozenset(
     {
         _aten.relu.default,
@@ -124,6 +128,9 @@ ONE_BACKWARD_KERNEL = frozenset(
         _aten.max_pool3d_with_indices.default,
         _aten.avg_pool2d.default,
         _aten._adaptive_avg_pool2d.default,
+        _aten._adaptive_avg_pool3d.default,
+        _aten.rrelu_with_noise.default,
+        _aten.rrelu_with_noise_functional.default,
     }
 )
 

@@ -6,7 +6,8 @@ profiler reports allocations for):
 * :func:`measure_saved` — the bytes autograd saves for backward, from
   ``torch.autograd.graph.saved_tensors_hooks``: every packed tensor's storage counted once
   (deduplicated by storage pointer), storages of parameters and buffers left out, inputs and
-  targets counted.
+  targets counted. :class:`SavedBytes` is that count as a context, for runs the function does not
+  make (a checkpointed region, autocast, a loss of one's own).
 * :func:`measure_train_peak` — the peak of one training step (forward, loss, ``backward()``,
   ``optimizer.step()``, gradients set to ``None`` beforehand as ``zero_grad()`` does by default),
   from the profiler's allocator events (``torch.profiler.profile(profile_memory=True)``: each
@@ -28,7 +29,7 @@ factory the runtime uses (:func:`graphflop.runtime.optim.torch_optimizer`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,7 @@ from graphflop.runtime.attention import math_attention
 
 __all__ = [
     "Measured",
+    "SavedBytes",
     "measure",
     "measure_forward_peak",
     "measure_jvp_peak",
@@ -68,8 +70,39 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return s.data_ptr(), s.nbytes()
 
 
-def _state_ptrs(model: nn.Module) -> set[int]:
-    return {_storage(t)[0] for t in [*model.parameters(), *model.buffers()]}
+class SavedBytes:
+    """The bytes autograd saves for backward while the context is open: the storages of the
+    tensors ``torch.autograd.graph.saved_tensors_hooks`` packs, each counted once (by its data
+    pointer), empty storages and those of ``model``'s parameters and buffers and of ``exclude``
+    left out. :meth:`keep` counts a tensor the same way: the arguments a
+    ``torch.utils.checkpoint`` call keeps for its recompute, which no hook sees. ``nbytes``: the
+    total so far."""
+
+    def __init__(
+        self, model: nn.Module | None = None, exclude: Iterable[torch.Tensor] = ()
+    ) -> None:
+        state = [*model.parameters(), *model.buffers()] if model is not None else []
+        self._excluded = {_storage(t)[0] for t in [*state, *exclude]}
+        self._seen: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.keep, lambda t: t)
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """Count ``t``'s storage (once, unless excluded or empty); returns ``t``."""
+        ptr, nbytes = _storage(t)
+        if ptr not in self._excluded and nbytes:
+            self._seen[ptr] = nbytes
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._seen.values())
+
+    def __enter__(self) -> SavedBytes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
 
 
 def _loss_fn(model: nn.Module, inputs: tuple, loss: str) -> tuple[str, Callable[[], torch.Tensor]]:
@@ -102,19 +135,10 @@ def measure_saved(model: nn.Module, inputs: tuple, loss: str = "auto") -> int:
     the storages of every tensor packed by ``saved_tensors_hooks``, parameters and buffers
     excluded, inputs included."""
     _, run = _loss_fn(model, inputs, loss)
-    state = _state_ptrs(model)
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr, nbytes = _storage(t)
-        if ptr not in state and nbytes:
-            seen[ptr] = nbytes
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(model) as saved:
         lossv = run()
     del lossv
-    return sum(seen.values())
+    return saved.nbytes
 
 
 def _profiled_peak(fn: Callable[[], None]) -> int:
