@@ -464,8 +464,8 @@ class RandomStack(nn.Module):
             plan = [(rng.choice(_LAYERS), rng.randrange(9), rng.randrange(9)) for _ in range(n)]
             if not any(op == "linear" for op, _, _ in plan):
                 plan[0] = ("linear", 0, 0)
-            # (two distinct values: a block returning one value twice makes the flat path's
-            # hierarchy fail, hierarchy._top_graph's IndexError, left as found)
+            # (two distinct values: the direct build refuses a block returning one value
+            # twice, test_the_flat_paths_hierarchy_of_repeated_outputs_and_arguments)
             first = rng.randrange(1, n + 1)
             second = rng.choice([i for i in range(n + 1) if i != first])
             outputs = (first, second) if rng.random() < 0.5 else (first,)
@@ -501,3 +501,71 @@ def test_random_block_stacks(monkeypatch):
             _check(flat, direct)
             direct_built += 1
     assert direct_built >= 16
+
+
+class SameTwice(nn.Module):
+    """A block returning one value for two of its outputs; the caller reads both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x)))
+        return y, y
+
+
+class SameTwiceStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(SameTwice() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            y, z = b(x)
+            x = y * z
+        return x
+
+
+class ReadsBoth(nn.Module):
+    """A block whose first op reads both its arguments (the caller passes one value for both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.b(torch.relu(self.a(x * y)))
+
+
+class ReadsBothStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ReadsBoth() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x, x)
+        return x
+
+
+@pytest.mark.parametrize("model", [SameTwiceStack, ReadsBothStack])
+def test_the_flat_paths_hierarchy_of_repeated_outputs_and_arguments(model, monkeypatch):
+    # the flat path's hierarchy (the direct build refuses both: an output or an argument
+    # repeated) rebuilds the flat forward node for node: a template returning one node twice
+    # (hierarchy._top_graph numbered its outputs by node, one index short), a value passed for
+    # two arguments that one node reads (torch.fx's all_input_nodes lists it once: the second
+    # placeholder was left without its argument)
+    flat, direct = _traced(model(), (torch.randn(5, 4),), monkeypatch)
+    assert direct is None
+    h = flat.meta[HIERARCHY]
+    assert h is not None and h.graph is not None and len(h.sites) == 3
+    rows = node_rows(flat, lambda n: (n.meta.get(MODULE), n.meta.get(CALL_SITE)))
+    rebuilt = expand(h)
+    assert node_rows(rebuilt, lambda n: (n.meta.get(MODULE), n.meta.get(CALL_SITE))) == rows
+    # every call's repeat node passes a value for each placeholder its variant reads
+    for n in h.graph.graph.nodes:
+        if n.target is torch.ops.graphflop.repeat.default:
+            assert all(a is not None for a in n.args[0])
