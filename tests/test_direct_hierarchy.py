@@ -8,6 +8,7 @@ never another hierarchy."""
 
 from __future__ import annotations
 
+import operator
 import random
 
 import pytest
@@ -227,9 +228,10 @@ def _zoo(s: str, direct_expected: bool, monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("s", "direct_expected"),
     [
-        # batch norm's running statistics are buffer writes inside the blocks: the flat path
-        ("torchvision:resnet18", False),
-        ("torchvision:mobilenet_v3_small", False),
+        # batch norm's running statistics are buffer writes inside the blocks and at the top
+        # level (the stem's), and ReLU(inplace=True) / Hardswish(inplace=True) in the blocks
+        ("torchvision:resnet18", True),
+        ("torchvision:mobilenet_v3_small", True),
         # in eval mode none: the getitems the flat form completes (batch norm's saved
         # statistics, max pooling's indices) at the top level and in the blocks
         ("torchvision:resnet18@eval", True),
@@ -260,7 +262,9 @@ def test_zoo_large(s, direct_expected, monkeypatch):
 
 
 class Writes(nn.Module):
-    """A block writing into a buffer (batch norm in training): the direct build refuses it."""
+    """A block writing into its buffers (batch norm in training: its running statistics, a
+    ``copy_`` into the template's placeholders, and ``num_batches_tracked``, a template
+    output the top level writes)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -272,10 +276,102 @@ class Writes(nn.Module):
         return self.b(self.n(self.a(x)))
 
 
-def test_a_buffer_write_inside_a_block_gives_none(monkeypatch):
+def _updates_are_calls_results(direct, flat):
+    """The buffer updates: the flat graph's first outputs, each a call's result in the
+    hierarchy's top level (after the template's outputs, for the running statistics)."""
+    updates = flat.meta[SIGNATURE].buffer_updates
+    assert updates and direct.graph.meta[SIGNATURE].buffer_updates == updates
+    output = next(n for n in direct.graph.graph.nodes if n.op == "output")
+    results = output.args[0][: len(updates)]
+    assert [n.meta[SOURCE] for n in results] == [name for name, _ in updates]
+    call = torch.ops.graphflop.repeat.default
+    return [n.args for n in results if n.target is operator.getitem and n.args[0].target is call]
+
+
+def test_buffer_writes_inside_blocks(monkeypatch):
     model = nn.Sequential(*[Writes() for _ in range(3)])
     flat, direct = _traced(model, (torch.randn(5, 4),), monkeypatch)
-    assert flat.meta[HIERARCHY] is not None and direct is None
+    assert direct is not None
+    _check(flat, direct)
+    # per block: running mean and variance (the call's results 2 and 3, after its two
+    # outputs), num_batches_tracked (its output 1, written by the top level afterwards)
+    updates = flat.meta[SIGNATURE].buffer_updates
+    assert [b for _, b in updates] == [
+        *(f"{i}.n.running_{s}" for i in range(3) for s in ("mean", "var")),
+        *(f"{i}.n.num_batches_tracked" for i in range(3)),
+    ]
+    calls = [n for n in direct.graph.graph.nodes if n.target is torch.ops.graphflop.repeat.default]
+    read = _updates_are_calls_results(direct, flat)
+    assert read == [*((c, i) for c in calls for i in (2, 3)), *((c, 1) for c in calls)]
+
+
+class ConvBnRelu(nn.Module):
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.relu(self.bn(self.conv(x)))
+
+
+class ConvBnStack(nn.Module):
+    """A stem (convolution, batch norm: buffer writes at the top level), then conv-BN-ReLU
+    blocks (in-place ReLU), a pooled linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.blocks = nn.Sequential(*[ConvBnRelu() for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.blocks(torch.relu(self.bn(self.stem(x))))
+        return self.head(x.mean((2, 3)))
+
+
+def test_training_batch_norm_stack(monkeypatch):
+    flat, direct = _traced(ConvBnStack().train(), (torch.randn(2, 3, 5, 5),), monkeypatch)
+    assert direct is not None
+    _check(flat, direct)
+    read = _updates_are_calls_results(direct, flat)
+    assert len(read) == 3 * 2 + 3  # (the stem's updates are top-level nodes)
+    assert len(flat.meta[SIGNATURE].buffer_updates) == 4 * 3
+
+
+def test_training_resnet18(monkeypatch):
+    loaded = load(spec("resnet.py:resnet18"), meta=True)
+    loaded.model.train()
+    flat, direct = _traced(loaded.model, make_inputs(loaded, batch=2), monkeypatch)
+    assert direct is not None
+    _check(flat, direct)
+    # 20 batch norms (the stem's, two per block, three shortcuts), three buffers each
+    assert len(flat.meta[SIGNATURE].buffer_updates) == 60
+
+
+class ReadAfterWrite(nn.Module):
+    """Blocks writing their batch norm's buffers, one of which the top level reads afterwards
+    (the flat form reads the value written): the direct build refuses that."""
+
+    def __init__(self, read: str | None) -> None:
+        super().__init__()
+        self.read = read
+        self.blocks = nn.Sequential(*[Writes() for _ in range(3)])
+
+    def forward(self, x):
+        x = self.blocks(x)
+        return x if self.read is None else x * getattr(self.blocks[0].n, self.read)
+
+
+@pytest.mark.parametrize("read", [None, "running_mean", "num_batches_tracked"])
+def test_a_buffer_read_after_its_write(read, monkeypatch):
+    flat, direct = _traced(ReadAfterWrite(read), (torch.randn(5, 4),), monkeypatch)
+    assert flat.meta.get(HIERARCHY) is not None
+    assert (direct is None) == (read is not None)
+    if direct is not None:
+        _check(flat, direct)
 
 
 class Twice(nn.Module):

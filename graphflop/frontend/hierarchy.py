@@ -17,7 +17,7 @@ times its calls, plus the top level's) always equals the flat graph's.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -183,7 +183,7 @@ def _results(tnodes: list[Node], phs: Any) -> list:
     update)."""
     copy_ = torch.ops.aten.copy_.default
     written = [t.args[1] for t in tnodes if t.target is copy_ and t.args[0] in phs]
-    return [*tnodes[-1].args[0], *written]
+    return [*cast(list, tnodes[-1].args[0]), *written]
 
 
 def _input_nodes(n: Node) -> list[Node]:
