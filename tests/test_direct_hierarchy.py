@@ -502,7 +502,15 @@ def test_a_view_folded_into_a_call_gives_none(monkeypatch):
     assert direct is None
 
 
-@pytest.mark.parametrize("model", [Twice, ViewStack, Checkpointed])
+def test_one_value_passed_for_two_arguments(monkeypatch):
+    flat, direct = _traced(Twice(), (torch.randn(5, 4),), monkeypatch)
+    assert direct is not None
+    _check(flat, direct)
+    calls = [n for n in direct.graph.graph.nodes if n.target is torch.ops.graphflop.repeat.default]
+    assert len(calls) == 3 and all(n.args[0][0] is n.args[0][1] for n in calls)
+
+
+@pytest.mark.parametrize("model", [ViewStack, Checkpointed])
 def test_what_the_flat_form_rewrites_gives_none(model, monkeypatch):
     flat, direct = _traced(model(), (torch.randn(5, 4),), monkeypatch)
     assert flat.meta.get(HIERARCHY) is not None  # (the blocks are outlined)
@@ -649,13 +657,15 @@ class ReadsBothStack(nn.Module):
 
 @pytest.mark.parametrize("model", [SameTwiceStack, ReadsBothStack])
 def test_the_flat_paths_hierarchy_of_repeated_outputs_and_arguments(model, monkeypatch):
-    # the flat path's hierarchy (the direct build refuses both: an output or an argument
-    # repeated) rebuilds the flat forward node for node: a template returning one node twice
-    # (hierarchy._top_graph numbered its outputs by node, one index short), a value passed for
-    # two arguments that one node reads (torch.fx's all_input_nodes lists it once: the second
-    # placeholder was left without its argument)
+    # the flat path's hierarchy rebuilds the flat forward node for node: a template returning
+    # one node twice (hierarchy._top_graph numbered its outputs by node, one index short), a
+    # value passed for two arguments that one node reads (torch.fx's all_input_nodes lists it
+    # once: the second placeholder was left without its argument); the direct build refuses
+    # the first and builds the second, equal to the flat path's
     flat, direct = _traced(model(), (torch.randn(5, 4),), monkeypatch)
-    assert direct is None
+    assert (direct is None) == (model is SameTwiceStack)
+    if direct is not None:
+        _check(flat, direct)
     h = flat.meta[HIERARCHY]
     assert h is not None and h.graph is not None and len(h.sites) == 3
     rows = node_rows(flat, lambda n: (n.meta.get(MODULE), n.meta.get(CALL_SITE)))

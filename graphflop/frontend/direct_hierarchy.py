@@ -19,8 +19,8 @@ copied either; each value written is the buffer's update, the flat graph's outpu
 model's, in the order written. Where the flat form rewrites what a call's copies would be (an
 in-place op that ``functionalize_inplace`` would rewrite, a write into anything but a buffer,
 a buffer written twice or read after its write, a view ``_fold_regenerated_views`` could fold,
-a call inside a checkpoint or custom Function, a call passed one value for two arguments), it
-returns None and the caller takes the flat path
+a call inside a checkpoint or custom Function, a template returning one value twice), it returns
+None and the caller takes the flat path
 (:func:`graphflop.frontend.trace._forward_and_hierarchy`).
 
 Writes on the templates' nodes :data:`~graphflop.meta.MODULE` (relative to the called module,
@@ -480,13 +480,8 @@ class _Direct:
                     raise _Unsupported("a call inside a checkpoint or custom Function")
                 if any(u.target is not operator.getitem for u in n.users):
                     raise _Unsupported("a call's result list used whole")
-                tensors = _call_of(n)[0]
-                if not all(isinstance(x, Node) for x in tensors) or len(set(tensors)) < len(
-                    tensors
-                ):
-                    # (one value passed for two of the template's placeholders: the flat
-                    # graph's copies no longer say which placeholder each argument stands for)
-                    raise _Unsupported("a call's arguments repeat a value")
+                if not all(isinstance(x, Node) for x in _call_of(n)[0]):
+                    raise _Unsupported("a call's argument that is not a value")
             elif self.is_output(n):
                 if LEAF in n.meta:
                     raise _Unsupported("a call's output made a leaf")
@@ -536,6 +531,9 @@ class _Direct:
         for where, ph, _ in self.writes():
             if ph not in self.buffer_of or ph in written:
                 raise _Unsupported("a write into a value other than a buffer, or twice")
+            if where in self.call_set and sum(a is ph for a in _call_of(where)[0]) > 1:
+                # (the flat form's copies reading the other placeholder read the value written)
+                raise _Unsupported("a buffer written by a call that gets it twice")
             written.add(ph)
             for u in ph.users:
                 if position[u] > position[where] and u not in self.stands_for:
