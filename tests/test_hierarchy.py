@@ -1555,3 +1555,53 @@ def test_layer_norm_blocks_in_bfloat16_hierarchical_equals_flat():
     from graphflop.runtime.memory_probe import measure_saved
 
     assert a.report.memory.saved_for_backward_bytes == 2400 == measure_saved(model, (x,))
+
+
+class _TwiceOutBlock(nn.Module):
+    """A block returning one value for both its outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x)))
+        return y, y
+
+
+class _TwiceInBlock(nn.Module):
+    """A block whose first op reads both its arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.b(torch.relu(self.a(x * y)))
+
+
+class _TwiceNet(nn.Module):
+    def __init__(self, outputs: bool) -> None:
+        super().__init__()
+        self.outputs = outputs
+        block = _TwiceOutBlock if outputs else _TwiceInBlock
+        self.blocks = nn.ModuleList(block() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            if self.outputs:
+                y, z = b(x)
+                x = y * z
+            else:
+                x = b(x, x)  # (one value for both arguments)
+        return x
+
+
+@pytest.mark.parametrize("outputs", [True, False])
+def test_blocks_repeating_an_output_or_an_argument_hierarchical_equals_flat(outputs):
+    # the flat path's hierarchy of a block returning one value twice, or called with one value
+    # for two arguments one node reads, composes the flat figures and rebuilds the flat graph
+    torch.manual_seed(0)
+    a = analyze(_TwiceNet(outputs), (torch.randn(5, 4),), name="twice")
+    h = _check(a)
+    assert h is not None and len(h.sites) == 3 and h.graph is not None

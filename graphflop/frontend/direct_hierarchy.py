@@ -10,12 +10,18 @@ the one :func:`~graphflop.frontend.hierarchy.build` makes, with the graph keys
 :func:`~graphflop.frontend.export_form.from_make_fx` writes on the flat graph (``SIGNATURE``,
 ``CONSTANTS``, ``LOSS_KIND``, ``FACTS``, ``UNUSED``, the dead code's cost included).
 
-Where the flat form rewrites what a call's copies would be (a buffer write, an in-place op that
-``functionalize_inplace`` would rewrite, a view ``_fold_regenerated_views`` could fold, a call
-inside a checkpoint or custom Function, a call passed one value for two arguments), it returns
-None and the caller takes the flat path. Not used by
-:func:`graphflop.frontend.trace.trace` yet (the flat forward's readers, docs/analysis_scale.md,
-Round 19, still need the flat graph).
+Buffer writes are the flat form's: a template's ``copy_`` of one of its values into a
+placeholder (batch norm's running statistics in training) is not copied, its value the call's
+result after the template's outputs (as :func:`~graphflop.frontend.hierarchy.expand` reads
+it); the top level's ``copy_`` into a buffer's placeholder (of a call's output through the
+stub's functional ``copy``, which the flat form leaves out: ``num_batches_tracked``) is not
+copied either; each value written is the buffer's update, the flat graph's outputs before the
+model's, in the order written. Where the flat form rewrites what a call's copies would be (an
+in-place op that ``functionalize_inplace`` would rewrite, a write into anything but a buffer,
+a buffer written twice or read after its write, a view ``_fold_regenerated_views`` could fold,
+a call inside a checkpoint or custom Function, a template returning one value twice), it returns
+None and the caller takes the flat path
+(:func:`graphflop.frontend.trace._forward_and_hierarchy`).
 
 Writes on the templates' nodes :data:`~graphflop.meta.MODULE` (relative to the called module,
 as :class:`~graphflop.frontend.outline.Expansion` does); on the top-level graph's nodes the
@@ -25,7 +31,7 @@ annotations :func:`~graphflop.frontend.export_form.from_make_fx` writes on the f
 made, exactly the flat path's graph (names, annotations, graph keys), from what the build
 records beside it: ``make_fx``'s namespace before any copy's name was claimed (the copies' names
 are claimed again, call by call, as ``Expansion`` claims them), each call's module stacks and
-the names of the ``getitem`` nodes the flat form completes among its copies. Off by default too.
+the names of the ``getitem`` nodes the flat form completes among its copies.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from graphflop.frontend.export_form import (
     placeholders,
     tag_node,
 )
-from graphflop.frontend.outline import MARK, _stack_path, called_at, path_in
+from graphflop.frontend.outline import MARK, _same_layout, _stack_path, called_at, path_in
 from graphflop.frontend.scopes import module_path
 from graphflop.meta import (
     CALL_SITE,
@@ -137,7 +143,8 @@ class _Template:
         self.body = [t for t in self.nodes if t.op not in ("placeholder", "output")]
         #: a multi-output op: the flat form may complete getitem nodes among the copies
         self.multi = any(isinstance(t.meta.get("val"), (tuple, list)) for t in self.body)
-        self.bases = {_base(t.name) for t in self.outs if t.op != "placeholder"}
+        self._find_writes()
+        self.bases = {_base(t.name) for t in [*self.outs, *self.written] if t.op != "placeholder"}
         self.named: list[Node] = []
         self.names: list[str] = []
         # (rel, inner) per module path relative to the call, in the order Expansion meets them
@@ -147,7 +154,7 @@ class _Template:
         for t in self.body:
             if CHECKPOINT in t.meta:
                 raise _Unsupported("a checkpoint inside a block")
-            if _rewritten(t):
+            if _rewritten(t) and t not in self.write_nodes:
                 raise _Unsupported("a buffer write or in-place op inside a block")
             rel = module_path(t, wrapped=False) or MARK
             t.meta[MODULE] = rel
@@ -169,6 +176,32 @@ class _Template:
         ]
         self.variants: dict[frozenset, tuple] = {}
         self.derived: dict[tuple, dict[Node, bool]] = {}
+
+    def _find_writes(self) -> None:
+        """The template's buffer writes: a ``copy_`` of one of its values into a placeholder
+        (batch norm's running statistics in training), which the flat form does not copy: the
+        value is the buffer's update (an output of the flat graph) and the call's result after
+        the template's outputs (:func:`graphflop.frontend.hierarchy.expand`). Refused where the
+        template reads the placeholder after writing it (the flat form's copies would read the
+        value written), writes it twice, or writes a placeholder or one of its outputs."""
+        #: per buffer write, in the template's order: the placeholder written, the value
+        self.writes: list[tuple[Node, Node]] = []
+        self.write_nodes: set[Node] = set()
+        position = {t: i for i, t in enumerate(self.nodes)}
+        for t in self.body:
+            if t.target is not aten.copy_.default or t.args[0] not in self.ph_index:
+                continue
+            ph, value = t.args[0], t.args[1] if len(t.args) == 2 else None
+            if t.users or t.kwargs or not isinstance(value, Node) or value.op == "placeholder":
+                raise _Unsupported("a buffer write of another form inside a block")
+            if value in self.outs or any(w is ph or v is value for w, v in self.writes):
+                raise _Unsupported("a buffer written twice, or with an output, inside a block")
+            if any(position[u] > position[t] for u in ph.users):
+                raise _Unsupported("a buffer read after its write inside a block")
+            self.writes.append((ph, value))
+            self.write_nodes.add(t)
+        #: the values written, in order: the call's results after its outputs
+        self.written = [v for _, v in self.writes]
 
     def claim(self, bases: set[str]) -> None:
         """Claim, at each call, the names of the nodes whose names have one of ``bases``: the
@@ -217,9 +250,11 @@ class _Template:
         from graphflop.ops.cost import op_cost, value_of
         from graphflop.ops.tree import tree_map
 
-        live: set[Node] = set(used)
+        live: set[Node] = set(used) | set(self.written)  # (the flat graph returns them)
         dead = NodeCost()
         for t in reversed(self.body):
+            if t in self.write_nodes:  # (not copied: the value written stands for it)
+                continue
             if t in live or _kept(t) or any(u in live for u in t.users):
                 live.add(t)
                 continue
@@ -325,7 +360,9 @@ def _build(
         gm, g, params=params, buffers=buffers, n_inputs=n_inputs, target_nodes=target_nodes
     )
     d = _Direct(old, tpl, call_set, set(env))
+    d.buffer_of = {_phs[len(params) + i]: b for i, b in enumerate(buffers)}
     d.refuse_rewrites()
+    d.check_writes()
     d.find_live()
     _check_folds(old, d.preset, d.call_set, tpl)
     sites = _Sites(old, model, prefix, {k: i for i, k in enumerate(keys)})
@@ -348,7 +385,7 @@ def _build(
         targets=tuple(target_names),
         loss=d.flat_name.get(outs[0], outs[0].name) if has_loss else None,
         outputs=tuple(d.flat_name.get(r, r.name) for r in outs[1 if has_loss else 0 :]),
-        buffer_updates=(),
+        buffer_updates=tuple((d.flat_name.get(v, v.name), b) for b, v in d.updates),
         params_written=(),
     )
     top_gm.meta[CONSTANTS] = constants
@@ -397,6 +434,14 @@ class _Direct:
         self.getitems: _GetitemNames | None = None
         #: per site, the names of the getitem nodes the flat form completes among its copies
         self.completed: dict[int, list[str]] = {}
+        #: ``old``'s buffers' placeholders, and the buffer each stands for
+        self.buffer_of: dict[Node, str] = {}
+        #: the top level's buffer writes (``copy_`` into a buffer's placeholder) and the
+        #: functional copies of a call's output into a buffer (the stub's), which the flat form
+        #: leaves out: the value each stands for (a ``copy``'s, the call's output)
+        self.stands_for: dict[Node, Node] = {}
+        #: the buffer updates in the order the flat form writes them: (buffer, value in ``g``)
+        self.updates: list[tuple[str, Node]] = []
 
     def claim_names(self, namespace: _NamespaceCopy, multi: bool) -> None:
         """The names Expansion claims for the copies (:attr:`names_of`), call by call; where
@@ -435,23 +480,64 @@ class _Direct:
                     raise _Unsupported("a call inside a checkpoint or custom Function")
                 if any(u.target is not operator.getitem for u in n.users):
                     raise _Unsupported("a call's result list used whole")
-                tensors = _call_of(n)[0]
-                if not all(isinstance(x, Node) for x in tensors) or len(set(tensors)) < len(
-                    tensors
-                ):
-                    # (one value passed for two of the template's placeholders: the flat
-                    # graph's copies no longer say which placeholder each argument stands for)
-                    raise _Unsupported("a call's arguments repeat a value")
+                if not all(isinstance(x, Node) for x in _call_of(n)[0]):
+                    raise _Unsupported("a call's argument that is not a value")
             elif self.is_output(n):
                 if LEAF in n.meta:
                     raise _Unsupported("a call's output made a leaf")
+            elif n.target is aten.copy_.default and n.args[0] in self.buffer_of:
+                value = n.args[1] if len(n.args) == 2 and not n.kwargs and not n.users else None
+                if not isinstance(value, Node):
+                    raise _Unsupported("a buffer write of another form at the top level")
+                self.stands_for[n] = self.stands_for.get(value, value)
             elif _rewritten(n):
                 raise _Unsupported("a buffer write or in-place op at the top level")
             elif n.target is aten.copy.default and any(
                 isinstance(a, Node) and self.is_output(a) for a in n.args
             ):
-                # (the stub's buffer write of a call's output, Expansion.drops)
-                raise _Unsupported("a copy of a call's output")
+                # (the stub's buffer write of a call's output, Expansion.drops: its value the
+                # output's, where only buffer writes read it)
+                out = n.args[1] if len(n.args) == 2 else None
+                if not (
+                    isinstance(out, Node)
+                    and self.is_output(out)
+                    and isinstance(n.args[0], Node)
+                    and _same_layout(n, out)
+                    and all(u.target is aten.copy_.default for u in n.users)
+                ):
+                    raise _Unsupported("a copy of a call's output")
+                self.stands_for[n] = out
+
+    def writes(self) -> list[tuple[Node, Node, Node | None]]:
+        """Every buffer write of the flat form, in its order: ``(where`` (a call, or the top
+        level's ``copy_``), the buffer's placeholder in ``old``, the value written in ``old``
+        (None for a call's: its template's)``)``."""
+        out: list[tuple[Node, Node, Node | None]] = []
+        for n in self.own_nodes():
+            if n in self.call_set:
+                tensors, key = _call_of(n)
+                t = self.tpl[key]
+                out.extend((n, tensors[t.ph_index[ph]], None) for ph, _ in t.writes)
+            elif n.target is aten.copy_.default and n in self.stands_for:
+                out.append((n, cast(Node, n.args[0]), self.stands_for[n]))
+        return out
+
+    def check_writes(self) -> None:
+        """Refuse a write the direct build does not model: into a value other than a buffer
+        (a parameter, an input: the flat form's error), twice into one buffer, or into one read
+        afterwards (the flat form's later reads read the value written)."""
+        position = {n: i for i, n in enumerate(self.old.nodes)}
+        written: set[Node] = set()
+        for where, ph, _ in self.writes():
+            if ph not in self.buffer_of or ph in written:
+                raise _Unsupported("a write into a value other than a buffer, or twice")
+            if where in self.call_set and sum(a is ph for a in _call_of(where)[0]) > 1:
+                # (the flat form's copies reading the other placeholder read the value written)
+                raise _Unsupported("a buffer written by a call that gets it twice")
+            written.add(ph)
+            for u in ph.users:
+                if position[u] > position[where] and u not in self.stands_for:
+                    raise _Unsupported("a buffer read after its write")
 
     def read_by(self, n: Node, u: Node) -> bool:
         """``u`` (a node of ``old``) reads ``n`` in the flat graph and survives there."""
@@ -474,7 +560,11 @@ class _Direct:
         from graphflop.ops.tree import tree_map
 
         self.live.add(next(n for n in reversed(self.old.nodes) if n.op == "output"))
+        # the values written into buffers: the flat graph's outputs (a call's are its variant's)
+        self.live.update(v for _, _, v in self.writes() if v is not None)
         for n in reversed(self.own_nodes()):
+            if n in self.stands_for:
+                continue
             if n in self.call_set:
                 t = self.tpl[_call_of(n)[1]]
                 v = self.variant_of[n] = t.variant(frozenset(self.used_of[n]))
@@ -482,13 +572,13 @@ class _Direct:
                     self.live.add(n)
                 self.dead_cost = self.dead_cost + v[2]
             elif self.is_output(n):
-                if any(self.read_by(n, u) for u in n.users):
+                if n in self.live or any(self.read_by(n, u) for u in n.users):
                     self.live.add(n)
                     call, i = _output_of(n)
                     out = self.tpl[_call_of(call)[1]].outs[i]
                     if out.op != "placeholder":
                         self.used_of[call].add(out)
-            elif _kept(n) or any(self.read_by(n, u) for u in n.users):
+            elif n in self.live or _kept(n) or any(self.read_by(n, u) for u in n.users):
                 self.live.add(n)
             elif n.op == "call_function":
                 args, kwargs = tree_map(value_of, n.args), tree_map(value_of, n.kwargs)
@@ -504,9 +594,19 @@ class _Direct:
         returns the graph's outputs."""
         results: dict[Node, dict[int, Node]] = {}
         for n in self.own_nodes():
+            if n in self.stands_for:
+                if n.target is aten.copy_.default:  # (a copy's value: a live node's)
+                    buffer = self.buffer_of[cast(Node, n.args[0])]
+                    self.updates.append((buffer, env[self.stands_for[n]]))
+                continue
             if n in self.call_set:
                 results[n] = _call(n, g, env, self, sites, top)
                 self.completions(n, len(sites.sites) - 1)
+                tensors, key = _call_of(n)
+                t = self.tpl[key]
+                for k, (ph, _) in enumerate(t.writes):
+                    buffer = self.buffer_of[tensors[t.ph_index[ph]]]
+                    self.updates.append((buffer, results[n][len(t.outs) + k]))
             elif self.is_output(n):
                 call, i = _output_of(n)
                 tensors, key = _call_of(call)
@@ -523,7 +623,7 @@ class _Direct:
                 self.complete(n, new, g, top)
         out_node = next(n for n in reversed(self.old.nodes) if n.op == "output")
         outs = [env[a] for a in cast(list, out_node.args[0])]
-        output = g.output(tuple(outs))
+        output = g.output(tuple([*(v for _, v in self.updates), *outs]))
         tag_node(output, "output", module_path(output, wrapped=True), False, {})
         top.append(output)
         return outs
@@ -645,14 +745,16 @@ def _call(n: Node, g: Graph, env: dict, d: _Direct, s: _Sites, top: list) -> dic
     pd = t.param_derived(pattern)
     kept = {t.nodes[i] for i, out in items if out is None}
     indices = (_output_of(u)[1] for u in n.users if u in d.live)
+    results = [*t.outs, *t.written]  # (the values written: the flat graph's outputs)
     read = sorted({i for i in indices if t.outs[i] in kept})
-    vals: list[Any] = [None] * len(t.outs)
+    read += range(len(t.outs), len(results))
+    vals: list[Any] = [None] * len(results)
     out: dict[int, Node] = {}
     for i in read:
-        vals[i] = t.outs[i].meta.get("val")
+        vals[i] = results[i].meta.get("val")
     call.meta["val"] = tuple(vals)
     for i in read:
-        o = t.outs[i]
+        o = results[i]
         item = emit_named(g, operator.getitem, (call, i), "getitem")
         meta = dict(o.meta)
         meta["nn_module_stack"] = stack_of(t.inner[o])
@@ -780,6 +882,15 @@ def flat_forward(h: Hierarchy) -> GraphModule | None:
         return None
 
 
+def _written(tnodes: list[Node]) -> list[Node]:
+    """The values a template writes into buffers (a ``copy_`` into a placeholder), in order."""
+    return [
+        cast(Node, x.args[1])
+        for x in tnodes
+        if x.target is aten.copy_.default and cast(Node, x.args[0]).op == "placeholder"
+    ]
+
+
 def forget(h: Hierarchy) -> None:
     """Drop what :func:`build_direct` recorded for :func:`flat_forward` of ``h`` (after its
     last use): the record's module stacks name the model's modules and its fake tensors, which
@@ -794,7 +905,8 @@ def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
     bodies = [[x for x in ns if x.op not in ("placeholder", "output")] for ns in tnodes]
     candidates = [[x.name for x in body] for body in bodies]
     phs = [[x for x in ns if x.op == "placeholder"] for ns in tnodes]
-    outs = [list(ns[-1].args[0]) for ns in tnodes]
+    # (the values written into buffers: a call's results after its outputs)
+    outs = [[*ns[-1].args[0], *_written(ns)] for ns in tnodes]
     inner = [
         {
             x: tuple(

@@ -17,10 +17,11 @@ times its calls, plus the top level's) always equals the flat graph's.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
 
 from graphflop.ad.builder import base_name, copy_node, emit_named
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
@@ -135,14 +136,9 @@ def _top_graph(
             continue
         tnodes = templates[of_site[x]]
         phs = {t: i for i, t in enumerate(n for n in tnodes if n.op == "placeholder")}
-        # the outputs, then the values written into buffers (a copy_ into a placeholder, which
-        # the flat graph returns as the buffer's update)
-        written = [
-            t.args[1]
-            for t in tnodes
-            if t.target is torch.ops.aten.copy_.default and t.args[0] in phs
-        ]
-        outputs = {t: i for i, t in enumerate([*tnodes[-1].args[0], *written])}
+        results = _results(tnodes, phs)
+        # (a node returned twice: read as its first index)
+        outputs = {t: i for i, t in reversed(list(enumerate(results)))}
         args: list[Node | None] = [None] * len(phs)
         read: dict[int, Node] = {}
         for n in members[x]:
@@ -154,7 +150,10 @@ def _top_graph(
                     if any(inside.get(u) != x for u in n.users):
                         return None
                     continue
-            for a, ta in zip(n.all_input_nodes, t.all_input_nodes):
+            inputs, tinputs = _input_nodes(n), _input_nodes(t)
+            if len(inputs) != len(tinputs):
+                return None
+            for a, ta in zip(inputs, tinputs):
                 if inside.get(a) == x:
                     continue
                 j = phs.get(ta)
@@ -167,7 +166,7 @@ def _top_graph(
                 read[outputs[t]] = n
         call = emit_named(g, call_op, (args, x), base_name(g, call_op))
         call.meta[CALL_SITE] = (x, -1)
-        vals = [None] * len(outputs)
+        vals = [None] * len(results)
         for i, n in read.items():
             vals[i] = n.meta.get("val")
         call.meta["val"] = tuple(vals)
@@ -176,6 +175,24 @@ def _top_graph(
             item.meta = {k: v for k, v in n.meta.items() if k != CALL_SITE}
             env[n] = item
     return graph_module(torch.nn.Module(), g)
+
+
+def _results(tnodes: list[Node], phs: Any) -> list:
+    """A template's results as its call returns them: the outputs, then the values written
+    into buffers (a ``copy_`` into a placeholder, which the flat graph returns as the buffer's
+    update)."""
+    copy_ = torch.ops.aten.copy_.default
+    written = [t.args[1] for t in tnodes if t.target is copy_ and t.args[0] in phs]
+    return [*cast(list, tnodes[-1].args[0]), *written]
+
+
+def _input_nodes(n: Node) -> list[Node]:
+    """The nodes ``n`` reads, each where its arguments name it (one node read twice is listed
+    twice, unlike torch.fx's ``all_input_nodes``): a copy's and its template node's line up
+    one for one where a call passes one value for two placeholders."""
+    found: list[Node] = []
+    map_arg((n.args, n.kwargs), found.append)
+    return found
 
 
 def expand(h: Hierarchy) -> GraphModule:
@@ -215,12 +232,7 @@ def expand(h: Hierarchy) -> GraphModule:
                     new.meta["val"] = x.meta["val"][out]
                 new.meta[MODULE] = modules[x.meta[MODULE]]
                 new.meta[CALL_SITE] = (number, index)
-            written = [
-                x.args[1]
-                for x in tnodes
-                if x.target is torch.ops.aten.copy_.default and x.args[0] in phs
-            ]
-            results[n] = [tenv.get(x) for x in [*tnodes[-1].args[0], *written]]
+            results[n] = [tenv.get(x) for x in _results(tnodes, phs)]
         elif n.target is operator.getitem and n.args[0] in results:
             env[n] = results[n.args[0]][n.args[1]]
         else:

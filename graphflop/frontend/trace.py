@@ -645,9 +645,10 @@ def _forward_and_hierarchy(
     from ``make_fx``'s graph (:func:`~graphflop.frontend.direct_hierarchy.build_direct`), and
     the flat forward made from it (:func:`~graphflop.frontend.direct_hierarchy.flat_forward`:
     node for node, name for name and annotation for annotation the graph :func:`_flat_form`
-    makes, ``tests/test_direct_hierarchy.py``); where the direct build does not model what the
-    flat form rewrites (buffer writes, in-place ops, checkpoints, foldable views), the flat
-    form is made and the hierarchy read back from it (:func:`build_hierarchy`)."""
+    makes, ``tests/test_direct_hierarchy.py``; batch norm's buffer writes included); where the
+    direct build does not model what the flat form rewrites (in-place ops, checkpoints,
+    foldable views), the flat form is made and the hierarchy read back from it
+    (:func:`build_hierarchy`)."""
     h = build_direct(gm, templates, model, **form) if templates else None
     out = flat_forward(h) if h is not None else None
     if h is not None:
