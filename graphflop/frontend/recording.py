@@ -22,25 +22,36 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_impls import fast_detach
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx import Graph, GraphModule, Node, Proxy
 from torch.fx.experimental.proxy_tensor import (
-    CONSTANT_NUMEL_LIMIT,
     PythonKeyTracer,
-    disable_autocast_cache,
-    extract_val,
     get_proxy_mode,
     get_proxy_slot,
     track_tensor_tree,
 )
-from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
+
+try:  # what OpRecorder mirrors make_fx with (private; without it the trace uses make_fx)
+    from torch._subclasses.fake_impls import fast_detach
+    from torch.fx.experimental.proxy_tensor import (
+        CONSTANT_NUMEL_LIMIT,
+        disable_autocast_cache,
+        extract_val,
+    )
+    from torch.utils._python_dispatch import autograd_would_have_decomposed
+
+    #: whether this PyTorch has what :class:`OpRecorder` needs
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - a PyTorch that moved them
+    AVAILABLE = False
 
 from graphflop.meta import graph_module
 
 __all__ = [
+    "AVAILABLE",
     "OpRecorder",
     "Recording",
     "current",

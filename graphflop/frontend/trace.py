@@ -594,9 +594,10 @@ FUNCTION_METADATA = False
 _FN_METADATA_OPTION = "_disable_torch_fn_metadata_mode" in inspect.signature(make_fx).parameters
 
 
-#: the main trace's recorder: ``"own"`` (graphflop's :class:`~graphflop.frontend.recording.
+#: the trace's recorder: ``"own"`` (graphflop's :class:`~graphflop.frontend.recording.
 #: OpRecorder`, the same graph node for node as ``make_fx``'s at half its cost or less:
-#: ``tests/test_recording.py`` on the zoo) or ``"make_fx"`` (the reference)
+#: ``tests/test_recording.py`` on the zoo; ``make_fx`` where this PyTorch lacks what it needs)
+#: or ``"make_fx"`` (the reference)
 RECORDER = os.environ.get("GRAPHFLOP_RECORDER", "own")
 
 
@@ -604,7 +605,7 @@ def _recorder(fn: Any, decomposition_table: dict, template: bool = False) -> Any
     """The recorder of ``fn`` (:data:`RECORDER`): the main trace's, or a ``template``'s (with
     ``make_fx``, a FakeTensor no node made is then an error, not a constant; with graphflop's
     recorder a constant, which :func:`_trace_template` refuses)."""
-    if RECORDER == "make_fx":
+    if RECORDER == "make_fx" or not recording.AVAILABLE:
         return _make_fx(
             fn, decomposition_table=decomposition_table, _allow_fake_constant=not template
         )
