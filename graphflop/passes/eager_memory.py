@@ -150,6 +150,14 @@ INPUT_AS_RESULT_IN_PLACE: dict[Any, int] = {
     # (LeakyReluBackward1); leaky_relu's saves self (LeakyReluBackward0)
     aten.leaky_relu.default: 0,
 }
+#: Plain ATen ops whose eager backward is one kernel of the saved result and the gradient
+#: (``tools/autograd/derivatives.yaml``): ``relu``'s ``threshold_backward(grad, result, 0)``,
+#: ``sigmoid_backward(grad, result)``, ``tanh_backward(grad, result)``. It allocates the
+#: input's gradient while the result and the gradient are live; graphflop's rule makes a bool
+#: mask (``relu``: the result may be freed before the select) or ``1 - out`` and products
+#: first (:func:`~graphflop.passes.eager_kernels.one_kernel_backward`; profiler allocator
+#: events, PyTorch 2.13 CPU)
+ONE_KERNEL_BACKWARD = frozenset({aten.relu.default, aten.sigmoid.default, aten.tanh.default})
 _NOT_ACTIVATIONS = (None, "param", "buffer", "param_derived")
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
@@ -466,6 +474,16 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
         if device == "cpu" and targets[name] in GRAD_OUTPUT_COPIED:
             copied.add(len(kernels))
         kernels.append(({name}, 0))
+    # plain ATen ops whose eager backward is one kernel reading the saved result with the
+    # gradient (ONE_KERNEL_BACKWARD): graphflop's rule makes a mask or coefficients first
+    kernels += [
+        ({n.name}, 0)
+        for n in forward.graph.nodes
+        if n.op == "call_function"
+        and n.target in ONE_KERNEL_BACKWARD
+        and COMPOSITE not in n.meta
+        and CHECKPOINT not in n.meta
+    ]
     # batch norm's backward on the CPU: one native_batch_norm_backward, which allocates an
     # input-sized temporary beside the input's gradient (two empty_like of the input, one
     # freed before it returns: profiler allocator events, PyTorch 2.13 CPU)
