@@ -77,10 +77,46 @@ def backward_temporaries(region: list[Node]) -> int:
     return val.numel() * (per + val.element_size())
 
 
+#: ops whose CPU backward kernel makes a non-contiguous output gradient contiguous before it
+#: starts (``grad_output.contiguous()`` in ``layer_norm_backward_cpu``,
+#: ``native_group_norm_backward``, ``softmax_backward_cpu``, ``log_softmax_backward_cpu``,
+#: ``max_pool2d_with_indices_backward``, ``avg_pool2d_backward``): the expanded gradient of a
+#: sum or a mean is copied whole and the copy lives while the kernel runs (profiler allocator
+#: events, PyTorch 2.13 CPU; ``gelu_backward``, ``silu_backward``, the batch norm's and the
+#: elementwise ones read it as it is). Composite ops' names, as their tags spell them, and
+#: kept-whole ops' overloads by name
+GRAD_OUTPUT_COPIED = frozenset(
+    {
+        "aten.native_layer_norm.default",
+        "aten.native_group_norm.default",
+        "aten._softmax.default",
+        "aten._log_softmax.default",
+        "aten.max_pool2d_with_indices.default",
+        "aten.avg_pool2d.default",
+    }
+)
+
+
+def grad_output_copy_bytes(nodes: list[Node]) -> int:
+    """Bytes of the contiguous copies of the non-contiguous output gradients that one
+    kernel's backward nodes ``nodes`` read: the cotangents they read from outside (of
+    :data:`GRAD_OUTPUT_COPIED`'s ops)."""
+    inside = set(nodes)
+    outer = {a for n in nodes for a in n.all_input_nodes if a not in inside}
+    return sum(
+        tensor_bytes(v)
+        for a in outer
+        if a.meta.get(KIND) == "cotangent"
+        and isinstance(v := a.meta.get("val"), torch.Tensor)
+        and not v.is_contiguous()
+    )
+
+
 def one_kernel_backward(
     backward: GraphModule,
     regions: list[tuple[set[str], int]],
     inplace: set[str] | frozenset[str] = frozenset(),
+    copied: set[int] | frozenset[int] = frozenset(),
 ) -> tuple[dict[str, int], dict[str, list[str]], dict[str, int]]:
     """The backward of each composite op in ``regions`` (the names of a region's forward
     nodes, the bytes of its backward's temporaries) as one eager kernel, as autograd runs it
@@ -95,7 +131,10 @@ def one_kernel_backward(
     zeros, :func:`~graphflop.passes.eager_memory.scatters_in_place`): a gradient made so
     keeps that storage, as a view keeps its base (``nll_loss_backward``'s dense gradient,
     N × C, is such a scatter, and eager holds it while ``_log_softmax_backward_data`` runs).
-    Returns (sizes, also_reads, extra) for :meth:`Schedule.add_graph`."""
+    ``copied``: the indices into ``regions`` of the kernels that copy a non-contiguous output
+    gradient (:data:`GRAD_OUTPUT_COPIED`, on CPU): the copy is one of their temporaries
+    (:func:`grad_output_copy_bytes`). Returns (sizes, also_reads, extra) for
+    :meth:`Schedule.add_graph`."""
     owner = {name: i for i, (names, _) in enumerate(regions) for name in names}
     groups: dict[int, list[Node]] = {}
     for n in backward.graph.nodes:
@@ -118,8 +157,9 @@ def one_kernel_backward(
         sizes |= {n.name: 0 for n in nodes if n not in keep}
         outer = {a.name for n in nodes for a in n.all_input_nodes if a not in inside}
         reads[nodes[-1].name] = sorted(outer) + [n.name for n in leaving]
-        if regions[i][1]:
-            extra[nodes[-1].name] = regions[i][1]
+        nbytes = regions[i][1] + (grad_output_copy_bytes(nodes) if i in copied else 0)
+        if nbytes:
+            extra[nodes[-1].name] = nbytes
     return sizes, reads, extra
 
 

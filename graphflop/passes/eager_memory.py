@@ -67,6 +67,7 @@ from graphflop.meta import (
 )
 from graphflop.passes.eager_attention import FusedAttention, attention_jvp
 from graphflop.passes.eager_kernels import (
+    GRAD_OUTPUT_COPIED,
     TANGENT_FORMULA,
     backward_temporaries,
     formula_reads,
@@ -149,6 +150,14 @@ INPUT_AS_RESULT_IN_PLACE: dict[Any, int] = {
     # (LeakyReluBackward1); leaky_relu's saves self (LeakyReluBackward0)
     aten.leaky_relu.default: 0,
 }
+#: Plain ATen ops whose eager backward is one kernel of the saved result and the gradient
+#: (``tools/autograd/derivatives.yaml``): ``relu``'s ``threshold_backward(grad, result, 0)``,
+#: ``sigmoid_backward(grad, result)``, ``tanh_backward(grad, result)``. It allocates the
+#: input's gradient while the result and the gradient are live; graphflop's rule makes a bool
+#: mask (``relu``: the result may be freed before the select) or ``1 - out`` and products
+#: first (:func:`~graphflop.passes.eager_kernels.one_kernel_backward`; profiler allocator
+#: events, PyTorch 2.13 CPU)
+ONE_KERNEL_BACKWARD = frozenset({aten.relu.default, aten.sigmoid.default, aten.tanh.default})
 _NOT_ACTIVATIONS = (None, "param", "buffer", "param_derived")
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
@@ -384,6 +393,8 @@ class EagerForward:
         input_as: forward node name of a plain ATen op of :data:`INPUT_AS_RESULT_IN_PLACE` the
             model ran in place -> the forward node name of the input graphflop's rule reads
             where eager saves the op's output.
+        copied: the indices into ``kernels`` of the kernels that copy a non-contiguous output
+            gradient (:data:`~graphflop.passes.eager_kernels.GRAD_OUTPUT_COPIED`; CPU only).
     """
 
     saves: dict[str, list[str]]
@@ -394,6 +405,7 @@ class EagerForward:
     held: dict[str, list[str]] = field(default_factory=dict)
     result_as: dict[str, str] = field(default_factory=dict)
     input_as: dict[str, str] = field(default_factory=dict)
+    copied: frozenset[int] = frozenset()
 
     def stands_for(self, residual: str, reader: str) -> list[str]:
         """The forward node names eager keeps for forward value ``residual`` read by a backward
@@ -417,10 +429,13 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
     attention = FusedAttention(device)
     kernels: list[tuple[set[str], int]] = []  # composite ops whose backward is one kernel
     reads: dict[str, list[str]] = {}
+    copied: set[int] = set()  # kernels that copy a non-contiguous output gradient
     held: dict[str, list[str]] = {}  # decomposed ops of ATEN_SAVES (one backward kernel: above)
     for region in _regions(forward):
         op = region[0].meta[COMPOSITE].op
         if op in EAGER_SAVES:
+            if device == "cpu" and op in GRAD_OUTPUT_COPIED:
+                copied.add(len(kernels))
             kernels.append(({n.name for n in region}, backward_temporaries(region)))
         if op == FUSED_SDPA:
             saved = attention.forward(region)
@@ -454,7 +469,21 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
     kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
     # the ops of ATEN_SAVES: one backward kernel each (avg_pool2d_backward, gather_backward's
     # scatter_add into zeros, ...), where graphflop's rule unfolds the window (col2im)
-    kernels += [({n}, 0) for n in kept_whole]
+    targets = {n.name: str(n.target) for n in forward.graph.nodes}
+    for name in kept_whole:
+        if device == "cpu" and targets[name] in GRAD_OUTPUT_COPIED:
+            copied.add(len(kernels))
+        kernels.append(({name}, 0))
+    # plain ATen ops whose eager backward is one kernel reading the saved result with the
+    # gradient (ONE_KERNEL_BACKWARD): graphflop's rule makes a mask or coefficients first
+    kernels += [
+        ({n.name}, 0)
+        for n in forward.graph.nodes
+        if n.op == "call_function"
+        and n.target in ONE_KERNEL_BACKWARD
+        and COMPOSITE not in n.meta
+        and CHECKPOINT not in n.meta
+    ]
     # batch norm's backward on the CPU: one native_batch_norm_backward, which allocates an
     # input-sized temporary beside the input's gradient (two empty_like of the input, one
     # freed before it returns: profiler allocator events, PyTorch 2.13 CPU)
@@ -483,7 +512,9 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
         and CHECKPOINT not in n.meta
         and isinstance(a := n.args[INPUT_AS_RESULT_IN_PLACE[n.target]], Node)
     }
-    return EagerForward(saves, sizes, kernels, reads, attention, held, result_as, input_as)
+    return EagerForward(
+        saves, sizes, kernels, reads, attention, held, result_as, input_as, frozenset(copied)
+    )
 
 
 def aten_saves(forward: GraphModule) -> dict[str, list[str]]:
@@ -515,7 +546,9 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     """
     ef = eager_forward(forward, device)
     sizes, kernels, reads, attention = ef.sizes, ef.kernels, ef.reads, ef.attention
-    b_sizes, b_reads, b_extra = one_kernel_backward(backward, kernels, scatters_in_place(backward))
+    b_sizes, b_reads, b_extra = one_kernel_backward(
+        backward, kernels, scatters_in_place(backward), ef.copied
+    )
     # a residual read by the backward of a composite op's parts stands for what that op saves,
     # a division's quotient read by its own backward for its dividend (EagerForward.stands_for;
     # the backward nodes' SOURCE names the forward node whose rule made them)
@@ -804,6 +837,37 @@ def conv_backward_temporaries(c: ConvBackward, made: list[Node]) -> dict[str, in
     return out
 
 
+#: matrix products whose CPU kernel (``addmm_impl_cpu_``) hands its two operands to BLAS
+BLAS_MATMULS = (aten.mm.default, aten.addmm.default)
+
+
+def _blas_layout(v: torch.Tensor) -> bool:
+    """Whether BLAS can read matrix ``v`` as it is laid out: row-major with a leading dimension
+    of at least its column count, or column-major with one of at least its row count (ATen's
+    ``addmm_impl_cpu_``; a size-1 row is no exception: a stride other than that is copied)."""
+    rows, cols = v.shape
+    s0, s1 = v.stride()
+    return (s1 == 1 and s0 >= max(1, cols)) or (s0 == 1 and s1 >= max(1, rows))
+
+
+def matmul_operand_copy_bytes(n: Node) -> int:
+    """Bytes of the copies eager's CPU ``mm``/``addmm`` makes of operands BLAS cannot read as
+    they are laid out (:func:`_blas_layout`: the expanded gradient of a sum or a mean, stride 0;
+    a strided slice): ``clone(MemoryFormat::Contiguous)`` of each, live while the product is
+    made (in a linear layer's backward, one per product: its input gradient's, then its weight
+    gradient's). 0 for other nodes. Profiler allocator events, PyTorch 2.13 CPU, float32 and
+    bfloat16 alike."""
+    if n.op != "call_function" or n.target not in BLAS_MATMULS:
+        return 0
+    operands = n.args[:2] if n.target is aten.mm.default else n.args[1:3]
+    total = 0
+    for a in operands:
+        v = a.meta.get("val") if isinstance(a, Node) else None
+        if isinstance(v, torch.Tensor) and v.dim() == 2 and not _blas_layout(v):
+            total += tensor_bytes(v)
+    return total
+
+
 def kernel_temporaries(
     forward: GraphModule, backward: GraphModule | None, device: str
 ) -> tuple[dict[str, int], dict[str, int]]:
@@ -819,7 +883,10 @@ def kernel_temporaries(
     weight gradient (:func:`conv_backward_temporaries`). (Measured with the profiler's allocator
     events on PyTorch 2.13 CPU, ``tests/test_memory_eager.py``; oneDNN's backward-weights
     scratchpad, 10 to 30 KiB here, and its channel padding to a multiple of the vector width
-    are not modelled.) Other ops and CUDA (cuDNN workspaces are not modelled): none.
+    are not modelled.) A matrix product (``mm``, ``addmm``: a linear layer and its backward)
+    copies an operand BLAS cannot read as laid out (:func:`matmul_operand_copy_bytes`), where
+    it is not part of a composite op's decomposition (eager runs that op as one kernel). Other
+    ops and CUDA (cuDNN workspaces, cuBLAS's copies are not modelled): none.
     """
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
@@ -828,6 +895,10 @@ def kernel_temporaries(
     convs = {n.name: n for n in forward.graph.nodes if _is_plain_conv(n)}
     for name, n in convs.items():
         fwd[name] = conv_forward_bytes(n)
+    composite = {n.name for n in forward.graph.nodes if COMPOSITE in n.meta}
+    for n in forward.graph.nodes:
+        if n.name not in composite and (b := matmul_operand_copy_bytes(n)):
+            fwd[n.name] = fwd.get(n.name, 0) + b
     if backward is None:
         return fwd, bwd
     made: dict[str, list[Node]] = {}  # forward conv -> the backward nodes its rule made
@@ -836,6 +907,9 @@ def kernel_temporaries(
             made.setdefault(src, []).append(n)
     for src, nodes in made.items():
         bwd |= conv_backward_temporaries(conv_backward(convs[src]), nodes)
+    for n in backward.graph.nodes:
+        if n.meta.get(SOURCE) not in composite and (b := matmul_operand_copy_bytes(n)):
+            bwd[n.name] = bwd.get(n.name, 0) + b
     return fwd, bwd
 
 

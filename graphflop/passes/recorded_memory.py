@@ -71,6 +71,7 @@ from graphflop.passes.eager_memory import (
     _NOT_ACTIVATIONS,
     _SCATTERS,
     ConvBackward,
+    _is_plain_conv,
     _replayed_draws,
     conv_backward,
     conv_backward_temporaries,
@@ -79,6 +80,7 @@ from graphflop.passes.eager_memory import (
     jvp_baseline,
     jvp_overrides,
     kernel_temporaries,
+    matmul_operand_copy_bytes,
     optimizer_temporaries,
     scatters_in_place,
 )
@@ -687,7 +689,9 @@ class _TrainBuilder:
         #: forward convolutions whose backward holds temporaries: name -> what it allocates
         fwd_tmp, _ = kernel_temporaries(forward, None, device)
         self.conv_bytes = {
-            name: conv_backward(n) for n in forward.graph.nodes if (name := n.name) in fwd_tmp
+            n.name: conv_backward(n)
+            for n in forward.graph.nodes
+            if n.name in fwd_tmp and _is_plain_conv(n)
         }
         self.fwd_tmp = fwd_tmp
         self.templates: dict[int, _Template] = {}
@@ -870,7 +874,9 @@ class _TrainBuilder:
         those name, by call (stand-ins whose keys are entered when the call is added)."""
         top_gm, call_names = self.top_copy()
         inplace = scatters_in_place(top_gm)
-        sizes, reads, b_extra = one_kernel_backward(top_gm, self.ef.kernels, inplace)
+        sizes, reads, b_extra = one_kernel_backward(
+            top_gm, self.ef.kernels, inplace, self.ef.copied
+        )
         self.top_regions = {
             o[0]
             for n in top_gm.graph.nodes
@@ -932,8 +938,15 @@ class _TrainBuilder:
                 if self.region_call.setdefault(o[0], number) != number or o[0] in self.top_regions:
                     raise _Unsupported  # one kernel's backward in two parts of the graph
                 g = groups.setdefault(o[0], len(groups))
-            feats.append((g, o[1] if o is not None else None, self.conv_bytes.get(src)))
-        ckey = (c.template, tuple(after), tuple(outs), tuple(feats))
+            copied = o is not None and o[0] in self.ef.copied
+            feats.append((g, o[1] if o is not None else None, self.conv_bytes.get(src), copied))
+        # the arguments' strides: a kernel's copy of a non-contiguous output gradient, a
+        # matrix product's of an operand BLAS cannot read (the last block's, under a sum)
+        strides = tuple(
+            tuple(v.stride()) if isinstance(v := a.meta.get("val"), torch.Tensor) else None
+            for a in args
+        )
+        ckey = (c.template, tuple(after), tuple(outs), tuple(feats), strides)
         ctx = self.contexts.get(ckey)
         if ctx is None:
             ctx = self.contexts[ckey] = self.context(t, args, after, outs, feats)
@@ -954,11 +967,12 @@ class _TrainBuilder:
         args: list[Node],
         after: list[int],
         outs: list[int],
-        feats: list[tuple[int | None, int | None, ConvBackward | None]],
+        feats: list[tuple[int | None, int | None, ConvBackward | None, bool]],
     ) -> _Context:
         """The template's copy for calls with these nodes read after them, these among the
         graph's outputs, these forward features per source slot (its one-kernel backward, that
-        kernel's temporaries, a convolution's backward temporaries)."""
+        kernel's temporaries, a convolution's backward temporaries, whether that kernel copies
+        a non-contiguous output gradient)."""
         g = Graph()
         env: dict[Node, Node] = {}
         for p, a in zip(t.placeholders, args):
@@ -972,12 +986,15 @@ class _TrainBuilder:
         g.output(tuple(nodes[i] for i in after))
         gm = graph_module(t.gm, g)
         kernels: dict[int, tuple[set[str], int]] = {}
-        for k, (grp, nbytes, _) in enumerate(feats):
+        copied: set[int] = set()
+        for k, (grp, nbytes, _, copies) in enumerate(feats):
             if grp is not None:
                 kernels.setdefault(grp, (set(), nbytes or 0))[0].add(_SLOT.format(k))
+                if copies:
+                    copied.add(grp)
         inplace = scatters_in_place(gm)
         sizes, reads, b_extra = one_kernel_backward(
-            gm, [kernels[i] for i in range(len(kernels))], inplace
+            gm, [kernels[i] for i in range(len(kernels))], inplace, copied
         )
         extra: dict[str, int] = {}
         made: dict[int, list[Node]] = {}  # a convolution's slot -> its backward nodes
@@ -986,6 +1003,11 @@ class _TrainBuilder:
                 made.setdefault(t.slot[i], []).append(n)
         for k, ns in made.items():
             extra |= conv_backward_temporaries(feats[k][2], ns)  # type: ignore[arg-type]
+        for i, n in enumerate(nodes):  # (a one-kernel op's backward runs no matrix product)
+            if self.device != "cpu" or feats[t.slot[i]][0] is not None:
+                continue
+            if b := matmul_operand_copy_bytes(n):
+                extra[n.name] = extra.get(n.name, 0) + b
         if self.keep_grads:
             for i in outs:
                 n = nodes[i]
