@@ -146,3 +146,19 @@ def test_node_named_after_another_calls_source():
         assert recorded_jvp_schedule(top) is None
     finally:
         node.meta[KIND] = kind
+
+
+def test_lifetimes_worked_out_again_after_a_step_is_added():
+    """The composed schedule keeps the lifetimes ``owners`` worked out for ``peak``; a step
+    added after them is in the next peak, as in the flat schedule given the same step."""
+    a = _analysis("stack")
+    top = a.backward.meta[DERIVED_HIERARCHY].graph
+    s, _ = recorded_train_schedule(a.forward, top, "sgd")
+    ref = eager_train_schedule(a.forward, calls.flat_view(top), "sgd")
+    before = s.peak()[0]
+    assert before == ref.peak()[0]
+    big = 1 << 40  # more than all the step's storages: the peak is at this step
+    s.add_transient("u:probe", big)
+    ref.add_transient("u:probe", big)
+    assert s.peak() == ref.peak()
+    assert s.peak()[0] > big > before

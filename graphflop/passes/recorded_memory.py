@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count, repeat
 from typing import Any
 
@@ -143,6 +143,12 @@ class _Context:
     steps: _NodeSteps
     ties: list[list[int]]
     pairs: dict[int, list[int]]
+    #: the copy's placeholders -> their positions (a call's values from outside, in order)
+    ext: dict[Node, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        phs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.ext = {p: j for j, p in enumerate(phs)}
 
 
 @dataclass
@@ -155,6 +161,7 @@ class _Template:
     nodes: list[Node]
     slot: list[int]  # per position, its source slot
     regions: list[set[int]]  # per placeholder, the composite regions of its readers
+    scattered: list[int]  # the placeholders a scatter of the template writes into
 
 
 def recorded_jvp_schedule(top: GraphModule, device: str = "cpu") -> ComposedSchedule | None:
@@ -207,7 +214,12 @@ def _template_of(dh: DerivedHierarchy, cache: dict[int, _Template], number: int)
         for a in n.all_input_nodes:
             if a in pos:
                 regions[pos[a]] |= _region_ids(n)
-    got = cache[c.template] = _Template(gm, phs, nodes, slot, regions)
+    scattered = [
+        j
+        for j, p in enumerate(phs)
+        if any(r.target in _SCATTERS and r.args[0] is p for r in p.users)
+    ]
+    got = cache[c.template] = _Template(gm, phs, nodes, slot, regions, scattered)
     return got
 
 
@@ -338,10 +350,15 @@ class _Builder:
         has no tangent or coefficient node (so no dual pair, no formula's node a composite
         op's tangent would hold nothing of) and the node is not in fused attention (whose
         inner nodes of any kind hold nothing)."""
+        formulas: dict[tuple[int, int], bool] = {}  # (template, slot) -> has a formula node
         for number, i, other, k in self.foreign:
             t, t2 = self.template(number), self.template(other)
-            kinds = {n.meta.get(KIND) for n, slot in zip(t2.nodes, t2.slot) if slot == k}
-            if kinds & set(TANGENT_FORMULA) or self.call_ctx[other].pairs.get(k):
+            tk = (self.dh.calls[other].template, k)
+            has = formulas.get(tk)
+            if has is None:
+                kinds = {n.meta.get(KIND) for n, slot in zip(t2.nodes, t2.slot) if slot == k}
+                has = formulas[tk] = bool(kinds & set(TANGENT_FORMULA))
+            if has or self.call_ctx[other].pairs.get(k):
                 raise _Unsupported
             tag = t.nodes[i].meta.get(COMPOSITE)
             if tag is not None and tag.op == FUSED_SDPA:
@@ -525,8 +542,7 @@ class _Builder:
         ctx = self.call_ctx[number]
         lists = [self.keys.get(a, []) for a in rep.all_input_nodes]
         lists += [self.ref_keys(r) for h in held for r in h]
-        phs = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
-        ext = {p: j for j, p in enumerate(phs)}
+        ext = ctx.ext
         outside = frozenset(self.referenced.get(number, ()))
         pkey = (self.ckeys[number], tuple(len(x) for x in lists), outside)
         profile = self.s._profiles.get(pkey)
@@ -699,6 +715,7 @@ class _TrainBuilder:
         self.contexts: dict[Hashable, _Context] = {}
         self.top_nodes = {n.name: n for n in top.graph.nodes}
         self.reader_rows: dict[int, list[list[tuple]]] = {}
+        self.arg_at: dict[Node, dict[Node, list[int]]] = {}
 
     def template(self, number: int) -> _Template:
         return _template_of(self.dh, self.templates, number)
@@ -767,27 +784,33 @@ class _TrainBuilder:
         owners = {o.split(":", 1)[1]: nb for o, nb in (v for v in found.values() if v is not None)}
         return s, owners
 
-    def readers(self, p: Node) -> list[Any]:
-        """The flat graph's readers of top-level node ``p``, in order: top-level nodes, and
-        for a call reading it the template's nodes reading that argument, their sources made
-        the call's (:class:`_Reader`: :data:`~graphflop.meta.SOURCE` and
-        :data:`~graphflop.meta.ROLE` only)."""
-        out: list[Any] = []
+    def readers(self, p: Node) -> list[tuple[Any, Any]]:
+        """The flat graph's readers of top-level node ``p``, in order, as (their
+        :data:`~graphflop.meta.SOURCE`, their :data:`~graphflop.meta.ROLE`): top-level nodes
+        (``""`` for no source), and for a call reading it the template's nodes reading that
+        argument, their sources made the call's (None for no source)."""
+        out: list[tuple[Any, Any]] = []
         for u in p.users:
             if u.target is not _REPEAT:
-                out.append(u)
+                out.append((u.meta.get(SOURCE, ""), u.meta.get(ROLE)))
                 continue
             number = u.args[1]
             assert isinstance(number, int)
             c = self.dh.calls[number]
             rows = self.template_readers(c.template, number)
-            for j, a in enumerate(u.args[0]):  # type: ignore[arg-type]
-                if a is p:
-                    out += [
-                        _Reader({SOURCE: c.sources[k] if k is not None else None, ROLE: role})
-                        for k, role in rows[j]
-                    ]
+            for j in self.arg_positions(u)[p]:
+                out += [(c.sources[k] if k is not None else None, role) for k, role in rows[j]]
         return out
+
+    def arg_positions(self, rep: Node) -> dict[Node, list[int]]:
+        """Call ``rep``'s arguments -> their positions among its arguments (made once per
+        call, not once per argument read)."""
+        got = self.arg_at.get(rep)
+        if got is None:
+            got = self.arg_at[rep] = {}
+            for j, a in enumerate(rep.args[0]):  # type: ignore[arg-type]
+                got.setdefault(a, []).append(j)
+        return got
 
     def template_readers(self, template: int, number: int) -> list[list[tuple]]:
         """Per placeholder of the template, its readers' (source slot, role)."""
@@ -814,12 +837,12 @@ class _TrainBuilder:
                 continue
             src = p.meta.get(SOURCE, p.name)
             users = self.readers(p)
-            if src in replayed and all(u.meta.get(ROLE) == "recompute" for u in users):
+            if src in replayed and all(role == "recompute" for _, role in users):
                 remap[p.name] = []
                 continue
             stand: list[str] = []
-            for u in users:
-                for name in self.ef.stands_for(src, u.meta.get(SOURCE, "")):
+            for reader, _ in users:
+                for name in self.ef.stands_for(src, reader):
                     if name not in stand:
                         stand.append(name)
             if stand != [src]:
@@ -919,10 +942,9 @@ class _TrainBuilder:
         args = rep.all_input_nodes
         if args != list(rep.args[0]):  # type: ignore[arg-type]
             raise _Unsupported
-        for j, p in enumerate(t.placeholders):
-            for r in p.users:
-                if r.target in _SCATTERS and r.args[0] is p and args[j].target in _FRESH:
-                    raise _Unsupported  # zeros from outside the call scattered into
+        for j in t.scattered:
+            if args[j].target in _FRESH:
+                raise _Unsupported  # zeros from outside the call scattered into
         groups: dict[int, int] = {}
         feats = []
         for src in c.sources:
@@ -938,8 +960,7 @@ class _TrainBuilder:
         if ctx is None:
             ctx = self.contexts[ckey] = self.context(t, args, after, outs, feats)
         lists = [self.keys.get(a, []) for a in args]
-        phs = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
-        ext = {p: j for j, p in enumerate(phs)}
+        ext = ctx.ext
         pkey = ("b", ckey, tuple(len(x) for x in lists))
         profile = self.s._profiles.get(pkey)
         if profile is None:
@@ -995,10 +1016,3 @@ class _TrainBuilder:
         steps = _NodeSteps(gm, True, sizes, extra, reads, inplace, self.keep_grads)
         steps.outputs = {nodes[i] for i in outs}
         return _Context(gm, nodes, steps, [], {})
-
-
-@dataclass(frozen=True)
-class _Reader:
-    """A call's node reading a top-level value, with its source made the call's."""
-
-    meta: dict[str, Any]
