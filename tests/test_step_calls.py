@@ -291,3 +291,22 @@ def test_parameter_names_fx_spells_otherwise():
     dh = _check_graph(per, fwd.meta[HIERARCHY], "update")
     assert dh.uses() == [3]
     assert _check_model(_NormStack(), (torch.randn(4, 6),), directions=(1, 2)) is not None
+
+
+@pytest.mark.parametrize(
+    ("qual", "expected"),
+    [
+        ("h.0.attn.c_attn.weight", "grad_h_0_attn_c_attn_weight"),
+        ("0.weight", "grad_0_weight"),  # a leading digit (nn.Sequential)
+        ("trunk_output.block1-0.proj.weight", "grad_trunk_output_block1_0_proj_weight"),  # RegNet
+        ("a b.c", "grad_a_b_c"),
+        ("é.w", "grad_é_w"),  # a non-ASCII letter is a word character: kept
+        ("x\u00b7y", "grad_x_y"),  # the middle dot: in identifiers, not a word character
+    ],
+)
+def test_slot_name_replaces_each_non_word_character(qual, expected):
+    """slot_name: every character of the qualified name that is not a word character (``\\W``)
+    replaced by ``_``, the dots included, after ``KIND_``."""
+    from graphflop.passes.step_calls import slot_name
+
+    assert slot_name("grad", qual) == expected

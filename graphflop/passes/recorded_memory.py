@@ -235,8 +235,20 @@ def _call_value(n: Node) -> tuple[int, int] | None:
     return number, i
 
 
+def _call_values(top: GraphModule) -> dict[Node, tuple[int, int]]:
+    """:func:`_call_value` of each of ``top``'s nodes that is a call's value (one walk, so
+    the builders' several walks of the top level look each node up)."""
+    out = {}
+    for n in top.graph.nodes:
+        if n.target is operator.getitem and (at := _call_value(n)) is not None:
+            out[n] = at
+    return out
+
+
 def _top_copy(
-    top: GraphModule, name: Callable[[tuple[int, int]], str]
+    top: GraphModule,
+    name: Callable[[tuple[int, int]], str],
+    values: dict[Node, tuple[int, int]] | None = None,
 ) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
     """A recorded top level as the eager passes read a graph: each call's value that a
     top-level node reads a placeholder (named ``name((call number, position))``, with the
@@ -244,9 +256,12 @@ def _top_copy(
     is read outside its rule), the placeholders only calls read left out; and those
     placeholders' names -> (call number, position).
 
+    ``values``: :func:`_call_values` of ``top``, where worked out already.
+
     Raises:
         _Unsupported: a name taken (the copy's names are the top level's).
     """
+    call_value = (values if values is not None else _call_values(top)).get
     g = Graph()
     env: dict[Node, Node] = {}
     read_by_calls: dict[Node, None] = {}
@@ -256,12 +271,14 @@ def _top_copy(
         if n.target is _REPEAT:
             read_by_calls.update(dict.fromkeys(n.all_input_nodes))
             continue
-        at = _call_value(n)
+        at = call_value(n)
         if (at is not None or n.op == "placeholder") and all(u.target is _REPEAT for u in n.users):
             continue  # read by calls only (or by nothing)
         if at is not None:
             p = env[n] = g.placeholder(name(at))
-            p.meta = {k: n.meta[k] for k in ("val", KIND) if k in n.meta}
+            # filled in place: assigning it re-files the node in fx's find_nodes table
+            p.meta.clear()
+            p.meta.update({k: n.meta[k] for k in ("val", KIND) if k in n.meta})
             names[p.name] = at
         elif n.op == "output":
             output = n
@@ -289,6 +306,7 @@ class _Builder:
         if len({c.site for c in dh.calls}) != len(dh.calls):
             raise _Unsupported  # a call site in two runs: its sources' nodes in two calls
         self.top, self.dh, self.device = top, dh, device
+        self.at = _call_values(top)  # the calls' values: node -> (call number, position)
         self.names: tuple[tuple[str, ...], ...] = dh.names  # type: ignore[assignment]
         self.sources = {s for c in dh.calls for s in c.sources}
         #: the calls' nodes' names in the flat graph -> (call number, position)
@@ -368,7 +386,7 @@ class _Builder:
         """No top-level node shares a name or source with a call's nodes' names or sources,
         and no composite op's region reaches from the top level into a call."""
         for n in self.top.graph.nodes:
-            if n.target is _REPEAT or _call_value(n) is not None:
+            if n.target is _REPEAT or self.at.get(n) is not None:
                 continue
             src = n.meta.get(SOURCE)
             for x in (src, n.name):
@@ -376,7 +394,7 @@ class _Builder:
                     raise _Unsupported
             ids = _region_ids(n)
             for a in n.all_input_nodes:
-                if ids & _region_ids(a) and _call_value(a) is not None:
+                if ids & _region_ids(a) and self.at.get(a) is not None:
                     raise _Unsupported  # one composite op's region across a boundary
 
     # -- keys ----------------------------------------------------------------------------
@@ -394,7 +412,7 @@ class _Builder:
 
     def value_pairs(self, v: Node, top_pairs: dict[str, list[str]]) -> list[_Ref]:
         """The tangents held with value ``v`` (a top-level node or a call's value)."""
-        at = _call_value(v)
+        at = self.at.get(v)
         if at is None:
             return [("top", m) for m in top_pairs.get(v.name, [])]
         number, i = at
@@ -416,7 +434,7 @@ class _Builder:
         for n in self.top.graph.nodes:
             if n.target is _REPEAT:
                 reps.append(n)
-            elif (at := _call_value(n)) is not None and n.users:
+            elif (at := self.at.get(n)) is not None and n.users:
                 read_after.setdefault(at[0], set()).add(at[1])
         top_gm = self.top_copy()
         top_pairs = dual_pairs(top_gm)
@@ -469,7 +487,7 @@ class _Builder:
                 self.add_call(n, number, held[number])
                 for ref in by_call.get(number, ()):
                     keys[ref] = self.call_key(number, ref[2])
-            elif (at := _call_value(n)) is not None:
+            elif (at := self.at.get(n)) is not None:
                 keys[n] = self.call_key(*at)
             elif n.op == "output":
                 r = nodes.reads_of(n, keys)
@@ -499,7 +517,7 @@ class _Builder:
     def top_copy(self) -> GraphModule:
         """The top level for the overrides (:func:`_top_copy`), each call's value named as in
         the flat graph."""
-        gm, names = _top_copy(self.top, lambda at: self.names[at[0]][at[1]])
+        gm, names = _top_copy(self.top, lambda at: self.names[at[0]][at[1]], self.at)
         self.call_names.update(names)
         return gm
 
@@ -688,6 +706,7 @@ class _TrainBuilder:
         if len({c.site for c in dh.calls}) != len(dh.calls):
             raise _Unsupported  # a call site in two runs: its sources' nodes in two calls
         self.forward, self.top, self.dh = forward, top, dh
+        self.at = _call_values(top)  # the calls' values: node -> (call number, position)
         self.optimizer, self.device, self.keep_grads = optimizer, device, keep_grads
         self.sources = {s for c in dh.calls for s in c.sources}
         self.ef = eager_forward(forward, device)
@@ -738,13 +757,13 @@ class _TrainBuilder:
         part (a call, the top level) than the scatter (scatters_in_place reads the zeros'
         users)."""
         for n in self.top.graph.nodes:
-            if n.target is _REPEAT or _call_value(n) is not None:
+            if n.target is _REPEAT or self.at.get(n) is not None:
                 continue
             if n.op == "call_function" and n.meta.get(SOURCE) in self.sources:
                 raise _Unsupported  # (a residual placeholder stands for a call's forward node)
             if n.op == "call_function" and n.target in _SCATTERS:
                 base = n.args[0]
-                if isinstance(base, Node) and (at := _call_value(base)) is not None:
+                if isinstance(base, Node) and (at := self.at.get(base)) is not None:
                     t = self.template(at[0])
                     if t.nodes[at[1]].target in _FRESH:
                         raise _Unsupported
@@ -856,7 +875,7 @@ class _TrainBuilder:
         outs: dict[int, set[int]] = {}
         out = next(n for n in reversed(top.graph.nodes) if n.op == "output")
         for n in top.graph.nodes:
-            if (at := _call_value(n)) is not None:
+            if (at := self.at.get(n)) is not None:
                 if n.users:
                     read_after.setdefault(at[0], set()).add(at[1])
                 if out in n.users:
@@ -872,7 +891,7 @@ class _TrainBuilder:
                 self.add_call(n, number, after, sorted(outs.get(number, ())))
                 for ref in by_call.get(number, ()):
                     keys[ref] = self.call_key(number, ref[2])
-            elif (at := _call_value(n)) is not None:
+            elif (at := self.at.get(n)) is not None:
                 keys[n] = self.call_key(*at)
             elif n.op == "output":
                 r = nodes.reads_of(n, keys)
@@ -902,7 +921,7 @@ class _TrainBuilder:
         _, extra = kernel_temporaries(self.forward, top_gm, self.device)
         if self.keep_grads:
             for a in out.all_input_nodes:
-                if _call_value(a) is None:
+                if self.at.get(a) is None:
                     extra[a.name] = extra.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
         for k, v in b_extra.items():
             extra[k] = extra.get(k, 0) + v
@@ -933,7 +952,7 @@ class _TrainBuilder:
     def top_copy(self) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
         """The top level for the overrides (:func:`_top_copy`), each call's value a
         placeholder ``gfcall_NUMBER_I``."""
-        return _top_copy(self.top, lambda at: f"gfcall_{at[0]}_{at[1]}")
+        return _top_copy(self.top, lambda at: f"gfcall_{at[0]}_{at[1]}", self.at)
 
     def add_call(self, rep: Node, number: int, after: list[int], outs: list[int]) -> None:
         """Call ``number`` as one item: its context's profile for its arguments' keys."""

@@ -247,6 +247,9 @@ def slot_name(kind: str, qual: str) -> str:
     ``grad`` or a state kind), also the :data:`~graphflop.meta.SOURCE` of the parameter's
     update nodes. An identifier whatever the parameter's name (torchvision's RegNet has ``-``
     in them); nothing looks a placeholder up by name: its SLOT and PARAM say what it holds."""
+    flat = qual.replace(".", "_")
+    if flat.isascii() and (flat.isidentifier() or flat.isalnum()):  # no other character
+        return kind + "_" + flat  # ASCII letters, digits and "_": all \w already
     return kind + "_" + re.sub(r"\W", "_", qual)
 
 
