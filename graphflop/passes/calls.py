@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -220,6 +221,31 @@ class DerivedHierarchy:
         return out
 
 
+#: per forward graph, what the describers of its derivative graphs read of it (the JVP's, the
+#: backward's, the update's and the step's: worked out once), with the graph's identity and
+#: size then (a graph replaced or grown is read again); the values name no node, so nothing
+#: here keeps a graph alive
+_FORWARD_FACTS: weakref.WeakKeyDictionary[
+    GraphModule,
+    tuple[tuple[int, int], tuple[dict[str, tuple[int, tuple]], set[int], dict[str, Any]]],
+] = weakref.WeakKeyDictionary()
+
+
+def forward_facts(
+    forward: GraphModule,
+) -> tuple[dict[str, tuple[int, tuple]], set[int], dict[str, Any]]:
+    """(:func:`_forward_keys` of ``forward``, its sites with a key shared, :func:`forward_tags`),
+    worked out once per forward graph. Shared by every caller: read, never written."""
+    stamp = (id(forward.graph), len(forward.graph.nodes))
+    got = _FORWARD_FACTS.get(forward)
+    if got is not None and got[0] == stamp:
+        return got[1]
+    keys, dup = _forward_keys(forward)
+    facts = (keys, dup, forward_tags(forward))
+    _FORWARD_FACTS[forward] = (stamp, facts)
+    return facts
+
+
 def _forward_keys(forward: GraphModule) -> tuple[dict[str, tuple[int, tuple]], set[int]]:
     """Per forward node copied from a template, ``(site, key)`` (key: the template index, and
     the output of a ``getitem`` tracing added afterwards); the sites where two nodes share a
@@ -258,11 +284,10 @@ class _Describer:
     """Describes runs of a derivative graph relative to their call sites."""
 
     def __init__(self, forward: GraphModule, h: Hierarchy) -> None:
-        self.keys, self.dup = _forward_keys(forward)
+        self.keys, self.dup, self.tags = forward_facts(forward)  # shared: read only
         self.names = {v: k for k, v in self.keys.items()}
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.h = h
-        self.tags = forward_tags(forward)
 
     def tags_of(self, sources: tuple[str, ...]) -> tuple[Any, ...]:
         """:attr:`DerivedCall.tags` of a call with ``sources``."""

@@ -323,6 +323,7 @@ class ComposedSchedule:
             t = max((lives.last[st] for st in sts), default=0)
             for st in sts:
                 lives.last[st] = t
+        lives.locate = None  # resolved: no reference back to the schedule that keeps it
         self._lives = (mark, lives)
         return lives
 
@@ -429,7 +430,8 @@ class _Lives:
         self, items: list[Step | _Call], locate: Callable[[str], tuple[int, str] | None]
     ) -> None:
         self.items = items
-        self.locate = locate
+        #: (set to None once the lifetimes are worked out: a cycle through the schedule)
+        self.locate: Callable[[str], tuple[int, str] | None] | None = locate
         self.storage: dict[str, str] = {}
         self.size: dict[str, int] = {}
         self.last: dict[str, int] = {}
@@ -442,6 +444,7 @@ class _Lives:
         st = self.storage.get(k)
         if st is not None or k in self.nothing:
             return st
+        assert self.locate is not None, "resolved while the lifetimes are worked out"
         loc = self.locate(k)
         if loc is None:
             self.nothing.add(k)

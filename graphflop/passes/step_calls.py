@@ -68,7 +68,7 @@ from graphflop.passes.calls import (
     DerivedHierarchy,
     _localize,
     _template,
-    forward_tags,
+    forward_facts,
     relative_tag,
     tags_of,
 )
@@ -99,22 +99,8 @@ def _source_keys(forward: GraphModule, h: Hierarchy) -> dict[str, tuple[int, tup
     from a template (key: its template index, and the output of a ``getitem`` tracing added),
     or a parameter of the block (key: its placeholder's kind and its path in the block). A
     site where two forward nodes share a key (a rewritten graph) gets none."""
-    keys: dict[str, tuple[int, tuple]] = {}
-    seen: set[tuple[int, tuple]] = set()
-    dup: set[int] = set()
-    for n in forward.graph.nodes:
-        t = n.meta.get(CALL_SITE)
-        if t is None:
-            continue
-        parent = n.args[0] if n.target is operator.getitem and n.args else None
-        k: tuple = (t[1],)
-        if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
-            k = (t[1], n.args[1])
-        if (t[0], k) in seen:
-            dup.add(t[0])
-        seen.add((t[0], k))
-        keys[n.name] = (t[0], k)
-    keys = {name: v for name, v in keys.items() if v[0] not in dup}
+    fkeys, dup, _ = forward_facts(forward)  # shared: copied before it is added to
+    keys = {name: v for name, v in fkeys.items() if v[0] not in dup}
     for p, q, (s, rel) in _param_sites(forward, h):
         keys.setdefault(p, (s, ("forward", rel)))
         keys.setdefault(slot_name("param", q), (s, ("update", rel)))
@@ -148,7 +134,7 @@ class _Describer:
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.h = h
         self.params = {q: at for _, q, at in _param_sites(forward, h)}
-        self.tags = forward_tags(forward)
+        self.tags = forward_facts(forward)[2]  # shared: read only
 
     def tags_of(self, sources: tuple[str, ...]) -> tuple[Any, ...]:
         """:attr:`~graphflop.passes.calls.DerivedCall.tags` of a call with ``sources``."""
