@@ -166,7 +166,7 @@ def build_update(
     b = _UpdateBuilder(g, fake_mode, [])
 
     def ph(name, val, qual=None, module="", slot=None):
-        n = g.placeholder(name)
+        n = _placeholder(g, name)
         n.meta.update(
             {
                 "val": _fake(fake_mode, val),
@@ -255,6 +255,15 @@ def build_update(
         tuple(f"{kind}.{q}" for kind in STATE_KINDS[cfg.name] for q, _ in params),
     )
     return gm
+
+
+def _placeholder(g: Graph, name: str) -> Node:
+    """``g.placeholder(name)``; fx's candidate name for a placeholder is its target made snake
+    case (``Graph._target_to_str``), which leaves a name with no upper case letter that is not
+    a magic name as it is: such a name is asked for as it is, without that step."""
+    if name.lower() != name or (name.startswith("__") and name.endswith("__")):
+        return g.placeholder(name)
+    return g.create_node("placeholder", name, name=name)
 
 
 def _copy_call(

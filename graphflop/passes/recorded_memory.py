@@ -249,6 +249,7 @@ def _top_copy(
     top: GraphModule,
     name: Callable[[tuple[int, int]], str],
     values: dict[Node, tuple[int, int]] | None = None,
+    output_values: bool = True,
 ) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
     """A recorded top level as the eager passes read a graph: each call's value that a
     top-level node reads a placeholder (named ``name((call number, position))``, with the
@@ -256,7 +257,11 @@ def _top_copy(
     is read outside its rule), the placeholders only calls read left out; and those
     placeholders' names -> (call number, position).
 
-    ``values``: :func:`_call_values` of ``top``, where worked out already.
+    ``values``: :func:`_call_values` of ``top``, where worked out already. ``output_values``
+    False: a call's value only calls and the output read is left out too (the train step's
+    gradients: the backward's overrides, :func:`scatters_in_place`,
+    :func:`one_kernel_backward` and :func:`kernel_temporaries`, read no such value: they
+    look at the ``call_function`` nodes, their arguments and their users).
 
     Raises:
         _Unsupported: a name taken (the copy's names are the top level's).
@@ -274,6 +279,12 @@ def _top_copy(
         at = call_value(n)
         if (at is not None or n.op == "placeholder") and all(u.target is _REPEAT for u in n.users):
             continue  # read by calls only (or by nothing)
+        if (
+            at is not None
+            and not output_values
+            and all(u.op == "output" or u.target is _REPEAT for u in n.users)
+        ):
+            continue  # read by calls and the output only
         if at is not None:
             p = env[n] = g.placeholder(name(at))
             # filled in place: assigning it re-files the node in fx's find_nodes table
@@ -393,6 +404,8 @@ class _Builder:
                 if x in self.sources or x in self.where:
                     raise _Unsupported
             ids = _region_ids(n)
+            if not ids:
+                continue
             for a in n.all_input_nodes:
                 if ids & _region_ids(a) and self.at.get(a) is not None:
                     raise _Unsupported  # one composite op's region across a boundary
@@ -952,7 +965,9 @@ class _TrainBuilder:
     def top_copy(self) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
         """The top level for the overrides (:func:`_top_copy`), each call's value a
         placeholder ``gfcall_NUMBER_I``."""
-        return _top_copy(self.top, lambda at: f"gfcall_{at[0]}_{at[1]}", self.at)
+        return _top_copy(
+            self.top, lambda at: f"gfcall_{at[0]}_{at[1]}", self.at, output_values=False
+        )
 
     def add_call(self, rep: Node, number: int, after: list[int], outs: list[int]) -> None:
         """Call ``number`` as one item: its context's profile for its arguments' keys."""

@@ -313,21 +313,10 @@ def _outside(run: list[Node]) -> list[Node]:
     keyword arguments, node after node: :meth:`_Describer.describe`'s order)."""
     inside = set(run)
     ext: dict[Node, None] = {}
-
-    def visit(a: Any) -> None:
-        if isinstance(a, Node):
+    for n in run:
+        for a in n._input_nodes:  # the nodes in (args, kwargs), in the order first read
             if a not in inside:
                 ext[a] = None
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                visit(b)
-        elif isinstance(a, dict):
-            for b in a.values():
-                visit(b)
-
-    for n in run:
-        visit(n.args)
-        visit(n.kwargs)
     return list(ext)
 
 
@@ -519,7 +508,7 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
         for i, n in enumerate(run):
             if any(u not in inside for u in n.users):
                 item = emit_named(g, operator.getitem, (call, i), "getitem")
-                item.meta = dict(n.meta)
+                object.__setattr__(item, "meta", dict(n.meta))  # no find_nodes re-filing
                 env[n] = item
     return graph_module(gm, g)
 
