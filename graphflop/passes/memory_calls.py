@@ -359,9 +359,10 @@ class ComposedSchedule:
                 continue
             own = mine.get(number, [])
             dying: dict[str, int] = {}  # storages from outside whose last step is in the call
+            ours = f"#{number}:"
             for x in at_index[bisect_left(at_index, i) : bisect_left(at_index, i + n)]:
                 for st in frees[x]:
-                    if not st.startswith(f"#{number}:"):
+                    if not st.startswith(ours):
                         dying[st] = x - i
             escaping = [st for st in own if last[st] >= i + n]
             kept = frozenset(st.split(":", 1)[1] for st in escaping)

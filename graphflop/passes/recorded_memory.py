@@ -547,7 +547,7 @@ class _Builder:
         if len(args) != len(t.placeholders) or args != list(rep.args[0]):  # type: ignore[arg-type]
             raise _Unsupported
         for j, a in enumerate(args):
-            if t.regions[j] & _region_ids(a):
+            if t.regions[j] and t.regions[j] & _region_ids(a):
                 raise _Unsupported  # one composite op's region across the call's boundary
         held = [self.value_pairs(a, top_pairs) for a in args]
         features = tuple(

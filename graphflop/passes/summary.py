@@ -190,9 +190,12 @@ def _forward(
     # from its outputs by the composed rows); FLOPs here only without the composed figures
     nodes = _ops(fwd)
     last: dict[str, torch.Tensor] = {}  # per module, the value of its last node (its output)
+    rows: dict[str, dict] = {}  # the layers' rows met so far (made in the order first met)
     for n in nodes:
         path = n.meta.get(MODULE, "")
-        L = layers[path]
+        L = rows.get(path)
+        if L is None:
+            L = rows[path] = layers[path]
         if figures is None:
             c = n.meta[COST]
             L["forward_flops"] += c.flops
