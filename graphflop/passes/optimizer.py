@@ -381,7 +381,7 @@ def gradient_free(backward: GraphModule) -> frozenset[str]:
     for n in backward.graph.nodes:
         if n.op == "output":
             out = n
-        elif n.name == info.cotangent_input or any(a in live for a in n.all_input_nodes):
+        elif n.name == info.cotangent_input or any(a in live for a in n._input_nodes):
             live.add(n)
     outs = out.args[0] if out is not None else ()
     assert isinstance(outs, (tuple, list)), "a backward graph outputs a tuple of gradients"
