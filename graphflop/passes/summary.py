@@ -193,13 +193,13 @@ def _forward(
     rows: dict[str, dict] = {}  # the layers' rows met so far (made in the order first met)
     for n in nodes:
         path = n.meta.get(MODULE, "")
-        L = rows.get(path)
-        if L is None:
-            L = rows[path] = layers[path]
+        row = rows.get(path)
+        if row is None:
+            row = rows[path] = layers[path]
         if figures is None:
             c = n.meta[COST]
-            L["forward_flops"] += c.flops
-            L["forward_mm_flops"] += c.mm_flops
+            row["forward_flops"] += c.flops
+            row["forward_mm_flops"] += c.mm_flops
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor) and n.name not in written:
             last[path] = v
