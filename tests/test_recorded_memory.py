@@ -146,3 +146,52 @@ def test_node_named_after_another_calls_source():
         assert recorded_jvp_schedule(top) is None
     finally:
         node.meta[KIND] = kind
+
+
+def test_lifetimes_worked_out_again_after_a_step_is_added():
+    """The composed schedule keeps the lifetimes ``owners`` worked out for ``peak``; a step
+    added after them is in the next peak, as in the flat schedule given the same step."""
+    a = _analysis("stack")
+    top = a.backward.meta[DERIVED_HIERARCHY].graph
+    s, _ = recorded_train_schedule(a.forward, top, "sgd")
+    ref = eager_train_schedule(a.forward, calls.flat_view(top), "sgd")
+    before = s.peak()[0]
+    assert before == ref.peak()[0]
+    big = 1 << 40  # more than all the step's storages: the peak is at this step
+    s.add_transient("u:probe", big)
+    ref.add_transient("u:probe", big)
+    assert s.peak() == ref.peak()
+    assert s.peak()[0] > big > before
+
+
+@pytest.mark.parametrize("which", ["stack", "gpt2", "resnet.py:resnet18"])
+def test_train_top_copy_without_the_values_only_the_output_reads(which):
+    """The train step's copy of the backward's top level leaves out the calls' values only the
+    output (and calls) read (the gradients): the overrides worked out on it (scatters in place,
+    one-kernel backwards, convolutions' temporaries) are those of the copy with them."""
+    from graphflop.passes import recorded_memory as rm
+    from graphflop.passes.eager_kernels import one_kernel_backward
+    from graphflop.passes.eager_memory import eager_forward, kernel_temporaries, scatters_in_place
+
+    a = _analysis(which)
+    top = a.backward.meta[DERIVED_HIERARCHY].graph
+    kernels = eager_forward(a.forward, "cpu").kernels
+
+    def overrides(gm):
+        inplace = scatters_in_place(gm)
+        return (
+            inplace,
+            one_kernel_backward(gm, kernels, inplace),
+            kernel_temporaries(a.forward, gm, "cpu"),
+        )
+
+    def name(at):
+        return f"gfcall_{at[0]}_{at[1]}"
+
+    full, full_names = rm._top_copy(top, name)
+    short, short_names = rm._top_copy(top, name, output_values=False)
+    # the gradients of the blocks' parameters: one placeholder each in the full copy only
+    grads = sum(len(c.sources) > 0 for c in top.meta[DERIVED_HIERARCHY].calls)
+    assert len(full_names) - len(short_names) >= grads > 0
+    assert set(short_names) < set(full_names)
+    assert overrides(short) == overrides(full)

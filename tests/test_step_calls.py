@@ -15,7 +15,7 @@ from test_hierarchy import Stack, _flat_sums, _stored_nodes
 from graphflop.analysis import analyze
 from graphflop.frontend.trace import trace
 from graphflop.load import load, make_inputs
-from graphflop.meta import COST, DERIVED_HIERARCHY, HIERARCHY, PARAM, SOURCE
+from graphflop.meta import CALL_SITE, COST, DERIVED_HIERARCHY, HIERARCHY, PARAM, SOURCE
 from graphflop.passes import calls
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
 from graphflop.passes.flops import AnnotateFlops
@@ -291,3 +291,42 @@ def test_parameter_names_fx_spells_otherwise():
     dh = _check_graph(per, fwd.meta[HIERARCHY], "update")
     assert dh.uses() == [3]
     assert _check_model(_NormStack(), (torch.randn(4, 6),), directions=(1, 2)) is not None
+
+
+@pytest.mark.parametrize(
+    ("qual", "expected"),
+    [
+        ("h.0.attn.c_attn.weight", "grad_h_0_attn_c_attn_weight"),
+        ("0.weight", "grad_0_weight"),  # a leading digit (nn.Sequential)
+        ("trunk_output.block1-0.proj.weight", "grad_trunk_output_block1_0_proj_weight"),  # RegNet
+        ("a b.c", "grad_a_b_c"),
+        ("é.w", "grad_é_w"),  # a non-ASCII letter is a word character: kept
+        ("x\u00b7y", "grad_x_y"),  # the middle dot: in identifiers, not a word character
+    ],
+)
+def test_slot_name_replaces_each_non_word_character(qual, expected):
+    """slot_name: every character of the qualified name that is not a word character (``\\W``)
+    replaced by ``_``, the dots included, after ``KIND_``."""
+    from graphflop.passes.step_calls import slot_name
+
+    assert slot_name("grad", qual) == expected
+
+
+def test_forward_facts_worked_out_per_forward_graph():
+    """The forward's keys and checkpoint tags that the derivative graphs' describers read are
+    worked out once per forward graph: another forward graph gets its own, and a graph grown
+    since is read again (a node copied into a call site gives that site a key twice)."""
+    x = torch.randn(5, 6)
+    f3, f4 = trace(Stack(3), (x,)), trace(Stack(4), (x,))
+    k3, dup3, _ = calls.forward_facts(f3)
+    k4, dup4, _ = calls.forward_facts(f4)
+    assert (k3, dup3) == calls._forward_keys(f3) and (k4, dup4) == calls._forward_keys(f4)
+    assert {s for s, _ in k3.values()} == {0, 1, 2}  # three call sites, four in the other
+    assert {s for s, _ in k4.values()} == {0, 1, 2, 3}
+    assert calls.forward_facts(f3)[0] is k3  # the same graph: not walked again
+    g = f3.graph
+    first = next(n for n in g.nodes if n.meta.get(CALL_SITE, (None,))[0] == 0)
+    with g.inserting_after(first):
+        twin = g.node_copy(first)
+    twin.meta = dict(first.meta)
+    assert not dup3 and calls.forward_facts(f3)[1] == {0}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -220,6 +221,31 @@ class DerivedHierarchy:
         return out
 
 
+#: per forward graph, what the describers of its derivative graphs read of it (the JVP's, the
+#: backward's, the update's and the step's: worked out once), with the graph's identity and
+#: size then (a graph replaced or grown is read again); the values name no node, so nothing
+#: here keeps a graph alive
+_FORWARD_FACTS: weakref.WeakKeyDictionary[
+    GraphModule,
+    tuple[tuple[int, int], tuple[dict[str, tuple[int, tuple]], set[int], dict[str, Any]]],
+] = weakref.WeakKeyDictionary()
+
+
+def forward_facts(
+    forward: GraphModule,
+) -> tuple[dict[str, tuple[int, tuple]], set[int], dict[str, Any]]:
+    """(:func:`_forward_keys` of ``forward``, its sites with a key shared, :func:`forward_tags`),
+    worked out once per forward graph. Shared by every caller: read, never written."""
+    stamp = (id(forward.graph), len(forward.graph.nodes))
+    got = _FORWARD_FACTS.get(forward)
+    if got is not None and got[0] == stamp:
+        return got[1]
+    keys, dup = _forward_keys(forward)
+    facts = (keys, dup, forward_tags(forward))
+    _FORWARD_FACTS[forward] = (stamp, facts)
+    return facts
+
+
 def _forward_keys(forward: GraphModule) -> tuple[dict[str, tuple[int, tuple]], set[int]]:
     """Per forward node copied from a template, ``(site, key)`` (key: the template index, and
     the output of a ``getitem`` tracing added afterwards); the sites where two nodes share a
@@ -258,11 +284,10 @@ class _Describer:
     """Describes runs of a derivative graph relative to their call sites."""
 
     def __init__(self, forward: GraphModule, h: Hierarchy) -> None:
-        self.keys, self.dup = _forward_keys(forward)
+        self.keys, self.dup, self.tags = forward_facts(forward)  # shared: read only
         self.names = {v: k for k, v in self.keys.items()}
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.h = h
-        self.tags = forward_tags(forward)
 
     def tags_of(self, sources: tuple[str, ...]) -> tuple[Any, ...]:
         """:attr:`DerivedCall.tags` of a call with ``sources``."""
@@ -760,22 +785,33 @@ class _Acc:
         self.ops = {k: [count, [sum_costs(cs)]] for k, (count, cs) in self.ops.items()}
         return self
 
-    def add(self, other: _Acc, module: dict[str, str]) -> None:
-        """Add a frozen template's sums, its relative module paths mapped by ``module``."""
-        self.costs.extend(other.costs)
-        for r, f in other.by_role.items():
-            self.by_role[r] = self.by_role.get(r, 0) + f
+    def add_rows(self, other: _Acc, module: dict[str, str]) -> None:
+        """Add a frozen template's rows (their module paths mapped by ``module``), and enter
+        its roles and ops where they are new (the order first met): its other sums are the
+        same at every call, added for all its calls at once (:meth:`add_times`)."""
         for rel, (f, mm, roles) in other.rows.items():
             row = self.rows.setdefault(module.get(rel, rel), [0, 0, {}])
             row[0] += f
             row[1] += mm
             for r, x in roles.items():
                 row[2][r] = row[2].get(r, 0) + x
+        for r in other.by_role:
+            self.by_role.setdefault(r, 0)
+        for op in other.ops:
+            self.ops.setdefault(op, [0, []])
+
+    def add_times(self, other: _Acc, k: int) -> None:
+        """Add a frozen template's sums but its rows ``k`` times (its calls' share, each call's
+        rows added by :meth:`add_rows`): FLOPs and counts are integers, so the sums do not
+        depend on the order they are added in."""
+        self.costs.extend(other.costs * k)
+        for r, f in other.by_role.items():
+            self.by_role[r] = self.by_role.get(r, 0) + k * f
         for op, (count, costs) in other.ops.items():
             acc = self.ops.setdefault(op, [0, []])
-            acc[0] += count
-            acc[1].extend(costs)
-        self.rule_less += other.rule_less
+            acc[0] += k * count
+            acc[1].extend(costs * k)
+        self.rule_less += k * other.rule_less
 
 
 def derived_figures(
@@ -791,6 +827,7 @@ def derived_figures(
     its op's rule (:func:`graphflop.ops.cost.op_cost`), as ``annotate_flops`` costs it."""
     call_op = torch.ops.graphflop.repeat.default
     per_template: dict[int, _Acc] = {}
+    calls: dict[int, int] = {}  # per template, its calls
     acc = _Acc()
     for n in dh.graph.graph.nodes:
         if n.op != "call_function":
@@ -804,11 +841,14 @@ def derived_figures(
                     if keep(x):
                         t.node(x, x.meta.get(MODULE, ""), x.meta.get(ROLE, default_role))
                 t.freeze()
-            acc.add(t, dict(c.modules))
+            acc.add_rows(t, dict(c.modules))  # the rest once per template, below
+            calls[c.template] = calls.get(c.template, 0) + 1
         elif n.target is operator.getitem and n.args[0].target is call_op:
             continue
         elif keep(n):
             acc.node(n, n.meta.get(MODULE, ""), n.meta.get(ROLE, default_role))
+    for template, k in calls.items():
+        acc.add_times(per_template[template], k)
     return DerivedFigures(
         total=sum_costs(acc.costs),
         by_role=acc.by_role,

@@ -130,6 +130,11 @@ class _Inside:
     alloc: dict[str, int]
     last: dict[str, int]
     peaks: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+    #: (k, the last step index reading outside key ``<k``), for the outside keys it reads
+    outer_last: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.outer_last = [(int(r[1:]), j) for r, j in self.last.items() if r[0] == "<"]
 
 
 @dataclass
@@ -156,6 +161,8 @@ class ComposedSchedule:
         self._profiles: dict[tuple, _Profile] = {}
         #: per template key, the positions of its nodes that read a value from outside the run
         self._boundary: dict[Hashable, list[int]] = {}
+        #: the lifetimes last worked out, with the schedule's size then (:meth:`_lifetimes`)
+        self._lives: tuple[tuple[int, ...], _Lives] | None = None
 
     def add_graph(
         self,
@@ -291,7 +298,12 @@ class ComposedSchedule:
 
     # -- the composition ---------------------------------------------------------------------
     def _lifetimes(self) -> _Lives:
-        """The storages and their lifetimes over the flat order of steps (:class:`_Lives`)."""
+        """The storages and their lifetimes over the flat order of steps (:class:`_Lives`);
+        worked out once for :meth:`owners` and :meth:`peak` of one schedule, again where an
+        item, kept key or tie was added since (the schedules are built by appending)."""
+        mark = (len(self.items), len(self.keep), len(self.ties), sum(map(len, self.ties)))
+        if self._lives is not None and self._lives[0] == mark:
+            return self._lives[1]
         lives = _Lives(self.items, self._locate)
         i = 0
         for number, item in enumerate(self.items):
@@ -311,6 +323,8 @@ class ComposedSchedule:
             t = max((lives.last[st] for st in sts), default=0)
             for st in sts:
                 lives.last[st] = t
+        lives.locate = None  # resolved: no reference back to the schedule that keeps it
+        self._lives = (mark, lives)
         return lives
 
     def peak(self) -> tuple[int, str]:
@@ -345,9 +359,10 @@ class ComposedSchedule:
                 continue
             own = mine.get(number, [])
             dying: dict[str, int] = {}  # storages from outside whose last step is in the call
+            ours = f"#{number}:"
             for x in at_index[bisect_left(at_index, i) : bisect_left(at_index, i + n)]:
                 for st in frees[x]:
-                    if not st.startswith(f"#{number}:"):
+                    if not st.startswith(ours):
                         dying[st] = x - i
             escaping = [st for st in own if last[st] >= i + n]
             kept = frozenset(st.split(":", 1)[1] for st in escaping)
@@ -416,7 +431,8 @@ class _Lives:
         self, items: list[Step | _Call], locate: Callable[[str], tuple[int, str] | None]
     ) -> None:
         self.items = items
-        self.locate = locate
+        #: (set to None once the lifetimes are worked out: a cycle through the schedule)
+        self.locate: Callable[[str], tuple[int, str] | None] | None = locate
         self.storage: dict[str, str] = {}
         self.size: dict[str, int] = {}
         self.last: dict[str, int] = {}
@@ -429,6 +445,7 @@ class _Lives:
         st = self.storage.get(k)
         if st is not None or k in self.nothing:
             return st
+        assert self.locate is not None, "resolved while the lifetimes are worked out"
         loc = self.locate(k)
         if loc is None:
             self.nothing.add(k)
@@ -465,11 +482,10 @@ class _Lives:
     def call(self, item: _Call, number: int, i: int) -> None:
         resolved = tuple([self.resolve(k) is not None for k in item.outer])
         inner = self.inners[number] = _analysis(item.profile, resolved)
-        last = self.last
-        for r, j in inner.last.items():
-            if r[0] == "<":
-                rs = self.storage[item.outer[int(r[1:])]]
-                last[rs] = max(last.get(rs, i + j), i + j)
+        last, storage, outer = self.last, self.storage, item.outer
+        for k, j in inner.outer_last:
+            rs = storage[outer[k]]
+            last[rs] = max(last.get(rs, i + j), i + j)
 
 
 class _Keys(dict):

@@ -166,7 +166,7 @@ def build_update(
     b = _UpdateBuilder(g, fake_mode, [])
 
     def ph(name, val, qual=None, module="", slot=None):
-        n = g.placeholder(name)
+        n = _placeholder(g, name)
         n.meta.update(
             {
                 "val": _fake(fake_mode, val),
@@ -255,6 +255,15 @@ def build_update(
         tuple(f"{kind}.{q}" for kind in STATE_KINDS[cfg.name] for q, _ in params),
     )
     return gm
+
+
+def _placeholder(g: Graph, name: str) -> Node:
+    """``g.placeholder(name)``; fx's candidate name for a placeholder is its target made snake
+    case (``Graph._target_to_str``), which leaves a name with no upper case letter that is not
+    a magic name as it is: such a name is asked for as it is, without that step."""
+    if name.lower() != name or (name.startswith("__") and name.endswith("__")):
+        return g.placeholder(name)
+    return g.create_node("placeholder", name, name=name)
 
 
 def _copy_call(
@@ -372,7 +381,7 @@ def gradient_free(backward: GraphModule) -> frozenset[str]:
     for n in backward.graph.nodes:
         if n.op == "output":
             out = n
-        elif n.name == info.cotangent_input or any(a in live for a in n.all_input_nodes):
+        elif n.name == info.cotangent_input or any(a in live for a in n._input_nodes):
             live.add(n)
     outs = out.args[0] if out is not None else ()
     assert isinstance(outs, (tuple, list)), "a backward graph outputs a tuple of gradients"

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count, repeat
 from typing import Any
 
@@ -145,6 +145,12 @@ class _Context:
     steps: _NodeSteps
     ties: list[list[int]]
     pairs: dict[int, list[int]]
+    #: the copy's placeholders -> their positions (a call's values from outside, in order)
+    ext: dict[Node, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        phs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.ext = {p: j for j, p in enumerate(phs)}
 
 
 @dataclass
@@ -157,6 +163,7 @@ class _Template:
     nodes: list[Node]
     slot: list[int]  # per position, its source slot
     regions: list[set[int]]  # per placeholder, the composite regions of its readers
+    scattered: list[int]  # the placeholders a scatter of the template writes into
 
 
 def recorded_jvp_schedule(top: GraphModule, device: str = "cpu") -> ComposedSchedule | None:
@@ -209,7 +216,12 @@ def _template_of(dh: DerivedHierarchy, cache: dict[int, _Template], number: int)
         for a in n.all_input_nodes:
             if a in pos:
                 regions[pos[a]] |= _region_ids(n)
-    got = cache[c.template] = _Template(gm, phs, nodes, slot, regions)
+    scattered = [
+        j
+        for j, p in enumerate(phs)
+        if any(r.target in _SCATTERS and r.args[0] is p for r in p.users)
+    ]
+    got = cache[c.template] = _Template(gm, phs, nodes, slot, regions, scattered)
     return got
 
 
@@ -225,8 +237,21 @@ def _call_value(n: Node) -> tuple[int, int] | None:
     return number, i
 
 
+def _call_values(top: GraphModule) -> dict[Node, tuple[int, int]]:
+    """:func:`_call_value` of each of ``top``'s nodes that is a call's value (one walk, so
+    the builders' several walks of the top level look each node up)."""
+    out = {}
+    for n in top.graph.nodes:
+        if n.target is operator.getitem and (at := _call_value(n)) is not None:
+            out[n] = at
+    return out
+
+
 def _top_copy(
-    top: GraphModule, name: Callable[[tuple[int, int]], str]
+    top: GraphModule,
+    name: Callable[[tuple[int, int]], str],
+    values: dict[Node, tuple[int, int]] | None = None,
+    output_values: bool = True,
 ) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
     """A recorded top level as the eager passes read a graph: each call's value that a
     top-level node reads a placeholder (named ``name((call number, position))``, with the
@@ -234,9 +259,16 @@ def _top_copy(
     is read outside its rule), the placeholders only calls read left out; and those
     placeholders' names -> (call number, position).
 
+    ``values``: :func:`_call_values` of ``top``, where worked out already. ``output_values``
+    False: a call's value only calls and the output read is left out too (the train step's
+    gradients: the backward's overrides, :func:`scatters_in_place`,
+    :func:`one_kernel_backward` and :func:`kernel_temporaries`, read no such value: they
+    look at the ``call_function`` nodes, their arguments and their users).
+
     Raises:
         _Unsupported: a name taken (the copy's names are the top level's).
     """
+    call_value = (values if values is not None else _call_values(top)).get
     g = Graph()
     env: dict[Node, Node] = {}
     read_by_calls: dict[Node, None] = {}
@@ -246,12 +278,20 @@ def _top_copy(
         if n.target is _REPEAT:
             read_by_calls.update(dict.fromkeys(n.all_input_nodes))
             continue
-        at = _call_value(n)
+        at = call_value(n)
         if (at is not None or n.op == "placeholder") and all(u.target is _REPEAT for u in n.users):
             continue  # read by calls only (or by nothing)
+        if (
+            at is not None
+            and not output_values
+            and all(u.op == "output" or u.target is _REPEAT for u in n.users)
+        ):
+            continue  # read by calls and the output only
         if at is not None:
             p = env[n] = g.placeholder(name(at))
-            p.meta = {k: n.meta[k] for k in ("val", KIND) if k in n.meta}
+            # filled in place: assigning it re-files the node in fx's find_nodes table
+            p.meta.clear()
+            p.meta.update({k: n.meta[k] for k in ("val", KIND) if k in n.meta})
             names[p.name] = at
         elif n.op == "output":
             output = n
@@ -279,6 +319,7 @@ class _Builder:
         if len({c.site for c in dh.calls}) != len(dh.calls):
             raise _Unsupported  # a call site in two runs: its sources' nodes in two calls
         self.top, self.dh, self.device = top, dh, device
+        self.at = _call_values(top)  # the calls' values: node -> (call number, position)
         self.names: tuple[tuple[str, ...], ...] = dh.names  # type: ignore[assignment]
         self.sources = {s for c in dh.calls for s in c.sources}
         #: the calls' nodes' names in the flat graph -> (call number, position)
@@ -340,10 +381,15 @@ class _Builder:
         has no tangent or coefficient node (so no dual pair, no formula's node a composite
         op's tangent would hold nothing of) and the node is not in fused attention (whose
         inner nodes of any kind hold nothing)."""
+        formulas: dict[tuple[int, int], bool] = {}  # (template, slot) -> has a formula node
         for number, i, other, k in self.foreign:
             t, t2 = self.template(number), self.template(other)
-            kinds = {n.meta.get(KIND) for n, slot in zip(t2.nodes, t2.slot) if slot == k}
-            if kinds & set(TANGENT_FORMULA) or self.call_ctx[other].pairs.get(k):
+            tk = (self.dh.calls[other].template, k)
+            has = formulas.get(tk)
+            if has is None:
+                kinds = {n.meta.get(KIND) for n, slot in zip(t2.nodes, t2.slot) if slot == k}
+                has = formulas[tk] = bool(kinds & set(TANGENT_FORMULA))
+            if has or self.call_ctx[other].pairs.get(k):
                 raise _Unsupported
             tag = t.nodes[i].meta.get(COMPOSITE)
             if tag is not None and tag.op == FUSED_SDPA:
@@ -353,15 +399,17 @@ class _Builder:
         """No top-level node shares a name or source with a call's nodes' names or sources,
         and no composite op's region reaches from the top level into a call."""
         for n in self.top.graph.nodes:
-            if n.target is _REPEAT or _call_value(n) is not None:
+            if n.target is _REPEAT or self.at.get(n) is not None:
                 continue
             src = n.meta.get(SOURCE)
             for x in (src, n.name):
                 if x in self.sources or x in self.where:
                     raise _Unsupported
             ids = _region_ids(n)
+            if not ids:
+                continue
             for a in n.all_input_nodes:
-                if ids & _region_ids(a) and _call_value(a) is not None:
+                if ids & _region_ids(a) and self.at.get(a) is not None:
                     raise _Unsupported  # one composite op's region across a boundary
 
     # -- keys ----------------------------------------------------------------------------
@@ -379,7 +427,7 @@ class _Builder:
 
     def value_pairs(self, v: Node, top_pairs: dict[str, list[str]]) -> list[_Ref]:
         """The tangents held with value ``v`` (a top-level node or a call's value)."""
-        at = _call_value(v)
+        at = self.at.get(v)
         if at is None:
             return [("top", m) for m in top_pairs.get(v.name, [])]
         number, i = at
@@ -401,7 +449,7 @@ class _Builder:
         for n in self.top.graph.nodes:
             if n.target is _REPEAT:
                 reps.append(n)
-            elif (at := _call_value(n)) is not None and n.users:
+            elif (at := self.at.get(n)) is not None and n.users:
                 read_after.setdefault(at[0], set()).add(at[1])
         top_gm = self.top_copy()
         top_pairs = dual_pairs(top_gm)
@@ -454,7 +502,7 @@ class _Builder:
                 self.add_call(n, number, held[number])
                 for ref in by_call.get(number, ()):
                     keys[ref] = self.call_key(number, ref[2])
-            elif (at := _call_value(n)) is not None:
+            elif (at := self.at.get(n)) is not None:
                 keys[n] = self.call_key(*at)
             elif n.op == "output":
                 r = nodes.reads_of(n, keys)
@@ -484,7 +532,7 @@ class _Builder:
     def top_copy(self) -> GraphModule:
         """The top level for the overrides (:func:`_top_copy`), each call's value named as in
         the flat graph."""
-        gm, names = _top_copy(self.top, lambda at: self.names[at[0]][at[1]])
+        gm, names = _top_copy(self.top, lambda at: self.names[at[0]][at[1]], self.at)
         self.call_names.update(names)
         return gm
 
@@ -501,7 +549,7 @@ class _Builder:
         if len(args) != len(t.placeholders) or args != list(rep.args[0]):  # type: ignore[arg-type]
             raise _Unsupported
         for j, a in enumerate(args):
-            if t.regions[j] & _region_ids(a):
+            if t.regions[j] and t.regions[j] & _region_ids(a):
                 raise _Unsupported  # one composite op's region across the call's boundary
         held = [self.value_pairs(a, top_pairs) for a in args]
         features = tuple(
@@ -527,8 +575,7 @@ class _Builder:
         ctx = self.call_ctx[number]
         lists = [self.keys.get(a, []) for a in rep.all_input_nodes]
         lists += [self.ref_keys(r) for h in held for r in h]
-        phs = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
-        ext = {p: j for j, p in enumerate(phs)}
+        ext = ctx.ext
         outside = frozenset(self.referenced.get(number, ()))
         pkey = (self.ckeys[number], tuple(len(x) for x in lists), outside)
         profile = self.s._profiles.get(pkey)
@@ -674,6 +721,7 @@ class _TrainBuilder:
         if len({c.site for c in dh.calls}) != len(dh.calls):
             raise _Unsupported  # a call site in two runs: its sources' nodes in two calls
         self.forward, self.top, self.dh = forward, top, dh
+        self.at = _call_values(top)  # the calls' values: node -> (call number, position)
         self.optimizer, self.device, self.keep_grads = optimizer, device, keep_grads
         self.sources = {s for c in dh.calls for s in c.sources}
         self.ef = eager_forward(forward, device)
@@ -703,6 +751,7 @@ class _TrainBuilder:
         self.contexts: dict[Hashable, _Context] = {}
         self.top_nodes = {n.name: n for n in top.graph.nodes}
         self.reader_rows: dict[int, list[list[tuple]]] = {}
+        self.arg_at: dict[Node, dict[Node, list[int]]] = {}
 
     def template(self, number: int) -> _Template:
         return _template_of(self.dh, self.templates, number)
@@ -725,13 +774,13 @@ class _TrainBuilder:
         part (a call, the top level) than the scatter (scatters_in_place reads the zeros'
         users)."""
         for n in self.top.graph.nodes:
-            if n.target is _REPEAT or _call_value(n) is not None:
+            if n.target is _REPEAT or self.at.get(n) is not None:
                 continue
             if n.op == "call_function" and n.meta.get(SOURCE) in self.sources:
                 raise _Unsupported  # (a residual placeholder stands for a call's forward node)
             if n.op == "call_function" and n.target in _SCATTERS:
                 base = n.args[0]
-                if isinstance(base, Node) and (at := _call_value(base)) is not None:
+                if isinstance(base, Node) and (at := self.at.get(base)) is not None:
                     t = self.template(at[0])
                     if t.nodes[at[1]].target in _FRESH:
                         raise _Unsupported
@@ -771,27 +820,33 @@ class _TrainBuilder:
         owners = {o.split(":", 1)[1]: nb for o, nb in (v for v in found.values() if v is not None)}
         return s, owners
 
-    def readers(self, p: Node) -> list[Any]:
-        """The flat graph's readers of top-level node ``p``, in order: top-level nodes, and
-        for a call reading it the template's nodes reading that argument, their sources made
-        the call's (:class:`_Reader`: :data:`~graphflop.meta.SOURCE` and
-        :data:`~graphflop.meta.ROLE` only)."""
-        out: list[Any] = []
+    def readers(self, p: Node) -> list[tuple[Any, Any]]:
+        """The flat graph's readers of top-level node ``p``, in order, as (their
+        :data:`~graphflop.meta.SOURCE`, their :data:`~graphflop.meta.ROLE`): top-level nodes
+        (``""`` for no source), and for a call reading it the template's nodes reading that
+        argument, their sources made the call's (None for no source)."""
+        out: list[tuple[Any, Any]] = []
         for u in p.users:
             if u.target is not _REPEAT:
-                out.append(u)
+                out.append((u.meta.get(SOURCE, ""), u.meta.get(ROLE)))
                 continue
             number = u.args[1]
             assert isinstance(number, int)
             c = self.dh.calls[number]
             rows = self.template_readers(c.template, number)
-            for j, a in enumerate(u.args[0]):  # type: ignore[arg-type]
-                if a is p:
-                    out += [
-                        _Reader({SOURCE: c.sources[k] if k is not None else None, ROLE: role})
-                        for k, role in rows[j]
-                    ]
+            for j in self.arg_positions(u)[p]:
+                out += [(c.sources[k] if k is not None else None, role) for k, role in rows[j]]
         return out
+
+    def arg_positions(self, rep: Node) -> dict[Node, list[int]]:
+        """Call ``rep``'s arguments -> their positions among its arguments (made once per
+        call, not once per argument read)."""
+        got = self.arg_at.get(rep)
+        if got is None:
+            got = self.arg_at[rep] = {}
+            for j, a in enumerate(rep.args[0]):  # type: ignore[arg-type]
+                got.setdefault(a, []).append(j)
+        return got
 
     def template_readers(self, template: int, number: int) -> list[list[tuple]]:
         """Per placeholder of the template, its readers' (source slot, role)."""
@@ -818,12 +873,12 @@ class _TrainBuilder:
                 continue
             src = p.meta.get(SOURCE, p.name)
             users = self.readers(p)
-            if src in replayed and all(u.meta.get(ROLE) == "recompute" for u in users):
+            if src in replayed and all(role == "recompute" for _, role in users):
                 remap[p.name] = []
                 continue
             stand: list[str] = []
-            for u in users:
-                for name in self.ef.stands_for(src, u.meta.get(SOURCE, "")):
+            for reader, _ in users:
+                for name in self.ef.stands_for(src, reader):
                     if name not in stand:
                         stand.append(name)
             if stand != [src]:
@@ -837,7 +892,7 @@ class _TrainBuilder:
         outs: dict[int, set[int]] = {}
         out = next(n for n in reversed(top.graph.nodes) if n.op == "output")
         for n in top.graph.nodes:
-            if (at := _call_value(n)) is not None:
+            if (at := self.at.get(n)) is not None:
                 if n.users:
                     read_after.setdefault(at[0], set()).add(at[1])
                 if out in n.users:
@@ -853,7 +908,7 @@ class _TrainBuilder:
                 self.add_call(n, number, after, sorted(outs.get(number, ())))
                 for ref in by_call.get(number, ()):
                     keys[ref] = self.call_key(number, ref[2])
-            elif (at := _call_value(n)) is not None:
+            elif (at := self.at.get(n)) is not None:
                 keys[n] = self.call_key(*at)
             elif n.op == "output":
                 r = nodes.reads_of(n, keys)
@@ -885,7 +940,7 @@ class _TrainBuilder:
         _, extra = kernel_temporaries(self.forward, top_gm, self.device)
         if self.keep_grads:
             for a in out.all_input_nodes:
-                if _call_value(a) is None:
+                if self.at.get(a) is None:
                     extra[a.name] = extra.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
         for k, v in b_extra.items():
             extra[k] = extra.get(k, 0) + v
@@ -916,7 +971,9 @@ class _TrainBuilder:
     def top_copy(self) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
         """The top level for the overrides (:func:`_top_copy`), each call's value a
         placeholder ``gfcall_NUMBER_I``."""
-        return _top_copy(self.top, lambda at: f"gfcall_{at[0]}_{at[1]}")
+        return _top_copy(
+            self.top, lambda at: f"gfcall_{at[0]}_{at[1]}", self.at, output_values=False
+        )
 
     def add_call(self, rep: Node, number: int, after: list[int], outs: list[int]) -> None:
         """Call ``number`` as one item: its context's profile for its arguments' keys."""
@@ -925,10 +982,9 @@ class _TrainBuilder:
         args = rep.all_input_nodes
         if args != list(rep.args[0]):  # type: ignore[arg-type]
             raise _Unsupported
-        for j, p in enumerate(t.placeholders):
-            for r in p.users:
-                if r.target in _SCATTERS and r.args[0] is p and args[j].target in _FRESH:
-                    raise _Unsupported  # zeros from outside the call scattered into
+        for j in t.scattered:
+            if args[j].target in _FRESH:
+                raise _Unsupported  # zeros from outside the call scattered into
         groups: dict[int, int] = {}
         feats = []
         for src in c.sources:
@@ -951,8 +1007,7 @@ class _TrainBuilder:
         if ctx is None:
             ctx = self.contexts[ckey] = self.context(t, args, after, outs, feats)
         lists = [self.keys.get(a, []) for a in args]
-        phs = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
-        ext = {p: j for j, p in enumerate(phs)}
+        ext = ctx.ext
         pkey = ("b", ckey, tuple(len(x) for x in lists))
         profile = self.s._profiles.get(pkey)
         if profile is None:
@@ -1017,10 +1072,3 @@ class _TrainBuilder:
         steps = _NodeSteps(gm, True, sizes, extra, reads, inplace, self.keep_grads)
         steps.outputs = {nodes[i] for i in outs}
         return _Context(gm, nodes, steps, [], {})
-
-
-@dataclass(frozen=True)
-class _Reader:
-    """A call's node reading a top-level value, with its source made the call's."""
-
-    meta: dict[str, Any]

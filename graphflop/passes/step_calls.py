@@ -68,7 +68,7 @@ from graphflop.passes.calls import (
     DerivedHierarchy,
     _localize,
     _template,
-    forward_tags,
+    forward_facts,
     relative_tag,
     tags_of,
 )
@@ -99,22 +99,8 @@ def _source_keys(forward: GraphModule, h: Hierarchy) -> dict[str, tuple[int, tup
     from a template (key: its template index, and the output of a ``getitem`` tracing added),
     or a parameter of the block (key: its placeholder's kind and its path in the block). A
     site where two forward nodes share a key (a rewritten graph) gets none."""
-    keys: dict[str, tuple[int, tuple]] = {}
-    seen: set[tuple[int, tuple]] = set()
-    dup: set[int] = set()
-    for n in forward.graph.nodes:
-        t = n.meta.get(CALL_SITE)
-        if t is None:
-            continue
-        parent = n.args[0] if n.target is operator.getitem and n.args else None
-        k: tuple = (t[1],)
-        if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
-            k = (t[1], n.args[1])
-        if (t[0], k) in seen:
-            dup.add(t[0])
-        seen.add((t[0], k))
-        keys[n.name] = (t[0], k)
-    keys = {name: v for name, v in keys.items() if v[0] not in dup}
+    fkeys, dup, _ = forward_facts(forward)  # shared: copied before it is added to
+    keys = {name: v for name, v in fkeys.items() if v[0] not in dup}
     for p, q, (s, rel) in _param_sites(forward, h):
         keys.setdefault(p, (s, ("forward", rel)))
         keys.setdefault(slot_name("param", q), (s, ("update", rel)))
@@ -148,7 +134,7 @@ class _Describer:
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.h = h
         self.params = {q: at for _, q, at in _param_sites(forward, h)}
-        self.tags = forward_tags(forward)
+        self.tags = forward_facts(forward)[2]  # shared: read only
 
     def tags_of(self, sources: tuple[str, ...]) -> tuple[Any, ...]:
         """:attr:`~graphflop.passes.calls.DerivedCall.tags` of a call with ``sources``."""
@@ -247,6 +233,9 @@ def slot_name(kind: str, qual: str) -> str:
     ``grad`` or a state kind), also the :data:`~graphflop.meta.SOURCE` of the parameter's
     update nodes. An identifier whatever the parameter's name (torchvision's RegNet has ``-``
     in them); nothing looks a placeholder up by name: its SLOT and PARAM say what it holds."""
+    flat = qual.replace(".", "_")
+    if flat.isascii() and (flat.isidentifier() or flat.isalnum()):  # no other character
+        return kind + "_" + flat  # ASCII letters, digits and "_": all \w already
     return kind + "_" + re.sub(r"\W", "_", qual)
 
 
@@ -324,21 +313,10 @@ def _outside(run: list[Node]) -> list[Node]:
     keyword arguments, node after node: :meth:`_Describer.describe`'s order)."""
     inside = set(run)
     ext: dict[Node, None] = {}
-
-    def visit(a: Any) -> None:
-        if isinstance(a, Node):
+    for n in run:
+        for a in n._input_nodes:  # the nodes in (args, kwargs), in the order first read
             if a not in inside:
                 ext[a] = None
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                visit(b)
-        elif isinstance(a, dict):
-            for b in a.values():
-                visit(b)
-
-    for n in run:
-        visit(n.args)
-        visit(n.kwargs)
     return list(ext)
 
 
@@ -530,7 +508,7 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
         for i, n in enumerate(run):
             if any(u not in inside for u in n.users):
                 item = emit_named(g, operator.getitem, (call, i), "getitem")
-                item.meta = dict(n.meta)
+                object.__setattr__(item, "meta", dict(n.meta))  # no find_nodes re-filing
                 env[n] = item
     return graph_module(gm, g)
 

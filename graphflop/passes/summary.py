@@ -189,16 +189,24 @@ def _forward(
     # output shapes node by node in both cases (a template's buffer updates are not told apart
     # from its outputs by the composed rows); FLOPs here only without the composed figures
     nodes = _ops(fwd)
+    last: dict[str, torch.Tensor] = {}  # per module, the value of its last node (its output)
+    rows: dict[str, dict] = {}  # the layers' rows met so far (made in the order first met)
     for n in nodes:
-        L = layers[n.meta.get(MODULE, "")]
+        path = n.meta.get(MODULE, "")
+        row = rows.get(path)
+        if row is None:
+            row = rows[path] = layers[path]
         if figures is None:
             c = n.meta[COST]
-            L["forward_flops"] += c.flops
-            L["forward_mm_flops"] += c.mm_flops
+            row["forward_flops"] += c.flops
+            row["forward_mm_flops"] += c.mm_flops
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor) and n.name not in written:
-            L["output_shape"] = list(v.shape)
-            L["output_bytes"] = tensor_bytes(v)
+            last[path] = v
+    for path, v in last.items():
+        L = layers[path]
+        L["output_shape"] = list(v.shape)
+        L["output_bytes"] = tensor_bytes(v)
     for p, q in sig.params:
         val = phs[p].meta["val"]
         layers[phs[p].meta.get(MODULE) or q.rpartition(".")[0]]["params"] += val.numel()
@@ -586,11 +594,18 @@ def _totals(
 def _rule_less(nodes: list[Node]) -> list[Node]:
     """The nodes whose op has no rule (counted as 0 FLOPs); a call of a template derivative
     (``graphflop::repeat``) is not one (its template's nodes are: :func:`rule_less_calls`)."""
-    return [
-        n
-        for n in nodes
-        if n.target is not operator.getitem and n.target is not _REPEAT and not has_rule(n.target)
-    ]
+    known: dict[Any, bool] = {}  # op -> has a rule (looked up once per op)
+    out = []
+    for n in nodes:
+        t = n.target
+        if t is operator.getitem or t is _REPEAT:
+            continue
+        rule = known.get(t)
+        if rule is None:
+            rule = known[t] = has_rule(t)
+        if not rule:
+            out.append(n)
+    return out
 
 
 _REPEAT = torch.ops.graphflop.repeat.default
