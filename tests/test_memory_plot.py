@@ -198,3 +198,69 @@ def test_cli_integer_output_plots_the_forward(tmp_path, capsys) -> None:
     rc = main(["inspect", str(spec), "--plot-memory", str(path)])
     _, err = capsys.readouterr()
     assert rc == 0 and "forward only" in err and path.read_bytes().startswith(b"\x89PNG")
+
+
+class _ResBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and a residual add (8 channels)."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(x + self.bn2(self.conv2(y)))
+
+
+class _ConvRes(nn.Module):
+    """A stem convolution, four outlined residual blocks, a mean and a Linear to 10."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.layers = nn.Sequential(*[_ResBlock() for _ in range(n)])
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layers(self.stem(x)).mean((2, 3)))
+
+
+def _resnet18() -> nn.Module:
+    from conftest import spec
+
+    from graphflop.load import load
+
+    return load(spec("resnet.py:resnet18")).model
+
+
+@pytest.mark.parametrize(
+    ("build", "shape", "mode", "options"),
+    [
+        (_ConvRes, (2, 3, 12, 12), "eval", {}),
+        (_ConvRes, (2, 3, 12, 12), "eval", {"record_derivatives": False}),
+        (_ConvRes, (2, 3, 12, 12), "train", {}),
+        (_resnet18, (1, 3, 64, 64), "eval", {}),
+    ],
+    ids=["convres_eval", "convres_eval_unrecorded", "convres_train", "resnet18_eval"],
+)
+def test_outlined_timelines_equal_the_flat_ones(build, shape, mode, options) -> None:
+    # the JVP copies a multi-output node's getitems in output order: the outlined forward's
+    # getitems of eval batch norm were made in graph order ([1], [2], [0]), the flat trace's
+    # in another ([0], then the unread [1], [2] it added afterwards), and each getitem of a
+    # batch norm kept whole is a storage of its own, allocated at its step
+    torch.manual_seed(0)
+    model = build().train(mode == "train")
+    x = torch.randn(*shape)
+    outlined = analyze(model, (x,), **options)
+    assert outlined.hierarchy is not None  # the blocks were outlined
+    flat = analyze(model, (x,), outline=False, **options)
+    got, want = memory_timeline(outlined), memory_timeline(flat)
+    assert [t.kind for t in got] == [t.kind for t in want] == ["train", "jvp"]
+    for a, b in zip(got, want):
+        assert (a.kind, a.baseline_bytes, a.phases) == (b.kind, b.baseline_bytes, b.phases)
+        assert (a.kind, a.live_bytes) == (b.kind, b.live_bytes)
+        assert a.peak_step == b.peak_step
