@@ -813,6 +813,43 @@ def test_run_pass_rejects_an_unknown_scope():
         a.run_pass(Odd())
 
 
+def test_compose_without_a_hierarchy_sums_the_flat_graph():
+    """A model with no repeated block has no hierarchy: ``run_pass`` runs on the flat forward
+    graph, and ``Analysis.compose`` (or ``compose`` given that graph) sums it there; given
+    ``None`` (``Analysis.hierarchy``), ``compose`` says what to pass instead."""
+    B = 3
+    a = analyze(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(B, 4))
+    assert a.hierarchy is None
+    run = a.run_pass(MatmulOutputs())
+    assert run.flat and run.top is a.forward
+    mm_out = lambda node: node.meta.get("mm_out", 0)  # noqa: E731
+    # the two addmm: B·4 and B·2 outputs
+    assert a.compose(mm_out) == compose(a.forward, mm_out) == B * 4 + B * 2 == 18
+    rows = {"": 0, "0": B * 4, "1": 0, "2": B * 2, "loss": 0}  # "": the placeholders
+    assert a.compose(mm_out, by_module=True) == rows
+    # every node: 1 each, the graph's node count
+    assert a.compose(lambda node: 1) == len(a.forward.graph.nodes)
+    with pytest.raises(TypeError, match=r"Analysis.hierarchy is None.*Analysis.compose"):
+        compose(a.hierarchy, mm_out)  # type: ignore[arg-type]
+
+
+def test_analysis_compose_follows_run_pass():
+    """With a hierarchy, ``Analysis.compose`` composes over it (what a TEMPLATE pass wrote),
+    and with ``flat=True`` sums the flat forward graph (what a FLAT pass wrote)."""
+    B, d, f, n = 5, 6, 10, 4
+    a = analyze(Stack(n, d, f), torch.randn(B, d))
+    a.run_pass(MatmulOutputs())
+    mm_out = lambda node: node.meta.get("mm_out", 0)  # noqa: E731
+    assert a.compose(mm_out) == compose(a.hierarchy, mm_out) == 335
+    assert a.compose(mm_out, flat=True) == 15  # only the head's B·3: the blocks' own nodes
+    # were annotated in the template graph, not in the flat graph (the top level shares
+    # the flat graph's nodes' meta)
+    run = a.run_pass(Depth())
+    assert run.flat
+    deepest = a.compose(lambda node: node.meta["depth"], flat=True)
+    assert deepest == sum(node.meta["depth"] for node in a.forward.graph.nodes)
+
+
 def test_llama_decoder_layers_hierarchical_equals_flat():
     cfg = dict(
         num_hidden_layers=3,
