@@ -9,7 +9,7 @@ import operator
 
 import pytest
 import torch
-from conftest import node_rows, spec
+from conftest import ConvRes, node_rows, spec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -763,8 +763,7 @@ def test_run_pass_per_template_composes_as_flat():
     MatmulOutputs().apply(flat)
     by: dict[str, int] = {}
     for node in flat.graph.nodes:
-        if node.op == "call_function":
-            by[node.meta.get(MODULE, "")] = by.get(node.meta.get(MODULE, ""), 0) + mm_out(node)
+        by[node.meta.get(MODULE, "")] = by.get(node.meta.get(MODULE, ""), 0) + mm_out(node)
     assert rows == by
 
 
@@ -783,13 +782,47 @@ def test_compose_reads_the_analysis_costs_at_the_top_level(which):
     flops = lambda node: node.meta[COST].flops  # noqa: E731  (every node is costed)
     by: dict[str, int] = {}
     for node in a.forward.graph.nodes:
-        if node.op == "call_function":
-            m = node.meta.get(MODULE, "")
-            by[m] = by.get(m, 0) + flops(node)
+        m = node.meta.get(MODULE, "")
+        by[m] = by.get(m, 0) + flops(node)
     assert compose(a.hierarchy, flops, by_module=True) == by
     assert compose(a.hierarchy, flops) == sum(by.values())
     top = [n for n in a.hierarchy.graph.graph.nodes if n.meta.get(COST) is not None]
     assert any(n.meta[COST].flops > 0 for n in top)  # the head's matmul, the loss
+
+
+def _tensor_bytes(node) -> int:
+    v = node.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+@pytest.mark.parametrize("which", ["stack", "convres"])
+def test_compose_sums_every_node_of_the_flat_graph(which):
+    """``compose`` sums every node of the flat model (docs/api.md), the top level's
+    placeholders and output included: a figure that is not 0 on placeholders (the bytes of
+    the value a node holds; 1 per node) composes to the flat graph's sum, per module too. It
+    summed the ``call_function`` nodes only: the parameters and the input composed to 0."""
+    if which == "stack":
+        a = analyze(Stack(4, 6, 10), torch.randn(5, 6))
+    else:
+        a = analyze(ConvRes().eval(), torch.randn(2, 3, 12, 12))
+    assert a.hierarchy is not None and a.hierarchy.graph is not None
+    by: dict[str, int] = {}
+    for node in a.forward.graph.nodes:
+        m = node.meta.get(MODULE, "")
+        by[m] = by.get(m, 0) + _tensor_bytes(node)
+    assert compose(a.hierarchy, _tensor_bytes, by_module=True) == by
+    assert compose(a.hierarchy, _tensor_bytes) == sum(by.values())
+    params = [n for n in a.forward.graph.nodes if n.op == "placeholder"]
+    assert sum(_tensor_bytes(n) for n in params) > 0  # what the old sum left out
+    one = lambda node: 1  # noqa: E731
+    n_nodes = len(a.forward.graph.nodes)
+    if which == "stack":
+        assert compose(a.hierarchy, one) == n_nodes
+    else:
+        # but the getitems tracing added for the batch norms' unread outputs (eval: [1] and
+        # [2], the empty saved statistics) are the flat graph's only, in no template: they
+        # compose to 0; 2 per norm, 2 norms per block, 4 blocks
+        assert compose(a.hierarchy, one) == n_nodes - 2 * 2 * 4
 
 
 def test_run_pass_flat_scope_sees_every_node():

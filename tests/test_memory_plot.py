@@ -11,7 +11,7 @@ from __future__ import annotations
 import matplotlib
 import pytest
 import torch
-from conftest import ConvBnDropPool
+from conftest import ConvBnDropPool, ConvRes
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -200,35 +200,6 @@ def test_cli_integer_output_plots_the_forward(tmp_path, capsys) -> None:
     assert rc == 0 and "forward only" in err and path.read_bytes().startswith(b"\x89PNG")
 
 
-class _ResBlock(nn.Module):
-    """Two 3x3 convolutions with batch norm and a residual add (8 channels)."""
-
-    def __init__(self, c: int = 8) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(x + self.bn2(self.conv2(y)))
-
-
-class _ConvRes(nn.Module):
-    """A stem convolution, four outlined residual blocks, a mean and a Linear to 10."""
-
-    def __init__(self, n: int = 4) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, 8, 3, padding=1)
-        self.layers = nn.Sequential(*[_ResBlock() for _ in range(n)])
-        self.fc = nn.Linear(8, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.layers(self.stem(x)).mean((2, 3)))
-
-
 def _resnet18() -> nn.Module:
     from conftest import spec
 
@@ -240,9 +211,9 @@ def _resnet18() -> nn.Module:
 @pytest.mark.parametrize(
     ("build", "shape", "mode", "options"),
     [
-        (_ConvRes, (2, 3, 12, 12), "eval", {}),
-        (_ConvRes, (2, 3, 12, 12), "eval", {"record_derivatives": False}),
-        (_ConvRes, (2, 3, 12, 12), "train", {}),
+        (ConvRes, (2, 3, 12, 12), "eval", {}),
+        (ConvRes, (2, 3, 12, 12), "eval", {"record_derivatives": False}),
+        (ConvRes, (2, 3, 12, 12), "train", {}),
         (_resnet18, (1, 3, 64, 64), "eval", {}),
     ],
     ids=["convres_eval", "convres_eval_unrecorded", "convres_train", "resnet18_eval"],

@@ -205,11 +205,15 @@ def _in_flat_order(gm: GraphModule, ops: dict, rows: dict) -> tuple[dict, dict]:
 def compose(
     source: Hierarchy | GraphModule, value: Callable[[Node], float], *, by_module: bool = False
 ) -> float | dict[str, float]:
-    """``value(node)`` summed over every ``call_function`` node of the flat forward graph,
-    computed on the hierarchy: each variant's template nodes once, times its calls, plus the
-    top level's nodes (the call nodes of :attr:`Hierarchy.graph` left out). ``value`` must
-    depend only on the node and its arguments' metadata (a template node then has its copies'
-    value). Given a flat graph instead, the plain sum over its nodes: what
+    """``value(node)`` summed over every node of the flat forward graph, computed on the
+    hierarchy: each variant's template nodes once, times its calls, plus the top level's
+    nodes, its placeholders and output included (the call nodes of :attr:`Hierarchy.graph`
+    and their ``getitem`` nodes left out). ``value`` must depend only on the node and its
+    arguments' metadata (a template node then has its copies' value). One kind of flat node
+    has no node here and counts 0: a ``getitem`` tracing added inside a call for an output
+    nothing reads (eval batch norm's saved statistics; ``(index, i)`` in
+    :attr:`Hierarchy.variants`), whose cost is 0. Given a flat graph instead, the plain sum
+    over its nodes: what
     :meth:`graphflop.analysis.Analysis.compose` does for a model without outlined blocks,
     where :meth:`~graphflop.analysis.Analysis.run_pass` runs a pass on the flat forward graph.
 
@@ -244,8 +248,6 @@ def compose(
     per_variant: dict[int, dict[str, float]] = {}
     out: dict[str, float] = {}
     for n in h.graph.graph.nodes:
-        if n.op != "call_function":
-            continue
         if n.target is call_op:
             site = h.sites[n.args[1]]
             sums = per_variant.get(site.variant)
@@ -260,7 +262,7 @@ def compose(
             for rel, v in sums.items():
                 path = site.module(rel)
                 out[path] = out.get(path, 0) + v
-        elif n.target is operator.getitem and n.args[0].target is call_op:
+        elif n.target is operator.getitem and getattr(n.args[0], "target", None) is call_op:
             continue  # a call's value: computed inside the template
         else:
             path = n.meta.get(MODULE, "")
