@@ -1551,6 +1551,34 @@ def test_blocks_traced_once_say_nothing():
     assert outline_notes(a) == []
 
 
+class _Pair(nn.Module):
+    """Two modules, itself counted: too small to be outlined."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+@pytest.mark.parametrize(
+    ("build", "calls"),
+    [
+        (lambda: nn.Sequential(*[_Pair() for _ in range(3)]), 0),
+        (lambda: nn.Sequential(*[nn.Linear(6, 6) for _ in range(3)]), 0),
+        (lambda: nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.ReLU()) for _ in range(3)]), 3),
+    ],
+    ids=["two_modules", "one_module", "three_modules"],
+)
+def test_blocks_of_fewer_than_three_modules_are_not_outlined(build, calls):
+    """docs/api.md ("The hierarchy"): a block is outlined where it holds at least 3 modules,
+    itself counted; smaller ones are traced at each call and not listed in ``in_full``."""
+    a = analyze(build(), torch.randn(5, 6))
+    assert a.outlined.calls == calls and a.outlined.in_full == ()
+    assert (a.hierarchy is not None) == (calls > 0)
+
+
 def test_tensor_attribute_shared_by_blocks_is_one_constant_on_the_meta_device(tmp_path):
     """One plain tensor (8 float32: 32 bytes) held by three blocks is one constant of the
     trace, as in eager, whether the model was built on the CPU or on the meta device (as the
