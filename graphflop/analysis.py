@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from graphflop._gc import paused_gc
 from graphflop.ad.builder import shape_cache_scope
@@ -48,6 +48,7 @@ from graphflop.passes.forward_gradient import (
     MAX_DIRECTIONS,
     BuildForwardGradientStep,
 )
+from graphflop.passes.hierarchy import compose
 from graphflop.passes.infra import FLAT, SCOPES, TEMPLATE, GraphPass, run_passes
 from graphflop.passes.optimizer import OPTIMIZERS, AddOptimizerUpdate, for_every_parameter
 from graphflop.passes.selective_recompute import POLICIES as RECOMPUTE_POLICIES
@@ -232,6 +233,26 @@ class Analysis:
             return PassRun(run_passes(self.forward, [p]), (), flat=True)
         templates = tuple(run_passes(graph_module(nn.Module(), t), [p]) for t in h.templates)
         return PassRun(run_passes(h.graph, [p]), templates, flat=False)
+
+    def compose(
+        self, value: Callable[[Node], float], *, by_module: bool = False, flat: bool = False
+    ) -> float | dict[str, float]:
+        """``value(node)`` summed over every node of the forward graph, read where
+        :meth:`run_pass` runs a pass: composed over :attr:`hierarchy`'s calls
+        (:func:`graphflop.passes.hierarchy.compose`, each template's nodes once) where it
+        has one with a top-level graph, else summed over the flat forward graph.
+
+        Args:
+            value: a number per node (as ``compose``'s).
+            by_module: return ``{module path: sum}`` instead.
+            flat: sum over the flat forward graph even with a hierarchy: where a pass of
+                scope :data:`~graphflop.passes.infra.FLAT` wrote its figures
+                (``PassRun.flat``).
+        """
+        h = self.hierarchy
+        if flat or h is None or h.graph is None:
+            return compose(self.forward, value, by_module=by_module)
+        return compose(h, value, by_module=by_module)
 
 
 @dataclass(frozen=True)

@@ -476,6 +476,9 @@ class OutlineInfo:
         traced_once: templates traced (each once).
         in_full: one line per group of repeated modules traced in full (each copy traced on
             its own), saying which and why (``Block ×3 (blocks.0, blocks.1, blocks.2): ...``).
+            A module of fewer than 3 modules, itself counted (a repeated ``nn.Linear``), is
+            never outlined (:func:`graphflop.frontend.outline.plan`'s ``min_modules``) and is
+            not listed: it is no candidate.
     """
 
     calls: int = 0

@@ -101,6 +101,36 @@ class ConvBnDropPool(nn.Sequential):
         )
 
 
+class ResBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and a residual add (8 channels)."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(x + self.bn2(self.conv2(y)))
+
+
+class ConvRes(nn.Module):
+    """Input [N, 3, H, W]: a stem convolution to 8 channels, ``n`` residual blocks (outlined,
+    each two convolutions and two batch norms), a spatial mean and a Linear to 10."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.layers = nn.Sequential(*[ResBlock() for _ in range(n)])
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layers(self.stem(x)).mean((2, 3)))
+
+
 def node_rows(gm, extra=lambda n: ()) -> list[tuple]:
     """Every node of ``gm`` by op, target, arguments (nodes by position), output shape, strides
     and dtype, plus ``extra(node)``'s fields: two graphs built two ways compare equal node for

@@ -9,7 +9,7 @@ import operator
 
 import pytest
 import torch
-from conftest import node_rows, spec
+from conftest import ConvRes, node_rows, spec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -763,8 +763,7 @@ def test_run_pass_per_template_composes_as_flat():
     MatmulOutputs().apply(flat)
     by: dict[str, int] = {}
     for node in flat.graph.nodes:
-        if node.op == "call_function":
-            by[node.meta.get(MODULE, "")] = by.get(node.meta.get(MODULE, ""), 0) + mm_out(node)
+        by[node.meta.get(MODULE, "")] = by.get(node.meta.get(MODULE, ""), 0) + mm_out(node)
     assert rows == by
 
 
@@ -783,13 +782,47 @@ def test_compose_reads_the_analysis_costs_at_the_top_level(which):
     flops = lambda node: node.meta[COST].flops  # noqa: E731  (every node is costed)
     by: dict[str, int] = {}
     for node in a.forward.graph.nodes:
-        if node.op == "call_function":
-            m = node.meta.get(MODULE, "")
-            by[m] = by.get(m, 0) + flops(node)
+        m = node.meta.get(MODULE, "")
+        by[m] = by.get(m, 0) + flops(node)
     assert compose(a.hierarchy, flops, by_module=True) == by
     assert compose(a.hierarchy, flops) == sum(by.values())
     top = [n for n in a.hierarchy.graph.graph.nodes if n.meta.get(COST) is not None]
     assert any(n.meta[COST].flops > 0 for n in top)  # the head's matmul, the loss
+
+
+def _tensor_bytes(node) -> int:
+    v = node.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+@pytest.mark.parametrize("which", ["stack", "convres"])
+def test_compose_sums_every_node_of_the_flat_graph(which):
+    """``compose`` sums every node of the flat model (docs/api.md), the top level's
+    placeholders and output included: a figure that is not 0 on placeholders (the bytes of
+    the value a node holds; 1 per node) composes to the flat graph's sum, per module too. It
+    summed the ``call_function`` nodes only: the parameters and the input composed to 0."""
+    if which == "stack":
+        a = analyze(Stack(4, 6, 10), torch.randn(5, 6))
+    else:
+        a = analyze(ConvRes().eval(), torch.randn(2, 3, 12, 12))
+    assert a.hierarchy is not None and a.hierarchy.graph is not None
+    by: dict[str, int] = {}
+    for node in a.forward.graph.nodes:
+        m = node.meta.get(MODULE, "")
+        by[m] = by.get(m, 0) + _tensor_bytes(node)
+    assert compose(a.hierarchy, _tensor_bytes, by_module=True) == by
+    assert compose(a.hierarchy, _tensor_bytes) == sum(by.values())
+    params = [n for n in a.forward.graph.nodes if n.op == "placeholder"]
+    assert sum(_tensor_bytes(n) for n in params) > 0  # what the old sum left out
+    one = lambda node: 1  # noqa: E731
+    n_nodes = len(a.forward.graph.nodes)
+    if which == "stack":
+        assert compose(a.hierarchy, one) == n_nodes
+    else:
+        # but the getitems tracing added for the batch norms' unread outputs (eval: [1] and
+        # [2], the empty saved statistics) are the flat graph's only, in no template: they
+        # compose to 0; 2 per norm, 2 norms per block, 4 blocks
+        assert compose(a.hierarchy, one) == n_nodes - 2 * 2 * 4
 
 
 def test_run_pass_flat_scope_sees_every_node():
@@ -811,6 +844,43 @@ def test_run_pass_rejects_an_unknown_scope():
     a = analyze(Stack(2, 6, 10), torch.randn(5, 6))
     with pytest.raises(ValueError, match="scope 'blocks'"):
         a.run_pass(Odd())
+
+
+def test_compose_without_a_hierarchy_sums_the_flat_graph():
+    """A model with no repeated block has no hierarchy: ``run_pass`` runs on the flat forward
+    graph, and ``Analysis.compose`` (or ``compose`` given that graph) sums it there; given
+    ``None`` (``Analysis.hierarchy``), ``compose`` says what to pass instead."""
+    B = 3
+    a = analyze(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(B, 4))
+    assert a.hierarchy is None
+    run = a.run_pass(MatmulOutputs())
+    assert run.flat and run.top is a.forward
+    mm_out = lambda node: node.meta.get("mm_out", 0)  # noqa: E731
+    # the two addmm: B·4 and B·2 outputs
+    assert a.compose(mm_out) == compose(a.forward, mm_out) == B * 4 + B * 2 == 18
+    rows = {"": 0, "0": B * 4, "1": 0, "2": B * 2, "loss": 0}  # "": the placeholders
+    assert a.compose(mm_out, by_module=True) == rows
+    # every node: 1 each, the graph's node count
+    assert a.compose(lambda node: 1) == len(a.forward.graph.nodes)
+    with pytest.raises(TypeError, match=r"Analysis.hierarchy is None.*Analysis.compose"):
+        compose(a.hierarchy, mm_out)  # type: ignore[arg-type]
+
+
+def test_analysis_compose_follows_run_pass():
+    """With a hierarchy, ``Analysis.compose`` composes over it (what a TEMPLATE pass wrote),
+    and with ``flat=True`` sums the flat forward graph (what a FLAT pass wrote)."""
+    B, d, f, n = 5, 6, 10, 4
+    a = analyze(Stack(n, d, f), torch.randn(B, d))
+    a.run_pass(MatmulOutputs())
+    mm_out = lambda node: node.meta.get("mm_out", 0)  # noqa: E731
+    assert a.compose(mm_out) == compose(a.hierarchy, mm_out) == 335
+    assert a.compose(mm_out, flat=True) == 15  # only the head's B·3: the blocks' own nodes
+    # were annotated in the template graph, not in the flat graph (the top level shares
+    # the flat graph's nodes' meta)
+    run = a.run_pass(Depth())
+    assert run.flat
+    deepest = a.compose(lambda node: node.meta["depth"], flat=True)
+    assert deepest == sum(node.meta["depth"] for node in a.forward.graph.nodes)
 
 
 def test_llama_decoder_layers_hierarchical_equals_flat():
@@ -1479,6 +1549,34 @@ def test_blocks_traced_once_say_nothing():
     a = analyze(Stack(4, 6, 10), torch.randn(5, 6))
     assert a.outlined.calls > 0 and a.outlined.in_full == ()
     assert outline_notes(a) == []
+
+
+class _Pair(nn.Module):
+    """Two modules, itself counted: too small to be outlined."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+@pytest.mark.parametrize(
+    ("build", "calls"),
+    [
+        (lambda: nn.Sequential(*[_Pair() for _ in range(3)]), 0),
+        (lambda: nn.Sequential(*[nn.Linear(6, 6) for _ in range(3)]), 0),
+        (lambda: nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.ReLU()) for _ in range(3)]), 3),
+    ],
+    ids=["two_modules", "one_module", "three_modules"],
+)
+def test_blocks_of_fewer_than_three_modules_are_not_outlined(build, calls):
+    """docs/api.md ("The hierarchy"): a block is outlined where it holds at least 3 modules,
+    itself counted; smaller ones are traced at each call and not listed in ``in_full``."""
+    a = analyze(build(), torch.randn(5, 6))
+    assert a.outlined.calls == calls and a.outlined.in_full == ()
+    assert (a.hierarchy is not None) == (calls > 0)
 
 
 def test_tensor_attribute_shared_by_blocks_is_one_constant_on_the_meta_device(tmp_path):

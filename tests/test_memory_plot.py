@@ -11,7 +11,7 @@ from __future__ import annotations
 import matplotlib
 import pytest
 import torch
-from conftest import ConvBnDropPool
+from conftest import ConvBnDropPool, ConvRes
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -198,3 +198,40 @@ def test_cli_integer_output_plots_the_forward(tmp_path, capsys) -> None:
     rc = main(["inspect", str(spec), "--plot-memory", str(path)])
     _, err = capsys.readouterr()
     assert rc == 0 and "forward only" in err and path.read_bytes().startswith(b"\x89PNG")
+
+
+def _resnet18() -> nn.Module:
+    from conftest import spec
+
+    from graphflop.load import load
+
+    return load(spec("resnet.py:resnet18")).model
+
+
+@pytest.mark.parametrize(
+    ("build", "shape", "mode", "options"),
+    [
+        (ConvRes, (2, 3, 12, 12), "eval", {}),
+        (ConvRes, (2, 3, 12, 12), "eval", {"record_derivatives": False}),
+        (ConvRes, (2, 3, 12, 12), "train", {}),
+        (_resnet18, (1, 3, 64, 64), "eval", {}),
+    ],
+    ids=["convres_eval", "convres_eval_unrecorded", "convres_train", "resnet18_eval"],
+)
+def test_outlined_timelines_equal_the_flat_ones(build, shape, mode, options) -> None:
+    # the JVP copies a multi-output node's getitems in output order: the outlined forward's
+    # getitems of eval batch norm were made in graph order ([1], [2], [0]), the flat trace's
+    # in another ([0], then the unread [1], [2] it added afterwards), and each getitem of a
+    # batch norm kept whole is a storage of its own, allocated at its step
+    torch.manual_seed(0)
+    model = build().train(mode == "train")
+    x = torch.randn(*shape)
+    outlined = analyze(model, (x,), **options)
+    assert outlined.hierarchy is not None  # the blocks were outlined
+    flat = analyze(model, (x,), outline=False, **options)
+    got, want = memory_timeline(outlined), memory_timeline(flat)
+    assert [t.kind for t in got] == [t.kind for t in want] == ["train", "jvp"]
+    for a, b in zip(got, want):
+        assert (a.kind, a.baseline_bytes, a.phases) == (b.kind, b.baseline_bytes, b.phases)
+        assert (a.kind, a.live_bytes) == (b.kind, b.live_bytes)
+        assert a.peak_step == b.peak_step

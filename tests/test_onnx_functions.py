@@ -206,3 +206,52 @@ def session_run(m, x):
 
     s = ort.InferenceSession(m.SerializeToString(), providers=[CPU])
     return s.run(None, {"x": x})[0]
+
+
+_STACK_FILE = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return x + self.down(self.act(self.up(x)))
+
+
+class Net(nn.Sequential):
+    def __init__(self):
+        super().__init__(Block(), Block(), nn.Linear(4, 2))
+
+
+def example_inputs():
+    return (torch.randn(3, 4),)
+"""
+
+
+def test_export_no_outline_writes_flat_models_and_says_so(tmp_path, capsys):
+    """``export --no-outline`` outlines no block, so its ONNX models hold no local function,
+    as with ``--flat``; the help of both options says so."""
+    from conftest import cli
+
+    model = tmp_path / "stack.py"
+    model.write_text(_STACK_FILE)
+    functions = {}
+    for how in ("default", "--no-outline", "--flat"):
+        out = tmp_path / how.strip("-")
+        flags = [] if how == "default" else [how]
+        rc, _, _ = cli(capsys, "export", f"{model}:Net", "--out", out, *flags)
+        assert rc == 0
+        functions[how] = len(onnx.load(out / "forward.onnx").functions)
+    assert functions == {"default": 1, "--no-outline": 0, "--flat": 0}
+    rc, help_text, _ = cli(capsys, "export", "--help")
+    assert rc == 0
+    text = " ".join(help_text.split())
+    flat_help = text[text.index("--flat write") :]
+    assert "--no-outline also writes them flat" in flat_help
+    start = text.index("--no-outline trace")
+    no_outline = text[start : text.index("--loss {", start)]
+    assert "The ONNX models are then flat, as with --flat" in no_outline

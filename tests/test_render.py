@@ -590,6 +590,30 @@ def test_one_module_at_op_level():
         render(a, graph="train", module="h.9")
 
 
+def test_unknown_module_lists_the_children_of_its_nearest_prefix():
+    """``--module h.9`` of a 2-layer model named the top-level modules (emb, h, ln, head);
+    where a prefix (``h``) has ops under it, its children are listed instead, a long list
+    shortened; where none has, the top-level modules."""
+    from graphflop.export.graphviz.op_level import check_module
+
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 2), ("n_embd", 64), ("n_head", 4)), 8)
+    with pytest.raises(RenderError) as e:
+        render(a, graph="train", module="h.9")
+    assert str(e.value) == (
+        "no module 'h.9' with ops in the forward graph: the modules under 'h' with ops are h.0, h.1"
+    )
+    with pytest.raises(RenderError, match=r"under 'h.1.attn' with ops are h.1.attn.c_attn, h"):
+        check_module(a, "h.1.attn.nope")
+    with pytest.raises(RenderError, match=r": 'h.0.ln_1' has no submodule with ops$"):
+        check_module(a, "h.0.ln_1.weight")
+    with pytest.raises(RenderError, match=r": top-level modules are wte, wpe, h, ln_f$"):
+        check_module(a, "blocks.0")
+    a = _lm("gpt2.py:gpt2_small", (("n_layer", 14), ("n_embd", 32), ("n_head", 2)), 4)
+    layers = ", ".join(f"h.{i}" for i in range(8))
+    with pytest.raises(RenderError, match=rf"are {layers}, \.\.\., h\.12, h\.13 \(14 in all\)$"):
+        check_module(a, "h.14")
+
+
 # Machado, Oliveira & Fernandes (2009), severity 1.0, applied to linear RGB
 CVD = {
     "protanopia": ((0.152286, 1.052583, -0.204868), (0.114503, 0.786281, 0.099216),

@@ -290,6 +290,14 @@ def _detached_regions(forward: GraphModule) -> tuple[Gap, ...]:
     )
 
 
+def _getitems(n: Node) -> list[Node]:
+    """The ``getitem`` users of multi-output node ``n``, by output index."""
+    items = [u for u in n.users if u.target is operator.getitem]
+    if all(isinstance(u.args[1], int) for u in items):
+        items.sort(key=lambda u: u.args[1])  # type: ignore[arg-type,return-value]
+    return items
+
+
 class _Linearizer:
     """The JVP graph as it is built: primal copies (``env``) and tangents (``tan``) of the
     forward's nodes, interleaved in forward order."""
@@ -417,8 +425,11 @@ class _Linearizer:
     def _node_tangent(self, n: Node, needed: set[Node]) -> None:
         if n not in self.env:
             self.env[n] = self._copy(n)
-        for u in n.users:  # copy getitems at once, so rules can read every output
-            if u.target is operator.getitem and u not in self.env:
+        # copy getitems at once, so rules can read every output; in output order, not in
+        # ``n.users``' order (the order the nodes were made in: the flat trace's getitems of
+        # outputs nothing read come after the others, an outlined graph's follow graph order)
+        for u in _getitems(n):
+            if u not in self.env:
                 self.env[u] = self._copy(u)
         call = self.calls.get(n)
         if call is not None:  # a custom Function's ops: its own jvp, at its last node

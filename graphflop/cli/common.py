@@ -284,11 +284,14 @@ def parse_ctor_kwargs(items: Sequence[str] | None, example: str = "middle_layers
     return out
 
 
-def add_model_args(p: argparse.ArgumentParser, *, inputs_and_loss: bool = True) -> None:
+def add_model_args(
+    p: argparse.ArgumentParser, *, inputs_and_loss: bool = True, outline_note: str = ""
+) -> None:
     """The model arguments of ``inspect``, ``export``, ``bench``, ``render`` and ``sweep``;
     without ``inputs_and_loss`` (``sweep``, which traces each point from the file's
     ``example_inputs()`` in train mode with the default loss) no ``--input-shape``,
-    ``--dtype``, ``--eval`` or ``--loss``."""
+    ``--dtype``, ``--eval`` or ``--loss``; ``outline_note`` ends ``--no-outline``'s help (what
+    it means for the subcommand's output)."""
     p.add_argument(
         "spec",
         help="model: path/to/file.py[:Name], package.module:attr, torchvision:NAME, timm:NAME, "
@@ -343,7 +346,7 @@ def add_model_args(p: argparse.ArgumentParser, *, inputs_and_loss: bool = True) 
         help="trace every call of a repeated block (default: each distinct block once, copied "
         "at its other calls, its forward's Python code run at the first call only); for "
         "blocks whose forward depends on Python state outside them (a global counter, a "
-        "class attribute set between calls)",
+        "class attribute set between calls)" + outline_note,
     )
     if inputs_and_loss:
         p.add_argument(

@@ -30,7 +30,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "stored), checked with onnx.checker, plus manifest.json mapping every ONNX "
         "node to the graphflop node, module and role it came from.",
     )
-    add_model_args(p)
+    add_model_args(
+        p,
+        outline_note=". The ONNX models are then flat, as with --flat: no block is a local "
+        "function, since none was outlined",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument(
         "--optimizer",
@@ -51,7 +55,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="write every block's nodes inline. By default each repeated block (a module "
         "structure the model repeats, e.g. a transformer layer) is written once as an ONNX "
         "local function that the graph calls per block; manifest.json still lists every node, "
-        "each folded one with the call that computes it",
+        "each folded one with the call that computes it. --no-outline also writes them flat "
+        "(no block was outlined), --flat keeps the analysis's outlining",
     )
     p.add_argument(
         "--residuals",

@@ -203,31 +203,51 @@ def _in_flat_order(gm: GraphModule, ops: dict, rows: dict) -> tuple[dict, dict]:
 
 
 def compose(
-    h: Hierarchy, value: Callable[[Node], float], *, by_module: bool = False
+    source: Hierarchy | GraphModule, value: Callable[[Node], float], *, by_module: bool = False
 ) -> float | dict[str, float]:
-    """``value(node)`` summed over every ``call_function`` node of the flat forward graph,
-    computed on the hierarchy: each variant's template nodes once, times its calls, plus the
-    top level's nodes (the call nodes of :attr:`Hierarchy.graph` left out). ``value`` must
-    depend only on the node and its arguments' metadata (a template node then has its copies'
-    value).
+    """``value(node)`` summed over every node of the flat forward graph, computed on the
+    hierarchy: each variant's template nodes once, times its calls, plus the top level's
+    nodes, its placeholders and output included (the call nodes of :attr:`Hierarchy.graph`
+    and their ``getitem`` nodes left out). ``value`` must depend only on the node and its
+    arguments' metadata (a template node then has its copies' value). One kind of flat node
+    has no node here and counts 0: a ``getitem`` tracing added inside a call for an output
+    nothing reads (eval batch norm's saved statistics; ``(index, i)`` in
+    :attr:`Hierarchy.variants`), whose cost is 0. Given a flat graph instead, the plain sum
+    over its nodes: what
+    :meth:`graphflop.analysis.Analysis.compose` does for a model without outlined blocks,
+    where :meth:`~graphflop.analysis.Analysis.run_pass` runs a pass on the flat forward graph.
 
     Args:
-        h: the forward graph's hierarchy (needs :attr:`Hierarchy.graph`).
+        source: the forward graph's hierarchy (needs :attr:`Hierarchy.graph`), or a flat graph
+            (``Analysis.forward``: every node of it; its hierarchy, if any, is not used).
         value: a number per node (a node of the top level or of a template).
         by_module: return ``{module path: sum}`` instead, in the order the flat graph first
             meets each module (template nodes under their call site's paths).
 
     Raises:
-        ValueError: ``h`` has no top-level graph.
+        TypeError: ``source`` is neither (``None``: the analysis outlined no block, its
+            ``hierarchy`` is None; use ``Analysis.compose`` or pass ``Analysis.forward``).
+        ValueError: ``source`` is a hierarchy with no top-level graph.
     """
+    if isinstance(source, GraphModule):
+        return _flat_sum(source, value, by_module)
+    if not isinstance(source, Hierarchy):
+        raise TypeError(
+            f"compose takes a Hierarchy or a flat graph, not {type(source).__name__}"
+            + (
+                ": the analysis outlined no repeated block (Analysis.hierarchy is None); use "
+                "Analysis.compose(value), or pass the flat graph Analysis.forward"
+                if source is None
+                else ""
+            )
+        )
+    h = source
     if h.graph is None:
         raise ValueError("this hierarchy has no top-level graph (a call's nodes are not one run)")
     call_op = torch.ops.graphflop.repeat.default
     per_variant: dict[int, dict[str, float]] = {}
     out: dict[str, float] = {}
     for n in h.graph.graph.nodes:
-        if n.op != "call_function":
-            continue
         if n.target is call_op:
             site = h.sites[n.args[1]]
             sums = per_variant.get(site.variant)
@@ -242,9 +262,21 @@ def compose(
             for rel, v in sums.items():
                 path = site.module(rel)
                 out[path] = out.get(path, 0) + v
-        elif n.target is operator.getitem and n.args[0].target is call_op:
+        elif n.target is operator.getitem and getattr(n.args[0], "target", None) is call_op:
             continue  # a call's value: computed inside the template
         else:
             path = n.meta.get(MODULE, "")
             out[path] = out.get(path, 0) + value(n)
+    return out if by_module else sum(out.values())
+
+
+def _flat_sum(
+    gm: GraphModule, value: Callable[[Node], float], by_module: bool
+) -> float | dict[str, float]:
+    """``value`` summed over every node of the flat graph ``gm`` (per module path with
+    ``by_module``, in the order the graph first meets each)."""
+    out: dict[str, float] = {}
+    for n in gm.graph.nodes:
+        path = n.meta.get(MODULE, "")
+        out[path] = out.get(path, 0) + value(n)
     return out if by_module else sum(out.values())

@@ -88,11 +88,34 @@ def check_module(a: Any, module: str | None) -> None:
         return
     paths = facts.forward_modules(a)
     if not any(p == module or p.startswith(module + ".") for p in paths):
-        tops = list(dict.fromkeys(p.split(".")[0] for p in paths if p and p != "loss"))
         raise RenderError(
-            f"no module {module!r} with ops in the forward graph: "
-            f"top-level modules are {', '.join(tops[:12])}"
+            f"no module {module!r} with ops in the forward graph: {_near(paths, module)}"
         )
+
+
+def _near(paths: list[str], module: str) -> str:
+    """What the forward graph has nearest ``module``: the children of its longest prefix
+    that has ops under it (``h`` for ``h.9``: ``h.0``, ..., ``h.5``), else the top-level
+    modules; a long list shortened to its first and last few."""
+    parts = module.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:k])
+        below = [p[len(parent) + 1 :] for p in paths if p.startswith(parent + ".")]
+        children = list(dict.fromkeys(f"{parent}.{p.split('.')[0]}" for p in below))
+        if children:
+            return f"the modules under {parent!r} with ops are {_shortened(children)}"
+        if parent in paths:
+            return f"{parent!r} has no submodule with ops"
+    tops = list(dict.fromkeys(p.split(".")[0] for p in paths if p and p != "loss"))
+    return f"top-level modules are {_shortened(tops)}"
+
+
+def _shortened(names: list[str], most: int = 12) -> str:
+    """``names`` joined by commas; past ``most``, the first 8, an ellipsis, the last 2 and
+    the count."""
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{', '.join(names[:8])}, ..., {', '.join(names[-2:])} ({len(names)} in all)"
 
 
 class _OpScene(OpParts):
