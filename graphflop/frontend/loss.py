@@ -125,14 +125,36 @@ def _storage_key(t: torch.Tensor) -> int | None:
         return None
 
 
+def _stored_weight(m: torch.nn.Module) -> torch.Tensor | None:
+    """The tensor ``m`` stores its ``weight`` in, read without computing anything: the
+    parameter itself, or a parametrized weight's original (``parametrizations.weight.original``,
+    ``original0``); None for a weight computed elsewhere (the old ``nn.utils.weight_norm``'s).
+    Reading ``m.weight`` of a parametrized module would run its parametrization (a
+    spectral norm's power iteration, writing its ``u``, ``v`` buffers) on the module's own
+    tensors, outside a trace's functional call: constants of the trace."""
+    stored = m._parameters.get("weight")
+    if stored is not None:
+        return stored
+    plist = getattr(m, "parametrizations", None)
+    if isinstance(plist, torch.nn.ModuleDict) and "weight" in plist:
+        originals = plist["weight"]._parameters
+        return originals.get("original", originals.get("original0"))
+    return None
+
+
 def tied_vocabularies(model: torch.nn.Module) -> list[int]:
     """The row counts of ``model``'s ``nn.Embedding`` tables whose weight is also an
-    ``nn.Linear``'s (an output projection tied to the token embedding)."""
-    heads = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    ``nn.Linear``'s (an output projection tied to the token embedding). The weights are
+    compared as stored (:func:`_stored_weight`), not computed."""
+    heads = {
+        id(w)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and (w := _stored_weight(m)) is not None
+    }
     return [
         m.num_embeddings
         for m in model.modules()
-        if isinstance(m, torch.nn.Embedding) and id(m.weight) in heads
+        if isinstance(m, torch.nn.Embedding) and id(_stored_weight(m)) in heads
     ]
 
 

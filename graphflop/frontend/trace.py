@@ -313,15 +313,30 @@ def _meta_attributes(model: nn.Module, fake_mode: FakeTensorMode) -> Iterator[No
 
 @contextlib.contextmanager
 def _state_kept(model: nn.Module) -> Iterator[None]:
-    """Puts every module's parameters and buffers back afterwards: ``functional_call`` leaves
-    a module reachable by two paths holding the traced tensors (a PyTorch bug)."""
-    saved = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+    """Puts every module's parameters, buffers and plain tensor attributes back afterwards:
+    ``functional_call`` leaves a module reachable by two paths holding the traced tensors (a
+    PyTorch bug), and a forward pre-hook that sets an attribute (the old
+    ``nn.utils.weight_norm`` and ``spectral_norm`` set ``module.weight``, computed from the
+    parameters) leaves the traced tensor there; one the trace made where there was none is
+    removed."""
+    saved = [
+        (m, dict(m._parameters), dict(m._buffers), _tensor_attributes(m)) for m in model.modules()
+    ]
     try:
         yield
     finally:
-        for m, params, buffers in saved:
+        for m, params, buffers, attributes in saved:
             m._parameters.update(params)
             m._buffers.update(buffers)
+            for k in _tensor_attributes(m).keys() - attributes.keys():
+                del m.__dict__[k]
+            m.__dict__.update(attributes)
+
+
+def _tensor_attributes(m: nn.Module) -> dict[str, torch.Tensor]:
+    """``m``'s tensor attributes that are neither parameters nor buffers (they live in its
+    ``__dict__``)."""
+    return {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)}
 
 
 def _trace(

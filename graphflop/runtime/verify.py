@@ -815,8 +815,6 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     ones in its complex counterpart (float64 → complex128, float32 → complex64); integer and
     boolean ones as they are. ``nn.Module.to(dtype)`` casts complex tensors to the real dtype
     (dropping their imaginary parts) and refuses a non-floating ``dtype``."""
-    import copy
-
     complex_dtype = {
         torch.float64: torch.complex128,
         torch.float32: torch.complex64,
@@ -830,7 +828,22 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             return t.to(complex_dtype)
         return t
 
-    return copy.deepcopy(model)._apply(cast)
+    return copy_model(model)._apply(cast)
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model``. A tensor attribute computed from the parameters with
+    autograd on (the old ``nn.utils.weight_norm``'s ``module.weight``, which its forward
+    pre-hook computes again on every call) is copied detached: ``copy.deepcopy`` refuses a
+    tensor that is not a graph leaf."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for m in model.modules():
+        for v in vars(m).values():
+            if isinstance(v, torch.Tensor) and not v.is_leaf and id(v) not in memo:
+                memo[id(v)] = v.detach().clone()
+    return copy.deepcopy(model, memo)
 
 
 def differentiable_params(

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import re
 import traceback
@@ -19,7 +18,7 @@ from torch.fx import GraphModule
 
 from graphflop.meta import FUNCTION_LABEL, LOSS_KIND, SIGNATURE
 from graphflop.runtime import verify
-from graphflop.runtime.verify import Check, cast_model
+from graphflop.runtime.verify import Check, cast_model, copy_model
 from graphflop.runtime.verify_tangent import verify_jvp
 
 #: the words :func:`gap_notes` names each check by, keyed as :func:`gap_reasons`
@@ -135,7 +134,7 @@ def verify_analysis(
 
         name = f"forward-gradient estimate unbiased over {forward_gradient_samples} directions"
         # a statistical check needs no float64: run it on a float32 trace, faster
-        model32 = copy.deepcopy(loaded.model).float()
+        model32 = copy_model(loaded.model).float()
         _run(
             checks,
             name,

@@ -9,7 +9,6 @@ batch size; :func:`trace_forward` the forward graph with its cross-entropy loss.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from graphflop.meta import COST
+from graphflop.runtime.verify import copy_model
 from graphflop.train.config import TrainError
 from graphflop.train.data import Dataset
 
@@ -104,7 +104,7 @@ def build_model(
     """
     unsized = None
     if isinstance(spec_or_model, nn.Module):
-        model, name, used = copy.deepcopy(spec_or_model), type(spec_or_model).__name__, {}
+        model, name, used = copy_model(spec_or_model), type(spec_or_model).__name__, {}
     else:
         make, label = _maker(spec_or_model)
         used = dict(ctor_kwargs or {})
@@ -146,7 +146,7 @@ def _check_model(model: nn.Module, data: Dataset, name: str) -> bool:
     """
     from graphflop.frontend.loss import loss_output
 
-    probe = copy.deepcopy(model).eval()
+    probe = copy_model(model).eval()
     x = data.x_train[:2]
     try:
         with torch.no_grad():
@@ -179,7 +179,7 @@ def trace_forward(model: nn.Module, batch: int, image_shape, *, train_mode: bool
     (C, H, W), traced on fake tensors in train or eval mode."""
     from graphflop.frontend.trace import trace
 
-    m = copy.deepcopy(model).train(train_mode)
+    m = copy_model(model).train(train_mode)
     return trace(m, _fake_batch(batch, image_shape), loss="cross_entropy")
 
 
@@ -217,7 +217,7 @@ def step_graph(
         )
     from graphflop.analysis import AnalyzeOptions, analyze
 
-    m = copy.deepcopy(model).train(True)
+    m = copy_model(model).train(True)
     options = AnalyzeOptions(loss="cross_entropy", optimizer=optimizer, jvp=False)
     analysis = analyze(m, _fake_batch(batch, image_shape), options)
     if not gradient_mean:

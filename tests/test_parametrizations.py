@@ -1,0 +1,236 @@
+"""Models with ``torch.nn.utils`` weight reparametrizations: ``parametrizations.weight_norm`` and
+``parametrizations.spectral_norm`` (a ``weight`` property computed from
+``parametrizations.weight.original*``) and the old ``nn.utils.weight_norm`` and
+``nn.utils.spectral_norm`` (a forward pre-hook that sets ``module.weight``).
+
+The trace reads the parametrization's parameters through their placeholders and a spectral
+norm's ``u``, ``v`` through theirs (written under no_grad in training: buffer updates), with no
+constant of the model's own tensors; the gradients and JVP match torch.func; the FLOPs are the
+hand count; the peaks are checked against graphflop's eager measurement
+(:mod:`graphflop.runtime.memory_probe`)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import graphflop
+from graphflop.frontend.loss import tied_vocabularies
+from graphflop.frontend.trace import trace
+from graphflop.meta import SIGNATURE
+from graphflop.runtime.memory_probe import measure_forward_peak, measure_train_peak
+from graphflop.runtime.verify import real_arguments, run_forward
+from graphflop.runtime.verify_all import verify_analysis
+
+P = nn.utils.parametrizations
+
+
+class _Head(nn.Module):
+    """``fc1`` (256 → 256, reparametrized by ``wrap``), ReLU, ``fc2`` (256 → 10)."""
+
+    def __init__(self, wrap) -> None:
+        super().__init__()
+        self.fc1 = wrap(nn.Linear(256, 256))
+        self.fc2 = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _old_weight_norm(m: nn.Module) -> nn.Module:
+    with pytest.warns(FutureWarning):
+        return nn.utils.weight_norm(m)
+
+
+WRAPS = {
+    "weight_norm": P.weight_norm,
+    "spectral_norm": P.spectral_norm,
+    "old_weight_norm": _old_weight_norm,
+    "old_spectral_norm": nn.utils.spectral_norm,
+}
+
+
+def _model(wrap: str, train: bool, dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return _Head(WRAPS[wrap]).to(dtype).train(train)
+
+
+def _x(dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(4, 256, generator=torch.Generator().manual_seed(1), dtype=dtype)
+
+
+def _no_constants(gm) -> None:
+    """Every placeholder is a parameter, buffer, input or target of the model: none a
+    constant lifted from the model's own tensors."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    assert not [n for n in names if n.startswith("c_")], names
+
+
+def test_weight_norm_has_no_buffers_and_reads_its_parameters():
+    gm = trace(P.weight_norm(nn.Linear(512, 512)), (torch.randn(4, 512),))
+    sig = gm.meta[SIGNATURE]
+    assert sig.buffers == () and sig.buffer_updates == ()
+    _no_constants(gm)
+    quals = {q for _, q in sig.params}
+    assert quals == {
+        "bias",
+        "parametrizations.weight.original0",
+        "parametrizations.weight.original1",
+    }
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name != sig.targets[0]:
+            assert n.users, n.name
+
+
+def test_weight_norm_peaks_are_measured_ones():
+    """Linear(512, 512) under weight_norm, batch 4: the forward peak is eager's to the byte
+    (before the fix it counted 1 MiB of phantom constants: 3,168,288 against 2,117,664); the
+    train peak within 1% (graphflop 3,155,968, measured 3,164,200)."""
+    torch.manual_seed(0)
+    model = P.weight_norm(nn.Linear(512, 512))
+    x = torch.randn(4, 512)
+    memory = graphflop.analyze(model, (x,)).report.memory
+    assert memory.forward_peak_bytes == measure_forward_peak(model, (x,))
+    assert abs(memory.train_peak_bytes / measure_train_peak(model, (x,)) - 1) < 0.01
+
+
+@pytest.mark.parametrize(
+    "wrap, u, v",
+    [
+        ("spectral_norm", "fc1.parametrizations.weight.0._u", "fc1.parametrizations.weight.0._v"),
+        ("old_spectral_norm", "fc1.weight_u", "fc1.weight_v"),
+    ],
+)
+def test_spectral_norm_reads_u_v_and_writes_them_back(wrap, u, v):
+    """Training mode: one power iteration under no_grad reads one of ``u``, ``v`` (the other
+    is overwritten unread, as in eager), and the new ``u``, ``v`` are the graph's buffer
+    updates, equal to what eager writes into the module's buffers."""
+    model = _model(wrap, train=True, dtype=torch.float64)
+    x = _x(torch.float64)
+    gm = trace(model, (x,))
+    sig = gm.meta[SIGNATURE]
+    assert {q for _, q in sig.buffers} == {u, v}
+    assert {q for _, q in sig.buffer_updates} == {u, v}
+    _no_constants(gm)
+    values = real_arguments(gm, model, examples=(x,))
+    got = run_forward(gm, values)
+    before = {q: b.clone() for q, b in model.named_buffers()}
+    ph = dict((q, n) for n, q in sig.buffers)
+    # the graph's inputs are the model's buffers as they were
+    for q in (u, v):
+        torch.testing.assert_close(values[ph[q]], before[q])
+    model(values[sig.inputs[0]])
+    for name, q in sig.buffer_updates:
+        torch.testing.assert_close(got[name], model.get_buffer(q), rtol=1e-12, atol=1e-12)
+    assert not torch.equal(model.get_buffer(u), before[u])
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+@pytest.mark.parametrize("train", [True, False])
+def test_forward_peaks_are_measured_ones(wrap, train):
+    """The forward peak against eager's (grad mode off), within 1%: no phantom constant
+    (before the fix the spectral norm's counted 260 KiB of them). Measured here: equal to the
+    byte, or off by 2,048 (the new ``u``, ``v`` are fresh tensors in the functional graph,
+    written in place in eager) or 4,096 bytes."""
+    model, x = _model(wrap, train), _x()
+    got = graphflop.analyze(model, (x,)).report.memory.forward_peak_bytes
+    assert abs(got / measure_forward_peak(model, (x,)) - 1) < 0.01
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="eager memory model: eager's MulBackward0/DivBackward0 make the gradient of the "
+    "full-size operand before the reduced one's full-size temporary (g·W), both live with g; "
+    "W * s with a scalar parameter s alone shows the same 256 KiB",
+)
+def test_spectral_norm_train_peak_is_the_measured_one():
+    """graphflop 1,335,376 bytes, measured 1,603,708 (one 256×256 float32 matrix, 262,144
+    bytes, short); the same without any parametrization (W / vdot(u, W v) written out)."""
+    model, x = _model("spectral_norm", True), _x()
+    got = graphflop.analyze(model, (x,)).report.memory.train_peak_bytes
+    assert abs(got / measure_train_peak(model, (x,)) - 1) < 0.01
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_spectral_norm_flops_are_the_hand_count(train):
+    """Forward matrix FLOPs, batch 4: fc1 2·4·256·256 = 524,288; fc2 2·4·256·10 = 20,480;
+    sigma = u·(W v): 2·256·256 + 2·256 = 131,584; training adds one power iteration,
+    v = Wᵀu and u = W v: 2·(2·256·256) = 262,144. New and old style alike."""
+    expected = 524_288 + 20_480 + 131_584 + (262_144 if train else 0)
+    for wrap in ("spectral_norm", "old_spectral_norm"):
+        a = graphflop.analyze(_model(wrap, train), (_x(),))
+        assert a.report.totals.forward.mm_flops == expected, wrap
+        assert a.report.uncounted == (), wrap  # every op has its rules (no div.out)
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+@pytest.mark.parametrize("train", [True, False])
+def test_verify_passes(wrap, train):
+    """Gradients (vs torch.func.grad) and the JVP (vs torch.func) in float64, and the
+    forward-gradient estimate: all pass, old style included (whose ``module.weight`` verify's
+    copy of the model could not deep-copy, and whose traced value the trace left behind)."""
+    model = _model(wrap, train)
+    x = _x()
+    a = graphflop.analyze(model, (x,))
+    checks = verify_analysis(
+        types.SimpleNamespace(model=model), (x,), a, forward_gradient_samples=20
+    )
+    assert len(checks) == 3 and all(c.ok for c in checks), [
+        (c.name, c.worst_rel_error, c.where) for c in checks
+    ]
+
+
+@pytest.mark.parametrize("wrap", ["old_weight_norm", "old_spectral_norm"])
+def test_old_style_weight_is_left_as_it_was(wrap):
+    """The old pre-hook sets ``module.weight`` on every call; the trace puts the eager tensor
+    back (it left its traced functional tensor there), and the module still runs eagerly."""
+    model = _model(wrap, train=True)
+    before = model.fc1.weight
+    trace(model, (_x(),))
+    assert model.fc1.weight is before
+    assert not torch._is_functional_tensor(model.fc1.weight)
+    model(_x()).sum().backward()
+
+
+def test_copy_model_copies_a_computed_weight():
+    """The old weight_norm's ``module.weight`` is not a graph leaf (computed with autograd on
+    when the hook is installed): ``copy.deepcopy`` refuses it; the copy detaches it."""
+    from graphflop.runtime.verify import copy_model
+
+    model = _model("old_weight_norm", train=True)
+    assert not model.fc1.weight.is_leaf
+    twin = copy_model(model)
+    torch.testing.assert_close(twin.fc1.weight, model.fc1.weight.detach())
+    torch.testing.assert_close(twin(_x()), model(_x()))
+
+
+def test_tied_vocabularies_computes_no_weight():
+    """Finding tied embeddings reads weights as stored: a spectral norm's power iteration
+    (which writes ``u``) does not run."""
+    model = _model("spectral_norm", train=True)
+    u = model.fc1.parametrizations.weight[0]._u.clone()
+    assert tied_vocabularies(model) == []
+    assert torch.equal(model.fc1.parametrizations.weight[0]._u, u)
+
+
+def test_tied_vocabularies_still_sees_a_tied_head():
+    emb = nn.Embedding(50, 8)
+    head = nn.Linear(8, 50, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head)
+    assert tied_vocabularies(model) == [50]
+
+
+def test_train_traces_an_old_weight_norm_model():
+    """``graphflop train``'s graphs are traced on a copy of the model (copy.deepcopy refused
+    the old weight_norm's computed weight): one matrix product, (2, 48)·(48, 10)."""
+    from graphflop.train.model import trace_forward
+
+    model = nn.Sequential(nn.Flatten(), _old_weight_norm(nn.Linear(3 * 4 * 4, 10)))
+    gm = trace_forward(model, 2, (3, 4, 4), train_mode=True)
+    mm = [n for n in gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
+    assert [tuple(n.meta["val"].shape) for n in mm] == [(2, 10)]
+    _no_constants(gm)
