@@ -1,0 +1,143 @@
+"""Testers' findings on the CLI's messages and on integer inputs: integer ``--dtype`` for models
+that take token ids, a hint on a wrong input shape, advice on reading a tensor's value, and the
+factory functions a file offers. Every error is one stderr line, exit 2, no traceback, and no
+output file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import cli
+
+TOKENS = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+class E(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 16)
+        self.fc = nn.Linear(16, 4)
+    def forward(self, x):
+        return self.fc(self.emb(x).mean(1))
+
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(100, 16)
+        self.fc = nn.Linear(16, 4)
+    def forward(self, x):
+        return self.fc(self.emb(x))
+
+class Table(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(100, 16))
+        self.fc = nn.Linear(16, 4)
+    def forward(self, x):
+        return self.fc(F.embedding(x, self.table).mean(1))
+
+class Lin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 4)
+    def forward(self, x):
+        return self.fc(x)
+
+class Conv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+    def forward(self, x):
+        return self.c(x).flatten(1)
+"""
+
+#: the same models, with token ids given by example_inputs(): the reference figures
+EXAMPLE = "\ndef example_inputs():\n    return (torch.randint(0, 100, (4, 5)),)\n"
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch):
+    (tmp_path / "tokens.py").write_text(TOKENS)
+    (tmp_path / "example.py").write_text(TOKENS + EXAMPLE)
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.chdir(out)
+    return tmp_path
+
+
+def one_error(capsys, *argv, message=""):
+    rc, out, err = cli(capsys, *argv)
+    assert rc == 2, (rc, out, err)
+    assert out == "", out
+    assert len(err) == 1, err
+    assert err[0].startswith("graphflop: error: ") and "Traceback" not in err[0], err
+    assert message in err[0], err[0]
+    return err[0]
+
+
+def nothing_left(path):
+    assert list(path.rglob("*")) == []
+
+
+@pytest.mark.parametrize("name", ["E", "Bag", "Table"])
+@pytest.mark.parametrize("dtype", ["int64", "int32"])
+def test_integer_dtype_with_input_shape_takes_token_ids(work, capsys, name, dtype):
+    """A tester's finding: --input-shape 4,5 --dtype int64 on a model that looks its input up in
+    an nn.Embedding (nn.EmbeddingBag, F.embedding on a parameter) was refused as 'the model
+    takes floating-point inputs', judged from default float32 inputs. It is analysed, with the
+    figures of the same model given int64 ids by example_inputs()."""
+    argv = ["inspect", f"{work / 'tokens.py'}:{name}", "--input-shape", "4,5", "--dtype", dtype]
+    rc, _, err = cli(capsys, *argv, "--json", "given.json")
+    assert rc == 0, err
+    rc, _, err = cli(capsys, "inspect", f"{work / 'example.py'}:{name}", "--json", "ref.json")
+    assert rc == 0, err
+    given = json.loads((work / "out/given.json").read_text())
+    ref = json.loads((work / "out/ref.json").read_text())
+    assert given["inputs"] == [{"name": "args_0", "shape": [4, 5], "dtype": dtype}]
+    if dtype == "int64":
+        assert given["totals"] == ref["totals"]
+        assert given["memory"] == ref["memory"]
+    assert given["totals"]["forward"]["mm_flops"] == 2 * 4 * 16 * 4  # the Linear's product
+
+
+@pytest.mark.parametrize(
+    "name,shape", [("Lin", "4,5"), ("Conv", "1,3,8,8")], ids=["linear", "conv"]
+)
+def test_integer_dtype_refused_for_a_model_taking_floats(work, capsys, name, shape):
+    """An integer dtype for a model whose first op is a Linear or a convolution on its input is
+    still refused before any work, saying why and what to give."""
+    line = one_error(
+        capsys,
+        "inspect",
+        f"{work / 'tokens.py'}:{name}",
+        "--input-shape",
+        shape,
+        "--dtype",
+        "int64",
+        "--json",
+        "x.json",
+        message="--dtype int64 is not a floating-point dtype, and the model takes "
+        "floating-point inputs",
+    )
+    assert "use float32, float64, float16 or bfloat16" in line
+    assert "on int64 inputs its forward fails: RuntimeError: " in line
+    nothing_left(work / "out")
+
+
+def test_integer_dtype_refused_for_float_example_inputs(work, capsys):
+    """Without --input-shape, the file's floating-point example_inputs() tell."""
+    (work / "lin.py").write_text(
+        TOKENS + "\ndef example_inputs():\n    return (torch.randn(4, 5),)\n"
+    )
+    line = one_error(
+        capsys,
+        "inspect",
+        f"{work / 'lin.py'}:Lin",
+        "--dtype",
+        "int64",
+        message="example_inputs() gives floating-point inputs",
+    )
+    assert "use float32" in line and "--input-shape" in line
