@@ -141,3 +141,98 @@ def test_integer_dtype_refused_for_float_example_inputs(work, capsys):
         message="example_inputs() gives floating-point inputs",
     )
     assert "use float32" in line and "--input-shape" in line
+
+
+VALUES = """
+import torch
+from torch import nn
+
+class Base(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+class Item(Base):
+    def forward(self, x):
+        s = x.sum().item()
+        return self.fc(x) * s
+
+class Float(Base):
+    def forward(self, x):
+        return self.fc(x) * float(x.max())
+
+class Int(Base):
+    def forward(self, x):
+        n = int(x.sum())
+        return self.fc(x)[:, :n]
+
+class ToList(Base):
+    def forward(self, x):
+        return self.fc(x) * x.sum(1).tolist()[0]
+
+class Branch(Base):
+    def forward(self, x):
+        if x.sum().item() > 0:
+            return self.fc(x)
+        return self.fc(-x)
+
+def model():
+    return Item()
+
+def build(width=3):
+    return Item()
+
+def example_inputs():
+    return (torch.randn(4, 16),)
+"""
+
+
+@pytest.mark.parametrize(
+    "name,read,line",
+    [
+        ("Item", ".item()", "s = x.sum().item()"),
+        ("Float", "float()", "return self.fc(x) * float(x.max())"),
+        ("Int", "int()", "n = int(x.sum())"),
+        ("ToList", ".tolist()", "return self.fc(x) * x.sum(1).tolist()[0]"),
+    ],
+)
+def test_value_read_gets_advice_on_values_not_branches(work, capsys, name, read, line):
+    """A tester's finding: .item() in forward, with no branch, got the advice 'make the branch
+    depend on shapes'. A value read names the call and its line, says that graphflop traces
+    with fake tensors (the value is unknown) and what to do; .tolist() got PyTorch's bare
+    'unallocated storage' error."""
+    (work / "values.py").write_text(VALUES)
+    msg = one_error(capsys, "inspect", f"{work / 'values.py'}:{name}", "--json", "x.json")
+    assert f"reads a tensor's value with {read} at values.py:" in msg
+    assert msg.split(": ", 1)[1].count(line) == 1
+    assert "fake tensors" in msg and "value is unknown" in msg
+    assert "from shapes" in msg and "Python number" in msg
+    assert "branch" not in msg
+    nothing_left(work / "out")
+
+
+def test_branch_on_a_value_keeps_the_branch_advice(work, capsys):
+    (work / "values.py").write_text(VALUES)
+    msg = one_error(capsys, "inspect", f"{work / 'values.py'}:Branch")
+    assert "values.py:30: if x.sum().item() > 0:" in msg
+    assert "make the branch depend on shapes" in msg
+
+
+def test_unknown_name_lists_factory_functions(work, capsys):
+    """A tester's finding: 'm.py:Nope' said '(nn.Module classes there: none)' of a file whose
+    factory function the loader would take; every kind a spec can name is listed."""
+    (work / "values.py").write_text(VALUES)
+    msg = one_error(capsys, "inspect", f"{work / 'values.py'}:Nope")
+    assert msg.endswith(
+        "values.py has no attribute 'Nope' (nn.Module classes there: Base, Item, Float, Int, "
+        "ToList, Branch; factory functions: model(), build())"
+    )
+    (work / "f.py").write_text(
+        "from torch import nn\ndef model():\n    return nn.Linear(4, 4)\nnet = nn.Linear(2, 2)\n"
+    )
+    msg = one_error(capsys, "inspect", f"{work / 'f.py'}:Nope")
+    assert msg.endswith(
+        "(nn.Module classes there: none; factory functions: model(); module instances: net)"
+    )
+    rc, _, err = cli(capsys, "inspect", f"{work / 'f.py'}:model", "--input-shape", "2,4")
+    assert rc == 0, err
