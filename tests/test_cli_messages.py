@@ -236,3 +236,67 @@ def test_unknown_name_lists_factory_functions(work, capsys):
     )
     rc, _, err = cli(capsys, "inspect", f"{work / 'f.py'}:model", "--input-shape", "2,4")
     assert rc == 0, err
+
+
+SHAPES = """
+import torch
+from torch import nn
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+    def forward(self, x):
+        return self.fc(x)
+
+class Raises(M):
+    def forward(self, x):
+        raise ValueError("the model's own check")
+
+def example_inputs():
+    return (torch.randn(8, 17),)
+"""
+
+MISMATCH = (
+    "tracing the model on the example inputs failed: RuntimeError: a and b must have same "
+    "reduction dim, but got [8, 17] X [16, 32]; the inputs' shapes come from "
+)
+
+
+def test_wrong_input_shape_says_where_the_shapes_came_from(work, capsys):
+    """A tester's finding: --input-shape 8,17 on a Linear(16, ...) printed PyTorch's bare
+    'a and b must have same reduction dim'; the one line now says the shapes came from
+    --input-shape (or the file's example_inputs(), with --batch where given) and what to
+    check."""
+    (work / "shapes.py").write_text(SHAPES)
+    model = f"{work / 'shapes.py'}:M"
+    msg = one_error(capsys, "inspect", model, "--input-shape", "8,17", "--json", "x.json")
+    assert msg.endswith(
+        MISMATCH + "--input-shape 8,17: check them against the shapes the model's first "
+        "layers take (in_features, channels)"
+    )
+    msg = one_error(capsys, "inspect", model, "--json", "x.json")
+    assert msg.endswith(
+        MISMATCH + "the model file's example_inputs(): check them against the "
+        "shapes the model's first layers take, or give --input-shape"
+    )
+    msg = one_error(capsys, "inspect", model, "--batch", "8")
+    assert "example_inputs() with --batch 8: check them" in msg
+    nothing_left(work / "out")
+
+
+def test_other_trace_errors_get_no_shape_hint(work, capsys):
+    (work / "shapes.py").write_text(SHAPES)
+    msg = one_error(capsys, "inspect", f"{work / 'shapes.py'}:Raises", "--input-shape", "8,16")
+    assert "the model's own check" in msg and "--input-shape 8,16" not in msg
+
+
+def test_no_shape_hint_for_inputs_graphflop_makes():
+    from argparse import Namespace
+
+    from graphflop.cli.common import _inputs_origin
+
+    for spec in ("torchvision:resnet18", "timm:resnet18", "hf:gpt2"):
+        assert _inputs_origin(Namespace(spec=spec, input_shape=None, batch=None)) is None
+    given = _inputs_origin(Namespace(spec="hf:gpt2", input_shape=["2,7"], batch=None))
+    assert given is not None and "--input-shape 2,7" in given

@@ -486,15 +486,77 @@ def analyze_model(
         optimizer=args.optimizer,
         outline=getattr(args, "outline", True),
     )
-    analysis = analyze(
-        loaded.model, inputs, options, name=loaded.name, progress=lambda m: status.update(m)
-    )
+    with shape_hint(args):
+        analysis = analyze(
+            loaded.model, inputs, options, name=loaded.name, progress=lambda m: status.update(m)
+        )
     asked = options.backward or options.jvp
     if asked and analysis.report.loss == "none":
         # nothing to differentiate (the trace saw an integer output; the analysis is forward
         # only): a note, or, where the command needs the backward, an error
         _forward_only(args, err, why)
     return analysis
+
+
+#: the start of the message of a trace that the model's own code stopped
+_TRACE_FAILED = "tracing the model on the example inputs failed: "
+
+#: PyTorch's messages for operands whose shapes do not fit (a matrix product's reduction dim,
+#: a convolution's channels, broadcasting, a view's size, an input's number of dimensions)
+_SHAPE_MISMATCH = re.compile(
+    r"reduction dim|shapes cannot be multiplied|size mismatch|must match the size|"
+    r"to have \d+ channels|broadcast|is invalid for input of size|normalized_shape|"
+    r"\d+D \(unbatched\)|dimension out of range|expected .*input.*(?:size|shape|dim)",
+    re.IGNORECASE,
+)
+
+
+@contextmanager
+def shape_hint(args: argparse.Namespace) -> Iterator[None]:
+    """Add, to a trace error that is a shape mismatch (:data:`_SHAPE_MISMATCH`, PyTorch's
+    bare message: ``a and b must have same reduction dim``), where the inputs' shapes came
+    from: ``--input-shape`` (as given), or the model file's ``example_inputs()``; and
+    ``--batch`` where it set their first dimension. Inputs graphflop makes itself (``hf:``,
+    ``torchvision:``, ``timm:`` specs) get no hint; other errors pass unchanged.
+
+    Raises:
+        TraceError: the trace's, with the hint appended (still one line).
+    """
+    from graphflop.frontend.trace import TraceError
+
+    try:
+        yield
+    except TraceError as e:
+        text = one_line(e)
+        if not text.startswith(_TRACE_FAILED) or not _SHAPE_MISMATCH.search(text):
+            raise
+        hint = _inputs_origin(args)
+        if hint is None:
+            raise
+        raise TraceError(f"{text.removesuffix('.')}; {hint}") from e
+
+
+def _inputs_origin(args: argparse.Namespace) -> str | None:
+    """Where the inputs' shapes came from and what to check, or None for inputs graphflop
+    makes itself."""
+    from graphflop.load import LIBRARIES
+
+    batch = getattr(args, "batch", None)
+    with_batch = f" with --batch {batch}" if batch is not None else ""
+    shapes = getattr(args, "input_shape", None)
+    if shapes:
+        given = " ".join(f"--input-shape {s}" for s in shapes)
+        return (
+            f"the inputs' shapes come from {given}{with_batch}: check them against the shapes "
+            "the model's first layers take (in_features, channels)"
+        )
+    library = str(args.spec).partition(":")[0]
+    if library in (*LIBRARIES, "hf") and not str(args.spec).endswith(".py"):
+        return None
+    return (
+        f"the inputs' shapes come from the model file's example_inputs(){with_batch}: check "
+        "them against the shapes the model's first layers take, or give --input-shape"
+    )
 
 
 def drop_stdout() -> None:
