@@ -230,6 +230,21 @@ def _factories(module: Any) -> list[str]:
     ]
 
 
+def _targets(module: Any) -> str:
+    """What a spec can name in ``module``: its ``nn.Module`` classes, factory functions
+    (:func:`_factories`) and module instances, each kind listed where it has any
+    (``nn.Module classes there: A, B; factory functions: model()``)."""
+    classes = [c.__name__ for c in dict.fromkeys(_module_classes(module))]
+    kinds = [
+        ("factory functions", [f"{n}()" for n in _factories(module)]),
+        ("module instances", [n for n, v in vars(module).items() if isinstance(v, nn.Module)]),
+    ]
+    return "; ".join(
+        [f"nn.Module classes there: {', '.join(classes) or 'none'}"]
+        + [f"{kind}: {', '.join(names)}" for kind, names in kinds if names]
+    )
+
+
 def _classless_root(module: Any, label: str, spec: str) -> tuple[str, Any]:
     """The model of a file that defines no ``nn.Module`` class: its one module-level module
     instance, else its one factory function that needs no arguments.
@@ -422,8 +437,7 @@ def load(
         name, obj = _root_class(module, label, spec)
     else:
         if not hasattr(module, name):
-            avail = ", ".join(c.__name__ for c in _module_classes(module)) or "none"
-            raise SpecError(f"{label} has no attribute {name!r} (nn.Module classes there: {avail})")
+            raise SpecError(f"{label} has no attribute {name!r} ({_targets(module)})")
         obj = getattr(module, name)
     model = _instantiate(obj, f"{label}:{name}", ctor_kwargs, meta)
     example = None

@@ -533,7 +533,9 @@ class Memory:
 
     Attributes:
         params_bytes: the parameters.
-        forward_peak_bytes: parameters and buffers + the forward's live-tensor peak.
+        forward_peak_bytes: parameters and buffers + the live-tensor peak of graphflop's
+            forward graph (forward and loss) in its own node order, under every memory model
+            (not an eager run: a decomposed op's temporaries are live tensors).
         grads_bytes: the gradients (as many bytes as the parameters).
         optimizer_state_bytes: the optimizer state: under the eager model what
             ``torch.optim``'s state holds (Adam's per-parameter step counts included:

@@ -64,3 +64,43 @@ def test_peaks_include_the_live_state() -> None:
     assert peak >= params + 1028 and peak >= 2 * params
     # the JVP holds the parameters and their tangents
     assert measure_jvp_peak(m, (x,), "cross_entropy") >= 2 * params
+
+
+class _DetachedMiddle(nn.Module):
+    """A middle block run on ``h.detach()`` whose output joins the model only detached: its
+    part of the autograd graph (what it saved) is freed when ``forward`` returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 32)
+        self.mid = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+        self.c = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        t = self.mid(h.detach())
+        return self.c(h + t.detach())
+
+
+def test_saved_bytes_count_only_what_the_graph_still_holds() -> None:
+    """A tester's finding: measure_saved counted every tensor packed, those of a graph part freed
+    during the forward too. On x (4, 16): a saves x (4·16·4 = 256 B); relu its output h
+    (4·32·4 = 512 B), which mid's Linear saves as well (h.detach(): the same storage); c its
+    input h + t (512 B); cross-entropy 160 + 32 + 4 B (see the MLP above): 1,476 B alive after
+    the loss. mid's Tanh saved its output (512 B), freed with mid's graph: all packed, 1,988 B.
+    graphflop's analysis (saved-for-backward) agrees with the live figure."""
+    from graphflop.analysis import analyze
+    from graphflop.runtime.memory_probe import _loss_fn
+
+    model, x = _DetachedMiddle(), torch.randn(4, 16)
+    assert measure_saved(model, (x,), "cross_entropy") == 256 + 512 + 512 + 160 + 32 + 4
+    _, run = _loss_fn(model, (x,), "cross_entropy")
+    with SavedBytes(model) as saved:
+        loss = run()
+    assert saved.live_nbytes() == 1476
+    assert saved.nbytes == 1476 + 512
+    del loss
+    assert saved.live_nbytes() == 0  # the graph gone with the loss
+    report = analyze(model, (x,), loss="cross_entropy", jvp=False).report
+    assert report.memory.saved_for_backward_bytes == 1476

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import os
 import re
 import sys
@@ -311,7 +312,8 @@ def add_model_args(
             "--dtype",
             default=None,
             help="dtype of floating inputs and parameters "
-            "(float32, float64, float16, bfloat16); default float32",
+            "(float32, float64, float16, bfloat16); default float32; int64 or int32 with "
+            "--input-shape: integer inputs (token ids for an nn.Embedding), float32 parameters",
         )
     p.add_argument(
         "--batch",
@@ -429,7 +431,8 @@ def load_real_model(args: argparse.Namespace, *, dtype: bool = False):
     real = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), seq=getattr(args, "seq", None))
     check_seq_used(args, real)
     set_training_mode(real.model, args.eval)
-    if dtype and args.dtype:
+    # an integer --dtype is the inputs' (token ids): the parameters stay floating point
+    if dtype and args.dtype and parse_dtype(args.dtype).is_floating_point:
         real.model.to(parse_dtype(args.dtype))
     return real
 
@@ -486,15 +489,77 @@ def analyze_model(
         optimizer=args.optimizer,
         outline=getattr(args, "outline", True),
     )
-    analysis = analyze(
-        loaded.model, inputs, options, name=loaded.name, progress=lambda m: status.update(m)
-    )
+    with shape_hint(args):
+        analysis = analyze(
+            loaded.model, inputs, options, name=loaded.name, progress=lambda m: status.update(m)
+        )
     asked = options.backward or options.jvp
     if asked and analysis.report.loss == "none":
         # nothing to differentiate (the trace saw an integer output; the analysis is forward
         # only): a note, or, where the command needs the backward, an error
         _forward_only(args, err, why)
     return analysis
+
+
+#: the start of the message of a trace that the model's own code stopped
+_TRACE_FAILED = "tracing the model on the example inputs failed: "
+
+#: PyTorch's messages for operands whose shapes do not fit (a matrix product's reduction dim,
+#: a convolution's channels, broadcasting, a view's size, an input's number of dimensions)
+_SHAPE_MISMATCH = re.compile(
+    r"reduction dim|shapes cannot be multiplied|size mismatch|must match the size|"
+    r"to have \d+ channels|broadcast|is invalid for input of size|normalized_shape|"
+    r"\d+D \(unbatched\)|dimension out of range|expected .*input.*(?:size|shape|dim)",
+    re.IGNORECASE,
+)
+
+
+@contextmanager
+def shape_hint(args: argparse.Namespace) -> Iterator[None]:
+    """Add, to a trace error that is a shape mismatch (:data:`_SHAPE_MISMATCH`, PyTorch's
+    bare message: ``a and b must have same reduction dim``), where the inputs' shapes came
+    from: ``--input-shape`` (as given), or the model file's ``example_inputs()``; and
+    ``--batch`` where it set their first dimension. Inputs graphflop makes itself (``hf:``,
+    ``torchvision:``, ``timm:`` specs) get no hint; other errors pass unchanged.
+
+    Raises:
+        TraceError: the trace's, with the hint appended (still one line).
+    """
+    from graphflop.frontend.trace import TraceError
+
+    try:
+        yield
+    except TraceError as e:
+        text = one_line(e)
+        if not text.startswith(_TRACE_FAILED) or not _SHAPE_MISMATCH.search(text):
+            raise
+        hint = _inputs_origin(args)
+        if hint is None:
+            raise
+        raise TraceError(f"{text.removesuffix('.')}; {hint}") from e
+
+
+def _inputs_origin(args: argparse.Namespace) -> str | None:
+    """Where the inputs' shapes came from and what to check, or None for inputs graphflop
+    makes itself."""
+    from graphflop.load import LIBRARIES
+
+    batch = getattr(args, "batch", None)
+    with_batch = f" with --batch {batch}" if batch is not None else ""
+    shapes = getattr(args, "input_shape", None)
+    if shapes:
+        given = " ".join(f"--input-shape {s}" for s in shapes)
+        return (
+            f"the inputs' shapes come from {given}{with_batch}: check them against the shapes "
+            "the model's first layers take (in_features, channels)"
+        )
+    library = str(args.spec).partition(":")[0]
+    if library in (*LIBRARIES, "hf") and not str(args.spec).endswith(".py"):
+        return None
+    return (
+        f"the inputs' shapes come from the model file's example_inputs(){with_batch}: check "
+        "them against the shapes the model's first layers take, or give --input-shape"
+    )
 
 
 def drop_stdout() -> None:
@@ -629,20 +694,95 @@ def check_dtype(args: argparse.Namespace, loaded, shapes=None) -> None:
     (``--dtype`` sets the dtype of floating inputs and parameters; an integer one is for
     models that take integers, e.g. token ids).
 
+    Without ``--input-shape``, the file's ``example_inputs()`` tell: a floating-point one is
+    refused. With ``--input-shape`` (or without ``example_inputs()``), the forward runs once on
+    meta inputs of the integer dtype (:func:`_forward_error`): where it fails and runs with
+    float32 inputs, the model uses its input as floating point (its first op a Linear or a
+    convolution) and the dtype is refused; where it runs (an ``nn.Embedding``,
+    ``nn.EmbeddingBag`` or ``F.embedding`` looks the ids up) it is taken. Where neither runs the
+    trace reports why.
+
     Raises:
-        SpecError: naming the dtype and the floating-point choices.
+        SpecError: naming the dtype, why it does not fit, and the floating-point choices.
     """
     from graphflop.load import SpecError, make_inputs, parse_dtype
 
     dtype = parse_dtype(args.dtype) if getattr(args, "dtype", None) else None
     if dtype is None or dtype.is_floating_point:
         return
-    default = make_inputs(loaded, shapes=shapes, batch=getattr(args, "batch", None))
-    if any(t.is_floating_point() for t in default):
+    use = "use float32, float64, float16 or bfloat16"
+    batch = getattr(args, "batch", None)
+    if not shapes:
+        default = make_inputs(loaded, batch=batch)  # SpecError without example_inputs()
+        if any(t.is_floating_point() for t in default):
+            raise SpecError(
+                f"--dtype {args.dtype} is not a floating-point dtype, and the model's "
+                f"example_inputs() gives floating-point inputs: {use} (an integer dtype is for "
+                "inputs given with --input-shape that the model takes as indices, e.g. token ids)"
+            )
+        return
+    ints = make_inputs(loaded, shapes=shapes, dtype=dtype, batch=batch, device="meta")
+    failed = _forward_error(loaded.model, ints)
+    if failed is None:
+        return
+    floats = make_inputs(loaded, shapes=shapes, batch=batch, device="meta")
+    if _forward_error(loaded.model, floats) is None:
         raise SpecError(
             f"--dtype {args.dtype} is not a floating-point dtype, and the model takes "
-            "floating-point inputs: use float32, float64, float16 or bfloat16"
+            f"floating-point inputs (on {args.dtype} inputs its forward fails: {failed}): {use}; "
+            "an integer dtype is for models whose inputs are indices, e.g. token ids into an "
+            "nn.Embedding"
         )
+
+
+def _forward_error(model, inputs) -> str | None:
+    """Why ``model(*inputs)`` (meta inputs, no grad) fails, in one line
+    (``RuntimeError: ...``), or None where it runs: on meta tensors, else on fake tensors as the
+    trace runs it (:func:`float_output`'s probe). A matrix product or convolution of operands
+    in two dtypes fails, as in eager PyTorch (the meta kernels do not check:
+    :func:`_eager_dtypes_mode`)."""
+    import torch
+
+    from graphflop.frontend import nodynamo
+    from graphflop.frontend.errors import first_line, library_logs_quiet, quiet_loggers
+
+    def forward():
+        with torch.no_grad(), warnings.catch_warnings(), _eager_dtypes_mode():
+            warnings.simplefilter("ignore")
+            return model(*inputs)
+
+    why = None
+    for run in (forward, lambda: _fake_forward(model, inputs, eager_dtypes=True)):
+        try:
+            with quiet_loggers("torch._subclasses.fake_tensor"), library_logs_quiet():
+                nodynamo.run(run)
+        except Exception as e:
+            why = why or f"{type(e).__name__}: {first_line(e)}"
+            continue
+        return None
+    return why
+
+
+def _eager_dtypes_mode():
+    """A dispatch mode refusing, as eager PyTorch does, a matrix product or convolution whose
+    operands have two dtypes (the trace's check, :data:`graphflop.frontend.trace._SAME_DTYPE`;
+    meta and fake kernels let them through)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from graphflop.frontend.trace import _SAME_DTYPE
+
+    class EagerDtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            where = _SAME_DTYPE.get(func)
+            if where is not None:
+                dtypes = {a.dtype for i in where if isinstance(a := args[i], torch.Tensor)}
+                if len(dtypes) > 1:
+                    names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+                    raise RuntimeError(f"{func.name()} of {names} operands")
+            return func(*args, **(kwargs or {}))
+
+    return EagerDtypes()
 
 
 def float_output(model, inputs) -> bool:
@@ -676,9 +816,10 @@ def float_output(model, inputs) -> bool:
     return True
 
 
-def _fake_forward(model, inputs):
+def _fake_forward(model, inputs, *, eager_dtypes: bool = False):
     """``model(*inputs)`` on FakeTensors made as the trace makes them (a meta parameter or
-    input becomes a fake CPU tensor)."""
+    input becomes a fake CPU tensor); ``eager_dtypes``: refusing operands of two dtypes in a
+    matrix product as eager PyTorch does (:func:`_eager_dtypes_mode`)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map
@@ -691,7 +832,8 @@ def _fake_forward(model, inputs):
         return as_fake(mode, t) if isinstance(t, torch.Tensor) else t
 
     state = {k: fake(t) for k, t in [*model.named_parameters(), *model.named_buffers()]}
-    with torch.no_grad(), mode:
+    checks = _eager_dtypes_mode() if eager_dtypes else contextlib.nullcontext()
+    with torch.no_grad(), mode, checks:
         return torch.func.functional_call(model, state, tree_map(fake, tuple(inputs)))
 
 

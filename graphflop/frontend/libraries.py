@@ -25,6 +25,7 @@ import importlib
 import inspect
 import linecache
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -269,9 +270,20 @@ def data_dependent_hint(e: BaseException) -> str | None:
     chain = exception_chain(e)
     hit = next((c for c in chain if type(c).__name__ in DATA_DEPENDENT[:3]), None)
     if hit is None:
+        # .tolist() of a fake tensor: its storage holds no values
+        hit = next((c for c in chain if _TOLIST_REFUSED in str(c)), None)
+    if hit is None:
         return None
     where = next((w for w in (model_source_line(c) for c in chain) if w), None)
     at = f" at {where}" if where else ""
+    read = value_read(where) if where else None
+    if read is not None:
+        return (
+            f"the model's Python code reads a tensor's value with {read}{at}; graphflop traces "
+            "with fake tensors (shapes and dtypes, no values), so the value is unknown: compute "
+            "it from shapes (x.shape[i]), or pass it to the model as a Python number (a "
+            "constructor argument, --arg NAME=VALUE)"
+        )
     if _raised_in(hit, ("nn", "utils", "rnn.py")):
         return (
             f"a packed sequence's shapes depend on its lengths' values{at}; graphflop traces "
@@ -304,6 +316,32 @@ def data_dependent_hint(e: BaseException) -> str | None:
         "traces shapes, not values: make the branch depend on shapes, guard it with "
         "torch.compiler.is_compiling(), or pass the value as a constant argument"
     )
+
+
+#: the error ``.tolist()`` of a fake tensor raises
+_TOLIST_REFUSED = "tolist() shouldn't be called on a tensor with unallocated storage"
+
+#: a model source line that branches (``if``/``elif``/``while``/``assert`` statements, a
+#: conditional expression, a comprehension's condition)
+_BRANCH = re.compile(r"^\s*(?:if|elif|while|assert)\b|\sif\s")
+
+#: the calls that read a tensor's value into a Python number: ``.item()``, ``.tolist()``, and
+#: the ``float``, ``int``, ``bool`` and ``complex`` conversions
+_VALUE_READS = re.compile(r"\.(item|tolist)\(\)|\b(float|int|bool|complex)\(")
+
+
+def value_read(where: str) -> str | None:
+    """The call that reads a tensor's value on the model's source line ``where``
+    (``file.py:LINE: CODE``, :func:`model_source_line`): ``.item()``, ``.tolist()``,
+    ``float()``, ``int()``, ``bool()`` or ``complex()``, the first on the line; None where the
+    line branches (an ``if`` on the value: the branch is what to change) or has none of them."""
+    code = where.split(": ", 1)[-1]
+    if _BRANCH.search(code):
+        return None
+    m = _VALUE_READS.search(code)
+    if m is None:
+        return None
+    return f".{m[1]}()" if m[1] else f"{m[2]}()"
 
 
 def stacked_experts_in(e: BaseException) -> torch.nn.Module | None:

@@ -4,9 +4,10 @@ Four measurements of one model at one batch, on real tensors (CPU here; any devi
 profiler reports allocations for):
 
 * :func:`measure_saved` — the bytes autograd saves for backward, from
-  ``torch.autograd.graph.saved_tensors_hooks``: every packed tensor's storage counted once
-  (deduplicated by storage pointer), storages of parameters and buffers left out, inputs and
-  targets counted. :class:`SavedBytes` is that count as a context, for runs the function does not
+  ``torch.autograd.graph.saved_tensors_hooks``: the storage of every packed tensor the autograd
+  graph still holds after the forward and loss counted once (deduplicated by storage pointer;
+  a tensor saved by a part of the graph freed during the forward is not), storages of
+  parameters and buffers left out, inputs and targets counted. :class:`SavedBytes` is that count as a context, for runs the function does not
   make (a checkpointed region, autocast, a loss of one's own).
 * :func:`measure_train_peak` — the peak of one training step (forward, loss, ``backward()``,
   ``optimizer.step()``, gradients set to ``None`` beforehand as ``zero_grad()`` does by default),
@@ -29,6 +30,8 @@ factory the runtime uses (:func:`graphflop.runtime.optim.torch_optimizer`).
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -70,13 +73,30 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return s.data_ptr(), s.nbytes()
 
 
+class _Packed:
+    """What the pack hook hands autograd for one saved tensor: the tensor, detached (a saved
+    output held by its own ``grad_fn`` would make a reference cycle). Autograd's graph holds
+    it; it goes, and the weak reference :class:`SavedBytes` keeps to it dies, when the part of
+    the graph that saved it is freed."""
+
+    __slots__ = ("__weakref__", "t")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
 class SavedBytes:
     """The bytes autograd saves for backward while the context is open: the storages of the
     tensors ``torch.autograd.graph.saved_tensors_hooks`` packs, each counted once (by its data
     pointer), empty storages and those of ``model``'s parameters and buffers and of ``exclude``
     left out. :meth:`keep` counts a tensor the same way: the arguments a
-    ``torch.utils.checkpoint`` call keeps for its recompute, which no hook sees. ``nbytes``: the
-    total so far."""
+    ``torch.utils.checkpoint`` call keeps for its recompute, which no hook sees.
+
+    ``nbytes``: every storage packed so far (and kept), whether or not the graph that saved it
+    is still alive. :meth:`live_nbytes`: those still held by the autograd graph when it is
+    called (and kept): a tensor saved in a part of the graph freed during the forward (a block
+    run on ``x.detach()`` whose output only a non-differentiable use reads) no longer
+    counts."""
 
     def __init__(
         self, model: nn.Module | None = None, exclude: Iterable[torch.Tensor] = ()
@@ -84,18 +104,43 @@ class SavedBytes:
         state = [*model.parameters(), *model.buffers()] if model is not None else []
         self._excluded = {_storage(t)[0] for t in [*state, *exclude]}
         self._seen: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.keep, lambda t: t)
+        self._kept: dict[int, int] = {}
+        #: (weak reference to what autograd holds, storage pointer, storage bytes) per packed
+        #: tensor counted
+        self._packed: list[tuple[weakref.ref, int, int]] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
-    def keep(self, t: torch.Tensor) -> torch.Tensor:
-        """Count ``t``'s storage (once, unless excluded or empty); returns ``t``."""
+    def _pack(self, t: torch.Tensor) -> _Packed:
+        packed = _Packed(t.detach())
         ptr, nbytes = _storage(t)
         if ptr not in self._excluded and nbytes:
             self._seen[ptr] = nbytes
+            self._packed.append((weakref.ref(packed), ptr, nbytes))
+        return packed
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """Count ``t``'s storage (once, unless excluded or empty), as alive until the count is
+        read; returns ``t``."""
+        ptr, nbytes = _storage(t)
+        if ptr not in self._excluded and nbytes:
+            self._seen[ptr] = nbytes
+            self._kept[ptr] = nbytes
         return t
 
     @property
     def nbytes(self) -> int:
         return sum(self._seen.values())
+
+    def live_nbytes(self) -> int:
+        """The bytes of the distinct storages of the packed tensors autograd still holds now
+        (after a garbage collection: a freed graph part in a reference cycle is gone too), and
+        of those :meth:`keep` counted."""
+        gc.collect()
+        live = dict(self._kept)
+        for ref, ptr, nbytes in self._packed:
+            if ref() is not None:
+                live[ptr] = nbytes
+        return sum(live.values())
 
     def __enter__(self) -> SavedBytes:
         self._hooks.__enter__()
@@ -103,6 +148,10 @@ class SavedBytes:
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
+
+
+def _unpack(packed: _Packed) -> torch.Tensor:
+    return packed.t
 
 
 def _loss_fn(model: nn.Module, inputs: tuple, loss: str) -> tuple[str, Callable[[], torch.Tensor]]:
@@ -132,13 +181,17 @@ def _loss_fn(model: nn.Module, inputs: tuple, loss: str) -> tuple[str, Callable[
 
 def measure_saved(model: nn.Module, inputs: tuple, loss: str = "auto") -> int:
     """Bytes autograd saves for backward in one forward of ``model`` plus the loss: the union of
-    the storages of every tensor packed by ``saved_tensors_hooks``, parameters and buffers
+    the storages of the tensors packed by ``saved_tensors_hooks`` that the autograd graph still
+    holds once the loss is computed (:meth:`SavedBytes.live_nbytes`; a part of the graph freed
+    during the forward, e.g. a block run on ``x.detach()`` whose output is read only by
+    non-differentiable code, saves nothing a backward would use), parameters and buffers
     excluded, inputs included."""
     _, run = _loss_fn(model, inputs, loss)
     with SavedBytes(model) as saved:
         lossv = run()
+    nbytes = saved.live_nbytes()
     del lossv
-    return saved.nbytes
+    return nbytes
 
 
 def _profiled_peak(fn: Callable[[], None]) -> int:
