@@ -173,6 +173,39 @@ def _node_of(t: Any) -> Node | None:
     return recording.node_of(t, sync=True)
 
 
+def requires_grad_in_trace(t: torch.Tensor) -> bool:
+    """Whether eager's ``t.requires_grad`` would be True: ``t`` depends on a trainable
+    parameter or a value marked ``requires_grad_`` (:func:`_differentiable`; a parameter read
+    with grad mode off still requires grad, a value made from it there does not). In an outlined
+    block's template (outside the main trace), which of the block's inputs and parameters carry a
+    derivative is each call's own: every floating-point placeholder is taken to (parameters
+    trainable and activations requiring grad, as in a trained model's blocks)."""
+    if recording.current() is None:
+        return t.requires_grad
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    if _GradSources.active:
+        return _differentiable((t,))
+    node = _node_of(t)
+    if node is None:
+        return True  # cannot be told: as _differentiable
+    seen: set[Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        if n.target is aten.detach.default:
+            continue
+        if n.meta.get(NO_GRAD) and NO_GRAD_WRITE not in n.meta:
+            continue
+        stack.extend(n.all_input_nodes)
+    return False
+
+
 def _differentiable(args: tuple) -> bool:
     """Whether one of ``args``' tensors depends on a trainable parameter or on a value marked
     ``requires_grad_``, not through a ``detach`` nor a value made with grad mode off (as eager
