@@ -226,3 +226,31 @@ def test_mask_requiring_grad_runs_the_math_path(derived: bool) -> None:
     assert measured == 8832
     report = analyze(model, (x,), loss="sum", jvp=False).report
     assert report.memory.saved_for_backward_bytes == measured
+
+
+class _BiasBlocks(nn.Module):
+    """Two blocks of one structure (outlined: traced once as a template), each attention
+    with its own learned bias, or with that bias frozen (no grad: the fused kernel)."""
+
+    def __init__(self, detached: bool) -> None:
+        super().__init__()
+        self.detached = detached
+        self.blocks = nn.ModuleList(_LearnedBias(derived=False) for _ in range(2))
+        for blk in self.blocks:
+            blk.bias.requires_grad_(not detached)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = x + blk(x)
+        return x
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_mask_requiring_grad_in_repeated_blocks(detached: bool) -> None:
+    # a repeated block's template is traced apart from the model: whether its bias requires
+    # grad is read from what the bias depends on there too (a parameter of the block: yes)
+    torch.manual_seed(0)
+    model, x = _BiasBlocks(detached).train(), torch.randn(2, 6, 32)
+    measured = measure_saved(model, (x,), "sum")
+    a = analyze(model, (x,), loss="sum", jvp=False)
+    assert a.report.memory.saved_for_backward_bytes == measured
