@@ -300,14 +300,15 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "aten.linalg_vector_norm.default": ((0,), (0,)),
     # mkldnn_rnn_layer_backward(input, weight0..3, hx_, cx_, result0, result1, result2, ...,
     # result3): an LSTM layer on CPU saves its input, initial states, output, final states
-    # and oneDNN's workspace (result3, uint8: graphflop.ops.recurrent); CPU only
-    # (:data:`CPU_ONLY`), the weights are parameters
+    # and oneDNN's workspace (result3, uint8: graphflop.ops.recurrent); CPU
+    # float32 (:data:`CPU_FLOAT32_ONLY`), the weights are parameters
     "aten.mkldnn_rnn_layer.default": ((0, 5, 6), (0, 1, 2, 3)),
 }
 
-#: ops of :data:`EAGER_SAVES` eager runs on CPU tensors only: elsewhere (cuDNN's LSTM) what
-#: they save is not modelled and graphflop's residuals stand
-CPU_ONLY = frozenset({"aten.mkldnn_rnn_layer.default"})
+#: ops of :data:`EAGER_SAVES` whose saves are modelled for CPU float32 inputs only: elsewhere
+#: (cuDNN's LSTM on CUDA; oneDNN's bfloat16 workspace, laid out otherwise) graphflop's residuals
+#: stand
+CPU_FLOAT32_ONLY = frozenset({"aten.mkldnn_rnn_layer.default"})
 
 
 def _uneven_adaptive_pool(x: Any, output_size: Any, *args: Any, **kwargs: Any) -> bool:

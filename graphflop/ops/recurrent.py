@@ -317,7 +317,7 @@ def mkldnn_rnn_layer(
     generic LSTM computes it per step t: ``gates = x_t·W_ihᵀ + b_ih + h·W_hhᵀ + b_hh``
     (4H wide: input, forget, cell, output), ``c = σ(f)·c + σ(i)·tanh(g)``,
     ``h = σ(o)·tanh(c)``. Returns ``(y (T, B, H), hy, cy, workspace)``; the workspace is
-    oneDNN's (:func:`onednn_lstm_workspace_bytes`, uint8) where ``train``, else empty: nothing
+    oneDNN's (:func:`onednn_lstm_workspace_bytes`, uint8) where ``train`` and float32, else empty: nothing
     in the graph reads it, but eager autograd saves it (``MkldnnRnnLayerBackward0``'s
     ``result3``; :data:`graphflop.frontend.composite.EAGER_SAVES`)."""
     if mode != 2 or batch_sizes:  # PyTorch uses the kernel for dense LSTMs only
@@ -341,7 +341,10 @@ def mkldnn_rnn_layer(
         outs.reverse()
     y = torch.stack(outs, 0)
     n_steps, rows, width = inp.shape
-    nbytes = onednn_lstm_workspace_bytes(n_steps, rows, width, hidden_size) if train else 0
+    float32 = inp.dtype == torch.float32  # (bfloat16's workspace is laid out otherwise)
+    nbytes = (
+        onednn_lstm_workspace_bytes(n_steps, rows, width, hidden_size) if train and float32 else 0
+    )
     workspace = inp.new_empty((nbytes,), dtype=torch.uint8)
     return y, h.reshape(hx.shape), c.reshape(cx.shape), workspace
 
