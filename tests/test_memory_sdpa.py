@@ -117,6 +117,10 @@ CHOICES = {
     "mask_2d": ((_r(2, 3, 5, 8), _r(2, 3, 7, 8), _r(2, 3, 7, 8)), {"attn_mask": _r(5, 7)}),
     "mask_3d": ((_r(2, 3, 5, 8), _r(2, 3, 7, 8), _r(2, 3, 7, 8)), {"attn_mask": _r(3, 5, 7)}),
     "mask_4d": ((_r(2, 3, 5, 8), _r(2, 3, 7, 8), _r(2, 3, 7, 8)), {"attn_mask": _r(2, 1, 1, 7)}),
+    "mask_requires_grad": (
+        (_r(2, 3, 5, 8), _r(2, 3, 7, 8), _r(2, 3, 7, 8)),
+        {"attn_mask": _r(2, 1, 1, 7).requires_grad_()},
+    ),
     "value_dim": ((_r(2, 3, 5, 8), _r(2, 3, 7, 8), _r(2, 3, 7, 4)), {}),
     "gqa": ((_r(2, 4, 5, 8), _r(2, 2, 7, 8), _r(2, 2, 7, 8)), {"enable_gqa": True}),
     "batch_broadcast": ((_r(1, 3, 5, 8), _r(2, 3, 7, 8), _r(2, 3, 7, 8)), {}),
@@ -177,3 +181,76 @@ def test_jvp_peak_of_attention_on_the_math_kernel(kv_heads):
     got = analyze(model, (x,), loss="sum").report.memory.jvp_peak_bytes
     assert measured is not None and got is not None
     assert 0.9 <= got / measured <= 1.05
+
+
+class _LearnedBias(nn.Module):
+    """Attention with a learned additive bias (a parameter, or a table of it indexed as a
+    relative-position bias: a value computed from the parameter)."""
+
+    def __init__(self, derived: bool) -> None:
+        super().__init__()
+        self.derived = derived
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+        if derived:  # a (heads, 2·6 - 1) table read at i - j + 5, as relative positions are
+            self.table = nn.Parameter(torch.randn(4, 11))
+            pos = torch.arange(6)
+            self.register_buffer("index", (pos[:, None] - pos[None, :] + 5).flatten())
+        else:
+            self.bias = nn.Parameter(torch.randn(1, 4, 6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 4, 24).transpose(1, 2).chunk(3, dim=3)
+        bias = self.table[:, self.index].view(1, 4, 6, 6) if self.derived else self.bias
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.o(y.transpose(1, 2).reshape(b, t, 32))
+
+
+@pytest.mark.parametrize("derived", [False, True])
+def test_mask_requiring_grad_runs_the_math_path(derived: bool) -> None:
+    # a mask that requires grad sends CPU attention to the math path (its grad_fn a view of
+    # a bmm's, no flash node); B 2, L = S 6, 4 heads of E 8, sum loss. Eager saves x 2·6·32·4
+    # = 1536; q·scale (8, 6, 8) 1536 and the scaled kᵀ 1536; _safe_softmax's output (8, 6, 6)
+    # 1152 (not its row guard, nor the mask: the add saves nothing); v made contiguous for the
+    # bmm 1536; o's input, a copy of the transposed output, 1536: 8832. The fused kernel's
+    # figure would be x, the packed projection 4608, the output 1536, the logsumexp 192 and
+    # the mask (not counted: a parameter) or its value (4·6·6·4 = 576)
+    torch.manual_seed(0)
+    model, x = _LearnedBias(derived).train(), torch.randn(2, 6, 32)
+    with torch.no_grad():
+        bias = model.table[:, model.index].view(1, 4, 6, 6) if derived else model.bias
+    q = torch.randn(2, 4, 6, 8)
+    assert not _kernel(q, q, q, attn_mask=bias.detach().requires_grad_())
+    assert _kernel(q, q, q, attn_mask=bias.detach())
+    measured = measure_saved(model, (x,), "sum")
+    assert measured == 8832
+    report = analyze(model, (x,), loss="sum", jvp=False).report
+    assert report.memory.saved_for_backward_bytes == measured
+
+
+class _BiasBlocks(nn.Module):
+    """Two blocks of one structure (outlined: traced once as a template), each attention
+    with its own learned bias, or with that bias frozen (no grad: the fused kernel)."""
+
+    def __init__(self, detached: bool) -> None:
+        super().__init__()
+        self.detached = detached
+        self.blocks = nn.ModuleList(_LearnedBias(derived=False) for _ in range(2))
+        for blk in self.blocks:
+            blk.bias.requires_grad_(not detached)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = x + blk(x)
+        return x
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_mask_requiring_grad_in_repeated_blocks(detached: bool) -> None:
+    # a repeated block's template is traced apart from the model: whether its bias requires
+    # grad is read from what the bias depends on there too (a parameter of the block: yes)
+    torch.manual_seed(0)
+    model, x = _BiasBlocks(detached).train(), torch.randn(2, 6, 32)
+    measured = measure_saved(model, (x,), "sum")
+    a = analyze(model, (x,), loss="sum", jvp=False)
+    assert a.report.memory.saved_for_backward_bytes == measured

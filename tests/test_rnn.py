@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import graphflop
 from graphflop.meta import SIGNATURE
+from graphflop.runtime.memory_probe import measure_saved
 from graphflop.runtime.verify import verify_analysis
 
 B, T, H, VOCAB, EMB, TAGS = 4, 12, 48, 50, 16, 10
@@ -304,3 +305,64 @@ def test_rms_norm_in_place_add_is_made_functional(norm):
     assert "aten.add_.Scalar" not in targets and "aten.add.Scalar" in targets
     assert a.report.uncounted == ()
     _assert_verifies(model, x, a)
+
+
+def _workspace_numel(lstm: nn.LSTM, x: torch.Tensor) -> list[int]:
+    """The sizes of the uint8 workspaces eager autograd saves for ``lstm(x)`` (one per layer
+    and direction: ``MkldnnRnnLayerBackward0``'s ``result3``)."""
+    sizes: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.uint8:
+            sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lstm(x)
+    return sizes
+
+
+@pytest.mark.parametrize(
+    "steps, batch, inputs, hidden",
+    # small and large; H with 4H a multiple of 256 (oneDNN pads that leading dimension);
+    # I > H (the states' leading dimension is I's); odd sizes (rounded up to 16 floats)
+    [(1, 1, 1, 1), (32, 4, 64, 128), (10, 3, 5, 7), (33, 13, 1, 128), (16, 1, 100, 64)]
+    + [(7, 8, 100, 7), (33, 8, 64, 100), (3, 13, 16, 32)],
+)
+def test_onednn_lstm_workspace_bytes_equal_eager(steps, batch, inputs, hidden):
+    from graphflop.ops.recurrent import onednn_lstm_workspace_bytes
+
+    lstm = nn.LSTM(inputs, hidden)
+    got = onednn_lstm_workspace_bytes(steps, batch, inputs, hidden)
+    assert _workspace_numel(lstm, torch.randn(steps, batch, inputs)) == [got]
+
+
+class _LastStep(nn.Module):
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn, self.fc = rnn, nn.Linear(rnn.hidden_size * (1 + rnn.bidirectional), 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.rnn(x)
+        return self.fc(y[:, -1])
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # the tester's LSTM(64, 128): 1,118,324 B, 1,011,712 of them the workspace
+        {"num_layers": 2, "bidirectional": True},  # one workspace per layer and direction
+    ],
+)
+def test_lstm_saved_bytes_equal_eager_with_the_onednn_workspace(kw):
+    # eager (PyTorch 2.13, CPU float32) saves per layer and direction the input, h0, c0, the
+    # output, hn, cn and oneDNN's workspace (MkldnnRnnLayerBackward0); graphflop counted its
+    # decomposition's per-step residuals instead (553,076 B for the first model)
+    torch.manual_seed(0)
+    model = _LastStep(nn.LSTM(64, 128, batch_first=True, **kw)).train()
+    x = torch.randn(4, 32, 64)
+    measured = measure_saved(model, (x,))
+    got = graphflop.analyze(model, (x,), jvp=False).report.memory.saved_for_backward_bytes
+    assert got == measured
+    if not kw:
+        assert measured == 1_118_324

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.frontend import recording
-from graphflop.frontend.regions import detached_write, no_grad_write
+from graphflop.frontend.regions import detached_write, no_grad_write, requires_grad_in_trace
 from graphflop.meta import COMPOSITE, INPLACE, CompositeTag
 from graphflop.ops import has_rule, lookup
 from graphflop.ops.attention import sdpa
@@ -263,6 +263,8 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "aten.softplus.default": ((0,), ()),
     "aten._softmax.default": ((), (0,)),
     "aten._log_softmax.default": ((), (0,)),
+    # the softmax of masked attention scores on the math path (graphflop.ops.attention)
+    "aten._safe_softmax.default": ((), (0,)),
     "aten.native_dropout.default": ((), (1,)),
     "aten.nll_loss_forward.default": ((0, 1), (1,)),
     "aten.nll_loss2d_forward.default": ((0, 1), (1,)),
@@ -296,7 +298,17 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     # linalg_vector_norm_backward(grad, self, ord, result, dim, keepdim)
     "aten.logsumexp.default": ((0,), (0,)),
     "aten.linalg_vector_norm.default": ((0,), (0,)),
+    # mkldnn_rnn_layer_backward(input, weight0..3, hx_, cx_, result0, result1, result2, ...,
+    # result3): an LSTM layer on CPU saves its input, initial states, output, final states
+    # and oneDNN's workspace (result3, uint8: graphflop.ops.recurrent); CPU
+    # float32 (:data:`CPU_FLOAT32_ONLY`), the weights are parameters
+    "aten.mkldnn_rnn_layer.default": ((0, 5, 6), (0, 1, 2, 3)),
 }
+
+#: ops of :data:`EAGER_SAVES` whose saves are modelled for CPU float32 inputs only: elsewhere
+#: (cuDNN's LSTM on CUDA; oneDNN's bfloat16 workspace, laid out otherwise) graphflop's residuals
+#: stand
+CPU_FLOAT32_ONLY = frozenset({"aten.mkldnn_rnn_layer.default"})
 
 
 def _uneven_adaptive_pool(x: Any, output_size: Any, *args: Any, **kwargs: Any) -> bool:
@@ -386,8 +398,11 @@ def fused_on_cpu(
     of one batch size, equal head counts (or, with ``enable_gqa``, k and v with equal head
     counts dividing q's), ``dropout_p == 0``, equal last dimensions, nonzero sequence lengths,
     last-dimension stride 1, one dtype among float32, float64, bfloat16, float16, and a mask
-    (if any) of a shape :func:`_mask_fits` accepts. A mask that requires grad also sends the
-    call to the math path; tracing cannot see ``requires_grad`` (masks are taken not to)."""
+    (if any) of a shape :func:`_mask_fits` accepts that does not require grad. A mask that
+    requires grad (a learned bias: a parameter, or a value computed from one, whatever the grad
+    mode) sends the call to the math path (measured, PyTorch 2.13 CPU: ``UnsafeViewBackward0``
+    over ``BmmBackward0``, no flash node); tracing tells it from what the mask depends on
+    (:func:`~graphflop.frontend.regions.requires_grad_in_trace`)."""
     del is_causal, scale
     if not torch.backends.cuda.flash_sdp_enabled() or dropout_p > 0.0:
         return False
@@ -405,7 +420,9 @@ def fused_on_cpu(
         return False
     if 0 in (q.shape[2], k.shape[2]) or any(t.stride(-1) != 1 for t in ts):
         return False
-    return attn_mask is None or _mask_fits(attn_mask, q, k)
+    if attn_mask is None:
+        return True
+    return _mask_fits(attn_mask, q, k) and not requires_grad_in_trace(attn_mask)
 
 
 _ATTENTION_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -106,6 +106,9 @@ class _GradSources:
     leaves: int = 0
     #: the model's code marked a value outside the main trace (an outlined block's template)
     marked_outside: bool = False
+    #: while an outlined block's template is traced: per placeholder, whether it carries a
+    #: derivative (:func:`template_grad_sources`); None elsewhere
+    template_sources: tuple[bool, ...] | None = None
 
 
 def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]:
@@ -171,6 +174,63 @@ def _raised_inside(flag: str) -> Iterator[list[bool]]:
 def _node_of(t: Any) -> Node | None:
     """The node of ``t`` in the graph being traced, after the writes into its base."""
     return recording.node_of(t, sync=True)
+
+
+@contextlib.contextmanager
+def template_grad_sources(sources: tuple[bool, ...]) -> Iterator[None]:
+    """While an outlined block's template is traced: ``sources[i]`` says whether its
+    placeholder ``i`` carries a derivative, for :func:`requires_grad_in_trace`: the call's
+    inputs are taken to (which do is each call's own; in a trained model's blocks the
+    activations do), its parameters where trainable, its buffers not."""
+    was = _GradSources.template_sources
+    _GradSources.template_sources = sources
+    try:
+        yield
+    finally:
+        _GradSources.template_sources = was
+
+
+def _template_source(n: Node) -> bool:
+    """Whether placeholder ``n`` of a template carries a derivative (True where unknown)."""
+    sources = _GradSources.template_sources
+    if sources is None:
+        return True
+    i = [p for p in n.graph.nodes if p.op == "placeholder"].index(n)
+    return i >= len(sources) or sources[i]
+
+
+def requires_grad_in_trace(t: torch.Tensor) -> bool:
+    """Whether eager's ``t.requires_grad`` would be True: ``t`` depends on a trainable
+    parameter or a value marked ``requires_grad_`` (:func:`_differentiable`; a parameter read
+    with grad mode off still requires grad, a value made from it there does not). In an outlined
+    block's template (outside the main trace) the sources are its trainable parameters and the
+    call's inputs (:func:`_template_source`)."""
+    if recording.current() is None:
+        return t.requires_grad
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    if _GradSources.active:
+        return _differentiable((t,))
+    node = _node_of(t)
+    if node is None:
+        return True  # cannot be told: as _differentiable
+    seen: set[Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if _template_source(n):
+                return True
+            continue
+        if n.target is aten.detach.default:
+            continue
+        if n.meta.get(NO_GRAD) and NO_GRAD_WRITE not in n.meta:
+            continue
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _differentiable(args: tuple) -> bool:

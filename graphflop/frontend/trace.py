@@ -95,6 +95,7 @@ from graphflop.frontend.regions import (
     grad_sources,
     mark_requires_grad,
     marked_in_templates,
+    template_grad_sources,
     undecided_checkpoints,
 )
 from graphflop.frontend.replay import Replays
@@ -891,9 +892,12 @@ def _trace_template(
         with ModuleScopes(m, prefix=repeats.MARK, base=[(repeats.MARK, qualname(m))]):
             return fn(*tensors)
 
-    gm = _recorder(
-        torch.func.functionalize(modes.around(scoped)), decomposition_table=table, template=True
-    )(*outliner.example_tensors(key, fake_mode))
+    # the call's inputs carry a derivative (taken to), its parameters where trainable
+    sources = (True,) * call.n_inputs + tuple(bool(m[4]) for m in call.state_meta)
+    with template_grad_sources(sources):
+        gm = _recorder(
+            torch.func.functionalize(modes.around(scoped)), decomposition_table=table, template=True
+        )(*outliner.example_tensors(key, fake_mode))
     # writes into the template's own temporaries (circular padding's copies into a new
     # tensor) made functional as the whole graph's are (export_form), before its writes into
     # buffers are told apart

@@ -58,10 +58,22 @@ def sdpa(
             scores = torch.where(attn_mask, scores, neg_inf)
         else:
             scores = scores + attn_mask
-    weights = torch.softmax(scores, dim=-1)
     if attn_mask is not None:  # a row the mask hides entirely: zeros, not NaN
-        live = torch.any(scores != neg_inf, dim=-1, keepdim=True)
-        weights = torch.where(live, weights, 0.0)
+        weights = aten._safe_softmax.default(scores, -1)
+    else:
+        weights = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = aten.native_dropout.default(weights, dropout_p, True)[0]
     return torch.matmul(weights, v)
+
+
+@register_decomposition(aten._safe_softmax.default)
+def safe_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``_safe_softmax``, the softmax PyTorch's math attention kernel takes of masked scores:
+    ``softmax(x, dim)`` with the rows (along ``dim``) that are all ``-inf`` set to zeros rather
+    than NaN. One op in eager autograd: it saves its output only
+    (tools/autograd/derivatives.yaml: ``_softmax_backward_data(grad, result, dim, ...)``), not
+    the row guard (:data:`graphflop.frontend.composite.EAGER_SAVES`)."""
+    weights = torch.softmax(x, dim=dim, dtype=dtype)
+    live = torch.any(x != float("-inf"), dim=dim, keepdim=True)
+    return torch.where(live, weights, 0.0)

@@ -317,7 +317,9 @@ def mkldnn_rnn_layer(
     generic LSTM computes it per step t: ``gates = x_t·W_ihᵀ + b_ih + h·W_hhᵀ + b_hh``
     (4H wide: input, forget, cell, output), ``c = σ(f)·c + σ(i)·tanh(g)``,
     ``h = σ(o)·tanh(c)``. Returns ``(y (T, B, H), hy, cy, workspace)``; the workspace is
-    empty (nothing reads it)."""
+    oneDNN's (:func:`onednn_lstm_workspace_bytes`, uint8) where ``train`` and float32, else empty: nothing
+    in the graph reads it, but eager autograd saves it (``MkldnnRnnLayerBackward0``'s
+    ``result3``; :data:`graphflop.frontend.composite.EAGER_SAVES`)."""
     if mode != 2 or batch_sizes:  # PyTorch uses the kernel for dense LSTMs only
         raise NotImplementedError("mkldnn_rnn_layer: only dense LSTM layers are decomposed")
     # the caller has already laid the input out as (T, B, I) and splits layers and
@@ -338,4 +340,49 @@ def mkldnn_rnn_layer(
     if reverse:
         outs.reverse()
     y = torch.stack(outs, 0)
-    return y, h.reshape(hx.shape), c.reshape(cx.shape), inp.new_empty((0,))
+    n_steps, rows, width = inp.shape
+    float32 = inp.dtype == torch.float32  # (bfloat16's workspace is laid out otherwise)
+    nbytes = (
+        onednn_lstm_workspace_bytes(n_steps, rows, width, hidden_size) if train and float32 else 0
+    )
+    workspace = inp.new_empty((nbytes,), dtype=torch.uint8)
+    return y, h.reshape(hx.shape), c.reshape(cx.shape), workspace
+
+
+def _good_ld(n: int, itemsize: int = 4) -> int:
+    """oneDNN's leading dimension for ``n`` elements (``rnn_utils::get_good_ld``): rounded up
+    to 64 bytes, plus 64 bytes where that is a multiple of 256 elements (4K aliasing)."""
+    ld = -(-n // (64 // itemsize)) * (64 // itemsize)
+    return ld + 64 // itemsize if ld % 256 == 0 else ld
+
+
+def onednn_lstm_workspace_bytes(steps: int, batch: int, input_size: int, hidden: int) -> int:
+    """Bytes of the workspace oneDNN's float32 LSTM forward makes in training for one layer
+    and one direction (what ``aten.mkldnn_rnn_layer`` returns as output 3 and autograd saves),
+    from oneDNN's ``rnn_utils`` (``set_workspace_sizes``, ``set_offsets``): each part starts
+    on a 4096-byte page, and the size ends on one. With T steps, B rows, ``ld`` = the good
+    leading dimension of max(I, H), and (T + 1) states of the layer below and this one (2):
+
+    * the gates, T·B·ld(4H) floats; the hidden state per step, T·B·ld(H);
+    * the states, 2·(T + 1)·B·ld floats; the cell states, 2·(T + 1)·B·H;
+    * the state gradients of layer and iteration, 2·(T + 1)·B·ld each, and of the cell
+      state, 2·(T + 1)·B·H (made in forward, filled in backward).
+
+    Checked against the workspace PyTorch 2.13 saves (CPU) for 40 shapes, bidirectional and
+    stacked layers (each layer and direction is one call); ``tests/test_rnn.py``."""
+    page = 4096
+    states = 2 * (steps + 1) * batch
+    ld = _good_ld(max(input_size, hidden))
+    parts = (
+        steps * batch * _good_ld(4 * hidden),
+        steps * batch * _good_ld(hidden),
+        states * ld,
+        states * hidden,
+        states * ld,
+        states * ld,
+        states * hidden,
+    )
+    offset = 0
+    for floats in parts:
+        offset = -(-offset // page) * page + 4 * floats
+    return -(-offset // page) * page

@@ -46,6 +46,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import (
+    CPU_FLOAT32_ONLY,
     EAGER_SAVES,
     EAGER_SAVES_IN_PLACE,
     FLOAT_MASK_ON_CPU,
@@ -433,6 +434,8 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
     held: dict[str, list[str]] = {}  # decomposed ops of ATEN_SAVES (one backward kernel: above)
     for region in _regions(forward):
         op = region[0].meta[COMPOSITE].op
+        if op in CPU_FLOAT32_ONLY and (device != "cpu" or _input_dtype(region, 0) != torch.float32):
+            continue  # not modelled there: graphflop's residuals
         if op in EAGER_SAVES:
             if device == "cpu" and op in GRAD_OUTPUT_COPIED:
                 copied.add(len(kernels))
