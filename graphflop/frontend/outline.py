@@ -92,9 +92,8 @@ _RECORDABLE = all(
     for name in (
         "PythonKeyTracer",
         "TorchFunctionMetadataMode",
-        "_fetch_proxies_and_all_constant_flag",
         "get_proxy_mode",
-        "has_proxy_slot",
+        "get_proxy_slot",
         "track_tensor_tree",
     )
 ) and all(
@@ -106,6 +105,14 @@ _RECORDABLE = all(
         "_wrap_functional_tensor",
         "TransformType",
     )
+)
+
+#: whether ``make_fx``'s tracer makes a proxy as fx's ``TracerBase`` does (its arguments'
+#: proxies replaced by their nodes, then ``create_node``): :meth:`Outliner._direct` then makes
+#: the ``repeat`` node from its operands' nodes, without walking the arguments for proxies
+_PLAIN_PROXIES = _RECORDABLE and (
+    proxy_tensor.PythonKeyTracer.create_proxy is torch.fx.proxy.TracerBase.create_proxy
+    and proxy_tensor.PythonKeyTracer.proxy is torch.fx.proxy.TracerBase.proxy
 )
 
 #: integer attributes in which copies of one structure may differ: the per-layer index
@@ -316,6 +323,26 @@ def _own_hooks_off(m: nn.Module):
             setattr(m, d, hooks)
 
 
+def _slots(m: nn.Module, table: str) -> list[tuple[nn.Module, str]]:
+    """The ``(submodule, name)`` of each tensor ``m.named_parameters()`` (``table``
+    ``"_parameters"``) or ``m.named_buffers()`` (``"_buffers"``) lists, in its order: a
+    tensor held twice listed once, at its first place."""
+    seen: set[int] = set()
+    out = []
+    for sub in m.modules():
+        for k, v in getattr(sub, table).items():
+            if v is None or id(v) in seen:
+                continue
+            seen.add(id(v))
+            out.append((sub, k))
+    return out
+
+
+def _held(slots: list[tuple[nn.Module, str]], table: str) -> list[torch.Tensor]:
+    """The tensors the submodules' ``table`` holds now at ``slots`` (:func:`_slots`)."""
+    return [t for sub, k in slots if (t := getattr(sub, table)[k]) is not None]
+
+
 def _is_index(k: str, v: Any) -> bool:
     return k in INDEX_ATTRS and (type(v) is int or type(v) is _Index)
 
@@ -326,7 +353,7 @@ def _indices(m: nn.Module) -> tuple:
         (name, k, v)
         for name, sub in m.named_modules()
         for k, v in vars(sub).items()
-        if _is_index(k, v)
+        if k in INDEX_ATTRS and _is_index(k, v)
     )
 
 
@@ -630,9 +657,10 @@ class Outliner:
         # parameters are functional wrappers that do not say, while PyTorch's kernels see the
         # traced parameters' flag (matmul folds a strided input into one mm for a weight that
         # requires grad)
-        self.trainable = {
-            m: [p.requires_grad for p in dict(m.named_parameters()).values()] for m in modules
-        }
+        # where each module's parameters and buffers are, as ``named_parameters`` and
+        # ``named_buffers`` list them (tracing swaps the tensors, not the names)
+        self._slots = {m: (_slots(m, "_parameters"), _slots(m, "_buffers")) for m in modules}
+        self.trainable = {m: [p.requires_grad for p in self._params(m)] for m in modules}
         self.states = {m: _modules_state(m) for m in modules}
         # per module, the submodules whose running statistics its calls update (all of them
         # in ``_all_owners``); per such submodule updated so far in the trace, the structure
@@ -723,8 +751,8 @@ class Outliner:
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
             others = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-            params = list(dict(m.named_parameters()).values())
-            state = [*params, *dict(m.named_buffers()).values()]
+            params = self._params(m)
+            state = [*params, *_held(self._slots[m][1], "_buffers")]
             # metadata reads: no function mode (the tracer's, graphflop's routing) has
             # anything to do with them, and each would otherwise pass through all of them
             with torch._C.DisableTorchFunction():
@@ -881,33 +909,41 @@ class Outliner:
                 torch._sync(t)
             inner = [torch._from_functional_tensor(t) for t in operands]
         tracer = proxy_mode.tracer
-        if type(tracer) is not proxy_tensor.PythonKeyTracer or not all(
-            type(x) is FakeTensor
-            and x.fake_mode is self.fake_mode
-            and proxy_tensor.has_proxy_slot(x, tracer)
-            for x in inner
-        ):
+        if type(tracer) is not proxy_tensor.PythonKeyTracer:
             return None
-        flat, spec = tree_flatten(((inner, key), {}))
-        _, proxies, constant = proxy_tensor._fetch_proxies_and_all_constant_flag(flat, tracer)
-        if constant:
+        slots = self._proxy_slots(inner, tracer)
+        if slots is None:
             return None
         op = torch.ops.graphflop.repeat.default
-        args, kwargs = tree_unflatten(list(proxies), spec)
         # below functionalisation, as the proxy and fake modes run (a tensor made above it
         # would be a functional wrapper); the outputs' metadata read without the function
         # modes (which would only pass each read through)
         with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
-            proxy = tracer.create_proxy(
-                "call_function",
-                op,
-                args,
-                kwargs,
-                name=tracer.graph._target_to_str(op.overloadpacket.__name__),
-            )
+            name = tracer.graph._target_to_str(op.overloadpacket.__name__)
+            if _PLAIN_PROXIES:  # create_proxy's node, its arguments' nodes given
+                nodes = ([s.proxy.node for s in slots], key)
+                proxy = tracer.proxy(tracer.create_node("call_function", op, nodes, {}, name))
+            else:  # pragma: no cover - a PyTorch whose tracer makes its proxies otherwise
+                proxies = ([s.proxy for s in slots], key)
+                proxy = tracer.create_proxy("call_function", op, proxies, {}, name=name)
             outs = self.fake_call(key, inner)
             proxy_tensor.track_tensor_tree(outs, proxy, constant=None, tracer=tracer)
         return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
+
+    def _proxy_slots(self, inner: list, tracer: Any) -> list | None:
+        """Each operand's proxy slot in ``tracer``, as the dispatch fetches them
+        (``_fetch_proxies_and_all_constant_flag``: the operands are tensors only); None where
+        one is no FakeTensor of this mode the tracer knows, or all are constants (the dispatch
+        would fold the call)."""
+        slots = []
+        for x in inner:
+            if type(x) is not FakeTensor or x.fake_mode is not self.fake_mode:
+                return None
+            slot = proxy_tensor.get_proxy_slot(x, tracer, None)
+            if slot is None:
+                return None
+            slots.append(slot)
+        return None if all(s.constant is not None for s in slots) else slots
 
     def _direct_own(
         self, own: recording.OpRecorder, key: int, operands: list, level: int
@@ -944,6 +980,10 @@ class Outliner:
             outs = self.fake_call(key, inner)
             own.track(outs, node)
         return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
+
+    def _params(self, m: nn.Module) -> list[torch.Tensor]:
+        """``m``'s parameters now, as ``named_parameters`` lists them."""
+        return _held(self._slots[m][0], "_parameters")
 
     def _indices(self, m: nn.Module) -> tuple:
         """:func:`_indices` of ``m``, read at its first call (a per-layer index is set when
