@@ -249,19 +249,92 @@ def _stateless(m: nn.Module) -> bool:
     return next(m.parameters(), None) is None and next(m.buffers(), None) is None
 
 
-def structure(m: nn.Module, memo: dict[int, tuple] | None = None) -> tuple | None:
+#: the ``nn.Module`` methods by which ``named_modules``, ``modules``, ``named_parameters`` and
+#: ``named_buffers`` walk a module tree (:func:`_tree` walks it as they do where no class
+#: in it has its own)
+_WALKS = {
+    name: getattr(nn.Module, name)
+    for name in ("named_modules", "modules", "named_parameters", "named_buffers", "_named_members")
+}
+_PLAIN_WALK: dict[type, bool] = {}
+
+
+def _plain_walk(cls: type) -> bool:
+    """Whether ``cls`` walks its module tree with ``nn.Module``'s own methods and hashes and
+    compares modules by identity (what ``named_modules``' memo relies on)."""
+    plain = _PLAIN_WALK.get(cls)
+    if plain is None:
+        plain = _PLAIN_WALK[cls] = (
+            all(getattr(cls, name, None) is f for name, f in _WALKS.items())
+            and getattr(cls, "__hash__", None) is object.__hash__
+            and getattr(cls, "__eq__", None) is object.__eq__
+        )
+    return plain
+
+
+def _tree(m: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``list(m.named_modules())``: by one plain walk, where every module in the tree walks
+    as ``nn.Module`` does (:func:`_plain_walk`), without ``named_modules``' generator per
+    level of nesting (outlining walks each block's tree a dozen times: a tenth of the
+    trace's cost per block)."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(prefix: str, mod: nn.Module) -> bool:
+        if id(mod) in seen:
+            return True
+        if not _plain_walk(type(mod)):
+            return False
+        seen.add(id(mod))
+        out.append((prefix, mod))
+        for name, sub in mod._modules.items():
+            if sub is not None and not visit(prefix + ("." if prefix else "") + name, sub):
+                return False
+        return True
+
+    return out if visit("", m) else list(m.named_modules())
+
+
+def _named_tensors(
+    m: nn.Module, table: str, tree: list[tuple[str, nn.Module]] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """``list(m.named_parameters())`` (``table`` ``"_parameters"``) or
+    ``list(m.named_buffers())`` (``"_buffers"``), read from ``tree`` (``m``'s :func:`_tree`),
+    as they read it: a tensor held twice listed once, at its first place."""
+    if tree is None:
+        tree = _tree(m)
+    if not all(_plain_walk(type(sub)) for _, sub in tree):
+        return list(m.named_parameters() if table == "_parameters" else m.named_buffers())
+    seen: set[int] = set()
+    out = []
+    for prefix, sub in tree:
+        for k, v in getattr(sub, table).items():
+            if v is None or id(v) in seen:
+                continue
+            seen.add(id(v))
+            out.append((prefix + ("." if prefix else "") + k, v))
+    return out
+
+
+def structure(
+    m: nn.Module,
+    memo: dict[int, tuple] | None = None,
+    tree: list[tuple[str, nn.Module]] | None = None,
+) -> tuple | None:
     """What makes two modules compute the same function of (inputs, parameters, buffers):
     classes, modes, attributes, parameter and buffer metadata of ``m`` and its submodules.
     None when ``m`` cannot be outlined (a hook that would not run at each call of a copy:
     :func:`_modules_state`). ``memo``: each module's own part by ``id``, kept between calls on
     one module tree that does not change meanwhile (:func:`plan` reads every nested module's
-    structure)."""
-    items = _modules_state(m, memo)
+    structure); ``tree``: ``m``'s :func:`_tree`, where the caller has it."""
+    if tree is None:
+        tree = _tree(m)
+    items = _modules_state(m, memo, tree)
     if items is None:
         return None
-    for name, p in m.named_parameters():
+    for name, p in _named_tensors(m, "_parameters", tree):
         items.append(("p", name, tuple(p.shape), p.dtype, p.requires_grad))
-    for name, b in m.named_buffers():
+    for name, b in _named_tensors(m, "_buffers", tree):
         items.append(("b", name, tuple(b.shape), b.dtype))
     return tuple(items)
 
@@ -270,20 +343,26 @@ def structure(m: nn.Module, memo: dict[int, tuple] | None = None) -> tuple | Non
 _FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 
 
-def _modules_state(m: nn.Module, memo: dict[int, tuple] | None = None) -> list | None:
+def _modules_state(
+    m: nn.Module,
+    memo: dict[int, tuple] | None = None,
+    tree: list[tuple[str, nn.Module]] | None = None,
+) -> list | None:
     """Classes, modes and attributes of ``m`` and its submodules (the part of
     :func:`structure` that a forward could change; parameters are swapped while tracing). The
     tracing stub graphflop installs as ``forward`` is not an attribute of the module's. None
     where a hook would not run at each call of a copy: a backward hook; a submodule's
     forward hook, unless it does nothing now (:func:`inert_hook`). ``m``'s own forward
     hooks run at each call, around the stub (the fake run and the template leave them out:
-    :func:`_own_hooks_off`). ``memo``: as :func:`structure`'s."""
+    :func:`_own_hooks_off`). ``memo``, ``tree``: as :func:`structure`'s."""
     items: list = []
-    for name, sub in m.named_modules():
+    for name, sub in _tree(m) if tree is None else tree:
         if sub._backward_hooks or sub._backward_pre_hooks:
             return None
-        if name and not all(
-            inert_hook(h) for d in _FORWARD_HOOKS for h in getattr(sub, d).values()
+        if (
+            name
+            and (sub._forward_hooks or sub._forward_pre_hooks)
+            and not all(inert_hook(h) for d in _FORWARD_HOOKS for h in getattr(sub, d).values())
         ):
             return None
         got = memo.get(id(sub)) if memo is not None else None
@@ -323,13 +402,16 @@ def _own_hooks_off(m: nn.Module):
             setattr(m, d, hooks)
 
 
-def _slots(m: nn.Module, table: str) -> list[tuple[nn.Module, str]]:
+def _slots(tree: list[tuple[str, nn.Module]], table: str) -> list[tuple[nn.Module, str]] | None:
     """The ``(submodule, name)`` of each tensor ``m.named_parameters()`` (``table``
-    ``"_parameters"``) or ``m.named_buffers()`` (``"_buffers"``) lists, in its order: a
-    tensor held twice listed once, at its first place."""
+    ``"_parameters"``) or ``m.named_buffers()`` (``"_buffers"``) lists, in its order, for
+    ``m``'s :func:`_tree`: a tensor held twice listed once, at its first place. None where a
+    class in the tree walks it otherwise (:func:`_plain_walk`)."""
+    if not all(_plain_walk(type(sub)) for _, sub in tree):
+        return None
     seen: set[int] = set()
     out = []
-    for sub in m.modules():
+    for _, sub in tree:
         for k, v in getattr(sub, table).items():
             if v is None or id(v) in seen:
                 continue
@@ -338,8 +420,12 @@ def _slots(m: nn.Module, table: str) -> list[tuple[nn.Module, str]]:
     return out
 
 
-def _held(slots: list[tuple[nn.Module, str]], table: str) -> list[torch.Tensor]:
-    """The tensors the submodules' ``table`` holds now at ``slots`` (:func:`_slots`)."""
+def _held(m: nn.Module, slots: list[tuple[nn.Module, str]] | None, table: str) -> list:
+    """The tensors the submodules' ``table`` holds now at ``slots`` (:func:`_slots`; None:
+    ``m``'s own walk)."""
+    if slots is None:
+        named = m.named_parameters() if table == "_parameters" else m.named_buffers()
+        return list(dict(named).values())
     return [t for sub, k in slots if (t := getattr(sub, table)[k]) is not None]
 
 
@@ -351,7 +437,7 @@ def _indices(m: nn.Module) -> tuple:
     """The :data:`INDEX_ATTRS` values of ``m`` and its submodules."""
     return tuple(
         (name, k, v)
-        for name, sub in m.named_modules()
+        for name, sub in _tree(m)
         for k, v in vars(sub).items()
         if k in INDEX_ATTRS and _is_index(k, v)
     )
@@ -423,10 +509,10 @@ def _updates_statistics(sub: nn.Module) -> bool:
     )
 
 
-def _statistics_owners(m: nn.Module) -> list[int]:
+def _statistics_owners(m: nn.Module, tree: list[tuple[str, nn.Module]] | None = None) -> list[int]:
     """The ids of ``m``'s submodules (``m`` among them) whose buffers a call of ``m`` writes
-    (:func:`_updates_statistics`)."""
-    return [id(sub) for sub in m.modules() if _updates_statistics(sub)]
+    (:func:`_updates_statistics`); ``tree``: ``m``'s :func:`_tree`, where the caller has it."""
+    return [id(sub) for _, sub in (_tree(m) if tree is None else tree) if _updates_statistics(sub)]
 
 
 def _container(m: nn.Module) -> bool:
@@ -446,24 +532,26 @@ def plan(model: nn.Module, exclude: AbstractSet[int] = frozenset(), min_modules:
     count: dict[int, int] = {}
     memo: dict[int, tuple] = {}
     for name, m in named:
-        if sum(1 for _ in m.modules()) < min_modules:
+        tree = _tree(m)
+        if len(tree) < min_modules:
             continue
-        s = structure(m, memo)
+        s = structure(m, memo, tree)
         if s is None:
             continue
         sid = ids.setdefault(s, len(ids))
         sid_of[name] = sid
         count[sid] = count.get(sid, 0) + 1
     chosen: dict[nn.Module, int] = {}
-    chosen_paths: list[str] = []
+    chosen_paths: set[str] = set()
     for name, m in named:
         sid_m = sid_of.get(name)
         if sid_m is None or count[sid_m] < 2 or sid_m in exclude:
             continue
-        if any(name.startswith(p + ".") for p in chosen_paths):
+        # inside a module chosen already: one of its dotted prefixes is chosen
+        if any(name[:i] in chosen_paths for i, c in enumerate(name) if c == "."):
             continue
         chosen[m] = sid_m
-        chosen_paths.append(name)
+        chosen_paths.add(name)
     return chosen
 
 
@@ -659,13 +747,16 @@ class Outliner:
         # requires grad)
         # where each module's parameters and buffers are, as ``named_parameters`` and
         # ``named_buffers`` list them (tracing swaps the tensors, not the names)
-        self._slots = {m: (_slots(m, "_parameters"), _slots(m, "_buffers")) for m in modules}
+        trees = {m: _tree(m) for m in modules}
+        self._slots = {
+            m: (_slots(trees[m], "_parameters"), _slots(trees[m], "_buffers")) for m in modules
+        }
         self.trainable = {m: [p.requires_grad for p in self._params(m)] for m in modules}
-        self.states = {m: _modules_state(m) for m in modules}
+        self.states = {m: _modules_state(m, tree=trees[m]) for m in modules}
         # per module, the submodules whose running statistics its calls update (all of them
         # in ``_all_owners``); per such submodule updated so far in the trace, the structure
         # of the outlined call that did (None: a call traced in full) (:meth:`_updates`)
-        self._owners = {m: _statistics_owners(m) for m in modules}
+        self._owners = {m: _statistics_owners(m, trees[m]) for m in modules}
         self._all_owners = {i for owners in self._owners.values() for i in owners}
         self._updated: dict[int, int | None] = {}
         self._index_of: dict[nn.Module, tuple] = {}  # :func:`_indices` per module, once
@@ -752,7 +843,7 @@ class Outliner:
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
             others = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
             params = self._params(m)
-            state = [*params, *_held(self._slots[m][1], "_buffers")]
+            state = [*params, *_held(m, self._slots[m][1], "_buffers")]
             # metadata reads: no function mode (the tracer's, graphflop's routing) has
             # anything to do with them, and each would otherwise pass through all of them
             with torch._C.DisableTorchFunction():
@@ -983,7 +1074,7 @@ class Outliner:
 
     def _params(self, m: nn.Module) -> list[torch.Tensor]:
         """``m``'s parameters now, as ``named_parameters`` lists them."""
-        return _held(self._slots[m][0], "_parameters")
+        return _held(m, self._slots[m][0], "_parameters")
 
     def _indices(self, m: nn.Module) -> tuple:
         """:func:`_indices` of ``m``, read at its first call (a per-layer index is set when
