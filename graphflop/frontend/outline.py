@@ -863,8 +863,11 @@ class Outliner:
             except TypeError:
                 self._in_full(m, "an argument's value is not hashable")
                 return original(*args, **kwargs)
-            if key not in self.keys:
-                self.keys[key] = len(self.calls)
+            # looked up once (each hash of the key walks the arguments' tree spec and every
+            # tensor's metadata again)
+            index = self.keys.get(key)
+            if index is None:
+                index = self.keys[key] = len(self.calls)
                 self.calls.append(
                     Call(
                         m,
@@ -879,16 +882,16 @@ class Outliner:
                         len(params),
                     )
                 )
-            call = self.calls[self.keys[key]]
+            call = self.calls[index]
             if self._owners[m]:
                 self._updates(self._owners[m], self.modules[m])
             if m is not call.module and self._indices(m) != self._indices(call.module):
                 call.check = m
             operands = [*tensors, *state]
-            outs = self._direct(call, self.keys[key], operands) if self.direct else None
+            outs = self._direct(call, index, operands) if self.direct else None
             if outs is None:
                 with self._dispatched(call):
-                    outs = repeat(operands, self.keys[key])
+                    outs = repeat(operands, index)
                 if call.recordable is None:
                     call.recordable = _plain_functional(operands, outs)
             # the buffers the module writes (running statistics): their new values come out
@@ -1019,7 +1022,10 @@ class Outliner:
                 proxy = tracer.create_proxy("call_function", op, proxies, {}, name=name)
             outs = self.fake_call(key, inner)
             proxy_tensor.track_tensor_tree(outs, proxy, constant=None, tracer=tracer)
-        return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
+        # wrapped as functionalisation's kernel wraps them, without the function modes (the
+        # wrapper's device query would pass through each of them)
+        with torch._C.DisableTorchFunction():
+            return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
 
     def _proxy_slots(self, inner: list, tracer: Any) -> list | None:
         """Each operand's proxy slot in ``tracer``, as the dispatch fetches them
