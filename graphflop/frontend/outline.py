@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import operator
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
@@ -562,13 +563,23 @@ OWN_TENSORS = (
 )
 
 
+_TENSOR_TYPE = itertools.repeat(torch.Tensor)
+
+
+def holds_tensors(m: nn.Module) -> bool:
+    """Whether one of ``m``'s own attributes is a tensor (a parameter or buffer is not: they
+    are held in its tables). Tested without a Python loop (a deep model has thousands of
+    modules of a score of attributes each)."""
+    return any(map(isinstance, vars(m).values(), _TENSOR_TYPE))
+
+
 def unshared(model: nn.Module, min_modules: int = 3) -> list[tuple[list[nn.Module], str]]:
     """The outermost groups of modules that :func:`plan` would outline but for their tensor
     attributes (each module's own, not a parameter or buffer: the template would read one
     module's), with why (:data:`OWN_TENSORS`): in each group of one structure but for those,
     the modules that share their tensors with no other. Empty, at the cost of one look at
     each module's attributes, where no module holds a tensor attribute."""
-    if not any(isinstance(v, torch.Tensor) for m in model.modules() for v in vars(m).values()):
+    if not any(map(holds_tensors, model.modules())):
         return []
     named = [(n, m) for n, m in model.named_modules() if n and not _container(m)]
     memo: dict[int, tuple] = {}

@@ -297,7 +297,7 @@ def _meta_attributes(model: nn.Module, fake_mode: FakeTensorMode) -> Iterator[No
     tensor held by several modules stays one (one constant of the trace, as in eager)."""
     saved = []
     fakes: dict[int, torch.Tensor] = {}
-    for m in model.modules():
+    for m in filter(repeats.holds_tensors, model.modules()):
         for k, v in list(vars(m).items()):
             if isinstance(v, torch.Tensor) and not _is_fake(v) and v.device.type == "meta":
                 saved.append((m, k, v))
