@@ -1087,7 +1087,8 @@ class Outliner:
             )
             outs = self.fake_call(key, inner)
             own.track(outs, node)
-        return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
+        with torch._C.DisableTorchFunction():  # as in :meth:`_direct`
+            return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
 
     def _params(self, m: nn.Module) -> list[torch.Tensor]:
         """``m``'s parameters now, as ``named_parameters`` lists them."""

@@ -835,7 +835,8 @@ def _tensor_metadata_shared() -> Iterator[None]:
     strides and memory format) made once per distinct metadata and shared by the nodes that
     have it, as an immutable tuple. ``make_fx`` works it out for every placeholder and node,
     by three contiguity checks: about an eighth of a placeholder's cost, and a deep model has
-    one per parameter. Where this PyTorch's ``make_fx`` reads it otherwise, nothing changes."""
+    one per parameter. Where this PyTorch's ``make_fx`` reads it otherwise, nothing changes;
+    graphflop's own recorder (:data:`RECORDER`) writes no ``tensor_meta``."""
     from torch.fx.experimental import proxy_tensor
 
     original = getattr(proxy_tensor, "_extract_tensor_metadata", None)
