@@ -142,18 +142,23 @@ def _stored_weight(m: torch.nn.Module) -> torch.Tensor | None:
     return None
 
 
-def tied_vocabularies(model: torch.nn.Module) -> list[int]:
+def tied_vocabularies(
+    model: torch.nn.Module, modules: list[torch.nn.Module] | None = None
+) -> list[int]:
     """The row counts of ``model``'s ``nn.Embedding`` tables whose weight is also an
-    ``nn.Linear``'s (an output projection tied to the token embedding). The weights are
-    compared as stored (:func:`_stored_weight`), not computed."""
+    ``nn.Linear``'s (an output projection tied to the token embedding); ``modules``:
+    ``list(model.modules())``, where the caller has it. The weights are compared as stored
+    (:func:`_stored_weight`), not computed."""
+    if modules is None:
+        modules = list(model.modules())
     heads = {
         id(w)
-        for m in model.modules()
+        for m in modules
         if isinstance(m, torch.nn.Linear) and (w := _stored_weight(m)) is not None
     }
     return [
         m.num_embeddings
-        for m in model.modules()
+        for m in modules
         if isinstance(m, torch.nn.Embedding) and id(_stored_weight(m)) in heads
     ]
 
@@ -167,8 +172,9 @@ def token_vocabularies(model: torch.nn.Module, inputs: Sequence[Any]) -> Iterato
     table looked up with computed indices (positions made with ``arange``, relative-position
     buckets, ids shifted or clamped) is not one: its rows are no vocabulary of the model's
     output."""
-    found = tied_vocabularies(model)
-    model_tables = {id(m) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    modules = list(model.modules())  # walked once (a deep model has thousands)
+    found = tied_vocabularies(model, modules)
+    model_tables = {id(m) for m in modules if isinstance(m, torch.nn.Embedding)}
     keys = {_storage_key(t) for t in inputs if _integer(t)} - {None}
 
     def lookup(m: torch.nn.Module, args: tuple) -> None:

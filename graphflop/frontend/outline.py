@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import operator
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
@@ -92,9 +93,8 @@ _RECORDABLE = all(
     for name in (
         "PythonKeyTracer",
         "TorchFunctionMetadataMode",
-        "_fetch_proxies_and_all_constant_flag",
         "get_proxy_mode",
-        "has_proxy_slot",
+        "get_proxy_slot",
         "track_tensor_tree",
     )
 ) and all(
@@ -106,6 +106,14 @@ _RECORDABLE = all(
         "_wrap_functional_tensor",
         "TransformType",
     )
+)
+
+#: whether ``make_fx``'s tracer makes a proxy as fx's ``TracerBase`` does (its arguments'
+#: proxies replaced by their nodes, then ``create_node``): :meth:`Outliner._direct` then makes
+#: the ``repeat`` node from its operands' nodes, without walking the arguments for proxies
+_PLAIN_PROXIES = _RECORDABLE and (
+    proxy_tensor.PythonKeyTracer.create_proxy is torch.fx.proxy.TracerBase.create_proxy
+    and proxy_tensor.PythonKeyTracer.proxy is torch.fx.proxy.TracerBase.proxy
 )
 
 #: integer attributes in which copies of one structure may differ: the per-layer index
@@ -242,19 +250,92 @@ def _stateless(m: nn.Module) -> bool:
     return next(m.parameters(), None) is None and next(m.buffers(), None) is None
 
 
-def structure(m: nn.Module, memo: dict[int, tuple] | None = None) -> tuple | None:
+#: the ``nn.Module`` methods by which ``named_modules``, ``modules``, ``named_parameters`` and
+#: ``named_buffers`` walk a module tree (:func:`_tree` walks it as they do where no class
+#: in it has its own)
+_WALKS = {
+    name: getattr(nn.Module, name)
+    for name in ("named_modules", "modules", "named_parameters", "named_buffers", "_named_members")
+}
+_PLAIN_WALK: dict[type, bool] = {}
+
+
+def _plain_walk(cls: type) -> bool:
+    """Whether ``cls`` walks its module tree with ``nn.Module``'s own methods and hashes and
+    compares modules by identity (what ``named_modules``' memo relies on)."""
+    plain = _PLAIN_WALK.get(cls)
+    if plain is None:
+        plain = _PLAIN_WALK[cls] = (
+            all(getattr(cls, name, None) is f for name, f in _WALKS.items())
+            and getattr(cls, "__hash__", None) is object.__hash__
+            and getattr(cls, "__eq__", None) is object.__eq__
+        )
+    return plain
+
+
+def _tree(m: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``list(m.named_modules())``: by one plain walk, where every module in the tree walks
+    as ``nn.Module`` does (:func:`_plain_walk`), without ``named_modules``' generator per
+    level of nesting (outlining walks each block's tree a dozen times: a tenth of the
+    trace's cost per block)."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(prefix: str, mod: nn.Module) -> bool:
+        if id(mod) in seen:
+            return True
+        if not _plain_walk(type(mod)):
+            return False
+        seen.add(id(mod))
+        out.append((prefix, mod))
+        for name, sub in mod._modules.items():
+            if sub is not None and not visit(prefix + ("." if prefix else "") + name, sub):
+                return False
+        return True
+
+    return out if visit("", m) else list(m.named_modules())
+
+
+def _named_tensors(
+    m: nn.Module, table: str, tree: list[tuple[str, nn.Module]] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """``list(m.named_parameters())`` (``table`` ``"_parameters"``) or
+    ``list(m.named_buffers())`` (``"_buffers"``), read from ``tree`` (``m``'s :func:`_tree`),
+    as they read it: a tensor held twice listed once, at its first place."""
+    if tree is None:
+        tree = _tree(m)
+    if not all(_plain_walk(type(sub)) for _, sub in tree):
+        return list(m.named_parameters() if table == "_parameters" else m.named_buffers())
+    seen: set[int] = set()
+    out = []
+    for prefix, sub in tree:
+        for k, v in getattr(sub, table).items():
+            if v is None or id(v) in seen:
+                continue
+            seen.add(id(v))
+            out.append((prefix + ("." if prefix else "") + k, v))
+    return out
+
+
+def structure(
+    m: nn.Module,
+    memo: dict[int, tuple] | None = None,
+    tree: list[tuple[str, nn.Module]] | None = None,
+) -> tuple | None:
     """What makes two modules compute the same function of (inputs, parameters, buffers):
     classes, modes, attributes, parameter and buffer metadata of ``m`` and its submodules.
     None when ``m`` cannot be outlined (a hook that would not run at each call of a copy:
     :func:`_modules_state`). ``memo``: each module's own part by ``id``, kept between calls on
     one module tree that does not change meanwhile (:func:`plan` reads every nested module's
-    structure)."""
-    items = _modules_state(m, memo)
+    structure); ``tree``: ``m``'s :func:`_tree`, where the caller has it."""
+    if tree is None:
+        tree = _tree(m)
+    items = _modules_state(m, memo, tree)
     if items is None:
         return None
-    for name, p in m.named_parameters():
+    for name, p in _named_tensors(m, "_parameters", tree):
         items.append(("p", name, tuple(p.shape), p.dtype, p.requires_grad))
-    for name, b in m.named_buffers():
+    for name, b in _named_tensors(m, "_buffers", tree):
         items.append(("b", name, tuple(b.shape), b.dtype))
     return tuple(items)
 
@@ -263,20 +344,26 @@ def structure(m: nn.Module, memo: dict[int, tuple] | None = None) -> tuple | Non
 _FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 
 
-def _modules_state(m: nn.Module, memo: dict[int, tuple] | None = None) -> list | None:
+def _modules_state(
+    m: nn.Module,
+    memo: dict[int, tuple] | None = None,
+    tree: list[tuple[str, nn.Module]] | None = None,
+) -> list | None:
     """Classes, modes and attributes of ``m`` and its submodules (the part of
     :func:`structure` that a forward could change; parameters are swapped while tracing). The
     tracing stub graphflop installs as ``forward`` is not an attribute of the module's. None
     where a hook would not run at each call of a copy: a backward hook; a submodule's
     forward hook, unless it does nothing now (:func:`inert_hook`). ``m``'s own forward
     hooks run at each call, around the stub (the fake run and the template leave them out:
-    :func:`_own_hooks_off`). ``memo``: as :func:`structure`'s."""
+    :func:`_own_hooks_off`). ``memo``, ``tree``: as :func:`structure`'s."""
     items: list = []
-    for name, sub in m.named_modules():
+    for name, sub in _tree(m) if tree is None else tree:
         if sub._backward_hooks or sub._backward_pre_hooks:
             return None
-        if name and not all(
-            inert_hook(h) for d in _FORWARD_HOOKS for h in getattr(sub, d).values()
+        if (
+            name
+            and (sub._forward_hooks or sub._forward_pre_hooks)
+            and not all(inert_hook(h) for d in _FORWARD_HOOKS for h in getattr(sub, d).values())
         ):
             return None
         got = memo.get(id(sub)) if memo is not None else None
@@ -316,6 +403,33 @@ def _own_hooks_off(m: nn.Module):
             setattr(m, d, hooks)
 
 
+def _slots(tree: list[tuple[str, nn.Module]], table: str) -> list[tuple[nn.Module, str]] | None:
+    """The ``(submodule, name)`` of each tensor ``m.named_parameters()`` (``table``
+    ``"_parameters"``) or ``m.named_buffers()`` (``"_buffers"``) lists, in its order, for
+    ``m``'s :func:`_tree`: a tensor held twice listed once, at its first place. None where a
+    class in the tree walks it otherwise (:func:`_plain_walk`)."""
+    if not all(_plain_walk(type(sub)) for _, sub in tree):
+        return None
+    seen: set[int] = set()
+    out = []
+    for _, sub in tree:
+        for k, v in getattr(sub, table).items():
+            if v is None or id(v) in seen:
+                continue
+            seen.add(id(v))
+            out.append((sub, k))
+    return out
+
+
+def _held(m: nn.Module, slots: list[tuple[nn.Module, str]] | None, table: str) -> list:
+    """The tensors the submodules' ``table`` holds now at ``slots`` (:func:`_slots`; None:
+    ``m``'s own walk)."""
+    if slots is None:
+        named = m.named_parameters() if table == "_parameters" else m.named_buffers()
+        return list(dict(named).values())
+    return [t for sub, k in slots if (t := getattr(sub, table)[k]) is not None]
+
+
 def _is_index(k: str, v: Any) -> bool:
     return k in INDEX_ATTRS and (type(v) is int or type(v) is _Index)
 
@@ -324,9 +438,9 @@ def _indices(m: nn.Module) -> tuple:
     """The :data:`INDEX_ATTRS` values of ``m`` and its submodules."""
     return tuple(
         (name, k, v)
-        for name, sub in m.named_modules()
+        for name, sub in _tree(m)
         for k, v in vars(sub).items()
-        if _is_index(k, v)
+        if k in INDEX_ATTRS and _is_index(k, v)
     )
 
 
@@ -396,10 +510,10 @@ def _updates_statistics(sub: nn.Module) -> bool:
     )
 
 
-def _statistics_owners(m: nn.Module) -> list[int]:
+def _statistics_owners(m: nn.Module, tree: list[tuple[str, nn.Module]] | None = None) -> list[int]:
     """The ids of ``m``'s submodules (``m`` among them) whose buffers a call of ``m`` writes
-    (:func:`_updates_statistics`)."""
-    return [id(sub) for sub in m.modules() if _updates_statistics(sub)]
+    (:func:`_updates_statistics`); ``tree``: ``m``'s :func:`_tree`, where the caller has it."""
+    return [id(sub) for _, sub in (_tree(m) if tree is None else tree) if _updates_statistics(sub)]
 
 
 def _container(m: nn.Module) -> bool:
@@ -419,24 +533,26 @@ def plan(model: nn.Module, exclude: AbstractSet[int] = frozenset(), min_modules:
     count: dict[int, int] = {}
     memo: dict[int, tuple] = {}
     for name, m in named:
-        if sum(1 for _ in m.modules()) < min_modules:
+        tree = _tree(m)
+        if len(tree) < min_modules:
             continue
-        s = structure(m, memo)
+        s = structure(m, memo, tree)
         if s is None:
             continue
         sid = ids.setdefault(s, len(ids))
         sid_of[name] = sid
         count[sid] = count.get(sid, 0) + 1
     chosen: dict[nn.Module, int] = {}
-    chosen_paths: list[str] = []
+    chosen_paths: set[str] = set()
     for name, m in named:
         sid_m = sid_of.get(name)
         if sid_m is None or count[sid_m] < 2 or sid_m in exclude:
             continue
-        if any(name.startswith(p + ".") for p in chosen_paths):
+        # inside a module chosen already: one of its dotted prefixes is chosen
+        if any(name[:i] in chosen_paths for i, c in enumerate(name) if c == "."):
             continue
         chosen[m] = sid_m
-        chosen_paths.append(name)
+        chosen_paths.add(name)
     return chosen
 
 
@@ -447,13 +563,23 @@ OWN_TENSORS = (
 )
 
 
+_TENSOR_TYPE = itertools.repeat(torch.Tensor)
+
+
+def holds_tensors(m: nn.Module) -> bool:
+    """Whether one of ``m``'s own attributes is a tensor (a parameter or buffer is not: they
+    are held in its tables). Tested without a Python loop (a deep model has thousands of
+    modules of a score of attributes each)."""
+    return any(map(isinstance, vars(m).values(), _TENSOR_TYPE))
+
+
 def unshared(model: nn.Module, min_modules: int = 3) -> list[tuple[list[nn.Module], str]]:
     """The outermost groups of modules that :func:`plan` would outline but for their tensor
     attributes (each module's own, not a parameter or buffer: the template would read one
     module's), with why (:data:`OWN_TENSORS`): in each group of one structure but for those,
     the modules that share their tensors with no other. Empty, at the cost of one look at
     each module's attributes, where no module holds a tensor attribute."""
-    if not any(isinstance(v, torch.Tensor) for m in model.modules() for v in vars(m).values()):
+    if not any(map(holds_tensors, model.modules())):
         return []
     named = [(n, m) for n, m in model.named_modules() if n and not _container(m)]
     memo: dict[int, tuple] = {}
@@ -630,14 +756,18 @@ class Outliner:
         # parameters are functional wrappers that do not say, while PyTorch's kernels see the
         # traced parameters' flag (matmul folds a strided input into one mm for a weight that
         # requires grad)
-        self.trainable = {
-            m: [p.requires_grad for p in dict(m.named_parameters()).values()] for m in modules
+        # where each module's parameters and buffers are, as ``named_parameters`` and
+        # ``named_buffers`` list them (tracing swaps the tensors, not the names)
+        trees = {m: _tree(m) for m in modules}
+        self._slots = {
+            m: (_slots(trees[m], "_parameters"), _slots(trees[m], "_buffers")) for m in modules
         }
-        self.states = {m: _modules_state(m) for m in modules}
+        self.trainable = {m: [p.requires_grad for p in self._params(m)] for m in modules}
+        self.states = {m: _modules_state(m, tree=trees[m]) for m in modules}
         # per module, the submodules whose running statistics its calls update (all of them
         # in ``_all_owners``); per such submodule updated so far in the trace, the structure
         # of the outlined call that did (None: a call traced in full) (:meth:`_updates`)
-        self._owners = {m: _statistics_owners(m) for m in modules}
+        self._owners = {m: _statistics_owners(m, trees[m]) for m in modules}
         self._all_owners = {i for owners in self._owners.values() for i in owners}
         self._updated: dict[int, int | None] = {}
         self._index_of: dict[nn.Module, tuple] = {}  # :func:`_indices` per module, once
@@ -723,8 +853,8 @@ class Outliner:
             leaves, spec = tree_flatten((args, kwargs))
             tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
             others = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-            params = list(dict(m.named_parameters()).values())
-            state = [*params, *dict(m.named_buffers()).values()]
+            params = self._params(m)
+            state = [*params, *_held(m, self._slots[m][1], "_buffers")]
             # metadata reads: no function mode (the tracer's, graphflop's routing) has
             # anything to do with them, and each would otherwise pass through all of them
             with torch._C.DisableTorchFunction():
@@ -744,8 +874,11 @@ class Outliner:
             except TypeError:
                 self._in_full(m, "an argument's value is not hashable")
                 return original(*args, **kwargs)
-            if key not in self.keys:
-                self.keys[key] = len(self.calls)
+            # looked up once (each hash of the key walks the arguments' tree spec and every
+            # tensor's metadata again)
+            index = self.keys.get(key)
+            if index is None:
+                index = self.keys[key] = len(self.calls)
                 self.calls.append(
                     Call(
                         m,
@@ -760,16 +893,16 @@ class Outliner:
                         len(params),
                     )
                 )
-            call = self.calls[self.keys[key]]
+            call = self.calls[index]
             if self._owners[m]:
                 self._updates(self._owners[m], self.modules[m])
             if m is not call.module and self._indices(m) != self._indices(call.module):
                 call.check = m
             operands = [*tensors, *state]
-            outs = self._direct(call, self.keys[key], operands) if self.direct else None
+            outs = self._direct(call, index, operands) if self.direct else None
             if outs is None:
                 with self._dispatched(call):
-                    outs = repeat(operands, self.keys[key])
+                    outs = repeat(operands, index)
                 if call.recordable is None:
                     call.recordable = _plain_functional(operands, outs)
             # the buffers the module writes (running statistics): their new values come out
@@ -881,33 +1014,44 @@ class Outliner:
                 torch._sync(t)
             inner = [torch._from_functional_tensor(t) for t in operands]
         tracer = proxy_mode.tracer
-        if type(tracer) is not proxy_tensor.PythonKeyTracer or not all(
-            type(x) is FakeTensor
-            and x.fake_mode is self.fake_mode
-            and proxy_tensor.has_proxy_slot(x, tracer)
-            for x in inner
-        ):
+        if type(tracer) is not proxy_tensor.PythonKeyTracer:
             return None
-        flat, spec = tree_flatten(((inner, key), {}))
-        _, proxies, constant = proxy_tensor._fetch_proxies_and_all_constant_flag(flat, tracer)
-        if constant:
+        slots = self._proxy_slots(inner, tracer)
+        if slots is None:
             return None
         op = torch.ops.graphflop.repeat.default
-        args, kwargs = tree_unflatten(list(proxies), spec)
         # below functionalisation, as the proxy and fake modes run (a tensor made above it
         # would be a functional wrapper); the outputs' metadata read without the function
         # modes (which would only pass each read through)
         with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
-            proxy = tracer.create_proxy(
-                "call_function",
-                op,
-                args,
-                kwargs,
-                name=tracer.graph._target_to_str(op.overloadpacket.__name__),
-            )
+            name = tracer.graph._target_to_str(op.overloadpacket.__name__)
+            if _PLAIN_PROXIES:  # create_proxy's node, its arguments' nodes given
+                nodes = ([s.proxy.node for s in slots], key)
+                proxy = tracer.proxy(tracer.create_node("call_function", op, nodes, {}, name))
+            else:  # pragma: no cover - a PyTorch whose tracer makes its proxies otherwise
+                proxies = ([s.proxy for s in slots], key)
+                proxy = tracer.create_proxy("call_function", op, proxies, {}, name=name)
             outs = self.fake_call(key, inner)
             proxy_tensor.track_tensor_tree(outs, proxy, constant=None, tracer=tracer)
-        return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
+        # wrapped as functionalisation's kernel wraps them, without the function modes (the
+        # wrapper's device query would pass through each of them)
+        with torch._C.DisableTorchFunction():
+            return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
+
+    def _proxy_slots(self, inner: list, tracer: Any) -> list | None:
+        """Each operand's proxy slot in ``tracer``, as the dispatch fetches them
+        (``_fetch_proxies_and_all_constant_flag``: the operands are tensors only); None where
+        one is no FakeTensor of this mode the tracer knows, or all are constants (the dispatch
+        would fold the call)."""
+        slots = []
+        for x in inner:
+            if type(x) is not FakeTensor or x.fake_mode is not self.fake_mode:
+                return None
+            slot = proxy_tensor.get_proxy_slot(x, tracer, None)
+            if slot is None:
+                return None
+            slots.append(slot)
+        return None if all(s.constant is not None for s in slots) else slots
 
     def _direct_own(
         self, own: recording.OpRecorder, key: int, operands: list, level: int
@@ -943,7 +1087,12 @@ class Outliner:
             )
             outs = self.fake_call(key, inner)
             own.track(outs, node)
-        return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
+        with torch._C.DisableTorchFunction():  # as in :meth:`_direct`
+            return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
+
+    def _params(self, m: nn.Module) -> list[torch.Tensor]:
+        """``m``'s parameters now, as ``named_parameters`` lists them."""
+        return _held(m, self._slots[m][0], "_parameters")
 
     def _indices(self, m: nn.Module) -> tuple:
         """:func:`_indices` of ``m``, read at its first call (a per-layer index is set when

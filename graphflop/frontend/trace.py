@@ -112,6 +112,7 @@ from graphflop.meta import (
     OutlineInfo,
     fake_mode_of,
     fresh_fake,
+    fresh_fakes,
 )
 from graphflop.ops import decomposition_table
 from graphflop.ops.recurrent import functionalize_inplace
@@ -297,7 +298,7 @@ def _meta_attributes(model: nn.Module, fake_mode: FakeTensorMode) -> Iterator[No
     tensor held by several modules stays one (one constant of the trace, as in eager)."""
     saved = []
     fakes: dict[int, torch.Tensor] = {}
-    for m in model.modules():
+    for m in filter(repeats.holds_tensors, model.modules()):
         for k, v in list(vars(m).items()):
             if isinstance(v, torch.Tensor) and not _is_fake(v) and v.device.type == "meta":
                 saved.append((m, k, v))
@@ -406,7 +407,7 @@ def _trace_once(
 ) -> GraphModule:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    flat_state = [as_fake(fake_mode, t) for t in [*params.values(), *buffers.values()]]
+    flat_state = as_fakes(fake_mode, [*params.values(), *buffers.values()])
     n_p, n_b = len(params), len(buffers)
     chosen: dict[str, Any] = {}
 
@@ -457,6 +458,7 @@ def _trace_once(
             checkpoints_tagged(),
             _requires_grad_ignored(),
             _input_writes_unrecorded(),
+            _tensor_metadata_shared(),
         ):
             # recorded, not shown: fake tensors make torch warn about its own internals; the
             # model's own warnings are shown once each after the trace (_reemit)
@@ -843,6 +845,46 @@ def _input_writes_unrecorded() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _tensor_metadata_shared() -> Iterator[None]:
+    """While tracing, ``make_fx``'s ``tensor_meta`` annotation of a FakeTensor of static
+    shape (``shape_prop._extract_tensor_metadata``: its shape, dtype, ``requires_grad``,
+    strides and memory format) made once per distinct metadata and shared by the nodes that
+    have it, as an immutable tuple. ``make_fx`` works it out for every placeholder and node,
+    by three contiguity checks: about an eighth of a placeholder's cost, and a deep model has
+    one per parameter. Where this PyTorch's ``make_fx`` reads it otherwise, nothing changes;
+    graphflop's own recorder (:data:`RECORDER`) writes no ``tensor_meta``."""
+    from torch.fx.experimental import proxy_tensor
+
+    original = getattr(proxy_tensor, "_extract_tensor_metadata", None)
+    if original is None:  # pragma: no cover - a PyTorch whose make_fx annotates otherwise
+        yield
+        return
+    made: dict[tuple, Any] = {}
+
+    def extract(result: torch.Tensor, include_contiguity: bool = True) -> Any:
+        if (
+            include_contiguity
+            and type(result) is FakeTensor
+            and result.layout is torch.strided
+            and not result.is_quantized
+        ):
+            shape, stride = tuple(result.shape), result.stride()
+            if all(type(s) is int for s in shape) and all(type(s) is int for s in stride):
+                key = (shape, stride, result.dtype, result.requires_grad)
+                got = made.get(key)
+                if got is None:
+                    got = made[key] = original(result, include_contiguity)
+                return got
+        return original(result, include_contiguity)
+
+    proxy_tensor._extract_tensor_metadata = extract
+    try:
+        yield
+    finally:
+        proxy_tensor._extract_tensor_metadata = original
+
+
+@contextlib.contextmanager
 def _requires_grad_ignored() -> Iterator[None]:
     """While tracing, ``Tensor.requires_grad_`` in the model's code (transformers' gradient
     checkpointing makes the embeddings' output require grad, so that the reentrant
@@ -999,3 +1041,13 @@ def as_fake(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "meta":  # made under inference mode: its fake would be one too
         return fresh_fake(fake_mode, t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
     return fresh_fake(fake_mode, t.shape, t.stride(), t.dtype, "cpu", t.requires_grad)
+
+
+def as_fakes(fake_mode: FakeTensorMode, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`as_fake` of each of ``ts`` (a model's parameters and buffers); those of a model
+    built on the meta device made together (:func:`~graphflop.meta.fresh_fakes`)."""
+    if not all(t.device.type == "meta" and not _is_fake(t) for t in ts):
+        return [as_fake(fake_mode, t) for t in ts]
+    return fresh_fakes(
+        fake_mode, [(t.shape, t.stride(), t.dtype, "cpu", t.requires_grad) for t in ts]
+    )
