@@ -158,7 +158,14 @@ INPUT_AS_RESULT_IN_PLACE: dict[Any, int] = {
 #: first (:func:`~graphflop.passes.eager_kernels.one_kernel_backward`; profiler allocator
 #: events, PyTorch 2.13 CPU)
 ONE_KERNEL_BACKWARD = frozenset({aten.relu.default, aten.sigmoid.default, aten.tanh.default})
-_NOT_ACTIVATIONS = (None, "param", "buffer", "param_derived")
+#: backward placeholders' RESIDUAL kinds that are not saved for backward: parameters and
+#: buffers. A value computed from them only (``param_derived``: a scaled or standardised
+#: weight, rotary cos/sin, an index made from constants) is: eager autograd saves it as a
+#: storage of its own, made anew each forward (``saved_tensors_hooks``,
+#: ``tests/test_memory_eager.py``); one that is a view of a parameter or buffer (``t(W)``) shares
+#: its storage and has no key in :func:`~graphflop.passes.memory.forward_storages`, so it is not
+#: counted.
+_NOT_ACTIVATIONS = (None, "param", "buffer")
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
 DESCRIBES = {
@@ -464,6 +471,7 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
     sizes |= attention.sizes
     kept_whole = aten_saves(forward)
     held |= kept_whole
+    held |= computed_conv_weights(forward)
     # fused attention's and convolution_backward's backward: one kernel each too
     kernels += attention.regions
     kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
@@ -535,6 +543,27 @@ def aten_saves(forward: GraphModule) -> dict[str, list[str]]:
         names += [u.name for u in n.users if u.target is operator.getitem and u.args[1] in outs]
         if names:
             held[n.name] = names
+    return held
+
+
+def computed_conv_weights(forward: GraphModule) -> dict[str, list[str]]:
+    """Convolutions whose weight the model computes (a standardised or masked weight:
+    not a parameter's placeholder) -> that weight's forward node name. Eager's
+    ``convolution_backward(grad, input, weight, ...)`` is one formula for every input, so
+    autograd saves the input and the weight whichever of them needs a gradient; graphflop's
+    rule reads the weight only for the input's gradient (not made where the input needs none,
+    the model's own input). The input is a residual of the weight's gradient anyway; the
+    weight, where it is a parameter or a view of one, has no storage of its own
+    (:func:`~graphflop.passes.memory.forward_storages`) and is not counted. Ops inside a
+    checkpoint region are left out, as in :func:`aten_saves`."""
+    held: dict[str, list[str]] = {}
+    for n in forward.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.convolution.default:
+            continue
+        w = n.args[1]
+        if CHECKPOINT in n.meta or not isinstance(w, Node) or w.op != "call_function":
+            continue
+        held[n.name] = [w.name]
     return held
 
 
@@ -1300,8 +1329,8 @@ def eager_train_schedule(
             src = n.meta.get(SOURCE, n.name)
             if stand_in is not None and n.name in stand_in:  # (a parameter's saved cast)
                 ext[n.name] = list(stand_in[n.name])
-            elif src in state or n.meta.get(RESIDUAL) == "param_derived":
-                base_b.add(n.name)
+            elif src in state:  # (a value computed from them is the forward's: held
+                base_b.add(n.name)  # from where it is made, as eager saves it)
             else:
                 ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]
     s.add_graph(

@@ -862,7 +862,7 @@ class _TrainBuilder:
                     s.keep.update(r)
             elif n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
                 src = n.meta.get(SOURCE, n.name)
-                if src in state or n.meta.get(RESIDUAL) == "param_derived":
+                if src in state:
                     keys[n] = []
                 else:
                     keys[n] = [f"f:{x}" for x in remap.get(n.name, [src])]
