@@ -159,13 +159,27 @@ INPUT_AS_RESULT_IN_PLACE: dict[Any, int] = {
 #: events, PyTorch 2.13 CPU)
 ONE_KERNEL_BACKWARD = frozenset({aten.relu.default, aten.sigmoid.default, aten.tanh.default})
 #: backward placeholders' RESIDUAL kinds that are not saved for backward: parameters and
-#: buffers. A value computed from them only (``param_derived``: a scaled or standardised
-#: weight, rotary cos/sin, an index made from constants) is: eager autograd saves it as a
-#: storage of its own, made anew each forward (``saved_tensors_hooks``,
-#: ``tests/test_memory_eager.py``); one that is a view of a parameter or buffer (``t(W)``) shares
-#: its storage and has no key in :func:`~graphflop.passes.memory.forward_storages`, so it is not
-#: counted.
+#: buffers. A floating value computed from them only (``param_derived``: a scaled or
+#: standardised weight, rotary cos/sin) is: eager autograd saves it as a storage of its own,
+#: made anew each forward (``saved_tensors_hooks``, ``tests/test_memory_eager.py``); one that
+#: is a view of a parameter or buffer (``t(W)``) shares its storage and has no key in
+#: :func:`~graphflop.passes.memory.forward_storages`, so it is not counted. An integer one is
+#: left out (:func:`not_saved`): the index arithmetic of an op traced decomposed (nearest
+#: upsampling) is made from constants too, and eager's one kernel makes none.
 _NOT_ACTIVATIONS = (None, "param", "buffer")
+
+
+def not_saved(p: Node) -> bool:
+    """Whether backward placeholder ``p`` holds no value eager autograd saves: no residual, a
+    parameter or buffer, or an integer value computed from them and constants only (an
+    index of a decomposed op's: eager's kernel makes none; T5's bucket indices, which eager
+    does make and save, are left out too)."""
+    kind = p.meta.get(RESIDUAL)
+    if kind in _NOT_ACTIVATIONS:
+        return True
+    v = p.meta.get("val")
+    return kind == "param_derived" and not (isinstance(v, torch.Tensor) and v.is_floating_point())
+
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
 DESCRIBES = {
@@ -584,7 +598,7 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     remap: dict[str, list[str]] = {}
     replayed = _replayed_draws(forward)
     for p in backward.graph.nodes:
-        if p.op != "placeholder" or p.meta.get(RESIDUAL) in _NOT_ACTIVATIONS:
+        if p.op != "placeholder" or not_saved(p):
             continue
         src = p.meta.get(SOURCE, p.name)
         if src in replayed and all(u.meta.get(ROLE) == "recompute" for u in p.users):
@@ -654,7 +668,7 @@ def _residual_sources(
     return {
         p.name: eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)])
         for p in backward.graph.nodes
-        if p.op == "placeholder" and p.meta.get(RESIDUAL) not in _NOT_ACTIVATIONS
+        if p.op == "placeholder" and not not_saved(p)
     }
 
 
@@ -1329,8 +1343,8 @@ def eager_train_schedule(
             src = n.meta.get(SOURCE, n.name)
             if stand_in is not None and n.name in stand_in:  # (a parameter's saved cast)
                 ext[n.name] = list(stand_in[n.name])
-            elif src in state:  # (a value computed from them is the forward's: held
-                base_b.add(n.name)  # from where it is made, as eager saves it)
+            elif src in state or not_saved(n):  # (a floating value computed from them is
+                base_b.add(n.name)  # the forward's: held from where it is made, as eager's)
             else:
                 ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]
     s.add_graph(

@@ -68,7 +68,6 @@ from graphflop.passes.calls import DerivedHierarchy, is_recorded
 from graphflop.passes.eager_kernels import TANGENT_FORMULA, one_kernel_backward
 from graphflop.passes.eager_memory import (
     _FRESH,
-    _NOT_ACTIVATIONS,
     _SCATTERS,
     ConvBackward,
     _is_plain_conv,
@@ -81,6 +80,7 @@ from graphflop.passes.eager_memory import (
     jvp_overrides,
     kernel_temporaries,
     matmul_operand_copy_bytes,
+    not_saved,
     optimizer_temporaries,
     scatters_in_place,
 )
@@ -763,7 +763,7 @@ class _TrainBuilder:
             [
                 f"f:{x}"
                 for p in self.top.graph.nodes
-                if p.op == "placeholder" and p.meta.get(RESIDUAL) not in _NOT_ACTIVATIONS
+                if p.op == "placeholder" and not not_saved(p)
                 for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])
             ]
             + [f"f:{x}" for xs in self.held().values() for x in xs]
@@ -814,7 +814,7 @@ class _TrainBuilder:
         replayed = _replayed_draws(self.forward)
         remap: dict[str, list[str]] = {}
         for p in self.top.graph.nodes:
-            if p.op != "placeholder" or p.meta.get(RESIDUAL) in _NOT_ACTIVATIONS:
+            if p.op != "placeholder" or not_saved(p):
                 continue
             src = p.meta.get(SOURCE, p.name)
             users = self.readers(p)
@@ -862,7 +862,7 @@ class _TrainBuilder:
                     s.keep.update(r)
             elif n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
                 src = n.meta.get(SOURCE, n.name)
-                if src in state:
+                if src in state or not_saved(n):
                     keys[n] = []
                 else:
                     keys[n] = [f"f:{x}" for x in remap.get(n.name, [src])]
