@@ -958,6 +958,17 @@ class _ScaledConv(nn.Module):
         return nn.functional.conv2d(x, w).flatten(1)
 
 
+class _Positions(nn.Module):
+    """A Linear plus a position embedding at ``arange`` positions (made from no input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.pos = nn.Linear(16, 8), nn.Embedding(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.pos(torch.arange(x.shape[0]))
+
+
 class _ScaledBlocks(nn.Module):
     """Three identical blocks, each scaling its own weight (repeated: traced once)."""
 
@@ -973,8 +984,8 @@ class _ScaledBlocks(nn.Module):
 
 # a value computed from parameters only is saved as a storage of its own, made anew each
 # forward (saved_tensors_hooks count it); a view of a parameter is the parameter's storage.
-# Before: such values were left out with the parameters (scaled 932 B, conv 1,940 B, blocks
-# 2,308 B)
+# Before: such values were left out with the parameters (scaled 932 B, conv 1,908 B, blocks
+# 2,596 B, positions 420 B)
 PARAM_DERIVED_CASES = {
     # x 4·16·4 = 256 + ReLU's result 4·32·4 = 512 (mm's self too) + 2·w 32·8·4 = 1,024 (mm's
     # mat2) + the loss's 164 (log-softmax 4·8·4 = 128, targets 4·8 = 32, 4) = 1,956 B
@@ -986,6 +997,10 @@ PARAM_DERIVED_CASES = {
     # division's dividend g·w 864, the norm 8·4 = 32 (the view of it shares it); the loss on
     # the (2, 128) output: log-softmax 1,024 + targets 16 + 4: 864·3 + 32 + 1,044 = 3,668 B
     "standardised_conv": (_ScaledConv, (2, 3, 6, 6), 3668),
+    # embedding_backward saves its indices, arange(4) int64 4·8 = 32 (an integer value made
+    # from no input; a decomposed op's index arithmetic, which eager never makes, is not
+    # counted: test_hierarchy's uneven pooling blocks): x 256 + 32 + the loss's 164 = 452 B
+    "positions": (_Positions, (4, 16), 452),
     # per block: its input (x, then the last block's product, 4·16·4 = 256 each), ReLU's
     # result 512, 2·w 32·16·4 = 2,048: 3 · 2,816 = 8,448 + the loss's log-softmax 256 +
     # targets 32 + 4 = 8,740 B

@@ -39,6 +39,7 @@ saved), ``RESIDUAL``, ``SOURCE``, ``KIND``; writes nothing.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
@@ -164,21 +165,41 @@ ONE_KERNEL_BACKWARD = frozenset({aten.relu.default, aten.sigmoid.default, aten.t
 #: made anew each forward (``saved_tensors_hooks``, ``tests/test_memory_eager.py``); one that
 #: is a view of a parameter or buffer (``t(W)``) shares its storage and has no key in
 #: :func:`~graphflop.passes.memory.forward_storages`, so it is not counted. An integer one is
-#: left out (:func:`not_saved`): the index arithmetic of an op traced decomposed (nearest
-#: upsampling) is made from constants too, and eager's one kernel makes none.
+#: counted only as an embedding's indices (:func:`not_saved`).
 _NOT_ACTIVATIONS = (None, "param", "buffer")
 
 
-def not_saved(p: Node) -> bool:
+def embedding_indices(forward: GraphModule | Iterable[Node]) -> frozenset[str]:
+    """The names of the forward nodes (of ``forward``'s graph, or those given) an
+    ``aten.embedding`` reads as its indices (eager's ``embedding_backward(grad, indices,
+    ...)`` saves them)."""
+    nodes = forward.graph.nodes if isinstance(forward, GraphModule) else forward
+    return frozenset(
+        a.name
+        for n in nodes
+        if n.op == "call_function"
+        and n.target is aten.embedding.default
+        and len(n.args) > 1
+        and isinstance(a := n.args[1], Node)
+    )
+
+
+def not_saved(p: Node, indices: frozenset[str] = frozenset()) -> bool:
     """Whether backward placeholder ``p`` holds no value eager autograd saves: no residual, a
-    parameter or buffer, or an integer value computed from them and constants only (an
-    index of a decomposed op's: eager's kernel makes none; T5's bucket indices, which eager
-    does make and save, are left out too)."""
+    parameter or buffer, or an integer value computed from them and constants only that is
+    not an embedding's indices (``indices``: :func:`embedding_indices`). Such an integer is
+    most often the index arithmetic of an op traced decomposed (nearest upsampling, uneven
+    adaptive pooling), which eager's one kernel never makes; the positions a model makes
+    with ``arange`` for a position embedding eager does make and save."""
     kind = p.meta.get(RESIDUAL)
     if kind in _NOT_ACTIVATIONS:
         return True
+    if kind != "param_derived":
+        return False
     v = p.meta.get("val")
-    return kind == "param_derived" and not (isinstance(v, torch.Tensor) and v.is_floating_point())
+    if isinstance(v, torch.Tensor) and v.is_floating_point():
+        return False
+    return p.meta.get(SOURCE, p.name) not in indices
 
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
@@ -597,8 +618,9 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     # the backward nodes' SOURCE names the forward node whose rule made them)
     remap: dict[str, list[str]] = {}
     replayed = _replayed_draws(forward)
+    indices = embedding_indices(forward)
     for p in backward.graph.nodes:
-        if p.op != "placeholder" or not_saved(p):
+        if p.op != "placeholder" or not_saved(p, indices):
             continue
         src = p.meta.get(SOURCE, p.name)
         if src in replayed and all(u.meta.get(ROLE) == "recompute" for u in p.users):
@@ -665,10 +687,11 @@ def _residual_sources(
     forward: GraphModule, backward: GraphModule, eager: EagerResiduals
 ) -> dict[str, list[str]]:
     """Backward activation placeholder -> the forward node names it stands for, eagerly."""
+    indices = embedding_indices(forward)
     return {
         p.name: eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)])
         for p in backward.graph.nodes
-        if p.op == "placeholder" and not not_saved(p)
+        if p.op == "placeholder" and not not_saved(p, indices)
     }
 
 
@@ -1338,13 +1361,14 @@ def eager_train_schedule(
     )
     ext: dict[str, str | list[str]] = {}
     base_b = set()
+    indices = embedding_indices(forward)
     for n in backward.graph.nodes:
         if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
             src = n.meta.get(SOURCE, n.name)
             if stand_in is not None and n.name in stand_in:  # (a parameter's saved cast)
                 ext[n.name] = list(stand_in[n.name])
-            elif src in state or not_saved(n):  # (a floating value computed from them is
-                base_b.add(n.name)  # the forward's: held from where it is made, as eager's)
+            elif src in state or not_saved(n, indices):  # (a value computed from them that
+                base_b.add(n.name)  # eager saves is the forward's: held from where it is made)
             else:
                 ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]
     s.add_graph(

@@ -76,6 +76,7 @@ from graphflop.passes.eager_memory import (
     conv_backward_temporaries,
     dual_pairs,
     eager_forward,
+    embedding_indices,
     jvp_baseline,
     jvp_overrides,
     kernel_temporaries,
@@ -674,6 +675,7 @@ class _TrainBuilder:
         if len({c.site for c in dh.calls}) != len(dh.calls):
             raise _Unsupported  # a call site in two runs: its sources' nodes in two calls
         self.forward, self.top, self.dh = forward, top, dh
+        self.indices = embedding_indices(forward)
         self.optimizer, self.device, self.keep_grads = optimizer, device, keep_grads
         self.sources = {s for c in dh.calls for s in c.sources}
         self.ef = eager_forward(forward, device)
@@ -763,7 +765,7 @@ class _TrainBuilder:
             [
                 f"f:{x}"
                 for p in self.top.graph.nodes
-                if p.op == "placeholder" and not not_saved(p)
+                if p.op == "placeholder" and not not_saved(p, self.indices)
                 for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])
             ]
             + [f"f:{x}" for xs in self.held().values() for x in xs]
@@ -814,7 +816,7 @@ class _TrainBuilder:
         replayed = _replayed_draws(self.forward)
         remap: dict[str, list[str]] = {}
         for p in self.top.graph.nodes:
-            if p.op != "placeholder" or not_saved(p):
+            if p.op != "placeholder" or not_saved(p, self.indices):
                 continue
             src = p.meta.get(SOURCE, p.name)
             users = self.readers(p)
@@ -862,7 +864,7 @@ class _TrainBuilder:
                     s.keep.update(r)
             elif n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
                 src = n.meta.get(SOURCE, n.name)
-                if src in state or not_saved(n):
+                if src in state or not_saved(n, self.indices):
                     keys[n] = []
                 else:
                     keys[n] = [f"f:{x}" for x in remap.get(n.name, [src])]
