@@ -199,8 +199,9 @@ def test_checkpoint_early_stop_and_regex():
 def test_checkpoint_matches_measurement_mlp_and_gpt2_blocks():
     """MLP (every layer checkpointed: saved bytes grow, ReLU inputs become checkpoint inputs)
     and a 2-block GPT-2 (each block checkpointed) against torch.utils.checkpoint runs. The
-    GPT-2 figure differs from the measurement by the position ids (T int64s, ``arange`` in
-    the forward), which the eager model does not count with or without checkpointing."""
+    GPT-2 figure counts the position ids (T int64s, ``arange`` in the forward, saved by the
+    position embedding) with and without checkpointing, as the measurement does (before, it
+    left them out of both: 16 · 8 B short)."""
     import sys
 
     sys.path.insert(0, "models")
@@ -218,8 +219,7 @@ def test_checkpoint_matches_measurement_mlp_and_gpt2_blocks():
     ck = _analysis(gpt, x, checkpoint="h.*").report.memory.checkpoint
     meas, base = measure_saved_checkpointed(gpt, x, "h.*")
     assert ck.modules == ("h.0", "h.1")
-    assert meas - ck.saved_for_backward_bytes == 16 * 8
-    assert base - ck.eager_saved_for_backward_bytes == 16 * 8
+    assert (ck.saved_for_backward_bytes, ck.eager_saved_for_backward_bytes) == (meas, base)
     assert meas < base / 2
     # the train peak with checkpointing (an estimate: the recompute's temporaries and
     # checkpoint's bookkeeping beyond the RNG state are left out) against a measured step:
@@ -607,3 +607,35 @@ def test_amp_train_peak_is_the_eager_schedule_at_autocast_dtypes():
     measured = measure_train_peak_autocast(model, x, torch.bfloat16)
     assert 0.99 < amp.train_peak_bytes / measured < 1.01, (amp.train_peak_bytes, measured)
     assert amp.saved_for_backward_bytes == measure_saved_autocast(model, x, torch.bfloat16)
+
+
+class _ScaledWeights(nn.Module):
+    """Two blocks, each a Linear, ReLU and a product with a weight it scales (``2.0 * w``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 32) for _ in range(2))
+        self.ws = nn.ParameterList(nn.Parameter(torch.randn(32, 16)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fc, w in zip(self.blocks, self.ws):
+            x = torch.relu(fc(x)) @ (2.0 * w)
+        return x
+
+
+def test_what_ifs_count_values_computed_from_parameters_as_the_report():
+    """A value computed from parameters (2·w, saved by mm) is saved for backward, as eager
+    autograd saves it: the what-ifs' figures without the what-if are the report's, measured.
+    Per block: its input 4·16·4 = 256, ReLU's result 512, 2·w 32·16·4 = 2,048; the loss's
+    log-softmax 256 + targets 32 + 4: 2 · 2,816 + 292 = 5,924 B (before, the report and
+    the what-ifs left the 2·w out: 1,828 B)."""
+    torch.manual_seed(0)
+    model, x = _ScaledWeights().train(), (torch.randn(4, 16),)
+    a = _analysis(model, x, checkpoint="blocks.1", amp="bf16")
+    mem = a.report.memory
+    with SavedBytes(model) as saved:
+        _loss_fn(model, x, "auto")[1]()
+    assert mem.saved_for_backward_bytes == saved.nbytes == 5924
+    for what_if in (mem.checkpoint, mem.amp):
+        assert what_if is not None
+        assert what_if.eager_saved_for_backward_bytes == mem.saved_for_backward_bytes

@@ -46,7 +46,13 @@ from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES
 from graphflop.meta import COMPOSITE, MODULE, PARAM_DERIVED, RESIDUAL, SOURCE
-from graphflop.passes.eager_memory import _regions, eager_residuals, eager_train_schedule
+from graphflop.passes.eager_memory import (
+    _regions,
+    eager_residuals,
+    eager_train_schedule,
+    embedding_indices,
+    not_saved,
+)
 from graphflop.passes.memory import Schedule, forward_storages
 from graphflop.report import AmpWhatIf
 
@@ -271,6 +277,7 @@ class _Amp:
         self.op_dts = _op_dtypes(forward, self.dts)
         self.eager = eager_residuals(forward, backward, device)
         self.fnodes = {n.name: n for n in forward.graph.nodes}
+        self.indices = embedding_indices(forward)
         fn, dts = self.fnodes, self.dts
         self.sizes = {k: _bytes(fn[k], d) for k, d in dts.items() if fn[k].op == "call_function"}
         for k, v in self.eager.sizes.items():  # CPU dropout's mask: the input's dtype;
@@ -301,7 +308,8 @@ class _Amp:
         src = self.fnodes.get(p.meta.get(SOURCE, p.name))
         users = {f for u in p.users if (f := self.fnodes.get(u.meta.get(SOURCE, "")))}
         self.savers |= users
-        state = p.meta.get(RESIDUAL) in ("param", "buffer", "param_derived")
+        # (a value computed from parameters that eager saves is saved as a value: not_saved)
+        state = not_saved(p, self.indices)
         if not state:
             for s in self.eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)]):
                 if s in base_storage:

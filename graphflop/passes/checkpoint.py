@@ -53,12 +53,16 @@ from graphflop.meta import (
     COST,
     MODULE,
     PARAM_DERIVED,
-    RESIDUAL,
     ROLE,
     SIGNATURE,
     SOURCE,
 )
-from graphflop.passes.eager_memory import eager_residuals, eager_train_schedule
+from graphflop.passes.eager_memory import (
+    eager_residuals,
+    eager_train_schedule,
+    embedding_indices,
+    not_saved,
+)
 from graphflop.passes.memory import Schedule, forward_storages
 from graphflop.report import CheckpointedModule, CheckpointWhatIf
 
@@ -206,7 +210,9 @@ class _Cut:
     dropped: dict[str, tuple[str, list[str]]]
 
 
-def _saved_reads(backward: GraphModule, eager) -> list[tuple[str, list[str], list[str]]]:
+def _saved_reads(
+    backward: GraphModule, eager, indices: frozenset[str] = frozenset()
+) -> list[tuple[str, list[str], list[str]]]:
     """What eager saves for backward, as (backward node, the forward ops whose backward reads
     it, the forward node names it stands for): each activation residual placeholder (its
     readers' sources, :attr:`~graphflop.passes.eager_memory.EagerResiduals.remap`) and each
@@ -216,8 +222,7 @@ def _saved_reads(backward: GraphModule, eager) -> list[tuple[str, list[str], lis
     for n in backward.graph.nodes:
         if n.name in eager.held:
             out.append((n.name, [n.meta.get(SOURCE, "")], eager.held[n.name]))
-        kind = n.meta.get(RESIDUAL)
-        if n.op != "placeholder" or kind is None or kind in ("param", "buffer", "param_derived"):
+        if n.op != "placeholder" or not_saved(n, indices):  # (indices: embedding_indices)
             continue
         users = [u.meta.get(SOURCE, "") for u in n.users]
         out.append((n.name, users, eager.remap.get(n.name, [n.meta.get(SOURCE, n.name)])))
@@ -228,7 +233,8 @@ def _cut(
     backward: GraphModule, eager, storage: dict[str, str], region: dict[Node, str], fnodes
 ) -> _Cut:
     cut = _Cut(set(), set(), {}, {})
-    for p, users, stand in _saved_reads(backward, eager):
+    indices = embedding_indices(list(fnodes.values()))
+    for p, users, stand in _saved_reads(backward, eager, indices):
         for s in users:  # packed under the checkpoint of the user's region
             if fnodes.get(s) in region:
                 cut.savers.setdefault(region[fnodes[s]], set()).update(stand)

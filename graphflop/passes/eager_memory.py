@@ -39,6 +39,7 @@ saved), ``RESIDUAL``, ``SOURCE``, ``KIND``; writes nothing.
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
@@ -159,7 +160,48 @@ INPUT_AS_RESULT_IN_PLACE: dict[Any, int] = {
 #: first (:func:`~graphflop.passes.eager_kernels.one_kernel_backward`; profiler allocator
 #: events, PyTorch 2.13 CPU)
 ONE_KERNEL_BACKWARD = frozenset({aten.relu.default, aten.sigmoid.default, aten.tanh.default})
-_NOT_ACTIVATIONS = (None, "param", "buffer", "param_derived")
+#: backward placeholders' RESIDUAL kinds that are not saved for backward: parameters and
+#: buffers. A floating value computed from them only (``param_derived``: a scaled or
+#: standardised weight, rotary cos/sin) is: eager autograd saves it as a storage of its own,
+#: made anew each forward (``saved_tensors_hooks``, ``tests/test_memory_eager.py``); one that
+#: is a view of a parameter or buffer (``t(W)``) shares its storage and has no key in
+#: :func:`~graphflop.passes.memory.forward_storages`, so it is not counted. An integer one is
+#: counted only as an embedding's indices (:func:`not_saved`).
+_NOT_ACTIVATIONS = (None, "param", "buffer")
+
+
+def embedding_indices(forward: GraphModule | Iterable[Node]) -> frozenset[str]:
+    """The names of the forward nodes (of ``forward``'s graph, or those given) an
+    ``aten.embedding`` reads as its indices (eager's ``embedding_backward(grad, indices,
+    ...)`` saves them)."""
+    nodes = forward.graph.nodes if isinstance(forward, GraphModule) else forward
+    return frozenset(
+        a.name
+        for n in nodes
+        if n.op == "call_function"
+        and n.target is aten.embedding.default
+        and len(n.args) > 1
+        and isinstance(a := n.args[1], Node)
+    )
+
+
+def not_saved(p: Node, indices: frozenset[str] = frozenset()) -> bool:
+    """Whether backward placeholder ``p`` holds no value eager autograd saves: no residual, a
+    parameter or buffer, or an integer value computed from them and constants only that is
+    not an embedding's indices (``indices``: :func:`embedding_indices`). Such an integer is
+    most often the index arithmetic of an op traced decomposed (nearest upsampling, uneven
+    adaptive pooling), which eager's one kernel never makes; the positions a model makes
+    with ``arange`` for a position embedding eager does make and save."""
+    kind = p.meta.get(RESIDUAL)
+    if kind in _NOT_ACTIVATIONS:
+        return True
+    if kind != "param_derived":
+        return False
+    v = p.meta.get("val")
+    if isinstance(v, torch.Tensor) and v.is_floating_point():
+        return False
+    return p.meta.get(SOURCE, p.name) not in indices
+
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
 DESCRIBES = {
@@ -467,6 +509,7 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
     sizes |= attention.sizes
     kept_whole = aten_saves(forward)
     held |= kept_whole
+    held |= computed_conv_weights(forward)
     # fused attention's and convolution_backward's backward: one kernel each too
     kernels += attention.regions
     kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
@@ -541,6 +584,27 @@ def aten_saves(forward: GraphModule) -> dict[str, list[str]]:
     return held
 
 
+def computed_conv_weights(forward: GraphModule) -> dict[str, list[str]]:
+    """Convolutions whose weight the model computes (a standardised or masked weight:
+    not a parameter's placeholder) -> that weight's forward node name. Eager's
+    ``convolution_backward(grad, input, weight, ...)`` is one formula for every input, so
+    autograd saves the input and the weight whichever of them needs a gradient; graphflop's
+    rule reads the weight only for the input's gradient (not made where the input needs none,
+    the model's own input). The input is a residual of the weight's gradient anyway; the
+    weight, where it is a parameter or a view of one, has no storage of its own
+    (:func:`~graphflop.passes.memory.forward_storages`) and is not counted. Ops inside a
+    checkpoint region are left out, as in :func:`aten_saves`."""
+    held: dict[str, list[str]] = {}
+    for n in forward.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.convolution.default:
+            continue
+        w = n.args[1]
+        if CHECKPOINT in n.meta or not isinstance(w, Node) or w.op != "call_function":
+            continue
+        held[n.name] = [w.name]
+    return held
+
+
 def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) -> EagerResiduals:
     """What eager autograd keeps in place of the residuals graphflop's backward reads.
 
@@ -557,8 +621,9 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     # the backward nodes' SOURCE names the forward node whose rule made them)
     remap: dict[str, list[str]] = {}
     replayed = _replayed_draws(forward)
+    indices = embedding_indices(forward)
     for p in backward.graph.nodes:
-        if p.op != "placeholder" or p.meta.get(RESIDUAL) in _NOT_ACTIVATIONS:
+        if p.op != "placeholder" or not_saved(p, indices):
             continue
         src = p.meta.get(SOURCE, p.name)
         if src in replayed and all(u.meta.get(ROLE) == "recompute" for u in p.users):
@@ -625,10 +690,11 @@ def _residual_sources(
     forward: GraphModule, backward: GraphModule, eager: EagerResiduals
 ) -> dict[str, list[str]]:
     """Backward activation placeholder -> the forward node names it stands for, eagerly."""
+    indices = embedding_indices(forward)
     return {
         p.name: eager.remap.get(p.name, [p.meta.get(SOURCE, p.name)])
         for p in backward.graph.nodes
-        if p.op == "placeholder" and p.meta.get(RESIDUAL) not in _NOT_ACTIVATIONS
+        if p.op == "placeholder" and not not_saved(p, indices)
     }
 
 
@@ -1298,13 +1364,14 @@ def eager_train_schedule(
     )
     ext: dict[str, str | list[str]] = {}
     base_b = set()
+    indices = embedding_indices(forward)
     for n in backward.graph.nodes:
         if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
             src = n.meta.get(SOURCE, n.name)
             if stand_in is not None and n.name in stand_in:  # (a parameter's saved cast)
                 ext[n.name] = list(stand_in[n.name])
-            elif src in state or n.meta.get(RESIDUAL) == "param_derived":
-                base_b.add(n.name)
+            elif src in state or not_saved(n, indices):  # (a value computed from them that
+                base_b.add(n.name)  # eager saves is the forward's: held from where it is made)
             else:
                 ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]
     s.add_graph(

@@ -68,7 +68,6 @@ from graphflop.passes.calls import DerivedHierarchy, is_recorded
 from graphflop.passes.eager_kernels import TANGENT_FORMULA, one_kernel_backward
 from graphflop.passes.eager_memory import (
     _FRESH,
-    _NOT_ACTIVATIONS,
     _SCATTERS,
     ConvBackward,
     _is_plain_conv,
@@ -77,10 +76,12 @@ from graphflop.passes.eager_memory import (
     conv_backward_temporaries,
     dual_pairs,
     eager_forward,
+    embedding_indices,
     jvp_baseline,
     jvp_overrides,
     kernel_temporaries,
     matmul_operand_copy_bytes,
+    not_saved,
     optimizer_temporaries,
     scatters_in_place,
 )
@@ -722,6 +723,7 @@ class _TrainBuilder:
             raise _Unsupported  # a call site in two runs: its sources' nodes in two calls
         self.forward, self.top, self.dh = forward, top, dh
         self.at = _call_values(top)  # the calls' values: node -> (call number, position)
+        self.indices = embedding_indices(forward)
         self.optimizer, self.device, self.keep_grads = optimizer, device, keep_grads
         self.sources = {s for c in dh.calls for s in c.sources}
         self.ef = eager_forward(forward, device)
@@ -812,7 +814,7 @@ class _TrainBuilder:
             [
                 f"f:{x}"
                 for p in self.top.graph.nodes
-                if p.op == "placeholder" and p.meta.get(RESIDUAL) not in _NOT_ACTIVATIONS
+                if p.op == "placeholder" and not not_saved(p, self.indices)
                 for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])
             ]
             + [f"f:{x}" for xs in self.held().values() for x in xs]
@@ -869,7 +871,7 @@ class _TrainBuilder:
         replayed = _replayed_draws(self.forward)
         remap: dict[str, list[str]] = {}
         for p in self.top.graph.nodes:
-            if p.op != "placeholder" or p.meta.get(RESIDUAL) in _NOT_ACTIVATIONS:
+            if p.op != "placeholder" or not_saved(p, self.indices):
                 continue
             src = p.meta.get(SOURCE, p.name)
             users = self.readers(p)
@@ -917,7 +919,7 @@ class _TrainBuilder:
                     s.keep.update(r)
             elif n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
                 src = n.meta.get(SOURCE, n.name)
-                if src in state or n.meta.get(RESIDUAL) == "param_derived":
+                if src in state or not_saved(n, self.indices):
                     keys[n] = []
                 else:
                     keys[n] = [f"f:{x}" for x in remap.get(n.name, [src])]

@@ -407,11 +407,11 @@ def _memory(
 ) -> tuple[Memory, dict[str, int]]:
     """(the memory figures, the storages saved for backward: owner node name -> bytes, empty
     without a backward graph). Gradients and optimizer state only for the trainable
-    parameters (``trainable_bytes`` of them; under the eager model the state as
-    :func:`~graphflop.passes.optimizer.optimizer_state_bytes` counts it, Adam's step counts
-    included, of the ``stateful`` (bytes, tensors) of them only: those the backward
-    gives a gradient, as ``torch.optim`` makes no state for a parameter whose ``.grad`` stays
-    None); the parameters and buffers (``params_bytes +
+    parameters (``trainable_bytes`` of them; under the eager model, the gradients and the
+    state as :func:`~graphflop.passes.optimizer.optimizer_state_bytes` counts it, Adam's step
+    counts included, of the ``stateful`` (bytes, tensors) of them only: those the backward
+    gives a gradient, as eager autograd leaves ``.grad`` None for the others and
+    ``torch.optim`` makes no state for them); the parameters and buffers (``params_bytes +
     buffers_bytes``) are live in every peak; ``model``: ``eager`` or ``graph``
     (:mod:`graphflop.passes.eager_memory`). ``composed``: the forward peak, and under the
     eager model the train peak and the saved storages, from schedules that work out each
@@ -445,21 +445,27 @@ def _memory(
         # parameters that get a gradient (torch.optim skips p.grad None and makes no state);
         # graphflop's update graph takes the moments of every trainable parameter and one
         # step scalar
+        # eager: gradients for the parameters autograd gives one (p.grad stays None for one
+        # read only where no gradient reaches it: under no_grad, after a detach, before a
+        # no_grad call cuts the path off), as torch.optim's state; graphflop's update graph
+        # reads a gradient for every trainable parameter
         if model == "eager":
             state = optimizer_state_bytes(optimizer, *stateful)
+            grads = stateful[0]
         else:
             state = optimizer_state_bytes(optimizer, trainable_bytes, 0)
+            grads = trainable_bytes
         if train is not None:  # the eager model, read off the recorded backward
             tpeak, _ = train[0].peak()
             owners = train[1]
-            train_peak = resident + state + trainable_bytes * keep_grads + tpeak
+            train_peak = resident + state + grads * keep_grads + tpeak
         elif model == "eager":  # gradients are scheduled: they appear as the backward makes them
             er = eager_residuals(g.forward, g.backward, device)
             sched = eager_train_schedule(
                 g.forward, g.backward, optimizer, device, keep_grads, composed=composed, eager=er
             )
             tpeak, _ = sched.peak()
-            train_peak = resident + state + trainable_bytes * keep_grads + tpeak
+            train_peak = resident + state + grads * keep_grads + tpeak
             c = sched if isinstance(sched, ComposedSchedule) else None
             owners = eager_saved_storages(g.forward, g.backward, device, eager=er, schedule=c)
         else:
@@ -469,7 +475,7 @@ def _memory(
         # eager_saved_bytes / saved_for_backward_bytes: the sum over the saved storages
         saved = sum(owners.values())
         mem.update(
-            grads_bytes=trainable_bytes,
+            grads_bytes=grads,
             optimizer_state_bytes=state,
             saved_for_backward_bytes=saved,
             train_peak_bytes=train_peak,
