@@ -211,3 +211,111 @@ def zero_tangent_mms(jvp: GraphModule) -> dict[str, int]:
         if sum(t.target in _MATMULS for t in tangents) == 1:
             out[tangents[-1].name] = 2 * tensor_bytes(nodes[src].meta["val"])
     return out
+
+
+#: binary ops whose eager backward (``MulBackward0``, ``DivBackward0``) returns both operands'
+#: gradients at the broadcast shape, reduced to each operand's shape afterwards
+BROADCAST_PRODUCTS = (aten.mul.Tensor, aten.div.Tensor)
+_REDUCTIONS = (aten.sum.dim_IntList, aten.view.default)
+_VECTOR_NORM = "aten.linalg_vector_norm.default"
+
+
+def weight_norm_parts(forward: GraphModule) -> set[str]:
+    """The ``div`` and ``mul`` of ``torch._weight_norm``'s decomposition, ``v * (g / ‖v‖)``
+    (a division by a ``linalg_vector_norm`` of ``v``, times ``v``): eager runs the fused
+    ``_weight_norm_interface`` there, whose backward is one kernel
+    (``WeightNormInterfaceBackward0``), not ``MulBackward0``/``DivBackward0``."""
+    out: set[str] = set()
+    for n in forward.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.div.Tensor or COMPOSITE in n.meta:
+            continue
+        norm = n.args[1]
+        tag = norm.meta.get(COMPOSITE) if isinstance(norm, Node) else None
+        if tag is None or str(tag.op) != _VECTOR_NORM:
+            continue
+        inputs, todo, seen = set(), [norm], {norm}
+        while todo:  # the norm region's inputs
+            for a in todo.pop().all_input_nodes:
+                t = a.meta.get(COMPOSITE)
+                if t is not None and t.region == tag.region and str(t.op) == _VECTOR_NORM:
+                    if a not in seen:
+                        seen.add(a)
+                        todo.append(a)
+                else:
+                    inputs.add(a)
+        for u in n.users:
+            if u.target is aten.mul.Tensor and any(a in inputs for a in u.all_input_nodes):
+                out |= {n.name, u.name}
+    return out
+
+
+def broadcast_product_backward(
+    forward: GraphModule, backward: GraphModule
+) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """Eager ``MulBackward0``/``DivBackward0`` (tools/autograd/derivatives.yaml, profiler
+    allocator events, PyTorch 2.13 CPU): the node computes both operands' gradients at the
+    broadcast (output) shape, ``grad * other`` then ``grad * self`` for mul, the divisor's
+    ``-grad * ((self / other) / other)`` then ``grad / other`` for div; the engine reduces each
+    to its operand's shape (``sum_to``, in ``validate_outputs``) only after the node has
+    returned, while the output gradient is still live. So a reduced operand's full-size
+    gradient (a scalar's, a (n, 1) one's) is live with the output gradient and the other
+    operand's gradient, where graphflop's rule sums it away before making the other. And the
+    divisor's formula, one C++ expression, holds its temporaries to its end: ``self / other``,
+    its quotient by ``other``, ``-grad`` and the product, four output-sized tensors where
+    graphflop's rule (from the forward's quotient) makes three. Returns (also_reads, extra)
+    for :meth:`Schedule.add_graph`: each reduced full-size product made before the rule's last
+    product is read by it; the values from outside the rule (the output gradient) are read by
+    its last node, which eager runs before it frees them; the divisor's product holds one
+    output-sized temporary more. graphflop's div rule makes the divisor's gradient first, as
+    eager does. Weight norm's parts (:func:`weight_norm_parts`) are left as they are."""
+    fused = weight_norm_parts(forward)
+    ops = {
+        n.name: n
+        for n in forward.graph.nodes
+        if n.op == "call_function"
+        and n.target in BROADCAST_PRODUCTS
+        and COMPOSITE not in n.meta
+        and n.name not in fused
+    }
+    groups: dict[str, list[Node]] = {}
+    for n in backward.graph.nodes:
+        if n.op == "call_function" and (src := n.meta.get(SOURCE)) in ops:
+            groups.setdefault(src, []).append(n)
+    reads: dict[str, list[str]] = {}
+    extra: dict[str, int] = {}
+    for src, group in groups.items():
+        inside = set(group)
+        products = [n for n in group if n.target not in _REDUCTIONS]
+        if not products:
+            continue
+        last = products[-1]
+        before = set(group[: group.index(last)])
+        held = [
+            a.name
+            for n in group
+            if n.target is aten.sum.dim_IntList
+            for a in n.all_input_nodes[:1]
+            if a in before
+        ]
+        if held:
+            reads.setdefault(last.name, []).extend(held)
+        outside = [
+            a.name
+            for n in group
+            for a in n.all_input_nodes
+            if a not in inside and a.op == "call_function" and a.meta.get(KIND) == "cotangent"
+        ]
+        end = group[-1]
+        outside = [
+            a for a in dict.fromkeys(outside) if a not in {m.name for m in end.all_input_nodes}
+        ]
+        if outside:
+            names = reads.setdefault(end.name, [])
+            names.extend(a for a in outside if a not in names)
+        if ops[src].target is aten.div.Tensor:
+            for n in products:
+                coef = [a for a in n.all_input_nodes if a in inside and a.meta.get(KIND) == "coef"]
+                if n.target is aten.mul.Tensor and any(a.target is aten.div.Tensor for a in coef):
+                    extra[n.name] = extra.get(n.name, 0) + tensor_bytes(ops[src].meta["val"])
+                    break
+    return reads, extra

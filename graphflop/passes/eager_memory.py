@@ -72,6 +72,7 @@ from graphflop.passes.eager_kernels import (
     GRAD_OUTPUT_COPIED,
     TANGENT_FORMULA,
     backward_temporaries,
+    broadcast_product_backward,
     formula_reads,
     nodes_made_by,
     one_kernel_backward,
@@ -616,6 +617,11 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     b_sizes, b_reads, b_extra = one_kernel_backward(
         backward, kernels, scatters_in_place(backward), ef.copied
     )
+    p_reads, p_extra = broadcast_product_backward(forward, backward)
+    for k, names in p_reads.items():
+        b_reads.setdefault(k, []).extend(names)
+    for k, nbytes in p_extra.items():
+        b_extra[k] = b_extra.get(k, 0) + nbytes
     # a residual read by the backward of a composite op's parts stands for what that op saves,
     # a division's quotient read by its own backward for its dividend (EagerForward.stands_for;
     # the backward nodes' SOURCE names the forward node whose rule made them)
