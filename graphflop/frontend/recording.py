@@ -30,6 +30,7 @@ from torch.fx.experimental.proxy_tensor import (
     get_proxy_slot,
     track_tensor_tree,
 )
+from torch.fx.node import map_aggregate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -38,6 +39,7 @@ try:  # what OpRecorder mirrors make_fx with (private; without it the trace uses
     from torch._subclasses.fake_impls import fast_detach
     from torch.fx.experimental.proxy_tensor import (
         CONSTANT_NUMEL_LIMIT,
+        _should_save_eager_input_vals,
         disable_autocast_cache,
         extract_val,
     )
@@ -224,6 +226,9 @@ class OpRecorder(TorchDispatchMode):
     def new_node(self, op: str, target: Any, args: tuple, kwargs: dict, name: str) -> Node:
         node = self.graph.create_node(op, target, name=name)
         node._update_args_kwargs(args, kwargs)
+        if op == "call_function" and _should_save_eager_input_vals(target, (args, kwargs)):
+            # an op with exact stride needs (a custom op's tag): its inputs' values, as make_fx
+            node.meta["eager_input_vals"] = map_aggregate((args, kwargs), _input_val)
         for hook in _NODE_HOOKS:
             hook(node)
         return node
@@ -361,6 +366,14 @@ def record(
         return graph_module(rec.root, rec.graph)
 
     return run
+
+
+def _input_val(v: Any) -> Any:
+    """An argument's value as ``make_fx`` keeps it in ``eager_input_vals``: a node's fake
+    ``val`` (aliased), else None."""
+    if isinstance(v, Node) and isinstance(v.meta.get("val"), FakeTensor):
+        return extract_val(v.meta["val"])
+    return None
 
 
 def _snapshot(v: Any) -> Any:
