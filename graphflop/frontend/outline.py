@@ -1002,17 +1002,9 @@ class Outliner:
             )
         ):
             return None
-        with torch._C.DisableTorchFunction():
-            for t in operands:
-                if (
-                    not torch._is_functional_tensor(t)
-                    or t.requires_grad
-                    or torch._C._functorch.maybe_get_level(t) != level
-                ):
-                    return None
-            for t in operands:  # functionalisation's fallback syncs each operand first
-                torch._sync(t)
-            inner = [torch._from_functional_tensor(t) for t in operands]
+        inner = _unwrapped(operands, level)
+        if inner is None:
+            return None
         tracer = proxy_mode.tracer
         if type(tracer) is not proxy_tensor.PythonKeyTracer:
             return None
@@ -1059,18 +1051,10 @@ class Outliner:
         """:meth:`_direct` under graphflop's recorder: the ``repeat`` node and its getitems
         recorded as :class:`~graphflop.frontend.recording.OpRecorder` records the op's
         dispatch, without it."""
-        with torch._C.DisableTorchFunction():
-            for t in operands:
-                if (
-                    not torch._is_functional_tensor(t)
-                    or t.requires_grad
-                    or torch._C._functorch.maybe_get_level(t) != level
-                ):
-                    return None
-            for t in operands:  # functionalisation's fallback syncs each operand first
-                torch._sync(t)
-            inner = [torch._from_functional_tensor(t) for t in operands]
-            nodes = [own.node_of(x) for x in inner]
+        inner = _unwrapped(operands, level)
+        if inner is None:
+            return None
+        nodes = [own.node_of(x) for x in inner]
         if not all(
             type(x) is FakeTensor and x.fake_mode is self.fake_mode and n is not None
             for x, n in zip(inner, nodes)
@@ -1439,6 +1423,23 @@ class Expansion:
             and isinstance(n.args[0], Node)
             and _same_layout(n, out)
         )
+
+
+def _unwrapped(operands: list, level: int) -> list | None:
+    """The FakeTensors functionalisation's wrappers ``operands`` hold (each synced first, as
+    its fallback syncs an op's operands), or None unless every operand is a wrapper of
+    ``level`` that does not require grad (an outlined call recorded without its dispatch)."""
+    with torch._C.DisableTorchFunction():
+        for t in operands:
+            if (
+                not torch._is_functional_tensor(t)
+                or t.requires_grad
+                or torch._C._functorch.maybe_get_level(t) != level
+            ):
+                return None
+        for t in operands:
+            torch._sync(t)
+        return [torch._from_functional_tensor(t) for t in operands]
 
 
 def _function_modes() -> list:
