@@ -765,16 +765,16 @@ def _forward_error(model, inputs) -> str | None:
 
 def _eager_dtypes_mode():
     """A dispatch mode refusing, as eager PyTorch does, a matrix product or convolution whose
-    operands have two dtypes (the trace's check, :data:`graphflop.frontend.trace._SAME_DTYPE`;
+    operands have two dtypes (the trace's check, :data:`graphflop.frontend.trace.SAME_DTYPE_OPERANDS`;
     meta and fake kernels let them through)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from graphflop.frontend.trace import _SAME_DTYPE
+    from graphflop.frontend.trace import SAME_DTYPE_OPERANDS
 
     class EagerDtypes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            where = _SAME_DTYPE.get(func)
+            where = SAME_DTYPE_OPERANDS.get(func)
             if where is not None:
                 dtypes = {a.dtype for i in where if isinstance(a := args[i], torch.Tensor)}
                 if len(dtypes) > 1:

@@ -244,7 +244,7 @@ def _without_cache(configs: list, run: Any) -> GraphModule:
 
 #: matrix-class ops whose eager kernels refuse operands of two dtypes (their meta kernels, which
 #: fake tensors run, do not check)
-_SAME_DTYPE = {
+SAME_DTYPE_OPERANDS = {
     aten.mm.default: (0, 1),
     aten.addmm.default: (0, 1, 2),
     aten.bmm.default: (0, 1),
@@ -261,7 +261,7 @@ def _check_matmul_dtypes(gm: GraphModule) -> None:
         TraceError: naming the op, the dtypes and the module.
     """
     for n in gm.graph.nodes:
-        where = _SAME_DTYPE.get(n.target) if n.op == "call_function" else None
+        where = SAME_DTYPE_OPERANDS.get(n.target) if n.op == "call_function" else None
         if where is None:
             continue
         vals = [n.args[i].meta.get("val") for i in where if isinstance(n.args[i], torch.fx.Node)]
