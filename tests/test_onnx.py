@@ -671,7 +671,9 @@ def test_hypot_of_half_tensors_squares_in_float32():
     assert torch.equal(torch.from_numpy(got), want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.float64, marks=pytest.mark.slow)]
+)
 def test_a_real_tensor_to_a_complex_power_exports(dtype):
     """``x ** (a + bi)`` of a real ``x`` (the derivative of ``x ** (0.5 + 1j)`` reads
     ``x ** (-0.5 + 1j)``) was refused: the exporter's ``pow`` takes the exponent with

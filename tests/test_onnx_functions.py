@@ -232,6 +232,7 @@ def example_inputs():
 """
 
 
+@pytest.mark.slow  # (about 14 s: three ONNX exports; CI's slow pass)
 def test_export_no_outline_writes_flat_models_and_says_so(tmp_path, capsys):
     """``export --no-outline`` outlines no block, so its ONNX models hold no local function,
     as with ``--flat``; the help of both options says so."""

@@ -162,6 +162,7 @@ def test_spectral_norm_flops_are_the_hand_count(train):
         assert a.report.uncounted == (), wrap  # every op has its rules (no div.out)
 
 
+@pytest.mark.slow  # (eight verifications on real tensors, about 10 s: CI's slow pass)
 @pytest.mark.parametrize("wrap", list(WRAPS))
 @pytest.mark.parametrize("train", [True, False])
 def test_verify_passes(wrap, train):

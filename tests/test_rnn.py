@@ -351,7 +351,9 @@ class _LastStep(nn.Module):
     "kw",
     [
         {},  # the tester's LSTM(64, 128): 1,118,324 B, 1,011,712 of them the workspace
-        {"num_layers": 2, "bidirectional": True},  # one workspace per layer and direction
+        pytest.param(  # one workspace per layer and direction (slow pass: about 2 s)
+            {"num_layers": 2, "bidirectional": True}, marks=pytest.mark.slow
+        ),
     ],
 )
 def test_lstm_saved_bytes_equal_eager_with_the_onednn_workspace(kw):
