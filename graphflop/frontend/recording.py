@@ -36,7 +36,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 try:  # what OpRecorder mirrors make_fx with (private; without it the trace uses make_fx)
-    from torch._subclasses.fake_impls import fast_detach
     from torch.fx.experimental.proxy_tensor import (
         CONSTANT_NUMEL_LIMIT,
         _should_save_eager_input_vals,
@@ -190,7 +189,7 @@ class OpRecorder(TorchDispatchMode):
     element of a tuple or list result, a tensor no node made read through a
     ``_tensor_constant<k>`` attribute; small constants (``torch.tensor(...)`` and the ops
     reading only such) carried as real values, so that ``.item()`` on them works. Node
-    ``meta["val"]``: the op's result (``make_fx`` keeps a detached alias of it, and a
+    ``meta["val"]``: a detached alias of the op's result, as ``make_fx``'s (not its
     ``tensor_meta``, which graphflop does not read).
 
     Not modelled (``record`` is then not for the trace): symbolic shapes, pre-dispatch
@@ -217,6 +216,8 @@ class OpRecorder(TorchDispatchMode):
         return self._consts.get(t)
 
     def bind(self, t: Any, node: Node, constant: torch.Tensor | None = None) -> None:
+        """Record ``node`` as tensor ``t``'s value from now on, with ``constant`` its real value
+        where it is a small constant (None: not one, or no longer)."""
         self._nodes[t] = node
         if constant is not None:
             self._consts[t] = constant
@@ -224,6 +225,8 @@ class OpRecorder(TorchDispatchMode):
             del self._consts[t]
 
     def new_node(self, op: str, target: Any, args: tuple, kwargs: dict, name: str) -> Node:
+        """A node appended to the graph (fx makes ``name`` unique), the :func:`each_node` hooks
+        called on it."""
         node = self.graph.create_node(op, target, name=name)
         node._update_args_kwargs(args, kwargs)
         if op == "call_function" and _should_save_eager_input_vals(target, (args, kwargs)):
@@ -290,10 +293,14 @@ class OpRecorder(TorchDispatchMode):
             else:
                 values.append(x)
                 consts.append(x)
-        if _DATA_DEPENDENT in func.tags and all_constant:
+
+        def on_constants() -> Any:  # func run for real on the constants' values
             with unset_fake_temporarily():
                 cargs, ckwargs = tree_unflatten(consts, spec)
                 return func(*cargs, **ckwargs)
+
+        if _DATA_DEPENDENT in func.tags and all_constant:
+            return on_constants()
         if func is _LIFT_FRESH:
             func = _LIFT_FRESH_COPY
         nargs, nkwargs = tree_unflatten(values, spec)
@@ -319,9 +326,7 @@ class OpRecorder(TorchDispatchMode):
                 if isinstance(t, torch.Tensor)
             )
         ):
-            with unset_fake_temporarily():
-                cargs, ckwargs = tree_unflatten(consts, spec)
-                constant = func(*cargs, **ckwargs)
+            constant = on_constants()
         self.track(out, node, constant)
         return out
 
@@ -330,9 +335,9 @@ class OpRecorder(TorchDispatchMode):
         of it each, made for every element as ``make_fx`` makes them)."""
         if isinstance(out, torch.Tensor):
             self.bind(out, node, constant)
-            node.meta["val"] = _snapshot(out)
+            node.meta["val"] = extract_val(out)
         elif isinstance(out, (tuple, list)):
-            node.meta["val"] = _snapshot(out)
+            node.meta["val"] = extract_val(out)
             for i, e in enumerate(out):
                 item = self.new_node("call_function", operator.getitem, (node, i), {}, "getitem")
                 self.track(e, item, constant[i] if constant is not None else None)
@@ -352,7 +357,7 @@ def record(
         for i, a in enumerate(args):
             name = f"arg{i}_1"
             ph = rec.new_node("placeholder", name, (), {}, name)
-            ph.meta["val"] = _snapshot(a)
+            ph.meta["val"] = extract_val(a, include_real=True)
             if isinstance(a, torch.Tensor):
                 rec.bind(a, ph)
         with disable_autocast_cache(), rec:
@@ -374,16 +379,6 @@ def _input_val(v: Any) -> Any:
     if isinstance(v, Node) and isinstance(v.meta.get("val"), FakeTensor):
         return extract_val(v.meta["val"])
     return None
-
-
-def _snapshot(v: Any) -> Any:
-    """What ``make_fx`` keeps as a node's ``val``: a FakeTensor's detached alias (made without
-    a dispatch), the same for each element of a tuple or list, anything else as it is."""
-    if isinstance(v, FakeTensor):
-        return fast_detach(v.fake_mode, v)
-    if isinstance(v, (tuple, list)):
-        return type(v)(_snapshot(x) for x in v)
-    return v
 
 
 _DEVICE = torch.ops.prim.device.default
