@@ -43,7 +43,7 @@ import itertools
 import operator
 import sys
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -214,23 +214,7 @@ def requires_grad_in_trace(t: torch.Tensor) -> bool:
     node = _node_of(t)
     if node is None:
         return True  # cannot be told: as _differentiable
-    seen: set[Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            if _template_source(n):
-                return True
-            continue
-        if n.target is aten.detach.default:
-            continue
-        if n.meta.get(NO_GRAD) and NO_GRAD_WRITE not in n.meta:
-            continue
-        stack.extend(n.all_input_nodes)
-    return False
+    return _reaches([node], lambda n: n.op == "placeholder" and _template_source(n))
 
 
 def _differentiable(args: tuple) -> bool:
@@ -245,26 +229,34 @@ def _differentiable(args: tuple) -> bool:
     sources = {placeholders[i] for i in _GradSources.trainable if i < len(placeholders)}
     sources |= _GradSources.marked
     tensors = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
-    seen: set[Node] = set()
-    stack: list[Node] = []
+    start: list[Node] = []
     for t in tensors:
         if not (t.is_floating_point() or t.is_complex()):
             continue
         node = _node_of(t)
         if node is None:
             return True
-        stack.append(node)
+        start.append(node)
+    return _reaches(start, sources.__contains__)
+
+
+def _reaches(start: list[Node], is_source: Callable[[Node], bool]) -> bool:
+    """Whether a node ``is_source`` holds for is among ``start`` and their inputs, followed as
+    eager autograd follows a derivative: not through a ``detach`` (a stop-gradient) nor a node
+    made with grad mode off (no derivative; a write there keeps its own)."""
+    seen: set[Node] = set()
+    stack = list(start)
     while stack:
         n = stack.pop()
-        if n in sources:
+        if is_source(n):
             return True
         if n in seen:
             continue
         seen.add(n)
-        if n.target is aten.detach.default:  # a stop-gradient
+        if n.target is aten.detach.default:
             continue
         if n.meta.get(NO_GRAD) and NO_GRAD_WRITE not in n.meta:
-            continue  # made with grad mode off: no derivative (a write there keeps its own)
+            continue
         stack.extend(n.all_input_nodes)
     return False
 
