@@ -306,15 +306,24 @@ def _named_tensors(
         tree = _tree(m)
     if not all(_plain_walk(type(sub)) for _, sub in tree):
         return list(m.named_parameters() if table == "_parameters" else m.named_buffers())
+    return [
+        (prefix + ("." if prefix else "") + k, v) for prefix, _, k, v in _held_once(tree, table)
+    ]
+
+
+def _held_once(
+    tree: list[tuple[str, nn.Module]], table: str
+) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """``(prefix, submodule, name, tensor)`` of each tensor the submodules of ``tree`` hold in
+    ``table`` (``"_parameters"`` or ``"_buffers"``), in ``named_parameters``' order: a tensor
+    held twice listed once, at its first place; None entries left out."""
     seen: set[int] = set()
-    out = []
     for prefix, sub in tree:
         for k, v in getattr(sub, table).items():
             if v is None or id(v) in seen:
                 continue
             seen.add(id(v))
-            out.append((prefix + ("." if prefix else "") + k, v))
-    return out
+            yield prefix, sub, k, v
 
 
 def structure(
@@ -410,15 +419,7 @@ def _slots(tree: list[tuple[str, nn.Module]], table: str) -> list[tuple[nn.Modul
     class in the tree walks it otherwise (:func:`_plain_walk`)."""
     if not all(_plain_walk(type(sub)) for _, sub in tree):
         return None
-    seen: set[int] = set()
-    out = []
-    for _, sub in tree:
-        for k, v in getattr(sub, table).items():
-            if v is None or id(v) in seen:
-                continue
-            seen.add(id(v))
-            out.append((sub, k))
-    return out
+    return [(sub, k) for _, sub, k, _ in _held_once(tree, table)]
 
 
 def _held(m: nn.Module, slots: list[tuple[nn.Module, str]] | None, table: str) -> list:
