@@ -761,10 +761,7 @@ def test_run_pass_per_template_composes_as_flat():
     # the same pass over the flat graph, node by node
     flat = a.flat().forward
     MatmulOutputs().apply(flat)
-    by: dict[str, int] = {}
-    for node in flat.graph.nodes:
-        by[node.meta.get(MODULE, "")] = by.get(node.meta.get(MODULE, ""), 0) + mm_out(node)
-    assert rows == by
+    assert rows == _flat_by_module(flat, mm_out)
 
 
 @pytest.mark.parametrize("which", ["stack", "gpt2"])
@@ -780,14 +777,20 @@ def test_compose_reads_the_analysis_costs_at_the_top_level(which):
         loaded = load(spec("gpt2.py"), ctor_kwargs=dict(n_layer=3, n_embd=32, n_head=2), meta=True)
         a = analyze(loaded.model, make_inputs(loaded, batch=2))
     flops = lambda node: node.meta[COST].flops  # noqa: E731  (every node is costed)
-    by: dict[str, int] = {}
-    for node in a.forward.graph.nodes:
-        m = node.meta.get(MODULE, "")
-        by[m] = by.get(m, 0) + flops(node)
+    by = _flat_by_module(a.forward, flops)
     assert compose(a.hierarchy, flops, by_module=True) == by
     assert compose(a.hierarchy, flops) == sum(by.values())
     top = [n for n in a.hierarchy.graph.graph.nodes if n.meta.get(COST) is not None]
     assert any(n.meta[COST].flops > 0 for n in top)  # the head's matmul, the loss
+
+
+def _flat_by_module(gm, value) -> dict[str, int]:
+    """``value`` summed over every node of the flat graph ``gm``, per module path."""
+    by: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        m = node.meta.get(MODULE, "")
+        by[m] = by.get(m, 0) + value(node)
+    return by
 
 
 def _tensor_bytes(node) -> int:
@@ -806,10 +809,7 @@ def test_compose_sums_every_node_of_the_flat_graph(which):
     else:
         a = analyze(ConvRes().eval(), torch.randn(2, 3, 12, 12))
     assert a.hierarchy is not None and a.hierarchy.graph is not None
-    by: dict[str, int] = {}
-    for node in a.forward.graph.nodes:
-        m = node.meta.get(MODULE, "")
-        by[m] = by.get(m, 0) + _tensor_bytes(node)
+    by = _flat_by_module(a.forward, _tensor_bytes)
     assert compose(a.hierarchy, _tensor_bytes, by_module=True) == by
     assert compose(a.hierarchy, _tensor_bytes) == sum(by.values())
     params = [n for n in a.forward.graph.nodes if n.op == "placeholder"]
