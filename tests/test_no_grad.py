@@ -300,6 +300,7 @@ def test_the_caller_s_grad_mode_changes_nothing(mode):
     assert analyze(model, (x_inference,)).report.totals == want.totals
 
 
+@pytest.mark.slow  # (about 2 s: a transformers model analysed twice; CI's slow pass)
 def test_hf_llama_unchanged(monkeypatch):
     """A tiny Llama (its rotary embedding computes cos/sin from positions only) has nothing
     computed with grad mode off on the way to the loss: its report is the one of the model

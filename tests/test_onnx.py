@@ -438,6 +438,7 @@ def test_a_squeeze_of_no_size_one_dimension_exports(tmp_path):
     assert rel_error(loss, fv[a.forward.meta[SIGNATURE].loss]) < 1e-6
 
 
+@pytest.mark.slow  # (about 3 s: an ONNX export and an onnxruntime run; CI's slow pass)
 def test_a_value_copied_into_a_row_exports_a_valid_model(tmp_path):
     """A tester's finding: ``h[:, 0] = 0.0`` (a 0-d value copied into a row) was exported as
     one ``CastLike`` of the source's shape: an invalid model (ONNX's checker and ONNX Runtime
@@ -766,6 +767,7 @@ class _ComplexRope(nn.Module):
         return (q * k).sum(-1)
 
 
+@pytest.mark.slow  # (about 2 s: an ONNX export and an onnxruntime run; CI's slow pass)
 def test_complex_rotary_embedding_exports(tmp_path):
     """A tester's finding: the backward of complex rotary embeddings (LLaMA's original code)
     holds ``aten.conj_physical`` (the cotangent of ``z·f`` with respect to ``z`` is
