@@ -247,7 +247,8 @@ _AUGMENTED = frozenset(
 #: softmax and log-softmax their output; GELU, SiLU, Hardswish, ELU, Softplus their input; dropout
 #: its mask (bool on CUDA; a float tensor of the input's dtype on CPU, where ``F.dropout``
 #: multiplies by a scaled Bernoulli tensor: see :data:`FLOAT_MASK_ON_CPU`); NLL its input, target
-#: and total weight; MSE its input and target; nan_to_num its input (``grad · isfinite(x)``).
+#: and total weight; MSE its input and target; nan_to_num its input (``grad · isfinite(x)``);
+#: weight norm's fused kernel v, g and the norms (not the quotient ``g / ‖v‖``).
 EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "aten.native_batch_norm.default": ((0,), (1, 2)),
     "aten._native_batch_norm_legit_functional.default": ((0,), (1, 2)),
@@ -303,6 +304,12 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     # and oneDNN's workspace (result3, uint8: graphflop.ops.recurrent); CPU
     # float32 (:data:`CPU_FLOAT32_ONLY`), the weights are parameters
     "aten.mkldnn_rnn_layer.default": ((0, 5, 6), (0, 1, 2, 3)),
+    # _weight_norm_interface_backward(grad.contiguous(), v, g, result1, dim): v, g (parameters,
+    # as weight norm is used) and the norms, result1 (g's shape; float32 for a bfloat16 g).
+    # What ``torch._weight_norm`` runs where ``dim`` is 0 or the last and no input is float16
+    # (aten/src/ATen/native/WeightNorm.cpp); elsewhere it is ``v * (g / norm_except_dim(v))``,
+    # made of plain ops before tracing sees it, and no region is tagged
+    "aten._weight_norm_interface.default": ((0, 1), (1,)),
 }
 
 #: ops of :data:`EAGER_SAVES` whose saves are modelled for CPU float32 inputs only: elsewhere

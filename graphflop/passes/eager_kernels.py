@@ -217,36 +217,6 @@ def zero_tangent_mms(jvp: GraphModule) -> dict[str, int]:
 #: gradients at the broadcast shape, reduced to each operand's shape afterwards
 BROADCAST_PRODUCTS = (aten.mul.Tensor, aten.div.Tensor)
 _REDUCTIONS = (aten.sum.dim_IntList, aten.view.default)
-_VECTOR_NORM = "aten.linalg_vector_norm.default"
-
-
-def weight_norm_parts(forward: GraphModule) -> set[str]:
-    """The ``div`` and ``mul`` of ``torch._weight_norm``'s decomposition, ``v * (g / ‖v‖)``
-    (a division by a ``linalg_vector_norm`` of ``v``, times ``v``): eager runs the fused
-    ``_weight_norm_interface`` there, whose backward is one kernel
-    (``WeightNormInterfaceBackward0``), not ``MulBackward0``/``DivBackward0``."""
-    out: set[str] = set()
-    for n in forward.graph.nodes:
-        if n.op != "call_function" or n.target is not aten.div.Tensor or COMPOSITE in n.meta:
-            continue
-        norm = n.args[1]
-        tag = norm.meta.get(COMPOSITE) if isinstance(norm, Node) else None
-        if tag is None or str(tag.op) != _VECTOR_NORM:
-            continue
-        inputs, todo, seen = set(), [norm], {norm}
-        while todo:  # the norm region's inputs
-            for a in todo.pop().all_input_nodes:
-                t = a.meta.get(COMPOSITE)
-                if t is not None and t.region == tag.region and str(t.op) == _VECTOR_NORM:
-                    if a not in seen:
-                        seen.add(a)
-                        todo.append(a)
-                else:
-                    inputs.add(a)
-        for u in n.users:
-            if u.target is aten.mul.Tensor and any(a in inputs for a in u.all_input_nodes):
-                out |= {n.name, u.name}
-    return out
 
 
 def broadcast_product_backward(
@@ -267,15 +237,12 @@ def broadcast_product_backward(
     product is read by it; the values from outside the rule (the output gradient) are read by
     its last node, which eager runs before it frees them; the divisor's product holds one
     output-sized temporary more. graphflop's div rule makes the divisor's gradient first, as
-    eager does. Weight norm's parts (:func:`weight_norm_parts`) are left as they are."""
-    fused = weight_norm_parts(forward)
+    eager does. A composite op's parts (weight norm's ``v * (g / ‖v‖)``, one
+    ``_weight_norm_interface`` eagerly) are left to its one kernel (:func:`one_kernel_backward`)."""
     ops = {
         n.name: n
         for n in forward.graph.nodes
-        if n.op == "call_function"
-        and n.target in BROADCAST_PRODUCTS
-        and COMPOSITE not in n.meta
-        and n.name not in fused
+        if n.op == "call_function" and n.target in BROADCAST_PRODUCTS and COMPOSITE not in n.meta
     }
     groups: dict[str, list[Node]] = {}
     for n in backward.graph.nodes:
