@@ -28,7 +28,9 @@ their autocast sizes). The train peak is the report's eager train schedule
 backwards, in-place scatters, the kernels' temporaries) with each forward value at its autocast
 size, the saved casts as storages made at their op and kept to the backward, each backward
 value scaled by the dtype of the forward op whose rule made it (gradients of half activations
-are half; parameter gradients float32), the kernels' temporaries at their ops' dtypes
+are half; parameter gradients float32; a half op's gradient for a float32 value it cast, a
+computed weight's, copied to float32 by the cast's backward before the op that made the value
+reads it), the kernels' temporaries at their ops' dtypes
 (:func:`~graphflop.passes.eager_memory.temporaries_at`; a multi-output op at its output 0's),
 and the model's inputs held through the step (their casts, not they, are saved); an estimate
 (the backward's dtypes are not traced; oneDNN's half-precision scratchpads, which depend on the
@@ -46,6 +48,7 @@ from torch.fx import GraphModule, Node
 
 from graphflop.frontend.composite import EAGER_SAVES
 from graphflop.meta import COMPOSITE, MODULE, PARAM_DERIVED, RESIDUAL, SOURCE
+from graphflop.passes.eager_kernels import is_view
 from graphflop.passes.eager_memory import (
     _regions,
     eager_residuals,
@@ -354,6 +357,7 @@ class _Amp:
         )
         self._insert_casts(s)
         self._grad_copies(s)
+        self._cast_grad_copies(s)
         return s
 
     def _insert_casts(self, s: Schedule) -> None:
@@ -407,6 +411,51 @@ class _Amp:
                 half = Step(f"{st.key}@half", _bytes(n, d), None, st.reads, st.extra)
                 st.reads, st.extra = [half.key], 0
                 s.steps.insert(i, half)
+
+    def _cast_grad_copies(self, s: Schedule) -> None:
+        """A gradient a half op made for a float32 value it cast (a computed weight, a float32
+        activation), read by the backward of the float32 op that made the value: eager's cast
+        backward (``ToCopyBackward0``) copies it to float32 first, and frees the half one once
+        the copy is made (profiler allocator events, PyTorch 2.13 CPU: weight norm's W, whose
+        ``_weight_norm_interface_backward`` reads the float32 copy). A step of its own after
+        the gradient's (after the views the half op's rule takes of it, as ``TBackward0``
+        runs before the cast's backward), read instead of the gradient by the float32 op's
+        backward nodes. A parameter's gradient is :meth:`_grad_copies`'."""
+        from graphflop.passes.memory import Step
+
+        def op_dtype(n: Node) -> torch.dtype | None:
+            return self.op_dts.get(n.meta.get(SOURCE) or "")
+
+        def half_made(n: Node) -> bool:
+            while is_view(n) and n.args and isinstance(n.args[0], Node):
+                n = n.args[0]
+            d = op_dtype(n)
+            return (
+                n.op == "call_function"
+                and _dtype(n) == torch.float32
+                and d is not None
+                and d.itemsize < 4
+            )
+
+        readers: set[str] = set()
+        copies: dict[str, Node] = {}
+        for u in self.backward.graph.nodes:
+            if u.op != "call_function" or is_view(u) or op_dtype(u) != torch.float32:
+                continue
+            readers.add(f"b:{u.name}")
+            for a in u.all_input_nodes:
+                if a.op == "call_function" and half_made(a):
+                    copies[f"b:{a.name}"] = a
+        if not copies:
+            return
+        for st in s.steps:
+            if st.key in readers:
+                st.reads = [f"{k}@f32" if k in copies else k for k in st.reads]
+        for i in reversed(range(len(s.steps))):
+            a = copies.get(s.steps[i].key)
+            if a is not None:
+                key = s.steps[i].key
+                s.steps.insert(i + 1, Step(f"{key}@f32", _bytes(a, torch.float32), None, [key]))
 
     def _backward_sizes(self) -> dict[str, int]:
         """Backward node -> bytes at the dtype of the forward op whose rule made it (half
