@@ -442,6 +442,10 @@ class _Blocks(nn.Module):
             elif self.how == "scale":
                 b.scale = 0.5**i
                 x = b(x)
+            elif self.how == "inner_eval":  # a submodule's mode changed, the block's not
+                if i:
+                    b.a.eval()
+                x = b(x)
             elif self.how == "append":
                 x = b(x, store)
             elif self.how == "alias":  # the write into skip reaches x
@@ -466,7 +470,8 @@ class _Blocks(nn.Module):
         (_NoneArgs, "none", 3),
         (_GradMode, "no_grad", 3),  # copies, in the call's grad mode
         (_Blk, "autocast", 0),
-        (_Scaled, "scale", 1),  # block 0 keeps its planned attribute
+        (_Scaled, "scale", 1),  # block 0 keeps its planned attribute (an equal new float)
+        (_Blk, "inner_eval", 1),  # blocks 1 and 2: a submodule's mode is not the planned one
         (_Appends, "append", 0),
         (_Stashes, "stash", 0),
         # the input itself: each call returns the caller's own tensor (the write reaches it)

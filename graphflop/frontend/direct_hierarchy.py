@@ -716,13 +716,16 @@ def _call(n: Node, g: Graph, env: dict, d: _Direct, s: _Sites, top: list) -> dic
     stacks: dict[tuple, dict] = {}
 
     called = called_at(s.model, s.prefix, site_path)
+    fulls: dict[str, str] = {}  # (each submodule's path looked up once per call)
 
     def stack_of(inner: tuple) -> dict:
         got = stacks.get(inner)
         if got is None:
             got = stacks[inner] = dict(site)
             for path, cls in inner:
-                full = path_in(called, site_path, path, s.paths)
+                full = fulls.get(path)
+                if full is None:
+                    full = fulls[path] = path_in(called, site_path, path, s.paths)
                 got[full] = (full, cls)
         return got
 
@@ -845,6 +848,30 @@ def _reads(call: Node, n: Node, tpl: dict) -> bool:
     return False
 
 
+#: whether this torch.fx's graphs have the parts :func:`_named_node` makes a node with
+_PARTS = all(
+    hasattr(Graph(), a) for a in ("_insert", "_find_nodes_lookup_table", "_len", "_graph_namespace")
+)
+
+
+def _named_node(g: Graph, op: str, target: Any, name: str, type_expr: Any) -> Node:
+    """``g.create_node(op, target, name=name, type_expr=type_expr)`` (no arguments yet): the
+    name taken in ``g``'s namespace as fx takes it, without its regular expression where the
+    name is of a form :func:`~graphflop.ad.builder.take_names` reads (a copy's name: fx made
+    it, ``base_<number>``), then the node made and inserted as ``create_node`` makes and
+    inserts it. ``create_node`` itself where ``g`` has an owning module (its create-node
+    hooks) or this torch.fx lacks the parts."""
+    if not _PARTS or g.owning_module is not None:
+        return g.create_node(op, target, name=name, type_expr=type_expr)
+    taken = take_names(g, (name,))[0]
+    n = Node(g, taken, op, target, (), {}, type_expr)
+    g._graph_namespace.associate_name_with_obj(taken, n)
+    g._insert(n)
+    g._find_nodes_lookup_table.insert(n)
+    g._len += 1
+    return n
+
+
 class _Record:
     """What :func:`build_direct` keeps of a build for :func:`flat_forward`: ``make_fx``'s
     namespace before any copy's name was claimed, per site its ``stack_of`` (the copies'
@@ -952,7 +979,7 @@ def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
                 x = tnodes[t][index]
                 if out is None:
                     name = names[x]
-                    new = g.create_node(x.op, x.target, name=name, type_expr=x.type)
+                    new = _named_node(g, x.op, x.target, name, x.type)
                     try:
                         new._update_args_kwargs(
                             map_arg(x.args, tenv.__getitem__), map_arg(x.kwargs, tenv.__getitem__)

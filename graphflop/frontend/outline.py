@@ -71,7 +71,15 @@ from graphflop.frontend.dispatch import routed_again
 from graphflop.frontend.libraries import inert_hook
 from graphflop.frontend.regions import NESTED
 from graphflop.frontend.scopes import module_path
-from graphflop.meta import CALL_SITE, CHECKPOINT, FUNCTION, MODULE, fake_mode_of, fresh_fake
+from graphflop.meta import (
+    CALL_SITE,
+    CHECKPOINT,
+    FUNCTION,
+    MODULE,
+    fake_mode_of,
+    fresh_fake,
+    fresh_fakes,
+)
 from graphflop.ops.tree import scalar_key
 
 #: template module paths start with this marker, replaced by the call site's path on inlining
@@ -435,13 +443,116 @@ def _is_index(k: str, v: Any) -> bool:
     return k in INDEX_ATTRS and (type(v) is int or type(v) is _Index)
 
 
-def _indices(m: nn.Module) -> tuple:
-    """The :data:`INDEX_ATTRS` values of ``m`` and its submodules."""
+def _indices(m: nn.Module, tree: list[tuple[str, nn.Module]] | None = None) -> tuple:
+    """The :data:`INDEX_ATTRS` values of ``m`` and its submodules (``tree``: ``m``'s
+    :func:`_tree`, where the caller has it). A submodule holding none of those attributes is
+    passed over by one set test, without a look at each of its attributes."""
     return tuple(
         (name, k, v)
-        for name, sub in _tree(m)
-        for k, v in vars(sub).items()
+        for name, sub in (_tree(m) if tree is None else tree)
+        if not INDEX_ATTRS.isdisjoint(attrs := vars(sub))
+        for k, v in attrs.items()
         if k in INDEX_ATTRS and _is_index(k, v)
+    )
+
+
+#: the exact types whose values :func:`_attr_key` keys by value and which cannot change
+_IMMUTABLE = frozenset({bool, int, float, str, complex, torch.dtype, torch.device, type(None)})
+
+
+def _keyed_by_identity(v: Any) -> bool:
+    """Whether :func:`_attr_key` of ``v`` stays the same while ``v`` is the same object: an
+    immutable plain value, a tuple of such, or an object keyed by its identity (not a list,
+    dict, module or subclass of a plain type, whose key could change in place)."""
+    t = type(v)
+    if t in _IMMUTABLE:
+        return True
+    if t is tuple:
+        return all(_keyed_by_identity(x) for x in v)
+    return not issubclass(t, (tuple, list, dict, nn.Module, *_PLAIN))
+
+
+def _module_entry(sub: nn.Module) -> tuple:
+    """What :class:`_Frozen` compares of one submodule: the module, its class, its attributes'
+    names, their values' identities, its submodules' names and identities (and the values
+    themselves, held so that no identity is reused while the entry lives)."""
+    attrs, mods = vars(sub), sub._modules
+    return (
+        sub,
+        type(sub),
+        list(attrs),
+        list(map(id, attrs.values())),
+        list(mods),
+        list(map(id, mods.values())),
+        (tuple(attrs.values()), tuple(mods.values())),
+    )
+
+
+def _entry_same(entry: tuple) -> bool:
+    """Whether a submodule is as :func:`_module_entry` found it: the same class, attribute
+    names, attribute values (the same objects) and submodules."""
+    sub, cls, names, ids, children, child_ids, _ = entry
+    attrs, mods = vars(sub), sub._modules
+    return (
+        type(sub) is cls
+        and list(map(id, attrs.values())) == ids
+        and list(attrs) == names
+        and list(map(id, mods.values())) == child_ids
+        and list(mods) == children
+    )
+
+
+class _Frozen:
+    """A module tree as :func:`_modules_state` saw it, told unchanged by identity alone: the
+    stub's per-call check that a module's attributes did not change after planning, without
+    computing :func:`_modules_state` again (its sorted, keyed attributes: about twice the
+    cost, for a GPT-2 block of 12 modules).
+
+    Made only where identity is enough: every submodule walks its tree as ``nn.Module`` does
+    (:func:`_plain_walk`), no submodule has a hook (the root no backward hook), and each
+    attribute's :func:`_attr_key` is a function of its identity (:func:`_keyed_by_identity`).
+    Unchanged then means: the same classes, the same attribute names bound to the same
+    objects (``training`` among them), the same submodules under the same names, and still
+    no hook; :func:`_modules_state` would then give what it gave. Anything else is decided by
+    :func:`_modules_state` itself."""
+
+    def __init__(self, tree: list[tuple[str, nn.Module]]):
+        self.tree = tree
+        self.entries = [_module_entry(sub) for _, sub in tree]
+
+    @staticmethod
+    def of(tree: list[tuple[str, nn.Module]]) -> _Frozen | None:
+        """The frozen view of ``tree`` (a module's :func:`_tree`), or None where identity is
+        not enough (see the class)."""
+        for name, sub in tree:
+            if not _plain_walk(type(sub)) or _hooked(name, sub):
+                return None
+            if not all(
+                _keyed_by_identity(v) for k, v in vars(sub).items() if k not in _MODULE_INTERNALS
+            ):
+                return None
+        return _Frozen(tree)
+
+    def same(self) -> bool:
+        """Whether the tree is unchanged (see the class): False where it cannot tell."""
+        for (name, sub), entry in zip(self.tree, self.entries):
+            if _hooked(name, sub) or not _entry_same(entry):
+                return False
+        return True
+
+    def refreeze_root(self) -> None:
+        """Take the root's attributes as they are now (after the stub was set as its
+        ``forward``, which :func:`_modules_state` leaves out)."""
+        self.entries[0] = _module_entry(self.tree[0][1])
+
+
+def _hooked(name: str, sub: nn.Module) -> bool:
+    """``sub`` (at ``name`` in the tree, ``""`` the root) has a hook :func:`_modules_state`
+    would look at: a backward hook, or a forward hook of a submodule."""
+    return bool(
+        sub._backward_hooks
+        or sub._backward_pre_hooks
+        or (name and (sub._forward_hooks or sub._forward_pre_hooks))
     )
 
 
@@ -765,6 +876,9 @@ class Outliner:
         }
         self.trainable = {m: [p.requires_grad for p in self._params(m)] for m in modules}
         self.states = {m: _modules_state(m, tree=trees[m]) for m in modules}
+        #: per module, its tree as planned, told unchanged cheaply at each call (None: by
+        #: :func:`_modules_state` only)
+        self._frozen = {m: _Frozen.of(trees[m]) for m in modules}
         # per module, the submodules whose running statistics its calls update (all of them
         # in ``_all_owners``); per such submodule updated so far in the trace, the structure
         # of the outlined call that did (None: a call traced in full) (:meth:`_updates`)
@@ -794,7 +908,13 @@ class Outliner:
         )
         for m in self.modules:
             self._saved.append((m, m.__dict__.get("forward")))
+            frozen = self._frozen[m]
+            unchanged = frozen is not None and frozen.same()
             m.forward = self._stub(m)
+            if frozen is not None and unchanged:  # (the stub is no part of its state)
+                frozen.refreeze_root()
+            else:
+                self._frozen[m] = None
         self._handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre),
             torch.nn.modules.module.register_module_forward_hook(self._post, always_call=True),
@@ -844,7 +964,7 @@ class Outliner:
                 else _arguments(args, kwargs)
                 or (
                     "its attributes changed after the model was built"
-                    if _modules_state(m) != self.states[m]
+                    if not self._unchanged(m)
                     else None
                 )
             )
@@ -897,7 +1017,10 @@ class Outliner:
             call = self.calls[index]
             if self._owners[m]:
                 self._updates(self._owners[m], self.modules[m])
-            if m is not call.module and self._indices(m) != self._indices(call.module):
+            # (a tree still frozen was found unchanged at this call: _unchanged above)
+            frozen = self._frozen.get(m)
+            tree = frozen.tree if frozen is not None else None
+            if m is not call.module and self._indices(m, tree) != self._indices(call.module):
                 call.check = m
             operands = [*tensors, *state]
             outs = self._direct(call, index, operands) if self.direct else None
@@ -1079,13 +1202,24 @@ class Outliner:
         """``m``'s parameters now, as ``named_parameters`` lists them."""
         return _held(m, self._slots[m][0], "_parameters")
 
-    def _indices(self, m: nn.Module) -> tuple:
+    def _indices(self, m: nn.Module, tree: list[tuple[str, nn.Module]] | None = None) -> tuple:
         """:func:`_indices` of ``m``, read at its first call (a per-layer index is set when
-        the model is built, not in forward)."""
+        the model is built, not in forward); ``tree``: ``m``'s :func:`_tree` where known
+        to be current."""
         found = self._index_of.get(m)
         if found is None:
-            found = self._index_of[m] = _indices(m)
+            found = self._index_of[m] = _indices(m, tree)
         return found
+
+    def _unchanged(self, m: nn.Module) -> bool:
+        """``m``'s classes, modes and attributes are those planned (:func:`_modules_state`);
+        told by identity where its tree allows (:class:`_Frozen`)."""
+        frozen = self._frozen.get(m)
+        if frozen is not None:
+            if frozen.same():
+                return True
+            self._frozen[m] = None  # (changed: decided by the state itself from now on)
+        return _modules_state(m) == self.states[m]
 
     def _rebuild(self, call: Call, tensors: list) -> tuple[tuple, dict, dict]:
         it = iter(tensors[: call.n_inputs])
@@ -1137,7 +1271,7 @@ class Outliner:
                 raise NotOutlinable(call.structure, "returns a parameter or a view of an input")
             call.out_meta = [_meta(x) for x in outs]
             call.out_meta += [_meta(tensors[call.n_inputs + i]) for i in call.written]
-        return [_like(mode, m[:4] + (False,)) for m in call.out_meta]
+        return fresh_fakes(mode, [m[:4] + (False,) for m in call.out_meta])  # (_like each)
 
     @contextlib.contextmanager
     def _dispatched(self, call: Call):

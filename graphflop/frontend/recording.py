@@ -49,6 +49,14 @@ try:  # what OpRecorder mirrors make_fx with (private; without it the trace uses
 except ImportError:  # pragma: no cover - a PyTorch that moved them
     AVAILABLE = False
 
+try:  # what fast_detach detaches a FakeTensor with (:func:`_snapshots` enters them once)
+    from torch._dispatch.python import no_python_dispatcher
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
+
+    _BATCHED = AVAILABLE
+except ImportError:  # pragma: no cover - a PyTorch that moved them
+    _BATCHED = False
+
 from graphflop.meta import graph_module
 
 __all__ = [
@@ -337,7 +345,7 @@ class OpRecorder(TorchDispatchMode):
             self.bind(out, node, constant)
             node.meta["val"] = extract_val(out)
         elif isinstance(out, (tuple, list)):
-            node.meta["val"] = extract_val(out)
+            node.meta["val"] = out.__class__(_snapshots(out))  # (extract_val(out))
             for i, e in enumerate(out):
                 item = self.new_node("call_function", operator.getitem, (node, i), {}, "getitem")
                 self.track(e, item, constant[i] if constant is not None else None)
@@ -354,10 +362,10 @@ def record(
 
     def run(*args: Any) -> GraphModule:
         rec = OpRecorder(decomposition_table)
-        for i, a in enumerate(args):
+        for i, (a, val) in enumerate(zip(args, _snapshots(args, include_real=True))):
             name = f"arg{i}_1"
             ph = rec.new_node("placeholder", name, (), {}, name)
-            ph.meta["val"] = extract_val(a, include_real=True)
+            ph.meta["val"] = val
             if isinstance(a, torch.Tensor):
                 rec.bind(a, ph)
         with disable_autocast_cache(), rec:
@@ -373,6 +381,32 @@ def record(
     return run
 
 
+def _snapshots(values: Any, include_real: bool = False) -> list:
+    """``[extract_val(v, include_real) for v in values]``: a node's value as ``make_fx`` keeps
+    it, the FakeTensors among ``values`` detached together as ``fast_detach`` detaches each (a
+    ``detach`` in the fake mode's kernel invocation, its two dispatch guards entered once per
+    fake mode instead of per tensor: a trace has a placeholder per parameter), then each
+    wrapped as a FakeTensor of its own."""
+    if not _BATCHED:  # pragma: no cover - a PyTorch without them
+        return [extract_val(v, include_real) for v in values]
+    out: list[Any] = []
+    fakes: dict[int, tuple[Any, list[int]]] = {}  # per fake mode (by id), its tensors' places
+    for i, v in enumerate(values):
+        if type(v) is FakeTensor:
+            fakes.setdefault(id(v.fake_mode), (v.fake_mode, []))[1].append(i)
+            out.append(None)
+        else:
+            out.append(extract_val(v, include_real))
+    for mode, places in fakes.values():
+        with no_python_dispatcher(), in_kernel_invocation_manager(mode):
+            metas = [_DETACH(values[i]) for i in places]
+        for i, meta in zip(places, metas):
+            v = values[i]
+            real = v.real_tensor if include_real else None
+            out[i] = FakeTensor(mode, meta, v.device, real_tensor=real)
+    return out
+
+
 def _input_val(v: Any) -> Any:
     """An argument's value as ``make_fx`` keeps it in ``eager_input_vals``: a node's fake
     ``val`` (aliased), else None."""
@@ -382,6 +416,7 @@ def _input_val(v: Any) -> Any:
 
 
 _DEVICE = torch.ops.prim.device.default
+_DETACH = torch.ops.aten.detach.default
 _IS_NONZERO = torch.ops.aten.is_nonzero.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _LIFT_FRESH_COPY = torch.ops.aten.lift_fresh_copy.default

@@ -260,19 +260,25 @@ def _check_matmul_dtypes(gm: GraphModule) -> None:
     Raises:
         TraceError: naming the op, the dtypes and the module.
     """
-    for n in gm.graph.nodes:
-        where = SAME_DTYPE_OPERANDS.get(n.target) if n.op == "call_function" else None
-        if where is None:
-            continue
-        vals = [n.args[i].meta.get("val") for i in where if isinstance(n.args[i], torch.fx.Node)]
-        dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in vals if v is not None})
-        if len(dtypes) > 1:
-            module = n.meta.get(MODULE) or "the model"
-            raise MixedDtypes(
-                f"{n.target.name()} in {module} multiplies {' and '.join(dtypes)} operands, "
-                "which PyTorch refuses (it needs one dtype)",
-                "give inputs in the parameters' dtype (--dtype), or cast one side in the model",
-            )
+    # the matrix products by fx's table of nodes by op, not a walk over every node; the first
+    # refused in graph order is named
+    refused: dict[torch.fx.Node, list[str]] = {}
+    for op, where in SAME_DTYPE_OPERANDS.items():
+        for n in gm.graph.find_nodes(op="call_function", target=op):
+            args = [n.args[i] for i in where]
+            vals = [a.meta.get("val") for a in args if isinstance(a, torch.fx.Node)]
+            dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in vals if v is not None})
+            if len(dtypes) > 1:
+                refused[n] = dtypes
+    if not refused:
+        return
+    n = next(n for n in gm.graph.nodes if n in refused)
+    module = n.meta.get(MODULE) or "the model"
+    raise MixedDtypes(
+        f"{n.target.name()} in {module} multiplies {' and '.join(refused[n])} operands, "
+        "which PyTorch refuses (it needs one dtype)",
+        "give inputs in the parameters' dtype (--dtype), or cast one side in the model",
+    )
 
 
 @contextlib.contextmanager
@@ -337,7 +343,10 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
 
 def _tensor_attributes(m: nn.Module) -> dict[str, torch.Tensor]:
     """``m``'s tensor attributes that are neither parameters nor buffers (they live in its
-    ``__dict__``)."""
+    ``__dict__``); most modules hold none, which one look without a Python loop tells
+    (:func:`~graphflop.frontend.outline.holds_tensors`)."""
+    if not repeats.holds_tensors(m):
+        return {}
     return {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)}
 
 
@@ -834,8 +843,13 @@ def _input_writes_unrecorded() -> Iterator[None]:
     original = eager_transforms._propagate_functional_input_mutation
 
     def propagate(input_tensor: torch.Tensor, wrapped_tensor: torch.Tensor) -> None:
-        with torch.no_grad():
+        # (torch.no_grad() by its two calls: this runs once per parameter of the model)
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
             original(input_tensor, wrapped_tensor)
+        finally:
+            torch._C._set_grad_enabled(prev)
 
     eager_transforms._propagate_functional_input_mutation = propagate
     try:
