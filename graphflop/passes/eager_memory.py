@@ -204,6 +204,36 @@ def not_saved(p: Node, indices: frozenset[str] = frozenset()) -> bool:
     return p.meta.get(SOURCE, p.name) not in indices
 
 
+def unstored_values(forward: GraphModule) -> frozenset[str]:
+    """The forward's node names with no storage of their own in the eager schedule: the
+    parameters and buffers and the views of them (a Linear's ``t(W)``, a reshaped bias), to
+    which :func:`~graphflop.passes.memory.forward_storages` gives no key."""
+    stored, _ = forward_storages(forward, {})
+    return frozenset(n.name for n in forward.graph.nodes if n.name not in stored)
+
+
+def residual_keys(
+    p: Node,
+    state: set[str],
+    indices: frozenset[str],
+    remap: dict[str, list[str]],
+    unstored: frozenset[str],
+) -> list[str]:
+    """The keys (``f:NAME``) of the forward values that backward residual placeholder ``p``
+    stands for in the eager train schedule, those with a storage of their own: none for a
+    parameter or buffer (``state``) or a value :func:`not_saved` (``indices``:
+    :func:`embedding_indices`); of the values it stands for (``remap``:
+    :attr:`EagerResiduals.remap`), those not in ``unstored`` (:func:`unstored_values`). A
+    value computed from parameters that is a view of one (``param_derived``: the ``t(W)`` an
+    ``addmm`` saves) is the parameter's storage, always live: its key names no step, and a
+    backward view of it (``t(t(W))``, the input gradient's ``mm`` operand) would otherwise be
+    scheduled as a new storage of its size, which eager never allocates."""
+    src = p.meta.get(SOURCE, p.name)
+    if src in state or not_saved(p, indices):
+        return []
+    return [f"f:{x}" for x in remap.get(p.name, [src]) if x not in unstored]
+
+
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
 DESCRIBES = {
     "eager": {
@@ -1371,15 +1401,17 @@ def eager_train_schedule(
     ext: dict[str, str | list[str]] = {}
     base_b = set()
     indices = embedding_indices(forward)
+    unstored = unstored_values(forward)
     for n in backward.graph.nodes:
         if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
-            src = n.meta.get(SOURCE, n.name)
             if stand_in is not None and n.name in stand_in:  # (a parameter's saved cast)
                 ext[n.name] = list(stand_in[n.name])
-            elif src in state or not_saved(n, indices):  # (a value computed from them that
-                base_b.add(n.name)  # eager saves is the forward's: held from where it is made)
+            # a value computed from parameters that eager saves is the forward's: held from
+            # where it is made; one that is a view of a parameter, always live, as they are
+            elif keys := residual_keys(n, state, indices, eager.remap, unstored):
+                ext[n.name] = keys
             else:
-                ext[n.name] = [f"f:{x}" for x in eager.remap.get(n.name, [src])]
+                base_b.add(n.name)
     s.add_graph(
         backward,
         "b",

@@ -83,7 +83,9 @@ from graphflop.passes.eager_memory import (
     matmul_operand_copy_bytes,
     not_saved,
     optimizer_temporaries,
+    residual_keys,
     scatters_in_place,
+    unstored_values,
 )
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Step, _NodeSteps
@@ -890,6 +892,7 @@ class _TrainBuilder:
     def walk(self, state: set[str], remap: dict[str, list[str]]) -> None:
         """The backward's top level as steps, each call one item (after the forward's)."""
         top, keys, s = self.top, self.keys, self.s
+        unstored = unstored_values(self.forward)
         read_after: dict[int, set[int]] = {}
         outs: dict[int, set[int]] = {}
         out = next(n for n in reversed(top.graph.nodes) if n.op == "output")
@@ -918,11 +921,7 @@ class _TrainBuilder:
                 if not self.keep_grads:
                     s.keep.update(r)
             elif n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
-                src = n.meta.get(SOURCE, n.name)
-                if src in state or not_saved(n, self.indices):
-                    keys[n] = []
-                else:
-                    keys[n] = [f"f:{x}" for x in remap.get(n.name, [src])]
+                keys[n] = residual_keys(n, state, self.indices, remap, unstored)
             elif (step := nodes.step(n, f"b:{n.name}", keys)) is not None:
                 s.items.append(step)
 
