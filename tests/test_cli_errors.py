@@ -2128,3 +2128,19 @@ def test_an_unknown_option_names_the_subcommands_help(capsys, argv):
         f"graphflop {argv[0]}: error: unrecognized arguments: --bogus; "
         f"see graphflop {argv[0]} --help"
     ]
+
+
+def test_sweep_without_example_inputs_says_to_add_them(work, capsys):
+    """A tester's finding: sweep's error on a file without example_inputs() advised
+    --input-shape, which sweep does not take (inspect's advice)."""
+    (work / "models/noex.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 2)\n\n"
+        "    def forward(self, x):\n        return self.fc(x)\n"
+    )
+    err = one_error(
+        capsys, "sweep", work / "models/noex.py", "--batches", "1,2", message="example_inputs()"
+    )
+    assert "--input-shape" not in err
+    nothing_left(work / "out")

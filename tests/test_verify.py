@@ -609,3 +609,37 @@ def test_a_model_casting_to_float32_is_told_to_verify_in_float32(tmp_path, capsy
     assert "(--verify-dtype float32)" in line and "(--dtype)" not in line
     rc, doc, err = _verify(f"{path}:M", capsys, monkeypatch, "--verify-dtype", "float32")
     assert rc == 0 and err[-1] == "verify: 3 of 3 checks passed"
+
+
+def test_verify_retraces_as_the_analysis_traced(monkeypatch):
+    """``--verify --no-outline`` checks a flat trace, as the analysis was (a tester's finding:
+    the re-trace outlined the blocks whatever the analysis did, so a defect of outlining
+    failed the flat analysis's checks)."""
+    import types
+
+    import graphflop.frontend.trace as trace_mod
+    from graphflop import analyze
+    from graphflop.runtime.verify_all import verify_analysis
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc2(self.act(self.fc1(x)))
+
+    model = nn.Sequential(Block(), Block(), Block(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    a = analyze(model, x, outline=False, jvp=False)
+    reuses = []
+    real = trace_mod.trace
+
+    def spy(*args, **kwargs):
+        reuses.append(kwargs.get("reuse", True))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trace_mod, "trace", spy)
+    checks = verify_analysis(types.SimpleNamespace(model=model), (x,), a)
+    assert reuses == [False]
+    assert all(c.ok for c in checks) and checks

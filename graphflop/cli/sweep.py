@@ -171,10 +171,15 @@ def _check(args: argparse.Namespace, batches: list[int]) -> None:
 
 def _check_differentiable(args: argparse.Namespace) -> None:
     """An integer-only output has no backward, so no backward/forward ratio: exit 2."""
-    from graphflop.load import load, make_inputs, set_training_mode
+    from graphflop.load import SpecError, load, make_inputs, set_training_mode
 
     loaded = load(args.spec, ctor_kwargs=parse_ctor_kwargs(args.arg), meta=True, seq=args.seq)
     check_seq_used(args, loaded)
+    if loaded.example_inputs is None:  # make_inputs's advice is inspect's --input-shape
+        raise SpecError(
+            f"{loaded.name}: no example_inputs() in its file, and sweep traces each point "
+            "from it: add a function example_inputs() returning the inputs to the file"
+        )
     set_training_mode(loaded.model)
     check_backward_possible(args, loaded, make_inputs(loaded), why="sweep")
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from graphflop.meta import FUNCTION_LABEL, LOSS_KIND, SIGNATURE
+from graphflop.meta import FUNCTION_LABEL, LOSS_KIND, OUTLINED, SIGNATURE
 from graphflop.runtime import verify
 from graphflop.runtime.verify import Check, cast_model, copy_model
 from graphflop.runtime.verify_tangent import verify_jvp
@@ -88,7 +88,16 @@ def verify_analysis(
     dt = torch.float64 if dtype == "float64" else torch.float32
     model = cast_model(loaded.model, dt)
     checks: list[Check] = []
-    fwd = _run(checks, "trace in " + dtype, tolerance, lambda: _trace_in(model, inputs, dt, loss))
+    # traced as the analysis was: outlined where it outlined a call (a flat analysis, asked
+    # with outline=False or with nothing repeated, is checked on a flat trace)
+    info = analysis.forward.meta.get(OUTLINED)
+    reuse = info is not None and info.calls > 0
+    fwd = _run(
+        checks,
+        "trace in " + dtype,
+        tolerance,
+        lambda: _trace_in(model, inputs, dt, loss, reuse=reuse),
+    )
     if fwd is None:
         return checks
     t = analysis.report.totals
@@ -142,7 +151,7 @@ def verify_analysis(
             lambda: (
                 _not_run(name, gaps.get("forward_gradient", ""), FG_ALPHA)
                 or verify_forward_gradient(
-                    _trace_in(model32, inputs, torch.float32, loss),
+                    _trace_in(model32, inputs, torch.float32, loss, reuse=reuse),
                     model32,
                     samples=forward_gradient_samples,
                     examples=examples,
@@ -171,8 +180,11 @@ def _not_run(name: str, why: str, tolerance: float) -> Check | None:
     return Check(name, math.nan, why, tolerance) if why else None
 
 
-def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModule:
-    """``model`` traced on inputs shaped like ``inputs``, floating ones in ``dt``."""
+def _trace_in(
+    model: nn.Module, inputs, dt: torch.dtype, loss: str, *, reuse: bool = True
+) -> GraphModule:
+    """``model`` traced on inputs shaped like ``inputs``, floating ones in ``dt`` (``reuse``:
+    repeated blocks outlined, as :func:`~graphflop.frontend.trace.trace` takes it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from graphflop.frontend.errors import MixedDtypes, TraceError
@@ -184,7 +196,7 @@ def _trace_in(model: nn.Module, inputs, dt: torch.dtype, loss: str) -> GraphModu
             for t in inputs
         )
     try:
-        return trace(model, xs, loss=loss)
+        return trace(model, xs, loss=loss, reuse=reuse)
     except MixedDtypes as e:
         if dt is not torch.float64 or "float64" not in e.found:
             raise
