@@ -553,6 +553,47 @@ def test_shared_submodules_keep_their_first_path_and_stay_parameters():
         assert isinstance(twice[0].weight, nn.Parameter)
 
 
+def test_walk_gives_the_paths_modules_and_parameters_of_the_model_s_own_walks():
+    """:class:`repeats.Walk` (one walk shared by a trace attempt) gives what each reader walked
+    the model for: a shared submodule at its first path (as ``named_modules(remove_duplicate=
+    False)``'s first), its inner modules too, each module and parameter once."""
+    shared = nn.Sequential(nn.Linear(D, D), nn.ReLU())
+    model = nn.Sequential(nn.LayerNorm(D), shared, nn.Sequential(shared, nn.Tanh()))
+    walk = repeats.Walk(model)
+    # worked out by hand: shared is model.1 (again at model.2.0), its Linear model.1.0
+    expected = {
+        id(model): "model",
+        id(model[0]): "model.0",
+        id(shared): "model.1",
+        id(shared[0]): "model.1.0",
+        id(shared[1]): "model.1.1",
+        id(model[2]): "model.2",
+        id(model[2][1]): "model.2.1",
+    }
+    assert walk.paths("model") == expected
+    assert walk.modules == list(model.modules())
+    assert [n for n, _ in walk.named("_parameters")] == [
+        "0.weight",
+        "0.bias",
+        "1.0.weight",
+        "1.0.bias",
+    ]
+    assert walk.named("_buffers") == []
+    # after the model's code ran: the same walk where its tree is as walked, else a new one
+    assert walk.after() is walk
+    model[2][1] = nn.ReLU()  # another module at model.2.1
+    again = walk.after()
+    assert again is not walk and again.paths("model")[id(model[2][1])] == "model.2.1"
+    # a trace attempt plans and outlines from it as from its own walks
+    blocks = nn.Sequential(
+        *[nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D)) for _ in range(3)]
+    )
+    walk = repeats.Walk(blocks)
+    chosen = repeats.plan(blocks, walk=walk)
+    assert chosen == repeats.plan(blocks) and len(chosen) == 3
+    assert all(id(m) in walk.memo for m in blocks.modules() if m is not blocks)
+
+
 def test_instance_norm_running_statistics_are_buffer_updates():
     """Tester's finding: instance norm with running statistics writes them through ``alias``
     in its C++ kernel and into a repeated temporary in batch norm's decomposition: both

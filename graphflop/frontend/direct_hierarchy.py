@@ -55,7 +55,7 @@ from graphflop.frontend.export_form import (
     placeholders,
     tag_node,
 )
-from graphflop.frontend.outline import MARK, _same_layout, _stack_path, called_at, path_in
+from graphflop.frontend.outline import MARK, Walk, _same_layout, _stack_path, called_at, path_in
 from graphflop.frontend.scopes import module_path
 from graphflop.meta import (
     CALL_SITE,
@@ -305,6 +305,7 @@ def build_direct(
     loss_kind: str,
     target_nodes: list,
     prefix: str = "model",
+    walk: Walk | None = None,
 ) -> Hierarchy | None:
     """The :class:`~graphflop.meta.Hierarchy` of ``make_fx``'s graph ``gm`` (its outlined calls
     of ``templates``, for ``model``), as :func:`graphflop.frontend.hierarchy.build` makes it
@@ -312,10 +313,12 @@ def build_direct(
     keyword arguments), without making that graph; the graph keys ``from_make_fx`` writes are on
     :attr:`Hierarchy.graph`'s ``meta``. None when ``gm`` has no outlined call, or where the flat
     form rewrites what the direct build does not model (see the module docstring). ``gm`` is
-    left as it was (its node names are claimed on a copy of its namespace)."""
+    left as it was (its node names are claimed on a copy of its namespace). ``walk``:
+    ``model``'s :class:`~graphflop.frontend.outline.Walk`, current (its module paths), where
+    the caller has one."""
     try:
         return _build(
-            gm, templates, model, params, buffers, n_inputs, loss_kind, target_nodes, prefix
+            gm, templates, model, params, buffers, n_inputs, loss_kind, target_nodes, prefix, walk
         )
     except _Unsupported:
         return None
@@ -331,6 +334,7 @@ def _build(
     loss_kind: str,
     target_nodes: list,
     prefix: str,
+    walk: Walk | None = None,
 ) -> Hierarchy | None:
     call_op = torch.ops.graphflop.repeat.default
     old = gm.graph
@@ -365,7 +369,7 @@ def _build(
     d.check_writes()
     d.find_live()
     _check_folds(old, d.preset, d.call_set, tpl)
-    sites = _Sites(old, model, prefix, {k: i for i, k in enumerate(keys)})
+    sites = _Sites(old, model, prefix, {k: i for i, k in enumerate(keys)}, walk)
     before = sites.namespace.copy()  # (for flat_forward: every copy's name)
     d.claim_names(sites.namespace, multi)
     fixed = {name for name, _ in sig_params} | {name for name, _ in sig_buffers}
@@ -406,12 +410,18 @@ class _Sites:
     """The call sites as :class:`~graphflop.frontend.outline.Expansion` records them (module
     paths, the names it claims for each call's copies) and their variants' numbers."""
 
-    def __init__(self, old: Graph, model: nn.Module, prefix: str, position: dict[int, int]):
+    def __init__(
+        self,
+        old: Graph,
+        model: nn.Module,
+        prefix: str,
+        position: dict[int, int],
+        walk: Walk | None = None,
+    ):
         self.namespace = _NamespaceCopy(old)
         self.model, self.prefix, self.position = model, prefix, position
-        self.paths: dict[int, str] = {}
-        for name, m in model.named_modules(remove_duplicate=False):
-            self.paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
+        #: per module (by id), its first path (read only)
+        self.paths: dict[int, str] = (walk if walk is not None else Walk(model)).paths(prefix)
         self.sites: list[CallSite] = []
         self.variants: dict[tuple, int] = {}
         #: per site, its copies' module stack of an inner path (``_call``'s ``stack_of``)

@@ -164,15 +164,18 @@ def tied_vocabularies(
 
 
 @contextlib.contextmanager
-def token_vocabularies(model: torch.nn.Module, inputs: Sequence[Any]) -> Iterator[list[int]]:
+def token_vocabularies(
+    model: torch.nn.Module, inputs: Sequence[Any], modules: list[torch.nn.Module] | None = None
+) -> Iterator[list[int]]:
     """The row counts of ``model``'s token embeddings, filled while the model runs inside the
     block (eagerly, on meta or fake tensors, or under a trace): the ``nn.Embedding`` tables
     looked up with one of the integer ``inputs`` directly (the tensor or a view of it: the
     same storage), and those tied to an output projection (:func:`tied_vocabularies`). A
     table looked up with computed indices (positions made with ``arange``, relative-position
     buckets, ids shifted or clamped) is not one: its rows are no vocabulary of the model's
-    output."""
-    modules = list(model.modules())  # walked once (a deep model has thousands)
+    output. ``modules``: ``list(model.modules())``, where the caller has it."""
+    if modules is None:
+        modules = list(model.modules())  # walked once (a deep model has thousands)
     found = tied_vocabularies(model, modules)
     model_tables = {id(m) for m in modules if isinstance(m, torch.nn.Embedding)}
     keys = {_storage_key(t) for t in inputs if _integer(t)} - {None}

@@ -304,6 +304,85 @@ def _tree(m: nn.Module) -> list[tuple[str, nn.Module]]:
     return out if visit("", m) else list(m.named_modules())
 
 
+_IS = operator.is_
+
+
+class Walk:
+    """One walk of a model's module tree, shared by what a trace attempt reads of it before
+    the model's code runs (the tree cannot change meanwhile): :func:`plan`,
+    :class:`Outliner`, the module paths of :class:`~graphflop.frontend.scopes.ModuleScopes`,
+    the modules whose state is put back. Instead of a walk each (a GPT-2 block's dozen
+    modules walked about ten times per trace), and of each outlined module's tree and
+    attributes read twice (by :func:`plan`, then by :class:`Outliner`).
+
+    Attributes:
+        tree: ``list(model.named_modules())`` (:func:`_tree`).
+        modules: ``list(model.modules())``.
+        trees: per module (by ``id``), its :func:`_tree`, where :func:`plan` read it.
+        memo: per module (by ``id``), its own part of :func:`_modules_state`, where
+            :func:`plan` read it (:func:`structure`'s ``memo``).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.tree = _tree(model)
+        #: every module in the tree walks as ``nn.Module`` does (its ``modules`` and
+        #: ``named_modules(remove_duplicate=False)`` are then told by ``tree``)
+        self.plain = all(_plain_walk(type(m)) for _, m in self.tree)
+        self.modules = [m for _, m in self.tree] if self.plain else list(model.modules())
+        self.trees: dict[int, list[tuple[str, nn.Module]]] = {}
+        self.memo: dict[int, tuple] = {}
+        self._paths: dict[str, dict[int, str]] = {}
+        #: each module's class and submodules as walked (:meth:`after` tells the tree unchanged)
+        self._types = tuple(map(type, self.modules))
+        self._children = [(tuple(m._modules), tuple(m._modules.values())) for m in self.modules]
+
+    def paths(self, prefix: str) -> dict[int, str]:
+        """Per module (by ``id``), its path under ``prefix`` (``prefix`` itself for the root):
+        the first path ``named_modules(remove_duplicate=False)`` gives it. The tree without
+        duplicates lists each module at that path: a module's later places are inside the
+        subtree of a module met before, whose first place's subtree held it already. Made
+        once per prefix (read only)."""
+        paths = self._paths.get(prefix)
+        if paths is not None:
+            return paths
+        if not self.plain:
+            paths = {}
+            for name, m in self.model.named_modules(remove_duplicate=False):
+                paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
+        else:
+            paths = {id(m): f"{prefix}.{name}" if name else prefix for name, m in self.tree}
+        self._paths[prefix] = paths
+        return paths
+
+    def after(self) -> Walk:
+        """This walk where the tree is still as walked (after the model's code ran): every
+        module of the same class, holding the same submodules (the same objects) under the
+        same names (the same string objects), in the same order; then a walk from the root
+        would meet the same modules at the same paths. Else a new walk."""
+        if not self.plain:
+            return Walk(self.model)
+        same = all(map(_IS, map(type, self.modules), self._types)) and all(
+            len(m._modules) == len(names)
+            and all(map(_IS, m._modules.values(), subs))
+            and all(map(_IS, m._modules, names))
+            for m, (names, subs) in zip(self.modules, self._children)
+        )
+        return self if same else Walk(self.model)
+
+    def named(self, table: str) -> list[tuple[str, torch.Tensor]]:
+        """``list(model.named_parameters())`` (``table`` ``"_parameters"``) or
+        ``list(model.named_buffers())`` (``"_buffers"``), read from :attr:`tree`."""
+        return _named_tensors(self.model, table, self.tree)
+
+    def tree_of(self, m: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``m``'s :func:`_tree`, as :func:`plan` read it where it did."""
+        tree = self.trees.get(id(m))
+        if tree is None:
+            tree = self.trees[id(m)] = _tree(m)
+        return tree
+
+
 def _named_tensors(
     m: nn.Module, table: str, tree: list[tuple[str, nn.Module]] | None = None
 ) -> list[tuple[str, torch.Tensor]]:
@@ -474,31 +553,35 @@ def _keyed_by_identity(v: Any) -> bool:
 
 def _module_entry(sub: nn.Module) -> tuple:
     """What :class:`_Frozen` compares of one submodule: the module, its class, its attributes'
-    names, their values' identities, its submodules' names and identities (and the values
-    themselves, held so that no identity is reused while the entry lives)."""
+    names and values, its submodules' names and the submodules (the objects themselves, held
+    so that none is collected while the entry lives)."""
     attrs, mods = vars(sub), sub._modules
     return (
         sub,
         type(sub),
-        list(attrs),
-        list(map(id, attrs.values())),
-        list(mods),
-        list(map(id, mods.values())),
-        (tuple(attrs.values()), tuple(mods.values())),
+        tuple(attrs),
+        tuple(attrs.values()),
+        tuple(mods),
+        tuple(mods.values()),
     )
 
 
 def _entry_same(entry: tuple) -> bool:
     """Whether a submodule is as :func:`_module_entry` found it: the same class, attribute
-    names, attribute values (the same objects) and submodules."""
-    sub, cls, names, ids, children, child_ids, _ = entry
+    names, attribute values (the same objects) and submodules, in the same order. Compared
+    by identity, names too (a name put back as another string object counts as a change: the
+    caller then compares the states themselves), without a list or an ``id`` made per
+    attribute."""
+    sub, cls, names, values, children, subs = entry
     attrs, mods = vars(sub), sub._modules
     return (
         type(sub) is cls
-        and list(map(id, attrs.values())) == ids
-        and list(attrs) == names
-        and list(map(id, mods.values())) == child_ids
-        and list(mods) == children
+        and len(attrs) == len(names)
+        and len(mods) == len(children)
+        and all(map(_IS, attrs.values(), values))
+        and all(map(_IS, attrs, names))
+        and all(map(_IS, mods.values(), subs))
+        and all(map(_IS, mods, children))
     )
 
 
@@ -633,19 +716,31 @@ def _container(m: nn.Module) -> bool:
     return getattr(type(m), "forward", None) is nn.Module.forward
 
 
-def plan(model: nn.Module, exclude: AbstractSet[int] = frozenset(), min_modules: int = 3) -> dict:
+def plan(
+    model: nn.Module,
+    exclude: AbstractSet[int] = frozenset(),
+    min_modules: int = 3,
+    walk: Walk | None = None,
+) -> dict:
     """The modules to outline: ``{module: structure id}`` for the outermost modules (not the
     root) with at least ``min_modules`` modules in them whose structure another module shares.
-    Structure ids in ``exclude`` are left out."""
+    Structure ids in ``exclude`` are left out. ``walk``: ``model``'s :class:`Walk`, which
+    keeps the trees and attributes read here for :class:`Outliner`."""
+    if walk is None:
+        walk = Walk(model)
     # a container (ModuleList, ModuleDict: no forward of its own) is never called: its
     # elements are
-    named = [(n, m) for n, m in model.named_modules() if n and not _container(m)]
+    named = [(n, m) for n, m in walk.tree if n and not _container(m)]
     ids: dict[tuple, int] = {}
     sid_of: dict[str, int] = {}
     count: dict[int, int] = {}
-    memo: dict[int, tuple] = {}
+    memo = walk.memo
     for name, m in named:
-        tree = _tree(m)
+        # (a module without submodules is a tree of one: not walked; unless its class walks
+        # its tree otherwise)
+        if not m._modules and min_modules > 1 and _plain_walk(type(m)):
+            continue
+        tree = walk.tree_of(m)
         if len(tree) < min_modules:
             continue
         s = structure(m, memo, tree)
@@ -685,13 +780,16 @@ def holds_tensors(m: nn.Module) -> bool:
     return any(map(isinstance, vars(m).values(), _TENSOR_TYPE))
 
 
-def unshared(model: nn.Module, min_modules: int = 3) -> list[tuple[list[nn.Module], str]]:
+def unshared(
+    model: nn.Module, min_modules: int = 3, modules: list[nn.Module] | None = None
+) -> list[tuple[list[nn.Module], str]]:
     """The outermost groups of modules that :func:`plan` would outline but for their tensor
     attributes (each module's own, not a parameter or buffer: the template would read one
     module's), with why (:data:`OWN_TENSORS`): in each group of one structure but for those,
     the modules that share their tensors with no other. Empty, at the cost of one look at
-    each module's attributes, where no module holds a tensor attribute."""
-    if not any(map(holds_tensors, model.modules())):
+    each module's attributes, where no module holds a tensor attribute. ``modules``:
+    ``list(model.modules())``, where the caller has it."""
+    if not any(map(holds_tensors, model.modules() if modules is None else modules)):
         return []
     named = [(n, m) for n, m in model.named_modules() if n and not _container(m)]
     memo: dict[int, tuple] = {}
@@ -853,6 +951,7 @@ class Outliner:
         fake_mode: Any = None,
         direct: bool | None = None,
         transparent: Any = None,
+        walk: Walk | None = None,
     ):
         self.modules = modules
         # calls after a call's first recorded without the op's dispatch (:meth:`_direct`;
@@ -870,12 +969,15 @@ class Outliner:
         # requires grad)
         # where each module's parameters and buffers are, as ``named_parameters`` and
         # ``named_buffers`` list them (tracing swaps the tensors, not the names)
-        trees = {m: _tree(m) for m in modules}
+        # (``walk``: the trees and attributes :func:`plan` read, unchanged since: the model's
+        # code has not run in between)
+        trees = {m: walk.tree_of(m) if walk is not None else _tree(m) for m in modules}
         self._slots = {
             m: (_slots(trees[m], "_parameters"), _slots(trees[m], "_buffers")) for m in modules
         }
         self.trainable = {m: [p.requires_grad for p in self._params(m)] for m in modules}
-        self.states = {m: _modules_state(m, tree=trees[m]) for m in modules}
+        memo = walk.memo if walk is not None else None
+        self.states = {m: _modules_state(m, memo, trees[m]) for m in modules}
         #: per module, its tree as planned, told unchanged cheaply at each call (None: by
         #: :func:`_modules_state` only)
         self._frozen = {m: _Frozen.of(trees[m]) for m in modules}
@@ -1345,6 +1447,7 @@ def inline(
     model: nn.Module,
     prefix: str = "model",
     sites: list[tuple[int, dict[str, str]]] | None = None,
+    walk: Walk | None = None,
 ) -> int:
     """Replace every ``graphflop::repeat`` node of ``graph`` by a copy of its template graph;
     returns the number of calls replaced.
@@ -1357,12 +1460,12 @@ def inline(
     (``@``, ``@.attn``), and ``sites``, when given, receives per call ``(template key,
     {relative path: the copies' MODULE})`` (:mod:`graphflop.frontend.hierarchy`).
 
+    ``walk``: ``model``'s :class:`Walk`, current, where the caller has one (its paths).
+
     Raises:
         NotOutlinable: an outlined call's result list is used whole.
     """
-    paths: dict[int, str] = {}
-    for name, m in model.named_modules(remove_duplicate=False):
-        paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
+    paths = (walk if walk is not None else Walk(model)).paths(prefix)
     # per template, once: its nodes with their index, relative module path and the submodule
     # entries of their module stack (the part each call prefixes with its own path)
     bodies: dict[int, list[tuple[int, Node, str, tuple]]] = {}
@@ -1454,10 +1557,10 @@ class Expansion:
         model: nn.Module,
         prefix: str = "model",
         sites: list[tuple[int, dict[str, str]]] | None = None,
+        walk: Walk | None = None,
     ):
-        paths: dict[int, str] = {}
-        for name, m in model.named_modules(remove_duplicate=False):
-            paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
+        # (``walk``: ``model``'s, current, where the caller has one)
+        paths = (walk if walk is not None else Walk(model)).paths(prefix)
         bodies: dict[int, list[tuple[int, Node, str, tuple]]] = {}
         phs_of: dict[int, list[Node]] = {}
         outs_of: dict[int, list] = {}

@@ -26,11 +26,21 @@ class ModuleScopes:
     prefixed ``model.``, the loss at the root ``""``), the format ``torch.export`` writes.
     """
 
-    def __init__(self, model: nn.Module, prefix: str = "model", base: list | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        prefix: str = "model",
+        base: list | None = None,
+        paths: dict[int, str] | None = None,
+    ):
+        """``paths``: per module (by ``id``), its path under ``prefix`` as made here, where the
+        caller has them (:meth:`graphflop.frontend.outline.Walk.paths`)."""
         self.prefix = prefix
-        self.paths: dict[int, str] = {}
-        for name, m in model.named_modules(remove_duplicate=False):
-            self.paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
+        if paths is None:
+            paths = {}
+            for name, m in model.named_modules(remove_duplicate=False):
+                paths.setdefault(id(m), f"{prefix}.{name}" if name else prefix)
+        self.paths: dict[int, str] = paths
         # the root scope holds the loss ("Objective" in renders, as the model-plus-loss wrapper
         # torch.export traced was called)
         self.stack = (

@@ -203,14 +203,20 @@ def _trace_in(
         # FakeTensorMode logs a traceback before re-raising a kernel's error (a shape mismatch
         # in the model); the error itself becomes graphflop's one-line TraceError
         quiet = quiet_loggers("torch._subclasses.fake_tensor")
+        # the module tree walked once for what reads it before the model's code first runs
+        # (a later attempt walks it again: :func:`_trace`)
+        first = [repeats.Walk(model)]
+        # (each attempt of :func:`_trace` puts the modules' state back, and
+        # :func:`_meta_attributes` its own changes: nothing else here writes into a module)
         with (
-            _state_kept(model),
             quiet,
             library_logs_quiet(),
             traced_by_libraries(),
-            _meta_attributes(model, fake_mode),
+            _meta_attributes(model, fake_mode, first[0].modules),
         ):
-            gm = _without_cache(configs, lambda: _trace(model, tensors, loss, fake_mode, reuse))
+            gm = _without_cache(
+                configs, lambda: _trace(model, tensors, loss, fake_mode, reuse, first)
+            )
     _check_matmul_dtypes(gm)
     return gm
 
@@ -296,23 +302,26 @@ def _bound(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple]:
 
 
 @contextlib.contextmanager
-def _meta_attributes(model: nn.Module, fake_mode: FakeTensorMode) -> Iterator[None]:
+def _meta_attributes(
+    model: nn.Module, fake_mode: FakeTensorMode, modules: list[nn.Module] | None = None
+) -> Iterator[None]:
     """A module's tensor attributes that are neither parameters nor buffers (``self.scale =
     torch.ones(8)``, the original LLaMA's ``self.freqs_cis``) made fake CPU tensors while
     tracing where the model was built on the meta device, as its parameters and buffers are
     (:func:`as_fake`): a meta tensor beside the inputs' CPU ones is a device mismatch. One
-    tensor held by several modules stays one (one constant of the trace, as in eager)."""
+    tensor held by several modules stays one (one constant of the trace, as in eager).
+    ``modules``: ``list(model.modules())``, where the caller has it."""
     saved = []
     fakes: dict[int, torch.Tensor] = {}
-    for m in filter(repeats.holds_tensors, model.modules()):
-        for k, v in list(vars(m).items()):
-            if isinstance(v, torch.Tensor) and not _is_fake(v) and v.device.type == "meta":
-                saved.append((m, k, v))
-                fake = fakes.get(id(v))
-                if fake is None:
-                    fake = fakes[id(v)] = as_fake(fake_mode, v)
-                m.__dict__[k] = fake
     try:
+        for m in filter(repeats.holds_tensors, model.modules() if modules is None else modules):
+            for k, v in list(vars(m).items()):
+                if isinstance(v, torch.Tensor) and not _is_fake(v) and v.device.type == "meta":
+                    fake = fakes.get(id(v))
+                    if fake is None:
+                        fake = fakes[id(v)] = as_fake(fake_mode, v)
+                    saved.append((m, k, v))
+                    m.__dict__[k] = fake
         yield
     finally:
         for m, k, v in saved:
@@ -320,16 +329,16 @@ def _meta_attributes(model: nn.Module, fake_mode: FakeTensorMode) -> Iterator[No
 
 
 @contextlib.contextmanager
-def _state_kept(model: nn.Module) -> Iterator[None]:
+def _state_kept(model: nn.Module, modules: list[nn.Module] | None = None) -> Iterator[None]:
     """Puts every module's parameters, buffers and plain tensor attributes back afterwards:
     ``functional_call`` leaves a module reachable by two paths holding the traced tensors (a
     PyTorch bug), and a forward pre-hook that sets an attribute (the old
     ``nn.utils.weight_norm`` and ``spectral_norm`` set ``module.weight``, computed from the
     parameters) leaves the traced tensor there; one the trace made where there was none is
-    removed."""
-    saved = [
-        (m, dict(m._parameters), dict(m._buffers), _tensor_attributes(m)) for m in model.modules()
-    ]
+    removed. ``modules``: ``list(model.modules())``, where the caller has it."""
+    if modules is None:
+        modules = list(model.modules())
+    saved = [(m, dict(m._parameters), dict(m._buffers), _tensor_attributes(m)) for m in modules]
     try:
         yield
     finally:
@@ -351,20 +360,36 @@ def _tensor_attributes(m: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _trace(
-    model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTensorMode, reuse: bool
+    model: nn.Module,
+    inputs: tuple,
+    loss: str,
+    fake_mode: FakeTensorMode,
+    reuse: bool,
+    first: list[repeats.Walk] | None = None,
 ) -> GraphModule:
     """Trace with outlining, leaving out a structure that turns out not outlinable and
-    starting again."""
+    starting again. ``first``: a list holding the module tree's :class:`repeats.Walk` made
+    since the model's code last ran, taken by the first attempt (emptied); each later attempt
+    walks the tree again."""
     excluded: set[int] = set()
-    left_out: list[tuple[list[nn.Module], str]] = repeats.unshared(model) if reuse else []
+    start = first.pop() if first else repeats.Walk(model)
+    left_out: list[tuple[list[nn.Module], str]] = (
+        repeats.unshared(model, modules=start.modules) if reuse else []
+    )
+    walk: repeats.Walk | None = start
     while True:
-        outline = repeats.plan(model, excluded) if reuse else {}
+        # the module tree walked once per attempt, before the model's code runs (a failed
+        # attempt ran it)
+        if walk is None:
+            walk = repeats.Walk(model)
+        outline = repeats.plan(model, excluded, walk=walk) if reuse else {}
         try:
             # each attempt puts the state back: a failed one may leave a module reachable by
             # two paths holding its traced tensors (:func:`_state_kept`)
-            with _state_kept(model):
-                gm = _trace_once(model, inputs, loss, fake_mode, outline)
+            with _state_kept(model, walk.modules):
+                gm = _trace_once(model, inputs, loss, fake_mode, outline, walk)
         except Exception as e:
+            walk = None  # (the model's code ran: the next attempt walks the tree again)
             cause = find_cause(e, repeats.NotOutlinable)
             if cause is None or not outline:
                 raise
@@ -412,10 +437,18 @@ def _in_full(model: nn.Module, groups: list[tuple[list[nn.Module], str]]) -> tup
 
 
 def _trace_once(
-    model: nn.Module, inputs: tuple, loss: str, fake_mode: FakeTensorMode, outline: dict
+    model: nn.Module,
+    inputs: tuple,
+    loss: str,
+    fake_mode: FakeTensorMode,
+    outline: dict,
+    walk: repeats.Walk | None = None,
 ) -> GraphModule:
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    if walk is None:
+        walk = repeats.Walk(model)
+    paths = walk.paths("model")  # (ModuleScopes': read before the model's code runs)
+    params = dict(walk.named("_parameters"))  # (model.named_parameters())
+    buffers = dict(walk.named("_buffers"))
     flat_state = as_fakes(fake_mode, [*params.values(), *buffers.values()])
     n_p, n_b = len(params), len(buffers)
     chosen: dict[str, Any] = {}
@@ -423,9 +456,9 @@ def _trace_once(
     def objective(*flat):
         state = (dict(zip(params, flat[:n_p])), dict(zip(buffers, flat[n_p : n_p + n_b])))
         ids = flat[n_p + n_b :]
-        with ModuleScopes(model) as scopes:
+        with ModuleScopes(model, paths=paths) as scopes:
             # the tables the model looks its integer inputs up in: its token embeddings
-            with token_vocabularies(model, ids) as vocab:
+            with token_vocabularies(model, ids, walk.modules) as vocab:
                 out = torch.func.functional_call(model, state, tuple(ids))
             scopes.leave_model()
             outs = output_tensors(out)
@@ -456,7 +489,7 @@ def _trace_once(
     table.update(_chained(table, routed_index_decompositions()))
     dispatch = RoutedDispatch()
     modes = _FunctionModes(dispatch, CompositeOps())
-    outliner = repeats.Outliner(outline, fake_mode, transparent=modes.passes_custom_ops)
+    outliner = repeats.Outliner(outline, fake_mode, transparent=modes.passes_custom_ops, walk=walk)
     trainable = {i for i, p in enumerate(params.values()) if p.requires_grad}
     try:
         with (
@@ -512,13 +545,15 @@ def _trace_once(
         loss_kind=chosen["loss"],
         target_nodes=chosen.get("targets", []),
     )
-    out, copies = _forward_and_hierarchy(gm, templates, model, form)
+    # the module tree as walked before the model's code ran, where it is still so
+    after = walk.after()
+    out, copies = _forward_and_hierarchy(gm, templates, model, form, after)
     skipped = [(list(modules), why) for why, modules in outliner.in_full.values()]
     out.meta[OUTLINED] = OutlineInfo(
         calls=copies, traced_once=len(templates), in_full=_in_full(model, skipped)
     )
     out.meta[ASSUMPTIONS] = tuple(dispatch.lines) + ((chosen["line"],) if "line" in chosen else ())
-    in_eval = modules_in_eval(model)
+    in_eval = modules_in_eval(model, after.tree)
     if in_eval:
         out.meta[ASSUMPTIONS] += (_in_eval_line(in_eval),)
     written = out.meta[SIGNATURE].params_written
@@ -575,14 +610,15 @@ def _reemit(caught: list[warnings.WarningMessage]) -> None:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
-def modules_in_eval(model: nn.Module) -> list[str]:
+def modules_in_eval(model: nn.Module, tree: list[tuple[str, nn.Module]] | None = None) -> list[str]:
     """The paths of the modules in eval mode in a model whose root is in training mode
     (outermost ones only: ``layers.2``, not also ``layers.2.bn``); none for a root in eval
-    mode (then the whole analysis is of eval mode)."""
+    mode (then the whole analysis is of eval mode). ``tree``: ``list(model.named_modules())``,
+    where the caller has it."""
     if not model.training:
         return []
     kept: list[str] = []
-    for name, m in model.named_modules():
+    for name, m in model.named_modules() if tree is None else tree:
         if not m.training and not any(name.startswith(k + ".") for k in kept):
             kept.append(name)
     return kept
@@ -666,7 +702,11 @@ def _lazy_code() -> contextlib.AbstractContextManager:
 
 
 def _forward_and_hierarchy(
-    gm: GraphModule, templates: dict, model: nn.Module, form: dict
+    gm: GraphModule,
+    templates: dict,
+    model: nn.Module,
+    form: dict,
+    walk: repeats.Walk | None = None,
 ) -> tuple[GraphModule, int]:
     """The flat forward in graphflop's form, its :data:`~graphflop.meta.HIERARCHY` (where it
     has outlined calls) and the number of calls expanded. The hierarchy is built first, straight
@@ -676,15 +716,16 @@ def _forward_and_hierarchy(
     makes, ``tests/test_direct_hierarchy.py``; batch norm's buffer writes included); where the
     direct build does not model what the flat form rewrites (in-place ops, checkpoints,
     foldable views), the flat form is made and the hierarchy read back from it
-    (:func:`build_hierarchy`)."""
-    h = build_direct(gm, templates, model, **form) if templates else None
+    (:func:`build_hierarchy`). ``walk``: ``model``'s :class:`repeats.Walk`, current (its
+    module paths), where the caller has one."""
+    h = build_direct(gm, templates, model, **form, walk=walk) if templates else None
     out = flat_forward(h) if h is not None else None
     if h is not None:
         forget(h)  # (the flat forward is made once, here)
         if out is not None:
             return out, len(h.sites)
     sites: list[tuple[int, dict[str, str]]] = []
-    out, copies = _flat_form(gm, templates, model, sites, **form)
+    out, copies = _flat_form(gm, templates, model, sites, walk=walk, **form)
     hierarchy = build_hierarchy(out, templates, sites)
     if hierarchy is not None:
         out.meta[HIERARCHY] = hierarchy
@@ -692,22 +733,32 @@ def _forward_and_hierarchy(
 
 
 def _flat_form(
-    gm: GraphModule, templates: dict, model: nn.Module, sites: list, **form: Any
+    gm: GraphModule,
+    templates: dict,
+    model: nn.Module,
+    sites: list,
+    walk: repeats.Walk | None = None,
+    **form: Any,
 ) -> tuple[GraphModule, int]:
     """The flat graph in graphflop's form and the number of outlined calls expanded: each
     template node copied once, straight into the new graph where its call stood
     (:class:`repeats.Expansion`), named and annotated as :func:`repeats.inline` names and
     annotates its copies in ``make_fx``'s graph."""
-    calls = repeats.Expansion(gm.graph, templates, model, sites=sites)
+    calls = repeats.Expansion(gm.graph, templates, model, sites=sites, walk=walk)
     return from_make_fx(gm, calls=calls, **form), len(calls.calls)
 
 
 def _flat_form_twice(
-    gm: GraphModule, templates: dict, model: nn.Module, sites: list, **form: Any
+    gm: GraphModule,
+    templates: dict,
+    model: nn.Module,
+    sites: list,
+    walk: repeats.Walk | None = None,
+    **form: Any,
 ) -> tuple[GraphModule, int]:
     """:func:`_flat_form` by two copies: :func:`repeats.inline` into ``make_fx``'s graph, then
     :func:`from_make_fx` into graphflop's (the reference the single copy is tested against)."""
-    copies = repeats.inline(gm.graph, templates, model, sites=sites)
+    copies = repeats.inline(gm.graph, templates, model, sites=sites, walk=walk)
     return from_make_fx(gm, **form), copies
 
 
