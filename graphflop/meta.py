@@ -773,8 +773,19 @@ def fake_mode_of(values) -> FakeTensorMode | None:
 
 
 def graph_fake_mode(gm: torch.fx.GraphModule) -> FakeTensorMode | None:
-    """The FakeTensorMode of ``gm``'s node values (see :func:`fake_mode_of`)."""
-    return fake_mode_of([n.meta["val"] for n in gm.graph.nodes if "val" in n.meta])
+    """The FakeTensorMode of ``gm``'s node values (see :func:`fake_mode_of`): the first node
+    whose value is a FakeTensor ends the walk (:func:`fake_mode_of` reads every value before
+    the tensors nested in tuples)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    values = []
+    for n in gm.graph.nodes:
+        if "val" in n.meta:
+            v = n.meta["val"]
+            if isinstance(v, FakeTensor):
+                return v.fake_mode
+            values.append(v)
+    return fake_mode_of(values)
 
 
 def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:

@@ -330,3 +330,54 @@ def test_forward_facts_worked_out_per_forward_graph():
         twin = g.node_copy(first)
     twin.meta = dict(first.meta)
     assert not dup3 and calls.forward_facts(f3)[1] == {0}
+
+
+def test_call_names_taken_a_base_at_a_time_as_fx_takes_them_one_by_one():
+    """The step takes a copied call's names (``base_<n>`` each) a base at a time: the names fx
+    gives nodes made one after the other with them (``_Namespace.create_name`` of each), and
+    the namespace it leaves, whatever is taken already."""
+    import random
+
+    from torch.fx import Graph
+
+    from graphflop.passes.step_calls import _fits, _numbered_plan, _take_planned
+
+    def namespace(used, counts):
+        g = Graph()
+        ns = g._graph_namespace
+        ns._used_names, ns._base_count = set(used), dict(counts)
+        return g
+
+    # by hand: mul_tensor_1 and _2 taken (count 2) are renamed on from the count: _3, _4;
+    # sub_tensor_1 is free: taken as it is, its count 1; view_default_7 taken, _8 free
+    used = {"mul_tensor", "mul_tensor_1", "mul_tensor_2", "view_default_7"}
+    counts = {"mul_tensor": 2, "view_default": 7}
+    names = ["mul_tensor_1", "sub_tensor_1", "mul_tensor_2", "view_default_7"]
+    g = namespace(used, counts)
+    got = _take_planned(g, names, _numbered_plan(names))
+    assert got == ("mul_tensor_3", "sub_tensor_1", "mul_tensor_4", "view_default_8")
+    assert g._graph_namespace._base_count == {"mul_tensor": 4, "view_default": 8, "sub_tensor": 1}
+    # another call of the template fits its plan; a name of another form does not
+    plan = _numbered_plan(names)
+    assert _fits(["mul_tensor_9", "sub_tensor_9", "mul_tensor_10", "view_default_9"], plan)
+    assert not _fits(["mul_tensor", "sub_tensor_9", "mul_tensor_10", "view_default_9"], plan)
+    assert _numbered_plan(["mm_default"]) is None and _numbered_plan(["a__1"]) is None
+
+    rng = random.Random(0)
+    bases = ["mul_tensor", "add_tensor", "getitem", "sum_1"]  # sum_1_<n>: the base sum_1
+    for _ in range(300):
+        used, counts = set(), {}
+        ref = namespace(used, counts)._graph_namespace
+        for _ in range(rng.randrange(12)):  # names fx gave before
+            b = rng.choice(bases)
+            ref.create_name(f"{b}_{rng.randrange(8)}" if rng.random() < 0.6 else b, None)
+        used, counts = set(ref._used_names), dict(ref._base_count)
+        names = [f"{rng.choice(bases)}_{rng.randrange(10)}" for _ in range(rng.randrange(1, 9))]
+        if rng.random() < 0.1:
+            names.append(names[0])  # a name twice: the second renamed
+        want = [ref.create_name(x, None) for x in names]
+        g = namespace(used, counts)
+        assert list(_take_planned(g, names, _numbered_plan(names))) == want
+        ns = g._graph_namespace
+        assert ns._used_names == ref._used_names
+        assert list(ns._base_count.items()) == list(ref._base_count.items())

@@ -61,6 +61,8 @@ aten = torch.ops.aten
 _VIEWS = {aten.permute.default, aten.t.default, aten.view.default, aten.reshape.default}
 _THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _REDUCE = {aten.sum.dim_IntList, aten.sum.default, aten.mean.default, aten.mean.dim}
+#: the ops whose nodes are the layers' (Linear's ``addmm``/``mm``, Conv2d's ``convolution``)
+_LAYER_OPS = (aten.addmm.default, aten.mm.default, aten.convolution.default)
 #: meta key (not a graphflop annotation: private to this pass) marking a layer's nodes
 _TAG = "activity_layer"
 
@@ -128,11 +130,13 @@ def _param_of(a: Any, trainable: set[str]) -> str | None:
 
 def _find_layers(forward: GraphModule, sig: Signature) -> list[_Layer]:
     trainable = {p for p, _ in sig.trainable()}
-    nodes = list(forward.graph.nodes)
+    g = forward.graph
+    # the layers' ops in graph order (fx's table of nodes by op: no walk over the others)
+    nodes = sorted(
+        n for t in _LAYER_OPS for n in g.find_nodes(op="call_function", target=t, sort=False)
+    )
     layers, owned = [], set()
     for n in nodes:
-        if n.op != "call_function":
-            continue
         if n.target is aten.addmm.default:
             w, b, x = _param_of(n.args[2], trainable), _param_of(n.args[0], trainable), n.args[1]
         elif n.target is aten.mm.default:

@@ -398,9 +398,9 @@ def _copy_update(
     dh: DerivedHierarchy | None = upd.meta.get(DERIVED_HIERARCHY)
     starts = {run[0]: i for i, run in enumerate(dh.runs) if run} if dh is not None else {}
     env: dict[Node, Any] = {}
-    skip: set[Node] = set()
     out = None
-    for n in upd.graph.nodes:
+    n = next(iter(upd.graph.nodes))
+    while n.op != "root":
         if n.op == "placeholder":
             slot = n.meta[SLOT]
             if slot == "param":
@@ -411,23 +411,22 @@ def _copy_update(
                 env[n] = state[n.name]
         elif n.op == "output":
             out = n
-        elif n in skip:
-            continue
-        elif n in starts:
+        elif n in starts:  # a call: a run of consecutive nodes (checked by _records)
             assert dh is not None
             i = starts[n]
             run, c = dh.runs[i], dh.calls[i]
             inside = set(run)
-            skip.update(run)
             ext = step_calls._outside(run)
             rep = rec.call(
                 g, dh.templates[c.template], c, [env[e] for e in ext], [x.name for x in run]
             )
             for k, x in enumerate(run):
-                if any(u not in inside for u in x.users):
+                if not inside.issuperset(x.users):  # read outside the run
                     env[x] = rec.item(g, rep, k, dict(x.meta))
+            n = run[-1]
         else:
             env[n] = copy_node(g, n, env.__getitem__)
+        n = n.next
     assert out is not None, "an update graph ends in its output node"
     return [env[a] for a in out.args[0]]
 
@@ -451,14 +450,14 @@ class _Start:
         tangent_of = {t for t, _ in info.tangent_inputs}
         self.env: dict[Node, Node] = {
             n: copy_node(g, n)
-            for n in jvp.graph.nodes
-            if n.op == "placeholder" and n.name not in tangent_of
+            for n in jvp.graph.find_nodes(op="placeholder")  # in graph order
+            if n.name not in tangent_of
         }
         self.phs = {n.name: c for n, c in self.env.items()}
         self.state_phs = {
             n.name: copy_node(g, n)
-            for n in upd.graph.nodes
-            if n.op == "placeholder" and n.meta[SLOT] not in ("param", "grad")
+            for n in upd.graph.find_nodes(op="placeholder")
+            if n.meta[SLOT] not in ("param", "grad")
         }
         self.given = (
             _direction_placeholders(g, info, self.phs, directions) if direction_inputs else None

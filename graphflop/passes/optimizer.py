@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
@@ -182,8 +182,10 @@ def build_update(
         n.meta[SLOT] = slot or name
         return n
 
+    owned = [(q, t, modules.get(q, _parent(q))) for q, t in params]  # once, not per kind
+
     def slots(kind):
-        return [ph(slot_name(kind, q), t, q, modules.get(q, _parent(q)), kind) for q, t in params]
+        return [ph(slot_name(kind, q), t, q, module, kind) for q, t, module in owned]
 
     w, gr = slots("param"), slots("grad")
     state = [slots(kind) for kind in STATE_KINDS[cfg.name]]
@@ -208,9 +210,13 @@ def build_update(
         nw.meta[PARAM] = q
         return nw, new
 
-    # per block variant, its first call's nodes and, per parameter, its outputs' positions
-    firsts: dict[tuple, tuple[list[Node], list[int], list[list[int]]]] = {}
-    calls: list[tuple[int, int, list[Node]]] = []  # (site, variant, nodes) per call
+    # per block variant, its first call's nodes, per parameter its outputs' positions, per
+    # node its parameter's position in the call and whether it names the parameter, and the
+    # variant's number
+    firsts: dict[tuple, tuple[list[Node], list[int], list[list[int]], list[tuple], int]] = {}
+    # per call: its site, variant, nodes, parameters' placeholders and the map it was copied
+    # by (None for the variant's first call): BlockParams.hierarchy's
+    calls: list[tuple] = []
     site_of = blocks.site_of if blocks is not None else lambda q: None
     with b.context(role="update"):
         decays = cfg.name == "adamw" and any(q not in no_gradient for q, _ in params)
@@ -228,16 +234,16 @@ def build_update(
                 idx = list(range(i, j))
                 key = blocks.variant(params, idx, no_gradient)
                 last = next(iter(reversed(g.nodes)))
-                if key in firsts:
-                    outs = _copy_call(g, firsts[key], idx, w, gr, state, params)
+                first = firsts.get(key)
+                copied = None
+                if first is not None:
+                    outs, copied = _copy_call(g, first, idx, w, gr, state, params)
                 else:
                     outs = [one(k, params[k][0]) for k in idx]
                 made = nodes_after(last)
-                if key not in firsts:
-                    pos = {n: p for p, n in enumerate(made)}
-                    where = [[pos[nw], *(pos[n] for n in new)] for nw, new in outs]
-                    firsts[key] = (made, idx, where)
-                calls.append((at, list(firsts).index(key), made))
+                if first is None:
+                    first = firsts[key] = _first_call(made, outs, idx, w, len(firsts))
+                calls.append((at, first[4], made, [w[k] for k in idx], copied))
             for nw, new in outs:
                 new_w.append(nw)
                 for acc, n in zip(new_state, new):
@@ -266,39 +272,52 @@ def _placeholder(g: Graph, name: str) -> Node:
     return g.create_node("placeholder", name, name=name)
 
 
+def _first_call(
+    made: list[Node], outs: list[tuple[Node, list[Node]]], idx: list[int], w: list[Node], v: int
+) -> tuple[list[Node], list[int], list[list[int]], list[tuple[int, bool]], int]:
+    """What :func:`_copy_call` copies of variant ``v``'s first call (its nodes ``made``, per
+    parameter ``outs``, its parameters ``idx``): the nodes, the parameters, per parameter its
+    new value's and new state's positions, per node its parameter's position in the call and
+    whether it names the parameter, and ``v``."""
+    pos = {n: p for p, n in enumerate(made)}
+    where = [[pos[nw], *(pos[n] for n in new)] for nw, new in outs]
+    own = {w[k].name: a for a, k in enumerate(idx)}
+    return made, idx, where, [(own[n.meta[SOURCE]], PARAM in n.meta) for n in made], v
+
+
 def _copy_call(
     g: Graph,
-    first: tuple[list[Node], list[int], list[list[int]]],
+    first: tuple[list[Node], list[int], list[list[int]], list[tuple[int, bool]], int],
     idx: list[int],
     w: list[Node],
     gr: list[Node],
     state: list[list[Node]],
     params: list[tuple[str, torch.Tensor]],
-) -> list[tuple[Node, list[Node]]]:
+) -> tuple[list[tuple[Node, list[Node]]], dict[Node, Node]]:
     """A call of a template update: the first call's nodes copied with parameters ``idx`` for
     its own (their placeholders, sources, modules and names); per parameter its new value and
-    new state. The copies keep the first call's output metadata: the variant's parameters have
-    the same layouts."""
-    made, first_idx, where = first
+    new state, and the map of the first call's placeholders and nodes to the call's. The
+    copies keep the first call's output metadata: the variant's parameters have the same
+    layouts."""
+    made, first_idx, where, slots, _ = first
     env: dict[Node, Node] = {}
-    own: dict[str, int] = {}
     for a, k in zip(first_idx, idx):
         env[w[a]], env[gr[a]] = w[k], gr[k]
         for s in state:
             env[s[a]] = s[k]
-        own[w[a].name] = k
+    get = env.get
     copies = []
-    for n in made:
-        new = copy_node(g, n, lambda x: env.get(x, x))
+    for n, (a, named) in zip(made, slots):
+        new = copy_node(g, n, lambda x: get(x, x))
         m = new.meta
-        k = own[m[SOURCE]]
+        k = idx[a]  # the node's parameter: the first call's ``a``-th parameter's counterpart
         m[SOURCE] = w[k].name
         m[MODULE] = w[k].meta[MODULE]
-        if PARAM in m:
+        if named:
             m[PARAM] = params[k][0]
         env[n] = new
         copies.append(new)
-    return [(copies[pos[0]], [copies[x] for x in pos[1:]]) for pos in where]
+    return [(copies[pos[0]], [copies[x] for x in pos[1:]]) for pos in where], env
 
 
 def _param_update(
@@ -348,7 +367,7 @@ def build_update_for(
         ValueError: for an unknown optimizer.
     """
     sig = forward.meta[SIGNATURE]
-    phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
+    phs = {n.name: n for n in forward.graph.find_nodes(op="placeholder")}
     trainable = sig.trainable()  # frozen parameters are not updated
     return build_update(
         [(q, phs[p].meta["val"]) for p, q in trainable],
@@ -489,8 +508,6 @@ def _parent(q: str) -> str:
 
 
 def _fake(mode, t):
-    from torch._subclasses.fake_tensor import FakeTensor
-
     if isinstance(t, FakeTensor):
         return t
     with mode:

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable, Hashable, Iterator
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -94,17 +95,61 @@ def _layout(v: Any) -> Any:
     return None
 
 
-def _source_keys(forward: GraphModule, h: Hierarchy) -> dict[str, tuple[int, tuple]]:
-    """Per source name that belongs to one call site, ``(site, key)``: a forward node copied
-    from a template (key: its template index, and the output of a ``getitem`` tracing added),
-    or a parameter of the block (key: its placeholder's kind and its path in the block). A
-    site where two forward nodes share a key (a rewritten graph) gets none."""
-    fkeys, dup, _ = forward_facts(forward)  # shared: copied before it is added to
-    keys = {name: v for name, v in fkeys.items() if v[0] not in dup}
-    for p, q, (s, rel) in _param_sites(forward, h):
+def _tables(forward: GraphModule, h: Hierarchy) -> tuple[dict, dict, list, dict, dict]:
+    """What :class:`_Describer` reads of ``forward`` (hierarchy ``h``), worked out once per
+    forward graph: the update's and the step's describers share it (read, never written, but
+    for the memo of layouts):
+
+    - per source name that belongs to one call site, ``(site, key)``: a forward node copied
+      from a template (key: its template index, and the output of a ``getitem`` tracing
+      added), or a parameter of the block (key: its placeholder's kind and its path in the
+      block). A site where two forward nodes share a key (a rewritten graph) gets none;
+    - its inverse, ``(site, key)`` to the name;
+    - per call site, its modules' paths in the block by their paths in the model;
+    - per parameter of a call site, ``(site, path in the block)`` (:func:`_param_sites`);
+    - a memo of the values' layouts (:func:`_layout_of`).
+
+    Worked out again where the forward's facts (:func:`~graphflop.passes.calls.forward_facts`),
+    hierarchy or signature changed."""
+    facts = forward_facts(forward)  # shared: copied before it is added to
+    sig = forward.meta[SIGNATURE]
+    got = _TABLES.get(forward)
+    if got is not None and got[0] is facts and got[1] is h and got[2] is sig:
+        return got[3]
+    fkeys, dup, _ = facts
+    keys = dict(fkeys) if not dup else {n: v for n, v in fkeys.items() if v[0] not in dup}
+    sites = _param_sites(forward, h)
+    for p, q, (s, rel) in sites:
         keys.setdefault(p, (s, ("forward", rel)))
         keys.setdefault(slot_name("param", q), (s, ("update", rel)))
-    return keys
+    names = dict(zip(keys.values(), keys))  # the inverse: the last name of a key, as a loop
+    rel_paths = [{a: r for r, a in site.modules} for site in h.sites]
+    tables: tuple[dict, dict, list, dict, dict] = (
+        keys,
+        names,
+        rel_paths,
+        {q: at for _, q, at in sites},
+        {},
+    )
+    _TABLES[forward] = (facts, h, sig, tables)
+    return tables
+
+
+#: per forward graph, :func:`_tables` with the facts, hierarchy and signature it was worked out
+#: from
+_TABLES: weakref.WeakKeyDictionary[GraphModule, tuple[Any, Any, Any, tuple]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _layout_of(memo: dict[int, tuple], v: torch.Tensor) -> tuple:
+    """``(shape, stride, dtype, device)`` of tensor ``v``, memoized in ``memo`` by identity (a
+    parameter's value is read by the update's variants and the step's, the calls of one
+    template share their nodes' values)."""
+    got = memo.get(id(v))
+    if got is None or got[0] is not v:
+        got = memo[id(v)] = (v, (tuple(v.shape), v.stride(), v.dtype, v.device))
+    return got[1]
 
 
 def _param_sites(forward: GraphModule, h: Hierarchy) -> list[tuple[str, str, tuple[int, str]]]:
@@ -129,11 +174,11 @@ class _Describer:
     """Describes runs of an update or step graph relative to their call sites."""
 
     def __init__(self, forward: GraphModule, h: Hierarchy) -> None:
-        self.keys = _source_keys(forward, h)
-        self.names = {v: k for k, v in self.keys.items()}
-        self.rel = [{a: r for r, a in s.modules} for s in h.sites]
+        # shared with the forward's other describers (:func:`_tables`): copied before
+        # :meth:`update_sources` writes to them
+        self.keys, self.names, self.rel, self.params, self.layouts = _tables(forward, h)
+        self._own = False
         self.h = h
-        self.params = {q: at for _, q, at in _param_sites(forward, h)}
         self.tags = forward_facts(forward)[2]  # shared: read only
 
     def tags_of(self, sources: tuple[str, ...]) -> tuple[Any, ...]:
@@ -146,10 +191,15 @@ class _Describer:
         for n in update.graph.nodes:
             if n.op != "placeholder":
                 break
-            if n.meta.get(SLOT) == "param" and n.meta.get(PARAM) in self.params:
-                s, rel = self.params[n.meta[PARAM]]
-                self.keys[n.name] = (s, ("update", rel))
-                self.names[(s, ("update", rel))] = n.name
+            at = self.params.get(n.meta.get(PARAM)) if n.meta.get(SLOT) == "param" else None
+            if at is None:
+                continue
+            key = (at[0], ("update", at[1]))
+            if self.keys.get(n.name) != key or self.names.get(key) != n.name:
+                if not self._own:  # the shared tables: this describer's own copies
+                    self.keys, self.names, self._own = dict(self.keys), dict(self.names), True
+                self.keys[n.name] = key
+                self.names[key] = n.name
 
     def site(self, n: Node) -> int | None:
         if n.op != "call_function":
@@ -265,46 +315,59 @@ class BlockParams:
         gradient is a variant of its own (its pass-through views are built, not copied)."""
         if any(params[k][0] in no_gradient for k in idx):
             return ("own", idx[0])
+        layouts = self.d.layouts
         return tuple(
-            (self.sites[q][1], tuple(t.shape), t.stride(), t.dtype, t.device)
-            for q, t in (params[k] for k in idx)
+            (self.sites[q][1], *_layout_of(layouts, t)) for q, t in (params[k] for k in idx)
         )
 
-    def hierarchy(
-        self, gm: GraphModule, made: list[tuple[int, int, list[Node]]]
-    ) -> DerivedHierarchy:
-        """The hierarchy of update graph ``gm`` from its calls as built: ``(site, variant,
-        nodes)`` each, variants numbered in the order first built; the first call of each
-        variant becomes its template."""
+    def hierarchy(self, gm: GraphModule, made: list[tuple]) -> DerivedHierarchy:
+        """The hierarchy of update graph ``gm`` from its calls as built, each a run of
+        consecutive nodes: ``(site, variant, nodes, parameters, copied)`` each, variants
+        numbered in the order first built, ``parameters`` the placeholders of the call's
+        parameters in order; ``copied`` None for the first call of its variant, which
+        becomes its template, else the map of the first call's nodes to the call's that
+        copied it (its values from outside and sources are the first call's, mapped)."""
         d, h = self.d, self.h
         d.update_sources(gm)
-        starts = {nodes[0]: c for c, (_, _, nodes) in enumerate(made)}
-        inside = {n for _, _, nodes in made for n in nodes}
+        starts = {c[2][0]: i for i, c in enumerate(made)}
         items: list[Any] = []
         templates: list[GraphModule] = []
         calls: list[DerivedCall] = []
-        for n in gm.graph.nodes:
+        #: per variant, its first call's values from outside and sources (by the position of
+        #: their parameter in the call, None where one is not a parameter's)
+        firsts: list[tuple[list[Node], tuple[str, ...], list[int] | None]] = []
+        n = next(iter(gm.graph.nodes))
+        while n.op != "root":
             c = starts.get(n)
             if c is None:
-                if n not in inside:
-                    items.append(n)
+                items.append(n)
+                n = n.next
                 continue
-            s, v, run = made[c]
-            ext = _outside(run)
+            s, v, run, params, copied = made[c]
+            if copied is None or firsts[v][2] is None:
+                ext = _outside(run)
+                found: dict[str, None] = {}
+                for x in run:
+                    src = x.meta.get(SOURCE, "")
+                    k = d.keys.get(src)
+                    if k is not None and k[0] == s:
+                        found[src] = None
+                sources = tuple(found)
+                if copied is None:
+                    pos = {p.name: a for a, p in enumerate(params)}
+                    mapped = all(x in pos for x in sources)
+                    firsts.append((ext, sources, [pos[x] for x in sources] if mapped else None))
+            else:
+                first_ext, _, at = firsts[v]
+                ext = [copied.get(x, x) for x in first_ext]
+                sources = tuple(params[a].name for a in at)
             if v == len(templates):
                 templates.append(d.template(run, ext, s, gm))
-            sources: dict[str, None] = {}
-            for x in run:
-                src = x.meta.get(SOURCE, "")
-                k = d.keys.get(src)
-                if k is not None and k[0] == s:
-                    sources[src] = None
-            calls.append(
-                DerivedCall(s, v, h.sites[s].modules, tuple(sources), d.tags_of(tuple(sources)))
-            )
+            calls.append(DerivedCall(s, v, h.sites[s].modules, sources, d.tags_of(sources)))
             items.append((run, ext, c))
+            n = run[-1].next
         return DerivedHierarchy(
-            tuple(templates), tuple(calls), _top(gm, items), tuple(r for _, _, r in made)
+            tuple(templates), tuple(calls), _top(gm, items), tuple(c[2] for c in made)
         )
 
 
@@ -499,14 +562,18 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
     call_op = torch.ops.graphflop.repeat.default
     for x in items:
         if isinstance(x, Node):
-            new = env[x] = copy_node(g, x, env.__getitem__)
+            if x.op == "placeholder" and not x.args and not x.kwargs:  # no arguments to map
+                new = g.create_node("placeholder", x.target, name=x.name, type_expr=x.type)
+            else:
+                new = copy_node(g, x, env.__getitem__)
+            env[x] = new
             object.__setattr__(new, "meta", x.meta)  # shared; no find_nodes re-filing
             continue
         run, ext, number = x
         inside = set(run)
         call = emit_named(g, call_op, ([env[v] for v in ext], number), base_name(g, call_op))
         for i, n in enumerate(run):
-            if any(u not in inside for u in n.users):
+            if not inside.issuperset(n.users):  # read outside the run
                 item = emit_named(g, operator.getitem, (call, i), "getitem")
                 object.__setattr__(item, "meta", dict(n.meta))  # no find_nodes re-filing
                 env[n] = item
@@ -520,6 +587,79 @@ def attach(gm: GraphModule, forward: GraphModule) -> GraphModule:
     if dh is not None:
         gm.meta[DERIVED_HIERARCHY] = dh
     return gm
+
+
+def _numbered_plan(names: Sequence[str]) -> tuple[tuple[str, ...], tuple] | None:
+    """Where every name of ``names`` is of fx's numbered form ``<base>_<digits>`` (an ASCII
+    identifier whose base does not end in ``_``: :func:`~graphflop.ad.builder.take_names`
+    takes such a name as it is where it is free, else the next free number of its base), the
+    plan :func:`_take_planned` takes them by: per name its prefix ``<base>_``, and per base
+    ``(base, prefix, positions of its names)`` in the order first met. None where a name is
+    of another form."""
+    prefixes = []
+    at: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        base, _, digits = name.rpartition("_")
+        if not (base and base[-1] != "_" and digits.isdigit() and name.isascii()):
+            return None
+        if not name.isidentifier():
+            return None
+        prefixes.append(base + "_")
+        at.setdefault(base, []).append(i)
+    return tuple(prefixes), tuple((b, b + "_", tuple(pos)) for b, pos in at.items())
+
+
+def _fits(names: Sequence[str], plan: tuple) -> bool:
+    """Whether ``names`` are of the numbered form of ``plan`` (:func:`_numbered_plan`, of these
+    names or of another call's of one template): each its plan's prefix and ASCII digits."""
+    prefixes = plan[0]
+    if len(prefixes) != len(names) or not all(map(str.startswith, names, prefixes)):
+        return False
+    digits = list(map(str.removeprefix, names, prefixes))
+    joined = "".join(digits)
+    return all(digits) and joined.isascii() and joined.isdigit()
+
+
+def _take_planned(g: Graph, names: Sequence[str], plan: tuple) -> tuple[str, ...]:
+    """``take_names(g, names)`` for ``names`` that :func:`_fits` ``plan``, a base at a time.
+
+    The names of one base are taken apart from the others' (a name ``<base>_<digits>`` is only
+    ever renamed ``<base>_<number>``), each base's in one step where they are all free (each
+    taken as it is; the base's count the number of its last) or all taken with the next ones
+    free (numbered on from the base's count), one by one otherwise, as taking the names in
+    order would take them; all of them one by one where two are alike."""
+    ns = g._graph_namespace
+    used, count = ns._used_names, ns._base_count
+    if used.isdisjoint(names):  # all free: the calls of a block's derivative after the first
+        before = len(used)
+        used.update(names)
+        if len(used) - before == len(names):
+            for base, prefix, pos in plan[1]:
+                count[base] = int(names[pos[-1]][len(prefix) :])
+            return tuple(names)
+        used.difference_update(names)  # a name twice: the second is renamed
+        return tuple(take_names(g, names))
+    if len(set(names)) != len(names):
+        return tuple(take_names(g, names))
+    out = list(names)
+    for base, prefix, pos in plan[1]:
+        mine = [names[i] for i in pos]
+        if used.isdisjoint(mine):  # taken as they are
+            used.update(mine)
+            count[base] = int(mine[-1][len(prefix) :])
+            continue
+        if used.issuperset(mine):  # renamed: the base's next numbers, where they are free
+            c = count.get(base, 0)
+            new = [f"{prefix}{c + j}" for j in range(1, len(mine) + 1)]
+            if used.isdisjoint(new):
+                used.update(new)
+                count[base] = c + len(mine)
+                for i, x in zip(pos, new):
+                    out[i] = x
+                continue
+        for i, x in zip(pos, take_names(g, mine)):
+            out[i] = x
+    return tuple(out)
 
 
 class StepRecorder:
@@ -556,6 +696,11 @@ class StepRecorder:
         self.call_op = torch.ops.graphflop.repeat.default
         #: :meth:`per_parameter`'s variants: what each one's first run made
         self._per_param: dict[tuple, tuple] = {}
+        #: per template, the plan taking its calls' names (:func:`_numbered_plan`)
+        self._plans: dict[int, tuple] = {}
+        #: per :meth:`per_parameter` variant (the id of what its first run made, kept in
+        #: ``_per_param``), its template's nodes' annotations at the values' positions
+        self._exposed: dict[int, list[dict]] = {}
 
     def call(
         self, g: Graph, template: GraphModule, c: DerivedCall, args: list[Node], names: Any
@@ -568,11 +713,23 @@ class StepRecorder:
         if t is None:
             t = self._copied[id(template)] = len(self.templates)
             self.templates.append(_copy_template(template))
-        taken = tuple(take_names(g, names))
+        taken = self._take(g, names, t)
         rep = emit_named(g, self.call_op, (list(args), len(self.calls)), "repeat_call")
         self.calls.append(replace(c, template=t))
         self.names[rep] = taken
         return rep
+
+    def _take(self, g: Graph, names: Sequence[str], t: int) -> tuple[str, ...]:
+        """``take_names(g, names)`` for the names of a call of template ``t``: where each is
+        of fx's numbered form (the calls of a block's derivative after the first few), a base
+        at a time by a plan worked out once per template (:func:`_take_planned`)."""
+        plan = self._plans.get(t)
+        if plan is None or not _fits(names, plan):
+            plan = _numbered_plan(names)
+            if plan is None:  # a name of another form (a block's first calls: ``mm_default``)
+                return tuple(take_names(g, names))
+            self._plans[t] = plan
+        return _take_planned(g, names, plan)
 
     def item(self, g: Graph, rep: Node, i: int, meta: dict) -> Node:
         """A getitem of call ``rep``'s node ``i`` at the end of ``g``, with ``meta``."""
@@ -623,7 +780,7 @@ class StepRecorder:
         prev = rep
         items: dict[int, Node] = {}
         for i, n in enumerate(run):
-            if i in exposed or any(u not in inside for u in n.users):
+            if i in exposed or not inside.issuperset(n.users):
                 with g.inserting_after(prev):
                     item = emit_named(g, operator.getitem, (rep, i), "repeat_item")
                 object.__setattr__(item, "meta", n.meta)
@@ -691,7 +848,7 @@ class StepRecorder:
         return k[0] if k is not None else None
 
     def _layout_in_block(self, p: str, v: torch.Tensor) -> tuple:
-        return (self.d.keys[p][1], tuple(v.shape), v.stride(), v.dtype, v.device)
+        return (self.d.keys[p][1], *_layout_of(self.d.layouts, v))
 
     def _emit(
         self, g: Graph, s: int, known: tuple, group: list[str], reads: list[Node], out: dict
@@ -712,11 +869,13 @@ class StepRecorder:
             g, self.call_op, ([to[x] for x in ext], len(self.calls) - 1), "repeat_call"
         )
         self.names[rep] = taken
-        nodes = list(self.templates[t].graph.nodes)
-        first = sum(1 for x in nodes if x.op == "placeholder")
+        metas = self._exposed.get(id(known))
+        if metas is None:  # the template's nodes' annotations at the values' positions
+            body = [x for x in self.templates[t].graph.nodes if x.op != "placeholder"]
+            metas = self._exposed[id(known)] = [body[x].meta for x in exposed]
         absolute = dict(c.modules)
-        for p, x in zip(group, exposed):
-            m = dict(nodes[first + x].meta)
+        for p, x, tm in zip(group, exposed, metas):
+            m = dict(tm)
             _localize(m, c, absolute)
             out[p] = self.item(g, rep, x, m)
         return True
