@@ -70,7 +70,6 @@ from graphflop.meta import (
 from graphflop.ops import has_rule, op_name
 from graphflop.ops.cost import op_cost
 from graphflop.ops.ghost import GhostValue, is_ghost
-from graphflop.passes.flops import sum_costs
 
 __all__ = [
     "DerivedCall",
@@ -755,62 +754,109 @@ def _cost(n: Node) -> NodeCost:
     return c
 
 
+def _sum_times(costs: list[tuple[NodeCost, int]]) -> NodeCost:
+    """:func:`~graphflop.passes.flops.sum_costs` of each ``(cost, k)``'s cost taken ``k``
+    times, in order: ``k`` times its fields where they are integers (exact), else added ``k``
+    times over."""
+    f = mm = tr = rnd = br = bw = 0
+    for c, k in costs:
+        fields = (
+            c.flops,
+            c.mm_flops,
+            c.transcendentals,
+            c.random_elements,
+            c.bytes_read,
+            c.bytes_written,
+        )
+        if k != 1 and all(type(x) is int for x in fields):
+            f += k * c.flops
+            mm += k * c.mm_flops
+            tr += k * c.transcendentals
+            rnd += k * c.random_elements
+            br += k * c.bytes_read
+            bw += k * c.bytes_written
+            continue
+        for _ in range(k):
+            f += c.flops
+            mm += c.mm_flops
+            tr += c.transcendentals
+            rnd += c.random_elements
+            br += c.bytes_read
+            bw += c.bytes_written
+    return NodeCost(f, mm, tr, rnd, br, bw)
+
+
 class _Acc:
-    """Sums of costs by role, module and op (see :class:`DerivedFigures`)."""
+    """Sums of costs by role, module and op (see :class:`DerivedFigures`); each cost is kept
+    with how many times it counts (a template's, once per call)."""
 
     def __init__(self) -> None:
-        self.costs: list[NodeCost] = []
+        self.costs: list[tuple[NodeCost, int]] = []
         self.by_role: dict[str, int] = {}
         self.rows: dict[str, list] = {}
         self.ops: dict[str, list] = {}
         self.rule_less = 0
+        #: op -> (its name, whether it has no rule), looked up once per op
+        self._known: dict[Any, tuple[str, bool]] = {}
 
     def node(self, n: Node, module: str, role: str) -> None:
         c = _cost(n)
-        self.costs.append(c)
+        self.costs.append((c, 1))
         self.by_role[role] = self.by_role.get(role, 0) + c.flops
         row = self.rows.setdefault(module, [0, 0, {}])
         row[0] += c.flops
         row[1] += c.mm_flops
         row[2][role] = row[2].get(role, 0) + c.flops
-        if n.target is not operator.getitem:
-            acc = self.ops.setdefault(op_name(n.target), [0, []])
+        t = n.target
+        if t is not operator.getitem:
+            known = self._known.get(t)
+            if known is None:
+                known = self._known[t] = (op_name(t), not has_rule(t))
+            acc = self.ops.setdefault(known[0], [0, []])
             acc[0] += 1
-            acc[1].append(c)
-            self.rule_less += not has_rule(n.target)
+            acc[1].append((c, 1))
+            self.rule_less += known[1]
 
     def freeze(self) -> _Acc:
         """The same sums with each op's costs (and all costs) summed into one."""
-        self.costs = [sum_costs(self.costs)]
-        self.ops = {k: [count, [sum_costs(cs)]] for k, (count, cs) in self.ops.items()}
+        self.costs = [(_sum_times(self.costs), 1)]
+        self.ops = {k: [count, [(_sum_times(cs), 1)]] for k, (count, cs) in self.ops.items()}
         return self
 
-    def add_rows(self, other: _Acc, module: dict[str, str]) -> None:
-        """Add a frozen template's rows (their module paths mapped by ``module``), and enter
-        its roles and ops where they are new (the order first met): its other sums are the
-        same at every call, added for all its calls at once (:meth:`add_times`)."""
+    def add_rows(self, other: _Acc, module: dict[str, str], first: bool = True) -> None:
+        """Add a frozen template's rows (their module paths mapped by ``module``), and, at its
+        ``first`` call, enter its roles and ops where they are new (the order first met; at
+        its later calls they are all entered already): its other sums are the same at every
+        call, added for all its calls at once (:meth:`add_times`)."""
+        rows = self.rows
         for rel, (f, mm, roles) in other.rows.items():
-            row = self.rows.setdefault(module.get(rel, rel), [0, 0, {}])
+            path = module.get(rel, rel)
+            row = rows.get(path)
+            if row is None:
+                row = rows[path] = [0, 0, {}]
             row[0] += f
             row[1] += mm
+            by = row[2]
             for r, x in roles.items():
-                row[2][r] = row[2].get(r, 0) + x
-        for r in other.by_role:
-            self.by_role.setdefault(r, 0)
-        for op in other.ops:
-            self.ops.setdefault(op, [0, []])
+                by[r] = by.get(r, 0) + x
+        if first:
+            for r in other.by_role:
+                self.by_role.setdefault(r, 0)
+            for op in other.ops:
+                self.ops.setdefault(op, [0, []])
 
     def add_times(self, other: _Acc, k: int) -> None:
         """Add a frozen template's sums but its rows ``k`` times (its calls' share, each call's
         rows added by :meth:`add_rows`): FLOPs and counts are integers, so the sums do not
-        depend on the order they are added in."""
-        self.costs.extend(other.costs * k)
+        depend on the order they are added in; each cost is kept once, counted ``k`` times
+        (:func:`_sum_times`)."""
+        self.costs.extend((c, m * k) for c, m in other.costs)
         for r, f in other.by_role.items():
             self.by_role[r] = self.by_role.get(r, 0) + k * f
         for op, (count, costs) in other.ops.items():
             acc = self.ops.setdefault(op, [0, []])
             acc[0] += k * count
-            acc[1].extend(costs * k)
+            acc[1].extend((c, m * k) for c, m in costs)
         self.rule_less += k * other.rule_less
 
 
@@ -841,7 +887,8 @@ def derived_figures(
                     if keep(x):
                         t.node(x, x.meta.get(MODULE, ""), x.meta.get(ROLE, default_role))
                 t.freeze()
-            acc.add_rows(t, dict(c.modules))  # the rest once per template, below
+            # the rest once per template, below
+            acc.add_rows(t, dict(c.modules), c.template not in calls)
             calls[c.template] = calls.get(c.template, 0) + 1
         elif n.target is operator.getitem and n.args[0].target is call_op:
             continue
@@ -850,10 +897,10 @@ def derived_figures(
     for template, k in calls.items():
         acc.add_times(per_template[template], k)
     return DerivedFigures(
-        total=sum_costs(acc.costs),
+        total=_sum_times(acc.costs),
         by_role=acc.by_role,
         rows=acc.rows,
-        ops={k: (count, sum_costs(cs)) for k, (count, cs) in acc.ops.items()},
+        ops={k: (count, _sum_times(cs)) for k, (count, cs) in acc.ops.items()},
         rule_less=acc.rule_less,
     )
 

@@ -8,6 +8,8 @@ to graphflop's graph (:func:`fused_score_products`, :func:`eager_attention_flops
 
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -29,9 +31,12 @@ def fused_score_products(fwd: GraphModule) -> list[Node]:
     keeps only a logsumexp and recomputes the scores q·kᵀ in its backward, a fifth product the
     size of this one (FlopCounterMode's ``sdpa_backward_flop_count`` counts the same five)."""
     first: dict[tuple[str, int], Node] = {}
+    bmm = aten.bmm.default
     for n in fwd.graph.nodes:
+        if n.target is not bmm:
+            continue
         tag = n.meta.get(COMPOSITE)
-        if tag is None or tag.op != FUSED_SDPA or n.target is not aten.bmm.default:
+        if tag is None or tag.op != FUSED_SDPA:
             continue
         # a repeated block's copies share their region numbers: the module tells them apart
         first.setdefault((n.meta.get(MODULE) or "", tag.region), n)
@@ -138,7 +143,17 @@ class FusedAttention:
         for n in region:  # a constant mask is lifted into the graph inside the call
             if n.op != "call_function":
                 ins.setdefault(3, n)
-        spare = [n for n in inner if not is_view(n) and isinstance(n.meta.get("val"), torch.Tensor)]
+        # the first two inner nodes that hold a tensor of their own (at most two are read)
+        spare = list(
+            islice(
+                (
+                    n
+                    for n in inner
+                    if isinstance(n.meta.get("val"), torch.Tensor) and not is_view(n)
+                ),
+                2,
+            )
+        )
         mask = ins.get(3)
         bool_mask = mask is not None and mask.meta["val"].dtype == torch.bool
         if not outs or any(k not in ins for k in (0, 1, 2)) or len(spare) < 1 + bool_mask:

@@ -7,7 +7,7 @@ decomposition of it holds on the way (profiler allocator events, PyTorch 2.13 CP
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.fx import GraphModule, Node
@@ -48,13 +48,18 @@ def one_kernel_forward(region: list[Node]) -> tuple[dict[str, int], dict[str, li
     no output names and nothing outside the op reads) hold nothing, and its inputs stay live
     until its last output is made. Returns (sizes, also_reads) for
     :meth:`Schedule.add_graph`."""
-    tags = {n: n.meta[COMPOSITE] for n in region}
     inside = set(region)
-    inner = [n for n in region if tags[n].output is None and all(u in inside for u in n.users)]
-    outs = [n for n in region if tags[n].output is not None]
+    inner: list[Node] = []
+    outs: list[Node] = []
+    for n in region:
+        if n.meta[COMPOSITE].output is not None:
+            outs.append(n)
+        elif inside.issuperset(n.users):  # (read by nothing outside the op)
+            inner.append(n)
     if not inner or not outs:
         return {}, {}
-    outer = sorted({a.name for n in region for a in n.all_input_nodes if a not in inside})
+    # (_input_nodes: all_input_nodes without the copy into a list)
+    outer = sorted({a.name for n in region for a in n._input_nodes if a not in inside})
     return {n.name: 0 for n in inner}, {outs[-1].name: outer}
 
 
@@ -68,10 +73,12 @@ BACKWARD_TEMPORARIES = {"aten.nan_to_num.default": 1}
 
 def backward_temporaries(region: list[Node]) -> int:
     """Bytes of :data:`BACKWARD_TEMPORARIES` for one composite op's region (0 for most)."""
+    per = BACKWARD_TEMPORARIES.get(region[0].meta[COMPOSITE].op)
+    if per is None:
+        return 0
     tags = {n: n.meta[COMPOSITE] for n in region}
-    per = BACKWARD_TEMPORARIES.get(tags[region[0]].op)
     x = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
-    if per is None or x is None:
+    if x is None:
         return 0
     val = x.meta["val"]
     return val.numel() * (per + val.element_size())
@@ -117,6 +124,8 @@ def one_kernel_backward(
     regions: list[tuple[set[str], int]],
     inplace: set[str] | frozenset[str] = frozenset(),
     copied: set[int] | frozenset[int] = frozenset(),
+    *,
+    owner: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, int], dict[str, list[str]], dict[str, int]]:
     """The backward of each composite op in ``regions`` (the names of a region's forward
     nodes, the bytes of its backward's temporaries) as one eager kernel, as autograd runs it
@@ -133,9 +142,11 @@ def one_kernel_backward(
     N × C, is such a scatter, and eager holds it while ``_log_softmax_backward_data`` runs).
     ``copied``: the indices into ``regions`` of the kernels that copy a non-contiguous output
     gradient (:data:`GRAD_OUTPUT_COPIED`, on CPU): the copy is one of their temporaries
-    (:func:`grad_output_copy_bytes`). Returns (sizes, also_reads, extra) for
+    (:func:`grad_output_copy_bytes`). ``owner``: each region's forward node names -> the
+    region's index, where made already. Returns (sizes, also_reads, extra) for
     :meth:`Schedule.add_graph`."""
-    owner = {name: i for i, (names, _) in enumerate(regions) for name in names}
+    if owner is None:
+        owner = {name: i for i, (names, _) in enumerate(regions) for name in names}
     groups: dict[int, list[Node]] = {}
     for n in backward.graph.nodes:
         i = owner.get(n.meta.get(SOURCE, "")) if n.op == "call_function" else None

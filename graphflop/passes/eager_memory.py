@@ -169,6 +169,17 @@ ONE_KERNEL_BACKWARD = frozenset({aten.relu.default, aten.sigmoid.default, aten.t
 #: :func:`~graphflop.passes.memory.forward_storages`, so it is not counted. An integer one is
 #: counted only as an embedding's indices (:func:`not_saved`).
 _NOT_ACTIVATIONS = (None, "param", "buffer")
+#: the ops :func:`eager_forward` reads besides the composite regions (one walk finds them)
+_EAGER_FORWARD_OPS = frozenset(
+    {
+        *ATEN_SAVES,
+        aten.convolution.default,
+        *ONE_KERNEL_BACKWARD,
+        aten._native_batch_norm_legit_functional.default,
+        *RESULT_AS_INPUT,
+        *INPUT_AS_RESULT_IN_PLACE,
+    }
+)
 
 
 def embedding_indices(forward: GraphModule | Iterable[Node]) -> frozenset[str]:
@@ -176,11 +187,12 @@ def embedding_indices(forward: GraphModule | Iterable[Node]) -> frozenset[str]:
     ``aten.embedding`` reads as its indices (eager's ``embedding_backward(grad, indices,
     ...)`` saves them)."""
     nodes = forward.graph.nodes if isinstance(forward, GraphModule) else forward
+    embedding = aten.embedding.default
     return frozenset(
         a.name
         for n in nodes
-        if n.op == "call_function"
-        and n.target is aten.embedding.default
+        if n.target is embedding
+        and n.op == "call_function"
         and len(n.args) > 1
         and isinstance(a := n.args[1], Node)
     )
@@ -387,13 +399,13 @@ def _saved_output_sizes(region: list[Node], saved: list[Node], device: str) -> d
     return sizes
 
 
-def _kept_whole_stat_sizes(forward: GraphModule, device: str) -> dict[str, int]:
-    """Training-mode batch norm kept whole (:data:`~graphflop.frontend.composite.KEPT_WHOLE`)
+def _kept_whole_stat_sizes(nodes: Iterable[Node], device: str) -> dict[str, int]:
+    """Of ``nodes``, training-mode batch norm kept whole (:data:`~graphflop.frontend.composite.KEPT_WHOLE`)
     with a 16-bit input: its mean and inverse std (``getitem`` 1 and 2) in float32 where the
     weight is float32 (``batch_norm_cpu``'s ``param_scalar_type``) or on CUDA (the accumulate
     type): node name -> eager's bytes, where they differ from the traced value's."""
     sizes = {}
-    for n in forward.graph.nodes:
+    for n in nodes:
         if (
             n.op != "call_function"
             or n.target is not aten._native_batch_norm_legit_functional.default
@@ -420,10 +432,10 @@ def _dropped_saves(region: list[Node], device: str) -> tuple[Node, int] | None:
     was dropped. The stand-in, a value of the op's own kernel that holds nothing eagerly
     (:func:`one_kernel_forward`), is saved in their place: live until the op's backward has
     run, as eager's statistics are."""
-    tags = {n: n.meta[COMPOSITE] for n in region}
-    tag = tags[region[0]]
+    tag = region[0].meta[COMPOSITE]
     if tag.op not in EAGER_SAVES or not tag.outputs:
         return None
+    tags = {n: n.meta[COMPOSITE] for n in region}
     _, outs = EAGER_SAVES[tag.op]
     have = {t.output for t in tags.values()}
     nbytes = 0
@@ -531,59 +543,58 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
             if dropped is not None:
                 saved.append(dropped[0])
                 sizes[dropped[0].name] = dropped[1]
+        names = [m.name for m in saved]  # (one list for the region's nodes: read only)
         for n in region:
-            saves[n.name] = [m.name for m in saved]
+            saves[n.name] = names
         if op in _ATEN_SAVES_NAMES and CHECKPOINT not in region[0].meta and saved:
             # a decomposed op of ATEN_SAVES (reflection padding: its backward reads an index
             # made from constants, none of the values eager saves): held as a kept-whole one
             held |= {n.name: [m.name for m in saved] for n in region}
     sizes |= attention.sizes
-    kept_whole = aten_saves(forward)
+    # the ops the rest reads, in graph order: one walk over the graph, then over these only
+    ops = [
+        n for n in forward.graph.nodes if n.op == "call_function" and n.target in _EAGER_FORWARD_OPS
+    ]
+    kept_whole = aten_saves(ops)
     held |= kept_whole
-    held |= computed_conv_weights(forward)
+    held |= computed_conv_weights(ops)
     # fused attention's and convolution_backward's backward: one kernel each too
     kernels += attention.regions
-    kernels += [({n.name}, 0) for n in forward.graph.nodes if _is_plain_conv(n)]
+    kernels += [({n.name}, 0) for n in ops if _is_plain_conv(n)]
     # the ops of ATEN_SAVES: one backward kernel each (avg_pool2d_backward, gather_backward's
     # scatter_add into zeros, ...), where graphflop's rule unfolds the window (col2im)
-    targets = {n.name: str(n.target) for n in forward.graph.nodes}
+    targets = {n.name: n.target for n in ops if n.name in kept_whole}
     for name in kept_whole:
-        if device == "cpu" and targets[name] in GRAD_OUTPUT_COPIED:
+        if device == "cpu" and str(targets[name]) in GRAD_OUTPUT_COPIED:
             copied.add(len(kernels))
         kernels.append(({name}, 0))
     # plain ATen ops whose eager backward is one kernel reading the saved result with the
     # gradient (ONE_KERNEL_BACKWARD): graphflop's rule makes a mask or coefficients first
     kernels += [
         ({n.name}, 0)
-        for n in forward.graph.nodes
-        if n.op == "call_function"
-        and n.target in ONE_KERNEL_BACKWARD
-        and COMPOSITE not in n.meta
-        and CHECKPOINT not in n.meta
+        for n in ops
+        if n.target in ONE_KERNEL_BACKWARD and COMPOSITE not in n.meta and CHECKPOINT not in n.meta
     ]
     # batch norm's backward on the CPU: one native_batch_norm_backward, which allocates an
     # input-sized temporary beside the input's gradient (two empty_like of the input, one
     # freed before it returns: profiler allocator events, PyTorch 2.13 CPU)
+    norms = [n for n in ops if n.target is aten._native_batch_norm_legit_functional.default]
     kernels += [
-        ({n.name}, tensor_bytes(n.args[0].meta.get("val")) if device == "cpu" else 0)
-        for n in forward.graph.nodes
-        if n.op == "call_function" and n.target is aten._native_batch_norm_legit_functional.default
+        ({n.name}, tensor_bytes(n.args[0].meta.get("val")) if device == "cpu" else 0) for n in norms
     ]
-    sizes |= _kept_whole_stat_sizes(forward, device)
+    sizes |= _kept_whole_stat_sizes(norms, device)
     result_as = {
         n.name: a.name
-        for n in forward.graph.nodes
-        if n.op == "call_function"
-        and n.target in RESULT_AS_INPUT
+        for n in ops
+        if n.target in RESULT_AS_INPUT
         and COMPOSITE not in n.meta  # (a composite op's part: EAGER_SAVES says what it saves)
         and CHECKPOINT not in n.meta  # (eager saves the region's inputs only, as aten_saves)
         and isinstance(a := n.args[RESULT_AS_INPUT[n.target]], Node)
     }
     input_as = {
         n.name: a.name
-        for n in forward.graph.nodes
-        if n.op == "call_function"
-        and n.target in INPUT_AS_RESULT_IN_PLACE
+        for n in ops
+        if n.target in INPUT_AS_RESULT_IN_PLACE
         and n.meta.get(INPLACE)
         and COMPOSITE not in n.meta
         and CHECKPOINT not in n.meta
@@ -594,15 +605,16 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
     )
 
 
-def aten_saves(forward: GraphModule) -> dict[str, list[str]]:
-    """The plain ATen ops of :data:`ATEN_SAVES` in ``forward`` -> the forward node names eager
+def aten_saves(forward: GraphModule | Iterable[Node]) -> dict[str, list[str]]:
+    """The plain ATen ops of :data:`ATEN_SAVES` in ``forward`` (its graph's nodes, or the
+    nodes given) -> the forward node names eager
     autograd saves for each (ops inside a checkpoint region left out: eager saves nothing there
     but the region's inputs; those of a composite op's decomposition too: :data:`EAGER_SAVES`
     says what eager saves for the op). Parameters, buffers and views of them have no storage of their
     own in the eager schedule (:func:`~graphflop.passes.memory.forward_storages`), so they are
     not counted; a value computed from a buffer (take_along_dim's wrapped index) is."""
     held: dict[str, list[str]] = {}
-    for n in forward.graph.nodes:
+    for n in forward.graph.nodes if isinstance(forward, GraphModule) else forward:
         if n.op != "call_function" or n.target not in ATEN_SAVES:
             continue
         if CHECKPOINT in n.meta or COMPOSITE in n.meta:  # (a composite op's: EAGER_SAVES)
@@ -615,8 +627,8 @@ def aten_saves(forward: GraphModule) -> dict[str, list[str]]:
     return held
 
 
-def computed_conv_weights(forward: GraphModule) -> dict[str, list[str]]:
-    """Convolutions whose weight the model computes (a standardised or masked weight:
+def computed_conv_weights(forward: GraphModule | Iterable[Node]) -> dict[str, list[str]]:
+    """Convolutions (of ``forward``'s graph, or among the nodes given) whose weight the model computes (a standardised or masked weight:
     not a parameter's placeholder) -> that weight's forward node name. Eager's
     ``convolution_backward(grad, input, weight, ...)`` is one formula for every input, so
     autograd saves the input and the weight whichever of them needs a gradient; graphflop's
@@ -626,7 +638,7 @@ def computed_conv_weights(forward: GraphModule) -> dict[str, list[str]]:
     (:func:`~graphflop.passes.memory.forward_storages`) and is not counted. Ops inside a
     checkpoint region are left out, as in :func:`aten_saves`."""
     held: dict[str, list[str]] = {}
-    for n in forward.graph.nodes:
+    for n in forward.graph.nodes if isinstance(forward, GraphModule) else forward:
         if n.op != "call_function" or n.target is not aten.convolution.default:
             continue
         w = n.args[1]
@@ -714,11 +726,11 @@ def _replayed_draws(forward: GraphModule) -> set[str]:
     """The random ops inside the model's ``torch.utils.checkpoint`` regions: eager saves the
     generator state (not counted, as ``saved_tensors_hooks`` do not see it) and redraws the
     same numbers in the recompute; graphflop's backward reads the forward's draw instead."""
+    seeded = torch.Tag.nondeterministic_seeded
     return {
         n.name
         for n in forward.graph.nodes
-        if CHECKPOINT in n.meta
-        and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+        if CHECKPOINT in n.meta and seeded in getattr(n.target, "tags", ())
     }
 
 
@@ -973,8 +985,51 @@ def matmul_operand_copy_bytes(n: Node) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class ForwardKernels:
+    """What :func:`kernel_temporaries` reads of a forward graph, in one walk over it (on CPU).
+
+    Attributes:
+        convs: the plain convolutions (:func:`_is_plain_conv`): node name -> node.
+        composite: the names of the nodes of composite ops' decompositions.
+        temporaries: forward node name -> bytes of its kernel's temporaries (the forward half
+            of :func:`kernel_temporaries`).
+    """
+
+    convs: dict[str, Node]
+    composite: frozenset[str]
+    temporaries: dict[str, int]
+
+
+def forward_kernels(forward: GraphModule) -> ForwardKernels:
+    """:class:`ForwardKernels` of ``forward`` (the CPU kernels'; one walk over its nodes)."""
+    convs: dict[str, Node] = {}
+    composite: set[str] = set()
+    mms: list[Node] = []
+    mm, addmm, conv = aten.mm.default, aten.addmm.default, aten.convolution.default
+    for n in forward.graph.nodes:
+        if COMPOSITE in n.meta:
+            composite.add(n.name)
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if (t is mm or t is addmm) and COMPOSITE not in n.meta:
+            mms.append(n)
+        elif t is conv and _is_plain_conv(n):
+            convs[n.name] = n
+    fwd = {name: conv_forward_bytes(n) for name, n in convs.items()}
+    for n in mms:
+        if b := matmul_operand_copy_bytes(n):
+            fwd[n.name] = fwd.get(n.name, 0) + b
+    return ForwardKernels(convs, frozenset(composite), fwd)
+
+
 def kernel_temporaries(
-    forward: GraphModule, backward: GraphModule | None, device: str
+    forward: GraphModule,
+    backward: GraphModule | None,
+    device: str,
+    *,
+    kernels: ForwardKernels | None = None,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes of the temporaries eager kernels hold while they run: (forward node name -> bytes,
     backward node name -> bytes).
@@ -991,21 +1046,17 @@ def kernel_temporaries(
     are not modelled.) A matrix product (``mm``, ``addmm``: a linear layer and its backward)
     copies an operand BLAS cannot read as laid out (:func:`matmul_operand_copy_bytes`), where
     it is not part of a composite op's decomposition (eager runs that op as one kernel). Other
-    ops and CUDA (cuDNN workspaces, cuBLAS's copies are not modelled): none.
+    ops and CUDA (cuDNN workspaces, cuBLAS's copies are not modelled): none. ``kernels``:
+    :func:`forward_kernels` of ``forward``, where made already (``forward`` is then not read).
     """
-    fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
     if device != "cpu":
-        return fwd, bwd
-    convs = {n.name: n for n in forward.graph.nodes if _is_plain_conv(n)}
-    for name, n in convs.items():
-        fwd[name] = conv_forward_bytes(n)
-    composite = {n.name for n in forward.graph.nodes if COMPOSITE in n.meta}
-    for n in forward.graph.nodes:
-        if n.name not in composite and (b := matmul_operand_copy_bytes(n)):
-            fwd[n.name] = fwd.get(n.name, 0) + b
+        return {}, bwd
+    fk = kernels if kernels is not None else forward_kernels(forward)
+    fwd = dict(fk.temporaries)
     if backward is None:
         return fwd, bwd
+    convs, composite = fk.convs, fk.composite
     made: dict[str, list[Node]] = {}  # forward conv -> the backward nodes its rule made
     for n in backward.graph.nodes:
         if n.op == "call_function" and (src := n.meta.get(SOURCE)) in convs:

@@ -82,7 +82,8 @@ class _NodeSteps:
 
     @staticmethod
     def reads_of(n: Node, keys: dict[Node, list[str]]) -> list[str]:
-        return [k for a in n.all_input_nodes for k in keys.get(a, [])]
+        # (_input_nodes: all_input_nodes, in order, without the copy into a list)
+        return [k for a in n._input_nodes for k in keys.get(a, ())]
 
     def output_step(
         self, n: Node, prefix: str, keys: dict[Node, list[str]], held: list[str], keep: set[str]
@@ -117,7 +118,7 @@ class _NodeSteps:
             or self.is_view(n.target)
             or n.name in self.inplace
         ):
-            base = n.all_input_nodes[0] if n.all_input_nodes else None
+            base = next(iter(n._input_nodes), None)
             if base is not None and not keys.get(base):
                 keys[n] = []  # a view of an always-live tensor
                 return None

@@ -40,6 +40,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import count, repeat
 from typing import Any
 
 from torch.fx import GraphModule, Node
@@ -187,7 +188,9 @@ class ComposedSchedule:
         external = external or {}
         nodes = _NodeSteps(gm, eager, sizes, extra, also_reads, inplace, free_outputs, released)
         runs = [(key, r) for key, r in runs if r]
-        index = {n: (ci, i) for ci, (_, r) in enumerate(runs) for i, n in enumerate(r)}
+        index: dict[Node, tuple[int, int]] = {}  # run node -> (run, position)
+        for ci, (_, r) in enumerate(runs):
+            index.update(zip(r, zip(repeat(ci), count())))
         numbers: list[int] = []  # per run, its call's item number
         if prefix in self._graphs:
             raise ValueError(f"a graph with prefix {prefix!r} was added already")

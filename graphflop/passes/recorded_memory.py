@@ -70,20 +70,19 @@ from graphflop.passes.eager_memory import (
     _FRESH,
     _SCATTERS,
     ConvBackward,
-    _is_plain_conv,
     _replayed_draws,
     conv_backward,
     conv_backward_temporaries,
     dual_pairs,
     eager_forward,
     embedding_indices,
+    forward_kernels,
     jvp_baseline,
     jvp_overrides,
     kernel_temporaries,
     matmul_operand_copy_bytes,
     not_saved,
     optimizer_temporaries,
-    residual_keys,
     scatters_in_place,
     unstored_values,
 )
@@ -277,18 +276,16 @@ def _top_copy(
     read_by_calls: dict[Node, None] = {}
     names: dict[str, tuple[int, int]] = {}
     output: Node | None = None
+    calls = set(top.graph.find_nodes(op="call_function", target=_REPEAT))
+    calls_and_output = calls | set(top.graph.find_nodes(op="output"))
     for n in top.graph.nodes:
-        if n.target is _REPEAT:
-            read_by_calls.update(dict.fromkeys(n.all_input_nodes))
+        if n in calls:
+            read_by_calls.update(dict.fromkeys(n._input_nodes))
             continue
         at = call_value(n)
-        if (at is not None or n.op == "placeholder") and all(u.target is _REPEAT for u in n.users):
+        if (at is not None or n.op == "placeholder") and calls.issuperset(n.users):
             continue  # read by calls only (or by nothing)
-        if (
-            at is not None
-            and not output_values
-            and all(u.op == "output" or u.target is _REPEAT for u in n.users)
-        ):
+        if at is not None and not output_values and calls_and_output.issuperset(n.users):
             continue  # read by calls and the output only
         if at is not None:
             p = env[n] = g.placeholder(name(at))
@@ -734,16 +731,13 @@ class _TrainBuilder:
         # profile could not stand for); at the top level, its last node reads them
         if any(f in self.sources for f in self.ef.held):
             raise _Unsupported
-        #: forward node name -> (its one-kernel backward's number, that kernel's temporaries)
-        self.owner = {
-            name: (i, nbytes) for i, (names, nbytes) in enumerate(self.ef.kernels) for name in names
-        }
+        #: forward node name -> its one-kernel backward's number (in ``ef.kernels``)
+        self.owner = {name: i for i, (names, _) in enumerate(self.ef.kernels) for name in names}
         #: forward convolutions whose backward holds temporaries: name -> what it allocates
-        fwd_tmp, _ = kernel_temporaries(forward, None, device)
+        self.kernels = forward_kernels(forward)  # (read again for the backward's)
+        fwd_tmp, _ = kernel_temporaries(forward, None, device, kernels=self.kernels)
         self.conv_bytes = {
-            n.name: conv_backward(n)
-            for n in forward.graph.nodes
-            if n.name in fwd_tmp and _is_plain_conv(n)
+            name: conv_backward(n) for name, n in self.kernels.convs.items() if name in fwd_tmp
         }
         self.fwd_tmp = fwd_tmp
         self.templates: dict[int, _Template] = {}
@@ -756,6 +750,11 @@ class _TrainBuilder:
         self.top_nodes = {n.name: n for n in top.graph.nodes}
         self.reader_rows: dict[int, list[list[tuple]]] = {}
         self.arg_at: dict[Node, dict[Node, list[int]]] = {}
+        #: the top level's placeholders holding a value eager autograd saves (not_saved)
+        self.saved = [
+            p for p in top.graph.find_nodes(op="placeholder") if not not_saved(p, self.indices)
+        ]
+        self._held: dict[str, list[str]] | None = None
 
     def template(self, number: int) -> _Template:
         return _template_of(self.dh, self.templates, number)
@@ -808,17 +807,12 @@ class _TrainBuilder:
         )
         self.s._graphs["b"] = (self.index, self.by_name, self.numbers)  # type: ignore[assignment]
         self.walk(state, remap)
-        phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
+        phs = {n.name: n for n in forward.graph.find_nodes(op="placeholder")}
         sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
         s.add_transient("u:optimizer", optimizer_temporaries(self.optimizer, sizes, self.device))
         # the storages saved for backward (eager_saved_storages with the schedule)
         found = s.owners(
-            [
-                f"f:{x}"
-                for p in self.top.graph.nodes
-                if p.op == "placeholder" and not not_saved(p, self.indices)
-                for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])
-            ]
+            [f"f:{x}" for p in self.saved for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])]
             + [f"f:{x}" for xs in self.held().values() for x in xs]
         )
         owners = {o.split(":", 1)[1]: nb for o, nb in (v for v in found.values() if v is not None)}
@@ -872,9 +866,7 @@ class _TrainBuilder:
         placeholders and the calls' readers of them."""
         replayed = _replayed_draws(self.forward)
         remap: dict[str, list[str]] = {}
-        for p in self.top.graph.nodes:
-            if p.op != "placeholder" or not_saved(p, self.indices):
-                continue
+        for p in self.saved:
             src = p.meta.get(SOURCE, p.name)
             users = self.readers(p)
             if src in replayed and all(role == "recompute" for _, role in users):
@@ -893,6 +885,7 @@ class _TrainBuilder:
         """The backward's top level as steps, each call one item (after the forward's)."""
         top, keys, s = self.top, self.keys, self.s
         unstored = unstored_values(self.forward)
+        saved = set(self.saved)
         read_after: dict[int, set[int]] = {}
         outs: dict[int, set[int]] = {}
         out = next(n for n in reversed(top.graph.nodes) if n.op == "output")
@@ -921,7 +914,12 @@ class _TrainBuilder:
                 if not self.keep_grads:
                     s.keep.update(r)
             elif n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
-                keys[n] = residual_keys(n, state, self.indices, remap, unstored)
+                # eager_memory.residual_keys, its not_saved read from self.saved
+                src = n.meta.get(SOURCE, n.name)
+                if src in state or n not in saved:
+                    keys[n] = []
+                else:
+                    keys[n] = [f"f:{x}" for x in remap.get(n.name, [src]) if x not in unstored]
             elif (step := nodes.step(n, f"b:{n.name}", keys)) is not None:
                 s.items.append(step)
 
@@ -931,14 +929,14 @@ class _TrainBuilder:
         top_gm, call_names = self.top_copy()
         inplace = scatters_in_place(top_gm)
         sizes, reads, b_extra = one_kernel_backward(
-            top_gm, self.ef.kernels, inplace, self.ef.copied
+            top_gm, self.ef.kernels, inplace, self.ef.copied, owner=self.owner
         )
         self.top_regions = {
-            o[0]
+            o
             for n in top_gm.graph.nodes
             if n.op == "call_function" and (o := self.owner.get(n.meta.get(SOURCE, ""))) is not None
         }
-        _, extra = kernel_temporaries(self.forward, top_gm, self.device)
+        _, extra = kernel_temporaries(self.forward, top_gm, self.device, kernels=self.kernels)
         if self.keep_grads:
             for a in out.all_input_nodes:
                 if self.at.get(a) is None:
@@ -962,12 +960,15 @@ class _TrainBuilder:
 
     def held(self) -> dict[str, list[str]]:
         """:attr:`~graphflop.passes.eager_memory.EagerResiduals.held` of the flat backward:
-        the top level's last node of each op of ``EagerForward.held`` (none is a call's)."""
-        last: dict[str, str] = {}
-        for n in self.top.graph.nodes:
-            if n.op == "call_function" and (src := n.meta.get(SOURCE)) in self.ef.held:
-                last[src] = n.name
-        return {b: self.ef.held[f] for f, b in last.items()}
+        the top level's last node of each op of ``EagerForward.held`` (none is a call's;
+        worked out once)."""
+        if self._held is None:
+            last: dict[str, str] = {}
+            for n in self.top.graph.nodes:
+                if n.op == "call_function" and (src := n.meta.get(SOURCE)) in self.ef.held:
+                    last[src] = n.name
+            self._held = {b: self.ef.held[f] for f, b in last.items()}
+        return self._held
 
     def top_copy(self) -> tuple[GraphModule, dict[str, tuple[int, int]]]:
         """The top level for the overrides (:func:`_top_copy`), each call's value a
@@ -987,16 +988,17 @@ class _TrainBuilder:
             if args[j].target in _FRESH:
                 raise _Unsupported  # zeros from outside the call scattered into
         groups: dict[int, int] = {}
-        feats = []
+        feats: list[tuple[int | None, int | None, ConvBackward | None, bool]] = []
+        owner, conv_bytes, kernels = self.owner.get, self.conv_bytes.get, self.ef.kernels
         for src in c.sources:
-            o = self.owner.get(src)
-            g = None
-            if o is not None:
-                if self.region_call.setdefault(o[0], number) != number or o[0] in self.top_regions:
-                    raise _Unsupported  # one kernel's backward in two parts of the graph
-                g = groups.setdefault(o[0], len(groups))
-            copied = o is not None and o[0] in self.ef.copied
-            feats.append((g, o[1] if o is not None else None, self.conv_bytes.get(src), copied))
+            o = owner(src)
+            if o is None:
+                feats.append((None, None, conv_bytes(src), False))
+                continue
+            if self.region_call.setdefault(o, number) != number or o in self.top_regions:
+                raise _Unsupported  # one kernel's backward in two parts of the graph
+            g = groups.setdefault(o, len(groups))
+            feats.append((g, kernels[o][1], conv_bytes(src), o in self.ef.copied))
         # the arguments' strides: a kernel's copy of a non-contiguous output gradient, a
         # matrix product's of an operand BLAS cannot read (the last block's, under a sum)
         strides = tuple(

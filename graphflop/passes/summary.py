@@ -100,6 +100,7 @@ _COUNTERS = (
     "tangent_from_param_flops",
     "jvp_skipped_flops",
 )
+_ZEROS = dict.fromkeys(_COUNTERS, 0)
 
 
 @dataclass(frozen=True)
@@ -121,13 +122,10 @@ class _Layers:
         self.rows: dict[str, dict] = {}
 
     def __getitem__(self, path: str) -> dict:
-        if path not in self.rows:
-            self.rows[path] = {
-                "output_shape": None,
-                "output_bytes": 0,
-                **dict.fromkeys(_COUNTERS, 0),
-            }
-        return self.rows[path]
+        row = self.rows.get(path)
+        if row is None:
+            row = self.rows[path] = {"output_shape": None, "output_bytes": 0, **_ZEROS}
+        return row
 
     def add(self, node: Node, key: str, value: int) -> None:
         self[node.meta.get(MODULE, "")][key] += value
@@ -169,14 +167,15 @@ def _by_role(nodes: list[Node], default: str) -> dict[str, int]:
 
 
 def _placeholders(gm: GraphModule) -> dict[str, Node]:
-    return {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    return {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
 
 
 def _forward(
-    fwd: GraphModule, layers: _Layers, figures: ForwardFigures | None
+    fwd: GraphModule, nodes: list[Node], layers: _Layers, figures: ForwardFigures | None
 ) -> tuple[NodeCost, NodeCost]:
     """Forward and loss totals; fills the layers' forward FLOPs, outputs and parameters (from
-    the hierarchy's composed ``figures`` where given, else node by node)."""
+    the hierarchy's composed ``figures`` where given, else node by node). ``nodes``:
+    :func:`_ops` of ``fwd``."""
     sig = fwd.meta[SIGNATURE]
     phs = _placeholders(fwd)
     # a buffer's new value (batch norm's running statistics) is not the layer's output
@@ -188,19 +187,19 @@ def _forward(
             L["forward_mm_flops"] += r.mm_flops
     # output shapes node by node in both cases (a template's buffer updates are not told apart
     # from its outputs by the composed rows); FLOPs here only without the composed figures
-    nodes = _ops(fwd)
     last: dict[str, torch.Tensor] = {}  # per module, the value of its last node (its output)
     rows: dict[str, dict] = {}  # the layers' rows met so far (made in the order first met)
     for n in nodes:
-        path = n.meta.get(MODULE, "")
-        row = rows.get(path)
-        if row is None:
-            row = rows[path] = layers[path]
+        meta = n.meta
+        path = meta.get(MODULE, "")
+        if path not in rows:
+            rows[path] = layers[path]
         if figures is None:
-            c = n.meta[COST]
+            row = rows[path]
+            c = meta[COST]
             row["forward_flops"] += c.flops
             row["forward_mm_flops"] += c.mm_flops
-        v = n.meta.get("val")
+        v = meta.get("val")
         if isinstance(v, torch.Tensor) and n.name not in written:
             last[path] = v
     for path, v in last.items():
@@ -490,8 +489,8 @@ def _memory(
         jpeak, _ = jsched.peak()
         n_tan = sum(
             tensor_bytes(n.meta["val"])
-            for n in g.jvp.graph.nodes
-            if n.op == "placeholder" and n.meta.get(KIND) == "tangent"
+            for n in g.jvp.graph.find_nodes(op="placeholder")
+            if n.meta.get(KIND) == "tangent"
         )
         mem["jvp_peak_bytes"] = resident + n_tan + jpeak
     describes = {k: v.format(device=device) for k, v in DESCRIBES[model].items() if k in mem}
@@ -563,17 +562,21 @@ def _totals(
     tangents: str,
     figures: ForwardFigures | None,
     derived: dict[str, DerivedFigures | None],
+    fwd_nodes: list[Node],
+    fwd_rule_less: list[Node],
 ) -> Totals:
-    fwd_total, loss_total = _forward(g.forward, layers, figures)
-    fwd_nodes = _ops(g.forward)
-    loss_nodes = [n for n in fwd_nodes if n.meta.get(ROLE) == "loss"]
+    """The totals; ``fwd_nodes``: :func:`_ops` of the forward, ``fwd_rule_less``:
+    :func:`_rule_less` of them."""
+    fwd_total, loss_total = _forward(g.forward, fwd_nodes, layers, figures)
+    gaps = bool(g.forward.meta.get(GAPS))
+    loss_rule_less = [n for n in fwd_rule_less if n.meta.get(ROLE) == "loss"]
     t: dict = {
         "forward": ForwardTotals.of(
             fwd_total,
-            complete=_complete(g.forward, fwd_nodes),
+            complete=not gaps and not fwd_rule_less,
             unused_flops=g.forward.meta.get(UNUSED, NodeCost()).flops,
         ),
-        "loss": CostTotals.of(loss_total, complete=_complete(g.forward, loss_nodes)),
+        "loss": CostTotals.of(loss_total, complete=not gaps and not loss_rule_less),
     }
     if g.backward is not None:
         assert g.update is not None, "summarize checks the update comes with the backward"
@@ -625,10 +628,11 @@ def _complete(gm: GraphModule, nodes: list[Node]) -> bool:
 _KINDS = ("cost", "jvp", "transpose", "recompute")
 
 
-def _uncounted(g: Graphs) -> tuple[Uncounted, ...]:
-    """Ops lacking a rule some graph needed: forward nodes without a cost rule, nodes that
-    derivative rules emitted without one, and the JVP and backward graphs' cuts (``GAPS``),
-    grouped by op in the order first met."""
+def _uncounted(g: Graphs, fwd_rule_less: list[Node]) -> tuple[Uncounted, ...]:
+    """Ops lacking a rule some graph needed: forward nodes without a cost rule
+    (``fwd_rule_less``: :func:`_rule_less` of the forward's), nodes that derivative rules
+    emitted without one, and the JVP and backward graphs' cuts (``GAPS``), grouped by op in
+    the order first met."""
     by: dict[str, tuple[dict[str, None], dict[str, None], set[str]]] = {}
 
     def add(op: str, node: str, module: str, kind: str) -> None:
@@ -644,7 +648,7 @@ def _uncounted(g: Graphs) -> tuple[Uncounted, ...]:
             for n, source, module in rule_less_calls(gm):
                 add(op_name(n.target), source or n.name, module, "cost")
         else:
-            for n in _rule_less(_ops(gm)):
+            for n in fwd_rule_less if gm is g.forward else _rule_less(_ops(gm)):
                 add(op_name(n.target), n.meta.get(SOURCE) or n.name, n.meta.get(MODULE, ""), "cost")
         for gap in gm.meta.get(GAPS, ()):
             add(gap.op, gap.node, gap.module, gap.kind)
@@ -775,7 +779,11 @@ def summarize(
             hierarchical,
         ),
     }
-    totals = _totals(graphs, layers, optimizer, tangents, figures, derived)
+    fwd_nodes = _ops(fwd)
+    fwd_rule_less = _rule_less(fwd_nodes)
+    totals = _totals(
+        graphs, layers, optimizer, tangents, figures, derived, fwd_nodes, fwd_rule_less
+    )
     memory, owners = _memory(
         graphs,
         params_bytes,
@@ -804,7 +812,7 @@ def summarize(
         # trainable and frozen parameter counts
         trainable_params=trainable,
         frozen_params=params - trainable,
-        uncounted=_uncounted(graphs),
+        uncounted=_uncounted(graphs, fwd_rule_less),
         ops=_op_rows(graphs, figures, derived),
         assumptions=tuple(fwd.meta.get(ASSUMPTIONS, ())),
         eager_attention=_eager_attention(graphs),
