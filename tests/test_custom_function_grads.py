@@ -253,6 +253,32 @@ def test_functions_in_repeated_blocks():
     assert tangent.ok and tangent.name == "JVP loss tangent vs torch.autograd.forward_ad", tangent
 
 
+def test_function_saving_its_input_in_an_outlined_block_warns_nothing():
+    """A tester's finding: an outlined block's forward, run once on FakeTensors for its
+    outputs' metadata (nothing recorded), made a record of its Function call whose saved
+    input had no node, and the trace warned "it saves a tensor its forward did not compute
+    from its inputs". No warning now; the forward and backward FLOPs are full tracing's."""
+    import warnings
+
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.meta import OUTLINED
+    from graphflop.passes.flops import annotate_flops, total_cost
+
+    torch.manual_seed(0)
+    model = CubeStack().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        once = trace(model, (x,), loss="sum")
+    assert once.meta[OUTLINED].calls == 3
+    assert [str(w.message) for w in caught if "autograd.Function" in str(w.message)] == []
+    full = trace(model, (x,), loss="sum", reuse=False)
+    for a, b in ((once, full), (build_vjp(once), build_vjp(full))):
+        assert total_cost(annotate_flops(a).graph.nodes) == total_cost(
+            annotate_flops(b).graph.nodes
+        )
+
+
 # -- Functions in repeated blocks, transposed from the recorded JVP -----------------------------
 
 

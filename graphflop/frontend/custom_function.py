@@ -12,7 +12,8 @@ the tensors ``ctx`` keeps for ``backward`` and ``jvp``). After the model's trace
 :func:`trace_records` traces each call's ``backward(ctx, *grad_outputs)`` and, where the class
 defines one, ``jvp(ctx, *grad_inputs)`` with ``make_fx`` on fake tensors of the saved tensors'
 and outputs' (or inputs') shapes, ``ctx`` holding the call's other attributes as the forward
-left them. The AD passes (:mod:`graphflop.ad.functions`) then differentiate the region with
+left them. A call that records nothing (an outlined block's forward run on FakeTensors for its
+outputs' metadata, :meth:`~graphflop.frontend.outline.Outliner.fake_call`) leaves no record. The AD passes (:mod:`graphflop.ad.functions`) then differentiate the region with
 those graphs, not with the rules of its forward's ops: what eager autograd runs (a
 straight-through estimator's identity, a gradient reversal's negation).
 
@@ -149,6 +150,13 @@ def _apply_traced(cls: Any, args: tuple, records: list[FunctionRecord]) -> Any:
         ins = tuple(aten.alias.default(a) if isinstance(a, torch.Tensor) else a for a in args)
         flat, spec = tree_flatten(_call(cls, ctx, ins))
         outs = [aten.alias.default(t) if isinstance(t, torch.Tensor) else t for t in flat]
+    if not made:
+        # nothing recorded though a recorder is active: the outliner's first run of a block's
+        # forward on FakeTensors, inside its ``repeat`` op's fake kernel, for the outputs'
+        # metadata only; the block's template trace records the call. No record of this run
+        # (its tensors have no node: every saved one would seem not computed from the inputs)
+        records.remove(rec)
+        return tree_unflatten(outs, spec)
     rec.tensor_inputs = tuple(isinstance(a, torch.Tensor) for a in args)
     roles: dict[Any, dict[str, Any]] = {}
 

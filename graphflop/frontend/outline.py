@@ -30,9 +30,12 @@ structure is traced in full (:meth:`Outliner._updates`). A module whose ``forwar
 writes into any other tensor cannot be a copy: the template's trace (or the fake run) sees the
 write and raises :class:`NotOutlinable`, and tracing starts again without outlining that
 structure. So does a module that makes constant tensors in ``forward``, or returns a view
-of an input; an input returned as it was given (T5's blocks return the position bias they were
-called with) is no output of the template: each call returns its own (:class:`_Passed`). A
-module's own forward hooks run at each of its calls, around the stub, as ``__call__`` runs
+of an input. Outputs that share storage (``(y, y.t())``, ``(y, y)``) are copied, but each
+call's are fresh tensors, which a write through one would not carry to another: where the
+caller writes into one (functionalization tells, when the trace ends), tracing starts again
+without outlining that structure. An input returned as it was given (T5's blocks return the
+position bias they were called with) is no output of the template: each call returns its
+own (:class:`_Passed`). A module's own forward hooks run at each of its calls, around the stub, as ``__call__`` runs
 them (transformers' output-capturing hooks on its decoder layers among them); a module with a
 backward hook, or a submodule with a forward hook that would do something, is never
 outlined. Containers without a ``forward``
@@ -876,6 +879,17 @@ def _tensor_leaves(leaves: list) -> list:
     return [(i, x) for i, x in enumerate(leaves) if x is _TENSOR or type(x) is _Passed]
 
 
+def _written(t: torch.Tensor) -> bool:
+    """Whether the trace wrote into ``t``'s storage since the tensor was made (through it or
+    a view of it): functionalization counts the writes; True where it does not say (``t`` no
+    functional tensor: maybe written)."""
+    try:
+        mutated = torch._functionalize_has_data_mutation  # type: ignore[attr-defined]
+        return not torch._is_functional_tensor(t) or bool(mutated(t))
+    except (AttributeError, RuntimeError):  # pragma: no cover - a PyTorch without them
+        return True
+
+
 def _autocast() -> bool:
     try:
         return bool(torch._C._is_any_autocast_enabled())
@@ -936,6 +950,10 @@ class Call:
     # None until the first call was dispatched; True when its arguments and outputs were
     # functional wrappers of one level of which none required grad
     recordable: bool | None = None
+    # the tensor outputs (positions among them) that share storage with another output
+    # (``(y, y.t())``, ``(y, y)``): each call's are fresh tensors all the same, which a write
+    # through one would not carry to another (:meth:`Outliner.__exit__`)
+    aliased: list = field(default_factory=list)
 
 
 class Outliner:
@@ -1002,6 +1020,9 @@ class Outliner:
         #: the dispatch keys in force where the trace starts (:meth:`__enter__`), for the
         #: module forwards :meth:`fake_call` runs from the ``repeat`` op's fake kernel
         self._keys: tuple | None = None
+        #: per call whose outputs share storage (:attr:`Call.aliased`): its structure and
+        #: those outputs as it returned them, told written into or not when the trace ends
+        self._aliased: list[tuple[int, list]] = []
 
     def __enter__(self):
         self._keys = (
@@ -1034,6 +1055,10 @@ class Outliner:
             else:
                 m.forward = old
         self._saved.clear()
+        written = next((s for s, outs in self._aliased if any(map(_written, outs))), None)
+        self._aliased.clear()
+        if exc[0] is None and written is not None:
+            raise NotOutlinable(written, "returns outputs that share storage, one written into")
         return False
 
     def _pre(self, module, args):
@@ -1136,6 +1161,8 @@ class Outliner:
             n = len(outs) - len(call.written)
             for i, new in zip(call.written, outs[n:]):
                 state[i].copy_(new)
+            if call.aliased:
+                self._aliased.append((call.structure, [outs[k] for k in call.aliased]))
             it = iter(outs[:n])
             flat = [
                 next(it) if x is _TENSOR else tensors[x.k] if type(x) is _Passed else x
@@ -1371,6 +1398,8 @@ class Outliner:
             storages = {t.untyped_storage()._cdata for t in tensors}
             if any(o.untyped_storage()._cdata in storages for o in outs):
                 raise NotOutlinable(call.structure, "returns a parameter or a view of an input")
+            shared = [o.untyped_storage()._cdata for o in outs]
+            call.aliased = [k for k, c in enumerate(shared) if shared.count(c) > 1]
             call.out_meta = [_meta(x) for x in outs]
             call.out_meta += [_meta(tensors[call.n_inputs + i]) for i in call.written]
         return fresh_fakes(mode, [m[:4] + (False,) for m in call.out_meta])  # (_like each)
