@@ -107,6 +107,7 @@ Graph keys (``gm.meta``)
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -762,13 +763,20 @@ def fake_mode_of(values) -> FakeTensorMode | None:
     """
     from torch._subclasses.fake_tensor import FakeTensor
 
-    stack = list(values)
-    while stack:
-        v = stack.pop(0)
+    # breadth first: every value of ``values`` before those nested in them; ``values`` read
+    # only up to the first FakeTensor (a graph's values: its first node's, mostly)
+    nested: deque[Any] = deque()
+    for v in values:
         if isinstance(v, FakeTensor):
             return v.fake_mode
         if isinstance(v, (tuple, list)):
-            stack.extend(v)
+            nested.extend(v)
+    while nested:
+        v = nested.popleft()
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+        if isinstance(v, (tuple, list)):
+            nested.extend(v)
     return None
 
 

@@ -42,6 +42,13 @@ call's nodes, which the recorder erased, so it is read through the nodes that st
 (:meth:`RecordedCalls.function_entry`), and a cotangent that the rules filed on a node made
 flat is moved onto that node before another run of the call or an entry reads it
 (:meth:`RecordedCalls.settle`).
+
+What both expanders (and the describers of :mod:`graphflop.passes.calls`) read of the forward
+graph is worked out in one walk per forward graph and kept on it: where each node is in its
+call (:func:`call_keys`), how the calls are checkpointed (:func:`checkpointed_sites`,
+:func:`checkpoint_calls`). What a call's expansion reads of its template is worked out once per
+template instead of at every call: which of its nodes read which placeholder, and which
+annotations a copy makes the call's (:func:`graphflop.passes.calls.localize_plan`).
 """
 
 from __future__ import annotations
@@ -73,11 +80,15 @@ from graphflop.ops.ghost import is_ghost
 
 __all__ = [
     "BlockLinearize",
+    "CallKeys",
     "RecordedCalls",
     "RecordedFallback",
     "BlockTranspose",
     "TemplateBackward",
     "TemplateJvp",
+    "call_keys",
+    "checkpoint_calls",
+    "checkpointed_sites",
     "transpose_log",
 ]
 
@@ -202,6 +213,9 @@ class TemplateBackward:
     places: dict[Node, tuple] | None = None
     #: with :attr:`direct`: per node of :attr:`nodes`, the base of the name fx gives its copy
     bases: list[str] | None = None
+    #: the linearized graph's values of :attr:`inputs`' ``("old", node)`` references, in order
+    #: (listed at the first expansion)
+    olds: list[Node] | None = None
 
 
 class BlockTranspose:
@@ -240,18 +254,11 @@ class BlockTranspose:
         self.calls: Any = None
         if h is None:
             return
-        for n in forward.graph.nodes:
-            t = n.meta.get(CALL_SITE)
-            if t is None:
-                continue
-            parent = n.args[0] if n.target is operator.getitem and n.args else None
-            if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
-                # a getitem tracing added afterwards shares its parent's tag
-                t = (t[0], t[1], n.args[1])
-            self.tag[n.name] = t
-            if t in self.name:  # two nodes copy one template node (a rewritten graph)
-                self.unsafe.add(t[0])
-            self.name[t] = n.name
+        # a getitem tracing added afterwards shares its parent's tag, with its output
+        keys = call_keys(forward)
+        self.tag = keys.tags  # shared: read only
+        self.name = keys.tag_names
+        self.unsafe.update(keys.dup)  # two nodes copy one template node (a rewritten graph)
         self.unsafe.update(_checkpoints_across(forward))
         #: per call site, how its nodes are checkpointed (:func:`checkpointed_sites`): a call
         #: checkpointed and one not are variants of their own
@@ -283,11 +290,19 @@ class BlockTranspose:
     def run(self, entries: list[Any], i: int) -> int:
         """The end of the run of entries from ``i`` that belong to one call site (``i`` when
         ``entries[i]`` belongs to none)."""
-        s = self.site_of(entries[i])
+        e = entries[i]
+        s = self.site_of(e)
         if s is None:
             return i
-        j = i + 1
-        while j < len(entries) and self.site_of(entries[j]) == s:
+        j, end = i + 1, len(entries)
+        rep = e[0] if isinstance(e, tuple) else None
+        while j < end:
+            f = entries[j]
+            # a recorded JVP's entry of the same call (one site) without looking it up
+            if (rep is None or not isinstance(f, tuple) or f[0] is not rep) and (
+                self.site_of(f) != s
+            ):
+                break
             j += 1
         return j
 
@@ -400,7 +415,7 @@ class BlockTranspose:
         rep = run[0][0]
         calls.settle(rep, ct)  # an earlier run's cotangents, where this one reads them
         site = calls.site(rep)
-        positions = tuple(i for _, i in run)
+        positions = tuple([e[1] for e in run])
         args: Any = rep.args[0]
         first: dict[int, int] = {}
         pattern = tuple(first.setdefault(id(a), j) for j, a in enumerate(args))
@@ -411,8 +426,16 @@ class BlockTranspose:
             if isinstance(a, Node) and a.meta.get(KIND) == "tangent" and a not in seen:
                 seen.add(a)
                 externals.append(a)
-        keys = [calls.holder(e) for e in run]
-        incoming = tuple(None if k is None else _state(ct.get(k)) for k in keys)
+        # per entry the node holding its cotangent (:meth:`RecordedCalls.holder`), and what
+        # that holds
+        items, canonical, firsts = calls.items, calls.canonical, calls._first
+        keys: list[Any] = []
+        states: list[Any] = []
+        for e in run:
+            k = items.get(e) or canonical.get(e) or firsts.get(e)
+            keys.append(k)
+            states.append(None if k is None else _state(ct.get(k)))
+        incoming = tuple(states)
         prior = tuple(_state(ct.get(x)) for x in externals)
         h = self.h
         assert h is not None
@@ -654,14 +677,24 @@ class BlockTranspose:
         """Whether the call ``corr`` maps to has imported the same residuals and coefficients
         before its run as ``t``'s first call had."""
         imported = self.b.imported
-        for ref in t.inputs.values():
-            if ref[0] == "old" and corr.get(ref[1]) not in imported:
+        if t.olds is None:
+            t.olds = [ref[1] for ref in t.inputs.values() if ref[0] == "old"]
+        for ln in t.olds:
+            if corr.get(ln) not in imported:
                 return False
-        if any(corr.get(ln) is None for ln in t.residuals):
-            return False
+        # a recorded call's map (:class:`_Places`) tells a residual it knows without making
+        # its stand-in (made as the residual is imported); where the call is not expanded,
+        # the stand-ins are made as if this check had made them
+        known = getattr(corr, "known", None)
+        if known is None or not all(known(ln) for ln in t.residuals):
+            if any(corr.get(ln) is None for ln in t.residuals):
+                return False
+            known = None
         for ln in t.coefficients.values():
             y = corr.get(ln)
             if y is None or y in imported:
+                if known is not None:
+                    any(corr.get(x) is None for x in t.residuals)
                 return False
         return True
 
@@ -764,11 +797,112 @@ def _take_recompute(b: Any, made: list[Node]) -> None:
             b.checkpoints.emitted_copy(n)
 
 
+@dataclass(frozen=True, eq=False)
+class CallKeys:
+    """Where a forward graph's nodes copied from a template are in their calls: worked out in
+    one walk over the graph by :func:`call_keys`, shared by the JVP's and the backward's
+    expanders and the derivative graphs' describers (:mod:`graphflop.passes.calls`); read,
+    never written.
+
+    Attributes:
+        key: per such node, its key in its call: ``(template index,)``, or ``(template index,
+            output)`` for a ``getitem`` tracing added afterwards.
+        site_nodes: per call site, its nodes in graph order.
+        by_key: per call site, key -> its node (the last, where two share a key).
+        names: per such node's name, ``(site, key)``.
+        tags: per such node's name, ``(site, *key)``; ``tag_names`` the inverse (the last
+            name, where two share one).
+        dup: the call sites where two nodes share a key (a rewritten graph).
+        split: the call sites whose nodes are not one run of the graph.
+    """
+
+    key: dict[Node, tuple]
+    site_nodes: dict[int, list[Node]]
+    by_key: dict[int, dict[tuple, Node]]
+    names: dict[str, tuple[int, tuple]]
+    tags: dict[str, tuple]
+    tag_names: dict[tuple, str]
+    dup: frozenset[int]
+    split: frozenset[int]
+
+
+def _on_graph(forward: GraphModule, attr: str, compute: Callable[[GraphModule], Any]) -> Any:
+    """``compute(forward)``, worked out once per forward graph (and again where it has grown):
+    kept on the graph itself, since the values name its nodes (a table beside the graphs would
+    keep every graph alive; on the graph they are freed with it). Shared: read, never written."""
+    g = forward.graph
+    stamp = len(g.nodes)
+    got = g.__dict__.get(attr)
+    if got is not None and got[0] == stamp:
+        return got[1]
+    value = compute(forward)
+    g.__dict__[attr] = (stamp, value)
+    return value
+
+
+def call_keys(forward: GraphModule) -> CallKeys:
+    """:class:`CallKeys` of ``forward``, worked out once per forward graph."""
+    return _on_graph(forward, "_graphflop_call_keys", _call_keys)
+
+
+def _call_keys(forward: GraphModule) -> CallKeys:
+    key: dict[Node, tuple] = {}
+    site_nodes: dict[int, list[Node]] = {}
+    by_key: dict[int, dict[tuple, Node]] = {}
+    names: dict[str, tuple[int, tuple]] = {}
+    tags: dict[str, tuple] = {}
+    tag_names: dict[tuple, str] = {}
+    dup: set[int] = set()
+    span: dict[int, list[int]] = {}  # per site: its first node's index, its count, its last
+    getitem = operator.getitem
+    i = -1
+    for n in forward.graph.nodes:
+        i += 1
+        t = n.meta.get(CALL_SITE)
+        if t is None:
+            continue
+        s = t[0]
+        ns = site_nodes.get(s)
+        if ns is None:
+            ns = site_nodes[s] = []
+            by_key[s] = {}
+            span[s] = [i, 0, i]
+        at = span[s]
+        at[1] += 1
+        at[2] = i
+        k: tuple = (t[1],)
+        tag: tuple = t
+        if n.target is getitem:
+            args = n.args
+            parent = args[0] if args else None
+            if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
+                # a getitem tracing added afterwards: its parent's key and its output
+                k = (t[1], args[1])
+                tag = (s, t[1], args[1])
+        own = by_key[s]
+        if k in own:  # two nodes copy one template node (a rewritten graph)
+            dup.add(s)
+        own[k] = n
+        key[n] = k
+        ns.append(n)
+        names[n.name] = (s, k)
+        tags[n.name] = tag
+        tag_names[tag] = n.name
+    split = frozenset(s for s, (first, count, last) in span.items() if last - first + 1 != count)
+    return CallKeys(key, site_nodes, by_key, names, tags, tag_names, frozenset(dup), split)
+
+
 def checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
     """Per call site with checkpointed nodes, how: per such node, its place in the template,
     its region relative to the call's (numbered in order of first use) and whether the region
     reruns whole. Two calls of one template differ here when one runs under a checkpoint (a
-    model checkpointing only some of its blocks): their derivatives differ (the recompute)."""
+    model checkpointing only some of its blocks): their derivatives differ (the recompute).
+    Worked out once per forward graph (the JVP's expander and the backward's both read it):
+    shared by every caller, read, never written."""
+    return _on_graph(forward, "_graphflop_checkpointed_sites", _checkpointed_sites)
+
+
+def _checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
     out: dict[int, list] = {}
     first: dict[int, dict[int, int]] = {}
     for n in forward.graph.nodes:
@@ -781,6 +915,18 @@ def checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
     return {s: tuple(v) for s, v in out.items()}
 
 
+def checkpoint_calls(forward: GraphModule) -> dict[Node, int]:
+    """``occurrences(forward.graph.nodes, CHECKPOINT)``: per node of a
+    ``torch.utils.checkpoint`` call, the call's number (:func:`graphflop.meta.occurrences`);
+    empty where the model checkpoints nothing. Worked out once per forward graph (the
+    backward's expander and its checkpoints read it): shared, read, never written."""
+    from graphflop.meta import occurrences
+
+    return _on_graph(
+        forward, "_graphflop_checkpoint_calls", lambda f: occurrences(f.graph.nodes, CHECKPOINT)
+    )
+
+
 def _checkpoints_across(forward: GraphModule) -> set[int]:
     """The call sites whose transpose the rules must build at every call for a
     ``torch.utils.checkpoint`` call: one whose nodes are not all one call site's (a checkpoint
@@ -789,10 +935,8 @@ def _checkpoints_across(forward: GraphModule) -> set[int]:
     eager does not run as graphflop builds it (nested, or detached). A checkpoint inside a
     call, or around exactly one call, is recomputed within the call's run: its template
     backward holds the recompute, copied at every call with the call's own residuals."""
-    from graphflop.meta import occurrences
-
     sites: dict[int, set[Any]] = {}
-    for n, c in occurrences(forward.graph.nodes, CHECKPOINT).items():
+    for n, c in checkpoint_calls(forward).items():
         t = n.meta[CHECKPOINT]
         cs = n.meta.get(CALL_SITE)
         sites.setdefault(c, set()).add(None if cs is None or t.unmodelled or t.detached else cs[0])
@@ -826,9 +970,12 @@ class RecordedCalls:
         repeat = self._repeat = torch.ops.graphflop.repeat.default
         #: (repeat node, position) -> its getitem
         self.items: dict[tuple[Node, int], Node] = {}
+        #: per repeat node, position -> its getitem
+        self._items_of: dict[Node, dict[int, Node]] = {}
         for n in dh.graph.graph.nodes:
             if n.target is operator.getitem and getattr(n.args[0], "target", None) is repeat:
                 self.items[(n.args[0], n.args[1])] = n
+                self._items_of.setdefault(n.args[0], {})[n.args[1]] = n
         self._first = {at: x for x, at in dh.moved.items()}
         self.nodes = [[x for x in t.graph.nodes if x.op == "call_function"] for t in dh.templates]
         self.phs = [[x for x in t.graph.nodes if x.op == "placeholder"] for t in dh.templates]
@@ -844,9 +991,15 @@ class RecordedCalls:
         self.alias: dict[Node, Node] = {}
         self.scratch = Graph()
         self._paths: dict[Any, dict[str, str]] = {}
+        #: per template node, its :func:`graphflop.passes.calls.localize_plan`
+        self._plans: dict[Node, tuple] = {}
 
     def site(self, rep: Node) -> int:
         return self.dh.calls[rep.args[1]].site
+
+    def items_of(self, rep: Node) -> dict[int, Node]:
+        """Call ``rep``'s getitems at the top level, by position."""
+        return self._items_of.get(rep, {})
 
     def _absolute(self, c: Any) -> dict[str, str]:
         """Call ``c``'s module paths, relative -> in the model (made once per call)."""
@@ -870,8 +1023,10 @@ class RecordedCalls:
                 # a stand-in only: made outside the scratch graph's node list and namespace
                 # (fx's create_node names and files it: a third of the transpose's time per call)
                 v = Node(self.scratch, x.name, "call_function", x.target, (), {})
-                meta = dict(x.meta)
-                self._localize(meta, c, self._absolute(c))
+                plan = self._plans.get(x)
+                if plan is None:  # the template's annotations are not changed meanwhile
+                    plan = self._plans[x] = self.dh.localize_plan(x.meta)
+                meta = self.dh.localized(x.meta, plan, c, self._absolute(c))
                 object.__setattr__(v, "meta", meta)
             self.thin.add(v)
             self.canonical[key] = v
@@ -988,6 +1143,13 @@ class _Places:
     def __init__(self, places: dict[Node, tuple], calls: RecordedCalls, rep: Node) -> None:
         self.places, self.calls, self.rep = places, calls, rep
 
+    def known(self, x: Any) -> bool:
+        """Whether :meth:`get` of ``x`` is not None (without making a stand-in)."""
+        r = self.places.get(x)
+        if r is None:
+            return False
+        return r[0] != "arg" or self.rep.args[0][r[1]] is not None  # type: ignore[index]
+
     def get(self, x: Any, default: Any = None) -> Any:
         r = self.places.get(x)
         if r is None:
@@ -1027,8 +1189,23 @@ def transpose_log(
     if calls is not None:
         blocks.read_calls(calls)
     i = 0
+    #: per repeat node, the positions of its getitems ``linked`` to ghost terms
+    linked_at: dict[Node, set[int]] = {}
     while i < len(log):
         j = blocks.run(log, i)
+        if calls is not None and j > i and _one_call(log, i, j):
+            # the entries of one call: each (its repeat node, position), one pass over them
+            rep = log[i][0]
+            at = linked_at.get(rep)
+            if at is None:
+                at = linked_at[rep] = {k for k, item in calls.items_of(rep).items() if linked(item)}
+            run = log[i:j]
+            if at and any(e[1] in at for e in run):  # ghost terms to credit: the rules
+                rules(calls.flat(rep, run, ct))
+            else:
+                blocks.transpose_call(run, ct, rules, state)
+            i = j
+            continue
         if j == i:
             e = log[i]
             if calls is not None and isinstance(e, FunctionEntry):
@@ -1051,6 +1228,18 @@ def transpose_log(
             blocks.transpose(run, ct, rules, state)
         i = j
     return blocks
+
+
+def _one_call(log: list[Any], i: int, j: int) -> bool:
+    """Whether ``log[i:j]`` are all entries ``(repeat node, position)`` of one repeat node."""
+    rep = log[i][0] if isinstance(log[i], tuple) else None
+    if rep is None:
+        return False
+    for k in range(i + 1, j):
+        e = log[k]
+        if not isinstance(e, tuple) or e[0] is not rep:
+            return False
+    return True
 
 
 def _ref(v: Any, position: dict[Node, int], refs: dict[Any, tuple]) -> Any:
@@ -1146,35 +1335,22 @@ class BlockLinearize:
         self.lin = lin
         h: Hierarchy = forward.meta[HIERARCHY]
         self.h = h
-        self.key: dict[Node, tuple] = {}
-        self.site_nodes: dict[int, list[Node]] = {}
-        self.unsafe: set[int] = set()
-        at: dict[int, list[int]] = {}
-        seen: set[tuple] = set()
-        for i, n in enumerate(forward.graph.nodes):
-            t = n.meta.get(CALL_SITE)
-            if t is None:
-                continue
-            at.setdefault(t[0], []).append(i)
-            parent = n.args[0] if n.target is operator.getitem and n.args else None
-            k: tuple = (t[1],)
-            if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
-                k = (t[1], n.args[1])
-            if (t[0], k) in seen:  # two nodes copy one template node (a rewritten graph)
-                self.unsafe.add(t[0])
-            seen.add((t[0], k))
-            self.key[n] = k
-            self.site_nodes.setdefault(t[0], []).append(n)
-            if n in lin.calls or n in getattr(lin, "leaf_tan", ()):
-                # a custom Function's node, or a leaf's (its tangent is its own input)
-                self.unsafe.add(t[0])
+        keys = call_keys(forward)  # shared: read only
+        self.key: dict[Node, tuple] = keys.key
+        self.site_nodes: dict[int, list[Node]] = keys.site_nodes
+        # two nodes copy one template node (a rewritten graph)
+        self.unsafe: set[int] = set(keys.dup)
+        # a custom Function's node, or a leaf's (its tangent is its own input): the rules
+        for n in itertools.chain(lin.calls, getattr(lin, "leaf_tan", ())):
+            if n in keys.key:
+                self.unsafe.add(n.meta[CALL_SITE][0])
         # a call whose nodes are not one run of the forward: node by node, in place
-        self.split = {s for s, ix in at.items() if ix[-1] - ix[0] + 1 != len(ix)}
+        self.split = keys.split
         self.rel = [{a: r for r, a in s.modules} for s in h.sites]
         self.abs = [dict(s.modules) for s in h.sites]
         # one module under two relative paths: a path cannot be mapped back, the rules run
         self.unsafe.update(i for i, s in enumerate(h.sites) if len(self.rel[i]) != len(s.modules))
-        self.by_key = {s: {self.key[n]: n for n in ns} for s, ns in self.site_nodes.items()}
+        self.by_key = keys.by_key
         self.checkpointed = checkpointed_sites(forward)  # a checkpointed call: its own variant
         self.templates: dict[tuple, TemplateJvp] = {}
         self.built = 0
@@ -1182,7 +1358,8 @@ class BlockLinearize:
         #: records each expanded call as a call instead of copying its nodes (or None)
         self.recorder: Any = getattr(lin, "recorder", None)
         self._out: dict[int, list[tuple]] = {}
-        self._exposed: dict[tuple, list[int]] = {}
+        self._exposed: dict[tuple, tuple[list[int], list[int]]] = {}
+        self._template_reads: dict[int, tuple] = {}
 
     @classmethod
     def of(cls, forward: GraphModule, lin: Any) -> BlockLinearize | None:
@@ -1204,21 +1381,41 @@ class BlockLinearize:
         """The call's arguments (the forward nodes its template's placeholders stand for; an
         :class:`_Unread` for a placeholder no template node reads, as a Llama decoder layer's
         position ids: the rules read nothing of it)."""
-        h = self.h
-        tnodes = list(h.templates[h.sites[site].template].nodes)
-        phs = {t: i for i, t in enumerate(t for t in tnodes if t.op == "placeholder")}
+        reads, unread, count = self._reads(self.h.sites[site].template)
         args: dict[int, Any] = {}
-        inside = set(self.site_nodes[site])
+        key = self.key
         for n in self.site_nodes[site]:
-            if len(self.key[n]) > 1:
+            k = key[n]
+            pairs = reads.get(k[0]) if len(k) == 1 else None
+            if pairs is None:
                 continue
-            for a, ta in zip(n.all_input_nodes, tnodes[self.key[n][0]].all_input_nodes):
-                if a not in inside and ta in phs:
-                    args.setdefault(phs[ta], a)
-        for t, j in phs.items():
-            if not t.users:
-                args.setdefault(j, _Unread(j))
-        return [args[j] for j in sorted(args)] if len(args) == len(phs) else []
+            ins = n.all_input_nodes
+            for q, j in pairs:  # the template node's q-th input is placeholder j
+                if q < len(ins):
+                    a = ins[q]
+                    cs = a.meta.get(CALL_SITE)  # a node of the call is tagged with its site
+                    if cs is None or cs[0] != site:
+                        args.setdefault(j, a)
+        for j in unread:
+            args.setdefault(j, _Unread(j))
+        return [args[j] for j in sorted(args)] if len(args) == count else []
+
+    def _reads(self, template: int) -> tuple[dict[int, list[tuple[int, int]]], list[int], int]:
+        """Of forward template ``template`` (worked out once): per node (by index) that reads
+        a placeholder, ``(q, j)`` for its ``q``-th input node being placeholder ``j``; the
+        placeholders no node reads; how many placeholders it has."""
+        got = self._template_reads.get(template)
+        if got is None:
+            tnodes = list(self.h.templates[template].nodes)
+            phs = {t: i for i, t in enumerate(t for t in tnodes if t.op == "placeholder")}
+            reads: dict[int, list[tuple[int, int]]] = {}
+            for i, x in enumerate(tnodes):
+                pairs = [(q, phs[a]) for q, a in enumerate(x.all_input_nodes) if a in phs]
+                if pairs:
+                    reads[i] = pairs
+            unread = [j for t, j in phs.items() if not t.users]
+            got = self._template_reads[template] = (reads, unread, len(phs))
+        return got
 
     def _arg_state(self, site: int, a: Node) -> Any:
         """A call input's tangent as a signature: what the rules read of it."""
@@ -1301,16 +1498,20 @@ class BlockLinearize:
         if self.recorder is not None:
             t.direct = self.recorder.template(made, t.site, lin.forward, self._input_refs(args))
 
-    def _outward(self, t: TemplateJvp, site: int) -> tuple[list[tuple], list[int]]:
+    def _outward(self, t: TemplateJvp, site: int) -> tuple[list[tuple], list[int], list[int]]:
         """The keys of call ``site``'s forward nodes read outside it (their primal copies and
-        tangents are what later nodes read of the call), and the positions of ``t``'s nodes
-        those values are (the call's getitems)."""
+        tangents are what later nodes read of the call), the positions of ``t``'s nodes
+        those values are (the call's getitems, ascending), and those of them logged, in the
+        log's order."""
         keys = self._out.get(site)
         if keys is None:
-            inside = set(self.site_nodes[site])
-            keys = self._out[site] = [
-                k for k, n in self.by_key[site].items() if any(u not in inside for u in n.users)
-            ]
+            keys = self._out[site] = []
+            for k, n in self.by_key[site].items():
+                for u in n.users:  # a node of the call is tagged with its site
+                    cs = u.meta.get(CALL_SITE)
+                    if cs is None or cs[0] != site:
+                        keys.append(k)
+                        break
         cache = (id(t), tuple(keys))
         got = self._exposed.get(cache)
         if got is None:
@@ -1318,8 +1519,8 @@ class BlockLinearize:
             for k in keys:
                 _positions(t.env.get(k), exposed)
                 _positions(t.tan.get(k), exposed)
-            got = self._exposed[cache] = sorted(exposed)
-        return keys, got
+            got = self._exposed[cache] = (sorted(exposed), [i for i in t.log if i in exposed])
+        return keys, got[0], got[1]
 
     def _input_refs(self, args: list[Node]) -> dict[Any, tuple]:
         """Per JVP value of the call's inputs, ``("p", j)`` (input ``j``'s primal copy) or
@@ -1367,41 +1568,18 @@ class BlockLinearize:
 
     def _expand(self, t: TemplateJvp, site: int, args: list[Node]) -> None:
         lin = self.lin
-        g: Graph = lin.graph
-        env: dict[Node, Any] = {}
-        for a, (kind, j) in t.inputs.items():
-            env[a] = lin.env[args[j]] if kind == "p" else lin.tan[args[j]]
         own = self.by_key[site]
-        rel, absolute = self.rel[t.site], self.abs[site]
-        made: Any = []
         fwd_env = lin.env
         keys: Any = own
         if t.direct is not None:  # a call of the template derivative, its nodes not copied
             values = [lin.env[args[j]] if k == "p" else lin.tan[args[j]] for k, j in t.direct[1]]
-            keys, exposed = self._outward(t, site)
-            logged = (len(lin.b.log), t.log)
-            names = _copy_names(t, own, g)
-            made = self.recorder.call(g, t.direct, site, values, exposed, names, logged)
-        for kind, x, *first in t.nodes if t.direct is None else ():
-            if kind == "copy":
-                new = copy_node(g, own[x], fwd_env.__getitem__)
-                fwd_env[own[x]] = new
-                env[first[0]] = new
-            else:
-                new = emit(
-                    g,
-                    x.target,
-                    map_arg(x.args, env.__getitem__),
-                    map_arg(x.kwargs, env.__getitem__),
-                )
-                meta = dict(x.meta)
-                meta[MODULE] = absolute[rel[x.meta[MODULE]]]
-                src = x.meta.get(SOURCE)
-                if src is not None:
-                    meta[SOURCE] = self._source(t.site, site, src)
-                object.__setattr__(new, "meta", meta)  # no find_nodes re-filing
-                env[x] = new
-            made.append(new)
+            keys, exposed, logged = self._outward(t, site)
+            names = _copy_names(t, own, lin.graph)
+            mark = (len(lin.b.log), t.log)
+            made: Any = self.recorder.call(lin.graph, t.direct, site, values, exposed, names, mark)
+        else:
+            made = self._copy(t, site, args)
+            logged = t.log
 
         def value(r: Any) -> Any:
             if r is None:
@@ -1421,8 +1599,42 @@ class BlockLinearize:
                 fwd_env[n] = value(e)
             if tv is not None:
                 lin.tan[n] = value(tv)
-        lin.b.log.extend(made[i] for i in t.log if t.direct is None or i in made)
+        lin.b.log.extend(made[i] for i in logged)  # with a recorder, the getitems logged
         self.expanded += 1
+
+    def _copy(self, t: TemplateJvp, site: int, args: list[Node]) -> list[Node]:
+        """Copy ``t``'s nodes for call ``site`` (its inputs ``args``) into the JVP graph; the
+        copies, in order."""
+        lin = self.lin
+        g: Graph = lin.graph
+        env: dict[Node, Any] = {}
+        for a, (kind, j) in t.inputs.items():  # the copies' arguments from outside the call
+            env[a] = lin.env[args[j]] if kind == "p" else lin.tan[args[j]]
+        own = self.by_key[site]
+        rel, absolute = self.rel[t.site], self.abs[site]
+        made: list[Node] = []
+        fwd_env = lin.env
+        for kind, x, *first in t.nodes:
+            if kind == "copy":
+                new = copy_node(g, own[x], fwd_env.__getitem__)
+                fwd_env[own[x]] = new
+                env[first[0]] = new
+            else:
+                new = emit(
+                    g,
+                    x.target,
+                    map_arg(x.args, env.__getitem__),
+                    map_arg(x.kwargs, env.__getitem__),
+                )
+                meta = dict(x.meta)
+                meta[MODULE] = absolute[rel[x.meta[MODULE]]]
+                src = x.meta.get(SOURCE)
+                if src is not None:
+                    meta[SOURCE] = self._source(t.site, site, src)
+                object.__setattr__(new, "meta", meta)  # no find_nodes re-filing
+                env[x] = new
+            made.append(new)
+        return made
 
     def _source(self, a: int, b: int, name: str) -> str:
         """The name at call ``b`` of call ``a``'s forward node ``name``."""

@@ -46,6 +46,7 @@ __all__ = [
     "emit",
     "emit_named",
     "fake_output",
+    "placeholder",
     "is_ghost",
     "take_name",
     "take_names",
@@ -72,6 +73,15 @@ def emit_named(
     node = graph.create_node("call_function", target, name=name)
     node._update_args_kwargs(args, kwargs or {})
     return node
+
+
+def placeholder(graph: Graph, name: str) -> Node:
+    """``graph.placeholder(name)``, without fx's conversion of the name to a candidate where
+    it changes nothing (a name of lower-case letters, digits and underscores that is not
+    ``__magic__``: fx's snake case and lower case keep it as it is)."""
+    if name.islower() and not (name.startswith("__") and name.endswith("__")):
+        return graph.create_node("placeholder", name, name=name)
+    return graph.placeholder(name)
 
 
 def base_name(graph: Graph, target: Any) -> str:

@@ -39,7 +39,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.blocks import BlockLinearize
-from graphflop.ad.builder import Builder, copy_node
+from graphflop.ad.builder import Builder, copy_node, placeholder
 from graphflop.ad.functions import FunctionCall, emit_tangent, function_calls
 from graphflop.meta import (
     CALL_SITE,
@@ -322,9 +322,7 @@ class _Linearizer:
         self.gaps: list[Gap] = []
         #: in-place writes read through another alias (set by ``build_jvp``): cut, a gap each
         self.cut: set[Node] = set()
-        fake_mode = fake_mode_of(
-            [n.meta.get("val") for n in forward.graph.nodes if "val" in n.meta]
-        )
+        fake_mode = fake_mode_of(n.meta.get("val") for n in forward.graph.nodes if "val" in n.meta)
         self.b = JvpBuilder(self.graph, fake_mode, self.ghosts)
 
     def _copy(self, n: Node) -> Node:
@@ -340,7 +338,7 @@ class _Linearizer:
         tangent_inputs = []
         for n in placeholders:
             if n.name in carry and _is_float(n.meta["val"]):
-                t = self.graph.placeholder(f"t_{n.name}")
+                t = placeholder(self.graph, f"t_{n.name}")
                 role = "tangent_from_param" if n.name in params else "tangent_from_input"
                 t.meta.update(
                     {
@@ -368,7 +366,7 @@ class _Linearizer:
         for n in self.forward.graph.nodes:
             if not (LEAF in n.meta and n in needed and _is_float(n.meta.get("val"))):
                 continue
-            t = self.graph.placeholder(f"t_{n.name}")
+            t = placeholder(self.graph, f"t_{n.name}")
             t.meta.update(
                 {
                     "val": n.meta["val"],

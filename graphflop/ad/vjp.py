@@ -42,8 +42,13 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphflop.ad import functions
-from graphflop.ad.blocks import RecordedCalls, RecordedFallback, transpose_log
-from graphflop.ad.builder import Builder, emit
+from graphflop.ad.blocks import (
+    RecordedCalls,
+    RecordedFallback,
+    checkpoint_calls,
+    transpose_log,
+)
+from graphflop.ad.builder import Builder, emit, placeholder
 from graphflop.ad.jvp import build_jvp, has_leaves
 from graphflop.ad.simplify import fold_transposed_matmuls
 from graphflop.meta import (
@@ -114,10 +119,10 @@ class TransposeBuilder(Builder):
         else:
             ctx = self.graph.inserting_after(self._last_placeholder)
         if ctx is None:
-            node = self.graph.placeholder(name)
+            node = placeholder(self.graph, name)
         else:
             with ctx:
-                node = self.graph.placeholder(name)
+                node = placeholder(self.graph, name)
         node.meta.update(meta)
         self._last_placeholder = node
         return node
@@ -247,7 +252,7 @@ def build_vjp(
             forward, tangents, for_transpose=True, recorder=type(recorder)(forward), leaves=True
         )
         dh = lin.meta.get(DERIVED_HIERARCHY)
-    checkpointed = any(n.meta.get(CHECKPOINT) is not None for n in forward.graph.nodes)
+    checkpointed = bool(checkpoint_calls(forward))
     if checkpointed:
         # the recompute eager runs is kept through dead-code elimination, which the recorded
         # graph's clean-up does not do per call (DirectRecorder.clean): built flat at once,
@@ -328,7 +333,7 @@ def _build_vjp(
 
     g = Graph()
     ghosts: list = []
-    fake_mode = fake_mode_of([n.meta.get("val") for n in lin.graph.nodes if "val" in n.meta])
+    fake_mode = fake_mode_of(n.meta.get("val") for n in lin.graph.nodes if "val" in n.meta)
     b = TransposeBuilder(g, fake_mode, ghosts, sig, lin, forward)
     b.recorder = recorder if per_template else None
     if recorded is not None:
@@ -671,10 +676,7 @@ class _Checkpoints:
     reruns a call in order up to the last value its backward unpacks (early stop), or whole."""
 
     def __init__(self, forward: GraphModule, lin: GraphModule) -> None:
-        from graphflop.meta import occurrences
-
-        fnodes = list(forward.graph.nodes)
-        occ = occurrences(fnodes, CHECKPOINT)
+        occ = checkpoint_calls(forward)  # shared: read only
         self.call_of = {n.name: c for n, c in occ.items()}
         self.nodes: dict[int, list[Node]] = {}
         for n, c in occ.items():

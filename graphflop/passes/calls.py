@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from graphflop.ad.blocks import call_keys
 from graphflop.ad.builder import base_name, copy_node, emit_named, take_name, take_names
 from graphflop.ad.functions import FunctionEntry
 from graphflop.ad.simplify import fold_graph
@@ -207,6 +208,16 @@ class DerivedHierarchy:
         derivative builders, which sit below this module's layer."""
         _localize(m, c, absolute)
 
+    def localized(self, m: dict, plan: tuple, c: DerivedCall, absolute: dict[str, str]) -> dict:
+        """:func:`localized`: for the derivative builders, which sit below this module's
+        layer."""
+        return localized(m, plan, c, absolute)
+
+    def localize_plan(self, m: dict) -> tuple:
+        """:func:`localize_plan`: for the derivative builders, which sit below this module's
+        layer."""
+        return localize_plan(m)
+
     def expand_jvp(self, gm: GraphModule) -> GraphModule:
         """:func:`expand_jvp` of ``gm``, this hierarchy's recorded JVP top level: for the
         transpose, which sits below this module's layer."""
@@ -245,26 +256,37 @@ def forward_facts(
     return facts
 
 
+#: per forward graph, the inverse of its keys and per call site its module paths (absolute ->
+#: relative): what every :class:`_Describer` of it reads (the JVP's, the backward's, the
+#: update's, the step's), with the stamp of :data:`_FORWARD_FACTS` and the hierarchy's identity
+_DESCRIBER_FACTS: weakref.WeakKeyDictionary[
+    GraphModule,
+    tuple[tuple[int, int, int], tuple[dict[tuple[int, tuple], str], list[dict[str, str]]]],
+] = weakref.WeakKeyDictionary()
+
+
+def _describer_facts(
+    forward: GraphModule, h: Hierarchy
+) -> tuple[dict[tuple[int, tuple], str], list[dict[str, str]]]:
+    """(``(site, key)`` -> forward node name, per call site its module paths absolute ->
+    relative), worked out once per forward graph and hierarchy. Shared: read, never written."""
+    stamp = (id(forward.graph), len(forward.graph.nodes), id(h))
+    got = _DESCRIBER_FACTS.get(forward)
+    if got is not None and got[0] == stamp:
+        return got[1]
+    keys = forward_facts(forward)[0]
+    facts = ({v: k for k, v in keys.items()}, [{a: r for r, a in s.modules} for s in h.sites])
+    _DESCRIBER_FACTS[forward] = (stamp, facts)
+    return facts
+
+
 def _forward_keys(forward: GraphModule) -> tuple[dict[str, tuple[int, tuple]], set[int]]:
     """Per forward node copied from a template, ``(site, key)`` (key: the template index, and
     the output of a ``getitem`` tracing added afterwards); the sites where two nodes share a
-    key (a rewritten graph)."""
-    keys: dict[str, tuple[int, tuple]] = {}
-    seen: set[tuple[int, tuple]] = set()
-    dup: set[int] = set()
-    for n in forward.graph.nodes:
-        t = n.meta.get(CALL_SITE)
-        if t is None:
-            continue
-        parent = n.args[0] if n.target is operator.getitem and n.args else None
-        k: tuple = (t[1],)
-        if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
-            k = (t[1], n.args[1])
-        if (t[0], k) in seen:
-            dup.add(t[0])
-        seen.add((t[0], k))
-        keys[n.name] = (t[0], k)
-    return keys, dup
+    key (a rewritten graph). The derivative builders' walk (:func:`~graphflop.ad.blocks.call_keys`,
+    shared: read only)."""
+    keys = call_keys(forward)
+    return keys.names, set(keys.dup)
 
 
 def _layout(v: Any) -> Any:
@@ -284,8 +306,7 @@ class _Describer:
 
     def __init__(self, forward: GraphModule, h: Hierarchy) -> None:
         self.keys, self.dup, self.tags = forward_facts(forward)  # shared: read only
-        self.names = {v: k for k, v in self.keys.items()}
-        self.rel = [{a: r for r, a in s.modules} for s in h.sites]
+        self.names, self.rel = _describer_facts(forward, h)  # shared: read only
         self.h = h
 
     def tags_of(self, sources: tuple[str, ...]) -> tuple[Any, ...]:
@@ -714,6 +735,46 @@ def _localize(m: dict, c: DerivedCall, absolute: dict[str, str]) -> None:
         m[CALL_SITE] = (c.site, *cs[1:])
 
 
+def localize_plan(m: dict) -> tuple:
+    """What :func:`_localize` changes in a template node's annotations ``m``, worked out once
+    (for :func:`localized`): its relative module path, its source slot and whether its
+    checkpoint tag is the source's own, its parameter path's ``(owner, leaf)``, the rest of
+    its forward call site; each None (False) where :func:`_localize` leaves it."""
+    module = m.get(MODULE)
+    src = m.get(SOURCE)
+    slot = int(src[1:]) if src is not None and src.startswith("@") else None
+    p = m.get(PARAM)
+    param = p.rpartition(".")[::2] if p is not None and p.startswith("@") else None
+    cs = m.get(CALL_SITE)
+    return (
+        module if module is not None and module.startswith("@") else None,
+        slot,
+        slot is not None and m.get(CHECKPOINT) is OWN_TAG,
+        param,
+        cs[1:] if cs is not None and cs[0] == -1 else None,
+    )
+
+
+def localized(m: dict, plan: tuple, c: DerivedCall, absolute: dict[str, str]) -> dict:
+    """A copy of a template node's annotations ``m`` made call ``c``'s: :func:`_localize` of
+    the copy, by ``plan`` (:func:`localize_plan` of ``m``)."""
+    out = dict(m)
+    module, slot, own, param, rest = plan
+    if module is not None:
+        out[MODULE] = absolute[module]
+    if slot is not None:
+        out[SOURCE] = c.sources[slot]
+        if own:
+            out[CHECKPOINT] = c.tags[slot]
+    if param is not None:
+        owner, leaf = param
+        a = absolute.get(owner)
+        out[PARAM] = f"{a if a is not None else absolute['@'] + owner[1:]}.{leaf}"
+    if rest is not None:
+        out[CALL_SITE] = (c.site, *rest)
+    return out
+
+
 def attach(gm: GraphModule, forward: GraphModule) -> GraphModule:
     """Store :func:`build`'s hierarchy of ``gm`` in ``gm.meta[DERIVED_HIERARCHY]`` (when it has
     calls) and return ``gm``."""
@@ -1011,6 +1072,8 @@ class DirectRecorder:
         #: after :meth:`clean`: the top level's nodes its fold made, and the names before it
         self.folded: frozenset[Node] = frozenset()
         self.fold_names: FlatNames | None = None
+        self._bodies: dict[int, tuple[list[Node], list[tuple | None]]] = {}
+        self._paths: dict[int, dict[str, str]] = {}
 
     def template(
         self, run: list[Node], site: int, root: torch.nn.Module, refs: dict[Node, Any] | None
@@ -1042,7 +1105,7 @@ class DirectRecorder:
     def _call(self, site: int, handle: tuple) -> DerivedCall:
         t, _, order = handle
         names = self.d.names
-        sources = tuple(names[(site, k)] for k in order)
+        sources = tuple([names[(site, k)] for k in order])
         return DerivedCall(site, t, self.h.sites[site].modules, sources, self.d.tags_of(sources))
 
     def call(
@@ -1069,22 +1132,40 @@ class DirectRecorder:
         c = self._call(site, handle)
         number = len(self.calls)
         self.calls.append(c)
-        names: list[str | None] = list(take_names(g, candidates))
+        names: list[str | None] = take_names(g, candidates)  # type: ignore[assignment]
         rep = emit_named(g, self.call_op, (list(args), number), "repeat_call")
         self.names[rep] = names
         if logged is not None:
             self.marks.append((logged[0], rep, logged[1]))
-        nodes = list(self.templates[c.template].graph.nodes)
-        first = len([x for x in nodes if x.op == "placeholder"])
-        absolute = dict(c.modules)
         items = {}
-        for i in exposed:
-            item = emit_named(g, operator.getitem, (rep, i), "repeat_item")
-            m = dict(nodes[first + i].meta)
-            _localize(m, c, absolute)
-            object.__setattr__(item, "meta", m)
-            items[i] = item
+        if exposed:
+            nodes, plans = self._body(c.template)
+            absolute = self._absolute(site)
+            for i in exposed:
+                item = emit_named(g, operator.getitem, (rep, i), "repeat_item")
+                plan = plans[i]
+                if plan is None:
+                    plan = plans[i] = localize_plan(nodes[i].meta)
+                object.__setattr__(item, "meta", localized(nodes[i].meta, plan, c, absolute))
+                items[i] = item
         return items
+
+    def _body(self, template: int) -> tuple[list[Node], list[tuple | None]]:
+        """Template derivative ``template``'s nodes other than its placeholders, in order, and
+        per node its :func:`localize_plan` (None until first needed); listed once per
+        template: a template derivative is not changed while calls of it are recorded."""
+        got = self._bodies.get(template)
+        if got is None:
+            nodes = [x for x in self.templates[template].graph.nodes if x.op != "placeholder"]
+            got = self._bodies[template] = (nodes, [None] * len(nodes))
+        return got
+
+    def _absolute(self, site: int) -> dict[str, str]:
+        """Call site ``site``'s module paths, relative -> in the model (made once per site)."""
+        got = self._paths.get(site)
+        if got is None:
+            got = self._paths[site] = dict(self.h.sites[site].modules)
+        return got
 
     def finish(self, g: Graph, keep: Iterable[Any] = ()) -> dict[Node, Node]:
         """Turn each first call into a call of its template (a ``graphflop::repeat`` node where
@@ -1175,6 +1256,7 @@ class DirectRecorder:
         path relative to the block. False where that cannot equal the flat graph: a template
         node named at one call and not another, or under other relative paths."""
         want: dict[tuple[int, int], dict[int, str]] = {}
+        rels: dict[int, dict[str, str]] = {}  # per call, its module paths in the model -> relative
         for item, param in named:
             args: Any = item.args
             if not (item.target is operator.getitem and args[0].target is self.call_op):
@@ -1183,7 +1265,10 @@ class DirectRecorder:
             number = args[0].args[1]
             c = self.calls[number]
             owner, _, leaf = param.rpartition(".")
-            r_owner = _relative_owner(owner, {a: r for r, a in c.modules})
+            rel = rels.get(number)
+            if rel is None:
+                rel = rels[number] = {a: r for r, a in c.modules}
+            r_owner = _relative_owner(owner, rel)
             per = want.setdefault((c.template, args[1]), {})
             if r_owner is None or number in per:
                 return False
@@ -1227,7 +1312,7 @@ class DirectRecorder:
                 gi = group_of[n]
                 calls.append(DerivedCall(c.site, gi, c.modules, c.sources, c.tags))
                 was = self.call_names[n.args[1]]
-                call_names.append(tuple(None if i is None else was[i] for i in templates[gi][3]))
+                call_names.append(tuple([None if i is None else was[i] for i in templates[gi][3]]))
                 n.update_arg(1, len(calls) - 1)
                 index = templates[gi][1]
                 for u in list(n.users):
