@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import operator
 import re
-import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -113,7 +112,7 @@ def _tables(forward: GraphModule, h: Hierarchy) -> tuple[dict, dict, list, dict,
     hierarchy or signature changed."""
     facts = forward_facts(forward)  # shared: copied before it is added to
     sig = forward.meta[SIGNATURE]
-    got = _TABLES.get(forward)
+    got = forward.graph.__dict__.get(_TABLES)
     if got is not None and got[0] is facts and got[1] is h and got[2] is sig:
         return got[3]
     fkeys, dup, _ = facts
@@ -131,15 +130,15 @@ def _tables(forward: GraphModule, h: Hierarchy) -> tuple[dict, dict, list, dict,
         {q: at for _, q, at in sites},
         {},
     )
-    _TABLES[forward] = (facts, h, sig, tables)
+    forward.graph.__dict__[_TABLES] = (facts, h, sig, tables)
     return tables
 
 
-#: per forward graph, :func:`_tables` with the facts, hierarchy and signature it was worked out
-#: from
-_TABLES: weakref.WeakKeyDictionary[GraphModule, tuple[Any, Any, Any, tuple]] = (
-    weakref.WeakKeyDictionary()
-)
+#: the attribute of a forward graph holding :func:`_tables` with the facts, hierarchy and
+#: signature it was worked out from: kept on the graph, since it names the graph's values (in a
+#: table beside the graphs, weakly keyed, it was freed only by the collector's pass after the
+#: one that freed the graph, and with it the analysis's fake mode)
+_TABLES = "_graphflop_step_tables"
 
 
 def _layout_of(memo: dict[int, tuple], v: torch.Tensor) -> tuple:
