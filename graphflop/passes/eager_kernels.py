@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch.fx import GraphModule, Node
 
-from graphflop.meta import COMPOSITE, KIND, SOURCE
+from graphflop.meta import COMPOSITE, KIND, ROLE, SOURCE
 from graphflop.ops import has_rule, lookup
 from graphflop.passes.flops import tensor_bytes
 
@@ -224,6 +224,68 @@ def zero_tangent_mms(jvp: GraphModule) -> dict[str, int]:
     return out
 
 
+#: backward node roles that are no part of the eager autograd node of the forward op whose
+#: rule made them (:func:`autograd_node_reads`)
+_NOT_THE_NODE = ("recompute", "grad_accum")
+
+
+def merge_reads(reads: dict[str, list[str]], more: dict[str, list[str]]) -> None:
+    """Add ``more``'s names to ``reads`` (also_reads: node name -> names), each once."""
+    for k, names in more.items():
+        have = reads.setdefault(k, [])
+        have.extend(x for x in names if x not in have)
+
+
+def autograd_node_reads(
+    backward: GraphModule, plain: Callable[[str], bool]
+) -> dict[str, list[str]]:
+    """Eager autograd runs a plain ATen op's derivative formulas as one node
+    (``MulBackward0``, ``MmBackward0``, ``SubBackward0``, ...; tools/autograd/
+    derivatives.yaml), and the engine holds what the node reads until the node has returned:
+    the output gradient (``call_function``'s ``inputs``, freed after ``validate_outputs``
+    has reduced a broadcast operand's gradient) and the values it saved
+    (``release_variables()`` in ``evaluate_function``, after ``call_function``). graphflop's
+    rule frees each value after its own last product: ``mul``'s ``ct·b`` reads ``b``, then
+    ``ct·a`` reads ``a``, and ``b`` was freed before ``ct·a`` is made, where eager holds both
+    (profiler allocator events, PyTorch 2.13 CPU: a SwiGLU MLP's ``silu(gate(x)) * up(x)``,
+    whose ``MulBackward0`` holds both factors, the output gradient and its two products).
+
+    The backward nodes of ``backward`` are grouped by the forward node whose rule made them
+    (``SOURCE``), those of the forward nodes ``plain`` accepts (a plain op's: a composite
+    op's parts and a one-kernel backward are their own models, :func:`one_kernel_backward`).
+    Left out are a checkpoint's recompute (its nodes are the forward's ops again, each its own
+    eager node) and the sums of a value's gradients (``grad_accum``): the engine adds a
+    gradient into the next node's input buffer after the node that made it has returned and
+    released what it held (GPT-2's tied ``wte``: the head's gradient plus the embedding's,
+    summed after ``EmbeddingBackward0`` has freed its output gradient and the token ids).
+    Returns also_reads for :meth:`~graphflop.passes.memory.Schedule.add_graph`: each group's
+    last node reads every value from outside the group that a node of the group reads
+    (placeholders by their names: the residuals' keys)."""
+    groups: dict[str, list[Node]] = {}
+    for n in backward.graph.nodes:
+        if n.op != "call_function" or n.meta.get(ROLE) in _NOT_THE_NODE:
+            continue
+        src = n.meta.get(SOURCE)
+        if src is not None and plain(src):
+            groups.setdefault(src, []).append(n)
+    reads: dict[str, list[str]] = {}
+    for nodes in groups.values():
+        if len(nodes) < 2:
+            continue
+        inside = set(nodes)
+        last = nodes[-1]
+        own = set(last.all_input_nodes)
+        outer = [
+            a.name
+            for n in nodes[:-1]
+            for a in n.all_input_nodes
+            if a not in inside and a not in own
+        ]
+        if outer:
+            reads[last.name] = list(dict.fromkeys(outer))
+    return reads
+
+
 #: binary ops whose eager backward (``MulBackward0``, ``DivBackward0``) returns both operands'
 #: gradients at the broadcast shape, reduced to each operand's shape afterwards
 BROADCAST_PRODUCTS = (aten.mul.Tensor, aten.div.Tensor)
@@ -245,9 +307,9 @@ def broadcast_product_backward(
     its quotient by ``other``, ``-grad`` and the product, four output-sized tensors where
     graphflop's rule (from the forward's quotient) makes three. Returns (also_reads, extra)
     for :meth:`Schedule.add_graph`: each reduced full-size product made before the rule's last
-    product is read by it; the values from outside the rule (the output gradient) are read by
-    its last node, which eager runs before it frees them; the divisor's product holds one
-    output-sized temporary more. graphflop's div rule makes the divisor's gradient first, as
+    product is read by it (the values from outside the rule, the output gradient among them,
+    are held to its last node by :func:`autograd_node_reads`, as for every plain op); the
+    divisor's product holds one output-sized temporary more. graphflop's div rule makes the divisor's gradient first, as
     eager does. A composite op's parts (weight norm's ``v * (g / ‖v‖)``, one
     ``_weight_norm_interface`` eagerly) are left to its one kernel (:func:`one_kernel_backward`)."""
     ops = {
@@ -277,19 +339,6 @@ def broadcast_product_backward(
         ]
         if held:
             reads.setdefault(last.name, []).extend(held)
-        outside = [
-            a.name
-            for n in group
-            for a in n.all_input_nodes
-            if a not in inside and a.op == "call_function" and a.meta.get(KIND) == "cotangent"
-        ]
-        end = group[-1]
-        outside = [
-            a for a in dict.fromkeys(outside) if a not in {m.name for m in end.all_input_nodes}
-        ]
-        if outside:
-            names = reads.setdefault(end.name, [])
-            names.extend(a for a in outside if a not in names)
         if ops[src].target is aten.div.Tensor:
             for n in products:
                 coef = [a for a in n.all_input_nodes if a in inside and a.meta.get(KIND) == "coef"]

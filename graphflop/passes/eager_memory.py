@@ -28,12 +28,14 @@ saves.
 
 The eager train step (:func:`eager_train_schedule`): the forward, each multi-output op's outputs
 as separate storages; the backward with the eager residuals; gradients allocated as the backward
-produces them and kept (``zero_grad(set_to_none=True)``, PyTorch's default); the update in place,
-with the temporaries ``torch.optim`` makes (:func:`optimizer_temporaries`); kernels' own
+produces them and kept (``zero_grad(set_to_none=True)``, PyTorch's default); a plain op's output
+gradient and saved values held to its rule's last node, as its one eager autograd node holds them
+until it returns (:func:`~graphflop.passes.eager_kernels.autograd_node_reads`); the update in
+place, with the temporaries ``torch.optim`` makes (:func:`optimizer_temporaries`); kernels' own
 temporaries on CPU (:func:`kernel_temporaries`). The eager JVP (:func:`eager_jvp_schedule`):
 ``torch.func.jvp``, primal and tangent as one dual tensor. Reads ``val``, ``COMPOSITE``,
 ``CHECKPOINT`` and ``ROLE`` (the recompute of a checkpoint: random draws are redrawn, not
-saved), ``RESIDUAL``, ``SOURCE``, ``KIND``; writes nothing.
+saved; the sums of a value's gradients), ``RESIDUAL``, ``SOURCE``, ``KIND``; writes nothing.
 """
 
 from __future__ import annotations
@@ -71,9 +73,11 @@ from graphflop.passes.eager_attention import FusedAttention, attention_jvp
 from graphflop.passes.eager_kernels import (
     GRAD_OUTPUT_COPIED,
     TANGENT_FORMULA,
+    autograd_node_reads,
     backward_temporaries,
     broadcast_product_backward,
     formula_reads,
+    merge_reads,
     nodes_made_by,
     one_kernel_backward,
     one_kernel_forward,
@@ -648,6 +652,19 @@ def computed_conv_weights(forward: GraphModule | Iterable[Node]) -> dict[str, li
     return held
 
 
+def plain_ops(forward: GraphModule, kernels: list[tuple[set[str], int]]) -> frozenset[str]:
+    """The forward nodes whose eager derivative is one autograd node of a plain ATen op
+    (:func:`~graphflop.passes.eager_kernels.autograd_node_reads`): ``call_function`` nodes
+    that are no composite op's part (:data:`~graphflop.meta.COMPOSITE`) and whose backward
+    is no one-kernel region of ``kernels`` (:attr:`EagerForward.kernels`)."""
+    one_kernel = {name for names, _ in kernels for name in names}
+    return frozenset(
+        n.name
+        for n in forward.graph.nodes
+        if n.op == "call_function" and COMPOSITE not in n.meta and n.name not in one_kernel
+    )
+
+
 def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) -> EagerResiduals:
     """What eager autograd keeps in place of the residuals graphflop's backward reads.
 
@@ -662,6 +679,8 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     p_reads, p_extra = broadcast_product_backward(forward, backward)
     for k, names in p_reads.items():
         b_reads.setdefault(k, []).extend(names)
+    # a plain op's eager backward node holds its output gradient and saved values to its end
+    merge_reads(b_reads, autograd_node_reads(backward, plain_ops(forward, kernels).__contains__))
     for k, nbytes in p_extra.items():
         b_extra[k] = b_extra.get(k, 0) + nbytes
     # a residual read by the backward of a composite op's parts stands for what that op saves,

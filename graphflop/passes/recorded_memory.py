@@ -26,7 +26,9 @@ are left to the schedule, in the flat graph's order. In the backward
 (:func:`~graphflop.passes.eager_kernels.one_kernel_backward`, convolutions' temporaries,
 scatters in place, the gradients it returns) the context is: which nodes are read after the
 call, which are the graph's outputs, and per forward source slot its one-kernel backward (as
-a partition of the slots), that kernel's temporaries and a convolution's. The top level's
+a partition of the slots), that kernel's temporaries and a convolution's, and whether it is a
+plain op (its rule's last node holds what the rule reads:
+:func:`~graphflop.passes.eager_kernels.autograd_node_reads`). The top level's
 overrides are worked out on a copy of it with each call's value a top-level node reads a
 placeholder (:func:`_top_copy`).
 
@@ -65,7 +67,12 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.passes.calls import DerivedHierarchy, is_recorded
-from graphflop.passes.eager_kernels import TANGENT_FORMULA, one_kernel_backward
+from graphflop.passes.eager_kernels import (
+    TANGENT_FORMULA,
+    autograd_node_reads,
+    merge_reads,
+    one_kernel_backward,
+)
 from graphflop.passes.eager_memory import (
     _FRESH,
     _SCATTERS,
@@ -83,6 +90,7 @@ from graphflop.passes.eager_memory import (
     matmul_operand_copy_bytes,
     not_saved,
     optimizer_temporaries,
+    plain_ops,
     scatters_in_place,
     unstored_values,
 )
@@ -733,6 +741,9 @@ class _TrainBuilder:
             raise _Unsupported
         #: forward node name -> its one-kernel backward's number (in ``ef.kernels``)
         self.owner = {name: i for i, (names, _) in enumerate(self.ef.kernels) for name in names}
+        #: forward nodes whose eager backward is one autograd node of a plain op, holding
+        #: what it reads to its end (eager_kernels.autograd_node_reads)
+        self.plain = plain_ops(forward, self.ef.kernels)
         #: forward convolutions whose backward holds temporaries: name -> what it allocates
         self.kernels = forward_kernels(forward)  # (read again for the backward's)
         fwd_tmp, _ = kernel_temporaries(forward, None, device, kernels=self.kernels)
@@ -943,6 +954,7 @@ class _TrainBuilder:
                     extra[a.name] = extra.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
         for k, v in b_extra.items():
             extra[k] = extra.get(k, 0) + v
+        merge_reads(reads, autograd_node_reads(top_gm, self.plain.__contains__))
         nodes = _NodeSteps(self.top, True, sizes, extra, reads, inplace, self.keep_grads)
         stand_ins: dict[str, Any] = {}
         by_call: dict[int, list[tuple]] = {}
@@ -988,17 +1000,18 @@ class _TrainBuilder:
             if args[j].target in _FRESH:
                 raise _Unsupported  # zeros from outside the call scattered into
         groups: dict[int, int] = {}
-        feats: list[tuple[int | None, int | None, ConvBackward | None, bool]] = []
+        feats: list[tuple[int | None, int | None, ConvBackward | None, bool, bool]] = []
         owner, conv_bytes, kernels = self.owner.get, self.conv_bytes.get, self.ef.kernels
+        plain = self.plain
         for src in c.sources:
             o = owner(src)
             if o is None:
-                feats.append((None, None, conv_bytes(src), False))
+                feats.append((None, None, conv_bytes(src), False, src in plain))
                 continue
             if self.region_call.setdefault(o, number) != number or o in self.top_regions:
                 raise _Unsupported  # one kernel's backward in two parts of the graph
             g = groups.setdefault(o, len(groups))
-            feats.append((g, kernels[o][1], conv_bytes(src), o in self.ef.copied))
+            feats.append((g, kernels[o][1], conv_bytes(src), o in self.ef.copied, src in plain))
         # the arguments' strides: a kernel's copy of a non-contiguous output gradient, a
         # matrix product's of an operand BLAS cannot read (the last block's, under a sum)
         strides = tuple(
@@ -1025,12 +1038,13 @@ class _TrainBuilder:
         args: list[Node],
         after: list[int],
         outs: list[int],
-        feats: list[tuple[int | None, int | None, ConvBackward | None, bool]],
+        feats: list[tuple[int | None, int | None, ConvBackward | None, bool, bool]],
     ) -> _Context:
         """The template's copy for calls with these nodes read after them, these among the
         graph's outputs, these forward features per source slot (its one-kernel backward, that
         kernel's temporaries, a convolution's backward temporaries, whether that kernel copies
-        a non-contiguous output gradient)."""
+        a non-contiguous output gradient, whether it is a plain op: one eager autograd node,
+        :func:`~graphflop.passes.eager_memory.plain_ops`)."""
         g = Graph()
         env: dict[Node, Node] = {}
         for p, a in zip(t.placeholders, args):
@@ -1045,7 +1059,7 @@ class _TrainBuilder:
         gm = graph_module(t.gm, g)
         kernels: dict[int, tuple[set[str], int]] = {}
         copied: set[int] = set()
-        for k, (grp, nbytes, _, copies) in enumerate(feats):
+        for k, (grp, nbytes, _, copies, _) in enumerate(feats):
             if grp is not None:
                 kernels.setdefault(grp, (set(), nbytes or 0))[0].add(_SLOT.format(k))
                 if copies:
@@ -1054,6 +1068,8 @@ class _TrainBuilder:
         sizes, reads, b_extra = one_kernel_backward(
             gm, [kernels[i] for i in range(len(kernels))], inplace, copied
         )
+        plain = {_SLOT.format(k) for k, f in enumerate(feats) if f[4]}
+        merge_reads(reads, autograd_node_reads(gm, plain.__contains__))
         extra: dict[str, int] = {}
         made: dict[int, list[Node]] = {}  # a convolution's slot -> its backward nodes
         for i, n in enumerate(nodes):
