@@ -13,9 +13,9 @@ rank) split the batch into 2 micro-batches of 2 × 16. The peak is the eager sch
 each storage at its local size, TP redistributions' new tensors, and under ZeRO-2/3 FSDP's
 gathered parameters, flat gradients and reduce-scatter buffers at the points its engine makes
 and frees them; for pipelines that schedule replayed per stage and micro-batch in the
-pipeline's order. It is asserted within 2 % in every mode (TP + SP: −0.20 % on every rank
-record of 6 runs; one record in 12 of earlier runs read 16,384 B more, the head's gathered
-logits freed unseen by the probe, −1.09 % against the prediction now; docs/parallel.md gives
+pipeline's order. It is asserted within 2 % in every mode (TP + SP: +0.03 % on every rank
+record of 4 runs; one record in 12 of earlier runs read 16,384 B more, the head's gathered
+logits freed unseen by the probe, −0.87 % against the prediction now; docs/parallel.md gives
 the rest term by term).
 """
 
