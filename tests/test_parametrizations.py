@@ -115,6 +115,26 @@ def test_weight_norm_peaks_are_measured_ones():
     assert measured - (memory.params_bytes + held.peak()[0]) == 8
 
 
+def test_last_dim_weight_norm_train_peak_holds_the_kernels_buffer():
+    """Linear(64, 64) under weight_norm over its last dim (``dim=1``), batch 4: eager's
+    ``weight_norm_backward_last_dim_kernel`` makes a zeroed buffer of max(3, threads) × 64
+    float32 values (3·64·4 = 768 B at 2 threads) and holds it with v's and g's gradients (16,384
+    + 256 B) at the train peak (profiler allocator events, PyTorch 2.13 CPU: measured 57,464
+    at 2 threads, graphflop 55,632 before, 1,832 B short; ``dim=0``'s kernel makes none,
+    measured 56,696). Held (``hold_inputs``: the input, 1,024 B, and the targets, 32 B), the
+    schedule is measured's but two of the loss's 4-byte scalars, as for ``dim=0``
+    (:func:`test_weight_norm_peaks_are_measured_ones`)."""
+    from graphflop.passes.eager_memory import eager_train_schedule
+
+    torch.manual_seed(0)
+    model = nn.Sequential(P.weight_norm(nn.Linear(64, 64), dim=1), nn.ReLU(), nn.Linear(64, 10))
+    x = torch.randn(4, 64)
+    a = graphflop.analyze(model, (x,), jvp=False)
+    measured = measure_train_peak(model, (x,))
+    held = eager_train_schedule(a.forward, a.backward, "sgd", "cpu", hold_inputs=True)
+    assert measured - (a.report.memory.params_bytes + held.peak()[0]) == 8
+
+
 def _dim_wrap(dim):
     return lambda m: P.weight_norm(m, dim=dim)
 
@@ -127,13 +147,17 @@ def _dim_wrap(dim):
 #: 1,024 B more, counted as its product's saved operand). ``dim=None``: not fused
 #: (``torch._weight_norm`` runs ``v * (g / norm_except_dim(v))``), the norm (saved by
 #: linalg_vector_norm and as the division's divisor) and the quotient, 4 B each (unchanged).
-#: bfloat16, fused: x 2,048, ReLU's 2,048, the loss's 80 + 32 + 2, the norms in float32, 1,024
+#: bfloat16, fused: x 2,048, ReLU's 2,048, the loss's 80 + 32 + 2, the norms in float32, 1,024;
+#: float16 the same (fused too, PyTorch 2.13 CPU; its norms float32 as eager's kernel makes them:
+#: before, 4,722, the norms counted in float16, PyTorch's decomposition's dtype)
 WEIGHT_NORM_SAVED = {
     "dim0": (P.weight_norm, torch.float32, 8_388 + 1_024),
     "dim1": (_dim_wrap(1), torch.float32, 8_388 + 1_024),
     "dimNone": (_dim_wrap(None), torch.float32, 8_388 + 4 + 4),
     "old": (_old_weight_norm, torch.float32, 8_388 + 1_024),
     "bf16": (P.weight_norm, torch.bfloat16, 2_048 + 2_048 + 114 + 1_024),
+    "f16": (P.weight_norm, torch.float16, 2_048 + 2_048 + 114 + 1_024),
+    "f16dim1": (_dim_wrap(1), torch.float16, 2_048 + 2_048 + 114 + 1_024),
 }
 
 

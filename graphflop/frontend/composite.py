@@ -305,10 +305,12 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     # float32 (:data:`CPU_FLOAT32_ONLY`), the weights are parameters
     "aten.mkldnn_rnn_layer.default": ((0, 5, 6), (0, 1, 2, 3)),
     # _weight_norm_interface_backward(grad.contiguous(), v, g, result1, dim): v, g (parameters,
-    # as weight norm is used) and the norms, result1 (g's shape; float32 for a bfloat16 g).
-    # What ``torch._weight_norm`` runs where ``dim`` is 0 or the last and no input is float16
-    # (aten/src/ATen/native/WeightNorm.cpp); elsewhere it is ``v * (g / norm_except_dim(v))``,
-    # made of plain ops before tracing sees it, and no region is tagged
+    # as weight norm is used) and the norms, result1 (g's shape; float32 for a bfloat16 or
+    # float16 g: graphflop.ops.norm's decomposition). What ``torch._weight_norm`` runs where
+    # ``dim`` is 0 or the last, whatever the dtype (aten/src/ATen/native/WeightNorm.cpp,
+    # PyTorch 2.13: float16 on CPU too); elsewhere (``dim=None``) it is
+    # ``v * (g / norm_except_dim(v))``, made of plain ops before tracing sees it, and no region
+    # is tagged
     "aten._weight_norm_interface.default": ((0, 1), (1,)),
 }
 

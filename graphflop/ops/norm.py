@@ -220,3 +220,17 @@ def _batch_norm(
     running_mean.copy_(new_mean)
     running_var.copy_(new_var)
     return out, mean, rstd
+
+
+@register_decomposition(aten._weight_norm_interface.default)
+def _weight_norm_interface(v, g, dim: int = 0):
+    """Weight norm's fused op: returns ``(v·(g / ‖v‖), ‖v‖)``, the norms over every dim of ``v``
+    but ``dim``, kept (``g``'s shape). PyTorch's decomposition, but for the norms' dtype:
+    float32 for a float16 ``g`` as for a bfloat16 one, as eager's kernels make them
+    (``weight_norm_cpu`` in aten/src/ATen/native/WeightNorm.cpp, and the CUDA kernel; the
+    decomposition in ``torch._decomp``, PyTorch 2.13, keeps a float16 ``g``'s dtype, 2 bytes a
+    norm where autograd saves 4)."""
+    keep = [i for i in range(v.dim()) if i != dim]
+    low = g.dtype in (torch.float16, torch.bfloat16)
+    norm = v.norm(2, keep, keepdim=True, dtype=torch.float32 if low else None)
+    return v * (g / norm.to(g.dtype)), norm

@@ -84,6 +84,30 @@ def backward_temporaries(region: list[Node]) -> int:
     return val.numel() * (per + val.element_size())
 
 
+def weight_norm_workspace(region: list[Node]) -> int:
+    """Bytes of the buffer the CPU backward kernel of weight norm's fused op
+    (``_weight_norm_interface_backward``) makes where ``dim`` is the last of ``v``'s dims and
+    not 0 (``weight_norm_backward_last_dim_kernel``, aten/src/ATen/native/cpu/
+    WeightNormKernel.cpp): ``max(3, threads) × N`` values of the norms' dtype (float32 for a
+    float32, bfloat16 or float16 ``v``), ``N`` the last dim's size and ``threads``
+    ``torch.get_num_threads()`` at analysis time, zeroed and held until the kernel returns,
+    with both gradients (profiler allocator events, PyTorch 2.13 CPU: 3·64·4 = 768 B for a
+    (64, 64) ``v`` at 2 threads). 0 for any other op, for ``dim`` 0 (that kernel makes
+    none) and where the norms' shape cannot tell the two apart (a last dim of size 1)."""
+    tags = {n: n.meta[COMPOSITE] for n in region}
+    if tags[region[0]].op != "aten._weight_norm_interface.default":
+        return 0
+    v = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
+    norm = next((n for n in region if tags[n].output == 1), None)
+    if v is None or norm is None:
+        return 0
+    vv, nv = v.meta["val"], norm.meta["val"]
+    n_last = vv.shape[-1] if vv.dim() > 1 else 0
+    if n_last <= 1 or tuple(nv.shape) != (1,) * (vv.dim() - 1) + (n_last,):
+        return 0
+    return max(3, torch.get_num_threads()) * n_last * nv.element_size()
+
+
 #: ops whose CPU backward kernel makes a non-contiguous output gradient contiguous before it
 #: starts (``grad_output.contiguous()`` in ``layer_norm_backward_cpu``,
 #: ``native_group_norm_backward``, ``softmax_backward_cpu``, ``log_softmax_backward_cpu``,

@@ -81,6 +81,7 @@ from graphflop.passes.eager_kernels import (
     nodes_made_by,
     one_kernel_backward,
     one_kernel_forward,
+    weight_norm_workspace,
     zero_tangent_mms,
 )
 from graphflop.passes.flops import tensor_bytes
@@ -528,7 +529,10 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
         if op in EAGER_SAVES:
             if device == "cpu" and op in GRAD_OUTPUT_COPIED:
                 copied.add(len(kernels))
-            kernels.append(({n.name for n in region}, backward_temporaries(region)))
+            tmp = backward_temporaries(region)
+            if device == "cpu":
+                tmp += weight_norm_workspace(region)
+            kernels.append(({n.name for n in region}, tmp))
         if op == FUSED_SDPA:
             saved = attention.forward(region)
             if saved is None:  # the math path on this device: graphflop's residuals
