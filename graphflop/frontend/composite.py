@@ -7,7 +7,7 @@ Writes :data:`~graphflop.meta.COMPOSITE` on the nodes of the decompositions of t
 :data:`EAGER_SAVES`, and on the nodes of an attention call PyTorch would run with its fused CPU
 kernel (:data:`FUSED_SDPA`, :func:`fused_on_cpu`); :data:`~graphflop.meta.INPLACE` on the node
 of each in-place call the model makes (:func:`in_place_call`; ``selu_`` and ``rrelu_``, which
-functionalization refuses, traced as the in-place ops eager runs for them); an in-place call or a setitem
+functionalization refuses, traced as the in-place ops eager runs for them); an in-place call, a setitem or a call with ``out=``
 made with grad mode off (or into a view of a ``detach()``, :func:`graphflop.frontend.regions.detached_write`)
 goes through :func:`graphflop.frontend.regions.no_grad_write`, which writes
 :data:`~graphflop.meta.NO_GRAD_WRITE`.
@@ -144,6 +144,12 @@ class CompositeOps(TorchFunctionMode):
                 return func(*call.args, **call.kwargs)
         if in_place_call(func, kwargs) and recording.recording():
             return self._in_place(func, args, kwargs)
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor) and recording.recording():
+            # ``torch.mul(y, 3, out=y)``: a write into ``out`` (under no_grad, as eager refuses
+            # out= on inputs that require grad), traced as the in-place writes are
+            with detached_write(out), no_grad_write(out):
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
     @staticmethod
