@@ -495,3 +495,59 @@ def test_eager_reference_sees_tied_weights_as_one_parameter():
     grad = verify_gradients(a.forward, a.backward, model, examples=(ids,))
     assert grad.name == "gradients vs torch.autograd.backward", grad
     assert grad.ok, grad
+
+
+class ExpInPlace(torch.autograd.Function):
+    """exp written into its input (``ctx.mark_dirty``), the result saved: backward g · exp(x)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        x.exp_()
+        ctx.save_for_backward(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class DirtyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(ExpInPlace.apply(self.fc1(x)))
+
+
+def test_function_writing_its_input_in_place_marked_dirty():
+    """A tester's finding: a Function that writes into its input (``ctx.mark_dirty(x);
+    x.exp_()``) lost its input and output in the trace (functionalization gives the written
+    tensor new nodes), so the loss did not depend on fc1: backward 0 FLOPs, nothing saved.
+    Now its own backward runs: gradients as eager autograd's; saved bytes as eager's
+    (SavedBytes, float64, batch 4: fc1's input 4·8·8 = 256, the exp'd h 4·16·8 = 512, which
+    fc2 saves too, cross-entropy's log-softmax 4·4·8 = 128, its int64 target 4·8 = 32 and
+    total weight 8: 936)."""
+    torch.manual_seed(0)
+    model = DirtyNet().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    a = analyze(model, (x,), loss="cross_entropy")
+    values = real_arguments(a.forward, model, examples=(x,))
+    grads = run_backward(a.backward, run_forward(a.forward, values))
+    got = {q: grads[pos] for pos, q in a.backward.meta[VJP].grads}
+    ref = _reference(model, a.forward, values)
+    for q in ref:
+        torch.testing.assert_close(got[q], ref[q], rtol=1e-12, atol=1e-12)
+    assert float(got["fc1.weight"].abs().sum()) > 0
+    assert a.report.totals.backward.complete
+    from graphflop.meta import SIGNATURE
+    from graphflop.runtime.memory_probe import SavedBytes
+
+    sig = a.forward.meta[SIGNATURE]
+    with SavedBytes(model) as saved:
+        F.cross_entropy(model(x), values[sig.targets[0]])
+    assert saved.nbytes == 256 + 512 + 128 + 32 + 8
+    assert a.report.memory.saved_for_backward_bytes == saved.nbytes

@@ -244,3 +244,41 @@ def test_in_place_write_the_trace_keeps_cuts_visibly(monkeypatch, write, op):
         assert [(gap.op, gap.node) for gap in g.meta[GAPS]] == [(str(op), write_node.name)]
     with strict_rules(), pytest.raises(MissingRuleError, match=re.escape(str(op))):
         graphflop.analyze(model, (x,), AnalyzeOptions(loss="sum"))
+
+
+class _DataWrite(nn.Module):
+    """``where``: a write through ``.data`` into the tanh's output (which tanh's backward
+    saved), or into a parameter before any op read it (weight clipping)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.l, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.where = where
+
+    def forward(self, x):
+        if self.where == "parameter":
+            self.l.weight.data.clamp_(-0.2, 0.2)
+        y = torch.tanh(self.l(x))
+        if self.where == "saved":
+            y.data.mul_(2)
+        return self.head(y * x)
+
+
+def test_a_data_write_over_a_saved_value_is_refused():
+    """A tester's finding: ``y = tanh(l(x)); y.data.mul_(2)`` gave a wrong gradient silently
+    (eager's tanh backward reads the doubled y through the saved output; graphflop's graph
+    differentiated the product by 2 instead). Now refused in one line, with advice."""
+    with pytest.raises(graphflop.TraceError, match=r"through \.data into the value of tanh"):
+        graphflop.analyze(_DataWrite("saved"), (torch.randn(4, 8),))
+
+
+def test_a_data_write_into_a_parameter_as_eager_autograd():
+    """``w.data.clamp_(-0.2, 0.2)`` before any op reads w: eager autograd sees neither the
+    write nor a version change, so w's gradient is that of the clamped values read, with no
+    clamp derivative (was: the clamp's mask applied). Gradients and the JVP against eager
+    autograd in float64."""
+    from test_no_grad import _against_eager_autograd
+
+    torch.manual_seed(0)
+    model, x = _DataWrite("parameter").double(), torch.randn(4, 8, dtype=torch.float64)
+    _against_eager_autograd(graphflop.analyze(model, x), model, x)

@@ -405,6 +405,9 @@ _WRITES = {
     "setitem on a view": lambda h, t, v: t.__setitem__((slice(None), 0), v[:, 0]),
     "mul_ on a view": lambda h, t, v: t.mul_(2),
     "two writes": lambda h, t, v: (h.__setitem__((slice(None), 0), v[:, 0]), t.mul_(2)),
+    # a tester's finding: a write through out= cut h's whole derivative
+    "mul out=": lambda h, t, v: torch.mul(h, 3.0, out=h),
+    "add out= into a view": lambda h, t, v: torch.add(t, v[:, :4], out=t),
 }
 
 

@@ -7,17 +7,20 @@ Writes :data:`~graphflop.meta.COMPOSITE` on the nodes of the decompositions of t
 :data:`EAGER_SAVES`, and on the nodes of an attention call PyTorch would run with its fused CPU
 kernel (:data:`FUSED_SDPA`, :func:`fused_on_cpu`); :data:`~graphflop.meta.INPLACE` on the node
 of each in-place call the model makes (:func:`in_place_call`; ``selu_`` and ``rrelu_``, which
-functionalization refuses, traced as the in-place ops eager runs for them); an in-place call or a setitem
+functionalization refuses, traced as the in-place ops eager runs for them); an in-place call, a setitem or a call with ``out=``
 made with grad mode off (or into a view of a ``detach()``, :func:`graphflop.frontend.regions.detached_write`)
 goes through :func:`graphflop.frontend.regions.no_grad_write`, which writes
-:data:`~graphflop.meta.NO_GRAD_WRITE`.
+:data:`~graphflop.meta.NO_GRAD_WRITE`. A write through ``t.data`` (:func:`data_write`) goes
+there too where no op can have saved ``t``'s old value, and is refused otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import operator
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -27,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.frontend import recording
+from graphflop.frontend.errors import TraceError
 from graphflop.frontend.regions import detached_write, no_grad_write, requires_grad_in_trace
 from graphflop.meta import COMPOSITE, INPLACE, CompositeTag
 from graphflop.ops import has_rule, lookup
@@ -124,8 +128,15 @@ class CompositeOps(TorchFunctionMode):
             return dropout(
                 *args, **{"training" if k == "train" else k: v for k, v in kwargs.items()}
             )
+        if getattr(func, "__self__", None) is _DATA and recording.recording():
+            out = func(*args, **kwargs)
+            if len(_DATA_ALIASES) > 4096:  # forget the tensors gone
+                for k in [k for k, r in _DATA_ALIASES.items() if r() is None]:
+                    del _DATA_ALIASES[k]
+            _DATA_ALIASES[id(out)] = weakref.ref(out)
+            return out
         if func is _SETITEM and recording.recording():
-            with detached_write(args[0]), no_grad_write(args[0]):
+            with data_write(args[0]), detached_write(args[0]), no_grad_write(args[0]):
                 return func(*args, **kwargs)
         if func in _MAX_NORM and recording.recording():
             call = inspect.signature(func).bind(*args, **kwargs)
@@ -144,13 +155,24 @@ class CompositeOps(TorchFunctionMode):
                 return func(*call.args, **call.kwargs)
         if in_place_call(func, kwargs) and recording.recording():
             return self._in_place(func, args, kwargs)
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor) and recording.recording():
+            # ``torch.mul(y, 3, out=y)``: a write into ``out`` (under no_grad, as eager refuses
+            # out= on inputs that require grad), traced as the in-place writes are
+            with data_write(out), detached_write(out), no_grad_write(out):
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
     @staticmethod
     def _in_place(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         func, args, kwargs = _traceable_in_place(func, args, kwargs)
         target = args[0] if args else None
-        with detached_write(target), no_grad_write(target), recording.nodes_added() as made:
+        with (
+            data_write(target),
+            detached_write(target),
+            no_grad_write(target),
+            recording.nodes_added() as made,
+        ):
             out = func(*args, **kwargs)
         node = recording.node_of(out)
         # on a view, functionalization computes the op out of place, writes the result into
@@ -164,6 +186,42 @@ class CompositeOps(TorchFunctionMode):
         if node is not None and node.op == "call_function" and node in made:
             node.meta[INPLACE] = True
         return out
+
+
+#: ``t.data``'s descriptor (a torch-function mode sees its ``__get__``, made anew each read)
+_DATA = torch._C.TensorBase.__dict__["data"]
+#: the tensors ``t.data`` gave while tracing, by ``id``: aliases autograd does not see
+_DATA_ALIASES: dict[int, weakref.ref] = {}
+
+
+@contextlib.contextmanager
+def data_write(target: Any) -> Iterator[None]:
+    """Around an in-place write into ``target``: where ``target`` is a ``t.data`` (not a view
+    of one), grad mode off, as eager autograd sees neither the write nor a version change,
+    so ``t`` keeps its derivative (:func:`~graphflop.frontend.regions.no_grad_write`), when
+    nothing can have saved ``t``'s old value for the backward: its value is a placeholder's
+    (a parameter, an input) no op read yet. Otherwise eager's backward of an op that saved
+    the value (``torch.tanh`` its output) would read the written one, silently, which
+    graphflop's functional graphs do not model.
+
+    Raises:
+        TraceError: the written tensor's old value may be saved for the backward."""
+    ref = _DATA_ALIASES.get(id(target)) if isinstance(target, torch.Tensor) else None
+    if ref is None or ref() is not target or not torch.is_grad_enabled():
+        yield
+        return
+    node = recording.node_of(target, sync=True)
+    if node is not None and (node.op == "call_function" or node.users):
+        what = f"the value of {node.name}" if node.op == "call_function" else node.name
+        raise TraceError(
+            f"the model writes in place through .data into {what}, which autograd may have "
+            "saved for the backward (eager's backward then reads the written values, "
+            "silently; graphflop's graphs cannot): write out of place (y = y * 2 for "
+            "y.data.mul_(2)), or under torch.no_grad() on y itself, where eager autograd "
+            "checks the saved values"
+        )
+    with torch.no_grad():
+        yield
 
 
 def _is_view(n: torch.fx.Node) -> bool:

@@ -8,7 +8,9 @@ a class defined outside PyTorch call the class's ``forward`` (and ``setup_contex
 stand-in ``ctx``: its ATen ops land in the graph, between an ``aten.alias`` of each tensor
 input and of each tensor output, and every node the call made is tagged
 :data:`~graphflop.meta.FUNCTION` (:class:`~graphflop.meta.FunctionTag`: the inputs, outputs and
-the tensors ``ctx`` keeps for ``backward`` and ``jvp``). After the model's trace,
+the tensors ``ctx`` keeps for ``backward`` and ``jvp``; an input written in place, as with
+``ctx.mark_dirty(x); x.mul_(2); return x``, is the input's node before the write and the
+output's after it, so the call's own ``backward`` gives the input's gradient, as in eager). After the model's trace,
 :func:`trace_records` traces each call's ``backward(ctx, *grad_outputs)`` and, where the class
 defines one, ``jvp(ctx, *grad_inputs)`` with ``make_fx`` on fake tensors of the saved tensors'
 and outputs' (or inputs') shapes, ``ctx`` holding the call's other attributes as the forward
@@ -148,8 +150,15 @@ def _apply_traced(cls: Any, args: tuple, records: list[FunctionRecord]) -> Any:
     ctx = _Context(args)
     with recording.nodes_added() as made:
         ins = tuple(aten.alias.default(a) if isinstance(a, torch.Tensor) else a for a in args)
+        # the inputs' nodes before the call: a write into an input (``ctx.mark_dirty(x);
+        # x.mul_(2)``) makes functionalization give ``x`` a new node from the written value
+        in_nodes = [recording.node_of(a) for a in ins]
         flat, spec = tree_flatten(_call(cls, ctx, ins))
         outs = [aten.alias.default(t) if isinstance(t, torch.Tensor) else t for t in flat]
+        # a tensor written in place (the dirty input, returned and saved) is made again from
+        # the written value lazily, where it is next read: made here, inside the region
+        for t in (*outs, *ctx.saved_tensors, *ctx._for_forward, *vars(ctx).values()):
+            recording.node_of(t, sync=True)
     if not made:
         # nothing recorded though a recorder is active: the outliner's first run of a block's
         # forward on FakeTensors, inside its ``repeat`` op's fake kernel, for the outputs'
@@ -160,8 +169,8 @@ def _apply_traced(cls: Any, args: tuple, records: list[FunctionRecord]) -> Any:
     rec.tensor_inputs = tuple(isinstance(a, torch.Tensor) for a in args)
     roles: dict[Any, dict[str, Any]] = {}
 
-    def mark(t: Any, what: str, k: int) -> bool:
-        node = recording.node_of(t)
+    def mark(t: Any, what: str, k: int, node: Any = None) -> bool:
+        node = recording.node_of(t) if node is None else node
         if node is None or node not in made:
             return False
         role = roles.setdefault(node, {"saved": ()})
@@ -173,7 +182,7 @@ def _apply_traced(cls: Any, args: tuple, records: list[FunctionRecord]) -> Any:
 
     for k, a in enumerate(ins):
         if isinstance(a, torch.Tensor):
-            mark(a, "input", k)
+            mark(a, "input", k, in_nodes[k])
             rec._inputs.append(a)
     tensors_out = [t for t in outs if isinstance(t, torch.Tensor)]
     rec.n_outputs = len(tensors_out)
