@@ -280,6 +280,56 @@ def test_old_style_weight_is_left_as_it_was(wrap):
     model(_x()).sum().backward()
 
 
+class _LazyBlock(nn.Module):
+    """Registers a buffer at its first call (a tester's ``tree4``) or at build time."""
+
+    def __init__(self, eager_buffer: bool):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        if eager_buffer:
+            self.register_buffer("pos", torch.arange(8.0))
+
+    def forward(self, x):
+        if not hasattr(self, "pos"):
+            self.register_buffer("pos", torch.arange(8, dtype=x.dtype))
+        return self.l(x) + self.pos
+
+
+class _LazyBlocks(nn.Module):
+    def __init__(self, eager_buffer: bool = False):
+        super().__init__()
+        self.b = nn.ModuleList(_LazyBlock(eager_buffer) for _ in range(3))
+
+    def forward(self, x):
+        for i, b in enumerate(self.b):
+            if i == 2:  # tied to block 0's layer for good
+                b.l = self.b[0].l
+            x = b(x) + x
+        return x
+
+
+@pytest.mark.parametrize("outline", [False, True])
+def test_state_made_by_forward_is_removed(outline):
+    """A buffer the forward registers at its first call, and a submodule it swaps in for
+    good, are taken out again: the trace leaves the model as it found it (it left the traced
+    functional FakeTensors as buffers, and the model's own run returned one). The buffer is a
+    constant made in forward: the forward's FLOPs are those of the model holding it from the
+    start, 3 blocks × (4·8·8 multiply-adds ×2 + 4·8 bias + 4·8 pos + 4·8 residual adds) =
+    3 × 608 = 1,824 (the forward's totals less the loss's)."""
+    torch.manual_seed(0)
+    model = _LazyBlocks()
+    x = torch.randn(4, 8)
+    layer = model.b[2].l
+    a = graphflop.analyze(model, (x,), outline=outline)
+    assert [n for n, _ in model.named_buffers()] == []
+    assert model.b[2].l is layer
+    out = model(x)
+    assert type(out) is torch.Tensor and not torch._is_functional_tensor(out)
+    held = graphflop.analyze(_LazyBlocks(True), (x,), outline=outline).report.totals
+    forward = a.report.totals.forward.flops - a.report.totals.loss.flops  # (the loss's own)
+    assert forward == held.forward.flops - held.loss.flops == 3 * (2 * 4 * 8 * 8 + 3 * 4 * 8)
+
+
 def test_copy_model_copies_a_computed_weight():
     """The old weight_norm's ``module.weight`` is not a graph leaf (computed with autograd on
     when the hook is installed): ``copy.deepcopy`` refuses it; the copy detaches it."""

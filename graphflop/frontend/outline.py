@@ -990,6 +990,10 @@ class Outliner:
         # (``walk``: the trees and attributes :func:`plan` read, unchanged since: the model's
         # code has not run in between)
         trees = {m: walk.tree_of(m) if walk is not None else _tree(m) for m in modules}
+        #: per module, the submodules of its tree as planned (the slots above and the
+        #: template read these objects: a call with another submodule in its tree, swapped
+        #: in by the model's forward, is traced in full)
+        self._tree_modules = {m: [sub for _, sub in trees[m]] for m in modules}
         self._slots = {
             m: (_slots(trees[m], "_parameters"), _slots(trees[m], "_buffers")) for m in modules
         }
@@ -1341,14 +1345,22 @@ class Outliner:
         return found
 
     def _unchanged(self, m: nn.Module) -> bool:
-        """``m``'s classes, modes and attributes are those planned (:func:`_modules_state`);
-        told by identity where its tree allows (:class:`_Frozen`)."""
+        """``m``'s tree holds the submodules planned (the same objects, in the same order) and
+        their classes, modes and attributes are those planned (:func:`_modules_state`); told
+        by identity where its tree allows (:class:`_Frozen`)."""
         frozen = self._frozen.get(m)
         if frozen is not None:
             if frozen.same():
                 return True
             self._frozen[m] = None  # (changed: decided by the state itself from now on)
-        return _modules_state(m) == self.states[m]
+        tree = _tree(m)
+        # the same submodules (the objects themselves: another module of the same class and
+        # attributes holds other parameters), then the same classes, modes and attributes
+        return (
+            len(tree) == len(self._tree_modules[m])
+            and all(map(_IS, (sub for _, sub in tree), self._tree_modules[m]))
+            and _modules_state(m, None, tree) == self.states[m]
+        )
 
     def _rebuild(self, call: Call, tensors: list) -> tuple[tuple, dict, dict]:
         it = iter(tensors[: call.n_inputs])

@@ -335,16 +335,33 @@ def _state_kept(model: nn.Module, modules: list[nn.Module] | None = None) -> Ite
     PyTorch bug), and a forward pre-hook that sets an attribute (the old
     ``nn.utils.weight_norm`` and ``spectral_norm`` set ``module.weight``, computed from the
     parameters) leaves the traced tensor there; one the trace made where there was none is
-    removed. ``modules``: ``list(model.modules())``, where the caller has it."""
+    removed, as is a parameter or buffer the model's forward registered (a buffer made at the
+    first call: the model's own run would make it again), and each module's submodules are put
+    back as they were (a forward that swaps one in and leaves it). ``modules``:
+    ``list(model.modules())``, where the caller has it."""
     if modules is None:
         modules = list(model.modules())
-    saved = [(m, dict(m._parameters), dict(m._buffers), _tensor_attributes(m)) for m in modules]
+    saved = [
+        (m, dict(m._parameters), dict(m._buffers), _tensor_attributes(m), dict(m._modules))
+        for m in modules
+    ]
     try:
         yield
     finally:
-        for m, params, buffers, attributes in saved:
+        for m, params, buffers, attributes, children in saved:
+            # a parameter or buffer the forward registered: removed
+            for k in m._parameters.keys() - params.keys():
+                del m._parameters[k]
+            for k in m._buffers.keys() - buffers.keys():
+                del m._buffers[k]
+                m._non_persistent_buffers_set.discard(k)
             m._parameters.update(params)
             m._buffers.update(buffers)
+            if m._modules.keys() != children.keys() or any(
+                a is not b for a, b in zip(m._modules.values(), children.values())
+            ):
+                m._modules.clear()
+                m._modules.update(children)
             for k in _tensor_attributes(m).keys() - attributes.keys():
                 del m.__dict__[k]
             m.__dict__.update(attributes)
