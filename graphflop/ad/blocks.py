@@ -762,19 +762,14 @@ class BlockTranspose:
         env = {a: resolve(ref) for a, ref in t.inputs.items()}
         rel, absolute = self.rel[t.site], self.abs[site]
         for i, n in enumerate(t.nodes):
-            new = emit(
-                self.g,
-                n.target,
-                map_arg(n.args, env.__getitem__),
-                map_arg(n.kwargs, env.__getitem__),
-            )
-            meta = dict(n.meta)
-            meta[MODULE] = absolute[rel[n.meta[MODULE]]]
             src = n.meta.get(SOURCE)
-            if src is not None:
-                meta[SOURCE] = self.name[(site,) + self.tag[src][1:]]
-            object.__setattr__(new, "meta", meta)  # no find_nodes re-filing (copy_node)
-            env[n] = new
+            new = env[n] = _emit_copy(
+                self.g,
+                n,
+                env,
+                absolute[rel[n.meta[MODULE]]],
+                None if src is None else self.name[(site,) + self.tag[src][1:]],
+            )
             made.append(new)
             ln = t.coefficients.get(i)
             if ln is not None:
@@ -824,6 +819,20 @@ class CallKeys:
     tag_names: dict[tuple, str]
     dup: frozenset[int]
     split: frozenset[int]
+
+
+def _emit_copy(g: Graph, x: Node, env: dict, module: str, source: str | None) -> Node:
+    """A copy of template node ``x`` emitted into ``g`` for a call: its arguments mapped by
+    ``env``, a shallow copy of its ``meta`` with the call's ``MODULE`` and, where ``source`` is
+    given, ``SOURCE`` (the meta set whole: assigning a node's attribute re-files it in fx's
+    find_nodes table, as :func:`~graphflop.ad.builder.copy_node` avoids)."""
+    new = emit(g, x.target, map_arg(x.args, env.__getitem__), map_arg(x.kwargs, env.__getitem__))
+    meta = dict(x.meta)
+    meta[MODULE] = module
+    if source is not None:
+        meta[SOURCE] = source
+    object.__setattr__(new, "meta", meta)
+    return new
 
 
 def _on_graph(forward: GraphModule, attr: str, compute: Callable[[GraphModule], Any]) -> Any:
@@ -1620,19 +1629,14 @@ class BlockLinearize:
                 fwd_env[own[x]] = new
                 env[first[0]] = new
             else:
-                new = emit(
-                    g,
-                    x.target,
-                    map_arg(x.args, env.__getitem__),
-                    map_arg(x.kwargs, env.__getitem__),
-                )
-                meta = dict(x.meta)
-                meta[MODULE] = absolute[rel[x.meta[MODULE]]]
                 src = x.meta.get(SOURCE)
-                if src is not None:
-                    meta[SOURCE] = self._source(t.site, site, src)
-                object.__setattr__(new, "meta", meta)  # no find_nodes re-filing
-                env[x] = new
+                new = env[x] = _emit_copy(
+                    g,
+                    x,
+                    env,
+                    absolute[rel[x.meta[MODULE]]],
+                    None if src is None else self._source(t.site, site, src),
+                )
             made.append(new)
         return made
 

@@ -33,9 +33,10 @@ level, equal to the flat graph's sums (``tests/test_hierarchy.py``).
 from __future__ import annotations
 
 import copy
+import itertools
 import operator
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -71,6 +72,7 @@ from graphflop.meta import (
 from graphflop.ops import has_rule, op_name
 from graphflop.ops.cost import op_cost
 from graphflop.ops.ghost import GhostValue, is_ghost
+from graphflop.passes.flops import sum_costs
 
 __all__ = [
     "DerivedCall",
@@ -819,32 +821,23 @@ def _sum_times(costs: list[tuple[NodeCost, int]]) -> NodeCost:
     """:func:`~graphflop.passes.flops.sum_costs` of each ``(cost, k)``'s cost taken ``k``
     times, in order: ``k`` times its fields where they are integers (exact), else added ``k``
     times over."""
-    f = mm = tr = rnd = br = bw = 0
-    for c, k in costs:
-        fields = (
-            c.flops,
-            c.mm_flops,
-            c.transcendentals,
-            c.random_elements,
-            c.bytes_read,
-            c.bytes_written,
-        )
-        if k != 1 and all(type(x) is int for x in fields):
-            f += k * c.flops
-            mm += k * c.mm_flops
-            tr += k * c.transcendentals
-            rnd += k * c.random_elements
-            br += k * c.bytes_read
-            bw += k * c.bytes_written
-            continue
-        for _ in range(k):
-            f += c.flops
-            mm += c.mm_flops
-            tr += c.transcendentals
-            rnd += c.random_elements
-            br += c.bytes_read
-            bw += c.bytes_written
-    return NodeCost(f, mm, tr, rnd, br, bw)
+
+    def terms() -> Iterator[NodeCost]:
+        for c, k in costs:
+            fields = (
+                c.flops,
+                c.mm_flops,
+                c.transcendentals,
+                c.random_elements,
+                c.bytes_read,
+                c.bytes_written,
+            )
+            if k != 1 and all(type(x) is int for x in fields):
+                yield NodeCost(*(k * x for x in fields))
+            else:
+                yield from itertools.repeat(c, k)
+
+    return sum_costs(terms())
 
 
 class _Acc:
