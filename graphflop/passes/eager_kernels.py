@@ -76,12 +76,21 @@ def backward_temporaries(region: list[Node]) -> int:
     per = BACKWARD_TEMPORARIES.get(region[0].meta[COMPOSITE].op)
     if per is None:
         return 0
-    tags = {n: n.meta[COMPOSITE] for n in region}
-    x = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
+    x = _op_input(region, 0)
     if x is None:
         return 0
     val = x.meta["val"]
     return val.numel() * (per + val.element_size())
+
+
+def _op_input(region: list[Node], k: int) -> Node | None:
+    """The node a composite op's region reads as the op's input ``k`` (a region node's
+    ``COMPOSITE.inputs``: its argument positions and the op's input numbers), or None."""
+    for n in region:
+        for i, j in n.meta[COMPOSITE].inputs:
+            if j == k:
+                return n.all_input_nodes[i]
+    return None
 
 
 def weight_norm_workspace(region: list[Node]) -> int:
@@ -94,11 +103,10 @@ def weight_norm_workspace(region: list[Node]) -> int:
     with both gradients (profiler allocator events, PyTorch 2.13 CPU: 3·64·4 = 768 B for a
     (64, 64) ``v`` at 2 threads). 0 for any other op, for ``dim`` 0 (that kernel makes
     none) and where the norms' shape cannot tell the two apart (a last dim of size 1)."""
-    tags = {n: n.meta[COMPOSITE] for n in region}
-    if tags[region[0]].op != "aten._weight_norm_interface.default":
+    if region[0].meta[COMPOSITE].op != "aten._weight_norm_interface.default":
         return 0
-    v = next((n.all_input_nodes[i] for n in region for i, k in tags[n].inputs if k == 0), None)
-    norm = next((n for n in region if tags[n].output == 1), None)
+    v = _op_input(region, 0)
+    norm = next((n for n in region if n.meta[COMPOSITE].output == 1), None)
     if v is None or norm is None:
         return 0
     vv, nv = v.meta["val"], norm.meta["val"]
@@ -333,9 +341,10 @@ def broadcast_product_backward(
     for :meth:`Schedule.add_graph`: each reduced full-size product made before the rule's last
     product is read by it (the values from outside the rule, the output gradient among them,
     are held to its last node by :func:`autograd_node_reads`, as for every plain op); the
-    divisor's product holds one output-sized temporary more. graphflop's div rule makes the divisor's gradient first, as
-    eager does. A composite op's parts (weight norm's ``v * (g / ‖v‖)``, one
-    ``_weight_norm_interface`` eagerly) are left to its one kernel (:func:`one_kernel_backward`)."""
+    divisor's product holds one output-sized temporary more. graphflop's div rule makes the
+    divisor's gradient first, as eager does. A composite op's parts (weight norm's
+    ``v * (g / ‖v‖)``, one ``_weight_norm_interface`` eagerly) are left to its one kernel
+    (:func:`one_kernel_backward`)."""
     ops = {
         n.name: n
         for n in forward.graph.nodes

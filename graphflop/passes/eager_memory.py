@@ -232,21 +232,21 @@ def unstored_values(forward: GraphModule) -> frozenset[str]:
 def residual_keys(
     p: Node,
     state: set[str],
-    indices: frozenset[str],
+    saved: bool,
     remap: dict[str, list[str]],
     unstored: frozenset[str],
 ) -> list[str]:
     """The keys (``f:NAME``) of the forward values that backward residual placeholder ``p``
     stands for in the eager train schedule, those with a storage of their own: none for a
-    parameter or buffer (``state``) or a value :func:`not_saved` (``indices``:
-    :func:`embedding_indices`); of the values it stands for (``remap``:
+    parameter or buffer (``state``) or a value eager does not save (``saved`` False:
+    :func:`not_saved`); of the values it stands for (``remap``:
     :attr:`EagerResiduals.remap`), those not in ``unstored`` (:func:`unstored_values`). A
     value computed from parameters that is a view of one (``param_derived``: the ``t(W)`` an
     ``addmm`` saves) is the parameter's storage, always live: its key names no step, and a
     backward view of it (``t(t(W))``, the input gradient's ``mm`` operand) would otherwise be
     scheduled as a new storage of its size, which eager never allocates."""
     src = p.meta.get(SOURCE, p.name)
-    if src in state or not_saved(p, indices):
+    if src in state or not saved:
         return []
     return [f"f:{x}" for x in remap.get(p.name, [src]) if x not in unstored]
 
@@ -405,8 +405,8 @@ def _saved_output_sizes(region: list[Node], saved: list[Node], device: str) -> d
 
 
 def _kept_whole_stat_sizes(nodes: Iterable[Node], device: str) -> dict[str, int]:
-    """Of ``nodes``, training-mode batch norm kept whole (:data:`~graphflop.frontend.composite.KEPT_WHOLE`)
-    with a 16-bit input: its mean and inverse std (``getitem`` 1 and 2) in float32 where the
+    """Of ``nodes``, training-mode batch norm kept whole
+    (:data:`~graphflop.frontend.composite.KEPT_WHOLE`) with a 16-bit input: its mean and inverse std (``getitem`` 1 and 2) in float32 where the
     weight is float32 (``batch_norm_cpu``'s ``param_scalar_type``) or on CUDA (the accumulate
     type): node name -> eager's bytes, where they differ from the traced value's."""
     sizes = {}
@@ -615,8 +615,7 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
 
 def aten_saves(forward: GraphModule | Iterable[Node]) -> dict[str, list[str]]:
     """The plain ATen ops of :data:`ATEN_SAVES` in ``forward`` (its graph's nodes, or the
-    nodes given) -> the forward node names eager
-    autograd saves for each (ops inside a checkpoint region left out: eager saves nothing there
+    nodes given) -> the forward node names eager autograd saves for each (ops inside a checkpoint region left out: eager saves nothing there
     but the region's inputs; those of a composite op's decomposition too: :data:`EAGER_SAVES`
     says what eager saves for the op). Parameters, buffers and views of them have no storage of their
     own in the eager schedule (:func:`~graphflop.passes.memory.forward_storages`), so they are
@@ -636,8 +635,8 @@ def aten_saves(forward: GraphModule | Iterable[Node]) -> dict[str, list[str]]:
 
 
 def computed_conv_weights(forward: GraphModule | Iterable[Node]) -> dict[str, list[str]]:
-    """Convolutions (of ``forward``'s graph, or among the nodes given) whose weight the model computes (a standardised or masked weight:
-    not a parameter's placeholder) -> that weight's forward node name. Eager's
+    """Convolutions (of ``forward``'s graph, or among the nodes given) whose weight the model
+    computes (a standardised or masked weight: not a parameter's placeholder) -> that weight's forward node name. Eager's
     ``convolution_backward(grad, input, weight, ...)`` is one formula for every input, so
     autograd saves the input and the weight whichever of them needs a gradient; graphflop's
     rule reads the weight only for the input's gradient (not made where the input needs none,
@@ -1482,7 +1481,7 @@ def eager_train_schedule(
                 ext[n.name] = list(stand_in[n.name])
             # a value computed from parameters that eager saves is the forward's: held from
             # where it is made; one that is a view of a parameter, always live, as they are
-            elif keys := residual_keys(n, state, indices, eager.remap, unstored):
+            elif keys := residual_keys(n, state, not not_saved(n, indices), eager.remap, unstored):
                 ext[n.name] = keys
             else:
                 base_b.add(n.name)

@@ -91,6 +91,7 @@ from graphflop.passes.eager_memory import (
     not_saved,
     optimizer_temporaries,
     plain_ops,
+    residual_keys,
     scatters_in_place,
     unstored_values,
 )
@@ -925,12 +926,7 @@ class _TrainBuilder:
                 if not self.keep_grads:
                     s.keep.update(r)
             elif n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
-                # eager_memory.residual_keys, its not_saved read from self.saved
-                src = n.meta.get(SOURCE, n.name)
-                if src in state or n not in saved:
-                    keys[n] = []
-                else:
-                    keys[n] = [f"f:{x}" for x in remap.get(n.name, [src]) if x not in unstored]
+                keys[n] = residual_keys(n, state, n in saved, remap, unstored)
             elif (step := nodes.step(n, f"b:{n.name}", keys)) is not None:
                 s.items.append(step)
 
