@@ -94,6 +94,13 @@ SLOW_CASES = {
     "test_derived_direct.py::test_llama_decoder_layers_recorded_directly",  # 2.1 s
     "test_onnx.py::test_index_put_with_a_mask_among_several_indices_exports[x[mask,idx]+=v]",
     "test_train.py::test_fgd_updates_batch_norm_running_statistics[onnxruntime]",  # 2.0 s
+    # a second fresh clone measured 303 s: six more with siblings in the default suite
+    "test_verify.py::test_verify_passes_where_it_used_to_fail[multihead_attention-extra8]",
+    "test_verify.py::test_verify_passes_where_it_used_to_fail[transformer_encoder-extra10]",
+    "test_onnx.py::test_index_put_with_a_mask_between_slices_exports",  # 2.2 s
+    "test_derived_direct.py::test_gpt2_few_layers_transposed_from_the_recorded_jvp",  # 1.9 s
+    "test_parallel_plan_units.py::test_blocks_equal_the_full_analysis[model2-6-plan2]",  # 1.9 s
+    "test_rnn.py::test_lstm_saved_bytes_equal_eager_with_the_onednn_workspace[kw0]",  # 1.9 s
 }
 
 
