@@ -54,6 +54,7 @@ from torch.autograd.function import Function
 from torch.fx import Node
 
 from graphflop.frontend import recording
+from graphflop.frontend.errors import TraceError
 from graphflop.meta import (
     CHECKPOINT,
     LEAF,
@@ -109,6 +110,9 @@ class _GradSources:
     #: while an outlined block's template is traced: per placeholder, whether it carries a
     #: derivative (:func:`template_grad_sources`); None elsewhere
     template_sources: tuple[bool, ...] | None = None
+    #: the leaves the model's code turned ``requires_grad_(False)``: the stop-gradient node
+    #: their reads go through meanwhile -> the leaf's own node (:func:`stop_gradient`)
+    stopped: dict[Node, Node] = {}
 
 
 def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]:
@@ -121,6 +125,7 @@ def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]
         _GradSources.trainable = frozenset(trainable)
         _GradSources.marked = set()
         _GradSources.leaves = 0
+        _GradSources.stopped = {}
         _GradSources.active = True
         try:
             yield
@@ -128,6 +133,7 @@ def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]
             _GradSources.active = False
             _GradSources.trainable = frozenset()
             _GradSources.marked = set()
+            _GradSources.stopped = {}
 
     return scope()
 
@@ -146,6 +152,60 @@ def mark_requires_grad(t: torch.Tensor) -> None:
         elif not _GradSources.active:
             _GradSources.marked_outside = True
         _GradSources.marked.add(node)
+
+
+def stop_gradient(t: torch.Tensor) -> None:
+    """The model's code called ``t.requires_grad_(False)``. Eager autograd then records no
+    use of ``t`` until ``requires_grad_(True)``: a trainable leaf's (a parameter's, or a value
+    made a leaf before) later reads go through a stop-gradient (``aten.detach``) node, which
+    :func:`resume_gradient` ends. A value that carries no derivative is left as it is. Outside
+    the main trace (an outlined block's template) :func:`marked_in_templates` says it happened.
+
+    Raises:
+        TraceError: ``t`` is a computed value that carries a derivative (eager PyTorch refuses
+            it too: only a leaf's flag changes).
+    """
+    node = _node_of(t)
+    if node is None:
+        return
+    if not _GradSources.active:
+        _GradSources.marked_outside = True
+        return
+    if not _differentiable((t,)):
+        return
+    if node.op != "placeholder" and LEAF not in node.meta:
+        raise TraceError(
+            "the model calls requires_grad_(False) on a value it computed, which eager PyTorch "
+            "refuses (only a leaf's flag can change): read it through .detach() instead"
+        )
+    rec = recording.current()
+    assert rec is not None  # (_node_of found a node)
+    stopped = _node_of(t.detach())
+    assert stopped is not None
+    # as a value made with grad mode off: no gradient (a parameter read only so is frozen),
+    # and --verify's tangent reference is <gradient, direction>, since eager forward-mode AD
+    # ignores requires_grad
+    stopped.meta[NO_GRAD] = True
+    _GradSources.stopped[stopped] = node
+    rec.bind(_inner(t), stopped)
+
+
+def resume_gradient(t: torch.Tensor) -> None:
+    """The model's code called ``t.requires_grad_(True)`` after :func:`stop_gradient`: its
+    later reads are the leaf's own node again."""
+    node = _node_of(t)
+    leaf = _GradSources.stopped.pop(node, None) if node is not None else None
+    if leaf is not None:
+        rec = recording.current()
+        assert rec is not None
+        rec.bind(_inner(t), leaf)
+
+
+def _inner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor below functionalization's wrappers (what the recorder binds nodes to)."""
+    while torch._is_functional_tensor(t):
+        t = torch._from_functional_tensor(t)
+    return t
 
 
 @contextlib.contextmanager

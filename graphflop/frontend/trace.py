@@ -95,6 +95,8 @@ from graphflop.frontend.regions import (
     grad_sources,
     mark_requires_grad,
     marked_in_templates,
+    resume_gradient,
+    stop_gradient,
     template_grad_sources,
     undecided_checkpoints,
 )
@@ -981,7 +983,10 @@ def _requires_grad_ignored() -> Iterator[None]:
         if not recording.recording():
             return original(self, requires_grad)
         if requires_grad:
+            resume_gradient(self)
             mark_requires_grad(self)
+        else:
+            stop_gradient(self)
         return self
 
     torch.Tensor.requires_grad_ = requires_grad_  # type: ignore[method-assign,assignment]
