@@ -700,3 +700,19 @@ def test_trace_takes_the_input_forms_analyze_takes():
     assert ops(trace(model, {"x": x, "scale": s})) == keyword
     with pytest.raises(TypeError, match="return a tensor, a tuple"):
         trace(model, 3)
+
+
+def test_an_uninitialised_lazy_module_is_refused_with_advice():
+    """Before its first call a Lazy* module's shapes are unknown: one line naming the
+    parameter and what to do, not torch's ValueError from deep inside the trace; after one
+    eager call (as ``graphflop inspect`` makes for a model file) it analyses."""
+    from graphflop.frontend.errors import TraceError
+
+    model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 5)
+    with pytest.raises(TraceError, match=r"parameter 0\.weight .*lazy.*run the model once"):
+        graphflop.analyze(model, (x,))
+    model(x)
+    # forward FLOPs: 2·4·5·8 + 4·8 (bias) + 4·8 (relu) + 2·4·8·1 + 4 (bias) = 452, plus the
+    # loss, a sum over 4 outputs at 1 per input element (FLOPS.md): 456
+    assert graphflop.analyze(model, (x,)).report.totals.forward.flops == 456

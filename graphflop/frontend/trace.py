@@ -170,17 +170,35 @@ def trace(
         then the loss, then the model's outputs.
 
     Raises:
-        TraceError: when the model cannot be traced (the cause is chained).
+        TraceError: when the model cannot be traced (the cause is chained), or it has
+            uninitialised lazy parameters.
         TypeError: ``inputs`` in none of those forms.
     """
     if loss not in LOSSES + ("auto",):
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
     if kwargs is None:
         inputs, kwargs = split_example(inputs)
+    _refuse_lazy(model)
     # the graphs describe training whatever the caller's grad mode: a model's own no_grad
     # regions are told apart under it (``with torch.no_grad(): analyze(...)`` hid them)
     with _grad_on():
         return _trace_in(model, tuple(inputs), loss, fake_mode, reuse, kwargs or {})
+
+
+def _refuse_lazy(model: nn.Module) -> None:
+    """Raise a TraceError naming the first uninitialised lazy parameter or buffer of ``model``
+    (``nn.LazyLinear`` before its first call: its shapes are not known yet)."""
+    from torch.nn.parameter import is_lazy
+
+    for kind, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers)):
+        for name, t in named():
+            if is_lazy(t):
+                raise TraceError(
+                    f"the model's {kind} {name} is an uninitialised lazy {kind} (a Lazy* "
+                    "module before its first call: its shape is not known yet): run the model "
+                    "once on an example batch before analysing it (graphflop inspect does that "
+                    "for a model file)"
+                )
 
 
 @contextlib.contextmanager
