@@ -283,6 +283,38 @@ CASES = {
 }
 
 
+class _SavesUnread(torch.autograd.Function):
+    """``tanh(x @ w)`` saving ``x @ w`` too, which its backward never reads."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[no-untyped-def]
+        y = x @ w
+        z = torch.tanh(y)
+        ctx.save_for_backward(x, w, y, z)
+        return z
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        x, w, _, z = ctx.saved_tensors
+        gy = g * (1 - z * z)
+        return gy @ w.t(), x.t() @ gy
+
+
+class _UsesSavesUnread(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.head = nn.Parameter(torch.randn(16, 16) / 4), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(_SavesUnread.apply(x, self.w))
+
+
+# a custom Function keeps all it saved, read by its backward or not: x, x @ w and tanh's
+# output, 4·16·4 = 256 B each (w a parameter, not counted); the head's input is tanh's output
+# (one storage): 768 B (graphflop counted what the backward reads, 512, before)
+CASES["function_saves_unread"] = (_UsesSavesUnread, (4, 16), 768)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_saved_bytes_equal_eager_autograd(case: str) -> None:
     build, shape, by_hand = CASES[case]

@@ -60,6 +60,7 @@ from graphflop.frontend.composite import (
 from graphflop.meta import (
     CHECKPOINT,
     COMPOSITE,
+    FUNCTION,
     INPLACE,
     JVP,
     KIND,
@@ -690,6 +691,7 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
     # a division's quotient read by its own backward for its dividend (EagerForward.stands_for;
     # the backward nodes' SOURCE names the forward node whose rule made them)
     remap: dict[str, list[str]] = {}
+    unread: list[str] = []  # residuals the backward does not read (a custom Function's)
     replayed = _replayed_draws(forward)
     indices = embedding_indices(forward)
     for p in backward.graph.nodes:
@@ -704,6 +706,8 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
             for name in ef.stands_for(src, u.meta.get(SOURCE, "")):
                 if name not in stand:
                     stand.append(name)
+        if not p.users:
+            unread.append(src)
         if stand != [src]:  # (a residual nothing reads stands for nothing)
             remap[p.name] = stand
     # a plain ATen op's saved values: held until the last backward node its rule made (where
@@ -714,6 +718,9 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
         if n.op == "call_function" and (src := n.meta.get(SOURCE)) in ef.held:
             last[tuple(ef.held[src])] = n.name
     held = {b: list(names) for names, b in last.items()}
+    if unread:
+        for b, names in _function_saves(forward, backward, unread).items():
+            held.setdefault(b, []).extend(names)
     a = attention
     return EagerResiduals(
         remap,
@@ -726,6 +733,31 @@ def eager_residuals(forward: GraphModule, backward: GraphModule, device: str) ->
         reads,
         held,
     )
+
+
+def _function_saves(
+    forward: GraphModule, backward: GraphModule, unread: list[str]
+) -> dict[str, list[str]]:
+    """The values among ``unread`` (forward node names of residuals no backward node reads)
+    that a custom ``autograd.Function`` saved (``ctx.save_for_backward`` or a ``ctx``
+    attribute) though its ``backward`` does not read them: eager keeps them all the same, on
+    the Function's backward node, until it has run. Backward node name of the last node of
+    the Function's backward -> those forward node names."""
+    by_name = {n.name: n for n in forward.graph.nodes}
+    saved: dict[int, list[str]] = {}  # the Function call's region -> its unread saves
+    for name in unread:
+        tag = by_name[name].meta.get(FUNCTION) if name in by_name else None
+        if tag is not None and tag.saved:
+            saved.setdefault(tag.region, []).append(name)
+    if not saved:
+        return {}
+    last: dict[int, str] = {}
+    for n in backward.graph.nodes:
+        src = by_name.get(n.meta.get(SOURCE, "")) if n.op == "call_function" else None
+        tag = src.meta.get(FUNCTION) if src is not None else None
+        if tag is not None and tag.region in saved:
+            last[tag.region] = n.name
+    return {last[r]: names for r, names in saved.items() if r in last}
 
 
 def _merged(
