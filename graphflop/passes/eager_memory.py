@@ -165,8 +165,11 @@ INPUT_AS_RESULT_IN_PLACE: dict[Any, int] = {
 #: input's gradient while the result and the gradient are live; graphflop's rule makes a bool
 #: mask (``relu``: the result may be freed before the select) or ``1 - out`` and products
 #: first (:func:`~graphflop.passes.eager_kernels.one_kernel_backward`; profiler allocator
-#: events, PyTorch 2.13 CPU)
-ONE_KERNEL_BACKWARD = frozenset({aten.relu.default, aten.sigmoid.default, aten.tanh.default})
+#: events, PyTorch 2.13 CPU). ``hardswish_backward(grad, self)`` reads the saved input, as
+#: graphflop's rule does, and makes its comparisons and coefficient inside the kernel.
+ONE_KERNEL_BACKWARD = frozenset(
+    {aten.relu.default, aten.sigmoid.default, aten.tanh.default, aten.hardswish.default}
+)
 #: backward placeholders' RESIDUAL kinds that are not saved for backward: parameters and
 #: buffers. A floating value computed from them only (``param_derived``: a scaled or
 #: standardised weight, rotary cos/sin) is: eager autograd saves it as a storage of its own,
