@@ -102,3 +102,44 @@ def test_linalg_solve_analyses_end_to_end():
     assert [(x.flops, x.mm_flops) for x in solve] == [(42 + 96, 0)]
     assert not r.uncounted
     assert r.totals.forward.complete and r.totals.backward.complete and r.totals.jvp.complete
+
+
+class _MultilabelMargin(nn.Module):
+    """``F.multilabel_margin_loss`` of a parameter row: its value is the loss."""
+
+    def __init__(self, target: list[int]):
+        super().__init__()
+        self.x = nn.Parameter(torch.tensor([[0.1, 0.2, 0.4, 0.8]], dtype=torch.double))
+        self.register_buffer("y", torch.tensor([target]))
+
+    def forward(self, z):
+        return nn.functional.multilabel_margin_loss(self.x * z, self.y)
+
+
+@pytest.mark.parametrize(
+    ("target", "by_hand"),
+    [
+        # targets {3, 0}, others {1, 2}: (1 - (.8 - .2)) + (1 - (.8 - .4)) + (1 - (.1 - .2))
+        # + (1 - (.1 - .4)) = .4 + .6 + 1.1 + 1.3 = 3.4, over 4 classes: 0.85 (PyTorch's
+        # decomposition read the slots after -1 as class 0: 2.05)
+        ([3, 0, -1, 1], 0.85),
+        # target {3}, others {0, 1, 2}: .3 + .4 + .6 = 1.3, / 4 = 0.325 (it gave 2.875)
+        ([3, -1, 0, 1], 0.325),
+        ([-1, 0, 1, 2], 0.0),  # no target: no term (it gave 5.1)
+    ],
+)
+def test_multilabel_margin_loss_stops_at_the_first_minus_one(target, by_hand):
+    """The traced loss's value (graphflop's forward graph run on the model's values) is the
+    hand-worked one and eager's; its gradient is eager's (verify, float64)."""
+    from graphflop.meta import SIGNATURE
+    from graphflop.runtime.verify import real_arguments, run_forward, verify_gradients
+
+    model, z = _MultilabelMargin(target), torch.ones(1, 4, dtype=torch.double)
+    a = graphflop.analyze(model, (z,), loss="output", jvp=False, outline=False)
+    sig = a.forward.meta[SIGNATURE]
+    values = real_arguments(a.forward, model, examples=(z,))
+    values[sig.inputs[0]] = z  # (a floating input is drawn at random otherwise)
+    got = run_forward(a.forward, values)[sig.outputs[0]]
+    assert got.item() == pytest.approx(by_hand, abs=1e-12)
+    assert model(z).item() == pytest.approx(by_hand, abs=1e-12)
+    assert verify_gradients(a.forward, a.backward, model, examples=(z,)).ok
