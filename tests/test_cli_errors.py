@@ -2144,3 +2144,16 @@ def test_sweep_without_example_inputs_says_to_add_them(work, capsys):
     )
     assert "--input-shape" not in err
     nothing_left(work / "out")
+
+
+def test_sweep_lists_say_which_values_they_take():
+    """A depth may be 0 (the model without its repeated part, as the README's sweep runs), a
+    batch may not: each refusal says what its list takes."""
+    from graphflop.cli.sweep import int_list
+    from graphflop.load import SpecError
+
+    assert int_list("0,10,100", "depth") == [0, 10, 100]
+    with pytest.raises(SpecError, match="values must be 0 or more"):
+        int_list("-1,0", "depth")
+    with pytest.raises(SpecError, match="values must be positive"):
+        int_list("0,2", "batch")

@@ -95,8 +95,10 @@ def int_list(text: str | None, what: str) -> list[int]:
         raise SpecError(
             f"bad {what} list {text!r}: write comma-separated integers, e.g. 1,2,4,8"
         ) from None
-    if any(v < 0 for v in values) or (what == "batch" and any(v == 0 for v in values)):
+    if what == "batch" and any(v <= 0 for v in values):
         raise SpecError(f"bad {what} list {text!r}: values must be positive")
+    if any(v < 0 for v in values):  # (a depth may be 0: the model without its repeated part)
+        raise SpecError(f"bad {what} list {text!r}: values must be 0 or more")
     twice = sorted({v for v in values if values.count(v) > 1})
     if twice:
         raise SpecError(f"bad {what} list {text!r}: {twice[0]} is given twice; give each once")
