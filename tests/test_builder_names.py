@@ -1,6 +1,8 @@
 """Shortcuts the derivative builders take around fx give what fx gives: a placeholder's name
 (:func:`graphflop.ad.builder.placeholder`) and the fake mode of a graph's values
-(:func:`graphflop.meta.fake_mode_of`, which reads the values only up to the first fake tensor)."""
+(:func:`graphflop.meta.fake_mode_of`, which reads the values only up to the first fake tensor);
+and around FakeTensorMode: an op's output made from the metadata kept for its call in another
+fake mode (:func:`graphflop.ad.builder.fake_output`) is the one the mode gives."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph
 
-from graphflop.ad.builder import placeholder
-from graphflop.meta import fake_mode_of
+from graphflop.ad import builder
+from graphflop.ad.builder import fake_output, placeholder, shape_cache_scope
+from graphflop.meta import fake_mode_of, fresh_fake
+from graphflop.ops.tree import meta_key
 
 # names fx keeps, names it numbers (taken before) and names it converts (upper case: snake
 # case then lower case; ``__magic__``: stripped)
@@ -54,3 +58,32 @@ def test_fake_mode_of_breadth_first_and_lazy():
         raise AssertionError("read past the first fake tensor")
 
     assert fake_mode_of(values()) is m2
+
+
+def test_output_kept_across_fake_modes_is_the_modes_own():
+    aten = torch.ops.aten
+    # x: 2x3x4 float32 laid out as a transposed 2x4x3 (strides 12, 1, 3); w: 4x5
+    calls = [
+        (aten.mul.Tensor, ("x", 2.0)),  # elementwise keeps x's layout: strides (12, 1, 3)
+        (aten.matmul.default, ("x", "w")),  # 2x3x5, contiguous: strides (15, 5, 1)
+        (aten.sum.dim_IntList, ("x", [1], True)),  # 2x1x4; the size-1 dim's stride 4 (4, 4, 1)
+    ]
+    expected = [((2, 3, 4), (12, 1, 3)), ((2, 3, 5), (15, 5, 1)), ((2, 1, 4), (4, 4, 1))]
+    for second in (False, True):  # the second mode's outputs: from what the first one kept
+        mode = FakeTensorMode()
+        with shape_cache_scope():
+            x = fresh_fake(mode, (2, 3, 4), (12, 1, 3), torch.float32, "cpu")
+            w = fresh_fake(mode, (4, 5), (5, 1), torch.float32, "cpu")
+            for (op, names), (shape, stride) in zip(calls, expected):
+                args = tuple({"x": x, "w": w}.get(a, a) if isinstance(a, str) else a for a in names)
+                key = builder._shape_key(op, args, {}, meta_key)
+                assert (key in builder._OUTPUTS) or not second
+                out = fake_output(mode, op, args, {})
+                with mode:
+                    ref = op(*args)
+                got = (type(out), out.fake_mode, out.device, out.dtype, out.requires_grad)
+                assert got == (type(ref), mode, ref.device, ref.dtype, ref.requires_grad)
+                assert (tuple(out.shape), out.stride()) == (tuple(ref.shape), ref.stride())
+                assert (tuple(out.shape), out.stride()) == (shape, stride)
+                assert not out._is_view() and out.storage_offset() == 0
+                assert key in builder._OUTPUTS  # a new tensor, not a view: kept

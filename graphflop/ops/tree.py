@@ -76,8 +76,8 @@ def meta_key(a: Any) -> Any:
         return _tensor_key(a)
     if isinstance(a, (list, tuple)):
         return tuple([meta_key(x) for x in a])
-    if isinstance(a, dict):
-        return tuple([(k, meta_key(v)) for k, v in sorted(a.items())])
+    if isinstance(a, dict):  # (most are an op's empty keyword arguments)
+        return tuple([(k, meta_key(v)) for k, v in sorted(a.items())]) if a else ()
     if isinstance(a, numbers.Number) and t is not int:
         return scalar_key(a)
     return a
@@ -103,8 +103,8 @@ def value_key(a: Any) -> Any:
         return a
     if t is tuple or t is list or (isinstance(a, (list, tuple)) and not isinstance(a, torch.Size)):
         return tuple([value_key(x) for x in a])
-    if t is dict:
-        return tuple([(k, value_key(v)) for k, v in sorted(a.items())])
+    if t is dict:  # (most are an op's empty keyword arguments)
+        return tuple([(k, value_key(v)) for k, v in sorted(a.items())]) if a else ()
     if t is GhostValue:
         return meta_key(a.val)
     return meta_key(a)
