@@ -1,5 +1,7 @@
 """Shortcuts the derivative builders take around fx give what fx gives: a placeholder's name
-(:func:`graphflop.ad.builder.placeholder`) and the fake mode of a graph's values
+(:func:`graphflop.ad.builder.placeholder`), names taken from names read once
+(:func:`~graphflop.ad.builder.take_parsed`, :func:`~graphflop.ad.builder.take_again`,
+:func:`~graphflop.ad.builder.take_plain`) and the fake mode of a graph's values
 (:func:`graphflop.meta.fake_mode_of`, which reads the values only up to the first fake tensor);
 and around FakeTensorMode: an op's output made from the metadata kept for its call in another
 fake mode (:func:`graphflop.ad.builder.fake_output`) is the one the mode gives."""
@@ -11,7 +13,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph
 
 from graphflop.ad import builder
-from graphflop.ad.builder import fake_output, placeholder, shape_cache_scope
+from graphflop.ad.builder import (
+    copy_node,
+    fake_output,
+    parse_names,
+    placeholder,
+    shape_cache_scope,
+    take_again,
+    take_parsed,
+    take_plain,
+)
 from graphflop.meta import fake_mode_of, fresh_fake
 from graphflop.ops.tree import meta_key
 
@@ -38,6 +49,72 @@ def test_placeholder_names_as_fx():
         "y_1",
         "_1",
     ]
+
+
+def _state(g: Graph) -> tuple:
+    ns = g._graph_namespace
+    return sorted(ns._used_names), sorted(ns._base_count.items())
+
+
+# a copy's names asked twice (a template's, at two calls): numbered ones, plain ones, a
+# builtin's name, a number with a leading zero, a base ending in ``_``, one fx cleans up
+CANDIDATES = ["add", "add_3", "list", "getitem", "getitem_1", "add_05", "foo__3", "a.b", "add_3"]
+
+
+def test_taken_names_as_fx():
+    ours, theirs = Graph(), Graph()
+    parsed = parse_names(CANDIDATES)
+    names: list[str] = []
+    nums: list = []
+    for _ in range(2):
+        got, num = take_parsed(ours, parsed)
+        names += got
+        nums += num
+    want = [theirs._graph_namespace.create_name(c, None) for c in CANDIDATES * 2]
+    assert names == want
+    assert _state(ours) == _state(theirs)
+    # by fx's rules, by hand: "add_3" free at first (taken as it is, the count of "add" 3),
+    # then asked again: numbered on from 3; "list" a builtin's: numbered; "add_05" keeps its
+    # zero (the count of "add" 5); "a.b" cleaned up to "a_b"
+    assert names[:9] == [
+        "add", "add_3", "list_1", "getitem", "getitem_1", "add_05", "foo__3", "a_b", "add_6"
+    ]  # fmt: skip
+    assert names[9:12] == ["add_7", "add_8", "list_2"]
+    # the names taken again in another graph by their numbers, as fx takes each
+    again, fx = Graph(), Graph()
+    for (_, base, _, _), name, num in zip(parsed * 2, names, nums):
+        if base is not None:
+            assert take_again(again, name, base, num)
+        else:
+            again._graph_namespace.create_name(name, None)
+        assert fx._graph_namespace.create_name(name, None) == name
+    assert _state(again) == _state(fx)
+    assert not take_again(again, "add_3", "add", 3)  # taken: fx would number it on
+
+
+def test_plain_names_taken_as_fx():
+    ours, theirs = Graph(), Graph()
+    took = []
+    for name in ["x", "p_model_w", "x", "list", "x_1", "y2", "w.b"]:
+        took.append(take_plain(ours, name))
+        if not took[-1]:
+            ours._graph_namespace.create_name(name, None)
+        theirs._graph_namespace.create_name(name, None)
+    # kept as it is only where plain (no number at its end, no builtin's, no "."), and free
+    assert took == [True, True, False, False, False, False, False]
+    assert _state(ours) == _state(theirs)
+    # a copied node keeps its name and arguments as fx's node_copy's
+    src = Graph()
+    a = src.placeholder("a")
+    relu = src.call_function(torch.relu, (a,))
+    dst, ref = Graph(), Graph()
+    for g in (dst, ref):
+        g.placeholder("a")
+    env_d, env_r = dict(zip(src.nodes, dst.nodes)), dict(zip(src.nodes, ref.nodes))
+    ours_copy = copy_node(dst, relu, env_d.__getitem__, name="h_out")
+    fx_copy = ref.create_node("call_function", torch.relu, (env_r[a],), name="h_out")
+    assert (ours_copy.name, ours_copy.args[0].name) == (fx_copy.name, fx_copy.args[0].name)
+    assert _state(dst) == _state(ref)
 
 
 def test_fake_mode_of_breadth_first_and_lazy():

@@ -49,8 +49,14 @@ __all__ = [
     "fake_output",
     "placeholder",
     "is_ghost",
+    "made_node",
+    "makes_nodes",
+    "parse_names",
     "take_name",
+    "take_again",
+    "take_plain",
     "take_names",
+    "take_parsed",
 ]
 
 _FAST_ARGS = hasattr(Node, "_update_args_kwargs")
@@ -79,10 +85,59 @@ def emit_named(
 def placeholder(graph: Graph, name: str) -> Node:
     """``graph.placeholder(name)``, without fx's conversion of the name to a candidate where
     it changes nothing (a name of lower-case letters, digits and underscores that is not
-    ``__magic__``: fx's snake case and lower case keep it as it is)."""
+    ``__magic__``: fx's snake case and lower case keep it as it is), nor its regular
+    expression where the name is plain and free (:func:`take_plain`): a trace makes one per
+    parameter, twice."""
     if name.islower() and not (name.startswith("__") and name.endswith("__")):
+        if makes_nodes(graph) and take_plain(graph, name):
+            return made_node(graph, name, "placeholder", name, (), {}, None)
         return graph.create_node("placeholder", name, name=name)
     return graph.placeholder(name)
+
+
+#: whether this torch.fx's graphs have the parts :func:`made_node` makes a node with
+_PARTS = all(
+    hasattr(Graph(), a) for a in ("_insert", "_find_nodes_lookup_table", "_len", "_graph_namespace")
+)
+
+
+def makes_nodes(graph: Graph) -> bool:
+    """Whether :func:`made_node` can make ``graph``'s nodes: it has no owning module (whose
+    create-node hooks ``create_node`` would call) and this torch.fx has the parts."""
+    return _PARTS and graph.owning_module is None
+
+
+def take_plain(graph: Graph, name: str) -> bool:
+    """Take ``name`` in ``graph``'s namespace as ``_Namespace.create_name`` takes it where it
+    keeps it as it is and the name is plain (an ASCII identifier with no number at its end,
+    no Python keyword or builtin's name; fx's regular expression reads no number): whether it
+    did (False, nothing changed: the name is taken already, or not plain)."""
+    ns = graph._graph_namespace
+    if (
+        name in ns._used_names
+        or not (name.isascii() and name.isidentifier())
+        or name[-1].isdigit()
+        or _illegal_names.get(name) is not None
+    ):
+        return False
+    ns._used_names.add(name)
+    ns._base_count[name] = ns._base_count.get(name, 0)
+    return True
+
+
+def made_node(
+    graph: Graph, name: str, op: str, target: Any, args: tuple, kwargs: dict, type_expr: Any
+) -> Node:
+    """``graph.create_node(op, target, args, kwargs, name, type_expr)`` for a ``name`` already
+    taken in ``graph``'s namespace as fx would take it (:func:`take_plain`, :func:`take_again`):
+    the node made and inserted as ``create_node`` makes and inserts it, for a graph with no
+    owning module of a torch.fx with the parts (:func:`makes_nodes`)."""
+    n = Node(graph, name, op, target, args, kwargs, type_expr)
+    graph._graph_namespace.associate_name_with_obj(name, n)
+    graph._insert(n)
+    graph._find_nodes_lookup_table.insert(n)
+    graph._len += 1
+    return n
 
 
 def base_name(graph: Graph, target: Any) -> str:
@@ -135,6 +190,73 @@ def take_names(graph: Graph, candidates: Iterable[str]) -> list[str]:
     return out
 
 
+#: a name asked of fx as its ``_Namespace.create_name`` reads it (:func:`parse_names`): the
+#: name, its base, its number (None: none) and whether it is a Python keyword or builtin's
+#: name; a base of None where fx first cleans the name up (no regular expression saved)
+ParsedName = tuple[str, str | None, int | None, bool]
+
+
+def parse_names(candidates: Iterable[str]) -> list[ParsedName]:
+    """``candidates`` read once as ``_Namespace.create_name`` reads each (its regular
+    expression), for :func:`take_parsed` to take many times: a template's node names, which
+    each of its calls' copies asks for again."""
+    out: list[ParsedName] = []
+    for c in candidates:
+        m = _name_regex.match(c)
+        if m is None:
+            out.append((c, None, None, False))
+            continue
+        base, digits = m.group(1, 2)
+        out.append(
+            (c, base, None if digits is None else int(digits), _illegal_names.get(c) is not None)
+        )
+    return out
+
+
+def take_parsed(graph: Graph, parsed: list[ParsedName]) -> tuple[list[str], list[int | None]]:
+    """:func:`take_names` of names :func:`parse_names` read: the names fx gives nodes of
+    ``graph`` made now, one after the other, with those names (``_Namespace.create_name`` of
+    each, taken), and each name's number (None where the name is its base: a candidate with
+    no number, kept as it is), by which :func:`take_again` takes the name in another graph."""
+    ns = graph._graph_namespace
+    used, count = ns._used_names, ns._base_count
+    names: list[str] = []
+    nums: list[int | None] = []
+    for candidate, base, num, illegal in parsed:
+        if base is None:  # another form: fx's reading
+            names.append(ns.create_name(candidate, None))
+            nums.append(None)
+            continue
+        name = candidate
+        if num is None or name in used:  # numbered on from the base's count
+            num = count.get(base, 0)
+            if illegal:
+                num += 1
+                name = f"{base}_{num}"
+        while name in used:
+            num += 1
+            name = f"{base}_{num}"
+        used.add(name)
+        count[base] = num
+        names.append(name)
+        nums.append(None if name == base else num)
+    return names, nums
+
+
+def take_again(graph: Graph, name: str, base: str, num: int | None) -> bool:
+    """Take in ``graph`` a name :func:`take_parsed` gave (``base``: its candidate's base,
+    ``num`` the number it gave), as ``_Namespace.create_name(name)`` takes it where that keeps
+    the name: whether it did (False: the name is taken in ``graph``, nothing changed; fx would
+    number it on)."""
+    ns = graph._graph_namespace
+    if name in ns._used_names:
+        return False
+    ns._used_names.add(name)
+    count = ns._base_count
+    count[base] = count.get(base, 0) if num is None else num
+    return True
+
+
 #: op -> the base of its nodes' names, as torch.fx derives it (fx makes it unique per graph)
 _BASE_NAMES: dict[Any, str] = {}
 #: the base names that are plain: no number at their end, not a Python builtin's name
@@ -145,7 +267,8 @@ def copy_node(
     graph: Graph, node: Node, arg_transform: Any = lambda a: a, name: str | None = None
 ) -> Node:
     """``graph.node_copy(node, arg_transform)`` (same name, or ``name`` where given; arguments
-    mapped, a shallow copy of ``meta``) without the walk :func:`emit` skips."""
+    mapped, a shallow copy of ``meta``) without the walk :func:`emit` skips (nor fx's regular
+    expression for a plain name: :func:`take_plain`)."""
     if not _FAST_ARGS:  # pragma: no cover
         copied = graph.node_copy(node, arg_transform)
         if name is not None:
@@ -153,8 +276,12 @@ def copy_node(
         return copied
     args = map_arg(node.args, arg_transform)
     kwargs = map_arg(node.kwargs, arg_transform)
-    new = graph.create_node(node.op, node.target, name=name or node.name, type_expr=node.type)
-    new._update_args_kwargs(args, kwargs)
+    name = name or node.name
+    if makes_nodes(graph) and take_plain(graph, name):
+        new = made_node(graph, name, node.op, node.target, args, kwargs, node.type)
+    else:
+        new = graph.create_node(node.op, node.target, name=name, type_expr=node.type)
+        new._update_args_kwargs(args, kwargs)
     # filled in place: assigning an attribute of a node in a graph re-files it in fx's
     # find_nodes table (Node.__setattr__), a fifth of what a copy costs
     meta = new.meta

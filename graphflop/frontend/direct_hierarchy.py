@@ -46,7 +46,18 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from graphflop.ad.builder import base_name, copy_node, emit_named, take_names
+from graphflop.ad.builder import (
+    ParsedName,
+    base_name,
+    copy_node,
+    emit_named,
+    made_node,
+    makes_nodes,
+    parse_names,
+    take_again,
+    take_names,
+    take_parsed,
+)
 from graphflop.frontend.composite import getitem_tag
 from graphflop.frontend.export_form import (
     _frozen,
@@ -147,6 +158,7 @@ class _Template:
         self.bases = {_base(t.name) for t in [*self.outs, *self.written] if t.op != "placeholder"}
         self.named: list[Node] = []
         self.names: list[str] = []
+        self.parsed: list[ParsedName] = []
         # (rel, inner) per module path relative to the call, in the order Expansion meets them
         # (its last inner for each path)
         inner_of: dict[str, tuple] = {}
@@ -210,6 +222,7 @@ class _Template:
         any template)."""
         self.named = [t for t in self.body if _base(t.name) in bases]
         self.names = [t.name for t in self.named]
+        self.parsed = parse_names(self.names)  # (read once, taken at every call)
 
     def _check_unread_views(self) -> None:
         """Refuse a view nothing in the template reads that ``_fold_regenerated_views`` could
@@ -459,7 +472,7 @@ class _Direct:
         for n in self.own_nodes():
             if n in self.call_set:
                 t = self.tpl[_call_of(n)[1]]
-                self.names_of[n] = dict(zip(t.named, namespace.take(t.names)))
+                self.names_of[n] = dict(zip(t.named, namespace.take(t.parsed)))
         if not multi:
             return
         made: list[str] = []  # the flat graph's nodes named getitem, in the order made
@@ -709,8 +722,9 @@ class _NamespaceCopy:
     def copy(self) -> _NamespaceCopy:
         return _NamespaceCopy(self)
 
-    def take(self, names: list[str]) -> list[str]:
-        return take_names(self, names)  # type: ignore[arg-type]
+    def take(self, parsed: list[ParsedName]) -> list[str]:
+        """The names of :func:`~graphflop.ad.builder.take_parsed`, taken."""
+        return take_parsed(self, parsed)[0]  # type: ignore[arg-type]
 
 
 def _call(n: Node, g: Graph, env: dict, d: _Direct, s: _Sites, top: list) -> dict[int, Node]:
@@ -858,28 +872,32 @@ def _reads(call: Node, n: Node, tpl: dict) -> bool:
     return False
 
 
-#: whether this torch.fx's graphs have the parts :func:`_named_node` makes a node with
-_PARTS = all(
-    hasattr(Graph(), a) for a in ("_insert", "_find_nodes_lookup_table", "_len", "_graph_namespace")
-)
-
-
-def _named_node(g: Graph, op: str, target: Any, name: str, type_expr: Any) -> Node:
-    """``g.create_node(op, target, name=name, type_expr=type_expr)`` (no arguments yet): the
-    name taken in ``g``'s namespace as fx takes it, without its regular expression where the
-    name is of a form :func:`~graphflop.ad.builder.take_names` reads (a copy's name: fx made
-    it, ``base_<number>``), then the node made and inserted as ``create_node`` makes and
-    inserts it. ``create_node`` itself where ``g`` has an owning module (its create-node
-    hooks) or this torch.fx lacks the parts."""
-    if not _PARTS or g.owning_module is not None:
-        return g.create_node(op, target, name=name, type_expr=type_expr)
-    taken = take_names(g, (name,))[0]
-    n = Node(g, taken, op, target, (), {}, type_expr)
-    g._graph_namespace.associate_name_with_obj(taken, n)
-    g._insert(n)
-    g._find_nodes_lookup_table.insert(n)
-    g._len += 1
-    return n
+def _named_node(
+    g: Graph, x: Node, args: tuple, kwargs: dict, name: str, parsed: ParsedName, num: int | None
+) -> Node:
+    """A copy of template node ``x`` in ``g`` with ``args``, ``kwargs`` (no ``meta``) and the
+    name ``name``, which :func:`~graphflop.ad.builder.take_parsed` gave from ``parsed`` (the
+    template node's name, read) with number ``num``: ``g.create_node(x.op, x.target, args,
+    kwargs, name=name, type_expr=x.type)``, the name taken in ``g``'s namespace as fx takes it
+    without reading it again (:func:`~graphflop.ad.builder.take_again`; the copies of every
+    call would read their names twice: a tenth of the trace's cost per block), then the node
+    made and inserted as ``create_node`` makes and inserts it. Raises :class:`_Unsupported`
+    where fx would give another name (taken in ``g`` already). ``create_node`` itself where
+    ``g`` has an owning module (its create-node hooks) or this torch.fx lacks the parts."""
+    if not makes_nodes(g):
+        new = g.create_node(x.op, x.target, args, kwargs, name=name, type_expr=x.type)
+    else:
+        base = parsed[1]
+        if base is None:  # (a name fx cleaned up: its own reading)
+            taken = take_names(g, (name,))[0] == name
+        else:
+            taken = take_again(g, name, base, num)
+        if not taken:
+            raise _Unsupported("a copy's name taken in the flat graph")
+        new = made_node(g, name, x.op, x.target, args, kwargs, x.type)
+    if new.name != name:
+        raise _Unsupported("a copy's name taken in the flat graph")
+    return new
 
 
 class _Record:
@@ -936,6 +954,21 @@ def forget(h: Hierarchy) -> None:
         _RECORDS.pop(h.graph, None)
 
 
+def _plan(tnodes: list[Node], items: tuple, at: dict[Node, int], inner: dict) -> list[tuple]:
+    """A variant's ``items`` as :func:`_flat_forward` copies them at each of its calls, what
+    every call reads of its template nodes read once: ``(index, out, template node, its place
+    in the template's body, its args, its kwargs, its inner module stack)`` (the last four
+    None for a getitem the flat form completes)."""
+    out: list[tuple] = []
+    for index, o in items:
+        x = tnodes[index]
+        if o is None:
+            out.append((index, o, x, at[x], x.args, x.kwargs, inner[x]))
+        else:
+            out.append((index, o, x, None, None, None, None))
+    return out
+
+
 def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
     namespace = record.namespace.copy()
     tnodes = [list(t.nodes) for t in h.templates]
@@ -964,15 +997,19 @@ def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
     env: dict[Node, Node] = {}
     results: dict[Node, list] = {}
     call_op = torch.ops.graphflop.repeat.default
-    names_of: list[dict[Node, str]] = [
-        dict(zip(bodies[s.template], namespace.take(candidates[s.template]))) for s in h.sites
-    ]
+    # each template node's name read once (fx's reading), taken at each call as Expansion takes
+    # its copies' names, with the numbers they are taken by in the flat graph
+    parsed = [parse_names(names) for names in candidates]
+    where = [{x: i for i, x in enumerate(body)} for body in bodies]
+    plans = [_plan(tnodes[t], items, where[t], inner[t]) for t, items in h.variants]
+    names_of = [take_parsed(namespace, parsed[s.template]) for s in h.sites]  # type: ignore[arg-type]
     for n in h.graph.graph.nodes:
         if n.target is call_op:
             args, number = n.args
             t, items = h.variants[h.sites[number].variant]
             tenv: dict[Node, Node] = {p: env[a] for p, a in zip(phs[t], args) if a is not None}
-            names, stack_of = names_of[number], record.stacks[number]
+            (names, nums), stack_of = names_of[number], record.stacks[number]
+            read = parsed[t]
             completed = iter(record.completed.get(number, ()))
             # PARAM_DERIVED as _tag_nodes works it out, per template and pattern of the
             # arguments' (those no kept node reads count False: nothing reads them)
@@ -985,19 +1022,16 @@ def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
                 for x in bodies[t]:
                     pd[x] = may_be_param_derived(x) and all(pd[a] for a in inputs[t][x])
             stacks: dict[tuple, tuple[dict, str]] = {}
-            for index, out in items:
-                x = tnodes[t][index]
+            for index, out, x, i, xargs, xkwargs, key in plans[h.sites[number].variant]:
                 if out is None:
-                    name = names[x]
-                    new = _named_node(g, x.op, x.target, name, x.type)
+                    name = names[i]
                     try:
-                        new._update_args_kwargs(
-                            map_arg(x.args, tenv.__getitem__), map_arg(x.kwargs, tenv.__getitem__)
-                        )
+                        args = map_arg(xargs, tenv.__getitem__)
+                        kwargs = map_arg(xkwargs, tenv.__getitem__) if xkwargs else {}
                     except KeyError:
                         raise _Unsupported("a copy reads a value its call does not pass") from None
+                    new = _named_node(g, x, args, kwargs, name, read[i], nums[i])
                     meta = dict(x.meta)
-                    key = inner[t][x]
                     known = stacks.get(key)
                     if known is None:
                         stack = stack_of(key)

@@ -22,6 +22,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.ad.builder import copy_node
+from graphflop.ad.builder import placeholder as new_placeholder
 from graphflop.frontend.composite import getitem_tag
 from graphflop.frontend.errors import TraceError, first_line
 from graphflop.frontend.scopes import module_path
@@ -326,7 +327,7 @@ def placeholders(
     constants: dict[str, torch.Tensor] = {}
 
     def placeholder(name: str, src):
-        ph = g.placeholder(name)
+        ph = new_placeholder(g, name)  # (g.placeholder(name): one per parameter)
         ph.meta.update(src.meta)
         ph.meta.pop("nn_module_stack", None)
         return ph

@@ -56,7 +56,6 @@ import operator
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -73,7 +72,7 @@ from graphflop.frontend import recording
 from graphflop.frontend.dispatch import routed_again
 from graphflop.frontend.libraries import inert_hook
 from graphflop.frontend.regions import NESTED
-from graphflop.frontend.scopes import module_path
+from graphflop.frontend.scopes import module_path, stack_path
 from graphflop.meta import (
     CALL_SITE,
     CHECKPOINT,
@@ -1739,7 +1738,7 @@ def _plain_functional(operands: list, outs: list) -> bool:
 
 def _stack_path(stack: dict) -> str:
     """:func:`module_path` of a node whose module stack is ``stack``."""
-    return module_path(SimpleNamespace(meta={"nn_module_stack": stack}))  # type: ignore[arg-type]
+    return stack_path(stack)
 
 
 def _inherit_region_meta(meta: dict, call: Node) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._library.utils import get_layout_constraint_tag
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx import Graph, GraphModule, Node, Proxy
 from torch.fx.experimental.proxy_tensor import (
@@ -250,7 +251,7 @@ class OpRecorder(TorchDispatchMode):
         called on it."""
         node = self.graph.create_node(op, target, name=name)
         node._update_args_kwargs(args, kwargs)
-        if op == "call_function" and _saves_input_vals(target, (args, kwargs)):
+        if op == "call_function" and _saves_input_vals(target, args, kwargs):
             # an op with exact stride needs (a custom op's tag): its inputs' values, as make_fx
             node.meta["eager_input_vals"] = map_aggregate((args, kwargs), _input_val)
         for hook in _NODE_HOOKS:
@@ -427,21 +428,35 @@ def _node_name(graph: Graph, func: Any) -> str:
 _NODE_NAMES: dict[Any, str] = {}
 
 
-def _saves_input_vals(target: Any, args_kwargs: tuple) -> bool:
-    """``make_fx``'s ``_should_save_eager_input_vals(target, args_kwargs)``, kept per op for
-    PyTorch's own ops (``aten``, ``prims``): for those it reads only the op's layout tag (the
-    arguments matter for higher-order ops alone, the configured default for other libraries'
-    ops), and it costs about 20 us a call, paid once per recorded node."""
-    if type(target) is not torch._ops.OpOverload or target.namespace not in _BUILTIN:
-        return _should_save_eager_input_vals(target, args_kwargs)
-    saves = _SAVES_INPUT_VALS.get(target)
-    if saves is None:
-        saves = _SAVES_INPUT_VALS[target] = _should_save_eager_input_vals(target, args_kwargs)
-    return saves
+def _saves_input_vals(target: Any, args: tuple, kwargs: dict) -> bool:
+    """``_should_save_eager_input_vals(target, (args, kwargs))``, looked up once per target
+    where the target alone decides it (:func:`_by_target`). It costs 6 us for a ``getitem``
+    and 20 for a custom op (module look-ups, an import, a config read): an outlined call's
+    ``repeat`` node and its ``getitem`` nodes paid it at every call."""
+    got = _SAVES_INPUTS.get(target)
+    if got is None:
+        got = _should_save_eager_input_vals(target, (args, kwargs))
+        if _by_target(target):
+            _SAVES_INPUTS[target] = got
+    return got
 
 
-#: PyTorch's own op -> whether make_fx keeps its inputs' values (``eager_input_vals``)
-_SAVES_INPUT_VALS: dict[Any, bool] = {}
+def _by_target(target: Any) -> bool:
+    """Whether ``_should_save_eager_input_vals`` reads ``target`` alone: a callable that is no
+    torch operator (never saved), one of PyTorch's own op overloads (``aten``, ``prims``: its
+    layout tag, or ``flexible_layout`` without one) or another op overload with a layout tag
+    (saved where it is ``needs_exact_strides``); not a higher-order op (its arguments count)
+    or another library's op overload without a tag (the configured default counts)."""
+    if not isinstance(target, torch._ops.OperatorBase):
+        return callable(target)
+    return isinstance(target, torch._ops.OpOverload) and (
+        target.namespace in _BUILTIN  # (PyTorch's own: its tag, or flexible_layout)
+        or get_layout_constraint_tag(target, with_default=False) is not None
+    )
+
+
+#: per target :func:`_by_target` admits, :func:`_saves_input_vals`
+_SAVES_INPUTS: dict[Any, bool] = {}
 #: the namespaces of PyTorch's own ops (``torch._library.utils.is_builtin``)
 _BUILTIN = frozenset({"aten", "prim", "prims"})
 

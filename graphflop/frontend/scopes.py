@@ -113,10 +113,14 @@ def module_path(node: Node, wrapped: bool = True) -> str:
     """``node``'s ``nn.Module`` path from its ``nn_module_stack``: ``""`` for the model itself,
     ``loss`` for the loss (``wrapped``: the stack's paths are prefixed ``model.``, the loss at the
     root, as :class:`ModuleScopes` writes them; else the paths as they are)."""
-    stack = node.meta.get("nn_module_stack") or {}
+    return stack_path(node.meta.get("nn_module_stack") or {}, wrapped)
+
+
+def stack_path(stack: dict, wrapped: bool = True) -> str:
+    """:func:`module_path` of a node whose ``nn_module_stack`` is ``stack``."""
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
+    path = next(reversed(stack.values()))[0]
     if not wrapped:
         return path
     if path == "":

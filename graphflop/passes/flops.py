@@ -219,6 +219,8 @@ def _cost_template(
 
 def _same_out(n: Node, t: Node) -> bool:
     a, b = n.meta.get("val"), t.meta.get("val")
+    if a is b:  # (a copy the direct hierarchy made shares its template node's value)
+        return True
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and a.dtype == b.dtype
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
@@ -347,6 +349,14 @@ def one_kernel_costs(nodes: Iterable[Node], fresh: Mapping[Node, NodeCost]) -> d
     them as outputs), where the decomposition read and wrote its float32 upcast and
     temporaries."""
     out: dict[Node, NodeCost] = {}
+    # only the regions with a node in ``fresh`` (each region whole: a composite op's nodes
+    # share its region number), not a flat graph's every copy of its templates' ops
+    regions = {tag.region for n in fresh if (tag := n.meta.get(COMPOSITE)) is not None}
+    if not regions:
+        return out
+    nodes = [
+        n for n in nodes if (tag := n.meta.get(COMPOSITE)) is not None and tag.region in regions
+    ]
     for region in composite_regions(nodes):
         parts = [n for n in region if in_one_kernel(n)]
         if not parts or not any(n in fresh for n in parts):

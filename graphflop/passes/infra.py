@@ -101,10 +101,11 @@ class PassContractError(RuntimeError):
 def _has_values(gm: GraphModule) -> bool:
     """Every placeholder and ``call_function`` node has a ``val``, but a call of a template
     (``graphflop::repeat`` in a hierarchy's top level: its values are its template's)."""
+    # (a node's ``val`` looked up first: most have one, and the op is then not read)
     return all(
         "val" in n.meta
+        or not (n.op == "placeholder" or (n.op == "call_function" and not _is_call(n)))
         for n in gm.graph.nodes
-        if n.op == "placeholder" or (n.op == "call_function" and not _is_call(n))
     )
 
 
