@@ -111,6 +111,11 @@ class _Profile:
     keyed: list[bool]
     #: per resolved pattern of the outside keys, the analysis (:meth:`ComposedSchedule._inside`)
     inside: dict[tuple, _Inside] = field(default_factory=dict)
+    #: the run positions without a step
+    unkeyed: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.unkeyed = [i for i, k in enumerate(self.keyed) if not k]
 
 
 @dataclass
@@ -182,9 +187,11 @@ class ComposedSchedule:
         inplace: set[str] | None = None,
         released: set[str] | None = None,
         held: list[str] | None = None,
-    ) -> None:
+    ) -> set[str]:
         """:meth:`Schedule.add_graph <graphflop.passes.memory.Schedule.add_graph>`, with each
-        of ``runs`` (consecutive nodes of ``gm``, in graph order) one call item."""
+        of ``runs`` (consecutive nodes of ``gm``, in graph order) one call item; returns the
+        names of the nodes whose value names no storage, a call's (its profile's positions
+        without a step) included."""
         external = external or {}
         nodes = _NodeSteps(gm, eager, sizes, extra, also_reads, inplace, free_outputs, released)
         runs = [(key, r) for key, r in runs if r]
@@ -197,6 +204,7 @@ class ComposedSchedule:
         self._graphs[prefix] = (index, nodes.by_name, numbers)
         overrides = _overrides(nodes, index, len(runs))
         keys = _Keys(prefix, index, numbers, self.items)
+        unstored: set[str] = set()
         for n in gm.graph.nodes:
             hit = index.get(n)
             if hit is not None:
@@ -205,6 +213,9 @@ class ComposedSchedule:
                     numbers.append(len(self.items))
                     key, run = runs[ci]
                     self._add_call(key, ci, run, prefix, nodes, keys, index, overrides[ci])
+                    call = self.items[-1]
+                    assert isinstance(call, _Call)
+                    unstored.update(run[i].name for i in call.profile.unkeyed)
                 continue
             if n.op == "output":
                 kept: set[str] = set()
@@ -215,14 +226,20 @@ class ComposedSchedule:
             if n.op == "placeholder":
                 if n.name in baseline:
                     keys[n] = []
+                    unstored.add(n.name)
                     continue
                 if n.name in external:
                     ext = external[n.name]
                     keys[n] = [ext] if isinstance(ext, str) else list(ext)
+                    if not keys[n]:
+                        unstored.add(n.name)
                     continue
             step = nodes.step(n, f"{prefix}:{n.name}", keys)
             if step is not None:
                 self.items.append(step)
+            else:
+                unstored.add(n.name)
+        return unstored
 
     def _add_call(
         self,
