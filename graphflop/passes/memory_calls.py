@@ -426,10 +426,10 @@ class ComposedSchedule:
                 return self._owner(c.outer[int(r[1:])], lives)
             return f"{c.prefix}:{c.run[int(r[1:])].name}", inner.size[r]
         if st[0] == "#":
-            item, r = st[1:].split(":", 1)
-            c = self.items[int(item)]
+            number, i = lives.place[st]
+            c = self.items[number]
             assert isinstance(c, _Call)
-            return f"{c.prefix}:{c.run[int(r[1:])].name}", lives.size[st]
+            return f"{c.prefix}:{c.run[i].name}", lives.size[st]
         return st, lives.size[st]
 
 
@@ -445,6 +445,7 @@ class _Lives:
         last: storage -> index of the last step reading it.
         offsets: per item, the index of its first step.
         inners: per call item, its profile's storages as the call resolved them.
+        place: a call's storage (``#ITEM:@i``) -> (ITEM, i), not parsed back from the key.
     """
 
     def __init__(
@@ -459,6 +460,7 @@ class _Lives:
         self.offsets: list[int] = []
         self.inners: dict[int, _Inside] = {}
         self.nothing: set[str] = set()  # keys no step has
+        self.place: dict[str, tuple[int, int]] = {}
 
     def resolve(self, k: str) -> str | None:
         """The storage outer key ``k`` lives in, or None where no step has that key."""
@@ -482,6 +484,7 @@ class _Lives:
             if st not in self.size:
                 self.size[st] = inner.size[r]
                 self.last[st] = self.offsets[number] + inner.last[r]
+                self.place[st] = (number, int(r[1:]))
         if st is not None:
             self.storage[k] = st
         return st
@@ -500,12 +503,14 @@ class _Lives:
                 last[rs] = max(last.get(rs, i), i)
 
     def call(self, item: _Call, number: int, i: int) -> None:
-        resolved = tuple([self.resolve(k) is not None for k in item.outer])
-        inner = self.inners[number] = _analysis(item.profile, resolved)
-        last, storage, outer = self.last, self.storage, item.outer
+        # (each outside key resolved once: a call reads tens of them, a block's residuals)
+        rs = list(map(self.resolve, item.outer))
+        inner = self.inners[number] = _analysis(item.profile, tuple([r is not None for r in rs]))
+        last = self.last
         for k, j in inner.outer_last:
-            rs = storage[outer[k]]
-            last[rs] = max(last.get(rs, i + j), i + j)
+            st = rs[k]
+            if last.get(st, -1) < i + j:  # type: ignore[arg-type]
+                last[st] = i + j  # type: ignore[index]
 
 
 class _Keys(dict):

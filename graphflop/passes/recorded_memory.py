@@ -900,12 +900,11 @@ class _TrainBuilder:
         read_after: dict[int, set[int]] = {}
         outs: dict[int, set[int]] = {}
         out = next(n for n in reversed(top.graph.nodes) if n.op == "output")
-        for n in top.graph.nodes:
-            if (at := self.at.get(n)) is not None:
-                if n.users:
-                    read_after.setdefault(at[0], set()).add(at[1])
-                if out in n.users:
-                    outs.setdefault(at[0], set()).add(at[1])
+        for n, (number, i) in self.at.items():  # (the calls' values, not every top-level node)
+            if n.users:
+                read_after.setdefault(number, set()).add(i)
+            if out in n.users:
+                outs.setdefault(number, set()).add(i)
         nodes, by_call = self.top_steps(out)
         self.region_call: dict[int, int] = {}
         for n in top.graph.nodes:
