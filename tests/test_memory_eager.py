@@ -1136,6 +1136,35 @@ def test_a_saved_view_of_a_parameter_is_no_storage_of_the_train_schedule() -> No
     assert not {f"b:{v}" for v in views} & size.keys()
 
 
+def test_add_graph_names_the_values_without_a_storage() -> None:
+    # what the train schedules read a residual's keys against (eager_memory.residual_keys):
+    # the forward's values that name no storage, the 12 parameters of the 6 Linears (inp, 2 ×
+    # fc1 and fc2, head: baseline) and their 6 transposes t(W) (views of always-live
+    # tensors); every other value has a step. The same from the flat schedule, the one
+    # composed per call of a block and unstored_values (which adds the output node, no value)
+    from graphflop.meta import SIGNATURE
+    from graphflop.passes.eager_memory import unstored_values
+    from graphflop.passes.memory import Schedule
+    from graphflop.passes.memory_calls import ComposedSchedule, forward_runs
+
+    aten = torch.ops.aten
+    a = analyze(_FrozenFirstLayers(16, 64), (torch.randn(4, 16),), jvp=False)
+    forward = a.forward
+    params = forward.meta[SIGNATURE].state()
+    t_of_param = {
+        n.name
+        for n in forward.graph.nodes
+        if n.target is aten.permute.default and n.args[0].name in params
+    }
+    assert (len(params), len(t_of_param)) == (12, 6)
+    runs = forward_runs(forward)
+    assert runs is not None and len(runs) == 2  # the two blocks, each a call
+    flat = Schedule().add_graph(forward, "f", baseline=params, eager=True)
+    composed = ComposedSchedule().add_graph(forward, "f", runs=runs, baseline=params, eager=True)
+    assert flat == composed == params | t_of_param
+    assert unstored_values(forward) == flat | {"output"}
+
+
 @pytest.mark.slow
 def test_a_saved_view_of_a_parameter_allocates_nothing_in_the_backward() -> None:
     # the views above at 64→256 / 256→64 blocks (65,536 B each): the schedule's peak was at a

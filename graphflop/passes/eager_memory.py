@@ -41,7 +41,7 @@ saved; the sums of a value's gradients), ``RESIDUAL``, ``SOURCE``, ``KIND``; wri
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
@@ -228,7 +228,10 @@ def not_saved(p: Node, indices: frozenset[str] = frozenset()) -> bool:
 def unstored_values(forward: GraphModule) -> frozenset[str]:
     """The forward's node names with no storage of their own in the eager schedule: the
     parameters and buffers and the views of them (a Linear's ``t(W)``, a reshaped bias), to
-    which :func:`~graphflop.passes.memory.forward_storages` gives no key."""
+    which :func:`~graphflop.passes.memory.forward_storages` gives no key (and the output
+    node). The train schedules take the same values from their own forward's
+    :meth:`~graphflop.passes.memory.Schedule.add_graph`, which returns them, rather than
+    scheduling the forward again."""
     stored, _ = forward_storages(forward, {})
     return frozenset(n.name for n in forward.graph.nodes if n.name not in stored)
 
@@ -238,13 +241,14 @@ def residual_keys(
     state: set[str],
     saved: bool,
     remap: dict[str, list[str]],
-    unstored: frozenset[str],
+    unstored: Set[str],
 ) -> list[str]:
     """The keys (``f:NAME``) of the forward values that backward residual placeholder ``p``
     stands for in the eager train schedule, those with a storage of their own: none for a
     parameter or buffer (``state``) or a value eager does not save (``saved`` False:
     :func:`not_saved`); of the values it stands for (``remap``:
-    :attr:`EagerResiduals.remap`), those not in ``unstored`` (:func:`unstored_values`). A
+    :attr:`EagerResiduals.remap`), those not in ``unstored`` (the forward's values without
+    a storage: :meth:`~graphflop.passes.memory.Schedule.add_graph`'s, :func:`unstored_values`). A
     value computed from parameters that is a view of one (``param_derived``: the ``t(W)`` an
     ``addmm`` saves) is the parameter's storage, always live: its key names no step, and a
     backward view of it (``t(t(W))``, the input gradient's ``mm`` operand) would otherwise be
@@ -1496,7 +1500,7 @@ def eager_train_schedule(
     for k, v in b_extra.items():
         bwd_tmp[k] = bwd_tmp.get(k, 0) + v
     fwd_tmp |= eager.extra
-    s.add_graph(
+    unstored = s.add_graph(
         forward,
         "f",
         **f_kw,
@@ -1509,7 +1513,6 @@ def eager_train_schedule(
     ext: dict[str, str | list[str]] = {}
     base_b = set()
     indices = embedding_indices(forward)
-    unstored = unstored_values(forward)
     for n in backward.graph.nodes:
         if n.op == "placeholder" and n.meta.get(RESIDUAL) is not None:
             if stand_in is not None and n.name in stand_in:  # (a parameter's saved cast)

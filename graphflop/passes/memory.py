@@ -156,8 +156,10 @@ class Schedule:
         inplace: set[str] | None = None,
         released: set[str] | None = None,
         held: list[str] | None = None,
-    ) -> None:
-        """Append ``gm``'s nodes.
+    ) -> set[str]:
+        """Append ``gm``'s nodes; returns the names of those whose value names no storage
+        (read as no key: the ``baseline`` placeholders and the views of always-live tensors,
+        which get no step).
 
         Args:
             prefix: key prefix for this graph's nodes.
@@ -187,6 +189,7 @@ class Schedule:
         external = external or {}
         nodes = _NodeSteps(gm, eager, sizes, extra, also_reads, inplace, free_outputs, released)
         keys: dict[Node, list[str]] = {}
+        unstored: set[str] = set()
         for n in gm.graph.nodes:
             if n.op == "output":
                 kept: set[str] = set()
@@ -197,14 +200,20 @@ class Schedule:
             if n.op == "placeholder":
                 if n.name in baseline:
                     keys[n] = []
+                    unstored.add(n.name)
                     continue
                 if n.name in external:
                     ext = external[n.name]
                     keys[n] = [ext] if isinstance(ext, str) else list(ext)
+                    if not keys[n]:
+                        unstored.add(n.name)
                     continue
             step = nodes.step(n, f"{prefix}:{n.name}", keys)
             if step is not None:
                 self.steps.append(step)
+            else:
+                unstored.add(n.name)
+        return unstored
 
     def add_transient(self, key: str, nbytes: int) -> None:
         """A storage of ``nbytes`` allocated and freed at one step (a kernel's temporaries)."""

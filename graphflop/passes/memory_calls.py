@@ -111,6 +111,11 @@ class _Profile:
     keyed: list[bool]
     #: per resolved pattern of the outside keys, the analysis (:meth:`ComposedSchedule._inside`)
     inside: dict[tuple, _Inside] = field(default_factory=dict)
+    #: the run positions without a step
+    unkeyed: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.unkeyed = [i for i, k in enumerate(self.keyed) if not k]
 
 
 @dataclass
@@ -182,9 +187,11 @@ class ComposedSchedule:
         inplace: set[str] | None = None,
         released: set[str] | None = None,
         held: list[str] | None = None,
-    ) -> None:
+    ) -> set[str]:
         """:meth:`Schedule.add_graph <graphflop.passes.memory.Schedule.add_graph>`, with each
-        of ``runs`` (consecutive nodes of ``gm``, in graph order) one call item."""
+        of ``runs`` (consecutive nodes of ``gm``, in graph order) one call item; returns the
+        names of the nodes whose value names no storage, a call's (its profile's positions
+        without a step) included."""
         external = external or {}
         nodes = _NodeSteps(gm, eager, sizes, extra, also_reads, inplace, free_outputs, released)
         runs = [(key, r) for key, r in runs if r]
@@ -197,6 +204,7 @@ class ComposedSchedule:
         self._graphs[prefix] = (index, nodes.by_name, numbers)
         overrides = _overrides(nodes, index, len(runs))
         keys = _Keys(prefix, index, numbers, self.items)
+        unstored: set[str] = set()
         for n in gm.graph.nodes:
             hit = index.get(n)
             if hit is not None:
@@ -205,6 +213,9 @@ class ComposedSchedule:
                     numbers.append(len(self.items))
                     key, run = runs[ci]
                     self._add_call(key, ci, run, prefix, nodes, keys, index, overrides[ci])
+                    call = self.items[-1]
+                    assert isinstance(call, _Call)
+                    unstored.update(run[i].name for i in call.profile.unkeyed)
                 continue
             if n.op == "output":
                 kept: set[str] = set()
@@ -215,14 +226,20 @@ class ComposedSchedule:
             if n.op == "placeholder":
                 if n.name in baseline:
                     keys[n] = []
+                    unstored.add(n.name)
                     continue
                 if n.name in external:
                     ext = external[n.name]
                     keys[n] = [ext] if isinstance(ext, str) else list(ext)
+                    if not keys[n]:
+                        unstored.add(n.name)
                     continue
             step = nodes.step(n, f"{prefix}:{n.name}", keys)
             if step is not None:
                 self.items.append(step)
+            else:
+                unstored.add(n.name)
+        return unstored
 
     def _add_call(
         self,
@@ -409,10 +426,10 @@ class ComposedSchedule:
                 return self._owner(c.outer[int(r[1:])], lives)
             return f"{c.prefix}:{c.run[int(r[1:])].name}", inner.size[r]
         if st[0] == "#":
-            item, r = st[1:].split(":", 1)
-            c = self.items[int(item)]
+            number, i = lives.place[st]
+            c = self.items[number]
             assert isinstance(c, _Call)
-            return f"{c.prefix}:{c.run[int(r[1:])].name}", lives.size[st]
+            return f"{c.prefix}:{c.run[i].name}", lives.size[st]
         return st, lives.size[st]
 
 
@@ -428,6 +445,7 @@ class _Lives:
         last: storage -> index of the last step reading it.
         offsets: per item, the index of its first step.
         inners: per call item, its profile's storages as the call resolved them.
+        place: a call's storage (``#ITEM:@i``) -> (ITEM, i), not parsed back from the key.
     """
 
     def __init__(
@@ -442,6 +460,7 @@ class _Lives:
         self.offsets: list[int] = []
         self.inners: dict[int, _Inside] = {}
         self.nothing: set[str] = set()  # keys no step has
+        self.place: dict[str, tuple[int, int]] = {}
 
     def resolve(self, k: str) -> str | None:
         """The storage outer key ``k`` lives in, or None where no step has that key."""
@@ -465,6 +484,7 @@ class _Lives:
             if st not in self.size:
                 self.size[st] = inner.size[r]
                 self.last[st] = self.offsets[number] + inner.last[r]
+                self.place[st] = (number, int(r[1:]))
         if st is not None:
             self.storage[k] = st
         return st
@@ -483,12 +503,14 @@ class _Lives:
                 last[rs] = max(last.get(rs, i), i)
 
     def call(self, item: _Call, number: int, i: int) -> None:
-        resolved = tuple([self.resolve(k) is not None for k in item.outer])
-        inner = self.inners[number] = _analysis(item.profile, resolved)
-        last, storage, outer = self.last, self.storage, item.outer
+        # (each outside key resolved once: a call reads tens of them, a block's residuals)
+        rs = list(map(self.resolve, item.outer))
+        inner = self.inners[number] = _analysis(item.profile, tuple([r is not None for r in rs]))
+        last = self.last
         for k, j in inner.outer_last:
-            rs = storage[outer[k]]
-            last[rs] = max(last.get(rs, i + j), i + j)
+            st = rs[k]
+            if last.get(st, -1) < i + j:  # type: ignore[arg-type]
+                last[st] = i + j  # type: ignore[index]
 
 
 class _Keys(dict):

@@ -93,7 +93,6 @@ from graphflop.passes.eager_memory import (
     plain_ops,
     residual_keys,
     scatters_in_place,
-    unstored_values,
 )
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Step, _NodeSteps
@@ -807,7 +806,7 @@ class _TrainBuilder:
         sig = forward.meta[SIGNATURE]
         state = sig.state()
         fwd_tmp = dict(self.fwd_tmp) | ef.attention.extra
-        s.add_graph(
+        unstored = s.add_graph(
             forward,
             "f",
             runs=forward_runs(forward) or [],
@@ -818,7 +817,7 @@ class _TrainBuilder:
             also_reads=ef.reads,
         )
         self.s._graphs["b"] = (self.index, self.by_name, self.numbers)  # type: ignore[assignment]
-        self.walk(state, remap)
+        self.walk(state, remap, unstored)
         phs = {n.name: n for n in forward.graph.find_nodes(op="placeholder")}
         sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
         s.add_transient("u:optimizer", optimizer_temporaries(self.optimizer, sizes, self.device))
@@ -893,20 +892,19 @@ class _TrainBuilder:
                 remap[p.name] = stand
         return remap
 
-    def walk(self, state: set[str], remap: dict[str, list[str]]) -> None:
-        """The backward's top level as steps, each call one item (after the forward's)."""
+    def walk(self, state: set[str], remap: dict[str, list[str]], unstored: set[str]) -> None:
+        """The backward's top level as steps, each call one item (after the forward's);
+        ``unstored``: the forward's nodes whose value names no storage (its ``add_graph``'s)."""
         top, keys, s = self.top, self.keys, self.s
-        unstored = unstored_values(self.forward)
         saved = set(self.saved)
         read_after: dict[int, set[int]] = {}
         outs: dict[int, set[int]] = {}
         out = next(n for n in reversed(top.graph.nodes) if n.op == "output")
-        for n in top.graph.nodes:
-            if (at := self.at.get(n)) is not None:
-                if n.users:
-                    read_after.setdefault(at[0], set()).add(at[1])
-                if out in n.users:
-                    outs.setdefault(at[0], set()).add(at[1])
+        for n, (number, i) in self.at.items():  # (the calls' values, not every top-level node)
+            if n.users:
+                read_after.setdefault(number, set()).add(i)
+            if out in n.users:
+                outs.setdefault(number, set()).add(i)
         nodes, by_call = self.top_steps(out)
         self.region_call: dict[int, int] = {}
         for n in top.graph.nodes:
