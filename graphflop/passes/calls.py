@@ -36,7 +36,7 @@ import copy
 import itertools
 import operator
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,7 +44,13 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.blocks import call_keys
-from graphflop.ad.builder import base_name, copy_node, emit_named, take_name, take_names
+from graphflop.ad.builder import (
+    NamePlan,
+    base_name,
+    copy_node,
+    emit_named,
+    take_name,
+)
 from graphflop.ad.functions import FunctionEntry
 from graphflop.ad.simplify import fold_graph
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
@@ -1108,26 +1114,28 @@ class DirectRecorder:
         site: int,
         args: list[Any],
         exposed: list[int],
-        candidates: Iterable[str],
+        names: NamePlan,
+        given: Sequence[str] = (),
         logged: tuple[int, list[int]] | None = None,
     ) -> dict:
         """Emit at the end of ``g`` the call of ``handle``'s template at call site ``site``
         with values from outside ``args`` (in the handle's order): its ``graphflop::repeat``
         node and one getitem per template node in ``exposed`` (ascending; getitems nobody
-        reads are dropped by :meth:`finish`). ``candidates``: per template node, the name the
-        expander would have asked fx for in copying it (its op's base name, or the forward
-        node's name of a primal copy): the names fx gives are taken in ``g`` as the copies
-        would have taken them, so every later node of ``g`` is named as in the graph built
-        flat, and kept as the call's flat names. ``logged``: (the JVP log's length before the
+        reads are dropped by :meth:`finish`). ``names`` (with ``given``, the call's names of
+        its gaps): per template node, the name the expander would have asked fx for in
+        copying it (its op's base name, or the forward node's name of a primal copy): the
+        names fx gives are taken in ``g`` as the copies would have taken them
+        (:meth:`~graphflop.ad.builder.NamePlan.take`), so every later node of ``g`` is named
+        as in the graph built flat, and kept as the call's flat names. ``logged``: (the JVP log's length before the
         call, the template positions the call logs), kept for :attr:`DerivedHierarchy.log`.
         Returns template node position -> getitem, each with that node's annotations made the
         call's."""
         c = self._call(site, handle)
         number = len(self.calls)
         self.calls.append(c)
-        names: list[str | None] = take_names(g, candidates)  # type: ignore[assignment]
+        taken: list[str | None] = names.take(g, given)  # type: ignore[assignment]
         rep = emit_named(g, self.call_op, (list(args), number), "repeat_call")
-        self.names[rep] = names
+        self.names[rep] = taken
         if logged is not None:
             self.marks.append((logged[0], rep, logged[1]))
         items = {}
