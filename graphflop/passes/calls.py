@@ -1012,6 +1012,22 @@ class _First:
     order: list[tuple]
 
 
+_FAST_ARGS = hasattr(Node, "_update_args_kwargs")
+
+
+def _set_arg(n: Node, idx: int, value: Any) -> None:
+    """``n.update_arg(idx, value)`` without fx's re-filing of ``n`` in its graph's find_nodes
+    table (``Node.__setattr__``), whose key (op and target) an argument does not change: a
+    fifth of a getitem's update, done per getitem of every call when the calls are numbered
+    (:meth:`DirectRecorder.finish`, :meth:`DirectRecorder.clean`)."""
+    if not _FAST_ARGS:  # pragma: no cover - a PyTorch without the private setter
+        n.update_arg(idx, value)
+        return
+    args = list(n.args)
+    args[idx] = value
+    n._update_args_kwargs(tuple(args), n.kwargs)
+
+
 def _outside(inside: set[Node]) -> Callable[[Node], bool]:
     return lambda u: u not in inside
 
@@ -1208,7 +1224,7 @@ class DirectRecorder:
                 number = n.args[1]
                 calls.append(self.calls[number] if number >= 0 else firsts[-1 - number])
                 self.call_names.append(tuple(self.names[n]))
-                n.update_arg(1, len(calls) - 1)
+                _set_arg(n, 1, len(calls) - 1)
         self.calls = calls
         return moved
 
@@ -1314,10 +1330,10 @@ class DirectRecorder:
                 calls.append(DerivedCall(c.site, gi, c.modules, c.sources, c.tags))
                 was = self.call_names[n.args[1]]
                 call_names.append(tuple([None if i is None else was[i] for i in templates[gi][3]]))
-                n.update_arg(1, len(calls) - 1)
+                _set_arg(n, 1, len(calls) - 1)
                 index = templates[gi][1]
                 for u in list(n.users):
-                    u.update_arg(1, index[u.args[1]])
+                    _set_arg(u, 1, index[u.args[1]])
         self.templates = [t[0] for t in templates]
         self.calls = calls
         self.call_names = call_names
@@ -1343,7 +1359,7 @@ class DirectRecorder:
                 if group_of[n] == len(keys):
                     keys.append((t, seeds))
                 if len(used) != len(n.args[0]):
-                    n.update_arg(0, [a for j, a in enumerate(n.args[0]) if j in used])
+                    _set_arg(n, 0, [a for j, a in enumerate(n.args[0]) if j in used])
             elif not n.users and not n.is_impure():
                 g.erase_node(n)
         return keys, group_of
