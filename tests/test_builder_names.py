@@ -164,3 +164,51 @@ def test_output_kept_across_fake_modes_is_the_modes_own():
                 assert (tuple(out.shape), out.stride()) == (shape, stride)
                 assert not out._is_view() and out.storage_offset() == 0
                 assert key in builder._OUTPUTS  # a new tensor, not a view: kept
+
+
+def test_name_plan_takes_names_as_fx_one_by_one():
+    """:class:`graphflop.ad.builder.NamePlan` (a call's names a base at a time) gives the names
+    fx gives nodes made one after the other with them (``_Namespace.create_name`` of each) and
+    leaves its namespace as fx does, whatever is taken already."""
+    import random
+
+    from graphflop.ad.builder import NamePlan, base_name
+
+    def namespace(used, counts):
+        g = Graph()
+        ns = g._graph_namespace
+        ns._used_names, ns._base_count = set(used), dict(counts)
+        return g
+
+    base_name(Graph(), torch.ops.aten.mm.default)  # "mm_default" known as a plain base
+    import operator
+
+    base_name(Graph(), operator.getitem)
+    # by hand: mm_default taken (count 3): _4, _5; view_4 free: as it is (count 4); getitem
+    # taken (count 0): _1, then getitem_2 free: as it is (count 2)
+    plan = NamePlan(["mm_default", None, "mm_default", "getitem", None])
+    g = namespace({"mm_default", "getitem"}, {"mm_default": 3, "getitem": 0})
+    got = plan.take(g, ["view_4", "getitem_2"])
+    assert got == ["mm_default_4", "view_4", "mm_default_5", "getitem_1", "getitem_2"]
+    assert g._graph_namespace._base_count == {"mm_default": 5, "getitem": 2, "view": 4}
+
+    rng = random.Random(0)
+    plain = ["mm_default", "add_tensor", "getitem"]
+    numbered = ["view", "getitem", "addmm", "sum_1"]  # sum_1_<n>: the base sum_1
+    for _ in range(400):
+        fixed = [rng.choice(plain) if rng.random() < 0.6 else None for _ in range(rng.randrange(9))]
+        plan = NamePlan(fixed)
+        ref = namespace(set(), {})._graph_namespace
+        for _ in range(rng.randrange(12)):  # names fx gave before
+            b = rng.choice(plain + numbered)
+            ref.create_name(f"{b}_{rng.randrange(8)}" if rng.random() < 0.6 else b, None)
+        for _ in range(3):  # calls one after the other, the plan kept
+            given = [f"{rng.choice(numbered)}_{rng.randrange(12)}" for _ in plan.slots]
+            if given and rng.random() < 0.1:
+                given[-1] = rng.choice(plain)  # a name of another form: one by one
+            g = namespace(ref._used_names, ref._base_count)
+            want = [ref.create_name(x, None) for x in plan.candidates(given)]
+            assert plan.take(g, given) == want
+            ns = g._graph_namespace
+            assert ns._used_names == ref._used_names
+            assert ns._base_count == ref._base_count

@@ -63,7 +63,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from graphflop.ad.builder import base_name, copy_node, emit
+from graphflop.ad.builder import NamePlan, base_name, copy_node, emit
 from graphflop.ad.functions import FunctionEntry
 from graphflop.meta import (
     CALL_SITE,
@@ -211,8 +211,9 @@ class TemplateBackward:
     #: one of its template nodes) ``("arg", j)`` or ``("pos", i)``, so another call of the
     #: same JVP template finds its own value without walking its nodes
     places: dict[Node, tuple] | None = None
-    #: with :attr:`direct`: per node of :attr:`nodes`, the base of the name fx gives its copy
-    bases: list[str] | None = None
+    #: with :attr:`direct`: per node of :attr:`nodes`, the base of the name fx gives its copy,
+    #: as a plan taking a call's names
+    bases: NamePlan | None = None
     #: the linearized graph's values of :attr:`inputs`' ``("old", node)`` references, in order
     #: (listed at the first expansion)
     olds: list[Node] | None = None
@@ -755,7 +756,7 @@ class BlockTranspose:
         if t.direct is not None:  # a call of the template derivative, its nodes not copied
             values = [resolve(ref) for ref in t.direct[1]]
             if t.bases is None:  # the names the copies below would ask fx for
-                t.bases = [base_name(self.g, n.target) for n in t.nodes]
+                t.bases = NamePlan([base_name(self.g, n.target) for n in t.nodes])
             made = self.recorder.call(self.g, t.direct, site, values, t.exposed, t.bases)
             self._results(t, externals, ct, corr, resolve, made)
             return True
@@ -1295,23 +1296,20 @@ class TemplateJvp:
     reusable: bool = True
     #: with a recorder (:class:`graphflop.passes.calls.DirectRecorder`): its handle; per node,
     #: the base of the name fx gives its copy (None for a primal copy, named after its forward
-    #: node: ``copies``, (position, key) each)
+    #: node: ``copies``, its key each, in order), as a plan taking a call's names
     direct: tuple | None = None
-    bases: list[str | None] | None = None
-    copies: list[tuple[int, tuple]] = field(default_factory=list)
+    bases: NamePlan | None = None
+    copies: list[tuple] = field(default_factory=list)
 
 
-def _copy_names(t: TemplateJvp, own: dict[tuple, Node], g: Graph) -> list[str]:
+def _copy_names(t: TemplateJvp, own: dict[tuple, Node], g: Graph) -> tuple[NamePlan, list[str]]:
     """The names that copying ``t``'s nodes for the call whose forward nodes are ``own`` (by
     key) would ask fx for, in order: a primal copy its forward node's, another its op's base
-    name."""
+    name (the plan's; the copies' names given, in order)."""
     if t.bases is None:
-        t.bases = [None if e[0] == "copy" else base_name(g, e[1].target) for e in t.nodes]
-        t.copies = [(i, e[1]) for i, e in enumerate(t.nodes) if e[0] == "copy"]
-    names: list[Any] = list(t.bases)
-    for i, k in t.copies:
-        names[i] = own[k].name
-    return names
+        t.bases = NamePlan([None if e[0] == "copy" else base_name(g, e[1].target) for e in t.nodes])
+        t.copies = [e[1] for e in t.nodes if e[0] == "copy"]
+    return t.bases, [own[k].name for k in t.copies]
 
 
 def _positions(r: Any, out: set[int]) -> None:
@@ -1583,9 +1581,11 @@ class BlockLinearize:
         if t.direct is not None:  # a call of the template derivative, its nodes not copied
             values = [lin.env[args[j]] if k == "p" else lin.tan[args[j]] for k, j in t.direct[1]]
             keys, exposed, logged = self._outward(t, site)
-            names = _copy_names(t, own, lin.graph)
+            plan, given = _copy_names(t, own, lin.graph)
             mark = (len(lin.b.log), t.log)
-            made: Any = self.recorder.call(lin.graph, t.direct, site, values, exposed, names, mark)
+            made: Any = self.recorder.call(
+                lin.graph, t.direct, site, values, exposed, plan, given, mark
+            )
         else:
             made = self._copy(t, site, args)
             logged = t.log

@@ -127,17 +127,22 @@ def _needed(
     it reads what they wrote), but not
     through a node made with grad mode off (``NO_GRAD``: it takes no tangent from its inputs),
     except a tensor's value after a write there (``NO_GRAD_WRITE``), which takes its value's
-    before (or, made again as a view, its input's)."""
+    before (or, made again as a view, its input's). A walk over the flat forward: its
+    loop's bound methods taken once, the in-place writes looked up only where there are any
+    (a tenth of a JVP's time per block of GPT-2 otherwise)."""
     seen: set[Node] = set()
     stack = list(outputs)
+    pop, push, mark = stack.pop, stack.extend, seen.add
+    writes = hidden.get if hidden else None
     while stack:
-        n = stack.pop()
+        n = pop()
         if n in seen:
             continue
-        seen.add(n)
+        mark(n)
         if not n.meta.get(NO_GRAD):
-            stack.extend(n.all_input_nodes)
-            stack.extend((hidden or {}).get(n, ()))
+            push(n.all_input_nodes)
+            if writes is not None:
+                push(writes(n, ()))
             continue
         write = n.meta.get(NO_GRAD_WRITE)
         before = written_before(n) if write is not None else None
@@ -157,11 +162,19 @@ def has_leaves(forward: GraphModule) -> bool:
 
 def _differentiated(forward: GraphModule, sig: Signature, wrt_outputs: str) -> list[Node]:
     """The forward nodes whose tangents the JVP graph returns: the loss (and the model's
-    outputs for ``wrt_outputs="outputs"``, or when there is no loss), floating ones only."""
-    nodes = {n.name: n for n in forward.graph.nodes}
+    outputs for ``wrt_outputs="outputs"``, or when there is no loss), floating ones only.
+    They are looked up from the graph's end, where the loss and the outputs are, not over
+    the whole flat forward."""
     diff_names = [sig.loss] if sig.loss else []
     if wrt_outputs == "outputs" or not diff_names:
         diff_names += [o for o in sig.outputs if o not in diff_names]
+    wanted = set(diff_names)
+    nodes: dict[str, Node] = {}
+    for n in reversed(forward.graph.nodes) if wanted else ():
+        if n.name in wanted:
+            nodes[n.name] = n
+            if len(nodes) == len(wanted):
+                break
     return [nodes[n] for n in diff_names if _is_float(nodes[n].meta.get("val"))]
 
 

@@ -36,7 +36,7 @@ import copy
 import itertools
 import operator
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,7 +44,13 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.blocks import call_keys
-from graphflop.ad.builder import base_name, copy_node, emit_named, take_name, take_names
+from graphflop.ad.builder import (
+    NamePlan,
+    base_name,
+    copy_node,
+    emit_named,
+    take_name,
+)
 from graphflop.ad.functions import FunctionEntry
 from graphflop.ad.simplify import fold_graph
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
@@ -1006,6 +1012,22 @@ class _First:
     order: list[tuple]
 
 
+_FAST_ARGS = hasattr(Node, "_update_args_kwargs")
+
+
+def _set_arg(n: Node, idx: int, value: Any) -> None:
+    """``n.update_arg(idx, value)`` without fx's re-filing of ``n`` in its graph's find_nodes
+    table (``Node.__setattr__``), whose key (op and target) an argument does not change: a
+    fifth of a getitem's update, done per getitem of every call when the calls are numbered
+    (:meth:`DirectRecorder.finish`, :meth:`DirectRecorder.clean`)."""
+    if not _FAST_ARGS:  # pragma: no cover - a PyTorch without the private setter
+        n.update_arg(idx, value)
+        return
+    args = list(n.args)
+    args[idx] = value
+    n._update_args_kwargs(tuple(args), n.kwargs)
+
+
 def _outside(inside: set[Node]) -> Callable[[Node], bool]:
     return lambda u: u not in inside
 
@@ -1108,26 +1130,28 @@ class DirectRecorder:
         site: int,
         args: list[Any],
         exposed: list[int],
-        candidates: Iterable[str],
+        names: NamePlan,
+        given: Sequence[str] = (),
         logged: tuple[int, list[int]] | None = None,
     ) -> dict:
         """Emit at the end of ``g`` the call of ``handle``'s template at call site ``site``
         with values from outside ``args`` (in the handle's order): its ``graphflop::repeat``
         node and one getitem per template node in ``exposed`` (ascending; getitems nobody
-        reads are dropped by :meth:`finish`). ``candidates``: per template node, the name the
-        expander would have asked fx for in copying it (its op's base name, or the forward
-        node's name of a primal copy): the names fx gives are taken in ``g`` as the copies
-        would have taken them, so every later node of ``g`` is named as in the graph built
-        flat, and kept as the call's flat names. ``logged``: (the JVP log's length before the
+        reads are dropped by :meth:`finish`). ``names`` (with ``given``, the call's names of
+        its gaps): per template node, the name the expander would have asked fx for in
+        copying it (its op's base name, or the forward node's name of a primal copy): the
+        names fx gives are taken in ``g`` as the copies would have taken them
+        (:meth:`~graphflop.ad.builder.NamePlan.take`), so every later node of ``g`` is named
+        as in the graph built flat, and kept as the call's flat names. ``logged``: (the JVP log's length before the
         call, the template positions the call logs), kept for :attr:`DerivedHierarchy.log`.
         Returns template node position -> getitem, each with that node's annotations made the
         call's."""
         c = self._call(site, handle)
         number = len(self.calls)
         self.calls.append(c)
-        names: list[str | None] = take_names(g, candidates)  # type: ignore[assignment]
+        taken: list[str | None] = names.take(g, given)  # type: ignore[assignment]
         rep = emit_named(g, self.call_op, (list(args), number), "repeat_call")
-        self.names[rep] = names
+        self.names[rep] = taken
         if logged is not None:
             self.marks.append((logged[0], rep, logged[1]))
         items = {}
@@ -1200,7 +1224,7 @@ class DirectRecorder:
                 number = n.args[1]
                 calls.append(self.calls[number] if number >= 0 else firsts[-1 - number])
                 self.call_names.append(tuple(self.names[n]))
-                n.update_arg(1, len(calls) - 1)
+                _set_arg(n, 1, len(calls) - 1)
         self.calls = calls
         return moved
 
@@ -1306,10 +1330,10 @@ class DirectRecorder:
                 calls.append(DerivedCall(c.site, gi, c.modules, c.sources, c.tags))
                 was = self.call_names[n.args[1]]
                 call_names.append(tuple([None if i is None else was[i] for i in templates[gi][3]]))
-                n.update_arg(1, len(calls) - 1)
+                _set_arg(n, 1, len(calls) - 1)
                 index = templates[gi][1]
                 for u in list(n.users):
-                    u.update_arg(1, index[u.args[1]])
+                    _set_arg(u, 1, index[u.args[1]])
         self.templates = [t[0] for t in templates]
         self.calls = calls
         self.call_names = call_names
@@ -1335,7 +1359,7 @@ class DirectRecorder:
                 if group_of[n] == len(keys):
                     keys.append((t, seeds))
                 if len(used) != len(n.args[0]):
-                    n.update_arg(0, [a for j, a in enumerate(n.args[0]) if j in used])
+                    _set_arg(n, 0, [a for j, a in enumerate(n.args[0]) if j in used])
             elif not n.users and not n.is_impure():
                 g.erase_node(n)
         return keys, group_of
