@@ -8,7 +8,8 @@ a, b ≤ 0 is such a point: hypot's cotangent is 0/0 = NaN. Leaky ReLU multiplie
 (``where(x > 0, g, g·slope)``): graphflop's NaN there is eager's. And the FLOPs of ReLU's JVP and
 backward graphs, counted by hand (docs/flops_conventions.md): the select costs what the product
 it replaced did. Maximum and minimum (``masked_fill`` in eager's backward) and hardswish
-(``hardswish_backward``'s regions) select too, their counts by hand."""
+(``hardswish_backward``'s regions) select too, their counts by hand, and so does hardsigmoid
+(0 at ±3, as ``hardsigmoid_backward``)."""
 
 from __future__ import annotations
 
@@ -348,3 +349,48 @@ def test_hardswish_kept_whole_and_its_flops_by_hand():
     # = 90; JVP: the primal 90; x <= -3, x < 3, x/3, + 1/2, the coefficient's select, the
     # select and the product 7·15; the loss tangent's sum 15: 210; backward 7·15 = 105
     assert _flops(F.hardswish, (x,)) == (90, 210, 105)
+
+
+# hardsigmoid: eager's hardsigmoid_backward selects (1/6 strictly between -3 and 3, 0 elsewhere,
+# the bounds included); graphflop traced PyTorch's decomposition clamp(x + 3, 0, 6)/6, whose
+# clamps pass their bounds: 1/6 at x = ±3
+HSIG_X = _t(-4.0, -3.0, 0.0, 3.0, 4.0)
+
+
+def test_hardsigmoid_derivatives_at_its_bounds_as_eager():
+    # the gradient of Σ hardsigmoid(x) by hand: 1/6 at 0 only
+    x = HSIG_X
+    _, (grad,) = _derivatives(F.hardsigmoid, (x,), (torch.ones(5, dtype=torch.float64),))
+    leaf = x.clone().requires_grad_()
+    (ref,) = torch.autograd.grad(F.hardsigmoid(leaf).sum(), [leaf])
+    expect = _t(0.0, 0.0, 1.0 / 6.0, 0.0, 0.0)
+    _same(grad, expect)
+    # eager's CPU kernel multiplies by 1/6 rounded to float32, in float64 too: 3e-8 relative
+    torch.testing.assert_close(ref, expect, rtol=1e-7, atol=0.0)
+    # NaN and infinite tangents outside give 0 (torch.func.jvp), inside NaN stays NaN
+    tx = _t(NAN, INF, NAN, -INF, 2.0)
+    got_t, _ = _derivatives(F.hardsigmoid, (x,), (tx,))
+    ref_t, _ = _eager(F.hardsigmoid, (x,), (tx,))
+    torch.testing.assert_close(got_t, ref_t, rtol=1e-7, atol=0.0, equal_nan=True)
+    assert torch.equal(got_t[[0, 1, 3, 4]], _t(0.0, 0.0, 0.0, 0.0)) and got_t[2].isnan()
+    # a NaN cotangent outside gives 0: hypot(hardsigmoid(x), 0) at hardsigmoid(x) = 0 (x = -4, -3)
+    c = torch.zeros(5, dtype=torch.float64)
+
+    def f(u, c):
+        return torch.hypot(F.hardsigmoid(u), c)
+
+    _, got = _derivatives(f, (x, c), (torch.ones(5, dtype=torch.float64), c))
+    leaves = [v.clone().requires_grad_() for v in (x, c)]
+    ref = torch.autograd.grad(f(*leaves).sum(), leaves)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-7, atol=0.0, equal_nan=True)
+    assert torch.equal(got[0][:2], _t(0.0, 0.0))
+
+
+def test_hardsigmoid_kept_whole_and_its_flops_by_hand():
+    x = torch.randn(3, 5, dtype=torch.float64)  # N = 15 elements
+    fwd, _, _ = _graphs(F.hardsigmoid, (x,))
+    assert torch.ops.aten.hardsigmoid.default in {n.target for n in fwd.graph.nodes}
+    # forward: hardsigmoid 4·15 (the parts it was traced as: + 3, two clamps, /6) + loss 15
+    # = 75; JVP: the primal 75; x > -3, x < 3, logical_and, /6, the select 5·15; the loss
+    # tangent's sum 15: 165; backward 5·15 = 75
+    assert _flops(F.hardsigmoid, (x,)) == (75, 165, 75)

@@ -1,6 +1,7 @@
 """Derivatives at exact zeros, element by element against eager PyTorch: ``prod`` (one zero, two
 zeros, a whole row or column of zeros, along the reduced dim and across it), ``atan2`` and
-``hypot`` at the origin (signed zeros, underflowing and subnormal squares). Gradients against
+``hypot`` at the origin (signed zeros, underflowing and subnormal squares), the 2-norm
+(``F.normalize``, ``F.cosine_similarity``) and ``std`` at a zero row, ``sinc`` at 0. Gradients against
 ``torch.autograd.grad`` of the summed output, tangents against ``torch.func.jvp``; where eager's
 value is NaN or infinite graphflop's must be the same unless the other mode of eager's is finite
 there (then it must agree with that one). And the FLOPs of the JVP and backward graphs of
@@ -158,3 +159,84 @@ def test_atan2_jvp_and_backward_flops_by_hand():
     # tangent's sum 15: 30 + 135 + 45 + 15 = 225
     # backward: the coefficients 135, one product per argument 2·15: 165
     assert _flops(torch.atan2, (y, x)) == (30, 225, 165)
+
+
+# the 2-norm, normalize, cosine similarity and std at a zero (std: constant) row, sinc at 0:
+# eager's backward masks the zero (linalg_vector_norm_backward, std_backward, sinc_backward
+# give 0 there, normalize and cosine_similarity then finite through their eps clamp), where
+# PyTorch's decompositions (sqrt of a sum of squares, sqrt of var, a where over sin(πx)/(πx))
+# differentiated give 0·inf = NaN. Rows of a (3, 4) input: row 1 exactly zero (std: row 1
+# constant, 2.0)
+def _zero_row(value=0.0):
+    x = _with_zeros((3, 4))
+    x[1] = value
+    return x
+
+
+NORM_CASES = {
+    "norm_dim": (lambda x: x.norm(dim=1), _zero_row()),
+    "norm_keepdim_times_x": (lambda x: x.norm(dim=1, keepdim=True) * x, _zero_row()),
+    "vector_norm_all": (lambda x: torch.linalg.vector_norm(x * 0.0), _zero_row()),
+    "normalize": (lambda x: torch.nn.functional.normalize(x, dim=1), _zero_row()),
+    "cosine_similarity": (
+        lambda x: torch.nn.functional.cosine_similarity(x, x.flip(0) + 0.5, dim=1),
+        _zero_row(),
+    ),
+    "std_dim": (lambda x: x.std(dim=1), _zero_row(2.0)),
+    "std_keepdim_times_x": (lambda x: x.std(dim=1, keepdim=True) * x, _zero_row(2.0)),
+    "sinc": (torch.sinc, _with_zeros((3, 4), (0, 1), (2, 3))),
+}
+
+
+@pytest.mark.parametrize("case", list(NORM_CASES))
+def test_norm_std_sinc_gradients_at_zero_match_eager(case):
+    f, x = NORM_CASES[case]
+    tangents = _tangents((x,))
+    got_t, (got_g,) = _derivatives(f, (x,), tangents)
+    ref_t, (ref_g,) = _eager(f, (x,), tangents)
+    # eager's are finite here (its forward mode masks the zero as its backward does)
+    assert ref_g.isfinite().all() and ref_t.isfinite().all()
+    _same(got_g, ref_g)
+    _same(got_t, ref_t)
+
+
+def test_norm_std_sinc_gradient_at_zero_by_hand():
+    x = _zero_row()
+    # d Σ‖xᵢ‖ / dx = xᵢ / ‖xᵢ‖, 0 on the zero row (norm_backward's mask)
+    _, (g,) = _derivatives(lambda u: u.norm(dim=1), (x,), _tangents((x,)))
+    _same(g, x / x.norm(dim=1, keepdim=True).clamp_min(1e-300))
+    assert torch.equal(g[1], torch.zeros(4, dtype=torch.float64))
+    # std of a constant row: 0 (std_backward's mask)
+    _, (g,) = _derivatives(lambda u: u.std(dim=1), (_zero_row(2.0),), _tangents((x,)))
+    assert torch.equal(g[1], torch.zeros(4, dtype=torch.float64)) and g.isfinite().all()
+    # sinc'(0) = 0; sinc'(1/2) = (π/2·cos(π/2) − sin(π/2)) / (π/2 · 1/2) = −4/π
+    pts = torch.tensor([0.0, 0.5], dtype=torch.float64)
+    _, (g,) = _derivatives(torch.sinc, (pts,), _tangents((pts,)))
+    _same(g, torch.tensor([0.0, -4.0 / torch.pi], dtype=torch.float64))
+
+
+def test_norm_std_sinc_kept_whole_and_their_flops_by_hand():
+    x = _with_zeros((3, 5))  # N = 15 elements, R = 3 rows
+    aten = torch.ops.aten
+    for f, op in (
+        (lambda u: u.norm(dim=1), aten.linalg_vector_norm.default),
+        (lambda u: u.std(dim=1), aten.std.correction),
+        (torch.sinc, aten.sinc.default),
+    ):
+        fwd, _, _ = _graphs(f, (x,))
+        assert op in {n.target for n in fwd.graph.nodes}
+    # norm: forward x² and the sum 2·15, the square root 3, + the sum loss 3 = 36
+    # JVP: the primal 36; x·ẋ 15, its sum 15; == 0, the safe norm, the divide, the select 4·3;
+    # the loss tangent's sum 3: 36 + 30 + 12 + 3 = 81
+    # backward: the select, the divide, == 0, the safe norm 4·3; ·x 15 (expands 0): 27
+    assert _flops(lambda u: u.norm(dim=1), (x,)) == (36, 81, 27)
+    # std: forward var 15 + 3, sqrt 3, + the loss 3 = 24
+    # JVP: the primal 24; var's tangent: mean 15 + 3, x − mean 15, ·2/(n − 1) 15, ·ẋ 15, sum
+    # 15 = 78; == 0, 2·std, the safe value, the divide, the select 5·3 = 15; the loss tangent 3:
+    # 24 + 78 + 15 + 3 = 120
+    # backward: 5·3 = 15; var's: mean 18, x − mean 15, ·2/(n − 1) 15, the product 15: 78
+    assert _flops(lambda u: u.std(dim=1), (x,)) == (24, 120, 78)
+    # sinc: forward 5·15 (πx, == 0, sin, the divide, the select) + the loss 15 = 90
+    # JVP: the primal 90; πx, cos, the product, sin, −, πx·x, the divide, == 0, where: 9·15;
+    # ·ẋ 15; the loss tangent 15: 90 + 135 + 15 + 15 = 255; backward 10·15 = 150
+    assert _flops(torch.sinc, (x,)) == (90, 255, 150)

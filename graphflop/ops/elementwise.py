@@ -4,13 +4,15 @@ one math-library call each, as pow); maximum and minimum split the derivative ha
 as PyTorch; comparisons, sign, rounding and integer bookkeeping (floor
 division, logical and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element,
 like ReLU), and so is hardtanh (1, as the clamp PyTorch decomposes it to; its derivative is not
-clamp's at the bounds), and hardswish (5, its decomposition's parts; its derivative selects);
+clamp's at the bounds), hardswish (5, its decomposition's parts; its derivative selects),
+hardsigmoid (4, its decomposition's parts; its derivative selects, 0 at ±3) and sinc (5, its
+decomposition's parts, float32/float64; its derivative 0 at 0, as eager's ``sinc_backward``);
 GELU, SiLU, ELU, dropout, softplus and mish decompose into the ops
 here (the decompositions graphflop chooses are at the end of this file).
 
 JVP rules write the tangent as ``tangent * coefficient``, where the coefficient is a primal-only
 value (``coef`` node), or, where PyTorch's derivative selects rather than multiplies by a 0/1
-mask (ReLU, clamp, hardtanh, hardswish, maximum, minimum), as ``where(mask, tangent, 0)``, so
+mask (ReLU, clamp, hardtanh, hardswish, hardsigmoid, maximum, minimum), as ``where(mask, tangent, 0)``, so
 that a NaN or infinite tangent or cotangent at a masked-off element gives 0 there as in
 PyTorch; every tangent node is linear in the tangents and transposes with the rules of
 ``mul``/``div``/``where``.
@@ -33,6 +35,7 @@ from graphflop.ops.registry import (
     keep_in_graph,
     register,
     register_decomposition,
+    torch_decomposition,
     use_torch_decomposition,
 )
 
@@ -710,6 +713,71 @@ def _jvp_hardswish(b, out, args, tangents, kwargs):
     # the select before the product in the JVP, so that it comes last in the transpose: the
     # gradient below -3 is +0, as eager's (the JVP's is -0 there, the coefficient negative)
     return _scale(b, _keep_unless(b, tangents[0], b.call(aten.le.Scalar, x, -3)), coef)
+
+
+# hardsigmoid is kept whole rather than traced as PyTorch's decomposition (clamp(x + 3, 0, 6)/6),
+# whose clamps pass their bounds (1/6 at x = ±3, where eager's hardsigmoid_backward gives 0)
+keep_in_graph(aten.hardsigmoid.default)
+#: 4 FLOPs per element, the parts of the decomposition it was traced as (+ 3, the two clamps,
+#: the divide)
+register(aten.hardsigmoid.default, F, per_output(4))
+
+
+@def_jvp(aten.hardsigmoid.default)
+def _jvp_hardsigmoid(b, out, args, tangents, kwargs):
+    """``where(-3 < x < 3, dx / 6, 0)``: PyTorch's ``hardsigmoid_backward`` (``torch._decomp``'s
+    and the CPU kernel's), also its forward-mode rule (``auto_element_wise``): 1/6 strictly
+    between -3 and 3, 0 elsewhere, the bounds included (the decomposition's clamps passed them:
+    1/6 at x = ±3). A select, so a NaN or infinite tangent or cotangent outside gives 0, as
+    eager; a NaN x gives 0 (both comparisons false), as eager. Per element: two comparisons,
+    ``logical_and``, the divide and the select, 5 in the JVP and in the backward, as the
+    decomposition's derivative counted (two clamps' comparison and select, the divide)."""
+    x = args[0]
+    inside = b.call(
+        aten.logical_and.default, b.call(aten.gt.Scalar, x, -3), b.call(aten.lt.Scalar, x, 3)
+    )
+    return _keep(b, b.call(aten.div.Tensor, tangents[0], 6.0), inside)
+
+
+# sinc is kept whole (float32/float64) rather than traced as PyTorch's decomposition,
+# where(πx == 0, 1, sin(πx)/(πx)), whose derivative at 0 is the unselected quotient's 0·inf (NaN)
+@register_decomposition(aten.sinc.default)
+def _sinc(x):
+    """``sinc`` of a float32/float64 tensor stays one op (its rules below); other dtypes as
+    PyTorch's decomposition (computed in float32)."""
+    if x.dtype in FULL_PRECISION:
+        return NotImplemented
+    fallback = torch_decomposition(aten.sinc.default)
+    assert fallback is not None  # PyTorch decomposes it (torch._refs)
+    return fallback(x)
+
+
+#: 5 FLOPs per element, one a transcendental: the parts of the decomposition it was traced as
+#: (π·x, the test against 0, sin, the divide, the select)
+register(
+    aten.sinc.default,
+    F,
+    lambda out, *a, **k: NodeCost(flops=5 * numel(out), transcendentals=numel(out)),
+)
+
+
+@def_jvp(aten.sinc.default)
+def _jvp_sinc(b, out, args, tangents, kwargs):
+    """``dx · c``, ``c = where(x == 0, 0, (πx·cos(πx) − sin(πx)) / (πx·x))``: PyTorch's
+    ``sinc_backward`` (derivatives.yaml: the coefficient masked to 0 at x = 0, then multiplied
+    by the gradient), also its forward-mode rule. The coefficient is primal-only. Per element:
+    πx, cos, the product, sin, the subtract, πx·x, the divide, the test and the select (9, two
+    transcendentals), and the product by the tangent (1): 10 in the JVP and in the backward."""
+    x = args[0]
+    px = b.call(aten.mul.Tensor, x, math.pi)
+    num = b.call(
+        aten.sub.Tensor,
+        b.call(aten.mul.Tensor, px, b.call(aten.cos.default, px)),
+        b.call(aten.sin.default, px),
+    )
+    ratio = b.call(aten.div.Tensor, num, b.call(aten.mul.Tensor, px, x))
+    coef = b.call(aten.where.ScalarSelf, b.call(aten.eq.Scalar, x, 0), 0.0, ratio)
+    return _scale(b, tangents[0], coef)
 
 
 @def_jvp(aten.clamp.default)

@@ -1,6 +1,8 @@
 """Normalisation ops. Layer norm, group norm, vector norms and batch norm without running
 statistics decompose into elementwise ops and reductions (counted as the sum of their parts,
-docs/flops_conventions.md; the decompositions are at the end of this file).
+docs/flops_conventions.md; the decompositions are at the end of this file). The 2-norm of a
+float32/float64 tensor stays one op, counted as the parts it was traced as, whose derivative is
+0 where the norm is 0, as eager's (the decomposition's ``pow(s, 0.5)`` gave 0·inf there).
 
 Batch norm stays one op, as eager PyTorch runs it (one kernel), counted as the parts PyTorch's
 decomposition (``torch._decomp``) makes of it:
@@ -30,7 +32,7 @@ import math
 import torch
 
 from graphflop.meta import PARAM_DERIVED, NodeCost
-from graphflop.ops._common import FULL_PRECISION, bind, numel, shape
+from graphflop.ops._common import FULL_PRECISION, bind, norm_dims, numel, shape, value
 from graphflop.ops.registry import (
     def_jvp,
     register,
@@ -154,8 +156,60 @@ def _jvp_bn_train(b, out, args, tangents, kwargs):
 use_torch_decomposition(
     aten._native_batch_norm_legit.no_stats,
     aten.native_layer_norm,
-    aten.linalg_vector_norm,
 )
+
+# --- the 2-norm: one op, whose derivative is 0 where the norm is 0 --------------------------------
+_VECTOR_NORM = aten.linalg_vector_norm.default
+
+
+def _is_kept_2norm(x, ord, dtype) -> bool:
+    """Whether ``linalg_vector_norm(x, ord, ..., dtype=dtype)`` is kept whole: the 2-norm of a
+    float32 or float64 tensor, computed in its own dtype."""
+    return ord == 2 and x.dtype in FULL_PRECISION and (dtype is None or dtype == x.dtype)
+
+
+@register_decomposition(_VECTOR_NORM)
+def _vector_norm(x, ord=2, dim=None, keepdim: bool = False, *, dtype=None):
+    """The 2-norm of a float32/float64 tensor stays one op (its rules below); every other
+    order and dtype is traced as PyTorch's decomposition. Through the decomposition,
+    ``pow(sum(x²), 0.5)``, the 2-norm's derivative at a zero norm is ``0·inf`` (NaN), where
+    eager's ``linalg_vector_norm_backward`` gives 0 (it masks the zero norm)."""
+    if _is_kept_2norm(x, ord, dtype):
+        return NotImplemented
+    fallback = torch_decomposition(_VECTOR_NORM)
+    assert fallback is not None  # PyTorch decomposes it (torch._decomp)
+    return fallback(x, ord, dim, keepdim, dtype=dtype)
+
+
+def _vector_norm_cost(out, x, *args, **kwargs):
+    """The parts of the decomposition it was traced as, ``pow(pow(|x|, 2).sum(), 0.5)``: per
+    input element the square and the add of the sum (2), per output element the square root
+    (1); the two ``pow`` are transcendentals (n + m), as ``pow`` is everywhere."""
+    n, m = numel(x), numel(out)
+    return NodeCost(flops=2 * n + m, transcendentals=n + m)
+
+
+register(_VECTOR_NORM, F, _vector_norm_cost)
+
+
+@def_jvp(_VECTOR_NORM)
+def _jvp_vector_norm(b, out, args, tangents, kwargs):
+    """``where(‖x‖ == 0, 0, Σ x·ẋ / ‖x‖)`` over the reduced dims: PyTorch's
+    ``linalg_vector_norm_backward`` for the 2-norm (``norm_backward``: ``self · grad / norm``,
+    masked to 0 where the norm is 0), also its forward-mode rule (``norm_jvp``). The divide is
+    by ``where(‖x‖ == 0, 1, ‖x‖)``, so that the transpose (the backward) divides the selected
+    cotangent by a finite value; the select makes a NaN or infinite tangent or cotangent at a
+    zero norm give 0, as eager. Per input element the product and the sum (2), per output
+    element the comparison, the safe norm, the divide and the select (4)."""
+    a = bind(_VECTOR_NORM, args, kwargs)
+    assert _is_kept_2norm(value(a.self), a.ord, a.dtype)
+    if tangents[0] is None:
+        return None
+    dims = norm_dims(a.dim, len(shape(a.self)))
+    s = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, tangents[0], a.self), dims, a.keepdim)
+    zero = b.call(aten.eq.Scalar, out, 0)
+    safe = b.call(aten.where.ScalarSelf, zero, 1.0, out)
+    return b.call(aten.where.ScalarSelf, zero, 0.0, b.call(aten.div.Tensor, s, safe))
 
 
 @register_decomposition(aten.native_layer_norm.default, dtypes=FULL_PRECISION)

@@ -1,7 +1,9 @@
 """Reductions: sum, mean, amax/amin, max/min along a dim, argmax/argmin, any/all, var,
 var_mean, prod, cumsum, cumprod, cummax, cummin, logcumsumexp, histc. 1 FLOP per input element; mean
 adds 1 per output element (docs/flops_conventions.md). ``var_mean`` is counted as a mean plus a
-variance: 2 per input element and 2 per output element (the two divides). ``cumsum`` and
+variance: 2 per input element and 2 per output element (the two divides); ``std`` of a
+float32/float64 tensor is one op, ``var`` and a square root, its derivative 0 where it is 0 (as
+eager's ``std_backward``; the decomposition's sqrt gave 0·inf there). ``cumsum`` and
 ``cumprod`` are 1 per input element, and so is ``prod`` (one multiply each, as a sum's one add
 each); ``prod``'s tangent is ``sum(dx · ∏ of the others)``, the product of the others exact at
 zeros (7 FLOPs per input element, :func:`_others_product`); cumsum's transpose is a reversed
@@ -27,9 +29,16 @@ import math
 import torch
 
 from graphflop.meta import NodeCost
-from graphflop.ops._common import bind, norm_dims, numel, per_input, shape
+from graphflop.ops._common import FULL_PRECISION, bind, norm_dims, numel, per_input, shape
 from graphflop.ops._common import dtype as dtype_of
-from graphflop.ops.registry import def_jvp, def_transpose, def_zero, register
+from graphflop.ops.registry import (
+    def_jvp,
+    def_transpose,
+    def_zero,
+    register,
+    register_decomposition,
+    torch_decomposition,
+)
 
 aten = torch.ops.aten
 F = "reduction"
@@ -187,6 +196,49 @@ def _jvp_var(b, out, args, tangents, kwargs):
     mean = b.call(aten.mean.dim, x, dims, True)
     coef = b.call(aten.mul.Tensor, b.call(aten.sub.Tensor, x, mean), 2.0 / max(n - correction, 1))
     return b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, tangents[0], coef), dims, keepdim)
+
+
+# --- standard deviation: one op, whose derivative is 0 where it is 0 ------------------------------
+
+
+@register_decomposition(aten.std.correction)
+def _std(x, *args, **kwargs):
+    """``std`` of a float32/float64 tensor stays one op (its rules below); other dtypes are
+    traced as PyTorch's decomposition (``sqrt(var(x))`` computed in float32). Through the
+    decomposition, the derivative at a zero standard deviation (a constant row) is ``0·inf``
+    (NaN) from sqrt's, where eager's ``std_backward`` gives 0 (it masks ``std == 0``)."""
+    if x.dtype in FULL_PRECISION:
+        return NotImplemented
+    fallback = torch_decomposition(aten.std.correction)
+    assert fallback is not None  # PyTorch decomposes it (torch._decomp)
+    return fallback(x, *args, **kwargs)
+
+
+#: the parts of the decomposition it was traced as: ``var`` (1 per input element, 1 per output
+#: element) and the square root (1 per output element, a transcendental)
+def _std_cost(out, x, *args, **kwargs) -> NodeCost:
+    m = numel(out)
+    return NodeCost(flops=numel(x) + 2 * m, transcendentals=m)
+
+
+register(aten.std.correction, F, _std_cost)
+
+
+@def_jvp(aten.std.correction)
+def _jvp_std(b, out, args, tangents, kwargs):
+    """``where(std == 0, 0, var' / (2·std))``, ``var'`` as :func:`_jvp_var`: PyTorch's
+    ``std_backward`` (``var_backward((grad / (result · 2)).masked_fill_(result == 0, 0))``), and
+    its forward-mode rule. The divide is by ``where(std == 0, 1, 2·std)``, so that the transpose
+    divides the selected cotangent by a finite value; the select makes a NaN or infinite tangent
+    or cotangent at a zero standard deviation give 0, as eager. Per output element the
+    comparison, the doubling, the safe value, the divide and the select (5), where sqrt's rule
+    had the doubling and the divide (2); ``var'`` unchanged."""
+    if tangents[0] is None:
+        return None
+    t_var = _jvp_var(b, out, args, tangents, kwargs)
+    zero = b.call(aten.eq.Scalar, out, 0)
+    safe = b.call(aten.where.ScalarSelf, zero, 1.0, b.call(aten.mul.Tensor, out, 2.0))
+    return b.call(aten.where.ScalarSelf, zero, 0.0, b.call(aten.div.Tensor, t_var, safe))
 
 
 # --- max/min along a dim (values and indices), argmax/argmin, any/all ---------------------------

@@ -121,6 +121,7 @@ ONE_BACKWARD_KERNEL = frozenset(
         _aten.threshold.default,
         _aten.hardtanh.default,
         _aten.hardswish.default,
+        _aten.hardsigmoid.default,
         _aten.leaky_relu.default,
         _aten.sigmoid.default,
         _aten.tanh.default,

@@ -214,8 +214,9 @@ REDUCTION_MORE = [
             lambda s, x: torch.std(x * s.w, (0, 2), keepdim=True) * s.r, {"w": W}, {"r": (1, 3, 1)}
         ),
         (X,),
-        flops=24 + (24 + 3) + 3 + 3,  # mul; var (1 per input, divide per output); sqrt; r
-        aten=("aten.var.correction", "aten.sqrt.default"),
+        # mul; std kept whole, as var (1 per input, divide per output) and sqrt; r
+        flops=24 + (24 + 3) + 3 + 3,
+        aten=("aten.std.correction",),
     ),
     OpCase(
         "min_dim_keepdim",
@@ -280,9 +281,9 @@ REDUCTION_MORE = [
             lambda s, x: torch.linalg.vector_norm(x * s.w, dim=-1) * s.r, {"w": W}, {"r": (2, 3)}
         ),
         (X,),
-        # mul 24; x ** 2: 24; sum 24; ** 0.5: 6; readout 6
+        # mul 24; the 2-norm kept whole, as x ** 2: 24; sum 24; ** 0.5: 6; readout 6
         flops=24 + 24 + 24 + 6 + 6,
-        aten=("aten.sum.dim_IntList", "aten.pow.Tensor_Scalar"),
+        aten=("aten.linalg_vector_norm.default",),
     ),
 ]
 
@@ -358,8 +359,8 @@ VECTOR_NORM_MORE = [
             {"r": (3,)},
         ),
         (X,),
-        flops=24 + 24 + 24 + 3 + 3,  # mul; x ** 2; sum; ** 0.5 on 3; readout
-        aten=("aten.pow.Tensor_Scalar", "aten.sum.dim_IntList"),
+        flops=24 + 24 + 24 + 3 + 3,  # mul; the 2-norm as x ** 2, sum, ** 0.5 on 3; readout
+        aten=("aten.linalg_vector_norm.default",),
     ),
 ]
 
