@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph
 
 from graphflop.ad import builder
-from graphflop.ad.builder import fake_output, placeholder, shape_cache_scope
+from graphflop.ad.builder import fake_output, new_node, placeholder, shape_cache_scope
 from graphflop.meta import fake_mode_of, fresh_fake
 from graphflop.ops.tree import meta_key
 
@@ -38,6 +38,53 @@ def test_placeholder_names_as_fx():
         "y_1",
         "_1",
     ]
+
+
+def test_new_node_as_create_node():
+    """``new_node`` (the builders' node constructor) makes the node fx's ``create_node`` makes:
+    name, op, target, arguments, users, place in the graph (appended, or at an insert point),
+    the graph's length and find_nodes table, its code."""
+    aten = torch.ops.aten
+
+    def build(make):
+        g = Graph()
+        x = make(g, "placeholder", "x", "x", (), {})
+        w = make(g, "placeholder", "p_w", "p_w", (), {})
+        m1 = make(g, "call_function", aten.mul.Tensor, "mul_tensor", (x, 2.0), {})
+        m2 = make(g, "call_function", aten.mul.Tensor, "mul_tensor", (m1, w), {})
+        s = make(g, "call_function", aten.sum.dim_IntList, "sum", (m2, [0]), {"keepdim": True})
+        a = make(g, "call_function", aten.add.Tensor, "mul_tensor_1", (s, x), {"alpha": 2})
+        k = make(g, "call_function", aten.add.Tensor, "for", (a, w), {})
+        with g.inserting_before(m1):  # at an insert point
+            make(g, "call_function", aten.neg.default, "neg", (x,), {})
+        g.output(k)
+        return g
+
+    def fx(g, op, target, name, args, kwargs):
+        return g.create_node(op, target, args, kwargs, name=name)
+
+    ours, theirs = build(new_node), build(fx)
+
+    def rows(g):
+        return [
+            (n.name, n.op, n.target, str(n.args), str(n.kwargs), list(n.users)) for n in g.nodes
+        ]
+
+    assert str(rows(ours)) == str(rows(theirs))
+    # worked out from fx's rules: ``mul_tensor`` taken (numbered on: its base's next number,
+    # 1, then 2 where ``mul_tensor_1`` is asked for), ``sum`` (a builtin's) and ``for`` (a
+    # keyword) numbered even where free
+    assert [n.name for n in ours.nodes] == [
+        *("x", "p_w", "neg", "mul_tensor", "mul_tensor_1", "sum_1", "mul_tensor_2", "for_1"),
+        "output",
+    ]
+    assert ours._len == theirs._len == 9
+    assert ours.find_nodes(op="call_function", target=aten.mul.Tensor) == [
+        n for n in ours.nodes if n.target is aten.mul.Tensor
+    ]
+    assert [n.name for n in ours.find_nodes(op="placeholder")] == ["x", "p_w"]
+    ours.lint()
+    assert ours.python_code("self").src == theirs.python_code("self").src
 
 
 def test_fake_mode_of_breadth_first_and_lazy():

@@ -71,9 +71,7 @@ def emit_named(
     over the arguments."""
     if not _FAST_ARGS:  # pragma: no cover - a PyTorch without the private setter
         return graph.create_node("call_function", target, args, kwargs, name=name)
-    node = graph.create_node("call_function", target, name=name)
-    node._update_args_kwargs(args, kwargs or {})
-    return node
+    return new_node(graph, "call_function", target, name, args, kwargs or {})
 
 
 def placeholder(graph: Graph, name: str) -> Node:
@@ -81,7 +79,7 @@ def placeholder(graph: Graph, name: str) -> Node:
     it changes nothing (a name of lower-case letters, digits and underscores that is not
     ``__magic__``: fx's snake case and lower case keep it as it is)."""
     if name.islower() and not (name.startswith("__") and name.endswith("__")):
-        return graph.create_node("placeholder", name, name=name)
+        return new_node(graph, "placeholder", name, name, (), {})
     return graph.placeholder(name)
 
 
@@ -97,6 +95,60 @@ def base_name(graph: Graph, target: Any) -> str:
     return name
 
 
+#: whether this torch.fx has the parts :func:`new_node` makes a node with (the C base's
+#: constructor, the argument setter, the graph's insert point, namespace and find_nodes table)
+_NodeBase = getattr(torch._C, "_NodeBase", None)
+_PARTS = (
+    _FAST_ARGS
+    and _NodeBase is not None
+    and all(
+        hasattr(Graph(), a)
+        for a in (
+            "_insert",
+            "_find_nodes_lookup_table",
+            "_len",
+            "_graph_namespace",
+            "_owning_module",
+        )
+    )
+)
+
+
+def new_node(
+    graph: Graph,
+    op: str,
+    target: Any,
+    name: str,
+    args: tuple,
+    kwargs: dict,
+    type_expr: Any = None,
+) -> Node:
+    """``graph.create_node(op, target, args, kwargs, name=name, type_expr=type_expr)`` for
+    valid arguments (a callable ``target`` of a ``call_function``, a string one otherwise): the
+    name taken as fx takes it (:func:`take_names`, without its regular expression for the
+    names graphflop asks for: a :func:`base_name` or one fx made, ``base_<number>``), the node
+    made by the C base's constructor (``Node.__init__``'s checks of the target are the
+    caller's) and filed as ``create_node`` files it, without its walk over the arguments for
+    SymInts (graphflop's graphs have static shapes). About half of what ``create_node`` costs,
+    which the derivative and update builders pay once per node. ``create_node`` itself where
+    ``graph`` has an owning module (its create-node hooks) or this torch.fx lacks the parts."""
+    if not _PARTS or graph._owning_module is not None:
+        node = graph.create_node(op, target, name=name, type_expr=type_expr)
+        node._update_args_kwargs(args, kwargs)
+        return node
+    taken = _take(graph._graph_namespace, name)
+    node = Node.__new__(Node)
+    _NodeBase.__init__(node, graph, taken, op, target, type_expr)
+    node._update_args_kwargs(args, kwargs)
+    graph._graph_namespace._obj_to_name[node] = taken
+    graph._insert(node)
+    graph._find_nodes_lookup_table.table[(op, target if op == "call_function" else None)][node] = (
+        None
+    )
+    graph._len += 1
+    return node
+
+
 def take_name(graph: Graph, candidate: str) -> str:
     """The name fx gives a node of ``graph`` made now with the name ``candidate``, taken
     (:func:`take_names` of one)."""
@@ -106,33 +158,41 @@ def take_name(graph: Graph, candidate: str) -> str:
 def take_names(graph: Graph, candidates: Iterable[str]) -> list[str]:
     """The names fx gives nodes of ``graph`` made now, one after the other, with the names
     ``candidates``, taken (``_Namespace.create_name`` of each, in half its time: without its
-    regular expression for a :func:`base_name` and for a name fx made, ``base_<number>``)."""
+    regular expression for a name of the two forms graphflop asks for, a plain identifier (a
+    :func:`base_name`, ``repeat_item``, a placeholder's name: no number at its end, not a
+    keyword's or a builtin's; fx takes it, or its base's next free number) and one fx made,
+    ``base_<number>``)."""
     ns = graph._graph_namespace
-    used, count, plain = ns._used_names, ns._base_count, _PLAIN
-    out = []
-    for candidate in candidates:
-        if candidate in plain:
+    return [_take(ns, candidate) for candidate in candidates]
+
+
+def _take(ns: Any, candidate: str) -> str:
+    """:func:`take_names` of one name in namespace ``ns`` (a graph's ``_graph_namespace``)."""
+    used, count = ns._used_names, ns._base_count
+    if candidate in _PLAIN:
+        base, num = candidate, count.get(candidate, 0)
+    else:
+        base, _, digits = candidate.rpartition("_")
+        ident = candidate.isascii() and candidate.isidentifier()
+        if ident and not digits.isdigit():  # fx's regular expression: no number
+            if candidate in _illegal_names:  # renamed even where free: fx's reading
+                return ns.create_name(candidate, None)
             base, num = candidate, count.get(candidate, 0)
+        elif not ident or not base or base[-1] == "_":
+            return ns.create_name(candidate, None)  # another form: fx's reading
+        elif candidate not in used:  # a numbered name still free is taken as it is
+            used.add(candidate)
+            count[base] = int(digits)
+            return candidate
         else:
-            base, _, digits = candidate.rpartition("_")
-            numbered = candidate.isascii() and candidate.isidentifier() and digits.isdigit()
-            if not numbered or not base or base[-1] == "_":
-                out.append(ns.create_name(candidate, None))  # another form: fx's reading
-                continue
-            if candidate not in used:  # a numbered name still free is taken as it is
-                used.add(candidate)
-                count[base] = int(digits)
-                out.append(candidate)
-                continue
             num = count.get(base, 0)
-        name = candidate
-        while name in used:
-            num += 1
-            name = f"{base}_{num}"
-        used.add(name)
-        count[base] = num
-        out.append(name)
-    return out
+    name = candidate
+    while name in used:
+        num += 1
+        name = f"{base}_{num}"
+    used.add(name)
+    count[base] = num
+    return name
 
 
 #: op -> the base of its nodes' names, as torch.fx derives it (fx makes it unique per graph)
@@ -153,8 +213,7 @@ def copy_node(
         return copied
     args = map_arg(node.args, arg_transform)
     kwargs = map_arg(node.kwargs, arg_transform)
-    new = graph.create_node(node.op, node.target, name=name or node.name, type_expr=node.type)
-    new._update_args_kwargs(args, kwargs)
+    new = new_node(graph, node.op, node.target, name or node.name, args, kwargs, node.type)
     # filled in place: assigning an attribute of a node in a graph re-files it in fx's
     # find_nodes table (Node.__setattr__), a fifth of what a copy costs
     meta = new.meta
