@@ -54,6 +54,9 @@ __all__ = [
 ]
 
 _FAST_ARGS = hasattr(Node, "_update_args_kwargs")
+#: ``torch.fx.map_arg`` without its Python frame (its check that the function is callable):
+#: the C function it calls, where this PyTorch has it
+_map_arg = getattr(torch._C, "_fx_map_arg", map_arg)
 
 
 def emit(graph: Graph, target: Any, args: tuple, kwargs: dict) -> Node:
@@ -122,6 +125,7 @@ def new_node(
     args: tuple,
     kwargs: dict,
     type_expr: Any = None,
+    taken: bool = False,
 ) -> Node:
     """``graph.create_node(op, target, args, kwargs, name=name, type_expr=type_expr)`` for
     valid arguments (a callable ``target`` of a ``call_function``, a string one otherwise): the
@@ -131,16 +135,23 @@ def new_node(
     caller's) and filed as ``create_node`` files it, without its walk over the arguments for
     SymInts (graphflop's graphs have static shapes). About half of what ``create_node`` costs,
     which the derivative and update builders pay once per node. ``create_node`` itself where
-    ``graph`` has an owning module (its create-node hooks) or this torch.fx lacks the parts."""
+    ``graph`` has an owning module (its create-node hooks) or this torch.fx lacks the parts.
+
+    ``taken``: ``name`` is the one fx would give, already taken in ``graph``'s namespace
+    (:func:`take_names` of the names of many nodes at once)."""
+    ns = graph._graph_namespace
     if not _PARTS or graph._owning_module is not None:
+        if taken:  # fx takes it again: as it is, the name being free and fx's form
+            ns._used_names.discard(name)
         node = graph.create_node(op, target, name=name, type_expr=type_expr)
         node._update_args_kwargs(args, kwargs)
         return node
-    taken = _take(graph._graph_namespace, name)
+    if not taken:
+        name = _take(ns, name)
     node = Node.__new__(Node)
-    _NodeBase.__init__(node, graph, taken, op, target, type_expr)
+    _NodeBase.__init__(node, graph, name, op, target, type_expr)
     node._update_args_kwargs(args, kwargs)
-    graph._graph_namespace._obj_to_name[node] = taken
+    ns._obj_to_name[node] = name
     graph._insert(node)
     graph._find_nodes_lookup_table.table[(op, target if op == "call_function" else None)][node] = (
         None
@@ -202,18 +213,25 @@ _PLAIN: set[str] = set()
 
 
 def copy_node(
-    graph: Graph, node: Node, arg_transform: Any = lambda a: a, name: str | None = None
+    graph: Graph,
+    node: Node,
+    arg_transform: Any = lambda a: a,
+    name: str | None = None,
+    taken: bool = False,
 ) -> Node:
     """``graph.node_copy(node, arg_transform)`` (same name, or ``name`` where given; arguments
-    mapped, a shallow copy of ``meta``) without the walk :func:`emit` skips."""
+    mapped, a shallow copy of ``meta``) without the walk :func:`emit` skips. ``taken``: the
+    name is already taken (:func:`new_node`)."""
     if not _FAST_ARGS:  # pragma: no cover
+        if taken:
+            graph._graph_namespace._used_names.discard(name or node.name)
         copied = graph.node_copy(node, arg_transform)
         if name is not None:
             copied._rename(name)
         return copied
-    args = map_arg(node.args, arg_transform)
-    kwargs = map_arg(node.kwargs, arg_transform)
-    new = new_node(graph, node.op, node.target, name or node.name, args, kwargs, node.type)
+    args = _map_arg(node.args, arg_transform)
+    kwargs = _map_arg(node.kwargs, arg_transform) if node.kwargs else {}
+    new = new_node(graph, node.op, node.target, name or node.name, args, kwargs, node.type, taken)
     # filled in place: assigning an attribute of a node in a graph re-files it in fx's
     # find_nodes table (Node.__setattr__), a fifth of what a copy costs
     meta = new.meta
