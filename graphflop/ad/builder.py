@@ -98,12 +98,14 @@ def base_name(graph: Graph, target: Any) -> str:
     return name
 
 
+#: the C base of fx's ``Node``: its constructor, without ``Node.__init__``'s checks
+_NodeBase: Any = getattr(torch._C, "_NodeBase", None)
+_init_node: Any = _NodeBase.__init__ if _NodeBase is not None else None
 #: whether this torch.fx has the parts :func:`new_node` makes a node with (the C base's
 #: constructor, the argument setter, the graph's insert point, namespace and find_nodes table)
-_NodeBase = getattr(torch._C, "_NodeBase", None)
 _PARTS = (
     _FAST_ARGS
-    and _NodeBase is not None
+    and _init_node is not None
     and all(
         hasattr(Graph(), a)
         for a in (
@@ -149,7 +151,7 @@ def new_node(
     if not taken:
         name = _take(ns, name)
     node = Node.__new__(Node)
-    _NodeBase.__init__(node, graph, name, op, target, type_expr)
+    _init_node(node, graph, name, op, target, type_expr)
     node._update_args_kwargs(args, kwargs)
     ns._obj_to_name[node] = name
     graph._insert(node)

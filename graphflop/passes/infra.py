@@ -102,9 +102,9 @@ def _has_values(gm: GraphModule) -> bool:
     """Every placeholder and ``call_function`` node has a ``val``, but a call of a template
     (``graphflop::repeat`` in a hierarchy's top level: its values are its template's)."""
     return all(
-        "val" in n.meta
+        "val" in n.meta  # first: most nodes have one, and are not asked what they are
+        or not (n.op == "placeholder" or (n.op == "call_function" and not _is_call(n)))
         for n in gm.graph.nodes
-        if n.op == "placeholder" or (n.op == "call_function" and not _is_call(n))
     )
 
 

@@ -69,7 +69,7 @@ from graphflop.passes.step_calls import (
     _outside,
     _take_planned,
     nodes_after,
-    slot_name,
+    slot_suffix,
 )
 
 aten = torch.ops.aten
@@ -190,10 +190,11 @@ def build_update(
         n.meta[SLOT] = slot or name
         return n
 
-    owned = [(q, t, modules.get(q, _parent(q))) for q, t in params]  # once, not per kind
+    # once, not per kind: module, and the placeholders' names after ``<kind>_`` (slot_name)
+    owned = [(q, t, modules.get(q, _parent(q)), slot_suffix(q)) for q, t in params]
 
     def slots(kind):
-        return [ph(slot_name(kind, q), t, q, module, kind) for q, t, module in owned]
+        return [ph(f"{kind}_{suffix}", t, q, module, kind) for q, t, module, suffix in owned]
 
     w, gr = slots("param"), slots("grad")
     state = [slots(kind) for kind in STATE_KINDS[cfg.name]]

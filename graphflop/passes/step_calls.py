@@ -282,10 +282,16 @@ def slot_name(kind: str, qual: str) -> str:
     ``grad`` or a state kind), also the :data:`~graphflop.meta.SOURCE` of the parameter's
     update nodes. An identifier whatever the parameter's name (torchvision's RegNet has ``-``
     in them); nothing looks a placeholder up by name: its SLOT and PARAM say what it holds."""
+    return kind + "_" + slot_suffix(qual)
+
+
+def slot_suffix(qual: str) -> str:
+    """What :func:`slot_name` puts after ``<kind>_`` for parameter ``qual`` (the same for
+    every kind: worked out once per parameter where its slots are named together)."""
     flat = qual.replace(".", "_")
     if flat.isascii() and (flat.isidentifier() or flat.isalnum()):  # no other character
-        return kind + "_" + flat  # ASCII letters, digits and "_": all \w already
-    return kind + "_" + re.sub(r"\W", "_", qual)
+        return flat  # ASCII letters, digits and "_": all \w already
+    return re.sub(r"\W", "_", qual)
 
 
 class BlockParams:
