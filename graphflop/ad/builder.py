@@ -232,7 +232,8 @@ def copy_node(
             copied._rename(name)
         return copied
     args = _map_arg(node.args, arg_transform)
-    kwargs = _map_arg(node.kwargs, arg_transform) if node.kwargs else {}
+    # no keyword arguments: the node's own (empty, immutable) dict shared, as map_arg shares it
+    kwargs = _map_arg(node.kwargs, arg_transform) if node.kwargs else node.kwargs
     new = new_node(graph, node.op, node.target, name or node.name, args, kwargs, node.type, taken)
     # filled in place: assigning an attribute of a node in a graph re-files it in fx's
     # find_nodes table (Node.__setattr__), a fifth of what a copy costs
