@@ -211,7 +211,7 @@ def _take(ns: Any, candidate: str) -> str:
 #: op -> the base of its nodes' names, as torch.fx derives it (fx makes it unique per graph)
 _BASE_NAMES: dict[Any, str] = {}
 #: the base names that are plain: no number at their end, not a Python builtin's name
-_PLAIN: set[str] = set()
+_PLAIN: set[str] = {"repeat_call", "repeat_item"}  # and the recorders' names for calls, items
 
 
 def copy_node(
