@@ -1,7 +1,7 @@
 """Shortcuts the derivative builders take around fx give what fx gives: a placeholder's name
 (:func:`graphflop.ad.builder.placeholder`), names taken from names read once
 (:func:`~graphflop.ad.builder.take_parsed`, :func:`~graphflop.ad.builder.take_again`,
-:func:`~graphflop.ad.builder.take_plain`) and the fake mode of a graph's values
+:func:`~graphflop.ad.builder.new_node`) and the fake mode of a graph's values
 (:func:`graphflop.meta.fake_mode_of`, which reads the values only up to the first fake tensor);
 and around FakeTensorMode: an op's output made from the metadata kept for its call in another
 fake mode (:func:`graphflop.ad.builder.fake_output`) is the one the mode gives."""
@@ -16,12 +16,12 @@ from graphflop.ad import builder
 from graphflop.ad.builder import (
     copy_node,
     fake_output,
+    new_node,
     parse_names,
     placeholder,
     shape_cache_scope,
     take_again,
     take_parsed,
-    take_plain,
 )
 from graphflop.meta import fake_mode_of, fresh_fake
 from graphflop.ops.tree import meta_key
@@ -92,17 +92,7 @@ def test_taken_names_as_fx():
     assert not take_again(again, "add_3", "add", 3)  # taken: fx would number it on
 
 
-def test_plain_names_taken_as_fx():
-    ours, theirs = Graph(), Graph()
-    took = []
-    for name in ["x", "p_model_w", "x", "list", "x_1", "y2", "w.b"]:
-        took.append(take_plain(ours, name))
-        if not took[-1]:
-            ours._graph_namespace.create_name(name, None)
-        theirs._graph_namespace.create_name(name, None)
-    # kept as it is only where plain (no number at its end, no builtin's, no "."), and free
-    assert took == [True, True, False, False, False, False, False]
-    assert _state(ours) == _state(theirs)
+def test_copied_node_named_as_fx():
     # a copied node keeps its name and arguments as fx's node_copy's
     src = Graph()
     a = src.placeholder("a")
@@ -115,6 +105,53 @@ def test_plain_names_taken_as_fx():
     fx_copy = ref.create_node("call_function", torch.relu, (env_r[a],), name="h_out")
     assert (ours_copy.name, ours_copy.args[0].name) == (fx_copy.name, fx_copy.args[0].name)
     assert _state(dst) == _state(ref)
+
+
+def test_new_node_as_create_node():
+    """``new_node`` (the builders' node constructor) makes the node fx's ``create_node`` makes:
+    name, op, target, arguments, users, place in the graph (appended, or at an insert point),
+    the graph's length and find_nodes table, its code."""
+    aten = torch.ops.aten
+
+    def build(make):
+        g = Graph()
+        x = make(g, "placeholder", "x", "x", (), {})
+        w = make(g, "placeholder", "p_w", "p_w", (), {})
+        m1 = make(g, "call_function", aten.mul.Tensor, "mul_tensor", (x, 2.0), {})
+        m2 = make(g, "call_function", aten.mul.Tensor, "mul_tensor", (m1, w), {})
+        s = make(g, "call_function", aten.sum.dim_IntList, "sum", (m2, [0]), {"keepdim": True})
+        a = make(g, "call_function", aten.add.Tensor, "mul_tensor_1", (s, x), {"alpha": 2})
+        k = make(g, "call_function", aten.add.Tensor, "for", (a, w), {})
+        with g.inserting_before(m1):  # at an insert point
+            make(g, "call_function", aten.neg.default, "neg", (x,), {})
+        g.output(k)
+        return g
+
+    def fx(g, op, target, name, args, kwargs):
+        return g.create_node(op, target, args, kwargs, name=name)
+
+    ours, theirs = build(new_node), build(fx)
+
+    def rows(g):
+        return [
+            (n.name, n.op, n.target, str(n.args), str(n.kwargs), list(n.users)) for n in g.nodes
+        ]
+
+    assert str(rows(ours)) == str(rows(theirs))
+    # worked out from fx's rules: ``mul_tensor`` taken (numbered on: its base's next number,
+    # 1, then 2 where ``mul_tensor_1`` is asked for), ``sum`` (a builtin's) and ``for`` (a
+    # keyword) numbered even where free
+    assert [n.name for n in ours.nodes] == [
+        *("x", "p_w", "neg", "mul_tensor", "mul_tensor_1", "sum_1", "mul_tensor_2", "for_1"),
+        "output",
+    ]
+    assert ours._len == theirs._len == 9
+    assert ours.find_nodes(op="call_function", target=aten.mul.Tensor) == [
+        n for n in ours.nodes if n.target is aten.mul.Tensor
+    ]
+    assert [n.name for n in ours.find_nodes(op="placeholder")] == ["x", "p_w"]
+    ours.lint()
+    assert ours.python_code("self").src == theirs.python_code("self").src
 
 
 def test_fake_mode_of_breadth_first_and_lazy():

@@ -551,6 +551,8 @@ def test_names_taken_as_fx_gives_them():
             asked.append("sum")
         if i % 4 == 1:  # numbered names: free, taken, odd forms fx reads its own way
             asked += ["getitem_3", "permute_default_2", "a__5", "x_05", "_1", "t_0", "mm_12a"]
+        if i % 3 == 0:  # plain names: free, then taken; a keyword's and a builtin's
+            asked += ["repeat_item", "p_h_0_w", "abc_", "for", "input"]
     made = [fx_graph.create_node("call_function", print, name=c).name for c in asked]
     assert [take_name(ours, c) for c in asked] == made
     assert len(set(made)) == len(made) and "mm_default_5" in made and "sum_1" in made

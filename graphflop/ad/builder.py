@@ -50,17 +50,19 @@ __all__ = [
     "fake_output",
     "placeholder",
     "is_ghost",
-    "made_node",
     "makes_nodes",
+    "new_node",
     "parse_names",
     "take_name",
     "take_again",
-    "take_plain",
     "take_names",
     "take_parsed",
 ]
 
 _FAST_ARGS = hasattr(Node, "_update_args_kwargs")
+#: ``torch.fx.map_arg`` without its Python frame (its check that the function is callable):
+#: the C function it calls, where this PyTorch has it
+_map_arg = getattr(torch._C, "_fx_map_arg", map_arg)
 
 
 def emit(graph: Graph, target: Any, args: tuple, kwargs: dict) -> Node:
@@ -78,67 +80,24 @@ def emit_named(
     over the arguments."""
     if not _FAST_ARGS:  # pragma: no cover - a PyTorch without the private setter
         return graph.create_node("call_function", target, args, kwargs, name=name)
-    node = graph.create_node("call_function", target, name=name)
-    node._update_args_kwargs(args, kwargs or {})
-    return node
+    return new_node(graph, "call_function", target, name, args, kwargs or {})
 
 
 def placeholder(graph: Graph, name: str) -> Node:
     """``graph.placeholder(name)``, without fx's conversion of the name to a candidate where
     it changes nothing (a name of lower-case letters, digits and underscores that is not
-    ``__magic__``: fx's snake case and lower case keep it as it is), nor its regular
-    expression where the name is plain and free (:func:`take_plain`): a trace makes one per
-    parameter, twice."""
+    ``__magic__``: fx's snake case and lower case keep it as it is), made by :func:`new_node`:
+    a trace makes one per parameter, twice."""
     if name.islower() and not (name.startswith("__") and name.endswith("__")):
-        if makes_nodes(graph) and take_plain(graph, name):
-            return made_node(graph, name, "placeholder", name, (), {}, None)
-        return graph.create_node("placeholder", name, name=name)
+        return new_node(graph, "placeholder", name, name, (), {})
     return graph.placeholder(name)
 
 
-#: whether this torch.fx's graphs have the parts :func:`made_node` makes a node with
-_PARTS = all(
-    hasattr(Graph(), a) for a in ("_insert", "_find_nodes_lookup_table", "_len", "_graph_namespace")
-)
-
-
 def makes_nodes(graph: Graph) -> bool:
-    """Whether :func:`made_node` can make ``graph``'s nodes: it has no owning module (whose
-    create-node hooks ``create_node`` would call) and this torch.fx has the parts."""
+    """Whether :func:`new_node` makes ``graph``'s nodes itself (not through ``create_node``):
+    it has no owning module (whose create-node hooks ``create_node`` would call) and this
+    torch.fx has the parts."""
     return _PARTS and graph.owning_module is None
-
-
-def take_plain(graph: Graph, name: str) -> bool:
-    """Take ``name`` in ``graph``'s namespace as ``_Namespace.create_name`` takes it where it
-    keeps it as it is and the name is plain (an ASCII identifier with no number at its end,
-    no Python keyword or builtin's name; fx's regular expression reads no number): whether it
-    did (False, nothing changed: the name is taken already, or not plain)."""
-    ns = graph._graph_namespace
-    if (
-        name in ns._used_names
-        or not (name.isascii() and name.isidentifier())
-        or name[-1].isdigit()
-        or _illegal_names.get(name) is not None
-    ):
-        return False
-    ns._used_names.add(name)
-    ns._base_count[name] = ns._base_count.get(name, 0)
-    return True
-
-
-def made_node(
-    graph: Graph, name: str, op: str, target: Any, args: tuple, kwargs: dict, type_expr: Any
-) -> Node:
-    """``graph.create_node(op, target, args, kwargs, name, type_expr)`` for a ``name`` already
-    taken in ``graph``'s namespace as fx would take it (:func:`take_plain`, :func:`take_again`):
-    the node made and inserted as ``create_node`` makes and inserts it, for a graph with no
-    owning module of a torch.fx with the parts (:func:`makes_nodes`)."""
-    n = Node(graph, name, op, target, args, kwargs, type_expr)
-    graph._graph_namespace.associate_name_with_obj(name, n)
-    graph._insert(n)
-    graph._find_nodes_lookup_table.insert(n)
-    graph._len += 1
-    return n
 
 
 def base_name(graph: Graph, target: Any) -> str:
@@ -153,6 +112,70 @@ def base_name(graph: Graph, target: Any) -> str:
     return name
 
 
+#: the C base of fx's ``Node``: its constructor, without ``Node.__init__``'s checks
+_NodeBase: Any = getattr(torch._C, "_NodeBase", None)
+_init_node: Any = _NodeBase.__init__ if _NodeBase is not None else None
+#: whether this torch.fx has the parts :func:`new_node` makes a node with (the C base's
+#: constructor, the argument setter, the graph's insert point, namespace and find_nodes table)
+_PARTS = (
+    _FAST_ARGS
+    and _init_node is not None
+    and all(
+        hasattr(Graph(), a)
+        for a in (
+            "_insert",
+            "_find_nodes_lookup_table",
+            "_len",
+            "_graph_namespace",
+            "_owning_module",
+        )
+    )
+)
+
+
+def new_node(
+    graph: Graph,
+    op: str,
+    target: Any,
+    name: str,
+    args: tuple,
+    kwargs: dict,
+    type_expr: Any = None,
+    taken: bool = False,
+) -> Node:
+    """``graph.create_node(op, target, args, kwargs, name=name, type_expr=type_expr)`` for
+    valid arguments (a callable ``target`` of a ``call_function``, a string one otherwise): the
+    name taken as fx takes it (:func:`take_names`, without its regular expression for the
+    names graphflop asks for: a :func:`base_name` or one fx made, ``base_<number>``), the node
+    made by the C base's constructor (``Node.__init__``'s checks of the target are the
+    caller's) and filed as ``create_node`` files it, without its walk over the arguments for
+    SymInts (graphflop's graphs have static shapes). About half of what ``create_node`` costs,
+    which the derivative and update builders pay once per node. ``create_node`` itself where
+    ``graph`` has an owning module (its create-node hooks) or this torch.fx lacks the parts.
+
+    ``taken``: ``name`` is the one fx would give, already taken in ``graph``'s namespace
+    (:func:`take_names` of the names of many nodes at once)."""
+    ns = graph._graph_namespace
+    if not _PARTS or graph._owning_module is not None:
+        if taken:  # fx takes it again: as it is, the name being free and fx's form
+            ns._used_names.discard(name)
+        node = graph.create_node(op, target, name=name, type_expr=type_expr)
+        node._update_args_kwargs(args, kwargs)
+        return node
+    if not taken:
+        name = _take(ns, name)
+    node = Node.__new__(Node)
+    _init_node(node, graph, name, op, target, type_expr)
+    node._update_args_kwargs(args, kwargs)
+    ns._obj_to_name[node] = name
+    graph._insert(node)
+    graph._find_nodes_lookup_table.table[(op, target if op == "call_function" else None)][node] = (
+        None
+    )
+    graph._len += 1
+    return node
+
+
 def take_name(graph: Graph, candidate: str) -> str:
     """The name fx gives a node of ``graph`` made now with the name ``candidate``, taken
     (:func:`take_names` of one)."""
@@ -162,33 +185,41 @@ def take_name(graph: Graph, candidate: str) -> str:
 def take_names(graph: Graph, candidates: Iterable[str]) -> list[str]:
     """The names fx gives nodes of ``graph`` made now, one after the other, with the names
     ``candidates``, taken (``_Namespace.create_name`` of each, in half its time: without its
-    regular expression for a :func:`base_name` and for a name fx made, ``base_<number>``)."""
+    regular expression for a name of the two forms graphflop asks for, a plain identifier (a
+    :func:`base_name`, ``repeat_item``, a placeholder's name: no number at its end, not a
+    keyword's or a builtin's; fx takes it, or its base's next free number) and one fx made,
+    ``base_<number>``)."""
     ns = graph._graph_namespace
-    used, count, plain = ns._used_names, ns._base_count, _PLAIN
-    out = []
-    for candidate in candidates:
-        if candidate in plain:
+    return [_take(ns, candidate) for candidate in candidates]
+
+
+def _take(ns: Any, candidate: str) -> str:
+    """:func:`take_names` of one name in namespace ``ns`` (a graph's ``_graph_namespace``)."""
+    used, count = ns._used_names, ns._base_count
+    if candidate in _PLAIN:
+        base, num = candidate, count.get(candidate, 0)
+    else:
+        base, _, digits = candidate.rpartition("_")
+        ident = candidate.isascii() and candidate.isidentifier()
+        if ident and not digits.isdigit():  # fx's regular expression: no number
+            if candidate in _illegal_names:  # renamed even where free: fx's reading
+                return ns.create_name(candidate, None)
             base, num = candidate, count.get(candidate, 0)
+        elif not ident or not base or base[-1] == "_":
+            return ns.create_name(candidate, None)  # another form: fx's reading
+        elif candidate not in used:  # a numbered name still free is taken as it is
+            used.add(candidate)
+            count[base] = int(digits)
+            return candidate
         else:
-            base, _, digits = candidate.rpartition("_")
-            numbered = candidate.isascii() and candidate.isidentifier() and digits.isdigit()
-            if not numbered or not base or base[-1] == "_":
-                out.append(ns.create_name(candidate, None))  # another form: fx's reading
-                continue
-            if candidate not in used:  # a numbered name still free is taken as it is
-                used.add(candidate)
-                count[base] = int(digits)
-                out.append(candidate)
-                continue
             num = count.get(base, 0)
-        name = candidate
-        while name in used:
-            num += 1
-            name = f"{base}_{num}"
-        used.add(name)
-        count[base] = num
-        out.append(name)
-    return out
+    name = candidate
+    while name in used:
+        num += 1
+        name = f"{base}_{num}"
+    used.add(name)
+    count[base] = num
+    return name
 
 
 #: a name asked of fx as its ``_Namespace.create_name`` reads it (:func:`parse_names`): the
@@ -397,28 +428,30 @@ _NUMBERS: list[str] = []
 #: op -> the base of its nodes' names, as torch.fx derives it (fx makes it unique per graph)
 _BASE_NAMES: dict[Any, str] = {}
 #: the base names that are plain: no number at their end, not a Python builtin's name
-_PLAIN: set[str] = set()
+_PLAIN: set[str] = {"repeat_call", "repeat_item"}  # and the recorders' names for calls, items
 
 
 def copy_node(
-    graph: Graph, node: Node, arg_transform: Any = lambda a: a, name: str | None = None
+    graph: Graph,
+    node: Node,
+    arg_transform: Any = lambda a: a,
+    name: str | None = None,
+    taken: bool = False,
 ) -> Node:
     """``graph.node_copy(node, arg_transform)`` (same name, or ``name`` where given; arguments
-    mapped, a shallow copy of ``meta``) without the walk :func:`emit` skips (nor fx's regular
-    expression for a plain name: :func:`take_plain`)."""
+    mapped, a shallow copy of ``meta``) without the walk :func:`emit` skips. ``taken``: the
+    name is already taken (:func:`new_node`)."""
     if not _FAST_ARGS:  # pragma: no cover
+        if taken:
+            graph._graph_namespace._used_names.discard(name or node.name)
         copied = graph.node_copy(node, arg_transform)
         if name is not None:
             copied._rename(name)
         return copied
-    args = map_arg(node.args, arg_transform)
-    kwargs = map_arg(node.kwargs, arg_transform)
-    name = name or node.name
-    if makes_nodes(graph) and take_plain(graph, name):
-        new = made_node(graph, name, node.op, node.target, args, kwargs, node.type)
-    else:
-        new = graph.create_node(node.op, node.target, name=name, type_expr=node.type)
-        new._update_args_kwargs(args, kwargs)
+    args = _map_arg(node.args, arg_transform)
+    # no keyword arguments: the node's own (empty, immutable) dict shared, as map_arg shares it
+    kwargs = _map_arg(node.kwargs, arg_transform) if node.kwargs else node.kwargs
+    new = new_node(graph, node.op, node.target, name or node.name, args, kwargs, node.type, taken)
     # filled in place: assigning an attribute of a node in a graph re-files it in fx's
     # find_nodes table (Node.__setattr__), a fifth of what a copy costs
     meta = new.meta

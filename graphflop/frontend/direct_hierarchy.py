@@ -51,8 +51,8 @@ from graphflop.ad.builder import (
     base_name,
     copy_node,
     emit_named,
-    made_node,
     makes_nodes,
+    new_node,
     parse_names,
     take_again,
     take_names,
@@ -894,7 +894,7 @@ def _named_node(
             taken = take_again(g, name, base, num)
         if not taken:
             raise _Unsupported("a copy's name taken in the flat graph")
-        new = made_node(g, name, x.op, x.target, args, kwargs, x.type)
+        new = new_node(g, x.op, x.target, name, args, kwargs, x.type, taken=True)
     if new.name != name:
         raise _Unsupported("a copy's name taken in the flat graph")
     return new

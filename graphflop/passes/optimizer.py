@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphflop.ad.builder import Builder, copy_node
+from graphflop.ad.builder import Builder, copy_node, new_node, take_names
 from graphflop.meta import (
     DERIVED_HIERARCHY,
     GAPS,
@@ -62,7 +62,15 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.passes.infra import FLAT, GraphPass
-from graphflop.passes.step_calls import BlockParams, nodes_after, slot_name
+from graphflop.passes.step_calls import (
+    BlockParams,
+    _fits,
+    _numbered_plan,
+    _outside,
+    _take_planned,
+    nodes_after,
+    slot_suffix,
+)
 
 aten = torch.ops.aten
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -182,10 +190,11 @@ def build_update(
         n.meta[SLOT] = slot or name
         return n
 
-    owned = [(q, t, modules.get(q, _parent(q))) for q, t in params]  # once, not per kind
+    # once, not per kind: module, and the placeholders' names after ``<kind>_`` (slot_name)
+    owned = [(q, t, modules.get(q, _parent(q)), slot_suffix(q)) for q, t in params]
 
     def slots(kind):
-        return [ph(slot_name(kind, q), t, q, module, kind) for q, t, module in owned]
+        return [ph(f"{kind}_{suffix}", t, q, module, kind) for q, t, module, suffix in owned]
 
     w, gr = slots("param"), slots("grad")
     state = [slots(kind) for kind in STATE_KINDS[cfg.name]]
@@ -213,7 +222,8 @@ def build_update(
     # per block variant, its first call's nodes, per parameter its outputs' positions, per
     # node its parameter's position in the call and whether it names the parameter, and the
     # variant's number
-    firsts: dict[tuple, tuple[list[Node], list[int], list[list[int]], list[tuple], int]] = {}
+    firsts: dict[tuple, _First] = {}
+    names: dict[int, tuple[list[str], tuple | None]] = {}  # per variant (_copy_call)
     # per call: its site, variant, nodes, parameters' placeholders and the map it was copied
     # by (None for the variant's first call): BlockParams.hierarchy's
     calls: list[tuple] = []
@@ -237,7 +247,7 @@ def build_update(
                 first = firsts.get(key)
                 copied = None
                 if first is not None:
-                    outs, copied = _copy_call(g, first, idx, w, gr, state, params)
+                    outs, copied = _copy_call(g, first, idx, w, gr, state, params, names)
                 else:
                     outs = [one(k, params[k][0]) for k in idx]
                 made = nodes_after(last)
@@ -269,46 +279,63 @@ def _placeholder(g: Graph, name: str) -> Node:
     a magic name as it is: such a name is asked for as it is, without that step."""
     if name.lower() != name or (name.startswith("__") and name.endswith("__")):
         return g.placeholder(name)
-    return g.create_node("placeholder", name, name=name)
+    return new_node(g, "placeholder", name, name, (), {})
+
+
+#: what :func:`_copy_call` copies of a variant's first call (:func:`_first_call`)
+_First = tuple[list[Node], list[int], list[list[int]], list[tuple[int, bool]], int, list[Node]]
 
 
 def _first_call(
     made: list[Node], outs: list[tuple[Node, list[Node]]], idx: list[int], w: list[Node], v: int
-) -> tuple[list[Node], list[int], list[list[int]], list[tuple[int, bool]], int]:
+) -> _First:
     """What :func:`_copy_call` copies of variant ``v``'s first call (its nodes ``made``, per
     parameter ``outs``, its parameters ``idx``): the nodes, the parameters, per parameter its
     new value's and new state's positions, per node its parameter's position in the call and
-    whether it names the parameter, and ``v``."""
+    whether it names the parameter, ``v``, and the values the call reads from outside."""
     pos = {n: p for p, n in enumerate(made)}
     where = [[pos[nw], *(pos[n] for n in new)] for nw, new in outs]
     own = {w[k].name: a for a, k in enumerate(idx)}
-    return made, idx, where, [(own[n.meta[SOURCE]], PARAM in n.meta) for n in made], v
+    slots = [(own[n.meta[SOURCE]], PARAM in n.meta) for n in made]
+    return made, idx, where, slots, v, _outside(made)
 
 
 def _copy_call(
     g: Graph,
-    first: tuple[list[Node], list[int], list[list[int]], list[tuple[int, bool]], int],
+    first: _First,
     idx: list[int],
     w: list[Node],
     gr: list[Node],
     state: list[list[Node]],
     params: list[tuple[str, torch.Tensor]],
+    names: dict[int, tuple[list[str], tuple | None]],
 ) -> tuple[list[tuple[Node, list[Node]]], dict[Node, Node]]:
     """A call of a template update: the first call's nodes copied with parameters ``idx`` for
     its own (their placeholders, sources, modules and names); per parameter its new value and
     new state, and the map of the first call's placeholders and nodes to the call's. The
     copies keep the first call's output metadata: the variant's parameters have the same
-    layouts."""
-    made, first_idx, where, slots, _ = first
-    env: dict[Node, Node] = {}
+    layouts.
+
+    The copies' names are taken at once (``names``: per variant, its last call's names and
+    the plan they were taken by): every name of the first call is taken, so a copy's node
+    is named as the last call's node was asked for, its base's next number, and the names of
+    a call after the first two are of fx's numbered form, taken a base at a time
+    (:func:`~graphflop.passes.step_calls._take_planned`)."""
+    made, first_idx, where, slots, v, outside = first
+    env: dict[Node, Node] = {x: x for x in outside}  # lr, step, lr·λ: shared
     for a, k in zip(first_idx, idx):
         env[w[a]], env[gr[a]] = w[k], gr[k]
         for s in state:
             env[s[a]] = s[k]
-    get = env.get
+    asked, plan = names.get(v) or ([n.name for n in made], None)
+    if plan is None or not _fits(asked, plan):
+        plan = _numbered_plan(asked)
+    taken = _take_planned(g, asked, plan) if plan is not None else take_names(g, asked)
+    names[v] = (list(taken), plan)
+    get = env.__getitem__
     copies = []
-    for n, (a, named) in zip(made, slots):
-        new = copy_node(g, n, lambda x: get(x, x))
+    for n, (a, named), name in zip(made, slots, taken):
+        new = copy_node(g, n, get, name, taken=True)
         m = new.meta
         k = idx[a]  # the node's parameter: the first call's ``a``-th parameter's counterpart
         m[SOURCE] = w[k].name

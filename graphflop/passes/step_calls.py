@@ -40,13 +40,12 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import base_name, copy_node, emit_named, take_names
+from graphflop.ad.builder import base_name, copy_node, emit_named, new_node, take_names
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
     CALL_SITE,
@@ -66,9 +65,10 @@ from graphflop.meta import (
 from graphflop.passes.calls import (
     DerivedCall,
     DerivedHierarchy,
-    _localize,
     _template,
     forward_facts,
+    localize_plan,
+    localized,
     relative_tag,
     tags_of,
 )
@@ -282,10 +282,16 @@ def slot_name(kind: str, qual: str) -> str:
     ``grad`` or a state kind), also the :data:`~graphflop.meta.SOURCE` of the parameter's
     update nodes. An identifier whatever the parameter's name (torchvision's RegNet has ``-``
     in them); nothing looks a placeholder up by name: its SLOT and PARAM say what it holds."""
+    return kind + "_" + slot_suffix(qual)
+
+
+def slot_suffix(qual: str) -> str:
+    """What :func:`slot_name` puts after ``<kind>_`` for parameter ``qual`` (the same for
+    every kind: worked out once per parameter where its slots are named together)."""
     flat = qual.replace(".", "_")
     if flat.isascii() and (flat.isidentifier() or flat.isalnum()):  # no other character
-        return kind + "_" + flat  # ASCII letters, digits and "_": all \w already
-    return kind + "_" + re.sub(r"\W", "_", qual)
+        return flat  # ASCII letters, digits and "_": all \w already
+    return re.sub(r"\W", "_", qual)
 
 
 class BlockParams:
@@ -562,7 +568,7 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
     for x in items:
         if isinstance(x, Node):
             if x.op == "placeholder" and not x.args and not x.kwargs:  # no arguments to map
-                new = g.create_node("placeholder", x.target, name=x.name, type_expr=x.type)
+                new = new_node(g, "placeholder", x.target, x.name, (), {}, x.type)
             else:
                 new = copy_node(g, x, env.__getitem__)
             env[x] = new
@@ -698,8 +704,9 @@ class StepRecorder:
         #: per template, the plan taking its calls' names (:func:`_numbered_plan`)
         self._plans: dict[int, tuple] = {}
         #: per :meth:`per_parameter` variant (the id of what its first run made, kept in
-        #: ``_per_param``), its template's nodes' annotations at the values' positions
-        self._exposed: dict[int, list[dict]] = {}
+        #: ``_per_param``), its template's nodes' annotations at the values' positions, each
+        #: with its :func:`~graphflop.passes.calls.localize_plan`
+        self._exposed: dict[int, list[tuple[dict, tuple]]] = {}
 
     def call(
         self, g: Graph, template: GraphModule, c: DerivedCall, args: list[Node], names: Any
@@ -714,7 +721,7 @@ class StepRecorder:
             self.templates.append(_copy_template(template))
         taken = self._take(g, names, t)
         rep = emit_named(g, self.call_op, (list(args), len(self.calls)), "repeat_call")
-        self.calls.append(replace(c, template=t))
+        self.calls.append(DerivedCall(c.site, t, c.modules, c.sources, c.tags))
         self.names[rep] = taken
         return rep
 
@@ -871,12 +878,12 @@ class StepRecorder:
         metas = self._exposed.get(id(known))
         if metas is None:  # the template's nodes' annotations at the values' positions
             body = [x for x in self.templates[t].graph.nodes if x.op != "placeholder"]
-            metas = self._exposed[id(known)] = [body[x].meta for x in exposed]
+            metas = self._exposed[id(known)] = [
+                (body[x].meta, localize_plan(body[x].meta)) for x in exposed
+            ]
         absolute = dict(c.modules)
-        for p, x, tm in zip(group, exposed, metas):
-            m = dict(tm)
-            _localize(m, c, absolute)
-            out[p] = self.item(g, rep, x, m)
+        for p, x, (tm, plan) in zip(group, exposed, metas):
+            out[p] = self.item(g, rep, x, localized(tm, plan, c, absolute))
         return True
 
     def hierarchy(self, gm: GraphModule) -> DerivedHierarchy | None:
