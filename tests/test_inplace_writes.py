@@ -282,3 +282,33 @@ def test_a_data_write_into_a_parameter_as_eager_autograd():
     torch.manual_seed(0)
     model, x = _DataWrite("parameter").double(), torch.randn(4, 8, dtype=torch.float64)
     _against_eager_autograd(graphflop.analyze(model, x), model, x)
+
+
+def test_circular_pad_as_the_model_output_names_its_last_write():
+    """With a circular pad the model's last op, the forward's ``SIGNATURE.outputs`` named the
+    ``empty`` the decomposition writes into (the output node was rewritten to the last
+    ``slice_scatter`` after the signature was taken): ``run_forward``'s model output, the
+    exported forward.onnx's and the JVP's differentiated output read uninitialised memory.
+    The signature now names what the output node holds, and its value is eager's."""
+    from graphflop.meta import SIGNATURE
+    from graphflop.runtime.verify import real_arguments, run_forward
+
+    class Pad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return F.pad(self.fc(x).view(1, 1, 3, 4), (2, 1, 1, 2), mode="circular")
+
+    torch.manual_seed(0)
+    m, x = Pad(), torch.randn(3, 4)
+    a = graphflop.analyze(m, x, loss="sum", outline=False, jvp=False)
+    sig = a.forward.meta[SIGNATURE]
+    out_node = next(n for n in a.forward.graph.nodes if n.op == "output")
+    assert sig.outputs == (out_node.args[0][1].name,) and sig.loss == out_node.args[0][0].name
+    (node,) = [n for n in a.forward.graph.nodes if n.name == sig.outputs[0]]
+    assert node.target is torch.ops.aten.slice_scatter.default
+    values = real_arguments(a.forward, m)
+    values[sig.inputs[0]] = x
+    assert torch.equal(run_forward(a.forward, values)[sig.outputs[0]], m(x).detach())

@@ -143,3 +143,97 @@ def test_multilabel_margin_loss_stops_at_the_first_minus_one(target, by_hand):
     assert got.item() == pytest.approx(by_hand, abs=1e-12)
     assert model(z).item() == pytest.approx(by_hand, abs=1e-12)
     assert verify_gradients(a.forward, a.backward, model, examples=(z,)).ok
+
+
+def test_max_min_full_reduction_spread_over_ties_as_eager():
+    """``torch.max(x)``/``torch.min(x)`` with no dim (``aten.max.default``) had no rule: the
+    backward was cut there (the tester's ``x / x.max()``: eager -2.86 at each tied maximum,
+    graphflop 0). Eager's ``evenly_distribute_backward`` splits the derivative evenly over the
+    ties, as amax's rule; the tangent (``evenly_read_jvp``) the same."""
+    from graphflop.passes.flops import annotate_flops, total_cost
+    from graphflop.testing.real_derivatives import eager_derivatives, graphflop_derivatives, graphs
+
+    x = torch.tensor([[1.0, 3.0], [3.0, -2.0]], dtype=torch.float64)
+    tx = torch.tensor([[0.5, 2.0], [4.0, 8.0]], dtype=torch.float64)
+    for f, at in ((torch.max, (0, 1, 1, 0)), (torch.min, (0, 0, 0, 1))):
+        got_t, (got_g,) = graphflop_derivatives(f, (x,), (tx,))
+        ref_t, (ref_g,) = eager_derivatives(f, (x,), (tx,))
+        # max: the two 3s share it, 1/2 each, tangent (2 + 4)/2 = 3; min: -2 alone, tangent 8
+        share = torch.tensor(at, dtype=torch.float64) / sum(at)
+        assert torch.equal(ref_g.flatten(), share) and torch.equal(got_g, ref_g)
+        assert torch.equal(got_t, ref_t) and float(ref_t) == (3.0 if f is torch.max else 8.0)
+        # N = 4: forward the comparisons 4 + the 0-d sum loss 1 = 5; backward ==, the count,
+        # the divide, the product 4·4 = 16; JVP the primal 5, those 16, the tangent's sum 4
+        # and the loss tangent's 1: 26
+        if f is torch.max:  # min's rule is the same function
+            flops = tuple(total_cost(annotate_flops(g).graph.nodes).flops for g in graphs(f, (x,)))
+            assert flops == (5, 26, 16)
+    # the tester's case: x / x.max(), the two tied maxima
+    y = torch.tensor([3.0, -1.0, 3.0, 0.5], dtype=torch.float64)
+    _, (got_g,) = graphflop_derivatives(lambda u: u / u.max(), (y,), (y,))
+    _, (ref_g,) = eager_derivatives(lambda u: u / u.max(), (y,), (y,))
+    torch.testing.assert_close(got_g, ref_g, rtol=1e-14, atol=0.0)
+    assert ref_g[0] == ref_g[2] != 0
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 3.0])
+def test_pdist_gradient_as_eager_and_flops_by_hand(p):
+    """``F.pdist`` (``aten._pdist_forward``) had no rule; it is traced as ``_cdist_forward`` of
+    the N·(N − 1)/2 row pairs i < j. Gradient against eager's ``_pdist_backward`` (rows 0 and 2
+    coincide: their distance's derivative is 0, not NaN), the tangent against eager's Jacobian
+    (eager has no forward-mode rule for pdist)."""
+    from graphflop.passes.flops import annotate_flops, total_cost
+    from graphflop.testing.real_derivatives import graphflop_derivatives, graphs
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    x[2] = x[0]
+    tx = torch.randn(4, 3, dtype=torch.float64)
+
+    def f(u):
+        return nn.functional.pdist(u, p)
+
+    got_t, (got_g,) = graphflop_derivatives(f, (x,), (tx,))
+    leaf = x.clone().requires_grad_()
+    (ref_g,) = torch.autograd.grad(f(leaf).sum(), leaf)
+    ref_t = torch.einsum("pnm,nm->p", torch.autograd.functional.jacobian(f, x), tx)
+    assert got_g.isfinite().all() and ref_t[1] == 0  # pair (0, 2): coincident rows
+    torch.testing.assert_close(got_g, ref_g, rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(got_t, ref_t, rtol=1e-13, atol=1e-15)
+    # forward: 6 pairs · 3 features · 3 (subtract, |·|^p, add) = 54, a root per pair for
+    # p ≠ 1 (6), the sum loss 6: 66 (p = 1: 60)
+    fwd = total_cost(annotate_flops(graphs(f, (x,))[0]).graph.nodes).flops
+    assert fwd == (60 if p == 1.0 else 66)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["polygamma1", "polygamma2", "i0", "i1"],
+)
+def test_polygamma_i0_i1_derivatives_as_eager(case):
+    """``polygamma``, ``i0`` and ``special_i1`` had no rule (the tester's op sweep: gradient
+    cut, 0). Their derivatives (derivatives.yaml): ψ⁽ⁿ⁺¹⁾, I₁, and ``i1_backward``'s
+    ``I₀(x) − I₁(x)/x`` with 1/2 at x = 0; against eager's gradient and ``torch.func.jvp``."""
+    from graphflop.passes.flops import annotate_flops, total_cost
+    from graphflop.testing.real_derivatives import eager_derivatives, graphflop_derivatives, graphs
+
+    f = {
+        "polygamma1": lambda u: torch.special.polygamma(1, u),
+        "polygamma2": lambda u: torch.polygamma(2, u),
+        "i0": torch.i0,
+        "i1": torch.special.i1,
+    }[case]
+    x = torch.tensor([0.5, 1.25, 3.0, 0.0 if case == "i1" else 2.0], dtype=torch.float64)
+    tx = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
+    got_t, (got_g,) = graphflop_derivatives(f, (x,), (tx,))
+    ref_t, (ref_g,) = eager_derivatives(f, (x,), (tx,))
+    torch.testing.assert_close(got_g, ref_g, rtol=1e-13, atol=0.0)
+    torch.testing.assert_close(got_t, ref_t, rtol=1e-13, atol=0.0)
+    if case == "i1":
+        assert ref_g[3] == 0.5
+    # N = 4: forward the function 4 (transcendental) + the sum loss 4; backward: polygamma
+    # and i0 the derivative's function and the product, 2·4 = 8; i1 (|x|, >, two selects,
+    # I₀, /, −, ·) 8·4 = 32
+    fwd, _, bwd = (total_cost(annotate_flops(g).graph.nodes) for g in graphs(f, (x,)))
+    assert (fwd.flops, fwd.transcendentals) == (8, 4)
+    assert bwd.flops == (32 if case == "i1" else 8)

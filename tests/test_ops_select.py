@@ -394,3 +394,106 @@ def test_hardsigmoid_kept_whole_and_its_flops_by_hand():
     # = 75; JVP: the primal 75; x > -3, x < 3, logical_and, /6, the select 5·15; the loss
     # tangent's sum 15: 165; backward 5·15 = 75
     assert _flops(F.hardsigmoid, (x,)) == (75, 165, 75)
+
+
+def test_clamp_min_from_aten_composites_selects_as_eager():
+    # hinge_embedding_loss and margin_ranking_loss call clamp_min_ from C++: the trace has
+    # aten.clamp_min.default (Python's clamp_min is traced as clamp), which had a cost rule but
+    # no JVP rule, so the backward stopped there (gradient 0). Its derivative is clamp's with
+    # one bound (where(x >= min, g, 0)): at the bound itself the cotangent passes. hinge at
+    # margin 1: elements 1 (x = 1, target -1: margin - x = 0, the bound) and 3 (x = 2, past it)
+    x, y = _t(-1.0, 1.0, 0.5, 2.0, 1.0, -0.25), _t(1, -1, -1, -1, 1, -1)
+    tx = _t(1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
+
+    def hinge(x, y):
+        return F.hinge_embedding_loss(x, y, margin=1.0, reduction="none")
+
+    fwd, _, _ = _graphs(hinge, (x, y))
+    assert torch.ops.aten.clamp_min.default in {n.target for n in fwd.graph.nodes}
+    got_t, (got_g, _) = _derivatives(hinge, (x, y), (tx, torch.zeros(6, dtype=torch.float64)))
+    ref_t, (ref_g,) = _eager(lambda u: hinge(u, y), (x,), (tx,))
+    # target 1: x's own derivative 1; target -1: -1 up to the bound (x <= 1), 0 past it
+    assert torch.equal(ref_g, _t(1.0, -1.0, -1.0, 0.0, 1.0, -1.0))
+    assert torch.equal(got_g, ref_g) and torch.equal(got_t, ref_t)
+
+    # margin_ranking_loss = clamp_min(-y·(a − c) + margin, 0): element 0 at the bound (passes)
+    a, c, s = _t(1.0, 2.0, 3.0, 0.5), _t(0.5, 2.5, 1.0, 0.5), _t(1.0, 1.0, -1.0, -1.0)
+
+    def ranking(a, c, s):
+        return F.margin_ranking_loss(a, c, s, margin=0.5, reduction="none")
+
+    ta, tc = _t(1.0, 2.0, 3.0, 4.0), _t(1.0, 1.0, 1.0, 1.0)
+    got_t, got = _derivatives(ranking, (a, c, s), (ta, tc, torch.zeros(4, dtype=torch.float64)))
+    ref_t, ref = _eager(lambda a, c: ranking(a, c, s), (a, c), (ta, tc))
+    assert torch.equal(ref[0], _t(-1.0, -1.0, 1.0, 1.0))
+    for g, r in zip(got[:2], ref):
+        assert torch.equal(g, r)
+    assert torch.equal(got_t, ref_t)
+    # N = 4: forward sub, neg, mul, + margin, clamp_min, the sum loss: 6·4 = 24; JVP the
+    # primal 24, the tangents of sub, neg, the product (2 products and an add), clamp_min's
+    # (>=, select) and the sum: 8·4 = 32, 56; backward clamp_min's (>=, select) 8, the
+    # product's two 8, neg's and sub's second operand negated 8: 24
+    assert _flops(ranking, (a, c, s)) == (24, 56, 24)
+
+
+CLAMP_ONE_BOUND = {
+    # (op as ATen's C++ calls it, the clamp the same call traces to from Python, bound, the
+    # gradients by hand: x's 1 up to and at the bound, 0 past it; a tensor bound's where x is
+    # strictly past it, derivatives.yaml's clamp_min/clamp_max(.Tensor))
+    "clamp_min": ("default", lambda x, lo: torch.clamp(x, 0.5), ((0, 1, 1, 1), None)),
+    "clamp_max": ("default", lambda x, lo: torch.clamp(x, None, 0.5), ((1, 1, 0, 0), None)),
+    "clamp_min_tensor": ("Tensor", lambda x, lo: torch.clamp(x, lo), ((0, 1, 1, 1), (1, 0, 0, 0))),
+    "clamp_max_tensor": (
+        "Tensor",
+        lambda x, lo: torch.clamp(x, None, lo),
+        ((1, 1, 0, 0), (0, 0, 1, 1)),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CLAMP_ONE_BOUND))
+def test_clamp_min_max_overloads_derivatives_by_hand(case):
+    # aten.clamp_min/clamp_max (.default, .Tensor) as ATen's C++ calls them: no Python call
+    # traces to them (clamp_min(x) is traced as clamp), so the clamp node of the Python call
+    # is rewritten to the overload and the graphs built from it; x = [0, 0.5, 1, 2] around
+    # the bound 0.5 (a tensor bound [0.5, 0.5, 0.5, 1])
+    from graphflop.ad.jvp import build_jvp
+    from graphflop.ad.vjp import build_vjp
+    from graphflop.frontend.trace import trace
+    from graphflop.meta import SIGNATURE, VJP
+    from graphflop.runtime.verify import run_backward, run_forward
+    from graphflop.testing.opdb.core import Fn
+
+    overload, f, (dx, dlo) = CLAMP_ONE_BOUND[case]
+    name = case.removesuffix("_tensor")
+    op = getattr(getattr(torch.ops.aten, name), overload)
+    x, lo = _t(0.0, 0.5, 1.0, 2.0), _t(0.5, 0.5, 0.5, 1.0)
+    fwd = trace(Fn(lambda s, x, lo: f(x, lo)), (x, lo), loss="sum")
+    (node,) = [
+        n
+        for n in fwd.graph.nodes
+        if n.target in (torch.ops.aten.clamp.default, torch.ops.aten.clamp.Tensor)
+    ]
+    bound = node.args[2] if name == "clamp_max" and len(node.args) > 2 else node.args[1]
+    node.target, node.args, node.kwargs = op, (node.args[0], bound), {}
+    fwd.recompile()
+    bwd = build_vjp(fwd, input_grads=True)
+    sig = fwd.meta[SIGNATURE]
+    grads = run_backward(bwd, run_forward(fwd, dict(zip(sig.inputs, (x, lo)))))
+    by_name = {n: grads[pos] for pos, n in bwd.meta[VJP].input_grads}
+    assert torch.equal(by_name[sig.inputs[0]], _t(*dx))
+    if dlo is not None:
+        assert torch.equal(by_name[sig.inputs[1]], _t(*dlo))
+    # eager's gradient, the same
+    leaves = (x.clone().requires_grad_(), lo.clone().requires_grad_())
+    out = op(leaves[0], leaves[1] if overload == "Tensor" else 0.5)
+    ref = torch.autograd.grad(out.sum(), leaves, allow_unused=True)
+    assert torch.equal(ref[0], _t(*dx))
+    # N = 4: forward the clamp and the sum loss, 8; JVP 8 + the comparison and select 8 (a
+    # tensor bound: x's and lo's, 2 comparisons, 2 selects and their add, 20) + the sum 4
+    jvp_flops = 8 + (20 if dlo is not None else 8) + 4
+    assert _flops_of((fwd, build_jvp(fwd, "all", wrt_outputs="outputs"))) == (8, jvp_flops)
+
+
+def _flops_of(graphs):
+    return tuple(total_cost(annotate_flops(g).graph.nodes).flops for g in graphs)

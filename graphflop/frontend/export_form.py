@@ -290,6 +290,12 @@ def from_make_fx(
     unused = _eliminate_dead_code(g)
     new = graph_module(torch.nn.Module(), g)
     new.meta[UNUSED] = unused
+    # the outputs as the output node names them after those rewrites: a write into a
+    # temporary that is an output (circular padding's slice writes into the ``empty`` it
+    # returns) made its last functional value the output, not the ``empty``
+    final = list(next(n for n in reversed(g.nodes) if n.op == "output").args[0])
+    updates = [(v.name, b) for v, (_, b) in zip(final, updates)]
+    results = final[len(writes) :]
     has_loss = loss_kind != "none"
     signature = Signature(
         params=tuple(sig_params),

@@ -27,6 +27,7 @@ for _op in (
     aten.empty_like.default,
     aten.empty_permuted.default,
     aten.empty_strided.default,
+    aten.triu_indices.default,  # the row pairs of pdist's decomposition (ops/linalg.py)
 ):
     register(_op, F, free)
     def_zero(_op)

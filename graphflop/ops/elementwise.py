@@ -1,5 +1,6 @@
 """Unary and binary elementwise ops: 1 FLOP per output element (docs/flops_conventions.md),
-transcendentals tallied separately (trigonometric, hyperbolic, base-2, atan2 and hypot included:
+transcendentals tallied separately (trigonometric, hyperbolic, base-2, atan2, hypot, polygamma and
+the modified Bessel functions i0 and i1 included:
 one math-library call each, as pow); maximum and minimum split the derivative half/half at ties,
 as PyTorch; comparisons, sign, rounding and integer bookkeeping (floor
 division, logical and bitwise ops) have zero derivative. Leaky ReLU is one op (1 FLOP per element,
@@ -805,11 +806,45 @@ def _jvp_clamp_tensor(b, out, args, tangents, kwargs):
     return _clamp_tensor_tangent(b, out, args[0], lo, hi, tx, tlo, thi)
 
 
-# ATen's own composites clamp with a tensor bound under a C++ ``NoGradGuard``
-# (``clamp_min_(scalar_tensor(eps))``): nodes the trace tags grad-mode-off, costed here
-# (1 per element, as clamp) and never differentiated
+# ATen's own composites call ``clamp_min_``/``clamp_max_`` from C++ (margin_ranking_loss,
+# hinge_embedding_loss, cosine_embedding_loss: ``clamp_min_(0)``), which reach the trace as
+# ``clamp_min``/``clamp_max`` rather than as the clamp Python's ``clamp_min`` is traced as; some
+# with a tensor bound under a C++ ``NoGradGuard`` (``clamp_min_(scalar_tensor(eps))``), nodes the
+# trace tags grad-mode-off. 1 FLOP per element (as clamp); derivatives clamp's with one bound.
 register(aten.clamp_min.Tensor, F, _one)
 register(aten.clamp_max.Tensor, F, _one)
+
+
+@def_jvp(aten.clamp_min.default)
+def _jvp_clamp_min(b, out, args, tangents, kwargs):
+    """dx where x ≥ min, 0 elsewhere (derivatives.yaml's ``clamp_min``: ``where(self >= min,
+    grad, 0)``, eager's convention at the bound: the bound itself passes), as clamp's."""
+    a = bind(aten.clamp_min.default, args, kwargs)
+    return _clamp_tangent(b, tangents[0], a.self, a.min, None)
+
+
+@def_jvp(aten.clamp_max.default)
+def _jvp_clamp_max(b, out, args, tangents, kwargs):
+    """dx where x ≤ max, 0 elsewhere (derivatives.yaml's ``clamp_max``), as clamp's."""
+    a = bind(aten.clamp_max.default, args, kwargs)
+    return _clamp_tangent(b, tangents[0], a.self, None, a.max)
+
+
+@def_jvp(aten.clamp_min.Tensor)
+def _jvp_clamp_min_tensor(b, out, args, tangents, kwargs):
+    """dx where x ≥ min, dmin where x < min (derivatives.yaml's ``clamp_min.Tensor``), as
+    :func:`_jvp_clamp_tensor` with no upper bound."""
+    a = bind(aten.clamp_min.Tensor, args, kwargs)
+    tx, tlo = (list(tangents) + [None])[:2]
+    return _clamp_tensor_tangent(b, out, a.self, a.min, None, tx, tlo, None)
+
+
+@def_jvp(aten.clamp_max.Tensor)
+def _jvp_clamp_max_tensor(b, out, args, tangents, kwargs):
+    """dx where x ≤ max, dmax where x > max (derivatives.yaml's ``clamp_max.Tensor``)."""
+    a = bind(aten.clamp_max.Tensor, args, kwargs)
+    tx, thi = (list(tangents) + [None])[:2]
+    return _clamp_tensor_tangent(b, out, a.self, None, a.max, tx, None, thi)
 
 
 def _clamp_tensor_tangent(b, out, x, lo, hi, tx, tlo, thi):
@@ -987,3 +1022,42 @@ def _jvp_copysign(b, out, args, tangents, kwargs):
     ratio = b.call(aten.div.Tensor, out, x)
     coef = b.call(aten.where.ScalarSelf, b.call(aten.eq.Scalar, x, 0), 0.0, ratio)
     return _fit(b, _scale(b, tangents[0], coef), out)
+
+
+# --- polygamma and the modified Bessel functions i0, i1 -------------------------------------------
+# math-library functions, one evaluation per output element: 1 FLOP, a transcendental (as erfinv)
+for _op in (aten.polygamma.default, aten.i0.default, aten.special_i1.default):
+    register(_op, F, _trans)
+
+
+@def_jvp(aten.polygamma.default)
+def _jvp_polygamma(b, out, args, tangents, kwargs):
+    """d ψ⁽ⁿ⁾(x) = ψ⁽ⁿ⁺¹⁾(x) dx (derivatives.yaml: ``grad * polygamma(n + 1, self)``)."""
+    n, x = args
+    if tangents[1] is None:
+        return None
+    return _scale(b, tangents[1], b.call(aten.polygamma.default, n + 1, x))
+
+
+@def_jvp(aten.i0.default)
+def _jvp_i0(b, out, args, tangents, kwargs):
+    """d I₀(x) = I₁(x) dx (derivatives.yaml: ``grad * at::special_i1(self)``)."""
+    return _scale(b, tangents[0], b.call(aten.special_i1.default, args[0]))
+
+
+@def_jvp(aten.special_i1.default)
+def _jvp_i1(b, out, args, tangents, kwargs):
+    """d I₁(x) = (I₀(x) − I₁(x)/x) dx, 1/2 where |x| ≤ eps (PyTorch's ``i1_backward``: x
+    replaced by eps there so that the unused branch stays finite, then the select). Per element:
+    |x|, the comparison, the safe x's select, I₀, the divide, the subtract, the coefficient's
+    select (7, I₀ transcendental), the product."""
+    x = args[0]
+    eps = torch.finfo(dtype(x)).eps
+    big = b.call(aten.gt.Scalar, b.call(aten.abs.default, x), eps)
+    safe = b.call(aten.where.ScalarOther, big, x, eps)
+    coef = b.call(
+        aten.sub.Tensor,
+        b.call(aten.i0.default, safe),
+        b.call(aten.div.Tensor, out, safe),
+    )
+    return _scale(b, tangents[0], b.call(aten.where.ScalarOther, big, coef, 0.5))

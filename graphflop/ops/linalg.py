@@ -356,3 +356,24 @@ def _jvp_cdist(b, out, args, tangents, kwargs):
     if not parts:
         return None
     return parts[0] if len(parts) == 1 else b.add(parts[0], parts[1])
+
+
+# --- pdist: the pairs i < j of one matrix's rows, as cdist's kernel over those pairs -------------
+
+
+@register_decomposition(aten._pdist_forward.default)
+def _pdist(x, p: float = 2.0):
+    """``_pdist_forward(x (N, M), p)`` (``F.pdist``, no rule of its own): the distances of rows
+    i < j in row-major order, as ``_cdist_forward`` of each pair's two rows (gathered by
+    ``triu_indices``; a batch of N·(N − 1)/2 one-row pairs), so its FLOPs are cdist's convention
+    over those pairs and its derivative cdist's (0 where two rows coincide, as eager's
+    ``_pdist_backward``; p = ∞ refuses, as cdist's)."""
+    n, m = x.shape
+    ij = aten.triu_indices.default(n, n, 1, dtype=torch.int64, device=x.device)
+    rows_i = aten.index_select.default(x, 0, aten.select.int(ij, 0, 0))
+    rows_j = aten.index_select.default(x, 0, aten.select.int(ij, 0, 1))
+    pairs = n * (n - 1) // 2
+    d = aten._cdist_forward.default(
+        aten.view.default(rows_i, [pairs, 1, m]), aten.view.default(rows_j, [pairs, 1, m]), p, None
+    )
+    return aten.view.default(d, [pairs])

@@ -1,4 +1,4 @@
-"""Reductions: sum, mean, amax/amin, max/min along a dim, argmax/argmin, any/all, var,
+"""Reductions: sum, mean, amax/amin, max/min along a dim and over all elements, argmax/argmin, any/all, var,
 var_mean, prod, cumsum, cumprod, cummax, cummin, logcumsumexp, histc. 1 FLOP per input element; mean
 adds 1 per output element (docs/flops_conventions.md). ``var_mean`` is counted as a mean plus a
 variance: 2 per input element and 2 per output element (the two divides); ``std`` of a
@@ -161,6 +161,26 @@ def _jvp_extremum(op):
 
 def_jvp(aten.amax.default)(_jvp_extremum(aten.amax.default))
 def_jvp(aten.amin.default)(_jvp_extremum(aten.amin.default))
+
+# torch.max(x) / torch.min(x) with no dim: the full reduction, 1 comparison per input element as
+# amax; eager's derivative (derivatives.yaml: ``evenly_distribute_backward``, forward mode
+# ``evenly_read_jvp``) spreads it evenly over the tied extrema, amax's rule over every dim
+register(aten.max.default, F, per_input(1))
+register(aten.min.default, F, per_input(1))
+
+
+def _jvp_extremum_all(b, out, args, tangents, kwargs):
+    """d max(x) = sum(dx · m) / sum(m), m = (x == max(x)) over every element (as amax's)."""
+    x = args[0]
+    dims = list(range(len(shape(x))))
+    kept = expand_back(b, out, shape(x), dims, False)
+    mask = b.call(aten.eq.Tensor, x, kept)
+    coef = b.call(aten.div.Tensor, mask, b.call(aten.sum.default, mask))
+    return b.call(aten.sum.default, b.call(aten.mul.Tensor, tangents[0], coef))
+
+
+def_jvp(aten.max.default)(_jvp_extremum_all)
+def_jvp(aten.min.default)(_jvp_extremum_all)
 
 
 def _var_args(op, args, kwargs):
