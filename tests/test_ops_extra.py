@@ -237,3 +237,46 @@ def test_polygamma_i0_i1_derivatives_as_eager(case):
     fwd, _, bwd = (total_cost(annotate_flops(g).graph.nodes) for g in graphs(f, (x,)))
     assert (fwd.flops, fwd.transcendentals) == (8, 4)
     assert bwd.flops == (32 if case == "i1" else 8)
+
+
+@pytest.mark.parametrize("reduce", ["amax", "amin"])
+def test_scatter_reduce_extremum_exclude_self_gradient_as_eager(reduce):
+    """``scatter_reduce(..., "amax"/"amin", include_self=False)`` had no JVP (a gap, gradient
+    0). Rows of x (2×4) receive src (2×4) at index [[0, 1, 2, 0], [1, 2, 0, 1]]; column 3 is
+    never written (x passes there). Row 0, column 0: src 3 and 3 tie, and x's own 3 equals the
+    result: eager's backward counts x in the ties (``N_to_distribute`` = 3, each src 1/3) yet
+    gives x nothing (``grad_self.scatter(dim, index, 0)``); graphflop's gradient is the same.
+    Its JVP is that map's (1/3 each); eager's forward mode averages the two src tangents there
+    (1/2), so the tangents are compared off that element."""
+    from graphflop.passes.flops import annotate_flops, total_cost
+    from graphflop.testing.real_derivatives import eager_derivatives, graphflop_derivatives, graphs
+
+    x = torch.tensor([[3.0, 5.0, 1.0, 7.0], [2.0, -1.0, 0.0, 4.0]], dtype=torch.float64)
+    src = torch.tensor([[3.0, 0.0, 3.0, 3.0], [0.0, -1.0, -2.0, 0.0]], dtype=torch.float64)
+
+    def f(x, s):
+        index = torch.arange(8).view(2, 4) % 3  # made in the graph: no constant
+        out = x.scatter_reduce(1, index, s, reduce, include_self=False)
+        return out * torch.arange(1.0, 5.0, dtype=torch.float64)
+
+    tx = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]], dtype=torch.float64)
+    ts = torch.tensor([[0.5, -1.0, 2.0, 1.5], [1.0, 3.0, -2.0, 0.25]], dtype=torch.float64)
+    got_t, got = graphflop_derivatives(f, (x, src), (tx, ts))
+    ref_t, ref = eager_derivatives(f, (x, src), (tx, ts))
+    # weights 1..4: x's gradient only where nothing is written (column 3: 4); src's the
+    # weight of its position, shared 1/3 at row 0 column 0 (ties of values 0 in row 1 column 1:
+    # 2 src of value 0 and x's -1 ≠ 0, so 1/2 each, times 2)
+    assert torch.equal(ref[0], torch.tensor([[0.0, 0, 0, 4], [0, 0, 0, 4]], dtype=torch.float64))
+    torch.testing.assert_close(ref[1][0], torch.tensor([1 / 3, 2, 3, 1 / 3], dtype=torch.float64))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-15, atol=0.0)
+    off = torch.ones(2, 4, dtype=torch.bool)
+    off[0, 0] = False
+    torch.testing.assert_close(got_t[off], ref_t[off], rtol=1e-15, atol=0.0)
+    assert float(got_t[0, 0]) == (0.5 + 1.5) / 3 and float(ref_t[0, 0]) == (0.5 + 1.5) / 2
+    # forward: the index's remainder 8, one comparison per source element 8, the weights 8,
+    # the sum loss 8: 32. Backward: the weights' product 8; the coefficients x == out 8,
+    # src == out gathered 8, their count (a scatter_add of 8 source elements) 8; the divide by
+    # the count 8, the two masks' products 8 + 8: 56
+    fwd, _, bwd = (total_cost(annotate_flops(g).graph.nodes).flops for g in graphs(f, (x, src)))
+    assert (fwd, bwd) == (32, 56)

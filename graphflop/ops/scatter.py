@@ -16,8 +16,11 @@ divides. ``"amax"``/``"amin"``/``"prod"`` keep the op whole: one comparison or m
 source element (numel(src) FLOPs). ``amax``/``amin`` with ``include_self=True`` have PyTorch's
 JVP (``scatter_reduce_jvp``: the tangents of the elements equal to the result, averaged over
 ties), built from ``eq``, ``scatter_add``, multiplies and a divide, whose transposes give the
-backward; ``prod`` and ``include_self=False`` refuse (a model using them is analysed with its
-JVP and backward cut there, and the gap reported).
+backward; with ``include_self=False`` self's tangent is left out where the index writes, and a
+self element equal to the result still counts among the ties there, as eager's backward
+(``N_to_distribute``; eager's forward mode leaves it out of the count: graphflop's JVP is its
+backward's map). ``prod`` refuses (a model using it is analysed with its JVP and backward cut
+there, and the gap reported).
 """
 
 from __future__ import annotations
@@ -105,11 +108,12 @@ def _scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
 
 @def_jvp(aten.scatter_reduce.two)
 def _jvp_scatter_reduce(b, out, args, tangents, kwargs):
-    """amax/amin, include_self: (Σ of the tangents of self and src elements equal to the
-    result) / (their count), per output position."""
+    """amax/amin: (Σ of the tangents of self and src elements equal to the result) / (their
+    count), per output position; without ``include_self`` self's tangent is left out where the
+    index writes, its count kept (eager's backward)."""
     a = bind(aten.scatter_reduce.two, args, kwargs)
     x, dim, index, src = a.self, a.dim, a.index, a.src
-    if a.reduce not in ("amax", "amin") or not a.include_self:
+    if a.reduce not in ("amax", "amin"):
         raise MissingRuleError(aten.scatter_reduce.two, ("jvp",))
     tx, tsrc = tangents[0], tangents[3]
     if tx is None and tsrc is None:
@@ -119,6 +123,11 @@ def _jvp_scatter_reduce(b, out, args, tangents, kwargs):
     value = b.call(aten.gather.default, out, dim, index)
     msrc = b.call(aten._to_copy.default, b.call(aten.eq.Tensor, src, value), dtype=dt)
     count = b.call(aten.scatter_add.default, mx, dim, index, msrc)
+    if tx is not None and not a.include_self:
+        # self's tangent left out where the index writes (eager's backward zeroes self's
+        # gradient there, ``grad_self.scatter(dim, index, 0)``; its count of ties still holds
+        # a self element equal to the result, as eager's ``N_to_distribute``)
+        tx = b.call(aten.scatter.value, tx, dim, index, 0.0)
     tx = b.zeros(shape(x), x) if tx is None else b.call(aten.mul.Tensor, tx, mx)
     tsrc = b.zeros(shape(src), src) if tsrc is None else b.call(aten.mul.Tensor, tsrc, msrc)
     return b.call(aten.div.Tensor, b.call(aten.scatter_add.default, tx, dim, index, tsrc), count)
