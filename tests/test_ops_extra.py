@@ -280,3 +280,42 @@ def test_scatter_reduce_extremum_exclude_self_gradient_as_eager(reduce):
     # the count 8, the two masks' products 8 + 8: 56
     fwd, _, bwd = (total_cost(annotate_flops(g).graph.nodes).flops for g in graphs(f, (x, src)))
     assert (fwd, bwd) == (32, 56)
+
+
+@pytest.mark.parametrize(
+    ("reduce", "include_self", "fwd_flops"),
+    [
+        # remainder 5, one comparison per source element 20, the weights 12, the sum loss 12
+        ("amax", False, 5 + 20 + 12 + 12),
+        ("amin", True, 5 + 20 + 12 + 12),
+        # remainder 5, the sums 20 and the counts 20 (scatter_add), clamp 12, divide 12, the
+        # weights 12, the sum loss 12
+        ("mean", True, 5 + 20 + 20 + 12 + 12 + 12 + 12),
+    ],
+)
+def test_index_reduce_as_scatter_reduce_gradient_as_eager(reduce, include_self, fwd_flops):
+    """``index_reduce`` had no rule (gradient cut, 0); it is traced as ``scatter_reduce`` with
+    the index broadcast over the source, so its gradient is eager's (eager has no forward
+    mode for it). x 3×4, source 5×4 into rows [0, 1, 2, 0, 1]."""
+    from graphflop.passes.flops import annotate_flops, total_cost
+    from graphflop.testing.real_derivatives import graphflop_derivatives, graphs
+
+    torch.manual_seed(0)
+    x, src = torch.randn(3, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+
+    def f(x, s):
+        index = torch.arange(5) % 3  # made in the graph: no constant
+        out = x.index_reduce(0, index, s, reduce, include_self=include_self)
+        return out * torch.arange(1.0, 5.0, dtype=torch.float64)
+
+    _, got = graphflop_derivatives(f, (x, src), (x, src))
+    leaves = (x.clone().requires_grad_(), src.clone().requires_grad_())
+    ref = torch.autograd.grad(f(*leaves).sum(), leaves)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-14, atol=0.0)
+    assert (ref[1] != 0).any()
+    fwd = graphs(f, (x, src))[0]
+    assert (
+        torch.ops.aten.scatter_reduce.two in {n.target for n in fwd.graph.nodes} or reduce == "mean"
+    )
+    assert total_cost(annotate_flops(fwd).graph.nodes).flops == fwd_flops

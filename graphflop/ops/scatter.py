@@ -1,5 +1,6 @@
 """Scatters beyond ``scatter_add`` (which lives with ``gather`` in ``shape.py``): ``scatter.src``
-and ``scatter.value`` (copies: 0 FLOPs, docs/flops_conventions.md), ``scatter_reduce.two``.
+and ``scatter.value`` (copies: 0 FLOPs, docs/flops_conventions.md), ``scatter_reduce.two``, and
+``index_reduce`` (traced as ``scatter_reduce``, the index broadcast over the source).
 
 ``scatter.src``/``scatter.value`` are linear in the destination and the source jointly (for a
 fixed index): the JVP scatters the tangents, the transpose gives the destination the cotangent
@@ -131,3 +132,17 @@ def _jvp_scatter_reduce(b, out, args, tangents, kwargs):
     tx = b.zeros(shape(x), x) if tx is None else b.call(aten.mul.Tensor, tx, mx)
     tsrc = b.zeros(shape(src), src) if tsrc is None else b.call(aten.mul.Tensor, tsrc, msrc)
     return b.call(aten.div.Tensor, b.call(aten.scatter_add.default, tx, dim, index, tsrc), count)
+
+
+@register_decomposition(aten.index_reduce.default)
+def _index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    """``index_reduce(x, dim, index, source, reduce)`` (``Tensor.index_reduce_``): slice i of
+    ``source`` along ``dim`` reduced into slice ``index[i]`` of x, which is ``scatter_reduce``
+    with the index broadcast over ``source``'s other dims (the same reductions, ``prod``,
+    ``mean``, ``amax``, ``amin``, and ``include_self``), so its FLOPs and derivatives are
+    those of ``scatter_reduce``."""
+    d = dim % max(source.dim(), 1)
+    view = [1] * source.dim()
+    view[d] = index.shape[0]
+    expanded = aten.expand.default(aten.view.default(index, view), list(source.shape))
+    return aten.scatter_reduce.two(x, d, expanded, source, reduce, include_self=include_self)
