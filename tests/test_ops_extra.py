@@ -319,3 +319,41 @@ def test_index_reduce_as_scatter_reduce_gradient_as_eager(reduce, include_self, 
         torch.ops.aten.scatter_reduce.two in {n.target for n in fwd.graph.nodes} or reduce == "mean"
     )
     assert total_cost(annotate_flops(fwd).graph.nodes).flops == fwd_flops
+
+
+@pytest.mark.parametrize(
+    ("mode", "size", "resize_flops"),
+    [
+        # x 1×2×6×5 to 4×5: the width unchanged (skipped); the height 6 → 4, scale 1.5,
+        # support 1·1.5: windows [0, 2), [1, 4), [2, 5), [4, 6): 2 + 3 + 3 + 2 = 10 taps,
+        # 2·(N·C·W_out = 10)·10 = 200
+        ("bilinear", (4, 5), 200),
+        # to 4×3, bicubic (filter 4): the width 5 → 3 first (scale 5/3, support 10/3):
+        # windows [0, 4), [0, 5), [1, 5): 13 taps, 2·(N·C·H_in = 12)·13 = 312; then the height
+        # 6 → 4 (support 3): [0, 4), [0, 5), [1, 6), [2, 6): 18 taps, 2·(N·C·W_out = 6)·18 = 216
+        ("bicubic", (4, 3), 312 + 216),
+    ],
+)
+def test_antialiased_resize_derivatives_as_eager_and_flops_by_hand(mode, size, resize_flops):
+    """``F.interpolate(..., antialias=True)`` (``_upsample_bilinear2d_aa``/``_bicubic2d_aa``)
+    had no rule (gradient cut, 0). Linear in its input: its JVP is the resize of the tangent,
+    its transpose PyTorch's own backward kernel; 2 FLOPs per filter tap, the windows as
+    PyTorch's CPU kernel computes them (docs/flops_conventions.md)."""
+    from graphflop.passes.flops import annotate_flops, total_cost
+    from graphflop.testing.real_derivatives import eager_derivatives, graphflop_derivatives, graphs
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 6, 5, dtype=torch.float64)
+    tx = torch.randn(1, 2, 6, 5, dtype=torch.float64)
+
+    def f(u):
+        return nn.functional.interpolate(u, size=size, mode=mode, antialias=True)
+
+    got_t, (got_g,) = graphflop_derivatives(f, (x,), (tx,))
+    ref_t, (ref_g,) = eager_derivatives(f, (x,), (tx,))
+    torch.testing.assert_close(got_g, ref_g, rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(got_t, ref_t, rtol=1e-14, atol=1e-15)
+    fwd, _, bwd = (total_cost(annotate_flops(g).graph.nodes).flops for g in graphs(f, (x,)))
+    # the forward also holds the sum loss (N·C·H_out·W_out); the backward is the resize's
+    # backward kernel alone, over the same taps
+    assert (fwd, bwd) == (resize_flops + 2 * size[0] * size[1], resize_flops)

@@ -10,7 +10,8 @@ concatenation of the pieces' cotangents for ``split_with_sizes`` (``chunk``, ``s
 mask's set elements without the data-dependent count of them: a select, then a sum or a
 scatter-add at each set element's rank (:func:`_masked_values_cotangent`). In-place views
 on temporaries and upsampling are traced as functional views and index ops (decompositions at
-the end)."""
+the end). Antialiased resizing (``_upsample_bilinear2d_aa``, ``_upsample_bicubic2d_aa``) is kept
+whole, 2 FLOPs per filter tap (:func:`_aa_cost`), its transpose PyTorch's backward kernel."""
 
 from __future__ import annotations
 
@@ -736,3 +737,97 @@ def _jvp_as_strided(b, out, args, tangents, kwargs):
     dense = b.call(aten.clone.default, tangents[0], memory_format=torch.contiguous_format)
     flat = b.call(aten.view.default, dense, [-1])
     return b.call(aten.index.Tensor, flat, [idx])
+
+
+# --- antialiased bilinear and bicubic resizing (F.interpolate(..., antialias=True)) --------------
+#: op -> (its backward, the filter's size: 2 taps bilinear, 4 bicubic, before scaling)
+_RESIZE_AA = {
+    aten._upsample_bilinear2d_aa.default: (aten._upsample_bilinear2d_aa_backward.default, 2),
+    aten._upsample_bicubic2d_aa.default: (aten._upsample_bicubic2d_aa_backward.default, 4),
+}
+
+
+def _aa_taps(n_in: int, n_out: int, align_corners: bool, scale: float | None, interp: int) -> int:
+    """The taps of one dim's antialiased filter summed over its outputs, as PyTorch's CPU
+    kernel computes its windows (``_compute_indices_min_size_weights_aa``): the scale
+    ``in/out`` (``(in − 1)/(out − 1)`` with ``align_corners``, ``1/scale`` where given), the
+    support ``interp/2``, times the scale when downsampling, each window ``[center − support +
+    1/2, center + support + 1/2)`` clipped to the input."""
+    if align_corners:
+        s = (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
+    else:
+        s = 1.0 / scale if scale is not None and scale > 0 else n_in / n_out
+    support = interp * 0.5 * s if s >= 1.0 else interp * 0.5
+    taps = 0
+    for i in range(n_out):
+        center = s * (i + 0.5)
+        lo = max(int(center - support + 0.5), 0)
+        taps += min(int(center + support + 0.5), n_in) - lo
+    return taps
+
+
+def _aa_cost(op: Any, backward: bool):
+    """2 FLOPs (a multiply-add) per filter tap. The kernel resizes one dim at a time, the
+    width first, skipping a dim whose size does not change: N·C·H_in·(W taps) +
+    N·C·W_out·(H taps). The backward (``…_aa_backward``) spreads each output's gradient over
+    the same taps: the same count."""
+
+    def cost(out, *args, **kwargs) -> NodeCost:
+        a = bind(op, args, kwargs)
+        if backward:
+            n, c, h_in, w_in = a.input_size
+        else:
+            n, c, h_in, w_in = shape(a.self)
+        h_out, w_out = a.output_size
+        interp = _RESIZE_AA[_AA_FORWARD[op] if backward else op][1]
+        flops = 0
+        if w_in != w_out:
+            flops += 2 * n * c * h_in * _aa_taps(w_in, w_out, a.align_corners, a.scales_w, interp)
+        if h_in != h_out:
+            flops += 2 * n * c * w_out * _aa_taps(h_in, h_out, a.align_corners, a.scales_h, interp)
+        return NodeCost(flops=flops)
+
+    return cost
+
+
+#: an antialiased resize's backward -> the resize
+_AA_FORWARD = {bwd: fwd for fwd, (bwd, _) in _RESIZE_AA.items()}
+
+
+def _transpose_resize_aa(op: Any):
+    """The transpose of a resize (linear in its input): PyTorch's own backward kernel."""
+    bwd = _RESIZE_AA[op][0]
+
+    def transpose(b, ct, args, kwargs, linear):
+        a = bind(op, args, kwargs)
+        g = b.call(
+            bwd,
+            ct,
+            list(a.output_size),
+            list(shape(a.self)),
+            a.align_corners,
+            a.scales_h,
+            a.scales_w,
+        )
+        return [g] + [None] * (len(args) - 1)
+
+    return transpose
+
+
+def _transpose_resize_aa_backward(op: Any):
+    """The backward's transpose: the resize itself (for a derivative of the backward)."""
+    fwd = _AA_FORWARD[op]
+
+    def transpose(b, ct, args, kwargs, linear):
+        a = bind(op, args, kwargs)
+        g = b.call(fwd, ct, list(a.output_size), a.align_corners, a.scales_h, a.scales_w)
+        return [g] + [None] * (len(args) - 1)
+
+    return transpose
+
+
+for _op, (_bwd, _) in _RESIZE_AA.items():
+    register(_op, F, _aa_cost(_op, backward=False))
+    def_linear(_op, _transpose_resize_aa(_op))
+    register(_bwd, F, _aa_cost(_bwd, backward=True))
+    def_linear(_bwd, _transpose_resize_aa_backward(_bwd))
