@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphflop.ad.builder import Builder, copy_node
+from graphflop.ad.builder import Builder, copy_node, no_kwargs
 from graphflop.meta import (
     DERIVED_HIERARCHY,
     GAPS,
@@ -269,7 +269,7 @@ def _placeholder(g: Graph, name: str) -> Node:
     a magic name as it is: such a name is asked for as it is, without that step."""
     if name.lower() != name or (name.startswith("__") and name.endswith("__")):
         return g.placeholder(name)
-    return g.create_node("placeholder", name, name=name)
+    return no_kwargs(g.create_node("placeholder", name, name=name))
 
 
 def _first_call(

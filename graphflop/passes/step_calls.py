@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import base_name, copy_node, emit_named, take_names
+from graphflop.ad.builder import base_name, copy_node, emit_named, no_kwargs, take_names
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
     CALL_SITE,
@@ -562,7 +562,9 @@ def _top(gm: GraphModule, items: list[Any]) -> GraphModule:
     for x in items:
         if isinstance(x, Node):
             if x.op == "placeholder" and not x.args and not x.kwargs:  # no arguments to map
-                new = g.create_node("placeholder", x.target, name=x.name, type_expr=x.type)
+                new = no_kwargs(
+                    g.create_node("placeholder", x.target, name=x.name, type_expr=x.type)
+                )
             else:
                 new = copy_node(g, x, env.__getitem__)
             env[x] = new
