@@ -603,18 +603,17 @@ def _totals(
 def _rule_less(nodes: list[Node]) -> list[Node]:
     """The nodes whose op has no rule (counted as 0 FLOPs); a call of a template derivative
     (``graphflop::repeat``) is not one (its template's nodes are: :func:`rule_less_calls`)."""
-    known: dict[Any, bool] = {}  # op -> has a rule (looked up once per op)
-    out = []
-    for n in nodes:
-        t = n.target
-        if t is operator.getitem or t is _REPEAT:
-            continue
-        rule = known.get(t)
-        if rule is None:
-            rule = known[t] = has_rule(t)
-        if not rule:
-            out.append(n)
-    return out
+    # the ops met, by identity (an OpOverload hashes in Python: a third of a walk keyed on
+    # them), each looked up once; the nodes walked again only where one lacks a rule
+    ops = {id(t): t for t in [n.target for n in nodes]}
+    missing = {
+        i
+        for i, t in ops.items()
+        if t is not operator.getitem and t is not _REPEAT and not has_rule(t)
+    }
+    if not missing:
+        return []
+    return [n for n in nodes if id(n.target) in missing]
 
 
 _REPEAT = torch.ops.graphflop.repeat.default
