@@ -422,6 +422,7 @@ def test_analysis_keeps_graphs_as_built_and_reads_them_flat():
     # the fields take graphs as dataclass fields do (replace, the constructor's default)
     assert replace(rec, jvp=None).jvp is None and replace(rec, jvp=None).backward is rec.backward
     assert type(rec)("m", rec.forward, rec.report).backward is None
+    _kept_compactly(rec)
 
 
 def test_analysis_graphs_freed_with_the_analysis():
@@ -443,6 +444,43 @@ def test_analysis_graphs_freed_with_the_analysis():
     del a, built
     gc.collect()
     assert [r() for r in refs] == [None] * len(refs)
+
+
+def _kept_compactly(a) -> None:
+    """What analysis ``a`` (of ``_model("stack")``) keeps per block, each object of which the
+    collector's pass after ``analyze`` visits (docs/analysis_scale.md): the placeholders of its
+    graphs hold one shared empty keyword mapping, not one each; the recorded JVP's whole log
+    holds each expanded call's entries as one, and reads as the flat log of ``(repeat node,
+    position)`` pairs."""
+    from graphflop.ad.builder import NO_KWARGS
+
+    built = a.as_built()
+    graphs = (a.forward, built.backward, built.update, built.jvp, built.forward_gradient)
+    phs = [n for g in graphs for n in g.graph.nodes if n.op == "placeholder"]
+    # 4 blocks of 2 Linear layers plus 2 Linear layers: 20 parameters, each a placeholder of
+    # the forward, the update (and its gradient), the JVP (and its tangent), ...
+    assert len(phs) > 5 * 20
+    assert {id(n.kwargs) for n in phs} == {id(NO_KWARGS)}
+    dh = built.jvp.meta[DERIVED_HIERARCHY]
+    log = dh.log
+    assert isinstance(log, calls.CallLog)
+    # 4 calls of one template: those recorded in place are logged as one (repeat node,
+    # position) pair per node logged; each other call is one run of the same positions
+    runs = [p for p in log._parts if type(p) is calls._Run]
+    pairs = [p for p in log._parts if isinstance(p, tuple)]
+    in_place = list(dict.fromkeys(rep for rep, _ in pairs))
+    assert len(dh.calls) == 4 and runs and len(in_place) + len(runs) == 4
+    k = len(runs[0].positions)
+    for rep in in_place:
+        assert [i for r, i in pairs if r is rep] == list(runs[0].positions)
+    assert all(list(r.positions) == list(runs[0].positions) for r in runs)
+    others = [p for p in log._parts if not isinstance(p, (tuple, calls._Run))]
+    assert len(log) == len(others) + 4 * k and len(log._parts) < len(log)
+    expanded = []
+    for p in log._parts:
+        expanded += [(p.rep, i) for i in p.positions] if type(p) is calls._Run else [p]
+    assert list(log) == expanded and log == tuple(expanded) and log[len(log) - 1] == expanded[-1]
+    assert list(reversed(log)) == expanded[::-1]
 
 
 def test_record_derivatives_is_checked():

@@ -63,7 +63,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from graphflop.ad.builder import NamePlan, base_name, copy_node, emit
+from graphflop.ad.builder import NO_KWARGS, NamePlan, base_name, copy_node, emit
 from graphflop.ad.functions import FunctionEntry
 from graphflop.meta import (
     CALL_SITE,
@@ -1032,7 +1032,7 @@ class RecordedCalls:
                 x = self.nodes[c.template][i]
                 # a stand-in only: made outside the scratch graph's node list and namespace
                 # (fx's create_node names and files it: a third of the transpose's time per call)
-                v = Node(self.scratch, x.name, "call_function", x.target, (), {})
+                v = Node(self.scratch, x.name, "call_function", x.target, (), NO_KWARGS)
                 plan = self._plans.get(x)
                 if plan is None:  # the template's annotations are not changed meanwhile
                     plan = self._plans[x] = self.dh.localize_plan(x.meta)
@@ -1238,6 +1238,23 @@ def transpose_log(
             blocks.transpose(run, ct, rules, state)
         i = j
     return blocks
+
+
+def _value(r: Any, made: Any, lin: Any, args: list[Node]) -> Any:
+    """The value a template JVP's reference ``r`` stands for at a call (``made``: the call's
+    nodes or getitems by position; ``args``: its arguments): None, a node made, a list or
+    tuple of them, or an argument's primal (``("p", j)``) or tangent. A function of its own,
+    not a closure of ``_expand``: a recursive closure is a cycle, left with what it holds
+    (the call's nodes) for the collector's pass after the analysis."""
+    if r is None:
+        return None
+    if isinstance(r, int):
+        return made[r]
+    if isinstance(r, list):
+        return [_value(x, made, lin, args) for x in r]
+    if isinstance(r, tuple) and r and isinstance(r[0], str):
+        return lin.env[args[r[1]]] if r[0] == "p" else lin.tan[args[r[1]]]
+    return tuple(_value(x, made, lin, args) for x in r)
 
 
 def _one_call(log: list[Any], i: int, j: int) -> bool:
@@ -1590,24 +1607,13 @@ class BlockLinearize:
             made = self._copy(t, site, args)
             logged = t.log
 
-        def value(r: Any) -> Any:
-            if r is None:
-                return None
-            if isinstance(r, int):
-                return made[r]
-            if isinstance(r, list):
-                return [value(x) for x in r]
-            if isinstance(r, tuple) and r and isinstance(r[0], str):
-                return lin.env[args[r[1]]] if r[0] == "p" else lin.tan[args[r[1]]]
-            return tuple(value(x) for x in r)
-
         for k in keys:  # with a recorder, only what is read after the call
             n = own[k]
             e, tv = t.env.get(k), t.tan.get(k)
             if e is not None:
-                fwd_env[n] = value(e)
+                fwd_env[n] = _value(e, made, lin, args)
             if tv is not None:
-                lin.tan[n] = value(tv)
+                lin.tan[n] = _value(tv, made, lin, args)
         lin.b.log.extend(made[i] for i in logged)  # with a recorder, the getitems logged
         self.expanded += 1
 

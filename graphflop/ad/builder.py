@@ -30,6 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node
 from torch.fx.graph import _illegal_char_regex, _illegal_names, _name_regex
+from torch.fx.immutable_collections import immutable_dict
 from torch.fx.node import map_arg
 
 from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost, fresh_fake
@@ -39,6 +40,7 @@ from graphflop.ops.shape import reduced_dims
 from graphflop.ops.tree import leaves, meta_key, tree_map, value_key
 
 __all__ = [
+    "NO_KWARGS",
     "Builder",
     "GhostValue",
     "NamePlan",
@@ -48,6 +50,7 @@ __all__ = [
     "emit",
     "emit_named",
     "fake_output",
+    "no_kwargs",
     "placeholder",
     "is_ghost",
     "makes_nodes",
@@ -63,6 +66,14 @@ _FAST_ARGS = hasattr(Node, "_update_args_kwargs")
 #: ``torch.fx.map_arg`` without its Python frame (its check that the function is callable):
 #: the C function it calls, where this PyTorch has it
 _map_arg = getattr(torch._C, "_fx_map_arg", map_arg)
+
+#: the keyword arguments of every node made here without any: one shared empty mapping. fx
+#: makes each node its own ``immutable_dict`` (kept as given where it is one already), an
+#: object the cyclic collector tracks; an analysis keeps about 200 such per GPT-2 block, and
+#: the collector's pass when :func:`~graphflop.analysis.analyze` turns it back on costs about
+#: 0.4 µs per object it keeps (docs/analysis_scale.md). ``immutable_dict`` cannot be changed
+#: in place, so sharing it is safe; ``update_kwarg`` and the ``kwargs`` setter replace it.
+NO_KWARGS: immutable_dict = immutable_dict()
 
 
 def emit(graph: Graph, target: Any, args: tuple, kwargs: dict) -> Node:
@@ -80,7 +91,7 @@ def emit_named(
     over the arguments."""
     if not _FAST_ARGS:  # pragma: no cover - a PyTorch without the private setter
         return graph.create_node("call_function", target, args, kwargs, name=name)
-    return new_node(graph, "call_function", target, name, args, kwargs or {})
+    return new_node(graph, "call_function", target, name, args, kwargs or NO_KWARGS)
 
 
 def placeholder(graph: Graph, name: str) -> Node:
@@ -89,8 +100,16 @@ def placeholder(graph: Graph, name: str) -> Node:
     ``__magic__``: fx's snake case and lower case keep it as it is), made by :func:`new_node`:
     a trace makes one per parameter, twice."""
     if name.islower() and not (name.startswith("__") and name.endswith("__")):
-        return new_node(graph, "placeholder", name, name, (), {})
-    return graph.placeholder(name)
+        return new_node(graph, "placeholder", name, name, (), NO_KWARGS)
+    return no_kwargs(graph.placeholder(name))
+
+
+def no_kwargs(node: Node) -> Node:
+    """``node`` (one without keyword arguments, just made) holding :data:`NO_KWARGS`, the
+    shared empty mapping, in place of the one ``Graph.create_node`` made it."""
+    if _FAST_ARGS:
+        node._update_args_kwargs(node.args, NO_KWARGS)
+    return node
 
 
 def makes_nodes(graph: Graph) -> bool:
@@ -153,20 +172,21 @@ def new_node(
     which the derivative and update builders pay once per node. ``create_node`` itself where
     ``graph`` has an owning module (its create-node hooks) or this torch.fx lacks the parts.
 
-    ``taken``: ``name`` is the one fx would give, already taken in ``graph``'s namespace
+    Empty ``kwargs`` are :data:`NO_KWARGS`, the shared empty mapping (one object fewer per
+    node for the collector). ``taken``: ``name`` is the one fx would give, already taken in ``graph``'s namespace
     (:func:`take_names` of the names of many nodes at once)."""
     ns = graph._graph_namespace
     if not _PARTS or graph._owning_module is not None:
         if taken:  # fx takes it again: as it is, the name being free and fx's form
             ns._used_names.discard(name)
         node = graph.create_node(op, target, name=name, type_expr=type_expr)
-        node._update_args_kwargs(args, kwargs)
+        node._update_args_kwargs(args, kwargs or NO_KWARGS)
         return node
     if not taken:
         name = _take(ns, name)
     node = Node.__new__(Node)
     _init_node(node, graph, name, op, target, type_expr)
-    node._update_args_kwargs(args, kwargs)
+    node._update_args_kwargs(args, kwargs or NO_KWARGS)
     ns._obj_to_name[node] = name
     graph._insert(node)
     graph._find_nodes_lookup_table.table[(op, target if op == "call_function" else None)][node] = (
@@ -449,8 +469,8 @@ def copy_node(
             copied._rename(name)
         return copied
     args = _map_arg(node.args, arg_transform)
-    # no keyword arguments: the node's own (empty, immutable) dict shared, as map_arg shares it
-    kwargs = _map_arg(node.kwargs, arg_transform) if node.kwargs else node.kwargs
+    # no keyword arguments: the shared empty mapping (NO_KWARGS), not one per copy
+    kwargs = _map_arg(node.kwargs, arg_transform) if node.kwargs else NO_KWARGS
     new = new_node(graph, node.op, node.target, name or node.name, args, kwargs, node.type, taken)
     # filled in place: assigning an attribute of a node in a graph re-files it in fx's
     # find_nodes table (Node.__setattr__), a fifth of what a copy costs

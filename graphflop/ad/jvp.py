@@ -251,7 +251,7 @@ def build_jvp(
     lin.graph.output(tuple(primal_outs + tangent_outs))
     log = list(lin.b.log)
     links = lin.b.ghost_links
-    whole: list[Any] | None = None
+    whole: Any = None  # the recorder's CallLog
     if lin.recorder is not None:  # a call's nodes linked to ghosts: its getitems
         moved = lin.recorder.finish(lin.graph, list(links))
         whole = lin.recorder.log(log)
@@ -263,7 +263,7 @@ def build_jvp(
     if lin.recorder is not None:
         dh = lin.recorder.hierarchy(gm)
         if dh is not None:  # with the whole log, for calls.expand_jvp (the transpose's)
-            dh = replace(dh, log=tuple(whole or ()), moved=lin.recorder.first_at)
+            dh = replace(dh, log=whole if whole is not None else (), moved=lin.recorder.first_at)
             gm.meta[DERIVED_HIERARCHY] = dh
     gm.meta[SIGNATURE] = sig
     gm.meta[GHOSTS] = lin.ghosts

@@ -289,21 +289,24 @@ def _tree(m: nn.Module) -> list[tuple[str, nn.Module]]:
     level of nesting (outlining walks each block's tree a dozen times: a tenth of the
     trace's cost per block)."""
     out: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
+    return out if _visit("", m, out, set()) else list(m.named_modules())
 
-    def visit(prefix: str, mod: nn.Module) -> bool:
-        if id(mod) in seen:
-            return True
-        if not _plain_walk(type(mod)):
-            return False
-        seen.add(id(mod))
-        out.append((prefix, mod))
-        for name, sub in mod._modules.items():
-            if sub is not None and not visit(prefix + ("." if prefix else "") + name, sub):
-                return False
+
+def _visit(prefix: str, mod: nn.Module, out: list, seen: set[int]) -> bool:
+    """:func:`_tree`'s walk below ``mod``, appended to ``out``; False where a module does not
+    walk as ``nn.Module`` does. A function of its own, not a closure: a recursive closure is
+    a cycle (the function and its cell), left with what it holds for the collector's pass
+    after the analysis, which visits every object left to it."""
+    if id(mod) in seen:
         return True
-
-    return out if visit("", m) else list(m.named_modules())
+    if not _plain_walk(type(mod)):
+        return False
+    seen.add(id(mod))
+    out.append((prefix, mod))
+    for name, sub in mod._modules.items():
+        if sub is not None and not _visit(prefix + ("." if prefix else "") + name, sub, out, seen):
+            return False
+    return True
 
 
 _IS = operator.is_

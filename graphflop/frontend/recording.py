@@ -58,6 +58,7 @@ try:  # what fast_detach detaches a FakeTensor with (:func:`_snapshots` enters t
 except ImportError:  # pragma: no cover - a PyTorch that moved them
     _BATCHED = False
 
+from graphflop.ad.builder import NO_KWARGS
 from graphflop.meta import graph_module
 
 __all__ = [
@@ -250,7 +251,7 @@ class OpRecorder(TorchDispatchMode):
         """A node appended to the graph (fx makes ``name`` unique), the :func:`each_node` hooks
         called on it."""
         node = self.graph.create_node(op, target, name=name)
-        node._update_args_kwargs(args, kwargs)
+        node._update_args_kwargs(args, kwargs or NO_KWARGS)  # (builder.NO_KWARGS: why)
         if op == "call_function" and _saves_input_vals(target, args, kwargs):
             # an op with exact stride needs (a custom op's tag): its inputs' values, as make_fx
             node.meta["eager_input_vals"] = map_aggregate((args, kwargs), _input_val)

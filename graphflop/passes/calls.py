@@ -169,6 +169,65 @@ class DerivedCall:
     tags: tuple[Any, ...] = ()
 
 
+class _Run:
+    """A call's run of :class:`CallLog` entries: ``(rep, k)`` for each ``k`` of
+    ``positions`` (its template's logged positions, shared by the template's calls)."""
+
+    __slots__ = ("positions", "rep")
+
+    def __init__(self, rep: Node, positions: Sequence[int]):
+        self.rep, self.positions = rep, positions
+
+
+class CallLog(Sequence[Any]):
+    """A recorded JVP's whole log (:attr:`DerivedHierarchy.log`): reads as the tuple of its
+    entries in order, each call's run of ``(repeat node, position)`` entries held as one
+    :class:`_Run` and its pairs made on reading. The log is kept with the analysis (for
+    :func:`expand_jvp`); held as pairs, a GPT-2 block's call kept about 110 tuples, 7% of the
+    objects an analysis keeps per block, which the collector's pass after ``analyze`` visits
+    (docs/analysis_scale.md); read only twice (the transpose, a flat view)."""
+
+    __slots__ = ("_len", "_parts")
+
+    def __init__(self, parts: Iterable[Any]):
+        self._parts = tuple(parts)
+        self._len = sum(len(p.positions) if type(p) is _Run else 1 for p in self._parts)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Any]:
+        for p in self._parts:
+            if type(p) is _Run:
+                rep = p.rep
+                for k in p.positions:
+                    yield (rep, k)
+            else:
+                yield p
+
+    def __reversed__(self) -> Iterator[Any]:
+        for p in reversed(self._parts):
+            if type(p) is _Run:
+                rep = p.rep
+                for k in reversed(p.positions):
+                    yield (rep, k)
+            else:
+                yield p
+
+    def __getitem__(self, i: Any) -> Any:
+        return tuple(self)[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, CallLog):
+            other = tuple(other)
+        return isinstance(other, tuple) and tuple(self) == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"CallLog({tuple(self)!r})"
+
+
 @dataclass(frozen=True, eq=False)
 class DerivedHierarchy:
     """A JVP or backward graph as a top level calling one template derivative per variant.
@@ -198,7 +257,8 @@ class DerivedHierarchy:
     #: a recorded JVP's whole log (:data:`~graphflop.meta.JVP_LOG`, in order): the top level's
     #: entries (nodes, ghosts, custom Functions' entries) and ``(repeat node, i)`` for the
     #: call's template node ``i`` logged, so that :func:`expand_jvp` rebuilds the flat log
-    log: tuple[Any, ...] | None = field(default=None, repr=False)
+    #: (a :class:`CallLog`: a call's entries held as one)
+    log: Sequence[Any] | None = field(default=None, repr=False)
     #: with :attr:`log`: each first call's node (erased from the top level, still read by the
     #: ghosts' arguments) -> ``(repeat node, i)``
     moved: dict[Node, tuple[Node, int]] = field(default_factory=dict, repr=False)
@@ -1228,18 +1288,18 @@ class DirectRecorder:
         self.calls = calls
         return moved
 
-    def log(self, raw: list[Any]) -> list[Any]:
-        """The JVP's whole log (:attr:`DerivedHierarchy.log`) from the log built, ``raw`` (its
-        entries before :meth:`finish`: a first call's nodes, an expanded call's getitems),
-        after :meth:`finish`; None where an expanded call did not give its entries."""
+    def log(self, raw: list[Any]) -> CallLog:
+        """The JVP's whole log (:attr:`DerivedHierarchy.log`, a :class:`CallLog`) from the log
+        built, ``raw`` (its entries before :meth:`finish`: a first call's nodes, an expanded
+        call's getitems), after :meth:`finish`."""
         marks = iter(self.marks)
         mark = next(marks, None)
         out: list[Any] = []
         call_op = self.call_op
         for i, e in enumerate([*raw, None]):
             while mark is not None and mark[0] == i:
-                rep = mark[1]
-                out.extend((rep, k) for k in mark[2])
+                if mark[2]:
+                    out.append(_Run(mark[1], mark[2]))  # its (repeat node, k) entries
                 mark = next(marks, None)
             if i == len(raw):
                 break
@@ -1255,7 +1315,7 @@ class DirectRecorder:
                 ):
                     continue  # an expanded call's entry: its mark's
             out.append(e)
-        return out
+        return CallLog(out)
 
     def inside(self, n: Node) -> bool:
         """Whether ``n`` is a node of a call (a getitem of one, or a node of a first call

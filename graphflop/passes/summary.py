@@ -171,13 +171,18 @@ def _placeholders(gm: GraphModule) -> dict[str, Node]:
 
 
 def _forward(
-    fwd: GraphModule, nodes: list[Node], layers: _Layers, figures: ForwardFigures | None
+    fwd: GraphModule,
+    nodes: list[Node],
+    layers: _Layers,
+    figures: ForwardFigures | None,
+    phs: dict[str, Node],
+    numels: dict[str, int],
 ) -> tuple[NodeCost, NodeCost]:
     """Forward and loss totals; fills the layers' forward FLOPs, outputs and parameters (from
     the hierarchy's composed ``figures`` where given, else node by node). ``nodes``:
-    :func:`_ops` of ``fwd``."""
+    :func:`_ops` of ``fwd``; ``phs``: its :func:`_placeholders`; ``numels``: per parameter's
+    placeholder, its elements."""
     sig = fwd.meta[SIGNATURE]
-    phs = _placeholders(fwd)
     # a buffer's new value (batch norm's running statistics) is not the layer's output
     written = {name for name, _ in sig.buffer_updates}
     if figures is not None:
@@ -207,8 +212,7 @@ def _forward(
         L["output_shape"] = list(v.shape)
         L["output_bytes"] = tensor_bytes(v)
     for p, q in sig.params:
-        val = phs[p].meta["val"]
-        layers[phs[p].meta.get(MODULE) or q.rpartition(".")[0]]["params"] += val.numel()
+        layers[phs[p].meta.get(MODULE) or q.rpartition(".")[0]]["params"] += numels[p]
     if figures is not None:
         return figures.total, figures.loss
     return total_cost(nodes), total_cost(n for n in nodes if n.meta.get(ROLE) == "loss")
@@ -543,8 +547,8 @@ def _ratios(t: Totals) -> Ratios:
     return Ratios(**r)
 
 
-def _inputs(fwd: GraphModule) -> tuple[InputSpec, ...]:
-    phs = _placeholders(fwd)
+def _inputs(fwd: GraphModule, phs: dict[str, Node]) -> tuple[InputSpec, ...]:
+    """The model inputs' specs; ``phs``: :func:`_placeholders` of ``fwd``."""
     return tuple(
         InputSpec(
             n,
@@ -564,10 +568,12 @@ def _totals(
     derived: dict[str, DerivedFigures | None],
     fwd_nodes: list[Node],
     fwd_rule_less: list[Node],
+    phs: dict[str, Node],
+    numels: dict[str, int],
 ) -> Totals:
     """The totals; ``fwd_nodes``: :func:`_ops` of the forward, ``fwd_rule_less``:
-    :func:`_rule_less` of them."""
-    fwd_total, loss_total = _forward(g.forward, fwd_nodes, layers, figures)
+    :func:`_rule_less` of them, ``phs`` and ``numels`` as :func:`_forward` reads them."""
+    fwd_total, loss_total = _forward(g.forward, fwd_nodes, layers, figures, phs, numels)
     gaps = bool(g.forward.meta.get(GAPS))
     loss_rule_less = [n for n in fwd_rule_less if n.meta.get(ROLE) == "loss"]
     t: dict = {
@@ -603,18 +609,17 @@ def _totals(
 def _rule_less(nodes: list[Node]) -> list[Node]:
     """The nodes whose op has no rule (counted as 0 FLOPs); a call of a template derivative
     (``graphflop::repeat``) is not one (its template's nodes are: :func:`rule_less_calls`)."""
-    known: dict[Any, bool] = {}  # op -> has a rule (looked up once per op)
-    out = []
-    for n in nodes:
-        t = n.target
-        if t is operator.getitem or t is _REPEAT:
-            continue
-        rule = known.get(t)
-        if rule is None:
-            rule = known[t] = has_rule(t)
-        if not rule:
-            out.append(n)
-    return out
+    # the ops met, by identity (an OpOverload hashes in Python: a third of a walk keyed on
+    # them), each looked up once; the nodes walked again only where one lacks a rule
+    ops = {id(t): t for t in [n.target for n in nodes]}
+    missing = {
+        i
+        for i, t in ops.items()
+        if t is not operator.getitem and t is not _REPEAT and not has_rule(t)
+    }
+    if not missing:
+        return []
+    return [n for n in nodes if id(n.target) in missing]
 
 
 _REPEAT = torch.ops.graphflop.repeat.default
@@ -755,17 +760,26 @@ def summarize(
     fwd = graphs.forward
     sig = fwd.meta[SIGNATURE]
     phs = _placeholders(fwd)
-    params = sum(phs[p].meta["val"].numel() for p, _ in sig.params)
-    params_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.params)
+    # each parameter's elements and bytes read once (the sums below and the layers' rows
+    # read them: a few per parameter, hundreds of parameters in a deep model)
+    numels: dict[str, int] = {}
+    nbytes: dict[str, int] = {}
+    for p, _ in sig.params:
+        v = phs[p].meta["val"]
+        numels[p] = v.numel()
+        nbytes[p] = tensor_bytes(v)
+    params = sum(numels[p] for p, _ in sig.params)
+    params_bytes = sum(nbytes[p] for p, _ in sig.params)
     buffers_bytes = sum(tensor_bytes(phs[b].meta["val"]) for b, _ in sig.buffers)
     # frozen parameters (requires_grad=False): no gradient, update or optimizer state
-    trainable = sum(phs[p].meta["val"].numel() for p, _ in sig.trainable())
-    trainable_bytes = sum(tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable())
+    trainables = sig.trainable()
+    trainable = sum(numels[p] for p, _ in trainables)
+    trainable_bytes = sum(nbytes[p] for p, _ in trainables)
     # those the backward gives a gradient: the update skips the others (not_updated), and
     # torch.optim keeps no state for them
     skipped = not_updated(graphs.update) if graphs.update is not None else frozenset()
-    stateful = [p for p, q in sig.trainable() if q not in skipped]
-    stateful_sizes = (sum(tensor_bytes(phs[p].meta["val"]) for p in stateful), len(stateful))
+    stateful = [p for p, q in trainables if q not in skipped]
+    stateful_sizes = (sum(nbytes[p] for p in stateful), len(stateful))
     layers = _Layers()
     h = hierarchy_of(fwd) if hierarchical else None
     figures = forward_figures(fwd, h) if h is not None else None
@@ -782,7 +796,7 @@ def summarize(
     fwd_nodes = _ops(fwd)
     fwd_rule_less = _rule_less(fwd_nodes)
     totals = _totals(
-        graphs, layers, optimizer, tangents, figures, derived, fwd_nodes, fwd_rule_less
+        graphs, layers, optimizer, tangents, figures, derived, fwd_nodes, fwd_rule_less, phs, numels
     )
     memory, owners = _memory(
         graphs,
@@ -799,7 +813,7 @@ def summarize(
     _saved_by_layer(graphs, layers, owners)
     return Report(
         model=name,
-        inputs=_inputs(fwd),
+        inputs=_inputs(fwd, phs),
         params=params,
         loss=fwd.meta.get(LOSS_KIND),
         optimizer=optimizer if graphs.backward is not None else None,
