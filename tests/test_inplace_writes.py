@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import graphflop
@@ -312,3 +313,55 @@ def test_circular_pad_as_the_model_output_names_its_last_write():
     values = real_arguments(a.forward, m)
     values[sig.inputs[0]] = x
     assert torch.equal(run_forward(a.forward, values)[sig.outputs[0]], m(x).detach())
+
+
+class _EagerAdds(TorchDispatchMode):
+    """The output elements of the ``add`` kernels eager PyTorch runs (1 FLOP each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (aten.add.Tensor, aten.add_.Tensor):
+            self.elements += out.numel()
+        return out
+
+
+def test_circular_pad_backward_counts_eager_autograds_adds():
+    """A helper's finding said circular padding's backward (276 FLOPs here) overcounts: its
+    four full-size adds, where eager would sum only the wrapped borders. Eager autograd runs
+    exactly those adds (measured): each wrapped border is ``out[..., o] = out[..., i]``, a
+    ``CopySlices`` whose base gradient (the cotangent, border zeroed) and the border source's
+    ``slice_backward`` (zeros, the border's cotangent at ``i``) autograd's input buffer sums
+    into one full-size gradient of ``out``. graphflop's transpose of ``slice_scatter`` builds
+    the same two and the same add, so the count stands."""
+    from test_no_grad import _against_eager_autograd
+
+    from graphflop.meta import VJP
+
+    class PadNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return F.pad(self.fc(x).view(1, 1, 3, 4), (2, 1, 1, 2), mode="circular")
+
+    torch.manual_seed(0)
+    model, x = PadNet().double(), torch.randn(3, 4, dtype=torch.float64)
+    a = graphflop.analyze(model, x, loss="sum", outline=False)
+    b = a.report.totals.backward
+    # the padded map is (3+1+2)×(4+2+1) = 6×7 = 42 elements; every pad > 0, so four wrapped
+    # borders (top, bottom, left, right), each one add of 42: 4·42 = 168
+    assert b.grad_accum_flops == 4 * 42 == 168
+    # fc's weight gradient 2·4·3·4 = 96 (a product), its bias gradient a sum of 3 rows of 4: 12
+    assert b.grad_weight_flops == 96 + 12 and b.mm_flops == 96
+    assert b.flops == 168 + 96 + 12 == 276 and b.complete
+    assert a.backward.meta[VJP].grads  # fc's two parameters have gradients
+    loss = model(x).sum()
+    with _EagerAdds() as eager:
+        loss.backward()
+    assert eager.elements == 168  # eager's backward: the same four adds of 42
+    _against_eager_autograd(a, model, x)  # gradients and the loss tangent, float64
