@@ -102,3 +102,45 @@ def test_turning_a_computed_value_off_is_refused_as_in_eager():
         M()(x)
     with pytest.raises(TraceError, match=r"requires_grad_\(False\).*\.detach\(\)"):
         analyze(M(), (x,))
+
+
+class _LeftOff(nn.Module):
+    """``fc``'s bias read with its flag on, then turned off and left so: eager's backward
+    gives it no gradient at all (AccumulateGrad reads the flag when it runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(D, D), nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        self.fc.bias.requires_grad_(False)
+        return self.head(h)
+
+
+def test_a_parameter_left_off_gets_no_gradient_as_in_eager():
+    """Frozen: SGD's update 2 FLOPs per updated parameter, fc's weight (36) and the head's 7:
+    2·43 = 86 (fc's bias, 6, was updated before the fix: 98)."""
+    torch.manual_seed(0)
+    model, x = _LeftOff().double(), torch.randn(4, D, dtype=torch.double)
+    a = analyze(model, (x,))
+    assert model.fc.bias.requires_grad  # the model's flags as they were
+    assert a.forward.meta[SIGNATURE].frozen == ("p_model_fc_bias",)
+    assert a.report.totals.update.flops == 86
+    assert verify_gradients(a.forward, a.backward, model, examples=(x,)).ok
+
+
+def test_turning_a_frozen_parameter_on_is_refused():
+    """Eager would give it the gradient of the reads after the call only: not modelled, one
+    line naming the parameter and what to do."""
+    model = _LeftOff()
+    model.fc.weight.requires_grad_(False)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(model.fc(x))
+        model.fc.weight.requires_grad_(True)
+        return model.head(torch.tanh(model.fc(h)))
+
+    model.forward = forward  # type: ignore[method-assign]
+    with pytest.raises(TraceError, match=r"frozen parameter fc\.weight on .* before analysing"):
+        analyze(model, (torch.randn(2, D),))

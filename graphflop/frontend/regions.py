@@ -113,27 +113,45 @@ class _GradSources:
     #: the leaves the model's code turned ``requires_grad_(False)``: the stop-gradient node
     #: their reads go through meanwhile -> the leaf's own node (:func:`stop_gradient`)
     stopped: dict[Node, Node] = {}
+    #: the model's parameters' names, its first placeholders (:func:`grad_sources`)
+    params: tuple[str, ...] = ()
+    #: the main trace's placeholders, in order, as :func:`stop_gradient` last saw them
+    placeholders: list[Node] = []
 
 
-def grad_sources(trainable: set[int]) -> contextlib.AbstractContextManager[None]:
+def grad_sources(
+    trainable: set[int], params: tuple[str, ...] = (), left_off: set[int] | None = None
+) -> contextlib.AbstractContextManager[None]:
     """While active, the reentrant checkpoint decides as eager does whether its outputs carry
     a derivative: ``trainable`` are the positions of the placeholders (in order) that require
-    grad; the model's inputs do not."""
+    grad; the model's inputs do not. ``params``: the names of the parameters, the first
+    placeholders (:func:`mark_requires_grad` refuses to turn a frozen one on). ``left_off``: filled, on
+    leaving, with the positions of the trainable placeholders the model's code turned
+    ``requires_grad_(False)`` and left so (eager's backward gives them no gradient at all:
+    its AccumulateGrad reads the flag when it runs)."""
 
     @contextlib.contextmanager
     def scope() -> Iterator[None]:
         _GradSources.trainable = frozenset(trainable)
+        _GradSources.params = params
         _GradSources.marked = set()
         _GradSources.leaves = 0
         _GradSources.stopped = {}
+        _GradSources.placeholders = []
         _GradSources.active = True
         try:
             yield
+            if left_off is not None:
+                left_off.update(
+                    i for i, n in enumerate(_GradSources.placeholders) if n in _still_off()
+                )
         finally:
             _GradSources.active = False
             _GradSources.trainable = frozenset()
+            _GradSources.params = ()
             _GradSources.marked = set()
             _GradSources.stopped = {}
+            _GradSources.placeholders = []
 
     return scope()
 
@@ -146,12 +164,31 @@ def mark_requires_grad(t: torch.Tensor) -> None:
     depends on each call's inputs: :func:`marked_in_templates` says it happened."""
     node = _node_of(t)
     if node is not None:
+        frozen = _frozen_param(node) if _GradSources.active and node.op == "placeholder" else None
+        if frozen is not None:
+            raise TraceError(
+                f"the model turns its frozen parameter {frozen} on with requires_grad_() "
+                "inside forward, which graphflop does not model (eager would give it the "
+                "gradient of the later reads only): set its requires_grad before analysing"
+            )
         if _GradSources.active and not _differentiable((t,)):
             node.meta.setdefault(LEAF, _GradSources.leaves)
             _GradSources.leaves += 1
         elif not _GradSources.active:
             _GradSources.marked_outside = True
         _GradSources.marked.add(node)
+
+
+def _frozen_param(node: Node) -> str | None:
+    """The name of the parameter placeholder ``node`` of the main trace stands for where it
+    does not require grad (:func:`grad_sources`' ``params``, less the trainable ones), else
+    None."""
+    for i, n in enumerate(node.graph.nodes):
+        if i >= len(_GradSources.params) or n.op != "placeholder":
+            return None
+        if n is node:
+            return None if i in _GradSources.trainable else _GradSources.params[i]
+    return None
 
 
 def stop_gradient(t: torch.Tensor) -> None:
@@ -187,7 +224,14 @@ def stop_gradient(t: torch.Tensor) -> None:
     # ignores requires_grad
     stopped.meta[NO_GRAD] = True
     _GradSources.stopped[stopped] = node
+    if node.op == "placeholder":
+        _GradSources.placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
     rec.bind(_inner(t), stopped)
+
+
+def _still_off() -> set[Node]:
+    """The leaves :func:`stop_gradient` turned off and no :func:`resume_gradient` turned on."""
+    return set(_GradSources.stopped.values())
 
 
 def resume_gradient(t: torch.Tensor) -> None:

@@ -528,6 +528,7 @@ def _trace_once(
     modes = _FunctionModes(dispatch, CompositeOps())
     outliner = repeats.Outliner(outline, fake_mode, transparent=modes.passes_custom_ops, walk=walk)
     trainable = {i for i, p in enumerate(params.values()) if p.requires_grad}
+    left_off: set[int] = set()  # trainable ones the forward turned off and left so
     try:
         with (
             routed_nonzero(),
@@ -542,7 +543,7 @@ def _trace_once(
             # recorded, not shown: fake tensors make torch warn about its own internals; the
             # model's own warnings are shown once each after the trace (_reemit)
             warnings.simplefilter("always")
-            with outliner, grad_sources(trainable), grad_mode_tagged():
+            with outliner, grad_sources(trainable, tuple(params), left_off), grad_mode_tagged():
                 gm = _recorder(
                     torch.func.functionalize(modes.around(objective)), decomposition_table=table
                 )(*flat_state, *inputs)
@@ -597,7 +598,8 @@ def _trace_once(
     if written:
         out.meta[ASSUMPTIONS] += (_written_line(written),)
     sig = out.meta[SIGNATURE]
-    frozen = tuple(p for p, q in sig.params if not params[q].requires_grad)
+    off = {q for i, q in enumerate(params) if i in left_off}
+    frozen = tuple(p for p, q in sig.params if not params[q].requires_grad or q in off)
     frozen += _detached_only(out, frozen)
     frozen += _no_grad_only(out, frozen)
     out.meta[SIGNATURE] = dataclasses.replace(sig, frozen=frozen)
