@@ -120,7 +120,7 @@ def stack_path(stack: dict, wrapped: bool = True) -> str:
     """:func:`module_path` of a node whose ``nn_module_stack`` is ``stack``."""
     if not stack:
         return ""
-    path = next(reversed(stack.values()))[0]
+    path = next(iter(reversed(stack.values())))[0]
     if not wrapped:
         return path
     if path == "":
