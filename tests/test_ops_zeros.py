@@ -1,7 +1,9 @@
 """Derivatives at exact zeros, element by element against eager PyTorch: ``prod`` (one zero, two
 zeros, a whole row or column of zeros, along the reduced dim and across it), ``atan2`` and
 ``hypot`` at the origin (signed zeros, underflowing and subnormal squares), the 2-norm
-(``F.normalize``, ``F.cosine_similarity``) and ``std`` at a zero row, ``sinc`` at 0. Gradients against
+(``F.normalize``, ``F.cosine_similarity``), other finite orders of the vector norm, ``std`` and
+``std_mean`` at a zero row, ``sinc`` at 0 and at tiny x, ``max``/``min`` over all elements with
+a NaN. Gradients against
 ``torch.autograd.grad`` of the summed output, tangents against ``torch.func.jvp``; where eager's
 value is NaN or infinite graphflop's must be the same unless the other mode of eager's is finite
 there (then it must agree with that one). And the FLOPs of the JVP and backward graphs of
@@ -240,3 +242,129 @@ def test_norm_std_sinc_kept_whole_and_their_flops_by_hand():
     # JVP: the primal 90; πx, cos, the product, sin, −, πx·x, the divide, == 0, where: 9·15;
     # ·ẋ 15; the loss tangent 15: 90 + 135 + 15 + 15 = 255; backward 10·15 = 150
     assert _flops(torch.sinc, (x,)) == (90, 255, 150)
+
+
+# siblings of the above: the vector norm's other finite orders (p = 3, 4 keepdim, 1.5, 0.5 and
+# -1 at a zero row; p < 1 also at a zero element of a non-zero row, row 2's element 1, where
+# eager's norm_backward masks |x|^(p-1) = inf), std_mean's standard deviation at a constant row
+# (std_backward's mask, as std's), and sinc at tiny non-zero x whose π·x·x underflows to 0
+# (sinc_backward masks that product, not x)
+def _zero_row_and_element():
+    x = _zero_row()
+    x[2, 1] = 0.0
+    return x
+
+
+SIBLING_CASES = {
+    "vector_norm_p3": (lambda x: torch.linalg.vector_norm(x, 3, dim=1), _zero_row_and_element()),
+    "vector_norm_p4_keepdim_times_x": (
+        lambda x: torch.linalg.vector_norm(x, 4.0, dim=1, keepdim=True) * x,
+        _zero_row(),
+    ),
+    "vector_norm_p1_5": (lambda x: x.norm(p=1.5, dim=1), _zero_row_and_element()),
+    "vector_norm_p0_5": (
+        lambda x: torch.linalg.vector_norm(x, 0.5, dim=1),
+        _zero_row_and_element(),
+    ),
+    "vector_norm_p_minus_1": (lambda x: torch.linalg.vector_norm(x, -1, dim=1), _zero_row()),
+    "vector_norm_p3_all_zero": (lambda x: torch.linalg.vector_norm(x * 0.0, 3), _zero_row()),
+    "vector_norm_p2_5_dtype": (
+        # computed in float64, compared at float32's rounding (eager's forward mode takes
+        # the coefficient from the float32 input)
+        lambda x: torch.linalg.vector_norm(x, 2.5, dim=1, dtype=torch.float64).float(),
+        _zero_row().float(),
+    ),
+    "std_mean_dim": (lambda x: torch.std_mean(x, dim=1)[0], _zero_row(2.0)),
+    "std_mean_both_keepdim": (
+        lambda x: (lambda s, m: s * x + m)(*torch.std_mean(x, dim=1, keepdim=True)),
+        _zero_row(2.0),
+    ),
+    "std_mean_all_constant": (lambda x: torch.std_mean(x * 0.0 + 1.0)[0], _zero_row()),
+    "sinc_tiny_float64": (
+        torch.sinc,
+        torch.tensor([1e-300, -1e-170, 0.0, 0.5, 1e-100], dtype=torch.float64),
+    ),
+    "sinc_tiny_float32": (torch.sinc, torch.tensor([1e-30, -1e-24, 0.0, 0.5, 1e-10])),
+}
+
+
+@pytest.mark.parametrize("case", list(SIBLING_CASES))
+def test_norm_orders_std_mean_sinc_tiny_match_eager(case):
+    f, x = SIBLING_CASES[case]
+    tangents = _tangents((x,))
+    got_t, (got_g,) = _derivatives(f, (x,), tangents)
+    ref_t, (ref_g,) = _eager(f, (x,), tangents)
+    assert ref_g.isfinite().all() and ref_t.isfinite().all()  # eager's are finite here
+    _same(got_g, ref_g)
+    _same(got_t, ref_t)
+
+
+def test_norm_orders_std_mean_sinc_tiny_by_hand():
+    d = torch.float64
+    x = torch.tensor([[0.0, 0.0], [1.0, 2.0], [1.0, 0.0], [4.0, 1.0]], dtype=d)
+    t = _tangents((x,))
+    # p = 3: d‖x‖₃/dx = x·|x| / ‖x‖₃², ‖(1, 2)‖₃ = 9^(1/3): (1, 4) / 9^(2/3); the zero row 0
+    _, (g,) = _derivatives(lambda u: torch.linalg.vector_norm(u, 3, dim=1), (x,), t)
+    assert torch.equal(g[0], torch.zeros(2, dtype=d))
+    _same(g[1], torch.tensor([1.0, 4.0], dtype=d) / 9.0 ** (2.0 / 3.0))
+    _same(g[2], torch.tensor([1.0, 0.0], dtype=d))
+    # p = 1/2: sign(x)·|x|^(-1/2)·‖x‖^(1/2); ‖(4, 1)‖ = (2 + 1)² = 9: (1/2·3, 1·3) = (1.5, 3);
+    # ‖(1, 0)‖ = 1: (1, 0), the zero element 0 (not 0·inf); the zero row 0
+    _, (g,) = _derivatives(lambda u: torch.linalg.vector_norm(u, 0.5, dim=1), (x,), t)
+    assert torch.equal(g[0], torch.zeros(2, dtype=d))
+    _same(g[2:], torch.tensor([[1.0, 0.0], [1.5, 3.0]], dtype=d))
+    # std_mean's std of (2, 2, 2): 0; of (1, 2, 4): mean 7/3, var (16 + 1 + 25)/9/2 = 7/3,
+    # d std/dx = (x − 7/3) / (2·√(7/3))
+    y = torch.tensor([[2.0, 2.0, 2.0], [1.0, 2.0, 4.0]], dtype=d)
+    _, (g,) = _derivatives(lambda u: torch.std_mean(u, dim=1)[0], (y,), _tangents((y,)))
+    assert torch.equal(g[0], torch.zeros(3, dtype=d))
+    _same(g[1], (y[1] - 7.0 / 3.0) / (2.0 * (7.0 / 3.0) ** 0.5))
+    # sinc at 1e-300 (π·x·x = 0 in float64) and 1e-30 in float32: 0, as at 0
+    for pts in (torch.tensor([1e-300, 0.5], dtype=d), torch.tensor([1e-30, 0.5])):
+        out_t, (g,) = _derivatives(torch.sinc, (pts,), _tangents((pts,)))
+        _same(g, torch.tensor([0.0, -4.0 / torch.pi], dtype=pts.dtype))
+        assert out_t.isfinite().all()
+
+
+def test_max_min_all_with_nan_spread_over_the_nans():
+    # eager's evenly_distribute_backward: the NaN elements share the gradient, the rest 0
+    nan = float("nan")
+    for f, x, expected in (
+        (torch.max, [[1.0, nan], [3.0, 3.0]], [[0.0, 1.0], [0.0, 0.0]]),
+        (torch.min, [[1.0, nan], [3.0, nan]], [[0.0, 0.5], [0.0, 0.5]]),
+        (torch.max, [[1.0, 3.0], [3.0, 2.0]], [[0.0, 0.5], [0.5, 0.0]]),  # ties, no NaN
+    ):
+        x = torch.tensor(x, dtype=torch.float64)
+        tangents = _tangents((x,))
+        got_t, (got_g,) = _derivatives(f, (x,), tangents)
+        _, (ref_g,) = _eager(f, (x,), tangents)
+        assert torch.equal(got_g, torch.tensor(expected, dtype=torch.float64))
+        assert torch.equal(got_g, ref_g)
+        # the tangent: the mean of the tangent over the mask (eager's forward mode keeps
+        # x == max and is NaN where the maximum is NaN; the output is NaN there anyway)
+        _same(got_t, (tangents[0] * got_g).sum())
+
+
+def test_norm_orders_std_mean_max_flops_by_hand():
+    x = _with_zeros((3, 5))  # N = 15 elements, R = 3 rows
+    # p = 3: forward |x|, pow, the sum 3·15, the root 3, the loss 3 = 51
+    # JVP: the primal 51; |x|, pow, ·x 3·15; ·ẋ, the sum 2·15; == 0, the root's pow, the safe
+    # value, the divide, the select 5·3; the loss tangent 3: 51 + 45 + 30 + 15 + 3 = 144
+    # backward: the coefficient 45, ·ct 15, the per-row 15: 75
+    assert _flops(lambda u: torch.linalg.vector_norm(u, 3, dim=1), (x,)) == (51, 144, 75)
+    # p = 1/2: forward 51; JVP: sign, |x|, pow, ·, == 0, where 6·15; ·ẋ, sum 2·15; ‖x‖^(1/2),
+    # the product 2·3; the loss 3: 51 + 90 + 30 + 6 + 3 = 180; backward 90 + 15 + 6 = 111
+    assert _flops(lambda u: torch.linalg.vector_norm(u, 0.5, dim=1), (x,)) == (51, 180, 111)
+
+    def std_mean_sum(u):
+        s, m = torch.std_mean(u, dim=1)
+        return s + m
+
+    # std_mean, both used: forward std 15 + 2·3, mean 15 + 3, s + m 3, the loss 3 = 45
+    # JVP: the primal 45; std's 78 + 15 (the std table above); mean's 15 + 3; + 3; the loss 3:
+    # 45 + 93 + 18 + 3 + 3 = 162; backward: std's 78, mean's 18
+    assert _flops(std_mean_sum, (x,)) == (45, 162, 96)
+    # max over all: forward 15 + the loss 1 = 16; JVP: isnan(max) 1; isnan, ==, where, the
+    # count's sum, the divide, ·ẋ, the sum 7·15; the loss 1: 16 + 1 + 105 + 1 = 123; backward
+    # 1 + 6·15 = 91
+    assert _flops(lambda u: u.max().reshape(1), (x,)) == (16, 123, 91)

@@ -7,7 +7,7 @@ division, logical and bitwise ops) have zero derivative. Leaky ReLU is one op (1
 like ReLU), and so is hardtanh (1, as the clamp PyTorch decomposes it to; its derivative is not
 clamp's at the bounds), hardswish (5, its decomposition's parts; its derivative selects),
 hardsigmoid (4, its decomposition's parts; its derivative selects, 0 at ±3) and sinc (5, its
-decomposition's parts, float32/float64; its derivative 0 at 0, as eager's ``sinc_backward``);
+decomposition's parts, float32/float64; its derivative 0 where πx·x is 0, as eager's ``sinc_backward``);
 GELU, SiLU, ELU, dropout, softplus and mish decompose into the ops
 here (the decompositions graphflop chooses are at the end of this file).
 
@@ -764,9 +764,10 @@ register(
 
 @def_jvp(aten.sinc.default)
 def _jvp_sinc(b, out, args, tangents, kwargs):
-    """``dx · c``, ``c = where(x == 0, 0, (πx·cos(πx) − sin(πx)) / (πx·x))``: PyTorch's
-    ``sinc_backward`` (derivatives.yaml: the coefficient masked to 0 at x = 0, then multiplied
-    by the gradient), also its forward-mode rule. The coefficient is primal-only. Per element:
+    """``dx · c``, ``c = where(πx·x == 0, 0, (πx·cos(πx) − sin(πx)) / (πx·x))``: PyTorch's
+    ``sinc_backward`` (derivatives.yaml: the coefficient masked to 0 where the product πx·x is
+    0, which is also where a tiny non-zero x underflows it, 1e-300 in float64, |x| below about
+    1e-23 in float32; then multiplied by the gradient), also its forward-mode rule. The coefficient is primal-only. Per element:
     πx, cos, the product, sin, the subtract, πx·x, the divide, the test and the select (9, two
     transcendentals), and the product by the tangent (1): 10 in the JVP and in the backward."""
     x = args[0]
@@ -776,8 +777,9 @@ def _jvp_sinc(b, out, args, tangents, kwargs):
         b.call(aten.mul.Tensor, px, b.call(aten.cos.default, px)),
         b.call(aten.sin.default, px),
     )
-    ratio = b.call(aten.div.Tensor, num, b.call(aten.mul.Tensor, px, x))
-    coef = b.call(aten.where.ScalarSelf, b.call(aten.eq.Scalar, x, 0), 0.0, ratio)
+    pxx = b.call(aten.mul.Tensor, px, x)
+    ratio = b.call(aten.div.Tensor, num, pxx)
+    coef = b.call(aten.where.ScalarSelf, b.call(aten.eq.Scalar, pxx, 0), 0.0, ratio)
     return _scale(b, tangents[0], coef)
 
 

@@ -1,8 +1,9 @@
 """Normalisation ops. Layer norm, group norm, vector norms and batch norm without running
 statistics decompose into elementwise ops and reductions (counted as the sum of their parts,
-docs/flops_conventions.md; the decompositions are at the end of this file). The 2-norm of a
-float32/float64 tensor stays one op, counted as the parts it was traced as, whose derivative is
-0 where the norm is 0, as eager's (the decomposition's ``pow(s, 0.5)`` gave 0·inf there).
+docs/flops_conventions.md; the decompositions are at the end of this file). The vector norm
+of a float32/float64 tensor of order 2 or another finite order but 0 and 1 stays one op,
+counted as the parts it was traced as, whose derivative is 0 where the norm is 0 (and for
+p < 1 at a zero element), as eager's (the decomposition's ``pow(s, 1/p)`` gave 0·inf there).
 
 Batch norm stays one op, as eager PyTorch runs it (one kernel), counted as the parts PyTorch's
 decomposition (``torch._decomp``) makes of it:
@@ -158,35 +159,51 @@ use_torch_decomposition(
     aten.native_layer_norm,
 )
 
-# --- the 2-norm: one op, whose derivative is 0 where the norm is 0 --------------------------------
+# --- the 2-norm and other finite orders: one op, derivative 0 where the norm is 0 ------------
 _VECTOR_NORM = aten.linalg_vector_norm.default
 
 
-def _is_kept_2norm(x, ord, dtype) -> bool:
-    """Whether ``linalg_vector_norm(x, ord, ..., dtype=dtype)`` is kept whole: the 2-norm of a
-    float32 or float64 tensor, computed in its own dtype."""
-    return ord == 2 and x.dtype in FULL_PRECISION and (dtype is None or dtype == x.dtype)
+def _is_kept_norm(x, ord, dim, dtype) -> bool:
+    """Whether ``linalg_vector_norm(x, ord, dim, dtype=dtype)`` is kept whole: a float32 or
+    float64 tensor computed in its own dtype, of order 2, or of another finite order but 0 and
+    1 (whose decompositions, a count and ``sum(|x|)``, differentiate as eager) reduced over some
+    dim longer than 1 (over dims of length 1 PyTorch's decomposition is ``|x|``, whose
+    derivative is eager's)."""
+    if x.dtype not in FULL_PRECISION or (dtype is not None and dtype != x.dtype):
+        return False
+    if ord == 2:
+        return True
+    if not math.isfinite(ord) or ord in (0, 1):
+        return False
+    return any(x.shape[d] != 1 for d in norm_dims(dim, x.dim())) if x.dim() else False
 
 
 @register_decomposition(_VECTOR_NORM)
 def _vector_norm(x, ord=2, dim=None, keepdim: bool = False, *, dtype=None):
-    """The 2-norm of a float32/float64 tensor stays one op (its rules below); every other
-    order and dtype is traced as PyTorch's decomposition. Through the decomposition,
-    ``pow(sum(x²), 0.5)``, the 2-norm's derivative at a zero norm is ``0·inf`` (NaN), where
-    eager's ``linalg_vector_norm_backward`` gives 0 (it masks the zero norm)."""
-    if _is_kept_2norm(x, ord, dtype):
+    """The 2-norm and the other finite orders (:func:`_is_kept_norm`) of a float32/float64
+    tensor stay one op (its rules below); the rest are traced as PyTorch's decomposition.
+    Through the decomposition, ``pow(sum(pow(|x|, p)), 1/p)``, the derivative at a zero norm
+    is ``0·inf`` (NaN), and for p < 1 at a zero element too, where eager's
+    ``linalg_vector_norm_backward`` gives 0 (it masks them)."""
+    if _is_kept_norm(x, ord, dim, dtype):
         return NotImplemented
+    if dtype in FULL_PRECISION and dtype != x.dtype and x.is_floating_point():
+        # computed in ``dtype``, as eager: the conversion, then the kept norm of that dtype
+        return _VECTOR_NORM(aten._to_copy.default(x, dtype=dtype), ord, dim, keepdim)
     fallback = torch_decomposition(_VECTOR_NORM)
     assert fallback is not None  # PyTorch decomposes it (torch._decomp)
     return fallback(x, ord, dim, keepdim, dtype=dtype)
 
 
 def _vector_norm_cost(out, x, *args, **kwargs):
-    """The parts of the decomposition it was traced as, ``pow(pow(|x|, 2).sum(), 0.5)``: per
-    input element the square and the add of the sum (2), per output element the square root
-    (1); the two ``pow`` are transcendentals (n + m), as ``pow`` is everywhere."""
+    """The parts of the decomposition it was traced as, ``pow(sum(pow(|x|, p)), 1/p)``: per
+    input element ``|x|`` (not for an even p, whose decomposition leaves it out), the power and
+    the add of the sum (2 or 3), per output element the root (1); the two ``pow`` are
+    transcendentals (n + m), as ``pow`` is everywhere."""
     n, m = numel(x), numel(out)
-    return NodeCost(flops=2 * n + m, transcendentals=n + m)
+    ord = bind(_VECTOR_NORM, (x, *args), kwargs).ord
+    per_input = 2 if ord % 2 == 0 else 3
+    return NodeCost(flops=per_input * n + m, transcendentals=n + m)
 
 
 register(_VECTOR_NORM, F, _vector_norm_cost)
@@ -194,21 +211,47 @@ register(_VECTOR_NORM, F, _vector_norm_cost)
 
 @def_jvp(_VECTOR_NORM)
 def _jvp_vector_norm(b, out, args, tangents, kwargs):
-    """``where(‖x‖ == 0, 0, Σ x·ẋ / ‖x‖)`` over the reduced dims: PyTorch's
-    ``linalg_vector_norm_backward`` for the 2-norm (``norm_backward``: ``self · grad / norm``,
-    masked to 0 where the norm is 0), also its forward-mode rule (``norm_jvp``). The divide is
-    by ``where(‖x‖ == 0, 1, ‖x‖)``, so that the transpose (the backward) divides the selected
-    cotangent by a finite value; the select makes a NaN or infinite tangent or cotangent at a
-    zero norm give 0, as eager. Per input element the product and the sum (2), per output
-    element the comparison, the safe norm, the divide and the select (4)."""
+    """PyTorch's ``linalg_vector_norm_backward`` (``norm_backward``), also its forward-mode
+    rule (``norm_jvp``), over the reduced dims:
+
+    * p = 2: ``where(‖x‖ == 0, 0, Σ x·ẋ / ‖x‖)``. Per input element the product and the sum
+      (2), per output element the comparison, the safe norm, the divide and the select (4).
+    * p > 1: ``where(‖x‖ == 0, 0, Σ c·ẋ / ‖x‖^(p−1))``, ``c = x·|x|^(p−2)`` for p > 2 (3 per
+      input element: ``|x|``, the power, the product), ``sign(x)·|x|^(p−1)`` for 1 < p < 2 (4:
+      the sign too); then the product and the sum (2); per output element the comparison, the
+      power (a transcendental), the safe value, the divide and the select (5).
+    * p < 1: ``Σ c·ẋ · ‖x‖^(1−p)``, ``c = where(x == 0, 0, sign(x)·|x|^(p−1))`` (6 per input
+      element; the power a transcendental), the product and the sum (2); per output element
+      the power and the product (2).
+
+    The divides are by ``where(‖x‖ == 0, 1, ·)``, so that the transpose (the backward) divides
+    the selected cotangent by a finite value; the select makes a NaN or infinite tangent or
+    cotangent at a zero norm give 0, as eager."""
     a = bind(_VECTOR_NORM, args, kwargs)
-    assert _is_kept_2norm(value(a.self), a.ord, a.dtype)
+    x, p = a.self, a.ord
+    assert _is_kept_norm(value(x), p, a.dim, a.dtype)
     if tangents[0] is None:
         return None
-    dims = norm_dims(a.dim, len(shape(a.self)))
-    s = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, tangents[0], a.self), dims, a.keepdim)
+    dims = norm_dims(a.dim, len(shape(x)))
+    if p == 2:
+        coef, root = x, out
+    elif p > 2:
+        coef = b.call(
+            aten.mul.Tensor, x, b.call(aten.pow.Tensor_Scalar, b.call(aten.abs.default, x), p - 2)
+        )
+        root = b.call(aten.pow.Tensor_Scalar, out, p - 1)
+    else:
+        power = b.call(aten.pow.Tensor_Scalar, b.call(aten.abs.default, x), p - 1)
+        coef = b.call(aten.mul.Tensor, b.call(aten.sign.default, x), power)
+        if p < 1:
+            coef = b.call(aten.where.ScalarSelf, b.call(aten.eq.Scalar, x, 0), 0.0, coef)
+        else:
+            root = b.call(aten.pow.Tensor_Scalar, out, p - 1)
+    s = b.call(aten.sum.dim_IntList, b.call(aten.mul.Tensor, tangents[0], coef), dims, a.keepdim)
+    if p < 1:
+        return b.call(aten.mul.Tensor, s, b.call(aten.pow.Tensor_Scalar, out, 1 - p))
     zero = b.call(aten.eq.Scalar, out, 0)
-    safe = b.call(aten.where.ScalarSelf, zero, 1.0, out)
+    safe = b.call(aten.where.ScalarSelf, zero, 1.0, root)
     return b.call(aten.where.ScalarSelf, zero, 0.0, b.call(aten.div.Tensor, s, safe))
 
 

@@ -3,7 +3,8 @@ var_mean, prod, cumsum, cumprod, cummax, cummin, logcumsumexp, histc. 1 FLOP per
 adds 1 per output element (docs/flops_conventions.md). ``var_mean`` is counted as a mean plus a
 variance: 2 per input element and 2 per output element (the two divides); ``std`` of a
 float32/float64 tensor is one op, ``var`` and a square root, its derivative 0 where it is 0 (as
-eager's ``std_backward``; the decomposition's sqrt gave 0·inf there). ``cumsum`` and
+eager's ``std_backward``; the decomposition's sqrt gave 0·inf there), and ``std_mean`` is that
+``std`` and a ``mean``. ``cumsum`` and
 ``cumprod`` are 1 per input element, and so is ``prod`` (one multiply each, as a sum's one add
 each); ``prod``'s tangent is ``sum(dx · ∏ of the others)``, the product of the others exact at
 zeros (7 FLOPs per input element, :func:`_others_product`); cumsum's transpose is a reversed
@@ -170,11 +171,21 @@ register(aten.min.default, F, per_input(1))
 
 
 def _jvp_extremum_all(b, out, args, tangents, kwargs):
-    """d max(x) = sum(dx · m) / sum(m), m = (x == max(x)) over every element (as amax's)."""
+    """d max(x) = sum(dx · m) / sum(m) over every element, ``m = isnan(x)`` where the maximum
+    is NaN, else ``m = (x == max(x))``: ``evenly_distribute_backward``'s mask, which sends the
+    gradient to the NaN elements (split evenly) rather than NaN everywhere. Per input element
+    the comparison, ``isnan``, the select, the count's sum, the divide, the product and the sum
+    (7; the backward 6, the last sum's transpose an expand), and the maximum's ``isnan``; eager's forward mode (``evenly_read_jvp``) keeps
+    ``x == max(x)`` and is NaN there, where the output is NaN anyway."""
     x = args[0]
     dims = list(range(len(shape(x))))
     kept = expand_back(b, out, shape(x), dims, False)
-    mask = b.call(aten.eq.Tensor, x, kept)
+    mask = b.call(
+        aten.where.self,
+        b.call(aten.isnan.default, out),
+        b.call(aten.isnan.default, x),
+        b.call(aten.eq.Tensor, x, kept),
+    )
     coef = b.call(aten.div.Tensor, mask, b.call(aten.sum.default, mask))
     return b.call(aten.sum.default, b.call(aten.mul.Tensor, tangents[0], coef))
 
@@ -232,6 +243,23 @@ def _std(x, *args, **kwargs):
     fallback = torch_decomposition(aten.std.correction)
     assert fallback is not None  # PyTorch decomposes it (torch._decomp)
     return fallback(x, *args, **kwargs)
+
+
+@register_decomposition(aten.std_mean.correction)
+def _std_mean(x, dim=None, *, correction=None, keepdim: bool = False):
+    """``std_mean`` of a float32/float64 tensor as the kept-whole ``std`` and a ``mean``, so
+    that its standard deviation's derivative is 0 where it is 0, as eager's (``std_backward``);
+    PyTorch's decomposition, ``var_mean`` and a square root, gave 0·inf there. Counted the
+    same: ``std`` (1 per input element, 2 per output element) and ``mean`` (1 and 1) are
+    ``var_mean`` (2 and 2) and the square root (1 per output element, a transcendental). Other
+    dtypes are traced as PyTorch's decomposition."""
+    if x.dtype not in FULL_PRECISION:
+        fallback = torch_decomposition(aten.std_mean.correction)
+        assert fallback is not None  # PyTorch decomposes it (torch._refs)
+        return fallback(x, dim, correction=correction, keepdim=keepdim)
+    dims = list(range(x.dim())) if dim is None else dim
+    std = aten.std.correction(x, dims, correction=correction, keepdim=keepdim)
+    return std, aten.mean.dim(x, dims, keepdim)
 
 
 #: the parts of the decomposition it was traced as: ``var`` (1 per input element, 1 per output
