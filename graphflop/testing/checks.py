@@ -68,7 +68,8 @@ MATRIX_OPS = frozenset(
 #: tangent node of a linearized graph. :func:`check_rule_coverage` checks this list both ways.
 _DECOMPOSED = ("jvp", "transpose")  # core-ATen decomposition rewrites the op before tracing ends
 NOT_IN_ZOO: dict[str, tuple[str, ...]] = {
-    "aten.sum.default": _DECOMPOSED,  # x.sum() -> sum.dim_IntList(x, [])
+    # x.sum() -> sum.dim_IntList(x, []); its transpose runs (max/min over all elements' tangent)
+    "aten.sum.default": ("jvp",),
     "aten.t.default": _DECOMPOSED,  # -> permute
     "aten.reshape.default": _DECOMPOSED,  # -> view; only emitted as a cotangent (view's transpose)
     "aten._unsafe_view.default": _DECOMPOSED,  # -> view
@@ -100,6 +101,16 @@ NOT_IN_ZOO: dict[str, tuple[str, ...]] = {
     "aten.conj_physical.default": ("jvp", "transpose"),
     # the kernel F.embedding_bag picks when no gradient is needed: traced models need one
     "aten._embedding_bag_forward_only.default": ("jvp",),
+    # a Python clamp_min/clamp_max call traces to clamp (the core-ATen table); ATen's C++
+    # composites' in-place clamp_min_ reaches clamp_min.default (margin_ranking_loss's case),
+    # no composite of the zoo's reaches these
+    "aten.clamp_min.Tensor": ("jvp",),
+    "aten.clamp_max.Tensor": ("jvp",),
+    "aten.clamp_max.default": ("jvp",),
+    # antialiased resize's backward kernels: emitted by its transpose only (backward graphs,
+    # never a forward or a linearized one)
+    "aten._upsample_bilinear2d_aa_backward.default": _DECOMPOSED,
+    "aten._upsample_bicubic2d_aa_backward.default": _DECOMPOSED,
     "aten.relu_.default": ("jvp",),
     "aten.sigmoid_.default": ("jvp",),
     "aten.tanh_.default": ("jvp",),

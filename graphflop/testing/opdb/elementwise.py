@@ -299,6 +299,39 @@ UNARY_MORE = [
         aten=("aten.sinc.default", "aten.cos.default"),
     ),
     OpCase(
+        "i0",
+        module_of(lambda s, x: torch.i0(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,  # mul; i0 1 per element (a transcendental)
+        aten=("aten.i0.default",),
+    ),
+    OpCase(
+        "special_i1",
+        module_of(lambda s, x: torch.special.i1(x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,  # mul; i1 1 per element (a transcendental)
+        aten=("aten.special_i1.default",),
+    ),
+    OpCase(
+        "polygamma",
+        module_of(lambda s, x: torch.polygamma(1, x * s.w), {"w": W}),
+        (X,),
+        flops=24 + 24,  # mul; trigamma 1 per element (a transcendental)
+        aten=("aten.polygamma.default",),
+    ),
+    OpCase(
+        "margin_ranking_loss",
+        module_of(
+            lambda s, x: F.margin_ranking_loss(x * s.w, x, torch.sign(x), reduction="none"),
+            {"w": W},
+        ),
+        (X,),
+        # mul 24; sign 24; ATen's composite: x1 - x2 24, neg 24, * y 24, + margin 24, its C++
+        # clamp_min_ (clamp_min.default) 24
+        flops=24 + 24 + 5 * 24,
+        aten=("aten.clamp_min.default",),
+    ),
+    OpCase(
         "mish",
         module_of(lambda s, x: F.mish(x * s.w), {"w": W}),
         (X,),

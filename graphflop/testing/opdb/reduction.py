@@ -84,6 +84,20 @@ REDUCTION = [
         aten=("aten.amax.default",),
     ),
     OpCase(
+        "max_all",
+        module_of(lambda s, x: (x * s.w).max() * s.w, {"w": W}),
+        (X,),
+        flops=24 + 24 + 12,  # mul; max over all 1 per input element; * w 12
+        aten=("aten.max.default",),
+    ),
+    OpCase(
+        "min_all",
+        module_of(lambda s, x: (x * s.w).min() * s.w, {"w": W}),
+        (X,),
+        flops=24 + 24 + 12,  # mul; min over all 1 per input element; * w 12
+        aten=("aten.min.default",),
+    ),
+    OpCase(
         "amin",
         module_of(lambda s, x: (x * s.w).amin(-1) * s.r, {"w": W}, {"r": (2, 3)}),
         (X,),
