@@ -171,20 +171,22 @@ register(aten.min.default, F, per_input(1))
 
 
 def _jvp_extremum_all(b, out, args, tangents, kwargs):
-    """d max(x) = sum(dx · m) / sum(m) over every element, ``m = isnan(x)`` where the maximum
-    is NaN, else ``m = (x == max(x))``: ``evenly_distribute_backward``'s mask, which sends the
-    gradient to the NaN elements (split evenly) rather than NaN everywhere. Per input element
-    the comparison, ``isnan``, the select, the count's sum, the divide, the product and the sum
-    (7; the backward 6, the last sum's transpose an expand), and the maximum's ``isnan``; eager's forward mode (``evenly_read_jvp``) keeps
-    ``x == max(x)`` and is NaN there, where the output is NaN anyway."""
+    """d max(x) = sum(dx · m) / sum(m) over every element, ``m = (x == max(x)) | isnan(x)``:
+    ``evenly_distribute_backward``'s mask (``isnan(x)`` where the maximum is NaN, else ``x ==
+    max``; the maximum is NaN exactly where some element is, and no element equals a NaN, so
+    the union is that mask), which sends the gradient to the NaN elements (split evenly)
+    rather than NaN everywhere. A union, not a select: ONNX Runtime has no ``Where`` over
+    bools. Per input element the comparison, ``isnan``, the union, the count's sum, the
+    divide, the product and the sum (7; the backward 6, the last sum's transpose an expand).
+    Eager's forward mode (``evenly_read_jvp``) keeps ``x == max(x)`` and is NaN there, where
+    the output is NaN anyway."""
     x = args[0]
     dims = list(range(len(shape(x))))
     kept = expand_back(b, out, shape(x), dims, False)
     mask = b.call(
-        aten.where.self,
-        b.call(aten.isnan.default, out),
-        b.call(aten.isnan.default, x),
+        aten.logical_or.default,
         b.call(aten.eq.Tensor, x, kept),
+        b.call(aten.isnan.default, x),
     )
     coef = b.call(aten.div.Tensor, mask, b.call(aten.sum.default, mask))
     return b.call(aten.sum.default, b.call(aten.mul.Tensor, tangents[0], coef))
