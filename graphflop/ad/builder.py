@@ -55,6 +55,7 @@ __all__ = [
     "is_ghost",
     "makes_nodes",
     "new_node",
+    "numbered_names",
     "parse_names",
     "take_name",
     "take_again",
@@ -309,6 +310,24 @@ def take_again(graph: Graph, name: str, base: str, num: int | None) -> bool:
     return True
 
 
+def numbered_names(names: Sequence[str]) -> tuple[list[str], dict[str, list[int]]] | None:
+    """``names`` read as fx's numbered form ``<base>_<digits>`` (an ASCII identifier whose base
+    does not end in ``_``: :func:`take_names` takes such a name as it is where it is free, else
+    the next free number of its base): per name its prefix ``<base>_``, and per base the
+    positions of its names, in the order first met. None where a name is of another form."""
+    prefixes = []
+    bases: dict[str, list[int]] = {}
+    for k, name in enumerate(names):
+        base, _, digits = name.rpartition("_")
+        if not (base and base[-1] != "_" and digits.isdigit() and name.isascii()):
+            return None
+        if not name.isidentifier():
+            return None
+        prefixes.append(base + "_")
+        bases.setdefault(base, []).append(k)
+    return prefixes, bases
+
+
 class NamePlan:
     """:func:`take_names` for the calls of one template derivative, a base at a time: the
     names a call's copies ask fx for are per node either its op's base name (fixed,
@@ -352,16 +371,10 @@ class NamePlan:
         positions and per position its given name's index (None: a fixed name); and the
         permutation putting the names in order."""
         assert self.groups is not None
-        prefixes = []
-        bases: dict[str, list[int]] = {}
-        for k, name in enumerate(given):
-            base, _, digits = name.rpartition("_")
-            if not (base and base[-1] != "_" and digits.isdigit() and name.isascii()):
-                return None
-            if not name.isidentifier():
-                return None
-            prefixes.append(base + "_")
-            bases.setdefault(base, []).append(k)
+        read = numbered_names(given)
+        if read is None:
+            return None
+        prefixes, bases = read
         plain = [(b, b + "_", len(pos)) for b, pos in self.groups.items() if b not in bases]
         free = [(b, b + "_", ks[-1]) for b, ks in bases.items() if b not in self.groups]
         free_ks = [k for k, p in enumerate(prefixes) if p[:-1] not in self.groups]

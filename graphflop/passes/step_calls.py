@@ -45,7 +45,14 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.builder import base_name, copy_node, emit_named, new_node, take_names
+from graphflop.ad.builder import (
+    base_name,
+    copy_node,
+    emit_named,
+    new_node,
+    numbered_names,
+    take_names,
+)
 from graphflop.frontend import outline  # noqa: F401  (defines graphflop::repeat)
 from graphflop.meta import (
     CALL_SITE,
@@ -601,16 +608,10 @@ def _numbered_plan(names: Sequence[str]) -> tuple[tuple[str, ...], tuple] | None
     plan :func:`_take_planned` takes them by: per name its prefix ``<base>_``, and per base
     ``(base, prefix, positions of its names)`` in the order first met. None where a name is
     of another form."""
-    prefixes = []
-    at: dict[str, list[int]] = {}
-    for i, name in enumerate(names):
-        base, _, digits = name.rpartition("_")
-        if not (base and base[-1] != "_" and digits.isdigit() and name.isascii()):
-            return None
-        if not name.isidentifier():
-            return None
-        prefixes.append(base + "_")
-        at.setdefault(base, []).append(i)
+    read = numbered_names(names)
+    if read is None:
+        return None
+    prefixes, at = read
     return tuple(prefixes), tuple((b, b + "_", tuple(pos)) for b, pos in at.items())
 
 
