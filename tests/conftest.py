@@ -101,6 +101,21 @@ SLOW_CASES = {
     "test_derived_direct.py::test_gpt2_few_layers_transposed_from_the_recorded_jvp",  # 1.9 s
     "test_parallel_plan_units.py::test_blocks_equal_the_full_analysis[model2-6-plan2]",  # 1.9 s
     "test_rnn.py::test_lstm_saved_bytes_equal_eager_with_the_onednn_workspace[kw0]",  # 1.9 s
+    # stop 53: its new tests took the default suite to 305 s in CI's run (under load); saved-
+    # bytes cases with a sibling of the same op left in (in place, view, pad, rrelu), and the
+    # make_fx recorder's run of a toggling test (the own recorder's stays)
+    "test_memory_eager.py::test_saved_bytes_equal_eager_autograd[leaky_relu_in_place]",
+    "test_memory_eager.py::test_saved_bytes_equal_eager_autograd[elu_in_place]",
+    "test_memory_eager.py::test_saved_bytes_equal_eager_autograd[threshold_in_place]",
+    "test_memory_eager.py::test_saved_bytes_equal_eager_autograd[relu6_in_place]",
+    "test_memory_eager.py::test_saved_bytes_equal_eager_autograd[celu_in_place_view]",
+    "test_memory_eager.py::test_saved_bytes_equal_eager_autograd[leaky_relu_view]",
+    "test_memory_eager.py::test_saved_bytes_equal_eager_autograd[relu_in_place_view]",
+    "test_memory_eager.py::test_saved_bytes_equal_eager_autograd[replicate_pad1d]",
+    "test_memory_eager.py::test_saved_bytes_equal_eager_autograd[rrelu_train]",
+    "test_memory_eager.py::test_saved_bytes_equal_eager_autograd[celu_in_place]",
+    "test_requires_grad_toggle.py::test_reads_while_off_carry_no_gradient_as_in_eager[make_fx]",
+    "test_ops_zeros.py::test_prod_derivatives_at_zeros_match_eager[dim1_one_two_none]",  # 2.6 s
 }
 
 
