@@ -340,7 +340,8 @@ def test_call_names_taken_a_base_at_a_time_as_fx_takes_them_one_by_one():
 
     from torch.fx import Graph
 
-    from graphflop.passes.step_calls import _fits, _numbered_plan, _take_planned
+    from graphflop.ad.builder import fits_numbered
+    from graphflop.passes.step_calls import _numbered_plan, _take_planned
 
     def namespace(used, counts):
         g = Graph()
@@ -359,8 +360,12 @@ def test_call_names_taken_a_base_at_a_time_as_fx_takes_them_one_by_one():
     assert g._graph_namespace._base_count == {"mul_tensor": 4, "view_default": 8, "sub_tensor": 1}
     # another call of the template fits its plan; a name of another form does not
     plan = _numbered_plan(names)
-    assert _fits(["mul_tensor_9", "sub_tensor_9", "mul_tensor_10", "view_default_9"], plan)
-    assert not _fits(["mul_tensor", "sub_tensor_9", "mul_tensor_10", "view_default_9"], plan)
+    assert fits_numbered(
+        ["mul_tensor_9", "sub_tensor_9", "mul_tensor_10", "view_default_9"], plan[0]
+    )
+    assert not fits_numbered(
+        ["mul_tensor", "sub_tensor_9", "mul_tensor_10", "view_default_9"], plan[0]
+    )
     assert _numbered_plan(["mm_default"]) is None and _numbered_plan(["a__1"]) is None
 
     rng = random.Random(0)

@@ -54,6 +54,7 @@ __all__ = [
     "placeholder",
     "is_ghost",
     "makes_nodes",
+    "fits_numbered",
     "new_node",
     "numbered_names",
     "parse_names",
@@ -174,8 +175,8 @@ def new_node(
     ``graph`` has an owning module (its create-node hooks) or this torch.fx lacks the parts.
 
     Empty ``kwargs`` are :data:`NO_KWARGS`, the shared empty mapping (one object fewer per
-    node for the collector). ``taken``: ``name`` is the one fx would give, already taken in ``graph``'s namespace
-    (:func:`take_names` of the names of many nodes at once)."""
+    node for the collector). ``taken``: ``name`` is the one fx would give, already taken in
+    ``graph``'s namespace (:func:`take_names` of the names of many nodes at once)."""
     ns = graph._graph_namespace
     if not _PARTS or graph._owning_module is not None:
         if taken:  # fx takes it again: as it is, the name being free and fx's form
@@ -328,6 +329,19 @@ def numbered_names(names: Sequence[str]) -> tuple[list[str], dict[str, list[int]
     return prefixes, bases
 
 
+def fits_numbered(names: Sequence[str], prefixes: Sequence[str]) -> bool:
+    """Whether ``names`` are of the numbered form ``prefixes`` describe (the first value of
+    :func:`numbered_names` of these names or of another call's of one template): each name its
+    prefix and then ASCII digits."""
+    if not names:
+        return not prefixes
+    if len(prefixes) != len(names) or not all(map(str.startswith, names, prefixes)):
+        return False
+    digits = list(map(str.removeprefix, names, prefixes))
+    joined = "".join(digits)
+    return all(digits) and joined.isascii() and joined.isdigit()
+
+
 class NamePlan:
     """:func:`take_names` for the calls of one template derivative, a base at a time: the
     names a call's copies ask fx for are per node either its op's base name (fixed,
@@ -391,18 +405,6 @@ class NamePlan:
         gather = operator.itemgetter(*[where[i] for i in range(len(order))]) if order else None
         return tuple(prefixes), plain, free, free_ks, mixed, gather
 
-    def _fits(self, given: Sequence[str], plan: tuple) -> bool:
-        """Whether ``given`` is of ``plan``'s numbered form: each name its prefix and ASCII
-        digits."""
-        prefixes = plan[0]
-        if not given:
-            return not prefixes
-        if len(prefixes) != len(given) or not all(map(str.startswith, given, prefixes)):
-            return False
-        digits = list(map(str.removeprefix, given, prefixes))
-        joined = "".join(digits)
-        return all(digits) and joined.isascii() and joined.isdigit()
-
     def candidates(self, given: Sequence[str]) -> list[str]:
         """The names asked of fx, in order: ``fixed`` with ``given`` in its gaps."""
         out: list[Any] = list(self.fixed)
@@ -416,7 +418,7 @@ class NamePlan:
         if self.groups is None:
             return take_names(graph, self.candidates(given))
         plan = self._given
-        if plan is None or not self._fits(given, plan):
+        if plan is None or not fits_numbered(given, plan[0]):
             plan = self._given = self._plan(given)
             if plan is None:
                 return take_names(graph, self.candidates(given))

@@ -142,9 +142,8 @@ def grad_sources(
         try:
             yield
             if left_off is not None:
-                left_off.update(
-                    i for i, n in enumerate(_GradSources.placeholders) if n in _still_off()
-                )
+                off = set(_GradSources.stopped.values())  # turned off, not on again
+                left_off.update(i for i, n in enumerate(_GradSources.placeholders) if n in off)
         finally:
             _GradSources.active = False
             _GradSources.trainable = frozenset()
@@ -227,11 +226,6 @@ def stop_gradient(t: torch.Tensor) -> None:
     if node.op == "placeholder":
         _GradSources.placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
     rec.bind(_inner(t), stopped)
-
-
-def _still_off() -> set[Node]:
-    """The leaves :func:`stop_gradient` turned off and no :func:`resume_gradient` turned on."""
-    return set(_GradSources.stopped.values())
 
 
 def resume_gradient(t: torch.Tensor) -> None:

@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphflop.ad.builder import Builder, copy_node, new_node, take_names
+from graphflop.ad.builder import Builder, copy_node, fits_numbered, new_node, take_names
 from graphflop.meta import (
     DERIVED_HIERARCHY,
     GAPS,
@@ -64,7 +64,6 @@ from graphflop.meta import (
 from graphflop.passes.infra import FLAT, GraphPass
 from graphflop.passes.step_calls import (
     BlockParams,
-    _fits,
     _numbered_plan,
     _outside,
     _take_planned,
@@ -328,7 +327,7 @@ def _copy_call(
         for s in state:
             env[s[a]] = s[k]
     asked, plan = names.get(v) or ([n.name for n in made], None)
-    if plan is None or not _fits(asked, plan):
+    if plan is None or not fits_numbered(asked, plan[0]):
         plan = _numbered_plan(asked)
     taken = _take_planned(g, asked, plan) if plan is not None else take_names(g, asked)
     names[v] = (list(taken), plan)

@@ -49,6 +49,7 @@ from graphflop.ad.builder import (
     base_name,
     copy_node,
     emit_named,
+    fits_numbered,
     new_node,
     numbered_names,
     take_names,
@@ -615,19 +616,9 @@ def _numbered_plan(names: Sequence[str]) -> tuple[tuple[str, ...], tuple] | None
     return tuple(prefixes), tuple((b, b + "_", tuple(pos)) for b, pos in at.items())
 
 
-def _fits(names: Sequence[str], plan: tuple) -> bool:
-    """Whether ``names`` are of the numbered form of ``plan`` (:func:`_numbered_plan`, of these
-    names or of another call's of one template): each its plan's prefix and ASCII digits."""
-    prefixes = plan[0]
-    if len(prefixes) != len(names) or not all(map(str.startswith, names, prefixes)):
-        return False
-    digits = list(map(str.removeprefix, names, prefixes))
-    joined = "".join(digits)
-    return all(digits) and joined.isascii() and joined.isdigit()
-
-
 def _take_planned(g: Graph, names: Sequence[str], plan: tuple) -> tuple[str, ...]:
-    """``take_names(g, names)`` for ``names`` that :func:`_fits` ``plan``, a base at a time.
+    """``take_names(g, names)`` for ``names`` that fit ``plan``
+    (:func:`~graphflop.ad.builder.fits_numbered`), a base at a time.
 
     The names of one base are taken apart from the others' (a name ``<base>_<digits>`` is only
     ever renamed ``<base>_<number>``), each base's in one step where they are all free (each
@@ -731,7 +722,7 @@ class StepRecorder:
         of fx's numbered form (the calls of a block's derivative after the first few), a base
         at a time by a plan worked out once per template (:func:`_take_planned`)."""
         plan = self._plans.get(t)
-        if plan is None or not _fits(names, plan):
+        if plan is None or not fits_numbered(names, plan[0]):
             plan = _numbered_plan(names)
             if plan is None:  # a name of another form (a block's first calls: ``mm_default``)
                 return tuple(take_names(g, names))
