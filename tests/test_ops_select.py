@@ -341,14 +341,45 @@ def test_hardswish_derivatives_by_region_as_eager():
     _same(grad, expect)
 
 
+# hardswish at the infinities, its bounds, 0 and ordinary points: torch.func.jvp and
+# torch.func.vjp give hardswish_backward(t, x), 0 at -inf (the coefficient x/3 + 1/2 there is
+# -inf, and 0 · -inf NaN), t at +inf, 0 at -3, t at 3, t/2 at 0
+HS_INF_X = _t(-INF, -4.0, -3.0, -1.5, 0.0, 1.0, 2.0, 3.0, 5.0, INF)
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        _t(2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0),
+        _t(NAN, INF, -INF, 2.0, -1.0, 0.5, 3.0, -2.0, 7.0, 1.5),
+    ],
+    ids=["finite", "nan-inf-below"],
+)
+def test_hardswish_derivatives_at_infinities_as_torch_func(t):
+    x = HS_INF_X
+    got_t, _ = _derivatives(F.hardswish, (x,), (t,))
+    ref_t = torch.func.jvp(F.hardswish, (x,), (t,))[1]
+    _same(got_t, ref_t)
+    # by hand: 0 from -inf to -3, x/3 + 1/2 at -1.5, 0, 1, 2 (0, 1/2, 5/6, 7/6), 1 from 3 up
+    coef = _t(0.0, 0.0, 0.0, 0.0, 0.5, 1.0 / 3.0 + 0.5, 2.0 / 3.0 + 0.5, 1.0, 1.0, 1.0)
+    _same(got_t, torch.where(coef == 0, 0.0, coef * t))
+    assert not got_t[:3].signbit().any()  # +0 from -inf to -3, as eager's select
+    # the backward with t as the cotangent (Σ hardswish(x)·w, w = t: x's cotangent is
+    # hardswish_backward(w, x)) as torch.func.vjp's
+    _, (grad, _) = _derivatives(lambda u, w: F.hardswish(u) * w, (x, t), (t, t))
+    _same(grad, torch.func.vjp(F.hardswish, x)[1](t)[0])
+    assert not grad[:3].signbit().any()
+
+
 def test_hardswish_kept_whole_and_its_flops_by_hand():
     x = torch.randn(3, 5, dtype=torch.float64)  # N = 15 elements
     fwd, _, _ = _graphs(F.hardswish, (x,))
     assert torch.ops.aten.hardswish.default in {n.target for n in fwd.graph.nodes}
     # forward: hardswish 5·15 (the parts it was traced as: + 3, two clamps, ·x, /6) + loss 15
-    # = 90; JVP: the primal 90; x <= -3, x < 3, x/3, + 1/2, the coefficient's select, the
-    # select and the product 7·15; the loss tangent's sum 15: 210; backward 7·15 = 105
-    assert _flops(F.hardswish, (x,)) == (90, 210, 105)
+    # = 90; JVP: the primal 90; x <= -3, x < 3, the select of x (-3/2 below -3), /3, + 1/2,
+    # the coefficient's select, the select and the product 8·15; the loss tangent's sum 15:
+    # 225; backward 8·15 = 120
+    assert _flops(F.hardswish, (x,)) == (90, 225, 120)
 
 
 # hardsigmoid: eager's hardsigmoid_backward selects (1/6 strictly between -3 and 3, 0 elsewhere,

@@ -695,25 +695,34 @@ register(aten.hardswish.default, F, per_output(5))
 
 @def_jvp(aten.hardswish.default)
 def _jvp_hardswish(b, out, args, tangents, kwargs):
-    """``where(x <= -3, 0, dx) · c`` with ``c = where(x < 3, x/3 + 1/2, 1)``: PyTorch's
-    ``hardswish_backward`` (its CPU kernel's scalar loop and ``torch._decomp``'s), also its
-    forward-mode rule (``auto_element_wise``): 0 from x = -3 down, ``x/3 + 1/2`` strictly
-    between -3 and 3, 1 from 3 up. A select below -3, so a NaN or infinite tangent or cotangent
-    there gives 0, as eager; above, the product by the coefficient is eager's own (``grad ·
-    (x/3 + 1/2)``, ``grad``). A NaN x passes the tangent on (both comparisons false), as the
-    scalar loop (the vectorized one gives NaN there). Per element: two comparisons, the divide,
-    the add and the coefficient's select (5), the product and the select (2): 7 in the JVP and
-    in the backward, where the decomposition's derivative counted 8."""
+    """``where(x <= -3, 0, dx) · c`` with ``c = where(x < 3, where(x <= -3, -3/2, x)/3 + 1/2,
+    1)``: PyTorch's ``hardswish_backward`` (its CPU kernel's scalar loop and
+    ``torch._decomp``'s), also its forward-mode rule (``auto_element_wise``): 0 from x = -3 down
+    (-inf included), ``x/3 + 1/2`` strictly between -3 and 3, 1 from 3 up (+inf included). A
+    select below -3, so a NaN or infinite tangent or cotangent there gives 0, as eager; above,
+    the product by the coefficient is eager's own (``grad · (x/3 + 1/2)``, ``grad``). The
+    coefficient is 0 below -3 (x moved to -3/2 there), not x/3 + 1/2, which is -inf at x = -inf,
+    where the selected 0 times it would be NaN (in the JVP, the product coming last there); the
+    derivative below -3 is +0 in the JVP and the backward, as eager's. A NaN x passes the
+    tangent on (the comparisons false), as the scalar loop (the vectorized one gives NaN there).
+    Per element: two comparisons, the select of x, the divide, the add and the coefficient's
+    select (6), the product and the select (2): 8 in the JVP and in the backward, as the
+    decomposition's derivative counted."""
     x = args[0]
+    below = b.call(aten.le.Scalar, x, -3)
     coef = b.call(
         aten.where.ScalarOther,
         b.call(aten.lt.Scalar, x, 3),
-        b.call(aten.add.Tensor, b.call(aten.div.Tensor, x, 3), 0.5),
+        b.call(
+            aten.add.Tensor,
+            b.call(aten.div.Tensor, b.call(aten.where.ScalarSelf, below, -1.5, x), 3),
+            0.5,
+        ),
         1.0,
     )
-    # the select before the product in the JVP, so that it comes last in the transpose: the
-    # gradient below -3 is +0, as eager's (the JVP's is -0 there, the coefficient negative)
-    return _scale(b, _keep_unless(b, tangents[0], b.call(aten.le.Scalar, x, -3)), coef)
+    # the select before the product (with the coefficient 0 below -3, either order gives +0
+    # there, and no NaN from a NaN or infinite tangent or cotangent)
+    return _scale(b, _keep_unless(b, tangents[0], below), coef)
 
 
 # hardsigmoid is kept whole rather than traced as PyTorch's decomposition (clamp(x + 3, 0, 6)/6),
