@@ -85,6 +85,45 @@ def test_verify_passes():
     assert "3 of 3 checks passed" in r.stderr and "FAILED" not in r.stderr
 
 
+MASKED_SCATTER = """
+import torch
+from torch import nn
+
+
+class MScat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        m = torch.arange(12).reshape(2, 6) % 3 == 0
+        return torch.zeros(2, 6, dtype=x.dtype).masked_scatter(m, self.fc(x))
+
+
+def example_inputs():
+    return (torch.randn(2, 4),)
+"""
+
+
+@pytest.mark.slow  # about 9 s (a process of its own: the raw line went to file descriptor 2)
+def test_verify_prints_no_raw_batching_fallback_warning(tmp_path):
+    # --verify's forward-gradient check batches its directions with vmap; masked_scatter has
+    # no batching rule, and functorch's C++ warning for its fallback ("[W... BatchedFallback.cpp
+    # :82] Warning: There is a performance drop because we have not yet implemented the batching
+    # rule for aten::masked_scatter ...") reached stderr raw, bypassing Python's warnings
+    (tmp_path / "mscat.py").write_text(MASKED_SCATTER)
+    r = run_cli("inspect", str(tmp_path / "mscat.py"), "--verify")
+    assert r.returncode == 0, r.stderr
+    assert "3 of 3 checks passed" in r.stderr
+    assert "batching rule" not in r.stderr and "BatchedFallback" not in r.stderr, r.stderr
+    # every stderr line is graphflop's own (verify:, note:, warning:), none a raw [W...] line
+    assert all(
+        line.startswith(("verify: ", "note: ", "warning: "))
+        for line in r.stderr.splitlines()
+        if line.strip()
+    ), r.stderr
+
+
 def test_verify_samples_follow_the_step_cost():
     """The forward-gradient check's default: 100 directions when they fit in VERIFY_FLOPS, fewer
     when only some do, none below MIN_VERIFY_SAMPLES; an explicit count always wins."""

@@ -191,6 +191,38 @@ def test_an_op_the_batching_cannot_take_is_copied_per_direction(monkeypatch):
     assert _flops(step) == _flops(build_forward_gradient_step(fwd, directions=K, batched=False))
 
 
+class _MaskedScatter(nn.Module):
+    """A Linear's output scattered into zeros at a mask: ``masked_scatter`` has no batching
+    rule in functorch (PyTorch 2.13), so vmap would run its slow per-slice fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+
+    def forward(self, x):
+        m = torch.arange(12).reshape(2, 6) % 3 == 0  # 4 set elements: fc's first 4 outputs
+        return torch.zeros(2, 6, dtype=x.dtype).masked_scatter(m, self.fc(x))
+
+
+def test_an_op_without_a_batching_rule_is_copied_without_raw_warnings(capfd):
+    torch.manual_seed(0)
+    model = _MaskedScatter().double()
+    fwd = trace(model, (torch.randn(2, 4, dtype=torch.float64),), loss="sum")
+    capfd.readouterr()
+    step = build_forward_gradient_step(fwd, directions=K)
+    # the fallback detected: masked_scatter traced as K copies, and named (before: "one
+    # batched tangent pass", the fallback's warning printed to stderr and never detected)
+    assert step.meta[FORWARD_GRADIENT].tangent_pass == (
+        "one batched tangent pass; K copies of aten.masked_scatter.default"
+    )
+    # no raw C++ line on file descriptor 2 (functorch's "[W... BatchedFallback.cpp:82]
+    # Warning: There is a performance drop because we have not yet implemented the batching
+    # rule for aten::masked_scatter")
+    err = capfd.readouterr().err
+    assert "batching rule" not in err and "BatchedFallback" not in err, err
+    assert _flops(step) == _flops(build_forward_gradient_step(fwd, directions=K, batched=False))
+
+
 def test_a_failing_batched_pass_falls_back_to_copies(monkeypatch):
     _, fwd = _mlp()
 

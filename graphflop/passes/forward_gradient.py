@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import operator
 import warnings
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -594,18 +595,19 @@ class _Batcher:
             fresh_fake(self.fake_mode, v.shape, v.stride(), v.dtype, v.device)
             for v in (x.meta["val"] for x in ins)
         ]
-        with self.fake_mode, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            # private functorch switch, absent from torch's stubs
-            torch._C._functorch._set_vmap_fallback_warning_enabled(True)  # type: ignore[attr-defined]
+        # the trace's own warnings are not the model's
+        with self.fake_mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             try:
-                gm = make_fx(torch.func.vmap(f, in_dims=dims), decomposition_table=self.table)(
-                    *vals
-                )
-            finally:
-                torch._C._functorch._set_vmap_fallback_warning_enabled(False)  # type: ignore[attr-defined]
-            slow = any("batching rule" in str(w.message) for w in caught)
-            if slow or not _traceable(gm.graph):
+                with _vmap_fallback_refused():
+                    gm: GraphModule | None = make_fx(
+                        torch.func.vmap(f, in_dims=dims), decomposition_table=self.table
+                    )(*vals)
+            except RuntimeError as e:
+                if _VMAP_FALLBACK not in str(e):
+                    raise
+                gm = None  # an op without a batching rule (vmap's slow per-slice loop)
+            if gm is None or not _traceable(gm.graph):
                 self.copied.add(str(n.target))
                 gm = make_fx(copies, decomposition_table=self.table)(*vals)
         gm.graph.eliminate_dead_code()
@@ -630,6 +632,29 @@ class _Batcher:
         outs = tree_flatten(out)[0]
         self.batched.update(o for o in outs if isinstance(o, Node))
         return tuple(out) if isinstance(out, list) else out
+
+
+#: functorch's error for an op without a batching rule while its fallback is off
+#: (``BatchedFallback.cpp``'s ``warnFallback``, PyTorch 2.13)
+_VMAP_FALLBACK = "hit the vmap fallback which is currently disabled"
+
+
+@contextmanager
+def _vmap_fallback_refused() -> Iterator[None]:
+    """functorch's fallback for an op without a batching rule (a loop over the batch) off
+    within: such an op raises ``RuntimeError`` (:data:`_VMAP_FALLBACK`) instead of running the
+    loop. Detecting it by the fallback's warning did not work: a ``torch.ops`` call has no
+    Python warning handler in PyTorch 2.13, so that C++ ``TORCH_WARN`` went straight to file
+    descriptor 2 (a raw ``[W... BatchedFallback.cpp:82] Warning: There is a performance drop
+    ...`` line on stderr) and never reached ``warnings``."""
+    # private functorch switches, absent from torch's stubs
+    functorch: Any = torch._C._functorch
+    was = functorch._is_vmap_fallback_enabled()
+    functorch._set_vmap_fallback_enabled(False)
+    try:
+        yield
+    finally:
+        functorch._set_vmap_fallback_enabled(was)
 
 
 def _traceable(graph: Graph) -> bool:
