@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx import Graph
+from torch.fx import Graph, GraphModule
 
 from graphflop.ad import builder
 from graphflop.ad.builder import (
@@ -249,3 +249,51 @@ def test_name_plan_takes_names_as_fx_one_by_one():
             ns = g._graph_namespace
             assert ns._used_names == ref._used_names
             assert ns._base_count == ref._base_count
+
+
+class _PropertyElsewhere(Graph):
+    """A Graph whose ``owning_module`` property reads elsewhere than ``_owning_module`` (the
+    field fx's property returns, and ``new_node`` reads): it reports no owner while owned."""
+
+    @property
+    def owning_module(self):
+        return None
+
+    @owning_module.setter
+    def owning_module(self, mod):
+        self._owning_module = mod
+
+
+def test_makes_nodes_says_what_new_node_does():
+    """``makes_nodes(g)``: ``new_node`` makes ``g``'s nodes itself, not through ``create_node``.
+    A plain graph: itself; a GraphModule's graph: through ``create_node`` (so its owning
+    module's create-node hook sees the node); a graph whose ``owning_module`` property and
+    ``_owning_module`` differ: as ``new_node`` reads (before, ``makes_nodes`` read the
+    property, ``new_node`` the field: True for a graph whose nodes went through
+    ``create_node``)."""
+    if not builder._PARTS:  # pragma: no cover - a torch.fx without the parts: create_node
+        return
+    for g, owned in (
+        (Graph(), False),
+        (GraphModule(torch.nn.Module(), Graph()).graph, True),
+        (GraphModule(torch.nn.Module(), _PropertyElsewhere()).graph, True),
+    ):
+        through: list[str] = []
+        create = g.create_node
+
+        def recorded(*a, create=create, through=through, **k):
+            node = create(*a, **k)
+            through.append(node.name)
+            return node
+
+        g.create_node = recorded  # type: ignore[method-assign]
+        hooked: list[str] = []
+        if owned:
+            owner = g._owning_module
+            assert isinstance(owner, GraphModule)
+            owner._register_create_node_hook(lambda n, hooked=hooked: hooked.append(n.name))
+        new_node(g, "placeholder", "x", "x", (), {})
+        assert through == (["x"] if owned else [])
+        assert builder.makes_nodes(g) is not owned, type(g).__name__
+        if type(g) is Graph:  # fx's create_node calls the hooks of the property's module
+            assert hooked == through

@@ -117,8 +117,9 @@ def no_kwargs(node: Node) -> Node:
 def makes_nodes(graph: Graph) -> bool:
     """Whether :func:`new_node` makes ``graph``'s nodes itself (not through ``create_node``):
     it has no owning module (whose create-node hooks ``create_node`` would call) and this
-    torch.fx has the parts."""
-    return _PARTS and graph.owning_module is None
+    torch.fx has the parts. Reads what :func:`new_node` reads, ``Graph._owning_module`` (one
+    of the parts), the field fx's ``owning_module`` property returns (torch 2.11 and later)."""
+    return _PARTS and graph._owning_module is None
 
 
 def base_name(graph: Graph, target: Any) -> str:
