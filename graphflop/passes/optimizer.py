@@ -190,7 +190,10 @@ def build_update(
         return n
 
     # once, not per kind: module, and the placeholders' names after ``<kind>_`` (slot_name)
-    owned = [(q, t, modules.get(q, _parent(q)), slot_suffix(q)) for q, t in params]
+    get = modules.get  # (the parent worked out only where ``modules`` has no entry)
+    owned = [
+        (q, t, m if (m := get(q)) is not None else _parent(q), slot_suffix(q)) for q, t in params
+    ]
 
     def slots(kind):
         return [ph(f"{kind}_{suffix}", t, q, module, kind) for q, t, module, suffix in owned]
@@ -426,8 +429,8 @@ def gradient_free(backward: GraphModule) -> frozenset[str]:
     for n in backward.graph.nodes:
         if n.op == "output":
             out = n
-        elif n.name == info.cotangent_input or any(a in live for a in n._input_nodes):
-            live.add(n)
+        elif not live.isdisjoint(n._input_nodes) or n.name == info.cotangent_input:
+            live.add(n)  # (isdisjoint: the inputs' keys in C, a generator's frame per node else)
     outs = out.args[0] if out is not None else ()
     assert isinstance(outs, (tuple, list)), "a backward graph outputs a tuple of gradients"
     return frozenset(q for pos, q in info.grads if outs[pos] not in live)
