@@ -111,7 +111,9 @@ class Analysis:
         forward: traced forward graph (with loss), annotated.
         backward: backward graph, or None when not built.
         jvp: JVP graph, or None.
-        update: optimizer update graph (built with the backward graph), or None.
+        update: optimizer update graph (built with the backward graph), or None. Recorded
+            (``record_derivatives``), it is held as its recorded top level and read as its
+            flat view, as ``forward_gradient`` below.
         forward_gradient: forward-gradient step graph, or None. Built from a recorded JVP it
             is held as its recorded top level and read as its flat view, made on the first
             read (:func:`~graphflop.passes.calls.flat_view`).
@@ -311,12 +313,13 @@ class AnalyzeOptions:
             :class:`~graphflop.passes.autodiff.BuildVjp`), FLOP-annotated per template and
             summarised from the templates; the one-direction forward-gradient step is built
             from the recorded JVP without expanding it (a recorded step, summarised from its
-            templates too); the eager memory schedules read the recorded graphs too
+            templates too), and so is the optimizer update (``direct`` of
+            :class:`~graphflop.passes.optimizer.AddOptimizerUpdate`); the eager memory schedules read the recorded graphs too
             (:mod:`graphflop.passes.recorded_memory`, the flat views where a call could
             differ); the consumers that need every node (the other forward-gradient steps,
             the graph memory model, the what-ifs, the time pass, and
-            :attr:`Analysis.jvp`/:attr:`Analysis.backward`/:attr:`Analysis.forward_gradient`,
-            made on their first read) read their flat views
+            :attr:`Analysis.jvp`/:attr:`Analysis.backward`/:attr:`Analysis.update`/
+            :attr:`Analysis.forward_gradient`, made on their first read) read their flat views
             (:func:`graphflop.passes.calls.flat_view`: the graphs built flat, node for node,
             names included). The same report. On by default; False builds them flat.
         outline: trace each distinct repeated block once and copy it at its other calls
@@ -567,7 +570,8 @@ def _analyze(
         )
         g = replace(g, backward=bwd)
         say("building the optimizer update")
-        add_update = AddOptimizerUpdate(optimizer, backward=bwd)  # no gradient: no update
+        # no gradient: no update; recorded with the derivatives: its top level, no flat graph
+        add_update = AddOptimizerUpdate(optimizer, backward=bwd, direct=direct)
         g = replace(g, update=run_passes(fwd, [add_update, AnnotateFlops()]))
         if lin is None:
             lin = bwd.meta[LINEARIZED]
@@ -605,7 +609,11 @@ def _analyze(
     # the consumers that read every node take the flat views of recorded hierarchies (each
     # made once, and only for them: the Analysis expands its graphs when they are read; the
     # forward-gradient step's only for the time pass)
-    flat = replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp)) if _needs_flat(o) else g
+    flat = (
+        replace(g, backward=_flat(g.backward), jvp=_flat(g.jvp), update=_flat(g.update))
+        if _needs_flat(o)
+        else g
+    )
     report, reruns = _what_ifs(report, flat, device, optimizer, o.checkpoint, o.amp, o.recompute)
     if o.time_profile is not None:
         from graphflop.passes.step_time import time_report

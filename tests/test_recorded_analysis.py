@@ -405,20 +405,20 @@ def test_analysis_keeps_graphs_as_built_and_reads_them_flat():
     rec = analyze(model, x)
     flat = analyze(model, x, record_derivatives=False)
     built = rec.as_built()
-    for k in ("backward", "jvp", "forward_gradient"):
+    for k in ("backward", "jvp", "update", "forward_gradient"):
         top = getattr(built, k)
         assert calls.is_recorded(top), k
         # analyze itself expanded neither derivative graph (the summary read them recorded;
         # the step's peak, of a model with an activity-perturbed step as this one, reads its
-        # flat view)
-        assert (calls._FLAT_VIEW in vars(top)) == (k == "forward_gradient"), k
+        # flat view, and that step inlines the update's)
+        assert (calls._FLAT_VIEW in vars(top)) == (k in ("update", "forward_gradient")), k
         assert any(n.target is REPEAT for n in top.graph.nodes), k
         view = getattr(rec, k)
         assert not calls.is_recorded(view) and view is getattr(rec, k), k
         assert view is calls.flat_view(top), k
         assert _names(view) == _names(getattr(flat, k)), k
         assert getattr(flat.as_built(), k) is getattr(flat, k), k
-    assert built.forward is rec.forward and built.update is rec.update
+    assert built.forward is rec.forward
     # the fields take graphs as dataclass fields do (replace, the constructor's default)
     assert replace(rec, jvp=None).jvp is None and replace(rec, jvp=None).backward is rec.backward
     assert type(rec)("m", rec.forward, rec.report).backward is None

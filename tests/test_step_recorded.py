@@ -228,3 +228,112 @@ def test_analysis_holds_the_flat_view():
         assert _names(fg) == _names(flat.forward_gradient)
         got = step_graphs(rec, kinds=("forward_gradient_step",), sampling=True)
         assert got["forward_gradient_step"] is fg
+
+
+def _updates(fwd, optimizer, bwd):
+    """The update graph built flat and recorded (``direct=True``), both costed."""
+    flat = run_passes(fwd, [AddOptimizerUpdate(optimizer, backward=bwd), AnnotateFlops()])
+    add = AddOptimizerUpdate(optimizer, backward=bwd, direct=True)
+    return flat, run_passes(fwd, [add, AnnotateFlops()])
+
+
+@pytest.mark.parametrize(
+    "optimizer, states",
+    [
+        ("adamw", 2),
+        pytest.param("sgd", 0, marks=pytest.mark.slow),
+        pytest.param("momentum", 1, marks=pytest.mark.slow),
+        pytest.param("adam", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_recorded_update_equals_the_flat_update(optimizer, states):
+    """The update recorded (``direct=True``: its top level, no flat graph made): per block one
+    call with a getitem per new value and new state; its flat view is the flat update node
+    for node and name for name, its figures composed per template are the flat sums; the
+    step built from it is the step built from the flat update (recorded, from the recorded
+    JVP; flat, from the flat JVP), graph for graph. AdamW by default: its update has state
+    and a value all calls share (lr·λ)."""
+    model, x = _model("stack")
+    fwd = analyze(model, x, jvp=False, backward=False).forward
+    lin = run_passes(fwd, [BuildJvp("params", direct=True), AnnotateFlops()])
+    flat_lin = run_passes(fwd, [BuildJvp("params"), AnnotateFlops()])
+    bwd = run_passes(fwd, [BuildVjp(linearized=flat_lin), AnnotateFlops()])
+    flat, rec = _updates(fwd, optimizer, bwd)
+    assert calls.is_recorded(rec) and not calls.is_recorded(flat)
+    # InStack's four blocks, each Linear(6, 10) and Linear(10, 6): four parameters a
+    # block, each a new value and `states` new states read after its call
+    reps = [n for n in rec.graph.nodes if n.target is REPEAT]
+    assert len(reps) == 4
+    assert [len(r.users) for r in reps] == [4 * (1 + states)] * 4
+    assert not any(n.target is REPEAT for n in flat.graph.nodes)
+    view = calls.flat_view(rec)
+    assert _rows(view) == _rows(flat)
+    assert _names(view) == _names(flat)
+    assert _graph_meta(view) == _graph_meta(flat)
+    _check_costs(rec)
+    keep = lambda n: True  # noqa: E731
+    dh = rec.meta[DERIVED_HIERARCHY]
+    assert dh.uses() == [4]  # one template update for the four blocks
+    assert _figures(calls.derived_figures(dh, keep, "update")) == _flat_figures(
+        flat, keep, "update"
+    )
+    for jvp in (lin, flat_lin):
+        steps = [
+            run_passes(
+                fwd, [BuildForwardGradientStep(optimizer, jvp=jvp, update=u), AnnotateFlops()]
+            )
+            for u in (rec, flat)
+        ]
+        assert calls.is_recorded(steps[0]) is (jvp is lin)
+        assert _rows(steps[0]) == _rows(steps[1])
+        assert _names(steps[0]) == _names(steps[1])
+        views = [calls.flat_view(s) for s in steps]
+        assert _rows(views[0]) == _rows(views[1])
+        assert _names(views[0]) == _names(views[1])
+
+
+class _SideBlock(torch.nn.Module):
+    """Linear(6, 6), ReLU, and a Linear(6, 2) whose output nothing reads: no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.act = torch.nn.ReLU()
+        self.side = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        self.side(x)
+        return self.act(self.fc(x))
+
+
+class _SideStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_SideBlock() for _ in range(3))
+        self.head = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_recorded_update_passes_through_parameters_without_gradient():
+    """``analyze`` records the update: a block's parameter the loss does not depend on is
+    passed through (``not_updated``, read off the recorded top level's calls), the analysis's
+    update graph (its flat view) is the flat analysis's, and the reports are equal."""
+    from graphflop.passes.optimizer import not_updated
+
+    torch.manual_seed(0)
+    model, x = _SideStack(), torch.randn(4, 6)
+    rec = analyze(model, x, optimizer="adam")
+    flat = analyze(model, x, optimizer="adam", record_derivatives=False)
+    built = rec.as_built().update
+    assert calls.is_recorded(built)
+    side = {f"blocks.{i}.side.{p}" for i in range(3) for p in ("weight", "bias")}
+    assert not_updated(built) == side == not_updated(flat.update)
+    assert _rows(rec.update) == _rows(flat.update)
+    assert _names(rec.update) == _names(flat.update)
+    assert rec.report.to_dict() == flat.report.to_dict()
+    # Adam, 18 FLOPs per element updated: per block fc's 6·6 + 6 = 42, the head's 12 + 2 = 14
+    assert rec.report.totals.update.flops == 18 * (3 * 42 + 14) == 2520

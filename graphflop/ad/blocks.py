@@ -1466,7 +1466,7 @@ class BlockLinearize:
             self.h.sites[site].variant,
             self.checkpointed.get(site),
             states,
-            tuple(n in needed for n in ns),
+            tuple(map(needed.__contains__, ns)),  # (in C: a generator's frame per node)
         )
         t = self.templates.get(key)
         if t is None:

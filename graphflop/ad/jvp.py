@@ -140,7 +140,7 @@ def _needed(
             continue
         mark(n)
         if not n.meta.get(NO_GRAD):
-            push(n.all_input_nodes)
+            push(n._input_nodes)  # all_input_nodes' order (its keys), without the list
             if writes is not None:
                 push(writes(n, ()))
             continue
@@ -244,7 +244,12 @@ def build_jvp(
     leaf_tangents = lin.leaf_placeholders(needed) if leaves else []
     # an in-place write a needed node reads through another alias: its tangent cannot reach
     # that reader (the graph has no edge for it), so the derivative is cut there, visibly
-    lin.cut = {m for n in needed for m in hidden.get(n, ()) if not m.meta.get(NO_GRAD)}
+    # (looked up only where there are writes: ``needed`` is most of the flat forward)
+    lin.cut = (
+        {m for n in needed for m in hidden.get(n, ()) if not m.meta.get(NO_GRAD)}
+        if hidden
+        else set()
+    )
     outs = lin.propagate(needed)
     primal_outs = [lin.env[o] if isinstance(o, Node) else o for o in outs]
     tangent_outs = [lin.output_tangent(d) for d in diff_out]

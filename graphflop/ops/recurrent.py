@@ -247,10 +247,18 @@ def hidden_writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.No
     pass that follows only the edges would miss it (the tangent of the written value never
     reaches the reader), so it must treat each such write as cut."""
     written: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    # per op (by identity: an OpOverload's hash is a Python method, a call per node otherwise)
+    # the positions it writes
+    by_op: dict[int, tuple[int, ...]] = {}
+    overload = torch._ops.OpOverload
     for m in graph.nodes:
-        if m.op != "call_function" or not isinstance(m.target, torch._ops.OpOverload):
+        t = m.target
+        at = by_op.get(id(t))
+        if at is None:
+            at = by_op[id(t)] = _written_args(t) if isinstance(t, overload) else ()
+        if not at or m.op != "call_function":
             continue
-        for i in _written_args(m.target):
+        for i in at:
             value = m.args[i] if i < len(m.args) else None
             if isinstance(value, torch.fx.Node):
                 for a in _overlapping(value) | {value}:

@@ -53,6 +53,7 @@ from graphflop.meta import (
     graph_fake_mode,
     graph_module,
 )
+from graphflop.passes.calls import flat_view
 from graphflop.passes.forward_gradient import _StepBuilder
 from graphflop.passes.infra import FLAT, GraphPass
 from graphflop.passes.optimizer import SLOT, OptimizerConfig, build_update_for, inline_update
@@ -119,6 +120,7 @@ def build_activity_gradient_step(
     _check_batch_leading(forward, sig, layers)
     pf = _perturbed_forward(forward, sig, layers, fake_mode)
     jvp = build_jvp(pf, "params")
+    upd = flat_view(upd)  # a recorded update (``direct``): its flat graph is inlined
     return _step(forward, sig, jvp, upd, layers, fake_mode, directions, direction_inputs)
 
 

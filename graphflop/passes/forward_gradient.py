@@ -43,6 +43,7 @@ from graphflop.ad.functions import FunctionEntry
 from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
     CONSTANTS,
+    COST,
     DERIVED_HIERARCHY,
     FORWARD_GRADIENT,
     JVP,
@@ -109,8 +110,8 @@ def build_forward_gradient_step(
             and for reproducible runs).
         jvp: ``build_jvp(forward, "params")`` when already built (flat, or recorded:
             ``direct=True``, see the module docstring); built here (flat) otherwise.
-        update: ``build_update_for(forward, optimizer)`` when already built; built here
-            otherwise.
+        update: ``build_update_for(forward, optimizer)`` when already built (flat, or
+            recorded: ``direct=True``); built here otherwise.
         batched: for ``K`` > 1, one tangent pass on tangents with a leading ``K`` dimension
             (as ``torch.func.vmap`` batches them; same FLOPs as ``K`` copies, fewer nodes)
             instead of ``K`` copies of the tangent nodes. An op the batching cannot handle is
@@ -134,6 +135,7 @@ def build_forward_gradient_step(
             step.meta[CONSTANTS] = forward.meta.get(CONSTANTS, {})  # as the flat step's
             return step
         jvp = flat_view(jvp)  # built flat from the JVP's flat graph (below)
+    upd = flat_view(upd)  # a recorded update (``direct``): its flat graph, copied below
     info: JvpInfo = jvp.meta[JVP]
     how = "one tangent pass" if directions == 1 else "copies: asked for (batched=False)"
     st = _Start(jvp, upd, info, fake_mode, directions, direction_inputs)
@@ -254,6 +256,8 @@ def _records(jvp: GraphModule, upd: GraphModule, directions: int, direction_inpu
     udh = upd.meta.get(DERIVED_HIERARCHY)
     if udh is None:
         return True
+    if is_recorded(upd):  # its calls as recorded, with their flat names
+        return udh.names is not None
     if len(udh.runs) != len(udh.calls):
         return False
     pos = {n: i for i, n in enumerate(upd.graph.nodes)}
@@ -395,8 +399,11 @@ def _copy_update(
     rec: step_calls.StepRecorder,
 ) -> list[Node]:
     """:func:`~graphflop.passes.optimizer.inline_update` with the update graph's calls (its
-    :data:`~graphflop.meta.DERIVED_HIERARCHY`'s runs) copied as calls of its templates."""
+    :data:`~graphflop.meta.DERIVED_HIERARCHY`'s runs) copied as calls of its templates; of a
+    recorded update (``build_update(direct=True)``), its top level's calls."""
     dh: DerivedHierarchy | None = upd.meta.get(DERIVED_HIERARCHY)
+    if dh is not None and dh.graph is upd:
+        return _copy_recorded_update(g, upd, dh, params, grads, state, rec)
     starts = {run[0]: i for i, run in enumerate(dh.runs) if run} if dh is not None else {}
     env: dict[Node, Any] = {}
     out = None
@@ -428,6 +435,58 @@ def _copy_update(
         else:
             env[n] = copy_node(g, n, env.__getitem__)
         n = n.next
+    assert out is not None, "an update graph ends in its output node"
+    return [env[a] for a in out.args[0]]
+
+
+def _copy_recorded_update(
+    g: Graph,
+    upd: GraphModule,
+    dh: DerivedHierarchy,
+    params: dict,
+    grads: dict,
+    state: dict,
+    rec: step_calls.StepRecorder,
+) -> list[Node]:
+    """:func:`_copy_update` of a recorded update's top level ``upd``: per call its
+    ``graphflop::repeat`` node (the call's flat names taken as the flat update's copies take
+    them) and getitems, annotated as the flat update's nodes the getitems stand for (a
+    template node's annotations made the call's, and its cost)."""
+    call_op = torch.ops.graphflop.repeat.default
+    names = dh.names
+    assert names is not None, "checked by _records"
+    env: dict[Node, Any] = {}
+    out = None
+    bodies: dict[int, list[Node]] = {}  # per template, its nodes (costs read per getitem)
+    for n in upd.graph.nodes:
+        if n.op == "placeholder":
+            slot = n.meta[SLOT]
+            if slot == "param":
+                env[n] = params[n.meta[PARAM]]
+            elif slot == "grad":
+                env[n] = grads[n.meta[PARAM]]
+            else:
+                env[n] = state[n.name]
+        elif n.op == "output":
+            out = n
+        elif n.target is call_op:
+            args, number = n.args
+            c = dh.calls[number]
+            env[n] = rec.call(g, dh.templates[c.template], c, [env[a] for a in args], names[number])
+        elif n.target is operator.getitem and getattr(n.args[0], "target", None) is call_op:
+            rep, i = n.args
+            t = dh.calls[rep.args[1]].template
+            body = bodies.get(t)
+            if body is None:
+                nodes = dh.templates[t].graph.nodes
+                body = bodies[t] = [x for x in nodes if x.op != "placeholder"]
+            meta = dict(n.meta)
+            cost = body[i].meta.get(COST)
+            if cost is not None:  # the flat node's cost, where the getitem's is none
+                meta[COST] = cost
+            env[n] = rec.item(g, env[rep], i, meta)
+        else:
+            env[n] = copy_node(g, n, env.__getitem__)
     assert out is not None, "an update graph ends in its output node"
     return [env[a] for a in out.args[0]]
 

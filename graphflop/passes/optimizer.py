@@ -35,14 +35,23 @@ placeholder/qualified name) and ``MODULE`` (the parameter's module path); on pla
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from graphflop.ad.builder import Builder, copy_node, fits_numbered, new_node, take_names
+from graphflop.ad.builder import (
+    Builder,
+    copy_node,
+    emit_named,
+    fits_numbered,
+    new_node,
+    take_names,
+)
 from graphflop.meta import (
     DERIVED_HIERARCHY,
     GAPS,
@@ -61,6 +70,7 @@ from graphflop.meta import (
     graph_fake_mode,
     graph_module,
 )
+from graphflop.passes.calls import DerivedHierarchy, is_recorded
 from graphflop.passes.infra import FLAT, GraphPass
 from graphflop.passes.step_calls import (
     BlockParams,
@@ -72,6 +82,7 @@ from graphflop.passes.step_calls import (
 )
 
 aten = torch.ops.aten
+_REPEAT = torch.ops.graphflop.repeat.default
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 #: node.meta key on update placeholders: ``param``, ``grad``, a state kind, ``lr`` or ``step``
 SLOT = SLOT
@@ -146,6 +157,7 @@ def build_update(
     modules: dict[str, str] | None = None,
     no_gradient: frozenset[str] = frozenset(),
     blocks: BlockParams | None = None,
+    direct: bool = False,
 ) -> GraphModule:
     """Build the update graph for ``params`` ((qualified name, tensor or FakeTensor) pairs).
 
@@ -160,6 +172,14 @@ def build_update(
     copies of its nodes with the call's parameters, modules and sources (no fake-tensor run),
     and the graph keeps the calls as ``gm.meta[DERIVED_HIERARCHY]``. The graph is the same
     node for node either way (``tests/test_step_calls.py``).
+
+    ``direct`` (with ``blocks``): the graph returned is the top level of the update's
+    hierarchy (:func:`~graphflop.passes.calls.is_recorded`), no flat graph made: each call a
+    ``graphflop::repeat`` node with a getitem per new value and new state, a variant's first
+    call built op by op and then made a call, the others emitted without copying their nodes
+    (their names taken as the copies would take them, kept as the call's flat names).
+    :func:`~graphflop.passes.calls.flat_view` of it is the graph built without ``direct``,
+    node for node and name for name (``tests/test_step_recorded.py``).
 
     Raises:
         ValueError: for an unknown optimizer.
@@ -190,7 +210,10 @@ def build_update(
         return n
 
     # once, not per kind: module, and the placeholders' names after ``<kind>_`` (slot_name)
-    owned = [(q, t, modules.get(q, _parent(q)), slot_suffix(q)) for q, t in params]
+    get = modules.get  # (the parent worked out only where ``modules`` has no entry)
+    owned = [
+        (q, t, m if (m := get(q)) is not None else _parent(q), slot_suffix(q)) for q, t in params
+    ]
 
     def slots(kind):
         return [ph(f"{kind}_{suffix}", t, q, module, kind) for q, t, module, suffix in owned]
@@ -224,9 +247,37 @@ def build_update(
     firsts: dict[tuple, _First] = {}
     names: dict[int, tuple[list[str], tuple | None]] = {}  # per variant (_copy_call)
     # per call: its site, variant, nodes, parameters' placeholders and the map it was copied
-    # by (None for the variant's first call): BlockParams.hierarchy's
+    # by (None for the variant's first call): BlockParams.hierarchy's; recorded: its site,
+    # variant's first call, parameters, repeat node and names (BlockParams.recorded's)
     calls: list[tuple] = []
+    recording = direct and blocks is not None
     site_of = blocks.site_of if blocks is not None else lambda q: None
+
+    def block_call(at: int, idx: list[int]) -> list[tuple[Node, list[Node]]]:
+        """The update of call site ``at``'s parameters ``idx``: its variant's first call
+        built op by op, another copied (recorded: a call, its nodes not copied)."""
+        assert blocks is not None, "a call site only with the blocks' parameters"
+        key = blocks.variant(params, idx, no_gradient)
+        first = firsts.get(key)
+        if first is not None and recording:
+            outs, rep, taken = _record_call(g, first, idx, w, gr, state, params, names)
+            calls.append((at, first, idx, rep, taken))
+            return outs
+        last = next(iter(reversed(g.nodes)))
+        copied = None
+        if first is not None:
+            outs, copied = _copy_call(g, first, idx, w, gr, state, params, names)
+        else:
+            outs = [one(k, params[k][0]) for k in idx]
+        made = nodes_after(last)
+        if first is None:
+            first = firsts[key] = _first_call(made, outs, idx, w, len(firsts))
+        if recording:  # made a call by BlockParams.recorded
+            calls.append((at, first, idx, None, None))
+        else:
+            calls.append((at, first[4], made, [w[k] for k in idx], copied))
+        return outs
+
     with b.context(role="update"):
         decays = cfg.name == "adamw" and any(q not in no_gradient for q, _ in params)
         lr_wd = b.call(aten.mul.Tensor, lr, cfg.weight_decay) if decays else None
@@ -236,32 +287,11 @@ def build_update(
             j = i + 1
             while at is not None and j < len(params) and site_of(params[j][0]) == at:
                 j += 1
-            if at is None:
-                outs = [one(i, params[i][0])]
-            else:
-                assert blocks is not None, "a call site only with the blocks' parameters"
-                idx = list(range(i, j))
-                key = blocks.variant(params, idx, no_gradient)
-                last = next(iter(reversed(g.nodes)))
-                first = firsts.get(key)
-                copied = None
-                if first is not None:
-                    outs, copied = _copy_call(g, first, idx, w, gr, state, params, names)
-                else:
-                    outs = [one(k, params[k][0]) for k in idx]
-                made = nodes_after(last)
-                if first is None:
-                    first = firsts[key] = _first_call(made, outs, idx, w, len(firsts))
-                calls.append((at, first[4], made, [w[k] for k in idx], copied))
-            for nw, new in outs:
-                new_w.append(nw)
-                for acc, n in zip(new_state, new):
-                    acc.append(n)
+            outs = [one(i, params[i][0])] if at is None else block_call(at, list(range(i, j)))
+            _collect(outs, new_w, new_state)
             i = j
     g.output(tuple(new_w + [n for s in new_state for n in s]))
-    gm = graph_module(torch.nn.Module(), g)
-    if blocks is not None and calls:
-        gm.meta[DERIVED_HIERARCHY] = blocks.hierarchy(gm, calls)
+    gm = _with_calls(g, blocks, calls, w, recording)
     gm.meta[UPDATE] = UpdateInfo(
         cfg.name,
         tuple(q for q, _ in params),
@@ -320,17 +350,9 @@ def _copy_call(
     is named as the last call's node was asked for, its base's next number, and the names of
     a call after the first two are of fx's numbered form, taken a base at a time
     (:func:`~graphflop.passes.step_calls._take_planned`)."""
-    made, first_idx, where, slots, v, outside = first
-    env: dict[Node, Node] = {x: x for x in outside}  # lr, step, lr·λ: shared
-    for a, k in zip(first_idx, idx):
-        env[w[a]], env[gr[a]] = w[k], gr[k]
-        for s in state:
-            env[s[a]] = s[k]
-    asked, plan = names.get(v) or ([n.name for n in made], None)
-    if plan is None or not fits_numbered(asked, plan[0]):
-        plan = _numbered_plan(asked)
-    taken = _take_planned(g, asked, plan) if plan is not None else take_names(g, asked)
-    names[v] = (list(taken), plan)
+    made, _, where, slots, _, _ = first
+    env = _call_env(first, idx, w, gr, state)
+    taken = _copy_names(g, first, names)
     get = env.__getitem__
     copies = []
     for n, (a, named), name in zip(made, slots, taken):
@@ -344,6 +366,97 @@ def _copy_call(
         env[n] = new
         copies.append(new)
     return [(copies[pos[0]], [copies[x] for x in pos[1:]]) for pos in where], env
+
+
+def _with_calls(
+    g: Graph, blocks: BlockParams | None, calls: list[tuple], w: list[Node], recording: bool
+) -> GraphModule:
+    """The update graph module of ``g`` with its hierarchy (where it has calls): the top
+    level of the calls as recorded (:meth:`BlockParams.recorded`), or the calls of the graph
+    built flat (:meth:`BlockParams.hierarchy`)."""
+    root = torch.nn.Module()
+    if blocks is None or not calls:
+        return graph_module(root, g)
+    if not recording:
+        gm = graph_module(root, g)
+        gm.meta[DERIVED_HIERARCHY] = blocks.hierarchy(gm, calls)
+        return gm
+    templates, made, names = blocks.recorded(g, calls, w, root)
+    gm = graph_module(root, g)
+    gm.meta[DERIVED_HIERARCHY] = DerivedHierarchy(templates, made, gm, names=names)
+    return gm
+
+
+def _collect(
+    outs: list[tuple[Node, list[Node]]], new_w: list[Node], new_state: list[list[Node]]
+) -> None:
+    """Append each parameter's new value and new state (``outs``) to the outputs."""
+    for nw, new in outs:
+        new_w.append(nw)
+        for acc, n in zip(new_state, new):
+            acc.append(n)
+
+
+def _call_env(
+    first: _First, idx: list[int], w: list[Node], gr: list[Node], state: list[list[Node]]
+) -> dict[Node, Node]:
+    """The first call's values from outside mapped to the call of parameters ``idx``: its
+    parameters', gradients' and states' placeholders; ``lr``, ``step`` and ``lr·λ`` shared."""
+    _, first_idx, _, _, _, outside = first
+    env: dict[Node, Node] = {x: x for x in outside}
+    for a, k in zip(first_idx, idx):
+        env[w[a]], env[gr[a]] = w[k], gr[k]
+        for s in state:
+            env[s[a]] = s[k]
+    return env
+
+
+def _copy_names(
+    g: Graph, first: _First, names: dict[int, tuple[list[str], tuple | None]]
+) -> tuple[str, ...]:
+    """The names of a copy of ``first``'s nodes, taken in ``g`` (see :func:`_copy_call`)."""
+    made, v = first[0], first[4]
+    asked, plan = names.get(v) or ([n.name for n in made], None)
+    if plan is None or not fits_numbered(asked, plan[0]):
+        plan = _numbered_plan(asked)
+    taken = _take_planned(g, asked, plan) if plan is not None else take_names(g, asked)
+    names[v] = (list(taken), plan)
+    return tuple(taken)
+
+
+def _record_call(
+    g: Graph,
+    first: _First,
+    idx: list[int],
+    w: list[Node],
+    gr: list[Node],
+    state: list[list[Node]],
+    params: list[tuple[str, torch.Tensor]],
+    names: dict[int, tuple[list[str], tuple | None]],
+) -> tuple[list[tuple[Node, list[Node]]], Node, tuple[str, ...]]:
+    """:func:`_copy_call` recorded: the names the copies would take are taken in ``g``
+    (every later node is named as in the graph built flat), and in place of the copies one
+    ``graphflop::repeat`` node (its call number set by
+    :meth:`~graphflop.passes.step_calls.BlockParams.recorded`) with a getitem per new value
+    and new state, annotated as the copy would be. Returns per parameter its new value and
+    new state (getitems), the repeat node and the names taken."""
+    made, _, where, slots, _, outside = first
+    env = _call_env(first, idx, w, gr, state)
+    taken = _copy_names(g, first, names)
+    rep = emit_named(g, _REPEAT, ([env[x] for x in outside], -1), "repeat_call")
+    items: dict[int, Node] = {}
+    for pos in sorted({x for at in where for x in at}):  # in the run's order, as the flat
+        a, named = slots[pos]  # graph's nodes read outside the run
+        k = idx[a]
+        m = dict(made[pos].meta)
+        m[SOURCE] = w[k].name
+        m[MODULE] = w[k].meta[MODULE]
+        if named:
+            m[PARAM] = params[k][0]
+        item = emit_named(g, operator.getitem, (rep, pos), "repeat_item")
+        object.__setattr__(item, "meta", m)  # (no find_nodes re-filing)
+        items[pos] = item
+    return [(items[at[0]], [items[x] for x in at[1:]]) for at in where], rep, taken
 
 
 def _param_update(
@@ -373,6 +486,7 @@ def build_update_for(
     *,
     fake_mode: FakeTensorMode | None = None,
     backward: GraphModule | None = None,
+    direct: bool = False,
 ) -> GraphModule:
     """The update graph for the trainable parameters of a traced forward graph (frozen ones,
     ``Signature.frozen``, get no update and no state). With ``backward`` (the forward's
@@ -383,7 +497,8 @@ def build_update_for(
     name up to the last dot). Built on ``fake_mode``, by default the forward graph's own. Where
     ``forward`` has repeated blocks (:data:`~graphflop.meta.HIERARCHY`), a block's parameters'
     update is built once per block variant and kept as calls (``blocks`` of
-    :func:`build_update`).
+    :func:`build_update`); with ``direct``, the graph returned is their top level
+    (``direct`` of :func:`build_update`: no flat graph made).
 
     Args:
         forward: a graph from :func:`graphflop.frontend.trace.trace`.
@@ -402,6 +517,7 @@ def build_update_for(
         modules={q: _parent(q) for _, q in trainable},
         no_gradient=gradient_free(backward) if backward is not None else frozenset(),
         blocks=BlockParams(forward) if HIERARCHY in forward.meta else None,
+        direct=direct,
     )
 
 
@@ -426,8 +542,8 @@ def gradient_free(backward: GraphModule) -> frozenset[str]:
     for n in backward.graph.nodes:
         if n.op == "output":
             out = n
-        elif n.name == info.cotangent_input or any(a in live for a in n._input_nodes):
-            live.add(n)
+        elif not live.isdisjoint(n._input_nodes) or n.name == info.cotangent_input:
+            live.add(n)  # (isdisjoint: the inputs' keys in C, a generator's frame per node else)
     outs = out.args[0] if out is not None else ()
     assert isinstance(outs, (tuple, list)), "a backward graph outputs a tuple of gradients"
     return frozenset(q for pos, q in info.grads if outs[pos] not in live)
@@ -441,6 +557,9 @@ class AddOptimizerUpdate(GraphPass):
         fake_mode: the FakeTensorMode to build on (default: the forward graph's).
         backward: the forward's backward graph: parameters it gives no gradient get no update
             work (:func:`gradient_free`). None: every trainable parameter is updated.
+        direct: return the top level of the update's hierarchy, no flat graph made
+            (:func:`build_update`'s ``direct``; read it flat through
+            :func:`~graphflop.passes.calls.flat_view`).
 
     Requires ``traced``; provides ``update``. Raises ``ValueError`` for an unknown optimizer.
     """
@@ -457,14 +576,20 @@ class AddOptimizerUpdate(GraphPass):
         *,
         fake_mode: FakeTensorMode | None = None,
         backward: GraphModule | None = None,
+        direct: bool = False,
     ) -> None:
         self.optimizer = optimizer
         self.fake_mode = fake_mode
         self.backward = backward
+        self.direct = direct
 
     def call(self, graph_module: GraphModule) -> PassResult:
         gm = build_update_for(
-            graph_module, self.optimizer, fake_mode=self.fake_mode, backward=self.backward
+            graph_module,
+            self.optimizer,
+            fake_mode=self.fake_mode,
+            backward=self.backward,
+            direct=self.direct,
         )
         return PassResult(gm, True)
 
@@ -545,11 +670,22 @@ def not_updated(update: GraphModule) -> frozenset[str]:
     with ``no_gradient``): their new value is an ``aten.alias`` of their own input."""
     out = next(n for n in reversed(update.graph.nodes) if n.op == "output")
     news = out.args[0][: len(update.meta[UPDATE].params)]
-    return frozenset(
-        n.meta[PARAM]
-        for n in news
-        if n.target is aten.alias.default and n.args[0].op == "placeholder"
-    )
+    dh = update.meta.get(DERIVED_HIERARCHY) if is_recorded(update) else None
+    bodies: dict[int, list[Node]] = {}  # a recorded update's templates' nodes, listed once
+
+    def passed_through(n: Any) -> bool:  # an alias of a placeholder (of its call's template)
+        if dh is not None and n.target is operator.getitem and n.args[0].target is _REPEAT:
+            rep, i = n.args
+            t = dh.calls[rep.args[1]].template
+            body = bodies.get(t)
+            if body is None:
+                nodes = dh.templates[t].graph.nodes
+                body = bodies[t] = [x for x in nodes if x.op != "placeholder"]
+            n = body[i]
+        a = n.args[0]
+        return n.target is aten.alias.default and isinstance(a, Node) and a.op == "placeholder"
+
+    return frozenset(n.meta[PARAM] for n in news if passed_through(n))
 
 
 def for_every_parameter(update: GraphModule | None) -> GraphModule | None:

@@ -46,6 +46,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.builder import (
+    NamePlan,
     base_name,
     copy_node,
     emit_named,
@@ -192,10 +193,11 @@ class _Describer:
         """:attr:`~graphflop.passes.calls.DerivedCall.tags` of a call with ``sources``."""
         return tags_of(self.tags, sources)
 
-    def update_sources(self, update: GraphModule) -> None:
-        """Key the sources of ``update``'s nodes (an update graph: each parameter's nodes have
-        its placeholder's name, which fx may have spelled otherwise than :func:`slot_name`)."""
-        for n in update.graph.nodes:
+    def update_sources(self, update: GraphModule | Graph) -> None:
+        """Key the sources of ``update``'s nodes (an update graph, or its graph: each
+        parameter's nodes have its placeholder's name, which fx may have spelled otherwise
+        than :func:`slot_name`)."""
+        for n in (update if isinstance(update, Graph) else update.graph).nodes:
             if n.op != "placeholder":
                 break
             at = self.params.get(n.meta.get(PARAM)) if n.meta.get(SLOT) == "param" else None
@@ -382,6 +384,70 @@ class BlockParams:
         return DerivedHierarchy(
             tuple(templates), tuple(calls), _top(gm, items), tuple(c[2] for c in made)
         )
+
+    def recorded(
+        self, g: Graph, made: list[tuple], w: list[Node], root: torch.nn.Module
+    ) -> tuple[tuple[GraphModule, ...], tuple[DerivedCall, ...], tuple[tuple[str, ...], ...]]:
+        """The recorded update's hierarchy (``build_update(direct=True)``) from its calls as
+        recorded in update graph ``g`` (finished: its output made; ``w`` its parameters'
+        placeholders): ``(site, first, idx, repeat node, names taken)`` each, in graph order,
+        ``first`` the variant's first call as ``optimizer._first_call`` lists it, ``idx`` the
+        call's parameters, the repeat node None for a variant's first call (its nodes still
+        in ``g``, built op by op). Makes each first call a call (its template made from its
+        nodes, a ``graphflop::repeat`` node where its first node was, a getitem per node read
+        after it, its nodes erased) and numbers the calls in order. Returns the templates,
+        the calls and per call its nodes' flat names: the templates, calls and sources
+        :meth:`hierarchy` gives the graph built flat."""
+        d, h = self.d, self.h
+        d.update_sources(g)
+        templates: list[GraphModule] = []
+        calls: list[DerivedCall] = []
+        names: list[tuple[str, ...]] = []
+        #: per variant, the positions (in the call) of the parameters its sources are
+        at: list[list[int]] = []
+        for number, (s, first, idx, rep, taken) in enumerate(made):
+            run, v, ext = first[0], first[4], first[5]
+            if rep is None:  # the variant's first call: made a call here
+                found: dict[str, None] = {}
+                for x in run:
+                    src = x.meta.get(SOURCE, "")
+                    k = d.keys.get(src)
+                    if k is not None and k[0] == s:
+                        found[src] = None
+                sources = tuple(found)
+                assert v == len(templates), "a variant's first call comes before its others"
+                pos = {w[k].name: a for a, k in enumerate(idx)}
+                at.append([pos[x] for x in sources])
+                templates.append(d.template(run, ext, s, root))
+                names.append(tuple([x.name for x in run]))
+                _make_call(g, run, ext, number)
+            else:
+                sources = tuple([w[idx[a]].name for a in at[v]])
+                names.append(taken)
+                rep.update_arg(1, number)
+            calls.append(DerivedCall(s, v, h.sites[s].modules, sources, d.tags_of(sources)))
+        return tuple(templates), tuple(calls), tuple(names)
+
+
+def _make_call(g: Graph, run: list[Node], ext: list[Node], number: int) -> Node:
+    """Make ``run`` (consecutive nodes of ``g``, reading ``ext`` from outside) call
+    ``number``: a ``graphflop::repeat`` node where its first node was, a getitem (sharing the
+    node's annotations) after it per node read outside the run, in the run's order, the
+    run's nodes erased. Returns the repeat node."""
+    inside = set(run)
+    with g.inserting_before(run[0]):
+        rep = emit_named(g, torch.ops.graphflop.repeat.default, (list(ext), number), "repeat_call")
+    prev = rep
+    for i, n in enumerate(run):
+        if not inside.issuperset(n.users):
+            with g.inserting_after(prev):
+                item = emit_named(g, operator.getitem, (rep, i), "repeat_item")
+            object.__setattr__(item, "meta", n.meta)
+            n.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+            prev = item
+    for n in reversed(run):
+        g.erase_node(n)
+    return rep
 
 
 def _outside(run: list[Node]) -> list[Node]:
@@ -830,7 +896,9 @@ class StepRecorder:
             if known is None:
                 pos = {n: x for x, n in enumerate(run)}
                 exposed = [pos[v] for v in values]
-                candidates = [base_name(g, n.target) for n in run]
+                # the names a call of the variant takes, a base at a time (one plan per
+                # variant: a name at a time cost about a tenth of the step's time per block)
+                candidates = NamePlan([base_name(g, n.target) for n in run])
                 first_reads = reads(group)
                 made = self._make_call(g, run, s, frozenset(exposed))
                 if made is not None:
@@ -852,7 +920,8 @@ class StepRecorder:
         self, g: Graph, s: int, known: tuple, group: list[str], reads: list[Node], out: dict
     ) -> bool:
         """Call ``known`` (a variant's first run: template, source slots, values from
-        outside, values' positions, names, what it read) emitted for ``group`` at call site
+        outside, values' positions, the :class:`~graphflop.ad.builder.NamePlan` of its names,
+        what it read) emitted for ``group`` at call site
         ``s``; False, with nothing emitted, where a value from outside is not one of the
         first run's reads."""
         t, order, ext, exposed, candidates, first_reads = known
@@ -862,7 +931,7 @@ class StepRecorder:
         sources = tuple(self.d.names[(s, k)] for k in order)
         c = DerivedCall(s, t, self.h.sites[s].modules, sources, self.d.tags_of(sources))
         self.calls.append(c)
-        taken = tuple(take_names(g, candidates))
+        taken = tuple(candidates.take(g))
         rep = emit_named(
             g, self.call_op, ([to[x] for x in ext], len(self.calls) - 1), "repeat_call"
         )

@@ -472,7 +472,7 @@ def _memory(
             c = sched if isinstance(sched, ComposedSchedule) else None
             owners = eager_saved_storages(g.forward, g.backward, device, eager=er, schedule=c)
         else:
-            tpeak, _ = train_schedule(g.forward, g.backward, g.update).peak()
+            tpeak, _ = train_schedule(g.forward, g.backward, _flat(g.update)).peak()
             train_peak = resident + state + trainable_bytes + tpeak
             owners = saved_storages(g.forward, g.backward)
         # eager_saved_bytes / saved_for_backward_bytes: the sum over the saved storages
@@ -755,6 +755,7 @@ def summarize(
             graphs,
             backward=_flat(graphs.backward),
             jvp=_flat(graphs.jvp),
+            update=_flat(graphs.update),
             forward_gradient=_flat(graphs.forward_gradient),
         )
     fwd = graphs.forward
