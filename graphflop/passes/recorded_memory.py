@@ -821,11 +821,14 @@ class _TrainBuilder:
         phs = {n.name: n for n in forward.graph.find_nodes(op="placeholder")}
         sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
         s.add_transient("u:optimizer", optimizer_temporaries(self.optimizer, sizes, self.device))
-        # the storages saved for backward (eager_saved_storages with the schedule)
-        found = s.owners(
-            [f"f:{x}" for p in self.saved for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])]
-            + [f"f:{x}" for xs in self.held().values() for x in xs]
+        # the storages saved for backward (eager_saved_storages with the schedule); each name
+        # once, in the order first named (a composite op's residuals each stand for all it
+        # saves: GPT-2 names each of them four times over)
+        names = dict.fromkeys(
+            x for p in self.saved for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])
         )
+        names.update(dict.fromkeys(x for xs in self.held().values() for x in xs))
+        found = s.owners([f"f:{x}" for x in names])
         owners = {o.split(":", 1)[1]: nb for o, nb in (v for v in found.values() if v is not None)}
         return s, owners
 
