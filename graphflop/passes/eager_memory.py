@@ -189,6 +189,9 @@ _EAGER_FORWARD_OPS = frozenset(
         *INPUT_AS_RESULT_IN_PLACE,
     }
 )
+#: their ids: a node's target looked up without ``OpOverload``'s ``__hash__`` (a Python
+#: method) per node of the flat forward; the same test, as an op equals only itself
+_EAGER_FORWARD_IDS = frozenset(map(id, _EAGER_FORWARD_OPS))
 
 
 def embedding_indices(forward: GraphModule | Iterable[Node]) -> frozenset[str]:
@@ -569,7 +572,9 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
     sizes |= attention.sizes
     # the ops the rest reads, in graph order: one walk over the graph, then over these only
     ops = [
-        n for n in forward.graph.nodes if n.op == "call_function" and n.target in _EAGER_FORWARD_OPS
+        n
+        for n in forward.graph.nodes
+        if n.op == "call_function" and id(n.target) in _EAGER_FORWARD_IDS
     ]
     kept_whole = aten_saves(ops)
     held |= kept_whole
