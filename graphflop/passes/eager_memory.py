@@ -259,7 +259,10 @@ def residual_keys(
     src = p.meta.get(SOURCE, p.name)
     if src in state or not saved:
         return []
-    return [f"f:{x}" for x in remap.get(p.name, [src]) if x not in unstored]
+    stand = remap.get(p.name)
+    if stand is None:  # (most residuals: the value itself, no list made to filter)
+        return [] if src in unstored else [f"f:{src}"]
+    return [f"f:{x}" for x in stand if x not in unstored]
 
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
@@ -673,11 +676,13 @@ def plain_ops(forward: GraphModule, kernels: list[tuple[set[str], int]]) -> froz
     (:func:`~graphflop.passes.eager_kernels.autograd_node_reads`): ``call_function`` nodes
     that are no composite op's part (:data:`~graphflop.meta.COMPOSITE`) and whose backward
     is no one-kernel region of ``kernels`` (:attr:`EagerForward.kernels`)."""
-    one_kernel = {name for names, _ in kernels for name in names}
+    one_kernel = set().union(*(names for names, _ in kernels))
     return frozenset(
-        n.name
-        for n in forward.graph.nodes
-        if n.op == "call_function" and COMPOSITE not in n.meta and n.name not in one_kernel
+        [
+            n.name
+            for n in forward.graph.nodes
+            if n.op == "call_function" and COMPOSITE not in n.meta and n.name not in one_kernel
+        ]
     )
 
 

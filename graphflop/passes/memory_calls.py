@@ -372,10 +372,10 @@ class ComposedSchedule:
             frees.setdefault(i, []).append(st)
         at_index = sorted(frees)
         # a call's storages that something outside it reads (or a tie holds): by call item
+        # (in the order resolved, as ``size`` has them: no key parsed back)
         mine: dict[int, list[str]] = {}
-        for st in size:
-            if st[0] == "#":
-                mine.setdefault(int(st[1:].split(":", 1)[0]), []).append(st)
+        for st, (number, _) in lives.place.items():
+            mine.setdefault(number, []).append(st)
         live = 0
         best, at = 0, ""
         for number, item in enumerate(self.items):

@@ -373,8 +373,7 @@ class _Builder:
         source slot -> position. A source naming a node of another call is noted
         (:meth:`check_foreign`)."""
         out = {}
-        for k, src in enumerate(self.dh.calls[number].sources):
-            at = self.where.get(src)
+        for k, at in enumerate(map(self.where.get, self.dh.calls[number].sources)):
             if at is not None:
                 if at[0] != number:
                     self.foreign.append((*at, number, k))
