@@ -303,7 +303,9 @@ class ComposedSchedule:
             tuple(refs),
             tuple(len(x) for x in lists),
             tuple(held),
-            tuple(sorted(o for o in overrides if o[0] != "r")),
+            # (a set, not a sorted tuple: each (kind, position) once, so the same test of
+            # equality, without sorting tens of a call's overrides per call)
+            frozenset([o for o in overrides if o[0] != "r"]),
         )
         profile = self._profiles.get(sig)
         if profile is None:
