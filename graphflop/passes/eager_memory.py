@@ -189,6 +189,9 @@ _EAGER_FORWARD_OPS = frozenset(
         *INPUT_AS_RESULT_IN_PLACE,
     }
 )
+#: their ids: a node's target looked up without ``OpOverload``'s ``__hash__`` (a Python
+#: method) per node of the flat forward; the same test, as an op equals only itself
+_EAGER_FORWARD_IDS = frozenset(map(id, _EAGER_FORWARD_OPS))
 
 
 def embedding_indices(forward: GraphModule | Iterable[Node]) -> frozenset[str]:
@@ -256,7 +259,10 @@ def residual_keys(
     src = p.meta.get(SOURCE, p.name)
     if src in state or not saved:
         return []
-    return [f"f:{x}" for x in remap.get(p.name, [src]) if x not in unstored]
+    stand = remap.get(p.name)
+    if stand is None:  # (most residuals: the value itself, no list made to filter)
+        return [] if src in unstored else [f"f:{src}"]
+    return [f"f:{x}" for x in stand if x not in unstored]
 
 
 #: the execution each memory figure describes, by memory model (``Report.memory.describes``)
@@ -569,7 +575,9 @@ def eager_forward(forward: GraphModule, device: str) -> EagerForward:
     sizes |= attention.sizes
     # the ops the rest reads, in graph order: one walk over the graph, then over these only
     ops = [
-        n for n in forward.graph.nodes if n.op == "call_function" and n.target in _EAGER_FORWARD_OPS
+        n
+        for n in forward.graph.nodes
+        if n.op == "call_function" and id(n.target) in _EAGER_FORWARD_IDS
     ]
     kept_whole = aten_saves(ops)
     held |= kept_whole
@@ -668,11 +676,13 @@ def plain_ops(forward: GraphModule, kernels: list[tuple[set[str], int]]) -> froz
     (:func:`~graphflop.passes.eager_kernels.autograd_node_reads`): ``call_function`` nodes
     that are no composite op's part (:data:`~graphflop.meta.COMPOSITE`) and whose backward
     is no one-kernel region of ``kernels`` (:attr:`EagerForward.kernels`)."""
-    one_kernel = {name for names, _ in kernels for name in names}
+    one_kernel = set().union(*(names for names, _ in kernels))
     return frozenset(
-        n.name
-        for n in forward.graph.nodes
-        if n.op == "call_function" and COMPOSITE not in n.meta and n.name not in one_kernel
+        [
+            n.name
+            for n in forward.graph.nodes
+            if n.op == "call_function" and COMPOSITE not in n.meta and n.name not in one_kernel
+        ]
     )
 
 

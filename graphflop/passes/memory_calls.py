@@ -40,7 +40,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from itertools import count, repeat
+from itertools import compress, count, repeat
+from operator import ne
 from typing import Any
 
 from torch.fx import GraphModule, Node
@@ -56,26 +57,28 @@ Run = tuple[Hashable, list[Node]]
 
 def forward_runs(forward: GraphModule) -> list[Run] | None:
     """The forward graph's calls as runs, keyed by the variant of the block they copy; None
-    where the graph has no hierarchy or a call's nodes are not one run."""
+    where the graph has no hierarchy or a call's nodes are not one run.
+
+    The runs are cut where the call site changes from one node to the next (found by a
+    C-level ``map`` over the sites), the nodes taken as slices: the per-node work is one
+    read of :data:`~graphflop.meta.CALL_SITE`, the rest per run."""
     h: Hierarchy | None = forward.meta.get(HIERARCHY)
     if h is None or h.graph is None:
         return None
+    nodes = list(forward.graph.nodes)
+    sites = [t[0] if (t := n.meta.get(CALL_SITE)) is not None else None for n in nodes]
+    # the positions where the site differs from the node before's: each run's first node
+    cuts = [0, *compress(range(1, len(nodes)), map(ne, sites[1:], sites)), len(nodes)]
     runs: list[Run] = []
-    at = None
     seen: set[int] = set()
-    for n in forward.graph.nodes:
-        t = n.meta.get(CALL_SITE)
-        s = t[0] if t is not None else None
+    for a, b in zip(cuts, cuts[1:]):
+        s = sites[a]
         if s is None:
-            at = None
             continue
-        if s != at:
-            if s in seen:  # a call's nodes in two runs: not a copy of its template's
-                return None
-            seen.add(s)
-            runs.append((("forward", h.sites[s].variant), []))
-            at = s
-        runs[-1][1].append(n)
+        if s in seen:  # a call's nodes in two runs: not a copy of its template's
+            return None
+        seen.add(s)
+        runs.append((("forward", h.sites[s].variant), nodes[a:b]))
     return runs
 
 
@@ -205,17 +208,28 @@ class ComposedSchedule:
         overrides = _overrides(nodes, index, len(runs))
         keys = _Keys(prefix, index, numbers, self.items)
         unstored: set[str] = set()
-        for n in gm.graph.nodes:
-            hit = index.get(n)
-            if hit is not None:
-                if hit[1] == 0:
-                    ci = hit[0]
-                    numbers.append(len(self.items))
-                    key, run = runs[ci]
-                    self._add_call(key, ci, run, prefix, nodes, keys, index, overrides[ci])
-                    call = self.items[-1]
-                    assert isinstance(call, _Call)
-                    unstored.update(run[i].name for i in call.profile.unkeyed)
+        # the nodes in order, a run's nodes skipped where they are consecutive (its last node
+        # where its length says: no node of the top level among them), so that a call costs
+        # its boundary, not its nodes
+        order = list(gm.graph.nodes)
+        first = {r[0]: ci for ci, (_, r) in enumerate(runs)}
+        at = 0
+        while at < len(order):
+            n = order[at]
+            at += 1
+            started = first.get(n)
+            if started is not None:
+                numbers.append(len(self.items))
+                key, run = runs[started]
+                self._add_call(key, started, run, prefix, nodes, keys, index, overrides[started])
+                call = self.items[-1]
+                assert isinstance(call, _Call)
+                unstored.update(run[i].name for i in call.profile.unkeyed)
+                end = at + len(run) - 2
+                if end < len(order) and order[end] is run[-1]:
+                    at = end + 1
+                continue
+            if n in index:  # a run's node after its first (runs not consecutive)
                 continue
             if n.op == "output":
                 kept: set[str] = set()
@@ -289,7 +303,9 @@ class ComposedSchedule:
             tuple(refs),
             tuple(len(x) for x in lists),
             tuple(held),
-            tuple(sorted(o for o in overrides if o[0] != "r")),
+            # (a set, not a sorted tuple: each (kind, position) once, so the same test of
+            # equality, without sorting tens of a call's overrides per call)
+            frozenset([o for o in overrides if o[0] != "r"]),
         )
         profile = self._profiles.get(sig)
         if profile is None:
@@ -358,10 +374,10 @@ class ComposedSchedule:
             frees.setdefault(i, []).append(st)
         at_index = sorted(frees)
         # a call's storages that something outside it reads (or a tie holds): by call item
+        # (in the order resolved, as ``size`` has them: no key parsed back)
         mine: dict[int, list[str]] = {}
-        for st in size:
-            if st[0] == "#":
-                mine.setdefault(int(st[1:].split(":", 1)[0]), []).append(st)
+        for st, (number, _) in lives.place.items():
+            mine.setdefault(number, []).append(st)
         live = 0
         best, at = 0, ""
         for number, item in enumerate(self.items):
@@ -497,14 +513,17 @@ class _Lives:
             st = storage[item.key] = item.key
             self.size[st] = item.nbytes
         last[st] = max(last.get(st, i), i)
+        get = storage.get  # (a key resolved already: no call of resolve)
         for r in item.reads:
-            rs = self.resolve(r)
+            rs = get(r) or self.resolve(r)
             if rs is not None:
                 last[rs] = max(last.get(rs, i), i)
 
     def call(self, item: _Call, number: int, i: int) -> None:
-        # (each outside key resolved once: a call reads tens of them, a block's residuals)
-        rs = list(map(self.resolve, item.outer))
+        # (each outside key resolved once: a call reads tens of them, a block's residuals,
+        # most of them resolved already: looked up without a call of resolve)
+        get, resolve = self.storage.get, self.resolve
+        rs = [get(k) or resolve(k) for k in item.outer]
         inner = self.inners[number] = _analysis(item.profile, tuple([r is not None for r in rs]))
         last = self.last
         for k, j in inner.outer_last:

@@ -373,8 +373,7 @@ class _Builder:
         source slot -> position. A source naming a node of another call is noted
         (:meth:`check_foreign`)."""
         out = {}
-        for k, src in enumerate(self.dh.calls[number].sources):
-            at = self.where.get(src)
+        for k, at in enumerate(map(self.where.get, self.dh.calls[number].sources)):
             if at is not None:
                 if at[0] != number:
                     self.foreign.append((*at, number, k))
@@ -760,6 +759,7 @@ class _TrainBuilder:
         self.contexts: dict[Hashable, _Context] = {}
         self.top_nodes = {n.name: n for n in top.graph.nodes}
         self.reader_rows: dict[int, list[list[tuple]]] = {}
+        self.reader_slots: dict[int, list[tuple[int | None, ...]]] = {}
         self.arg_at: dict[Node, dict[Node, list[int]]] = {}
         #: the top level's placeholders holding a value eager autograd saves (not_saved)
         self.saved = [
@@ -821,11 +821,14 @@ class _TrainBuilder:
         phs = {n.name: n for n in forward.graph.find_nodes(op="placeholder")}
         sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
         s.add_transient("u:optimizer", optimizer_temporaries(self.optimizer, sizes, self.device))
-        # the storages saved for backward (eager_saved_storages with the schedule)
-        found = s.owners(
-            [f"f:{x}" for p in self.saved for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])]
-            + [f"f:{x}" for xs in self.held().values() for x in xs]
+        # the storages saved for backward (eager_saved_storages with the schedule); each name
+        # once, in the order first named (a composite op's residuals each stand for all it
+        # saves: GPT-2 names each of them four times over)
+        names = dict.fromkeys(
+            x for p in self.saved for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])
         )
+        names.update(dict.fromkeys(x for xs in self.held().values() for x in xs))
+        found = s.owners([f"f:{x}" for x in names])
         owners = {o.split(":", 1)[1]: nb for o, nb in (v for v in found.values() if v is not None)}
         return s, owners
 
@@ -846,6 +849,36 @@ class _TrainBuilder:
             for j in self.arg_positions(u)[p]:
                 out += [(c.sources[k] if k is not None else None, role) for k, role in rows[j]]
         return out
+
+    def reader_sources(self, p: Node) -> dict[Any, None]:
+        """The distinct sources of :meth:`readers` of ``p``, in the order first met: what
+        :meth:`remap` reads where ``p``'s source is no replayed draw (a reader met again adds
+        nothing to what it stands for), without a row per reader of the templates."""
+        out: dict[Any, None] = {}
+        for u in p.users:
+            if u.target is not _REPEAT:
+                out[u.meta.get(SOURCE, "")] = None
+                continue
+            number = u.args[1]
+            assert isinstance(number, int)
+            c = self.dh.calls[number]
+            slots = self.template_slots(c.template, number)
+            sources = c.sources
+            for j in self.arg_positions(u)[p]:
+                for k in slots[j]:
+                    out[sources[k] if k is not None else None] = None
+        return out
+
+    def template_slots(self, template: int, number: int) -> list[tuple[int | None, ...]]:
+        """Per placeholder of the template, its readers' distinct source slots
+        (:meth:`template_readers` without the roles), in the order first met."""
+        got = self.reader_slots.get(template)
+        if got is None:
+            rows = self.template_readers(template, number)
+            got = self.reader_slots[template] = [
+                tuple(dict.fromkeys(k for k, _ in row)) for row in rows
+            ]
+        return got
 
     def arg_positions(self, rep: Node) -> dict[Node, list[int]]:
         """Call ``rep``'s arguments -> their positions among its arguments (made once per
@@ -877,15 +910,15 @@ class _TrainBuilder:
         placeholders and the calls' readers of them."""
         replayed = _replayed_draws(self.forward)
         remap: dict[str, list[str]] = {}
+        stands_for = self.ef.stands_for
         for p in self.saved:
             src = p.meta.get(SOURCE, p.name)
-            users = self.readers(p)
-            if src in replayed and all(role == "recompute" for _, role in users):
+            if src in replayed and all(role == "recompute" for _, role in self.readers(p)):
                 remap[p.name] = []
                 continue
             stand: list[str] = []
-            for reader, _ in users:
-                for name in self.ef.stands_for(src, reader):
+            for reader in self.reader_sources(p):
+                for name in stands_for(src, reader):
                     if name not in stand:
                         stand.append(name)
             if stand != [src]:
@@ -993,19 +1026,32 @@ class _TrainBuilder:
         for j in t.scattered:
             if args[j].target in _FRESH:
                 raise _Unsupported  # zeros from outside the call scattered into
-        groups: dict[int, int] = {}
-        feats: list[tuple[int | None, int | None, ConvBackward | None, bool, bool]] = []
-        owner, conv_bytes, kernels = self.owner.get, self.conv_bytes.get, self.ef.kernels
-        plain = self.plain
-        for src in c.sources:
-            o = owner(src)
+        # per source slot: its one-kernel backward's number in the call (in the order the
+        # slots first name it), that kernel's temporaries and whether it copies the output
+        # gradient, a convolution's temporaries, a plain op: looked up per slot by C-level
+        # maps, the checks per kernel
+        sources = c.sources
+        owners = list(map(self.owner.get, sources))
+        groups: dict[int | None, int | None] = {None: None}
+        nbytes: dict[int | None, int | None] = {None: None}
+        copies: dict[int | None, bool] = {None: False}
+        for o in dict.fromkeys(owners):
             if o is None:
-                feats.append((None, None, conv_bytes(src), False, src in plain))
                 continue
             if self.region_call.setdefault(o, number) != number or o in self.top_regions:
                 raise _Unsupported  # one kernel's backward in two parts of the graph
-            g = groups.setdefault(o, len(groups))
-            feats.append((g, kernels[o][1], conv_bytes(src), o in self.ef.copied, src in plain))
+            groups[o] = len(groups) - 1
+            nbytes[o] = self.ef.kernels[o][1]
+            copies[o] = o in self.ef.copied
+        feats: list[tuple[int | None, int | None, ConvBackward | None, bool, bool]] = list(
+            zip(
+                map(groups.__getitem__, owners),
+                map(nbytes.__getitem__, owners),
+                map(self.conv_bytes.get, sources),
+                map(copies.__getitem__, owners),
+                map(self.plain.__contains__, sources),
+            )
+        )
         # the arguments' strides: a kernel's copy of a non-contiguous output gradient, a
         # matrix product's of an operand BLAS cannot read (the last block's, under a sum)
         strides = tuple(
