@@ -640,10 +640,14 @@ class BlockTranspose:
         """Add to ``corr`` the residuals ``t``'s first call imported that no tangent reads,
         only its checkpoint's recompute (a bias: the recompute reruns its addmm), mapped by
         the forward graph: a forward node of the call to its copy at call ``site``, a value
-        from outside the call to the one call ``site`` reads at the same argument."""
+        from outside the call to the one call ``site`` reads at the same argument. A recorded
+        JVP's call (``corr`` a :class:`_Places`) returns at once: :func:`build_vjp
+        <graphflop.ad.vjp.build_vjp>` transposes a checkpointed model's recorded JVP through
+        its flat graph, so no recompute is emitted there."""
         cp = self.b.checkpoints
         if corr is None or cp is None or not cp.emitted:
             return
+        assert type(corr) is dict  # a _Places cannot be added to (see above)
         lin = cp.lin
         for ln in t.residuals:
             if ln in corr:
@@ -1087,8 +1091,11 @@ class RecordedCalls:
     def _rekey(self, key: tuple[Node, int], v: Node) -> None:
         """The import keyed by ``key`` (:meth:`lookup`), if any, keyed by its stand-in ``v``
         now, in its place (the builders count a run's imports from the end of ``imported``).
-        A stand-in is made for a key imported by it only where a value is read as a node (a
-        call made flat, a custom Function's entry, a ghost link): none per GPT-2 block."""
+        Only a later run of the same call reads a value imported by key as a node (its nodes
+        made flat, :meth:`_Places.made`, :meth:`holder`): a call's run split in two, which no
+        recorded JVP has today (a Function's entry or a ghost splits only calls the JVP built
+        by the rules, whose values are first calls' nodes, :attr:`dh.moved`, never keys);
+        ``test_value_imported_by_key_then_read_as_a_node`` forces it."""
         imported = self.imported
         if key in imported:
             items = list(imported.items())
