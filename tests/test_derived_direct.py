@@ -449,6 +449,73 @@ def test_recorded_jvp_falls_back_to_its_flat_graph(monkeypatch):
             assert _stored_nodes(calls.expand(dh_got)) == _stored_nodes(calls.expand(dh_want))
 
 
+def test_value_imported_by_key_then_read_as_a_node(monkeypatch):
+    """A template backward expanded at a call imports the call's residuals keyed by
+    ``(repeat node, position)`` (:meth:`RecordedCalls.lookup`), no node made for them; where
+    a later run of the same call reads one as a node (its nodes made flat), the import is
+    re-keyed by the node made for it (:meth:`RecordedCalls._rekey`), so the rules read the
+    residual imported, not a second placeholder of it. No model in the suite reaches this (a
+    call's run is split only by a Function's entry or a ghost, and such a call is built by
+    the rules in the JVP: its values are first calls' nodes, never keys), so it is forced:
+    each call's run is transposed in two halves, and at the first call whose first half was
+    expanded (block 2) the second half finds no template backward (as at a variant's first
+    call) and is made flat. The backward equals the one built flat (``per_template=False``)
+    node for node, names included (without the re-keying: one placeholder more, a second
+    import of block 2's ``relu``), and its gradients are ``torch.func.vjp``'s."""
+    from graphflop.frontend.trace import trace
+    from graphflop.meta import SIGNATURE
+    from graphflop.runtime.verify import real_arguments, run_backward, run_forward
+
+    run = blocks.BlockTranspose.run
+    halves_of: dict = {}  # per repeat node, the halves of its run begun
+    forced: list = []  # the call site whose second half was made flat
+
+    def halves(self, entries, i):
+        j = run(self, entries, i)
+        if not isinstance(entries[i], tuple) or j - i < 2:
+            return j
+        rep = entries[i][0]
+        halves_of[rep] = halves_of.get(rep, 0) + 1
+        by_key = any(type(k) is tuple and k[0] is rep for k in self.calls.imported)
+        if halves_of[rep] == 2 and by_key and not forced:  # its first half imported by key
+            forced.append(self.calls.site(rep))
+            self.fast.clear()  # the second half made flat, as a variant's first call
+        return i + (j - i) // 2
+
+    rekeyed: list = []
+    rekey = blocks.RecordedCalls._rekey
+
+    def counted(self, key, v):
+        rekeyed.append(key in self.imported)
+        rekey(self, key, v)
+
+    monkeypatch.setattr(blocks.BlockTranspose, "run", halves)
+    monkeypatch.setattr(blocks.RecordedCalls, "_rekey", counted)
+    torch.manual_seed(0)
+    model = InStack(n=4).double()
+    fwd = trace(model, (torch.randn(5, 6, dtype=torch.float64),), loss="sum")
+    rec = build_jvp(fwd, "params", for_transpose=True, recorder=DirectRecorder(fwd))
+    got = build_vjp(fwd, linearized=rec)
+    assert got.meta[LINEARIZED] is rec  # read from the repeat nodes
+    assert forced == [2] and sum(rekeyed) >= 1  # a key imported, then read as a node
+    flat = build_jvp(fwd, "params", for_transpose=True, per_template=False)
+    want = build_vjp(fwd, linearized=flat, per_template=False)
+    assert _stored_nodes(got) == _stored_nodes(want)
+    assert _names(got) == _names(want)
+    assert got.meta[VJP] == want.meta[VJP]
+
+    values = real_arguments(fwd, model)
+    grads = run_backward(got, run_forward(fwd, values))
+    sig = fwd.meta[SIGNATURE]
+    x = values[sig.inputs[0]]
+    loss = lambda p: torch.func.functional_call(model, p, (x,)).sum()  # noqa: E731
+    _, pull = torch.func.vjp(loss, {q: values[p] for p, q in sig.params})
+    (ref,) = pull(torch.ones((), dtype=torch.float64))
+    assert len(grads) == len(sig.params) == 20  # weight and bias: inp, 4 x (fc1, fc2), head
+    for g, (_, q) in zip(grads, sig.params):
+        assert torch.allclose(g, ref[q], rtol=1e-9, atol=1e-12), q
+
+
 @pytest.mark.parametrize("s", QUICK)
 def test_models_transposed_from_the_recorded_jvp(s):
     _check_transposed(_loaded(spec(s) if ".py" in s else s))

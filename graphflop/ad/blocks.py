@@ -433,7 +433,7 @@ class BlockTranspose:
         keys: list[Any] = []
         states: list[Any] = []
         for e in run:
-            k = items.get(e) or canonical.get(e) or firsts.get(e)
+            k = items.get(e) or canonical.get(e) or firsts.get(e) or calls.holder(e)
             keys.append(k)
             states.append(None if k is None else _state(ct.get(k)))
         incoming = tuple(states)
@@ -576,7 +576,10 @@ class BlockTranspose:
                     continue
                 r = refs.get(a)
                 if r is None and a in imported_as:
-                    r = refs[a] = [("old", imported_as[a])]
+                    ln = imported_as[a]
+                    if type(ln) is tuple:  # a recorded call's value imported by its key
+                        ln = self.calls.value(*ln)
+                    r = refs[a] = [("old", ln)]
                 t.inputs[a] = _one(r)
 
     # -- another call of the variant: the template backward expanded ----------------------------
@@ -637,10 +640,14 @@ class BlockTranspose:
         """Add to ``corr`` the residuals ``t``'s first call imported that no tangent reads,
         only its checkpoint's recompute (a bias: the recompute reruns its addmm), mapped by
         the forward graph: a forward node of the call to its copy at call ``site``, a value
-        from outside the call to the one call ``site`` reads at the same argument."""
+        from outside the call to the one call ``site`` reads at the same argument. A recorded
+        JVP's call (``corr`` a :class:`_Places`) returns at once: :func:`build_vjp
+        <graphflop.ad.vjp.build_vjp>` transposes a checkpointed model's recorded JVP through
+        its flat graph, so no recompute is emitted there."""
         cp = self.b.checkpoints
         if corr is None or cp is None or not cp.emitted:
             return
+        assert type(corr) is dict  # a _Places cannot be added to (see above)
         lin = cp.lin
         for ln in t.residuals:
             if ln in corr:
@@ -674,28 +681,39 @@ class BlockTranspose:
                     return y.name if isinstance(y, Node) else None
         return None
 
-    def _same_imports(self, t: TemplateBackward, corr: dict[Node, Node]) -> bool:
+    def _same_imports(self, t: TemplateBackward, corr: Any) -> bool:
         """Whether the call ``corr`` maps to has imported the same residuals and coefficients
-        before its run as ``t``'s first call had."""
+        before its run as ``t``'s first call had. Where a recorded call's (:class:`_Places`)
+        is not, the stand-ins the check reads are made (:meth:`_Places.made`), as where it read
+        no key (:meth:`RecordedCalls.lookup`): the call's values made flat next are then read
+        through them, as before keys stood for them."""
+        if self._imports_match(t, corr, corr.get):
+            return True
+        made = getattr(corr, "made", None)
+        if made is not None:
+            self._imports_match(t, corr, made)
+        return False
+
+    def _imports_match(self, t: TemplateBackward, corr: Any, get: Callable[[Any], Any]) -> bool:
         imported = self.b.imported
         if t.olds is None:
             t.olds = [ref[1] for ref in t.inputs.values() if ref[0] == "old"]
         for ln in t.olds:
-            if corr.get(ln) not in imported:
+            if get(ln) not in imported:
                 return False
         # a recorded call's map (:class:`_Places`) tells a residual it knows without making
         # its stand-in (made as the residual is imported); where the call is not expanded,
         # the stand-ins are made as if this check had made them
         known = getattr(corr, "known", None)
         if known is None or not all(known(ln) for ln in t.residuals):
-            if any(corr.get(ln) is None for ln in t.residuals):
+            if any(get(ln) is None for ln in t.residuals):
                 return False
             known = None
         for ln in t.coefficients.values():
-            y = corr.get(ln)
+            y = get(ln)
             if y is None or y in imported:
                 if known is not None:
-                    any(corr.get(x) is None for x in t.residuals)
+                    any(get(x) is None for x in t.residuals)
                 return False
         return True
 
@@ -968,7 +986,9 @@ class RecordedCalls:
     whole log) as the transpose reads it: per call's template node, the one node that stands
     for its value (the call's getitem where the top level reads it; else a node outside every
     graph with the template node's annotations made the call's, or the first call's node it
-    replaced), and a call's nodes made flat aside where the rules must run on them.
+    replaced), and a call's nodes made flat aside where the rules must run on them. A value
+    that a template backward expanded at a call imports (:class:`_Places`) is keyed by
+    ``(repeat node, position)`` until a node must stand for it (:meth:`lookup`).
 
     Args:
         dh: the recorded JVP's hierarchy (``dh.log`` set).
@@ -990,6 +1010,8 @@ class RecordedCalls:
         self.nodes = [[x for x in t.graph.nodes if x.op == "call_function"] for t in dh.templates]
         self.phs = [[x for x in t.graph.nodes if x.op == "placeholder"] for t in dh.templates]
         self.canonical: dict[tuple[Node, int], Node] = {}
+        #: the transpose's imports (its builder's ``imported``; keys as :meth:`lookup` gives)
+        self.imported: dict[Any, Node] = {}
         #: stand-ins without arguments (a coefficient cannot be recomputed from them)
         self.thin: set[Node] = set()
         #: per repeat node made flat, its nodes in template order
@@ -1028,25 +1050,66 @@ class RecordedCalls:
         if v is None:
             v = self._first.get(key)
             if v is None:
-                c = self.dh.calls[rep.args[1]]
-                x = self.nodes[c.template][i]
+                name, meta = self.annotations(rep, i)
                 # a stand-in only: made outside the scratch graph's node list and namespace
                 # (fx's create_node names and files it: a third of the transpose's time per call)
-                v = Node(self.scratch, x.name, "call_function", x.target, (), NO_KWARGS)
-                plan = self._plans.get(x)
-                if plan is None:  # the template's annotations are not changed meanwhile
-                    plan = self._plans[x] = self.dh.localize_plan(x.meta)
-                meta = self.dh.localized(x.meta, plan, c, self._absolute(c))
+                v = Node(self.scratch, name, "call_function", self.target(rep, i), (), NO_KWARGS)
                 object.__setattr__(v, "meta", meta)
+                self._rekey(key, v)
             self.thin.add(v)
             self.canonical[key] = v
         return v
+
+    def target(self, rep: Node, i: int) -> Any:
+        return self.nodes[self.dh.calls[rep.args[1]].template][i].target
+
+    def annotations(self, rep: Node, i: int) -> tuple[str, dict]:
+        """The name and annotations (a fresh dict) of the node that would stand for call
+        ``rep``'s template node ``i`` (:meth:`value`)."""
+        c = self.dh.calls[rep.args[1]]
+        x = self.nodes[c.template][i]
+        plan = self._plans.get(x)
+        if plan is None:  # the template's annotations are not changed meanwhile
+            plan = self._plans[x] = self.dh.localize_plan(x.meta)
+        return x.name, self.dh.localized(x.meta, plan, c, self._absolute(c))
+
+    def lookup(self, rep: Node, i: int) -> Any:
+        """:meth:`value` of call ``rep``'s template node ``i`` where a node stands for it or is
+        the first call's; else the key ``(rep, i)`` itself, without making a stand-in: the
+        transpose's imports (``imported``) are keyed by it until one is made
+        (:meth:`_rekey`). A template backward expanded at a call (:class:`_Places`) imports a
+        call's residuals and coefficients by it: no node made per value (46 per GPT-2
+        block)."""
+        key = (rep, i)
+        v = self.items.get(key) or self.canonical.get(key)
+        if v is not None:
+            return v
+        if key in self._first:
+            return self.value(rep, i)
+        return key
+
+    def _rekey(self, key: tuple[Node, int], v: Node) -> None:
+        """The import keyed by ``key`` (:meth:`lookup`), if any, keyed by its stand-in ``v``
+        now, in its place (the builders count a run's imports from the end of ``imported``).
+        Only a later run of the same call reads a value imported by key as a node (its nodes
+        made flat, :meth:`_Places.made`, :meth:`holder`): a call's run split in two, which no
+        recorded JVP has today (a Function's entry or a ghost splits only calls the JVP built
+        by the rules, whose values are first calls' nodes, :attr:`dh.moved`, never keys);
+        ``test_value_imported_by_key_then_read_as_a_node`` forces it."""
+        imported = self.imported
+        if key in imported:
+            items = list(imported.items())
+            imported.clear()
+            imported.update((v if type(k) is tuple and k == key else k, w) for k, w in items)
 
     def holder(self, key: tuple[Node, int]) -> Node | None:
         """The node that holds the cotangent of call ``key[0]``'s template node ``key[1]``:
         its getitem, else the node standing for it where one was made (:meth:`value`; a
         cotangent is keyed by a node that was read), else None (none can have arrived)."""
-        return self.items.get(key) or self.canonical.get(key) or self._first.get(key)
+        v = self.items.get(key) or self.canonical.get(key) or self._first.get(key)
+        if v is None and key in self.imported:  # imported by its key (:meth:`lookup`)
+            v = self.value(*key)
+        return v
 
     def canon(self, a: Node) -> Node:
         """The node standing for ``a``'s value (``a`` itself at the top level)."""
@@ -1074,6 +1137,8 @@ class RecordedCalls:
             for i, new in enumerate(made):
                 key = (rep, i)
                 v = self.items.get(key) or self.canonical.get(key)
+                if v is None and key in self.imported:  # imported by its key: its stand-in
+                    v = self.value(rep, i)
                 if v is None:
                     self.canonical[key] = new
                 else:
@@ -1160,13 +1225,23 @@ class _Places:
             return False
         return r[0] != "arg" or self.rep.args[0][r[1]] is not None  # type: ignore[index]
 
+    def made(self, x: Any) -> Any:
+        """:meth:`get`, a stand-in made where no node stands for the value
+        (:meth:`RecordedCalls.value`)."""
+        r = self.places.get(x)
+        if r is None:
+            return None
+        if r[0] == "arg":
+            return self.rep.args[0][r[1]]  # type: ignore[index]
+        return self.calls.value(self.rep, r[1])
+
     def get(self, x: Any, default: Any = None) -> Any:
         r = self.places.get(x)
         if r is None:
             return default
         if r[0] == "arg":
             return self.rep.args[0][r[1]]  # type: ignore[index]
-        return self.calls.value(self.rep, r[1])
+        return self.calls.lookup(self.rep, r[1])
 
     def __getitem__(self, x: Any) -> Any:
         v = self.get(x)

@@ -103,7 +103,7 @@ class TransposeBuilder(Builder):
         self.recorder: Any = None
         #: transposing a recorded JVP: its calls (:class:`graphflop.ad.blocks.RecordedCalls`)
         self.calls: RecordedCalls | None = None
-        self.imported: dict[Node, Node] = {}
+        self.imported: dict[Any, Node] = {}
         self.checkpoints = _Checkpoints(forward, lin) if forward is not None else None
         self.residual_order: list[tuple[str, str, str]] = []
         self._last_placeholder: Node | None = None
@@ -137,19 +137,31 @@ class TransposeBuilder(Builder):
                 return inside
         return self._import(a, kind)
 
-    def _import(self, a: Node, kind: Any) -> Any:
-        if self.calls is not None:  # one node per value of a recorded JVP's call
+    def _import(self, a: Any, kind: Any) -> Any:
+        """The backward graph's node for the linearized graph's value ``a`` (a node, or a
+        recorded call's ``(repeat node, position)`` with no node made for it:
+        :meth:`graphflop.ad.blocks.RecordedCalls.lookup`)."""
+        name, m = "", None
+        if type(a) is tuple:
+            assert self.calls is not None
+            if a not in self.imported:
+                if kind != "primal":
+                    raise RecordedFallback(self.calls.annotations(*a)[0])
+                name, m = self.calls.annotations(*a)
+        elif self.calls is not None:  # one node per value of a recorded JVP's call
             a = self.calls.canon(a)
             if kind == "coef" and a in self.calls.thin and a not in self.imported:
                 raise RecordedFallback(a.name)
         if a in self.imported:
             return self.imported[a]
         if kind == "primal":
-            src = a.meta.get(SOURCE, a.name)
+            if m is None:
+                name, m = a.name, a.meta
+            src = m.get(SOURCE, name)
             rkind = self._kinds.get(src) or (
-                "param_derived" if a.meta.get(PARAM_DERIVED) else "activation"
+                "param_derived" if m.get(PARAM_DERIVED) else "activation"
             )
-            meta = _residual_meta(a.meta)
+            meta = _residual_meta(m)
             meta[RESIDUAL] = rkind
             ph = self.placeholder(src, meta)
             self.residual_order.append((ph.name, src, rkind))
@@ -361,6 +373,7 @@ def _build_vjp(
     b.recorder = recorder if per_template else None
     if recorded is not None:
         b.calls = RecordedCalls(recorded)
+        b.calls.imported = b.imported
     loss_node = next(n for n in forward.graph.nodes if n.name == sig.loss)
     ct_loss = b.placeholder(
         "ct_loss",
