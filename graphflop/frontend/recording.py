@@ -59,7 +59,7 @@ except ImportError:  # pragma: no cover - a PyTorch that moved them
     _BATCHED = False
 
 from graphflop.ad.builder import NO_KWARGS
-from graphflop.meta import graph_module
+from graphflop.meta import graph_module, new_fake
 
 __all__ = [
     "AVAILABLE",
@@ -352,7 +352,7 @@ class OpRecorder(TorchDispatchMode):
         of it each, made for every element as ``make_fx`` makes them)."""
         if isinstance(out, torch.Tensor):
             self.bind(out, node, constant)
-            node.meta["val"] = extract_val(out)
+            node.meta["val"] = _snapshots((out,))[0]  # (extract_val(out))
         elif isinstance(out, (tuple, list)):
             node.meta["val"] = out.__class__(_snapshots(out))  # (extract_val(out))
             for i, e in enumerate(out):
@@ -412,7 +412,7 @@ def _snapshots(values: Any, include_real: bool = False) -> list:
         for i, meta in zip(places, metas):
             v = values[i]
             real = v.real_tensor if include_real else None
-            out[i] = FakeTensor(mode, meta, v.device, real_tensor=real)
+            out[i] = new_fake(mode, meta, v.device, real_tensor=real)  # (FakeTensor(...))
     return out
 
 
