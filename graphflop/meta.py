@@ -733,10 +733,18 @@ def fresh_fake(
         return _fresh_fake(mode, shape, stride, dtype, device, requires_grad)
 
 
-def fresh_fakes(mode: Any, metas: Iterable[tuple]) -> list[torch.Tensor]:
+def fresh_fakes(mode: Any, metas: Iterable[tuple], bare: bool = False) -> list[torch.Tensor]:
     """:func:`fresh_fake` of each ``(shape, stride, dtype, device, requires_grad)`` of
     ``metas``, the modes left once for all (a trace makes one per parameter: leaving and
-    restoring them took about 40% of each)."""
+    restoring them took about 40% of each).
+
+    ``bare``: the caller runs where no functorch transform and no pre-dispatch tracing is in
+    force (below functionalisation, under ``torch._C._DisableFuncTorch``): Python dispatch
+    turned off is then enough for no mode to see the meta tensors made, without leaving the
+    fake and tracing modes (about 10 us: an outlined call's outputs at each call)."""
+    if bare:
+        with torch._C._DisableTorchDispatch():
+            return [_fresh_fake(mode, *m) for m in metas]
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 

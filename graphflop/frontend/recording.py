@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,7 +35,6 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.fx.node import map_aggregate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.weak import WeakTensorKeyDictionary
 
 try:  # what OpRecorder mirrors make_fx with (private; without it the trace uses make_fx)
     from torch.fx.experimental.proxy_tensor import (
@@ -182,6 +182,39 @@ def each_node(hook: Callable[[Node], None]) -> Iterator[None]:
 
 #: the hooks :func:`each_node` registered, called for every node :class:`OpRecorder` makes
 _NODE_HOOKS: list[Callable[[Node], None]] = []
+
+
+class _TensorMap:
+    """Tensor -> value, by the tensor's identity, the tensor held weakly: what
+    ``WeakTensorKeyDictionary`` gives :class:`OpRecorder` (``get``, ``in``, setting, deleting),
+    for a third of its cost. That dictionary makes a ``WeakIdRef`` (a Python object) per
+    look-up; here a look-up is by ``id`` and a check that the weak reference stored with the
+    value still leads to the tensor (an entry of a tensor that died stays, unread: another
+    tensor given its ``id`` finds it dead, and binding that tensor replaces it). The recorder
+    looks up every tensor argument of every op: an outlined call's parameters each."""
+
+    __slots__ = ("_by_id",)
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def get(self, t: Any) -> Any:
+        got = self._by_id.get(id(t))
+        return got[1] if got is not None and got[0]() is t else None
+
+    def __contains__(self, t: Any) -> bool:
+        got = self._by_id.get(id(t))
+        return got is not None and got[0]() is t
+
+    def __setitem__(self, t: Any, value: Any) -> None:
+        self._by_id[id(t)] = (weakref.ref(t), value)
+
+    def __delitem__(self, t: Any) -> None:
+        if t not in self:
+            raise KeyError(t)
+        del self._by_id[id(t)]
+
+
 #: the :class:`OpRecorder` s recording now (innermost last)
 _ACTIVE: list[OpRecorder] = []
 
@@ -213,8 +246,8 @@ class OpRecorder(TorchDispatchMode):
         self.root = torch.nn.Module()
         # weakly keyed, as make_fx's tensor tracker: a factory's result held only by the
         # kernel stays unshared, so autograd's wrapping of it is no ``detach``
-        self._nodes: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        self._consts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._nodes = _TensorMap()
+        self._consts = _TensorMap()
         self._n_constants = 0
         #: (op, the first tensor argument's device type) -> autograd_would_have_decomposed
         self._decomposes: dict[tuple[Any, str | None], bool] = {}
@@ -327,7 +360,7 @@ class OpRecorder(TorchDispatchMode):
         if func is _LIFT_FRESH:
             func = _LIFT_FRESH_COPY
         nargs, nkwargs = tree_unflatten(values, spec)
-        node = self.new_node("call_function", func, nargs, nkwargs, _node_name(self.graph, func))
+        node = self.new_node("call_function", func, nargs, nkwargs, node_name(self.graph, func))
         out = func(*args, **kwargs)
         constant = None
         if func is _LIFT_FRESH_COPY and out.numel() <= CONSTANT_NUMEL_LIMIT:
@@ -416,7 +449,7 @@ def _snapshots(values: Any, include_real: bool = False) -> list:
     return out
 
 
-def _node_name(graph: Graph, func: Any) -> str:
+def node_name(graph: Graph, func: Any) -> str:
     """The name ``make_fx`` asks for a node of op ``func`` (its overload packet's name in
     snake case: ``convolution``), derived once per op (fx's regular expressions: about 4 us)."""
     name = _NODE_NAMES.get(func)
@@ -425,7 +458,7 @@ def _node_name(graph: Graph, func: Any) -> str:
     return name
 
 
-#: op -> :func:`_node_name`
+#: op -> :func:`node_name`
 _NODE_NAMES: dict[Any, str] = {}
 
 
