@@ -1759,8 +1759,11 @@ def _unwrapped(operands: list, level: int) -> list | None:
                 or torch._C._functorch.maybe_get_level(t) != level
             ):
                 return None
-        for t in operands:
-            torch._sync(t)
+        for t in operands:  # (torch._sync's own call for a wrapper, not its Python class)
+            if type(t) is torch.Tensor:
+                torch._functionalize_sync(t)
+            else:
+                torch._sync(t)
         return [torch._from_functional_tensor(t) for t in operands]
 
 

@@ -386,6 +386,14 @@ class OpRecorder(TorchDispatchMode):
         if isinstance(out, torch.Tensor):
             self.bind(out, node, constant)
             node.meta["val"] = _snapshots((out,))[0]  # (extract_val(out))
+        elif isinstance(out, (tuple, list)) and all(isinstance(e, torch.Tensor) for e in out):
+            # the list's snapshots, then each getitem's, in one batch (its modes entered once)
+            n, snaps = len(out), _snapshots([*out, *out])
+            node.meta["val"] = out.__class__(snaps[:n])  # (extract_val(out))
+            for i, e in enumerate(out):
+                item = self.new_node("call_function", operator.getitem, (node, i), {}, "getitem")
+                self.bind(e, item, constant[i] if constant is not None else None)
+                item.meta["val"] = snaps[n + i]
         elif isinstance(out, (tuple, list)):
             node.meta["val"] = out.__class__(_snapshots(out))  # (extract_val(out))
             for i, e in enumerate(out):
