@@ -789,9 +789,9 @@ def new_fake(
 
 
 def _fast_fake(
-    mode: Any, elem: torch.Tensor, device: torch.device, requires_grad: bool, state: dict
+    mode: Any, elem: torch.Tensor, device: torch.device, requires_grad: bool, state: tuple
 ) -> torch.Tensor:
-    """:func:`new_fake`'s tensor, ``state`` its attributes."""
+    """:func:`new_fake`'s tensor, ``state`` its attributes (:func:`_fake_state`)."""
     out: torch.Tensor = torch.Tensor._make_subclass(
         _fake_tensor_class(),
         elem,
@@ -803,7 +803,10 @@ def _fast_fake(
         torch._C._set_throw_on_mutable_data_ptr(out)
     else:
         torch._C._set_warn_deprecated_on_mutable_data_ptr(out)
-    out.__dict__.update(state)
+    attrs = out.__dict__
+    attrs.update(state[0])
+    for k in state[1]:
+        attrs[k] = mode
     return out
 
 
@@ -821,15 +824,16 @@ def _fake_tensor_class() -> type:
 _FAKE_TENSOR: type | None = None
 
 #: per FakeTensorMode, per device: the attributes :func:`new_fake` copies into a new FakeTensor
-#: (None: it calls the constructor)
+#: (None: it calls the constructor); none holds the mode (which would keep it alive)
 _FAKE_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _fake_state(mode: Any, elem: torch.Tensor, device: torch.device) -> dict | None:
+def _fake_state(mode: Any, elem: torch.Tensor, device: torch.device) -> tuple | None:
     """The attributes ``FakeTensor(mode, elem, device)`` sets on the tensor, read off one made
-    so (once per mode and device): None unless each is None, ``mode`` or a device (so that none
-    depends on ``elem``, or on the mode's state at the time), the constructor sets no other
-    state where FakeTensor's debug mode is off, and a tensor :func:`_fast_fake` makes of
+    so (once per mode and device): ``(attributes, names)``, the attributes but those bound to
+    ``mode``, whose names come second. None unless each is None, ``mode`` or a device (so
+    that none depends on ``elem``, or on the mode's state at the time), the constructor sets no
+    other state where FakeTensor's debug mode is off, and a tensor :func:`_fast_fake` makes of
     ``elem`` has the same attributes and dispatch keys as the constructor's."""
     per_mode = _FAKE_STATES.get(mode)
     if per_mode is None:
@@ -843,7 +847,9 @@ def _fake_state(mode: Any, elem: torch.Tensor, device: torch.device) -> dict | N
         made = FakeTensor(mode, elem, device)
         attrs = dict(vars(made))
         if all(v is None or v is mode or type(v) is torch.device for v in attrs.values()):
-            fast = _fast_fake(mode, elem, device, False, attrs)
+            own = tuple(k for k, v in attrs.items() if v is mode)
+            plain = {k: v for k, v in attrs.items() if v is not mode}
+            fast = _fast_fake(mode, elem, device, False, (plain, own))
             same = vars(fast).keys() == attrs.keys() and all(
                 vars(fast)[k] is v for k, v in attrs.items()
             )
@@ -853,7 +859,7 @@ def _fake_state(mode: Any, elem: torch.Tensor, device: torch.device) -> dict | N
                 and fast.device == made.device
                 and fast.requires_grad == made.requires_grad
             ):
-                state = attrs
+                state = (plain, own)
     per_mode[device] = state
     return state
 

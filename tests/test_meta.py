@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
+import weakref
 from pathlib import Path
 
 from graphflop import meta
@@ -90,3 +92,8 @@ def test_new_fake_is_the_constructors_tensor():
         with mode:
             out = ours @ torch.ones(4, 2, dtype=torch.float16)  # (3, 4) @ (4, 2)
         assert type(out) is FakeTensor and out.shape == (3, 2) and out.device.type == "cpu"
+    # the copy kept for the mode does not keep the mode alive
+    gone = weakref.ref(mode)
+    del mode, ours, ref, out
+    gc.collect()
+    assert gone() is None
