@@ -107,6 +107,7 @@ Graph keys (``gm.meta``)
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -732,10 +733,18 @@ def fresh_fake(
         return _fresh_fake(mode, shape, stride, dtype, device, requires_grad)
 
 
-def fresh_fakes(mode: Any, metas: Iterable[tuple]) -> list[torch.Tensor]:
+def fresh_fakes(mode: Any, metas: Iterable[tuple], bare: bool = False) -> list[torch.Tensor]:
     """:func:`fresh_fake` of each ``(shape, stride, dtype, device, requires_grad)`` of
     ``metas``, the modes left once for all (a trace makes one per parameter: leaving and
-    restoring them took about 40% of each)."""
+    restoring them took about 40% of each).
+
+    ``bare``: the caller runs where no functorch transform and no pre-dispatch tracing is in
+    force (below functionalisation, under ``torch._C._DisableFuncTorch``): Python dispatch
+    turned off is then enough for no mode to see the meta tensors made, without leaving the
+    fake and tracing modes (about 10 us: an outlined call's outputs at each call)."""
+    if bare:
+        with torch._C._DisableTorchDispatch():
+            return [_fresh_fake(mode, *m) for m in metas]
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
@@ -746,13 +755,113 @@ def fresh_fakes(mode: Any, metas: Iterable[tuple]) -> list[torch.Tensor]:
 def _fresh_fake(
     mode: Any, shape: Any, stride: Any, dtype: torch.dtype, device: Any, requires_grad: bool
 ) -> torch.Tensor:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     meta = torch.empty_strided(tuple(shape), tuple(stride), dtype=dtype, device="meta")
-    out = FakeTensor(mode, meta, torch.device(device))
-    if requires_grad and dtype.is_floating_point:
-        out.requires_grad_(True)
+    return new_fake(mode, meta, device, requires_grad and dtype.is_floating_point)
+
+
+def new_fake(
+    mode: Any, elem: torch.Tensor, device: Any, requires_grad: bool = False, real_tensor: Any = None
+) -> torch.Tensor:
+    """``FakeTensor(mode, elem, device, real_tensor=real_tensor)`` (``elem`` a meta tensor that
+    does not require grad), requiring grad where ``requires_grad``.
+
+    Made as ``FakeTensor.__new__`` makes it, without its Python: the subclass tensor, then the
+    attributes the constructor set on the first FakeTensor made for this mode and device
+    (:func:`_fake_state`: none depends on ``elem``), copied in at once. The constructor costs
+    about 25 us, most of it setting those attributes one by one (five memo descriptors of three
+    attributes each, the device normalised twice); a trace makes one per parameter for its
+    inputs, another for each placeholder's value, and one or two per recorded op's value. Where
+    that first tensor's attributes are not all of the plain kind (a PyTorch whose constructor
+    sets more), while ``torch.export`` runs (whose constructor notes each tensor) or in
+    FakeTensor's debug mode, the constructor itself."""
+    if type(device) is not torch.device:
+        device = torch.device(device)
+    state = _fake_state(mode, elem, device)
+    if state is None or torch.compiler.is_exporting():
+        made = _fake_tensor_class()(mode, elem, device, real_tensor=real_tensor)
+        if requires_grad:
+            made.requires_grad_(True)
+        return made
+    out = _fast_fake(mode, elem, device, requires_grad, state)
+    if real_tensor is not None:
+        out.__dict__["real_tensor"] = real_tensor
     return out
+
+
+def _fast_fake(
+    mode: Any, elem: torch.Tensor, device: torch.device, requires_grad: bool, state: tuple
+) -> torch.Tensor:
+    """:func:`new_fake`'s tensor, ``state`` its attributes (:func:`_fake_state`)."""
+    out: torch.Tensor = torch.Tensor._make_subclass(
+        _fake_tensor_class(),
+        elem,
+        requires_grad,
+        dispatch_device=True,
+        device_for_backend_keys=device,
+    )
+    if not mode._allow_unsafe_data_ptr_access:
+        torch._C._set_throw_on_mutable_data_ptr(out)
+    else:
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(out)
+    attrs = out.__dict__
+    attrs.update(state[0])
+    for k in state[1]:
+        attrs[k] = mode
+    return out
+
+
+def _fake_tensor_class() -> type:
+    """``FakeTensor``, imported at the first call (an import statement per tensor made costs
+    about a microsecond)."""
+    global _FAKE_TENSOR
+    if _FAKE_TENSOR is None:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        _FAKE_TENSOR = FakeTensor
+    return _FAKE_TENSOR
+
+
+_FAKE_TENSOR: type | None = None
+
+#: per FakeTensorMode, per device: the attributes :func:`new_fake` copies into a new FakeTensor
+#: (None: it calls the constructor); none holds the mode (which would keep it alive)
+_FAKE_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fake_state(mode: Any, elem: torch.Tensor, device: torch.device) -> tuple | None:
+    """The attributes ``FakeTensor(mode, elem, device)`` sets on the tensor, read off one made
+    so (once per mode and device): ``(attributes, names)``, the attributes but those bound to
+    ``mode``, whose names come second. None unless each is None, ``mode`` or a device (so
+    that none depends on ``elem``, or on the mode's state at the time), the constructor sets no
+    other state where FakeTensor's debug mode is off, and a tensor :func:`_fast_fake` makes of
+    ``elem`` has the same attributes and dispatch keys as the constructor's."""
+    per_mode = _FAKE_STATES.get(mode)
+    if per_mode is None:
+        per_mode = _FAKE_STATES[mode] = {}
+    if device in per_mode:
+        return per_mode[device]
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig
+
+    state = None
+    if not FakeTensorConfig.debug and hasattr(mode, "_allow_unsafe_data_ptr_access"):
+        made = FakeTensor(mode, elem, device)
+        attrs = dict(vars(made))
+        if all(v is None or v is mode or type(v) is torch.device for v in attrs.values()):
+            own = tuple(k for k, v in attrs.items() if v is mode)
+            plain = {k: v for k, v in attrs.items() if v is not mode}
+            fast = _fast_fake(mode, elem, device, False, (plain, own))
+            same = vars(fast).keys() == attrs.keys() and all(
+                vars(fast)[k] is v for k, v in attrs.items()
+            )
+            if (
+                same
+                and str(torch._C._dispatch_keys(fast)) == str(torch._C._dispatch_keys(made))
+                and fast.device == made.device
+                and fast.requires_grad == made.requires_grad
+            ):
+                state = (plain, own)
+    per_mode[device] = state
+    return state
 
 
 def fake_mode_of(values) -> FakeTensorMode | None:

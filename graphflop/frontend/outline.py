@@ -556,37 +556,40 @@ def _keyed_by_identity(v: Any) -> bool:
     return not issubclass(t, (tuple, list, dict, nn.Module, *_PLAIN))
 
 
-def _module_entry(sub: nn.Module) -> tuple:
-    """What :class:`_Frozen` compares of one submodule: the module, its class, its attributes'
-    names and values, its submodules' names and the submodules (the objects themselves, held
-    so that none is collected while the entry lives)."""
-    attrs, mods = vars(sub), sub._modules
-    return (
-        sub,
-        type(sub),
-        tuple(attrs),
-        tuple(attrs.values()),
-        tuple(mods),
-        tuple(mods.values()),
+_MODULES = operator.attrgetter("_modules")
+_BACKWARD_HOOKS = operator.attrgetter("_backward_hooks")
+_BACKWARD_PRE_HOOKS = operator.attrgetter("_backward_pre_hooks")
+_FORWARD_HOOKS_OF = operator.attrgetter("_forward_hooks")
+_FORWARD_PRE_HOOKS_OF = operator.attrgetter("_forward_pre_hooks")
+_chain = itertools.chain.from_iterable
+
+
+def _call(f: Any, x: Any) -> Any:
+    return f(x)
+
+
+def _tree_entry(subs: list[nn.Module]) -> tuple:
+    """What :class:`_Frozen` compares of the submodules ``subs``: their classes, each one's
+    count of attributes, every module's attribute names in one sequence, a getter per module
+    of what its state reads (``training`` and the attributes that are not ``nn.Module``'s own:
+    ``training`` taken twice, so that the getter gives a tuple) and those values in one
+    sequence, each module's count of submodules and every module's submodule names and
+    submodules in one sequence (the objects themselves, held so that none is collected while
+    the entry lives)."""
+    attrs, mods = list(map(vars, subs)), list(map(_MODULES, subs))
+    getters = tuple(
+        operator.itemgetter("training", "training", *(k for k in a if k not in _MODULE_INTERNALS))
+        for a in attrs
     )
-
-
-def _entry_same(entry: tuple) -> bool:
-    """Whether a submodule is as :func:`_module_entry` found it: the same class, attribute
-    names, attribute values (the same objects) and submodules, in the same order. Compared
-    by identity, names too (a name put back as another string object counts as a change: the
-    caller then compares the states themselves), without a list or an ``id`` made per
-    attribute."""
-    sub, cls, names, values, children, subs = entry
-    attrs, mods = vars(sub), sub._modules
     return (
-        type(sub) is cls
-        and len(attrs) == len(names)
-        and len(mods) == len(children)
-        and all(map(_IS, attrs.values(), values))
-        and all(map(_IS, attrs, names))
-        and all(map(_IS, mods.values(), subs))
-        and all(map(_IS, mods, children))
+        tuple(map(type, subs)),
+        tuple(map(len, attrs)),
+        tuple(_chain(attrs)),
+        getters,
+        tuple(_chain(g(a) for g, a in zip(getters, attrs))),
+        tuple(map(len, mods)),
+        tuple(_chain(mods)),
+        tuple(_chain(map(dict.values, mods))),
     )
 
 
@@ -599,14 +602,23 @@ class _Frozen:
     Made only where identity is enough: every submodule walks its tree as ``nn.Module`` does
     (:func:`_plain_walk`), no submodule has a hook (the root no backward hook), and each
     attribute's :func:`_attr_key` is a function of its identity (:func:`_keyed_by_identity`).
-    Unchanged then means: the same classes, the same attribute names bound to the same
-    objects (``training`` among them), the same submodules under the same names, and still
-    no hook; :func:`_modules_state` would then give what it gave. Anything else is decided by
-    :func:`_modules_state` itself."""
+    Unchanged then means: the same classes, the same attribute names, those that are not
+    ``nn.Module``'s own (and ``training``) bound to the same objects, the same submodules
+    under the same names, and still no hook; :func:`_modules_state` would then give what it
+    gave (it reads no other of ``nn.Module``'s own attributes). Anything else is decided by
+    :func:`_modules_state` itself.
+
+    The tree's modules are compared all at once (:func:`_tree_entry`: each module's count of
+    attributes and of submodules, then every module's names, values and submodules in one
+    sequence each), a pass in C per part instead of a Python loop over the modules, and
+    ``nn.Module``'s own attributes (some 15 a module, the hook tables, ``_parameters``...)
+    named, not compared by value: about 10 us a GPT-2 block, at each of its calls, instead of
+    about 40."""
 
     def __init__(self, tree: list[tuple[str, nn.Module]]):
         self.tree = tree
-        self.entries = [_module_entry(sub) for _, sub in tree]
+        self.subs = [sub for _, sub in tree]
+        self.entry = _tree_entry(self.subs)
 
     @staticmethod
     def of(tree: list[tuple[str, nn.Module]]) -> _Frozen | None:
@@ -623,15 +635,33 @@ class _Frozen:
 
     def same(self) -> bool:
         """Whether the tree is unchanged (see the class): False where it cannot tell."""
-        for (name, sub), entry in zip(self.tree, self.entries):
-            if _hooked(name, sub) or not _entry_same(entry):
-                return False
-        return True
+        subs = self.subs
+        types, n_attrs, names, getters, values, n_mods, children, held = self.entry
+        # (the root first in the tree: its own forward hooks run around the stub)
+        if (
+            any(map(bool, map(_BACKWARD_HOOKS, subs)))
+            or any(map(bool, map(_BACKWARD_PRE_HOOKS, subs)))
+            or any(map(bool, map(_FORWARD_HOOKS_OF, subs[1:])))
+            or any(map(bool, map(_FORWARD_PRE_HOOKS_OF, subs[1:])))
+            or not all(map(_IS, map(type, subs), types))
+        ):
+            return False
+        attrs, mods = list(map(vars, subs)), list(map(_MODULES, subs))
+        # the names equal (strings: each compared by identity first, in C), module by module;
+        # then every getter finds its keys
+        if tuple(map(len, attrs)) != n_attrs or tuple(_chain(attrs)) != names:
+            return False
+        return (
+            all(map(_IS, _chain(map(_call, getters, attrs)), values))
+            and tuple(map(len, mods)) == n_mods
+            and all(map(_IS, _chain(map(dict.values, mods)), held))
+            and tuple(_chain(mods)) == children
+        )
 
     def refreeze_root(self) -> None:
         """Take the root's attributes as they are now (after the stub was set as its
         ``forward``, which :func:`_modules_state` leaves out)."""
-        self.entries[0] = _module_entry(self.tree[0][1])
+        self.entry = _tree_entry(self.subs)
 
 
 def _hooked(name: str, sub: nn.Module) -> bool:
@@ -1104,9 +1134,19 @@ class Outliner:
             if why is not None:
                 self._in_full(m, why)
                 return original(*args, **kwargs)
-            leaves, spec = tree_flatten((args, kwargs))
-            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-            others = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+            shape: Any  # the arguments' layout in the key: their spec, or their count
+            if not kwargs and all(map(_IS, map(type, args), _PLAIN_TENSOR)):
+                # (tensors alone: a block's hidden states) what tree_flatten would give, the
+                # spec standing for itself in the key by the argument count
+                tensors, spec, shape = list(args), _positional_spec(len(args)), len(args)
+                others = [_TENSOR] * len(args)
+            else:
+                leaves, spec = tree_flatten((args, kwargs))
+                # (the same stand-in where the arguments are so laid out)
+                plain = not kwargs and spec == _positional_spec(len(args))
+                shape = len(args) if plain else spec
+                tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+                others = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
             params = self._params(m)
             state = [*params, *_held(m, self._slots[m][1], "_buffers")]
             # metadata reads: no function mode (the tracer's, graphflop's routing) has
@@ -1115,22 +1155,21 @@ class Outliner:
                 state_meta = [_meta(t)[:4] + (rg,) for t, rg in zip(params, self.trainable[m])]
                 state_meta += [_meta(t) for t in state[len(params) :]]
                 input_meta = [_meta(t) for t in tensors]
+            key = (
+                self.modules[m],
+                shape,
+                tuple(_attr_key(x) for x in others),
+                tuple(input_meta),
+                tuple(state_meta),
+                torch.is_grad_enabled(),
+            )
+            # looked up once (each hash of the key walks the arguments' tree spec and every
+            # tensor's metadata again): no hash of its own to tell it hashable
             try:
-                key = (
-                    self.modules[m],
-                    spec,
-                    tuple(_attr_key(x) for x in others),
-                    tuple(input_meta),
-                    tuple(state_meta),
-                    torch.is_grad_enabled(),
-                )
-                hash(key)
+                index = self.keys.get(key)
             except TypeError:
                 self._in_full(m, "an argument's value is not hashable")
                 return original(*args, **kwargs)
-            # looked up once (each hash of the key walks the arguments' tree spec and every
-            # tensor's metadata again)
-            index = self.keys.get(key)
             if index is None:
                 index = self.keys[key] = len(self.calls)
                 self.calls.append(
@@ -1282,7 +1321,7 @@ class Outliner:
             else:  # pragma: no cover - a PyTorch whose tracer makes its proxies otherwise
                 proxies = ([s.proxy for s in slots], key)
                 proxy = tracer.create_proxy("call_function", op, proxies, {}, name=name)
-            outs = self.fake_call(key, inner)
+            outs = self._known_outputs(call)
             proxy_tensor.track_tensor_tree(outs, proxy, constant=None, tracer=tracer)
         # wrapped as functionalisation's kernel wraps them, without the function modes (the
         # wrapper's device query would pass through each of them)
@@ -1322,13 +1361,9 @@ class Outliner:
         op = torch.ops.graphflop.repeat.default
         with torch._C._DisableFuncTorch(), torch._C.DisableTorchFunction():
             node = own.new_node(
-                "call_function",
-                op,
-                (nodes, key),
-                {},
-                own.graph._target_to_str(op.overloadpacket.__name__),
+                "call_function", op, (nodes, key), {}, recording.node_name(own.graph, op)
             )
-            outs = self.fake_call(key, inner)
+            outs = self._known_outputs(self.calls[key])
             own.track(outs, node)
         with torch._C.DisableTorchFunction():  # as in :meth:`_direct`
             return [torch._C._functorch._wrap_functional_tensor(o, level) for o in outs]
@@ -1417,6 +1452,12 @@ class Outliner:
             call.out_meta = [_meta(x) for x in outs]
             call.out_meta += [_meta(tensors[call.n_inputs + i]) for i in call.written]
         return fresh_fakes(mode, [m[:4] + (False,) for m in call.out_meta])  # (_like each)
+
+    def _known_outputs(self, call: Call) -> list:
+        """:meth:`fake_call`'s outputs of ``call`` (whose outputs are known), made where
+        :meth:`_direct` records it: below functionalisation, with no pre-dispatch tracing, its
+        operands FakeTensors of this mode (:func:`~graphflop.meta.fresh_fakes`' ``bare``)."""
+        return fresh_fakes(self.fake_mode, [m[:4] + (False,) for m in call.out_meta], bare=True)
 
     @contextlib.contextmanager
     def _dispatched(self, call: Call):
@@ -1718,9 +1759,26 @@ def _unwrapped(operands: list, level: int) -> list | None:
                 or torch._C._functorch.maybe_get_level(t) != level
             ):
                 return None
-        for t in operands:
-            torch._sync(t)
+        for t in operands:  # (torch._sync's own call for a wrapper, not its Python class)
+            if type(t) is torch.Tensor:
+                torch._functionalize_sync(t)
+            else:
+                torch._sync(t)
         return [torch._from_functional_tensor(t) for t in operands]
+
+
+#: the type of the tensors :meth:`Outliner._stub` reads as positional arguments alone
+_PLAIN_TENSOR = itertools.repeat(torch.Tensor)
+_POSITIONAL_SPECS: dict[int, Any] = {}
+
+
+def _positional_spec(n: int) -> Any:
+    """``tree_flatten((args, {}))``'s spec for ``n`` positional tensors (made once per
+    ``n``: the outlined stub reads a block's arguments so at each call)."""
+    spec = _POSITIONAL_SPECS.get(n)
+    if spec is None:
+        spec = _POSITIONAL_SPECS[n] = tree_flatten((tuple(range(n)), {}))[1]
+    return spec
 
 
 def _function_modes() -> list:

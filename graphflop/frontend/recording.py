@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,7 +35,6 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.fx.node import map_aggregate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.weak import WeakTensorKeyDictionary
 
 try:  # what OpRecorder mirrors make_fx with (private; without it the trace uses make_fx)
     from torch.fx.experimental.proxy_tensor import (
@@ -59,7 +59,8 @@ except ImportError:  # pragma: no cover - a PyTorch that moved them
     _BATCHED = False
 
 from graphflop.ad.builder import NO_KWARGS
-from graphflop.meta import graph_module
+from graphflop.ad.builder import new_node as builder_new_node
+from graphflop.meta import graph_module, new_fake
 
 __all__ = [
     "AVAILABLE",
@@ -182,6 +183,39 @@ def each_node(hook: Callable[[Node], None]) -> Iterator[None]:
 
 #: the hooks :func:`each_node` registered, called for every node :class:`OpRecorder` makes
 _NODE_HOOKS: list[Callable[[Node], None]] = []
+
+
+class _TensorMap:
+    """Tensor -> value, by the tensor's identity, the tensor held weakly: what
+    ``WeakTensorKeyDictionary`` gives :class:`OpRecorder` (``get``, ``in``, setting, deleting),
+    for a third of its cost. That dictionary makes a ``WeakIdRef`` (a Python object) per
+    look-up; here a look-up is by ``id`` and a check that the weak reference stored with the
+    value still leads to the tensor (an entry of a tensor that died stays, unread: another
+    tensor given its ``id`` finds it dead, and binding that tensor replaces it). The recorder
+    looks up every tensor argument of every op: an outlined call's parameters each."""
+
+    __slots__ = ("_by_id",)
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def get(self, t: Any) -> Any:
+        got = self._by_id.get(id(t))
+        return got[1] if got is not None and got[0]() is t else None
+
+    def __contains__(self, t: Any) -> bool:
+        got = self._by_id.get(id(t))
+        return got is not None and got[0]() is t
+
+    def __setitem__(self, t: Any, value: Any) -> None:
+        self._by_id[id(t)] = (weakref.ref(t), value)
+
+    def __delitem__(self, t: Any) -> None:
+        if t not in self:
+            raise KeyError(t)
+        del self._by_id[id(t)]
+
+
 #: the :class:`OpRecorder` s recording now (innermost last)
 _ACTIVE: list[OpRecorder] = []
 
@@ -213,8 +247,8 @@ class OpRecorder(TorchDispatchMode):
         self.root = torch.nn.Module()
         # weakly keyed, as make_fx's tensor tracker: a factory's result held only by the
         # kernel stays unshared, so autograd's wrapping of it is no ``detach``
-        self._nodes: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        self._consts: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._nodes = _TensorMap()
+        self._consts = _TensorMap()
         self._n_constants = 0
         #: (op, the first tensor argument's device type) -> autograd_would_have_decomposed
         self._decomposes: dict[tuple[Any, str | None], bool] = {}
@@ -250,8 +284,9 @@ class OpRecorder(TorchDispatchMode):
     def new_node(self, op: str, target: Any, args: tuple, kwargs: dict, name: str) -> Node:
         """A node appended to the graph (fx makes ``name`` unique), the :func:`each_node` hooks
         called on it."""
-        node = self.graph.create_node(op, target, name=name)
-        node._update_args_kwargs(args, kwargs or NO_KWARGS)  # (builder.NO_KWARGS: why)
+        # (builder.new_node: create_node's node for these arguments, in about half its time;
+        # empty kwargs builder.NO_KWARGS)
+        node = builder_new_node(self.graph, op, target, name, args, kwargs or NO_KWARGS)
         if op == "call_function" and _saves_input_vals(target, args, kwargs):
             # an op with exact stride needs (a custom op's tag): its inputs' values, as make_fx
             node.meta["eager_input_vals"] = map_aggregate((args, kwargs), _input_val)
@@ -281,7 +316,7 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is _DEVICE:
-            return func(*args, **kwargs)
+            return _device(func, args, kwargs)
         decomposition = self.table.get(func)
         if decomposition is not None:
             with self:
@@ -327,7 +362,7 @@ class OpRecorder(TorchDispatchMode):
         if func is _LIFT_FRESH:
             func = _LIFT_FRESH_COPY
         nargs, nkwargs = tree_unflatten(values, spec)
-        node = self.new_node("call_function", func, nargs, nkwargs, _node_name(self.graph, func))
+        node = self.new_node("call_function", func, nargs, nkwargs, node_name(self.graph, func))
         out = func(*args, **kwargs)
         constant = None
         if func is _LIFT_FRESH_COPY and out.numel() <= CONSTANT_NUMEL_LIMIT:
@@ -352,7 +387,15 @@ class OpRecorder(TorchDispatchMode):
         of it each, made for every element as ``make_fx`` makes them)."""
         if isinstance(out, torch.Tensor):
             self.bind(out, node, constant)
-            node.meta["val"] = extract_val(out)
+            node.meta["val"] = _snapshots((out,))[0]  # (extract_val(out))
+        elif isinstance(out, (tuple, list)) and all(isinstance(e, torch.Tensor) for e in out):
+            # the list's snapshots, then each getitem's, in one batch (its modes entered once)
+            n, snaps = len(out), _snapshots([*out, *out])
+            node.meta["val"] = out.__class__(snaps[:n])  # (extract_val(out))
+            for i, e in enumerate(out):
+                item = self.new_node("call_function", operator.getitem, (node, i), {}, "getitem")
+                self.bind(e, item, constant[i] if constant is not None else None)
+                item.meta["val"] = snaps[n + i]
         elif isinstance(out, (tuple, list)):
             node.meta["val"] = out.__class__(_snapshots(out))  # (extract_val(out))
             for i, e in enumerate(out):
@@ -390,6 +433,26 @@ def record(
     return run
 
 
+def _device(func: Any, args: Any, kwargs: Any) -> Any:
+    """``prim.device`` of a tensor (what a functional wrapper asks of the tensor it wraps:
+    functionalisation wraps every parameter, and an outlined call's outputs), answered as
+    the fake mode next on the dispatch stack answers it (``_device_handler``: its fake device,
+    or ``meta`` inside a kernel) where it is next, without the dispatch to it (a Python mode's
+    handler: about a third of the query); ``func(*args)`` otherwise."""
+    a = args[0] if len(args) == 1 and not kwargs else None
+    if (
+        type(a) is FakeTensor
+        and torch._C._len_torch_dispatch_stack() == 1
+        and torch._C._get_dispatch_mode(_FAKE_KEY) is not None
+    ):
+        return _META if a.fake_mode.in_kernel_invocation else a.fake_device
+    return func(*args, **kwargs)
+
+
+_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+_META = torch.device("meta")
+
+
 def _snapshots(values: Any, include_real: bool = False) -> list:
     """``[extract_val(v, include_real) for v in values]``: a node's value as ``make_fx`` keeps
     it, the FakeTensors among ``values`` detached together as ``fast_detach`` detaches each (a
@@ -412,11 +475,11 @@ def _snapshots(values: Any, include_real: bool = False) -> list:
         for i, meta in zip(places, metas):
             v = values[i]
             real = v.real_tensor if include_real else None
-            out[i] = FakeTensor(mode, meta, v.device, real_tensor=real)
+            out[i] = new_fake(mode, meta, v.device, real_tensor=real)  # (FakeTensor(...))
     return out
 
 
-def _node_name(graph: Graph, func: Any) -> str:
+def node_name(graph: Graph, func: Any) -> str:
     """The name ``make_fx`` asks for a node of op ``func`` (its overload packet's name in
     snake case: ``convolution``), derived once per op (fx's regular expressions: about 4 us)."""
     name = _NODE_NAMES.get(func)
@@ -425,7 +488,7 @@ def _node_name(graph: Graph, func: Any) -> str:
     return name
 
 
-#: op -> :func:`_node_name`
+#: op -> :func:`node_name`
 _NODE_NAMES: dict[Any, str] = {}
 
 
