@@ -882,6 +882,9 @@ def _call_keys(forward: GraphModule) -> CallKeys:
     tag_names: dict[tuple, str] = {}
     dup: set[int] = set()
     span: dict[int, list[int]] = {}  # per site: its first node's index, its count, its last
+    # one key per template position, shared by every call (a tuple per node was one more
+    # object per node for the collector's pass after the analysis: graphflop/_gc.py)
+    keys: dict[int, tuple] = {}
     getitem = operator.getitem
     i = -1
     for n in forward.graph.nodes:
@@ -898,7 +901,9 @@ def _call_keys(forward: GraphModule) -> CallKeys:
         at = span[s]
         at[1] += 1
         at[2] = i
-        k: tuple = (t[1],)
+        k: tuple | None = keys.get(t[1])
+        if k is None:
+            k = keys[t[1]] = (t[1],)
         tag: tuple = t
         if n.target is getitem:
             args = n.args

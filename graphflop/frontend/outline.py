@@ -1091,6 +1091,11 @@ class Outliner:
             else:
                 m.forward = old
         self._saved.clear()
+        # each frozen tree's root entry holds its stub (refreeze_root), which holds this
+        # outliner: a cycle that kept the outliner and its tables (about 100 objects per
+        # GPT-2 block) for the collector's pass after the analysis (graphflop/_gc.py); with
+        # the stubs gone nothing reads them (None: a later entry decides by _modules_state)
+        self._frozen = dict.fromkeys(self._frozen)
         written = next((s for s, outs in self._aliased if any(map(_written, outs))), None)
         self._aliased.clear()
         if exc[0] is None and written is not None:
