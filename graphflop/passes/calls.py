@@ -1046,6 +1046,8 @@ def rule_less_calls(gm: GraphModule) -> list[tuple[Node, str | None, str]]:
                     for x in _nodes(dh.templates[c.template])
                     if x.target is not operator.getitem and not has_rule(x.target)
                 ]
+            if not xs:  # (the common case: every op has a rule)
+                continue
             absolute = dict(c.modules)
             for x in xs:
                 m = {k: x.meta[k] for k in (SOURCE, MODULE) if k in x.meta}

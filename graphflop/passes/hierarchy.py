@@ -114,6 +114,9 @@ class ForwardFigures:
         rows: per module path, in the order the flat graph first meets it, its counters.
         ops: per op name, in the order first met, ``(count, costs summed)``.
         rule_less: nodes whose op has no rule.
+        in_order: each row's output is its module's last node's in the flat graph (the
+            calls' nodes are each one run of it: :attr:`~graphflop.meta.Hierarchy.runs`;
+            else a top-level node among a call's nodes was met after the call).
     """
 
     total: NodeCost
@@ -121,6 +124,7 @@ class ForwardFigures:
     rows: dict[str, _Row] = field(default_factory=dict)
     ops: dict[str, tuple[int, NodeCost]] = field(default_factory=dict)
     rule_less: int = 0
+    in_order: bool = True
 
 
 def forward_figures(gm: GraphModule, h: Hierarchy) -> ForwardFigures:
@@ -181,6 +185,7 @@ def forward_figures(gm: GraphModule, h: Hierarchy) -> ForwardFigures:
         rows=rows,
         ops={k: (count, sum_costs(cs)) for k, (count, cs) in ops.items()},
         rule_less=rule_less,
+        in_order=h.runs,
     )
 
 
