@@ -53,6 +53,7 @@ from graphflop.passes.infra import FLAT, SCOPES, TEMPLATE, GraphPass, run_passes
 from graphflop.passes.optimizer import OPTIMIZERS, AddOptimizerUpdate, for_every_parameter
 from graphflop.passes.selective_recompute import POLICIES as RECOMPUTE_POLICIES
 from graphflop.passes.selective_recompute import check_policy as check_recompute_policy
+from graphflop.passes.step_calls import forget_tables
 from graphflop.passes.summary import Graphs, summarize
 from graphflop.passes.time_profile import TimeProfile
 from graphflop.passes.train_step import BuildTrainStep
@@ -622,6 +623,11 @@ def _analyze(
         timed = replace(flat, forward_gradient=_flat(g.forward_gradient))  # node by node
         tr = time_report(timed, report, o.time_profile, amp=o.amp, reruns=reruns)
         report = replace(report, time=tr)
+    # the tables the derivative graphs' builders and describers read of the forward graph:
+    # dropped, not kept with the analysis (a later reader, such as a flat view, works them out
+    # again): a tenth of the objects the collector's pass after the analysis scans
+    # (graphflop/_gc.py), about 190 per GPT-2 block
+    forget_tables(fwd)
     return Analysis(
         name,
         fwd,

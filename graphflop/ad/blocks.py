@@ -868,9 +868,21 @@ def _on_graph(forward: GraphModule, attr: str, compute: Callable[[GraphModule], 
     return value
 
 
+#: the tables :func:`_on_graph` keeps on a forward graph (:func:`forget_tables`)
+_TABLES = ("_graphflop_call_keys", "_graphflop_checkpointed_sites", "_graphflop_checkpoint_calls")
+
+
+def forget_tables(forward: GraphModule) -> None:
+    """Drop the tables worked out once per forward graph here (:func:`call_keys` and the
+    checkpoints'): a reader after that works them out again."""
+    d = forward.graph.__dict__
+    for attr in _TABLES:
+        d.pop(attr, None)
+
+
 def call_keys(forward: GraphModule) -> CallKeys:
     """:class:`CallKeys` of ``forward``, worked out once per forward graph."""
-    return _on_graph(forward, "_graphflop_call_keys", _call_keys)
+    return _on_graph(forward, _TABLES[0], _call_keys)
 
 
 def _call_keys(forward: GraphModule) -> CallKeys:
@@ -932,7 +944,7 @@ def checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
     model checkpointing only some of its blocks): their derivatives differ (the recompute).
     Worked out once per forward graph (the JVP's expander and the backward's both read it):
     shared by every caller, read, never written."""
-    return _on_graph(forward, "_graphflop_checkpointed_sites", _checkpointed_sites)
+    return _on_graph(forward, _TABLES[1], _checkpointed_sites)
 
 
 def _checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
@@ -955,9 +967,7 @@ def checkpoint_calls(forward: GraphModule) -> dict[Node, int]:
     backward's expander and its checkpoints read it): shared, read, never written."""
     from graphflop.meta import occurrences
 
-    return _on_graph(
-        forward, "_graphflop_checkpoint_calls", lambda f: occurrences(f.graph.nodes, CHECKPOINT)
-    )
+    return _on_graph(forward, _TABLES[2], lambda f: occurrences(f.graph.nodes, CHECKPOINT))
 
 
 def _checkpoints_across(forward: GraphModule) -> set[int]:

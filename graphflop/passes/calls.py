@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.blocks import call_keys
+from graphflop.ad.blocks import call_keys, forget_tables
 from graphflop.ad.builder import (
     NamePlan,
     base_name,
@@ -346,6 +346,15 @@ def _describer_facts(
     facts = ({v: k for k, v in keys.items()}, [{a: r for r, a in s.modules} for s in h.sites])
     _DESCRIBER_FACTS[forward] = (stamp, facts)
     return facts
+
+
+def forget_forward_facts(forward: GraphModule) -> None:
+    """Drop what was worked out once per forward graph for the describers of its derivative
+    graphs (:func:`forward_facts`, :func:`call_keys` and the like): a reader after that works
+    it out again."""
+    _FORWARD_FACTS.pop(forward, None)
+    _DESCRIBER_FACTS.pop(forward, None)
+    forget_tables(forward)
 
 
 def _forward_keys(forward: GraphModule) -> tuple[dict[str, tuple[int, tuple]], set[int]]:

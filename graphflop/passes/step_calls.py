@@ -75,6 +75,7 @@ from graphflop.passes.calls import (
     DerivedCall,
     DerivedHierarchy,
     _template,
+    forget_forward_facts,
     forward_facts,
     localize_plan,
     localized,
@@ -141,6 +142,14 @@ def _tables(forward: GraphModule, h: Hierarchy) -> tuple[dict, dict, list, dict,
     )
     forward.graph.__dict__[_TABLES] = (facts, h, sig, tables)
     return tables
+
+
+def forget_tables(forward: GraphModule) -> None:
+    """Drop :func:`_tables` of ``forward`` and what the describers read of it
+    (:func:`~graphflop.passes.calls.forget_forward_facts`): a reader after that works them
+    out again."""
+    forward.graph.__dict__.pop(_TABLES, None)
+    forget_forward_facts(forward)
 
 
 #: the attribute of a forward graph holding :func:`_tables` with the facts, hierarchy and
