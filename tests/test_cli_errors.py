@@ -949,6 +949,59 @@ def test_model_that_exits_in_forward_is_one_line(work, capsys, argv):
     nothing_left(work / "out")
 
 
+RAISES_BASE = """
+import torch
+from torch import nn
+
+
+class Boom(BaseException):
+    pass
+
+
+if WHERE == "import":
+    raise Boom("at import")
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        RAISE
+
+
+def example_inputs():
+    return (torch.randn(2, 4),)
+"""
+
+
+@pytest.mark.parametrize(
+    "where,raise_,code,message",
+    [
+        ("forward", 'raise Boom("base exception")', 2, "the model raised Boom: base exception"),
+        ("forward", "raise GeneratorExit", 2, "the model raised GeneratorExit, a BaseException"),
+        ("import", "pass", 2, "the model raised Boom: at import"),
+        # unchanged: Ctrl-C and the model's exit
+        ("forward", "raise KeyboardInterrupt", 130, "graphflop: interrupted"),
+        ("forward", "raise SystemExit(3)", 2, "the model exited while graphflop ran it"),
+    ],
+    ids=["Boom", "GeneratorExit", "import", "KeyboardInterrupt", "SystemExit"],
+)
+def test_model_raising_a_base_exception_is_one_line(work, capsys, where, raise_, code, message):
+    """A tester's finding: a model raising a BaseException subclass (neither an Exception nor
+    KeyboardInterrupt or SystemExit) made `inspect --json` exit 1 with an 86-line traceback.
+    Now one line naming it and the model's line, exit 2, no output file."""
+    path = work / f"models/base_{where}.py"
+    path.write_text(f"WHERE = {where!r}\n" + RAISES_BASE.replace("RAISE", raise_))
+    line = one_error(capsys, "inspect", path, "--json", "x.json", code=code, message=message)
+    if code == 2 and "exited" not in message:
+        assert "a BaseException that is not an Exception" in line
+        # the model's own line, where the traceback shows it
+        assert f"base_{where}.py:" in line and "internal error" not in line
+    nothing_left(work / "out")
+
+
 PRINTS = """
 import torch
 from torch import nn

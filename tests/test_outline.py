@@ -742,6 +742,86 @@ def test_a_module_with_state_in_a_dict_keeps_its_identity():
     assert repeats._attr_key({"f": nn.ReLU()}) == repeats._attr_key({"f": nn.ReLU()})
 
 
+#: the linear layer every block calls besides its own (:class:`_Reaching`), by route
+_SHARED: dict[str, nn.Module] = {}
+
+
+class _Reaching(nn.Module):
+    """A block that calls a linear layer that is not its submodule: one it holds as a plain
+    attribute, or (none held) the module-level one in :data:`_SHARED`."""
+
+    def __init__(self, shared: nn.Module | None):
+        super().__init__()
+        if shared is not None:
+            self.__dict__["shared"] = shared  # not a submodule
+        self.fc1 = nn.Linear(16, 16)
+        self.act = nn.Tanh()
+        self.fc2 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        shared = vars(self).get("shared") or _SHARED["lin"]
+        return x + self.fc2(self.act(shared(self.fc1(x))))
+
+
+class _ReachingNet(nn.Module):
+    """4 :class:`_Reaching` blocks and a head. ``route``: ``"attribute"``, the blocks hold
+    the parent's ``shared`` as a plain attribute (a tester's model); ``"first block"``, they
+    hold block 0's ``fc1`` so (a module inside the first call's tree: its template read it as
+    that call's own, and each copy read its own ``fc1``); ``"global"``, they call the
+    parent's ``shared`` through a global."""
+
+    def __init__(self, route: str):
+        super().__init__()
+        if route != "first block":
+            self.shared = nn.Linear(16, 16)
+            _SHARED["lin"] = self.shared
+        held = self.shared if route == "attribute" else None
+        self.blocks = nn.ModuleList(_Reaching(held) for _ in range(4))
+        if route == "first block":
+            for b in self.blocks:
+                b.__dict__["shared"] = self.blocks[0].fc1
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    "route,device,why",
+    [
+        ("attribute", "meta", "its attribute shared holds a Linear"),
+        ("first block", "meta", "its attribute shared holds a Linear"),
+        ("first block", "cpu", "its attribute shared holds a Linear"),
+        ("global", "meta", "its forward reads shared.weight, a parameter or buffer of a module"),
+    ],
+)
+def test_blocks_reaching_a_module_outside_their_own_are_traced_in_full(route, device, why):
+    """A tester's finding: blocks calling a Linear held as a plain attribute (registered on the
+    parent), built on the meta device, failed to trace ("FakeTensorDeviceMismatchError: ...
+    cpu and meta"): the templates were traced after the model's call, the parent's weight a
+    meta tensor again. Such blocks are traced in full, with why, and every figure of the
+    report is --no-outline's; one holding a module of the first block's was outlined, each
+    copy calling its own fc1 instead (the graph not full tracing's, on any device)."""
+    from graphflop.analysis import analyze
+
+    x = torch.randn(4, 16)
+    with torch.device(device):
+        model = _ReachingNet(route)
+    once = analyze(model, x, loss="sum")
+    full = analyze(model, x, loss="sum", outline=False)
+    assert once.report.to_dict() == full.report.to_dict()
+    # 4 blocks × (3 linears × (2·4·16·16 + 4·16 bias) + 64 tanh + 64 residual adds) + the
+    # head's 2·4·16·5 + 20 + the sum's 20 (one per element, graphflop's count for a sum)
+    assert once.report.totals.forward.flops == 4 * (3 * (2048 + 64) + 64 + 64) + 660 + 20
+    assert _ops(once.forward) == _ops(full.forward)
+    info = once.forward.meta[OUTLINED]
+    assert info.calls == 0
+    assert len(info.in_full) == 1 and why in info.in_full[0], info.in_full
+    assert info.in_full[0].startswith("_Reaching ×4 (blocks.0, blocks.1, …, blocks.3): ")
+
+
 def _flat_rows(gm):
     """Every node's name, op, target, arguments (nodes by name) and annotations (tensors by
     shape, strides, dtype, device and requires_grad), then the graph's signature and unused

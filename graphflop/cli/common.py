@@ -94,8 +94,10 @@ def run_command(
     """Run one subcommand and return its exit status.
 
     A user error (:func:`user_errors`, or an ``OSError`` naming a file: a path that cannot be
-    read or written) is one stderr line and status 2; Ctrl-C one line and 130; any other
-    exception (a bug) one line and status 1, with the traceback too under ``--debug``.
+    read or written) is one stderr line and status 2; Ctrl-C one line and 130; the model's
+    ``sys.exit`` one line and 2, and so is a ``BaseException`` of another kind (raised by the
+    model's code: :func:`model_base_exception`); any other exception (a bug) one line and
+    status 1; each with the traceback too under ``--debug``.
 
     Python warnings raised while the command runs (PyTorch's, the model's) are held back:
     after a command that ran, each distinct one is one ``warning:`` line on standard error;
@@ -207,6 +209,30 @@ def _run(
             file=sys.stderr,
         )
         return EXIT_INTERNAL
+    except BaseException as e:
+        # neither an Exception nor Ctrl-C nor an exit (caught above): graphflop raises none,
+        # PyTorch neither, so the model's code raised it (a class of its own deriving from
+        # BaseException, a GeneratorExit; a tester's finding: an 86-line traceback, exit 1).
+        # _run is no generator: a GeneratorExit met here is no generator's close
+        _debug_traceback(debug)
+        print(f"graphflop: error: {model_base_exception(e)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def model_base_exception(e: BaseException) -> str:
+    """The one-line message for ``e``, a ``BaseException`` that is not an ``Exception`` (nor a
+    ``KeyboardInterrupt`` or ``SystemExit``) raised while a command ran: the model's own, with
+    the model's line where its traceback shows one."""
+    from graphflop.frontend.libraries import model_source_line
+
+    where = model_source_line(e)
+    at = f" (at {where})" if where else ""
+    text = one_line(e)
+    said = f": {text}" if text else ""
+    return (
+        f"the model raised {type(e).__name__}{said}, a BaseException that is not an "
+        f"Exception{at}; fix the model's code so that it does not raise it"
+    )
 
 
 def _debug_traceback(debug: bool) -> None:

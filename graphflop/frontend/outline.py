@@ -30,8 +30,13 @@ structure is traced in full (:meth:`Outliner._updates`). A module whose ``forwar
 writes into any other tensor cannot be a copy: the template's trace (or the fake run) sees the
 write and raises :class:`NotOutlinable`, and tracing starts again without outlining that
 structure. So does a module that makes constant tensors in ``forward``, or returns a view
-of an input. Outputs that share storage (``(y, y.t())``, ``(y, y)``) are copied, but each
-call's are fresh tensors, which a write through one would not carry to another: where the
+of an input, and one that reads a parameter or buffer of a module outside its tree (a global
+module: read as a constant, the templates are traced with the model's traced tensors in
+place). A module that holds a module with parameters or buffers as a plain attribute, not a
+submodule (``self.__dict__["shared"] = linear``, the same object in every copy), is traced in
+full too (:func:`held_apart`): a template stands for its own parameters and buffers only.
+Outputs that share storage (``(y, y.t())``, ``(y, y)``) are copied, but each call's are fresh
+tensors, which a write through one would not carry to another: where the
 caller writes into one (functionalization tells, when the trace ends), tracing starts again
 without outlining that structure. An input returned as it was given (T5's blocks return the
 position bias they were called with) is no output of the template: each call returns its
@@ -852,6 +857,46 @@ def unshared(
     return found
 
 
+def _modules_held(v: Any) -> Iterator[nn.Module]:
+    """The modules an attribute value is or holds (in a list, tuple or dict, nested)."""
+    if isinstance(v, nn.Module):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _modules_held(x)
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _modules_held(x)
+
+
+def held_apart(tree: list[tuple[str, nn.Module]]) -> str | None:
+    """Why a module whose tree is ``tree`` (:func:`_tree`) cannot be outlined, where one of
+    its modules holds a module with parameters or buffers as a plain attribute (not a
+    submodule: ``self.__dict__["shared"] = linear``, or in a list or dict), else None.
+
+    Such a module is the same object in every copy (:func:`_attr_key` keys it by identity),
+    so it lies outside the tree of all copies but perhaps one. A template stands for the
+    called module's own parameters and buffers: one outside its tree it reads as a constant
+    (refused as the template is traced), one inside the first call's tree as that call's own
+    (each copy would read its own module's, not the one the forward reads: a wrong graph,
+    found by no later check). Stateless modules (the ``kernels`` library's function modules)
+    are no such module."""
+    for name, sub in tree:
+        for k, v in vars(sub).items():
+            if k in _MODULE_INTERNALS or isinstance(v, (torch.Tensor, str, int, float)):
+                continue
+            for held in _modules_held(v):
+                if not _stateless(held):
+                    where = f"{name}.{k}" if name else k
+                    return (
+                        f"its attribute {where} holds a {type(held).__name__} with parameters "
+                        "or buffers that is not its submodule (a plain attribute), which the "
+                        "copies share: a template stands for the block's own parameters and "
+                        "buffers only"
+                    )
+    return None
+
+
 #: stands for a tensor among an outlined call's argument and output leaves (None is a leaf too)
 _TENSOR = object()
 
@@ -1507,6 +1552,9 @@ class Outliner:
         def fn(*tensors):
             if _modules_state(m) != call.state:  # changed after the call
                 raise NotOutlinable(call.structure, "attributes changed after the call")
+            apart = held_apart(_tree(m))
+            if apart is not None:
+                raise NotOutlinable(call.structure, apart)
             args, kwargs, state = self._rebuild(call, list(tensors))
             used = self.index_used.setdefault(key, [False])
             with (

@@ -349,6 +349,36 @@ def _meta_attributes(
 
 
 @contextlib.contextmanager
+def _state_swapped(
+    modules: list[nn.Module], tensors: list[torch.Tensor], traced: list[torch.Tensor]
+) -> Iterator[None]:
+    """Each of ``tensors`` (the model's parameters and buffers) held as its traced tensor in
+    ``traced`` (the FakeTensors the model's call was traced with) in every module of
+    ``modules`` that holds it (a tied weight in each), as ``functional_call`` holds them during
+    the call; put back afterwards. Outlined calls' templates are traced with them so (after the
+    model's call, :func:`_templates`): a template that reads a tensor of a module outside its
+    own (a global module) reads a FakeTensor its trace does not know, a constant, which it
+    refuses (:func:`_outside_state`), whether the model was built on the meta device or not;
+    the meta tensor itself would meet the trace's CPU ones, a device mismatch (a tester's
+    finding). Cost: one look at each module's tables (GPT-2 XL's 580 tensors in
+    582 modules: 0.4 ms)."""
+    swap = {id(t): f for t, f in zip(tensors, traced) if f is not t}
+    saved: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for m in modules:
+            for table in (m._parameters, m._buffers):
+                for k, v in table.items():
+                    if v is not None and id(v) in swap:
+                        saved.append((table, k, v))
+        for held, k, v in saved:
+            held[k] = swap[id(v)]
+        yield
+    finally:
+        for held, k, v in reversed(saved):
+            held[k] = v
+
+
+@contextlib.contextmanager
 def _state_kept(model: nn.Module, modules: list[nn.Module] | None = None) -> Iterator[None]:
     """Puts every module's parameters, buffers and plain tensor attributes back afterwards:
     ``functional_call`` leaves a module reachable by two paths holding the traced tensors (a
@@ -551,7 +581,18 @@ def _trace_once(
                 gm = _recorder(
                     torch.func.functionalize(modes.around(objective)), decomposition_table=table
                 )(*flat_state, *inputs)
-            templates = _templates(outliner, table, fake_mode, modes)
+            # the templates are traced after the model's call: its parameters and buffers
+            # are its own again, which a template reaching one outside its module would read
+            # as a constant (real, or a meta tensor beside the trace's CPU ones)
+            # (and each traced tensor's qualified name, by identity)
+            names: dict[int, str] = {}
+            swapped: Any = contextlib.nullcontext()
+            if outliner.calls:
+                names = {id(t): q for t, q in zip(flat_state, [*params, *buffers])}
+                state = [*params.values(), *buffers.values()]
+                swapped = _state_swapped(walk.modules, state, flat_state)
+            with swapped:
+                templates = _templates(outliner, table, fake_mode, modes, names)
             with modes:
                 trace_records(records, table, fake_mode)
     except TraceError:
@@ -1076,10 +1117,19 @@ def _trace_template(
     table: dict,
     fake_mode: FakeTensorMode,
     modes: _FunctionModes,
+    names: dict[int, str],
     module: nn.Module | None = None,
 ) -> torch.fx.Graph:
     """The graph of one outlined module call (made by ``call.module``, or by ``module``, another
-    instance of its structure), module paths relative to :data:`repeats.MARK`."""
+    instance of its structure), module paths relative to :data:`repeats.MARK`. ``names``: the
+    qualified name of each of the model's parameters and buffers as traced, by ``id``, which
+    the template's modules hold while it is traced (:func:`_state_swapped`).
+
+    Raises:
+        NotOutlinable: the template reads a constant (:data:`CONSTANTS`; a parameter or buffer
+            of a module outside the call's, :func:`_outside_state`), writes in place into a
+            tensor other than its running statistics, or its outputs are strided otherwise.
+    """
     m = call.module if module is None else module
     fn = outliner.template_fn(key, m)
 
@@ -1102,8 +1152,9 @@ def _trace_template(
     direct = {phs[call.n_inputs + i] for i in call.direct}
     copies = [n for n in gm.graph.nodes if n.target is aten.copy_.default]
     targets = [n.args[0] for n in copies]
-    if any(n.op == "get_attr" for n in gm.graph.nodes):
-        raise repeats.NotOutlinable(call.structure, CONSTANTS)
+    constants = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    if constants:
+        raise repeats.NotOutlinable(call.structure, _outside_state(constants, names) or CONSTANTS)
     if len(set(targets)) != len(targets) or set(targets) != written | direct:
         raise repeats.NotOutlinable(
             call.structure, "writes in place into a tensor other than its running statistics"
@@ -1127,6 +1178,21 @@ def _trace_template(
     return gm.graph
 
 
+def _outside_state(constants: list, names: dict[int, str]) -> str | None:
+    """Why a template that reads ``constants`` (its ``get_attr`` values) is not outlined, where
+    one is a parameter or buffer of the model (``names``, by ``id``: of a module outside the
+    call's, which its forward reaches other than through its tree: a global, a closure; one
+    held as a plain attribute is refused before, :func:`repeats.held_apart`); None otherwise."""
+    found = [names[id(c)] for c in constants if id(c) in names]
+    if not found:
+        return None
+    return (
+        f"its forward reads {found[0]}, a parameter or buffer of a module outside it (reached "
+        "other than as a submodule: a global, a closure): a template stands for the block's "
+        "own parameters and buffers only"
+    )
+
+
 def _advice(e: BaseException) -> str:
     """What to do about a model's own error, where its message says it (appended to it)."""
     if "more than 1 value per channel when training" in str(e):
@@ -1142,9 +1208,13 @@ def _advice(e: BaseException) -> str:
 
 
 def _templates(
-    outliner: repeats.Outliner, table: dict, fake_mode: FakeTensorMode, modes: _FunctionModes
+    outliner: repeats.Outliner,
+    table: dict,
+    fake_mode: FakeTensorMode,
+    modes: _FunctionModes,
+    names: dict[int, str],
 ) -> dict[int, torch.fx.Graph]:
-    """Each distinct outlined call's template graph.
+    """Each distinct outlined call's template graph (``names``: as :func:`_trace_template`'s).
 
     Raises:
         NotOutlinable: a structure with a reentrant checkpoint inside (whether its outputs
@@ -1161,7 +1231,7 @@ def _templates(
             marked_in_templates() as marked,
             grad_mode_tagged(),
         ):
-            templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes)
+            templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes, names)
         if undecided[0]:  # detached or not is each call's own (its inputs' derivative)
             raise repeats.NotOutlinable(call.structure, "a reentrant checkpoint inside")
         if marked[0]:  # a new leaf or not is each call's own (its inputs' derivative)
@@ -1171,7 +1241,7 @@ def _templates(
         if outliner.index_used.get(key, [False])[0]:
             raise repeats.NotOutlinable(call.structure, "its forward uses layer_idx")
         if repeats.graph_signature(templates[key]) != repeats.graph_signature(
-            _trace_template(outliner, key, call, table, fake_mode, modes, call.check)
+            _trace_template(outliner, key, call, table, fake_mode, modes, names, call.check)
         ):
             raise repeats.NotOutlinable(call.structure, "its graph depends on layer_idx")
     return templates
