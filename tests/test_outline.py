@@ -4,6 +4,8 @@ node, and computes the same values; modules that cannot be copies are traced in 
 from __future__ import annotations
 
 import importlib.util
+import math
+import operator
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from conftest import node_rows
 from torch import nn
 
+import graphflop
 from graphflop.frontend import outline as repeats
 from graphflop.frontend.trace import trace
 from graphflop.meta import CONSTANTS, MODULE, OUTLINED, PARAM_DERIVED, SIGNATURE, OutlineInfo
@@ -280,6 +283,71 @@ def test_blocks_differing_only_in_layer_idx(first_special):
     assert once.meta[OUTLINED] == outlined
     params = dict(model.named_parameters())
     torch.testing.assert_close(_run(once, params, {}, x)[0], model(x), rtol=0, atol=0)
+
+
+class _ReadsIndex(nn.Module):
+    """A block whose layer 1 (of 0-3) alone adds ``tanh(h) * 3``, told by ``reads(layer_idx)``:
+    the first and last blocks' graphs are alike (a tester's finding: ``int(i)`` and ``i.real``
+    read an ``int`` subclass's value without any of its methods)."""
+
+    def __init__(self, layer_idx: int, reads):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.Identity()  # (three modules: a tree :func:`repeats.plan` outlines)
+        self.layer_idx = layer_idx
+        self.reads = reads
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        if self.reads(self.layer_idx):
+            h = torch.tanh(h) * 3.0
+        return x + h
+
+
+#: ways to read the index, each True at layer 1 only (of 0-3); "type" is True at every layer in
+#: eager PyTorch, read by its type alone (the stand-in's type is not int: the second trace, from a
+#: copy with its real index, finds the graphs differ)
+_READS = {
+    "int": lambda i: int(i) == 1,
+    "real": lambda i: i.real == 1,
+    "numerator": lambda i: i.numerator == 1,
+    "float": lambda i: float(i) == 1.0,
+    "list index": lambda i: [False, True, False, False][i],
+    "range": lambda i: len(range(i)) == 1,
+    "operator.index": lambda i: operator.index(i) == 1,
+    "f-string": lambda i: f"{i}" == "1",
+    "%d": lambda i: "%d" % i == "1",  # noqa: UP031 (the C path of %d)
+    "dict key": lambda i: {1: True}.get(i, False),
+    "math": lambda i: math.isclose(math.log2(i + 1), 1.0),
+    "bits": lambda i: bool(i & 1) and not i >> 1,
+    "divmod": lambda i: divmod(i, 2) == (0, 1),
+    "round": lambda i: round(i) == 1,
+    "bit_length": lambda i: i.bit_length() == 1,
+    "tensor": lambda i: bool(torch.tensor(i) == 1),  # (raises on the stand-in)
+    "type": lambda i: type(i) is int,
+}
+
+
+@pytest.mark.parametrize("spelling", list(_READS))
+def test_every_read_of_layer_idx_is_seen(spelling):
+    """However the forward reads ``layer_idx``, the figures are full tracing's (the structure
+    traced in full): the first and the last block alike, the check comparing their graphs
+    alone would miss layer 1's tanh."""
+    reads = _READS[spelling]
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_ReadsIndex(i, reads) for i in range(4)])
+    x = torch.randn(2, 4)
+    opts = dict(loss="none", backward=False, jvp=False)
+    assert len(repeats.plan(model)) == 4
+    flat = graphflop.analyze(model, (x,), outline=False, **opts).report.totals.forward
+    a = graphflop.analyze(model, (x,), **opts)
+    assert a.report.totals.forward == flat
+    why = "its graph depends on layer_idx" if spelling == "type" else "its forward uses layer_idx"
+    assert a.forward.meta[OUTLINED] == OutlineInfo(0, 0, (f"_ReadsIndex ×4 (0, 1, …, 3): {why}",))
+    # per block: addmm 2·2·4·4 + 2·4 (its bias) + the residual add 2·4 = 80; tanh (1 FLOP, 1
+    # transcendental per element) and · 3 add 8 + 8 at each block that takes the branch
+    blocks = 4 if spelling == "type" else 1
+    assert (flat.flops, flat.transcendentals) == (4 * 80 + blocks * 16, blocks * 8)
 
 
 def test_hf_llama_layers_share_one_trace():

@@ -6,8 +6,9 @@ whose structure is shared by at least one other module: the same class, paramete
 names, shapes and dtypes, and the same non-tensor attributes, for the module and every
 submodule (so a block that reads a per-layer attribute such as a residual scale is never merged
 with another). HuggingFace's ``layer_idx`` (:data:`INDEX_ATTRS`), which addresses the KV cache
-only, may differ: such a structure is traced a second time from another copy, and traced in full
-unless both graphs are the same. While :func:`graphflop.frontend.trace.trace` runs, each such module's ``forward`` is
+only, may differ: such a structure's template is traced with a stand-in for the index that notes
+every read of its value, and a second time from another copy, its own index in place; it is
+traced in full where the forward reads the index or the graphs differ. While :func:`graphflop.frontend.trace.trace` runs, each such module's ``forward`` is
 replaced by :class:`Outliner`'s stub, which emits one opaque ``graphflop::repeat`` node; the op's
 fake kernel runs the real ``forward`` on FakeTensors, without tracing, to produce the outputs
 (at a call's first occurrence; later calls get fresh FakeTensors of the same metadata, and with
@@ -133,61 +134,99 @@ _PLAIN_PROXIES = _RECORDABLE and (
 
 #: integer attributes in which copies of one structure may differ: the per-layer index
 #: HuggingFace's attention modules keep to address their KV cache (``past_key_values``), which
-#: graphflop's traces do not use. While a structure whose copies differ in one is traced, the
-#: index is an :class:`_Index`, which notes every use of its value in Python (a comparison,
-#: arithmetic, indexing, hashing, formatting): a ``forward`` that uses it (``if self.layer_idx %
-#: 3 == 1``, which a second copy's graph need not show) raises :class:`NotOutlinable`. The
-#: structure is also traced a second time from the last copy called with another index
-#: (:attr:`Call.check`; a value PyTorch reads without Python, as a tensor op's scalar, shows in
-#: the graph): graphs that differ raise :class:`NotOutlinable` too. Either way the structure
-#: is traced in full.
+#: graphflop's traces do not use. While the template of a structure whose copies differ in one
+#: is traced, the index is an :class:`_Index`, whose value no code can read without it being
+#: noted: a ``forward`` that reads it (``if int(self.layer_idx) == 1``, ``layer_types[
+#: self.layer_idx]``, which another copy's graph need not show) raises :class:`NotOutlinable`,
+#: and so does one that fails on the stand-in (:meth:`Outliner.template_fn`). The structure is
+#: also traced a second time from the last copy called with another index, that copy's real
+#: integer in place (:attr:`Call.check`): graphs that differ (C code that tells a real ``int``
+#: from the stand-in by its type, not its value, and takes another path) raise
+#: :class:`NotOutlinable` too. Either way the structure is traced in full.
 INDEX_ATTRS = frozenset({"layer_idx"})
 
+#: why a structure whose forward reads its layer index (or fails on its stand-in) is traced in
+#: full
+USES_INDEX = "its forward uses layer_idx"
 
-class _Index(int):
-    """A layer index (:data:`INDEX_ATTRS`) while its module's template is traced: the same
-    integer, whose every use in Python sets ``used[0]``."""
+#: :class:`_Index`'s attributes that say nothing of its value (the rest of ``int``'s special
+#: methods read it, each noted)
+_NO_VALUE = frozenset(
+    {
+        "__class__", "__delattr__", "__dir__", "__doc__", "__getattribute__", "__init__",
+        "__init_subclass__", "__new__", "__setattr__", "__sizeof__", "__subclasshook__",
+    }
+)  # fmt: skip
 
-    used: list[bool]
+
+class _Index:
+    """A layer index (:data:`INDEX_ATTRS`) while its module's template is traced: the integer
+    ``value`` behind methods only, each of which sets ``used[0]`` when called.
+
+    It is no ``int``: C code reads an ``int`` subclass's value without calling any of its
+    methods (``int(i)``, ``i.real``, ``range(i)``, ``seq[i]``, ``"%d" % i``, ``math.log(i)``, a
+    PyTorch op's integer argument), where it asks any other object for ``__index__`` (or
+    ``__int__``, ``__float__``). So every read of the value is a noted call: ``int``'s special
+    methods (comparisons, arithmetic and bit operators, ``divmod``, ``round``, ``math``'s
+    ``floor``/``ceil``/``trunc``, ``bool``, ``hash`` and so dict keys, ``str``, ``repr``,
+    ``format`` and f-strings, ``__index__``, ``__int__``, ``__float__``, copies and pickles),
+    its other attributes (``real``, ``numerator``, ``bit_length()``: :meth:`__getattr__`) and
+    ``__class__`` (``isinstance(i, int)``, True as for the index). Code that tells the
+    stand-in from an ``int`` by its type alone (``type(i) is int``, C code checking for an
+    ``int``) either raises, which :meth:`Outliner.template_fn` takes for a use, or takes
+    another path, which the second trace, from a copy with its real index, shows where it
+    changes the graph (:data:`INDEX_ATTRS`); a path that goes on to read the real index
+    (``type(i) is int and i == 1``) shows only where that copy's value changes the graph too
+    (not seen: only a trace per index would see it)."""
+
+    __slots__ = ("_value", "_used")
+
+    def __init__(self, value: int, used: list[bool]):
+        self._value = value
+        self._used = used
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _Index.__slots__:  # (not set: a copy made without __init__)
+            raise AttributeError(name)
+        self._used[0] = True
+        return getattr(self._value, name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        self._used[0] = True
+        return int
 
 
 def _noting(name: str) -> Any:
-    base = getattr(int, name)
-
     def method(self: _Index, *args: Any) -> Any:
-        self.used[0] = True
-        return base(int(self), *args) if name != "__int__" else base(self)
+        self._used[0] = True
+        for a in args:  # (another index: read too)
+            if type(a) is _Index:
+                a._used[0] = True
+        args = tuple(a._value if type(a) is _Index else a for a in args)
+        return getattr(self._value, name)(*args)
 
     method.__name__ = name
     return method
 
 
-for _name in (
-    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__",
-    "__index__", "__float__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__",
-    "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
-    "__rmod__", "__divmod__", "__rdivmod__", "__pow__", "__rpow__", "__neg__", "__pos__",
-    "__abs__", "__invert__", "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__",
-    "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "__format__", "__str__",
-    "__repr__", "__round__", "__trunc__", "__floor__", "__ceil__",
-):  # fmt: skip
-    setattr(_Index, _name, _noting(_name))
+for _name in dir(int):
+    if _name.startswith("__") and _name not in _NO_VALUE:
+        setattr(_Index, _name, _noting(_name))
 
 
 @contextlib.contextmanager
-def _indices_noted(m: nn.Module, used: list[bool]) -> Iterator[None]:
+def _indices_noted(m: nn.Module, used: list[bool]) -> Iterator[bool]:
     """``m``'s and its submodules' :data:`INDEX_ATTRS` made :class:`_Index` inside (their uses
-    setting ``used[0]``), put back afterwards."""
+    setting ``used[0]``), put back afterwards; yields whether there was any."""
     saved = []
     for sub in m.modules():
         for k, v in list(vars(sub).items()):
             if k in INDEX_ATTRS and type(v) is int:
-                w = _Index(v)
-                w.used = used
                 saved.append((sub, k, v))
-                sub.__dict__[k] = w
+                sub.__dict__[k] = _Index(v, used)
     try:
-        yield
+        yield bool(saved)
     finally:
         for sub, k, v in saved:
             sub.__dict__[k] = v
@@ -1545,9 +1584,22 @@ class Outliner:
 
     def template_fn(self, key: int, module: nn.Module | None = None):
         """``fn(*tensors) -> list of output tensors`` running call ``key``'s module (or
-        ``module``, another instance of its structure) for real."""
+        ``module``, another instance of its structure) for real.
+
+        Where other calls of ``key`` have other :data:`INDEX_ATTRS` (:attr:`Call.check`), the
+        call's own module runs with each index an :class:`_Index`, whose every read sets
+        :attr:`index_used`; ``module`` runs with its own integers (the second trace, which
+        :func:`graphflop.frontend.trace._templates` compares with the first).
+
+        Raises:
+            NotOutlinable: the module's attributes changed after the call; it returns its
+                inputs otherwise than at the call; it returns an index, or fails while its
+                indices are stand-ins (code that takes an :class:`_Index` for what it is
+                not: ``torch.tensor(i)``, ``tensor * i``), which is a use of them too.
+        """
         call = self.calls[key]
         m = call.module if module is None else module
+        noted = module is None and call.check is not None
 
         def fn(*tensors):
             if _modules_state(m) != call.state:  # changed after the call
@@ -1561,10 +1613,20 @@ class Outliner:
                 self._bypass(),
                 torch.set_grad_enabled(call.grad_enabled),
                 _own_hooks_off(m),
-                _indices_noted(m, used),
+                _indices_noted(m, used) if noted else contextlib.nullcontext(False) as standing,
             ):
-                out = torch.func.functional_call(m, state, args, kwargs)
+                try:
+                    out = torch.func.functional_call(m, state, args, kwargs)
+                except NotOutlinable:
+                    raise
+                except Exception as e:
+                    if not standing:
+                        raise
+                    used[0] = True
+                    raise NotOutlinable(call.structure, USES_INDEX) from e
             leaves = tree_flatten(out)[0]
+            if any(type(x) is _Index for x in leaves):  # (a later call would return this one's)
+                used[0] = True
             got = [_out_leaf(x, tensors[: call.n_inputs]) for x in leaves]
             if _tensor_leaves(got) != _tensor_leaves(call.out_leaves):
                 raise NotOutlinable(call.structure, "returns its inputs otherwise")

@@ -1131,7 +1131,7 @@ def _trace_template(
             tensor other than its running statistics, or its outputs are strided otherwise.
     """
     m = call.module if module is None else module
-    fn = outliner.template_fn(key, m)
+    fn = outliner.template_fn(key, module)
 
     def scoped(*tensors):
         with ModuleScopes(m, prefix=repeats.MARK, base=[(repeats.MARK, qualname(m))]):
@@ -1221,8 +1221,9 @@ def _templates(
             carry a derivative is decided per call, by its inputs), one whose forward calls
             ``requires_grad_()`` (whether the value becomes a new leaf is decided per call,
             too), a structure whose copies differ in their layer index
-            (:data:`repeats.INDEX_ATTRS`) and whose forward uses it, or whose graph traced from
-            a copy with another index differs.
+            (:data:`repeats.INDEX_ATTRS`) and whose forward reads it (any read of the stand-in
+            the template is traced with, or a failure on it: :class:`repeats._Index`), or whose
+            graph traced from a copy with another index, a real integer, differs.
     """
     templates = {}
     for key, call in enumerate(outliner.calls):
@@ -1239,7 +1240,7 @@ def _templates(
         if call.check is None:
             continue
         if outliner.index_used.get(key, [False])[0]:
-            raise repeats.NotOutlinable(call.structure, "its forward uses layer_idx")
+            raise repeats.NotOutlinable(call.structure, repeats.USES_INDEX)
         if repeats.graph_signature(templates[key]) != repeats.graph_signature(
             _trace_template(outliner, key, call, table, fake_mode, modes, names, call.check)
         ):
