@@ -1066,3 +1066,24 @@ def test_batch_norm_called_twice_memory_against_eager():
     measured = measure_train_peak(copy_model(model), (x,))
     assert mem.saved_for_backward_bytes == saved == 1_964
     assert abs(mem.train_peak_bytes / measured - 1) < 0.02, (mem.train_peak_bytes, measured)
+
+
+def test_outlined_batch_norm_blocks_analyze_under_strict_rules():
+    """A training-mode batch norm inside outlined blocks: the template keeps its
+    running-statistics ``copy_`` into its placeholders (the buffer writes, which no call
+    copies: the flat graph returns the values written), and costing the template looked its
+    rule up, so ``inspect --strict`` failed on every such model (the tester's m06: ``no
+    cost/jvp/transpose rule for aten.copy_.default (node copy_)``, exit 2) while the
+    non-strict report had no gap. The write costs nothing; the strict report is the plain one,
+    complete."""
+    from graphflop.analysis import analyze
+    from graphflop.ops import strict_rules
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Block(), _Block(), _Block()).train(), torch.randn(5, 4)
+    plain = analyze(model, (x,), loss="sum", jvp=False)
+    assert plain.forward.meta[OUTLINED].calls == 3
+    with strict_rules(True):
+        strict = analyze(model, (x,), loss="sum", jvp=False)
+    assert strict.report.to_dict() == plain.report.to_dict()
+    assert not strict.report.uncounted and strict.report.totals.forward.complete
