@@ -168,11 +168,19 @@ def _check_derived_hierarchies(a):
         assert f.rule_less == rule_less
 
 
+def _live_sites(h) -> list[int]:
+    """The call sites of hierarchy ``h`` whose variant kept a node of the template (a call
+    whose output nothing reads kept none: dead-code elimination removed the call)."""
+    return [i for i, site in enumerate(h.sites) if h.variants[site.variant][1]]
+
+
 def _check_memory(a):
     """The eager memory model's figures composed per call of each block (each template's steps
     worked out once) equal the flat schedules' to the byte, on cpu and cuda, with and without
     kept gradients: the train peak and the step where it first occurs, the storages saved for
-    backward (owner and bytes), the forward peak, the eager JVP peak."""
+    backward (owner and bytes), the forward peak, the eager JVP peak. The composed forward
+    schedule calls each live site once (:func:`_live_sites`: a call whose every node
+    dead-code elimination dropped, a block whose output nothing reads, has no call)."""
     fwd, bwd = a.forward, a.backward
     if a.jvp is not None:
         for device in ("cpu", "cuda"):
@@ -184,7 +192,7 @@ def _check_memory(a):
     if HIERARCHY in fwd.meta and fwd.meta[HIERARCHY].graph is not None:
         assert composed is not None
         calls = [x for x in composed.items if not isinstance(x, Step)]
-        assert len(calls) == len(fwd.meta[HIERARCHY].sites)
+        assert len(calls) == len(_live_sites(fwd.meta[HIERARCHY]))
         assert composed.peak() == forward_schedule(fwd).peak()
     if bwd is None:
         return
@@ -230,9 +238,9 @@ def _check(a):
         tagged = [n for n in a.forward.graph.nodes if CALL_SITE in n.meta]
         assert tagged
         if h.graph is not None:
-            # the top level calls each block: fewer nodes than the flat graph
+            # the top level calls each live block: fewer nodes than the flat graph
             calls = [n for n in h.graph.graph.nodes if n.meta.get(CALL_SITE, (0, 0))[1] == -1]
-            assert len(calls) == len(h.sites)
+            assert [n.meta[CALL_SITE][0] for n in calls] == _live_sites(h)
             # the flat graph rebuilt from the hierarchy alone is the traced one, node for node
             assert _nodes(expand(h)) == _nodes(a.forward)
     return h
@@ -587,6 +595,37 @@ def test_stack_of_blocks_composes_hand_counted_figures():
     names = [p.name for p in t.graph.nodes if p.op == "placeholder"]
     assert any(x.startswith("residual_") for x in names)
     assert any(x.startswith("cotangent_") for x in names)
+
+
+class UnusedStack(nn.Module):
+    """The tester's m10: five blocks, block 1's output unused, block 3's only in a second
+    output."""
+
+    def __init__(self, d: int = 6, f: int = 10):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, f) for _ in range(5))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        _ = self.blocks[1](x)  # unused
+        x = self.blocks[2](x)
+        side = self.blocks[3](x)  # only in the second output
+        x = self.blocks[4](x)
+        return self.head(x), side
+
+
+def test_a_block_whose_output_is_unused_has_no_call_and_the_rest_compose():
+    """Tester's finding: the helper asserted one call of the composed forward schedule (and of
+    the top level) per call site, where a block whose output nothing reads keeps no node (its
+    call removed as dead code): 5 sites, 4 calls, peaks and reports equal. It now asserts a
+    call per live site; the live sites here are 0, 2, 3 and 4 by the model's reading."""
+    torch.manual_seed(0)
+    a = analyze(UnusedStack(), torch.randn(4, 6))
+    h = _check(a)
+    assert len(h.sites) == 5 and _live_sites(h) == [0, 2, 3, 4]
+    fsched = memory_calls.composed_forward_schedule(a.forward)
+    assert sum(not isinstance(x, Step) for x in fsched.items) == 4
 
 
 def test_analyze_composes_the_memory_figures(monkeypatch):

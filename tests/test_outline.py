@@ -1127,3 +1127,111 @@ def test_traces_without_make_fx_function_notes_give_the_same_graph(case, direct,
 
     model, inputs, kw = make()
     assert _flat_rows(traced(False)) == _flat_rows(traced(True))
+
+
+class _SiameseNorm(nn.Module):
+    """One training-mode batch norm called twice (a siamese net's shared norm), no block
+    repeated: the tester's m24."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.bn(self.fc(x))
+        x = self.bn(torch.relu(x))
+        return self.head(x)
+
+
+def test_batch_norm_called_twice_writes_its_running_statistics_as_eager():
+    """Tester's finding: a training-mode batch norm called twice left the second call's
+    running-statistics writes in the graph as ``copy_`` nodes without a rule (a warning, phases
+    incomplete; ``--strict``: an error), and the buffer updates were the first call's values.
+    functionalization writes the second call's statistics into the first ``copy_``'s result
+    (which is the buffer); the write is told through it, so both calls' writes are buffer
+    updates, the second reading the first's (as eager does). Figures by hand (N = 6·16 = 96
+    elements, C = 16 channels): fc 2·6·16·16 + 96 = 3,168; bn per call 6N + 11C = 752
+    (docs/flops_conventions.md) plus num_batches_tracked += 1: 2·753 = 1,506; ReLU 96; head
+    2·6·16·5 + 30 = 990. Gradients against torch.func.grad (float64; under a sum the gradients
+    of the parameters before the norms are rounding noise: cross-entropy). The memory figures
+    against eager: the next test."""
+    from graphflop.analysis import analyze
+    from graphflop.ops import strict_rules
+    from graphflop.runtime.verify import copy_model, verify_gradients
+
+    torch.manual_seed(0)
+    model = _SiameseNorm().train()
+    x = torch.randn(6, 16)
+    gm = trace(model, (x,), loss="sum")
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default]
+    sig = gm.meta[SIGNATURE]
+    assert [q for _, q in sig.buffer_updates] == [
+        "bn.running_mean",
+        "bn.running_var",
+        "bn.num_batches_tracked",
+    ]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    got = _run(gm, params, buffers, x)
+    model(x)  # eager: both calls update the statistics in place, the second after the first
+    assert int(model.bn.num_batches_tracked) == 2
+    torch.testing.assert_close(got[0], model.bn.running_mean)
+    torch.testing.assert_close(got[1], model.bn.running_var)
+    assert int(got[2]) == 2
+
+    torch.manual_seed(0)
+    model, x = _SiameseNorm().double().train(), x.double()  # float64: the gradient check's
+    with strict_rules(True):  # raised MissingRuleError for copy_ before
+        a = analyze(copy_model(model), (x,), jvp=False)  # cross-entropy on the 6 × 5 logits
+    rows = {r.name: r.forward_flops for r in a.report.layers}
+    assert rows["fc"] == 2 * 6 * 16 * 16 + 96 == 3_168
+    assert rows["bn"] == 2 * (6 * 96 + 11 * 16 + 1) == 1_506
+    assert rows["(model)"] == 96  # the ReLU between the calls
+    assert rows["head"] == 2 * 6 * 16 * 5 + 30 == 990
+    assert a.report.totals.forward.complete and a.report.totals.backward.complete
+    # (fc.bias's gradient is 0 in exact arithmetic, the norm taking out the mean: rounding
+    # noise, 1e-8 of the floor 1024·eps·‖∇L‖)
+    f = a.flat()
+    check = verify_gradients(f.forward, f.backward, copy_model(model), tolerance=1e-7)
+    assert check.dtype == "float64" and check.ok, check
+
+
+def test_batch_norm_called_twice_memory_against_eager():
+    """The siamese norm's saved-for-backward bytes equal eager's (saved_tensors_hooks) and its
+    train peak a measured eager step's (in float32: 1,964 B saved; peak 4,720 B predicted,
+    4,776 B measured; both unchanged by the writes' fix: a ``copy_`` had no storage of its
+    own)."""
+    from graphflop.analysis import analyze
+    from graphflop.runtime.memory_probe import measure_saved, measure_train_peak
+    from graphflop.runtime.verify import copy_model
+
+    torch.manual_seed(0)
+    model, x = _SiameseNorm().train(), torch.randn(6, 16)
+    mem = analyze(copy_model(model), (x,), jvp=False).report.memory
+    saved = measure_saved(copy_model(model), (x,))
+    measured = measure_train_peak(copy_model(model), (x,))
+    assert mem.saved_for_backward_bytes == saved == 1_964
+    assert abs(mem.train_peak_bytes / measured - 1) < 0.02, (mem.train_peak_bytes, measured)
+
+
+def test_outlined_batch_norm_blocks_analyze_under_strict_rules():
+    """A training-mode batch norm inside outlined blocks: the template keeps its
+    running-statistics ``copy_`` into its placeholders (the buffer writes, which no call
+    copies: the flat graph returns the values written), and costing the template looked its
+    rule up, so ``inspect --strict`` failed on every such model (the tester's m06: ``no
+    cost/jvp/transpose rule for aten.copy_.default (node copy_)``, exit 2) while the
+    non-strict report had no gap. The write costs nothing; the strict report is the plain one,
+    complete."""
+    from graphflop.analysis import analyze
+    from graphflop.ops import strict_rules
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Block(), _Block(), _Block()).train(), torch.randn(5, 4)
+    plain = analyze(model, (x,), loss="sum", jvp=False)
+    assert plain.forward.meta[OUTLINED].calls == 3
+    with strict_rules(True):
+        strict = analyze(model, (x,), loss="sum", jvp=False)
+    assert strict.report.to_dict() == plain.report.to_dict()
+    assert not strict.report.uncounted and strict.report.totals.forward.complete

@@ -255,17 +255,25 @@ def from_make_fx(
     n_p, n_b = len(params), len(buffers)
     out_node = next(n for n in reversed(old.nodes) if n.op == "output")
     index = {env[n]: i for i, n in enumerate(phs)}
+    old_index = {n: i for i, n in enumerate(phs)}
     writes: dict = {}
     params_written: dict[str, None] = {}
 
-    def write(args: tuple) -> Any:
+    def write(args: tuple, into: Any = None) -> Any:
         """A ``copy_`` (arguments in ``g``) into a placeholder, or into an ``alias`` of one
         (instance norm's running statistics), is a buffer write: its new value, which later
-        reads see; None for another ``copy_``."""
-        target = args[0]
-        while isinstance(target, torch.fx.Node) and target.target is aten.alias.default:
+        reads see; None for another ``copy_``. ``into``: the ``copy_``'s destination in
+        ``old``, where the caller has it (a top-level ``copy_``), told through ``alias`` and
+        ``copy_`` nodes (a ``copy_`` returns its destination): a batch norm called twice in
+        training mode writes its running statistics into the first call's ``copy_``, whose
+        value in ``g`` is the value written then (the second call reads it, as in eager)."""
+        target, table = (args[0], index) if into is None else (into, old_index)
+        through = (
+            (aten.alias.default,) if into is None else (aten.alias.default, aten.copy_.default)
+        )
+        while isinstance(target, torch.fx.Node) and target.target in through:
             target = target.args[0]
-        i = index.get(target)
+        i = table.get(target)
         if i is None:
             return None
         if i >= n_p + n_b:
@@ -367,7 +375,7 @@ def _copy_nodes(old: torch.fx.Graph, g: torch.fx.Graph, env: dict, calls: Any, w
     """Copy ``old``'s nodes not in ``env`` into ``g`` in order, each outlined call of ``calls``
     expanded where it stands (its ``getitem`` nodes are its template's outputs, its
     buffer-write ``copy`` nodes the outputs themselves), each ``copy_`` first offered to
-    ``write``."""
+    ``write`` (its arguments in ``g``, and its destination in ``old``)."""
     results_of: dict = {}
     for n in old.nodes:
         if n in env or n.op in ("placeholder", "get_attr", "output"):
@@ -385,7 +393,7 @@ def _copy_nodes(old: torch.fx.Graph, g: torch.fx.Graph, env: dict, calls: Any, w
                 env[n] = env[n.args[1]]
                 continue
         if n.target is aten.copy_.default:
-            got = write(torch.fx.node.map_arg(n.args, env.__getitem__))
+            got = write(torch.fx.node.map_arg(n.args, env.__getitem__), n.args[0])
             if got is not None:
                 env[n] = got
                 continue

@@ -228,17 +228,23 @@ def _same_out(n: Node, t: Node) -> bool:
 
 def annotate_templates(h: Hierarchy) -> None:
     """Write ``COST`` on every node of every template of ``h`` (once: a template already
-    costed is left as it is).
+    costed is left as it is). A template's ``copy_`` into one of its placeholders (a training-mode
+    batch norm's running statistics) is its buffer write, which no call copies (the flat graph
+    returns the value written): it costs nothing, and needs no rule under
+    :func:`graphflop.ops.strict_rules`.
 
     Raises:
         MissingRuleError: as :func:`annotate_flops`.
     """
+    copy_ = torch.ops.aten.copy_.default
     for tpl in h.templates:
         fresh: dict[Node, NodeCost] = {}
         for n in tpl.nodes:
             if COST in n.meta:
                 continue
-            if n.op == "call_function":
+            if n.target is copy_ and getattr(n.args[0], "op", None) == "placeholder":
+                n.meta[COST] = ZERO_COST
+            elif n.op == "call_function":
                 n.meta[COST] = fresh[n] = op_cost(n.target, n.args, n.kwargs, n, node=n.name)
             else:
                 n.meta[COST] = ZERO_COST

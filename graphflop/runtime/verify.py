@@ -34,7 +34,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +122,9 @@ class Check:
         tolerance: the largest error that passes.
         measure: what ``worst_rel_error`` measures, in words.
         dtype: the dtype the compared graphs ran in.
+        tolerance_note: why ``tolerance`` is what it is, where a rule set it (the lowest
+            precision the graph computes in, :func:`dtype_tolerance`); "" otherwise. In the
+            line, not in the JSON.
         detail: the traceback of the error that stopped the check ("" when none), for
             ``--debug``; not in the JSON.
         comparable: False when graphflop's value and the reference's are NaN or infinite at
@@ -138,6 +141,7 @@ class Check:
     dtype: str = ""
     detail: str = field(default="", compare=False, repr=False)
     comparable: bool = True
+    tolerance_note: str = field(default="", compare=False)
 
     @property
     def ok(self) -> bool:
@@ -155,9 +159,10 @@ class Check:
             return f"{self.name}: NOT RUN ({self.where})"
         verdict = "passed" if self.ok else "FAILED"
         name = f"{self.name} in {self.dtype}" if self.dtype else self.name
+        note = f": {self.tolerance_note}" if self.tolerance_note else ""
         return (
             f"{name}: {verdict}: {self.measure} {self.worst_rel_error:.1e} "
-            f"(tolerance {self.tolerance:.1e}; {self.where})"
+            f"(tolerance {self.tolerance:.1e}{note}; {self.where})"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -251,17 +256,70 @@ SAME_NONFINITE = (
 FLOOR_ULPS = 1024
 
 
-def gradient_floor(dtype: torch.dtype, grad_norm: float, tolerance: float) -> float:
+def floor_unit(dtype: torch.dtype, low: torch.dtype | None = None) -> float:
+    """The absolute floor's unit, relative to the scale it multiplies: ``FLOOR_ULPS · eps`` of
+    ``dtype`` (the dtype the graphs ran in), or the machine epsilon of ``low`` (the lowest
+    precision the graph computes in, :func:`lowest_precision`) where that is larger: a value
+    rounded to bfloat16 carries up to 2⁻⁸ of its scale, more than float32's sums of 10⁶ terms
+    (1024 · 2⁻²³ = 1.2e-4)."""
+    unit = FLOOR_ULPS * torch.finfo(dtype).eps
+    return max(unit, torch.finfo(low).eps) if low is not None and low.is_floating_point else unit
+
+
+def floor_words(dtype: torch.dtype, low: torch.dtype | None = None) -> str:
+    """:func:`floor_unit` in words, for a check's ``measure``."""
+    if floor_unit(dtype, low) > FLOOR_ULPS * torch.finfo(dtype).eps:
+        return f"{_dtype_name(cast(torch.dtype, low))}'s eps"
+    return f"{FLOOR_ULPS}·eps"
+
+
+def gradient_floor(
+    dtype: torch.dtype, grad_norm: float, tolerance: float, low: torch.dtype | None = None
+) -> float:
     """The denominator floor of the normwise relative error: ``FLOOR_ULPS · eps · ‖∇L‖ /
-    tolerance``, so that ``‖a − b‖ ≤ max(tolerance · ‖b‖, FLOOR_ULPS · eps · ‖∇L‖)`` passes.
+    tolerance``, so that ``‖a − b‖ ≤ max(tolerance · ‖b‖, FLOOR_ULPS · eps · ‖∇L‖)`` passes
+    (``FLOOR_ULPS · eps`` is :func:`floor_unit`: the eps of ``low`` where larger).
 
     Args:
         dtype: the dtype the graphs ran in (its machine epsilon ``eps``).
         grad_norm: the gradient's scale: ``‖∇L‖``, the norm of the whole reference gradient,
             or ``|L|/‖p‖`` where that is larger (:func:`verify_gradients`).
         tolerance: the check's tolerance.
+        low: the lowest precision the graph computes in (:func:`lowest_precision`), or None.
     """
-    return FLOOR_ULPS * torch.finfo(dtype).eps * grad_norm / tolerance
+    return floor_unit(dtype, low) * grad_norm / tolerance
+
+
+def lowest_precision(forward: GraphModule) -> torch.dtype | None:
+    """The floating dtype of lowest precision (largest machine epsilon) among the values
+    ``forward``'s operations compute (each ``call_function`` node's ``val``, every tensor of a
+    multi-output op's), None where none is floating. A region under the model's own
+    ``torch.autocast(dtype=torch.bfloat16)`` makes it bfloat16 whatever dtype verify runs in."""
+    low: torch.dtype | None = None
+    for n in forward.graph.nodes:
+        if n.op != "call_function":
+            continue
+        for v in torch.utils._pytree.tree_leaves(n.meta.get("val")):
+            if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point:
+                continue
+            if low is None or torch.finfo(v.dtype).eps > torch.finfo(low).eps:
+                low = v.dtype
+    return low
+
+
+def dtype_tolerance(forward: GraphModule, tolerance: float) -> tuple[float, str]:
+    """The tolerance of the gradient and JVP checks of ``forward``: ``tolerance``, or the machine
+    epsilon of the lowest precision it computes in (:func:`lowest_precision`; two units of
+    roundoff, one rounding in each of graphflop's and the reference's computation, where they
+    round a value at different points) where that is larger: bfloat16's 2⁻⁷ = 7.8e-3,
+    float16's 2⁻¹⁰ = 9.8e-4; float32's 1.2e-7 and float64's never exceed the default 1e-4.
+    Returns ``(tolerance, note)``, the note naming the dtype where it set the tolerance
+    (``Check.tolerance_note``), else ""."""
+    low = lowest_precision(forward)
+    eps = torch.finfo(low).eps if low is not None else 0.0
+    if eps <= tolerance:
+        return tolerance, ""
+    return eps, f"the eps of {_dtype_name(cast(torch.dtype, low))}, which the graph computes in"
 
 
 def padding_idx(embedding: torch.fx.Node) -> int:
@@ -514,7 +572,7 @@ def verify_gradients(
     loss on the same random inputs (and dropout masks), in the dtype the graphs were traced in;
     ``examples``: the model's example inputs (:func:`real_arguments`).
 
-    The error per parameter is ``‖a − b‖ / max(‖b‖, gradient_floor(dtype, s, tolerance))``
+    The error per parameter is ``‖a − b‖ / max(‖b‖, gradient_floor(dtype, s, tolerance, low))``
     with ``s = max(‖∇L‖, Σ|ℓ|/‖p‖)`` (normwise relative, with an absolute floor for gradients
     that are zero in exact arithmetic; ``Σ|ℓ|/‖p‖``, the gradient a relative change of the
     parameters would give a loss of size ``Σ|ℓ|``, the magnitudes of the terms the loss adds
@@ -541,7 +599,8 @@ def verify_gradients(
     total = norm64(t[t.isfinite()] for t in ref.values())
     magnitude = max(abs(float(loss)), loss_magnitude(forward, fwd_values))
     scale = max(total, loss_scale(magnitude, params.values()))
-    floor = max(gradient_floor(dtype, scale, tolerance), 1e-300) if math.isfinite(scale) else 0
+    low = lowest_precision(forward)
+    floor = max(gradient_floor(dtype, scale, tolerance, low), 1e-300) if math.isfinite(scale) else 0
     worst, where = 0.0, "no parameters"
     shared: dict[str, int] = {}  # parameter → elements NaN or inf in both gradients alike
     compared = 0  # finite elements compared
@@ -565,7 +624,7 @@ def verify_gradients(
         if bad:
             break
     name = f"gradients vs {what}"
-    measure = f"worst normwise relative error (floor {FLOOR_ULPS}·eps·max(‖∇L‖, Σ|ℓ|/‖p‖))"
+    measure = f"worst normwise relative error (floor {floor_words(dtype, low)}·max(‖∇L‖, Σ|ℓ|/‖p‖))"
     if shared and worst <= tolerance:  # a finite element that differs still fails the check
         at = ", ".join(shared)
         why = SAME_NONFINITE.format(

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import traceback
@@ -73,7 +74,10 @@ def verify_analysis(
     forward_gradient_samples: int = 0,
 ) -> list[Check]:
     """Re-trace ``loaded.model`` in ``dtype`` and check the backward and JVP graphs built the
-    same way as ``analysis``'s against torch.func. Returns one :class:`Check` per comparison;
+    same way as ``analysis``'s against torch.func, within ``tolerance`` or the machine epsilon
+    of the lowest precision the re-traced graph computes in where larger
+    (:func:`~graphflop.runtime.verify.dtype_tolerance`: a model's own bfloat16 autocast, 7.8e-3),
+    the checks' ``tolerance_note`` saying so. Returns one :class:`Check` per comparison;
     the checks of phases that an op without a rule left incomplete are returned not run (NaN
     error, not ok, :func:`gap_reasons`' words as ``where``), and so are the gradient and JVP
     checks of a model whose attention is called with dropout
@@ -100,6 +104,10 @@ def verify_analysis(
     )
     if fwd is None:
         return checks
+    # the default 1e-4, or the eps of the lowest precision the graph computes in where larger
+    # (the model's own bfloat16 autocast): verify's dtype is not all the model computes in
+    tolerance, note = verify.dtype_tolerance(fwd, tolerance)
+    first = len(checks)
     t = analysis.report.totals
     gaps = gap_reasons(analysis.report)  # checks an op without a rule stops: NOT RUN
     # attention dropout: the reference's masks cannot be graphflop's (attention_dropout)
@@ -134,6 +142,8 @@ def verify_analysis(
                 )
             ),
         )
+    if note:
+        checks[first:] = [dataclasses.replace(c, tolerance_note=note) for c in checks[first:]]
     if (
         analysis.jvp is not None
         and forward_gradient_samples

@@ -15,13 +15,15 @@ from torch.fx import GraphModule
 from graphflop.meta import JVP, NO_GRAD, SIGNATURE, Signature
 from graphflop.runtime import verify
 from graphflop.runtime.verify import (
-    FLOOR_ULPS,
     SAME_NONFINITE,
     Check,
     _cast,
     _dtype_name,
     differentiable_params,
     floating_dtype,
+    floor_unit,
+    floor_words,
+    lowest_precision,
     nonfinite,
     norm64,
     padding_idx,
@@ -169,19 +171,21 @@ def verify_jvp(
     with seeded():
         keep = {verify.loss_terms_name(forward), sig.loss}
         magnitude = verify.loss_magnitude(forward, verify.run_forward(forward, values, keep))
+    low = lowest_precision(forward)
     floor = tangent_floor(
         got.dtype,
         max(abs(float(loss)), magnitude),
         [values[p] for p in tangents],
         list(tangents.values()),
         tolerance,
+        low,
     )
     return Check(
         f"JVP loss tangent vs {what}",
         math.inf if bad else tangent_error(got, ref, floor),
         bad or "the scalar loss tangent",
         tolerance,
-        f"relative error (floor {FLOOR_ULPS}·eps·Σ|ℓ|·‖ṗ‖/‖p‖)",
+        f"relative error (floor {floor_words(got.dtype, low)}·Σ|ℓ|·‖ṗ‖/‖p‖)",
         _dtype_name(got.dtype),
     )
 
@@ -192,10 +196,12 @@ def tangent_floor(
     primals: list[torch.Tensor],
     tangents: list[torch.Tensor],
     tolerance: float,
+    low: torch.dtype | None = None,
 ) -> float:
     """The denominator floor of the JVP check's relative error: ``FLOOR_ULPS · eps · |L| ·
     ‖ṗ‖ / ‖p‖ / tolerance``, so that ``|a − b| ≤ max(tolerance · |b|, FLOOR_ULPS · eps · |L|
-    · ‖ṗ‖/‖p‖)`` passes (:func:`tangent_error`).
+    · ‖ṗ‖/‖p‖)`` passes (:func:`tangent_error`; ``FLOOR_ULPS · eps`` is
+    :func:`~graphflop.runtime.verify.floor_unit`: the eps of ``low`` where larger).
 
     ``‖ṗ‖/‖p‖`` is the size of the direction relative to the point (the norms over every
     primal that has a tangent, parameters and inputs together, in float64), and ``|L| ·
@@ -215,11 +221,13 @@ def tangent_floor(
         loss: ``L``, the loss value at the primal point.
         primals: the primals that have tangents; tangents: theirs, in the same order.
         tolerance: the check's tolerance.
+        low: the lowest precision the graph computes in
+            (:func:`~graphflop.runtime.verify.lowest_precision`), or None.
     """
     p, v = norm64(primals), norm64(tangents)
     if p == 0 or not math.isfinite(loss * v / p):
         return 0.0
-    return FLOOR_ULPS * torch.finfo(dtype).eps * abs(loss) * v / p / tolerance
+    return floor_unit(dtype, low) * abs(loss) * v / p / tolerance
 
 
 def tangent_error(got: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
