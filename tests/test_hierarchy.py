@@ -29,6 +29,7 @@ from graphflop.meta import (
     MODULE,
     OUTLINED,
     PARAM,
+    PARAM_DERIVED,
     ROLE,
     SOURCE,
     VJP,
@@ -70,9 +71,18 @@ def _nodes(gm):
 
 
 def _derivative_nodes(gm):
-    """:func:`_nodes` with each node's role, kind, forward source, name and FLOPs."""
+    """:func:`_nodes` with each node's role, kind, forward source, name, FLOPs and
+    ``PARAM_DERIVED``."""
     return [
-        (*row, n.meta.get(ROLE), n.meta.get(KIND), n.meta.get(SOURCE), n.name, n.meta.get(COST))
+        (
+            *row,
+            n.meta.get(ROLE),
+            n.meta.get(KIND),
+            n.meta.get(SOURCE),
+            n.name,
+            n.meta.get(COST),
+            n.meta.get(PARAM_DERIVED),
+        )
         for row, n in zip(_nodes(gm), gm.graph.nodes)
     ]
 
@@ -505,6 +515,105 @@ def test_template_jvp_is_not_reused_where_the_tangent_strides_differ(record):
     )
     h = _check(a)
     assert h is not None and len(h.sites) == 4
+
+
+class LatentsNet(nn.Module):
+    """Perceiver-like: one block structure run on the model input (block 0), on learned
+    latents, an ``nn.Parameter`` (block 1, its input computed from parameters only), then on
+    activations (blocks 2, 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(4, 16))
+        self.blocks = nn.ModuleList(Block(16, 32) for _ in range(4))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        z = self.blocks[1](self.latents)
+        x = self.blocks[2](x + z)
+        return self.head(self.blocks[3](x))
+
+
+class ShiftedFrozenNet(nn.Module):
+    """A frozen stem and frozen blocks 0, 1, then a trainable shift before block 2: block 2's
+    input tangent is the shift's alone (computed from parameters only), block 3's is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16).requires_grad_(False)
+        self.blocks = nn.ModuleList(Block(16, 32) for _ in range(4))
+        for i in (0, 1):
+            self.blocks[i].requires_grad_(False)
+        self.shift = nn.Parameter(torch.zeros(16))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for i, b in enumerate(self.blocks):
+            x = b(x + self.shift if i == 2 else x)
+        return self.head(x)
+
+
+class FrozenLatentsNet(nn.Module):
+    """Blocks 1 and 2 both read an input with no tangent: an activation detached (block 1),
+    frozen latents (block 2, computed from parameters only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(4, 16), requires_grad=False)
+        self.blocks = nn.ModuleList(Block(16, 32) for _ in range(4))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        d = self.blocks[1](x.detach())
+        z = self.blocks[2](self.latents)
+        return self.head(self.blocks[3](x + d + z))
+
+
+# Per block (batch 4, Linear(16, 32), ReLU, Linear(32, 16)), the backward's FLOPs: fc1's
+# weight 2·4·16·32 = 4096 and bias 4·32 = 128, fc2's weight 4096 and bias 4·16 = 64 (weight
+# gradients, 8384); fc1's input gradient 4096, ReLU's le + where 2·4·32 = 256, fc2's input
+# gradient 4096 (input gradients, 8448), weight gradients where the value whose cotangent
+# they compute is computed from parameters only. The head Linear(16, 5): 2·4·5·16 = 640
+# input, 640 + 4·5 = 660 weight.
+# LatentsNet: block 0 reads the input (no fc1 input gradient): 256 + 4096 = 4352 input,
+#   8384 weight; block 1 (latents) all weight: 8384 + 8448 = 16832; blocks 2, 3 8448 / 8384:
+#   input 4352 + 2·8448 + 640 = 21888, weight 8384 + 16832 + 2·8384 + 660 = 42644.
+# ShiftedFrozenNet: block 2's fc1 input gradient flows to the shift's tangent alone (weight),
+#   its ReLU and fc2 to fc1's output (fc1's weight tangent reads the activation): block 2
+#   4352 / 8384 + 4096 = 12480, block 3 8448 / 8384, the shift's sum over the batch 4·16 =
+#   64 weight: input 4352 + 8448 + 640 = 13440, weight 12480 + 8384 + 64 + 660 = 21588.
+# FrozenLatentsNet: blocks 0, 1 4352 / 8384 each (no input gradient into the input or the
+#   detached one), block 2 (frozen latents: fc1's output computed from parameters only)
+#   all weight: 8384 + 256 + 4096 = 12736, block 3 8448 / 8384: input 2·4352 + 8448 + 640 =
+#   17792, weight 2·8384 + 12736 + 8384 + 660 = 38548.
+SPLITS = [
+    (LatentsNet, (4, 16), 21888, 42644),
+    (ShiftedFrozenNet, (4, 8), 13440, 21588),
+    (FrozenLatentsNet, (4, 16), 17792, 38548),
+]
+
+
+@pytest.mark.parametrize(("model", "shape", "grad_input", "grad_weight"), SPLITS)
+def test_role_split_where_a_block_input_is_computed_from_parameters(
+    model, shape, grad_input, grad_weight
+):
+    """A call whose input (or input tangent) is computed from parameters only gives its
+    backward's work the role ``grad_weight`` where another call of the same block gives
+    ``grad_input``: the derivatives built per template are those built call by call, roles
+    and ``PARAM_DERIVED`` included, and the split is the flat trace's and the hand count."""
+    torch.manual_seed(0)
+    m, x = model(), torch.randn(*shape)
+    a = analyze(m, (x,))
+    flat = analyze(m, (x,), outline=False)
+    assert HIERARCHY in a.forward.meta and HIERARCHY not in flat.forward.meta
+    _check_derivatives(a)
+    got, want = a.report.to_dict()["totals"], flat.report.to_dict()["totals"]
+    assert got == want
+    b = a.report.totals.backward
+    assert (b.grad_input_flops, b.grad_weight_flops) == (grad_input, grad_weight)
 
 
 class UnevenPoolBlock(nn.Module):

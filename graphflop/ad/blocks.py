@@ -9,7 +9,10 @@ forward node names and the residuals changing from call to call.
 
 :class:`BlockTranspose` builds that run with the rules once per *variant* — the call's template,
 which of its nodes carry tangents (the activity pattern: the JVP log's entries for the call),
-which of its outputs arrive with a cotangent and which of its inputs already hold one — as a
+which of its outputs arrive with a cotangent and which of its inputs already hold one, and
+which of the values its entries read are computed from parameters only (``PARAM_DERIVED``: the
+cotangent work for such a tangent is a weight gradient, so a block run on learned latents, or
+on a tangent only a parameter feeds, labels its backward unlike one run on activations) — as a
 :class:`TemplateBackward`: the backward nodes of one call, whose arguments are the residuals
 the call reads (values of the template's forward: its inputs, parameters and inner nodes), the
 cotangents arriving at its outputs and those already held by its inputs, and whose results are
@@ -324,19 +327,21 @@ class BlockTranspose:
         inside = set(run)
         externals: list[Node] = []
         seen: set[Node] = set()
+        # per value the entries read, its PARAM_DERIVED: a tangent's decides the role of the
+        # cotangent work for it (grad_weight or grad_input), a primal's or coefficient's the
+        # PARAM_DERIVED of the backward nodes reading it
+        derived: list[bool] = []
         for e in run:
             for a in _leaves((e.args, e.kwargs)):
                 if is_ghost(a):
                     self._rules(run, rules, site)
                     return None
-                if (
-                    isinstance(a, Node)
-                    and a.meta.get(KIND) == "tangent"
-                    and a not in inside
-                    and a not in seen
-                ):
-                    seen.add(a)
-                    externals.append(a)
+                if isinstance(a, Node):
+                    m = a.meta
+                    derived.append(m.get(PARAM_DERIVED, False))
+                    if m.get(KIND) == "tangent" and a not in inside and a not in seen:
+                        seen.add(a)
+                        externals.append(a)
         incoming = tuple(_state(ct.get(e)) for e in run)
         prior = tuple(_state(ct.get(x)) for x in externals)
         if site in self.unsafe or False in incoming or False in prior:
@@ -351,6 +356,7 @@ class BlockTranspose:
             incoming,
             prior,
             len(externals),
+            tuple(derived),
         )
         t = self.templates.get(key)
         if t is None:
@@ -406,8 +412,8 @@ class BlockTranspose:
     ) -> None:
         """Transpose one call of the recorded JVP (``run``: its log entries ``(repeat node,
         position)``, in the order transposed). A call of a JVP template whose variant (its
-        logged positions, which of its arguments are one value, the cotangents arriving and
-        held) has a template backward recorded at an earlier call of that JVP template is that
+        logged positions, which of its arguments are one value and which are computed from
+        parameters only, the cotangents arriving and held) has a template backward recorded at an earlier call of that JVP template is that
         template backward, its residuals and cotangents read from the call's arguments and
         getitems (no node of the call made); every other call is made flat aside
         (:meth:`RecordedCalls.flat`) and transposed as :meth:`transpose` transposes the flat
@@ -420,6 +426,9 @@ class BlockTranspose:
         args: Any = rep.args[0]
         first: dict[int, int] = {}
         pattern = tuple(first.setdefault(id(a), j) for j, a in enumerate(args))
+        # which arguments are computed from parameters only (two calls of one template JVP
+        # may differ there: the roles of the cotangent work for them, :meth:`transpose`)
+        derived = tuple(isinstance(a, Node) and a.meta.get(PARAM_DERIVED, False) for a in args)
         externals: list[Node] = []
         seen: set[Node] = set()
         for ref in self._walk(calls.template(rep), positions):
@@ -446,6 +455,7 @@ class BlockTranspose:
             calls.template(rep),
             positions,
             pattern,
+            derived,
             incoming,
             prior,
             len(externals),
@@ -1438,7 +1448,8 @@ class _Unread:
 
 class BlockLinearize:
     """Per call site of ``forward``'s hierarchy, its JVP nodes, built by the rules once per
-    variant and expanded at the other calls (the JVP graph is the same node for node).
+    variant (the template, its inputs' :meth:`_arg_state`, the tangents needed) and expanded
+    at the other calls (the JVP graph is the same node for node).
 
     Args:
         forward: the traced forward graph (with :data:`~graphflop.meta.HIERARCHY`).
@@ -1532,16 +1543,21 @@ class BlockLinearize:
         return got
 
     def _arg_state(self, site: int, a: Node) -> Any:
-        """A call input's tangent as a signature: what the rules read of it."""
+        """A call input as a signature: what the rules read of it. Its value's
+        ``PARAM_DERIVED`` (the call's forward nodes' follow from its inputs', and with them the
+        ``PARAM_DERIVED`` and roles of the tangent work: latents, an ``nn.Parameter``, run
+        through a block also run on activations), then its tangent's: None, ``False`` (a
+        ghost or a multi-output tangent: the rules), or what the rules read of it."""
+        pd = isinstance(a, Node) and bool(a.meta.get(PARAM_DERIVED, False))
         t = self.lin.tan.get(a)
         if t is None:
-            return None
+            return pd, None
         if not isinstance(t, Node):
             return False  # a ghost or a multi-output tangent: the rules
         m = t.meta
         where = self.rel[site].get(m.get(MODULE, ""), "outside")
         kind = (t.op == "placeholder", m.get(PARAM_DERIVED), m.get(ROLE), m.get(KIND), where)
-        return (*kind, _layout(t))
+        return (pd, *kind, _layout(t))
 
     def linearize(self, site: int, needed: set[Node], rules: Callable[[Node], None]) -> None:
         """Emit the JVP nodes of call ``site``'s forward nodes: its variant's template JVP
