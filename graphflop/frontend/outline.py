@@ -477,15 +477,14 @@ def _modules_state(
 
 
 def _own_state(sub: nn.Module) -> tuple:
-    """``sub``'s class, mode and attributes (not its submodules'). (``nn.Module``'s own
-    attributes, most of a module's, are left out by a set difference in C, not tested one by
-    one: the attributes are sorted by name after.)"""
-    own = vars(sub)
+    """``sub``'s class, mode and attributes (not its submodules')."""
     attrs = tuple(
         sorted(
             (k, _attr_key(v))
-            for k in own.keys() - _MODULE_INTERNALS
-            if not getattr(v := own[k], "_graphflop_stub", False) and not _is_index(k, v)
+            for k, v in vars(sub).items()
+            if k not in _MODULE_INTERNALS
+            and not getattr(v, "_graphflop_stub", False)
+            and not _is_index(k, v)
         )
     )
     return (type(sub), sub.training, attrs)
@@ -628,8 +627,9 @@ class _Frozen:
         for name, sub in tree:
             if not _plain_walk(type(sub)) or _hooked(name, sub):
                 return None
-            own = vars(sub)  # (nn.Module's own attributes left out by a set difference, in C)
-            if not all(_keyed_by_identity(own[k]) for k in own.keys() - _MODULE_INTERNALS):
+            if not all(
+                _keyed_by_identity(v) for k, v in vars(sub).items() if k not in _MODULE_INTERNALS
+            ):
                 return None
         return _Frozen(tree)
 
