@@ -154,6 +154,28 @@ def test_new_node_as_create_node():
     assert ours.python_code("self").src == theirs.python_code("self").src
 
 
+def test_new_node_files_in_fx_rows_after_changes():
+    """``new_node`` files a node in the row fx's ``find_nodes`` reads, also where the row was
+    found by the target's identity (``find_row``'s table, after the first node of a target)
+    and after fx re-filed or dropped nodes of that target (a target reassigned, a node
+    erased)."""
+    aten = torch.ops.aten
+    g = Graph()
+    x = new_node(g, "placeholder", "x", "x", (), {})
+    a = new_node(g, "call_function", aten.relu.default, "relu", (x,), {})
+    b = new_node(g, "call_function", aten.relu.default, "relu", (a,), {})
+    b.target = aten.sin.default  # fx moves it to the sin row
+    c = new_node(g, "call_function", aten.relu.default, "relu", (b,), {})
+    d = new_node(g, "call_function", aten.sin.default, "sin", (c,), {})
+    g.erase_node(d)
+    e = new_node(g, "call_function", aten.sin.default, "sin", (c,), {})
+    # relu: a and c (b moved away); sin: b and e (d erased)
+    assert g.find_nodes(op="call_function", target=aten.relu.default) == [a, c]
+    assert g.find_nodes(op="call_function", target=aten.sin.default) == [b, e]
+    assert g.find_nodes(op="placeholder") == [x]
+    g.lint()
+
+
 def test_fake_mode_of_breadth_first_and_lazy():
     m1, m2 = FakeTensorMode(), FakeTensorMode()
     with m1:

@@ -51,6 +51,7 @@ from graphflop.ad.builder import (
     base_name,
     copy_node,
     emit_named,
+    find_row,
     makes_nodes,
     new_node,
     parse_names,
@@ -873,7 +874,14 @@ def _reads(call: Node, n: Node, tpl: dict) -> bool:
 
 
 def _named_node(
-    g: Graph, x: Node, args: tuple, kwargs: dict, name: str, parsed: ParsedName, num: int | None
+    g: Graph,
+    x: Node,
+    args: tuple,
+    kwargs: dict,
+    name: str,
+    parsed: ParsedName,
+    num: int | None,
+    row: dict[Node, None],
 ) -> Node:
     """A copy of template node ``x`` in ``g`` with ``args``, ``kwargs`` (no ``meta``) and the
     name ``name``, which :func:`~graphflop.ad.builder.take_parsed` gave from ``parsed`` (the
@@ -881,9 +889,11 @@ def _named_node(
     kwargs, name=name, type_expr=x.type)``, the name taken in ``g``'s namespace as fx takes it
     without reading it again (:func:`~graphflop.ad.builder.take_again`; the copies of every
     call would read their names twice: a tenth of the trace's cost per block), then the node
-    made and inserted as ``create_node`` makes and inserts it. Raises :class:`_Unsupported`
-    where fx would give another name (taken in ``g`` already). ``create_node`` itself where
-    ``g`` has an owning module (its create-node hooks) or this torch.fx lacks the parts."""
+    made and inserted as ``create_node`` makes and inserts it (filed in ``row``, the find_nodes
+    table's row of ``x``'s target: :func:`~graphflop.ad.builder.find_row`). Raises
+    :class:`_Unsupported` where fx would give another name (taken in ``g`` already).
+    ``create_node`` itself where ``g`` has an owning module (its create-node hooks) or this
+    torch.fx lacks the parts. (:func:`_flat_forward` makes the common case's copy in line.)"""
     if not makes_nodes(g):
         new = g.create_node(x.op, x.target, args, kwargs, name=name, type_expr=x.type)
     else:
@@ -894,7 +904,7 @@ def _named_node(
             taken = take_again(g, name, base, num)
         if not taken:
             raise _Unsupported("a copy's name taken in the flat graph")
-        new = new_node(g, x.op, x.target, name, args, kwargs, x.type, taken=True)
+        new = new_node(g, x.op, x.target, name, args, kwargs, x.type, True, row)
     if new.name != name:
         raise _Unsupported("a copy's name taken in the flat graph")
     return new
@@ -954,19 +964,44 @@ def forget(h: Hierarchy) -> None:
         _RECORDS.pop(h.graph, None)
 
 
-def _plan(tnodes: list[Node], items: tuple, at: dict[Node, int], inner: dict) -> list[tuple]:
-    """A variant's ``items`` as :func:`_flat_forward` copies them at each of its calls, what
-    every call reads of its template nodes read once: ``(index, out, template node, its place
-    in the template's body, its args, its kwargs, its inner module stack)`` (the last four
-    None for a getitem the flat form completes)."""
+def _plan(
+    g: Graph, tnodes: list[Node], items: tuple, at: dict[Node, int], inner: dict
+) -> list[tuple]:
+    """A variant's ``items`` as :func:`_flat_forward` copies them into ``g`` at each of its
+    calls, what every call reads of its template nodes read once: ``(index, out, template
+    node, its place in the template's body, its args, its kwargs, its inner module stack, the
+    row of ``g``'s find_nodes table its copies are filed in)`` (the last five None for a
+    getitem the flat form completes)."""
     out: list[tuple] = []
     for index, o in items:
         x = tnodes[index]
         if o is None:
-            out.append((index, o, x, at[x], x.args, x.kwargs, inner[x]))
+            row = find_row(g, x.op, x.target)
+            out.append((index, o, x, at[x], x.args, x.kwargs, inner[x], row))
         else:
-            out.append((index, o, x, None, None, None, None))
+            out.append((index, o, x, None, None, None, None, None))
     return out
+
+
+def _complete(g: Graph, parent: Node, x: Node, out: int, name: str, derived: bool) -> None:
+    """The getitem the flat form completes at a call: output ``out`` of ``parent`` (the copy
+    of template node ``x``) named ``name``, annotated as ``_tag_nodes`` annotates it
+    (``derived``: its PARAM_DERIVED, ``x``'s)."""
+    new = emit_named(g, operator.getitem, (parent, out), name)
+    if new.name != name:
+        raise _Unsupported("a copy's name taken in the flat graph")
+    meta = {k: v for k, v in parent.meta.items() if k not in ("val", COMPOSITE)}
+    meta["val"] = x.meta["val"][out]
+    tag = getitem_tag(parent, out)
+    if tag is not None:
+        meta[COMPOSITE] = tag
+    path = parent.meta[MODULE]
+    meta[KIND] = "primal"
+    meta[SOURCE] = name
+    meta[MODULE] = path
+    meta[ROLE] = "loss" if path == "loss" else "forward"
+    meta[PARAM_DERIVED] = derived
+    object.__setattr__(new, "meta", meta)
 
 
 def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
@@ -1001,8 +1036,11 @@ def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
     # its copies' names, with the numbers they are taken by in the flat graph
     parsed = [parse_names(names) for names in candidates]
     where = [{x: i for i, x in enumerate(body)} for body in bodies]
-    plans = [_plan(tnodes[t], items, where[t], inner[t]) for t, items in h.variants]
+    plans = [_plan(g, tnodes[t], items, where[t], inner[t]) for t, items in h.variants]
     names_of = [take_parsed(namespace, parsed[s.template]) for s in h.sites]  # type: ignore[arg-type]
+    fast = makes_nodes(g)
+    ns = g._graph_namespace if fast else None  # (the parts new_node reads, where it has them)
+    used, counts = (ns._used_names, ns._base_count) if ns is not None else (set(), {})
     for n in h.graph.graph.nodes:
         if n.target is call_op:
             args, number = n.args
@@ -1022,37 +1060,40 @@ def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
                 for x in bodies[t]:
                     pd[x] = may_be_param_derived(x) and all(pd[a] for a in inputs[t][x])
             stacks: dict[tuple, tuple[dict, str]] = {}
-            for index, out, x, i, xargs, xkwargs, key in plans[h.sites[number].variant]:
-                if out is None:
-                    name = names[i]
-                    try:
-                        args = map_arg(xargs, tenv.__getitem__)
-                        kwargs = map_arg(xkwargs, tenv.__getitem__) if xkwargs else {}
-                    except KeyError:
-                        raise _Unsupported("a copy reads a value its call does not pass") from None
-                    new = _named_node(g, x, args, kwargs, name, read[i], nums[i])
-                    meta = dict(x.meta)
-                    known = stacks.get(key)
-                    if known is None:
-                        stack = stack_of(key)
-                        known = stacks[key] = (stack, _stack_path(stack))
-                    meta["nn_module_stack"] = known[0]
-                    meta[CALL_SITE] = (number, index)
-                    path = known[1]
-                    tenv[x] = new
-                else:  # a getitem the flat form completes
-                    parent = tenv[x]
-                    name = next(completed)
-                    new = emit_named(g, operator.getitem, (parent, out), name)
-                    meta = {k: v for k, v in parent.meta.items() if k not in ("val", COMPOSITE)}
-                    meta["val"] = x.meta["val"][out]
-                    tag = getitem_tag(parent, out)
-                    if tag is not None:
-                        meta[COMPOSITE] = tag
-                    path = parent.meta[MODULE]
-                if new.name != name:
-                    raise _Unsupported("a copy's name taken in the flat graph")
+            value_of = tenv.__getitem__
+            for index, out, x, i, xargs, xkwargs, key, row in plans[h.sites[number].variant]:
+                if out is not None:  # a getitem the flat form completes
+                    _complete(g, tenv[x], x, out, next(completed), pd[x])
+                    continue
+                name = names[i]
+                try:
+                    args = map_arg(xargs, value_of)
+                    kwargs = map_arg(xkwargs, value_of) if xkwargs else {}
+                except KeyError:
+                    raise _Unsupported("a copy reads a value its call does not pass") from None
+                base = read[i][1]
+                if fast and base is not None:  # (_named_node's common case, in line)
+                    if name in used:  # (take_again's take of the name, in line)
+                        raise _Unsupported("a copy's name taken in the flat graph")
+                    used.add(name)
+                    num = nums[i]
+                    counts[base] = counts.get(base, 0) if num is None else num
+                    new = new_node(
+                        g, "call_function", x.target, name, args, kwargs, x.type, True, row
+                    )
+                else:
+                    new = _named_node(g, x, args, kwargs, name, read[i], nums[i], row)
+                known = stacks.get(key)
+                if known is None:
+                    stack = stack_of(key)
+                    known = stacks[key] = (stack, _stack_path(stack))
+                path = known[1]
+                tenv[x] = new
+                # the template node's meta with its call's module stack and site and
                 # _tag_nodes's annotations (its MODULE: module_path of the node's stack)
+                meta = dict(x.meta)
+                meta["nn_module_stack"] = known[0]
+                meta[CALL_SITE] = (number, index)
                 meta[KIND] = "primal"
                 meta[SOURCE] = name
                 meta[MODULE] = path

@@ -981,7 +981,7 @@ def _no_grad_only(gm: GraphModule, frozen: tuple[str, ...]) -> tuple[str, ...]:
 def _read_only_where(gm: GraphModule, frozen: tuple[str, ...], where: Any) -> list[str]:
     """The parameters not in ``frozen`` that some node reads and every reader of which is
     ``where(node)``."""
-    phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    phs = {n.name: n for n in gm.graph.find_nodes(op="placeholder", sort=False)}  # (no walk)
     out = []
     for p, _ in gm.meta[SIGNATURE].params:
         users = list(phs[p].users)
