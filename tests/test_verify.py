@@ -704,6 +704,48 @@ def test_a_model_computing_in_bfloat16_is_checked_to_bfloat16s_eps(tmp_path, cap
     assert "floor bfloat16's eps·max(‖∇L‖" in checks[0].line()
 
 
+def test_a_detached_low_precision_side_value_leaves_the_tolerance():
+    """Tester's finding: one detached value cast to float8 (an amax kept for scaling, no gradient
+    or tangent through it) made the whole check's tolerance float8_e5m2's eps, 0.25, so a
+    derivative rule off by 10% passed. Only the differentiated path counts: the values between
+    a parameter or input and the loss, not through ``detach`` (a zero derivative) or grad mode
+    off. The same side value not detached, on the path, still sets float16's eps."""
+    from graphflop.frontend.trace import trace
+    from graphflop.runtime.verify import dtype_tolerance, lowest_precision
+
+    class Side(nn.Module):
+        def __init__(self, detach: bool, dtype: torch.dtype):
+            super().__init__()
+            self.a, self.c, self.detach, self.dtype = (
+                nn.Linear(4, 8),
+                nn.Linear(8, 3),
+                detach,
+                dtype,
+            )
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            s = h.detach() if self.detach else h
+            side = s.abs().amax().to(self.dtype).to(torch.float32)
+            return self.c(h) * side
+
+    x = torch.empty(2, 4)
+    for dtype in (torch.float8_e5m2, torch.float16):
+        assert lowest_precision(trace(Side(True, dtype), (x,))) is torch.float32
+    g = trace(Side(False, torch.float16), (x,))
+    assert lowest_precision(g) is torch.float16  # on the path: tolerance float16's 2⁻¹⁰
+    assert dtype_tolerance(g, 1e-4)[0] == 2.0**-10
+
+    class NoGrad(Side):
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            with torch.no_grad():
+                side = h.abs().amax().to(torch.float16).to(torch.float32)
+            return self.c(h) * side
+
+    assert lowest_precision(trace(NoGrad(False, torch.float16), (x,))) is torch.float32
+
+
 @pytest.mark.slow  # about 3 s: two CLI runs
 def test_verify_of_a_bfloat16_autocast_model_repeats(tmp_path, capsys, monkeypatch):
     """The tester's m25 verified twice through the CLI: the weights come from seed 0 (they were

@@ -39,18 +39,20 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.fx import GraphModule, Interpreter
+from torch.fx import GraphModule, Interpreter, Node
 
 from graphflop.frontend.loss import differentiable, loss_output, loss_value
 from graphflop.meta import (
     CONSTANTS,
     LEAF,
     LOSS_KIND,
+    NO_GRAD,
     SIGNATURE,
     SOURCE,
     VJP,
     Signature,
 )
+from graphflop.ops import MissingRuleError, lookup
 from graphflop.runtime.attention import math_attention
 
 #: the forward-gradient check's default number of steps, the FLOPs they may spend together
@@ -291,12 +293,46 @@ def gradient_floor(
 
 
 def lowest_precision(forward: GraphModule) -> torch.dtype | None:
-    """The floating dtype of lowest precision (largest machine epsilon) among the values
-    ``forward``'s operations compute (each ``call_function`` node's ``val``, every tensor of a
-    multi-output op's), None where none is floating. A region under the model's own
-    ``torch.autocast(dtype=torch.bfloat16)`` makes it bfloat16 whatever dtype verify runs in."""
+    """The floating dtype of lowest precision (largest machine epsilon) among the values on
+    ``forward``'s differentiated path: each ``call_function`` node's ``val`` (every tensor of a
+    multi-output op's) where the node depends on a parameter or an input through ops with a
+    derivative (not through ``detach``, another op whose derivative is zero, or a node made with
+    grad mode off) and the loss or an output depends on it. None where none is floating. A
+    region under the model's own ``torch.autocast(dtype=torch.bfloat16)`` makes it bfloat16
+    whatever dtype verify runs in; a detached side computation in a lower precision (an amax
+    cast to float8 for scaling) does not, since no gradient or tangent goes through it."""
+    sig: Signature | None = forward.meta.get(SIGNATURE)
+    nodes = list(forward.graph.nodes)
+    if sig is not None:
+        sources = {p for p, _ in sig.params} | set(sig.inputs)
+        ends = {sig.loss, *sig.outputs} if sig.loss else set(sig.outputs)
+    else:  # a graph not from graphflop's trace: every placeholder, every output
+        sources = {n.name for n in nodes if n.op == "placeholder"}
+        ends = set()
+    active: set[Node] = set()
+    for n in nodes:
+        if n.op == "placeholder":
+            if n.name in sources:
+                active.add(n)
+        elif (
+            n.op == "call_function"
+            and not n.meta.get(NO_GRAD)
+            and not _zero_derivative(n.target)
+            and any(a in active for a in n.all_input_nodes)
+        ):
+            active.add(n)
+    outs = [n for n in nodes if n.name in ends] or [
+        a for n in nodes if n.op == "output" for a in n.all_input_nodes
+    ]
     low: torch.dtype | None = None
-    for n in forward.graph.nodes:
+    seen: set[Node] = set()
+    stack = [n for n in outs if n in active]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(a for a in n.all_input_nodes if a in active)
         if n.op != "call_function":
             continue
         for v in torch.utils._pytree.tree_leaves(n.meta.get("val")):
@@ -305,6 +341,14 @@ def lowest_precision(forward: GraphModule) -> torch.dtype | None:
             if low is None or torch.finfo(v.dtype).eps > torch.finfo(low).eps:
                 low = v.dtype
     return low
+
+
+def _zero_derivative(op: Any) -> bool:
+    """Whether ``op``'s rule says its derivative is zero (``detach``, rounding, sign)."""
+    try:
+        return lookup(op, need=()).zero_derivative
+    except MissingRuleError:
+        return False
 
 
 def dtype_tolerance(forward: GraphModule, tolerance: float) -> tuple[float, str]:
