@@ -162,6 +162,51 @@ def nothing_left(path):
     assert left == [], left
 
 
+#: a submodule scripted with torch.jit.script (tester's finding: ``internal error: KeyError: 0``)
+JIT_SUBMODULE = """
+import torch
+from torch import nn
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.jit.script(nn.Linear(4, 4))
+        self.b = nn.Linear(4, 3)
+    def forward(self, x):
+        return self.b(self.a(x))
+def example_inputs(): return (torch.randn(2, 4),)
+"""
+
+#: one tensor a parameter of one module and a buffer of another (tester's finding: torch's
+#: "functional_call got multiple values ... Consider using tie_weights=False")
+PARAM_AS_BUFFER = """
+import torch
+from torch import nn
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.side = nn.Module()
+        self.side.register_buffer("wcopy", self.a.weight)
+    def forward(self, x):
+        return self.a(x) + x @ self.side.wcopy
+def example_inputs(): return (torch.randn(2, 4),)
+"""
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (JIT_SUBMODULE, "submodule a is a TorchScript module"),
+        (PARAM_AS_BUFFER, "both the parameter a.weight and the buffer side.wcopy"),
+    ],
+    ids=["scripted-submodule", "parameter-as-buffer"],
+)
+def test_models_graphflop_cannot_trace_are_refused_in_one_line(work, capsys, text, message):
+    (work / "models/refused.py").write_text(text)
+    one_error(capsys, "inspect", work / "models/refused.py", "--json", "a.json", message=message)
+    nothing_left(work / "out")
+
+
 # --- integer-only model output -------------------------------------------------------------
 
 

@@ -756,6 +756,21 @@ def test_walk_gives_the_paths_modules_and_parameters_of_the_model_s_own_walks():
     assert all(id(m) in walk.memo for m in blocks.modules() if m is not blocks)
 
 
+def test_walk_of_a_tree_holding_a_scripted_module():
+    """Tester's finding: a model holding ``torch.jit.script(Sub())`` crashed the walk with
+    ``KeyError: 0`` (a TorchScript module's ``_modules`` is a wrapper of a C++ table, which
+    does not iterate by key). The walk now reads it by ``keys()`` and walks such a tree as
+    ``named_modules`` does; the trace refuses the scripted module in one line."""
+    model = nn.Sequential(torch.jit.script(nn.Sequential(nn.Linear(D, D))), nn.ReLU())
+    walk = repeats.Walk(model)
+    # by hand: root, the scripted Sequential at 0, its scripted Linear at 0.0, the ReLU at 1
+    assert [n for n, _ in walk.tree] == ["", "0", "0.0", "1"]
+    assert not walk.plain and walk.modules == list(model.modules())
+    assert [n for n, _ in walk.named("_parameters")] == ["0.0.weight", "0.0.bias"]
+    with pytest.raises(graphflop.TraceError, match="submodule 0 is a TorchScript module"):
+        trace(model, (torch.randn(2, D),), loss="none")
+
+
 def test_instance_norm_running_statistics_are_buffer_updates():
     """Tester's finding: instance norm with running statistics writes them through ``alias``
     in its C++ kernel and into a repeated temporary in batch norm's decomposition: both

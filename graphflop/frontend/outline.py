@@ -316,11 +316,15 @@ _PLAIN_WALK: dict[type, bool] = {}
 
 def _plain_walk(cls: type) -> bool:
     """Whether ``cls`` walks its module tree with ``nn.Module``'s own methods and hashes and
-    compares modules by identity (what ``named_modules``' memo relies on)."""
+    compares modules by identity (what ``named_modules``' memo relies on), and holds its
+    submodules, parameters and buffers in dicts (not a TorchScript module's wrappers of C++
+    tables)."""
     plain = _PLAIN_WALK.get(cls)
     if plain is None:
         plain = _PLAIN_WALK[cls] = (
-            all(getattr(cls, name, None) is f for name, f in _WALKS.items())
+            # a TorchScript module's tables wrap C++ ones: not dicts (no iteration by key)
+            not issubclass(cls, torch.jit.ScriptModule)
+            and all(getattr(cls, name, None) is f for name, f in _WALKS.items())
             and getattr(cls, "__hash__", None) is object.__hash__
             and getattr(cls, "__eq__", None) is object.__eq__
         )
@@ -384,7 +388,10 @@ class Walk:
         self._paths: dict[str, dict[int, str]] = {}
         #: each module's class and submodules as walked (:meth:`after` tells the tree unchanged)
         self._types = tuple(map(type, self.modules))
-        self._children = [(tuple(m._modules), tuple(m._modules.values())) for m in self.modules]
+        # (by keys(): a TorchScript module's table is a wrapper that does not iterate)
+        self._children = [
+            (tuple(m._modules.keys()), tuple(m._modules.values())) for m in self.modules
+        ]
 
     def paths(self, prefix: str) -> dict[int, str]:
         """Per module (by ``id``), its path under ``prefix`` (``prefix`` itself for the root):

@@ -171,7 +171,8 @@ def trace(
 
     Raises:
         TraceError: when the model cannot be traced (the cause is chained), or it has
-            uninitialised lazy parameters.
+            uninitialised lazy parameters, a TorchScript module (the model or a submodule:
+            ``torch.jit.script``), or a tensor that is both a parameter and a buffer.
         TypeError: ``inputs`` in none of those forms.
     """
     if loss not in LOSSES + ("auto",):
@@ -179,6 +180,7 @@ def trace(
     if kwargs is None:
         inputs, kwargs = split_example(inputs)
     _refuse_lazy(model)
+    _refuse_scripted(model)
     # the graphs describe training whatever the caller's grad mode: a model's own no_grad
     # regions are told apart under it (``with torch.no_grad(): analyze(...)`` hid them)
     with _grad_on():
@@ -199,6 +201,41 @@ def _refuse_lazy(model: nn.Module) -> None:
                     "once on an example batch before analysing it (graphflop inspect does that "
                     "for a model file)"
                 )
+
+
+def _refuse_scripted(model: nn.Module) -> None:
+    """Raise a TraceError naming the first TorchScript module of ``model`` (the model itself,
+    ``""``, or a submodule: ``torch.jit.script(...)``): its forward runs in the TorchScript
+    interpreter, whose module tables are not Python dicts (its parameters live in C++), so the
+    trace can neither swap them for traced tensors nor tell its layers apart."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            what = f"the model's submodule {name}" if name else "the model"
+            raise TraceError(
+                f"{what} is a TorchScript module ({type(m).__name__} of "
+                f"{getattr(m, 'original_name', '?')}, from torch.jit.script or "
+                "torch.jit.trace), which graphflop cannot trace: analyse the Python module it "
+                "was scripted from (build the model without torch.jit.script)"
+            )
+
+
+def _refuse_parameter_buffers(params: dict, buffers: dict) -> None:
+    """Raise a TraceError where one tensor is a parameter of one module and a buffer of another
+    (``register_buffer("w", other.weight)``), naming both places (``params``, ``buffers``: as
+    ``named_parameters`` and ``named_buffers`` list them, each tensor at its first place): a
+    parameter is an input the step updates, a buffer state it carries, and one tensor cannot
+    be both (torch's ``functional_call`` refuses it, naming an option the user cannot give)."""
+    both = {id(t) for t in params.values()}.intersection(map(id, buffers.values()))
+    if not both:
+        return
+    held = next(q for q, t in params.items() if id(t) in both)
+    name = next(q for q, t in buffers.items() if t is params[held])
+    raise TraceError(
+        f"one tensor is both the parameter {held} and the buffer {name}: hold it in one role, "
+        f"e.g. read {held} where {name} is read, assign the parameter (not register_buffer) to "
+        f"make {name} a tied parameter, or register a copy ({held}.detach().clone()) as the "
+        "buffer"
+    )
 
 
 @contextlib.contextmanager
@@ -516,6 +553,7 @@ def _trace_once(
     paths = walk.paths("model")  # (ModuleScopes': read before the model's code runs)
     params = dict(walk.named("_parameters"))  # (model.named_parameters())
     buffers = dict(walk.named("_buffers"))
+    _refuse_parameter_buffers(params, buffers)
     flat_state = as_fakes(fake_mode, [*params.values(), *buffers.values()])
     n_p, n_b = len(params), len(buffers)
     slots = _state_slots(model, walk, params, buffers)
