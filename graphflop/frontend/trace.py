@@ -540,6 +540,30 @@ def _in_full(model: nn.Module, groups: list[tuple[list[nn.Module], str]]) -> tup
     return tuple(lines)
 
 
+def _templates_held(
+    outliner: repeats.Outliner,
+    table: dict,
+    fake_mode: FakeTensorMode,
+    modes: Any,
+    walk: repeats.Walk,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    flat_state: list,
+) -> dict:
+    """:func:`_templates` of ``outliner``'s calls, traced with the model's parameters and
+    buffers held as the fake tensors its traced call used (``flat_state``, in the order of
+    ``params`` then ``buffers``). The templates are traced after the model's call, when its
+    parameters and buffers are its own again, which a template reaching one outside its module
+    would read as a constant (real, or a meta tensor beside the trace's CPU ones); each traced
+    tensor's qualified name, by identity, lets :func:`_templates` name such a read."""
+    if not outliner.calls:
+        return _templates(outliner, table, fake_mode, modes, {})
+    names = {id(t): q for t, q in zip(flat_state, [*params, *buffers])}
+    state = [*params.values(), *buffers.values()]
+    with _state_swapped(walk.modules, state, flat_state):
+        return _templates(outliner, table, fake_mode, modes, names)
+
+
 def _trace_once(
     model: nn.Module,
     inputs: tuple,
@@ -619,18 +643,9 @@ def _trace_once(
                 gm = _recorder(
                     torch.func.functionalize(modes.around(objective)), decomposition_table=table
                 )(*flat_state, *inputs)
-            # the templates are traced after the model's call: its parameters and buffers
-            # are its own again, which a template reaching one outside its module would read
-            # as a constant (real, or a meta tensor beside the trace's CPU ones)
-            # (and each traced tensor's qualified name, by identity)
-            names: dict[int, str] = {}
-            swapped: Any = contextlib.nullcontext()
-            if outliner.calls:
-                names = {id(t): q for t, q in zip(flat_state, [*params, *buffers])}
-                state = [*params.values(), *buffers.values()]
-                swapped = _state_swapped(walk.modules, state, flat_state)
-            with swapped:
-                templates = _templates(outliner, table, fake_mode, modes, names)
+            templates = _templates_held(
+                outliner, table, fake_mode, modes, walk, params, buffers, flat_state
+            )
             with modes:
                 trace_records(records, table, fake_mode)
     except TraceError:
