@@ -69,6 +69,7 @@ from graphflop.passes.optimizer import (
     OptimizerConfig,
     build_update_for,
     inline_update,
+    template_node,
 )
 
 aten = torch.ops.aten
@@ -410,13 +411,7 @@ def _copy_update(
     n = next(iter(upd.graph.nodes))
     while n.op != "root":
         if n.op == "placeholder":
-            slot = n.meta[SLOT]
-            if slot == "param":
-                env[n] = params[n.meta[PARAM]]
-            elif slot == "grad":
-                env[n] = grads[n.meta[PARAM]]
-            else:
-                env[n] = state[n.name]
+            env[n] = _slot_value(n, params, grads, state)
         elif n.op == "output":
             out = n
         elif n in starts:  # a call: a run of consecutive nodes (checked by _records)
@@ -437,6 +432,17 @@ def _copy_update(
         n = n.next
     assert out is not None, "an update graph ends in its output node"
     return [env[a] for a in out.args[0]]
+
+
+def _slot_value(n: Node, params: dict, grads: dict, state: dict) -> Any:
+    """What an update's placeholder ``n`` reads in the step: its parameter, its gradient or
+    its optimizer state (by its :data:`~graphflop.meta.SLOT`)."""
+    slot = n.meta[SLOT]
+    if slot == "param":
+        return params[n.meta[PARAM]]
+    if slot == "grad":
+        return grads[n.meta[PARAM]]
+    return state[n.name]
 
 
 def _copy_recorded_update(
@@ -460,13 +466,7 @@ def _copy_recorded_update(
     bodies: dict[int, list[Node]] = {}  # per template, its nodes (costs read per getitem)
     for n in upd.graph.nodes:
         if n.op == "placeholder":
-            slot = n.meta[SLOT]
-            if slot == "param":
-                env[n] = params[n.meta[PARAM]]
-            elif slot == "grad":
-                env[n] = grads[n.meta[PARAM]]
-            else:
-                env[n] = state[n.name]
+            env[n] = _slot_value(n, params, grads, state)
         elif n.op == "output":
             out = n
         elif n.target is call_op:
@@ -475,13 +475,8 @@ def _copy_recorded_update(
             env[n] = rec.call(g, dh.templates[c.template], c, [env[a] for a in args], names[number])
         elif n.target is operator.getitem and getattr(n.args[0], "target", None) is call_op:
             rep, i = n.args
-            t = dh.calls[rep.args[1]].template
-            body = bodies.get(t)
-            if body is None:
-                nodes = dh.templates[t].graph.nodes
-                body = bodies[t] = [x for x in nodes if x.op != "placeholder"]
             meta = dict(n.meta)
-            cost = body[i].meta.get(COST)
+            cost = template_node(dh, n, bodies).meta.get(COST)
             if cost is not None:  # the flat node's cost, where the getitem's is none
                 meta[COST] = cost
             env[n] = rec.item(g, env[rep], i, meta)

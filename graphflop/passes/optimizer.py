@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -665,6 +665,18 @@ def _fake(mode, t):
         return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
 
 
+def template_node(dh: DerivedHierarchy, getitem: Node, bodies: dict[int, list[Node]]) -> Node:
+    """The node of its call's template that ``getitem`` (``operator.getitem`` of a
+    ``graphflop::repeat`` node of ``dh``'s top level) stands for; ``bodies`` holds each
+    template's nodes but its placeholders, listed at the first read."""
+    rep, i = getitem.args
+    t = dh.calls[cast(Node, rep).args[1]].template  # type: ignore[index]
+    body = bodies.get(t)
+    if body is None:
+        body = bodies[t] = [x for x in dh.templates[t].graph.nodes if x.op != "placeholder"]
+    return body[cast(int, i)]
+
+
 def not_updated(update: GraphModule) -> frozenset[str]:
     """Qualified names of the parameters an update graph passes through without work (built
     with ``no_gradient``): their new value is an ``aten.alias`` of their own input."""
@@ -675,13 +687,7 @@ def not_updated(update: GraphModule) -> frozenset[str]:
 
     def passed_through(n: Any) -> bool:  # an alias of a placeholder (of its call's template)
         if dh is not None and n.target is operator.getitem and n.args[0].target is _REPEAT:
-            rep, i = n.args
-            t = dh.calls[rep.args[1]].template
-            body = bodies.get(t)
-            if body is None:
-                nodes = dh.templates[t].graph.nodes
-                body = bodies[t] = [x for x in nodes if x.op != "placeholder"]
-            n = body[i]
+            n = template_node(dh, n, bodies)
         a = n.args[0]
         return n.target is aten.alias.default and isinstance(a, Node) and a.op == "placeholder"
 
