@@ -370,13 +370,7 @@ class BlockParams:
             s, v, run, params, copied = made[c]
             if copied is None or firsts[v][2] is None:
                 ext = _outside(run)
-                found: dict[str, None] = {}
-                for x in run:
-                    src = x.meta.get(SOURCE, "")
-                    k = d.keys.get(src)
-                    if k is not None and k[0] == s:
-                        found[src] = None
-                sources = tuple(found)
+                sources = _call_sources(d, run, s)
                 if copied is None:
                     pos = {p.name: a for a, p in enumerate(params)}
                     mapped = all(x in pos for x in sources)
@@ -417,13 +411,7 @@ class BlockParams:
         for number, (s, first, idx, rep, taken) in enumerate(made):
             run, v, ext = first[0], first[4], first[5]
             if rep is None:  # the variant's first call: made a call here
-                found: dict[str, None] = {}
-                for x in run:
-                    src = x.meta.get(SOURCE, "")
-                    k = d.keys.get(src)
-                    if k is not None and k[0] == s:
-                        found[src] = None
-                sources = tuple(found)
+                sources = _call_sources(d, run, s)
                 assert v == len(templates), "a variant's first call comes before its others"
                 pos = {w[k].name: a for a, k in enumerate(idx)}
                 at.append([pos[x] for x in sources])
@@ -457,6 +445,18 @@ def _make_call(g: Graph, run: list[Node], ext: list[Node], number: int) -> Node:
     for n in reversed(run):
         g.erase_node(n)
     return rep
+
+
+def _call_sources(d: _Describer, run: list[Node], site: int) -> tuple[str, ...]:
+    """The forward sources (``SOURCE``) of ``run``'s nodes that ``d``'s keys place in call
+    site ``site``, each once, in the order first met."""
+    found: dict[str, None] = {}
+    for x in run:
+        src = x.meta.get(SOURCE, "")
+        k = d.keys.get(src)
+        if k is not None and k[0] == site:
+            found[src] = None
+    return tuple(found)
 
 
 def _outside(run: list[Node]) -> list[Node]:
