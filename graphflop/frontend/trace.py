@@ -715,8 +715,9 @@ def _state_slots(
     does (its reparametrization with tied weights), without its walks of the tree by name for
     the tied ones, nor its checks and swaps name by name (about 0.07 ms per GPT-2 block).
     None, for ``functional_call`` itself, where the tree is walked otherwise
-    (:attr:`repeats.Walk.plain`), a tensor is both a parameter and a buffer, or the model is
-    jitted or data-parallel (which it refuses)."""
+    (:attr:`repeats.Walk.plain`), a tensor is both a parameter and a buffer (refused before
+    this is reached: :func:`_refuse_parameter_buffers`; the check stays for other callers), or
+    the model is jitted or data-parallel (which it refuses)."""
     jitted = (torch.jit.ScriptModule, torch.jit.RecursiveScriptModule, nn.DataParallel)
     if not walk.plain or isinstance(model, jitted):
         return None
