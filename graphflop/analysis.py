@@ -315,7 +315,8 @@ class AnalyzeOptions:
             summarised from the templates; the one-direction forward-gradient step is built
             from the recorded JVP without expanding it (a recorded step, summarised from its
             templates too), and so is the optimizer update (``direct`` of
-            :class:`~graphflop.passes.optimizer.AddOptimizerUpdate`); the eager memory schedules read the recorded graphs too
+            :class:`~graphflop.passes.optimizer.AddOptimizerUpdate`); the eager memory
+            schedules read the recorded graphs too
             (:mod:`graphflop.passes.recorded_memory`, the flat views where a call could
             differ); the consumers that need every node (the other forward-gradient steps,
             the graph memory model, the what-ifs, the time pass, and

@@ -357,15 +357,21 @@ def _copy_call(
     copies = []
     for n, (a, named), name in zip(made, slots, taken):
         new = copy_node(g, n, get, name, taken=True)
-        m = new.meta
-        k = idx[a]  # the node's parameter: the first call's ``a``-th parameter's counterpart
-        m[SOURCE] = w[k].name
-        m[MODULE] = w[k].meta[MODULE]
-        if named:
-            m[PARAM] = params[k][0]
+        # the node's parameter: the first call's ``a``-th parameter's counterpart
+        _own_param(new.meta, w[idx[a]], params[idx[a]][0] if named else None)
         env[n] = new
         copies.append(new)
     return [(copies[pos[0]], [copies[x] for x in pos[1:]]) for pos in where], env
+
+
+def _own_param(meta: dict, w: Node, name: str | None) -> None:
+    """``meta`` (a copy's, of a template update's node) made the call's: its source and module
+    those of the call's parameter placeholder ``w``, and, for a node that names its
+    parameter, ``name``, that parameter's qualified name."""
+    meta[SOURCE] = w.name
+    meta[MODULE] = w.meta[MODULE]
+    if name is not None:
+        meta[PARAM] = name
 
 
 def _with_calls(
@@ -447,12 +453,8 @@ def _record_call(
     items: dict[int, Node] = {}
     for pos in sorted({x for at in where for x in at}):  # in the run's order, as the flat
         a, named = slots[pos]  # graph's nodes read outside the run
-        k = idx[a]
         m = dict(made[pos].meta)
-        m[SOURCE] = w[k].name
-        m[MODULE] = w[k].meta[MODULE]
-        if named:
-            m[PARAM] = params[k][0]
+        _own_param(m, w[idx[a]], params[idx[a]][0] if named else None)
         item = emit_named(g, operator.getitem, (rep, pos), "repeat_item")
         object.__setattr__(item, "meta", m)  # (no find_nodes re-filing)
         items[pos] = item
