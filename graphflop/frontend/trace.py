@@ -732,9 +732,9 @@ def _state_slots(
     None, for ``functional_call`` itself, where the tree is walked otherwise
     (:attr:`repeats.Walk.plain`), a tensor is both a parameter and a buffer (refused before
     this is reached: :func:`_refuse_parameter_buffers`; the check stays for other callers), or
-    the model is jitted or data-parallel (which it refuses)."""
-    jitted = (torch.jit.ScriptModule, torch.jit.RecursiveScriptModule, nn.DataParallel)
-    if not walk.plain or isinstance(model, jitted):
+    the model is data-parallel (which ``functional_call`` refuses; a TorchScript module is
+    refused before this is reached: :func:`_refuse_scripted`)."""
+    if not walk.plain or isinstance(model, nn.DataParallel):
         return None
     place: dict[int, int] = {}
     for k, t in enumerate([*params.values(), *buffers.values()]):
