@@ -443,6 +443,74 @@ def test_plain_tensor_attribute_of_a_model_built_on_meta(tmp_path):
     assert analyze(real.model, real.example_inputs, loss="none").report.totals.forward.flops == 118
 
 
+SHARED_ATTRIBUTE = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.__dict__["shared"] = shared  # a plain attribute: a submodule of no module
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.fc(self.shared(x)))
+
+class Net(nn.Module):
+    def __init__(self, frozen=False):
+        super().__init__()
+        shared = nn.Linear(8, 8)
+        if frozen:  # the same math with it registered, frozen
+            self.shared = shared.requires_grad_(False)
+        self.blocks = nn.ModuleList([Block(shared) for _ in range(3)])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+def example_inputs():
+    return (torch.randn(2, 8),)
+"""
+
+
+@pytest.mark.parametrize("outline", [True, False])
+def test_a_module_held_only_as_a_plain_attribute_on_meta(tmp_path, outline):
+    """A tester's finding: blocks sharing a Linear held only as a plain attribute (registered
+    nowhere), built on the meta device as the CLI builds it, failed to trace even with
+    --no-outline (its meta weights met the trace's CPU tensors: "FakeTensorDeviceMismatch").
+    Its parameters are none of the model's (model.parameters() lacks them): read as
+    constants, as on the CPU, with a line saying so. Forward, 3 blocks × (shared 2·2·8·8 +
+    16 bias, fc the same, ReLU 16) + head 2·2·8·4 + 8 + the sum's 8: 3·560 + 136 + 8 = 1824;
+    weight gradients fc's and the head's only: 3·(256 + 16) + (128 + 8) = 952 (eager
+    autograd would add the shared Linear's 3·272); parameters 3·72 + 36 = 252. Every figure
+    is the CPU model's, and the totals those of the shared Linear registered but frozen
+    (outlined or not: blocks holding it are traced in full, outline.held_apart)."""
+    from graphflop.load import load, make_inputs
+
+    f = tmp_path / "shared.py"
+    f.write_text(SHARED_ATTRIBUTE)
+    loaded = load(str(f), meta=True)
+    x = make_inputs(loaded)
+    a = analyze(loaded.model, x, loss="sum", outline=outline, name="n")
+    r = a.report
+    assert (r.totals.forward.flops, r.totals.backward.grad_weight_flops) == (1824, 952)
+    assert (r.params, r.trainable_params) == (252, 252)
+    assert r.memory.params_bytes + r.memory.buffers_bytes == (252 + 72) * 4
+    assert any(s.startswith("blocks.0.shared is a Linear held as") for s in r.assumptions)
+    assert loaded.model.blocks[0].shared.weight.device.type == "meta"  # put back
+    real = load(str(f))
+    assert analyze(real.model, x, loss="sum", outline=outline, name="n").report.to_dict() == (
+        r.to_dict()
+    )
+    frozen = load(str(f), meta=True, ctor_kwargs={"frozen": True})
+    b = analyze(frozen.model, x, loss="sum", outline=outline, name="n").report
+    assert b.to_dict()["totals"] == r.to_dict()["totals"]
+    assert (b.params, b.frozen_params, b.memory.params_bytes) == (324, 72, 324 * 4)
+
+
 class _InputPlusNarrowLinear(nn.Module):
     def forward(self, x):
         return x + self.fc(x)

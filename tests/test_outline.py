@@ -769,6 +769,11 @@ def test_walk_of_a_tree_holding_a_scripted_module():
     assert [n for n, _ in walk.named("_parameters")] == ["0.0.weight", "0.0.bias"]
     with pytest.raises(graphflop.TraceError, match="submodule 0 is a TorchScript module"):
         trace(model, (torch.randn(2, D),), loss="none")
+    # a scripted root is refused so too, before the model is called (the call with its slots
+    # holding the traced tensors, trace._state_slots, no longer looks for one; torch.jit.trace's
+    # modules are ScriptModules too, refused alike, not run here: its first use takes 1.5 s)
+    with pytest.raises(graphflop.TraceError, match="^the model is a TorchScript module"):
+        trace(torch.jit.script(nn.Linear(D, D)), (torch.randn(2, D),), loss="none")
 
 
 def test_instance_norm_running_statistics_are_buffer_updates():

@@ -915,6 +915,76 @@ def _modules_held(v: Any) -> Iterator[nn.Module]:
             yield from _modules_held(x)
 
 
+#: the attribute values that may hold a module (:func:`_modules_held`), once for each of a
+#: container's elements
+_HOLDERS = itertools.repeat((nn.Module, list, tuple, dict))
+
+
+def held_outside(modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules that ``modules`` (a model's tree: ``list(model.modules())``) reach only
+    through a plain attribute (``self.__dict__["shared"] = linear``, or in a list, tuple or
+    dict), registered in none of them, with their submodules and the modules they hold so in
+    turn (each once). Their parameters and buffers are none of the model's (its
+    ``parameters()``, which an optimizer is given, lacks them): tensors the model's forward
+    reads as constants. Empty, at the cost of one look at each module's attributes other than
+    ``nn.Module``'s own, for almost every model."""
+    tree = set(map(id, modules))
+    found: list[nn.Module] = []
+    todo = list(modules)
+    while todo:
+        attrs = vars(todo.pop())
+        for k in attrs.keys() - _MODULE_INTERNALS:
+            v = attrs[k]
+            if not isinstance(v, nn.Module) and not (
+                # (a conv's kernel size, a list of numbers: no element a module or container)
+                isinstance(v, (list, tuple, dict))
+                and any(map(isinstance, v.values() if isinstance(v, dict) else v, _HOLDERS))
+            ):
+                continue
+            for held in _modules_held(v):
+                for sub in held.modules():
+                    if id(sub) not in tree:
+                        tree.add(id(sub))
+                        found.append(sub)
+                        todo.append(sub)
+    return found
+
+
+def held_outside_line(model: nn.Module, outside: list[nn.Module]) -> str | None:
+    """The report's line for the modules of :func:`held_outside` (``outside``, of ``model``'s
+    tree) that hold parameters or buffers, naming the first attribute of a module of
+    ``model`` that holds one; None where none holds any (the ``kernels`` library's function
+    modules: the tree is not walked again)."""
+    state = {
+        id(t): t.numel()
+        for m in outside
+        for t in (*m._parameters.values(), *m._buffers.values())
+        if t is not None
+    }
+    if not state:
+        return None
+    ids = set(map(id, outside))
+    held_at = [
+        (f"{name}.{k}" if name else k, held)
+        for name, m in model.named_modules()
+        for k, v in vars(m).items()
+        if k not in _MODULE_INTERNALS
+        for held in _modules_held(v)
+        if id(held) in ids
+    ]
+    # (one with state of its own tree first: beside it, a stateless one may be held so too)
+    where, held = next(((w, h) for w, h in held_at if not _stateless(h)), held_at[0])
+    kind = type(held).__name__
+    return (
+        f"{where} is a {kind} held as a plain attribute, a submodule of no module of the "
+        f"model: its {sum(state.values()):,} parameter and buffer elements are none of the "
+        "model's (model.parameters(), which an optimizer is given, lacks them), read as "
+        "constants with no gradient and no update (eager autograd still computes the gradient "
+        "of those that require grad, which no optimizer step reads; register it as a submodule "
+        "to train it)"
+    )
+
+
 def held_apart(tree: list[tuple[str, nn.Module]]) -> str | None:
     """Why a module whose tree is ``tree`` (:func:`_tree`) cannot be outlined, where one of
     its modules holds a module with parameters or buffers as a plain attribute (not a

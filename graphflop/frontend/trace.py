@@ -263,17 +263,21 @@ def _trace_in(
         # the module tree walked once for what reads it before the model's code first runs
         # (a later attempt walks it again: :func:`_trace`)
         first = [repeats.Walk(model)]
+        outside = repeats.held_outside(first[0].modules)
         # (each attempt of :func:`_trace` puts the modules' state back, and
         # :func:`_meta_attributes` its own changes: nothing else here writes into a module)
         with (
             quiet,
             library_logs_quiet(),
             traced_by_libraries(),
-            _meta_attributes(model, fake_mode, first[0].modules),
+            _meta_attributes(model, fake_mode, first[0].modules, outside),
         ):
             gm = _without_cache(
                 configs, lambda: _trace(model, tensors, loss, fake_mode, reuse, first)
             )
+    line = repeats.held_outside_line(model, outside) if outside else None
+    if line:
+        gm.meta[ASSUMPTIONS] += (line,)
     _check_matmul_dtypes(gm)
     return gm
 
@@ -360,29 +364,40 @@ def _bound(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple]:
 
 @contextlib.contextmanager
 def _meta_attributes(
-    model: nn.Module, fake_mode: FakeTensorMode, modules: list[nn.Module] | None = None
+    model: nn.Module,
+    fake_mode: FakeTensorMode,
+    modules: list[nn.Module] | None = None,
+    outside: list[nn.Module] | None = None,
 ) -> Iterator[None]:
     """A module's tensor attributes that are neither parameters nor buffers (``self.scale =
     torch.ones(8)``, the original LLaMA's ``self.freqs_cis``) made fake CPU tensors while
     tracing where the model was built on the meta device, as its parameters and buffers are
     (:func:`as_fake`): a meta tensor beside the inputs' CPU ones is a device mismatch. One
-    tensor held by several modules stays one (one constant of the trace, as in eager).
-    ``modules``: ``list(model.modules())``, where the caller has it."""
-    saved = []
+    tensor held by several modules stays one (one constant of the trace, as in eager). So are
+    the parameters and buffers of a module the model holds only as a plain attribute
+    (:func:`repeats.held_outside`): constants of the trace, as they are on a real device.
+    ``modules``: ``list(model.modules())``, and ``outside``: those modules, where the caller
+    has them."""
+    tree = list(model.modules()) if modules is None else modules
+    if outside is None:
+        outside = repeats.held_outside(tree)
+    saved: list[tuple[dict, str, torch.Tensor]] = []
     fakes: dict[int, torch.Tensor] = {}
     try:
-        for m in filter(repeats.holds_tensors, model.modules() if modules is None else modules):
-            for k, v in list(vars(m).items()):
+        tables = [m.__dict__ for m in filter(repeats.holds_tensors, [*tree, *outside])]
+        tables += [t for m in outside for t in (m._parameters, m._buffers)]
+        for table in tables:
+            for k, v in list(table.items()):
                 if isinstance(v, torch.Tensor) and not _is_fake(v) and v.device.type == "meta":
                     fake = fakes.get(id(v))
                     if fake is None:
                         fake = fakes[id(v)] = as_fake(fake_mode, v)
-                    saved.append((m, k, v))
-                    m.__dict__[k] = fake
+                    saved.append((table, k, v))
+                    table[k] = fake
         yield
     finally:
-        for m, k, v in saved:
-            m.__dict__[k] = v
+        for table, k, v in saved:
+            table[k] = v
 
 
 @contextlib.contextmanager
@@ -717,9 +732,9 @@ def _state_slots(
     None, for ``functional_call`` itself, where the tree is walked otherwise
     (:attr:`repeats.Walk.plain`), a tensor is both a parameter and a buffer (refused before
     this is reached: :func:`_refuse_parameter_buffers`; the check stays for other callers), or
-    the model is jitted or data-parallel (which it refuses)."""
-    jitted = (torch.jit.ScriptModule, torch.jit.RecursiveScriptModule, nn.DataParallel)
-    if not walk.plain or isinstance(model, jitted):
+    the model is data-parallel (which ``functional_call`` refuses; a TorchScript module is
+    refused before this is reached: :func:`_refuse_scripted`)."""
+    if not walk.plain or isinstance(model, nn.DataParallel):
         return None
     place: dict[int, int] = {}
     for k, t in enumerate([*params.values(), *buffers.values()]):
