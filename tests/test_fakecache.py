@@ -4,6 +4,8 @@ attribute, with PyTorch's functions as the reference (put back in place to compu
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch._subclasses import fake_tensor as ft
@@ -39,9 +41,15 @@ def _calls(mode: ft.FakeTensorMode) -> list[tuple]:
         (aten.neg.default, (ids,), {}),
         (aten.cat.default, ([x, cl], 1), {}),
         (aten.empty.memory_format, ([2, 3],), {"dtype": torch.float32, "device": "cpu"}),
-        (aten.t.default, (t,), {}),  # a view: its output handed on
+        (aten.t.default, (t,), {}),  # a view of its input
+        (aten.slice.Tensor, (x, 1, 1, 3), {}),  # a view at an offset
         (aten.add_.Tensor, (torch.empty(3, 4, device="meta"), 1), {}),  # not a fake: handed on
     ]
+
+
+def _noted(seen: list, fn, *args):
+    seen.append(args)
+    return fn(*args)
 
 
 def _key(mode, func, args, kwargs):
@@ -67,15 +75,20 @@ def test_keys_and_hits_are_pytorchs():
     assert [[type(v) for v in k] for k in ours] == [[type(v) for v in k] for k in theirs]
     assert sum(k[0] == "bypass" for k in ours) == 1  # the meta tensor's call
 
-    # a hit's output: a new FakeTensor with PyTorch's metadata and attributes
-    for func, args, kwargs in calls[:9]:
+    # a hit's output: a new FakeTensor with PyTorch's metadata and attributes, a view on its
+    # input's storage
+    for func, args, kwargs in calls[:11]:
         with mode:
             func(*args, **kwargs)  # (a miss or a hit: the entry is there after)
             hits = ft.FakeTensorMode.cache_hits
             theirs_out = func(*args, **kwargs)
+            handed_on = []
             with fakecache.fast_cache_hits():
+                pytorchs = fakecache._ORIGINAL["output"]
+                fakecache._ORIGINAL["output"] = functools.partial(_noted, handed_on, pytorchs)
                 ours_out = func(*args, **kwargs)
             assert ft.FakeTensorMode.cache_hits == hits + 2
+            assert not handed_on  # (made by fakecache's own function)
         assert type(ours_out) is ft.FakeTensor
         assert (ours_out.shape, ours_out.stride(), ours_out.dtype, ours_out.device) == (
             theirs_out.shape,
@@ -83,10 +96,16 @@ def test_keys_and_hits_are_pytorchs():
             theirs_out.dtype,
             theirs_out.device,
         )
-        assert ours_out.storage_offset() == theirs_out.storage_offset() == 0
+        assert ours_out.storage_offset() == theirs_out.storage_offset()
         assert not ours_out.requires_grad and ours_out.fake_mode is mode
         assert vars(ours_out).keys() == vars(theirs_out).keys()
-        assert ours_out.untyped_storage()._cdata != theirs_out.untyped_storage()._cdata
+        view = func in (aten.t.default, aten.slice.Tensor)
+        same = ours_out.untyped_storage()._cdata == theirs_out.untyped_storage()._cdata
+        assert same == view
+        if isinstance(args[0], torch.Tensor):
+            base = args[0].untyped_storage()._cdata
+            assert (ours_out.untyped_storage()._cdata == base) == view
+    assert theirs_out.storage_offset() == 5 * 4 * 1  # slice(x, 1, 1, 3) of a (2, 3, 4, 5)
 
 
 def test_off_changes_nothing(monkeypatch):

@@ -23,10 +23,10 @@ arguments) and hand everything else to the original:
   (this mode's strided FakeTensors without a constant value, scalars, dtypes and devices,
   sequences of ints), told before anything is appended: the same entries;
 * ``FakeTensorMode._get_output_tensor_from_cache_entry`` for a cached output that is a new
-  tensor (not an in-place op's argument, not a view, no symbolic size, not conjugate or
-  negative, not requiring grad, no shape environment): the same meta tensor, made into a
-  FakeTensor by :func:`graphflop.meta.new_fake` (``FakeTensor.__new__``'s tensor without its
-  Python).
+  tensor or a view of its input (not an in-place op's argument, no symbolic size, not
+  conjugate or negative, not requiring grad, no shape environment): the same meta tensor
+  (a view's on its input's storage), made into a FakeTensor by
+  :func:`graphflop.meta.new_fake` (``FakeTensor.__new__``'s tensor without its Python).
 
 ``tests/test_fakecache.py`` compares keys and outputs with PyTorch's own. Only for the
 PyTorch releases these were written against (:data:`TESTED_TORCH`, whose functions they
@@ -259,25 +259,28 @@ def _plain_kinds(mode: Any, args: Any) -> list | None:
 def _get_output_tensor_from_cache_entry(
     self: Any, state: Any, entry: Any, key: Any, func: Any, args: Any
 ) -> Any:
-    """PyTorch's ``FakeTensorMode._get_output_tensor_from_cache_entry``; a new tensor of
-    static shape made into a FakeTensor by :func:`~graphflop.meta.new_fake`."""
+    """PyTorch's ``FakeTensorMode._get_output_tensor_from_cache_entry``; a new tensor or a
+    view of static shape made into a FakeTensor by :func:`~graphflop.meta.new_fake`."""
     md = entry.metadata
+    view = isinstance(func, torch._ops.OpOverload) and func.is_view
     if (
         md is None
         or entry.inplace_idx is not None
-        or entry.view_idx is not None
+        or (entry.view_idx is not None) != view
         or self.shape_env is not None
         or md.layout is not _STRIDED
         or md.requires_grad
         or md.is_conj
         or md.is_neg
         or type(md.storage_offset) is not int
-        or getattr(func, "is_view", False)
         or not all(type(v) is int for v in (*md.shape, *md.stride))
+        or (view and type(args[entry.view_idx]) is not _ORIGINAL["fake_cls"])
     ):
         return _ORIGINAL["output"](self, state, entry, key, func, args)
+    shape, stride = tuple(md.shape), tuple(md.stride)
+    storage = args[entry.view_idx].untyped_storage() if view else None
     with _ORIGINAL["in_kernel"](self):
-        empty = torch.empty_strided(
-            tuple(md.shape), tuple(md.stride), dtype=md.dtype, layout=md.layout, device="meta"
-        )
+        empty = torch.empty_strided(shape, stride, dtype=md.dtype, layout=md.layout, device="meta")
+        if storage is not None:  # (a view's storage is its input's, as PyTorch's sets it)
+            empty.set_(storage, md.storage_offset, shape, stride)
     return new_fake(self, empty, md.device)
