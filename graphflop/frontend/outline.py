@@ -1582,8 +1582,8 @@ class Outliner:
             # in the call's grad mode
             # made outside inference mode (a call under torch.inference_mode(): an inference
             # tensor has no version counter to tell a write into it by)
-            with torch.inference_mode(False):
-                tensors = [_like(mode, m) for m in (*call.input_meta, *call.state_meta)]
+            with torch.inference_mode(False):  # (_like of each, the modes left once)
+                tensors = fresh_fakes(mode, [*call.input_meta, *call.state_meta])
             args, kwargs, state = self._rebuild(call, tensors)
             given = tree_flatten((args, kwargs))[0]
             versions = [t._version for t in tensors]
@@ -1714,7 +1714,7 @@ class Outliner:
 
     def example_tensors(self, key: int, fake_mode) -> list:
         call = self.calls[key]
-        return [_like(fake_mode, m) for m in (*call.input_meta, *call.state_meta)]
+        return fresh_fakes(fake_mode, [*call.input_meta, *call.state_meta])  # (_like of each)
 
 
 def inline(

@@ -64,6 +64,7 @@ from graphflop.frontend.errors import (
     quiet_loggers,
 )
 from graphflop.frontend.export_form import from_exported, from_make_fx
+from graphflop.frontend.fakecache import fast_cache_hits
 from graphflop.frontend.hierarchy import build as build_hierarchy
 from graphflop.frontend.inputs import bind_call, split_example
 from graphflop.frontend.libraries import (
@@ -650,6 +651,7 @@ def _trace_once(
             _requires_grad_ignored(),
             _input_writes_unrecorded(),
             _tensor_metadata_shared(),
+            fast_cache_hits(),
         ):
             # recorded, not shown: fake tensors make torch warn about its own internals; the
             # model's own warnings are shown once each after the trace (_reemit)
