@@ -725,12 +725,33 @@ def fresh_fake(
 
     Made directly from a meta tensor, outside any mode (no recorder sees it): an
     ``empty_strided`` call through the fake mode costs about 8x more (0.40 against 0.05 ms),
-    and tracing makes one per parameter, buffer and outlined call."""
+    and tracing makes one per parameter, buffer and outlined call.
+
+    Where neither a fake mode nor a proxy mode is set (the derivative builders' shape cache,
+    :func:`graphflop.ad.builder.fake_output`: a ResNet-50's analysis makes about 400 after its
+    trace), leaving them is nothing (their context managers unset and restore nothing):
+    Python dispatch turned off alone, in half the time (about 5 against 11 us)."""
+    if (
+        _get_mode(_FAKE_KEY) is None
+        and _get_mode(_PROXY_KEY) is None
+        and _pre_dispatch_modes().get(0) is None  # (the proxy mode's place there)
+    ):
+        with torch._C._DisableTorchDispatch():
+            return _fresh_fake(mode, shape, stride, dtype, device, requires_grad)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch._C._DisableTorchDispatch():
         return _fresh_fake(mode, shape, stride, dtype, device, requires_grad)
+
+
+#: what :func:`fresh_fake` asks to see whether a fake or proxy mode is set (the ones
+#: ``unset_fake_temporarily`` and ``disable_proxy_modes_tracing`` unset: the latter on the
+#: pre-dispatch stack too)
+_get_mode = torch._C._get_dispatch_mode
+_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+_PROXY_KEY = torch._C._TorchDispatchModeKey.PROXY
+_pre_dispatch_modes = torch._ops.mode_stack_state_for_pre_dispatch
 
 
 def fresh_fakes(mode: Any, metas: Iterable[tuple], bare: bool = False) -> list[torch.Tensor]:

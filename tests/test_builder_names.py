@@ -225,6 +225,53 @@ def test_output_kept_across_fake_modes_is_the_modes_own():
                 assert key in builder._OUTPUTS  # a new tensor, not a view: kept
 
 
+def test_view_kept_across_fake_modes_is_the_modes_own():
+    """A view op's output in a second fake mode, made from the layout the first mode's
+    dispatch gave (``builder._VIEW_LAYOUTS``) instead of a dispatch through the mode, is the
+    tensor the mode gives: a FakeTensor of the mode, a view of the input (its base the
+    input, its storage the input's) with the layout worked out by hand below; a reshape that
+    copies is left to the mode (no layout kept)."""
+    aten = torch.ops.aten
+    # x: 2x3x4 float32 laid out as a transposed 2x4x3 (strides 12, 1, 3)
+    calls = [
+        # permute(2, 0, 1): the dims reordered with their strides
+        (aten.permute.default, ([2, 0, 1],), ((4, 2, 3), (3, 12, 1))),
+        # unsqueeze(0): a new leading dim of stride 2 * 12 = 24
+        (aten.unsqueeze.default, (0,), ((1, 2, 3, 4), (24, 12, 1, 3))),
+        # expand to 5x2x3x4: the new dim of stride 0
+        (aten.expand.default, ([5, 2, 3, 4],), ((5, 2, 3, 4), (0, 12, 1, 3))),
+        # transpose(0, 2): strides 3 and 12 swapped
+        (aten.transpose.int, (0, 2), ((4, 3, 2), (3, 1, 12))),
+        # reshape splitting the last dim (4, stride 3) into 2x2: strides 6 and 3, a view
+        (aten.reshape.default, ([2, 3, 2, 2],), ((2, 3, 2, 2), (12, 1, 6, 3))),
+        # reshape merging dims 1 and 2 (strides 1 and 3 do not merge): a copy, not kept
+        (aten.reshape.default, ([2, 12],), None),
+    ]
+    for second in (False, True):
+        mode = FakeTensorMode()
+        with shape_cache_scope():
+            x = fresh_fake(mode, (2, 3, 4), (12, 1, 3), torch.float32, "cpu")
+            for op, rest, layout in calls:
+                args = (x, *rest)
+                key = builder._shape_key(op, args, {}, meta_key)
+                kept = key in builder._VIEW_LAYOUTS
+                assert kept == (second and layout is not None)
+                out = fake_output(mode, op, args, {})
+                if layout is None:
+                    assert not out._is_view() and key not in builder._VIEW_LAYOUTS
+                    continue
+                with mode:
+                    ref = op(*args)
+                got = (type(out), out.fake_mode, out.device, out.dtype, out.requires_grad)
+                assert got == (type(ref), mode, ref.device, ref.dtype, ref.requires_grad)
+                assert (tuple(out.shape), out.stride()) == layout
+                assert (tuple(ref.shape), ref.stride()) == layout
+                assert out.storage_offset() == ref.storage_offset() == 0
+                assert out._is_view() and out._base is x and ref._base is x
+                assert out.untyped_storage()._cdata == x.untyped_storage()._cdata
+                assert key in builder._VIEW_LAYOUTS
+
+
 def test_name_plan_takes_names_as_fx_one_by_one():
     """:class:`graphflop.ad.builder.NamePlan` (a call's names a base at a time) gives the names
     fx gives nodes made one after the other with them (``_Namespace.create_name`` of each) and

@@ -32,8 +32,9 @@ from torch.fx import Graph, Node
 from torch.fx.graph import _illegal_char_regex, _illegal_names, _name_regex
 from torch.fx.immutable_collections import immutable_dict
 from torch.fx.node import map_arg
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost, fresh_fake
+from graphflop.meta import KIND, MODULE, PARAM_DERIVED, ROLE, SOURCE, Ghost, fresh_fake, new_fake
 from graphflop.ops.cost import op_cost, value_of
 from graphflop.ops.ghost import GhostValue, ghost_ids, is_ghost
 from graphflop.ops.shape import reduced_dims
@@ -674,14 +675,31 @@ class Builder:
             flat = leaves((args, kwargs))
         out = self._fake(op, args, kwargs)
         node = emit(self.graph, op, tuple(args), dict(kwargs))
-        node.meta["val"] = out
-        kind = self.kind_for(flat)
-        node.meta[KIND] = kind
-        node.meta[ROLE] = self.role_for(kind, flat)
-        node.meta[SOURCE] = self.ctx.source
-        node.meta[MODULE] = self.ctx.module
-        node.meta[PARAM_DERIVED] = _param_derived(flat)
-        if kind == self.active_kind:
+        # the arguments' kinds and PARAM_DERIVED read in one walk (no ghost is left among
+        # them here): kind_for's and _param_derived's, where kind_for is the base's
+        active_kind = self.active_kind
+        derived = True
+        is_active = False
+        for a in flat:
+            if isinstance(a, Node):
+                m = a.meta
+                if derived and not m.get(PARAM_DERIVED, False):
+                    derived = False
+                if not is_active and m.get(KIND) == active_kind:
+                    is_active = True
+        if type(self).kind_for is Builder.kind_for:
+            kind = active_kind if is_active else "coef"
+        else:
+            kind = self.kind_for(flat)
+        ctx = self.ctx
+        meta = node.meta
+        meta["val"] = out
+        meta[KIND] = kind
+        meta[ROLE] = self.role_for(kind, flat)
+        meta[SOURCE] = ctx.source
+        meta[MODULE] = ctx.module
+        meta[PARAM_DERIVED] = derived
+        if kind == active_kind:
             self.log.append(node)
         return node
 
@@ -829,11 +847,20 @@ def _cached(fake_mode: Any, op: Any, key: Any, values: Any) -> Any:
             return hit
         made = _OUTPUTS.get(key) if key is not None else None
         if made is not None:
-            out = cache[key] = fresh_fake(fake_mode, *made)
-            return out
+            fresh = cache[key] = fresh_fake(fake_mode, *made)
+            return fresh
     vals, kvals = values()
-    with fake_mode:
-        out = op(*vals, **kvals)
+    out: Any = None
+    view = key is not None and op in _VIEW_OPS and _plain_view_input(fake_mode, vals, kvals)
+    if view:
+        layout = _VIEW_LAYOUTS.get(key)
+        if layout is not None:
+            out = _view_output(fake_mode, op, vals, layout)
+    if out is None:
+        with fake_mode:
+            out = op(*vals, **kvals)
+        if view:
+            _note_view(key, vals[0], out)
     if key is not None:
         cache[key] = out
         if (
@@ -847,6 +874,109 @@ def _cached(fake_mode: Any, op: Any, key: Any, values: Any) -> Any:
                 _OUTPUTS.clear()
             _OUTPUTS[key] = (tuple(out.shape), out.stride(), out.dtype, out.device)
     return out
+
+
+#: the view ops :func:`_view_output` makes the output of: per op, the op that reaches the
+#: Python dispatch key on a FakeTensor (``reshape``, a composite, reaches it as ``view``
+#: where it makes a view)
+_VIEW_OPS = {
+    aten.permute.default: aten.permute.default,
+    aten.view.default: aten.view.default,
+    aten.expand.default: aten.expand.default,
+    aten.reshape.default: aten.view.default,
+    aten.unsqueeze.default: aten.unsqueeze.default,
+    aten.squeeze.dim: aten.squeeze.dim,
+    aten.squeeze.dims: aten.squeeze.dims,
+    aten.transpose.int: aten.transpose.int,
+    aten.t.default: aten.t.default,
+}
+
+#: a shape cache key of a view op of :data:`_VIEW_OPS` -> the layout of its output, a view of
+#: its input, ``(shape, strides, storage offset)``, as the fake mode's dispatch made it: for
+#: the process (its first call of a key dispatches through the mode), as FakeTensorMode keeps
+#: its own cache, whose entries are the same function of the same metadata (a view's output
+#: metadata is one of the input's and the constant arguments), and as :data:`_OUTPUTS`
+_VIEW_LAYOUTS: dict[Any, tuple] = {}
+
+
+class _GiveOutput(TorchDispatchMode):
+    """A dispatch mode that answers the first call of ``op`` that reaches it with ``out``
+    (made beforehand), and runs every other call as it would run without it (``prim.device``,
+    which the view bookkeeping asks of a FakeTensor, answered as the fake mode answers it:
+    the tensor's fake device)."""
+
+    def __init__(self, op: Any, out: torch.Tensor) -> None:
+        super().__init__()
+        self.op, self.out = op, out
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is self.op:
+            self.op = None  # answered: once
+            return self.out
+        if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:
+            return args[0].fake_device
+        return func(*args, **(kwargs or {}))
+
+
+_PRIM_DEVICE = torch.ops.prim.device.default
+
+
+def _plain_view_input(fake_mode: Any, vals: Any, kvals: Any) -> bool:
+    """Whether a view op's arguments ``vals``, ``kvals`` are what :func:`_view_output` makes
+    the output for: one FakeTensor of ``fake_mode`` first (strided, not requiring grad, no
+    constant, no conjugate or negative bit, no symbolic shapes), then constants only, and no
+    keyword arguments."""
+    x = vals[0] if vals else None
+    return not (
+        kvals
+        or type(x) is not FakeTensor
+        or x.fake_mode is not fake_mode
+        or x.requires_grad
+        or x.constant is not None
+        or x.layout is not torch.strided
+        or x.is_conj()
+        or x.is_neg()
+        or fake_mode.shape_env is not None
+        or any(isinstance(a, torch.Tensor) for a in leaves(vals[1:]))
+    )
+
+
+def _view_output(fake_mode: Any, op: Any, vals: Any, layout: tuple) -> Any:
+    """``op(*vals)`` in ``fake_mode`` for a view op of :data:`_VIEW_OPS` whose output has the
+    ``layout`` (:data:`_VIEW_LAYOUTS`) on its input's storage, arguments as
+    :func:`_plain_view_input` allows, in about half the time a dispatch through the fake mode
+    takes (that is mostly the fake mode's cache key, worked out from the arguments again: about
+    130 us): the FakeTensor of that layout on the input's storage made as the fake mode's
+    cache makes it (``set_`` of the storage on an empty meta tensor), and the op then
+    dispatched with a mode that answers it with that tensor, so that the view bookkeeping
+    above the Python key makes it a view of the input as it does the fake mode's (the same
+    tensor: class, layout, storage, view base, dispatch keys, attributes). None where the op
+    did not reach the mode as expected (the caller then dispatches through the fake mode)."""
+    x = vals[0]
+    shape, stride, offset = layout
+    with torch._C._DisableTorchDispatch():
+        made = torch.empty(0, dtype=x.dtype, device="meta")
+        made.set_(x.untyped_storage(), offset, shape, stride)
+    out = new_fake(fake_mode, made, x.device)
+    mode = _GiveOutput(_VIEW_OPS[op], out)
+    with mode:
+        viewed = op(*vals)
+    return viewed if viewed is out and mode.op is None else None
+
+
+def _note_view(key: Any, x: Any, out: Any) -> None:
+    """Keep in :data:`_VIEW_LAYOUTS` under ``key`` the layout of ``out``, the fake mode's
+    output of a view op on ``x``, where it is a FakeTensor viewing ``x``'s storage (not a
+    ``reshape``'s copy)."""
+    if (
+        type(out) is FakeTensor
+        and out._is_view()
+        and not out.requires_grad
+        and out.untyped_storage()._cdata == x.untyped_storage()._cdata
+    ):
+        if len(_VIEW_LAYOUTS) > 100_000:
+            _VIEW_LAYOUTS.clear()
+        _VIEW_LAYOUTS[key] = (tuple(out.shape), out.stride(), out.storage_offset())
 
 
 #: a shape cache key -> the metadata of the op's output, ``(shape, strides, dtype, device)``,

@@ -187,13 +187,6 @@ class TransposeBuilder(Builder):
             return type(x)(self._import_tree(y) for y in x)
         return self.import_arg(x)
 
-    def kind_for(self, args_flat):
-        return (
-            "cotangent"
-            if any(isinstance(a, Node) and a.meta.get(KIND) == "cotangent" for a in args_flat)
-            else "coef"
-        )
-
 
 #: the keys :func:`_residual_meta` has seen (graphflop's, ``val`` and others), and the others
 _SEEN_KEYS = {"val"}

@@ -96,13 +96,32 @@ def value_key(a: Any) -> Any:
     pass keys every node's cost by it)."""
     t = type(a)
     if t is Node:
-        return meta_key(a.meta.get("val"))
+        v = a.meta.get("val")
+        if type(v) is FakeTensor:  # (meta_key's memo, read in line: most are)
+            key = v.__dict__.get(_KEY)
+            if key is not None:
+                return key
+        return meta_key(v)
     if t is float or t is bool:
         return scalar_key(a)
     if t in _LEAF_TYPES:
         return a
     if t is tuple or t is list or (isinstance(a, (list, tuple)) and not isinstance(a, torch.Size)):
-        return tuple([value_key(x) for x in a])
+        out = []  # (an op's arguments: nodes and integers, most of them, keyed in line)
+        for x in a:
+            tx = type(x)
+            if tx is int:
+                out.append(x)
+                continue
+            if tx is Node:
+                v = x.meta.get("val")
+                if type(v) is FakeTensor:
+                    key = v.__dict__.get(_KEY)
+                    if key is not None:
+                        out.append(key)
+                        continue
+            out.append(value_key(x))
+        return tuple(out)
     if t is dict:  # (most are an op's empty keyword arguments)
         return tuple([(k, value_key(v)) for k, v in sorted(a.items())]) if a else ()
     if t is GhostValue:
