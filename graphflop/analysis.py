@@ -591,6 +591,9 @@ def _analyze(
         )
         g = replace(g, forward_gradient=run_passes(fwd, [step, AnnotateFlops()]))
         g = replace(g, activity_gradient=_activity(fwd, optimizer, directions, upd))
+    # the builders' tables of the forward graph (forget_tables, below): none is read by the
+    # summary, whose memory schedules are the analysis's peak (about 7 MiB of Llama-3.1-405B's)
+    forget_tables(fwd)
     say("summarising")
     name = name or type(model).__name__
     report = summarize(

@@ -821,16 +821,44 @@ class _TrainBuilder:
         phs = {n.name: n for n in forward.graph.find_nodes(op="placeholder")}
         sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
         s.add_transient("u:optimizer", optimizer_temporaries(self.optimizer, sizes, self.device))
+        held = self.held()
+        # the walk's tables are read: freed before the lifetimes below are worked out, the
+        # analysis's peak (about 20 KiB per Llama layer)
+        del ef, fwd_tmp
+        self.release()
         # the storages saved for backward (eager_saved_storages with the schedule); each name
         # once, in the order first named (a composite op's residuals each stand for all it
         # saves: GPT-2 names each of them four times over)
         names = dict.fromkeys(
             x for p in self.saved for x in remap.get(p.name, [p.meta.get(SOURCE, p.name)])
         )
-        names.update(dict.fromkeys(x for xs in self.held().values() for x in xs))
+        names.update(dict.fromkeys(x for xs in held.values() for x in xs))
         found = s.owners([f"f:{x}" for x in names])
         owners = {o.split(":", 1)[1]: nb for o, nb in (v for v in found.values() if v is not None)}
         return s, owners
+
+    def release(self) -> None:
+        """Drop the tables the walk read (the eager forward, the kernels, the calls' contexts
+        and keys): after :meth:`walk`, only the schedule, the saved placeholders and
+        :meth:`held` (worked out) are read."""
+        for attr in (
+            "ef",
+            "owner",
+            "plain",
+            "kernels",
+            "conv_bytes",
+            "fwd_tmp",
+            "templates",
+            "keys",
+            "contexts",
+            "top_nodes",
+            "reader_rows",
+            "reader_slots",
+            "arg_at",
+            "at",
+            "indices",
+        ):
+            self.__dict__.pop(attr, None)
 
     def readers(self, p: Node) -> list[tuple[Any, Any]]:
         """The flat graph's readers of top-level node ``p``, in order, as (their

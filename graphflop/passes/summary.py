@@ -813,6 +813,10 @@ def summarize(
     totals = _totals(
         graphs, layers, optimizer, tangents, figures, derived, fwd_nodes, fwd_rule_less, phs, numels
     )
+    ops = _op_rows(graphs, figures, derived)
+    # the composed figures' per-module rows and the forward's node list are read: not kept
+    # through the memory schedules, the analysis's peak (about 20 KiB per Llama layer)
+    del figures, derived, fwd_nodes
     memory, owners = _memory(
         graphs,
         params_bytes,
@@ -842,7 +846,7 @@ def summarize(
         trainable_params=trainable,
         frozen_params=params - trainable,
         uncounted=_uncounted(graphs, fwd_rule_less),
-        ops=_op_rows(graphs, figures, derived),
+        ops=ops,
         assumptions=tuple(fwd.meta.get(ASSUMPTIONS, ())),
         eager_attention=_eager_attention(graphs),
     )
