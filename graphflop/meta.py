@@ -25,7 +25,12 @@ Node keys (``node.meta``)
     :data:`RESIDUAL`     on backward placeholders that hold forward values: ``param``, ``buffer``,
                          ``input``, ``target``, ``activation`` or ``param_derived``.
     :data:`SLOT`         on update-graph placeholders: what the input holds (``param``, ``grad``,
-                         a state kind, ``lr``, ``step``).
+                         a state kind, ``lr``, ``step``; ``param_pack``, ``grad_pack`` for a
+                         :data:`PACKED` placeholder).
+    :data:`PACKED`       on a recorded update's top-level placeholder that stands for a block
+                         call's parameters' (gradients', one state's) placeholders of the flat
+                         graph, none made: their names and their annotations (two tuples, in
+                         order; ``graphflop.passes.calls.unpacked``).
     :data:`COMPOSITE`    on forward nodes a composite op was decomposed into while tracing:
                          :class:`CompositeTag` (which op, which of its outputs, which inputs).
     :data:`CHECKPOINT`   on forward nodes the model ran inside ``torch.utils.checkpoint``:
@@ -130,6 +135,7 @@ PARAM = "gf_param"
 PARAM_DERIVED = "gf_param_derived"
 RESIDUAL = "gf_residual"
 SLOT = "gf_slot"
+PACKED = "gf_packed"
 COMPOSITE = "gf_composite"
 CHECKPOINT = "gf_checkpoint"
 FUNCTION = "gf_function"
@@ -174,6 +180,7 @@ NODE_KEYS = (
     PARAM_DERIVED,
     RESIDUAL,
     SLOT,
+    PACKED,
     COMPOSITE,
     CHECKPOINT,
     FUNCTION,

@@ -18,13 +18,13 @@ from test_recorded_analysis import QUICK, SLOW, _check_costs, _figures, _flat_fi
 from test_recorded_analysis import _model as _recorded_model
 
 from graphflop.analysis import analyze
-from graphflop.meta import DERIVED_HIERARCHY, HIERARCHY, NODE_KEYS, ROLE
+from graphflop.meta import DERIVED_HIERARCHY, HIERARCHY, NODE_KEYS, PACKED, ROLE, SLOT
 from graphflop.passes import calls
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
 from graphflop.passes.flops import AnnotateFlops
 from graphflop.passes.forward_gradient import BuildForwardGradientStep
 from graphflop.passes.infra import run_passes
-from graphflop.passes.optimizer import AddOptimizerUpdate, for_every_parameter
+from graphflop.passes.optimizer import STATE_KINDS, AddOptimizerUpdate, for_every_parameter
 from graphflop.passes.summary import Graphs, summarize
 
 REPEAT = torch.ops.graphflop.repeat.default
@@ -265,6 +265,14 @@ def test_recorded_update_equals_the_flat_update(optimizer, states):
     reps = [n for n in rec.graph.nodes if n.target is REPEAT]
     assert len(reps) == 4
     assert [len(r.users) for r in reps] == [4 * (1 + states)] * 4
+    # blocks 1-3 call the update block 0's was built into: each one placeholder for its four
+    # parameters, one for their gradients and one per state kind (no node made for the
+    # 4·(2 + states)); (2 + states)·3 in all, in the flat graph's order of placeholders
+    packs = [n for n in rec.graph.nodes if n.op == "placeholder" and PACKED in n.meta]
+    kinds = ["param", "grad", *STATE_KINDS[optimizer]]
+    assert [(n.meta[SLOT], len(n.meta[PACKED][0])) for n in packs] == [
+        (f"{k}_pack", 4) for k in kinds for _ in range(3)
+    ]
     assert not any(n.target is REPEAT for n in flat.graph.nodes)
     view = calls.flat_view(rec)
     assert _rows(view) == _rows(flat)

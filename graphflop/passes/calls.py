@@ -45,10 +45,12 @@ from torch.fx import Graph, GraphModule, Node
 
 from graphflop.ad.blocks import call_keys, forget_tables
 from graphflop.ad.builder import (
+    NO_KWARGS,
     NamePlan,
     base_name,
     copy_node,
     emit_named,
+    new_node,
     take_name,
 )
 from graphflop.ad.functions import FunctionEntry
@@ -65,9 +67,11 @@ from graphflop.meta import (
     KIND,
     MODULE,
     NODE_KEYS,
+    PACKED,
     PARAM,
     RESIDUAL,
     ROLE,
+    SLOT,
     SOURCE,
     ZERO_COST,
     GhostLinks,
@@ -92,6 +96,8 @@ __all__ = [
     "flat_view",
     "is_recorded",
     "rule_less_calls",
+    "unpack",
+    "unpacked",
 ]
 
 #: the annotations relativized to the call (the others must be equal at every call)
@@ -646,7 +652,8 @@ def _expanded(
             it = iter(args)
             for i, x in enumerate(tg.nodes):
                 if x.op == "placeholder":
-                    tenv[x] = env[next(it)]
+                    a = next(it)  # a node, or (a PACKED placeholder, position)
+                    tenv[x] = env[a] if type(a) is not tuple else env[a[0]][a[1]]
                     continue
                 if x.op == "output":
                     break
@@ -669,6 +676,8 @@ def _expanded(
         elif n in dh.folded:
             assert fold is not None
             env[n] = copy_node(g, n, env.__getitem__, fold.name(n.target))
+        elif n.op == "placeholder" and PACKED in n.meta:
+            env[n] = unpack(g, n)
         else:
             env[n] = copy_node(g, n, env.__getitem__)
     return graph_module(dh.graph, g), env, results
@@ -1065,6 +1074,32 @@ def rule_less_calls(gm: GraphModule) -> list[tuple[Node, str | None, str]]:
         elif not has_rule(n.target):
             out.append((n, n.meta.get(SOURCE), n.meta.get(MODULE, "")))
     return out
+
+
+def unpacked(n: Node) -> Iterable[tuple[str, dict]]:
+    """The placeholders of the flat graph that top-level placeholder ``n`` stands for, as
+    ``(name, meta)``: those :data:`~graphflop.meta.PACKED` holds (a recorded update's block
+    call's parameters, gradients or a state, no node made for them), else ``n``'s own."""
+    packed = n.meta.get(PACKED)
+    return zip(*packed) if packed is not None else ((n.name, n.meta),)
+
+
+def unpack(g: Graph, n: Node) -> list[Node]:
+    """The flat graph's placeholders of :data:`~graphflop.meta.PACKED` placeholder ``n``, made
+    in ``g`` under their names: each its annotations as packed, then those written on ``n``
+    since (its ``COST``) but its own."""
+    extra = {k: v for k, v in n.meta.items() if k not in _PACK_OWN}
+    out = []
+    for name, meta in zip(*n.meta[PACKED]):
+        p = new_node(g, "placeholder", name, name, (), NO_KWARGS)
+        p.meta.update(meta)
+        p.meta.update(extra)
+        out.append(p)
+    return out
+
+
+#: a :data:`~graphflop.meta.PACKED` placeholder's own annotations (not its placeholders')
+_PACK_OWN = frozenset({"val", PACKED, SLOT})
 
 
 def _nodes(t: GraphModule) -> Iterable[Node]:

@@ -49,6 +49,7 @@ from graphflop.meta import (
     JVP,
     KIND,
     MODULE,
+    PACKED,
     PARAM,
     ROLE,
     SIGNATURE,
@@ -62,7 +63,7 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.passes import step_calls
-from graphflop.passes.calls import DerivedHierarchy, flat_view, is_recorded
+from graphflop.passes.calls import DerivedHierarchy, flat_view, is_recorded, unpack
 from graphflop.passes.infra import FLAT, GraphPass
 from graphflop.passes.optimizer import (
     SLOT,
@@ -437,12 +438,18 @@ def _copy_update(
 def _slot_value(n: Node, params: dict, grads: dict, state: dict) -> Any:
     """What an update's placeholder ``n`` reads in the step: its parameter, its gradient or
     its optimizer state (by its :data:`~graphflop.meta.SLOT`)."""
-    slot = n.meta[SLOT]
+    return _slot_of(n.meta, params, grads, state, n.name)
+
+
+def _slot_of(meta: dict, params: dict, grads: dict, state: dict, name: str) -> Any:
+    """:func:`_slot_value` of the update's placeholder ``name`` of annotations ``meta`` (a
+    node's, or one a :data:`~graphflop.meta.PACKED` placeholder holds)."""
+    slot = meta[SLOT]
     if slot == "param":
-        return params[n.meta[PARAM]]
+        return params[meta[PARAM]]
     if slot == "grad":
-        return grads[n.meta[PARAM]]
-    return state[n.name]
+        return grads[meta[PARAM]]
+    return state[name]
 
 
 def _copy_recorded_update(
@@ -466,13 +473,19 @@ def _copy_recorded_update(
     bodies: dict[int, list[Node]] = {}  # per template, its nodes (costs read per getitem)
     for n in upd.graph.nodes:
         if n.op == "placeholder":
-            env[n] = _slot_value(n, params, grads, state)
+            packed = n.meta.get(PACKED)
+            env[n] = (
+                _slot_value(n, params, grads, state)
+                if packed is None
+                else [_slot_of(m, params, grads, state, x) for x, m in zip(*packed)]
+            )
         elif n.op == "output":
             out = n
         elif n.target is call_op:
             args, number = n.args
             c = dh.calls[number]
-            env[n] = rec.call(g, dh.templates[c.template], c, [env[a] for a in args], names[number])
+            xs = [env[a] if type(a) is not tuple else env[a[0]][a[1]] for a in args]
+            env[n] = rec.call(g, dh.templates[c.template], c, xs, names[number])
         elif n.target is operator.getitem and getattr(n.args[0], "target", None) is call_op:
             rep, i = n.args
             meta = dict(n.meta)
@@ -509,11 +522,14 @@ class _Start:
             if n.name not in tangent_of
         }
         self.phs = {n.name: c for n, c in self.env.items()}
-        self.state_phs = {
-            n.name: copy_node(g, n)
-            for n in upd.graph.find_nodes(op="placeholder")
-            if n.meta[SLOT] not in ("param", "grad")
-        }
+        self.state_phs: dict[str, Node] = {}  # by the update's names
+        for n in upd.graph.find_nodes(op="placeholder"):
+            packed = n.meta.get(PACKED)
+            if packed is None:
+                if n.meta[SLOT] not in ("param", "grad"):
+                    self.state_phs[n.name] = copy_node(g, n)
+            elif packed[1][0][SLOT] not in ("param", "grad"):  # a recorded update's state
+                self.state_phs.update(zip(packed[0], unpack(g, n)))
         self.given = (
             _direction_placeholders(g, info, self.phs, directions) if direction_inputs else None
         )

@@ -45,11 +45,13 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from graphflop.ad.builder import (
+    NO_KWARGS,
     Builder,
     copy_node,
     emit_named,
     fits_numbered,
     new_node,
+    take_name,
     take_names,
 )
 from graphflop.meta import (
@@ -58,6 +60,7 @@ from graphflop.meta import (
     HIERARCHY,
     KIND,
     MODULE,
+    PACKED,
     PARAM,
     PARAM_DERIVED,
     ROLE,
@@ -70,7 +73,7 @@ from graphflop.meta import (
     graph_fake_mode,
     graph_module,
 )
-from graphflop.passes.calls import DerivedHierarchy, is_recorded
+from graphflop.passes.calls import DerivedHierarchy, is_recorded, unpacked
 from graphflop.passes.infra import FLAT, GraphPass
 from graphflop.passes.step_calls import (
     BlockParams,
@@ -177,7 +180,11 @@ def build_update(
     hierarchy (:func:`~graphflop.passes.calls.is_recorded`), no flat graph made: each call a
     ``graphflop::repeat`` node with a getitem per new value and new state, a variant's first
     call built op by op and then made a call, the others emitted without copying their nodes
-    (their names taken as the copies would take them, kept as the call's flat names).
+    (their names taken as the copies would take them, kept as the call's flat names). Such a
+    later call's parameters, gradients and each optimizer state are one placeholder each,
+    ``packed_param``, ``packed_grad``, ``packed_<state>`` (:data:`~graphflop.meta.PACKED`:
+    per parameter its flat placeholder's name, taken, and annotations; none made), read by
+    the call as ``(pack, position)`` arguments (:func:`_pack`).
     :func:`~graphflop.passes.calls.flat_view` of it is the graph built without ``direct``,
     node for node and name for name (``tests/test_step_recorded.py``).
 
@@ -215,8 +222,30 @@ def build_update(
         (q, t, m if (m := get(q)) is not None else _parent(q), slot_suffix(q)) for q, t in params
     ]
 
+    recording = direct and blocks is not None
+    site_of = blocks.site_of if blocks is not None else lambda q: None
+    runs = _runs(params, site_of)  # (call site or None, parameters), in order
+    # per call site's run, its variant (recorded: a variant's later calls' parameters,
+    # gradients and states are packed, one placeholder per kind, none made for them)
+    keys: list[Any] = [
+        blocks.variant(params, idx, no_gradient) if blocks is not None and at is not None else None
+        for at, idx in runs
+    ]
+    packed = _packed_runs(runs, keys, owned) if recording else {}
+
     def slots(kind):
-        return [ph(f"{kind}_{suffix}", t, q, module, kind) for q, t, module, suffix in owned]
+        out: list[Any] = []
+        i = 0
+        while i < len(owned):
+            idx = packed.get(i)
+            if idx is None:
+                q, t, module, suffix = owned[i]
+                out.append(ph(f"{kind}_{suffix}", t, q, module, kind))
+                i += 1
+                continue
+            out += _pack(g, kind, [owned[k] for k in idx], fake_mode)
+            i = idx[-1] + 1
+        return out
 
     w, gr = slots("param"), slots("grad")
     state = [slots(kind) for kind in STATE_KINDS[cfg.name]]
@@ -250,14 +279,11 @@ def build_update(
     # by (None for the variant's first call): BlockParams.hierarchy's; recorded: its site,
     # variant's first call, parameters, repeat node and names (BlockParams.recorded's)
     calls: list[tuple] = []
-    recording = direct and blocks is not None
-    site_of = blocks.site_of if blocks is not None else lambda q: None
 
-    def block_call(at: int, idx: list[int]) -> list[tuple[Node, list[Node]]]:
-        """The update of call site ``at``'s parameters ``idx``: its variant's first call
-        built op by op, another copied (recorded: a call, its nodes not copied)."""
-        assert blocks is not None, "a call site only with the blocks' parameters"
-        key = blocks.variant(params, idx, no_gradient)
+    def block_call(at: int, idx: list[int], key: tuple) -> list[tuple[Node, list[Node]]]:
+        """The update of call site ``at``'s parameters ``idx`` (of variant ``key``): its
+        variant's first call built op by op, another copied (recorded: a call, its nodes not
+        copied)."""
         first = firsts.get(key)
         if first is not None and recording:
             outs, rep, taken = _record_call(g, first, idx, w, gr, state, params, names)
@@ -281,15 +307,9 @@ def build_update(
     with b.context(role="update"):
         decays = cfg.name == "adamw" and any(q not in no_gradient for q, _ in params)
         lr_wd = b.call(aten.mul.Tensor, lr, cfg.weight_decay) if decays else None
-        i = 0
-        while i < len(params):
-            at = site_of(params[i][0])
-            j = i + 1
-            while at is not None and j < len(params) and site_of(params[j][0]) == at:
-                j += 1
-            outs = [one(i, params[i][0])] if at is None else block_call(at, list(range(i, j)))
+        for (at, idx), key in zip(runs, keys):
+            outs = [one(idx[0], params[idx[0]][0])] if at is None else block_call(at, idx, key)
             _collect(outs, new_w, new_state)
-            i = j
     g.output(tuple(new_w + [n for s in new_state for n in s]))
     gm = _with_calls(g, blocks, calls, w, recording)
     gm.meta[UPDATE] = UpdateInfo(
@@ -300,6 +320,90 @@ def build_update(
         tuple(f"{kind}.{q}" for kind in STATE_KINDS[cfg.name] for q, _ in params),
     )
     return gm
+
+
+def _runs(params: list[tuple[str, Any]], site_of: Any) -> list[tuple[int | None, list[int]]]:
+    """``params``' positions in runs: each run of consecutive parameters of one call site
+    (``site_of``), a parameter outside every block a run of its own (site None)."""
+    runs: list[tuple[int | None, list[int]]] = []
+    i = 0
+    while i < len(params):
+        at = site_of(params[i][0])
+        j = i + 1
+        while at is not None and j < len(params) and site_of(params[j][0]) == at:
+            j += 1
+        runs.append((at, list(range(i, j))))
+        i = j
+    return runs
+
+
+def _packed_runs(
+    runs: list[tuple[int | None, list[int]]], keys: list[Any], owned: list[tuple]
+) -> dict[int, list[int]]:
+    """The runs whose placeholders a recorded update packs (:func:`_pack`), by their first
+    parameter's position: a call of a block variant after its first (whose nodes are built op
+    by op on the parameters' own placeholders), whose placeholders' names fx takes as they
+    are asked (:func:`_placeholder`'s plain case)."""
+    seen: set = set()
+    out: dict[int, list[int]] = {}
+    for (at, idx), key in zip(runs, keys):
+        if at is None:
+            continue
+        if key not in seen:
+            seen.add(key)
+            continue
+        if all(_plain(f"grad_{owned[k][3]}") for k in idx):  # (every kind's likewise)
+            out[idx[0]] = idx
+    return out
+
+
+def _plain(name: str) -> bool:
+    """Whether fx takes placeholder name ``name`` as it is asked (:func:`_placeholder`)."""
+    return name.islower() and not (name.startswith("__") and name.endswith("__"))
+
+
+class _Packed:
+    """A flat update's placeholder held in a :data:`~graphflop.meta.PACKED` placeholder: its
+    name and annotations, and the argument a call reads it by, ``(pack, position)``."""
+
+    __slots__ = ("name", "meta", "arg")
+
+    def __init__(self, name: str, meta: dict, arg: tuple[Node, int]) -> None:
+        self.name, self.meta, self.arg = name, meta, arg
+
+
+def _pack(g: Graph, kind: str, owned: list[tuple], mode: FakeTensorMode) -> list[_Packed]:
+    """One ``packed_{kind}`` placeholder of ``g`` standing for the placeholders ``kind``
+    (``param``, ``grad``, a state kind) of parameters ``owned`` ((qualified name, tensor,
+    module, name suffix) each; their values made fake tensors of ``mode``): their names taken
+    in ``g`` as :func:`_placeholder` takes them, their annotations as ``build_update``'s
+    ``ph`` makes them, held in the pack's :data:`~graphflop.meta.PACKED` (made placeholders
+    by :func:`~graphflop.passes.calls.unpack`). Its ``val``: the tuple of theirs. Returns
+    per parameter its :class:`_Packed`."""
+    entries = []
+    for q, t, module, suffix in owned:
+        asked = f"{kind}_{suffix}"
+        meta = {
+            "val": _fake(mode, t),
+            KIND: "primal",
+            ROLE: "update",
+            SOURCE: asked,
+            MODULE: module,
+            PARAM_DERIVED: True,
+            PARAM: q,
+            SLOT: kind,
+        }
+        entries.append((take_name(g, asked), meta))
+    pack = new_node(g, "placeholder", f"packed_{kind}", f"packed_{kind}", (), NO_KWARGS)
+    pack.meta["val"] = tuple([m["val"] for _, m in entries])  # (a packed value)
+    pack.meta[SLOT] = f"{kind}_pack"
+    pack.meta[PACKED] = (tuple([x for x, _ in entries]), tuple([m for _, m in entries]))
+    return [_Packed(name, meta, (pack, a)) for a, (name, meta) in enumerate(entries)]
+
+
+def _arg(x: Any) -> Any:
+    """A call's argument for ``x``: a node, or a packed placeholder's ``(pack, position)``."""
+    return x.arg if type(x) is _Packed else x
 
 
 def _placeholder(g: Graph, name: str) -> Node:
@@ -449,7 +553,7 @@ def _record_call(
     made, _, where, slots, _, outside = first
     env = _call_env(first, idx, w, gr, state)
     taken = _copy_names(g, first, names)
-    rep = emit_named(g, _REPEAT, ([env[x] for x in outside], -1), "repeat_call")
+    rep = emit_named(g, _REPEAT, ([_arg(env[x]) for x in outside], -1), "repeat_call")
     items: dict[int, Node] = {}
     for pos in sorted({x for at in where for x in at}):  # in the run's order, as the flat
         a, named = slots[pos]  # graph's nodes read outside the run
@@ -708,9 +812,10 @@ def update_param_count(gm: GraphModule) -> int:
     :func:`not_updated`, excluded)."""
     skipped = not_updated(gm)
     return sum(
-        n.meta["val"].numel()
-        for n in gm.graph.nodes
-        if n.op == "placeholder" and n.meta.get(SLOT) == "param" and n.meta[PARAM] not in skipped
+        m["val"].numel()
+        for n in gm.graph.find_nodes(op="placeholder")
+        for _, m in unpacked(n)
+        if m.get(SLOT) == "param" and m[PARAM] not in skipped
     )
 
 

@@ -81,6 +81,7 @@ from graphflop.passes.calls import (
     localized,
     relative_tag,
     tags_of,
+    unpacked,
 )
 
 __all__ = ["BlockParams", "StepRecorder", "attach", "build"]
@@ -209,15 +210,16 @@ class _Describer:
         for n in (update if isinstance(update, Graph) else update.graph).nodes:
             if n.op != "placeholder":
                 break
-            at = self.params.get(n.meta.get(PARAM)) if n.meta.get(SLOT) == "param" else None
-            if at is None:
-                continue
-            key = (at[0], ("update", at[1]))
-            if self.keys.get(n.name) != key or self.names.get(key) != n.name:
-                if not self._own:  # the shared tables: this describer's own copies
-                    self.keys, self.names, self._own = dict(self.keys), dict(self.names), True
-                self.keys[n.name] = key
-                self.names[key] = n.name
+            for name, meta in unpacked(n):  # (a recorded update's packed placeholders)
+                at = self.params.get(meta.get(PARAM)) if meta.get(SLOT) == "param" else None
+                if at is None:
+                    continue
+                key = (at[0], ("update", at[1]))
+                if self.keys.get(name) != key or self.names.get(key) != name:
+                    if not self._own:  # the shared tables: this describer's own copies
+                        self.keys, self.names, self._own = dict(self.keys), dict(self.names), True
+                    self.keys[name] = key
+                    self.names[key] = name
 
     def site(self, n: Node) -> int | None:
         if n.op != "call_function":
