@@ -31,7 +31,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graphflop.frontend import recording
 from graphflop.frontend.errors import TraceError
-from graphflop.frontend.regions import detached_write, no_grad_write, requires_grad_in_trace
+from graphflop.frontend.regions import (
+    TRACED_GRAD_FN,
+    detached_write,
+    eager_flags,
+    no_grad_write,
+    requires_grad_in_trace,
+)
 from graphflop.meta import COMPOSITE, INPLACE, CompositeTag
 from graphflop.ops import has_rule, lookup
 from graphflop.ops.attention import sdpa
@@ -105,6 +111,10 @@ class CompositeOps(TorchFunctionMode):
     calls from inside other ``torch.nn.functional`` functions (multi-head attention), which run
     with the mode switched off, by pointing ``torch.nn.functional``'s names at the same
     functions while the mode is on.
+
+    The model's reads of a traced value's ``requires_grad``, ``is_leaf`` and ``grad_fn`` are
+    answered here as eager training would (:func:`_grad_flag`; the fake tensors' own flags say
+    nothing of it).
     """
 
     def __enter__(self) -> CompositeOps:
@@ -128,7 +138,10 @@ class CompositeOps(TorchFunctionMode):
             return dropout(
                 *args, **{"training" if k == "train" else k: v for k, v in kwargs.items()}
             )
-        if getattr(func, "__self__", None) is _DATA and recording.recording():
+        owner = getattr(func, "__self__", None)
+        if owner is _REQUIRES_GRAD or owner is _IS_LEAF or owner is _GRAD_FN:
+            return _grad_flag(func, owner, args)
+        if owner is _DATA and recording.recording():
             out = func(*args, **kwargs)
             if len(_DATA_ALIASES) > 4096:  # forget the tensors gone
                 for k in [k for k, r in _DATA_ALIASES.items() if r() is None]:
@@ -190,6 +203,28 @@ class CompositeOps(TorchFunctionMode):
 
 #: ``t.data``'s descriptor (a torch-function mode sees its ``__get__``, made anew each read)
 _DATA = torch._C.TensorBase.__dict__["data"]
+#: the descriptors of ``t.requires_grad``, ``t.is_leaf`` and ``t.grad_fn``, read by the model's
+#: code as eager training reads them (:func:`~graphflop.frontend.regions.eager_flags`)
+_REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
+_IS_LEAF = torch._C.TensorBase.__dict__["is_leaf"]
+_GRAD_FN = torch._C.TensorBase.__dict__["grad_fn"]
+
+
+def _grad_flag(func: Any, owner: Any, args: tuple) -> Any:
+    """``t.requires_grad``, ``t.is_leaf`` or ``t.grad_fn`` (``func``, the ``__get__`` of
+    ``owner``, called with ``args``: ``t`` first) read by the model's code: for a traced value (a functional wrapper), as eager
+    training reads it (:func:`~graphflop.frontend.regions.eager_flags`)."""
+    t = args[0]
+    if not (recording.recording() and torch._is_functional_tensor(t)):
+        return func(*args)
+    requires, leaf = eager_flags(t)
+    if owner is _REQUIRES_GRAD:
+        return requires
+    if owner is _IS_LEAF:
+        return leaf
+    return None if leaf else TRACED_GRAD_FN
+
+
 #: the tensors ``t.data`` gave while tracing, by ``id``: aliases autograd does not see
 _DATA_ALIASES: dict[int, weakref.ref] = {}
 

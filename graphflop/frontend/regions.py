@@ -34,6 +34,14 @@ part into the old value, made with grad mode off) and makes the views of it agai
 value; :func:`no_grad_write` tags that new value :data:`~graphflop.meta.NO_GRAD_WRITE` with the
 way to the old one, whose tangent the JVP gives it, and the views made again from it as views
 to differentiate. Writes ``CHECKPOINT``, ``NO_GRAD`` and ``NO_GRAD_WRITE``.
+
+The model's code reading a traced value's ``requires_grad``, ``is_leaf`` or ``grad_fn``
+(``if x.requires_grad: ...``; :class:`~graphflop.frontend.composite.CompositeOps` sees the
+read) gets what eager training would give (:func:`eager_flags`): the fake tensors' own flags
+say nothing of it. In an outlined block's template the call's inputs read as at the call it is
+traced for; a template whose answers depend on them is traced again for each other set of its
+calls' inputs' flags, and a graph that differs has the block traced in full
+(:func:`grad_read_in_templates`, :func:`grad_states`, :mod:`graphflop.frontend.trace`).
 """
 
 from __future__ import annotations
@@ -110,6 +118,13 @@ class _GradSources:
     #: while an outlined block's template is traced: per placeholder, whether it carries a
     #: derivative (:func:`template_grad_sources`); None elsewhere
     template_sources: tuple[bool, ...] | None = None
+    #: with :attr:`template_sources`: per input of the call (its first placeholders), whether
+    #: eager reads it as a leaf (``is_leaf``)
+    template_leaves: tuple[bool, ...] = ()
+    #: the model's code read ``requires_grad``, ``is_leaf`` or ``grad_fn`` of a value in an
+    #: outlined block's template whose answer depends on the call's inputs
+    #: (:func:`grad_read_in_templates`)
+    input_read: bool = False
     #: the leaves the model's code turned ``requires_grad_(False)``: the stop-gradient node
     #: their reads go through meanwhile -> the leaf's own node (:func:`stop_gradient`)
     stopped: dict[Node, Node] = {}
@@ -275,17 +290,133 @@ def _node_of(t: Any) -> Node | None:
 
 
 @contextlib.contextmanager
-def template_grad_sources(sources: tuple[bool, ...]) -> Iterator[None]:
+def template_grad_sources(
+    sources: tuple[bool, ...], leaves: tuple[bool, ...] = ()
+) -> Iterator[None]:
     """While an outlined block's template is traced: ``sources[i]`` says whether its
     placeholder ``i`` carries a derivative, for :func:`requires_grad_in_trace`: the call's
-    inputs are taken to (which do is each call's own; in a trained model's blocks the
-    activations do), its parameters where trainable, its buffers not."""
-    was = _GradSources.template_sources
-    _GradSources.template_sources = sources
+    inputs as eager sees them at the call the template is traced for (:func:`grad_states`), its
+    parameters where trainable, its buffers not. ``leaves[i]``: whether input ``i`` (the first
+    ``len(leaves)`` placeholders) is a leaf there (:func:`eager_flags`)."""
+    was = _GradSources.template_sources, _GradSources.template_leaves
+    _GradSources.template_sources, _GradSources.template_leaves = sources, leaves
     try:
         yield
     finally:
-        _GradSources.template_sources = was
+        _GradSources.template_sources, _GradSources.template_leaves = was
+
+
+@contextlib.contextmanager
+def grad_read_in_templates() -> Iterator[list[bool]]:
+    """Yields a list whose one item says, on leaving, whether the model's code read
+    ``requires_grad``, ``is_leaf`` or ``grad_fn`` of a value in the block outside the main trace
+    (an outlined block's template) whose answer depends on the call's inputs (another call's
+    inputs may read otherwise: :func:`eager_flags`)."""
+    with _raised_inside("input_read") as got:
+        yield got
+
+
+class TracedGradFn:
+    """What ``t.grad_fn`` reads as, while tracing, for a value eager autograd would have given
+    one (:func:`eager_flags`: it requires grad and is no leaf); code that only tells it from
+    None (``t.grad_fn is None``) reads what eager reads. Its node is not modelled:
+    ``next_functions`` is empty, ``name()`` says so."""
+
+    __slots__ = ()
+    next_functions: tuple = ()
+
+    def name(self) -> str:
+        return "GraphflopTracedBackward"
+
+    @property
+    def metadata(self) -> dict:
+        return {}
+
+
+#: the one :class:`TracedGradFn`
+TRACED_GRAD_FN = TracedGradFn()
+
+
+def eager_flags(t: torch.Tensor) -> tuple[bool, bool]:
+    """``(t.requires_grad, t.is_leaf)`` as eager PyTorch reads them in a training step, for a
+    value ``t`` of the graph being traced (what the model's code reads while tracing,
+    :class:`~graphflop.frontend.composite.CompositeOps`): it requires grad where it depends
+    on a trainable parameter or a value marked ``requires_grad_`` through differentiable ops
+    (not through ``detach`` nor a value made with grad mode off; floating-point or complex
+    only), as :func:`requires_grad_in_trace` decides; the model's inputs do not. It is a leaf
+    where it requires no grad, or it is a parameter or a value the model made a leaf
+    (``requires_grad_()``). In an outlined block's template the call's inputs read as they do
+    at the call it is traced for (:func:`template_grad_sources`); an answer that depends on
+    them is noted (:func:`grad_read_in_templates`). A tensor with no node reads its own
+    flags."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return False, True
+    if _GradSources.template_sources is None or _GradSources.active:
+        requires = requires_grad_in_trace(t)
+        if not requires:
+            return False, True
+        node = _node_of(t)
+        if node is None:
+            return True, False
+        return True, node.op == "placeholder" or (LEAF in node.meta and node in _GradSources.marked)
+    node = _node_of(t)
+    if node is None:
+        return bool(t.requires_grad), bool(t.is_leaf)
+    phs = {n: i for i, n in enumerate(node.graph.nodes) if n.op == "placeholder"}
+    sources = _GradSources.template_sources
+    n_in = len(_GradSources.template_leaves)
+    reached = [phs[n] for n in _placeholders_reached(node)]
+    if any(i >= n_in and (i >= len(sources) or sources[i]) for i in reached):
+        requires = True  # through a parameter of the block's own, whatever its inputs
+    elif any(i < n_in for i in reached):
+        _GradSources.input_read = True
+        requires = any(sources[i] for i in reached if i < n_in)
+    else:
+        requires = False
+    if not requires:
+        return False, True
+    if node.op == "placeholder":
+        i = phs[node]
+        return True, _GradSources.template_leaves[i] if i < n_in else True
+    return True, False
+
+
+def _placeholders_reached(node: Node) -> list[Node]:
+    """The placeholders among ``node`` and its inputs, followed as :func:`_reaches` follows
+    them."""
+    found: list[Node] = []
+
+    def note(n: Node) -> bool:
+        if n.op == "placeholder":
+            found.append(n)
+        return False
+
+    _reaches([node], note)
+    return found
+
+
+def grad_states(graph: torch.fx.Graph) -> Callable[[Any], tuple[bool, bool]]:
+    """Inside the main trace (:func:`grad_sources`), once ``graph`` is recorded: a function
+    giving, for a node of it (or a constant, not a node), :func:`eager_flags` of its value as
+    the main trace saw it (the trainable parameters and the values marked so far held)."""
+    trainable, marked = _GradSources.trainable, set(_GradSources.marked)
+    sources: set[Node] = set()
+
+    def state(n: Any) -> tuple[bool, bool]:
+        if not isinstance(n, Node):
+            return False, True
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex()):
+            return False, True
+        if not sources:  # (the placeholders found once, when first asked)
+            placeholders = itertools.takewhile(lambda p: p.op == "placeholder", graph.nodes)
+            sources.update(p for i, p in enumerate(placeholders) if i in trainable)
+            sources.update(marked)
+        if not _reaches([n], sources.__contains__):
+            return False, True
+        return True, n.op == "placeholder" or (LEAF in n.meta and n in marked)
+
+    return state
 
 
 def _template_source(n: Node) -> bool:
@@ -302,7 +433,7 @@ def requires_grad_in_trace(t: torch.Tensor) -> bool:
     parameter or a value marked ``requires_grad_`` (:func:`_differentiable`; a parameter read
     with grad mode off still requires grad, a value made from it there does not). In an outlined
     block's template (outside the main trace) the sources are its trainable parameters and the
-    call's inputs (:func:`_template_source`)."""
+    call's inputs that require grad at the call it is traced for (:func:`eager_flags`)."""
     if recording.current() is None:
         return t.requires_grad
     if not (t.is_floating_point() or t.is_complex()):
@@ -312,6 +443,8 @@ def requires_grad_in_trace(t: torch.Tensor) -> bool:
     node = _node_of(t)
     if node is None:
         return True  # cannot be told: as _differentiable
+    if _GradSources.template_sources is not None:  # (an answer that depends on the inputs noted)
+        return eager_flags(t)[0]
     return _reaches([node], lambda n: n.op == "placeholder" and _template_source(n))
 
 

@@ -93,7 +93,9 @@ from graphflop.frontend.loss import (
 from graphflop.frontend.regions import (
     checkpoints_tagged,
     grad_mode_tagged,
+    grad_read_in_templates,
     grad_sources,
+    grad_states,
     mark_requires_grad,
     marked_in_templates,
     resume_gradient,
@@ -565,19 +567,58 @@ def _templates_held(
     params: dict[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
     flat_state: list,
+    gm: GraphModule | None = None,
+    states: Any = None,
 ) -> dict:
     """:func:`_templates` of ``outliner``'s calls, traced with the model's parameters and
     buffers held as the fake tensors its traced call used (``flat_state``, in the order of
     ``params`` then ``buffers``). The templates are traced after the model's call, when its
     parameters and buffers are its own again, which a template reaching one outside its module
     would read as a constant (real, or a meta tensor beside the trace's CPU ones); each traced
-    tensor's qualified name, by identity, lets :func:`_templates` name such a read."""
+    tensor's qualified name, by identity, lets :func:`_templates` name such a read. ``gm``: the
+    main trace's graph, whose ``repeat`` nodes are the calls; ``states``: its
+    :func:`~graphflop.frontend.regions.grad_states`."""
     if not outliner.calls:
         return _templates(outliner, table, fake_mode, modes, {})
     names = {id(t): q for t, q in zip(flat_state, [*params, *buffers])}
     state = [*params.values(), *buffers.values()]
     with _state_swapped(walk.modules, state, flat_state):
-        return _templates(outliner, table, fake_mode, modes, names)
+        return _templates(outliner, table, fake_mode, modes, names, _CallInputs(gm, states))
+
+
+class _CallInputs:
+    """The eager ``(requires_grad, is_leaf)`` of the inputs of each outlined call (the main
+    trace's ``repeat`` nodes of ``gm``, in order; ``states``: its
+    :func:`~graphflop.frontend.regions.grad_states`), worked out when asked for; every input
+    requires no grad without ``gm``."""
+
+    def __init__(self, gm: GraphModule | None = None, states: Any = None):
+        self.states = states
+        self.calls: dict[int, list[list]] = {}
+        self._memo: dict[Any, tuple[bool, bool]] = {}
+        if gm is not None and states is not None:
+            op = torch.ops.graphflop.repeat.default
+            for n in gm.graph.nodes:
+                if n.target is op:
+                    self.calls.setdefault(n.args[1], []).append(n.args[0])
+
+    def of(self, key: int, n_inputs: int) -> list[tuple[tuple[bool, bool], ...]]:
+        """Per call of ``key`` (its first first), its ``n_inputs`` inputs' flags."""
+        calls = self.calls.get(key) or [[None] * n_inputs]
+        return [tuple(self._state(a) for a in operands[:n_inputs]) for operands in calls]
+
+    def first(self, key: int, n_inputs: int) -> tuple[tuple[bool, bool], ...]:
+        """The flags of the inputs of the first call of ``key``."""
+        calls = self.calls.get(key) or [[None] * n_inputs]
+        return tuple(self._state(a) for a in calls[0][:n_inputs])
+
+    def _state(self, a: Any) -> tuple[bool, bool]:
+        if self.states is None or a is None:
+            return False, True
+        found = self._memo.get(a)
+        if found is None:
+            found = self._memo[a] = self.states(a)
+        return found
 
 
 def _trace_once(
@@ -660,8 +701,9 @@ def _trace_once(
                 gm = _recorder(
                     torch.func.functionalize(modes.around(objective)), decomposition_table=table
                 )(*flat_state, *inputs)
+                states = grad_states(gm.graph) if outliner.calls else None
             templates = _templates_held(
-                outliner, table, fake_mode, modes, walk, params, buffers, flat_state
+                outliner, table, fake_mode, modes, walk, params, buffers, flat_state, gm, states
             )
             with modes:
                 trace_records(records, table, fake_mode)
@@ -1190,11 +1232,15 @@ def _trace_template(
     modes: _FunctionModes,
     names: dict[int, str],
     module: nn.Module | None = None,
+    inputs: tuple[tuple[bool, bool], ...] | None = None,
 ) -> torch.fx.Graph:
     """The graph of one outlined module call (made by ``call.module``, or by ``module``, another
     instance of its structure), module paths relative to :data:`repeats.MARK`. ``names``: the
     qualified name of each of the model's parameters and buffers as traced, by ``id``, which
-    the template's modules hold while it is traced (:func:`_state_swapped`).
+    the template's modules hold while it is traced (:func:`_state_swapped`). ``inputs``: the
+    eager ``(requires_grad, is_leaf)`` of each of the call's inputs, as the model's code reads
+    them there (:func:`~graphflop.frontend.regions.eager_flags`; None: each requires grad, no
+    leaf).
 
     Raises:
         NotOutlinable: the template reads a constant (:data:`CONSTANTS`; a parameter or buffer
@@ -1208,9 +1254,11 @@ def _trace_template(
         with ModuleScopes(m, prefix=repeats.MARK, base=[(repeats.MARK, qualname(m))]):
             return fn(*tensors)
 
-    # the call's inputs carry a derivative (taken to), its parameters where trainable
-    sources = (True,) * call.n_inputs + tuple(bool(m[4]) for m in call.state_meta)
-    with template_grad_sources(sources):
+    # the call's inputs carry a derivative as at the call, its parameters where trainable
+    if inputs is None:
+        inputs = ((True, False),) * call.n_inputs
+    sources = tuple(r for r, _ in inputs) + tuple(bool(m[4]) for m in call.state_meta)
+    with template_grad_sources(sources, tuple(leaf for _, leaf in inputs)):
         gm = _recorder(
             torch.func.functionalize(modes.around(scoped)), decomposition_table=table, template=True
         )(*outliner.example_tensors(key, fake_mode))
@@ -1278,14 +1326,27 @@ def _advice(e: BaseException) -> str:
     return ""
 
 
+#: why a structure whose graph depends on its inputs' ``requires_grad`` or ``is_leaf`` (which
+#: differ between its calls) is traced in full
+READS_GRAD_FLAG = (
+    "its forward reads requires_grad or is_leaf of its inputs, which differ between its calls"
+)
+
+
 def _templates(
     outliner: repeats.Outliner,
     table: dict,
     fake_mode: FakeTensorMode,
     modes: _FunctionModes,
     names: dict[int, str],
+    call_inputs: _CallInputs | None = None,
 ) -> dict[int, torch.fx.Graph]:
-    """Each distinct outlined call's template graph (``names``: as :func:`_trace_template`'s).
+    """Each distinct outlined call's template graph (``names``: as :func:`_trace_template`'s),
+    traced with its first call's inputs' ``requires_grad`` and ``is_leaf`` as eager reads them
+    (``call_inputs``). Where the model's code reads one of those flags of a value that depends
+    on them (:func:`~graphflop.frontend.regions.grad_read_in_templates`) and another call's
+    inputs read otherwise, the template is traced again with those: a graph that differs
+    raises :class:`repeats.NotOutlinable` (:data:`READS_GRAD_FLAG`; the block traced in full).
 
     Raises:
         NotOutlinable: a structure with a reentrant checkpoint inside (whether its outputs
@@ -1297,13 +1358,29 @@ def _templates(
             graph traced from a copy with another index, a real integer, differs.
     """
     templates = {}
+    if call_inputs is None:
+        call_inputs = _CallInputs()
     for key, call in enumerate(outliner.calls):
+        first = call_inputs.first(key, call.n_inputs)
         with (
             undecided_checkpoints() as undecided,
             marked_in_templates() as marked,
+            grad_read_in_templates() as read,
             grad_mode_tagged(),
         ):
-            templates[key] = _trace_template(outliner, key, call, table, fake_mode, modes, names)
+            templates[key] = _trace_template(
+                outliner, key, call, table, fake_mode, modes, names, inputs=first
+            )
+        if read[0]:  # the graph may depend on each call's inputs' flags: traced per flags
+            for other in dict.fromkeys(call_inputs.of(key, call.n_inputs)):
+                if other == first:
+                    continue
+                with grad_mode_tagged():
+                    again = _trace_template(
+                        outliner, key, call, table, fake_mode, modes, names, inputs=other
+                    )
+                if repeats.graph_signature(again) != repeats.graph_signature(templates[key]):
+                    raise repeats.NotOutlinable(call.structure, READS_GRAD_FLAG)
         if undecided[0]:  # detached or not is each call's own (its inputs' derivative)
             raise repeats.NotOutlinable(call.structure, "a reentrant checkpoint inside")
         if marked[0]:  # a new leaf or not is each call's own (its inputs' derivative)

@@ -11,6 +11,7 @@ import warnings
 import torch
 from torch import nn
 from torch.fx import GraphModule
+from torch.overrides import TorchFunctionMode
 
 from graphflop.meta import JVP, NO_GRAD, SIGNATURE, Signature
 from graphflop.runtime import verify
@@ -79,7 +80,10 @@ def verify_jvp(
     (``torch.no_grad()``: eager forward-mode AD, ``torch.func.jvp`` among it, differentiates
     through it; graphflop's JVP, the backward's transpose, does not, as eager autograd), the
     reference is ``<∇loss, direction>``
-    with the gradient from ``torch.func.grad`` (exact: the loss is a scalar). The error is
+    with the gradient from ``torch.func.grad`` (exact: the loss is a scalar); so it is where the
+    model reads a tensor's ``requires_grad``, ``is_leaf`` or ``grad_fn`` and the inputs have no
+    tangent (forward-mode AD reads every value as a leaf that requires no grad, graphflop's
+    trace as a training step does: the gradient is taken with respect to the parameters only). The error is
     relative with an absolute floor scaled to the loss and the direction
     (:func:`tangent_floor`, :func:`tangent_error`): a tangent that is zero in exact arithmetic
     passes on rounding noise. Where ``torch.func.jvp``'s tangent is NaN or infinite and
@@ -128,8 +132,17 @@ def verify_jvp(
                 raise NotImplementedError("grad mode off in the model: no forward AD reference")
             try:
                 # torch.func.jvp's return type is a 2- or 3-tuple whatever has_aux says
-                loss, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))  # type: ignore[misc]
+                with _GradFlagReads() as flags:
+                    loss, ref = torch.func.jvp(f, (params, xs), (p_t, x_t))  # type: ignore[misc]
                 what = "torch.func.jvp"
+                if flags.read and not any(bool(t.any()) for t in x_t):
+                    # the model reads requires_grad/is_leaf/grad_fn, which forward-mode AD
+                    # leaves False/True/None everywhere, where graphflop's forward reads them
+                    # as a training step does (computed from trainable parameters: True, False,
+                    # a node): the tangent of that function is <gradient, direction>, the
+                    # gradient with respect to the parameters (the inputs require no grad)
+                    ref = _tangent_from_gradient(f, params, xs, p_t, x_t, model, inputs=False)[0]
+                    what = "torch.func.grad · direction (the model reads requires_grad)"
             except RuntimeError as e:
                 if not verify.functorch_refused(e):
                     raise
@@ -237,17 +250,48 @@ def tangent_error(got: torch.Tensor, ref: torch.Tensor, floor: float) -> float:
     return float((a - b).norm()) / max(float(b.norm()), floor, 1e-300)
 
 
-def _tangent_from_gradient(f, params, xs, p_t, x_t, model=None) -> tuple[torch.Tensor, str]:
+class _GradFlagReads(TorchFunctionMode):
+    """While active, notes (:attr:`read`) whether the code run reads a tensor's
+    ``requires_grad``, ``is_leaf`` or ``grad_fn``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        owner = getattr(func, "__self__", None)
+        if any(owner is d for d in _GRAD_FLAGS):
+            self.read = True
+        return func(*args, **(kwargs or {}))
+
+
+#: the descriptors of ``Tensor.requires_grad``, ``is_leaf`` and ``grad_fn``
+_GRAD_FLAGS = tuple(
+    torch._C.TensorBase.__dict__[k] for k in ("requires_grad", "is_leaf", "grad_fn")
+)
+
+
+def _tangent_from_gradient(
+    f, params, xs, p_t, x_t, model=None, inputs: bool = True
+) -> tuple[torch.Tensor, str]:
     """``(<∇f, (p_t, x_t)>, what)`` for a scalar ``f(params, xs)`` (floating inputs only), by
     reverse mode: ``torch.func.grad``, or eager autograd where torch.func refuses the model
-    (``what`` names the one used)."""
+    (``what`` names the one used). ``inputs=False``: the gradient with respect to the
+    parameters only (``x_t`` left out; the inputs require no grad, as in a training step)."""
     try:
-        gp, gx = torch.func.grad(f, argnums=(0, 1))(params, xs)
+        if inputs:
+            gp, gx = torch.func.grad(f, argnums=(0, 1))(params, xs)
+        else:
+            gp, gx = torch.func.grad(f)(params, xs), ()
         by = "torch.func.grad"
     except RuntimeError as e:
         if not verify.functorch_refused(e):
             raise
-        (gp, gx), _ = verify.eager_gradients(f, [params, xs], model)
+        if inputs:
+            (gp, gx), _ = verify.eager_gradients(f, [params, xs], model)
+        else:
+            (gp,), _ = verify.eager_gradients(lambda p: f(p, xs), [params], model)
+            gx = ()
         by = "torch.autograd.backward"
     total = sum((gp[q] * p_t[q]).sum() for q in gp)
     return total + sum((d * t).sum() for d, t in zip(gx, x_t)), by
