@@ -441,7 +441,8 @@ def analyze(
     :class:`AnalyzeOptions`' fields override ``options`` (default ``AnalyzeOptions()``).
 
     Args:
-        model: the module (used in its current train/eval mode).
+        model: the module (used in its current train/eval mode); an ``nn.DataParallel``
+            (the model or a submodule) is analysed as the module it wraps.
         example_inputs: what a model file's ``example_inputs()`` may return: a tensor, a tuple
             of positional inputs, a dict of keyword inputs or ``(args, kwargs)``
             (:func:`graphflop.frontend.inputs.split_example`); FakeTensors are fine (nothing is
@@ -476,6 +477,9 @@ def analyze(
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be callable (one str argument), not {progress!r}")
+    if isinstance(model, nn.DataParallel):
+        # what its forward runs without GPUs (and the work its replicas share with them)
+        model = model.module
     args, kwargs = split_example(example_inputs)
     if kwargs and o.memory_model == "compiled":
         raise ValueError("memory_model='compiled' takes positional inputs only, not keywords")

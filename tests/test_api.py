@@ -716,3 +716,40 @@ def test_an_uninitialised_lazy_module_is_refused_with_advice():
     # forward FLOPs: 2·4·5·8 + 4·8 (bias) + 4·8 (relu) + 2·4·8·1 + 4 (bias) = 452, plus the
     # loss, a sum over 4 outputs at 1 per input element (FLOPS.md): 456
     assert graphflop.analyze(model, (x,)).report.totals.forward.flops == 456
+
+
+class _Marked(nn.Module):
+    """Linear(8, 16) and ReLU inside a profiler mark (``record_function``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        with torch.autograd.profiler.record_function("block"):
+            return torch.relu(self.fc(x))
+
+
+class _WithDataParallel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.DataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU()))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_Marked, _WithDataParallel, lambda: nn.DataParallel(_Marked())],
+    ids=["record_function", "data_parallel_submodule", "data_parallel_model"],
+)
+def test_profiler_marks_and_data_parallel_are_analysed_as_their_work(make):
+    """A ``record_function`` mark is no op of the graph (it made the trace fail: its nodes
+    have no value); ``nn.DataParallel``, which enters one, is analysed as the module it wraps
+    (its forward without GPUs). Batch 4: Linear(8, 16), 2·4·8·16 + 4·16 = 1,088 FLOPs, ReLU
+    4·16 = 64, loss "sum" 4·16 = 64 (a reduction counts one FLOP per element read)."""
+    if torch.cuda.is_available():
+        pytest.skip("nn.DataParallel with GPUs wants its module on cuda:0")
+    a = graphflop.analyze(make(), (torch.randn(4, 8),), loss="sum", jvp=False)
+    assert a.report.totals.forward.flops == 1088 + 64 + 64

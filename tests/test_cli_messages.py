@@ -218,6 +218,32 @@ def test_branch_on_a_value_keeps_the_branch_advice(work, capsys):
     assert "make the branch depend on shapes" in msg
 
 
+MASKS = """
+class Masked(Base):
+    def forward(self, x):
+        return self.fc(x) * x[x > 0].sum()
+
+class NonZero(Base):
+    def forward(self, x):
+        return self.fc(x).sum() + x.nonzero().sum()
+"""
+
+
+@pytest.mark.parametrize(
+    "name,line", [("Masked", "x[x > 0].sum()"), ("NonZero", "x.nonzero().sum()")]
+)
+def test_data_dependent_shape_gets_advice_on_shapes_not_branches(work, capsys, name, line):
+    """A tester's finding: boolean-mask indexing (``h[h > 0]``), with no branch, got the
+    advice 'make the branch depend on shapes'. A data-dependent shape names its line and
+    the static-shape form."""
+    (work / "masks.py").write_text(VALUES + MASKS)
+    msg = one_error(capsys, "inspect", f"{work / 'masks.py'}:{name}")
+    assert "a tensor whose shape depends on a tensor's values at masks.py:" in msg
+    assert line in msg and "aten.nonzero" in msg
+    assert "torch.where(mask, x, 0)" in msg
+    assert "branch" not in msg
+
+
 def test_unknown_name_lists_factory_functions(work, capsys):
     """A tester's finding: 'm.py:Nope' said '(nn.Module classes there: none)' of a file whose
     factory function the loader would take; every kind a spec can name is listed."""

@@ -1255,3 +1255,23 @@ def test_outlined_batch_norm_blocks_analyze_under_strict_rules():
         strict = analyze(model, (x,), loss="sum", jvp=False)
     assert strict.report.to_dict() == plain.report.to_dict()
     assert not strict.report.uncounted and strict.report.totals.forward.complete
+
+
+class _GruBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.fc = nn.GRU(4, 4, batch_first=True), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.fc(self.rnn(x)[0])
+
+
+def test_repeated_recurrent_blocks_are_named_as_traced_in_full():
+    """Three identical blocks holding a GRU are traced in full (the GRU reads its weights
+    from ``_flat_weights``, its own list, which a template cannot stand for): the report
+    names the group and why (a tester's finding: traced in full, named nowhere)."""
+    model = nn.Sequential(_GruBlock(), _GruBlock(), _GruBlock())
+    info = trace(model, (torch.randn(2, 3, 4),), loss="sum").meta[OUTLINED]
+    assert info.calls == 0
+    assert info.in_full == ("_GruBlock ×3 (0, 1, 2): " + repeats.OWN_RNN_WEIGHTS.format("GRU"),)
+    assert "recurrent layer (GRU)" in info.in_full[0]

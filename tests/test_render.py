@@ -1135,3 +1135,41 @@ def test_html_search_finds_a_member_of_a_nested_fold(tmp_path):
     )
     lit = set(re.findall(r'<g id="([^"]+)" class="node hit', dom))
     assert "m_stages_0_inner_0_a" in lit and "m_stages_0_mix" not in lit
+
+
+class _SiluBlock(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class _Reused(nn.Module):
+    """Blocks ``a`` and ``b`` (``x + fc2(silu(fc1(x)))``, d = 8) each called twice."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a, self.b, self.c = _SiluBlock(d), _SiluBlock(d), _SiluBlock(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(self.b(self.c(self.a(self.b(self.a(x))))))
+
+
+def test_reused_module_boxes_split_its_figures_without_negatives():
+    """Each call of a reused module is its own box; the figures of its residual add, batch 4,
+    d = 8: forward 4·8 = 32 adds, no weight gradient, its tangent one add of the two
+    tangents, 32 FLOPs (the JVP graph's node names, ``add_tensor_9``, used to be looked up in
+    the backward's weight-gradient sums: b's first add showed weight gradient +32, its second
+    -32)."""
+    a = analyze(_Reused(), (torch.randn(4, 8),))
+    tips = {b.id: b.tooltip for b in module_scene(a, "all", {}, clusters=False).boxes if b.tooltip}
+    figures = {
+        k: [int(v) for v in re.findall(r"-?\d+", t.split("\n")[-1].split(";")[0])]
+        for k, t in tips.items()
+    }
+    assert all(v >= 0 for fig in figures.values() for v in fig), figures
+    # forward, input gradient, weight gradient, update, jvp
+    assert figures["m_b"] == figures["m_b__2"] == [32, 0, 0, 0, 32]

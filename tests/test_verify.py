@@ -761,3 +761,77 @@ def test_verify_of_a_bfloat16_autocast_model_repeats(tmp_path, capsys, monkeypat
         assert [c["tolerance"] for c in checks] == [2.0**-7] * 2
         runs.append([c["worst_rel_error"] for c in checks])
     assert runs[0] == runs[1]
+
+
+class _CastBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class _AutocastResidual(nn.Module):
+    """The tester's m25: a residual block under the model's own CPU bfloat16 autocast, its
+    output cast back with ``.float()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = x + self.fc1(x).float()
+        return self.fc2(h)
+
+
+class _MixedBlocks(nn.Module):
+    """The tester's m13: a float64 block and a bfloat16 block, the casts in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b0, self.b1 = _CastBlock().double(), _CastBlock().to(torch.bfloat16)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.b0(x.double()).bfloat16()
+        return self.head(self.b1(x).float())
+
+
+def test_a_model_mixing_dtypes_on_purpose_is_verified_in_its_own_dtypes():
+    """Tester's finding: a model mixing float32, float64 and bfloat16 blocks, the casts in
+    its forward, verified in float32: every parameter was cast to float32, so the model's
+    ``x.double()`` met float32 weights (MixedDtypes, 'cast one side in the model'); now the
+    tensors of other dtypes keep theirs and the check passes (at bfloat16's eps, 2⁻⁷)."""
+    import types
+
+    from graphflop import analyze
+    from graphflop.runtime.verify_all import verify_analysis
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = _MixedBlocks()
+    a = analyze(model, (x,), jvp=False)
+    real = types.SimpleNamespace(model=model, example_inputs=(x,))
+    (check,) = verify_analysis(real, (x,), a, dtype="float32")
+    assert check.ok and check.tolerance == 2.0**-7, check
+
+
+def test_an_autocast_model_failing_in_float64_is_told_to_verify_in_float32():
+    """Tester's finding: an autocast model verified in float64 failed in eager PyTorch
+    ('expected m1 and m2 to have the same dtype'), with no advice: the check now says to
+    verify in float32 (which passes: the CLI test of ``autocast_middle``)."""
+    import types
+
+    from graphflop import analyze
+    from graphflop.runtime.verify_all import verify_analysis
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = _AutocastResidual()
+    a = analyze(model, (x,), jvp=False)
+    real = types.SimpleNamespace(model=model, example_inputs=(x,))
+    (check,) = verify_analysis(real, (x,), a)
+    assert not check.ran and "same dtype" in check.where, check
+    assert check.where.endswith("; verify in float32 (--verify-dtype float32)"), check

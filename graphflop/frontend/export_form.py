@@ -433,10 +433,26 @@ def _fold_regenerated_views(g: torch.fx.Graph) -> None:
             g.erase_node(n)
 
 
+#: the profiler's marks (``torch.autograd.profiler.record_function``, which
+#: ``nn.DataParallel.forward`` enters too): impure for fx, but no work and no value
+PROFILER_MARKS = frozenset(
+    getattr(torch.ops.profiler, name)
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
+)
+
+
+def _is_profiler_mark(n: torch.fx.Node) -> bool:
+    packet = getattr(n.target, "overloadpacket", None)
+    return packet is not None and packet in PROFILER_MARKS
+
+
 def _kept(n: torch.fx.Node) -> bool:
     """Nodes dead-code elimination keeps although nothing reads them: side effects, and a
     custom Function's input aliases and saved tensors, which its own backward and jvp read
-    (eager computes them in the forward too)."""
+    (eager computes them in the forward too). The profiler's marks are dropped
+    (:data:`PROFILER_MARKS`: they have no ``val``, and no cost)."""
+    if _is_profiler_mark(n):
+        return False
     tag = n.meta.get(FUNCTION)
     return n.is_impure() or (tag is not None and (tag.input is not None or bool(tag.saved)))
 
@@ -454,7 +470,7 @@ def _eliminate_dead_code(g: torch.fx.Graph) -> NodeCost:
     for n in reversed(g.nodes):
         if n.users or _kept(n):
             continue
-        if n.op == "call_function":
+        if n.op == "call_function" and not _is_profiler_mark(n):
             args, kwargs = tree_map(value_of, n.args), tree_map(value_of, n.kwargs)
             dead.append((n.target, args, kwargs, n.meta.get("val")))
         g.erase_node(n)

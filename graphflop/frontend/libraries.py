@@ -265,8 +265,8 @@ def model_source_line(e: BaseException) -> str | None:
 
 def data_dependent_hint(e: BaseException) -> str | None:
     """The one-line explanation for a trace that failed on data-dependent control flow (an
-    ``if`` on a tensor's value, ``.item()``, ``nonzero``), naming the model's line; None for
-    other failures."""
+    ``if`` on a tensor's value, ``.item()``) or a data-dependent shape (``x[mask]``,
+    ``nonzero``), naming the model's line; None for other failures."""
     chain = exception_chain(e)
     hit = next((c for c in chain if type(c).__name__ in DATA_DEPENDENT[:3]), None)
     if hit is None:
@@ -310,6 +310,15 @@ def data_dependent_hint(e: BaseException) -> str | None:
             f"batch norm with momentum=None (a cumulative average) reads its batch count's "
             f"value{at}; graphflop traces shapes, not values: give momentum a number (the "
             "FLOPs are the same) or analyse in eval mode (--eval)"
+        )
+    branches = where is not None and _BRANCH.search(where.split(": ", 1)[-1]) is not None
+    if type(hit).__name__ == "DynamicOutputShapeException" and not branches:
+        op = str(hit).split(".default")[0].strip() or "an op"
+        return (
+            f"the model makes a tensor whose shape depends on a tensor's values{at} ({op}: "
+            "boolean-mask indexing x[mask], nonzero, masked_select, unique); graphflop traces "
+            "shapes, not values: keep the shape static (torch.where(mask, x, 0) or x * mask in "
+            "place of x[mask], the same work on every element)"
         )
     return (
         f"the model's Python code reads a tensor's value{at} ({type(hit).__name__}); graphflop "

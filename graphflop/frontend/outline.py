@@ -59,6 +59,7 @@ import contextlib
 import dataclasses
 import itertools
 import operator
+import weakref
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -283,6 +284,8 @@ def _attr_key(v: Any) -> Any:
             return ("m", s)
     if issubclass(t, torch.Tensor):
         return (_TENSOR_ATTR, id(v))
+    if issubclass(t, weakref.ref) and isinstance(v(), torch.Tensor):  # an RNN's weight refs
+        return (_TENSOR_ATTR, id(v()))
     return ("id", id(v))
 
 
@@ -854,6 +857,12 @@ OWN_TENSORS = (
     "each holds a tensor attribute of its own (not a parameter or buffer: registered as a "
     "buffer, the blocks would be traced once)"
 )
+#: why copies holding a recurrent layer are not outlined: ``nn.RNNBase`` keeps its weights in
+#: ``_flat_weights`` too, a list of its own tensors (:data:`OWN_TENSORS`)
+OWN_RNN_WEIGHTS = (
+    "each holds a recurrent layer ({}), whose forward reads its weights from a list of its "
+    "own (_flat_weights), which a template cannot stand for"
+)
 
 
 _TENSOR_TYPE = itertools.repeat(torch.Tensor)
@@ -862,8 +871,9 @@ _TENSOR_TYPE = itertools.repeat(torch.Tensor)
 def holds_tensors(m: nn.Module) -> bool:
     """Whether one of ``m``'s own attributes is a tensor (a parameter or buffer is not: they
     are held in its tables). Tested without a Python loop (a deep model has thousands of
-    modules of a score of attributes each)."""
-    return any(map(isinstance, vars(m).values(), _TENSOR_TYPE))
+    modules of a score of attributes each). A recurrent layer holds its weights in a list
+    (``_flat_weights``)."""
+    return any(map(isinstance, vars(m).values(), _TENSOR_TYPE)) or isinstance(m, nn.RNNBase)
 
 
 def unshared(
@@ -899,7 +909,9 @@ def unshared(
         if not alone or any(n.startswith(p + ".") for n, _ in alone for p in taken):
             continue
         taken += [n for n, _ in alone]
-        found.append(([m for _, m in alone], OWN_TENSORS))
+        rnn = next((r for r in alone[0][1].modules() if isinstance(r, nn.RNNBase)), None)
+        why = OWN_TENSORS if rnn is None else OWN_RNN_WEIGHTS.format(type(rnn).__name__)
+        found.append(([m for _, m in alone], why))
     return found
 
 

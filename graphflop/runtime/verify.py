@@ -913,11 +913,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+def cast_model(model: nn.Module, dtype: torch.dtype, only: torch.dtype | None = None) -> nn.Module:
     """A copy of ``model`` whose floating parameters and buffers are in ``dtype`` and complex
     ones in its complex counterpart (float64 → complex128, float32 → complex64); integer and
     boolean ones as they are. ``nn.Module.to(dtype)`` casts complex tensors to the real dtype
-    (dropping their imaginary parts) and refuses a non-floating ``dtype``."""
+    (dropping their imaginary parts) and refuses a non-floating ``dtype``. ``only``: cast
+    only the floating tensors of that dtype, the others kept (a model mixing dtypes on
+    purpose, :func:`main_dtype`)."""
     complex_dtype = {
         torch.float64: torch.complex128,
         torch.float32: torch.complex64,
@@ -926,12 +928,23 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():
-            return t.to(dtype)
+            return t if only is not None and t.dtype != only else t.to(dtype)
         if t.is_complex() and complex_dtype is not None:
             return t.to(complex_dtype)
         return t
 
     return copy_model(model)._apply(cast)
+
+
+def main_dtype(model: nn.Module) -> tuple[torch.dtype | None, bool]:
+    """The floating dtype holding most of ``model``'s parameter and buffer elements (None
+    without floating ones), and whether another floating dtype holds some (mixed dtypes)."""
+    count: dict[torch.dtype, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            count[t.dtype] = count.get(t.dtype, 0) + t.numel()
+    main = max(count, key=count.__getitem__, default=None)
+    return main, len(count) > 1
 
 
 def copy_model(model: nn.Module) -> nn.Module:

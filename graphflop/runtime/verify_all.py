@@ -86,6 +86,7 @@ def verify_analysis(
     with the error's first line as ``where``: nothing is raised."""
     from graphflop.ad.jvp import build_jvp
     from graphflop.ad.vjp import build_vjp
+    from graphflop.frontend.errors import MixedDtypes, TraceError
 
     loss = analysis.forward.meta.get(LOSS_KIND, "auto")
     examples = getattr(loaded, "example_inputs", None)  # real values, when the file gives them
@@ -96,12 +97,29 @@ def verify_analysis(
     # with outline=False or with nothing repeated, is checked on a flat trace)
     info = analysis.forward.meta.get(OUTLINED)
     reuse = info is not None and info.calls > 0
-    fwd = _run(
-        checks,
-        "trace in " + dtype,
-        tolerance,
-        lambda: _trace_in(model, inputs, dt, loss, reuse=reuse),
-    )
+
+    own_kept = False
+
+    def traced() -> GraphModule:
+        """The trace in ``dt``; where the model mixes dtypes on purpose (a float64 block, a
+        bfloat16 one, the casts in its forward) and the cast of every tensor to ``dt`` met
+        the model's own casts, the trace with only the tensors in the inputs' dtype cast
+        (:func:`_own_dtypes_kept`)."""
+        nonlocal model, own_kept
+        try:
+            return _trace_in(model, inputs, dt, loss, reuse=reuse)
+        except TraceError as e:
+            kept = _own_dtypes_kept(loaded.model, inputs, dt)
+            if kept is None or not isinstance(e.__cause__ or e, MixedDtypes):
+                raise
+            try:
+                fwd = _trace_in(kept, inputs, dt, loss, reuse=reuse)
+            except TraceError:
+                raise e from None
+            model, own_kept = kept, True
+            return fwd
+
+    fwd = _run(checks, "trace in " + dtype, tolerance, traced)
     if fwd is None:
         return checks
     # the default 1e-4, or the eps of the lowest precision the graph computes in where larger
@@ -144,6 +162,13 @@ def verify_analysis(
         )
     if note:
         checks[first:] = [dataclasses.replace(c, tolerance_note=note) for c in checks[first:]]
+    if dt is torch.float64:  # the model's own casts (autocast) met verify's float64 in eager
+        checks[first:] = [
+            dataclasses.replace(c, where=f"{c.where}; {_IN_FLOAT32}")
+            if not c.ran and _DTYPE_MISMATCH.search(c.where) and _IN_FLOAT32 not in c.where
+            else c
+            for c in checks[first:]
+        ]
     if (
         analysis.jvp is not None
         and forward_gradient_samples
@@ -153,7 +178,10 @@ def verify_analysis(
 
         name = f"forward-gradient estimate unbiased over {forward_gradient_samples} directions"
         # a statistical check needs no float64: run it on a float32 trace, faster
-        model32 = copy_model(loaded.model).float()
+        # (a model mixing dtypes on purpose: its main dtype's tensors only, as traced() does)
+        # (own dtypes kept where the trace above kept them)
+        kept = _own_dtypes_kept(loaded.model, inputs, torch.float32) if own_kept else None
+        model32 = kept if kept is not None else copy_model(loaded.model).float()
         _run(
             checks,
             name,
@@ -169,6 +197,18 @@ def verify_analysis(
             ),
         )
     return checks
+
+
+def _own_dtypes_kept(model: nn.Module, inputs, dt: torch.dtype) -> nn.Module | None:
+    """For a model whose floating parameters and buffers have several dtypes (mixed on
+    purpose, the casts in its forward), a copy with those in the floating inputs' dtype (else
+    the dtype holding most elements, :func:`~graphflop.runtime.verify.main_dtype`) cast to
+    ``dt`` and the others kept; None for a model of one dtype."""
+    main, mixed = verify.main_dtype(model)
+    if not mixed:
+        return None
+    first = next((t.dtype for t in inputs if t.is_floating_point()), main)
+    return cast_model(model, dt, only=first)
 
 
 def _attention_dropout_note(analysis, fwd: GraphModule, model: nn.Module, examples) -> str:
@@ -224,6 +264,13 @@ _IN_FLOAT32 = "verify in float32 (--verify-dtype float32)"
 #: BFloat16 or Float16 matrix, got Double"; "… not implemented for 'Double'"): the reference ran
 #: in verify's float64, which the model's own dtype would not meet
 _NO_DOUBLE_KERNEL = re.compile(r"got Double\b|not implemented for 'Double'")
+#: an eager kernel's refusal of operands of two dtypes, one of them double ("expected m1 and
+#: m2 to have the same dtype, but got: float != double"; "expected scalar type Double but found
+#: Float"): in a float64 verify, the model's own casts (its bfloat16 autocast) meeting verify's
+#: float64
+_DTYPE_MISMATCH = re.compile(
+    r"(same dtype|scalar type|dtypes? mismatch).*\b[Dd]ouble\b|\b[Dd]ouble\b.*but found"
+)
 
 
 def _run(checks: list[Check], name: str, tolerance: float, fn) -> Any:

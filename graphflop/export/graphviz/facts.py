@@ -211,8 +211,9 @@ NODE_COST_COLUMN = {
 
 def node_costs(analysis: Any) -> dict[str, dict[str, int]]:
     """Forward call node name → ``forward`` FLOPs, ``grad_input`` and ``grad_weight`` (each with
-    the accumulations of its cotangents: :func:`weight_accumulations`) and ``jvp`` FLOPs of the backward and JVP nodes derived from it (``SOURCE``)
-    in the same module, and ``saved`` bytes of it the backward reads (absent keys: 0)."""
+    the accumulations of its cotangents: :func:`weight_accumulations` of the backward) and
+    ``jvp`` FLOPs of the backward and JVP nodes derived from it (``SOURCE``) in the same module,
+    and ``saved`` bytes of it the backward reads (absent keys: 0)."""
     out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     module: dict[str, str] = {}
     for n in analysis.forward.graph.nodes:
@@ -229,7 +230,8 @@ def node_costs(analysis: Any) -> dict[str, dict[str, int]]:
                 continue
             if n.op == "call_function":
                 col = NODE_COST_COLUMN.get(n.meta.get(ROLE))
-                if n.name in weight_sums:
+                # the names are the backward's: a JVP node may share one (``add_tensor_9``)
+                if gm is analysis.backward and n.name in weight_sums:
                     col = "grad_weight"
                 if col is not None:
                     out[src][col] += n.meta.get(COST, ZERO_COST).flops
