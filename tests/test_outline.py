@@ -593,6 +593,34 @@ def test_calls_that_cannot_be_copies_trace_as_in_full(kind, how, copies):
         assert why.endswith("(blocks.1): its attributes changed after the model was built")
 
 
+@pytest.mark.parametrize(
+    "kind,how,fake_runs",
+    [
+        (_Blk, "plain", 0),  # the template traced at the first call gives the outputs
+        (_ReturnsView, "alias", 1),  # a view of its input: the fake run decides (refused)
+        (_PassesThrough, "alias", 0),  # its input itself: no storage of its own
+        (_Stashes, "stash", 1),  # sets an attribute: the fake run decides (refused)
+    ],
+)
+def test_first_call_traces_the_template_in_place_of_the_fake_run(kind, how, fake_runs, monkeypatch):
+    """A call's first run traces its template there and then, its outputs' metadata taken
+    from it, and runs the module on fake tensors (under ``routed_again``, which only that run
+    enters) only where the template's trace finds what that run decides on; the graph is full
+    tracing's either way."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _Blocks(kind, how)
+    x = torch.randn(2, 5, D)
+    full = trace(copy.deepcopy(model), (x,), loss="none", reuse=False)
+    runs = []
+    routed = repeats.routed_again
+    monkeypatch.setattr(repeats, "routed_again", lambda: runs.append(1) or routed())
+    once = trace(copy.deepcopy(model), (x,), loss="none", reuse=True)
+    assert len(runs) == fake_runs
+    assert _ops(once) == _ops(full)
+
+
 class _ReturnsTwice(_Blk):  # one tensor returned twice
     def forward(self, x):
         y = super().forward(x)
