@@ -621,6 +621,35 @@ def test_first_call_traces_the_template_in_place_of_the_fake_run(kind, how, fake
     assert _ops(once) == _ops(full)
 
 
+class _NoGradInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = self.a(x)
+        return self.b(x) + y
+
+
+def test_template_traced_at_the_first_call_tags_its_no_grad_nodes():
+    """The template traced inside the main trace (at the first call, below the repeat op's
+    ``Function.apply``) tags the nodes its forward makes under ``no_grad`` as full tracing
+    does: each block's ``self.a`` (a permute of the weight and an addmm), 3 blocks."""
+    from graphflop.meta import NO_GRAD
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_NoGradInside() for _ in range(3)])
+    x = torch.randn(2, D)
+    tagged = []
+    for reuse in (False, True):
+        gm = trace(model, (x,), loss="sum", reuse=reuse)
+        tagged.append([n.name for n in gm.graph.nodes if n.meta.get(NO_GRAD)])
+    assert gm.meta[OUTLINED].calls == 3
+    assert tagged[1] == tagged[0]
+    assert len(tagged[1]) == 3 * 2
+
+
 class _ReturnsTwice(_Blk):  # one tensor returned twice
     def forward(self, x):
         y = super().forward(x)
