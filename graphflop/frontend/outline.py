@@ -1600,8 +1600,12 @@ class Outliner:
         module's real forward on them (raising :class:`NotOutlinable` if it writes in place)."""
         call = self.calls[key]
         mode = fake_mode_of(tensors) or detect_fake_mode()  # the fake kernel's mode
+        # (a module holding a layer index: its other instances' calls likely hold others, and
+        # then its template is traced after the model's call with stand-ins for them, which
+        # a template traced now would not stand for; the fake run costs less)
         if call.out_spec is None and self.first_template is not None:
-            self._traced_first(key, call)
+            if not self._indices(call.module):
+                self._traced_first(key, call)
         if call.out_spec is None:
             # fresh tensors like the call's (the op's own arguments do not require grad), run
             # in the call's grad mode
