@@ -593,6 +593,63 @@ def test_calls_that_cannot_be_copies_trace_as_in_full(kind, how, copies):
         assert why.endswith("(blocks.1): its attributes changed after the model was built")
 
 
+@pytest.mark.parametrize(
+    "kind,how,fake_runs",
+    [
+        (_Blk, "plain", 0),  # the template traced at the first call gives the outputs
+        (_ReturnsView, "alias", 1),  # a view of its input: the fake run decides (refused)
+        (_PassesThrough, "alias", 0),  # its input itself: no storage of its own
+        (_Stashes, "stash", 1),  # sets an attribute: the fake run decides (refused)
+    ],
+)
+def test_first_call_traces_the_template_in_place_of_the_fake_run(kind, how, fake_runs, monkeypatch):
+    """A call's first run traces its template there and then, its outputs' metadata taken
+    from it, and runs the module on fake tensors (under ``routed_again``, which only that run
+    enters) only where the template's trace finds what that run decides on; the graph is full
+    tracing's either way."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _Blocks(kind, how)
+    x = torch.randn(2, 5, D)
+    full = trace(copy.deepcopy(model), (x,), loss="none", reuse=False)
+    runs = []
+    routed = repeats.routed_again
+    monkeypatch.setattr(repeats, "routed_again", lambda: runs.append(1) or routed())
+    once = trace(copy.deepcopy(model), (x,), loss="none", reuse=True)
+    assert len(runs) == fake_runs
+    assert _ops(once) == _ops(full)
+
+
+class _NoGradInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = self.a(x)
+        return self.b(x) + y
+
+
+def test_template_traced_at_the_first_call_tags_its_no_grad_nodes():
+    """The template traced inside the main trace (at the first call, below the repeat op's
+    ``Function.apply``) tags the nodes its forward makes under ``no_grad`` as full tracing
+    does: each block's ``self.a`` (a permute of the weight and an addmm), 3 blocks."""
+    from graphflop.meta import NO_GRAD
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_NoGradInside() for _ in range(3)])
+    x = torch.randn(2, D)
+    tagged = []
+    for reuse in (False, True):
+        gm = trace(model, (x,), loss="sum", reuse=reuse)
+        tagged.append([n.name for n in gm.graph.nodes if n.meta.get(NO_GRAD)])
+    assert gm.meta[OUTLINED].calls == 3
+    assert tagged[1] == tagged[0]
+    assert len(tagged[1]) == 3 * 2
+
+
 class _ReturnsTwice(_Blk):  # one tensor returned twice
     def forward(self, x):
         y = super().forward(x)

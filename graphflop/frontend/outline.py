@@ -10,11 +10,15 @@ only, may differ: such a structure's template is traced with a stand-in for the 
 every read of its value, and a second time from another copy, its own index in place; it is
 traced in full where the forward reads the index or the graphs differ. While :func:`graphflop.frontend.trace.trace` runs, each such module's ``forward`` is
 replaced by :class:`Outliner`'s stub, which emits one opaque ``graphflop::repeat`` node; the op's
-fake kernel runs the real ``forward`` on FakeTensors, without tracing, to produce the outputs
-(at a call's first occurrence; later calls get fresh FakeTensors of the same metadata, and with
-:data:`DIRECT_CALLS` on, the stub records them in the trace itself, without the op's dispatch,
-where that dispatch would pass straight through: :meth:`Outliner._direct`).
-Afterwards each distinct call (module structure and argument metadata) is traced once as a
+fake kernel produces the outputs (at a call's first occurrence; later calls get fresh
+FakeTensors of the same metadata, and with :data:`DIRECT_CALLS` on, the stub records them in
+the trace itself, without the op's dispatch, where that dispatch would pass straight through:
+:meth:`Outliner._direct`). At the first occurrence the kernel traces the call's template there
+and then (:attr:`Outliner.first_template`), the outputs' metadata those of the template's
+outputs; where that trace fails or meets what the checks below decide on (writes, attributes
+set, outputs sharing storage), it runs the real ``forward`` on FakeTensors instead, without
+tracing, and the template is traced after the model's call.
+Each distinct call (module structure and argument metadata) is traced once as a
 graph of its own (:meth:`Outliner.templates`) and :func:`inline` replaces every
 ``graphflop::repeat`` node with a copy of its template, the call's arguments standing for the
 template's placeholders and the call site's module path prefixed to the template's;
@@ -1058,6 +1062,18 @@ def _other(x: Any) -> Any:
     return x
 
 
+class _NotPlain(Exception):
+    """A call's template, traced at its first run, met what the fake run decides on
+    (:meth:`Outliner._first_outputs`): the fake run is made after all."""
+
+
+def _unwrapped_all(t: torch.Tensor) -> torch.Tensor:
+    """``t`` below functionalisation's wrappers."""
+    while torch._is_functional_tensor(t):
+        t = torch._from_functional_tensor(t)
+    return t
+
+
 def _arguments(args: tuple, kwargs: dict) -> str | None:
     """Why a call with these arguments is traced in full (a part :func:`_other` finds), or
     None."""
@@ -1232,6 +1248,13 @@ class Outliner:
         #: per call whose outputs share storage (:attr:`Call.aliased`): its structure and
         #: those outputs as it returned them, told written into or not when the trace ends
         self._aliased: list[tuple[int, list]] = []
+        #: ``first_template(key)``: call ``key``'s template graph, traced at the call's first
+        #: run in place of the fake run (:meth:`fake_call`; set by
+        #: :func:`graphflop.frontend.trace._trace_once`); None: each first call runs the
+        #: module on fake tensors, and the templates are traced after the model's call
+        self.first_template: Any = None
+        #: per call key, the template ``first_template`` traced
+        self.early: dict[int, Any] = {}
 
     def __enter__(self):
         self._keys = (
@@ -1589,6 +1612,12 @@ class Outliner:
         module's real forward on them (raising :class:`NotOutlinable` if it writes in place)."""
         call = self.calls[key]
         mode = fake_mode_of(tensors) or detect_fake_mode()  # the fake kernel's mode
+        # (a module holding a layer index: its other instances' calls likely hold others, and
+        # then its template is traced after the model's call with stand-ins for them, which
+        # a template traced now would not stand for; the fake run costs less)
+        if call.out_spec is None and self.first_template is not None:
+            if not self._indices(call.module):
+                self._traced_first(key, call)
         if call.out_spec is None:
             # fresh tensors like the call's (the op's own arguments do not require grad), run
             # in the call's grad mode
@@ -1630,6 +1659,59 @@ class Outliner:
             call.out_meta = [_meta(x) for x in outs]
             call.out_meta += [_meta(tensors[call.n_inputs + i]) for i in call.written]
         return fresh_fakes(mode, [m[:4] + (False,) for m in call.out_meta])  # (_like each)
+
+    def _traced_first(self, key: int, call: Call) -> None:
+        """Call ``key``'s template traced at its first run (:attr:`first_template`), the
+        call's outputs, their metadata and the buffers it writes taken from that trace
+        (:meth:`template_fn`'s first run) in place of a run of the module on fake tensors.
+        Where that trace fails, or finds what the fake run would refuse or treat apart
+        (writes into a tensor, attributes set, arguments changed, outputs sharing storage),
+        nothing is kept: the fake run decides, and the template is traced after the model's
+        call, as without this."""
+        call.direct, call.written = _written_buffers(call.module, call.n_params)
+        try:
+            with self._keys_of_trace():
+                self.early[key] = self.first_template(key)
+        except Exception:
+            call.out_spec, call.out_leaves, call.out_meta = None, [], []
+            self.early.pop(key, None)
+
+    def _first_outputs(
+        self,
+        call: Call,
+        tensors: Sequence[torch.Tensor],
+        before: tuple,
+        args: tuple,
+        kwargs: dict,
+        out: Any,
+    ) -> None:
+        """Fill ``call``'s outputs' structure and metadata from its template's first trace
+        (:meth:`template_fn`), as :meth:`fake_call`'s run fills them; raises
+        :class:`_NotPlain` where that run would raise or find outputs sharing storage.
+        ``before``: the tensors' versions, the module's :func:`_attrs` and the argument
+        leaves, read before the module ran."""
+        versions, attrs, given = before
+        skip = {call.n_inputs + i for i in (*call.direct, *call.written)}
+        if any(t._version != v for k, (t, v) in enumerate(zip(tensors, versions)) if k not in skip):
+            raise _NotPlain("writes into a tensor")
+        if _attrs(call.module) != attrs:
+            raise _NotPlain("sets attributes")
+        leaves, spec = tree_flatten((args, kwargs))
+        if spec != call.spec or any(a is not b for a, b in zip(leaves, given)):
+            raise _NotPlain("writes into an argument")
+        leaves, out_spec = tree_flatten(out)
+        out_leaves = [_out_leaf(x, tensors[: call.n_inputs]) for x in leaves]
+        outs = [x for x, o in zip(leaves, out_leaves) if o is _TENSOR]
+        with torch._C.DisableTorchFunction():
+            # (storage below functionalisation's wrappers: a view's is its base's)
+            inner = [_unwrapped_all(t) for t in tensors]
+            storages = {t.untyped_storage()._cdata for t in inner}
+            shared = [_unwrapped_all(o).untyped_storage()._cdata for o in outs]
+            if any(c in storages for c in shared) or len(set(shared)) != len(shared):
+                raise _NotPlain("outputs share storage")
+            out_meta = [_meta(x) for x in outs]
+            out_meta += [_meta(tensors[call.n_inputs + i]) for i in call.written]
+        call.out_spec, call.out_leaves, call.out_meta = out_spec, out_leaves, out_meta
 
     def _known_outputs(self, call: Call) -> list:
         """:meth:`fake_call`'s outputs of ``call`` (whose outputs are known), made where
@@ -1697,6 +1779,14 @@ class Outliner:
             if apart is not None:
                 raise NotOutlinable(call.structure, apart)
             args, kwargs, state = self._rebuild(call, list(tensors))
+            first = call.out_spec is None  # (traced at the call's first run: _traced_first)
+            if first:
+                with torch._C.DisableTorchFunction():
+                    before = (
+                        [t._version for t in tensors],
+                        _attrs(m),
+                        tree_flatten((args, kwargs))[0],
+                    )
             used = self.index_used.setdefault(key, [False])
             with (
                 self._bypass(),
@@ -1713,6 +1803,8 @@ class Outliner:
                         raise
                     used[0] = True
                     raise NotOutlinable(call.structure, USES_INDEX) from e
+            if first:
+                self._first_outputs(call, tensors, before, args, kwargs, out)
             leaves = tree_flatten(out)[0]
             if any(type(x) is _Index for x in leaves):  # (a later call would return this one's)
                 used[0] = True

@@ -587,14 +587,46 @@ def checkpoints_tagged() -> Iterator[None]:
 _APPLY = Function.__dict__["apply"].__func__.__code__
 
 
+#: the code of functions the stack walk of :func:`_in_function_apply` stops at: where an
+#: outlined block's template is traced inside the main trace, at the block's first call
+#: (:func:`outside_main_trace`), the ``Function.apply`` below them is the main trace's
+#: (the ``graphflop::repeat`` op's), not the template's
+_STACK_BARRIERS: set[Any] = set()
+
+
 def _in_function_apply() -> bool:
-    """Whether the caller runs inside ``Function.apply`` (found on the Python stack)."""
+    """Whether the caller runs inside ``Function.apply`` (found on the Python stack, above any
+    :data:`_STACK_BARRIERS` frame)."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
-        if frame.f_code is _APPLY:
+        code = frame.f_code
+        if code is _APPLY:
             return True
+        if code in _STACK_BARRIERS:
+            return False
         frame = frame.f_back
     return False
+
+
+@contextlib.contextmanager
+def outside_main_trace() -> Iterator[None]:
+    """While active (inside the main trace: an outlined block's template traced at the block's
+    first call, :meth:`graphflop.frontend.outline.Outliner.fake_call`), :class:`_GradSources`
+    holds what it holds outside the main trace, as where templates are traced after it
+    (:func:`grad_sources` left); the main trace's state is put back on leaving."""
+    names = ("trainable", "params", "marked", "stopped", "placeholders", "active", "leaves")
+    saved = [getattr(_GradSources, k) for k in names]
+    _GradSources.active = False
+    _GradSources.trainable = frozenset()
+    _GradSources.params = ()
+    _GradSources.marked = set()
+    _GradSources.stopped = {}
+    _GradSources.placeholders = []
+    try:
+        yield
+    finally:
+        for k, v in zip(names, saved):
+            setattr(_GradSources, k, v)
 
 
 @contextlib.contextmanager

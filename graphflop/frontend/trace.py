@@ -91,6 +91,7 @@ from graphflop.frontend.loss import (
     token_vocabularies,
 )
 from graphflop.frontend.regions import (
+    _STACK_BARRIERS,
     checkpoints_tagged,
     grad_mode_tagged,
     grad_read_in_templates,
@@ -98,6 +99,7 @@ from graphflop.frontend.regions import (
     grad_states,
     mark_requires_grad,
     marked_in_templates,
+    outside_main_trace,
     resume_gradient,
     stop_gradient,
     template_grad_sources,
@@ -108,12 +110,14 @@ from graphflop.frontend.scopes import ModuleScopes, qualname
 from graphflop.meta import (
     ASSUMPTIONS,
     CHECKPOINT,
+    COMPOSITE,
     HIERARCHY,
     MODULE,
     NO_GRAD,
     NO_GRAD_WRITE,
     OUTLINED,
     SIGNATURE,
+    CompositeTag,
     OutlineInfo,
     fake_mode_of,
     fresh_fake,
@@ -569,6 +573,7 @@ def _templates_held(
     flat_state: list,
     gm: GraphModule | None = None,
     states: Any = None,
+    early: _Early | None = None,
 ) -> dict:
     """:func:`_templates` of ``outliner``'s calls, traced with the model's parameters and
     buffers held as the fake tensors its traced call used (``flat_state``, in the order of
@@ -583,7 +588,7 @@ def _templates_held(
     names = {id(t): q for t, q in zip(flat_state, [*params, *buffers])}
     state = [*params.values(), *buffers.values()]
     with _state_swapped(walk.modules, state, flat_state):
-        return _templates(outliner, table, fake_mode, modes, names, _CallInputs(gm, states))
+        return _templates(outliner, table, fake_mode, modes, names, _CallInputs(gm, states), early)
 
 
 class _CallInputs:
@@ -672,7 +677,7 @@ def _trace_once(
             chosen["targets"] = [scopes.mark(t) for t in targets]
             return (loss_value(kind, head, targets), *outs)
 
-    regions = itertools.count()
+    regions = _Numbers()
     replays = Replays(regions)
     table = replays.wrap(tagged_decompositions(decomposition_table(), regions))
     # not replayed: the same mask shape may stand for another expert's rows
@@ -682,6 +687,7 @@ def _trace_once(
     outliner = repeats.Outliner(outline, fake_mode, transparent=modes.passes_custom_ops, walk=walk)
     trainable = {i for i, p in enumerate(params.values()) if p.requires_grad}
     left_off: set[int] = set()  # trainable ones the forward turned off and left so
+    early = _Early(outliner, regions, table, fake_mode, modes, torch.is_grad_enabled())
     try:
         with (
             routed_nonzero(),
@@ -697,13 +703,26 @@ def _trace_once(
             # recorded, not shown: fake tensors make torch warn about its own internals; the
             # model's own warnings are shown once each after the trace (_reemit)
             warnings.simplefilter("always")
+            early.records = records
+            outliner.first_template = early.trace
             with outliner, grad_sources(trainable, tuple(params), left_off), grad_mode_tagged():
                 gm = _recorder(
                     torch.func.functionalize(modes.around(objective)), decomposition_table=table
                 )(*flat_state, *inputs)
                 states = grad_states(gm.graph) if outliner.calls else None
+            outliner.first_template = None
             templates = _templates_held(
-                outliner, table, fake_mode, modes, walk, params, buffers, flat_state, gm, states
+                outliner,
+                table,
+                fake_mode,
+                modes,
+                walk,
+                params,
+                buffers,
+                flat_state,
+                gm,
+                states,
+                early,
             )
             with modes:
                 trace_records(records, table, fake_mode)
@@ -1340,6 +1359,7 @@ def _templates(
     modes: _FunctionModes,
     names: dict[int, str],
     call_inputs: _CallInputs | None = None,
+    early: _Early | None = None,
 ) -> dict[int, torch.fx.Graph]:
     """Each distinct outlined call's template graph (``names``: as :func:`_trace_template`'s),
     traced with its first call's inputs' ``requires_grad`` and ``is_leaf`` as eager reads them
@@ -1347,6 +1367,9 @@ def _templates(
     on them (:func:`~graphflop.frontend.regions.grad_read_in_templates`) and another call's
     inputs read otherwise, the template is traced again with those: a graph that differs
     raises :class:`repeats.NotOutlinable` (:data:`READS_GRAD_FLAG`; the block traced in full).
+    ``early``: the templates traced at their call's first run, taken where they stand for the
+    template traced here (:meth:`_Early.taken`; such a trace read no flag that depends on the
+    call's inputs: :meth:`_Early.trace`).
 
     Raises:
         NotOutlinable: a structure with a reentrant checkpoint inside (whether its outputs
@@ -1361,26 +1384,30 @@ def _templates(
     if call_inputs is None:
         call_inputs = _CallInputs()
     for key, call in enumerate(outliner.calls):
-        first = call_inputs.first(key, call.n_inputs)
-        with (
-            undecided_checkpoints() as undecided,
-            marked_in_templates() as marked,
-            grad_read_in_templates() as read,
-            grad_mode_tagged(),
-        ):
-            templates[key] = _trace_template(
-                outliner, key, call, table, fake_mode, modes, names, inputs=first
-            )
-        if read[0]:  # the graph may depend on each call's inputs' flags: traced per flags
-            for other in dict.fromkeys(call_inputs.of(key, call.n_inputs)):
-                if other == first:
-                    continue
-                with grad_mode_tagged():
-                    again = _trace_template(
-                        outliner, key, call, table, fake_mode, modes, names, inputs=other
-                    )
-                if repeats.graph_signature(again) != repeats.graph_signature(templates[key]):
-                    raise repeats.NotOutlinable(call.structure, READS_GRAD_FLAG)
+        taken = early.taken(key, call) if early is not None else None
+        if taken is not None:
+            templates[key], undecided, marked = taken
+        else:
+            first = call_inputs.first(key, call.n_inputs)
+            with (
+                undecided_checkpoints() as undecided,
+                marked_in_templates() as marked,
+                grad_read_in_templates() as read,
+                grad_mode_tagged(),
+            ):
+                templates[key] = _trace_template(
+                    outliner, key, call, table, fake_mode, modes, names, inputs=first
+                )
+            if read[0]:  # the graph may depend on each call's inputs' flags: traced per flags
+                for other in dict.fromkeys(call_inputs.of(key, call.n_inputs)):
+                    if other == first:
+                        continue
+                    with grad_mode_tagged():
+                        again = _trace_template(
+                            outliner, key, call, table, fake_mode, modes, names, inputs=other
+                        )
+                    if repeats.graph_signature(again) != repeats.graph_signature(templates[key]):
+                        raise repeats.NotOutlinable(call.structure, READS_GRAD_FLAG)
         if undecided[0]:  # detached or not is each call's own (its inputs' derivative)
             raise repeats.NotOutlinable(call.structure, "a reentrant checkpoint inside")
         if marked[0]:  # a new leaf or not is each call's own (its inputs' derivative)
@@ -1390,10 +1417,160 @@ def _templates(
         if outliner.index_used.get(key, [False])[0]:
             raise repeats.NotOutlinable(call.structure, repeats.USES_INDEX)
         if repeats.graph_signature(templates[key]) != repeats.graph_signature(
-            _trace_template(outliner, key, call, table, fake_mode, modes, names, call.check)
+            _trace_template(
+                outliner, key, call, table, fake_mode, modes, names, call.check, inputs=first
+            )
         ):
             raise repeats.NotOutlinable(call.structure, "its graph depends on layer_idx")
     return templates
+
+
+class _Numbers:
+    """The trace's composite region numbers (``itertools.count()``), drawn from a counter
+    aside while a template is traced inside the main trace (:class:`_Early`): a template
+    taken after the main trace gets the numbers its trace there would have drawn
+    (:meth:`take`), so that every number is the one tracing it after the main trace gives."""
+
+    #: where the numbers drawn aside start (no trace draws as many)
+    ASIDE = 1 << 48
+
+    def __init__(self) -> None:
+        self._main = itertools.count()
+        self._now = self._main
+        self._aside = itertools.count(self.ASIDE)
+
+    def __iter__(self) -> _Numbers:
+        return self
+
+    def __next__(self) -> int:
+        return next(self._now)
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[list[int]]:
+        """While active, numbers are drawn aside; yields ``[start, end]`` of those drawn,
+        filled on leaving."""
+        start = next(self._aside)  # (a number no one draws: marks the start)
+        span = [start + 1, start + 1]
+        prev, self._now = self._now, self._aside
+        try:
+            yield span
+        finally:
+            self._now = prev
+            span[1] = next(self._aside)  # (marks the end)
+
+    def take(self, span: list[int]) -> dict[int, int]:
+        """Main numbers for the ``span`` of numbers drawn aside, drawn now, in their order."""
+        return {n: next(self._main) for n in range(*span)}
+
+
+class _ReadsInputFlags(Exception):
+    """An early template's trace (:meth:`_Early.trace`) read ``requires_grad``, ``is_leaf`` or
+    ``grad_fn`` of a value that depends on the call's inputs: its graph may be the first
+    call's only once traced with that call's flags, which the main trace knows when it ends
+    (:class:`_CallInputs`); the fake run decides the call's outputs and the template is
+    traced after the model's call."""
+
+
+class _Early:
+    """The templates traced at their call's first run (:attr:`repeats.Outliner.first_template`),
+    inside the main trace, and what :func:`_templates` takes of them: each as traced after the
+    model's call (the checks that need the model's call done made then; its composite region
+    numbers and custom Function records put where that trace would have put them)."""
+
+    def __init__(
+        self,
+        outliner: repeats.Outliner,
+        numbers: _Numbers,
+        table: dict,
+        fake_mode: FakeTensorMode,
+        modes: _FunctionModes,
+        grad: bool,
+    ):
+        self.outliner = outliner
+        self.numbers = numbers
+        self.table = table
+        self.fake_mode = fake_mode
+        self.modes = modes
+        self.grad = grad  # grad mode where the trace started (where templates are traced)
+        self.records: list = []  # the trace's custom Function records
+        #: per call key: the region numbers drawn aside, its records, and the flags of
+        #: :func:`_templates`' checks
+        self.kept: dict[int, tuple] = {}
+
+    def trace(self, key: int) -> torch.fx.Graph:
+        """Call ``key``'s template, traced now (at its first run, inside the ``repeat`` op's
+        fake kernel) as :func:`_templates` traces it, with the main trace's state set aside."""
+        call = self.outliner.calls[key]
+        n = len(self.records)
+        try:
+            with (
+                self.numbers.aside() as span,
+                outside_main_trace(),
+                torch.set_grad_enabled(self.grad),
+                undecided_checkpoints() as undecided,
+                marked_in_templates() as marked,
+                grad_read_in_templates() as read,
+                grad_mode_tagged(),
+            ):
+                graph = _traced_early(self, key, call)
+        finally:
+            records = self.records[n:]
+            del self.records[n:]
+        if read[0]:  # (traced here, its inputs read as requiring grad: the first call's may not)
+            raise _ReadsInputFlags(call.structure)
+        self.kept[key] = (span, records, undecided, marked)
+        return graph
+
+    def taken(self, key: int, call: Any) -> tuple | None:
+        """Call ``key``'s template traced early and the flags of its checks, where it stands
+        for the template traced now: traced (None otherwise), and the call's module holding
+        no other layer index than other calls' (otherwise the template is traced now with
+        stand-ins for them, :meth:`repeats.Outliner.template_fn`).
+
+        Raises:
+            NotOutlinable: as the template's trace now would raise before tracing: the
+                module's attributes changed after the call, or it reaches a module outside
+                its tree.
+        """
+        graph = self.outliner.early.get(key)
+        if graph is None or call.check is not None:
+            return None
+        if repeats._modules_state(call.module) != call.state:  # (template_fn's checks)
+            raise repeats.NotOutlinable(call.structure, "attributes changed after the call")
+        apart = repeats.held_apart(repeats._tree(call.module))
+        if apart is not None:
+            raise repeats.NotOutlinable(call.structure, apart)
+        span, records, undecided, marked = self.kept[key]
+        _renumbered(graph, self.numbers.take(span))
+        self.records.extend(records)
+        return graph, undecided, marked
+
+
+def _traced_early(early: _Early, key: int, call: Any) -> torch.fx.Graph:
+    return _trace_template(early.outliner, key, call, early.table, early.fake_mode, early.modes, {})
+
+
+# the Function.apply below an early template's trace is the main trace's repeat op's
+_STACK_BARRIERS.add(_traced_early.__code__)
+
+
+def _renumbered(graph: torch.fx.Graph, numbers: dict[int, int]) -> None:
+    """Each :data:`COMPOSITE` tag of ``graph``'s nodes (and the tags inside it) with its region
+    number in ``numbers`` given the number it maps to."""
+    if not numbers:
+        return
+
+    def tag_of(tag: CompositeTag) -> CompositeTag:
+        inner = tag_of(tag.inner) if tag.inner is not None else None
+        region = numbers.get(tag.region, tag.region)
+        if region == tag.region and inner is tag.inner:
+            return tag
+        return dataclasses.replace(tag, region=region, inner=inner)
+
+    for n in graph.nodes:
+        tag = n.meta.get(COMPOSITE)
+        if tag is not None:
+            n.meta[COMPOSITE] = tag_of(tag)
 
 
 def _is_fake(t: Any) -> bool:
