@@ -28,10 +28,12 @@ saves.
 
 The eager train step (:func:`eager_train_schedule`): the forward, each multi-output op's outputs
 as separate storages; the backward with the eager residuals; gradients allocated as the backward
-produces them and kept (``zero_grad(set_to_none=True)``, PyTorch's default); a plain op's output
+produces them and kept (``zero_grad(set_to_none=True)``, PyTorch's default), none for what no
+gradient reaches (the zero fills of :func:`ungraded_nodes`: ``.grad`` stays None); a plain op's output
 gradient and saved values held to its rule's last node, as its one eager autograd node holds them
 until it returns (:func:`~graphflop.passes.eager_kernels.autograd_node_reads`); the update in
-place, with the temporaries ``torch.optim`` makes (:func:`optimizer_temporaries`); kernels' own
+place, with the temporaries ``torch.optim`` makes for the parameters with a gradient
+(:func:`optimizer_temporaries`, :func:`graded_sizes`); kernels' own
 temporaries on CPU (:func:`kernel_temporaries`). The eager JVP (:func:`eager_jvp_schedule`):
 ``torch.func.jvp``, primal and tangent as one dual tensor. Reads ``val``, ``COMPOSITE``,
 ``CHECKPOINT`` and ``ROLE`` (the recompute of a checkpoint: random draws are redrawn, not
@@ -61,6 +63,7 @@ from graphflop.meta import (
     CHECKPOINT,
     COMPOSITE,
     FUNCTION,
+    GAPS,
     INPLACE,
     JVP,
     KIND,
@@ -1415,6 +1418,61 @@ def leaf_lifetimes(backward: GraphModule) -> tuple[set[str], list[str]]:
     return released, [f"f:{name}" for _, name in info.leaf_grads]
 
 
+def ungraded_nodes(backward: GraphModule) -> frozenset[str]:
+    """Names of the backward's nodes eager autograd never makes: those that do not depend on
+    the loss cotangent and are read only by such nodes and the graph's output, the zero fills
+    graphflop's backward gives a parameter (or a model input, a leaf the model made) no
+    gradient reaches (:func:`~graphflop.passes.optimizer.gradient_free`): eager autograd
+    leaves its ``.grad`` None (measured, ``tests/test_memory_eager.py``: an unused trainable
+    ``Linear``'s weight adds no bytes to the train peak). Empty where the backward stops at
+    ops without a transpose rule (``GAPS``), as :func:`gradient_free` is; in a recorded top
+    level, a call's values are taken as made (their call reads the cotangent or not as a
+    whole)."""
+    if backward.meta.get(GAPS):
+        return frozenset()
+    info = backward.meta.get(VJP)
+    if info is None:
+        return frozenset()
+    live: set[Node] = set()
+    for n in backward.graph.nodes:
+        if n.op != "output" and (
+            n.name == info.cotangent_input or not live.isdisjoint(n._input_nodes)
+        ):
+            live.add(n)
+    needed = set(live)
+    for n in reversed(backward.graph.nodes):
+        if n.op == "output" or n in needed:
+            continue
+        if any(u in needed for u in n.users):
+            needed.add(n)
+    return frozenset(
+        n.name for n in backward.graph.nodes if n.op == "call_function" and n not in needed
+    )
+
+
+def graded_sizes(
+    forward: GraphModule, backward: GraphModule, ungraded: Set[str] | None = None
+) -> list[int]:
+    """Bytes of each trainable parameter of ``forward`` that ``backward`` gives a gradient
+    (those whose gradient output is not one of ``ungraded``, default
+    :func:`ungraded_nodes` of ``backward``): the parameters ``torch.optim`` updates (it skips
+    ``.grad`` None), whose sizes its temporaries follow (:func:`optimizer_temporaries`)."""
+    if ungraded is None:
+        ungraded = ungraded_nodes(backward)
+    info = backward.meta.get(VJP)
+    skipped: set[str] = set()
+    if info is not None and ungraded:
+        out = next(n for n in reversed(backward.graph.nodes) if n.op == "output")
+        outs = out.args[0]
+        assert isinstance(outs, (tuple, list)), "a backward graph outputs a tuple of gradients"
+        skipped = {
+            q for pos, q in info.grads if isinstance(outs[pos], Node) and outs[pos].name in ungraded
+        }
+    phs = {n.name: n for n in forward.graph.find_nodes(op="placeholder")}
+    sig = forward.meta[SIGNATURE]
+    return [tensor_bytes(phs[p].meta["val"]) for p, q in sig.trainable() if q not in skipped]
+
+
 @overload
 def eager_train_schedule(
     forward: GraphModule,
@@ -1485,10 +1543,12 @@ def eager_train_schedule(
     released, held = leaf_lifetimes(backward)
     if hold_inputs:
         held += [f"f:{x}" for x in (*sig.inputs, *sig.targets)]
+    # the zero fills of what no gradient reaches: eager makes none (.grad stays None)
+    ungraded = ungraded_nodes(backward)
     if keep_grads:  # AccumulateGrad adds each new gradient into .grad in place and frees it
         out = next(n for n in backward.graph.nodes if n.op == "output")
         for a in out.all_input_nodes:
-            if a.name not in released:  # a leaf the model made is new each step
+            if a.name not in released and a.name not in ungraded:  # (a leaf: new each step)
                 bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
     f_runs = forward_runs(forward) if composed else None
     b_runs = backward_runs(backward) if composed else None
@@ -1542,14 +1602,13 @@ def eager_train_schedule(
         keep_outputs=not keep_grads,
         free_outputs=keep_grads,
         eager=True,
-        sizes=eager.backward_sizes,
+        sizes=eager.backward_sizes | dict.fromkeys(ungraded, 0),
         extra=bwd_tmp,
         also_reads=_merged(eager.backward_reads, eager.held, stand_in or {}),
         inplace=scatters_in_place(backward),
         released=released,
         held=held,
     )
-    phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
-    sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
+    sizes = graded_sizes(forward, backward, ungraded)
     s.add_transient("u:optimizer", optimizer_temporaries(optimizer, sizes, device))
     return s
