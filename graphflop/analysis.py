@@ -524,8 +524,11 @@ def _what_ifs(
         reruns["checkpoint"] = ck.recomputed
     if amp is not None:
         from graphflop.passes.amp import amp_memory
+        from graphflop.passes.eager_memory import checkpoint_calls, rng_state_bytes
 
         state = mem.params_bytes + (mem.buffers_bytes or 0) + (mem.optimizer_state_bytes or 0)
+        # the model's own checkpoint calls' RNG states, as the report's train peak counts them
+        state += rng_state_bytes(checkpoint_calls(g.forward))
         am = amp_memory(g.forward, g.backward, amp, device, optimizer, state)
         mem = replace(mem, amp=am.to_report())
     if recompute is not None:

@@ -405,6 +405,15 @@ EAGER_SAVES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     # ``v * (g / norm_except_dim(v))``, made of plain ops before tracing sees it, and no region
     # is tagged
     "aten._weight_norm_interface.default": ((0, 1), (1,)),
+    # addcmul: tensor1's gradient grad·tensor2·value, tensor2's grad·tensor1·value: tensor1
+    # and tensor2 (not the decomposition's value·tensor1); addcdiv: grad·value/tensor2 and
+    # -grad·value·tensor1/tensor2²: tensor1 and tensor2 (not value·tensor1); lerp.Tensor:
+    # self's grad·(1 - weight), end's grad·weight, weight's grad·(end - self): all three (not
+    # the decomposition's mask and end - self); lerp.Scalar: nothing (weight is a number)
+    "aten.addcmul.default": ((1, 2), ()),
+    "aten.addcdiv.default": ((1, 2), ()),
+    "aten.lerp.Tensor": ((0, 1, 2), ()),
+    "aten.lerp.Scalar": ((), ()),
 }
 
 #: ops of :data:`EAGER_SAVES` whose saves are modelled for CPU float32 inputs only: elsewhere

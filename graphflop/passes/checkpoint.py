@@ -45,7 +45,6 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
-import torch
 from torch.fx import GraphModule, Node
 
 from graphflop.meta import (
@@ -58,10 +57,12 @@ from graphflop.meta import (
     SOURCE,
 )
 from graphflop.passes.eager_memory import (
+    checkpoint_calls,
     eager_residuals,
     eager_train_schedule,
     embedding_indices,
     not_saved,
+    rng_state_bytes,
 )
 from graphflop.passes.memory import Schedule, forward_storages
 from graphflop.report import CheckpointedModule, CheckpointWhatIf
@@ -295,8 +296,10 @@ def checkpoint_memory(
     peak = None
     if optimizer is not None:
         sched = _train_schedule(forward, backward, eager, size, cut, inputs, optimizer, device)
-        # each call keeps the CPU generator's state (preserve_rng_state=True) to the backward
-        rng = torch.get_rng_state().numel() * len(by_region)
+        # each call keeps the CPU generator's state (preserve_rng_state=True) to the backward,
+        # and fork_rng copies it once more during a recompute (rng_state_bytes); the model's
+        # own checkpoint calls' states too, as the report's train peak counts them
+        rng = rng_state_bytes(len(by_region) + checkpoint_calls(forward))
         peak = state_bytes + rng + sched.peak()[0]
     return CheckpointMemory(
         pattern=pattern,

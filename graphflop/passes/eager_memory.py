@@ -28,10 +28,12 @@ saves.
 
 The eager train step (:func:`eager_train_schedule`): the forward, each multi-output op's outputs
 as separate storages; the backward with the eager residuals; gradients allocated as the backward
-produces them and kept (``zero_grad(set_to_none=True)``, PyTorch's default); a plain op's output
+produces them and kept (``zero_grad(set_to_none=True)``, PyTorch's default), none for what no
+gradient reaches (the zero fills of :func:`ungraded_nodes`: ``.grad`` stays None); a plain op's output
 gradient and saved values held to its rule's last node, as its one eager autograd node holds them
 until it returns (:func:`~graphflop.passes.eager_kernels.autograd_node_reads`); the update in
-place, with the temporaries ``torch.optim`` makes (:func:`optimizer_temporaries`); kernels' own
+place, with the temporaries ``torch.optim`` makes for the parameters with a gradient
+(:func:`optimizer_temporaries`, :func:`graded_sizes`); kernels' own
 temporaries on CPU (:func:`kernel_temporaries`). The eager JVP (:func:`eager_jvp_schedule`):
 ``torch.func.jvp``, primal and tangent as one dual tensor. Reads ``val``, ``COMPOSITE``,
 ``CHECKPOINT`` and ``ROLE`` (the recompute of a checkpoint: random draws are redrawn, not
@@ -61,6 +63,7 @@ from graphflop.meta import (
     CHECKPOINT,
     COMPOSITE,
     FUNCTION,
+    GAPS,
     INPLACE,
     JVP,
     KIND,
@@ -69,6 +72,7 @@ from graphflop.meta import (
     SIGNATURE,
     SOURCE,
     VJP,
+    occurrences,
 )
 from graphflop.passes.eager_attention import FusedAttention, attention_jvp
 from graphflop.passes.eager_kernels import (
@@ -212,7 +216,7 @@ def embedding_indices(forward: GraphModule | Iterable[Node]) -> frozenset[str]:
 
 def not_saved(p: Node, indices: frozenset[str] = frozenset()) -> bool:
     """Whether backward placeholder ``p`` holds no value eager autograd saves: no residual, a
-    parameter or buffer, or an integer value computed from them and constants only that is
+    parameter or buffer, or an integer (not bool) value computed from them and constants only that is
     not an embedding's indices (``indices``: :func:`embedding_indices`). Such an integer is
     most often the index arithmetic of an op traced decomposed (nearest upsampling, uneven
     adaptive pooling), which eager's one kernel never makes; the positions a model makes
@@ -223,8 +227,8 @@ def not_saved(p: Node, indices: frozenset[str] = frozenset()) -> bool:
     if kind != "param_derived":
         return False
     v = p.meta.get("val")
-    if isinstance(v, torch.Tensor) and v.is_floating_point():
-        return False
+    if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.dtype == torch.bool):
+        return False  # (a mask the model builds, ``triu(ones(T, T, dtype=bool))``: masked_fill saves it)
     return p.meta.get(SOURCE, p.name) not in indices
 
 
@@ -1415,6 +1419,82 @@ def leaf_lifetimes(backward: GraphModule) -> tuple[set[str], list[str]]:
     return released, [f"f:{name}" for _, name in info.leaf_grads]
 
 
+def ungraded_nodes(backward: GraphModule) -> frozenset[str]:
+    """Names of the backward's nodes eager autograd never makes: those that do not depend on
+    the loss cotangent and are read only by such nodes and the graph's output, the zero fills
+    graphflop's backward gives a parameter (or a model input, a leaf the model made) no
+    gradient reaches (:func:`~graphflop.passes.optimizer.gradient_free`): eager autograd
+    leaves its ``.grad`` None (measured, ``tests/test_memory_eager.py``: an unused trainable
+    ``Linear``'s weight adds no bytes to the train peak). Empty where the backward stops at
+    ops without a transpose rule (``GAPS``), as :func:`gradient_free` is; in a recorded top
+    level, a call's values are taken as made (their call reads the cotangent or not as a
+    whole)."""
+    if backward.meta.get(GAPS):
+        return frozenset()
+    info = backward.meta.get(VJP)
+    if info is None:
+        return frozenset()
+    live: set[Node] = set()
+    for n in backward.graph.nodes:
+        if n.op != "output" and (
+            n.name == info.cotangent_input or not live.isdisjoint(n._input_nodes)
+        ):
+            live.add(n)
+    needed = set(live)
+    for n in reversed(backward.graph.nodes):
+        if n.op == "output" or n in needed:
+            continue
+        if any(u in needed for u in n.users):
+            needed.add(n)
+    return frozenset(
+        n.name for n in backward.graph.nodes if n.op == "call_function" and n not in needed
+    )
+
+
+def rng_state_bytes(calls: int) -> int:
+    """Bytes ``torch.utils.checkpoint``'s RNG bookkeeping adds to the train peak for ``calls``
+    checkpoint calls (``preserve_rng_state=True``, the default): each call keeps the CPU
+    generator's state (``torch.get_rng_state()``, 5,056 B in PyTorch 2.13) until its backward,
+    and its recompute runs under ``torch.random.fork_rng``, which holds one more copy while it
+    runs (one recompute at a time): ``(calls + 1)`` states, 0 for no call. Counted as live
+    throughout the step (an upper bound where the peak is elsewhere). Measured (profiler
+    allocator events, PyTorch 2.13 CPU): a Linear-GELU-Linear block in a checkpoint, 11,456 B
+    against 1,760 B without it."""
+    return torch.get_rng_state().numel() * (calls + 1) if calls else 0
+
+
+def checkpoint_calls(forward: GraphModule) -> int:
+    """The number of ``torch.utils.checkpoint`` calls the model made in ``forward``
+    (:func:`~graphflop.meta.occurrences` of :data:`~graphflop.meta.CHECKPOINT`), those whose
+    outputs eager gives no derivative (``detached``: their autograd node is freed at once)
+    left out."""
+    calls = occurrences(forward.graph.nodes, CHECKPOINT)
+    return len({c for n, c in calls.items() if not n.meta[CHECKPOINT].detached})
+
+
+def graded_sizes(
+    forward: GraphModule, backward: GraphModule, ungraded: Set[str] | None = None
+) -> list[int]:
+    """Bytes of each trainable parameter of ``forward`` that ``backward`` gives a gradient
+    (those whose gradient output is not one of ``ungraded``, default
+    :func:`ungraded_nodes` of ``backward``): the parameters ``torch.optim`` updates (it skips
+    ``.grad`` None), whose sizes its temporaries follow (:func:`optimizer_temporaries`)."""
+    if ungraded is None:
+        ungraded = ungraded_nodes(backward)
+    info = backward.meta.get(VJP)
+    skipped: set[str] = set()
+    if info is not None and ungraded:
+        out = next(n for n in reversed(backward.graph.nodes) if n.op == "output")
+        outs = out.args[0]
+        assert isinstance(outs, (tuple, list)), "a backward graph outputs a tuple of gradients"
+        skipped = {
+            q for pos, q in info.grads if isinstance(outs[pos], Node) and outs[pos].name in ungraded
+        }
+    phs = {n.name: n for n in forward.graph.find_nodes(op="placeholder")}
+    sig = forward.meta[SIGNATURE]
+    return [tensor_bytes(phs[p].meta["val"]) for p, q in sig.trainable() if q not in skipped]
+
+
 @overload
 def eager_train_schedule(
     forward: GraphModule,
@@ -1485,10 +1565,12 @@ def eager_train_schedule(
     released, held = leaf_lifetimes(backward)
     if hold_inputs:
         held += [f"f:{x}" for x in (*sig.inputs, *sig.targets)]
+    # the zero fills of what no gradient reaches: eager makes none (.grad stays None)
+    ungraded = ungraded_nodes(backward)
     if keep_grads:  # AccumulateGrad adds each new gradient into .grad in place and frees it
         out = next(n for n in backward.graph.nodes if n.op == "output")
         for a in out.all_input_nodes:
-            if a.name not in released:  # a leaf the model made is new each step
+            if a.name not in released and a.name not in ungraded:  # (a leaf: new each step)
                 bwd_tmp[a.name] = bwd_tmp.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
     f_runs = forward_runs(forward) if composed else None
     b_runs = backward_runs(backward) if composed else None
@@ -1542,14 +1624,13 @@ def eager_train_schedule(
         keep_outputs=not keep_grads,
         free_outputs=keep_grads,
         eager=True,
-        sizes=eager.backward_sizes,
+        sizes=eager.backward_sizes | dict.fromkeys(ungraded, 0),
         extra=bwd_tmp,
         also_reads=_merged(eager.backward_reads, eager.held, stand_in or {}),
         inplace=scatters_in_place(backward),
         released=released,
         held=held,
     )
-    phs = {n.name: n for n in forward.graph.nodes if n.op == "placeholder"}
-    sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
+    sizes = graded_sizes(forward, backward, ungraded)
     s.add_transient("u:optimizer", optimizer_temporaries(optimizer, sizes, device))
     return s

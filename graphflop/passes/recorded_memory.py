@@ -84,6 +84,7 @@ from graphflop.passes.eager_memory import (
     eager_forward,
     embedding_indices,
     forward_kernels,
+    graded_sizes,
     jvp_baseline,
     jvp_overrides,
     kernel_temporaries,
@@ -93,6 +94,7 @@ from graphflop.passes.eager_memory import (
     plain_ops,
     residual_keys,
     scatters_in_place,
+    ungraded_nodes,
 )
 from graphflop.passes.flops import tensor_bytes
 from graphflop.passes.memory import Step, _NodeSteps
@@ -766,6 +768,13 @@ class _TrainBuilder:
             p for p in top.graph.find_nodes(op="placeholder") if not not_saved(p, self.indices)
         ]
         self._held: dict[str, list[str]] | None = None
+        #: the top level's zero fills eager never makes (ungraded_nodes); a call's value
+        #: among them: the flat schedule (a call's profile makes all its values)
+        self.ungraded = ungraded_nodes(top)
+        if any(
+            n.target is _REPEAT or n in self.at for n in top.graph.nodes if n.name in self.ungraded
+        ):
+            raise _Unsupported
 
     def template(self, number: int) -> _Template:
         return _template_of(self.dh, self.templates, number)
@@ -818,8 +827,7 @@ class _TrainBuilder:
         )
         self.s._graphs["b"] = (self.index, self.by_name, self.numbers)  # type: ignore[assignment]
         self.walk(state, remap, unstored)
-        phs = {n.name: n for n in forward.graph.find_nodes(op="placeholder")}
-        sizes = [tensor_bytes(phs[p].meta["val"]) for p, _ in sig.trainable()]
+        sizes = graded_sizes(forward, self.top, self.ungraded)
         s.add_transient("u:optimizer", optimizer_temporaries(self.optimizer, sizes, self.device))
         held = self.held()
         # the walk's tables are read: freed before the lifetimes below are worked out, the
@@ -1005,11 +1013,12 @@ class _TrainBuilder:
         _, extra = kernel_temporaries(self.forward, top_gm, self.device, kernels=self.kernels)
         if self.keep_grads:
             for a in out.all_input_nodes:
-                if self.at.get(a) is None:
+                if self.at.get(a) is None and a.name not in self.ungraded:
                     extra[a.name] = extra.get(a.name, 0) + tensor_bytes(a.meta.get("val"))
         for k, v in b_extra.items():
             extra[k] = extra.get(k, 0) + v
         merge_reads(reads, autograd_node_reads(top_gm, self.plain.__contains__))
+        sizes |= dict.fromkeys(self.ungraded, 0)
         nodes = _NodeSteps(self.top, True, sizes, extra, reads, inplace, self.keep_grads)
         stand_ins: dict[str, Any] = {}
         by_call: dict[int, list[tuple]] = {}

@@ -44,10 +44,12 @@ from graphflop.passes.calls import (
 from graphflop.passes.eager_attention import eager_attention_flops
 from graphflop.passes.eager_memory import (
     DESCRIBES,
+    checkpoint_calls,
     eager_jvp_schedule,
     eager_residuals,
     eager_saved_storages,
     eager_train_schedule,
+    rng_state_bytes,
 )
 from graphflop.passes.flops import sum_costs, tensor_bytes, total_cost
 from graphflop.passes.hierarchy import ForwardFigures, forward_figures, hierarchy_of
@@ -489,6 +491,8 @@ def _memory(
             tpeak, _ = train_schedule(g.forward, g.backward, _flat(g.update)).peak()
             train_peak = resident + state + trainable_bytes + tpeak
             owners = saved_storages(g.forward, g.backward)
+        if model == "eager":  # the model's own checkpoint calls' RNG states (as --checkpoint's)
+            train_peak += rng_state_bytes(checkpoint_calls(g.forward))
         # eager_saved_bytes / saved_for_backward_bytes: the sum over the saved storages
         saved = sum(owners.values())
         mem.update(
