@@ -9,6 +9,7 @@ from conftest import analysis, layer
 from torch import nn
 
 from graphflop.analysis import analyze
+from graphflop.frontend.errors import TraceError
 from graphflop.frontend.trace import trace
 from graphflop.meta import COST, GHOSTS, SOURCE
 from graphflop.passes.flops import annotate_flops
@@ -499,7 +500,7 @@ def test_a_module_held_only_as_a_plain_attribute_on_meta(tmp_path, outline):
     assert (r.totals.forward.flops, r.totals.backward.grad_weight_flops) == (1824, 952)
     assert (r.params, r.trainable_params) == (252, 252)
     assert r.memory.params_bytes + r.memory.buffers_bytes == (252 + 72) * 4
-    assert any(s.startswith("blocks.0.shared is a Linear held as") for s in r.assumptions)
+    assert any(s.startswith("blocks.0.shared (Linear) is a module held as") for s in r.assumptions)
     assert loaded.model.blocks[0].shared.weight.device.type == "meta"  # put back
     real = load(str(f))
     assert analyze(real.model, x, loss="sum", outline=outline, name="n").report.to_dict() == (
@@ -509,6 +510,59 @@ def test_a_module_held_only_as_a_plain_attribute_on_meta(tmp_path, outline):
     b = analyze(frozen.model, x, loss="sum", outline=outline, name="n").report
     assert b.to_dict()["totals"] == r.to_dict()["totals"]
     assert (b.params, b.frozen_params, b.memory.params_bytes) == (324, 72, 324 * 4)
+
+
+class _HeldTied(nn.Module):
+    """A Linear held as a plain attribute whose weight is the model's ``a.weight``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        sh = nn.Linear(8, 8)
+        sh.weight = self.a.weight
+        self.__dict__["sh"] = sh
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.sh(torch.tanh(self.a(x)))))
+
+
+def test_a_module_held_as_a_plain_attribute_sharing_a_parameter_is_refused():
+    """A tester's finding: a held module whose weight is (by identity) the model's a.weight
+    was read as a constant, so a.weight's gradient left out its use there: grad_weight_flops
+    748 against 1292 with sh registered (sh.weight's use 2·4·8·8 = 512 missing), and the line
+    said its 72 elements were none of the model's. Refused now, naming both places."""
+    with pytest.raises(TraceError) as e:
+        analyze(_HeldTied(), (torch.randn(4, 8),), loss="sum")
+    assert str(e.value).startswith(
+        "sh is held as a plain attribute and shares a.weight with the model (as its weight): "
+        "register it as a submodule"
+    )
+
+
+class _HeldSeveral(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.__dict__["bn"] = nn.BatchNorm1d(8)
+        self.__dict__["l"] = nn.Linear(8, 4)
+        self.lst = [nn.Linear(8, 8)]
+
+    def forward(self, x):
+        return self.l(self.lst[0](self.bn(x)))
+
+
+def test_the_line_on_modules_held_as_plain_attributes_names_each():
+    """A tester's finding: with bn and l held so the line named bn only ("bn is a
+    BatchNorm1d") with both modules' elements, and a module in a list was named by the list.
+    Elements: bn 8 + 8 (weight, bias) + 8 + 8 + 1 (running stats, num_batches_tracked) = 33,
+    l 8·4 + 4 = 36, lst[0] 8·8 + 8 = 72: 141."""
+    r = analyze(_HeldSeveral(), (torch.randn(4, 8),), loss="sum").report
+    line = next(s for s in r.assumptions if "plain attribute" in s)
+    assert line.startswith(
+        "bn (BatchNorm1d), l (Linear), lst[0] (Linear) are modules held as plain attributes"
+    )
+    assert "their 141 parameter and buffer elements" in line
+    assert r.params == 0
 
 
 class _InputPlusNarrowLinear(nn.Module):

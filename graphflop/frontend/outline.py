@@ -966,10 +966,84 @@ def held_outside(modules: list[nn.Module]) -> list[nn.Module]:
     return found
 
 
+def _named_held(v: Any, where: str) -> Iterator[tuple[str, nn.Module]]:
+    """:func:`_modules_held` with each module's place (``where``, the attribute's name, with
+    ``[i]`` or ``[key]`` for a list, tuple or dict element: ``lst[0]``)."""
+    if isinstance(v, nn.Module):
+        yield where, v
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            yield from _named_held(x, f"{where}[{i}]")
+    elif isinstance(v, dict):
+        for key, x in v.items():
+            yield from _named_held(x, f"{where}[{key!r}]")
+
+
+def _held_at(model: nn.Module, outside: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The modules of ``outside`` that a module of ``model``'s tree holds as a plain
+    attribute, each once with its first place (``sh``, ``block.lst[0]``)."""
+    ids = set(map(id, outside))
+    seen: set[int] = set()
+    found = []
+    for name, m in model.named_modules():
+        for k, v in vars(m).items():
+            if k in _MODULE_INTERNALS:
+                continue
+            for where, held in _named_held(v, f"{name}.{k}" if name else k):
+                if id(held) in ids and id(held) not in seen:
+                    seen.add(id(held))
+                    found.append((where, held))
+    return found
+
+
+def held_shared(model: nn.Module, outside: list[nn.Module]) -> str | None:
+    """The refusal for a module of :func:`held_outside` (``outside``, of ``model``'s tree)
+    holding a tensor that is (by identity) one of the model's parameters or buffers (``sh =
+    nn.Linear(8, 8); sh.weight = self.a.weight; self.__dict__["sh"] = sh``), else None.
+
+    The trace reads a held module's tensors as constants; such a one is the model's, whose
+    gradient (parameter) or state (buffer) its use there is part of, so reading it as a
+    constant would leave that use out of its gradient (``a.weight.grad`` in eager holds it)."""
+    own = {
+        id(t): name
+        for named in (model.named_parameters, model.named_buffers)
+        for name, t in named(remove_duplicate=True)
+    }
+    m, k, t = next(
+        (
+            (m, k, t)
+            for m in outside
+            for k, t in (*m._parameters.items(), *m._buffers.items())
+            if t is not None and id(t) in own
+        ),
+        (None, "", None),
+    )
+    if m is None:
+        return None
+    at = dict(_held_at(model, outside))
+    # the place of ``m``: itself held so, or a submodule of a held one
+    where = next(
+        (
+            f"{w}.{sub}" if sub else w
+            for w, h in at.items()
+            for sub, s in h.named_modules()
+            if s is m
+        ),
+        f"a {type(m).__name__}",
+    )
+    return (
+        f"{where} is held as a plain attribute and shares {own[id(t)]} with the model (as "
+        f"its {k}): register it as a submodule (or nn.ModuleList): a held module's tensors "
+        f"are read as constants, which would leave {own[id(t)]}'s use there out of its "
+        "gradient and update"
+    )
+
+
 def held_outside_line(model: nn.Module, outside: list[nn.Module]) -> str | None:
     """The report's line for the modules of :func:`held_outside` (``outside``, of ``model``'s
-    tree) that hold parameters or buffers, naming the first attribute of a module of
-    ``model`` that holds one; None where none holds any (the ``kernels`` library's function
+    tree) that hold parameters or buffers, naming each that a module of ``model`` holds so
+    (up to three, then how many more: ``bn (BatchNorm1d), l (Linear)``) and their elements
+    (each tensor once); None where none holds any (the ``kernels`` library's function
     modules: the tree is not walked again)."""
     state = {
         id(t): t.numel()
@@ -979,25 +1053,24 @@ def held_outside_line(model: nn.Module, outside: list[nn.Module]) -> str | None:
     }
     if not state:
         return None
-    ids = set(map(id, outside))
-    held_at = [
-        (f"{name}.{k}" if name else k, held)
-        for name, m in model.named_modules()
-        for k, v in vars(m).items()
-        if k not in _MODULE_INTERNALS
-        for held in _modules_held(v)
-        if id(held) in ids
-    ]
-    # (one with state of its own tree first: beside it, a stateless one may be held so too)
-    where, held = next(((w, h) for w, h in held_at if not _stateless(h)), held_at[0])
-    kind = type(held).__name__
+    # (those with state in their own tree: beside them, stateless ones may be held so too)
+    named = [(w, h) for w, h in _held_at(model, outside) if not _stateless(h)]
+    shown = ", ".join(f"{w} ({type(h).__name__})" for w, h in named[:3])
+    if len(named) > 3:
+        shown += f" and {len(named) - 3} more"
+    one = len(named) == 1
+    what = (
+        f"{shown} is a module held as a plain attribute, a submodule"
+        if one
+        else f"{shown} are modules held as plain attributes, submodules"
+    )
     return (
-        f"{where} is a {kind} held as a plain attribute, a submodule of no module of the "
-        f"model: its {sum(state.values()):,} parameter and buffer elements are none of the "
-        "model's (model.parameters(), which an optimizer is given, lacks them), read as "
-        "constants with no gradient and no update (eager autograd still computes the gradient "
-        "of those that require grad, which no optimizer step reads; register it as a submodule "
-        "to train it)"
+        f"{what} of no module of the model: {'its' if one else 'their'} "
+        f"{sum(state.values()):,} parameter and buffer elements are none of the model's "
+        "(model.parameters(), which an optimizer is given, lacks them), read as constants "
+        "with no gradient and no update (eager autograd still computes the gradient of those "
+        "that require grad, which no optimizer step reads; register "
+        f"{'it' if one else 'them'} as a submodule to train {'it' if one else 'them'})"
     )
 
 

@@ -271,6 +271,9 @@ def _trace_in(
         # (a later attempt walks it again: :func:`_trace`)
         first = [repeats.Walk(model)]
         outside = repeats.held_outside(first[0].modules)
+        shared = repeats.held_shared(model, outside) if outside else None
+        if shared:
+            raise TraceError(shared)
         # (each attempt of :func:`_trace` puts the modules' state back, and
         # :func:`_meta_attributes` its own changes: nothing else here writes into a module)
         with (
