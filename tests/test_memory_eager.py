@@ -1343,28 +1343,3 @@ def test_fused_elementwise_backward_temporaries_against_a_measured_step(op: str)
     got = analyze(model, (x,), loss="sum", jvp=False).report.memory.train_peak_bytes
     measured = measure_train_peak(model, (x,), "sum")
     assert abs(got / measured - 1) < 0.001, (got, measured)
-
-
-class _BuiltMask(nn.Module):
-    """A causal bool mask built in forward from constants, read by masked_fill."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
-        s = self.q(x) @ x.transpose(-1, -2)
-        return s.masked_fill(mask, -1e4).softmax(-1).sum(-1)
-
-
-def test_a_bool_mask_built_in_forward_is_saved() -> None:
-    # x (2, 5, 8): the Linear's input and the product's x^T, one storage, 320 B (q(x) is not
-    # saved: x needs no gradient); softmax's output 2·5·5·4 = 200; masked_fill's mask, made
-    # from constants, 5·5·1 = 25 (graphflop took it for index arithmetic: 520 before): 545 B
-    torch.manual_seed(0)
-    model, x = _BuiltMask(), torch.randn(2, 5, 8)
-    measured = measure_saved(model, (x,), "sum")
-    assert measured == 320 + 200 + 25
-    a = analyze(model, (x,), loss="sum", jvp=False)
-    assert a.report.memory.saved_for_backward_bytes == measured

@@ -216,7 +216,7 @@ def embedding_indices(forward: GraphModule | Iterable[Node]) -> frozenset[str]:
 
 def not_saved(p: Node, indices: frozenset[str] = frozenset()) -> bool:
     """Whether backward placeholder ``p`` holds no value eager autograd saves: no residual, a
-    parameter or buffer, or an integer (not bool) value computed from them and constants only that is
+    parameter or buffer, or an integer value computed from them and constants only that is
     not an embedding's indices (``indices``: :func:`embedding_indices`). Such an integer is
     most often the index arithmetic of an op traced decomposed (nearest upsampling, uneven
     adaptive pooling), which eager's one kernel never makes; the positions a model makes
@@ -227,8 +227,8 @@ def not_saved(p: Node, indices: frozenset[str] = frozenset()) -> bool:
     if kind != "param_derived":
         return False
     v = p.meta.get("val")
-    if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.dtype == torch.bool):
-        return False  # (a mask the model builds, ``triu(ones(T, T, dtype=bool))``: masked_fill saves it)
+    if isinstance(v, torch.Tensor) and v.is_floating_point():
+        return False
     return p.meta.get(SOURCE, p.name) not in indices
 
 
