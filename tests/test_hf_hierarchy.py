@@ -137,6 +137,7 @@ def _t5(use_cache: bool | None = None):
     return model.train()
 
 
+@pytest.mark.slow  # (moved out of the default suite: its 300 s budget)
 def test_t5_blocks_after_the_first_share_a_template_per_stack():
     """Block 0 of each stack computes the relative attention bias (a parameter of its own);
     blocks 1 and 2 are called with it and return it as given (a call's output that is its

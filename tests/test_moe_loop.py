@@ -376,6 +376,7 @@ def test_a_dispatch_not_tied_to_the_routing_says_how_to_write_it():
     assert "torch.where(idx == e)" in msg and "test_moe_loop.py" in msg
 
 
+@pytest.mark.slow  # (moved out of the default suite: its 300 s budget)
 def test_forward_gradient_check_runs_on_the_real_routing(monkeypatch):
     """A tester's finding: the forward-gradient check batched its directions into one step whose
     tangents reshape K directions' rows to the traced (balanced) row count, and the real inputs'

@@ -1275,6 +1275,7 @@ def test_batch_norm_called_twice_writes_its_running_statistics_as_eager():
     assert check.dtype == "float64" and check.ok, check
 
 
+@pytest.mark.slow  # (moved out of the default suite: its 300 s budget)
 def test_batch_norm_called_twice_memory_against_eager():
     """The siamese norm's saved-for-backward bytes equal eager's (saved_tensors_hooks) and its
     train peak a measured eager step's (in float32: 1,964 B saved; peak 4,720 B predicted,

@@ -89,6 +89,7 @@ def test_weight_norm_has_no_buffers_and_reads_its_parameters():
             assert n.users, n.name
 
 
+@pytest.mark.slow  # (moved out of the default suite: its 300 s budget)
 def test_weight_norm_peaks_are_measured_ones():
     """Linear(512, 512) under weight_norm, batch 4: the forward peak is eager's to the byte
     (before the fix it counted 1 MiB of phantom constants: 3,168,288 against 2,117,664); the

@@ -260,6 +260,7 @@ def test_lora_backward_update_and_gradient_bytes_by_hand():
     assert full.frozen_params == 0
 
 
+@pytest.mark.slow  # (moved out of the default suite: its 300 s budget)
 def test_lora_verifies_against_torch_func():
     from graphflop.runtime.verify import verify_analysis
 

@@ -171,6 +171,7 @@ def _fallback(fwd, optimizer, **kw):
     return rec
 
 
+@pytest.mark.slow  # (moved out of the default suite: its 300 s budget)
 def test_falls_back_to_the_flat_step():
     """K > 1 directions (batched and as copies) and directions as inputs: built flat from the
     recorded JVP's flat view, the same graph and figures as from the flat JVP."""

@@ -639,6 +639,7 @@ class _BiasOnly(torch.nn.Module):
         return x.flatten(1) @ self.w + self.b
 
 
+@pytest.mark.slow  # (moved out of the default suite: its 300 s budget)
 def test_orthogonal_directions_against_theory(digits):
     m = _BiasOnly()
     orth = estimator_variance(m, data=digits, directions=(5, 10), samples=400, orthogonal=True)

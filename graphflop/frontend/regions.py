@@ -133,6 +133,16 @@ class _GradSources:
     #: the main trace's placeholders, in order, as :func:`stop_gradient` last saw them
     placeholders: list[Node] = []
 
+    @classmethod
+    def outside(cls) -> None:
+        """What it holds outside the main trace (as :func:`grad_sources` leaves it)."""
+        cls.active = False
+        cls.trainable = frozenset()
+        cls.params = ()
+        cls.marked = set()
+        cls.stopped = {}
+        cls.placeholders = []
+
 
 def grad_sources(
     trainable: set[int], params: tuple[str, ...] = (), left_off: set[int] | None = None
@@ -160,12 +170,7 @@ def grad_sources(
                 off = set(_GradSources.stopped.values())  # turned off, not on again
                 left_off.update(i for i, n in enumerate(_GradSources.placeholders) if n in off)
         finally:
-            _GradSources.active = False
-            _GradSources.trainable = frozenset()
-            _GradSources.params = ()
-            _GradSources.marked = set()
-            _GradSources.stopped = {}
-            _GradSources.placeholders = []
+            _GradSources.outside()
 
     return scope()
 
@@ -616,12 +621,7 @@ def outside_main_trace() -> Iterator[None]:
     (:func:`grad_sources` left); the main trace's state is put back on leaving."""
     names = ("trainable", "params", "marked", "stopped", "placeholders", "active", "leaves")
     saved = [getattr(_GradSources, k) for k in names]
-    _GradSources.active = False
-    _GradSources.trainable = frozenset()
-    _GradSources.params = ()
-    _GradSources.marked = set()
-    _GradSources.stopped = {}
-    _GradSources.placeholders = []
+    _GradSources.outside()
     try:
         yield
     finally:
