@@ -90,7 +90,6 @@ from graphflop.meta import (
     FUNCTION,
     MODULE,
     fake_mode_of,
-    fresh_fake,
     fresh_fakes,
 )
 from graphflop.ops.tree import scalar_key
@@ -1209,10 +1208,25 @@ def _meta(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
 
-def _like(mode: Any, meta: tuple) -> torch.Tensor:
-    """A fresh FakeTensor of FakeTensorMode ``mode`` with ``meta``."""
-    shape, stride, dtype, device, requires_grad = meta
-    return fresh_fake(mode, shape, stride, dtype, device, requires_grad)
+def _run_changed(
+    call: Call, tensors: Sequence[torch.Tensor], before: tuple, args: tuple, kwargs: dict
+) -> str | None:
+    """What a run of ``call``'s module on ``tensors`` (its inputs, then its parameters and
+    buffers; ``args``, ``kwargs`` rebuilt from them) changed that a template cannot stand for,
+    as :class:`NotOutlinable`'s reason, or None: a write into a tensor other than the buffers
+    it updates, an attribute set, a list or dict argument written into. ``before``: the
+    tensors' versions, the module's :func:`_attrs` and the argument leaves, read before the
+    run."""
+    versions, attrs, given = before
+    skip = {call.n_inputs + i for i in (*call.direct, *call.written)}
+    if any(t._version != v for k, (t, v) in enumerate(zip(tensors, versions)) if k not in skip):
+        return "writes into a tensor in forward"
+    if _attrs(call.module) != attrs:
+        return "sets attributes in forward"
+    leaves, spec = tree_flatten((args, kwargs))
+    if spec != call.spec or any(a is not b for a, b in zip(leaves, given)):
+        return "writes into a list or dict argument"
+    return None
 
 
 @dataclass
@@ -1711,16 +1725,9 @@ class Outliner:
             ):
                 out = torch.func.functional_call(call.module, state, args, kwargs)
             call.direct, call.written = _written_buffers(call.module, call.n_params)
-            skip = {call.n_inputs + i for i in (*call.direct, *call.written)}
-            if any(
-                t._version != v for k, (t, v) in enumerate(zip(tensors, versions)) if k not in skip
-            ):
-                raise NotOutlinable(call.structure, "writes into a tensor in forward")
-            if _attrs(call.module) != attrs:
-                raise NotOutlinable(call.structure, "sets attributes in forward")
-            leaves, spec = tree_flatten((args, kwargs))
-            if spec != call.spec or any(a is not b for a, b in zip(leaves, given)):
-                raise NotOutlinable(call.structure, "writes into a list or dict argument")
+            changed = _run_changed(call, tensors, (versions, attrs, given), args, kwargs)
+            if changed is not None:
+                raise NotOutlinable(call.structure, changed)
             leaves, call.out_spec = tree_flatten(out)
             call.out_leaves = [_out_leaf(x, tensors[: call.n_inputs]) for x in leaves]
             outs = [x for x, o in zip(leaves, call.out_leaves) if o is _TENSOR]
@@ -1763,15 +1770,9 @@ class Outliner:
         :class:`_NotPlain` where that run would raise or find outputs sharing storage.
         ``before``: the tensors' versions, the module's :func:`_attrs` and the argument
         leaves, read before the module ran."""
-        versions, attrs, given = before
-        skip = {call.n_inputs + i for i in (*call.direct, *call.written)}
-        if any(t._version != v for k, (t, v) in enumerate(zip(tensors, versions)) if k not in skip):
-            raise _NotPlain("writes into a tensor")
-        if _attrs(call.module) != attrs:
-            raise _NotPlain("sets attributes")
-        leaves, spec = tree_flatten((args, kwargs))
-        if spec != call.spec or any(a is not b for a, b in zip(leaves, given)):
-            raise _NotPlain("writes into an argument")
+        changed = _run_changed(call, tensors, before, args, kwargs)
+        if changed is not None:
+            raise _NotPlain(changed)
         leaves, out_spec = tree_flatten(out)
         out_leaves = [_out_leaf(x, tensors[: call.n_inputs]) for x in leaves]
         outs = [x for x, o in zip(leaves, out_leaves) if o is _TENSOR]
