@@ -320,6 +320,45 @@ def test_name_plan_takes_names_as_fx_one_by_one():
             assert ns._base_count == ref._base_count
 
 
+def test_take_plain_takes_names_as_fx_or_declines():
+    """:func:`graphflop.ad.builder.take_plain` (a recorded update's packed placeholders' names,
+    all at once) gives the names fx gives nodes made one after the other with them and leaves
+    its namespace as fx does; where one is taken, repeated, not ASCII or a builtin's name it
+    takes nothing and returns None."""
+    from graphflop.ad.builder import take_plain
+
+    def namespace(used, counts):
+        g = Graph()
+        ns = g._graph_namespace
+        ns._used_names, ns._base_count = set(used), dict(counts)
+        return g
+
+    used = {"grad_h_0_ln_1_weight", "grad_h_1_attn_bias_3"}
+    counts = {"grad_h_1_attn_bias": 3, "grad_h_2_mlp_weight": 4}
+    names = ["grad_h_1_attn_weight", "grad_h_1_attn_bias", "grad_h_2_mlp_weight"]
+    g, ref = namespace(used, counts), namespace(used, counts)._graph_namespace
+    want = [ref.create_name(x, None) for x in names]
+    # by hand: all free and of no numbered form: each as it is; counts kept (bias's 3,
+    # mlp_weight's 4) or 0 (attn_weight)
+    assert want == names
+    assert take_plain(g, names) == want
+    ns = g._graph_namespace
+    assert ns._used_names == ref._used_names == used | set(names)
+    assert ns._base_count == ref._base_count
+    assert ns._base_count == {**counts, "grad_h_1_attn_weight": 0}
+    declined = [
+        ["grad_h_0_ln_1_weight", "grad_x"],  # taken: fx numbers it
+        ["grad_x", "grad_x"],  # twice: fx numbers the second
+        ["grad_\u00e9t\u00e9"],  # not ASCII: fx's reading
+        ["grad_x", "print"],  # a builtin's name: renamed even where free
+    ]
+    for names in declined:
+        g = namespace(used, counts)
+        assert take_plain(g, names) is None
+        assert g._graph_namespace._used_names == used  # nothing taken
+        assert g._graph_namespace._base_count == counts
+
+
 class _PropertyElsewhere(Graph):
     """A Graph whose ``owning_module`` property reads elsewhere than ``_owning_module`` (the
     field fx's property returns, and ``new_node`` reads): it reports no owner while owned."""

@@ -481,6 +481,11 @@ def _kept_compactly(a) -> None:
         expanded += [(p.rep, i) for i in p.positions] if type(p) is calls._Run else [p]
     assert list(log) == expanded and log == tuple(expanded) and log[len(log) - 1] == expanded[-1]
     assert list(reversed(log)) == expanded[::-1]
+    # holds (read a part at a time, a run's pairs not made) says what reading every entry says
+    classes = {type(p) for p in others} | {dict, calls._Run}
+    assert len(classes) > 2  # (an entry's class among them)
+    for cls in classes:
+        assert log.holds(cls) == any(isinstance(e, cls) for e in expanded)
 
 
 def test_record_derivatives_is_checked():

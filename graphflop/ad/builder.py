@@ -248,6 +248,28 @@ def take_names(graph: Graph, candidates: Iterable[str]) -> list[str]:
     return [_take(ns, candidate) for candidate in candidates]
 
 
+def take_plain(graph: Graph, names: Sequence[str]) -> list[str] | None:
+    """``take_names(graph, names)`` for ``names`` the caller knows to be, where ASCII,
+    identifiers without a number at their end (``<base>_<digits>``): where they are ASCII,
+    free, distinct and none a keyword's or builtin's name, each is taken as it is (its base
+    count kept, or 0), all at once; None, nothing taken, otherwise (take them one by one)."""
+    if not "".join(names).isascii() or not _illegal_names.keys().isdisjoint(names):
+        return None
+    ns = graph._graph_namespace
+    used = ns._used_names
+    if not used.isdisjoint(names):
+        return None
+    before = len(used)
+    used.update(names)
+    if len(used) - before != len(names):  # a name twice
+        used.difference_update(names)
+        return None
+    setdefault = ns._base_count.setdefault
+    for x in names:
+        setdefault(x, 0)
+    return list(names)
+
+
 def _take(ns: Any, candidate: str) -> str:
     """:func:`take_names` of one name in namespace ``ns`` (a graph's ``_graph_namespace``)."""
     used, count = ns._used_names, ns._base_count

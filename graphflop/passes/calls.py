@@ -223,6 +223,12 @@ class CallLog(Sequence[Any]):
     def __getitem__(self, i: Any) -> Any:
         return tuple(self)[i]
 
+    def holds(self, cls: type) -> bool:
+        """Whether an entry is an instance of ``cls``, for a class the calls' ``(repeat
+        node, position)`` pairs are not instances of (a custom Function's entry): read a part
+        at a time, a call's run one part, its pairs not made."""
+        return any(type(p) is not _Run and isinstance(p, cls) for p in self._parts)
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, CallLog):
             other = tuple(other)

@@ -38,7 +38,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from graphflop.ad.builder import Builder, RuleContext, copy_node
+from graphflop.ad.builder import (
+    NO_KWARGS,
+    Builder,
+    RuleContext,
+    copy_node,
+    find_row,
+    makes_nodes,
+    new_node,
+)
 from graphflop.ad.functions import FunctionEntry
 from graphflop.ad.jvp import build_jvp
 from graphflop.meta import (
@@ -63,7 +71,7 @@ from graphflop.meta import (
     graph_module,
 )
 from graphflop.passes import step_calls
-from graphflop.passes.calls import DerivedHierarchy, flat_view, is_recorded, unpack
+from graphflop.passes.calls import CallLog, DerivedHierarchy, flat_view, is_recorded, unpack
 from graphflop.passes.infra import FLAT, GraphPass
 from graphflop.passes.optimizer import (
     SLOT,
@@ -231,8 +239,8 @@ def _step_module(
     gm = graph_module(torch.nn.Module(), g)
     gm.meta[SIGNATURE] = sig
     gm.meta[FORWARD_GRADIENT] = ForwardGradientInfo(
-        tuple(n.name for n in g.nodes if n.op == "placeholder"),
-        tuple(q for _, q in sig.trainable()),
+        tuple([n.name for n in g.find_nodes(op="placeholder")]),  # (in graph order)
+        tuple([q for _, q in sig.trainable()]),
         tuple(n for n in st.state_phs if n not in ("lr", "step")),
         len(ds),
         distribution,
@@ -253,7 +261,11 @@ def _records(jvp: GraphModule, upd: GraphModule, directions: int, direction_inpu
     dh: DerivedHierarchy = jvp.meta[DERIVED_HIERARCHY]
     if directions != 1 or direction_inputs or dh.names is None or dh.fold_names is not None:
         return False
-    if any(isinstance(e, FunctionEntry) for e in dh.log or ()):
+    log = dh.log
+    if type(log) is CallLog:  # its calls' runs not read entry by entry
+        if log.holds(FunctionEntry):
+            return False
+    elif any(isinstance(e, FunctionEntry) for e in log or ()):
         return False
     udh = upd.meta.get(DERIVED_HIERARCHY)
     if udh is None:
@@ -471,6 +483,7 @@ def _copy_recorded_update(
     env: dict[Node, Any] = {}
     out = None
     bodies: dict[int, list[Node]] = {}  # per template, its nodes (costs read per getitem)
+    costs: dict[tuple[int, int], Any] = {}  # per template and position, its node's cost
     for n in upd.graph.nodes:
         if n.op == "placeholder":
             packed = n.meta.get(PACKED)
@@ -489,7 +502,10 @@ def _copy_recorded_update(
         elif n.target is operator.getitem and getattr(n.args[0], "target", None) is call_op:
             rep, i = n.args
             meta = dict(n.meta)
-            cost = template_node(dh, n, bodies).meta.get(COST)
+            key = (dh.calls[rep.args[1]].template, i)  # read once per template node
+            cost = costs.get(key, costs)
+            if cost is costs:
+                cost = costs[key] = template_node(dh, n, bodies).meta.get(COST)
             if cost is not None:  # the flat node's cost, where the getitem's is none
                 meta[COST] = cost
             env[n] = rec.item(g, env[rep], i, meta)
@@ -516,11 +532,19 @@ class _Start:
         self.fake_mode = fake_mode
         self.b = _StepBuilder(g, fake_mode, [])
         tangent_of = {t for t, _ in info.tangent_inputs}
-        self.env: dict[Node, Node] = {
-            n: copy_node(g, n)
-            for n in jvp.graph.find_nodes(op="placeholder")  # in graph order
-            if n.name not in tangent_of
-        }
+        self.env: dict[Node, Node] = {}
+        # (the row found once, not per placeholder)
+        row = find_row(g, "placeholder", None) if makes_nodes(g) else None
+        for n in jvp.graph.find_nodes(op="placeholder"):  # in graph order
+            if n.name in tangent_of:
+                continue
+            if n.args or n.kwargs:
+                self.env[n] = copy_node(g, n)
+                continue
+            # copy_node of a placeholder without arguments: nothing to map, its row once
+            new = new_node(g, "placeholder", n.target, n.name, (), NO_KWARGS, n.type, row=row)
+            new.meta.update(n.meta)
+            self.env[n] = new
         self.phs = {n.name: c for n, c in self.env.items()}
         self.state_phs: dict[str, Node] = {}  # by the update's names
         for n in upd.graph.find_nodes(op="placeholder"):

@@ -51,8 +51,8 @@ from graphflop.ad.builder import (
     emit_named,
     fits_numbered,
     new_node,
-    take_name,
     take_names,
+    take_plain,
 )
 from graphflop.meta import (
     DERIVED_HIERARCHY,
@@ -237,13 +237,14 @@ def build_update(
         out: list[Any] = []
         i = 0
         while i < len(owned):
-            idx = packed.get(i)
-            if idx is None:
+            run = packed.get(i)
+            if run is None:
                 q, t, module, suffix = owned[i]
                 out.append(ph(f"{kind}_{suffix}", t, q, module, kind))
                 i += 1
                 continue
-            out += _pack(g, kind, [owned[k] for k in idx], fake_mode)
+            idx, plain = run
+            out += _pack(g, kind, [owned[k] for k in idx], fake_mode, plain)
             i = idx[-1] + 1
         return out
 
@@ -339,21 +340,26 @@ def _runs(params: list[tuple[str, Any]], site_of: Any) -> list[tuple[int | None,
 
 def _packed_runs(
     runs: list[tuple[int | None, list[int]]], keys: list[Any], owned: list[tuple]
-) -> dict[int, list[int]]:
+) -> dict[int, tuple[list[int], bool]]:
     """The runs whose placeholders a recorded update packs (:func:`_pack`), by their first
     parameter's position: a call of a block variant after its first (whose nodes are built op
     by op on the parameters' own placeholders), whose placeholders' names fx takes as they
-    are asked (:func:`_placeholder`'s plain case)."""
-    seen: set = set()
-    out: dict[int, list[int]] = {}
+    are asked (:func:`_placeholder`'s plain case); with each, whether no name suffix of its
+    ends in ``_<digits>`` (``plain`` of :func:`_pack`: the same for the calls of one variant,
+    whose parameters' paths in the block end alike, so read once per variant)."""
+    seen: dict[Any, bool | None] = {}
+    out: dict[int, tuple[list[int], bool]] = {}
     for (at, idx), key in zip(runs, keys):
         if at is None:
             continue
         if key not in seen:
-            seen.add(key)
+            seen[key] = None
             continue
         if all(_plain(f"grad_{owned[k][3]}") for k in idx):  # (every kind's likewise)
-            out[idx[0]] = idx
+            plain = seen[key]
+            if plain is None:
+                plain = seen[key] = not any(owned[k][3].rpartition("_")[2].isdigit() for k in idx)
+            out[idx[0]] = idx, plain
     return out
 
 
@@ -372,33 +378,42 @@ class _Packed:
         self.name, self.meta, self.arg = name, meta, arg
 
 
-def _pack(g: Graph, kind: str, owned: list[tuple], mode: FakeTensorMode) -> list[_Packed]:
+def _pack(
+    g: Graph, kind: str, owned: list[tuple], mode: FakeTensorMode, plain: bool = False
+) -> list[_Packed]:
     """One ``packed_{kind}`` placeholder of ``g`` standing for the placeholders ``kind``
     (``param``, ``grad``, a state kind) of parameters ``owned`` ((qualified name, tensor,
     module, name suffix) each; their values made fake tensors of ``mode``): their names taken
     in ``g`` as :func:`_placeholder` takes them, their annotations as ``build_update``'s
     ``ph`` makes them, held in the pack's :data:`~graphflop.meta.PACKED` (made placeholders
     by :func:`~graphflop.passes.calls.unpack`). Its ``val``: the tuple of theirs. Returns
-    per parameter its :class:`_Packed`."""
-    entries = []
-    for q, t, module, suffix in owned:
-        asked = f"{kind}_{suffix}"
-        meta = {
-            "val": _fake(mode, t),
-            KIND: "primal",
-            ROLE: "update",
-            SOURCE: asked,
-            MODULE: module,
-            PARAM_DERIVED: True,
-            PARAM: q,
-            SLOT: kind,
-        }
-        entries.append((take_name(g, asked), meta))
+    per parameter its :class:`_Packed`. ``plain``: no suffix ends in ``_<digits>`` (the names
+    are taken at once where they are free: :func:`~graphflop.ad.builder.take_plain`)."""
+    prefix = kind + "_"
+    asked = [prefix + suffix for _, _, _, suffix in owned]
+    names = take_plain(g, asked) if plain else None
+    if names is None:
+        names = take_names(g, asked)  # (in order, as one at a time)
+    metas = tuple(
+        [
+            {
+                "val": t if type(t) is FakeTensor else _fake(mode, t),
+                KIND: "primal",
+                ROLE: "update",
+                SOURCE: x,
+                MODULE: module,
+                PARAM_DERIVED: True,
+                PARAM: q,
+                SLOT: kind,
+            }
+            for (q, t, module, _), x in zip(owned, asked)
+        ]
+    )
     pack = new_node(g, "placeholder", f"packed_{kind}", f"packed_{kind}", (), NO_KWARGS)
-    pack.meta["val"] = tuple([m["val"] for _, m in entries])  # (a packed value)
+    pack.meta["val"] = tuple([m["val"] for m in metas])  # (a packed value)
     pack.meta[SLOT] = f"{kind}_pack"
-    pack.meta[PACKED] = (tuple([x for x, _ in entries]), tuple([m for _, m in entries]))
-    return [_Packed(name, meta, (pack, a)) for a, (name, meta) in enumerate(entries)]
+    pack.meta[PACKED] = (tuple(names), metas)
+    return [_Packed(name, meta, (pack, a)) for a, (name, meta) in enumerate(zip(names, metas))]
 
 
 def _arg(x: Any) -> Any:
@@ -416,7 +431,9 @@ def _placeholder(g: Graph, name: str) -> Node:
 
 
 #: what :func:`_copy_call` copies of a variant's first call (:func:`_first_call`)
-_First = tuple[list[Node], list[int], list[list[int]], list[tuple[int, bool]], int, list[Node]]
+_First = tuple[
+    list[Node], list[int], list[list[int]], list[tuple[int, bool]], int, list[Node], list[tuple]
+]
 
 
 def _first_call(
@@ -425,12 +442,13 @@ def _first_call(
     """What :func:`_copy_call` copies of variant ``v``'s first call (its nodes ``made``, per
     parameter ``outs``, its parameters ``idx``): the nodes, the parameters, per parameter its
     new value's and new state's positions, per node its parameter's position in the call and
-    whether it names the parameter, ``v``, and the values the call reads from outside."""
+    whether it names the parameter, ``v``, the values the call reads from outside, and a list
+    holding :func:`_record_plan`'s plan once made."""
     pos = {n: p for p, n in enumerate(made)}
     where = [[pos[nw], *(pos[n] for n in new)] for nw, new in outs]
     own = {w[k].name: a for a, k in enumerate(idx)}
     slots = [(own[n.meta[SOURCE]], PARAM in n.meta) for n in made]
-    return made, idx, where, slots, v, _outside(made)
+    return made, idx, where, slots, v, _outside(made), []
 
 
 def _copy_call(
@@ -454,7 +472,7 @@ def _copy_call(
     is named as the last call's node was asked for, its base's next number, and the names of
     a call after the first two are of fx's numbered form, taken a base at a time
     (:func:`~graphflop.passes.step_calls._take_planned`)."""
-    made, _, where, slots, _, _ = first
+    made, _, where, slots = first[:4]
     env = _call_env(first, idx, w, gr, state)
     taken = _copy_names(g, first, names)
     get = env.__getitem__
@@ -512,7 +530,7 @@ def _call_env(
 ) -> dict[Node, Node]:
     """The first call's values from outside mapped to the call of parameters ``idx``: its
     parameters', gradients' and states' placeholders; ``lr``, ``step`` and ``lr·λ`` shared."""
-    _, first_idx, _, _, _, outside = first
+    _, first_idx, _, _, _, outside = first[:6]
     env: dict[Node, Node] = {x: x for x in outside}
     for a, k in zip(first_idx, idx):
         env[w[a]], env[gr[a]] = w[k], gr[k]
@@ -550,19 +568,53 @@ def _record_call(
     :meth:`~graphflop.passes.step_calls.BlockParams.recorded`) with a getitem per new value
     and new state, annotated as the copy would be. Returns per parameter its new value and
     new state (getitems), the repeat node and the names taken."""
-    made, _, where, slots, _, outside = first
-    env = _call_env(first, idx, w, gr, state)
+    plan = _record_plan(first, w, gr, state)
     taken = _copy_names(g, first, names)
-    rep = emit_named(g, _REPEAT, ([_arg(env[x]) for x in outside], -1), "repeat_call")
+    lists = (w, gr, *state)
+    args = []
+    for li, x in plan[0]:
+        if li >= 0:
+            x = lists[li][idx[x]]
+            if type(x) is _Packed:  # (_arg, in line)
+                x = x.arg
+        args.append(x)
+    rep = emit_named(g, _REPEAT, (args, -1), "repeat_call")
     items: dict[int, Node] = {}
-    for pos in sorted({x for at in where for x in at}):  # in the run's order, as the flat
-        a, named = slots[pos]  # graph's nodes read outside the run
-        m = dict(made[pos].meta)
-        _own_param(m, w[idx[a]], params[idx[a]][0] if named else None)
+    for pos, a, named, meta in plan[1]:  # in the run's order, as the flat graph's nodes
+        k = idx[a]  # read outside the run
+        m = dict(meta)
+        _own_param(m, w[k], params[k][0] if named else None)
         item = emit_named(g, operator.getitem, (rep, pos), "repeat_item")
         object.__setattr__(item, "meta", m)  # (no find_nodes re-filing)
         items[pos] = item
-    return [(items[at[0]], [items[x] for x in at[1:]]) for at in where], rep, taken
+    return [(items[at[0]], [items[x] for x in at[1:]]) for at in first[2]], rep, taken
+
+
+def _record_plan(
+    first: _First, w: list[Node], gr: list[Node], state: list[list[Node]]
+) -> tuple[list[tuple[int, Any]], list[tuple[int, int, bool, dict]]]:
+    """How :func:`_record_call` emits a call of ``first``'s variant, worked out at its first
+    recorded call and kept in ``first``'s last entry: per value the first call reads from
+    outside, ``(list, position in the call)`` of the call's parameter, gradient or state
+    (``list`` 0, 1, 2 + the state kind's index) or ``(-1, the value)`` for one all calls
+    share (``lr``, ``step``, ``lr·λ``); per node read outside the run (in the run's order),
+    its position, its parameter's position in the call, whether it names the parameter and
+    its annotations (the first call's, made the call's per call)."""
+    plan = first[6]
+    if plan:
+        return plan[0]
+    made, first_idx, where, slots, _, outside = first[:6]
+    at: dict[Node, tuple[int, int]] = {}
+    for j, a in enumerate(first_idx):
+        at[w[a]], at[gr[a]] = (0, j), (1, j)
+        for i, st in enumerate(state):
+            at[st[a]] = (2 + i, j)
+    args = [at.get(x, (-1, x)) for x in outside]
+    items = [
+        (pos, *slots[pos], made[pos].meta) for pos in sorted({x for pos in where for x in pos})
+    ]
+    plan.append((args, items))
+    return plan[0]
 
 
 def _param_update(
@@ -790,12 +842,23 @@ def not_updated(update: GraphModule) -> frozenset[str]:
     news = out.args[0][: len(update.meta[UPDATE].params)]
     dh = update.meta.get(DERIVED_HIERARCHY) if is_recorded(update) else None
     bodies: dict[int, list[Node]] = {}  # a recorded update's templates' nodes, listed once
+    # per template and position, whether its node passes a placeholder through: read once
+    # per template node, not per call
+    seen: dict[tuple[int, int], bool] = {}
+
+    def alias(n: Node) -> bool:  # an alias of a placeholder
+        a = n.args[0]
+        return n.target is aten.alias.default and isinstance(a, Node) and a.op == "placeholder"
 
     def passed_through(n: Any) -> bool:  # an alias of a placeholder (of its call's template)
         if dh is not None and n.target is operator.getitem and n.args[0].target is _REPEAT:
-            n = template_node(dh, n, bodies)
-        a = n.args[0]
-        return n.target is aten.alias.default and isinstance(a, Node) and a.op == "placeholder"
+            rep, i = n.args
+            key = (dh.calls[rep.args[1]].template, i)
+            got = seen.get(key)
+            if got is None:
+                got = seen[key] = alias(template_node(dh, n, bodies))
+            return got
+        return alias(n)
 
     return frozenset(n.meta[PARAM] for n in news if passed_through(n))
 

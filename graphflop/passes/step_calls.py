@@ -64,6 +64,7 @@ from graphflop.meta import (
     HIERARCHY,
     MODULE,
     NODE_KEYS,
+    PACKED,
     PARAM,
     SIGNATURE,
     SLOT,
@@ -81,7 +82,6 @@ from graphflop.passes.calls import (
     localized,
     relative_tag,
     tags_of,
-    unpacked,
 )
 
 __all__ = ["BlockParams", "StepRecorder", "attach", "build"]
@@ -210,7 +210,16 @@ class _Describer:
         for n in (update if isinstance(update, Graph) else update.graph).nodes:
             if n.op != "placeholder":
                 break
-            for name, meta in unpacked(n):  # (a recorded update's packed placeholders)
+            packed = n.meta.get(PACKED)  # (a recorded update's packed placeholders)
+            if packed is not None:  # one kind per pack: a gradient's or state's is not read
+                if not packed[1] or packed[1][0].get(SLOT) != "param":
+                    continue
+                entries: Any = zip(*packed)
+            elif n.meta.get(SLOT) != "param":
+                continue
+            else:
+                entries = ((n.name, n.meta),)
+            for name, meta in entries:
                 at = self.params.get(meta.get(PARAM)) if meta.get(SLOT) == "param" else None
                 if at is None:
                     continue
@@ -339,12 +348,17 @@ class BlockParams:
         """The variant of the update of ``params[i]`` for ``i`` in ``idx`` (one call site's):
         the parameters' paths in the block and layouts; a call with a parameter without
         gradient is a variant of its own (its pass-through views are built, not copied)."""
-        if any(params[k][0] in no_gradient for k in idx):
+        run = [params[k] for k in idx]
+        if no_gradient and not no_gradient.isdisjoint([q for q, _ in run]):
             return ("own", idx[0])
-        layouts = self.d.layouts
-        return tuple(
-            (self.sites[q][1], *_layout_of(layouts, t)) for q, t in (params[k] for k in idx)
-        )
+        layouts, sites = self.d.layouts, self.sites
+        out = []
+        for q, t in run:  # (_layout_of, in line: a parameter at a time)
+            got = layouts.get(id(t))
+            if got is None or got[0] is not t:
+                got = layouts[id(t)] = (t, (tuple(t.shape), t.stride(), t.dtype, t.device))
+            out.append((sites[q][1], *got[1]))
+        return tuple(out)
 
     def hierarchy(self, gm: GraphModule, made: list[tuple]) -> DerivedHierarchy:
         """The hierarchy of update graph ``gm`` from its calls as built, each a run of
@@ -776,6 +790,8 @@ class StepRecorder:
         #: ``_per_param``), its template's nodes' annotations at the values' positions, each
         #: with its :func:`~graphflop.passes.calls.localize_plan`
         self._exposed: dict[int, list[tuple[dict, tuple]]] = {}
+        #: :meth:`_runs`'s plans, per list of parameters' names
+        self._run_plans: dict[tuple[str, ...], list[tuple]] = {}
 
     def call(
         self, g: Graph, template: GraphModule, c: DerivedCall, args: list[Node], names: Any
@@ -884,29 +900,27 @@ class StepRecorder:
         a run cannot be a call. The graph is the one building every run and then
         :meth:`describe` give, but for getitems of values nothing reads (drop them)."""
         out: dict[str, Node] = {}
-        i = 0
-        while i < len(params):
-            k = self.d.keys.get(params[i][0])
-            s = k[0] if k is not None else None
-            j = i + 1
-            while s is not None and j < len(params) and self._site_of(params[j][0]) == s:
-                j += 1
-            group = [p for p, _ in params[i:j]]
+        layouts = self.d.layouts
+        for s, group, rels, values in self._runs(params):
             if s is None:
                 out[group[0]] = build(group[0])
-                i = j
                 continue
-            key = (kind, tuple(self._layout_in_block(p, v) for p, v in params[i:j]))
+            lay = []  # (_layout_of, in line: a parameter at a time, the step's hottest loop)
+            for v in values:
+                got = layouts.get(id(v))
+                if got is None or got[0] is not v:
+                    got = layouts[id(v)] = (v, (tuple(v.shape), v.stride(), v.dtype, v.device))
+                lay.append(got[1])
+            key = (kind, rels, tuple(lay))
             known = self._per_param.get(key)
             if known is not None and self._emit(g, s, known, group, reads(group), out):
-                i = j
                 continue
             mark = next(iter(reversed(g.nodes)))
-            values = [build(p) for p in group]
+            made_values = [build(p) for p in group]
             run = nodes_after(mark)
             if known is None:
                 pos = {n: x for x, n in enumerate(run)}
-                exposed = [pos[v] for v in values]
+                exposed = [pos[v] for v in made_values]
                 # the names a call of the variant takes, a base at a time (one plan per
                 # variant: a name at a time cost about a tenth of the step's time per block)
                 candidates = NamePlan([base_name(g, n.target) for n in run])
@@ -914,37 +928,69 @@ class StepRecorder:
                 made = self._make_call(g, run, s, frozenset(exposed))
                 if made is not None:
                     t, order, ext, items = made
-                    self._per_param[key] = (t, order, ext, exposed, candidates, first_reads)
-                    values = [items[x] for x in exposed]
-            out.update(zip(group, values))
-            i = j
+                    at = {x: a for a, x in enumerate(first_reads)}  # (the last, as dict(zip))
+                    ext_at = [at.get(x) for x in ext]  # per value from outside, its read's
+                    where = None if None in ext_at else ext_at
+                    self._per_param[key] = (t, order, where, exposed, candidates)
+                    made_values = [items[x] for x in exposed]
+            out.update(zip(group, made_values))
         return out
+
+    def _runs(
+        self, params: list[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[int | None, list[str], tuple | None, list[torch.Tensor]]]:
+        """:meth:`per_parameter`'s runs of ``params``: per run its call site (None: one
+        parameter outside the blocks), its parameters, their keys in the block and their
+        values. The runs of a list of parameters are worked out once (the directions and the
+        estimates run over the same parameters): per run its bounds, site, names and keys."""
+        names = tuple([p for p, _ in params])
+        plan = self._run_plans.get(names)
+        if plan is None:
+            plan = self._run_plans[names] = self._plan_runs(names)
+        for i, j, s, group, rels in plan:
+            yield s, group, rels, [v for _, v in params[i:j]]
+
+    def _plan_runs(self, names: tuple[str, ...]) -> list[tuple]:
+        """The runs of parameters ``names``: per run ``(start, end, site, names, keys in the
+        block)``, consecutive parameters of one call site each (:meth:`per_parameter`)."""
+        keys = self.d.keys
+        plan = []
+        i = 0
+        while i < len(names):
+            k = keys.get(names[i])
+            s = k[0] if k is not None else None
+            j = i + 1
+            while s is not None and j < len(names) and self._site_of(names[j]) == s:
+                j += 1
+            group = list(names[i:j])
+            rels = tuple([keys[p][1] for p in group]) if s is not None else None
+            plan.append((i, j, s, group, rels))
+            i = j
+        return plan
 
     def _site_of(self, p: str) -> int | None:
         k = self.d.keys.get(p)
         return k[0] if k is not None else None
 
-    def _layout_in_block(self, p: str, v: torch.Tensor) -> tuple:
-        return (self.d.keys[p][1], *_layout_of(self.d.layouts, v))
-
     def _emit(
         self, g: Graph, s: int, known: tuple, group: list[str], reads: list[Node], out: dict
     ) -> bool:
-        """Call ``known`` (a variant's first run: template, source slots, values from
-        outside, values' positions, the :class:`~graphflop.ad.builder.NamePlan` of its names,
-        what it read) emitted for ``group`` at call site
-        ``s``; False, with nothing emitted, where a value from outside is not one of the
-        first run's reads."""
-        t, order, ext, exposed, candidates, first_reads = known
-        to = dict(zip(first_reads, reads))
-        if any(x not in to for x in ext):
+        """Call ``known`` (a variant's first run: template, source slots, per value from
+        outside its position in what the first run read (None: a value from outside that
+        is not one of its reads), values' positions, the
+        :class:`~graphflop.ad.builder.NamePlan` of its names) emitted for ``group`` at call
+        site ``s``, reading ``reads`` (in the first run's order); False, with nothing
+        emitted, where a value from outside is not one of the first run's reads."""
+        t, order, where, exposed, candidates = known
+        if where is None:
             return False
-        sources = tuple(self.d.names[(s, k)] for k in order)
+        names = self.d.names
+        sources = tuple([names[(s, k)] for k in order])
         c = DerivedCall(s, t, self.h.sites[s].modules, sources, self.d.tags_of(sources))
         self.calls.append(c)
         taken = tuple(candidates.take(g))
         rep = emit_named(
-            g, self.call_op, ([to[x] for x in ext], len(self.calls) - 1), "repeat_call"
+            g, self.call_op, ([reads[a] for a in where], len(self.calls) - 1), "repeat_call"
         )
         self.names[rep] = taken
         metas = self._exposed.get(id(known))
@@ -954,8 +1000,9 @@ class StepRecorder:
                 (body[x].meta, localize_plan(body[x].meta)) for x in exposed
             ]
         absolute = dict(c.modules)
+        item = self.item
         for p, x, (tm, plan) in zip(group, exposed, metas):
-            out[p] = self.item(g, rep, x, localized(tm, plan, c, absolute))
+            out[p] = item(g, rep, x, localized(tm, plan, c, absolute))
         return True
 
     def hierarchy(self, gm: GraphModule) -> DerivedHierarchy | None:
