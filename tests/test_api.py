@@ -14,7 +14,7 @@ from conftest import ROOT, analysis
 from torch import nn
 
 import graphflop
-from graphflop.meta import COST, FACTS, JVP, SIGNATURE, NodeCost
+from graphflop.meta import COST, FACTS, JVP, OUTLINED, SIGNATURE, NodeCost
 
 
 def test_docs_examples_run():
@@ -550,6 +550,33 @@ def test_a_model_pytorch_cannot_run_for_its_dtypes_is_refused():
     with pytest.raises(TraceError, match="addmm in 0 multiplies float32 and float64 operands"):
         graphflop.analyze(m, (torch.randn(2, 4),))
     assert graphflop.analyze(m, (torch.randn(2, 4, dtype=torch.float64),)).report.params == 67
+
+
+def test_mixed_dtypes_inside_repeated_blocks_are_refused_at_the_first_copy():
+    """The check reads each block's template once where the forward calls its blocks: a
+    product of two dtypes inside a block is refused, named at its first copy in graph order
+    (at block 2, the first whose weights are float64 while its input is float32; block 3 gets
+    block 2's output, and is a call of another template)."""
+    from graphflop.frontend.trace import TraceError, trace
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+    m = nn.Sequential(nn.Linear(4, 4), *(Block() for _ in range(3)))
+    for b in m[2:]:
+        b.double()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        m(torch.randn(2, 4))  # what eager PyTorch does
+    with pytest.raises(TraceError, match="addmm in 2.a multiplies float32 and float64 operands"):
+        trace(m, torch.randn(2, 4))
+    m[1].double()  # every block in float64, given the float64 output of a float32 layer: none
+    m[0].double()
+    assert trace(m, torch.randn(2, 4, dtype=torch.float64)).meta[OUTLINED].calls == 3
 
 
 def test_compile_backend_checks_its_arguments_when_made():

@@ -57,6 +57,7 @@ __all__ = [
     "makes_nodes",
     "fits_numbered",
     "new_node",
+    "node_parts",
     "numbered_names",
     "parse_names",
     "take_name",
@@ -205,6 +206,25 @@ def new_node(
     row[node] = None
     graph._len += 1
     return node
+
+
+def node_parts(graph: Graph) -> tuple[Any, dict, Any] | None:
+    """What :func:`new_node` makes and files a node of ``graph`` with, for a caller copying
+    many nodes in a loop of its own (a block's nodes at each of its calls): ``(init, names,
+    insert)``, the C base's constructor (``init(Node.__new__(Node), graph, name, op, target,
+    type_expr)``), the namespace's table of node names (``names[node] = name``) and the
+    graph's insert (its root's C ``_prepend``). The caller then sets the node's arguments
+    (``_update_args_kwargs``), files it in its :func:`find_row` row and counts it
+    (``graph._len``), as :func:`new_node` does. None where :func:`makes_nodes` is false or
+    nodes are not inserted at the graph's end (fx's ``inserting_before``/``inserting_after``
+    in force)."""
+    if not makes_nodes(graph):
+        return None
+    root = graph._root
+    prepend = getattr(root, "_prepend", None)
+    if prepend is None or graph._insert != root.prepend:
+        return None
+    return _init_node, graph._graph_namespace._obj_to_name, prepend
 
 
 def find_row(graph: Graph, op: str, target: Any) -> dict[Node, None]:

@@ -47,6 +47,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphflop.ad.builder import (
+    NO_KWARGS,
     ParsedName,
     base_name,
     copy_node,
@@ -54,6 +55,7 @@ from graphflop.ad.builder import (
     find_row,
     makes_nodes,
     new_node,
+    node_parts,
     parse_names,
     take_again,
     take_names,
@@ -122,6 +124,9 @@ def _output_of(n: Node) -> tuple[Node, int]:
     return cast(Node, n.args[0]), cast(int, n.args[1])
 
 
+#: ``torch.fx.map_arg`` without its Python frame, where this PyTorch has its C function
+_fx_map_arg: Any = getattr(torch._C, "_fx_map_arg", map_arg)
+
 #: torch.fx's reading of a name: its base and number (``add_7``: ``add``, 7)
 _NAME = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$")
 
@@ -189,6 +194,23 @@ class _Template:
         ]
         self.variants: dict[frozenset, tuple] = {}
         self.derived: dict[tuple, dict[Node, bool]] = {}
+        self._kept: dict[tuple, frozenset[Node]] = {}
+        self._completed: dict[tuple, int] = {}
+
+    def completed(self, items: tuple) -> int:
+        """How many getitem nodes the flat form completes among a variant's copies (its
+        ``items``, :meth:`variant`), counted once per variant."""
+        got = self._completed.get(items)
+        if got is None:
+            got = self._completed[items] = sum(1 for _, out in items if out is not None)
+        return got
+
+    def kept(self, items: tuple) -> frozenset[Node]:
+        """The template nodes a variant's ``items`` (:meth:`variant`) copy, once per variant."""
+        got = self._kept.get(items)
+        if got is None:
+            got = self._kept[items] = frozenset(self.nodes[i] for i, out in items if out is None)
+        return got
 
     def _find_writes(self) -> None:
         """The template's buffer writes: a ``copy_`` of one of its values into a placeholder
@@ -435,11 +457,21 @@ class _Sites:
         self.namespace = _NamespaceCopy(old)
         self.model, self.prefix, self.position = model, prefix, position
         #: per module (by id), its first path (read only)
-        self.paths: dict[int, str] = (walk if walk is not None else Walk(model)).paths(prefix)
+        self.walk = walk if walk is not None else Walk(model)
+        self.paths: dict[int, str] = self.walk.paths(prefix)
         self.sites: list[CallSite] = []
         self.variants: dict[tuple, int] = {}
         #: per site, its copies' module stack of an inner path (``_call``'s ``stack_of``)
         self.stacks: list[Any] = []
+
+    def submodules(self, called: nn.Module | None) -> dict[str, nn.Module]:
+        """The submodules of ``called`` by path (what ``get_submodule`` of each path finds,
+        :func:`~graphflop.frontend.outline.path_in`'s look-up), from the walk's tree of it
+        where every module in the model walks as ``nn.Module`` does; empty otherwise (each
+        path then looked up by ``path_in``)."""
+        if called is None or not self.walk.plain:
+            return {}
+        return dict(self.walk.tree_of(called))
 
 
 class _Direct:
@@ -448,6 +480,7 @@ class _Direct:
 
     def __init__(self, old: Graph, tpl: dict, call_set: set[Node], preset: set[Node]):
         self.old, self.tpl, self.call_set, self.preset = old, tpl, call_set, preset
+        self._own: list[Node] | None = None
         self.live: set[Node] = set()
         self.used_of: dict[Node, set[Node]] = {c: set() for c in call_set}
         self.variant_of: dict[Node, tuple] = {}
@@ -486,12 +519,15 @@ class _Direct:
 
     def own_nodes(self) -> list[Node]:
         """``old``'s nodes the flat form copies or expands (not its placeholders, constants,
-        the nodes that became placeholders, or its output)."""
-        return [
-            n
-            for n in self.old.nodes
-            if n not in self.preset and n.op not in ("placeholder", "get_attr", "output")
-        ]
+        the nodes that became placeholders, or its output); listed once (``old`` does not
+        change while the build walks it)."""
+        if self._own is None:
+            self._own = [
+                n
+                for n in self.old.nodes
+                if n not in self.preset and n.op not in ("placeholder", "get_attr", "output")
+            ]
+        return self._own
 
     def is_output(self, n: Node) -> bool:
         """``n`` is a call's ``getitem``."""
@@ -680,7 +716,7 @@ class _Direct:
         """Advance the getitem names past those the flat form gives ``call``'s copies (site
         ``site``), recording them (:attr:`completed`)."""
         if self.getitems is not None:
-            n = sum(1 for _, out in self.variant_of[call][0] if out is not None)
+            n = self.tpl[_call_of(call)[1]].completed(self.variant_of[call][0])
             if n:
                 self.completed[site] = [self.getitems.take() for _ in range(n)]
 
@@ -742,6 +778,7 @@ def _call(n: Node, g: Graph, env: dict, d: _Direct, s: _Sites, top: list) -> dic
 
     called = called_at(s.model, s.prefix, site_path)
     fulls: dict[str, str] = {}  # (each submodule's path looked up once per call)
+    subs = s.submodules(called)
 
     def stack_of(inner: tuple) -> dict:
         got = stacks.get(inner)
@@ -750,7 +787,12 @@ def _call(n: Node, g: Graph, env: dict, d: _Direct, s: _Sites, top: list) -> dic
             for path, cls in inner:
                 full = fulls.get(path)
                 if full is None:
-                    full = fulls[path] = path_in(called, site_path, path, s.paths)
+                    sub = subs.get(path)
+                    full = fulls[path] = (
+                        s.paths.get(id(sub), f"{site_path}.{path}")
+                        if sub is not None
+                        else path_in(called, site_path, path, s.paths)
+                    )
                 got[full] = (full, cls)
         return got
 
@@ -771,7 +813,7 @@ def _call(n: Node, g: Graph, env: dict, d: _Direct, s: _Sites, top: list) -> dic
         j in reads and bool(env[a].meta.get(PARAM_DERIVED, False)) for j, a in enumerate(tensors)
     )
     pd = t.param_derived(pattern)
-    kept = {t.nodes[i] for i, out in items if out is None}
+    kept = t.kept(items)
     indices = (_output_of(u)[1] for u in n.users if u in d.live)
     results = [*t.outs, *t.written]  # (the values written: the flat graph's outputs)
     read = sorted({i for i in indices if t.outs[i] in kept})
@@ -965,22 +1007,37 @@ def forget(h: Hierarchy) -> None:
 
 
 def _plan(
-    g: Graph, tnodes: list[Node], items: tuple, at: dict[Node, int], inner: dict
-) -> list[tuple]:
+    g: Graph, tnodes: list[Node], items: tuple, at: dict[Node, int], inner: dict, read: list
+) -> tuple[list[tuple], list[tuple]]:
     """A variant's ``items`` as :func:`_flat_forward` copies them into ``g`` at each of its
-    calls, what every call reads of its template nodes read once: ``(index, out, template
-    node, its place in the template's body, its args, its kwargs, its inner module stack, the
-    row of ``g``'s find_nodes table its copies are filed in)`` (the last five None for a
-    getitem the flat form completes)."""
+    calls, what every call reads of its template nodes read once, and the inner module
+    stacks its copies have (their keys in ``inner``, each once, in the order first met).
+    Per item ``(index, out, template node, its place in the template's body, its args, its
+    kwargs, its inner stack's place among the keys, the row of ``g``'s find_nodes table its
+    copies are filed in, the base of its name as fx reads it (``read``: the template's names
+    parsed), its copies' ``meta`` but for what each call sets)`` (the last seven None for a
+    getitem the flat form completes). The ``meta`` is the template node's with the keys each
+    copy sets (:func:`_flat_forward`) added in the order it sets them, so that a copy of it
+    with those keys set holds the same keys in the same order as the template node's
+    ``meta`` copied, then set key by key."""
     out: list[tuple] = []
+    keys: dict[tuple, int] = {}
     for index, o in items:
         x = tnodes[index]
         if o is None:
             row = find_row(g, x.op, x.target)
-            out.append((index, o, x, at[x], x.args, x.kwargs, inner[x], row))
+            k = keys.setdefault(inner[x], len(keys))
+            i = at[x]
+            meta = dict(x.meta)
+            meta["nn_module_stack"] = None
+            meta[CALL_SITE] = None
+            meta[KIND] = "primal"
+            for key in (SOURCE, MODULE, ROLE, PARAM_DERIVED):
+                meta[key] = None
+            out.append((index, o, x, i, x.args, x.kwargs, k, row, read[i][1], meta))
         else:
-            out.append((index, o, x, None, None, None, None, None))
-    return out
+            out.append((index, o, x, None, None, None, None, None, None, None))
+    return out, list(keys)
 
 
 def _complete(g: Graph, parent: Node, x: Node, out: int, name: str, derived: bool) -> None:
@@ -1036,11 +1093,14 @@ def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
     # its copies' names, with the numbers they are taken by in the flat graph
     parsed = [parse_names(names) for names in candidates]
     where = [{x: i for i, x in enumerate(body)} for body in bodies]
-    plans = [_plan(g, tnodes[t], items, where[t], inner[t]) for t, items in h.variants]
+    plans = [_plan(g, tnodes[t], items, where[t], inner[t], parsed[t]) for t, items in h.variants]
     names_of = [take_parsed(namespace, parsed[s.template]) for s in h.sites]  # type: ignore[arg-type]
     fast = makes_nodes(g)
     ns = g._graph_namespace if fast else None  # (the parts new_node reads, where it has them)
     used, counts = (ns._used_names, ns._base_count) if ns is not None else (set(), {})
+    # (what new_node makes a node with, where the copies are made here in line)
+    parts = node_parts(g)
+    make = Node.__new__
     for n in h.graph.graph.nodes:
         if n.target is call_op:
             args, number = n.args
@@ -1059,45 +1119,50 @@ def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
                 pd = derived[(t, pattern)] = dict(zip(phs[t], pattern))
                 for x in bodies[t]:
                     pd[x] = may_be_param_derived(x) and all(pd[a] for a in inputs[t][x])
-            stacks: dict[tuple, tuple[dict, str]] = {}
+            plan, keys = plans[h.sites[number].variant]
+            # per inner module stack of the variant's copies: the stack at this call, its
+            # path (the copies' MODULE: module_path of the node's stack) and role
+            stacks = []
+            for key in keys:
+                stack = stack_of(key)
+                path = _stack_path(stack)
+                stacks.append((stack, path, "loss" if path == "loss" else "forward"))
             value_of = tenv.__getitem__
-            for index, out, x, i, xargs, xkwargs, key, row in plans[h.sites[number].variant]:
+            for index, out, x, i, xargs, xkwargs, k, row, base, tmeta in plan:
                 if out is not None:  # a getitem the flat form completes
                     _complete(g, tenv[x], x, out, next(completed), pd[x])
                     continue
                 name = names[i]
                 try:
-                    args = map_arg(xargs, value_of)
-                    kwargs = map_arg(xkwargs, value_of) if xkwargs else {}
+                    args = _fx_map_arg(xargs, value_of)
+                    kwargs = _fx_map_arg(xkwargs, value_of) if xkwargs else NO_KWARGS
                 except KeyError:
                     raise _Unsupported("a copy reads a value its call does not pass") from None
-                base = read[i][1]
-                if fast and base is not None:  # (_named_node's common case, in line)
+                if parts is not None and base is not None:  # (new_node's work, in line)
                     if name in used:  # (take_again's take of the name, in line)
                         raise _Unsupported("a copy's name taken in the flat graph")
                     used.add(name)
                     num = nums[i]
                     counts[base] = counts.get(base, 0) if num is None else num
-                    new = new_node(
-                        g, "call_function", x.target, name, args, kwargs, x.type, True, row
-                    )
+                    new = make(Node)
+                    parts[0](new, g, name, "call_function", x.target, x.type)
+                    new._update_args_kwargs(args, kwargs)
+                    parts[1][new] = name
+                    parts[2](new)
+                    row[new] = None
+                    g._len += 1
                 else:
                     new = _named_node(g, x, args, kwargs, name, read[i], nums[i], row)
-                known = stacks.get(key)
-                if known is None:
-                    stack = stack_of(key)
-                    known = stacks[key] = (stack, _stack_path(stack))
-                path = known[1]
                 tenv[x] = new
                 # the template node's meta with its call's module stack and site and
-                # _tag_nodes's annotations (its MODULE: module_path of the node's stack)
-                meta = dict(x.meta)
-                meta["nn_module_stack"] = known[0]
+                # _tag_nodes's annotations (_plan's meta: KIND set, the rest here)
+                stack, path, role = stacks[k]
+                meta = tmeta.copy()
+                meta["nn_module_stack"] = stack
                 meta[CALL_SITE] = (number, index)
-                meta[KIND] = "primal"
                 meta[SOURCE] = name
                 meta[MODULE] = path
-                meta[ROLE] = "loss" if path == "loss" else "forward"
+                meta[ROLE] = role
                 meta[PARAM_DERIVED] = pd[x]
                 object.__setattr__(new, "meta", meta)
             results[n] = [tenv.get(o) for o in outs[t]]
@@ -1108,7 +1173,10 @@ def _flat_forward(h: Hierarchy, record: _Record) -> GraphModule:
             env[n] = got
         else:
             name = n.meta[SOURCE]
-            new = env[n] = copy_node(g, n, env.__getitem__, name=name)
+            # (copy_node's copy, without its copy of the meta this one shares)
+            args = _fx_map_arg(n.args, env.__getitem__)
+            kwargs = _fx_map_arg(n.kwargs, env.__getitem__) if n.kwargs else NO_KWARGS
+            new = env[n] = new_node(g, n.op, n.target, name, args, kwargs, n.type)
             if new.name != name:
                 raise _Unsupported("a top-level node's name taken in the flat graph")
             # sharing the meta dict, as the flat path's hierarchy shares it with the flat graph

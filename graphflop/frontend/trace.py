@@ -337,16 +337,14 @@ def _check_matmul_dtypes(gm: GraphModule) -> None:
     Raises:
         TraceError: naming the op, the dtypes and the module.
     """
-    # the matrix products by fx's table of nodes by op, not a walk over every node; the first
-    # refused in graph order is named
-    refused: dict[torch.fx.Node, list[str]] = {}
-    for op, where in SAME_DTYPE_OPERANDS.items():
-        for n in gm.graph.find_nodes(op="call_function", target=op):
-            args = [n.args[i] for i in where]
-            vals = [a.meta.get("val") for a in args if isinstance(a, torch.fx.Node)]
-            dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in vals if v is not None})
-            if len(dtypes) > 1:
-                refused[n] = dtypes
+    # where the forward calls its blocks, each template's products once and the top level's
+    # (a call's copies read values of its template's nodes' dtypes: none of them is refused
+    # where no template's node is); the flat graph's where one is (the first named)
+    h = gm.meta.get(HIERARCHY)
+    if h is not None and isinstance(h.graph, GraphModule):
+        if not any(_mixed_dtypes(g) for g in (h.graph.graph, *h.templates)):
+            return
+    refused = _mixed_dtypes(gm.graph)
     if not refused:
         return
     n = next(n for n in gm.graph.nodes if n in refused)
@@ -356,6 +354,20 @@ def _check_matmul_dtypes(gm: GraphModule) -> None:
         "which PyTorch refuses (it needs one dtype)",
         "give inputs in the parameters' dtype (--dtype), or cast one side in the model",
     )
+
+
+def _mixed_dtypes(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[str]]:
+    """The matrix products and convolutions of ``graph`` whose operands are in two dtypes, and
+    those dtypes (found by fx's table of nodes by op, not a walk over every node)."""
+    refused: dict[torch.fx.Node, list[str]] = {}
+    for op, where in SAME_DTYPE_OPERANDS.items():
+        for n in graph.find_nodes(op="call_function", target=op):
+            args = [n.args[i] for i in where]
+            vals = [a.meta.get("val") for a in args if isinstance(a, torch.fx.Node)]
+            dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in vals if v is not None})
+            if len(dtypes) > 1:
+                refused[n] = dtypes
+    return refused
 
 
 @contextlib.contextmanager
