@@ -350,7 +350,8 @@ class _Linearizer:
         """Copy the forward's placeholders, then add a tangent placeholder per floating one in
         ``carry``; those in ``ghostly`` get a ghost tangent. Returns the (tangent placeholder,
         primal placeholder) name pairs."""
-        placeholders = [n for n in self.forward.graph.nodes if n.op == "placeholder"]
+        # (fx's table of nodes by op: not a walk over the whole forward)
+        placeholders = self.forward.graph.find_nodes(op="placeholder")
         for n in placeholders:
             self.env[n] = self._copy(n)
         tangent_inputs = []
