@@ -414,9 +414,12 @@ class _Linearizer:
         order. Returns the forward's outputs (the output node's values)."""
         out_node = None
         blocks = BlockLinearize.of(self.forward, self) if self.per_template else None
-        done: set[Node] = set()
-        for n in self.forward.graph.nodes:
-            if n.op == "placeholder" or n in done:
+        nodes = list(self.forward.graph.nodes)
+        i, count = 0, len(nodes)
+        while i < count:
+            n = nodes[i]
+            i += 1
+            if n.op == "placeholder":
                 continue
             if n.op == "output":
                 out_node = n
@@ -424,7 +427,7 @@ class _Linearizer:
             run = blocks.nodes(n) if blocks is not None else None
             if run is not None and blocks is not None:  # a call: once per variant
                 blocks.linearize(n.meta[CALL_SITE][0], needed, lambda x: self._node(x, needed))
-                done.update(run)
+                i += len(run) - 1  # (a call's nodes are one run, from ``n`` on: not split)
                 continue
             self._node(n, needed)
         outs = out_node.args[0] if out_node is not None else None
