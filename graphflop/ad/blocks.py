@@ -91,6 +91,7 @@ __all__ = [
     "TemplateJvp",
     "call_keys",
     "checkpoint_calls",
+    "checkpointed",
     "checkpointed_sites",
     "transpose_log",
 ]
@@ -879,7 +880,22 @@ def _on_graph(forward: GraphModule, attr: str, compute: Callable[[GraphModule], 
 
 
 #: the tables :func:`_on_graph` keeps on a forward graph (:func:`forget_tables`)
-_TABLES = ("_graphflop_call_keys", "_graphflop_checkpointed_sites", "_graphflop_checkpoint_calls")
+_TABLES = (
+    "_graphflop_call_keys",
+    "_graphflop_checkpointed_sites",
+    "_graphflop_checkpoint_calls",
+    "_graphflop_checkpointed",
+)
+
+
+def checkpointed(forward: GraphModule) -> list[Node]:
+    """The nodes of ``forward`` tagged :data:`~graphflop.meta.CHECKPOINT`, in graph order:
+    looked for once per forward graph (:func:`checkpointed_sites`, :func:`checkpoint_calls`
+    and the describers' :func:`~graphflop.passes.calls.forward_tags` read them, not the
+    whole graph each). Shared: read, never written."""
+    return _on_graph(
+        forward, _TABLES[3], lambda f: [n for n in f.graph.nodes if CHECKPOINT in n.meta]
+    )
 
 
 def forget_tables(forward: GraphModule) -> None:
@@ -1035,7 +1051,7 @@ def checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
 def _checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
     out: dict[int, list] = {}
     first: dict[int, dict[int, int]] = {}
-    for n in forward.graph.nodes:
+    for n in checkpointed(forward):
         tag, cs = n.meta.get(CHECKPOINT), n.meta.get(CALL_SITE)
         if tag is None or cs is None:
             continue
@@ -1052,7 +1068,11 @@ def checkpoint_calls(forward: GraphModule) -> dict[Node, int]:
     backward's expander and its checkpoints read it): shared, read, never written."""
     from graphflop.meta import occurrences
 
-    return _on_graph(forward, _TABLES[2], lambda f: occurrences(f.graph.nodes, CHECKPOINT))
+    return _on_graph(
+        forward,
+        _TABLES[2],
+        lambda f: occurrences(f.graph.nodes, CHECKPOINT) if checkpointed(f) else {},
+    )
 
 
 def _checkpoints_across(forward: GraphModule) -> set[int]:

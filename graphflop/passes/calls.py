@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.blocks import call_keys, forget_tables
+from graphflop.ad.blocks import call_keys, checkpointed, forget_tables
 from graphflop.ad.builder import (
     NO_KWARGS,
     NamePlan,
@@ -110,7 +110,7 @@ OWN_TAG = "@call"
 
 def forward_tags(forward: GraphModule) -> dict[str, Any]:
     """The forward nodes' :data:`~graphflop.meta.CHECKPOINT` tags by node name."""
-    return {n.name: n.meta[CHECKPOINT] for n in forward.graph.nodes if CHECKPOINT in n.meta}
+    return {n.name: n.meta[CHECKPOINT] for n in checkpointed(forward)}
 
 
 def tags_of(tags: dict[str, Any], sources: tuple[str, ...]) -> tuple[Any, ...]:
