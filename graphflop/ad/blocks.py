@@ -84,12 +84,14 @@ from graphflop.ops.ghost import is_ghost
 __all__ = [
     "BlockLinearize",
     "CallKeys",
+    "CallPlans",
     "RecordedCalls",
     "RecordedFallback",
     "BlockTranspose",
     "TemplateBackward",
     "TemplateJvp",
     "call_keys",
+    "call_plans",
     "checkpoint_calls",
     "checkpointed",
     "checkpointed_sites",
@@ -885,6 +887,7 @@ _TABLES = (
     "_graphflop_checkpointed_sites",
     "_graphflop_checkpoint_calls",
     "_graphflop_checkpointed",
+    "_graphflop_call_plans",
 )
 
 
@@ -1036,6 +1039,86 @@ def _keys_by_node(forward: GraphModule) -> CallKeys:
         tag_names[tag] = n.name
     split = frozenset(s for s, (first, count, last) in span.items() if last - first + 1 != count)
     return CallKeys(key, site_nodes, by_key, names, tags, tag_names, frozenset(dup), split)
+
+
+class CallPlans:
+    """What every call of a variant reads of its forward nodes, by their place among the
+    call's nodes (a call's nodes are its variant's items, in order: one key each,
+    :func:`call_keys`), worked out at the variant's first call: calling it with a call site
+    gives ``(reads, results, unread, count, items)``: ``(p, q, j)`` per placeholder read
+    (node ``p``'s ``q``-th input is placeholder ``j``), in order; the places of the nodes
+    that can be read outside the call (the template's results: its outputs and the values it
+    writes into buffers; where the hierarchy has a top-level graph, no other node of a call
+    is read outside it); the placeholders no node reads; how many placeholders; how many
+    items. None where the call's nodes are not its variant's items.
+
+    Args:
+        forward: the traced forward graph.
+        h: its hierarchy.
+    """
+
+    def __init__(self, forward: GraphModule, h: Hierarchy) -> None:
+        self.h = h
+        self.keys = call_keys(forward)  # shared: read only
+        self._plans: dict[int, tuple] = {}
+        self._template_reads: dict[int, tuple] = {}
+
+    def __call__(self, site: int) -> tuple | None:
+        v = self.h.sites[site].variant
+        got = self._plans.get(v)
+        ns = self.keys.site_nodes[site]
+        if got is None:
+            template, items = self.h.variants[v]
+            reads, unread, count = self._reads(template)
+            key = self.keys.key
+            if len(items) != len(ns) or any(
+                key[n] != ((i,) if o is None else (i, o)) for n, (i, o) in zip(ns, items)
+            ):
+                got = self._plans[v] = (None,)
+            else:
+                plan = [
+                    (p, q, j)
+                    for p, (index, out) in enumerate(items)
+                    if out is None
+                    for q, j in reads.get(index, ())
+                ]
+                tnodes = list(self.h.templates[template].nodes)
+                results = _results(tnodes)
+                outward = [
+                    p
+                    for p, (index, out) in enumerate(items)
+                    if out is None and tnodes[index] in results
+                ]
+                got = self._plans[v] = (plan, outward, unread, count, len(items))
+        if got[0] is None or got[4] != len(ns):
+            return None
+        return got
+
+    def _reads(self, template: int) -> tuple[dict[int, list[tuple[int, int]]], list[int], int]:
+        """Of forward template ``template`` (worked out once): per node (by index) that reads
+        a placeholder, ``(q, j)`` for its ``q``-th input node being placeholder ``j``; the
+        placeholders no node reads; how many placeholders it has."""
+        got = self._template_reads.get(template)
+        if got is None:
+            tnodes = list(self.h.templates[template].nodes)
+            phs = {t: i for i, t in enumerate(t for t in tnodes if t.op == "placeholder")}
+            reads: dict[int, list[tuple[int, int]]] = {}
+            for i, x in enumerate(tnodes):
+                pairs = [(q, phs[a]) for q, a in enumerate(x.all_input_nodes) if a in phs]
+                if pairs:
+                    reads[i] = pairs
+            unread = [j for t, j in phs.items() if not t.users]
+            got = self._template_reads[template] = (reads, unread, len(phs))
+        return got
+
+
+def call_plans(forward: GraphModule) -> CallPlans | None:
+    """:class:`CallPlans` of ``forward``, kept on the graph (the JVP's walk for the nodes it
+    needs and its expander share it); None where it has no hierarchy with a top-level graph."""
+    h = forward.meta.get(HIERARCHY)
+    if h is None or h.graph is None:
+        return None
+    return _on_graph(forward, _TABLES[4], lambda f: CallPlans(f, h))
 
 
 def checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
@@ -1612,10 +1695,8 @@ class BlockLinearize:
         self.expanded = 0
         #: records each expanded call as a call instead of copying its nodes (or None)
         self.recorder: Any = getattr(lin, "recorder", None)
-        #: per variant, :meth:`_plan`
-        self._plans: dict[int, tuple] = {}
+        self._plans = call_plans(forward) or CallPlans(forward, h)
         self._exposed: dict[tuple, tuple[list[int], list[int]]] = {}
-        self._template_reads: dict[int, tuple] = {}
 
     @classmethod
     def of(cls, forward: GraphModule, lin: Any) -> BlockLinearize | None:
@@ -1642,7 +1723,7 @@ class BlockLinearize:
         plan = self._plan(site)
         if plan is None:
             return []
-        reads, unread, count = plan[0], plan[1], plan[2]
+        reads, unread, count = plan[0], plan[2], plan[3]
         args: dict[int, Any] = {}
         ns = self.site_nodes[site]
         for p, q, j in reads:  # its node p's q-th input is placeholder j's value
@@ -1659,61 +1740,8 @@ class BlockLinearize:
         return [args[j] for j in sorted(args)] if len(args) == count else []
 
     def _plan(self, site: int) -> tuple | None:
-        """What every call of call ``site``'s variant reads of its forward nodes, by their
-        place among the call's nodes (a call's nodes are its variant's items, in order: one
-        key each, :func:`call_keys`), worked out at the variant's first call: ``(p, q, j)``
-        per placeholder read (node ``p``'s ``q``-th input is placeholder ``j``), in order;
-        the placeholders no node reads; how many placeholders; the places of the nodes that
-        can be read outside the call (the template's results: its outputs and the values it
-        writes into buffers; the hierarchy's top-level graph, which the expander requires,
-        exists only where no other node of a call is read outside it). None where the call's
-        nodes are not its variant's items."""
-        v = self.h.sites[site].variant
-        got = self._plans.get(v)
-        ns = self.site_nodes[site]
-        if got is None:
-            template, items = self.h.variants[v]
-            reads, unread, count = self._reads(template)
-            key = self.key
-            if len(items) != len(ns) or any(
-                key[n] != ((i,) if o is None else (i, o)) for n, (i, o) in zip(ns, items)
-            ):
-                got = self._plans[v] = (None,)
-            else:
-                plan = [
-                    (p, q, j)
-                    for p, (index, out) in enumerate(items)
-                    if out is None
-                    for q, j in reads.get(index, ())
-                ]
-                tnodes = list(self.h.templates[template].nodes)
-                results = _results(tnodes)
-                outward = [
-                    p
-                    for p, (index, out) in enumerate(items)
-                    if out is None and tnodes[index] in results
-                ]
-                got = self._plans[v] = (plan, unread, count, len(items), outward)
-        if got[0] is None or got[3] != len(ns):
-            return None
-        return got
-
-    def _reads(self, template: int) -> tuple[dict[int, list[tuple[int, int]]], list[int], int]:
-        """Of forward template ``template`` (worked out once): per node (by index) that reads
-        a placeholder, ``(q, j)`` for its ``q``-th input node being placeholder ``j``; the
-        placeholders no node reads; how many placeholders it has."""
-        got = self._template_reads.get(template)
-        if got is None:
-            tnodes = list(self.h.templates[template].nodes)
-            phs = {t: i for i, t in enumerate(t for t in tnodes if t.op == "placeholder")}
-            reads: dict[int, list[tuple[int, int]]] = {}
-            for i, x in enumerate(tnodes):
-                pairs = [(q, phs[a]) for q, a in enumerate(x.all_input_nodes) if a in phs]
-                if pairs:
-                    reads[i] = pairs
-            unread = [j for t, j in phs.items() if not t.users]
-            got = self._template_reads[template] = (reads, unread, len(phs))
-        return got
+        """:class:`CallPlans` of call ``site`` (None: its nodes are not its variant's)."""
+        return self._plans(site)
 
     def _arg_state(self, site: int, a: Node) -> Any:
         """A call input as a signature: what the rules read of it. Its value's
@@ -1816,7 +1844,7 @@ class BlockLinearize:
         ns = self.site_nodes[site]
         key = self.key
         keys = []
-        for p in plan[4]:  # the template's results: what can be read outside the call
+        for p in plan[1]:  # the template's results: what can be read outside the call
             n = ns[p]
             for u in n.users:  # a node of the call is tagged with its site
                 cs = u.meta.get(CALL_SITE)
