@@ -12,10 +12,11 @@ from conftest import node_rows, spec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from graphflop.ad import blocks
+from graphflop.ad import blocks, jvp
 from graphflop.ad.jvp import build_jvp
 from graphflop.ad.vjp import build_vjp
 from graphflop.analysis import analyze
+from graphflop.frontend.trace import trace
 from graphflop.load import load, make_inputs
 from graphflop.meta import (
     CALL_SITE,
@@ -31,6 +32,7 @@ from graphflop.meta import (
     MODULE,
     PARAM,
     ROLE,
+    SIGNATURE,
     SOURCE,
     VJP,
 )
@@ -182,6 +184,43 @@ def test_gpt2_few_layers_jvp_recorded_directly():
     for tangents in ("params", "all"):
         dh, _ = _check_jvp(fwd, tangents)
         assert {c.site for c in dh.calls} == {0, 1, 2}
+
+
+class _NormBlock(nn.Module):
+    """A block whose layer norm gives getitems (its mean and rstd) and a residual."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.ln(x))
+
+
+def test_call_tables_read_a_call_at_a_time_equal_the_walk_node_by_node():
+    """The derivative builders' table of where each forward node is in its call, filled a call
+    at a time from the hierarchy's variants, equals the one read node by node off the flat
+    forward (its CALL_SITE tags): every table, in order; and so does the JVP's set of the
+    nodes the loss's tangent depends on, a call's nodes marked at once."""
+    norms = nn.Sequential(*(_NormBlock(6) for _ in range(3)), nn.Linear(6, 2))
+    for model, n_calls in ((Stack(), 4), (norms, 3)):  # Stack's 4 blocks, the 3 norm blocks
+        fwd = trace(model, torch.randn(2, 6))
+        by_call = blocks._keys_by_call(fwd, fwd.meta[HIERARCHY])
+        by_node = blocks._keys_by_node(fwd)
+        assert by_call is not None  # the hierarchy's calls are runs of the flat forward
+        for f in ("key", "site_nodes", "by_key", "names", "tags", "tag_names"):
+            got, want = getattr(by_call, f), getattr(by_node, f)
+            assert got == want and list(got) == list(want), f
+        assert by_call.dup == by_node.dup == frozenset()
+        assert by_call.split == by_node.split == frozenset()
+        assert len(by_call.site_nodes) == n_calls
+        # the JVP's walk for the nodes the loss's tangent needs, a call's nodes at once
+        loss = jvp._differentiated(fwd, fwd.meta[SIGNATURE], "loss")
+        needed = jvp._needed_by_call(fwd, loss)
+        assert needed == jvp._needed(fwd.graph, loss)
+        assert set(by_call.key) <= needed  # every node of every call reaches the loss
+    assert any(n.target is operator.getitem for n in by_call.key)  # the norm's outputs
 
 
 @pytest.mark.parametrize("s", QUICK)

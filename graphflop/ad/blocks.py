@@ -84,13 +84,16 @@ from graphflop.ops.ghost import is_ghost
 __all__ = [
     "BlockLinearize",
     "CallKeys",
+    "CallPlans",
     "RecordedCalls",
     "RecordedFallback",
     "BlockTranspose",
     "TemplateBackward",
     "TemplateJvp",
     "call_keys",
+    "call_plans",
     "checkpoint_calls",
+    "checkpointed",
     "checkpointed_sites",
     "transpose_log",
 ]
@@ -879,7 +882,23 @@ def _on_graph(forward: GraphModule, attr: str, compute: Callable[[GraphModule], 
 
 
 #: the tables :func:`_on_graph` keeps on a forward graph (:func:`forget_tables`)
-_TABLES = ("_graphflop_call_keys", "_graphflop_checkpointed_sites", "_graphflop_checkpoint_calls")
+_TABLES = (
+    "_graphflop_call_keys",
+    "_graphflop_checkpointed_sites",
+    "_graphflop_checkpoint_calls",
+    "_graphflop_checkpointed",
+    "_graphflop_call_plans",
+)
+
+
+def checkpointed(forward: GraphModule) -> list[Node]:
+    """The nodes of ``forward`` tagged :data:`~graphflop.meta.CHECKPOINT`, in graph order:
+    looked for once per forward graph (:func:`checkpointed_sites`, :func:`checkpoint_calls`
+    and the describers' :func:`~graphflop.passes.calls.forward_tags` read them, not the
+    whole graph each). Shared: read, never written."""
+    return _on_graph(
+        forward, _TABLES[3], lambda f: [n for n in f.graph.nodes if CHECKPOINT in n.meta]
+    )
 
 
 def forget_tables(forward: GraphModule) -> None:
@@ -896,6 +915,81 @@ def call_keys(forward: GraphModule) -> CallKeys:
 
 
 def _call_keys(forward: GraphModule) -> CallKeys:
+    h = forward.meta.get(HIERARCHY)
+    if h is not None and h.runs:
+        got = _keys_by_call(forward, h)
+        if got is not None:
+            return got
+    return _keys_by_node(forward)
+
+
+def _keys_by_call(forward: GraphModule, h: Hierarchy) -> CallKeys | None:
+    """:func:`call_keys` a call at a time: each call's nodes (one run of the graph: its
+    hierarchy's ``runs``) are its variant's items, in order, so a call is found at its first
+    node and its keys are its variant's (:attr:`~graphflop.meta.Hierarchy.variants`: made
+    once per variant); its tables are filled from them in C, not node by node. None (read
+    node by node instead) where a call's first or last node is not its variant's first or
+    last item, or a call site comes twice."""
+    key: dict[Node, tuple] = {}
+    site_nodes: dict[int, list[Node]] = {}
+    by_key: dict[int, dict[tuple, Node]] = {}
+    names: dict[str, tuple[int, tuple]] = {}
+    tags: dict[str, tuple] = {}
+    tag_names: dict[tuple, str] = {}
+    dup: set[int] = set()
+    shared: dict[int, tuple] = {}  # one key per template position, shared by every call
+    vkeys: dict[int, tuple[tuple, ...]] = {}
+    sites = h.sites
+    nodes = list(forward.graph.nodes)
+    i, count = 0, len(nodes)
+    while i < count:
+        t = nodes[i].meta.get(CALL_SITE)
+        if t is None:
+            i += 1
+            continue
+        s = t[0]
+        v = sites[s].variant
+        ks = vkeys.get(v)
+        if ks is None:
+            ks = vkeys[v] = tuple(
+                (shared.setdefault(x, (x,)) if out is None else (x, out))
+                for x, out in h.variants[v][1]
+            )
+        m = len(ks)
+        ns = nodes[i : i + m]
+        if s in site_nodes or not m or len(ns) != m or _key_at(ns[0], s) != ks[0]:
+            return None
+        if _key_at(ns[-1], s) != ks[-1]:
+            return None
+        i += m
+        site_nodes[s] = ns
+        own = by_key[s] = dict(zip(ks, ns))
+        if len(own) != m:  # two nodes copy one template node (a rewritten graph)
+            dup.add(s)
+        key.update(zip(ns, ks))
+        call_names = list(map(_NAME, ns))
+        names.update(zip(call_names, zip(itertools.repeat(s), ks)))
+        call_tags = list(map(tuple.__add__, itertools.repeat((s,)), ks))
+        tags.update(zip(call_names, call_tags))
+        tag_names.update(zip(call_tags, call_names))
+    return CallKeys(key, site_nodes, by_key, names, tags, tag_names, frozenset(dup), frozenset())
+
+
+def _key_at(n: Node, site: int) -> tuple | None:
+    """Forward node ``n``'s key in call ``site`` (:attr:`CallKeys.key`), None where it is not
+    a node of that call."""
+    t = n.meta.get(CALL_SITE)
+    if t is None or t[0] != site:
+        return None
+    if n.target is operator.getitem:
+        parent = n.args[0] if n.args else None
+        if isinstance(parent, Node) and parent.meta.get(CALL_SITE) == t:
+            return (t[1], n.args[1])
+    return (t[1],)
+
+
+def _keys_by_node(forward: GraphModule) -> CallKeys:
+    """:func:`call_keys` in one walk over the graph's nodes."""
     key: dict[Node, tuple] = {}
     site_nodes: dict[int, list[Node]] = {}
     by_key: dict[int, dict[tuple, Node]] = {}
@@ -947,6 +1041,86 @@ def _call_keys(forward: GraphModule) -> CallKeys:
     return CallKeys(key, site_nodes, by_key, names, tags, tag_names, frozenset(dup), split)
 
 
+class CallPlans:
+    """What every call of a variant reads of its forward nodes, by their place among the
+    call's nodes (a call's nodes are its variant's items, in order: one key each,
+    :func:`call_keys`), worked out at the variant's first call: calling it with a call site
+    gives ``(reads, results, unread, count, items)``: ``(p, q, j)`` per placeholder read
+    (node ``p``'s ``q``-th input is placeholder ``j``), in order; the places of the nodes
+    that can be read outside the call (the template's results: its outputs and the values it
+    writes into buffers; where the hierarchy has a top-level graph, no other node of a call
+    is read outside it); the placeholders no node reads; how many placeholders; how many
+    items. None where the call's nodes are not its variant's items.
+
+    Args:
+        forward: the traced forward graph.
+        h: its hierarchy.
+    """
+
+    def __init__(self, forward: GraphModule, h: Hierarchy) -> None:
+        self.h = h
+        self.keys = call_keys(forward)  # shared: read only
+        self._plans: dict[int, tuple] = {}
+        self._template_reads: dict[int, tuple] = {}
+
+    def __call__(self, site: int) -> tuple | None:
+        v = self.h.sites[site].variant
+        got = self._plans.get(v)
+        ns = self.keys.site_nodes[site]
+        if got is None:
+            template, items = self.h.variants[v]
+            reads, unread, count = self._reads(template)
+            key = self.keys.key
+            if len(items) != len(ns) or any(
+                key[n] != ((i,) if o is None else (i, o)) for n, (i, o) in zip(ns, items)
+            ):
+                got = self._plans[v] = (None,)
+            else:
+                plan = [
+                    (p, q, j)
+                    for p, (index, out) in enumerate(items)
+                    if out is None
+                    for q, j in reads.get(index, ())
+                ]
+                tnodes = list(self.h.templates[template].nodes)
+                results = _results(tnodes)
+                outward = [
+                    p
+                    for p, (index, out) in enumerate(items)
+                    if out is None and tnodes[index] in results
+                ]
+                got = self._plans[v] = (plan, outward, unread, count, len(items))
+        if got[0] is None or got[4] != len(ns):
+            return None
+        return got
+
+    def _reads(self, template: int) -> tuple[dict[int, list[tuple[int, int]]], list[int], int]:
+        """Of forward template ``template`` (worked out once): per node (by index) that reads
+        a placeholder, ``(q, j)`` for its ``q``-th input node being placeholder ``j``; the
+        placeholders no node reads; how many placeholders it has."""
+        got = self._template_reads.get(template)
+        if got is None:
+            tnodes = list(self.h.templates[template].nodes)
+            phs = {t: i for i, t in enumerate(t for t in tnodes if t.op == "placeholder")}
+            reads: dict[int, list[tuple[int, int]]] = {}
+            for i, x in enumerate(tnodes):
+                pairs = [(q, phs[a]) for q, a in enumerate(x.all_input_nodes) if a in phs]
+                if pairs:
+                    reads[i] = pairs
+            unread = [j for t, j in phs.items() if not t.users]
+            got = self._template_reads[template] = (reads, unread, len(phs))
+        return got
+
+
+def call_plans(forward: GraphModule) -> CallPlans | None:
+    """:class:`CallPlans` of ``forward``, kept on the graph (the JVP's walk for the nodes it
+    needs and its expander share it); None where it has no hierarchy with a top-level graph."""
+    h = forward.meta.get(HIERARCHY)
+    if h is None or h.graph is None:
+        return None
+    return _on_graph(forward, _TABLES[4], lambda f: CallPlans(f, h))
+
+
 def checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
     """Per call site with checkpointed nodes, how: per such node, its place in the template,
     its region relative to the call's (numbered in order of first use) and whether the region
@@ -960,7 +1134,7 @@ def checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
 def _checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
     out: dict[int, list] = {}
     first: dict[int, dict[int, int]] = {}
-    for n in forward.graph.nodes:
+    for n in checkpointed(forward):
         tag, cs = n.meta.get(CHECKPOINT), n.meta.get(CALL_SITE)
         if tag is None or cs is None:
             continue
@@ -977,7 +1151,11 @@ def checkpoint_calls(forward: GraphModule) -> dict[Node, int]:
     backward's expander and its checkpoints read it): shared, read, never written."""
     from graphflop.meta import occurrences
 
-    return _on_graph(forward, _TABLES[2], lambda f: occurrences(f.graph.nodes, CHECKPOINT))
+    return _on_graph(
+        forward,
+        _TABLES[2],
+        lambda f: occurrences(f.graph.nodes, CHECKPOINT) if checkpointed(f) else {},
+    )
 
 
 def _checkpoints_across(forward: GraphModule) -> set[int]:
@@ -1417,16 +1595,51 @@ class TemplateJvp:
     direct: tuple | None = None
     bases: NamePlan | None = None
     copies: list[tuple] = field(default_factory=list)
+    #: with :attr:`direct`: the places among the call's forward nodes of ``copies`` and of
+    #: its template derivative's source slots (:func:`_copy_names`)
+    at: tuple[list[int], list[int]] = ([], [])
 
 
-def _copy_names(t: TemplateJvp, own: dict[tuple, Node], g: Graph) -> tuple[NamePlan, list[str]]:
-    """The names that copying ``t``'s nodes for the call whose forward nodes are ``own`` (by
-    key) would ask fx for, in order: a primal copy its forward node's, another its op's base
-    name (the plan's; the copies' names given, in order)."""
+def _copy_names(t: TemplateJvp, ns: list[Node], g: Graph) -> tuple[NamePlan, list[str], tuple]:
+    """The names that copying ``t``'s nodes for the call whose forward nodes are ``ns`` (its
+    variant's items, in order) would ask fx for, in order: a primal copy its forward node's,
+    another its op's base name (the plan's; the copies' names given, in order); and the call's
+    forward node names per source slot of ``t``'s template derivative
+    (:attr:`~graphflop.passes.calls.DerivedCall.sources`). Both read off the call's node names
+    by the places worked out at the template's first call (:attr:`TemplateJvp.at`)."""
     if t.bases is None:
         t.bases = NamePlan([None if e[0] == "copy" else base_name(g, e[1].target) for e in t.nodes])
         t.copies = [e[1] for e in t.nodes if e[0] == "copy"]
-    return t.bases, [own[k].name for k in t.copies]
+    names = list(map(_NAME, ns))
+    copy_at, source_at = t.at
+    return t.bases, _gather(names, copy_at), tuple(_gather(names, source_at))
+
+
+_NAME = operator.attrgetter("name")
+
+
+def _gather(values: list[Any], at: list[int]) -> list[Any]:
+    """``[values[i] for i in at]``, gathered in C."""
+    if len(at) > 1:
+        return list(operator.itemgetter(*at)(values))
+    return [values[i] for i in at]
+
+
+def _results(tnodes: list[Node]) -> set[Node]:
+    """The nodes of a template (its nodes, in order) that a call of it returns, as
+    :func:`graphflop.frontend.hierarchy.build` reads them: those its output returns and the
+    values it writes into buffers (a ``copy_`` into a placeholder)."""
+    found: set[Node] = set()
+    map_arg(tnodes[-1].args, found.add)
+    found.update(
+        x.args[1]  # type: ignore[misc]
+        for x in tnodes
+        if x.target is _COPY_ and isinstance(x.args[0], Node) and x.args[0].op == "placeholder"
+    )
+    return found
+
+
+_COPY_ = torch.ops.aten.copy_.default
 
 
 def _positions(r: Any, out: set[int]) -> None:
@@ -1482,9 +1695,8 @@ class BlockLinearize:
         self.expanded = 0
         #: records each expanded call as a call instead of copying its nodes (or None)
         self.recorder: Any = getattr(lin, "recorder", None)
-        self._out: dict[int, list[tuple]] = {}
+        self._plans = call_plans(forward) or CallPlans(forward, h)
         self._exposed: dict[tuple, tuple[list[int], list[int]]] = {}
-        self._template_reads: dict[int, tuple] = {}
 
     @classmethod
     def of(cls, forward: GraphModule, lin: Any) -> BlockLinearize | None:
@@ -1505,42 +1717,31 @@ class BlockLinearize:
     def _inputs(self, site: int) -> list[Any]:
         """The call's arguments (the forward nodes its template's placeholders stand for; an
         :class:`_Unread` for a placeholder no template node reads, as a Llama decoder layer's
-        position ids: the rules read nothing of it)."""
-        reads, unread, count = self._reads(self.h.sites[site].template)
+        position ids: the rules read nothing of it): per input node of its variant's nodes that
+        read a placeholder (:meth:`_plan`, in the call's node order), the first from outside
+        the call; none where a placeholder read has no such node."""
+        plan = self._plan(site)
+        if plan is None:
+            return []
+        reads, unread, count = plan[0], plan[2], plan[3]
         args: dict[int, Any] = {}
-        key = self.key
-        for n in self.site_nodes[site]:
-            k = key[n]
-            pairs = reads.get(k[0]) if len(k) == 1 else None
-            if pairs is None:
+        ns = self.site_nodes[site]
+        for p, q, j in reads:  # its node p's q-th input is placeholder j's value
+            if j in args:
                 continue
-            ins = n.all_input_nodes
-            for q, j in pairs:  # the template node's q-th input is placeholder j
-                if q < len(ins):
-                    a = ins[q]
-                    cs = a.meta.get(CALL_SITE)  # a node of the call is tagged with its site
-                    if cs is None or cs[0] != site:
-                        args.setdefault(j, a)
+            ins = ns[p].all_input_nodes
+            if q < len(ins):
+                a = ins[q]
+                cs = a.meta.get(CALL_SITE)  # a node of the call is tagged with its site
+                if cs is None or cs[0] != site:
+                    args[j] = a
         for j in unread:
             args.setdefault(j, _Unread(j))
         return [args[j] for j in sorted(args)] if len(args) == count else []
 
-    def _reads(self, template: int) -> tuple[dict[int, list[tuple[int, int]]], list[int], int]:
-        """Of forward template ``template`` (worked out once): per node (by index) that reads
-        a placeholder, ``(q, j)`` for its ``q``-th input node being placeholder ``j``; the
-        placeholders no node reads; how many placeholders it has."""
-        got = self._template_reads.get(template)
-        if got is None:
-            tnodes = list(self.h.templates[template].nodes)
-            phs = {t: i for i, t in enumerate(t for t in tnodes if t.op == "placeholder")}
-            reads: dict[int, list[tuple[int, int]]] = {}
-            for i, x in enumerate(tnodes):
-                pairs = [(q, phs[a]) for q, a in enumerate(x.all_input_nodes) if a in phs]
-                if pairs:
-                    reads[i] = pairs
-            unread = [j for t, j in phs.items() if not t.users]
-            got = self._template_reads[template] = (reads, unread, len(phs))
-        return got
+    def _plan(self, site: int) -> tuple | None:
+        """:class:`CallPlans` of call ``site`` (None: its nodes are not its variant's)."""
+        return self._plans(site)
 
     def _arg_state(self, site: int, a: Node) -> Any:
         """A call input as a signature: what the rules read of it. Its value's
@@ -1627,21 +1828,29 @@ class BlockLinearize:
             return
         if self.recorder is not None:
             t.direct = self.recorder.template(made, t.site, lin.forward, self._input_refs(args))
+            if t.direct is not None:  # a key's place among the call's nodes
+                at = {k: p for p, k in enumerate(self.by_key[t.site])}
+                copies = [e[1] for e in t.nodes if e[0] == "copy"]
+                t.at = ([at[k] for k in copies], [at[k] for k in t.direct[2]])
 
     def _outward(self, t: TemplateJvp, site: int) -> tuple[list[tuple], list[int], list[int]]:
         """The keys of call ``site``'s forward nodes read outside it (their primal copies and
         tangents are what later nodes read of the call), the positions of ``t``'s nodes
         those values are (the call's getitems, ascending), and those of them logged, in the
         log's order."""
-        keys = self._out.get(site)
-        if keys is None:
-            keys = self._out[site] = []
-            for k, n in self.by_key[site].items():
-                for u in n.users:  # a node of the call is tagged with its site
-                    cs = u.meta.get(CALL_SITE)
-                    if cs is None or cs[0] != site:
-                        keys.append(k)
-                        break
+        plan = self._plan(site)
+        if plan is None:  # (not expanded: BlockLinearize.linearize read no arguments)
+            raise AssertionError("an expanded call whose nodes are not its variant's")
+        ns = self.site_nodes[site]
+        key = self.key
+        keys = []
+        for p in plan[1]:  # the template's results: what can be read outside the call
+            n = ns[p]
+            for u in n.users:  # a node of the call is tagged with its site
+                cs = u.meta.get(CALL_SITE)
+                if cs is None or cs[0] != site:
+                    keys.append(key[n])
+                    break
         cache = (id(t), tuple(keys))
         got = self._exposed.get(cache)
         if got is None:
@@ -1704,10 +1913,10 @@ class BlockLinearize:
         if t.direct is not None:  # a call of the template derivative, its nodes not copied
             values = [lin.env[args[j]] if k == "p" else lin.tan[args[j]] for k, j in t.direct[1]]
             keys, exposed, logged = self._outward(t, site)
-            plan, given = _copy_names(t, own, lin.graph)
+            plan, given, sources = _copy_names(t, self.site_nodes[site], lin.graph)
             mark = (len(lin.b.log), t.log)
             made: Any = self.recorder.call(
-                lin.graph, t.direct, site, values, exposed, plan, given, mark
+                lin.graph, t.direct, site, values, exposed, plan, given, mark, sources
             )
         else:
             made = self._copy(t, site, args)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.blocks import BlockLinearize
+from graphflop.ad.blocks import BlockLinearize, call_keys, call_plans
 from graphflop.ad.builder import Builder, copy_node, placeholder
 from graphflop.ad.functions import FunctionCall, emit_tangent, function_calls
 from graphflop.meta import (
@@ -48,6 +48,7 @@ from graphflop.meta import (
     GAPS,
     GHOST_LINKS,
     GHOSTS,
+    HIERARCHY,
     JVP,
     JVP_LOG,
     KIND,
@@ -153,6 +154,84 @@ def _needed(
     return seen
 
 
+def _needed_by_call(forward: GraphModule, outputs: list[Node]) -> set[Node] | None:
+    """:func:`_needed` of a forward graph with call sites and no hidden writes, a call's nodes
+    marked at once: entered at one of its template's results (the only nodes of a call read
+    outside it where the hierarchy has a top-level graph), what the walk would reach inside
+    the call from there (and the inputs it would leave by) is worked out at the first call of
+    its variant, by place among the call's nodes (:func:`~graphflop.ad.blocks.call_plan`),
+    and read at the others. A call with a node made with grad mode off (``NO_GRAD``: the walk
+    stops or jumps there) and any other node is walked node by node. None where ``forward``
+    has no top-level graph."""
+    plans = call_plans(forward)
+    if plans is None:
+        return None
+    keys = call_keys(forward)
+    # the calls walked node by node: a node made with grad mode off in them
+    plain = {n.meta[CALL_SITE][0] for n in keys.key if NO_GRAD in n.meta}
+    entry: dict[Node, tuple[int, int]] = {}
+    for s, ns in keys.site_nodes.items():
+        plan = plans(s)
+        if plan is not None and s not in plain:
+            for p in plan[1]:
+                entry[ns[p]] = (s, p)
+    reached: dict[tuple[int, int], tuple[list[int], list[tuple[int, int]]]] = {}
+    sites = forward.meta[HIERARCHY].sites
+    seen: set[Node] = set()
+    stack = list(outputs)
+    pop, push, mark = stack.pop, stack.extend, seen.add
+    while stack:
+        n = pop()
+        if n in seen:
+            continue
+        at = entry.get(n)
+        if at is not None:  # a call's result: what the walk reaches in the call, at once
+            s, p = at
+            ns = keys.site_nodes[s]
+            v = (sites[s].variant, p)
+            got = reached.get(v)
+            if got is None:
+                got = reached[v] = _reach(ns, p)
+            seen.update(map(ns.__getitem__, got[0]))
+            stack.extend([list(ns[i]._input_nodes)[q] for i, q in got[1]])
+            continue
+        mark(n)
+        if not n.meta.get(NO_GRAD):
+            push(n._input_nodes)
+            continue
+        write = n.meta.get(NO_GRAD_WRITE)
+        before = written_before(n) if write is not None else None
+        if write is not None and write.before is None:
+            stack.extend(n.all_input_nodes)
+        elif before is not None:
+            stack.append(before)
+    return seen
+
+
+def _reach(ns: list[Node], p: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """From node ``p`` of a call (its nodes ``ns``, none made with grad mode off), the places
+    of the call's nodes :func:`_needed`'s walk reaches, and ``(place, q)`` for each input
+    from outside the call it leaves by (the ``q``-th input node of the node there)."""
+    at = {n: i for i, n in enumerate(ns)}
+    reach: list[int] = []
+    exits: list[tuple[int, int]] = []
+    seen: set[Node] = set()
+    stack = [ns[p]]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        i = at[n]
+        reach.append(i)
+        for q, a in enumerate(n._input_nodes):
+            if a in at:
+                stack.append(a)
+            else:
+                exits.append((i, q))
+    return reach, exits
+
+
 def has_leaves(forward: GraphModule) -> bool:
     """Whether the model's code made a value of ``forward`` a leaf that requires grad
     (:data:`~graphflop.meta.LEAF`): the backward's linearization then differs from the JVP's
@@ -239,7 +318,9 @@ def build_jvp(
     lin = _Linearizer(forward, for_transpose, per_template)
     lin.recorder = recorder if per_template else None
     hidden = hidden_writes(forward.graph)
-    needed = _needed(forward.graph, diff_out, hidden)
+    needed = (
+        None if hidden or not per_template else _needed_by_call(forward, diff_out)
+    ) or _needed(forward.graph, diff_out, hidden)
     tangent_inputs = lin.placeholders(carry, ghostly=(params | inputs) - carry, params=params)
     leaf_tangents = lin.leaf_placeholders(needed) if leaves else []
     # an in-place write a needed node reads through another alias: its tangent cannot reach
@@ -350,7 +431,8 @@ class _Linearizer:
         """Copy the forward's placeholders, then add a tangent placeholder per floating one in
         ``carry``; those in ``ghostly`` get a ghost tangent. Returns the (tangent placeholder,
         primal placeholder) name pairs."""
-        placeholders = [n for n in self.forward.graph.nodes if n.op == "placeholder"]
+        # (fx's table of nodes by op: not a walk over the whole forward)
+        placeholders = self.forward.graph.find_nodes(op="placeholder")
         for n in placeholders:
             self.env[n] = self._copy(n)
         tangent_inputs = []
@@ -413,9 +495,12 @@ class _Linearizer:
         order. Returns the forward's outputs (the output node's values)."""
         out_node = None
         blocks = BlockLinearize.of(self.forward, self) if self.per_template else None
-        done: set[Node] = set()
-        for n in self.forward.graph.nodes:
-            if n.op == "placeholder" or n in done:
+        nodes = list(self.forward.graph.nodes)
+        i, count = 0, len(nodes)
+        while i < count:
+            n = nodes[i]
+            i += 1
+            if n.op == "placeholder":
                 continue
             if n.op == "output":
                 out_node = n
@@ -423,7 +508,7 @@ class _Linearizer:
             run = blocks.nodes(n) if blocks is not None else None
             if run is not None and blocks is not None:  # a call: once per variant
                 blocks.linearize(n.meta[CALL_SITE][0], needed, lambda x: self._node(x, needed))
-                done.update(run)
+                i += len(run) - 1  # (a call's nodes are one run, from ``n`` on: not split)
                 continue
             self._node(n, needed)
         outs = out_node.args[0] if out_node is not None else None

@@ -247,10 +247,12 @@ def hidden_writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.No
     pass that follows only the edges would miss it (the tangent of the written value never
     reaches the reader), so it must treat each such write as cut."""
     written: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    overload = torch._ops.OpOverload
+    if not _writers_filed(graph, overload):  # a functional graph (the usual case)
+        return {}
     # per op (by identity: an OpOverload's hash is a Python method, a call per node otherwise)
     # the positions it writes
     by_op: dict[int, tuple[int, ...]] = {}
-    overload = torch._ops.OpOverload
     for m in graph.nodes:
         t = m.target
         at = by_op.get(id(t))
@@ -272,6 +274,19 @@ def hidden_writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.No
         if hits:
             out[n] = list(dict.fromkeys(hits))
     return out
+
+
+def _writers_filed(graph: torch.fx.Graph, overload: type) -> bool:
+    """Whether ``graph`` may hold an op writing into an argument: looked up per op in fx's
+    table of the graph's nodes by op and target (``find_nodes``' table: a row per distinct
+    target, not a walk over every node); True where this torch.fx has no such table."""
+    table = getattr(getattr(graph, "_find_nodes_lookup_table", None), "table", None)
+    if not isinstance(table, dict):  # pragma: no cover - a torch.fx without the table
+        return True
+    return any(
+        row and key[0] == "call_function" and isinstance(key[1], overload) and _written_args(key[1])
+        for key, row in table.items()
+    )
 
 
 @functools.cache

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.blocks import call_keys, forget_tables
+from graphflop.ad.blocks import call_keys, checkpointed, forget_tables
 from graphflop.ad.builder import (
     NO_KWARGS,
     NamePlan,
@@ -110,7 +110,7 @@ OWN_TAG = "@call"
 
 def forward_tags(forward: GraphModule) -> dict[str, Any]:
     """The forward nodes' :data:`~graphflop.meta.CHECKPOINT` tags by node name."""
-    return {n.name: n.meta[CHECKPOINT] for n in forward.graph.nodes if CHECKPOINT in n.meta}
+    return {n.name: n.meta[CHECKPOINT] for n in checkpointed(forward)}
 
 
 def tags_of(tags: dict[str, Any], sources: tuple[str, ...]) -> tuple[Any, ...]:
@@ -1229,10 +1229,13 @@ class DirectRecorder:
             return None
         return t, [refs[e] for e in ext], order
 
-    def _call(self, site: int, handle: tuple) -> DerivedCall:
+    def _call(
+        self, site: int, handle: tuple, sources: tuple[str, ...] | None = None
+    ) -> DerivedCall:
         t, _, order = handle
-        names = self.d.names
-        sources = tuple([names[(site, k)] for k in order])
+        if sources is None:
+            names = self.d.names
+            sources = tuple([names[(site, k)] for k in order])
         return DerivedCall(site, t, self.h.sites[site].modules, sources, self.d.tags_of(sources))
 
     def call(
@@ -1245,6 +1248,7 @@ class DirectRecorder:
         names: NamePlan,
         given: Sequence[str] = (),
         logged: tuple[int, list[int]] | None = None,
+        sources: tuple[str, ...] | None = None,
     ) -> dict:
         """Emit at the end of ``g`` the call of ``handle``'s template at call site ``site``
         with values from outside ``args`` (in the handle's order): its ``graphflop::repeat``
@@ -1256,9 +1260,11 @@ class DirectRecorder:
         (:meth:`~graphflop.ad.builder.NamePlan.take`), so every later node of ``g`` is named
         as in the graph built flat, and kept as the call's flat names. ``logged``: (the JVP log's length before the
         call, the template positions the call logs), kept for :attr:`DerivedHierarchy.log`.
+        ``sources``: the call's :attr:`DerivedCall.sources`, where the caller has them (read
+        off the forward's node names per source slot of the handle otherwise).
         Returns template node position -> getitem, each with that node's annotations made the
         call's."""
-        c = self._call(site, handle)
+        c = self._call(site, handle, sources)
         number = len(self.calls)
         self.calls.append(c)
         taken: list[str | None] = names.take(g, given)  # type: ignore[assignment]
