@@ -84,6 +84,7 @@ from graphflop.ops.ghost import is_ghost
 
 __all__ = [
     "BlockLinearize",
+    "CallRun",
     "CallKeys",
     "RecordedCalls",
     "RecordedFallback",
@@ -228,6 +229,9 @@ class TemplateBackward:
     #: transposing a recorded JVP: per residual, how a call expanded with :attr:`places`
     #: imports it (:meth:`BlockTranspose._plan_imports`; planned at the first expansion)
     imports: list[tuple] | None = None
+    #: with :attr:`places`: what :meth:`BlockTranspose._fresh_match` checks (planned at the
+    #: first expansion)
+    checks: tuple | None = None
 
 
 class BlockTranspose:
@@ -762,6 +766,40 @@ class BlockTranspose:
                     return y.name if isinstance(y, Node) else None
         return None
 
+    def _fresh_match(self, t: TemplateBackward, corr: _Places) -> list[Any] | None:
+        """For a call none of whose values a node stands for or was imported (``corr.fresh``),
+        the keys of ``t``'s coefficients in ``corr`` where :meth:`_same_imports` would find
+        the call's imports the same as ``t``'s first call's, read from the places planned once
+        per template backward (no lookup per residual); None where it might not (asked
+        again of :meth:`_same_imports`)."""
+        checks = t.checks
+        if checks is None:
+            if t.olds is None:
+                t.olds = [ref[1] for ref in t.inputs.values() if ref[0] == "old"]
+            places = t.places or {}
+            rp = [places.get(ln) for ln in t.residuals]
+            cp = [places.get(ln) for ln in t.coefficients.values()]
+            ok = not t.olds and None not in rp and None not in cp
+            res = [r[1] for r in rp if r is not None and r[0] == "arg"]
+            checks = t.checks = (ok, res, cp)
+        ok, res, cp = checks
+        if not ok:
+            return None
+        rep = corr.rep
+        args: Any = rep.args[0]
+        for j in res:
+            if args[j] is None:
+                return None
+        its = self.calls.items_of(rep)
+        imported = self.b.imported
+        keys: list[Any] = []
+        for p in cp:
+            y = args[p[1]] if p[0] == "arg" else its.get(p[1]) or (rep, p[1])
+            if y is None or y in imported:
+                return None
+            keys.append(y)
+        return keys
+
     def _same_imports(self, t: TemplateBackward, corr: Any) -> bool:
         """Whether the call ``corr`` maps to has imported the same residuals and coefficients
         before its run as ``t``'s first call had. Where a recorded call's (:class:`_Places`)
@@ -806,12 +844,16 @@ class BlockTranspose:
         corr: Any,
         resolve: Callable[[tuple], Any],
         made: Any,
+        coefs: list[Any] | None = None,
     ) -> None:
         """After a call recorded for ``t`` (``made``: template node position -> its getitem),
-        the coefficients it recomputed as the imports later calls reuse, and the cotangents
-        of its externals."""
-        for i, ln in t.coefficients.items():
-            self.b.imported[corr[ln]] = made[i]
+        the coefficients it recomputed as the imports later calls reuse (``coefs``: their keys
+        in ``corr``, where known), and the cotangents of its externals."""
+        imported = self.b.imported
+        if coefs is None:
+            coefs = [corr[ln] for ln in t.coefficients.values()]
+        for i, y in zip(t.coefficients, coefs):
+            imported[y] = made[i]
         for x, r in zip(externals, t.results):
             if r is not None:
                 ct[x] = resolve(r)
@@ -835,7 +877,10 @@ class BlockTranspose:
         b = self.b
         corr = given if given is not None else self._correspondence(t.entries, run, t.site, site)
         self._recompute_inputs(t, corr, site)
-        if corr is None or not self._same_imports(t, corr):
+        if corr is None:
+            return False
+        coefs = self._fresh_match(t, corr) if type(corr) is _Places and corr.fresh else None
+        if coefs is None and not self._same_imports(t, corr):
             return False
         arrived = _arrived(run, arrive, ct)
         held = [ct.get(x) for x in externals]
@@ -863,7 +908,7 @@ class BlockTranspose:
             if t.bases is None:  # the names the copies below would ask fx for
                 t.bases = NamePlan([base_name(self.g, n.target) for n in t.nodes])
             made = self.recorder.call(self.g, t.direct, site, values, t.exposed, t.bases)
-            self._results(t, externals, ct, corr, resolve, made)
+            self._results(t, externals, ct, corr, resolve, made, coefs)
             return True
         env = {a: resolve(ref) for a, ref in t.inputs.items()}
         rel, absolute = self.rel[t.site], self.abs[site]
@@ -1230,6 +1275,9 @@ class RecordedCalls:
         #: a first call's node) or the transpose imported by key (an expansion,
         #: :class:`_Places`): for any other call, a value's holder is its getitem or none
         self.touched: set[Node] = {at[0] for at in dh.moved.values()}
+        #: those of them some of whose values a node stands for (:attr:`canonical`, a first
+        #: call's node)
+        self.standing: set[Node] = set(self.touched)
 
     def site(self, rep: Node) -> int:
         return self.dh.calls[rep.args[1]].site
@@ -1264,6 +1312,7 @@ class RecordedCalls:
             self.thin.add(v)
             self.canonical[key] = v
             self.touched.add(rep)
+            self.standing.add(rep)
         return v
 
     def target(self, rep: Node, i: int) -> Any:
@@ -1350,6 +1399,7 @@ class RecordedCalls:
                 else:
                     self.alias[new] = v
             self.touched.add(rep)
+            self.standing.add(rep)
             self.side[rep] = made
         self.unsettled[rep] = None
         for i in range(len(made)):
@@ -1426,8 +1476,14 @@ class _Places:
         self.places, self.calls, self.rep = places, calls, rep
         #: whether no value of the call was made a node or imported before (its values are
         #: imported by key from here on: :attr:`RecordedCalls.touched`)
-        self.fresh = rep not in calls.touched
+        self._fresh = rep not in calls.touched
         calls.touched.add(rep)
+
+    @property
+    def fresh(self) -> bool:
+        """Whether no value of the call was made a node or imported before this map was made,
+        nor a node made to stand for one since (:attr:`RecordedCalls.standing`)."""
+        return self._fresh and self.rep not in self.calls.standing
 
     def known(self, x: Any) -> bool:
         """Whether :meth:`get` of ``x`` is not None (without making a stand-in)."""
@@ -1493,7 +1549,7 @@ def transpose_log(
     linked_at: dict[Node, set[int]] = {}
     while i < len(log):
         e = log[i]
-        if type(e) is _CallRun:  # one call's whole run, no other entry of its call site beside
+        if type(e) is CallRun:  # one call's whole run, no other entry of its call site beside
             assert calls is not None
             _transpose_run(blocks, calls, e, ct, rules, state, linked, linked_at)
             i += 1
@@ -1536,11 +1592,12 @@ def transpose_log(
     return blocks
 
 
-class _CallRun:
-    """A call's run of a recorded JVP's log (``positions`` of call ``rep``, in forward order:
-    transposed in reverse) that no entry of the same call site adjoins: what
-    :func:`transpose_log` would take as one run, taken whole (:meth:`BlockTranspose.call_run`)
-    without making its ``(rep, position)`` entries."""
+class CallRun:
+    """A call's run of a recorded JVP's log (:class:`graphflop.passes.calls.CallLog`):
+    ``(rep, k)`` for each ``k`` of ``positions`` (its template's logged positions, in forward
+    order, shared by the template's calls). In the log :func:`transpose_log` reads (in the
+    order transposed), a run that no entry of the same call site adjoins is kept whole: taken
+    as one run (:meth:`BlockTranspose.call_run`) without making its entries."""
 
     __slots__ = ("positions", "rep")
 
@@ -1551,7 +1608,7 @@ class _CallRun:
 def _transpose_run(
     blocks: BlockTranspose,
     calls: RecordedCalls,
-    e: _CallRun,
+    e: CallRun,
     ct: dict[Any, Any],
     rules: Callable[[list[Any]], None],
     state: Callable[[], tuple[int, int]],
@@ -1574,27 +1631,25 @@ def _transpose_run(
 def _reversed_runs(log: Any, blocks: BlockTranspose) -> list[Any]:
     """A recorded JVP's whole log (a :class:`graphflop.passes.calls.CallLog`) in the order
     transposed, each call's run that no entry of its call site adjoins one
-    :class:`_CallRun`, every other entry as the log reads."""
-    from graphflop.passes.calls import _Run
-
+    :class:`CallRun`, every other entry as the log reads."""
     parts = log._parts[::-1]
     calls = blocks.calls
     out: list[Any] = []
     end = len(parts)
     for at, p in enumerate(parts):
-        if type(p) is not _Run:
+        if type(p) is not CallRun:
             out.append(p)
             continue
         rep = p.rep
         s = calls.site(rep)
         prev = out[-1] if out else None
-        before = calls.site(prev.rep) if type(prev) is _CallRun else blocks.site_of(prev)
+        before = calls.site(prev.rep) if type(prev) is CallRun else blocks.site_of(prev)
         after = None
         if at + 1 < end:
             q = parts[at + 1]
-            after = calls.site(q.rep) if type(q) is _Run else blocks.site_of(q)
+            after = calls.site(q.rep) if type(q) is CallRun else blocks.site_of(q)
         if before != s and after != s:
-            out.append(_CallRun(rep, p.positions))
+            out.append(p)
         else:
             out.extend([(rep, k) for k in reversed(p.positions)])
     return out
