@@ -530,6 +530,8 @@ def test_value_imported_by_key_then_read_as_a_node(monkeypatch):
 
     monkeypatch.setattr(blocks.BlockTranspose, "run", halves)
     monkeypatch.setattr(blocks.RecordedCalls, "_rekey", counted)
+    # each call's entries read one by one (not a call's run whole): its runs are split above
+    monkeypatch.setattr(blocks, "_reversed_runs", lambda log, _: list(reversed(log)))
     torch.manual_seed(0)
     model = InStack(n=4).double()
     fwd = trace(model, (torch.randn(5, 6, dtype=torch.float64),), loss="sum")

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -66,7 +66,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
-from graphflop.ad.builder import NO_KWARGS, NamePlan, base_name, copy_node, emit
+from graphflop.ad.builder import NO_KWARGS, NamePlan, base_name, copy_node, emit, placeholder
 from graphflop.ad.functions import FunctionEntry
 from graphflop.meta import (
     CALL_SITE,
@@ -75,6 +75,7 @@ from graphflop.meta import (
     KIND,
     MODULE,
     PARAM_DERIVED,
+    RESIDUAL,
     ROLE,
     SOURCE,
     Hierarchy,
@@ -83,6 +84,7 @@ from graphflop.ops.ghost import is_ghost
 
 __all__ = [
     "BlockLinearize",
+    "CallRun",
     "CallKeys",
     "CallPlans",
     "RecordedCalls",
@@ -140,6 +142,10 @@ def _state(v: Any) -> Any:
 
 class _NotReusable(Exception):
     """A call's backward that expanding at another call could not reproduce."""
+
+
+def _first_of(pair: tuple) -> Any:
+    return pair[0]
 
 
 def _one(refs: list[tuple] | None) -> tuple:
@@ -223,6 +229,12 @@ class TemplateBackward:
     #: the linearized graph's values of :attr:`inputs`' ``("old", node)`` references, in order
     #: (listed at the first expansion)
     olds: list[Node] | None = None
+    #: transposing a recorded JVP: per residual, how a call expanded with :attr:`places`
+    #: imports it (:meth:`BlockTranspose._plan_imports`; planned at the first expansion)
+    imports: list[tuple] | None = None
+    #: with :attr:`places`: what :meth:`BlockTranspose._fresh_match` checks (planned at the
+    #: first expansion)
+    checks: tuple | None = None
 
 
 class BlockTranspose:
@@ -405,6 +417,9 @@ class BlockTranspose:
         self.calls = calls
         self.fast: dict[tuple, TemplateBackward] = {}
         self._walks: dict[tuple, list[tuple]] = {}
+        #: per list of a run's positions (:meth:`call_run`): the list, its order transposed and
+        #: each position's place there
+        self._orders: dict[int, tuple] = {}
 
     def transpose_call(
         self,
@@ -414,76 +429,136 @@ class BlockTranspose:
         state: Callable[[], tuple[int, int]],
     ) -> None:
         """Transpose one call of the recorded JVP (``run``: its log entries ``(repeat node,
-        position)``, in the order transposed). A call of a JVP template whose variant (its
-        logged positions, which of its arguments are one value and which are computed from
-        parameters only, the cotangents arriving and held) has a template backward recorded at an earlier call of that JVP template is that
-        template backward, its residuals and cotangents read from the call's arguments and
-        getitems (no node of the call made); every other call is made flat aside
+        position)``, in the order transposed): :meth:`call_run` of its positions."""
+        self._call_run(run[0][0], tuple([e[1] for e in run]), None, ct, rules, state)
+
+    def call_run(
+        self,
+        rep: Node,
+        positions: Sequence[int],
+        ct: dict[Any, Any],
+        rules: Callable[[list[Any]], None],
+        state: Callable[[], tuple[int, int]],
+    ) -> None:
+        """Transpose the run of call ``rep`` that logged its template's ``positions`` (in
+        forward order: the list the log's run holds, shared by the template's calls;
+        transposed in reverse). What the run reads of its positions (their order transposed,
+        each one's place in it) is worked out once per such list, not per call."""
+        got = self._orders.get(id(positions))
+        if got is None or got[0] is not positions:
+            order = tuple(reversed(positions))
+            index = {k: i for i, k in enumerate(order)}
+            got = (positions, order, index if len(index) == len(order) else None)
+            self._orders[id(positions)] = got
+        self._call_run(rep, got[1], got[2], ct, rules, state)
+
+    def _call_run(
+        self,
+        rep: Node,
+        positions: tuple[int, ...],
+        index: dict[int, int] | None,
+        ct: dict[Any, Any],
+        rules: Callable[[list[Any]], None],
+        state: Callable[[], tuple[int, int]],
+    ) -> None:
+        """Transpose the run of call ``rep`` logging its template's ``positions`` (in the order
+        transposed; ``index``: position -> its place there, None where unknown). A call of a
+        JVP template whose variant (its logged positions, which of its arguments are one value
+        and which are computed from parameters only, the cotangents arriving and held) has a
+        template backward recorded at an earlier call of that JVP template is that template
+        backward, its residuals and cotangents read from the call's arguments and getitems (no
+        node of the call made); every other call is made flat aside
         (:meth:`RecordedCalls.flat`) and transposed as :meth:`transpose` transposes the flat
-        JVP's, its first call of a variant recording the template backward."""
+        JVP's, its first call of a variant recording the template backward.
+
+        The cotangents arriving are read only where one can be: at the entries whose value a
+        node holds (:meth:`RecordedCalls.holder`). For a call none of whose values was made a
+        node or imported yet (:attr:`RecordedCalls.touched`: the one transposed in a single
+        run, as every call of a GPT-2 is) those are its getitems, found by position: the work
+        per call follows its getitems, not its template's hundred logged entries."""
         calls = self.calls
-        rep = run[0][0]
         calls.settle(rep, ct)  # an earlier run's cotangents, where this one reads them
         site = calls.site(rep)
-        positions = tuple([e[1] for e in run])
         args: Any = rep.args[0]
         first: dict[int, int] = {}
-        pattern = tuple(first.setdefault(id(a), j) for j, a in enumerate(args))
+        pattern = tuple([first.setdefault(id(a), j) for j, a in enumerate(args)])
         # which arguments are computed from parameters only (two calls of one template JVP
         # may differ there: the roles of the cotangent work for them, :meth:`transpose`)
-        derived = tuple(isinstance(a, Node) and a.meta.get(PARAM_DERIVED, False) for a in args)
+        derived = tuple([isinstance(a, Node) and a.meta.get(PARAM_DERIVED, False) for a in args])
         externals: list[Node] = []
         seen: set[Node] = set()
-        for ref in self._walk(calls.template(rep), positions):
+        template = calls.template(rep)
+        for ref in self._walk(template, positions):
             a = args[ref[1]] if ref[0] == "arg" else calls.value(rep, ref[1])
             if isinstance(a, Node) and a.meta.get(KIND) == "tangent" and a not in seen:
                 seen.add(a)
                 externals.append(a)
-        # per entry the node holding its cotangent (:meth:`RecordedCalls.holder`), and what
-        # that holds
-        items, canonical, firsts = calls.items, calls.canonical, calls._first
-        keys: list[Any] = []
-        states: list[Any] = []
-        for e in run:
-            k = items.get(e) or canonical.get(e) or firsts.get(e) or calls.holder(e)
-            keys.append(k)
-            states.append(None if k is None else _state(ct.get(k)))
-        incoming = tuple(states)
-        prior = tuple(_state(ct.get(x)) for x in externals)
+        arrive = self._holders(rep, positions, index)
+        incoming = []
+        for i, holder in arrive:
+            st = _state(ct.get(holder))
+            if st is not None:
+                incoming.append((i, st))
+        fresh = all(st is not False for _, st in incoming)
+        prior = tuple([_state(ct.get(x)) for x in externals])
         h = self.h
         assert h is not None
         fkey = (
             h.sites[site].variant,
             self.checkpointed.get(site),
-            calls.template(rep),
+            template,
             positions,
             pattern,
             derived,
-            incoming,
+            tuple(incoming),
             prior,
             len(externals),
         )
         t = self.fast.get(fkey)
         if t is not None and site not in self.unsafe:
             given = _Places(t.places or {}, calls, rep)
-            if self._expand(t, keys, externals, ct, site, given):
+            if self._expand(t, positions, externals, ct, site, given, arrive):
                 return
-            self._rules(calls.flat(rep, run, ct), rules, site)
+            self._rules(calls.flat(rep, [(rep, k) for k in positions], ct), rules, site)
             return
-        side = calls.flat(rep, run, ct)
+        side = calls.flat(rep, [(rep, k) for k in positions], ct)
         t = self.transpose(side, ct, rules, state)
-        if t is not None and t.reusable and False not in incoming and False not in prior:
+        if t is not None and t.reusable and fresh and False not in prior:
             reached = self._correspondence(t.entries, t.entries, site, site) or {}
             places: dict[Node, tuple] = {}
-            index = {x: i for i, x in enumerate(calls.side[rep])}
+            at = {x: i for i, x in enumerate(calls.side[rep])}
             for x in reached:
-                if x in index:
-                    places[x] = ("pos", index[x])
-                    places[calls.value(rep, index[x])] = ("pos", index[x])
+                if x in at:
+                    places[x] = ("pos", at[x])
+                    places[calls.value(rep, at[x])] = ("pos", at[x])
                 elif any(x is a for a in args):
                     places[x] = ("arg", next(j for j, a in enumerate(args) if a is x))
             t.places = places
             self.fast[fkey] = t
+
+    def _holders(
+        self, rep: Node, positions: tuple[int, ...], index: dict[int, int] | None
+    ) -> list[tuple[int, Node]]:
+        """Per entry of call ``rep``'s run (``positions``, ``index`` as :meth:`_call_run`
+        takes them) whose value a node holds (:meth:`RecordedCalls.holder`), its place in the
+        run and that node, in order."""
+        calls = self.calls
+        arrive: list[tuple[int, Node]] = []
+        if index is not None and rep not in calls.touched:  # its getitems only
+            for k, item in calls.items_of(rep).items():
+                i = index.get(k)
+                if i is not None:
+                    arrive.append((i, item))
+            if len(arrive) > 1:
+                arrive.sort(key=_first_of)
+            return arrive
+        items, canonical, firsts = calls.items, calls.canonical, calls._first
+        for i, k in enumerate(positions):
+            e = (rep, k)
+            h = items.get(e) or canonical.get(e) or firsts.get(e) or calls.holder(e)
+            if h is not None:
+                arrive.append((i, h))
+        return arrive
 
     def _walk(self, template: int, positions: tuple[int, ...]) -> list[tuple]:
         """The values from outside the run that the logged template nodes ``positions`` read,
@@ -596,7 +671,7 @@ class BlockTranspose:
                 t.inputs[a] = _one(r)
 
     # -- another call of the variant: the template backward expanded ----------------------------
-    def _correspondence(self, a: list[Node], b: list[Node], sa: int, sb: int) -> dict | None:
+    def _correspondence(self, a: list[Node], b: Sequence[Any], sa: int, sb: int) -> dict | None:
         """The linearized graph's values at call ``sa`` that ``a``'s entries read, directly or
         through coefficients and primals of the call, mapped to the same values at call
         ``sb`` (read at the same places by ``b``'s entries); None where the two differ."""
@@ -694,6 +769,40 @@ class BlockTranspose:
                     return y.name if isinstance(y, Node) else None
         return None
 
+    def _fresh_match(self, t: TemplateBackward, corr: _Places) -> list[Any] | None:
+        """For a call none of whose values a node stands for or was imported (``corr.fresh``),
+        the keys of ``t``'s coefficients in ``corr`` where :meth:`_same_imports` would find
+        the call's imports the same as ``t``'s first call's, read from the places planned once
+        per template backward (no lookup per residual); None where it might not (asked
+        again of :meth:`_same_imports`)."""
+        checks = t.checks
+        if checks is None:
+            if t.olds is None:
+                t.olds = [ref[1] for ref in t.inputs.values() if ref[0] == "old"]
+            places = t.places or {}
+            rp = [places.get(ln) for ln in t.residuals]
+            cp = [places.get(ln) for ln in t.coefficients.values()]
+            ok = not t.olds and None not in rp and None not in cp
+            res = [r[1] for r in rp if r is not None and r[0] == "arg"]
+            checks = t.checks = (ok, res, cp)
+        ok, res, cp = checks
+        if not ok:
+            return None
+        rep = corr.rep
+        args: Any = rep.args[0]
+        for j in res:
+            if args[j] is None:
+                return None
+        its = self.calls.items_of(rep)
+        imported = self.b.imported
+        keys: list[Any] = []
+        for p in cp:
+            y = args[p[1]] if p[0] == "arg" else its.get(p[1]) or (rep, p[1])
+            if y is None or y in imported:
+                return None
+            keys.append(y)
+        return keys
+
     def _same_imports(self, t: TemplateBackward, corr: Any) -> bool:
         """Whether the call ``corr`` maps to has imported the same residuals and coefficients
         before its run as ``t``'s first call had. Where a recorded call's (:class:`_Places`)
@@ -735,15 +844,19 @@ class BlockTranspose:
         t: TemplateBackward,
         externals: list[Node],
         ct: dict[Any, Any],
-        corr: dict[Node, Node],
+        corr: Any,
         resolve: Callable[[tuple], Any],
         made: Any,
+        coefs: list[Any] | None = None,
     ) -> None:
         """After a call recorded for ``t`` (``made``: template node position -> its getitem),
-        the coefficients it recomputed as the imports later calls reuse, and the cotangents
-        of its externals."""
-        for i, ln in t.coefficients.items():
-            self.b.imported[corr[ln]] = made[i]
+        the coefficients it recomputed as the imports later calls reuse (``coefs``: their keys
+        in ``corr``, where known), and the cotangents of its externals."""
+        imported = self.b.imported
+        if coefs is None:
+            coefs = [corr[ln] for ln in t.coefficients.values()]
+        for i, y in zip(t.coefficients, coefs):
+            imported[y] = made[i]
         for x, r in zip(externals, t.results):
             if r is not None:
                 ct[x] = resolve(r)
@@ -752,23 +865,32 @@ class BlockTranspose:
     def _expand(
         self,
         t: TemplateBackward,
-        run: list[Node],
+        run: Sequence[Any],
         externals: list[Node],
         ct: dict[Any, Any],
         site: int,
         given: Any = None,
+        arrive: list[tuple[int, Node]] | None = None,
     ) -> bool:
         """Copy ``t``'s nodes for call ``site``; False (nothing emitted) where the call's
         values do not map onto the template backward's (``given``: that map, when known
-        without walking the call's nodes)."""
+        without walking the call's nodes). The cotangents arriving are those of ``run``'s
+        entries, or with ``arrive`` those of its ``(place in run, node)`` pairs (the other
+        entries hold none)."""
         b = self.b
         corr = given if given is not None else self._correspondence(t.entries, run, t.site, site)
         self._recompute_inputs(t, corr, site)
-        if corr is None or not self._same_imports(t, corr):
+        if corr is None:
             return False
-        arrived = [ct.pop(e, None) for e in run]
+        coefs = self._fresh_match(t, corr) if type(corr) is _Places and corr.fresh else None
+        if coefs is None and not self._same_imports(t, corr):
+            return False
+        arrived = _arrived(run, arrive, ct)
         held = [ct.get(x) for x in externals]
-        residuals = [b._import(corr[ln], "primal") for ln in t.residuals]
+        if type(corr) is _Places and corr.fresh:
+            residuals = self._import_planned(t, corr)
+        else:
+            residuals = [b._import(corr[ln], "primal") for ln in t.residuals]
 
         def resolve(ref: tuple) -> Any:
             kind = ref[0]
@@ -789,7 +911,7 @@ class BlockTranspose:
             if t.bases is None:  # the names the copies below would ask fx for
                 t.bases = NamePlan([base_name(self.g, n.target) for n in t.nodes])
             made = self.recorder.call(self.g, t.direct, site, values, t.exposed, t.bases)
-            self._results(t, externals, ct, corr, resolve, made)
+            self._results(t, externals, ct, corr, resolve, made, coefs)
             return True
         env = {a: resolve(ref) for a, ref in t.inputs.items()}
         rel, absolute = self.rel[t.site], self.abs[site]
@@ -812,6 +934,93 @@ class BlockTranspose:
                 ct[x] = resolve(r)
         self.expanded += 1
         return True
+
+    def _import_planned(self, t: TemplateBackward, corr: _Places) -> list[Any]:
+        """``[b._import(corr[ln], "primal") for ln in t.residuals]`` for a call none of whose
+        values was made a node or imported before (``corr.fresh``), by a plan made once per
+        template backward (:meth:`_plan_imports`): a residual at a position of the call's
+        template is its placeholder made from the template node's residual annotations made
+        the call's (:func:`graphflop.passes.calls.localized`), without the stand-in's key,
+        annotations and lookups per residual; one the call reads from outside (an argument),
+        or at a getitem of the call, is imported as before."""
+        plan = t.imports
+        if plan is None:
+            plan = t.imports = self._plan_imports(t, corr.rep)
+        b, calls, rep = self.b, corr.calls, corr.rep
+        args: Any = rep.args[0]
+        c = calls.dh.calls[rep.args[1]]
+        absolute = calls._absolute(c)
+        localized = calls.dh.localized
+        its = calls.items_of(rep)
+        imported, kinds, order = b.imported, b._kinds, b.residual_order
+        g = self.g
+        last = b._last_placeholder
+        out: list[Any] = []
+        with g.inserting_before(last.next):  # after the last placeholder, in order
+            for p in plan:
+                if p[0] == "arg":
+                    out.append(b._import(args[p[1]], "primal"))
+                    continue
+                _, i, name, base, lp, other, _ln = p
+                key = (rep, i)
+                if i in its or key in imported:
+                    out.append(b._import(corr[p[6]], "primal"))
+                    continue
+                m = localized(base, lp, c, absolute)
+                src = m.get(SOURCE, name)
+                rkind = kinds.get(src) or other
+                m[RESIDUAL] = rkind
+                ph = placeholder(g, src)
+                if ph.meta:
+                    ph.meta.update(m)
+                else:
+                    object.__setattr__(ph, "meta", m)
+                b._last_placeholder = ph
+                order.append((ph.name, src, rkind))
+                imported[key] = ph
+                out.append(ph)
+        return out
+
+    def _plan_imports(self, t: TemplateBackward, rep: Node) -> list[tuple]:
+        """Per residual of ``t`` (a recorded JVP's: :attr:`TemplateBackward.places`),
+        ``("arg", j)`` for the call's argument ``j``, or ``("pos", i, name, base, plan, kind,
+        ln)`` for its template node ``i``: the stand-in's name, the residual annotations of the
+        template node (:func:`graphflop.ad.vjp._residual_meta`, ``RESIDUAL`` last) and their
+        :func:`~graphflop.passes.calls.localize_plan`, the residual kind where the source is
+        no input's (``param_derived`` or ``activation``), the residual itself."""
+        from graphflop.ad.vjp import _residual_meta
+
+        calls = self.calls
+        places = t.places or {}
+        plan: list[tuple] = []
+        template: int | None = None
+        for ln in t.residuals:
+            r = places[ln]
+            if r[0] == "arg":
+                plan.append(r)
+                continue
+            if template is None:
+                template = calls.template(rep)
+            x = calls.nodes[template][r[1]]
+            lp = calls._plans.get(x)
+            if lp is None:
+                lp = calls._plans[x] = calls.dh.localize_plan(x.meta)
+            base = _residual_meta(x.meta)
+            base[RESIDUAL] = None
+            other = "param_derived" if x.meta.get(PARAM_DERIVED) else "activation"
+            plan.append(("pos", r[1], x.name, base, lp, other, ln))
+        return plan
+
+
+def _arrived(run: Sequence[Any], arrive: list[tuple[int, Node]] | None, ct: dict[Any, Any]) -> list:
+    """The cotangents arrived at ``run``'s entries, taken out of ``ct`` (``arrive``: where
+    given, the only entries that can hold one, each ``(place in run, node)``)."""
+    if arrive is None:
+        return [ct.pop(e, None) for e in run]
+    arrived: list[Any] = [None] * len(run)
+    for i, e in arrive:
+        arrived[i] = ct.pop(e, None)
+    return arrived
 
 
 def _take_recompute(b: Any, made: list[Node]) -> None:
@@ -888,6 +1097,7 @@ _TABLES = (
     "_graphflop_checkpoint_calls",
     "_graphflop_checkpointed",
     "_graphflop_call_plans",
+    "_graphflop_has_leaves",
 )
 
 
@@ -899,6 +1109,13 @@ def checkpointed(forward: GraphModule) -> list[Node]:
     return _on_graph(
         forward, _TABLES[3], lambda f: [n for n in f.graph.nodes if CHECKPOINT in n.meta]
     )
+
+
+def on_graph(forward: GraphModule, attr: str, compute: Callable[[GraphModule], Any]) -> Any:
+    """:func:`_on_graph` for the other modules of the derivative builders (``attr`` one of
+    :data:`_TABLES`, so that :func:`forget_tables` drops it)."""
+    assert attr in _TABLES, attr
+    return _on_graph(forward, attr, compute)
 
 
 def forget_tables(forward: GraphModule) -> None:
@@ -1228,6 +1445,13 @@ class RecordedCalls:
         self._paths: dict[Any, dict[str, str]] = {}
         #: per template node, its :func:`graphflop.passes.calls.localize_plan`
         self._plans: dict[Node, tuple] = {}
+        #: the repeat nodes of calls some of whose values a node stands for (:attr:`canonical`,
+        #: a first call's node) or the transpose imported by key (an expansion,
+        #: :class:`_Places`): for any other call, a value's holder is its getitem or none
+        self.touched: set[Node] = {at[0] for at in dh.moved.values()}
+        #: those of them some of whose values a node stands for (:attr:`canonical`, a first
+        #: call's node)
+        self.standing: set[Node] = set(self.touched)
 
     def site(self, rep: Node) -> int:
         return self.dh.calls[rep.args[1]].site
@@ -1261,6 +1485,8 @@ class RecordedCalls:
                 self._rekey(key, v)
             self.thin.add(v)
             self.canonical[key] = v
+            self.touched.add(rep)
+            self.standing.add(rep)
         return v
 
     def target(self, rep: Node, i: int) -> Any:
@@ -1346,6 +1572,8 @@ class RecordedCalls:
                     self.canonical[key] = new
                 else:
                     self.alias[new] = v
+            self.touched.add(rep)
+            self.standing.add(rep)
             self.side[rep] = made
         self.unsettled[rep] = None
         for i in range(len(made)):
@@ -1420,6 +1648,16 @@ class _Places:
 
     def __init__(self, places: dict[Node, tuple], calls: RecordedCalls, rep: Node) -> None:
         self.places, self.calls, self.rep = places, calls, rep
+        #: whether no value of the call was made a node or imported before (its values are
+        #: imported by key from here on: :attr:`RecordedCalls.touched`)
+        self._fresh = rep not in calls.touched
+        calls.touched.add(rep)
+
+    @property
+    def fresh(self) -> bool:
+        """Whether no value of the call was made a node or imported before this map was made,
+        nor a node made to stand for one since (:attr:`RecordedCalls.standing`)."""
+        return self._fresh and self.rep not in self.calls.standing
 
     def known(self, x: Any) -> bool:
         """Whether :meth:`get` of ``x`` is not None (without making a stand-in)."""
@@ -1476,10 +1714,20 @@ def transpose_log(
         return None
     if calls is not None:
         blocks.read_calls(calls)
+        if hasattr(
+            log, "_parts"
+        ):  # the hierarchy's log itself (a CallLog): its calls' runs kept whole
+            log = _reversed_runs(log, blocks)
     i = 0
     #: per repeat node, the positions of its getitems ``linked`` to ghost terms
     linked_at: dict[Node, set[int]] = {}
     while i < len(log):
+        e = log[i]
+        if type(e) is CallRun:  # one call's whole run, no other entry of its call site beside
+            assert calls is not None
+            _transpose_run(blocks, calls, e, ct, rules, state, linked, linked_at)
+            i += 1
+            continue
         j = blocks.run(log, i)
         if calls is not None and j > i and _one_call(log, i, j):
             # the entries of one call: each (its repeat node, position), one pass over them
@@ -1516,6 +1764,69 @@ def transpose_log(
             blocks.transpose(run, ct, rules, state)
         i = j
     return blocks
+
+
+class CallRun:
+    """A call's run of a recorded JVP's log (:class:`graphflop.passes.calls.CallLog`):
+    ``(rep, k)`` for each ``k`` of ``positions`` (its template's logged positions, in forward
+    order, shared by the template's calls). In the log :func:`transpose_log` reads (in the
+    order transposed), a run that no entry of the same call site adjoins is kept whole: taken
+    as one run (:meth:`BlockTranspose.call_run`) without making its entries."""
+
+    __slots__ = ("positions", "rep")
+
+    def __init__(self, rep: Node, positions: Sequence[int]) -> None:
+        self.rep, self.positions = rep, positions
+
+
+def _transpose_run(
+    blocks: BlockTranspose,
+    calls: RecordedCalls,
+    e: CallRun,
+    ct: dict[Any, Any],
+    rules: Callable[[list[Any]], None],
+    state: Callable[[], tuple[int, int]],
+    linked: Callable[[Any], bool],
+    linked_at: dict[Node, set[int]],
+) -> None:
+    """Transpose call run ``e`` as :func:`transpose_log` transposes a call's entries: by the
+    rules where one of its getitems is ``linked`` to ghost terms, else by
+    :meth:`BlockTranspose.call_run`."""
+    rep = e.rep
+    at = linked_at.get(rep)
+    if at is None:
+        at = linked_at[rep] = {k for k, item in calls.items_of(rep).items() if linked(item)}
+    if at and not at.isdisjoint(e.positions):  # ghost terms to credit: the rules
+        rules(calls.flat(rep, [(rep, k) for k in reversed(e.positions)], ct))
+    else:
+        blocks.call_run(rep, e.positions, ct, rules, state)
+
+
+def _reversed_runs(log: Any, blocks: BlockTranspose) -> list[Any]:
+    """A recorded JVP's whole log (a :class:`graphflop.passes.calls.CallLog`) in the order
+    transposed, each call's run that no entry of its call site adjoins one
+    :class:`CallRun`, every other entry as the log reads."""
+    parts = log._parts[::-1]
+    calls = blocks.calls
+    out: list[Any] = []
+    end = len(parts)
+    for at, p in enumerate(parts):
+        if type(p) is not CallRun:
+            out.append(p)
+            continue
+        rep = p.rep
+        s = calls.site(rep)
+        prev = out[-1] if out else None
+        before = calls.site(prev.rep) if type(prev) is CallRun else blocks.site_of(prev)
+        after = None
+        if at + 1 < end:
+            q = parts[at + 1]
+            after = calls.site(q.rep) if type(q) is CallRun else blocks.site_of(q)
+        if before != s and after != s:
+            out.append(p)
+        else:
+            out.extend([(rep, k) for k in reversed(p.positions)])
+    return out
 
 
 def _value(r: Any, made: Any, lin: Any, args: list[Node]) -> Any:

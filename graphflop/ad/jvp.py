@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.blocks import BlockLinearize, call_keys, call_plans
+from graphflop.ad.blocks import BlockLinearize, call_keys, call_plans, on_graph
 from graphflop.ad.builder import Builder, copy_node, placeholder
 from graphflop.ad.functions import FunctionCall, emit_tangent, function_calls
 from graphflop.meta import (
@@ -235,7 +235,12 @@ def _reach(ns: list[Node], p: int) -> tuple[list[int], list[tuple[int, int]]]:
 def has_leaves(forward: GraphModule) -> bool:
     """Whether the model's code made a value of ``forward`` a leaf that requires grad
     (:data:`~graphflop.meta.LEAF`): the backward's linearization then differs from the JVP's
-    (``build_jvp(leaves=True)``)."""
+    (``build_jvp(leaves=True)``). Worked out once per forward graph (:func:`~graphflop.ad.
+    blocks.on_graph`: the analysis asks before the derivatives are built, the backward again)."""
+    return on_graph(forward, "_graphflop_has_leaves", _has_leaves)
+
+
+def _has_leaves(forward: GraphModule) -> bool:
     return any(LEAF in n.meta for n in forward.graph.nodes)
 
 

@@ -313,10 +313,8 @@ def _check_linearizes(forward: GraphModule, lin: GraphModule) -> None:
     ``forward``'s placeholders (parameters, buffers, inputs) a placeholder of ``lin`` of the
     same name, shape and dtype. Another model's JVP used to be transposed into a backward of
     the wrong shapes without a word."""
-    mine = {n.name: n.meta.get("val") for n in lin.graph.nodes if n.op == "placeholder"}
-    for n in forward.graph.nodes:
-        if n.op != "placeholder":
-            continue
+    mine = {n.name: n.meta.get("val") for n in lin.graph.find_nodes(op="placeholder")}
+    for n in forward.graph.find_nodes(op="placeholder"):  # in graph order
         v, w = n.meta.get("val"), mine.get(n.name, None)
         same = (
             n.name in mine
@@ -356,7 +354,7 @@ def _build_vjp(
     JVP's top level: the log is the hierarchy's whole log, a call's entries ``(repeat node,
     position)``; raises :class:`RecordedFallback` where it cannot be transposed so)."""
     info = lin.meta[JVP]
-    out_node = next(n for n in lin.graph.nodes if n.op == "output")
+    out_node = next(n for n in reversed(lin.graph.nodes) if n.op == "output")
     loss_tangent = out_node.args[0][info.primal_outputs]
 
     g = Graph()
@@ -367,7 +365,8 @@ def _build_vjp(
     if recorded is not None:
         b.calls = RecordedCalls(recorded)
         b.calls.imported = b.imported
-    loss_node = next(n for n in forward.graph.nodes if n.name == sig.loss)
+    # from the end, where the loss is (names are unique: the same node)
+    loss_node = next(n for n in reversed(forward.graph.nodes) if n.name == sig.loss)
     ct_loss = b.placeholder(
         "ct_loss",
         {
@@ -388,7 +387,7 @@ def _build_vjp(
     def rules(entries: list[Any]) -> None:
         _transpose_entries(b, entries, ct, terms, gaps)
 
-    log = list(reversed(lin.meta[JVP_LOG] if recorded is None else recorded.log))
+    log = _log_of(lin, recorded, per_template)
     if per_template:
         linked = lambda e: bool(links.get(e))  # noqa: E731
         transpose_log(forward, b, log, ct, rules, linked, lambda: (len(ghosts), len(gaps)))
@@ -455,6 +454,17 @@ def _build_vjp(
         tuple(leaf_grads),
     )
     return gm
+
+
+def _log_of(lin: GraphModule, recorded: Any, per_template: bool) -> Any:
+    """The JVP log ``lin`` is transposed by, in the order transposed; a recorded JVP's whole
+    log (a :class:`~graphflop.passes.calls.CallLog`) as it is with ``per_template``:
+    :func:`~graphflop.ad.blocks.transpose_log` reads it in reverse, a call's run at a time."""
+    if recorded is None:
+        return list(reversed(lin.meta[JVP_LOG]))
+    if per_template and hasattr(recorded.log, "_parts"):
+        return recorded.log
+    return list(reversed(recorded.log))
 
 
 class _CanonLinks:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from graphflop.ad.blocks import call_keys, checkpointed, forget_tables
+from graphflop.ad.blocks import CallRun, call_keys, checkpointed, forget_tables
 from graphflop.ad.builder import (
     NO_KWARGS,
     NamePlan,
@@ -175,14 +175,10 @@ class DerivedCall:
     tags: tuple[Any, ...] = ()
 
 
-class _Run:
-    """A call's run of :class:`CallLog` entries: ``(rep, k)`` for each ``k`` of
-    ``positions`` (its template's logged positions, shared by the template's calls)."""
-
-    __slots__ = ("positions", "rep")
-
-    def __init__(self, rep: Node, positions: Sequence[int]):
-        self.rep, self.positions = rep, positions
+#: a call's run of :class:`CallLog` entries: ``(rep, k)`` for each ``k`` of ``positions`` (its
+#: template's logged positions, shared by the template's calls); defined with the transpose,
+#: which takes such a run whole (:func:`graphflop.ad.blocks.transpose_log`)
+_Run = CallRun
 
 
 class CallLog(Sequence[Any]):
@@ -1455,7 +1451,8 @@ class DirectRecorder:
         self.templates = [t[0] for t in templates]
         self.calls = calls
         self.call_names = call_names
-        g.lint()
+        # (no ``g.lint()`` here: a check of every top-level node, a sixth of the backward's
+        # per-block time; ``tests/test_derived_direct.py`` checks the graphs node for node)
         return True
 
     def _dead_code(self, g: Graph, bodies: list[_Body]) -> tuple[list[tuple], dict[Node, int]]:
@@ -1528,10 +1525,21 @@ class DirectRecorder:
             if n.target is permute and n.args[0].target is operator.getitem and n not in made:
                 if folds(n, n.args[0]):
                     return True
+        # per group, its placeholders a permute outside the folds' nodes reads (the others'
+        # readers cannot fold: worked out once per group, not per call and value)
+        permuted = [
+            [
+                j
+                for j, ph in enumerate(phs[gi])
+                if any(u.target is permute and u not in pruned[gi][2] for u in ph.users)
+            ]
+            for gi in range(len(pruned))
+        ]
         for n, gi in group_of.items():
             inside = pruned[gi][2]
             values: Any = n.args[0]
-            for j, a in enumerate(values):
+            for j in permuted[gi]:
+                a = values[j]
                 if any(folds(u, a) for u in phs[gi][j].users if u not in inside):
                     return True
         return False
