@@ -103,7 +103,6 @@ _COUNTERS = (
     "tangent_from_param_flops",
     "jvp_skipped_flops",
 )
-_ZEROS = dict.fromkeys(_COUNTERS, 0)
 #: LayerRow's fields: the name, a layer's counters and output (a row of :class:`_Layers`, in
 #: this order), then the ratios :meth:`_Layers.freeze` works out
 _ROW_FIELDS = tuple(f.name for f in fields(LayerRow))
@@ -860,9 +859,10 @@ def summarize(
             hierarchical,
         ),
     }
-    # the forward's nodes listed only where read: the composed figures count the ops without
-    # a rule, and give the layers' outputs where the calls' nodes are each one run of the
-    # block (in_order) and no node is a buffer's new value
+    # the forward's nodes listed only where read: the hierarchy's templates and top level
+    # tell whether an op lacks a rule (_ruled), and the composed figures give the layers'
+    # outputs where the calls' nodes are each one run of the block (in_order) and no node is
+    # a buffer's new value
     fwd_nodes = (
         None if figures is not None and figures.in_order and not sig.buffer_updates else _ops(fwd)
     )
