@@ -266,6 +266,8 @@ def test_rule_less_nodes_of_the_calls_listed_as_flat(monkeypatch):
     (jvp, flat_jvp), (bwd, flat_bwd) = _annotated(fwd)
     ruleless = {torch.ops.aten.mm.default, torch.ops.aten.relu.default}
     has_rule = calls.has_rule
+    for top in (jvp, bwd):  # every op has a rule: the composed figures say so (no list made)
+        assert calls.derived_figures(top.meta[DERIVED_HIERARCHY]).ruled is True
 
     def fake(op):
         return op not in ruleless and has_rule(op)
@@ -280,6 +282,7 @@ def test_rule_less_nodes_of_the_calls_listed_as_flat(monkeypatch):
             if n.op == "call_function" and n.target in ruleless
         ]
         assert got == want and len(want) > 4  # in every block and outside them
+        assert calls.derived_figures(top.meta[DERIVED_HIERARCHY]).ruled is False
     upd = analyze(model, x).update
     g = Graphs(fwd, bwd, upd, jvp)
     flat_g = Graphs(fwd, flat_bwd, upd, flat_jvp)

@@ -885,6 +885,9 @@ class DerivedFigures:
         ops: per op name, in the order first met, ``(count, costs summed)`` (``getitem``
             left out).
         rule_less: nodes whose op has no rule.
+        ruled: every ``call_function`` node of the flat graph has an op with a rule, whether
+            the selection keeps it or not (``getitem`` left out): :func:`rule_less_calls`
+            finds none (None: not worked out).
     """
 
     total: NodeCost
@@ -892,6 +895,7 @@ class DerivedFigures:
     rows: dict[str, list] = field(default_factory=dict)
     ops: dict[str, tuple[int, NodeCost]] = field(default_factory=dict)
     rule_less: int = 0
+    ruled: bool | None = None
 
 
 def _cost(n: Node) -> NodeCost:
@@ -972,8 +976,9 @@ class _Acc:
         for rel, (f, mm, roles) in other.rows.items():
             path = module.get(rel, rel)
             row = rows.get(path)
-            if row is None:
-                row = rows[path] = [0, 0, {}]
+            if row is None:  # (the common case: a call's modules are its own)
+                rows[path] = [f, mm, roles.copy()]
+                continue
             row[0] += f
             row[1] += mm
             by = row[2]
@@ -1012,37 +1017,54 @@ def derived_figures(
     ``("tangent", "coef")``, say). A node without :data:`~graphflop.meta.COST` is costed by
     its op's rule (:func:`graphflop.ops.cost.op_cost`), as ``annotate_flops`` costs it."""
     call_op = torch.ops.graphflop.repeat.default
+    getitem = operator.getitem
     per_template: dict[int, _Acc] = {}
     calls: dict[int, int] = {}  # per template, its calls
     acc = _Acc()
+    # the top level's ops (those of the getitems of calls apart), for ``ruled``
+    top_ops: dict[int, Any] = {}
+    outputs: set[Node] = set()  # the calls' getitems met so far (a call's users)
     for n in dh.graph.graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target is call_op:
+        t = n.target
+        if t is call_op:
             c = dh.calls[n.args[1]]
-            t = per_template.get(c.template)
-            if t is None:
-                t = per_template[c.template] = _Acc()
+            tf = per_template.get(c.template)
+            if tf is None:
+                tf = per_template[c.template] = _Acc()
                 for x in _nodes(dh.templates[c.template]):
                     if keep(x):
-                        t.node(x, x.meta.get(MODULE, ""), x.meta.get(ROLE, default_role))
-                t.freeze()
+                        tf.node(x, x.meta.get(MODULE, ""), x.meta.get(ROLE, default_role))
+                tf.freeze()
             # the rest once per template, below
-            acc.add_rows(t, dict(c.modules), c.template not in calls)
+            acc.add_rows(tf, dict(c.modules), c.template not in calls)
             calls[c.template] = calls.get(c.template, 0) + 1
-        elif n.target is operator.getitem and n.args[0].target is call_op:
+            outputs.update(n.users)
             continue
-        elif keep(n):
+        if t is getitem and n in outputs:
+            continue
+        top_ops[id(t)] = t
+        if keep(n):
             acc.node(n, n.meta.get(MODULE, ""), n.meta.get(ROLE, default_role))
     for template, k in calls.items():
         acc.add_times(per_template[template], k)
+    ruled = not any(t is not getitem and not has_rule(t) for t in top_ops.values()) and not any(
+        _rule_less_nodes(dh.templates[template]) for template in calls
+    )
     return DerivedFigures(
         total=_sum_times(acc.costs),
         by_role=acc.by_role,
         rows=acc.rows,
         ops={k: (count, _sum_times(cs)) for k, (count, cs) in acc.ops.items()},
         rule_less=acc.rule_less,
+        ruled=ruled,
     )
+
+
+def _rule_less_nodes(t: GraphModule) -> list[Node]:
+    """Template ``t``'s ``call_function`` nodes whose op has no rule (``getitem`` left out)."""
+    return [x for x in _nodes(t) if x.target is not operator.getitem and not has_rule(x.target)]
 
 
 def rule_less_calls(gm: GraphModule) -> list[tuple[Node, str | None, str]]:
@@ -1061,11 +1083,7 @@ def rule_less_calls(gm: GraphModule) -> list[tuple[Node, str | None, str]]:
             c = dh.calls[n.args[1]]
             xs = per_template.get(c.template)
             if xs is None:
-                xs = per_template[c.template] = [
-                    x
-                    for x in _nodes(dh.templates[c.template])
-                    if x.target is not operator.getitem and not has_rule(x.target)
-                ]
+                xs = per_template[c.template] = _rule_less_nodes(dh.templates[c.template])
             if not xs:  # (the common case: every op has a rule)
                 continue
             absolute = dict(c.modules)

@@ -31,10 +31,8 @@ def fused_score_products(fwd: GraphModule) -> list[Node]:
     keeps only a logsumexp and recomputes the scores q·kᵀ in its backward, a fifth product the
     size of this one (FlopCounterMode's ``sdpa_backward_flop_count`` counts the same five)."""
     first: dict[tuple[str, int], Node] = {}
-    bmm = aten.bmm.default
-    for n in fwd.graph.nodes:
-        if n.target is not bmm:
-            continue
+    # the bmm nodes in graph order (fx's table by op and target, sorted), not every node
+    for n in fwd.graph.find_nodes(op="call_function", target=aten.bmm.default):
         tag = n.meta.get(COMPOSITE)
         if tag is None or tag.op != FUSED_SDPA:
             continue

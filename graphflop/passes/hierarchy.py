@@ -146,8 +146,11 @@ def forward_figures(gm: GraphModule, h: Hierarchy) -> ForwardFigures:
                 f = figures[site.variant] = _variant(h, site.variant)
             totals.append(f.total)
             rule_less += f.rule_less
+            paths = dict(site.modules)  # (site.module(rel), the pairs read once per call)
             for rel, r in f.rows.items():
-                row = rows.setdefault(site.module(rel), _Row())
+                row = rows.get(paths[rel])
+                if row is None:
+                    row = rows[paths[rel]] = _Row()
                 row.flops += r.flops
                 row.mm_flops += r.mm_flops
                 if r.has_output:

@@ -841,26 +841,28 @@ def not_updated(update: GraphModule) -> frozenset[str]:
     out = next(n for n in reversed(update.graph.nodes) if n.op == "output")
     news = out.args[0][: len(update.meta[UPDATE].params)]
     dh = update.meta.get(DERIVED_HIERARCHY) if is_recorded(update) else None
-    bodies: dict[int, list[Node]] = {}  # a recorded update's templates' nodes, listed once
-    # per template and position, whether its node passes a placeholder through: read once
-    # per template node, not per call
-    seen: dict[tuple[int, int], bool] = {}
-
-    def alias(n: Node) -> bool:  # an alias of a placeholder
-        a = n.args[0]
-        return n.target is aten.alias.default and isinstance(a, Node) and a.op == "placeholder"
+    # a recorded update's templates: per template, the positions of its nodes (placeholders
+    # left out, as template_node counts them) that pass a placeholder through, found once
+    aliases: dict[int, frozenset[int]] = {}
 
     def passed_through(n: Any) -> bool:  # an alias of a placeholder (of its call's template)
         if dh is not None and n.target is operator.getitem and n.args[0].target is _REPEAT:
             rep, i = n.args
-            key = (dh.calls[rep.args[1]].template, i)
-            got = seen.get(key)
-            if got is None:
-                got = seen[key] = alias(template_node(dh, n, bodies))
-            return got
-        return alias(n)
+            t = dh.calls[rep.args[1]].template
+            at = aliases.get(t)
+            if at is None:
+                body = (x for x in dh.templates[t].graph.nodes if x.op != "placeholder")
+                at = aliases[t] = frozenset(k for k, x in enumerate(body) if _alias(x))
+            return i in at
+        return _alias(n)
 
     return frozenset(n.meta[PARAM] for n in news if passed_through(n))
+
+
+def _alias(n: Node) -> bool:
+    """``n`` is an ``aten.alias`` of a placeholder."""
+    a = n.args[0]
+    return n.target is aten.alias.default and isinstance(a, Node) and a.op == "placeholder"
 
 
 def for_every_parameter(update: GraphModule | None) -> GraphModule | None:
@@ -870,10 +872,11 @@ def for_every_parameter(update: GraphModule | None) -> GraphModule | None:
     return update if update is not None and not not_updated(update) else None
 
 
-def update_param_count(gm: GraphModule) -> int:
+def update_param_count(gm: GraphModule, skipped: frozenset[str] | None = None) -> int:
     """Parameter elements an update graph updates (those it passes through without work,
-    :func:`not_updated`, excluded)."""
-    skipped = not_updated(gm)
+    :func:`not_updated`, excluded; ``skipped``: those, where already worked out)."""
+    if skipped is None:
+        skipped = not_updated(gm)
     return sum(
         m["val"].numel()
         for n in gm.graph.find_nodes(op="placeholder")

@@ -11,7 +11,7 @@ op without a rule is uncounted); memory peaks come from
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from graphflop.meta import (
     SIGNATURE,
     SOURCE,
     UNUSED,
+    Hierarchy,
     NodeCost,
 )
 from graphflop.ops import has_rule, op_name
@@ -102,7 +103,16 @@ _COUNTERS = (
     "tangent_from_param_flops",
     "jvp_skipped_flops",
 )
-_ZEROS = dict.fromkeys(_COUNTERS, 0)
+#: LayerRow's fields: the name, a layer's counters and output (a row of :class:`_Layers`, in
+#: this order), then the ratios :meth:`_Layers.freeze` works out
+_ROW_FIELDS = tuple(f.name for f in fields(LayerRow))
+_RATIOS = ("ratio", "ratio_no_update", "jvp_ratio", "share")
+_BLANK = {k: None if k == "output_shape" else 0 for k in _ROW_FIELDS[1 : -len(_RATIOS)]}
+assert _ROW_FIELDS == ("name", *_BLANK, *_RATIOS) and set(_BLANK) == {
+    *_COUNTERS,
+    "output_shape",
+    "output_bytes",
+}
 
 
 @dataclass(frozen=True)
@@ -126,7 +136,7 @@ class _Layers:
     def __getitem__(self, path: str) -> dict:
         row = self.rows.get(path)
         if row is None:
-            row = self.rows[path] = {"output_shape": None, "output_bytes": 0, **_ZEROS}
+            row = self.rows[path] = _BLANK.copy()
         return row
 
     def add(self, node: Node, key: str, value: int) -> None:
@@ -134,21 +144,24 @@ class _Layers:
 
     def freeze(self, forward_flops: int, *, backward: bool, jvp: bool) -> tuple[LayerRow, ...]:
         out = []
+        new = object.__new__
         for path, c in self.rows.items():
             f = c["forward_flops"]
             shape = c["output_shape"]
-            out.append(
-                LayerRow(
-                    name=path if path else "(model)",
-                    **{k: c[k] for k in _COUNTERS},
-                    output_shape=tuple(shape) if shape is not None else None,
-                    output_bytes=c["output_bytes"],
-                    ratio=_ratio(c["backward_flops"] + c["update_flops"], f) if backward else None,
-                    ratio_no_update=_ratio(c["backward_flops"], f) if backward else None,
-                    jvp_ratio=_ratio(c["jvp_flops"], f) if jvp else None,
-                    share=_ratio(f, forward_flops) or 0.0,
-                )
-            )
+            d = {"name": path if path else "(model)", **c}  # LayerRow's fields, in order
+            if shape is not None:
+                d["output_shape"] = tuple(shape)
+            b = c["backward_flops"]
+            d["ratio"] = _ratio(b + c["update_flops"], f) if backward else None
+            d["ratio_no_update"] = _ratio(b, f) if backward else None
+            d["jvp_ratio"] = _ratio(c["jvp_flops"], f) if jvp else None
+            d["share"] = _ratio(f, forward_flops) or 0.0
+            # the frozen dataclass's __init__ sets its 23 fields one by one through
+            # object.__setattr__ (about 6 us a row, 9 rows per GPT-2 block): the same object
+            # made from the fields at once
+            row = new(LayerRow)
+            row.__dict__.update(d)
+            out.append(row)
         return tuple(out)
 
 
@@ -174,7 +187,7 @@ def _placeholders(gm: GraphModule) -> dict[str, Node]:
 
 def _forward(
     fwd: GraphModule,
-    nodes: list[Node],
+    nodes: list[Node] | None,
     layers: _Layers,
     figures: ForwardFigures | None,
     phs: dict[str, Node],
@@ -182,8 +195,8 @@ def _forward(
 ) -> tuple[NodeCost, NodeCost]:
     """Forward and loss totals; fills the layers' forward FLOPs, outputs and parameters (from
     the hierarchy's composed ``figures`` where given, else node by node). ``nodes``:
-    :func:`_ops` of ``fwd``; ``phs``: its :func:`_placeholders`; ``numels``: per parameter's
-    placeholder, its elements."""
+    :func:`_ops` of ``fwd`` (None: not listed yet); ``phs``: its :func:`_placeholders`;
+    ``numels``: per parameter's placeholder, its elements."""
     sig = fwd.meta[SIGNATURE]
     # a buffer's new value (batch norm's running statistics) is not the layer's output
     written = {name for name, _ in sig.buffer_updates}
@@ -201,11 +214,13 @@ def _forward(
                 L["output_shape"] = list(r.output_shape or ())
                 L["output_bytes"] = r.output_bytes
     else:
+        nodes = _ops(fwd) if nodes is None else nodes
         _forward_nodes(nodes, layers, figures is None, written)
     for p, q in sig.params:
         layers[phs[p].meta.get(MODULE) or q.rpartition(".")[0]]["params"] += numels[p]
     if figures is not None:
         return figures.total, figures.loss
+    nodes = _ops(fwd) if nodes is None else nodes
     return total_cost(nodes), total_cost(n for n in nodes if n.meta.get(ROLE) == "loss")
 
 
@@ -260,14 +275,15 @@ def _derived(gm: GraphModule | None, phase: str, hierarchical: bool) -> DerivedF
 
 def _add_composed(f: DerivedFigures, layers: _Layers, phase: str) -> None:
     """:func:`_add_phase` from composed figures."""
-    roles = _PHASE_ROLES[phase][1]
+    roles = {r: f"{r}_flops" for r in _PHASE_ROLES[phase][1]}
+    key, mm_key = f"{phase}_flops", f"{phase}_mm_flops"
     for path, (flops, mm, by_role) in f.rows.items():
         L = layers[path]
-        L[f"{phase}_flops"] += flops
-        L[f"{phase}_mm_flops"] += mm
+        L[key] += flops
+        L[mm_key] += mm
         for role, x in by_role.items():
             if role in roles:
-                L[f"{role}_flops"] += x
+                L[roles[role]] += x
 
 
 def _backward(bwd: GraphModule, layers: _Layers, f: DerivedFigures | None) -> BackwardTotals:
@@ -318,12 +334,17 @@ def _ghost_flops(gm: GraphModule, layers: _Layers, key: str) -> int:
 
 
 def _update(
-    upd: GraphModule, layers: _Layers, optimizer: str, f: DerivedFigures | None
+    upd: GraphModule,
+    layers: _Layers,
+    optimizer: str,
+    f: DerivedFigures | None,
+    skipped: frozenset[str],
 ) -> UpdateTotals:
     """Update totals; FLOPs per parameter over the elements updated (a parameter without a
-    gradient gets no update: :func:`~graphflop.passes.optimizer.update_param_count`); node by
-    node, or from the composed figures ``f`` where given."""
-    params = update_param_count(upd)
+    gradient gets no update: :func:`~graphflop.passes.optimizer.update_param_count`, with
+    ``skipped`` its :func:`~graphflop.passes.optimizer.not_updated`); node by node, or from
+    the composed figures ``f`` where given."""
+    params = update_param_count(upd, skipped)
     if f is not None:
         for path, (flops, _, _) in f.rows.items():
             layers[path]["update_flops"] += flops
@@ -584,13 +605,15 @@ def _totals(
     tangents: str,
     figures: ForwardFigures | None,
     derived: dict[str, DerivedFigures | None],
-    fwd_nodes: list[Node],
+    fwd_nodes: list[Node] | None,
     fwd_rule_less: list[Node],
     phs: dict[str, Node],
     numels: dict[str, int],
+    skipped: frozenset[str],
 ) -> Totals:
-    """The totals; ``fwd_nodes``: :func:`_ops` of the forward, ``fwd_rule_less``:
-    :func:`_rule_less` of them, ``phs`` and ``numels`` as :func:`_forward` reads them."""
+    """The totals; ``fwd_nodes``: :func:`_ops` of the forward (None: not listed yet),
+    ``fwd_rule_less``: :func:`_rule_less` of them, ``phs`` and ``numels`` as :func:`_forward`
+    reads them, ``skipped``: the parameters the update passes through (:func:`_update`)."""
     fwd_total, loss_total = _forward(g.forward, fwd_nodes, layers, figures, phs, numels)
     gaps = bool(g.forward.meta.get(GAPS))
     loss_rule_less = [n for n in fwd_rule_less if n.meta.get(ROLE) == "loss"]
@@ -605,7 +628,7 @@ def _totals(
     if g.backward is not None:
         assert g.update is not None, "summarize checks the update comes with the backward"
         b = t["backward"] = _backward(g.backward, layers, derived.get("backward"))
-        u = t["update"] = _update(g.update, layers, optimizer, derived.get("update"))
+        u = t["update"] = _update(g.update, layers, optimizer, derived.get("update"), skipped)
         mm = fwd_total.mm_flops + b.mm_flops
         t["train_step"] = TrainStepTotals(
             flops=fwd_total.flops + b.flops + u.flops,
@@ -643,6 +666,18 @@ def _rule_less(nodes: list[Node]) -> list[Node]:
 _REPEAT = torch.ops.graphflop.repeat.default
 
 
+def _ruled(h: Hierarchy) -> bool:
+    """Every op of the flat forward graph of hierarchy ``h`` has a rule (``getitem`` apart):
+    those of its top level's nodes and of its variants' templates (each template's nodes read
+    once, not each call's), as :func:`_rule_less` tells them."""
+    ops = {id(n.target): n.target for n in h.top if isinstance(n, Node) and n.op == "call_function"}
+    for t in {t for t, _ in h.variants}:
+        ops.update(
+            (id(n.target), n.target) for n in h.templates[t].nodes if n.op == "call_function"
+        )
+    return all(t is operator.getitem or t is _REPEAT or has_rule(t) for t in ops.values())
+
+
 def _complete(gm: GraphModule, nodes: list[Node]) -> bool:
     """Every node of ``nodes`` counted and the graph not cut for want of a rule."""
     return not gm.meta.get(GAPS) and not _rule_less(nodes)
@@ -651,11 +686,14 @@ def _complete(gm: GraphModule, nodes: list[Node]) -> bool:
 _KINDS = ("cost", "jvp", "transpose", "recompute")
 
 
-def _uncounted(g: Graphs, fwd_rule_less: list[Node]) -> tuple[Uncounted, ...]:
+def _uncounted(
+    g: Graphs, fwd_rule_less: list[Node], derived: dict[str, DerivedFigures | None]
+) -> tuple[Uncounted, ...]:
     """Ops lacking a rule some graph needed: forward nodes without a cost rule
     (``fwd_rule_less``: :func:`_rule_less` of the forward's), nodes that derivative rules
     emitted without one, and the JVP and backward graphs' cuts (``GAPS``), grouped by op in
-    the order first met."""
+    the order first met. A recorded graph whose composed figures (``derived``, as
+    :func:`_totals` reads them) found an op for every node is not walked again."""
     by: dict[str, tuple[dict[str, None], dict[str, None], set[str]]] = {}
 
     def add(op: str, node: str, module: str, kind: str) -> None:
@@ -664,12 +702,21 @@ def _uncounted(g: Graphs, fwd_rule_less: list[Node]) -> tuple[Uncounted, ...]:
         modules[module] = None
         kinds.add(kind)
 
+    phases = {
+        "backward": g.backward,
+        "jvp": g.jvp,
+        "update": g.update,
+        "forward_gradient_step": g.forward_gradient if g.jvp is not None else None,
+    }
+    # the graphs whose composed figures found every op ruled
+    ruled = {id(gm) for k, gm in phases.items() if (f := derived.get(k)) is not None and f.ruled}
     for gm in (g.forward, g.jvp, g.backward, g.update, g.forward_gradient):
         if gm is None:
             continue
         if is_recorded(gm):  # the top level's nodes, and each call's template nodes
-            for n, source, module in rule_less_calls(gm):
-                add(op_name(n.target), source or n.name, module, "cost")
+            if id(gm) not in ruled:  # (else none: derived_figures walked the same nodes)
+                for n, source, module in rule_less_calls(gm):
+                    add(op_name(n.target), source or n.name, module, "cost")
         else:
             for n in fwd_rule_less if gm is g.forward else _rule_less(_ops(gm)):
                 add(op_name(n.target), n.meta.get(SOURCE) or n.name, n.meta.get(MODULE, ""), "cost")
@@ -812,12 +859,32 @@ def summarize(
             hierarchical,
         ),
     }
-    fwd_nodes = _ops(fwd)
-    fwd_rule_less = _rule_less(fwd_nodes)
+    # the forward's nodes listed only where read: the hierarchy's templates and top level
+    # tell whether an op lacks a rule (_ruled), and the composed figures give the layers'
+    # outputs where the calls' nodes are each one run of the block (in_order) and no node is
+    # a buffer's new value
+    fwd_nodes = (
+        None if figures is not None and figures.in_order and not sig.buffer_updates else _ops(fwd)
+    )
+    if h is not None and fwd_nodes is None and _ruled(h):
+        fwd_rule_less: list[Node] = []
+    else:
+        fwd_rule_less = _rule_less(fwd_nodes if fwd_nodes is not None else _ops(fwd))
     totals = _totals(
-        graphs, layers, optimizer, tangents, figures, derived, fwd_nodes, fwd_rule_less, phs, numels
+        graphs,
+        layers,
+        optimizer,
+        tangents,
+        figures,
+        derived,
+        fwd_nodes,
+        fwd_rule_less,
+        phs,
+        numels,
+        skipped,
     )
     ops = _op_rows(graphs, figures, derived)
+    uncounted = _uncounted(graphs, fwd_rule_less, derived)
     # the composed figures' per-module rows and the forward's node list are read: not kept
     # through the memory schedules, the analysis's peak (about 20 KiB per Llama layer)
     del figures, derived, fwd_nodes
@@ -849,7 +916,7 @@ def summarize(
         # trainable and frozen parameter counts
         trainable_params=trainable,
         frozen_params=params - trainable,
-        uncounted=_uncounted(graphs, fwd_rule_less),
+        uncounted=uncounted,
         ops=ops,
         assumptions=tuple(fwd.meta.get(ASSUMPTIONS, ())),
         eager_attention=_eager_attention(graphs),
