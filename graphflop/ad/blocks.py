@@ -879,7 +879,12 @@ def _on_graph(forward: GraphModule, attr: str, compute: Callable[[GraphModule], 
 
 
 #: the tables :func:`_on_graph` keeps on a forward graph (:func:`forget_tables`)
-_TABLES = ("_graphflop_call_keys", "_graphflop_checkpointed_sites", "_graphflop_checkpoint_calls")
+_TABLES = (
+    "_graphflop_call_keys",
+    "_graphflop_checkpointed_sites",
+    "_graphflop_checkpoint_calls",
+    "_graphflop_forward_runs",  # (memory_calls.forward_runs)
+)
 
 
 def forget_tables(forward: GraphModule) -> None:
