@@ -99,6 +99,32 @@ def test_multi_head_attention_output_copy_depends_on_the_batch() -> None:
     assert got.saved_for_backward_bytes == measured
 
 
+def test_attention_copies_worked_out_once_per_pattern() -> None:
+    # two nn.MultiheadAttention calls of one pattern (the second reuses the first's entry of
+    # eager_attention._COPIES, applied to its own copies by position): per call, as in the
+    # test above at batch 2, its input 1536, the packed projection 4608, the output 1536,
+    # logsumexp 192; the second's input is the first's out_proj output: 2·7872 = 15744
+    from graphflop.passes import eager_attention
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.MultiheadAttention(32, 4), nn.MultiheadAttention(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x, x, x, need_weights=False)[0]
+            return self.b(x, x, x, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 2, 32)
+    measured = measure_saved(M().train(), (x,), "sum")
+    assert measured == 2 * (1536 + 4608 + 1536 + 192)
+    eager_attention._COPIES.clear()
+    got = analyze(M().train(), (x,), loss="sum", jvp=False).report.memory
+    assert len(eager_attention._COPIES) == 1  # one pattern, worked out once
+    assert got.saved_for_backward_bytes == measured
+
+
 def _kernel(q, k, v, **kw) -> bool:
     """Whether PyTorch ran the fused CPU kernel: the grad_fn it records."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))

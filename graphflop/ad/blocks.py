@@ -1098,6 +1098,7 @@ _TABLES = (
     "_graphflop_checkpointed",
     "_graphflop_call_plans",
     "_graphflop_has_leaves",
+    "_graphflop_forward_runs",  # (memory_calls.forward_runs)
 )
 
 
@@ -1107,7 +1108,9 @@ def checkpointed(forward: GraphModule) -> list[Node]:
     and the describers' :func:`~graphflop.passes.calls.forward_tags` read them, not the
     whole graph each). Shared: read, never written."""
     return _on_graph(
-        forward, _TABLES[3], lambda f: [n for n in f.graph.nodes if CHECKPOINT in n.meta]
+        forward,
+        "_graphflop_checkpointed",
+        lambda f: [n for n in f.graph.nodes if CHECKPOINT in n.meta],
     )
 
 
@@ -1128,7 +1131,7 @@ def forget_tables(forward: GraphModule) -> None:
 
 def call_keys(forward: GraphModule) -> CallKeys:
     """:class:`CallKeys` of ``forward``, worked out once per forward graph."""
-    return _on_graph(forward, _TABLES[0], _call_keys)
+    return _on_graph(forward, "_graphflop_call_keys", _call_keys)
 
 
 def _call_keys(forward: GraphModule) -> CallKeys:
@@ -1335,7 +1338,7 @@ def call_plans(forward: GraphModule) -> CallPlans | None:
     h = forward.meta.get(HIERARCHY)
     if h is None or h.graph is None:
         return None
-    return _on_graph(forward, _TABLES[4], lambda f: CallPlans(f, h))
+    return _on_graph(forward, "_graphflop_call_plans", lambda f: CallPlans(f, h))
 
 
 def checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
@@ -1345,7 +1348,7 @@ def checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
     model checkpointing only some of its blocks): their derivatives differ (the recompute).
     Worked out once per forward graph (the JVP's expander and the backward's both read it):
     shared by every caller, read, never written."""
-    return _on_graph(forward, _TABLES[1], _checkpointed_sites)
+    return _on_graph(forward, "_graphflop_checkpointed_sites", _checkpointed_sites)
 
 
 def _checkpointed_sites(forward: GraphModule) -> dict[int, tuple]:
@@ -1370,7 +1373,7 @@ def checkpoint_calls(forward: GraphModule) -> dict[Node, int]:
 
     return _on_graph(
         forward,
-        _TABLES[2],
+        "_graphflop_checkpoint_calls",
         lambda f: occurrences(f.graph.nodes, CHECKPOINT) if checkpointed(f) else {},
     )
 

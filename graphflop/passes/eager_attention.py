@@ -188,27 +188,96 @@ class FusedAttention:
         multi-head attention's sequence-first q and ``permute(2, 0, 1, 3)``) is a view in
         eager. Returns whether the output's gradient reaches the backward kernel in another
         order than (B, L, H, E) (it then copies it): the gradient of the first copy found
-        (row-major) taken back through the views, or, with none, row-major."""
+        (row-major) taken back through the views, or, with none, row-major.
+
+        A pure function of the output's shape, dtype and ``strides`` and of the views and
+        copies reading it (their targets and arguments, in the order of their users), worked
+        out once per such pattern (:data:`_COPIES`: every call of a repeated block has the
+        same) and applied to the copies found."""
         v = out.meta["val"]
-        first = torch.empty_strided(v.shape, strides, dtype=v.dtype, device="meta")
-        todo: list[tuple[Node, torch.Tensor, list[tuple[Node, torch.Tensor]]]] = [(out, first, [])]
-        grad: torch.Tensor | None = None
-        while todo:
-            n, t, chain = todo.pop()
-            for u in n.users:
-                if u.target in _STRIDED_VIEWS:
-                    try:
-                        todo.append((u, u.target(t, *u.args[1:]), [*chain, (u, t)]))
-                    except RuntimeError:  # a view eager would have to copy for
-                        continue
-                elif u.target is aten.clone.default:
-                    if t.is_contiguous():
-                        self.sizes[u.name] = 0
-                    if grad is None:
-                        grad = _back_through(chain, torch.empty(t.shape, device="meta"))
-        if grad is None:
-            grad = torch.empty(v.shape, device="meta")
-        return not grad.transpose(1, 2).is_contiguous()
+        walk: list[Node] = []  # the views and copies reading ``out``, depth first
+        pattern = _copies_key(out, walk)
+        key = (pattern, strides) if pattern is not None else None
+        got = _COPIES.get(key) if key is not None else None
+        if got is None:
+            copied, free = _free_copies(out, v, strides)
+            pos = {n: i for i, n in enumerate(walk)}
+            got = (copied, tuple(pos[n] for n in free))
+            if key is not None:
+                if len(_COPIES) >= _COPIES_MAX:
+                    _COPIES.clear()
+                _COPIES[key] = got
+        for i in got[1]:
+            self.sizes[walk[i].name] = 0
+        return got[0]
+
+
+#: :meth:`FusedAttention._free_copies` per pattern (:func:`_copies_key`): whether the
+#: gradient is copied, the positions in the walk of the copies that are views in eager;
+#: bounded (cleared when full)
+_COPIES: dict[tuple, tuple[bool, tuple[int, ...]]] = {}
+_COPIES_MAX = 256
+
+
+def _frozen(a: object) -> object:
+    """``a`` as a hashable key (lists as tuples); a node (a size traced as a value) makes
+    the pattern unknown (KeyError)."""
+    if isinstance(a, (list, tuple)):
+        return tuple(_frozen(x) for x in a)
+    if isinstance(a, (int, float, bool, str)) or a is None:
+        return a
+    raise KeyError(a)
+
+
+def _copies_key(out: Node, walk: list[Node]) -> tuple | None:
+    """The pattern :func:`_free_copies` reads from ``out``: its shape and dtype, the default
+    dtype, and depth first (users in order) each view of :data:`_STRIDED_VIEWS` (its target,
+    its arguments after the first, its own readers) and each copy reading it; the nodes
+    appended to ``walk`` in that order. None where an argument is not a constant."""
+    v = out.meta["val"]
+    rows: list[tuple] = []
+
+    def visit(n: Node) -> None:
+        for u in n.users:
+            if u.target in _STRIDED_VIEWS:
+                walk.append(u)
+                rows.append((u.target, _frozen(u.args[1:]), len(u.users)))
+                visit(u)
+                rows.append(())
+            elif u.target is aten.clone.default:
+                walk.append(u)
+                rows.append((u.target,))
+
+    try:
+        visit(out)
+    except KeyError:
+        return None
+    return (tuple(v.shape), v.dtype, torch.get_default_dtype(), tuple(rows))
+
+
+def _free_copies(out: Node, v: torch.Tensor, strides: tuple[int, ...]) -> tuple[bool, list[Node]]:
+    """:meth:`FusedAttention._free_copies`, worked out: (whether the gradient is copied, the
+    copies that are views in eager)."""
+    first = torch.empty_strided(v.shape, strides, dtype=v.dtype, device="meta")
+    todo: list[tuple[Node, torch.Tensor, list[tuple[Node, torch.Tensor]]]] = [(out, first, [])]
+    grad: torch.Tensor | None = None
+    free: list[Node] = []
+    while todo:
+        n, t, chain = todo.pop()
+        for u in n.users:
+            if u.target in _STRIDED_VIEWS:
+                try:
+                    todo.append((u, u.target(t, *u.args[1:]), [*chain, (u, t)]))
+                except RuntimeError:  # a view eager would have to copy for
+                    continue
+            elif u.target is aten.clone.default:
+                if t.is_contiguous():
+                    free.append(u)
+                if grad is None:
+                    grad = _back_through(chain, torch.empty(t.shape, device="meta"))
+    if grad is None:
+        grad = torch.empty(v.shape, device="meta")
+    return not grad.transpose(1, 2).is_contiguous(), free
 
 
 def math_attention_jvp_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:

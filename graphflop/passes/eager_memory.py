@@ -1444,7 +1444,7 @@ def ungraded_nodes(backward: GraphModule) -> frozenset[str]:
     for n in reversed(backward.graph.nodes):
         if n.op == "output" or n in needed:
             continue
-        if any(u in needed for u in n.users):
+        if not needed.isdisjoint(n.users):
             needed.add(n)
     return frozenset(
         n.name for n in backward.graph.nodes if n.op == "call_function" and n not in needed

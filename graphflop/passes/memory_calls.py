@@ -61,10 +61,18 @@ def forward_runs(forward: GraphModule) -> list[Run] | None:
 
     The runs are cut where the call site changes from one node to the next (found by a
     C-level ``map`` over the sites), the nodes taken as slices: the per-node work is one
-    read of :data:`~graphflop.meta.CALL_SITE`, the rest per run."""
+    read of :data:`~graphflop.meta.CALL_SITE`, the rest per run. Worked out once per forward
+    graph (kept on it, as :func:`graphflop.ad.blocks.call_keys`: the forward and train
+    schedules both read it): shared, read, never written."""
     h: Hierarchy | None = forward.meta.get(HIERARCHY)
     if h is None or h.graph is None:
         return None
+    from graphflop.ad.blocks import on_graph
+
+    return on_graph(forward, "_graphflop_forward_runs", lambda f: _forward_runs(f, h))
+
+
+def _forward_runs(forward: GraphModule, h: Hierarchy) -> list[Run] | None:
     nodes = list(forward.graph.nodes)
     sites = [t[0] if (t := n.meta.get(CALL_SITE)) is not None else None for n in nodes]
     # the positions where the site differs from the node before's: each run's first node
@@ -369,6 +377,7 @@ class ComposedSchedule:
         <graphflop.passes.memory.Schedule.peak>` of the same steps, composed per call."""
         lives = self._lifetimes()
         storage, size, last, offsets = lives.storage, lives.size, lives.last, lives.offsets
+        rel = lives.rel
         frees: dict[int, list[str]] = {}
         for st, i in last.items():
             frees.setdefault(i, []).append(st)
@@ -401,10 +410,8 @@ class ComposedSchedule:
                     if not st.startswith(ours):
                         dying[st] = x - i
             escaping = [st for st in own if last[st] >= i + n]
-            kept = frozenset(st.split(":", 1)[1] for st in escaping)
-            moved = tuple(
-                sorted((st.split(":", 1)[1], last[st] - i) for st in own if last[st] < i + n)
-            )
+            kept = frozenset(map(rel.__getitem__, escaping))
+            moved = tuple(sorted((rel[st], last[st] - i) for st in own if last[st] < i + n))
             freed = tuple(sorted((j, size[st]) for st, j in dying.items()))
             m, j = _inside_peak(item.profile, lives.inners[number], kept, moved, freed)
             if live + m > best:
@@ -462,6 +469,7 @@ class _Lives:
         offsets: per item, the index of its first step.
         inners: per call item, its profile's storages as the call resolved them.
         place: a call's storage (``#ITEM:@i``) -> (ITEM, i), not parsed back from the key.
+        rel: a call's storage (``#ITEM:@i``) -> ``@i``, its key in the call's profile.
     """
 
     def __init__(
@@ -477,6 +485,7 @@ class _Lives:
         self.inners: dict[int, _Inside] = {}
         self.nothing: set[str] = set()  # keys no step has
         self.place: dict[str, tuple[int, int]] = {}
+        self.rel: dict[str, str] = {}  # a call's storage -> its key in the profile (``@i``)
 
     def resolve(self, k: str) -> str | None:
         """The storage outer key ``k`` lives in, or None where no step has that key."""
@@ -501,6 +510,7 @@ class _Lives:
                 self.size[st] = inner.size[r]
                 self.last[st] = self.offsets[number] + inner.last[r]
                 self.place[st] = (number, int(r[1:]))
+                self.rel[st] = r
         if st is not None:
             self.storage[k] = st
         return st

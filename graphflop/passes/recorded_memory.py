@@ -48,7 +48,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from itertools import count, repeat
+from itertools import compress, count, repeat
 from typing import Any
 
 import torch
@@ -331,13 +331,22 @@ class _Builder:
         self.top, self.dh, self.device = top, dh, device
         self.at = _call_values(top)  # the calls' values: node -> (call number, position)
         self.names: tuple[tuple[str, ...], ...] = dh.names  # type: ignore[assignment]
-        self.sources = {s for c in dh.calls for s in c.sources}
-        #: the calls' nodes' names in the flat graph -> (call number, position)
-        self.where: dict[str | None, tuple[int, int]] = {}
+        self.sources: set[str] = set().union(*(c.sources for c in dh.calls))
+        #: the calls' nodes' names in the flat graph -> their call number, their position
+        #: (two tables filled by C-level updates: no pair made per node)
+        self.where_call: dict[str | None, int] = {}
+        self.where_pos: dict[str | None, int] = {}
         for number, names in enumerate(dh.names):
-            self.where.update(zip(names, zip(repeat(number), count())))
-        if None in self.where:
+            self.where_call.update(zip(names, repeat(number)))
+            self.where_pos.update(zip(names, count()))
+        if None in self.where_pos:
             raise _Unsupported  # nodes a fold made: named only in the flat graph
+        #: per (template, the calls' positions named after each source slot): :meth:`named`
+        #: and its inverse, shared by the calls of that pattern (read only)
+        self.named_at: dict[tuple, tuple[dict[int, int], dict[int, int], int]] = {}
+        self.named_keys: dict[tuple, int] = {}
+        #: per context key: the positions named after a slot with tangents, those tangents
+        self.paired: dict[Hashable, list[tuple[int, list[int]]]] = {}
         self.templates: dict[int, _Template] = {}
         self.contexts: dict[Hashable, _Context] = {}
         self.s = ComposedSchedule()
@@ -353,12 +362,13 @@ class _Builder:
         #: (where the pair's first tangent is in the flat graph's order, the tie's keys)
         self.tie_rows: list[tuple[tuple[int, int], list[str]]] = []
         #: per call, the positions of its nodes something outside it reads; per profile,
-        #: the context's ties folded into it (:func:`_fold_ties`)
+        #: the context's ties not folded into it (:func:`_fold_ties`), in order
         self.referenced: dict[int, set[int]] = {}
-        self.folded: dict[Hashable, set[int]] = {}
+        self.unfolded: dict[Hashable, list[list[int]]] = {}
         #: per call number: its context, its key, its positions named after a source slot
         self.call_ctx: list[_Context] = []
         self.ckeys: list[Hashable] = []
+        self.context_ids: dict[tuple, int] = {}  # context key -> its number
         self.slot_at: list[dict[int, int]] = []
         #: the calls' nodes the top level's overrides name -> (call number, position)
         self.call_names: dict[str, tuple[int, int]] = {}
@@ -369,19 +379,33 @@ class _Builder:
     def template(self, number: int) -> _Template:
         return _template_of(self.dh, self.templates, number)
 
-    def named(self, number: int) -> dict[int, int]:
+    def named(self, number: int) -> tuple[dict[int, int], dict[int, int], int]:
         """Call ``number``'s nodes named after one of its forward sources in the flat graph
         (its copies of forward nodes, and any other node fx's counter gave such a name):
-        source slot -> position. A source naming a node of another call is noted
-        (:meth:`check_foreign`)."""
-        out = {}
-        for k, at in enumerate(map(self.where.get, self.dh.calls[number].sources)):
-            if at is not None:
-                if at[0] != number:
-                    self.foreign.append((*at, number, k))
-                    continue
-                out[k] = at[1]
-        return out
+        source slot -> position, its inverse, and a number per distinct table (for the context
+        keys). A source naming a node of another call is noted (:meth:`check_foreign`). The
+        positions and calls are looked up by C-level maps over the sources, the tables made
+        once per template and pattern of positions (shared: read only), not per source."""
+        c = self.dh.calls[number]
+        pos = tuple(map(self.where_pos.get, c.sources))
+        calls = list(map(self.where_call.get, c.sources))
+        own = tuple(map(operator.eq, calls, repeat(number)))
+        if own.count(True) + calls.count(None) != len(calls):  # a source naming another
+            # call's node: noted (found by C-level maps, not a test per source)
+            foreign = map(
+                operator.and_, map(operator.is_not, calls, repeat(None)), map(operator.not_, own)
+            )
+            for k in compress(count(), foreign):
+                self.foreign.append((calls[k], pos[k], number, k))  # type: ignore[arg-type]
+        got = self.named_at.get((c.template, pos, own))
+        if got is None:
+            out = {k: i for k, (i, mine) in enumerate(zip(pos, own)) if i is not None and mine}
+            # (equal tables, one number: a source naming another call's node varies its
+            # position, not the table)
+            number_of = self.named_keys.setdefault(tuple(out.items()), len(self.named_keys))
+            got = (out, {i: k for k, i in out.items()}, number_of)
+            self.named_at[c.template, pos, own] = got
+        return got
 
     def check_foreign(self) -> None:
         """A node of one call that fx's counter named after a forward source of another
@@ -412,7 +436,7 @@ class _Builder:
                 continue
             src = n.meta.get(SOURCE)
             for x in (src, n.name):
-                if x in self.sources or x in self.where:
+                if x in self.sources or x in self.where_pos:
                     raise _Unsupported
             ids = _region_ids(n)
             if not ids:
@@ -436,14 +460,17 @@ class _Builder:
 
     def value_pairs(self, v: Node, top_pairs: dict[str, list[str]]) -> list[_Ref]:
         """The tangents held with value ``v`` (a top-level node or a call's value)."""
+        # (none, for most arguments: returned without a comprehension's frame)
         at = self.at.get(v)
         if at is None:
-            return [("top", m) for m in top_pairs.get(v.name, [])]
+            ms = top_pairs.get(v.name)
+            return [("top", m) for m in ms] if ms else []
         number, i = at
         k = self.slot_at[number].get(i)
         if k is None:
             return []  # not named after a forward source: no pairs
-        return [("call", number, q) for q in self.call_ctx[number].pairs.get(k, [])]
+        qs = self.call_ctx[number].pairs.get(k)
+        return [("call", number, q) for q in qs] if qs else []
 
     def ref_keys(self, ref: _Ref) -> list[str]:
         if ref[0] == "call":
@@ -552,8 +579,8 @@ class _Builder:
         the top level reads hold in ``top_pairs``; returns the tangents held with each of its
         arguments (:meth:`value_pairs`)."""
         t = self.template(number)
-        named = self.named(number)
-        self.slot_at.append({i: k for k, i in named.items()})
+        named, slot_at, named_key = self.named(number)
+        self.slot_at.append(slot_at)
         args = rep.all_input_nodes
         if len(args) != len(t.placeholders) or args != list(rep.args[0]):  # type: ignore[arg-type]
             raise _Unsupported
@@ -564,19 +591,23 @@ class _Builder:
         features = tuple(
             (_layout(a.meta.get("val")), a.meta.get(KIND), len(h)) for a, h in zip(args, held)
         )
-        ckey = (self.dh.calls[number].template, tuple(after), features, tuple(named.items()))
+        # (the named table as its number; the key as its number: hashed once per call, not
+        # again in the profile's key)
+        key = (self.dh.calls[number].template, tuple(after), features, named_key)
+        ckey = self.context_ids.setdefault(key, len(self.context_ids))
         ctx = self.contexts.get(ckey)
         if ctx is None:
             ctx = self.contexts[ckey] = self.context(t, args, [len(h) for h in held], after, named)
+            # the named slots with tangents held with them, in slot order: the only ones the
+            # loop below enters anything for (worked out once per context)
+            self.paired[ckey] = [(i, ctx.pairs[k]) for k, i in named.items() if ctx.pairs.get(k)]
         self.call_ctx.append(ctx)
         self.ckeys.append(ckey)
         names = self.names[number]
-        for k, i in named.items():
+        for i, qs in self.paired[ckey]:
             if names[i] in self.call_names:  # a value the top level reads
-                qs = ctx.pairs.get(k, [])
-                if qs:
-                    top_pairs[names[i]] = [names[q] for q in qs]
-                    self.call_names.update((names[q], (number, q)) for q in qs)
+                top_pairs[names[i]] = [names[q] for q in qs]
+                self.call_names.update((names[q], (number, q)) for q in qs)
         return held
 
     def add_call(self, rep: Node, number: int, held: list[list[_Ref]]) -> None:
@@ -591,15 +622,13 @@ class _Builder:
         if profile is None:
             profile = self.s._profiles[pkey] = _profile(ctx.nodes, ext, lists, ctx.steps)
             outer = sum(len(x) for x in lists)
-            self.folded[pkey] = _fold_ties(profile, ctx.ties, outside, outer)
+            folded = _fold_ties(profile, ctx.ties, outside, outer)
+            self.unfolded[pkey] = [g for i, g in enumerate(ctx.ties) if i not in folded]
         self.numbers.append(len(self.s.items))
         run: Any = _Run(self.names[number])
         self.s.items.append(_Call(profile, "j", run, [k for x in lists for k in x]))
         at = self.top_at[rep.name]
-        folded = self.folded[pkey]
-        for g, group in enumerate(ctx.ties):
-            if g in folded:
-                continue
+        for group in self.unfolded[pkey]:  # (the ties left to the schedule, in order)
             keyed = [k for i in group for k in self.call_key(number, i)]
             if keyed:
                 self.tie_rows.append(((at, group[1]), keyed))
@@ -733,7 +762,7 @@ class _TrainBuilder:
         self.at = _call_values(top)  # the calls' values: node -> (call number, position)
         self.indices = embedding_indices(forward)
         self.optimizer, self.device, self.keep_grads = optimizer, device, keep_grads
-        self.sources = {s for c in dh.calls for s in c.sources}
+        self.sources: set[str] = set().union(*(c.sources for c in dh.calls))
         self.ef = eager_forward(forward, device)
         # an op whose saved values eager holds (EagerForward.held), differentiated inside a
         # call: the flat schedule (its backward node reads a forward key, which a call's
@@ -759,6 +788,7 @@ class _TrainBuilder:
         self.numbers: list[int] = []
         self.keys: dict[Any, list[str]] = {}
         self.contexts: dict[Hashable, _Context] = {}
+        self.context_ids: dict[tuple, int] = {}  # context key -> its number
         self.top_nodes = {n.name: n for n in top.graph.nodes}
         self.reader_rows: dict[int, list[list[tuple]]] = {}
         self.reader_slots: dict[int, list[tuple[int | None, ...]]] = {}
@@ -859,6 +889,7 @@ class _TrainBuilder:
             "templates",
             "keys",
             "contexts",
+            "context_ids",
             "top_nodes",
             "reader_rows",
             "reader_slots",
@@ -1095,7 +1126,9 @@ class _TrainBuilder:
             tuple(v.stride()) if isinstance(v := a.meta.get("val"), torch.Tensor) else None
             for a in args
         )
-        ckey = (c.template, tuple(after), tuple(outs), tuple(feats), strides)
+        # (the key as its number: hashed once per call, not again in the profile's key)
+        key = (c.template, tuple(after), tuple(outs), tuple(feats), strides)
+        ckey = self.context_ids.setdefault(key, len(self.context_ids))
         ctx = self.contexts.get(ckey)
         if ctx is None:
             ctx = self.contexts[ckey] = self.context(t, args, after, outs, feats)
