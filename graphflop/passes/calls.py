@@ -722,12 +722,12 @@ def release_names(gm: GraphModule | None) -> None:
         return
     assert gm is not None
     ns = gm.graph._graph_namespace
-    kept = {n.name for n in gm.graph.nodes}
-    if len(kept) < len(ns._used_names):
-        ns._used_names = kept
-    named = ns._obj_to_name
-    if len(named) > len(kept):
-        ns._obj_to_name = {k: v for k, v in named.items() if not getattr(k, "_erased", False)}
+    named = ns._obj_to_name  # each node made -> its name (erased ones too)
+    if len(named) > len(gm.graph.nodes):
+        for k in [k for k in named if getattr(k, "_erased", False)]:
+            del named[k]
+    if len(named) < len(ns._used_names):
+        ns._used_names = set(named.values())
 
 
 #: the attribute of a recorded top level holding its kept flat view (on the object itself: a
