@@ -39,7 +39,7 @@ from graphflop.meta import (
 )
 from graphflop.passes.activity_gradient import BuildActivityGradientStep, NotPerturbable
 from graphflop.passes.autodiff import BuildJvp, BuildVjp
-from graphflop.passes.calls import flat_view
+from graphflop.passes.calls import flat_view, release_names
 from graphflop.passes.checkpoint import module_matcher
 from graphflop.passes.compiled_memory import compiled_report_memory
 from graphflop.passes.flops import AnnotateFlops
@@ -572,16 +572,19 @@ def _analyze(
         say("building the JVP graph")
         g = replace(g, jvp=run_passes(fwd, [BuildJvp(tangents, direct=direct), AnnotateFlops()]))
         lin = g.jvp if tangents == "params" else None
+        release_names(g.jvp)  # (each top level's, once built: the summary's peak is after)
     if backward and has_loss:
         say("building the backward graph")
         bwd = run_passes(
             fwd, [BuildVjp(linearized=None if leaves else lin, direct=direct), AnnotateFlops()]
         )
         g = replace(g, backward=bwd)
+        release_names(bwd)
         say("building the optimizer update")
         # no gradient: no update; recorded with the derivatives: its top level, no flat graph
         add_update = AddOptimizerUpdate(optimizer, backward=bwd, direct=direct)
         g = replace(g, update=run_passes(fwd, [add_update, AnnotateFlops()]))
+        release_names(g.update)
         if lin is None:
             lin = bwd.meta[LINEARIZED]
             if lin.meta[JVP].opaque or leaves:  # built to be transposed (a Function without
@@ -598,6 +601,7 @@ def _analyze(
         )
         g = replace(g, forward_gradient=run_passes(fwd, [step, AnnotateFlops()]))
         g = replace(g, activity_gradient=_activity(fwd, optimizer, directions, upd))
+        release_names(g.forward_gradient)
     # the builders' tables of the forward graph (forget_tables, below): none is read by the
     # summary, whose memory schedules are the analysis's peak (about 7 MiB of Llama-3.1-405B's)
     forget_tables(fwd)

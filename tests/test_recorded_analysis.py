@@ -428,6 +428,21 @@ def test_analysis_keeps_graphs_as_built_and_reads_them_flat():
     _kept_compactly(rec)
 
 
+def test_built_top_levels_keep_only_their_own_names():
+    """Once built, a recorded top level's fx namespace holds its own nodes' names, neither the
+    names it took for its calls' flat copies nor the nodes erased from it
+    (``calls.release_names``: a 2 MiB set of Llama-3.1-405B's JVP); the flat views' names
+    are held equal to the flat build's by test_detached_block_outputs_recorded_as_flat."""
+    model, x = _model("stack")
+    rec = analyze(model, x)
+    for k in ("backward", "jvp", "update", "forward_gradient"):
+        top = getattr(rec.as_built(), k)
+        assert calls.is_recorded(top), k
+        ns = top.graph._graph_namespace
+        assert ns._used_names == set(_names(top)), k
+        assert set(ns._obj_to_name) == set(top.graph.nodes), k
+
+
 def test_analysis_graphs_freed_with_the_analysis():
     """Nothing graphflop keeps outlives an analysis: its graphs, the recorded top levels and
     their flat views, and the fake mode its shape cache was kept for are freed with it. The
