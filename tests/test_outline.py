@@ -1333,3 +1333,28 @@ def test_repeated_recurrent_blocks_are_named_as_traced_in_full():
     assert info.calls == 0
     assert info.in_full == ("_GruBlock ×3 (0, 1, 2): " + repeats.OWN_RNN_WEIGHTS.format("GRU"),)
     assert "recurrent layer (GRU)" in info.in_full[0]
+
+
+def test_holds_tensors_after_its_types_are_remembered_and_walk_holders_after_code_ran():
+    """:func:`repeats.holds_tensors` remembers the attribute types it found not tensors: a
+    tensor attribute set later is still seen (a plain Linear holds none: its weight and bias
+    are parameters), as is a value whose own ``__class__`` says Tensor (never remembered);
+    a :class:`repeats.Walk`'s holders are looked at again after :meth:`repeats.Walk.after`."""
+    m = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert not repeats.holds_tensors(m[0])
+    assert not repeats.holds_tensors(m[0])  # (its types remembered now)
+    walk = repeats.Walk(m)
+    assert walk.holders() == []
+    m[0].scale = torch.ones(2)  # what a forward may do: a tree unchanged, a tensor attribute
+    assert repeats.holds_tensors(m[0])
+    assert walk.holders() == []  # (before the model's code ran: as walked)
+    assert walk.after() is walk and walk.holders() == [m[0]]
+
+    class Posing:
+        __class__ = torch.Tensor  # type: ignore[assignment]
+
+    del m[0].scale
+    m[1].x = Posing()
+    assert isinstance(m[1].x, torch.Tensor)  # (what isinstance says of it)
+    assert repeats.holds_tensors(m[1]) and repeats.holds_tensors(m[1])
+    assert Posing not in repeats._NOT_TENSOR

@@ -392,6 +392,7 @@ class Walk:
         self.trees: dict[int, list[tuple[str, nn.Module]]] = {}
         self.memo: dict[int, tuple] = {}
         self._paths: dict[str, dict[int, str]] = {}
+        self._holders: list[nn.Module] | None = None
         #: each module's class and submodules as walked (:meth:`after` tells the tree unchanged)
         self._types = tuple(map(type, self.modules))
         # (by keys(): a TorchScript module's table is a wrapper that does not iterate)
@@ -417,6 +418,15 @@ class Walk:
         self._paths[prefix] = paths
         return paths
 
+    def holders(self) -> list[nn.Module]:
+        """The modules of :attr:`modules` holding a tensor attribute (:func:`holds_tensors`),
+        in their order: looked at once per walk, for what reads them before the model's code
+        runs (:func:`unshared`, the state put back and the meta attributes of
+        :mod:`~graphflop.frontend.trace`); looked at again after :meth:`after`."""
+        if self._holders is None:
+            self._holders = list(filter(holds_tensors, self.modules))
+        return self._holders
+
     def after(self) -> Walk:
         """This walk where the tree is still as walked (after the model's code ran): every
         module of the same class, holding the same submodules (the same objects) under the
@@ -430,7 +440,10 @@ class Walk:
             and all(map(_IS, m._modules, names))
             for m, (names, subs) in zip(self.modules, self._children)
         )
-        return self if same else Walk(self.model)
+        if not same:
+            return Walk(self.model)
+        self._holders = None  # (the model's code ran: it may have set a tensor attribute)
+        return self
 
     def named(self, table: str) -> list[tuple[str, torch.Tensor]]:
         """``list(model.named_parameters())`` (``table`` ``"_parameters"``) or
@@ -876,19 +889,49 @@ def holds_tensors(m: nn.Module) -> bool:
     are held in its tables). Tested without a Python loop (a deep model has thousands of
     modules of a score of attributes each). A recurrent layer holds its weights in a list
     (``_flat_weights``)."""
-    return any(map(isinstance, vars(m).values(), _TENSOR_TYPE)) or isinstance(m, nn.RNNBase)
+    types = set(map(type, vars(m).values()))
+    if not types <= _NOT_TENSOR and _tensor_typed(types - _NOT_TENSOR, vars(m).values()):
+        return True
+    return isinstance(m, nn.RNNBase)
+
+
+#: the attribute value types met that are not tensors (no subclass of ``torch.Tensor``, nor
+#: one whose instances may say otherwise by their own ``__class__``): ``isinstance(v,
+#: torch.Tensor)`` is told False for their values without it (a tenth of a microsecond each,
+#: a score per module); bounded by :data:`_NOT_TENSOR_MAX` types
+_NOT_TENSOR: set[type] = set()
+_NOT_TENSOR_MAX = 4096
+
+
+def _tensor_typed(types: set[type], values: Any) -> bool:
+    """Whether one of ``values`` (a module's attribute values, whose types not yet in
+    :data:`_NOT_TENSOR` are ``types``) is a tensor; the types found not tensors' are added
+    to :data:`_NOT_TENSOR`."""
+    if any(map(isinstance, values, _TENSOR_TYPE)):
+        return True
+    if len(_NOT_TENSOR) < _NOT_TENSOR_MAX:
+        _NOT_TENSOR.update(
+            t for t in types if all("__class__" not in vars(c) for c in t.__mro__[:-1])
+        )
+    return False
 
 
 def unshared(
-    model: nn.Module, min_modules: int = 3, modules: list[nn.Module] | None = None
+    model: nn.Module,
+    min_modules: int = 3,
+    modules: list[nn.Module] | None = None,
+    holders: list[nn.Module] | None = None,
 ) -> list[tuple[list[nn.Module], str]]:
     """The outermost groups of modules that :func:`plan` would outline but for their tensor
     attributes (each module's own, not a parameter or buffer: the template would read one
     module's), with why (:data:`OWN_TENSORS`): in each group of one structure but for those,
     the modules that share their tensors with no other. Empty, at the cost of one look at
     each module's attributes, where no module holds a tensor attribute. ``modules``:
-    ``list(model.modules())``, where the caller has it."""
-    if not any(map(holds_tensors, model.modules() if modules is None else modules)):
+    ``list(model.modules())``, and ``holders``: those holding a tensor attribute
+    (:meth:`Walk.holders`), where the caller has them."""
+    if holders is None:
+        holders = list(filter(holds_tensors, model.modules() if modules is None else modules))
+    if not holders:
         return []
     named = [(n, m) for n, m in model.named_modules() if n and not _container(m)]
     memo: dict[int, tuple] = {}

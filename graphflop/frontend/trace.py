@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
+import operator
 import os
 import re
 import warnings
@@ -186,12 +187,31 @@ def trace(
         raise ValueError(f"unknown loss {loss!r}; one of {', '.join(LOSSES)} or auto")
     if kwargs is None:
         inputs, kwargs = split_example(inputs)
-    _refuse_lazy(model)
-    _refuse_scripted(model)
+    _refused(model)
     # the graphs describe training whatever the caller's grad mode: a model's own no_grad
     # regions are told apart under it (``with torch.no_grad(): analyze(...)`` hid them)
     with _grad_on():
         return _trace_in(model, tuple(inputs), loss, fake_mode, reuse, kwargs or {})
+
+
+def _refused(model: nn.Module) -> None:
+    """:func:`_refuse_lazy`, then :func:`_refuse_scripted`, of ``model``. Where every module
+    of its tree walks as ``nn.Module`` does (:func:`repeats._plain_walk`: none is a
+    TorchScript module), by one plain walk of the tree that looks at each module's tables
+    (where none holds a lazy tensor, neither refusal has anything to say); else, and to name
+    what is refused, by the refusals' own walks."""
+    tree = repeats._tree(model)
+    if all(repeats._plain_walk(type(m)) for _, m in tree):
+        from torch.nn.parameter import is_lazy as lazy
+
+        is_lazy: Any = lazy  # (of a table's values: None among them)
+        if not any(
+            any(map(is_lazy, m._parameters.values())) or any(map(is_lazy, m._buffers.values()))
+            for _, m in tree
+        ):
+            return
+    _refuse_lazy(model)
+    _refuse_scripted(model)
 
 
 def _refuse_lazy(model: nn.Module) -> None:
@@ -280,7 +300,7 @@ def _trace_in(
             quiet,
             library_logs_quiet(),
             traced_by_libraries(),
-            _meta_attributes(model, fake_mode, first[0].modules, outside),
+            _meta_attributes(model, fake_mode, first[0].modules, outside, first[0].holders()),
         ):
             gm = _without_cache(
                 configs, lambda: _trace(model, tensors, loss, fake_mode, reuse, first)
@@ -390,6 +410,7 @@ def _meta_attributes(
     fake_mode: FakeTensorMode,
     modules: list[nn.Module] | None = None,
     outside: list[nn.Module] | None = None,
+    holders: list[nn.Module] | None = None,
 ) -> Iterator[None]:
     """A module's tensor attributes that are neither parameters nor buffers (``self.scale =
     torch.ones(8)``, the original LLaMA's ``self.freqs_cis``) made fake CPU tensors while
@@ -398,15 +419,18 @@ def _meta_attributes(
     tensor held by several modules stays one (one constant of the trace, as in eager). So are
     the parameters and buffers of a module the model holds only as a plain attribute
     (:func:`repeats.held_outside`): constants of the trace, as they are on a real device.
-    ``modules``: ``list(model.modules())``, and ``outside``: those modules, where the caller
-    has them."""
+    ``modules``: ``list(model.modules())``, ``outside``: those modules, and ``holders``: the
+    modules of ``modules`` holding a tensor attribute (:meth:`repeats.Walk.holders`), where
+    the caller has them."""
     tree = list(model.modules()) if modules is None else modules
     if outside is None:
         outside = repeats.held_outside(tree)
     saved: list[tuple[dict, str, torch.Tensor]] = []
     fakes: dict[int, torch.Tensor] = {}
     try:
-        tables = [m.__dict__ for m in filter(repeats.holds_tensors, [*tree, *outside])]
+        if holders is None:
+            holders = list(filter(repeats.holds_tensors, tree))
+        tables = [m.__dict__ for m in [*holders, *filter(repeats.holds_tensors, outside)]]
         tables += [t for m in outside for t in (m._parameters, m._buffers)]
         for table in tables:
             for k, v in list(table.items()):
@@ -452,8 +476,15 @@ def _state_swapped(
             held[k] = v
 
 
+_IS = operator.is_
+
+
 @contextlib.contextmanager
-def _state_kept(model: nn.Module, modules: list[nn.Module] | None = None) -> Iterator[None]:
+def _state_kept(
+    model: nn.Module,
+    modules: list[nn.Module] | None = None,
+    holders: list[nn.Module] | None = None,
+) -> Iterator[None]:
     """Puts every module's parameters, buffers and plain tensor attributes back afterwards:
     ``functional_call`` leaves a module reachable by two paths holding the traced tensors (a
     PyTorch bug), and a forward pre-hook that sets an attribute (the old
@@ -462,33 +493,50 @@ def _state_kept(model: nn.Module, modules: list[nn.Module] | None = None) -> Ite
     removed, as is a parameter or buffer the model's forward registered (a buffer made at the
     first call: the model's own run would make it again), and each module's submodules are put
     back as they were (a forward that swaps one in and leaves it). ``modules``:
-    ``list(model.modules())``, where the caller has it."""
+    ``list(model.modules())``, and ``holders``: those of them holding a tensor attribute
+    (:meth:`repeats.Walk.holders`), where the caller has them."""
     if modules is None:
         modules = list(model.modules())
+    if holders is None:
+        holders = list(filter(repeats.holds_tensors, modules))
+    held = set(map(id, holders))
     saved = [
-        (m, dict(m._parameters), dict(m._buffers), _tensor_attributes(m), dict(m._modules))
+        (
+            m,
+            dict(m._parameters),
+            dict(m._buffers),
+            _tensor_attributes(m) if id(m) in held else {},
+            dict(m._modules),
+        )
         for m in modules
     ]
     try:
         yield
     finally:
+        holds = repeats.holds_tensors
         for m, params, buffers, attributes, children in saved:
-            # a parameter or buffer the forward registered: removed
-            for k in m._parameters.keys() - params.keys():
-                del m._parameters[k]
-            for k in m._buffers.keys() - buffers.keys():
-                del m._buffers[k]
-                m._non_persistent_buffers_set.discard(k)
-            m._parameters.update(params)
-            m._buffers.update(buffers)
-            if m._modules.keys() != children.keys() or any(
-                a is not b for a, b in zip(m._modules.values(), children.values())
-            ):
-                m._modules.clear()
-                m._modules.update(children)
-            for k in _tensor_attributes(m).keys() - attributes.keys():
-                del m.__dict__[k]
-            m.__dict__.update(attributes)
+            # a parameter or buffer the forward registered: removed (the tables compared
+            # first: almost always the same names, and then nothing is removed)
+            ps, bs, ms = m._parameters, m._buffers, m._modules
+            if ps.keys() != params.keys():
+                for k in ps.keys() - params.keys():
+                    del ps[k]
+            if params:
+                ps.update(params)
+            if bs.keys() != buffers.keys():
+                for k in bs.keys() - buffers.keys():
+                    del bs[k]
+                    m._non_persistent_buffers_set.discard(k)
+            if buffers:
+                bs.update(buffers)
+            if ms.keys() != children.keys() or not all(map(_IS, ms.values(), children.values())):
+                ms.clear()
+                ms.update(children)
+            # (a module holding no tensor attribute before or after: none to put back)
+            if attributes or holds(m):
+                for k in _tensor_attributes(m).keys() - attributes.keys():
+                    del m.__dict__[k]
+                m.__dict__.update(attributes)
 
 
 def _tensor_attributes(m: nn.Module) -> dict[str, torch.Tensor]:
@@ -515,7 +563,7 @@ def _trace(
     excluded: set[int] = set()
     start = first.pop() if first else repeats.Walk(model)
     left_out: list[tuple[list[nn.Module], str]] = (
-        repeats.unshared(model, modules=start.modules) if reuse else []
+        repeats.unshared(model, modules=start.modules, holders=start.holders()) if reuse else []
     )
     walk: repeats.Walk | None = start
     while True:
@@ -527,7 +575,7 @@ def _trace(
         try:
             # each attempt puts the state back: a failed one may leave a module reachable by
             # two paths holding its traced tensors (:func:`_state_kept`)
-            with _state_kept(model, walk.modules):
+            with _state_kept(model, walk.modules, walk.holders()):
                 gm = _trace_once(model, inputs, loss, fake_mode, outline, walk)
         except Exception as e:
             walk = None  # (the model's code ran: the next attempt walks the tree again)
