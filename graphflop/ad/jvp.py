@@ -145,13 +145,20 @@ def _needed(
             if writes is not None:
                 push(writes(n, ()))
             continue
-        write = n.meta.get(NO_GRAD_WRITE)
-        before = written_before(n) if write is not None else None
-        if write is not None and write.before is None:
-            stack.extend(n.all_input_nodes)
-        elif before is not None:
-            stack.append(before)
+        _past_no_grad(n, stack)
     return seen
+
+
+def _past_no_grad(n: Node, stack: list[Node]) -> None:
+    """Where the walk for the needed nodes goes on from ``n``, a node made with grad mode off
+    (``NO_GRAD``): to all its inputs where it writes into a value made before it (its
+    ``NO_GRAD_WRITE`` naming no earlier write), else to the value it wrote over, if any."""
+    write = n.meta.get(NO_GRAD_WRITE)
+    before = written_before(n) if write is not None else None
+    if write is not None and write.before is None:
+        stack.extend(n.all_input_nodes)
+    elif before is not None:
+        stack.append(before)
 
 
 def _needed_by_call(forward: GraphModule, outputs: list[Node]) -> set[Node] | None:
@@ -199,12 +206,7 @@ def _needed_by_call(forward: GraphModule, outputs: list[Node]) -> set[Node] | No
         if not n.meta.get(NO_GRAD):
             push(n._input_nodes)
             continue
-        write = n.meta.get(NO_GRAD_WRITE)
-        before = written_before(n) if write is not None else None
-        if write is not None and write.before is None:
-            stack.extend(n.all_input_nodes)
-        elif before is not None:
-            stack.append(before)
+        _past_no_grad(n, stack)
     return seen
 
 
