@@ -48,6 +48,9 @@ from graphflop.ad.blocks import (
     checkpoint_calls,
     transpose_log,
 )
+from graphflop.ad.blocks import (
+    residual_meta as _residual_meta,
+)
 from graphflop.ad.builder import Builder, emit, placeholder
 from graphflop.ad.jvp import build_jvp, has_leaves
 from graphflop.ad.simplify import fold_transposed_matmuls
@@ -186,33 +189,6 @@ class TransposeBuilder(Builder):
         if isinstance(x, (list, tuple)):
             return type(x)(self._import_tree(y) for y in x)
         return self.import_arg(x)
-
-
-#: the keys :func:`_residual_meta` has seen (graphflop's, ``val`` and others), and the others
-_SEEN_KEYS = {"val"}
-_OTHER_KEYS: set[str] = set()
-
-
-def _residual_meta(m: dict) -> dict:
-    """A residual placeholder's annotations from its value's ``m``: ``graphflop_meta(m)``, then
-    ``val`` where ``m`` has one. Where every key of ``m`` was seen before (a call's residual:
-    its template node's keys), ``m`` copied less the other keys, ``val`` moved last: set
-    operations rather than a test per key (a residual of every call: 30 per block of
-    GPT-2)."""
-    keys = m.keys()
-    if keys <= _SEEN_KEYS:
-        out = dict(m)
-        for k in keys & _OTHER_KEYS:
-            del out[k]
-        if "val" in out:
-            out["val"] = out.pop("val")
-        return out
-    out = graphflop_meta(m)
-    _SEEN_KEYS.update(keys)
-    _OTHER_KEYS.update(k for k in keys if k != "val" and k not in out)
-    if "val" in m:
-        out["val"] = m["val"]
-    return out
 
 
 def _is_linear(a: Any) -> bool:
