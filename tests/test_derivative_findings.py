@@ -12,6 +12,7 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from graphflop.cli import main
@@ -140,6 +141,7 @@ def test_addmm_with_beta_and_alpha(tmp_path, capsys):
     assert rc == 0
 
 
+@pytest.mark.slow  # about 2.5 s (moved out of the default suite: its 300 s budget)
 def test_clamp_with_crossed_and_equal_tensor_bounds(tmp_path, capsys):
     """Eager's ``clamp_backward_min_max``: where lo > hi the output is hi and only hi gets a
     gradient; where lo == hi > x none of x, lo, hi does. Bounds crossed on half the elements
